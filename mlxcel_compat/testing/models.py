@@ -1,0 +1,468 @@
+"""Deterministic random-weight models for tests, benchmarks and the demo mode.
+
+Each (family, size) pair maps to one mlx-lm architecture and one config. The
+weights come from a fixed NumPy PCG64 seed and the tokenizer from a fixed
+generated corpus, so every build of a pair produces the same bytes on every
+machine (for a given ``tokenizers`` version). Directories load with
+``mlx_lm.utils.load`` like any converted Hugging Face checkpoint.
+
+Command line (a stable contract for scripts)::
+
+    python -m mlxcel_compat.testing.models --family llama --size tiny --out DIR
+    python -m mlxcel_compat.testing.models --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import tokenizer as tok
+
+# Bump when the bytes of any output change, so cached directories are rebuilt.
+FORMAT_VERSION = 1
+WEIGHT_SEED = 20240229
+MANIFEST_NAME = "mlxcel_testing.json"
+SIZES: tuple[str, ...] = ("tiny", "small")
+MAX_POSITION_EMBEDDINGS = 32768
+
+_EOS_IDS = [tok.token_id(tok.IM_END), tok.token_id(tok.ENDOFTEXT)]
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between families besides the config numbers."""
+
+    name: str
+    architecture: str
+    thinking: bool  # the chat template handles <think> (Qwen3 style)
+    add_bos: bool  # the tokenizer prepends <|begin_of_text|> (Llama 3 style)
+    norm_one: float  # stored RMSNorm weight meaning a gain of 1 (Gemma uses 1 + w)
+
+
+_FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("llama", "LlamaForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
+        Family("qwen3", "Qwen3ForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
+        Family("gemma3_text", "Gemma3ForCausalLM", thinking=False, add_bos=False, norm_one=0.0),
+        Family("qwen3_next", "Qwen3NextForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
+    )
+}
+
+FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
+
+
+def _llama_config(size: str) -> dict[str, Any]:
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=192)
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                    num_key_value_heads=4, head_dim=64, intermediate_size=2048)
+    return dict(dims, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+                attention_bias=False, mlp_bias=False, hidden_act="silu")
+
+
+def _qwen3_config(size: str) -> dict[str, Any]:
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=192)
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                    num_key_value_heads=4, head_dim=64, intermediate_size=2304)
+    return dict(dims, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                attention_bias=False, hidden_act="silu")
+
+
+def _gemma3_text_config(size: str) -> dict[str, Any]:
+    # The tiny sliding window is small so tests can make the RotatingKVCache wrap.
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=192,
+                    sliding_window=64, sliding_window_pattern=2)
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                    num_key_value_heads=4, head_dim=64, intermediate_size=2304,
+                    sliding_window=512, sliding_window_pattern=6)
+    pattern = dims["sliding_window_pattern"]
+    layer_types = [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(dims["num_hidden_layers"])
+    ]
+    return dict(dims, layer_types=layer_types, query_pre_attn_scalar=dims["head_dim"],
+                rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh")
+
+
+def _qwen3_next_config(size: str) -> dict[str, Any]:
+    # Dense MLPs (num_experts = 0): the point is the hybrid cache, not the MoE.
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=192,
+                    linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=16, linear_value_head_dim=16)
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                    num_key_value_heads=4, head_dim=64, intermediate_size=2048,
+                    linear_num_key_heads=4, linear_num_value_heads=8,
+                    linear_key_head_dim=64, linear_value_head_dim=64)
+    return dict(dims, full_attention_interval=4, linear_conv_kernel_dim=4,
+                partial_rotary_factor=0.25, num_experts=0, num_experts_per_tok=0,
+                decoder_sparse_step=1, moe_intermediate_size=0,
+                shared_expert_intermediate_size=0, mlp_only_layers=[], norm_topk_prob=True,
+                rms_norm_eps=1e-6, rope_theta=10000000.0, tie_word_embeddings=False,
+                attention_bias=False, hidden_act="silu")
+
+
+_CONFIGS = {
+    "llama": _llama_config,
+    "qwen3": _qwen3_config,
+    "gemma3_text": _gemma3_text_config,
+    "qwen3_next": _qwen3_next_config,
+}
+
+
+def _check(family: str, size: str) -> Family:
+    if family not in _FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose one of: {', '.join(FAMILIES)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose one of: {', '.join(SIZES)}")
+    return _FAMILIES[family]
+
+
+def model_config(family: str, size: str) -> dict[str, Any]:
+    """The ``config.json`` content for a pair (keys sorted when written)."""
+    spec = _check(family, size)
+    config = _CONFIGS[family](size)
+    config.update(
+        model_type=family,
+        architectures=[spec.architecture],
+        vocab_size=tok.VOCAB_SIZE,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        bos_token_id=tok.token_id(tok.BEGIN_OF_TEXT) if spec.add_bos else None,
+        eos_token_id=_EOS_IDS,
+        pad_token_id=tok.token_id(tok.ENDOFTEXT),
+        torch_dtype="float32",
+    )
+    return config
+
+
+def _instantiate(config: dict[str, Any]) -> Any:
+    """The mlx-lm model for ``config``; its arrays stay lazy, so this is cheap."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    return model_class(args_class.from_dict(config))
+
+
+def _stored_shapes(model: Any, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the tensors written to ``model.safetensors``.
+
+    Tied families omit ``lm_head.weight`` (gemma3_text's ``sanitize`` then drops
+    the head module when loading).
+    """
+    from mlx.utils import tree_flatten
+
+    shapes = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+    if config.get("tie_word_embeddings"):
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def _init_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...],
+                 spec: Family) -> np.ndarray:
+    """One seeded float32 tensor.
+
+    Matrices are normal with std 1/sqrt(fan_in) (unit gain), which keeps the
+    logits' spread near 1 so greedy decoding is not decided by near-ties.
+    Only exact IEEE operations are used (no log/exp), so the bits do not depend
+    on the machine's math library.
+    """
+    leaf = name.rsplit(".", 1)[-1]
+    if len(shape) == 1:
+        if leaf == "A_log":
+            # Decay rates of the gated delta net: like log(U(1, 16)).
+            return rng.random(shape, dtype=np.float32) * np.float32(2.75)
+        if leaf == "dt_bias":
+            return np.ones(shape, dtype=np.float32)
+        if leaf == "bias":
+            return np.zeros(shape, dtype=np.float32)
+        if "norm" in name:
+            return np.full(shape, spec.norm_one, dtype=np.float32)
+        raise ValueError(f"no initializer for the 1-D parameter {name}")
+    if name.endswith("embed_tokens.weight"):
+        fan_in = shape[1]  # as the tied output head, the hidden size is the fan-in
+    else:
+        fan_in = math.prod(shape[1:])
+    std = np.float32(1.0 / math.sqrt(fan_in))
+    return rng.standard_normal(shape, dtype=np.float32) * std
+
+
+def _random_weights(family: str, size: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The config and its weights as MLX arrays, generated in sorted name order."""
+    import mlx.core as mx
+
+    spec = _check(family, size)
+    config = model_config(family, size)
+    model = _instantiate(config)
+    shapes = _stored_shapes(model, config)
+    rng = np.random.default_rng(WEIGHT_SEED)
+    weights = {
+        name: mx.array(_init_tensor(rng, name, shapes[name], spec)) for name in sorted(shapes)
+    }
+    _check_loadable(model, weights)
+    return weights, config
+
+
+def _check_loadable(model: Any, arrays: dict[str, Any]) -> None:
+    """Fail the build, not the later load, if mlx-lm would reject these weights."""
+    from mlx.utils import tree_flatten
+
+    if hasattr(model, "sanitize"):
+        sanitized = model.sanitize(dict(arrays))
+        changed = [k for k in arrays if sanitized.get(k) is not arrays[k]]
+        if changed or len(sanitized) != len(arrays):
+            raise RuntimeError(f"sanitize would rewrite stored tensors: {changed[:5]}")
+    expected = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+    actual = {name: tuple(a.shape) for name, a in arrays.items()}
+    if expected != actual:
+        raise RuntimeError(f"weights do not match the model: {sorted(set(expected) ^ set(actual))}")
+
+
+def _json_text(data: Any) -> str:
+    return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def _tokenizer_files(spec: Family) -> dict[str, str]:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json texts."""
+    bos = tok.BEGIN_OF_TEXT if spec.add_bos else None
+    added = {
+        str(tok.token_id(t.content)): {
+            "content": t.content,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": t.special,
+        }
+        for t in tok.ADDED_TOKENS
+    }
+    tokenizer_config = {
+        "add_bos_token": spec.add_bos,
+        "add_eos_token": False,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [tok.IM_START, tok.IM_END],
+        "bos_token": bos,
+        "chat_template": tok.chat_template(spec.thinking),
+        "clean_up_tokenization_spaces": False,
+        "eos_token": tok.IM_END,
+        "errors": "replace",
+        "model_max_length": MAX_POSITION_EMBEDDINGS,
+        "pad_token": tok.ENDOFTEXT,
+        "split_special_tokens": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    special_tokens_map = {
+        "additional_special_tokens": [tok.IM_START, tok.IM_END],
+        "eos_token": tok.IM_END,
+        "pad_token": tok.ENDOFTEXT,
+    }
+    if bos is not None:
+        special_tokens_map["bos_token"] = bos
+    return {
+        "tokenizer.json": tok.tokenizer_json_for(spec.add_bos),
+        "tokenizer_config.json": _json_text(tokenizer_config),
+        "special_tokens_map.json": _json_text(special_tokens_map),
+    }
+
+
+def _write_model_files(family: str, size: str, directory: Path) -> None:
+    """Write every file of the model into an existing empty ``directory``."""
+    import mlx.core as mx
+
+    spec = _check(family, size)
+    weights, config = _random_weights(family, size)
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    texts = _tokenizer_files(spec)
+    texts["config.json"] = _json_text(config)
+    generation_config = {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": _EOS_IDS,
+        "pad_token_id": config["pad_token_id"],
+    }
+    texts["generation_config.json"] = _json_text(generation_config)
+    for name, text in texts.items():
+        (directory / name).write_text(text, encoding="utf-8")
+
+    files = {}
+    for path in sorted(directory.iterdir()):
+        files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    manifest = {
+        "family": family,
+        "size": size,
+        "format_version": FORMAT_VERSION,
+        "num_parameters": int(sum(v.size for v in weights.values())),
+        "files": files,
+    }
+    # Written last: a directory with a manifest is complete.
+    (directory / MANIFEST_NAME).write_text(_json_text(manifest), encoding="utf-8")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def is_complete(directory: str | Path) -> bool:
+    """True when ``directory`` holds a finished build (manifest present, sizes match)."""
+    directory = Path(directory)
+    try:
+        manifest = json.loads((directory / MANIFEST_NAME).read_text(encoding="utf-8"))
+        return manifest.get("format_version") == FORMAT_VERSION and all(
+            (directory / name).stat().st_size == entry["bytes"]
+            for name, entry in manifest["files"].items()
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def build_model(family: str, size: str, out_dir: str | Path) -> Path:
+    """Build the (family, size) model into ``out_dir`` and return its path.
+
+    The files are written into a temporary directory beside ``out_dir`` and
+    renamed into place, so readers never see a half-written model. An existing
+    ``out_dir`` is replaced only if it is empty or a previous build; anything
+    else raises ``FileExistsError`` rather than deleting someone's files.
+    """
+    _check(family, size)
+    out_dir = Path(out_dir).absolute()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / MANIFEST_NAME).exists():
+        raise FileExistsError(f"{out_dir} exists and is not a model built by this tool")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        _write_model_files(family, size, tmp)
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            os.replace(out_dir, old / "model")
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def default_cache_dir() -> Path:
+    """``$MLXCEL_CACHE_DIR`` if set, else ``~/.cache/mlxcel_compat/models``."""
+    env = os.environ.get("MLXCEL_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "mlxcel_compat" / "models"
+
+
+def ensure_model(family: str = "llama", size: str = "tiny",
+                 cache_dir: str | Path | None = None) -> Path:
+    """Return ``<cache_dir>/<family>-<size>-v<N>``, building it on first use.
+
+    Safe with concurrent callers: each builds into its own temporary directory
+    and renames it into place; a loser of the race discards its copy and uses
+    the winner's (identical) one.
+    """
+    _check(family, size)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = root.absolute() / f"{family}-{size}-v{FORMAT_VERSION}"
+    if is_complete(target):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        # An incomplete leftover (files deleted by hand): move it out of the way.
+        stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
+        try:
+            os.replace(target, stale / "model")
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        _write_model_files(family, size, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not is_complete(target):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def describe(family: str, size: str) -> dict[str, Any]:
+    """A summary of the pair without building it: config, parameter count, cache layout."""
+    spec = _check(family, size)
+    config = model_config(family, size)
+    model = _instantiate(config)
+    shapes = _stored_shapes(model, config)
+    return {
+        "family": family,
+        "size": size,
+        "architecture": spec.architecture,
+        "num_parameters": int(sum(math.prod(s) for s in shapes.values())),
+        "cache_types": [type(c).__name__ for c in model.make_cache()]
+        if hasattr(model, "make_cache")
+        else ["KVCache"] * config["num_hidden_layers"],
+        "thinking": spec.thinking,
+        "add_bos": spec.add_bos,
+        "config": config,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mlxcel_compat.testing.models",
+        description="Write a deterministic random-weight model directory loadable by mlx_lm.",
+    )
+    parser.add_argument("--list", action="store_true", help="print the families, one per line")
+    parser.add_argument("--family", help=f"one of: {', '.join(FAMILIES)}")
+    parser.add_argument("--size", default="tiny", help=f"one of: {', '.join(SIZES)} (default tiny)")
+    parser.add_argument("--out", help="output directory (replaced if it holds a previous build)")
+    args = parser.parse_args(argv)
+
+    if args.list:
+        print("\n".join(FAMILIES))
+        return 0
+    if args.family is None or args.out is None:
+        parser.error("--family and --out are required (or use --list)")
+    try:
+        _check(args.family, args.size)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        path = build_model(args.family, args.size, args.out)
+    except FileExistsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
