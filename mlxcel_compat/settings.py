@@ -1,0 +1,1348 @@
+"""The one settings table: CLI flags, env vars, defaults, ``--help`` and docs/configuration.md.
+
+mlxcel_compat is a drop-in replacement for llama-server, so a deployment must be able to keep its
+command line and its ``LLAMA_ARG_*`` environment unchanged. Every option is declared once in
+``SETTINGS``; the CLI parser, the environment lookup, the ``--help`` text, the generated
+``docs/configuration.md`` and the flag part of ``docs/compat/llama-server.json`` all come from it.
+
+Resolution (``resolve_settings``), highest priority first:
+
+1. a command-line flag;
+2. ``MLXCEL_<NAME>`` (derived from the attribute name, never written by hand);
+3. the llama.cpp alias variables of the setting (``LLAMA_ARG_*``, ``LLAMA_API_KEY``, ``HF_TOKEN``, ...);
+4. the default (``None`` defaults are filled in later from the model, e.g. cache capacities).
+
+Each llama-server option has a status: ``supported``; ``noop`` (accepted with the right arity so the
+command line still parses, then listed in ``Settings.ignored`` for the caller to log); or ``refused``
+(start-up fails with a ``SettingsError`` that says why).
+
+The command line is parsed by a small loop rather than by argparse because llama.cpp's rules
+differ from argparse's: a flag that takes a value takes the next argument verbatim even when it
+starts with ``-`` (``-r -User:``), names are never abbreviated, short options never combine, and
+``--long_name`` means ``--long-name``. ``build_parser()`` still gives an argparse view of the same
+table (used for ``--help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
+
+TYPES = ("str", "int", "float", "bool", "list", "json", "choice")
+STATUSES = ("supported", "noop", "refused")
+ARITIES = ("flag", "value", "optional", "pair")
+GROUPS: tuple[tuple[str, str], ...] = (
+    ("server", "Server and HTTP"),
+    ("model", "Model and chat"),
+    ("sampling", "Sampling defaults"),
+    ("cache", "Prompt cache"),
+    ("logging", "Logging"),
+    ("compat", "llama.cpp options without an MLX equivalent"),
+)
+
+# llama.cpp's truthy/falsey words (common_arg_utils::is_truthy / is_falsey) plus yes/no, any case.
+TRUE_WORDS = ("on", "enabled", "true", "1", "yes")
+FALSE_WORDS = ("off", "disabled", "false", "0", "no")
+BOOL_ACCEPTS = "one of " + ", ".join(TRUE_WORDS + FALSE_WORDS) + " (any case)"
+MLXCEL_ENV_PREFIX = "MLXCEL_"
+
+DEFAULT_SAMPLERS = "penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature"
+DEFAULT_DRY_BREAKERS = ("\n", ":", '"', "*")
+
+
+class SettingsError(ValueError):
+    """A configuration mistake found at start-up; the message names the flag or variable."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One option: how it is spelled on the CLI and in the environment, its type and default.
+
+    ``arity`` says how many argv items a flag consumes: ``flag`` (none; bools also accept an
+    inline ``--flag=BOOL``), ``value`` (one), ``optional`` (``--flag``, ``--flag=V`` or
+    ``--flag V`` when V does not look like another flag) or ``pair`` (two). It defaults to
+    ``flag`` for bools and ``value`` otherwise.
+    """
+
+    name: str
+    flags: tuple[str, ...] = ()
+    env: tuple[str, ...] = ()  # llama.cpp alias variables; MLXCEL_<NAME> is derived
+    type: str = "str"
+    default: Any = None
+    help: str = ""
+    status: str = "supported"
+    negative_flags: tuple[str, ...] = ()
+    choices: tuple[str, ...] = ()
+    group: str = "server"
+    reason: str = ""  # why a noop/refused option does nothing; a compatibility note otherwise
+    arity: str = ""
+    metavar: str = ""
+    minimum: float | None = None
+    maximum: float | None = None
+    separator: str | None = ","  # list items per value; None = one item per flag occurrence
+    list_reset: str = ""  # a list value that clears the items before it (llama.cpp's "none")
+    escapes: bool = False  # process \n, \t, ... in user values while --escape is on
+    parse: Callable[[str], Any] | None = None  # replaces the type's parser; raises ValueError
+    accepts: str = ""  # what ``parse`` accepts, for error messages
+    secret: bool = False  # never shown in repr()
+    cli_only: bool = False  # no environment variable at all (--help, --version)
+    upstream: bool = True  # False for options llama-server does not have
+    default_doc: str = ""  # how docs show the default when it is computed later
+
+    def __post_init__(self) -> None:
+        if not self.arity:
+            object.__setattr__(self, "arity", "flag" if self.type == "bool" else "value")
+
+    @property
+    def mlxcel_env(self) -> str | None:
+        """The derived ``MLXCEL_<NAME>`` variable (``None`` for CLI-only settings)."""
+        return None if self.cli_only else MLXCEL_ENV_PREFIX + self.name.upper()
+
+    @property
+    def negative_env(self) -> tuple[str, ...]:
+        """``LLAMA_ARG_NO_<X>`` names: when one exists (any value) a negatable option is off."""
+        if not self.negative_flags:
+            return ()
+        return tuple(n.replace("LLAMA_ARG_", "LLAMA_ARG_NO_", 1) for n in self.env if n.startswith("LLAMA_ARG_"))
+
+    @property
+    def env_lookup(self) -> tuple[str, ...]:
+        """Every variable read for this setting, in priority order."""
+        names: list[str] = []
+        if self.mlxcel_env:
+            names.append(self.mlxcel_env)
+        for alias in self.env:
+            negative = alias.replace("LLAMA_ARG_", "LLAMA_ARG_NO_", 1)
+            if negative in self.negative_env:
+                names.append(negative)
+            names.append(alias)
+        return tuple(names)
+
+    @property
+    def takes_value(self) -> bool:
+        return self.arity != "flag"
+
+
+# --------------------------------------------------------------------------- value parsers
+
+
+def parse_bool(raw: str) -> bool:
+    """llama.cpp's words plus yes/no, case-insensitive; anything else is a ValueError."""
+    word = raw.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise ValueError(raw)
+
+
+def _parse_int(raw: str) -> int:
+    return int(raw.strip(), 10)
+
+
+def _parse_float(raw: str) -> float:
+    value = float(raw.strip())
+    if math.isnan(value):
+        raise ValueError(raw)
+    return value
+
+
+def _parse_json_object(raw: str) -> dict[str, Any]:
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value
+
+
+def _parse_tristate(raw: str) -> str:
+    """on/off/auto, also accepting llama.cpp's truthy/falsey words and -1 for auto."""
+    word = raw.strip().lower()
+    if word in ("auto", "-1"):
+        return "auto"
+    return "on" if parse_bool(word) else "off"
+
+
+def _parse_n_parallel(raw: str) -> int:
+    value = _parse_int(raw)
+    if value == 0 or value < -1:
+        raise ValueError(raw)
+    return value
+
+
+def _parse_positive_float(raw: str) -> float:
+    value = _parse_float(raw)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(raw)
+    return value
+
+
+def _parse_cache_reuse(raw: str) -> int:
+    """llama.cpp's chunk size (an integer >= 0); a true/false word counts as 1/0."""
+    text = raw.strip()
+    try:
+        value = int(text, 10)
+    except ValueError:
+        return 1 if parse_bool(text) else 0
+    if value < 0:
+        raise ValueError(raw)
+    return value
+
+
+_TYPE_PARSERS: dict[str, Callable[[str], Any]] = {
+    "int": _parse_int,
+    "float": _parse_float,
+    "bool": parse_bool,
+    "json": _parse_json_object,
+}
+_TYPE_ACCEPTS = {
+    "int": "an integer",
+    "float": "a number",
+    "bool": BOOL_ACCEPTS,
+    "json": "a JSON object",
+    "str": "a string",
+    "list": "a list of strings",
+}
+
+
+def _accepts(setting: Setting) -> str:
+    if setting.accepts:
+        return setting.accepts
+    if setting.type == "choice":
+        return "one of " + ", ".join(setting.choices)
+    return _TYPE_ACCEPTS[setting.type]
+
+
+# --------------------------------------------------------------------------- table helpers
+
+
+def _noop(
+    name: str,
+    flags: tuple[str, ...],
+    help: str,
+    reason: str,
+    *,
+    metavar: str = "",
+    env: tuple[str, ...] = (),
+    negative_flags: tuple[str, ...] = (),
+    group: str = "compat",
+    type: str = "",
+    arity: str = "",
+) -> Setting:
+    """An accepted-and-ignored llama.cpp option; a ``metavar`` means it takes a value."""
+    kind = type or ("str" if metavar else "bool")
+    return Setting(
+        name=name, flags=flags, env=env, type=kind, default=None, help=help, status="noop",
+        negative_flags=negative_flags, group=group, reason=reason, arity=arity, metavar=metavar,
+        separator=None,
+    )
+
+
+def _refused(
+    name: str,
+    flags: tuple[str, ...],
+    help: str,
+    reason: str,
+    *,
+    metavar: str = "",
+    env: tuple[str, ...] = (),
+    negative_flags: tuple[str, ...] = (),
+    group: str = "compat",
+    type: str = "",
+) -> Setting:
+    """A llama.cpp option whose use stops start-up (bools only when they resolve to true)."""
+    kind = type or ("str" if metavar else "bool")
+    return Setting(
+        name=name, flags=flags, env=env, type=kind, default=() if kind == "list" else None, help=help,
+        status="refused", negative_flags=negative_flags, group=group, reason=reason, metavar=metavar,
+    )
+
+
+R_THREADS = "MLX manages its own threads"
+R_DEVICE = "MLX runs the whole model on its default device (Metal, CUDA or CPU); there is no layer offload"
+R_LOADING = "MLX loads safetensors weights itself; llama.cpp's buffer and placement options do not apply"
+R_FIT = "no automatic memory fitting; set --ctx-size and the --prompt-cache-* budgets instead"
+R_KV_TYPE = "the KV cache uses the model's dtype; KV cache quantization is not implemented"
+R_ROPE = "RoPE scaling comes from the model's config.json"
+R_SPEC = "speculative decoding is not implemented"
+R_MMPROJ = "multimodal projectors are not supported, so this option has nothing to act on"
+R_SLOTS = "mlxcel_compat keeps a radix prompt cache instead of llama.cpp's slot caches; see --prompt-cache-*"
+R_LOG_FORMAT = "logs use Python's logging format"
+R_UI = "no web UI is bundled (/ answers 404, as with --no-ui)"
+R_ROUTER = "router (multi-model) mode is not supported; serve one model per process"
+R_EMBED = "embeddings and reranking are not supported"
+R_LORA = "LoRA adapters are not supported"
+R_CVEC = "control vectors are not supported"
+R_TLS = "TLS is not supported; terminate TLS in a reverse proxy"
+R_TOOLS = "built-in agent tools, MCP and the CORS proxy are not supported"
+R_GRAMMAR = "grammar and JSON-schema constrained sampling is not implemented"
+R_GGUF = "only MLX models are loaded; use -m DIR or -hf REPO"
+R_COMMAND = "this llama.cpp command is not available in mlxcel_compat"
+R_TEMPLATE_KW = "set it per request or through --chat-template-kwargs"
+
+
+# --------------------------------------------------------------------------- the table
+
+_SERVER: tuple[Setting, ...] = (
+    Setting("help", ("-h", "--help", "--usage"), type="bool", default=False, cli_only=True,
+            help="Print this help and exit."),
+    Setting("version", ("--version",), type="bool", default=False, cli_only=True,
+            help="Print the version and exit."),
+    Setting("host", ("--host",), ("LLAMA_ARG_HOST",), default="127.0.0.1", metavar="HOST",
+            help="Address to listen on; a path ending in .sock binds a UNIX socket."),
+    Setting("port", ("--port",), ("LLAMA_ARG_PORT",), type="int", default=8080, minimum=0, maximum=65535,
+            metavar="PORT", help="Port to listen on (0 = any free port)."),
+    Setting("api_prefix", ("--api-prefix",), ("LLAMA_ARG_API_PREFIX",), default="", metavar="PREFIX",
+            help="Serve every route under this path prefix (no trailing slash)."),
+    Setting("api_key", ("--api-key",), ("LLAMA_API_KEY",), type="list", default=(), secret=True, metavar="KEY",
+            help="API key(s), comma-separated; the flag may repeat. Clients send one as 'Authorization: "
+                 "Bearer KEY' or 'X-Api-Key: KEY'."),
+    Setting("api_key_file", ("--api-key-file",), ("LLAMA_ARG_API_KEY_FILE",), metavar="FNAME",
+            help="File with one API key per line (blank lines and # comments skipped), added to --api-key."),
+    Setting("timeout", ("-to", "--timeout"), ("LLAMA_ARG_TIMEOUT",), type="int", default=3600, minimum=0,
+            help="HTTP read/write timeout in seconds."),
+    Setting("n_parallel", ("-np", "--parallel"), ("LLAMA_ARG_N_PARALLEL",), type="int", default=-1,
+            parse=_parse_n_parallel, accepts="-1 (auto) or an integer >= 1",
+            help="Sequences decoded at the same time (-1 = auto = 4; 0 is rejected)."),
+    Setting("cont_batching", ("-cb", "--cont-batching"), ("LLAMA_ARG_CONT_BATCHING",), type="bool", default=True,
+            negative_flags=("-nocb", "--no-cont-batching"),
+            help="Continuous batching: admit new requests while others are decoding."),
+    Setting("sse_ping_interval", ("--sse-ping-interval",), ("LLAMA_ARG_SSE_PING_INTERVAL",), type="int",
+            default=30, minimum=-1, help="Seconds of silence before an SSE keep-alive comment (-1 = never)."),
+    Setting("metrics", ("--metrics",), ("LLAMA_ARG_ENDPOINT_METRICS",), type="bool", default=False,
+            help="Enable the Prometheus /metrics endpoint."),
+    Setting("slots", ("--slots",), ("LLAMA_ARG_ENDPOINT_SLOTS",), type="bool", default=True,
+            negative_flags=("--no-slots",), help="Expose GET /slots."),
+    Setting("props", ("--props",), ("LLAMA_ARG_ENDPOINT_PROPS",), type="bool", default=False,
+            help="Allow POST /props (accepted and ignored, as in llama-server)."),
+    Setting("cors_origins", ("--cors-origins",), ("LLAMA_ARG_CORS_ORIGINS",), default="*", metavar="ORIGINS",
+            help="Allowed CORS origins, comma-separated; 'localhost' echoes only local origins."),
+    Setting("cors_methods", ("--cors-methods",), ("LLAMA_ARG_CORS_METHODS",), default="GET, POST, DELETE, OPTIONS",
+            metavar="METHODS", help="Allowed CORS methods, comma-separated."),
+    Setting("cors_headers", ("--cors-headers",), ("LLAMA_ARG_CORS_HEADERS",), default="*", metavar="HEADERS",
+            help="Allowed CORS headers, comma-separated."),
+    Setting("cors_credentials", ("--cors-credentials",), ("LLAMA_ARG_CORS_CREDENTIALS",), type="bool",
+            default=True, negative_flags=("--no-cors-credentials",),
+            help="Allow credentials; with origins '*' the request's Origin is echoed."),
+    _noop("threads_http", ("--threads-http",), "HTTP worker threads.", "the asyncio server needs no thread pool",
+          metavar="N", env=("LLAMA_ARG_THREADS_HTTP",), group="server", type="int"),
+    _noop("reuse_port", ("--reuse-port",), "Let several sockets bind the same port.",
+          "not implemented", env=("LLAMA_ARG_REUSE_PORT",), group="server"),
+    _noop("static_path", ("--path",), "Directory of static files to serve.", R_UI, metavar="PATH",
+          env=("LLAMA_ARG_STATIC_PATH",), group="server"),
+    _noop("ui", ("--ui", "--webui"), "Serve the web UI.", R_UI, env=("LLAMA_ARG_UI",),
+          negative_flags=("--no-ui", "--no-webui"), group="server"),
+    _noop("ui_config", ("--ui-config", "--webui-config"), "Default web UI settings (JSON).", R_UI, metavar="JSON",
+          env=("LLAMA_ARG_UI_CONFIG",), group="server"),
+    _noop("ui_config_file", ("--ui-config-file", "--webui-config-file"), "File with default web UI settings.",
+          R_UI, metavar="PATH", env=("LLAMA_ARG_UI_CONFIG_FILE",), group="server"),
+    _noop("sleep_idle_seconds", ("--sleep-idle-seconds",), "Unload the model after N idle seconds.",
+          "the model stays loaded", metavar="SECONDS", group="server", type="int"),
+    _noop("models_max", ("--models-max",), "Router mode: models loaded at once.", R_ROUTER, metavar="N",
+          env=("LLAMA_ARG_MODELS_MAX",), group="server", type="int"),
+    _noop("models_autoload", ("--models-autoload",), "Router mode: load models on demand.", R_ROUTER,
+          env=("LLAMA_ARG_MODELS_AUTOLOAD",), negative_flags=("--no-models-autoload",), group="server"),
+    _noop("tools_runtime", ("--tools-runtime",), "Where built-in tools run.", R_TOOLS, metavar="OPTION",
+          env=("LLAMA_ARG_TOOLS_RUNTIME",), group="server"),
+    _refused("ssl_key_file", ("--ssl-key-file",), "PEM private key for HTTPS.", R_TLS, metavar="FNAME",
+             env=("LLAMA_ARG_SSL_KEY_FILE",), group="server"),
+    _refused("ssl_cert_file", ("--ssl-cert-file",), "PEM certificate for HTTPS.", R_TLS, metavar="FNAME",
+             env=("LLAMA_ARG_SSL_CERT_FILE",), group="server"),
+    _refused("models_dir", ("--models-dir",), "Router mode: directory of models.", R_ROUTER, metavar="PATH",
+             env=("LLAMA_ARG_MODELS_DIR",), group="server"),
+    _refused("models_preset", ("--models-preset",), "Router mode: INI file of model presets.", R_ROUTER,
+             metavar="PATH", env=("LLAMA_ARG_MODELS_PRESET",), group="server"),
+    _refused("ui_mcp_proxy", ("--ui-mcp-proxy", "--webui-mcp-proxy"), "Enable the MCP CORS proxy.", R_TOOLS,
+             env=("LLAMA_ARG_UI_MCP_PROXY",), negative_flags=("--no-ui-mcp-proxy", "--no-webui-mcp-proxy"),
+             group="server"),
+    _refused("tools", ("--tools",), "Enable built-in agent tools.", R_TOOLS, metavar="TOOL1,TOOL2",
+             env=("LLAMA_ARG_TOOLS",), group="server"),
+    _refused("mcp_servers_config", ("--mcp-servers-config",), "MCP server definitions (file).", R_TOOLS,
+             metavar="PATH", env=("LLAMA_ARG_MCP_SERVERS_CONFIG",), group="server"),
+    _refused("mcp_servers_json", ("--mcp-servers-json",), "MCP server definitions (inline JSON).", R_TOOLS,
+             metavar="JSON", env=("LLAMA_ARG_MCP_SERVERS_JSON",), group="server"),
+    _refused("agent", ("-ag", "--agent"), "Enable all built-in tools and the CORS proxy.", R_TOOLS,
+             env=("LLAMA_ARG_AGENT",), negative_flags=("-no-ag", "--no-agent"), group="server"),
+    _refused("embeddings", ("--embedding", "--embeddings"), "Serve embeddings only.", R_EMBED,
+             env=("LLAMA_ARG_EMBEDDINGS",), group="server"),
+    _refused("rerank", ("--rerank", "--reranking"), "Enable the rerank endpoint.", R_EMBED,
+             env=("LLAMA_ARG_RERANKING",), group="server"),
+    _refused("slot_save_path", ("--slot-save-path",), "Directory for POST /slots save/restore.",
+             "slot save/restore is not supported", metavar="PATH", group="server"),
+)
+
+_MODEL: tuple[Setting, ...] = (
+    Setting("model", ("-m", "--model"), ("LLAMA_ARG_MODEL",), group="model", metavar="PATH",
+            help="Model to serve: a local MLX model directory (or a Hugging Face repo id)."),
+    Setting("hf_repo", ("-hf", "-hfr", "--hf-repo"), ("LLAMA_ARG_HF_REPO",), group="model",
+            metavar="USER/MODEL", help="Hugging Face repository of the MLX model to download and serve."),
+    Setting("hf_token", ("-hft", "--hf-token"), ("HF_TOKEN",), group="model", secret=True, metavar="TOKEN",
+            help="Hugging Face access token for private or gated repositories."),
+    Setting("offline", ("--offline",), ("LLAMA_ARG_OFFLINE",), type="bool", default=False, group="model",
+            help="Use only the local Hugging Face cache; never download."),
+    Setting("alias", ("-a", "--alias"), ("LLAMA_ARG_ALIAS",), type="list", default=(), group="model",
+            metavar="NAME", help="Model name(s) shown by the API, comma-separated; the alphabetically first "
+                                 "is the model id."),
+    Setting("ctx_size", ("-c", "--ctx-size"), ("LLAMA_ARG_CTX_SIZE",), type="int", default=0, minimum=0,
+            group="model", help="Context size in tokens (0 = the model's own)."),
+    Setting("batch_size", ("-b", "--batch-size"), ("LLAMA_ARG_BATCH",), type="int", default=2048, minimum=1,
+            group="model", help="Prefill chunk: prompt tokens evaluated per engine step."),
+    Setting("chat_template", ("--chat-template",), ("LLAMA_ARG_CHAT_TEMPLATE",), group="model",
+            metavar="TEMPLATE", help="Chat template: a built-in name or Jinja source (default: the model's)."),
+    Setting("chat_template_file", ("--chat-template-file",), ("LLAMA_ARG_CHAT_TEMPLATE_FILE",), group="model",
+            metavar="FNAME", help="File holding the Jinja chat template."),
+    Setting("chat_template_kwargs", ("--chat-template-kwargs",), ("LLAMA_ARG_CHAT_TEMPLATE_KWARGS",),
+            type="json", default={}, group="model",
+            help="Extra template variables as a JSON object, e.g. '{\"enable_thinking\": false}'; "
+                 "a request's chat_template_kwargs is merged over it."),
+    Setting("jinja", ("--jinja",), ("LLAMA_ARG_JINJA",), type="bool", default=True, group="model",
+            negative_flags=("--no-jinja",),
+            help="Render chats with the Jinja template engine (off = llama.cpp's legacy built-in templates)."),
+    Setting("reasoning_format", ("--reasoning-format",), ("LLAMA_ARG_THINK",), type="choice",
+            choices=("none", "auto", "deepseek", "deepseek-legacy"), default="deepseek", group="model",
+            help="Where thinking text goes: none = left in content; deepseek/auto = message.reasoning_content; "
+                 "deepseek-legacy = both."),
+    Setting("reasoning", ("-rea", "--reasoning"), ("LLAMA_ARG_REASONING",), type="choice",
+            choices=("on", "off", "auto"), default="auto", group="model", parse=_parse_tristate,
+            accepts="one of on, off, auto (or a boolean word)",
+            help="Thinking in chats: on/off sets the template's enable_thinking; auto leaves it to the template."),
+    _noop("hf_file", ("-hff", "--hf-file"), "GGUF file to pick from --hf-repo.",
+          "MLX repositories hold one model; there is no quantization file to pick", metavar="FILE",
+          env=("LLAMA_ARG_HF_FILE",), group="model"),
+    _noop("tags", ("--tags",), "Informational model tags.", "not reported by /models", metavar="TAGS",
+          env=("LLAMA_ARG_TAGS",), group="model"),
+    _noop("reasoning_effort", ("--reasoning-effort",), "Default reasoning_effort template variable.",
+          R_TEMPLATE_KW, metavar="LEVEL", env=("LLAMA_ARG_REASONING_EFFORT",), group="model"),
+    _noop("reasoning_budget", ("--reasoning-budget",), "Token budget for thinking.",
+          "thinking budgets are not enforced", metavar="N", env=("LLAMA_ARG_THINK_BUDGET",), group="model",
+          type="int"),
+    _noop("reasoning_budget_message", ("--reasoning-budget-message",), "Text injected when the budget ends.",
+          "thinking budgets are not enforced", metavar="MESSAGE", env=("LLAMA_ARG_THINK_BUDGET_MESSAGE",),
+          group="model"),
+    _noop("reasoning_preserve", ("--reasoning-preserve",), "Keep reasoning in the whole chat history.",
+          R_TEMPLATE_KW, env=("LLAMA_ARG_REASONING_PRESERVE",), negative_flags=("--no-reasoning-preserve",),
+          group="model"),
+    _noop("skip_chat_parsing", ("--skip-chat-parsing",), "Leave reasoning and tool calls in content.",
+          "chat output is always parsed", env=("LLAMA_ARG_SKIP_CHAT_PARSING",),
+          negative_flags=("--no-skip-chat-parsing",), group="model"),
+    _noop("prefill_assistant", ("--prefill-assistant",), "Continue a trailing assistant message.",
+          "a trailing assistant message is always continued (llama-server's default)",
+          env=("LLAMA_ARG_PREFILL_ASSISTANT",), negative_flags=("--no-prefill-assistant",), group="model"),
+    _refused("model_url", ("-mu", "--model-url"), "Download a GGUF model from a URL.", R_GGUF,
+             metavar="URL", env=("LLAMA_ARG_MODEL_URL",), group="model"),
+    _refused("docker_repo", ("-dr", "--docker-repo"), "Docker Hub model repository.", R_GGUF, metavar="REPO",
+             env=("LLAMA_ARG_DOCKER_REPO",), group="model"),
+    _refused("override_kv", ("--override-kv",), "Override GGUF metadata.",
+             "GGUF metadata overrides do not apply to MLX models", metavar="KEY=TYPE:VALUE", group="model"),
+    _refused("model_preset",
+             ("--embd-gemma-default", "--fim-qwen-1.5b-default", "--fim-qwen-3b-default", "--fim-qwen-7b-default",
+              "--fim-qwen-7b-spec", "--fim-qwen-14b-spec", "--fim-qwen-30b-default", "--gpt-oss-20b-default",
+              "--gpt-oss-120b-default", "--vision-gemma-4b-default", "--vision-gemma-12b-default"),
+             "llama.cpp presets that download a GGUF model.",
+             "presets download GGUF models; pass -m or -hf with an MLX model", group="model"),
+    _refused("lora", ("--lora",), "LoRA adapter(s), comma-separated.", R_LORA, metavar="FNAME",
+             group="model", type="list"),
+    _refused("lora_scaled", ("--lora-scaled",), "LoRA adapter(s) with scales.", R_LORA, metavar="FNAME:SCALE",
+             group="model", type="list"),
+    _noop("lora_init_without_apply", ("--lora-init-without-apply",), "Load adapters at scale 0.", R_LORA,
+          group="model"),
+    _refused("control_vector", ("--control-vector",), "Control vector file(s).", R_CVEC, metavar="FNAME",
+             group="model", type="list"),
+    _refused("control_vector_scaled", ("--control-vector-scaled",), "Control vectors with scales.", R_CVEC,
+             metavar="FNAME:SCALE", group="model", type="list"),
+    _noop("control_vector_layer_range", ("--control-vector-layer-range",), "Layers for control vectors.",
+          R_CVEC, metavar="START END", arity="pair", group="model"),
+)
+
+_SAMPLING: tuple[Setting, ...] = (
+    Setting("n_predict", ("-n", "--predict", "--n-predict"), ("LLAMA_ARG_N_PREDICT",), type="int", default=-1,
+            minimum=-1, group="sampling", help="Default maximum of new tokens per request (-1 = no limit)."),
+    Setting("n_keep", ("--keep",), type="int", default=0, minimum=-1, group="sampling",
+            help="Default n_keep: prompt tokens kept on a context shift (-1 = all)."),
+    Setting("temp", ("--temp", "--temperature"), type="float", default=0.8, minimum=0, group="sampling",
+            help="Temperature (<= 0 = greedy)."),
+    Setting("top_k", ("--top-k",), ("LLAMA_ARG_TOP_K",), type="int", default=40, minimum=0, group="sampling",
+            help="Top-k sampling (0 = off)."),
+    Setting("top_p", ("--top-p",), type="float", default=0.95, group="sampling", help="Top-p sampling (1.0 = off)."),
+    Setting("min_p", ("--min-p",), type="float", default=0.05, group="sampling", help="Min-p sampling (0.0 = off)."),
+    Setting("typical_p", ("--typical", "--typical-p"), type="float", default=1.0, group="sampling",
+            help="Locally typical sampling (1.0 = off)."),
+    Setting("top_n_sigma", ("--top-nsigma", "--top-n-sigma"), type="float", default=-1.0, group="sampling",
+            help="Top-n-sigma sampling (-1 = off)."),
+    Setting("xtc_probability", ("--xtc-probability",), type="float", default=0.0, group="sampling",
+            help="XTC probability (0.0 = off)."),
+    Setting("xtc_threshold", ("--xtc-threshold",), type="float", default=0.1, group="sampling",
+            help="XTC threshold."),
+    Setting("repeat_last_n", ("--repeat-last-n",), type="int", default=64, minimum=0, group="sampling",
+            help="Tokens considered by the repetition penalties (0 = off)."),
+    Setting("repeat_penalty", ("--repeat-penalty",), type="float", default=1.0, group="sampling",
+            parse=_parse_positive_float, accepts="a finite number > 0",
+            help="Repetition penalty (1.0 = off)."),
+    Setting("presence_penalty", ("--presence-penalty",), type="float", default=0.0, group="sampling",
+            help="Presence penalty (0.0 = off)."),
+    Setting("frequency_penalty", ("--frequency-penalty",), type="float", default=0.0, group="sampling",
+            help="Frequency penalty (0.0 = off)."),
+    Setting("dry_multiplier", ("--dry-multiplier",), type="float", default=0.0, group="sampling",
+            help="DRY multiplier (0.0 = off)."),
+    Setting("dry_base", ("--dry-base",), type="float", default=1.75, group="sampling", help="DRY base."),
+    Setting("dry_allowed_length", ("--dry-allowed-length",), type="int", default=2, minimum=0, group="sampling",
+            help="DRY allowed length."),
+    Setting("dry_penalty_last_n", ("--dry-penalty-last-n",), type="int", default=-1, minimum=-1,
+            group="sampling", help="Tokens scanned by DRY (0 = off, -1 = context size)."),
+    Setting("dry_sequence_breaker", ("--dry-sequence-breaker",), type="list", default=DEFAULT_DRY_BREAKERS,
+            separator=None, list_reset="none", escapes=True, group="sampling", metavar="STRING",
+            help="A DRY sequence breaker; repeat the flag for more. Replaces the defaults; 'none' clears them."),
+    Setting("dynatemp_range", ("--dynatemp-range",), type="float", default=0.0, group="sampling",
+            help="Dynamic temperature range (0.0 = off)."),
+    Setting("dynatemp_exp", ("--dynatemp-exp",), type="float", default=1.0, group="sampling",
+            help="Dynamic temperature exponent."),
+    Setting("samplers", ("--samplers",), default=DEFAULT_SAMPLERS, group="sampling", metavar="SAMPLERS",
+            help="Sampler chain, names separated by ';'."),
+    Setting("sampling_seq", ("--sampler-seq", "--sampling-seq"), group="sampling", metavar="SEQUENCE",
+            help="Sampler chain as one character per sampler (llama.cpp's short form)."),
+    Setting("seed", ("-s", "--seed"), type="int", default=-1, minimum=-1, maximum=0xFFFFFFFF, group="sampling",
+            help="RNG seed (-1 = random)."),
+    Setting("ignore_eos", ("--ignore-eos",), type="bool", default=False, group="sampling",
+            help="Keep generating past end-of-generation tokens."),
+    Setting("min_keep", ("--min-keep",), type="int", default=0, minimum=0, group="sampling", upstream=False,
+            help="Minimum tokens every sampler keeps."),
+    Setting("n_probs", ("--n-probs",), type="int", default=0, minimum=0, group="sampling", upstream=False,
+            help="Default top-N probabilities reported per token."),
+    Setting("reverse_prompt", ("-r", "--reverse-prompt"), type="list", default=(), separator=None, escapes=True,
+            group="sampling", metavar="PROMPT",
+            help="Default stop string; repeat the flag for more. Used when a request sends no stop."),
+    Setting("special", ("-sp", "--special"), type="bool", default=False, group="sampling",
+            help="Render special tokens in generated text."),
+    Setting("escape", ("-e", "--escape"), type="bool", default=True, negative_flags=("--no-escape",),
+            group="sampling", help="Turn \\n, \\t, \\', \\\", \\\\ and \\xNN in -r and --dry-sequence-breaker "
+                                   "values into the characters they name."),
+    _noop("mirostat", ("--mirostat",), "Mirostat version (0 = off).", "Mirostat sampling is not implemented",
+          metavar="N", group="sampling", type="int"),
+    _noop("mirostat_lr", ("--mirostat-lr",), "Mirostat eta.", "Mirostat sampling is not implemented",
+          metavar="N", group="sampling", type="float"),
+    _noop("mirostat_ent", ("--mirostat-ent",), "Mirostat tau.", "Mirostat sampling is not implemented",
+          metavar="N", group="sampling", type="float"),
+    _noop("adaptive_target", ("--adaptive-target",), "Adaptive-p target.", "adaptive-p sampling is not implemented",
+          metavar="N", group="sampling", type="float"),
+    _noop("adaptive_decay", ("--adaptive-decay",), "Adaptive-p decay.", "adaptive-p sampling is not implemented",
+          metavar="N", group="sampling", type="float"),
+    _noop("logit_bias", ("-l", "--logit-bias"), "Server-wide logit bias (TOKEN_ID+BIAS).",
+          "send logit_bias per request instead", metavar="TOKEN_ID(+/-)BIAS", group="sampling", type="list"),
+    _noop("backend_sampling", ("-bs", "--backend-sampling"), "Sample on the compute backend.",
+          "sampling always runs inside the engine", env=("LLAMA_ARG_BACKEND_SAMPLING",), group="sampling"),
+    _refused("grammar", ("--grammar",), "Server-wide GBNF grammar.", R_GRAMMAR, metavar="GRAMMAR",
+             group="sampling"),
+    _refused("grammar_file", ("--grammar-file",), "File with a server-wide grammar.", R_GRAMMAR, metavar="FNAME",
+             group="sampling"),
+    _refused("json_schema", ("-j", "--json-schema"), "Server-wide JSON schema.", R_GRAMMAR, metavar="SCHEMA",
+             group="sampling"),
+    _refused("json_schema_file", ("-jf", "--json-schema-file"), "File with a server-wide JSON schema.", R_GRAMMAR,
+             metavar="FILE", group="sampling"),
+)
+
+_CACHE: tuple[Setting, ...] = (
+    Setting("cache_prompt", ("--cache-prompt",), ("LLAMA_ARG_CACHE_PROMPT",), type="bool", default=True,
+            negative_flags=("--no-cache-prompt",), group="cache",
+            help="Default of the request field cache_prompt. --no-cache-prompt also turns the server-wide "
+                 "prompt cache off unless --prompt-cache-enabled is given."),
+    Setting("cache_reuse", ("--cache-reuse",), ("LLAMA_ARG_CACHE_REUSE",), type="int", default=0, group="cache",
+            parse=_parse_cache_reuse, accepts="an integer >= 0 or " + BOOL_ACCEPTS,
+            reason="KV-shift chunk reuse is not implemented; the value only switches the prompt cache",
+            help="llama.cpp's chunk-reuse size. Here N > 0 (or a true word) turns the prompt cache on and 0 (or a "
+                 "false word) turns it off, when neither --prompt-cache-enabled nor MLXCEL_PROMPT_CACHE_ENABLED "
+                 "is set."),
+    Setting("prompt_cache_enabled", ("--prompt-cache-enabled",), type="bool", default=True, arity="optional",
+            group="cache", upstream=False, metavar="BOOL",
+            help="Keep finished sequences' KV state and reuse it for requests with the same prefix."),
+    Setting("prompt_cache_capacity_bytes", ("--prompt-cache-capacity-bytes",), type="int", minimum=0,
+            group="cache", upstream=False, default_doc="model-aware, at least 2 GiB",
+            help="Byte budget of the prompt cache."),
+    Setting("prompt_cache_max_entries", ("--prompt-cache-max-entries",), type="int", default=1024, minimum=1,
+            group="cache", upstream=False, help="Maximum number of cached entries."),
+    Setting("prompt_cache_ttl", ("--prompt-cache-ttl",), type="int", default=3600, minimum=0, group="cache",
+            upstream=False, metavar="SECONDS", help="Seconds an entry lives after its last use."),
+    Setting("prompt_cache_min_prefix", ("--prompt-cache-min-prefix",), type="int", default=32, minimum=0,
+            group="cache", upstream=False, help="Shortest match (in tokens) that counts as a hit."),
+    Setting("apc_enabled", ("--apc-enabled",), ("APC_ENABLED",), type="bool", default=True, arity="optional",
+            group="cache", upstream=False, metavar="BOOL",
+            help="Automatic prefix caching: block-aligned partial reuse of cached entries."),
+    Setting("apc_block_size", ("--apc-block-size",), ("APC_BLOCK_SIZE",), type="int", default=16, minimum=1,
+            group="cache", upstream=False, help="APC block size in tokens."),
+    Setting("apc_num_blocks", ("--apc-num-blocks",), ("APC_NUM_BLOCKS",), type="int", minimum=1, group="cache",
+            upstream=False, default_doc="derived from --prompt-cache-max-entries",
+            help="Maximum number of APC block entries tracked."),
+    Setting("apc_hash", ("--apc-hash",), ("APC_HASH",), type="choice", choices=("sha256", "blake3"),
+            default="sha256", group="cache", upstream=False, help="Hash function of the APC block chain."),
+    Setting("prompt_cache_snapshot_capacity_bytes", ("--prompt-cache-snapshot-capacity-bytes",), type="int",
+            minimum=0, group="cache", upstream=False, default_doc="model-aware, at least 512 MiB",
+            help="Byte budget of the session snapshot store (recurrent and sliding-window models)."),
+    Setting("prompt_cache_snapshot_max_entries", ("--prompt-cache-snapshot-max-entries",), type="int",
+            default=4096, minimum=1, group="cache", upstream=False,
+            help="Maximum number of session snapshots."),
+    Setting("prompt_cache_snapshot_ttl", ("--prompt-cache-snapshot-ttl",), type="int", default=7200, minimum=0,
+            group="cache", upstream=False, metavar="SECONDS", help="Seconds a snapshot lives after its last use."),
+    Setting("disable_boundary_snapshot", type="bool", default=False, group="cache", upstream=False,
+            help="Turn off history-boundary snapshots in chats (environment only)."),
+    Setting("disable_cache_warmup", type="bool", default=False, group="cache", upstream=False,
+            help="Turn off the background warm-up of a session's next turn (environment only)."),
+    Setting("apc_trace", type="bool", default=False, group="cache", upstream=False,
+            help="Log one line per prompt-cache decision (environment only)."),
+    _noop("cache_ram", ("-cram", "--cache-ram"), "Host-RAM prompt cache size in MiB.",
+          "size the prompt cache with --prompt-cache-capacity-bytes", metavar="N", env=("LLAMA_ARG_CACHE_RAM",),
+          group="cache", type="int"),
+    _noop("cache_idle_slots", ("--cache-idle-slots",), "Save idle slots to the RAM cache.", R_SLOTS,
+          env=("LLAMA_ARG_CACHE_IDLE_SLOTS",), negative_flags=("--no-cache-idle-slots",), group="cache"),
+    _noop("kv_unified", ("-kvu", "--kv-unified"), "One KV buffer shared by all slots.",
+          "each sequence owns its KV cache, bounded by --ctx-size", env=("LLAMA_ARG_KV_UNIFIED",),
+          negative_flags=("-no-kvu", "--no-kv-unified"), group="cache"),
+    _noop("ctx_checkpoints", ("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), "Context checkpoints per slot.",
+          "the session snapshot store plays this role; see --prompt-cache-snapshot-*", metavar="N",
+          env=("LLAMA_ARG_CTX_CHECKPOINTS",), group="cache", type="int"),
+    _noop("checkpoint_min_step", ("-cms", "--checkpoint-min-step"), "Minimum spacing of checkpoints.",
+          "the session snapshot store plays this role; see --prompt-cache-snapshot-*", metavar="N",
+          env=("LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT",), group="cache", type="int"),
+    _noop("slot_prompt_similarity", ("-sps", "--slot-prompt-similarity"), "Prompt similarity to reuse a slot.",
+          R_SLOTS, metavar="SIMILARITY", group="cache", type="float"),
+    _noop("swa_full", ("--swa-full",), "Full-size sliding-window cache.",
+          "sliding-window models keep mlx-lm's rotating cache; prefix reuse goes through snapshots",
+          env=("LLAMA_ARG_SWA_FULL",), group="cache"),
+    _noop("context_shift", ("--context-shift",), "Shift the context when it fills up.",
+          "context shift is not implemented; generation stops at the context limit (llama-server's default)",
+          env=("LLAMA_ARG_CONTEXT_SHIFT",), negative_flags=("--no-context-shift",), group="cache"),
+    _noop("cache_type_k", ("-ctk", "--cache-type-k"), "KV cache type for K.", R_KV_TYPE, metavar="TYPE",
+          env=("LLAMA_ARG_CACHE_TYPE_K",), group="cache"),
+    _noop("cache_type_v", ("-ctv", "--cache-type-v"), "KV cache type for V.", R_KV_TYPE, metavar="TYPE",
+          env=("LLAMA_ARG_CACHE_TYPE_V",), group="cache"),
+    _noop("defrag_thold", ("-dt", "--defrag-thold"), "KV defragmentation threshold (deprecated upstream).",
+          "there is no KV defragmentation", metavar="N", env=("LLAMA_ARG_DEFRAG_THOLD",), group="cache"),
+)
+
+_LOGGING: tuple[Setting, ...] = (
+    Setting("verbose", ("-v", "--verbose", "--log-verbose"), type="bool", default=False, group="logging",
+            help="Log everything (debug level); responses then carry __verbose."),
+    Setting("log_verbosity", ("-lv", "--verbosity", "--log-verbosity"), ("LLAMA_ARG_LOG_VERBOSITY",), type="int",
+            default=3, group="logging",
+            help="Log threshold: 0 output, 1 error, 2 warning, 3 info, 4 trace, 5 debug."),
+    Setting("log_disable", ("--log-disable",), type="bool", default=False, group="logging",
+            help="Turn logging off."),
+    _noop("log_file", ("--log-file",), "Also log to a file.", "logs go to stderr; redirect them",
+          metavar="FNAME", env=("LLAMA_ARG_LOG_FILE",), group="logging"),
+    _noop("log_colors", ("--log-colors",), "Coloured logs (on/off/auto).", R_LOG_FORMAT, metavar="[on|off|auto]",
+          arity="optional", env=("LLAMA_ARG_LOG_COLORS",), group="logging"),
+    _noop("log_prefix", ("--log-prefix",), "Prefix log lines.", R_LOG_FORMAT, env=("LLAMA_ARG_LOG_PREFIX",),
+          negative_flags=("--no-log-prefix",), group="logging"),
+    _noop("log_timestamps", ("--log-timestamps",), "Timestamp log lines.", R_LOG_FORMAT,
+          env=("LLAMA_ARG_LOG_TIMESTAMPS",), negative_flags=("--no-log-timestamps",), group="logging"),
+    _noop("log_prompts_dir", ("--log-prompts-dir",), "Write prompts to a directory (debugging).",
+          "prompts are never logged", metavar="PATH", group="logging"),
+    _noop("perf", ("--perf",), "libllama performance timings.", "timings are always reported in responses",
+          env=("LLAMA_ARG_PERF",), negative_flags=("--no-perf",), group="logging"),
+)
+
+
+def _spec(name: str, flags: tuple[str, ...], help: str, *, metavar: str = "N", env: tuple[str, ...] = (),
+          negative_flags: tuple[str, ...] = ()) -> Setting:
+    return _noop(name, flags, help, R_SPEC, metavar=metavar, env=env, negative_flags=negative_flags)
+
+
+_COMPAT: tuple[Setting, ...] = (
+    _refused("cache_list", ("-cl", "--cache-list"), "List cached GGUF models and exit.", R_COMMAND),
+    _refused("completion_bash", ("--completion-bash",), "Print a bash completion script and exit.", R_COMMAND),
+    _refused("list_devices", ("--list-devices",), "List devices and exit.", R_COMMAND),
+    _noop("threads", ("-t", "--threads"), "CPU threads for generation.", R_THREADS, metavar="N",
+          env=("LLAMA_ARG_THREADS",), type="int"),
+    _noop("threads_batch", ("-tb", "--threads-batch"), "CPU threads for prompt processing.", R_THREADS,
+          metavar="N", type="int"),
+    _noop("cpu_mask", ("-C", "--cpu-mask"), "CPU affinity mask.", R_THREADS, metavar="M"),
+    _noop("cpu_range", ("-Cr", "--cpu-range"), "CPU affinity range.", R_THREADS, metavar="lo-hi"),
+    _noop("cpu_strict", ("--cpu-strict",), "Strict CPU placement.", R_THREADS, metavar="<0|1>"),
+    _noop("prio", ("--prio",), "Thread priority.", R_THREADS, metavar="N"),
+    _noop("poll", ("--poll",), "Polling level.", R_THREADS, metavar="<0...100>"),
+    _noop("cpu_mask_batch", ("-Cb", "--cpu-mask-batch"), "CPU affinity mask (batch).", R_THREADS, metavar="M"),
+    _noop("cpu_range_batch", ("-Crb", "--cpu-range-batch"), "CPU affinity range (batch).", R_THREADS,
+          metavar="lo-hi"),
+    _noop("cpu_strict_batch", ("--cpu-strict-batch",), "Strict CPU placement (batch).", R_THREADS,
+          metavar="<0|1>"),
+    _noop("prio_batch", ("--prio-batch",), "Thread priority (batch).", R_THREADS, metavar="N"),
+    _noop("poll_batch", ("--poll-batch",), "Polling (batch).", R_THREADS, metavar="<0|1>"),
+    _noop("numa", ("--numa",), "NUMA strategy.", R_THREADS, metavar="TYPE", env=("LLAMA_ARG_NUMA",)),
+    _noop("ubatch_size", ("-ub", "--ubatch-size"), "Physical batch size.",
+          "prefill chunking is set by --batch-size", metavar="N", env=("LLAMA_ARG_UBATCH",), type="int"),
+    _noop("flash_attn", ("-fa", "--flash-attn"), "Flash attention (on/off/auto).",
+          "MLX picks its attention kernel itself", metavar="[on|off|auto]", arity="optional",
+          env=("LLAMA_ARG_FLASH_ATTN",)),
+    _noop("n_gpu_layers", ("-ngl", "--gpu-layers", "--n-gpu-layers"), "Layers to offload to the GPU.", R_DEVICE,
+          metavar="N", env=("LLAMA_ARG_N_GPU_LAYERS",)),
+    _noop("split_mode", ("-sm", "--split-mode"), "How to split the model across GPUs.", R_DEVICE,
+          metavar="{none,layer,row,tensor}", env=("LLAMA_ARG_SPLIT_MODE",)),
+    _noop("tensor_split", ("-ts", "--tensor-split"), "Fraction of the model per GPU.", R_DEVICE,
+          metavar="N0,N1,...", env=("LLAMA_ARG_TENSOR_SPLIT",)),
+    _noop("main_gpu", ("-mg", "--main-gpu"), "GPU for the model or intermediate results.", R_DEVICE,
+          metavar="INDEX", env=("LLAMA_ARG_MAIN_GPU",)),
+    _noop("device", ("-dev", "--device"), "Devices to offload to.", R_DEVICE, metavar="<dev1,dev2,..>",
+          env=("LLAMA_ARG_DEVICE",)),
+    _noop("fit", ("-fit", "--fit"), "Adjust unset options to fit device memory.", R_FIT, metavar="[on|off]",
+          arity="optional", env=("LLAMA_ARG_FIT",)),
+    _noop("fit_target", ("-fitt", "--fit-target"), "Memory margin per device for --fit.", R_FIT,
+          metavar="MiB0,MiB1,...", env=("LLAMA_ARG_FIT_TARGET",)),
+    _noop("fit_ctx", ("-fitc", "--fit-ctx"), "Smallest context --fit may choose.", R_FIT, metavar="N",
+          env=("LLAMA_ARG_FIT_CTX",)),
+    _noop("mlock", ("--mlock",), "Keep the model in RAM.", R_LOADING, env=("LLAMA_ARG_MLOCK",)),
+    _noop("mmap", ("--mmap",), "Memory-map the model.", R_LOADING, env=("LLAMA_ARG_MMAP",),
+          negative_flags=("--no-mmap",)),
+    _noop("direct_io", ("-dio", "--direct-io"), "Load with direct I/O.", R_LOADING, env=("LLAMA_ARG_DIO",),
+          negative_flags=("-ndio", "--no-direct-io")),
+    _noop("load_mode", ("-lm", "--load-mode"), "Model loading mode.", R_LOADING, metavar="MODE",
+          env=("LLAMA_ARG_LOAD_MODE",)),
+    _noop("override_tensor", ("-ot", "--override-tensor"), "Tensor buffer type overrides.", R_LOADING,
+          metavar="PATTERN=TYPE,...", env=("LLAMA_ARG_OVERRIDE_TENSOR",)),
+    _noop("cpu_moe", ("-cmoe", "--cpu-moe"), "Keep MoE weights on the CPU.", R_LOADING, env=("LLAMA_ARG_CPU_MOE",)),
+    _noop("n_cpu_moe", ("-ncmoe", "--n-cpu-moe"), "Keep MoE weights of N layers on the CPU.", R_LOADING,
+          metavar="N", env=("LLAMA_ARG_N_CPU_MOE",)),
+    _noop("kv_offload", ("-kvo", "--kv-offload"), "Offload the KV cache.", R_LOADING, env=("LLAMA_ARG_KV_OFFLOAD",),
+          negative_flags=("-nkvo", "--no-kv-offload")),
+    _noop("repack", ("--repack",), "Repack weights.", R_LOADING, env=("LLAMA_ARG_REPACK",),
+          negative_flags=("-nr", "--no-repack")),
+    _noop("no_host", ("--no-host",), "Bypass the host buffer.", R_LOADING, env=("LLAMA_ARG_NO_HOST",)),
+    _noop("op_offload", ("--op-offload",), "Offload host tensor operations.", R_LOADING,
+          negative_flags=("--no-op-offload",)),
+    _noop("check_tensors", ("--check-tensors",), "Check tensor data for invalid values.", R_LOADING),
+    _noop("pipeline_groups", ("--pipeline-groups",), "Independent contexts for the slots.", R_SLOTS, metavar="N",
+          env=("LLAMA_ARG_PIPELINE_GROUPS",)),
+    _noop("warmup", ("--warmup",), "Warm up with an empty run.", "the engine always warms the model up",
+          negative_flags=("--no-warmup",)),
+    _noop("rope_scaling", ("--rope-scaling",), "RoPE scaling method.", R_ROPE, metavar="{none,linear,yarn}",
+          env=("LLAMA_ARG_ROPE_SCALING_TYPE",)),
+    _noop("rope_scale", ("--rope-scale",), "RoPE context scaling factor.", R_ROPE, metavar="N",
+          env=("LLAMA_ARG_ROPE_SCALE",)),
+    _noop("rope_freq_base", ("--rope-freq-base",), "RoPE base frequency.", R_ROPE, metavar="N",
+          env=("LLAMA_ARG_ROPE_FREQ_BASE",)),
+    _noop("rope_freq_scale", ("--rope-freq-scale",), "RoPE frequency scaling factor.", R_ROPE, metavar="N",
+          env=("LLAMA_ARG_ROPE_FREQ_SCALE",)),
+    _noop("yarn_orig_ctx", ("--yarn-orig-ctx",), "YaRN original context.", R_ROPE, metavar="N",
+          env=("LLAMA_ARG_YARN_ORIG_CTX",)),
+    _noop("yarn_ext_factor", ("--yarn-ext-factor",), "YaRN extrapolation mix.", R_ROPE, metavar="N",
+          env=("LLAMA_ARG_YARN_EXT_FACTOR",)),
+    _noop("yarn_attn_factor", ("--yarn-attn-factor",), "YaRN attention factor.", R_ROPE, metavar="N",
+          env=("LLAMA_ARG_YARN_ATTN_FACTOR",)),
+    _noop("yarn_beta_slow", ("--yarn-beta-slow",), "YaRN beta slow.", R_ROPE, metavar="N",
+          env=("LLAMA_ARG_YARN_BETA_SLOW",)),
+    _noop("yarn_beta_fast", ("--yarn-beta-fast",), "YaRN beta fast.", R_ROPE, metavar="N",
+          env=("LLAMA_ARG_YARN_BETA_FAST",)),
+    _noop("lookup_cache_static", ("-lcs", "--lookup-cache-static"), "Static lookup-decoding cache.",
+          "lookup decoding is not implemented", metavar="FNAME"),
+    _noop("lookup_cache_dynamic", ("-lcd", "--lookup-cache-dynamic"), "Dynamic lookup-decoding cache.",
+          "lookup decoding is not implemented", metavar="FNAME"),
+    _noop("spm_infill", ("--spm-infill",), "Suffix/Prefix/Middle order for /infill.", "/infill is not served"),
+    _noop("pooling", ("--pooling",), "Embedding pooling type.", R_EMBED, metavar="{none,mean,cls,last,rank}",
+          env=("LLAMA_ARG_POOLING",)),
+    _noop("embd_normalize", ("--embd-normalize",), "Embedding normalisation.", R_EMBED, metavar="N"),
+    _refused("rpc", ("--rpc",), "RPC servers to offload to.", "RPC backends are not supported",
+             metavar="SERVERS", env=("LLAMA_ARG_RPC",)),
+    _refused("mmproj", ("-mm", "--mmproj"), "Multimodal projector file.", "multimodal input is not supported",
+             metavar="FILE", env=("LLAMA_ARG_MMPROJ",)),
+    _refused("mmproj_url", ("-mmu", "--mmproj-url"), "Multimodal projector URL.",
+             "multimodal input is not supported", metavar="URL", env=("LLAMA_ARG_MMPROJ_URL",)),
+    _noop("mmproj_auto", ("--mmproj-auto",), "Use the repository's projector with -hf.", R_MMPROJ,
+          env=("LLAMA_ARG_MMPROJ_AUTO",), negative_flags=("--no-mmproj", "--no-mmproj-auto")),
+    _noop("mmproj_offload", ("--mmproj-offload",), "GPU offload of the projector.", R_MMPROJ,
+          env=("LLAMA_ARG_MMPROJ_OFFLOAD",), negative_flags=("--no-mmproj-offload",)),
+    _noop("mmproj_device", ("-mmdev", "--mmproj-device"), "Device of the projector.", R_MMPROJ, metavar="DEVICE",
+          env=("MTMD_BACKEND_DEVICE",)),
+    _noop("image_min_tokens", ("--image-min-tokens",), "Minimum tokens per image.", R_MMPROJ, metavar="N",
+          env=("LLAMA_ARG_IMAGE_MIN_TOKENS",)),
+    _noop("image_max_tokens", ("--image-max-tokens",), "Maximum tokens per image.", R_MMPROJ, metavar="N",
+          env=("LLAMA_ARG_IMAGE_MAX_TOKENS",)),
+    _noop("mtmd_batch_max_tokens", ("--mtmd-batch-max-tokens",), "Image tokens per batch.", R_MMPROJ,
+          metavar="N", env=("LLAMA_ARG_MTMD_BATCH_MAX_TOKENS",)),
+    _noop("media_path", ("--media-path",), "Directory for file:// media.", R_MMPROJ, metavar="PATH"),
+    _spec("spec_draft_hf", ("--spec-draft-hf", "-hfd", "-hfrd", "--hf-repo-draft"), "Draft model repository.",
+          metavar="USER/MODEL", env=("LLAMA_ARG_SPEC_DRAFT_HF_REPO",)),
+    _spec("spec_draft_model", ("--spec-draft-model", "-md", "--model-draft"), "Draft model.", metavar="FNAME",
+          env=("LLAMA_ARG_SPEC_DRAFT_MODEL",)),
+    _spec("spec_type", ("--spec-type",), "Speculative decoding types.", metavar="TYPES",
+          env=("LLAMA_ARG_SPEC_TYPE",)),
+    _spec("spec_draft_threads", ("--spec-draft-threads", "-td", "--threads-draft"), "Draft threads."),
+    _spec("spec_draft_threads_batch", ("--spec-draft-threads-batch", "-tbd", "--threads-batch-draft"),
+          "Draft batch threads."),
+    _spec("spec_draft_cpu_mask", ("--spec-draft-cpu-mask", "-Cd", "--cpu-mask-draft"), "Draft CPU mask.",
+          metavar="M"),
+    _spec("spec_draft_cpu_range", ("--spec-draft-cpu-range", "-Crd", "--cpu-range-draft"), "Draft CPU range.",
+          metavar="lo-hi"),
+    _spec("spec_draft_cpu_strict", ("--spec-draft-cpu-strict", "--cpu-strict-draft"), "Draft strict placement.",
+          metavar="<0|1>"),
+    _spec("spec_draft_prio", ("--spec-draft-prio", "--prio-draft"), "Draft thread priority."),
+    _spec("spec_draft_poll", ("--spec-draft-poll", "--poll-draft"), "Draft polling.", metavar="<0|1>"),
+    _spec("spec_draft_cpu_mask_batch", ("--spec-draft-cpu-mask-batch", "-Cbd", "--cpu-mask-batch-draft"),
+          "Draft CPU mask (batch).", metavar="M"),
+    _spec("spec_draft_cpu_strict_batch", ("--spec-draft-cpu-strict-batch", "--cpu-strict-batch-draft"),
+          "Draft strict placement (batch).", metavar="<0|1>"),
+    _spec("spec_draft_prio_batch", ("--spec-draft-prio-batch", "--prio-batch-draft"), "Draft priority (batch)."),
+    _spec("spec_draft_poll_batch", ("--spec-draft-poll-batch", "--poll-batch-draft"), "Draft polling (batch).",
+          metavar="<0|1>"),
+    _spec("spec_draft_type_k", ("--spec-draft-type-k", "-ctkd", "--cache-type-k-draft"), "Draft KV type for K.",
+          metavar="TYPE", env=("LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K",)),
+    _spec("spec_draft_type_v", ("--spec-draft-type-v", "-ctvd", "--cache-type-v-draft"), "Draft KV type for V.",
+          metavar="TYPE", env=("LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V",)),
+    _spec("spec_draft_override_tensor", ("--spec-draft-override-tensor", "-otd", "--override-tensor-draft"),
+          "Draft tensor overrides.", metavar="PATTERN=TYPE,..."),
+    _spec("spec_draft_cpu_moe", ("--spec-draft-cpu-moe", "-cmoed", "--cpu-moe-draft"), "Draft MoE on CPU.",
+          metavar="", env=("LLAMA_ARG_SPEC_DRAFT_CPU_MOE",)),
+    _spec("spec_draft_n_cpu_moe", ("--spec-draft-n-cpu-moe", "--spec-draft-ncmoe", "-ncmoed", "--n-cpu-moe-draft"),
+          "Draft MoE layers on CPU.", env=("LLAMA_ARG_SPEC_DRAFT_N_CPU_MOE",)),
+    _spec("spec_draft_n_max", ("--spec-draft-n-max",), "Tokens to draft.", env=("LLAMA_ARG_SPEC_DRAFT_N_MAX",)),
+    _spec("spec_draft_n_min", ("--spec-draft-n-min",), "Minimum draft tokens.",
+          env=("LLAMA_ARG_SPEC_DRAFT_N_MIN",)),
+    _spec("spec_draft_p_split", ("--spec-draft-p-split", "--draft-p-split"), "Draft split probability.",
+          metavar="P", env=("LLAMA_ARG_SPEC_DRAFT_P_SPLIT",)),
+    _spec("spec_draft_p_min", ("--spec-draft-p-min", "--draft-p-min"), "Minimum draft probability.",
+          metavar="P", env=("LLAMA_ARG_SPEC_DRAFT_P_MIN",)),
+    _spec("spec_draft_backend_sampling", ("--spec-draft-backend-sampling",), "Draft sampling on the backend.",
+          metavar="", env=("LLAMA_ARG_SPEC_DRAFT_BACKEND_SAMPLING",),
+          negative_flags=("--no-spec-draft-backend-sampling",)),
+    _spec("spec_draft_device", ("--spec-draft-device", "-devd", "--device-draft"), "Draft devices.",
+          metavar="<dev1,dev2,..>"),
+    _spec("spec_draft_ngl", ("--spec-draft-ngl", "-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"),
+          "Draft GPU layers.", env=("LLAMA_ARG_N_GPU_LAYERS_DRAFT",)),
+    _spec("spec_ngram_mod_n_min", ("--spec-ngram-mod-n-min",), "N-gram drafting: minimum tokens."),
+    _spec("spec_ngram_mod_n_max", ("--spec-ngram-mod-n-max",), "N-gram drafting: maximum tokens."),
+    _spec("spec_ngram_mod_n_match", ("--spec-ngram-mod-n-match",), "N-gram drafting: lookup length."),
+    _spec("spec_ngram_simple_size_n", ("--spec-ngram-simple-size-n",), "ngram-simple: lookup n-gram size."),
+    _spec("spec_ngram_simple_size_m", ("--spec-ngram-simple-size-m",), "ngram-simple: draft m-gram size."),
+    _spec("spec_ngram_simple_min_hits", ("--spec-ngram-simple-min-hits",), "ngram-simple: minimum hits."),
+    _spec("spec_ngram_map_k_size_n", ("--spec-ngram-map-k-size-n",), "ngram-map-k: lookup n-gram size."),
+    _spec("spec_ngram_map_k_size_m", ("--spec-ngram-map-k-size-m",), "ngram-map-k: draft m-gram size."),
+    _spec("spec_ngram_map_k_min_hits", ("--spec-ngram-map-k-min-hits",), "ngram-map-k: minimum hits."),
+    _spec("spec_ngram_map_k4v_size_n", ("--spec-ngram-map-k4v-size-n",), "ngram-map-k4v: lookup n-gram size."),
+    _spec("spec_ngram_map_k4v_size_m", ("--spec-ngram-map-k4v-size-m",), "ngram-map-k4v: draft m-gram size."),
+    _spec("spec_ngram_map_k4v_min_hits", ("--spec-ngram-map-k4v-min-hits",), "ngram-map-k4v: minimum hits."),
+    _spec("spec_default", ("--spec-default",), "Default speculative decoding config.", metavar=""),
+    _spec("draft_max", ("--draft", "--draft-n", "--draft-max"), "Removed upstream; older builds' draft size.",
+          env=("LLAMA_ARG_DRAFT_MAX",)),
+    _spec("draft_min", ("--draft-min", "--draft-n-min"), "Removed upstream; older builds' minimum draft size.",
+          env=("LLAMA_ARG_DRAFT_MIN",)),
+    _spec("spec_ngram_size_n", ("--spec-ngram-size-n",), "Removed upstream."),
+    _spec("spec_ngram_size_m", ("--spec-ngram-size-m",), "Removed upstream."),
+    _spec("spec_ngram_min_hits", ("--spec-ngram-min-hits",), "Removed upstream."),
+)
+
+SETTINGS: tuple[Setting, ...] = _SERVER + _MODEL + _SAMPLING + _CACHE + _LOGGING + _COMPAT
+settings_by_name: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+def _build_flag_index(settings: Sequence[Setting]) -> dict[str, tuple[Setting, bool]]:
+    """Every spelling -> (setting, is_negative); a duplicate spelling is a table bug."""
+    index: dict[str, tuple[Setting, bool]] = {}
+    for s in settings:
+        for spelling, negative in [(f, False) for f in s.flags] + [(f, True) for f in s.negative_flags]:
+            if spelling in index:
+                raise AssertionError(f"flag {spelling} is declared twice ({index[spelling][0].name}, {s.name})")
+            index[spelling] = (s, negative)
+    return index
+
+
+def check_table(settings: Sequence[Setting] = SETTINGS) -> None:
+    """Fail loudly on an inconsistent table (run at import; cheap)."""
+    names = [s.name for s in settings]
+    assert len(names) == len(set(names)), "duplicate setting names"
+    reserved = {"sources", "ignored", "is_set"}
+    envs: dict[str, str] = {}
+    for s in settings:
+        assert s.name.isidentifier() and s.name not in reserved, f"{s.name=}"
+        assert s.type in TYPES and s.status in STATUSES and s.arity in ARITIES, f"{s.name=} {s.type=} {s.status=}"
+        assert s.group in dict(GROUPS), f"{s.name=} {s.group=}"
+        assert (s.type == "choice") == bool(s.choices), f"{s.name=} choices need type choice"
+        assert not s.negative_flags or s.type == "bool", f"{s.name=} negative flags need a bool"
+        assert s.status == "supported" or s.reason, f"{s.name=} needs a reason"
+        assert all(f.startswith("-") for f in s.flags + s.negative_flags), f"{s.name=}"
+        for env in s.env_lookup:
+            assert env not in envs, f"env {env} used by {envs[env]} and {s.name}"
+            envs[env] = s.name
+    _build_flag_index(settings)
+
+
+check_table()
+_FLAG_INDEX = _build_flag_index(SETTINGS)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+@dataclass(frozen=True)
+class CliValue:
+    """One occurrence of a flag: the spelling used and its raw value.
+
+    ``value`` is True/False for a bare flag (False for a negative spelling), a string for a
+    flag with one value and a 2-tuple for a ``pair`` flag.
+    """
+
+    spelling: str
+    value: bool | str | tuple[str, str]
+
+
+def _looks_like_value(token: str) -> bool:
+    """For optional values: ``-fa`` followed by ``-m`` must not eat the ``-m``."""
+    if not token.startswith("-"):
+        return True
+    try:
+        float(token)
+        return True
+    except ValueError:
+        return False
+
+
+def _split_flag(token: str) -> tuple[str, str | None]:
+    """``--name=value`` -> (name, value); ``--long_name`` is llama.cpp's ``--long-name``."""
+    name, sep, inline = token.partition("=")
+    if name.startswith("--"):
+        name = name.replace("_", "-")
+    return name, (inline if sep else None)
+
+
+def parse_argv(argv: Sequence[str]) -> dict[str, list[CliValue]]:
+    """Split argv into flag occurrences per setting name, with llama.cpp's arity rules."""
+    found: dict[str, list[CliValue]] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        name, inline = _split_flag(token)
+        hit = _FLAG_INDEX.get(name) if token.startswith("-") else None
+        if hit is None:
+            raise SettingsError(f"invalid argument: {token}")
+        setting, negative = hit
+        value: bool | str | tuple[str, str]
+        if negative or setting.arity == "flag":
+            if inline is not None and (negative or setting.type != "bool"):
+                raise SettingsError(f"argument {name} does not take a value")
+            value = (not negative) if inline is None else inline
+        elif setting.arity == "pair":
+            if inline is not None or i + 2 > len(argv):
+                raise SettingsError(f"argument {name} expects two values")
+            value = (argv[i], argv[i + 1])
+            i += 2
+        elif inline is not None:
+            value = inline
+        elif setting.arity == "optional":
+            value = True
+            if i < len(argv) and _looks_like_value(argv[i]):
+                value = argv[i]
+                i += 1
+        elif i < len(argv):
+            value = argv[i]
+            i += 1
+        else:
+            raise SettingsError(f"expected value for argument: {name}")
+        found.setdefault(setting.name, []).append(CliValue(name, value))
+    return found
+
+
+# --------------------------------------------------------------------------- resolution
+
+
+@dataclass
+class _Resolved:
+    value: Any
+    source: str  # "cli", "env:NAME" or "default"
+    spelling: str = ""  # flag or variable as given, for messages and the ignored list
+
+
+def _is_hex_byte(text: str) -> bool:
+    return len(text) == 2 and all(c in "0123456789abcdefABCDEF" for c in text)
+
+
+def _process_escapes(text: str) -> str:
+    """C-style escapes as llama.cpp's --escape does: \\n \\r \\t \\' \\" \\\\ and \\xNN."""
+    simple = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        nxt = text[i + 1] if i + 1 < len(text) else ""
+        if ch == "\\" and nxt in simple:
+            out.append(simple[nxt])
+            i += 2
+        elif ch == "\\" and nxt == "x" and _is_hex_byte(text[i + 2:i + 4]):
+            out.append(chr(int(text[i + 2:i + 4], 16)))
+            i += 4
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)
+
+
+def _convert(setting: Setting, raw: str, where: str) -> Any:
+    """Parse one raw string for ``setting``; errors name ``where`` and the accepted values."""
+    try:
+        if setting.parse is not None:
+            value = setting.parse(raw)
+        elif setting.type == "choice":
+            if raw not in setting.choices:
+                raise ValueError(raw)
+            value = raw
+        else:
+            value = _TYPE_PARSERS.get(setting.type, str)(raw)
+    except ValueError:
+        raise SettingsError(f"invalid value for {where}: {raw!r}; expected {_accepts(setting)}") from None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if setting.minimum is not None and value < setting.minimum:
+            raise SettingsError(f"invalid value for {where}: {raw!r}; must be >= {setting.minimum:g}")
+        if setting.maximum is not None and value > setting.maximum:
+            raise SettingsError(f"invalid value for {where}: {raw!r}; must be <= {setting.maximum:g}")
+    return value
+
+
+def _list_items(setting: Setting, raw: str) -> list[str]:
+    if setting.separator is None:
+        return [raw]
+    return [item.strip() for item in raw.split(setting.separator) if item.strip()]
+
+
+def _finish_list(setting: Setting, items: list[str]) -> tuple[str, ...]:
+    if setting.list_reset and setting.list_reset in items:
+        last = len(items) - 1 - items[::-1].index(setting.list_reset)
+        items = items[last + 1:]
+    return tuple(items)
+
+
+def _from_cli(setting: Setting, occurrences: list[CliValue]) -> Any:
+    if setting.status == "noop":
+        # Ignored options keep their raw value: parsing them could only reject a harmless typo.
+        if setting.type == "list":
+            return tuple(str(o.value) for o in occurrences)
+        return occurrences[-1].value
+    if setting.type == "list":
+        items: list[str] = []
+        for occ in occurrences:
+            items.extend(_list_items(setting, str(occ.value)))
+        return _finish_list(setting, items)
+    last = occurrences[-1]  # llama.cpp: a repeated scalar flag keeps its last value
+    if isinstance(last.value, bool):
+        return last.value
+    if isinstance(last.value, tuple):
+        return last.value
+    return _convert(setting, last.value, last.spelling)
+
+
+def _from_env(setting: Setting, name: str, raw: str) -> Any:
+    if name in setting.negative_env:
+        return False  # llama.cpp: LLAMA_ARG_NO_<X> turns the option off whatever its value
+    if setting.status == "noop":
+        return raw
+    if setting.type == "list":
+        return _finish_list(setting, _list_items(setting, raw))
+    return _convert(setting, raw, name)
+
+
+def _resolve_one(setting: Setting, cli: list[CliValue] | None, environ: Mapping[str, str],
+                 skip_env: frozenset[str]) -> _Resolved:
+    if cli:
+        return _Resolved(_from_cli(setting, cli), "cli", cli[-1].spelling)
+    for name in setting.env_lookup:
+        if name in environ and name not in skip_env:
+            return _Resolved(_from_env(setting, name, environ[name]), f"env:{name}", name)
+    default = dict(setting.default) if isinstance(setting.default, dict) else setting.default
+    return _Resolved(default, "default")
+
+
+def _cache_reuse_skip(cli: Mapping[str, list[CliValue]], environ: Mapping[str, str]) -> frozenset[str]:
+    """LLAMA_ARG_CACHE_REUSE is read only when the cache switch is not set explicitly."""
+    switch_env = settings_by_name["prompt_cache_enabled"].mlxcel_env
+    if "prompt_cache_enabled" in cli or switch_env in environ:
+        return frozenset(settings_by_name["cache_reuse"].env)
+    return frozenset()
+
+
+def _apply_cache_switch(resolved: dict[str, _Resolved]) -> None:
+    """Decide prompt_cache_enabled from its own flag, --no-cache-prompt and --cache-reuse.
+
+    Order: --prompt-cache-enabled > cache_prompt false (any source) > --cache-reuse >
+    MLXCEL_PROMPT_CACHE_ENABLED > LLAMA_ARG_CACHE_REUSE (or MLXCEL_CACHE_REUSE) > default.
+    """
+    switch = resolved["prompt_cache_enabled"]
+    cache_prompt = resolved["cache_prompt"]
+    reuse = resolved["cache_reuse"]
+    if switch.source == "cli":
+        return
+    if cache_prompt.value is False:
+        resolved["prompt_cache_enabled"] = _Resolved(False, cache_prompt.source, cache_prompt.spelling)
+    elif reuse.source == "cli" or (reuse.source != "default" and switch.source == "default"):
+        resolved["prompt_cache_enabled"] = _Resolved(reuse.value > 0, reuse.source, reuse.spelling)
+
+
+def _apply_escapes(resolved: dict[str, _Resolved]) -> None:
+    if not resolved["escape"].value:
+        return
+    for s in SETTINGS:
+        item = resolved[s.name]
+        if s.escapes and item.source != "default":
+            item.value = tuple(_process_escapes(v) for v in item.value)
+
+
+def _is_active(value: Any) -> bool:
+    """Whether a refused option was really asked for (``--no-agent`` or an empty value is fine)."""
+    if isinstance(value, bool):
+        return value
+    return value not in (None, "", ())
+
+
+def _check_refused(resolved: Mapping[str, _Resolved]) -> None:
+    for s in SETTINGS:
+        item = resolved[s.name]
+        if s.status == "refused" and item.source != "default" and _is_active(item.value):
+            raise SettingsError(f"{item.spelling} is not supported by mlxcel_compat: {s.reason}")
+
+
+def _print_and_exit(text: str) -> None:
+    print(text)
+    raise SystemExit(0)
+
+
+def resolve_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Resolve every setting once, at start-up (CLI > MLXCEL_* > llama.cpp env > default).
+
+    Raises ``SettingsError`` for an unknown flag, a malformed value or a refused option;
+    ``--help`` and ``--version`` print and raise ``SystemExit(0)``.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    env = os.environ if environ is None else environ
+    cli = parse_argv(args)
+    if "help" in cli:
+        _print_and_exit(render_help())
+    if "version" in cli:
+        from mlxcel_compat import __version__
+
+        _print_and_exit(f"mlxcel_compat {__version__}")
+    skip_env = _cache_reuse_skip(cli, env)
+    resolved = {s.name: _resolve_one(s, cli.get(s.name), env, skip_env) for s in SETTINGS}
+    _apply_cache_switch(resolved)
+    _apply_escapes(resolved)
+    _check_refused(resolved)
+    ignored = [(resolved[s.name].spelling, s.reason) for s in SETTINGS
+               if s.status == "noop" and resolved[s.name].source != "default"]
+    values = {name: item.value for name, item in resolved.items()}
+    sources = MappingProxyType({name: item.source for name, item in resolved.items()})
+    return Settings(**values, sources=sources, ignored=ignored)
+
+
+def make_settings(**overrides: Any) -> Settings:
+    """Defaults plus ``overrides`` (marked with source "override"); meant for tests and tools."""
+    unknown = set(overrides) - set(settings_by_name)
+    if unknown:
+        raise SettingsError(f"unknown settings: {', '.join(sorted(unknown))}")
+    values = {s.name: overrides.get(s.name, dict(s.default) if isinstance(s.default, dict) else s.default)
+              for s in SETTINGS}
+    sources = MappingProxyType({s.name: "override" if s.name in overrides else "default" for s in SETTINGS})
+    return Settings(**values, sources=sources, ignored=[])
+
+
+def require_model(settings: Settings) -> None:
+    """llama-server without -m/-hf starts router mode, which mlxcel_compat does not offer."""
+    if not (settings.model or settings.hf_repo):
+        raise SettingsError("no model given: pass -m PATH or -hf REPO (router mode is not supported)")
+
+
+def default_template_kwargs(settings: Settings) -> dict[str, Any]:
+    """Server-wide chat template variables: --chat-template-kwargs, then --reasoning on/off."""
+    kwargs = dict(settings.chat_template_kwargs)
+    if settings.reasoning in ("on", "off"):
+        kwargs["enable_thinking"] = settings.reasoning == "on"
+    return kwargs
+
+
+def _is_set(self: Any, name: str) -> bool:
+    """True when ``name`` did not come from its default (CLI, environment or override)."""
+    if name not in settings_by_name:
+        raise KeyError(name)
+    return self.sources[name] != "default"
+
+
+Settings = dataclasses.make_dataclass(
+    "Settings",
+    [(s.name, Any, field(repr=not s.secret)) for s in SETTINGS]
+    + [("sources", Mapping[str, str], field(repr=False)),
+       ("ignored", list[tuple[str, str]], field(default_factory=list, repr=False))],
+    namespace={"is_set": _is_set, "__module__": __name__},
+    frozen=True,
+)
+Settings.__doc__ = (
+    "Resolved configuration: one attribute per entry of SETTINGS, plus ``sources`` "
+    "(name -> 'cli' | 'env:NAME' | 'default' | 'override'), ``ignored`` ((flag or variable, reason) "
+    "for every noop option that was given) and ``is_set(name)``."
+)
+
+
+# --------------------------------------------------------------------------- help and docs
+
+
+def _format_default(s: Setting) -> str:
+    if s.cli_only:
+        return ""
+    if s.default_doc:
+        return s.default_doc
+    value = s.default
+    if value is None or value == ():
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, dict)):
+        return json.dumps(list(value) if isinstance(value, tuple) else value)
+    if isinstance(value, str) and (value == "" or not value.isprintable()):
+        return json.dumps(value)
+    return str(value)
+
+
+def _env_names(s: Setting) -> list[str]:
+    names = [s.mlxcel_env] if s.mlxcel_env else []
+    return names + list(s.env) + list(s.negative_env)
+
+
+def _metavar(s: Setting) -> str:
+    if s.metavar:
+        return s.metavar
+    if s.type == "choice":
+        return "{" + ",".join(s.choices) + "}"
+    return {"int": "N", "float": "N", "json": "JSON"}.get(s.type, "VALUE")
+
+
+def _type_label(s: Setting) -> str:
+    if s.type == "choice":
+        return "choice: " + " | ".join(s.choices)
+    return s.type
+
+
+def _status_note(s: Setting) -> str:
+    if s.status == "noop":
+        return f"Ignored: {s.reason}."
+    if s.status == "refused":
+        return f"Refused: {s.reason}."
+    return f"Note: {s.reason}." if s.reason else ""
+
+
+class _FlagAction(argparse.Action):
+    """A bare flag: its positive spellings store True, its negative spellings False."""
+
+    def __init__(self, option_strings: list[str], dest: str, negatives: tuple[str, ...] = (), **kwargs: Any):
+        self.negatives = negatives
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, option_string not in self.negatives)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # never SystemExit(2) with a usage dump
+        raise SettingsError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """An argparse view of the table (used for --help; raw string values, no env lookup)."""
+    parser = _Parser(
+        prog="mlxcel-server", usage="mlxcel-server [options]", add_help=False, allow_abbrev=False,
+        description="MLX inference server, a drop-in replacement for llama.cpp's llama-server. "
+                    "Precedence: flag > MLXCEL_<NAME> > llama.cpp variable (LLAMA_ARG_*, ...) > default.",
+        epilog="Booleans in the environment accept " + BOOL_ACCEPTS + ". See docs/configuration.md.",
+    )
+    for group, title in GROUPS:
+        section = parser.add_argument_group(title)
+        for s in (s for s in SETTINGS if s.group == group and (s.flags or s.negative_flags)):
+            help_text = " ".join(x for x in (s.help, _status_note(s)) if x)
+            envs = _env_names(s)
+            if envs:
+                help_text += f" (env: {', '.join(envs)})"
+            default = _format_default(s)
+            if default:
+                help_text += f" (default: {default})"
+            help_text = help_text.replace("%", "%%")
+            options = list(s.flags) + list(s.negative_flags)
+            if s.arity == "flag":
+                section.add_argument(*options, dest=s.name, action=_FlagAction, negatives=s.negative_flags,
+                                     default=argparse.SUPPRESS, help=help_text)
+            else:
+                nargs = {"value": None, "optional": "?", "pair": 2}[s.arity]
+                metavar = tuple(_metavar(s).split()) if s.arity == "pair" else _metavar(s)
+                section.add_argument(*options, dest=s.name, nargs=nargs, const=True if nargs == "?" else None,
+                                     action="append" if s.type == "list" else "store", metavar=metavar,
+                                     default=argparse.SUPPRESS, help=help_text)
+    return parser
+
+
+def render_help() -> str:
+    return build_parser().format_help()
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _code_list(items: Sequence[str]) -> str:
+    return ", ".join(f"`{_cell(i)}`" for i in items)
+
+
+_MARKDOWN_INTRO = """\
+# Configuration
+
+<!-- Generated by scripts/gen_docs.py from mlxcel_compat/settings.py. Do not edit by hand. -->
+
+Every option of `mlxcel-server` is declared once, in `mlxcel_compat/settings.py`. The command-line
+parser, the environment lookup, `--help`, this page and the flag list of
+`docs/compat/llama-server.json` are generated from that table. Run `python scripts/gen_docs.py` after
+changing it (`--check` fails when this page is stale).
+
+## How a value is chosen
+
+1. a command-line flag;
+2. `MLXCEL_<NAME>`, where `<NAME>` is the setting's name in upper case (every setting has one);
+3. the llama.cpp variable(s) of the setting (`LLAMA_ARG_*`, `LLAMA_API_KEY`, `HF_TOKEN`, `APC_*`);
+4. the default. Defaults described as *model-aware* or *derived* are computed once the model is loaded.
+
+Rules taken from llama-server:
+
+- A flag that takes a value takes the next argument as it is, even when it starts with `-`.
+  `--flag=value` works too. In `--long_names`, `_` means `-`. An unknown argument stops start-up
+  with `invalid argument: X`. A repeated flag keeps its last value, except list options, which add up.
+- Booleans in the environment accept `on`, `enabled`, `true`, `1`, `yes` and `off`, `disabled`,
+  `false`, `0`, `no`, in any case. Anything else stops start-up with a message naming the variable.
+- For an option with a negative form (`--no-...`), a variable `LLAMA_ARG_NO_<X>` with any value,
+  even empty, turns it off.
+- List options split their values on commas, except `-r` and `--dry-sequence-breaker`, which take
+  one item per flag.
+- The prompt cache switch: `--prompt-cache-enabled[=BOOL]` wins; otherwise `--no-cache-prompt`
+  (or `LLAMA_ARG_CACHE_PROMPT=false`, `LLAMA_ARG_NO_CACHE_PROMPT`) turns the cache off; otherwise
+  `--cache-reuse N`, then `MLXCEL_PROMPT_CACHE_ENABLED`, then `LLAMA_ARG_CACHE_REUSE` decide
+  (a positive integer or a true word means on, 0 or a false word means off). `LLAMA_ARG_CACHE_REUSE`
+  is not read at all when the flag or `MLXCEL_PROMPT_CACHE_ENABLED` is set.
+
+Status of an option:
+
+- **supported**: it works as in llama-server (a note says where it differs);
+- **noop**: accepted, so existing command lines keep working, and logged at start-up as ignored;
+- **refused**: start-up fails with a message that says why. Bare flags are refused only when they
+  resolve to true, valued ones only when the value is not empty.
+"""
+
+
+def render_markdown() -> str:
+    """The full text of docs/configuration.md."""
+    lines = [_MARKDOWN_INTRO]
+    for group, title in GROUPS:
+        lines.append(f"## {title}\n")
+        lines.append("| Flags | Environment | Type | Default | Status | Description |")
+        lines.append("|---|---|---|---|---|---|")
+        for s in (s for s in SETTINGS if s.group == group):
+            flags = _code_list(list(s.flags) + list(s.negative_flags)) or "(environment only)"
+            default = _format_default(s)
+            description = " ".join(x for x in (s.help, _status_note(s)) if x)
+            lines.append(
+                f"| {flags} | {_code_list(_env_names(s))} | {_cell(_type_label(s))} | "
+                f"{'`' + _cell(default) + '`' if default else ''} | {s.status} | {_cell(description)} |"
+            )
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,149 @@
+"""The llama-server compatibility manifest agrees with the settings table and the API reference."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxcel_compat.compat import (
+    MANIFEST_PATH,
+    MANIFEST_STATUSES,
+    dump_manifest,
+    load_manifest,
+    manifest_flags,
+    manifest_request_fields,
+    manifest_routes,
+    with_generated_sections,
+)
+from mlxcel_compat.settings import SETTINGS, settings_by_name
+
+
+@pytest.fixture(scope="module")
+def manifest() -> dict:
+    return load_manifest()
+
+
+def test_manifest_file_is_up_to_date(manifest) -> None:
+    text = MANIFEST_PATH.read_text(encoding="utf-8")
+    assert text == dump_manifest(with_generated_sections(manifest)), "run python scripts/gen_docs.py"
+
+
+def test_every_manifest_flag_matches_its_setting(manifest) -> None:
+    for entry in manifest["flags"]:
+        s = settings_by_name[entry["setting"]]
+        assert entry["flags"] == list(s.flags), s.name
+        assert entry["negative_flags"] == list(s.negative_flags), s.name
+        assert entry["env"] == list(s.env), s.name
+        assert entry["negative_env"] == list(s.negative_env), s.name
+        assert entry["mlxcel_env"] == s.mlxcel_env, s.name
+        assert entry["status"] == s.status, s.name
+        assert entry["takes_value"] == s.takes_value, s.name
+        assert entry["origin"] == ("llama-server" if s.upstream else "mlxcel"), s.name
+
+
+def test_every_setting_is_in_the_manifest(manifest) -> None:
+    spellings = {f for e in manifest["flags"] for f in e["flags"] + e["negative_flags"]}
+    for s in SETTINGS:
+        for flag in s.flags + s.negative_flags:
+            assert flag in spellings, flag
+    env_only = {e["setting"]: e for e in manifest["env_only"]}
+    for s in SETTINGS:
+        if not (s.flags or s.negative_flags):
+            assert env_only[s.name]["mlxcel_env"] == s.mlxcel_env
+    assert {"disable_boundary_snapshot", "disable_cache_warmup", "apc_trace"} <= set(env_only)
+
+
+def test_manifest_flag_statuses_and_notes(manifest) -> None:
+    for entry in manifest["flags"]:
+        assert entry["status"] in ("supported", "noop", "refused")
+        if entry["status"] != "supported":
+            assert entry["note"], entry["setting"]
+    names = {e["setting"] for e in manifest_flags(status="refused", manifest=manifest)}
+    assert {"embeddings", "rerank", "lora", "mmproj", "slot_save_path", "ssl_key_file", "models_dir"} <= names
+    noop = {e["setting"] for e in manifest_flags(status="noop", manifest=manifest)}
+    assert {"n_gpu_layers", "flash_attn", "mlock", "threads", "cache_type_k"} <= noop
+
+
+SUPPORTED_ROUTES = [
+    ("GET", "/health"), ("GET", "/v1/health"), ("GET", "/metrics"), ("GET", "/props"), ("POST", "/props"),
+    ("GET", "/models"), ("GET", "/v1/models"), ("POST", "/completion"), ("POST", "/completions"),
+    ("POST", "/v1/completions"), ("POST", "/chat/completions"), ("POST", "/v1/chat/completions"),
+    ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template"), ("GET", "/slots"),
+    ("POST", "/v1/cache/reset"), ("GET", "/v1/cache/stats"),
+]
+
+# Every route of llama-server-api.md §2 (single-model and router mode).
+UPSTREAM_ROUTES = [
+    ("POST", "/v1/chat/completions/control"), ("POST", "/v1/responses"), ("POST", "/responses"),
+    ("POST", "/v1/audio/transcriptions"), ("POST", "/audio/transcriptions"), ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"), ("POST", "/chat/completions/input_tokens"),
+    ("POST", "/v1/chat/completions/input_tokens"), ("POST", "/responses/input_tokens"),
+    ("POST", "/v1/responses/input_tokens"), ("POST", "/infill"), ("POST", "/embedding"), ("POST", "/embeddings"),
+    ("POST", "/v1/embeddings"), ("POST", "/rerank"), ("POST", "/reranking"), ("POST", "/v1/rerank"),
+    ("POST", "/v1/reranking"), ("GET", "/lora-adapters"), ("POST", "/lora-adapters"), ("POST", "/slots/{id_slot}"),
+    ("GET", "/tools"), ("POST", "/tools"), ("GET", "/cors-proxy"), ("POST", "/cors-proxy"), ("GET", "/v1/stream"),
+    ("DELETE", "/v1/stream"), ("POST", "/v1/streams/lookup"), ("POST", "/predict"), ("GET", "/"),
+    ("GET", "/index.html"), ("POST", "/models"), ("POST", "/models/load"), ("POST", "/models/unload"),
+    ("GET", "/models/sse"), ("DELETE", "/models"),
+]
+
+
+def test_routes(manifest) -> None:
+    routes = manifest_routes(manifest=manifest)
+    assert len(routes) == len(set(routes)), "duplicate route"
+    assert sorted(manifest_routes(status="supported", manifest=manifest)) == sorted(SUPPORTED_ROUTES)
+    unsupported = set(manifest_routes(status="unsupported", manifest=manifest))
+    assert set(UPSTREAM_ROUTES) <= unsupported
+    assert set(routes) == set(SUPPORTED_ROUTES) | unsupported
+    for r in manifest["routes"]:
+        assert r["status"] in ("supported", "unsupported") and r["origin"] in ("llama-server", "mlxcel")
+        if r["status"] == "unsupported":
+            assert r["note"], r["path"]
+
+
+# Every request field of llama-server-api.md §3.2 (aliases excluded).
+NATIVE_FIELDS = """
+stream stream_options.include_usage cache_prompt n_predict n_keep n_discard n_indent n_cmpl n_cache_reuse
+t_max_predict_ms return_tokens return_progress timings_per_token post_sampling_probs n_probs min_keep
+response_fields sse_ping_interval temperature dynatemp_range dynatemp_exponent top_k top_p min_p top_n_sigma
+typical_p xtc_probability xtc_threshold repeat_last_n repeat_penalty presence_penalty frequency_penalty
+dry_multiplier dry_base dry_allowed_length dry_penalty_last_n dry_sequence_breakers mirostat mirostat_tau
+mirostat_eta adaptive_target adaptive_decay seed samplers backend_sampling json_schema grammar grammar_lazy
+grammar_triggers preserved_tokens logit_bias ignore_eos stop lora id_slot verbose reasoning_format chat_format
+chat_parser generation_prompt parse_tool_calls echo continue_final_message reasoning_control
+reasoning_budget_tokens reasoning_budget_start_tag reasoning_budget_end_tag reasoning_budget_message
+message_delimiters
+""".split()
+
+NOT_SUPPORTED = """
+grammar json_schema mirostat mirostat_tau mirostat_eta lora n_indent t_max_predict_ms adaptive_target adaptive_decay
+backend_sampling reasoning_control reasoning_budget_tokens reasoning_budget_start_tag reasoning_budget_end_tag
+reasoning_budget_message
+""".split()
+
+
+def test_request_fields(manifest) -> None:
+    entries = {f["field"]: f for f in manifest["request_fields"]}
+    assert len(entries) == len(manifest["request_fields"]), "duplicate field"
+    for name in NATIVE_FIELDS:
+        assert name in entries, name
+    for f in manifest["request_fields"]:
+        assert f["status"] in MANIFEST_STATUSES and f["status"] != "refused"
+        assert f["scope"] in manifest["request_field_scopes"]
+        if f["status"] != "supported":
+            assert f["note"], f["field"]
+    for name in NOT_SUPPORTED:
+        assert entries[name]["status"] in ("noop", "unsupported"), name
+    for name in ("cache_prompt", "n_predict", "temperature", "stop", "seed", "id_slot", "n_probs"):
+        assert entries[name]["status"] == "supported", name
+    assert "max_tokens" in entries["n_predict"]["aliases"]
+    for name in ("messages", "tools", "chat_template_kwargs", "logprobs", "response_format"):
+        assert entries[name]["scope"] == "chat", name
+
+
+def test_request_field_helpers_filter(manifest) -> None:
+    unsupported = manifest_request_fields(status="unsupported", manifest=manifest)
+    assert "grammar" in unsupported and "stream" not in unsupported
+    chat = manifest_request_fields(scope="chat", manifest=manifest)
+    assert "messages" in chat and "prompt" not in chat
+    assert set(manifest_request_fields(status="noop", scope="completion", manifest=manifest)) == {
+        "echo", "best_of", "suffix"}
