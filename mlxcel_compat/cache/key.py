@@ -1,0 +1,261 @@
+"""The prompt-cache key: buckets, digests, template signatures and session keys.
+
+An entry is identified by a 32-byte BLAKE3 digest over seven dimensions plus the
+tokens (see docs "The key"). Requests that differ in any dimension must never share
+KV state, so every field is length-prefixed and domain-separated: two different
+inputs can never serialise to the same byte string.
+
+The byte layout is part of the contract (digests are pinned in tests), so change
+``DOMAIN`` whenever the layout changes.
+
+Nothing here imports mlx: the key is pure bookkeeping.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from blake3 import blake3
+
+DOMAIN = b"mlxcel:prompt-cache:v3"
+MULTIMODAL_DOMAIN = b"mlxcel:prompt-cache:multimodal:v1"
+TEMPLATE_DOMAIN = b"mlxcel:prompt-cache:template:v1"
+TOOLS_DOMAIN = b"mlxcel:prompt-cache:tools:v1"
+RAW_PROMPT_DOMAIN = b"mlxcel:prompt-cache:raw-prompt:v1"
+
+DIGEST_SIZE = 32
+
+# Text-only requests: count 0 and total length 0. A real payload list always has a
+# non-zero count, so this constant can never collide with ``multimodal_digest(items)``.
+TEXT_ONLY_MM_DIGEST: bytes = blake3(
+    MULTIMODAL_DOMAIN + struct.pack("<QQ", 0, 0)
+).digest()
+
+# Routes that take a raw prompt (/completion, /v1/completions) render no template.
+# Own domain, so no template_signature() output can equal it.
+RAW_PROMPT_TEMPLATE_SIG: str = blake3(RAW_PROMPT_DOMAIN).hexdigest()
+
+ANON_SESSION = "__mlxcel_anon__"
+
+_U64 = struct.Struct("<Q")
+_TOOL_CHOICE_MODES = frozenset({"auto", "none", "required"})
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Everything of the key except the session and the tokens.
+
+    One radix trie exists per bucket; all sessions of a bucket share it, which is what
+    makes the cross-session stage of lookup possible.
+    """
+
+    model_id: str  # served display id (last path component or alias)
+    lora_id: str  # "" for the base model, else digest of adapters *and* scales
+    template_sig: str  # 64 lowercase hex chars (template_signature or sentinel)
+    rope_regime: int | None  # LongRoPE short/long tag, None for every other model
+    mm_digest: bytes  # 32 bytes, TEXT_ONLY_MM_DIGEST for text-only requests
+
+    def __post_init__(self) -> None:
+        if len(self.mm_digest) != DIGEST_SIZE:
+            raise ValueError(f"mm_digest must be {DIGEST_SIZE} bytes, got {len(self.mm_digest)}")
+        if self.rope_regime is not None and not 0 <= self.rope_regime <= 255:
+            raise ValueError(f"rope_regime must fit one byte, got {self.rope_regime}")
+
+    @property
+    def text_only(self) -> bool:
+        """True when the request carried no image or audio bytes."""
+        return self.mm_digest == TEXT_ONLY_MM_DIGEST
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Pack token ids as consecutive little-endian i32 values.
+
+    ``array('i')`` does the packing in C (a 100k-token prompt costs well under a
+    millisecond); it is only swapped on big-endian hosts so the bytes stay portable.
+
+    Raises:
+        OverflowError: a token id does not fit in an i32.
+    """
+    packed = array("i", tokens)
+    assert packed.itemsize == 4, f"{packed.itemsize=}"  # C int is 32 bits on every target
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _length_prefixed(text: str) -> bytes:
+    raw = text.encode("utf-8")
+    return _U64.pack(len(raw)) + raw
+
+
+def prompt_digest(bucket: Bucket, session_key: str, tokens: Sequence[int]) -> bytes:
+    """The 32-byte BLAKE3 digest identifying one cache entry.
+
+    Layout: domain, model_id, lora_id, template_sig, session_key (each u64 LE byte
+    length + UTF-8), rope_regime (presence byte + tag byte), mm_digest (raw 32 bytes),
+    prefix_len (u64 LE), then every token as i32 LE.
+
+    Args:
+        bucket: model, adapter, template, RoPE regime and multimodal dimensions.
+        session_key: from ``resolve_session_key``.
+        tokens: the token prefix; its length is the ``prefix_len`` field.
+
+    Returns:
+        32 raw digest bytes.
+    """
+    h = blake3(DOMAIN)
+    h.update(_length_prefixed(bucket.model_id))
+    h.update(_length_prefixed(bucket.lora_id))
+    h.update(_length_prefixed(bucket.template_sig))
+    h.update(_length_prefixed(session_key))
+    if bucket.rope_regime is None:
+        h.update(b"\x00\x00")
+    else:
+        h.update(bytes((1, bucket.rope_regime)))
+    h.update(bucket.mm_digest)
+    h.update(_U64.pack(len(tokens)))
+    h.update(pack_tokens(tokens))
+    return h.digest()
+
+
+def multimodal_digest(items: Sequence[bytes]) -> bytes:
+    """Digest of all decoded image/audio payloads in message order.
+
+    Count- and length-prefixed so that splitting or joining payloads, or swapping two
+    of them, changes the digest. The digest is over decoded bytes, so the same image
+    fetched from two URLs gives the same digest.
+
+    Args:
+        items: decoded media payloads, in the order they appear in the messages.
+
+    Returns:
+        32 bytes; ``TEXT_ONLY_MM_DIGEST`` when ``items`` is empty.
+    """
+    if not items:
+        return TEXT_ONLY_MM_DIGEST
+    h = blake3(MULTIMODAL_DOMAIN)
+    h.update(_U64.pack(len(items)))
+    for item in items:
+        h.update(_U64.pack(len(item)))
+        h.update(item)
+    return h.digest()
+
+
+def canonical_json(value: object) -> str:
+    """JSON with keys sorted at every depth and no insignificant whitespace.
+
+    Raises:
+        TypeError: the value holds something JSON cannot represent.
+    """
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def effective_tool_choice(tool_choice: object, tools: Sequence[Mapping[str, object]] | None) -> str:
+    """The tool-choice mode the template actually sees.
+
+    OpenAI semantics: an absent choice means "auto" when tools are given and "none"
+    otherwise. A forced function (``{"type": "function", "function": {"name": n}}`` or
+    the flat ``{"type": "function", "name": n}``) becomes ``"function:" + n``; the
+    prefix keeps a function literally named "auto" apart from the "auto" mode.
+    """
+    if tool_choice is None:
+        return "auto" if tools else "none"
+    if isinstance(tool_choice, str):
+        return tool_choice
+    if isinstance(tool_choice, Mapping):
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else tool_choice.get("name")
+        if isinstance(name, str):
+            return "function:" + name
+        mode = tool_choice.get("type")
+        if isinstance(mode, str) and mode in _TOOL_CHOICE_MODES:
+            return mode
+    # Unknown shape: still deterministic, still distinct from every mode string.
+    return "other:" + canonical_json(tool_choice)
+
+
+def tools_digest(tools: Sequence[Mapping[str, object]] | None) -> bytes:
+    """Order-preserving digest of the tools a template renders.
+
+    Each tool contributes its type, function name, description and parameters as
+    canonical JSON; both the nested (``{"function": {...}}``) and the flat shape are
+    read. ``None`` and ``[]`` render identically, so they share a digest.
+    """
+    tools = tools or ()
+    h = blake3(TOOLS_DOMAIN)
+    h.update(_U64.pack(len(tools)))
+    for tool in tools:
+        nested = tool.get("function")
+        function = nested if isinstance(nested, Mapping) else tool
+        record = [
+            tool.get("type", "function"),
+            function.get("name"),
+            function.get("description"),
+            function.get("parameters"),
+        ]
+        h.update(_length_prefixed(canonical_json(record)))
+    return h.digest()
+
+
+def template_signature(
+    template_source: str,
+    chat_template_kwargs: Mapping[str, object],
+    tool_choice: object,
+    tools: Sequence[Mapping[str, object]] | None,
+) -> str:
+    """64-hex BLAKE3 signature of everything that shapes the rendered prompt.
+
+    The template source is hashed verbatim (a whitespace change invalidates); the
+    kwargs are hashed as canonical JSON, so key order at any depth does not matter.
+
+    Args:
+        template_source: the Jinja chat template as loaded.
+        chat_template_kwargs: server defaults already overlaid by the request's kwargs.
+        tool_choice: the request's ``tool_choice`` (``None`` when absent).
+        tools: the request's ``tools`` (``None`` when absent).
+
+    Returns:
+        64 lowercase hex characters.
+    """
+    h = blake3(TEMPLATE_DOMAIN)
+    h.update(_length_prefixed(template_source))
+    h.update(_length_prefixed(canonical_json(dict(chat_template_kwargs))))
+    h.update(_length_prefixed(effective_tool_choice(tool_choice, tools)))
+    h.update(tools_digest(tools))
+    return h.hexdigest()
+
+
+def _first_string(body: Mapping[str, object], field: str) -> str | None:
+    """First non-empty string for ``field`` at the top level, then inside ``extra_body``.
+
+    The OpenAI SDK flattens ``extra_body`` into the request, so the top level covers
+    the flattened form; some clients send it nested, hence the second look.
+    """
+    value = body.get(field)
+    if isinstance(value, str) and value:
+        return value
+    extra = body.get("extra_body")
+    if isinstance(extra, Mapping):
+        nested = extra.get(field)
+        if isinstance(nested, str) and nested:
+            return nested
+    return None
+
+
+def resolve_session_key(body: Mapping[str, object]) -> str:
+    """The session dimension of the key for one request body.
+
+    Order: ``prompt_cache_key`` (top level / flattened ``extra_body``, then nested
+    ``extra_body``), then ``user`` (same two places), then ``ANON_SESSION``.
+    Non-string and empty values are ignored.
+    """
+    for field in ("prompt_cache_key", "user"):
+        value = _first_string(body, field)
+        if value is not None:
+            return value
+    return ANON_SESSION

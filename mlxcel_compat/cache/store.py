@@ -1,0 +1,609 @@
+"""The prompt-cache store: entries, LRU/TTL/byte budgets, two-stage lookup and APC.
+
+Entries hold an opaque ``payload`` (the adapter's detached KV state) plus its logical
+``nbytes`` and whether it can be cut to any shorter prefix (``trimmable``). Nothing
+here imports mlx; the adapter that knows mlx-lm cache objects lives elsewhere.
+
+Layout::
+
+    EntryStore            entries in LRU order (OrderedDict, least recent first),
+      |                   one RadixTrie per Bucket, digest index, byte total,
+      |                   TTL sweep, eviction to caps, insert + supersede, counters
+      +-- PromptCacheStore   two-stage lookup, APC block chains and block index
+      +-- (SnapshotStore)    next: whole-cache snapshots for recurrent families
+
+How the snapshot store plugs in: subclass ``EntryStore`` with its own
+``capacity_flag``/``store_label`` and write only ``lookup`` (same bucket *and* same
+session; classify divergent snapshots with ``self._record_miss("snapshot_diverged")``
+and the best common length). Insert, supersede per session *and* origin, eviction,
+TTL, reset and the base stats are already shared; ``_after_insert``,
+``_on_entry_removed`` and ``_on_reset`` are the hooks (APC uses them here).
+
+Readings of the spec recorded here:
+
+- Eviction counters: ``lru`` counts every eviction made to get under ``max_entries``
+  *or* ``capacity_bytes``; ``capacity`` is always reported (stable metric shape) but
+  stays 0 because byte-budget evictions are folded into ``lru`` ("capacity is
+  reported but folded into lru"). The three reasons therefore add up to the total.
+- TTL: an entry expires once ``clock() - last_used >= ttl_seconds``; ``last_used``
+  moves on insert and on a hit. ``ttl_seconds == 0`` disables expiry. Expired entries
+  are swept on lookup (spec) and on insert (keeps the byte budget honest).
+- Supersede: a new entry removes entries of the same bucket, session and origin whose
+  tokens are a prefix of (or equal to) its tokens, whatever their trimmability, as the
+  snapshot store must do. An identical key (same digest) is always replaced.
+- ``min_prefix`` is applied to each candidate's match (before the clamp), so a short
+  same-session match cannot hide a long enough cross-session one.
+- Stage ranking uses the adoptable length (after the ``len(tokens) - 1`` clamp): a
+  cross-session entry that is longer only before the clamp does not beat the session.
+- A non-trimmable entry can be adopted only when it is a whole prefix of the request
+  and at least one token shorter than it (its state cannot give the last token back).
+- APC partial reuse needs: APC on, a trimmable entry that still has its chain, and a
+  text-only bucket (multimodal requests adopt whole entries only).
+- ``--apc-num-blocks`` bounds the total length of all stored chains. Over the bound,
+  chains of the least recently used entries are dropped: those entries lose partial
+  reuse but stay eligible as whole prefixes.
+
+The store is not thread-safe: the engine thread owns it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from mlxcel_compat.cache.block_hash import (
+    ApcConfig,
+    BlockHash,
+    BlockHasher,
+    BlockIndex,
+    block_chain,
+    verified_prefix,
+)
+from mlxcel_compat.cache.key import Bucket, prompt_digest
+from mlxcel_compat.cache.radix import RadixTrie
+
+logger = logging.getLogger(__name__)
+
+EVICTION_REASONS = ("lru", "ttl", "capacity")
+REJECTION_REASONS = ("min_prefix", "oversized")
+MISS_REASONS = ("no_candidate", "prefix_too_short")
+
+STAGE_SESSION = "session"
+STAGE_CROSS_SESSION = "cross_session"
+
+
+@dataclass(slots=True, eq=False, repr=False)
+class CacheEntry:
+    """One stored sequence state. Owned by the store; never mutate ``payload``."""
+
+    id: int
+    bucket: Bucket
+    session_key: str
+    tokens: tuple[int, ...]  # the exact tokens the payload holds state for
+    payload: object  # opaque adapter object (detached KV state)
+    nbytes: int  # logical bytes of the payload
+    trimmable: bool  # payload can be cut to any shorter prefix
+    created: float  # clock() at insert
+    last_used: float  # clock() at insert or last hit; TTL counts from here
+    hits: int = 0
+    origin: str = "completion"  # who donated it ("completion", "boundary", ...)
+    block_chain: list[BlockHash] | None = None  # APC chain; None when off or dropped
+    digest: bytes = b""  # prompt_digest(bucket, session_key, tokens)
+    use_tick: int = 0  # recency order that a coarse clock cannot tie
+
+    def anon_repr(self) -> str:
+        """A loggable description without tokens, session or payload."""
+        return (
+            f"CacheEntry(id={self.id}, tokens={len(self.tokens)}, nbytes={self.nbytes}, "
+            f"trimmable={self.trimmable}, origin={self.origin}, hits={self.hits})"
+        )
+
+    __repr__ = anon_repr
+
+
+@dataclass(slots=True)
+class CacheHit:
+    """What the engine adopts: ``entry.payload`` cut to ``matched_len`` tokens."""
+
+    entry: CacheEntry
+    matched_len: int  # tokens to adopt; always <= len(request) - 1
+    stage: str  # STAGE_SESSION or STAGE_CROSS_SESSION
+    common_len: int  # longest common prefix of request and entry (trie length)
+    verified_len: int  # length vouched for: whole entry, or the APC-verified length
+
+    @property
+    def needs_trim(self) -> bool:
+        """True when the payload holds more tokens than are adopted."""
+        return self.matched_len < len(self.entry.tokens)
+
+
+@dataclass(slots=True)
+class LookupResult:
+    """Outcome of one lookup: a hit, or the reason for the miss."""
+
+    hit: CacheHit | None
+    reason: str | None = None  # None on a hit; "disabled", "no_candidate", "prefix_too_short"
+    best_len: int = 0  # best match found (before the clamp), also reported on a miss
+
+
+@dataclass(slots=True)
+class InsertResult:
+    """Outcome of one insert."""
+
+    inserted: bool
+    entry_id: int | None = None
+    reason: str | None = None  # not stored: "disabled", "min_prefix", "oversized"; stored: "duplicate" or None
+    superseded: list[int] = field(default_factory=list)  # ids removed as dominated
+    evicted: list[int] = field(default_factory=list)  # ids evicted to fit the caps
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    """Monotonic counters (never reset, as Prometheus counters must not go back)."""
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    partial_hits: int = 0  # hits that adopt less than the whole entry
+    inserts: int = 0
+    supersedes: int = 0
+    prefix_tokens_reused: int = 0
+    evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVICTION_REASONS, 0))
+    rejections: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECTION_REASONS, 0))
+    miss_reasons: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
+    last_reject: dict[str, object] | None = None
+
+
+class EntryStore:
+    """Entries, budgets and insert policy shared by the KV store and the snapshot store."""
+
+    capacity_flag: ClassVar[str] = "--prompt-cache-capacity-bytes"
+    store_label: ClassVar[str] = "prompt cache"
+
+    def __init__(
+        self,
+        *,
+        capacity_bytes: int,
+        max_entries: int,
+        ttl_seconds: float,
+        min_prefix: int,
+        clock: Callable[[], float] = time.monotonic,
+        enabled: bool = True,
+    ) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        if ttl_seconds < 0:
+            raise ValueError(f"ttl_seconds must be >= 0 (0 = never expire), got {ttl_seconds}")
+        if min_prefix < 0:
+            raise ValueError(f"min_prefix must be >= 0, got {min_prefix}")
+        self.enabled = enabled
+        self.capacity_bytes = capacity_bytes
+        self.max_entries = max_entries
+        self.ttl_seconds = ttl_seconds
+        self.min_prefix = min_prefix
+        self.counters = StoreCounters()
+        self._clock = clock
+        self._entries: OrderedDict[int, CacheEntry] = OrderedDict()  # least recently used first
+        self._tries: dict[Bucket, RadixTrie] = {}
+        self._by_digest: dict[bytes, int] = {}
+        self._nbytes = 0
+        self._ids = itertools.count(1)
+        self._ticks = itertools.count(1)
+        self._warned_oversized = False
+
+    # --- public API ---
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Logical bytes of all live entries."""
+        return self._nbytes
+
+    def get(self, entry_id: int) -> CacheEntry | None:
+        """The live entry with this id, without touching its recency."""
+        return self._entries.get(entry_id)
+
+    def entries(self) -> list[CacheEntry]:
+        """Live entries, least recently used first."""
+        return list(self._entries.values())
+
+    def insert(
+        self,
+        bucket: Bucket,
+        session_key: str,
+        tokens: Sequence[int],
+        payload: object,
+        nbytes: int,
+        trimmable: bool,
+        origin: str = "completion",
+    ) -> InsertResult:
+        """Store a finished sequence's state (donate).
+
+        Args:
+            bucket: the request's bucket.
+            session_key: the request's session key.
+            tokens: the tokens the payload holds state for (prompt + generated).
+            payload: opaque state; the store only keeps a reference.
+            nbytes: logical bytes of ``payload``.
+            trimmable: whether ``payload`` can be cut to any shorter prefix.
+            origin: donation kind; supersede only acts within one origin.
+
+        Returns:
+            Whether it was stored, why not, and which entries it displaced.
+        """
+        if not self.enabled:
+            return InsertResult(inserted=False, reason="disabled")
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        now = self._clock()
+        self._sweep_helper(now)
+        toks = tokens if isinstance(tokens, tuple) else tuple(tokens)
+        if len(toks) < max(self.min_prefix, 1):
+            return self._reject_helper("min_prefix", tokens=len(toks), min_prefix=self.min_prefix)
+        if nbytes > self.capacity_bytes:
+            self._warn_oversized_once(nbytes)
+            return self._reject_helper("oversized", nbytes=nbytes, capacity_bytes=self.capacity_bytes)
+
+        digest = prompt_digest(bucket, session_key, toks)
+        result = InsertResult(inserted=True)
+        duplicate_id = self._by_digest.get(digest)
+        if duplicate_id is not None:
+            result.reason = "duplicate"
+            self._supersede_helper(self._entries[duplicate_id], result)
+        for entry in self._supersede_candidates(bucket, session_key, toks, origin):
+            self._supersede_helper(entry, result)
+
+        entry = CacheEntry(
+            id=next(self._ids), bucket=bucket, session_key=session_key, tokens=toks,
+            payload=payload, nbytes=nbytes, trimmable=trimmable, created=now,
+            last_used=now, origin=origin, digest=digest, use_tick=next(self._ticks),
+        )
+        self._add_entry(entry)
+        result.entry_id = entry.id
+        result.evicted = self._evict_to_caps_helper()
+        assert entry.id in self._entries, f"{entry.id=} evicted right after insert"
+        self.counters.inserts += 1
+        self._after_insert(entry)
+        return result
+
+    def sweep(self) -> list[int]:
+        """Evict TTL-expired entries now; returns their ids."""
+        return self._sweep_helper(self._clock())
+
+    def reset(self) -> tuple[int, int]:
+        """Drop every entry (``POST /v1/cache/reset``); counters are kept.
+
+        Returns:
+            ``(entries_cleared, bytes_cleared)``; ``(0, 0)`` when already empty.
+        """
+        cleared = (len(self._entries), self._nbytes)
+        self._entries.clear()
+        self._tries.clear()
+        self._by_digest.clear()
+        self._nbytes = 0
+        self._on_reset()
+        return cleared
+
+    # --- hooks for subclasses ---
+
+    def _after_insert(self, entry: CacheEntry) -> None:
+        """Called once the new entry is stored and the caps hold."""
+
+    def _on_entry_removed(self, entry: CacheEntry) -> None:
+        """Called for every entry leaving the store except through ``reset``."""
+
+    def _on_reset(self) -> None:
+        """Called by ``reset`` after the entries are gone."""
+
+    # --- internal helpers ---
+
+    def _supersede_candidates(
+        self, bucket: Bucket, session_key: str, toks: tuple[int, ...], origin: str
+    ) -> list[CacheEntry]:
+        """Same-session, same-origin entries whose tokens are a prefix of ``toks``."""
+        trie = self._tries.get(bucket)
+        if trie is None:
+            return []
+        found = []
+        for _, entry_id in trie.longest_prefix_entries(toks):
+            entry = self._entries[entry_id]
+            if entry.session_key == session_key and entry.origin == origin:
+                found.append(entry)
+        return found
+
+    def _supersede_helper(self, entry: CacheEntry, result: InsertResult) -> None:
+        if entry.id not in self._entries:  # already taken out as the duplicate
+            return
+        self._remove_entry(entry)
+        result.superseded.append(entry.id)
+        self.counters.supersedes += 1
+
+    def _add_entry(self, entry: CacheEntry) -> None:
+        self._entries[entry.id] = entry
+        self._by_digest[entry.digest] = entry.id
+        self._nbytes += entry.nbytes
+        trie = self._tries.get(entry.bucket)
+        if trie is None:
+            trie = self._tries[entry.bucket] = RadixTrie()
+        trie.insert(entry.tokens, entry.id)
+
+    def _remove_entry(self, entry: CacheEntry) -> None:
+        del self._entries[entry.id]
+        del self._by_digest[entry.digest]
+        self._nbytes -= entry.nbytes
+        trie = self._tries[entry.bucket]
+        trie.remove(entry.tokens, entry.id)
+        if not len(trie):
+            del self._tries[entry.bucket]  # stale buckets (old templates) leave nothing behind
+        self._on_entry_removed(entry)
+
+    def _touch(self, entry: CacheEntry, now: float) -> None:
+        """Mark a successful use: most recent in LRU order, TTL restarts."""
+        entry.last_used = now
+        entry.use_tick = next(self._ticks)
+        self._entries.move_to_end(entry.id)
+
+    def _sweep_helper(self, now: float) -> list[int]:
+        if self.ttl_seconds <= 0:
+            return []
+        expired: list[int] = []
+        # Entries are in last-use order, so the expired ones form a run at the front.
+        while self._entries:
+            oldest = next(iter(self._entries.values()))
+            if now - oldest.last_used < self.ttl_seconds:
+                break
+            self._remove_entry(oldest)
+            self.counters.evictions["ttl"] += 1
+            expired.append(oldest.id)
+        return expired
+
+    def _evict_to_caps_helper(self) -> list[int]:
+        """Evict least recently used entries down to max_entries, then capacity_bytes."""
+        evicted: list[int] = []
+        while len(self._entries) > self.max_entries or self._nbytes > self.capacity_bytes:
+            oldest = next(iter(self._entries.values()))
+            self._remove_entry(oldest)
+            self.counters.evictions["lru"] += 1  # byte-budget evictions fold into lru
+            evicted.append(oldest.id)
+        return evicted
+
+    def _reject_helper(self, reason: str, **details: object) -> InsertResult:
+        self.counters.rejections[reason] = self.counters.rejections.get(reason, 0) + 1
+        self.counters.last_reject = {"reason": reason, **details}
+        return InsertResult(inserted=False, reason=reason)
+
+    def _warn_oversized_once(self, nbytes: int) -> None:
+        if self._warned_oversized:
+            return
+        self._warned_oversized = True
+        logger.warning(
+            "%s entry of %d bytes exceeds the whole capacity of %d bytes and can never be "
+            "stored (cached=0 on every turn); raise %s",
+            self.store_label, nbytes, self.capacity_bytes, self.capacity_flag,
+        )
+
+    def _record_miss(self, reason: str, best_len: int = 0) -> LookupResult:
+        self.counters.misses += 1
+        self.counters.miss_reasons[reason] = self.counters.miss_reasons.get(reason, 0) + 1
+        return LookupResult(hit=None, reason=reason, best_len=best_len)
+
+    def _record_hit(self, hit: CacheHit, now: float) -> LookupResult:
+        self._touch(hit.entry, now)
+        hit.entry.hits += 1
+        self.counters.hits += 1
+        self.counters.prefix_tokens_reused += hit.matched_len
+        if hit.needs_trim:
+            self.counters.partial_hits += 1
+        return LookupResult(hit=hit, reason=None, best_len=hit.verified_len)
+
+    def _base_stats(self) -> dict[str, object]:
+        c = self.counters
+        return {
+            "enabled": self.enabled,
+            "entries": len(self._entries),
+            "bytes": self._nbytes,
+            "capacity_bytes": self.capacity_bytes,
+            "max_entries": self.max_entries,
+            "ttl_seconds": self.ttl_seconds,
+            "min_prefix": self.min_prefix,
+            "lookups": c.lookups,
+            "hits": c.hits,
+            "misses": c.misses,
+            "hit_rate": c.hits / c.lookups if c.lookups else 0.0,
+            "partial_hits": c.partial_hits,
+            "miss_reasons": dict(c.miss_reasons),
+            "inserts": c.inserts,
+            "supersedes": c.supersedes,
+            "evictions": dict(c.evictions),
+            "rejections": dict(c.rejections),
+            "prefix_tokens_reused_total": c.prefix_tokens_reused,
+            "last_reject": dict(c.last_reject) if c.last_reject is not None else None,
+        }
+
+
+@dataclass(slots=True)
+class _Candidate:
+    entry: CacheEntry
+    usable: int  # adoptable length after the len - 1 clamp
+    verified: int  # before the clamp
+    common: int
+    rank: tuple[int, bool, int]  # (usable, same session, recency): max wins
+
+
+class PromptCacheStore(EntryStore):
+    """The prompt-prefix KV store: two-stage longest-prefix lookup plus APC."""
+
+    def __init__(
+        self,
+        *,
+        capacity_bytes: int,
+        max_entries: int = 1024,
+        ttl_seconds: float = 3600.0,
+        min_prefix: int = 32,
+        apc: ApcConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        enabled: bool = True,
+    ) -> None:
+        super().__init__(
+            capacity_bytes=capacity_bytes, max_entries=max_entries, ttl_seconds=ttl_seconds,
+            min_prefix=min_prefix, clock=clock, enabled=enabled,
+        )
+        self.apc = apc
+        self.apc_num_blocks = apc.resolve_num_blocks(max_entries) if apc is not None else 0
+        self._blocks = BlockIndex()
+
+    # --- public API ---
+
+    def lookup(self, bucket: Bucket, session_key: str, tokens: Sequence[int]) -> LookupResult:
+        """Find the state to adopt before prefilling ``tokens``.
+
+        Stage 1 takes the best candidate of the request's session; stage 2 the best of
+        the other sessions of the bucket, which wins only when strictly longer. Ties
+        inside a stage go to the most recently used entry. A hit refreshes the entry's
+        recency and TTL.
+
+        Args:
+            bucket: the request's bucket.
+            session_key: the request's session key.
+            tokens: the full rendered prompt.
+
+        Returns:
+            A ``LookupResult``. On a hit, ``hit.matched_len`` leaves at least one token
+            to prefill. On a miss, ``reason`` is "no_candidate" (nothing eligible),
+            "prefix_too_short" (the longest eligible match, in ``best_len``, is below
+            ``min_prefix``) or "disabled".
+        """
+        if not self.enabled:
+            return LookupResult(hit=None, reason="disabled")
+        toks = tokens if isinstance(tokens, tuple) else tuple(tokens)
+        now = self._clock()
+        self._sweep_helper(now)
+        self.counters.lookups += 1
+        best, short_len = self._select_helper(bucket, session_key, toks)
+        if best is None:
+            if short_len:
+                return self._record_miss("prefix_too_short", short_len)
+            return self._record_miss("no_candidate")
+        stage = STAGE_SESSION if best.entry.session_key == session_key else STAGE_CROSS_SESSION
+        hit = CacheHit(best.entry, best.usable, stage, best.common, best.verified)
+        logger.debug(
+            "prompt cache hit: entry=%d stage=%s matched=%d common=%d verified=%d",
+            best.entry.id, stage, best.usable, best.common, best.verified,
+        )
+        return self._record_hit(hit, now)
+
+    def stats(self) -> dict[str, object]:
+        """Counters and gauges for ``GET /v1/cache/stats`` (same keys as ``disabled_stats``)."""
+        out = self._base_stats()
+        out.update(
+            apc_enabled=self.apc is not None,
+            block_size=self.apc.block_size if self.apc is not None else 0,
+            hash=self.apc.hash_name if self.apc is not None else None,
+            apc_num_blocks=self.apc_num_blocks,
+            total_blocks_stored=self._blocks.num_blocks,
+            unique_block_hashes=self._blocks.num_unique,
+            apc_active_entries=self._blocks.num_chains,
+        )
+        return out
+
+    @staticmethod
+    def disabled_stats() -> dict[str, object]:
+        """The stats shape when the cache is off: every key present, all zero."""
+        out = PromptCacheStore(capacity_bytes=0, max_entries=1, ttl_seconds=0, min_prefix=0, enabled=False).stats()
+        out.update(max_entries=0, ttl_seconds=0.0)
+        return out
+
+    # --- lookup helpers ---
+
+    def _select_helper(
+        self, bucket: Bucket, session_key: str, toks: tuple[int, ...]
+    ) -> tuple[_Candidate | None, int]:
+        """The winning candidate, and the longest eligible match below ``min_prefix``."""
+        trie = self._tries.get(bucket)
+        if trie is None or len(toks) < 2:
+            return None, 0
+        limit = len(toks) - 1  # the last prompt token is always prefilled for fresh logits
+        hasher = None
+        if self.apc is not None and bucket.text_only:
+            hasher = BlockHasher(toks, self.apc.block_size, self.apc.hash_name, bucket.mm_digest)
+        best: _Candidate | None = None
+        short_len = 0
+        for group in trie.overlap_groups(toks):
+            bound = min(group.common_len, limit)
+            # Groups come deepest first: once none can reach the best, stop enumerating.
+            if bound == 0 or (best is not None and bound < best.usable):
+                break
+            if group.common_len < self.min_prefix and (best is not None or short_len):
+                break  # everything from here on is too short, and the miss reason is known
+            for entry_id in group.entry_ids:
+                cand = self._evaluate_helper(self._entries[entry_id], group.common_len, toks, limit, hasher, session_key)
+                if cand is None:
+                    continue
+                if cand.verified < self.min_prefix:
+                    short_len = max(short_len, cand.verified)
+                elif best is None or cand.rank > best.rank:
+                    best = cand
+        return best, short_len
+
+    def _evaluate_helper(
+        self,
+        entry: CacheEntry,
+        common: int,
+        toks: tuple[int, ...],
+        limit: int,
+        hasher: BlockHasher | None,
+        session_key: str,
+    ) -> _Candidate | None:
+        """How much of ``entry`` the request may adopt, or None if it is not eligible."""
+        length = len(entry.tokens)
+        if common == length:  # the whole entry is a prefix of the request
+            if not entry.trimmable and length > limit:
+                return None  # an exact repeat would need the state to give a token back
+            verified = length
+        elif hasher is not None and entry.trimmable and entry.block_chain is not None:
+            assert self.apc is not None
+            bs = self.apc.block_size
+            request_chain = hasher.chain(common // bs + 1)
+            verified = verified_prefix(entry.block_chain, request_chain, entry.tokens, toks, bs, True)
+        else:
+            return None  # partial overlap without APC, or a state that cannot be cut
+        usable = min(verified, limit)
+        if usable <= 0:
+            return None
+        rank = (usable, entry.session_key == session_key, entry.use_tick)
+        return _Candidate(entry, usable, verified, common, rank)
+
+    # --- APC block index ---
+
+    def _after_insert(self, entry: CacheEntry) -> None:
+        apc = self.apc
+        if apc is None or not entry.trimmable or not entry.bucket.text_only:
+            return  # such entries are only ever adopted whole: a chain would be dead weight
+        entry.block_chain = block_chain(entry.tokens, apc.block_size, apc.hash_name, entry.bucket.mm_digest)
+        self._blocks.add(entry.block_chain)
+        # Over the bound, the least recently used entries give up their chains first.
+        for older in self._entries.values():
+            if self._blocks.num_blocks <= self.apc_num_blocks:
+                break
+            self._drop_chain(older)
+
+    def _on_entry_removed(self, entry: CacheEntry) -> None:
+        self._drop_chain(entry)
+
+    def _on_reset(self) -> None:
+        self._blocks.clear()
+
+    def _drop_chain(self, entry: CacheEntry) -> None:
+        """Forget an entry's chain: it stays adoptable as a whole prefix only."""
+        if entry.block_chain is not None:
+            self._blocks.discard(entry.block_chain)
+            entry.block_chain = None

@@ -1,0 +1,223 @@
+"""Cache key: digest layout and stability, template signature, session key."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from blake3 import blake3
+
+from mlxcel_compat.cache.key import (
+    ANON_SESSION,
+    DOMAIN,
+    RAW_PROMPT_TEMPLATE_SIG,
+    TEXT_ONLY_MM_DIGEST,
+    Bucket,
+    effective_tool_choice,
+    multimodal_digest,
+    pack_tokens,
+    prompt_digest,
+    resolve_session_key,
+    template_signature,
+)
+
+SIG = "ab" * 32
+TOKENS = (1, 2, 3, 128000, 7)
+
+
+def make_bucket(**overrides: object) -> Bucket:
+    fields: dict[str, object] = dict(
+        model_id="Llama-3.1-8B", lora_id="", template_sig=SIG, rope_regime=None, mm_digest=TEXT_ONLY_MM_DIGEST
+    )
+    fields.update(overrides)
+    return Bucket(**fields)  # type: ignore[arg-type]
+
+
+def lp(text: str) -> bytes:
+    raw = text.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+# --- prompt_digest ---
+
+
+def test_digest_is_pinned() -> None:
+    # Computed once from the documented layout; a change here breaks cache compatibility.
+    digest = prompt_digest(make_bucket(), "sess-1", TOKENS)
+    assert digest.hex() == "ad9f75ee23b0236fe794da305f580281f09a8fa9892405740fe966af4ae129b4"
+    assert len(digest) == 32
+
+
+def test_digest_matches_documented_layout() -> None:
+    bucket = make_bucket(lora_id="lora:x", rope_regime=1)
+    expected = blake3(
+        DOMAIN
+        + lp("Llama-3.1-8B")
+        + lp("lora:x")
+        + lp(SIG)
+        + lp("sess-1")
+        + b"\x01\x01"
+        + TEXT_ONLY_MM_DIGEST
+        + struct.pack("<Q", len(TOKENS))
+        + b"".join(struct.pack("<i", t) for t in TOKENS)
+    ).digest()
+    assert prompt_digest(bucket, "sess-1", TOKENS) == expected
+
+
+def test_digest_accepts_any_int_sequence() -> None:
+    assert prompt_digest(make_bucket(), "s", list(TOKENS)) == prompt_digest(make_bucket(), "s", TOKENS)
+
+
+@pytest.mark.parametrize(
+    "bucket_changes, session, tokens",
+    [
+        ({"model_id": "Llama-3.1-8B-Instruct"}, "sess-1", TOKENS),
+        ({"lora_id": "adapters@0.5"}, "sess-1", TOKENS),
+        ({"template_sig": "cd" * 32}, "sess-1", TOKENS),
+        ({}, "sess-2", TOKENS),
+        ({"rope_regime": 0}, "sess-1", TOKENS),
+        ({"rope_regime": 1}, "sess-1", TOKENS),
+        ({"mm_digest": multimodal_digest([b"png"])}, "sess-1", TOKENS),
+        ({}, "sess-1", TOKENS[:-1]),  # prefix_len shorter
+        ({}, "sess-1", TOKENS + (0,)),  # prefix_len longer
+        ({}, "sess-1", (1, 2, 3, 128000, 8)),  # one token value
+        ({}, "sess-1", (2, 1, 3, 128000, 7)),  # order
+    ],
+)
+def test_each_dimension_changes_digest(bucket_changes: dict[str, object], session: str, tokens: tuple[int, ...]) -> None:
+    base = prompt_digest(make_bucket(), "sess-1", TOKENS)
+    assert prompt_digest(make_bucket(**bucket_changes), session, tokens) != base
+
+
+def test_rope_regime_none_zero_one_are_distinct() -> None:
+    digests = {prompt_digest(make_bucket(rope_regime=r), "s", TOKENS) for r in (None, 0, 1)}
+    assert len(digests) == 3
+
+
+def test_length_prefix_prevents_field_shifting() -> None:
+    a = prompt_digest(make_bucket(model_id="ab", lora_id=""), "s", TOKENS)
+    b = prompt_digest(make_bucket(model_id="a", lora_id="b"), "s", TOKENS)
+    assert a != b
+
+
+def test_bucket_validates_fields() -> None:
+    with pytest.raises(ValueError):
+        make_bucket(mm_digest=b"short")
+    with pytest.raises(ValueError):
+        make_bucket(rope_regime=256)
+    assert make_bucket().text_only
+    assert not make_bucket(mm_digest=multimodal_digest([b"x"])).text_only
+
+
+def test_pack_tokens_is_i32_little_endian() -> None:
+    assert pack_tokens([1, -1, 256]) == b"\x01\x00\x00\x00\xff\xff\xff\xff\x00\x01\x00\x00"
+    with pytest.raises(OverflowError):
+        pack_tokens([2**31])
+
+
+# --- multimodal digest ---
+
+
+def test_text_only_constant() -> None:
+    assert TEXT_ONLY_MM_DIGEST == blake3(b"mlxcel:prompt-cache:multimodal:v1" + bytes(16)).digest()
+    assert multimodal_digest([]) == TEXT_ONLY_MM_DIGEST
+
+
+def test_multimodal_digest_order_and_framing() -> None:
+    one, two = b"\x89PNG-image-one", b"RIFF-audio-two"
+    assert multimodal_digest([one, two]) == multimodal_digest([bytes(one), bytes(two)])  # same bytes, any source
+    assert multimodal_digest([one, two]) != multimodal_digest([two, one])
+    assert multimodal_digest([b"ab"]) != multimodal_digest([b"a", b"b"])
+    assert multimodal_digest([b""]) != TEXT_ONLY_MM_DIGEST
+    assert len(multimodal_digest([one])) == 32
+
+
+# --- template signature ---
+
+
+TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
+TOOL_A = {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+TOOL_B = {"type": "function", "function": {"name": "search", "description": "Search", "parameters": {"type": "object"}}}
+
+
+def sig(template: str = TEMPLATE, kwargs: dict[str, object] | None = None, tool_choice: object = None, tools: list[dict[str, object]] | None = None) -> str:
+    return template_signature(template, kwargs if kwargs is not None else {"enable_thinking": True}, tool_choice, tools)
+
+
+def test_signature_shape() -> None:
+    value = sig()
+    assert len(value) == 64 and value == value.lower() and int(value, 16) >= 0
+    assert sig() == value
+
+
+def test_raw_prompt_sentinel_is_fixed() -> None:
+    assert RAW_PROMPT_TEMPLATE_SIG == "b663b55f4cd4d4a6e6ce83a9adda6cef4512e10c3d17e0b5501dbf4c2a3e158e"
+    assert len(RAW_PROMPT_TEMPLATE_SIG) == 64
+    assert RAW_PROMPT_TEMPLATE_SIG != template_signature("", {}, None, None)
+
+
+def test_template_whitespace_invalidates() -> None:
+    assert sig(template=TEMPLATE + "\n") != sig()
+    assert sig(template=TEMPLATE.replace("{{ m", "{{m")) != sig()
+
+
+def test_kwargs_values_matter_but_key_order_does_not() -> None:
+    nested_a = {"a": 1, "opts": {"x": [1, 2], "y": {"p": True, "q": None}}}
+    nested_b = {"opts": {"y": {"q": None, "p": True}, "x": [1, 2]}, "a": 1}
+    assert sig(kwargs=nested_a) == sig(kwargs=nested_b)
+    assert sig(kwargs={"enable_thinking": False}) != sig()
+    assert sig(kwargs={**nested_a, "opts": {"x": [2, 1], "y": {}}}) != sig(kwargs=nested_a)
+
+
+def test_tool_choice_is_normalised() -> None:
+    assert effective_tool_choice(None, None) == "none"
+    assert effective_tool_choice(None, [TOOL_A]) == "auto"
+    assert effective_tool_choice({"type": "function", "function": {"name": "f"}}, [TOOL_A]) == "function:f"
+    assert effective_tool_choice({"type": "function", "name": "f"}, [TOOL_A]) == "function:f"
+    # Absent and explicit defaults render the same prompt, so they share a signature.
+    assert sig(tool_choice=None, tools=[TOOL_A]) == sig(tool_choice="auto", tools=[TOOL_A])
+    assert sig(tool_choice=None) == sig(tool_choice="none")
+    choices = ["auto", "none", "required", {"type": "function", "function": {"name": "get_weather"}}, {"type": "function", "function": {"name": "auto"}}]
+    assert len({sig(tool_choice=c, tools=[TOOL_A]) for c in choices}) == len(choices)
+
+
+def test_tools_order_and_content_matter() -> None:
+    assert sig(tools=[TOOL_A, TOOL_B]) != sig(tools=[TOOL_B, TOOL_A])
+    changed = {"type": "function", "function": {**TOOL_A["function"], "description": "Weather now"}}  # type: ignore[dict-item]
+    assert sig(tools=[changed]) != sig(tools=[TOOL_A])
+    renamed = {"type": "function", "function": {**TOOL_A["function"], "name": "weather"}}  # type: ignore[dict-item]
+    assert sig(tools=[renamed]) != sig(tools=[TOOL_A])
+    assert sig(tools=[TOOL_A]) != sig(tools=None)
+    assert sig(tools=[]) == sig(tools=None)
+
+
+def test_tool_parameters_key_order_does_not_matter() -> None:
+    reordered = {"function": {"parameters": {"properties": {"city": {"type": "string"}}, "type": "object"}, "description": "Weather", "name": "get_weather"}, "type": "function"}
+    assert sig(tools=[reordered], tool_choice="auto") == sig(tools=[TOOL_A], tool_choice="auto")
+    flat = {"type": "function", "name": "get_weather", "description": "Weather", "parameters": TOOL_A["function"]["parameters"]}  # type: ignore[index]
+    assert sig(tools=[flat]) == sig(tools=[TOOL_A])
+
+
+# --- session key ---
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ({}, ANON_SESSION),
+        ({"prompt_cache_key": "conv-1"}, "conv-1"),
+        ({"extra_body": {"prompt_cache_key": "nested"}}, "nested"),
+        ({"prompt_cache_key": "top", "extra_body": {"prompt_cache_key": "nested"}}, "top"),
+        ({"prompt_cache_key": "", "extra_body": {"prompt_cache_key": "nested"}}, "nested"),
+        ({"prompt_cache_key": 42, "user": "alice"}, "alice"),
+        ({"user": "alice", "prompt_cache_key": "conv-1"}, "conv-1"),
+        ({"user": "alice", "extra_body": {"prompt_cache_key": "nested"}}, "nested"),
+        ({"extra_body": {"user": "bob"}}, "bob"),
+        ({"user": "alice", "extra_body": {"user": "bob"}}, "alice"),
+        ({"user": "", "extra_body": {"user": ""}}, ANON_SESSION),
+        ({"user": None, "prompt_cache_key": ["x"]}, ANON_SESSION),
+        ({"extra_body": "not-a-mapping", "user": "carol"}, "carol"),
+    ],
+)
+def test_resolve_session_key(body: dict[str, object], expected: str) -> None:
+    assert resolve_session_key(body) == expected
