@@ -1,0 +1,34 @@
+"""Chat templates and chat-request handling for the chat routes.
+
+``template`` compiles and renders sandboxed Jinja chat templates (HF semantics) and detects their
+capabilities; ``messages`` validates OpenAI chat bodies llama-server style, renders the final
+prompt, and parses reasoning and tool calls out of generations.
+"""
+
+from __future__ import annotations
+
+from mlxcel_compat.chat.messages import (
+    ChatRequest,
+    ChatRequestError,
+    parse_chat_request,
+    parse_tool_calls,
+    prompt_opens_thinking,
+    render_chat,
+    render_history_boundary,
+    split_reasoning,
+)
+from mlxcel_compat.chat.template import BUILTIN_TEMPLATES, ChatTemplate, TemplateError
+
+__all__ = [
+    "BUILTIN_TEMPLATES",
+    "ChatRequest",
+    "ChatRequestError",
+    "ChatTemplate",
+    "TemplateError",
+    "parse_chat_request",
+    "parse_tool_calls",
+    "prompt_opens_thinking",
+    "render_chat",
+    "render_history_boundary",
+    "split_reasoning",
+]

@@ -1,0 +1,536 @@
+"""OpenAI chat request parsing, prompt rendering, and parsing of tool calls and reasoning.
+
+``parse_chat_request`` validates a ``/v1/chat/completions`` (or ``/apply-template``) body the way
+llama-server's ``oaicompat_chat_params_parse`` and ``common_chat_msgs_parse_oaicompat`` do, with
+their error wording, and normalizes messages to the shape llama.cpp hands its templates:
+only ``role``, ``content``, ``tool_calls``, ``reasoning_content``, ``name`` and ``tool_call_id``
+survive, a missing or null ``content`` becomes ``""``, and tool-call arguments are JSON strings
+(the template layer turns them back into objects for templates that want objects).
+
+``render_chat`` turns a parsed request into prompt text, including llama.cpp's assistant prefill.
+``split_reasoning`` and ``parse_tool_calls`` take a finished generation apart for the response.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxcel_compat.chat.template import ChatTemplate
+
+__all__ = [
+    "ChatRequest",
+    "ChatRequestError",
+    "parse_chat_request",
+    "parse_tool_calls",
+    "prompt_opens_thinking",
+    "render_chat",
+    "render_history_boundary",
+    "split_reasoning",
+]
+
+_MEDIA_HINT = "hint: if this is unexpected, you may need to provide the mmproj"
+_MEDIA_PART_KINDS = {"image_url": "image", "input_audio": "audio", "input_video": "video"}
+_TOOL_CHOICES = ("auto", "none", "required")
+_CONTINUE_FIELDS = ("content", "reasoning_content")
+
+
+class ChatRequestError(Exception):
+    """A chat body that llama-server would refuse.
+
+    ``status_code`` is 400, except for media parts the server cannot take: llama-server throws
+    those as a server error (500, ``server_error``) and clients match on that, so it is kept.
+    """
+
+    def __init__(self, message: str, status_code: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+
+
+@dataclass
+class ChatRequest:
+    """A validated chat body, ready to render."""
+
+    # Normalized OpenAI messages (see the module docstring for the shape).
+    messages: list[dict[str, Any]]
+    # Normalized function tools: {"type":"function","function":{name, description, parameters}}.
+    tools: list[dict[str, Any]]
+    # "auto", "none", "required", or the forced function's name.
+    tool_choice: str
+    add_generation_prompt: bool
+    # Continue the final message in place (HF semantics); needs add_generation_prompt false.
+    continue_final_message: bool
+    # chat_template_kwargs: server defaults overlaid by the request (and reasoning_effort).
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Which field of the final message continue_final_message continues.
+    continue_field: str = "content"
+    # llama.cpp --prefill-assistant: the trailing assistant message is appended after the
+    # generation prompt so the model carries on from it.
+    prefill: bool = False
+
+    @property
+    def render_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the template sees: none when tool_choice is "none" or the list is empty."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return self.tools
+
+    @property
+    def enable_thinking(self) -> bool:
+        """Effective thinking switch; llama.cpp passes ``enable_thinking=true`` unless told not to."""
+        return self.template_kwargs.get("enable_thinking", True) is not False
+
+
+# --- request parsing ----------------------------------------------------------------------
+
+
+def parse_chat_request(
+    body: Mapping[str, Any],
+    *,
+    default_template_kwargs: Mapping[str, Any] | None = None,
+    prefill_assistant: bool = True,
+) -> ChatRequest:
+    """Validate and normalize an OpenAI chat body.
+
+    Args:
+        body: the decoded JSON body.
+        default_template_kwargs: ``--chat-template-kwargs`` (already parsed).
+        prefill_assistant: ``--prefill-assistant`` (llama.cpp default on).
+
+    Raises:
+        ChatRequestError: with llama-server's wording where it has one.
+    """
+    if not isinstance(body, Mapping):
+        raise ChatRequestError("Expected the request body to be an object")
+    if "messages" not in body:
+        raise ChatRequestError("'messages' is required")
+    raw_messages = body["messages"]
+    if not isinstance(raw_messages, list):
+        raise ChatRequestError("Expected 'messages' to be an array")
+    messages = [_parse_message(m) for m in raw_messages]
+
+    tools = _parse_tools(body.get("tools"))
+    tool_choice = _parse_tool_choice(body.get("tool_choice"))
+    template_kwargs = _merge_template_kwargs(body, default_template_kwargs)
+
+    add_generation_prompt = _optional_bool(body, "add_generation_prompt", True)
+    continue_final_message, continue_field = _parse_continue(body.get("continue_final_message"))
+    if continue_final_message and add_generation_prompt:
+        raise ChatRequestError(
+            "Cannot use both add_generation_prompt and continue_final_message; "
+            "set add_generation_prompt to false to continue the final message"
+        )
+
+    trailing_assistant = bool(messages) and messages[-1]["role"] == "assistant"
+    if trailing_assistant and (prefill_assistant or continue_final_message):
+        if len(messages) > 1 and messages[-2]["role"] == "assistant":
+            raise ChatRequestError(
+                "Cannot have 2 or more assistant messages at the end of the list."
+            )
+    prefill = trailing_assistant and prefill_assistant and not continue_final_message
+    if prefill:
+        # llama.cpp renders the history with a generation prompt, then appends the prefix.
+        add_generation_prompt = True
+
+    return ChatRequest(
+        messages=messages,
+        tools=tools,
+        tool_choice=tool_choice,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        template_kwargs=template_kwargs,
+        continue_field=continue_field,
+        prefill=prefill,
+    )
+
+
+def _dump(value: Any) -> str:
+    # Compact like nlohmann's dump(), used in llama.cpp's messages.
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _parse_error(detail: str) -> ChatRequestError:
+    return ChatRequestError(f"Failed to parse messages: {detail}")
+
+
+def _parse_message(raw: Any) -> dict[str, Any]:
+    if not isinstance(raw, Mapping):
+        raise _parse_error(f"Expected 'message' to be an object, got {_dump(raw)}")
+    role = raw.get("role")
+    # Presence rules first, as llama-server checks them before anything else.
+    if role != "assistant" and "content" not in raw:
+        raise ChatRequestError("All non-assistant messages must contain 'content'")
+    if role == "assistant" and "content" not in raw and "tool_calls" not in raw:
+        raise ChatRequestError("Assistant message must contain either 'content' or 'tool_calls'!")
+    if "role" not in raw:
+        raise _parse_error(f"Missing 'role' in message: {_dump(raw)}")
+    if not isinstance(role, str):
+        raise _parse_error(f"'role' must be a string: {_dump(raw)}")
+
+    message: dict[str, Any] = {"role": role, "content": _parse_content(raw.get("content"))}
+    if raw.get("tool_calls") is not None:
+        calls = _parse_tool_calls_field(raw["tool_calls"])
+        if calls:
+            message["tool_calls"] = calls
+    for key in ("reasoning_content", "name", "tool_call_id"):
+        value = raw.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise _parse_error(f"'{key}' must be a string: {_dump(raw)}")
+        if value:
+            message[key] = value
+    return message
+
+
+def _parse_content(content: Any) -> str | list[dict[str, str]]:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ChatRequestError("Expected 'content' to be a string or an array")
+    parts: list[dict[str, str]] = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind in _MEDIA_PART_KINDS:
+            # No mmproj in this server: media is never accepted.
+            raise ChatRequestError(
+                f"{_MEDIA_PART_KINDS[kind]} input is not supported - {_MEDIA_HINT}",
+                status_code=500,
+            )
+        if kind != "text":
+            raise ChatRequestError("unsupported content[].type")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise _parse_error(f"Missing 'text' in content part: {_dump(part)}")
+        parts.append({"type": "text", "text": text})
+    # llama.cpp treats an empty part list like no content.
+    return parts if parts else ""
+
+
+def _parse_tool_calls_field(raw: Any) -> list[dict[str, Any]]:
+    if not isinstance(raw, list):
+        raise _parse_error(f"Expected 'tool_calls' to be an array, got {_dump(raw)}")
+    calls: list[dict[str, Any]] = []
+    for call in raw:
+        if not isinstance(call, Mapping) or "type" not in call:
+            raise _parse_error(f"Missing tool call type: {_dump(call)}")
+        if call["type"] != "function":
+            raise _parse_error(f"Unsupported tool call type: {_dump(call)}")
+        function = call.get("function")
+        if not isinstance(function, Mapping):
+            raise _parse_error(f"Missing tool call function: {_dump(call)}")
+        name = function.get("name")
+        if not isinstance(name, str):
+            raise _parse_error(f"Missing tool call name: {_dump(call)}")
+        if "arguments" not in function:
+            raise _parse_error(f"Missing tool call arguments: {_dump(call)}")
+        arguments = function["arguments"]
+        if not isinstance(arguments, str):
+            arguments = _dump(arguments)
+        normalized: dict[str, Any] = {
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+        call_id = call.get("id")
+        if isinstance(call_id, str) and call_id:
+            normalized["id"] = call_id
+        calls.append(normalized)
+    return calls
+
+
+def _tools_error(detail: str) -> ChatRequestError:
+    return ChatRequestError(f"Failed to parse tools: {detail}")
+
+
+def _parse_tools(raw: Any) -> list[dict[str, Any]]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise _tools_error(f"Expected 'tools' to be an array, got {_dump(raw)}")
+    tools: list[dict[str, Any]] = []
+    for tool in raw:
+        if not isinstance(tool, Mapping) or "type" not in tool:
+            raise _tools_error(f"Missing tool type: {_dump(tool)}")
+        if tool["type"] != "function":
+            raise _tools_error(f"Unsupported tool type: {_dump(tool)}")
+        function = tool.get("function")
+        if not isinstance(function, Mapping):
+            raise _tools_error(f"Missing tool function: {_dump(tool)}")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise _tools_error(f"Missing tool name: {_dump(tool)}")
+        description = function.get("description")
+        if description is None:
+            description = ""
+        if not isinstance(description, str):
+            raise _tools_error(f"Tool description must be a string: {_dump(tool)}")
+        parameters = function.get("parameters")
+        if parameters is None:
+            parameters = {}
+        if not isinstance(parameters, Mapping):
+            raise _tools_error(f"Tool parameters must be an object: {_dump(tool)}")
+        # llama.cpp hands templates exactly these three fields, with these defaults.
+        tools.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "description": description,
+                    "parameters": dict(parameters),
+                },
+            }
+        )
+    return tools
+
+
+def _parse_tool_choice(raw: Any) -> str:
+    if raw is None:
+        return "auto"
+    if isinstance(raw, str):
+        if raw not in _TOOL_CHOICES:
+            raise ChatRequestError(f"Invalid tool_choice: {raw}")
+        return raw
+    if isinstance(raw, Mapping):
+        function = raw.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if raw.get("type") == "function" and isinstance(name, str) and name:
+            return name
+    raise ChatRequestError(f"Invalid tool_choice: {_dump(raw)}")
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return "number"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def _merge_template_kwargs(
+    body: Mapping[str, Any], defaults: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    merged: dict[str, Any] = dict(defaults or {})
+    # reasoning_effort "none" turns thinking off; other efforts are left to the template.
+    if body.get("reasoning_effort") == "none":
+        merged["enable_thinking"] = False
+    requested = body.get("chat_template_kwargs")
+    if requested is not None:
+        if not isinstance(requested, Mapping):
+            raise ChatRequestError("'chat_template_kwargs' must be an object")
+        merged.update(requested)
+    if merged.get("enable_thinking", False) is None:
+        del merged["enable_thinking"]
+    thinking = merged.get("enable_thinking", False)
+    if not isinstance(thinking, bool):
+        raise ChatRequestError(
+            f'invalid type for "enable_thinking" (expected boolean, got {_json_type(thinking)})'
+        )
+    return merged
+
+
+def _optional_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ChatRequestError(f"'{key}' must be a boolean")
+    return value
+
+
+def _parse_continue(raw: Any) -> tuple[bool, str]:
+    if raw is None or raw is False:
+        return False, "content"
+    if raw is True:
+        return True, "content"
+    if isinstance(raw, str) and raw in _CONTINUE_FIELDS:
+        return True, raw
+    raise ChatRequestError(
+        "'continue_final_message' must be a boolean, \"content\" or \"reasoning_content\""
+    )
+
+
+# --- rendering ------------------------------------------------------------------------------
+
+
+# Render arguments that chat_template_kwargs must not bind (they would clash or override).
+_RENDER_ARGUMENTS = (
+    "messages",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "continue_final_message",
+)
+
+
+def _render_kwargs(chat: ChatRequest) -> dict[str, Any]:
+    kwargs = {k: v for k, v in chat.template_kwargs.items() if k not in _RENDER_ARGUMENTS}
+    # llama.cpp always gives templates an enable_thinking value (true unless turned off).
+    kwargs.setdefault("enable_thinking", True)
+    return kwargs
+
+
+def render_chat(template: ChatTemplate, chat: ChatRequest) -> str:
+    """The final prompt text for a parsed request.
+
+    With prefill, the messages before the trailing assistant message are rendered with a
+    generation prompt and the assistant's text is appended (llama-server's
+    ``--prefill-assistant``), so the model continues that text. ``continue_final_message``
+    instead renders the whole conversation and cuts it right after the final message's text.
+
+    Raises:
+        TemplateError: the template failed or refused the conversation.
+    """
+    kwargs = _render_kwargs(chat)
+    if chat.prefill:
+        head, last = chat.messages[:-1], chat.messages[-1]
+        prompt = template.render(
+            head, tools=chat.render_tools, add_generation_prompt=True, **kwargs
+        )
+        return prompt + _prefill_text(last)
+    return template.render(
+        chat.messages,
+        tools=chat.render_tools,
+        add_generation_prompt=chat.add_generation_prompt,
+        continue_final_message=chat.continue_field if chat.continue_final_message else False,
+        **kwargs,
+    )
+
+
+def _prefill_text(message: Mapping[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, list):
+        # llama.cpp appends the text parts back to back.
+        return "".join(part.get("text", "") for part in content)
+    return content or ""
+
+
+def render_history_boundary(template: ChatTemplate, chat: ChatRequest, prompt: str) -> str:
+    """The rendered history of ``chat``, clipped to its common prefix with ``prompt``.
+
+    History is the conversation without its trailing new input (the user or tool messages after
+    the last assistant or system message). It is rendered closed (no generation prompt) and
+    clipped because templates may render the last history turn differently once a new turn
+    follows. Returns ``""`` when there is no history.
+    """
+    end = len(chat.messages)
+    while end > 0 and chat.messages[end - 1]["role"] not in ("assistant", "system"):
+        end -= 1
+    if end == 0:
+        return ""
+    history = template.render_history(
+        chat.messages[:end], tools=chat.render_tools, **_render_kwargs(chat)
+    )
+    return history[: _common_prefix_length(history, prompt)]
+
+
+def _common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
+    limit = min(len(a), len(b))
+    for i in range(limit):
+        if a[i] != b[i]:
+            return i
+    return limit
+
+
+# --- generation parsing ---------------------------------------------------------------------
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+
+def prompt_opens_thinking(prompt: str) -> bool:
+    """True when the prompt ends inside an open ``<think>`` block (the template opened it)."""
+    trimmed = prompt.rstrip()
+    return trimmed.endswith(THINK_START)
+
+
+def split_reasoning(text: str, *, thinking_forced_open: bool = False) -> tuple[str | None, str]:
+    """Split a generation into ``(reasoning_content, content)``, deepseek style.
+
+    Handles ``<think>...</think>`` at the start of the text, an unclosed ``<think>`` (a
+    generation cut short while thinking: everything is reasoning), and a text that starts
+    inside the block because the prompt already ended with ``<think>``: a ``</think>`` without
+    an opening tag before it closes such a block. With ``thinking_forced_open`` a text with no
+    ``</think>`` at all is reasoning too.
+
+    Reasoning is stripped and is ``None`` when empty; content loses its leading whitespace.
+    """
+    stripped = text.lstrip()
+    if stripped.startswith(THINK_START):
+        body = stripped[len(THINK_START) :]
+        end = body.find(THINK_END)
+        if end < 0:
+            return _reasoning_or_none(body), ""
+        return _reasoning_or_none(body[:end]), body[end + len(THINK_END) :].lstrip()
+    end = text.find(THINK_END)
+    if end >= 0 and THINK_START not in text[:end]:
+        return _reasoning_or_none(text[:end]), text[end + len(THINK_END) :].lstrip()
+    if thinking_forced_open:
+        return _reasoning_or_none(text), ""
+    return None, text
+
+
+def _reasoning_or_none(text: str) -> str | None:
+    text = text.strip()
+    return text or None
+
+
+_TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def _tool_call_id() -> str:
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """Extract Hermes/Qwen ``<tool_call>{"name":..., "arguments":...}</tool_call>`` blocks.
+
+    Returns the remaining content and OpenAI tool calls
+    ``{"type":"function","id":"call_...","function":{"name","arguments":<JSON string>}}``.
+    A block whose body is not a JSON object with a string ``name`` stays in the content, as
+    does an unclosed block; the content is stripped only when a call was extracted.
+    """
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    position = 0
+    for match in _TOOL_CALL_BLOCK.finditer(text):
+        call = _tool_call_from_json(match.group(1))
+        if call is None:
+            continue
+        kept.append(text[position : match.start()])
+        position = match.end()
+        calls.append(call)
+    if not calls:
+        return text, []
+    kept.append(text[position:])
+    content = "\n".join(piece.strip() for piece in kept if piece.strip())
+    return content, calls
+
+
+def _tool_call_from_json(body: str) -> dict[str, Any] | None:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return None
+    arguments = data.get("arguments", {})
+    if isinstance(arguments, str):
+        arguments_text = arguments
+    else:
+        arguments_text = json.dumps(arguments, ensure_ascii=False)
+    return {
+        "type": "function",
+        "id": _tool_call_id(),
+        "function": {"name": data["name"], "arguments": arguments_text},
+    }
