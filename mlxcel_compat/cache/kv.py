@@ -1,0 +1,103 @@
+"""The one module of ``cache/`` that knows mlx-lm cache objects (and imports MLX).
+
+The bookkeeping stores opaque payloads; for the prompt cache a payload is a list of mlx-lm
+per-layer cache objects. This adapter copies, truncates and measures them.
+
+Why copies are cheap and safe: MLX arrays are immutable values, but ``a[i] = x`` rebinds the
+*Python object* ``a`` to a new value, so two caches must never share array objects. A copy
+therefore builds new cache objects whose arrays are fresh views (``x[...]``) of the stored ones:
+no data moves until one side writes, and a write never reaches the other side.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+
+Payload = list[Any]
+
+
+def _fresh(value: Any) -> Any:
+    if isinstance(value, mx.array):
+        return value[...]
+    if isinstance(value, list):
+        return [_fresh(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_fresh(v) for v in value)
+    return value
+
+
+def _copy_layer(layer: Any, exact: bool) -> Any:
+    if isinstance(layer, CacheList):
+        return CacheList(*(_copy_layer(c, exact) for c in layer.caches))
+    if type(layer) is KVCache:
+        new = KVCache()
+        if layer.keys is not None:
+            n = layer.offset
+            # Exact copies drop the preallocated slack so the entry holds only its logical bytes.
+            new.keys = layer.keys[..., :n, :] if exact else layer.keys[...]
+            new.values = layer.values[..., :n, :] if exact else layer.values[...]
+            new.offset = n
+        return new
+    new = copy.copy(layer)
+    new.__dict__.update({k: _fresh(v) for k, v in layer.__dict__.items()})
+    return new
+
+
+def copy_cache(cache: Sequence[Any], exact: bool = False) -> Payload:
+    """A copy-on-write copy of a whole model cache; ``exact`` trims KV buffers to their content."""
+    return [_copy_layer(layer, exact) for layer in cache]
+
+
+def snapshot(cache: Sequence[Any]) -> Payload:
+    """An exact copy, evaluated now, so the stored entry owns materialized, slack-free arrays."""
+    payload = copy_cache(cache, exact=True)
+    mx.eval([layer.state for layer in payload])
+    return payload
+
+
+def layer_tokens(layer: Any) -> int:
+    if isinstance(layer, CacheList):
+        return max(layer_tokens(c) for c in layer.caches)
+    return int(getattr(layer, "offset", 0))
+
+
+def can_truncate(cache: Sequence[Any]) -> bool:
+    """Can every layer drop tokens from its end (dense KV; sliding windows not yet wrapped)?"""
+    return all(layer.is_trimmable() for layer in cache)
+
+
+def truncate(cache: Sequence[Any], n_tokens: int) -> None:
+    """Trim every layer in place so it holds exactly the first ``n_tokens`` tokens."""
+    for layer in cache:
+        excess = layer_tokens(layer) - n_tokens
+        if excess > 0:
+            layer.trim(excess)
+
+
+def nbytes(cache: Sequence[Any]) -> int:
+    """Logical bytes: what the arrays hold (exact copies have no preallocated slack)."""
+    return int(sum(layer.nbytes for layer in cache))
+
+
+def has_recurrent_state(cache: Sequence[Any]) -> bool:
+    """True when a layer's state is not a token-indexed KV table (SSM / linear attention)."""
+
+    def recurrent(layer: Any) -> bool:
+        if isinstance(layer, CacheList):
+            return any(recurrent(c) for c in layer.caches)
+        return isinstance(layer, ArraysCache)
+
+    return any(recurrent(layer) for layer in cache)
+
+
+def has_sliding_window(cache: Sequence[Any]) -> bool:
+    def sliding(layer: Any) -> bool:
+        if isinstance(layer, CacheList):
+            return any(sliding(c) for c in layer.caches)
+        return isinstance(layer, RotatingKVCache)
+
+    return any(sliding(layer) for layer in cache)

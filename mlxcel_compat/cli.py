@@ -1,0 +1,125 @@
+"""``mlxcel-server`` / ``python -m mlxcel_compat``: resolve settings, start the listener, load the model.
+
+Order matters: the optimized BLAS is loaded before anything imports MLX, and the HTTP listener
+starts before the model has loaded (``/health`` answers 503 "Loading model" meanwhile), as
+llama-server does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from typing import Sequence
+
+from mlxcel_compat.backend import load_optimized_blas, log_blas
+
+log = logging.getLogger("mlxcel_compat")
+
+
+def setup_logging(settings: object) -> None:
+    if getattr(settings, "log_disable", False):
+        logging.disable(logging.CRITICAL)
+        return
+    verbose = getattr(settings, "verbose", False) or getattr(settings, "log_verbosity", 3) > 3
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if not verbose:
+        for noisy in ("hypercorn.access", "httpx", "httpcore", "huggingface_hub"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def read_api_keys(settings: object) -> list[str]:
+    """``--api-key`` (comma list) plus ``--api-key-file`` (one per line, '#' comments)."""
+    keys = [k.strip() for item in (getattr(settings, "api_key", None) or []) for k in item.split(",") if k.strip()]
+    path = getattr(settings, "api_key_file", None)
+    if path:
+        with open(path, encoding="utf-8") as f:
+            keys += [line.strip() for line in f if line.strip() and not line.strip().startswith("#")]
+    return keys
+
+
+def resolve_model_arg(settings: object) -> str:
+    """The model to serve: ``-m``, else ``-hf``, else the generated demo model (built once)."""
+    model = getattr(settings, "model", None) or getattr(settings, "hf_repo", None)
+    if model:
+        return str(model)
+    from mlxcel_compat.testing.models import ensure_model
+
+    path = ensure_model("llama", "tiny")
+    log.info("no model given (-m): serving the generated tiny demo model at %s (random weights: output is gibberish)", path)
+    return str(path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from mlxcel_compat.settings import SettingsError, resolve_settings
+
+    try:
+        settings = resolve_settings(argv)
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(settings)
+    log_blas(load_optimized_blas())
+    for name, reason in settings.ignored:
+        log.info("ignored option %s: %s", name, reason)
+    try:
+        api_keys = read_api_keys(settings)
+    except OSError as exc:
+        print(f"error: cannot read --api-key-file: {exc}", file=sys.stderr)
+        return 2
+    model_arg = resolve_model_arg(settings)
+    app = build_server(settings, model_arg, api_keys)
+    return asyncio.run(serve(app, settings))
+
+
+def build_server(settings: object, model_arg: str, api_keys: list[str]) -> object:
+    from mlxcel_compat.engine.core import Engine, EngineConfig
+    from mlxcel_compat.server.app import build_app
+    from mlxcel_compat.server.context import ServerContext
+    from mlxcel_compat.server.metrics import Metrics
+
+    n_parallel = settings.n_parallel if settings.n_parallel > 0 else 4  # llama-server's auto
+    if not settings.cont_batching:
+        n_parallel = 1
+    engine = Engine(
+        EngineConfig(
+            model=model_arg,
+            aliases=list(settings.alias or []),
+            offline=bool(settings.offline),
+            ctx_size=settings.ctx_size,
+            n_parallel=n_parallel,
+            batch_size=settings.batch_size,
+        ),
+    )
+    ctx = ServerContext(settings=settings, engine=engine, api_keys=api_keys)
+    ctx.metrics = Metrics(engine)
+    return build_app(ctx)
+
+
+async def serve(app: object, settings: object) -> int:
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config
+
+    config = Config()
+    host = settings.host
+    config.bind = [f"unix:{host}"] if host.endswith(".sock") else [f"[{host}]:{settings.port}" if ":" in host else f"{host}:{settings.port}"]
+    config.read_timeout = settings.timeout
+    config.keep_alive_timeout = settings.timeout
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    shutdown = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, shutdown.set)
+    log.info("server is listening on %s", config.bind[0])
+    await hypercorn_serve(app, config, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

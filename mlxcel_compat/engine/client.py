@@ -1,0 +1,49 @@
+"""The asyncio side of the engine: submit a request, iterate over its events.
+
+The engine thread pushes events with ``loop.call_soon_threadsafe`` into a per-request
+``asyncio.Queue``; nothing here blocks the event loop. Leaving the iteration early (the client
+went away, the handler was cancelled) cancels the sequence at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Callable
+
+from mlxcel_compat.engine.core import Engine
+from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest
+
+
+class EngineClient:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.state == "ready"
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[EngineEvent]:
+        """Yield the request's events until (and including) its finish or error event."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[EngineEvent] = asyncio.Queue()
+
+        def sink(event: EngineEvent) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        self.engine.submit(request, sink)
+        done = False
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, (FinishEvent, ErrorEvent)):
+                    done = True
+                yield event
+                if done:
+                    return
+        finally:
+            if not done:
+                self.engine.cancel(request.task_id)
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread and await its result."""
+        return await asyncio.wrap_future(self.engine.call(fn))

@@ -1,0 +1,294 @@
+"""The engine thread: the only code that touches MLX.
+
+HTTP handlers talk to it through a thread-safe command queue (submit, cancel, call) and receive
+events through a per-request sink (see ``client.py``). One loop iteration:
+
+    drain commands  ->  admit waiting requests into free slots  ->  one step of every active
+    sequence (a prefill chunk or a decode step)  ->  release finished sequences
+
+Up to ``--parallel`` sequences are active at once and advance in turn; the rest wait in FIFO
+order. The scheduler keeps admission, stepping and release apart so that batched decoding can
+replace the per-sequence step without touching the rest.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
+from mlxcel_compat.engine.slots import Slot
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[EngineEvent], None]
+
+
+@dataclass
+class EngineConfig:
+    """What the engine needs from the settings (kept small so tests can build one directly)."""
+
+    model: str
+    aliases: list[str] = field(default_factory=list)
+    offline: bool = False
+    ctx_size: int = 0  # 0: the model's training context
+    n_parallel: int = 4
+    batch_size: int = 2048  # prefill chunk
+
+
+@dataclass
+class EngineMetrics:
+    """llama.cpp's ``llamacpp:*`` counters. Written by the engine thread only."""
+
+    prompt_tokens_total: int = 0
+    prompt_seconds_total: float = 0.0
+    tokens_predicted_total: int = 0
+    tokens_predicted_seconds_total: float = 0.0
+    n_decode_total: int = 0
+    n_tokens_max: int = 0
+    busy_slots_sum: int = 0  # summed over decode iterations, for n_busy_slots_per_decode
+    prompt_tokens_cached_total: int = 0
+
+
+@dataclass
+class _Submit:
+    request: GenerationRequest
+    sink: Sink
+
+
+@dataclass
+class _Cancel:
+    task_id: int
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    future: Future
+
+
+class Engine:
+    """Owns the model, its caches and the scheduler; runs them on one thread."""
+
+    def __init__(self, config: EngineConfig, prefix_cache_factory: Callable[["Engine"], Any] | None = None) -> None:
+        self.config = config
+        self.state = "loading"  # loading -> ready | failed
+        self.load_error: str | None = None
+        self.loaded: Any = None  # LoadedModel once ready
+        self.n_ctx = 0
+        self.metrics = EngineMetrics()
+        self.slots: list[Slot] = [Slot(i) for i in range(max(1, config.n_parallel))]
+        self.waiting: collections.deque[_Submit] = collections.deque()
+        self.prefix_cache: Any = None
+        self._prefix_cache_factory = prefix_cache_factory
+        self._commands: queue.Queue[Any] = queue.Queue()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mlxcel-engine", daemon=True)
+
+    # ------------------------------------------------------------------ API (any thread)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        self._ready.wait(timeout)
+        return self.state == "ready"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    def submit(self, request: GenerationRequest, sink: Sink) -> None:
+        self._commands.put(_Submit(request, sink))
+
+    def cancel(self, task_id: int) -> None:
+        self._commands.put(_Cancel(task_id))
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the engine thread between steps (cache stats, reset, ...)."""
+        future: Future = Future()
+        self._commands.put(_Call(fn, future))
+        return future
+
+    @property
+    def n_deferred(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def n_processing(self) -> int:
+        return sum(1 for s in self.slots if s.sequence is not None)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            self._load()
+        except Exception as exc:  # reported by /health; the process stays up to say why
+            log.exception("model load failed")
+            self.load_error = str(exc)
+            self.state = "failed"
+            self._ready.set()
+            return
+        self.state = "ready"
+        self._ready.set()
+        while not self._stop.is_set():
+            self._drain_commands(block=not self._has_work())
+            self._admit()
+            self._step_all()
+
+    def _load(self) -> None:
+        from mlxcel_compat.model.loader import load_model
+
+        t0 = time.perf_counter()
+        self.loaded = load_model(self.config.model, self.config.aliases, offline=self.config.offline)
+        n_ctx_train = int(_config_value(self.loaded.config, "max_position_embeddings", 4096))
+        self.n_ctx = self.config.ctx_size or n_ctx_train
+        for slot in self.slots:
+            slot.n_ctx = self.n_ctx
+        if self._prefix_cache_factory is not None:
+            self.prefix_cache = self._prefix_cache_factory(self)
+        self._warm_up()
+        log.info(
+            "model '%s' loaded from %s in %.1f s (%d parameters, n_ctx %d, %d slots)",
+            self.loaded.model_id,
+            self.loaded.path,
+            time.perf_counter() - t0,
+            self.loaded.n_params,
+            self.n_ctx,
+            len(self.slots),
+        )
+
+    def _warm_up(self) -> None:
+        """Run one tiny forward pass: MLX's first call pays a one-off set-up cost."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self.loaded.model)
+        mx.eval(self.loaded.model(mx.array([[0, 1]]), cache=cache))
+
+    def _has_work(self) -> bool:
+        return bool(self.waiting) or any(s.sequence is not None for s in self.slots)
+
+    def _drain_commands(self, block: bool) -> None:
+        while True:
+            try:
+                cmd = self._commands.get(block=block, timeout=None)
+            except queue.Empty:
+                return
+            block = False
+            if cmd is None:
+                return
+            if isinstance(cmd, _Submit):
+                self.waiting.append(cmd)
+            elif isinstance(cmd, _Cancel):
+                self._cancel(cmd.task_id)
+            elif isinstance(cmd, _Call):
+                self._run_call(cmd)
+
+    def _run_call(self, cmd: _Call) -> None:
+        if not cmd.future.set_running_or_notify_cancel():
+            return
+        try:
+            cmd.future.set_result(cmd.fn())
+        except Exception as exc:
+            cmd.future.set_exception(exc)
+
+    def _cancel(self, task_id: int) -> None:
+        for sub in list(self.waiting):
+            if sub.request.task_id == task_id:
+                self.waiting.remove(sub)
+                return
+        for slot in self.slots:
+            if slot.sequence is not None and slot.sequence.request.task_id == task_id:
+                slot.sequence.cancelled = True
+
+    def _admit(self) -> None:
+        """Move waiting requests into free slots, oldest first; a pinned request waits for its slot."""
+        if not self.waiting:
+            return
+        kept: collections.deque[_Submit] = collections.deque()
+        while self.waiting:
+            sub = self.waiting.popleft()
+            slot = self._pick_slot(sub.request)
+            if slot is None:
+                kept.append(sub)
+                continue
+            try:
+                self._start(slot, sub)
+            except Exception as exc:
+                log.exception("could not start task %d", sub.request.task_id)
+                sub.sink(ErrorEvent(f"could not start generation: {exc}"))
+        self.waiting = kept
+
+    def _pick_slot(self, request: GenerationRequest) -> Slot | None:
+        if request.id_slot >= 0:
+            slot = self.slots[request.id_slot % len(self.slots)]
+            return slot if slot.sequence is None else None
+        free = [s for s in self.slots if s.sequence is None]
+        return min(free, key=lambda s: s.t_last_used) if free else None
+
+    def _start(self, slot: Slot, sub: _Submit) -> None:
+        from mlxcel_compat.engine.factory import make_sequence
+
+        seq = make_sequence(self, sub.request, sub.sink, slot.id)
+        slot.begin(seq)
+
+    def _step_all(self) -> None:
+        busy = [s for s in self.slots if s.sequence is not None]
+        if not busy:
+            return
+        decoding = sum(1 for s in busy if not s.sequence.in_prefill)
+        if decoding:
+            self.metrics.n_decode_total += 1
+            self.metrics.busy_slots_sum += decoding
+        for slot in busy:
+            seq = slot.sequence
+            try:
+                seq.step()
+            except Exception as exc:
+                log.exception("engine error in task %d", seq.request.task_id)
+                seq.emit(ErrorEvent(f"engine error: {exc}"))
+                self._release(slot, donate=False)
+                continue
+            if seq.finished is not None:
+                self._release(slot, donate=True)
+
+    def _release(self, slot: Slot, donate: bool) -> None:
+        seq = slot.sequence
+        assert seq is not None
+        fin = seq.finished
+        if fin is not None:
+            self._count(fin)
+        if donate and fin is not None and self.prefix_cache is not None:
+            try:
+                self.prefix_cache.donate(seq)
+            except Exception:  # a failed donation must never take the engine down
+                log.exception("prompt cache donation failed")
+        slot.end()
+
+    def _count(self, fin: FinishEvent) -> None:
+        m = self.metrics
+        m.prompt_tokens_total += fin.n_prompt - fin.n_cached
+        m.prompt_tokens_cached_total += fin.n_cached
+        m.prompt_seconds_total += fin.prompt_ms / 1000.0
+        m.tokens_predicted_total += fin.n_decoded
+        m.tokens_predicted_seconds_total += fin.predicted_ms / 1000.0
+        m.n_tokens_max = max(m.n_tokens_max, fin.n_prompt + fin.n_decoded)
+
+
+def _config_value(config: dict[str, Any], key: str, default: Any) -> Any:
+    """Read a model config key at top level or inside ``text_config`` (multimodal wrappers)."""
+    if key in config:
+        return config[key]
+    return config.get("text_config", {}).get(key, default)
+
+
+__all__ = ["Engine", "EngineConfig", "EngineMetrics", "TokenEvent"]

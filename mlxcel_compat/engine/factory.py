@@ -1,0 +1,38 @@
+"""Build a :class:`Sequence` for a request: cache, prompt-cache adoption, sampler, text stream."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxcel_compat.engine.request import GenerationRequest
+from mlxcel_compat.engine.sampling import SamplerChain
+from mlxcel_compat.engine.sequence import Sequence
+from mlxcel_compat.engine.textstream import TextStream
+
+if TYPE_CHECKING:
+    from mlxcel_compat.engine.core import Engine, Sink
+
+
+def make_sequence(engine: "Engine", request: GenerationRequest, sink: "Sink", slot_id: int) -> Sequence:
+    loaded = engine.loaded
+    tokenizer = loaded.tokenizer
+    vocab_size = int(loaded.config.get("vocab_size") or loaded.config.get("text_config", {}).get("vocab_size"))
+    eog_ids = set(tokenizer.eos_token_ids or [])
+    chain = SamplerChain(request.sampling, vocab_size=vocab_size, eog_token_ids=sorted(eog_ids), tokenizer=tokenizer, n_ctx=engine.n_ctx)
+    seq = Sequence(
+        request=request,
+        model=loaded.model,
+        cache=make_prompt_cache(loaded.model),
+        n_ctx=engine.n_ctx,
+        chunk_size=engine.config.batch_size,
+        chain=chain,
+        text=TextStream(tokenizer, request.stop, eog_token_ids=sorted(eog_ids)),
+        eog_ids=eog_ids,
+        emit=sink,
+        slot_id=slot_id,
+    )
+    if engine.prefix_cache is not None and request.cache.enabled:
+        engine.prefix_cache.adopt(seq)
+    return seq

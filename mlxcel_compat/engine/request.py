@@ -1,0 +1,109 @@
+"""Plain records that cross the boundary between the HTTP side and the engine thread.
+
+Nothing here holds an ``mx.array``: the engine converts to Python values before emitting.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+from mlxcel_compat.engine.sampling import SamplingParams
+
+_task_ids = itertools.count()
+
+
+def next_task_id() -> int:
+    return next(_task_ids)
+
+
+@dataclass
+class CacheContext:
+    """How the prompt cache should treat this request (computed by the route, used by the engine)."""
+
+    enabled: bool = True  # False: cold prefill, no lookup, no donation (cache_prompt: false)
+    session_key: str = "__mlxcel_anon__"
+    template_sig: str = ""  # 64 hex chars; the raw-prompt sentinel on /completion
+    mm_digest: bytes = b""
+    # Chat routes: token length of the rendered history alone (snapshot boundary), if known.
+    history_boundary: int | None = None
+
+
+@dataclass
+class GenerationRequest:
+    """One sequence to generate: a tokenized prompt plus everything that shapes its output."""
+
+    prompt_tokens: list[int]
+    sampling: SamplingParams
+    n_predict: int = -1  # -1: until EOS, stop or a full context
+    stop: list[str] = field(default_factory=list)
+    n_probs: int = 0
+    post_sampling_probs: bool = False
+    return_progress: bool = False
+    id_slot: int = -1
+    cache: CacheContext = field(default_factory=CacheContext)
+    task_id: int = field(default_factory=next_task_id)
+    index: int = 0  # position among the results of a multi-prompt / n>1 request
+
+
+@dataclass
+class TokenProb:
+    """One candidate of ``completion_probabilities`` (already in Python values)."""
+
+    id: int
+    logprob: float  # or the probability itself when post_sampling_probs is on
+
+
+@dataclass
+class TokenEvent:
+    """A sampled token and the text that may be sent for it now (possibly "" while held back)."""
+
+    token: int
+    text: str
+    n_decoded: int
+    logprob: float | None = None  # of the chosen token (post-sampling prob if requested)
+    top: list[TokenProb] | None = None
+    id_slot: int = -1
+
+
+@dataclass
+class ProgressEvent:
+    """Prompt-processing progress (llama-server's ``prompt_progress``)."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+
+@dataclass
+class FinishEvent:
+    """The sequence ended; counts and timings follow llama-server's meanings."""
+
+    stop_type: Literal["eos", "word", "limit", "none"]
+    stopping_word: str
+    text: str  # held-back text flushed at the end (never part of a stop string)
+    n_prompt: int  # tokens_evaluated: all prompt tokens, cached ones included
+    n_cached: int  # prompt tokens adopted from the prompt cache (timings.cache_n)
+    n_decoded: int  # tokens_predicted
+    tokens_cached: int  # tokens whose KV the sequence's cache holds at the end
+    prompt_ms: float
+    predicted_ms: float
+    truncated: bool
+    id_slot: int
+    seed: int
+    cancelled: bool = False
+
+
+@dataclass
+class ErrorEvent:
+    """The engine could not run the sequence; rendered as llama.cpp error JSON."""
+
+    message: str
+    type: str = "server_error"
+    code: int = 500
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+EngineEvent = Union[TokenEvent, ProgressEvent, FinishEvent, ErrorEvent]

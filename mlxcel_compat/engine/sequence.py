@@ -1,0 +1,250 @@
+"""One running sequence: its cache, its sampler chain, its text stream and its counters.
+
+The engine thread drives a sequence with :meth:`Sequence.step`, which does one unit of work: one
+prefill chunk, or one decode step. Decode is pipelined like mlx-lm's ``generate_step``: the graph
+for token n+1 is built and handed to ``mx.async_eval`` before token n is read back, so the CPU
+never waits idle between steps.
+
+Prefill chunks are aligned on absolute multiples of the chunk size (``--batch-size``). A sequence
+that adopted a cached prefix therefore splits the rest of its prompt exactly where a cold run
+would, which makes a cache hit reproduce the cold run bit for bit when the adopted length is
+itself on such a boundary.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from mlxcel_compat.engine.request import (
+    EngineEvent,
+    FinishEvent,
+    GenerationRequest,
+    ProgressEvent,
+    TokenEvent,
+    TokenProb,
+)
+from mlxcel_compat.engine.sampling import SamplerChain, top_logprobs, top_probs
+from mlxcel_compat.engine.textstream import TextStream
+
+# Release MLX's buffer cache every so many decode steps (as mlx-lm does) to bound memory.
+_CLEAR_EVERY = 256
+
+
+@dataclass
+class SequenceStats:
+    n_cached: int = 0  # prompt tokens adopted from the prompt cache
+    t_start: float = field(default_factory=time.perf_counter)
+    t_prompt_done: float | None = None
+    t_end: float | None = None
+
+
+class Sequence:
+    """Per-request generation state. Lives and dies on the engine thread."""
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        model: Any,
+        cache: list[Any],
+        n_ctx: int,
+        chunk_size: int,
+        chain: SamplerChain,
+        text: TextStream,
+        eog_ids: set[int],
+        emit: Callable[[EngineEvent], None],
+        slot_id: int,
+    ) -> None:
+        self.request = request
+        self.model = model
+        self.cache = cache
+        self.n_ctx = n_ctx
+        self.chunk_size = max(1, chunk_size)
+        self.chain = chain
+        self.text = text
+        self.eog_ids = eog_ids
+        self.emit = emit
+        self.slot_id = slot_id
+        self.prompt = request.prompt_tokens
+        # Tokens whose KV/state the cache holds, in order (prompt first, then fed-back samples).
+        self.cache_tokens: list[int] = []
+        self.generated: list[int] = []
+        self.stats = SequenceStats()
+        self.finished: FinishEvent | None = None
+        self.cancelled = False
+        self._pending: Any = None  # (token, logprobs, probs) of the step in flight
+        self._history: list[int] = list(self.prompt)
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self._pending is None and self.finished is None
+
+    def adopt(self, n_tokens: int) -> None:
+        """Record that the cache already holds the first ``n_tokens`` prompt tokens."""
+        assert 0 <= n_tokens < self.n_prompt, f"{n_tokens=} {self.n_prompt=}"
+        self.cache_tokens = list(self.prompt[:n_tokens])
+        self.stats.n_cached = n_tokens
+
+    def step(self) -> None:
+        """Do one unit of work: a prefill chunk, or one decode step."""
+        if self.finished is not None:
+            return
+        if self.cancelled:
+            self._finish("none", "", cancelled=True)
+            return
+        if self._pending is None:
+            self._prefill_step()
+        else:
+            self._decode_step()
+
+    def prefill_until(self, n_tokens: int) -> None:
+        """Prefill (in aligned chunks) until the cache holds ``n_tokens`` prompt tokens."""
+        while len(self.cache_tokens) < n_tokens:
+            self._prefill_chunk(n_tokens)
+
+    # ------------------------------------------------------------------ prefill
+
+    def _prefill_step(self) -> None:
+        last = self.n_prompt - 1
+        if len(self.cache_tokens) < last:
+            self._prefill_chunk(last)
+            if self.request.return_progress:
+                self._emit_progress()
+            return
+        # The final prompt token produces the logits of the first sampled token.
+        self._pending = self._forward(self.prompt[last:])
+        mx.async_eval(*self._pending_arrays())
+        self._decode_step()
+
+    def _prefill_chunk(self, limit: int) -> None:
+        start = len(self.cache_tokens)
+        end = min(limit, (start // self.chunk_size + 1) * self.chunk_size)
+        chunk = self.prompt[start:end]
+        self.model(mx.array(chunk)[None], cache=self.cache)
+        mx.eval([c.state for c in self.cache])
+        self.cache_tokens.extend(chunk)
+
+    def _emit_progress(self) -> None:
+        done = len(self.cache_tokens)
+        self.emit(
+            ProgressEvent(
+                total=self.n_prompt,
+                cache=self.stats.n_cached,
+                processed=done - self.stats.n_cached,
+                time_ms=(time.perf_counter() - self.stats.t_start) * 1000.0,
+            )
+        )
+
+    # ------------------------------------------------------------------ decode
+
+    def _forward(self, tokens: list[int] | mx.array) -> tuple[Any, Any, Any]:
+        inputs = tokens.reshape(1, 1) if isinstance(tokens, mx.array) else mx.array(tokens)[None]
+        logits = self.model(inputs, cache=self.cache)[0, -1, :]
+        if isinstance(tokens, mx.array):
+            self.cache_tokens.append(-1)  # placeholder; filled in when the token is read back
+        else:
+            self.cache_tokens.extend(tokens)
+        result = self.chain.sample(logits, self._history)
+        return result.token, result.logprobs, result.probs
+
+    def _pending_arrays(self) -> list[Any]:
+        return [a for a in self._pending if a is not None]
+
+    def _decode_step(self) -> None:
+        token_arr, logprobs, probs = self._pending
+        if self.stats.t_prompt_done is None:
+            mx.eval(token_arr)
+            self.stats.t_prompt_done = time.perf_counter()
+        if self._room_for_more():
+            # Pipelining: feed the (still lazy) token back and launch step n+1 before reading it.
+            self._history.append(token_arr)
+            self._pending = self._forward(token_arr)
+            mx.async_eval(*self._pending_arrays())
+            token = int(token_arr.item())
+            self._history[-1] = token
+            self.cache_tokens[-1] = token
+        else:
+            token = int(token_arr.item())
+            self._history.append(token)
+            self._pending = None
+        self._accept(token, logprobs, probs)
+        if self.finished is None and self._pending is None:
+            self._finish("limit", "", truncated=self._context_full())
+        if len(self.generated) % _CLEAR_EVERY == 0:
+            mx.clear_cache()
+
+    def _accept(self, token: int, logprobs: Any, probs: Any) -> None:
+        self.generated.append(token)
+        event = TokenEvent(token=token, text="", n_decoded=len(self.generated), id_slot=self.slot_id)
+        if self.request.n_probs > 0:
+            self._fill_probs(event, token, logprobs, probs)
+        piece = self.text.push(token)  # an end-of-generation token flushes held-back text
+        event.text = piece.text
+        self.emit(event)
+        if token in self.eog_ids and not self.request.sampling.ignore_eos:
+            self._finish("eos", "")
+        elif piece.stopped:
+            self._finish("word", piece.stopping_word)
+        elif not self._budget_left():
+            self._finish("limit", "")
+
+    def _fill_probs(self, event: TokenEvent, token: int, logprobs: Any, probs: Any) -> None:
+        n = self.request.n_probs
+        if self.request.post_sampling_probs and probs is not None:
+            event.top = [TokenProb(i, p) for i, p in top_probs(probs, n)]
+            event.logprob = float(probs[token].item())
+        else:
+            event.top = [TokenProb(i, lp) for i, lp in top_logprobs(logprobs, n)]
+            event.logprob = float(logprobs[token].item())
+
+    def _budget_left(self) -> bool:
+        n_predict = self.request.n_predict
+        # llama-server checks the budget after sampling, so n_predict=0 still yields one token.
+        return n_predict < 0 or len(self.generated) < max(n_predict, 1)
+
+    def _context_full(self) -> bool:
+        return len(self.prompt) + len(self.generated) >= self.n_ctx
+
+    def _room_for_more(self) -> bool:
+        return self._budget_left_after_next() and not self._context_full()
+
+    def _budget_left_after_next(self) -> bool:
+        n_predict = self.request.n_predict
+        return n_predict < 0 or len(self.generated) + 1 < max(n_predict, 1)
+
+    # ------------------------------------------------------------------ finish
+
+    def _finish(self, stop_type: str, stopping_word: str, *, truncated: bool = False, cancelled: bool = False) -> None:
+        if self._pending is not None:
+            # The step in flight was fed a token we report: make its state real before donation.
+            mx.eval(*self._pending_arrays())
+            self._pending = None
+        now = time.perf_counter()
+        self.stats.t_end = now
+        t_prompt = self.stats.t_prompt_done or now
+        tail = "" if stop_type in ("word", "eos") or cancelled else self.text.finish()
+        self.finished = FinishEvent(
+            stop_type=stop_type,  # type: ignore[arg-type]
+            stopping_word=stopping_word,
+            text=tail,
+            n_prompt=self.n_prompt,
+            n_cached=self.stats.n_cached,
+            n_decoded=len(self.generated),
+            tokens_cached=len(self.cache_tokens),
+            prompt_ms=(t_prompt - self.stats.t_start) * 1000.0,
+            predicted_ms=(now - t_prompt) * 1000.0,
+            truncated=truncated,
+            id_slot=self.slot_id,
+            seed=self.chain.seed,
+            cancelled=cancelled,
+        )
+        self.emit(self.finished)

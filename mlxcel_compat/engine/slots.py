@@ -1,0 +1,74 @@
+"""Slots: llama-server's unit of concurrency, as seen by ``/slots`` and ``id_slot``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlxcel_compat.engine.sequence import Sequence
+
+
+@dataclass
+class SlotTask:
+    """What ``/slots`` reports about the slot's current or last task (plain Python values)."""
+
+    id_task: int
+    n_prompt_tokens: int
+    n_prompt_tokens_cache: int
+    params: dict[str, Any]
+    n_predict: int
+
+
+@dataclass
+class Slot:
+    id: int
+    n_ctx: int = 0
+    sequence: "Sequence | None" = None
+    task: SlotTask | None = None
+    t_last_used: float = field(default=0.0)
+
+    def begin(self, sequence: "Sequence") -> None:
+        self.sequence = sequence
+        req = sequence.request
+        self.task = SlotTask(
+            id_task=req.task_id,
+            n_prompt_tokens=len(req.prompt_tokens),
+            n_prompt_tokens_cache=sequence.stats.n_cached,
+            params=req.sampling.to_json(seed=sequence.chain.seed),
+            n_predict=req.n_predict,
+        )
+
+    def end(self) -> None:
+        self.sequence = None
+        self.t_last_used = time.monotonic()
+
+    def to_json(self) -> dict[str, Any]:
+        """llama-server's ``/slots`` element; read from the HTTP side (benign races only)."""
+        seq = self.sequence
+        out: dict[str, Any] = {"id": self.id, "n_ctx": self.n_ctx, "speculative": False, "is_processing": seq is not None}
+        task = self.task
+        if task is None:
+            return out
+        n_decoded = len(seq.generated) if seq is not None else 0
+        n_cached_tokens = len(seq.cache_tokens) if seq is not None else 0
+        n_remain = -1 if task.n_predict < 0 else max(task.n_predict - n_decoded, 0)
+        out.update(
+            id_task=task.id_task,
+            n_prompt_tokens=task.n_prompt_tokens,
+            n_prompt_tokens_processed=max(min(n_cached_tokens, task.n_prompt_tokens) - task.n_prompt_tokens_cache, 0)
+            if seq is not None
+            else task.n_prompt_tokens - task.n_prompt_tokens_cache,
+            n_prompt_tokens_cache=task.n_prompt_tokens_cache,
+            params=task.params,
+            next_token=[
+                {
+                    "has_next_token": seq is not None,
+                    "has_new_line": False,
+                    "n_remain": n_remain,
+                    "n_decoded": n_decoded,
+                }
+            ],
+        )
+        return out

@@ -1,0 +1,213 @@
+"""The Starlette application: middleware stack, routes and start-up.
+
+Middleware, outermost first: CORS (Starlette's), the ``Server`` header, the "Loading model" gate
+(every path answers 503 until the model is loaded, before any key check, as llama-server does),
+the API-key check, and the error renderer that turns any exception into llama.cpp error JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import Mount, Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from mlxcel_compat.engine.core import Engine
+from mlxcel_compat.server import routes_chat, routes_completion, routes_misc
+from mlxcel_compat.server.context import ModelInfo, ServerContext
+from mlxcel_compat.server.errors import ApiError, AuthenticationError, ServerError, Unavailable, error_response, raw_error_response
+
+log = logging.getLogger(__name__)
+
+PUBLIC_PATHS = {"/health", "/v1/health", "/models", "/v1/models"}
+
+
+class ServerHeaderMiddleware:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = list(message["headers"]) + [(b"server", b"llama.cpp")]
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
+class GateMiddleware:
+    """503 while loading, then the API key check (public paths and OPTIONS are exempt)."""
+
+    def __init__(self, app: ASGIApp, ctx: ServerContext, prefix: str = "") -> None:
+        self.app = app
+        self.ctx = ctx
+        self.prefix = prefix
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        if not self.ctx.ready:
+            message = "Loading model" if self.ctx.engine.state != "failed" else f"Model failed to load: {self.ctx.engine.load_error}"
+            await error_response(Unavailable(message))(scope, receive, send)
+            return
+        path = scope["path"][len(self.prefix) :] if self.prefix and scope["path"].startswith(self.prefix) else scope["path"]
+        if self.ctx.api_keys and path not in PUBLIC_PATHS and not self._authorized(scope):
+            body = {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}
+            await raw_error_response(401, body)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"").decode("latin-1").strip()
+        if not given:
+            given = headers.get(b"x-api-key", b"").decode("latin-1").strip()
+        if given.startswith("Bearer "):
+            given = given[len("Bearer ") :].strip()
+        # Compare against every key so timing does not reveal which one (or whether any) matched.
+        matches = [hmac.compare_digest(given.encode(), key.encode()) for key in self.ctx.api_keys]
+        return any(matches)
+
+
+class ErrorMiddleware:
+    """Render :class:`ApiError` (and anything unexpected, as a 500) as llama.cpp error JSON."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except ApiError as exc:
+            if started:
+                raise
+            await error_response(exc)(scope, receive, send)
+        except Exception as exc:
+            log.exception("unhandled error on %s", scope.get("path"))
+            if started:
+                raise
+            await error_response(ServerError(f"internal error: {type(exc).__name__}: {exc}"))(scope, receive, send)
+
+
+async def not_found(request: Any, exc: Exception) -> Any:
+    return raw_error_response(404, {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}})
+
+
+def routes() -> list[Route]:
+    return [*routes_misc.ROUTES, *routes_completion.ROUTES, *routes_chat.ROUTES]
+
+
+def _cors_middleware(settings: Any) -> Middleware:
+    origins = settings.cors_origins.strip()
+    methods = [m.strip() for m in settings.cors_methods.split(",") if m.strip()]
+    headers = ["*"] if settings.cors_headers.strip() == "*" else [h.strip() for h in settings.cors_headers.split(",")]
+    kwargs: dict[str, Any] = {"allow_methods": methods, "allow_headers": headers, "allow_credentials": bool(settings.cors_credentials)}
+    if origins == "*":
+        kwargs["allow_origin_regex"] = ".*"  # llama-server echoes the request's Origin
+    elif origins == "localhost":
+        kwargs["allow_origin_regex"] = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
+    else:
+        kwargs["allow_origins"] = [o.strip() for o in origins.split(",")]
+    return Middleware(CORSMiddleware, **kwargs)
+
+
+def model_info(engine: Engine, settings: Any) -> ModelInfo:
+    from mlxcel_compat.chat.template import ChatTemplate
+
+    loaded = engine.loaded
+    tok = loaded.tokenizer
+    cfg = loaded.config
+    text_cfg = cfg.get("text_config", {})
+    plain = list(tok.encode("a", add_special_tokens=False))
+    special = list(tok.encode("a", add_special_tokens=True))
+    bos_id = special[0] if len(special) > len(plain) else None
+    override = settings.chat_template
+    if settings.chat_template_file:
+        with open(settings.chat_template_file, encoding="utf-8") as f:
+            override = f.read()
+    template = ChatTemplate.from_tokenizer(tok, override=override) if settings.jinja or override else ChatTemplate.from_tokenizer(tok, override="chatml")
+    return ModelInfo(
+        model_id=loaded.model_id,
+        aliases=loaded.aliases or [loaded.model_id],
+        path=str(loaded.path),
+        tokenizer=tok,
+        vocab_size=int(cfg.get("vocab_size") or text_cfg.get("vocab_size")),
+        n_ctx=engine.n_ctx,
+        n_ctx_train=int(cfg.get("max_position_embeddings") or text_cfg.get("max_position_embeddings") or engine.n_ctx),
+        n_embd=int(cfg.get("hidden_size") or text_cfg.get("hidden_size") or 0),
+        n_params=loaded.n_params,
+        size_bytes=loaded.size_bytes,
+        eog_ids=sorted(tok.eos_token_ids or []),
+        bos_id=bos_id,
+        bos_token=tok.bos_token or "",
+        eos_token=tok.eos_token or "",
+        chat_template=template,
+    )
+
+
+def build_app(ctx: ServerContext) -> Starlette:
+    settings = ctx.settings
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if ctx.engine.state == "loading" and not ctx.engine._thread.is_alive():
+            ctx.engine.start()
+        waiter = asyncio.create_task(_wait_for_model(ctx))
+        try:
+            yield
+        finally:
+            waiter.cancel()
+            ctx.engine.stop()
+
+    prefix = settings.api_prefix.rstrip("/") if settings.api_prefix else ""
+    route_list: list[Any] = routes()
+    if prefix:
+        route_list = [Mount(prefix, routes=route_list)]
+    app = Starlette(
+        routes=route_list,
+        middleware=[
+            _cors_middleware(settings),
+            Middleware(ServerHeaderMiddleware),
+            Middleware(GateMiddleware, ctx=ctx, prefix=prefix),
+            Middleware(ErrorMiddleware),
+        ],
+        exception_handlers={404: not_found, 405: not_found},
+        lifespan=lifespan,
+    )
+    app.state.ctx = ctx
+    return app
+
+
+async def _wait_for_model(ctx: ServerContext) -> None:
+    while ctx.engine.state == "loading":
+        await asyncio.sleep(0.05)
+    if ctx.engine.state == "ready":
+        ctx.model = await asyncio.to_thread(model_info, ctx.engine, ctx.settings)
+        log.info("model '%s' ready: serving on %d slots, n_ctx %d", ctx.model.model_id, len(ctx.engine.slots), ctx.model.n_ctx)
+
+
+__all__ = ["build_app"]

@@ -1,0 +1,97 @@
+"""Long-lived server state handed to every handler (through ``request.app.state.ctx``).
+
+It is filled in two steps: the listener starts right away (so ``/health`` can say "Loading model"),
+and :meth:`ServerContext.on_model_loaded` fills in the model-derived parts once the engine is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from mlxcel_compat.engine.client import EngineClient
+from mlxcel_compat.engine.core import Engine
+from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest
+
+
+@dataclass
+class ModelInfo:
+    """Model facts the HTTP side needs; plain Python, safe to read from any thread."""
+
+    model_id: str
+    aliases: list[str]
+    path: str
+    tokenizer: Any
+    vocab_size: int
+    n_ctx: int
+    n_ctx_train: int
+    n_embd: int
+    n_params: int
+    size_bytes: int
+    eog_ids: list[int]
+    bos_id: int | None  # set when the tokenizer adds a BOS to plain text
+    bos_token: str
+    eos_token: str
+    chat_template: Any  # mlxcel_compat.chat.template.ChatTemplate | None
+
+
+@dataclass
+class ServerContext:
+    settings: Any
+    engine: Engine
+    api_keys: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+    model: ModelInfo | None = None
+    metrics: Any = None  # server.metrics.Metrics
+    cache_hooks: Any = None  # prompt-cache request preparation (session key, template signature)
+
+    def __post_init__(self) -> None:
+        self.client = EngineClient(self.engine)
+
+    @property
+    def ready(self) -> bool:
+        return self.model is not None and self.engine.state == "ready"
+
+    def tokenize(self, text: str) -> list[int]:
+        """Plain text to tokens, no special tokens added (logit_bias keys, /tokenize)."""
+        assert self.model is not None
+        return list(self.model.tokenizer.encode(text, add_special_tokens=False))
+
+    def tokenize_rendered(self, text: str) -> list[int]:
+        """A rendered chat prompt to tokens: special tokens parsed; BOS added once if the model wants one."""
+        assert self.model is not None
+        tokens = self.tokenize(text)
+        bos = self.model.bos_id
+        if bos is not None and (not tokens or tokens[0] != bos):
+            tokens.insert(0, bos)
+        return tokens
+
+    async def run(self, requests: list[GenerationRequest]) -> AsyncIterator[tuple[int, EngineEvent]]:
+        """Run several sequences concurrently; yield ``(index in requests, event)`` as they come.
+
+        Leaving the iteration early cancels every sequence that has not finished.
+        """
+        if len(requests) == 1:
+            async for event in self.client.generate(requests[0]):
+                yield 0, event
+            return
+        merged: asyncio.Queue[tuple[int, EngineEvent]] = asyncio.Queue()
+
+        async def pump(i: int, req: GenerationRequest) -> None:
+            async for event in self.client.generate(req):
+                await merged.put((i, event))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+        remaining = len(requests)
+        try:
+            while remaining:
+                i, event = await merged.get()
+                if isinstance(event, (FinishEvent, ErrorEvent)):
+                    remaining -= 1
+                yield i, event
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

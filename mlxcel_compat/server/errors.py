@@ -1,0 +1,83 @@
+"""llama.cpp-shaped errors: ``{"error": {"code": N, "message": "...", "type": "..."}}``.
+
+Each class carries its HTTP status and llama.cpp type string; one handler renders them all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+
+
+class ApiError(Exception):
+    status_code = 500
+    type = "server_error"
+
+    def __init__(self, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.extra = extra
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": {"code": self.status_code, "message": self.message, "type": self.type, **self.extra}}
+
+
+class InvalidRequest(ApiError):
+    status_code = 400
+    type = "invalid_request_error"
+
+
+class ContextExceeded(ApiError):
+    status_code = 400
+    type = "exceed_context_size_error"
+
+    def __init__(self, n_prompt_tokens: int, n_ctx: int) -> None:
+        super().__init__(
+            f"request ({n_prompt_tokens} tokens) exceeds the available context size ({n_ctx} tokens), try increasing it",
+            n_prompt_tokens=n_prompt_tokens,
+            n_ctx=n_ctx,
+        )
+
+
+class AuthenticationError(ApiError):
+    status_code = 401
+    type = "authentication_error"
+
+
+class NotFound(ApiError):
+    status_code = 404
+    type = "not_found_error"
+
+
+class NotSupported(ApiError):
+    status_code = 501
+    type = "not_supported_error"
+
+
+class Unavailable(ApiError):
+    status_code = 503
+    type = "unavailable_error"
+
+
+class ServerError(ApiError):
+    status_code = 500
+    type = "server_error"
+
+
+JSON_CONTENT_TYPE = "application/json; charset=utf-8"
+
+
+def json_response(data: Any, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """orjson-encoded response; non-finite floats become null, as nlohmann serialises them."""
+    return Response(orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status_code, media_type=JSON_CONTENT_TYPE, headers=headers)
+
+
+def error_response(exc: ApiError) -> Response:
+    return json_response(exc.to_json(), status_code=exc.status_code)
+
+
+def raw_error_response(status: int, body: dict[str, Any]) -> Response:
+    """For llama.cpp's few fixed bodies whose key order differs (404, 401)."""
+    return json_response(body, status_code=status)

@@ -1,0 +1,309 @@
+"""Response bodies: llama-server's native JSON and the OpenAI shapes, plus SSE framing.
+
+Builders take plain records (:class:`Result`, engine events) and return dicts; they never see
+MLX. Key order follows llama-server's, because some clients and tests compare dumps.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from mlxcel_compat.engine.request import FinishEvent, GenerationRequest, TokenEvent, TokenProb
+from mlxcel_compat.engine.textstream import token_bytes, token_piece
+
+BUILD_INFO = "b0-mlxcel"
+SYSTEM_FINGERPRINT = BUILD_INFO
+
+
+def completion_id() -> str:
+    return "chatcmpl-" + "".join(random.choices(string.ascii_letters + string.digits, k=32))
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Result:
+    """Everything one finished sequence produced, accumulated from its events."""
+
+    index: int
+    request: GenerationRequest
+    content: str = ""
+    tokens: list[int] = field(default_factory=list)
+    probs: list[dict[str, Any]] = field(default_factory=list)
+    finish: FinishEvent | None = None
+    trailing_silent: int = 0  # tokens at the end that emitted no text (held back or stop string)
+
+    def add(self, event: TokenEvent, tokenizer: Any) -> None:
+        self.content += event.text
+        self.tokens.append(event.token)
+        self.trailing_silent = 0 if event.text else self.trailing_silent + 1
+        if event.top is not None:
+            self.probs.append(prob_entry(tokenizer, event, self.request.post_sampling_probs))
+
+    def close(self, finish: FinishEvent) -> None:
+        self.finish = finish
+        self.content += finish.text
+        if finish.stop_type == "word" and self.probs:
+            # Non-stream mode trims the entries of the stop string's tokens (llama-server).
+            self.probs = self.probs[: max(0, len(self.probs) - self.trailing_silent)]
+
+    @property
+    def has_new_line(self) -> bool:
+        return "\n" in self.content
+
+
+def _prob_item(tokenizer: Any, tp: TokenProb, post: bool) -> dict[str, Any]:
+    key = "prob" if post else "logprob"
+    return {
+        "id": tp.id,
+        "token": token_piece(tokenizer, tp.id),
+        "bytes": list(token_bytes(tokenizer, tp.id)),
+        key: _finite(tp.logprob),
+    }
+
+
+def _finite(x: float) -> float:
+    # llama-server reports log(0) as the lowest float, never null.
+    return x if x > -3.4e38 else -3.4028234663852886e38
+
+
+def prob_entry(tokenizer: Any, event: TokenEvent, post: bool) -> dict[str, Any]:
+    entry = _prob_item(tokenizer, TokenProb(event.token, event.logprob or 0.0), post)
+    entry["top_probs" if post else "top_logprobs"] = [_prob_item(tokenizer, tp, post) for tp in event.top or []]
+    return entry
+
+
+def timings_json(fin: FinishEvent) -> dict[str, Any]:
+    """``timings``: prompt_n counts only prefilled tokens, so prompt_per_second is never inflated."""
+    prompt_n = fin.n_prompt - fin.n_cached
+    return {
+        "cache_n": fin.n_cached,
+        "prompt_n": prompt_n,
+        "prompt_ms": fin.prompt_ms,
+        "prompt_per_token_ms": fin.prompt_ms / prompt_n if prompt_n else None,
+        "prompt_per_second": 1000.0 * prompt_n / fin.prompt_ms if fin.prompt_ms > 0 else None,
+        "predicted_n": fin.n_decoded,
+        "predicted_ms": fin.predicted_ms,
+        "predicted_per_token_ms": fin.predicted_ms / fin.n_decoded if fin.n_decoded else None,
+        "predicted_per_second": 1000.0 * fin.n_decoded / fin.predicted_ms if fin.predicted_ms > 0 else None,
+    }
+
+
+def generation_settings(request: GenerationRequest, stream: bool, seed: int, n_keep: int = 0, n_discard: int = 0) -> dict[str, Any]:
+    """llama-server's ``generation_settings`` (task_params::to_json), in its key order."""
+    s = request.sampling
+    sampling = s.to_json(seed=seed)
+    samplers = sampling.pop("samplers")
+    out: dict[str, Any] = dict(sampling)
+    out.update(
+        mirostat=0,
+        mirostat_tau=5.0,
+        mirostat_eta=0.1,
+        adaptive_target=-1.0,
+        adaptive_decay=0.9,
+        stop=list(request.stop),
+        max_tokens=request.n_predict,
+        n_predict=request.n_predict,
+        n_keep=n_keep,
+        n_discard=n_discard,
+        ignore_eos=s.ignore_eos,
+        stream=stream,
+        logit_bias=[{"bias": (b if b != float("-inf") else None), "token": t} for t, b in sorted(s.logit_bias.items())],
+        n_probs=request.n_probs,
+        min_keep=s.min_keep,
+        grammar="",
+        grammar_lazy=False,
+        grammar_triggers=[],
+        preserved_tokens=[],
+        chat_format="Content-only",
+        reasoning_format="none",
+        reasoning_in_content=False,
+        generation_prompt="",
+        samplers=samplers,
+    )
+    out["speculative.types"] = "none"
+    out.update(timings_per_token=False, post_sampling_probs=request.post_sampling_probs, backend_sampling=False, lora=[])
+    return out
+
+
+# ---------------------------------------------------------------------- native /completion
+
+
+def native_final(
+    result: Result,
+    model_id: str,
+    prompt_text: str,
+    stream: bool,
+    return_tokens: bool,
+    n_keep: int,
+    include_probs: bool,
+) -> dict[str, Any]:
+    fin = result.finish
+    assert fin is not None
+    out: dict[str, Any] = {
+        "index": result.index,
+        "content": "" if stream else result.content,
+        "tokens": [] if stream or not return_tokens else list(result.tokens),
+        "id_slot": fin.id_slot,
+        "stop": True,
+        "model": model_id,
+        "tokens_predicted": fin.n_decoded,
+        "tokens_evaluated": fin.n_prompt,
+        "generation_settings": generation_settings(result.request, stream, fin.seed, n_keep),
+        "prompt": prompt_text,
+        "has_new_line": result.has_new_line,
+        "truncated": fin.truncated,
+        "stop_type": fin.stop_type,
+        "stopping_word": fin.stopping_word,
+        "tokens_cached": fin.tokens_cached,
+        "timings": timings_json(fin),
+    }
+    if include_probs and not stream and result.request.n_probs > 0:
+        out["completion_probabilities"] = result.probs
+    return out
+
+
+def native_partial(result: Result, event: TokenEvent, tokenizer: Any, id_slot: int) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "index": result.index,
+        "content": event.text,
+        "tokens": [event.token],
+        "stop": False,
+        "id_slot": id_slot,
+        "tokens_predicted": event.n_decoded,
+        "tokens_evaluated": len(result.request.prompt_tokens),
+    }
+    if event.top is not None:
+        out["completion_probabilities"] = [prob_entry(tokenizer, event, result.request.post_sampling_probs)]
+    return out
+
+
+def filter_fields(data: dict[str, Any], fields: list[str]) -> dict[str, Any]:
+    """``response_fields``: keep only the listed (possibly nested ``a/b``) keys, flattened."""
+    out: dict[str, Any] = {}
+    for path in fields:
+        node: Any = data
+        for part in path.split("/"):
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            out[path] = node
+    return out
+
+
+# ---------------------------------------------------------------------- OpenAI shapes
+
+
+def finish_reason(fin: FinishEvent, has_tool_calls: bool = False) -> str:
+    if fin.stop_type in ("eos", "word"):
+        return "tool_calls" if has_tool_calls else "stop"
+    return "length"
+
+
+def usage_json(results: list[Result]) -> dict[str, Any]:
+    prompt = sum(r.finish.n_prompt for r in results if r.finish) if results else 0
+    # Children of one prompt share it: count the prompt once per distinct prompt index.
+    seen: dict[int, tuple[int, int]] = {}
+    for r in results:
+        if r.finish is not None:
+            seen.setdefault(id(r.request.prompt_tokens), (r.finish.n_prompt, r.finish.n_cached))
+    prompt = sum(p for p, _ in seen.values())
+    cached = sum(c for _, c in seen.values())
+    completion = sum(r.finish.n_decoded for r in results if r.finish)
+    return {
+        "completion_tokens": completion,
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def oai_logprobs(result: Result) -> dict[str, Any] | None:
+    if result.request.n_probs <= 0:
+        return None
+    return {"content": result.probs}
+
+
+def oai_completion(results: list[Result], model_id: str, cid: str, created: int) -> dict[str, Any]:
+    choices = [
+        {
+            "text": r.content,
+            "index": i,
+            "logprobs": oai_logprobs(r),
+            "finish_reason": finish_reason(r.finish) if r.finish else "stop",
+        }
+        for i, r in enumerate(results)
+    ]
+    return {
+        "choices": choices,
+        "created": created,
+        "model": model_id,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "object": "text_completion",
+        "usage": usage_json(results),
+        "id": cid,
+        "timings": timings_json(results[0].finish) if results and results[0].finish else {},
+    }
+
+
+def oai_completion_chunk(text: str, index: int, model_id: str, cid: str, created: int, finish: str | None, logprobs: Any = None) -> dict[str, Any]:
+    return {
+        "choices": [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}],
+        "created": created,
+        "model": model_id,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "object": "text_completion",
+        "id": cid,
+    }
+
+
+def chat_message(content: str, reasoning: str | None, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        msg["reasoning_content"] = reasoning
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
+    return msg
+
+
+def oai_chat(choices: list[dict[str, Any]], results: list[Result], model_id: str, cid: str, created: int) -> dict[str, Any]:
+    return {
+        "choices": choices,
+        "created": created,
+        "model": model_id,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "object": "chat.completion",
+        "usage": usage_json(results),
+        "id": cid,
+        "timings": timings_json(results[0].finish) if results and results[0].finish else {},
+    }
+
+
+def oai_chat_chunk(delta: dict[str, Any], index: int, model_id: str, cid: str, created: int, finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"finish_reason": finish, "index": index, "delta": delta}
+    if logprobs is not None:
+        choice["logprobs"] = logprobs
+    return {
+        "choices": [choice],
+        "created": created,
+        "id": cid,
+        "model": model_id,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "object": "chat.completion.chunk",
+    }
+
+
+def now() -> int:
+    return int(time.time())

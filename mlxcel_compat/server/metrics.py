@@ -1,0 +1,81 @@
+"""Prometheus ``/metrics``: llama.cpp's ``llamacpp:*`` families, read from the engine's counters.
+
+A custom collector reads the engine's plain counters at scrape time, so the engine thread does no
+Prometheus work per token. Extra families (the prompt cache's) register through
+:meth:`Metrics.add_collector`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from mlxcel_compat.engine.core import Engine
+
+
+def _counter(name: str, doc: str, value: float) -> Metric:
+    family = CounterMetricFamily(name, doc)
+    family.add_metric([], value)
+    return family
+
+
+def _gauge(name: str, doc: str, value: float) -> Metric:
+    family = GaugeMetricFamily(name, doc)
+    family.add_metric([], value)
+    return family
+
+
+class LlamaCppCollector:
+    """The ``llamacpp:*`` families llama-server exposes (same names, types and meanings)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterable[Metric]:
+        m = self.engine.metrics
+        prompt_tps = m.prompt_tokens_total / m.prompt_seconds_total if m.prompt_seconds_total else 0.0
+        gen_tps = m.tokens_predicted_total / m.tokens_predicted_seconds_total if m.tokens_predicted_seconds_total else 0.0
+        yield _counter("llamacpp:prompt_tokens_total", "Number of prompt tokens processed.", m.prompt_tokens_total)
+        yield _counter("llamacpp:prompt_seconds_total", "Prompt process time", m.prompt_seconds_total)
+        yield _counter("llamacpp:tokens_predicted_total", "Number of generation tokens processed.", m.tokens_predicted_total)
+        yield _counter("llamacpp:tokens_predicted_seconds_total", "Predict process time", m.tokens_predicted_seconds_total)
+        yield _counter("llamacpp:n_decode_total", "Total number of llama_decode() calls", m.n_decode_total)
+        yield _counter(
+            "llamacpp:prompt_tokens_cached_total",
+            "Number of prompt tokens reused from the prompt cache instead of being processed.",
+            m.prompt_tokens_cached_total,
+        )
+        # llama-server types this high-water mark a counter but names it without "_total";
+        # the OpenMetrics-aware client would rename a counter, so it is exposed as a gauge.
+        yield _gauge("llamacpp:n_tokens_max", "Largest observed n_tokens.", m.n_tokens_max)
+        yield _gauge("llamacpp:prompt_tokens_seconds", "Average prompt throughput in tokens/s.", prompt_tps)
+        yield _gauge("llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s.", gen_tps)
+        yield _gauge("llamacpp:requests_processing", "Number of requests processing.", self.engine.n_processing)
+        yield _gauge("llamacpp:requests_deferred", "Number of requests deferred.", self.engine.n_deferred)
+        busy = m.busy_slots_sum / m.n_decode_total if m.n_decode_total else 0.0
+        yield _gauge("llamacpp:n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call", busy)
+
+
+class _FunctionCollector:
+    def __init__(self, fn: Callable[[], Iterable[Metric]]) -> None:
+        self.fn = fn
+
+    def collect(self) -> Iterable[Metric]:
+        return self.fn()
+
+
+class Metrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(LlamaCppCollector(engine))  # type: ignore[arg-type]
+
+    def add_collector(self, fn: Callable[[], Iterable[Metric]]) -> None:
+        self.registry.register(_FunctionCollector(fn))  # type: ignore[arg-type]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+__all__ = ["Metrics"]

@@ -1,0 +1,236 @@
+"""Parse and validate completion parameters the way llama-server's schema does.
+
+- Unknown fields are ignored; ``null`` means "use the default".
+- A wrong type is a 400 naming the field; a "hard" range violation is a 400 with the range;
+  a "soft" range is clamped.
+- Per-request defaults come from the server's settings (``--temp``, ``-n``, ``-r``, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from mlxcel_compat.engine.request import CacheContext, GenerationRequest
+from mlxcel_compat.engine.sampling import SamplingParams, parse_logit_bias, parse_samplers
+from mlxcel_compat.server.errors import InvalidRequest
+
+INT32_MAX = 2**31 - 1
+_MISSING = object()
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def _field_error(name: str, message: str) -> InvalidRequest:
+    return InvalidRequest(f"Field '{name}': {message}")
+
+
+class Body:
+    """Typed access to a JSON object with llama.cpp's null/alias/limit rules."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self.data = data
+
+    def raw(self, *names: str) -> Any:
+        """First present, non-null value among ``names`` (later aliases only if earlier are absent)."""
+        for name in names:
+            value = self.data.get(name)
+            if value is not None:
+                return value
+        return _MISSING
+
+    def bool(self, names: str | tuple[str, ...], default: bool) -> bool:
+        names = (names,) if isinstance(names, str) else names
+        value = self.raw(*names)
+        if value is _MISSING:
+            return default
+        if not isinstance(value, bool):
+            raise _field_error(names[0], f"type must be boolean, but is {_type_name(value)}")
+        return value
+
+    def int(self, names: str | tuple[str, ...], default: int, lo: int | None = None, hi: int | None = None, soft: bool = False) -> int:
+        names = (names,) if isinstance(names, str) else names
+        value = self.raw(*names)
+        if value is _MISSING:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _field_error(names[0], f"type must be number, but is {_type_name(value)}")
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise _field_error(names[0], "value must be finite")
+            value = int(value)
+        return _limit(names[0], value, lo, hi, soft)
+
+    def float(self, names: str | tuple[str, ...], default: float, lo: float | None = None, hi: float | None = None, soft: bool = False) -> float:
+        names = (names,) if isinstance(names, str) else names
+        value = self.raw(*names)
+        if value is _MISSING:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _field_error(names[0], f"type must be number, but is {_type_name(value)}")
+        return _limit(names[0], float(value), lo, hi, soft)
+
+    def str_list(self, name: str, default: list[str]) -> list[str]:
+        value = self.raw(name)
+        if value is _MISSING:
+            return list(default)
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise _field_error(name, f"type must be array of strings, but is {_type_name(value)}")
+        return list(value)
+
+
+def _limit(name: str, value: Any, lo: Any, hi: Any, soft: bool) -> Any:
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        if soft:
+            value = max(value, lo) if lo is not None else value
+            return min(value, hi) if hi is not None else value
+        lo_s = "-inf" if lo is None else lo
+        hi_s = "inf" if hi is None else hi
+        raise _field_error(name, f"Value must be between {lo_s} <= value <= {hi_s}, but got {value}")
+    return value
+
+
+def cache_prompt_flag(body: Mapping[str, Any], default: bool) -> bool:
+    """``cache_prompt`` at the top level, else nested under ``extra_body`` (raw HTTP clients)."""
+    value = body.get("cache_prompt")
+    if value is None and isinstance(body.get("extra_body"), Mapping):
+        value = body["extra_body"].get("cache_prompt")
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _field_error("cache_prompt", f"type must be boolean, but is {_type_name(value)}")
+    return value
+
+
+@dataclass
+class CompletionOptions:
+    """Everything a completion route needs besides the prompt tokens."""
+
+    request: GenerationRequest  # a template; one copy per prompt and per n
+    stream: bool = False
+    include_usage: bool = False
+    n_cmpl: int = 1
+    return_tokens: bool = False
+    timings_per_token: bool = False
+    response_fields: list[str] = field(default_factory=list)
+    n_keep: int = 0
+    n_discard: int = 0
+    generation_extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_completion_options(
+    data: Mapping[str, Any],
+    settings: Any,
+    n_parallel: int,
+    vocab_size: int,
+    tokenize: Callable[[str], list[int]],
+    eog_ids: Sequence[int],
+) -> CompletionOptions:
+    """Build the per-request options, starting from the server's CLI defaults."""
+    b = Body(data)
+    sampling = parse_sampling(b, settings, vocab_size, tokenize)
+    n_predict = b.int(("n_predict", "max_completion_tokens", "max_tokens"), settings.n_predict, -1, INT32_MAX)
+    n_probs = b.int(("n_probs",), 0, 0, None, soft=True)
+    logprobs = data.get("logprobs")
+    if n_probs == 0 and isinstance(logprobs, int) and not isinstance(logprobs, bool):
+        n_probs = max(0, logprobs)  # /v1/completions: integer logprobs = n_probs
+    stop = [s for s in b.str_list("stop", []) if s] or list(settings.reverse_prompt or [])
+    stream_options = data.get("stream_options")
+    include_usage = isinstance(stream_options, Mapping) and stream_options.get("include_usage") is True
+    response_fields = b.str_list("response_fields", [])
+    id_slot = data.get("id_slot")
+    request = GenerationRequest(
+        prompt_tokens=[],
+        sampling=sampling,
+        n_predict=n_predict,
+        stop=stop,
+        n_probs=n_probs,
+        post_sampling_probs=b.bool("post_sampling_probs", False),
+        return_progress=b.bool("return_progress", False),
+        id_slot=id_slot if isinstance(id_slot, int) and not isinstance(id_slot, bool) else -1,
+        cache=CacheContext(enabled=cache_prompt_flag(data, settings.cache_prompt)),
+    )
+    sampling.n_probs = n_probs
+    sampling.post_sampling_probs = request.post_sampling_probs
+    return CompletionOptions(
+        request=request,
+        stream=b.bool("stream", False),
+        include_usage=include_usage,
+        n_cmpl=b.int(("n_cmpl", "n"), 1, 1, n_parallel),
+        return_tokens=b.bool("return_tokens", False),
+        timings_per_token=b.bool("timings_per_token", False),
+        response_fields=response_fields,
+        n_keep=b.int("n_keep", settings.n_keep, -1, None),
+        n_discard=b.int("n_discard", 0, 0, None),
+    )
+
+
+def parse_sampling(b: Body, settings: Any, vocab_size: int, tokenize: Callable[[str], list[int]]) -> SamplingParams:
+    s = settings
+    seed = b.int("seed", s.seed, None, None)
+    samplers_raw = b.raw("samplers")
+    if samplers_raw is _MISSING:
+        # --samplers is a ';'-separated list of names; --sampling-seq a string of sampler characters.
+        if s.sampling_seq and not s.is_set("samplers"):
+            samplers = parse_samplers(s.sampling_seq)
+        else:
+            samplers = parse_samplers([n for n in s.samplers.split(";") if n]) if s.samplers else SamplingParams().samplers
+    else:
+        if not isinstance(samplers_raw, (list, str)):
+            raise _field_error("samplers", f"type must be array or string, but is {_type_name(samplers_raw)}")
+        try:
+            samplers = parse_samplers(samplers_raw)
+        except ValueError as exc:
+            raise _field_error("samplers", str(exc)) from None
+    breakers = b.raw("dry_sequence_breakers")
+    if breakers is _MISSING:
+        breakers = list(s.dry_sequence_breaker)
+    elif not isinstance(breakers, list) or not all(isinstance(x, str) for x in breakers) or not breakers:
+        raise _field_error("dry_sequence_breakers", "Error: dry_sequence_breakers must be a non-empty array of strings")
+    dry_base = b.float("dry_base", s.dry_base)
+    logit_bias_raw = b.raw("logit_bias")
+    try:
+        logit_bias = {} if logit_bias_raw is _MISSING else parse_logit_bias(logit_bias_raw, vocab_size, tokenize)
+    except ValueError as exc:
+        raise _field_error("logit_bias", str(exc)) from None
+    return SamplingParams(
+        temperature=b.float(("temperature", "temp"), s.temp, 0.0, None, soft=True),
+        dynatemp_range=b.float("dynatemp_range", s.dynatemp_range),
+        dynatemp_exponent=b.float("dynatemp_exponent", s.dynatemp_exp),
+        top_k=b.int("top_k", s.top_k, 0, INT32_MAX, soft=True),
+        top_p=b.float("top_p", s.top_p, 0.0, 1.0, soft=True),
+        min_p=b.float("min_p", s.min_p, 0.0, 1.0, soft=True),
+        typical_p=b.float("typical_p", s.typical_p),
+        top_n_sigma=b.float("top_n_sigma", s.top_n_sigma),
+        xtc_probability=b.float("xtc_probability", s.xtc_probability, 0.0, 1.0, soft=True),
+        xtc_threshold=b.float("xtc_threshold", s.xtc_threshold, 0.0, 1.0, soft=True),
+        repeat_last_n=b.int("repeat_last_n", s.repeat_last_n, 0, None),
+        repeat_penalty=b.float("repeat_penalty", s.repeat_penalty),
+        presence_penalty=b.float("presence_penalty", s.presence_penalty),
+        frequency_penalty=b.float("frequency_penalty", s.frequency_penalty),
+        dry_multiplier=b.float("dry_multiplier", s.dry_multiplier),
+        dry_base=dry_base if dry_base >= 1.0 else s.dry_base,
+        dry_allowed_length=b.int("dry_allowed_length", s.dry_allowed_length, 0, None),
+        dry_penalty_last_n=b.int("dry_penalty_last_n", s.dry_penalty_last_n, -1, None),
+        dry_sequence_breakers=breakers,
+        min_keep=b.int("min_keep", s.min_keep, 0, None),
+        seed=(seed & 0xFFFFFFFF),
+        samplers=samplers,
+        logit_bias=logit_bias,
+        ignore_eos=b.bool("ignore_eos", s.ignore_eos),
+    )

@@ -1,0 +1,146 @@
+"""``/v1/chat/completions`` and ``/chat/completions`` (OpenAI chat shape, llama-server semantics)."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from mlxcel_compat.chat.messages import ChatRequest, ChatRequestError, parse_chat_request, parse_tool_calls, render_chat, split_reasoning
+from mlxcel_compat.chat.template import TemplateError
+from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, ProgressEvent, TokenEvent
+from mlxcel_compat.server import formats as fmt
+from mlxcel_compat.server.context import ServerContext
+from mlxcel_compat.server.errors import InvalidRequest, ServerError, json_response
+from mlxcel_compat.server.routes_completion import SSE_HEADERS, check_context, collect, expand, parse_options
+from mlxcel_compat.server.routes_misc import ctx_of, read_json
+
+
+def render_prompt(ctx: ServerContext, data: dict[str, Any]) -> tuple[str, ChatRequest]:
+    """Validate the chat body and render it through the model's template (400 on any problem)."""
+    template = ctx.model.chat_template
+    if template is None:
+        raise InvalidRequest("this model has no chat template; pass --chat-template")
+    try:
+        chat = parse_chat_request(data, default_template_kwargs=ctx.settings.chat_template_kwargs or {})
+        return render_chat(template, chat), chat
+    except (ChatRequestError, TemplateError) as exc:
+        if getattr(exc, "status_code", 400) >= 500:
+            raise ServerError(exc.message) from None
+        raise InvalidRequest(exc.message) from None
+
+
+def _check_logprobs(data: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI ``logprobs: true`` + ``top_logprobs`` map to ``n_probs`` (default 20, llama-server)."""
+    logprobs = data.get("logprobs")
+    top = data.get("top_logprobs")
+    if top is not None and logprobs is not True:
+        raise InvalidRequest("top_logprobs requires logprobs to be set to true")
+    if logprobs is True:
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 0):
+            raise InvalidRequest("Field 'top_logprobs': must be a non-negative integer")
+        data = dict(data)
+        data["n_probs"] = 20 if top is None else top
+    data = {k: v for k, v in data.items() if k != "logprobs"}
+    return data
+
+
+async def chat_completions(request: Request) -> Response:
+    ctx = ctx_of(request)
+    data = await read_json(request)
+    prompt, chat = render_prompt(ctx, data)
+    opts = parse_options(ctx, _check_logprobs(data))
+    tokens = ctx.tokenize_rendered(prompt)
+    check_context(ctx, tokens)
+    requests = expand(ctx, opts, [tokens])
+    if ctx.cache_hooks is not None:
+        ctx.cache_hooks.prepare_chat(data, chat, requests)
+    with_tools = bool(chat.tools) and chat.tool_choice != "none"
+    if opts.stream:
+        return StreamingResponse(_stream(ctx, requests, opts.include_usage, with_tools), media_type="text/event-stream", headers=SSE_HEADERS)
+    results = await collect(ctx, request, requests)
+    choices = []
+    for i, res in enumerate(results):
+        reasoning, content = _split(ctx, res.content)
+        tool_calls: list[dict[str, Any]] = []
+        if with_tools:
+            content, tool_calls = parse_tool_calls(content)
+        choice: dict[str, Any] = {
+            "finish_reason": fmt.finish_reason(res.finish, bool(tool_calls)),
+            "index": i,
+            "message": fmt.chat_message(content, reasoning, tool_calls),
+        }
+        if res.request.n_probs > 0:
+            choice["logprobs"] = {"content": res.probs}
+        choices.append(choice)
+    return json_response(fmt.oai_chat(choices, results, ctx.model.model_id, fmt.completion_id(), fmt.now()))
+
+
+def _split(ctx: ServerContext, text: str) -> tuple[str | None, str]:
+    if ctx.settings.reasoning_format == "none":
+        return None, text
+    return split_reasoning(text)
+
+
+async def _stream(ctx: ServerContext, requests: list[GenerationRequest], include_usage: bool, with_tools: bool) -> AsyncIterator[bytes]:
+    m = ctx.model
+    cid, created = fmt.completion_id(), fmt.now()
+    results = [fmt.Result(index=r.index, request=r) for r in requests]
+    started: set[int] = set()
+    last_finish: FinishEvent | None = None
+    remaining = len(requests)
+    async for i, event in ctx.run(requests):
+        res = results[i]
+        if i not in started and isinstance(event, (TokenEvent, FinishEvent)):
+            started.add(i)
+            yield fmt.sse(fmt.oai_chat_chunk({"role": "assistant", "content": None}, i, m.model_id, cid, created))
+        if isinstance(event, TokenEvent):
+            res.add(event, m.tokenizer)
+            if event.text or event.top is not None:
+                logprobs = {"content": [res.probs[-1]]} if event.top is not None else None
+                yield fmt.sse(fmt.oai_chat_chunk({"content": event.text}, i, m.model_id, cid, created, None, logprobs))
+        elif isinstance(event, ProgressEvent):
+            chunk = fmt.oai_chat_chunk({"role": "assistant", "content": None}, i, m.model_id, cid, created)
+            chunk["prompt_progress"] = {"total": event.total, "cache": event.cache, "processed": event.processed, "time_ms": event.time_ms}
+            yield fmt.sse(chunk)
+        elif isinstance(event, FinishEvent):
+            res.close(event)
+            remaining -= 1
+            last_finish = event
+            if event.text:
+                yield fmt.sse(fmt.oai_chat_chunk({"content": event.text}, i, m.model_id, cid, created))
+            tool_calls: list[dict[str, Any]] = []
+            if with_tools:
+                _, tool_calls = parse_tool_calls(res.content)
+            if tool_calls:
+                deltas = [dict(tc, index=k) for k, tc in enumerate(tool_calls)]
+                yield fmt.sse(fmt.oai_chat_chunk({"tool_calls": deltas}, i, m.model_id, cid, created))
+            final = fmt.oai_chat_chunk({}, i, m.model_id, cid, created, fmt.finish_reason(event, bool(tool_calls)))
+            if remaining == 0 and not include_usage:
+                final["timings"] = fmt.timings_json(event)
+            yield fmt.sse(final)
+        elif isinstance(event, ErrorEvent):
+            yield fmt.sse(ServerError(event.message).to_json())
+            return
+    if include_usage:
+        usage_chunk: dict[str, Any] = {
+            "choices": [],
+            "created": created,
+            "id": cid,
+            "model": m.model_id,
+            "system_fingerprint": fmt.SYSTEM_FINGERPRINT,
+            "object": "chat.completion.chunk",
+            "usage": fmt.usage_json(results),
+        }
+        if last_finish is not None:
+            usage_chunk["timings"] = fmt.timings_json(last_finish)
+        yield fmt.sse(usage_chunk)
+    yield fmt.SSE_DONE
+
+
+ROUTES = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/chat/completions", chat_completions, methods=["POST"]),
+]

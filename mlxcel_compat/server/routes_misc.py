@@ -1,0 +1,225 @@
+"""Small routes: health, props, models, slots, tokenize/detokenize, apply-template, metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from mlxcel_compat.engine.textstream import token_bytes
+from mlxcel_compat.server.context import ServerContext
+from mlxcel_compat.server.errors import InvalidRequest, NotSupported, Unavailable, json_response
+from mlxcel_compat.server.formats import BUILD_INFO, generation_settings
+
+
+def ctx_of(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The request body as a JSON object; anything else is a 400 (llama-server answers 500)."""
+    raw = await request.body()
+    try:
+        data = orjson.loads(raw) if raw.strip() else {}
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"Invalid JSON in request body: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("Request body must be a JSON object")
+    return data
+
+
+async def health(request: Request) -> Response:
+    return json_response({"status": "ok"})
+
+
+def _default_params(ctx: ServerContext) -> dict[str, Any]:
+    from mlxcel_compat.engine.request import GenerationRequest
+    from mlxcel_compat.server.params import Body, parse_sampling
+
+    sampling = parse_sampling(Body({}), ctx.settings, ctx.model.vocab_size, ctx.tokenize)
+    req = GenerationRequest(prompt_tokens=[], sampling=sampling, n_predict=-1)
+    full = generation_settings(req, False, sampling.seed)
+    for key in ("stop", "logit_bias", "grammar", "dry_sequence_breakers", "grammar_lazy", "grammar_triggers", "preserved_tokens"):
+        full.pop(key, None)
+    return full
+
+
+async def props(request: Request) -> Response:
+    ctx = ctx_of(request)
+    m = ctx.model
+    s = ctx.settings
+    template = m.chat_template
+    return json_response(
+        {
+            "default_generation_settings": {"params": _default_params(ctx), "n_ctx": m.n_ctx},
+            "total_slots": len(ctx.engine.slots),
+            "model_alias": m.model_id,
+            "model_ftype": "F32",
+            "model_path": m.path,
+            "modalities": {"vision": False, "video": False, "audio": False},
+            "media_marker": "<__media__>",
+            "endpoint_slots": bool(s.slots),
+            "endpoint_props": bool(s.props),
+            "endpoint_metrics": bool(s.metrics),
+            "ui": False,
+            "ui_settings": {},
+            "chat_template": template.source if template else "",
+            "chat_template_caps": template.caps() if template else {},
+            "bos_token": m.bos_token,
+            "eos_token": m.eos_token,
+            "build_info": BUILD_INFO,
+            "is_sleeping": False,
+            "cors_proxy_enabled": False,
+        }
+    )
+
+
+async def props_post(request: Request) -> Response:
+    if not ctx_of(request).settings.props:
+        raise NotSupported("This server does not support changing global properties. Start it with `--props`")
+    await read_json(request)
+    return json_response({"success": True})
+
+
+async def models(request: Request) -> Response:
+    ctx = ctx_of(request)
+    m = ctx.model
+    name = m.model_id
+    return json_response(
+        {
+            "models": [
+                {
+                    "name": name,
+                    "model": name,
+                    "modified_at": "",
+                    "size": "",
+                    "digest": "",
+                    "type": "model",
+                    "description": "",
+                    "tags": [""],
+                    "capabilities": ["completion"],
+                    "parameters": "",
+                    "details": {
+                        "parent_model": "",
+                        "format": "safetensors",
+                        "family": "",
+                        "families": [""],
+                        "parameter_size": "",
+                        "quantization_level": "",
+                    },
+                }
+            ],
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "aliases": sorted(m.aliases),
+                    "tags": [],
+                    "object": "model",
+                    "created": int(ctx.started),
+                    "owned_by": "llamacpp",
+                    "meta": {
+                        "vocab_type": 2,
+                        "n_vocab": m.vocab_size,
+                        "n_ctx": m.n_ctx,
+                        "n_ctx_train": m.n_ctx_train,
+                        "n_embd": m.n_embd,
+                        "n_params": m.n_params,
+                        "size": m.size_bytes,
+                        "ftype": "F32",
+                    },
+                }
+            ],
+        }
+    )
+
+
+async def slots(request: Request) -> Response:
+    ctx = ctx_of(request)
+    if not ctx.settings.slots:
+        raise NotSupported("This server does not support slots endpoint. Start it with `--slots`")
+    if request.query_params.get("fail_on_no_slot") in ("1", "true") and all(s.sequence is not None for s in ctx.engine.slots):
+        raise Unavailable("no slot available")
+    return json_response([slot.to_json() for slot in ctx.engine.slots])
+
+
+def _piece(tokenizer: Any, token: int) -> str | list[int]:
+    raw = token_bytes(tokenizer, token)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
+
+
+async def tokenize(request: Request) -> Response:
+    ctx = ctx_of(request)
+    data = await read_json(request)
+    content = data.get("content")
+    if content is None:
+        return json_response({"tokens": []})
+    add_special = data.get("add_special") is True
+    with_pieces = data.get("with_pieces") is True
+    tok = ctx.model.tokenizer
+    if isinstance(content, str):
+        tokens = list(tok.encode(content, add_special_tokens=add_special))
+    elif isinstance(content, list):
+        tokens = []
+        for i, piece in enumerate(content):
+            if isinstance(piece, int) and not isinstance(piece, bool):
+                tokens.append(piece)
+            elif isinstance(piece, str):
+                tokens.extend(tok.encode(piece, add_special_tokens=add_special and i == 0))
+            else:
+                raise InvalidRequest("content must be a string or an array of strings and token ids")
+    else:
+        raise InvalidRequest("content must be a string or an array of strings and token ids")
+    if with_pieces:
+        return json_response({"tokens": [{"id": t, "piece": _piece(tok, t)} for t in tokens]})
+    return json_response({"tokens": tokens})
+
+
+async def detokenize(request: Request) -> Response:
+    ctx = ctx_of(request)
+    data = await read_json(request)
+    tokens = data.get("tokens") or []
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise InvalidRequest("tokens must be an array of token ids")
+    valid = [t for t in tokens if 0 <= t < ctx.model.vocab_size]
+    if len(valid) != len(tokens):
+        raise InvalidRequest("tokens contains invalid token ids")
+    return json_response({"content": ctx.model.tokenizer.decode(valid, skip_special_tokens=False)})
+
+
+async def apply_template(request: Request) -> Response:
+    from mlxcel_compat.server.routes_chat import render_prompt
+
+    ctx = ctx_of(request)
+    data = await read_json(request)
+    prompt, _ = render_prompt(ctx, data)
+    return json_response({"prompt": prompt})
+
+
+async def metrics(request: Request) -> Response:
+    ctx = ctx_of(request)
+    if not ctx.settings.metrics:
+        raise NotSupported("This server does not support metrics endpoint. Start it with `--metrics`")
+    body = ctx.metrics.render()
+    return Response(body, media_type="text/plain; version=0.0.4", headers={"Process-Start-Time-Unix": str(int(ctx.started))})
+
+
+ROUTES = [
+    Route("/health", health, methods=["GET"]),
+    Route("/v1/health", health, methods=["GET"]),
+    Route("/props", props, methods=["GET"]),
+    Route("/props", props_post, methods=["POST"]),
+    Route("/models", models, methods=["GET"]),
+    Route("/v1/models", models, methods=["GET"]),
+    Route("/slots", slots, methods=["GET"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/apply-template", apply_template, methods=["POST"]),
+    Route("/metrics", metrics, methods=["GET"]),
+]

@@ -1,0 +1,131 @@
+"""Shared fixtures: generated tiny models and real servers on loopback.
+
+The optimized BLAS is loaded before anything imports MLX, exactly as the server does.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from mlxcel_compat.backend import load_optimized_blas
+
+load_optimized_blas()
+
+import httpx  # noqa: E402
+
+# Tests build their models into one cache directory per test session (they are deterministic).
+MODEL_CACHE = Path(os.environ.get("MLXCEL_TEST_MODEL_CACHE", Path(__file__).resolve().parent.parent / ".test-models"))
+
+
+def tiny_model(family: str = "llama") -> Path:
+    from mlxcel_compat.testing.models import ensure_model
+
+    return ensure_model(family, "tiny", cache_dir=MODEL_CACHE)
+
+
+@pytest.fixture(scope="session")
+def llama_dir() -> Path:
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir() -> Path:
+    return tiny_model("qwen3")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """A real ``mlxcel-server`` process on a free loopback port."""
+
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, log_dir: Path, wait: bool = True) -> "ServerProcess":
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_", "MLXCEL_"))}
+        env.update(self.env)
+        self.log_path = log_dir / f"server-{self.port}.log"
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlxcel_compat", "--host", "127.0.0.1", "--port", str(self.port), *self.args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        if wait:
+            self.wait_healthy()
+        return self
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"server not healthy after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """Start servers with given arguments; all are stopped at the end of the session."""
+    started: list[ServerProcess] = []
+    log_dir = tmp_path_factory.mktemp("server-logs")
+
+    def start(args: list[str], env: dict[str, str] | None = None, wait: bool = True) -> ServerProcess:
+        server = ServerProcess(args=args, env=env or {}).start(log_dir, wait=wait)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def server(server_factory, llama_dir: Path) -> ServerProcess:
+    """The default server: tiny llama, 2 slots, metrics on, small chunk size."""
+    return server_factory(["-m", str(llama_dir), "-np", "2", "-c", "2048", "-b", "64", "--metrics", "--props", "--alias", "tiny-llama"])
+
+
+@pytest.fixture()
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        yield client
