@@ -79,9 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_server(settings: object, model_arg: str, api_keys: list[str]) -> object:
     from mlxcel_compat.engine.core import Engine, EngineConfig
+    from mlxcel_compat.engine.prefix_cache import PrefixCache, PrefixCacheConfig
     from mlxcel_compat.server.app import build_app
     from mlxcel_compat.server.context import ServerContext
-    from mlxcel_compat.server.metrics import Metrics
+    from mlxcel_compat.server.metrics import Metrics, prompt_cache_metrics
 
     n_parallel = settings.n_parallel if settings.n_parallel > 0 else 4  # llama-server's auto
     if not settings.cont_batching:
@@ -95,9 +96,11 @@ def build_server(settings: object, model_arg: str, api_keys: list[str]) -> objec
             n_parallel=n_parallel,
             batch_size=settings.batch_size,
         ),
+        prefix_cache_factory=lambda engine: PrefixCache(engine, PrefixCacheConfig.from_settings(settings)),
     )
     ctx = ServerContext(settings=settings, engine=engine, api_keys=api_keys)
     ctx.metrics = Metrics(engine)
+    ctx.metrics.add_collector(lambda: prompt_cache_metrics(engine))
     return build_app(ctx)
 
 

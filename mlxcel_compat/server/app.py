@@ -20,7 +20,8 @@ from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlxcel_compat.engine.core import Engine
-from mlxcel_compat.server import routes_chat, routes_completion, routes_misc
+from mlxcel_compat.server import routes_cache, routes_chat, routes_completion, routes_misc
+from mlxcel_compat.server.cache_hooks import CacheHooks
 from mlxcel_compat.server.context import ModelInfo, ServerContext
 from mlxcel_compat.server.errors import ApiError, AuthenticationError, ServerError, Unavailable, error_response, raw_error_response
 
@@ -118,7 +119,7 @@ async def not_found(request: Any, exc: Exception) -> Any:
 
 
 def routes() -> list[Route]:
-    return [*routes_misc.ROUTES, *routes_completion.ROUTES, *routes_chat.ROUTES]
+    return [*routes_misc.ROUTES, *routes_completion.ROUTES, *routes_chat.ROUTES, *routes_cache.ROUTES]
 
 
 def _cors_middleware(settings: Any) -> Middleware:
@@ -206,7 +207,10 @@ async def _wait_for_model(ctx: ServerContext) -> None:
     while ctx.engine.state == "loading":
         await asyncio.sleep(0.05)
     if ctx.engine.state == "ready":
-        ctx.model = await asyncio.to_thread(model_info, ctx.engine, ctx.settings)
+        model = await asyncio.to_thread(model_info, ctx.engine, ctx.settings)
+        cache = ctx.engine.prefix_cache
+        ctx.cache_hooks = CacheHooks(enabled=cache is not None and cache.config.enabled, template=model.chat_template)
+        ctx.model = model
         log.info("model '%s' ready: serving on %d slots, n_ctx %d", ctx.model.model_id, len(ctx.engine.slots), ctx.model.n_ctx)
 
 

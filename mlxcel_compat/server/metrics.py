@@ -79,3 +79,33 @@ class Metrics:
 
 
 __all__ = ["Metrics"]
+
+
+def _labelled(name: str, doc: str, label: str, values: dict[str, float], kind: str = "counter") -> Metric:
+    family = CounterMetricFamily(name, doc, labels=[label]) if kind == "counter" else GaugeMetricFamily(name, doc, labels=[label])
+    for key, value in sorted(values.items()):
+        family.add_metric([key], value)
+    return family
+
+
+def prompt_cache_metrics(engine: Engine) -> Iterable[Metric]:
+    """``mlxcel_prompt_cache_*`` families, from the cache's last published stats snapshot."""
+    cache = engine.prefix_cache
+    if cache is None:
+        return []
+    s = cache.last_stats
+    return [
+        _gauge("mlxcel_prompt_cache_enabled", "1 when the prompt cache is on.", 1.0 if s["enabled"] else 0.0),
+        _counter("mlxcel_prompt_cache_lookups_total", "Prompt-cache lookups.", s["lookups"]),
+        _counter("mlxcel_prompt_cache_hits_total", "Lookups that adopted a cached prefix.", s["hits"]),
+        _counter("mlxcel_prompt_cache_misses_total", "Lookups that found nothing adoptable.", s["misses"]),
+        _labelled("mlxcel_prompt_cache_miss_reasons_total", "Misses by reason.", "reason", s["miss_reasons"]),
+        _counter("mlxcel_prompt_cache_prefix_tokens_reused_total", "Prompt tokens adopted instead of prefilled.", s["prefix_tokens_reused_total"]),
+        _counter("mlxcel_prompt_cache_inserts_total", "Entries stored.", s["inserts"]),
+        _counter("mlxcel_prompt_cache_supersedes_total", "Entries replaced by a longer entry of the same session.", s["supersedes"]),
+        _labelled("mlxcel_prompt_cache_evictions_total", "Entries evicted, by reason.", "reason", s["evictions"]),
+        _labelled("mlxcel_prompt_cache_rejections_total", "Entries refused at insert, by reason.", "reason", s["rejections"]),
+        _gauge("mlxcel_prompt_cache_bytes", "Logical bytes held by the prompt cache.", s["bytes"]),
+        _gauge("mlxcel_prompt_cache_entries", "Entries held by the prompt cache.", s["entries"]),
+        _gauge("mlxcel_prompt_cache_capacity_bytes", "Byte budget of the prompt cache.", s["capacity_bytes"]),
+    ]

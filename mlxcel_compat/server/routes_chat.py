@@ -16,6 +16,7 @@ from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.errors import InvalidRequest, ServerError, json_response
 from mlxcel_compat.server.routes_completion import SSE_HEADERS, check_context, collect, expand, parse_options
 from mlxcel_compat.server.routes_misc import ctx_of, read_json
+from mlxcel_compat.settings import default_template_kwargs
 
 
 def render_prompt(ctx: ServerContext, data: dict[str, Any]) -> tuple[str, ChatRequest]:
@@ -24,7 +25,10 @@ def render_prompt(ctx: ServerContext, data: dict[str, Any]) -> tuple[str, ChatRe
     if template is None:
         raise InvalidRequest("this model has no chat template; pass --chat-template")
     try:
-        chat = parse_chat_request(data, default_template_kwargs=ctx.settings.chat_template_kwargs or {})
+        defaults = default_template_kwargs(ctx.settings)
+        if ctx.cache_hooks is not None:
+            defaults = ctx.cache_hooks.template_defaults(data, defaults)
+        chat = parse_chat_request(data, default_template_kwargs=defaults)
         return render_chat(template, chat), chat
     except (ChatRequestError, TemplateError) as exc:
         if getattr(exc, "status_code", 400) >= 500:

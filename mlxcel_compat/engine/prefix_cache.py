@@ -1,0 +1,225 @@
+"""Engine glue of the prompt cache: adopt before prefill, donate after a consistent finish.
+
+Runs on the engine thread only (it owns the store). The store is pure bookkeeping; the MLX side
+(copying, truncating and measuring mlx-lm cache objects) is ``cache/kv.py``.
+
+    request ──► adopt(seq): lookup(bucket, session, prompt) ──hit──► copy entry KV, trim to the
+                match, prefill only the rest (at least one token)
+    finish  ──► donate(seq): snapshot the sequence's KV with exactly the tokens it holds
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxcel_compat.cache import kv
+from mlxcel_compat.cache.block_hash import ApcConfig
+from mlxcel_compat.cache.key import Bucket, TEXT_ONLY_MM_DIGEST
+from mlxcel_compat.cache.store import PromptCacheStore
+
+if TYPE_CHECKING:
+    from mlxcel_compat.engine.core import Engine
+    from mlxcel_compat.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+KV_FLOOR_BYTES = 2 * GIB
+
+
+@dataclass
+class PrefixCacheConfig:
+    """The prompt-cache settings the engine needs (resolved from the settings table)."""
+
+    enabled: bool = True
+    capacity_bytes: int | None = None  # None: model-aware default
+    max_entries: int = 1024
+    ttl_seconds: float = 3600.0
+    min_prefix: int = 32
+    apc_enabled: bool = True
+    apc_block_size: int = 16
+    apc_num_blocks: int | None = None
+    apc_hash: str = "sha256"
+    apc_trace: bool = False
+
+    @classmethod
+    def from_settings(cls, s: Any) -> "PrefixCacheConfig":
+        return cls(
+            enabled=bool(s.prompt_cache_enabled),
+            capacity_bytes=s.prompt_cache_capacity_bytes,
+            max_entries=s.prompt_cache_max_entries,
+            ttl_seconds=float(s.prompt_cache_ttl),
+            min_prefix=s.prompt_cache_min_prefix,
+            apc_enabled=bool(s.apc_enabled),
+            apc_block_size=s.apc_block_size,
+            apc_num_blocks=s.apc_num_blocks,
+            apc_hash=s.apc_hash,
+            apc_trace=bool(s.apc_trace),
+        )
+
+
+def physical_memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16 * GIB
+
+
+def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 4) -> int:
+    """KV bytes one token costs across all layers, from ``config.json`` (text_config aware)."""
+    cfg = {**config.get("text_config", {}), **{k: v for k, v in config.items() if k != "text_config"}}
+    layers = int(cfg.get("num_hidden_layers") or 0)
+    heads = int(cfg.get("num_attention_heads") or 1)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or 0) // heads))
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+def model_aware_capacity(config: dict[str, Any], ctx_size: int, model_bytes: int, total_memory: int) -> tuple[int, int]:
+    """The spec's default KV budget: ``max(2 GiB, min(6 * entry, left / 4))`` + one-entry floor.
+
+    Returns (capacity_bytes, entry_bytes).
+    """
+    entry = kv_bytes_per_token(config) * min(ctx_size, 8192)
+    left = max(total_memory - model_bytes, 0)
+    capacity = max(KV_FLOOR_BYTES, min(6 * entry, left // 4))
+    if entry > capacity and entry <= left // 2:
+        capacity = entry
+    return capacity, entry
+
+
+class PrefixCache:
+    """The prompt cache as the engine sees it."""
+
+    def __init__(self, engine: "Engine", config: PrefixCacheConfig) -> None:
+        loaded = engine.loaded
+        self.config = config
+        self.model_id = loaded.model_id
+        probe = make_prompt_cache(loaded.model)
+        # Families whose cache cannot drop tokens (recurrent state, sliding windows once wrapped)
+        # never get partial (APC) reuse; whole-prefix entries still work for them.
+        self.token_granular = kv.can_truncate(probe) and not kv.has_recurrent_state(probe)
+        capacity = config.capacity_bytes
+        if capacity is None:
+            capacity, entry = model_aware_capacity(loaded.config, engine.n_ctx, loaded.size_bytes, physical_memory_bytes())
+            log.info(
+                "Applied model-aware prompt-cache capacity default: old=unset new=%d bytes (entry %d bytes at %d tokens, max_entries %d)",
+                capacity,
+                entry,
+                min(engine.n_ctx, 8192),
+                config.max_entries,
+            )
+        apc = None
+        if config.apc_enabled and self.token_granular:
+            apc = ApcConfig(block_size=config.apc_block_size, hash_name=config.apc_hash, num_blocks=config.apc_num_blocks)
+        elif config.apc_enabled:
+            log.info("APC disabled for this model: its cache holds layers that cannot be truncated (recurrent or sliding window)")
+        self.store = PromptCacheStore(
+            capacity_bytes=capacity,
+            max_entries=config.max_entries,
+            ttl_seconds=config.ttl_seconds,
+            min_prefix=config.min_prefix,
+            apc=apc,
+            enabled=config.enabled,
+        )
+        self.last_stats: dict[str, Any] = self.stats()
+
+    # ------------------------------------------------------------------ engine hooks
+
+    def bucket(self, seq: "Sequence") -> Bucket:
+        ctx = seq.request.cache
+        return Bucket(
+            model_id=self.model_id,
+            lora_id="",
+            template_sig=ctx.template_sig,
+            rope_regime=None,
+            mm_digest=ctx.mm_digest or TEXT_ONLY_MM_DIGEST,
+        )
+
+    def adopt(self, seq: "Sequence") -> int:
+        """Give ``seq`` the longest usable cached prefix; return the adopted token count."""
+        if not self.config.enabled or not seq.request.cache.enabled:
+            return 0
+        result = self.store.lookup(self.bucket(seq), seq.request.cache.session_key, seq.prompt)
+        hit = result.hit
+        if hit is None:
+            self._trace("miss task=%d reason=%s best=%d prompt=%d", seq.request.task_id, result.reason, result.best_len, seq.n_prompt)
+            self._refresh()
+            return 0
+        try:
+            cache = kv.copy_cache(hit.entry.payload)
+            if hit.needs_trim:
+                kv.truncate(cache, hit.matched_len)
+        except Exception as exc:  # a broken entry must not fail the request: prefill cold
+            log.debug("prompt cache: adoption failed for task %d: %s", seq.request.task_id, exc)
+            self._refresh()
+            return 0
+        seq.cache = cache
+        seq.adopt(hit.matched_len)
+        log.debug(
+            "prompt cache hit: task=%d matched=%d/%d entry=%s stage=%s",
+            seq.request.task_id,
+            hit.matched_len,
+            seq.n_prompt,
+            hit.entry.anon_repr(),
+            hit.stage,
+        )
+        self._trace(
+            "hit task=%d entry=%d common=%d verified=%d adopted=%d stage=%s",
+            seq.request.task_id,
+            hit.entry.id,
+            hit.common_len,
+            hit.verified_len,
+            hit.matched_len,
+            hit.stage,
+        )
+        self._refresh()
+        return hit.matched_len
+
+    def donate(self, seq: "Sequence") -> None:
+        """Store ``seq``'s KV with exactly the tokens it holds (called after a consistent finish)."""
+        if not self.config.enabled or not seq.request.cache.enabled:
+            return
+        tokens = seq.cache_tokens
+        held = max((kv.layer_tokens(layer) for layer in seq.cache), default=0)
+        if not tokens or (self.token_granular and held != len(tokens)):
+            log.debug("prompt cache: not donating task %d: cache holds %d tokens, %d recorded", seq.request.task_id, held, len(tokens))
+            return
+        payload = kv.snapshot(seq.cache)
+        result = self.store.insert(
+            self.bucket(seq),
+            seq.request.cache.session_key,
+            tokens,
+            payload,
+            kv.nbytes(payload),
+            kv.can_truncate(payload) and self.token_granular,
+        )
+        if not result.inserted:
+            log.debug("prompt cache: task %d not stored (%s)", seq.request.task_id, result.reason)
+        self._refresh()
+
+    # ------------------------------------------------------------------ admin
+
+    def stats(self) -> dict[str, Any]:
+        if not self.config.enabled:
+            return PromptCacheStore.disabled_stats()
+        self.store.sweep()
+        return self.store.stats()
+
+    def reset(self) -> dict[str, Any]:
+        entries, nbytes = self.store.reset()
+        self._refresh()
+        return {"success": True, "cleared_entries": entries, "cleared_bytes": nbytes}
+
+    def _refresh(self) -> None:
+        # A snapshot for readers on other threads (/metrics): replaced whole, never mutated.
+        self.last_stats = self.stats()
+
+    def _trace(self, fmt: str, *args: Any) -> None:
+        if self.config.apc_trace:
+            log.info("apc-trace: " + fmt, *args)

@@ -1,0 +1,54 @@
+"""What the routes compute for the prompt cache before a request reaches the engine.
+
+The cache key needs facts only the HTTP side has: the session (``prompt_cache_key``/``user``),
+the template signature (template source, merged kwargs, tools, tool_choice) and the per-request
+opt-out (``cache_prompt: false``). Pure Python; no MLX.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG, TEXT_ONLY_MM_DIGEST, resolve_session_key, template_signature
+from mlxcel_compat.engine.request import GenerationRequest
+
+
+class CacheHooks:
+    def __init__(self, enabled: bool, template: Any) -> None:
+        self.enabled = enabled
+        self.template = template
+
+    def template_defaults(self, data: Mapping[str, Any], server_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Server template kwargs, plus ``preserve_thinking: true`` while the cache is on.
+
+        Thinking-preserving templates otherwise drop past reasoning from the history, which
+        rewrites the prefix every turn and defeats the cache. A request's own
+        ``chat_template_kwargs`` still wins.
+        """
+        merged = dict(server_kwargs)
+        requested = data.get("chat_template_kwargs")
+        if (
+            self.enabled
+            and self.template is not None
+            and self.template.supports_kwarg("preserve_thinking")
+            and "preserve_thinking" not in merged
+            and not (isinstance(requested, Mapping) and "preserve_thinking" in requested)
+        ):
+            merged["preserve_thinking"] = True
+        return merged
+
+    def prepare_raw(self, data: Mapping[str, Any], requests: list[GenerationRequest]) -> None:
+        """``/completion`` and ``/v1/completions``: raw prompts share one fixed signature."""
+        self._apply(data, requests, RAW_PROMPT_TEMPLATE_SIG)
+
+    def prepare_chat(self, data: Mapping[str, Any], chat: Any, requests: list[GenerationRequest]) -> None:
+        sig = template_signature(self.template.source, chat.template_kwargs, chat.tool_choice, chat.tools)
+        self._apply(data, requests, sig)
+
+    def _apply(self, data: Mapping[str, Any], requests: list[GenerationRequest], template_sig: str) -> None:
+        session = resolve_session_key(data)
+        for req in requests:
+            req.cache.enabled = req.cache.enabled and self.enabled
+            req.cache.session_key = session
+            req.cache.template_sig = template_sig
+            req.cache.mm_digest = TEXT_ONLY_MM_DIGEST
