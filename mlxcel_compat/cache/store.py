@@ -150,6 +150,7 @@ class StoreCounters:
     hits: int = 0
     misses: int = 0
     partial_hits: int = 0  # hits that adopt less than the whole entry
+    hits_by_stage: dict[str, int] = field(default_factory=lambda: {STAGE_SESSION: 0, STAGE_CROSS_SESSION: 0})
     inserts: int = 0
     supersedes: int = 0
     prefix_tokens_reused: int = 0
@@ -400,6 +401,7 @@ class EntryStore:
         self._touch(hit.entry, now)
         hit.entry.hits += 1
         self.counters.hits += 1
+        self.counters.hits_by_stage[hit.stage] += 1
         self.counters.prefix_tokens_reused += hit.matched_len
         if hit.needs_trim:
             self.counters.partial_hits += 1
@@ -420,6 +422,7 @@ class EntryStore:
             "misses": c.misses,
             "hit_rate": c.hits / c.lookups if c.lookups else 0.0,
             "partial_hits": c.partial_hits,
+            "hits_by_stage": dict(c.hits_by_stage),
             "miss_reasons": dict(c.miss_reasons),
             "inserts": c.inserts,
             "supersedes": c.supersedes,

@@ -1,0 +1,221 @@
+"""The prompt cache through the real server, the openai client and raw HTTP.
+
+Outputs of cache hits are compared with cold runs (``cache_prompt: false``) of the same request:
+with greedy sampling on the tiny models, the first tokens agree (a hit only changes the prefill
+split; see test_engine_prefix_cache.py for the exact/tolerance checks on logits).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ServerProcess
+
+SYSTEM = (
+    "You are a careful assistant for a small library. You answer questions about opening hours, "
+    "membership, the catalogue, inter-library loans and the reading room. Keep answers short, "
+    "polite and factual, and say so when you do not know something."
+)
+QUESTIONS = [
+    "When does the library open on Saturday?",
+    "How do I renew a book online?",
+    "Can I borrow a laptop for the afternoon?",
+    "Is the reading room quiet after six?",
+    "Do you keep old newspapers on microfilm?",
+]
+
+
+@pytest.fixture(scope="module")
+def cache_server(server_factory, qwen3_dir) -> ServerProcess:
+    return server_factory(["-m", str(qwen3_dir), "-np", "2", "-c", "4096", "-b", "64", "--metrics", "--prompt-cache-min-prefix", "16"])
+
+
+@pytest.fixture()
+def client(cache_server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cache_server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture()
+def raw(cache_server: ServerProcess):
+    with httpx.Client(base_url=cache_server.base_url, timeout=60) as c:
+        c.post("/v1/cache/reset").raise_for_status()
+        yield c
+
+
+def chat(client: openai.OpenAI, messages: list[dict[str, Any]], **extra: Any) -> Any:
+    return client.chat.completions.create(model="x", messages=messages, max_tokens=6, temperature=0, extra_body=extra or None)
+
+
+def cached(response: Any) -> int:
+    return response.usage.prompt_tokens_details.cached_tokens
+
+
+def test_five_turn_chat_reuses_a_growing_prefix(client, raw) -> None:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    seen = []
+    for turn, question in enumerate(QUESTIONS):
+        messages.append({"role": "user", "content": question})
+        reply = chat(client, messages, prompt_cache_key="reader-1")
+        cold = chat(client, messages, cache_prompt=False)
+        assert reply.choices[0].message.content == cold.choices[0].message.content
+        assert cached(cold) == 0
+        seen.append(cached(reply))
+        # The reused prefix covers at least the whole previous prompt.
+        if turn:
+            assert cached(reply) >= previous_prompt_tokens
+        previous_prompt_tokens = reply.usage.prompt_tokens
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    assert seen[0] == 0
+    assert all(b > a for a, b in zip(seen, seen[1:])), seen
+
+
+def test_sessions_share_a_system_prompt_but_prefer_their_own(client, raw) -> None:
+    alice = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+    bob = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[1]}]
+    first = chat(client, alice, prompt_cache_key="alice")
+    assert cached(first) == 0
+    stats0 = raw.get("/v1/cache/stats").json()
+    # Bob has nothing of his own: Alice's entry gives him the shared system prompt.
+    b1 = chat(client, bob, prompt_cache_key="bob")
+    stats1 = raw.get("/v1/cache/stats").json()
+    assert cached(b1) > 20
+    assert stats1["hits_by_stage"]["cross_session"] == stats0["hits_by_stage"]["cross_session"] + 1
+    # Bob's second turn: his own entry matches longer than Alice's, so stage 1 wins.
+    bob2 = bob + [{"role": "assistant", "content": b1.choices[0].message.content}, {"role": "user", "content": QUESTIONS[2]}]
+    b2 = chat(client, bob2, prompt_cache_key="bob")
+    stats2 = raw.get("/v1/cache/stats").json()
+    assert cached(b2) > cached(b1)
+    assert stats2["hits_by_stage"]["session"] == stats1["hits_by_stage"]["session"] + 1
+    assert stats2["hits_by_stage"]["cross_session"] == stats1["hits_by_stage"]["cross_session"]
+    # Carol repeats Alice's prompt: only another session has it, and it is strictly longer than nothing.
+    c1 = chat(client, alice, prompt_cache_key="carol")
+    assert cached(c1) == first.usage.prompt_tokens - 1
+
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_opening_hours",
+        "description": "Opening hours of a branch",
+        "parameters": {"type": "object", "properties": {"branch": {"type": "string"}}},
+    },
+}
+
+
+def test_tool_schema_change_is_a_miss(client, raw) -> None:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+    client.chat.completions.create(model="x", messages=messages, tools=[TOOL], max_tokens=4, temperature=0)
+    again = client.chat.completions.create(model="x", messages=messages, tools=[TOOL], max_tokens=4, temperature=0)
+    assert cached(again) > 0
+    changed = {"type": "function", "function": {**TOOL["function"], "description": "Opening hours of a library branch"}}
+    other = client.chat.completions.create(model="x", messages=messages, tools=[changed], max_tokens=4, temperature=0)
+    assert cached(other) == 0
+
+
+def test_template_kwargs_change_is_a_miss(client, raw) -> None:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[3]}]
+    chat(client, messages, chat_template_kwargs={"enable_thinking": True})
+    assert cached(chat(client, messages, chat_template_kwargs={"enable_thinking": True})) > 0
+    assert cached(chat(client, messages, chat_template_kwargs={"enable_thinking": False})) == 0
+
+
+def test_cache_prompt_false_in_every_position(client, raw, cache_server) -> None:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[4]}]
+    chat(client, messages)
+    before = raw.get("/v1/cache/stats").json()
+    flattened = chat(client, messages, cache_prompt=False)  # the SDK flattens extra_body
+    nested = raw.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 4, "temperature": 0, "extra_body": {"cache_prompt": False}},
+    ).json()
+    native = raw.post("/completion", json={"prompt": SYSTEM, "n_predict": 2, "cache_prompt": False}).json()
+    after = raw.get("/v1/cache/stats").json()
+    assert cached(flattened) == 0
+    assert nested["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert native["timings"]["cache_n"] == 0
+    for key in ("lookups", "hits", "inserts", "entries"):
+        assert after[key] == before[key], key
+
+
+def test_native_timings_count_only_prefilled_tokens(raw) -> None:
+    body = {"prompt": SYSTEM + " " + QUESTIONS[0], "n_predict": 4, "temperature": 0}
+    cold = raw.post("/completion", json=body).json()
+    warm = raw.post("/completion", json=body).json()
+    n_prompt = cold["tokens_evaluated"]
+    assert cold["timings"]["cache_n"] == 0 and cold["timings"]["prompt_n"] == n_prompt
+    # llama-server: an exact repeat re-evaluates only the last prompt token.
+    assert warm["timings"]["cache_n"] == n_prompt - 1
+    assert warm["timings"]["prompt_n"] == 1
+    t = warm["timings"]
+    assert t["prompt_per_second"] == pytest.approx(1000.0 * t["prompt_n"] / t["prompt_ms"])
+    assert warm["tokens_cached"] == n_prompt + warm["tokens_predicted"] - 1
+    assert warm["content"] == cold["content"]
+
+
+def _metric(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert match, name
+    return float(match.group(1))
+
+
+def test_stats_reset_and_metrics_agree_with_responses(client, raw) -> None:
+    metrics0 = raw.get("/metrics").text
+    stats0 = raw.get("/v1/cache/stats").json()
+    reported = 0
+    hits = 0
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    for question in QUESTIONS[:3]:
+        messages.append({"role": "user", "content": question})
+        reply = chat(client, messages, prompt_cache_key="stats")
+        reported += cached(reply)
+        hits += cached(reply) > 0
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    stats = raw.get("/v1/cache/stats").json()
+    metrics = raw.get("/metrics").text
+    assert stats["prefix_tokens_reused_total"] - stats0["prefix_tokens_reused_total"] == reported
+    assert stats["hits"] - stats0["hits"] == hits
+    assert _metric(metrics, "mlxcel_prompt_cache_prefix_tokens_reused_total") - _metric(metrics0, "mlxcel_prompt_cache_prefix_tokens_reused_total") == reported
+    assert _metric(metrics, "llamacpp:prompt_tokens_cached_total") - _metric(metrics0, "llamacpp:prompt_tokens_cached_total") == reported
+    assert _metric(metrics, "mlxcel_prompt_cache_entries") == stats["entries"] > 0
+    assert _metric(metrics, "mlxcel_prompt_cache_bytes") == stats["bytes"] > 0
+    cleared = raw.post("/v1/cache/reset").json()
+    assert cleared == {"success": True, "cleared_entries": stats["entries"], "cleared_bytes": stats["bytes"]}
+    assert raw.post("/v1/cache/reset").json() == {"success": True, "cleared_entries": 0, "cleared_bytes": 0}
+    empty = raw.get("/v1/cache/stats").json()
+    assert empty["entries"] == 0 and empty["bytes"] == 0
+    assert empty["hits"] == stats["hits"]  # counters survive a reset
+
+
+def test_preserve_thinking_defaults_on_while_the_cache_is_on(raw, server_factory, qwen3_dir) -> None:
+    history = [
+        {"role": "user", "content": "First question"},
+        {"role": "assistant", "content": "First answer", "reasoning_content": "SECRET-REASONING"},
+        {"role": "user", "content": "Second question"},
+    ]
+    rendered = raw.post("/apply-template", json={"messages": history}).json()["prompt"]
+    assert "SECRET-REASONING" in rendered
+    opted_out = raw.post("/apply-template", json={"messages": history, "chat_template_kwargs": {"preserve_thinking": False}}).json()["prompt"]
+    assert "SECRET-REASONING" not in opted_out
+    no_cache = server_factory(["-m", str(qwen3_dir), "--no-cache-prompt"])
+    plain = httpx.post(no_cache.base_url + "/apply-template", json={"messages": history}, timeout=30).json()["prompt"]
+    assert "SECRET-REASONING" not in plain
+    disabled = httpx.get(no_cache.base_url + "/v1/cache/stats", timeout=30).json()
+    assert disabled["enabled"] is False and disabled["entries"] == 0 and "hits" in disabled
+
+
+def test_eviction_keeps_bytes_within_a_tiny_budget(server_factory, llama_dir) -> None:
+    budget = 160_000  # tiny llama: 512 bytes per token -> room for about 310 tokens
+    server = server_factory(["-m", str(llama_dir), "--prompt-cache-capacity-bytes", str(budget), "--prompt-cache-min-prefix", "8"])
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        for i in range(6):
+            prompt = f"Document {i}: " + " ".join(f"word{i}x{j}" for j in range(40))
+            c.post("/completion", json={"prompt": prompt, "n_predict": 4, "temperature": 0}).raise_for_status()
+            stats = c.get("/v1/cache/stats").json()
+            assert stats["bytes"] <= budget
+        assert stats["evictions"]["lru"] > 0
+        assert stats["capacity_bytes"] == budget
