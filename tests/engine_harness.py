@@ -35,30 +35,26 @@ class EngineHarness:
     def tokenizer(self) -> Any:
         return self.engine.loaded.tokenizer
 
-    def request(self, prompt: list[int], n_predict: int = 8, cache: bool = True, session: str = "s", n_probs: int = 0) -> GenerationRequest:
+    def request(
+        self, prompt: list[int], n_predict: int = 8, cache: bool = True, session: str = "s", n_probs: int = 0, ignore_eos: bool = False
+    ) -> GenerationRequest:
         return GenerationRequest(
             prompt_tokens=list(prompt),
-            sampling=SamplingParams(temperature=0.0, seed=1234),
+            sampling=SamplingParams(temperature=0.0, seed=1234, ignore_eos=ignore_eos),
             n_predict=n_predict,
             n_probs=n_probs,
             cache=CacheContext(enabled=cache, session_key=session, template_sig=RAW_PROMPT_TEMPLATE_SIG, mm_digest=TEXT_ONLY_MM_DIGEST),
         )
 
+    def submit(self, prompt: list[int], sink: Any, **kwargs: Any) -> GenerationRequest:
+        request = self.request(prompt, **kwargs)
+        self.engine.submit(request, sink)
+        return request
+
     def run(self, prompt: list[int], **kwargs: Any) -> Run:
         events: queue.Queue = queue.Queue()
-        self.engine.submit(self.request(prompt, **kwargs), events.put)
-        out = Run()
-        while True:
-            event = events.get(timeout=120)
-            if isinstance(event, TokenEvent):
-                out.tokens.append(event.token)
-                if event.top is not None:
-                    out.logprobs.append({tp.id: tp.logprob for tp in event.top})
-            elif isinstance(event, FinishEvent):
-                out.finish = event
-                return out
-            elif isinstance(event, ErrorEvent):
-                raise AssertionError(event.message)
+        self.submit(prompt, events.put, **kwargs)
+        return collect(events)
 
     def on_engine(self, fn: Any) -> Any:
         """Run ``fn`` on the engine thread (the owner of every MLX object and of the store)."""
@@ -72,3 +68,19 @@ class EngineHarness:
 
     def close(self) -> None:
         self.engine.stop()
+
+
+def collect(events: queue.Queue) -> Run:
+    """Read one sequence's events until it finishes."""
+    out = Run()
+    while True:
+        event = events.get(timeout=120)
+        if isinstance(event, TokenEvent):
+            out.tokens.append(event.token)
+            if event.top is not None:
+                out.logprobs.append({tp.id: tp.logprob for tp in event.top})
+        elif isinstance(event, FinishEvent):
+            out.finish = event
+            return out
+        elif isinstance(event, ErrorEvent):
+            raise AssertionError(event.message)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
+from mlxcel_compat.engine.batch import DecodeBatch
 from mlxcel_compat.engine.slots import Slot
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class EngineConfig:
     ctx_size: int = 0  # 0: the model's training context
     n_parallel: int = 4
     batch_size: int = 2048  # prefill chunk
+    cont_batching: bool = True  # False: decode one sequence at a time (no batched steps)
 
 
 @dataclass
@@ -86,6 +88,7 @@ class Engine:
         self.slots: list[Slot] = [Slot(i) for i in range(max(1, config.n_parallel))]
         self.waiting: collections.deque[_Submit] = collections.deque()
         self.prefix_cache: Any = None
+        self.batch: DecodeBatch = DecodeBatch(None)
         self._prefix_cache_factory = prefix_cache_factory
         self._commands: queue.Queue[Any] = queue.Queue()
         self._stop = threading.Event()
@@ -153,6 +156,7 @@ class Engine:
         self.n_ctx = self.config.ctx_size or n_ctx_train
         for slot in self.slots:
             slot.n_ctx = self.n_ctx
+        self.batch = DecodeBatch(self.loaded.model)
         if self._prefix_cache_factory is not None:
             self.prefix_cache = self._prefix_cache_factory(self)
         self._warm_up()
@@ -242,24 +246,76 @@ class Engine:
         slot.begin(seq)
 
     def _step_all(self) -> None:
+        """One scheduler iteration: a bounded amount of prefill, then one decode step for all."""
         busy = [s for s in self.slots if s.sequence is not None]
         if not busy:
             return
-        decoding = sum(1 for s in busy if not s.sequence.in_prefill)
-        if decoding:
-            self.metrics.n_decode_total += 1
-            self.metrics.busy_slots_sum += decoding
-        for slot in busy:
+        self._prefill(busy)
+        self._decode()
+
+    def _prefill(self, busy: list[Slot]) -> None:
+        """Prefill at most about one chunk (``--batch-size`` tokens) per iteration, oldest first,
+        so a long prompt never stalls the sequences that are streaming."""
+        budget = self.config.batch_size
+        waiting = [s for s in busy if s.sequence.phase == "prefill"]
+        for slot in sorted(waiting, key=lambda s: s.sequence.stats.t_start):
+            if budget <= 0:
+                return
             seq = slot.sequence
-            try:
-                seq.step()
-            except Exception as exc:
-                log.exception("engine error in task %d", seq.request.task_id)
-                seq.emit(ErrorEvent(f"engine error: {exc}"))
-                self._release(slot, donate=False)
-                continue
-            if seq.finished is not None:
+            if seq.cancelled:
+                seq.cancel_now()
                 self._release(slot, donate=True)
+                continue
+            try:
+                budget -= seq.prefill_step()
+            except Exception as exc:
+                self._fail(slot, exc)
+
+    def _decode(self) -> None:
+        decoding = [s for s in self.slots if s.sequence is not None and s.sequence.phase == "decode" and s.sequence not in self._batched]
+        batched = len(self.batch) + len(decoding)
+        if batched == 0:
+            return
+        self.metrics.n_decode_total += 1
+        self.metrics.busy_slots_sum += batched
+        if self.config.cont_batching and (len(self.batch) > 0 or len(decoding) > 1):
+            self._decode_batched(decoding)
+            return
+        for slot in decoding:
+            try:
+                slot.sequence.step()
+            except Exception as exc:
+                self._fail(slot, exc)
+                continue
+            if slot.sequence.finished is not None:
+                self._release(slot, donate=True)
+
+    def _decode_batched(self, joining: list[Slot]) -> None:
+        try:
+            for slot in joining:
+                self.batch.add(slot.sequence)
+            finished = self.batch.step()
+            if len(self.batch) == 1:
+                self.batch.remove([0])  # a lone sequence decodes faster on its own cache
+        except Exception as exc:
+            members = set(map(id, self.batch.sequences)) | {id(s.sequence) for s in joining}
+            self.batch = DecodeBatch(self.loaded.model)
+            for slot in self.slots:
+                if slot.sequence is not None and id(slot.sequence) in members:
+                    self._fail(slot, exc)
+            return
+        for seq in finished:
+            self._release(self.slots[seq.slot_id], donate=True)
+
+    @property
+    def _batched(self) -> set[Any]:
+        return set(self.batch.sequences)
+
+    def _fail(self, slot: Slot, exc: Exception) -> None:
+        seq = slot.sequence
+        log.error("engine error in task %d: %s", seq.request.task_id, exc, exc_info=exc)
+        seq.emit(ErrorEvent(f"engine error: {exc}"))
+        self._release(slot, donate=False)
 
     def _release(self, slot: Slot, donate: bool) -> None:
         seq = slot.sequence

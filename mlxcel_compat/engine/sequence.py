@@ -85,8 +85,15 @@ class Sequence:
         return len(self.prompt)
 
     @property
+    def phase(self) -> str:
+        """"prefill" until the first token is sampled, then "decode", then "done"."""
+        if self.finished is not None:
+            return "done"
+        return "prefill" if self._pending is None else "decode"
+
+    @property
     def in_prefill(self) -> bool:
-        return self._pending is None and self.finished is None
+        return self.phase == "prefill"
 
     def adopt(self, n_tokens: int) -> None:
         """Record that the cache already holds the first ``n_tokens`` prompt tokens."""
@@ -94,36 +101,74 @@ class Sequence:
         self.cache_tokens = list(self.prompt[:n_tokens])
         self.stats.n_cached = n_tokens
 
+    def cancel_now(self) -> None:
+        """Finish as cancelled (the client went away); the state stays consistent for donation."""
+        if self.finished is None:
+            self._finish("none", "", cancelled=True)
+
     def step(self) -> None:
-        """Do one unit of work: a prefill chunk, or one decode step."""
+        """Do one unit of work on this sequence alone: a prefill chunk, or one decode step."""
         if self.finished is not None:
             return
         if self.cancelled:
-            self._finish("none", "", cancelled=True)
-            return
-        if self._pending is None:
-            self._prefill_step()
+            self.cancel_now()
+        elif self._pending is None:
+            self.prefill_step()
         else:
-            self._decode_step()
+            self.decode_step()
 
     def prefill_until(self, n_tokens: int) -> None:
         """Prefill (in aligned chunks) until the cache holds ``n_tokens`` prompt tokens."""
         while len(self.cache_tokens) < n_tokens:
             self._prefill_chunk(n_tokens)
 
+    # ------------------------------------------------------------------ batched decode
+    # A DecodeBatch owns the cache while the sequence is in it; per step it feeds every row's
+    # pending token at once, samples each row with the row's own chain, then reads back.
+
+    def begin_batched_feed(self) -> tuple[Any, Any, Any]:
+        """Hand the pending (sampled, not yet fed) token to the batch; return the pending step."""
+        pending = self._pending
+        self._history.append(pending[0])
+        self.cache_tokens.append(-1)  # filled in by finish_batched_feed
+        if self.stats.t_prompt_done is None:
+            mx.eval(pending[0])
+            self.stats.t_prompt_done = time.perf_counter()
+        return pending
+
+    def sample_next(self, logits: Any) -> list[Any]:
+        """Sample the next token from this row's logits (lazily); returns arrays to evaluate."""
+        result = self.chain.sample(logits, self._history)
+        self._pending = (result.token, result.logprobs, result.probs)
+        return self._pending_arrays()
+
+    def finish_batched_feed(self, token: int, logprobs: Any, probs: Any) -> None:
+        self._history[-1] = token
+        self.cache_tokens[-1] = token
+        self._accept(token, logprobs, probs)  # finishes on EOS, a stop string or the budget
+        if self.finished is None and self._context_full():
+            self._finish("limit", "", truncated=True)
+
     # ------------------------------------------------------------------ prefill
 
-    def _prefill_step(self) -> None:
+    def prefill_step(self) -> int:
+        """Prefill one aligned chunk, or the last prompt token (which samples the first token).
+
+        Returns the number of prompt tokens processed.
+        """
         last = self.n_prompt - 1
         if len(self.cache_tokens) < last:
+            before = len(self.cache_tokens)
             self._prefill_chunk(last)
             if self.request.return_progress:
                 self._emit_progress()
-            return
+            return len(self.cache_tokens) - before
         # The final prompt token produces the logits of the first sampled token.
         self._pending = self._forward(self.prompt[last:])
         mx.async_eval(*self._pending_arrays())
-        self._decode_step()
+        if self.request.return_progress:
+            self._emit_progress()  # processed == total: the whole prompt is in the cache
+        return 1
 
     def _prefill_chunk(self, limit: int) -> None:
         start = len(self.cache_tokens)
@@ -159,7 +204,8 @@ class Sequence:
     def _pending_arrays(self) -> list[Any]:
         return [a for a in self._pending if a is not None]
 
-    def _decode_step(self) -> None:
+    def decode_step(self) -> None:
+        """One pipelined decode step of this sequence alone (it owns its cache)."""
         token_arr, logprobs, probs = self._pending
         if self.stats.t_prompt_done is None:
             mx.eval(token_arr)
