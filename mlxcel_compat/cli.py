@@ -85,8 +85,6 @@ def build_server(settings: object, model_arg: str, api_keys: list[str]) -> objec
     from mlxcel_compat.server.metrics import Metrics, prompt_cache_metrics
 
     n_parallel = settings.n_parallel if settings.n_parallel > 0 else 4  # llama-server's auto
-    if not settings.cont_batching:
-        n_parallel = 1
     engine = Engine(
         EngineConfig(
             model=model_arg,
@@ -95,6 +93,7 @@ def build_server(settings: object, model_arg: str, api_keys: list[str]) -> objec
             ctx_size=settings.ctx_size,
             n_parallel=n_parallel,
             batch_size=settings.batch_size,
+            cont_batching=bool(settings.cont_batching),
         ),
         prefix_cache_factory=lambda engine: PrefixCache(engine, PrefixCacheConfig.from_settings(settings)),
     )
@@ -114,6 +113,7 @@ async def serve(app: object, settings: object) -> int:
     config.read_timeout = settings.timeout
     config.keep_alive_timeout = settings.timeout
     config.accesslog = None
+    config.include_server_header = False  # the app sends llama-server's "Server: llama.cpp" itself
     config.errorlog = logging.getLogger("hypercorn.error")
     shutdown = asyncio.Event()
     loop = asyncio.get_running_loop()
