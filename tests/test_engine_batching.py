@@ -121,3 +121,29 @@ def test_requests_beyond_the_slots_wait_in_fifo_order(harness: EngineHarness) ->
     assert sorted(started[4:]) == [4, 5]  # the two that waited started last, in order
     assert all(isinstance(r.finish, FinishEvent) and len(r.tokens) == 30 for r in runs)
     assert harness.on_engine(lambda: harness.engine.n_deferred) == 0
+
+
+def test_completions_of_one_prompt_share_its_prefill(harness: EngineHarness) -> None:
+    """n_cmpl > 1: the prompt is prefilled once; the siblings copy its KV and sample on their own."""
+    prompt = random_tokens(90, seed=300)
+    sinks = [queue.Queue() for _ in range(3)]
+    first = harness.request(prompt, n_predict=6, ignore_eos=True, cache=False)
+    requests = [first] + [harness.request(prompt, n_predict=6, ignore_eos=True, cache=False) for _ in range(2)]
+    for req, sink in zip(requests, sinks):
+        req.share_group = first.task_id
+    def prompt_tokens() -> int:
+        return harness.on_engine(lambda: harness.engine.metrics.prompt_tokens_total)
+
+    prompt_tokens_before = prompt_tokens()
+    for req, sink in zip(requests, sinks):
+        harness.engine.submit(req, sink.put)
+    runs = [collect(s) for s in sinks]
+    assert runs[0].finish.n_cached == 0
+    assert [r.finish.n_cached for r in runs[1:]] == [len(prompt) - 1] * 2
+    # Only the first completion computed the prompt; the others computed its last token only.
+    assert prompt_tokens() - prompt_tokens_before == len(prompt) + 2
+    alone = harness.run(prompt, n_predict=6, ignore_eos=True, cache=False)
+    assert all(len(run.tokens) == 6 for run in runs)
+    # Same prompt state, same greedy chain: every sibling continues like a lone run.
+    for run in runs:
+        assert run.tokens[:3] == alone.tokens[:3]

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
 from mlxcel_compat.engine.batch import DecodeBatch
+from mlxcel_compat.engine.sequence import Sequence
 from mlxcel_compat.engine.slots import Slot
 
 log = logging.getLogger(__name__)
@@ -257,19 +258,42 @@ class Engine:
         """Prefill at most about one chunk (``--batch-size`` tokens) per iteration, oldest first,
         so a long prompt never stalls the sequences that are streaming."""
         budget = self.config.batch_size
-        waiting = [s for s in busy if s.sequence.phase == "prefill"]
-        for slot in sorted(waiting, key=lambda s: s.sequence.stats.t_start):
-            if budget <= 0:
-                return
-            seq = slot.sequence
+        waiting = [s.sequence for s in busy if s.sequence.phase == "prefill"]
+        for seq in sorted(waiting, key=lambda s: s.stats.t_start):
+            slot = self.slots[seq.slot_id]
             if seq.cancelled:
                 seq.cancel_now()
                 self._release(slot, donate=True)
                 continue
+            if budget <= 0 or self._waits_for_sibling(seq, waiting):
+                continue
             try:
+                if seq.request.share_group >= 0 and len(seq.cache_tokens) == seq.n_prompt - 1:
+                    self._share_prompt(seq, waiting)
                 budget -= seq.prefill_step()
             except Exception as exc:
                 self._fail(slot, exc)
+
+    @staticmethod
+    def _waits_for_sibling(seq: Sequence, waiting: list[Sequence]) -> bool:
+        """A later completion of a shared prompt waits while an earlier sibling prefills it."""
+        group = seq.request.share_group
+        return group >= 0 and any(
+            o.request.share_group == group and o.request.task_id < seq.request.task_id and len(o.cache_tokens) < o.n_prompt - 1
+            for o in waiting
+            if o.finished is None
+        )
+
+    @staticmethod
+    def _share_prompt(seq: Sequence, waiting: list[Sequence]) -> None:
+        """Give the siblings of ``seq`` a copy of its prompt KV (all but the last token)."""
+        from mlxcel_compat.cache.kv import copy_cache
+
+        for other in waiting:
+            same_group = other.request.share_group == seq.request.share_group
+            if other is not seq and same_group and other.finished is None and len(other.cache_tokens) < len(seq.cache_tokens):
+                other.cache = copy_cache(seq.cache)
+                other.adopt(len(seq.cache_tokens), shared=True)
 
     def _decode(self) -> None:
         decoding = [s for s in self.slots if s.sequence is not None and s.sequence.phase == "decode" and s.sequence not in self._batched]
@@ -322,18 +346,19 @@ class Engine:
         assert seq is not None
         fin = seq.finished
         if fin is not None:
-            self._count(fin)
-        if donate and fin is not None and self.prefix_cache is not None:
+            self._count(fin, shared=seq.stats.shared)
+        if donate and fin is not None and self.prefix_cache is not None and not seq.request.is_child:
             try:
                 self.prefix_cache.donate(seq)
             except Exception:  # a failed donation must never take the engine down
                 log.exception("prompt cache donation failed")
         slot.end()
 
-    def _count(self, fin: FinishEvent) -> None:
+    def _count(self, fin: FinishEvent, shared: bool = False) -> None:
         m = self.metrics
         m.prompt_tokens_total += fin.n_prompt - fin.n_cached
-        m.prompt_tokens_cached_total += fin.n_cached
+        if not shared:  # tokens copied from a sibling completion are not prompt-cache reuse
+            m.prompt_tokens_cached_total += fin.n_cached
         m.prompt_seconds_total += fin.prompt_ms / 1000.0
         m.tokens_predicted_total += fin.n_decoded
         m.tokens_predicted_seconds_total += fin.predicted_ms / 1000.0

@@ -33,6 +33,6 @@ def make_sequence(engine: "Engine", request: GenerationRequest, sink: "Sink", sl
         emit=sink,
         slot_id=slot_id,
     )
-    if engine.prefix_cache is not None and request.cache.enabled:
+    if engine.prefix_cache is not None and request.cache.enabled and not request.is_child:
         engine.prefix_cache.adopt(seq)
     return seq

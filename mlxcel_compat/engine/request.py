@@ -45,6 +45,13 @@ class GenerationRequest:
     cache: CacheContext = field(default_factory=CacheContext)
     task_id: int = field(default_factory=next_task_id)
     index: int = 0  # position among the results of a multi-prompt / n>1 request
+    # n_cmpl > 1: the task id of the first completion of the same prompt (-1: not shared).
+    share_group: int = -1
+
+    @property
+    def is_child(self) -> bool:
+        """A later completion of a shared prompt: it copies the prompt's KV and never donates."""
+        return self.share_group >= 0 and self.share_group != self.task_id
 
 
 @dataclass

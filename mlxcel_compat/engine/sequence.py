@@ -36,7 +36,8 @@ _CLEAR_EVERY = 256
 
 @dataclass
 class SequenceStats:
-    n_cached: int = 0  # prompt tokens adopted from the prompt cache
+    n_cached: int = 0  # prompt tokens adopted from the prompt cache (or a sibling, see shared)
+    shared: bool = False  # n_cached came from a sibling completion (n_cmpl), not the prompt cache
     t_start: float = field(default_factory=time.perf_counter)
     t_prompt_done: float | None = None
     t_end: float | None = None
@@ -95,11 +96,16 @@ class Sequence:
     def in_prefill(self) -> bool:
         return self.phase == "prefill"
 
-    def adopt(self, n_tokens: int) -> None:
-        """Record that the cache already holds the first ``n_tokens`` prompt tokens."""
+    def adopt(self, n_tokens: int, shared: bool = False) -> None:
+        """Record that the cache already holds the first ``n_tokens`` prompt tokens.
+
+        ``shared``: they came from a sibling completion of the same request (``n_cmpl``), not
+        from the prompt cache; they are not computed again, so they count as cached.
+        """
         assert 0 <= n_tokens < self.n_prompt, f"{n_tokens=} {self.n_prompt=}"
         self.cache_tokens = list(self.prompt[:n_tokens])
         self.stats.n_cached = n_tokens
+        self.stats.shared = shared
 
     def cancel_now(self) -> None:
         """Finish as cancelled (the client went away); the state stays consistent for donation."""

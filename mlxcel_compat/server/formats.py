@@ -10,7 +10,7 @@ import random
 import string
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import orjson
 
@@ -100,8 +100,14 @@ def timings_json(fin: FinishEvent) -> dict[str, Any]:
     }
 
 
-def generation_settings(request: GenerationRequest, stream: bool, seed: int, n_keep: int = 0, n_discard: int = 0) -> dict[str, Any]:
-    """llama-server's ``generation_settings`` (task_params::to_json), in its key order."""
+def generation_settings(
+    request: GenerationRequest, stream: bool, seed: int, n_keep: int = 0, n_discard: int = 0, eog_ids: Sequence[int] = ()
+) -> dict[str, Any]:
+    """llama-server's ``generation_settings`` (task_params::to_json), in its key order.
+
+    With ``ignore_eos``, the end-of-generation bans follow the request's biases as
+    ``{"bias": null, "token": id}`` entries, as llama-server appends them.
+    """
     s = request.sampling
     sampling = s.to_json(seed=seed)
     samplers = sampling.pop("samplers")
@@ -119,7 +125,8 @@ def generation_settings(request: GenerationRequest, stream: bool, seed: int, n_k
         n_discard=n_discard,
         ignore_eos=s.ignore_eos,
         stream=stream,
-        logit_bias=[{"bias": (b if b != float("-inf") else None), "token": t} for t, b in sorted(s.logit_bias.items())],
+        logit_bias=[{"bias": (b if b != float("-inf") else None), "token": t} for t, b in sorted(s.logit_bias.items())]
+        + ([{"bias": None, "token": t} for t in eog_ids] if s.ignore_eos else []),
         n_probs=request.n_probs,
         min_keep=s.min_keep,
         grammar="",
@@ -148,6 +155,7 @@ def native_final(
     return_tokens: bool,
     n_keep: int,
     include_probs: bool,
+    eog_ids: Sequence[int] = (),
 ) -> dict[str, Any]:
     fin = result.finish
     assert fin is not None
@@ -160,7 +168,7 @@ def native_final(
         "model": model_id,
         "tokens_predicted": fin.n_decoded,
         "tokens_evaluated": fin.n_prompt,
-        "generation_settings": generation_settings(result.request, stream, fin.seed, n_keep),
+        "generation_settings": generation_settings(result.request, stream, fin.seed, n_keep, eog_ids=eog_ids),
         "prompt": prompt_text,
         "has_new_line": result.has_new_line,
         "truncated": fin.truncated,

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, ProgressEvent, TokenEvent
+from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, ProgressEvent, TokenEvent, next_task_id
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.errors import ApiError, ContextExceeded, ServerError, json_response
@@ -37,10 +37,14 @@ def expand(ctx: ServerContext, opts: CompletionOptions, prompts: list[list[int]]
     for p_index, tokens in enumerate(prompts):
         for child in range(opts.n_cmpl):
             req = copy.deepcopy(opts.request)
+            req.task_id = next_task_id()  # each sequence is its own task (events, cancellation)
             req.prompt_tokens = tokens
             req.index = p_index * opts.n_cmpl + child
             if child and req.sampling.seed != 0xFFFFFFFF:
                 req.sampling.seed = (req.sampling.seed + child) & 0xFFFFFFFF
+            if opts.n_cmpl > 1:
+                # The engine prefills the prompt once and the siblings copy its KV.
+                req.share_group = requests[-child].task_id if child else req.task_id
             requests.append(req)
     # Children of one prompt share the token list object (usage counts the prompt once).
     return requests
@@ -123,7 +127,7 @@ async def _handle(request: Request, oai: bool) -> Response:
         return json_response(fmt.oai_completion(results, m.model_id, fmt.completion_id(), fmt.now()))
     bodies = []
     for res in results:
-        body = fmt.native_final(res, m.model_id, prompt_text(ctx, res.request.prompt_tokens), False, opts.return_tokens, opts.n_keep, True)
+        body = fmt.native_final(res, m.model_id, prompt_text(ctx, res.request.prompt_tokens), False, opts.return_tokens, opts.n_keep, True, m.eog_ids)
         bodies.append(fmt.filter_fields(body, opts.response_fields) if opts.response_fields else body)
     return json_response(bodies if (multi or len(bodies) > 1) else bodies[0])
 
@@ -153,7 +157,7 @@ async def _stream_native(ctx: ServerContext, requests: list[GenerationRequest], 
                 res.close(event)
                 if event.text:
                     yield fmt.sse({"index": res.index, "content": event.text, "tokens": [], "stop": False, "id_slot": event.id_slot})
-                body = fmt.native_final(res, m.model_id, prompt_text(ctx, res.request.prompt_tokens), True, False, opts.n_keep, False)
+                body = fmt.native_final(res, m.model_id, prompt_text(ctx, res.request.prompt_tokens), True, False, opts.n_keep, False, m.eog_ids)
                 yield fmt.sse(fmt.filter_fields(body, opts.response_fields) if opts.response_fields else body)
             elif isinstance(event, ErrorEvent):
                 yield fmt.sse(ServerError(event.message).to_json())
