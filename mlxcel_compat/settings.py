@@ -571,12 +571,14 @@ _CACHE: tuple[Setting, ...] = (
             group="cache", upstream=False, help="Shortest match (in tokens) that counts as a hit."),
     Setting("apc_enabled", ("--apc-enabled",), ("APC_ENABLED",), type="bool", default=True, arity="optional",
             group="cache", upstream=False, metavar="BOOL",
-            help="Automatic prefix caching: block-aligned partial reuse of cached entries."),
+            help="Automatic prefix caching: partial reuse of cached entries, verified by block-hash chains. "
+                 "Needs the prompt cache; off automatically for recurrent, hybrid and sliding-window models."),
     Setting("apc_block_size", ("--apc-block-size",), ("APC_BLOCK_SIZE",), type="int", default=16, minimum=1,
             group="cache", upstream=False, help="APC block size in tokens."),
     Setting("apc_num_blocks", ("--apc-num-blocks",), ("APC_NUM_BLOCKS",), type="int", minimum=1, group="cache",
-            upstream=False, default_doc="derived from --prompt-cache-max-entries",
-            help="Maximum number of APC block entries tracked."),
+            upstream=False, default_doc="64 x --prompt-cache-max-entries",
+            help="Maximum number of APC block hashes tracked over all entries; over it, the least recently "
+                 "used entries lose their chains (whole-prefix reuse only)."),
     Setting("apc_hash", ("--apc-hash",), ("APC_HASH",), type="choice", choices=("sha256", "blake3"),
             default="sha256", group="cache", upstream=False, help="Hash function of the APC block chain."),
     Setting("prompt_cache_snapshot_capacity_bytes", ("--prompt-cache-snapshot-capacity-bytes",), type="int",

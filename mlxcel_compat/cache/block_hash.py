@@ -214,6 +214,48 @@ class BlockIndex:
         self.num_chains = 0
 
 
+def agreed_block_len(
+    chain_a: Sequence[bytes], chain_b: Sequence[bytes], num_tokens_a: int, num_tokens_b: int, block_size: int
+) -> int:
+    """Tokens covered by the leading full blocks on which two chains agree.
+
+    Only blocks that are full in both sequences (and present in both chains) are compared:
+    a trailing partial block hashes a different length, so it can never agree with a full one.
+
+    Args:
+        chain_a: block hashes of the first sequence (a prefix of its full chain is fine).
+        chain_b: block hashes of the second sequence (same).
+        num_tokens_a: length of the first sequence.
+        num_tokens_b: length of the second sequence.
+        block_size: tokens per block used to build both chains.
+
+    Returns:
+        A multiple of ``block_size``.
+    """
+    num_full = min(min(num_tokens_a, num_tokens_b) // block_size, len(chain_a), len(chain_b))
+    agreed = 0
+    while agreed < num_full and chain_a[agreed] == chain_b[agreed]:
+        agreed += 1
+    return agreed * block_size
+
+
+def extend_token_granular(
+    tokens_a: Sequence[int], tokens_b: Sequence[int], start: int, block_size: int
+) -> int:
+    """Extend a block-verified length through the common tokens of the next block.
+
+    Caches that can be cut at any token (dense KV) need not stop at the block floor:
+    an exact repeat or a short new turn would otherwise give back up to
+    ``block_size - 1`` tokens. The extension never goes past one block, the part that
+    the hash comparison could not vouch for.
+    """
+    end = min(len(tokens_a), len(tokens_b), start + block_size)
+    verified = start
+    while verified < end and tokens_a[verified] == tokens_b[verified]:
+        verified += 1
+    return verified
+
+
 def verified_prefix(
     chain_a: Sequence[bytes],
     chain_b: Sequence[bytes],
@@ -225,11 +267,9 @@ def verified_prefix(
     """How many leading tokens two sequences are verified to share.
 
     The chains are compared side by side over the blocks that are full in both
-    sequences (and present in both chains); the last agreeing full block gives the
-    block-aligned verified length. With ``token_granular`` (caches that can be cut at
+    sequences (``agreed_block_len``); with ``token_granular`` (caches that can be cut at
     any token, i.e. dense KV) the length is then extended token by token through the
-    common tokens of the next block, so an exact repeat or a short new turn does not
-    give back up to ``block_size - 1`` tokens.
+    next block (``extend_token_granular``).
 
     Args:
         chain_a: block hashes of ``tokens_a`` (a prefix of the full chain is fine).
@@ -242,14 +282,7 @@ def verified_prefix(
     Returns:
         The verified common prefix length in tokens.
     """
-    shortest = min(len(tokens_a), len(tokens_b))
-    num_full = min(shortest // block_size, len(chain_a), len(chain_b))
-    agreed = 0
-    while agreed < num_full and chain_a[agreed] == chain_b[agreed]:
-        agreed += 1
-    verified = agreed * block_size
+    verified = agreed_block_len(chain_a, chain_b, len(tokens_a), len(tokens_b), block_size)
     if token_granular:
-        end = min(shortest, verified + block_size)
-        while verified < end and tokens_a[verified] == tokens_b[verified]:
-            verified += 1
+        verified = extend_token_granular(tokens_a, tokens_b, verified, block_size)
     return verified

@@ -101,3 +101,24 @@ def has_sliding_window(cache: Sequence[Any]) -> bool:
         return isinstance(layer, RotatingKVCache)
 
     return any(sliding(layer) for layer in cache)
+
+
+def untruncatable_layers(cache: Sequence[Any]) -> list[str]:
+    """Class names of the layers that cannot be cut at every length (sorted, unique).
+
+    Judged on a fresh cache: recurrent state (``ArraysCache``) never truncates, and a sliding
+    window (``RotatingKVCache``) truncates only until it wraps, which any long prompt makes it do,
+    so both count even though a fresh rotating cache still reports itself trimmable.
+    """
+    names: set[str] = set()
+
+    def visit(layer: Any) -> None:
+        if isinstance(layer, CacheList):
+            for inner in layer.caches:
+                visit(inner)
+        elif isinstance(layer, (ArraysCache, RotatingKVCache)) or not layer.is_trimmable():
+            names.add(type(layer).__name__)
+
+    for layer in cache:
+        visit(layer)
+    return sorted(names)

@@ -39,6 +39,8 @@ Readings of the spec recorded here:
   and at least one token shorter than it (its state cannot give the last token back).
 - APC partial reuse needs: APC on, a trimmable entry that still has its chain, and a
   text-only bucket (multimodal requests adopt whole entries only).
+- APC requires the prompt cache: a store built with ``enabled=False`` ignores its
+  ``ApcConfig``, and stats say ``apc_enabled: false, apc_disabled_reason: "cache_off"``.
 - ``--apc-num-blocks`` bounds the total length of all stored chains. Over the bound,
   chains of the least recently used entries are dropped: those entries lose partial
   reuse but stay eligible as whole prefixes.
@@ -61,8 +63,9 @@ from mlxcel_compat.cache.block_hash import (
     BlockHash,
     BlockHasher,
     BlockIndex,
+    agreed_block_len,
     block_chain,
-    verified_prefix,
+    extend_token_granular,
 )
 from mlxcel_compat.cache.key import Bucket, prompt_digest
 from mlxcel_compat.cache.radix import RadixTrie
@@ -72,6 +75,17 @@ logger = logging.getLogger(__name__)
 EVICTION_REASONS = ("lru", "ttl", "capacity")
 REJECTION_REASONS = ("min_prefix", "oversized")
 MISS_REASONS = ("no_candidate", "prefix_too_short")
+# Why an overlapping entry was turned down (``LookupResult.detail``; trace only, not counted).
+INELIGIBLE_REASONS = (
+    "no_overlap",  # no stored entry of the bucket shares a first token with the request
+    "partial_overlap_apc_off",  # only part of the entry matches and APC is off
+    "partial_overlap_multimodal",  # multimodal buckets adopt whole entries only
+    "partial_overlap_not_trimmable",  # the entry's state cannot be cut (recurrent, wrapped window)
+    "partial_overlap_no_chain",  # the entry's chain was dropped under --apc-num-blocks
+    "not_trimmable_exact_repeat",  # whole entry, but its state cannot give the last token back
+    "no_block_verified",  # the chains disagree from the first block and no token is common
+    "below_min_prefix",  # eligible, but shorter than --prompt-cache-min-prefix
+)
 
 STAGE_SESSION = "session"
 STAGE_CROSS_SESSION = "cross_session"
@@ -115,6 +129,14 @@ class CacheHit:
     stage: str  # STAGE_SESSION or STAGE_CROSS_SESSION
     common_len: int  # longest common prefix of request and entry (trie length)
     verified_len: int  # length vouched for: whole entry, or the APC-verified length
+    block_len: int = 0  # APC: the part verified by agreeing full blocks (<= verified_len);
+    # verified_len - block_len tokens came from the token-by-token extension. Whole-entry
+    # hits need no chain: block_len == verified_len.
+
+    @property
+    def partial(self) -> bool:
+        """True when the entry overlaps the request only partly (an APC hit)."""
+        return self.common_len < len(self.entry.tokens)
 
     @property
     def needs_trim(self) -> bool:
@@ -129,6 +151,11 @@ class LookupResult:
     hit: CacheHit | None
     reason: str | None = None  # None on a hit; "disabled", "no_candidate", "prefix_too_short"
     best_len: int = 0  # best match found (before the clamp), also reported on a miss
+    # On a miss: the deepest overlapping entry that was turned down, its common prefix with
+    # the request and why (see INELIGIBLE_REASONS; "below_min_prefix" for prefix_too_short).
+    candidate_id: int | None = None
+    common_len: int = 0
+    detail: str | None = None
 
 
 @dataclass(slots=True)
@@ -150,6 +177,9 @@ class StoreCounters:
     hits: int = 0
     misses: int = 0
     partial_hits: int = 0  # hits that adopt less than the whole entry
+    apc_hits: int = 0  # hits on an entry that overlaps the request only partly (needs APC)
+    apc_block_tokens: int = 0  # over apc_hits: tokens verified by agreeing full blocks
+    apc_extended_tokens: int = 0  # over apc_hits: tokens added by the token-by-token extension
     hits_by_stage: dict[str, int] = field(default_factory=lambda: {STAGE_SESSION: 0, STAGE_CROSS_SESSION: 0})
     inserts: int = 0
     supersedes: int = 0
@@ -392,10 +422,17 @@ class EntryStore:
             self.store_label, nbytes, self.capacity_bytes, self.capacity_flag,
         )
 
-    def _record_miss(self, reason: str, best_len: int = 0) -> LookupResult:
+    def _record_miss(
+        self, reason: str, best_len: int = 0, candidate: _Turndown | None = None
+    ) -> LookupResult:
         self.counters.misses += 1
         self.counters.miss_reasons[reason] = self.counters.miss_reasons.get(reason, 0) + 1
-        return LookupResult(hit=None, reason=reason, best_len=best_len)
+        if candidate is None:
+            return LookupResult(hit=None, reason=reason, best_len=best_len)
+        return LookupResult(
+            hit=None, reason=reason, best_len=best_len, candidate_id=candidate.entry_id,
+            common_len=candidate.common, detail=candidate.why,
+        )
 
     def _record_hit(self, hit: CacheHit, now: float) -> LookupResult:
         self._touch(hit.entry, now)
@@ -440,6 +477,24 @@ class _Candidate:
     verified: int  # before the clamp
     common: int
     rank: tuple[int, bool, int]  # (usable, same session, recency): max wins
+    block_len: int  # part of ``verified`` vouched for by agreeing full blocks
+
+
+@dataclass(slots=True)
+class _Turndown:
+    """An overlapping entry that lookup could not use, kept to explain a miss."""
+
+    entry_id: int | None
+    common: int
+    why: str  # one of INELIGIBLE_REASONS
+
+
+@dataclass(slots=True)
+class _Selection:
+    best: _Candidate | None = None
+    short_len: int = 0  # longest eligible match below min_prefix
+    short: _Turndown | None = None  # the entry behind short_len
+    turndown: _Turndown | None = None  # the deepest overlapping entry that was not eligible
 
 
 class PromptCacheStore(EntryStore):
@@ -455,13 +510,22 @@ class PromptCacheStore(EntryStore):
         apc: ApcConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         enabled: bool = True,
+        apc_disabled_reason: str | None = None,
     ) -> None:
         super().__init__(
             capacity_bytes=capacity_bytes, max_entries=max_entries, ttl_seconds=ttl_seconds,
             min_prefix=min_prefix, clock=clock, enabled=enabled,
         )
-        self.apc = apc
-        self.apc_num_blocks = apc.resolve_num_blocks(max_entries) if apc is not None else 0
+        # APC works on the entries of this store: with the store off it is inactive too.
+        self.apc = apc if enabled else None
+        # Reported while APC is off: "cache_off", else the caller's reason, else "flag".
+        if self.apc is not None:
+            self.apc_disabled_reason: str | None = None
+        elif not enabled:
+            self.apc_disabled_reason = "cache_off"
+        else:
+            self.apc_disabled_reason = apc_disabled_reason or "flag"
+        self.apc_num_blocks = self.apc.resolve_num_blocks(max_entries) if self.apc is not None else 0
         self._blocks = BlockIndex()
 
     # --- public API ---
@@ -483,7 +547,8 @@ class PromptCacheStore(EntryStore):
             A ``LookupResult``. On a hit, ``hit.matched_len`` leaves at least one token
             to prefill. On a miss, ``reason`` is "no_candidate" (nothing eligible),
             "prefix_too_short" (the longest eligible match, in ``best_len``, is below
-            ``min_prefix``) or "disabled".
+            ``min_prefix``) or "disabled"; ``candidate_id``, ``common_len`` and ``detail``
+            name the entry that came closest and why it was turned down.
         """
         if not self.enabled:
             return LookupResult(hit=None, reason="disabled")
@@ -491,16 +556,18 @@ class PromptCacheStore(EntryStore):
         now = self._clock()
         self._sweep_helper(now)
         self.counters.lookups += 1
-        best, short_len = self._select_helper(bucket, session_key, toks)
+        sel = self._select_helper(bucket, session_key, toks)
+        best = sel.best
         if best is None:
-            if short_len:
-                return self._record_miss("prefix_too_short", short_len)
-            return self._record_miss("no_candidate")
+            if sel.short is not None:
+                return self._record_miss("prefix_too_short", sel.short_len, sel.short)
+            turndown = sel.turndown or _Turndown(None, 0, "no_overlap")
+            return self._record_miss("no_candidate", 0, turndown)
         stage = STAGE_SESSION if best.entry.session_key == session_key else STAGE_CROSS_SESSION
-        hit = CacheHit(best.entry, best.usable, stage, best.common, best.verified)
+        hit = CacheHit(best.entry, best.usable, stage, best.common, best.verified, best.block_len)
         logger.debug(
-            "prompt cache hit: entry=%d stage=%s matched=%d common=%d verified=%d",
-            best.entry.id, stage, best.usable, best.common, best.verified,
+            "prompt cache hit: entry=%d stage=%s matched=%d common=%d verified=%d block=%d",
+            best.entry.id, stage, best.usable, best.common, best.verified, best.block_len,
         )
         return self._record_hit(hit, now)
 
@@ -509,12 +576,16 @@ class PromptCacheStore(EntryStore):
         out = self._base_stats()
         out.update(
             apc_enabled=self.apc is not None,
+            apc_disabled_reason=self.apc_disabled_reason,
             block_size=self.apc.block_size if self.apc is not None else 0,
             hash=self.apc.hash_name if self.apc is not None else None,
             apc_num_blocks=self.apc_num_blocks,
             total_blocks_stored=self._blocks.num_blocks,
             unique_block_hashes=self._blocks.num_unique,
             apc_active_entries=self._blocks.num_chains,
+            apc_hits=self.counters.apc_hits,
+            apc_block_tokens_total=self.counters.apc_block_tokens,
+            apc_extended_tokens_total=self.counters.apc_extended_tokens,
         )
         return out
 
@@ -527,35 +598,43 @@ class PromptCacheStore(EntryStore):
 
     # --- lookup helpers ---
 
-    def _select_helper(
-        self, bucket: Bucket, session_key: str, toks: tuple[int, ...]
-    ) -> tuple[_Candidate | None, int]:
-        """The winning candidate, and the longest eligible match below ``min_prefix``."""
+    def _record_hit(self, hit: CacheHit, now: float) -> LookupResult:
+        if hit.partial:
+            self.counters.apc_hits += 1
+            self.counters.apc_block_tokens += hit.block_len
+            self.counters.apc_extended_tokens += hit.verified_len - hit.block_len
+        return super()._record_hit(hit, now)
+
+    def _select_helper(self, bucket: Bucket, session_key: str, toks: tuple[int, ...]) -> _Selection:
+        """The winning candidate, or what explains the miss."""
+        sel = _Selection()
         trie = self._tries.get(bucket)
         if trie is None or len(toks) < 2:
-            return None, 0
+            return sel
         limit = len(toks) - 1  # the last prompt token is always prefilled for fresh logits
         hasher = None
         if self.apc is not None and bucket.text_only:
             hasher = BlockHasher(toks, self.apc.block_size, self.apc.hash_name, bucket.mm_digest)
-        best: _Candidate | None = None
-        short_len = 0
         for group in trie.overlap_groups(toks):
+            best = sel.best
             bound = min(group.common_len, limit)
             # Groups come deepest first: once none can reach the best, stop enumerating.
             if bound == 0 or (best is not None and bound < best.usable):
                 break
-            if group.common_len < self.min_prefix and (best is not None or short_len):
+            if group.common_len < self.min_prefix and (best is not None or sel.short is not None):
                 break  # everything from here on is too short, and the miss reason is known
             for entry_id in group.entry_ids:
                 cand = self._evaluate_helper(self._entries[entry_id], group.common_len, toks, limit, hasher, session_key)
-                if cand is None:
-                    continue
-                if cand.verified < self.min_prefix:
-                    short_len = max(short_len, cand.verified)
+                if isinstance(cand, str):
+                    if sel.turndown is None:  # the deepest overlap explains a miss best
+                        sel.turndown = _Turndown(entry_id, group.common_len, cand)
+                elif cand.verified < self.min_prefix:
+                    if sel.short is None or cand.verified > sel.short_len:
+                        sel.short_len = cand.verified
+                        sel.short = _Turndown(entry_id, group.common_len, "below_min_prefix")
                 elif best is None or cand.rank > best.rank:
-                    best = cand
-        return best, short_len
+                    sel.best = best = cand
+        return sel
 
     def _evaluate_helper(
         self,
@@ -565,25 +644,40 @@ class PromptCacheStore(EntryStore):
         limit: int,
         hasher: BlockHasher | None,
         session_key: str,
-    ) -> _Candidate | None:
-        """How much of ``entry`` the request may adopt, or None if it is not eligible."""
+    ) -> _Candidate | str:
+        """How much of ``entry`` the request may adopt, or why it is not eligible."""
         length = len(entry.tokens)
         if common == length:  # the whole entry is a prefix of the request
             if not entry.trimmable and length > limit:
-                return None  # an exact repeat would need the state to give a token back
-            verified = length
-        elif hasher is not None and entry.trimmable and entry.block_chain is not None:
-            assert self.apc is not None
+                return "not_trimmable_exact_repeat"  # the state would have to give a token back
+            verified = block_len = length
+        else:
+            why = self._partial_blocker(entry, hasher)
+            if why is not None:
+                return why
+            assert self.apc is not None and hasher is not None and entry.block_chain is not None
             bs = self.apc.block_size
             request_chain = hasher.chain(common // bs + 1)
-            verified = verified_prefix(entry.block_chain, request_chain, entry.tokens, toks, bs, True)
-        else:
-            return None  # partial overlap without APC, or a state that cannot be cut
+            block_len = agreed_block_len(entry.block_chain, request_chain, length, len(toks), bs)
+            # Entries with a chain are trimmable dense KV: extend token by token.
+            verified = extend_token_granular(entry.tokens, toks, block_len, bs)
         usable = min(verified, limit)
         if usable <= 0:
-            return None
+            return "no_block_verified"
         rank = (usable, entry.session_key == session_key, entry.use_tick)
-        return _Candidate(entry, usable, verified, common, rank)
+        return _Candidate(entry, usable, verified, common, rank, block_len)
+
+    def _partial_blocker(self, entry: CacheEntry, hasher: BlockHasher | None) -> str | None:
+        """Why a partly overlapping entry cannot be cut to the overlap (None: it can)."""
+        if self.apc is None:
+            return "partial_overlap_apc_off"
+        if hasher is None:
+            return "partial_overlap_multimodal"
+        if not entry.trimmable:
+            return "partial_overlap_not_trimmable"
+        if entry.block_chain is None:
+            return "partial_overlap_no_chain"
+        return None
 
     # --- APC block index ---
 

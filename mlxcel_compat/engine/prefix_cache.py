@@ -6,6 +6,10 @@ Runs on the engine thread only (it owns the store). The store is pure bookkeepin
     request ──► adopt(seq): lookup(bucket, session, prompt) ──hit──► copy entry KV, trim to the
                 match, prefill only the rest (at least one token)
     finish  ──► donate(seq): snapshot the sequence's KV with exactly the tokens it holds
+
+APC (partial reuse) is decided once, at start-up, by ``apc_decision``: off when the cache is off,
+by flag, for the spec's recurrent/hybrid families, or when the model's cache holds a layer that
+cannot be cut at every length. ``MLXCEL_APC_TRACE=1`` logs one ``trace_line`` per lookup.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel_compat.cache import kv
 from mlxcel_compat.cache.block_hash import ApcConfig
+from mlxcel_compat.cache.families import recurrent_family
 from mlxcel_compat.cache.key import Bucket, TEXT_ONLY_MM_DIGEST
-from mlxcel_compat.cache.store import PromptCacheStore
+from mlxcel_compat.cache.store import LookupResult, PromptCacheStore
 
 if TYPE_CHECKING:
     from mlxcel_compat.engine.core import Engine
@@ -101,9 +106,10 @@ class PrefixCache:
         self.config = config
         self.model_id = loaded.model_id
         probe = make_prompt_cache(loaded.model)
-        # Families whose cache cannot drop tokens (recurrent state, sliding windows once wrapped)
-        # never get partial (APC) reuse; whole-prefix entries still work for them.
+        # Entries of caches without recurrent state may be cut (each entry still says whether
+        # its own state can, e.g. a sliding window that has not wrapped yet).
         self.token_granular = kv.can_truncate(probe) and not kv.has_recurrent_state(probe)
+        self.apc_disabled_reason, why = apc_decision(config, loaded.config, probe)
         capacity = config.capacity_bytes
         if capacity is None:
             capacity, entry = model_aware_capacity(loaded.config, engine.n_ctx, loaded.size_bytes, physical_memory_bytes())
@@ -115,10 +121,8 @@ class PrefixCache:
                 config.max_entries,
             )
         apc = None
-        if config.apc_enabled and self.token_granular:
+        if self.apc_disabled_reason is None:
             apc = ApcConfig(block_size=config.apc_block_size, hash_name=config.apc_hash, num_blocks=config.apc_num_blocks)
-        elif config.apc_enabled:
-            log.info("APC disabled for this model: its cache holds layers that cannot be truncated (recurrent or sliding window)")
         self.store = PromptCacheStore(
             capacity_bytes=capacity,
             max_entries=config.max_entries,
@@ -126,7 +130,15 @@ class PrefixCache:
             min_prefix=config.min_prefix,
             apc=apc,
             enabled=config.enabled,
+            apc_disabled_reason=self.apc_disabled_reason,
         )
+        if apc is not None:
+            log.info(
+                "APC enabled: block size %d, hash %s, at most %d tracked blocks",
+                apc.block_size, apc.hash_name, self.store.apc_num_blocks,
+            )
+        else:
+            log.info("APC disabled (%s): %s; whole-prefix reuse is unaffected", self.apc_disabled_reason, why)
         self.last_stats: dict[str, Any] = self.stats()
 
     # ------------------------------------------------------------------ engine hooks
@@ -148,7 +160,7 @@ class PrefixCache:
         result = self.store.lookup(self.bucket(seq), seq.request.cache.session_key, seq.prompt)
         hit = result.hit
         if hit is None:
-            self._trace("miss task=%d reason=%s best=%d prompt=%d", seq.request.task_id, result.reason, result.best_len, seq.n_prompt)
+            self._trace_lookup(seq, result)
             self._refresh()
             return 0
         try:
@@ -157,6 +169,7 @@ class PrefixCache:
                 kv.truncate(cache, hit.matched_len)
         except Exception as exc:  # a broken entry must not fail the request: prefill cold
             log.debug("prompt cache: adoption failed for task %d: %s", seq.request.task_id, exc)
+            self._trace_lookup(seq, result, failed=True)
             self._refresh()
             return 0
         seq.cache = cache
@@ -169,15 +182,7 @@ class PrefixCache:
             hit.entry.anon_repr(),
             hit.stage,
         )
-        self._trace(
-            "hit task=%d entry=%d common=%d verified=%d adopted=%d stage=%s",
-            seq.request.task_id,
-            hit.entry.id,
-            hit.common_len,
-            hit.verified_len,
-            hit.matched_len,
-            hit.stage,
-        )
+        self._trace_lookup(seq, result)
         self._refresh()
         return hit.matched_len
 
@@ -220,6 +225,57 @@ class PrefixCache:
         # A snapshot for readers on other threads (/metrics): replaced whole, never mutated.
         self.last_stats = self.stats()
 
-    def _trace(self, fmt: str, *args: Any) -> None:
+    def _trace_lookup(self, seq: "Sequence", result: LookupResult, failed: bool = False) -> None:
+        """``MLXCEL_APC_TRACE=1``: one INFO line per lookup decision (no tokens, no session)."""
         if self.config.apc_trace:
-            log.info("apc-trace: " + fmt, *args)
+            log.info("apc-trace: %s", trace_line(seq.request.task_id, seq.n_prompt, result, failed))
+
+
+def apc_decision(config: PrefixCacheConfig, model_config: dict[str, Any], probe: list[Any]) -> tuple[str | None, str]:
+    """Whether APC runs for this model: ``(None, detail)`` if so, else ``(reason, detail)``.
+
+    Reasons, first that applies: "cache_off" (the prompt cache is off, so APC has nothing to
+    work on), "flag" (``--apc-enabled=false``), "recurrent_family" (the spec's model_type list),
+    "non_trimmable_cache" (a layer of the model's mlx-lm cache cannot be cut at every length).
+    """
+    if not config.enabled:
+        return "cache_off", "the prompt cache is off"
+    if not config.apc_enabled:
+        return "flag", "--apc-enabled=false / APC_ENABLED"
+    family = recurrent_family(model_config)
+    if family is not None:
+        return "recurrent_family", family.describe()
+    blockers = kv.untruncatable_layers(probe)
+    if blockers:
+        return "non_trimmable_cache", "the model cache holds " + ", ".join(blockers)
+    return None, "token-granular KV cache"
+
+
+def trace_line(task_id: int, n_prompt: int, result: LookupResult, failed: bool = False) -> str:
+    """One lookup decision: candidate, common prefix, verified lengths, adopted length and why.
+
+    ``block_verified`` is what agreeing full blocks vouch for, ``verified`` adds the token-by-token
+    extension, ``adopted`` is after the ``len(prompt) - 1`` clamp.
+    """
+    hit = result.hit
+    if hit is None:
+        decision, reason, why = "miss", result.reason, result.detail
+        candidate, common, block, verified, adopted = result.candidate_id, result.common_len, "-", result.best_len, 0
+    else:
+        candidate, common, block, verified = hit.entry.id, hit.common_len, hit.block_len, hit.verified_len
+        if not hit.partial:
+            why = "whole_entry_prefix"
+        elif hit.verified_len > hit.block_len:
+            why = "apc_blocks_then_tokens"
+        else:
+            why = "apc_blocks"
+        if hit.matched_len < hit.verified_len:
+            why += ",clamped_to_prompt_minus_1"
+        if failed:
+            decision, reason, adopted = "miss", "adoption_failed", 0
+        else:
+            decision, reason, adopted = "hit", hit.stage, hit.matched_len
+    return (
+        f"{decision} task={task_id} prompt={n_prompt} candidate={'-' if candidate is None else candidate} "
+        f"common={common} block_verified={block} verified={verified} adopted={adopted} reason={reason} why={why}"
+    )

@@ -7,7 +7,7 @@ Prometheus work per token. Extra families (the prompt cache's) register through
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -109,4 +109,17 @@ def prompt_cache_metrics(engine: Engine) -> Iterable[Metric]:
         _gauge("mlxcel_prompt_cache_bytes", "Logical bytes held by the prompt cache.", s["bytes"]),
         _gauge("mlxcel_prompt_cache_entries", "Entries held by the prompt cache.", s["entries"]),
         _gauge("mlxcel_prompt_cache_capacity_bytes", "Byte budget of the prompt cache.", s["capacity_bytes"]),
+        _counter("mlxcel_prompt_cache_partial_hits_total", "Hits that adopted less than the whole entry.", s["partial_hits"]),
+        *_apc_metrics(s),
+    ]
+
+
+def _apc_metrics(s: dict[str, Any]) -> list[Metric]:
+    """APC block-chain families (zero, with ``apc_enabled`` 0, while APC is off)."""
+    return [
+        _gauge("mlxcel_prompt_cache_apc_enabled", "1 when APC (partial reuse by block-hash chains) is active.", 1.0 if s["apc_enabled"] else 0.0),
+        _gauge("mlxcel_prompt_cache_apc_blocks_stored", "Block hashes held by all stored chains.", s["total_blocks_stored"]),
+        _gauge("mlxcel_prompt_cache_apc_unique_block_hashes", "Distinct block hashes over all chains.", s["unique_block_hashes"]),
+        _gauge("mlxcel_prompt_cache_apc_active_entries", "Entries that hold a block-hash chain.", s["apc_active_entries"]),
+        _counter("mlxcel_prompt_cache_apc_hits_total", "Hits on an entry that overlaps the request only partly.", s["apc_hits"]),
     ]

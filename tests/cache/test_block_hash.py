@@ -14,7 +14,9 @@ from mlxcel_compat.cache.block_hash import (
     ApcConfig,
     BlockHasher,
     BlockIndex,
+    agreed_block_len,
     block_chain,
+    extend_token_granular,
     hash_block,
     verified_prefix,
 )
@@ -108,6 +110,17 @@ def test_verified_prefix_shorter_sequence_and_short_chain() -> None:
     # Hashes, not tokens, decide the block part: a forged chain is not trusted.
     forged = [bytes(32)] * len(ca)
     assert verified_prefix(forged, ca, TOKENS, TOKENS, 16, token_granular=True) == 16
+
+
+def test_block_part_and_token_extension_separately() -> None:
+    other = list(TOKENS)
+    other[37] = -1
+    ca, cb = block_chain(TOKENS, 16, "sha256", MM), block_chain(other, 16, "sha256", MM)
+    assert agreed_block_len(ca, cb, len(TOKENS), len(other), 16) == 32
+    assert extend_token_granular(TOKENS, other, 32, 16) == 37
+    # The extension stops after one block even when the tokens go on agreeing.
+    assert extend_token_granular(TOKENS, TOKENS, 32, 16) == 48
+    assert extend_token_granular(TOKENS, TOKENS[:40], 32, 16) == 40
 
 
 def test_apc_config() -> None:

@@ -272,6 +272,71 @@ def test_partial_overlap_of_200_tokens(apc: ApcConfig | None, expected: int) -> 
         assert store.stats()["partial_hits"] == 1
 
 
+def test_block_and_token_extension_lengths_are_reported() -> None:
+    store = make_store(apc=ApcConfig(block_size=16))
+    put(store, ENTRY)
+    hit = store.lookup(B, "s1", REQUEST).hit
+    # 200 = 12 agreeing blocks (192) + 8 tokens verified one by one in block 13.
+    assert hit is not None and hit.partial and (hit.block_len, hit.verified_len, hit.matched_len) == (192, 200, 200)
+    whole = store.lookup(B, "s1", ENTRY + (1,)).hit
+    assert whole is not None and not whole.partial and whole.block_len == whole.verified_len == len(ENTRY)
+    stats = store.stats()
+    assert (stats["apc_hits"], stats["apc_block_tokens_total"], stats["apc_extended_tokens_total"]) == (1, 192, 8)
+
+
+@pytest.mark.parametrize(
+    "apc, trimmable, request_tokens, reason, detail, common",
+    [
+        (None, True, REQUEST, "no_candidate", "partial_overlap_apc_off", 200),
+        (ApcConfig(), False, REQUEST, "no_candidate", "partial_overlap_not_trimmable", 200),
+        (ApcConfig(), False, ENTRY, "no_candidate", "not_trimmable_exact_repeat", len(ENTRY)),
+        (ApcConfig(), True, seq(40, 70000), "no_candidate", "no_overlap", 0),
+        (ApcConfig(), True, SHARED[:20] + (-5,) * 30, "prefix_too_short", "below_min_prefix", 20),
+    ],
+)
+def test_misses_name_the_closest_entry_and_why(
+    apc: ApcConfig | None, trimmable: bool, request_tokens: tuple[int, ...], reason: str, detail: str, common: int
+) -> None:
+    store = make_store(apc=apc, min_prefix=32)
+    eid = put(store, ENTRY, trimmable=trimmable)
+    res = store.lookup(B, "s1", request_tokens)
+    assert res.hit is None and (res.reason, res.detail, res.common_len) == (reason, detail, common)
+    assert res.candidate_id == (None if detail == "no_overlap" else eid)
+    if reason == "prefix_too_short":
+        assert res.best_len == 20
+
+
+def test_partial_overlap_with_a_dropped_chain_is_explained() -> None:
+    store = make_store(apc=ApcConfig(num_blocks=20))
+    a = put(store, ENTRY, session="a")  # 19 blocks
+    put(store, seq(64, 7000), session="b")  # 4 more: over the bound, a loses its chain
+    res = store.lookup(B, "s1", REQUEST)
+    assert (res.reason, res.detail, res.candidate_id) == ("no_candidate", "partial_overlap_no_chain", a)
+
+
+def test_multimodal_partial_overlap_is_explained() -> None:
+    store = make_store(apc=ApcConfig())
+    mm = make_bucket(mm_digest=multimodal_digest([b"image"]))
+    store.insert(mm, "s1", ENTRY, "kv", 10, True)
+    assert store.lookup(mm, "s1", REQUEST).detail == "partial_overlap_multimodal"
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        ({"apc": ApcConfig()}, None),
+        ({}, "flag"),
+        ({"apc_disabled_reason": "recurrent_family"}, "recurrent_family"),
+        ({"apc": ApcConfig(), "enabled": False}, "cache_off"),  # APC needs the prompt cache
+    ],
+)
+def test_apc_disabled_reason_in_stats(kwargs: dict[str, object], reason: str | None) -> None:
+    stats = PromptCacheStore(capacity_bytes=100, **kwargs).stats()  # type: ignore[arg-type]
+    assert stats["apc_disabled_reason"] == reason
+    assert stats["apc_enabled"] is (reason is None)
+    assert PromptCacheStore.disabled_stats()["apc_disabled_reason"] == "cache_off"
+
+
 def test_partial_prefers_deeper_overlap_over_shorter_whole_prefix() -> None:
     store = make_store(apc=ApcConfig())
     whole = put(store, SHARED[:100], session="s2")
