@@ -36,14 +36,23 @@ class EngineHarness:
         return self.engine.loaded.tokenizer
 
     def request(
-        self, prompt: list[int], n_predict: int = 8, cache: bool = True, session: str = "s", n_probs: int = 0, ignore_eos: bool = False
+        self,
+        prompt: list[int],
+        n_predict: int = 8,
+        cache: bool = True,
+        session: str = "s",
+        n_probs: int = 0,
+        ignore_eos: bool = False,
+        boundary: int | None = None,
     ) -> GenerationRequest:
         return GenerationRequest(
             prompt_tokens=list(prompt),
             sampling=SamplingParams(temperature=0.0, seed=1234, ignore_eos=ignore_eos),
             n_predict=n_predict,
             n_probs=n_probs,
-            cache=CacheContext(enabled=cache, session_key=session, template_sig=RAW_PROMPT_TEMPLATE_SIG, mm_digest=TEXT_ONLY_MM_DIGEST),
+            cache=CacheContext(
+                enabled=cache, session_key=session, template_sig=RAW_PROMPT_TEMPLATE_SIG, mm_digest=TEXT_ONLY_MM_DIGEST, history_boundary=boundary
+            ),
         )
 
     def submit(self, prompt: list[int], sink: Any, **kwargs: Any) -> GenerationRequest:

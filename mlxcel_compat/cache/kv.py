@@ -122,3 +122,36 @@ def untruncatable_layers(cache: Sequence[Any]) -> list[str]:
     for layer in cache:
         visit(layer)
     return sorted(names)
+
+
+def layer_kinds(cache: Sequence[Any]) -> list[Any]:
+    """Class names per layer (a ``CacheList`` as the list of its children's kinds)."""
+
+    def kind(layer: Any) -> Any:
+        if isinstance(layer, CacheList):
+            return [kind(c) for c in layer.caches]
+        return type(layer).__name__
+
+    return [kind(layer) for layer in cache]
+
+
+def state_bytes_at(one_token_cache: Sequence[Any], n_tokens: int) -> int:
+    """Bytes one sequence's state takes at ``n_tokens`` tokens, from a cache that holds one.
+
+    Token-indexed layers (KV, rotating windows: counted at full length, as the spec asks for
+    sliding layers) grow linearly; recurrent layers keep a constant state.
+    """
+
+    def layer_bytes(layer: Any) -> int:
+        if isinstance(layer, CacheList):
+            return sum(layer_bytes(c) for c in layer.caches)
+        exact = _copy_layer(layer, exact=True)
+        if isinstance(layer, (KVCache, RotatingKVCache)) and layer_tokens(layer) > 0:
+            if isinstance(layer, RotatingKVCache):
+                per_token = exact.nbytes // max(exact.keys.shape[2], 1)
+            else:
+                per_token = exact.nbytes // layer_tokens(layer)
+            return per_token * n_tokens
+        return int(exact.nbytes)
+
+    return sum(layer_bytes(layer) for layer in one_token_cache)

@@ -185,6 +185,9 @@ class SnapshotStore(EntryStore):
         self.counters.miss_reasons = dict.fromkeys(SNAPSHOT_MISS_REASONS, 0)
         self.num_warmups_run = 0
         self.num_warmups_skipped = 0
+        # Which mechanism served and fed the store (boundary vs completion snapshots).
+        self.hits_by_origin = dict.fromkeys(SNAPSHOT_ORIGINS, 0)
+        self.inserts_by_origin = dict.fromkeys(SNAPSHOT_ORIGINS, 0)
         self._sessions: dict[tuple[Bucket, str], set[int]] = {}
         self._tag_key = os.urandom(32)  # per store: tags correlate log lines, never reveal keys
 
@@ -287,6 +290,8 @@ class SnapshotStore(EntryStore):
             "snapshot_partial_hits": c.partial_hits,
             "snapshot_tokens_restored_total": c.prefix_tokens_reused,
             "snapshot_inserts": c.inserts,
+            "snapshot_inserts_by_origin": dict(self.inserts_by_origin),
+            "snapshot_hits_by_origin": dict(self.hits_by_origin),
             "snapshot_supersedes": c.supersedes,
             "snapshot_evictions_lru": c.evictions["lru"],
             "snapshot_evictions_ttl": c.evictions["ttl"],
@@ -307,6 +312,7 @@ class SnapshotStore(EntryStore):
 
     def _after_insert(self, entry: CacheEntry) -> None:
         self._sessions.setdefault((entry.bucket, entry.session_key), set()).add(entry.id)
+        self.inserts_by_origin[entry.origin] += 1
 
     def _on_entry_removed(self, entry: CacheEntry) -> None:
         key = (entry.bucket, entry.session_key)
@@ -347,6 +353,7 @@ class SnapshotStore(EntryStore):
         if record:
             self.counters.lookups += 1
             self._record_hit(hit, now)
+            self.hits_by_origin[best.entry.origin] += 1
         logger.debug(
             "session snapshot hit: entry=%d session=%s restore=%d common=%d stored=%d request=%d origin=%s",
             best.entry.id, self.session_tag(session_key), best.usable, best.common,

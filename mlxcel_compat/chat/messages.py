@@ -433,6 +433,15 @@ def render_history_boundary(template: ChatTemplate, chat: ChatRequest, prompt: s
     return history[: _common_prefix_length(history, prompt)]
 
 
+def render_next_history(template: ChatTemplate, chat: ChatRequest, reply: Mapping[str, Any]) -> str:
+    """The history the next turn will start with: this conversation plus ``reply``, closed.
+
+    Used to warm up a session's snapshot in the background before its next turn arrives.
+    """
+    messages = [*chat.messages, dict(reply)]
+    return template.render_history(messages, tools=chat.render_tools, **_render_kwargs(chat))
+
+
 def _common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
     limit = min(len(a), len(b))
     for i in range(limit):

@@ -30,6 +30,7 @@ from mlxcel_compat.engine.slots import Slot
 log = logging.getLogger(__name__)
 
 Sink = Callable[[EngineEvent], None]
+WARMUP_QUEUE = 8  # pending background warm-ups (one per session)
 
 
 @dataclass
@@ -71,6 +72,11 @@ class _Cancel:
 
 
 @dataclass
+class _Warmup:
+    job: Any  # engine.snapshots.WarmupJob
+
+
+@dataclass
 class _Call:
     fn: Callable[[], Any]
     future: Future
@@ -88,6 +94,7 @@ class Engine:
         self.metrics = EngineMetrics()
         self.slots: list[Slot] = [Slot(i) for i in range(max(1, config.n_parallel))]
         self.waiting: collections.deque[_Submit] = collections.deque()
+        self.warmups: collections.deque[Any] = collections.deque()
         self.prefix_cache: Any = None
         self.batch: DecodeBatch = DecodeBatch(None)
         self._prefix_cache_factory = prefix_cache_factory
@@ -115,6 +122,10 @@ class Engine:
 
     def cancel(self, task_id: int) -> None:
         self._commands.put(_Cancel(task_id))
+
+    def warmup(self, job: Any) -> None:
+        """Queue a background warm-up of a session's next turn (snapshot families only)."""
+        self._commands.put(_Warmup(job))
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn`` on the engine thread between steps (cache stats, reset, ...)."""
@@ -144,9 +155,12 @@ class Engine:
         self.state = "ready"
         self._ready.set()
         while not self._stop.is_set():
-            self._drain_commands(block=not self._has_work())
+            self._drain_commands(block=not self._has_work() and not self.warmups)
             self._admit()
-            self._step_all()
+            if self._has_work():
+                self._step_all()
+            elif self.warmups:
+                self._run_warmup()
 
     def _load(self) -> None:
         from mlxcel_compat.model.loader import load_model
@@ -197,6 +211,34 @@ class Engine:
                 self._cancel(cmd.task_id)
             elif isinstance(cmd, _Call):
                 self._run_call(cmd)
+            elif isinstance(cmd, _Warmup):
+                self._queue_warmup(cmd.job)
+
+    def _queue_warmup(self, job: Any) -> None:
+        """Bounded queue: one pending warm-up per session (the newest wins); overflow is skipped."""
+        cache = self.prefix_cache
+        if cache is None or not cache.warmups:
+            return
+        for old in [j for j in self.warmups if j.session_key == job.session_key]:
+            self.warmups.remove(old)
+            cache.skip_warmup()
+        if len(self.warmups) == WARMUP_QUEUE:
+            self.warmups.popleft()
+            cache.skip_warmup()
+        self.warmups.append(job)
+
+    def _run_warmup(self) -> None:
+        """Runs only while nothing waits; yields to any command that arrives meanwhile."""
+        job = self.warmups.popleft()
+        try:
+            self.prefix_cache.run_warmup(job, self, should_stop=self._request_waiting)
+        except Exception:  # a warm-up is an optimisation: never let it take the engine down
+            log.exception("snapshot warm-up failed")
+
+    def _request_waiting(self) -> bool:
+        """Between warm-up chunks: serve commands that arrived; stop if a request is waiting."""
+        self._drain_commands(block=False)
+        return bool(self.waiting)
 
     def _run_call(self, cmd: _Call) -> None:
         if not cmd.future.set_running_or_notify_cancel():

@@ -33,6 +33,11 @@ def make_sequence(engine: "Engine", request: GenerationRequest, sink: "Sink", sl
         emit=sink,
         slot_id=slot_id,
     )
-    if engine.prefix_cache is not None and request.cache.enabled and not request.is_child:
-        engine.prefix_cache.adopt(seq)
+    cache = engine.prefix_cache
+    if cache is not None and request.cache.enabled and not request.is_child:
+        cache.adopt(seq)
+        boundary = request.cache.history_boundary
+        if cache.boundary_snapshots and boundary is not None and len(seq.cache_tokens) < boundary <= seq.n_prompt - 1:
+            seq.boundary = boundary
+            seq.on_boundary = cache.on_boundary
     return seq

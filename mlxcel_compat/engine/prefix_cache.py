@@ -25,7 +25,10 @@ from mlxcel_compat.cache import kv
 from mlxcel_compat.cache.block_hash import ApcConfig
 from mlxcel_compat.cache.families import recurrent_family
 from mlxcel_compat.cache.key import Bucket, TEXT_ONLY_MM_DIGEST
+from mlxcel_compat.cache.snapshot import SnapshotStore, is_snapshot_family, snapshot_capacity_default
 from mlxcel_compat.cache.store import LookupResult, PromptCacheStore
+from mlxcel_compat.engine.request import WarmupJob
+from mlxcel_compat.engine.snapshots import SessionSnapshots
 
 if TYPE_CHECKING:
     from mlxcel_compat.engine.core import Engine
@@ -51,6 +54,11 @@ class PrefixCacheConfig:
     apc_num_blocks: int | None = None
     apc_hash: str = "sha256"
     apc_trace: bool = False
+    snapshot_capacity_bytes: int | None = None  # None: model-aware default
+    snapshot_max_entries: int = 4096
+    snapshot_ttl_seconds: float = 7200.0
+    boundary_snapshots: bool = True  # MLXCEL_DISABLE_BOUNDARY_SNAPSHOT=1 turns it off
+    warmup: bool = True  # MLXCEL_DISABLE_CACHE_WARMUP=1 turns it off
 
     @classmethod
     def from_settings(cls, s: Any) -> "PrefixCacheConfig":
@@ -65,6 +73,11 @@ class PrefixCacheConfig:
             apc_num_blocks=s.apc_num_blocks,
             apc_hash=s.apc_hash,
             apc_trace=bool(s.apc_trace),
+            snapshot_capacity_bytes=s.prompt_cache_snapshot_capacity_bytes,
+            snapshot_max_entries=s.prompt_cache_snapshot_max_entries,
+            snapshot_ttl_seconds=float(s.prompt_cache_snapshot_ttl),
+            boundary_snapshots=not s.disable_boundary_snapshot,
+            warmup=not s.disable_cache_warmup,
         )
 
 
@@ -139,9 +152,68 @@ class PrefixCache:
             )
         else:
             log.info("APC disabled (%s): %s; whole-prefix reuse is unaffected", self.apc_disabled_reason, why)
+        self.snapshot_family = is_snapshot_family(kv.layer_kinds(probe))
+        self.snapshots = self._make_snapshots(engine, config) if self.snapshot_family else None
         self.last_stats: dict[str, Any] = self.stats()
 
+    def _make_snapshots(self, engine: "Engine", config: PrefixCacheConfig) -> SessionSnapshots:
+        """Recurrent / sliding-window models: finished sequences go to the session snapshot store."""
+        import mlx.core as mx
+
+        capacity = config.snapshot_capacity_bytes
+        if capacity is None:
+            probe = make_prompt_cache(engine.loaded.model)
+            engine.loaded.model(mx.array([[0]]), cache=probe)
+            entry = kv.state_bytes_at(probe, min(engine.n_ctx, 8192))
+            left = max(physical_memory_bytes() - engine.loaded.size_bytes, 0)
+            capacity = snapshot_capacity_default(entry, left)
+            log.info(
+                "Applied model-aware prompt-cache snapshot capacity default: old=unset new=%d bytes (entry %d bytes at %d tokens, max_entries %d)",
+                capacity,
+                entry,
+                min(engine.n_ctx, 8192),
+                config.snapshot_max_entries,
+            )
+        store = SnapshotStore(
+            capacity_bytes=capacity,
+            max_entries=config.snapshot_max_entries,
+            ttl_seconds=config.snapshot_ttl_seconds,
+            min_prefix=config.min_prefix,
+            enabled=config.enabled,
+        )
+        log.info(
+            "session snapshots on (the model's cache cannot be cut to a prefix): boundary %s, warm-up %s",
+            "on" if config.boundary_snapshots else "off",
+            "on" if config.warmup else "off",
+        )
+        return SessionSnapshots(store, self.model_id, config.boundary_snapshots, config.warmup, config.apc_trace)
+
     # ------------------------------------------------------------------ engine hooks
+
+    @property
+    def boundary_snapshots(self) -> bool:
+        return self.snapshots is not None and self.config.enabled and self.snapshots.boundary
+
+    @property
+    def warmups(self) -> bool:
+        return self.snapshots is not None and self.config.enabled and self.snapshots.warmup
+
+    def on_boundary(self, seq: "Sequence") -> None:
+        assert self.snapshots is not None
+        self.snapshots.on_boundary(seq)
+        self._refresh()
+
+    def run_warmup(self, job: WarmupJob, engine: "Engine", should_stop: Any) -> bool:
+        assert self.snapshots is not None
+        model = engine.loaded.model
+        done = self.snapshots.run_warmup(job, model, lambda: make_prompt_cache(model), engine.config.batch_size, should_stop)
+        self._refresh()
+        return done
+
+    def skip_warmup(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.store.record_warmup(False)
+            self._refresh()
 
     def bucket(self, seq: "Sequence") -> Bucket:
         ctx = seq.request.cache
@@ -157,6 +229,10 @@ class PrefixCache:
         """Give ``seq`` the longest usable cached prefix; return the adopted token count."""
         if not self.config.enabled or not seq.request.cache.enabled:
             return 0
+        if self.snapshots is not None:
+            restored = self.snapshots.adopt(seq)
+            self._refresh()
+            return restored
         result = self.store.lookup(self.bucket(seq), seq.request.cache.session_key, seq.prompt)
         hit = result.hit
         if hit is None:
@@ -190,6 +266,10 @@ class PrefixCache:
         """Store ``seq``'s KV with exactly the tokens it holds (called after a consistent finish)."""
         if not self.config.enabled or not seq.request.cache.enabled:
             return
+        if self.snapshots is not None:
+            self.snapshots.donate(seq)
+            self._refresh()
+            return
         tokens = seq.cache_tokens
         held = max((kv.layer_tokens(layer) for layer in seq.cache), default=0)
         if not tokens or (self.token_granular and held != len(tokens)):
@@ -211,13 +291,25 @@ class PrefixCache:
     # ------------------------------------------------------------------ admin
 
     def stats(self) -> dict[str, Any]:
+        """KV-store fields plus the ``snapshot_*`` fields (zeros when the model needs none)."""
         if not self.config.enabled:
-            return PromptCacheStore.disabled_stats()
+            return {**PromptCacheStore.disabled_stats(), **SnapshotStore.disabled_stats()}
         self.store.sweep()
-        return self.store.stats()
+        out = self.store.stats()
+        if self.snapshots is not None:
+            self.snapshots.store.sweep()
+            out.update(self.snapshots.store.stats())
+        else:
+            out.update(SnapshotStore.disabled_stats())
+        out["snapshot_family"] = self.snapshots is not None
+        return out
 
     def reset(self) -> dict[str, Any]:
+        """Clear both stores (and APC chains); idempotent."""
         entries, nbytes = self.store.reset()
+        if self.snapshots is not None:
+            more, more_bytes = self.snapshots.store.reset()
+            entries, nbytes = entries + more, nbytes + more_bytes
         self._refresh()
         return {"success": True, "cleared_entries": entries, "cleared_bytes": nbytes}
 

@@ -114,3 +114,13 @@ class ErrorEvent:
 
 
 EngineEvent = Union[TokenEvent, ProgressEvent, FinishEvent, ErrorEvent]
+
+
+@dataclass
+class WarmupJob:
+    """Extend a session's boundary snapshot through the reply, as the next turn will render it."""
+
+    session_key: str
+    template_sig: str
+    tokens: list[int]  # the rendered history including the assistant reply (no generation prompt)
+    mm_digest: bytes = b""  # empty: text only

@@ -77,6 +77,9 @@ class Sequence:
         self.finished: FinishEvent | None = None
         self.cancelled = False
         self._pending: Any = None  # (token, logprobs, probs) of the step in flight
+        # Snapshot families: prefill stops exactly at the rendered history's end and calls back.
+        self.boundary: int | None = None
+        self.on_boundary: Callable[["Sequence"], None] | None = None
         self._history: list[int] = list(self.prompt)
 
     # ------------------------------------------------------------------ public
@@ -165,7 +168,11 @@ class Sequence:
         last = self.n_prompt - 1
         if len(self.cache_tokens) < last:
             before = len(self.cache_tokens)
-            self._prefill_chunk(last)
+            boundary = self.boundary
+            self._prefill_chunk(boundary if boundary is not None and before < boundary <= last else last)
+            if boundary is not None and len(self.cache_tokens) == boundary and self.on_boundary is not None:
+                self.boundary = None
+                self.on_boundary(self)
             if self.request.return_progress:
                 self._emit_progress()
             return len(self.cache_tokens) - before

@@ -209,8 +209,14 @@ async def _wait_for_model(ctx: ServerContext) -> None:
     if ctx.engine.state == "ready":
         model = await asyncio.to_thread(model_info, ctx.engine, ctx.settings)
         cache = ctx.engine.prefix_cache
-        ctx.cache_hooks = CacheHooks(enabled=cache is not None and cache.config.enabled, template=model.chat_template)
-        ctx.model = model
+        ctx.cache_hooks = CacheHooks(
+            enabled=cache is not None and cache.config.enabled,
+            template=model.chat_template,
+            tokenize=ctx.tokenize_rendered,
+            boundary_snapshots=cache is not None and cache.boundary_snapshots,
+            warmup=cache is not None and cache.warmups,
+        )
+        ctx.model = model  # last: this is what opens the gate
         log.info("model '%s' ready: serving on %d slots, n_ctx %d", ctx.model.model_id, len(ctx.engine.slots), ctx.model.n_ctx)
 
 

@@ -7,16 +7,28 @@ opt-out (``cache_prompt: false``). Pure Python; no MLX.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG, TEXT_ONLY_MM_DIGEST, resolve_session_key, template_signature
-from mlxcel_compat.engine.request import GenerationRequest
+from mlxcel_compat.cache.snapshot import common_prefix_len
+from mlxcel_compat.chat.messages import render_history_boundary, render_next_history
+from mlxcel_compat.engine.request import GenerationRequest, WarmupJob
 
 
 class CacheHooks:
-    def __init__(self, enabled: bool, template: Any) -> None:
+    def __init__(
+        self,
+        enabled: bool,
+        template: Any,
+        tokenize: Callable[[str], list[int]] | None = None,
+        boundary_snapshots: bool = False,
+        warmup: bool = False,
+    ) -> None:
         self.enabled = enabled
         self.template = template
+        self.tokenize = tokenize
+        self.boundary_snapshots = enabled and boundary_snapshots and tokenize is not None
+        self.warmup = enabled and warmup and tokenize is not None
 
     def template_defaults(self, data: Mapping[str, Any], server_kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Server template kwargs, plus ``preserve_thinking: true`` while the cache is on.
@@ -41,9 +53,27 @@ class CacheHooks:
         """``/completion`` and ``/v1/completions``: raw prompts share one fixed signature."""
         self._apply(data, requests, RAW_PROMPT_TEMPLATE_SIG)
 
-    def prepare_chat(self, data: Mapping[str, Any], chat: Any, requests: list[GenerationRequest]) -> None:
+    def prepare_chat(self, data: Mapping[str, Any], chat: Any, requests: list[GenerationRequest], prompt: str) -> None:
         sig = template_signature(self.template.source, chat.template_kwargs, chat.tool_choice, chat.tools)
         self._apply(data, requests, sig)
+        if self.boundary_snapshots and requests and requests[0].cache.enabled:
+            boundary = self.history_boundary(chat, prompt, requests[0].prompt_tokens)
+            for req in requests:
+                req.cache.history_boundary = boundary or None
+
+    def history_boundary(self, chat: Any, prompt: str, prompt_tokens: list[int]) -> int:
+        """Tokens of the rendered history alone, clipped to the common prefix with the prompt."""
+        text = render_history_boundary(self.template, chat, prompt)
+        if not text:
+            return 0
+        return common_prefix_len(self.tokenize(text), prompt_tokens)
+
+    def warmup_job(self, data: Mapping[str, Any], chat: Any, request: GenerationRequest, reply: Mapping[str, Any]) -> WarmupJob | None:
+        """What the engine should prefill while idle so the session's next turn starts warm."""
+        if not self.warmup or not request.cache.enabled:
+            return None
+        tokens = self.tokenize(render_next_history(self.template, chat, reply))
+        return WarmupJob(session_key=request.cache.session_key, template_sig=request.cache.template_sig, tokens=tokens)
 
     def _apply(self, data: Mapping[str, Any], requests: list[GenerationRequest], template_sig: str) -> None:
         session = resolve_session_key(data)

@@ -111,6 +111,7 @@ def prompt_cache_metrics(engine: Engine) -> Iterable[Metric]:
         _gauge("mlxcel_prompt_cache_capacity_bytes", "Byte budget of the prompt cache.", s["capacity_bytes"]),
         _counter("mlxcel_prompt_cache_partial_hits_total", "Hits that adopted less than the whole entry.", s["partial_hits"]),
         *_apc_metrics(s),
+        *_snapshot_metrics(s),
     ]
 
 
@@ -122,4 +123,31 @@ def _apc_metrics(s: dict[str, Any]) -> list[Metric]:
         _gauge("mlxcel_prompt_cache_apc_unique_block_hashes", "Distinct block hashes over all chains.", s["unique_block_hashes"]),
         _gauge("mlxcel_prompt_cache_apc_active_entries", "Entries that hold a block-hash chain.", s["apc_active_entries"]),
         _counter("mlxcel_prompt_cache_apc_hits_total", "Hits on an entry that overlaps the request only partly.", s["apc_hits"]),
+    ]
+
+
+def _snapshot_metrics(s: dict[str, Any]) -> list[Metric]:
+    """Session-snapshot families (recurrent / sliding-window models; zero for dense-KV models)."""
+    return [
+        _gauge("mlxcel_prompt_cache_snapshot_entries", "Session snapshots held.", s["snapshot_entries"]),
+        _gauge("mlxcel_prompt_cache_snapshot_bytes", "Logical bytes held by session snapshots.", s["snapshot_bytes"]),
+        _gauge("mlxcel_prompt_cache_snapshot_capacity_bytes", "Byte budget of the snapshot store.", s["snapshot_capacity_bytes"]),
+        _counter("mlxcel_prompt_cache_snapshot_lookups_total", "Snapshot lookups.", s["snapshot_lookups"]),
+        _labelled("mlxcel_prompt_cache_snapshot_hits_total", "Snapshot restores, by the snapshot's origin.", "origin", s["snapshot_hits_by_origin"]),
+        _labelled("mlxcel_prompt_cache_snapshot_inserts_total", "Snapshots stored, by origin.", "origin", s["snapshot_inserts_by_origin"]),
+        _counter("mlxcel_prompt_cache_snapshot_tokens_restored_total", "Prompt tokens restored from snapshots.", s["snapshot_tokens_restored_total"]),
+        _counter("mlxcel_prompt_cache_snapshot_supersedes_total", "Snapshots replaced by a longer one of the same session and origin.", s["snapshot_supersedes"]),
+        _labelled(
+            "mlxcel_prompt_cache_snapshot_evictions_total",
+            "Snapshots evicted, by reason.",
+            "reason",
+            {"lru": s["snapshot_evictions_lru"], "ttl": s["snapshot_evictions_ttl"]},
+        ),
+        _labelled("mlxcel_prompt_cache_snapshot_rejections_total", "Snapshot lookups and inserts refused, by reason.", "reject", s["snapshot_rejections"]),
+        _labelled(
+            "mlxcel_prompt_cache_snapshot_warmups_total",
+            "Background warm-ups of a session's next turn.",
+            "result",
+            {"run": s["snapshot_warmups_run"], "skipped": s["snapshot_warmups_skipped"]},
+        ),
     ]

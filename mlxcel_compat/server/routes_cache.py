@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from mlxcel_compat.cache.snapshot import SnapshotStore
 from mlxcel_compat.cache.store import PromptCacheStore
 from mlxcel_compat.server.errors import json_response
 from mlxcel_compat.server.routes_misc import ctx_of
@@ -19,7 +20,7 @@ async def cache_stats(request: Request) -> Response:
     ctx = ctx_of(request)
     cache = ctx.engine.prefix_cache
     if cache is None:
-        return json_response(PromptCacheStore.disabled_stats())
+        return json_response({**PromptCacheStore.disabled_stats(), **SnapshotStore.disabled_stats()})
     return json_response(await ctx.client.call(cache.stats))
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -13,7 +13,7 @@ from mlxcel_compat.chat.template import TemplateError
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, ProgressEvent, TokenEvent
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
-from mlxcel_compat.server.errors import InvalidRequest, ServerError, json_response
+from mlxcel_compat.server.errors import InvalidRequest, NotSupported, ServerError, json_response
 from mlxcel_compat.server.routes_completion import SSE_HEADERS, check_context, collect, expand, parse_options
 from mlxcel_compat.server.routes_misc import ctx_of, read_json
 from mlxcel_compat.settings import default_template_kwargs
@@ -36,6 +36,19 @@ def render_prompt(ctx: ServerContext, data: dict[str, Any]) -> tuple[str, ChatRe
         raise InvalidRequest(exc.message) from None
 
 
+def _check_response_format(data: dict[str, Any]) -> None:
+    """``response_format``: "text" is the only type served; the JSON types need constrained sampling."""
+    fmt_spec = data.get("response_format")
+    if fmt_spec is None:
+        return
+    kind = fmt_spec.get("type") if isinstance(fmt_spec, dict) else None
+    if kind == "text":
+        return
+    if kind in ("json_object", "json_schema"):
+        raise NotSupported(f"response_format type '{kind}' needs constrained sampling, which this server does not support")
+    raise InvalidRequest("response_format type must be one of 'text', 'json_object' or 'json_schema'")
+
+
 def _check_logprobs(data: dict[str, Any]) -> dict[str, Any]:
     """OpenAI ``logprobs: true`` + ``top_logprobs`` map to ``n_probs`` (default 20, llama-server)."""
     logprobs = data.get("logprobs")
@@ -54,16 +67,18 @@ def _check_logprobs(data: dict[str, Any]) -> dict[str, Any]:
 async def chat_completions(request: Request) -> Response:
     ctx = ctx_of(request)
     data = await read_json(request)
+    _check_response_format(data)
     prompt, chat = render_prompt(ctx, data)
     opts = parse_options(ctx, _check_logprobs(data))
     tokens = ctx.tokenize_rendered(prompt)
     check_context(ctx, tokens)
     requests = expand(ctx, opts, [tokens])
     if ctx.cache_hooks is not None:
-        ctx.cache_hooks.prepare_chat(data, chat, requests)
+        ctx.cache_hooks.prepare_chat(data, chat, requests, prompt)
     with_tools = bool(chat.tools) and chat.tool_choice != "none"
     if opts.stream:
-        return StreamingResponse(_stream(ctx, requests, opts.include_usage, with_tools), media_type="text/event-stream", headers=SSE_HEADERS)
+        stream = _stream(ctx, requests, opts.include_usage, with_tools, lambda msg: _warm_up(ctx, data, chat, requests[0], msg))
+        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
     results = await collect(ctx, request, requests)
     choices = []
     for i, res in enumerate(results):
@@ -79,7 +94,17 @@ async def chat_completions(request: Request) -> Response:
         if res.request.n_probs > 0:
             choice["logprobs"] = {"content": res.probs}
         choices.append(choice)
+    _warm_up(ctx, data, chat, requests[0], choices[0]["message"])
     return json_response(fmt.oai_chat(choices, results, ctx.model.model_id, fmt.completion_id(), fmt.now()))
+
+
+def _warm_up(ctx: ServerContext, data: dict[str, Any], chat: ChatRequest, request: GenerationRequest, message: dict[str, Any]) -> None:
+    """Ask the engine to prepare the session's next turn while it is idle (snapshot families)."""
+    if ctx.cache_hooks is None:
+        return
+    job = ctx.cache_hooks.warmup_job(data, chat, request, message)
+    if job is not None:
+        ctx.engine.warmup(job)
 
 
 def _split(ctx: ServerContext, text: str) -> tuple[str | None, str]:
@@ -88,7 +113,13 @@ def _split(ctx: ServerContext, text: str) -> tuple[str | None, str]:
     return split_reasoning(text)
 
 
-async def _stream(ctx: ServerContext, requests: list[GenerationRequest], include_usage: bool, with_tools: bool) -> AsyncIterator[bytes]:
+async def _stream(
+    ctx: ServerContext,
+    requests: list[GenerationRequest],
+    include_usage: bool,
+    with_tools: bool,
+    on_reply: Callable[[dict[str, Any]], None],
+) -> AsyncIterator[bytes]:
     m = ctx.model
     cid, created = fmt.completion_id(), fmt.now()
     results = [fmt.Result(index=r.index, request=r) for r in requests]
@@ -115,9 +146,12 @@ async def _stream(ctx: ServerContext, requests: list[GenerationRequest], include
             last_finish = event
             if event.text:
                 yield fmt.sse(fmt.oai_chat_chunk({"content": event.text}, i, m.model_id, cid, created))
+            reasoning, content = _split(ctx, res.content)
             tool_calls: list[dict[str, Any]] = []
             if with_tools:
-                _, tool_calls = parse_tool_calls(res.content)
+                content, tool_calls = parse_tool_calls(content)
+            if i == 0:
+                on_reply(fmt.chat_message(content, reasoning, tool_calls))
             if tool_calls:
                 deltas = [dict(tc, index=k) for k, tc in enumerate(tool_calls)]
                 yield fmt.sse(fmt.oai_chat_chunk({"tool_calls": deltas}, i, m.model_id, cid, created))
