@@ -276,6 +276,8 @@ class Engine:
         self.waiting = kept
 
     def _pick_slot(self, request: GenerationRequest) -> Slot | None:
+        if not self.config.cont_batching and self.n_processing:
+            return None  # --no-cont-batching: one sequence at a time
         if request.id_slot >= 0:
             slot = self.slots[request.id_slot % len(self.slots)]
             return slot if slot.sequence is None else None
