@@ -129,3 +129,15 @@ def server(server_factory, llama_dir: Path) -> ServerProcess:
 def http(server: ServerProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def small_server(server_factory, llama_dir: Path) -> ServerProcess:
+    """A one-slot server with a 128-token context and the optional endpoints off.
+
+    Its environment asks for 512 tokens and 3 slots: the command line must win.
+    """
+    return server_factory(
+        ["-m", str(llama_dir), "-c", "128", "-np", "1", "--no-slots"],
+        env={"LLAMA_ARG_CTX_SIZE": "512", "LLAMA_ARG_N_PARALLEL": "3"},
+    )

@@ -147,3 +147,39 @@ def test_request_field_helpers_filter(manifest) -> None:
     assert "messages" in chat and "prompt" not in chat
     assert set(manifest_request_fields(status="noop", scope="completion", manifest=manifest)) == {
         "echo", "best_of", "suffix"}
+
+
+def _app_routes() -> set[tuple[str, str]]:
+    """(method, path) of every route the real application serves."""
+    from mlxcel_compat.engine.core import Engine, EngineConfig
+    from mlxcel_compat.server.app import build_app
+    from mlxcel_compat.server.context import ServerContext
+    from mlxcel_compat.settings import resolve_settings
+
+    settings = resolve_settings([], {})
+    app = build_app(ServerContext(settings=settings, engine=Engine(EngineConfig(model="unused"))))
+    out = set()
+    for route in app.routes:
+        for method in route.methods or ():
+            if method != "HEAD":
+                out.add((method, route.path))
+    return out
+
+
+def test_supported_routes_are_exactly_the_served_routes(manifest) -> None:
+    served = _app_routes()
+    supported = {tuple(r) for r in manifest_routes(status="supported", manifest=manifest)}
+    assert supported == served
+
+
+def test_every_supported_request_field_is_read_by_the_code(manifest) -> None:
+    """A field the manifest calls supported must at least be named by the request-handling code."""
+    from pathlib import Path
+
+    import mlxcel_compat
+
+    root = Path(mlxcel_compat.__file__).parent
+    code = "".join(p.read_text(encoding="utf-8") for d in ("server", "chat", "cache") for p in (root / d).glob("*.py"))
+    for name in manifest_request_fields(status="supported", manifest=manifest):
+        leaf = name.split(".")[-1]
+        assert f'"{leaf}"' in code, f"manifest says '{name}' is supported but no handler reads it"

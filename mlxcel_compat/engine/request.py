@@ -47,6 +47,8 @@ class GenerationRequest:
     index: int = 0  # position among the results of a multi-prompt / n>1 request
     # n_cmpl > 1: the task id of the first completion of the same prompt (-1: not shared).
     share_group: int = -1
+    # What /slots shows as the task's "params" (llama-server's metrics-only settings).
+    slot_params: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_child(self) -> bool:
@@ -72,6 +74,11 @@ class TokenEvent:
     logprob: float | None = None  # of the chosen token (post-sampling prob if requested)
     top: list[TokenProb] | None = None
     id_slot: int = -1
+    # Running timings, for ``timings_per_token`` (llama-server's meanings, see FinishEvent).
+    n_prompt: int = 0
+    n_cached: int = 0
+    prompt_ms: float = 0.0
+    predicted_ms: float = 0.0
 
 
 @dataclass
@@ -80,8 +87,9 @@ class ProgressEvent:
 
     total: int
     cache: int
-    processed: int
+    processed: int  # prompt tokens in the slot so far, cached ones included (llama-server)
     time_ms: float
+    id_slot: int = -1
 
 
 @dataclass

@@ -197,8 +197,9 @@ class Sequence:
             ProgressEvent(
                 total=self.n_prompt,
                 cache=self.stats.n_cached,
-                processed=done - self.stats.n_cached,
+                processed=done,
                 time_ms=(time.perf_counter() - self.stats.t_start) * 1000.0,
+                id_slot=self.slot_id,
             )
         )
 
@@ -243,7 +244,18 @@ class Sequence:
 
     def _accept(self, token: int, logprobs: Any, probs: Any) -> None:
         self.generated.append(token)
-        event = TokenEvent(token=token, text="", n_decoded=len(self.generated), id_slot=self.slot_id)
+        now = time.perf_counter()
+        t_prompt = self.stats.t_prompt_done or now
+        event = TokenEvent(
+            token=token,
+            text="",
+            n_decoded=len(self.generated),
+            id_slot=self.slot_id,
+            n_prompt=self.n_prompt,
+            n_cached=self.stats.n_cached,
+            prompt_ms=(t_prompt - self.stats.t_start) * 1000.0,
+            predicted_ms=(now - t_prompt) * 1000.0,
+        )
         if self.request.n_probs > 0:
             self._fill_probs(event, token, logprobs, probs)
         piece = self.text.push(token)  # an end-of-generation token flushes held-back text
@@ -274,7 +286,8 @@ class Sequence:
         return len(self.prompt) + len(self.generated) >= self.n_ctx
 
     def _room_for_more(self) -> bool:
-        return self._budget_left_after_next() and not self._context_full()
+        """Before reading the token in flight: may it be fed back for one more step?"""
+        return self._budget_left_after_next() and len(self.prompt) + len(self.generated) + 1 < self.n_ctx
 
     def _budget_left_after_next(self) -> bool:
         n_predict = self.request.n_predict

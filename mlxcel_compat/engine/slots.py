@@ -15,10 +15,13 @@ class SlotTask:
     """What ``/slots`` reports about the slot's current or last task (plain Python values)."""
 
     id_task: int
-    n_prompt_tokens: int
+    n_prompt_tokens: int  # prompt length of the task
     n_prompt_tokens_cache: int
     params: dict[str, Any]
     n_predict: int
+    # Filled in when the task ends: llama-server keeps showing the last task's counts.
+    n_decoded: int = 0
+    n_tokens_in_slot: int = 0
 
 
 @dataclass
@@ -32,15 +35,21 @@ class Slot:
     def begin(self, sequence: "Sequence") -> None:
         self.sequence = sequence
         req = sequence.request
+        params = dict(req.slot_params) if req.slot_params else req.sampling.to_json()
+        params["seed"] = sequence.chain.seed
         self.task = SlotTask(
             id_task=req.task_id,
             n_prompt_tokens=len(req.prompt_tokens),
             n_prompt_tokens_cache=sequence.stats.n_cached,
-            params=req.sampling.to_json(seed=sequence.chain.seed),
+            params=params,
             n_predict=req.n_predict,
         )
 
     def end(self) -> None:
+        seq = self.sequence
+        if seq is not None and self.task is not None:
+            self.task.n_decoded = len(seq.generated)
+            self.task.n_tokens_in_slot = len(seq.cache_tokens)
         self.sequence = None
         self.t_last_used = time.monotonic()
 
@@ -51,15 +60,14 @@ class Slot:
         task = self.task
         if task is None:
             return out
-        n_decoded = len(seq.generated) if seq is not None else 0
-        n_cached_tokens = len(seq.cache_tokens) if seq is not None else 0
+        n_decoded = len(seq.generated) if seq is not None else task.n_decoded
+        in_slot = len(seq.cache_tokens) if seq is not None else task.n_tokens_in_slot
         n_remain = -1 if task.n_predict < 0 else max(task.n_predict - n_decoded, 0)
+        processed = min(in_slot, task.n_prompt_tokens) - task.n_prompt_tokens_cache
         out.update(
             id_task=task.id_task,
-            n_prompt_tokens=task.n_prompt_tokens,
-            n_prompt_tokens_processed=max(min(n_cached_tokens, task.n_prompt_tokens) - task.n_prompt_tokens_cache, 0)
-            if seq is not None
-            else task.n_prompt_tokens - task.n_prompt_tokens_cache,
+            n_prompt_tokens=in_slot,  # llama-server: tokens currently held in the slot
+            n_prompt_tokens_processed=max(processed, 0),
             n_prompt_tokens_cache=task.n_prompt_tokens_cache,
             params=task.params,
             next_token=[

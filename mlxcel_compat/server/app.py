@@ -191,8 +191,8 @@ def build_app(ctx: ServerContext) -> Starlette:
     app = Starlette(
         routes=route_list,
         middleware=[
-            _cors_middleware(settings),
             Middleware(ServerHeaderMiddleware),
+            _cors_middleware(settings),
             Middleware(GateMiddleware, ctx=ctx, prefix=prefix),
             Middleware(ErrorMiddleware),
         ],

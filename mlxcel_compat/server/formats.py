@@ -30,6 +30,7 @@ def sse(data: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+SSE_PING = b":\n\n"  # an SSE comment: keeps idle connections (and proxies) alive
 
 
 @dataclass
@@ -84,8 +85,11 @@ def prob_entry(tokenizer: Any, event: TokenEvent, post: bool) -> dict[str, Any]:
     return entry
 
 
-def timings_json(fin: FinishEvent) -> dict[str, Any]:
-    """``timings``: prompt_n counts only prefilled tokens, so prompt_per_second is never inflated."""
+def timings_json(fin: FinishEvent | TokenEvent) -> dict[str, Any]:
+    """``timings``: prompt_n counts only prefilled tokens, so prompt_per_second is never inflated.
+
+    Token events carry the running values (``timings_per_token``), finish events the final ones.
+    """
     prompt_n = fin.n_prompt - fin.n_cached
     return {
         "cache_n": fin.n_cached,
@@ -101,7 +105,13 @@ def timings_json(fin: FinishEvent) -> dict[str, Any]:
 
 
 def generation_settings(
-    request: GenerationRequest, stream: bool, seed: int, n_keep: int = 0, n_discard: int = 0, eog_ids: Sequence[int] = ()
+    request: GenerationRequest,
+    stream: bool,
+    seed: int,
+    n_keep: int = 0,
+    n_discard: int = 0,
+    eog_ids: Sequence[int] = (),
+    timings_per_token: bool = False,
 ) -> dict[str, Any]:
     """llama-server's ``generation_settings`` (task_params::to_json), in its key order.
 
@@ -140,7 +150,7 @@ def generation_settings(
         samplers=samplers,
     )
     out["speculative.types"] = "none"
-    out.update(timings_per_token=False, post_sampling_probs=request.post_sampling_probs, backend_sampling=False, lora=[])
+    out.update(timings_per_token=timings_per_token, post_sampling_probs=request.post_sampling_probs, backend_sampling=False, lora=[])
     return out
 
 
@@ -156,6 +166,7 @@ def native_final(
     n_keep: int,
     include_probs: bool,
     eog_ids: Sequence[int] = (),
+    timings_per_token: bool = False,
 ) -> dict[str, Any]:
     fin = result.finish
     assert fin is not None
@@ -168,7 +179,7 @@ def native_final(
         "model": model_id,
         "tokens_predicted": fin.n_decoded,
         "tokens_evaluated": fin.n_prompt,
-        "generation_settings": generation_settings(result.request, stream, fin.seed, n_keep, eog_ids=eog_ids),
+        "generation_settings": generation_settings(result.request, stream, fin.seed, n_keep, eog_ids=eog_ids, timings_per_token=timings_per_token),
         "prompt": prompt_text,
         "has_new_line": result.has_new_line,
         "truncated": fin.truncated,
@@ -182,7 +193,15 @@ def native_final(
     return out
 
 
-def native_partial(result: Result, event: TokenEvent, tokenizer: Any, id_slot: int) -> dict[str, Any]:
+def metrics_params(request: GenerationRequest, stream: bool) -> dict[str, Any]:
+    """The "metrics-only" settings /props and /slots show (no stop, logit_bias, grammar, ...)."""
+    full = generation_settings(request, stream, request.sampling.seed)
+    for key in ("stop", "logit_bias", "grammar", "dry_sequence_breakers", "grammar_lazy", "grammar_triggers", "preserved_tokens"):
+        full.pop(key, None)
+    return full
+
+
+def native_partial(result: Result, event: TokenEvent, tokenizer: Any, id_slot: int, timings: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {
         "index": result.index,
         "content": event.text,
@@ -194,6 +213,8 @@ def native_partial(result: Result, event: TokenEvent, tokenizer: Any, id_slot: i
     }
     if event.top is not None:
         out["completion_probabilities"] = [prob_entry(tokenizer, event, result.request.post_sampling_probs)]
+    if timings:
+        out["timings"] = timings_json(event)
     return out
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from mlxcel_compat.engine.request import CacheContext, GenerationRequest
 from mlxcel_compat.engine.sampling import SamplingParams, parse_logit_bias, parse_samplers
-from mlxcel_compat.server.errors import InvalidRequest
+from mlxcel_compat.server.errors import InvalidRequest, NotSupported
 
 INT32_MAX = 2**31 - 1
 _MISSING = object()
@@ -117,6 +117,25 @@ def cache_prompt_flag(body: Mapping[str, Any], default: bool) -> bool:
     return value
 
 
+def reject_unsupported(data: Mapping[str, Any]) -> None:
+    """Refuse what this server cannot honour instead of silently ignoring it (see the manifest).
+
+    Constrained sampling (``grammar``, ``json_schema``) is not implemented, and no LoRA adapter
+    can be loaded; llama.cpp's neutral values (an empty grammar, an empty ``lora`` list) pass.
+    """
+    grammar = data.get("grammar")
+    if grammar is not None and grammar != "":
+        raise NotSupported("Field 'grammar': grammar-constrained sampling is not supported by this server")
+    if data.get("json_schema") is not None:
+        raise NotSupported("Field 'json_schema': JSON-schema-constrained sampling is not supported by this server")
+    lora = data.get("lora")
+    if lora is not None:
+        if not isinstance(lora, list):
+            raise _field_error("lora", f"type must be array, but is {_type_name(lora)}")
+        if lora:
+            raise NotSupported("Field 'lora': no LoRA adapter is loaded on this server")
+
+
 @dataclass
 class CompletionOptions:
     """Everything a completion route needs besides the prompt tokens."""
@@ -130,6 +149,7 @@ class CompletionOptions:
     response_fields: list[str] = field(default_factory=list)
     n_keep: int = 0
     n_discard: int = 0
+    sse_ping_interval: int = -1  # seconds of stream silence before a keep-alive comment; <= 0: never
     generation_extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -142,6 +162,7 @@ def parse_completion_options(
     eog_ids: Sequence[int],
 ) -> CompletionOptions:
     """Build the per-request options, starting from the server's CLI defaults."""
+    reject_unsupported(data)
     b = Body(data)
     sampling = parse_sampling(b, settings, vocab_size, tokenize)
     n_predict = b.int(("n_predict", "max_completion_tokens", "max_tokens"), settings.n_predict, -1, INT32_MAX)
@@ -177,6 +198,7 @@ def parse_completion_options(
         response_fields=response_fields,
         n_keep=b.int("n_keep", settings.n_keep, -1, None),
         n_discard=b.int("n_discard", 0, 0, None),
+        sse_ping_interval=b.int("sse_ping_interval", settings.sse_ping_interval, -1, None),
     )
 
 

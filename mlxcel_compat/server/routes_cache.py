@@ -25,6 +25,7 @@ async def cache_stats(request: Request) -> Response:
 
 
 async def cache_reset(request: Request) -> Response:
+    await request.body()  # drain any body: an unread body breaks the next request on a kept-alive connection
     ctx = ctx_of(request)
     cache = ctx.engine.prefix_cache
     if cache is None:

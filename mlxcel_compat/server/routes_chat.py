@@ -14,7 +14,7 @@ from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequ
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.errors import InvalidRequest, NotSupported, ServerError, json_response
-from mlxcel_compat.server.routes_completion import SSE_HEADERS, check_context, collect, expand, parse_options
+from mlxcel_compat.server.routes_completion import SSE_HEADERS, add_verbose, check_context, collect, expand, parse_options, with_keepalive
 from mlxcel_compat.server.routes_misc import ctx_of, read_json
 from mlxcel_compat.settings import default_template_kwargs
 
@@ -77,15 +77,15 @@ async def chat_completions(request: Request) -> Response:
         ctx.cache_hooks.prepare_chat(data, chat, requests, prompt)
     with_tools = bool(chat.tools) and chat.tool_choice != "none"
     if opts.stream:
-        stream = _stream(ctx, requests, opts.include_usage, with_tools, lambda msg: _warm_up(ctx, data, chat, requests[0], msg))
-        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        stream = _stream(ctx, data, requests, opts.include_usage, with_tools, lambda msg: _warm_up(ctx, data, chat, requests[0], msg))
+        return StreamingResponse(with_keepalive(stream, opts.sse_ping_interval), media_type="text/event-stream", headers=SSE_HEADERS)
     results = await collect(ctx, request, requests)
     choices = []
     for i, res in enumerate(results):
-        reasoning, content = _split(ctx, res.content)
+        reasoning, content = _split(ctx, res.content, data)
         tool_calls: list[dict[str, Any]] = []
         if with_tools:
-            content, tool_calls = parse_tool_calls(content)
+            content, tool_calls = _tool_calls(content, data)
         choice: dict[str, Any] = {
             "finish_reason": fmt.finish_reason(res.finish, bool(tool_calls)),
             "index": i,
@@ -95,7 +95,8 @@ async def chat_completions(request: Request) -> Response:
             choice["logprobs"] = {"content": res.probs}
         choices.append(choice)
     _warm_up(ctx, data, chat, requests[0], choices[0]["message"])
-    return json_response(fmt.oai_chat(choices, results, ctx.model.model_id, fmt.completion_id(), fmt.now()))
+    body = fmt.oai_chat(choices, results, ctx.model.model_id, fmt.completion_id(), fmt.now())
+    return json_response(add_verbose(ctx, data, body, results[0]))
 
 
 def _warm_up(ctx: ServerContext, data: dict[str, Any], chat: ChatRequest, request: GenerationRequest, message: dict[str, Any]) -> None:
@@ -107,14 +108,25 @@ def _warm_up(ctx: ServerContext, data: dict[str, Any], chat: ChatRequest, reques
         ctx.engine.warmup(job)
 
 
-def _split(ctx: ServerContext, text: str) -> tuple[str | None, str]:
-    if ctx.settings.reasoning_format == "none":
+def _split(ctx: ServerContext, text: str, data: dict[str, Any]) -> tuple[str | None, str]:
+    """``reasoning_format`` (request, else ``--reasoning-format``): "none" keeps thinking in content."""
+    requested = data.get("reasoning_format")
+    if (requested if isinstance(requested, str) else ctx.settings.reasoning_format) == "none":
         return None, text
     return split_reasoning(text)
 
 
+def _tool_calls(content: str, data: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    """Parsed tool calls; ``parallel_tool_calls: false`` keeps only the first."""
+    content, calls = parse_tool_calls(content)
+    if data.get("parallel_tool_calls") is False:
+        calls = calls[:1]
+    return content, calls
+
+
 async def _stream(
     ctx: ServerContext,
+    data: dict[str, Any],
     requests: list[GenerationRequest],
     include_usage: bool,
     with_tools: bool,
@@ -146,10 +158,10 @@ async def _stream(
             last_finish = event
             if event.text:
                 yield fmt.sse(fmt.oai_chat_chunk({"content": event.text}, i, m.model_id, cid, created))
-            reasoning, content = _split(ctx, res.content)
+            reasoning, content = _split(ctx, res.content, data)
             tool_calls: list[dict[str, Any]] = []
             if with_tools:
-                content, tool_calls = parse_tool_calls(content)
+                content, tool_calls = _tool_calls(content, data)
             if i == 0:
                 on_reply(fmt.chat_message(content, reasoning, tool_calls))
             if tool_calls:

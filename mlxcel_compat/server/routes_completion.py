@@ -42,6 +42,7 @@ def expand(ctx: ServerContext, opts: CompletionOptions, prompts: list[list[int]]
             req.index = p_index * opts.n_cmpl + child
             if child and req.sampling.seed != 0xFFFFFFFF:
                 req.sampling.seed = (req.sampling.seed + child) & 0xFFFFFFFF
+            req.slot_params = fmt.metrics_params(req, opts.stream)
             if opts.n_cmpl > 1:
                 # The engine prefills the prompt once and the siblings copy its KV.
                 req.share_group = requests[-child].task_id if child else req.task_id
@@ -96,6 +97,44 @@ async def collect(ctx: ServerContext, request: Request, requests: list[Generatio
     return results
 
 
+async def with_keepalive(chunks: AsyncIterator[bytes], interval: int) -> AsyncIterator[bytes]:
+    """Pass ``chunks`` through, sending an SSE comment after ``interval`` seconds of silence.
+
+    ``sse_ping_interval``: a request waiting for a slot or a long prefill stays visibly alive.
+    """
+    if interval <= 0:
+        async for chunk in chunks:
+            yield chunk
+        return
+    source = chunks.__aiter__()
+    pending: asyncio.Future[bytes] = asyncio.ensure_future(source.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield fmt.SSE_PING
+                continue
+            try:
+                chunk = pending.result()
+            except StopAsyncIteration:
+                return
+            yield chunk
+            pending = asyncio.ensure_future(source.__anext__())
+    finally:
+        if not pending.done():
+            pending.cancel()  # cancels the sequences through the inner generator's cleanup
+            await asyncio.gather(pending, return_exceptions=True)
+        await source.aclose()
+
+
+def add_verbose(ctx: ServerContext, data: dict[str, Any], body: dict[str, Any], result: fmt.Result) -> dict[str, Any]:
+    """``verbose: true`` (or a ``-v`` server): OpenAI bodies also carry the native result."""
+    if data.get("verbose") is True or (data.get("verbose") is None and ctx.settings.verbose):
+        m = ctx.model
+        body["__verbose"] = fmt.native_final(result, m.model_id, prompt_text(ctx, result.request.prompt_tokens), False, False, 0, True, m.eog_ids)
+    return body
+
+
 def prompt_text(ctx: ServerContext, tokens: list[int]) -> str:
     return ctx.model.tokenizer.decode(tokens, skip_special_tokens=False)
 
@@ -120,14 +159,15 @@ async def _handle(request: Request, oai: bool) -> Response:
         ctx.cache_hooks.prepare_raw(data, requests)
     if opts.stream:
         stream = _stream_oai(ctx, requests, opts) if oai else _stream_native(ctx, requests, opts)
-        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(with_keepalive(stream, opts.sse_ping_interval), media_type="text/event-stream", headers=SSE_HEADERS)
     results = await collect(ctx, request, requests)
     m = ctx.model
     if oai:
-        return json_response(fmt.oai_completion(results, m.model_id, fmt.completion_id(), fmt.now()))
+        body = fmt.oai_completion(results, m.model_id, fmt.completion_id(), fmt.now())
+        return json_response(add_verbose(ctx, data, body, results[0]))
     bodies = []
     for res in results:
-        body = fmt.native_final(res, m.model_id, prompt_text(ctx, res.request.prompt_tokens), False, opts.return_tokens, opts.n_keep, True, m.eog_ids)
+        body = fmt.native_final(res, m.model_id, prompt_text(ctx, res.request.prompt_tokens), False, opts.return_tokens, opts.n_keep, True, m.eog_ids, timings_per_token=opts.timings_per_token)
         bodies.append(fmt.filter_fields(body, opts.response_fields) if opts.response_fields else body)
     return json_response(bodies if (multi or len(bodies) > 1) else bodies[0])
 
@@ -140,7 +180,7 @@ async def _stream_native(ctx: ServerContext, requests: list[GenerationRequest], 
             res = results[i]
             if isinstance(event, TokenEvent):
                 res.add(event, m.tokenizer)
-                chunk = fmt.native_partial(res, event, m.tokenizer, event.id_slot)
+                chunk = fmt.native_partial(res, event, m.tokenizer, event.id_slot, opts.timings_per_token)
                 yield fmt.sse(chunk)
             elif isinstance(event, ProgressEvent):
                 yield fmt.sse(
@@ -149,15 +189,16 @@ async def _stream_native(ctx: ServerContext, requests: list[GenerationRequest], 
                         "content": "",
                         "tokens": [0],
                         "stop": False,
-                        "id_slot": -1,
+                        "id_slot": event.id_slot,
                         "prompt_progress": {"total": event.total, "cache": event.cache, "processed": event.processed, "time_ms": event.time_ms},
                     }
                 )
             elif isinstance(event, FinishEvent):
                 res.close(event)
-                if event.text:
-                    yield fmt.sse({"index": res.index, "content": event.text, "tokens": [], "stop": False, "id_slot": event.id_slot})
-                body = fmt.native_final(res, m.model_id, prompt_text(ctx, res.request.prompt_tokens), True, False, opts.n_keep, False, m.eog_ids)
+                body = fmt.native_final(res, m.model_id, prompt_text(ctx, res.request.prompt_tokens), True, False, opts.n_keep, False, m.eog_ids, timings_per_token=opts.timings_per_token)
+                # Text held back until the end (a partial stop string, an unfinished character)
+                # rides on the final event, which llama-server always sends with content "".
+                body["content"] = event.text
                 yield fmt.sse(fmt.filter_fields(body, opts.response_fields) if opts.response_fields else body)
             elif isinstance(event, ErrorEvent):
                 yield fmt.sse(ServerError(event.message).to_json())

@@ -12,7 +12,7 @@ from starlette.routing import Route
 from mlxcel_compat.engine.textstream import token_bytes
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.errors import InvalidRequest, NotSupported, Unavailable, json_response
-from mlxcel_compat.server.formats import BUILD_INFO, generation_settings
+from mlxcel_compat.server.formats import BUILD_INFO, metrics_params
 
 
 def ctx_of(request: Request) -> ServerContext:
@@ -40,11 +40,7 @@ def _default_params(ctx: ServerContext) -> dict[str, Any]:
     from mlxcel_compat.server.params import Body, parse_sampling
 
     sampling = parse_sampling(Body({}), ctx.settings, ctx.model.vocab_size, ctx.tokenize)
-    req = GenerationRequest(prompt_tokens=[], sampling=sampling, n_predict=-1)
-    full = generation_settings(req, False, sampling.seed)
-    for key in ("stop", "logit_bias", "grammar", "dry_sequence_breakers", "grammar_lazy", "grammar_triggers", "preserved_tokens"):
-        full.pop(key, None)
-    return full
+    return metrics_params(GenerationRequest(prompt_tokens=[], sampling=sampling, n_predict=-1), False)
 
 
 async def props(request: Request) -> Response:
