@@ -73,8 +73,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: cannot read --api-key-file: {exc}", file=sys.stderr)
         return 2
     model_arg = resolve_model_arg(settings)
+    from mlxcel_compat.model.loader import ModelNotFoundError, resolve_model_path
+
+    try:
+        # Fail fast, before listening, when the model cannot be found (no MLX needed for this).
+        resolve_model_path(model_arg, offline=bool(settings.offline))
+    except ModelNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     app = build_server(settings, model_arg, api_keys)
-    return asyncio.run(serve(app, settings))
+    code = asyncio.run(serve(app, settings))
+    if app.state.ctx.engine.state == "failed":
+        print(f"error: model failed to load: {app.state.ctx.engine.load_error}", file=sys.stderr)
+        return 1
+    return code
 
 
 def build_server(settings: object, model_arg: str, api_keys: list[str]) -> object:

@@ -64,10 +64,13 @@ def resolve_model_path(model: str, offline: bool = False) -> Path:
 
 
 def model_display_id(model_arg: str, aliases: list[str]) -> str:
-    """llama-server picks the alphabetically first alias; else we use the directory name."""
+    """llama-server picks the alphabetically first alias; else the directory name, or the hub id."""
     if aliases:
         return sorted(aliases)[0]
-    return Path(model_arg.rstrip("/")).name or model_arg
+    path = Path(model_arg.rstrip("/")).expanduser()
+    if path.exists():
+        return path.name or model_arg
+    return model_arg
 
 
 def read_config(path: Path) -> dict[str, Any]:

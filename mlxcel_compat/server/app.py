@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
+import signal
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
@@ -206,6 +208,11 @@ def build_app(ctx: ServerContext) -> Starlette:
 async def _wait_for_model(ctx: ServerContext) -> None:
     while ctx.engine.state == "loading":
         await asyncio.sleep(0.05)
+    if ctx.engine.state == "failed":
+        # llama-server exits when the model cannot be loaded; ask our own process to stop.
+        log.error("model failed to load: %s", ctx.engine.load_error)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
     if ctx.engine.state == "ready":
         model = await asyncio.to_thread(model_info, ctx.engine, ctx.settings)
         cache = ctx.engine.prefix_cache

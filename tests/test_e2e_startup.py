@@ -1,0 +1,126 @@
+"""Start-up behaviour of the real server process: demo model, hub ids, flags, failures."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ServerProcess
+
+
+def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_", "MLXCEL_"))}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "mlxcel_compat", *args], capture_output=True, text=True, env=full_env, timeout=timeout)
+
+
+def wait_exit(server: ServerProcess, timeout: float = 60) -> int:
+    deadline = time.monotonic() + timeout
+    while server.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.proc.poll() is not None, "the server kept running"
+    return server.proc.returncode
+
+
+def test_help_lists_llama_server_flags() -> None:
+    out = run_cli(["--help"])
+    assert out.returncode == 0
+    for flag in ("--ctx-size", "--parallel", "--api-key", "--prompt-cache-enabled", "--apc-block-size"):
+        assert flag in out.stdout
+
+
+def test_without_a_model_it_builds_and_serves_the_demo_model(server_factory, tmp_path) -> None:
+    server = server_factory([], env={"MLXCEL_CACHE_DIR": str(tmp_path)})
+    assert "demo model" in server.log()
+    assert (tmp_path / "llama-tiny-v1" / "config.json").exists()
+    reply = httpx.post(server.base_url + "/completion", json={"prompt": "Hi", "n_predict": 2}, timeout=30).json()
+    assert reply["tokens_predicted"] == 2
+
+
+def hub_cache_with(model_dir: Path, root: Path, repo: str) -> Path:
+    """The Hugging Face hub cache layout (models--org--name/snapshots/<rev>, refs/main)."""
+    org, name = repo.split("/")
+    base = root / f"models--{org}--{name}"
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(model_dir, base / "snapshots" / revision)
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / "main").write_text(revision)
+    return root
+
+
+def test_a_hub_id_loads_from_the_local_hub_cache(server_factory, llama_dir, tmp_path) -> None:
+    cache = hub_cache_with(llama_dir, tmp_path / "hub", "tiny-org/tiny-llama")
+    server = server_factory(["-m", "tiny-org/tiny-llama", "--offline"], env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    models = httpx.get(server.base_url + "/v1/models", timeout=30).json()
+    assert models["data"][0]["id"] == "tiny-org/tiny-llama"  # the hub id, as llama-server shows -hf
+
+
+def test_an_uncached_hub_id_fails_clearly(tmp_path) -> None:
+    out = run_cli(["-m", "nobody/not-a-model", "--offline"], env={"HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 1
+    assert "nobody/not-a-model" in out.stderr and "--offline" in out.stderr
+
+
+def test_a_missing_directory_fails_clearly(tmp_path) -> None:
+    out = run_cli(["-m", str(tmp_path / "nope")])
+    assert out.returncode == 1 and "not found" in out.stderr
+
+
+def test_a_broken_model_directory_stops_the_server(server_factory, tmp_path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama"}')
+    server = server_factory(["-m", str(broken)], wait=False)
+    assert wait_exit(server) == 1
+    assert "failed to load" in server.log()
+
+
+def test_deployment_flags_are_accepted_as_documented_no_ops(server_factory, llama_dir) -> None:
+    flags = ["-ngl", "99", "-fa", "on", "--threads", "4", "--mlock", "--no-mmap", "-ub", "512", "--cont-batching", "-ctk", "f16"]
+    server = server_factory(["-m", str(llama_dir), *flags])
+    log = server.log()
+    for flag in ("-ngl", "-fa", "--threads", "--mlock", "--no-mmap", "-ub"):
+        assert f"ignored option {flag}" in log, flag
+    assert httpx.get(server.base_url + "/health", timeout=10).json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("flag", [["--embeddings"], ["--lora", "adapter.gguf"], ["--slot-save-path", "/tmp"]])
+def test_unsupported_features_are_refused_with_a_reason(flag, llama_dir) -> None:
+    out = run_cli(["-m", str(llama_dir), *flag])
+    assert out.returncode == 2
+    assert flag[0] in out.stderr and "not supported" in out.stderr.lower()
+
+
+def test_unknown_argument_is_a_clear_error() -> None:
+    out = run_cli(["--no-such-flag"])
+    assert out.returncode == 2 and "invalid argument: --no-such-flag" in out.stderr
+
+
+def test_malformed_env_value_names_the_variable(llama_dir) -> None:
+    out = run_cli(["-m", str(llama_dir)], env={"LLAMA_ARG_CTX_SIZE": "lots"})
+    assert out.returncode == 2 and "LLAMA_ARG_CTX_SIZE" in out.stderr
+
+
+def test_chat_template_override_and_file(server_factory, llama_dir, tmp_path) -> None:
+    custom = tmp_path / "template.jinja"
+    custom.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+    body = {"messages": [{"role": "user", "content": "hello"}]}
+    from_file = server_factory(["-m", str(llama_dir), "--chat-template-file", str(custom)])
+    prompt = httpx.post(from_file.base_url + "/apply-template", json=body, timeout=30).json()["prompt"]
+    assert prompt == "[user] hello\n[assistant] "
+    builtin = server_factory(["-m", str(llama_dir), "--chat-template", "chatml"])
+    prompt = httpx.post(builtin.base_url + "/apply-template", json=body, timeout=30).json()["prompt"]
+    assert prompt.startswith("<|im_start|>user\nhello<|im_end|>")
+
+
+def test_log_disable_silences_the_server(server_factory, llama_dir) -> None:
+    server = server_factory(["-m", str(llama_dir), "--log-disable"])
+    httpx.post(server.base_url + "/completion", json={"prompt": "Hi", "n_predict": 1}, timeout=30)
+    assert "INFO" not in server.log()
