@@ -163,7 +163,8 @@ async def _stream(
             if with_tools:
                 content, tool_calls = _tool_calls(content, data)
             if i == 0:
-                on_reply(fmt.chat_message(content, reasoning, tool_calls))
+                # What a streaming client rebuilds from the deltas it got: all text in "content".
+                on_reply(fmt.chat_message(res.content, None, tool_calls))
             if tool_calls:
                 deltas = [dict(tc, index=k) for k, tc in enumerate(tool_calls)]
                 yield fmt.sse(fmt.oai_chat_chunk({"tool_calls": deltas}, i, m.model_id, cid, created))
