@@ -196,9 +196,8 @@ async def _stream_native(ctx: ServerContext, requests: list[GenerationRequest], 
             elif isinstance(event, FinishEvent):
                 res.close(event)
                 body = fmt.native_final(res, m.model_id, prompt_text(ctx, res.request.prompt_tokens), True, False, opts.n_keep, False, m.eog_ids, timings_per_token=opts.timings_per_token)
-                # Text held back until the end (a partial stop string, an unfinished character)
-                # rides on the final event, which llama-server always sends with content "".
-                body["content"] = event.text
+                # As in llama-server, text still held back at the end (a partial stop string, an
+                # unfinished character) is not streamed; non-streamed responses include it.
                 yield fmt.sse(fmt.filter_fields(body, opts.response_fields) if opts.response_fields else body)
             elif isinstance(event, ErrorEvent):
                 yield fmt.sse(ServerError(event.message).to_json())
