@@ -26,7 +26,7 @@ def random_tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(8000) for _ in range(n)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_next"])
+@pytest.fixture(scope="module", params=["llama", "qwen3_next", "gemma3_text"])
 def harness(request: pytest.FixtureRequest):
     h = EngineHarness(tiny_model(request.param), batch_size=32, n_parallel=4, enabled=False)
     yield h

@@ -71,9 +71,11 @@ class DecodeBatch:
         fed = [seq.begin_batched_feed() for seq in self.sequences]
         tokens = mx.stack([p[0] for p in fed]).reshape(len(fed), 1)
         logits = self.model(tokens, cache=self.cache)[:, -1, :]
+        plain = [s.chain.is_plain_argmax and s.request.n_probs <= 0 for s in self.sequences]
+        argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(plain) else None
         pending: list[Any] = []
         for i, seq in enumerate(self.sequences):
-            pending += seq.sample_next(logits[i])
+            pending += seq.sample_next(logits[i], argmax[i] if plain[i] else None)
         mx.async_eval(*pending)
         values = tokens.reshape(-1).tolist()
         for seq, value, (_, logprobs, probs) in zip(self.sequences, values, fed):

@@ -980,6 +980,14 @@ class SamplerChain:
         """True when each step is a plain argmax (temperature <= 0)."""
         return self._greedy_prefix is not None
 
+    @property
+    def is_plain_argmax(self) -> bool:
+        """True when the token is the argmax of the raw logits: greedy, no bias, nothing that
+        reads the history, no post-sampling probabilities. A batch can then pick all such rows
+        with one argmax instead of one chain call per row."""
+        p = self.params
+        return self._greedy_prefix == [] and self._bias_idx is None and not p.post_sampling_probs
+
     def sample(self, logits: mx.array, history: Sequence[Any] | None = None) -> SampleResult:
         """Sample the next token from raw logits of shape (vocab,)."""
         logits = logits.reshape(-1).astype(mx.float32)

@@ -145,10 +145,17 @@ class Sequence:
             self.stats.t_prompt_done = time.perf_counter()
         return pending
 
-    def sample_next(self, logits: Any) -> list[Any]:
-        """Sample the next token from this row's logits (lazily); returns arrays to evaluate."""
-        result = self.chain.sample(logits, self._history)
-        self._pending = (result.token, result.logprobs, result.probs)
+    def sample_next(self, logits: Any, token: Any = None) -> list[Any]:
+        """Sample the next token from this row's logits (lazily); returns arrays to evaluate.
+
+        ``token``: already chosen by the batch (plain argmax rows); log-probabilities are then
+        still available lazily from ``logits`` if a caller needs them.
+        """
+        if token is not None:
+            self._pending = (token, logits - mx.logsumexp(logits), None)
+        else:
+            result = self.chain.sample(logits, self._history)
+            self._pending = (result.token, result.logprobs, result.probs)
         return self._pending_arrays()
 
     def finish_batched_feed(self, token: int, logprobs: Any, probs: Any) -> None:
@@ -216,6 +223,9 @@ class Sequence:
         return result.token, result.logprobs, result.probs
 
     def _pending_arrays(self) -> list[Any]:
+        """What to evaluate for the step in flight: the token, plus probabilities only if asked."""
+        if self.request.n_probs <= 0:
+            return [self._pending[0]]
         return [a for a in self._pending if a is not None]
 
     def decode_step(self) -> None:
