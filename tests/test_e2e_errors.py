@@ -273,6 +273,15 @@ def test_protected_paths_open_with_a_key(key_server, path):
     assert httpx.get(key_server.base_url + path, headers={"Authorization": "Bearer k1"}).status_code == 200
 
 
+def test_cache_admin_routes_need_the_key(key_server):
+    base = key_server.base_url
+    assert httpx.get(base + "/v1/cache/stats").status_code == 401
+    assert httpx.post(base + "/v1/cache/reset").status_code == 401
+    auth = {"Authorization": "Bearer k2"}
+    assert httpx.get(base + "/v1/cache/stats", headers=auth).json()["enabled"] is True
+    assert httpx.post(base + "/v1/cache/reset", headers=auth).json()["success"] is True
+
+
 @pytest.mark.parametrize("path", ["/health", "/v1/health", "/models", "/v1/models"])
 def test_public_paths_need_no_key(key_server, path):
     assert httpx.get(key_server.base_url + path).status_code == 200
