@@ -54,9 +54,7 @@ import os
 import platform
 import random
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,6 +67,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
+
+import benchlib  # noqa: E402
+from benchlib import ServerProcess as Server, pct, ratio  # noqa: E402
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 OURS, THEIRS = "ours", "mlx_lm"
@@ -137,12 +138,6 @@ class PromptMaker:
 
 # ----------------------------------------------------------------------------- servers
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 THEIRS_WRAPPER = (
     "import ctypes, os, sys\n"
     "p = os.environ.get('BENCH_OPENBLAS', '')\n"
@@ -152,53 +147,6 @@ THEIRS_WRAPPER = (
     "from mlx_lm.server import main\n"
     "main()\n"
 )
-
-
-class Server:
-    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str] | None, log_dir: Path) -> None:
-        self.name = name
-        self.cmd = cmd
-        self.port = port
-        self.env = env
-        self.base = f"http://127.0.0.1:{port}"
-        self.log_path = log_dir / f"{name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        log = open(self.log_path, "wb")  # noqa: SIM115 - closed with the process
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=self.env)
-        log.close()
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        assert self.proc is not None
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s:\n{self.tail()}")
-
-    def tail(self, n: int = 25) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=15)
 
 
 def model_eos_ids(model_dir: Path) -> list[int]:
@@ -351,28 +299,15 @@ async def run_round(server: Server, prompts: list[str], args: argparse.Namespace
         reqs = [Req(prompt_words=len(p.split())) for p in prompts]
         bodies = [request_body(server.name, p, args, eos_ids) for p in prompts]
         rnd = Round(server.name, len(prompts), rep, time.perf_counter(), reqs)
-        await asyncio.gather(*(one_request(client, server.base, b, r) for b, r in zip(bodies, reqs)))
+        await asyncio.gather(*(one_request(client, server.base_url, b, r) for b, r in zip(bodies, reqs)))
     return rnd
 
 
 # ----------------------------------------------------------------------------- stats
 
-def pct(values: list[float], p: float) -> float | None:
-    vals = sorted(v for v in values if v is not None)
-    if not vals:
-        return None
-    k = (len(vals) - 1) * p / 100.0
-    lo, hi = int(k), min(int(k) + 1, len(vals) - 1)
-    return vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
-
-
 def med(values: list[float | None]) -> float | None:
     vals = [v for v in values if v is not None]
     return statistics.median(vals) if vals else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def summarize(rounds: list[Round]) -> dict[str, Any]:
@@ -465,9 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         model_dir = Path(args.model).expanduser().resolve()
     else:
-        from mlxcel_compat.testing.models import ensure_model
-
-        model_dir = ensure_model(args.family, args.size)
+        model_dir = benchlib.ensure_model(args.family, args.size)
     max_c = max(args.levels)
     ctx = args.ctx_size or max(4096, 2 * (args.prompt_tokens + args.n_predict))
     eos_ids = model_eos_ids(model_dir)
@@ -475,22 +408,20 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="bench_batching-"))
     servers: dict[str, Server] = {}
     if not args.theirs_only:
-        port = free_port()
-        cmd = [args.python, "-m", "mlxcel_compat", "-m", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-               "-np", str(max_c), "-c", str(ctx), "-b", str(args.prefill_chunk), *args.ours_arg]
-        servers[OURS] = Server(OURS, cmd, port, None, log_dir)
+        servers[OURS] = Server.mlxcel(
+            model_dir, ["-np", str(max_c), "-c", str(ctx), "-b", str(args.prefill_chunk), *args.ours_arg],
+            python=args.python, name=OURS, log_path=log_dir / f"{OURS}.log", keep_log=args.keep_logs)
     if not args.ours_only:
-        port = free_port()
+        port = benchlib.free_port()
         cmd = [args.python, "-c", THEIRS_WRAPPER, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
                "--decode-concurrency", str(max_c), "--prompt-concurrency", str(max_c),
                "--prefill-step-size", str(args.prefill_chunk), "--log-level", "WARNING", *args.theirs_arg]
-        env = dict(os.environ)
-        if os.path.exists(OPENBLAS):
-            env["BENCH_OPENBLAS"] = OPENBLAS
-        else:
+        env: dict[str, str | None] = {"BENCH_OPENBLAS": OPENBLAS}
+        if not os.path.exists(OPENBLAS):
             log(f"warning: {OPENBLAS} not found: mlx_lm.server runs with MLX's default BLAS")
-            env.pop("BENCH_OPENBLAS", None)
-        servers[THEIRS] = Server(THEIRS, cmd, port, env, log_dir)
+            env["BENCH_OPENBLAS"] = None
+        servers[THEIRS] = Server(cmd, port, name=THEIRS, env=env, log_path=log_dir / f"{THEIRS}.log",
+                                 keep_log=args.keep_logs)
 
     versions: dict[str, str] = {}
     try:
@@ -516,8 +447,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers.values():
             s.start()
         for s in servers.values():
-            s.wait_ready(args.startup_timeout)
-            log(f"{s.name} ready on {s.base}")
+            s.wait_healthy(args.startup_timeout)
+            log(f"{s.name} ready on {s.base_url}")
         order = list(servers.values())
 
         async def bench() -> None:
@@ -545,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(bench())
     finally:
         for s in servers.values():
-            s.stop()
+            s.stop(grace=15.0)
     load_end = os.getloadavg()
 
     # ---- summaries
@@ -651,12 +582,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.keep_logs:
         print(f"server logs: {log_dir}")
-    else:
-        for s in servers.values():
-            try:
-                s.log_path.unlink()
-            except OSError:
-                pass
+    else:  # each server deleted its own log in stop()
         try:
             log_dir.rmdir()
         except OSError:

@@ -62,19 +62,17 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import math
 import os
 import random
 import shlex
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import httpx
+
+from benchlib import ServerProcess, pct, ratio, resolve_model
 
 WORKLOADS = ("shared-system", "multi-turn", "timestamp", "unrelated", "prefix64", "apc-divergent")
 TS_LAYOUTS = ("top", "bottom_system", "bottom_user")
@@ -174,85 +172,6 @@ def timestamp_text(i: int) -> str:
 
 # --------------------------------------------------------------------------------------------
 # Server process
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def resolve_model(spec: str, default_size: str) -> str:
-    """A model directory as given, or ``family[:size]`` built by mlxcel_compat.testing.models."""
-    if os.path.isdir(spec):
-        return spec
-    family, _, size = spec.partition(":")
-    try:
-        from mlxcel_compat.testing.models import ensure_model  # only needed for this mode
-    except ImportError:
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from mlxcel_compat.testing.models import ensure_model
-
-    return str(ensure_model(family, size or default_size))
-
-
-class ServerProcess:
-    def __init__(self, model_dir: str, extra: list[str], python: str, startup_timeout: float,
-                 log_path: str | None = None) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [python, "-m", "mlxcel_compat", "-m", model_dir, "--host", "127.0.0.1", "--port", str(self.port), *extra]
-        # A temporary log is deleted after a clean stop; an explicit --server-log is kept.
-        self.keep_log = log_path is not None
-        self.log = open(log_path, "wb") if log_path else tempfile.NamedTemporaryFile(
-            prefix="bench_prompt_cache_server_", suffix=".log", delete=False)
-        self.failed = False
-        self.startup_timeout = startup_timeout
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + self.startup_timeout
-        with httpx.Client(timeout=5.0) as c:
-            while True:
-                if self.proc.poll() is not None:
-                    self.failed = True
-                    raise RuntimeError(f"server exited with code {self.proc.returncode} during start-up\n{self.tail()}")
-                try:
-                    r = c.get(self.base_url + "/health")
-                    if r.status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    self.failed = True
-                    raise RuntimeError(f"server not healthy after {self.startup_timeout:.0f}s\n{self.tail()}")
-                time.sleep(0.25)
-
-    def tail(self, n: int = 30) -> str:
-        try:
-            with open(self.log.name, "rb") as f:
-                lines = f.read().decode("utf-8", "replace").splitlines()
-            return "\n".join(lines[-n:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.log.close()
-        if self.failed or self.keep_log:
-            print(f"server log: {self.log.name}", file=sys.stderr)
-        else:
-            try:
-                os.unlink(self.log.name)
-            except OSError:
-                pass
 
 
 # --------------------------------------------------------------------------------------------
@@ -557,19 +476,6 @@ class Api:
 
 # --------------------------------------------------------------------------------------------
 # Recording
-
-
-def pct(values: Iterable[float | None], p: float) -> float | None:
-    xs = sorted(v for v in values if v is not None)
-    if not xs:
-        return None
-    k = (len(xs) - 1) * p / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
 
 
 class Bench:
@@ -1237,10 +1143,14 @@ def main(argv: list[str] | None = None) -> int:
                 log = f"{args.server_log}.{label}" if (args.server_log and label) else args.server_log
                 # Separate processes: each server has its own in-memory store (reset again before
                 # every workload, see Bench.begin_group).
-                server = ServerProcess(model_dir, [*extra, *flags], args.server_python, args.startup_timeout, log)
+                # A temporary log is deleted after a clean stop; an explicit --server-log is kept.
+                server = ServerProcess.mlxcel(model_dir, [*extra, *flags], python=args.server_python,
+                                              name=label or "server", log_path=log,
+                                              keep_log=log is not None)
                 servers.append(server)
                 print(f"starting{' ' + label if label else ''}: {shlex.join(server.cmd)}", file=sys.stderr, flush=True)
                 server.start()
+                server.wait_healthy(args.startup_timeout)
                 targets.append((label, server.base_url))
         else:
             targets = [(None, args.base_url)]
@@ -1321,7 +1231,8 @@ def main(argv: list[str] | None = None) -> int:
         for api in apis:
             api.close()
         for server in reversed(servers):
-            server.stop()
+            if (kept := server.stop()) is not None:
+                print(f"server log: {kept}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -53,20 +53,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import random
 import shlex
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
+
+import benchlib
+from benchlib import ServerProcess, mean, pct, ratio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -156,90 +155,31 @@ def question(seed: int, session: int, turn: int) -> str:
 # Servers
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def make_server(family: str, config: str, model_dir: str, args: argparse.Namespace) -> ServerProcess:
+    """The server of one configuration (not started); controlled variables are not inherited."""
+    env_add, extra, _ = CONFIGS[config]
+    cmd_extra = ["-b", str(args.chunk), "-c", str(args.ctx)]
+    if args.parallel is not None:
+        cmd_extra += ["-np", str(args.parallel)]
+    for item in args.server_arg:
+        cmd_extra += shlex.split(item)
+    cmd_extra += extra
+    env: dict[str, str | None] = {k: None for k in CONTROLLED_ENV}
+    env.update(env_add)
+    pythonpath = os.environ.get("PYTHONPATH")
+    env["PYTHONPATH"] = ROOT + (os.pathsep + pythonpath if pythonpath else "")
+    log_path = None
+    if args.server_log_dir:
+        os.makedirs(args.server_log_dir, exist_ok=True)
+        log_path = os.path.join(args.server_log_dir, f"{family}-{config}.log")
+    return ServerProcess.mlxcel(model_dir, cmd_extra, python=args.python, name=f"{family}/{config}", env=env,
+                                cwd=ROOT, log_path=log_path, keep_log=log_path is not None)
 
 
-class Server:
-    def __init__(self, family: str, config: str, model_dir: str, args: argparse.Namespace) -> None:
-        env_add, extra, _ = CONFIGS[config]
-        self.family, self.config = family, config
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [args.python, "-m", "mlxcel_compat", "-m", model_dir, "--host", "127.0.0.1", "--port", str(self.port),
-                    "-b", str(args.chunk), "-c", str(args.ctx)]
-        if args.parallel is not None:
-            self.cmd += ["-np", str(args.parallel)]
-        for item in args.server_arg:
-            self.cmd += shlex.split(item)
-        self.cmd += extra
-        self.env_add = dict(env_add)
-        self.env = {k: v for k, v in os.environ.items() if k not in CONTROLLED_ENV}
-        self.env.update(env_add)
-        self.env["PYTHONPATH"] = ROOT + (os.pathsep + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else "")
-        if args.server_log_dir:
-            os.makedirs(args.server_log_dir, exist_ok=True)
-            self.log_path = os.path.join(args.server_log_dir, f"{family}-{config}.log")
-            self.keep_log = True
-        else:
-            fd, self.log_path = tempfile.mkstemp(prefix=f"bench_snapshots_{family}_{config}_", suffix=".log")
-            os.close(fd)
-            self.keep_log = False
-        self.failed = False
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def describe(self) -> str:
-        env = " ".join(f"{k}={v}" for k, v in self.env_add.items())
-        return (env + " " if env else "") + shlex.join(self.cmd)
-
-    def start(self) -> None:
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=self.env, cwd=ROOT)
-
-    def wait_healthy(self, timeout: float) -> None:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=5.0) as c:
-            while True:
-                if self.proc.poll() is not None:
-                    self.failed = True
-                    raise RuntimeError(f"{self.family}/{self.config}: server exited with code {self.proc.returncode}"
-                                       f" during start-up\n{self.tail()}")
-                try:
-                    if c.get(self.base_url + "/health").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    self.failed = True
-                    raise RuntimeError(f"{self.family}/{self.config}: not healthy after {timeout:.0f}s\n{self.tail()}")
-                time.sleep(0.25)
-
-    def tail(self, n: int = 30) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return "\n".join(f.read().decode("utf-8", "replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        if self.failed or self.keep_log:
-            print(f"server log ({self.family}/{self.config}): {self.log_path}", file=sys.stderr)
-        else:
-            try:
-                os.unlink(self.log_path)
-            except OSError:
-                pass
+def describe(config: str, server: ServerProcess) -> str:
+    """The server's command line, preceded by the configuration's environment additions."""
+    env = " ".join(f"{k}={v}" for k, v in CONFIGS[config][0].items())
+    return (env + " " if env else "") + shlex.join(server.cmd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,21 +320,6 @@ def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
 # Statistics and formatting
 
 
-def pct(values: list[float], q: float) -> float | None:
-    """Percentile with linear interpolation (q in 0..100)."""
-    xs = sorted(v for v in values if v is not None)
-    if not xs:
-        return None
-    k = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def mean(values: list[float]) -> float | None:
-    xs = [v for v in values if v is not None]
-    return sum(xs) / len(xs) if xs else None
-
-
 def f0(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f}"
 
@@ -407,10 +332,9 @@ def fpct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.0f}%"
 
 
-def ratio(a: float | None, b: float | None) -> str:
-    if a is None or b is None or b == 0:
-        return "-"
-    return f"{a / b:.2f}x"
+def fratio(a: float | None, b: float | None) -> str:
+    r = ratio(a, b)
+    return "-" if r is None else f"{r:.2f}x"
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -495,7 +419,7 @@ def report_family(family: str, model_dir: str, configs: list[str], recs: list[Tu
             if b is None:
                 row += ["-", "-"]
             else:
-                row += [ratio(s["prefilled_later"], b["prefilled_later"]), ratio(s["ttft_p50_later"], b["ttft_p50_later"])]
+                row += [fratio(s["prefilled_later"], b["prefilled_later"]), fratio(s["ttft_p50_later"], b["ttft_p50_later"])]
         rows.append(row)
     lines += ["### Totals (turns 2.. = turns that can reuse their session)", "",
               table(["config", "TTFT p50 all", "TTFT p50 2..", "TTFT p90 2..", "TTFT mean 2..", "prefilled all",
@@ -559,11 +483,8 @@ def report_family(family: str, model_dir: str, configs: list[str], recs: list[Tu
 
 
 def run_family(family: str, args: argparse.Namespace, out_json: dict[str, Any]) -> str:
-    sys.path.insert(0, ROOT)
-    from mlxcel_compat.testing.models import ensure_model
-
-    model_dir = str(ensure_model(family, args.size))
-    servers = {c: Server(family, c, model_dir, args) for c in args.configs}
+    model_dir = str(benchlib.ensure_model(family, args.size))
+    servers = {c: make_server(family, c, model_dir, args) for c in args.configs}
     http = httpx.Client(timeout=httpx.Timeout(args.timeout, connect=10.0))
     recs: list[Turn] = []
     stats: dict[str, dict[str, Any]] = {}
@@ -630,15 +551,16 @@ def run_family(family: str, args: argparse.Namespace, out_json: dict[str, Any]) 
             stats[c] = stats_delta(baseline[c], raw_stats[c])
     finally:
         http.close()
-        for s in servers.values():
-            s.stop()
+        for c, s in servers.items():
+            if (kept := s.stop()) is not None:
+                print(f"server log ({family}/{c}): {kept}", file=sys.stderr)
 
     text, data = report_family(family, model_dir, args.configs, recs, args.turns, stats,
-                               {c: s.describe() for c, s in servers.items()})
+                               {c: describe(c, s) for c, s in servers.items()})
     out_json[family] = {
         "model_dir": model_dir,
         "system_tokens": system_n,
-        "servers": {c: {"cmd": s.cmd, "env": s.env_add} for c, s in servers.items()},
+        "servers": {c: {"cmd": s.cmd, "env": CONFIGS[c][0]} for c, s in servers.items()},
         "requests": [asdict(r) for r in recs],
         "stats_delta": stats,
         "stats_final": raw_stats,

@@ -40,10 +40,7 @@ import os
 import platform
 import random
 import shlex
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,7 +63,7 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.utils import load as mlx_load  # noqa: E402
 
-from mlxcel_compat.testing.models import ensure_model  # noqa: E402
+import benchlib  # noqa: E402
 
 GOAL = 0.95
 
@@ -84,12 +81,6 @@ _WORDS = (
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_text(seed: int, n_words: int) -> str:
@@ -154,38 +145,17 @@ class Row:
 # --------------------------------------------------------------------------- server side
 
 
-class Server:
+class Server(benchlib.ServerProcess):
+    """Our server on a free port, started and healthy on construction, with an HTTP client."""
+
     def __init__(self, model_dir: Path, chunk: int, extra: list[str], log_path: Path, timeout: float) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [
-            sys.executable, "-m", "mlxcel_compat", "-m", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(self.port), "-b", str(chunk), *extra,
-        ]
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, cwd=str(ROOT), stdout=self._log, stderr=subprocess.STDOUT)
+        port = benchlib.free_port()
+        super().__init__(benchlib.mlxcel_cmd(model_dir, port, ["-b", str(chunk), *extra]), port,
+                         cwd=ROOT, log_path=log_path, keep_log=True)
+        self.url = self.base_url
         self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(600.0, connect=5.0))
-        self._wait_healthy(timeout)
-
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log_path}\n{self.tail()}")
-            try:
-                if self.client.get("/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"server not healthy after {timeout:.0f} s; log: {self.log_path}\n{self.tail()}")
-
-    def tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        self.start()
+        self.wait_healthy(timeout)
 
     def tokenize(self, text: str) -> list[int]:
         r = self.client.post("/tokenize", json={"content": text, "add_special": True})
@@ -234,20 +204,9 @@ class Server:
                 ids.extend(int(t) for t in chunk["tokens"])
         return final, arrivals, ids, t_send
 
-    def stop(self) -> None:
+    def stop(self) -> None:  # type: ignore[override]
         self.client.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
-        self._log.close()
+        super().stop(grace=15.0, interrupt_first=True)
 
 
 # --------------------------------------------------------------------------- raw side
@@ -336,7 +295,7 @@ def first_agreement(a: list[int], b: list[int]) -> int:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    model_dir = Path(args.model) if args.model else ensure_model(args.family, args.size, cache_dir=args.cache_dir)
+    model_dir = Path(args.model) if args.model else benchlib.ensure_model(args.family, args.size, cache_dir=args.cache_dir)
     lengths = sorted(set(args.prompt_lengths))
     n = args.n_predict
     reps = args.reps
