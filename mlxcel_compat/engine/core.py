@@ -22,8 +22,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
 from mlxcel_compat.engine.batch import DecodeBatch
+from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest
 from mlxcel_compat.engine.sequence import Sequence
 from mlxcel_compat.engine.slots import Slot
 
@@ -416,4 +416,4 @@ def _config_value(config: dict[str, Any], key: str, default: Any) -> Any:
     return config.get("text_config", {}).get(key, default)
 
 
-__all__ = ["Engine", "EngineConfig", "EngineMetrics", "TokenEvent"]
+__all__ = ["Engine", "EngineConfig", "EngineMetrics"]

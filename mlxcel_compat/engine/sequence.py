@@ -126,11 +126,6 @@ class Sequence:
         else:
             self.decode_step()
 
-    def prefill_until(self, n_tokens: int) -> None:
-        """Prefill (in aligned chunks) until the cache holds ``n_tokens`` prompt tokens."""
-        while len(self.cache_tokens) < n_tokens:
-            self._prefill_chunk(n_tokens)
-
     # ------------------------------------------------------------------ batched decode
     # A DecodeBatch owns the cache while the sequence is in it; per step it feeds every row's
     # pending token at once, samples each row with the row's own chain, then reads back.
