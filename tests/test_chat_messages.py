@@ -487,3 +487,31 @@ def test_prompt_opens_thinking() -> None:
     assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
     assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not prompt_opens_thinking("<|im_start|>assistant\n")
+
+
+def _split_stream(pieces: list[str], **kwargs) -> tuple[str, str]:
+    from mlxcel_compat.chat.messages import StreamSplitter
+
+    splitter = StreamSplitter(**kwargs)
+    fields = {"content": "", "reasoning_content": ""}
+    for piece in pieces:
+        for field, text in splitter.push(piece):
+            fields[field] += text
+    for field, text in splitter.flush():
+        fields[field] += text
+    return fields["reasoning_content"], fields["content"]
+
+
+@pytest.mark.parametrize(
+    "pieces, kwargs, expected",
+    [
+        (["<th", "ink>plan", " it</th", "ink>The answer"], {}, ("plan it", "The answer")),
+        (["plan</thi", "nk>done"], {"in_reasoning": True}, ("plan", "done")),
+        (["<think>x</think>a", "<tool_", 'call>{"name": "f"}</tool_call>', " b"], {"tools": True}, ("x", "a b")),
+        (["a <tool_call>{unfinished"], {"tools": True}, ("", "a <tool_call>{unfinished")),
+        (["<think>kept</think> as is"], {"reasoning": False}, ("", "<think>kept</think> as is")),
+        (["less < than", " <t"], {"tools": True}, ("", "less < than <t")),
+    ],
+)
+def test_stream_splitter(pieces, kwargs, expected) -> None:
+    assert _split_stream(pieces, **kwargs) == expected

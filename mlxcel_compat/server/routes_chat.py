@@ -8,7 +8,16 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from mlxcel_compat.chat.messages import ChatRequest, ChatRequestError, parse_chat_request, parse_tool_calls, render_chat, split_reasoning
+from mlxcel_compat.chat.messages import (
+    ChatRequest,
+    ChatRequestError,
+    StreamSplitter,
+    parse_chat_request,
+    parse_tool_calls,
+    prompt_opens_thinking,
+    render_chat,
+    split_reasoning,
+)
 from mlxcel_compat.chat.template import TemplateError
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, ProgressEvent, TokenEvent
 from mlxcel_compat.server import formats as fmt
@@ -77,7 +86,11 @@ async def chat_completions(request: Request) -> Response:
         ctx.cache_hooks.prepare_chat(data, chat, requests, prompt)
     with_tools = bool(chat.tools) and chat.tool_choice != "none"
     if opts.stream:
-        stream = _stream(ctx, data, requests, opts.include_usage, with_tools, lambda msg: _warm_up(ctx, data, chat, requests[0], msg))
+        splitters = [
+            StreamSplitter(reasoning=_reasoning_on(ctx, data), in_reasoning=prompt_opens_thinking(prompt), tools=with_tools) for _ in requests
+        ]
+        on_reply = lambda msg: _warm_up(ctx, data, chat, requests[0], msg)  # noqa: E731
+        stream = _stream(ctx, data, requests, opts.include_usage, with_tools, splitters, on_reply)
         return StreamingResponse(with_keepalive(stream, opts.sse_ping_interval), media_type="text/event-stream", headers=SSE_HEADERS)
     results = await collect(ctx, request, requests)
     choices = []
@@ -108,10 +121,14 @@ def _warm_up(ctx: ServerContext, data: dict[str, Any], chat: ChatRequest, reques
         ctx.engine.warmup(job)
 
 
-def _split(ctx: ServerContext, text: str, data: dict[str, Any]) -> tuple[str | None, str]:
+def _reasoning_on(ctx: ServerContext, data: dict[str, Any]) -> bool:
     """``reasoning_format`` (request, else ``--reasoning-format``): "none" keeps thinking in content."""
     requested = data.get("reasoning_format")
-    if (requested if isinstance(requested, str) else ctx.settings.reasoning_format) == "none":
+    return (requested if isinstance(requested, str) else ctx.settings.reasoning_format) != "none"
+
+
+def _split(ctx: ServerContext, text: str, data: dict[str, Any]) -> tuple[str | None, str]:
+    if not _reasoning_on(ctx, data):
         return None, text
     return split_reasoning(text)
 
@@ -130,9 +147,12 @@ async def _stream(
     requests: list[GenerationRequest],
     include_usage: bool,
     with_tools: bool,
+    splitters: list[StreamSplitter],
     on_reply: Callable[[dict[str, Any]], None],
 ) -> AsyncIterator[bytes]:
+    """OpenAI chat chunks: reasoning and content deltas split as they stream, tool calls at the end."""
     m = ctx.model
+    rebuilt = [{"content": "", "reasoning_content": ""} for _ in requests]  # what the client will hold
     cid, created = fmt.completion_id(), fmt.now()
     results = [fmt.Result(index=r.index, request=r) for r in requests]
     started: set[int] = set()
@@ -145,9 +165,14 @@ async def _stream(
             yield fmt.sse(fmt.oai_chat_chunk({"role": "assistant", "content": None}, i, m.model_id, cid, created))
         if isinstance(event, TokenEvent):
             res.add(event, m.tokenizer)
-            if event.text or event.top is not None:
-                logprobs = {"content": [res.probs[-1]]} if event.top is not None else None
-                yield fmt.sse(fmt.oai_chat_chunk({"content": event.text}, i, m.model_id, cid, created, None, logprobs))
+            deltas = splitters[i].push(event.text) if event.text else []
+            logprobs = {"content": [res.probs[-1]]} if event.top is not None else None
+            if not deltas and logprobs is not None:
+                deltas = [("content", "")]  # the token's text is held back; its logprobs are not
+            for k, (field, text) in enumerate(deltas):
+                rebuilt[i][field] += text
+                last = logprobs if k == len(deltas) - 1 else None
+                yield fmt.sse(fmt.oai_chat_chunk({field: text}, i, m.model_id, cid, created, None, last))
         elif isinstance(event, ProgressEvent):
             chunk = fmt.oai_chat_chunk({"role": "assistant", "content": None}, i, m.model_id, cid, created)
             chunk["prompt_progress"] = {"total": event.total, "cache": event.cache, "processed": event.processed, "time_ms": event.time_ms}
@@ -156,15 +181,16 @@ async def _stream(
             res.close(event)
             remaining -= 1
             last_finish = event
-            if event.text:
-                yield fmt.sse(fmt.oai_chat_chunk({"content": event.text}, i, m.model_id, cid, created))
-            reasoning, content = _split(ctx, res.content, data)
+            for field, text in splitters[i].push(event.text) + splitters[i].flush():
+                rebuilt[i][field] += text
+                yield fmt.sse(fmt.oai_chat_chunk({field: text}, i, m.model_id, cid, created))
             tool_calls: list[dict[str, Any]] = []
             if with_tools:
-                content, tool_calls = _tool_calls(content, data)
+                _, tool_calls = _tool_calls(_split(ctx, res.content, data)[1], data)
             if i == 0:
-                # What a streaming client rebuilds from the deltas it got: all text in "content".
-                on_reply(fmt.chat_message(res.content, None, tool_calls))
+                # The message as the client rebuilds it from the deltas it received.
+                reasoning = rebuilt[0]["reasoning_content"] or None
+                on_reply(fmt.chat_message(rebuilt[0]["content"], reasoning, tool_calls))
             if tool_calls:
                 deltas = [dict(tc, index=k) for k, tc in enumerate(tool_calls)]
                 yield fmt.sse(fmt.oai_chat_chunk({"tool_calls": deltas}, i, m.model_id, cid, created))
