@@ -410,7 +410,7 @@ def test_sse_ping_while_waiting_for_a_slot(http):
                             break
                     elapsed = time.monotonic() - started
                     assert received == b":\n\n:\n\n"  # only pings: the request has no slot yet
-                    assert 1.5 < elapsed < 5
+                    assert elapsed > 1.5  # two pings, one second of silence apart
                     assert metric(http.get("/metrics").text, "llamacpp:requests_deferred") == 1
             deadline = time.monotonic() + 2
             while metric(http.get("/metrics").text, "llamacpp:requests_deferred") != 0:

@@ -7,22 +7,16 @@ frequencies with a stated tolerance.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
-import os
 import threading
 from pathlib import Path
 
-_OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
-if os.path.exists(_OPENBLAS):
-    ctypes.CDLL(_OPENBLAS, mode=ctypes.RTLD_GLOBAL)
+import mlx.core as mx
+import numpy as np
+import pytest
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from mlxcel_compat.engine.sampling import (  # noqa: E402
+from mlxcel_compat.engine.sampling import (
     DEFAULT_SAMPLERS,
     DEFAULT_SEED,
     SamplerChain,

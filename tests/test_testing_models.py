@@ -2,32 +2,27 @@
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
-_OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
-if os.path.exists(_OPENBLAS) and "mlx.core" not in sys.modules:
-    ctypes.CDLL(_OPENBLAS, mode=ctypes.RTLD_GLOBAL)
-
-import jinja2  # noqa: E402
-import mlx.core as mx  # noqa: E402
-import pytest  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
-from mlx_lm.models.cache import (  # noqa: E402
+import jinja2
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import (
     ArraysCache,
     KVCache,
     RotatingKVCache,
     make_prompt_cache,
 )
-from mlx_lm.utils import load  # noqa: E402
+from mlx_lm.utils import load
 
-from mlxcel_compat.testing import models, tokenizer as tok  # noqa: E402
+from mlxcel_compat.testing import models
+from mlxcel_compat.testing import tokenizer as tok
 
 TOOLS = [
     {

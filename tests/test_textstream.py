@@ -6,18 +6,12 @@ A small byte-level BPE is trained in a fixture, so every byte has its own token
 
 from __future__ import annotations
 
-import ctypes
 import json
-import os
 from pathlib import Path
 
-_OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
-if os.path.exists(_OPENBLAS):
-    ctypes.CDLL(_OPENBLAS, mode=ctypes.RTLD_GLOBAL)
+import pytest
 
-import pytest  # noqa: E402
-
-from mlxcel_compat.engine.textstream import (  # noqa: E402
+from mlxcel_compat.engine.textstream import (
     StreamPiece,
     TextStream,
     complete_utf8_length,

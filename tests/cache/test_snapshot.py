@@ -7,7 +7,10 @@ import random
 
 import pytest
 
-from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG, TEXT_ONLY_MM_DIGEST, Bucket, multimodal_digest
+from mlxcel_compat.cache.key import (
+    Bucket,
+    multimodal_digest,
+)
 from mlxcel_compat.cache.snapshot import (
     SNAPSHOT_CAPACITY_FLOOR,
     SNAPSHOT_REJECTION_REASONS,
@@ -17,20 +20,10 @@ from mlxcel_compat.cache.snapshot import (
     is_snapshot_family,
     snapshot_capacity_default,
 )
+from tests.cache.fakes import FakeClock, make_bucket
 
 MiB = 1024**2
 GiB = 1024**3
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class FakePayload:
@@ -38,10 +31,6 @@ class FakePayload:
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
-
-
-def make_bucket(model_id: str = "tiny", mm_digest: bytes = TEXT_ONLY_MM_DIGEST) -> Bucket:
-    return Bucket(model_id, "", RAW_PROMPT_TEMPLATE_SIG, None, mm_digest)
 
 
 def make_store(clock: FakeClock | None = None, **kw: int) -> SnapshotStore:

@@ -7,23 +7,11 @@ import logging
 import pytest
 
 from mlxcel_compat.cache.block_hash import ApcConfig
-from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG, TEXT_ONLY_MM_DIGEST, Bucket, multimodal_digest
+from mlxcel_compat.cache.key import (
+    multimodal_digest,
+)
 from mlxcel_compat.cache.store import CacheEntry, PromptCacheStore
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def make_bucket(model_id: str = "tiny", mm_digest: bytes = TEXT_ONLY_MM_DIGEST) -> Bucket:
-    return Bucket(model_id=model_id, lora_id="", template_sig=RAW_PROMPT_TEMPLATE_SIG, rope_regime=None, mm_digest=mm_digest)
+from tests.cache.fakes import FakeClock, make_bucket
 
 
 def make_store(clock: FakeClock | None = None, apc: ApcConfig | None = None, **kw: int) -> PromptCacheStore:
