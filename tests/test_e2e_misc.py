@@ -388,9 +388,20 @@ def test_busy_slots_defer_requests_and_gauges_follow(http):
     assert metric(http.get("/metrics").text, "llamacpp:requests_deferred") == 0
 
 
-def test_sse_ping_while_waiting_for_a_slot(http):
+@pytest.fixture(scope="module")
+def roomy_http(server_factory, llama_dir) -> Iterator[httpx.Client]:
+    """Two slots with the model's whole context: a stream left running lasts for many seconds
+    (in a 2048-token slot the tiny model reaches the end in about two)."""
+    srv = server_factory(["-m", str(llama_dir), "-np", "2", "-c", "32768", "--metrics"])
+    with httpx.Client(base_url=srv.base_url, timeout=60) as client:
+        yield client
+    srv.stop()
+
+
+def test_sse_ping_while_waiting_for_a_slot(roomy_http):
     # Both slots busy: a third stream waits in silence, so the server sends ":" keep-alive comments
     # (sse_ping_interval seconds apart); closing the waiting stream withdraws the deferred request.
+    http = roomy_http
     wait_idle(http)
     long_body = {"prompt": "Keep going", "n_predict": 100000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=str(http.base_url), timeout=30) as a, httpx.Client(base_url=str(http.base_url), timeout=30) as b:

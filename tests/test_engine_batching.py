@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from mlxcel_compat.engine.request import FinishEvent, TokenEvent
+from mlxcel_compat.engine.request import FinishEvent, ProgressEvent, TokenEvent
 from tests.conftest import tiny_model
 from tests.engine_harness import EngineHarness, Run, collect
 
@@ -147,3 +147,59 @@ def test_completions_of_one_prompt_share_its_prefill(harness: EngineHarness) -> 
     # Same prompt state, same greedy chain: every sibling continues like a lone run.
     for run in runs:
         assert run.tokens[:3] == alone.tokens[:3]
+
+
+class ForwardLog:
+    """Wraps the engine's real model and records the (batch, tokens) shape of every forward pass."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.shapes: list[tuple[int, int]] = []
+
+    def __call__(self, inputs, **kwargs):
+        self.shapes.append(tuple(inputs.shape[:2]))
+        return self.model(inputs, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_new_sequences_get_their_first_tokens_from_one_batched_pass(harness: EngineHarness) -> None:
+    """Prompts admitted together prefill up to their last token; one (B, 1) pass then feeds every
+    last prompt token and samples every first token, instead of one (1, 1) pass per sequence."""
+    engine = harness.engine
+    while harness.on_engine(lambda: engine.n_processing):
+        pass
+    prompts = [random_tokens(10, seed=400 + i) for i in range(3)]  # 3 x 9 tokens: one chunk budget
+    sinks = [queue.Queue() for _ in prompts]
+    requests = [harness.request(p, n_predict=3, n_probs=2, ignore_eos=True, cache=False) for p in prompts]
+    for request in requests:
+        request.return_progress = True
+    log = ForwardLog(engine.loaded.model)
+
+    def install_and_submit() -> None:  # on the engine thread: all three are admitted together
+        engine.loaded.model = engine.batch.model = log
+        for request, sink in zip(requests, sinks):
+            engine.submit(request, sink.put)
+
+    harness.on_engine(install_and_submit)
+    try:
+        events = []
+        for sink in sinks:
+            seen = []
+            while not seen or not isinstance(seen[-1], FinishEvent):
+                seen.append(sink.get(timeout=60))
+            events.append(seen)
+    finally:
+        harness.on_engine(lambda: setattr(engine.loaded, "model", log.model) or setattr(engine.batch, "model", log.model))
+    assert log.shapes[:4] == [(1, 9), (1, 9), (1, 9), (3, 1)]
+    assert (1, 1) not in log.shapes
+    alone = [harness.run(p, n_predict=3, n_probs=2, ignore_eos=True, cache=False) for p in prompts]
+    for seen, single in zip(events, alone):
+        progress = [e for e in seen if isinstance(e, ProgressEvent)]
+        first_token = next(i for i, e in enumerate(seen) if isinstance(e, TokenEvent))
+        # The last progress report (the whole prompt processed) comes before the first token.
+        assert progress[-1].processed == progress[-1].total == 10
+        assert seen.index(progress[-1]) < first_token
+        tokens = [e for e in seen if isinstance(e, TokenEvent)]
+        agree_where_decided(Run(tokens=[e.token for e in tokens]), single)

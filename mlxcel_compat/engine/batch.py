@@ -9,6 +9,10 @@ One step, pipelined like the single-sequence path:
 
     feed every row's pending token  ->  forward (B, 1)  ->  sample row i with sequence i's chain
     ->  async_eval the new pending tokens  ->  read back the fed tokens  ->  emit, stop checks
+
+A sequence whose prompt is prefilled up to its last token joins with that token as its pending
+one: its first token is then sampled by the batched pass (nothing is emitted for the prompt
+token), so several new sequences start decoding without a (1, 1) forward pass each.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ class DecodeBatch:
         return len(self.sequences)
 
     def add(self, seq: Sequence) -> None:
-        """Take over ``seq``'s cache as a new row; ``seq`` must have finished its prefill."""
-        assert seq.phase == "decode", f"{seq.phase=}"
+        """Take over ``seq``'s cache as a new row: a decoding sequence, or a prompt-ready one whose
+        last prompt token the next step feeds (so its first token comes out of the batched pass)."""
+        assert seq.phase == "decode" or seq.prompt_ready, f"{seq.phase=}"
         row = [_merge([layer]) for layer in seq.cache]
         if self.cache is None:
             self.cache = row

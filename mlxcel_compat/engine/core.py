@@ -258,22 +258,20 @@ class Engine:
                 slot.sequence.cancelled = True
 
     def _admit(self) -> None:
-        """Move waiting requests into free slots, oldest first; a pinned request waits for its slot."""
-        if not self.waiting:
-            return
-        kept: collections.deque[_Submit] = collections.deque()
-        while self.waiting:
-            sub = self.waiting.popleft()
+        """Move waiting requests into free slots, oldest first; a pinned request waits for its slot.
+
+        ``waiting`` is read by other threads (``/metrics``, ``/slots``): a request leaves it only
+        when it is being started, so a request that stays deferred is never missing from it."""
+        for sub in list(self.waiting):
             slot = self._pick_slot(sub.request)
             if slot is None:
-                kept.append(sub)
                 continue
+            self.waiting.remove(sub)
             try:
                 self._start(slot, sub)
             except Exception as exc:
                 log.exception("could not start task %d", sub.request.task_id)
                 sub.sink(ErrorEvent(f"could not start generation: {exc}"))
-        self.waiting = kept
 
     def _pick_slot(self, request: GenerationRequest) -> Slot | None:
         if not self.config.cont_batching and self.n_processing:
@@ -300,7 +298,8 @@ class Engine:
 
     def _prefill(self, busy: list[Slot]) -> None:
         """Prefill at most about one chunk (``--batch-size`` tokens) per iteration, oldest first,
-        so a long prompt never stalls the sequences that are streaming."""
+        so a long prompt never stalls the sequences that are streaming. A sequence stops one token
+        short of its prompt's end: ``_decode`` feeds that last token (batched where it can)."""
         budget = self.config.batch_size
         waiting = [s.sequence for s in busy if s.sequence.phase == "prefill"]
         for seq in sorted(waiting, key=lambda s: s.stats.t_start):
@@ -309,12 +308,12 @@ class Engine:
                 seq.cancel_now()
                 self._release(slot, donate=True)
                 continue
-            if budget <= 0 or self._waits_for_sibling(seq, waiting):
-                continue
             try:
-                if seq.request.share_group >= 0 and len(seq.cache_tokens) == seq.n_prompt - 1:
-                    self._share_prompt(seq, waiting)
+                self._share_prompt(seq, waiting)
+                if seq.prompt_ready or budget <= 0 or self._waits_for_sibling(seq, waiting):
+                    continue
                 budget -= seq.prefill_step()
+                self._share_prompt(seq, waiting)
             except Exception as exc:
                 self._fail(slot, exc)
 
@@ -330,9 +329,12 @@ class Engine:
 
     @staticmethod
     def _share_prompt(seq: Sequence, waiting: list[Sequence]) -> None:
-        """Give the siblings of ``seq`` a copy of its prompt KV (all but the last token)."""
+        """Once ``seq`` holds its prompt's KV (all but the last token), give each sibling
+        completion of the same prompt (``n_cmpl``) a copy; they then sample on their own."""
         from mlxcel_compat.cache.kv import copy_cache
 
+        if seq.request.share_group < 0 or len(seq.cache_tokens) != seq.n_prompt - 1 or seq.finished is not None:
+            return
         for other in waiting:
             same_group = other.request.share_group == seq.request.share_group
             if other is not seq and same_group and other.finished is None and len(other.cache_tokens) < len(seq.cache_tokens):
@@ -340,17 +342,26 @@ class Engine:
                 other.adopt(len(seq.cache_tokens), shared=True)
 
     def _decode(self) -> None:
-        decoding = [s for s in self.slots if s.sequence is not None and s.sequence.phase == "decode" and s.sequence not in self._batched]
-        batched = len(self.batch) + len(decoding)
+        """One decode step of every decoding sequence; prompt-ready sequences join with their
+        last prompt token. Several rows go through one batched pass; a lone sequence steps on its
+        own cache (faster than a batch of one)."""
+        joining = [
+            s
+            for s in self.slots
+            if s.sequence is not None and (s.sequence.phase == "decode" or s.sequence.prompt_ready) and s.sequence not in self._batched
+        ]
+        batched = len(self.batch) + len(joining)
         if batched == 0:
             return
         self.metrics.n_decode_total += 1
         self.metrics.busy_slots_sum += batched
-        if self.config.cont_batching and (len(self.batch) > 0 or len(decoding) > 1):
-            self._decode_batched(decoding)
+        if self.config.cont_batching and batched > 1:
+            self._decode_batched(joining)
             return
-        for slot in decoding:
+        for slot in joining:
             try:
+                if slot.sequence.prompt_ready:
+                    slot.sequence.prefill_step()  # the last prompt token, alone
                 slot.sequence.step()
             except Exception as exc:
                 self._fail(slot, exc)

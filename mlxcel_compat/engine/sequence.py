@@ -77,6 +77,7 @@ class Sequence:
         self.finished: FinishEvent | None = None
         self.cancelled = False
         self._pending: Any = None  # (token, logprobs, probs) of the step in flight
+        self._feeding_prompt = False  # a batch step is feeding the last prompt token
         # Snapshot families: prefill stops exactly at the rendered history's end and calls back.
         self.boundary: int | None = None
         self.on_boundary: Callable[["Sequence"], None] | None = None
@@ -96,8 +97,11 @@ class Sequence:
         return "prefill" if self._pending is None else "decode"
 
     @property
-    def in_prefill(self) -> bool:
-        return self.phase == "prefill"
+    def prompt_ready(self) -> bool:
+        """Everything but the last prompt token is in the cache: the next forward pass that feeds
+        it samples the first token. A batch does that for many such sequences in one (B, 1) pass
+        instead of one (1, 1) pass each, which costs nearly as much as a whole batched step."""
+        return self.finished is None and self._pending is None and 0 < len(self.cache_tokens) == self.n_prompt - 1
 
     def adopt(self, n_tokens: int, shared: bool = False) -> None:
         """Record that the cache already holds the first ``n_tokens`` prompt tokens.
@@ -131,7 +135,16 @@ class Sequence:
     # pending token at once, samples each row with the row's own chain, then reads back.
 
     def begin_batched_feed(self) -> tuple[Any, Any, Any]:
-        """Hand the pending (sampled, not yet fed) token to the batch; return the pending step."""
+        """Hand the pending (sampled, not yet fed) token to the batch; return the pending step.
+
+        A prompt-ready sequence hands over its last prompt token instead: the batch step then
+        samples its first token.
+        """
+        if self._pending is None:
+            assert self.prompt_ready, "only a prompt-ready sequence joins a batch without a sampled token"
+            self._feeding_prompt = True
+            self.cache_tokens.append(self.prompt[-1])
+            return mx.array(self.prompt[-1], dtype=mx.int32), None, None
         pending = self._pending
         self._history.append(pending[0])
         self.cache_tokens.append(-1)  # filled in by finish_batched_feed
@@ -154,6 +167,11 @@ class Sequence:
         return self._pending_arrays()
 
     def finish_batched_feed(self, token: int, logprobs: Any, probs: Any) -> None:
+        if self._feeding_prompt:  # the fed token was the prompt's: nothing was generated yet
+            self._feeding_prompt = False
+            if self.request.return_progress:
+                self._emit_progress()  # processed == total: the whole prompt is in the cache
+            return
         self._history[-1] = token
         self.cache_tokens[-1] = token
         self._accept(token, logprobs, probs)  # finishes on EOS, a stop string or the budget
