@@ -562,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     if ours is not None and theirs is not None:
         behind = [c for c in args.levels if not ((ratios[c]["ours_vs_theirs_agg"] or 0) > 1.0)]
         goals["vs_mlx_lm"] = {"behind_at": behind, "pass": not behind}
-        lines.append(f"- Goal: ahead of mlx_lm.server (aggregate decode) at every C: "
+        lines.append("- Goal: ahead of mlx_lm.server (aggregate decode) at every C: "
                      + ("PASS" if not behind else f"FAIL at C={','.join(map(str, behind))}"))
     if theirs is not None:
         fr = sorted({f for c in args.levels for f in theirs[c]["finish_reasons"]})

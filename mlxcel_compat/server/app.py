@@ -25,7 +25,7 @@ from mlxcel_compat.engine.core import Engine
 from mlxcel_compat.server import routes_cache, routes_chat, routes_completion, routes_misc
 from mlxcel_compat.server.cache_hooks import CacheHooks
 from mlxcel_compat.server.context import ModelInfo, ServerContext
-from mlxcel_compat.server.errors import ApiError, AuthenticationError, ServerError, Unavailable, error_response, raw_error_response
+from mlxcel_compat.server.errors import ApiError, ServerError, Unavailable, error_response, raw_error_response
 
 log = logging.getLogger(__name__)
 
