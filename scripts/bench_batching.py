@@ -9,9 +9,16 @@ model directory (never a download):
   --prefill-step-size CHUNK`` (its BatchGenerator mode), run through a small wrapper that first
   loads the same OpenBLAS globally, as our server does, so both use the same BLAS.
 
-For each concurrency level C and each repetition, one *round* is run on each server (the order
-flips every repetition: ours-theirs, theirs-ours, ...): C streaming ``POST /v1/completions``
-requests are launched at once (asyncio + httpx). Every request in the whole run has its own prompt
+For each mode, concurrency level C and repetition, one *round* is run on each server (the order
+flips every repetition: ours-theirs, theirs-ours, ...), with streaming ``POST /v1/completions``
+requests (asyncio + httpx):
+
+* ``burst``: C requests launched at once (the worst case for time to first token: C prompts
+  arrive together and all need prefilling before the last first token);
+* ``steady``: C closed-loop clients; client i starts at i * D / C (D: one lone request's duration
+  on that server, timed in the warm-up) and sends ``--requests-per-client`` requests back to back.
+  Arrivals then meet a server that is already decoding, as with real concurrent users.
+ Every request in the whole run has its own prompt
 (so neither server's prompt cache can help), but the two servers get exactly the same prompts for
 the same (C, repetition). Greedy (``temperature`` 0), ``max_tokens`` N. Ours gets
 ``ignore_eos: true``, so it generates exactly N tokens. mlx_lm.server has no ``ignore_eos`` (its
@@ -23,20 +30,23 @@ generated are counted and used. Early stops (finish_reason ``stop``) are reporte
 count per request is taken from ``usage.completion_tokens`` (``stream_options.include_usage``),
 falling back to the number of streamed content chunks. Min/max per request are reported.
 
-Per level and server:
+Per mode, level and server:
 
 * TTFT p50/p90: request start to the first SSE chunk with non-empty text, pooled over repetitions;
-* aggregate decode tok/s: total generated tokens / (earliest first token .. latest last token)
-  of the round; median over repetitions;
+* aggregate decode tok/s: tokens streamed (all requests) while every request of the round was
+  decoding, i.e. between the latest first token and the earliest last token, per second; median
+  over repetitions (a server that answers one request early while it prefills the others is not
+  charged for that head start);
 * wall tok/s: total generated tokens / (round start .. latest last token); median over reps;
 * per-stream decode tok/s: (n - 1) / (first token .. last token) of each request; median.
 
-Goals (from the issue), evaluated for ours at the largest C (8 by default):
+Goals (from the issue), evaluated per mode for ours at the largest C (8 by default); throughput
+is the aggregate decode tok/s for a burst and the wall tok/s for the closed loop:
 
-* aggregate decode tok/s at C >= 3x that at C = 1;
+* throughput at C >= 3x that at C = 1;
 * TTFT p90 at C <= 2 x TTFT p90 at C = 1 + one prefill, where "one prefill" is the median
   server-side ``timings.prompt_ms`` of our single-stream requests (the bound is printed);
-* ours ahead of mlx_lm.server (aggregate decode tok/s) at every C.
+* ours ahead of mlx_lm.server (throughput) at every C.
 
 Usage::
 
@@ -183,6 +193,7 @@ class Req:
     t_first: float | None = None
     t_last: float | None = None
     chunks: int = 0
+    times: list[float] = field(default_factory=list)  # arrival of each chunk with text
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
     prompt_ms: float | None = None
@@ -243,6 +254,7 @@ async def one_request(client: httpx.AsyncClient, base: str, body: dict[str, Any]
                 for ch in obj.get("choices") or []:
                     if ch.get("text"):
                         r.chunks += 1
+                        r.times.append(now)
                         if r.t_first is None:
                             r.t_first = now
                         r.t_last = now
@@ -266,6 +278,7 @@ class Round:
     rep: int
     t0: float
     reqs: list[Req] = field(default_factory=list)
+    mode: str = "burst"
 
     def ok(self) -> list[Req]:
         return [r for r in self.reqs if r.error is None and r.t_first is not None]
@@ -276,11 +289,17 @@ class Round:
 
     @property
     def agg_decode_tps(self) -> float | None:
+        """Tokens streamed per second while every request of the round was decoding: from the
+        last first token to the first last token. (Counting from the earliest first token would
+        charge a server for answering one early request while it prefills the others.)"""
         ok = self.ok()
         if not ok:
             return None
-        span = max(r.t_last for r in ok) - min(r.t_first for r in ok)  # type: ignore[type-var]
-        return self.total_tokens / span if span > 0 else None
+        start = max(r.t_first for r in ok)  # type: ignore[type-var]
+        end = min(r.t_last for r in ok)  # type: ignore[type-var]
+        if end <= start:
+            return None  # no moment where all requests were decoding
+        return sum(1 for r in ok for t in r.times if start < t <= end) / (end - start)
 
     @property
     def wall_tps(self) -> float | None:
@@ -300,6 +319,27 @@ async def run_round(server: Server, prompts: list[str], args: argparse.Namespace
         bodies = [request_body(server.name, p, args, eos_ids) for p in prompts]
         rnd = Round(server.name, len(prompts), rep, time.perf_counter(), reqs)
         await asyncio.gather(*(one_request(client, server.base_url, b, r) for b, r in zip(bodies, reqs)))
+    return rnd
+
+
+async def run_steady_round(server: Server, prompts: list[list[str]], args: argparse.Namespace, eos_ids: list[int],
+                           rep: int, duration: float) -> Round:
+    """Closed loop: client i starts at i * duration / C (duration: one lone request on this
+    server), then sends its prompts one after another, each as soon as the previous one ended."""
+    c = len(prompts)
+    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=0)
+    timeout = httpx.Timeout(args.request_timeout, connect=30.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        rnd = Round(server.name, c, rep, time.perf_counter(), mode="steady")
+
+        async def client_loop(i: int, own: list[str]) -> None:
+            await asyncio.sleep(i * duration / c)
+            for p in own:
+                r = Req(prompt_words=len(p.split()))
+                rnd.reqs.append(r)
+                await one_request(client, server.base_url, request_body(server.name, p, args, eos_ids), r)
+
+        await asyncio.gather(*(client_loop(i, own) for i, own in enumerate(prompts)))
     return rnd
 
 
@@ -349,144 +389,18 @@ def tok_range(s: dict[str, Any]) -> str:
     return t if s["tokens_from_usage"] else t + " (chunks)"
 
 
-# ----------------------------------------------------------------------------- main
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--family", default="llama")
-    ap.add_argument("--size", default="small")
-    ap.add_argument("--model", default=None, help="model directory (overrides --family/--size)")
-    ap.add_argument("--concurrency", default="1,2,4,8", help="comma-separated levels (default 1,2,4,8)")
-    ap.add_argument("--n-predict", type=int, default=64, help="tokens generated per request (default 64)")
-    ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt length, about (default 128)")
-    ap.add_argument("--reps", type=int, default=3, help="rounds per level and server (default 3)")
-    who = ap.add_mutually_exclusive_group()
-    who.add_argument("--ours-only", action="store_true")
-    who.add_argument("--theirs-only", action="store_true")
-    ap.add_argument("--json", metavar="PATH", help="also write everything (incl. per-request data) as JSON; '-' = stdout")
-    ap.add_argument("--ctx-size", type=int, default=0, help="our -c (default: max(4096, 2*(prompt+n_predict)))")
-    ap.add_argument("--prefill-chunk", type=int, default=2048,
-                    help="our -b and mlx_lm --prefill-step-size (default 2048, mlx_lm's default)")
-    ap.add_argument("--theirs-eos", choices=("count", "logit-bias"), default="count",
-                    help="mlx_lm.server cannot ignore EOS: count the tokens it generated (default) or force the "
-                         "length with logit_bias -1e9 on the EOS ids (slows its batched decode path)")
-    ap.add_argument("--ours-arg", action="append", default=[], help="extra argument for our server (repeatable)")
-    ap.add_argument("--theirs-arg", action="append", default=[], help="extra argument for mlx_lm.server (repeatable)")
-    ap.add_argument("--no-warmup", action="store_true", help="skip the discarded warm-up rounds")
-    ap.add_argument("--seed", type=int, default=1234, help="prompt seed")
-    ap.add_argument("--startup-timeout", type=float, default=300.0)
-    ap.add_argument("--request-timeout", type=float, default=900.0)
-    ap.add_argument("--python", default=sys.executable, help="interpreter for both servers")
-    ap.add_argument("--keep-logs", action="store_true", help="keep the server logs (path printed)")
-    args = ap.parse_args(argv)
-    try:
-        args.levels = sorted({int(x) for x in args.concurrency.split(",") if x.strip()})
-    except ValueError:
-        ap.error("--concurrency: comma-separated integers")
-    if not args.levels or args.levels[0] < 1:
-        ap.error("--concurrency: levels must be >= 1")
-    if args.n_predict < 1 or args.reps < 1 or args.prompt_tokens < 1:
-        ap.error("--n-predict, --reps and --prompt-tokens must be >= 1")
-    return args
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    command_line = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(["bench_batching.py", *argv])
-    if args.model:
-        model_dir = Path(args.model).expanduser().resolve()
-    else:
-        model_dir = benchlib.ensure_model(args.family, args.size)
-    max_c = max(args.levels)
-    ctx = args.ctx_size or max(4096, 2 * (args.prompt_tokens + args.n_predict))
-    eos_ids = model_eos_ids(model_dir)
-
-    log_dir = Path(tempfile.mkdtemp(prefix="bench_batching-"))
-    servers: dict[str, Server] = {}
-    if not args.theirs_only:
-        servers[OURS] = Server.mlxcel(
-            model_dir, ["-np", str(max_c), "-c", str(ctx), "-b", str(args.prefill_chunk), *args.ours_arg],
-            python=args.python, name=OURS, log_path=log_dir / f"{OURS}.log", keep_log=args.keep_logs)
-    if not args.ours_only:
-        port = benchlib.free_port()
-        cmd = [args.python, "-c", THEIRS_WRAPPER, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-               "--decode-concurrency", str(max_c), "--prompt-concurrency", str(max_c),
-               "--prefill-step-size", str(args.prefill_chunk), "--log-level", "WARNING", *args.theirs_arg]
-        env: dict[str, str | None] = {"BENCH_OPENBLAS": OPENBLAS}
-        if not os.path.exists(OPENBLAS):
-            log(f"warning: {OPENBLAS} not found: mlx_lm.server runs with MLX's default BLAS")
-            env["BENCH_OPENBLAS"] = None
-        servers[THEIRS] = Server(cmd, port, name=THEIRS, env=env, log_path=log_dir / f"{THEIRS}.log",
-                                 keep_log=args.keep_logs)
-
-    versions: dict[str, str] = {}
-    try:
-        from importlib.metadata import version
-
-        for pkg in ("mlx", "mlx-lm", "httpx"):
-            versions[pkg] = version(pkg)
-    except Exception:  # noqa: BLE001
-        pass
-
-    print(f"command: {command_line}")
-    for s in servers.values():
-        shown = s.cmd if s.name == OURS else [s.cmd[0], "-c", "<openblas wrapper → mlx_lm.server>", *s.cmd[3:]]
-        print(f"{s.name} server: {shlex.join(shown)}")
-    print(f"model: {model_dir} | EOS ids {eos_ids} | mlx_lm EOS handling: {args.theirs_eos}")
-    print(f"host: {platform.platform()} | cpus {os.cpu_count()} | loadavg {os.getloadavg()} | {versions}")
-    sys.stdout.flush()
-
-    prompts = PromptMaker(model_dir, args.prompt_tokens, args.seed)
-    rounds: list[Round] = []
-    load_start = os.getloadavg()
-    try:
-        for s in servers.values():
-            s.start()
-        for s in servers.values():
-            s.wait_healthy(args.startup_timeout)
-            log(f"{s.name} ready on {s.base_url}")
-        order = list(servers.values())
-
-        async def bench() -> None:
-            if not args.no_warmup:
-                # Discarded: one single request, then one round at the largest level, per server.
-                for c in sorted({1, max_c}):
-                    ps = [prompts.make() for _ in range(c)]
-                    for s in order:
-                        w = await run_round(s, ps, args, eos_ids, -1)
-                        bad = [r.error for r in w.reqs if r.error]
-                        if bad:
-                            raise RuntimeError(f"{s.name} warm-up failed: {bad[0]}\n{s.tail()}")
-                log("warm-up done")
-            for c in args.levels:
-                for rep in range(args.reps):
-                    ps = [prompts.make() for _ in range(c)]
-                    seq = order if rep % 2 == 0 else order[::-1]
-                    for s in seq:
-                        rnd = await run_round(s, ps, args, eos_ids, rep)
-                        rounds.append(rnd)
-                        log(f"C={c} rep={rep} {s.name}: agg {f1(rnd.agg_decode_tps)} tok/s, "
-                            f"wall {f1(rnd.wall_tps)} tok/s, tokens {rnd.total_tokens}, "
-                            f"errors {sum(r.error is not None for r in rnd.reqs)}")
-
-        asyncio.run(bench())
-    finally:
-        for s in servers.values():
-            s.stop(grace=15.0)
-    load_end = os.getloadavg()
-
-    # ---- summaries
+def report(mode: str, rounds: list[Round], servers: list[str], args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    """The tables and goal verdicts of one mode's rounds (markdown lines plus the numbers)."""
     summ: dict[str, dict[int, dict[str, Any]]] = {}
     for name in servers:
         summ[name] = {c: summarize([r for r in rounds if r.server == name and r.concurrency == c]) for c in args.levels}
+    max_c = max(args.levels)
 
     lines: list[str] = []
     lines.append("")
-    lines.append(f"## Concurrent streams: {model_dir.name}, prompt ~{args.prompt_tokens} tokens, "
+    how = ("all C requests sent at once" if mode == "burst" else
+           f"closed loop: C clients, {args.requests_per_client} requests each back to back, staggered starts")
+    lines.append(f"## Concurrent streams ({mode}: {how}): {model_dir.name}, prompt ~{args.prompt_tokens} tokens, "
                  f"{args.n_predict} generated tokens per request, {args.reps} rep(s)")
     lines.append("")
     lines.append("| C | server | TTFT p50 ms | TTFT p90 ms | agg decode tok/s | wall tok/s | per-stream tok/s p50 "
@@ -544,13 +458,16 @@ def main(argv: list[str] | None = None) -> int:
         lines.append("| " + " | ".join(row) + " |")
 
     goals: dict[str, Any] = {}
+    # A burst is judged on its decode phase; a closed loop on its throughput over the whole run
+    # (its requests start and end at different times, so there is no common decode phase).
+    metric, metric_name = ("agg", "aggregate decode tok/s") if mode == "burst" else ("wall", "wall tok/s")
     lines.append("")
     if ours is not None:
         cg = 8 if 8 in args.levels else max_c
         note = "" if cg == 8 else f" (8 not measured: using C={cg})"
-        sc = ratios[cg]["ours_scaling_agg"]
-        goals["scaling"] = {"C": cg, "value": sc, "target": 3.0, "pass": sc is not None and sc >= 3.0 and c1 == 1}
-        lines.append(f"- Goal: {cg} streams >= 3x single-stream aggregate decode{note}: "
+        sc = ratios[cg][f"ours_scaling_{metric}"]
+        goals["scaling"] = {"C": cg, "metric": metric, "value": sc, "target": 3.0, "pass": sc is not None and sc >= 3.0 and c1 == 1}
+        lines.append(f"- Goal: {cg} streams >= 3x single-stream {metric_name}{note}: "
                      f"{f2(sc)}x -> {'PASS' if goals['scaling']['pass'] else 'FAIL'}")
         tp = ours[cg]["ttft_p90_ms"]
         ok = tp is not None and bound is not None and tp <= bound
@@ -560,9 +477,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"+ one prefill ({f1(prefill_ms)} ms, server timings.prompt_ms) = {f1(bound)} ms: "
                      f"{f1(tp)} ms -> {'PASS' if ok else 'FAIL'}")
     if ours is not None and theirs is not None:
-        behind = [c for c in args.levels if not ((ratios[c]["ours_vs_theirs_agg"] or 0) > 1.0)]
-        goals["vs_mlx_lm"] = {"behind_at": behind, "pass": not behind}
-        lines.append("- Goal: ahead of mlx_lm.server (aggregate decode) at every C: "
+        behind = [c for c in args.levels if not ((ratios[c][f"ours_vs_theirs_{metric}"] or 0) > 1.0)]
+        goals["vs_mlx_lm"] = {"metric": metric, "behind_at": behind, "pass": not behind}
+        lines.append(f"- Goal: ahead of mlx_lm.server ({metric_name}) at every C: "
                      + ("PASS" if not behind else f"FAIL at C={','.join(map(str, behind))}"))
     if theirs is not None:
         fr = sorted({f for c in args.levels for f in theirs[c]["finish_reasons"]})
@@ -572,13 +489,166 @@ def main(argv: list[str] | None = None) -> int:
         if short:
             lines.append(f"- WARNING: {short} mlx_lm request(s) stopped on EOS before {args.n_predict} tokens; "
                          "its tok/s use the tokens actually generated (try --theirs-eos logit-bias)")
-    lines.append(f"- load average start {tuple(round(x, 2) for x in load_start)}, end {tuple(round(x, 2) for x in load_end)} "
-                 f"on {os.cpu_count()} CPUs (noisy if well above 0)")
     errors = {n: {c: summ[n][c]["errors"] for c in args.levels if summ[n][c]["errors"]} for n in servers}
     for n, errs in errors.items():
         for c, e in errs.items():
             lines.append(f"- {n} C={c}: {len(e)} failed request(s), first: {e[0]}")
-    print("\n".join(lines))
+    return {"lines": lines, "summary": {n: {str(c): v for c, v in d.items()} for n, d in summ.items()},
+            "ratios": {str(c): v for c, v in ratios.items()}, "goals": goals}
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", default="llama")
+    ap.add_argument("--size", default="small")
+    ap.add_argument("--model", default=None, help="model directory (overrides --family/--size)")
+    ap.add_argument("--concurrency", default="1,2,4,8", help="comma-separated levels (default 1,2,4,8)")
+    ap.add_argument("--n-predict", type=int, default=64, help="tokens generated per request (default 64)")
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt length, about (default 128)")
+    ap.add_argument("--reps", type=int, default=3, help="rounds per level and server (default 3)")
+    ap.add_argument("--mode", default="burst,steady",
+                    help="comma-separated: burst (all C requests at once), steady (C closed-loop clients with "
+                         "staggered starts); default both")
+    ap.add_argument("--requests-per-client", type=int, default=3, help="steady mode: requests per client (default 3)")
+    who = ap.add_mutually_exclusive_group()
+    who.add_argument("--ours-only", action="store_true")
+    who.add_argument("--theirs-only", action="store_true")
+    ap.add_argument("--json", metavar="PATH", help="also write everything (incl. per-request data) as JSON; '-' = stdout")
+    ap.add_argument("--ctx-size", type=int, default=0, help="our -c (default: max(4096, 2*(prompt+n_predict)))")
+    ap.add_argument("--prefill-chunk", type=int, default=2048,
+                    help="our -b and mlx_lm --prefill-step-size (default 2048, mlx_lm's default)")
+    ap.add_argument("--theirs-eos", choices=("count", "logit-bias"), default="count",
+                    help="mlx_lm.server cannot ignore EOS: count the tokens it generated (default) or force the "
+                         "length with logit_bias -1e9 on the EOS ids (slows its batched decode path)")
+    ap.add_argument("--ours-arg", action="append", default=[], help="extra argument for our server (repeatable)")
+    ap.add_argument("--theirs-arg", action="append", default=[], help="extra argument for mlx_lm.server (repeatable)")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the discarded warm-up rounds")
+    ap.add_argument("--seed", type=int, default=1234, help="prompt seed")
+    ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--request-timeout", type=float, default=900.0)
+    ap.add_argument("--python", default=sys.executable, help="interpreter for both servers")
+    ap.add_argument("--keep-logs", action="store_true", help="keep the server logs (path printed)")
+    args = ap.parse_args(argv)
+    try:
+        args.levels = sorted({int(x) for x in args.concurrency.split(",") if x.strip()})
+    except ValueError:
+        ap.error("--concurrency: comma-separated integers")
+    if not args.levels or args.levels[0] < 1:
+        ap.error("--concurrency: levels must be >= 1")
+    args.modes = [m for m in ("burst", "steady") if m in {x.strip() for x in args.mode.split(",")}]
+    if not args.modes:
+        ap.error("--mode: burst and/or steady")
+    if args.n_predict < 1 or args.reps < 1 or args.prompt_tokens < 1 or args.requests_per_client < 1:
+        ap.error("--n-predict, --reps and --prompt-tokens must be >= 1")
+    return args
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command_line = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(["bench_batching.py", *argv])
+    if args.model:
+        model_dir = Path(args.model).expanduser().resolve()
+    else:
+        model_dir = benchlib.ensure_model(args.family, args.size)
+    max_c = max(args.levels)
+    ctx = args.ctx_size or max(4096, 2 * (args.prompt_tokens + args.n_predict))
+    eos_ids = model_eos_ids(model_dir)
+
+    log_dir = Path(tempfile.mkdtemp(prefix="bench_batching-"))
+    servers: dict[str, Server] = {}
+    if not args.theirs_only:
+        servers[OURS] = Server.mlxcel(
+            model_dir, ["-np", str(max_c), "-c", str(ctx), "-b", str(args.prefill_chunk), *args.ours_arg],
+            python=args.python, name=OURS, log_path=log_dir / f"{OURS}.log", keep_log=args.keep_logs)
+    if not args.ours_only:
+        port = benchlib.free_port()
+        cmd = [args.python, "-c", THEIRS_WRAPPER, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+               "--decode-concurrency", str(max_c), "--prompt-concurrency", str(max_c),
+               "--prefill-step-size", str(args.prefill_chunk), "--log-level", "WARNING", *args.theirs_arg]
+        env: dict[str, str | None] = {"BENCH_OPENBLAS": OPENBLAS}
+        if not os.path.exists(OPENBLAS):
+            log(f"warning: {OPENBLAS} not found: mlx_lm.server runs with MLX's default BLAS")
+            env["BENCH_OPENBLAS"] = None
+        servers[THEIRS] = Server(cmd, port, name=THEIRS, env=env, log_path=log_dir / f"{THEIRS}.log",
+                                 keep_log=args.keep_logs)
+
+    versions: dict[str, str] = {}
+    try:
+        from importlib.metadata import version
+
+        for pkg in ("mlx", "mlx-lm", "httpx"):
+            versions[pkg] = version(pkg)
+    except Exception:  # noqa: BLE001
+        pass
+
+    print(f"command: {command_line}")
+    for s in servers.values():
+        shown = s.cmd if s.name == OURS else [s.cmd[0], "-c", "<openblas wrapper → mlx_lm.server>", *s.cmd[3:]]
+        print(f"{s.name} server: {shlex.join(shown)}")
+    print(f"model: {model_dir} | EOS ids {eos_ids} | mlx_lm EOS handling: {args.theirs_eos}")
+    print(f"host: {platform.platform()} | cpus {os.cpu_count()} | loadavg {os.getloadavg()} | {versions}")
+    sys.stdout.flush()
+
+    prompts = PromptMaker(model_dir, args.prompt_tokens, args.seed)
+    rounds: list[Round] = []
+    lone_request_s: dict[str, float] = {}  # steady mode: one lone request's duration per server
+    load_start = os.getloadavg()
+    try:
+        for s in servers.values():
+            s.start()
+        for s in servers.values():
+            s.wait_healthy(args.startup_timeout)
+            log(f"{s.name} ready on {s.base_url}")
+        order = list(servers.values())
+
+        async def bench() -> None:
+            # Discarded: one single request, then one burst at the largest level, per server
+            # (the single request also times a lone request for the steady mode's start offsets).
+            for c in sorted({1, max_c}) if not args.no_warmup else [1]:
+                ps = [prompts.make() for _ in range(c)]
+                for s in order:
+                    w = await run_round(s, ps, args, eos_ids, -1)
+                    bad = [r.error for r in w.reqs if r.error]
+                    if bad:
+                        raise RuntimeError(f"{s.name} warm-up failed: {bad[0]}\n{s.tail()}")
+                    if c == 1:
+                        lone_request_s[s.name] = w.reqs[0].t_last - w.reqs[0].t_start  # type: ignore[operator]
+            log("warm-up done")
+            for mode in args.modes:
+                for c in args.levels:
+                    for rep in range(args.reps):
+                        seq = order if rep % 2 == 0 else order[::-1]
+                        if mode == "burst":
+                            ps = [prompts.make() for _ in range(c)]
+                        else:
+                            own = [[prompts.make() for _ in range(args.requests_per_client)] for _ in range(c)]
+                        for s in seq:
+                            if mode == "burst":
+                                rnd = await run_round(s, ps, args, eos_ids, rep)
+                            else:
+                                rnd = await run_steady_round(s, own, args, eos_ids, rep, lone_request_s[s.name])
+                            rounds.append(rnd)
+                            log(f"{mode} C={c} rep={rep} {s.name}: agg {f1(rnd.agg_decode_tps)} tok/s, "
+                                f"wall {f1(rnd.wall_tps)} tok/s, tokens {rnd.total_tokens}, "
+                                f"errors {sum(r.error is not None for r in rnd.reqs)}")
+
+        asyncio.run(bench())
+    finally:
+        for s in servers.values():
+            s.stop(grace=15.0)
+    load_end = os.getloadavg()
+
+    results = {mode: report(mode, [r for r in rounds if r.mode == mode], list(servers), args, model_dir) for mode in args.modes}
+    for mode in args.modes:
+        print("\n".join(results[mode]["lines"]))
+    print(f"\n- load average start {tuple(round(x, 2) for x in load_start)}, end {tuple(round(x, 2) for x in load_end)} "
+          f"on {os.cpu_count()} CPUs (noisy if well above 0)")
 
     if args.keep_logs:
         print(f"server logs: {log_dir}")
@@ -598,15 +668,16 @@ def main(argv: list[str] | None = None) -> int:
             "versions": versions,
             "cpus": os.cpu_count(),
             "loadavg": {"start": load_start, "end": load_end},
-            "summary": {n: {str(c): v for c, v in d.items()} for n, d in summ.items()},
-            "ratios": {str(c): v for c, v in ratios.items()},
-            "goals": goals,
+            "lone_request_s": lone_request_s,
+            "modes": {mode: {k: v for k, v in res.items() if k != "lines"} for mode, res in results.items()},
             "rounds": [
-                {"server": r.server, "concurrency": r.concurrency, "rep": r.rep, "agg_decode_tps": r.agg_decode_tps,
+                {"mode": r.mode, "server": r.server, "concurrency": r.concurrency, "rep": r.rep,
+                 "agg_decode_tps": r.agg_decode_tps,
                  "wall_tps": r.wall_tps,
                  "requests": [dict(asdict(q), t_start=q.t_start - r.t0,
                                    t_first=None if q.t_first is None else q.t_first - r.t0,
-                                   t_last=None if q.t_last is None else q.t_last - r.t0) for q in r.reqs]}
+                                   t_last=None if q.t_last is None else q.t_last - r.t0,
+                                   times=[round(t - r.t0, 4) for t in q.times]) for q in r.reqs]}
                 for r in rounds
             ],
         }
@@ -616,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             Path(args.json).write_text(text + "\n")
             print(f"JSON written to {args.json}")
-    failed = any(summ[n][c]["errors"] for n in servers for c in args.levels)
+    failed = any(r.error is not None for rnd in rounds for r in rnd.reqs)
     return 1 if failed else 0
 
 
