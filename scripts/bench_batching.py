@@ -7,7 +7,8 @@ model directory (never a download):
 * ours:   ``python -m mlxcel_compat -m DIR -np max(C) -c CTX -b CHUNK`` (continuous batching on);
 * theirs: ``mlx_lm.server --model DIR --decode-concurrency max(C) --prompt-concurrency max(C)
   --prefill-step-size CHUNK`` (its BatchGenerator mode), run through a small wrapper that first
-  loads the same OpenBLAS globally, as our server does, so both use the same BLAS.
+  calls our ``backend.load_optimized_blas()``, so both use the same BLAS and the same OpenBLAS
+  kernels.
 
 For each mode, concurrency level C and repetition, one *round* is run on each server (the order
 flips every repetition: ours-theirs, theirs-ours, ...), with streaming ``POST /v1/completions``
@@ -81,7 +82,6 @@ import httpx  # noqa: E402
 import benchlib  # noqa: E402
 from benchlib import ServerProcess as Server, pct, ratio  # noqa: E402
 
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 OURS, THEIRS = "ours", "mlx_lm"
 
 # Plain English words for prompts (the generated tokenizer was trained on English-like text).
@@ -148,11 +148,11 @@ class PromptMaker:
 
 # ----------------------------------------------------------------------------- servers
 
+# mlx_lm.server with exactly our BLAS set-up (same library, same OpenBLAS kernel choice).
 THEIRS_WRAPPER = (
-    "import ctypes, os, sys\n"
-    "p = os.environ.get('BENCH_OPENBLAS', '')\n"
-    "if p:\n"
-    "    ctypes.CDLL(p, mode=ctypes.RTLD_GLOBAL)\n"
+    "import sys\n"
+    "from mlxcel_compat.backend import load_optimized_blas\n"
+    "load_optimized_blas()\n"
     "sys.argv[0] = 'mlx_lm.server'\n"
     "from mlx_lm.server import main\n"
     "main()\n"
@@ -571,11 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [args.python, "-c", THEIRS_WRAPPER, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
                "--decode-concurrency", str(max_c), "--prompt-concurrency", str(max_c),
                "--prefill-step-size", str(args.prefill_chunk), "--log-level", "WARNING", *args.theirs_arg]
-        env: dict[str, str | None] = {"BENCH_OPENBLAS": OPENBLAS}
-        if not os.path.exists(OPENBLAS):
-            log(f"warning: {OPENBLAS} not found: mlx_lm.server runs with MLX's default BLAS")
-            env["BENCH_OPENBLAS"] = None
-        servers[THEIRS] = Server(cmd, port, name=THEIRS, env=env, log_path=log_dir / f"{THEIRS}.log",
+        servers[THEIRS] = Server(cmd, port, name=THEIRS, log_path=log_dir / f"{THEIRS}.log",
                                  keep_log=args.keep_logs)
 
     versions: dict[str, str] = {}
@@ -589,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"command: {command_line}")
     for s in servers.values():
-        shown = s.cmd if s.name == OURS else [s.cmd[0], "-c", "<openblas wrapper → mlx_lm.server>", *s.cmd[3:]]
+        shown = s.cmd if s.name == OURS else [s.cmd[0], "-c", "<load_optimized_blas() wrapper → mlx_lm.server>", *s.cmd[3:]]
         print(f"{s.name} server: {shlex.join(shown)}")
     print(f"model: {model_dir} | EOS ids {eos_ids} | mlx_lm EOS handling: {args.theirs_eos}")
     print(f"host: {platform.platform()} | cpus {os.cpu_count()} | loadavg {os.getloadavg()} | {versions}")

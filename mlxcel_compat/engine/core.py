@@ -286,6 +286,15 @@ class Engine:
         from mlxcel_compat.engine.factory import make_sequence
 
         seq = make_sequence(self, sub.request, sub.sink, slot.id)
+
+        def emit_counted(event: EngineEvent) -> None:
+            # Count before the client hears of the finish: /metrics read right after a
+            # response already includes it.
+            if isinstance(event, FinishEvent):
+                self._count(event, shared=seq.stats.shared)
+            sub.sink(event)
+
+        seq.emit = emit_counted
         slot.begin(seq)
 
     def _step_all(self) -> None:
@@ -400,8 +409,6 @@ class Engine:
         seq = slot.sequence
         assert seq is not None
         fin = seq.finished
-        if fin is not None:
-            self._count(fin, shared=seq.stats.shared)
         if donate and fin is not None and self.prefix_cache is not None and not seq.request.is_child:
             try:
                 self.prefix_cache.donate(seq)

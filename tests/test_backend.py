@@ -1,0 +1,53 @@
+"""The BLAS set-up that runs before MLX: which library, and which OpenBLAS kernels."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mlxcel_compat.backend import _cpu_flags, load_optimized_blas, openblas_kernels_for_cpu
+
+AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}
+
+
+def test_kernels_follow_the_cpu_flags() -> None:
+    assert openblas_kernels_for_cpu(AVX512 | {"avx2", "fma", "sse3"}) == "SkylakeX"
+    assert openblas_kernels_for_cpu({"avx2", "fma", "sse3"}) == "Haswell"
+    assert openblas_kernels_for_cpu({"avx512f", "avx2", "fma"}) == "Haswell"  # AVX-512 without BW/DQ/VL
+    assert openblas_kernels_for_cpu({"sse3", "avx"}) is None  # leave the choice to OpenBLAS
+
+
+def blas_in_fresh_process(env: dict[str, str]) -> dict:
+    code = (
+        "import json, os\n"
+        "from mlxcel_compat.backend import load_optimized_blas\n"
+        "info = load_optimized_blas()\n"
+        "print(json.dumps({'name': info.name, 'kernels': info.kernels, 'forced': info.kernels_forced,"
+        " 'env': os.environ.get('OPENBLAS_CORETYPE')}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+needs_openblas = pytest.mark.skipif(
+    load_optimized_blas().name != "openblas" or openblas_kernels_for_cpu(_cpu_flags()) is None,
+    reason="needs OpenBLAS (scripts/setup.sh installs it) on an x86-64 CPU with AVX2 or AVX-512",
+)
+
+
+@needs_openblas
+def test_openblas_runs_the_kernels_the_cpu_supports() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    info = blas_in_fresh_process(env)
+    expected = openblas_kernels_for_cpu(_cpu_flags())
+    assert info == {"name": "openblas", "kernels": expected, "forced": True, "env": expected}
+
+
+@needs_openblas
+def test_a_kernel_choice_made_by_the_user_is_kept() -> None:
+    info = blas_in_fresh_process({**os.environ, "OPENBLAS_CORETYPE": "Haswell"})
+    assert info == {"name": "openblas", "kernels": "Haswell", "forced": False, "env": "Haswell"}
