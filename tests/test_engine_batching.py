@@ -149,6 +149,39 @@ def test_completions_of_one_prompt_share_its_prefill(harness: EngineHarness) -> 
         assert run.tokens[:3] == alone.tokens[:3]
 
 
+def plain_attention(h: EngineHarness) -> bool:
+    """The model's caches are all plain KV caches (the ones whose prompt chunks batch)."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    return h.on_engine(lambda: all(type(c) is KVCache for c in make_prompt_cache(h.engine.loaded.model)))
+
+
+def run_logged(h: EngineHarness, requests: list, sinks: list) -> tuple["ForwardLog", list[list]]:
+    """Submit ``requests`` in one engine iteration with every forward pass logged; return the log
+    and each request's events."""
+    engine = h.engine
+    while h.on_engine(lambda: engine.n_processing):
+        pass
+    log = ForwardLog(engine.loaded.model)
+
+    def install_and_submit() -> None:  # on the engine thread: all are admitted together
+        engine.loaded.model = engine.batch.model = log
+        for request, sink in zip(requests, sinks):
+            engine.submit(request, sink.put)
+
+    h.on_engine(install_and_submit)
+    try:
+        events = []
+        for sink in sinks:
+            seen = []
+            while not seen or not isinstance(seen[-1], FinishEvent):
+                seen.append(sink.get(timeout=60))
+            events.append(seen)
+    finally:
+        h.on_engine(lambda: setattr(engine.loaded, "model", log.model) or setattr(engine.batch, "model", log.model))
+    return log, events
+
+
 class ForwardLog:
     """Wraps the engine's real model and records the (batch, tokens) shape of every forward pass."""
 
@@ -167,32 +200,16 @@ class ForwardLog:
 def test_new_sequences_get_their_first_tokens_from_one_batched_pass(harness: EngineHarness) -> None:
     """Prompts admitted together prefill up to their last token; one (B, 1) pass then feeds every
     last prompt token and samples every first token, instead of one (1, 1) pass per sequence."""
-    engine = harness.engine
-    while harness.on_engine(lambda: engine.n_processing):
-        pass
     prompts = [random_tokens(10, seed=400 + i) for i in range(3)]  # 3 x 9 tokens: one chunk budget
     sinks = [queue.Queue() for _ in prompts]
     requests = [harness.request(p, n_predict=3, n_probs=2, ignore_eos=True, cache=False) for p in prompts]
     for request in requests:
         request.return_progress = True
-    log = ForwardLog(engine.loaded.model)
-
-    def install_and_submit() -> None:  # on the engine thread: all three are admitted together
-        engine.loaded.model = engine.batch.model = log
-        for request, sink in zip(requests, sinks):
-            engine.submit(request, sink.put)
-
-    harness.on_engine(install_and_submit)
-    try:
-        events = []
-        for sink in sinks:
-            seen = []
-            while not seen or not isinstance(seen[-1], FinishEvent):
-                seen.append(sink.get(timeout=60))
-            events.append(seen)
-    finally:
-        harness.on_engine(lambda: setattr(engine.loaded, "model", log.model) or setattr(engine.batch, "model", log.model))
-    assert log.shapes[:4] == [(1, 9), (1, 9), (1, 9), (3, 1)]
+    log, events = run_logged(harness, requests, sinks)
+    if plain_attention(harness):  # the three prompt chunks went through one pass as well
+        assert log.shapes[:2] == [(3, 9), (3, 1)]
+    else:
+        assert log.shapes[:4] == [(1, 9), (1, 9), (1, 9), (3, 1)]
     assert (1, 1) not in log.shapes
     alone = [harness.run(p, n_predict=3, n_probs=2, ignore_eos=True, cache=False) for p in prompts]
     for seen, single in zip(events, alone):
@@ -203,3 +220,25 @@ def test_new_sequences_get_their_first_tokens_from_one_batched_pass(harness: Eng
         assert seen.index(progress[-1]) < first_token
         tokens = [e for e in seen if isinstance(e, TokenEvent)]
         agree_where_decided(Run(tokens=[e.token for e in tokens]), single)
+
+
+def test_prompt_chunks_of_similar_length_share_one_pass(harness: EngineHarness) -> None:
+    """Chunks of different lengths (right-padded) and rows with different cached lengths (left-
+    padded) prefill together on plain-attention models, alone elsewhere; either way every
+    sequence continues like a lone run wherever the lone run's choice was decided."""
+    chunk = harness.engine.config.batch_size  # 32
+    # A needs two chunks (32, then 7 more); B and C (11 and 8 tokens before the last) arrive with
+    # it, wait for the chunk budget, then prefill with A's second chunk: caches of 32, 0 and 0.
+    prompts = [random_tokens(chunk + 8, seed=500), random_tokens(12, seed=501), random_tokens(9, seed=502)]
+    far = random_tokens(chunk - 1, seed=503)  # 30 tokens before the last: too long to pad 8 to
+    sinks = [queue.Queue() for _ in range(4)]
+    requests = [harness.request(p, n_predict=4, n_probs=2, ignore_eos=True, cache=False) for p in prompts + [far]]
+    log, events = run_logged(harness, requests, sinks)
+    if plain_attention(harness):
+        assert log.shapes[:4] == [(1, 32), (3, 11), (1, 30), (4, 1)]
+    else:
+        assert log.shapes[:5] == [(1, 32), (1, 7), (1, 11), (1, 8), (1, 30)]
+    for prompt, seen in zip(prompts + [far], events):
+        tokens = [e.token for e in seen if isinstance(e, TokenEvent)]
+        assert len(tokens) == 4
+        agree_where_decided(Run(tokens=tokens), harness.run(prompt, n_predict=4, n_probs=2, ignore_eos=True, cache=False))

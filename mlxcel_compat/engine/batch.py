@@ -20,12 +20,64 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from mlxcel_compat.engine.sequence import Sequence
 
 
 def _merge(layers: list[Any]) -> Any:
     return type(layers[0]).merge(layers)
+
+
+# Batched prefill pays for a row only if the chunks are of about the same length: on a CPU a
+# padded token costs ~2.5 ms of compute, a (1, L) pass ~50 ms on top of its tokens (it reads every
+# weight once), and a row's cached prefix is copied into the batch cache and back
+# (scripts/bench_prefill_batching.py, docs/benchmarks.md).
+PREFILL_PAD_LIMIT = 16  # tokens of right padding allowed per row
+PREFILL_PREFIX_LIMIT = 2048  # cached tokens a row may bring along
+
+
+def can_prefill_together(seq: Sequence) -> bool:
+    """Plain attention caches only: their batch form handles right-padded chunks exactly
+    (recurrent and rotating caches keep stepping through padding or drop what they rotate out)."""
+    return all(type(layer) is KVCache for layer in seq.cache) and len(seq.cache_tokens) <= PREFILL_PREFIX_LIMIT
+
+
+def prefill_groups(seqs: list[Sequence], chunks: list[list[int]]) -> list[list[int]]:
+    """Split sequences (by index) into groups that prefill in one pass each: batchable rows whose
+    chunks are within PREFILL_PAD_LIMIT tokens of the group's longest; the rest alone."""
+    groups: list[list[int]] = []
+    batchable = sorted((i for i, s in enumerate(seqs) if can_prefill_together(s)), key=lambda i: -len(chunks[i]))
+    for i in batchable:
+        if groups and len(chunks[groups[-1][0]]) - len(chunks[i]) <= PREFILL_PAD_LIMIT:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    alone = set(range(len(seqs))) - set(batchable)
+    return sorted([sorted(g) for g in groups] + [[i] for i in alone])
+
+
+def prefill_together(model: Any, seqs: list[Sequence], chunks: list[list[int]]) -> None:
+    """One forward pass over several sequences' prompt chunks, right-padded to the longest.
+
+    The rows' caches are merged into mlx-lm batch caches (left-padded to a common length), the
+    padding is declared with ``prepare`` and rolled out of the way by ``finalize``, and each row
+    is extracted back into its sequence's own cache.
+    """
+    lengths = [len(c) for c in chunks]
+    padding = [max(lengths) - n for n in lengths]
+    cache = [_merge(list(layers)) for layers in zip(*(s.cache for s in seqs))]
+    if any(padding):
+        for layer in cache:
+            layer.prepare(lengths=lengths, right_padding=padding)
+    model(mx.array([c + [0] * p for c, p in zip(chunks, padding)]), cache=cache)
+    if any(padding):
+        for layer in cache:
+            layer.finalize()
+    mx.eval([layer.state for layer in cache])
+    for i, (seq, chunk) in enumerate(zip(seqs, chunks)):
+        seq.cache = [layer.extract(i) for layer in cache]
+        seq.chunk_done(chunk)
 
 
 class DecodeBatch:

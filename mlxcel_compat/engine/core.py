@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from mlxcel_compat.engine.batch import DecodeBatch
+from mlxcel_compat.engine.batch import DecodeBatch, prefill_groups, prefill_together
 from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest
 from mlxcel_compat.engine.sequence import Sequence
 from mlxcel_compat.engine.slots import Slot
@@ -308,23 +308,40 @@ class Engine:
     def _prefill(self, busy: list[Slot]) -> None:
         """Prefill at most about one chunk (``--batch-size`` tokens) per iteration, oldest first,
         so a long prompt never stalls the sequences that are streaming. A sequence stops one token
-        short of its prompt's end: ``_decode`` feeds that last token (batched where it can)."""
+        short of its prompt's end: ``_decode`` feeds that last token (batched where it can).
+        Chunks of similar length from several sequences go through one forward pass."""
         budget = self.config.batch_size
         waiting = [s.sequence for s in busy if s.sequence.phase == "prefill"]
+        runnable: list[Sequence] = []
         for seq in sorted(waiting, key=lambda s: s.stats.t_start):
-            slot = self.slots[seq.slot_id]
             if seq.cancelled:
                 seq.cancel_now()
-                self._release(slot, donate=True)
+                self._release(self.slots[seq.slot_id], donate=True)
                 continue
             try:
                 self._share_prompt(seq, waiting)
-                if seq.prompt_ready or budget <= 0 or self._waits_for_sibling(seq, waiting):
-                    continue
-                budget -= seq.prefill_step()
-                self._share_prompt(seq, waiting)
             except Exception as exc:
-                self._fail(slot, exc)
+                self._fail(self.slots[seq.slot_id], exc)
+                continue
+            if seq.prompt_ready or budget <= 0 or self._waits_for_sibling(seq, waiting):
+                continue
+            runnable.append(seq)
+            budget -= max(1, len(seq.next_chunk()))
+        chunkable = [s for s in runnable if len(s.cache_tokens) < s.n_prompt - 1]
+        chunks = [s.next_chunk() for s in chunkable]
+        groups = prefill_groups(chunkable, chunks) if self.config.cont_batching else [[i] for i in range(len(chunkable))]
+        units = [[chunkable[i] for i in g] for g in groups] + [[s] for s in runnable if s not in chunkable]
+        for unit in units:
+            try:
+                if len(unit) == 1:
+                    unit[0].prefill_step()
+                else:
+                    prefill_together(self.loaded.model, unit, [u.next_chunk() for u in unit])
+                for seq in unit:
+                    self._share_prompt(seq, waiting)
+            except Exception as exc:
+                for seq in unit:
+                    self._fail(self.slots[seq.slot_id], exc)
 
     @staticmethod
     def _waits_for_sibling(seq: Sequence, waiting: list[Sequence]) -> bool:

@@ -187,15 +187,11 @@ class Sequence:
         """
         last = self.n_prompt - 1
         if len(self.cache_tokens) < last:
-            before = len(self.cache_tokens)
-            boundary = self.boundary
-            self._prefill_chunk(boundary if boundary is not None and before < boundary <= last else last)
-            if boundary is not None and len(self.cache_tokens) == boundary and self.on_boundary is not None:
-                self.boundary = None
-                self.on_boundary(self)
-            if self.request.return_progress:
-                self._emit_progress()
-            return len(self.cache_tokens) - before
+            chunk = self.next_chunk()
+            self.model(mx.array(chunk)[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            self.chunk_done(chunk)
+            return len(chunk)
         # The final prompt token produces the logits of the first sampled token.
         self._pending = self._forward(self.prompt[last:])
         mx.async_eval(*self._pending_arrays())
@@ -203,13 +199,22 @@ class Sequence:
             self._emit_progress()  # processed == total: the whole prompt is in the cache
         return 1
 
-    def _prefill_chunk(self, limit: int) -> None:
-        start = len(self.cache_tokens)
-        end = min(limit, (start // self.chunk_size + 1) * self.chunk_size)
-        chunk = self.prompt[start:end]
-        self.model(mx.array(chunk)[None], cache=self.cache)
-        mx.eval([c.state for c in self.cache])
+    def next_chunk(self) -> list[int]:
+        """The prompt tokens of the next prefill chunk: up to the next multiple of the chunk size,
+        the snapshot boundary or the last prompt token (exclusive), whichever comes first."""
+        start, last = len(self.cache_tokens), self.n_prompt - 1
+        boundary = self.boundary
+        limit = boundary if boundary is not None and start < boundary <= last else last
+        return self.prompt[start : min(limit, (start // self.chunk_size + 1) * self.chunk_size)]
+
+    def chunk_done(self, chunk: list[int]) -> None:
+        """The cache now holds ``chunk`` too (computed alone or in a batched prefill pass)."""
         self.cache_tokens.extend(chunk)
+        if self.boundary is not None and len(self.cache_tokens) == self.boundary and self.on_boundary is not None:
+            self.boundary = None
+            self.on_boundary(self)
+        if self.request.return_progress:
+            self._emit_progress()
 
     def _emit_progress(self) -> None:
         done = len(self.cache_tokens)
