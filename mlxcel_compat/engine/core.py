@@ -139,7 +139,7 @@ class Engine:
 
     @property
     def n_processing(self) -> int:
-        return sum(1 for s in self.slots if s.sequence is not None)
+        return sum(1 for s in self.slots if s.is_processing)
 
     # ------------------------------------------------------------------ engine thread
 

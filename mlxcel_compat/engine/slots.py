@@ -45,6 +45,12 @@ class Slot:
             n_predict=req.n_predict,
         )
 
+    @property
+    def is_processing(self) -> bool:
+        """Busy with a task that has not finished. (A finished sequence keeps its slot for the rest
+        of the engine step, for donation; a client that saw the finish must see the slot idle.)"""
+        return self.sequence is not None and self.sequence.finished is None
+
     def end(self) -> None:
         seq = self.sequence
         if seq is not None and self.task is not None:
@@ -56,7 +62,7 @@ class Slot:
     def to_json(self) -> dict[str, Any]:
         """llama-server's ``/slots`` element; read from the HTTP side (benign races only)."""
         seq = self.sequence
-        out: dict[str, Any] = {"id": self.id, "n_ctx": self.n_ctx, "speculative": False, "is_processing": seq is not None}
+        out: dict[str, Any] = {"id": self.id, "n_ctx": self.n_ctx, "speculative": False, "is_processing": self.is_processing}
         task = self.task
         if task is None:
             return out

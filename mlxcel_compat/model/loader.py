@@ -87,8 +87,11 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False) -> Loa
     path = resolve_model_path(model_arg, offline=offline)
     model, tokenizer, config = load(str(path), return_config=True)
     if mx.default_device() == mx.cpu:
+        from mlxcel_compat.model import attention
+
         # Quantized (integer) weights stay as they are; only half-precision floats are widened.
         model.set_dtype(mx.float32, predicate=lambda dt: dt in (mx.float16, mx.bfloat16))
+        attention.install()  # the model's module is imported now: switch its attention
     params = tree_flatten(model.parameters())
     n_params = sum(v.size for _, v in params)
     size_bytes = sum(v.nbytes for _, v in params)

@@ -137,7 +137,7 @@ async def slots(request: Request) -> Response:
     ctx = ctx_of(request)
     if not ctx.settings.slots:
         raise NotSupported("This server does not support slots endpoint. Start it with `--slots`")
-    if request.query_params.get("fail_on_no_slot") in ("1", "true") and all(s.sequence is not None for s in ctx.engine.slots):
+    if request.query_params.get("fail_on_no_slot") in ("1", "true") and all(s.is_processing for s in ctx.engine.slots):
         raise Unavailable("no slot available")
     return json_response([slot.to_json() for slot in ctx.engine.slots])
 

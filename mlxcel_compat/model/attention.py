@@ -1,0 +1,94 @@
+"""Attention for MLX's CPU backend, installed into mlx-lm's model modules when a model loads.
+
+On the CPU, ``mx.fast.scaled_dot_product_attention`` runs as a matmul, a softmax and a matmul,
+and the softmax's ``exp`` is a scalar loop (~18 ns an element on these cores) that dominates
+attention over many keys. Computing the same softmax with ``2 ** (x * log2(e))`` is about three
+times faster there and agrees to ~1e-7 relative. Measured per layer (small llama, 12 query and 4
+KV heads): 8 rows decoding at 4K context 42 -> 15 ms, 74 new prompt tokens over a 2K cached
+prefix (a prompt-cache hit) 60 -> 35 ms, a 128-token prompt 4.8 -> 2.2 ms.
+
+Only what this path handles exactly is routed here (CPU, no attention sinks, no quantized KV,
+masks that are None, "causal" or a boolean/additive array broadcastable per KV-head group);
+everything else goes to mlx-lm's own function unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import mlx.core as mx
+
+LOG2E = 1.4426950408889634
+
+
+def _group_mask(mask: Any, B: int, Hq: int, Hk: int, L: int, S: int) -> Any:
+    """``mask`` shaped to broadcast over (B, Hk, Hq // Hk, L, S), or ``False`` if it cannot be."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            return False
+        return mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]  # queries are the last L positions
+    if mask.ndim == 2:
+        return mask
+    if mask.ndim == 4 and mask.shape[1] == 1:
+        return mx.expand_dims(mask, 2)
+    if mask.ndim == 4 and mask.shape[1] == Hq:
+        return mask.reshape(mask.shape[0], Hk, Hq // Hk, L, S)
+    return False
+
+
+def cpu_attention(queries: Any, keys: Any, values: Any, scale: float, mask: Any) -> Any | None:
+    """softmax(scale * Q K^T + mask) V for grouped-query attention; None if ``mask`` is of a kind
+    this path does not handle."""
+    B, Hq, L, D = queries.shape
+    Hk, S = keys.shape[1], keys.shape[2]
+    if Hq % Hk:
+        return None
+    grouped = _group_mask(mask, B, Hq, Hk, L, S)
+    if grouped is False:
+        return None
+    r = Hq // Hk
+    scores = ((queries * scale).reshape(B, Hk, r * L, D) @ keys.swapaxes(-1, -2)).reshape(B, Hk, r, L, S)
+    if grouped is not None:
+        scores = mx.where(grouped, scores, -mx.inf) if grouped.dtype == mx.bool_ else scores + grouped
+    scores = scores - mx.max(scores, axis=-1, keepdims=True)
+    weights = mx.power(2.0, scores * LOG2E)
+    weights = weights / mx.sum(weights, axis=-1, keepdims=True)
+    return (weights.reshape(B, Hk, r * L, S) @ values).reshape(B, Hq, L, values.shape[-1]).astype(queries.dtype)
+
+
+def make_attention(original: Callable[..., Any]) -> Callable[..., Any]:
+    """mlx-lm's ``scaled_dot_product_attention`` with the CPU path in front of it."""
+
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):  # noqa: ANN001, ANN202
+        if sinks is None and not hasattr(cache, "bits") and mx.default_device() == mx.cpu:
+            out = cpu_attention(queries, keys, values, scale, mask)
+            if out is not None:
+                return out
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention.original = original  # type: ignore[attr-defined]
+    return scaled_dot_product_attention
+
+
+def install() -> int:
+    """Route every imported mlx-lm model module's attention through :func:`make_attention`.
+
+    The model modules import the function by name (``from .base import ...``), so each module's
+    binding is replaced. Idempotent; returns how many modules were switched now."""
+    from mlx_lm.models import base
+
+    original = base.scaled_dot_product_attention
+    original = getattr(original, "original", original)
+    patched = make_attention(original)
+    switched = 0
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is original:
+            module.scaled_dot_product_attention = patched
+            switched += 1
+    return switched
+
+
+__all__ = ["cpu_attention", "install", "make_attention"]

@@ -1,0 +1,77 @@
+"""The CPU attention path agrees with MLX's own attention and is what loaded models run."""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import base
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxcel_compat.model import attention
+from mlxcel_compat.model.loader import load_model
+from tests.conftest import tiny_model
+
+RTOL = 1e-5  # float32; the softmax uses 2**(x*log2 e) instead of exp
+
+
+def qkv(B: int, Hq: int, Hk: int, L: int, S: int, seed: int = 0):
+    mx.random.seed(seed)
+    return mx.random.normal((B, Hq, L, 64)), mx.random.normal((B, Hk, S, 64)), mx.random.normal((B, Hk, S, 64))
+
+
+def close(a, b) -> bool:
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item() < RTOL
+
+
+@pytest.mark.parametrize(
+    "B,Hq,Hk,L,S,mask",
+    [
+        (1, 12, 4, 1, 700, None),  # decode, grouped-query
+        (3, 8, 8, 1, 300, None),  # batched decode, one KV head per query head
+        (1, 12, 4, 74, 2122, "causal"),  # new tokens over a cached prefix
+        (1, 12, 4, 128, 128, "causal"),  # a fresh prompt
+        (2, 12, 4, 16, 200, "bool"),  # batch-cache style (B, 1, L, S) boolean mask
+        (2, 12, 4, 16, 200, "additive"),  # (B, 1, L, S) additive mask
+        (2, 12, 4, 16, 200, "per-head"),  # (B, Hq, L, S) boolean mask
+    ],
+)
+def test_matches_mlx_attention(B, Hq, Hk, L, S, mask) -> None:
+    q, k, v = qkv(B, Hq, Hk, L, S)
+    causal = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+    window = causal & (mx.arange(S - L, S)[:, None] - mx.arange(S)[None] < 64)  # sliding window
+    if mask == "bool":
+        mask = mx.broadcast_to(window, (B, 1, L, S))
+    elif mask == "additive":
+        mask = mx.where(mx.broadcast_to(window, (B, 1, L, S)), 0.0, -1e9)
+    elif mask == "per-head":
+        mask = mx.broadcast_to(window, (B, Hq, L, S))
+    ours = attention.cpu_attention(q, k, v, 0.125, mask)
+    assert ours is not None
+    assert close(ours, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask))
+
+
+def test_unhandled_masks_go_to_mlx_unchanged() -> None:
+    q, k, v = qkv(1, 4, 2, 8, 40)
+    odd = mx.ones((1, 8, 40), dtype=mx.bool_)  # a 3-D mask: not a shape this path handles
+    assert attention.cpu_attention(q, k, v, 0.125, odd) is None
+    sdpa = attention.make_attention(base.scaled_dot_product_attention.__dict__.get("original", base.scaled_dot_product_attention))
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=odd)
+    assert mx.array_equal(sdpa(q, k, v, cache=None, scale=0.125, mask=odd), expected)
+
+
+def test_loaded_models_run_the_cpu_path_with_the_same_logits() -> None:
+    loaded = load_model(str(tiny_model("llama")), [])
+    module = sys.modules[type(loaded.model).__module__]
+    patched = module.scaled_dot_product_attention
+    assert patched.original is base.scaled_dot_product_attention.original
+    tokens = mx.array([[5, 17, 300, 41, 9, 77, 123, 8]])
+    ours = loaded.model(tokens, cache=make_prompt_cache(loaded.model))
+    module.scaled_dot_product_attention = patched.original
+    try:
+        theirs = loaded.model(tokens, cache=make_prompt_cache(loaded.model))
+    finally:
+        module.scaled_dot_product_attention = patched
+    assert close(ours, theirs)
+    assert mx.array_equal(mx.argmax(ours, axis=-1), mx.argmax(theirs, axis=-1))
