@@ -13,7 +13,7 @@ from mlxcel_compat.model import attention
 from mlxcel_compat.model.loader import load_model
 from tests.conftest import tiny_model
 
-RTOL = 1e-5  # float32; the softmax uses 2**(x*log2 e) instead of exp
+RTOL = 1e-5  # float32; the softmax is a power of 2 of log2-unit scores, normalised after V
 
 
 def qkv(B: int, Hq: int, Hk: int, L: int, S: int, seed: int = 0):
