@@ -3,12 +3,13 @@
 HTTP handlers talk to it through a thread-safe command queue (submit, cancel, call) and receive
 events through a per-request sink (see ``client.py``). One loop iteration:
 
-    drain commands  ->  admit waiting requests into free slots  ->  one step of every active
-    sequence (a prefill chunk or a decode step)  ->  release finished sequences
+    drain commands  ->  admit waiting requests into free slots  ->  prefill about one chunk
+    (``--batch-size`` tokens) in total, similar chunks of several sequences in one pass  ->  one
+    decode step of every decoding sequence in one batched pass, prompt-ready sequences feeding
+    their last prompt token  ->  release finished sequences
 
-Up to ``--parallel`` sequences are active at once and advance in turn; the rest wait in FIFO
-order. The scheduler keeps admission, stepping and release apart so that batched decoding can
-replace the per-sequence step without touching the rest.
+Up to ``--parallel`` sequences are active at once; the rest wait in FIFO order (``id_slot`` pins
+a request to a slot). With ``--no-cont-batching`` one sequence runs at a time.
 """
 
 from __future__ import annotations
