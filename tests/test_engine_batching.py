@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from mlxcel_compat.engine.request import FinishEvent, ProgressEvent, TokenEvent
+from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, ProgressEvent, TokenEvent
 from tests.conftest import tiny_model
 from tests.engine_harness import EngineHarness, Run, collect
 
@@ -242,3 +242,40 @@ def test_prompt_chunks_of_similar_length_share_one_pass(harness: EngineHarness) 
         tokens = [e.token for e in seen if isinstance(e, TokenEvent)]
         assert len(tokens) == 4
         agree_where_decided(Run(tokens=tokens), harness.run(prompt, n_predict=4, n_probs=2, ignore_eos=True, cache=False))
+
+
+class NoBatchedPrefill(ForwardLog):
+    """The real model, made to refuse prompt chunks of several rows (as a model whose layers cannot
+    take mlx-lm's batch caches would)."""
+
+    def __call__(self, inputs, **kwargs):
+        self.shapes.append(tuple(inputs.shape[:2]))
+        if inputs.shape[0] > 1 and inputs.shape[1] > 1:
+            raise ValueError("this model cannot prefill a batch")
+        return self.model(inputs, **kwargs)
+
+
+def test_a_model_that_cannot_batch_prefill_falls_back_to_one_at_a_time(harness: EngineHarness) -> None:
+    engine = harness.engine
+    batches_prompts = plain_attention(harness)
+    prompts = [random_tokens(10, seed=600 + i) for i in range(3)]
+    sinks = [queue.Queue() for _ in prompts]
+    requests = [harness.request(p, n_predict=3, n_probs=2, ignore_eos=True, cache=False) for p in prompts]
+    real = engine.loaded.model
+    refusing = NoBatchedPrefill(real)
+    harness.on_engine(lambda: setattr(engine.loaded, "model", refusing) or setattr(engine.batch, "model", refusing))
+    try:
+        log, events = run_logged(harness, requests, sinks)
+        still_batching = harness.on_engine(lambda: engine.batched_prefill)
+    finally:
+        harness.on_engine(lambda: setattr(engine.loaded, "model", real) or setattr(engine.batch, "model", real) or setattr(engine, "batched_prefill", True))
+    chunks = [s for s in log.shapes if s[1] > 1]
+    if batches_prompts:  # the refused pass, then each chunk alone, and no batched prefill after
+        assert chunks[:4] == [(3, 9), (1, 9), (1, 9), (1, 9)] and not still_batching
+    else:  # recurrent / rotating caches never try a batched prefill
+        assert chunks[:3] == [(1, 9), (1, 9), (1, 9)] and still_batching
+    # Either way every request completes like a lone run.
+    for prompt, seen in zip(prompts, events):
+        assert not any(isinstance(e, ErrorEvent) for e in seen)
+        tokens = [e.token for e in seen if isinstance(e, TokenEvent)]
+        agree_where_decided(Run(tokens=tokens), harness.run(prompt, n_predict=3, n_probs=2, ignore_eos=True, cache=False))

@@ -75,8 +75,9 @@ def prefill_together(model: Any, seqs: list[Sequence], chunks: list[list[int]]) 
         for layer in cache:
             layer.finalize()
     mx.eval([layer.state for layer in cache])
-    for i, (seq, chunk) in enumerate(zip(seqs, chunks)):
-        seq.cache = [layer.extract(i) for layer in cache]
+    rows = [[layer.extract(i) for layer in cache] for i in range(len(seqs))]  # all or nothing
+    for seq, row, chunk in zip(seqs, rows, chunks):
+        seq.cache = row
         seq.chunk_done(chunk)
 
 

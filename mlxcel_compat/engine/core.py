@@ -98,6 +98,7 @@ class Engine:
         self.warmups: collections.deque[Any] = collections.deque()
         self.prefix_cache: Any = None
         self.batch: DecodeBatch = DecodeBatch(None)
+        self.batched_prefill = True  # off for good once a model fails a batched prefill pass
         self._prefix_cache_factory = prefix_cache_factory
         self._commands: queue.Queue[Any] = queue.Queue()
         self._stop = threading.Event()
@@ -330,19 +331,31 @@ class Engine:
             budget -= max(1, len(seq.next_chunk()))
         chunkable = [s for s in runnable if len(s.cache_tokens) < s.n_prompt - 1]
         chunks = [s.next_chunk() for s in chunkable]
-        groups = prefill_groups(chunkable, chunks) if self.config.cont_batching else [[i] for i in range(len(chunkable))]
+        batching = self.config.cont_batching and self.batched_prefill
+        groups = prefill_groups(chunkable, chunks) if batching else [[i] for i in range(len(chunkable))]
         units = [[chunkable[i] for i in g] for g in groups] + [[s] for s in runnable if s not in chunkable]
         for unit in units:
-            try:
-                if len(unit) == 1:
-                    unit[0].prefill_step()
-                else:
-                    prefill_together(self.loaded.model, unit, [u.next_chunk() for u in unit])
-                for seq in unit:
+            if len(unit) > 1 and not self._prefill_together(unit):
+                units += [[seq] for seq in unit]  # the rows are untouched: prefill them alone
+                continue
+            for seq in unit:
+                try:
+                    if len(unit) == 1:
+                        seq.prefill_step()
                     self._share_prompt(seq, waiting)
-            except Exception as exc:
-                for seq in unit:
+                except Exception as exc:
                     self._fail(self.slots[seq.slot_id], exc)
+
+    def _prefill_together(self, unit: list[Sequence]) -> bool:
+        """One pass over several sequences' chunks. A model whose layers cannot take a batch
+        cache fails here without touching the sequences: say so once and stop batching prefill."""
+        try:
+            prefill_together(self.loaded.model, unit, [seq.next_chunk() for seq in unit])
+            return True
+        except Exception:
+            log.warning("batched prefill failed; prefilling one sequence at a time from now on", exc_info=True)
+            self.batched_prefill = False
+            return False
 
     @staticmethod
     def _waits_for_sibling(seq: Sequence, waiting: list[Sequence]) -> bool:
