@@ -279,3 +279,46 @@ def test_a_model_that_cannot_batch_prefill_falls_back_to_one_at_a_time(harness: 
         assert not any(isinstance(e, ErrorEvent) for e in seen)
         tokens = [e.token for e in seen if isinstance(e, TokenEvent)]
         agree_where_decided(Run(tokens=tokens), harness.run(prompt, n_predict=3, n_probs=2, ignore_eos=True, cache=False))
+
+
+class NoBatchCaches(ForwardLog):
+    """The real model, made to refuse any pass of several rows (a model whose layers cannot take
+    mlx-lm's batch caches)."""
+
+    def __call__(self, inputs, **kwargs):
+        self.shapes.append(tuple(inputs.shape[:2]))
+        if inputs.shape[0] > 1:
+            raise ValueError("this model cannot take batch caches")
+        return self.model(inputs, **kwargs)
+
+
+def test_a_model_without_batch_caches_serves_concurrent_requests_one_pass_each(harness: EngineHarness) -> None:
+    """The load-time probe finds out; concurrent requests then all complete, none fails."""
+    engine = harness.engine
+    real = engine.loaded.model
+    refusing = NoBatchCaches(real)
+
+    def install_and_probe() -> bool:
+        engine.loaded.model = engine.batch.model = refusing
+        return engine.probe_batching()
+
+    prompts = [random_tokens(n, seed=700 + n) for n in (12, 20, 9)]
+    sinks = [queue.Queue() for _ in prompts]
+    requests = [harness.request(p, n_predict=5, n_probs=2, ignore_eos=True, cache=False) for p in prompts]
+    try:
+        assert harness.on_engine(install_and_probe) is False
+        refusing.shapes.clear()
+        _, events = run_logged(harness, requests, sinks)
+    finally:
+        def restore() -> None:
+            engine.loaded.model = engine.batch.model = real
+            engine.batched_decode = engine.batched_prefill = True
+
+        harness.on_engine(restore)
+    assert refusing.shapes and all(rows == 1 for rows, _ in refusing.shapes)
+    for prompt, seen in zip(prompts, events):
+        assert not any(isinstance(e, ErrorEvent) for e in seen)
+        tokens = [e.token for e in seen if isinstance(e, TokenEvent)]
+        assert len(tokens) == 5
+        agree_where_decided(Run(tokens=tokens), harness.run(prompt, n_predict=5, n_probs=2, ignore_eos=True, cache=False))
+    assert harness.on_engine(engine.probe_batching)  # the real model batches

@@ -98,7 +98,8 @@ class Engine:
         self.warmups: collections.deque[Any] = collections.deque()
         self.prefix_cache: Any = None
         self.batch: DecodeBatch = DecodeBatch(None)
-        self.batched_prefill = True  # off for good once a model fails a batched prefill pass
+        self.batched_decode = True  # off if the model fails the batch-cache probe at load
+        self.batched_prefill = True  # ... or later, a batched prefill pass
         self._prefix_cache_factory = prefix_cache_factory
         self._commands: queue.Queue[Any] = queue.Queue()
         self._stop = threading.Event()
@@ -194,6 +195,26 @@ class Engine:
 
         cache = make_prompt_cache(self.loaded.model)
         mx.eval(self.loaded.model(mx.array([[0, 1]]), cache=cache))
+        self.probe_batching()
+
+    def probe_batching(self) -> bool:
+        """Decode two sequences of different lengths through one merged batch cache, once. A model
+        whose layers cannot take mlx-lm's batch caches then serves its slots one sequence per
+        forward pass, instead of failing every concurrent request."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        model = self.loaded.model
+        try:
+            rows = [make_prompt_cache(model) for _ in range(2)]
+            for cache, tokens in zip(rows, ([[0, 1, 2]], [[0, 1]])):
+                model(mx.array(tokens), cache=cache)
+            merged = [type(layers[0]).merge(list(layers)) for layers in zip(*rows)]
+            mx.eval(model(mx.array([[3], [4]]), cache=merged))
+        except Exception:
+            log.warning("this model cannot decode through batch caches: one sequence per forward pass", exc_info=True)
+            self.batched_decode = self.batched_prefill = False
+        return self.batched_decode
 
     def _has_work(self) -> bool:
         return bool(self.waiting) or any(s.sequence is not None for s in self.slots)
@@ -395,7 +416,7 @@ class Engine:
             return
         self.metrics.n_decode_total += 1
         self.metrics.busy_slots_sum += batched
-        if self.config.cont_batching and batched > 1:
+        if self.config.cont_batching and self.batched_decode and batched > 1:
             self._decode_batched(joining)
             return
         for slot in joining:
