@@ -422,8 +422,12 @@ def test_sse_ping_while_waiting_for_a_slot(roomy_http):
                     elapsed = time.monotonic() - started
                     assert received == b":\n\n:\n\n", received  # only pings: the request has no slot yet
                     assert elapsed > 1.5  # two pings, one second of silence apart
-                    metrics = http.get("/metrics").text
-                    assert metric(metrics, "llamacpp:requests_deferred") == 1, metrics
+                    # Counted as deferred (polled: the submission can trail the first bytes sent).
+                    deadline = time.monotonic() + 5
+                    while metric(metrics := http.get("/metrics").text, "llamacpp:requests_deferred") != 1:
+                        assert time.monotonic() < deadline, metrics
+                        time.sleep(0.05)
+                    assert metric(metrics, "llamacpp:requests_processing") == 2, metrics
             # Withdrawn once the server notices the closed stream (busy streams may slow that down).
             deadline = time.monotonic() + 10
             while metric(http.get("/metrics").text, "llamacpp:requests_deferred") != 0:
