@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxcel_compat.engine.sequence import Sequence
 
@@ -55,6 +55,17 @@ def prefill_groups(seqs: list[Sequence], chunks: list[list[int]]) -> list[list[i
             groups.append([i])
     alone = set(range(len(seqs))) - set(batchable)
     return sorted([sorted(g) for g in groups] + [[i] for i in alone])
+
+
+def batch_caches_work(model: Any) -> bool:
+    """Decode two sequences of different lengths through one merged batch cache. Some models'
+    layers cannot take mlx-lm's batch caches; the engine then gives each sequence its own pass."""
+    rows = [make_prompt_cache(model) for _ in range(2)]
+    for cache, tokens in zip(rows, ([[0, 1, 2]], [[0, 1]])):
+        model(mx.array(tokens), cache=cache)
+    merged = [_merge(list(layers)) for layers in zip(*rows)]
+    mx.eval(model(mx.array([[3], [4]]), cache=merged))
+    return True
 
 
 def prefill_together(model: Any, seqs: list[Sequence], chunks: list[list[int]]) -> None:

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from mlxcel_compat.engine.batch import DecodeBatch, prefill_groups, prefill_together
+from mlxcel_compat.engine.batch import DecodeBatch, batch_caches_work, prefill_groups, prefill_together
 from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest
 from mlxcel_compat.engine.sequence import Sequence
 from mlxcel_compat.engine.slots import Slot
@@ -198,19 +198,10 @@ class Engine:
         self.probe_batching()
 
     def probe_batching(self) -> bool:
-        """Decode two sequences of different lengths through one merged batch cache, once. A model
-        whose layers cannot take mlx-lm's batch caches then serves its slots one sequence per
-        forward pass, instead of failing every concurrent request."""
-        import mlx.core as mx
-        from mlx_lm.models.cache import make_prompt_cache
-
-        model = self.loaded.model
+        """A model whose layers cannot take mlx-lm's batch caches serves its slots one sequence
+        per forward pass, instead of failing every concurrent request."""
         try:
-            rows = [make_prompt_cache(model) for _ in range(2)]
-            for cache, tokens in zip(rows, ([[0, 1, 2]], [[0, 1]])):
-                model(mx.array(tokens), cache=cache)
-            merged = [type(layers[0]).merge(list(layers)) for layers in zip(*rows)]
-            mx.eval(model(mx.array([[3], [4]]), cache=merged))
+            batch_caches_work(self.loaded.model)
         except Exception:
             log.warning("this model cannot decode through batch caches: one sequence per forward pass", exc_info=True)
             self.batched_decode = self.batched_prefill = False
@@ -354,24 +345,23 @@ class Engine:
         chunks = [s.next_chunk() for s in chunkable]
         batching = self.config.cont_batching and self.batched_prefill
         groups = prefill_groups(chunkable, chunks) if batching else [[i] for i in range(len(chunkable))]
-        units = [[chunkable[i] for i in g] for g in groups] + [[s] for s in runnable if s not in chunkable]
+        units = [[(chunkable[i], chunks[i]) for i in g] for g in groups] + [[(s, [])] for s in runnable if s not in chunkable]
         for unit in units:
-            if len(unit) > 1 and not self._prefill_together(unit):
-                units += [[seq] for seq in unit]  # the rows are untouched: prefill them alone
-                continue
-            for seq in unit:
+            together = len(unit) > 1 and self._prefill_together(unit)
+            for seq, _ in unit:
                 try:
-                    if len(unit) == 1:
+                    if not together:
                         seq.prefill_step()
                     self._share_prompt(seq, waiting)
                 except Exception as exc:
                     self._fail(self.slots[seq.slot_id], exc)
 
-    def _prefill_together(self, unit: list[Sequence]) -> bool:
+    def _prefill_together(self, unit: list[tuple[Sequence, list[int]]]) -> bool:
         """One pass over several sequences' chunks. A model whose layers cannot take a batch
-        cache fails here without touching the sequences: say so once and stop batching prefill."""
+        cache fails here without touching the sequences (they are then prefilled alone): say so
+        once and stop batching prefill."""
         try:
-            prefill_together(self.loaded.model, unit, [seq.next_chunk() for seq in unit])
+            prefill_together(self.loaded.model, [seq for seq, _ in unit], [chunk for _, chunk in unit])
             return True
         except Exception:
             log.warning("batched prefill failed; prefilling one sequence at a time from now on", exc_info=True)
