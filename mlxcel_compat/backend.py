@@ -70,8 +70,9 @@ def openblas_kernels_for_cpu(flags: set[str]) -> str | None:
     OpenBLAS's DYNAMIC_ARCH builds choose kernels from CPUID at load time, and some virtual CPUs
     defeat that: on a Firecracker VM of a Sapphire Rapids host, Debian's OpenBLAS 0.3.21 chose
     "Prescott" (SSE3) kernels and ran float32 matmul at ~28 GFLOP/s; forcing "SkylakeX" (the
-    CPU flags list AVX-512, and Linux only lists what the kernel enabled) gave ~130-165 GFLOP/s,
-    2-2.5x faster prefill. The flags are the ground truth, so they pick the kernels.
+    CPU flags list AVX-512, and Linux only lists what the kernel enabled) gave 110-200 GFLOP/s
+    (scripts/bench_cpu_kernels.py), 2-2.5x faster prefill. The flags are the ground truth, so
+    they pick the kernels.
     """
     for name, needed in _OPENBLAS_KERNELS:
         if needed <= flags:
