@@ -285,15 +285,6 @@ def build_prompts(server: Server, raw: Raw, lengths: list[int], n_sets: int) -> 
     return out
 
 
-def first_agreement(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = Path(args.model) if args.model else benchlib.ensure_model(args.family, args.size, cache_dir=args.cache_dir)
     lengths = sorted(set(args.prompt_lengths))
@@ -344,7 +335,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raw_inter = (len(rt) - 1) / (rt[-1] - rt[0]) if len(rt) > 1 else float("nan")
             srv_timings = tm["predicted_n"] / tm["predicted_ms"] * 1000.0
             srv_inter = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 1 else float("nan")
-            checks["greedy_agreement"].append(first_agreement(s_ids, r["ids"]))
+            checks["greedy_agreement"].append(len(os.path.commonprefix([s_ids, r["ids"]])))
             if tm.get("predicted_n") != n or len(s_ids) != n:
                 print(f"warning: server produced {tm.get('predicted_n')} tokens ({len(s_ids)} streamed), expected {n}", file=sys.stderr)
             if not warm:

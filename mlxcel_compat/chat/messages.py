@@ -14,10 +14,11 @@ survive, a missing or null ``content`` becomes ``""``, and tool-call arguments a
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -430,7 +431,7 @@ def render_history_boundary(template: ChatTemplate, chat: ChatRequest, prompt: s
     history = template.render_history(
         chat.messages[:end], tools=chat.render_tools, **_render_kwargs(chat)
     )
-    return history[: _common_prefix_length(history, prompt)]
+    return os.path.commonprefix([history, prompt])
 
 
 def render_next_history(template: ChatTemplate, chat: ChatRequest, reply: Mapping[str, Any]) -> str:
@@ -440,14 +441,6 @@ def render_next_history(template: ChatTemplate, chat: ChatRequest, reply: Mappin
     """
     messages = [*chat.messages, dict(reply)]
     return template.render_history(messages, tools=chat.render_tools, **_render_kwargs(chat))
-
-
-def _common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
-    limit = min(len(a), len(b))
-    for i in range(limit):
-        if a[i] != b[i]:
-            return i
-    return limit
 
 
 # --- generation parsing ---------------------------------------------------------------------
