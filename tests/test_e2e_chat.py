@@ -311,7 +311,7 @@ def test_verbose_adds_the_native_result(http):
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
-    from mlxcel_compat.server.routes_chat import _tool_calls
+    from mlxcel_compat.server.pipeline import extract_tool_calls as _tool_calls
 
     text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
     assert [c["function"]["name"] for c in _tool_calls(text, {})[1]] == ["a", "b"]

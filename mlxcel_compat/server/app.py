@@ -22,7 +22,7 @@ from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlxcel_compat.engine.core import Engine
-from mlxcel_compat.server import routes_cache, routes_chat, routes_completion, routes_misc
+from mlxcel_compat.server import api_cache, api_native, api_openai, api_status
 from mlxcel_compat.server.cache_hooks import CacheHooks
 from mlxcel_compat.server.context import ModelInfo, ServerContext
 from mlxcel_compat.server.errors import ApiError, ServerError, Unavailable, error_response, raw_error_response
@@ -121,7 +121,7 @@ async def not_found(request: Any, exc: Exception) -> Any:
 
 
 def routes() -> list[Route]:
-    return [*routes_misc.ROUTES, *routes_completion.ROUTES, *routes_chat.ROUTES, *routes_cache.ROUTES]
+    return [*api_status.ROUTES, *api_native.ROUTES, *api_openai.ROUTES, *api_cache.ROUTES]
 
 
 def _cors_middleware(settings: Any) -> Middleware:

@@ -1,4 +1,4 @@
-"""Response bodies: llama-server's native JSON and the OpenAI shapes, plus SSE framing.
+"""Shared response pieces: the per-sequence :class:`Result`, llama-server's native JSON, SSE framing.
 
 Builders take plain records (:class:`Result`, engine events) and return dicts; they never see
 MLX. Key order follows llama-server's, because some clients and tests compare dumps.
@@ -18,11 +18,11 @@ from mlxcel_compat.engine.request import FinishEvent, GenerationRequest, TokenEv
 from mlxcel_compat.engine.textstream import token_bytes, token_piece
 
 BUILD_INFO = "b0-mlxcel"
-SYSTEM_FINGERPRINT = BUILD_INFO
 
 
-def completion_id() -> str:
-    return "chatcmpl-" + "".join(random.choices(string.ascii_letters + string.digits, k=32))
+def random_id(prefix: str, length: int = 32) -> str:
+    """A response id such as ``chatcmpl-…``: a prefix and random letters and digits."""
+    return prefix + "".join(random.choices(string.ascii_letters + string.digits, k=length))
 
 
 def sse(data: Any) -> bytes:
@@ -232,106 +232,26 @@ def filter_fields(data: dict[str, Any], fields: list[str]) -> dict[str, Any]:
     return out
 
 
-# ---------------------------------------------------------------------- OpenAI shapes
+# ---------------------------------------------------------------------- usage
 
 
-def finish_reason(fin: FinishEvent, has_tool_calls: bool = False) -> str:
-    if fin.stop_type in ("eos", "word"):
-        return "tool_calls" if has_tool_calls else "stop"
-    return "length"
+@dataclass
+class TokenCounts:
+    """Token usage of a whole response: each distinct prompt once, every completion's tokens."""
+
+    prompt: int  # all prompt tokens, cached ones included
+    cached: int  # prompt tokens adopted from the prompt cache
+    completion: int
 
 
-def usage_json(results: list[Result]) -> dict[str, Any]:
-    prompt = sum(r.finish.n_prompt for r in results if r.finish) if results else 0
-    # Children of one prompt share it: count the prompt once per distinct prompt index.
+def token_counts(results: list[Result]) -> TokenCounts:
+    # Children of one prompt (n > 1) share its token list object: count that prompt once.
     seen: dict[int, tuple[int, int]] = {}
     for r in results:
         if r.finish is not None:
             seen.setdefault(id(r.request.prompt_tokens), (r.finish.n_prompt, r.finish.n_cached))
-    prompt = sum(p for p, _ in seen.values())
-    cached = sum(c for _, c in seen.values())
     completion = sum(r.finish.n_decoded for r in results if r.finish)
-    return {
-        "completion_tokens": completion,
-        "prompt_tokens": prompt,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
-def oai_logprobs(result: Result) -> dict[str, Any] | None:
-    if result.request.n_probs <= 0:
-        return None
-    return {"content": result.probs}
-
-
-def oai_completion(results: list[Result], model_id: str, cid: str, created: int) -> dict[str, Any]:
-    choices = [
-        {
-            "text": r.content,
-            "index": i,
-            "logprobs": oai_logprobs(r),
-            "finish_reason": finish_reason(r.finish) if r.finish else "stop",
-        }
-        for i, r in enumerate(results)
-    ]
-    return {
-        "choices": choices,
-        "created": created,
-        "model": model_id,
-        "system_fingerprint": SYSTEM_FINGERPRINT,
-        "object": "text_completion",
-        "usage": usage_json(results),
-        "id": cid,
-        "timings": timings_json(results[0].finish) if results and results[0].finish else {},
-    }
-
-
-def oai_completion_chunk(text: str, index: int, model_id: str, cid: str, created: int, finish: str | None, logprobs: Any = None) -> dict[str, Any]:
-    return {
-        "choices": [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}],
-        "created": created,
-        "model": model_id,
-        "system_fingerprint": SYSTEM_FINGERPRINT,
-        "object": "text_completion",
-        "id": cid,
-    }
-
-
-def chat_message(content: str, reasoning: str | None, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": "assistant", "content": content}
-    if reasoning is not None:
-        msg["reasoning_content"] = reasoning
-    if tool_calls:
-        msg["tool_calls"] = tool_calls
-    return msg
-
-
-def oai_chat(choices: list[dict[str, Any]], results: list[Result], model_id: str, cid: str, created: int) -> dict[str, Any]:
-    return {
-        "choices": choices,
-        "created": created,
-        "model": model_id,
-        "system_fingerprint": SYSTEM_FINGERPRINT,
-        "object": "chat.completion",
-        "usage": usage_json(results),
-        "id": cid,
-        "timings": timings_json(results[0].finish) if results and results[0].finish else {},
-    }
-
-
-def oai_chat_chunk(delta: dict[str, Any], index: int, model_id: str, cid: str, created: int, finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"finish_reason": finish, "index": index, "delta": delta}
-    if logprobs is not None:
-        choice["logprobs"] = logprobs
-    return {
-        "choices": [choice],
-        "created": created,
-        "id": cid,
-        "model": model_id,
-        "system_fingerprint": SYSTEM_FINGERPRINT,
-        "object": "chat.completion.chunk",
-    }
+    return TokenCounts(prompt=sum(p for p, _ in seen.values()), cached=sum(c for _, c in seen.values()), completion=completion)
 
 
 def now() -> int:

@@ -1,34 +1,17 @@
-"""Small routes: health, props, models, slots, tokenize/detokenize, apply-template, metrics."""
+"""What the server says about itself: ``/health``, ``/props``, ``/models``, ``/slots``, ``/metrics``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mlxcel_compat.engine.textstream import token_bytes
 from mlxcel_compat.server.context import ServerContext
-from mlxcel_compat.server.errors import InvalidRequest, NotSupported, Unavailable, json_response
+from mlxcel_compat.server.errors import NotSupported, Unavailable, json_response
 from mlxcel_compat.server.formats import BUILD_INFO, metrics_params
-
-
-def ctx_of(request: Request) -> ServerContext:
-    return request.app.state.ctx
-
-
-async def read_json(request: Request) -> dict[str, Any]:
-    """The request body as a JSON object; anything else is a 400 (llama-server answers 500)."""
-    raw = await request.body()
-    try:
-        data = orjson.loads(raw) if raw.strip() else {}
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"Invalid JSON in request body: {exc}") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest("Request body must be a JSON object")
-    return data
+from mlxcel_compat.server.pipeline import ctx_of, read_json
 
 
 async def health(request: Request) -> Response:
@@ -142,62 +125,6 @@ async def slots(request: Request) -> Response:
     return json_response([slot.to_json() for slot in ctx.engine.slots])
 
 
-def _piece(tokenizer: Any, token: int) -> str | list[int]:
-    raw = token_bytes(tokenizer, token)
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return list(raw)
-
-
-async def tokenize(request: Request) -> Response:
-    ctx = ctx_of(request)
-    data = await read_json(request)
-    content = data.get("content")
-    if content is None:
-        return json_response({"tokens": []})
-    add_special = data.get("add_special") is True
-    with_pieces = data.get("with_pieces") is True
-    tok = ctx.model.tokenizer
-    if isinstance(content, str):
-        tokens = list(tok.encode(content, add_special_tokens=add_special))
-    elif isinstance(content, list):
-        tokens = []
-        for i, piece in enumerate(content):
-            if isinstance(piece, int) and not isinstance(piece, bool):
-                tokens.append(piece)
-            elif isinstance(piece, str):
-                tokens.extend(tok.encode(piece, add_special_tokens=add_special and i == 0))
-            else:
-                raise InvalidRequest("content must be a string or an array of strings and token ids")
-    else:
-        raise InvalidRequest("content must be a string or an array of strings and token ids")
-    if with_pieces:
-        return json_response({"tokens": [{"id": t, "piece": _piece(tok, t)} for t in tokens]})
-    return json_response({"tokens": tokens})
-
-
-async def detokenize(request: Request) -> Response:
-    ctx = ctx_of(request)
-    data = await read_json(request)
-    tokens = data.get("tokens") or []
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise InvalidRequest("tokens must be an array of token ids")
-    valid = [t for t in tokens if 0 <= t < ctx.model.vocab_size]
-    if len(valid) != len(tokens):
-        raise InvalidRequest("tokens contains invalid token ids")
-    return json_response({"content": ctx.model.tokenizer.decode(valid, skip_special_tokens=False)})
-
-
-async def apply_template(request: Request) -> Response:
-    from mlxcel_compat.server.routes_chat import render_prompt
-
-    ctx = ctx_of(request)
-    data = await read_json(request)
-    prompt, _ = render_prompt(ctx, data)
-    return json_response({"prompt": prompt})
-
-
 async def metrics(request: Request) -> Response:
     ctx = ctx_of(request)
     if not ctx.settings.metrics:
@@ -214,8 +141,5 @@ ROUTES = [
     Route("/models", models, methods=["GET"]),
     Route("/v1/models", models, methods=["GET"]),
     Route("/slots", slots, methods=["GET"]),
-    Route("/tokenize", tokenize, methods=["POST"]),
-    Route("/detokenize", detokenize, methods=["POST"]),
-    Route("/apply-template", apply_template, methods=["POST"]),
     Route("/metrics", metrics, methods=["GET"]),
 ]

@@ -13,7 +13,7 @@ from starlette.routing import Route
 from mlxcel_compat.cache.snapshot import SnapshotStore
 from mlxcel_compat.cache.store import PromptCacheStore
 from mlxcel_compat.server.errors import json_response
-from mlxcel_compat.server.routes_misc import ctx_of
+from mlxcel_compat.server.pipeline import ctx_of
 
 
 async def cache_stats(request: Request) -> Response:

@@ -1,0 +1,344 @@
+"""The OpenAI API: ``/v1/chat/completions`` and ``/v1/completions`` (llama-server semantics).
+
+Translates the OpenAI request shapes into the shared pipeline's requests and formats the engine's
+events back as OpenAI bodies and SSE chunks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from mlxcel_compat.chat.messages import StreamSplitter, prompt_opens_thinking
+from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, ProgressEvent, TokenEvent
+from mlxcel_compat.server import formats as fmt
+from mlxcel_compat.server.context import ServerContext
+from mlxcel_compat.server.errors import InvalidRequest, NotSupported, ServerError, json_response
+from mlxcel_compat.server.params import CompletionOptions
+from mlxcel_compat.server.pipeline import (
+    ChatJob,
+    check_context,
+    collect,
+    ctx_of,
+    expand,
+    extract_tool_calls,
+    parse_options,
+    prepare_chat,
+    prompt_text,
+    read_json,
+    reasoning_on,
+    split_reply,
+    sse_response,
+    warm_up,
+)
+from mlxcel_compat.server.prompts import tokenize_prompts
+
+SYSTEM_FINGERPRINT = fmt.BUILD_INFO
+
+
+def completion_id() -> str:
+    return fmt.random_id("chatcmpl-")
+
+
+# ---------------------------------------------------------------------- request checks
+
+
+def check_response_format(data: dict[str, Any]) -> None:
+    """``response_format``: "text" is the only type served; the JSON types need constrained sampling."""
+    fmt_spec = data.get("response_format")
+    if fmt_spec is None:
+        return
+    kind = fmt_spec.get("type") if isinstance(fmt_spec, dict) else None
+    if kind == "text":
+        return
+    if kind in ("json_object", "json_schema"):
+        raise NotSupported(f"response_format type '{kind}' needs constrained sampling, which this server does not support")
+    raise InvalidRequest("response_format type must be one of 'text', 'json_object' or 'json_schema'")
+
+
+def check_logprobs(data: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI ``logprobs: true`` + ``top_logprobs`` map to ``n_probs`` (default 20, llama-server)."""
+    logprobs = data.get("logprobs")
+    top = data.get("top_logprobs")
+    if top is not None and logprobs is not True:
+        raise InvalidRequest("top_logprobs requires logprobs to be set to true")
+    if logprobs is True:
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 0):
+            raise InvalidRequest("Field 'top_logprobs': must be a non-negative integer")
+        data = dict(data)
+        data["n_probs"] = 20 if top is None else top
+    data = {k: v for k, v in data.items() if k != "logprobs"}
+    return data
+
+
+def add_verbose(ctx: ServerContext, data: dict[str, Any], body: dict[str, Any], result: fmt.Result) -> dict[str, Any]:
+    """``verbose: true`` (or a ``-v`` server): OpenAI bodies also carry the native result."""
+    if data.get("verbose") is True or (data.get("verbose") is None and ctx.settings.verbose):
+        m = ctx.model
+        body["__verbose"] = fmt.native_final(result, m.model_id, prompt_text(ctx, result.request.prompt_tokens), False, False, 0, True, m.eog_ids)
+    return body
+
+
+# ---------------------------------------------------------------------- response shapes
+
+
+def finish_reason(fin: FinishEvent, has_tool_calls: bool = False) -> str:
+    if fin.stop_type in ("eos", "word"):
+        return "tool_calls" if has_tool_calls else "stop"
+    return "length"
+
+
+def usage_json(results: list[fmt.Result]) -> dict[str, Any]:
+    counts = fmt.token_counts(results)
+    return {
+        "completion_tokens": counts.completion,
+        "prompt_tokens": counts.prompt,
+        "total_tokens": counts.prompt + counts.completion,
+        "prompt_tokens_details": {"cached_tokens": counts.cached},
+    }
+
+
+def _logprobs(result: fmt.Result) -> dict[str, Any] | None:
+    if result.request.n_probs <= 0:
+        return None
+    return {"content": result.probs}
+
+
+def _timings(results: list[fmt.Result]) -> dict[str, Any]:
+    return fmt.timings_json(results[0].finish) if results and results[0].finish else {}
+
+
+def completion_body(results: list[fmt.Result], model_id: str, cid: str, created: int) -> dict[str, Any]:
+    choices = [
+        {
+            "text": r.content,
+            "index": i,
+            "logprobs": _logprobs(r),
+            "finish_reason": finish_reason(r.finish) if r.finish else "stop",
+        }
+        for i, r in enumerate(results)
+    ]
+    return {
+        "choices": choices,
+        "created": created,
+        "model": model_id,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "object": "text_completion",
+        "usage": usage_json(results),
+        "id": cid,
+        "timings": _timings(results),
+    }
+
+
+def completion_chunk(text: str, index: int, model_id: str, cid: str, created: int, finish: str | None, logprobs: Any = None) -> dict[str, Any]:
+    return {
+        "choices": [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}],
+        "created": created,
+        "model": model_id,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "object": "text_completion",
+        "id": cid,
+    }
+
+
+def chat_message(content: str, reasoning: str | None, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        msg["reasoning_content"] = reasoning
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
+    return msg
+
+
+def chat_body(choices: list[dict[str, Any]], results: list[fmt.Result], model_id: str, cid: str, created: int) -> dict[str, Any]:
+    return {
+        "choices": choices,
+        "created": created,
+        "model": model_id,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "object": "chat.completion",
+        "usage": usage_json(results),
+        "id": cid,
+        "timings": _timings(results),
+    }
+
+
+def chat_chunk(delta: dict[str, Any], index: int, model_id: str, cid: str, created: int, finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"finish_reason": finish, "index": index, "delta": delta}
+    if logprobs is not None:
+        choice["logprobs"] = logprobs
+    return {
+        "choices": [choice],
+        "created": created,
+        "id": cid,
+        "model": model_id,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "object": "chat.completion.chunk",
+    }
+
+
+# ---------------------------------------------------------------------- /v1/completions
+
+
+async def completions(request: Request) -> Response:
+    ctx = ctx_of(request)
+    data = await read_json(request)
+    opts = parse_options(ctx, data)
+    prompts, _ = tokenize_prompts(ctx.model.tokenizer, data.get("prompt"), ctx.model.vocab_size)
+    for tokens in prompts:
+        check_context(ctx, tokens)
+    requests = expand(ctx, opts, prompts)
+    if ctx.cache_hooks is not None:
+        ctx.cache_hooks.prepare_raw(data, requests)
+    if opts.stream:
+        return sse_response(_stream_completion(ctx, requests, opts), opts)
+    results = await collect(ctx, request, requests)
+    body = completion_body(results, ctx.model.model_id, completion_id(), fmt.now())
+    return json_response(add_verbose(ctx, data, body, results[0]))
+
+
+async def _stream_completion(ctx: ServerContext, requests: list[GenerationRequest], opts: CompletionOptions) -> AsyncIterator[bytes]:
+    m = ctx.model
+    cid, created = completion_id(), fmt.now()
+    results = [fmt.Result(index=r.index, request=r) for r in requests]
+    remaining = len(requests)
+    async for i, event in ctx.run(requests):
+        res = results[i]
+        if isinstance(event, TokenEvent):
+            res.add(event, m.tokenizer)
+            if event.text or event.top is not None:
+                logprobs = {"content": [res.probs[-1]]} if event.top is not None else None
+                yield fmt.sse(completion_chunk(event.text, i, m.model_id, cid, created, None, logprobs))
+        elif isinstance(event, FinishEvent):
+            res.close(event)
+            remaining -= 1
+            if event.text:
+                yield fmt.sse(completion_chunk(event.text, i, m.model_id, cid, created, None))
+            final = completion_chunk("", i, m.model_id, cid, created, finish_reason(event))
+            if remaining == 0:
+                final["usage"] = usage_json(results)
+                final["timings"] = fmt.timings_json(event)
+            yield fmt.sse(final)
+        elif isinstance(event, ErrorEvent):
+            yield fmt.sse(ServerError(event.message).to_json())
+            return
+    yield fmt.SSE_DONE
+
+
+# ---------------------------------------------------------------------- /v1/chat/completions
+
+
+async def chat_completions(request: Request) -> Response:
+    ctx = ctx_of(request)
+    data = await read_json(request)
+    check_response_format(data)
+    job = prepare_chat(ctx, check_logprobs(data))
+    if job.opts.stream:
+        splitters = [
+            StreamSplitter(reasoning=reasoning_on(ctx, data), in_reasoning=prompt_opens_thinking(job.prompt), tools=job.with_tools)
+            for _ in job.requests
+        ]
+        on_reply = lambda msg: warm_up(ctx, job, msg)  # noqa: E731
+        return sse_response(_stream_chat(ctx, job, splitters, on_reply), job.opts)
+    results = await collect(ctx, request, job.requests)
+    choices = []
+    for i, res in enumerate(results):
+        reasoning, content = split_reply(ctx, res.content, data)
+        tool_calls: list[dict[str, Any]] = []
+        if job.with_tools:
+            content, tool_calls = extract_tool_calls(content, data)
+        choice: dict[str, Any] = {
+            "finish_reason": finish_reason(res.finish, bool(tool_calls)),
+            "index": i,
+            "message": chat_message(content, reasoning, tool_calls),
+        }
+        if res.request.n_probs > 0:
+            choice["logprobs"] = {"content": res.probs}
+        choices.append(choice)
+    warm_up(ctx, job, choices[0]["message"])
+    body = chat_body(choices, results, ctx.model.model_id, completion_id(), fmt.now())
+    return json_response(add_verbose(ctx, data, body, results[0]))
+
+
+async def _stream_chat(
+    ctx: ServerContext,
+    job: ChatJob,
+    splitters: list[StreamSplitter],
+    on_reply: Callable[[dict[str, Any]], None],
+) -> AsyncIterator[bytes]:
+    """OpenAI chat chunks: reasoning and content deltas split as they stream, tool calls at the end."""
+    m = ctx.model
+    data, requests = job.data, job.requests
+    rebuilt = [{"content": "", "reasoning_content": ""} for _ in requests]  # what the client will hold
+    cid, created = completion_id(), fmt.now()
+    results = [fmt.Result(index=r.index, request=r) for r in requests]
+    started: set[int] = set()
+    last_finish: FinishEvent | None = None
+    remaining = len(requests)
+    async for i, event in ctx.run(requests):
+        res = results[i]
+        if i not in started and isinstance(event, (TokenEvent, FinishEvent)):
+            started.add(i)
+            yield fmt.sse(chat_chunk({"role": "assistant", "content": None}, i, m.model_id, cid, created))
+        if isinstance(event, TokenEvent):
+            res.add(event, m.tokenizer)
+            deltas = splitters[i].push(event.text) if event.text else []
+            logprobs = {"content": [res.probs[-1]]} if event.top is not None else None
+            if not deltas and logprobs is not None:
+                deltas = [("content", "")]  # the token's text is held back; its logprobs are not
+            for k, (field, text) in enumerate(deltas):
+                rebuilt[i][field] += text
+                last = logprobs if k == len(deltas) - 1 else None
+                yield fmt.sse(chat_chunk({field: text}, i, m.model_id, cid, created, None, last))
+        elif isinstance(event, ProgressEvent):
+            chunk = chat_chunk({"role": "assistant", "content": None}, i, m.model_id, cid, created)
+            chunk["prompt_progress"] = {"total": event.total, "cache": event.cache, "processed": event.processed, "time_ms": event.time_ms}
+            yield fmt.sse(chunk)
+        elif isinstance(event, FinishEvent):
+            res.close(event)
+            remaining -= 1
+            last_finish = event
+            for field, text in splitters[i].push(event.text) + splitters[i].flush():
+                rebuilt[i][field] += text
+                yield fmt.sse(chat_chunk({field: text}, i, m.model_id, cid, created))
+            tool_calls: list[dict[str, Any]] = []
+            if job.with_tools:
+                _, tool_calls = extract_tool_calls(split_reply(ctx, res.content, data)[1], data)
+            if i == 0:
+                # The message as the client rebuilds it from the deltas it received.
+                reasoning = rebuilt[0]["reasoning_content"] or None
+                on_reply(chat_message(rebuilt[0]["content"], reasoning, tool_calls))
+            if tool_calls:
+                deltas = [dict(tc, index=k) for k, tc in enumerate(tool_calls)]
+                yield fmt.sse(chat_chunk({"tool_calls": deltas}, i, m.model_id, cid, created))
+            final = chat_chunk({}, i, m.model_id, cid, created, finish_reason(event, bool(tool_calls)))
+            if remaining == 0 and not job.opts.include_usage:
+                final["timings"] = fmt.timings_json(event)
+            yield fmt.sse(final)
+        elif isinstance(event, ErrorEvent):
+            yield fmt.sse(ServerError(event.message).to_json())
+            return
+    if job.opts.include_usage:
+        usage_chunk: dict[str, Any] = {
+            "choices": [],
+            "created": created,
+            "id": cid,
+            "model": m.model_id,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "object": "chat.completion.chunk",
+            "usage": usage_json(results),
+        }
+        if last_finish is not None:
+            usage_chunk["timings"] = fmt.timings_json(last_finish)
+        yield fmt.sse(usage_chunk)
+    yield fmt.SSE_DONE
+
+
+ROUTES = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+]

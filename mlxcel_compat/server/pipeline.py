@@ -1,0 +1,250 @@
+"""The request pipeline every generation API shares: body → options → prompt → cache facts → engine.
+
+Each API module (``api_native``, ``api_openai``, ...) translates its own wire format into the
+internal :class:`GenerationRequest` list with these helpers, runs it through :func:`collect` (a whole
+response) or ``ctx.run`` (a stream), and formats the events back in its own shapes. Nothing here
+knows a wire format beyond llama-server's request fields, and nothing here touches MLX.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Mapping
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from mlxcel_compat.chat.messages import ChatRequest, ChatRequestError, parse_chat_request, parse_tool_calls, render_chat, split_reasoning
+from mlxcel_compat.chat.template import TemplateError
+from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent, next_task_id
+from mlxcel_compat.server import formats as fmt
+from mlxcel_compat.server.context import ServerContext
+from mlxcel_compat.server.errors import ContextExceeded, InvalidRequest, ServerError
+from mlxcel_compat.server.params import CompletionOptions, parse_completion_options
+from mlxcel_compat.settings import default_template_kwargs
+
+SSE_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
+
+
+def ctx_of(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The request body as a JSON object; anything else is a 400 (llama-server answers 500)."""
+    raw = await request.body()
+    try:
+        data = orjson.loads(raw) if raw.strip() else {}
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"Invalid JSON in request body: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("Request body must be a JSON object")
+    return data
+
+
+# ---------------------------------------------------------------------- options and prompts
+
+
+def parse_options(ctx: ServerContext, data: Mapping[str, Any]) -> CompletionOptions:
+    m = ctx.model
+    return parse_completion_options(data, ctx.settings, len(ctx.engine.slots), m.vocab_size, ctx.tokenize, m.eog_ids)
+
+
+def check_context(ctx: ServerContext, tokens: list[int]) -> None:
+    if len(tokens) >= ctx.model.n_ctx:
+        raise ContextExceeded(len(tokens), ctx.model.n_ctx)
+
+
+def expand(ctx: ServerContext, opts: CompletionOptions, prompts: list[list[int]]) -> list[GenerationRequest]:
+    """One request per prompt and per completion (``n_cmpl``); children get seed+1, seed+2, ..."""
+    requests = []
+    for p_index, tokens in enumerate(prompts):
+        for child in range(opts.n_cmpl):
+            req = copy.deepcopy(opts.request)
+            req.task_id = next_task_id()  # each sequence is its own task (events, cancellation)
+            req.prompt_tokens = tokens
+            req.index = p_index * opts.n_cmpl + child
+            if child and req.sampling.seed != 0xFFFFFFFF:
+                req.sampling.seed = (req.sampling.seed + child) & 0xFFFFFFFF
+            req.slot_params = fmt.metrics_params(req, opts.stream)
+            if opts.n_cmpl > 1:
+                # The engine prefills the prompt once and the siblings copy its KV.
+                req.share_group = requests[-child].task_id if child else req.task_id
+            requests.append(req)
+    # Children of one prompt share the token list object (usage counts the prompt once).
+    return requests
+
+
+def prompt_text(ctx: ServerContext, tokens: list[int]) -> str:
+    return ctx.model.tokenizer.decode(tokens, skip_special_tokens=False)
+
+
+# ---------------------------------------------------------------------- chat requests
+
+
+def render_prompt(ctx: ServerContext, data: Mapping[str, Any]) -> tuple[str, ChatRequest]:
+    """Validate an OpenAI-shaped chat body and render it through the model's template (400 on any problem)."""
+    template = ctx.model.chat_template
+    if template is None:
+        raise InvalidRequest("this model has no chat template; pass --chat-template")
+    try:
+        defaults = default_template_kwargs(ctx.settings)
+        if ctx.cache_hooks is not None:
+            defaults = ctx.cache_hooks.template_defaults(data, defaults)
+        chat = parse_chat_request(data, default_template_kwargs=defaults)
+        return render_chat(template, chat), chat
+    except (ChatRequestError, TemplateError) as exc:
+        if getattr(exc, "status_code", 400) >= 500:
+            raise ServerError(exc.message) from None
+        raise InvalidRequest(exc.message) from None
+
+
+@dataclass
+class ChatJob:
+    """A chat request ready for the engine: the rendered prompt and one request per choice."""
+
+    data: Mapping[str, Any]  # the OpenAI-shaped chat body the job was built from
+    chat: ChatRequest
+    prompt: str
+    opts: CompletionOptions
+    requests: list[GenerationRequest]
+
+    @property
+    def with_tools(self) -> bool:
+        return bool(self.chat.tools) and self.chat.tool_choice != "none"
+
+
+def prepare_chat(ctx: ServerContext, data: Mapping[str, Any]) -> ChatJob:
+    """Render, tokenize, check the context and attach the prompt-cache facts.
+
+    ``data`` is an OpenAI chat-completions body (``messages``, ``tools``, sampling fields); other
+    chat-like APIs translate into that shape first.
+    """
+    prompt, chat = render_prompt(ctx, data)
+    opts = parse_options(ctx, data)
+    tokens = ctx.tokenize_rendered(prompt)
+    check_context(ctx, tokens)
+    requests = expand(ctx, opts, [tokens])
+    if ctx.cache_hooks is not None:
+        ctx.cache_hooks.prepare_chat(data, chat, requests, prompt)
+    return ChatJob(data=data, chat=chat, prompt=prompt, opts=opts, requests=requests)
+
+
+def reasoning_on(ctx: ServerContext, data: Mapping[str, Any]) -> bool:
+    """``reasoning_format`` (request, else ``--reasoning-format``): "none" keeps thinking in content."""
+    requested = data.get("reasoning_format")
+    return (requested if isinstance(requested, str) else ctx.settings.reasoning_format) != "none"
+
+
+def split_reply(ctx: ServerContext, text: str, data: Mapping[str, Any]) -> tuple[str | None, str]:
+    """``(reasoning, content)`` of a finished reply; reasoning is None when it stays in content."""
+    if not reasoning_on(ctx, data):
+        return None, text
+    return split_reasoning(text)
+
+
+def extract_tool_calls(content: str, data: Mapping[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    """Parsed tool calls (OpenAI shape); ``parallel_tool_calls: false`` keeps only the first."""
+    content, calls = parse_tool_calls(content)
+    if data.get("parallel_tool_calls") is False:
+        calls = calls[:1]
+    return content, calls
+
+
+def warm_up(ctx: ServerContext, job: ChatJob, message: Mapping[str, Any]) -> None:
+    """Ask the engine to prepare the session's next turn while it is idle (snapshot families).
+
+    ``message`` is the assistant reply as the client will send it back (OpenAI message shape).
+    """
+    if ctx.cache_hooks is None:
+        return
+    warmup = ctx.cache_hooks.warmup_job(job.data, job.chat, job.requests[0], message)
+    if warmup is not None:
+        ctx.engine.warmup(warmup)
+
+
+# ---------------------------------------------------------------------- running
+
+
+def empty_finish(req: GenerationRequest) -> FinishEvent:
+    return FinishEvent("limit", "", "", 0, 0, 0, 0, 0.0, 0.0, False, -1, req.sampling.seed)
+
+
+async def collect(ctx: ServerContext, request: Request, requests: list[GenerationRequest]) -> list[fmt.Result]:
+    """Run the sequences to completion; a client that disconnects cancels them."""
+    results = [fmt.Result(index=r.index, request=r) for r in requests]
+    live = [r for r in requests if r.prompt_tokens]
+    for res in results:
+        if not res.request.prompt_tokens:
+            res.close(empty_finish(res.request))
+    if not live:
+        return results
+    by_task = {r.task_id: results[i] for i, r in enumerate(requests)}
+    tokenizer = ctx.model.tokenizer
+
+    async def consume() -> None:
+        async for i, event in ctx.run(live):
+            res = by_task[live[i].task_id]
+            if isinstance(event, TokenEvent):
+                res.add(event, tokenizer)
+            elif isinstance(event, FinishEvent):
+                res.close(event)
+            elif isinstance(event, ErrorEvent):
+                raise ServerError(event.message)
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    work = asyncio.create_task(consume())
+    watch = asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()  # closes ctx.run, which cancels the sequences on the engine
+            await asyncio.gather(work, return_exceptions=True)
+            raise asyncio.CancelledError()
+    work.result()
+    return results
+
+
+async def with_keepalive(chunks: AsyncIterator[bytes], interval: int) -> AsyncIterator[bytes]:
+    """Pass ``chunks`` through, sending an SSE comment after ``interval`` seconds of silence.
+
+    ``sse_ping_interval``: a request waiting for a slot or a long prefill stays visibly alive.
+    """
+    if interval <= 0:
+        async for chunk in chunks:
+            yield chunk
+        return
+    source = chunks.__aiter__()
+    pending: asyncio.Future[bytes] = asyncio.ensure_future(source.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield fmt.SSE_PING
+                continue
+            try:
+                chunk = pending.result()
+            except StopAsyncIteration:
+                return
+            yield chunk
+            pending = asyncio.ensure_future(source.__anext__())
+    finally:
+        if not pending.done():
+            pending.cancel()  # cancels the sequences through the inner generator's cleanup
+            await asyncio.gather(pending, return_exceptions=True)
+        await source.aclose()
+
+
+def sse_response(chunks: AsyncIterator[bytes], opts: CompletionOptions) -> StreamingResponse:
+    """An SSE stream with llama-server's headers and the request's keep-alive interval."""
+    return StreamingResponse(with_keepalive(chunks, opts.sse_ping_interval), media_type="text/event-stream", headers=SSE_HEADERS)
