@@ -96,7 +96,9 @@ def build_server(settings: object, model_arg: str, api_keys: list[str]) -> objec
     from mlxcel_compat.server.context import ServerContext
     from mlxcel_compat.server.metrics import Metrics, prompt_cache_metrics
 
-    n_parallel = settings.n_parallel if settings.n_parallel > 0 else 4  # llama-server's auto
+    # llama-server's auto slot count: 4 slots sharing one unified KV buffer (each may use all of -c).
+    auto_parallel = settings.n_parallel <= 0
+    n_parallel = 4 if auto_parallel else settings.n_parallel
     engine = Engine(
         EngineConfig(
             model=model_arg,
@@ -104,8 +106,10 @@ def build_server(settings: object, model_arg: str, api_keys: list[str]) -> objec
             offline=bool(settings.offline),
             ctx_size=settings.ctx_size,
             n_parallel=n_parallel,
+            kv_unified=auto_parallel or bool(settings.kv_unified),
             batch_size=settings.batch_size,
             cont_batching=bool(settings.cont_batching),
+            sleep_idle_seconds=settings.sleep_idle_seconds,
         ),
         prefix_cache_factory=lambda engine: PrefixCache(engine, PrefixCacheConfig.from_settings(settings)),
     )
@@ -119,9 +123,18 @@ async def serve(app: object, settings: object) -> int:
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
+    from mlxcel_compat.server.api_vertex import VertexConfig
+
     config = Config()
     host = settings.host
-    config.bind = [f"unix:{host}"] if host.endswith(".sock") else [f"[{host}]:{settings.port}" if ":" in host else f"{host}:{settings.port}"]
+    port = settings.port
+    vertex = VertexConfig.from_env()
+    if vertex.enabled:
+        if port != vertex.port:
+            log.warning("Vertex AI prediction mode: listening on AIP_HTTP_PORT %d instead of %d", vertex.port, port)
+        port = vertex.port
+        log.info("Vertex AI prediction mode: predict route %s, health route %s", vertex.predict_route, vertex.health_route or "/health")
+    config.bind = [f"unix:{host}"] if host.endswith(".sock") else [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.read_timeout = settings.timeout
     config.keep_alive_timeout = settings.timeout
     config.accesslog = None

@@ -274,7 +274,7 @@ R_SPEC = "speculative decoding is not implemented"
 R_MMPROJ = "multimodal projectors are not supported, so this option has nothing to act on"
 R_SLOTS = "mlxcel_compat keeps a radix prompt cache instead of llama.cpp's slot caches; see --prompt-cache-*"
 R_LOG_FORMAT = "logs use Python's logging format"
-R_UI = "no web UI is bundled (/ answers 404, as with --no-ui)"
+R_UI = "no web UI is bundled; GET / serves a status page (see --ui)"
 R_ROUTER = "router (multi-model) mode is not supported; serve one model per process"
 R_EMBED = "embeddings and reranking are not supported"
 R_LORA = "LoRA adapters are not supported"
@@ -309,7 +309,8 @@ _SERVER: tuple[Setting, ...] = (
             help="HTTP read/write timeout in seconds."),
     Setting("n_parallel", ("-np", "--parallel"), ("LLAMA_ARG_N_PARALLEL",), type="int", default=-1,
             parse=_parse_n_parallel, accepts="-1 (auto) or an integer >= 1",
-            help="Sequences decoded at the same time (-1 = auto = 4; 0 is rejected)."),
+            help="Slots: sequences decoded at the same time (-1 = auto = 4 with --kv-unified; 0 is rejected). "
+                 "Each slot gets ctx-size / parallel tokens of context unless --kv-unified is on."),
     Setting("cont_batching", ("-cb", "--cont-batching"), ("LLAMA_ARG_CONT_BATCHING",), type="bool", default=True,
             negative_flags=("-nocb", "--no-cont-batching"),
             help="Continuous batching: admit new requests while others are decoding."),
@@ -336,14 +337,18 @@ _SERVER: tuple[Setting, ...] = (
           "not implemented", env=("LLAMA_ARG_REUSE_PORT",), group="server"),
     _noop("static_path", ("--path",), "Directory of static files to serve.", R_UI, metavar="PATH",
           env=("LLAMA_ARG_STATIC_PATH",), group="server"),
-    _noop("ui", ("--ui", "--webui"), "Serve the web UI.", R_UI, env=("LLAMA_ARG_UI",),
-          negative_flags=("--no-ui", "--no-webui"), group="server"),
+    Setting("ui", ("--ui", "--webui"), ("LLAMA_ARG_UI",), type="bool", default=True,
+            negative_flags=("--no-ui", "--no-webui"), group="server",
+            reason="no web UI is bundled: GET / serves a small status page (model, slots, API links)",
+            help="Serve GET / (off: / answers 404)."),
     _noop("ui_config", ("--ui-config", "--webui-config"), "Default web UI settings (JSON).", R_UI, metavar="JSON",
           env=("LLAMA_ARG_UI_CONFIG",), group="server"),
     _noop("ui_config_file", ("--ui-config-file", "--webui-config-file"), "File with default web UI settings.",
           R_UI, metavar="PATH", env=("LLAMA_ARG_UI_CONFIG_FILE",), group="server"),
-    _noop("sleep_idle_seconds", ("--sleep-idle-seconds",), "Unload the model after N idle seconds.",
-          "the model stays loaded", metavar="SECONDS", group="server", type="int"),
+    Setting("sleep_idle_seconds", ("--sleep-idle-seconds",), type="int", default=-1, minimum=-1, group="server",
+            metavar="SECONDS",
+            help="Unload the model after this many seconds without requests and return its memory; the next "
+                 "request reloads it (-1 = never). /health stays 200 and /props reports is_sleeping."),
     _noop("models_max", ("--models-max",), "Router mode: models loaded at once.", R_ROUTER, metavar="N",
           env=("LLAMA_ARG_MODELS_MAX",), group="server", type="int"),
     _noop("models_autoload", ("--models-autoload",), "Router mode: load models on demand.", R_ROUTER,
@@ -388,9 +393,10 @@ _MODEL: tuple[Setting, ...] = (
             help="Use only the local Hugging Face cache; never download."),
     Setting("alias", ("-a", "--alias"), ("LLAMA_ARG_ALIAS",), type="list", default=(), group="model",
             metavar="NAME", help="Model name(s) shown by the API, comma-separated; the alphabetically first "
-                                 "is the model id."),
+                                 "is the model id and a request's model field may name any of them."),
     Setting("ctx_size", ("-c", "--ctx-size"), ("LLAMA_ARG_CTX_SIZE",), type="int", default=0, minimum=0,
-            group="model", help="Context size in tokens (0 = the model's own)."),
+            group="model", help="Context size in tokens (0 = the model's own), padded to a multiple of 256 and "
+                                "shared among the slots (see --parallel, --kv-unified)."),
     Setting("batch_size", ("-b", "--batch-size"), ("LLAMA_ARG_BATCH",), type="int", default=2048, minimum=1,
             group="model", help="Prefill chunk: prompt tokens evaluated per engine step."),
     Setting("chat_template", ("--chat-template",), ("LLAMA_ARG_CHAT_TEMPLATE",), group="model",
@@ -415,16 +421,17 @@ _MODEL: tuple[Setting, ...] = (
     _noop("hf_file", ("-hff", "--hf-file"), "GGUF file to pick from --hf-repo.",
           "MLX repositories hold one model; there is no quantization file to pick", metavar="FILE",
           env=("LLAMA_ARG_HF_FILE",), group="model"),
-    _noop("tags", ("--tags",), "Informational model tags.", "not reported by /models", metavar="TAGS",
-          env=("LLAMA_ARG_TAGS",), group="model"),
+    Setting("tags", ("--tags",), ("LLAMA_ARG_TAGS",), type="list", default=(), group="model", metavar="TAGS",
+            help="Informational model tags, comma-separated; GET /models lists them (sorted)."),
     _noop("reasoning_effort", ("--reasoning-effort",), "Default reasoning_effort template variable.",
           R_TEMPLATE_KW, metavar="LEVEL", env=("LLAMA_ARG_REASONING_EFFORT",), group="model"),
-    _noop("reasoning_budget", ("--reasoning-budget",), "Token budget for thinking.",
-          "thinking budgets are not enforced", metavar="N", env=("LLAMA_ARG_THINK_BUDGET",), group="model",
-          type="int"),
-    _noop("reasoning_budget_message", ("--reasoning-budget-message",), "Text injected when the budget ends.",
-          "thinking budgets are not enforced", metavar="MESSAGE", env=("LLAMA_ARG_THINK_BUDGET_MESSAGE",),
-          group="model"),
+    Setting("reasoning_budget", ("--reasoning-budget",), ("LLAMA_ARG_THINK_BUDGET",), type="int", default=-1,
+            minimum=-1, group="model", metavar="N",
+            help="Default reasoning_budget_tokens: tokens allowed in a <think> block before the end tag is "
+                 "forced (-1 = unlimited, 0 = close it at once)."),
+    Setting("reasoning_budget_message", ("--reasoning-budget-message",), ("LLAMA_ARG_THINK_BUDGET_MESSAGE",),
+            default="", group="model", metavar="MESSAGE",
+            help="Default reasoning_budget_message: text forced before the end tag when the budget runs out."),
     _noop("reasoning_preserve", ("--reasoning-preserve",), "Keep reasoning in the whole chat history.",
           R_TEMPLATE_KW, env=("LLAMA_ARG_REASONING_PRESERVE",), negative_flags=("--no-reasoning-preserve",),
           group="model"),
@@ -522,12 +529,13 @@ _SAMPLING: tuple[Setting, ...] = (
     Setting("escape", ("-e", "--escape"), type="bool", default=True, negative_flags=("--no-escape",),
             group="sampling", help="Turn \\n, \\t, \\', \\\", \\\\ and \\xNN in -r and --dry-sequence-breaker "
                                    "values into the characters they name."),
-    _noop("mirostat", ("--mirostat",), "Mirostat version (0 = off).", "Mirostat sampling is not implemented",
-          metavar="N", group="sampling", type="int"),
-    _noop("mirostat_lr", ("--mirostat-lr",), "Mirostat eta.", "Mirostat sampling is not implemented",
-          metavar="N", group="sampling", type="float"),
-    _noop("mirostat_ent", ("--mirostat-ent",), "Mirostat tau.", "Mirostat sampling is not implemented",
-          metavar="N", group="sampling", type="float"),
+    Setting("mirostat", ("--mirostat",), type="int", default=0, minimum=0, maximum=2, group="sampling",
+            help="Mirostat sampling: 0 = off, 1 = Mirostat, 2 = Mirostat 2.0 (replaces the --samplers chain: "
+                 "temperature, then mirostat)."),
+    Setting("mirostat_lr", ("--mirostat-lr",), type="float", default=0.1, group="sampling",
+            help="Mirostat learning rate (eta)."),
+    Setting("mirostat_ent", ("--mirostat-ent",), type="float", default=5.0, group="sampling",
+            help="Mirostat target entropy (tau)."),
     _noop("adaptive_target", ("--adaptive-target",), "Adaptive-p target.", "adaptive-p sampling is not implemented",
           metavar="N", group="sampling", type="float"),
     _noop("adaptive_decay", ("--adaptive-decay",), "Adaptive-p decay.", "adaptive-p sampling is not implemented",
@@ -600,9 +608,10 @@ _CACHE: tuple[Setting, ...] = (
           group="cache", type="int"),
     _noop("cache_idle_slots", ("--cache-idle-slots",), "Save idle slots to the RAM cache.", R_SLOTS,
           env=("LLAMA_ARG_CACHE_IDLE_SLOTS",), negative_flags=("--no-cache-idle-slots",), group="cache"),
-    _noop("kv_unified", ("-kvu", "--kv-unified"), "One KV buffer shared by all slots.",
-          "each sequence owns its KV cache, bounded by --ctx-size", env=("LLAMA_ARG_KV_UNIFIED",),
-          negative_flags=("-no-kvu", "--no-kv-unified"), group="cache"),
+    Setting("kv_unified", ("-kvu", "--kv-unified"), ("LLAMA_ARG_KV_UNIFIED",), type="bool", default=False,
+            negative_flags=("-no-kvu", "--no-kv-unified"), group="cache", default_doc="on when -np is auto",
+            help="Every slot may use the whole --ctx-size (one shared KV budget) instead of ctx-size / parallel "
+                 "tokens each. Always on when --parallel is auto (-1), as in llama-server."),
     _noop("ctx_checkpoints", ("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), "Context checkpoints per slot.",
           "the session snapshot store plays this role; see --prompt-cache-snapshot-*", metavar="N",
           env=("LLAMA_ARG_CTX_CHECKPOINTS",), group="cache", type="int"),

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from mlxcel_compat.engine.batch import DecodeBatch, batch_caches_work, prefill_groups, prefill_together
 from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest
 from mlxcel_compat.engine.sequence import Sequence
-from mlxcel_compat.engine.slots import Slot
+from mlxcel_compat.engine.slots import Slot, slot_context
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,10 @@ class EngineConfig:
     offline: bool = False
     ctx_size: int = 0  # 0: the model's training context
     n_parallel: int = 4
+    kv_unified: bool = False  # True: every slot may use the whole context (llama.cpp's -kvu)
     batch_size: int = 2048  # prefill chunk
     cont_batching: bool = True  # False: decode one sequence at a time (no batched steps)
+    sleep_idle_seconds: int = -1  # unload the model after this many idle seconds (<= 0: never)
 
 
 @dataclass
@@ -89,9 +91,12 @@ class Engine:
     def __init__(self, config: EngineConfig, prefix_cache_factory: Callable[["Engine"], Any] | None = None) -> None:
         self.config = config
         self.state = "loading"  # loading -> ready | failed
+        self.sleeping = False  # ready, but the model is unloaded until the next request (--sleep-idle-seconds)
+        self._idle_since = time.monotonic()
         self.load_error: str | None = None
         self.loaded: Any = None  # LoadedModel once ready
-        self.n_ctx = 0
+        self.n_ctx = 0  # per slot: what one sequence may hold (prompt + generated tokens)
+        self.n_ctx_total = 0
         self.metrics = EngineMetrics()
         self.slots: list[Slot] = [Slot(i) for i in range(max(1, config.n_parallel))]
         self.waiting: collections.deque[_Submit] = collections.deque()
@@ -158,12 +163,62 @@ class Engine:
         self.state = "ready"
         self._ready.set()
         while not self._stop.is_set():
-            self._drain_commands(block=not self._has_work() and not self.warmups)
+            idle = not self._has_work() and not self.warmups
+            self._drain_commands(block=idle, timeout=self._time_to_sleep() if idle else None)
+            if self.sleeping and self.waiting:
+                self._wake()
             self._admit()
             if self._has_work():
                 self._step_all()
+                self._idle_since = time.monotonic()
             elif self.warmups:
                 self._run_warmup()
+            elif self._time_to_sleep() == 0.0:
+                self._sleep()
+
+    # ------------------------------------------------------------------ sleep (--sleep-idle-seconds)
+
+    def _time_to_sleep(self) -> float | None:
+        """Seconds until the idle model should be unloaded (None: never; 0: now)."""
+        limit = self.config.sleep_idle_seconds
+        if limit <= 0 or self.sleeping:
+            return None
+        return max(0.0, limit - (time.monotonic() - self._idle_since))
+
+    def _sleep(self) -> None:
+        """Unload the model and hand its memory back; the tokenizer and the prompt cache stay
+        (cached KV is still valid for the same weights once they are reloaded)."""
+        import gc
+
+        import mlx.core as mx
+
+        before = mx.get_active_memory()
+        self.loaded.model = None
+        self.batch = DecodeBatch(None)
+        gc.collect()
+        mx.clear_cache()
+        self.sleeping = True
+        log.info(
+            "sleeping after %d idle seconds: model unloaded, %d bytes of MLX memory released (%d still in use)",
+            self.config.sleep_idle_seconds, before - mx.get_active_memory(), mx.get_active_memory(),
+        )
+
+    def _wake(self) -> None:
+        """Reload the model for a waiting request; if that fails, fail the waiting requests."""
+        from mlxcel_compat.model.loader import load_model
+
+        t0 = time.perf_counter()
+        try:
+            self.loaded.model = load_model(self.config.model, self.config.aliases, offline=self.config.offline).model
+        except Exception as exc:
+            log.exception("could not reload the model after sleep")
+            for sub in list(self.waiting):
+                self.waiting.remove(sub)
+                sub.sink(ErrorEvent(f"could not reload the model: {exc}"))
+            return
+        self.batch = DecodeBatch(self.loaded.model)
+        self.sleeping = False
+        log.info("woke up: model '%s' reloaded in %.1f s for a new request", self.loaded.model_id, time.perf_counter() - t0)
 
     def _load(self) -> None:
         from mlxcel_compat.model.loader import load_model
@@ -171,7 +226,7 @@ class Engine:
         t0 = time.perf_counter()
         self.loaded = load_model(self.config.model, self.config.aliases, offline=self.config.offline)
         n_ctx_train = int(_config_value(self.loaded.config, "max_position_embeddings", 4096))
-        self.n_ctx = self.config.ctx_size or n_ctx_train
+        self.n_ctx_total, self.n_ctx = slot_context(self.config.ctx_size, len(self.slots), self.config.kv_unified, n_ctx_train)
         for slot in self.slots:
             slot.n_ctx = self.n_ctx
         self.batch = DecodeBatch(self.loaded.model)
@@ -179,13 +234,15 @@ class Engine:
             self.prefix_cache = self._prefix_cache_factory(self)
         self._warm_up()
         log.info(
-            "model '%s' loaded from %s in %.1f s (%d parameters, n_ctx %d, %d slots)",
+            "model '%s' loaded from %s in %.1f s (%d parameters, n_ctx %d, %d slots of %d tokens%s)",
             self.loaded.model_id,
             self.loaded.path,
             time.perf_counter() - t0,
             self.loaded.n_params,
-            self.n_ctx,
+            self.n_ctx_total,
             len(self.slots),
+            self.n_ctx,
+            ", unified KV" if self.config.kv_unified else "",
         )
 
     def _warm_up(self) -> None:
@@ -210,10 +267,10 @@ class Engine:
     def _has_work(self) -> bool:
         return bool(self.waiting) or any(s.sequence is not None for s in self.slots)
 
-    def _drain_commands(self, block: bool) -> None:
+    def _drain_commands(self, block: bool, timeout: float | None = None) -> None:
         while True:
             try:
-                cmd = self._commands.get(block=block, timeout=None)
+                cmd = self._commands.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 return
             block = False
@@ -221,6 +278,7 @@ class Engine:
                 return
             if isinstance(cmd, _Submit):
                 self.waiting.append(cmd)
+                self._idle_since = time.monotonic()
             elif isinstance(cmd, _Cancel):
                 self._cancel(cmd.task_id)
             elif isinstance(cmd, _Call):
@@ -232,6 +290,9 @@ class Engine:
         """Bounded queue: one pending warm-up per session (the newest wins); overflow is skipped."""
         cache = self.prefix_cache
         if cache is None or not cache.warmups:
+            return
+        if self.sleeping:  # warming up would reload the model for nobody
+            cache.skip_warmup()
             return
         for old in [j for j in self.warmups if j.session_key == job.session_key]:
             self.warmups.remove(old)

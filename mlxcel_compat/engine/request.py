@@ -9,6 +9,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
+from mlxcel_compat.engine.reasoning_budget import ReasoningBudgetSpec
 from mlxcel_compat.engine.sampling import SamplingParams
 
 _task_ids = itertools.count()
@@ -49,6 +50,12 @@ class GenerationRequest:
     share_group: int = -1
     # What /slots shows as the task's "params" (llama-server's metrics-only settings).
     slot_params: dict[str, Any] = field(default_factory=dict)
+    # Stop ("limit") at the first newline generated after this many ms of generation (<= 0: off).
+    t_max_predict_ms: int = -1
+    # Stop ("limit") when a new line is indented by fewer than this many spaces or tabs (0: off).
+    n_indent: int = 0
+    # reasoning_budget_tokens: close the thinking block after so many tokens (None: no budget).
+    reasoning_budget: ReasoningBudgetSpec | None = None
 
     @property
     def is_child(self) -> bool:
@@ -109,6 +116,8 @@ class FinishEvent:
     id_slot: int
     seed: int
     cancelled: bool = False
+    # n_indent: the reply ends at this many characters of sent text (-1: keep everything).
+    content_cut: int = -1
 
 
 @dataclass

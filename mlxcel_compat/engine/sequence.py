@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -27,8 +28,9 @@ from mlxcel_compat.engine.request import (
     TokenEvent,
     TokenProb,
 )
+from mlxcel_compat.engine.reasoning_budget import ReasoningBudget
 from mlxcel_compat.engine.sampling import SamplerChain, top_logprobs, top_probs
-from mlxcel_compat.engine.textstream import TextStream
+from mlxcel_compat.engine.textstream import TextStream, token_is_complete_utf8
 
 # Release MLX's buffer cache every so many decode steps (as mlx-lm does) to bound memory.
 _CLEAR_EVERY = 256
@@ -82,6 +84,13 @@ class Sequence:
         self.boundary: int | None = None
         self.on_boundary: Callable[["Sequence"], None] | None = None
         self._history: list[int] = list(self.prompt)
+        # The text sent so far, for llama-server's newline rules (n_indent, t_max_predict_ms).
+        self.text_sent = ""
+        self.has_new_line = False
+        self._last_nl_pos = 0
+        self._content_cut = -1
+        spec = request.reasoning_budget
+        self.budget = ReasoningBudget(spec, partial(token_is_complete_utf8, text.tokenizer)) if spec is not None else None
 
     # ------------------------------------------------------------------ public
 
@@ -146,6 +155,8 @@ class Sequence:
             self.cache_tokens.append(self.prompt[-1])
             return mx.array(self.prompt[-1], dtype=mx.int32), None, None
         pending = self._pending
+        if self.budget is not None:
+            self.budget.accept(int(pending[0].item()))  # the budget masks this row's next sample
         self._history.append(pending[0])
         self.cache_tokens.append(-1)  # filled in by finish_batched_feed
         if self.stats.t_prompt_done is None:
@@ -159,10 +170,10 @@ class Sequence:
         ``token``: already chosen by the batch (plain argmax rows); log-probabilities are then
         still available lazily from ``logits`` if a caller needs them.
         """
-        if token is not None:
+        if token is not None and self.budget is None:
             self._pending = (token, logits - mx.logsumexp(logits), None)
         else:
-            result = self.chain.sample(logits, self._history)
+            result = self.chain.sample(self._budget_mask(logits), self._history)
             self._pending = (result.token, result.logprobs, result.probs)
         return self._pending_arrays()
 
@@ -237,8 +248,15 @@ class Sequence:
             self.cache_tokens.append(-1)  # placeholder; filled in when the token is read back
         else:
             self.cache_tokens.extend(tokens)
-        result = self.chain.sample(logits, self._history)
+        result = self.chain.sample(self._budget_mask(logits), self._history)
         return result.token, result.logprobs, result.probs
+
+    def _budget_mask(self, logits: Any) -> Any:
+        """While the thinking budget forces a token, every other token is impossible."""
+        forced = self.budget.forced_token() if self.budget is not None else None
+        if forced is None:
+            return logits
+        return mx.where(mx.arange(logits.shape[-1]) == forced, logits, float("-inf"))
 
     def _pending_arrays(self) -> list[Any]:
         """What to evaluate for the step in flight: the token, plus probabilities only if asked."""
@@ -252,7 +270,14 @@ class Sequence:
         if self.stats.t_prompt_done is None:
             mx.eval(token_arr)
             self.stats.t_prompt_done = time.perf_counter()
-        if self._room_for_more():
+        if self._room_for_more() and self.budget is not None:
+            # The thinking budget decides the next step from this token: read it first.
+            token = int(token_arr.item())
+            self.budget.accept(token)
+            self._history.append(token)
+            self._pending = self._forward([token])
+            mx.async_eval(*self._pending_arrays())
+        elif self._room_for_more():
             # Pipelining: feed the (still lazy) token back and launch step n+1 before reading it.
             self._history.append(token_arr)
             self._pending = self._forward(token_arr)
@@ -289,12 +314,41 @@ class Sequence:
         piece = self.text.push(token)  # an end-of-generation token flushes held-back text
         event.text = piece.text
         self.emit(event)
+        self.text_sent += piece.text
         if token in self.eog_ids and not self.request.sampling.ignore_eos:
             self._finish("eos", "")
         elif piece.stopped:
             self._finish("word", piece.stopping_word)
-        elif not self._budget_left():
+        elif not self._budget_left() or self._under_indented() or self._out_of_time(piece.text):
             self._finish("limit", "")
+
+    def _under_indented(self) -> bool:
+        """``n_indent``: once a line has started, it must be indented by at least n_indent spaces
+        or tabs; a shallower line ends generation and is cut from the reply (llama-server)."""
+        n_indent = self.request.n_indent
+        if n_indent <= 0 or not self.has_new_line:
+            return False
+        text = self.text_sent
+        if self._last_nl_pos > 0:
+            pos = self._last_nl_pos
+            while pos < len(text) and text[pos] in " \t":
+                pos += 1
+            if pos < len(text) and pos - self._last_nl_pos < n_indent:
+                self._content_cut = pos
+                return True
+        nl = text.find("\n", self._last_nl_pos)
+        if nl >= 0:
+            self._last_nl_pos = nl + 1
+        return False
+
+    def _out_of_time(self, piece: str) -> bool:
+        """``t_max_predict_ms``: checked only when a newline is sent, so lines stay whole."""
+        if "\n" not in piece:
+            return False
+        self.has_new_line = True
+        limit = self.request.t_max_predict_ms
+        started = self.stats.t_prompt_done
+        return limit > 0 and started is not None and (time.perf_counter() - started) * 1000.0 > limit
 
     def _fill_probs(self, event: TokenEvent, token: int, logprobs: Any, probs: Any) -> None:
         n = self.request.n_probs
@@ -346,5 +400,6 @@ class Sequence:
             id_slot=self.slot_id,
             seed=self.chain.seed,
             cancelled=cancelled,
+            content_cut=self._content_cut,
         )
         self.emit(self.finished)

@@ -1,4 +1,5 @@
-"""Slots: llama-server's unit of concurrency, as seen by ``/slots`` and ``id_slot``."""
+"""Slots: llama-server's unit of concurrency, as seen by ``/slots`` and ``id_slot``, and how much
+context each one gets."""
 
 from __future__ import annotations
 
@@ -8,6 +9,30 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mlxcel_compat.engine.sequence import Sequence
+
+
+CTX_PAD = 256  # llama.cpp pads the context (and each sequence's share) to a multiple of this
+
+
+def _pad(n: int) -> int:
+    return -(-n // CTX_PAD) * CTX_PAD
+
+
+def slot_context(ctx_size: int, n_parallel: int, kv_unified: bool, n_ctx_train: int) -> tuple[int, int]:
+    """``(n_ctx_total, n_ctx_slot)`` as llama.cpp computes them (llama_context + server slots).
+
+    ``-c N`` (0: the model's training context) is padded to a multiple of 256. With one unified
+    KV buffer every slot may use all of it; otherwise each slot gets ``N / n_parallel``, itself
+    padded to 256 (so the total is rounded to ``n_slot * n_parallel``). A slot never gets more
+    than the model was trained for.
+    """
+    n_ctx = _pad(ctx_size or n_ctx_train)
+    if kv_unified or n_parallel <= 1:
+        n_slot = n_ctx
+    else:
+        n_slot = _pad(n_ctx // n_parallel)
+        n_ctx = n_slot * n_parallel
+    return n_ctx, min(n_slot, n_ctx_train)
 
 
 @dataclass
@@ -22,6 +47,7 @@ class SlotTask:
     # Filled in when the task ends: llama-server keeps showing the last task's counts.
     n_decoded: int = 0
     n_tokens_in_slot: int = 0
+    has_new_line: bool = False
 
 
 @dataclass
@@ -56,6 +82,7 @@ class Slot:
         if seq is not None and self.task is not None:
             self.task.n_decoded = len(seq.generated)
             self.task.n_tokens_in_slot = len(seq.cache_tokens)
+            self.task.has_new_line = seq.has_new_line
         self.sequence = None
         self.t_last_used = time.monotonic()
 
@@ -79,7 +106,7 @@ class Slot:
             next_token=[
                 {
                     "has_next_token": seq is not None,
-                    "has_new_line": False,
+                    "has_new_line": seq.has_new_line if seq is not None else task.has_new_line,
                     "n_remain": n_remain,
                     "n_decoded": n_decoded,
                 }

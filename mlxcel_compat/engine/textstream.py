@@ -178,6 +178,12 @@ def complete_utf8_length(data: bytes) -> int:
     return size
 
 
+def token_is_complete_utf8(tokenizer: Any, token_id: int) -> bool:
+    """True when the token's own bytes do not end inside a UTF-8 character."""
+    data = token_bytes(tokenizer, token_id, special=False)
+    return complete_utf8_length(data) == len(data)
+
+
 def token_piece(tokenizer: Any, token_id: int, *, special: bool = True) -> str:
     """A token's text for JSON: an incomplete trailing character is cut off (as
     llama-server does for ``completion_probabilities``), other invalid bytes
@@ -241,6 +247,10 @@ class TextStream:
         self.stopped = False
         self.stopping_word = ""
         self.finished = False
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
 
     @property
     def text(self) -> str:

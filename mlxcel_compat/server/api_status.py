@@ -43,14 +43,14 @@ async def props(request: Request) -> Response:
             "endpoint_slots": bool(s.slots),
             "endpoint_props": bool(s.props),
             "endpoint_metrics": bool(s.metrics),
-            "ui": False,
+            "ui": bool(s.ui),
             "ui_settings": {},
             "chat_template": template.source if template else "",
             "chat_template_caps": template.caps() if template else {},
             "bos_token": m.bos_token,
             "eos_token": m.eos_token,
             "build_info": BUILD_INFO,
-            "is_sleeping": False,
+            "is_sleeping": ctx.engine.sleeping,
             "cors_proxy_enabled": False,
         }
     )
@@ -96,7 +96,7 @@ async def models(request: Request) -> Response:
                 {
                     "id": name,
                     "aliases": sorted(m.aliases),
-                    "tags": [],
+                    "tags": list(m.tags),
                     "object": "model",
                     "created": int(ctx.started),
                     "owned_by": "llamacpp",

@@ -1,6 +1,6 @@
 """The Starlette application: middleware stack, routes and start-up.
 
-Middleware, outermost first: CORS (Starlette's), the ``Server`` header, the "Loading model" gate
+Middleware, outermost first: the ``Server`` header, CORS (``server/cors.py``), the "Loading model" gate
 (every path answers 503 until the model is loaded, before any key check, as llama-server does),
 the API-key check, and the error renderer that turns any exception into llama.cpp error JSON.
 """
@@ -17,19 +17,20 @@ from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlxcel_compat.engine.core import Engine
-from mlxcel_compat.server import api_cache, api_native, api_openai, api_status
+from mlxcel_compat.server import api_cache, api_native, api_openai, api_status, api_vertex, api_web
+from mlxcel_compat.server.api_vertex import VertexConfig
 from mlxcel_compat.server.cache_hooks import CacheHooks
 from mlxcel_compat.server.context import ModelInfo, ServerContext
+from mlxcel_compat.server.cors import CorsMiddleware, CorsPolicy
 from mlxcel_compat.server.errors import ApiError, ServerError, Unavailable, error_response, raw_error_response
 
 log = logging.getLogger(__name__)
 
-PUBLIC_PATHS = {"/health", "/v1/health", "/models", "/v1/models"}
+PUBLIC_PATHS = {"/health", "/v1/health", "/models", "/v1/models", "/", "/index.html"}
 
 
 class ServerHeaderMiddleware:
@@ -44,7 +45,7 @@ class ServerHeaderMiddleware:
         async def send_with_header(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 message.setdefault("headers", [])
-                message["headers"] = list(message["headers"]) + [(b"server", b"llama.cpp")]
+                message["headers"] = list(message["headers"]) + [(b"Server", b"llama.cpp")]
             await send(message)
 
         await self.app(scope, receive, send_with_header)
@@ -120,22 +121,9 @@ async def not_found(request: Any, exc: Exception) -> Any:
     return raw_error_response(404, {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}})
 
 
-def routes() -> list[Route]:
-    return [*api_status.ROUTES, *api_native.ROUTES, *api_openai.ROUTES, *api_cache.ROUTES]
-
-
-def _cors_middleware(settings: Any) -> Middleware:
-    origins = settings.cors_origins.strip()
-    methods = [m.strip() for m in settings.cors_methods.split(",") if m.strip()]
-    headers = ["*"] if settings.cors_headers.strip() == "*" else [h.strip() for h in settings.cors_headers.split(",")]
-    kwargs: dict[str, Any] = {"allow_methods": methods, "allow_headers": headers, "allow_credentials": bool(settings.cors_credentials)}
-    if origins == "*":
-        kwargs["allow_origin_regex"] = ".*"  # llama-server echoes the request's Origin
-    elif origins == "localhost":
-        kwargs["allow_origin_regex"] = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
-    else:
-        kwargs["allow_origins"] = [o.strip() for o in origins.split(",")]
-    return Middleware(CORSMiddleware, **kwargs)
+def routes(vertex: VertexConfig | None = None) -> list[Route]:
+    api = [*api_status.ROUTES, *api_native.ROUTES, *api_openai.ROUTES, *api_cache.ROUTES, *api_web.ROUTES]
+    return api + api_vertex.make_routes(vertex or VertexConfig(enabled=False), api, api_status.health)
 
 
 def model_info(engine: Engine, settings: Any) -> ModelInfo:
@@ -169,6 +157,7 @@ def model_info(engine: Engine, settings: Any) -> ModelInfo:
         bos_token=tok.bos_token or "",
         eos_token=tok.eos_token or "",
         chat_template=template,
+        tags=sorted(set(settings.tags or ())),
     )
 
 
@@ -187,14 +176,14 @@ def build_app(ctx: ServerContext) -> Starlette:
             ctx.engine.stop()
 
     prefix = settings.api_prefix.rstrip("/") if settings.api_prefix else ""
-    route_list: list[Any] = routes()
+    route_list: list[Any] = routes(VertexConfig.from_env())
     if prefix:
         route_list = [Mount(prefix, routes=route_list)]
     app = Starlette(
         routes=route_list,
         middleware=[
             Middleware(ServerHeaderMiddleware),
-            _cors_middleware(settings),
+            Middleware(CorsMiddleware, policy=CorsPolicy.from_settings(settings)),
             Middleware(GateMiddleware, ctx=ctx, prefix=prefix),
             Middleware(ErrorMiddleware),
         ],

@@ -35,6 +35,7 @@ class ModelInfo:
     bos_token: str
     eos_token: str
     chat_template: Any  # mlxcel_compat.chat.template.ChatTemplate | None
+    tags: list[str] = field(default_factory=list)  # --tags, sorted
 
 
 @dataclass

@@ -55,6 +55,8 @@ class Result:
     def close(self, finish: FinishEvent) -> None:
         self.finish = finish
         self.content += finish.text
+        if finish.content_cut >= 0:  # n_indent: the under-indented line is not part of the reply
+            self.content = self.content[: finish.content_cut]
         if finish.stop_type == "word" and self.probs:
             # Non-stream mode trims the entries of the stop string's tokens (llama-server).
             self.probs = self.probs[: max(0, len(self.probs) - self.trailing_silent)]
@@ -123,9 +125,9 @@ def generation_settings(
     samplers = sampling.pop("samplers")
     out: dict[str, Any] = dict(sampling)
     out.update(
-        mirostat=0,
-        mirostat_tau=5.0,
-        mirostat_eta=0.1,
+        mirostat=s.mirostat,
+        mirostat_tau=s.mirostat_tau,
+        mirostat_eta=s.mirostat_eta,
         adaptive_target=-1.0,
         adaptive_decay=0.9,
         stop=list(request.stop),

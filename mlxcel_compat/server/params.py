@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from mlxcel_compat.engine.reasoning_budget import ReasoningBudgetSpec
 from mlxcel_compat.engine.request import CacheContext, GenerationRequest
 from mlxcel_compat.engine.sampling import SamplingParams, parse_logit_bias, parse_samplers
 from mlxcel_compat.server.errors import InvalidRequest, NotSupported
@@ -185,6 +186,9 @@ def parse_completion_options(
         return_progress=b.bool("return_progress", False),
         id_slot=id_slot if isinstance(id_slot, int) and not isinstance(id_slot, bool) else -1,
         cache=CacheContext(enabled=cache_prompt_flag(data, settings.cache_prompt)),
+        t_max_predict_ms=b.int("t_max_predict_ms", -1, -1, None),
+        n_indent=b.int("n_indent", 0, 0, None),
+        reasoning_budget=parse_reasoning_budget(b, settings, tokenize),
     )
     sampling.n_probs = n_probs
     sampling.post_sampling_probs = request.post_sampling_probs
@@ -199,6 +203,37 @@ def parse_completion_options(
         n_keep=b.int("n_keep", settings.n_keep, -1, None),
         n_discard=b.int("n_discard", 0, 0, None),
         sse_ping_interval=b.int("sse_ping_interval", settings.sse_ping_interval, -1, None),
+    )
+
+
+THINK_START_TAG = "<think>"
+THINK_END_TAG = "</think>"
+
+
+def _str_field(b: Body, name: str, default: str) -> str:
+    value = b.raw(name)
+    if value is _MISSING:
+        return default
+    if not isinstance(value, str):
+        raise _field_error(name, f"type must be string, but is {_type_name(value)}")
+    return value
+
+
+def parse_reasoning_budget(b: Body, settings: Any, tokenize: Callable[[str], list[int]]) -> ReasoningBudgetSpec | None:
+    """``reasoning_budget_tokens`` (or ``thinking_budget_tokens``; default ``--reasoning-budget``).
+
+    The tags default to ``<think>``/``</think>``; the forced text is ``reasoning_budget_message``
+    (default ``--reasoning-budget-message``) followed by the end tag. Whether the prompt already
+    opens a block is decided per prompt (``pipeline.expand``).
+    """
+    budget = b.int(("reasoning_budget_tokens", "thinking_budget_tokens"), settings.reasoning_budget, -1, None)
+    start = _str_field(b, "reasoning_budget_start_tag", THINK_START_TAG)
+    end = _str_field(b, "reasoning_budget_end_tag", THINK_END_TAG)
+    message = _str_field(b, "reasoning_budget_message", settings.reasoning_budget_message or "")
+    if budget < 0 or not end:
+        return None
+    return ReasoningBudgetSpec(
+        budget=budget, start=tuple(tokenize(start)) if start else (), end=tuple(tokenize(end)), forced=tuple(tokenize(message + end))
     )
 
 
@@ -255,4 +290,7 @@ def parse_sampling(b: Body, settings: Any, vocab_size: int, tokenize: Callable[[
         samplers=samplers,
         logit_bias=logit_bias,
         ignore_eos=b.bool("ignore_eos", s.ignore_eos),
+        mirostat=b.int("mirostat", s.mirostat, 0, 2, soft=True),
+        mirostat_tau=b.float("mirostat_tau", s.mirostat_ent),
+        mirostat_eta=b.float("mirostat_eta", s.mirostat_lr),
     )

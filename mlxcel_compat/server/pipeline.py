@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Mapping
 
@@ -19,6 +20,7 @@ from starlette.responses import StreamingResponse
 
 from mlxcel_compat.chat.messages import ChatRequest, ChatRequestError, parse_chat_request, parse_tool_calls, render_chat, split_reasoning
 from mlxcel_compat.chat.template import TemplateError
+from mlxcel_compat.engine.reasoning_budget import opens_block
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent, next_task_id
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
@@ -67,6 +69,9 @@ def expand(ctx: ServerContext, opts: CompletionOptions, prompts: list[list[int]]
             req.task_id = next_task_id()  # each sequence is its own task (events, cancellation)
             req.prompt_tokens = tokens
             req.index = p_index * opts.n_cmpl + child
+            budget = req.reasoning_budget
+            if budget is not None:  # a template that opens <think> for the model starts the count
+                req.reasoning_budget = dataclasses.replace(budget, open_at_start=opens_block(tokens, budget.start, budget.end))
             if child and req.sampling.seed != 0xFFFFFFFF:
                 req.sampling.seed = (req.sampling.seed + child) & 0xFFFFFFFF
             req.slot_params = fmt.metrics_params(req, opts.stream)
