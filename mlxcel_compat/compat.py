@@ -4,9 +4,10 @@ The manifest is the machine-readable answer to "what of llama-server does mlxcel
 every flag (with its variables), every route and every request field, each with a status
 (``supported`` | ``partial`` | ``noop`` | ``unsupported`` | ``refused``) and a short note.
 
-Its ``flags`` and ``env_only`` sections are generated from ``settings.SETTINGS`` by
-``scripts/gen_docs.py`` (the settings table is the single source); ``routes`` and
-``request_fields`` are maintained by hand in the JSON file, and tests check them against the app.
+Its ``flags`` and ``env_only`` sections are generated from ``settings.SETTINGS`` and
+``builtin_chat_templates`` from ``chat/builtin_templates.py`` by ``scripts/gen_docs.py``;
+``routes``, ``request_fields`` and ``props_fields`` are maintained by hand in the JSON file, and
+tests check them against the app.
 
 Request-field ``scope``: ``all`` (native routes, and passed through by the OpenAI routes),
 ``completion`` (``/completion``, ``/completions``, ``/v1/completions``) or ``chat``
@@ -80,11 +81,14 @@ def _env_only_entry(s: Setting) -> dict[str, Any]:
     }
 
 
-def generated_sections() -> dict[str, list[dict[str, Any]]]:
-    """The manifest sections derived from the settings table."""
+def generated_sections() -> dict[str, list[Any]]:
+    """The manifest sections derived from the settings table and the built-in template table."""
+    from mlxcel_compat.chat.builtin_templates import BUILTIN_TEMPLATE_NAMES
+
     return {
         "flags": [_flag_entry(s) for s in SETTINGS if s.flags or s.negative_flags],
         "env_only": [_env_only_entry(s) for s in SETTINGS if not (s.flags or s.negative_flags)],
+        "builtin_chat_templates": list(BUILTIN_TEMPLATE_NAMES),
     }
 
 

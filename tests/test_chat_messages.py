@@ -336,7 +336,7 @@ def test_prefill_trailing_assistant_message() -> None:
     )
 
 
-def test_prefill_with_typed_parts_appends_text_back_to_back() -> None:
+def test_prefill_with_typed_parts_joins_them_with_a_blank_line() -> None:
     chat = parse_chat_request(
         {
             "messages": [
@@ -348,7 +348,7 @@ def test_prefill_with_typed_parts_appends_text_back_to_back() -> None:
             ]
         }
     )
-    assert render_chat(ChatTemplate(TEMPLATE), chat).endswith("<|im_start|>assistant\n1, 2,")
+    assert render_chat(ChatTemplate(TEMPLATE), chat).endswith("<|im_start|>assistant\n1,\n\n 2,")
 
 
 def test_no_prefill_assistant_closes_the_turn() -> None:

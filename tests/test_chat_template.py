@@ -485,22 +485,14 @@ def test_from_tokenizer_without_template_falls_back_to_chatml() -> None:
     assert tpl.source == BUILTIN_TEMPLATES["chatml"]
 
 
-@pytest.mark.parametrize(
-    ("name", "expected"),
-    [
-        (
-            "llama3",
-            "<s><|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
-            "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
-            "<|start_header_id|>assistant<|end_header_id|>\n\n",
-        ),
-        (
-            "gemma",
-            "<s><start_of_turn>user\nS\n\nHi<end_of_turn>\n<start_of_turn>model\n",
-        ),
-    ],
-)
-def test_other_builtins(name: str, expected: str) -> None:
-    tpl = ChatTemplate.builtin(name, bos_token="<s>")
+def test_builtin_names_render_as_llama_cpp() -> None:
+    tok = FakeHFTokenizer("MODEL TEMPLATE")
+    tpl = ChatTemplate.from_tokenizer(tok, override="llama3")
+    assert tpl.name == "llama3" and tpl.source == "llama3"
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": " Hi "}]
-    assert tpl.render(messages) == expected
+    # llama.cpp's C++ format: no BOS (tokenization adds it), content trimmed.
+    assert tpl.render(messages) == (
+        "<|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )

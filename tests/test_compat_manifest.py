@@ -68,7 +68,8 @@ SUPPORTED_ROUTES = [
     ("GET", "/models"), ("GET", "/v1/models"), ("POST", "/completion"), ("POST", "/completions"),
     ("POST", "/v1/completions"), ("POST", "/chat/completions"), ("POST", "/v1/chat/completions"),
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template"), ("GET", "/slots"),
-    ("POST", "/v1/cache/reset"), ("GET", "/v1/cache/stats"),
+    ("POST", "/v1/cache/reset"), ("GET", "/v1/cache/stats"), ("GET", "/"), ("GET", "/index.html"),
+    ("GET", "/tools"), ("POST", "/tools"), ("GET", "/cors-proxy"), ("POST", "/cors-proxy"), ("POST", "/predict"),
 ]
 
 # Every route of llama-server-api.md §2 (single-model and router mode).
@@ -80,9 +81,7 @@ UPSTREAM_ROUTES = [
     ("POST", "/v1/responses/input_tokens"), ("POST", "/infill"), ("POST", "/embedding"), ("POST", "/embeddings"),
     ("POST", "/v1/embeddings"), ("POST", "/rerank"), ("POST", "/reranking"), ("POST", "/v1/rerank"),
     ("POST", "/v1/reranking"), ("GET", "/lora-adapters"), ("POST", "/lora-adapters"), ("POST", "/slots/{id_slot}"),
-    ("GET", "/tools"), ("POST", "/tools"), ("GET", "/cors-proxy"), ("POST", "/cors-proxy"), ("GET", "/v1/stream"),
-    ("DELETE", "/v1/stream"), ("POST", "/v1/streams/lookup"), ("POST", "/predict"), ("GET", "/"),
-    ("GET", "/index.html"), ("POST", "/models"), ("POST", "/models/load"), ("POST", "/models/unload"),
+    ("GET", "/v1/stream"), ("DELETE", "/v1/stream"), ("POST", "/v1/streams/lookup"), ("POST", "/models"), ("POST", "/models/load"), ("POST", "/models/unload"),
     ("GET", "/models/sse"), ("DELETE", "/models"),
 ]
 
@@ -115,9 +114,13 @@ message_delimiters
 """.split()
 
 NOT_SUPPORTED = """
-grammar json_schema mirostat mirostat_tau mirostat_eta lora n_indent t_max_predict_ms adaptive_target adaptive_decay
-backend_sampling reasoning_control reasoning_budget_tokens reasoning_budget_start_tag reasoning_budget_end_tag
-reasoning_budget_message
+grammar json_schema lora adaptive_target adaptive_decay backend_sampling reasoning_control
+""".split()
+
+# Accepted-and-ignored before issue 12; now acted on as llama-server does.
+NOW_SUPPORTED = """
+mirostat mirostat_tau mirostat_eta n_indent t_max_predict_ms reasoning_budget_tokens reasoning_budget_start_tag
+reasoning_budget_end_tag reasoning_budget_message
 """.split()
 
 
@@ -133,6 +136,9 @@ def test_request_fields(manifest) -> None:
             assert f["note"], f["field"]
     for name in NOT_SUPPORTED:
         assert entries[name]["status"] in ("noop", "unsupported"), name
+    for name in NOW_SUPPORTED:
+        assert entries[name]["status"] == "supported", name
+    assert "thinking_budget_tokens" in entries["reasoning_budget_tokens"]["aliases"]
     for name in ("cache_prompt", "n_predict", "temperature", "stop", "seed", "id_slot", "n_probs"):
         assert entries[name]["status"] == "supported", name
     assert "max_tokens" in entries["n_predict"]["aliases"]
@@ -156,8 +162,12 @@ def _app_routes() -> set[tuple[str, str]]:
     from mlxcel_compat.server.context import ServerContext
     from mlxcel_compat.settings import resolve_settings
 
+    import os
+    from unittest import mock
+
     settings = resolve_settings([], {})
-    app = build_app(ServerContext(settings=settings, engine=Engine(EngineConfig(model="unused"))))
+    with mock.patch.dict(os.environ, {"AIP_MODE": "PREDICTION"}):  # /predict is served in Vertex AI mode only
+        app = build_app(ServerContext(settings=settings, engine=Engine(EngineConfig(model="unused"))))
     out = set()
     for route in app.routes:
         for method in route.methods or ():
@@ -183,3 +193,13 @@ def test_every_supported_request_field_is_read_by_the_code(manifest) -> None:
     for name in manifest_request_fields(status="supported", manifest=manifest):
         leaf = name.split(".")[-1]
         assert f'"{leaf}"' in code, f"manifest says '{name}' is supported but no handler reads it"
+
+
+def test_props_fields_say_which_values_are_synthetic(manifest) -> None:
+    entries = manifest["props_fields"]
+    assert [e["key"] for e in entries][:3] == ["default_generation_settings", "total_slots", "model_alias"]
+    for e in entries:
+        assert e["value"] in ("real", "synthetic") and e["note"], e["key"]
+    synthetic = {e["key"] for e in entries if e["value"] == "synthetic"}
+    assert {"model_ftype", "build_info", "cors_proxy_enabled"} <= synthetic
+    assert "model_path" not in synthetic and "is_sleeping" not in synthetic

@@ -410,8 +410,8 @@ def render_chat(template: ChatTemplate, chat: ChatRequest) -> str:
 def _prefill_text(message: Mapping[str, Any]) -> str:
     content = message.get("content")
     if isinstance(content, list):
-        # llama.cpp appends the text parts back to back.
-        return "".join(part.get("text", "") for part in content)
+        # llama-server joins the prefilled message's text parts with a blank line.
+        return "\n\n".join(part.get("text", "") for part in content)
     return content or ""
 
 

@@ -6,8 +6,8 @@ Chat templates ship with model repositories and are untrusted code, so they run 
 a no-op ``{% generation %}`` tag, ``loopcontrols``), because templates are written against that
 runtime. On top of that this module adds the llama-server behaviour the chat routes need:
 capability detection for ``/props`` (``chat_template_caps``), the content and tool-call argument
-shapes a template wants, the ``preserve_reasoning`` switch, and built-in templates for
-``--chat-template NAME``.
+shapes a template wants, the ``preserve_reasoning`` switch, and ``--chat-template NAME`` (llama.cpp's
+built-in formats live in ``builtin_templates.py``).
 
 Rendered text contains whatever special tokens the template writes (for example ``bos_token``).
 Tokenize it without adding special tokens again, as transformers does.
@@ -27,6 +27,8 @@ import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from mlxcel_compat.chat.builtin_templates import BUILTIN_TEMPLATE_NAMES, BuiltinTemplate
 
 __all__ = [
     "BUILTIN_TEMPLATES",
@@ -152,10 +154,7 @@ def _make_environment() -> ImmutableSandboxedEnvironment:
 _ENV = _make_environment()
 
 
-# --- built-in templates (``--chat-template NAME``) -------------------------------------------
-# Written for this project. Their output matches llama.cpp's built-ins of the same name, plus the
-# BOS token the model expects where the family has one (rendered text is tokenized without
-# special tokens).
+# --- the ChatML template (written for this project; renders what llama.cpp's ChatML renders) ---
 
 _CHATML = """\
 {%- for message in messages -%}
@@ -166,37 +165,10 @@ _CHATML = """\
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}
 """
 
-_LLAMA3 = """\
-{{- bos_token -}}
-{%- for message in messages -%}
-{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' -}}
-{%- if message['content'] is string -%}{{- message['content'] | trim -}}{%- endif -%}
-{{- '<|eot_id|>' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}
-"""
-
-# Gemma has no system turn: system text is put in front of the next user turn.
-_GEMMA = """\
-{{- bos_token -}}
-{%- set ns = namespace(system='') -%}
-{%- for message in messages -%}
-{%- set text = message['content'] if message['content'] is string else '' -%}
-{%- if message['role'] == 'system' -%}
-{%- set ns.system = ns.system + (text | trim) + '\\n\\n' -%}
-{%- else -%}
-{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
-{{- '<start_of_turn>' + role + '\\n' + ns.system + (text | trim) + '<end_of_turn>\\n' -}}
-{%- set ns.system = '' -%}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}
-"""
-
+# The Jinja templates llama.cpp itself uses: ChatML, for a model without a template and for
+# ``--chat-template chatml``. The other names are llama.cpp's C++ formats (chat/builtin_templates.py).
 BUILTIN_TEMPLATES: dict[str, str] = {
     "chatml": _CHATML,
-    "llama3": _LLAMA3,
-    "gemma": _GEMMA,
 }
 
 # Names the render arguments own; kwargs with these names are ignored instead of clobbering them.
@@ -267,9 +239,10 @@ class ChatTemplate:
 
         Args:
             tokenizer: an HF tokenizer or an mlx-lm ``TokenizerWrapper``.
-            override: the ``--chat-template`` value or ``--chat-template-file`` content. A
-                built-in name (``chatml``, ``llama3``, ``gemma``) or the name of one of the
-                model's named templates selects it; anything else is Jinja source.
+            override: the ``--chat-template`` value or ``--chat-template-file`` content. One of
+                llama.cpp's built-in names (``chat/builtin_templates.py``; those render as
+                llama.cpp's C++ does) or the name of one of the model's named templates selects
+                it; anything else is Jinja source.
 
         Without an override the model's ``default`` template is used (``tool_use`` when that is
         the only one); a model without any template falls back to ChatML, as llama.cpp does.
@@ -281,6 +254,8 @@ class ChatTemplate:
         eos = _token_text(getattr(hf, "eos_token", None))
 
         tool_use: str | None = None
+        if override and override in BUILTIN_TEMPLATE_NAMES and override not in BUILTIN_TEMPLATES:
+            return BuiltinTemplate(override, bos_token=bos, eos_token=eos)  # type: ignore[return-value]
         if override:
             if override in BUILTIN_TEMPLATES:
                 source, name = BUILTIN_TEMPLATES[override], override

@@ -127,6 +127,8 @@ def routes(vertex: VertexConfig | None = None) -> list[Route]:
 
 
 def model_info(engine: Engine, settings: Any) -> ModelInfo:
+    from mlxcel_compat.chat import builtin_templates
+    from mlxcel_compat.chat.builtin_templates import BuiltinTemplate
     from mlxcel_compat.chat.template import ChatTemplate
 
     loaded = engine.loaded
@@ -140,7 +142,11 @@ def model_info(engine: Engine, settings: Any) -> ModelInfo:
     if settings.chat_template_file:
         with open(settings.chat_template_file, encoding="utf-8") as f:
             override = f.read()
-    template = ChatTemplate.from_tokenizer(tok, override=override) if settings.jinja or override else ChatTemplate.from_tokenizer(tok, override="chatml")
+    if settings.jinja:
+        template = ChatTemplate.from_tokenizer(tok, override=override)
+    else:  # --no-jinja: llama.cpp's built-in format that matches the template (ChatML if none does)
+        source = override or ChatTemplate.from_tokenizer(tok).source
+        template = BuiltinTemplate(builtin_templates.detect(source) or "chatml", bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")
     return ModelInfo(
         model_id=loaded.model_id,
         aliases=loaded.aliases or [loaded.model_id],

@@ -17,7 +17,10 @@ import orjson
 from mlxcel_compat.engine.request import FinishEvent, GenerationRequest, TokenEvent, TokenProb
 from mlxcel_compat.engine.textstream import token_bytes, token_piece
 
-BUILD_INFO = "b0-mlxcel"
+from mlxcel_compat import __version__  # noqa: E402
+
+# llama-server's "b<build>-<commit>"; the b0- prefix keeps parsers of that shape working.
+BUILD_INFO = f"b0-mlxcel_compat-{__version__}"
 
 
 def random_id(prefix: str, length: int = 32) -> str:
