@@ -192,35 +192,35 @@ def test_prompt_longer_than_context_is_rejected(small_server):
     prompt = "hello world " * 100
     with httpx.Client(base_url=small_server.base_url, timeout=60) as client:
         n_tokens = len(client.post("/tokenize", json={"content": prompt, "add_special": True}).json()["tokens"])
-        assert n_tokens > 128
+        assert n_tokens > 256
         for path, body in [
             ("/completion", {"prompt": prompt}),
             ("/completion", {"prompt": prompt, "stream": True}),
             ("/v1/completions", {"prompt": prompt}),
         ]:
             error = assert_error(client.post(path, json=body), 400, "exceed_context_size_error")
-            assert error["message"] == f"request ({n_tokens} tokens) exceeds the available context size (128 tokens), try increasing it"
+            assert error["message"] == f"request ({n_tokens} tokens) exceeds the available context size (256 tokens), try increasing it"
             assert error["n_prompt_tokens"] == n_tokens
-            assert error["n_ctx"] == 128
+            assert error["n_ctx"] == 256  # -c 128 is padded to 256, as llama.cpp pads it
         assert_serving(client)
 
 
 def test_chat_longer_than_context_is_rejected(small_server):
-    messages = [{"role": "user", "content": "hello world " * 100}]
+    messages = [{"role": "user", "content": "hello world " * 150}]
     with httpx.Client(base_url=small_server.base_url, timeout=60) as client:
         for stream in (False, True):
             error = assert_error(client.post("/v1/chat/completions", json={"messages": messages, "stream": stream}), 400, "exceed_context_size_error")
-            assert error["n_ctx"] == 128
-            assert error["n_prompt_tokens"] > 128
+            assert error["n_ctx"] == 256
+            assert error["n_prompt_tokens"] > 256
         assert_serving(client)
 
 
 def test_prompt_of_exactly_the_context_is_rejected(small_server):
     with httpx.Client(base_url=small_server.base_url, timeout=60) as client:
         token = client.post("/tokenize", json={"content": " hello"}).json()["tokens"][0]
-        error = assert_error(client.post("/completion", json={"prompt": [token] * 128}), 400, "exceed_context_size_error")
-        assert error["n_prompt_tokens"] == 128
-        fits = client.post("/completion", json={"prompt": [token] * 100, "n_predict": 2, "ignore_eos": True})
+        error = assert_error(client.post("/completion", json={"prompt": [token] * 256}), 400, "exceed_context_size_error")
+        assert error["n_prompt_tokens"] == 256
+        fits = client.post("/completion", json={"prompt": [token] * 200, "n_predict": 2, "ignore_eos": True})
         assert fits.status_code == 200
 
 
@@ -231,7 +231,7 @@ def test_generation_stops_when_the_context_is_full(small_server):
         body = client.post("/completion", json={"prompt": "Hello", "n_predict": -1, "ignore_eos": True}).json()
     assert body["stop_type"] == "limit"
     assert body["truncated"] is True
-    assert body["tokens_predicted"] == 128 - body["tokens_evaluated"]
+    assert body["tokens_predicted"] == 256 - body["tokens_evaluated"]
 
 
 # ---------------------------------------------------------------------- API keys

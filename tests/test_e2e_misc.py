@@ -66,7 +66,7 @@ def test_props_fields(http):
     assert list(props)[:3] == ["default_generation_settings", "total_slots", "model_alias"]
     settings = props["default_generation_settings"]
     assert list(settings) == ["params", "n_ctx"]
-    assert settings["n_ctx"] == 2048
+    assert settings["n_ctx"] == 1024  # -c 2048 split between 2 slots
     assert props["total_slots"] == 2
     assert props["model_alias"] == "tiny-llama"
     assert props["endpoint_slots"] is True
@@ -114,7 +114,7 @@ def test_models_both_paths_same_body(http):
     assert entry["aliases"] == ["tiny-llama"]
     assert entry["object"] == "model"
     assert entry["owned_by"] == "llamacpp"
-    assert entry["meta"]["n_ctx"] == 2048
+    assert entry["meta"]["n_ctx"] == 1024
     assert entry["meta"]["n_vocab"] > 0
     assert a["models"][0]["name"] == a["models"][0]["model"] == "tiny-llama"
     assert a["models"][0]["capabilities"] == ["completion"]
@@ -131,7 +131,7 @@ def test_slots_per_slot_state(http):
     assert [s["id"] for s in slots] == [0, 1]
     for slot in slots:
         assert list(slot)[:4] == ["id", "n_ctx", "speculative", "is_processing"]
-        assert slot["n_ctx"] == 2048
+        assert slot["n_ctx"] == 1024
         assert slot["is_processing"] is False
     used = slots[1]
     assert isinstance(used["id_task"], int)
@@ -190,7 +190,7 @@ def test_fresh_server_slots_have_no_params(env_server):
     assert len(slots) == 3
     for slot in slots:
         assert slot["is_processing"] is False
-        assert slot["n_ctx"] == 512
+        assert slot["n_ctx"] == 256  # 512 / 3 slots, padded to 256 as llama.cpp does
         assert "params" not in slot
 
 
@@ -207,14 +207,14 @@ def test_no_slots_flag_disables_slots(small_server):
 def test_settings_from_env(env_server):
     with client_for(env_server) as client:
         props = client.get("/props").json()
-    assert props["default_generation_settings"]["n_ctx"] == 512
+    assert props["default_generation_settings"]["n_ctx"] == 256
     assert props["total_slots"] == 3
 
 
 def test_cli_overrides_env(small_server):
     with client_for(small_server) as client:
         props = client.get("/props").json()
-    assert props["default_generation_settings"]["n_ctx"] == 128
+    assert props["default_generation_settings"]["n_ctx"] == 256
     assert props["total_slots"] == 1
     assert props["endpoint_slots"] is False
     assert props["endpoint_metrics"] is False
