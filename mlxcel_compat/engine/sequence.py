@@ -84,7 +84,8 @@ class Sequence:
         self.boundary: int | None = None
         self.on_boundary: Callable[["Sequence"], None] | None = None
         self._history: list[int] = list(self.prompt)
-        # The text sent so far, for llama-server's newline rules (n_indent, t_max_predict_ms).
+        # llama-server's newline rules: the text sent so far (kept for n_indent only), whether a
+        # newline was sent (t_max_predict_ms, /slots has_new_line) and where the last line starts.
         self.text_sent = ""
         self.has_new_line = False
         self._last_nl_pos = 0
@@ -314,7 +315,8 @@ class Sequence:
         piece = self.text.push(token)  # an end-of-generation token flushes held-back text
         event.text = piece.text
         self.emit(event)
-        self.text_sent += piece.text
+        if self.request.n_indent > 0:  # only n_indent needs the text itself
+            self.text_sent += piece.text
         if token in self.eog_ids and not self.request.sampling.ignore_eos:
             self._finish("eos", "")
         elif piece.stopped:
