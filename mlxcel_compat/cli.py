@@ -76,12 +76,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mlxcel_compat.model.loader import ModelNotFoundError, resolve_model_path
 
     try:
-        # Fail fast, before listening, when the model cannot be found (no MLX needed for this).
-        resolve_model_path(model_arg, offline=bool(settings.offline))
+        # Fail fast, before listening: find the model, downloading it first if it comes from the hub
+        # (llama-server downloads before it listens too). No MLX is needed for this.
+        model_path = resolve_model_path(model_arg, offline=bool(settings.offline), hf_file=settings.hf_file,
+                                        token=settings.hf_token, cache_dir=settings.llama_cache)
     except ModelNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    app = build_server(settings, model_arg, api_keys)
+    app = build_server(settings, str(model_path), api_keys, model_name=model_arg)
     code = asyncio.run(serve(app, settings))
     if app.state.ctx.engine.state == "failed":
         print(f"error: model failed to load: {app.state.ctx.engine.load_error}", file=sys.stderr)
@@ -89,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-def build_server(settings: object, model_arg: str, api_keys: list[str]) -> object:
+def build_server(settings: object, model_arg: str, api_keys: list[str], model_name: str | None = None) -> object:
     from mlxcel_compat.engine.core import Engine, EngineConfig
     from mlxcel_compat.engine.prefix_cache import PrefixCache, PrefixCacheConfig
     from mlxcel_compat.server.app import build_app
@@ -102,6 +104,7 @@ def build_server(settings: object, model_arg: str, api_keys: list[str]) -> objec
     engine = Engine(
         EngineConfig(
             model=model_arg,
+            model_name=model_name,
             aliases=list(settings.alias or []),
             offline=bool(settings.offline),
             ctx_size=settings.ctx_size,

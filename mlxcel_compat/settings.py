@@ -266,7 +266,7 @@ def _refused(
 
 R_THREADS = "MLX manages its own threads"
 R_DEVICE = "MLX runs the whole model on its default device (Metal, CUDA or CPU); there is no layer offload"
-R_LOADING = "MLX loads safetensors weights itself; llama.cpp's buffer and placement options do not apply"
+R_LOADING = "the weights live in MLX arrays (GGUF tensors are decoded into them); llama.cpp's buffer and placement options do not apply"
 R_FIT = "no automatic memory fitting; set --ctx-size and the --prompt-cache-* budgets instead"
 R_KV_TYPE = "the KV cache uses the model's dtype; KV cache quantization is not implemented"
 R_ROPE = "RoPE scaling comes from the model's config.json"
@@ -282,7 +282,7 @@ R_CVEC = "control vectors are not supported"
 R_TLS = "TLS is not supported; terminate TLS in a reverse proxy"
 R_TOOLS = "built-in agent tools, MCP and the CORS proxy are not supported"
 R_GRAMMAR = "grammar and JSON-schema constrained sampling is not implemented"
-R_GGUF = "only MLX models are loaded; use -m DIR or -hf REPO"
+R_GGUF = "models are loaded from a local path (-m) or a Hugging Face repository (-hf)"
 R_COMMAND = "this llama.cpp command is not available in mlxcel_compat"
 R_TEMPLATE_KW = "set it per request or through --chat-template-kwargs"
 
@@ -384,13 +384,23 @@ _SERVER: tuple[Setting, ...] = (
 
 _MODEL: tuple[Setting, ...] = (
     Setting("model", ("-m", "--model"), ("LLAMA_ARG_MODEL",), group="model", metavar="PATH",
-            help="Model to serve: a local MLX model directory (or a Hugging Face repo id)."),
+            help="Model to serve: a GGUF file (the first part of a split model), a local MLX model directory, "
+                 "or a Hugging Face repo id."),
     Setting("hf_repo", ("-hf", "-hfr", "--hf-repo"), ("LLAMA_ARG_HF_REPO",), group="model",
-            metavar="USER/MODEL", help="Hugging Face repository of the MLX model to download and serve."),
+            metavar="USER/MODEL[:QUANT]",
+            help="Hugging Face repository to download and serve. GGUF repositories: QUANT picks the first file "
+                 "whose name contains QUANT. or QUANT- (default Q4_K_M, then Q8_0, then the first GGUF); mmproj "
+                 "and imatrix files are skipped and split files fetched whole. A repository without GGUF files "
+                 "(MLX, safetensors) is downloaded as a model directory."),
+    Setting("hf_file", ("-hff", "--hf-file"), ("LLAMA_ARG_HF_FILE",), group="model", metavar="FILE",
+            help="The GGUF file of --hf-repo to use, overriding the QUANT tag."),
     Setting("hf_token", ("-hft", "--hf-token"), ("HF_TOKEN",), group="model", secret=True, metavar="TOKEN",
             help="Hugging Face access token for private or gated repositories."),
     Setting("offline", ("--offline",), ("LLAMA_ARG_OFFLINE",), type="bool", default=False, group="model",
             help="Use only the local Hugging Face cache; never download."),
+    Setting("llama_cache", (), ("LLAMA_CACHE",), group="model", metavar="DIR",
+            help="Directory of the model download cache (standard Hugging Face hub layout); default: the hub's "
+                 "own cache ($HF_HUB_CACHE, ~/.cache/huggingface/hub)."),
     Setting("alias", ("-a", "--alias"), ("LLAMA_ARG_ALIAS",), type="list", default=(), group="model",
             metavar="NAME", help="Model name(s) shown by the API, comma-separated; the alphabetically first "
                                  "is the model id and a request's model field may name any of them."),
@@ -418,9 +428,6 @@ _MODEL: tuple[Setting, ...] = (
             choices=("on", "off", "auto"), default="auto", group="model", parse=_parse_tristate,
             accepts="one of on, off, auto (or a boolean word)",
             help="Thinking in chats: on/off sets the template's enable_thinking; auto leaves it to the template."),
-    _noop("hf_file", ("-hff", "--hf-file"), "GGUF file to pick from --hf-repo.",
-          "MLX repositories hold one model; there is no quantization file to pick", metavar="FILE",
-          env=("LLAMA_ARG_HF_FILE",), group="model"),
     Setting("tags", ("--tags",), ("LLAMA_ARG_TAGS",), type="list", default=(), group="model", metavar="TAGS",
             help="Informational model tags, comma-separated; GET /models lists them (sorted)."),
     _noop("reasoning_effort", ("--reasoning-effort",), "Default reasoning_effort template variable.",
@@ -446,13 +453,13 @@ _MODEL: tuple[Setting, ...] = (
     _refused("docker_repo", ("-dr", "--docker-repo"), "Docker Hub model repository.", R_GGUF, metavar="REPO",
              env=("LLAMA_ARG_DOCKER_REPO",), group="model"),
     _refused("override_kv", ("--override-kv",), "Override GGUF metadata.",
-             "GGUF metadata overrides do not apply to MLX models", metavar="KEY=TYPE:VALUE", group="model"),
+             "GGUF metadata overrides are not implemented", metavar="KEY=TYPE:VALUE", group="model"),
     _refused("model_preset",
              ("--embd-gemma-default", "--fim-qwen-1.5b-default", "--fim-qwen-3b-default", "--fim-qwen-7b-default",
               "--fim-qwen-7b-spec", "--fim-qwen-14b-spec", "--fim-qwen-30b-default", "--gpt-oss-20b-default",
               "--gpt-oss-120b-default", "--vision-gemma-4b-default", "--vision-gemma-12b-default"),
              "llama.cpp presets that download a GGUF model.",
-             "presets download GGUF models; pass -m or -hf with an MLX model", group="model"),
+             "presets are not implemented; pass -m or -hf with the model they name", group="model"),
     _refused("lora", ("--lora",), "LoRA adapter(s), comma-separated.", R_LORA, metavar="FNAME",
              group="model", type="list"),
     _refused("lora_scaled", ("--lora-scaled",), "LoRA adapter(s) with scales.", R_LORA, metavar="FNAME:SCALE",

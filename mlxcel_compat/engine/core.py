@@ -38,8 +38,9 @@ WARMUP_QUEUE = 8  # pending background warm-ups (one per session)
 class EngineConfig:
     """What the engine needs from the settings (kept small so tests can build one directly)."""
 
-    model: str
+    model: str  # a local directory or .gguf file (or a hub id, resolved at load)
     aliases: list[str] = field(default_factory=list)
+    model_name: str | None = None  # what the user asked for (-hf user/repo:quant), for the display id
     offline: bool = False
     ctx_size: int = 0  # 0: the model's training context
     n_parallel: int = 4
@@ -224,7 +225,8 @@ class Engine:
         from mlxcel_compat.model.loader import load_model
 
         t0 = time.perf_counter()
-        self.loaded = load_model(self.config.model, self.config.aliases, offline=self.config.offline)
+        self.loaded = load_model(self.config.model, self.config.aliases, offline=self.config.offline,
+                                 name=self.config.model_name)
         n_ctx_train = int(_config_value(self.loaded.config, "max_position_embeddings", 4096))
         self.n_ctx_total, self.n_ctx = slot_context(self.config.ctx_size, len(self.slots), self.config.kv_unified, n_ctx_train)
         for slot in self.slots:

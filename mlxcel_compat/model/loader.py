@@ -1,9 +1,16 @@
-"""Find and load the served model: a local Hugging Face directory or a hub id.
+"""Find and load the served model: a Hugging Face directory, a GGUF file, or a hub repository.
 
 Resolution happens before MLX is touched so that a missing model fails fast with a message a user
-can act on (the hub is often unreachable on servers). Loading itself is mlx-lm's
-``mlx_lm.utils.load``; on the CPU backend the weights are cast to float32, because float16 and
-bfloat16 matmuls are ~40x slower there.
+can act on (the hub is often unreachable on servers):
+
+- ``-m DIR``: a model directory (config.json + safetensors), loaded by ``mlx_lm.utils.load``;
+- ``-m FILE.gguf`` (or the first part of a split model): loaded by ``model/gguf_load.py``;
+- ``-m user/repo`` or ``-hf user/repo[:quant]`` (``-hff``, ``-hft``, ``$LLAMA_CACHE``): fetched by
+  ``model/hub.py``, which picks a GGUF file as llama-server does or the whole directory of an
+  MLX repository.
+
+On the CPU backend the weights end up in float32, because float16 and bfloat16 matmuls (and
+quantized ones) are ~40x slower there.
 """
 
 from __future__ import annotations
@@ -14,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger(__name__)
+from mlxcel_compat.model import hub
+from mlxcel_compat.model.gguf import is_gguf_path
 
-# What mlx-lm needs from a hub snapshot (weights, config, tokenizer, templates).
-_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+log = logging.getLogger(__name__)
 
 
 class ModelNotFoundError(RuntimeError):
@@ -36,35 +43,40 @@ class LoadedModel:
     aliases: list[str] = field(default_factory=list)
     n_params: int = 0
     size_bytes: int = 0
+    gguf: Any = None  # model.gguf_load.GGUFSummary for a GGUF file, else None
+
+    @property
+    def file_type(self) -> str:
+        """What /props reports as ``model_ftype``: llama.cpp's name for a GGUF, else the weight dtype."""
+        return self.gguf.file_type if self.gguf is not None else "F32"
 
 
-def resolve_model_path(model: str, offline: bool = False) -> Path:
-    """Return a local directory for ``model`` (a path or a hub id), downloading only if allowed."""
+def resolve_model_path(model: str, offline: bool = False, hf_file: str | None = None, token: str | None = None,
+                       cache_dir: str | Path | None = None) -> Path:
+    """A local model directory or GGUF file for ``model`` (a path or a hub repo), downloading if allowed."""
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelNotFoundError(f"'{model}' is a directory but has no config.json: not a Hugging Face model directory")
         return path
-    if path.exists():
-        raise ModelNotFoundError(
-            f"'{model}' is a file; mlxcel-server loads Hugging Face model directories (config.json + safetensors), not GGUF files"
-        )
-    if model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise ModelNotFoundError(f"model '{model}' not found: no such directory, and it is not a hub id of the form 'org/name'")
-    from huggingface_hub import snapshot_download
-
+    if path.is_file():
+        if not is_gguf_path(path):
+            raise ModelNotFoundError(f"'{model}' is a file but not a .gguf model; pass a GGUF file or a model directory")
+        return path
+    if is_gguf_path(path) or model.startswith((".", "/", "~")) or model.split(":")[0].count("/") != 1:
+        raise ModelNotFoundError(f"model '{model}' not found: no such file or directory, and it is not a hub "
+                                 "repository of the form 'user/name[:quant]'")
     try:
-        return Path(snapshot_download(model, allow_patterns=_ALLOW_PATTERNS, local_files_only=offline))
-    except Exception as exc:  # hub errors come in many classes; the message is what matters
-        where = "the local Hugging Face cache (--offline)" if offline else "the local cache, and the hub could not be reached"
-        raise ModelNotFoundError(
-            f"model '{model}' is not in {where}: {type(exc).__name__}: {exc}. "
-            "Download it on a machine with network access (huggingface-cli download), or pass -m with a local directory."
-        ) from exc
+        repo, tag = hub.parse_repo(model)
+        request = hub.HubRequest(repo, tag, hf_file, token, offline, Path(cache_dir).expanduser() if cache_dir else None)
+        return hub.fetch(request)
+    except hub.HubError as exc:
+        hint = "" if offline else " Check the name, the network and the token (-hft / HF_TOKEN)."
+        raise ModelNotFoundError(f"model '{model}': {exc}.{hint}") from exc
 
 
 def model_display_id(model_arg: str, aliases: list[str]) -> str:
-    """llama-server picks the alphabetically first alias; else the directory name, or the hub id."""
+    """llama-server picks the alphabetically first alias; else the directory or file name, or the hub id."""
     if aliases:
         return sorted(aliases)[0]
     path = Path(model_arg.rstrip("/")).expanduser()
@@ -78,14 +90,54 @@ def read_config(path: Path) -> dict[str, Any]:
         return json.load(f)
 
 
-def load_model(model_arg: str, aliases: list[str], offline: bool = False) -> LoadedModel:
-    """Load weights and tokenizer with mlx-lm. Must run on the engine thread (it creates MLX state)."""
+def _log_gguf(summary: Any) -> None:
+    """llama.cpp-style start-up lines: the file, its architecture, tensor types, precision, time."""
+    log.info("loaded GGUF %s (%d file%s): arch %s, file type %s, %d parameters, %.2f GiB",
+             summary.path, summary.parts, "s" if summary.parts > 1 else "", summary.architecture,
+             summary.file_type, summary.n_params, summary.file_bytes / 2**30)
+    for name, count in summary.type_counts.items():
+        log.info("- type %5s: %4d tensors", name, count)
+    kept = ", ".join(f"{count} {label}" for label, count in sorted(summary.precision.items()))
+    log.info("GGUF weights kept as: %s (compute dtype %s); loaded in %.2f s", kept, summary.compute_dtype,
+             summary.load_seconds)
+    if summary.specials is not None and summary.specials.fim:
+        log.info("FIM tokens: %s", ", ".join(f"{k}={v}" for k, v in summary.specials.fim.items()))
+
+
+class _ProgressLog:
+    """Logs loading progress every 10% (a large GGUF takes a while on a CPU)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.next_step = 10
+
+    def __call__(self, done: int, total: int) -> None:
+        percent = 100 * done // max(total, 1)
+        if percent >= self.next_step:
+            log.info("loading %s: %d%% (%.0f / %.0f MiB)", self.name, percent, done / 2**20, total / 2**20)
+            self.next_step = (percent // 10 + 1) * 10
+
+
+def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: str | None = None) -> LoadedModel:
+    """Load weights and tokenizer. Must run on the engine thread (it creates MLX state).
+
+    ``model_arg`` is a local directory or GGUF file (or a hub id, resolved here); ``name`` is what
+    the user asked for, used for the display id when it differs from the local path (``-hf``).
+    """
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import load
 
     path = resolve_model_path(model_arg, offline=offline)
-    model, tokenizer, config = load(str(path), return_config=True)
+    summary = None
+    if path.is_file():
+        from mlxcel_compat.model.gguf_load import load_gguf
+
+        model, tokenizer, config, summary = load_gguf(str(path), progress=_ProgressLog(path.name))
+        _log_gguf(summary)
+    else:
+        from mlx_lm.utils import load
+
+        model, tokenizer, config = load(str(path), return_config=True)
     if mx.default_device() == mx.cpu:
         from mlxcel_compat.model import attention
 
@@ -93,16 +145,17 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False) -> Loa
         model.set_dtype(mx.float32, predicate=lambda dt: dt in (mx.float16, mx.bfloat16))
         attention.install()  # the model's module is imported now: switch its attention
     params = tree_flatten(model.parameters())
-    n_params = sum(v.size for _, v in params)
-    size_bytes = sum(v.nbytes for _, v in params)
+    n_params = summary.n_params if summary is not None else sum(v.size for _, v in params)
+    size_bytes = summary.file_bytes if summary is not None else sum(v.nbytes for _, v in params)
     mx.eval(model.parameters())
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         config=config,
         path=path,
-        model_id=model_display_id(model_arg, aliases),
+        model_id=model_display_id(name or model_arg, aliases),
         aliases=sorted(aliases),
         n_params=n_params,
         size_bytes=size_bytes,
+        gguf=summary,
     )

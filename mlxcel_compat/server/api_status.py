@@ -36,7 +36,7 @@ async def props(request: Request) -> Response:
             "default_generation_settings": {"params": _default_params(ctx), "n_ctx": m.n_ctx},
             "total_slots": len(ctx.engine.slots),
             "model_alias": m.model_id,
-            "model_ftype": "F32",
+            "model_ftype": m.file_type,
             "model_path": m.path,
             "modalities": {"vision": False, "video": False, "audio": False},
             "media_marker": "<__media__>",
@@ -83,7 +83,7 @@ async def models(request: Request) -> Response:
                     "parameters": "",
                     "details": {
                         "parent_model": "",
-                        "format": "safetensors",
+                        "format": m.format,
                         "family": "",
                         "families": [""],
                         "parameter_size": "",
@@ -108,7 +108,7 @@ async def models(request: Request) -> Response:
                         "n_embd": m.n_embd,
                         "n_params": m.n_params,
                         "size": m.size_bytes,
-                        "ftype": "F32",
+                        "ftype": m.file_type,
                     },
                 }
             ],

@@ -164,6 +164,8 @@ def model_info(engine: Engine, settings: Any) -> ModelInfo:
         eos_token=tok.eos_token or "",
         chat_template=template,
         tags=sorted(set(settings.tags or ())),
+        file_type=loaded.file_type,
+        format="gguf" if loaded.gguf is not None else "safetensors",
     )
 
 

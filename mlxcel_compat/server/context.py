@@ -36,6 +36,8 @@ class ModelInfo:
     eos_token: str
     chat_template: Any  # mlxcel_compat.chat.template.ChatTemplate | None
     tags: list[str] = field(default_factory=list)  # --tags, sorted
+    file_type: str = "F32"  # llama.cpp's file type name for a GGUF ("Q4_K - Medium"); F32 otherwise
+    format: str = "safetensors"  # "gguf" or "safetensors"
 
 
 @dataclass

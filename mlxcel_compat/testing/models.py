@@ -9,7 +9,11 @@ machine (for a given ``tokenizers`` version). Directories load with
 Command line (a stable contract for scripts)::
 
     python -m mlxcel_compat.testing.models --family llama --size tiny --out DIR
+    python -m mlxcel_compat.testing.models --family F --size S --format gguf [--gguf-type f32|f16|q8_0|q4_0] --out FILE.gguf
     python -m mlxcel_compat.testing.models --list
+
+A GGUF is written from the same weights, tokenizer and chat template as the directory, with
+llama.cpp's converter conventions (``gguf_writer.py``).
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ _FAMILIES: dict[str, Family] = {
         Family("qwen3", "Qwen3ForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
         Family("gemma3_text", "Gemma3ForCausalLM", thinking=False, add_bos=False, norm_one=0.0),
         Family("qwen3_next", "Qwen3NextForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
+        Family("qwen2", "Qwen2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
+        Family("mistral", "MistralForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
+        Family("lfm2", "Lfm2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     )
 }
 
@@ -126,11 +133,56 @@ def _qwen3_next_config(size: str) -> dict[str, Any]:
                 attention_bias=False, hidden_act="silu")
 
 
+def _qwen2_config(size: str) -> dict[str, Any]:
+    # Qwen2 has biases on the q/k/v projections and head_dim = hidden / heads.
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=192)
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                    num_key_value_heads=4, intermediate_size=2304)
+    return dict(dims, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                hidden_act="silu")
+
+
+def _mistral_config(size: str) -> dict[str, Any]:
+    # Mistral-Nemo style: head_dim is not hidden / heads, so GGUF files carry key_length.
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, intermediate_size=192)
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=8,
+                    num_key_value_heads=4, head_dim=128, intermediate_size=2048)
+    return dict(dims, rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False,
+                sliding_window=None, hidden_act="silu")
+
+
+def _lfm2_config(size: str) -> dict[str, Any]:
+    # A hybrid: short-convolution layers (ArraysCache) with a few attention layers (KVCache).
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, block_ff_dim=192)
+        attention = (2,)
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                    num_key_value_heads=4, block_ff_dim=2304)
+        attention = (2, 5, 8, 10)
+    layer_types = ["full_attention" if i in attention else "conv"
+                   for i in range(dims["num_hidden_layers"])]
+    return dict(dims, layer_types=layer_types, block_dim=dims["hidden_size"],
+                intermediate_size=dims["block_ff_dim"], block_auto_adjust_ff_dim=False,
+                block_multiple_of=256, block_ffn_dim_multiplier=1.0, conv_L_cache=3,
+                conv_bias=False, norm_eps=1e-5, rope_theta=1000000.0, tie_embedding=True)
+
+
 _CONFIGS = {
     "llama": _llama_config,
     "qwen3": _qwen3_config,
     "gemma3_text": _gemma3_text_config,
     "qwen3_next": _qwen3_next_config,
+    "qwen2": _qwen2_config,
+    "mistral": _mistral_config,
+    "lfm2": _lfm2_config,
 }
 
 
@@ -442,7 +494,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the families, one per line")
     parser.add_argument("--family", help=f"one of: {', '.join(FAMILIES)}")
     parser.add_argument("--size", default="tiny", help=f"one of: {', '.join(SIZES)} (default tiny)")
-    parser.add_argument("--out", help="output directory (replaced if it holds a previous build)")
+    parser.add_argument("--out", help="output directory (replaced if it holds a previous build), or the .gguf file")
+    parser.add_argument("--format", choices=("hf", "gguf"), default="hf",
+                        help="hf: a Hugging Face directory (default); gguf: one GGUF file")
+    parser.add_argument("--gguf-type", default="f32", help="matrix type of a GGUF: f32, f16, q8_0 or q4_0 (default f32)")
     args = parser.parse_args(argv)
 
     if args.list:
@@ -455,6 +510,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.format == "gguf":
+        from .gguf_writer import write_gguf
+
+        try:
+            paths = write_gguf(args.family, args.size, args.out, args.gguf_type)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print("\n".join(str(p) for p in paths))
+        return 0
     try:
         path = build_model(args.family, args.size, args.out)
     except FileExistsError as e:

@@ -1,0 +1,192 @@
+"""Read a GGUF file (or every part of a split one): its metadata and where each tensor lives.
+
+gguf-py's ``GGUFReader`` parses the header; tensor bytes are then read one tensor at a time
+with ``os.pread`` (``read_tensor``), so loading never maps or holds the whole file: the memory
+peak is the decoded weights plus one tensor in flight.
+
+A split model (``name-00001-of-00003.gguf``, written by ``gguf-split`` or the converter) is
+opened from its first part; the other parts are found beside it, as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+# llama.cpp's llama_model_ftype_name for general.file_type (what llama-server logs as "file type").
+FILE_TYPE_NAMES: dict[int, str] = {
+    0: "all F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",
+    10: "Q2_K - Medium", 11: "Q3_K - Small", 12: "Q3_K - Medium", 13: "Q3_K - Large",
+    14: "Q4_K - Small", 15: "Q4_K - Medium", 16: "Q5_K - Small", 17: "Q5_K - Medium",
+    18: "Q6_K", 19: "IQ2_XXS - 2.0625 bpw", 20: "IQ2_XS - 2.3125 bpw", 21: "Q2_K - Small",
+    22: "IQ3_XS - 3.3 bpw", 23: "IQ3_XXS - 3.0625 bpw", 24: "IQ1_S - 1.5625 bpw",
+    25: "IQ4_NL - 4.5 bpw", 26: "IQ3_S - 3.4375 bpw", 27: "IQ3_S mix - 3.66 bpw",
+    28: "IQ2_S - 2.5 bpw", 29: "IQ2_M - 2.7 bpw", 30: "IQ4_XS - 4.25 bpw", 31: "IQ1_M - 1.75 bpw",
+    32: "BF16", 36: "TQ1_0 - 1.69 bpw", 37: "TQ2_0 - 2.06 bpw", 38: "MXFP4 MoE",
+}
+
+
+class GGUFError(ValueError):
+    """The file is not a GGUF model this server can open; the message says why."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor: its GGUF name, storage type and where its bytes are."""
+
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]  # NumPy order: GGUF's ne[] reversed (rows, cols)
+    path: Path
+    offset: int  # absolute byte offset in ``path``
+    n_bytes: int
+
+    @property
+    def n_values(self) -> int:
+        return int(np.prod(self.shape)) if self.shape else 1
+
+
+@dataclass
+class GGUFModelFile:
+    """A GGUF model: metadata of the first part, tensors of all parts (in file order)."""
+
+    path: Path
+    parts: list[Path]
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def arch_value(self, key: str, default: Any = None) -> Any:
+        """``{arch}.{key}``, e.g. ``arch_value("attention.head_count")``."""
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(t.n_bytes for t in self.tensors.values())
+
+    @property
+    def n_params(self) -> int:
+        return sum(t.n_values for t in self.tensors.values())
+
+    def type_counts(self) -> dict[str, int]:
+        """How many tensors each GGML type holds, as llama.cpp logs them ("type q8_0: 14 tensors")."""
+        from mlxcel_compat.model.gguf_quants import type_name
+
+        counts = Counter(type_name(t.ggml_type).lower() for t in self.tensors.values())
+        return dict(sorted(counts.items()))
+
+    @property
+    def file_type(self) -> str:
+        """llama.cpp's name for ``general.file_type`` ("Q4_K - Medium"), "unknown" if absent."""
+        value = self.metadata.get("general.file_type")
+        if value is None:
+            return "unknown"
+        return FILE_TYPE_NAMES.get(int(value), f"type {value}")
+
+
+def is_gguf_path(path: str | Path) -> bool:
+    return str(path).lower().endswith(".gguf")
+
+
+def split_parts(path: Path) -> list[Path]:
+    """All parts of a split model named like ``path`` (just ``[path]`` for a single file)."""
+    match = SPLIT_NAME.match(path.name)
+    if not match:
+        return [path]
+    count = int(match["count"])
+    return [path.with_name(f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def _field_value(field: Any) -> Any:
+    from gguf import GGUFValueType
+
+    value = field.contents()
+    if field.types and field.types[0] == GGUFValueType.ARRAY:
+        return list(value) if value is not None else []
+    return value
+
+
+def _read_part(path: Path, metadata_keys: bool) -> tuple[dict[str, Any], list[TensorInfo]]:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError) as exc:
+        raise GGUFError(f"'{path}' is not a readable GGUF file: {exc}") from exc
+    metadata: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if metadata_keys or key.startswith("split."):
+            metadata[key] = _field_value(field)
+    tensors = [
+        TensorInfo(
+            name=t.name,
+            ggml_type=int(t.tensor_type),
+            shape=tuple(int(d) for d in reversed(t.shape.tolist())),
+            path=path,
+            offset=int(t.data_offset),
+            n_bytes=int(t.n_bytes),
+        )
+        for t in reader.tensors
+    ]
+    return metadata, tensors
+
+
+def open_gguf(path: str | Path) -> GGUFModelFile:
+    """Read the header of ``path`` and of every other part of a split model."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise GGUFError(f"GGUF file '{path}' does not exist")
+    metadata, tensors = _read_part(path, metadata_keys=True)
+    n_split = int(metadata.get("split.count", 1) or 1)
+    parts = [path]
+    if n_split > 1:
+        if int(metadata.get("split.no", 0)) != 0:
+            raise GGUFError(f"'{path}' is part {int(metadata['split.no']) + 1} of a split model; "
+                            "pass the first part (…-00001-of-…)")
+        parts = split_parts(path)
+        if len(parts) != n_split:
+            raise GGUFError(f"'{path}' says the model has {n_split} parts, but its name does not follow "
+                            "the NAME-00001-of-0000N.gguf pattern")
+        for part in parts[1:]:
+            if not part.is_file():
+                raise GGUFError(f"split part '{part}' is missing (the model has {n_split} parts)")
+            _, more = _read_part(part, metadata_keys=False)
+            tensors.extend(more)
+    file = GGUFModelFile(path=path, parts=parts, metadata=metadata)
+    for info in tensors:
+        if info.name in file.tensors:
+            raise GGUFError(f"tensor '{info.name}' appears twice in '{path}'")
+        file.tensors[info.name] = info
+    if not file.architecture:
+        raise GGUFError(f"'{path}' has no general.architecture: not a GGUF model")
+    return file
+
+
+def read_tensor(info: TensorInfo) -> np.ndarray:
+    """The raw bytes of one tensor (uint8), read without mapping the file."""
+    buffer = bytearray(info.n_bytes)
+    view = memoryview(buffer)
+    fd = os.open(info.path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < info.n_bytes:
+            n = os.preadv(fd, [view[done:]], info.offset + done)
+            if n <= 0:
+                raise GGUFError(f"'{info.path}' ends inside tensor '{info.name}'")
+            done += n
+    finally:
+        os.close(fd)
+    return np.frombuffer(buffer, dtype=np.uint8)

@@ -1,0 +1,200 @@
+"""Load a GGUF file as an ordinary mlx-lm model: config from metadata, weights streamed in.
+
+The model object is the one mlx-lm builds from the equivalent ``config.json`` (``gguf_arch``), so
+the engine, prompt cache, batching and attention path treat it like any other mlx-lm model.
+
+Weights are streamed: each tensor is read (``gguf.read_tensor``), decoded or repacked
+(``gguf_quants``), put into the model, and its buffers dropped before the next one. The memory
+peak is the final weights plus one tensor in flight, never a second copy of the model. Every
+tensor type is checked before the first byte is read, so an unsupported type fails fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from mlxcel_compat.model import gguf_arch, gguf_quants, precision
+from mlxcel_compat.model.gguf import GGUFModelFile, TensorInfo, open_gguf, read_tensor
+from mlxcel_compat.model.gguf_tokenizer import SpecialTokens, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+@dataclass
+class GGUFSummary:
+    """What start-up logs, /props and /v1/models report about a loaded GGUF."""
+
+    path: str
+    parts: int
+    architecture: str
+    file_type: str  # llama.cpp's name, e.g. "Q4_K - Medium"
+    type_counts: dict[str, int]
+    n_params: int
+    file_bytes: int
+    compute_dtype: str
+    precision: dict[str, int] = field(default_factory=dict)  # "affine q8_0" / "float32" -> tensors
+    specials: SpecialTokens | None = None
+    load_seconds: float = 0.0
+
+
+def _quantizable(model: Any, mlx_name: str, shape: tuple[int, ...]) -> bool:
+    import mlx.nn as nn
+
+    if not mlx_name.endswith(".weight") or len(shape) != 2 or shape[-1] % 32:
+        return False
+    module = model
+    for part in mlx_name.rsplit(".", 1)[0].split("."):
+        module = module[int(part)] if isinstance(module, list) else getattr(module, part, None)
+        if module is None:
+            return False
+    return isinstance(module, (nn.Linear, nn.Embedding))
+
+
+def _decode(info: TensorInfo, raw: np.ndarray, mlx_name: str, spec: gguf_arch.ArchSpec,
+            config: dict[str, Any], dtype: str, target_shape: tuple[int, ...]) -> Any:
+    import mlx.core as mx
+
+    heads = gguf_arch.qk_heads(spec, config, mlx_name)
+    rows = raw.reshape(info.shape[0], -1) if len(info.shape) > 1 else raw
+    if heads is not None:
+        rows = gguf_arch.unpermute_rows(rows, heads)
+    np_dtype = np.float16 if dtype == precision.FLOAT16 else np.float32
+    values = gguf_quants.dequantize(np.ascontiguousarray(rows).reshape(-1), info.ggml_type, info.n_values,
+                                    dtype=np_dtype, name=info.name)
+    if spec.norm_shift and mlx_name.endswith("norm.weight"):
+        values = values - np_dtype(spec.norm_shift)
+    if int(np.prod(target_shape)) != values.size:
+        raise ValueError(f"tensor '{info.name}' has shape {info.shape}; the model expects {target_shape} for {mlx_name}")
+    array = mx.array(values.reshape(target_shape))
+    return array.astype(mx.bfloat16) if dtype == precision.BFLOAT16 else array
+
+
+def _affine(info: TensorInfo, raw: np.ndarray, mlx_name: str, spec: gguf_arch.ArchSpec,
+            config: dict[str, Any]) -> list[tuple[str, Any]]:
+    import mlx.core as mx
+
+    heads = gguf_arch.qk_heads(spec, config, mlx_name)
+    rows = raw.reshape(info.shape[0], -1)
+    if heads is not None:
+        rows = gguf_arch.unpermute_rows(rows, heads)
+    blocks = gguf_quants.to_affine(np.ascontiguousarray(rows).reshape(-1), info.ggml_type, info.shape)
+    if blocks is None:
+        raise ValueError(f"tensor '{info.name}' ({gguf_quants.type_name(info.ggml_type)}) has a scale whose "
+                         "offset overflows float16, so it has no exact MLX affine form")
+    prefix = mlx_name[: -len("weight")]
+    return [(mlx_name, mx.array(blocks.weight)), (prefix + "scales", mx.array(blocks.scales)),
+            (prefix + "biases", mx.array(blocks.biases))]
+
+
+def _install_rope_freqs(model: Any, file: GGUFModelFile, config: dict[str, Any]) -> None:
+    """Llama 3 files carry the RoPE frequency factors as a tensor (``rope_freqs.weight``)."""
+    import mlx.core as mx
+
+    factors = gguf_quants.dequantize(read_tensor(file.tensors["rope_freqs.weight"]),
+                                     file.tensors["rope_freqs.weight"].ggml_type,
+                                     file.tensors["rope_freqs.weight"].n_values)
+    head_dim = config["head_dim"]
+    periods = config.get("rope_theta", 10000.0) ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    freqs = mx.array(periods.astype(np.float32) * factors)
+    for layer in model.layers:
+        layer.self_attn.rope._freqs = freqs
+
+
+def _prepare(file: GGUFModelFile) -> tuple[gguf_arch.ArchSpec, Any, SpecialTokens, dict[str, Any]]:
+    spec = gguf_arch.arch_spec(file)
+    for info in file.tensors.values():
+        gguf_quants.check_supported(info.name, info.ggml_type)
+    tokenizer, specials = load_tokenizer(file)
+    n_vocab = len(file.metadata.get("tokenizer.ggml.tokens") or [])
+    config = gguf_arch.model_config(file, spec, n_vocab, specials.eog, specials.bos if specials.add_bos else None)
+    if spec.permute_qk and "rope_freqs.weight" in file.tensors:
+        # Llama3RoPE is built from a placeholder and its frequencies replaced by the file's.
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": 1.0}
+    return spec, tokenizer, specials, config
+
+
+def _build_model(config: dict[str, Any], file: GGUFModelFile) -> Any:
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    if hasattr(model, "lm_head") and "output.weight" not in file.tensors and hasattr(model, "sanitize"):
+        model.sanitize({})  # models that decide tying at load time (gemma3) drop the head here
+    return model
+
+
+def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None = None
+              ) -> tuple[Any, Any, dict[str, Any], GGUFSummary]:
+    """Load ``path`` (a .gguf, or the first part of a split model).
+
+    Returns ``(model, tokenizer, config, summary)``: an mlx-lm model, an mlx-lm
+    ``TokenizerWrapper``, the synthesised config.json dict and what to report about the file.
+    ``on_cpu`` defaults to MLX's default device; passing it lets tests exercise the GPU policy.
+    """
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    t0 = time.perf_counter()
+    if on_cpu is None:
+        on_cpu = mx.default_device() == mx.cpu
+    file = open_gguf(path)
+    spec, tokenizer, specials, config = _prepare(file)
+    model = _build_model(config, file)
+    shapes = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+    names = gguf_arch.gguf_names(spec, list(shapes), config["num_hidden_layers"])
+    missing = sorted(set(names) - set(file.tensors))
+    if missing:
+        raise ValueError(f"'{file.path}' lacks tensors the {spec.gguf_arch} model needs: {', '.join(missing[:8])}")
+    ignored = sorted(set(file.tensors) - set(names) - {"rope_freqs.weight"})
+    if ignored:
+        log.warning("GGUF tensors without a counterpart in the mlx-lm model are ignored: %s", ", ".join(ignored[:8]))
+
+    dtype = precision.compute_dtype(on_cpu, {t.ggml_type for t in file.tensors.values()})
+    plans = {
+        g: precision.tensor_precision(file.tensors[g].ggml_type, on_cpu,
+                                      _quantizable(model, m, file.tensors[g].shape), dtype)
+        for g, m in names.items()
+    }
+    affine = {names[g][: -len(".weight")]: file.tensors[g] for g, p in plans.items() if p == precision.AFFINE}
+    if affine:
+        bits = {p: 8 if info.ggml_type == gguf_quants.T.Q8_0 else 4 for p, info in affine.items()}
+        nn.quantize(model, class_predicate=lambda p, m: {"group_size": 32, "bits": bits[p], "mode": "affine"}
+                    if p in bits else False)
+    model.eval()
+
+    summary = GGUFSummary(
+        path=str(file.path), parts=len(file.parts), architecture=file.architecture, file_type=file.file_type,
+        type_counts=file.type_counts(), n_params=file.n_params, file_bytes=file.size_bytes,
+        compute_dtype=dtype, specials=specials,
+    )
+    total = sum(file.tensors[g].n_bytes for g in names)
+    done = 0
+    for gguf_name, info in file.tensors.items():
+        if gguf_name not in names:
+            continue
+        mlx_name, plan = names[gguf_name], plans[gguf_name]
+        raw = read_tensor(info)
+        if plan == precision.AFFINE:
+            weights = _affine(info, raw, mlx_name, spec, config)
+        else:
+            weights = [(mlx_name, _decode(info, raw, mlx_name, spec, config, plan, shapes[mlx_name]))]
+        model.load_weights(weights, strict=False)
+        mx.eval([w for _, w in weights])
+        label = f"affine {gguf_quants.type_name(info.ggml_type).lower()}" if plan == precision.AFFINE else plan
+        summary.precision[label] = summary.precision.get(label, 0) + 1
+        del raw, weights
+        done += info.n_bytes
+        if progress is not None:
+            progress(done, total)
+    if "rope_freqs.weight" in file.tensors and spec.permute_qk:
+        _install_rope_freqs(model, file, config)
+    summary.load_seconds = time.perf_counter() - t0
+    return model, tokenizer, config, summary

@@ -1,0 +1,220 @@
+"""Write a factory model as a GGUF file, the way llama.cpp's ``convert_hf_to_gguf.py`` would.
+
+The weights, tokenizer and chat template are the ones of the Hugging Face directory built by
+``models.py`` for the same (family, size), so a test can load both and compare. The converter's
+conventions are applied here, independently of the loader that undoes them:
+
+- tensor names from gguf-py's ``TensorNameMap`` (``model.layers.0.self_attn.q_proj.weight`` ->
+  ``blk.0.attn_q.weight``);
+- llama-family Q/K rows permuted for ggml's interleaved RoPE (``LlamaModel.permute``);
+- Gemma norm weights stored as ``1 + w`` (ggml multiplies by the weight itself);
+- LFM2's depthwise convolution squeezed to 2-D;
+- 1-D tensors (norms, biases) and the convolution stay F32; matrices take the requested type,
+  falling back to F16 when a row does not fill whole 32-value blocks (as the converter does);
+- the tokenizer as ``gpt2`` BPE; the pre-tokenizer is named after how transformers splits text
+  for the family (``gpt-2``, the regex of our tokenizer.json, except ``qwen2``: transformers
+  applies Qwen2's regex to that model type), as the converter's tokenizer hash would find;
+  token types CONTROL for special added tokens and USER_DEFINED for the others.
+
+``split_max_tensors`` writes ``name-00001-of-0000N.gguf`` parts like ``gguf-split``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GGUF_TYPES: tuple[str, ...] = ("f32", "f16", "q8_0", "q4_0")
+
+
+@dataclass(frozen=True)
+class _Target:
+    arch: str  # general.architecture
+    permute_qk: bool  # llama-family Q/K row permutation
+    norm_shift: float  # added to every *norm.weight
+    pre: str = "gpt-2"  # tokenizer.ggml.pre: the split regex transformers applies to this family
+
+
+_TARGETS: dict[str, _Target] = {
+    "llama": _Target("llama", permute_qk=True, norm_shift=0.0),
+    "mistral": _Target("llama", permute_qk=True, norm_shift=0.0),
+    # transformers tokenizes model_type qwen2 with Qwen2's own regex, whatever tokenizer.json says,
+    # and llama.cpp's converter names the pre-tokenizer after that behaviour.
+    "qwen2": _Target("qwen2", permute_qk=False, norm_shift=0.0, pre="qwen2"),
+    "qwen3": _Target("qwen3", permute_qk=False, norm_shift=0.0),
+    "gemma3_text": _Target("gemma3", permute_qk=False, norm_shift=1.0),
+    "lfm2": _Target("lfm2", permute_qk=False, norm_shift=0.0),
+}
+GGUF_FAMILIES: tuple[str, ...] = tuple(_TARGETS)
+
+
+def permute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute``: within each head, interleave the two rotary halves."""
+    return (weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def _file_type(gguf_type: str) -> int:
+    from gguf import LlamaFileType
+
+    return {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16,
+            "q8_0": LlamaFileType.MOSTLY_Q8_0, "q4_0": LlamaFileType.MOSTLY_Q4_0}[gguf_type]
+
+
+def _encode(name: str, data: np.ndarray, gguf_type: str) -> tuple[np.ndarray, Any]:
+    """The stored array and its raw GGML type (None for plain float arrays)."""
+    from gguf import GGMLQuantizationType, quants
+
+    if data.ndim < 2 or gguf_type == "f32" or name.endswith("shortconv.conv.weight"):
+        return data.astype(np.float32), None
+    if gguf_type == "f16" or data.shape[-1] % 32:
+        return data.astype(np.float16), None
+    qtype = GGMLQuantizationType.Q8_0 if gguf_type == "q8_0" else GGMLQuantizationType.Q4_0
+    return quants.quantize(data.astype(np.float32), qtype), qtype
+
+
+def _tensors(family: str, config: dict[str, Any], weights: dict[str, Any]) -> dict[str, np.ndarray]:
+    """GGUF name -> float32 array in the converter's layout."""
+    import gguf
+
+    target = _TARGETS[family]
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == target.arch)
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    out: dict[str, np.ndarray] = {}
+    for hf_name in sorted(weights):
+        data = np.array(weights[hf_name], dtype=np.float32)
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ValueError(f"no GGUF name for {hf_name} in {target.arch}")
+        if target.permute_qk and ".self_attn.q_proj." in hf_name:
+            data = permute_rows(data, config["num_attention_heads"])
+        elif target.permute_qk and ".self_attn.k_proj." in hf_name:
+            data = permute_rows(data, config["num_key_value_heads"])
+        if hf_name.endswith("norm.weight"):
+            data = data + np.float32(target.norm_shift)
+        if gguf_name.endswith("shortconv.conv.weight"):
+            data = data.reshape(data.shape[0], data.shape[1])  # (C, K, 1) -> (C, K)
+        out[gguf_name] = data
+    return out
+
+
+def _add_hparams(writer: Any, family: str, config: dict[str, Any]) -> None:
+    c = config
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_rope_freq_base(c["rope_theta"])
+    writer.add_vocab_size(c["vocab_size"])
+    if family == "lfm2":
+        writer.add_feed_forward_length(c["block_ff_dim"])
+        writer.add_head_count_kv([c["num_key_value_heads"] if t == "full_attention" else 0
+                                  for t in c["layer_types"]])
+        writer.add_layer_norm_rms_eps(c["norm_eps"])
+        writer.add_shortconv_l_cache(c["conv_L_cache"])
+        return
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if family in ("llama", "mistral"):
+        writer.add_rope_dimension_count(head_dim)
+    if family == "gemma3_text":
+        writer.add_sliding_window(c["sliding_window"])
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
+        writer.add_rope_freq_base_swa(c["rope_local_base_freq"])
+
+
+def _add_tokenizer(writer: Any, model_dir: Path, pre: str) -> None:
+    from gguf import TokenType
+
+    from . import tokenizer as tok
+
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    vocab = tokenizer["model"]["vocab"]
+    tokens = [""] * tok.VOCAB_SIZE
+    types = [int(TokenType.NORMAL)] * tok.VOCAB_SIZE
+    for text, index in vocab.items():
+        tokens[index] = text
+    for added in tokenizer["added_tokens"]:
+        tokens[added["id"]] = added["content"]
+        types[added["id"]] = int(TokenType.CONTROL if added["special"] else TokenType.USER_DEFINED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    if config.get("bos_token"):
+        writer.add_bos_token_id(tok.token_id(config["bos_token"]))
+    writer.add_eos_token_id(tok.token_id(config["eos_token"]))
+    writer.add_pad_token_id(tok.token_id(config["pad_token"]))
+    writer.add_add_bos_token(bool(config["add_bos_token"]))
+    writer.add_add_eos_token(bool(config["add_eos_token"]))
+    writer.add_chat_template(config["chat_template"])
+
+
+def write_gguf(family: str, size: str, out: str | Path, gguf_type: str = "f32",
+               split_max_tensors: int = 0, model_dir: str | Path | None = None) -> list[Path]:
+    """Write (family, size) as GGUF at ``out``; returns the written files (several when split).
+
+    ``model_dir`` is the HF directory to take the tokenizer from (built on demand otherwise).
+    """
+    import gguf
+
+    from . import models
+
+    if family not in _TARGETS:
+        raise ValueError(f"family {family!r} has no GGUF writer; choose one of: {', '.join(GGUF_FAMILIES)}")
+    if gguf_type not in GGUF_TYPES:
+        raise ValueError(f"unknown GGUF type {gguf_type!r}; choose one of: {', '.join(GGUF_TYPES)}")
+    weights, config = models._random_weights(family, size)
+    source = Path(model_dir) if model_dir is not None else models.ensure_model(family, size)
+    out = Path(out).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(None, _TARGETS[family].arch, split_max_tensors=split_max_tensors)
+    writer.add_name(f"mlxcel-{family}-{size}")
+    writer.add_file_type(_file_type(gguf_type))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _add_hparams(writer, family, config)
+    _add_tokenizer(writer, source, _TARGETS[family].pre)
+    for name, data in _tensors(family, config, weights).items():
+        stored, raw_type = _encode(name, data, gguf_type)
+        writer.add_tensor(name, stored, raw_dtype=raw_type)
+    paths = writer.format_shard_names(out)
+    writer.write_header_to_file(out)
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return paths
+
+
+def ensure_gguf(family: str = "llama", size: str = "tiny", gguf_type: str = "f32",
+                cache_dir: str | Path | None = None) -> Path:
+    """``<cache>/<family>-<size>-v<N>-<type>.gguf``, written on first use (atomically, like ``ensure_model``)."""
+    import os
+    import tempfile
+
+    from . import models
+
+    root = Path(cache_dir).expanduser() if cache_dir is not None else models.default_cache_dir()
+    target = root.absolute() / f"{family}-{size}-v{models.FORMAT_VERSION}-{gguf_type}.gguf"
+    if target.is_file():
+        return target
+    source = models.ensure_model(family, size, cache_dir)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", suffix=".gguf", dir=root)
+    os.close(fd)
+    try:
+        write_gguf(family, size, tmp, gguf_type, model_dir=source)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
