@@ -208,3 +208,19 @@ def test_load_model_reports_gguf_facts() -> None:
     assert loaded.size_bytes == file.size_bytes < path.stat().st_size
     assert loaded.config["model_type"] == "gemma3_text" and loaded.config["sliding_window_pattern"] == 2
     assert loaded.gguf.type_counts == {"f32": 25, "q8_0": 29}
+
+
+def test_factory_cli_writes_a_gguf(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "m.gguf"
+    done = subprocess.run([sys.executable, "-m", "mlxcel_compat.testing.models", "--family", "qwen2", "--size", "tiny",
+                           "--format", "gguf", "--gguf-type", "q4_0", "--out", str(out)],
+                          capture_output=True, text=True, env={**__import__("os").environ, "MLXCEL_CACHE_DIR": str(MODEL_CACHE)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(out)
+    assert out.read_bytes() == ensure_gguf("qwen2", "tiny", "q4_0", cache_dir=MODEL_CACHE).read_bytes()
+    bad = subprocess.run([sys.executable, "-m", "mlxcel_compat.testing.models", "--family", "qwen3_next",
+                          "--format", "gguf", "--out", str(tmp_path / "x.gguf")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "family 'qwen3_next' has no GGUF writer" in bad.stderr
