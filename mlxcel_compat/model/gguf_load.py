@@ -176,12 +176,13 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         compute_dtype=dtype, specials=specials,
     )
     total = sum(file.tensors[g].n_bytes for g in names)
+    scratch = np.empty(max(file.tensors[g].n_bytes for g in names), dtype=np.uint8)
     done = 0
     for gguf_name, info in file.tensors.items():
         if gguf_name not in names:
             continue
         mlx_name, plan = names[gguf_name], plans[gguf_name]
-        raw = read_tensor(info)
+        raw = read_tensor(info, scratch)
         if plan == precision.AFFINE:
             weights = _affine(info, raw, mlx_name, spec, config)
         else:
