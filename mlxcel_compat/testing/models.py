@@ -146,15 +146,14 @@ def _qwen2_config(size: str) -> dict[str, Any]:
 
 
 def _mistral_config(size: str) -> dict[str, Any]:
-    # Mistral-Nemo style: head_dim is not hidden / heads, so GGUF files carry key_length.
+    # Llama's shape, Mistral-Nemo style: head_dim is not hidden / heads, so GGUF files carry key_length.
+    config = _llama_config(size)
     if size == "tiny":
-        dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=32, intermediate_size=192)
+        config.update(head_dim=32)
     else:
-        dims = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=8,
-                    num_key_value_heads=4, head_dim=128, intermediate_size=2048)
-    return dict(dims, rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False,
-                sliding_window=None, hidden_act="silu")
+        config.update(num_attention_heads=8, head_dim=128)
+    config.update(rope_theta=1000000.0, sliding_window=None)
+    return config
 
 
 def _lfm2_config(size: str) -> dict[str, Any]:
