@@ -1,0 +1,115 @@
+"""End to end: every per-request quantity is bounded and no request stalls the others.
+
+The first three tests are the regressions of issue 11 (each took the server down, or stalled
+every other client, before the limits existed):
+
+- ``{"prompt": "x", "n_probs": 100000000}`` generated to the end of the context with a
+  vocabulary-wide probability list per token;
+- a 64 MiB body was read, parsed and tokenized in full;
+- tokenizing a large prompt ran on the event loop, so ``/health`` stopped answering meanwhile.
+
+The assertions are about answers and their order (a 4xx; ``/health`` answered while the large
+request was still in flight), never about how fast something ran.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from tests.e2e_helpers import assert_serving
+
+pytestmark = pytest.mark.e2e
+
+MIB = 1 << 20
+
+
+def assert_error(response: httpx.Response, status: int, type_: str, field: str = "") -> dict[str, Any]:
+    assert response.status_code == status, response.text[:500]
+    error = response.json()["error"]
+    assert list(error)[:3] == ["code", "message", "type"]
+    assert error["code"] == status and error["type"] == type_
+    assert field in error["message"]
+    return error
+
+
+# ---------------------------------------------------------------------- the three regressions
+
+
+def test_huge_n_probs_is_refused(http: httpx.Client) -> None:
+    """No n_predict, n_probs far above any vocabulary: a 400 naming the field, at once."""
+    response = http.post("/completion", json={"prompt": "x", "n_probs": 100000000}, timeout=20)
+    error = assert_error(response, 400, "invalid_request_error", "n_probs")
+    assert "100" in error["message"]  # the cap is stated
+    assert_serving(http)
+
+
+def test_64_mib_body_is_413(http: httpx.Client) -> None:
+    body = b'{"prompt": "' + b"a" * (64 * MIB) + b'"}'
+    response = http.post("/completion", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert_error(response, 413, "invalid_request_error", "--max-body-bytes")
+    assert_serving(http)
+
+
+@pytest.fixture(scope="module")
+def long_context(server_factory, llama_dir) -> Iterator[str]:
+    """A 128k-token context: prompts of a few MB pass the character bound and are tokenized."""
+    server = server_factory(["-m", str(llama_dir), "-np", "2", "-c", "131072", "--metrics"])
+    yield server.base_url
+
+
+def _health_answers_while(base_url: str, path: str, body: dict[str, Any]) -> tuple[httpx.Response, int]:
+    """Send ``body`` and, once it is fully uploaded, poll /health until its response arrives.
+
+    Returns the big request's response and how many /health polls were answered before it.
+    """
+    uploaded = threading.Event()
+    done = threading.Event()
+    result: dict[str, Any] = {}
+    import orjson
+
+    payload = orjson.dumps(body)
+
+    def chunks() -> Iterator[bytes]:
+        for i in range(0, len(payload), MIB):
+            yield payload[i : i + MIB]
+        uploaded.set()
+
+    def send() -> None:
+        with httpx.Client(base_url=base_url, timeout=120) as client:
+            result["response"] = client.post(path, content=chunks(), headers={"content-type": "application/json"})
+        done.set()
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    assert uploaded.wait(60)
+    answered = 0
+    with httpx.Client(base_url=base_url, timeout=120) as health:
+        while not done.is_set():
+            response = health.get("/health")
+            if not done.is_set():
+                assert response.status_code == 200
+                answered += 1
+            time.sleep(0.02)
+    sender.join()
+    return result["response"], answered
+
+
+@pytest.mark.parametrize("path", ["/completion", "/v1/chat/completions"])
+def test_health_answers_while_a_large_prompt_is_tokenized(long_context: str, path: str) -> None:
+    """About 2 MB of words: under the character bound of a 128k context, so the server has to
+    render and tokenize it to find it too long (about 700k tokens). /health answers meanwhile."""
+    text = "the quick brown fox jumps over a lazy dog " * 50_000
+    body: dict[str, Any] = {"n_predict": 1}
+    if path == "/completion":
+        body["prompt"] = text
+    else:
+        body["messages"] = [{"role": "user", "content": text}]
+    response, answered = _health_answers_while(long_context, path, body)
+    error = assert_error(response, 400, "exceed_context_size_error")
+    assert error["n_prompt_tokens"] > 131072
+    assert answered >= 1, "/health did not answer while the prompt was being tokenized"
