@@ -40,6 +40,7 @@ STATUSES = ("supported", "noop", "refused")
 ARITIES = ("flag", "value", "optional", "pair")
 GROUPS: tuple[tuple[str, str], ...] = (
     ("server", "Server and HTTP"),
+    ("limits", "Request limits"),
     ("model", "Model and chat"),
     ("sampling", "Sampling defaults"),
     ("cache", "Prompt cache"),
@@ -331,8 +332,15 @@ _SERVER: tuple[Setting, ...] = (
     Setting("cors_credentials", ("--cors-credentials",), ("LLAMA_ARG_CORS_CREDENTIALS",), type="bool",
             default=True, negative_flags=("--no-cors-credentials",),
             help="Allow credentials; with origins '*' the request's Origin is echoed."),
-    _noop("threads_http", ("--threads-http",), "HTTP worker threads.", "the asyncio server needs no thread pool",
-          metavar="N", env=("LLAMA_ARG_THREADS_HTTP",), group="server", type="int"),
+    Setting("threads_http", ("--threads-http",), ("LLAMA_ARG_THREADS_HTTP",), type="int", default=-1,
+            parse=_parse_n_parallel, accepts="-1 (auto) or an integer >= 1", metavar="N",
+            reason="connections are served by one event loop; these threads do the CPU work of requests",
+            help="Worker threads that prepare requests off the event loop: parsing large bodies, rendering "
+                 "chat templates, tokenizing, building large responses (-1 = auto = min(4, CPUs))."),
+    Setting("shutdown_grace", ("--shutdown-grace",), type="float", default=5.0, minimum=0, upstream=False,
+            metavar="SECONDS",
+            help="After SIGTERM or SIGINT: seconds running requests may still finish while new ones get 503; "
+                 "then they end with a final error event and the server exits. A second signal ends them at once."),
     _noop("reuse_port", ("--reuse-port",), "Let several sockets bind the same port.",
           "not implemented", env=("LLAMA_ARG_REUSE_PORT",), group="server"),
     _noop("static_path", ("--path",), "Directory of static files to serve.", R_UI, metavar="PATH",
@@ -380,6 +388,36 @@ _SERVER: tuple[Setting, ...] = (
              env=("LLAMA_ARG_RERANKING",), group="server"),
     _refused("slot_save_path", ("--slot-save-path",), "Directory for POST /slots save/restore.",
              "slot save/restore is not supported", metavar="PATH", group="server"),
+)
+
+MIB = 1 << 20
+
+_LIMITS: tuple[Setting, ...] = (
+    Setting("max_body_bytes", ("--max-body-bytes",), type="int", default=8 * MIB, minimum=1024, group="limits",
+            upstream=False, metavar="BYTES",
+            help="Largest request body. A larger one gets 413 as soon as its Content-Length, or the part read so "
+                 "far, says so; it is never read in full."),
+    Setting("n_probs_max", ("--n-probs-max",), type="int", default=100, minimum=0, group="limits", upstream=False,
+            metavar="N",
+            help="Largest n_probs (the /v1/completions logprobs) a request may ask for; above it, 400. "
+                 "OpenAI's top_logprobs is capped at 20 whatever this says."),
+    Setting("n_predict_max", ("--n-predict-max",), type="int", default=-1, minimum=-1, group="limits",
+            upstream=False, metavar="N",
+            help="Largest n_predict (max_tokens): larger values, and -1, are lowered to it "
+                 "(-1 = no cap but the context)."),
+    Setting("max_prompts", ("--max-prompts",), type="int", default=64, minimum=1, group="limits", upstream=False,
+            metavar="N", help="Most prompts in one /completion or /v1/completions request; more: 400."),
+    Setting("max_stop_strings", ("--max-stop-strings",), type="int", default=32, minimum=0, group="limits",
+            upstream=False, metavar="N",
+            help="Most entries in stop, and in dry_sequence_breakers; more: 400."),
+    Setting("max_stop_chars", ("--max-stop-chars",), type="int", default=1024, minimum=1, group="limits",
+            upstream=False, metavar="N",
+            help="Longest stop string or DRY sequence breaker, in characters; longer: 400."),
+    Setting("max_logit_bias", ("--max-logit-bias",), type="int", default=1024, minimum=0, group="limits",
+            upstream=False, metavar="N", help="Most logit_bias entries in one request; more: 400."),
+    Setting("max_samplers", ("--max-samplers",), type="int", default=32, minimum=1, group="limits",
+            upstream=False, metavar="N",
+            help="Longest samplers list (names, or characters of the string form); longer: 400."),
 )
 
 _MODEL: tuple[Setting, ...] = (
@@ -584,6 +622,12 @@ _CACHE: tuple[Setting, ...] = (
             upstream=False, metavar="SECONDS", help="Seconds an entry lives after its last use."),
     Setting("prompt_cache_min_prefix", ("--prompt-cache-min-prefix",), type="int", default=32, minimum=0,
             group="cache", upstream=False, help="Shortest match (in tokens) that counts as a hit."),
+    Setting("prompt_cache_isolation", ("--prompt-cache-isolation",), type="choice",
+            choices=("none", "api-key", "salt"), group="cache", upstream=False,
+            default_doc="api-key with more than one API key, else none",
+            help="Which requests may share prompt-cache entries: none = all; salt = only requests with the same "
+                 "cache_salt (or none); api-key = only requests authenticated by the same API key (and the same "
+                 "cache_salt). TTFT and cached_tokens reveal whether someone sent a prompt before."),
     Setting("apc_enabled", ("--apc-enabled",), ("APC_ENABLED",), type="bool", default=True, arity="optional",
             group="cache", upstream=False, metavar="BOOL",
             help="Automatic prefix caching: partial reuse of cached entries, verified by block-hash chains. "
@@ -850,7 +894,7 @@ _COMPAT: tuple[Setting, ...] = (
     _spec("spec_ngram_min_hits", ("--spec-ngram-min-hits",), "Removed upstream."),
 )
 
-SETTINGS: tuple[Setting, ...] = _SERVER + _MODEL + _SAMPLING + _CACHE + _LOGGING + _COMPAT
+SETTINGS: tuple[Setting, ...] = _SERVER + _LIMITS + _MODEL + _SAMPLING + _CACHE + _LOGGING + _COMPAT
 settings_by_name: dict[str, Setting] = {s.name: s for s in SETTINGS}
 
 

@@ -1,9 +1,14 @@
 """The prompt-cache key: buckets, digests, template signatures and session keys.
 
-An entry is identified by a 32-byte BLAKE3 digest over seven dimensions plus the
+An entry is identified by a 32-byte BLAKE3 digest over eight dimensions plus the
 tokens (see docs "The key"). Requests that differ in any dimension must never share
 KV state, so every field is length-prefixed and domain-separated: two different
 inputs can never serialise to the same byte string.
+
+The eighth dimension is the tenant namespace (``--prompt-cache-isolation``): a digest of
+the API key that authenticated the request and/or of its ``cache_salt``, "" when the
+cache is shared. It lives in the :class:`Bucket`, so every lookup path (the radix trie
+of a bucket, APC chains, session snapshots, warm-ups) is confined to one namespace.
 
 The byte layout is part of the contract (digests are pinned in tests), so change
 ``DOMAIN`` whenever the layout changes.
@@ -22,11 +27,12 @@ from dataclasses import dataclass
 
 from blake3 import blake3
 
-DOMAIN = b"mlxcel:prompt-cache:v3"
+DOMAIN = b"mlxcel:prompt-cache:v4"
 MULTIMODAL_DOMAIN = b"mlxcel:prompt-cache:multimodal:v1"
 TEMPLATE_DOMAIN = b"mlxcel:prompt-cache:template:v1"
 TOOLS_DOMAIN = b"mlxcel:prompt-cache:tools:v1"
 RAW_PROMPT_DOMAIN = b"mlxcel:prompt-cache:raw-prompt:v1"
+NAMESPACE_DOMAIN = b"mlxcel:prompt-cache:namespace:v1"
 
 DIGEST_SIZE = 32
 
@@ -59,6 +65,7 @@ class Bucket:
     template_sig: str  # 64 lowercase hex chars (template_signature or sentinel)
     rope_regime: int | None  # LongRoPE short/long tag, None for every other model
     mm_digest: bytes  # 32 bytes, TEXT_ONLY_MM_DIGEST for text-only requests
+    namespace: str = ""  # tenant (cache_namespace); "" = the shared cache
 
     def __post_init__(self) -> None:
         if len(self.mm_digest) != DIGEST_SIZE:
@@ -96,9 +103,9 @@ def _length_prefixed(text: str) -> bytes:
 def prompt_digest(bucket: Bucket, session_key: str, tokens: Sequence[int]) -> bytes:
     """The 32-byte BLAKE3 digest identifying one cache entry.
 
-    Layout: domain, model_id, lora_id, template_sig, session_key (each u64 LE byte
-    length + UTF-8), rope_regime (presence byte + tag byte), mm_digest (raw 32 bytes),
-    prefix_len (u64 LE), then every token as i32 LE.
+    Layout: domain, model_id, lora_id, template_sig, namespace, session_key (each u64
+    LE byte length + UTF-8), rope_regime (presence byte + tag byte), mm_digest (raw 32
+    bytes), prefix_len (u64 LE), then every token as i32 LE.
 
     Args:
         bucket: model, adapter, template, RoPE regime and multimodal dimensions.
@@ -112,6 +119,7 @@ def prompt_digest(bucket: Bucket, session_key: str, tokens: Sequence[int]) -> by
     h.update(_length_prefixed(bucket.model_id))
     h.update(_length_prefixed(bucket.lora_id))
     h.update(_length_prefixed(bucket.template_sig))
+    h.update(_length_prefixed(bucket.namespace))
     h.update(_length_prefixed(session_key))
     if bucket.rope_regime is None:
         h.update(b"\x00\x00")
@@ -259,3 +267,33 @@ def resolve_session_key(body: Mapping[str, object]) -> str:
         if value is not None:
             return value
     return ANON_SESSION
+
+
+def cache_namespace(isolation: str, api_key_id: str | None, cache_salt: str | None) -> str:
+    """The tenant namespace of a request under ``--prompt-cache-isolation``.
+
+    ``none``: "" (one shared cache). ``salt``: the request's ``cache_salt`` (vLLM's field)
+    partitions the cache. ``api-key``: the API key that authenticated the request (as
+    ``api_key_id``, already a digest: the key itself never reaches the cache), and within
+    a key the ``cache_salt``. Requests with nothing to partition on share "".
+
+    The result is a digest (64 hex chars) so that neither a key nor a salt is kept in
+    the store, its stats or a disk copy.
+    """
+    parts: list[tuple[str, str]] = []
+    if isolation == "api-key" and api_key_id:
+        parts.append(("key", api_key_id))
+    if isolation in ("api-key", "salt") and cache_salt:
+        parts.append(("salt", cache_salt))
+    if not parts:
+        return ""
+    h = blake3(NAMESPACE_DOMAIN)
+    for name, value in parts:
+        h.update(_length_prefixed(name))
+        h.update(_length_prefixed(value))
+    return h.hexdigest()
+
+
+def api_key_id(key: str) -> str:
+    """A stable digest of an API key, the only form of it the prompt cache sees."""
+    return blake3(NAMESPACE_DOMAIN + b":api-key:" + key.encode("utf-8")).hexdigest()

@@ -223,6 +223,7 @@ class PrefixCache:
             template_sig=ctx.template_sig,
             rope_regime=None,
             mm_digest=ctx.mm_digest or TEXT_ONLY_MM_DIGEST,
+            namespace=ctx.namespace,
         )
 
     def adopt(self, seq: "Sequence") -> int:

@@ -27,6 +27,7 @@ class CacheContext:
     session_key: str = "__mlxcel_anon__"
     template_sig: str = ""  # 64 hex chars; the raw-prompt sentinel on /completion
     mm_digest: bytes = b""
+    namespace: str = ""  # tenant (cache.key.cache_namespace): entries of other tenants are invisible
     # Chat routes: token length of the rendered history alone (snapshot boundary), if known.
     history_boundary: int | None = None
 
@@ -63,7 +64,7 @@ class GenerationRequest:
         return self.share_group >= 0 and self.share_group != self.task_id
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenProb:
     """One candidate of ``completion_probabilities`` (already in Python values)."""
 
@@ -141,3 +142,4 @@ class WarmupJob:
     template_sig: str
     tokens: list[int]  # the rendered history including the assistant reply (no generation prompt)
     mm_digest: bytes = b""  # empty: text only
+    namespace: str = ""  # the tenant of the request it follows

@@ -55,11 +55,15 @@ class SessionSnapshots:
         self.warmup = warmup
         self.trace = trace
 
-    def bucket(self, template_sig: str, mm_digest: bytes) -> Bucket:
-        return Bucket(model_id=self.model_id, lora_id="", template_sig=template_sig, rope_regime=None, mm_digest=mm_digest or TEXT_ONLY_MM_DIGEST)
+    def bucket(self, template_sig: str, mm_digest: bytes, namespace: str) -> Bucket:
+        return Bucket(
+            model_id=self.model_id, lora_id="", template_sig=template_sig, rope_regime=None,
+            mm_digest=mm_digest or TEXT_ONLY_MM_DIGEST, namespace=namespace,
+        )
 
     def _seq_bucket(self, seq: "Sequence") -> Bucket:
-        return self.bucket(seq.request.cache.template_sig, seq.request.cache.mm_digest)
+        ctx = seq.request.cache
+        return self.bucket(ctx.template_sig, ctx.mm_digest, ctx.namespace)
 
     # ------------------------------------------------------------------ requests
 
@@ -99,7 +103,7 @@ class SessionSnapshots:
 
     def run_warmup(self, job: WarmupJob, model: Any, make_cache: Callable[[], list[Any]], chunk_size: int, should_stop: Callable[[], bool]) -> bool:
         """Extend the session's best snapshot through ``job.tokens``; False when skipped."""
-        bucket = self.bucket(job.template_sig, job.mm_digest)
+        bucket = self.bucket(job.template_sig, job.mm_digest, job.namespace)
         # The job has no token left to "generate": look up as if one more token followed.
         probe = self.store.lookup(bucket, job.session_key, job.tokens + [-1], record=False)
         hit = probe.hit

@@ -18,33 +18,30 @@ from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.errors import ApiError, InvalidRequest, ServerError, json_response
 from mlxcel_compat.server.params import CompletionOptions
-from mlxcel_compat.server.pipeline import check_context, collect, ctx_of, expand, parse_options, prompt_text, read_json, render_prompt, sse_response
-from mlxcel_compat.server.prompts import tokenize_prompts
+from mlxcel_compat.server.pipeline import collect, ctx_of, prepare_completion, prompt_text, read_json, render_prompt, respond, sse_response
 
 # ---------------------------------------------------------------------- /completion
 
 
 async def completion(request: Request) -> Response:
     ctx = ctx_of(request)
-    data = await read_json(request)
-    opts = parse_options(ctx, data)
-    prompts, multi = tokenize_prompts(ctx.model.tokenizer, data.get("prompt"), ctx.model.vocab_size)
-    for tokens in prompts:
-        check_context(ctx, tokens)
-    requests = expand(ctx, opts, prompts)
-    if ctx.cache_hooks is not None:
-        ctx.cache_hooks.prepare_raw(data, requests)
+    job = await prepare_completion(ctx, request, await read_json(request))
+    opts = job.opts
     if opts.stream:
-        return sse_response(_stream(ctx, requests, opts), opts)
-    results = await collect(ctx, request, requests)
+        return sse_response(_stream(ctx, job.requests, opts), opts)
+    results = await collect(ctx, request, job.requests)
     m = ctx.model
-    bodies = []
-    for res in results:
-        body = fmt.native_final(
-            res, m.model_id, prompt_text(ctx, res.request.prompt_tokens), False, opts.return_tokens, opts.n_keep, True, m.eog_ids, timings_per_token=opts.timings_per_token
-        )
-        bodies.append(fmt.filter_fields(body, opts.response_fields) if opts.response_fields else body)
-    return json_response(bodies if (multi or len(bodies) > 1) else bodies[0])
+
+    def build() -> Any:
+        bodies = []
+        for res in results:
+            body = fmt.native_final(
+                res, m.model_id, prompt_text(ctx, res.request.prompt_tokens), False, opts.return_tokens, opts.n_keep, True, m.eog_ids, timings_per_token=opts.timings_per_token
+            )
+            bodies.append(fmt.filter_fields(body, opts.response_fields) if opts.response_fields else body)
+        return bodies if (job.multi or len(bodies) > 1) else bodies[0]
+
+    return await respond(ctx, build)
 
 
 async def _stream(ctx: ServerContext, requests: list[GenerationRequest], opts: CompletionOptions) -> AsyncIterator[bytes]:
@@ -97,6 +94,10 @@ def _piece(tokenizer: Any, token: int) -> str | list[int]:
 async def tokenize(request: Request) -> Response:
     ctx = ctx_of(request)
     data = await read_json(request)
+    return await ctx.workers.run(_tokenize, ctx, data)
+
+
+def _tokenize(ctx: ServerContext, data: dict[str, Any]) -> Response:
     content = data.get("content")
     if content is None:
         return json_response({"tokens": []})
@@ -124,6 +125,10 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     ctx = ctx_of(request)
     data = await read_json(request)
+    return await ctx.workers.run(_detokenize, ctx, data)
+
+
+def _detokenize(ctx: ServerContext, data: dict[str, Any]) -> Response:
     tokens = data.get("tokens") or []
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise InvalidRequest("tokens must be an array of token ids")
@@ -136,7 +141,7 @@ async def detokenize(request: Request) -> Response:
 async def apply_template(request: Request) -> Response:
     ctx = ctx_of(request)
     data = await read_json(request)
-    prompt, _ = render_prompt(ctx, data)
+    prompt, _ = await ctx.workers.run(render_prompt, ctx, data)
     return json_response({"prompt": prompt})
 
 

@@ -16,25 +16,23 @@ from mlxcel_compat.chat.messages import StreamSplitter, prompt_opens_thinking
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, ProgressEvent, TokenEvent
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
-from mlxcel_compat.server.errors import InvalidRequest, NotSupported, ServerError, json_response
+from mlxcel_compat.server.errors import InvalidRequest, NotSupported, ServerError
 from mlxcel_compat.server.params import CompletionOptions
 from mlxcel_compat.server.pipeline import (
     ChatJob,
-    check_context,
     collect,
     ctx_of,
-    expand,
     extract_tool_calls,
-    parse_options,
     prepare_chat,
+    prepare_completion,
     prompt_text,
     read_json,
     reasoning_on,
+    respond,
     split_reply,
     sse_response,
     warm_up,
 )
-from mlxcel_compat.server.prompts import tokenize_prompts
 
 SYSTEM_FINGERPRINT = fmt.BUILD_INFO
 
@@ -59,15 +57,19 @@ def check_response_format(data: dict[str, Any]) -> None:
     raise InvalidRequest("response_format type must be one of 'text', 'json_object' or 'json_schema'")
 
 
+TOP_LOGPROBS_MAX = 20  # OpenAI's limit
+
+
 def check_logprobs(data: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI ``logprobs: true`` + ``top_logprobs`` map to ``n_probs`` (default 20, llama-server)."""
+    """OpenAI ``logprobs: true`` + ``top_logprobs`` map to ``n_probs`` (default 20, llama-server);
+    ``top_logprobs`` is capped at OpenAI's 20."""
     logprobs = data.get("logprobs")
     top = data.get("top_logprobs")
     if top is not None and logprobs is not True:
         raise InvalidRequest("top_logprobs requires logprobs to be set to true")
     if logprobs is True:
-        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 0):
-            raise InvalidRequest("Field 'top_logprobs': must be a non-negative integer")
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= TOP_LOGPROBS_MAX):
+            raise InvalidRequest(f"Field 'top_logprobs': must be an integer between 0 and {TOP_LOGPROBS_MAX}, but got {top!r}")
         data = dict(data)
         data["n_probs"] = 20 if top is None else top
     data = {k: v for k, v in data.items() if k != "logprobs"}
@@ -186,18 +188,12 @@ def chat_chunk(delta: dict[str, Any], index: int, model_id: str, cid: str, creat
 async def completions(request: Request) -> Response:
     ctx = ctx_of(request)
     data = await read_json(request)
-    opts = parse_options(ctx, data)
-    prompts, _ = tokenize_prompts(ctx.model.tokenizer, data.get("prompt"), ctx.model.vocab_size)
-    for tokens in prompts:
-        check_context(ctx, tokens)
-    requests = expand(ctx, opts, prompts)
-    if ctx.cache_hooks is not None:
-        ctx.cache_hooks.prepare_raw(data, requests)
-    if opts.stream:
-        return sse_response(_stream_completion(ctx, requests, opts), opts)
-    results = await collect(ctx, request, requests)
-    body = completion_body(results, ctx.model.model_id, completion_id(), fmt.now())
-    return json_response(add_verbose(ctx, data, body, results[0]))
+    job = await prepare_completion(ctx, request, data)
+    if job.opts.stream:
+        return sse_response(_stream_completion(ctx, job.requests, job.opts), job.opts)
+    results = await collect(ctx, request, job.requests)
+    cid, created = completion_id(), fmt.now()
+    return await respond(ctx, lambda: add_verbose(ctx, data, completion_body(results, ctx.model.model_id, cid, created), results[0]))
 
 
 async def _stream_completion(ctx: ServerContext, requests: list[GenerationRequest], opts: CompletionOptions) -> AsyncIterator[bytes]:
@@ -210,7 +206,7 @@ async def _stream_completion(ctx: ServerContext, requests: list[GenerationReques
         if isinstance(event, TokenEvent):
             res.add(event, m.tokenizer)
             if event.text or event.top is not None:
-                logprobs = {"content": [res.probs[-1]]} if event.top is not None else None
+                logprobs = {"content": [fmt.prob_entry(m.tokenizer, event, res.request.post_sampling_probs)]} if event.top is not None else None
                 yield fmt.sse(completion_chunk(event.text, i, m.model_id, cid, created, None, logprobs))
         elif isinstance(event, FinishEvent):
             res.close(event)
@@ -235,7 +231,7 @@ async def chat_completions(request: Request) -> Response:
     ctx = ctx_of(request)
     data = await read_json(request)
     check_response_format(data)
-    job = prepare_chat(ctx, check_logprobs(data))
+    job = await prepare_chat(ctx, request, check_logprobs(data))
     if job.opts.stream:
         splitters = [
             StreamSplitter(reasoning=reasoning_on(ctx, data), in_reasoning=prompt_opens_thinking(job.prompt), tools=job.with_tools)
@@ -244,23 +240,27 @@ async def chat_completions(request: Request) -> Response:
         on_reply = lambda msg: warm_up(ctx, job, msg)  # noqa: E731
         return sse_response(_stream_chat(ctx, job, splitters, on_reply), job.opts)
     results = await collect(ctx, request, job.requests)
-    choices = []
-    for i, res in enumerate(results):
-        reasoning, content = split_reply(ctx, res.content, data)
-        tool_calls: list[dict[str, Any]] = []
-        if job.with_tools:
-            content, tool_calls = extract_tool_calls(content, data)
-        choice: dict[str, Any] = {
-            "finish_reason": finish_reason(res.finish, bool(tool_calls)),
-            "index": i,
-            "message": chat_message(content, reasoning, tool_calls),
-        }
-        if res.request.n_probs > 0:
-            choice["logprobs"] = {"content": res.probs}
-        choices.append(choice)
-    warm_up(ctx, job, choices[0]["message"])
-    body = chat_body(choices, results, ctx.model.model_id, completion_id(), fmt.now())
-    return json_response(add_verbose(ctx, data, body, results[0]))
+    cid, created = completion_id(), fmt.now()
+
+    def build() -> dict[str, Any]:
+        choices = []
+        for i, res in enumerate(results):
+            reasoning, content = split_reply(ctx, res.content, data)
+            tool_calls: list[dict[str, Any]] = []
+            if job.with_tools:
+                content, tool_calls = extract_tool_calls(content, data)
+            choice: dict[str, Any] = {
+                "finish_reason": finish_reason(res.finish, bool(tool_calls)),
+                "index": i,
+                "message": chat_message(content, reasoning, tool_calls),
+            }
+            if res.request.n_probs > 0:
+                choice["logprobs"] = {"content": res.probs}
+            choices.append(choice)
+        warm_up(ctx, job, choices[0]["message"])
+        return add_verbose(ctx, data, chat_body(choices, results, ctx.model.model_id, cid, created), results[0])
+
+    return await respond(ctx, build)
 
 
 async def _stream_chat(
@@ -286,7 +286,7 @@ async def _stream_chat(
         if isinstance(event, TokenEvent):
             res.add(event, m.tokenizer)
             deltas = splitters[i].push(event.text) if event.text else []
-            logprobs = {"content": [res.probs[-1]]} if event.top is not None else None
+            logprobs = {"content": [fmt.prob_entry(m.tokenizer, event, res.request.post_sampling_probs)]} if event.top is not None else None
             if not deltas and logprobs is not None:
                 deltas = [("content", "")]  # the token's text is held back; its logprobs are not
             for k, (field, text) in enumerate(deltas):

@@ -1,8 +1,10 @@
 """The Starlette application: middleware stack, routes and start-up.
 
 Middleware, outermost first: the ``Server`` header, CORS (``server/cors.py``), the "Loading model" gate
-(every path answers 503 until the model is loaded, before any key check, as llama-server does),
-the API-key check, and the error renderer that turns any exception into llama.cpp error JSON.
+(every path answers 503 until the model is loaded, before any key check, as llama-server does,
+and again once a shutdown has begun), the API-key check, the error renderer that turns any
+exception into llama.cpp error JSON, and the body and write limits (``--max-body-bytes``, the
+write half of ``--timeout``).
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from starlette.middleware import Middleware
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from mlxcel_compat.cache.key import api_key_id
 from mlxcel_compat.engine.core import Engine
 from mlxcel_compat.server import api_cache, api_native, api_openai, api_status, api_vertex, api_web
 from mlxcel_compat.server.api_vertex import VertexConfig
 from mlxcel_compat.server.cache_hooks import CacheHooks
 from mlxcel_compat.server.context import ModelInfo, ServerContext
 from mlxcel_compat.server.cors import CorsMiddleware, CorsPolicy
-from mlxcel_compat.server.errors import ApiError, ServerError, Unavailable, error_response, raw_error_response
+from mlxcel_compat.server.errors import ApiError, PayloadTooLarge, ServerError, Unavailable, error_response, raw_error_response
+from mlxcel_compat.server.prompts import max_chars_per_token
 
 log = logging.getLogger(__name__)
 
@@ -52,29 +56,41 @@ class ServerHeaderMiddleware:
 
 
 class GateMiddleware:
-    """503 while loading, then the API key check (public paths and OPTIONS are exempt)."""
+    """503 while loading and while shutting down, then the API key check (public paths and OPTIONS
+    are exempt from the key). The key that matched is recorded, as a digest, in the request's
+    ``state.api_key_id``: the prompt cache keeps tenants apart by it (``--prompt-cache-isolation``)."""
 
     def __init__(self, app: ASGIApp, ctx: ServerContext, prefix: str = "") -> None:
         self.app = app
         self.ctx = ctx
         self.prefix = prefix
+        self.key_ids = {key: api_key_id(key) for key in ctx.api_keys}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        if not self.ctx.ready:
-            message = "Loading model" if self.ctx.engine.state != "failed" else f"Model failed to load: {self.ctx.engine.load_error}"
+        if not self.ctx.ready or self.ctx.draining:
+            if self.ctx.draining:
+                message = "Server is shutting down"
+            elif self.ctx.engine.state == "failed":
+                message = f"Model failed to load: {self.ctx.engine.load_error}"
+            else:
+                message = "Loading model"
             await error_response(Unavailable(message))(scope, receive, send)
             return
         path = scope["path"][len(self.prefix) :] if self.prefix and scope["path"].startswith(self.prefix) else scope["path"]
-        if self.ctx.api_keys and path not in PUBLIC_PATHS and not self._authorized(scope):
-            body = {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}
-            await raw_error_response(401, body)(scope, receive, send)
-            return
+        if self.ctx.api_keys:
+            key = self._matching_key(scope)
+            if key is not None:
+                scope.setdefault("state", {})["api_key_id"] = self.key_ids[key]
+            elif path not in PUBLIC_PATHS:
+                body = {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}
+                await raw_error_response(401, body)(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _matching_key(self, scope: Scope) -> str | None:
         headers = dict(scope["headers"])
         given = headers.get(b"authorization", b"").decode("latin-1").strip()
         if not given:
@@ -83,7 +99,74 @@ class GateMiddleware:
             given = given[len("Bearer ") :].strip()
         # Compare against every key so timing does not reveal which one (or whether any) matched.
         matches = [hmac.compare_digest(given.encode(), key.encode()) for key in self.ctx.api_keys]
-        return any(matches)
+        return self.ctx.api_keys[matches.index(True)] if any(matches) else None
+
+
+class _WriteTimeout(Exception):
+    """The client did not take a response chunk within ``--timeout`` seconds."""
+
+
+class LimitsMiddleware:
+    """``--max-body-bytes`` while the body streams in, and ``--timeout`` for each write.
+
+    A body whose ``Content-Length`` is over the cap is refused before any of it is read; a body
+    without one is counted as it arrives and refused (413, llama.cpp's error shape) as soon as it
+    passes the cap. Either way the connection is closed after the answer, so the unread rest
+    never reaches a next request. A client that stops reading a response (a full socket buffer
+    for ``--timeout`` seconds) loses its connection, which cancels its generation.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, write_timeout: float) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.write_timeout = write_timeout if write_timeout > 0 else None
+
+    def too_large(self, size: int, exact: bool) -> PayloadTooLarge:
+        size_text = f"{size} bytes" if exact else f"more than {self.max_body_bytes} bytes"
+        return PayloadTooLarge(f"request body too large: {size_text}; the limit is {self.max_body_bytes} bytes (--max-body-bytes)")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await self._refuse(self.too_large(int(declared), exact=True), scope, receive, send)
+            return
+        received = 0
+        started = False
+
+        async def limited_receive() -> Any:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise self.too_large(received, exact=False)
+            return message
+
+        async def timed_send(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            try:
+                await asyncio.wait_for(send(message), self.write_timeout)
+            except asyncio.TimeoutError:
+                raise _WriteTimeout() from None
+
+        try:
+            await self.app(scope, limited_receive, timed_send)
+        except PayloadTooLarge as exc:
+            if started:
+                raise
+            await self._refuse(exc, scope, receive, send)
+        except _WriteTimeout:
+            log.info("closing a connection on %s: the client took no data for %s s (--timeout)", scope.get("path"), self.write_timeout)
+
+    @staticmethod
+    async def _refuse(exc: PayloadTooLarge, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(exc)
+        response.headers["connection"] = "close"  # the unread rest of the body must not become a request
+        await response(scope, receive, send)
 
 
 class ErrorMiddleware:
@@ -166,6 +249,7 @@ def model_info(engine: Engine, settings: Any) -> ModelInfo:
         tags=sorted(set(settings.tags or ())),
         file_type=loaded.file_type,
         format="gguf" if loaded.gguf is not None else "safetensors",
+        chars_per_token=max_chars_per_token(tok),
     )
 
 
@@ -182,6 +266,7 @@ def build_app(ctx: ServerContext) -> Starlette:
         finally:
             waiter.cancel()
             ctx.engine.stop()
+            ctx.workers.close()
 
     prefix = settings.api_prefix.rstrip("/") if settings.api_prefix else ""
     route_list: list[Any] = routes(VertexConfig.from_env())
@@ -194,6 +279,7 @@ def build_app(ctx: ServerContext) -> Starlette:
             Middleware(CorsMiddleware, policy=CorsPolicy.from_settings(settings)),
             Middleware(GateMiddleware, ctx=ctx, prefix=prefix),
             Middleware(ErrorMiddleware),
+            Middleware(LimitsMiddleware, max_body_bytes=settings.max_body_bytes, write_timeout=settings.timeout),
         ],
         exception_handlers={404: not_found, 405: not_found},
         lifespan=lifespan,
@@ -219,9 +305,17 @@ async def _wait_for_model(ctx: ServerContext) -> None:
             tokenize=ctx.tokenize_rendered,
             boundary_snapshots=cache is not None and cache.boundary_snapshots,
             warmup=cache is not None and cache.warmups,
+            isolation=ctx.cache_isolation,
         )
         ctx.model = model  # last: this is what opens the gate
         log.info("model '%s' ready: serving on %d slots, n_ctx %d", ctx.model.model_id, len(ctx.engine.slots), ctx.model.n_ctx)
+        log.info(
+            "request limits: body %d bytes, prompts of more than %s characters refused before tokenizing, %d worker threads; prompt-cache isolation: %s",
+            ctx.settings.max_body_bytes,
+            model.n_ctx * model.chars_per_token if model.chars_per_token else "(no proven bound)",
+            ctx.workers.threads,
+            ctx.cache_isolation,
+        )
 
 
 __all__ = ["build_app"]

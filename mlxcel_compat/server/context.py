@@ -14,6 +14,8 @@ from typing import Any, AsyncIterator
 from mlxcel_compat.engine.client import EngineClient
 from mlxcel_compat.engine.core import Engine
 from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest
+from mlxcel_compat.server.prompts import PromptBound
+from mlxcel_compat.server.workers import WorkerPool, pool_size
 
 
 @dataclass
@@ -38,6 +40,7 @@ class ModelInfo:
     tags: list[str] = field(default_factory=list)  # --tags, sorted
     file_type: str = "F32"  # llama.cpp's file type name for a GGUF ("Q4_K - Medium"); F32 otherwise
     format: str = "safetensors"  # "gguf" or "safetensors"
+    chars_per_token: int | None = None  # proven bound (server.prompts.max_chars_per_token)
 
 
 @dataclass
@@ -49,13 +52,26 @@ class ServerContext:
     model: ModelInfo | None = None
     metrics: Any = None  # server.metrics.Metrics
     cache_hooks: Any = None  # prompt-cache request preparation (session key, template signature)
+    draining: bool = False  # SIGTERM/SIGINT received: new requests get 503
 
     def __post_init__(self) -> None:
         self.client = EngineClient(self.engine)
+        self.workers = WorkerPool(pool_size(self.settings.threads_http))
 
     @property
     def ready(self) -> bool:
         return self.model is not None and self.engine.state == "ready"
+
+    @property
+    def prompt_bound(self) -> PromptBound:
+        assert self.model is not None
+        return PromptBound(self.model.n_ctx, self.model.chars_per_token)
+
+    @property
+    def cache_isolation(self) -> str:
+        """``--prompt-cache-isolation``, defaulting to api-key with more than one key, else none."""
+        chosen = self.settings.prompt_cache_isolation
+        return chosen if chosen else ("api-key" if len(self.api_keys) > 1 else "none")
 
     def tokenize(self, text: str) -> list[int]:
         """Plain text to tokens, no special tokens added (logit_bias keys, /tokenize)."""

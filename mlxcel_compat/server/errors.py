@@ -33,12 +33,22 @@ class ContextExceeded(ApiError):
     status_code = 400
     type = "exceed_context_size_error"
 
-    def __init__(self, n_prompt_tokens: int, n_ctx: int) -> None:
+    def __init__(self, n_prompt_tokens: int, n_ctx: int, at_least: bool = False) -> None:
+        """``at_least``: the prompt was refused before tokenizing, from a proven lower bound on its
+        tokens (``n_prompt_tokens`` is then that bound)."""
+        count = f"at least {n_prompt_tokens}" if at_least else str(n_prompt_tokens)
         super().__init__(
-            f"request ({n_prompt_tokens} tokens) exceeds the available context size ({n_ctx} tokens), try increasing it",
+            f"request ({count} tokens) exceeds the available context size ({n_ctx} tokens), try increasing it",
             n_prompt_tokens=n_prompt_tokens,
             n_ctx=n_ctx,
         )
+
+
+class PayloadTooLarge(ApiError):
+    """A request body over ``--max-body-bytes`` (llama.cpp has no such error; its shape is kept)."""
+
+    status_code = 413
+    type = "invalid_request_error"
 
 
 class AuthenticationError(ApiError):

@@ -38,31 +38,44 @@ SSE_PING = b":\n\n"  # an SSE comment: keeps idle connections (and proxies) aliv
 
 @dataclass
 class Result:
-    """Everything one finished sequence produced, accumulated from its events."""
+    """Everything one finished sequence produced, accumulated from its events.
+
+    Per-token probabilities are kept as the engine sent them and turned into JSON entries only
+    when the response is built (on a worker thread, see ``pipeline.respond``): building them per
+    token would put that work on the event loop.
+    """
 
     index: int
     request: GenerationRequest
     content: str = ""
     tokens: list[int] = field(default_factory=list)
-    probs: list[dict[str, Any]] = field(default_factory=list)
+    prob_events: list[TokenEvent] = field(default_factory=list)
     finish: FinishEvent | None = None
     trailing_silent: int = 0  # tokens at the end that emitted no text (held back or stop string)
+    tokenizer: Any = None
 
     def add(self, event: TokenEvent, tokenizer: Any) -> None:
         self.content += event.text
         self.tokens.append(event.token)
         self.trailing_silent = 0 if event.text else self.trailing_silent + 1
         if event.top is not None:
-            self.probs.append(prob_entry(tokenizer, event, self.request.post_sampling_probs))
+            self.tokenizer = tokenizer
+            self.prob_events.append(event)
 
     def close(self, finish: FinishEvent) -> None:
         self.finish = finish
         self.content += finish.text
         if finish.content_cut >= 0:  # n_indent: the under-indented line is not part of the reply
             self.content = self.content[: finish.content_cut]
-        if finish.stop_type == "word" and self.probs:
+        if finish.stop_type == "word" and self.prob_events:
             # Non-stream mode trims the entries of the stop string's tokens (llama-server).
-            self.probs = self.probs[: max(0, len(self.probs) - self.trailing_silent)]
+            self.prob_events = self.prob_events[: max(0, len(self.prob_events) - self.trailing_silent)]
+
+    @property
+    def probs(self) -> list[dict[str, Any]]:
+        """The ``completion_probabilities`` / ``logprobs.content`` entries of the whole sequence."""
+        post = self.request.post_sampling_probs
+        return [prob_entry(self.tokenizer, event, post) for event in self.prob_events]
 
     @property
     def has_new_line(self) -> bool:

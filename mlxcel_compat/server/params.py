@@ -95,15 +95,33 @@ class Body:
         return list(value)
 
 
+def _range_error(name: str, value: Any, lo: Any, hi: Any, why: str = "") -> InvalidRequest:
+    lo_s = "-inf" if lo is None else lo
+    hi_s = "inf" if hi is None else hi
+    return _field_error(name, f"Value must be between {lo_s} <= value <= {hi_s}, but got {value}{why}")
+
+
 def _limit(name: str, value: Any, lo: Any, hi: Any, soft: bool) -> Any:
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         if soft:
             value = max(value, lo) if lo is not None else value
             return min(value, hi) if hi is not None else value
-        lo_s = "-inf" if lo is None else lo
-        hi_s = "inf" if hi is None else hi
-        raise _field_error(name, f"Value must be between {lo_s} <= value <= {hi_s}, but got {value}")
+        raise _range_error(name, value, lo, hi)
     return value
+
+
+def check_count(name: str, count: int, limit: int, flag: str, what: str = "entries") -> None:
+    """A list-like field longer than its server cap is a 400 naming the field and the flag."""
+    if count > limit:
+        raise _field_error(name, f"at most {limit} {what} are allowed ({flag}), but got {count}")
+
+
+def check_strings(name: str, values: Sequence[str], settings: Any) -> None:
+    """``stop`` and ``dry_sequence_breakers``: both are matched against text as it is generated."""
+    check_count(name, len(values), settings.max_stop_strings, "--max-stop-strings")
+    longest = max((len(v) for v in values), default=0)
+    if longest > settings.max_stop_chars:
+        raise _field_error(name, f"each string may hold at most {settings.max_stop_chars} characters (--max-stop-chars), but one holds {longest}")
 
 
 def cache_prompt_flag(body: Mapping[str, Any], default: bool) -> bool:
@@ -166,12 +184,11 @@ def parse_completion_options(
     reject_unsupported(data)
     b = Body(data)
     sampling = parse_sampling(b, settings, vocab_size, tokenize)
-    n_predict = b.int(("n_predict", "max_completion_tokens", "max_tokens"), settings.n_predict, -1, INT32_MAX)
-    n_probs = b.int(("n_probs",), 0, 0, None, soft=True)
-    logprobs = data.get("logprobs")
-    if n_probs == 0 and isinstance(logprobs, int) and not isinstance(logprobs, bool):
-        n_probs = max(0, logprobs)  # /v1/completions: integer logprobs = n_probs
-    stop = [s for s in b.str_list("stop", []) if s] or list(settings.reverse_prompt or [])
+    n_predict = cap_n_predict(b.int(("n_predict", "max_completion_tokens", "max_tokens"), settings.n_predict, -1, INT32_MAX), settings)
+    n_probs = parse_n_probs(b, data, settings.n_probs_max)
+    requested_stop = b.str_list("stop", [])
+    check_strings("stop", requested_stop, settings)
+    stop = [s for s in requested_stop if s] or list(settings.reverse_prompt or [])
     stream_options = data.get("stream_options")
     include_usage = isinstance(stream_options, Mapping) and stream_options.get("include_usage") is True
     response_fields = b.str_list("response_fields", [])
@@ -237,6 +254,27 @@ def parse_reasoning_budget(b: Body, settings: Any, tokenize: Callable[[str], lis
     )
 
 
+def cap_n_predict(n_predict: int, settings: Any) -> int:
+    """``--n-predict-max``: larger values, and -1 (no limit), are lowered to the cap."""
+    cap = settings.n_predict_max
+    if cap < 0:
+        return n_predict
+    return cap if n_predict < 0 else min(n_predict, cap)
+
+
+def parse_n_probs(b: Body, data: Mapping[str, Any], cap: int) -> int:
+    """``n_probs`` (or the integer ``logprobs`` of /v1/completions): a negative value counts as 0
+    (llama-server clamps it), a value above ``--n-probs-max`` is a 400."""
+    n_probs = b.int(("n_probs",), 0, 0, None, soft=True)
+    name = "n_probs"
+    logprobs = data.get("logprobs")
+    if n_probs == 0 and isinstance(logprobs, int) and not isinstance(logprobs, bool):
+        n_probs, name = max(0, logprobs), "logprobs"  # /v1/completions: integer logprobs = n_probs
+    if n_probs > cap:
+        raise _range_error(name, n_probs, 0, cap, " (--n-probs-max)")
+    return n_probs
+
+
 def parse_sampling(b: Body, settings: Any, vocab_size: int, tokenize: Callable[[str], list[int]]) -> SamplingParams:
     s = settings
     seed = b.int("seed", s.seed, None, None)
@@ -250,6 +288,7 @@ def parse_sampling(b: Body, settings: Any, vocab_size: int, tokenize: Callable[[
     else:
         if not isinstance(samplers_raw, (list, str)):
             raise _field_error("samplers", f"type must be array or string, but is {_type_name(samplers_raw)}")
+        check_count("samplers", len(samplers_raw), s.max_samplers, "--max-samplers", "samplers")
         try:
             samplers = parse_samplers(samplers_raw)
         except ValueError as exc:
@@ -259,8 +298,12 @@ def parse_sampling(b: Body, settings: Any, vocab_size: int, tokenize: Callable[[
         breakers = list(s.dry_sequence_breaker)
     elif not isinstance(breakers, list) or not all(isinstance(x, str) for x in breakers) or not breakers:
         raise _field_error("dry_sequence_breakers", "Error: dry_sequence_breakers must be a non-empty array of strings")
+    else:
+        check_strings("dry_sequence_breakers", breakers, s)
     dry_base = b.float("dry_base", s.dry_base)
     logit_bias_raw = b.raw("logit_bias")
+    if isinstance(logit_bias_raw, (list, dict)):
+        check_count("logit_bias", len(logit_bias_raw), s.max_logit_bias, "--max-logit-bias")
     try:
         logit_bias = {} if logit_bias_raw is _MISSING else parse_logit_bias(logit_bias_raw, vocab_size, tokenize)
     except ValueError as exc:

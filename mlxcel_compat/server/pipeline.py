@@ -4,6 +4,12 @@ Each API module (``api_native``, ``api_openai``, ...) translates its own wire fo
 internal :class:`GenerationRequest` list with these helpers, runs it through :func:`collect` (a whole
 response) or ``ctx.run`` (a stream), and formats the events back in its own shapes. Nothing here
 knows a wire format beyond llama-server's request fields, and nothing here touches MLX.
+
+The CPU work of a request (parsing a large body, rendering the chat template, tokenizing, building
+a large response) runs in the server's bounded worker pool (``server/workers.py``), never on the
+event loop: :func:`read_json`, :func:`prepare_completion`, :func:`prepare_chat` and
+:func:`respond` are coroutines that hand that work over. A prompt whose length proves it cannot
+fit the context is refused before it is tokenized (``server/prompts.py``).
 """
 
 from __future__ import annotations
@@ -12,11 +18,11 @@ import asyncio
 import copy
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from mlxcel_compat.chat.messages import ChatRequest, ChatRequestError, parse_chat_request, parse_tool_calls, render_chat, split_reasoning
 from mlxcel_compat.chat.template import TemplateError
@@ -24,20 +30,26 @@ from mlxcel_compat.engine.reasoning_budget import opens_block
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent, next_task_id
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
-from mlxcel_compat.server.errors import ContextExceeded, InvalidRequest, ServerError
+from mlxcel_compat.server.errors import ContextExceeded, InvalidRequest, ServerError, json_response
 from mlxcel_compat.server.params import CompletionOptions, parse_completion_options
+from mlxcel_compat.server.prompts import tokenize_prompts
 from mlxcel_compat.settings import default_template_kwargs
 
 SSE_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
+INLINE_JSON_BYTES = 64 * 1024  # smaller bodies are parsed on the loop (a thread hop costs more)
 
 
 def ctx_of(request: Request) -> ServerContext:
     return request.app.state.ctx
 
 
-async def read_json(request: Request) -> dict[str, Any]:
-    """The request body as a JSON object; anything else is a 400 (llama-server answers 500)."""
-    raw = await request.body()
+def api_key_id(request: Request) -> str | None:
+    """The digest of the API key that authenticated the request (set by the gate), if any."""
+    return request.scope.get("state", {}).get("api_key_id")
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A body as a JSON object; anything else is a 400 (llama-server answers 500)."""
     try:
         data = orjson.loads(raw) if raw.strip() else {}
     except orjson.JSONDecodeError as exc:
@@ -45,6 +57,21 @@ async def read_json(request: Request) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise InvalidRequest("Request body must be a JSON object")
     return data
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The request body (at most ``--max-body-bytes``, enforced while it streams in) as a JSON
+    object; a large body is parsed on a worker thread."""
+    raw = await request.body()
+    if len(raw) <= INLINE_JSON_BYTES:
+        return parse_json_object(raw)
+    return await ctx_of(request).workers.run(parse_json_object, raw)
+
+
+async def respond(ctx: ServerContext, build: Callable[[], Any]) -> Response:
+    """A JSON response whose body is built and serialised on a worker thread (a response with
+    per-token probabilities can be large)."""
+    return await ctx.workers.run(lambda: json_response(build()))
 
 
 # ---------------------------------------------------------------------- options and prompts
@@ -87,6 +114,32 @@ def prompt_text(ctx: ServerContext, tokens: list[int]) -> str:
     return ctx.model.tokenizer.decode(tokens, skip_special_tokens=False)
 
 
+@dataclass
+class CompletionJob:
+    """A raw-prompt request ready for the engine: one request per prompt and per completion."""
+
+    opts: CompletionOptions
+    requests: list[GenerationRequest]
+    multi: bool  # the body held several prompts (the response is then an array)
+
+
+async def prepare_completion(ctx: ServerContext, request: Request, data: Mapping[str, Any]) -> CompletionJob:
+    """``prompt`` (llama-server's shapes) and the options, tokenized on a worker thread."""
+    return await ctx.workers.run(_prepare_completion, ctx, data, api_key_id(request))
+
+
+def _prepare_completion(ctx: ServerContext, data: Mapping[str, Any], key_id: str | None) -> CompletionJob:
+    opts = parse_options(ctx, data)
+    m = ctx.model
+    prompts, multi = tokenize_prompts(m.tokenizer, data.get("prompt"), m.vocab_size, ctx.prompt_bound, ctx.settings.max_prompts)
+    for tokens in prompts:
+        check_context(ctx, tokens)
+    requests = expand(ctx, opts, prompts)
+    if ctx.cache_hooks is not None:
+        ctx.cache_hooks.prepare_raw(data, requests, key_id)
+    return CompletionJob(opts=opts, requests=requests, multi=multi)
+
+
 # ---------------------------------------------------------------------- chat requests
 
 
@@ -122,19 +175,24 @@ class ChatJob:
         return bool(self.chat.tools) and self.chat.tool_choice != "none"
 
 
-def prepare_chat(ctx: ServerContext, data: Mapping[str, Any]) -> ChatJob:
-    """Render, tokenize, check the context and attach the prompt-cache facts.
+async def prepare_chat(ctx: ServerContext, request: Request, data: Mapping[str, Any]) -> ChatJob:
+    """Render, tokenize, check the context and attach the prompt-cache facts, on a worker thread.
 
     ``data`` is an OpenAI chat-completions body (``messages``, ``tools``, sampling fields); other
     chat-like APIs translate into that shape first.
     """
+    return await ctx.workers.run(_prepare_chat, ctx, data, api_key_id(request))
+
+
+def _prepare_chat(ctx: ServerContext, data: Mapping[str, Any], key_id: str | None) -> ChatJob:
     prompt, chat = render_prompt(ctx, data)
     opts = parse_options(ctx, data)
+    ctx.prompt_bound.check(len(prompt))  # the rendered prompt cannot fit: no need to tokenize it
     tokens = ctx.tokenize_rendered(prompt)
     check_context(ctx, tokens)
     requests = expand(ctx, opts, [tokens])
     if ctx.cache_hooks is not None:
-        ctx.cache_hooks.prepare_chat(data, chat, requests, prompt)
+        ctx.cache_hooks.prepare_chat(data, chat, requests, prompt, key_id)
     return ChatJob(data=data, chat=chat, prompt=prompt, opts=opts, requests=requests)
 
 
@@ -163,12 +221,18 @@ def warm_up(ctx: ServerContext, job: ChatJob, message: Mapping[str, Any]) -> Non
     """Ask the engine to prepare the session's next turn while it is idle (snapshot families).
 
     ``message`` is the assistant reply as the client will send it back (OpenAI message shape).
+    Rendering and tokenizing the next turn's history happens on a worker thread; nothing waits.
     """
-    if ctx.cache_hooks is None:
+    hooks = ctx.cache_hooks
+    if hooks is None or not hooks.warmup:
         return
-    warmup = ctx.cache_hooks.warmup_job(job.data, job.chat, job.requests[0], message)
-    if warmup is not None:
-        ctx.engine.warmup(warmup)
+
+    def prepare() -> None:
+        warmup = hooks.warmup_job(job.data, job.chat, job.requests[0], message)
+        if warmup is not None:
+            ctx.engine.warmup(warmup)
+
+    ctx.workers.submit(prepare)
 
 
 # ---------------------------------------------------------------------- running

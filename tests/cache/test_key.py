@@ -13,6 +13,8 @@ from mlxcel_compat.cache.key import (
     RAW_PROMPT_TEMPLATE_SIG,
     TEXT_ONLY_MM_DIGEST,
     Bucket,
+    api_key_id,
+    cache_namespace,
     effective_tool_choice,
     multimodal_digest,
     pack_tokens,
@@ -44,17 +46,18 @@ def lp(text: str) -> bytes:
 def test_digest_is_pinned() -> None:
     # Computed once from the documented layout; a change here breaks cache compatibility.
     digest = prompt_digest(make_bucket(), "sess-1", TOKENS)
-    assert digest.hex() == "ad9f75ee23b0236fe794da305f580281f09a8fa9892405740fe966af4ae129b4"
+    assert digest.hex() == "17aeebf30d7c028ca7f534a996c80f0b7c9669cd8cbd2e8bf0f5d16e7a5617b5"
     assert len(digest) == 32
 
 
 def test_digest_matches_documented_layout() -> None:
-    bucket = make_bucket(lora_id="lora:x", rope_regime=1)
+    bucket = make_bucket(lora_id="lora:x", rope_regime=1, namespace="tenant-a")
     expected = blake3(
         DOMAIN
         + lp("Llama-3.1-8B")
         + lp("lora:x")
         + lp(SIG)
+        + lp("tenant-a")
         + lp("sess-1")
         + b"\x01\x01"
         + TEXT_ONLY_MM_DIGEST
@@ -78,6 +81,7 @@ def test_digest_accepts_any_int_sequence() -> None:
         ({"rope_regime": 0}, "sess-1", TOKENS),
         ({"rope_regime": 1}, "sess-1", TOKENS),
         ({"mm_digest": multimodal_digest([b"png"])}, "sess-1", TOKENS),
+        ({"namespace": "tenant-b"}, "sess-1", TOKENS),
         ({}, "sess-1", TOKENS[:-1]),  # prefix_len shorter
         ({}, "sess-1", TOKENS + (0,)),  # prefix_len longer
         ({}, "sess-1", (1, 2, 3, 128000, 8)),  # one token value
@@ -221,3 +225,23 @@ def test_tool_parameters_key_order_does_not_matter() -> None:
 )
 def test_resolve_session_key(body: dict[str, object], expected: str) -> None:
     assert resolve_session_key(body) == expected
+
+
+# --- tenant namespaces ---
+
+
+def test_cache_namespace_by_isolation_mode() -> None:
+    key_a, key_b = api_key_id("key-a"), api_key_id("key-b")
+    assert key_a != key_b and "key-a" not in key_a
+    # none: one shared cache whatever the key or salt
+    assert cache_namespace("none", key_a, "s1") == cache_namespace("none", key_b, None) == ""
+    # salt: the salt alone partitions
+    assert cache_namespace("salt", key_a, None) == ""
+    assert cache_namespace("salt", key_a, "s1") == cache_namespace("salt", key_b, "s1") != cache_namespace("salt", key_a, "s2")
+    # api-key: the key partitions, and the salt within a key
+    spaces = {cache_namespace("api-key", k, s) for k in (key_a, key_b) for s in (None, "s1")}
+    assert len(spaces) == 4 and "" not in spaces
+    assert cache_namespace("api-key", None, None) == ""  # no keys configured
+    assert len(cache_namespace("api-key", key_a, None)) == 64  # a digest: no key or salt is stored
+    # a key digest never equals a salt with the same text
+    assert cache_namespace("api-key", "x", None) != cache_namespace("api-key", None, "x")
