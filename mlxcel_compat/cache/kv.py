@@ -155,3 +155,48 @@ def state_bytes_at(one_token_cache: Sequence[Any], n_tokens: int) -> int:
         return int(exact.nbytes)
 
     return sum(layer_bytes(layer) for layer in one_token_cache)
+
+
+# ---------------------------------------------------------------------- undoing a failed forward pass
+
+
+def checkpoint(cache: Sequence[Any]) -> list[Any]:
+    """What it takes to put a (batch) cache back as it is now, should the next forward pass fail,
+    without copying any KV data.
+
+    A forward pass changes a layer in three ways: it rebinds attributes (a grown buffer, a new
+    recurrent state), updates small bookkeeping arrays in place (``offset += 1``), and writes the
+    new token's keys and values in place into the buffer, past the positions in use. Saving the
+    attributes themselves undoes the first, a view of each small array (which keeps its old
+    value) the second, and restoring the position counters makes the third invisible.
+    """
+    return [_mark(layer) for layer in cache]
+
+
+def _mark(layer: Any) -> Any:
+    if isinstance(layer, CacheList):
+        return [_mark(c) for c in layer.caches]
+    saved: dict[str, Any] = {}
+    for name, value in vars(layer).items():
+        if isinstance(value, mx.array) and name not in ("keys", "values"):
+            saved[name] = value[...]
+        elif isinstance(value, list):
+            saved[name] = list(value)  # recurrent states: entries are replaced, never written into
+        else:
+            saved[name] = value
+    return saved
+
+
+def rollback(cache: Sequence[Any], marks: list[Any]) -> bool:
+    """Put every layer back as :func:`checkpoint` saw it. Returns False when that cannot be exact:
+    a sliding window that was full writes the new token over its oldest one."""
+    return all([_restore(layer, mark) for layer, mark in zip(cache, marks)])
+
+
+def _restore(layer: Any, mark: Any) -> bool:
+    if isinstance(layer, CacheList):
+        return all([_restore(c, m) for c, m in zip(layer.caches, mark)])
+    exact = not (mark.get("rotated") or ("max_size" in mark and mark.get("_idx", 0) >= mark["max_size"]))
+    layer.__dict__.clear()
+    layer.__dict__.update(mark)
+    return exact

@@ -22,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from mlxcel_compat.cache import kv
 from mlxcel_compat.engine.sequence import Sequence
 
 
@@ -129,27 +130,75 @@ class DecodeBatch:
         self.sequences = [self.sequences[i] for i in keep]
         return gone
 
-    def step(self) -> list[Sequence]:
-        """Advance every row by one token; return the sequences that finished (already removed)."""
+    def step(self) -> tuple[list[Sequence], list[tuple[Sequence, Exception]]]:
+        """Advance every row by one token.
+
+        Returns ``(finished, failed)``, both already removed from the batch: the sequences that
+        finished, and those whose own part of the step (feeding, sampling, stop checks) raised,
+        with the error. The other rows go on. If the forward pass itself raises, the batch and
+        its sequences are put back as they were before the step and :class:`ForwardFailed` is
+        raised, so that the engine can step each row alone and find the one at fault.
+        """
         cancelled = [i for i, s in enumerate(self.sequences) if s.cancelled]
         done = self.remove(cancelled) if cancelled else []
         for seq in done:
             seq.cancel_now()
+        fed, failed = self._begin_feeds()
         if not self.sequences:
-            return done
-        fed = [seq.begin_batched_feed() for seq in self.sequences]
+            return done, failed
         tokens = mx.stack([p[0] for p in fed]).reshape(len(fed), 1)
-        logits = self.model(tokens, cache=self.cache)[:, -1, :]
+        marks = kv.checkpoint(self.cache)
+        try:
+            logits = self.model(tokens, cache=self.cache)[:, -1, :]
+        except Exception as exc:
+            restored = kv.rollback(self.cache, marks)
+            for seq in self.sequences:
+                seq.undo_batched_feed()
+            raise ForwardFailed(exc, restored) from exc
+        del marks
         plain = [s.chain.is_plain_argmax and s.request.n_probs <= 0 for s in self.sequences]
         argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(plain) else None
         pending: list[Any] = []
+        broken: dict[int, Exception] = {}
         for i, seq in enumerate(self.sequences):
-            pending += seq.sample_next(logits[i], argmax[i] if plain[i] else None)
+            try:
+                pending += seq.sample_next(logits[i], argmax[i] if plain[i] else None)
+            except Exception as exc:
+                broken[i] = exc
         mx.async_eval(*pending)
         values = tokens.reshape(-1).tolist()
-        for seq, value, (_, logprobs, probs) in zip(self.sequences, values, fed):
-            seq.finish_batched_feed(int(value), logprobs, probs)
-        finished = [i for i, s in enumerate(self.sequences) if s.finished is not None]
-        if finished:
-            done += self.remove(finished)
-        return done
+        for i, (seq, value, (_, logprobs, probs)) in enumerate(zip(self.sequences, values, fed)):
+            if i not in broken:
+                try:
+                    seq.finish_batched_feed(int(value), logprobs, probs)
+                except Exception as exc:
+                    broken[i] = exc
+        leaving = sorted({i for i, s in enumerate(self.sequences) if s.finished is not None} | set(broken))
+        for i, seq in zip(leaving, self.remove(leaving) if leaving else []):
+            if i in broken:
+                failed.append((seq, broken[i]))
+            else:
+                done.append(seq)
+        return done, failed
+
+    def _begin_feeds(self) -> tuple[list[tuple[Any, Any, Any]], list[tuple[Sequence, Exception]]]:
+        """Every row's pending token, in row order; a row that cannot hand it over leaves the batch."""
+        fed: dict[int, tuple[Any, Any, Any]] = {}
+        failed: list[tuple[Sequence, Exception]] = []
+        for i in reversed(range(len(self.sequences))):  # removing row i leaves rows < i in place
+            seq = self.sequences[i]
+            try:
+                fed[id(seq)] = seq.begin_batched_feed()
+            except Exception as exc:
+                failed.append((self.remove([i])[0], exc))
+        return [fed[id(seq)] for seq in self.sequences], failed
+
+
+class ForwardFailed(Exception):
+    """A batched forward pass raised. ``restored``: the batch cache and its sequences are back as
+    before the step (False only for a full sliding window, which the pass may have overwritten)."""
+
+    def __init__(self, error: Exception, restored: bool) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.restored = restored

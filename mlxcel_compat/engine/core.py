@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from mlxcel_compat.engine.batch import DecodeBatch, batch_caches_work, prefill_groups, prefill_together
+from mlxcel_compat.engine.batch import DecodeBatch, ForwardFailed, batch_caches_work, prefill_groups, prefill_together
 from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest
 from mlxcel_compat.engine.sequence import Sequence
 from mlxcel_compat.engine.slots import Slot, slot_context
@@ -32,6 +32,12 @@ log = logging.getLogger(__name__)
 
 Sink = Callable[[EngineEvent], None]
 WARMUP_QUEUE = 8  # pending background warm-ups (one per session)
+SHUTTING_DOWN = "Server is shutting down"
+BATCH_FAILURES_TOLERATED = 3  # failed batched passes in a row, with no faulty row, before batching stops
+
+
+def unavailable(message: str = SHUTTING_DOWN) -> ErrorEvent:
+    return ErrorEvent(message, type="unavailable_error", code=503)
 
 
 @dataclass
@@ -86,6 +92,11 @@ class _Call:
     future: Future
 
 
+@dataclass
+class _Shutdown:
+    running_too: bool  # False: refuse new and waiting requests only
+
+
 class Engine:
     """Owns the model, its caches and the scheduler; runs them on one thread."""
 
@@ -106,6 +117,9 @@ class Engine:
         self.batch: DecodeBatch = DecodeBatch(None)
         self.batched_decode = True  # off if the model fails the batch-cache probe at load
         self.batched_prefill = True  # ... or later, a batched prefill pass
+        self.accepting = True  # False once a shutdown has begun: new requests get 503
+        self.n_engine_errors = 0  # sequences failed by an exception in the engine
+        self._batch_only_failures = 0  # consecutive failed batched passes whose rows all worked alone
         self._prefix_cache_factory = prefix_cache_factory
         self._commands: queue.Queue[Any] = queue.Queue()
         self._stop = threading.Event()
@@ -136,6 +150,11 @@ class Engine:
         """Queue a background warm-up of a session's next turn (snapshot families only)."""
         self._commands.put(_Warmup(job))
 
+    def shutdown(self, running_too: bool = False) -> None:
+        """Begin a shutdown: waiting and new requests end with a 503 error event; with
+        ``running_too`` the running ones as well (their state may still be donated)."""
+        self._commands.put(_Shutdown(running_too))
+
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn`` on the engine thread between steps (cache stats, reset, ...)."""
         future: Future = Future()
@@ -164,18 +183,25 @@ class Engine:
         self.state = "ready"
         self._ready.set()
         while not self._stop.is_set():
-            idle = not self._has_work() and not self.warmups
-            self._drain_commands(block=idle, timeout=self._time_to_sleep() if idle else None)
-            if self.sleeping and self.waiting:
-                self._wake()
-            self._admit()
-            if self._has_work():
-                self._step_all()
-                self._idle_since = time.monotonic()
-            elif self.warmups:
-                self._run_warmup()
-            elif self._time_to_sleep() == 0.0:
-                self._sleep()
+            try:
+                self._iterate()
+            except Exception as exc:  # a bug outside the per-sequence guards: keep serving
+                log.exception("engine iteration failed; failing the running sequences")
+                self._fail_all(exc)
+
+    def _iterate(self) -> None:
+        idle = not self._has_work() and not self.warmups
+        self._drain_commands(block=idle, timeout=self._time_to_sleep() if idle else None)
+        if self.sleeping and self.waiting:
+            self._wake()
+        self._admit()
+        if self._has_work():
+            self._step_all()
+            self._idle_since = time.monotonic()
+        elif self.warmups:
+            self._run_warmup()
+        elif self._time_to_sleep() == 0.0:
+            self._sleep()
 
     # ------------------------------------------------------------------ sleep (--sleep-idle-seconds)
 
@@ -279,14 +305,34 @@ class Engine:
             if cmd is None:
                 return
             if isinstance(cmd, _Submit):
-                self.waiting.append(cmd)
-                self._idle_since = time.monotonic()
+                if self.accepting:
+                    self.waiting.append(cmd)
+                    self._idle_since = time.monotonic()
+                else:
+                    cmd.sink(unavailable())
             elif isinstance(cmd, _Cancel):
                 self._cancel(cmd.task_id)
             elif isinstance(cmd, _Call):
                 self._run_call(cmd)
             elif isinstance(cmd, _Warmup):
                 self._queue_warmup(cmd.job)
+            elif isinstance(cmd, _Shutdown):
+                self._shutdown(cmd.running_too)
+
+    def _shutdown(self, running_too: bool) -> None:
+        self.accepting = False
+        self.warmups.clear()
+        while self.waiting:
+            self.waiting.popleft().sink(unavailable())
+        if running_too:
+            for slot in self.slots:
+                seq = slot.sequence
+                if seq is not None and seq.finished is None:
+                    # The client hears a final 503 now; the sequence is cancelled at its next step
+                    # (still consistent, so its state may be donated) and says nothing more.
+                    seq.emit(unavailable())
+                    seq.emit = lambda event: None
+                    seq.cancelled = True
 
     def _queue_warmup(self, job: Any) -> None:
         """Bounded queue: one pending warm-up per session (the newest wins); overflow is skipped."""
@@ -411,24 +457,29 @@ class Engine:
         units = [[(chunkable[i], chunks[i]) for i in g] for g in groups] + [[(s, [])] for s in runnable if s not in chunkable]
         for unit in units:
             together = len(unit) > 1 and self._prefill_together(unit)
+            all_alone_ok = True
             for seq, _ in unit:
                 try:
                     if not together:
                         seq.prefill_step()
                     self._share_prompt(seq, waiting)
                 except Exception as exc:
+                    all_alone_ok = False
                     self._fail(self.slots[seq.slot_id], exc)
+            if len(unit) > 1 and not together and all_alone_ok:
+                # Every row prefilled fine on its own: it was the batched pass that failed.
+                log.warning("batched prefill failed where single passes work; prefilling one sequence at a time from now on")
+                self.batched_prefill = False
 
     def _prefill_together(self, unit: list[tuple[Sequence, list[int]]]) -> bool:
-        """One pass over several sequences' chunks. A model whose layers cannot take a batch
-        cache fails here without touching the sequences (they are then prefilled alone): say so
-        once and stop batching prefill."""
+        """One pass over several sequences' chunks. A failure leaves the sequences untouched
+        (they are then prefilled alone, which tells a faulty row from a model whose layers cannot
+        take a batch cache)."""
         try:
             prefill_together(self.loaded.model, [seq for seq, _ in unit], [chunk for _, chunk in unit])
             return True
         except Exception:
-            log.warning("batched prefill failed; prefilling one sequence at a time from now on", exc_info=True)
-            self.batched_prefill = False
+            log.warning("batched prefill pass failed; its rows are prefilled alone", exc_info=True)
             return False
 
     @staticmethod
@@ -473,42 +524,81 @@ class Engine:
             self._decode_batched(joining)
             return
         for slot in joining:
-            try:
-                if slot.sequence.prompt_ready:
-                    slot.sequence.prefill_step()  # the last prompt token, alone
-                slot.sequence.step()
-            except Exception as exc:
-                self._fail(slot, exc)
-                continue
-            if slot.sequence.finished is not None:
-                self._release(slot, donate=True)
+            self._step_alone(slot)
+
+    def _step_alone(self, slot: Slot) -> bool:
+        """One decode step of a sequence on its own cache; a failure fails this sequence only."""
+        seq = slot.sequence
+        try:
+            if seq.prompt_ready:
+                seq.prefill_step()  # the last prompt token, alone
+            seq.step()
+        except Exception as exc:
+            self._fail(slot, exc)
+            return False
+        if seq.finished is not None:
+            self._release(slot, donate=True)
+        return True
 
     def _decode_batched(self, joining: list[Slot]) -> None:
+        """One batched step. A row whose own work raises fails alone. A forward pass that raises
+        is undone and every row is stepped alone instead, which fails only the row at fault. If
+        no row is at fault several steps in a row, the batched pass itself is the problem (the
+        load-time probe missed it) and decoding stops batching; a one-off failure does not."""
         try:
             for slot in joining:
                 self.batch.add(slot.sequence)
-            finished = self.batch.step()
+            finished, failed = self.batch.step()
             if len(self.batch) == 1:
                 self.batch.remove([0])  # a lone sequence decodes faster on its own cache
-        except Exception as exc:
-            members = set(map(id, self.batch.sequences)) | {id(s.sequence) for s in joining}
-            self.batch = DecodeBatch(self.loaded.model)
-            for slot in self.slots:
-                if slot.sequence is not None and id(slot.sequence) in members:
-                    self._fail(slot, exc)
+        except ForwardFailed as err:
+            if not err.restored:
+                self._fail_batch(joining, err.error)
+                return
+            log.warning("batched decode pass failed (%s); stepping its %d rows alone", err.error, len(self.batch))
+            rows = self.batch.remove(list(range(len(self.batch))))
+            results = [self._step_alone(self.slots[seq.slot_id]) for seq in rows]
+            self._batch_only_failures = self._batch_only_failures + 1 if all(results) else 0
+            if self._batch_only_failures >= BATCH_FAILURES_TOLERATED:
+                log.warning("batched decode keeps failing where every row works alone; one sequence per pass from now on")
+                self.batched_decode = False
             return
+        except Exception as exc:  # the batch cache itself is in doubt: its rows cannot go on
+            self._fail_batch(joining, exc)
+            return
+        self._batch_only_failures = 0
+        for seq, exc in failed:
+            self._fail(self.slots[seq.slot_id], exc)
         for seq in finished:
             self._release(self.slots[seq.slot_id], donate=True)
+
+    def _fail_batch(self, joining: list[Slot], exc: Exception) -> None:
+        members = set(map(id, self.batch.sequences)) | {id(s.sequence) for s in joining}
+        self.batch = DecodeBatch(self.loaded.model)
+        for slot in self.slots:
+            if slot.sequence is not None and id(slot.sequence) in members:
+                self._fail(slot, exc)
+
+    def _fail_all(self, exc: Exception) -> None:
+        """After an unexpected engine error: every running sequence ends with an error event."""
+        self.batch = DecodeBatch(self.loaded.model)
+        for slot in self.slots:
+            if slot.sequence is not None:
+                self._fail(slot, exc)
 
     @property
     def _batched(self) -> set[Any]:
         return set(self.batch.sequences)
 
     def _fail(self, slot: Slot, exc: Exception) -> None:
+        """End one sequence with a 500 error event; its state is never donated to the cache."""
         seq = slot.sequence
+        self.n_engine_errors += 1
         log.error("engine error in task %d: %s", seq.request.task_id, exc, exc_info=exc)
-        seq.emit(ErrorEvent(f"engine error: {exc}"))
-        self._release(slot, donate=False)
+        try:
+            seq.emit(ErrorEvent(f"engine error: {exc}"))
+        finally:
+            self._release(slot, donate=False)
 
     def _release(self, slot: Slot, donate: bool) -> None:
         seq = slot.sequence

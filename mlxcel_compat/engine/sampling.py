@@ -18,7 +18,7 @@ import re
 import secrets
 import threading
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -324,10 +324,13 @@ _DRY_FLOAT_MAX_LOG = 88.7228391
 
 _Breakers = dict[int, list[tuple[int, ...]]]
 # tokenizer -> breaker strings -> processed breakers
-_dry_cache: "weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], _Breakers]]" = (
+_dry_cache: "weakref.WeakKeyDictionary[Any, OrderedDict[tuple[str, ...], _Breakers]]" = (
     weakref.WeakKeyDictionary()
 )
 _dry_cache_lock = threading.Lock()
+# Breaker sets remembered per tokenizer (least recently used dropped): requests choose the
+# breakers, so an unbounded cache would grow with every distinct list a client sends.
+_DRY_CACHE_SIZE = 64
 
 
 def dry_sequence_breakers(
@@ -345,9 +348,11 @@ def dry_sequence_breakers(
     hf = unwrap_tokenizer(tokenizer)
     key = tuple(breakers)
     with _dry_cache_lock:
-        cached = _dry_cache.get(hf, {}).get(key)
-    if cached is not None:
-        return cached
+        per_tokenizer = _dry_cache.get(hf)
+        cached = per_tokenizer.get(key) if per_tokenizer is not None else None
+        if cached is not None:
+            per_tokenizer.move_to_end(key)
+            return cached
 
     n_vocab = len(hf)
     words = [token_bytes(tokenizer, t, special=True) for t in range(n_vocab)]
@@ -378,7 +383,10 @@ def dry_sequence_breakers(
                             tails.append(tail)
                 pos = word.find(needle[:1], pos + 1)
     with _dry_cache_lock:
-        _dry_cache.setdefault(hf, {})[key] = result
+        per_tokenizer = _dry_cache.setdefault(hf, OrderedDict())
+        per_tokenizer[key] = result
+        while len(per_tokenizer) > _DRY_CACHE_SIZE:
+            per_tokenizer.popitem(last=False)
     return result
 
 

@@ -165,6 +165,15 @@ class Sequence:
             self.stats.t_prompt_done = time.perf_counter()
         return pending
 
+    def undo_batched_feed(self) -> None:
+        """The batch's forward pass failed and its cache was rolled back: forget the fed token, so
+        the sequence is exactly as it was before :meth:`begin_batched_feed` (and can step alone)."""
+        self.cache_tokens.pop()
+        if self._feeding_prompt:
+            self._feeding_prompt = False
+        else:
+            self._history.pop()
+
     def sample_next(self, logits: Any, token: Any = None) -> list[Any]:
         """Sample the next token from this row's logits (lazily); returns arrays to evaluate.
 

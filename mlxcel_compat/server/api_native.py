@@ -16,7 +16,7 @@ from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequ
 from mlxcel_compat.engine.textstream import token_bytes
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
-from mlxcel_compat.server.errors import ApiError, InvalidRequest, ServerError, json_response
+from mlxcel_compat.server.errors import ApiError, InvalidRequest, event_error, json_response
 from mlxcel_compat.server.params import CompletionOptions
 from mlxcel_compat.server.pipeline import collect, ctx_of, prepare_completion, prompt_text, read_json, render_prompt, respond, sse_response
 
@@ -74,7 +74,7 @@ async def _stream(ctx: ServerContext, requests: list[GenerationRequest], opts: C
                 # unfinished character) is not streamed; non-streamed responses include it.
                 yield fmt.sse(fmt.filter_fields(body, opts.response_fields) if opts.response_fields else body)
             elif isinstance(event, ErrorEvent):
-                yield fmt.sse(ServerError(event.message).to_json())
+                yield fmt.sse(event_error(event).to_json())
                 return
     except ApiError as exc:
         yield fmt.sse(exc.to_json())

@@ -16,7 +16,7 @@ from mlxcel_compat.chat.messages import StreamSplitter, prompt_opens_thinking
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, ProgressEvent, TokenEvent
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
-from mlxcel_compat.server.errors import InvalidRequest, NotSupported, ServerError
+from mlxcel_compat.server.errors import InvalidRequest, NotSupported, event_error
 from mlxcel_compat.server.params import CompletionOptions
 from mlxcel_compat.server.pipeline import (
     ChatJob,
@@ -219,7 +219,7 @@ async def _stream_completion(ctx: ServerContext, requests: list[GenerationReques
                 final["timings"] = fmt.timings_json(event)
             yield fmt.sse(final)
         elif isinstance(event, ErrorEvent):
-            yield fmt.sse(ServerError(event.message).to_json())
+            yield fmt.sse(event_error(event).to_json())
             return
     yield fmt.SSE_DONE
 
@@ -319,7 +319,7 @@ async def _stream_chat(
                 final["timings"] = fmt.timings_json(event)
             yield fmt.sse(final)
         elif isinstance(event, ErrorEvent):
-            yield fmt.sse(ServerError(event.message).to_json())
+            yield fmt.sse(event_error(event).to_json())
             return
     if job.opts.include_usage:
         usage_chunk: dict[str, Any] = {

@@ -76,6 +76,15 @@ class ServerError(ApiError):
     type = "server_error"
 
 
+def event_error(event: Any) -> ApiError:
+    """The engine's ``ErrorEvent`` as an error of its own status and type (500 for an engine
+    error, 503 when the server is shutting down)."""
+    exc = ApiError(event.message, **event.extra)
+    exc.status_code = event.code
+    exc.type = event.type
+    return exc
+
+
 JSON_CONTENT_TYPE = "application/json; charset=utf-8"
 
 

@@ -28,9 +28,10 @@ from mlxcel_compat.chat.messages import ChatRequest, ChatRequestError, parse_cha
 from mlxcel_compat.chat.template import TemplateError
 from mlxcel_compat.engine.reasoning_budget import opens_block
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent, next_task_id
+from mlxcel_compat.engine.sampling import dry_sequence_breakers
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
-from mlxcel_compat.server.errors import ContextExceeded, InvalidRequest, ServerError, json_response
+from mlxcel_compat.server.errors import ContextExceeded, InvalidRequest, ServerError, event_error, json_response
 from mlxcel_compat.server.params import CompletionOptions, parse_completion_options
 from mlxcel_compat.server.prompts import tokenize_prompts
 from mlxcel_compat.settings import default_template_kwargs
@@ -80,6 +81,14 @@ async def respond(ctx: ServerContext, build: Callable[[], Any]) -> Response:
 def parse_options(ctx: ServerContext, data: Mapping[str, Any]) -> CompletionOptions:
     m = ctx.model
     return parse_completion_options(data, ctx.settings, len(ctx.engine.slots), m.vocab_size, ctx.tokenize, m.eog_ids)
+
+
+def prepare_samplers(ctx: ServerContext, opts: CompletionOptions) -> None:
+    """Work the engine would otherwise do when the sequence starts, done here on a worker thread:
+    mapping DRY sequence breakers to token sequences scans the whole vocabulary (cached per list)."""
+    s = opts.request.sampling
+    if s.dry_multiplier > 0 and "dry" in s.samplers:
+        dry_sequence_breakers(ctx.model.tokenizer, s.dry_sequence_breakers)
 
 
 def check_context(ctx: ServerContext, tokens: list[int]) -> None:
@@ -134,6 +143,7 @@ def _prepare_completion(ctx: ServerContext, data: Mapping[str, Any], key_id: str
     prompts, multi = tokenize_prompts(m.tokenizer, data.get("prompt"), m.vocab_size, ctx.prompt_bound, ctx.settings.max_prompts)
     for tokens in prompts:
         check_context(ctx, tokens)
+    prepare_samplers(ctx, opts)
     requests = expand(ctx, opts, prompts)
     if ctx.cache_hooks is not None:
         ctx.cache_hooks.prepare_raw(data, requests, key_id)
@@ -190,6 +200,7 @@ def _prepare_chat(ctx: ServerContext, data: Mapping[str, Any], key_id: str | Non
     ctx.prompt_bound.check(len(prompt))  # the rendered prompt cannot fit: no need to tokenize it
     tokens = ctx.tokenize_rendered(prompt)
     check_context(ctx, tokens)
+    prepare_samplers(ctx, opts)
     requests = expand(ctx, opts, [tokens])
     if ctx.cache_hooks is not None:
         ctx.cache_hooks.prepare_chat(data, chat, requests, prompt, key_id)
@@ -262,7 +273,7 @@ async def collect(ctx: ServerContext, request: Request, requests: list[Generatio
             elif isinstance(event, FinishEvent):
                 res.close(event)
             elif isinstance(event, ErrorEvent):
-                raise ServerError(event.message)
+                raise event_error(event)
 
     async def disconnected() -> None:
         while True:
