@@ -122,8 +122,13 @@ def build_server(settings: object, model_arg: str, api_keys: list[str], model_na
     return build_app(ctx)
 
 
-async def serve(app: object, settings: object) -> int:
-    from hypercorn.asyncio import serve as hypercorn_serve
+KEEP_ALIVE_SECONDS = 5  # idle keep-alive connections close after this (cpp-httplib's default, as llama-server)
+BACKLOG = 2048  # pending connections the listener queues (a burst of hundreds of clients)
+
+
+def hypercorn_config(settings: object) -> object:
+    """``--timeout`` is llama-server's read/write timeout: hypercorn's per-read timeout here, and
+    the write half in the app (``server.app.LimitsMiddleware``)."""
     from hypercorn.config import Config
 
     from mlxcel_compat.server.api_vertex import VertexConfig
@@ -138,18 +143,64 @@ async def serve(app: object, settings: object) -> int:
         port = vertex.port
         log.info("Vertex AI prediction mode: predict route %s, health route %s", vertex.predict_route, vertex.health_route or "/health")
     config.bind = [f"unix:{host}"] if host.endswith(".sock") else [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    config.read_timeout = settings.timeout
-    config.keep_alive_timeout = settings.timeout
+    config.read_timeout = settings.timeout if settings.timeout > 0 else None
+    config.keep_alive_timeout = min(KEEP_ALIVE_SECONDS, settings.timeout) if settings.timeout > 0 else KEEP_ALIVE_SECONDS
+    config.backlog = BACKLOG
     config.accesslog = None
     config.include_server_header = False  # the app sends llama-server's "Server: llama.cpp" itself
     config.errorlog = logging.getLogger("hypercorn.error")
-    shutdown = asyncio.Event()
+    return config
+
+
+async def serve(app: object, settings: object) -> int:
+    """Serve until SIGTERM/SIGINT, then drain: new requests get 503 at once, running ones have
+    ``--shutdown-grace`` seconds to finish before they end with a final error event (a second
+    signal ends them at once), and the process exits."""
+    from hypercorn.asyncio import serve as hypercorn_serve
+
+    config = hypercorn_config(settings)
+    ctx = app.state.ctx  # type: ignore[attr-defined]
+    stopped = asyncio.Event()
+    drain: asyncio.Task | None = None
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal drain
+        if drain is None:
+            log.info("%s: shutting down (running requests have %.0f s to finish)", sig.name, settings.shutdown_grace)
+            drain = loop.create_task(drain_then_stop(ctx, settings.shutdown_grace, stopped))
+        else:
+            log.info("%s again: ending running requests now", sig.name)
+            ctx.engine.shutdown(running_too=True)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, shutdown.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     log.info("server is listening on %s", config.bind[0])
-    await hypercorn_serve(app, config, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]
+    await hypercorn_serve(app, config, shutdown_trigger=stopped.wait)  # type: ignore[arg-type]
     return 0
+
+
+async def drain_then_stop(ctx: object, grace: float, stopped: asyncio.Event) -> None:
+    """Stop admissions, give running requests ``grace`` seconds, end the rest, then stop serving."""
+    engine = ctx.engine  # type: ignore[attr-defined]
+    ctx.draining = True  # type: ignore[attr-defined]
+    if engine.state == "ready":
+        engine.shutdown(running_too=False)
+        deadline = loop_time() + grace
+        while engine.n_processing and loop_time() < deadline:
+            await asyncio.sleep(0.05)
+        engine.shutdown(running_too=True)
+        while engine.n_processing and loop_time() < deadline + SHUTDOWN_FLUSH_SECONDS:
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(0.1)  # the last events reach their streams before the listener closes
+    stopped.set()
+
+
+SHUTDOWN_FLUSH_SECONDS = 5.0  # after the grace: time for cancelled sequences to leave the engine
+
+
+def loop_time() -> float:
+    return asyncio.get_running_loop().time()
 
 
 if __name__ == "__main__":
