@@ -75,6 +75,9 @@ logger = logging.getLogger(__name__)
 EVICTION_REASONS = ("lru", "ttl", "capacity")
 REJECTION_REASONS = ("min_prefix", "oversized")
 MISS_REASONS = ("no_candidate", "prefix_too_short")
+# Candidates refused at adoption, counted: the stored token ids did not equal the request's prefix
+# although the lookup (block hashes) vouched for it. Only a hash collision (or a bug) gets here.
+ADOPTION_REJECT_REASONS = ("token_mismatch",)
 # Why an overlapping entry was turned down (``LookupResult.detail``; trace only, not counted).
 INELIGIBLE_REASONS = (
     "no_overlap",  # no stored entry of the bucket shares a first token with the request
@@ -85,6 +88,7 @@ INELIGIBLE_REASONS = (
     "not_trimmable_exact_repeat",  # whole entry, but its state cannot give the last token back
     "no_block_verified",  # the chains disagree from the first block and no token is common
     "below_min_prefix",  # eligible, but shorter than --prompt-cache-min-prefix
+    "token_mismatch",  # the block hashes agreed but the stored tokens differ (a collision)
 )
 
 STAGE_SESSION = "session"
@@ -187,6 +191,7 @@ class StoreCounters:
     evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVICTION_REASONS, 0))
     rejections: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECTION_REASONS, 0))
     miss_reasons: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
+    adoption_rejects: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ADOPTION_REJECT_REASONS, 0))
     last_reject: dict[str, object] | None = None
 
 
@@ -461,6 +466,7 @@ class EntryStore:
             "partial_hits": c.partial_hits,
             "hits_by_stage": dict(c.hits_by_stage),
             "miss_reasons": dict(c.miss_reasons),
+            "adoption_rejects": dict(c.adoption_rejects),
             "inserts": c.inserts,
             "supersedes": c.supersedes,
             "evictions": dict(c.evictions),
@@ -664,6 +670,11 @@ class PromptCacheStore(EntryStore):
         usable = min(verified, limit)
         if usable <= 0:
             return "no_block_verified"
+        if entry.tokens[:usable] != toks[:usable]:
+            # Never adopt on the hashes' word alone: the state would be another prompt's.
+            self.counters.adoption_rejects["token_mismatch"] += 1
+            logger.warning("prompt cache: entry %d refused: its tokens differ from the request's within the %d tokens its block hashes vouched for", entry.id, usable)
+            return "token_mismatch"
         rank = (usable, entry.session_key == session_key, entry.use_tick)
         return _Candidate(entry, usable, verified, common, rank, block_len)
 

@@ -19,9 +19,10 @@ from mlxcel_compat.server.pipeline import ctx_of
 async def cache_stats(request: Request) -> Response:
     ctx = ctx_of(request)
     cache = ctx.engine.prefix_cache
+    isolation = {"isolation": ctx.cache_isolation}  # --prompt-cache-isolation as resolved
     if cache is None:
-        return json_response({**PromptCacheStore.disabled_stats(), **SnapshotStore.disabled_stats()})
-    return json_response(await ctx.client.call(cache.stats))
+        return json_response({**PromptCacheStore.disabled_stats(), **SnapshotStore.disabled_stats(), **isolation})
+    return json_response({**await ctx.client.call(cache.stats), **isolation})
 
 
 async def cache_reset(request: Request) -> Response:

@@ -101,6 +101,12 @@ def prompt_cache_metrics(engine: Engine) -> Iterable[Metric]:
         _counter("mlxcel_prompt_cache_misses_total", "Lookups that found nothing adoptable.", s["misses"]),
         _labelled("mlxcel_prompt_cache_hits_by_stage_total", "Hits by lookup stage (own session, another session).", "stage", s["hits_by_stage"]),
         _labelled("mlxcel_prompt_cache_miss_reasons_total", "Misses by reason.", "reason", s["miss_reasons"]),
+        _labelled(
+            "mlxcel_prompt_cache_adoption_rejects_total",
+            "Candidates refused at adoption because their stored tokens differ from the request's (hash collisions).",
+            "reason",
+            s["adoption_rejects"],
+        ),
         _counter("mlxcel_prompt_cache_prefix_tokens_reused_total", "Prompt tokens adopted instead of prefilled.", s["prefix_tokens_reused_total"]),
         _counter("mlxcel_prompt_cache_inserts_total", "Entries stored.", s["inserts"]),
         _counter("mlxcel_prompt_cache_supersedes_total", "Entries replaced by a longer entry of the same session.", s["supersedes"]),

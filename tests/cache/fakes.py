@@ -18,5 +18,7 @@ class FakeClock:
         self.now += seconds
 
 
-def make_bucket(model_id: str = "tiny", mm_digest: bytes = TEXT_ONLY_MM_DIGEST) -> Bucket:
-    return Bucket(model_id=model_id, lora_id="", template_sig=RAW_PROMPT_TEMPLATE_SIG, rope_regime=None, mm_digest=mm_digest)
+def make_bucket(model_id: str = "tiny", mm_digest: bytes = TEXT_ONLY_MM_DIGEST, namespace: str = "") -> Bucket:
+    return Bucket(
+        model_id=model_id, lora_id="", template_sig=RAW_PROMPT_TEMPLATE_SIG, rope_regime=None, mm_digest=mm_digest, namespace=namespace
+    )

@@ -459,3 +459,49 @@ def test_long_prompt_partial_lookup_is_fast_enough() -> None:
     hit = store.lookup(B, "s1", request).hit
     assert hit is not None and hit.matched_len == 80_000
     assert store.stats()["total_blocks_stored"] == 6250
+
+
+# --- adoption checks the tokens, never the hashes alone ---
+
+
+class CollidingHash:
+    """A "hash" under which every block collides: the chains of any two sequences agree."""
+
+    def update(self, data: bytes) -> None:
+        pass
+
+    def digest(self) -> bytes:
+        return b"\x00" * 32
+
+
+def test_forced_block_hash_collision_is_refused_and_counted(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import mlxcel_compat.cache.block_hash as block_hash
+
+    monkeypatch.setattr(block_hash, "_hasher_factory", lambda name: CollidingHash)
+    store = make_store(apc=ApcConfig(block_size=16), min_prefix=4)
+    put(store, ENTRY)
+    # Shares 3 tokens with the entry; every block hash "agrees" all the same.
+    request = SHARED[:3] + seq(250, 20000)
+    with caplog.at_level(logging.WARNING):
+        res = store.lookup(B, "s1", request)
+    assert res.hit is None and res.detail == "token_mismatch"
+    stats = store.stats()
+    assert stats["adoption_rejects"] == {"token_mismatch": 1}
+    assert stats["hits"] == 0 and stats["misses"] == 1
+    assert "tokens differ" in caplog.text
+    # A request that extends the whole entry needs no hash: it is still served.
+    hit = store.lookup(B, "s1", ENTRY + seq(10, 30000)).hit
+    assert hit is not None and hit.matched_len == len(ENTRY)
+
+
+def test_entries_of_another_namespace_are_invisible() -> None:
+    """Tenant isolation: the namespace is part of the bucket, so no stage of lookup (own
+    session, other sessions, APC) reaches another tenant's entries."""
+    store = make_store(apc=ApcConfig(), min_prefix=4)
+    tenant_a, tenant_b = make_bucket(namespace="a"), make_bucket(namespace="b")
+    store.insert(tenant_a, "s1", ENTRY, payload="kv", nbytes=10, trimmable=True)
+    assert store.lookup(tenant_b, "s1", ENTRY + (1,)).hit is None  # same session, same prompt
+    assert store.lookup(tenant_b, "s2", REQUEST).hit is None  # APC partial overlap
+    assert store.lookup(B, "s1", ENTRY + (1,)).hit is None  # the shared namespace
+    hit = store.lookup(tenant_a, "s2", ENTRY + (1,)).hit
+    assert hit is not None and hit.matched_len == len(ENTRY)
