@@ -4,14 +4,12 @@ The manifest is the machine-readable answer to "what of llama-server does mlxcel
 every flag (with its variables), every route and every request field, each with a status
 (``supported`` | ``partial`` | ``noop`` | ``unsupported`` | ``refused``) and a short note.
 
-Its ``flags`` and ``env_only`` sections are generated from ``settings.SETTINGS`` and
-``builtin_chat_templates`` from ``chat/builtin_templates.py`` by ``scripts/gen_docs.py``;
-``routes``, ``request_fields`` and ``props_fields`` are maintained by hand in the JSON file, and
-tests check them against the app.
-
-Request-field ``scope``: ``all`` (native routes, and passed through by the OpenAI routes),
-``completion`` (``/completion``, ``/completions``, ``/v1/completions``) or ``chat``
-(``/chat/completions``, ``/v1/chat/completions``).
+Its ``flags`` and ``env_only`` sections are generated from ``settings.SETTINGS``, its
+``request_fields`` and ``request_field_scopes`` sections from ``request_fields.REQUEST_FIELDS``
+(the OpenAPI document at ``/openapi.json`` comes from the same table) and
+``builtin_chat_templates`` from ``chat/builtin_templates.py``, by ``scripts/gen_docs.py``;
+``routes`` and ``props_fields`` are maintained by hand in the JSON file, and tests check them
+against the app.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mlxcel_compat.request_fields import SCOPES, manifest_entries
 from mlxcel_compat.settings import SETTINGS, Setting
 
 MANIFEST_PATH = Path(__file__).resolve().parent.parent / "docs" / "compat" / "llama-server.json"
@@ -81,13 +80,15 @@ def _env_only_entry(s: Setting) -> dict[str, Any]:
     }
 
 
-def generated_sections() -> dict[str, list[Any]]:
-    """The manifest sections derived from the settings table and the built-in template table."""
+def generated_sections() -> dict[str, Any]:
+    """The manifest sections derived from the settings, request-field and built-in template tables."""
     from mlxcel_compat.chat.builtin_templates import BUILTIN_TEMPLATE_NAMES
 
     return {
         "flags": [_flag_entry(s) for s in SETTINGS if s.flags or s.negative_flags],
         "env_only": [_env_only_entry(s) for s in SETTINGS if not (s.flags or s.negative_flags)],
+        "request_field_scopes": dict(SCOPES),
+        "request_fields": manifest_entries(),
         "builtin_chat_templates": list(BUILTIN_TEMPLATE_NAMES),
     }
 

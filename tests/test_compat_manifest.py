@@ -68,7 +68,7 @@ SUPPORTED_ROUTES = [
     ("GET", "/models"), ("GET", "/v1/models"), ("POST", "/completion"), ("POST", "/completions"),
     ("POST", "/v1/completions"), ("POST", "/chat/completions"), ("POST", "/v1/chat/completions"),
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template"), ("GET", "/slots"),
-    ("POST", "/v1/cache/reset"), ("GET", "/v1/cache/stats"), ("GET", "/"), ("GET", "/index.html"),
+    ("POST", "/v1/cache/reset"), ("GET", "/v1/cache/stats"), ("GET", "/openapi.json"), ("GET", "/"), ("GET", "/index.html"),
     ("GET", "/tools"), ("POST", "/tools"), ("GET", "/cors-proxy"), ("POST", "/cors-proxy"), ("POST", "/predict"),
 ]
 

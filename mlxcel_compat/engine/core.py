@@ -40,6 +40,11 @@ def unavailable(message: str = SHUTTING_DOWN) -> ErrorEvent:
     return ErrorEvent(message, type="unavailable_error", code=503)
 
 
+def empty_finish(request: GenerationRequest) -> FinishEvent:
+    """The whole answer to a request without prompt tokens: nothing generated, no slot used."""
+    return FinishEvent("limit", "", "", 0, 0, 0, 0, 0.0, 0.0, False, -1, request.sampling.seed)
+
+
 @dataclass
 class EngineConfig:
     """What the engine needs from the settings (kept small so tests can build one directly)."""
@@ -305,11 +310,13 @@ class Engine:
             if cmd is None:
                 return
             if isinstance(cmd, _Submit):
-                if self.accepting:
+                if not self.accepting:
+                    cmd.sink(unavailable())
+                elif not cmd.request.prompt_tokens:
+                    cmd.sink(empty_finish(cmd.request))  # llama-server: an empty prompt ends at once
+                else:
                     self.waiting.append(cmd)
                     self._idle_since = time.monotonic()
-                else:
-                    cmd.sink(unavailable())
             elif isinstance(cmd, _Cancel):
                 self._cancel(cmd.task_id)
             elif isinstance(cmd, _Call):

@@ -13,6 +13,7 @@ from starlette.routing import Route
 from mlxcel_compat.cache.snapshot import SnapshotStore
 from mlxcel_compat.cache.store import PromptCacheStore
 from mlxcel_compat.server.errors import json_response
+from mlxcel_compat.server.openapi import Operation
 from mlxcel_compat.server.pipeline import ctx_of
 
 
@@ -38,3 +39,22 @@ ROUTES = [
     Route("/v1/cache/stats", cache_stats, methods=["GET"]),
     Route("/v1/cache/reset", cache_reset, methods=["POST"]),
 ]
+
+OPERATIONS = {
+    ("GET", "/v1/cache/stats"): Operation(
+        "Prompt-cache counters and gauges (docs/prompt-cache.md)",
+        ok={
+            "type": "object",
+            "properties": {"enabled": {"type": "boolean"}, "entries": {"type": "integer"}, "bytes": {"type": "integer"}, "capacity_bytes": {"type": "integer"}, "isolation": {"enum": ["none", "salt", "api-key"]}},
+            "required": ["enabled", "entries", "bytes", "capacity_bytes", "isolation"],
+        },
+    ),
+    ("POST", "/v1/cache/reset"): Operation(
+        "Drop every prompt-cache entry and snapshot",
+        ok={
+            "type": "object",
+            "properties": {"success": {"type": "boolean"}, "cleared_entries": {"type": "integer"}, "cleared_bytes": {"type": "integer"}},
+            "required": ["success", "cleared_entries", "cleared_bytes"],
+        },
+    ),
+}

@@ -17,6 +17,7 @@ from mlxcel_compat.engine.textstream import token_bytes
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.errors import ApiError, InvalidRequest, event_error, json_response
+from mlxcel_compat.server.openapi import JSON, SSE, Operation
 from mlxcel_compat.server.params import CompletionOptions
 from mlxcel_compat.server.pipeline import collect, ctx_of, prepare_completion, prompt_text, read_json, render_prompt, respond, sse_response
 
@@ -152,3 +153,72 @@ ROUTES = [
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/apply-template", apply_template, methods=["POST"]),
 ]
+
+# Typed but not required: response_fields may keep any subset (flattened "a/b" keys included).
+NATIVE_RESULT = {
+    "type": "object",
+    "properties": {
+        "index": {"type": "integer"},
+        "content": {"type": "string"},
+        "tokens": {"type": "array", "items": {"type": "integer"}},
+        "id_slot": {"type": "integer"},
+        "stop": {"type": "boolean"},
+        "model": {"type": "string"},
+        "tokens_predicted": {"type": "integer"},
+        "tokens_evaluated": {"type": "integer"},
+        "generation_settings": {"type": "object"},
+        "prompt": {"type": "string"},
+        "has_new_line": {"type": "boolean"},
+        "truncated": {"type": "boolean"},
+        "stop_type": {"enum": ["eos", "word", "limit", "none"]},
+        "stopping_word": {"type": "string"},
+        "tokens_cached": {"type": "integer"},
+        "timings": fmt.TIMINGS_SCHEMA,
+        "completion_probabilities": {"type": "array", "items": fmt.PROB_SCHEMA},
+    },
+}
+COMPLETION = Operation(
+    "llama-server's native completion (one result, or an array for several prompts / n_cmpl)",
+    body=("all", "completion"),
+    ok={"anyOf": [NATIVE_RESULT, {"type": "array", "items": NATIVE_RESULT}]},
+    media=(JSON, SSE),
+    errors=(500, 501),
+)
+OPERATIONS = {
+    ("POST", "/completion"): COMPLETION,
+    ("POST", "/completions"): COMPLETION,
+    ("POST", "/tokenize"): Operation(
+        "Tokenize text (special tokens parsed), optionally with each token's piece",
+        body=("tokenize",),
+        ok={
+            "type": "object",
+            "properties": {
+                "tokens": {
+                    "type": "array",
+                    "items": {
+                        "anyOf": [
+                            {"type": "integer"},
+                            {
+                                "type": "object",
+                                "properties": {"id": {"type": "integer"}, "piece": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]}},
+                                "required": ["id", "piece"],
+                            },
+                        ]
+                    },
+                }
+            },
+            "required": ["tokens"],
+        },
+    ),
+    ("POST", "/detokenize"): Operation(
+        "Turn token ids back into text",
+        body=("detokenize",),
+        ok={"type": "object", "properties": {"content": {"type": "string"}}, "required": ["content"]},
+    ),
+    ("POST", "/apply-template"): Operation(
+        "Render a chat through the model's template, without generating",
+        body=("chat",),
+        ok={"type": "object", "properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
+        errors=(500,),
+    ),
+}

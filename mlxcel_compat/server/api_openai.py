@@ -17,6 +17,7 @@ from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequ
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.errors import InvalidRequest, NotSupported, event_error
+from mlxcel_compat.server.openapi import JSON, SSE, Operation
 from mlxcel_compat.server.params import CompletionOptions
 from mlxcel_compat.server.pipeline import (
     ChatJob,
@@ -342,3 +343,83 @@ ROUTES = [
     Route("/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
 ]
+
+USAGE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "prompt_tokens": {"type": "integer"},
+        "completion_tokens": {"type": "integer"},
+        "total_tokens": {"type": "integer"},
+        "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}, "required": ["cached_tokens"]},
+    },
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"],
+}
+FINISH_REASON = {"enum": ["stop", "length", "tool_calls"]}
+LOGPROBS_SCHEMA = {"type": "object", "properties": {"content": {"type": "array", "items": fmt.PROB_SCHEMA}}, "required": ["content"]}
+COMMON = {
+    "id": {"type": "string"},
+    "created": {"type": "integer"},
+    "model": {"type": "string"},
+    "system_fingerprint": {"type": "string"},
+    "usage": USAGE_SCHEMA,
+    "timings": fmt.TIMINGS_SCHEMA,
+}
+CHAT_COMPLETION = {
+    "type": "object",
+    "properties": {
+        **COMMON,
+        "object": {"const": "chat.completion"},
+        "choices": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "index": {"type": "integer"},
+                    "finish_reason": FINISH_REASON,
+                    "message": {
+                        "type": "object",
+                        "properties": {
+                            "role": {"const": "assistant"},
+                            "content": {"type": ["string", "null"]},
+                            "reasoning_content": {"type": "string"},
+                            "tool_calls": {"type": "array", "items": {"type": "object"}},
+                        },
+                        "required": ["role", "content"],
+                    },
+                    "logprobs": LOGPROBS_SCHEMA,
+                },
+                "required": ["index", "finish_reason", "message"],
+            },
+        },
+    },
+    "required": ["id", "object", "created", "model", "choices", "usage"],
+}
+TEXT_COMPLETION = {
+    "type": "object",
+    "properties": {
+        **COMMON,
+        "object": {"const": "text_completion"},
+        "choices": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "text": {"type": "string"},
+                    "index": {"type": "integer"},
+                    "logprobs": {"anyOf": [LOGPROBS_SCHEMA, {"type": "null"}]},
+                    "finish_reason": FINISH_REASON,
+                },
+                "required": ["text", "index", "finish_reason"],
+            },
+        },
+    },
+    "required": ["id", "object", "created", "model", "choices", "usage"],
+}
+CHAT = Operation("OpenAI chat completions", body=("all", "chat"), ok=CHAT_COMPLETION, media=(JSON, SSE), errors=(500, 501))
+OPERATIONS = {
+    ("POST", "/v1/chat/completions"): CHAT,
+    ("POST", "/chat/completions"): CHAT,
+    ("POST", "/v1/completions"): Operation(
+        "OpenAI text completions", body=("all", "completion"), ok=TEXT_COMPLETION, media=(JSON, SSE), errors=(500, 501)
+    ),
+}

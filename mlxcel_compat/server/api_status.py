@@ -11,6 +11,7 @@ from starlette.routing import Route
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.errors import NotSupported, Unavailable, json_response
 from mlxcel_compat.server.formats import BUILD_INFO, metrics_params
+from mlxcel_compat.server.openapi import TEXT, Operation
 from mlxcel_compat.server.pipeline import ctx_of, read_json
 
 
@@ -143,3 +144,46 @@ ROUTES = [
     Route("/slots", slots, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
 ]
+
+HEALTH = Operation("Liveness: 200 once the model is loaded", ok={"type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]})
+MODEL_SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"}, "owned_by": {"type": "string"}, "meta": {"type": "object"}},
+    "required": ["id", "object", "created", "owned_by"],
+}
+MODELS = Operation(
+    "The served model (OpenAI list and llama-server's models array)",
+    ok={"type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": MODEL_SCHEMA}, "models": {"type": "array"}}, "required": ["object", "data"]},
+)
+SLOT_SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer"}, "n_ctx": {"type": "integer"}, "is_processing": {"type": "boolean"}, "speculative": {"type": "boolean"}},
+    "required": ["id", "n_ctx", "is_processing"],
+}
+OPERATIONS = {
+    ("GET", "/health"): HEALTH,
+    ("GET", "/v1/health"): HEALTH,
+    ("GET", "/props"): Operation(
+        "Server properties and default generation settings",
+        ok={
+            "type": "object",
+            "properties": {"default_generation_settings": {"type": "object"}, "total_slots": {"type": "integer"}, "model_alias": {"type": "string"}, "chat_template": {"type": "string"}},
+            "required": ["default_generation_settings", "total_slots", "model_alias", "chat_template"],
+        },
+    ),
+    ("POST", "/props"): Operation(
+        "Accepted and ignored, as in llama-server (needs --props)",
+        body=(),
+        ok={"type": "object", "properties": {"success": {"const": True}}, "required": ["success"]},
+        errors=(501,),
+    ),
+    ("GET", "/models"): MODELS,
+    ("GET", "/v1/models"): MODELS,
+    ("GET", "/slots"): Operation(
+        "Slot states (needs --slots, on by default)",
+        ok={"type": "array", "items": SLOT_SCHEMA},
+        errors=(501,),
+        query={"fail_on_no_slot": {"type": "string"}},
+    ),
+    ("GET", "/metrics"): Operation("Prometheus metrics (needs --metrics)", media=(TEXT,), errors=(501,)),
+}

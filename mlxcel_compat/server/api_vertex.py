@@ -23,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from mlxcel_compat.server.errors import ApiError, InvalidRequest, ServerError, json_response
+from mlxcel_compat.server.openapi import Operation
 from mlxcel_compat.server.pipeline import read_json
 
 MAX_INSTANCES = 128
@@ -165,3 +166,22 @@ def make_routes(config: VertexConfig, api_routes: list[Route], health: Any) -> l
     if config.health_route:
         routes.append(Route(config.health_route, health, methods=["GET"]))
     return routes
+
+
+def operations(config: VertexConfig) -> dict[tuple[str, str], Operation]:
+    """The documentation of the routes ``make_routes`` serves under ``config``."""
+    if not config.enabled:
+        return {}
+    ops = {
+        ("POST", config.predict_route): Operation(
+            "Vertex AI prediction: up to 128 API requests (instances) at once, never streamed",
+            body=("vertex",),
+            ok={"type": "object", "properties": {"predictions": {"type": "array"}}, "required": ["predictions"]},
+            errors=(500, 501),
+        )
+    }
+    if config.health_route:
+        ops[("GET", config.health_route)] = Operation(
+            "Liveness (AIP_HEALTH_ROUTE)", ok={"type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]}
+        )
+    return ops

@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from mlxcel_compat import __version__
 from mlxcel_compat.server.errors import raw_error_response
+from mlxcel_compat.server.openapi import Operation
 from mlxcel_compat.server.pipeline import ctx_of
 
 DOCS_URL = "https://github.com/ggml-org/llama.cpp/blob/master/tools/server/README.md"
@@ -63,6 +64,17 @@ async def index(request: Request) -> Response:
 async def feature_disabled(request: Request) -> Response:
     return raw_error_response(403, {"error": {"message": "this feature is disabled", "type": "feature_disabled"}})
 
+
+DISABLED = Operation("Built-in agent tools and the CORS proxy: always 403 here (feature disabled)", errors=(403,))
+STATUS_PAGE = Operation("A plain status page (404 with --no-ui)", media=("text/html",), errors=(404,))
+OPERATIONS = {
+    ("GET", "/"): STATUS_PAGE,
+    ("GET", "/index.html"): STATUS_PAGE,
+    ("GET", "/tools"): DISABLED,
+    ("POST", "/tools"): DISABLED,
+    ("GET", "/cors-proxy"): DISABLED,
+    ("POST", "/cors-proxy"): DISABLED,
+}
 
 ROUTES = [
     Route("/", index, methods=["GET"]),

@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlxcel_compat.cache.key import api_key_id
 from mlxcel_compat.engine.core import Engine
-from mlxcel_compat.server import api_cache, api_native, api_openai, api_status, api_vertex, api_web
+from mlxcel_compat.server import api_cache, api_native, api_openai, api_status, api_vertex, api_web, openapi
 from mlxcel_compat.server.api_vertex import VertexConfig
 from mlxcel_compat.server.cache_hooks import CacheHooks
 from mlxcel_compat.server.context import ModelInfo, ServerContext
@@ -204,9 +204,19 @@ async def not_found(request: Any, exc: Exception) -> Any:
     return raw_error_response(404, {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}})
 
 
+API_MODULES = (api_status, api_native, api_openai, api_cache, api_web, openapi)
+
+
 def routes(vertex: VertexConfig | None = None) -> list[Route]:
-    api = [*api_status.ROUTES, *api_native.ROUTES, *api_openai.ROUTES, *api_cache.ROUTES, *api_web.ROUTES]
+    api = [route for module in API_MODULES for route in module.ROUTES]
     return api + api_vertex.make_routes(vertex or VertexConfig(enabled=False), api, api_status.health)
+
+
+def operations(vertex: VertexConfig | None = None) -> dict[tuple[str, str], openapi.Operation]:
+    """Each route's documentation, declared by its module next to its handler (``/openapi.json``)."""
+    ops = {key: op for module in API_MODULES for key, op in module.OPERATIONS.items()}
+    ops.update(api_vertex.operations(vertex or VertexConfig(enabled=False)))
+    return ops
 
 
 def model_info(engine: Engine, settings: Any) -> ModelInfo:
@@ -269,7 +279,8 @@ def build_app(ctx: ServerContext) -> Starlette:
             ctx.workers.close()
 
     prefix = settings.api_prefix.rstrip("/") if settings.api_prefix else ""
-    route_list: list[Any] = routes(VertexConfig.from_env())
+    vertex = VertexConfig.from_env()
+    route_list: list[Any] = routes(vertex)
     if prefix:
         route_list = [Mount(prefix, routes=route_list)]
     app = Starlette(
@@ -285,6 +296,7 @@ def build_app(ctx: ServerContext) -> Starlette:
         lifespan=lifespan,
     )
     app.state.ctx = ctx
+    app.state.operations = operations(vertex)
     return app
 
 

@@ -274,3 +274,28 @@ def token_counts(results: list[Result]) -> TokenCounts:
 
 def now() -> int:
     return int(time.time())
+
+
+# ---------------------------------------------------------------------- response schemas (OpenAPI)
+
+NUMBER_OR_NULL = {"type": ["number", "null"]}
+TIMINGS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "cache_n": {"type": "integer"},
+        "prompt_n": {"type": "integer"},
+        "prompt_ms": {"type": "number"},
+        "prompt_per_token_ms": NUMBER_OR_NULL,
+        "prompt_per_second": NUMBER_OR_NULL,
+        "predicted_n": {"type": "integer"},
+        "predicted_ms": {"type": "number"},
+        "predicted_per_token_ms": NUMBER_OR_NULL,
+        "predicted_per_second": NUMBER_OR_NULL,
+    },
+    "required": ["cache_n", "prompt_n", "prompt_ms", "predicted_n", "predicted_ms"],
+}
+PROB_SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer"}, "token": {"type": "string"}, "bytes": {"type": "array", "items": {"type": "integer"}}},
+    "required": ["id", "token", "bytes"],
+}

@@ -18,6 +18,7 @@ from mlxcel_compat.engine.sampling import SamplingParams, parse_logit_bias, pars
 from mlxcel_compat.server.errors import InvalidRequest, NotSupported
 
 INT32_MAX = 2**31 - 1
+INT32_MIN = -(2**31)
 _MISSING = object()
 
 
@@ -63,7 +64,12 @@ class Body:
         return value
 
     def int(self, names: str | tuple[str, ...], default: int, lo: int | None = None, hi: int | None = None, soft: bool = False) -> int:
+        """An integer field; without explicit bounds it must fit an int32, as in llama.cpp's schema
+        (a value the engine cannot represent is a 400, never an engine error)."""
         names = (names,) if isinstance(names, str) else names
+        if not soft:
+            lo = INT32_MIN if lo is None else lo
+            hi = INT32_MAX if hi is None else hi
         value = self.raw(*names)
         if value is _MISSING:
             return default
@@ -277,7 +283,7 @@ def parse_n_probs(b: Body, data: Mapping[str, Any], cap: int) -> int:
 
 def parse_sampling(b: Body, settings: Any, vocab_size: int, tokenize: Callable[[str], list[int]]) -> SamplingParams:
     s = settings
-    seed = b.int("seed", s.seed, None, None)
+    seed = b.int("seed", s.seed, INT32_MIN, 2**32 - 1)  # -1 (random) and the whole uint32 range
     samplers_raw = b.raw("samplers")
     if samplers_raw is _MISSING:
         # --samplers is a ';'-separated list of names; --sampling-seq a string of sampler characters.

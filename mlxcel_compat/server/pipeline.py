@@ -249,25 +249,14 @@ def warm_up(ctx: ServerContext, job: ChatJob, message: Mapping[str, Any]) -> Non
 # ---------------------------------------------------------------------- running
 
 
-def empty_finish(req: GenerationRequest) -> FinishEvent:
-    return FinishEvent("limit", "", "", 0, 0, 0, 0, 0.0, 0.0, False, -1, req.sampling.seed)
-
-
 async def collect(ctx: ServerContext, request: Request, requests: list[GenerationRequest]) -> list[fmt.Result]:
     """Run the sequences to completion; a client that disconnects cancels them."""
     results = [fmt.Result(index=r.index, request=r) for r in requests]
-    live = [r for r in requests if r.prompt_tokens]
-    for res in results:
-        if not res.request.prompt_tokens:
-            res.close(empty_finish(res.request))
-    if not live:
-        return results
-    by_task = {r.task_id: results[i] for i, r in enumerate(requests)}
     tokenizer = ctx.model.tokenizer
 
     async def consume() -> None:
-        async for i, event in ctx.run(live):
-            res = by_task[live[i].task_id]
+        async for i, event in ctx.run(requests):
+            res = results[i]
             if isinstance(event, TokenEvent):
                 res.add(event, tokenizer)
             elif isinstance(event, FinishEvent):

@@ -1,0 +1,295 @@
+"""The one request-field table: every JSON body field the routes know, with its status and schema.
+
+Like ``settings.py`` for options, this table is the single source for request fields. It
+generates the ``request_fields`` and ``request_field_scopes`` sections of the compatibility
+manifest (docs/compat/llama-server.json, by ``scripts/gen_docs.py``) and the request-body schemas
+of the OpenAPI document served at ``/openapi.json`` (``server/openapi.py``), so the two cannot
+drift apart, and tests check both against the code.
+
+A field's ``schema`` is the JSON Schema (2020-12, as OpenAPI 3.1 uses) of the values this server
+serves: a value outside it gets a 4xx naming the field (or, for ``unsupported`` fields, a 501).
+``null`` always means "absent" (llama-server's rule) and is added by the OpenAPI builder. Strings
+``"$name"`` in a schema are bounds the server fills in from its settings and model
+(:func:`bounds`), e.g. ``"$n_probs_max"`` is ``--n-probs-max``.
+
+``scope`` says which routes read a field: ``all`` (the native routes, passed through by the OpenAI
+ones), ``completion``, ``chat``, ``tokenize``, ``detokenize``. A dotted name (``stream_options.
+include_usage``) is a member of an object field; ``messages[].content[].image_url`` names a content
+part type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from mlxcel_compat.engine.sampling import SAMPLER_ALIASES, SAMPLER_CHARS
+
+SCOPES: dict[str, str] = {
+    "all": "native routes; the OpenAI routes pass these through too",
+    "completion": "/completion, /completions, /v1/completions",
+    "chat": "/chat/completions, /v1/chat/completions (and /apply-template, which renders the chat only)",
+    "tokenize": "/tokenize",
+    "detokenize": "/detokenize",
+    "vertex": "/predict (Vertex AI prediction mode, AIP_MODE=PREDICTION)",
+}
+INT32_MAX = 2**31 - 1
+INT32_MIN = -(2**31)
+
+# --------------------------------------------------------------------------- schema pieces
+
+BOOL = {"type": "boolean"}
+NUMBER = {"type": "number"}
+INTEGER = {"type": "integer"}  # soft-clamped (top_k) or taken modulo (id_slot): any integer is served
+STRING = {"type": "string"}
+OBJECT = {"type": "object"}
+
+
+def int_range(lo: Any = None, hi: Any = None) -> dict[str, Any]:
+    """An integer field: llama.cpp's schema reads them as int32 (a value out of that range is a 400)."""
+    return {"type": "integer", "minimum": INT32_MIN if lo is None else lo, "maximum": INT32_MAX if hi is None else hi}
+
+
+TOKEN_ID = int_range(0, "$n_vocab_max")
+PIECES = {"type": "array", "items": {"anyOf": [TOKEN_ID, STRING]}}  # token ids and strings, mixed
+PROMPT_OBJECT = {"type": "object", "properties": {"prompt_string": STRING}, "required": ["prompt_string"]}
+STOP_STRINGS = {"type": "array", "items": {"type": "string", "maxLength": "$max_stop_chars"}, "maxItems": "$max_stop_strings"}
+TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": STRING}, "required": ["type", "text"]}
+TOOL_CALL = {
+    "type": "object",
+    "properties": {
+        "id": STRING,
+        "type": {"const": "function"},
+        "function": {"type": "object", "properties": {"name": STRING, "arguments": STRING}, "required": ["name"]},
+    },
+    "required": ["function"],
+}
+MESSAGE = {
+    "type": "object",
+    "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"anyOf": [STRING, {"type": "null"}, {"type": "array", "items": TEXT_PART}]},
+        "name": STRING,
+        "tool_calls": {"type": "array", "items": TOOL_CALL},
+        "tool_call_id": STRING,
+        "reasoning_content": STRING,
+    },
+    "required": ["role", "content"],
+}
+TOOL = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "properties": {"name": STRING, "description": STRING, "parameters": OBJECT},
+            "required": ["name"],
+        },
+    },
+    "required": ["type", "function"],
+}
+
+
+@dataclass(frozen=True)
+class RequestField:
+    field: str
+    schema: Mapping[str, Any] = field(default_factory=dict)
+    scope: str = "all"
+    status: str = "supported"
+    aliases: tuple[str, ...] = ()
+    origin: str = "llama-server"
+    note: str = ""
+    required: bool = False
+
+    @property
+    def top_level(self) -> str:
+        """The body key that holds this field (``stream_options`` for ``stream_options.include_usage``)."""
+        return self.field.split(".")[0].split("[")[0]
+
+
+def _f(name: str, schema: Mapping[str, Any], **kw: Any) -> RequestField:
+    return RequestField(name, schema, **kw)
+
+
+def _noop(name: str, schema: Mapping[str, Any], note: str, **kw: Any) -> RequestField:
+    return RequestField(name, schema, status="noop", note=note, **kw)
+
+
+_CHAT_INTERNAL = "llama.cpp-internal chat field; the chat route computes its own"
+_GRAMMAR_ONLY = "only meaningful with a grammar"
+
+REQUEST_FIELDS: tuple[RequestField, ...] = (
+    _f("prompt", {"anyOf": [STRING, PIECES, PROMPT_OBJECT,
+                            {"type": "array", "maxItems": "$max_prompts", "items": {"anyOf": [STRING, PIECES, PROMPT_OBJECT]}}]},
+       scope="completion", required=True,
+       note="string, token ids, mixed arrays, several prompts (at most --max-prompts); multimodal_data is rejected"),
+    _f("stream", BOOL),
+    _f("stream_options.include_usage", BOOL),
+    _f("cache_prompt", BOOL, note="false = a cold prefill that neither reads nor feeds the prompt cache; also read from extra_body"),
+    _f("n_predict", int_range(-1, INT32_MAX), aliases=("max_completion_tokens", "max_tokens"),
+       note="lowered to --n-predict-max when that is set"),
+    RequestField("n_keep", int_range(-1), status="partial",
+                 note="validated and echoed in generation_settings; no context shift happens here, so it has no effect on generation"),
+    RequestField("n_discard", int_range(0), status="partial",
+                 note="validated and echoed in generation_settings; no context shift happens here, so it has no effect on generation"),
+    _f("n_indent", int_range(0), note="a new line indented by fewer than n_indent spaces/tabs stops generation (stop_type 'limit') and is cut from the reply"),
+    _f("n_cmpl", int_range(1, "$n_parallel"), aliases=("n",), note="limited to --parallel"),
+    _noop("n_cache_reuse", int_range(0), "KV-shift chunk reuse is not implemented; the prompt cache reuses prefixes by itself"),
+    _f("t_max_predict_ms", int_range(-1), note="generation stops with stop_type 'limit' at the first newline sent after this many ms of generation (llama-server's rule)"),
+    _f("return_tokens", BOOL),
+    _f("return_progress", BOOL),
+    _f("timings_per_token", BOOL),
+    _f("post_sampling_probs", BOOL),
+    _f("n_probs", int_range(0, "$n_probs_max"), aliases=("logprobs",),
+       note="at most --n-probs-max (400 above it); logprobs is the /v1/completions spelling"),
+    _f("min_keep", int_range(0)),
+    _f("response_fields", {"anyOf": [STRING, {"type": "array", "items": STRING}]}),
+    _f("sse_ping_interval", int_range(-1)),
+    _f("temperature", NUMBER),
+    _f("dynatemp_range", NUMBER),
+    _f("dynatemp_exponent", NUMBER),
+    _f("top_k", INTEGER),
+    _f("top_p", NUMBER),
+    _f("min_p", NUMBER),
+    _f("top_n_sigma", NUMBER),
+    _f("typical_p", NUMBER),
+    _f("xtc_probability", NUMBER),
+    _f("xtc_threshold", NUMBER),
+    _f("repeat_last_n", int_range(0)),
+    _f("repeat_penalty", NUMBER),
+    _f("presence_penalty", NUMBER),
+    _f("frequency_penalty", NUMBER),
+    _f("dry_multiplier", NUMBER),
+    _f("dry_base", NUMBER),
+    _f("dry_allowed_length", int_range(0)),
+    _f("dry_penalty_last_n", int_range(-1)),
+    _f("dry_sequence_breakers", {**STOP_STRINGS, "minItems": 1}, note="at most --max-stop-strings, each at most --max-stop-chars"),
+    _f("seed", int_range(INT32_MIN, 2**32 - 1), note="-1 = random; the uint32 range"),
+    _f("samplers", {"anyOf": [
+        {"type": "array", "items": {"enum": sorted(SAMPLER_ALIASES)}, "maxItems": "$max_samplers"},
+        {"type": "string", "pattern": "^[" + "".join(SAMPLER_CHARS) + "]*$", "maxLength": "$max_samplers"},
+    ]}, note="at most --max-samplers entries"),
+    _f("logit_bias", {"anyOf": [
+        {"type": "object", "additionalProperties": {"anyOf": [NUMBER, BOOL]}, "maxProperties": "$max_logit_bias"},
+        {"type": "array", "maxItems": "$max_logit_bias",
+         "items": {"type": "array", "prefixItems": [{"anyOf": [INTEGER, STRING]}, {"anyOf": [NUMBER, BOOL]}], "minItems": 2, "maxItems": 2}},
+    ]}, note="at most --max-logit-bias entries"),
+    _f("ignore_eos", BOOL),
+    _f("stop", {"anyOf": [{"type": "string", "maxLength": "$max_stop_chars"}, STOP_STRINGS]},
+       note="at most --max-stop-strings, each at most --max-stop-chars"),
+    _f("mirostat", INTEGER, note="1 or 2 replaces the sampler chain with temperature then Mirostat (v1 m=100 or v2), as llama.cpp's common_sampler; seeded"),
+    _f("mirostat_tau", NUMBER),
+    _f("mirostat_eta", NUMBER),
+    _noop("adaptive_target", NUMBER, "adaptive-p sampling is not implemented"),
+    _noop("adaptive_decay", NUMBER, "adaptive-p sampling is not implemented"),
+    _noop("backend_sampling", BOOL, "sampling always runs in the engine"),
+    RequestField("json_schema", {"not": {}}, status="unsupported",
+                 note="constrained sampling is not implemented; rejected (501) rather than silently unconstrained"),
+    RequestField("grammar", {"const": ""}, status="unsupported",
+                 note="constrained sampling is not implemented; rejected (501) rather than silently unconstrained"),
+    _noop("grammar_lazy", BOOL, _GRAMMAR_ONLY),
+    _noop("grammar_triggers", {"type": "array"}, _GRAMMAR_ONLY),
+    _noop("preserved_tokens", {"type": "array"}, _GRAMMAR_ONLY),
+    RequestField("lora", {"type": "array", "maxItems": 0}, status="unsupported",
+                 note="no adapters can be loaded; an empty list is accepted, any adapter id is rejected (501)"),
+    _f("id_slot", INTEGER, note="pins the request to a slot, modulo the slot count"),
+    _f("verbose", BOOL, note="adds __verbose to OpenAI responses"),
+    _f("reasoning_format", {"enum": ["none", "auto", "deepseek", "deepseek-legacy"]}, note="per-request override of --reasoning-format"),
+    _noop("chat_format", INTEGER, _CHAT_INTERNAL),
+    _noop("chat_parser", STRING, _CHAT_INTERNAL),
+    _noop("generation_prompt", STRING, _CHAT_INTERNAL),
+    _noop("parse_tool_calls", BOOL, _CHAT_INTERNAL),
+    _noop("message_delimiters", OBJECT, "llama.cpp-internal chat field"),
+    _noop("reasoning_control", OBJECT, "mid-stream reasoning control is not implemented"),
+    _f("reasoning_budget_tokens", int_range(-1), aliases=("thinking_budget_tokens",),
+       note="alias thinking_budget_tokens; default --reasoning-budget; after N tokens inside a thinking block the end tag "
+            "(after reasoning_budget_message) is forced token by token; a prompt that opens the block starts the count"),
+    _f("reasoning_budget_start_tag", STRING, note="default <think>"),
+    _f("reasoning_budget_end_tag", STRING, aliases=("reasoning_budget_end_tags",), note="default </think>"),
+    _f("reasoning_budget_message", STRING, note="default --reasoning-budget-message; forced before the end tag"),
+    _noop("echo", BOOL, "ignored, as llama-server does", scope="completion"),
+    _noop("best_of", INTEGER, "ignored, as llama-server does", scope="completion"),
+    _noop("suffix", STRING, "ignored, as llama-server does", scope="completion"),
+    _noop("model", STRING, "ignored in single-model mode, as llama-server does; responses carry the server's model name"),
+    _f("messages", {"type": "array", "items": MESSAGE}, scope="chat", required=True, note="string, null or text-part content"),
+    RequestField("messages[].content[].image_url", scope="chat", status="unsupported", note="multimodal input is not supported"),
+    RequestField("messages[].content[].input_audio", scope="chat", status="unsupported", note="multimodal input is not supported"),
+    RequestField("messages[].content[].input_video", scope="chat", status="unsupported", note="multimodal input is not supported"),
+    _f("tools", {"type": "array", "items": TOOL}, scope="chat", note="needs --jinja"),
+    _f("tool_choice", {"anyOf": [{"enum": ["auto", "none", "required"]},
+                                 {"type": "object", "properties": {"type": {"const": "function"},
+                                                                   "function": {"type": "object", "properties": {"name": STRING}, "required": ["name"]}},
+                                  "required": ["type", "function"]}]},
+       scope="chat", note="auto, none, required"),
+    _f("parallel_tool_calls", BOOL, scope="chat"),
+    _f("chat_template_kwargs", OBJECT, scope="chat", note="merged over --chat-template-kwargs"),
+    _f("reasoning_effort", STRING, scope="chat", note="'none' turns thinking off; other values are ignored, as llama-server does"),
+    _f("add_generation_prompt", BOOL, scope="chat"),
+    _f("continue_final_message", BOOL, scope="chat"),
+    RequestField("response_format", {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]},
+                 scope="chat", status="partial",
+                 note="type text is accepted; json_object and json_schema need constrained sampling and are rejected (501)"),
+    _f("logprobs", BOOL, scope="chat", note="boolean; turns on top_logprobs (default 20)"),
+    _f("top_logprobs", int_range(0, 20), scope="chat", note="at most 20 (OpenAI's limit); needs logprobs: true"),
+    _f("user", STRING, note="prompt-cache session key when prompt_cache_key is absent"),
+    _f("prompt_cache_key", STRING, origin="mlxcel", note="prompt-cache session key; also read from extra_body"),
+    _f("cache_salt", STRING, origin="mlxcel",
+       note="vLLM's field: a prompt-cache namespace under --prompt-cache-isolation salt or api-key; also read from extra_body"),
+    _f("extra_body", {"type": "object", "properties": {"cache_prompt": BOOL, "prompt_cache_key": STRING, "cache_salt": STRING}},
+       origin="mlxcel", note="cache_prompt, prompt_cache_key and cache_salt are read from it too"),
+    _f("content", {"anyOf": [STRING, PIECES]}, scope="tokenize", note="text, or text and token ids mixed"),
+    _f("add_special", BOOL, scope="tokenize"),
+    _noop("parse_special", BOOL, "special tokens in the text are always parsed", scope="tokenize"),
+    _f("with_pieces", BOOL, scope="tokenize"),
+    _f("tokens", {"type": "array", "items": TOKEN_ID}, scope="detokenize"),
+    _f("instances", {"type": "array", "maxItems": 128,
+                     "items": {"type": "object", "properties": {"@requestFormat": STRING}, "required": ["@requestFormat"]}},
+       scope="vertex", required=True,
+       note="each instance is a route's body plus @requestFormat (its path, or chatCompletions-style name); at most 128"),
+)
+
+fields_by_name: dict[str, RequestField] = {f.field: f for f in REQUEST_FIELDS}
+
+
+def bounds(settings: Any, n_parallel: int, n_vocab: int) -> dict[str, int]:
+    """The values of the ``"$name"`` placeholders for one server."""
+    return {
+        "n_vocab_max": n_vocab - 1,
+        "n_parallel": n_parallel,
+        "n_probs_max": settings.n_probs_max,
+        "max_prompts": settings.max_prompts,
+        "max_stop_strings": settings.max_stop_strings,
+        "max_stop_chars": settings.max_stop_chars,
+        "max_logit_bias": settings.max_logit_bias,
+        "max_samplers": settings.max_samplers,
+    }
+
+
+def resolve(schema: Any, values: Mapping[str, int]) -> Any:
+    """``schema`` with every ``"$name"`` string replaced by its bound."""
+    if isinstance(schema, str) and schema.startswith("$"):
+        return values[schema[1:]]
+    if isinstance(schema, dict):
+        return {k: resolve(v, values) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [resolve(v, values) for v in schema]
+    return schema
+
+
+def manifest_entries() -> list[dict[str, Any]]:
+    """The manifest's ``request_fields`` section."""
+    return [
+        {"field": f.field, "aliases": list(f.aliases), "scope": f.scope, "status": f.status, "origin": f.origin, "note": f.note}
+        for f in REQUEST_FIELDS
+    ]
+
+
+def _check_table() -> None:
+    names = [f.field for f in REQUEST_FIELDS]
+    assert len(names) == len(set(names)), "duplicate request field"
+    for f in REQUEST_FIELDS:
+        assert f.scope in SCOPES and f.status in ("supported", "partial", "noop", "unsupported"), f.field
+        assert f.status == "supported" or f.note, f"{f.field}: a field that is not fully supported needs a note"
+
+
+_check_table()

@@ -1,0 +1,91 @@
+"""Schemathesis against the live server, from its own /openapi.json: every route, 200+ examples each.
+
+Standard checks on every response: no server error (a 5xx, or a 5xx error event inside an SSE
+stream), the status code is one the document lists, the content type and the body match the
+documented response. Afterwards /health answers 200 and every slot is idle.
+
+CI-sized: the tiny model, a 256-token context, at most 4 new tokens and 4 prompts per request
+(server flags), so a request costs milliseconds. ``MLXCEL_SCHEMATHESIS_EXAMPLES`` raises the count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from mlxcel_compat.server.app import routes
+from mlxcel_compat.server.openapi import served_routes
+from tests.e2e_helpers import wait_idle
+
+pytestmark = pytest.mark.e2e
+
+EXAMPLES = int(os.environ.get("MLXCEL_SCHEMATHESIS_EXAMPLES", "200"))
+
+
+@pytest.fixture(scope="module")
+def fuzzed_server(server_factory, llama_dir) -> str:
+    server = server_factory(
+        ["-m", str(llama_dir), "-np", "4", "-c", "256", "-b", "64", "--metrics", "--props",
+         "--n-predict-max", "4", "--max-prompts", "4", "--alias", "fuzz"]
+    )
+    return server.base_url
+
+
+@pytest.fixture(scope="module")
+def api_schema(fuzzed_server):
+    schema = schemathesis.openapi.from_url(fuzzed_server + "/openapi.json")
+    schema.config.generation.update(modes=["positive"], max_examples=EXAMPLES)
+    return schema
+
+
+def no_server_error_in_stream(response) -> None:
+    """A stream answers 200 before it runs: an engine failure shows as an error event in it."""
+    if not response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
+        return
+    for line in response.text.splitlines():
+        if line.startswith("data: {"):
+            event = json.loads(line[len("data: ") :])
+            error = event.get("error") if isinstance(event, dict) else None
+            assert not (isinstance(error, dict) and error.get("code", 0) >= 500), f"server error in stream: {error}"
+
+
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance, response_schema_conformance]
+
+
+@pytest.mark.parametrize(("method", "path"), served_routes(routes()), ids=lambda value: value)
+def test_every_route_against_its_documentation(api_schema, fuzzed_server, method: str, path: str) -> None:
+    operation = api_schema[path][method]
+
+    calls = []
+
+    @given(case=operation.as_strategy())
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    def run(case) -> None:
+        response = case.call_and_validate(base_url=fuzzed_server, checks=CHECKS, timeout=60)
+        no_server_error_in_stream(response)
+        calls.append(response.status_code)
+
+    run()
+    documented = api_schema.raw_schema["paths"][path][method.lower()]
+    has_inputs = "requestBody" in documented or "parameters" in documented
+    # A route without inputs has one distinct request; every other one got its examples.
+    assert len(calls) >= (EXAMPLES if has_inputs else 1), (len(calls), sorted(set(calls)))
+
+
+def test_server_is_healthy_and_idle_after_fuzzing(fuzzed_server: str) -> None:
+    with httpx.Client(base_url=fuzzed_server, timeout=30) as client:
+        assert client.get("/health").status_code == 200
+        wait_idle(client, timeout=30)
+        assert client.post("/completion", json={"prompt": "still fine", "n_predict": 2}).status_code == 200
