@@ -5,7 +5,9 @@ stream), the status code is one the document lists, the content type and the bod
 documented response. Afterwards /health answers 200 and every slot is idle.
 
 CI-sized: the tiny model, a 256-token context, at most 4 new tokens and 4 prompts per request
-(server flags), so a request costs milliseconds. ``MLXCEL_SCHEMATHESIS_EXAMPLES`` raises the count.
+(server flags), so a request costs milliseconds; generating the bodies is what takes the time, so
+routes with the same body (aliases, /apply-template's subset of the chat body) share the cases
+generated for one of them. ``MLXCEL_SCHEMATHESIS_EXAMPLES`` changes the count (default 200).
 """
 
 from __future__ import annotations
@@ -63,25 +65,41 @@ def no_server_error_in_stream(response) -> None:
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance, response_schema_conformance]
 
+# Routes whose documented body is the same as another route's (or a subset of it: unknown fields
+# are ignored) get that route's generated cases too, so generation runs once per body schema:
+# each of them still receives every example, validated against its own documentation.
+SHARERS = {
+    ("POST", "/completion"): [("POST", "/completions"), ("POST", "/v1/completions")],
+    ("POST", "/v1/chat/completions"): [("POST", "/chat/completions"), ("POST", "/apply-template")],
+    ("GET", "/health"): [("GET", "/v1/health")],
+    ("GET", "/models"): [("GET", "/v1/models")],
+}
+SHARED = {route for routes_ in SHARERS.values() for route in routes_}
+SOURCES = [route for route in served_routes(routes()) if route not in SHARED]
 
-@pytest.mark.parametrize(("method", "path"), served_routes(routes()), ids=lambda value: value)
+
+@pytest.mark.parametrize(("method", "path"), SOURCES, ids=lambda value: value)
 def test_every_route_against_its_documentation(api_schema, fuzzed_server, method: str, path: str) -> None:
-    operation = api_schema[path][method]
+    targets = [(method, path), *SHARERS.get((method, path), [])]
+    operations = {route: api_schema[route[1]][route[0]] for route in targets}
+    calls: dict[tuple[str, str], list[int]] = {route: [] for route in targets}
 
-    calls = []
-
-    @given(case=operation.as_strategy())
+    @given(case=operations[(method, path)].as_strategy())
     @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     def run(case) -> None:
-        response = case.call_and_validate(base_url=fuzzed_server, checks=CHECKS, timeout=60)
-        no_server_error_in_stream(response)
-        calls.append(response.status_code)
+        for route, operation in operations.items():
+            sent = case if route == (method, path) else operation.Case(body=case.body, query=case.query, media_type=case.media_type)
+            response = sent.call_and_validate(base_url=fuzzed_server, checks=CHECKS, timeout=60)
+            no_server_error_in_stream(response)
+            calls[route].append(response.status_code)
 
     run()
-    documented = api_schema.raw_schema["paths"][path][method.lower()]
-    has_inputs = "requestBody" in documented or "parameters" in documented
-    # A route without inputs has one distinct request; every other one got its examples.
-    assert len(calls) >= (EXAMPLES if has_inputs else 1), (len(calls), sorted(set(calls)))
+    for route in targets:
+        documented = api_schema.raw_schema["paths"][route[1]][route[0].lower()]
+        has_inputs = "requestBody" in documented or "parameters" in documented
+        # A route without inputs has one distinct request; every other one got all its examples.
+        assert len(calls[route]) >= (EXAMPLES if has_inputs else 1), (route, len(calls[route]), sorted(set(calls[route])))
+    assert {route for route in served_routes(routes())} == set(SOURCES) | SHARED  # every route is fuzzed
 
 
 def test_server_is_healthy_and_idle_after_fuzzing(fuzzed_server: str) -> None:
