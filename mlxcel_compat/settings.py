@@ -393,10 +393,12 @@ _SERVER: tuple[Setting, ...] = (
 MIB = 1 << 20
 
 _LIMITS: tuple[Setting, ...] = (
-    Setting("max_body_bytes", ("--max-body-bytes",), type="int", default=8 * MIB, minimum=1024, group="limits",
-            upstream=False, metavar="BYTES",
+    Setting("max_body_bytes", ("--max-body-bytes",), type="int", minimum=1024, group="limits",
+            upstream=False, metavar="BYTES", default_doc="max(1 MiB, 64 bytes x context size)",
             help="Largest request body. A larger one gets 413 as soon as its Content-Length, or the part read so "
-                 "far, says so; it is never read in full."),
+                 "far, says so; it is never read in full. The default holds any prompt that fits the context, "
+                 "as text or token ids, with room to spare; parsing a body holds the event loop for about 20 ms "
+                 "per MiB of token ids, which is why it is not larger."),
     Setting("n_probs_max", ("--n-probs-max",), type="int", default=100, minimum=0, group="limits", upstream=False,
             metavar="N",
             help="Largest n_probs (the /v1/completions logprobs) a request may ask for; above it, 400. "

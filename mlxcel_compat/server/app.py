@@ -116,22 +116,23 @@ class LimitsMiddleware:
     for ``--timeout`` seconds) loses its connection, which cancels its generation.
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, write_timeout: float) -> None:
+    def __init__(self, app: ASGIApp, ctx: ServerContext, write_timeout: float) -> None:
         self.app = app
-        self.max_body_bytes = max_body_bytes
+        self.ctx = ctx
         self.write_timeout = write_timeout if write_timeout > 0 else None
 
-    def too_large(self, size: int, exact: bool) -> PayloadTooLarge:
-        size_text = f"{size} bytes" if exact else f"more than {self.max_body_bytes} bytes"
-        return PayloadTooLarge(f"request body too large: {size_text}; the limit is {self.max_body_bytes} bytes (--max-body-bytes)")
+    def too_large(self, size: int, limit: int, exact: bool) -> PayloadTooLarge:
+        size_text = f"{size} bytes" if exact else f"more than {limit} bytes"
+        return PayloadTooLarge(f"request body too large: {size_text}; the limit is {limit} bytes (--max-body-bytes)")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.ctx.max_body_bytes
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await self._refuse(self.too_large(int(declared), exact=True), scope, receive, send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._refuse(self.too_large(int(declared), limit, exact=True), scope, receive, send)
             return
         received = 0
         started = False
@@ -141,8 +142,8 @@ class LimitsMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise self.too_large(received, exact=False)
+                if received > limit:
+                    raise self.too_large(received, limit, exact=False)
             return message
 
         async def timed_send(message: Any) -> None:
@@ -290,7 +291,7 @@ def build_app(ctx: ServerContext) -> Starlette:
             Middleware(CorsMiddleware, policy=CorsPolicy.from_settings(settings)),
             Middleware(GateMiddleware, ctx=ctx, prefix=prefix),
             Middleware(ErrorMiddleware),
-            Middleware(LimitsMiddleware, max_body_bytes=settings.max_body_bytes, write_timeout=settings.timeout),
+            Middleware(LimitsMiddleware, ctx=ctx, write_timeout=settings.timeout),
         ],
         exception_handlers={404: not_found, 405: not_found},
         lifespan=lifespan,
@@ -323,7 +324,7 @@ async def _wait_for_model(ctx: ServerContext) -> None:
         log.info("model '%s' ready: serving on %d slots, n_ctx %d", ctx.model.model_id, len(ctx.engine.slots), ctx.model.n_ctx)
         log.info(
             "request limits: body %d bytes, prompts of more than %s characters refused before tokenizing, %d worker threads; prompt-cache isolation: %s",
-            ctx.settings.max_body_bytes,
+            ctx.max_body_bytes,
             model.n_ctx * model.chars_per_token if model.chars_per_token else "(no proven bound)",
             ctx.workers.threads,
             ctx.cache_isolation,

@@ -18,6 +18,9 @@ from mlxcel_compat.server.prompts import PromptBound
 from mlxcel_compat.server.workers import WorkerPool, pool_size
 
 
+BODY_BYTES_PER_TOKEN = 64  # the default body cap per context token (see max_body_bytes)
+
+
 @dataclass
 class ModelInfo:
     """Model facts the HTTP side needs; plain Python, safe to read from any thread."""
@@ -61,6 +64,14 @@ class ServerContext:
     @property
     def ready(self) -> bool:
         return self.model is not None and self.engine.state == "ready"
+
+    @property
+    def max_body_bytes(self) -> int:
+        """``--max-body-bytes``, by default ``max(1 MiB, 64 bytes x context size)``: room for any
+        prompt that fits the context (text or token ids, JSON-escaped), and no more."""
+        if self.settings.max_body_bytes is not None:
+            return self.settings.max_body_bytes
+        return max(1 << 20, BODY_BYTES_PER_TOKEN * self.engine.n_ctx)
 
     @property
     def prompt_bound(self) -> PromptBound:
