@@ -306,11 +306,15 @@ class PrefixCache:
         return out
 
     def reset(self) -> dict[str, Any]:
-        """Clear both stores (and APC chains); idempotent."""
+        """Clear both stores (and APC chains); idempotent. The freed buffers go back to the system
+        (MLX would otherwise keep them in its buffer cache for reuse, and RSS would not drop)."""
+        import mlx.core as mx
+
         entries, nbytes = self.store.reset()
         if self.snapshots is not None:
             more, more_bytes = self.snapshots.store.reset()
             entries, nbytes = entries + more, nbytes + more_bytes
+        mx.clear_cache()
         self._refresh()
         return {"success": True, "cleared_entries": entries, "cleared_bytes": nbytes}
 
