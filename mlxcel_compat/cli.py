@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 from typing import Sequence
@@ -85,9 +86,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     app = build_server(settings, str(model_path), api_keys, model_name=model_arg)
     code = asyncio.run(serve(app, settings))
-    if app.state.ctx.engine.state == "failed":
-        print(f"error: model failed to load: {app.state.ctx.engine.load_error}", file=sys.stderr)
+    engine = app.state.ctx.engine
+    if engine.state == "failed":
+        print(f"error: model failed to load: {engine.load_error}", file=sys.stderr)
         return 1
+    engine.stop()
+    if engine.running:
+        # Exiting the interpreter while the engine thread is inside MLX aborts the process (a C++
+        # thread destroyed while running); leave at once instead, with the code we mean.
+        log.warning("the engine thread did not stop in time; exiting without cleanup")
+        logging.shutdown()
+        os._exit(code)
     return code
 
 

@@ -93,7 +93,7 @@ def assert_answer_or_named_4xx(ctx: ServerContext, route: str, field_name: str, 
         entry = next(f for f in REQUEST_FIELDS if f.field == field_name)
         allowed = {400} | ({501} if entry.status in ("unsupported", "partial") else set())
         assert exc.status_code in allowed, (field_name, exc.status_code, exc.message)
-        assert any(name in exc.message for name in names_of(field_name)), (field_name, exc.message)
+        assert any(name.lower() in exc.message.lower() for name in names_of(field_name)), (field_name, exc.message)
         return
     check_sampler(ctx, requests)
 
@@ -151,7 +151,7 @@ SAMPLER_NUMBERS = st.floats(-1e6, 1e6, allow_nan=False) | st.integers(-(2**31), 
     ),
     samplers=st.none() | st.lists(st.sampled_from(["dry", "top_k", "top_p", "top_n_sigma", "typ_p", "min_p", "temperature", "xtc", "penalties", "infill"]), max_size=8),
 )
-@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 def test_sampler_parameters_in_combination(ctx, values: dict[str, Any], samplers: list[str] | None) -> None:
     """All sampler numbers at once, in any chain order: a 400 naming one of them, or a chain that
     samples a valid token."""

@@ -141,9 +141,15 @@ class Engine:
         return self.state == "ready"
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Ask the engine thread to stop after its current step and wait up to ``timeout`` s."""
         self._stop.set()
         self._commands.put(None)
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         self._commands.put(_Submit(request, sink))
