@@ -125,18 +125,25 @@ def tokenize_one(tokenizer: Any, prompt: Any, vocab_size: int, bound: PromptBoun
             bound.check(len(prompt))
         return tokenize_text(tokenizer, prompt, True)
     if isinstance(prompt, list):
-        if not all(_is_token(piece) or isinstance(piece, str) for piece in prompt):
+        # Checked with C-speed built-ins: a token-id array may hold hundreds of thousands of ids.
+        kinds = set(map(type, prompt))
+        if not kinds <= {int, str}:  # bool is not a token id
             raise InvalidRequest("\"prompt\" must be a string, an array of token ids or a mixed array of strings and token ids")
-        if bound is not None:
+        if str not in kinds:
+            tokens = list(prompt)
+            if bound is not None:
+                bound.check(0, len(tokens))
+        else:
             texts = [piece for piece in prompt if isinstance(piece, str)]
-            bound.check(sum(map(len, texts)), len(prompt) - len(texts))
-        tokens: list[int] = []
-        for i, piece in enumerate(prompt):
-            if _is_token(piece):
-                tokens.append(piece)
-            else:
-                tokens.extend(tokenize_text(tokenizer, piece, i == 0))
-        if any(t < 0 or t >= vocab_size for t in tokens):
+            if bound is not None:
+                bound.check(sum(map(len, texts)), len(prompt) - len(texts))
+            tokens = []
+            for i, piece in enumerate(prompt):
+                if isinstance(piece, str):
+                    tokens.extend(tokenize_text(tokenizer, piece, i == 0))
+                else:
+                    tokens.append(piece)
+        if tokens and (min(tokens) < 0 or max(tokens) >= vocab_size):
             raise InvalidRequest("Prompt contains invalid tokens")
         return tokens
     raise InvalidRequest("\"prompt\" must be a string, an array of token ids or a mixed array of strings and token ids")
@@ -148,8 +155,9 @@ def tokenize_prompts(
     """Return the token lists and whether the request held several prompts (``--max-prompts`` at most)."""
     if prompt is None:
         raise InvalidRequest("\"prompt\" is required")
-    if isinstance(prompt, list) and prompt and not any(_is_token(p) for p in prompt):
-        if all(isinstance(p, str) for p in prompt) or any(isinstance(p, (list, dict)) for p in prompt):
+    kinds = set(map(type, prompt)) if isinstance(prompt, list) else set()
+    if kinds and int not in kinds:
+        if kinds == {str} or kinds & {list, dict}:
             if max_prompts is not None and len(prompt) > max_prompts:
                 raise InvalidRequest(f"Field 'prompt': at most {max_prompts} prompts are allowed in one request (--max-prompts), but got {len(prompt)}")
             return [tokenize_one(tokenizer, p, vocab_size, bound) for p in prompt], len(prompt) > 1
