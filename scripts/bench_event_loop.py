@@ -20,7 +20,7 @@ measured in this run). The goal (issue 11) is p99 <= 50 ms in the ``load`` phase
 Usage::
 
     .venv/bin/python scripts/bench_event_loop.py                       # tiny model, 20 s per phase
-    .venv/bin/python scripts/bench_event_loop.py --model llama:small --seconds 60 --json /tmp/loop.json
+    .venv/bin/python scripts/bench_event_loop.py --ctx 262144 --seconds 30   # 32k-token slots: 2 MiB bodies
 """
 
 from __future__ import annotations
@@ -110,11 +110,12 @@ def main() -> None:
     parser.add_argument("--model", default="llama:tiny", help="a model directory or family[:size] (generated)")
     parser.add_argument("--seconds", type=float, default=20.0, help="duration of each phase")
     parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--ctx", type=int, default=0, help="-c for the server (0: the model's; each of the 8 slots gets 1/8)")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
 
     model = benchlib.resolve_model(args.model, "tiny")
-    server = benchlib.ServerProcess.mlxcel(model, ["-np", str(args.streams), "--metrics"], name="event-loop")
+    server = benchlib.ServerProcess.mlxcel(model, ["-np", str(args.streams), "-c", str(args.ctx), "--metrics"], name="event-loop")
     server.start()
     try:
         server.wait_healthy(300)
