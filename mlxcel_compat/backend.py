@@ -149,3 +149,17 @@ def log_blas(info: BlasInfo) -> None:
         "Install an optimized BLAS (Debian: apt-get install libopenblas0-pthread) "
         "or point MLXCEL_BLAS_PATH at one."
     )
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc ``malloc_trim``; no-op elsewhere).
+
+    After the prompt cache is reset, the memory its entries and their Python bookkeeping used is
+    free but stays in the process's heap arenas; trimming makes RSS show what is really in use.
+    """
+    if platform.system() != "Linux":
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

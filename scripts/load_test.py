@@ -90,6 +90,19 @@ def make_prompt(rng: random.Random, shared: bool) -> str:
     return (rng.choice(PREFIXES) if shared else f"[{rng.random():.12f}] ") + tail
 
 
+async def sse_lines(response: httpx.Response):
+    """Lines split on LF only, as SSE defines them (httpx's aiter_lines also splits on U+2028,
+    U+0085 and the like, which generated text may hold inside a JSON string)."""
+    buffer = ""
+    async for text in response.aiter_text():
+        buffer += text
+        *lines, buffer = buffer.split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if buffer:
+        yield buffer
+
+
 async def one_stream(client: httpx.AsyncClient, rng: random.Random, disconnect: float, n_predict: int) -> Outcome:
     chat = rng.random() < 0.5
     prompt = make_prompt(rng, shared=rng.random() < 0.5)
@@ -107,7 +120,7 @@ async def one_stream(client: httpx.AsyncClient, rng: random.Random, disconnect: 
             if response.status_code != 200:
                 outcome.error = f"HTTP {response.status_code}"
                 return outcome
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if not line.startswith("data: "):
                     continue
                 data = line[len("data: ") :]
@@ -169,9 +182,12 @@ def sampler(base_url: str, pid: int, every: float, stop: Any, out: Any) -> None:
     with httpx.Client(base_url=base_url, timeout=30) as client:
         while not stop.is_set():
             t = time.perf_counter()
-            client.get("/health")
-            health.append((time.perf_counter() - t) * 1000.0)
-            stats = client.get("/v1/cache/stats").json()
+            try:
+                client.get("/health")
+                health.append((time.perf_counter() - t) * 1000.0)
+                stats = client.get("/v1/cache/stats").json()
+            except httpx.HTTPError:
+                break  # the server is gone: the main process reports why
             samples += 1
             cached.append(stats["bytes"])
             if stats["bytes"] > stats["capacity_bytes"] or stats["snapshot_bytes"] > stats["snapshot_capacity_bytes"]:
@@ -245,6 +261,7 @@ def main() -> None:
     health = watch["health_ms"]
     results.update(
         rss={"baseline": baseline, "peak": max(watch["rss"]), "before_reset": before_reset, "after_reset": after_reset,
+             "series_mib": [round(v / (1 << 20)) for v in watch["rss"][:: max(1, len(watch["rss"]) // 40)]],
              "after_reset_vs_baseline": after_reset / baseline},
         cache={"samples": watch["samples"], "over_capacity": watch["over_capacity"], "reset": reset, "peak_bytes": watch["peak_cache_bytes"],
                "capacity_bytes": stats["capacity_bytes"], "evictions": stats["evictions"], "hits": stats["hits"], "lookups": stats["lookups"]},
@@ -264,6 +281,7 @@ def main() -> None:
     r = results["rss"]
     print(f"   RSS: baseline {r['baseline'] / mib:.0f} MiB, peak {r['peak'] / mib:.0f} MiB, before reset {r['before_reset'] / mib:.0f} MiB, "
           f"after reset {r['after_reset'] / mib:.0f} MiB ({r['after_reset_vs_baseline']:.2f}x baseline)")
+    print(f"   RSS over the run (MiB): {' '.join(map(str, r['series_mib']))}")
     h = results["health"]
     print(f"health: {h['n']} samples, p50 {h['p50_ms']:.1f} ms, p99 {h['p99_ms']:.1f} ms, max {h['max_ms']:.1f} ms")
     goals = {

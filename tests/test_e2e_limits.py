@@ -114,3 +114,67 @@ def test_health_answers_while_a_large_prompt_is_tokenized(long_context: str, pat
     error = assert_error(response, 400, "exceed_context_size_error")
     assert error["n_prompt_tokens"] > error["n_ctx"] and "at least" not in error["message"]  # counted, not bounded
     assert answered >= 1, "/health did not answer while the prompt was being tokenized"
+
+
+# ---------------------------------------------------------------------- every other cap
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "field", "flag"),
+    [
+        ("/completion", {"stop": [f"s{i}" for i in range(33)]}, "stop", "--max-stop-strings"),
+        ("/completion", {"stop": "x" * 1025}, "stop", "--max-stop-chars"),
+        ("/completion", {"dry_sequence_breakers": ["a"] * 33}, "dry_sequence_breakers", "--max-stop-strings"),
+        ("/completion", {"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "--max-logit-bias"),
+        ("/completion", {"logit_bias": [[i, 1] for i in range(1025)]}, "logit_bias", "--max-logit-bias"),
+        ("/completion", {"samplers": ["top_k"] * 33}, "samplers", "--max-samplers"),
+        ("/completion", {"samplers": "k" * 33}, "samplers", "--max-samplers"),
+        ("/completion", {"prompt": ["a"] * 65}, "prompt", "--max-prompts"),
+        ("/v1/completions", {"logprobs": 101}, "logprobs", "--n-probs-max"),
+        ("/completion", {"min_keep": 2**40}, "min_keep", "2147483647"),
+        ("/completion", {"n_cmpl": 3}, "n_cmpl", "2"),  # more than the slots
+    ],
+)
+def test_each_cap_is_a_400_naming_the_field(http: httpx.Client, path: str, extra: dict[str, Any], field: str, flag: str) -> None:
+    body = {"prompt": "Hi", "n_predict": 1, **extra}
+    error = assert_error(http.post(path, json=body), 400, "invalid_request_error", f"'{field}'")
+    assert flag in error["message"]
+
+
+def test_top_logprobs_is_capped_at_openais_20(http: httpx.Client) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "logprobs": True}
+    assert_error(http.post("/v1/chat/completions", json={**body, "top_logprobs": 21}), 400, "invalid_request_error", "top_logprobs")
+    ok = http.post("/v1/chat/completions", json={**body, "top_logprobs": 20})
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
+
+
+def test_n_predict_max_lowers_requests(server_factory, llama_dir) -> None:
+    url = server_factory(["-m", str(llama_dir), "-np", "1", "-c", "512", "--n-predict-max", "3", "--n-probs-max", "5"]).base_url
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for n_predict in (100, -1):
+            body = client.post("/completion", json={"prompt": "Hi", "n_predict": n_predict, "ignore_eos": True}).json()
+            assert body["tokens_predicted"] == 3
+        assert client.post("/completion", json={"prompt": "Hi", "n_predict": 2, "ignore_eos": True}).json()["tokens_predicted"] == 2
+        assert_error(client.post("/completion", json={"prompt": "Hi", "n_probs": 6}), 400, "invalid_request_error", "n_probs")
+
+
+def test_a_prompt_proven_too_long_is_refused_before_tokenizing(http: httpx.Client) -> None:
+    """2048-token slots: a 1 MB prompt is at least 60k tokens by its length alone."""
+    response = http.post("/completion", json={"prompt": "word " * 200_000, "n_predict": 1})
+    error = assert_error(response, 400, "exceed_context_size_error")
+    assert "at least" in error["message"] and error["n_prompt_tokens"] >= error["n_ctx"]
+
+
+def test_body_without_length_is_cut_at_the_cap(http: httpx.Client) -> None:
+    """A chunked body (no Content-Length) is counted as it arrives and refused once over the cap."""
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(64):
+            yield b"a" * MIB
+        yield b'"}'
+
+    response = http.post("/completion", content=chunks(), headers={"content-type": "application/json"})
+    assert_error(response, 413, "invalid_request_error", "--max-body-bytes")
+    assert response.headers.get("connection") == "close"
+    assert_serving(http)

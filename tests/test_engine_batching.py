@@ -159,13 +159,20 @@ def plain_attention(h: EngineHarness) -> bool:
 def run_logged(h: EngineHarness, requests: list, sinks: list) -> tuple["ForwardLog", list[list]]:
     """Submit ``requests`` in one engine iteration with every forward pass logged; return the log
     and each request's events."""
+    log = ForwardLog(h.engine.loaded.model)
+    return log, run_with_model(h, log, requests, sinks)
+
+
+def run_with_model(h: EngineHarness, wrapper, requests: list, sinks: list) -> list[list]:
+    """Install ``wrapper`` (around the real model) and submit ``requests`` in one engine
+    iteration, so all are admitted together; return each request's events up to its end."""
     engine = h.engine
     while h.on_engine(lambda: engine.n_processing):
         pass
-    log = ForwardLog(engine.loaded.model)
+    real = engine.loaded.model
 
-    def install_and_submit() -> None:  # on the engine thread: all are admitted together
-        engine.loaded.model = engine.batch.model = log
+    def install_and_submit() -> None:  # on the engine thread
+        engine.loaded.model = engine.batch.model = wrapper
         for request, sink in zip(requests, sinks):
             engine.submit(request, sink.put)
 
@@ -173,13 +180,13 @@ def run_logged(h: EngineHarness, requests: list, sinks: list) -> tuple["ForwardL
     try:
         events = []
         for sink in sinks:
-            seen = []
-            while not seen or not isinstance(seen[-1], FinishEvent):
-                seen.append(sink.get(timeout=60))
+            seen = [sink.get(timeout=120)]
+            while not isinstance(seen[-1], (FinishEvent, ErrorEvent)):
+                seen.append(sink.get(timeout=120))
             events.append(seen)
     finally:
-        h.on_engine(lambda: setattr(engine.loaded, "model", log.model) or setattr(engine.batch, "model", log.model))
-    return log, events
+        h.on_engine(lambda: setattr(engine.loaded, "model", real) or setattr(engine.batch, "model", real))
+    return events
 
 
 class ForwardLog:

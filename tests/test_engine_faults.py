@@ -10,7 +10,6 @@ failed sequence donates nothing to the prompt cache, and the engine keeps servin
 from __future__ import annotations
 
 import queue
-import random
 from typing import Any
 
 import pytest
@@ -18,17 +17,12 @@ import pytest
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, TokenEvent
 from tests.conftest import tiny_model
 from tests.engine_harness import EngineHarness, Run, collect
-from tests.test_engine_batching import agree_where_decided
+from tests.test_engine_batching import agree_where_decided, random_tokens, run_with_model
 
 POISON = 8100  # random_tokens() draws below 8000, so only the poisoned prompt holds this id
 N_TOKENS = 6
 
 pytestmark = pytest.mark.engine
-
-
-def random_tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(8000) for _ in range(n)]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_next", "gemma3_text"])
@@ -54,31 +48,6 @@ class Faulty:
 
     def __getattr__(self, name):
         return getattr(self.model, name)
-
-
-def run_with_model(h: EngineHarness, wrapper: Faulty, requests: list, sinks: list) -> list[list]:
-    """Install ``wrapper`` and submit ``requests`` in one engine iteration; return their events."""
-    engine = h.engine
-    while h.on_engine(lambda: engine.n_processing):
-        pass
-    real = engine.loaded.model
-
-    def install_and_submit() -> None:
-        engine.loaded.model = engine.batch.model = wrapper
-        for request, sink in zip(requests, sinks):
-            engine.submit(request, sink.put)
-
-    h.on_engine(install_and_submit)
-    try:
-        events = []
-        for sink in sinks:
-            seen = [sink.get(timeout=120)]
-            while not isinstance(seen[-1], (FinishEvent, ErrorEvent)):
-                seen.append(sink.get(timeout=120))
-            events.append(seen)
-    finally:
-        h.on_engine(lambda: setattr(engine.loaded, "model", real) or setattr(engine.batch, "model", real))
-    return events
 
 
 def tokens_of(events: list) -> list[int]:

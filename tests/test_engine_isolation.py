@@ -8,20 +8,15 @@ and by output equal to a cold run.
 from __future__ import annotations
 
 import queue
-import random
 
 import pytest
 
 from tests.cache.test_store import CollidingHash
 from tests.conftest import tiny_model
 from tests.engine_harness import EngineHarness, Run, collect
+from tests.test_engine_batching import random_tokens
 
 pytestmark = pytest.mark.engine
-
-
-def random_tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(8000) for _ in range(n)]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_next", "gemma3_text"])

@@ -14,6 +14,7 @@ cannot be cut at every length. ``MLXCEL_APC_TRACE=1`` logs one ``trace_line`` pe
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxcel_compat.backend import release_free_memory
 from mlxcel_compat.cache import kv
 from mlxcel_compat.cache.block_hash import ApcConfig
 from mlxcel_compat.cache.families import recurrent_family
@@ -306,8 +308,9 @@ class PrefixCache:
         return out
 
     def reset(self) -> dict[str, Any]:
-        """Clear both stores (and APC chains); idempotent. The freed buffers go back to the system
-        (MLX would otherwise keep them in its buffer cache for reuse, and RSS would not drop)."""
+        """Clear both stores (and APC chains); idempotent. The freed memory goes back to the system
+        (MLX would otherwise keep the buffers in its cache for reuse, and the C heap its free pages,
+        and RSS would not drop)."""
         import mlx.core as mx
 
         entries, nbytes = self.store.reset()
@@ -315,6 +318,8 @@ class PrefixCache:
             more, more_bytes = self.snapshots.store.reset()
             entries, nbytes = entries + more, nbytes + more_bytes
         mx.clear_cache()
+        gc.collect()
+        release_free_memory()
         self._refresh()
         return {"success": True, "cleared_entries": entries, "cleared_bytes": nbytes}
 

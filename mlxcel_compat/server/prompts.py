@@ -56,8 +56,9 @@ def max_chars_per_token(tokenizer: Any) -> int | None:
     merge before the model sees them: a normalizer that strips or rewrites, a pre-tokenizer that
     drops whitespace, or unknown characters fused into one ``<unk>`` token.
     """
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    backend = getattr(hf, "backend_tokenizer", None)
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # a Hugging Face fast tokenizer
+    if backend is None:  # mlx-lm's TokenizerWrapper holds one
+        backend = getattr(getattr(tokenizer, "_tokenizer", None), "backend_tokenizer", None)
     if backend is None:
         return None
     spec = json.loads(backend.to_str())
