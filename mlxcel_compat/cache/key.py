@@ -41,6 +41,9 @@ TEXT_ONLY_MM_DIGEST: bytes = blake3(
 RAW_PROMPT_TEMPLATE_SIG: str = blake3(RAW_PROMPT_DOMAIN).hexdigest()
 
 ANON_SESSION = "__mlxcel_anon__"
+# Explicit cache breakpoints are stored under this session: like Anthropic's cache, a pinned
+# prefix is addressed by its content, so every session of the bucket finds (and refreshes) it.
+PIN_SESSION = "__mlxcel_breakpoint__"
 
 _U64 = struct.Struct("<Q")
 _TOOL_CHOICE_MODES = frozenset({"auto", "none", "required"})
@@ -247,15 +250,17 @@ def _first_string(body: Mapping[str, object], field: str) -> str | None:
     return None
 
 
-def resolve_session_key(body: Mapping[str, object]) -> str:
+def resolve_session_key(body: Mapping[str, object], header: str | None = None) -> str:
     """The session dimension of the key for one request body.
 
     Order: ``prompt_cache_key`` (top level / flattened ``extra_body``, then nested
-    ``extra_body``), then ``user`` (same two places), then ``ANON_SESSION``.
+    ``extra_body``), then ``header`` (a router's session header such as ``X-Session-ID``),
+    then ``user`` (same two places as the key), then ``ANON_SESSION``.
     Non-string and empty values are ignored.
     """
-    for field in ("prompt_cache_key", "user"):
-        value = _first_string(body, field)
-        if value is not None:
-            return value
-    return ANON_SESSION
+    key = _first_string(body, "prompt_cache_key")
+    if key is not None:
+        return key
+    if header:
+        return header
+    return _first_string(body, "user") or ANON_SESSION

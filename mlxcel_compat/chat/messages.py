@@ -434,6 +434,22 @@ def render_history_boundary(template: ChatTemplate, chat: ChatRequest, prompt: s
     return os.path.commonprefix([history, prompt])
 
 
+def render_prefix(template: ChatTemplate, chat: ChatRequest, n_messages: int, n_parts: int | None, prompt: str) -> str:
+    """The rendered start of the conversation up to a block, clipped to its common prefix with ``prompt``.
+
+    The first ``n_messages`` messages are rendered closed (no generation prompt), the last of
+    them cut to its first ``n_parts`` content parts when given; tools render as in the prompt.
+    Zero messages render the tools (and whatever the template puts before any message). Used
+    for explicit cache breakpoints (``cache_control``): the clip keeps exactly the prompt text
+    that ends at the marked block.
+    """
+    messages = [dict(m) for m in chat.messages[:n_messages]]
+    if messages and n_parts is not None and isinstance(messages[-1].get("content"), list):
+        messages[-1]["content"] = messages[-1]["content"][:n_parts]
+    text = template.render_history(messages, tools=chat.render_tools, **_render_kwargs(chat))
+    return os.path.commonprefix([text, prompt])
+
+
 def render_next_history(template: ChatTemplate, chat: ChatRequest, reply: Mapping[str, Any]) -> str:
     """The history the next turn will start with: this conversation plus ``reply``, closed.
 

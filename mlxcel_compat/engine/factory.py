@@ -40,4 +40,8 @@ def make_sequence(engine: "Engine", request: GenerationRequest, sink: "Sink", sl
         if cache.boundary_snapshots and boundary is not None and len(seq.cache_tokens) < boundary <= seq.n_prompt - 1:
             seq.boundary = boundary
             seq.on_boundary = cache.on_boundary
+        if cache.pins_enabled and request.cache.breakpoints:
+            seq.pins = [(b, ttl) for b, ttl in request.cache.breakpoints if 0 < b <= seq.n_prompt - 1]
+            seq.on_pin = cache.pin
+            seq.pin_reached()  # breakpoints inside the adopted prefix are (re-)pinned right away
     return seq

@@ -24,7 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxcel_compat.cache import kv
 from mlxcel_compat.cache.block_hash import ApcConfig
 from mlxcel_compat.cache.families import recurrent_family
-from mlxcel_compat.cache.key import Bucket, TEXT_ONLY_MM_DIGEST
+from mlxcel_compat.cache.key import PIN_SESSION, TEXT_ONLY_MM_DIGEST, Bucket
 from mlxcel_compat.cache.snapshot import SnapshotStore, is_snapshot_family, snapshot_capacity_default
 from mlxcel_compat.cache.store import LookupResult, PromptCacheStore
 from mlxcel_compat.engine.request import WarmupJob
@@ -59,6 +59,8 @@ class PrefixCacheConfig:
     snapshot_ttl_seconds: float = 7200.0
     boundary_snapshots: bool = True  # MLXCEL_DISABLE_BOUNDARY_SNAPSHOT=1 turns it off
     warmup: bool = True  # MLXCEL_DISABLE_CACHE_WARMUP=1 turns it off
+    pin_max_entries: int = 64  # explicit cache breakpoints kept pinned at once (0: none)
+    pin_capacity_bytes: int | None = None  # None: a quarter of the KV budget
 
     @classmethod
     def from_settings(cls, s: Any) -> "PrefixCacheConfig":
@@ -78,6 +80,8 @@ class PrefixCacheConfig:
             snapshot_ttl_seconds=float(s.prompt_cache_snapshot_ttl),
             boundary_snapshots=not s.disable_boundary_snapshot,
             warmup=not s.disable_cache_warmup,
+            pin_max_entries=s.prompt_cache_pin_max_entries,
+            pin_capacity_bytes=s.prompt_cache_pin_capacity_bytes,
         )
 
 
@@ -144,6 +148,8 @@ class PrefixCache:
             apc=apc,
             enabled=config.enabled,
             apc_disabled_reason=self.apc_disabled_reason,
+            pin_max_entries=config.pin_max_entries,
+            pin_capacity_bytes=capacity // 4 if config.pin_capacity_bytes is None else min(config.pin_capacity_bytes, capacity),
         )
         if apc is not None:
             log.info(
@@ -214,6 +220,39 @@ class PrefixCache:
         if self.snapshots is not None:
             self.snapshots.store.record_warmup(False)
             self._refresh()
+
+    @property
+    def pins_enabled(self) -> bool:
+        """Explicit cache breakpoints are pinned in the KV store (dense-KV models)."""
+        return self.snapshots is None and self.config.enabled and self.config.pin_max_entries > 0
+
+    def pin(self, seq: "Sequence", position: int, ttl: float) -> None:
+        """Keep the KV of ``seq.prompt[:position]`` as a pinned entry (an explicit breakpoint).
+
+        An entry already holding exactly that prefix is re-pinned without a copy. A new one is
+        cut from the sequence's cache into buffers of its own, so it outlives the longer entry
+        it came from; the tokens it adds beyond what the sequence read from the cache are what
+        the response reports as written to the cache.
+        """
+        if not seq.request.cache.enabled:
+            return
+        tokens = seq.prompt[:position]
+        bucket = self.bucket(seq)
+        if self.store.refresh_pin(bucket, PIN_SESSION, tokens, ttl):
+            self._refresh()
+            return
+        try:
+            payload = kv.detached_prefix(seq.cache, position)
+        except Exception as exc:  # a breakpoint is an optimisation: never fail the request
+            log.debug("prompt cache: pinning %d tokens failed for task %d: %s", position, seq.request.task_id, exc)
+            return
+        result = self.store.insert(
+            bucket, PIN_SESSION, tokens, payload, kv.nbytes(payload), kv.can_truncate(payload) and self.token_granular,
+            origin="breakpoint", pin_ttl=ttl,
+        )
+        if result.inserted:
+            seq.stats.n_cache_written = max(seq.stats.n_cache_written, position - seq.stats.n_cached)
+        self._refresh()
 
     def bucket(self, seq: "Sequence") -> Bucket:
         ctx = seq.request.cache

@@ -29,6 +29,8 @@ class CacheContext:
     mm_digest: bytes = b""
     # Chat routes: token length of the rendered history alone (snapshot boundary), if known.
     history_boundary: int | None = None
+    # Explicit cache breakpoints (``cache_control``): (token position, pin seconds), ascending.
+    breakpoints: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -86,6 +88,7 @@ class TokenEvent:
     n_cached: int = 0
     prompt_ms: float = 0.0
     predicted_ms: float = 0.0
+    n_cache_written: int = 0  # prompt tokens newly pinned at cache breakpoints (beyond n_cached)
 
 
 @dataclass
@@ -118,6 +121,7 @@ class FinishEvent:
     cancelled: bool = False
     # n_indent: the reply ends at this many characters of sent text (-1: keep everything).
     content_cut: int = -1
+    n_cache_written: int = 0  # prompt tokens newly pinned at cache breakpoints (beyond n_cached)
 
 
 @dataclass

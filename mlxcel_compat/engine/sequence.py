@@ -39,6 +39,7 @@ _CLEAR_EVERY = 256
 @dataclass
 class SequenceStats:
     n_cached: int = 0  # prompt tokens adopted from the prompt cache (or a sibling, see shared)
+    n_cache_written: int = 0  # prompt tokens newly pinned at cache breakpoints, beyond n_cached
     shared: bool = False  # n_cached came from a sibling completion (n_cmpl), not the prompt cache
     t_start: float = field(default_factory=time.perf_counter)
     t_prompt_done: float | None = None
@@ -83,6 +84,10 @@ class Sequence:
         # Snapshot families: prefill stops exactly at the rendered history's end and calls back.
         self.boundary: int | None = None
         self.on_boundary: Callable[["Sequence"], None] | None = None
+        # Explicit cache breakpoints still ahead: (position, pin seconds), ascending; once the
+        # cache holds a position, on_pin stores a pinned copy of that prefix.
+        self.pins: list[tuple[int, float]] = []
+        self.on_pin: Callable[["Sequence", int, float], None] | None = None
         self._history: list[int] = list(self.prompt)
         # llama-server's newline rules: the text sent so far (kept for n_indent only), whether a
         # newline was sent (t_max_predict_ms, /slots has_new_line) and where the last line starts.
@@ -225,6 +230,13 @@ class Sequence:
         if self.boundary is not None and len(self.cache_tokens) == self.boundary and self.on_boundary is not None:
             self.boundary = None
             self.on_boundary(self)
+        self.pin_reached()
+
+    def pin_reached(self) -> None:
+        """Pin every breakpoint the cache now covers."""
+        while self.pins and self.pins[0][0] <= len(self.cache_tokens) and self.on_pin is not None:
+            position, ttl = self.pins.pop(0)
+            self.on_pin(self, position, ttl)
         if self.request.return_progress:
             self._emit_progress()
 
@@ -309,6 +321,7 @@ class Sequence:
             n_cached=self.stats.n_cached,
             prompt_ms=(t_prompt - self.stats.t_start) * 1000.0,
             predicted_ms=(now - t_prompt) * 1000.0,
+            n_cache_written=self.stats.n_cache_written,
         )
         if self.request.n_probs > 0:
             self._fill_probs(event, token, logprobs, probs)
@@ -403,5 +416,6 @@ class Sequence:
             seed=self.chain.seed,
             cancelled=cancelled,
             content_cut=self._content_cut,
+            n_cache_written=self.stats.n_cache_written,
         )
         self.emit(self.finished)

@@ -18,7 +18,7 @@ from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.errors import ApiError, InvalidRequest, ServerError, json_response
 from mlxcel_compat.server.params import CompletionOptions
-from mlxcel_compat.server.pipeline import check_context, collect, ctx_of, expand, parse_options, prompt_text, read_json, render_prompt, sse_response
+from mlxcel_compat.server.pipeline import check_context, collect, ctx_of, expand, header_session, parse_options, prompt_text, read_json, render_prompt, sse_response
 from mlxcel_compat.server.prompts import tokenize_prompts
 
 # ---------------------------------------------------------------------- /completion
@@ -33,7 +33,7 @@ async def completion(request: Request) -> Response:
         check_context(ctx, tokens)
     requests = expand(ctx, opts, prompts)
     if ctx.cache_hooks is not None:
-        ctx.cache_hooks.prepare_raw(data, requests)
+        ctx.cache_hooks.prepare_raw(data, requests, header_session(request))
     if opts.stream:
         return sse_response(_stream(ctx, requests, opts), opts)
     results = await collect(ctx, request, requests)

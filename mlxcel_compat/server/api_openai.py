@@ -16,15 +16,17 @@ from mlxcel_compat.chat.messages import StreamSplitter, prompt_opens_thinking
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, ProgressEvent, TokenEvent
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
-from mlxcel_compat.server.errors import InvalidRequest, NotSupported, ServerError, json_response
+from mlxcel_compat.server.errors import InvalidRequest, ServerError, json_response
 from mlxcel_compat.server.params import CompletionOptions
 from mlxcel_compat.server.pipeline import (
     ChatJob,
     check_context,
     collect,
+    count_prompt_tokens,
     ctx_of,
     expand,
     extract_tool_calls,
+    header_session,
     parse_options,
     prepare_chat,
     prompt_text,
@@ -44,19 +46,6 @@ def completion_id() -> str:
 
 
 # ---------------------------------------------------------------------- request checks
-
-
-def check_response_format(data: dict[str, Any]) -> None:
-    """``response_format``: "text" is the only type served; the JSON types need constrained sampling."""
-    fmt_spec = data.get("response_format")
-    if fmt_spec is None:
-        return
-    kind = fmt_spec.get("type") if isinstance(fmt_spec, dict) else None
-    if kind == "text":
-        return
-    if kind in ("json_object", "json_schema"):
-        raise NotSupported(f"response_format type '{kind}' needs constrained sampling, which this server does not support")
-    raise InvalidRequest("response_format type must be one of 'text', 'json_object' or 'json_schema'")
 
 
 def check_logprobs(data: dict[str, Any]) -> dict[str, Any]:
@@ -192,7 +181,7 @@ async def completions(request: Request) -> Response:
         check_context(ctx, tokens)
     requests = expand(ctx, opts, prompts)
     if ctx.cache_hooks is not None:
-        ctx.cache_hooks.prepare_raw(data, requests)
+        ctx.cache_hooks.prepare_raw(data, requests, header_session(request))
     if opts.stream:
         return sse_response(_stream_completion(ctx, requests, opts), opts)
     results = await collect(ctx, request, requests)
@@ -234,8 +223,7 @@ async def _stream_completion(ctx: ServerContext, requests: list[GenerationReques
 async def chat_completions(request: Request) -> Response:
     ctx = ctx_of(request)
     data = await read_json(request)
-    check_response_format(data)
-    job = prepare_chat(ctx, check_logprobs(data))
+    job = prepare_chat(ctx, check_logprobs(data), header_session(request))
     if job.opts.stream:
         splitters = [
             StreamSplitter(reasoning=reasoning_on(ctx, data), in_reasoning=prompt_opens_thinking(job.prompt), tools=job.with_tools)
@@ -337,8 +325,20 @@ async def _stream_chat(
     yield fmt.SSE_DONE
 
 
+# ---------------------------------------------------------------------- /v1/chat/completions/input_tokens
+
+
+async def chat_input_tokens(request: Request) -> Response:
+    """Tokens of the prompt a chat body renders to, without generating (llama-server's route)."""
+    ctx = ctx_of(request)
+    data = await read_json(request)
+    return json_response({"input_tokens": count_prompt_tokens(ctx, data)})
+
+
 ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/chat/completions/input_tokens", chat_input_tokens, methods=["POST"]),
+    Route("/chat/completions/input_tokens", chat_input_tokens, methods=["POST"]),
 ]

@@ -2,7 +2,9 @@
 
 Middleware, outermost first: the ``Server`` header, CORS (``server/cors.py``), the "Loading model" gate
 (every path answers 503 until the model is loaded, before any key check, as llama-server does),
-the API-key check, and the error renderer that turns any exception into llama.cpp error JSON.
+the API-key check (``Authorization: Bearer`` or ``x-api-key``), and the error renderer that turns
+any exception into llama.cpp error JSON, or into the shape an API module declares for its paths
+(``ERROR_SHAPES``: the Anthropic routes answer ``{"type": "error", "error": {...}}``).
 """
 
 from __future__ import annotations
@@ -21,16 +23,23 @@ from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlxcel_compat.engine.core import Engine
-from mlxcel_compat.server import api_cache, api_native, api_openai, api_status, api_vertex, api_web
+from mlxcel_compat.server import api_anthropic, api_cache, api_native, api_openai, api_responses, api_status, api_vertex, api_web
 from mlxcel_compat.server.api_vertex import VertexConfig
 from mlxcel_compat.server.cache_hooks import CacheHooks
 from mlxcel_compat.server.context import ModelInfo, ServerContext
 from mlxcel_compat.server.cors import CorsMiddleware, CorsPolicy
-from mlxcel_compat.server.errors import ApiError, ServerError, Unavailable, error_response, raw_error_response
+from mlxcel_compat.server.errors import ApiError, AuthenticationError, ErrorShape, ServerError, Unavailable, error_response, raw_error_response
 
 log = logging.getLogger(__name__)
 
 PUBLIC_PATHS = {"/health", "/v1/health", "/models", "/v1/models", "/", "/index.html"}
+API_MODULES = (api_status, api_native, api_openai, api_anthropic, api_responses, api_cache, api_web)
+ERROR_SHAPES: dict[str, ErrorShape] = {path: shape for m in API_MODULES for path, shape in getattr(m, "ERROR_SHAPES", {}).items()}
+
+
+def _route_path(scope: Scope, prefix: str) -> str:
+    path = scope["path"]
+    return path[len(prefix) :] if prefix and path.startswith(prefix) else path
 
 
 class ServerHeaderMiddleware:
@@ -63,12 +72,16 @@ class GateMiddleware:
         if scope["type"] != "http" or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
+        path = _route_path(scope, self.prefix)
+        shape = ERROR_SHAPES.get(path)
         if not self.ctx.ready:
             message = "Loading model" if self.ctx.engine.state != "failed" else f"Model failed to load: {self.ctx.engine.load_error}"
-            await error_response(Unavailable(message))(scope, receive, send)
+            await error_response(Unavailable(message), shape)(scope, receive, send)
             return
-        path = scope["path"][len(self.prefix) :] if self.prefix and scope["path"].startswith(self.prefix) else scope["path"]
         if self.ctx.api_keys and path not in PUBLIC_PATHS and not self._authorized(scope):
+            if shape is not None:
+                await error_response(AuthenticationError("Invalid API Key"), shape)(scope, receive, send)
+                return
             body = {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}
             await raw_error_response(401, body)(scope, receive, send)
             return
@@ -89,14 +102,16 @@ class GateMiddleware:
 class ErrorMiddleware:
     """Render :class:`ApiError` (and anything unexpected, as a 500) as llama.cpp error JSON."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, prefix: str = "") -> None:
         self.app = app
+        self.prefix = prefix
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started = False
+        shape = ERROR_SHAPES.get(_route_path(scope, self.prefix))
 
         async def tracking_send(message: dict[str, Any]) -> None:
             nonlocal started
@@ -109,12 +124,12 @@ class ErrorMiddleware:
         except ApiError as exc:
             if started:
                 raise
-            await error_response(exc)(scope, receive, send)
+            await error_response(exc, shape)(scope, receive, send)
         except Exception as exc:
             log.exception("unhandled error on %s", scope.get("path"))
             if started:
                 raise
-            await error_response(ServerError(f"internal error: {type(exc).__name__}: {exc}"))(scope, receive, send)
+            await error_response(ServerError(f"internal error: {type(exc).__name__}: {exc}"), shape)(scope, receive, send)
 
 
 async def not_found(request: Any, exc: Exception) -> Any:
@@ -122,7 +137,7 @@ async def not_found(request: Any, exc: Exception) -> Any:
 
 
 def routes(vertex: VertexConfig | None = None) -> list[Route]:
-    api = [*api_status.ROUTES, *api_native.ROUTES, *api_openai.ROUTES, *api_cache.ROUTES, *api_web.ROUTES]
+    api = [route for m in API_MODULES for route in m.ROUTES]
     return api + api_vertex.make_routes(vertex or VertexConfig(enabled=False), api, api_status.health)
 
 
@@ -193,7 +208,7 @@ def build_app(ctx: ServerContext) -> Starlette:
             Middleware(ServerHeaderMiddleware),
             Middleware(CorsMiddleware, policy=CorsPolicy.from_settings(settings)),
             Middleware(GateMiddleware, ctx=ctx, prefix=prefix),
-            Middleware(ErrorMiddleware),
+            Middleware(ErrorMiddleware, prefix=prefix),
         ],
         exception_handlers={404: not_found, 405: not_found},
         lifespan=lifespan,
@@ -219,6 +234,8 @@ async def _wait_for_model(ctx: ServerContext) -> None:
             tokenize=ctx.tokenize_rendered,
             boundary_snapshots=cache is not None and cache.boundary_snapshots,
             warmup=cache is not None and cache.warmups,
+            pins=cache is not None and cache.pins_enabled,
+            pin_max_ttl=float(ctx.settings.prompt_cache_pin_max_ttl),
         )
         ctx.model = model  # last: this is what opens the gate
         log.info("model '%s' ready: serving on %d slots, n_ctx %d", ctx.model.model_id, len(ctx.engine.slots), ctx.model.n_ctx)

@@ -1,9 +1,11 @@
 """The request pipeline every generation API shares: body → options → prompt → cache facts → engine.
 
-Each API module (``api_native``, ``api_openai``, ...) translates its own wire format into the
-internal :class:`GenerationRequest` list with these helpers, runs it through :func:`collect` (a whole
-response) or ``ctx.run`` (a stream), and formats the events back in its own shapes. Nothing here
-knows a wire format beyond llama-server's request fields, and nothing here touches MLX.
+Each API module (``api_native``, ``api_openai``, ``api_anthropic``, ``api_responses``) translates
+its own wire format into the internal :class:`GenerationRequest` list with these helpers (chat-like
+APIs translate into an OpenAI chat body and call :func:`prepare_chat`), runs it through
+:func:`collect` (a whole response) or ``ctx.run`` (a stream), and formats the events back in its
+own shapes. Nothing here knows a wire format beyond llama-server's request fields and the OpenAI
+chat body, and nothing here touches MLX. A fifth API is one more module of that kind.
 """
 
 from __future__ import annotations
@@ -24,15 +26,28 @@ from mlxcel_compat.engine.reasoning_budget import opens_block
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent, next_task_id
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
-from mlxcel_compat.server.errors import ContextExceeded, InvalidRequest, ServerError
+from mlxcel_compat.server.cache_hooks import find_breakpoints
+from mlxcel_compat.server.errors import ContextExceeded, InvalidRequest, NotSupported, ServerError
 from mlxcel_compat.server.params import CompletionOptions, parse_completion_options
 from mlxcel_compat.settings import default_template_kwargs
 
 SSE_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
+# Session headers routers send for affinity (vllm-router's consistent_hash reads X-Session-ID
+# first; Codex sends session_id); the first non-empty one is the prompt cache's session.
+SESSION_HEADERS = ("x-session-id", "session-id", "session_id", "x-session-affinity")
 
 
 def ctx_of(request: Request) -> ServerContext:
     return request.app.state.ctx
+
+
+def header_session(request: Request) -> str | None:
+    """The session a router named in the request headers, if any."""
+    for name in SESSION_HEADERS:
+        value = request.headers.get(name, "").strip()
+        if value:
+            return value
+    return None
 
 
 async def read_json(request: Request) -> dict[str, Any]:
@@ -107,6 +122,25 @@ def render_prompt(ctx: ServerContext, data: Mapping[str, Any]) -> tuple[str, Cha
         raise InvalidRequest(exc.message) from None
 
 
+def check_response_format(data: Mapping[str, Any]) -> None:
+    """``response_format``: "text" is the only type served; the JSON types need constrained sampling."""
+    fmt_spec = data.get("response_format")
+    if fmt_spec is None:
+        return
+    kind = fmt_spec.get("type") if isinstance(fmt_spec, dict) else None
+    if kind == "text":
+        return
+    if kind in ("json_object", "json_schema"):
+        raise NotSupported(f"response_format type '{kind}' needs constrained sampling, which this server does not support")
+    raise InvalidRequest("response_format type must be one of 'text', 'json_object' or 'json_schema'")
+
+
+def count_prompt_tokens(ctx: ServerContext, data: Mapping[str, Any]) -> int:
+    """Tokens of the prompt an OpenAI chat body renders to (the ``input_tokens`` routes)."""
+    prompt, _ = render_prompt(ctx, data)
+    return len(ctx.tokenize_rendered(prompt))
+
+
 @dataclass
 class ChatJob:
     """A chat request ready for the engine: the rendered prompt and one request per choice."""
@@ -122,19 +156,23 @@ class ChatJob:
         return bool(self.chat.tools) and self.chat.tool_choice != "none"
 
 
-def prepare_chat(ctx: ServerContext, data: Mapping[str, Any]) -> ChatJob:
+def prepare_chat(ctx: ServerContext, data: Mapping[str, Any], session: str | None = None) -> ChatJob:
     """Render, tokenize, check the context and attach the prompt-cache facts.
 
     ``data`` is an OpenAI chat-completions body (``messages``, ``tools``, sampling fields); other
-    chat-like APIs translate into that shape first.
+    chat-like APIs translate into that shape first. ``cache_control`` markers on its content
+    parts, messages or tools are explicit cache breakpoints. ``session``: the router's session
+    header (:func:`header_session`).
     """
+    check_response_format(data)
+    breakpoints = find_breakpoints(data)
     prompt, chat = render_prompt(ctx, data)
     opts = parse_options(ctx, data)
     tokens = ctx.tokenize_rendered(prompt)
     check_context(ctx, tokens)
     requests = expand(ctx, opts, [tokens])
     if ctx.cache_hooks is not None:
-        ctx.cache_hooks.prepare_chat(data, chat, requests, prompt)
+        ctx.cache_hooks.prepare_chat(data, chat, requests, prompt, session, breakpoints)
     return ChatJob(data=data, chat=chat, prompt=prompt, opts=opts, requests=requests)
 
 
