@@ -330,7 +330,7 @@ class EntryStore:
             self._pin(entry, pin_ttl, now)
             self.counters.pins += 1
         result.entry_id = entry.id
-        result.evicted = self._evict_to_caps_helper()
+        result.evicted = self._evict_to_caps_helper(keep=entry.id)
         assert entry.id in self._entries, f"{entry.id=} evicted right after insert"
         self.counters.inserts += 1
         self._after_insert(entry)
@@ -471,12 +471,19 @@ class EntryStore:
             expired.append(entry.id)
         return expired
 
-    def _evict_to_caps_helper(self) -> list[int]:
-        """Evict least recently used entries down to max_entries, then capacity_bytes."""
+    def _evict_to_caps_helper(self, keep: int | None = None) -> list[int]:
+        """Evict least recently used entries down to max_entries, then capacity_bytes.
+
+        Unpinned entries go first, pins only when nothing else is left; ``keep`` (the entry
+        just inserted) never goes.
+        """
         evicted: list[int] = []
         while len(self._entries) > self.max_entries or self._nbytes > self.capacity_bytes:
-            # Unpinned entries go first; pins only when nothing else is left.
-            oldest = next((e for e in self._entries.values() if not e.pinned), None) or next(iter(self._entries.values()))
+            others = [e for e in self._entries.values() if e.id != keep] if self._pins else None
+            if others is None:
+                oldest = next(iter(self._entries.values()))
+            else:
+                oldest = next((e for e in others if not e.pinned), others[0])
             self._remove_entry(oldest)
             self.counters.evictions["lru"] += 1  # byte-budget evictions fold into lru
             evicted.append(oldest.id)
