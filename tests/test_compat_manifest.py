@@ -70,15 +70,15 @@ SUPPORTED_ROUTES = [
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template"), ("GET", "/slots"),
     ("POST", "/v1/cache/reset"), ("GET", "/v1/cache/stats"), ("GET", "/"), ("GET", "/index.html"),
     ("GET", "/tools"), ("POST", "/tools"), ("GET", "/cors-proxy"), ("POST", "/cors-proxy"), ("POST", "/predict"),
+    ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"), ("POST", "/responses"),
+    ("POST", "/chat/completions/input_tokens"), ("POST", "/v1/chat/completions/input_tokens"),
+    ("POST", "/responses/input_tokens"), ("POST", "/v1/responses/input_tokens"),
 ]
 
 # Every route of llama-server-api.md §2 (single-model and router mode).
 UPSTREAM_ROUTES = [
-    ("POST", "/v1/chat/completions/control"), ("POST", "/v1/responses"), ("POST", "/responses"),
-    ("POST", "/v1/audio/transcriptions"), ("POST", "/audio/transcriptions"), ("POST", "/v1/messages"),
-    ("POST", "/v1/messages/count_tokens"), ("POST", "/chat/completions/input_tokens"),
-    ("POST", "/v1/chat/completions/input_tokens"), ("POST", "/responses/input_tokens"),
-    ("POST", "/v1/responses/input_tokens"), ("POST", "/infill"), ("POST", "/embedding"), ("POST", "/embeddings"),
+    ("POST", "/v1/chat/completions/control"),
+    ("POST", "/v1/audio/transcriptions"), ("POST", "/audio/transcriptions"), ("POST", "/infill"), ("POST", "/embedding"), ("POST", "/embeddings"),
     ("POST", "/v1/embeddings"), ("POST", "/rerank"), ("POST", "/reranking"), ("POST", "/v1/rerank"),
     ("POST", "/v1/reranking"), ("GET", "/lora-adapters"), ("POST", "/lora-adapters"), ("POST", "/slots/{id_slot}"),
     ("GET", "/v1/stream"), ("DELETE", "/v1/stream"), ("POST", "/v1/streams/lookup"), ("POST", "/models"), ("POST", "/models/load"), ("POST", "/models/unload"),

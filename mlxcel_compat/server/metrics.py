@@ -111,7 +111,19 @@ def prompt_cache_metrics(engine: Engine) -> Iterable[Metric]:
         _gauge("mlxcel_prompt_cache_capacity_bytes", "Byte budget of the prompt cache.", s["capacity_bytes"]),
         _counter("mlxcel_prompt_cache_partial_hits_total", "Hits that adopted less than the whole entry.", s["partial_hits"]),
         *_apc_metrics(s),
+        *_pin_metrics(s),
         *_snapshot_metrics(s),
+    ]
+
+
+def _pin_metrics(s: dict[str, Any]) -> list[Metric]:
+    """Explicit cache breakpoints (``cache_control``) kept as pinned entries."""
+    return [
+        _gauge("mlxcel_prompt_cache_pinned_entries", "Entries pinned by explicit cache breakpoints.", s["pinned_entries"]),
+        _gauge("mlxcel_prompt_cache_pinned_bytes", "Logical bytes of the pinned entries.", s["pinned_bytes"]),
+        _counter("mlxcel_prompt_cache_pins_total", "Entries stored pinned at a cache breakpoint.", s["pins"]),
+        _counter("mlxcel_prompt_cache_pin_hits_total", "Hits on a pinned entry.", s["pin_hits"]),
+        _labelled("mlxcel_prompt_cache_unpins_total", "Pins demoted to ordinary entries, by reason.", "reason", s["unpins"]),
     ]
 
 
