@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import ServerProcess
-from tests.e2e_helpers import ascii_stop_string
+from tests.e2e_helpers import ascii_stop_string, metric
 
 SYSTEM = (
     "You are a careful assistant for a small library. You answer questions about opening hours, "
@@ -35,7 +35,7 @@ COLD = {"temperature": 0, "cache_prompt": False}
 def agent_server(server_factory, qwen3_dir) -> ServerProcess:
     # Few entries, so a handful of unrelated requests evict a conversation's entry.
     return server_factory(
-        ["-m", str(qwen3_dir), "-np", "2", "-c", "4096", "-b", "64", "--prompt-cache-min-prefix", "16", "--prompt-cache-max-entries", "4"]
+        ["-m", str(qwen3_dir), "-np", "2", "-c", "4096", "-b", "64", "--prompt-cache-min-prefix", "16", "--prompt-cache-max-entries", "4", "--metrics"]
     )
 
 
@@ -246,6 +246,22 @@ def test_cache_control_breakpoint_survives_eviction_of_the_longer_entry(client, 
     assert hit.usage.cache_read_input_tokens == written == s3["prefix_tokens_reused_total"] - s2["prefix_tokens_reused_total"]
     assert hit.usage.cache_creation_input_tokens == 0 and s3["pin_hits"] == s2["pin_hits"] + 1
     assert text_of(hit) == text_of(ask(client, other, **COLD))
+    text = raw.get("/metrics").text
+    assert metric(text, "mlxcel_prompt_cache_pinned_entries") == 1 and metric(text, "mlxcel_prompt_cache_pin_hits_total") == s3["pin_hits"]
+
+
+def test_chat_completions_read_cache_control_too(raw) -> None:
+    """OpenRouter-style markers on chat content parts are breakpoints as well."""
+    system = {"role": "system", "content": [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]}
+    body = {"messages": [system, {"role": "user", "content": QUESTIONS[0]}], "max_tokens": 4, "temperature": 0}
+    assert raw.post("/v1/chat/completions", json=body).status_code == 200
+    pinned = stats(raw)
+    assert pinned["pinned_entries"] == 1 and pinned["pins"] >= 1
+    body["messages"][1] = {"role": "user", "content": "Something else entirely."}
+    again = raw.post("/v1/chat/completions", json=body).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 30
+    bad = dict(body, messages=[{"role": "system", "content": [{"type": "text", "text": "x", "cache_control": {"type": "forever"}}]}])
+    assert raw.post("/v1/chat/completions", json=bad).status_code == 400
 
 
 def test_top_level_cache_control_marks_the_last_block(client, raw) -> None:

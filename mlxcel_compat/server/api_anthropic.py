@@ -279,6 +279,11 @@ def tool_use_block(call: Mapping[str, Any]) -> dict[str, Any]:
     return {"type": "tool_use", "id": tool_use_id(), "name": call["function"]["name"], "input": arguments if isinstance(arguments, dict) else {}}
 
 
+def with_ids(calls: list[dict[str, Any]], uses: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tool calls under the ``toolu_`` ids the client got (and will send back)."""
+    return [dict(call, id=use["id"]) for call, use in zip(calls, uses)]
+
+
 def assistant_message(content: str, reasoning: str | None, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
     """The reply as the client will send it back, in OpenAI form (for the session warm-up)."""
     msg: dict[str, Any] = {"role": "assistant", "content": content}
@@ -328,8 +333,9 @@ async def messages(request: Request) -> Response:
         content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
     if text:
         content.append({"type": "text", "text": text})
-    content += [tool_use_block(c) for c in calls]
-    warm_up(ctx, job, assistant_message(text, reasoning, calls))
+    uses = [tool_use_block(c) for c in calls]
+    content += uses
+    warm_up(ctx, job, assistant_message(text, reasoning, with_ids(calls, uses)))
     reason, stop_sequence = stop_reason(fin, bool(calls))
     usage = usage_json(fin.n_prompt, fin.n_cached, fin.n_cache_written, fin.n_decoded)
     return json_response(message_body(message_id(), ctx.model.model_id, content, reason, stop_sequence, usage))
@@ -411,10 +417,11 @@ async def _stream(ctx: ServerContext, job: ChatJob) -> AsyncIterator[bytes]:
                 _, calls = extract_tool_calls(split_reply(ctx, res.content, job.data)[1], job.data)
             for chunk in blocks.close():
                 yield chunk
-            for call in calls:
-                for chunk in blocks.tool_use(tool_use_block(call)):
+            uses = [tool_use_block(call) for call in calls]
+            for use in uses:
+                for chunk in blocks.tool_use(use):
                     yield chunk
-            warm_up(ctx, job, assistant_message(rebuilt["content"], rebuilt["reasoning_content"] or None, calls))
+            warm_up(ctx, job, assistant_message(rebuilt["content"], rebuilt["reasoning_content"] or None, with_ids(calls, uses)))
             reason, stop_sequence = stop_reason(event, bool(calls))
             usage = usage_json(event.n_prompt, event.n_cached, event.n_cache_written, event.n_decoded)
             yield sse_event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_sequence}, "usage": usage})

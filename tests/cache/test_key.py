@@ -221,3 +221,10 @@ def test_tool_parameters_key_order_does_not_matter() -> None:
 )
 def test_resolve_session_key(body: dict[str, object], expected: str) -> None:
     assert resolve_session_key(body) == expected
+
+
+def test_session_header_ranks_between_prompt_cache_key_and_user() -> None:
+    assert resolve_session_key({"user": "u", "prompt_cache_key": "k"}, "hdr") == "k"
+    assert resolve_session_key({"user": "u"}, "hdr") == "hdr"
+    assert resolve_session_key({"user": "u"}, None) == "u"
+    assert resolve_session_key({}, "") == ANON_SESSION
