@@ -20,7 +20,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mlxcel_compat.chat.messages import StreamSplitter, prompt_opens_thinking
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, TokenEvent
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
@@ -30,13 +29,13 @@ from mlxcel_compat.server.pipeline import (
     collect,
     count_prompt_tokens,
     ctx_of,
-    extract_tool_calls,
     header_session,
+    parse_reply,
     prepare_chat,
     read_json,
-    reasoning_on,
-    split_reply,
+    reply_splitter,
     sse_response,
+    stream_deltas,
     warm_up,
 )
 
@@ -324,19 +323,16 @@ async def messages(request: Request) -> Response:
     res = (await collect(ctx, request, job.requests))[0]
     fin = res.finish
     assert fin is not None
-    reasoning, text = split_reply(ctx, res.content, job.data)
-    calls: list[dict[str, Any]] = []
-    if job.with_tools:
-        text, calls = extract_tool_calls(text, job.data)
+    reply = parse_reply(ctx, job, res.content)
     content: list[dict[str, Any]] = []
-    if reasoning:
-        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-    if text:
-        content.append({"type": "text", "text": text})
-    uses = [tool_use_block(c) for c in calls]
+    if reply.reasoning:
+        content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
+    if reply.content:
+        content.append({"type": "text", "text": reply.content})
+    uses = [tool_use_block(c) for c in reply.tool_calls]
     content += uses
-    warm_up(ctx, job, assistant_message(text, reasoning, with_ids(calls, uses)))
-    reason, stop_sequence = stop_reason(fin, bool(calls))
+    warm_up(ctx, job, assistant_message(reply.content, reply.reasoning, with_ids(reply.tool_calls, uses)))
+    reason, stop_sequence = stop_reason(fin, bool(uses))
     usage = usage_json(fin.n_prompt, fin.n_cached, fin.n_cache_written, fin.n_decoded)
     return json_response(message_body(message_id(), ctx.model.model_id, content, reason, stop_sequence, usage))
 
@@ -384,7 +380,7 @@ class _Blocks:
 async def _stream(ctx: ServerContext, job: ChatJob) -> AsyncIterator[bytes]:
     """message_start, ping, the content blocks in order, message_delta (stop, usage), message_stop."""
     m = ctx.model
-    splitter = StreamSplitter(reasoning=reasoning_on(ctx, job.data), in_reasoning=prompt_opens_thinking(job.prompt), tools=job.with_tools)
+    splitter = reply_splitter(ctx, job)
     blocks = _Blocks()
     res = fmt.Result(index=0, request=job.requests[0])
     rebuilt = {"content": "", "reasoning_content": ""}
@@ -401,20 +397,12 @@ async def _stream(ctx: ServerContext, job: ChatJob) -> AsyncIterator[bytes]:
             usage = usage_json(event.n_prompt, event.n_cached, event.n_cache_written, 0)
             yield sse_event({"type": "message_start", "message": message_body(mid, m.model_id, [], None, None, usage)})
             yield sse_event({"type": "ping"})
-        if isinstance(event, TokenEvent):
-            res.add(event, m.tokenizer)
-            deltas = splitter.push(event.text) if event.text else []
-        else:
-            res.close(event)
-            deltas = splitter.push(event.text) + splitter.flush()
-        for field, text in deltas:
+        for field, text in stream_deltas(ctx, splitter, res, event):
             rebuilt[field] += text
             for chunk in blocks.delta(field, text):
                 yield chunk
         if isinstance(event, FinishEvent):
-            calls: list[dict[str, Any]] = []
-            if job.with_tools:
-                _, calls = extract_tool_calls(split_reply(ctx, res.content, job.data)[1], job.data)
+            calls = parse_reply(ctx, job, res.content).tool_calls
             for chunk in blocks.close():
                 yield chunk
             uses = [tool_use_block(call) for call in calls]

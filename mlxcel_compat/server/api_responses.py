@@ -22,7 +22,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mlxcel_compat.chat.messages import StreamSplitter, prompt_opens_thinking
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, TokenEvent
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
@@ -31,14 +30,15 @@ from mlxcel_compat.server.pipeline import (
     ChatJob,
     collect,
     count_prompt_tokens,
+    Reply,
     ctx_of,
-    extract_tool_calls,
     header_session,
+    parse_reply,
     prepare_chat,
     read_json,
-    reasoning_on,
-    split_reply,
+    reply_splitter,
     sse_response,
+    stream_deltas,
     warm_up,
 )
 
@@ -281,27 +281,25 @@ async def responses(request: Request) -> Response:
     res = (await collect(ctx, request, job.requests))[0]
     fin = res.finish
     assert fin is not None
-    reasoning, text = split_reply(ctx, res.content, job.data)
-    calls: list[dict[str, Any]] = []
-    if job.with_tools:
-        text, calls = extract_tool_calls(text, job.data)
+    reply = parse_reply(ctx, job, res.content)
     output: list[dict[str, Any]] = []
-    if reasoning:
-        output.append(reasoning_item(item_id("rs_"), reasoning))
-    if text or not calls:
-        output.append(message_item(item_id("msg_"), text))
-    output += [function_call_item(c) for c in calls]
-    warm_up(ctx, job, _reply_message(text, reasoning, calls))
-    out = response_body(response_id(), fmt.now(), ctx, body, final_status(fin), output, usage_json(ctx, fin, reasoning))
+    if reply.reasoning:
+        output.append(reasoning_item(item_id("rs_"), reply.reasoning))
+    if reply.content or not reply.tool_calls:
+        output.append(message_item(item_id("msg_"), reply.content))
+    output += [function_call_item(c) for c in reply.tool_calls]
+    warm_up(ctx, job, _reply_message(reply))
+    out = response_body(response_id(), fmt.now(), ctx, body, final_status(fin), output, usage_json(ctx, fin, reply.reasoning))
     return json_response(out)
 
 
-def _reply_message(text: str, reasoning: str | None, calls: list[dict[str, Any]]) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": "assistant", "content": text}
-    if reasoning:
-        msg["reasoning_content"] = reasoning
-    if calls:
-        msg["tool_calls"] = calls
+def _reply_message(reply: Reply) -> dict[str, Any]:
+    """The reply as the client will send it back, in OpenAI form (for the session warm-up)."""
+    msg: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.reasoning:
+        msg["reasoning_content"] = reply.reasoning
+    if reply.tool_calls:
+        msg["tool_calls"] = reply.tool_calls
     return msg
 
 
@@ -380,10 +378,9 @@ class _Events:
 
 
 async def _stream(ctx: ServerContext, job: ChatJob, body: Mapping[str, Any]) -> AsyncIterator[bytes]:
-    m = ctx.model
     rid, created = response_id(), fmt.now()
     events = _Events()
-    splitter = StreamSplitter(reasoning=reasoning_on(ctx, job.data), in_reasoning=prompt_opens_thinking(job.prompt), tools=job.with_tools)
+    splitter = reply_splitter(ctx, job)
     res = fmt.Result(index=0, request=job.requests[0])
     start = response_body(rid, created, ctx, body, "in_progress", [], None)
     yield events.event("response.created", response=start)
@@ -392,33 +389,24 @@ async def _stream(ctx: ServerContext, job: ChatJob, body: Mapping[str, Any]) -> 
         if isinstance(event, ErrorEvent):
             yield events.event("error", code="server_error", message=ServerError(event.message).message, param=None)
             return
-        if isinstance(event, TokenEvent):
-            res.add(event, m.tokenizer)
-            deltas = splitter.push(event.text) if event.text else []
-        elif isinstance(event, FinishEvent):
-            res.close(event)
-            deltas = splitter.push(event.text) + splitter.flush()
-        else:
+        if not isinstance(event, (TokenEvent, FinishEvent)):
             continue
-        for field, text in deltas:
+        for field, text in stream_deltas(ctx, splitter, res, event):
             for chunk in events.delta(field, text):
                 yield chunk
         if isinstance(event, FinishEvent):
-            reasoning, text = split_reply(ctx, res.content, job.data)
-            calls: list[dict[str, Any]] = []
-            if job.with_tools:
-                text, calls = extract_tool_calls(text, job.data)
+            reply = parse_reply(ctx, job, res.content)
             for chunk in events.close():
                 yield chunk
-            if not events.output and not calls:
+            if not events.output and not reply.tool_calls:
                 for chunk in events.open_item("content") + events.close():  # an empty reply is an empty message
                     yield chunk
-            for call in calls:
+            for call in reply.tool_calls:
                 for chunk in events.function_call(call):
                     yield chunk
-            warm_up(ctx, job, _reply_message(text, reasoning, calls))
+            warm_up(ctx, job, _reply_message(reply))
             status = final_status(event)
-            final = response_body(rid, created, ctx, body, status, events.output, usage_json(ctx, event, reasoning))
+            final = response_body(rid, created, ctx, body, status, events.output, usage_json(ctx, event, reply.reasoning))
             yield events.event(f"response.{status}", response=final)
 
 

@@ -20,7 +20,16 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from mlxcel_compat.chat.messages import ChatRequest, ChatRequestError, parse_chat_request, parse_tool_calls, render_chat, split_reasoning
+from mlxcel_compat.chat.messages import (
+    ChatRequest,
+    ChatRequestError,
+    StreamSplitter,
+    parse_chat_request,
+    parse_tool_calls,
+    prompt_opens_thinking,
+    render_chat,
+    split_reasoning,
+)
 from mlxcel_compat.chat.template import TemplateError
 from mlxcel_compat.engine.reasoning_budget import opens_block
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent, next_task_id
@@ -195,6 +204,37 @@ def extract_tool_calls(content: str, data: Mapping[str, Any]) -> tuple[str, list
     if data.get("parallel_tool_calls") is False:
         calls = calls[:1]
     return content, calls
+
+
+@dataclass
+class Reply:
+    """A finished chat reply taken apart: reasoning, the text, the tool calls (OpenAI shape)."""
+
+    reasoning: str | None
+    content: str
+    tool_calls: list[dict[str, Any]]
+
+
+def parse_reply(ctx: ServerContext, job: ChatJob, text: str) -> Reply:
+    reasoning, content = split_reply(ctx, text, job.data)
+    calls: list[dict[str, Any]] = []
+    if job.with_tools:
+        content, calls = extract_tool_calls(content, job.data)
+    return Reply(reasoning, content, calls)
+
+
+def reply_splitter(ctx: ServerContext, job: ChatJob) -> StreamSplitter:
+    """Splits a streamed reply into reasoning and content deltas, withholding tool calls."""
+    return StreamSplitter(reasoning=reasoning_on(ctx, job.data), in_reasoning=prompt_opens_thinking(job.prompt), tools=job.with_tools)
+
+
+def stream_deltas(ctx: ServerContext, splitter: StreamSplitter, result: fmt.Result, event: TokenEvent | FinishEvent) -> list[tuple[str, str]]:
+    """Add a token or finish event to ``result``; return the ``(field, text)`` deltas to send."""
+    if isinstance(event, TokenEvent):
+        result.add(event, ctx.model.tokenizer)
+        return splitter.push(event.text) if event.text else []
+    result.close(event)
+    return splitter.push(event.text) + splitter.flush()
 
 
 def warm_up(ctx: ServerContext, job: ChatJob, message: Mapping[str, Any]) -> None:
