@@ -111,6 +111,8 @@ def test_anthropic_translation() -> None:
     assert chat["messages"][3] == {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: rain", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
     assert (chat["tool_choice"], chat["parallel_tool_calls"], chat["user"], chat["stop"], chat["top_k"]) == ("required", False, "u-1", ["END"], 5)
     assert chat["chat_template_kwargs"] == {"enable_thinking": False} and chat["max_tokens"] == api_anthropic.DEFAULT_MAX_TOKENS
+    budgeted = api_anthropic.to_chat_body({"messages": [], "thinking": {"type": "enabled", "budget_tokens": 2048}})
+    assert budgeted["chat_template_kwargs"] == {"enable_thinking": True} and budgeted["thinking_budget_tokens"] == 2048
     named = api_anthropic.to_chat_body({"messages": [], "tool_choice": {"type": "tool", "name": "f"}})
     assert named["tool_choice"] == {"type": "function", "function": {"name": "f"}}
     parse_chat_request(chat)  # the pipeline accepts what the translation builds

@@ -203,7 +203,7 @@ def _translate_tool_choice(choice: Any, chat: dict[str, Any]) -> None:
 
 
 def _thinking_switch(thinking: Any) -> bool:
-    """``thinking`` → the template's ``enable_thinking`` (budget_tokens is accepted, not enforced)."""
+    """``thinking`` → the template's ``enable_thinking`` (its budget is checked here, applied by the caller)."""
     if not isinstance(thinking, Mapping) or thinking.get("type") not in ("enabled", "disabled", "adaptive", "between_tools"):
         raise InvalidRequest("thinking: type must be 'enabled', 'adaptive', 'between_tools' or 'disabled'")
     budget = thinking.get("budget_tokens")
@@ -228,6 +228,8 @@ def to_chat_body(body: Mapping[str, Any], for_generation: bool = True) -> dict[s
         kwargs = dict(chat.get("chat_template_kwargs") or {})
         kwargs.setdefault("enable_thinking", _thinking_switch(body["thinking"]))
         chat["chat_template_kwargs"] = kwargs
+        if body["thinking"].get("budget_tokens") is not None:
+            chat["thinking_budget_tokens"] = body["thinking"]["budget_tokens"]  # the reasoning budget, as llama-server
     if body.get("cache_control") is not None and chat["messages"]:
         # Automatic caching: the marker goes on the last block, i.e. the end of the last message.
         chat["messages"][-1]["cache_control"] = body["cache_control"]
