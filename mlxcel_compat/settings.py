@@ -281,7 +281,6 @@ R_LORA = "LoRA adapters are not supported"
 R_CVEC = "control vectors are not supported"
 R_TLS = "TLS is not supported; terminate TLS in a reverse proxy"
 R_TOOLS = "built-in agent tools, MCP and the CORS proxy are not supported"
-R_GRAMMAR = "grammar and JSON-schema constrained sampling is not implemented"
 R_GGUF = "models are loaded from a local path (-m) or a Hugging Face repository (-hf)"
 R_COMMAND = "this llama.cpp command is not available in mlxcel_compat"
 R_TEMPLATE_KW = "set it per request or through --chat-template-kwargs"
@@ -551,14 +550,15 @@ _SAMPLING: tuple[Setting, ...] = (
           "send logit_bias per request instead", metavar="TOKEN_ID(+/-)BIAS", group="sampling", type="list"),
     _noop("backend_sampling", ("-bs", "--backend-sampling"), "Sample on the compute backend.",
           "sampling always runs inside the engine", env=("LLAMA_ARG_BACKEND_SAMPLING",), group="sampling"),
-    _refused("grammar", ("--grammar",), "Server-wide GBNF grammar.", R_GRAMMAR, metavar="GRAMMAR",
-             group="sampling"),
-    _refused("grammar_file", ("--grammar-file",), "File with a server-wide grammar.", R_GRAMMAR, metavar="FNAME",
-             group="sampling"),
-    _refused("json_schema", ("-j", "--json-schema"), "Server-wide JSON schema.", R_GRAMMAR, metavar="SCHEMA",
-             group="sampling"),
-    _refused("json_schema_file", ("-jf", "--json-schema-file"), "File with a server-wide JSON schema.", R_GRAMMAR,
-             metavar="FILE", group="sampling"),
+    Setting("grammar", ("--grammar",), group="sampling", metavar="GRAMMAR",
+            help="Server-wide GBNF grammar (or Lark) for requests that bring no constraint of their own."),
+    Setting("grammar_file", ("--grammar-file",), group="sampling", metavar="FNAME",
+            help="File holding the server-wide grammar."),
+    Setting("json_schema", ("-j", "--json-schema"), group="sampling", metavar="SCHEMA",
+            help="Server-wide JSON schema (e.g. '{}' for any JSON object) for requests that bring no constraint "
+                 "of their own."),
+    Setting("json_schema_file", ("-jf", "--json-schema-file"), group="sampling", metavar="FILE",
+            help="File holding the server-wide JSON schema."),
 )
 
 _CACHE: tuple[Setting, ...] = (

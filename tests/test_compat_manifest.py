@@ -114,13 +114,13 @@ message_delimiters
 """.split()
 
 NOT_SUPPORTED = """
-grammar json_schema lora adaptive_target adaptive_decay backend_sampling reasoning_control
+lora adaptive_target adaptive_decay backend_sampling reasoning_control
 """.split()
 
-# Accepted-and-ignored before issue 12; now acted on as llama-server does.
+# Accepted-and-ignored (or refused) before issues 12 and 13; now acted on as llama-server does.
 NOW_SUPPORTED = """
 mirostat mirostat_tau mirostat_eta n_indent t_max_predict_ms reasoning_budget_tokens reasoning_budget_start_tag
-reasoning_budget_end_tag reasoning_budget_message
+reasoning_budget_end_tag reasoning_budget_message grammar json_schema grammar_lazy grammar_triggers preserved_tokens
 """.split()
 
 
@@ -148,7 +148,7 @@ def test_request_fields(manifest) -> None:
 
 def test_request_field_helpers_filter(manifest) -> None:
     unsupported = manifest_request_fields(status="unsupported", manifest=manifest)
-    assert "grammar" in unsupported and "stream" not in unsupported
+    assert "lora" in unsupported and "grammar" not in unsupported and "stream" not in unsupported
     chat = manifest_request_fields(scope="chat", manifest=manifest)
     assert "messages" in chat and "prompt" not in chat
     assert set(manifest_request_fields(status="noop", scope="completion", manifest=manifest)) == {

@@ -331,7 +331,6 @@ def test_optional_value_flag_does_not_eat_the_next_flag() -> None:
         (["--lora", "a.gguf"], {}, "--lora"),
         (["--mmproj", "p.gguf"], {}, "--mmproj"),
         (["--slot-save-path", "/tmp"], {}, "--slot-save-path"),
-        (["--grammar-file", "g.gbnf"], {}, "--grammar-file"),
         (["--fim-qwen-7b-default"], {}, "--fim-qwen-7b-default"),
         ([], {"LLAMA_ARG_SSL_KEY_FILE": "/k.pem"}, "LLAMA_ARG_SSL_KEY_FILE"),
         ([], {"LLAMA_ARG_EMBEDDINGS": "1"}, "LLAMA_ARG_EMBEDDINGS"),

@@ -10,6 +10,9 @@ One step, pipelined like the single-sequence path:
     feed every row's pending token  ->  forward (B, 1)  ->  sample row i with sequence i's chain
     ->  async_eval the new pending tokens  ->  read back the fed tokens  ->  emit, stop checks
 
+Rows with a grammar draw after the read-back instead: their masks depend on the fed tokens, and
+are computed (all rows in parallel) while the forward pass runs (``sequence.draw_pending``).
+
 A sequence whose prompt is prefilled up to its last token joins with that token as its pending
 one: its first token is then sampled by the batched pass (nothing is emitted for the prompt
 token), so several new sequences start decoding without a (1, 1) forward pass each.
@@ -22,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxcel_compat.engine.sequence import Sequence
+from mlxcel_compat.engine.sequence import Sequence, draw_pending
 
 
 def _merge(layers: list[Any]) -> Any:
@@ -140,15 +143,22 @@ class DecodeBatch:
         fed = [seq.begin_batched_feed() for seq in self.sequences]
         tokens = mx.stack([p[0] for p in fed]).reshape(len(fed), 1)
         logits = self.model(tokens, cache=self.cache)[:, -1, :]
-        plain = [s.chain.is_plain_argmax and s.request.n_probs <= 0 for s in self.sequences]
+        constrained = [s for s in self.sequences if s.grammar is not None]
+        plain = [s.chain.is_plain_argmax and s.request.n_probs <= 0 and s.grammar is None for s in self.sequences]
         argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(plain) else None
-        pending: list[Any] = []
+        pending: list[Any] = [logits] if constrained else []
         for i, seq in enumerate(self.sequences):
-            pending += seq.sample_next(logits[i], argmax[i] if plain[i] else None)
+            if seq.grammar is not None:
+                seq.defer_draw(logits[i])  # its mask needs the token fed this step
+            else:
+                pending += seq.sample_next(logits[i], argmax[i] if plain[i] else None)
         mx.async_eval(*pending)
         values = tokens.reshape(-1).tolist()
         for seq, value, (_, logprobs, probs) in zip(self.sequences, values, fed):
             seq.finish_batched_feed(int(value), logprobs, probs)
+        live = [s for s in constrained if s.finished is None]
+        if live:
+            draw_pending(live)
         finished = [i for i, s in enumerate(self.sequences) if s.finished is not None]
         if finished:
             done += self.remove(finished)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from mlxcel_compat.engine.batch import DecodeBatch, batch_caches_work, prefill_groups, prefill_together
+from mlxcel_compat.engine.grammar import GrammarCompiler
 from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest
 from mlxcel_compat.engine.sequence import Sequence
 from mlxcel_compat.engine.slots import Slot, slot_context
@@ -103,6 +104,7 @@ class Engine:
         self.waiting: collections.deque[_Submit] = collections.deque()
         self.warmups: collections.deque[Any] = collections.deque()
         self.prefix_cache: Any = None
+        self.grammars: Any = None  # engine.grammar.GrammarCompiler once the model is loaded
         self.batch: DecodeBatch = DecodeBatch(None)
         self.batched_decode = True  # off if the model fails the batch-cache probe at load
         self.batched_prefill = True  # ... or later, a batched prefill pass
@@ -232,6 +234,10 @@ class Engine:
         for slot in self.slots:
             slot.n_ctx = self.n_ctx
         self.batch = DecodeBatch(self.loaded.model)
+        tokenizer = self.loaded.tokenizer
+        vocab_size = int(_config_value(self.loaded.config, "vocab_size", 0) or len(tokenizer))
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, sorted(tokenizer.eos_token_ids or []))
+        self.grammars.start()  # the llguidance tokenizer builds in the background (~1 s on 150k tokens)
         if self._prefix_cache_factory is not None:
             self.prefix_cache = self._prefix_cache_factory(self)
         self._warm_up()

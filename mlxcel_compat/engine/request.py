@@ -9,6 +9,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
+from mlxcel_compat.engine.grammar import Constraint
 from mlxcel_compat.engine.reasoning_budget import ReasoningBudgetSpec
 from mlxcel_compat.engine.sampling import SamplingParams
 
@@ -58,6 +59,8 @@ class GenerationRequest:
     n_indent: int = 0
     # reasoning_budget_tokens: close the thinking block after so many tokens (None: no budget).
     reasoning_budget: ReasoningBudgetSpec | None = None
+    # Grammar, JSON schema or tool-call constraint on the output (None: free text).
+    constraint: Constraint | None = None
 
     @property
     def is_child(self) -> bool:

@@ -175,7 +175,7 @@ def chat_chunk(delta: dict[str, Any], index: int, model_id: str, cid: str, creat
 async def completions(request: Request) -> Response:
     ctx = ctx_of(request)
     data = await read_json(request)
-    opts = parse_options(ctx, data)
+    opts = parse_options(ctx, data, response_format=True)
     prompts, _ = tokenize_prompts(ctx.model.tokenizer, data.get("prompt"), ctx.model.vocab_size)
     for tokens in prompts:
         check_context(ctx, tokens)

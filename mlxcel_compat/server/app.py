@@ -29,6 +29,7 @@ from mlxcel_compat.server.cache_hooks import CacheHooks
 from mlxcel_compat.server.context import ModelInfo, ServerContext
 from mlxcel_compat.server.cors import CorsMiddleware, CorsPolicy
 from mlxcel_compat.server.errors import ApiError, AuthenticationError, ErrorShape, ServerError, Unavailable, error_response, raw_error_response
+from mlxcel_compat.server.structured import StructuredOutput, server_default
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +228,13 @@ async def _wait_for_model(ctx: ServerContext) -> None:
         return
     if ctx.engine.state == "ready":
         model = await asyncio.to_thread(model_info, ctx.engine, ctx.settings)
+        try:
+            default = await asyncio.to_thread(server_default, ctx.settings, ctx.engine.grammars)
+        except ValueError as exc:  # llama-server refuses a bad --grammar/--json-schema at start-up
+            log.error("%s", exc)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        ctx.structured = StructuredOutput(ctx.engine.grammars, ctx.tokenize, default)
         cache = ctx.engine.prefix_cache
         ctx.cache_hooks = CacheHooks(
             enabled=cache is not None and cache.config.enabled,

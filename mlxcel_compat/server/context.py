@@ -49,6 +49,7 @@ class ServerContext:
     model: ModelInfo | None = None
     metrics: Any = None  # server.metrics.Metrics
     cache_hooks: Any = None  # prompt-cache request preparation (session key, template signature)
+    structured: Any = None  # server.structured.StructuredOutput: grammars, schemas, tool calls
 
     def __post_init__(self) -> None:
         self.client = EngineClient(self.engine)

@@ -36,7 +36,7 @@ from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequ
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.cache_hooks import find_breakpoints
-from mlxcel_compat.server.errors import ContextExceeded, InvalidRequest, NotSupported, ServerError
+from mlxcel_compat.server.errors import ContextExceeded, InvalidRequest, ServerError
 from mlxcel_compat.server.params import CompletionOptions, parse_completion_options
 from mlxcel_compat.settings import default_template_kwargs
 
@@ -74,7 +74,16 @@ async def read_json(request: Request) -> dict[str, Any]:
 # ---------------------------------------------------------------------- options and prompts
 
 
-def parse_options(ctx: ServerContext, data: Mapping[str, Any]) -> CompletionOptions:
+def parse_options(ctx: ServerContext, data: Mapping[str, Any], *, response_format: bool = False) -> CompletionOptions:
+    """A completion route's options and output constraint (a ``grammar`` wins over a
+    ``json_schema``; ``response_format`` is read on ``/v1/completions``)."""
+    constraint = ctx.structured.for_completion(data, response_format=response_format)
+    opts = _parse_options(ctx, data)
+    opts.request.constraint = constraint
+    return opts
+
+
+def _parse_options(ctx: ServerContext, data: Mapping[str, Any]) -> CompletionOptions:
     m = ctx.model
     return parse_completion_options(data, ctx.settings, len(ctx.engine.slots), m.vocab_size, ctx.tokenize, m.eog_ids)
 
@@ -131,19 +140,6 @@ def render_prompt(ctx: ServerContext, data: Mapping[str, Any]) -> tuple[str, Cha
         raise InvalidRequest(exc.message) from None
 
 
-def check_response_format(data: Mapping[str, Any]) -> None:
-    """``response_format``: "text" is the only type served; the JSON types need constrained sampling."""
-    fmt_spec = data.get("response_format")
-    if fmt_spec is None:
-        return
-    kind = fmt_spec.get("type") if isinstance(fmt_spec, dict) else None
-    if kind == "text":
-        return
-    if kind in ("json_object", "json_schema"):
-        raise NotSupported(f"response_format type '{kind}' needs constrained sampling, which this server does not support")
-    raise InvalidRequest("response_format type must be one of 'text', 'json_object' or 'json_schema'")
-
-
 def count_prompt_tokens(ctx: ServerContext, data: Mapping[str, Any]) -> int:
     """Tokens of the prompt an OpenAI chat body renders to (the ``input_tokens`` routes)."""
     prompt, _ = render_prompt(ctx, data)
@@ -171,12 +167,15 @@ def prepare_chat(ctx: ServerContext, data: Mapping[str, Any], session: str | Non
     ``data`` is an OpenAI chat-completions body (``messages``, ``tools``, sampling fields); other
     chat-like APIs translate into that shape first. ``cache_control`` markers on its content
     parts, messages or tools are explicit cache breakpoints. ``session``: the router's session
-    header (:func:`header_session`).
+    header (:func:`header_session`). Its structured-output fields (``grammar``, ``json_schema``,
+    ``response_format``, ``tool_choice`` with ``tools``, ``parallel_tool_calls``) become the
+    requests' constraint (``server/structured.py``).
     """
-    check_response_format(data)
     breakpoints = find_breakpoints(data)
     prompt, chat = render_prompt(ctx, data)
-    opts = parse_options(ctx, data)
+    constraint = ctx.structured.for_chat(data, chat, prompt)
+    opts = _parse_options(ctx, data)
+    opts.request.constraint = constraint
     tokens = ctx.tokenize_rendered(prompt)
     check_context(ctx, tokens)
     requests = expand(ctx, opts, [tokens])
