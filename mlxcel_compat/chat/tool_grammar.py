@@ -64,7 +64,7 @@ def tool_call_grammar(tools: list[dict[str, Any]], *, parallel: bool, thinking_o
     ``thinking_open``: the prompt ends inside a ``<think>`` block, which the reply may close first.
     ``response_rule``: a JSON-schema rule (``response_format``) the reply may match instead.
     """
-    start = "calls WS?"
+    start = "calls"
     if thinking_open:
         start = f'("{THINK_END}" WS?)? {start}'
     if response_rule is not None:
