@@ -14,7 +14,7 @@ starts at the trigger (the first non-empty capture group of a pattern) and const
 
 Masks are computed on the engine thread right after the forward pass that needs them has been
 queued with ``mx.async_eval``: llguidance releases the GIL, so the mask is ready (tens of
-microseconds) long before the model's logits are. Nothing here imports MLX; the HTTP side uses the
+microseconds) long before the model's logits are, and adds no serial time to a step. Nothing here imports MLX; the HTTP side uses the
 same compiler to answer an invalid grammar with a 400 before anything runs.
 """
 
@@ -28,7 +28,6 @@ from typing import Any, Sequence
 
 import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
 
 from mlxcel_compat.engine.textstream import token_bytes, unwrap_tokenizer, vocab_table
 
@@ -314,30 +313,16 @@ class GrammarState:
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.size * row.itemsize)
 
 
-_executor: llguidance.LLExecutor | None = None
-_executor_lock = threading.Lock()
-
-
-def _parallel_executor() -> llguidance.LLExecutor:
-    global _executor
-    with _executor_lock:
-        if _executor is None:
-            _executor = llguidance.LLExecutor()
-        return _executor
-
-
 def compute_masks(states: Sequence[GrammarState], vocab_size: int) -> np.ndarray:
-    """Boolean masks (len(states), vocab_size) of the tokens each active grammar allows next.
+    """Boolean masks (len(states), vocab_size) of the tokens each grammar allows next.
 
-    Several states are computed in parallel by llguidance's thread pool (the GIL is released).
+    Computed one after the other on the calling (engine) thread: each takes tens of microseconds
+    and releases the GIL, and the forward pass they overlap already keeps the cores busy, so
+    llguidance's thread pool only adds hand-offs (measured: scripts/bench_structured.py).
     """
-    words = (vocab_size + 31) // 32
-    bits = np.full((len(states), words), -1, dtype=np.int32)
-    if len(states) == 1:
-        states[0].fill_mask(bits[0])
-    elif states:
-        fill_next_token_bitmask_par(_parallel_executor(), [(s.matcher, i) for i, s in enumerate(states)], bits)
-    for state in states:
+    bits = np.full((len(states), (vocab_size + 31) // 32), -1, dtype=np.int32)
+    for row, state in zip(bits, states):
+        state.fill_mask(row)
         if state.matcher.is_error() and state.error is None:
             state.error = state.matcher.get_error()
     return unpack_masks(bits, vocab_size)

@@ -397,6 +397,41 @@ def tokenizer_json_for(add_bos: bool) -> str:
     return tokenizer.to_str(pretty=True) + "\n"
 
 
+def large_tokenizer_json(vocab_size: int, seed: int = CORPUS_SEED) -> str:
+    """A byte-level BPE ``tokenizer.json`` of ``vocab_size`` entries (e.g. 150k, like Qwen's).
+
+    The generated corpus only supports the 8k trained vocabulary, so the rest is grown: each new
+    token is the merge of two existing ones (2 to 12 characters), added with its merge rule, which
+    keeps the tokenizer a valid BPE whose pieces look like real subwords. The added tokens keep
+    their ids (8184..8191); the new entries follow them. Deterministic for a given seed. Used to
+    measure per-token costs that grow with the vocabulary (grammar masks).
+    """
+    data = json.loads(tokenizer_json_for(False))
+    model = data["model"]
+    vocab: dict[str, int] = model["vocab"]
+    merges: list[list[str]] = model["merges"]
+    by_length: dict[int, list[str]] = {}
+    for piece in vocab:
+        by_length.setdefault(len(piece), []).append(piece)
+    rng = _SplitMix64(seed)
+    next_id = VOCAB_SIZE
+    while next_id < vocab_size:
+        total = 2 + rng.below(6) + rng.below(6)  # 2..12 characters, most around 7 (real vocabularies)
+        splits = [k for k in range(1, total) if k in by_length and total - k in by_length]
+        if not splits:
+            continue
+        k = rng.pick(splits)
+        left, right = rng.pick(by_length[k]), rng.pick(by_length[total - k])
+        piece = left + right
+        if piece in vocab:
+            continue
+        vocab[piece] = next_id
+        merges.append([left, right])
+        by_length.setdefault(len(piece), []).append(piece)
+        next_id += 1
+    return json.dumps(data, ensure_ascii=False)
+
+
 def token_id(content: str) -> int:
     """The id of an added token: they follow the learned vocabulary in ``ADDED_TOKENS`` order."""
     for index, spec in enumerate(ADDED_TOKENS):
