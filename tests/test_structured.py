@@ -296,3 +296,13 @@ def test_server_default_applies_only_without_a_constraint(compiler, tokenizer):
     Settings.json_schema, Settings.grammar = "{}", 'root ::= "x"'
     with pytest.raises(ValueError, match="only one of"):
         server_default(Settings(), compiler)
+
+
+def test_auto_with_a_response_format_is_a_response_or_calls(structured, compiler, tokenizer):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    body, parsed = chat(tools=[ADD], response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+    constraint = structured.for_chat(body, parsed, "")
+    assert not constraint.lazy
+    assert feed(compiler, tokenizer, constraint, '{"ok": true}').complete
+    assert feed(compiler, tokenizer, constraint, call_text("add", {"a": 1})).error is None
+    assert feed(compiler, tokenizer, constraint, "free text").error is not None

@@ -402,8 +402,8 @@ def large_tokenizer_json(vocab_size: int, seed: int = CORPUS_SEED) -> str:
 
     The generated corpus only supports the 8k trained vocabulary, so the rest is grown: each new
     token is the merge of two existing ones (2 to 12 characters), added with its merge rule, which
-    keeps the tokenizer a valid BPE whose pieces look like real subwords. The added tokens keep
-    their ids (8184..8191); the new entries follow them. Deterministic for a given seed. Used to
+    keeps the tokenizer a valid BPE whose pieces look like real subwords. The added tokens move to
+    the last ids. Deterministic for a given seed. Used to
     measure per-token costs that grow with the vocabulary (grammar masks).
     """
     data = json.loads(tokenizer_json_for(False))
@@ -414,8 +414,8 @@ def large_tokenizer_json(vocab_size: int, seed: int = CORPUS_SEED) -> str:
     for piece in vocab:
         by_length.setdefault(len(piece), []).append(piece)
     rng = _SplitMix64(seed)
-    next_id = VOCAB_SIZE
-    while next_id < vocab_size:
+    next_id = len(vocab)
+    while next_id < vocab_size - len(ADDED_TOKENS):
         total = 2 + rng.below(6) + rng.below(6)  # 2..12 characters, most around 7 (real vocabularies)
         splits = [k for k in range(1, total) if k in by_length and total - k in by_length]
         if not splits:
@@ -429,6 +429,8 @@ def large_tokenizer_json(vocab_size: int, seed: int = CORPUS_SEED) -> str:
         merges.append([left, right])
         by_length.setdefault(len(piece), []).append(piece)
         next_id += 1
+    for index, added in enumerate(data["added_tokens"]):
+        added["id"] = next_id + index  # the added tokens keep the last ids, as in real checkpoints
     return json.dumps(data, ensure_ascii=False)
 
 
