@@ -46,6 +46,7 @@ from mlxcel_compat.engine.grammar import (
     lark_from_json_schema,
 )
 from mlxcel_compat.server.errors import InvalidRequest
+from mlxcel_compat.server.params import Body
 
 _NO_SCHEMA = object()
 
@@ -125,7 +126,7 @@ class StructuredOutput:
         """The constraint of ``grammar`` or ``schema`` with the lazy-grammar fields, else the default."""
         preserved_words, preserved = self._preserved_tokens(data)
         triggers = self._triggers(data, preserved)
-        lazy = _bool(data, "grammar_lazy")
+        lazy = Body(data).bool("grammar_lazy", False)
         if lazy and not triggers:
             raise InvalidRequest("Error: no triggers set for lazy grammar!")
         if grammar:
@@ -296,12 +297,3 @@ def _object_schema(schema: Any) -> Any:
     if not isinstance(schema, Mapping):
         raise InvalidRequest('"json_schema": the schema must be a JSON object')
     return dict(schema)
-
-
-def _bool(data: Mapping[str, Any], name: str) -> bool:
-    value = data.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"Field '{name}': type must be boolean")
-    return value
