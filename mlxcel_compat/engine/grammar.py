@@ -21,6 +21,7 @@ same compiler to answer an invalid grammar with a 400 before anything runs.
 from __future__ import annotations
 
 import collections
+import json
 import re
 import threading
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from typing import Any, Sequence
 
 import llguidance
 import numpy as np
+from llguidance.gbnf_to_lark import any_to_lark
 
 from mlxcel_compat.engine.textstream import token_bytes, unwrap_tokenizer, vocab_table
 
@@ -80,8 +82,6 @@ class Constraint:
 
 def lark_from_gbnf(text: str) -> str:
     """llama.cpp GBNF (or Lark, recognised by ``%llguidance`` or a ``start:`` rule) as Lark."""
-    from llguidance.gbnf_to_lark import any_to_lark
-
     try:
         return any_to_lark(text)
     except Exception as exc:  # the converter raises plain Exceptions with a useful message
@@ -99,8 +99,6 @@ def json_rule(schema: Any) -> str:
         raise GrammarError("the schema must be a JSON object")
     options = dict(schema.get("x-guidance") or {})
     options.setdefault("whitespace_pattern", JSON_WHITESPACE)
-    import json
-
     return "%json " + json.dumps({**schema, "x-guidance": options}, ensure_ascii=False)
 
 

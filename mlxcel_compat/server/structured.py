@@ -291,9 +291,9 @@ def _response_format_schema(data: Mapping[str, Any]) -> Any:
 
 
 def _object_schema(schema: Any) -> Any:
-    """llama-server's reading of a schema: empty (or ``true``) means any JSON object."""
-    if schema is True or (isinstance(schema, Mapping) and not schema):
-        return {"type": "object"}
+    """A schema as ``json_rule`` takes it (an empty one or ``true`` means any JSON object there)."""
+    if schema is True:
+        return schema
     if not isinstance(schema, Mapping):
         raise InvalidRequest('"json_schema": the schema must be a JSON object')
     return dict(schema)
