@@ -17,6 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from mlxcel_compat.testing.models import FAMILIES
 from tests.conftest import ServerProcess, tiny_model
 from tests.e2e_helpers import DONE, assert_serving, post_stream
 
@@ -248,7 +249,7 @@ def test_openai_sdk_parse_with_a_pydantic_model(structured_server):
 # ---------------------------------------------------------------------- tool calls per family
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3_text", "qwen3_next"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def family_server(request, server_factory) -> ServerProcess:
     return server_factory(["-m", str(tiny_model(request.param)), "-np", "2", "-c", "2048", "-b", "64"])
 
