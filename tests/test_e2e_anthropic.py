@@ -7,10 +7,12 @@ Prompt-cache hits are proven by the reused tokens *and* output equal to a cold r
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anthropic
 import httpx
+import jsonschema
 import pytest
 
 from tests.conftest import ServerProcess
@@ -52,7 +54,7 @@ def raw(agent_server: ServerProcess):
 
 
 def ask(client: anthropic.Anthropic, messages: list[dict[str, Any]], system: Any = SYSTEM, max_tokens: int = 8, **extra: Any) -> Any:
-    body = {k: v for k, v in extra.items() if k in ("metadata", "tools", "tool_choice", "thinking", "stop_sequences", "extra_headers", "cache_control")}
+    body = {k: v for k, v in extra.items() if k in ("metadata", "tools", "tool_choice", "thinking", "stop_sequences", "extra_headers", "cache_control", "output_config")}
     return client.messages.create(
         model="tiny", max_tokens=max_tokens, system=system, messages=messages, extra_body={k: v for k, v in extra.items() if k not in body} or GREEDY, **body
     )
@@ -149,6 +151,26 @@ def test_tool_use_round_trip(client, raw) -> None:
     assert client.messages.count_tokens(model="tiny", system=SYSTEM, messages=errored, tools=[WEATHER]).input_tokens > 0
     for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}, {"type": "none"}):
         assert ask(client, history[:1], max_tokens=2, tools=[WEATHER], tool_choice=choice, **COLD).usage.output_tokens > 0
+
+
+def test_tool_choice_any_forces_a_valid_tool_use(client) -> None:
+    # tool_choice "any" becomes OpenAI's "required", which the grammar enforces: the random-weight
+    # model could never produce a well-formed call by itself. Bounded arguments (no free strings, no extra keys) keep it short; whitespace between JSON tokens is allowed, hence the token budget.
+    tool = {**WEATHER, "input_schema": {"type": "object", "properties": {"city": {"enum": ["Oslo", "Bergen"]}}, "required": ["city"], "additionalProperties": False}}
+    messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    for choice in ({"type": "any", "disable_parallel_tool_use": True}, {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}):
+        message = ask(client, messages, max_tokens=200, tools=[tool], tool_choice=choice, **COLD)
+        calls = [b for b in message.content if b.type == "tool_use"]
+        assert message.stop_reason == "tool_use" and len(calls) == 1, message
+        assert calls[0].name == "get_weather" and calls[0].id.startswith("toolu_")
+        jsonschema.validate(calls[0].input, tool["input_schema"])
+
+
+def test_output_config_format_constrains_the_reply(client) -> None:
+    schema = {"type": "object", "properties": {"open": {"enum": ["9:00", "10:00"]}}, "required": ["open"], "additionalProperties": False}
+    message = ask(client, [{"role": "user", "content": QUESTIONS[0]}], max_tokens=200, output_config={"format": {"type": "json_schema", "schema": schema}}, **COLD)
+    assert message.stop_reason == "end_turn", message
+    jsonschema.validate(json.loads(text_of(message)), schema)
 
 
 def test_thinking_switches_the_reasoning_template(client, raw) -> None:
