@@ -391,6 +391,7 @@ def render_chat(template: ChatTemplate, chat: ChatRequest) -> str:
     Raises:
         TemplateError: the template failed or refused the conversation.
     """
+    template = template.for_tools(chat.render_tools)
     kwargs = _render_kwargs(chat)
     if chat.prefill:
         head, last = chat.messages[:-1], chat.messages[-1]
@@ -428,7 +429,7 @@ def render_history_boundary(template: ChatTemplate, chat: ChatRequest, prompt: s
         end -= 1
     if end == 0:
         return ""
-    history = template.render_history(
+    history = template.for_tools(chat.render_tools).render_history(
         chat.messages[:end], tools=chat.render_tools, **_render_kwargs(chat)
     )
     return os.path.commonprefix([history, prompt])
@@ -456,6 +457,7 @@ def render_next_history(template: ChatTemplate, chat: ChatRequest, reply: Mappin
     Used to warm up a session's snapshot in the background before its next turn arrives.
     """
     messages = [*chat.messages, dict(reply)]
+    template = template.for_tools(chat.render_tools)
     return template.render_history(messages, tools=chat.render_tools, **_render_kwargs(chat))
 
 

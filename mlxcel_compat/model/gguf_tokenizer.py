@@ -124,7 +124,33 @@ def _convert(architecture: str, tokenizer_dict: dict[str, Any]) -> Any:
     except ImportError:  # transformers < 5.x kept it in one module
         from transformers.integrations.ggml import convert_gguf_tokenizer  # type: ignore[no-redef]
     backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        _space_prefix_like_llama_cpp(backend, bool(tokenizer_dict.get("add_prefix_space", True)))
     return backend
+
+
+def _space_prefix_like_llama_cpp(backend: Any, add_space_prefix: bool) -> None:
+    """SentencePiece vocabularies: put the "▁" prefix where llama.cpp puts it.
+
+    transformers builds them with a ``Metaspace`` pre-tokenizer that prefixes only the start of
+    the text and only when it does not already begin with a space. llama.cpp prefixes a space to
+    every text fragment that starts the input or follows a special token, whatever it begins
+    with, and not at all when ``tokenizer.ggml.add_space_prefix`` is false; so does the legacy
+    Llama 2 ``tokenizer.json`` (a ``Prepend`` normalizer, applied to each piece of text between
+    special tokens). Measured on a SentencePiece vocabulary: ``"<s>[INST]"``, ``"a</s>b"`` and
+    ``"  two"`` tokenize differently without this. Builders with their own layout (Gemma, Phi-3:
+    no ``Metaspace``) are left alone.
+    """
+    from tokenizers import decoders, normalizers, pre_tokenizers
+
+    if not isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace):
+        return
+    space = "\u2581"
+    steps = [normalizers.Prepend(space)] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", space)])
+    backend.pre_tokenizer = None
+    strip = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
+    backend.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
 
 
 def default_cache_dir() -> Path:

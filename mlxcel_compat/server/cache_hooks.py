@@ -120,7 +120,8 @@ class CacheHooks:
         session: str | None = None,
         breakpoints: list[Breakpoint] | None = None,
     ) -> None:
-        sig = template_signature(self.template.source, chat.template_kwargs, chat.tool_choice, chat.tools)
+        source = self.template.for_tools(chat.render_tools).source  # the template the prompt was rendered with
+        sig = template_signature(source, chat.template_kwargs, chat.tool_choice, chat.tools)
         self._apply(data, requests, sig, session)
         if not requests or not requests[0].cache.enabled:
             return
