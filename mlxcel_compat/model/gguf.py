@@ -119,7 +119,7 @@ def split_parts(path: Path) -> list[Path]:
 
 
 class _Cursor:
-    """Sequential little-endian reads over the header bytes of a GGUF file."""
+    """Sequential little-endian reads over the header bytes of a GGUF file (an ``mmap``: slices are ``bytes``)."""
 
     def __init__(self, data: Any, path: Path) -> None:
         self.data, self.pos, self.path = data, 0, path
@@ -135,7 +135,7 @@ class _Cursor:
         return struct.unpack("<" + fmt, self.take(struct.calcsize(fmt)))[0]
 
     def string(self) -> str:
-        return bytes(self.take(self.scalar("Q"))).decode("utf-8", errors="replace")
+        return self.take(self.scalar("Q")).decode("utf-8", errors="replace")
 
 
 # GGUF metadata value types -> struct format (8 = string, 9 = array are handled apart).
@@ -143,14 +143,18 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _STRING, _ARRAY = 8, 9
 
 
+_U64 = struct.Struct("<Q").unpack_from
+
+
 def _strings(cur: _Cursor, count: int) -> list[str]:
-    """A string array (vocabularies, merges): the hot loop of header parsing, kept tight."""
+    """A string array (vocabularies, merges): the hot loop of header parsing, kept tight
+    (``unpack_from`` and ``bytes`` slices of the map: 2x faster than slicing a memoryview)."""
     data, pos, out = cur.data, cur.pos, []
-    append, from_bytes = out.append, int.from_bytes
+    append, u64 = out.append, _U64
     for _ in range(count):
-        n = from_bytes(data[pos:pos + 8], "little")
+        (n,) = u64(data, pos)
         pos += 8
-        append(str(data[pos:pos + n], "utf-8", "replace"))
+        append(data[pos:pos + n].decode("utf-8", "replace"))
         pos += n
     if pos > len(data):
         raise GGUFError(f"'{cur.path}' ends inside its header")
@@ -179,11 +183,9 @@ def _read_part(path: Path, metadata_keys: bool) -> tuple[dict[str, Any], list[Te
     per string, seconds for a 150K-token vocabulary)."""
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            cur = _Cursor(memoryview(data), path)
-            try:
-                return _parse_header(cur, path, metadata_keys)
-            finally:
-                cur.data.release()
+            return _parse_header(_Cursor(data, path), path, metadata_keys)
+    except struct.error as exc:  # a length field pointing past the end of the file
+        raise GGUFError(f"'{path}' ends inside its header") from exc
     except (OSError, ValueError) as exc:
         if isinstance(exc, GGUFError):
             raise

@@ -186,7 +186,7 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     dtype = precision.compute_dtype(on_cpu, {t.ggml_type for t in file.tensors.values()})
     plans = {
         g: precision.tensor_precision(file.tensors[g].ggml_type, on_cpu,
-                                      _quantizable(model, m, file.tensors[g].shape), dtype)
+                                      not on_cpu and _quantizable(model, m, file.tensors[g].shape), dtype)
         for g, m in names.items()
     }
     affine = {names[g][: -len(".weight")]: file.tensors[g] for g, p in plans.items() if p == precision.AFFINE}
@@ -205,6 +205,7 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     decoded = [file.tensors[g].n_bytes for g in names if file.tensors[g].ggml_type not in FLOAT_TYPES]
     scratch = np.empty(max(decoded, default=0), dtype=np.uint8)  # only quantized tensors go through NumPy
     done = 0
+    loaded: list[tuple[str, Any]] = []
     for gguf_name, info in file.tensors.items():
         if gguf_name not in names:
             continue
@@ -216,14 +217,14 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         else:
             weights = [(mlx_name, _decode(info, read_tensor(info, scratch), mlx_name, spec, config, plan,
                                           shapes[mlx_name]))]
-        model.load_weights(weights, strict=False)
-        mx.eval([w for _, w in weights])
+        mx.eval([w for _, w in weights])  # one tensor in flight: its temporaries go now
+        loaded.extend(weights)
         label = f"affine {gguf_quants.type_name(info.ggml_type).lower()}" if plan == precision.AFFINE else plan
         summary.precision[label] = summary.precision.get(label, 0) + 1
-        del weights
         done += info.n_bytes
         if progress is not None:
             progress(done, total)
+    model.load_weights(loaded, strict=False)  # the model's own initial values were never evaluated
     if "rope_freqs.weight" in file.tensors and spec.permute_qk:
         _install_rope_freqs(model, file, config)
     summary.load_seconds = time.perf_counter() - t0
