@@ -447,6 +447,7 @@ def render_prefix(template: ChatTemplate, chat: ChatRequest, n_messages: int, n_
     messages = [dict(m) for m in chat.messages[:n_messages]]
     if messages and n_parts is not None and isinstance(messages[-1].get("content"), list):
         messages[-1]["content"] = messages[-1]["content"][:n_parts]
+    template = template.for_tools(chat.render_tools)
     text = template.render_history(messages, tools=chat.render_tools, **_render_kwargs(chat))
     return os.path.commonprefix([text, prompt])
 
