@@ -8,8 +8,10 @@
  * so MLX's cblas_sgemm resolves here (mlxcel_compat/blas_shim.py builds and loads it) and:
  *
  *   - row-major C = alpha * A @ B^T + beta * C with M <= small_m_max (a linear layer with a few
- *     rows: decode, batched decode, short prefill chunks) runs the kernel below: every weight row
- *     is read once and multiplied with all M rows of A while it is in registers, on all cores;
+ *     rows: decode, batched decode, short prefill chunks; attention scores while decoding) runs
+ *     the kernel below: every weight row is read once and multiplied with all M rows of A while
+ *     it is in registers, on all cores; A @ B with M <= small_m_max (attention's probabilities
+ *     @ values) likewise, streaming the rows of B;
  *   - other M == 1 or N == 1 products go to OpenBLAS's cblas_sgemv;
  *   - everything else goes to OpenBLAS's cblas_sgemm unchanged.
  *
@@ -69,6 +71,12 @@ static atomic_long calls[3]; /* by route actually taken: sgemm, sgemv, kernel */
 
 static inline vf loadv(const float *p) { return *(const vf *)p; }
 
+static inline vf splat(float a) {
+    vf v;
+    for (int l = 0; l < VL; l++) v[l] = a;
+    return v;
+}
+
 /* Sum of the lanes by halving: one fixed order. */
 static inline float hsum(vf v) {
     float t[VL];
@@ -77,6 +85,27 @@ static inline float hsum(vf v) {
         for (int i = 0; i < w; i++) t[i] += t[i + w];
     return t[0];
 }
+
+/* The sums of four vectors, each added in exactly hsum's order (so a block's results do not
+ * depend on how many outputs it reduces together), with a quarter of the shuffles. */
+#if VL == 16 && defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define HAVE_HSUM4 1
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
+static inline void hsum4(vf a, vf b, vf c, vf d, float out[4]) {
+    vf ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    vf cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    vf q = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    v8 h = __builtin_shufflevector(q, q, 0, 1, 4, 5, 8, 9, 12, 13) + __builtin_shufflevector(q, q, 2, 3, 6, 7, 10, 11, 14, 15);
+    v4 r = __builtin_shufflevector(h, h, 0, 2, 4, 6) + __builtin_shufflevector(h, h, 1, 3, 5, 7);
+    memcpy(out, &r, sizeof r);
+}
+#endif
+#endif
 
 static inline void store(float *c, float alpha, float beta, float s) {
     *c = beta == 0.0f ? alpha * s : alpha * s + beta * *c;
@@ -99,12 +128,19 @@ static inline __attribute__((always_inline)) void block(const int MB, const int 
             for (int j = 0; j < NB; j++) acc[i][j] += xv * wv[j];
         }
     }
-    for (int i = 0; i < MB; i++)
+    for (int i = 0; i < MB; i++) {
+        float sums[NB_MAX];
+#ifdef HAVE_HSUM4
+        if (NB == 4) hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums);
+        else
+#endif
+            for (int j = 0; j < NB; j++) sums[j] = hsum(acc[i][j]);
         for (int j = 0; j < NB; j++) {
-            float s = hsum(acc[i][j]);
+            float s = sums[j];
             for (int kk = k; kk < K; kk++) s += x[i * ldx + kk] * w[j * ldw + kk];
             store(c + i * ldc + j, alpha, beta, s);
         }
+    }
 }
 
 #define BLOCK(mb, nb)                                                                                      \
@@ -127,6 +163,53 @@ static void rows_nt(int M, int n0, int n1, int K, const float *x, size_t ldx, co
     }
 }
 
+/* c[i, j] = alpha * sum_k x[i, k] * w[k, j] (+ beta * c[i, j]) for i < MB and the NV * VL columns
+ * from w, w being K x N (not transposed: attention's probabilities @ values). Each element is
+ * summed over k in order, whatever M: no horizontal sums. */
+static inline __attribute__((always_inline)) void block_nn(const int MB, const int NV, int K, const float *x,
+                                                           size_t ldx, const float *w, size_t ldw, float *c,
+                                                           size_t ldc, float alpha, float beta) {
+    vf acc[MB_MAX][NB_MAX];
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NV; j++) acc[i][j] = (vf){0};
+    for (int k = 0; k < K; k++) {
+        vf wv[NB_MAX];
+        for (int j = 0; j < NV; j++) wv[j] = loadv(w + k * ldw + j * VL);
+        for (int i = 0; i < MB; i++) {
+            vf xs = splat(x[i * ldx + k]);
+            for (int j = 0; j < NV; j++) acc[i][j] += xs * wv[j];
+        }
+    }
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NV; j++)
+            for (int l = 0; l < VL; l++) store(c + i * ldc + j * VL + l, alpha, beta, acc[i][j][l]);
+}
+
+#define BLOCK_NN(mb, nv) \
+    block_nn(mb, nv, K, x + (size_t)m * ldx, ldx, w + n, ldw, c + (size_t)m * ldc + n, ldc, alpha, beta)
+
+/* All M rows of x against columns [n0, n1) of w. */
+static void rows_nn(int M, int n0, int n1, int K, const float *x, size_t ldx, const float *w, size_t ldw,
+                    float *c, size_t ldc, float alpha, float beta) {
+    int n = n0;
+    for (; n + NB_MAX * VL <= n1; n += NB_MAX * VL) {
+        int m = 0;
+        for (; m + MB_MAX <= M; m += MB_MAX) BLOCK_NN(MB_MAX, NB_MAX);
+        for (; m < M; m++) BLOCK_NN(1, NB_MAX);
+    }
+    for (; n + VL <= n1; n += VL) {
+        int m = 0;
+        for (; m + MB_MAX <= M; m += MB_MAX) BLOCK_NN(MB_MAX, 1);
+        for (; m < M; m++) BLOCK_NN(1, 1);
+    }
+    for (; n < n1; n++) /* the last columns, one at a time, in the same order */
+        for (int m = 0; m < M; m++) {
+            float s = 0.0f;
+            for (int k = 0; k < K; k++) s += x[(size_t)m * ldx + k] * w[(size_t)k * ldw + n];
+            store(c + (size_t)m * ldc + n, alpha, beta, s);
+        }
+}
+
 /* ------------------------------------------------------------------------------- thread pool
  * A product is cut into parts (bands of weight rows); the calling thread and the workers claim
  * parts until none is left, so a worker that the OS has not scheduled (a busy machine) costs
@@ -139,6 +222,7 @@ static void rows_nt(int M, int n0, int n1, int K, const float *x, size_t ldx, co
 #define SPIN_PAUSES 2000 /* ~0.1 ms on current x86 cores */
 
 struct job {
+    int nn; /* w is K x N (rows_nn), else N x K (rows_nt) */
     int M, N, K;
     const float *x, *w;
     size_t ldx, ldw, ldc;
@@ -163,12 +247,18 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* Part p of the N weight rows, in multiples of NB_MAX. */
+/* Outputs per unit of work: NB_MAX weight rows, or NB_MAX vectors of columns. */
+static int unit(int nn) { return nn ? NB_MAX * VL : NB_MAX; }
+
+/* Part p of the N outputs, in whole units. */
 static void run_part(const struct job *j, int p) {
-    int per = ((j->N + j->parts - 1) / j->parts + NB_MAX - 1) / NB_MAX * NB_MAX;
+    int u = unit(j->nn);
+    int per = ((j->N + j->parts - 1) / j->parts + u - 1) / u * u;
     int n0 = p * per < j->N ? p * per : j->N;
     int n1 = n0 + per < j->N ? n0 + per : j->N;
-    if (n0 < n1) rows_nt(j->M, n0, n1, j->K, j->x, j->ldx, j->w, j->ldw, j->c, j->ldc, j->alpha, j->beta);
+    if (n0 >= n1) return;
+    if (j->nn) rows_nn(j->M, n0, n1, j->K, j->x, j->ldx, j->w, j->ldw, j->c, j->ldc, j->alpha, j->beta);
+    else rows_nt(j->M, n0, n1, j->K, j->x, j->ldx, j->w, j->ldw, j->c, j->ldc, j->alpha, j->beta);
 }
 
 /* Claim and run parts of job number `number` until none is left. */
@@ -232,15 +322,15 @@ static void start_workers(void) {
 /* Below this many multiply-adds a product runs on the calling thread: waking a worker costs more. */
 #define PARALLEL_MIN_MACS (1 << 16)
 
-static void small_m_nt(int M, int N, int K, float alpha, const float *x, size_t ldx, const float *w, size_t ldw,
-                       float beta, float *c, size_t ldc) {
-    if (n_threads > 1 && (long)M * N * K >= PARALLEL_MIN_MACS && pthread_mutex_trylock(&pool_lock) == 0) {
+static void small_m(int nn, int M, int N, int K, float alpha, const float *x, size_t ldx, const float *w,
+                    size_t ldw, float beta, float *c, size_t ldc) {
+    int units = (N + unit(nn) - 1) / unit(nn);
+    if (n_threads > 1 && units > 1 && (long)M * N * K >= PARALLEL_MIN_MACS && pthread_mutex_trylock(&pool_lock) == 0) {
         start_workers();
         int threads = n_threads < n_workers + 1 ? n_threads : n_workers + 1;
         if (threads > 1) {
-            int parts = threads * PARTS_PER_THREAD;
-            if (parts > (N + NB_MAX - 1) / NB_MAX) parts = (N + NB_MAX - 1) / NB_MAX;
-            job = (struct job){M, N, K, x, w, ldx, ldw, ldc, c, alpha, beta, parts};
+            int parts = threads * PARTS_PER_THREAD < units ? threads * PARTS_PER_THREAD : units;
+            job = (struct job){nn, M, N, K, x, w, ldx, ldw, ldc, c, alpha, beta, parts};
             atomic_store_explicit(&parts_done, 0, memory_order_relaxed);
             unsigned number = atomic_load_explicit(&job_number, memory_order_relaxed) + 1;
             atomic_store_explicit(&ticket, (unsigned long long)number << 32, memory_order_release);
@@ -256,7 +346,8 @@ static void small_m_nt(int M, int N, int K, float alpha, const float *x, size_t 
         }
         pthread_mutex_unlock(&pool_lock);
     }
-    rows_nt(M, 0, N, K, x, ldx, w, ldw, c, ldc, alpha, beta);
+    if (nn) rows_nn(M, 0, N, K, x, ldx, w, ldw, c, ldc, alpha, beta);
+    else rows_nt(M, 0, N, K, x, ldx, w, ldw, c, ldc, alpha, beta);
 }
 
 /* ------------------------------------------------------------------------------------ routing */
@@ -297,9 +388,9 @@ void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, co
     }
     int plain = order == RowMajor && (ta == NoTrans || ta == Trans) && (tb == NoTrans || tb == Trans);
     if (plain && route != ROUTE_SGEMM && M > 0 && N > 0 && K > 0) {
-        if (route == ROUTE_KERNEL && ta == NoTrans && tb == Trans && M <= small_m_max) {
+        if (route == ROUTE_KERNEL && ta == NoTrans && M <= small_m_max) {
             atomic_fetch_add_explicit(&calls[2], 1, memory_order_relaxed);
-            small_m_nt(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+            small_m(tb == NoTrans, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
             return;
         }
         if (as_gemv(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) {

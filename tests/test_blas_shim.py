@@ -138,6 +138,16 @@ def test_a_batched_row_is_bit_identical_to_the_row_alone() -> None:
         batched = x[:M] @ w.T
         for i in range(M):
             assert mx.array_equal(batched[i], (x[i : i + 1] @ w.T)[0]), (M, i)
+    # Columns too: an output reduced in a block of four equals the same output reduced alone.
+    full = x[:3] @ w.T
+    for j in (0, 1, 2, 3, 517, 999):
+        assert mx.array_equal(full[:, j], (x[:3] @ w[j : j + 1].T)[:, 0]), j
+    # And x @ v (v not transposed: attention's probabilities @ values), with a column tail.
+    v = mx.array(rng.standard_normal((768, 100)).astype(np.float32))
+    for M in (2, 3, 7):
+        batched = x[:M] @ v
+        for i in range(M):
+            assert mx.array_equal(batched[i], (x[i : i + 1] @ v)[0]), (M, i)
 
 
 @needs_shim

@@ -139,11 +139,13 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
 
         model, tokenizer, config = load(str(path), return_config=True)
     if mx.default_device() == mx.cpu:
-        from mlxcel_compat.model import attention
+        from mlxcel_compat.model import attention, cpu_fusion
 
         # Quantized (integer) weights stay as they are; only half-precision floats are widened.
         model.set_dtype(mx.float32, predicate=lambda dt: dt in (mx.float16, mx.bfloat16))
         attention.install()  # the model's module is imported now: switch its attention
+        fused = cpu_fusion.install(model)
+        log.debug("CPU fusion: %s", fused)
     params = tree_flatten(model.parameters())
     n_params = summary.n_params if summary is not None else sum(v.size for _, v in params)
     size_bytes = summary.file_bytes if summary is not None else sum(v.nbytes for _, v in params)
