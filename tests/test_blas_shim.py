@@ -244,3 +244,17 @@ def test_the_library_is_rebuilt_for_another_source_or_cpu(tmp_path: Path, monkey
     monkeypatch.setattr(blas_shim, "_cpu_signature", lambda: "another CPU")
     other = blas_shim.build(tmp_path)
     assert other.path != first.path and other.built_now
+
+
+@needs_shim
+@pytest.mark.e2e
+def test_the_server_logs_which_matmul_path_is_active(server_factory, llama_dir) -> None:
+    import httpx
+
+    on = server_factory(["-m", str(llama_dir)])
+    off = server_factory(["-m", str(llama_dir)], env={"MLXCEL_BLAS_SHIM": "0"})
+    assert "float32 matmuls: matmuls with <= 16 rows -> mlxcel kernel" in on.log()
+    assert "float32 matmuls: off (MLXCEL_BLAS_SHIM=0)" in off.log()
+    body = {"prompt": [5, 17, 300, 41, 9], "n_predict": 4, "temperature": 0, "n_probs": 1}
+    replies = [httpx.post(s.base_url + "/completion", json=body, timeout=60).json() for s in (on, off)]
+    assert all(r["tokens_predicted"] == 4 for r in replies)
