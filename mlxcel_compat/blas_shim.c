@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 /* CBLAS enum values (cblas.h). */
@@ -214,12 +215,20 @@ static void rows_nn(int M, int n0, int n1, int K, const float *x, size_t ldx, co
  * A product is cut into parts (bands of weight rows); the calling thread and the workers claim
  * parts until none is left, so a worker that the OS has not scheduled (a busy machine) costs
  * nothing but its share of the speed-up: the caller does its parts. Claiming compares the job's
- * number too, so a late worker can never take a part of the next job. Idle workers spin briefly
- * (the matmuls of one forward pass come microseconds apart), then sleep on a futex. */
+ * number too, so a late worker can never take a part of the next job. Idle workers wait for the
+ * next job by yielding the core (the matmuls of one forward pass come microseconds apart, and any
+ * other runnable thread gets the core meanwhile), then sleep on a futex. */
 
 #define MAX_THREADS 64
 #define PARTS_PER_THREAD 4
-#define SPIN_PAUSES 2000 /* ~0.1 ms on current x86 cores */
+#define SPIN_PAUSES 64           /* busy polls before yielding */
+#define IDLE_NS (500 * 1000)     /* then yield for up to 0.5 ms before sleeping */
+
+static long long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000LL + t.tv_nsec;
+}
 
 struct job {
     int nn; /* w is K x N (rows_nn), else N x K (rows_nt) */
@@ -278,14 +287,19 @@ static void *worker(void *arg) {
     for (;;) {
         unsigned number;
         int spins = 0;
+        long long idle_since = 0;
         while ((number = atomic_load_explicit(&job_number, memory_order_acquire)) == seen) {
             if (++spins < SPIN_PAUSES) {
                 cpu_relax();
+            } else if (idle_since == 0 || now_ns() - idle_since < IDLE_NS) {
+                if (idle_since == 0) idle_since = now_ns();
+                sched_yield();
             } else {
                 atomic_fetch_add(&sleepers, 1);
                 syscall(SYS_futex, &job_number, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
                 atomic_fetch_sub(&sleepers, 1);
                 spins = 0;
+                idle_since = 0;
             }
         }
         seen = number;
@@ -379,11 +393,10 @@ static int as_gemv(int ta, int tb, int M, int N, int K, float alpha, const float
     return 1;
 }
 
-void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
-                 const float *B, int ldb, float beta, float *C, int ldc) {
-    if (!real_sgemm) resolve_fallback();
+static void route_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+                        const float *B, int ldb, float beta, float *C, int ldc) {
     if (order == ColMajor) { /* C^T = op(B)^T op(A)^T in row-major terms */
-        cblas_sgemm(RowMajor, tb, ta, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc);
+        route_sgemm(RowMajor, tb, ta, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc);
         return;
     }
     int plain = order == RowMajor && (ta == NoTrans || ta == Trans) && (tb == NoTrans || tb == Trans);
@@ -400,6 +413,13 @@ void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, co
     }
     atomic_fetch_add_explicit(&calls[0], 1, memory_order_relaxed);
     real_sgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+/* The interposed symbol: MLX's calls land here. */
+void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+                 const float *B, int ldb, float beta, float *C, int ldc) {
+    if (!real_sgemm) resolve_fallback();
+    route_sgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
 /* ------------------------------------------------------------------------------ control (ctypes) */

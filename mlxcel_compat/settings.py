@@ -407,7 +407,11 @@ _MODEL: tuple[Setting, ...] = (
             group="model", help="Context size in tokens (0 = the model's own), padded to a multiple of 256 and "
                                 "shared among the slots (see --parallel, --kv-unified)."),
     Setting("batch_size", ("-b", "--batch-size"), ("LLAMA_ARG_BATCH",), type="int", default=2048, minimum=1,
-            group="model", help="Prefill chunk: prompt tokens evaluated per engine step."),
+            group="model", help="Logical batch size: the prefill chunk is the smaller of this and --ubatch-size."),
+    Setting("ubatch_size", ("-ub", "--ubatch-size"), ("LLAMA_ARG_UBATCH",), type="int", default=512, minimum=1,
+            group="model", help="Physical batch size: prompt tokens computed per forward pass (the prefill "
+                                "chunk is the smaller of this and --batch-size; 512 measured best on CPU, "
+                                "docs/benchmarks.md)."),
     Setting("chat_template", ("--chat-template",), ("LLAMA_ARG_CHAT_TEMPLATE",), group="model",
             metavar="TEMPLATE", help="Chat template: a built-in name or Jinja source (default: the model's)."),
     Setting("chat_template_file", ("--chat-template-file",), ("LLAMA_ARG_CHAT_TEMPLATE_FILE",), group="model",
@@ -699,8 +703,6 @@ _COMPAT: tuple[Setting, ...] = (
     _noop("prio_batch", ("--prio-batch",), "Thread priority (batch).", R_THREADS, metavar="N"),
     _noop("poll_batch", ("--poll-batch",), "Polling (batch).", R_THREADS, metavar="<0|1>"),
     _noop("numa", ("--numa",), "NUMA strategy.", R_THREADS, metavar="TYPE", env=("LLAMA_ARG_NUMA",)),
-    _noop("ubatch_size", ("-ub", "--ubatch-size"), "Physical batch size.",
-          "prefill chunking is set by --batch-size", metavar="N", env=("LLAMA_ARG_UBATCH",), type="int"),
     _noop("flash_attn", ("-fa", "--flash-attn"), "Flash attention (on/off/auto).",
           "MLX picks its attention kernel itself", metavar="[on|off|auto]", arity="optional",
           env=("LLAMA_ARG_FLASH_ATTN",)),

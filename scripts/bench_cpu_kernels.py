@@ -188,35 +188,39 @@ def section_attention(args: argparse.Namespace, env: dict[str, Any]) -> None:
     plain_exp = lambda s, m: mx.power(2.0, s - m)  # noqa: E731
     shim = env["shim"]
 
-    def ours(q, k, v, mask, *, blocks: bool = True, compiled: bool = True, route: int = blas_shim.ROUTE_KERNEL):
+    def ours(q, k, v, mask, *, blocks: bool = True, compiled: bool = True, route: int = blas_shim.ROUTE_KERNEL,
+             streams: int | None = None):
         def make():
-            saved = attention.QUERY_BLOCK
-            attention.QUERY_BLOCK = saved if blocks else 1 << 30
+            saved = attention.QUERY_BLOCK, attention.BLOCK_STREAMS
+            attention.QUERY_BLOCK = saved[0] if blocks else 1 << 30
+            attention.BLOCK_STREAMS = saved[1] if streams is None else streams
             attention._exp2_shifted = compiled_exp if compiled else plain_exp
             if shim is not None:
                 shim.configure(route=route)
             try:
                 return attention.cpu_attention(q, k, v, 0.125, mask)
             finally:
-                attention.QUERY_BLOCK = saved
+                attention.QUERY_BLOCK, attention.BLOCK_STREAMS = saved
                 attention._exp2_shifted = compiled_exp
         return make
 
-    print("| B | queries | keys | mx.fast ms | CPU path ms | speed-up | no query blocks | plain exponent | matmuls to sgemm | max rel. difference |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    other_streams = 2 if attention.BLOCK_STREAMS == 1 else 1
+    print(f"| B | queries | keys | mx.fast ms | CPU path ms | speed-up | no query blocks | plain exponent | matmuls to sgemm | blocks on {other_streams} stream(s) | max rel. difference |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for b, length, keys in ATTN_SHAPES:
         q, k, v = mx.random.normal((b, 12, length, 64)), mx.random.normal((b, 4, keys, 64)), mx.random.normal((b, 4, keys, 64))
         mask = "causal" if length > 1 else None
         fast = lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)  # noqa: E731
         fns = {"fast": timed(fast), "ours": timed(ours(q, k, v, mask)), "no blocks": timed(ours(q, k, v, mask, blocks=False)),
-               "plain exp": timed(ours(q, k, v, mask, compiled=False)), "sgemm": timed(ours(q, k, v, mask, route=blas_shim.ROUTE_SGEMM))}
+               "plain exp": timed(ours(q, k, v, mask, compiled=False)), "sgemm": timed(ours(q, k, v, mask, route=blas_shim.ROUTE_SGEMM)),
+               "streams": timed(ours(q, k, v, mask, streams=other_streams))}
         res = {name: med(v) * 1e3 for name, v in interleaved(fns, args.reps).items()}
         diff = (mx.abs(fast() - ours(q, k, v, mask)()).max() / mx.abs(fast()).max()).item()
         print(f"| {b} | {length} | {keys} | {res['fast']:.2f} | {res['ours']:.2f} | {res['fast'] / res['ours']:.2f} | "
-              f"{res['no blocks']:.2f} | {res['plain exp']:.2f} | {res['sgemm']:.2f} | {diff:.1e} |", flush=True)
+              f"{res['no blocks']:.2f} | {res['plain exp']:.2f} | {res['sgemm']:.2f} | {res['streams']:.2f} | {diff:.1e} |", flush=True)
     if shim is not None:
         shim.configure(route=blas_shim.ROUTE_KERNEL)
-    print(f"\nActive: CPU path, query blocks of {attention.QUERY_BLOCK}, compiled exponent.")
+    print(f"\nActive: CPU path, query blocks of {attention.QUERY_BLOCK} on {attention.BLOCK_STREAMS} stream(s), compiled exponent.")
 
 
 # --------------------------------------------------------------------------- 4. element-wise pieces
@@ -280,21 +284,25 @@ class Levers:
         from mlxcel_compat.model import attention, cpu_fusion
 
         self.env, self.attention, self.fusion = env, attention, cpu_fusion
-        self.defaults = (attention.QUERY_BLOCK, attention._exp2_shifted, cpu_fusion.SMALL_ELEMENTS)
+        self.defaults = (attention.QUERY_BLOCK, attention._exp2_shifted, cpu_fusion.SMALL_ELEMENTS, attention.BLOCK_STREAMS)
         self.swiglu_modules = [m for name, m in sys.modules.items() if name.startswith("mlx_lm.models.")
                                and getattr(m, "swiglu", None) is cpu_fusion.swiglu]
         self.mlx_swiglu = activations.swiglu
 
-    def set(self, off: str = "") -> None:
+    def set(self, *off: str) -> None:
+        """Everything on except the levers named in ``off`` (names from OFF; "all" = every one)."""
         import mlx.core as mx
 
         from mlxcel_compat import blas_shim
 
-        block, exp2, small = self.defaults
-        self.attention.QUERY_BLOCK = 1 << 30 if off == "query blocks" else block
-        self.attention._exp2_shifted = (lambda s, m: mx.power(2.0, s - m)) if off == "compiled exponent" else exp2
-        self.fusion.SMALL_ELEMENTS = -1 if off == "compiled modules" else small
-        swiglu = self.mlx_swiglu if off == "SiLU via power of 2" else self.fusion.swiglu
+        if "all" in off:
+            off = LEVERS
+        block, exp2, small, streams = self.defaults
+        self.attention.QUERY_BLOCK = 1 << 30 if "query blocks" in off else block
+        self.attention.BLOCK_STREAMS = (2 if streams == 1 else 1) if "other block streams" in off else streams
+        self.attention._exp2_shifted = (lambda s, m: mx.power(2.0, s - m)) if "compiled exponent" in off else exp2
+        self.fusion.SMALL_ELEMENTS = -1 if "compiled modules" in off else small
+        swiglu = self.mlx_swiglu if "SiLU via power of 2" in off else self.fusion.swiglu
         for module in self.swiglu_modules:
             if module.swiglu is not swiglu:
                 module.swiglu = swiglu
@@ -302,10 +310,12 @@ class Levers:
                     m.__dict__.pop("_mlxcel_fused", None)
         shim = self.env["shim"]
         if shim is not None:
-            shim.configure(route=blas_shim.ROUTE_SGEMM if off == "matmul shim" else blas_shim.ROUTE_KERNEL)
+            shim.configure(route=blas_shim.ROUTE_SGEMM if "matmul shim" in off else blas_shim.ROUTE_KERNEL)
 
 
-OFF = ("", "matmul shim", "compiled modules", "SiLU via power of 2", "compiled exponent", "query blocks")
+# The levers of issue 15 ("other block streams" is an alternative setting rather than an off switch).
+LEVERS = ("matmul shim", "compiled modules", "SiLU via power of 2", "compiled exponent", "query blocks")
+OFF = ("", *LEVERS, "other block streams")
 
 
 def decode_step(env: dict[str, Any], context: int) -> Callable[[], float]:
@@ -352,7 +362,7 @@ def prefill(env: dict[str, Any], n: int, chunk: int) -> Callable[[], float]:
 def section_model(args: argparse.Namespace, env: dict[str, Any]) -> None:
     levers = Levers(env)
     print(f"## 5. In the model: each lever off in turn (decode at {args.context} tokens of context; prefill of {args.prompt} tokens in chunks of {args.chunk})\n")
-    print("| switched off | decode step ms | × all on | prefill ms | × all on |")
+    print("| switched off (\"other block streams\": query blocks on 2 streams if 1 is active, else 1) | decode step ms | × all on | prefill ms | × all on |")
     print("|---|---:|---:|---:|---:|")
     step, fill = decode_step(env, args.context), prefill(env, args.prompt, args.chunk)
 
@@ -405,7 +415,7 @@ def load_env(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     from mlxcel_compat.settings import SETTINGS
 
-    default_chunk = next(s.default for s in SETTINGS if s.name == "batch_size")
+    default_chunk = min(s.default for s in SETTINGS if s.name in ("batch_size", "ubatch_size"))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--size", default="small", help="generated llama size (default small: 88M parameters)")

@@ -9,11 +9,12 @@
    it (aligned chunks of the chunk size, then the last token), against the step's FLOPs (weights
    and causal attention) divided by the SGEMM rate this run measures on the model's own weight
    shapes at the chunk size (OpenBLAS ``cblas_sgemm`` through MLX). Goal: <= 1.6 x the limit.
-   Both with the levers on (the server's defaults) and off (every matmul to ``cblas_sgemm``: the
-   code before issue 15), interleaved.
+   Both with the levers on (the server's defaults) and all off (every matmul to ``cblas_sgemm``,
+   mlx-lm's SiLU, unfused modules, whole-chunk attention, as before issue 15), interleaved.
 3. **Servers, before and after**: decode tokens/s and the full-hit TTFT of a ``--prompt``-token
-   prompt from our server with the levers off and the old chunk default ("before") and with its
-   defaults ("after"), requests alternating between the two; and the same figures from
+   prompt from the server as it was before issue 15 (``--before-ref``, exported from git, its
+   defaults) and as it is now (its defaults), requests alternating between the two; and the same
+   figures from
    ``mlx_lm.generate``'s ``stream_generate`` on the same model, in a child process that loads the
    same OpenBLAS with the same kernels but gets none of the levers (no shim, mlx-lm's attention;
    its "TTFT" is a cold prefill: it has no prompt cache).
@@ -45,9 +46,9 @@ if str(ROOT) not in sys.path:
 
 import benchlib  # noqa: E402  (never imports MLX)
 
-# What "before" means for the servers: the code before issue 15 (no shim, chunk default 2048).
-BEFORE_ENV = {"MLXCEL_BLAS_SHIM": "0"}
-BEFORE_ARGS = ["-b", "2048"]
+# "Before" for the servers: the project's code before issue 15 (main at 640377d), exported from
+# git into a temporary directory and run with the same Python environment.
+BEFORE_REF = "640377d"
 
 
 def median(xs: list[float]) -> float:
@@ -71,6 +72,8 @@ def interleaved(fns: dict[str, Callable[[], float]], reps: int) -> dict[str, lis
 
 
 def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    from bench_cpu_kernels import Levers
+
     from mlxcel_compat import backend, blas_shim
 
     info = backend.load_optimized_blas()
@@ -84,6 +87,7 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
 
     loaded = load_model(str(model_dir), [])
     model = loaded.model
+    levers = Levers({"model": model, "shim": shim})
     named = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     head = [m.weight for name, m in named if name.endswith("lm_head")]  # computed for the last token only
     layer_weights = [m.weight for name, m in named if not name.endswith("lm_head")]
@@ -96,6 +100,9 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     def set_route(route: int) -> None:
         if shim is not None:
             shim.configure(route=route)
+
+    def all_levers(on: bool) -> None:
+        levers.set() if on else levers.set("all")
 
     # -- streaming limit: y = W x for every weight matrix, OpenBLAS sgemv called directly
     arrays = [np.asarray(w) for w in weights]  # the same memory as the model's weights
@@ -114,6 +121,7 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
 
     def mlx_pass(route: int) -> Callable[[], float]:
         def run() -> float:
+            all_levers(True)
             set_route(route)
             t = time.perf_counter()
             mx.eval([mx_x[w.shape[1]] @ w.T for w in weights])
@@ -128,9 +136,9 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         mx.eval([c.state for c in cache])
     token = mx.array([[11]])
 
-    def decode_step(route: int) -> Callable[[], float]:
+    def decode_step(on: bool) -> Callable[[], float]:
         def run() -> float:
-            set_route(route)
+            all_levers(on)
             t = time.perf_counter()
             logits = model(token, cache=cache)
             mx.eval(mx.argmax(logits[0, -1]))
@@ -144,8 +152,8 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     if shim is not None:
         fns["kernel (shim, via MLX)"] = mlx_pass(blas_shim.ROUTE_KERNEL)
     fns["sgemm (OpenBLAS, via MLX)"] = mlx_pass(blas_shim.ROUTE_SGEMM)
-    fns["step, levers on"] = decode_step(blas_shim.ROUTE_KERNEL)
-    fns["step, levers off"] = decode_step(blas_shim.ROUTE_SGEMM)
+    fns["step, levers on"] = decode_step(True)
+    fns["step, levers off"] = decode_step(False)
     decode = interleaved(fns, args.reps)
 
     # -- prefill of --prompt tokens vs the SGEMM rate on the model's shapes at the chunk size
@@ -154,6 +162,7 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     mx.eval(list(mx_chunk.values()))
 
     def sgemm_chunk() -> float:
+        all_levers(True)
         set_route(blas_shim.ROUTE_SGEMM)
         t = time.perf_counter()
         mx.eval([mx_chunk[w.shape[1]] @ w.T for w in layer_weights])
@@ -161,9 +170,9 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
 
     prompt = [(13 * i + 5) % 8000 for i in range(args.prompt)]
 
-    def prefill(route: int) -> Callable[[], float]:
+    def prefill(on: bool) -> Callable[[], float]:
         def run() -> float:
-            set_route(route)
+            all_levers(on)
             c = make_prompt_cache(model)
             t = time.perf_counter()
             for start in range(0, len(prompt) - 1, chunk):
@@ -173,9 +182,9 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
             return time.perf_counter() - t
         return run
 
-    pre = interleaved({"sgemm rate": sgemm_chunk, "prefill, levers on": prefill(blas_shim.ROUTE_KERNEL),
-                       "prefill, levers off": prefill(blas_shim.ROUTE_SGEMM)}, args.reps)
-    set_route(blas_shim.ROUTE_KERNEL)
+    pre = interleaved({"sgemm rate": sgemm_chunk, "prefill, levers on": prefill(True),
+                       "prefill, levers off": prefill(False)}, args.reps)
+    all_levers(True)
 
     cfg = loaded.config
     layers, hq = cfg["num_hidden_layers"], cfg["num_attention_heads"]
@@ -224,10 +233,12 @@ def report_limits(r: dict[str, Any]) -> list[str]:
 
 
 class Server(benchlib.ServerProcess):
-    def __init__(self, name: str, model_dir: Path, args: list[str], env: dict[str, str], timeout: float) -> None:
+    """``python -m mlxcel_compat`` run from ``code`` (its directory comes first on sys.path)."""
+
+    def __init__(self, name: str, model_dir: Path, code: Path, timeout: float) -> None:
         port = benchlib.free_port()
-        cmd = benchlib.mlxcel_cmd(model_dir, port, ["-np", "1", "-c", "8192", *args])
-        super().__init__(cmd, port, name=name, env=env, cwd=ROOT)
+        cmd = benchlib.mlxcel_cmd(model_dir, port, ["-np", "1", "-c", "8192"])
+        super().__init__(cmd, port, name=name, cwd=code)
         self.start()
         self.wait_healthy(timeout)
         import httpx
@@ -296,11 +307,21 @@ print(json.dumps(out))
 """
 
 
+def export_code(ref: str, into: Path) -> Path:
+    """The package as it was at git ``ref``, in ``into``."""
+    archive = subprocess.run(["git", "archive", ref, "mlxcel_compat"], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
 def servers(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    import tempfile
+
     prompts = [[(17 * i + 31 * s + 3) % 8000 for i in range(args.prompt)] for s in range(args.reps + 1)]
     decode_prompt = prompts[0][:32]
-    before = Server("before", model_dir, BEFORE_ARGS, BEFORE_ENV, args.startup_timeout)
-    after = Server("after", model_dir, [], {}, args.startup_timeout)
+    old_code = export_code(args.before_ref, Path(tempfile.mkdtemp(prefix="bench_before_")))
+    before = Server("before", model_dir, old_code, args.startup_timeout)
+    after = Server("after", model_dir, ROOT, args.startup_timeout)
     result: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
     try:
         for rep in range(args.reps + 1):
@@ -333,6 +354,7 @@ def report_servers(r: dict[str, Any], args: argparse.Namespace) -> list[str]:
     b, a, m = r["before"], r["after"], r["mlx_lm"]
     ms = lambda v: f"{median(v) * 1e3:.0f}"  # noqa: E731
     return [
+        f"Before: the code at {args.before_ref}, its defaults; after: this code, its defaults. Both `-np 1 -c 8192`.", "",
         f"| measurement ({args.prompt}-token prompt, decode n_predict {args.n_predict}) | before | after | after/before | mlx_lm.generate | after vs mlx_lm |",
         "|---|---:|---:|---:|---:|---:|",
         f"| decode tok/s | {median(b['decode']):.1f} | {median(a['decode']):.1f} | {median(a['decode']) / median(b['decode']):.2f}× | "
@@ -354,12 +376,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: the server's --batch-size default)")
     ap.add_argument("--n-predict", type=int, default=128)
     ap.add_argument("--skip-servers", action="store_true", help="only the in-process limits")
+    ap.add_argument("--before-ref", default=BEFORE_REF, help="git ref of the 'before' server (default: main before issue 15)")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     args = ap.parse_args(argv)
     if args.chunk is None:
         from mlxcel_compat.settings import SETTINGS
 
-        args.chunk = next(s.default for s in SETTINGS if s.name == "batch_size")
+        args.chunk = min(s.default for s in SETTINGS if s.name in ("batch_size", "ubatch_size"))
     model_dir = Path(args.model) if args.model else benchlib.ensure_model("llama", args.size)
     started = time.strftime("%Y-%m-%d %H:%M")
     print(f"command: {shlex.join([Path(sys.executable).name, *sys.argv])}")

@@ -28,6 +28,18 @@ LOG2E = 1.4426950408889634
 # fresh prompt). See scripts/bench_cpu_kernels.py.
 QUERY_BLOCK = 128
 
+# The query blocks go round-robin to this many CPU streams: MLX runs each stream's operations on
+# its own thread, so the blocks' element-wise work (single-threaded within a stream) can use
+# several cores. 1 = the default stream only. See scripts/bench_cpu_kernels.py.
+BLOCK_STREAMS = 1
+_streams: list[Any] = []
+
+
+def _block_streams() -> list[Any]:
+    while len(_streams) < BLOCK_STREAMS:
+        _streams.append(mx.default_stream(mx.cpu) if not _streams else mx.new_stream(mx.cpu))
+    return _streams[:BLOCK_STREAMS]
+
 
 @partial(mx.compile, shapeless=True)
 def _exp2_shifted(scores: Any, top: Any) -> Any:
@@ -62,11 +74,13 @@ def cpu_attention(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
         return None
     if isinstance(mask, str) and mask == "causal" and L > QUERY_BLOCK:
         blocks = []
-        for start in range(0, L, QUERY_BLOCK):
+        streams = _block_streams()
+        for i, start in enumerate(range(0, L, QUERY_BLOCK)):
             end = min(L, start + QUERY_BLOCK)
             seen = S - L + end  # the block's last query sees keys [0, seen)
             q = queries[:, :, start:end]
-            blocks.append(_attend(q, keys[:, :, :seen], values[:, :, :seen], scale, "causal"))
+            with mx.stream(streams[i % len(streams)]):
+                blocks.append(_attend(q, keys[:, :, :seen], values[:, :, :seen], scale, "causal"))
         return mx.concatenate(blocks, axis=2)
     return _attend(queries, keys, values, scale, mask)
 
