@@ -68,25 +68,13 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def interleaved(fns: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
-    """Each function once per repetition, the order rotating; one discarded warm-up round."""
-    names = list(fns)
-    out: dict[str, list[float]] = {name: [] for name in names}
-    for rep in range(reps + 1):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
-            value = fns[name]()
-            if rep:
-                out[name].append(value)
-    return out
-
-
 def timed(make: Callable[[], Any]) -> Callable[[], float]:
     import mlx.core as mx
 
     def run() -> float:
-        t = time.perf_counter()
+        t = benchlib.clock()
         mx.eval(make())
-        return time.perf_counter() - t
+        return benchlib.clock() - t
     return run
 
 
@@ -139,21 +127,21 @@ def section_routes(args: argparse.Namespace, env: dict[str, Any]) -> None:
     ptr = ctypes.c_void_p
 
     def direct_gemv() -> float:
-        t = time.perf_counter()
+        t = benchlib.clock()
         for a, y in zip(arrays, ys):
             n, k = a.shape
             blas.cblas_sgemv(101, 111, n, k, ctypes.c_float(1.0), a.ctypes.data_as(ptr), k, xs[k].ctypes.data_as(ptr), 1,
                              ctypes.c_float(0.0), y.ctypes.data_as(ptr), 1)
-        return time.perf_counter() - t
+        return benchlib.clock() - t
 
     def through(route: int, m: int) -> Callable[[], float]:
         x = {k: mx.ones((m, k)) for k in xs}
 
         def run() -> float:
             shim.configure(route=route, small_m_max=64)
-            t = time.perf_counter()
+            t = benchlib.clock()
             mx.eval([x[w.shape[1]] @ w.T for w in weights])
-            return time.perf_counter() - t
+            return benchlib.clock() - t
         return run
 
     print("| M | route | ms (median) | min | GB/s | speed-up vs sgemm |")
@@ -163,7 +151,7 @@ def section_routes(args: argparse.Namespace, env: dict[str, Any]) -> None:
         if m == 1:
             fns["cblas_sgemv (via the shim)"] = through(blas_shim.ROUTE_GEMV, m)
             fns["cblas_sgemv called directly"] = direct_gemv
-        res = interleaved(fns, args.reps)
+        res = benchlib.interleaved(fns, args.reps)
         for name, v in res.items():
             print(f"| {m} | {name} | {med(v) * 1e3:.1f} | {min(v) * 1e3:.1f} | {nbytes / med(v) / 1e9:.1f} | "
                   f"{med(res['sgemm']) / med(v):.2f} |", flush=True)
@@ -214,7 +202,7 @@ def section_attention(args: argparse.Namespace, env: dict[str, Any]) -> None:
         fns = {"fast": timed(fast), "ours": timed(ours(q, k, v, mask)), "no blocks": timed(ours(q, k, v, mask, blocks=False)),
                "plain exp": timed(ours(q, k, v, mask, compiled=False)), "sgemm": timed(ours(q, k, v, mask, route=blas_shim.ROUTE_SGEMM)),
                "streams": timed(ours(q, k, v, mask, streams=other_streams))}
-        res = {name: med(v) * 1e3 for name, v in interleaved(fns, args.reps).items()}
+        res = {name: med(v) * 1e3 for name, v in benchlib.interleaved(fns, args.reps).items()}
         diff = (mx.abs(fast() - ours(q, k, v, mask)()).max() / mx.abs(fast()).max()).item()
         print(f"| {b} | {length} | {keys} | {res['fast']:.2f} | {res['ours']:.2f} | {res['fast'] / res['ours']:.2f} | "
               f"{res['no blocks']:.2f} | {res['plain exp']:.2f} | {res['sgemm']:.2f} | {res['streams']:.2f} | {diff:.1e} |", flush=True)
@@ -250,10 +238,10 @@ def section_pieces(args: argparse.Namespace, env: dict[str, Any]) -> None:
                 saved = cpu_fusion.SMALL_ELEMENTS
                 cpu_fusion.SMALL_ELEMENTS = saved if enabled else -1
                 try:
-                    t = time.perf_counter()
+                    t = benchlib.clock()
                     for _ in range(reps):
                         mx.eval(fn())
-                    return (time.perf_counter() - t) / reps
+                    return (benchlib.clock() - t) / reps
                 finally:
                     cpu_fusion.SMALL_ELEMENTS = saved
             return run
@@ -265,7 +253,7 @@ def section_pieces(args: argparse.Namespace, env: dict[str, Any]) -> None:
             "MLP (gate, up, SiLU, down)": (lambda: layer.mlp(x), lambda: layer.mlp(x), "compiled"),
         }
         for name, (plain, lever, what) in pieces.items():
-            res = interleaved({"plain": many(plain, False), "lever": many(lever, True)}, args.reps)
+            res = benchlib.interleaved({"plain": many(plain, False), "lever": many(lever, True)}, args.reps)
             active = what if what == "power of 2" or x.size <= cpu_fusion.SMALL_ELEMENTS else f"{what} (not used at this size)"
             print(f"| {name} | {tokens} | {med(res['plain']) * 1e6:.0f} | {med(res['lever']) * 1e6:.0f} | "
                   f"{med(res['plain']) / med(res['lever']):.2f} | {active} |", flush=True)
@@ -331,9 +319,9 @@ def decode_step(env: dict[str, Any], context: int) -> Callable[[], float]:
     token = mx.array([[11]])
 
     def run() -> float:
-        t = time.perf_counter()
+        t = benchlib.clock()
         mx.eval(mx.argmax(model(token, cache=cache)[0, -1]))
-        elapsed = time.perf_counter() - t
+        elapsed = benchlib.clock() - t
         for c in cache:
             c.trim(1)
         return elapsed
@@ -350,12 +338,12 @@ def prefill(env: dict[str, Any], n: int, chunk: int) -> Callable[[], float]:
 
     def run() -> float:
         cache = make_prompt_cache(model)
-        t = time.perf_counter()
+        t = benchlib.clock()
         for start in range(0, n - 1, chunk):
             model(mx.array([prompt[start:min(start + chunk, n - 1)]]), cache=cache)
             mx.eval([c.state for c in cache])
         mx.eval(mx.argmax(model(mx.array([prompt[-1:]]), cache=cache)[0, -1]))
-        return time.perf_counter() - t
+        return benchlib.clock() - t
     return run
 
 
@@ -375,8 +363,8 @@ def section_model(args: argparse.Namespace, env: dict[str, Any]) -> None:
                 levers.set("")
         return run
 
-    d = interleaved({off: with_off(step, off) for off in OFF}, args.reps)
-    p = interleaved({off: with_off(fill, off) for off in OFF}, max(1, args.reps // 2))
+    d = benchlib.interleaved({off: with_off(step, off) for off in OFF}, args.reps)
+    p = benchlib.interleaved({off: with_off(fill, off) for off in OFF}, max(1, args.reps // 2))
     for off in OFF:
         print(f"| {off or '(nothing: all on)'} | {med(d[off]) * 1e3:.1f} | {med(d[off]) / med(d['']):.2f} | "
               f"{med(p[off]) * 1e3:.0f} | {med(p[off]) / med(p['']):.2f} |", flush=True)
@@ -391,7 +379,7 @@ def section_chunk(args: argparse.Namespace, env: dict[str, Any]) -> None:
     print("| prompt | " + " | ".join(f"chunk {c} ms" for c in chunks) + " | best |")
     print("|---:|" + "---:|" * len(chunks) + "---|")
     for n in (int(p) for p in args.chunk_prompts.split(",")):
-        res = interleaved({c: prefill(env, n, c) for c in chunks}, max(1, args.reps // 2))
+        res = benchlib.interleaved({c: prefill(env, n, c) for c in chunks}, max(1, args.reps // 2))
         best = min(chunks, key=lambda c: med(res[c]))
         print(f"| {n} | " + " | ".join(f"{med(res[c]) * 1e3:.0f}" for c in chunks) + f" | {best} |", flush=True)
 
@@ -426,10 +414,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=default_chunk, help="prefill chunk in section 5 (default: the server's)")
     ap.add_argument("--chunks", default="128,256,512,1024,2048")
     ap.add_argument("--chunk-prompts", default="1024,4096")
+    ap.add_argument("--single-thread", action="store_true",
+                    help="one BLAS/shim thread, process CPU time as the clock: work, not wall time (shared machines)")
     args = ap.parse_args(argv)
+    if args.single_thread:
+        benchlib.single_thread_cpu_time()
     sections = {int(s) for s in args.sections.split(",")}
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
-    print(f"started {time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs\n")
+    print(f"started {time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs"
+          + (", single thread, times are process CPU time" if args.single_thread else ", wall time") + "\n")
     if 1 in sections:
         section_kernels(args)
         print()

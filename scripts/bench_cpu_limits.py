@@ -55,19 +55,6 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def interleaved(fns: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
-    """Each function once per repetition, the order rotating; one discarded warm-up round."""
-    names = list(fns)
-    out: dict[str, list[float]] = {name: [] for name in names}
-    for rep in range(reps + 1):
-        order = names[rep % len(names):] + names[: rep % len(names)]
-        for name in order:
-            value = fns[name]()
-            if rep:
-                out[name].append(value)
-    return out
-
-
 # --------------------------------------------------------------------------- in-process limits
 
 
@@ -110,12 +97,12 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     ys = [np.empty(a.shape[0], np.float32) for a in arrays]
 
     def gemv_pass() -> float:
-        t = time.perf_counter()
+        t = benchlib.clock()
         for a, y in zip(arrays, ys):
             n, k = a.shape
             sgemv(101, 111, n, k, ctypes.c_float(1.0), a.ctypes.data_as(f32p), k, xs[k].ctypes.data_as(f32p), 1,
                   ctypes.c_float(0.0), y.ctypes.data_as(f32p), 1)
-        return time.perf_counter() - t
+        return benchlib.clock() - t
 
     mx_x = {k: mx.ones((1, k)) for k in xs}
 
@@ -123,9 +110,9 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         def run() -> float:
             all_levers(True)
             set_route(route)
-            t = time.perf_counter()
+            t = benchlib.clock()
             mx.eval([mx_x[w.shape[1]] @ w.T for w in weights])
-            return time.perf_counter() - t
+            return benchlib.clock() - t
         return run
 
     # -- decode step at --context tokens of context (the cache rewound after each step)
@@ -139,10 +126,10 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     def decode_step(on: bool) -> Callable[[], float]:
         def run() -> float:
             all_levers(on)
-            t = time.perf_counter()
+            t = benchlib.clock()
             logits = model(token, cache=cache)
             mx.eval(mx.argmax(logits[0, -1]))
-            elapsed = time.perf_counter() - t
+            elapsed = benchlib.clock() - t
             for c in cache:
                 c.trim(1)
             return elapsed
@@ -154,7 +141,7 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     fns["sgemm (OpenBLAS, via MLX)"] = mlx_pass(blas_shim.ROUTE_SGEMM)
     fns["step, levers on"] = decode_step(True)
     fns["step, levers off"] = decode_step(False)
-    decode = interleaved(fns, args.reps)
+    decode = benchlib.interleaved(fns, args.reps)
 
     # -- prefill of --prompt tokens vs the SGEMM rate on the model's shapes at the chunk size
     chunk = min(args.chunk, args.prompt)
@@ -164,9 +151,9 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     def sgemm_chunk() -> float:
         all_levers(True)
         set_route(blas_shim.ROUTE_SGEMM)
-        t = time.perf_counter()
+        t = benchlib.clock()
         mx.eval([mx_chunk[w.shape[1]] @ w.T for w in layer_weights])
-        return time.perf_counter() - t
+        return benchlib.clock() - t
 
     prompt = [(13 * i + 5) % 8000 for i in range(args.prompt)]
 
@@ -174,15 +161,15 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         def run() -> float:
             all_levers(on)
             c = make_prompt_cache(model)
-            t = time.perf_counter()
+            t = benchlib.clock()
             for start in range(0, len(prompt) - 1, chunk):
                 model(mx.array([prompt[start:min(start + chunk, len(prompt) - 1)]]), cache=c)
                 mx.eval([layer.state for layer in c])
             mx.eval(mx.argmax(model(mx.array([prompt[-1:]]), cache=c)[0, -1]))
-            return time.perf_counter() - t
+            return benchlib.clock() - t
         return run
 
-    pre = interleaved({"sgemm rate": sgemm_chunk, "prefill, levers on": prefill(True),
+    pre = benchlib.interleaved({"sgemm rate": sgemm_chunk, "prefill, levers on": prefill(True),
                        "prefill, levers off": prefill(False)}, args.reps)
     all_levers(True)
 
@@ -386,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(args.model) if args.model else benchlib.ensure_model("llama", args.size)
     started = time.strftime("%Y-%m-%d %H:%M")
     print(f"command: {shlex.join([Path(sys.executable).name, *sys.argv])}")
-    print(f"started {started}, load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs, {platform.machine()}", flush=True)
+    print(f"started {started}, load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs, {platform.machine()}"
+          + (", single thread, times are process CPU time" if args.single_thread else ", wall time"), flush=True)
     lines = report_limits(limits(args, model_dir))
     print("\n" + "\n".join(lines), flush=True)
     if not args.skip_servers:
