@@ -148,6 +148,19 @@ static inline __attribute__((always_inline)) void block(const int MB, const int 
     block(mb, nb, K, x + (size_t)m * ldx, ldx, w + (size_t)n * ldw, ldw, c + (size_t)m * ldc + n, ldc, alpha, \
           beta)
 
+/* The last M % MB_MAX rows as one block, so the weight rows are read once for them too. */
+#if MB_MAX == 4
+#define REMAINING_ROWS(KIND, nb)                    \
+    switch (M - m) {                                \
+    case 3: KIND(3, nb); break;                     \
+    case 2: KIND(2, nb); break;                     \
+    case 1: KIND(1, nb); break;                     \
+    }
+#else
+#define REMAINING_ROWS(KIND, nb) \
+    for (; m < M; m++) KIND(1, nb);
+#endif
+
 /* All M rows of x against weight rows [n0, n1). */
 static void rows_nt(int M, int n0, int n1, int K, const float *x, size_t ldx, const float *w, size_t ldw,
                     float *c, size_t ldc, float alpha, float beta) {
@@ -155,12 +168,12 @@ static void rows_nt(int M, int n0, int n1, int K, const float *x, size_t ldx, co
     for (; n + NB_MAX <= n1; n += NB_MAX) {
         int m = 0;
         for (; m + MB_MAX <= M; m += MB_MAX) BLOCK(MB_MAX, NB_MAX);
-        for (; m < M; m++) BLOCK(1, NB_MAX);
+        REMAINING_ROWS(BLOCK, NB_MAX);
     }
     for (; n < n1; n++) {
         int m = 0;
         for (; m + MB_MAX <= M; m += MB_MAX) BLOCK(MB_MAX, 1);
-        for (; m < M; m++) BLOCK(1, 1);
+        REMAINING_ROWS(BLOCK, 1);
     }
 }
 
@@ -196,12 +209,12 @@ static void rows_nn(int M, int n0, int n1, int K, const float *x, size_t ldx, co
     for (; n + NB_MAX * VL <= n1; n += NB_MAX * VL) {
         int m = 0;
         for (; m + MB_MAX <= M; m += MB_MAX) BLOCK_NN(MB_MAX, NB_MAX);
-        for (; m < M; m++) BLOCK_NN(1, NB_MAX);
+        REMAINING_ROWS(BLOCK_NN, NB_MAX);
     }
     for (; n + VL <= n1; n += VL) {
         int m = 0;
         for (; m + MB_MAX <= M; m += MB_MAX) BLOCK_NN(MB_MAX, 1);
-        for (; m < M; m++) BLOCK_NN(1, 1);
+        REMAINING_ROWS(BLOCK_NN, 1);
     }
     for (; n < n1; n++) /* the last columns, one at a time, in the same order */
         for (int m = 0; m < M; m++) {

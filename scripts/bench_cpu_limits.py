@@ -360,12 +360,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--context", type=int, default=1024, help="context of the decode step")
     ap.add_argument("--prompt", type=int, default=1024, help="prompt length for prefill and TTFT")
-    ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: the server's --batch-size default)")
+    ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: the server's, min(-b, -ub))")
     ap.add_argument("--n-predict", type=int, default=128)
     ap.add_argument("--skip-servers", action="store_true", help="only the in-process limits")
     ap.add_argument("--before-ref", default=BEFORE_REF, help="git ref of the 'before' server (default: main before issue 15)")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--single-thread", action="store_true",
+                    help="in-process parts with one BLAS/shim thread and process CPU time as the clock (work, not "
+                         "wall time: for shared machines); implies --skip-servers")
     args = ap.parse_args(argv)
+    if args.single_thread:
+        benchlib.single_thread_cpu_time()
+        args.skip_servers = True
     if args.chunk is None:
         from mlxcel_compat.settings import SETTINGS
 
