@@ -176,39 +176,35 @@ def section_attention(args: argparse.Namespace, env: dict[str, Any]) -> None:
     plain_exp = lambda s, m: mx.power(2.0, s - m)  # noqa: E731
     shim = env["shim"]
 
-    def ours(q, k, v, mask, *, blocks: bool = True, compiled: bool = True, route: int = blas_shim.ROUTE_KERNEL,
-             streams: int | None = None):
+    def ours(q, k, v, mask, *, blocks: bool = True, compiled: bool = True, route: int = blas_shim.ROUTE_KERNEL):
         def make():
-            saved = attention.QUERY_BLOCK, attention.BLOCK_STREAMS
-            attention.QUERY_BLOCK = saved[0] if blocks else 1 << 30
-            attention.BLOCK_STREAMS = saved[1] if streams is None else streams
+            saved = attention.QUERY_BLOCK
+            attention.QUERY_BLOCK = saved if blocks else 1 << 30
             attention._exp2_shifted = compiled_exp if compiled else plain_exp
             if shim is not None:
                 shim.configure(route=route)
             try:
                 return attention.cpu_attention(q, k, v, 0.125, mask)
             finally:
-                attention.QUERY_BLOCK, attention.BLOCK_STREAMS = saved
+                attention.QUERY_BLOCK = saved
                 attention._exp2_shifted = compiled_exp
         return make
 
-    other_streams = 2 if attention.BLOCK_STREAMS == 1 else 1
-    print(f"| B | queries | keys | mx.fast ms | CPU path ms | speed-up | no query blocks | plain exponent | matmuls to sgemm | blocks on {other_streams} stream(s) | max rel. difference |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| B | queries | keys | mx.fast ms | CPU path ms | speed-up | no query blocks | plain exponent | matmuls to sgemm | max rel. difference |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for b, length, keys in ATTN_SHAPES:
         q, k, v = mx.random.normal((b, 12, length, 64)), mx.random.normal((b, 4, keys, 64)), mx.random.normal((b, 4, keys, 64))
         mask = "causal" if length > 1 else None
         fast = lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)  # noqa: E731
         fns = {"fast": timed(fast), "ours": timed(ours(q, k, v, mask)), "no blocks": timed(ours(q, k, v, mask, blocks=False)),
-               "plain exp": timed(ours(q, k, v, mask, compiled=False)), "sgemm": timed(ours(q, k, v, mask, route=blas_shim.ROUTE_SGEMM)),
-               "streams": timed(ours(q, k, v, mask, streams=other_streams))}
+               "plain exp": timed(ours(q, k, v, mask, compiled=False)), "sgemm": timed(ours(q, k, v, mask, route=blas_shim.ROUTE_SGEMM))}
         res = {name: med(v) * 1e3 for name, v in benchlib.interleaved(fns, args.reps).items()}
         diff = (mx.abs(fast() - ours(q, k, v, mask)()).max() / mx.abs(fast()).max()).item()
         print(f"| {b} | {length} | {keys} | {res['fast']:.2f} | {res['ours']:.2f} | {res['fast'] / res['ours']:.2f} | "
-              f"{res['no blocks']:.2f} | {res['plain exp']:.2f} | {res['sgemm']:.2f} | {res['streams']:.2f} | {diff:.1e} |", flush=True)
+              f"{res['no blocks']:.2f} | {res['plain exp']:.2f} | {res['sgemm']:.2f} | {diff:.1e} |", flush=True)
     if shim is not None:
         shim.configure(route=blas_shim.ROUTE_KERNEL)
-    print(f"\nActive: CPU path, query blocks of {attention.QUERY_BLOCK} on {attention.BLOCK_STREAMS} stream(s), compiled exponent.")
+    print(f"\nActive: CPU path, query blocks of {attention.QUERY_BLOCK}, compiled exponent.")
 
 
 # --------------------------------------------------------------------------- 4. element-wise pieces
@@ -272,7 +268,7 @@ class Levers:
         from mlxcel_compat.model import attention, cpu_fusion
 
         self.env, self.attention, self.fusion = env, attention, cpu_fusion
-        self.defaults = (attention.QUERY_BLOCK, attention._exp2_shifted, cpu_fusion.SMALL_ELEMENTS, attention.BLOCK_STREAMS)
+        self.defaults = (attention.QUERY_BLOCK, attention._exp2_shifted, cpu_fusion.SMALL_ELEMENTS)
         self.swiglu_modules = [m for name, m in sys.modules.items() if name.startswith("mlx_lm.models.")
                                and getattr(m, "swiglu", None) is cpu_fusion.swiglu]
         self.mlx_swiglu = activations.swiglu
@@ -285,9 +281,8 @@ class Levers:
 
         if "all" in off:
             off = LEVERS
-        block, exp2, small, streams = self.defaults
+        block, exp2, small = self.defaults
         self.attention.QUERY_BLOCK = 1 << 30 if "query blocks" in off else block
-        self.attention.BLOCK_STREAMS = (2 if streams == 1 else 1) if "other block streams" in off else streams
         self.attention._exp2_shifted = (lambda s, m: mx.power(2.0, s - m)) if "compiled exponent" in off else exp2
         self.fusion.SMALL_ELEMENTS = -1 if "compiled modules" in off else small
         swiglu = self.mlx_swiglu if "SiLU via power of 2" in off else self.fusion.swiglu
@@ -301,9 +296,9 @@ class Levers:
             shim.configure(route=blas_shim.ROUTE_SGEMM if "matmul shim" in off else blas_shim.ROUTE_KERNEL)
 
 
-# The levers of issue 15 ("other block streams" is an alternative setting rather than an off switch).
+# The levers of issue 15.
 LEVERS = ("matmul shim", "compiled modules", "SiLU via power of 2", "compiled exponent", "query blocks")
-OFF = ("", *LEVERS, "other block streams")
+OFF = ("", *LEVERS)
 
 
 def decode_step(env: dict[str, Any], context: int) -> Callable[[], float]:
@@ -350,7 +345,7 @@ def prefill(env: dict[str, Any], n: int, chunk: int) -> Callable[[], float]:
 def section_model(args: argparse.Namespace, env: dict[str, Any]) -> None:
     levers = Levers(env)
     print(f"## 5. In the model: each lever off in turn (decode at {args.context} tokens of context; prefill of {args.prompt} tokens in chunks of {args.chunk})\n")
-    print("| switched off (\"other block streams\": query blocks on 2 streams if 1 is active, else 1) | decode step ms | × all on | prefill ms | × all on |")
+    print("| switched off | decode step ms | × all on | prefill ms | × all on |")
     print("|---|---:|---:|---:|---:|")
     step, fill = decode_step(env, args.context), prefill(env, args.prompt, args.chunk)
 

@@ -25,20 +25,9 @@ LOG2E = 1.4426950408889634
 
 # A causal prompt chunk attends in blocks of this many queries, each block to the keys up to its
 # own end only: the fully masked part of the scores is never computed (about half of them for a
-# fresh prompt). See scripts/bench_cpu_kernels.py.
+# fresh prompt). See scripts/bench_cpu_kernels.py (which also measured the blocks on two MLX CPU
+# streams, i.e. two threads: no gain on two cores, the BLAS already uses both).
 QUERY_BLOCK = 128
-
-# The query blocks go round-robin to this many CPU streams: MLX runs each stream's operations on
-# its own thread, so the blocks' element-wise work (single-threaded within a stream) can use
-# several cores. 1 = the default stream only. See scripts/bench_cpu_kernels.py.
-BLOCK_STREAMS = 1
-_streams: list[Any] = []
-
-
-def _block_streams() -> list[Any]:
-    while len(_streams) < BLOCK_STREAMS:
-        _streams.append(mx.default_stream(mx.cpu) if not _streams else mx.new_stream(mx.cpu))
-    return _streams[:BLOCK_STREAMS]
 
 
 @partial(mx.compile, shapeless=True)
@@ -74,13 +63,11 @@ def cpu_attention(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
         return None
     if isinstance(mask, str) and mask == "causal" and L > QUERY_BLOCK:
         blocks = []
-        streams = _block_streams()
-        for i, start in enumerate(range(0, L, QUERY_BLOCK)):
+        for start in range(0, L, QUERY_BLOCK):
             end = min(L, start + QUERY_BLOCK)
             seen = S - L + end  # the block's last query sees keys [0, seen)
             q = queries[:, :, start:end]
-            with mx.stream(streams[i % len(streams)]):
-                blocks.append(_attend(q, keys[:, :, :seen], values[:, :, :seen], scale, "causal"))
+            blocks.append(_attend(q, keys[:, :, :seen], values[:, :, :seen], scale, "causal"))
         return mx.concatenate(blocks, axis=2)
     return _attend(queries, keys, values, scale, mask)
 
