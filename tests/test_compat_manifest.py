@@ -73,6 +73,7 @@ SUPPORTED_ROUTES = [
     ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"), ("POST", "/responses"),
     ("POST", "/chat/completions/input_tokens"), ("POST", "/v1/chat/completions/input_tokens"),
     ("POST", "/responses/input_tokens"), ("POST", "/v1/responses/input_tokens"),
+    ("GET", "/get_load"), ("GET", "/get_server_info"), ("GET", "/get_model_info"), ("POST", "/flush_cache"),
 ]
 
 # Every route of llama-server-api.md §2 (single-model and router mode).
@@ -142,6 +143,11 @@ def test_request_fields(manifest) -> None:
     for name in ("cache_prompt", "n_predict", "temperature", "stop", "seed", "id_slot", "n_probs"):
         assert entries[name]["status"] == "supported", name
     assert "max_tokens" in entries["n_predict"]["aliases"]
+    # Fields vllm-router / sglang-router add to every chat or completions body they forward.
+    for name in ("separate_reasoning", "include_reasoning", "stream_reasoning", "skip_special_tokens", "no_stop_trim",
+                 "return_hidden_states", "continue_final_message", "ignore_eos", "logprobs", "echo"):
+        assert name in entries, name
+    assert "max_completion_tokens" in entries["n_predict"]["aliases"]
     for name in ("messages", "tools", "chat_template_kwargs", "logprobs", "response_format"):
         assert entries[name]["scope"] == "chat", name
 

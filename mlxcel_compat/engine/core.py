@@ -119,6 +119,11 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """Loaded and its thread still running: requests submitted now will be served."""
+        return self.state == "ready" and self._thread.is_alive() and not self._stop.is_set()
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         self._ready.wait(timeout)
         return self.state == "ready"

@@ -1,4 +1,6 @@
-"""Prompt-cache admin routes: ``GET /v1/cache/stats`` and ``POST /v1/cache/reset``.
+"""Prompt-cache admin routes: ``GET /v1/cache/stats`` and ``POST /v1/cache/reset`` (also as
+``POST /flush_cache``, which vllm-router and sglang-router send to every worker on their own
+``/flush_cache``).
 
 Both run on the engine thread (the single owner of the store) through an engine call. They need
 the API key when one is configured (they are not public paths).
@@ -36,4 +38,5 @@ async def cache_reset(request: Request) -> Response:
 ROUTES = [
     Route("/v1/cache/stats", cache_stats, methods=["GET"]),
     Route("/v1/cache/reset", cache_reset, methods=["POST"]),
+    Route("/flush_cache", cache_reset, methods=["POST"]),
 ]

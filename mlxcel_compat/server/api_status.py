@@ -15,6 +15,14 @@ from mlxcel_compat.server.pipeline import ctx_of, read_json
 
 
 async def health(request: Request) -> Response:
+    """200 only while requests can be served; routers take a replica out of rotation on 503.
+
+    While the model loads, the gate in ``app.py`` answers 503 "Loading model" before this runs.
+    Asleep (``--sleep-idle-seconds``) is healthy: the next request reloads the weights. A stopped
+    engine thread (shutdown, or a crash) is not.
+    """
+    if not ctx_of(request).engine.alive:
+        raise Unavailable("Engine stopped")
     return json_response({"status": "ok"})
 
 

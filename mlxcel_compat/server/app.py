@@ -23,7 +23,17 @@ from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlxcel_compat.engine.core import Engine
-from mlxcel_compat.server import api_anthropic, api_cache, api_native, api_openai, api_responses, api_status, api_vertex, api_web
+from mlxcel_compat.server import (
+    api_anthropic,
+    api_cache,
+    api_native,
+    api_openai,
+    api_responses,
+    api_router,
+    api_status,
+    api_vertex,
+    api_web,
+)
 from mlxcel_compat.server.api_vertex import VertexConfig
 from mlxcel_compat.server.cache_hooks import CacheHooks
 from mlxcel_compat.server.context import ModelInfo, ServerContext
@@ -33,8 +43,9 @@ from mlxcel_compat.server.structured import StructuredOutput, server_default
 
 log = logging.getLogger(__name__)
 
-PUBLIC_PATHS = {"/health", "/v1/health", "/models", "/v1/models", "/", "/index.html"}
-API_MODULES = (api_status, api_native, api_openai, api_anthropic, api_responses, api_cache, api_web)
+# /get_load is public like /health: routers poll it without the client's API key.
+PUBLIC_PATHS = {"/health", "/v1/health", "/get_load", "/models", "/v1/models", "/", "/index.html"}
+API_MODULES = (api_status, api_router, api_native, api_openai, api_anthropic, api_responses, api_cache, api_web)
 ERROR_SHAPES: dict[str, ErrorShape] = {path: shape for m in API_MODULES for path, shape in getattr(m, "ERROR_SHAPES", {}).items()}
 
 

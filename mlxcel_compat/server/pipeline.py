@@ -41,9 +41,11 @@ from mlxcel_compat.server.params import CompletionOptions, parse_completion_opti
 from mlxcel_compat.settings import default_template_kwargs
 
 SSE_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
-# Session headers routers send for affinity (vllm-router's consistent_hash reads X-Session-ID
-# first; Codex sends session_id); the first non-empty one is the prompt cache's session.
-SESSION_HEADERS = ("x-session-id", "session-id", "session_id", "x-session-affinity")
+# Session headers routers and agents send for affinity; the first non-empty one is the prompt
+# cache's session. vllm-router's consistent_hash hashes x-session-id, then x-user-id (then
+# x-tenant-id, x-correlation-id, x-request-id, x-trace-id: a tenant spans many conversations and
+# the last three are often per request, so they name no session here); Codex sends session_id.
+SESSION_HEADERS = ("x-session-id", "session-id", "session_id", "x-session-affinity", "x-user-id")
 
 
 def ctx_of(request: Request) -> ServerContext:
@@ -185,8 +187,15 @@ def prepare_chat(ctx: ServerContext, data: Mapping[str, Any], session: str | Non
 
 
 def reasoning_on(ctx: ServerContext, data: Mapping[str, Any]) -> bool:
-    """``reasoning_format`` (request, else ``--reasoning-format``): "none" keeps thinking in content."""
+    """``reasoning_format`` (request, else ``--reasoning-format``): "none" keeps thinking in content.
+
+    SGLang's ``separate_reasoning: false`` means the same as ``reasoning_format: "none"`` when the
+    request names no format. Routers (vllm-router, sglang-router) add ``separate_reasoning: true``
+    to every chat body, so only ``false`` can carry a client's intent; ``true`` changes nothing.
+    """
     requested = data.get("reasoning_format")
+    if not isinstance(requested, str) and data.get("separate_reasoning") is False:
+        return False
     return (requested if isinstance(requested, str) else ctx.settings.reasoning_format) != "none"
 
 
