@@ -235,6 +235,9 @@ class Api:
                  api_key: str | None, timeout: float, label: str | None = None) -> None:
         self.base = base_url.rstrip("/")
         self.label = label  # server label in --compare-apc ("apc-on" / "apc-off"), else None
+        # Also send the session as this header (behind a router: vllm-router's consistent_hash
+        # reads X-Session-ID; it ignores the body's prompt_cache_key on chat completions).
+        self.session_header: str | None = None
         self.flavour = flavour
         self.n_predict = n_predict
         self.seed = seed
@@ -378,7 +381,7 @@ class Api:
                 body["tools"] = tools
             if session:
                 body["metadata"] = {"user_id": session}
-            return self._stream(self.base + "/v1/messages", body)
+            return self._stream(self.base + "/v1/messages", body, session)
         if self.flavour == "native":
             body: dict[str, Any] = {
                 "prompt": self.native_prompt(msgs),
@@ -407,16 +410,17 @@ class Api:
             if self.model or self.model_id:
                 body["model"] = self.model or self.model_id
             url = self.base + "/v1/chat/completions"
-        return self._stream(url, body)
+        return self._stream(url, body, session)
 
-    def _stream(self, url: str, body: dict[str, Any]) -> Outcome:
+    def _stream(self, url: str, body: dict[str, Any], session: str | None = None) -> Outcome:
         out = Outcome()
         usage: dict[str, Any] | None = None
         timings: dict[str, Any] | None = None
         native_final: dict[str, Any] | None = None
         t0 = time.perf_counter()
         try:
-            with self.http.stream("POST", url, json=body) as r:
+            headers = {self.session_header: session} if self.session_header and session else None
+            with self.http.stream("POST", url, json=body, headers=headers) as r:
                 if r.status_code != 200:
                     text = r.read().decode("utf-8", "replace")
                     out.error = f"HTTP {r.status_code}: {text[:300]}"
