@@ -41,8 +41,6 @@ import datetime as _dt
 import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -55,51 +53,12 @@ import httpx
 from bench_prompt_cache import AGENT_TOOLS, Api, Msg, TextMaker
 from benchlib import ROOT, free_port, pct, ratio, resolve_model
 
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from mlxcel_compat.testing.cluster import ClusterProcess  # noqa: E402
+
 WORKLOADS = ("multi-turn", "agent")
 SESSION_HEADER = "X-Session-ID"
-
-
-class Cluster:
-    """``scripts/cluster.sh`` as a subprocess; ``cluster.env`` in its log directory names the rest."""
-
-    def __init__(self, replicas: int, policy: str, model_dir: str, server_args: list[str], log_dir: Path,
-                 timeout: float) -> None:
-        self.replicas, self.policy, self.log_dir = replicas, policy, log_dir
-        self.cmd = [str(ROOT / "scripts" / "cluster.sh"), "--replicas", str(replicas), "--port", str(free_port()),
-                    "--policy", policy, "--log-dir", str(log_dir), "-m", model_dir, *server_args]
-        env = dict(os.environ)
-        env.setdefault("MLXCEL_VENV", str(Path(sys.executable).parent.parent))
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.out = open(log_dir / "cluster.out", "wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        deadline = time.monotonic() + timeout
-        while self.env().get("READY") != "1":
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"cluster did not start; see {log_dir}/cluster.out")
-            time.sleep(0.25)
-        env_vars = self.env()
-        self.url = env_vars["ROUTER_URL"]
-        self.replica_urls = [env_vars[f"REPLICA_{i}_URL"] for i in range(replicas)]
-
-    def env(self) -> dict[str, str]:
-        path = self.log_dir / "cluster.env"
-        if not path.exists():
-            return {}
-        return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
-
-    def replica_stats(self) -> list[dict[str, Any]]:
-        return [httpx.get(url + "/v1/cache/stats", timeout=30).json() for url in self.replica_urls]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.out.close()
 
 
 class Texts:
@@ -119,7 +78,11 @@ class Texts:
         self.calibrated = maker.calibrated
 
 
-def run_workload(cluster: Cluster, kind: str, args: argparse.Namespace, texts: Texts, model_id: str | None) -> dict[str, Any]:
+def replica_stats(cluster: ClusterProcess) -> list[dict[str, Any]]:
+    return [httpx.get(url + "/v1/cache/stats", timeout=30).json() for url in cluster.replica_urls]
+
+
+def run_workload(cluster: ClusterProcess, kind: str, args: argparse.Namespace, texts: Texts, model_id: str | None) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
     lock = threading.Lock()
 
@@ -156,7 +119,7 @@ def run_workload(cluster: Cluster, kind: str, args: argparse.Namespace, texts: T
     flushed = httpx.post(cluster.url + "/flush_cache", timeout=60)
     if flushed.status_code != 200:
         raise RuntimeError(f"/flush_cache through the router failed: {flushed.status_code} {flushed.text[:200]}")
-    before = cluster.replica_stats()
+    before = replica_stats(cluster)
     threads = [threading.Thread(target=client, args=(i,)) for i in range(min(args.concurrency, args.sessions))]
     t0 = time.perf_counter()
     for t in threads:
@@ -164,7 +127,7 @@ def run_workload(cluster: Cluster, kind: str, args: argparse.Namespace, texts: T
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    after = cluster.replica_stats()
+    after = replica_stats(cluster)
     return summarize(records, wall, before, after)
 
 
@@ -242,7 +205,7 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, command: str
         s, b = r["summary"], base.get(r["workload"], {})
         L.append("| " + " | ".join([
             r["workload"], r["policy"], str(r["replicas"]), str(s["requests"]), fmt(s["hit_fraction"], ".1%"),
-            fmt(ratio(s["hit_fraction"], b.get("hit_fraction")), ".2f"), fmt(s["hit_fraction_later_turns"], ".1%"),
+            fmt(ratio(s["hit_fraction"], b.get("hit_fraction")), ".3f"), fmt(s["hit_fraction_later_turns"], ".1%"),
             fmt(s["hit_fraction_session_part"], ".1%"), fmt(s["ttft_p50_ms"]), fmt(s["ttft_p90_ms"]), fmt(s["requests_per_s"], ".2f"),
             fmt(ratio(s["requests_per_s"], b.get("requests_per_s")), ".2f"), fmt(s["requests_per_s_per_core"], ".2f"),
             fmt(s["generated_tok_per_s"]), "/".join(str(n) for n in s["requests_per_replica"]), str(s["errors"]),
@@ -310,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.replica_list:
             log_dir = log_root / f"{policy}-{n}"
             print(f"== {policy}, {n} replica(s): starting (logs {log_dir})", file=sys.stderr, flush=True)
-            cluster = Cluster(n, policy, model_dir, server_args, log_dir, args.startup_timeout)
+            cluster = ClusterProcess(n, free_port(), log_dir, ["-m", model_dir, *server_args], policy=policy,
+                                     timeout=args.startup_timeout)
             try:
                 probe = Api(cluster.url, "openai", args.n_predict, args.seed, None, None, args.timeout)
                 info.update(probe.probe())

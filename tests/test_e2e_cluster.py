@@ -9,9 +9,6 @@ replica's prompt-cache lookup counter moves.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -21,11 +18,11 @@ import httpx
 import openai
 import pytest
 
+from mlxcel_compat.testing.cluster import ClusterProcess
 from tests.conftest import ServerProcess, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cluster]
 
-ROOT = Path(__file__).resolve().parent.parent
 SERVER_FLAGS = ["-np", "2", "-c", "4096", "-b", "64", "--metrics", "--prompt-cache-min-prefix", "16"]
 SYSTEM = (
     "You are a careful assistant for a small library. You answer questions about opening hours, "
@@ -36,12 +33,6 @@ N_SESSIONS = 12  # the router's hash puts all of them on one replica with probab
 GREEDY = {"temperature": 0}
 
 
-def read_env(path: Path) -> dict[str, str]:
-    if not path.exists():
-        return {}
-    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
-
-
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -50,52 +41,13 @@ def alive(pid: int) -> bool:
     return True
 
 
-class Cluster:
-    """``scripts/cluster.sh --replicas 2 --port P`` as a subprocess; its cluster.env tells the rest."""
-
-    def __init__(self, model: Path, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_", "MLXCEL_"))}
-        env["MLXCEL_VENV"] = str(Path(sys.executable).parent.parent)  # this test run's environment
-        self.out = open(log_dir.parent / "cluster.out", "wb")
-        self.proc = subprocess.Popen(
-            [str(ROOT / "scripts" / "cluster.sh"), "--replicas", "2", "--port", str(self.port), "--log-dir", str(log_dir),
-             "-m", str(model), *SERVER_FLAGS],
-            stdout=self.out, stderr=subprocess.STDOUT, env=env,
-        )
-        deadline = time.monotonic() + 180
-        while read_env(self.env_path).get("READY") != "1":
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"cluster did not start:\n{(log_dir.parent / 'cluster.out').read_text(errors='replace')}")
-            time.sleep(0.2)
-        self.env = read_env(self.env_path)
-        self.url = self.env["ROUTER_URL"]
-        self.replicas = [self.env[f"REPLICA_{i}_URL"] for i in range(2)]
-        self.pids = [int(self.env[k]) for k in ("ROUTER_PID", "REPLICA_0_PID", "REPLICA_1_PID")]
-
-    @property
-    def env_path(self) -> Path:
-        return self.log_dir / "cluster.env"
-
-    def lookups(self) -> list[int]:
-        return [httpx.get(url + "/v1/cache/stats", timeout=10).json()["lookups"] for url in self.replicas]
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.out.close()
-        return self.proc.returncode
+def lookups(cluster: ClusterProcessProcess) -> list[int]:
+    return [httpx.get(url + "/v1/cache/stats", timeout=10).json()["lookups"] for url in cluster.replica_urls]
 
 
 @pytest.fixture(scope="module")
-def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(llama_dir, tmp_path_factory.mktemp("cluster") / "logs")
+def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterProcess]:
+    c = ClusterProcess(2, free_port(), tmp_path_factory.mktemp("cluster") / "logs", ["-m", str(llama_dir), *SERVER_FLAGS])
     yield c
     c.stop()
 
@@ -121,7 +73,7 @@ def messages_turn(base_url: str, session: str, messages: list[dict[str, Any]], c
     return text, u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens, u.cache_read_input_tokens
 
 
-def test_sessions_stick_hit_the_cache_and_match_a_single_server(cluster: Cluster, single: ServerProcess) -> None:
+def test_sessions_stick_hit_the_cache_and_match_a_single_server(cluster: ClusterProcess, single: ServerProcess) -> None:
     # Half the sessions speak OpenAI chat, half the Anthropic Messages API (a route the router
     # forwards unchanged); all carry X-Session-ID, the header vllm-router's consistent_hash reads first.
     sessions = [(f"conversation-{i}", chat_turn if i % 2 == 0 else messages_turn) for i in range(N_SESSIONS)]
@@ -131,9 +83,9 @@ def test_sessions_stick_hit_the_cache_and_match_a_single_server(cluster: Cluster
     for turn, question in enumerate(QUESTIONS):
         for name, send in sessions:  # interleaved: every session's turn t before any turn t+1
             messages = history[name] + [{"role": "user", "content": f"{question} (asks {name})"}]
-            before = cluster.lookups()
+            before = lookups(cluster)
             text, prompt_tokens, cached = send(cluster.url, name, messages)
-            after = cluster.lookups()
+            after = lookups(cluster)
             moved = [i for i in range(2) if after[i] != before[i]]
             assert len(moved) == 1, (before, after)
             served_by[name].add(moved[0])
@@ -150,7 +102,7 @@ def test_sessions_stick_hit_the_cache_and_match_a_single_server(cluster: Cluster
     assert {next(iter(r)) for r in served_by.values()} == {0, 1}, "both replicas serve sessions"
 
 
-def test_router_forwards_native_routes_and_worker_endpoints(cluster: Cluster) -> None:
+def test_router_forwards_native_routes_and_worker_endpoints(cluster: ClusterProcess) -> None:
     with httpx.Client(base_url=cluster.url, timeout=60) as c:
         done = c.post("/completion", json={"prompt": "Hello", "n_predict": 3, "cache_prompt": True}, headers={"X-Session-ID": "n1"})
         assert done.status_code == 200 and done.json()["tokens_predicted"] == 3
@@ -159,12 +111,12 @@ def test_router_forwards_native_routes_and_worker_endpoints(cluster: Cluster) ->
         assert c.get("/get_server_info").json()["total_slots"] == 2
         assert c.get("/health").status_code == 200
         assert c.post("/flush_cache").status_code == 200  # the router sends it to every replica
-    assert all(httpx.get(url + "/v1/cache/stats").json()["entries"] == 0 for url in cluster.replicas)
-    for url in cluster.replicas:  # per-replica Prometheus, scraped from each replica directly
+    assert all(httpx.get(url + "/v1/cache/stats").json()["entries"] == 0 for url in cluster.replica_urls)
+    for url in cluster.replica_urls:  # per-replica Prometheus, scraped from each replica directly
         assert "llamacpp:prompt_tokens_total" in httpx.get(url + "/metrics").text
 
 
-def test_sigterm_stops_every_process_and_keeps_the_logs(cluster: Cluster) -> None:
+def test_sigterm_stops_every_process_and_keeps_the_logs(cluster: ClusterProcess) -> None:
     assert all(alive(pid) for pid in cluster.pids)
     code = cluster.stop()
     assert code == 143
