@@ -113,6 +113,7 @@ def build_server(settings: object, model_arg: str, api_keys: list[str], model_na
             batch_size=min(settings.batch_size, settings.ubatch_size),  # the prefill chunk
             cont_batching=bool(settings.cont_batching),
             sleep_idle_seconds=settings.sleep_idle_seconds,
+            keep_slot_state=bool(settings.slot_save_path),
         ),
         prefix_cache_factory=lambda engine: PrefixCache(engine, PrefixCacheConfig.from_settings(settings)),
     )

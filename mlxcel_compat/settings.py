@@ -183,6 +183,13 @@ def _parse_positive_float(raw: str) -> float:
     return value
 
 
+def _parse_existing_dir(raw: str) -> str:
+    """llama-server's --slot-save-path: an existing directory (kept as given)."""
+    if not raw or not os.path.isdir(os.path.expanduser(raw)):
+        raise ValueError(raw)
+    return raw
+
+
 def _parse_cache_reuse(raw: str) -> int:
     """llama.cpp's chunk size (an integer >= 0); a true/false word counts as 1/0."""
     text = raw.strip()
@@ -377,8 +384,12 @@ _SERVER: tuple[Setting, ...] = (
              env=("LLAMA_ARG_EMBEDDINGS",), group="server"),
     _refused("rerank", ("--rerank", "--reranking"), "Enable the rerank endpoint.", R_EMBED,
              env=("LLAMA_ARG_RERANKING",), group="server"),
-    _refused("slot_save_path", ("--slot-save-path",), "Directory for POST /slots save/restore.",
-             "slot save/restore is not supported", metavar="PATH", group="server"),
+    Setting("slot_save_path", ("--slot-save-path",), group="server", metavar="PATH",
+            parse=_parse_existing_dir, accepts="an existing directory",
+            reason="llama.cpp reads no variable for it; MLXCEL_SLOT_SAVE_PATH works here",
+            help="Directory for slot files: enables POST /slots/{id}?action=save|restore|erase (501 without it). "
+                 "Files carry the model, chat template and version they belong to; restoring a file of "
+                 "another one is refused."),
 )
 
 _MODEL: tuple[Setting, ...] = (
@@ -617,6 +628,14 @@ _CACHE: tuple[Setting, ...] = (
             help="Maximum number of session snapshots."),
     Setting("prompt_cache_snapshot_ttl", ("--prompt-cache-snapshot-ttl",), type="int", default=7200, minimum=0,
             group="cache", upstream=False, metavar="SECONDS", help="Seconds a snapshot lives after its last use."),
+    Setting("prompt_cache_dir", ("--prompt-cache-dir",), group="cache", upstream=False, metavar="DIR",
+            help="Disk tier of the prompt cache (off when unset): entries that leave RAM are written here and "
+                 "read back on a miss, and RAM is written here at a clean shutdown, so the cache survives "
+                 "restarts. Created if missing; several servers may share it."),
+    Setting("prompt_cache_disk_capacity_bytes", ("--prompt-cache-disk-capacity-bytes",), type="int", minimum=0,
+            group="cache", upstream=False,
+            default_doc="half of the free space plus the cache's files, at most 16 GiB",
+            help="Byte budget of the disk tier; the oldest files are deleted first."),
     Setting("disable_boundary_snapshot", type="bool", default=False, group="cache", upstream=False,
             help="Turn off history-boundary snapshots in chats (environment only)."),
     Setting("disable_cache_warmup", type="bool", default=False, group="cache", upstream=False,

@@ -58,7 +58,7 @@ def test_manifest_flag_statuses_and_notes(manifest) -> None:
         if entry["status"] != "supported":
             assert entry["note"], entry["setting"]
     names = {e["setting"] for e in manifest_flags(status="refused", manifest=manifest)}
-    assert {"embeddings", "rerank", "lora", "mmproj", "slot_save_path", "ssl_key_file", "models_dir"} <= names
+    assert {"embeddings", "rerank", "lora", "mmproj", "ssl_key_file", "models_dir"} <= names
     noop = {e["setting"] for e in manifest_flags(status="noop", manifest=manifest)}
     assert {"n_gpu_layers", "flash_attn", "mlock", "threads", "cache_type_k"} <= noop
 
@@ -68,7 +68,7 @@ SUPPORTED_ROUTES = [
     ("GET", "/models"), ("GET", "/v1/models"), ("POST", "/completion"), ("POST", "/completions"),
     ("POST", "/v1/completions"), ("POST", "/chat/completions"), ("POST", "/v1/chat/completions"),
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template"), ("GET", "/slots"),
-    ("POST", "/v1/cache/reset"), ("GET", "/v1/cache/stats"), ("GET", "/"), ("GET", "/index.html"),
+    ("POST", "/v1/cache/reset"), ("GET", "/v1/cache/stats"), ("POST", "/slots/{id_slot}"), ("GET", "/"), ("GET", "/index.html"),
     ("GET", "/tools"), ("POST", "/tools"), ("GET", "/cors-proxy"), ("POST", "/cors-proxy"), ("POST", "/predict"),
     ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"), ("POST", "/responses"),
     ("POST", "/chat/completions/input_tokens"), ("POST", "/v1/chat/completions/input_tokens"),
@@ -76,12 +76,12 @@ SUPPORTED_ROUTES = [
     ("GET", "/get_load"), ("GET", "/get_server_info"), ("GET", "/get_model_info"), ("POST", "/flush_cache"),
 ]
 
-# Every route of llama-server-api.md §2 (single-model and router mode).
+# Every other route of llama-server-api.md §2 (single-model and router mode).
 UPSTREAM_ROUTES = [
     ("POST", "/v1/chat/completions/control"),
     ("POST", "/v1/audio/transcriptions"), ("POST", "/audio/transcriptions"), ("POST", "/infill"), ("POST", "/embedding"), ("POST", "/embeddings"),
     ("POST", "/v1/embeddings"), ("POST", "/rerank"), ("POST", "/reranking"), ("POST", "/v1/rerank"),
-    ("POST", "/v1/reranking"), ("GET", "/lora-adapters"), ("POST", "/lora-adapters"), ("POST", "/slots/{id_slot}"),
+    ("POST", "/v1/reranking"), ("GET", "/lora-adapters"), ("POST", "/lora-adapters"),
     ("GET", "/v1/stream"), ("DELETE", "/v1/stream"), ("POST", "/v1/streams/lookup"), ("POST", "/models"), ("POST", "/models/load"), ("POST", "/models/unload"),
     ("GET", "/models/sse"), ("DELETE", "/models"),
 ]

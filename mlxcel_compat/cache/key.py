@@ -13,12 +13,14 @@ Nothing here imports mlx: the key is pure bookkeeping.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from blake3 import blake3
 
@@ -73,6 +75,44 @@ class Bucket:
     def text_only(self) -> bool:
         """True when the request carried no image or audio bytes."""
         return self.mm_digest == TEXT_ONLY_MM_DIGEST
+
+
+def bucket_record(bucket: Bucket) -> dict[str, Any]:
+    """Every field of a bucket as plain JSON values (bytes as hex), for files on disk.
+
+    Written field by field from the dataclass, so a key part added to ``Bucket`` is stored (and
+    checked when read back) without touching the disk format.
+    """
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(Bucket):
+        value = getattr(bucket, f.name)
+        out[f.name] = {"hex": value.hex()} if isinstance(value, bytes) else value
+    return out
+
+
+def bucket_from_record(record: Mapping[str, Any]) -> Bucket:
+    """The inverse of ``bucket_record``.
+
+    Raises:
+        ValueError: the record does not have exactly the fields of ``Bucket``, or one is malformed
+            (a file written for another key layout must not be read as this one).
+    """
+    names = [f.name for f in dataclasses.fields(Bucket)]
+    if sorted(record) != sorted(names):
+        raise ValueError(f"bucket fields {sorted(record)} != {sorted(names)}")
+    values: dict[str, Any] = {}
+    for name in names:
+        value = record[name]
+        if isinstance(value, Mapping):
+            hex_text = value.get("hex")
+            if not isinstance(hex_text, str):
+                raise ValueError(f"bucket field {name!r} is malformed")
+            value = bytes.fromhex(hex_text)
+        values[name] = value
+    try:
+        return Bucket(**values)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:

@@ -251,6 +251,10 @@ class EntryStore:
         self.pin_max_entries = pin_max_entries
         self.pin_capacity_bytes = pin_capacity_bytes
         self._pins: dict[int, CacheEntry] = {}
+        # Called with each entry evicted to get under the caps (LRU or byte pressure), after it
+        # left the store: the disk tier writes such entries out instead of losing them. Entries
+        # that expire (TTL), are superseded or are cleared by a reset are not handed over.
+        self.on_evict: Callable[[CacheEntry], None] | None = None
 
     # --- public API ---
 
@@ -265,6 +269,19 @@ class EntryStore:
     def get(self, entry_id: int) -> CacheEntry | None:
         """The live entry with this id, without touching its recency."""
         return self._entries.get(entry_id)
+
+    def find(self, digest: bytes) -> CacheEntry | None:
+        """The live entry with this key digest (``prompt_digest``), without touching its recency."""
+        entry_id = self._by_digest.get(digest)
+        return None if entry_id is None else self._entries[entry_id]
+
+    def remove(self, entry_id: int) -> bool:
+        """Drop one entry (its backing data went away); counted as nothing. False if unknown."""
+        entry = self._entries.get(entry_id)
+        if entry is None:
+            return False
+        self._remove_entry(entry)
+        return True
 
     def entries(self) -> list[CacheEntry]:
         """Live entries, least recently used first."""
@@ -487,6 +504,8 @@ class EntryStore:
             self._remove_entry(oldest)
             self.counters.evictions["lru"] += 1  # byte-budget evictions fold into lru
             evicted.append(oldest.id)
+            if self.on_evict is not None:
+                self.on_evict(oldest)
         return evicted
 
     def _reject_helper(self, reason: str, **details: object) -> InsertResult:
@@ -509,6 +528,10 @@ class EntryStore:
     ) -> LookupResult:
         self.counters.misses += 1
         self.counters.miss_reasons[reason] = self.counters.miss_reasons.get(reason, 0) + 1
+        return self._miss_result(reason, best_len, candidate)
+
+    @staticmethod
+    def _miss_result(reason: str, best_len: int = 0, candidate: _Turndown | None = None) -> LookupResult:
         if candidate is None:
             return LookupResult(hit=None, reason=reason, best_len=best_len)
         return LookupResult(
@@ -617,7 +640,9 @@ class PromptCacheStore(EntryStore):
 
     # --- public API ---
 
-    def lookup(self, bucket: Bucket, session_key: str, tokens: Sequence[int]) -> LookupResult:
+    def lookup(
+        self, bucket: Bucket, session_key: str, tokens: Sequence[int], *, record: bool = True
+    ) -> LookupResult:
         """Find the state to adopt before prefilling ``tokens``.
 
         Stage 1 takes the best candidate of the request's session; stage 2 the best of
@@ -629,6 +654,8 @@ class PromptCacheStore(EntryStore):
             bucket: the request's bucket.
             session_key: the request's session key.
             tokens: the full rendered prompt.
+            record: False for a probe (is the disk tier's match longer?): no counters and no
+                recency change, so the stats describe the lookups that decide.
 
         Returns:
             A ``LookupResult``. On a hit, ``hit.matched_len`` leaves at least one token
@@ -642,16 +669,20 @@ class PromptCacheStore(EntryStore):
         toks = tokens if isinstance(tokens, tuple) else tuple(tokens)
         now = self._clock()
         self._sweep_helper(now)
-        self.counters.lookups += 1
+        if record:
+            self.counters.lookups += 1
         sel = self._select_helper(bucket, session_key, toks)
         best = sel.best
         if best is None:
             if sel.short is not None:
-                return self._record_miss("prefix_too_short", sel.short_len, sel.short)
-            turndown = sel.turndown or _Turndown(None, 0, "no_overlap")
-            return self._record_miss("no_candidate", 0, turndown)
+                miss = ("prefix_too_short", sel.short_len, sel.short)
+            else:
+                miss = ("no_candidate", 0, sel.turndown or _Turndown(None, 0, "no_overlap"))
+            return self._record_miss(*miss) if record else self._miss_result(*miss)
         stage = STAGE_SESSION if best.entry.session_key == session_key else STAGE_CROSS_SESSION
         hit = CacheHit(best.entry, best.usable, stage, best.common, best.verified, best.block_len)
+        if not record:
+            return LookupResult(hit=hit, reason=None, best_len=hit.verified_len)
         logger.debug(
             "prompt cache hit: entry=%d stage=%s matched=%d common=%d verified=%d block=%d",
             best.entry.id, stage, best.usable, best.common, best.verified, best.block_len,

@@ -52,3 +52,7 @@ class EngineClient:
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread and await its result."""
         return await asyncio.wrap_future(self.engine.call(fn))
+
+    async def call_on_slot(self, slot_id: int, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(slot)`` on the engine thread once the slot is idle, and await its result."""
+        return await asyncio.wrap_future(self.engine.call_on_slot(slot_id, fn))

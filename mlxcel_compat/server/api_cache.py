@@ -2,11 +2,14 @@
 ``POST /flush_cache``, which vllm-router and sglang-router send to every worker on their own
 ``/flush_cache``).
 
-Both run on the engine thread (the single owner of the store) through an engine call. They need
-the API key when one is configured (they are not public paths).
+Stats show the RAM and disk tiers separately (``tiers``); reset takes the tier to clear. Both run
+on the engine thread (the single owner of the stores) through an engine call. They need the API
+key when one is configured (they are not public paths).
 """
 
 from __future__ import annotations
+
+import functools
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -14,25 +17,32 @@ from starlette.routing import Route
 
 from mlxcel_compat.cache.snapshot import SnapshotStore
 from mlxcel_compat.cache.store import PromptCacheStore
-from mlxcel_compat.server.errors import json_response
-from mlxcel_compat.server.pipeline import ctx_of
+from mlxcel_compat.engine.disk_tier import DiskTier
+from mlxcel_compat.engine.prefix_cache import RESET_TIERS, reset_result, tiers_stats
+from mlxcel_compat.server.errors import InvalidRequest, json_response
+from mlxcel_compat.server.pipeline import ctx_of, read_json
 
 
 async def cache_stats(request: Request) -> Response:
     ctx = ctx_of(request)
     cache = ctx.engine.prefix_cache
     if cache is None:
-        return json_response({**PromptCacheStore.disabled_stats(), **SnapshotStore.disabled_stats()})
+        out = {**PromptCacheStore.disabled_stats(), **SnapshotStore.disabled_stats()}
+        out["tiers"] = tiers_stats(out, DiskTier.disabled_stats())
+        return json_response(out)
     return json_response(await ctx.client.call(cache.stats))
 
 
 async def cache_reset(request: Request) -> Response:
-    await request.body()  # drain any body: an unread body breaks the next request on a kept-alive connection
+    """Body ``{"tier": "ram" | "disk" | "all"}`` (no body: ``all``)."""
     ctx = ctx_of(request)
+    tier = (await read_json(request)).get("tier", "all")
+    if tier not in RESET_TIERS:
+        raise InvalidRequest(f'"tier" must be one of {", ".join(RESET_TIERS)}')
     cache = ctx.engine.prefix_cache
     if cache is None:
-        return json_response({"success": True, "cleared_entries": 0, "cleared_bytes": 0})
-    return json_response(await ctx.client.call(cache.reset))
+        return json_response(reset_result(tier, (0, 0), (0, 0)))
+    return json_response(await ctx.client.call(functools.partial(cache.reset, tier)))
 
 
 ROUTES = [

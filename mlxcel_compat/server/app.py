@@ -30,6 +30,7 @@ from mlxcel_compat.server import (
     api_openai,
     api_responses,
     api_router,
+    api_slots,
     api_status,
     api_vertex,
     api_web,
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 
 # /get_load is public like /health: routers poll it without the client's API key.
 PUBLIC_PATHS = {"/health", "/v1/health", "/get_load", "/models", "/v1/models", "/", "/index.html"}
-API_MODULES = (api_status, api_router, api_native, api_openai, api_anthropic, api_responses, api_cache, api_web)
+API_MODULES = (api_status, api_router, api_native, api_openai, api_anthropic, api_responses, api_cache, api_slots, api_web)
 ERROR_SHAPES: dict[str, ErrorShape] = {path: shape for m in API_MODULES for path, shape in getattr(m, "ERROR_SHAPES", {}).items()}
 
 
