@@ -674,7 +674,9 @@ class DiskIndex:
         result = store.insert(header.bucket, header.session_key, header.tokens, DiskRef(path, size, header.kind),
                               size, header.trimmable, header.origin)
         self._delete_dropped(keep=path)
-        if not result.inserted:
+        if not result.inserted:  # below --prompt-cache-min-prefix: it could never be adopted
+            with contextlib.suppress(OSError):
+                os.unlink(path)
             return False
         assert result.entry_id is not None
         self._by_path[path] = (header.kind, result.entry_id)

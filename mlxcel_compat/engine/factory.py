@@ -38,9 +38,11 @@ def make_sequence(engine: "Engine", request: GenerationRequest, sink: "Sink", sl
         grammar=grammar,
     )
     cache = engine.prefix_cache
-    if not request.cache.enabled or request.is_child:
+    if request.is_child:
         return seq
     if cache is not None and cache.config.enabled:
+        if not request.cache.enabled:
+            return seq
         cache.adopt(seq)
         boundary = request.cache.history_boundary
         if cache.boundary_snapshots and boundary is not None and len(seq.cache_tokens) < boundary <= seq.n_prompt - 1:
@@ -50,7 +52,7 @@ def make_sequence(engine: "Engine", request: GenerationRequest, sink: "Sink", sl
             seq.pins = [(b, ttl) for b, ttl in request.cache.breakpoints if 0 < b <= seq.n_prompt - 1]
             seq.on_pin = cache.pin
             seq.pin_reached()  # breakpoints inside the adopted prefix are (re-)pinned right away
-    elif engine.slots[slot_id].kept is not None:
+    elif request.cache.cache_prompt and engine.slots[slot_id].kept is not None:
         from mlxcel_compat.engine.slot_files import adopt_kept
 
         adopt_kept(seq, engine.slots[slot_id].kept)

@@ -187,7 +187,10 @@ class PrefixCache:
         """The disk tier: entries the RAM stores evict are written there and read back on a miss."""
         assert config.disk_dir is not None
         root = Path(config.disk_dir).expanduser()
-        root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RuntimeError(f"--prompt-cache-dir {root}: {exc.strerror or exc}") from exc
         capacity = config.disk_capacity_bytes
         if capacity is None:
             capacity = disk_capacity_default(root)

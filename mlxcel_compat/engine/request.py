@@ -25,6 +25,9 @@ class CacheContext:
     """How the prompt cache should treat this request (computed by the route, used by the engine)."""
 
     enabled: bool = True  # False: cold prefill, no lookup, no donation (cache_prompt: false)
+    # The request's own cache_prompt, even while the server-wide prompt cache is off: a slot's kept
+    # state (--slot-save-path) is then still reused, as llama-server reuses a slot's KV.
+    cache_prompt: bool = True
     session_key: str = "__mlxcel_anon__"
     template_sig: str = ""  # 64 hex chars; the raw-prompt sentinel on /completion
     mm_digest: bytes = b""

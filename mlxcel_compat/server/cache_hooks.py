@@ -171,6 +171,7 @@ class CacheHooks:
     def _apply(self, data: Mapping[str, Any], requests: list[GenerationRequest], template_sig: str, header: str | None) -> None:
         session = resolve_session_key(data, header)
         for req in requests:
+            req.cache.cache_prompt = req.cache.enabled
             req.cache.enabled = req.cache.enabled and self.enabled
             req.cache.session_key = session
             req.cache.template_sig = template_sig
