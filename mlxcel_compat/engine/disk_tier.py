@@ -183,9 +183,14 @@ class DiskTier:
             n = hit.matched_len
             if list(header.tokens[:n]) != list(request[:n]):
                 raise DiskReject("token_mismatch", f"the first {n} tokens differ from the request")
-            arrays = kv_io.load_arrays(ref.path, header)
-            if os.stat(ref.path).st_ino != inode:
-                raise FileNotFoundError(ref.path)  # replaced while it was read: treat as a miss
+            # Another process may have replaced the file (same key) since its header was read: then
+            # what was read belongs to two files, which is a miss (FileNotFoundError), not damage.
+            try:
+                arrays = kv_io.load_arrays(ref.path, header)
+            except DiskReject:
+                _same_file(ref.path, inode)
+                raise
+            _same_file(ref.path, inode)
             payload = kv_io.decode(header.layout, arrays)
             if kind == "kv" and any(getattr(layer, "offset", len(header.tokens)) != len(header.tokens) for layer in payload):
                 raise DiskReject("bad_payload", "the state does not hold as many tokens as the header")
@@ -353,3 +358,9 @@ class DiskTier:
             self._results.put(result)
             del job, result
             self._wake()
+
+
+def _same_file(path: Path, inode: int) -> None:
+    """Raise FileNotFoundError unless ``path`` still names the file ``inode``."""
+    if os.stat(path).st_ino != inode:
+        raise FileNotFoundError(path)
