@@ -288,7 +288,9 @@ def part_decode(model: str, args: argparse.Namespace, work: Path) -> dict[str, A
             stream(c, prefixes[0])
             entry_bytes = c.get("/v1/cache/stats").json()["bytes"]
         probe.stop()
-        ram = str(int(entry_bytes * 3.4))  # three entries fit: every new one evicts the oldest
+        # Five entries fit: once full, every new one evicts the oldest, and each prefix always
+        # keeps a recent copy in RAM (the evicting requests must hit RAM on both servers).
+        ram = str(int(entry_bytes * 5.4))
         servers["disk"] = server(model, "--prompt-cache-capacity-bytes", ram, "--prompt-cache-dir", str(work / "decode"),
                                  "--prompt-cache-disk-capacity-bytes", str(4 << 30))
         servers["ram only"] = server(model, "--prompt-cache-capacity-bytes", ram)

@@ -81,13 +81,19 @@ def test_ram_wins_when_it_matches_as_much(llama: EngineHarness) -> None:
     assert llama.stats()["tiers"]["disk"]["loads"] == 0
 
 
+def spilled(h: EngineHarness, seed: int) -> tuple[list[int], Any, Path]:
+    """A prompt whose entry was pushed to disk, its cold run, and the entry's file."""
+    a, b = tokens(6 * CHUNK + 1, seed=seed), tokens(6 * CHUNK + 1, seed=seed + 1)
+    cold = h.run(a, n_predict=8, cache=False)
+    h.run(a, n_predict=8)
+    h.run(b, n_predict=8)  # pushes a's entry out of RAM
+    settle(h)
+    (path,) = files(h)
+    return a, cold, path
+
+
 def test_a_corrupted_payload_is_rejected_removed_and_never_adopted(llama: EngineHarness) -> None:
-    a, b = tokens(6 * CHUNK + 1, seed=4), tokens(6 * CHUNK + 1, seed=5)
-    cold = llama.run(a, n_predict=8, cache=False)
-    llama.run(a, n_predict=8)
-    llama.run(b, n_predict=8)
-    settle(llama)
-    (path,) = files(llama)
+    a, cold, path = spilled(llama, seed=4)
     data = bytearray(path.read_bytes())
     data[-40] ^= 0x10  # one bit of the KV tensors
     path.write_bytes(bytes(data))
@@ -100,12 +106,7 @@ def test_a_corrupted_payload_is_rejected_removed_and_never_adopted(llama: Engine
 
 def test_tokens_are_checked_not_only_the_key(llama: EngineHarness) -> None:
     """A well-formed file under an indexed entry's name whose tokens differ is refused."""
-    a, b = tokens(6 * CHUNK + 1, seed=6), tokens(6 * CHUNK + 1, seed=7)
-    cold = llama.run(a, n_predict=8, cache=False)
-    llama.run(a, n_predict=8)
-    llama.run(b, n_predict=8)
-    settle(llama)
-    (path,) = files(llama)
+    a, cold, path = spilled(llama, seed=6)
     good, _ = read_header(path)
     forged = EntryHeader(**{**vars(good), "tokens": tuple(t + 1 for t in good.tokens), "tensors": ()})
     from mlxcel_compat.cache import kv_io  # the payload is rewritten from the genuine file

@@ -576,13 +576,16 @@ def _scandir(directory: Path) -> list[os.DirEntry]:
 # --------------------------------------------------------------------------- index
 
 
-class _FileBacked:
-    """Mixin for the index stores: an entry that leaves the index takes its file with it."""
+class _FileBacked(EntryStore):
+    """Mixin for the index stores: records each entry that leaves, so ``DiskIndex`` can delete its
+    file (or keep it, when the entry was only forgotten or rewritten under the same name)."""
 
-    dropped: list[DiskRef]
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.dropped: list[DiskRef] = []
 
     def _on_entry_removed(self, entry: CacheEntry) -> None:
-        super()._on_entry_removed(entry)  # type: ignore[misc]
+        super()._on_entry_removed(entry)
         self.dropped.append(entry.payload)  # type: ignore[arg-type]
 
 
@@ -620,9 +623,7 @@ class DiskIndex:
         self.directory = root / compat.directory_key
         self.counters = DiskCounters()
         unbounded = dict(capacity_bytes=1 << 62, max_entries=1 << 31, ttl_seconds=0, min_prefix=min_prefix)
-        self.stores: dict[str, EntryStore] = {"kv": _KVIndex(apc=apc, **unbounded), "snapshot": _SnapshotIndex(**unbounded)}
-        for store in self.stores.values():
-            store.dropped = []  # type: ignore[attr-defined]
+        self.stores: dict[str, _FileBacked] = {"kv": _KVIndex(apc=apc, **unbounded), "snapshot": _SnapshotIndex(**unbounded)}
         self._by_path: dict[Path, tuple[str, int]] = {}
 
     # --- start-up ---
@@ -725,7 +726,7 @@ class DiskIndex:
                 bytes_ += size
         for store in self.stores.values():
             store.reset()
-            store.dropped.clear()  # type: ignore[attr-defined]
+            store.dropped.clear()
         self._by_path.clear()
         return files, bytes_
 
@@ -752,12 +753,12 @@ class DiskIndex:
         if entry is None:
             return
         store.remove(entry_id)
-        store.dropped.clear()  # type: ignore[attr-defined]  # its file is gone or is being kept
+        store.dropped.clear()  # its file is gone, or is the one being kept
         self._by_path.pop(entry.payload.path, None)  # type: ignore[attr-defined]
 
     def _delete_dropped(self, keep: Path) -> None:
         for store in self.stores.values():
-            dropped: list[DiskRef] = store.dropped  # type: ignore[attr-defined]
+            dropped = store.dropped
             for ref in dropped:
                 self._by_path.pop(ref.path, None)
                 if ref.path != keep:

@@ -113,8 +113,6 @@ def restore(engine: "Engine", slot: Slot, path: Path, filename: str, template_di
         payload = kv_io.decode(header.layout, kv_io.load_arrays(path, header)) if header.tensors else []
     except FileNotFoundError:
         raise SlotFileError(f"file {filename!r} not found") from None
-    except IsADirectoryError:
-        raise SlotFileError(f"{filename!r} is a directory") from None
     except DiskReject as exc:
         raise SlotFileError(f"{_REASONS[exc.reason]} ({exc.detail})") from None
     if header.tokens and _held(payload) not in (None, len(header.tokens)):
