@@ -259,15 +259,15 @@ def write_temp(final: Path, header: EntryHeader, tensors: Sequence[Tensor]) -> T
         for t in tensors:
             if t.nbytes == 0:
                 continue
-            contiguous = np.ascontiguousarray(t.data)
-            flat = memoryview(contiguous).cast("B")
-            if len(flat) != t.nbytes:
-                raise ValueError(f"tensor {t.name}: {len(flat)} bytes, expected {t.nbytes}")
-            for start in range(0, len(flat), _CHUNK):
-                chunk = flat[start : start + _CHUNK]
-                hasher.update(chunk)
-                _write_all(fd, chunk)
-            del flat, contiguous
+            written = 0
+            for block in _byte_blocks(np.asarray(t.data)):
+                for start in range(0, len(block), _CHUNK):
+                    chunk = block[start : start + _CHUNK]
+                    hasher.update(chunk)
+                    _write_all(fd, chunk)
+                written += len(block)
+            if written != t.nbytes:
+                raise ValueError(f"tensor {t.name}: {written} bytes, expected {t.nbytes}")
         header.payload_blake3 = hasher.hexdigest()
         final_table = _table_bytes(header)
         assert len(final_table) == len(table), "fixed-length header fields changed length"
@@ -279,6 +279,23 @@ def write_temp(final: Path, header: EntryHeader, tensors: Sequence[Tensor]) -> T
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
+
+
+def _byte_blocks(a: np.ndarray) -> Iterator[memoryview]:
+    """The bytes of ``a`` in C order, as views of its C-contiguous pieces.
+
+    A stored KV entry is a slice of a longer buffer (``keys[..., :n, :]``): not contiguous as a
+    whole, but each head's rows are. Writing those pieces directly avoids copying every tensor
+    once more, which decode would feel (it competes for the same memory bandwidth); only pieces
+    smaller than 64 KiB are gathered by a copy.
+    """
+    if a.flags.c_contiguous:
+        yield memoryview(a).cast("B")
+    elif a.ndim == 0 or a[0].nbytes < (1 << 16):
+        yield memoryview(np.ascontiguousarray(a)).cast("B")
+    else:
+        for sub in a:
+            yield from _byte_blocks(sub)
 
 
 def commit(temp: TempFile, final: Path) -> None:

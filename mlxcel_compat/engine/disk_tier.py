@@ -51,7 +51,7 @@ from mlxcel_compat.cache.store import CacheEntry, CacheHit, EntryStore
 log = logging.getLogger(__name__)
 
 MAX_PENDING_BYTES = 1 << 30  # evicted entries waiting for the writer; more are dropped
-WRITER_NICE = 10  # the writer yields the CPU to decode
+WRITER_NICE = 19  # where SCHED_IDLE is not available: the writer yields the CPU to decode
 
 
 @dataclass
@@ -335,8 +335,7 @@ class DiskTier:
     # ------------------------------------------------------------------ writer thread
 
     def _write_loop(self) -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        _lower_priority()
         while True:
             job = self._jobs.get()
             if job is None:
@@ -364,3 +363,18 @@ def _same_file(path: Path, inode: int) -> None:
     """Raise FileNotFoundError unless ``path`` still names the file ``inode``."""
     if os.stat(path).st_ino != inode:
         raise FileNotFoundError(path)
+
+
+def _lower_priority() -> None:
+    """Run the calling (writer) thread only on CPU time nothing else wants: Linux's SCHED_IDLE,
+    else the lowest nice value. A writer that falls behind fills its bounded queue and evicted
+    entries are then dropped (counted), which is the trade the tier makes for decode speed."""
+    tid = threading.get_native_id()
+    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            return
+        except OSError:
+            pass
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)

@@ -264,3 +264,15 @@ def test_short_entries_are_not_indexed_and_their_files_go(tmp_path) -> None:
 def test_session_key_default_round_trips(tmp_path) -> None:
     path = write(tmp_path, tuple(range(40)), session=ANON_SESSION)
     assert read_header(path, COMPAT)[0].session_key == ANON_SESSION
+
+
+def test_large_strided_tensors_are_written_piece_by_piece_in_c_order(tmp_path) -> None:
+    big = np.random.default_rng(3).standard_normal((1, 3, 9100, 8)).astype(np.float32)
+    view = big[:, :, :9000, :]  # each head's rows are contiguous (288 kB), the whole is not
+    assert not view.flags.c_contiguous
+    assert [len(b) for b in disk._byte_blocks(view)] == [9000 * 8 * 4] * 3
+    h = header(tuple(range(40)))
+    path = tmp_path / entry_name("kv", h.digest)
+    commit(write_temp(path, h, [Tensor("t0", "F32", view.shape, view, view.nbytes)]), path)
+    assert payload(path) == np.ascontiguousarray(view).tobytes()
+    assert read_header(path, COMPAT)[0].payload_blake3 == blake3(payload(path)).hexdigest()
