@@ -8,6 +8,9 @@ therefore be imported, and :func:`load_optimized_blas` called, before anything i
 OpenBLAS then picks its kernels from CPUID, which can go wrong on virtual CPUs; unless the user
 chose (``OPENBLAS_CORETYPE``), the kernels are chosen from the CPU flags instead (see
 :func:`openblas_kernels_for_cpu`).
+
+Matmuls with few rows (every decode step) are slow in OpenBLAS's GEMM; ``blas_shim`` interposes
+``cblas_sgemm`` for them, so it is loaded globally just before the BLAS (see ``blas_shim.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import os
 import platform
 import sys
 from dataclasses import dataclass
+
+from mlxcel_compat import blas_shim
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,7 @@ class BlasInfo:
     optimized: bool
     kernels: str | None = None  # OpenBLAS: the kernel set it runs (openblas_get_corename)
     kernels_forced: bool = False  # we set OPENBLAS_CORETYPE from the CPU flags
+    matmul_route: str = "the BLAS's cblas_sgemm"  # which path MLX's float32 matmuls take (blas_shim)
 
 
 def _cpu_flags() -> set[str]:
@@ -91,6 +97,39 @@ def _openblas_corename(lib: ctypes.CDLL) -> str | None:
 
 
 _loaded: BlasInfo | None = None
+_shim: blas_shim.Shim | None = None
+
+
+def matmul_shim() -> blas_shim.Shim | None:
+    """The loaded ``blas_shim`` (after :func:`load_optimized_blas`), or None."""
+    return _shim
+
+
+def _blas_threads(lib: ctypes.CDLL) -> int:
+    try:
+        fn = lib.openblas_get_num_threads
+    except AttributeError:
+        return len(os.sched_getaffinity(0))
+    fn.restype = ctypes.c_int
+    return max(1, fn())
+
+
+def _load_shim_before(lib: ctypes.CDLL) -> tuple[blas_shim.Shim | None, str]:
+    """Build/load the shim globally and point it at ``lib`` (loaded locally so far); the shim, or
+    None and why."""
+    if blas_shim.disabled():
+        return None, "off (MLXCEL_BLAS_SHIM=0)"
+    built = blas_shim.build()
+    if built.path is None:
+        return None, f"the BLAS's cblas_sgemm (matrix-vector shim not built: {built.reason})"
+    shim = blas_shim.load(built)
+    if isinstance(shim, str):
+        return None, f"the BLAS's cblas_sgemm (matrix-vector shim not loaded: {shim})"
+    problem = blas_shim.attach(shim, lib, _blas_threads(lib))
+    if problem is not None:
+        shim.configure(blas_shim.ROUTE_SGEMM)  # loaded globally already: make it a pass-through
+        return None, f"the BLAS's cblas_sgemm (matrix-vector shim unused: {problem})"
+    return shim, shim.describe() + (" (compiled now)" if built.built_now else "")
 
 
 def _candidates() -> list[str]:
@@ -106,7 +145,7 @@ def load_optimized_blas() -> BlasInfo:
 
     Safe to call many times. On macOS MLX uses Accelerate/Metal and nothing is needed.
     """
-    global _loaded
+    global _loaded, _shim
     if _loaded is not None:
         return _loaded
     if platform.system() != "Linux":
@@ -123,13 +162,16 @@ def load_optimized_blas() -> BlasInfo:
                 os.environ["OPENBLAS_CORETYPE"] = kernels
                 forced = True
         try:
-            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            # Locally first: the shim must enter the global symbol scope before the BLAS does.
+            lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
         except OSError:
             if forced:
                 del os.environ["OPENBLAS_CORETYPE"]
             continue
+        _shim, route = _load_shim_before(lib)
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # now global, after the shim
         corename = _openblas_corename(lib) if name == "openblas" else None
-        _loaded = BlasInfo(name, path, True, corename, forced)
+        _loaded = BlasInfo(name, path, True, corename, forced, route)
         return _loaded
     _loaded = BlasInfo("reference", None, False)
     return _loaded
@@ -143,6 +185,8 @@ def log_blas(info: BlasInfo) -> None:
             how = "chosen from the CPU flags" if info.kernels_forced else "chosen by OpenBLAS"
             kernels = f", {info.kernels} kernels ({how})"
         log.info("BLAS: %s (%s)%s", info.name, info.path or "system", kernels)
+        if info.name != "accelerate":
+            log.info("float32 matmuls: %s", info.matmul_route)
         return
     log.warning(
         "BLAS: only the REFERENCE BLAS is available: prefill will be ~25x slower. "

@@ -119,9 +119,10 @@ def build_server(settings: object, model_arg: str, api_keys: list[str], model_na
             ctx_size=settings.ctx_size,
             n_parallel=n_parallel,
             kv_unified=auto_parallel or bool(settings.kv_unified),
-            batch_size=settings.batch_size,
+            batch_size=min(settings.batch_size, settings.ubatch_size),  # the prefill chunk
             cont_batching=bool(settings.cont_batching),
             sleep_idle_seconds=settings.sleep_idle_seconds,
+            keep_slot_state=bool(settings.slot_save_path),
         ),
         prefix_cache_factory=lambda engine: PrefixCache(engine, PrefixCacheConfig.from_settings(settings)),
     )

@@ -13,7 +13,9 @@ serves: a value outside it gets a 4xx naming the field (or, for ``unsupported`` 
 (:func:`bounds`), e.g. ``"$n_probs_max"`` is ``--n-probs-max``.
 
 ``scope`` says which routes read a field: ``all`` (the native routes, passed through by the OpenAI
-ones), ``completion``, ``chat``, ``tokenize``, ``detokenize``. A dotted name (``stream_options.
+ones), ``completion``, ``chat``, ``tokenize``, ``detokenize``, ``vertex``, and the agent APIs'
+own bodies, ``messages`` (Anthropic) and ``responses`` (OpenAI Responses). A name is unique
+within a scope. A dotted name (``stream_options.
 include_usage``) is a member of an object field; ``messages[].content[].image_url`` names a content
 part type.
 """
@@ -32,6 +34,10 @@ SCOPES: dict[str, str] = {
     "tokenize": "/tokenize",
     "detokenize": "/detokenize",
     "vertex": "/predict (Vertex AI prediction mode, AIP_MODE=PREDICTION)",
+    "messages": "/v1/messages, /v1/messages/count_tokens (Anthropic)",
+    "responses": "/v1/responses, /responses, /v1/responses/input_tokens (OpenAI Responses)",
+    "slots": "/slots/{id_slot}?action=save|restore|erase (needs --slot-save-path)",
+    "cache_reset": "/v1/cache/reset, /flush_cache",
 }
 INT32_MAX = 2**31 - 1
 INT32_MIN = -(2**31)
@@ -88,6 +94,13 @@ TOOL = {
     },
     "required": ["type", "function"],
 }
+ANTHROPIC_BLOCK = {"type": "object", "properties": {"type": {"enum": ["text", "tool_use", "tool_result", "thinking"]}}, "required": ["type"]}
+ANTHROPIC_MESSAGE = {
+    "type": "object",
+    "properties": {"role": {"enum": ["user", "assistant"]}, "content": {"anyOf": [STRING, {"type": "array", "items": ANTHROPIC_BLOCK}]}},
+    "required": ["role", "content"],
+}
+ANTHROPIC_TOOL = {"type": "object", "properties": {"name": STRING, "description": STRING, "input_schema": OBJECT}, "required": ["name"]}
 
 
 @dataclass(frozen=True)
@@ -116,7 +129,6 @@ def _noop(name: str, schema: Mapping[str, Any], note: str, **kw: Any) -> Request
 
 
 _CHAT_INTERNAL = "llama.cpp-internal chat field; the chat route computes its own"
-_GRAMMAR_ONLY = "only meaningful with a grammar"
 
 REQUEST_FIELDS: tuple[RequestField, ...] = (
     _f("prompt", {"anyOf": [STRING, PIECES, PROMPT_OBJECT,
@@ -183,13 +195,12 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _noop("adaptive_target", NUMBER, "adaptive-p sampling is not implemented"),
     _noop("adaptive_decay", NUMBER, "adaptive-p sampling is not implemented"),
     _noop("backend_sampling", BOOL, "sampling always runs in the engine"),
-    RequestField("json_schema", {"not": {}}, status="unsupported",
-                 note="constrained sampling is not implemented; rejected (501) rather than silently unconstrained"),
-    RequestField("grammar", {"const": ""}, status="unsupported",
-                 note="constrained sampling is not implemented; rejected (501) rather than silently unconstrained"),
-    _noop("grammar_lazy", BOOL, _GRAMMAR_ONLY),
-    _noop("grammar_triggers", {"type": "array"}, _GRAMMAR_ONLY),
-    _noop("preserved_tokens", {"type": "array"}, _GRAMMAR_ONLY),
+    _f("json_schema", OBJECT, note="llguidance; a grammar wins on the completion routes, both is a 400 on the chat routes"),
+    _f("grammar", STRING, note="llama.cpp GBNF (or Lark, llguidance syntax), compiled by llguidance and cached by text"),
+    _f("grammar_lazy", BOOL, note="needs grammar_triggers"),
+    _f("grammar_triggers", {"type": "array", "items": {"type": "object", "properties": {"type": {"enum": [0, 1, 2, 3]}, "value": STRING, "token": INTEGER}, "required": ["type", "value"]}},
+       note="llama-server's four types: token, word, pattern, full pattern"),
+    _f("preserved_tokens", {"type": "array", "items": STRING}, note="one-token entries may be word triggers and are rendered as text"),
     RequestField("lora", {"type": "array", "maxItems": 0}, status="unsupported",
                  note="no adapters can be loaded; an empty list is accepted, any adapter id is rejected (501)"),
     _f("id_slot", INTEGER, note="pins the request to a slot, modulo the slot count"),
@@ -220,19 +231,31 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
                                  {"type": "object", "properties": {"type": {"const": "function"},
                                                                    "function": {"type": "object", "properties": {"name": STRING}, "required": ["name"]}},
                                   "required": ["type", "function"]}]},
-       scope="chat", note="auto, none, required"),
-    _f("parallel_tool_calls", BOOL, scope="chat"),
+       scope="chat", note="auto (free text, calls constrained once opened), none, required, or a named function (forced call)"),
+    _f("parallel_tool_calls", BOOL, scope="chat", note="false: at most one call (and the grammar allows only one)"),
     _f("chat_template_kwargs", OBJECT, scope="chat", note="merged over --chat-template-kwargs"),
     _f("reasoning_effort", STRING, scope="chat", note="'none' turns thinking off; other values are ignored, as llama-server does"),
     _f("add_generation_prompt", BOOL, scope="chat"),
     _f("continue_final_message", BOOL, scope="chat"),
-    RequestField("response_format", {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]},
-                 scope="chat", status="partial",
-                 note="type text is accepted; json_object and json_schema need constrained sampling and are rejected (501)"),
+    _f("response_format", {"type": "object", "properties": {"type": {"enum": ["text", "json_object", "json_schema"]}, "schema": OBJECT,
+                                                             "json_schema": {"type": "object", "properties": {"schema": OBJECT, "strict": BOOL}}},
+                           "required": ["type"]},
+       scope="chat", note="text, json_object (optional schema), json_schema (strict accepted); also on /v1/completions"),
     _f("logprobs", BOOL, scope="chat", note="boolean; turns on top_logprobs (default 20)"),
     _f("top_logprobs", int_range(0, 20), scope="chat", note="at most 20 (OpenAI's limit); needs logprobs: true"),
-    _f("user", STRING, note="prompt-cache session key when prompt_cache_key is absent"),
-    _f("prompt_cache_key", STRING, origin="mlxcel", note="prompt-cache session key; also read from extra_body"),
+    _noop("skip_special_tokens", BOOL, "vLLM/SGLang field routers inject as true on chat and completions bodies; text follows "
+          "llama-server's rules (end-of-generation tokens end the reply and are not shown)", origin="mlxcel"),
+    _noop("no_stop_trim", BOOL, "SGLang field routers inject as false; stop strings are trimmed as in llama-server", origin="mlxcel"),
+    _noop("return_hidden_states", BOOL, "SGLang field routers inject as false; hidden states are never returned", origin="mlxcel"),
+    _f("separate_reasoning", BOOL, scope="chat", origin="mlxcel",
+       note="SGLang field routers inject as true on every chat body (true changes nothing); false = reasoning_format none when the request gives no reasoning_format"),
+    _noop("include_reasoning", BOOL, "vLLM field routers inject as true on every chat body, so it carries no client intent; reasoning follows reasoning_format",
+          scope="chat", origin="mlxcel"),
+    _noop("stream_reasoning", BOOL, "SGLang field routers inject as true; reasoning is always streamed as reasoning_content deltas", scope="chat", origin="mlxcel"),
+    _f("user", STRING, note="prompt-cache session key when neither prompt_cache_key nor a session header (X-Session-ID, Session-ID, session_id, "
+                            "X-Session-Affinity, X-User-ID) is given; Anthropic metadata.user_id maps here"),
+    _f("prompt_cache_key", STRING, origin="mlxcel",
+       note="prompt-cache session key (chat, completions, Responses); also read from extra_body; wins over the X-Session-ID header"),
     _f("cache_salt", STRING, origin="mlxcel",
        note="vLLM's field: a prompt-cache namespace under --prompt-cache-isolation salt or api-key; also read from extra_body"),
     _f("extra_body", {"type": "object", "properties": {"cache_prompt": BOOL, "prompt_cache_key": STRING, "cache_salt": STRING}},
@@ -246,9 +269,48 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
                      "items": {"type": "object", "properties": {"@requestFormat": STRING}, "required": ["@requestFormat"]}},
        scope="vertex", required=True,
        note="each instance is a route's body plus @requestFormat (its path, or chatCompletions-style name); at most 128"),
+    # Anthropic Messages (/v1/messages, /v1/messages/count_tokens), translated into a chat body.
+    _f("messages", {"type": "array", "items": ANTHROPIC_MESSAGE}, scope="messages", required=True,
+       note="user and assistant turns, string or block content"),
+    _f("system", {"anyOf": [STRING, {"type": "array", "items": TEXT_PART}]}, scope="messages", note="string or text blocks"),
+    RequestField("messages[].content[].type", scope="messages",
+       note="text, tool_use, tool_result (string or text blocks, is_error), thinking; image and document blocks are a 400"),
+    _f("tools", {"type": "array", "items": ANTHROPIC_TOOL}, scope="messages"),
+    RequestField("tools[].input_schema", scope="messages", note="client tools; server tool types are a 400"),
+    _f("tool_choice.type", {"enum": ["auto", "any", "tool", "none"]}, scope="messages",
+       note="auto, any (= required), tool + name, none; disable_parallel_tool_use; any and named tools are grammar-constrained (docs/structured-output.md)"),
+    _f("stop_sequences", STOP_STRINGS, scope="messages"),
+    _f("max_tokens", int_range(1), scope="messages", note="defaults to 4096 when absent, as llama-server"),
+    _f("stream", BOOL, scope="messages"),
+    _f("temperature", NUMBER, scope="messages"),
+    _f("top_p", NUMBER, scope="messages"),
+    _f("top_k", INTEGER, scope="messages"),
+    _f("thinking", {"type": "object", "properties": {"type": {"enum": ["enabled", "adaptive", "between_tools", "disabled"]}, "budget_tokens": int_range(1)},
+                    "required": ["type"]},
+       scope="messages",
+       note="enabled/adaptive/between_tools/disabled switch the template's enable_thinking; budget_tokens is the reasoning budget (thinking_budget_tokens)"),
+    _f("metadata.user_id", STRING, scope="messages", note="the prompt cache's session"),
+    _f("cache_control", {"type": "object", "properties": {"type": {"const": "ephemeral"}, "ttl": {"enum": ["5m", "1h"]}}, "required": ["type"]},
+       scope="messages", origin="mlxcel",
+       note="on a block, a tool_use/tool_result, a tool, or top level (last block): an explicit cache breakpoint pinned in the prompt cache "
+            "(dense-KV models); ttl 5m or 1h; also read on chat content parts, messages and tools"),
+    _f("output_config.format", OBJECT, scope="messages", note="json_schema output, constrained through response_format (docs/structured-output.md)"),
+    # OpenAI Responses (/v1/responses, /responses, input_tokens), translated into a chat body.
+    _f("input", {"anyOf": [STRING, {"type": "array", "items": OBJECT}]}, scope="responses",
+       note="string or items: messages (input_text, output_text), function_call, function_call_output, reasoning; input_image/input_file are a 400"),
+    _f("instructions", STRING, scope="responses"),
+    RequestField("tools[].type", scope="responses", note="function tools; other types are skipped with a warning"),
+    _f("max_output_tokens", int_range(1), scope="responses"),
+    _f("stream", BOOL, scope="responses"),
+    _f("temperature", NUMBER, scope="responses"),
+    _f("top_p", NUMBER, scope="responses"),
+    _f("reasoning.effort", STRING, scope="responses", note="as reasoning_effort on chat: none turns thinking off"),
+    _f("text.format", OBJECT, scope="responses", note="json_schema / json_object, constrained through response_format (docs/structured-output.md)"),
+    _f("tier", {"enum": ["ram", "disk", "all"]}, scope="cache_reset", origin="mlxcel", note="which tier to clear; all when absent"),
+    _f("filename", STRING, scope="slots", note="save and restore: a file name inside --slot-save-path (no path separator, no ..)"),
+    RequestField("previous_response_id", STRING, scope="responses", status="unsupported", note="400: nothing is stored (llama-server does the same)"),
 )
 
-fields_by_name: dict[str, RequestField] = {f.field: f for f in REQUEST_FIELDS}
 
 
 def bounds(settings: Any, n_parallel: int, n_vocab: int) -> dict[str, int]:
@@ -285,8 +347,8 @@ def manifest_entries() -> list[dict[str, Any]]:
 
 
 def _check_table() -> None:
-    names = [f.field for f in REQUEST_FIELDS]
-    assert len(names) == len(set(names)), "duplicate request field"
+    names = [(f.field, f.scope) for f in REQUEST_FIELDS]
+    assert len(names) == len(set(names)), "duplicate request field in a scope"
     for f in REQUEST_FIELDS:
         assert f.scope in SCOPES and f.status in ("supported", "partial", "noop", "unsupported"), f.field
         assert f.status == "supported" or f.note, f"{f.field}: a field that is not fully supported needs a note"

@@ -184,6 +184,13 @@ def _parse_positive_float(raw: str) -> float:
     return value
 
 
+def _parse_existing_dir(raw: str) -> str:
+    """llama-server's --slot-save-path: an existing directory (kept as given)."""
+    if not raw or not os.path.isdir(os.path.expanduser(raw)):
+        raise ValueError(raw)
+    return raw
+
+
 def _parse_cache_reuse(raw: str) -> int:
     """llama.cpp's chunk size (an integer >= 0); a true/false word counts as 1/0."""
     text = raw.strip()
@@ -282,7 +289,6 @@ R_LORA = "LoRA adapters are not supported"
 R_CVEC = "control vectors are not supported"
 R_TLS = "TLS is not supported; terminate TLS in a reverse proxy"
 R_TOOLS = "built-in agent tools, MCP and the CORS proxy are not supported"
-R_GRAMMAR = "grammar and JSON-schema constrained sampling is not implemented"
 R_GGUF = "models are loaded from a local path (-m) or a Hugging Face repository (-hf)"
 R_COMMAND = "this llama.cpp command is not available in mlxcel_compat"
 R_TEMPLATE_KW = "set it per request or through --chat-template-kwargs"
@@ -386,8 +392,12 @@ _SERVER: tuple[Setting, ...] = (
              env=("LLAMA_ARG_EMBEDDINGS",), group="server"),
     _refused("rerank", ("--rerank", "--reranking"), "Enable the rerank endpoint.", R_EMBED,
              env=("LLAMA_ARG_RERANKING",), group="server"),
-    _refused("slot_save_path", ("--slot-save-path",), "Directory for POST /slots save/restore.",
-             "slot save/restore is not supported", metavar="PATH", group="server"),
+    Setting("slot_save_path", ("--slot-save-path",), group="server", metavar="PATH",
+            parse=_parse_existing_dir, accepts="an existing directory",
+            reason="llama.cpp reads no variable for it; MLXCEL_SLOT_SAVE_PATH works here",
+            help="Directory for slot files: enables POST /slots/{id}?action=save|restore|erase (501 without it). "
+                 "Files carry the model, chat template and version they belong to; restoring a file of "
+                 "another one is refused."),
 )
 
 MIB = 1 << 20
@@ -448,7 +458,11 @@ _MODEL: tuple[Setting, ...] = (
             group="model", help="Context size in tokens (0 = the model's own), padded to a multiple of 256 and "
                                 "shared among the slots (see --parallel, --kv-unified)."),
     Setting("batch_size", ("-b", "--batch-size"), ("LLAMA_ARG_BATCH",), type="int", default=2048, minimum=1,
-            group="model", help="Prefill chunk: prompt tokens evaluated per engine step."),
+            group="model", help="Logical batch size: the prefill chunk is the smaller of this and --ubatch-size."),
+    Setting("ubatch_size", ("-ub", "--ubatch-size"), ("LLAMA_ARG_UBATCH",), type="int", default=512, minimum=1,
+            group="model", help="Physical batch size: prompt tokens computed per forward pass (the prefill "
+                                "chunk is the smaller of this and --batch-size; 512 measured best on CPU, "
+                                "docs/benchmarks.md)."),
     Setting("chat_template", ("--chat-template",), ("LLAMA_ARG_CHAT_TEMPLATE",), group="model",
             metavar="TEMPLATE", help="Chat template: a built-in name or Jinja source (default: the model's)."),
     Setting("chat_template_file", ("--chat-template-file",), ("LLAMA_ARG_CHAT_TEMPLATE_FILE",), group="model",
@@ -591,14 +605,15 @@ _SAMPLING: tuple[Setting, ...] = (
           "send logit_bias per request instead", metavar="TOKEN_ID(+/-)BIAS", group="sampling", type="list"),
     _noop("backend_sampling", ("-bs", "--backend-sampling"), "Sample on the compute backend.",
           "sampling always runs inside the engine", env=("LLAMA_ARG_BACKEND_SAMPLING",), group="sampling"),
-    _refused("grammar", ("--grammar",), "Server-wide GBNF grammar.", R_GRAMMAR, metavar="GRAMMAR",
-             group="sampling"),
-    _refused("grammar_file", ("--grammar-file",), "File with a server-wide grammar.", R_GRAMMAR, metavar="FNAME",
-             group="sampling"),
-    _refused("json_schema", ("-j", "--json-schema"), "Server-wide JSON schema.", R_GRAMMAR, metavar="SCHEMA",
-             group="sampling"),
-    _refused("json_schema_file", ("-jf", "--json-schema-file"), "File with a server-wide JSON schema.", R_GRAMMAR,
-             metavar="FILE", group="sampling"),
+    Setting("grammar", ("--grammar",), group="sampling", metavar="GRAMMAR",
+            help="Server-wide GBNF grammar (or Lark) for requests that bring no constraint of their own."),
+    Setting("grammar_file", ("--grammar-file",), group="sampling", metavar="FNAME",
+            help="File holding the server-wide grammar."),
+    Setting("json_schema", ("-j", "--json-schema"), group="sampling", metavar="SCHEMA",
+            help="Server-wide JSON schema (e.g. '{}' for any JSON object) for requests that bring no constraint "
+                 "of their own."),
+    Setting("json_schema_file", ("-jf", "--json-schema-file"), group="sampling", metavar="FILE",
+            help="File holding the server-wide JSON schema."),
 )
 
 _CACHE: tuple[Setting, ...] = (
@@ -630,6 +645,15 @@ _CACHE: tuple[Setting, ...] = (
             help="Which requests may share prompt-cache entries: none = all; salt = only requests with the same "
                  "cache_salt (or none); api-key = only requests authenticated by the same API key (and the same "
                  "cache_salt). TTFT and cached_tokens reveal whether someone sent a prompt before."),
+    Setting("prompt_cache_pin_max_entries", ("--prompt-cache-pin-max-entries",), type="int", default=64, minimum=0,
+            group="cache", upstream=False,
+            help="Explicit cache breakpoints (cache_control) kept pinned at once; 0 turns pinning off."),
+    Setting("prompt_cache_pin_capacity_bytes", ("--prompt-cache-pin-capacity-bytes",), type="int", minimum=0,
+            group="cache", upstream=False, default_doc="a quarter of the prompt-cache budget",
+            help="Bytes the pinned breakpoints may hold; beyond it the oldest pins become ordinary entries."),
+    Setting("prompt_cache_pin_max_ttl", ("--prompt-cache-pin-max-ttl",), type="int", default=3600, minimum=1,
+            group="cache", upstream=False, metavar="SECONDS",
+            help="Longest pin a breakpoint may ask for (cache_control ttl: 5m by default, 1h on request)."),
     Setting("apc_enabled", ("--apc-enabled",), ("APC_ENABLED",), type="bool", default=True, arity="optional",
             group="cache", upstream=False, metavar="BOOL",
             help="Automatic prefix caching: partial reuse of cached entries, verified by block-hash chains. "
@@ -650,6 +674,14 @@ _CACHE: tuple[Setting, ...] = (
             help="Maximum number of session snapshots."),
     Setting("prompt_cache_snapshot_ttl", ("--prompt-cache-snapshot-ttl",), type="int", default=7200, minimum=0,
             group="cache", upstream=False, metavar="SECONDS", help="Seconds a snapshot lives after its last use."),
+    Setting("prompt_cache_dir", ("--prompt-cache-dir",), group="cache", upstream=False, metavar="DIR",
+            help="Disk tier of the prompt cache (off when unset): entries that leave RAM are written here and "
+                 "read back on a miss, and RAM is written here at a clean shutdown, so the cache survives "
+                 "restarts. Created if missing; several servers may share it."),
+    Setting("prompt_cache_disk_capacity_bytes", ("--prompt-cache-disk-capacity-bytes",), type="int", minimum=0,
+            group="cache", upstream=False,
+            default_doc="half of the free space plus the cache's files, at most 16 GiB",
+            help="Byte budget of the disk tier; the oldest files are deleted first."),
     Setting("disable_boundary_snapshot", type="bool", default=False, group="cache", upstream=False,
             help="Turn off history-boundary snapshots in chats (environment only)."),
     Setting("disable_cache_warmup", type="bool", default=False, group="cache", upstream=False,
@@ -736,8 +768,6 @@ _COMPAT: tuple[Setting, ...] = (
     _noop("prio_batch", ("--prio-batch",), "Thread priority (batch).", R_THREADS, metavar="N"),
     _noop("poll_batch", ("--poll-batch",), "Polling (batch).", R_THREADS, metavar="<0|1>"),
     _noop("numa", ("--numa",), "NUMA strategy.", R_THREADS, metavar="TYPE", env=("LLAMA_ARG_NUMA",)),
-    _noop("ubatch_size", ("-ub", "--ubatch-size"), "Physical batch size.",
-          "prefill chunking is set by --batch-size", metavar="N", env=("LLAMA_ARG_UBATCH",), type="int"),
     _noop("flash_attn", ("-fa", "--flash-attn"), "Flash attention (on/off/auto).",
           "MLX picks its attention kernel itself", metavar="[on|off|auto]", arity="optional",
           env=("LLAMA_ARG_FLASH_ATTN",)),

@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     servers: dict[str, Server] = {}
     if not args.theirs_only:
         servers[OURS] = Server.mlxcel(
-            model_dir, ["-np", str(max_c), "-c", str(ctx), "-b", str(args.prefill_chunk), *args.ours_arg],
+            model_dir, ["-np", str(max_c), "-c", str(ctx), "-b", str(args.prefill_chunk), "-ub", str(args.prefill_chunk), *args.ours_arg],
             python=args.python, name=OURS, log_path=log_dir / f"{OURS}.log", keep_log=args.keep_logs)
     if not args.ours_only:
         port = benchlib.free_port()

@@ -1,18 +1,27 @@
 #!/usr/bin/env python3
-"""The two CPU kernel fixes, measured: OpenBLAS's kernel choice and the attention path.
+"""Every CPU lever, each measured on and off side by side in one run, and which one is active.
 
-1. float32 matmul GFLOP/s with the OpenBLAS kernels the backend picks from the CPU flags,
-   against the kernels OpenBLAS picks unaided (library loaded directly, ``OPENBLAS_CORETYPE``
-   unset) and against ``Prescott`` (SSE3) forced, each in a fresh process (the choice is made when
-   the library loads).
-2. Attention per layer of the small llama (12 query heads, 4 KV heads, head dim 64):
-   ``mx.fast.scaled_dot_product_attention`` against ``model/attention.py``'s CPU path, for decode
-   and prompt shapes; median of ``--reps`` timings, alternating.
+Levers (what runs where: docs/architecture.md, "Platform notes"):
 
-Examples::
+1. OpenBLAS kernels chosen from the CPU flags (backend.py) against OpenBLAS's own choice and
+   against Prescott forced; float32 matmul GFLOP/s, each in a fresh process.
+2. The matmul route for few-row products (blas_shim.c): one pass over every weight matrix of the
+   model, (M, K) @ W^T, through OpenBLAS's sgemm, through cblas_sgemv (M = 1) and through the shim's
+   kernel, for M = 1 .. 32; plus cblas_sgemv called directly (no MLX) as the reference bandwidth.
+3. Attention (model/attention.py): mx.fast.scaled_dot_product_attention against the CPU path, per
+   layer, decode and prompt shapes; the CPU path with its query blocks and its compiled exponent
+   each switched off.
+4. Element-wise pieces alone (model/cpu_fusion.py): SiLU gating (mlx-lm's against the power of 2),
+   RMS norm, RoPE and the MLP plain against compiled, at decode and prompt sizes.
+5. In the model: a decode step at --context tokens of context and a prefill of --prompt tokens,
+   with all levers on and with each one off in turn.
+6. The prefill chunk (``--batch-size``): the same prefill at several chunk sizes.
 
-    python scripts/bench_cpu_kernels.py
-    python scripts/bench_cpu_kernels.py --reps 15
+Times are medians of --reps repetitions, the variants interleaved (rotating order) so that a noisy
+machine hits them alike; the minimum is shown too. Examples::
+
+    .venv/bin/python scripts/bench_cpu_kernels.py
+    .venv/bin/python scripts/bench_cpu_kernels.py --reps 9 --sections 2,5
 """
 
 from __future__ import annotations
@@ -25,12 +34,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import benchlib  # noqa: E402  (never imports MLX)
 
 MATMUL_CHILD = """
-import ctypes, json, sys, time
+import ctypes, json, os, sys, time
+os.environ["MLXCEL_BLAS_SHIM"] = "0"  # plain OpenBLAS sgemm: the kernel choice is measured here
 from mlxcel_compat import backend
 if sys.argv[1] == "backend":
     kernels = backend.load_optimized_blas().kernels
@@ -49,26 +63,36 @@ for m, k, n in ((128, 768, 2048), (1024, 768, 2048)):
 print(json.dumps(out))
 """
 
-SHAPES = ((1, 1, 4096), (8, 1, 4096), (1, 74, 2122), (1, 128, 128), (1, 512, 2560))  # (B, L queries, S keys)
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def timed(make: Callable[[], Any]) -> Callable[[], float]:
+    import mlx.core as mx
+
+    def run() -> float:
+        t = benchlib.clock()
+        mx.eval(make())
+        return benchlib.clock() - t
+    return run
 
 
 def matmul_in_fresh_process(loader: str, coretype: str | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
     if coretype is not None:
         env["OPENBLAS_CORETYPE"] = coretype
-    cmd = [sys.executable, "-c", MATMUL_CHILD, loader]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", MATMUL_CHILD, loader], env=env, capture_output=True, text=True, check=True, cwd=ROOT)
     return json.loads(out.stdout)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=9)
-    args = ap.parse_args(argv)
-    print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}\n")
+# --------------------------------------------------------------------------- 1. OpenBLAS kernels
 
+
+def section_kernels(args: argparse.Namespace) -> None:
     from mlxcel_compat.backend import _cpu_flags, openblas_kernels_for_cpu
 
+    print("## 1. OpenBLAS kernels (fresh process each, plain sgemm)\n")
     if openblas_kernels_for_cpu(_cpu_flags()) is None:
         print("(no AVX2/AVX-512 flags: the backend leaves the kernel choice to OpenBLAS)")
     print("| OpenBLAS kernels | how | 128x768x2048 GFLOP/s | 1024x768x2048 GFLOP/s |")
@@ -78,33 +102,332 @@ def main(argv: list[str] | None = None) -> int:
         r = matmul_in_fresh_process(loader, coretype)
         print(f"| {r['kernels']} | {how} | {r['128x768x2048']:.0f} | {r['1024x768x2048']:.0f} |", flush=True)
 
-    from mlxcel_compat.backend import load_optimized_blas
 
-    load_optimized_blas()
+# --------------------------------------------------------------------------- 2. matmul routes
+
+
+def section_routes(args: argparse.Namespace, env: dict[str, Any]) -> None:
+    import ctypes
+
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxcel_compat import blas_shim
+
+    shim, weights = env["shim"], env["weights"]
+    nbytes = sum(w.nbytes for w in weights)
+    print(f"## 2. Matmul routes: one pass over the model's {len(weights)} weight matrices ({nbytes / 1e6:.0f} MB), (M, K) @ W^T\n")
+    if shim is None:
+        print(f"(no shim in this process: {env['info'].matmul_route})\n")
+        return
+    blas = ctypes.CDLL(env["info"].path)
+    arrays = [np.asarray(w) for w in weights]
+    xs = {k: np.ones(k, np.float32) for k in {a.shape[1] for a in arrays}}
+    ys = [np.empty(a.shape[0], np.float32) for a in arrays]
+    ptr = ctypes.c_void_p
+
+    def direct_gemv() -> float:
+        t = benchlib.clock()
+        for a, y in zip(arrays, ys):
+            n, k = a.shape
+            blas.cblas_sgemv(101, 111, n, k, ctypes.c_float(1.0), a.ctypes.data_as(ptr), k, xs[k].ctypes.data_as(ptr), 1,
+                             ctypes.c_float(0.0), y.ctypes.data_as(ptr), 1)
+        return benchlib.clock() - t
+
+    def through(route: int, m: int) -> Callable[[], float]:
+        x = {k: mx.ones((m, k)) for k in xs}
+
+        def run() -> float:
+            shim.configure(route=route, small_m_max=64)
+            t = benchlib.clock()
+            mx.eval([x[w.shape[1]] @ w.T for w in weights])
+            return benchlib.clock() - t
+        return run
+
+    print("| M | route | ms (median) | min | GB/s | speed-up vs sgemm |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for m in (1, 2, 4, 8, 16, 32):
+        fns = {"sgemm": through(blas_shim.ROUTE_SGEMM, m), "kernel": through(blas_shim.ROUTE_KERNEL, m)}
+        if m == 1:
+            fns["cblas_sgemv (via the shim)"] = through(blas_shim.ROUTE_GEMV, m)
+            fns["cblas_sgemv called directly"] = direct_gemv
+        res = benchlib.interleaved(fns, args.reps)
+        for name, v in res.items():
+            print(f"| {m} | {name} | {med(v) * 1e3:.1f} | {min(v) * 1e3:.1f} | {nbytes / med(v) / 1e9:.1f} | "
+                  f"{med(res['sgemm']) / med(v):.2f} |", flush=True)
+    shim.configure(route=blas_shim.ROUTE_KERNEL, small_m_max=blas_shim.SMALL_M_MAX)
+    print(f"\nActive: kernel up to M = {blas_shim.SMALL_M_MAX} rows (SMALL_M_MAX), sgemm above.")
+
+
+# --------------------------------------------------------------------------- 3. attention
+
+
+ATTN_SHAPES = ((1, 1, 1024), (1, 1, 4096), (8, 1, 4096), (1, 74, 2122), (1, 512, 1024), (1, 1023, 1023), (1, 512, 2560))
+
+
+def section_attention(args: argparse.Namespace, env: dict[str, Any]) -> None:
     import mlx.core as mx
 
-    from mlxcel_compat.model.attention import cpu_attention
+    from mlxcel_compat import blas_shim
+    from mlxcel_compat.model import attention
 
-    def timed(fn) -> float:
-        mx.eval(fn())
-        t = time.perf_counter()
-        mx.eval(fn())
-        return time.perf_counter() - t
+    print("## 3. Attention per layer (12 query heads, 4 KV heads, head dim 64)\n")
+    compiled_exp = attention._exp2_shifted
+    plain_exp = lambda s, m: mx.power(2.0, s - m)  # noqa: E731
+    shim = env["shim"]
 
-    print("\n| B | queries | keys | mx.fast ms | CPU path ms | speed-up | max rel. difference |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for b, length, keys in SHAPES:
+    def ours(q, k, v, mask, *, blocks: bool = True, compiled: bool = True, route: int = blas_shim.ROUTE_KERNEL):
+        def make():
+            saved = attention.QUERY_BLOCK
+            attention.QUERY_BLOCK = saved if blocks else 1 << 30
+            attention._exp2_shifted = compiled_exp if compiled else plain_exp
+            if shim is not None:
+                shim.configure(route=route)
+            try:
+                return attention.cpu_attention(q, k, v, 0.125, mask)
+            finally:
+                attention.QUERY_BLOCK = saved
+                attention._exp2_shifted = compiled_exp
+        return make
+
+    print("| B | queries | keys | mx.fast ms | CPU path ms | speed-up | no query blocks | plain exponent | matmuls to sgemm | max rel. difference |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for b, length, keys in ATTN_SHAPES:
         q, k, v = mx.random.normal((b, 12, length, 64)), mx.random.normal((b, 4, keys, 64)), mx.random.normal((b, 4, keys, 64))
         mask = "causal" if length > 1 else None
         fast = lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)  # noqa: E731
-        ours = lambda: cpu_attention(q, k, v, 0.125, mask)  # noqa: E731
-        a, o = [], []
-        for _ in range(args.reps):
-            a.append(timed(fast))
-            o.append(timed(ours))
-        ta, to = statistics.median(a) * 1000, statistics.median(o) * 1000
-        diff = (mx.abs(fast() - ours()).max() / mx.abs(fast()).max()).item()
-        print(f"| {b} | {length} | {keys} | {ta:.2f} | {to:.2f} | {ta / to:.2f} | {diff:.1e} |", flush=True)
+        fns = {"fast": timed(fast), "ours": timed(ours(q, k, v, mask)), "no blocks": timed(ours(q, k, v, mask, blocks=False)),
+               "plain exp": timed(ours(q, k, v, mask, compiled=False)), "sgemm": timed(ours(q, k, v, mask, route=blas_shim.ROUTE_SGEMM))}
+        res = {name: med(v) * 1e3 for name, v in benchlib.interleaved(fns, args.reps).items()}
+        diff = (mx.abs(fast() - ours(q, k, v, mask)()).max() / mx.abs(fast()).max()).item()
+        print(f"| {b} | {length} | {keys} | {res['fast']:.2f} | {res['ours']:.2f} | {res['fast'] / res['ours']:.2f} | "
+              f"{res['no blocks']:.2f} | {res['plain exp']:.2f} | {res['sgemm']:.2f} | {diff:.1e} |", flush=True)
+    if shim is not None:
+        shim.configure(route=blas_shim.ROUTE_KERNEL)
+    print(f"\nActive: CPU path, query blocks of {attention.QUERY_BLOCK}, compiled exponent.")
+
+
+# --------------------------------------------------------------------------- 4. element-wise pieces
+
+
+def section_pieces(args: argparse.Namespace, env: dict[str, Any]) -> None:
+    import mlx.core as mx
+    from mlx_lm.models import activations
+
+    from mlxcel_compat.model import cpu_fusion
+
+    model = env["model"]
+    layer = model.model.layers[0]
+    attn = layer.self_attn
+    print("## 4. Element-wise pieces alone (one layer's worth; times include one mx.eval each)\n")
+    print("| piece | tokens | plain µs | lever µs | speed-up | lever |")
+    print("|---|---:|---:|---:|---:|---|")
+    for tokens in (1, 512):
+        x = mx.random.normal((1, tokens, 768))
+        g, u = mx.random.normal((1, tokens, 2048)) * 3, mx.random.normal((1, tokens, 2048))
+        q = mx.random.normal((1, tokens, 12, 64)).transpose(0, 2, 1, 3)
+        mx.eval(x, g, u, q)
+        reps = max(1, 200 // tokens)
+
+        def many(fn: Callable[[], Any], enabled: bool) -> Callable[[], float]:
+            def run() -> float:
+                saved = cpu_fusion.SMALL_ELEMENTS
+                cpu_fusion.SMALL_ELEMENTS = saved if enabled else -1
+                try:
+                    t = benchlib.clock()
+                    for _ in range(reps):
+                        mx.eval(fn())
+                    return (benchlib.clock() - t) / reps
+                finally:
+                    cpu_fusion.SMALL_ELEMENTS = saved
+            return run
+
+        pieces = {
+            "SiLU gating": (lambda: activations.swiglu(g, u), lambda: cpu_fusion.swiglu(g, u), "power of 2"),
+            "RMS norm": (lambda: layer.input_layernorm(x), lambda: layer.input_layernorm(x), "compiled"),
+            "RoPE (queries)": (lambda: attn.rope(q, offset=100), lambda: attn.rope(q, offset=100), "compiled"),
+            "MLP (gate, up, SiLU, down)": (lambda: layer.mlp(x), lambda: layer.mlp(x), "compiled"),
+        }
+        for name, (plain, lever, what) in pieces.items():
+            res = benchlib.interleaved({"plain": many(plain, False), "lever": many(lever, True)}, args.reps)
+            active = what if what == "power of 2" or x.size <= cpu_fusion.SMALL_ELEMENTS else f"{what} (not used at this size)"
+            print(f"| {name} | {tokens} | {med(res['plain']) * 1e6:.0f} | {med(res['lever']) * 1e6:.0f} | "
+                  f"{med(res['plain']) / med(res['lever']):.2f} | {active} |", flush=True)
+    print(f"\nActive: SiLU gating through a power of 2 always; compiled modules up to {cpu_fusion.SMALL_ELEMENTS} input elements.")
+
+
+# --------------------------------------------------------------------------- 5. in the model
+
+
+class Levers:
+    """Switch the levers of a loaded model on and off at run time (benchmarks only)."""
+
+    def __init__(self, env: dict[str, Any]) -> None:
+        from mlx_lm.models import activations
+
+        from mlxcel_compat.model import attention, cpu_fusion
+
+        self.env, self.attention, self.fusion = env, attention, cpu_fusion
+        self.defaults = (attention.QUERY_BLOCK, attention._exp2_shifted, cpu_fusion.SMALL_ELEMENTS)
+        self.swiglu_modules = [m for name, m in sys.modules.items() if name.startswith("mlx_lm.models.")
+                               and getattr(m, "swiglu", None) is cpu_fusion.swiglu]
+        self.mlx_swiglu = activations.swiglu
+
+    def set(self, *off: str) -> None:
+        """Everything on except the levers named in ``off`` (names from OFF; "all" = every one)."""
+        import mlx.core as mx
+
+        from mlxcel_compat import blas_shim
+
+        if "all" in off:
+            off = LEVERS
+        block, exp2, small = self.defaults
+        self.attention.QUERY_BLOCK = 1 << 30 if "query blocks" in off else block
+        self.attention._exp2_shifted = (lambda s, m: mx.power(2.0, s - m)) if "compiled exponent" in off else exp2
+        self.fusion.SMALL_ELEMENTS = -1 if "compiled modules" in off else small
+        swiglu = self.mlx_swiglu if "SiLU via power of 2" in off else self.fusion.swiglu
+        for module in self.swiglu_modules:
+            if module.swiglu is not swiglu:
+                module.swiglu = swiglu
+                for _, m in self.env["model"].named_modules():  # compiled MLPs captured the old one
+                    m.__dict__.pop("_mlxcel_fused", None)
+        shim = self.env["shim"]
+        if shim is not None:
+            shim.configure(route=blas_shim.ROUTE_SGEMM if "matmul shim" in off else blas_shim.ROUTE_KERNEL)
+
+
+# The levers of issue 15.
+LEVERS = ("matmul shim", "compiled modules", "SiLU via power of 2", "compiled exponent", "query blocks")
+OFF = ("", *LEVERS)
+
+
+def decode_step(env: dict[str, Any], context: int) -> Callable[[], float]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = env["model"]
+    cache = make_prompt_cache(model)
+    ids = [(7 * i + 3) % 8000 for i in range(context)]
+    for start in range(0, context, 512):
+        model(mx.array([ids[start:start + 512]]), cache=cache)
+        mx.eval([c.state for c in cache])
+    token = mx.array([[11]])
+
+    def run() -> float:
+        t = benchlib.clock()
+        mx.eval(mx.argmax(model(token, cache=cache)[0, -1]))
+        elapsed = benchlib.clock() - t
+        for c in cache:
+            c.trim(1)
+        return elapsed
+    return run
+
+
+def prefill(env: dict[str, Any], n: int, chunk: int) -> Callable[[], float]:
+    """The engine's way: aligned chunks (cache state evaluated after each), then the last token."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = env["model"]
+    prompt = [(13 * i + 5) % 8000 for i in range(n)]
+
+    def run() -> float:
+        cache = make_prompt_cache(model)
+        t = benchlib.clock()
+        for start in range(0, n - 1, chunk):
+            model(mx.array([prompt[start:min(start + chunk, n - 1)]]), cache=cache)
+            mx.eval([c.state for c in cache])
+        mx.eval(mx.argmax(model(mx.array([prompt[-1:]]), cache=cache)[0, -1]))
+        return benchlib.clock() - t
+    return run
+
+
+def section_model(args: argparse.Namespace, env: dict[str, Any]) -> None:
+    levers = Levers(env)
+    print(f"## 5. In the model: each lever off in turn (decode at {args.context} tokens of context; prefill of {args.prompt} tokens in chunks of {args.chunk})\n")
+    print("| switched off | decode step ms | × all on | prefill ms | × all on |")
+    print("|---|---:|---:|---:|---:|")
+    step, fill = decode_step(env, args.context), prefill(env, args.prompt, args.chunk)
+
+    def with_off(fn: Callable[[], float], off: str) -> Callable[[], float]:
+        def run() -> float:
+            levers.set(off)
+            try:
+                return fn()
+            finally:
+                levers.set("")
+        return run
+
+    d = benchlib.interleaved({off: with_off(step, off) for off in OFF}, args.reps)
+    p = benchlib.interleaved({off: with_off(fill, off) for off in OFF}, max(1, args.reps // 2))
+    for off in OFF:
+        print(f"| {off or '(nothing: all on)'} | {med(d[off]) * 1e3:.1f} | {med(d[off]) / med(d['']):.2f} | "
+              f"{med(p[off]) * 1e3:.0f} | {med(p[off]) / med(p['']):.2f} |", flush=True)
+
+
+# --------------------------------------------------------------------------- 6. prefill chunk
+
+
+def section_chunk(args: argparse.Namespace, env: dict[str, Any]) -> None:
+    chunks = [int(c) for c in args.chunks.split(",")]
+    print("## 6. Prefill chunk (--batch-size): prefill time by chunk size, all levers on\n")
+    print("| prompt | " + " | ".join(f"chunk {c} ms" for c in chunks) + " | best |")
+    print("|---:|" + "---:|" * len(chunks) + "---|")
+    for n in (int(p) for p in args.chunk_prompts.split(",")):
+        res = benchlib.interleaved({c: prefill(env, n, c) for c in chunks}, max(1, args.reps // 2))
+        best = min(chunks, key=lambda c: med(res[c]))
+        print(f"| {n} | " + " | ".join(f"{med(res[c]) * 1e3:.0f}" for c in chunks) + f" | {best} |", flush=True)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def load_env(args: argparse.Namespace) -> dict[str, Any]:
+    from mlxcel_compat import backend
+
+    info = backend.load_optimized_blas()
+    import mlx.nn as nn
+
+    from mlxcel_compat.model.loader import load_model
+
+    model = load_model(str(Path(args.model) if args.model else benchlib.ensure_model("llama", args.size)), []).model
+    weights = [m.weight for _, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return {"info": info, "shim": backend.matmul_shim(), "model": model, "weights": weights}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mlxcel_compat.settings import SETTINGS
+
+    default_chunk = min(s.default for s in SETTINGS if s.name in ("batch_size", "ubatch_size"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--size", default="small", help="generated llama size (default small: 88M parameters)")
+    ap.add_argument("--model", help="a model directory instead of the generated llama")
+    ap.add_argument("--sections", default="1,2,3,4,5,6", help="comma-separated section numbers")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--chunk", type=int, default=default_chunk, help="prefill chunk in section 5 (default: the server's)")
+    ap.add_argument("--chunks", default="128,256,512,1024,2048")
+    ap.add_argument("--chunk-prompts", default="1024,4096")
+    ap.add_argument("--single-thread", action="store_true",
+                    help="one BLAS/shim thread, process CPU time as the clock: work, not wall time (shared machines)")
+    args = ap.parse_args(argv)
+    if args.single_thread:
+        benchlib.single_thread_cpu_time()
+    sections = {int(s) for s in args.sections.split(",")}
+    print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
+    print(f"started {time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs"
+          + (", single thread, times are process CPU time" if args.single_thread else ", wall time") + "\n")
+    if 1 in sections:
+        section_kernels(args)
+        print()
+    env = load_env(args)
+    print(f"Active in this process: BLAS {env['info'].name} ({env['info'].kernels} kernels); float32 matmuls: {env['info'].matmul_route}\n")
+    for number, section in ((2, section_routes), (3, section_attention), (4, section_pieces), (5, section_model), (6, section_chunk)):
+        if number in sections:
+            section(args, env)
+            print()
+    print(f"finished {time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}")
     return 0
 
 

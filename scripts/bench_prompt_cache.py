@@ -22,6 +22,13 @@ from a fixed word list through a seeded RNG, decoding is greedy):
 * ``prefix64``: a 2K-token prefix + 64 new tokens. Warm TTFT against the cold prefill of the
   64 new tokens alone and against the cold prefill of the whole prompt (goal: warm / 64-only
   <= 1.2).
+* ``agent``: a coding-agent loop, the same conversations once through ``/v1/chat/completions`` and
+  once through the Anthropic ``/v1/messages`` (cache reset before each): a ~``--agent-system-tokens``
+  system prompt (default 2048) plus ``AGENT_TOOLS`` schemas, ``--agent-sessions`` sessions (default
+  5) interleaved for ``--rounds`` rounds, each turn adding the reply and a tool result to the
+  history. Session through ``prompt_cache_key`` / ``metadata.user_id``. Reports hit fraction, TTFT
+  and cold/warm per API, and the in-process cost of the Anthropic translation per request (request
+  body to chat body, and the reply back), which is what the server adds over the chat route.
 * ``apc-divergent``: a shared ~1K-token system prompt, then conversations that diverge from each
   other's stored entries, so whole-entry matching misses and only APC (partial reuse) hits: per
   shared-opening length K (``--apc-lengths``, default 32,128,512) ``--apc-users`` users open with
@@ -74,7 +81,19 @@ import httpx
 
 from benchlib import ServerProcess, pct, ratio, resolve_model
 
-WORKLOADS = ("shared-system", "multi-turn", "timestamp", "unrelated", "prefix64", "apc-divergent")
+WORKLOADS = ("shared-system", "multi-turn", "timestamp", "unrelated", "prefix64", "apc-divergent", "agent")
+# The coding agent's tools (JSON schemas a Claude-Code-like client sends with every request).
+AGENT_TOOLS = [
+    {"name": name, "description": desc, "input_schema": {"type": "object", "properties": props, "required": list(props)}}
+    for name, desc, props in (
+        ("read_file", "Read a file of the repository and return its text with line numbers.", {"path": {"type": "string", "description": "Path relative to the repository root"}}),
+        ("write_file", "Replace the whole content of a file.", {"path": {"type": "string"}, "content": {"type": "string"}}),
+        ("edit_file", "Replace one exact occurrence of a string in a file.", {"path": {"type": "string"}, "old": {"type": "string"}, "new": {"type": "string"}}),
+        ("run_command", "Run a shell command in the repository and return its output.", {"command": {"type": "string"}, "timeout_s": {"type": "integer"}}),
+        ("search", "Search the repository for a regular expression.", {"pattern": {"type": "string"}, "glob": {"type": "string"}}),
+        ("list_dir", "List a directory of the repository.", {"path": {"type": "string"}}),
+    )
+]
 TS_LAYOUTS = ("top", "bottom_system", "bottom_user")
 
 # A fixed vocabulary: the same seed gives the same text on every machine, and one tokenizer
@@ -216,6 +235,9 @@ class Api:
                  api_key: str | None, timeout: float, label: str | None = None) -> None:
         self.base = base_url.rstrip("/")
         self.label = label  # server label in --compare-apc ("apc-on" / "apc-off"), else None
+        # Also send the session as this header (behind a router: vllm-router's consistent_hash
+        # reads X-Session-ID; it ignores the body's prompt_cache_key on chat completions).
+        self.session_header: str | None = None
         self.flavour = flavour
         self.n_predict = n_predict
         self.seed = seed
@@ -344,7 +366,22 @@ class Api:
                 return ids
         return "".join(p if isinstance(p, str) else "" for p in merged)  # ids need a tokenizer
 
-    def send(self, msgs: list[Msg], cache_prompt: bool, session: str | None) -> Outcome:
+    def send(self, msgs: list[Msg], cache_prompt: bool, session: str | None, tools: list[dict[str, Any]] | None = None) -> Outcome:
+        if self.flavour == "anthropic":
+            body = {
+                "system": msgs[0].content,
+                "messages": [{"role": m.role, "content": m.content} for m in msgs[1:]],
+                "max_tokens": self.n_predict,
+                "temperature": 0.0,
+                "stream": True,
+                "cache_prompt": cache_prompt,
+                "model": self.model or self.model_id or "local",
+            }
+            if tools:
+                body["tools"] = tools
+            if session:
+                body["metadata"] = {"user_id": session}
+            return self._stream(self.base + "/v1/messages", body, session)
         if self.flavour == "native":
             body: dict[str, Any] = {
                 "prompt": self.native_prompt(msgs),
@@ -368,19 +405,22 @@ class Api:
             }
             if session:
                 body["prompt_cache_key"] = session
+            if tools:
+                body["tools"] = [{"type": "function", "function": {"name": t["name"], "description": t["description"], "parameters": t["input_schema"]}} for t in tools]
             if self.model or self.model_id:
                 body["model"] = self.model or self.model_id
             url = self.base + "/v1/chat/completions"
-        return self._stream(url, body)
+        return self._stream(url, body, session)
 
-    def _stream(self, url: str, body: dict[str, Any]) -> Outcome:
+    def _stream(self, url: str, body: dict[str, Any], session: str | None = None) -> Outcome:
         out = Outcome()
         usage: dict[str, Any] | None = None
         timings: dict[str, Any] | None = None
         native_final: dict[str, Any] | None = None
         t0 = time.perf_counter()
         try:
-            with self.http.stream("POST", url, json=body) as r:
+            headers = {self.session_header: session} if self.session_header and session else None
+            with self.http.stream("POST", url, json=body, headers=headers) as r:
                 if r.status_code != 200:
                     text = r.read().decode("utf-8", "replace")
                     out.error = f"HTTP {r.status_code}: {text[:300]}"
@@ -407,7 +447,24 @@ class Api:
                         usage = chunk["usage"]
                     if isinstance(chunk.get("timings"), dict):
                         timings = chunk["timings"]
-                    if self.flavour == "native":
+                    if self.flavour == "anthropic":
+                        kind = chunk.get("type")
+                        if kind == "error":
+                            out.error = str((chunk.get("error") or {}).get("message"))[:300]
+                        delta = chunk.get("delta") or {}
+                        piece = delta.get("text") or delta.get("thinking") or ""
+                        if piece:
+                            if out.ttft_ms is None:
+                                out.ttft_ms, out.ttft_source = (now - t0) * 1000, "content"
+                            out.content += delta.get("text") or ""
+                        if kind == "message_delta":
+                            u = chunk.get("usage") or {}
+                            read, made = u.get("cache_read_input_tokens") or 0, u.get("cache_creation_input_tokens") or 0
+                            usage = {"prompt_tokens": (u.get("input_tokens") or 0) + read + made, "completion_tokens": u.get("output_tokens"),
+                                     "prompt_tokens_details": {"cached_tokens": read}}
+                            if out.ttft_ms is None:
+                                out.ttft_ms, out.ttft_source = (now - t0) * 1000, "final"
+                    elif self.flavour == "native":
                         if "prompt_progress" in chunk:
                             continue
                         piece = chunk.get("content") or ""
@@ -492,6 +549,7 @@ class Bench:
         self.groups: dict[str, dict[str, Any]] = {}  # group -> cache stats etc.
         self.warnings: list[str] = []
         self.any_ok = False
+        self.agent_bodies: list[tuple[str, list[Msg], Outcome]] = []  # agent workload requests, for the translation cost
 
     def log(self, msg: str) -> None:
         if not self.args.quiet:
@@ -714,6 +772,66 @@ class Bench:
                     self.pair(g, [system, *edited, Msg("user", self.question(f"apcd-edit-next-{gi}-{u}"))], session,
                               case="edit", k=k, user=u, turn=turns)
         self.end_group(g)
+
+    def agent(self) -> None:
+        """The same coding-agent conversations through chat completions and the Anthropic API."""
+        base, flavours = self.api, ("openai", "anthropic")
+        system = "You are a coding agent working in a Python repository. " + self.text.text("agent-system", self.args.agent_system_tokens)
+        for flavour in flavours:
+            g = f"agent-{'chat' if flavour == 'openai' else 'anthropic'}"
+            api = Api(base.base, flavour, base.n_predict, base.seed, base.model, None, 600.0)
+            api.http.close()
+            api.http = base.http  # same connection pool and headers
+            api.model_id = base.model_id
+            self.begin_group(g)
+            history: list[list[Msg]] = [[] for _ in range(self.args.agent_sessions)]
+            for r in range(self.args.rounds):
+                for u in range(self.args.agent_sessions):
+                    q = Msg("user", ("Tool result: " if r else "Task: ") + self.question(f"agent-{u}-{r}"))
+                    msgs = [Msg("system", system), *history[u], q]
+                    session = f"bench-agent-{u}"
+                    warm = api.send(msgs, True, session, AGENT_TOOLS)
+                    self._record(api, g, "warm", warm, session, user=u, round=r)
+                    if not self.args.no_cold:
+                        self._record(api, g, "cold", api.send(msgs, False, session, AGENT_TOOLS), session, user=u, round=r)
+                    history[u] += [q, Msg("assistant", warm.content or "ok")]
+                    self.agent_bodies.append((system, msgs, warm))
+            self.end_group(g)
+
+    def _record(self, api: "Api", group: str, kind: str, out: Outcome, session: str, **labels: Any) -> None:
+        rec = {"group": group, "kind": kind, "counted": True, "session": session, **labels}
+        rec.update({k: v for k, v in asdict(out).items() if k not in ("content", "gen_ids", "peers")})
+        rec["content_chars"] = len(out.content)
+        self.records.append(rec)
+        self.log(f"  [{group}] {kind:<5} ttft={fmt_ms(out.ttft_ms):>8} ms prompt={fmt_n(out.prompt_tokens)} cached={fmt_n(out.cached_tokens)}"
+                 + ("" if out.ok else f" ERROR {out.error}"))
+
+    def translation_cost(self) -> dict[str, float] | None:
+        """Median microseconds of the Anthropic translation (request in, reply out) on the
+        workload's own requests, measured in this process with the server's code."""
+        if not self.agent_bodies:
+            return None
+        try:
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+            from mlxcel_compat.server import api_anthropic
+        except ImportError:
+            return None
+        import statistics
+
+        req_us, resp_us = [], []
+        for system, msgs, out in self.agent_bodies:
+            body = {"system": system, "messages": [{"role": m.role, "content": m.content} for m in msgs[1:]],
+                    "tools": AGENT_TOOLS, "max_tokens": 8, "metadata": {"user_id": "s"}, "stream": True}
+            t0 = time.perf_counter()
+            for _ in range(20):
+                api_anthropic.to_chat_body(body)
+            req_us.append((time.perf_counter() - t0) / 20 * 1e6)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                usage = api_anthropic.usage_json(out.prompt_tokens or 0, out.cached_tokens or 0, 0, 8)
+                api_anthropic.message_body("msg_x", "m", [{"type": "text", "text": out.content}], "end_turn", None, usage)
+            resp_us.append((time.perf_counter() - t0) / 20 * 1e6)
+        return {"request_us_p50": statistics.median(req_us), "reply_us_p50": statistics.median(resp_us), "n": len(req_us)}
 
     def warmup(self) -> None:
         if self.args.warmup <= 0:
@@ -1031,6 +1149,24 @@ def render(bench: Bench, summary: dict[str, dict[str, Any]], info: dict[str, Any
                  f"server prefill ratio {fmt_r(s['warm_over_prefill_new_server'])}; "
                  f"warm / full cold = {fmt_r(s['ttft_p50_ratio'])}.")
         L.append("")
+    agent = [(g, summary[g]) for g in ("agent-chat", "agent-anthropic") if g in summary]
+    if agent:
+        a = bench.args
+        L.append(f"### agent: {a.agent_system_tokens}-token system prompt + {len(AGENT_TOOLS)} tool schemas, "
+                 f"{a.agent_sessions} sessions interleaved, {a.rounds} rounds")
+        L.append("")
+        L.append("| API | hit fraction | warm TTFT p50 | warm TTFT p90 | cold TTFT p50 | cold/warm p50 |")
+        L.append("|---|---|---|---|---|---|")
+        for g, s in agent:
+            cw = ratio(s["cold_ttft_p50"], s["warm_ttft_p50"])
+            L.append(f"| {g.split('-', 1)[1]} | {fmt_pct(s['hit_fraction'])} | {fmt_ms(s['warm_ttft_p50'])} | {fmt_ms(s['warm_ttft_p90'])} | "
+                     f"{fmt_ms(s['cold_ttft_p50'])} | {fmt_r(cw)} |")
+        cost = info.get("agent_translation")
+        if cost:
+            L.append("")
+            L.append(f"Anthropic translation per request (in process, p50 over {cost['n']} requests): request "
+                     f"{cost['request_us_p50']:.0f} us, reply {cost['reply_us_p50']:.0f} us (goal <= 1 ms).")
+        L.append("")
     ts = [g for g in summary if g.startswith("timestamp/")]
     if ts:
         parts = [f"{g.split('/', 1)[1]}: {fmt_pct(summary[g]['hit_fraction'])} cached, warm/cold TTFT {fmt_r(summary[g]['ttft_p50_ratio'])}"
@@ -1078,7 +1214,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--users", type=int, default=8, help="shared-system users (default 8)")
     p.add_argument("--mt-users", type=int, default=10, help="multi-turn users (default 10)")
-    p.add_argument("--rounds", type=int, default=5, help="multi-turn rounds (default 5)")
+    p.add_argument("--rounds", type=int, default=5, help="multi-turn and agent rounds (default 5)")
+    p.add_argument("--agent-system-tokens", type=int, default=2048, help="agent workload: system prompt tokens (default 2048)")
+    p.add_argument("--agent-sessions", type=int, default=5, help="agent workload: sessions interleaved (default 5)")
     p.add_argument("--ts-rounds", type=int, default=4, help="timestamp turns per layout, first one primes (default 4)")
     p.add_argument("--unrelated", type=int, default=8, help="unrelated warm/cold pairs (default 8)")
     p.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt size (default 1024)")
@@ -1185,8 +1323,10 @@ def main(argv: list[str] | None = None) -> int:
         bench.warmup()
         for w in args.workload_list:
             {"shared-system": bench.shared_system, "multi-turn": bench.multi_turn, "timestamp": bench.timestamp,
-             "unrelated": bench.unrelated, "prefix64": bench.prefix64, "apc-divergent": bench.apc_divergent}[w]()
+             "unrelated": bench.unrelated, "prefix64": bench.prefix64, "apc-divergent": bench.apc_divergent,
+             "agent": bench.agent}[w]()
         summary = summarize(bench)
+        info["agent_translation"] = bench.translation_cost()
         comparison = compare_apc(summary) if bench.compare else None
         if bench.compare and bench.reply_mismatches:
             bench.warnings.append(f"{bench.reply_mismatches} request(s) got different replies from the two servers "

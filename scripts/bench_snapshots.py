@@ -158,7 +158,7 @@ def question(seed: int, session: int, turn: int) -> str:
 def make_server(family: str, config: str, model_dir: str, args: argparse.Namespace) -> ServerProcess:
     """The server of one configuration (not started); controlled variables are not inherited."""
     env_add, extra, _ = CONFIGS[config]
-    cmd_extra = ["-b", str(args.chunk), "-c", str(args.ctx)]
+    cmd_extra = ["-b", str(args.chunk), "-ub", str(args.chunk), "-c", str(args.ctx)]
     if args.parallel is not None:
         cmd_extra += ["-np", str(args.parallel)]
     for item in args.server_arg:

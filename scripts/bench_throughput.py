@@ -150,7 +150,7 @@ class Server(benchlib.ServerProcess):
 
     def __init__(self, model_dir: Path, chunk: int, extra: list[str], log_path: Path, timeout: float) -> None:
         port = benchlib.free_port()
-        super().__init__(benchlib.mlxcel_cmd(model_dir, port, ["-b", str(chunk), *extra]), port,
+        super().__init__(benchlib.mlxcel_cmd(model_dir, port, ["-b", str(chunk), "-ub", str(chunk), *extra]), port,
                          cwd=ROOT, log_path=log_path, keep_log=True)
         self.url = self.base_url
         self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(600.0, connect=5.0))

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import httpx
@@ -28,6 +28,19 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- timing
+
+clock = time.perf_counter  # what in-process measurements read; see single_thread_cpu_time()
+
+
+def single_thread_cpu_time() -> None:
+    """Measure work instead of wall time (a shared machine's noise hits wall time hardest): one
+    BLAS and shim thread, and the process's CPU time as the clock. Call before the BLAS loads."""
+    global clock
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    clock = time.process_time
 
 
 # --------------------------------------------------------------------------- statistics
@@ -46,6 +59,19 @@ def pct(values: Iterable[float | None], p: float) -> float | None:
 def ratio(a: float | None, b: float | None) -> float | None:
     """``a / b``, or ``None`` when either is missing or ``b`` is 0."""
     return None if a is None or b is None or b == 0 else a / b
+
+
+def interleaved(fns: Mapping[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
+    """Each measurement once per repetition, the order rotating so that a noisy machine hits them
+    alike; one warm-up round is run first and discarded. Returns the values by name."""
+    names = list(fns)
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps + 1):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            value = fns[name]()
+            if rep:
+                out[name].append(value)
+    return out
 
 
 def mean(values: Iterable[float | None]) -> float | None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what mlxcel_compat needs, idempotently: an optimized BLAS (Debian's
-# libopenblas0-pthread, when we may install system packages) and a virtualenv in .venv
-# with the project and its test extras. Sourced by serve.sh and test.sh.
+# libopenblas0-pthread, when we may install system packages), a virtualenv in .venv
+# with the project and its test extras, and the matrix-vector shim compiled for this
+# CPU (mlxcel_compat/blas_shim.c, when a C compiler is present). Sourced by serve.sh and test.sh.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${MLXCEL_VENV:-$root/.venv}"
@@ -25,3 +26,7 @@ if [ ! -f "$stamp" ] || [ "$root/setup.cfg" -nt "$stamp" ] || [ "$root/pyproject
   "$venv/bin/python" -m pip install -q -e "$root[test]"
   touch "$stamp"
 fi
+# Compiled into the user cache, keyed by the source and the CPU: a no-op when up to date. Without
+# a C compiler it says so and the server calls the BLAS directly (slower decode; results equal
+# to float32 rounding).
+"$venv/bin/python" -m mlxcel_compat.blas_shim || true

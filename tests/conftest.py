@@ -26,6 +26,15 @@ import httpx  # noqa: E402
 MODEL_CACHE = Path(os.environ.get("MLXCEL_TEST_MODEL_CACHE", Path(__file__).resolve().parent.parent / ".test-models"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``XDG_CACHE_HOME`` for the session (and the servers it starts): converted GGUF tokenizers
+    are cached there, so each session converts afresh and never reads the user's cache."""
+    path = tmp_path_factory.mktemp("xdg-cache")
+    os.environ["XDG_CACHE_HOME"] = str(path)
+    return path
+
+
 def tiny_model(family: str = "llama") -> Path:
     from mlxcel_compat.testing.models import ensure_model
 

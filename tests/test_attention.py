@@ -32,6 +32,8 @@ def close(a, b) -> bool:
         (3, 8, 8, 1, 300, None),  # batched decode, one KV head per query head
         (1, 12, 4, 74, 2122, "causal"),  # new tokens over a cached prefix
         (1, 12, 4, 128, 128, "causal"),  # a fresh prompt
+        (1, 12, 4, 300, 300, "causal"),  # a longer fresh prompt: query blocks, each to its own end
+        (2, 12, 4, 257, 700, "causal"),  # a long chunk over a cached prefix, blocks with a tail of 1
         (2, 12, 4, 16, 200, "bool"),  # batch-cache style (B, 1, L, S) boolean mask
         (2, 12, 4, 16, 200, "additive"),  # (B, 1, L, S) additive mask
         (2, 12, 4, 16, 200, "per-head"),  # (B, Hq, L, S) boolean mask

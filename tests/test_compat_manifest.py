@@ -58,7 +58,7 @@ def test_manifest_flag_statuses_and_notes(manifest) -> None:
         if entry["status"] != "supported":
             assert entry["note"], entry["setting"]
     names = {e["setting"] for e in manifest_flags(status="refused", manifest=manifest)}
-    assert {"embeddings", "rerank", "lora", "mmproj", "slot_save_path", "ssl_key_file", "models_dir"} <= names
+    assert {"embeddings", "rerank", "lora", "mmproj", "ssl_key_file", "models_dir"} <= names
     noop = {e["setting"] for e in manifest_flags(status="noop", manifest=manifest)}
     assert {"n_gpu_layers", "flash_attn", "mlock", "threads", "cache_type_k"} <= noop
 
@@ -69,18 +69,20 @@ SUPPORTED_ROUTES = [
     ("POST", "/v1/completions"), ("POST", "/chat/completions"), ("POST", "/v1/chat/completions"),
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template"), ("GET", "/slots"),
     ("POST", "/v1/cache/reset"), ("GET", "/v1/cache/stats"), ("GET", "/openapi.json"), ("GET", "/"), ("GET", "/index.html"),
+    ("POST", "/slots/{id_slot}"),
     ("GET", "/tools"), ("POST", "/tools"), ("GET", "/cors-proxy"), ("POST", "/cors-proxy"), ("POST", "/predict"),
+    ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"), ("POST", "/responses"),
+    ("POST", "/chat/completions/input_tokens"), ("POST", "/v1/chat/completions/input_tokens"),
+    ("POST", "/responses/input_tokens"), ("POST", "/v1/responses/input_tokens"),
+    ("GET", "/get_load"), ("GET", "/get_server_info"), ("GET", "/get_model_info"), ("POST", "/flush_cache"),
 ]
 
-# Every route of llama-server-api.md §2 (single-model and router mode).
+# Every other route of llama-server-api.md §2 (single-model and router mode).
 UPSTREAM_ROUTES = [
-    ("POST", "/v1/chat/completions/control"), ("POST", "/v1/responses"), ("POST", "/responses"),
-    ("POST", "/v1/audio/transcriptions"), ("POST", "/audio/transcriptions"), ("POST", "/v1/messages"),
-    ("POST", "/v1/messages/count_tokens"), ("POST", "/chat/completions/input_tokens"),
-    ("POST", "/v1/chat/completions/input_tokens"), ("POST", "/responses/input_tokens"),
-    ("POST", "/v1/responses/input_tokens"), ("POST", "/infill"), ("POST", "/embedding"), ("POST", "/embeddings"),
+    ("POST", "/v1/chat/completions/control"),
+    ("POST", "/v1/audio/transcriptions"), ("POST", "/audio/transcriptions"), ("POST", "/infill"), ("POST", "/embedding"), ("POST", "/embeddings"),
     ("POST", "/v1/embeddings"), ("POST", "/rerank"), ("POST", "/reranking"), ("POST", "/v1/rerank"),
-    ("POST", "/v1/reranking"), ("GET", "/lora-adapters"), ("POST", "/lora-adapters"), ("POST", "/slots/{id_slot}"),
+    ("POST", "/v1/reranking"), ("GET", "/lora-adapters"), ("POST", "/lora-adapters"),
     ("GET", "/v1/stream"), ("DELETE", "/v1/stream"), ("POST", "/v1/streams/lookup"), ("POST", "/models"), ("POST", "/models/load"), ("POST", "/models/unload"),
     ("GET", "/models/sse"), ("DELETE", "/models"),
 ]
@@ -114,13 +116,13 @@ message_delimiters
 """.split()
 
 NOT_SUPPORTED = """
-grammar json_schema lora adaptive_target adaptive_decay backend_sampling reasoning_control
+lora adaptive_target adaptive_decay backend_sampling reasoning_control
 """.split()
 
-# Accepted-and-ignored before issue 12; now acted on as llama-server does.
+# Accepted-and-ignored (or refused) before issues 12 and 13; now acted on as llama-server does.
 NOW_SUPPORTED = """
 mirostat mirostat_tau mirostat_eta n_indent t_max_predict_ms reasoning_budget_tokens reasoning_budget_start_tag
-reasoning_budget_end_tag reasoning_budget_message
+reasoning_budget_end_tag reasoning_budget_message grammar json_schema grammar_lazy grammar_triggers preserved_tokens
 """.split()
 
 
@@ -142,13 +144,18 @@ def test_request_fields(manifest) -> None:
     for name in ("cache_prompt", "n_predict", "temperature", "stop", "seed", "id_slot", "n_probs"):
         assert entries[name]["status"] == "supported", name
     assert "max_tokens" in entries["n_predict"]["aliases"]
+    # Fields vllm-router / sglang-router add to every chat or completions body they forward.
+    for name in ("separate_reasoning", "include_reasoning", "stream_reasoning", "skip_special_tokens", "no_stop_trim",
+                 "return_hidden_states", "continue_final_message", "ignore_eos", "logprobs", "echo"):
+        assert name in entries, name
+    assert "max_completion_tokens" in entries["n_predict"]["aliases"]
     for name in ("messages", "tools", "chat_template_kwargs", "logprobs", "response_format"):
         assert entries[name]["scope"] == "chat", name
 
 
 def test_request_field_helpers_filter(manifest) -> None:
     unsupported = manifest_request_fields(status="unsupported", manifest=manifest)
-    assert "grammar" in unsupported and "stream" not in unsupported
+    assert "lora" in unsupported and "grammar" not in unsupported and "stream" not in unsupported
     chat = manifest_request_fields(scope="chat", manifest=manifest)
     assert "messages" in chat and "prompt" not in chat
     assert set(manifest_request_fields(status="noop", scope="completion", manifest=manifest)) == {

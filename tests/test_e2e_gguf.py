@@ -115,3 +115,25 @@ def test_hf_repo_offline_without_cache_fails_at_start(server_factory, tmp_path: 
     assert server.proc.wait(60) == 1
     log = server.log()
     assert "error: model 'acme/missing-GGUF:Q4_K_M': 'acme/missing-GGUF' is not in the local Hugging Face cache" in log
+
+
+def test_named_templates_tool_use_for_requests_with_tools(server_factory, tmp_path: Path) -> None:
+    """``tokenizer.chat_template.tool_use`` as llama-server uses it: ``/props`` reports it and a
+    request with tools renders with it; other requests use the default template."""
+    from tests.test_gguf_tokenizer import TOOL_USE, TOOLS, named_template_model
+
+    _, path = named_template_model(tmp_path)
+    server = server_factory(["-m", str(path)])
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        props = http.get("/props").json()
+        assert props["chat_template_tool_use"] == TOOL_USE
+        assert props["chat_template"] == open_gguf(path).metadata["tokenizer.chat_template"] != TOOL_USE
+        plain = http.post("/apply-template", json={"messages": messages}).json()["prompt"]
+        tools = http.post("/apply-template", json={"messages": messages, "tools": TOOLS}).json()["prompt"]
+        assert "get_weather" not in plain and plain.endswith("<|im_start|>assistant\n")
+        assert tools.startswith("<|im_start|>tools\nget_weather\n<|im_end|>\n")
+        n_tools_prompt = len(http.post("/tokenize", json={"content": tools, "add_special": True}).json()["tokens"])
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="none")
+    chat = client.chat.completions.create(model="x", messages=messages, tools=TOOLS, max_tokens=2, temperature=0)
+    assert chat.usage.prompt_tokens == n_tools_prompt

@@ -415,7 +415,10 @@ def test_sse_ping_while_waiting_for_a_slot(roomy_http):
                 with c.stream("POST", "/completion", json=body) as waiting:
                     assert waiting.status_code == 200
                     received = b""
-                    for chunk in waiting.iter_raw():
+                    # Keep the iterator alive: a dropped one closes the connection, which withdraws
+                    # the request as soon as the server's next ping fails to send.
+                    raw_chunks = waiting.iter_raw()
+                    for chunk in raw_chunks:
                         received += chunk
                         if received.count(b":\n\n") >= 2:
                             break

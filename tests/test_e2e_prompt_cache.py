@@ -184,8 +184,10 @@ def test_stats_reset_and_metrics_agree_with_responses(client, raw) -> None:
     assert _metric(metrics, "mlxcel_prompt_cache_entries") == stats["entries"] > 0
     assert _metric(metrics, "mlxcel_prompt_cache_bytes") == stats["bytes"] > 0
     cleared = raw.post("/v1/cache/reset").json()
-    assert cleared == {"success": True, "cleared_entries": stats["entries"], "cleared_bytes": stats["bytes"]}
-    assert raw.post("/v1/cache/reset").json() == {"success": True, "cleared_entries": 0, "cleared_bytes": 0}
+    nothing = {"cleared_entries": 0, "cleared_bytes": 0}
+    ram = {"cleared_entries": stats["entries"], "cleared_bytes": stats["bytes"]}
+    assert cleared == {"success": True, "tier": "all", **ram, "tiers": {"ram": ram, "disk": nothing}}
+    assert raw.post("/v1/cache/reset").json() == {"success": True, "tier": "all", **nothing, "tiers": {"ram": nothing, "disk": nothing}}
     empty = raw.get("/v1/cache/stats").json()
     assert empty["entries"] == 0 and empty["bytes"] == 0
     assert empty["hits"] == stats["hits"]  # counters survive a reset

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import ServerProcess
+from tests.e2e_helpers import post_stream
 
 
 def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -83,15 +84,15 @@ def test_a_broken_model_directory_stops_the_server(server_factory, tmp_path) -> 
 
 
 def test_deployment_flags_are_accepted_as_documented_no_ops(server_factory, llama_dir) -> None:
-    flags = ["-ngl", "99", "-fa", "on", "--threads", "4", "--mlock", "--no-mmap", "-ub", "512", "--cont-batching", "-ctk", "f16"]
+    flags = ["-ngl", "99", "-fa", "on", "--threads", "4", "--mlock", "--no-mmap", "--cont-batching", "-ctk", "f16"]
     server = server_factory(["-m", str(llama_dir), *flags])
     log = server.log()
-    for flag in ("-ngl", "-fa", "--threads", "--mlock", "--no-mmap", "-ub"):
+    for flag in ("-ngl", "-fa", "--threads", "--mlock", "--no-mmap"):
         assert f"ignored option {flag}" in log, flag
     assert httpx.get(server.base_url + "/health", timeout=10).json() == {"status": "ok"}
 
 
-@pytest.mark.parametrize("flag", [["--embeddings"], ["--lora", "adapter.gguf"], ["--slot-save-path", "/tmp"]])
+@pytest.mark.parametrize("flag", [["--embeddings"], ["--lora", "adapter.gguf"]])
 def test_unsupported_features_are_refused_with_a_reason(flag, llama_dir) -> None:
     out = run_cli(["-m", str(llama_dir), *flag])
     assert out.returncode == 2
@@ -124,3 +125,15 @@ def test_log_disable_silences_the_server(server_factory, llama_dir) -> None:
     server = server_factory(["-m", str(llama_dir), "--log-disable"])
     httpx.post(server.base_url + "/completion", json={"prompt": "Hi", "n_predict": 1}, timeout=30)
     assert "INFO" not in server.log()
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_ubatch_size_sets_the_prefill_chunk(server_factory, llama_dir, how) -> None:
+    """The prefill chunk is min(-b, -ub), as llama.cpp's physical batch: -b stays at 2048 here."""
+    args, env = (["-ub", "32"], {}) if how == "flag" else ([], {"LLAMA_ARG_UBATCH": "32"})
+    server = server_factory(["-m", str(llama_dir), *args], env=env)
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        _, events = post_stream(client, "/completion", {"prompt": list(range(5, 105)), "n_predict": 1,
+                                                        "return_progress": True, "cache_prompt": False})
+    processed = [e["prompt_progress"]["processed"] for e in events if "prompt_progress" in e]
+    assert processed == [32, 64, 96, 99, 100]  # aligned chunks of 32, then the last prompt token

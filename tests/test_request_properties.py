@@ -13,7 +13,6 @@ Real parts: the tiny model's tokenizer and chat template on a started engine; no
 
 from __future__ import annotations
 
-import queue
 from typing import Any
 
 import mlx.core as mx
@@ -82,8 +81,8 @@ def prepare(ctx: ServerContext, route: str, body: dict[str, Any]) -> list:
     """What the route does with a body before the engine (the handlers' own steps)."""
     if route == "chat":
         check_response_format(body)
-        return _prepare_chat(ctx, check_logprobs(body), None).requests
-    return _prepare_completion(ctx, body, None).requests
+        return _prepare_chat(ctx, check_logprobs(body), None, None).requests
+    return _prepare_completion(ctx, body, None, None).requests
 
 
 def assert_answer_or_named_4xx(ctx: ServerContext, route: str, field_name: str, body: dict[str, Any]) -> None:
@@ -159,7 +158,7 @@ def test_sampler_parameters_in_combination(ctx, values: dict[str, Any], samplers
     if samplers is not None:
         body["samplers"] = samplers
     try:
-        requests = _prepare_completion(ctx, body, None).requests
+        requests = _prepare_completion(ctx, body, None, None).requests
     except ApiError as exc:
         assert exc.status_code == 400 and any(f"'{name}'" in exc.message for name in (*values, "samplers")), exc.message
         return

@@ -330,8 +330,6 @@ def test_optional_value_flag_does_not_eat_the_next_flag() -> None:
         (["--rerank"], {}, "--rerank"),
         (["--lora", "a.gguf"], {}, "--lora"),
         (["--mmproj", "p.gguf"], {}, "--mmproj"),
-        (["--slot-save-path", "/tmp"], {}, "--slot-save-path"),
-        (["--grammar-file", "g.gbnf"], {}, "--grammar-file"),
         (["--fim-qwen-7b-default"], {}, "--fim-qwen-7b-default"),
         ([], {"LLAMA_ARG_SSL_KEY_FILE": "/k.pem"}, "LLAMA_ARG_SSL_KEY_FILE"),
         ([], {"LLAMA_ARG_EMBEDDINGS": "1"}, "LLAMA_ARG_EMBEDDINGS"),
@@ -351,6 +349,26 @@ def _setting_for(spelling: str) -> str:
         if spelling in s.flags + s.negative_flags or spelling in s.env_lookup:
             return s.name
     raise KeyError(spelling)
+
+
+def test_slot_save_path_must_be_an_existing_directory(tmp_path) -> None:
+    assert resolve(["--slot-save-path", str(tmp_path)]).slot_save_path == str(tmp_path)
+    assert resolve([], MLXCEL_SLOT_SAVE_PATH=str(tmp_path)).slot_save_path == str(tmp_path)
+    assert resolve([]).slot_save_path is None
+    for missing in (str(tmp_path / "nope"), str(tmp_path / "file")):
+        (tmp_path / "file").write_text("x")
+        with pytest.raises(SettingsError, match="--slot-save-path.*an existing directory"):
+            resolve_settings(["--slot-save-path", missing], {})
+
+
+def test_disk_tier_settings() -> None:
+    s = resolve(["--prompt-cache-dir", "/var/cache/x", "--prompt-cache-disk-capacity-bytes", "1000"])
+    assert (s.prompt_cache_dir, s.prompt_cache_disk_capacity_bytes) == ("/var/cache/x", 1000)
+    s = resolve([], MLXCEL_PROMPT_CACHE_DIR="/d", MLXCEL_PROMPT_CACHE_DISK_CAPACITY_BYTES="5")
+    assert (s.prompt_cache_dir, s.prompt_cache_disk_capacity_bytes) == ("/d", 5)
+    assert resolve([]).prompt_cache_dir is None  # off by default
+    with pytest.raises(SettingsError, match="--prompt-cache-disk-capacity-bytes"):
+        resolve_settings(["--prompt-cache-disk-capacity-bytes", "-1"], {})
 
 
 def test_refused_options_in_their_off_state_are_fine() -> None:

@@ -369,3 +369,17 @@ def test_cli_build_matches_in_process_build(built: dict[str, Path], tmp_path: Pa
     assert Path(done.stdout.strip()) == out
     # Another process, another tokenizer training, the same bytes.
     assert _digests(out) == _digests(built["llama"])
+
+
+def test_large_tokenizer_grows_a_valid_bpe_deterministically() -> None:
+    from tokenizers import Tokenizer
+
+    text = tok.large_tokenizer_json(12_000)
+    assert text == tok.large_tokenizer_json(12_000)
+    tokenizer = Tokenizer.from_str(text)
+    assert tokenizer.get_vocab_size() == 12_000
+    assert tokenizer.token_to_id(tok.IM_END) == 12_000 - len(tok.ADDED_TOKENS) + 2  # added tokens last, in order
+    sample = "Grown vocabularies still round-trip text: ünïcode, code() and 123."
+    assert tokenizer.decode(tokenizer.encode(sample).ids) == sample
+    grown = [tokenizer.id_to_token(i) for i in range(tok.VOCAB_SIZE - len(tok.ADDED_TOKENS), 12_000 - len(tok.ADDED_TOKENS))]
+    assert all(2 <= len(piece) <= 12 for piece in grown)

@@ -18,12 +18,14 @@ Nothing here imports mlx: the key is pure bookkeeping.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from blake3 import blake3
 
@@ -47,6 +49,9 @@ TEXT_ONLY_MM_DIGEST: bytes = blake3(
 RAW_PROMPT_TEMPLATE_SIG: str = blake3(RAW_PROMPT_DOMAIN).hexdigest()
 
 ANON_SESSION = "__mlxcel_anon__"
+# Explicit cache breakpoints are stored under this session: like Anthropic's cache, a pinned
+# prefix is addressed by its content, so every session of the bucket finds (and refreshes) it.
+PIN_SESSION = "__mlxcel_breakpoint__"
 
 _U64 = struct.Struct("<Q")
 _TOOL_CHOICE_MODES = frozenset({"auto", "none", "required"})
@@ -77,6 +82,44 @@ class Bucket:
     def text_only(self) -> bool:
         """True when the request carried no image or audio bytes."""
         return self.mm_digest == TEXT_ONLY_MM_DIGEST
+
+
+def bucket_record(bucket: Bucket) -> dict[str, Any]:
+    """Every field of a bucket as plain JSON values (bytes as hex), for files on disk.
+
+    Written field by field from the dataclass, so a key part added to ``Bucket`` is stored (and
+    checked when read back) without touching the disk format.
+    """
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(Bucket):
+        value = getattr(bucket, f.name)
+        out[f.name] = {"hex": value.hex()} if isinstance(value, bytes) else value
+    return out
+
+
+def bucket_from_record(record: Mapping[str, Any]) -> Bucket:
+    """The inverse of ``bucket_record``.
+
+    Raises:
+        ValueError: the record does not have exactly the fields of ``Bucket``, or one is malformed
+            (a file written for another key layout must not be read as this one).
+    """
+    names = [f.name for f in dataclasses.fields(Bucket)]
+    if sorted(record) != sorted(names):
+        raise ValueError(f"bucket fields {sorted(record)} != {sorted(names)}")
+    values: dict[str, Any] = {}
+    for name in names:
+        value = record[name]
+        if isinstance(value, Mapping):
+            hex_text = value.get("hex")
+            if not isinstance(hex_text, str):
+                raise ValueError(f"bucket field {name!r} is malformed")
+            value = bytes.fromhex(hex_text)
+        values[name] = value
+    try:
+        return Bucket(**values)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
@@ -255,18 +298,20 @@ def _first_string(body: Mapping[str, object], field: str) -> str | None:
     return None
 
 
-def resolve_session_key(body: Mapping[str, object]) -> str:
+def resolve_session_key(body: Mapping[str, object], header: str | None = None) -> str:
     """The session dimension of the key for one request body.
 
     Order: ``prompt_cache_key`` (top level / flattened ``extra_body``, then nested
-    ``extra_body``), then ``user`` (same two places), then ``ANON_SESSION``.
+    ``extra_body``), then ``header`` (a router's session header such as ``X-Session-ID``),
+    then ``user`` (same two places as the key), then ``ANON_SESSION``.
     Non-string and empty values are ignored.
     """
-    for field in ("prompt_cache_key", "user"):
-        value = _first_string(body, field)
-        if value is not None:
-            return value
-    return ANON_SESSION
+    key = _first_string(body, "prompt_cache_key")
+    if key is not None:
+        return key
+    if header:
+        return header
+    return _first_string(body, "user") or ANON_SESSION
 
 
 def cache_namespace(isolation: str, api_key_id: str | None, cache_salt: str | None) -> str:

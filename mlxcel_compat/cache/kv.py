@@ -59,6 +59,23 @@ def snapshot(cache: Sequence[Any]) -> Payload:
     return payload
 
 
+def detached_prefix(cache: Sequence[Any], n_tokens: int) -> Payload:
+    """An exact copy of the first ``n_tokens`` tokens that owns its own buffers.
+
+    A plain copy is a view that keeps the source's whole buffer alive; a pinned breakpoint
+    must outlive the longer entry it was cut from without holding that entry's memory.
+    """
+    cut = copy_cache(cache)
+    truncate(cut, n_tokens)
+    payload = copy_cache(cut, exact=True)
+    for layer in payload:
+        if type(layer) is KVCache and layer.keys is not None:
+            layer.keys = mx.contiguous(layer.keys)
+            layer.values = mx.contiguous(layer.values)
+    mx.eval([layer.state for layer in payload])
+    return payload
+
+
 def layer_tokens(layer: Any) -> int:
     if isinstance(layer, CacheList):
         return max(layer_tokens(c) for c in layer.caches)

@@ -44,6 +44,12 @@ Readings of the spec recorded here:
 - ``--apc-num-blocks`` bounds the total length of all stored chains. Over the bound,
   chains of the least recently used entries are dropped: those entries lose partial
   reuse but stay eligible as whole prefixes.
+- Pins (explicit cache breakpoints, ``cache_control``): a pinned entry is skipped by the
+  global TTL and evicted to meet the caps only once no unpinned entry is left. Pins are
+  bounded on their own (count, bytes, a per-pin TTL refreshed by every hit or re-pin); a
+  pin over a bound or past its TTL is *demoted*, oldest first: it becomes an ordinary
+  entry again (still usable, evictable by LRU), so pins can never hold the budget.
+  Pinned entries are never superseded; a duplicate insert keeps the pin.
 
 The store is not thread-safe: the engine thread owns it.
 """
@@ -73,6 +79,7 @@ from mlxcel_compat.cache.radix import RadixTrie
 logger = logging.getLogger(__name__)
 
 EVICTION_REASONS = ("lru", "ttl", "capacity")
+UNPIN_REASONS = ("ttl", "bound")  # why a pin was demoted to an ordinary entry
 REJECTION_REASONS = ("min_prefix", "oversized")
 MISS_REASONS = ("no_candidate", "prefix_too_short")
 # Candidates refused at adoption, counted: the stored token ids did not equal the request's prefix
@@ -113,12 +120,18 @@ class CacheEntry:
     block_chain: list[BlockHash] | None = None  # APC chain; None when off or dropped
     digest: bytes = b""  # prompt_digest(bucket, session_key, tokens)
     use_tick: int = 0  # recency order that a coarse clock cannot tie
+    pin_ttl: float = 0.0  # > 0: pinned (an explicit cache breakpoint) for this many seconds
+    pin_until: float = 0.0  # clock() when the pin lapses; every hit or re-pin moves it
+
+    @property
+    def pinned(self) -> bool:
+        return self.pin_ttl > 0
 
     def anon_repr(self) -> str:
         """A loggable description without tokens, session or payload."""
         return (
             f"CacheEntry(id={self.id}, tokens={len(self.tokens)}, nbytes={self.nbytes}, "
-            f"trimmable={self.trimmable}, origin={self.origin}, hits={self.hits})"
+            f"trimmable={self.trimmable}, origin={self.origin}, hits={self.hits}, pinned={self.pinned})"
         )
 
     __repr__ = anon_repr
@@ -193,6 +206,10 @@ class StoreCounters:
     miss_reasons: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
     adoption_rejects: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ADOPTION_REJECT_REASONS, 0))
     last_reject: dict[str, object] | None = None
+    pins: int = 0  # entries stored pinned (explicit cache breakpoints)
+    pin_refreshes: int = 0  # re-pins of an entry already stored
+    pin_hits: int = 0  # hits on a pinned entry
+    unpins: dict[str, int] = field(default_factory=lambda: dict.fromkeys(UNPIN_REASONS, 0))
 
 
 class EntryStore:
@@ -210,6 +227,8 @@ class EntryStore:
         min_prefix: int,
         clock: Callable[[], float] = time.monotonic,
         enabled: bool = True,
+        pin_max_entries: int = 0,
+        pin_capacity_bytes: int = 0,
     ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
@@ -233,6 +252,14 @@ class EntryStore:
         self._ids = itertools.count(1)
         self._ticks = itertools.count(1)
         self._warned_oversized = False
+        # Pins: bounded by count and bytes (0: no pins are kept).
+        self.pin_max_entries = pin_max_entries
+        self.pin_capacity_bytes = pin_capacity_bytes
+        self._pins: dict[int, CacheEntry] = {}
+        # Called with each entry evicted to get under the caps (LRU or byte pressure), after it
+        # left the store: the disk tier writes such entries out instead of losing them. Entries
+        # that expire (TTL), are superseded or are cleared by a reset are not handed over.
+        self.on_evict: Callable[[CacheEntry], None] | None = None
 
     # --- public API ---
 
@@ -248,6 +275,19 @@ class EntryStore:
         """The live entry with this id, without touching its recency."""
         return self._entries.get(entry_id)
 
+    def find(self, digest: bytes) -> CacheEntry | None:
+        """The live entry with this key digest (``prompt_digest``), without touching its recency."""
+        entry_id = self._by_digest.get(digest)
+        return None if entry_id is None else self._entries[entry_id]
+
+    def remove(self, entry_id: int) -> bool:
+        """Drop one entry (its backing data went away); counted as nothing. False if unknown."""
+        entry = self._entries.get(entry_id)
+        if entry is None:
+            return False
+        self._remove_entry(entry)
+        return True
+
     def entries(self) -> list[CacheEntry]:
         """Live entries, least recently used first."""
         return list(self._entries.values())
@@ -261,6 +301,7 @@ class EntryStore:
         nbytes: int,
         trimmable: bool,
         origin: str = "completion",
+        pin_ttl: float = 0.0,
     ) -> InsertResult:
         """Store a finished sequence's state (donate).
 
@@ -272,6 +313,7 @@ class EntryStore:
             nbytes: logical bytes of ``payload``.
             trimmable: whether ``payload`` can be cut to any shorter prefix.
             origin: donation kind; supersede only acts within one origin.
+            pin_ttl: > 0 pins the entry for that many seconds (see the module docstring).
 
         Returns:
             Whether it was stored, why not, and which entries it displaced.
@@ -294,7 +336,9 @@ class EntryStore:
         duplicate_id = self._by_digest.get(digest)
         if duplicate_id is not None:
             result.reason = "duplicate"
-            self._supersede_helper(self._entries[duplicate_id], result)
+            duplicate = self._entries[duplicate_id]
+            pin_ttl = max(pin_ttl, duplicate.pin_ttl)  # the same tokens stay pinned
+            self._supersede_helper(duplicate, result)
         for entry in self._supersede_candidates(bucket, session_key, toks, origin):
             self._supersede_helper(entry, result)
 
@@ -304,12 +348,34 @@ class EntryStore:
             last_used=now, origin=origin, digest=digest, use_tick=next(self._ticks),
         )
         self._add_entry(entry)
+        if pin_ttl > 0:
+            self._pin(entry, pin_ttl, now)
+            self.counters.pins += 1
         result.entry_id = entry.id
-        result.evicted = self._evict_to_caps_helper()
+        result.evicted = self._evict_to_caps_helper(keep=entry.id)
         assert entry.id in self._entries, f"{entry.id=} evicted right after insert"
         self.counters.inserts += 1
         self._after_insert(entry)
         return result
+
+    def refresh_pin(self, bucket: Bucket, session_key: str, tokens: Sequence[int], pin_ttl: float) -> bool:
+        """Re-pin the stored entry holding exactly ``tokens`` (no copy); False when there is none."""
+        if not self.enabled or pin_ttl <= 0:
+            return False
+        now = self._clock()
+        self._sweep_helper(now)
+        entry_id = self._by_digest.get(prompt_digest(bucket, session_key, tuple(tokens)))
+        if entry_id is None:
+            return False
+        entry = self._entries[entry_id]
+        self._touch(entry, now)
+        self._pin(entry, max(pin_ttl, entry.pin_ttl), now)
+        self.counters.pin_refreshes += 1
+        return True
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(e.nbytes for e in self._pins.values())
 
     def sweep(self) -> list[int]:
         """Evict TTL-expired entries now; returns their ids."""
@@ -326,6 +392,7 @@ class EntryStore:
         self._tries.clear()
         self._by_digest.clear()
         self._nbytes = 0
+        self._pins.clear()
         self._on_reset()
         return cleared
 
@@ -352,7 +419,7 @@ class EntryStore:
         found = []
         for _, entry_id in trie.longest_prefix_entries(toks):
             entry = self._entries[entry_id]
-            if entry.session_key == session_key and entry.origin == origin:
+            if entry.session_key == session_key and entry.origin == origin and not entry.pinned:
                 found.append(entry)
         return found
 
@@ -373,6 +440,7 @@ class EntryStore:
         trie.insert(entry.tokens, entry.id)
 
     def _remove_entry(self, entry: CacheEntry) -> None:
+        self._pins.pop(entry.id, None)
         del self._entries[entry.id]
         del self._by_digest[entry.digest]
         self._nbytes -= entry.nbytes
@@ -387,29 +455,62 @@ class EntryStore:
         entry.last_used = now
         entry.use_tick = next(self._ticks)
         self._entries.move_to_end(entry.id)
+        if entry.pinned:
+            entry.pin_until = now + entry.pin_ttl
+
+    def _pin(self, entry: CacheEntry, pin_ttl: float, now: float) -> None:
+        """Pin ``entry``, then demote the oldest pins while the pins exceed their bounds."""
+        entry.pin_ttl = pin_ttl
+        entry.pin_until = now + pin_ttl
+        self._pins[entry.id] = entry
+        while self._pins and (len(self._pins) > self.pin_max_entries or self.pinned_bytes > self.pin_capacity_bytes):
+            self._unpin(min(self._pins.values(), key=lambda e: e.use_tick), "bound")
+
+    def _unpin(self, entry: CacheEntry, reason: str) -> None:
+        """Demote a pin: the entry stays, as an ordinary LRU entry."""
+        del self._pins[entry.id]
+        entry.pin_ttl = entry.pin_until = 0.0
+        self.counters.unpins[reason] += 1
 
     def _sweep_helper(self, now: float) -> list[int]:
+        for pin in [p for p in self._pins.values() if now >= p.pin_until]:
+            self._unpin(pin, "ttl")
         if self.ttl_seconds <= 0:
             return []
         expired: list[int] = []
-        # Entries are in last-use order, so the expired ones form a run at the front.
-        while self._entries:
-            oldest = next(iter(self._entries.values()))
-            if now - oldest.last_used < self.ttl_seconds:
+        # Entries are in last-use order, so the expired ones form a run at the front (pins
+        # aside: the global TTL skips them).
+        gone: list[CacheEntry] = []
+        for entry in self._entries.values():
+            if entry.pinned:
+                continue
+            if now - entry.last_used < self.ttl_seconds:
                 break
-            self._remove_entry(oldest)
+            gone.append(entry)
+        for entry in gone:
+            self._remove_entry(entry)
             self.counters.evictions["ttl"] += 1
-            expired.append(oldest.id)
+            expired.append(entry.id)
         return expired
 
-    def _evict_to_caps_helper(self) -> list[int]:
-        """Evict least recently used entries down to max_entries, then capacity_bytes."""
+    def _evict_to_caps_helper(self, keep: int | None = None) -> list[int]:
+        """Evict least recently used entries down to max_entries, then capacity_bytes.
+
+        Unpinned entries go first, pins only when nothing else is left; ``keep`` (the entry
+        just inserted) never goes.
+        """
         evicted: list[int] = []
         while len(self._entries) > self.max_entries or self._nbytes > self.capacity_bytes:
-            oldest = next(iter(self._entries.values()))
+            others = [e for e in self._entries.values() if e.id != keep] if self._pins else None
+            if others is None:
+                oldest = next(iter(self._entries.values()))
+            else:
+                oldest = next((e for e in others if not e.pinned), others[0])
             self._remove_entry(oldest)
             self.counters.evictions["lru"] += 1  # byte-budget evictions fold into lru
             evicted.append(oldest.id)
+            if self.on_evict is not None:
+                self.on_evict(oldest)
         return evicted
 
     def _reject_helper(self, reason: str, **details: object) -> InsertResult:
@@ -432,6 +533,10 @@ class EntryStore:
     ) -> LookupResult:
         self.counters.misses += 1
         self.counters.miss_reasons[reason] = self.counters.miss_reasons.get(reason, 0) + 1
+        return self._miss_result(reason, best_len, candidate)
+
+    @staticmethod
+    def _miss_result(reason: str, best_len: int = 0, candidate: _Turndown | None = None) -> LookupResult:
         if candidate is None:
             return LookupResult(hit=None, reason=reason, best_len=best_len)
         return LookupResult(
@@ -440,6 +545,8 @@ class EntryStore:
         )
 
     def _record_hit(self, hit: CacheHit, now: float) -> LookupResult:
+        if hit.entry.pinned:
+            self.counters.pin_hits += 1
         self._touch(hit.entry, now)
         hit.entry.hits += 1
         self.counters.hits += 1
@@ -517,10 +624,13 @@ class PromptCacheStore(EntryStore):
         clock: Callable[[], float] = time.monotonic,
         enabled: bool = True,
         apc_disabled_reason: str | None = None,
+        pin_max_entries: int = 0,
+        pin_capacity_bytes: int = 0,
     ) -> None:
         super().__init__(
             capacity_bytes=capacity_bytes, max_entries=max_entries, ttl_seconds=ttl_seconds,
             min_prefix=min_prefix, clock=clock, enabled=enabled,
+            pin_max_entries=pin_max_entries, pin_capacity_bytes=pin_capacity_bytes,
         )
         # APC works on the entries of this store: with the store off it is inactive too.
         self.apc = apc if enabled else None
@@ -536,7 +646,9 @@ class PromptCacheStore(EntryStore):
 
     # --- public API ---
 
-    def lookup(self, bucket: Bucket, session_key: str, tokens: Sequence[int]) -> LookupResult:
+    def lookup(
+        self, bucket: Bucket, session_key: str, tokens: Sequence[int], *, record: bool = True
+    ) -> LookupResult:
         """Find the state to adopt before prefilling ``tokens``.
 
         Stage 1 takes the best candidate of the request's session; stage 2 the best of
@@ -548,6 +660,8 @@ class PromptCacheStore(EntryStore):
             bucket: the request's bucket.
             session_key: the request's session key.
             tokens: the full rendered prompt.
+            record: False for a probe (is the disk tier's match longer?): no counters and no
+                recency change, so the stats describe the lookups that decide.
 
         Returns:
             A ``LookupResult``. On a hit, ``hit.matched_len`` leaves at least one token
@@ -561,16 +675,20 @@ class PromptCacheStore(EntryStore):
         toks = tokens if isinstance(tokens, tuple) else tuple(tokens)
         now = self._clock()
         self._sweep_helper(now)
-        self.counters.lookups += 1
+        if record:
+            self.counters.lookups += 1
         sel = self._select_helper(bucket, session_key, toks)
         best = sel.best
         if best is None:
             if sel.short is not None:
-                return self._record_miss("prefix_too_short", sel.short_len, sel.short)
-            turndown = sel.turndown or _Turndown(None, 0, "no_overlap")
-            return self._record_miss("no_candidate", 0, turndown)
+                miss = ("prefix_too_short", sel.short_len, sel.short)
+            else:
+                miss = ("no_candidate", 0, sel.turndown or _Turndown(None, 0, "no_overlap"))
+            return self._record_miss(*miss) if record else self._miss_result(*miss)
         stage = STAGE_SESSION if best.entry.session_key == session_key else STAGE_CROSS_SESSION
         hit = CacheHit(best.entry, best.usable, stage, best.common, best.verified, best.block_len)
+        if not record:
+            return LookupResult(hit=hit, reason=None, best_len=hit.verified_len)
         logger.debug(
             "prompt cache hit: entry=%d stage=%s matched=%d common=%d verified=%d block=%d",
             best.entry.id, stage, best.usable, best.common, best.verified, best.block_len,
@@ -592,6 +710,14 @@ class PromptCacheStore(EntryStore):
             apc_hits=self.counters.apc_hits,
             apc_block_tokens_total=self.counters.apc_block_tokens,
             apc_extended_tokens_total=self.counters.apc_extended_tokens,
+            pinned_entries=len(self._pins),
+            pinned_bytes=self.pinned_bytes,
+            pin_max_entries=self.pin_max_entries,
+            pin_capacity_bytes=self.pin_capacity_bytes,
+            pins=self.counters.pins,
+            pin_refreshes=self.counters.pin_refreshes,
+            pin_hits=self.counters.pin_hits,
+            unpins=dict(self.counters.unpins),
         )
         return out
 

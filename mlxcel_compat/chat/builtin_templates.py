@@ -471,6 +471,9 @@ class BuiltinTemplate:
     def tool_use_source(self) -> None:
         return None
 
+    def for_tools(self, tools: Any) -> BuiltinTemplate:
+        return self  # one fixed format, with or without tools
+
     def supports_kwarg(self, name: str) -> bool:
         return False  # no template variables: enable_thinking and friends do not apply
 

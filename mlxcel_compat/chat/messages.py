@@ -391,6 +391,7 @@ def render_chat(template: ChatTemplate, chat: ChatRequest) -> str:
     Raises:
         TemplateError: the template failed or refused the conversation.
     """
+    template = template.for_tools(chat.render_tools)
     kwargs = _render_kwargs(chat)
     if chat.prefill:
         head, last = chat.messages[:-1], chat.messages[-1]
@@ -428,10 +429,27 @@ def render_history_boundary(template: ChatTemplate, chat: ChatRequest, prompt: s
         end -= 1
     if end == 0:
         return ""
-    history = template.render_history(
+    history = template.for_tools(chat.render_tools).render_history(
         chat.messages[:end], tools=chat.render_tools, **_render_kwargs(chat)
     )
     return os.path.commonprefix([history, prompt])
+
+
+def render_prefix(template: ChatTemplate, chat: ChatRequest, n_messages: int, n_parts: int | None, prompt: str) -> str:
+    """The rendered start of the conversation up to a block, clipped to its common prefix with ``prompt``.
+
+    The first ``n_messages`` messages are rendered closed (no generation prompt), the last of
+    them cut to its first ``n_parts`` content parts when given; tools render as in the prompt.
+    Zero messages render the tools (and whatever the template puts before any message). Used
+    for explicit cache breakpoints (``cache_control``): the clip keeps exactly the prompt text
+    that ends at the marked block.
+    """
+    messages = [dict(m) for m in chat.messages[:n_messages]]
+    if messages and n_parts is not None and isinstance(messages[-1].get("content"), list):
+        messages[-1]["content"] = messages[-1]["content"][:n_parts]
+    template = template.for_tools(chat.render_tools)
+    text = template.render_history(messages, tools=chat.render_tools, **_render_kwargs(chat))
+    return os.path.commonprefix([text, prompt])
 
 
 def render_next_history(template: ChatTemplate, chat: ChatRequest, reply: Mapping[str, Any]) -> str:
@@ -440,6 +458,7 @@ def render_next_history(template: ChatTemplate, chat: ChatRequest, reply: Mappin
     Used to warm up a session's snapshot in the background before its next turn arrives.
     """
     messages = [*chat.messages, dict(reply)]
+    template = template.for_tools(chat.render_tools)
     return template.render_history(messages, tools=chat.render_tools, **_render_kwargs(chat))
 
 

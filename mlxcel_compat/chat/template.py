@@ -212,7 +212,8 @@ class ChatTemplate:
             special_tokens: further template globals from the tokenizer's special-tokens map
                 (``unk_token``, ``pad_token``, ...); bos/eos above win.
             name: built-in or named-template name, for logs and ``/props``.
-            tool_use_source: the model's separate ``tool_use`` template, reported by ``/props``.
+            tool_use_source: the model's separate ``tool_use`` template: requests with tools
+                render with it (``for_tools``) and ``/props`` reports it, as in llama-server.
 
         Raises:
             TemplateError: the source does not compile.
@@ -220,6 +221,10 @@ class ChatTemplate:
         self._source = source
         self._name = name
         self._tool_use_source = tool_use_source
+        self._tool_use: ChatTemplate | None = None
+        if tool_use_source is not None and tool_use_source != source:
+            self._tool_use = ChatTemplate(tool_use_source, bos_token=bos_token, eos_token=eos_token,
+                                          special_tokens=special_tokens, name="tool_use")
         self._globals: dict[str, Any] = dict(special_tokens or {})
         self._globals["bos_token"] = bos_token
         self._globals["eos_token"] = eos_token
@@ -300,6 +305,12 @@ class ChatTemplate:
     def tool_use_source(self) -> str | None:
         """The model's ``tool_use`` template when it has one (``chat_template_tool_use``)."""
         return self._tool_use_source
+
+    def for_tools(self, tools: Any) -> ChatTemplate:
+        """The template a request renders with: llama-server switches to the model's ``tool_use``
+        template (GGUF ``tokenizer.chat_template.tool_use``, or an HF directory's named template)
+        when the request passes tools to the template, and uses the default one otherwise."""
+        return self._tool_use if tools and self._tool_use is not None else self
 
     @property
     def bos_token(self) -> str:

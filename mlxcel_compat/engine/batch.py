@@ -10,6 +10,9 @@ One step, pipelined like the single-sequence path:
     feed every row's pending token  ->  forward (B, 1)  ->  sample row i with sequence i's chain
     ->  async_eval the new pending tokens  ->  read back the fed tokens  ->  emit, stop checks
 
+Rows with a grammar draw after the read-back instead: their masks depend on the fed tokens, and
+are computed (all rows in parallel) while the forward pass runs (``sequence.draw_pending``).
+
 A sequence whose prompt is prefilled up to its last token joins with that token as its pending
 one: its first token is then sampled by the batched pass (nothing is emitted for the prompt
 token), so several new sequences start decoding without a (1, 1) forward pass each.
@@ -23,7 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxcel_compat.cache import kv
-from mlxcel_compat.engine.sequence import Sequence
+from mlxcel_compat.engine.sequence import Sequence, draw_pending
 
 
 def _merge(layers: list[Any]) -> Any:
@@ -156,13 +159,17 @@ class DecodeBatch:
                 seq.undo_batched_feed()
             raise ForwardFailed(exc, restored) from exc
         del marks
-        plain = [s.chain.is_plain_argmax and s.request.n_probs <= 0 for s in self.sequences]
+        constrained = [s for s in self.sequences if s.grammar is not None]
+        plain = [s.chain.is_plain_argmax and s.request.n_probs <= 0 and s.grammar is None for s in self.sequences]
         argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(plain) else None
-        pending: list[Any] = []
+        pending: list[Any] = [logits] if constrained else []
         broken: dict[int, Exception] = {}
         for i, seq in enumerate(self.sequences):
             try:
-                pending += seq.sample_next(logits[i], argmax[i] if plain[i] else None)
+                if seq.grammar is not None:
+                    seq.defer_draw(logits[i])  # its mask needs the token fed this step
+                else:
+                    pending += seq.sample_next(logits[i], argmax[i] if plain[i] else None)
             except Exception as exc:
                 broken[i] = exc
         mx.async_eval(*pending)
@@ -173,6 +180,11 @@ class DecodeBatch:
                     seq.finish_batched_feed(int(value), logprobs, probs)
                 except Exception as exc:
                     broken[i] = exc
+        live = [i for i, s in enumerate(self.sequences) if s.grammar is not None and s.finished is None and i not in broken]
+        if live:
+            row_of = {id(self.sequences[i]): i for i in live}
+            for seq, exc in draw_pending([self.sequences[i] for i in live]):
+                broken[row_of[id(seq)]] = exc
         leaving = sorted({i for i, s in enumerate(self.sequences) if s.finished is not None} | set(broken))
         for i, seq in zip(leaving, self.remove(leaving) if leaving else []):
             if i in broken:

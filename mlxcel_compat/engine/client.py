@@ -17,6 +17,9 @@ from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, G
 class EngineClient:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        # Sequences submitted whose finish the HTTP side has not seen yet: queued, in a slot, or
+        # still in the engine's command queue. Touched on the event loop only (no lock needed).
+        self.in_flight = 0
 
     @property
     def ready(self) -> bool:
@@ -31,6 +34,7 @@ class EngineClient:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         self.engine.submit(request, sink)
+        self.in_flight += 1
         done = False
         try:
             while True:
@@ -41,9 +45,14 @@ class EngineClient:
                 if done:
                     return
         finally:
+            self.in_flight -= 1
             if not done:
                 self.engine.cancel(request.task_id)
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread and await its result."""
         return await asyncio.wrap_future(self.engine.call(fn))
+
+    async def call_on_slot(self, slot_id: int, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(slot)`` on the engine thread once the slot is idle, and await its result."""
+        return await asyncio.wrap_future(self.engine.call_on_slot(slot_id, fn))

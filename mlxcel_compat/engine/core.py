@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from mlxcel_compat.engine.batch import DecodeBatch, ForwardFailed, batch_caches_work, prefill_groups, prefill_together
+from mlxcel_compat.engine.grammar import GrammarCompiler
 from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest
 from mlxcel_compat.engine.sequence import Sequence
 from mlxcel_compat.engine.slots import Slot, slot_context
@@ -59,6 +60,7 @@ class EngineConfig:
     batch_size: int = 2048  # prefill chunk
     cont_batching: bool = True  # False: decode one sequence at a time (no batched steps)
     sleep_idle_seconds: int = -1  # unload the model after this many idle seconds (<= 0: never)
+    keep_slot_state: bool = False  # slots keep their last state for slot files (--slot-save-path)
 
 
 @dataclass
@@ -102,6 +104,13 @@ class _Shutdown:
     running_too: bool  # False: refuse new and waiting requests only
 
 
+@dataclass
+class _SlotCall:
+    slot_id: int
+    fn: Callable[[Slot], Any]
+    future: Future
+
+
 class Engine:
     """Owns the model, its caches and the scheduler; runs them on one thread."""
 
@@ -118,7 +127,10 @@ class Engine:
         self.slots: list[Slot] = [Slot(i) for i in range(max(1, config.n_parallel))]
         self.waiting: collections.deque[_Submit] = collections.deque()
         self.warmups: collections.deque[Any] = collections.deque()
+        self.slot_calls: list[_SlotCall] = []  # slot actions waiting for their slot to be idle
         self.prefix_cache: Any = None
+        self.grammars: Any = None  # engine.grammar.GrammarCompiler once the model is loaded
+        self.compat: Any = None  # cache.disk.Compat: what saved state must match (set at load)
         self.batch: DecodeBatch = DecodeBatch(None)
         self.batched_decode = True  # off if the model fails the batch-cache probe at load
         self.batched_prefill = True  # ... or later, a batched prefill pass
@@ -136,12 +148,24 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """Loaded and its thread still running: requests submitted now will be served."""
+        return self.state == "ready" and self._thread.is_alive() and not self._stop.is_set()
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         self._ready.wait(timeout)
         return self.state == "ready"
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the engine thread to stop after its current step and wait up to ``timeout`` s."""
+        cache = self.prefix_cache
+        if cache is not None and self.state == "ready" and self._thread.is_alive():
+            # A clean stop writes the prompt cache's RAM entries to its disk tier first.
+            try:
+                self.call(cache.close).result(timeout=60)
+            except Exception:
+                log.exception("prompt cache: shutdown flush failed")
         self._stop.set()
         self._commands.put(None)
         if self._thread.is_alive():
@@ -170,6 +194,13 @@ class Engine:
         """Run ``fn`` on the engine thread between steps (cache stats, reset, ...)."""
         future: Future = Future()
         self._commands.put(_Call(fn, future))
+        return future
+
+    def call_on_slot(self, slot_id: int, fn: Callable[[Slot], Any]) -> Future:
+        """Run ``fn(slot)`` on the engine thread once that slot is idle (slot save/restore/erase;
+        llama-server defers them while the slot is busy)."""
+        future: Future = Future()
+        self._commands.put(_SlotCall(slot_id, fn, future))
         return future
 
     @property
@@ -205,6 +236,7 @@ class Engine:
         self._drain_commands(block=idle, timeout=self._time_to_sleep() if idle else None)
         if self.sleeping and self.waiting:
             self._wake()
+        self._run_slot_calls()
         self._admit()
         if self._has_work():
             self._step_all()
@@ -269,6 +301,14 @@ class Engine:
         for slot in self.slots:
             slot.n_ctx = self.n_ctx
         self.batch = DecodeBatch(self.loaded.model)
+        tokenizer = self.loaded.tokenizer
+        vocab_size = int(_config_value(self.loaded.config, "vocab_size", 0) or len(tokenizer))
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, sorted(tokenizer.eos_token_ids or []))
+        self.grammars.start()  # the llguidance tokenizer builds in the background (~1 s on 150k tokens)
+        from mlxcel_compat.cache.disk import Compat
+        from mlxcel_compat.cache.kv_io import runtime_tag
+
+        self.compat = Compat(model=self.loaded.fingerprint, runtime=runtime_tag(self.loaded.model))
         if self._prefix_cache_factory is not None:
             self.prefix_cache = self._prefix_cache_factory(self)
         self._warm_up()
@@ -304,7 +344,7 @@ class Engine:
         return self.batched_decode
 
     def _has_work(self) -> bool:
-        return bool(self.waiting) or any(s.sequence is not None for s in self.slots)
+        return bool(self.waiting) or bool(self.slot_calls) or any(s.sequence is not None for s in self.slots)
 
     def _drain_commands(self, block: bool, timeout: float | None = None) -> None:
         while True:
@@ -327,6 +367,8 @@ class Engine:
                 self._cancel(cmd.task_id)
             elif isinstance(cmd, _Call):
                 self._run_call(cmd)
+            elif isinstance(cmd, _SlotCall):
+                self.slot_calls.append(cmd)
             elif isinstance(cmd, _Warmup):
                 self._queue_warmup(cmd.job)
             elif isinstance(cmd, _Shutdown):
@@ -375,6 +417,14 @@ class Engine:
         """Between warm-up chunks: serve commands that arrived; stop if a request is waiting."""
         self._drain_commands(block=False)
         return bool(self.waiting)
+
+    def _run_slot_calls(self) -> None:
+        """Slot actions whose slot is idle, in arrival order (before waiting requests take it)."""
+        for call in list(self.slot_calls):
+            slot = self.slots[call.slot_id]
+            if slot.sequence is None:
+                self.slot_calls.remove(call)
+                self._run_call(_Call(lambda: call.fn(slot), call.future))
 
     def _run_call(self, cmd: _Call) -> None:
         if not cmd.future.set_running_or_notify_cancel():
@@ -622,6 +672,10 @@ class Engine:
                 self.prefix_cache.donate(seq)
             except Exception:  # a failed donation must never take the engine down
                 log.exception("prompt cache donation failed")
+        if self.config.keep_slot_state:
+            from mlxcel_compat.engine.slot_files import keep_state
+
+            slot.kept = keep_state(self, seq) if donate and fin is not None else None
         slot.end()
 
     def _count(self, fin: FinishEvent, shared: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""Build a :class:`Sequence` for a request: cache, prompt-cache adoption, sampler, text stream."""
+"""Build a :class:`Sequence` for a request: cache, prompt-cache adoption, sampler, grammar, text stream."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ def make_sequence(engine: "Engine", request: GenerationRequest, sink: "Sink", sl
     vocab_size = int(loaded.config.get("vocab_size") or loaded.config.get("text_config", {}).get("vocab_size"))
     eog_ids = set(tokenizer.eos_token_ids or [])
     chain = SamplerChain(request.sampling, vocab_size=vocab_size, eog_token_ids=sorted(eog_ids), tokenizer=tokenizer, n_ctx=engine.n_ctx)
+    constraint = request.constraint
+    grammar = engine.grammars.new_state(constraint, tokenizer) if constraint is not None else None
+    preserved = constraint.preserved_tokens if constraint is not None else ()
     seq = Sequence(
         request=request,
         model=loaded.model,
@@ -28,16 +31,29 @@ def make_sequence(engine: "Engine", request: GenerationRequest, sink: "Sink", sl
         n_ctx=engine.n_ctx,
         chunk_size=engine.config.batch_size,
         chain=chain,
-        text=TextStream(tokenizer, request.stop, eog_token_ids=sorted(eog_ids)),
+        text=TextStream(tokenizer, request.stop, eog_token_ids=sorted(eog_ids), preserved=preserved),
         eog_ids=eog_ids,
         emit=sink,
         slot_id=slot_id,
+        grammar=grammar,
     )
     cache = engine.prefix_cache
-    if cache is not None and request.cache.enabled and not request.is_child:
+    if request.is_child:
+        return seq
+    if cache is not None and cache.config.enabled:
+        if not request.cache.enabled:
+            return seq
         cache.adopt(seq)
         boundary = request.cache.history_boundary
         if cache.boundary_snapshots and boundary is not None and len(seq.cache_tokens) < boundary <= seq.n_prompt - 1:
             seq.boundary = boundary
             seq.on_boundary = cache.on_boundary
+        if cache.pins_enabled and request.cache.breakpoints:
+            seq.pins = [(b, ttl) for b, ttl in request.cache.breakpoints if 0 < b <= seq.n_prompt - 1]
+            seq.on_pin = cache.pin
+            seq.pin_reached()  # breakpoints inside the adopted prefix are (re-)pinned right away
+    elif request.cache.cache_prompt and engine.slots[slot_id].kept is not None:
+        from mlxcel_compat.engine.slot_files import adopt_kept
+
+        adopt_kept(seq, engine.slots[slot_id].kept)
     return seq

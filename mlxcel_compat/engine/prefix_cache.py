@@ -17,18 +17,22 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel_compat.backend import release_free_memory
-from mlxcel_compat.cache import kv
+from mlxcel_compat.cache import kv, kv_io
 from mlxcel_compat.cache.block_hash import ApcConfig
+from mlxcel_compat.cache.disk import Compat, list_entry_files
 from mlxcel_compat.cache.families import recurrent_family
-from mlxcel_compat.cache.key import Bucket, TEXT_ONLY_MM_DIGEST
+from mlxcel_compat.cache.key import PIN_SESSION, TEXT_ONLY_MM_DIGEST, Bucket
 from mlxcel_compat.cache.snapshot import SnapshotStore, is_snapshot_family, snapshot_capacity_default
-from mlxcel_compat.cache.store import LookupResult, PromptCacheStore
+from mlxcel_compat.cache.store import EntryStore, LookupResult, PromptCacheStore
+from mlxcel_compat.engine.disk_tier import DiskTier
 from mlxcel_compat.engine.request import WarmupJob
 from mlxcel_compat.engine.snapshots import SessionSnapshots
 
@@ -40,6 +44,9 @@ log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 KV_FLOOR_BYTES = 2 * GIB
+DISK_DEFAULT_CEILING = 16 * GIB
+FLUSH_TIMEOUT_SECONDS = 20.0  # a clean shutdown writes RAM entries to the disk tier for at most this long
+RESET_TIERS = ("ram", "disk", "all")
 
 
 @dataclass
@@ -61,6 +68,10 @@ class PrefixCacheConfig:
     snapshot_ttl_seconds: float = 7200.0
     boundary_snapshots: bool = True  # MLXCEL_DISABLE_BOUNDARY_SNAPSHOT=1 turns it off
     warmup: bool = True  # MLXCEL_DISABLE_CACHE_WARMUP=1 turns it off
+    pin_max_entries: int = 64  # explicit cache breakpoints kept pinned at once (0: none)
+    pin_capacity_bytes: int | None = None  # None: a quarter of the KV budget
+    disk_dir: str | None = None  # --prompt-cache-dir: the disk tier (off when None)
+    disk_capacity_bytes: int | None = None  # None: disk_capacity_default
 
     @classmethod
     def from_settings(cls, s: Any) -> "PrefixCacheConfig":
@@ -80,6 +91,10 @@ class PrefixCacheConfig:
             snapshot_ttl_seconds=float(s.prompt_cache_snapshot_ttl),
             boundary_snapshots=not s.disable_boundary_snapshot,
             warmup=not s.disable_cache_warmup,
+            pin_max_entries=s.prompt_cache_pin_max_entries,
+            pin_capacity_bytes=s.prompt_cache_pin_capacity_bytes,
+            disk_dir=s.prompt_cache_dir,
+            disk_capacity_bytes=s.prompt_cache_disk_capacity_bytes,
         )
 
 
@@ -111,6 +126,13 @@ def model_aware_capacity(config: dict[str, Any], ctx_size: int, model_bytes: int
     if entry > capacity and entry <= left // 2:
         capacity = entry
     return capacity, entry
+
+
+def disk_capacity_default(root: Path) -> int:
+    """Half of what the cache directory could use (free space plus the cache's own files), at
+    most 16 GiB. The cache's files count in so that a restart does not shrink the budget."""
+    ours = sum(f.size for f in list_entry_files(root))
+    return min(DISK_DEFAULT_CEILING, (shutil.disk_usage(root).free + ours) // 2)
 
 
 class PrefixCache:
@@ -146,6 +168,8 @@ class PrefixCache:
             apc=apc,
             enabled=config.enabled,
             apc_disabled_reason=self.apc_disabled_reason,
+            pin_max_entries=config.pin_max_entries,
+            pin_capacity_bytes=capacity // 4 if config.pin_capacity_bytes is None else min(config.pin_capacity_bytes, capacity),
         )
         if apc is not None:
             log.info(
@@ -156,7 +180,38 @@ class PrefixCache:
             log.info("APC disabled (%s): %s; whole-prefix reuse is unaffected", self.apc_disabled_reason, why)
         self.snapshot_family = is_snapshot_family(kv.layer_kinds(probe))
         self.snapshots = self._make_snapshots(engine, config) if self.snapshot_family else None
+        self.disk = self._make_disk(engine, config, apc) if config.enabled and config.disk_dir else None
+        if config.disk_dir and not config.enabled:
+            log.warning("--prompt-cache-dir is ignored: the prompt cache is off")
         self.last_stats: dict[str, Any] = self.stats()
+
+    def _make_disk(self, engine: "Engine", config: PrefixCacheConfig, apc: ApcConfig | None) -> DiskTier:
+        """The disk tier: entries the RAM stores evict are written there and read back on a miss."""
+        assert config.disk_dir is not None
+        root = Path(config.disk_dir).expanduser()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RuntimeError(f"--prompt-cache-dir {root}: {exc.strerror or exc}") from exc
+        capacity = config.disk_capacity_bytes
+        if capacity is None:
+            capacity = disk_capacity_default(root)
+            log.info("Applied prompt-cache disk capacity default: %d bytes (half of what %s could use, at most 16 GiB)", capacity, root)
+        loaded = engine.loaded
+        compat = Compat(model=loaded.fingerprint, runtime=kv_io.runtime_tag(loaded.model))
+        disk = DiskTier(root, capacity, compat, config.min_prefix, apc, wake=lambda: engine.call(self._refresh))
+        self.store.on_evict = lambda entry: disk.spill("kv", entry)
+        if self.snapshots is not None:
+            self.snapshots.store.on_evict = lambda entry: disk.spill("snapshot", entry)
+        return disk
+
+    @property
+    def _stores(self) -> dict[str, EntryStore]:
+        """The RAM stores by disk-entry kind."""
+        stores: dict[str, EntryStore] = {"kv": self.store}
+        if self.snapshots is not None:
+            stores["snapshot"] = self.snapshots.store
+        return stores
 
     def _make_snapshots(self, engine: "Engine", config: PrefixCacheConfig) -> SessionSnapshots:
         """Recurrent / sliding-window models: finished sequences go to the session snapshot store."""
@@ -217,6 +272,39 @@ class PrefixCache:
             self.snapshots.store.record_warmup(False)
             self._refresh()
 
+    @property
+    def pins_enabled(self) -> bool:
+        """Explicit cache breakpoints are pinned in the KV store (dense-KV models)."""
+        return self.snapshots is None and self.config.enabled and self.config.pin_max_entries > 0
+
+    def pin(self, seq: "Sequence", position: int, ttl: float) -> None:
+        """Keep the KV of ``seq.prompt[:position]`` as a pinned entry (an explicit breakpoint).
+
+        An entry already holding exactly that prefix is re-pinned without a copy. A new one is
+        cut from the sequence's cache into buffers of its own, so it outlives the longer entry
+        it came from; the tokens it adds beyond what the sequence read from the cache are what
+        the response reports as written to the cache.
+        """
+        if not seq.request.cache.enabled:
+            return
+        tokens = seq.prompt[:position]
+        bucket = self.bucket(seq)
+        if self.store.refresh_pin(bucket, PIN_SESSION, tokens, ttl):
+            self._refresh()
+            return
+        try:
+            payload = kv.detached_prefix(seq.cache, position)
+        except Exception as exc:  # a breakpoint is an optimisation: never fail the request
+            log.debug("prompt cache: pinning %d tokens failed for task %d: %s", position, seq.request.task_id, exc)
+            return
+        result = self.store.insert(
+            bucket, PIN_SESSION, tokens, payload, kv.nbytes(payload), kv.can_truncate(payload) and self.token_granular,
+            origin="breakpoint", pin_ttl=ttl,
+        )
+        if result.inserted:
+            seq.stats.n_cache_written = max(seq.stats.n_cache_written, position - seq.stats.n_cached)
+        self._refresh()
+
     def bucket(self, seq: "Sequence") -> Bucket:
         ctx = seq.request.cache
         return Bucket(
@@ -233,9 +321,11 @@ class PrefixCache:
         if not self.config.enabled or not seq.request.cache.enabled:
             return 0
         if self.snapshots is not None:
+            self._promote_from_disk("snapshot", seq)
             restored = self.snapshots.adopt(seq)
             self._refresh()
             return restored
+        self._promote_from_disk("kv", seq)
         result = self.store.lookup(self.bucket(seq), seq.request.cache.session_key, seq.prompt)
         hit = result.hit
         if hit is None:
@@ -291,12 +381,63 @@ class PrefixCache:
             log.debug("prompt cache: task %d not stored (%s)", seq.request.task_id, result.reason)
         self._refresh()
 
+    def _promote_from_disk(self, kind: str, seq: "Sequence") -> None:
+        """When the disk tier holds a longer match than RAM, load it into the RAM store.
+
+        The normal lookup that follows then adopts it, so a disk hit obeys exactly the RAM rules
+        (and counts as a hit there too; ``tiers.disk.hits`` says how many came from disk).
+        """
+        disk = self.disk
+        if disk is None:
+            return
+        disk.counters.lookups += 1
+        bucket, session, prompt = self.bucket(seq), seq.request.cache.session_key, seq.prompt
+        hit = disk.probe(kind, bucket, session, prompt)
+        if hit is None:
+            return
+        store = self._stores[kind]
+        ram = store.lookup(bucket, session, prompt, record=False).hit  # type: ignore[attr-defined]
+        if ram is not None and ram.matched_len >= hit.matched_len:
+            return
+        loaded = disk.load(kind, hit, prompt)
+        if loaded is None:
+            return
+        if self.insert_state(kind, loaded.header.bucket, loaded.header.session_key, list(loaded.header.tokens),
+                             loaded.payload, loaded.header.origin):
+            disk.counters.hits += 1
+            disk.counters.tokens_loaded += hit.matched_len
+            log.debug("prompt cache: task %d: %d tokens from the disk tier", seq.request.task_id, hit.matched_len)
+
+    def insert_state(self, kind: str, bucket: Bucket, session_key: str, tokens: list[int], payload: list[Any], origin: str = "completion") -> bool:
+        """Put a state read from a file (disk tier, slot restore) into its RAM store."""
+        store = self._stores.get(kind)
+        if store is None or not tokens:
+            return False
+        trimmable = kv.can_truncate(payload) and (self.token_granular or kind == "snapshot")
+        if kind == "snapshot" and origin not in ("boundary", "completion"):
+            origin = "completion"
+        return store.insert(bucket, session_key, tokens, payload, kv.nbytes(payload), trimmable, origin).inserted
+
+    def close(self) -> None:
+        """Clean shutdown: write what RAM holds to the disk tier (bounded in time), stop the writer."""
+        if self.disk is None:
+            return
+        written = self.disk.flush(self._stores, FLUSH_TIMEOUT_SECONDS)
+        self.disk.close()
+        log.info("prompt-cache disk tier: %d entries written at shutdown", written)
+
     # ------------------------------------------------------------------ admin
 
     def stats(self) -> dict[str, Any]:
-        """KV-store fields plus the ``snapshot_*`` fields (zeros when the model needs none)."""
+        """KV-store fields, the ``snapshot_*`` fields (zeros when the model needs none) and ``tiers``.
+
+        The top-level counters describe every lookup (a disk hit is promoted into RAM and adopted
+        from there, so it counts as a hit); ``tiers`` splits what RAM and disk hold and served.
+        """
         if not self.config.enabled:
-            return {**PromptCacheStore.disabled_stats(), **SnapshotStore.disabled_stats()}
+            out = {**PromptCacheStore.disabled_stats(), **SnapshotStore.disabled_stats()}
+            out["tiers"] = tiers_stats(out, DiskTier.disabled_stats())
+            return out
         self.store.sweep()
         out = self.store.stats()
         if self.snapshots is not None:
@@ -305,23 +446,31 @@ class PrefixCache:
         else:
             out.update(SnapshotStore.disabled_stats())
         out["snapshot_family"] = self.snapshots is not None
+        out["tiers"] = tiers_stats(out, self.disk.stats() if self.disk is not None else DiskTier.disabled_stats())
         return out
 
-    def reset(self) -> dict[str, Any]:
-        """Clear both stores (and APC chains); idempotent. The freed memory goes back to the system
-        (MLX would otherwise keep the buffers in its cache for reuse, and the C heap its free pages,
-        and RSS would not drop)."""
+    def reset(self, tier: str = "all") -> dict[str, Any]:
+        """Clear a tier: ``ram`` (both RAM stores and the APC chains), ``disk`` or ``all``; idempotent.
+
+        Freed RAM goes back to the system (MLX would otherwise keep the buffers in its cache for
+        reuse, and the C heap its free pages, and RSS would not drop)."""
         import mlx.core as mx
 
-        entries, nbytes = self.store.reset()
-        if self.snapshots is not None:
-            more, more_bytes = self.snapshots.store.reset()
-            entries, nbytes = entries + more, nbytes + more_bytes
-        mx.clear_cache()
-        gc.collect()
-        release_free_memory()
+        if tier not in RESET_TIERS:
+            raise ValueError(f"tier must be one of {', '.join(RESET_TIERS)}")
+        ram = disk = (0, 0)
+        if tier in ("ram", "all"):
+            ram = self.store.reset()
+            if self.snapshots is not None:
+                more, more_bytes = self.snapshots.store.reset()
+                ram = (ram[0] + more, ram[1] + more_bytes)
+            mx.clear_cache()
+            gc.collect()
+            release_free_memory()
+        if tier in ("disk", "all") and self.disk is not None:
+            disk = self.disk.clear()
         self._refresh()
-        return {"success": True, "cleared_entries": entries, "cleared_bytes": nbytes}
+        return reset_result(tier, ram, disk)
 
     def _refresh(self) -> None:
         # A snapshot for readers on other threads (/metrics): replaced whole, never mutated.
@@ -331,6 +480,34 @@ class PrefixCache:
         """``MLXCEL_APC_TRACE=1``: one INFO line per lookup decision (no tokens, no session)."""
         if self.config.apc_trace:
             log.info("apc-trace: %s", trace_line(seq.request.task_id, seq.n_prompt, result, failed))
+
+
+def tiers_stats(out: dict[str, Any], disk: dict[str, Any]) -> dict[str, Any]:
+    """``tiers.ram`` (both RAM stores) and ``tiers.disk`` of ``GET /v1/cache/stats``."""
+    ram_hits = out["hits"] + out["snapshot_hits"] - disk["hits"]
+    return {
+        "ram": {
+            "entries": out["entries"] + out["snapshot_entries"],
+            "bytes": out["bytes"] + out["snapshot_bytes"],
+            "capacity_bytes": out["capacity_bytes"] + out["snapshot_capacity_bytes"],
+            "hits": max(ram_hits, 0),
+        },
+        "disk": disk,
+    }
+
+
+def reset_result(tier: str, ram: tuple[int, int], disk: tuple[int, int]) -> dict[str, Any]:
+    """The body of ``POST /v1/cache/reset``: totals plus what each tier dropped."""
+    return {
+        "success": True,
+        "tier": tier,
+        "cleared_entries": ram[0] + disk[0],
+        "cleared_bytes": ram[1] + disk[1],
+        "tiers": {
+            "ram": {"cleared_entries": ram[0], "cleared_bytes": ram[1]},
+            "disk": {"cleared_entries": disk[0], "cleared_bytes": disk[1]},
+        },
+    }
 
 
 def apc_decision(config: PrefixCacheConfig, model_config: dict[str, Any], probe: list[Any]) -> tuple[str | None, str]:

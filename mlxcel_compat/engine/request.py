@@ -9,6 +9,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
+from mlxcel_compat.engine.grammar import Constraint
 from mlxcel_compat.engine.reasoning_budget import ReasoningBudgetSpec
 from mlxcel_compat.engine.sampling import SamplingParams
 
@@ -24,12 +25,17 @@ class CacheContext:
     """How the prompt cache should treat this request (computed by the route, used by the engine)."""
 
     enabled: bool = True  # False: cold prefill, no lookup, no donation (cache_prompt: false)
+    # The request's own cache_prompt, even while the server-wide prompt cache is off: a slot's kept
+    # state (--slot-save-path) is then still reused, as llama-server reuses a slot's KV.
+    cache_prompt: bool = True
     session_key: str = "__mlxcel_anon__"
     template_sig: str = ""  # 64 hex chars; the raw-prompt sentinel on /completion
     mm_digest: bytes = b""
     namespace: str = ""  # tenant (cache.key.cache_namespace): entries of other tenants are invisible
     # Chat routes: token length of the rendered history alone (snapshot boundary), if known.
     history_boundary: int | None = None
+    # Explicit cache breakpoints (``cache_control``): (token position, pin seconds), ascending.
+    breakpoints: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -57,6 +63,8 @@ class GenerationRequest:
     n_indent: int = 0
     # reasoning_budget_tokens: close the thinking block after so many tokens (None: no budget).
     reasoning_budget: ReasoningBudgetSpec | None = None
+    # Grammar, JSON schema or tool-call constraint on the output (None: free text).
+    constraint: Constraint | None = None
 
     @property
     def is_child(self) -> bool:
@@ -87,6 +95,7 @@ class TokenEvent:
     n_cached: int = 0
     prompt_ms: float = 0.0
     predicted_ms: float = 0.0
+    n_cache_written: int = 0  # prompt tokens newly pinned at cache breakpoints (beyond n_cached)
 
 
 @dataclass
@@ -119,6 +128,7 @@ class FinishEvent:
     cancelled: bool = False
     # n_indent: the reply ends at this many characters of sent text (-1: keep everything).
     content_cut: int = -1
+    n_cache_written: int = 0  # prompt tokens newly pinned at cache breakpoints (beyond n_cached)
 
 
 @dataclass

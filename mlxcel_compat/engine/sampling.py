@@ -996,8 +996,13 @@ class SamplerChain:
         p = self.params
         return self._greedy_prefix == [] and self._bias_idx is None and not p.post_sampling_probs
 
-    def sample(self, logits: mx.array, history: Sequence[Any] | None = None) -> SampleResult:
-        """Sample the next token from raw logits of shape (vocab,)."""
+    def sample(self, logits: mx.array, history: Sequence[Any] | None = None, allowed: mx.array | None = None) -> SampleResult:
+        """Sample the next token from raw logits of shape (vocab,).
+
+        ``allowed``: a grammar's boolean mask (engine/grammar.py); the tokens outside it are
+        removed right after the logit bias, before any other sampler (llama.cpp's grammar-first
+        order), so every sampler and the final draw see only what the grammar accepts.
+        """
         logits = logits.reshape(-1).astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits)
         self._update_history(history)
@@ -1005,6 +1010,8 @@ class SamplerChain:
         c = _Cands(logits)
         if self._bias_idx is not None:
             c = _Cands(logits.at[self._bias_idx].add(self._bias_val))
+        if allowed is not None:
+            c = _Cands(mx.where(allowed, c.logits, _NEG_INF))
 
         if self._greedy_prefix is not None:
             for name in self._greedy_prefix:

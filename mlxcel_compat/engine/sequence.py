@@ -9,14 +9,20 @@ Prefill chunks are aligned on absolute multiples of the chunk size (``--batch-si
 that adopted a cached prefix therefore splits the rest of its prompt exactly where a cold run
 would, which makes a cache hit reproduce the cold run bit for bit when the adopted length is
 itself on such a boundary.
+
+A sequence with a grammar (``engine/grammar.py``) cannot build token n+1's draw before token n is
+known: the mask depends on it. It still queues the forward pass for n+1 first, then reads token n
+back, feeds it to its grammar and computes the mask while that pass runs, and only then adds the
+masked draw to the graph (:meth:`Sequence.draw_pending`). The model never waits for the grammar.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Sequence as Seq
 
 import mlx.core as mx
 
@@ -28,9 +34,12 @@ from mlxcel_compat.engine.request import (
     TokenEvent,
     TokenProb,
 )
+from mlxcel_compat.engine.grammar import GrammarState, compute_masks
 from mlxcel_compat.engine.reasoning_budget import ReasoningBudget
 from mlxcel_compat.engine.sampling import SamplerChain, top_logprobs, top_probs
 from mlxcel_compat.engine.textstream import TextStream, token_is_complete_utf8
+
+log = logging.getLogger(__name__)
 
 # Release MLX's buffer cache every so many decode steps (as mlx-lm does) to bound memory.
 _CLEAR_EVERY = 256
@@ -39,6 +48,7 @@ _CLEAR_EVERY = 256
 @dataclass
 class SequenceStats:
     n_cached: int = 0  # prompt tokens adopted from the prompt cache (or a sibling, see shared)
+    n_cache_written: int = 0  # prompt tokens newly pinned at cache breakpoints, beyond n_cached
     shared: bool = False  # n_cached came from a sibling completion (n_cmpl), not the prompt cache
     t_start: float = field(default_factory=time.perf_counter)
     t_prompt_done: float | None = None
@@ -60,6 +70,7 @@ class Sequence:
         eog_ids: set[int],
         emit: Callable[[EngineEvent], None],
         slot_id: int,
+        grammar: GrammarState | None = None,
     ) -> None:
         self.request = request
         self.model = model
@@ -71,6 +82,7 @@ class Sequence:
         self.eog_ids = eog_ids
         self.emit = emit
         self.slot_id = slot_id
+        self.grammar = grammar
         self.prompt = request.prompt_tokens
         # Tokens whose KV/state the cache holds, in order (prompt first, then fed-back samples).
         self.cache_tokens: list[int] = []
@@ -79,10 +91,15 @@ class Sequence:
         self.finished: FinishEvent | None = None
         self.cancelled = False
         self._pending: Any = None  # (token, logprobs, probs) of the step in flight
+        self._undrawn: Any = None  # grammar: logits in flight whose token waits for the mask
         self._feeding_prompt = False  # a batch step is feeding the last prompt token
         # Snapshot families: prefill stops exactly at the rendered history's end and calls back.
         self.boundary: int | None = None
         self.on_boundary: Callable[["Sequence"], None] | None = None
+        # Explicit cache breakpoints still ahead: (position, pin seconds), ascending; once the
+        # cache holds a position, on_pin stores a pinned copy of that prefix.
+        self.pins: list[tuple[int, float]] = []
+        self.on_pin: Callable[["Sequence", int, float], None] | None = None
         self._history: list[int] = list(self.prompt)
         # llama-server's newline rules: the text sent so far (kept for n_indent only), whether a
         # newline was sent (t_max_predict_ms, /slots has_new_line) and where the last line starts.
@@ -174,18 +191,24 @@ class Sequence:
         else:
             self._history.pop()
 
-    def sample_next(self, logits: Any, token: Any = None) -> list[Any]:
+    def sample_next(self, logits: Any, token: Any = None, allowed: Any = None) -> list[Any]:
         """Sample the next token from this row's logits (lazily); returns arrays to evaluate.
 
         ``token``: already chosen by the batch (plain argmax rows); log-probabilities are then
-        still available lazily from ``logits`` if a caller needs them.
+        still available lazily from ``logits`` if a caller needs them. ``allowed``: the grammar's
+        mask (an ``mx.array`` of booleans).
         """
         if token is not None and self.budget is None:
             self._pending = (token, logits - mx.logsumexp(logits), None)
         else:
-            result = self.chain.sample(self._budget_mask(logits), self._history)
+            result = self.chain.sample(self._budget_mask(logits), self._history, allowed)
             self._pending = (result.token, result.logprobs, result.probs)
+        self._undrawn = None
         return self._pending_arrays()
+
+    def defer_draw(self, logits: Any) -> None:
+        """Grammar rows: keep this step's logits; the draw waits for the fed token's mask."""
+        self._undrawn = logits
 
     def finish_batched_feed(self, token: int, logprobs: Any, probs: Any) -> None:
         if self._feeding_prompt:  # the fed token was the prompt's: nothing was generated yet
@@ -214,8 +237,14 @@ class Sequence:
             self.chunk_done(chunk)
             return len(chunk)
         # The final prompt token produces the logits of the first sampled token.
-        self._pending = self._forward(self.prompt[last:])
-        mx.async_eval(*self._pending_arrays())
+        if self.grammar is None:
+            self._pending = self._forward(self.prompt[last:])
+            mx.async_eval(*self._pending_arrays())
+        else:
+            self._undrawn = self._forward_logits(self.prompt[last:])
+            mx.async_eval(self._undrawn)
+            for _, exc in draw_pending([self]):
+                raise exc
         if self.request.return_progress:
             self._emit_progress()  # processed == total: the whole prompt is in the cache
         return 1
@@ -234,6 +263,13 @@ class Sequence:
         if self.boundary is not None and len(self.cache_tokens) == self.boundary and self.on_boundary is not None:
             self.boundary = None
             self.on_boundary(self)
+        self.pin_reached()
+
+    def pin_reached(self) -> None:
+        """Pin every breakpoint the cache now covers."""
+        while self.pins and self.pins[0][0] <= len(self.cache_tokens) and self.on_pin is not None:
+            position, ttl = self.pins.pop(0)
+            self.on_pin(self, position, ttl)
         if self.request.return_progress:
             self._emit_progress()
 
@@ -251,14 +287,17 @@ class Sequence:
 
     # ------------------------------------------------------------------ decode
 
-    def _forward(self, tokens: list[int] | mx.array) -> tuple[Any, Any, Any]:
+    def _forward_logits(self, tokens: list[int] | mx.array) -> Any:
         inputs = tokens.reshape(1, 1) if isinstance(tokens, mx.array) else mx.array(tokens)[None]
         logits = self.model(inputs, cache=self.cache)[0, -1, :]
         if isinstance(tokens, mx.array):
             self.cache_tokens.append(-1)  # placeholder; filled in when the token is read back
         else:
             self.cache_tokens.extend(tokens)
-        result = self.chain.sample(self._budget_mask(logits), self._history)
+        return logits
+
+    def _forward(self, tokens: list[int] | mx.array) -> tuple[Any, Any, Any]:
+        result = self.chain.sample(self._budget_mask(self._forward_logits(tokens)), self._history)
         return result.token, result.logprobs, result.probs
 
     def _budget_mask(self, logits: Any) -> Any:
@@ -280,6 +319,14 @@ class Sequence:
         if self.stats.t_prompt_done is None:
             mx.eval(token_arr)
             self.stats.t_prompt_done = time.perf_counter()
+        if self.grammar is not None:
+            self._decode_step_constrained(token_arr, logprobs, probs)
+        else:
+            self._decode_step_pipelined(token_arr, logprobs, probs)
+        if len(self.generated) % _CLEAR_EVERY == 0:
+            mx.clear_cache()
+
+    def _decode_step_pipelined(self, token_arr: Any, logprobs: Any, probs: Any) -> None:
         if self._room_for_more() and self.budget is not None:
             # The thinking budget decides the next step from this token: read it first.
             token = int(token_arr.item())
@@ -302,8 +349,29 @@ class Sequence:
         self._accept(token, logprobs, probs)
         if self.finished is None and self._pending is None:
             self._finish("limit", "", truncated=self._context_full())
-        if len(self.generated) % _CLEAR_EVERY == 0:
-            mx.clear_cache()
+
+    def _decode_step_constrained(self, token_arr: Any, logprobs: Any, probs: Any) -> None:
+        """The grammar's decode step: queue the forward pass fed with token n, read n back, feed it
+        to the grammar, then draw n+1 under the mask computed while the pass runs."""
+        room = self._room_for_more()
+        self._history.append(token_arr)
+        if room:
+            self._undrawn = self._forward_logits(token_arr)
+            mx.async_eval(self._undrawn)
+        token = int(token_arr.item())
+        self._history[-1] = token
+        if room:
+            self.cache_tokens[-1] = token
+            if self.budget is not None:
+                self.budget.accept(token)  # the thinking budget may force the next token
+        self._pending = None
+        self._accept(token, logprobs, probs)
+        if self.finished is None:
+            if room:
+                for _, exc in draw_pending([self]):
+                    raise exc
+            else:
+                self._finish("limit", "", truncated=self._context_full())
 
     def _accept(self, token: int, logprobs: Any, probs: Any) -> None:
         self.generated.append(token)
@@ -318,20 +386,39 @@ class Sequence:
             n_cached=self.stats.n_cached,
             prompt_ms=(t_prompt - self.stats.t_start) * 1000.0,
             predicted_ms=(now - t_prompt) * 1000.0,
+            n_cache_written=self.stats.n_cache_written,
         )
         if self.request.n_probs > 0:
             self._fill_probs(event, token, logprobs, probs)
         piece = self.text.push(token)  # an end-of-generation token flushes held-back text
-        event.text = piece.text
+        eog = token in self.eog_ids and not self.request.sampling.ignore_eos
+        grammar = self.grammar
+        complete = False
+        if grammar is not None and not eog and not piece.stopped:
+            grammar.accept(token)
+            # A complete grammar admits only the end of generation: stop here, with the text
+            # flushed as an end-of-generation token would (llama.cpp samples that EOS instead).
+            complete = grammar.complete
+        event.text = piece.text + (self.text.finish() if complete else "")
         self.emit(event)
         if self.request.n_indent > 0:  # only n_indent needs the text itself
-            self.text_sent += piece.text
-        if token in self.eog_ids and not self.request.sampling.ignore_eos:
+            self.text_sent += event.text
+        if eog:
             self._finish("eos", "")
         elif piece.stopped:
             self._finish("word", piece.stopping_word)
+        elif complete:
+            self._finish("eos", "")
+        elif grammar is not None and grammar.error is not None:
+            self._grammar_failed()
         elif not self._budget_left() or self._under_indented() or self._out_of_time(piece.text):
             self._finish("limit", "")
+
+    def _grammar_failed(self) -> None:
+        """The grammar cannot go on (llguidance gave up): end with what was generated."""
+        assert self.grammar is not None
+        log.warning("task %d: grammar stopped the generation: %s", self.request.task_id, self.grammar.error)
+        self._finish("limit", "")
 
     def _under_indented(self) -> bool:
         """``n_indent``: once a line has started, it must be indented by at least n_indent spaces
@@ -393,6 +480,9 @@ class Sequence:
             # The step in flight was fed a token we report: make its state real before donation.
             mx.eval(*self._pending_arrays())
             self._pending = None
+        if self._undrawn is not None:
+            mx.eval(self._undrawn)
+            self._undrawn = None
         now = time.perf_counter()
         self.stats.t_end = now
         t_prompt = self.stats.t_prompt_done or now
@@ -412,5 +502,33 @@ class Sequence:
             seed=self.chain.seed,
             cancelled=cancelled,
             content_cut=self._content_cut,
+            n_cache_written=self.stats.n_cache_written,
         )
         self.emit(self.finished)
+
+
+def draw_pending(seqs: Seq[Sequence]) -> list[tuple[Sequence, Exception]]:
+    """Draw the next token of grammar sequences whose logits are in flight (``_undrawn``).
+
+    The masks of all of them are computed together (in parallel, the GIL released) while the
+    forward pass runs; each draw is then queued behind it. Returns the sequences whose own draw
+    raised, with the error, so that a batch can fail that row alone; the others are drawn.
+    """
+    active = [s for s in seqs if s.grammar is not None and s.grammar.active]
+    masks = compute_masks([s.grammar for s in active], active[0].grammar.compiler.vocab_size) if active else None  # type: ignore[union-attr]
+    allowed = {id(s): masks[k] for k, s in enumerate(active)} if masks is not None else {}
+    pending: list[Any] = []
+    failed: list[tuple[Sequence, Exception]] = []
+    for seq in seqs:
+        assert seq.grammar is not None and seq._undrawn is not None
+        if seq.grammar.error is not None:
+            seq._grammar_failed()
+            continue
+        mask = allowed.get(id(seq))
+        try:
+            pending += seq.sample_next(seq._undrawn, allowed=None if mask is None else mx.array(mask))
+        except Exception as exc:
+            failed.append((seq, exc))
+    if pending:
+        mx.async_eval(*pending)
+    return failed

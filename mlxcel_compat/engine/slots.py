@@ -51,12 +51,27 @@ class SlotTask:
 
 
 @dataclass
+class KeptState:
+    """The state a slot keeps after its task, as llama-server's slots do (``--slot-save-path``).
+
+    ``cache`` is the finished sequence's list of mlx-lm cache objects (engine thread only); it is
+    what ``POST /slots/{id}?action=save`` writes and ``restore`` puts back.
+    """
+
+    tokens: list[int]
+    cache: list[Any]
+    bucket: Any  # cache.key.Bucket of the task that produced it
+    session_key: str
+
+
+@dataclass
 class Slot:
     id: int
     n_ctx: int = 0
     sequence: "Sequence | None" = None
     task: SlotTask | None = None
     t_last_used: float = field(default=0.0)
+    kept: KeptState | None = None  # only while slot files are enabled
 
     def begin(self, sequence: "Sequence") -> None:
         self.sequence = sequence

@@ -69,8 +69,8 @@ def _decoder_kind(decoder: Any) -> str:
     return "generic"
 
 
-class _VocabBytes:
-    """Raw bytes of every token, computed lazily and cached per tokenizer."""
+class VocabBytes:
+    """Raw bytes of every token, computed lazily and cached per tokenizer; the special ids."""
 
     def __init__(self, hf: Any) -> None:
         self._hf = hf
@@ -127,16 +127,17 @@ class _VocabBytes:
         return value
 
 
-_vocab_cache: "weakref.WeakKeyDictionary[Any, _VocabBytes]" = weakref.WeakKeyDictionary()
+_vocab_cache: "weakref.WeakKeyDictionary[Any, VocabBytes]" = weakref.WeakKeyDictionary()
 _vocab_lock = threading.Lock()
 
 
-def _vocab_bytes(tokenizer: Any) -> _VocabBytes:
+def vocab_table(tokenizer: Any) -> VocabBytes:
+    """The (shared, cached) byte table of a tokenizer's vocabulary."""
     hf = unwrap_tokenizer(tokenizer)
     with _vocab_lock:
         vocab = _vocab_cache.get(hf)
         if vocab is None:
-            vocab = _VocabBytes(hf)
+            vocab = VocabBytes(hf)
             _vocab_cache[hf] = vocab
     return vocab
 
@@ -149,7 +150,7 @@ def token_bytes(tokenizer: Any, token_id: int, *, special: bool = True) -> bytes
     ``special=True`` (``/tokenize`` pieces); generated text and
     ``completion_probabilities`` use the server's ``--special`` flag (off by default).
     """
-    vocab = _vocab_bytes(tokenizer)
+    vocab = vocab_table(tokenizer)
     token_id = int(token_id)
     if not special and token_id in vocab.special_ids:
         return b""
@@ -221,7 +222,8 @@ class StreamPiece:
 class TextStream:
     """Turns generated token ids into sendable text, one token at a time.
 
-    ``special`` renders special tokens as text (llama-server ``--special``).
+    ``special`` renders special tokens as text (llama-server ``--special``); ``preserved`` renders
+    just these (a request's ``preserved_tokens``, as llama-server does).
     ``eog_token_ids`` (default: the tokenizer's EOS ids) flush held text at once,
     since llama-server skips the partial-stop hold for an end-of-generation token.
     Work per token is proportional to the token and the held text, not the output.
@@ -234,10 +236,12 @@ class TextStream:
         *,
         special: bool = False,
         eog_token_ids: Iterable[int] | None = None,
+        preserved: Iterable[int] = (),
     ) -> None:
         self._tokenizer = tokenizer
         self.stop = [word for word in stop if word]
         self.special = special
+        self.preserved = {int(t) for t in preserved}
         if eog_token_ids is None:
             eog_token_ids = getattr(tokenizer, "eos_token_ids", None) or []
         self.eog_token_ids = {int(t) for t in eog_token_ids}
@@ -283,7 +287,8 @@ class TextStream:
         """Add one generated token; return the text that may be sent now."""
         if self.stopped or self.finished:
             return StreamPiece("", self.stopped, self.stopping_word)
-        data = self._pending + token_bytes(self._tokenizer, token_id, special=self.special)
+        special = self.special or token_id in self.preserved
+        data = self._pending + token_bytes(self._tokenizer, token_id, special=special)
         if complete_utf8_length(data) < len(data):
             self._pending = data
             return StreamPiece("", incomplete=True)

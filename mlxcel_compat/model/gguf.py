@@ -1,8 +1,10 @@
 """Read a GGUF file (or every part of a split one): its metadata and where each tensor lives.
 
 The header (metadata and tensor table) is parsed here with ``struct``; tensor bytes are then read
-one tensor at a time with ``os.preadv`` (``read_tensor``), so loading never holds the whole file:
-the memory peak is the decoded weights plus one tensor in flight.
+one tensor at a time, so loading never holds the whole file: the memory peak is the decoded
+weights plus one tensor in flight. Quantized tensors are read with ``os.preadv`` into NumPy
+(``read_tensor``) and decoded there; float tensors (F32, F16, BF16) are read straight into MLX
+memory (``read_float_tensor``), the one copy a safetensors load makes too.
 
 A split model (``name-00001-of-00003.gguf``, written by ``gguf-split`` or the converter) is
 opened from its first part; the other parts are found beside it, as llama.cpp does.
@@ -10,6 +12,7 @@ opened from its first part; the other parts are found beside it, as llama.cpp do
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import re
@@ -21,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from mlxcel_compat.model.gguf_quants import byte_size, type_name
+from mlxcel_compat.model.gguf_quants import T, byte_size, type_name
 
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -36,6 +39,10 @@ FILE_TYPE_NAMES: dict[int, str] = {
     28: "IQ2_S - 2.5 bpw", 29: "IQ2_M - 2.7 bpw", 30: "IQ4_XS - 4.25 bpw", 31: "IQ1_M - 1.75 bpw",
     32: "BF16", 36: "TQ1_0 - 1.69 bpw", 37: "TQ2_0 - 2.06 bpw", 38: "MXFP4 MoE",
 }
+
+
+# Float GGML types MLX holds as they are stored: GGML type -> safetensors dtype name.
+FLOAT_TYPES: dict[int, str] = {T.F32: "F32", T.F16: "F16", T.BF16: "BF16"}
 
 
 class GGUFError(ValueError):
@@ -66,6 +73,7 @@ class GGUFModelFile:
     parts: list[Path]
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    header_bytes: int = 0  # where the first part's tensor data starts (metadata + tensor table before it)
 
     @property
     def architecture(self) -> str:
@@ -111,7 +119,7 @@ def split_parts(path: Path) -> list[Path]:
 
 
 class _Cursor:
-    """Sequential little-endian reads over the header bytes of a GGUF file."""
+    """Sequential little-endian reads over the header bytes of a GGUF file (an ``mmap``: slices are ``bytes``)."""
 
     def __init__(self, data: Any, path: Path) -> None:
         self.data, self.pos, self.path = data, 0, path
@@ -127,7 +135,7 @@ class _Cursor:
         return struct.unpack("<" + fmt, self.take(struct.calcsize(fmt)))[0]
 
     def string(self) -> str:
-        return bytes(self.take(self.scalar("Q"))).decode("utf-8", errors="replace")
+        return self.take(self.scalar("Q")).decode("utf-8", errors="replace")
 
 
 # GGUF metadata value types -> struct format (8 = string, 9 = array are handled apart).
@@ -135,14 +143,18 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _STRING, _ARRAY = 8, 9
 
 
+_U64 = struct.Struct("<Q").unpack_from
+
+
 def _strings(cur: _Cursor, count: int) -> list[str]:
-    """A string array (vocabularies, merges): the hot loop of header parsing, kept tight."""
+    """A string array (vocabularies, merges): the hot loop of header parsing, kept tight
+    (``unpack_from`` and ``bytes`` slices of the map: 2x faster than slicing a memoryview)."""
     data, pos, out = cur.data, cur.pos, []
-    append, from_bytes = out.append, int.from_bytes
+    append, u64 = out.append, _U64
     for _ in range(count):
-        n = from_bytes(data[pos:pos + 8], "little")
+        (n,) = u64(data, pos)
         pos += 8
-        append(str(data[pos:pos + n], "utf-8", "replace"))
+        append(data[pos:pos + n].decode("utf-8", "replace"))
         pos += n
     if pos > len(data):
         raise GGUFError(f"'{cur.path}' ends inside its header")
@@ -166,23 +178,21 @@ def _value(cur: _Cursor, kind: int) -> Any:
     return cur.scalar(_SCALARS[kind])
 
 
-def _read_part(path: Path, metadata_keys: bool) -> tuple[dict[str, Any], list[TensorInfo]]:
+def _read_part(path: Path, metadata_keys: bool) -> tuple[dict[str, Any], list[TensorInfo], int]:
     """Parse one file's header: a plain loop over the bytes (gguf-py's reader builds a NumPy view
     per string, seconds for a 150K-token vocabulary)."""
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            cur = _Cursor(memoryview(data), path)
-            try:
-                return _parse_header(cur, path, metadata_keys)
-            finally:
-                cur.data.release()
+            return _parse_header(_Cursor(data, path), path, metadata_keys)
+    except struct.error as exc:  # a length field pointing past the end of the file
+        raise GGUFError(f"'{path}' ends inside its header") from exc
     except (OSError, ValueError) as exc:
         if isinstance(exc, GGUFError):
             raise
         raise GGUFError(f"'{path}' is not a readable GGUF file: {exc}") from exc
 
 
-def _parse_header(cur: _Cursor, path: Path, metadata_keys: bool) -> tuple[dict[str, Any], list[TensorInfo]]:
+def _parse_header(cur: _Cursor, path: Path, metadata_keys: bool) -> tuple[dict[str, Any], list[TensorInfo], int]:
     if bytes(cur.take(4)) != b"GGUF":
         raise GGUFError(f"'{path}' is not a GGUF file (bad magic)")
     version = cur.scalar("I")
@@ -210,7 +220,7 @@ def _parse_header(cur: _Cursor, path: Path, metadata_keys: bool) -> tuple[dict[s
         except (KeyError, ValueError):
             n_bytes = 0  # an unknown type: refused by name before any data is read
         tensors.append(TensorInfo(name, ggml_type, shape, path, data_start + offset, n_bytes))
-    return metadata, tensors
+    return metadata, tensors, data_start
 
 
 def open_gguf(path: str | Path) -> GGUFModelFile:
@@ -218,7 +228,7 @@ def open_gguf(path: str | Path) -> GGUFModelFile:
     path = Path(path).expanduser()
     if not path.is_file():
         raise GGUFError(f"GGUF file '{path}' does not exist")
-    metadata, tensors = _read_part(path, metadata_keys=True)
+    metadata, tensors, header_bytes = _read_part(path, metadata_keys=True)
     n_split = int(metadata.get("split.count", 1) or 1)
     parts = [path]
     if n_split > 1:
@@ -232,9 +242,9 @@ def open_gguf(path: str | Path) -> GGUFModelFile:
         for part in parts[1:]:
             if not part.is_file():
                 raise GGUFError(f"split part '{part}' is missing (the model has {n_split} parts)")
-            _, more = _read_part(part, metadata_keys=False)
+            _, more, _ = _read_part(part, metadata_keys=False)
             tensors.extend(more)
-    file = GGUFModelFile(path=path, parts=parts, metadata=metadata)
+    file = GGUFModelFile(path=path, parts=parts, metadata=metadata, header_bytes=header_bytes)
     for info in tensors:
         if info.name in file.tensors:
             raise GGUFError(f"tensor '{info.name}' appears twice in '{path}'")
@@ -266,3 +276,69 @@ def read_tensor(info: TensorInfo, scratch: np.ndarray | None = None) -> np.ndarr
     finally:
         os.close(fd)
     return buffer
+
+
+class _SafetensorsView:
+    """One GGUF float tensor seen as a one-tensor safetensors file, for ``mx.load``.
+
+    ``mx.load`` on a file object allocates each array and ``readinto``s its bytes straight into
+    MLX memory, the single copy a safetensors checkpoint costs. This object answers those reads
+    with a synthesised header (name ``tensor``, the dtype and shape from *our* GGUF header) and
+    then the tensor's bytes, read with ``os.preadv`` at its offset in the GGUF file. MLX's own
+    GGUF reader is not involved (see ``gguf_quants`` for its measured faults).
+    """
+
+    KEY = "tensor"
+
+    def __init__(self, fd: int, info: TensorInfo) -> None:
+        entry = {"dtype": FLOAT_TYPES[info.ggml_type], "shape": list(info.shape), "data_offsets": [0, info.n_bytes]}
+        header = json.dumps({self.KEY: entry}).encode()
+        self.prefix = struct.pack("<Q", len(header)) + header
+        self.fd, self.info, self.pos, self.closed = fd, info, 0, False
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        end = len(self.prefix) + self.info.n_bytes
+        self.pos = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: end}[whence] + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        done = 0
+        if self.pos < len(self.prefix):
+            done = min(len(view), len(self.prefix) - self.pos)
+            view[:done] = self.prefix[self.pos:self.pos + done]
+            self.pos += done
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], self.info.offset + self.pos - len(self.prefix))
+            if n <= 0:
+                raise GGUFError(f"'{self.info.path}' ends inside tensor '{self.info.name}'")
+            done += n
+            self.pos += n
+        return done
+
+
+def read_float_tensor(info: TensorInfo) -> Any:
+    """An F32, F16 or BF16 tensor as an evaluated MLX array in its stored dtype and shape.
+
+    The bytes go from the file into the array's own memory (no NumPy buffer, no second copy).
+    What ``mx.load`` returns is checked against the GGUF header: exactly one tensor, with the
+    shape and dtype the header gives, else ``GGUFError``.
+    """
+    import mlx.core as mx
+
+    if info.ggml_type not in FLOAT_TYPES:
+        raise GGUFError(f"tensor '{info.name}' is {type_name(info.ggml_type)}, not a float type")
+    expected = {T.F32: mx.float32, T.F16: mx.float16, T.BF16: mx.bfloat16}[info.ggml_type]
+    fd = os.open(info.path, os.O_RDONLY)
+    try:
+        loaded = mx.load(_SafetensorsView(fd, info), format="safetensors")
+    finally:
+        os.close(fd)
+    array = loaded.get(_SafetensorsView.KEY)
+    if len(loaded) != 1 or array is None or tuple(array.shape) != info.shape or array.dtype != expected:
+        got = {k: (tuple(v.shape), v.dtype) for k, v in loaded.items()}
+        raise GGUFError(f"tensor '{info.name}': MLX read {got}, the GGUF header says {info.shape} {expected}")
+    return array

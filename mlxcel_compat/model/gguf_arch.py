@@ -68,8 +68,12 @@ def _rope_scaling(file: GGUFModelFile) -> dict[str, Any] | None:
         return {"type": "linear", "rope_type": "linear", "factor": float(factor)}
     if kind == "yarn":
         original = file.arch_value("rope.scaling.original_context_length")
-        return {"type": "yarn", "rope_type": "yarn", "factor": float(factor),
-                "original_max_position_embeddings": int(original or 0)}
+        scaling = {"type": "yarn", "rope_type": "yarn", "factor": float(factor),
+                   "original_max_position_embeddings": int(original or file.arch_value("context_length", 4096))}
+        for key in ("beta_fast", "beta_slow"):  # mlx-lm's defaults (32, 1) are the usual values
+            if (value := file.arch_value(f"rope.scaling.yarn_{key}")) is not None:
+                scaling[key] = float(value)
+        return scaling
     raise UnsupportedArchitecture(f"RoPE scaling type '{kind}' is not supported for GGUF models")
 
 

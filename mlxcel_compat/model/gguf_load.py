@@ -3,10 +3,16 @@
 The model object is the one mlx-lm builds from the equivalent ``config.json`` (``gguf_arch``), so
 the engine, prompt cache, batching and attention path treat it like any other mlx-lm model.
 
-Weights are streamed: each tensor is read (``gguf.read_tensor``), decoded or repacked
-(``gguf_quants``), put into the model, and its buffers dropped before the next one. The memory
-peak is the final weights plus one tensor in flight, never a second copy of the model. Every
-tensor type is checked before the first byte is read, so an unsupported type fails fast.
+Weights are streamed: each tensor is read, decoded or repacked, put into the model, and its
+buffers dropped before the next one. The memory peak is the final weights plus one tensor in
+flight, never a second copy of the model. Every tensor type is checked before the first byte is
+read, so an unsupported type fails fast. Two paths:
+
+- float tensors (F32, F16, BF16) are read straight into MLX memory (``gguf.read_float_tensor``)
+  and the converter's changes are undone with MLX operations: the one copy a safetensors
+  checkpoint costs, which keeps a GGUF load as fast as the same model's directory;
+- quantized tensors are read into NumPy (``gguf.read_tensor``) and decoded or repacked there
+  (``gguf_quants``), then handed to MLX.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from mlxcel_compat.model import gguf_arch, gguf_quants, precision
-from mlxcel_compat.model.gguf import GGUFModelFile, TensorInfo, open_gguf, read_tensor
+from mlxcel_compat.model.gguf import FLOAT_TYPES, GGUFModelFile, TensorInfo, open_gguf, read_float_tensor, read_tensor
 from mlxcel_compat.model.gguf_tokenizer import SpecialTokens, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -74,6 +80,26 @@ def _decode(info: TensorInfo, raw: np.ndarray, mlx_name: str, spec: gguf_arch.Ar
         raise ValueError(f"tensor '{info.name}' has shape {info.shape}; the model expects {target_shape} for {mlx_name}")
     array = mx.array(values.reshape(target_shape))
     return array.astype(mx.bfloat16) if dtype == precision.BFLOAT16 else array
+
+
+def _load_float(info: TensorInfo, mlx_name: str, spec: gguf_arch.ArchSpec, config: dict[str, Any], dtype: str,
+                target_shape: tuple[int, ...]) -> Any:
+    """A float tensor read into MLX and transformed there, as ``_decode`` does in NumPy."""
+    import mlx.core as mx
+
+    array = read_float_tensor(info)
+    if (heads := gguf_arch.qk_heads(spec, config, mlx_name)) is not None:
+        array = gguf_arch.unpermute_rows(array, heads)
+    target = {precision.FLOAT32: mx.float32, precision.FLOAT16: mx.float16, precision.BFLOAT16: mx.bfloat16}[dtype]
+    # The arithmetic dtype of the NumPy path (bfloat16 is reached from float32), so both round alike.
+    work = mx.float16 if target == mx.float16 else mx.float32
+    if spec.norm_shift and mlx_name.endswith("norm.weight"):
+        array = array.astype(work) - mx.array(spec.norm_shift, dtype=work)
+    if array.dtype != target:
+        array = array.astype(target)
+    if array.size != int(np.prod(target_shape)):
+        raise ValueError(f"tensor '{info.name}' has shape {info.shape}; the model expects {target_shape} for {mlx_name}")
+    return array.reshape(target_shape)
 
 
 def _affine(info: TensorInfo, raw: np.ndarray, mlx_name: str, spec: gguf_arch.ArchSpec,
@@ -160,7 +186,7 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     dtype = precision.compute_dtype(on_cpu, {t.ggml_type for t in file.tensors.values()})
     plans = {
         g: precision.tensor_precision(file.tensors[g].ggml_type, on_cpu,
-                                      _quantizable(model, m, file.tensors[g].shape), dtype)
+                                      not on_cpu and _quantizable(model, m, file.tensors[g].shape), dtype)
         for g, m in names.items()
     }
     affine = {names[g][: -len(".weight")]: file.tensors[g] for g, p in plans.items() if p == precision.AFFINE}
@@ -176,25 +202,29 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         compute_dtype=dtype, specials=specials,
     )
     total = sum(file.tensors[g].n_bytes for g in names)
-    scratch = np.empty(max(file.tensors[g].n_bytes for g in names), dtype=np.uint8)
+    decoded = [file.tensors[g].n_bytes for g in names if file.tensors[g].ggml_type not in FLOAT_TYPES]
+    scratch = np.empty(max(decoded, default=0), dtype=np.uint8)  # only quantized tensors go through NumPy
     done = 0
+    loaded: list[tuple[str, Any]] = []
     for gguf_name, info in file.tensors.items():
         if gguf_name not in names:
             continue
         mlx_name, plan = names[gguf_name], plans[gguf_name]
-        raw = read_tensor(info, scratch)
         if plan == precision.AFFINE:
-            weights = _affine(info, raw, mlx_name, spec, config)
+            weights = _affine(info, read_tensor(info, scratch), mlx_name, spec, config)
+        elif info.ggml_type in FLOAT_TYPES:
+            weights = [(mlx_name, _load_float(info, mlx_name, spec, config, plan, shapes[mlx_name]))]
         else:
-            weights = [(mlx_name, _decode(info, raw, mlx_name, spec, config, plan, shapes[mlx_name]))]
-        model.load_weights(weights, strict=False)
-        mx.eval([w for _, w in weights])
+            weights = [(mlx_name, _decode(info, read_tensor(info, scratch), mlx_name, spec, config, plan,
+                                          shapes[mlx_name]))]
+        mx.eval([w for _, w in weights])  # one tensor in flight: its temporaries go now
+        loaded.extend(weights)
         label = f"affine {gguf_quants.type_name(info.ggml_type).lower()}" if plan == precision.AFFINE else plan
         summary.precision[label] = summary.precision.get(label, 0) + 1
-        del raw, weights
         done += info.n_bytes
         if progress is not None:
             progress(done, total)
+    model.load_weights(loaded, strict=False)  # the model's own initial values were never evaluated
     if "rope_freqs.weight" in file.tensors and spec.permute_qk:
         _install_rope_freqs(model, file, config)
     summary.load_seconds = time.perf_counter() - t0

@@ -1,9 +1,10 @@
 """GGML tensor types: decode the raw blocks of a GGUF tensor into floats, or into MLX's affine form.
 
 Every type the loader accepts is decoded here, with NumPy, straight from the block layouts of
-ggml (``ggml-common.h``, ``dequantize_row_*`` in ``ggml-quants.c``). ``mx.load`` is deliberately
-not used for GGUF: in mlx 0.32 it gives Q4_K wrong scales on odd sub-blocks, raises on Q5_0, Q5_1,
-Q5_K, Q3_K and the IQ types, and silently drops MXFP4/TQ tensors and everything after them.
+ggml (``ggml-common.h``, ``dequantize_row_*`` in ``ggml-quants.c``). MLX's GGUF reader (``mx.load``
+on the file) is deliberately not used: in mlx 0.32 it gives Q4_K wrong scales on odd sub-blocks,
+raises on Q5_0, Q5_1, Q5_K, Q3_K and the IQ types, and silently drops MXFP4/TQ tensors and
+everything after them. (Float tensors skip NumPy: ``gguf.read_float_tensor``.)
 gguf-py's own dequantizer is the reference the tests compare against, so the two are
 independent implementations of the same layouts.
 

@@ -16,16 +16,27 @@ What llama.cpp derives from the metadata is derived the same way here:
 - ``tokenizer.chat_template`` is the default template and ``tokenizer.chat_template.NAME``
   become named templates (``tool_use``, ...);
 - FIM token ids (``tokenizer.ggml.fim_*_token_id``) are reported in ``SpecialTokens``.
+
+The converted directory is cached (``$XDG_CACHE_HOME/mlxcel_compat/gguf-tokenizers``, else
+``~/.cache/...``), keyed by a hash of the GGUF's header (all its metadata), this module's source
+and the transformers/tokenizers versions: a restart of the same model then loads the tokenizer
+exactly as a Hugging Face directory does, without the conversion. An unusable cache directory
+only means converting every time; a cached entry that fails to load is rebuilt.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mlxcel_compat.model.gguf import GGUFModelFile
+
+log = logging.getLogger(__name__)
 
 # llama.cpp (llama-vocab.cpp) treats tokens with these texts as end of generation.
 EOG_TEXTS = frozenset({
@@ -35,6 +46,7 @@ EOG_TEXTS = frozenset({
 })
 CONTROL, USER_DEFINED = 3, 4
 FIM_KEYS = ("pre", "suf", "mid", "pad", "rep", "sep")
+MAX_CACHED = 16  # converted tokenizers kept; the least recently used beyond that are deleted
 
 
 @dataclass
@@ -112,25 +124,69 @@ def _convert(architecture: str, tokenizer_dict: dict[str, Any]) -> Any:
     except ImportError:  # transformers < 5.x kept it in one module
         from transformers.integrations.ggml import convert_gguf_tokenizer  # type: ignore[no-redef]
     backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        _space_prefix_like_llama_cpp(backend, bool(tokenizer_dict.get("add_prefix_space", True)))
     return backend
 
 
-def load_tokenizer(file: GGUFModelFile) -> tuple[Any, SpecialTokens]:
-    """An mlx-lm ``TokenizerWrapper`` for the GGUF's tokenizer, and its special tokens."""
-    from mlx_lm.tokenizer_utils import load as load_wrapper
+def _space_prefix_like_llama_cpp(backend: Any, add_space_prefix: bool) -> None:
+    """SentencePiece vocabularies: put the "▁" prefix where llama.cpp puts it.
+
+    transformers builds them with a ``Metaspace`` pre-tokenizer that prefixes only the start of
+    the text and only when it does not already begin with a space. llama.cpp prefixes a space to
+    every text fragment that starts the input or follows a special token, whatever it begins
+    with, and not at all when ``tokenizer.ggml.add_space_prefix`` is false; so does the legacy
+    Llama 2 ``tokenizer.json`` (a ``Prepend`` normalizer, applied to each piece of text between
+    special tokens). Measured on a SentencePiece vocabulary: ``"<s>[INST]"``, ``"a</s>b"`` and
+    ``"  two"`` tokenize differently without this. Builders with their own layout (Gemma, Phi-3:
+    no ``Metaspace``) are left alone.
+    """
+    from tokenizers import decoders, normalizers, pre_tokenizers
+
+    if not isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace):
+        return
+    space = "\u2581"
+    steps = [normalizers.Prepend(space)] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", space)])
+    backend.pre_tokenizer = None
+    strip = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
+    backend.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+
+
+def default_cache_dir() -> Path:
+    """Where converted tokenizers are kept: ``$XDG_CACHE_HOME`` (else ``~/.cache``) ``/mlxcel_compat/gguf-tokenizers``."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mlxcel_compat" / "gguf-tokenizers"
+
+
+def cache_key(file: GGUFModelFile) -> str:
+    """Changes whenever the converted tokenizer could: the header bytes (every metadata key), the
+    code converting it (this module) and the libraries it uses."""
+    import tokenizers
+    import transformers
+    from blake3 import blake3
+
+    digest = blake3(Path(__file__).read_bytes())
+    digest.update(f"transformers {transformers.__version__} tokenizers {tokenizers.__version__}".encode())
+    with open(file.path, "rb") as f:
+        remaining = file.header_bytes
+        while remaining > 0 and (chunk := f.read(min(remaining, 1 << 22))):
+            digest.update(chunk)
+            remaining -= len(chunk)
+    return digest.hexdigest()[:32]
+
+
+def _hf_tokenizer(file: GGUFModelFile, tokenizer_dict: dict[str, Any], specials: SpecialTokens) -> Any:
+    """The transformers tokenizer the GGUF metadata describes (the conversion itself)."""
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer_dict = _tokenizer_dict(file)
-    if "tokens" not in tokenizer_dict:
-        raise ValueError(f"'{file.path}' has no tokenizer (tokenizer.ggml.tokens is missing)")
-    specials = special_tokens(file)
     backend = _convert(file.architecture, tokenizer_dict)
     tokens = tokenizer_dict["tokens"]
 
     def text(token_id: int | None) -> str | None:
         return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
 
-    hf = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=text(specials.bos),
         eos_token=text(specials.eos),
@@ -141,7 +197,59 @@ def load_tokenizer(file: GGUFModelFile) -> tuple[Any, SpecialTokens]:
         clean_up_tokenization_spaces=False,
         chat_template=chat_templates(file),
     )
-    with tempfile.TemporaryDirectory(prefix="mlxcel-gguf-tokenizer-") as tmp:
-        hf.save_pretrained(tmp)
-        wrapper = load_wrapper(Path(tmp), eos_token_ids=specials.eog)
+
+
+def _usable_cache(cache_dir: Path) -> bool:
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        return os.access(cache_dir, os.W_OK)
+    except OSError:
+        return False
+
+
+def _keep(directory: Path, entry: Path, cache_dir: Path) -> None:
+    """Move a freshly saved tokenizer into the cache (atomically) and drop the oldest entries."""
+    try:
+        os.rename(directory, entry)
+    except OSError:  # another process cached the same tokenizer first
+        return
+    entries = sorted((p for p in cache_dir.iterdir() if p.is_dir() and not p.name.startswith(".")),
+                     key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in entries[MAX_CACHED:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_tokenizer(file: GGUFModelFile, cache_dir: Path | None = None) -> tuple[Any, SpecialTokens]:
+    """An mlx-lm ``TokenizerWrapper`` for the GGUF's tokenizer, and its special tokens.
+
+    The wrapper is always loaded by mlx-lm from a tokenizer directory: the cached one when this
+    header was converted before, else a fresh conversion saved into the cache (or a temporary
+    directory when the cache cannot be written).
+    """
+    from mlx_lm.tokenizer_utils import load as load_wrapper
+
+    tokenizer_dict = _tokenizer_dict(file)
+    if "tokens" not in tokenizer_dict:
+        raise ValueError(f"'{file.path}' has no tokenizer (tokenizer.ggml.tokens is missing)")
+    specials = special_tokens(file)
+    cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
+    cached = _usable_cache(cache_dir)
+    entry = cache_dir / cache_key(file) if cached else None
+    if entry is not None and entry.is_dir():
+        try:
+            wrapper = load_wrapper(entry, eos_token_ids=specials.eog)
+            os.utime(entry)  # recently used: kept by the pruning
+            return wrapper, specials
+        except Exception as exc:  # a damaged entry: convert again
+            log.warning("cached GGUF tokenizer %s does not load (%s); converting again", entry, exc)
+            shutil.rmtree(entry, ignore_errors=True)
+    directory = Path(tempfile.mkdtemp(prefix=".convert-" if cached else "mlxcel-gguf-tokenizer-",
+                                      dir=cache_dir if cached else None))
+    try:
+        _hf_tokenizer(file, tokenizer_dict, specials).save_pretrained(directory)
+        wrapper = load_wrapper(directory, eos_token_ids=specials.eog)
+        if entry is not None:
+            _keep(directory, entry, cache_dir)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
     return wrapper, specials

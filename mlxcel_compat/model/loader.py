@@ -44,6 +44,7 @@ class LoadedModel:
     n_params: int = 0
     size_bytes: int = 0
     gguf: Any = None  # model.gguf_load.GGUFSummary for a GGUF file, else None
+    fingerprint: str = ""  # model_fingerprint(...): what saved prompt-cache state must match
 
     @property
     def file_type(self) -> str:
@@ -118,6 +119,57 @@ class _ProgressLog:
             self.next_step = (percent // 10 + 1) * 10
 
 
+_SAMPLE = 1 << 20  # bytes read from each end of a weight file's data
+
+
+def model_fingerprint(path: Path, gguf: Any = None) -> str:
+    """A 64-hex identity of the weights, config and tokenizer, for state saved to disk.
+
+    KV state is only valid for the exact weights that computed it, and token ids only for the
+    tokenizer that produced them; a served alias says neither. Hashing whole weight files would
+    cost seconds per GB at every start, so each weight file contributes its name, size and samples:
+    a ``*.safetensors`` file its tensor table and the first and last MiB of its data (a fine-tune
+    with the same shapes changes those bytes), with ``config.json``, ``tokenizer.json`` and
+    ``tokenizer.model`` hashed whole; each part of a GGUF model its first 16 MiB (metadata with the
+    vocabulary, tensor table, first tensors) and last MiB, plus how its weights are kept in memory
+    (``gguf``: the load summary's precision and compute dtype), which changes the computed KV too.
+    """
+    from blake3 import blake3
+
+    h = blake3(b"mlxcel:model-fingerprint:v1")
+    if path.is_file():
+        from mlxcel_compat.model.gguf import split_parts
+
+        for part in split_parts(path):
+            size = part.stat().st_size
+            h.update(f"{part.name}\0{size}\0".encode())
+            with open(part, "rb") as f:
+                h.update(f.read(16 * _SAMPLE))
+                f.seek(max(0, size - _SAMPLE))
+                h.update(f.read(_SAMPLE))
+        if gguf is not None:
+            h.update(json.dumps({"precision": gguf.precision, "compute": gguf.compute_dtype}, sort_keys=True).encode())
+        return h.hexdigest()
+    for name in ("config.json", "tokenizer.json", "tokenizer.model"):
+        file = path / name
+        if file.is_file():
+            data = file.read_bytes()
+            h.update(f"{name}\0{len(data)}\0".encode() + data)
+    for file in sorted(path.glob("*.safetensors")):
+        size = file.stat().st_size
+        h.update(f"{file.name}\0{size}\0".encode())
+        with open(file, "rb") as f:
+            head = f.read(8)
+            table = int.from_bytes(head, "little") if len(head) == 8 else 0
+            h.update(head + f.read(min(table, size)))
+            data_start = 8 + table
+            f.seek(data_start)
+            h.update(f.read(_SAMPLE))
+            f.seek(max(data_start, size - _SAMPLE))
+            h.update(f.read(_SAMPLE))
+    return h.hexdigest()
+
+
 def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: str | None = None) -> LoadedModel:
     """Load weights and tokenizer. Must run on the engine thread (it creates MLX state).
 
@@ -139,11 +191,13 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
 
         model, tokenizer, config = load(str(path), return_config=True)
     if mx.default_device() == mx.cpu:
-        from mlxcel_compat.model import attention
+        from mlxcel_compat.model import attention, cpu_fusion
 
         # Quantized (integer) weights stay as they are; only half-precision floats are widened.
         model.set_dtype(mx.float32, predicate=lambda dt: dt in (mx.float16, mx.bfloat16))
         attention.install()  # the model's module is imported now: switch its attention
+        fused = cpu_fusion.install(model)
+        log.debug("CPU fusion: %s", fused)
     params = tree_flatten(model.parameters())
     n_params = summary.n_params if summary is not None else sum(v.size for _, v in params)
     size_bytes = summary.file_bytes if summary is not None else sum(v.nbytes for _, v in params)
@@ -158,4 +212,5 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
         n_params=n_params,
         size_bytes=size_bytes,
         gguf=summary,
+        fingerprint=model_fingerprint(path, summary),
     )

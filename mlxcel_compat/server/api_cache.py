@@ -1,10 +1,15 @@
-"""Prompt-cache admin routes: ``GET /v1/cache/stats`` and ``POST /v1/cache/reset``.
+"""Prompt-cache admin routes: ``GET /v1/cache/stats`` and ``POST /v1/cache/reset`` (also as
+``POST /flush_cache``, which vllm-router and sglang-router send to every worker on their own
+``/flush_cache``).
 
-Both run on the engine thread (the single owner of the store) through an engine call. They need
-the API key when one is configured (they are not public paths).
+Stats show the RAM and disk tiers separately (``tiers``); reset takes the tier to clear. Both run
+on the engine thread (the single owner of the stores) through an engine call. They need the API
+key when one is configured (they are not public paths).
 """
 
 from __future__ import annotations
+
+import functools
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -12,9 +17,11 @@ from starlette.routing import Route
 
 from mlxcel_compat.cache.snapshot import SnapshotStore
 from mlxcel_compat.cache.store import PromptCacheStore
-from mlxcel_compat.server.errors import json_response
+from mlxcel_compat.engine.disk_tier import DiskTier
+from mlxcel_compat.engine.prefix_cache import RESET_TIERS, reset_result, tiers_stats
+from mlxcel_compat.server.errors import InvalidRequest, json_response
 from mlxcel_compat.server.openapi import Operation
-from mlxcel_compat.server.pipeline import ctx_of
+from mlxcel_compat.server.pipeline import ctx_of, read_json
 
 
 async def cache_stats(request: Request) -> Response:
@@ -22,24 +29,39 @@ async def cache_stats(request: Request) -> Response:
     cache = ctx.engine.prefix_cache
     isolation = {"isolation": ctx.cache_isolation}  # --prompt-cache-isolation as resolved
     if cache is None:
-        return json_response({**PromptCacheStore.disabled_stats(), **SnapshotStore.disabled_stats(), **isolation})
+        out = {**PromptCacheStore.disabled_stats(), **SnapshotStore.disabled_stats()}
+        out["tiers"] = tiers_stats(out, DiskTier.disabled_stats())
+        return json_response({**out, **isolation})
     return json_response({**await ctx.client.call(cache.stats), **isolation})
 
 
 async def cache_reset(request: Request) -> Response:
-    await request.body()  # drain any body: an unread body breaks the next request on a kept-alive connection
+    """Body ``{"tier": "ram" | "disk" | "all"}`` (no body: ``all``)."""
     ctx = ctx_of(request)
+    tier = (await read_json(request)).get("tier", "all")
+    if tier not in RESET_TIERS:
+        raise InvalidRequest(f'"tier" must be one of {", ".join(RESET_TIERS)}')
     cache = ctx.engine.prefix_cache
     if cache is None:
-        return json_response({"success": True, "cleared_entries": 0, "cleared_bytes": 0})
-    return json_response(await ctx.client.call(cache.reset))
+        return json_response(reset_result(tier, (0, 0), (0, 0)))
+    return json_response(await ctx.client.call(functools.partial(cache.reset, tier)))
 
 
 ROUTES = [
     Route("/v1/cache/stats", cache_stats, methods=["GET"]),
     Route("/v1/cache/reset", cache_reset, methods=["POST"]),
+    Route("/flush_cache", cache_reset, methods=["POST"]),
 ]
 
+RESET = Operation(
+    "Drop prompt-cache entries and snapshots of a tier (body {\"tier\": \"ram\"|\"disk\"|\"all\"}, default all)",
+    body=("cache_reset",),
+    ok={
+        "type": "object",
+        "properties": {"success": {"type": "boolean"}, "tier": {"type": "string"}, "cleared_entries": {"type": "integer"}, "cleared_bytes": {"type": "integer"}},
+        "required": ["success", "tier", "cleared_entries", "cleared_bytes"],
+    },
+)
 OPERATIONS = {
     ("GET", "/v1/cache/stats"): Operation(
         "Prompt-cache counters and gauges (docs/prompt-cache.md)",
@@ -49,12 +71,6 @@ OPERATIONS = {
             "required": ["enabled", "entries", "bytes", "capacity_bytes", "isolation"],
         },
     ),
-    ("POST", "/v1/cache/reset"): Operation(
-        "Drop every prompt-cache entry and snapshot",
-        ok={
-            "type": "object",
-            "properties": {"success": {"type": "boolean"}, "cleared_entries": {"type": "integer"}, "cleared_bytes": {"type": "integer"}},
-            "required": ["success", "cleared_entries", "cleared_bytes"],
-        },
-    ),
+    ("POST", "/v1/cache/reset"): RESET,
+    ("POST", "/flush_cache"): RESET,
 }

@@ -16,12 +16,13 @@ from mlxcel_compat.chat.messages import StreamSplitter, prompt_opens_thinking
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, ProgressEvent, TokenEvent
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
-from mlxcel_compat.server.errors import InvalidRequest, NotSupported, event_error
+from mlxcel_compat.server.errors import InvalidRequest, event_error, json_response
 from mlxcel_compat.server.openapi import JSON, SSE, Operation
 from mlxcel_compat.server.params import CompletionOptions
 from mlxcel_compat.server.pipeline import (
     ChatJob,
     collect,
+    count_prompt_tokens,
     ctx_of,
     extract_tool_calls,
     prepare_chat,
@@ -43,19 +44,6 @@ def completion_id() -> str:
 
 
 # ---------------------------------------------------------------------- request checks
-
-
-def check_response_format(data: dict[str, Any]) -> None:
-    """``response_format``: "text" is the only type served; the JSON types need constrained sampling."""
-    fmt_spec = data.get("response_format")
-    if fmt_spec is None:
-        return
-    kind = fmt_spec.get("type") if isinstance(fmt_spec, dict) else None
-    if kind == "text":
-        return
-    if kind in ("json_object", "json_schema"):
-        raise NotSupported(f"response_format type '{kind}' needs constrained sampling, which this server does not support")
-    raise InvalidRequest("response_format type must be one of 'text', 'json_object' or 'json_schema'")
 
 
 TOP_LOGPROBS_MAX = 20  # OpenAI's limit
@@ -231,7 +219,6 @@ async def _stream_completion(ctx: ServerContext, requests: list[GenerationReques
 async def chat_completions(request: Request) -> Response:
     ctx = ctx_of(request)
     data = await read_json(request)
-    check_response_format(data)
     job = await prepare_chat(ctx, request, check_logprobs(data))
     if job.opts.stream:
         splitters = [
@@ -338,10 +325,22 @@ async def _stream_chat(
     yield fmt.SSE_DONE
 
 
+# ---------------------------------------------------------------------- /v1/chat/completions/input_tokens
+
+
+async def chat_input_tokens(request: Request) -> Response:
+    """Tokens of the prompt a chat body renders to, without generating (llama-server's route)."""
+    ctx = ctx_of(request)
+    data = await read_json(request)
+    return json_response({"input_tokens": await count_prompt_tokens(ctx, data)})
+
+
 ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/chat/completions/input_tokens", chat_input_tokens, methods=["POST"]),
+    Route("/chat/completions/input_tokens", chat_input_tokens, methods=["POST"]),
 ]
 
 USAGE_SCHEMA = {
@@ -416,9 +415,16 @@ TEXT_COMPLETION = {
     "required": ["id", "object", "created", "model", "choices", "usage"],
 }
 CHAT = Operation("OpenAI chat completions", body=("all", "chat"), ok=CHAT_COMPLETION, media=(JSON, SSE), errors=(500, 501))
+INPUT_TOKENS = Operation(
+    "Prompt tokens of a chat body (rendered, not run)",
+    body=("all", "chat"),
+    ok={"type": "object", "properties": {"input_tokens": {"type": "integer"}}, "required": ["input_tokens"]},
+)
 OPERATIONS = {
     ("POST", "/v1/chat/completions"): CHAT,
     ("POST", "/chat/completions"): CHAT,
+    ("POST", "/v1/chat/completions/input_tokens"): INPUT_TOKENS,
+    ("POST", "/chat/completions/input_tokens"): INPUT_TOKENS,
     ("POST", "/v1/completions"): Operation(
         "OpenAI text completions", body=("all", "completion"), ok=TEXT_COMPLETION, media=(JSON, SSE), errors=(500, 501)
     ),

@@ -16,6 +16,14 @@ from mlxcel_compat.server.pipeline import ctx_of, read_json
 
 
 async def health(request: Request) -> Response:
+    """200 only while requests can be served; routers take a replica out of rotation on 503.
+
+    While the model loads, the gate in ``app.py`` answers 503 "Loading model" before this runs.
+    Asleep (``--sleep-idle-seconds``) is healthy: the next request reloads the weights. A stopped
+    engine thread (shutdown, or a crash) is not.
+    """
+    if not ctx_of(request).engine.alive:
+        raise Unavailable("Engine stopped")
     return json_response({"status": "ok"})
 
 
@@ -32,29 +40,30 @@ async def props(request: Request) -> Response:
     m = ctx.model
     s = ctx.settings
     template = m.chat_template
-    return json_response(
-        {
-            "default_generation_settings": {"params": _default_params(ctx), "n_ctx": m.n_ctx},
-            "total_slots": len(ctx.engine.slots),
-            "model_alias": m.model_id,
-            "model_ftype": m.file_type,
-            "model_path": m.path,
-            "modalities": {"vision": False, "video": False, "audio": False},
-            "media_marker": "<__media__>",
-            "endpoint_slots": bool(s.slots),
-            "endpoint_props": bool(s.props),
-            "endpoint_metrics": bool(s.metrics),
-            "ui": bool(s.ui),
-            "ui_settings": {},
-            "chat_template": template.source if template else "",
-            "chat_template_caps": template.caps() if template else {},
-            "bos_token": m.bos_token,
-            "eos_token": m.eos_token,
-            "build_info": BUILD_INFO,
-            "is_sleeping": ctx.engine.sleeping,
-            "cors_proxy_enabled": False,
-        }
-    )
+    body: dict[str, Any] = {
+        "default_generation_settings": {"params": _default_params(ctx), "n_ctx": m.n_ctx},
+        "total_slots": len(ctx.engine.slots),
+        "model_alias": m.model_id,
+        "model_ftype": m.file_type,
+        "model_path": m.path,
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "media_marker": "<__media__>",
+        "endpoint_slots": bool(s.slots),
+        "endpoint_props": bool(s.props),
+        "endpoint_metrics": bool(s.metrics),
+        "ui": bool(s.ui),
+        "ui_settings": {},
+        "chat_template": template.source if template else "",
+        "chat_template_caps": template.caps() if template else {},
+        "bos_token": m.bos_token,
+        "eos_token": m.eos_token,
+        "build_info": BUILD_INFO,
+        "is_sleeping": ctx.engine.sleeping,
+        "cors_proxy_enabled": False,
+    }
+    if template is not None and template.tool_use_source:  # llama-server: Jinja mode, when the model has one
+        body["chat_template_tool_use"] = template.tool_use_source
+    return json_response(body)
 
 
 async def props_post(request: Request) -> Response:

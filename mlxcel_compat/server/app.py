@@ -2,8 +2,10 @@
 
 Middleware, outermost first: the ``Server`` header, CORS (``server/cors.py``), the "Loading model" gate
 (every path answers 503 until the model is loaded, before any key check, as llama-server does,
-and again once a shutdown has begun), the API-key check, the error renderer that turns any
-exception into llama.cpp error JSON, and the body and write limits (``--max-body-bytes``, the
+and again once a shutdown has begun), the API-key check (``Authorization: Bearer`` or
+``x-api-key``), the error renderer that turns any exception into llama.cpp error JSON, or into the
+shape an API module declares for its paths (``ERROR_SHAPES``: the Anthropic routes answer
+``{"type": "error", "error": {...}}``), and the body and write limits (``--max-body-bytes``, the
 write half of ``--timeout``).
 """
 
@@ -24,17 +26,38 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlxcel_compat.cache.key import api_key_id
 from mlxcel_compat.engine.core import Engine
-from mlxcel_compat.server import api_cache, api_native, api_openai, api_status, api_vertex, api_web, openapi
+from mlxcel_compat.server import (
+    api_anthropic,
+    api_cache,
+    api_native,
+    api_openai,
+    api_responses,
+    api_router,
+    api_slots,
+    api_status,
+    api_vertex,
+    api_web,
+    openapi,
+)
 from mlxcel_compat.server.api_vertex import VertexConfig
 from mlxcel_compat.server.cache_hooks import CacheHooks
 from mlxcel_compat.server.context import ModelInfo, ServerContext
 from mlxcel_compat.server.cors import CorsMiddleware, CorsPolicy
-from mlxcel_compat.server.errors import ApiError, PayloadTooLarge, ServerError, Unavailable, error_response, raw_error_response
+from mlxcel_compat.server.errors import ApiError, AuthenticationError, ErrorShape, PayloadTooLarge, ServerError, Unavailable, error_response, raw_error_response
 from mlxcel_compat.server.prompts import max_chars_per_token
+from mlxcel_compat.server.structured import StructuredOutput, server_default
 
 log = logging.getLogger(__name__)
 
-PUBLIC_PATHS = {"/health", "/v1/health", "/models", "/v1/models", "/", "/index.html"}
+# /get_load is public like /health: routers poll it without the client's API key.
+PUBLIC_PATHS = {"/health", "/v1/health", "/get_load", "/models", "/v1/models", "/", "/index.html"}
+API_MODULES = (api_status, api_router, api_native, api_openai, api_anthropic, api_responses, api_cache, api_slots, api_web)
+ERROR_SHAPES: dict[str, ErrorShape] = {path: shape for m in API_MODULES for path, shape in getattr(m, "ERROR_SHAPES", {}).items()}
+
+
+def _route_path(scope: Scope, prefix: str) -> str:
+    path = scope["path"]
+    return path[len(prefix) :] if prefix and path.startswith(prefix) else path
 
 
 class ServerHeaderMiddleware:
@@ -70,6 +93,8 @@ class GateMiddleware:
         if scope["type"] != "http" or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
+        path = _route_path(scope, self.prefix)
+        shape = ERROR_SHAPES.get(path)
         if not self.ctx.ready or self.ctx.draining:
             if self.ctx.draining:
                 message = "Server is shutting down"
@@ -77,14 +102,16 @@ class GateMiddleware:
                 message = f"Model failed to load: {self.ctx.engine.load_error}"
             else:
                 message = "Loading model"
-            await error_response(Unavailable(message))(scope, receive, send)
+            await error_response(Unavailable(message), shape)(scope, receive, send)
             return
-        path = scope["path"][len(self.prefix) :] if self.prefix and scope["path"].startswith(self.prefix) else scope["path"]
         if self.ctx.api_keys:
             key = self._matching_key(scope)
             if key is not None:
                 scope.setdefault("state", {})["api_key_id"] = self.key_ids[key]
             elif path not in PUBLIC_PATHS:
+                if shape is not None:
+                    await error_response(AuthenticationError("Invalid API Key"), shape)(scope, receive, send)
+                    return
                 body = {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}
                 await raw_error_response(401, body)(scope, receive, send)
                 return
@@ -116,9 +143,10 @@ class LimitsMiddleware:
     for ``--timeout`` seconds) loses its connection, which cancels its generation.
     """
 
-    def __init__(self, app: ASGIApp, ctx: ServerContext, write_timeout: float) -> None:
+    def __init__(self, app: ASGIApp, ctx: ServerContext, write_timeout: float, prefix: str = "") -> None:
         self.app = app
         self.ctx = ctx
+        self.prefix = prefix
         self.write_timeout = write_timeout if write_timeout > 0 else None
 
     def too_large(self, size: int, limit: int, exact: bool) -> PayloadTooLarge:
@@ -163,9 +191,8 @@ class LimitsMiddleware:
         except _WriteTimeout:
             log.info("closing a connection on %s: the client took no data for %s s (--timeout)", scope.get("path"), self.write_timeout)
 
-    @staticmethod
-    async def _refuse(exc: PayloadTooLarge, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(exc)
+    async def _refuse(self, exc: PayloadTooLarge, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(exc, ERROR_SHAPES.get(_route_path(scope, self.prefix)))
         response.headers["connection"] = "close"  # the unread rest of the body must not become a request
         await response(scope, receive, send)
 
@@ -173,14 +200,16 @@ class LimitsMiddleware:
 class ErrorMiddleware:
     """Render :class:`ApiError` (and anything unexpected, as a 500) as llama.cpp error JSON."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, prefix: str = "") -> None:
         self.app = app
+        self.prefix = prefix
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started = False
+        shape = ERROR_SHAPES.get(_route_path(scope, self.prefix))
 
         async def tracking_send(message: dict[str, Any]) -> None:
             nonlocal started
@@ -193,12 +222,12 @@ class ErrorMiddleware:
         except ApiError as exc:
             if started:
                 raise
-            await error_response(exc)(scope, receive, send)
+            await error_response(exc, shape)(scope, receive, send)
         except Exception as exc:
             log.exception("unhandled error on %s", scope.get("path"))
             if started:
                 raise
-            await error_response(ServerError(f"internal error: {type(exc).__name__}: {exc}"))(scope, receive, send)
+            await error_response(ServerError(f"internal error: {type(exc).__name__}: {exc}"), shape)(scope, receive, send)
 
 
 async def not_found(request: Any, exc: Exception) -> Any:
@@ -290,14 +319,15 @@ def build_app(ctx: ServerContext) -> Starlette:
             Middleware(ServerHeaderMiddleware),
             Middleware(CorsMiddleware, policy=CorsPolicy.from_settings(settings)),
             Middleware(GateMiddleware, ctx=ctx, prefix=prefix),
-            Middleware(ErrorMiddleware),
-            Middleware(LimitsMiddleware, ctx=ctx, write_timeout=settings.timeout),
+            Middleware(ErrorMiddleware, prefix=prefix),
+            Middleware(LimitsMiddleware, ctx=ctx, write_timeout=settings.timeout, prefix=prefix),
         ],
         exception_handlers={404: not_found, 405: not_found},
         lifespan=lifespan,
     )
     app.state.ctx = ctx
     app.state.operations = operations(vertex)
+    app.state.public_paths = PUBLIC_PATHS
     return app
 
 
@@ -311,6 +341,13 @@ async def _wait_for_model(ctx: ServerContext) -> None:
         return
     if ctx.engine.state == "ready":
         model = await asyncio.to_thread(model_info, ctx.engine, ctx.settings)
+        try:
+            default = await asyncio.to_thread(server_default, ctx.settings, ctx.engine.grammars)
+        except ValueError as exc:  # llama-server refuses a bad --grammar/--json-schema at start-up
+            log.error("%s", exc)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        ctx.structured = StructuredOutput(ctx.engine.grammars, ctx.tokenize, default)
         cache = ctx.engine.prefix_cache
         ctx.cache_hooks = CacheHooks(
             enabled=cache is not None and cache.config.enabled,
@@ -319,6 +356,8 @@ async def _wait_for_model(ctx: ServerContext) -> None:
             boundary_snapshots=cache is not None and cache.boundary_snapshots,
             warmup=cache is not None and cache.warmups,
             isolation=ctx.cache_isolation,
+            pins=cache is not None and cache.pins_enabled,
+            pin_max_ttl=float(ctx.settings.prompt_cache_pin_max_ttl),
         )
         ctx.model = model  # last: this is what opens the gate
         log.info("model '%s' ready: serving on %d slots, n_ctx %d", ctx.model.model_id, len(ctx.engine.slots), ctx.model.n_ctx)

@@ -56,6 +56,7 @@ class ServerContext:
     metrics: Any = None  # server.metrics.Metrics
     cache_hooks: Any = None  # prompt-cache request preparation (session key, template signature)
     draining: bool = False  # SIGTERM/SIGINT received: new requests get 503
+    structured: Any = None  # server.structured.StructuredOutput: grammars, schemas, tool calls
 
     def __post_init__(self) -> None:
         self.client = EngineClient(self.engine)

@@ -5,7 +5,7 @@ Each class carries its HTTP status and llama.cpp type string; one handler render
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 from starlette.responses import Response
@@ -93,8 +93,13 @@ def json_response(data: Any, status_code: int = 200, headers: dict[str, str] | N
     return Response(orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status_code, media_type=JSON_CONTENT_TYPE, headers=headers)
 
 
-def error_response(exc: ApiError) -> Response:
-    return json_response(exc.to_json(), status_code=exc.status_code)
+# An API whose errors have another shape (Anthropic's) maps its paths to a body builder;
+# the middleware renders every error on those paths with it (see app.py).
+ErrorShape = Callable[[ApiError], dict[str, Any]]
+
+
+def error_response(exc: ApiError, shape: ErrorShape | None = None) -> Response:
+    return json_response(shape(exc) if shape is not None else exc.to_json(), status_code=exc.status_code)
 
 
 def raw_error_response(status: int, body: dict[str, Any]) -> Response:

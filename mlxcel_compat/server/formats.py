@@ -137,6 +137,7 @@ def generation_settings(
     ``{"bias": null, "token": id}`` entries, as llama-server appends them.
     """
     s = request.sampling
+    c = request.constraint
     sampling = s.to_json(seed=seed)
     samplers = sampling.pop("samplers")
     out: dict[str, Any] = dict(sampling)
@@ -157,10 +158,10 @@ def generation_settings(
         + ([{"bias": None, "token": t} for t in eog_ids] if s.ignore_eos else []),
         n_probs=request.n_probs,
         min_keep=s.min_keep,
-        grammar="",
-        grammar_lazy=False,
-        grammar_triggers=[],
-        preserved_tokens=[],
+        grammar=c.lark if c is not None else "",
+        grammar_lazy=c.lazy if c is not None else False,
+        grammar_triggers=[t.to_json() for t in c.triggers] if c is not None else [],
+        preserved_tokens=list(c.preserved_words) if c is not None else [],
         chat_format="Content-only",
         reasoning_format="none",
         reasoning_in_content=False,

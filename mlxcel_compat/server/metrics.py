@@ -117,7 +117,42 @@ def prompt_cache_metrics(engine: Engine) -> Iterable[Metric]:
         _gauge("mlxcel_prompt_cache_capacity_bytes", "Byte budget of the prompt cache.", s["capacity_bytes"]),
         _counter("mlxcel_prompt_cache_partial_hits_total", "Hits that adopted less than the whole entry.", s["partial_hits"]),
         *_apc_metrics(s),
+        *_pin_metrics(s),
         *_snapshot_metrics(s),
+        *_disk_metrics(s["tiers"]["disk"]),
+    ]
+
+
+def _disk_metrics(d: dict[str, Any]) -> list[Metric]:
+    """Disk-tier families (zero, with ``disk_enabled`` 0, without ``--prompt-cache-dir``)."""
+    return [
+        _gauge("mlxcel_prompt_cache_disk_enabled", "1 when the disk tier (--prompt-cache-dir) is on.", 1.0 if d["enabled"] else 0.0),
+        _gauge("mlxcel_prompt_cache_disk_entries", "Entries held by the disk tier.", d["entries"]),
+        _gauge("mlxcel_prompt_cache_disk_bytes", "Bytes of the disk tier's files.", d["bytes"]),
+        _gauge("mlxcel_prompt_cache_disk_capacity_bytes", "Byte budget of the disk tier.", d["capacity_bytes"]),
+        _counter("mlxcel_prompt_cache_disk_lookups_total", "Lookups that consulted the disk tier.", d["lookups"]),
+        _counter("mlxcel_prompt_cache_disk_hits_total", "Lookups served from the disk tier.", d["hits"]),
+        _counter("mlxcel_prompt_cache_disk_tokens_loaded_total", "Prompt tokens adopted from the disk tier.", d["tokens_loaded_total"]),
+        _counter("mlxcel_prompt_cache_disk_load_seconds_total", "Time spent reading and checking disk-tier files.", d["load_ms_total"] / 1000.0),
+        _counter("mlxcel_prompt_cache_disk_read_bytes_total", "Bytes of disk-tier files read back.", d["bytes_read_total"]),
+        _counter("mlxcel_prompt_cache_disk_writes_total", "Entries written to the disk tier.", d["writes"]),
+        _counter("mlxcel_prompt_cache_disk_written_bytes_total", "Bytes written to the disk tier.", d["bytes_written_total"]),
+        _counter("mlxcel_prompt_cache_disk_writes_dropped_total", "Evicted entries not written because the write queue was full.", d["writes_dropped"]),
+        _counter("mlxcel_prompt_cache_disk_write_errors_total", "Disk-tier writes that failed.", d["write_errors"]),
+        _gauge("mlxcel_prompt_cache_disk_write_queue_bytes", "Bytes of evicted entries waiting to be written.", d["write_queue_bytes"]),
+        _counter("mlxcel_prompt_cache_disk_evictions_total", "Disk-tier files deleted to keep the byte budget.", d["evictions"]),
+        _labelled("mlxcel_prompt_cache_disk_rejections_total", "Disk-tier files rejected and removed, by reason.", "reason", d["rejections"]),
+    ]
+
+
+def _pin_metrics(s: dict[str, Any]) -> list[Metric]:
+    """Explicit cache breakpoints (``cache_control``) kept as pinned entries."""
+    return [
+        _gauge("mlxcel_prompt_cache_pinned_entries", "Entries pinned by explicit cache breakpoints.", s["pinned_entries"]),
+        _gauge("mlxcel_prompt_cache_pinned_bytes", "Logical bytes of the pinned entries.", s["pinned_bytes"]),
+        _counter("mlxcel_prompt_cache_pins_total", "Entries stored pinned at a cache breakpoint.", s["pins"]),
+        _counter("mlxcel_prompt_cache_pin_hits_total", "Hits on a pinned entry.", s["pin_hits"]),
+        _labelled("mlxcel_prompt_cache_unpins_total", "Pins demoted to ordinary entries, by reason.", "reason", s["unpins"]),
     ]
 
 

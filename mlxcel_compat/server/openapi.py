@@ -36,6 +36,16 @@ ERROR_SCHEMA = {
     "required": ["error"],
 }
 ERROR_REF = {"$ref": "#/components/schemas/Error"}
+# Anthropic's error body, which the /v1/messages routes answer with (api_anthropic.ERROR_SHAPES).
+ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "error"},
+        "error": {"type": "object", "properties": {"type": {"type": "string"}, "message": {"type": "string"}}, "required": ["type", "message"]},
+    },
+    "required": ["type", "error"],
+}
+ANTHROPIC_ERROR_REF = {"$ref": "#/components/schemas/AnthropicError"}
 # OpenAPI 3.1 reads the schema of text/event-stream as the schema of one event. Each data line is
 # a JSON chunk of the route's stream (or "[DONE]" on the OpenAI routes, or a final error object).
 SSE_EVENT = {
@@ -65,6 +75,8 @@ class Operation:
     media: tuple[str, ...] = (JSON,)  # media types a 200 may have
     errors: tuple[int, ...] = ()  # statuses besides those every route can give
     query: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # query parameters and their schemas
+    path: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # path parameters and their schemas
+    error: Mapping[str, Any] = field(default_factory=lambda: ERROR_REF)  # schema of its error bodies
 
 
 def served_routes(routes: Iterable[Any], prefix: str = "") -> list[tuple[str, str]]:
@@ -111,12 +123,14 @@ def _response(description: str, content: Mapping[str, Any]) -> dict[str, Any]:
     return {"description": description, "content": dict(content)}
 
 
-def build_document(routes: Iterable[Any], operations: Mapping[tuple[str, str], Operation], ctx: Any) -> dict[str, Any]:
-    """The whole document for this server (its settings and model give the limits)."""
+def build_document(
+    routes: Iterable[Any], operations: Mapping[tuple[str, str], Operation], ctx: Any, public: Iterable[str] = ()
+) -> dict[str, Any]:
+    """The whole document for this server (its settings and model give the limits); ``public``:
+    the paths that need no API key."""
     settings = ctx.settings
     values = bounds(settings, len(ctx.engine.slots), ctx.model.vocab_size)
     prefix = settings.api_prefix.rstrip("/") if settings.api_prefix else ""
-    public = {"/health", "/v1/health", "/models", "/v1/models"}
     paths: dict[str, Any] = {}
     for method, path in served_routes(routes):
         local = path[len(prefix) :] if prefix and path.startswith(prefix) else path
@@ -124,7 +138,7 @@ def build_document(routes: Iterable[Any], operations: Mapping[tuple[str, str], O
         statuses = {503, *op.errors}
         if op.body is not None:
             statuses |= {400, 413}
-        if ctx.api_keys and local not in public:
+        if ctx.api_keys and local not in set(public):
             statuses.add(401)
         ok_content = {}
         for media in op.media:
@@ -134,7 +148,7 @@ def build_document(routes: Iterable[Any], operations: Mapping[tuple[str, str], O
                 ok_content[media] = {"schema": SSE_EVENT if media == SSE else {"type": "string"}}
         responses: dict[str, Any] = {"200": _response("success", ok_content)}
         for status in sorted(statuses):
-            responses[str(status)] = _response(STATUS_TEXT[status], {JSON: {"schema": ERROR_REF}})
+            responses[str(status)] = _response(STATUS_TEXT[status], {JSON: {"schema": dict(op.error)}})
         entry: dict[str, Any] = {
             "operationId": f"{method.lower()}_{local.strip('/').replace('/', '_').replace('-', '_').replace('.', '_')}",
             "summary": op.summary,
@@ -142,8 +156,10 @@ def build_document(routes: Iterable[Any], operations: Mapping[tuple[str, str], O
         }
         if op.body is not None:
             entry["requestBody"] = {"required": False, "content": {JSON: {"schema": body_schema(op.body, values)}}}
-        if op.query:
-            entry["parameters"] = [{"name": name, "in": "query", "required": False, "schema": dict(schema)} for name, schema in op.query.items()]
+        parameters = [{"name": name, "in": "path", "required": True, "schema": dict(schema)} for name, schema in op.path.items()]
+        parameters += [{"name": name, "in": "query", "required": False, "schema": dict(schema)} for name, schema in op.query.items()]
+        if parameters:
+            entry["parameters"] = parameters
         if 401 in statuses:
             entry["security"] = [{"apiKey": []}]
         paths.setdefault(path, {})[method.lower()] = entry
@@ -156,7 +172,7 @@ def build_document(routes: Iterable[Any], operations: Mapping[tuple[str, str], O
             "this server's limits, and the response shapes. Unknown request fields are ignored; null means absent.",
         },
         "paths": paths,
-        "components": {"schemas": {"Error": ERROR_SCHEMA}},
+        "components": {"schemas": {"Error": ERROR_SCHEMA, "AnthropicError": ANTHROPIC_ERROR_SCHEMA}},
     }
     if ctx.api_keys:
         doc["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
@@ -165,7 +181,7 @@ def build_document(routes: Iterable[Any], operations: Mapping[tuple[str, str], O
 
 async def openapi(request: Request) -> Response:
     app = request.app
-    return json_response(build_document(app.routes, app.state.operations, app.state.ctx))
+    return json_response(build_document(app.routes, app.state.operations, app.state.ctx, app.state.public_paths))
 
 
 ROUTES = [Route("/openapi.json", openapi, methods=["GET"])]

@@ -145,14 +145,9 @@ def cache_prompt_flag(body: Mapping[str, Any], default: bool) -> bool:
 def reject_unsupported(data: Mapping[str, Any]) -> None:
     """Refuse what this server cannot honour instead of silently ignoring it (see the manifest).
 
-    Constrained sampling (``grammar``, ``json_schema``) is not implemented, and no LoRA adapter
-    can be loaded; llama.cpp's neutral values (an empty grammar, an empty ``lora`` list) pass.
+    No LoRA adapter can be loaded; llama.cpp's neutral value (an empty ``lora`` list) passes.
+    (``grammar`` and ``json_schema`` are read by ``server/structured.py``.)
     """
-    grammar = data.get("grammar")
-    if grammar is not None and grammar != "":
-        raise NotSupported("Field 'grammar': grammar-constrained sampling is not supported by this server")
-    if data.get("json_schema") is not None:
-        raise NotSupported("Field 'json_schema': JSON-schema-constrained sampling is not supported by this server")
     lora = data.get("lora")
     if lora is not None:
         if not isinstance(lora, list):

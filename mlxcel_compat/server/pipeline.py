@@ -1,9 +1,11 @@
 """The request pipeline every generation API shares: body → options → prompt → cache facts → engine.
 
-Each API module (``api_native``, ``api_openai``, ...) translates its own wire format into the
-internal :class:`GenerationRequest` list with these helpers, runs it through :func:`collect` (a whole
-response) or ``ctx.run`` (a stream), and formats the events back in its own shapes. Nothing here
-knows a wire format beyond llama-server's request fields, and nothing here touches MLX.
+Each API module (``api_native``, ``api_openai``, ``api_anthropic``, ``api_responses``) translates
+its own wire format into the internal :class:`GenerationRequest` list with these helpers (chat-like
+APIs translate into an OpenAI chat body and call :func:`prepare_chat`), runs it through
+:func:`collect` (a whole response) or ``ctx.run`` (a stream), and formats the events back in its
+own shapes. Nothing here knows a wire format beyond llama-server's request fields and the OpenAI
+chat body, and nothing here touches MLX. A fifth API is one more module of that kind.
 
 The CPU work of a request (parsing a large body, rendering the chat template, tokenizing, building
 a large response) runs in the server's bounded worker pool (``server/workers.py``), never on the
@@ -24,13 +26,23 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from mlxcel_compat.chat.messages import ChatRequest, ChatRequestError, parse_chat_request, parse_tool_calls, render_chat, split_reasoning
+from mlxcel_compat.chat.messages import (
+    ChatRequest,
+    ChatRequestError,
+    StreamSplitter,
+    parse_chat_request,
+    parse_tool_calls,
+    prompt_opens_thinking,
+    render_chat,
+    split_reasoning,
+)
 from mlxcel_compat.chat.template import TemplateError
 from mlxcel_compat.engine.reasoning_budget import opens_block
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent, next_task_id
 from mlxcel_compat.engine.sampling import dry_sequence_breakers
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
+from mlxcel_compat.server.cache_hooks import find_breakpoints
 from mlxcel_compat.server.errors import ContextExceeded, InvalidRequest, ServerError, event_error, json_response
 from mlxcel_compat.server.params import CompletionOptions, parse_completion_options
 from mlxcel_compat.server.prompts import tokenize_prompts
@@ -39,9 +51,24 @@ from mlxcel_compat.settings import default_template_kwargs
 SSE_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
 INLINE_JSON_BYTES = 64 * 1024  # smaller bodies are parsed on the loop (a thread hop costs more)
 
+# Session headers routers and agents send for affinity; the first non-empty one is the prompt
+# cache's session. vllm-router's consistent_hash hashes x-session-id, then x-user-id (then
+# x-tenant-id, x-correlation-id, x-request-id, x-trace-id: a tenant spans many conversations and
+# the last three are often per request, so they name no session here); Codex sends session_id.
+SESSION_HEADERS = ("x-session-id", "session-id", "session_id", "x-session-affinity", "x-user-id")
+
 
 def ctx_of(request: Request) -> ServerContext:
     return request.app.state.ctx
+
+
+def header_session(request: Request) -> str | None:
+    """The session a router named in the request headers, if any."""
+    for name in SESSION_HEADERS:
+        value = request.headers.get(name, "").strip()
+        if value:
+            return value
+    return None
 
 
 def api_key_id(request: Request) -> str | None:
@@ -78,7 +105,16 @@ async def respond(ctx: ServerContext, build: Callable[[], Any]) -> Response:
 # ---------------------------------------------------------------------- options and prompts
 
 
-def parse_options(ctx: ServerContext, data: Mapping[str, Any]) -> CompletionOptions:
+def parse_options(ctx: ServerContext, data: Mapping[str, Any], *, response_format: bool = False) -> CompletionOptions:
+    """A completion route's options and output constraint (a ``grammar`` wins over a
+    ``json_schema``; ``response_format`` is read on ``/v1/completions``)."""
+    constraint = ctx.structured.for_completion(data, response_format=response_format)
+    opts = _parse_options(ctx, data)
+    opts.request.constraint = constraint
+    return opts
+
+
+def _parse_options(ctx: ServerContext, data: Mapping[str, Any]) -> CompletionOptions:
     m = ctx.model
     return parse_completion_options(data, ctx.settings, len(ctx.engine.slots), m.vocab_size, ctx.tokenize, m.eog_ids)
 
@@ -134,10 +170,10 @@ class CompletionJob:
 
 async def prepare_completion(ctx: ServerContext, request: Request, data: Mapping[str, Any]) -> CompletionJob:
     """``prompt`` (llama-server's shapes) and the options, tokenized on a worker thread."""
-    return await ctx.workers.run(_prepare_completion, ctx, data, api_key_id(request))
+    return await ctx.workers.run(_prepare_completion, ctx, data, header_session(request), api_key_id(request))
 
 
-def _prepare_completion(ctx: ServerContext, data: Mapping[str, Any], key_id: str | None) -> CompletionJob:
+def _prepare_completion(ctx: ServerContext, data: Mapping[str, Any], session: str | None, key_id: str | None) -> CompletionJob:
     opts = parse_options(ctx, data)
     m = ctx.model
     prompts, multi = tokenize_prompts(m.tokenizer, data.get("prompt"), m.vocab_size, ctx.prompt_bound, ctx.settings.max_prompts)
@@ -146,7 +182,7 @@ def _prepare_completion(ctx: ServerContext, data: Mapping[str, Any], key_id: str
     prepare_samplers(ctx, opts)
     requests = expand(ctx, opts, prompts)
     if ctx.cache_hooks is not None:
-        ctx.cache_hooks.prepare_raw(data, requests, key_id)
+        ctx.cache_hooks.prepare_raw(data, requests, session, key_id)
     return CompletionJob(opts=opts, requests=requests, multi=multi)
 
 
@@ -170,6 +206,17 @@ def render_prompt(ctx: ServerContext, data: Mapping[str, Any]) -> tuple[str, Cha
         raise InvalidRequest(exc.message) from None
 
 
+async def count_prompt_tokens(ctx: ServerContext, data: Mapping[str, Any]) -> int:
+    """Tokens of the prompt an OpenAI chat body renders to (the ``input_tokens`` routes), counted
+    on a worker thread."""
+    return await ctx.workers.run(_count_prompt_tokens, ctx, data)
+
+
+def _count_prompt_tokens(ctx: ServerContext, data: Mapping[str, Any]) -> int:
+    prompt, _ = render_prompt(ctx, data)
+    return len(ctx.tokenize_rendered(prompt))
+
+
 @dataclass
 class ChatJob:
     """A chat request ready for the engine: the rendered prompt and one request per choice."""
@@ -189,27 +236,42 @@ async def prepare_chat(ctx: ServerContext, request: Request, data: Mapping[str, 
     """Render, tokenize, check the context and attach the prompt-cache facts, on a worker thread.
 
     ``data`` is an OpenAI chat-completions body (``messages``, ``tools``, sampling fields); other
-    chat-like APIs translate into that shape first.
+    chat-like APIs translate into that shape first. ``cache_control`` markers on its content
+    parts, messages or tools are explicit cache breakpoints. ``request`` gives the session a router
+    named in its headers (:func:`header_session`) and the API key's digest (the tenant namespace).
+    Its structured-output fields (``grammar``, ``json_schema``,
+    ``response_format``, ``tool_choice`` with ``tools``, ``parallel_tool_calls``) become the
+    requests' constraint (``server/structured.py``).
     """
-    return await ctx.workers.run(_prepare_chat, ctx, data, api_key_id(request))
+    return await ctx.workers.run(_prepare_chat, ctx, data, header_session(request), api_key_id(request))
 
 
-def _prepare_chat(ctx: ServerContext, data: Mapping[str, Any], key_id: str | None) -> ChatJob:
+def _prepare_chat(ctx: ServerContext, data: Mapping[str, Any], session: str | None, key_id: str | None) -> ChatJob:
+    breakpoints = find_breakpoints(data)
     prompt, chat = render_prompt(ctx, data)
-    opts = parse_options(ctx, data)
     ctx.prompt_bound.check(len(prompt))  # the rendered prompt cannot fit: no need to tokenize it
+    constraint = ctx.structured.for_chat(data, chat, prompt)
+    opts = _parse_options(ctx, data)
+    opts.request.constraint = constraint
     tokens = ctx.tokenize_rendered(prompt)
     check_context(ctx, tokens)
     prepare_samplers(ctx, opts)
     requests = expand(ctx, opts, [tokens])
     if ctx.cache_hooks is not None:
-        ctx.cache_hooks.prepare_chat(data, chat, requests, prompt, key_id)
+        ctx.cache_hooks.prepare_chat(data, chat, requests, prompt, session, breakpoints, key_id)
     return ChatJob(data=data, chat=chat, prompt=prompt, opts=opts, requests=requests)
 
 
 def reasoning_on(ctx: ServerContext, data: Mapping[str, Any]) -> bool:
-    """``reasoning_format`` (request, else ``--reasoning-format``): "none" keeps thinking in content."""
+    """``reasoning_format`` (request, else ``--reasoning-format``): "none" keeps thinking in content.
+
+    SGLang's ``separate_reasoning: false`` means the same as ``reasoning_format: "none"`` when the
+    request names no format. Routers (vllm-router, sglang-router) add ``separate_reasoning: true``
+    to every chat body, so only ``false`` can carry a client's intent; ``true`` changes nothing.
+    """
     requested = data.get("reasoning_format")
+    if not isinstance(requested, str) and data.get("separate_reasoning") is False:
+        return False
     return (requested if isinstance(requested, str) else ctx.settings.reasoning_format) != "none"
 
 
@@ -226,6 +288,37 @@ def extract_tool_calls(content: str, data: Mapping[str, Any]) -> tuple[str, list
     if data.get("parallel_tool_calls") is False:
         calls = calls[:1]
     return content, calls
+
+
+@dataclass
+class Reply:
+    """A finished chat reply taken apart: reasoning, the text, the tool calls (OpenAI shape)."""
+
+    reasoning: str | None
+    content: str
+    tool_calls: list[dict[str, Any]]
+
+
+def parse_reply(ctx: ServerContext, job: ChatJob, text: str) -> Reply:
+    reasoning, content = split_reply(ctx, text, job.data)
+    calls: list[dict[str, Any]] = []
+    if job.with_tools:
+        content, calls = extract_tool_calls(content, job.data)
+    return Reply(reasoning, content, calls)
+
+
+def reply_splitter(ctx: ServerContext, job: ChatJob) -> StreamSplitter:
+    """Splits a streamed reply into reasoning and content deltas, withholding tool calls."""
+    return StreamSplitter(reasoning=reasoning_on(ctx, job.data), in_reasoning=prompt_opens_thinking(job.prompt), tools=job.with_tools)
+
+
+def stream_deltas(ctx: ServerContext, splitter: StreamSplitter, result: fmt.Result, event: TokenEvent | FinishEvent) -> list[tuple[str, str]]:
+    """Add a token or finish event to ``result``; return the ``(field, text)`` deltas to send."""
+    if isinstance(event, TokenEvent):
+        result.add(event, ctx.model.tokenizer)
+        return splitter.push(event.text) if event.text else []
+    result.close(event)
+    return splitter.push(event.text) + splitter.flush()
 
 
 def warm_up(ctx: ServerContext, job: ChatJob, message: Mapping[str, Any]) -> None:

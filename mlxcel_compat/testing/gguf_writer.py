@@ -9,6 +9,11 @@ conventions are applied here, independently of the loader that undoes them:
 - llama-family Q/K rows permuted for ggml's interleaved RoPE (``LlamaModel.permute``);
 - Gemma norm weights stored as ``1 + w`` (ggml multiplies by the weight itself);
 - LFM2's depthwise convolution squeezed to 2-D;
+- RoPE scaling from the directory's ``config.json`` (a test may add ``rope_scaling`` to a copy of
+  a factory directory): ``linear`` and ``yarn`` as ``rope.scaling.*`` keys, Llama 3's as the
+  ``rope_freqs`` tensor of per-frequency divisors;
+- named chat templates (a ``tokenizer_config.json`` whose ``chat_template`` is a list of
+  ``{name, template}``) as ``tokenizer.chat_template.NAME`` keys, ``default`` as the plain key;
 - 1-D tensors (norms, biases) and the convolution stay F32; matrices take the requested type,
   falling back to F16 when a row does not fill whole 32-value blocks (as the converter does);
 - the tokenizer as ``gpt2`` BPE; the pre-tokenizer is named after how transformers splits text
@@ -22,6 +27,7 @@ conventions are applied here, independently of the loader that undoes them:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,11 +105,58 @@ def _tensors(family: str, config: dict[str, Any], weights: dict[str, Any]) -> di
         if gguf_name.endswith("shortconv.conv.weight"):
             data = data.reshape(data.shape[0], data.shape[1])  # (C, K, 1) -> (C, K)
         out[gguf_name] = data
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        out["rope_freqs.weight"] = llama3_rope_factors(config)
     return out
+
+
+def llama3_rope_factors(config: dict[str, Any]) -> np.ndarray:
+    """The ``rope_freqs`` tensor the converter writes for ``rope_type: llama3``: per rotary
+    frequency, the factor ggml divides the rotation speed by (1 for short wavelengths, ``factor``
+    for long ones, a smooth blend between)."""
+    scaling = config["rope_scaling"]
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    factor = float(scaling.get("factor", 8.0))
+    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    context = float(scaling.get("original_max_position_embeddings", 8192))
+    inv_freq = 1.0 / (float(config["rope_theta"]) ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factors = []
+    for freq in inv_freq:
+        wavelength = 2 * math.pi / float(freq)
+        if wavelength < context / high:
+            factors.append(1.0)
+        elif wavelength > context / low:
+            factors.append(factor)
+        else:
+            smooth = (context / wavelength - low) / (high - low)
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _add_rope_scaling(writer: Any, config: dict[str, Any]) -> None:
+    import gguf
+
+    scaling = config.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+    elif kind == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+        if "beta_fast" in scaling:
+            writer.add_rope_scaling_yarn_beta_fast(float(scaling["beta_fast"]))
+        if "beta_slow" in scaling:
+            writer.add_rope_scaling_yarn_beta_slow(float(scaling["beta_slow"]))
+    elif kind not in (None, "default", "llama3"):  # llama3 is a tensor (_tensors)
+        raise ValueError(f"the GGUF writer does not write rope_scaling type {kind!r}")
 
 
 def _add_hparams(writer: Any, family: str, config: dict[str, Any]) -> None:
     c = config
+    _add_rope_scaling(writer, c)
     writer.add_context_length(c["max_position_embeddings"])
     writer.add_embedding_length(c["hidden_size"])
     writer.add_block_count(c["num_hidden_layers"])
@@ -161,6 +214,58 @@ def _add_tokenizer(writer: Any, model_dir: Path, pre: str) -> None:
     writer.add_chat_template(config["chat_template"])
 
 
+def write_spm_tokenizer_gguf(out: str | Path, tokenizer_dir: str | Path, arch: str = "llama",
+                             add_space_prefix: bool = True) -> Path:
+    """A GGUF holding only the SentencePiece vocabulary of ``tokenizer_dir`` (``tokenizer.ggml.model = llama``).
+
+    Written as the converter's SentencePiece path writes one: tokens in id order, a score per
+    token that ranks the pieces in merge order (SentencePiece BPE scores a piece by minus its merge
+    rank), token types UNKNOWN / CONTROL / BYTE / NORMAL, the special ids, ``add_space_prefix``,
+    the BOS/EOS flags and the chat template. No tensors: it is for tokenizer tests.
+    """
+    import gguf
+    from gguf import TokenType
+
+    tokenizer_dir = Path(tokenizer_dir)
+    tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    vocab: dict[str, int] = tokenizer["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    specials = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+
+    def kind(text: str) -> int:
+        if text == tokenizer["model"].get("unk_token"):
+            return int(TokenType.UNKNOWN)
+        if text in specials:
+            return int(TokenType.CONTROL)
+        if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+            return int(TokenType.BYTE)
+        return int(TokenType.NORMAL)
+
+    types = [kind(t) for t in tokens]
+    scores = [0.0 if k != TokenType.NORMAL else -float(vocab[t]) for t, k in zip(tokens, types)]
+    out = Path(out).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(vocab[config["bos_token"]])
+    writer.add_eos_token_id(vocab[config["eos_token"]])
+    writer.add_unk_token_id(vocab[config["unk_token"]])
+    writer.add_add_space_prefix(add_space_prefix)
+    writer.add_add_bos_token(bool(config["add_bos_token"]))
+    writer.add_add_eos_token(bool(config["add_eos_token"]))
+    writer.add_chat_template(config["chat_template"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def write_gguf(family: str, size: str, out: str | Path, gguf_type: str = "f32",
                split_max_tensors: int = 0, model_dir: str | Path | None = None) -> list[Path]:
     """Write (family, size) as GGUF at ``out``; returns the written files (several when split).
@@ -177,6 +282,9 @@ def write_gguf(family: str, size: str, out: str | Path, gguf_type: str = "f32",
         raise ValueError(f"unknown GGUF type {gguf_type!r}; choose one of: {', '.join(GGUF_TYPES)}")
     weights, config = models._random_weights(family, size)
     source = Path(model_dir) if model_dir is not None else models.ensure_model(family, size)
+    directory_config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    if directory_config.get("rope_scaling"):
+        config = {**config, "rope_scaling": directory_config["rope_scaling"]}
     out = Path(out).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(None, _TARGETS[family].arch, split_max_tensors=split_max_tensors)

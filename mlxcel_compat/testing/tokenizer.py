@@ -13,6 +13,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 
 # The vocabulary size is shared by every family and size: the same text encodes
 # to the same ids whichever test model is loaded. 8192 matches the benchmark
@@ -395,6 +396,105 @@ def tokenizer_json_for(add_bos: bool) -> str:
             special_tokens=[(BEGIN_OF_TEXT, token_id(BEGIN_OF_TEXT))],
         )
     return tokenizer.to_str(pretty=True) + "\n"
+
+
+def large_tokenizer_json(vocab_size: int, seed: int = CORPUS_SEED) -> str:
+    """A byte-level BPE ``tokenizer.json`` of ``vocab_size`` entries (e.g. 150k, like Qwen's).
+
+    The generated corpus only supports the 8k trained vocabulary, so the rest is grown: each new
+    token is the merge of two existing ones (2 to 12 characters), added with its merge rule, which
+    keeps the tokenizer a valid BPE whose pieces look like real subwords. The added tokens move to
+    the last ids. Deterministic for a given seed. Used to
+    measure per-token costs that grow with the vocabulary (grammar masks).
+    """
+    data = json.loads(tokenizer_json_for(False))
+    model = data["model"]
+    vocab: dict[str, int] = model["vocab"]
+    merges: list[list[str]] = model["merges"]
+    by_length: dict[int, list[str]] = {}
+    for piece in vocab:
+        by_length.setdefault(len(piece), []).append(piece)
+    rng = _SplitMix64(seed)
+    next_id = len(vocab)
+    while next_id < vocab_size - len(ADDED_TOKENS):
+        total = 2 + rng.below(6) + rng.below(6)  # 2..12 characters, most around 7 (real vocabularies)
+        splits = [k for k in range(1, total) if k in by_length and total - k in by_length]
+        if not splits:
+            continue
+        k = rng.pick(splits)
+        left, right = rng.pick(by_length[k]), rng.pick(by_length[total - k])
+        piece = left + right
+        if piece in vocab:
+            continue
+        vocab[piece] = next_id
+        merges.append([left, right])
+        by_length.setdefault(len(piece), []).append(piece)
+        next_id += 1
+    for index, added in enumerate(data["added_tokens"]):
+        added["id"] = next_id + index  # the added tokens keep the last ids, as in real checkpoints
+    return json.dumps(data, ensure_ascii=False)
+
+
+# A SentencePiece-style vocabulary (Llama 2 / Mistral v0.1 shape): "▁" marks a word start, byte
+# fallback tokens <0x00>..<0xFF> cover what the pieces do not, and <unk> <s> </s> come first.
+SPM_VOCAB_SIZE = 1024
+SPM_SPECIALS = ("<unk>", "<s>", "</s>")
+SPM_BYTES = tuple(f"<0x{b:02X}>" for b in range(256))
+SPM_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'system' %}{{ '<<SYS>>\\n' + message['content'] + '\\n<</SYS>>\\n\\n' }}"
+    "{% else %}{{ ' ' + message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def spm_tokenizer_json(vocab_size: int = SPM_VOCAB_SIZE) -> str:
+    """A small SentencePiece-style BPE ``tokenizer.json`` in the legacy Llama 2 layout.
+
+    Trained with the ``tokenizers`` library on the factory corpus (split at word starts, as
+    SentencePiece's BPE is), then rebuilt the way Llama 2's file is written: the pieces and byte
+    tokens in the model's vocabulary, only ``<unk>``, ``<s>`` and ``</s>`` as added special tokens,
+    a normalizer that prefixes a space and spells spaces "▁", byte fallback, and ``<s>`` prepended.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import trainers
+
+    space = "\u2581"
+    trainer_tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    trainer_tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(space), normalizers.Replace(" ", space)])
+    trainer_tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(f"{space}[^{space}]*"), behavior="isolated")
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[*SPM_SPECIALS, *SPM_BYTES],
+                                  min_frequency=2, show_progress=False, max_token_length=12)
+    trainer_tokenizer.train_from_iterator(generate_corpus().split("\n"), trainer=trainer)
+    model = json.loads(trainer_tokenizer.to_str())["model"]
+    if len(model["vocab"]) != vocab_size:
+        raise RuntimeError(f"the corpus only yields {len(model['vocab'])} SentencePiece tokens")
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab=model["vocab"], merges=merges, unk_token="<unk>",
+                                     byte_fallback=True, fuse_unk=True))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(space), normalizers.Replace(" ", space)])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPM_SPECIALS])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s>:1 $B:1", special_tokens=[("<s>", 1)])
+    return tokenizer.to_str(pretty=True) + "\n"
+
+
+def write_spm_tokenizer_dir(directory: str | Path) -> Path:
+    """A Hugging Face tokenizer directory holding ``spm_tokenizer_json`` (add BOS, Llama 2 chat template)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tokenizer.json").write_text(spm_tokenizer_json(), encoding="utf-8")
+    config = {
+        "add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "chat_template": SPM_CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+        "legacy": True, "model_max_length": 4096, "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    specials = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    (directory / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n", encoding="utf-8")
+    return directory
 
 
 def token_id(content: str) -> int:

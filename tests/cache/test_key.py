@@ -245,3 +245,24 @@ def test_cache_namespace_by_isolation_mode() -> None:
     assert len(cache_namespace("api-key", key_a, None)) == 64  # a digest: no key or salt is stored
     # a key digest never equals a salt with the same text
     assert cache_namespace("api-key", "x", None) != cache_namespace("api-key", None, "x")
+
+
+def test_session_header_ranks_between_prompt_cache_key_and_user() -> None:
+    assert resolve_session_key({"user": "u", "prompt_cache_key": "k"}, "hdr") == "k"
+    assert resolve_session_key({"user": "u"}, "hdr") == "hdr"
+    assert resolve_session_key({"user": "u"}, None) == "u"
+    assert resolve_session_key({}, "") == ANON_SESSION
+
+
+def test_bucket_record_round_trips_every_field_as_json() -> None:
+    import json
+
+    from mlxcel_compat.cache.key import bucket_from_record, bucket_record
+
+    bucket = make_bucket(rope_regime=1, mm_digest=multimodal_digest([b"img"]), lora_id="lora")
+    record = json.loads(json.dumps(bucket_record(bucket)))
+    assert set(record) == {"model_id", "lora_id", "template_sig", "rope_regime", "mm_digest", "namespace"}
+    assert bucket_from_record(record) == bucket
+    for broken in ({**record, "extra": 1}, {k: v for k, v in record.items() if k != "lora_id"}, {**record, "mm_digest": {"hex": "00"}}):
+        with pytest.raises(ValueError):
+            bucket_from_record(broken)

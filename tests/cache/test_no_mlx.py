@@ -1,4 +1,4 @@
-"""The cache bookkeeping never imports MLX; only the adapter (cache/kv.py) does."""
+"""The cache bookkeeping never imports MLX; only the adapters (cache/kv.py, cache/kv_io.py) do."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 
 def test_bookkeeping_modules_do_not_import_mlx() -> None:
-    modules = ["key", "radix", "store", "block_hash", "snapshot", "families"]
+    modules = ["key", "radix", "store", "block_hash", "snapshot", "families", "disk"]
     code = (
         "import sys\n"
         + "".join(f"import mlxcel_compat.cache.{m}\n" for m in modules)

@@ -1,0 +1,460 @@
+/* cblas_sgemm for matrix-vector shapes at memory-streaming speed.
+ *
+ * MLX's CPU backend computes every float32 matmul with one cblas_sgemm call (row-major). For a
+ * decode step that is (1, K) @ (K, N) with the weight transposed, and OpenBLAS (0.3.21) runs such
+ * M = 1 or small-M products through its full GEMM machinery: it packs (copies) the whole weight
+ * before multiplying, so the weight is streamed about twice and the product runs at a third of
+ * the speed of a matrix-vector kernel. This library is loaded with RTLD_GLOBAL *before* OpenBLAS,
+ * so MLX's cblas_sgemm resolves here (mlxcel_compat/blas_shim.py builds and loads it) and:
+ *
+ *   - row-major C = alpha * A @ B^T + beta * C with M <= small_m_max (a linear layer with a few
+ *     rows: decode, batched decode, short prefill chunks; attention scores while decoding) runs
+ *     the kernel below: every weight row is read once and multiplied with all M rows of A while
+ *     it is in registers, on all cores; A @ B with M <= small_m_max (attention's probabilities
+ *     @ values) likewise, streaming the rows of B;
+ *   - other M == 1 or N == 1 products go to OpenBLAS's cblas_sgemv;
+ *   - everything else goes to OpenBLAS's cblas_sgemm unchanged.
+ *
+ * The kernel computes each output element as the same sequence of operations whatever M is and
+ * whichever thread runs it (vector partial sums over k in order, a fixed reduction tree, then the
+ * scalar tail), so a row of a batched product is bit-identical to the same row computed alone.
+ *
+ * No dependency but libc and pthreads; compiled for the machine it runs on (-march=native).
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+/* CBLAS enum values (cblas.h). */
+enum { RowMajor = 101, ColMajor = 102, NoTrans = 111, Trans = 112, ConjTrans = 113 };
+
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
+                         float *, int);
+typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const float *, int, float, float *,
+                         int);
+
+/* Vector width and block shape per instruction set: the block's accumulators, weight rows and one
+ * input vector must fit the register file (AVX-512: 32 registers; AVX2: 16; NEON: 32). */
+#if defined(__AVX512F__)
+#define VL 16
+#define MB_MAX 4
+#elif defined(__AVX2__) || defined(__AVX__)
+#define VL 8
+#define MB_MAX 2
+#else
+#define VL 4
+#define MB_MAX 4
+#endif
+#define NB_MAX 4
+
+typedef float vf __attribute__((vector_size(VL * sizeof(float)), aligned(sizeof(float))));
+
+/* Routes, as mlxcel_shim_configure takes them. */
+enum { ROUTE_SGEMM = 0, ROUTE_GEMV = 1, ROUTE_KERNEL = 2 };
+
+static sgemm_fn real_sgemm;
+static sgemv_fn real_sgemv;
+static int route = ROUTE_KERNEL;
+static int small_m_max = 16;
+static int n_threads = 1;
+static atomic_long calls[3]; /* by route actually taken: sgemm, sgemv, kernel */
+
+/* ------------------------------------------------------------------------------------ kernel */
+
+static inline vf loadv(const float *p) { return *(const vf *)p; }
+
+static inline vf splat(float a) {
+    vf v;
+    for (int l = 0; l < VL; l++) v[l] = a;
+    return v;
+}
+
+/* Sum of the lanes by halving: one fixed order. */
+static inline float hsum(vf v) {
+    float t[VL];
+    memcpy(t, &v, sizeof t);
+    for (int w = VL / 2; w > 0; w /= 2)
+        for (int i = 0; i < w; i++) t[i] += t[i + w];
+    return t[0];
+}
+
+/* The sums of four vectors, each added in exactly hsum's order (so a block's results do not
+ * depend on how many outputs it reduces together), with a quarter of the shuffles. */
+#if VL == 16 && defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define HAVE_HSUM4 1
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
+static inline void hsum4(vf a, vf b, vf c, vf d, float out[4]) {
+    vf ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    vf cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    vf q = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    v8 h = __builtin_shufflevector(q, q, 0, 1, 4, 5, 8, 9, 12, 13) + __builtin_shufflevector(q, q, 2, 3, 6, 7, 10, 11, 14, 15);
+    v4 r = __builtin_shufflevector(h, h, 0, 2, 4, 6) + __builtin_shufflevector(h, h, 1, 3, 5, 7);
+    memcpy(out, &r, sizeof r);
+}
+#endif
+#endif
+
+static inline void store(float *c, float alpha, float beta, float s) {
+    *c = beta == 0.0f ? alpha * s : alpha * s + beta * *c;
+}
+
+/* c[i, j] = alpha * dot(x[i, :], w[j, :]) (+ beta * c[i, j]) for i < MB, j < NB. MB and NB are
+ * constants at every call site, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void block(const int MB, const int NB, int K, const float *x,
+                                                        size_t ldx, const float *w, size_t ldw, float *c,
+                                                        size_t ldc, float alpha, float beta) {
+    vf acc[MB_MAX][NB_MAX];
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = (vf){0};
+    int k = 0;
+    for (; k + VL <= K; k += VL) {
+        vf wv[NB_MAX];
+        for (int j = 0; j < NB; j++) wv[j] = loadv(w + j * ldw + k);
+        for (int i = 0; i < MB; i++) {
+            vf xv = loadv(x + i * ldx + k);
+            for (int j = 0; j < NB; j++) acc[i][j] += xv * wv[j];
+        }
+    }
+    for (int i = 0; i < MB; i++) {
+        float sums[NB_MAX];
+#ifdef HAVE_HSUM4
+        if (NB == 4) hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums);
+        else
+#endif
+            for (int j = 0; j < NB; j++) sums[j] = hsum(acc[i][j]);
+        for (int j = 0; j < NB; j++) {
+            float s = sums[j];
+            for (int kk = k; kk < K; kk++) s += x[i * ldx + kk] * w[j * ldw + kk];
+            store(c + i * ldc + j, alpha, beta, s);
+        }
+    }
+}
+
+#define BLOCK(mb, nb)                                                                                      \
+    block(mb, nb, K, x + (size_t)m * ldx, ldx, w + (size_t)n * ldw, ldw, c + (size_t)m * ldc + n, ldc, alpha, \
+          beta)
+
+/* The last M % MB_MAX rows as one block, so the weight rows are read once for them too. */
+#if MB_MAX == 4
+#define REMAINING_ROWS(KIND, nb)                    \
+    switch (M - m) {                                \
+    case 3: KIND(3, nb); break;                     \
+    case 2: KIND(2, nb); break;                     \
+    case 1: KIND(1, nb); break;                     \
+    }
+#else
+#define REMAINING_ROWS(KIND, nb) \
+    for (; m < M; m++) KIND(1, nb);
+#endif
+
+/* All M rows of x against weight rows [n0, n1). */
+static void rows_nt(int M, int n0, int n1, int K, const float *x, size_t ldx, const float *w, size_t ldw,
+                    float *c, size_t ldc, float alpha, float beta) {
+    int n = n0;
+    for (; n + NB_MAX <= n1; n += NB_MAX) {
+        int m = 0;
+        for (; m + MB_MAX <= M; m += MB_MAX) BLOCK(MB_MAX, NB_MAX);
+        REMAINING_ROWS(BLOCK, NB_MAX);
+    }
+    for (; n < n1; n++) {
+        int m = 0;
+        for (; m + MB_MAX <= M; m += MB_MAX) BLOCK(MB_MAX, 1);
+        REMAINING_ROWS(BLOCK, 1);
+    }
+}
+
+/* c[i, j] = alpha * sum_k x[i, k] * w[k, j] (+ beta * c[i, j]) for i < MB and the NV * VL columns
+ * from w, w being K x N (not transposed: attention's probabilities @ values). Each element is
+ * summed over k in order, whatever M: no horizontal sums. */
+static inline __attribute__((always_inline)) void block_nn(const int MB, const int NV, int K, const float *x,
+                                                           size_t ldx, const float *w, size_t ldw, float *c,
+                                                           size_t ldc, float alpha, float beta) {
+    vf acc[MB_MAX][NB_MAX];
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NV; j++) acc[i][j] = (vf){0};
+    for (int k = 0; k < K; k++) {
+        vf wv[NB_MAX];
+        for (int j = 0; j < NV; j++) wv[j] = loadv(w + k * ldw + j * VL);
+        for (int i = 0; i < MB; i++) {
+            vf xs = splat(x[i * ldx + k]);
+            for (int j = 0; j < NV; j++) acc[i][j] += xs * wv[j];
+        }
+    }
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NV; j++)
+            for (int l = 0; l < VL; l++) store(c + i * ldc + j * VL + l, alpha, beta, acc[i][j][l]);
+}
+
+#define BLOCK_NN(mb, nv) \
+    block_nn(mb, nv, K, x + (size_t)m * ldx, ldx, w + n, ldw, c + (size_t)m * ldc + n, ldc, alpha, beta)
+
+/* All M rows of x against columns [n0, n1) of w. */
+static void rows_nn(int M, int n0, int n1, int K, const float *x, size_t ldx, const float *w, size_t ldw,
+                    float *c, size_t ldc, float alpha, float beta) {
+    int n = n0;
+    for (; n + NB_MAX * VL <= n1; n += NB_MAX * VL) {
+        int m = 0;
+        for (; m + MB_MAX <= M; m += MB_MAX) BLOCK_NN(MB_MAX, NB_MAX);
+        REMAINING_ROWS(BLOCK_NN, NB_MAX);
+    }
+    for (; n + VL <= n1; n += VL) {
+        int m = 0;
+        for (; m + MB_MAX <= M; m += MB_MAX) BLOCK_NN(MB_MAX, 1);
+        REMAINING_ROWS(BLOCK_NN, 1);
+    }
+    for (; n < n1; n++) /* the last columns, one at a time, in the same order */
+        for (int m = 0; m < M; m++) {
+            float s = 0.0f;
+            for (int k = 0; k < K; k++) s += x[(size_t)m * ldx + k] * w[(size_t)k * ldw + n];
+            store(c + (size_t)m * ldc + n, alpha, beta, s);
+        }
+}
+
+/* ------------------------------------------------------------------------------- thread pool
+ * A product is cut into parts (bands of weight rows); the calling thread and the workers claim
+ * parts until none is left, so a worker that the OS has not scheduled (a busy machine) costs
+ * nothing but its share of the speed-up: the caller does its parts. Claiming compares the job's
+ * number too, so a late worker can never take a part of the next job. Idle workers wait for the
+ * next job by yielding the core (the matmuls of one forward pass come microseconds apart, and any
+ * other runnable thread gets the core meanwhile), then sleep on a futex. */
+
+#define MAX_THREADS 64
+#define PARTS_PER_THREAD 4
+#define SPIN_PAUSES 64           /* busy polls before yielding */
+#define IDLE_NS (500 * 1000)     /* then yield for up to 0.5 ms before sleeping */
+
+static long long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+struct job {
+    int nn; /* w is K x N (rows_nn), else N x K (rows_nt) */
+    int M, N, K;
+    const float *x, *w;
+    size_t ldx, ldw, ldc;
+    float *c;
+    float alpha, beta;
+    int parts;
+};
+
+static struct job job;
+static _Atomic unsigned long long ticket; /* job number << 32 | next unclaimed part */
+static atomic_int parts_done;
+static atomic_uint job_number; /* futex word: bumped once per job */
+static atomic_int sleepers;
+static int n_workers; /* started */
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Outputs per unit of work: NB_MAX weight rows, or NB_MAX vectors of columns. */
+static int unit(int nn) { return nn ? NB_MAX * VL : NB_MAX; }
+
+/* Part p of the N outputs, in whole units. */
+static void run_part(const struct job *j, int p) {
+    int u = unit(j->nn);
+    int per = ((j->N + j->parts - 1) / j->parts + u - 1) / u * u;
+    int n0 = p * per < j->N ? p * per : j->N;
+    int n1 = n0 + per < j->N ? n0 + per : j->N;
+    if (n0 >= n1) return;
+    if (j->nn) rows_nn(j->M, n0, n1, j->K, j->x, j->ldx, j->w, j->ldw, j->c, j->ldc, j->alpha, j->beta);
+    else rows_nt(j->M, n0, n1, j->K, j->x, j->ldx, j->w, j->ldw, j->c, j->ldc, j->alpha, j->beta);
+}
+
+/* Claim and run parts of job number `number` until none is left. */
+static void work_on(unsigned number) {
+    for (;;) {
+        unsigned long long t = atomic_load_explicit(&ticket, memory_order_acquire);
+        if ((unsigned)(t >> 32) != number || (int)(unsigned)t >= job.parts) return;
+        if (!atomic_compare_exchange_weak_explicit(&ticket, &t, t + 1, memory_order_acq_rel, memory_order_relaxed))
+            continue;
+        run_part(&job, (int)(unsigned)t); /* the job cannot change before this part is done */
+        atomic_fetch_add_explicit(&parts_done, 1, memory_order_release);
+    }
+}
+
+static void *worker(void *arg) {
+    unsigned seen = (unsigned)(size_t)arg; /* the job number when it was started */
+    for (;;) {
+        unsigned number;
+        int spins = 0;
+        long long idle_since = 0;
+        while ((number = atomic_load_explicit(&job_number, memory_order_acquire)) == seen) {
+            if (++spins < SPIN_PAUSES) {
+                cpu_relax();
+            } else if (idle_since == 0 || now_ns() - idle_since < IDLE_NS) {
+                if (idle_since == 0) idle_since = now_ns();
+                sched_yield();
+            } else {
+                atomic_fetch_add(&sleepers, 1);
+                syscall(SYS_futex, &job_number, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+                atomic_fetch_sub(&sleepers, 1);
+                spins = 0;
+                idle_since = 0;
+            }
+        }
+        seen = number;
+        work_on(number);
+    }
+    return NULL;
+}
+
+static void after_fork_in_child(void) {
+    n_workers = 0; /* the workers did not survive the fork: start them again when needed */
+    atomic_store(&sleepers, 0);
+    pthread_mutex_init(&pool_lock, NULL);
+}
+
+static void start_workers(void) {
+    static int atfork_registered;
+    if (!atfork_registered) {
+        pthread_atfork(NULL, NULL, after_fork_in_child);
+        atfork_registered = 1;
+    }
+    while (n_workers < n_threads - 1) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        size_t number = atomic_load(&job_number);
+        int ok = pthread_create(&t, &attr, worker, (void *)number) == 0;
+        pthread_attr_destroy(&attr);
+        if (!ok) break;
+        n_workers++;
+    }
+}
+
+/* Below this many multiply-adds a product runs on the calling thread: waking a worker costs more. */
+#define PARALLEL_MIN_MACS (1 << 16)
+
+static void small_m(int nn, int M, int N, int K, float alpha, const float *x, size_t ldx, const float *w,
+                    size_t ldw, float beta, float *c, size_t ldc) {
+    int units = (N + unit(nn) - 1) / unit(nn);
+    if (n_threads > 1 && units > 1 && (long)M * N * K >= PARALLEL_MIN_MACS && pthread_mutex_trylock(&pool_lock) == 0) {
+        start_workers();
+        int threads = n_threads < n_workers + 1 ? n_threads : n_workers + 1;
+        if (threads > 1) {
+            int parts = threads * PARTS_PER_THREAD < units ? threads * PARTS_PER_THREAD : units;
+            job = (struct job){nn, M, N, K, x, w, ldx, ldw, ldc, c, alpha, beta, parts};
+            atomic_store_explicit(&parts_done, 0, memory_order_relaxed);
+            unsigned number = atomic_load_explicit(&job_number, memory_order_relaxed) + 1;
+            atomic_store_explicit(&ticket, (unsigned long long)number << 32, memory_order_release);
+            atomic_store_explicit(&job_number, number, memory_order_release);
+            if (atomic_load(&sleepers) > 0) syscall(SYS_futex, &job_number, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
+            work_on(number);
+            for (int spins = 0; atomic_load_explicit(&parts_done, memory_order_acquire) < parts; spins++) {
+                if (spins < SPIN_PAUSES) cpu_relax();
+                else sched_yield();
+            }
+            pthread_mutex_unlock(&pool_lock);
+            return;
+        }
+        pthread_mutex_unlock(&pool_lock);
+    }
+    if (nn) rows_nn(M, 0, N, K, x, ldx, w, ldw, c, ldc, alpha, beta);
+    else rows_nt(M, 0, N, K, x, ldx, w, ldw, c, ldc, alpha, beta);
+}
+
+/* ------------------------------------------------------------------------------------ routing */
+
+static void resolve_fallback(void) {
+    /* Only reached if MLX called before mlxcel_shim_init: take the next definitions in the
+     * process (the BLAS loaded after this library). */
+    if (!real_sgemm) real_sgemm = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm");
+    if (!real_sgemv) real_sgemv = (sgemv_fn)dlsym(RTLD_NEXT, "cblas_sgemv");
+    if (!real_sgemm) {
+        fprintf(stderr, "mlxcel blas_shim: no cblas_sgemm to forward to\n");
+        abort();
+    }
+}
+
+/* Row-major C (M x N) = alpha * op(A) @ op(B) + beta * C as one matrix-vector product, or 0. */
+static int as_gemv(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda, const float *B,
+                   int ldb, float beta, float *C, int ldc) {
+    if (!real_sgemv || (M != 1 && N != 1)) return 0;
+    if (M == 1) { /* c (N) = op(B)^T a: a is row 0 of op(A) */
+        int inc_a = ta == NoTrans ? 1 : lda;
+        if (tb == NoTrans) real_sgemv(RowMajor, Trans, K, N, alpha, B, ldb, A, inc_a, beta, C, 1);
+        else real_sgemv(RowMajor, NoTrans, N, K, alpha, B, ldb, A, inc_a, beta, C, 1);
+    } else { /* N == 1: c (M, stride ldc) = op(A) b: b is column 0 of op(B) */
+        int inc_b = tb == NoTrans ? ldb : 1;
+        if (ta == NoTrans) real_sgemv(RowMajor, NoTrans, M, K, alpha, A, lda, B, inc_b, beta, C, ldc);
+        else real_sgemv(RowMajor, Trans, K, M, alpha, A, lda, B, inc_b, beta, C, ldc);
+    }
+    return 1;
+}
+
+static void route_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+                        const float *B, int ldb, float beta, float *C, int ldc) {
+    if (order == ColMajor) { /* C^T = op(B)^T op(A)^T in row-major terms */
+        route_sgemm(RowMajor, tb, ta, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc);
+        return;
+    }
+    int plain = order == RowMajor && (ta == NoTrans || ta == Trans) && (tb == NoTrans || tb == Trans);
+    if (plain && route != ROUTE_SGEMM && M > 0 && N > 0 && K > 0) {
+        if (route == ROUTE_KERNEL && ta == NoTrans && M <= small_m_max) {
+            atomic_fetch_add_explicit(&calls[2], 1, memory_order_relaxed);
+            small_m(tb == NoTrans, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+            return;
+        }
+        if (as_gemv(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) {
+            atomic_fetch_add_explicit(&calls[1], 1, memory_order_relaxed);
+            return;
+        }
+    }
+    atomic_fetch_add_explicit(&calls[0], 1, memory_order_relaxed);
+    real_sgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+/* The interposed symbol: MLX's calls land here. */
+void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+                 const float *B, int ldb, float beta, float *C, int ldc) {
+    if (!real_sgemm) resolve_fallback();
+    route_sgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+/* ------------------------------------------------------------------------------ control (ctypes) */
+
+/* The BLAS to forward to; call once, right after loading it and before MLX runs anything. */
+void mlxcel_shim_init(void *sgemm, void *sgemv) {
+    real_sgemm = (sgemm_fn)sgemm;
+    real_sgemv = (sgemv_fn)sgemv;
+}
+
+/* route: 0 = everything to sgemm, 1 = M/N == 1 to sgemv, 2 = small-M kernel too. threads <= 0
+ * keeps the current count. Returns the vector width the kernel was compiled for. */
+int mlxcel_shim_configure(int new_route, int new_small_m_max, int threads) {
+    pthread_mutex_lock(&pool_lock);
+    route = new_route;
+    small_m_max = new_small_m_max;
+    if (threads > 0) n_threads = threads < MAX_THREADS ? threads : MAX_THREADS;
+    pthread_mutex_unlock(&pool_lock);
+    return VL;
+}
+
+/* Calls so far by route taken: [sgemm, sgemv, kernel]. */
+void mlxcel_shim_calls(long out[3]) {
+    for (int i = 0; i < 3; i++) out[i] = atomic_load(&calls[i]);
+}

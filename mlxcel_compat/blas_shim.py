@@ -1,0 +1,204 @@
+"""Build and load ``blas_shim.c``: MLX's float32 matmuls with few rows at memory-streaming speed.
+
+MLX's CPU backend computes every float32 matmul with one ``cblas_sgemm`` call, and OpenBLAS
+(Debian's 0.3.21) runs the products of a decode step, (1 .. a few rows) @ (a weight), through its
+full GEMM path, which first copies the whole weight: about a third of the speed at which a
+matrix-vector kernel streams the same weight. ``blas_shim.c`` defines ``cblas_sgemm``; loaded with
+``RTLD_GLOBAL`` before the BLAS it comes first in the process's symbol lookup, so MLX's calls go
+through it, and it sends products with up to ``SMALL_M_MAX`` rows to its own kernel (every weight
+row read once for all rows), other one-row or one-column products to ``cblas_sgemv``, the rest to
+the BLAS's ``cblas_sgemm``. ``scripts/bench_cpu_kernels.py`` measures each route.
+
+The library is compiled on the machine that runs it (``-march=native``), by the system C compiler,
+into the user cache directory, keyed by the source and the CPU: ``scripts/setup.sh``
+builds it at install time, and a server that finds none (or a stale one) builds it at start-up.
+Without a compiler or without an optimized BLAS nothing is loaded and MLX calls the BLAS directly;
+the start-up log says which path is active and why. ``MLXCEL_BLAS_SHIM=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("blas_shim.c")
+CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
+LIBS = ("-ldl",)
+
+# Routes, as mlxcel_shim_configure takes them.
+ROUTE_SGEMM = 0  # everything to the BLAS's cblas_sgemm: as if the shim were not there
+ROUTE_GEMV = 1  # one-row / one-column products to cblas_sgemv, the rest to cblas_sgemm
+ROUTE_KERNEL = 2  # products with up to small_m_max rows to the shim's kernel; other M/N == 1 to sgemv
+ROUTE_NAMES = {ROUTE_SGEMM: "sgemm", ROUTE_GEMV: "gemv", ROUTE_KERNEL: "kernel"}
+
+# Up to this many rows the kernel beats OpenBLAS's sgemm on the small llama's weights
+# (scripts/bench_cpu_kernels.py, docs/benchmarks.md).
+SMALL_M_MAX = 16
+
+
+@dataclass(frozen=True)
+class ShimBuild:
+    """The compiled library, or why there is none."""
+
+    path: Path | None
+    reason: str = ""  # why path is None
+    built_now: bool = False
+
+
+@dataclass
+class Shim:
+    """The loaded library and how it routes."""
+
+    lib: ctypes.CDLL
+    path: Path
+    threads: int
+    vector_width: int = 0  # floats per vector the kernel was compiled for
+    route: int = ROUTE_KERNEL
+    small_m_max: int = SMALL_M_MAX
+
+    def configure(self, route: int | None = None, small_m_max: int | None = None, threads: int | None = None) -> None:
+        """Change the routing at run time (benchmarks measure each route in one process)."""
+        if route is not None:
+            self.route = route
+        if small_m_max is not None:
+            self.small_m_max = small_m_max
+        if threads is not None:
+            self.threads = threads
+        self.vector_width = self.lib.mlxcel_shim_configure(self.route, self.small_m_max, self.threads)
+
+    def calls(self) -> dict[str, int]:
+        """How many cblas_sgemm calls each route took so far in this process."""
+        out = (ctypes.c_long * 3)()
+        self.lib.mlxcel_shim_calls(out)
+        return {"sgemm": out[0], "sgemv": out[1], "kernel": out[2]}
+
+    def describe(self) -> str:
+        if self.route == ROUTE_SGEMM:
+            return "off (every matmul to cblas_sgemm)"
+        if self.route == ROUTE_GEMV:
+            return "one-row/one-column matmuls -> cblas_sgemv"
+        return (
+            f"matmuls with <= {self.small_m_max} rows -> mlxcel kernel ({self.vector_width}-float vectors, "
+            f"{self.threads} threads), other one-row/one-column -> cblas_sgemv"
+        )
+
+
+def disabled() -> bool:
+    return os.environ.get("MLXCEL_BLAS_SHIM", "1").strip().lower() in ("0", "off", "false", "no")
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mlxcel_compat" / "native"
+
+
+def find_compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the CPU's model and flags."""
+    wanted = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line.strip() for line in f if line.startswith(wanted)]
+    except OSError:
+        lines = []
+    return "\n".join(sorted(set(lines))) + platform.machine()
+
+
+def library_name() -> str:
+    """The file name of the build of this source for this CPU (a compiler upgrade keeps it)."""
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LIBS).encode(), _cpu_signature().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return f"blas_shim-{key.hexdigest()[:16]}.so"
+
+
+def build(directory: Path | None = None) -> ShimBuild:
+    """The compiled library for this source, compiler and CPU, compiling it if needed."""
+    if platform.system() != "Linux":
+        return ShimBuild(None, f"not needed on {platform.system()}")
+    name = library_name()
+    candidates = [directory] if directory is not None else [cache_dir(), Path(tempfile.gettempdir()) / "mlxcel_compat-native"]
+    for where in candidates:
+        if (where / name).exists():
+            return ShimBuild(where / name)
+    cc = find_compiler()
+    if cc is None:
+        return ShimBuild(None, "no C compiler found (install gcc, or set CC, and restart)")
+    errors = []
+    for where in candidates:
+        target = where / name
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=where)
+            os.close(fd)
+        except OSError as exc:
+            errors.append(f"{where}: {exc.strerror or exc}")
+            continue
+        try:
+            cmd = [cc, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if out.returncode != 0:
+                last = (out.stderr.strip().splitlines() or ["?"])[-1]
+                return ShimBuild(None, f"compiling {SOURCE.name} with {cc} failed: {last}")
+            os.replace(tmp, target)  # atomic: concurrent builders each install a complete file
+            return ShimBuild(target, built_now=True)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return ShimBuild(None, f"compiling {SOURCE.name} with {cc} failed: {exc}")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return ShimBuild(None, "no writable directory for the compiled library: " + "; ".join(errors))
+
+
+def load(build_result: ShimBuild) -> Shim | str:
+    """Load the compiled library globally (before the BLAS!); the Shim, or why it failed."""
+    assert build_result.path is not None
+    try:
+        lib = ctypes.CDLL(str(build_result.path), mode=ctypes.RTLD_GLOBAL)
+        lib.mlxcel_shim_init.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.mlxcel_shim_configure.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.mlxcel_shim_configure.restype = ctypes.c_int
+        lib.mlxcel_shim_calls.argtypes = [ctypes.POINTER(ctypes.c_long)]
+    except (OSError, AttributeError) as exc:
+        return f"loading {build_result.path} failed: {exc}"
+    return Shim(lib, build_result.path, threads=1)
+
+
+def attach(shim: Shim, blas: ctypes.CDLL, threads: int) -> str | None:
+    """Point the shim at the BLAS's sgemm/sgemv and switch it on; None, or why it cannot be."""
+    try:
+        sgemm, sgemv = blas.cblas_sgemm, blas.cblas_sgemv
+    except AttributeError:
+        return "the BLAS has no cblas_sgemm/cblas_sgemv"
+    shim.lib.mlxcel_shim_init(ctypes.cast(sgemm, ctypes.c_void_p), ctypes.cast(sgemv, ctypes.c_void_p))
+    shim.configure(ROUTE_KERNEL, SMALL_M_MAX, max(1, threads))
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mlxcel_compat.blas_shim``: build the library now (scripts/setup.sh runs this)."""
+    result = build()
+    if result.path is None:
+        print(f"blas shim: not built: {result.reason}", file=sys.stderr)
+        return 0  # optional: the server runs without it (and says so at start-up)
+    print(f"blas shim: {'built' if result.built_now else 'up to date'}: {result.path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""The CPU levers inside the model (model/cpu_fusion.py, model/attention.py) and what they change.
+
+- Compiled decode-sized modules: bit-identical to the plain modules.
+- SiLU gating through a power of 2: within SWIGLU_RTOL of mlx-lm's ``swiglu``.
+- Everything together (plus the matmul shim of this process): greedy tokens equal to mlx-lm's own
+  reference model, run untouched in a fresh process without any lever, wherever the reference's
+  choice was decided (top-2 log-probability gap above MARGIN).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import activations
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxcel_compat.model import cpu_fusion
+from mlxcel_compat.model.loader import load_model
+from tests.conftest import tiny_model
+from tests.engine_harness import EngineHarness
+
+SWIGLU_RTOL = 1e-6  # float32 rounding of 2 ** y against exp(y ln 2): a few 1e-7 measured
+MARGIN = 1e-3
+
+
+def test_swiglu_agrees_with_mlx_lm() -> None:
+    gate = mx.concatenate([mx.random.normal((4096,)) * 6, mx.array([0.0, -0.0, 1e-30, -1e-30, 80.0, -80.0, 200.0, -200.0])])
+    x = mx.random.normal(gate.shape)
+    ours, theirs = cpu_fusion.swiglu(gate, x), activations.swiglu(gate, x)
+    assert bool(mx.all(mx.isfinite(ours)))
+    scale = mx.maximum(mx.abs(theirs), mx.abs(gate * x) * 1e-30 + 1e-30)
+    assert (mx.abs(ours - theirs) / scale).max().item() < SWIGLU_RTOL
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text"])
+def test_compiled_modules_are_bit_identical(family: str) -> None:
+    loaded = load_model(str(tiny_model(family)), [])
+    model = loaded.model
+    assert any(type(m).__name__.startswith("Fused") for _, m in model.named_modules())
+    prompt = mx.array([[5, 17, 300, 41, 9, 77, 123, 8]])
+
+    def decode(enabled: bool) -> list[mx.array]:
+        saved = cpu_fusion.SMALL_ELEMENTS
+        cpu_fusion.SMALL_ELEMENTS = saved if enabled else -1
+        try:
+            cache = make_prompt_cache(model)
+            outs = [model(prompt, cache=cache)]
+            for token in (3, 99, 1000):  # decode-sized: the compiled modules
+                outs.append(model(mx.array([[token]]), cache=cache))
+            mx.eval(outs)
+            return outs
+        finally:
+            cpu_fusion.SMALL_ELEMENTS = saved
+
+    for fused, plain in zip(decode(True), decode(False)):
+        assert mx.array_equal(fused, plain)
+
+
+def test_install_is_idempotent() -> None:
+    loaded = load_model(str(tiny_model("llama")), [])
+    assert cpu_fusion.install(loaded.model) == {"swiglu": 0, "norm": 0, "rope": 0, "mlp": 0}
+
+
+REFERENCE = r"""
+import json, os, sys
+os.environ["MLXCEL_BLAS_SHIM"] = "0"
+from mlxcel_compat.backend import load_optimized_blas
+load_optimized_blas()  # OpenBLAS as in the server, but MLX calls its sgemm directly
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load
+model, _ = load(sys.argv[1])  # mlx-lm's own model: its attention, activations and modules
+model.set_dtype(mx.float32)
+out = []
+for prompt in json.loads(sys.argv[2]):
+    tokens, margins = [], []
+    for token, logprobs in generate_step(mx.array(prompt), model, max_tokens=int(sys.argv[3]), prefill_step_size=16):
+        top = sorted(logprobs.tolist(), reverse=True)[:2]
+        tokens.append(int(token))
+        margins.append(top[0] - top[1])
+    out.append({"tokens": tokens, "margins": margins})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_tokens_agree_with_mlx_lm_reference(family: str) -> None:
+    rng = random.Random(7)
+    prompts = [[rng.randrange(8000) for _ in range(n)] for n in (9, 40, 150)]
+    n_tokens = 16
+    ref = subprocess.run([sys.executable, "-c", REFERENCE, str(tiny_model(family)), json.dumps(prompts), str(n_tokens)],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+                         env={**os.environ})
+    assert ref.returncode == 0, ref.stderr
+    reference = json.loads(ref.stdout.strip().splitlines()[-1])
+    harness = EngineHarness(tiny_model(family), batch_size=16, enabled=False)
+    try:
+        exact = 0
+        for prompt, theirs in zip(prompts, reference):
+            ours = harness.run(prompt, n_predict=n_tokens, ignore_eos=True, cache=False).tokens
+            assert len(ours) == n_tokens
+            for pos, (a, b) in enumerate(zip(ours, theirs["tokens"])):
+                if a != b:
+                    assert theirs["margins"][pos] < MARGIN, f"position {pos} differs although decided"
+                    break
+            exact += ours == theirs["tokens"]
+        assert exact >= 2, "almost every prompt should match the reference token for token"
+    finally:
+        harness.close()

@@ -1,0 +1,79 @@
+"""mlx-lm caches through a disk file and back (cache/kv_io.py + cache/disk.py), for every family.
+
+Dense KV (llama, qwen3), sliding windows that wrapped (gemma3_text's RotatingKVCache) and
+recurrent-hybrid state (qwen3_next's ArraysCache + KVCache) must come back bit-identical: the next
+forward pass gives the same logits as the cache that was written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load
+
+from mlxcel_compat.cache import kv, kv_io
+from mlxcel_compat.cache.disk import Compat, DiskReject, EntryHeader, commit, entry_name, read_header, write_temp
+from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG, TEXT_ONLY_MM_DIGEST, Bucket
+from tests.conftest import tiny_model
+
+pytestmark = pytest.mark.engine
+
+BUCKET = Bucket("tiny", "", RAW_PROMPT_TEMPLATE_SIG, None, TEXT_ONLY_MM_DIGEST)
+
+
+def write_cache(directory: Path, model: object, n_tokens: int) -> tuple[Path, list, Compat]:
+    cache = make_prompt_cache(model)
+    tokens = list(range(7, 7 + n_tokens))
+    model(mx.array(tokens)[None], cache=cache)
+    payload = kv.snapshot(cache)
+    compat = Compat("fp", kv_io.runtime_tag(model))
+    layout, tensors = kv_io.encode(payload)
+    header = EntryHeader("kv", compat, BUCKET, "s", tuple(tokens), "completion", kv.can_truncate(payload), kv.nbytes(payload), layout)
+    path = directory / entry_name("kv", header.digest)
+    commit(write_temp(path, header, tensors), path)
+    return path, payload, compat
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "qwen3_next"])
+def test_a_cache_comes_back_bit_identical(tmp_path, family) -> None:
+    model, _ = load(str(tiny_model(family)))
+    path, payload, compat = write_cache(tmp_path, model, 300)  # gemma3's tiny window wraps at this length
+    header, _ = read_header(path, compat)
+    restored = kv_io.decode(header.layout, kv_io.load_arrays(path, header))
+    assert kv.layer_kinds(restored) == kv.layer_kinds(payload)
+    assert kv.nbytes(restored) == kv.nbytes(payload) == header.nbytes
+    arrays = [(a, b) for a, b in zip(tree_flatten([c.state for c in restored]), tree_flatten([c.state for c in payload]))]
+    assert arrays and all(ka == kb for (ka, _), (kb, _) in arrays)
+    for (_, a), (_, b) in arrays:
+        if isinstance(a, mx.array):
+            assert a.dtype == b.dtype and mx.array_equal(a, b).item()
+        else:
+            assert a == b
+    step = mx.array([[11, 12]])
+    want = model(step, cache=kv.copy_cache(payload))
+    got = model(step, cache=restored)
+    assert mx.array_equal(want, got).item()
+
+
+def test_a_file_of_another_model_is_refused(tmp_path) -> None:
+    model, _ = load(str(tiny_model("llama")))
+    path, _, compat = write_cache(tmp_path, model, 40)
+    with pytest.raises(DiskReject) as info:
+        read_header(path, Compat("another model", compat.runtime))
+    assert info.value.reason == "foreign_model"
+
+
+def test_runtime_tag_names_versions_device_and_dtype() -> None:
+    model, _ = load(str(tiny_model("llama")))
+    tag = kv_io.runtime_tag(model)
+    assert tag.startswith(f"mlx {mx.__version__}; mlx-lm ") and tag.endswith(("float32", "bfloat16", "float16"))
+
+
+def test_a_layout_naming_anything_but_an_mlx_lm_cache_class_is_refused() -> None:
+    with pytest.raises(DiskReject) as info:
+        kv_io.decode({"version": 1, "layers": [{"class": "Path", "state": {"v": None}}]}, {})
+    assert info.value.reason == "bad_payload"
