@@ -127,8 +127,11 @@ reasoning_budget_end_tag reasoning_budget_message grammar json_schema grammar_la
 
 
 def test_request_fields(manifest) -> None:
-    entries = {f["field"]: f for f in manifest["request_fields"]}
-    assert len(entries) == len(manifest["request_fields"]), "duplicate field"
+    keys = [(f["field"], f["scope"]) for f in manifest["request_fields"]]
+    assert len(set(keys)) == len(keys), "duplicate field in a scope"
+    entries: dict[str, dict] = {}
+    for f in manifest["request_fields"]:  # a name's first entry: the native and OpenAI scopes come first
+        entries.setdefault(f["field"], f)
     for name in NATIVE_FIELDS:
         assert name in entries, name
     for f in manifest["request_fields"]:

@@ -23,12 +23,13 @@ from hypothesis import strategies as st
 from mlxcel_compat.engine.core import Engine, EngineConfig
 from mlxcel_compat.engine.sampling import SamplerChain
 from mlxcel_compat.request_fields import REQUEST_FIELDS
-from mlxcel_compat.server.api_openai import check_logprobs, check_response_format
+from mlxcel_compat.server.api_openai import check_logprobs
 from mlxcel_compat.server.app import model_info
 from mlxcel_compat.server.cache_hooks import CacheHooks
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.errors import ApiError
 from mlxcel_compat.server.pipeline import _prepare_chat, _prepare_completion
+from mlxcel_compat.server.structured import StructuredOutput
 from mlxcel_compat.settings import resolve_settings
 
 pytestmark = pytest.mark.engine
@@ -43,6 +44,8 @@ JSON_VALUES = st.recursive(
 PARTS = {
     "messages": ("messages", "message", "content", "role", "tool_calls", "tool_call_id", "name"),
     "tools": ("tools", "tool", "function"),
+    "grammar_lazy": ("lazy grammar",),  # llama-server's "Error: no triggers set for lazy grammar!"
+    "grammar_triggers": ("grammar trigger",),
 }
 
 
@@ -56,6 +59,7 @@ def ctx(llama_dir):
     model = model_info(engine, settings)
     context.cache_hooks = CacheHooks(enabled=True, template=model.chat_template, tokenize=context.tokenize_rendered, isolation="salt")
     context.model = model
+    context.structured = StructuredOutput(engine.grammars, context.tokenize, None)
     yield context
     engine.stop()
     context.workers.close()
@@ -80,7 +84,6 @@ def check_sampler(ctx: ServerContext, requests: list) -> None:
 def prepare(ctx: ServerContext, route: str, body: dict[str, Any]) -> list:
     """What the route does with a body before the engine (the handlers' own steps)."""
     if route == "chat":
-        check_response_format(body)
         return _prepare_chat(ctx, check_logprobs(body), None, None).requests
     return _prepare_completion(ctx, body, None, None).requests
 

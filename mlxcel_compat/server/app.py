@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 # /get_load is public like /health: routers poll it without the client's API key.
 PUBLIC_PATHS = {"/health", "/v1/health", "/get_load", "/models", "/v1/models", "/", "/index.html"}
-API_MODULES = (api_status, api_router, api_native, api_openai, api_anthropic, api_responses, api_cache, api_slots, api_web)
+API_MODULES = (api_status, api_router, api_native, api_openai, api_anthropic, api_responses, api_cache, api_slots, api_web, openapi)
 ERROR_SHAPES: dict[str, ErrorShape] = {path: shape for m in API_MODULES for path, shape in getattr(m, "ERROR_SHAPES", {}).items()}
 
 
@@ -234,7 +234,6 @@ async def not_found(request: Any, exc: Exception) -> Any:
     return raw_error_response(404, {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}})
 
 
-API_MODULES = (api_status, api_native, api_openai, api_cache, api_web, openapi)
 
 
 def routes(vertex: VertexConfig | None = None) -> list[Route]:
