@@ -286,3 +286,34 @@ def test_without_a_directory_the_disk_tier_is_off(http) -> None:
     assert stats["tiers"]["disk"]["enabled"] is False and stats["tiers"]["disk"]["path"] is None
     assert set(stats["tiers"]["ram"]) == {"entries", "bytes", "capacity_bytes", "hits"}
     assert "mlxcel_prompt_cache_disk_enabled 0.0" in http.get("/metrics").text
+
+
+def test_tenant_namespaces_survive_a_restart_on_disk(server_factory, tmp_path) -> None:
+    """An entry written to disk keeps its tenant: after a restart, tenant B sending tenant A's exact
+    prompt gets nothing from A's file (cold prefill, cold output), while A's repeat loads it."""
+    keys = ("--api-key", "key-a,key-b")
+    prompt = text(90, seed=7)
+
+    def ask(server: ServerProcess, key: str, **extra: Any) -> dict[str, Any]:
+        with httpx.Client(base_url=server.base_url, timeout=60, headers={"Authorization": f"Bearer {key}"}) as c:
+            return complete(c, prompt, **extra)
+
+    first = start(server_factory, tmp_path, *keys)
+    cold = ask(first, "key-a", cache_prompt=False)
+    assert ask(first, "key-a")["timings"]["cache_n"] == 0  # A's entry is made
+    first.stop()  # a clean shutdown writes it to disk
+    assert "entries written at shutdown" in first.log()
+    namespaces = {read_header(path)[0].bucket.namespace for path in entry_files(tmp_path)}
+    assert len(namespaces) == 1 and "" not in namespaces  # stored under A's namespace (a digest, not the key)
+    assert not any("key-a" in path.read_bytes().decode("latin-1") for path in entry_files(tmp_path))
+
+    second = start(server_factory, tmp_path, *keys)
+    with httpx.Client(base_url=second.base_url, timeout=60, headers={"Authorization": "Bearer key-a"}) as c:
+        assert disk_stats(c)["startup"]["indexed"] >= 1
+    b = ask(second, "key-b")
+    assert b["timings"]["cache_n"] == 0 and b["timings"]["prompt_n"] == b["tokens_evaluated"]
+    assert b["content"] == cold["content"]
+    a = ask(second, "key-a")
+    assert a["timings"]["cache_n"] > 16 and a["content"] == cold["content"]
+    with httpx.Client(base_url=second.base_url, timeout=60, headers={"Authorization": "Bearer key-a"}) as c:
+        assert disk_stats(c)["hits"] == 1  # A's hit came from the file; B's lookup found nothing of its own

@@ -37,10 +37,11 @@ EXAMPLES = int(os.environ.get("MLXCEL_SCHEMATHESIS_EXAMPLES", "200"))
 
 
 @pytest.fixture(scope="module")
-def fuzzed_server(server_factory, llama_dir) -> str:
+def fuzzed_server(server_factory, llama_dir, tmp_path_factory) -> str:
+    slot_dir = tmp_path_factory.mktemp("fuzzed-slots")  # the slot-file route answers 501 without it
     server = server_factory(
         ["-m", str(llama_dir), "-np", "4", "-c", "256", "-b", "64", "--metrics", "--props",
-         "--n-predict-max", "4", "--max-prompts", "4", "--alias", "fuzz"]
+         "--n-predict-max", "4", "--max-prompts", "4", "--alias", "fuzz", "--slot-save-path", str(slot_dir)]
     )
     return server.base_url
 
