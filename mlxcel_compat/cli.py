@@ -92,12 +92,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     engine.stop()
     if engine.running:
-        # Exiting the interpreter while the engine thread is inside MLX aborts the process (a C++
-        # thread destroyed while running); leave at once instead, with the code we mean.
         log.warning("the engine thread did not stop in time; exiting without cleanup")
-        logging.shutdown()
-        os._exit(code)
-    return code
+    # Leave without the interpreter's teardown. MLX 0.32 aborts at exit ("terminate called without
+    # an active exception", status 134) in about half the runs once a compiled function
+    # (mx.compile, model/cpu_fusion.py) has run on a thread other than the main one, which the
+    # engine thread always is (ml-explore/mlx#3126), and likewise while that thread is still
+    # inside MLX. Everything that must outlive the process is written by now: the engine has
+    # stopped (its disk tier flushed), and the logs and standard streams are flushed here.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def build_server(settings: object, model_arg: str, api_keys: list[str], model_name: str | None = None) -> object:

@@ -177,7 +177,7 @@ def chat_chunk(delta: dict[str, Any], index: int, model_id: str, cid: str, creat
 async def completions(request: Request) -> Response:
     ctx = ctx_of(request)
     data = await read_json(request)
-    job = await prepare_completion(ctx, request, data)
+    job = await prepare_completion(ctx, request, data, response_format=True)
     if job.opts.stream:
         return sse_response(_stream_completion(ctx, job.requests, job.opts), job.opts)
     results = await collect(ctx, request, job.requests)

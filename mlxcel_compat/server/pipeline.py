@@ -168,13 +168,18 @@ class CompletionJob:
     multi: bool  # the body held several prompts (the response is then an array)
 
 
-async def prepare_completion(ctx: ServerContext, request: Request, data: Mapping[str, Any]) -> CompletionJob:
-    """``prompt`` (llama-server's shapes) and the options, tokenized on a worker thread."""
-    return await ctx.workers.run(_prepare_completion, ctx, data, header_session(request), api_key_id(request))
+async def prepare_completion(
+    ctx: ServerContext, request: Request, data: Mapping[str, Any], *, response_format: bool = False
+) -> CompletionJob:
+    """``prompt`` (llama-server's shapes) and the options, tokenized on a worker thread;
+    ``response_format`` is read on ``/v1/completions`` only."""
+    return await ctx.workers.run(_prepare_completion, ctx, data, header_session(request), api_key_id(request), response_format)
 
 
-def _prepare_completion(ctx: ServerContext, data: Mapping[str, Any], session: str | None, key_id: str | None) -> CompletionJob:
-    opts = parse_options(ctx, data)
+def _prepare_completion(
+    ctx: ServerContext, data: Mapping[str, Any], session: str | None, key_id: str | None, response_format: bool = False
+) -> CompletionJob:
+    opts = parse_options(ctx, data, response_format=response_format)
     m = ctx.model
     prompts, multi = tokenize_prompts(m.tokenizer, data.get("prompt"), m.vocab_size, ctx.prompt_bound, ctx.settings.max_prompts)
     for tokens in prompts:
