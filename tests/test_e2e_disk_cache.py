@@ -247,11 +247,14 @@ def test_two_servers_share_one_directory_and_one_budget(server_factory, tmp_path
         d = disk_stats(c)
         assert d["startup"]["rejected"] == 0 and d["startup"]["indexed"] == len(files)
         kept = [p for p in prompts if any(t[: len(toks)] == toks for toks in [tokenize(c, p)] for t in on_disk)]
-        for prompt in kept[:4]:
-            warm = complete(c, prompt)
-            assert warm["timings"]["cache_n"] > 0
-            assert warm["content"] == complete(c, prompt, cache_prompt=False)["content"]
-        assert kept and disk_stats(c)["hits"] == len(kept[:4])
+        assert kept
+        # The first request finds the file as the two servers left it. Later ones may not: each
+        # hit's new entry pushes the previous one from this server's small RAM to disk, and the
+        # 600 kB budget then deletes the oldest files, possibly the next prompt's.
+        warm = complete(c, kept[0])
+        assert warm["timings"]["cache_n"] > 0
+        assert warm["content"] == complete(c, kept[0], cache_prompt=False)["content"]
+        assert disk_stats(c)["hits"] == 1
 
 
 def test_reset_by_tier_and_stats_of_both_tiers(server_factory, tmp_path) -> None:
