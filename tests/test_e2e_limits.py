@@ -55,6 +55,15 @@ def test_64_mib_body_is_413(http: httpx.Client) -> None:
     assert_serving(http)
 
 
+def test_oversized_body_on_an_anthropic_route_is_413_in_anthropics_shape(http: httpx.Client) -> None:
+    body = b'{"max_tokens": 4, "messages": [{"role": "user", "content": "' + b"a" * (8 * MIB) + b'"}]}'
+    response = http.post("/v1/messages", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code == 413
+    data = response.json()
+    assert data["type"] == "error" and "--max-body-bytes" in data["error"]["message"], data
+    assert_serving(http)
+
+
 @pytest.fixture(scope="module")
 def long_context(server_factory, llama_dir) -> Iterator[str]:
     """The model's whole context (32k tokens) in one slot: a prompt of half a million characters

@@ -131,6 +131,7 @@ def build_document(
     settings = ctx.settings
     values = bounds(settings, len(ctx.engine.slots), ctx.model.vocab_size)
     prefix = settings.api_prefix.rstrip("/") if settings.api_prefix else ""
+    public = set(public)
     paths: dict[str, Any] = {}
     for method, path in served_routes(routes):
         local = path[len(prefix) :] if prefix and path.startswith(prefix) else path
@@ -138,7 +139,7 @@ def build_document(
         statuses = {503, *op.errors}
         if op.body is not None:
             statuses |= {400, 413}
-        if ctx.api_keys and local not in set(public):
+        if ctx.api_keys and local not in public:
             statuses.add(401)
         ok_content = {}
         for media in op.media:
