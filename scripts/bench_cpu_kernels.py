@@ -250,10 +250,10 @@ def section_pieces(args: argparse.Namespace, env: dict[str, Any]) -> None:
         }
         for name, (plain, lever, what) in pieces.items():
             res = benchlib.interleaved({"plain": many(plain, False), "lever": many(lever, True)}, args.reps)
-            active = what if what == "power of 2" or x.size <= cpu_fusion.SMALL_ELEMENTS else f"{what} (not used at this size)"
+            active = what if what == "power of 2" or cpu_fusion.compiles(x, 1) else f"{what} (not used for prompt chunks)"
             print(f"| {name} | {tokens} | {med(res['plain']) * 1e6:.0f} | {med(res['lever']) * 1e6:.0f} | "
                   f"{med(res['plain']) / med(res['lever']):.2f} | {active} |", flush=True)
-    print(f"\nActive: SiLU gating through a power of 2 always; compiled modules up to {cpu_fusion.SMALL_ELEMENTS} input elements.")
+    print(f"\nActive: SiLU gating through a power of 2 always; compiled modules for one token per row, up to {cpu_fusion.SMALL_ELEMENTS} input elements.")
 
 
 # --------------------------------------------------------------------------- 5. in the model

@@ -1,6 +1,7 @@
 """The CPU levers inside the model (model/cpu_fusion.py, model/attention.py) and what they change.
 
-- Compiled decode-sized modules: bit-identical to the plain modules.
+- Compiled decode-step modules: bit-identical to the plain modules, and used for one token per row
+  only (a prompt chunk of any length would add a compile trace for the life of the process).
 - SiLU gating through a power of 2: within SWIGLU_RTOL of mlx-lm's ``swiglu``.
 - Everything together (plus the matmul shim of this process): greedy tokens equal to mlx-lm's own
   reference model, run untouched in a fresh process without any lever, wherever the reference's
@@ -61,6 +62,21 @@ def test_compiled_modules_are_bit_identical(family: str) -> None:
 
     for fused, plain in zip(decode(True), decode(False)):
         assert mx.array_equal(fused, plain)
+
+
+def test_only_single_token_inputs_are_compiled() -> None:
+    model = load_model(str(tiny_model("llama")), []).model
+    fused = [m for _, m in model.named_modules() if type(m).__name__.startswith("Fused")]
+    compiled = lambda: [m for m in fused if "_mlxcel_fused" in m.__dict__]  # noqa: E731 - made on first compiled call
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[5, 17, 300, 41, 9]]), cache=cache))
+    mx.eval(model(mx.array([[5, 17, 300, 41, 9, 1, 2]] * 3), cache=make_prompt_cache(model)))
+    assert compiled() == []
+    mx.eval(model(mx.array([[3]]), cache=cache))
+    assert len(compiled()) == len(fused)
+    assert cpu_fusion.compiles(mx.zeros((4, 1, 768)), 1) and not cpu_fusion.compiles(mx.zeros((1, 2, 768)), 1)
+    assert cpu_fusion.compiles(mx.zeros((1, 12, 1, 64)), -2) and not cpu_fusion.compiles(mx.zeros((1, 12, 2, 64)), -2)
+    assert not cpu_fusion.compiles(mx.zeros((64, 1, 768)), 1)  # above SMALL_ELEMENTS
 
 
 def test_install_is_idempotent() -> None:

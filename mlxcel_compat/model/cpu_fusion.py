@@ -9,11 +9,16 @@ that). Two levers, each measured by ``scripts/bench_cpu_kernels.py`` (docs/bench
   ``gate * x / (1 + 2 ** (-gate * log2 e))`` in one compiled loop, instead of mlx-lm's
   ``sigmoid`` (an ``exp``): about 3.5x faster on a prompt's MLP activations. The two agree to a
   few 1e-7 relative (float32 rounding of ``2 ** y`` against ``exp``); tests bound it.
-- **Compiled decode-sized modules.** RMS norms, RoPE and the MLPs run as ``mx.compile``-d functions
-  when their input has at most ``SMALL_ELEMENTS`` elements (a decode step's): MLX fuses their element-wise chains (RoPE and RMS
-  norm are chains of ~6-15 operations on the CPU, ``mx.fast`` has no CPU kernels), which halves
-  their cost in a decode step. The results are bit-identical to the plain modules. Larger inputs
-  keep the plain operations: there MLX's separate kernels are as fast or faster.
+- **Compiled decode-step modules.** RMS norms, RoPE and the MLPs run as ``mx.compile``-d functions
+  when their input is one token per row and at most ``SMALL_ELEMENTS`` elements (a decode step's):
+  MLX fuses their element-wise chains (RoPE and RMS norm are chains of ~6-15 operations on the CPU,
+  ``mx.fast`` has no CPU kernels), which halves their cost in a decode step. The results are
+  bit-identical to the plain modules. Prompt chunks keep the plain operations: at their sizes
+  MLX's separate kernels are as fast or faster, and, more important, ``mx.compile`` keeps one
+  trace per input shape for the life of the process. Chunks come in every length, so compiling
+  them made RSS grow without bound under varied traffic (~0.15 MiB per new shape on the tiny
+  llama; the load test's RSS after a cache reset crept up over ten minutes). One token per row
+  bounds the shapes by the batch sizes the slots allow.
 
 ``mx.compile`` generates C++ and builds it with the system compiler (``g++``); without one MLX runs
 the same operations unfused, so nothing here can fail for lack of a compiler.
@@ -30,8 +35,8 @@ import mlx.nn as nn
 
 LOG2E = 1.4426950408889634
 
-# Inputs up to this many elements (decode steps: 768 for one row of the small llama) take the
-# compiled modules; a 512-token chunk's RMS norm was 2x slower compiled than plain.
+# Single-token inputs up to this many elements (decode steps: 768 for one row of the small llama)
+# take the compiled modules; a 512-token chunk's RMS norm was 2x slower compiled than plain.
 SMALL_ELEMENTS = 16384
 
 
@@ -41,10 +46,18 @@ def swiglu(gate: Any, x: Any) -> Any:
     return gate * x / (1.0 + mx.power(2.0, gate * -LOG2E))
 
 
+def compiles(x: Any, token_axis: int) -> bool:
+    """Whether a module input takes the compiled path: one token per row, a decode step's size.
+
+    ``token_axis`` is where the sequence runs: 1 for hidden states (B, L, D) and per-head norms
+    (B, L, H, Dh), -2 for RoPE's (B, H, L, Dh)."""
+    return x.ndim >= 3 and x.shape[token_axis] == 1 and x.size <= SMALL_ELEMENTS
+
+
 def _fused_call(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
-    """The compiled module for decode-sized inputs, the plain one otherwise."""
+    """The compiled module for a decode step's input, the plain one otherwise."""
     plain = super(type(self), self).__call__
-    if args or kwargs or x.size > SMALL_ELEMENTS:
+    if args or kwargs or not compiles(x, 1):
         return plain(x, *args, **kwargs)
     fused = self.__dict__.get("_mlxcel_fused")
     if fused is None:
@@ -56,7 +69,7 @@ def _fused_call(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
 def _fused_rope_call(self: Any, x: Any, offset: Any = 0) -> Any:
     """RoPE with the offset as an array, so one compiled function serves every position."""
     plain = super(type(self), self).__call__
-    if x.size > SMALL_ELEMENTS:
+    if not compiles(x, -2):
         return plain(x, offset)
     fused = self.__dict__.get("_mlxcel_fused")
     if fused is None:
@@ -113,4 +126,4 @@ def install(model: Any) -> dict[str, int]:
     return counts
 
 
-__all__ = ["SMALL_ELEMENTS", "install", "swiglu"]
+__all__ = ["SMALL_ELEMENTS", "compiles", "install", "swiglu"]
