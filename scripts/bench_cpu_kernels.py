@@ -250,10 +250,11 @@ def section_pieces(args: argparse.Namespace, env: dict[str, Any]) -> None:
         }
         for name, (plain, lever, what) in pieces.items():
             res = benchlib.interleaved({"plain": many(plain, False), "lever": many(lever, True)}, args.reps)
-            active = what if what == "power of 2" or cpu_fusion.compiles(x, 1) else f"{what} (not used for prompt chunks)"
+            used = x.size <= cpu_fusion.SMALL_ELEMENTS and (name != "RoPE (queries)" or cpu_fusion.rope_compiles(q))
+            active = what if what == "power of 2" or used else f"{what} (not used at this size)"
             print(f"| {name} | {tokens} | {med(res['plain']) * 1e6:.0f} | {med(res['lever']) * 1e6:.0f} | "
                   f"{med(res['plain']) / med(res['lever']):.2f} | {active} |", flush=True)
-    print(f"\nActive: SiLU gating through a power of 2 always; compiled modules for one token per row, up to {cpu_fusion.SMALL_ELEMENTS} input elements.")
+    print(f"\nActive: SiLU gating through a power of 2 always; compiled modules up to {cpu_fusion.SMALL_ELEMENTS} input elements (RoPE: one token per row).")
 
 
 # --------------------------------------------------------------------------- 5. in the model
@@ -291,6 +292,7 @@ class Levers:
                 module.swiglu = swiglu
                 for _, m in self.env["model"].named_modules():  # compiled MLPs captured the old one
                     m.__dict__.pop("_mlxcel_fused", None)
+                    m.__dict__.pop("_mlxcel_fused_shapeless", None)
         shim = self.env["shim"]
         if shim is not None:
             shim.configure(route=blas_shim.ROUTE_SGEMM if "matmul shim" in off else blas_shim.ROUTE_KERNEL)

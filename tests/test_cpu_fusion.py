@@ -1,7 +1,7 @@
 """The CPU levers inside the model (model/cpu_fusion.py, model/attention.py) and what they change.
 
-- Compiled decode-step modules: bit-identical to the plain modules, and used for one token per row
-  only (a prompt chunk of any length would add a compile trace for the life of the process).
+- Compiled small-input modules: bit-identical to the plain modules; their compile traces are
+  bounded (a trace per prompt-chunk length would stay for the life of the process).
 - SiLU gating through a power of 2: within SWIGLU_RTOL of mlx-lm's ``swiglu``.
 - Everything together (plus the matmul shim of this process): greedy tokens equal to mlx-lm's own
   reference model, run untouched in a fresh process without any lever, wherever the reference's
@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm.models import activations
 from mlx_lm.models.cache import make_prompt_cache
@@ -52,7 +53,7 @@ def test_compiled_modules_are_bit_identical(family: str) -> None:
         cpu_fusion.SMALL_ELEMENTS = saved if enabled else -1
         try:
             cache = make_prompt_cache(model)
-            outs = [model(prompt, cache=cache)]
+            outs = [model(prompt, cache=cache), model(prompt[:, :3], cache=cache)]  # chunks: shapeless
             for token in (3, 99, 1000):  # decode-sized: the compiled modules
                 outs.append(model(mx.array([[token]]), cache=cache))
             mx.eval(outs)
@@ -64,19 +65,22 @@ def test_compiled_modules_are_bit_identical(family: str) -> None:
         assert mx.array_equal(fused, plain)
 
 
-def test_only_single_token_inputs_are_compiled() -> None:
+def test_compile_traces_are_bounded() -> None:
+    """Prompt chunks use shapeless compiles (norms, MLPs) or none (RoPE); decode steps per shape."""
     model = load_model(str(tiny_model("llama")), []).model
     fused = [m for _, m in model.named_modules() if type(m).__name__.startswith("Fused")]
-    compiled = lambda: [m for m in fused if "_mlxcel_fused" in m.__dict__]  # noqa: E731 - made on first compiled call
+    ropes = [m for m in fused if isinstance(m, nn.RoPE)]
+    assert ropes and len(ropes) < len(fused)
+    made = lambda slot: [m for m in fused if slot in m.__dict__]  # noqa: E731 - made on first compiled call
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([[5, 17, 300, 41, 9]]), cache=cache))
     mx.eval(model(mx.array([[5, 17, 300, 41, 9, 1, 2]] * 3), cache=make_prompt_cache(model)))
-    assert compiled() == []
+    assert made("_mlxcel_fused") == []
+    assert made("_mlxcel_fused_shapeless") == [m for m in fused if m not in ropes]
     mx.eval(model(mx.array([[3]]), cache=cache))
-    assert len(compiled()) == len(fused)
-    assert cpu_fusion.compiles(mx.zeros((4, 1, 768)), 1) and not cpu_fusion.compiles(mx.zeros((1, 2, 768)), 1)
-    assert cpu_fusion.compiles(mx.zeros((1, 12, 1, 64)), -2) and not cpu_fusion.compiles(mx.zeros((1, 12, 2, 64)), -2)
-    assert not cpu_fusion.compiles(mx.zeros((64, 1, 768)), 1)  # above SMALL_ELEMENTS
+    assert made("_mlxcel_fused") == fused
+    assert cpu_fusion.rope_compiles(mx.zeros((4, 12, 1, 64))) and not cpu_fusion.rope_compiles(mx.zeros((1, 12, 2, 64)))
+    assert not cpu_fusion.rope_compiles(mx.zeros((64, 12, 1, 64)))  # above SMALL_ELEMENTS
 
 
 def test_install_is_idempotent() -> None:

@@ -9,16 +9,19 @@ that). Two levers, each measured by ``scripts/bench_cpu_kernels.py`` (docs/bench
   ``gate * x / (1 + 2 ** (-gate * log2 e))`` in one compiled loop, instead of mlx-lm's
   ``sigmoid`` (an ``exp``): about 3.5x faster on a prompt's MLP activations. The two agree to a
   few 1e-7 relative (float32 rounding of ``2 ** y`` against ``exp``); tests bound it.
-- **Compiled decode-step modules.** RMS norms, RoPE and the MLPs run as ``mx.compile``-d functions
-  when their input is one token per row and at most ``SMALL_ELEMENTS`` elements (a decode step's):
-  MLX fuses their element-wise chains (RoPE and RMS norm are chains of ~6-15 operations on the CPU,
-  ``mx.fast`` has no CPU kernels), which halves their cost in a decode step. The results are
-  bit-identical to the plain modules. Prompt chunks keep the plain operations: at their sizes
-  MLX's separate kernels are as fast or faster, and, more important, ``mx.compile`` keeps one
-  trace per input shape for the life of the process. Chunks come in every length, so compiling
-  them made RSS grow without bound under varied traffic (~0.15 MiB per new shape on the tiny
-  llama; the load test's RSS after a cache reset crept up over ten minutes). One token per row
-  bounds the shapes by the batch sizes the slots allow.
+- **Compiled small-input modules.** RMS norms, RoPE and the MLPs run as ``mx.compile``-d
+  functions when their input has at most ``SMALL_ELEMENTS`` elements (a decode step's, or a short
+  prompt chunk's): MLX fuses their element-wise chains (RoPE and RMS norm are chains of ~6-15
+  operations on the CPU, ``mx.fast`` has no CPU kernels), which halves their cost in a decode step.
+  The results are bit-identical to the plain modules. Larger inputs keep the plain operations:
+  there MLX's separate kernels are as fast or faster.
+
+  ``mx.compile`` keeps one trace per input shape for the life of the process (~0.15 MiB each on
+  the tiny llama), and prompt chunks come in every length, so a shape-specialized compile made RSS
+  grow without bound under varied traffic. So a decode step's inputs (one token per row) are
+  compiled per shape, which the batch sizes bound, and norms and MLPs of prompt chunks are
+  compiled ``shapeless`` (one trace; nothing in them depends on the sequence length). RoPE's
+  positions do, so a prompt chunk's RoPE runs plain.
 
 ``mx.compile`` generates C++ and builds it with the system compiler (``g++``); without one MLX runs
 the same operations unfused, so nothing here can fail for lack of a compiler.
@@ -35,8 +38,8 @@ import mlx.nn as nn
 
 LOG2E = 1.4426950408889634
 
-# Single-token inputs up to this many elements (decode steps: 768 for one row of the small llama)
-# take the compiled modules; a 512-token chunk's RMS norm was 2x slower compiled than plain.
+# Inputs up to this many elements (decode steps: 768 for one row of the small llama) take the
+# compiled modules; a 512-token chunk's RMS norm was 2x slower compiled than plain.
 SMALL_ELEMENTS = 16384
 
 
@@ -46,30 +49,32 @@ def swiglu(gate: Any, x: Any) -> Any:
     return gate * x / (1.0 + mx.power(2.0, gate * -LOG2E))
 
 
-def compiles(x: Any, token_axis: int) -> bool:
-    """Whether a module input takes the compiled path: one token per row, a decode step's size.
-
-    ``token_axis`` is where the sequence runs: 1 for hidden states (B, L, D) and per-head norms
-    (B, L, H, Dh), -2 for RoPE's (B, H, L, Dh)."""
-    return x.ndim >= 3 and x.shape[token_axis] == 1 and x.size <= SMALL_ELEMENTS
-
-
 def _fused_call(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
-    """The compiled module for a decode step's input, the plain one otherwise."""
+    """The compiled module for small inputs, the plain one otherwise.
+
+    One token per row (decode) takes a shape-specialized compile, a few microseconds faster per
+    call than a shapeless one (its traces are bounded by the batch sizes); a short prompt chunk
+    takes the shapeless compile, one trace whatever its length."""
     plain = super(type(self), self).__call__
-    if args or kwargs or not compiles(x, 1):
+    if args or kwargs or x.size > SMALL_ELEMENTS:
         return plain(x, *args, **kwargs)
-    fused = self.__dict__.get("_mlxcel_fused")
+    slot = "_mlxcel_fused" if x.ndim >= 3 and x.shape[1] == 1 else "_mlxcel_fused_shapeless"
+    fused = self.__dict__.get(slot)
     if fused is None:
-        fused = mx.compile(plain)
-        object.__setattr__(self, "_mlxcel_fused", fused)
+        fused = mx.compile(plain, shapeless=slot.endswith("shapeless"))
+        object.__setattr__(self, slot, fused)
     return fused(x)
+
+
+def rope_compiles(x: Any) -> bool:
+    """Whether RoPE's input (B, H, L, Dh) takes the compiled path: one token per row, small."""
+    return x.ndim == 4 and x.shape[-2] == 1 and x.size <= SMALL_ELEMENTS
 
 
 def _fused_rope_call(self: Any, x: Any, offset: Any = 0) -> Any:
     """RoPE with the offset as an array, so one compiled function serves every position."""
     plain = super(type(self), self).__call__
-    if not compiles(x, -2):
+    if not rope_compiles(x):
         return plain(x, offset)
     fused = self.__dict__.get("_mlxcel_fused")
     if fused is None:
@@ -126,4 +131,4 @@ def install(model: Any) -> dict[str, int]:
     return counts
 
 
-__all__ = ["SMALL_ELEMENTS", "compiles", "install", "swiglu"]
+__all__ = ["SMALL_ELEMENTS", "install", "rope_compiles", "swiglu"]
