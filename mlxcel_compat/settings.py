@@ -597,10 +597,12 @@ _SAMPLING: tuple[Setting, ...] = (
             help="Mirostat learning rate (eta)."),
     Setting("mirostat_ent", ("--mirostat-ent",), type="float", default=5.0, group="sampling",
             help="Mirostat target entropy (tau)."),
-    _noop("adaptive_target", ("--adaptive-target",), "Adaptive-p target.", "adaptive-p sampling is not implemented",
-          metavar="N", group="sampling", type="float"),
-    _noop("adaptive_decay", ("--adaptive-decay",), "Adaptive-p decay.", "adaptive-p sampling is not implemented",
-          metavar="N", group="sampling", type="float"),
+    Setting("adaptive_target", ("--adaptive-target",), type="float", default=-1.0, maximum=1.0, group="sampling",
+            help="Adaptive-p: the probability the selected tokens should have on average (-1 = off). Acts when "
+                 "adaptive_p is in the sampler chain (--samplers ...;adaptive_p), as its final draw."),
+    Setting("adaptive_decay", ("--adaptive-decay",), type="float", default=0.9, minimum=0.0, maximum=0.99,
+            group="sampling", help="Adaptive-p: decay of the moving average of selected probabilities "
+                                   "(0 = the last token only, 0.99 = a long memory)."),
     _noop("logit_bias", ("-l", "--logit-bias"), "Server-wide logit bias (TOKEN_ID+BIAS).",
           "send logit_bias per request instead", metavar="TOKEN_ID(+/-)BIAS", group="sampling", type="list"),
     _noop("backend_sampling", ("-bs", "--backend-sampling"), "Sample on the compute backend.",

@@ -116,13 +116,14 @@ message_delimiters
 """.split()
 
 NOT_SUPPORTED = """
-lora adaptive_target adaptive_decay backend_sampling reasoning_control
+lora backend_sampling reasoning_control
 """.split()
 
 # Accepted-and-ignored (or refused) before issues 12 and 13; now acted on as llama-server does.
 NOW_SUPPORTED = """
 mirostat mirostat_tau mirostat_eta n_indent t_max_predict_ms reasoning_budget_tokens reasoning_budget_start_tag
 reasoning_budget_end_tag reasoning_budget_message grammar json_schema grammar_lazy grammar_triggers preserved_tokens
+adaptive_target adaptive_decay
 """.split()
 
 

@@ -38,7 +38,7 @@ def split_server(server_factory, llama_dir) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def unified_server(server_factory, llama_dir) -> Iterator[ServerProcess]:
     srv = server_factory(["-m", str(llama_dir), "-c", "512", "-np", "2", "--kv-unified", "--no-ui", "--mirostat", "2",
-                          "--sleep-idle-seconds", "1"])
+                          "--sleep-idle-seconds", "1", "--adaptive-target", "0.4", "--adaptive-decay", "0.5"])
     yield srv
     srv.stop()
 
@@ -310,6 +310,26 @@ def test_mirostat_fields(split_server, unified_server) -> None:
     assert any(p["mirostat"] in (1, 2) for p in slot_params)
     with client_for(unified_server) as client:  # --mirostat 2 is the server default
         assert client.get("/props").json()["default_generation_settings"]["params"]["mirostat"] == 2
+
+
+def test_adaptive_p_fields(split_server, unified_server) -> None:
+    body = {"prompt": "Once upon a time", "n_predict": 8, "ignore_eos": True, "seed": 5, "top_k": 8,
+            "samplers": ["top_k", "temperature", "adaptive_p"], "adaptive_target": 0.3, "adaptive_decay": 0.5}
+    with client_for(split_server) as client:
+        first = client.post("/completion", json=body).json()
+        again = client.post("/completion", json=body).json()
+        clamped = client.post("/completion", json={**body, "adaptive_target": 3}).json()
+        bad = client.post("/completion", json={**body, "adaptive_decay": 1.5})
+        assert client.get("/health").status_code == 200
+    settings = first["generation_settings"]
+    assert (settings["adaptive_target"], settings["adaptive_decay"]) == (0.3, 0.5)
+    assert settings["samplers"] == ["top_k", "temperature", "adaptive_p"]
+    assert first["tokens_predicted"] == 8 and first["content"] == again["content"]  # seeded
+    assert clamped["generation_settings"]["adaptive_target"] == 1.0  # soft limit <= 1
+    assert bad.status_code == 400 and "adaptive_decay" in bad.json()["error"]["message"]
+    with client_for(unified_server) as client:  # --adaptive-target / --adaptive-decay are the server defaults
+        params = client.get("/props").json()["default_generation_settings"]["params"]
+        assert (params["adaptive_target"], params["adaptive_decay"]) == (0.4, 0.5)
 
 
 def test_reasoning_budget_forces_the_end_tag(split_server) -> None:

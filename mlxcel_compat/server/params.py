@@ -337,4 +337,6 @@ def parse_sampling(b: Body, settings: Any, vocab_size: int, tokenize: Callable[[
         mirostat=b.int("mirostat", s.mirostat, 0, 2, soft=True),
         mirostat_tau=b.float("mirostat_tau", s.mirostat_ent),
         mirostat_eta=b.float("mirostat_eta", s.mirostat_lr),
+        adaptive_target=b.float("adaptive_target", s.adaptive_target, None, 1.0, soft=True),
+        adaptive_decay=b.float("adaptive_decay", s.adaptive_decay, 0.0, 0.99),
     )
