@@ -22,6 +22,7 @@ import os
 import platform
 import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 from mlxcel_compat import blas_shim
 
@@ -207,3 +208,18 @@ def release_free_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def exit_now(code: int) -> NoReturn:
+    """Leave the process without the interpreter's teardown, after flushing logs and streams.
+
+    MLX 0.32 aborts at exit ("terminate called without an active exception", status 134) in
+    about half the runs once a compiled function (``mx.compile``, model/cpu_fusion.py) has run on
+    a thread other than the main one, which the engine thread always is (ml-explore/mlx#3126),
+    and likewise while that thread is still inside MLX. Callers make sure everything that must
+    outlive the process is written first (the server: engine stopped, disk tier flushed).
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

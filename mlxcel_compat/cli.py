@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import sys
 from typing import Sequence
 
-from mlxcel_compat.backend import load_optimized_blas, log_blas
+from mlxcel_compat.backend import exit_now, load_optimized_blas, log_blas
 
 log = logging.getLogger("mlxcel_compat")
 
@@ -93,16 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine.stop()
     if engine.running:
         log.warning("the engine thread did not stop in time; exiting without cleanup")
-    # Leave without the interpreter's teardown. MLX 0.32 aborts at exit ("terminate called without
-    # an active exception", status 134) in about half the runs once a compiled function
-    # (mx.compile, model/cpu_fusion.py) has run on a thread other than the main one, which the
-    # engine thread always is (ml-explore/mlx#3126), and likewise while that thread is still
-    # inside MLX. Everything that must outlive the process is written by now: the engine has
-    # stopped (its disk tier flushed), and the logs and standard streams are flushed here.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # The engine has stopped and its disk tier is flushed: nothing else must outlive the process.
+    exit_now(code)
 
 
 def build_server(settings: object, model_arg: str, api_keys: list[str], model_name: str | None = None) -> object:

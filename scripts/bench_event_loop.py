@@ -175,4 +175,4 @@ def server_limits(server: benchlib.ServerProcess) -> tuple[int, int]:
 
 
 if __name__ == "__main__":
-    main()
+    benchlib.run(main)

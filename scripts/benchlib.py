@@ -15,12 +15,35 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import NoReturn
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(main: Callable[[], int | None]) -> NoReturn:
+    """Run a benchmark's ``main`` and leave without the interpreter's teardown.
+
+    In-process benchmarks run MLX (and ``mx.compile``) on engine threads, after which MLX 0.32
+    may abort at exit with status 134 (``mlxcel_compat.backend.exit_now`` says why); the results
+    are printed by then, but the abort message and the status would read as a failure.
+    """
+    try:
+        code = main()
+    except SystemExit as exc:  # argparse's --help and usage errors
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from mlxcel_compat.backend import exit_now
+
+    exit_now(code or 0)
 
 
 def free_port() -> int:

@@ -299,4 +299,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    benchlib.run(main)
