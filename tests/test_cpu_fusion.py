@@ -79,6 +79,12 @@ def test_compile_traces_are_bounded() -> None:
     assert made("_mlxcel_fused_shapeless") == [m for m in fused if m not in ropes]
     mx.eval(model(mx.array([[3]]), cache=cache))
     assert made("_mlxcel_fused") == fused
+    # A per-head norm of a one-KV-head model sees (B, 1, L, Dh) for every chunk length L.
+    norm = next(m for m in fused if m not in ropes)
+    for length in range(1, 2 * cpu_fusion.MAX_SPECIALIZED_SHAPES):
+        x = mx.random.normal((1, 1, length, norm.weight.shape[0]))
+        assert mx.array_equal(norm(x), super(type(norm), norm).__call__(x))
+    assert len(norm.__dict__["_mlxcel_shapes"]) == cpu_fusion.MAX_SPECIALIZED_SHAPES
     assert cpu_fusion.rope_compiles(mx.zeros((4, 12, 1, 64))) and not cpu_fusion.rope_compiles(mx.zeros((1, 12, 2, 64)))
     assert not cpu_fusion.rope_compiles(mx.zeros((64, 12, 1, 64)))  # above SMALL_ELEMENTS
 

@@ -41,6 +41,8 @@ LOG2E = 1.4426950408889634
 # Inputs up to this many elements (decode steps: 768 for one row of the small llama) take the
 # compiled modules; a 512-token chunk's RMS norm was 2x slower compiled than plain.
 SMALL_ELEMENTS = 16384
+# Shape-specialized traces per compiled module: enough for every decode batch size up to 16 rows.
+MAX_SPECIALIZED_SHAPES = 16
 
 
 @partial(mx.compile, shapeless=True)
@@ -52,16 +54,26 @@ def swiglu(gate: Any, x: Any) -> Any:
 def _fused_call(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
     """The compiled module for small inputs, the plain one otherwise.
 
-    One token per row (decode) takes a shape-specialized compile, a few microseconds faster per
-    call than a shapeless one (its traces are bounded by the batch sizes); a short prompt chunk
-    takes the shapeless compile, one trace whatever its length."""
+    A decode step's input (one row per sequence: ``x.shape[1] == 1``) takes a shape-specialized
+    compile, a few microseconds faster per call than a shapeless one; other inputs take the
+    shapeless compile, one trace whatever their length. A per-head norm of a model with one KV
+    head sees (B, 1, L, Dh) for every chunk length L, so the specialized shapes are also capped
+    per module (``MAX_SPECIALIZED_SHAPES``); past the cap, new shapes go shapeless."""
     plain = super(type(self), self).__call__
     if args or kwargs or x.size > SMALL_ELEMENTS:
         return plain(x, *args, **kwargs)
-    slot = "_mlxcel_fused" if x.ndim >= 3 and x.shape[1] == 1 else "_mlxcel_fused_shapeless"
+    shapes = self.__dict__.get("_mlxcel_shapes")
+    if shapes is None:
+        shapes = set()
+        object.__setattr__(self, "_mlxcel_shapes", shapes)
+    shape = tuple(x.shape)
+    specialized = x.ndim >= 3 and shape[1] == 1 and (shape in shapes or len(shapes) < MAX_SPECIALIZED_SHAPES)
+    if specialized:
+        shapes.add(shape)
+    slot = "_mlxcel_fused" if specialized else "_mlxcel_fused_shapeless"
     fused = self.__dict__.get(slot)
     if fused is None:
-        fused = mx.compile(plain, shapeless=slot.endswith("shapeless"))
+        fused = mx.compile(plain, shapeless=not specialized)
         object.__setattr__(self, slot, fused)
     return fused(x)
 
@@ -131,4 +143,4 @@ def install(model: Any) -> dict[str, int]:
     return counts
 
 
-__all__ = ["SMALL_ELEMENTS", "install", "rope_compiles", "swiglu"]
+__all__ = ["MAX_SPECIALIZED_SHAPES", "SMALL_ELEMENTS", "install", "rope_compiles", "swiglu"]
