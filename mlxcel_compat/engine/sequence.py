@@ -243,8 +243,7 @@ class Sequence:
         else:
             self._undrawn = self._forward_logits(self.prompt[last:])
             mx.async_eval(self._undrawn)
-            for _, exc in draw_pending([self]):
-                raise exc
+            self._draw_alone()
         if self.request.return_progress:
             self._emit_progress()  # processed == total: the whole prompt is in the cache
         return 1
@@ -368,8 +367,7 @@ class Sequence:
         self._accept(token, logprobs, probs)
         if self.finished is None:
             if room:
-                for _, exc in draw_pending([self]):
-                    raise exc
+                self._draw_alone()
             else:
                 self._finish("limit", "", truncated=self._context_full())
 
@@ -505,6 +503,13 @@ class Sequence:
             n_cache_written=self.stats.n_cache_written,
         )
         self.emit(self.finished)
+
+    def _draw_alone(self) -> None:
+        """Draw this grammar sequence's in-flight token outside a batch: its failure raises here,
+        as any error of its own step does (a batch instead fails the row, ``draw_pending``)."""
+        failed = draw_pending([self])
+        if failed:
+            raise failed[0][1]
 
 
 def draw_pending(seqs: Seq[Sequence]) -> list[tuple[Sequence, Exception]]:
