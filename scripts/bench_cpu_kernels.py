@@ -16,6 +16,10 @@ Levers (what runs where: docs/architecture.md, "Platform notes"):
 5. In the model: a decode step at --context tokens of context and a prefill of --prompt tokens,
    with all levers on and with each one off in turn.
 6. The prefill chunk (``--batch-size``): the same prefill at several chunk sizes.
+7. Compile traces (model/cpu_fusion.py): the process's RSS after prompts of many new (batch,
+   length) shapes, and after the same shapes again; ``mx.compile`` keeps a trace per shape it
+   specializes, so this must stay flat (``--size tiny``, whose small rows make most prompt chunks
+   "small", is the telling case).
 
 Times are medians of --reps repetitions, the variants interleaved (rotating order) so that a noisy
 machine hits them alike; the minimum is shown too. Examples::
@@ -381,6 +385,44 @@ def section_chunk(args: argparse.Namespace, env: dict[str, Any]) -> None:
         print(f"| {n} | " + " | ".join(f"{med(res[c]) * 1e3:.0f}" for c in chunks) + f" | {best} |", flush=True)
 
 
+# --------------------------------------------------------------------------- 7. compile traces
+
+
+def section_traces(args: argparse.Namespace, env: dict[str, Any]) -> None:
+    import gc
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxcel_compat.backend import release_free_memory
+
+    model = env["model"]
+
+    def settled_rss_mib() -> float:
+        gc.collect()
+        mx.clear_cache()
+        release_free_memory()
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    def run(shapes: list[tuple[int, int]]) -> float:
+        for rows, length in shapes:  # a prompt chunk of that shape, then one decode step
+            cache = make_prompt_cache(model)
+            mx.eval(model(mx.array([[7] * length] * rows), cache=cache))
+            mx.eval(model(mx.array([[5]] * rows), cache=cache))
+        return settled_rss_mib()
+
+    warm = [(rows, length) for rows in (1, 2) for length in range(2, 40)]
+    new = [(rows, length) for rows in range(3, 9) for length in range(2, 40)]
+    print("## 7. Compile traces: RSS after prompts of new shapes (settled: collection, MLX cache cleared, malloc_trim)\n")
+    print("| after | shapes | RSS MiB |")
+    print("|---|---:|---:|")
+    run(warm)
+    print(f"| warm-up, twice | {len(warm)} | {run(warm):.1f} |")
+    print(f"| new shapes | {len(new)} | {run(new):.1f} |")
+    print(f"| the same shapes again | {len(new)} | {run(new):.1f} |", flush=True)
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -405,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--size", default="small", help="generated llama size (default small: 88M parameters)")
     ap.add_argument("--model", help="a model directory instead of the generated llama")
-    ap.add_argument("--sections", default="1,2,3,4,5,6", help="comma-separated section numbers")
+    ap.add_argument("--sections", default="1,2,3,4,5,6,7", help="comma-separated section numbers")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=default_chunk, help="prefill chunk in section 5 (default: the server's)")
@@ -425,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
     env = load_env(args)
     print(f"Active in this process: BLAS {env['info'].name} ({env['info'].kernels} kernels); float32 matmuls: {env['info'].matmul_route}\n")
-    for number, section in ((2, section_routes), (3, section_attention), (4, section_pieces), (5, section_model), (6, section_chunk)):
+    for number, section in ((2, section_routes), (3, section_attention), (4, section_pieces), (5, section_model), (6, section_chunk),
+                            (7, section_traces)):
         if number in sections:
             section(args, env)
             print()

@@ -62,11 +62,8 @@ def _fused_call(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
     plain = super(type(self), self).__call__
     if args or kwargs or x.size > SMALL_ELEMENTS:
         return plain(x, *args, **kwargs)
-    shapes = self.__dict__.get("_mlxcel_shapes")
-    if shapes is None:
-        shapes = set()
-        object.__setattr__(self, "_mlxcel_shapes", shapes)
-    shape = tuple(x.shape)
+    shapes = self.__dict__.setdefault("_mlxcel_shapes", set())  # the shapes given a specialized trace
+    shape = x.shape
     specialized = x.ndim >= 3 and shape[1] == 1 and (shape in shapes or len(shapes) < MAX_SPECIALIZED_SHAPES)
     if specialized:
         shapes.add(shape)
