@@ -372,7 +372,9 @@ def test_cli_build_matches_in_process_build(built: dict[str, Path], tmp_path: Pa
 
 
 def test_large_tokenizer_grows_a_valid_bpe_deterministically() -> None:
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    from mlxcel_compat.engine.textstream import byte_level_bytes
 
     text = tok.large_tokenizer_json(12_000)
     assert text == tok.large_tokenizer_json(12_000)
@@ -383,3 +385,8 @@ def test_large_tokenizer_grows_a_valid_bpe_deterministically() -> None:
     assert tokenizer.decode(tokenizer.encode(sample).ids) == sample
     grown = [tokenizer.id_to_token(i) for i in range(tok.VOCAB_SIZE - len(tok.ADDED_TOKENS), 12_000 - len(tok.ADDED_TOKENS))]
     assert all(2 <= len(piece) <= 12 for piece in grown)
+    # Only what BPE could learn from text: whole UTF-8 characters, one pre-token each (no "é" cut
+    # in half before an "a", no word glued to a quote), as in a real vocabulary.
+    split = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True).pre_tokenize_str
+    texts = [byte_level_bytes(piece).decode("utf-8") for piece in grown]  # raises on a broken character
+    assert all([p for p, _ in split(t)] == [piece] for t, piece in zip(texts, grown))

@@ -45,6 +45,18 @@ def _gpt2_byte_decoder() -> dict[str, int]:
 _BYTE_DECODER = _gpt2_byte_decoder()
 
 
+def byte_level_bytes(piece: str) -> bytes:
+    """The bytes a byte-level BPE piece stands for (``"Ġhi"`` -> ``b" hi"``)."""
+    out = bytearray()
+    for ch in piece:
+        b = _BYTE_DECODER.get(ch)
+        if b is None:
+            out.extend(ch.encode("utf-8"))
+        else:
+            out.append(b)
+    return bytes(out)
+
+
 def _decoder_kind(decoder: Any) -> str:
     """Classify the tokenizer.json decoder: byte_level, spm or generic."""
     if not isinstance(decoder, dict):
@@ -107,14 +119,7 @@ class VocabBytes:
         elif token_id in self.added:
             value = self.added[token_id].encode("utf-8")
         elif self.kind == "byte_level":
-            out = bytearray()
-            for ch in self._token_strings()[token_id]:
-                b = _BYTE_DECODER.get(ch)
-                if b is None:
-                    out.extend(ch.encode("utf-8"))
-                else:
-                    out.append(b)
-            value = bytes(out)
+            value = byte_level_bytes(self._token_strings()[token_id])
         elif self.kind == "spm":
             text = self._token_strings()[token_id]
             if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):

@@ -14,6 +14,9 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
+
+from mlxcel_compat.engine.textstream import byte_level_bytes
 
 # The vocabulary size is shared by every family and size: the same text encodes
 # to the same ids whichever test model is loaded. 8192 matches the benchmark
@@ -398,6 +401,15 @@ def tokenizer_json_for(add_bos: bool) -> str:
     return tokenizer.to_str(pretty=True) + "\n"
 
 
+def _one_pretoken(pre_tokenizer: Any, piece: str) -> bool:
+    """True if the byte-level ``piece`` is whole UTF-8 text that ``pre_tokenizer`` leaves whole."""
+    try:
+        text = byte_level_bytes(piece).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return [p for p, _ in pre_tokenizer.pre_tokenize_str(text)] == [piece]
+
+
 def large_tokenizer_json(vocab_size: int, seed: int = CORPUS_SEED) -> str:
     """A byte-level BPE ``tokenizer.json`` of ``vocab_size`` entries (e.g. 150k, like Qwen's).
 
@@ -406,7 +418,16 @@ def large_tokenizer_json(vocab_size: int, seed: int = CORPUS_SEED) -> str:
     keeps the tokenizer a valid BPE whose pieces look like real subwords. The added tokens move to
     the last ids. Deterministic for a given seed. Used to
     measure per-token costs that grow with the vocabulary (grammar masks).
+
+    A merge is kept only if it is whole UTF-8 text that the pre-tokenizer keeps in one piece (a
+    word with its leading space, a number, a run of punctuation or of whitespace), because that
+    is all BPE can learn from text: a real vocabulary never holds, say, the first byte of "é"
+    followed by "a", or a word glued to a quote. Merging any two pieces made three quarters of a
+    150k vocabulary such impossible byte strings, which a grammar engine then walks one by one
+    where a real vocabulary's tokens fall into its fast paths (llguidance's JSON-string slices).
     """
+    from tokenizers import pre_tokenizers
+
     data = json.loads(tokenizer_json_for(False))
     model = data["model"]
     vocab: dict[str, int] = model["vocab"]
@@ -414,6 +435,7 @@ def large_tokenizer_json(vocab_size: int, seed: int = CORPUS_SEED) -> str:
     by_length: dict[int, list[str]] = {}
     for piece in vocab:
         by_length.setdefault(len(piece), []).append(piece)
+    pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     rng = _SplitMix64(seed)
     next_id = len(vocab)
     while next_id < vocab_size - len(ADDED_TOKENS):
@@ -424,7 +446,7 @@ def large_tokenizer_json(vocab_size: int, seed: int = CORPUS_SEED) -> str:
         k = rng.pick(splits)
         left, right = rng.pick(by_length[k]), rng.pick(by_length[total - k])
         piece = left + right
-        if piece in vocab:
+        if piece in vocab or not _one_pretoken(pre_tokenizer, piece):
             continue
         vocab[piece] = next_id
         merges.append([left, right])
