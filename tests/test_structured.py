@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import llguidance
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
@@ -119,6 +120,29 @@ def test_masks_allow_eos_only_where_the_grammar_accepts(compiler, tokenizer):
     assert not masks[0][eos].any()  # nothing generated yet: no end
     assert masks[1][eos].all() and masks[1].sum() > len(eos)  # may end or add "c"
     assert done.complete and np.flatnonzero(masks[2]).tolist() == sorted(eos)
+
+
+def test_mask_slices_change_no_mask(compiler, tokenizer):
+    """MASK_SLICES only shortcut the trie walk: inside bounded strings, at every length left, the
+    mask equals the one walked token by token (slices off)."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 12}, "t": {"type": "string", "maxLength": 40}}, "required": ["s", "t"]}
+    lark = lark_from_json_schema(schema)
+    unsliced = compiler.tokenizer.with_slices([])
+    rng = np.random.default_rng(3)
+    bits = np.zeros((2, compiler.mask_words), dtype=np.int32)
+    for _ in range(3):
+        state = compiler.new_state(Constraint(lark=lark), tokenizer)
+        plain = llguidance.LLMatcher(unsliced, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+        while not state.complete:
+            state.fill_mask(bits[0])
+            plain.unsafe_compute_mask_ptr(bits[1].ctypes.data, bits[1].nbytes)
+            assert np.array_equal(bits[0], bits[1])
+            allowed = [t for t in np.flatnonzero(unpack_masks(bits[:1], compiler.vocab_size)[0]) if t not in compiler.eog_ids]
+            if not allowed:
+                break
+            token = int(rng.choice(allowed))
+            state.accept(token)
+            assert plain.consume_token(token)
 
 
 # ---------------------------------------------------------------------- lazy triggers
