@@ -58,6 +58,7 @@ def cached(response: Any) -> int:
 def test_five_turn_chat_reuses_a_growing_prefix(client, raw) -> None:
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
     seen = []
+    previous_prompt_tokens = 0
     for turn, question in enumerate(QUESTIONS):
         messages.append({"role": "user", "content": question})
         reply = chat(client, messages, prompt_cache_key="reader-1")
@@ -66,8 +67,7 @@ def test_five_turn_chat_reuses_a_growing_prefix(client, raw) -> None:
         assert cached(cold) == 0
         seen.append(cached(reply))
         # The reused prefix covers at least the whole previous prompt.
-        if turn:
-            assert cached(reply) >= previous_prompt_tokens
+        assert cached(reply) >= previous_prompt_tokens
         previous_prompt_tokens = reply.usage.prompt_tokens
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
     assert seen[0] == 0

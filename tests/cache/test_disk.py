@@ -211,7 +211,7 @@ def test_index_is_rebuilt_from_headers_and_bad_files_are_removed(tmp_path) -> No
     rejections = {k: v for k, v in again.counters.rejections.items() if v}
     assert rejections == {"not_a_cache_file": 1, "truncated": 1, "foreign_model": 1, "corrupt_header": 1, "stale_temp": 1}
     assert sorted(p.name for p in d.iterdir() if p.name != disk.LOCK_NAME) == sorted(p.name for p in [*good, snap])
-    assert theirs.exists()  # another model's directory is not ours to judge
+    assert not foreign.exists() and theirs.exists()  # another model's directory is not ours to judge
     assert (again.entries, len(again.stores["kv"]), len(again.stores["snapshot"])) == (4, 3, 1)
     assert again.nbytes == sum(p.stat().st_size for p in [*good, snap])
 
