@@ -10,9 +10,10 @@ Levers (what runs where: docs/architecture.md, "Platform notes"):
    kernel, for M = 1 .. 32; plus cblas_sgemv called directly (no MLX) as the reference bandwidth.
 3. Attention (model/attention.py): mx.fast.scaled_dot_product_attention against the CPU path, per
    layer, decode and prompt shapes; the CPU path with its query blocks and its compiled exponent
-   each switched off.
-4. Element-wise pieces alone (model/cpu_fusion.py): SiLU gating (mlx-lm's against the power of 2),
-   RMS norm, RoPE and the MLP plain against compiled, at decode and prompt sizes.
+   each switched off (prompt shapes take their softmax in NumPy: "NumPy softmax" in section 5).
+4. Element-wise pieces alone (model/cpu_fusion.py): SiLU gating (mlx-lm's against the power of 2,
+   in NumPy from a prompt chunk's size), RMS norm, RoPE and the MLP plain against compiled, at
+   decode and prompt sizes.
 5. In the model: a decode step at --context tokens of context and a prefill of --prompt tokens,
    with all levers on and with each one off in turn.
 6. The prefill chunk (``--batch-size``): the same prefill at several chunk sizes.
@@ -273,7 +274,8 @@ class Levers:
         from mlxcel_compat.model import attention, cpu_fusion
 
         self.env, self.attention, self.fusion = env, attention, cpu_fusion
-        self.defaults = (attention.QUERY_BLOCK, attention._exp2_shifted, cpu_fusion.SMALL_ELEMENTS)
+        self.defaults = (attention.QUERY_BLOCK, attention._exp2_shifted, cpu_fusion.SMALL_ELEMENTS,
+                         attention.NUMPY_SOFTMAX_MIN, cpu_fusion.NUMPY_MIN)
         self.swiglu_modules = [m for name, m in sys.modules.items() if name.startswith("mlx_lm.models.")
                                and getattr(m, "swiglu", None) is cpu_fusion.swiglu]
         self.mlx_swiglu = activations.swiglu
@@ -286,8 +288,10 @@ class Levers:
 
         if "all" in off:
             off = LEVERS
-        block, exp2, small = self.defaults
+        block, exp2, small, numpy_softmax, numpy_silu = self.defaults
         self.attention.QUERY_BLOCK = 1 << 30 if "query blocks" in off else block
+        self.attention.NUMPY_SOFTMAX_MIN = 1 << 62 if "NumPy softmax" in off else numpy_softmax
+        self.fusion.NUMPY_MIN = 1 << 62 if "NumPy SiLU" in off else numpy_silu
         self.attention._exp2_shifted = (lambda s, m: mx.power(2.0, s - m)) if "compiled exponent" in off else exp2
         self.fusion.SMALL_ELEMENTS = -1 if "compiled modules" in off else small
         swiglu = self.mlx_swiglu if "SiLU via power of 2" in off else self.fusion.swiglu
@@ -303,7 +307,8 @@ class Levers:
 
 
 # The levers of issue 15.
-LEVERS = ("matmul shim", "compiled modules", "SiLU via power of 2", "compiled exponent", "query blocks")
+LEVERS = ("matmul shim", "compiled modules", "SiLU via power of 2", "compiled exponent", "query blocks", "NumPy softmax",
+          "NumPy SiLU")
 OFF = ("", *LEVERS)
 
 

@@ -37,6 +37,12 @@ def close(a, b) -> bool:
         (2, 12, 4, 16, 200, "bool"),  # batch-cache style (B, 1, L, S) boolean mask
         (2, 12, 4, 16, 200, "additive"),  # (B, 1, L, S) additive mask
         (2, 12, 4, 16, 200, "per-head"),  # (B, Hq, L, S) boolean mask
+        # Below attention.NUMPY_SOFTMAX_MIN score elements the softmax stays in MLX, above it
+        # (every case with more than one query above) NumPy takes it: both paths, every mask kind.
+        (1, 4, 2, 8, 8, "causal"),
+        (1, 4, 2, 4, 40, "bool"),
+        (1, 4, 2, 4, 40, "additive"),
+        (1, 4, 2, 4, 40, "per-head"),
     ],
 )
 def test_matches_mlx_attention(B, Hq, Hk, L, S, mask) -> None:

@@ -2,7 +2,8 @@
 
 - Compiled small-input modules: bit-identical to the plain modules; their compile traces are
   bounded (a trace per prompt-chunk length would stay for the life of the process).
-- SiLU gating through a power of 2: within SWIGLU_RTOL of mlx-lm's ``swiglu``.
+- SiLU gating through a power of 2 (in MLX, or in NumPy for prompt chunks): within SWIGLU_RTOL of
+  mlx-lm's ``swiglu``.
 - Everything together (plus the matmul shim of this process): greedy tokens equal to mlx-lm's own
   reference model, run untouched in a fresh process without any lever, wherever the reference's
   choice was decided (top-2 log-probability gap above MARGIN).
@@ -32,13 +33,24 @@ SWIGLU_RTOL = 1e-6  # float32 rounding of 2 ** y against exp(y ln 2): a few 1e-7
 MARGIN = 1e-3
 
 
-def test_swiglu_agrees_with_mlx_lm() -> None:
-    gate = mx.concatenate([mx.random.normal((4096,)) * 6, mx.array([0.0, -0.0, 1e-30, -1e-30, 80.0, -80.0, 200.0, -200.0])])
+@pytest.mark.parametrize("rows", [1, 64])  # one row: MLX's compiled loop; 64 rows of 4104: NumPy's
+def test_swiglu_agrees_with_mlx_lm(rows: int) -> None:
+    special = mx.array([0.0, -0.0, 1e-30, -1e-30, 80.0, -80.0, 200.0, -200.0])
+    gate = mx.concatenate([mx.random.normal((rows, 4096)) * 6, mx.broadcast_to(special, (rows, 8))], axis=1)[None]
     x = mx.random.normal(gate.shape)
+    assert (gate.size >= cpu_fusion.NUMPY_MIN) == (rows > 1)
     ours, theirs = cpu_fusion.swiglu(gate, x), activations.swiglu(gate, x)
     assert bool(mx.all(mx.isfinite(ours)))
     scale = mx.maximum(mx.abs(theirs), mx.abs(gate * x) * 1e-30 + 1e-30)
     assert (mx.abs(ours - theirs) / scale).max().item() < SWIGLU_RTOL
+
+
+def test_swiglu_inside_a_compiled_trace_stays_in_mlx() -> None:
+    """A compiled MLP traces ``swiglu`` with inputs NumPy would take: no evaluation is possible
+    there, so it computes in MLX, to the same values."""
+    gate, x = mx.random.normal((1, 64, 4096)), mx.random.normal((1, 64, 4096))
+    compiled = mx.compile(cpu_fusion.swiglu)
+    assert mx.allclose(compiled(gate, x), cpu_fusion.swiglu(gate, x), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text"])

@@ -15,11 +15,15 @@ everything else goes to mlx-lm's own function unchanged.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+import os
 import sys
 from functools import partial
 from typing import Any, Callable
 
 import mlx.core as mx
+import numpy as np
 
 LOG2E = 1.4426950408889634
 
@@ -28,6 +32,10 @@ LOG2E = 1.4426950408889634
 # fresh prompt). See scripts/bench_cpu_kernels.py (which also measured the blocks on two MLX CPU
 # streams, i.e. two threads: no gain on two cores, the BLAS already uses both).
 QUERY_BLOCK = 128
+# Score matrices of prompt chunks at least this large (elements, all heads) take their softmax in
+# NumPy (:func:`_exp2_numpy`); decode steps (one query a row) stay lazy in MLX, where an
+# evaluation in the middle of the step would stall the pipelined decode.
+NUMPY_SOFTMAX_MIN = 1 << 16
 
 
 @partial(mx.compile, shapeless=True)
@@ -82,12 +90,67 @@ def _attend(queries: Any, keys: Any, values: Any, scale: float, mask: Any) -> An
     # Scores in log2 units (scale * log2 e folded into the queries), so the softmax's exponential
     # is one power of 2; the normalisation divides the (L, D) output, not the (L, S) weights.
     scores = ((queries * (scale * LOG2E)).reshape(B, Hk, r * L, D) @ keys.swapaxes(-1, -2)).reshape(B, Hk, r, L, S)
-    if grouped is not None:
-        scores = mx.where(grouped, scores, -mx.inf) if grouped.dtype == mx.bool_ else scores + grouped * LOG2E
-    weights = _exp2_shifted(scores, mx.max(scores, axis=-1, keepdims=True))
-    total = mx.sum(weights, axis=-1, keepdims=True).reshape(B, Hk, r * L, 1)
-    out = (weights.reshape(B, Hk, r * L, S) @ values) / total
+    if L > 1 and B * Hq * L * S >= NUMPY_SOFTMAX_MIN and scores.dtype == mx.float32:
+        weights, total = _exp2_numpy(scores, mask if isinstance(mask, str) else grouped)
+    else:
+        if grouped is not None:
+            scores = mx.where(grouped, scores, -mx.inf) if grouped.dtype == mx.bool_ else scores + grouped * LOG2E
+        weights = _exp2_shifted(scores, mx.max(scores, axis=-1, keepdims=True))
+        total = mx.sum(weights, axis=-1, keepdims=True)
+    out = (weights.reshape(B, Hk, r * L, S) @ values) / total.reshape(B, Hk, r * L, 1)
     return out.reshape(B, Hq, L, values.shape[-1]).astype(queries.dtype)
+
+
+def _exp2_numpy(scores: Any, mask: Any) -> tuple[Any, Any]:
+    """``2 ** (masked scores - row max)`` and its row sums, computed by NumPy.
+
+    NumPy's float32 ``exp2``, ``max`` and ``sum`` are vectorized on x86 (~0.4 ns an element
+    here) where MLX's CPU kernels are scalar loops (~9 ns for the power of 2), so for a prompt
+    chunk's score matrix (millions of elements a layer) the cost of evaluating the scores first,
+    mid-graph, and of copying the weights back is small beside what it saves (docs/benchmarks.md).
+    The rows are split over one thread per core (NumPy releases the GIL in its loops; the BLAS
+    threads wait meanwhile). Agrees with the MLX path to float32 rounding (tests/test_attention.py).
+    """
+    mx.eval(scores, *(() if mask is None or isinstance(mask, str) else (mask,)))
+    view = np.asarray(scores)  # MLX's buffer: only read
+    L, S = view.shape[-2:]
+    w = np.empty(view.shape, dtype=np.float32)
+    generic = mask is not None and not isinstance(mask, str)
+    if generic:  # an array mask broadcasts over the 5-D scores: applied here, whole
+        m = np.asarray(mask)
+        if m.dtype == np.bool_:
+            np.copyto(w, np.where(m, view, np.float32(-np.inf)))
+        else:
+            np.add(view, m * np.float32(LOG2E), out=w)
+    src, rows = view.reshape(-1, L, S), w.reshape(-1, L, S)  # groups of the L queries
+    total = np.empty((rows.shape[0], L, 1), dtype=np.float32)
+    # Causal: queries are the last L positions, so query i masks the keys after it, all among the
+    # last L: an additive 0 / -inf triangle on the last L columns.
+    future = np.triu(np.full((L, L), -np.inf, dtype=np.float32), k=1) if mask is not None and not generic else None
+
+    def part(lo: int, hi: int) -> None:
+        out = rows[lo:hi]
+        if not generic:
+            np.copyto(out, src[lo:hi])
+        if future is not None:
+            out[..., S - L :] += future
+        out -= out.max(axis=-1, keepdims=True)
+        np.exp2(out, out=out)
+        np.sum(out, axis=-1, keepdims=True, out=total[lo:hi])
+
+    groups = rows.shape[0]
+    bounds = np.linspace(0, groups, min(_SOFTMAX_THREADS, groups) + 1).astype(int)
+    list(_softmax_pool().map(part, bounds[:-1], bounds[1:]))
+    return mx.array(w), mx.array(total.reshape(*w.shape[:-1], 1))
+
+
+# The softmax runs while the BLAS threads wait for it, so it may use every core this process has.
+_SOFTMAX_THREADS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
+@functools.lru_cache(maxsize=1)
+def _softmax_pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(_SOFTMAX_THREADS, thread_name_prefix="mlxcel-softmax")
 
 
 def make_attention(original: Callable[..., Any]) -> Callable[..., Any]:
