@@ -6,7 +6,9 @@ attention over many keys. Computing the same softmax with a power of 2 (the scor
 units) is about three times faster there, and normalising the output instead of the weights saves
 a pass over the scores; the result agrees to a few 1e-6 relative. Per layer of the small llama
 (scripts/bench_cpu_kernels.py, docs/benchmarks.md): 8 rows decoding at 4K context 29 -> 13 ms,
-74 new prompt tokens over a 2K cached prefix (a prompt-cache hit) 44 -> 23 ms.
+74 new prompt tokens over a 2K cached prefix (a prompt-cache hit) 44 -> 23 ms. A prompt chunk's
+softmax goes further, to NumPy's vectorized loops (:func:`_exp2_numpy`): 512 queries over 1K keys
+65 -> 26 ms a layer.
 
 Only what this path handles exactly is routed here (CPU, no attention sinks, no quantized KV,
 masks that are None, "causal" or a boolean/additive array broadcastable per KV-head group);
@@ -16,10 +18,9 @@ everything else goes to mlx-lm's own function unchanged.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import os
 import sys
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -149,7 +150,7 @@ def _exp2_numpy(scores: Any, mask: Any) -> tuple[Any, Any]:
 _SOFTMAX_THREADS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
 
-@functools.lru_cache(maxsize=1)
+@lru_cache(maxsize=1)
 def _softmax_pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(_SOFTMAX_THREADS, thread_name_prefix="mlxcel-softmax")
 
