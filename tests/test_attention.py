@@ -83,3 +83,11 @@ def test_loaded_models_run_the_cpu_path_with_the_same_logits() -> None:
         module.scaled_dot_product_attention = patched
     assert close(ours, theirs)
     assert mx.array_equal(mx.argmax(ours, axis=-1), mx.argmax(theirs, axis=-1))
+
+
+def test_prompt_chunk_inside_a_compiled_trace_stays_in_mlx() -> None:
+    """A prompt chunk's softmax goes to NumPy only where it can be evaluated mid-step: traced by
+    mx.compile it stays in MLX, to the same result."""
+    q, k, v = qkv(1, 12, 4, 128, 300)
+    compiled = mx.compile(lambda q, k, v: attention.cpu_attention(q, k, v, 0.125, "causal"))
+    assert close(compiled(q, k, v), attention.cpu_attention(q, k, v, 0.125, "causal"))

@@ -26,6 +26,8 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
+from mlxcel_compat.model.cpu_fusion import evaluated_numpy
+
 LOG2E = 1.4426950408889634
 
 # A causal prompt chunk attends in blocks of this many queries, each block to the keys up to its
@@ -92,8 +94,11 @@ def _attend(queries: Any, keys: Any, values: Any, scale: float, mask: Any) -> An
     # Scores in log2 units (scale * log2 e folded into the queries), so the softmax's exponential
     # is one power of 2; the normalisation divides the (L, D) output, not the (L, S) weights.
     scores = ((queries * (scale * LOG2E)).reshape(B, Hk, r * L, D) @ keys.swapaxes(-1, -2)).reshape(B, Hk, r, L, S)
+    numpy_path = None
     if L > 1 and B * Hq * L * S >= NUMPY_SOFTMAX_MIN and scores.dtype == mx.float32:
-        weights, total = _exp2_numpy(scores, mask if isinstance(mask, str) else grouped)
+        numpy_path = _exp2_numpy(scores, mask if isinstance(mask, str) else grouped)
+    if numpy_path is not None:
+        weights, total = numpy_path
     else:
         if grouped is not None:
             scores = mx.where(grouped, scores, -mx.inf) if grouped.dtype == mx.bool_ else scores + grouped * LOG2E
@@ -103,8 +108,9 @@ def _attend(queries: Any, keys: Any, values: Any, scale: float, mask: Any) -> An
     return out.reshape(B, Hq, L, values.shape[-1]).astype(queries.dtype)
 
 
-def _exp2_numpy(scores: Any, mask: Any) -> tuple[Any, Any]:
-    """``2 ** (masked scores - row max)`` and its row sums, computed by NumPy.
+def _exp2_numpy(scores: Any, mask: Any) -> tuple[Any, Any] | None:
+    """``2 ** (masked scores - row max)`` and its row sums, computed by NumPy (None inside an
+    ``mx.compile`` trace: the caller stays in MLX).
 
     NumPy's float32 ``exp2``, ``max`` and ``sum`` are vectorized on x86 (~0.4 ns an element
     here) where MLX's CPU kernels are scalar loops (~9 ns for the power of 2), so for a prompt
@@ -113,13 +119,15 @@ def _exp2_numpy(scores: Any, mask: Any) -> tuple[Any, Any]:
     The rows are split over one thread per core (NumPy releases the GIL in its loops; the BLAS
     threads wait meanwhile). Agrees with the MLX path to float32 rounding (tests/test_attention.py).
     """
-    mx.eval(scores, *(() if mask is None or isinstance(mask, str) else (mask,)))
-    view = np.asarray(scores)  # MLX's buffer: only read
+    causal = isinstance(mask, str)
+    generic = mask is not None and not causal
+    views = evaluated_numpy(scores, *((mask,) if generic else ()))
+    if views is None:
+        return None
+    view, m = views if generic else (views[0], None)
     L, S = view.shape[-2:]
     w = np.empty(view.shape, dtype=np.float32)
-    generic = mask is not None and not isinstance(mask, str)
     if generic:  # an array mask broadcasts over the 5-D scores: applied here, whole
-        m = np.asarray(mask)
         if m.dtype == np.bool_:
             np.copyto(w, np.where(m, view, np.float32(-np.inf)))
         else:
@@ -128,7 +136,7 @@ def _exp2_numpy(scores: Any, mask: Any) -> tuple[Any, Any]:
     total = np.empty((rows.shape[0], L, 1), dtype=np.float32)
     # Causal: queries are the last L positions, so query i masks the keys after it, all among the
     # last L: an additive 0 / -inf triangle on the last L columns.
-    future = np.triu(np.full((L, L), -np.inf, dtype=np.float32), k=1) if mask is not None and not generic else None
+    future = np.triu(np.full((L, L), -np.inf, dtype=np.float32), k=1) if causal else None
 
     def part(lo: int, hi: int) -> None:
         out = rows[lo:hi]

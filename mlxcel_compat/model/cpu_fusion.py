@@ -49,6 +49,17 @@ MAX_SPECIALIZED_SHAPES = 16
 NUMPY_MIN = 1 << 16
 
 
+def evaluated_numpy(*arrays: Any) -> tuple[np.ndarray, ...] | None:
+    """NumPy views of ``arrays``, evaluated now (mid-step), or None inside an ``mx.compile`` trace,
+    where nothing can be evaluated and the caller stays in MLX. The views share MLX's buffers:
+    read them, never write them."""
+    try:
+        mx.eval(*arrays)
+    except ValueError:  # being traced by mx.compile
+        return None
+    return tuple(np.asarray(a) for a in arrays)
+
+
 @partial(mx.compile, shapeless=True)
 def _swiglu_mlx(gate: Any, x: Any) -> Any:
     return gate * x / (1.0 + mx.power(2.0, gate * -LOG2E))
@@ -63,20 +74,19 @@ def swiglu(gate: Any, x: Any) -> Any:
     the middle of the step and one copy back (see ``model/attention.py``, which does the same
     for the softmax). Inside an ``mx.compile`` trace (a compiled MLP) it stays in MLX.
     """
+    views = None
     if gate.ndim >= 2 and gate.shape[-2] > 1 and gate.size >= NUMPY_MIN and gate.dtype == mx.float32:
-        try:
-            mx.eval(gate, x)
-        except ValueError:  # being traced by mx.compile: no evaluation possible
-            return _swiglu_mlx(gate, x)
-        g = np.asarray(gate)
-        out = np.multiply(g, np.float32(-LOG2E))
-        with np.errstate(over="ignore"):  # 2 ** y overflows to inf for gates below -88: silu = -0, as in MLX
-            np.exp2(out, out=out)
-        out += np.float32(1.0)
-        np.divide(g, out, out=out)
-        out *= np.asarray(x)
-        return mx.array(out)
-    return _swiglu_mlx(gate, x)
+        views = evaluated_numpy(gate, x)
+    if views is None:
+        return _swiglu_mlx(gate, x)
+    g, xs = views
+    out = np.multiply(g, np.float32(-LOG2E))
+    with np.errstate(over="ignore"):  # 2 ** y overflows to inf for gates below -88: silu = -0, as in MLX
+        np.exp2(out, out=out)
+    out += np.float32(1.0)
+    np.divide(g, out, out=out)
+    out *= xs
+    return mx.array(out)
 
 
 def _fused_call(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
@@ -168,4 +178,4 @@ def install(model: Any) -> dict[str, int]:
     return counts
 
 
-__all__ = ["MAX_SPECIALIZED_SHAPES", "SMALL_ELEMENTS", "install", "rope_compiles", "swiglu"]
+__all__ = ["MAX_SPECIALIZED_SHAPES", "SMALL_ELEMENTS", "evaluated_numpy", "install", "rope_compiles", "swiglu"]
