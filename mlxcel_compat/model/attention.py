@@ -26,9 +26,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from mlxcel_compat.model.cpu_fusion import evaluated_numpy
-
-LOG2E = 1.4426950408889634
+from mlxcel_compat.model.cpu_fusion import LOG2E, evaluated_numpy
 
 # A causal prompt chunk attends in blocks of this many queries, each block to the keys up to its
 # own end only: the fully masked part of the scores is never computed (about half of them for a
