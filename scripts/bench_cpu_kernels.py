@@ -21,6 +21,8 @@ Levers (what runs where: docs/architecture.md, "Platform notes"):
    length) shapes, and after the same shapes again; ``mx.compile`` keeps a trace per shape it
    specializes, so this must stay flat (``--size tiny``, whose small rows make most prompt chunks
    "small", is the telling case).
+8. The NumPy softmax's settings (model/attention.py): the prefill with each query block size
+   (``--query-blocks``), and with the softmax on one thread against one per core.
 
 Times are medians of --reps repetitions, the variants interleaved (rotating order) so that a noisy
 machine hits them alike; the minimum is shown too. Examples::
@@ -428,6 +430,42 @@ def section_traces(args: argparse.Namespace, env: dict[str, Any]) -> None:
     print(f"| the same shapes again | {len(new)} | {run(new):.1f} |", flush=True)
 
 
+# --------------------------------------------------------------------------- 8. NumPy softmax settings
+
+
+def section_softmax(args: argparse.Namespace, env: dict[str, Any]) -> None:
+    """The prefill with each query block size, and with the NumPy softmax on one thread against one
+    per core (model/attention.py: QUERY_BLOCK, _SOFTMAX_THREADS), interleaved."""
+    from mlxcel_compat.model import attention
+
+    fill = prefill(env, args.prompt, args.chunk)
+    defaults = (attention.QUERY_BLOCK, attention._SOFTMAX_THREADS)
+
+    def variant(block: int, threads: int) -> Callable[[], float]:
+        def run() -> float:
+            attention.QUERY_BLOCK, attention._SOFTMAX_THREADS = block, threads
+            attention._softmax_pool.cache_clear()
+            try:
+                return fill()
+            finally:
+                attention.QUERY_BLOCK, attention._SOFTMAX_THREADS = defaults
+                attention._softmax_pool.cache_clear()
+        return run
+
+    blocks = [int(b) for b in args.query_blocks.split(",")]
+    variants = {(b, defaults[1]): variant(b, defaults[1]) for b in blocks}
+    if defaults[1] > 1:
+        variants[(defaults[0], 1)] = variant(defaults[0], 1)
+    res = benchlib.interleaved(variants, args.reps)
+    base = med(res[defaults])
+    print(f"## 8. NumPy softmax settings: prefill of {args.prompt} tokens in chunks of {args.chunk}, all levers on\n")
+    print("| query block | softmax threads | prefill ms | min | × the default |")
+    print("|---:|---:|---:|---:|---:|")
+    for (block, threads), times in res.items():
+        mark = " (default)" if (block, threads) == defaults else ""
+        print(f"| {block}{mark} | {threads} | {med(times) * 1e3:.0f} | {min(times) * 1e3:.0f} | {med(times) / base:.2f} |", flush=True)
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -452,12 +490,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--size", default="small", help="generated llama size (default small: 88M parameters)")
     ap.add_argument("--model", help="a model directory instead of the generated llama")
-    ap.add_argument("--sections", default="1,2,3,4,5,6,7", help="comma-separated section numbers")
+    ap.add_argument("--sections", default="1,2,3,4,5,6,7,8", help="comma-separated section numbers")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=default_chunk, help="prefill chunk in section 5 (default: the server's)")
     ap.add_argument("--chunks", default="128,256,512,1024,2048")
     ap.add_argument("--chunk-prompts", default="1024,4096")
+    ap.add_argument("--query-blocks", default="32,64,128,256", help="query block sizes in section 8")
     ap.add_argument("--single-thread", action="store_true",
                     help="one BLAS/shim thread, process CPU time as the clock: work, not wall time (shared machines)")
     args = ap.parse_args(argv)
@@ -473,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     env = load_env(args)
     print(f"Active in this process: BLAS {env['info'].name} ({env['info'].kernels} kernels); float32 matmuls: {env['info'].matmul_route}\n")
     for number, section in ((2, section_routes), (3, section_attention), (4, section_pieces), (5, section_model), (6, section_chunk),
-                            (7, section_traces)):
+                            (7, section_traces), (8, section_softmax)):
         if number in sections:
             section(args, env)
             print()

@@ -17,6 +17,9 @@ Three measurements, all in this process (no HTTP, so only the grammar's cost sho
    through it (each step picks a token among those the mask allows). Timed per token: llguidance's
    mask computation, the unpacking to the boolean row the sampler uses, and the 8 masks of a
    batched step (eight states, as ``compute_masks`` computes them). Goal: p50 <= 0.2 ms, p99 <= 2 ms.
+   Also: what the vocabulary holds (tokens a JSON string may hold whole, partial UTF-8 characters,
+   tokens with a quote, backslash or control character), and the mask time with the engine's
+   slices (``MASK_SLICES``) against llguidance's default ones, interleaved over 2 rounds of walks.
 3. **Compile time** of that schema: first request (compilation) against a repeat (the cache), on
    both vocabularies, plus the one-off llguidance tokenizer build.
 
@@ -216,6 +219,43 @@ def bench_masks(compiler: Any, hf: Any, walks: int, seed: int = 7) -> dict[str, 
     }
 
 
+def vocabulary_kinds(compiler: Any) -> dict[str, int]:
+    """How many tokens a JSON string may hold whole (llguidance's string slices can cover them),
+    how many are partial UTF-8 characters, and how many hold a quote, backslash or control char."""
+    import re
+
+    must_escape = re.compile(r'["\\\x00-\x1f\x7f]')
+    kinds = {"json_string": 0, "partial_utf8": 0, "quote_backslash_control_or_empty": 0}
+    tokenizer = compiler.tokenizer
+    for token in range(compiler.vocab_size):
+        try:
+            text = tokenizer.decode_bytes([token]).decode("utf-8")
+        except UnicodeDecodeError:
+            kinds["partial_utf8"] += 1
+            continue
+        kinds["quote_backslash_control_or_empty" if not text or must_escape.search(text) else "json_string"] += 1
+    return kinds
+
+
+def compare_slices(compiler: Any, hf: Any, walks: int) -> dict[str, list[float]]:
+    """Mask p99 (ms) with the engine's slices against llguidance's defaults, 2 interleaved rounds."""
+    import llguidance
+
+    ours = compiler.tokenizer
+    variants = {"engine (MASK_SLICES)": ours, "llguidance default": ours.with_slices(llguidance.LLTokenizer.general_slices())}
+    p99: dict[str, list[float]] = {name: [] for name in variants}
+    try:
+        for round_ in range(2):
+            for name, tokenizer in variants.items():
+                compiler._ll_tokenizer = tokenizer  # benchmark only: the same vocabulary, other slices
+                compiler._compiled.clear()
+                p99[name].append(bench_masks(compiler, hf, walks, seed=8 + round_)["compute_p99_ms"])
+    finally:
+        compiler._ll_tokenizer = ours
+        compiler._compiled.clear()
+    return p99
+
+
 def bench_compile(compiler: Any) -> dict[str, float]:
     from mlxcel_compat.engine.grammar import lark_from_json_schema
 
@@ -250,7 +290,8 @@ def main() -> int:
         print(f"{row['batch']:>3} {row['constrained_tok_s']:>12.1f} {row['unconstrained_tok_s']:>10.1f} {row['ratio_median']:>7.3f}  {reps}")
 
     compiler, hf, build_s = large_compiler(args.vocab)
-    results["large_vocab"] = {"vocab": args.vocab, "tokenizer_build_s": build_s, "compile": bench_compile(compiler), "masks": bench_masks(compiler, hf, args.walks)}
+    results["large_vocab"] = {"vocab": args.vocab, "tokenizer_build_s": build_s, "compile": bench_compile(compiler), "masks": bench_masks(compiler, hf, args.walks),
+                              "kinds": vocabulary_kinds(compiler), "slices_p99_ms": compare_slices(compiler, hf, args.walks)}
     from transformers import AutoTokenizer
 
     from mlxcel_compat.engine.grammar import GrammarCompiler
@@ -266,6 +307,9 @@ def main() -> int:
     print(f"  llguidance mask:            p50 {m['compute_p50_ms']:.3f} ms   p99 {m['compute_p99_ms']:.3f} ms   max {m['compute_max_ms']:.3f} ms")
     print(f"  unpack to a boolean row:    p50 {m['unpack_p50_ms']:.3f} ms   p99 {m['unpack_p99_ms']:.3f} ms")
     print(f"  8 masks of a batched step:  p50 {m['batch8_p50_ms']:.3f} ms   p99 {m['batch8_p99_ms']:.3f} ms")
+    print("  vocabulary: " + ", ".join(f"{n:,} {kind.replace('_', ' ')}" for kind, n in lv["kinds"].items()))
+    for name, values in lv["slices_p99_ms"].items():
+        print(f"  mask p99 with {name} slices, 2 rounds (seeds 8, 9): " + " / ".join(f"{v:.3f}" for v in values) + " ms")
     print(f"\nllguidance tokenizer build ({args.vocab} tokens): {lv['tokenizer_build_s']:.2f} s")
     for name in ("large_vocab", "model_vocab"):
         c = results[name]["compile"]
