@@ -249,8 +249,9 @@ def section_pieces(args: argparse.Namespace, env: dict[str, Any]) -> None:
                     cpu_fusion.SMALL_ELEMENTS = saved
             return run
 
+        silu = "power of 2 in NumPy" if tokens > 1 and g.size >= cpu_fusion.NUMPY_MIN else "power of 2"
         pieces = {
-            "SiLU gating": (lambda: activations.swiglu(g, u), lambda: cpu_fusion.swiglu(g, u), "power of 2"),
+            "SiLU gating": (lambda: activations.swiglu(g, u), lambda: cpu_fusion.swiglu(g, u), silu),
             "RMS norm": (lambda: layer.input_layernorm(x), lambda: layer.input_layernorm(x), "compiled"),
             "RoPE (queries)": (lambda: attn.rope(q, offset=100), lambda: attn.rope(q, offset=100), "compiled"),
             "MLP (gate, up, SiLU, down)": (lambda: layer.mlp(x), lambda: layer.mlp(x), "compiled"),
@@ -258,7 +259,7 @@ def section_pieces(args: argparse.Namespace, env: dict[str, Any]) -> None:
         for name, (plain, lever, what) in pieces.items():
             res = benchlib.interleaved({"plain": many(plain, False), "lever": many(lever, True)}, args.reps)
             used = x.size <= cpu_fusion.SMALL_ELEMENTS and (name != "RoPE (queries)" or cpu_fusion.rope_compiles(q))
-            active = what if what == "power of 2" or used else f"{what} (not used at this size)"
+            active = what if what == silu or used else f"{what} (not used at this size)"
             print(f"| {name} | {tokens} | {med(res['plain']) * 1e6:.0f} | {med(res['lever']) * 1e6:.0f} | "
                   f"{med(res['plain']) / med(res['lever']):.2f} | {active} |", flush=True)
     print(f"\nActive: SiLU gating through a power of 2 always; compiled modules up to {cpu_fusion.SMALL_ELEMENTS} input elements (RoPE: one token per row).")
