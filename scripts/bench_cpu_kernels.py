@@ -10,7 +10,7 @@ Levers (what runs where: docs/architecture.md, "Platform notes"):
    kernel, for M = 1 .. 32; plus cblas_sgemv called directly (no MLX) as the reference bandwidth.
 3. Attention (model/attention.py): mx.fast.scaled_dot_product_attention against the CPU path, per
    layer, decode and prompt shapes; the CPU path with its query blocks and its compiled exponent
-   each switched off (prompt shapes take their softmax in NumPy: "NumPy softmax" in section 5).
+   each switched off (prompt shapes are computed on NumPy arrays: "NumPy attention" in section 5).
 4. Element-wise pieces alone (model/cpu_fusion.py): SiLU gating (mlx-lm's against the power of 2,
    in NumPy from a prompt chunk's size), RMS norm, RoPE and the MLP plain against compiled, at
    decode and prompt sizes.
@@ -21,8 +21,8 @@ Levers (what runs where: docs/architecture.md, "Platform notes"):
    length) shapes, and after the same shapes again; ``mx.compile`` keeps a trace per shape it
    specializes, so this must stay flat (``--size tiny``, whose small rows make most prompt chunks
    "small", is the telling case).
-8. The NumPy softmax's settings (model/attention.py): the prefill with each query block size
-   (``--query-blocks``), and with the softmax on one thread against one per core.
+8. The query block size (model/attention.py ``QUERY_BLOCK``): the prefill with each block size
+   (``--query-blocks``).
 
 Times are medians of --reps repetitions, the variants interleaved (rotating order) so that a noisy
 machine hits them alike; the minimum is shown too. Examples::
@@ -278,7 +278,7 @@ class Levers:
 
         self.env, self.attention, self.fusion = env, attention, cpu_fusion
         self.defaults = (attention.QUERY_BLOCK, attention._exp2_shifted, cpu_fusion.SMALL_ELEMENTS,
-                         attention.NUMPY_SOFTMAX_MIN, cpu_fusion.NUMPY_MIN)
+                         attention.NUMPY_ATTENTION_MIN, cpu_fusion.NUMPY_MIN)
         self.swiglu_modules = [m for name, m in sys.modules.items() if name.startswith("mlx_lm.models.")
                                and getattr(m, "swiglu", None) is cpu_fusion.swiglu]
         self.mlx_swiglu = activations.swiglu
@@ -291,9 +291,9 @@ class Levers:
 
         if "all" in off:
             off = LEVERS
-        block, exp2, small, numpy_softmax, numpy_silu = self.defaults
+        block, exp2, small, numpy_attention, numpy_silu = self.defaults
         self.attention.QUERY_BLOCK = 1 << 30 if "query blocks" in off else block
-        self.attention.NUMPY_SOFTMAX_MIN = 1 << 62 if "NumPy softmax" in off else numpy_softmax
+        self.attention.NUMPY_ATTENTION_MIN = 1 << 62 if "NumPy attention" in off else numpy_attention
         self.fusion.NUMPY_MIN = 1 << 62 if "NumPy SiLU" in off else numpy_silu
         self.attention._exp2_shifted = (lambda s, m: mx.power(2.0, s - m)) if "compiled exponent" in off else exp2
         self.fusion.SMALL_ELEMENTS = -1 if "compiled modules" in off else small
@@ -310,7 +310,7 @@ class Levers:
 
 
 # The levers of issue 15.
-LEVERS = ("matmul shim", "compiled modules", "SiLU via power of 2", "compiled exponent", "query blocks", "NumPy softmax",
+LEVERS = ("matmul shim", "compiled modules", "SiLU via power of 2", "compiled exponent", "query blocks", "NumPy attention",
           "NumPy SiLU")
 OFF = ("", *LEVERS)
 
@@ -431,40 +431,34 @@ def section_traces(args: argparse.Namespace, env: dict[str, Any]) -> None:
     print(f"| the same shapes again | {len(new)} | {run(new):.1f} |", flush=True)
 
 
-# --------------------------------------------------------------------------- 8. NumPy softmax settings
+# --------------------------------------------------------------------------- 8. query blocks
 
 
-def section_softmax(args: argparse.Namespace, env: dict[str, Any]) -> None:
-    """The prefill with each query block size, and with the NumPy softmax on one thread against one
-    per core (model/attention.py: QUERY_BLOCK, _SOFTMAX_THREADS), interleaved."""
+def section_query_blocks(args: argparse.Namespace, env: dict[str, Any]) -> None:
+    """The prefill with each query block size (model/attention.py: QUERY_BLOCK), interleaved."""
     from mlxcel_compat.model import attention
 
     fill = prefill(env, args.prompt, args.chunk)
-    defaults = (attention.QUERY_BLOCK, attention._SOFTMAX_THREADS)
+    default = attention.QUERY_BLOCK
 
-    def variant(block: int, threads: int) -> Callable[[], float]:
+    def variant(block: int) -> Callable[[], float]:
         def run() -> float:
-            attention.QUERY_BLOCK, attention._SOFTMAX_THREADS = block, threads
-            attention._softmax_pool.cache_clear()
+            attention.QUERY_BLOCK = block
             try:
                 return fill()
             finally:
-                attention.QUERY_BLOCK, attention._SOFTMAX_THREADS = defaults
-                attention._softmax_pool.cache_clear()
+                attention.QUERY_BLOCK = default
         return run
 
-    blocks = [int(b) for b in args.query_blocks.split(",")]
-    variants = {(b, defaults[1]): variant(b, defaults[1]) for b in blocks}
-    if defaults[1] > 1:
-        variants[(defaults[0], 1)] = variant(defaults[0], 1)
-    res = benchlib.interleaved(variants, args.reps)
-    base = med(res[defaults])
-    print(f"## 8. NumPy softmax settings: prefill of {args.prompt} tokens in chunks of {args.chunk}, all levers on\n")
-    print("| query block | softmax threads | prefill ms | min | × the default |")
-    print("|---:|---:|---:|---:|---:|")
-    for (block, threads), times in res.items():
-        mark = " (default)" if (block, threads) == defaults else ""
-        print(f"| {block}{mark} | {threads} | {med(times) * 1e3:.0f} | {min(times) * 1e3:.0f} | {med(times) / base:.2f} |", flush=True)
+    blocks = sorted({int(b) for b in args.query_blocks.split(",")} | {default})
+    res = benchlib.interleaved({b: variant(b) for b in blocks}, args.reps)
+    base = med(res[default])
+    print(f"## 8. Query blocks: prefill of {args.prompt} tokens in chunks of {args.chunk}, all levers on\n")
+    print("| query block | prefill ms | min | × the default |")
+    print("|---:|---:|---:|---:|")
+    for block, times in res.items():
+        mark = " (default)" if block == default else ""
+        print(f"| {block}{mark} | {med(times) * 1e3:.0f} | {min(times) * 1e3:.0f} | {med(times) / base:.2f} |", flush=True)
 
 
 # --------------------------------------------------------------------------- main
@@ -513,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     env = load_env(args)
     print(f"Active in this process: BLAS {env['info'].name} ({env['info'].kernels} kernels); float32 matmuls: {env['info'].matmul_route}\n")
     for number, section in ((2, section_routes), (3, section_attention), (4, section_pieces), (5, section_model), (6, section_chunk),
-                            (7, section_traces), (8, section_softmax)):
+                            (7, section_traces), (8, section_query_blocks)):
         if number in sections:
             section(args, env)
             print()

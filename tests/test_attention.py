@@ -37,8 +37,9 @@ def close(a, b) -> bool:
         (2, 12, 4, 16, 200, "bool"),  # batch-cache style (B, 1, L, S) boolean mask
         (2, 12, 4, 16, 200, "additive"),  # (B, 1, L, S) additive mask
         (2, 12, 4, 16, 200, "per-head"),  # (B, Hq, L, S) boolean mask
-        # Below attention.NUMPY_SOFTMAX_MIN score elements the softmax stays in MLX, above it
-        # (every case with more than one query above) NumPy takes it: both paths, every mask kind.
+        # Below attention.NUMPY_ATTENTION_MIN scores a prompt chunk stays in MLX, above it (every
+        # case with more than one query above) it is computed on NumPy arrays: both paths, every
+        # mask kind.
         (1, 4, 2, 8, 8, "causal"),
         (1, 4, 2, 4, 40, "bool"),
         (1, 4, 2, 4, 40, "additive"),
@@ -60,6 +61,48 @@ def test_matches_mlx_attention(B, Hq, Hk, L, S, mask) -> None:
     assert close(ours, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask))
 
 
+def masks(B: int, Hq: int, L: int, S: int) -> dict:
+    causal = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+    window = causal & (mx.arange(S - L, S)[:, None] - mx.arange(S)[None] < 64)
+    return {
+        None: None, "causal": "causal", "bool": mx.broadcast_to(window, (B, 1, L, S)),
+        # graded where visible (a position bias), so a mis-scaled addition shows
+        "additive": mx.where(mx.broadcast_to(window, (B, 1, L, S)), mx.cos(mx.arange(S) * 0.37), -1e9),
+        "per-head": mx.broadcast_to(window, (B, Hq, L, S)),
+    }
+
+
+@pytest.mark.parametrize("kind", [None, "causal", "bool", "additive", "per-head"])
+def test_numpy_path_matches_the_mlx_path(kind) -> None:
+    """The prompt-chunk path (NumPy arrays, the BLAS called directly) against the lazy MLX path on
+    the same inputs, with keys and values laid out as a KV cache hands them over: rows of a larger
+    buffer (strided views)."""
+    B, Hq, Hk, L, S = 2, 12, 4, 150, 330
+    q, kbuf, vbuf = qkv(B, Hq, Hk, L, S + 70, seed=3)
+    k, v = kbuf[:, :, :S], vbuf[:, :, :S]
+    mask = masks(B, Hq, L, S)[kind]
+    ours = attention._attend_numpy(q, k, v, 0.125, mask if mask is None or isinstance(mask, str)
+                                   else attention._group_mask(mask, B, Hq, Hk, L, S))
+    assert ours is not None
+    reference = attention._attend(q, k, v, 0.125, attention._group_mask(mask, B, Hq, Hk, L, S))
+    assert close(ours, reference)
+    assert close(ours, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask))
+
+
+def test_numpy_path_without_a_loaded_blas_uses_numpy_matmul(monkeypatch) -> None:
+    """Where MLX runs on a BLAS this process did not load (``backend.cblas_sgemm()`` is None),
+    the products fall back to NumPy's own matmul, to the same result; keys here are a transposed
+    (B, S, Hk, D) projection, as without a cache."""
+    mx.random.seed(5)
+    q = mx.random.normal((1, 12, 96, 64))
+    k, v = (mx.random.normal((1, 96, 4, 64)).swapaxes(1, 2) for _ in range(2))
+    with_blas = attention._attend_numpy(q, k, v, 0.125, "causal")
+    monkeypatch.setattr(attention.backend, "cblas_sgemm", lambda: None)
+    without = attention._attend_numpy(q, k, v, 0.125, "causal")
+    assert close(with_blas, without)
+    assert close(without, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal"))
+
+
 def test_unhandled_masks_go_to_mlx_unchanged() -> None:
     q, k, v = qkv(1, 4, 2, 8, 40)
     odd = mx.ones((1, 8, 40), dtype=mx.bool_)  # a 3-D mask: not a shape this path handles
@@ -74,7 +117,10 @@ def test_loaded_models_run_the_cpu_path_with_the_same_logits() -> None:
     module = sys.modules[type(loaded.model).__module__]
     patched = module.scaled_dot_product_attention
     assert patched.original is base.scaled_dot_product_attention.original
-    tokens = mx.array([[5, 17, 300, 41, 9, 77, 123, 8]])
+    # 160 tokens: the prompt chunk's attention (4 heads x 160 x 160 scores) is computed on NumPy
+    # arrays (above attention.NUMPY_ATTENTION_MIN).
+    tokens = mx.array([[(37 * i + 5) % 500 for i in range(160)]])
+    assert 4 * 160 * 160 >= attention.NUMPY_ATTENTION_MIN
     ours = loaded.model(tokens, cache=make_prompt_cache(loaded.model))
     module.scaled_dot_product_attention = patched.original
     try:
@@ -86,8 +132,8 @@ def test_loaded_models_run_the_cpu_path_with_the_same_logits() -> None:
 
 
 def test_prompt_chunk_inside_a_compiled_trace_stays_in_mlx() -> None:
-    """A prompt chunk's softmax goes to NumPy only where it can be evaluated mid-step: traced by
-    mx.compile it stays in MLX, to the same result."""
+    """A prompt chunk goes to NumPy only where it can be evaluated mid-step: traced by mx.compile
+    it stays in MLX, to the same result."""
     q, k, v = qkv(1, 12, 4, 128, 300)
     compiled = mx.compile(lambda q, k, v: attention.cpu_attention(q, k, v, 0.125, "causal"))
     assert close(compiled(q, k, v), attention.cpu_attention(q, k, v, 0.125, "causal"))

@@ -2,42 +2,50 @@
 
 On the CPU, ``mx.fast.scaled_dot_product_attention`` runs as a matmul, a softmax and a matmul,
 and the softmax's ``exp`` is a scalar loop (~18 ns an element on these cores) that dominates
-attention over many keys. Computing the same softmax with a power of 2 (the scores taken in log2
-units) is about three times faster there, and normalising the output instead of the weights saves
-a pass over the scores; the result agrees to a few 1e-6 relative. Per layer of the small llama
-(scripts/bench_cpu_kernels.py, docs/benchmarks.md): 8 rows decoding at 4K context 29 -> 13 ms,
-74 new prompt tokens over a 2K cached prefix (a prompt-cache hit) 44 -> 23 ms. A prompt chunk's
-softmax goes further, to NumPy's vectorized loops (:func:`_exp2_numpy`): 512 queries over 1K keys
-65 -> 26 ms a layer.
+attention over many keys. Two paths replace it (scripts/bench_cpu_kernels.py, docs/benchmarks.md):
 
-Only what this path handles exactly is routed here (CPU, no attention sinks, no quantized KV,
-masks that are None, "causal" or a boolean/additive array broadcastable per KV-head group);
-everything else goes to mlx-lm's own function unchanged.
+- **Decode steps** (one query a row) stay lazy in MLX, where an evaluation in the middle of the
+  step would stall the pipelined decode: the softmax is a power of 2 of scores taken in log2
+  units, about three times faster than ``exp`` there, and the output is normalised instead of the
+  weights, which saves a pass over the scores. 8 rows decoding at 4K context 29 -> 13 ms a layer.
+- **Prompt chunks** (more than one query a row, at least ``NUMPY_ATTENTION_MIN`` scores) are
+  evaluated up to the attention and computed on NumPy arrays (:func:`_attend_numpy`): the two
+  products by the same BLAS as MLX's matmuls, called directly, and the softmax by NumPy's float32
+  loops, which are vectorized (~0.4 ns an element here against ~9 ns for MLX's scalar power of
+  2). Each query block's scores are computed, exponentiated and multiplied by the values in place,
+  one KV head at a time, so no score matrix goes back to MLX: only the output does. 512 queries
+  over 1K keys: 140 ms a layer with ``mx.fast``, 26 ms with the softmax alone in NumPy, less with
+  the whole attention there (docs/benchmarks.md).
+
+Both agree with ``mx.fast`` to a few 1e-6 relative (tests/test_attention.py). Only what these
+paths handle exactly is routed here (CPU, no attention sinks, no quantized KV, masks that are
+None, "causal" or a boolean/additive array broadcastable per KV-head group); everything else goes
+to mlx-lm's own function unchanged.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import os
 import sys
-from functools import lru_cache, partial
+from functools import partial
 from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
 
+from mlxcel_compat import backend
 from mlxcel_compat.model.cpu_fusion import LOG2E, evaluated_numpy
 
 # A causal prompt chunk attends in blocks of this many queries, each block to the keys up to its
 # own end only: the fully masked part of the scores is never computed (about half of them for a
-# fresh prompt). See scripts/bench_cpu_kernels.py (which also measured the blocks on two MLX CPU
-# streams, i.e. two threads: no gain on two cores, the BLAS already uses both). With the softmax
-# in NumPy, 64 beat 128 by 4-6 % on a 1K prefill of the small llama (32 and 256 were slower).
+# fresh prompt), and a block's scores for one KV head stay in the core's cache while they are
+# exponentiated and multiplied. 64 beat 128 by 4-6 % on a 1K prefill of the small llama with the
+# softmax in NumPy (32 and 256 were slower; scripts/bench_cpu_kernels.py section 8).
 QUERY_BLOCK = 64
-# Score matrices of prompt chunks at least this large (elements, all heads) take their softmax in
-# NumPy (:func:`_exp2_numpy`); decode steps (one query a row) stay lazy in MLX, where an
-# evaluation in the middle of the step would stall the pipelined decode.
-NUMPY_SOFTMAX_MIN = 1 << 16
+# Attention of prompt chunks with at least this many scores (elements, all heads) is computed on
+# NumPy arrays (:func:`_attend_numpy`); smaller ones, and decode steps, stay lazy in MLX.
+NUMPY_ATTENTION_MIN = 1 << 16
+
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enums
 
 
 @partial(mx.compile, shapeless=True)
@@ -71,94 +79,109 @@ def cpu_attention(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
     Hk, S = keys.shape[1], keys.shape[2]
     if Hq % Hk:
         return None
-    if isinstance(mask, str) and mask == "causal" and L > QUERY_BLOCK:
+    causal = isinstance(mask, str) and mask == "causal"
+    grouped = None if causal else _group_mask(mask, B, Hq, Hk, L, S)
+    if grouped is False:
+        return None
+    if (L > 1 and B * Hq * L * S >= NUMPY_ATTENTION_MIN
+            and queries.dtype == keys.dtype == values.dtype == mx.float32):
+        out = _attend_numpy(queries, keys, values, scale, "causal" if causal else grouped)
+        if out is not None:
+            return out
+    if causal and L > QUERY_BLOCK:
         blocks = []
         for start in range(0, L, QUERY_BLOCK):
             end = min(L, start + QUERY_BLOCK)
             seen = S - L + end  # the block's last query sees keys [0, seen)
             q = queries[:, :, start:end]
-            blocks.append(_attend(q, keys[:, :, :seen], values[:, :, :seen], scale, "causal"))
+            blocks.append(_attend(q, keys[:, :, :seen], values[:, :, :seen], scale, _group_mask(mask, B, Hq, Hk, end - start, seen)))
         return mx.concatenate(blocks, axis=2)
-    return _attend(queries, keys, values, scale, mask)
+    return _attend(queries, keys, values, scale, _group_mask(mask, B, Hq, Hk, L, S) if causal else grouped)
 
 
-def _attend(queries: Any, keys: Any, values: Any, scale: float, mask: Any) -> Any | None:
+def _attend(queries: Any, keys: Any, values: Any, scale: float, grouped: Any) -> Any:
+    """The lazy MLX path; ``grouped`` is a mask from :func:`_group_mask` or None."""
     B, Hq, L, D = queries.shape
     Hk, S = keys.shape[1], keys.shape[2]
-    grouped = _group_mask(mask, B, Hq, Hk, L, S)
-    if grouped is False:
-        return None
     r = Hq // Hk
     # Scores in log2 units (scale * log2 e folded into the queries), so the softmax's exponential
     # is one power of 2; the normalisation divides the (L, D) output, not the (L, S) weights.
     scores = ((queries * (scale * LOG2E)).reshape(B, Hk, r * L, D) @ keys.swapaxes(-1, -2)).reshape(B, Hk, r, L, S)
-    numpy_path = None
-    if L > 1 and B * Hq * L * S >= NUMPY_SOFTMAX_MIN and scores.dtype == mx.float32:
-        numpy_path = _exp2_numpy(scores, mask if isinstance(mask, str) else grouped)
-    if numpy_path is not None:
-        weights, total = numpy_path
-    else:
-        if grouped is not None:
-            scores = mx.where(grouped, scores, -mx.inf) if grouped.dtype == mx.bool_ else scores + grouped * LOG2E
-        weights = _exp2_shifted(scores, mx.max(scores, axis=-1, keepdims=True))
-        total = mx.sum(weights, axis=-1, keepdims=True)
+    if grouped is not None:
+        scores = mx.where(grouped, scores, -mx.inf) if grouped.dtype == mx.bool_ else scores + grouped * LOG2E
+    weights = _exp2_shifted(scores, mx.max(scores, axis=-1, keepdims=True))
+    total = mx.sum(weights, axis=-1, keepdims=True)
     out = (weights.reshape(B, Hk, r * L, S) @ values) / total.reshape(B, Hk, r * L, 1)
     return out.reshape(B, Hq, L, values.shape[-1]).astype(queries.dtype)
 
 
-def _exp2_numpy(scores: Any, mask: Any) -> tuple[Any, Any] | None:
-    """``2 ** (masked scores - row max)`` and its row sums, computed by NumPy (None inside an
-    ``mx.compile`` trace: the caller stays in MLX).
+def _attend_numpy(queries: Any, keys: Any, values: Any, scale: float, mask: Any) -> Any | None:
+    """A prompt chunk's attention on NumPy arrays (float32); None inside an ``mx.compile`` trace,
+    where nothing can be evaluated mid-step and the caller stays in MLX.
 
-    NumPy's float32 ``exp2``, ``max`` and ``sum`` are vectorized on x86 (~0.4 ns an element
-    here) where MLX's CPU kernels are scalar loops (~9 ns for the power of 2), so for a prompt
-    chunk's score matrix (millions of elements a layer) the cost of evaluating the scores first,
-    mid-graph, and of copying the weights back is small beside what it saves (docs/benchmarks.md).
-    The rows are split over one thread per core (NumPy releases the GIL in its loops; the BLAS
-    threads wait meanwhile). Agrees with the MLX path to float32 rounding (tests/test_attention.py).
+    ``mask`` is "causal", None, or a grouped mask (:func:`_group_mask`). Queries go in blocks of
+    ``QUERY_BLOCK`` (causal: each block to the keys up to its own end), and for each block and KV
+    head: scores = Q K^T by the BLAS into one buffer, masked, shifted by their row maxima,
+    exponentiated (a power of 2: the scale folds in log2 e) and summed in place, then multiplied
+    by V, and the (queries, D) result divided by the sums. Reading the inputs costs one evaluation
+    in the middle of the step; MLX gets back one (B, Hq, L, Dv) array.
     """
     causal = isinstance(mask, str)
     generic = mask is not None and not causal
-    views = evaluated_numpy(scores, *((mask,) if generic else ()))
+    views = evaluated_numpy(queries, keys, values, *((mask,) if generic else ()))
     if views is None:
         return None
-    view, m = views if generic else (views[0], None)
-    L, S = view.shape[-2:]
-    w = np.empty(view.shape, dtype=np.float32)
-    if generic:  # an array mask broadcasts over the 5-D scores: applied here, whole
-        if m.dtype == np.bool_:
-            np.copyto(w, np.where(m, view, np.float32(-np.inf)))
-        else:
-            np.add(view, m * np.float32(LOG2E), out=w)
-    src, rows = view.reshape(-1, L, S), w.reshape(-1, L, S)  # groups of the L queries
-    total = np.empty((rows.shape[0], L, 1), dtype=np.float32)
-    # Causal: queries are the last L positions, so query i masks the keys after it, all among the
-    # last L: an additive 0 / -inf triangle on the last L columns.
-    future = np.triu(np.full((L, L), -np.inf, dtype=np.float32), k=1) if causal else None
+    q, k, v = views[:3]
+    B, Hq, L, D = q.shape
+    Hk, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    r = Hq // Hk
+    m = np.broadcast_to(views[3], (B, Hk, r, L, S)) if generic else None
+    q = q.reshape(B, Hk, r, L, D)  # query heads grouped by the KV head they share
+    out = np.empty((B, Hk, r, L, Dv), dtype=np.float32)
+    for start in range(0, L, QUERY_BLOCK):
+        end = min(L, start + QUERY_BLOCK)
+        n = end - start
+        seen = S - L + end if causal else S  # causal: the block's last query sees keys [0, seen)
+        block = q[:, :, :, start:end] * np.float32(scale * LOG2E)  # contiguous (B, Hk, r, n, D)
+        scores = np.empty((r, n, seen), dtype=np.float32)
+        flat = scores.reshape(r * n, seen)
+        weighted = np.empty((r, n, Dv), dtype=np.float32)
+        # Causal: query i of the block sees keys up to seen - n + i: 0 / -inf on the last n columns.
+        future = np.triu(np.full((n, n), -np.inf, dtype=np.float32), k=1) if causal else None
+        for b in range(B):
+            for h in range(Hk):
+                _matmul(block[b, h].reshape(r * n, D), k[b, h, :seen], flat, transpose_b=True)
+                if future is not None:
+                    scores[..., seen - n:] += future
+                elif m is not None:
+                    bm = m[b, h, :, start:end]
+                    if bm.dtype == np.bool_:
+                        np.copyto(scores, np.float32(-np.inf), where=np.logical_not(bm))
+                    else:
+                        scores += bm * np.float32(LOG2E)
+                scores -= scores.max(axis=-1, keepdims=True)
+                np.exp2(scores, out=scores)
+                total = scores.sum(axis=-1, keepdims=True)
+                _matmul(flat, v[b, h, :seen], weighted.reshape(r * n, Dv), transpose_b=False)
+                np.divide(weighted, total, out=out[b, h, :, start:end])
+    return mx.array(out.reshape(B, Hq, L, Dv))
 
-    def part(lo: int, hi: int) -> None:
-        out = rows[lo:hi]
-        if not generic:
-            np.copyto(out, src[lo:hi])
-        if future is not None:
-            out[..., S - L :] += future
-        out -= out.max(axis=-1, keepdims=True)
-        np.exp2(out, out=out)
-        np.sum(out, axis=-1, keepdims=True, out=total[lo:hi])
 
-    groups = rows.shape[0]
-    bounds = np.linspace(0, groups, min(_SOFTMAX_THREADS, groups) + 1).astype(int)
-    list(_softmax_pool().map(part, bounds[:-1], bounds[1:]))
-    return mx.array(w), mx.array(total.reshape(*w.shape[:-1], 1))
+def _matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray, transpose_b: bool) -> None:
+    """out = a @ b (or a @ b.T), float32, by the BLAS MLX uses (:func:`backend.cblas_sgemm`).
 
-
-# The softmax runs while the BLAS threads wait for it, so it may use every core this process has.
-_SOFTMAX_THREADS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
-
-
-@lru_cache(maxsize=1)
-def _softmax_pool() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(_SOFTMAX_THREADS, thread_name_prefix="mlxcel-softmax")
+    ``a`` and ``out`` are C-contiguous; ``b`` may be a strided view (a KV cache's rows), as long
+    as its last axis is contiguous. Without a loaded BLAS, NumPy's own computes it.
+    """
+    sgemm = backend.cblas_sgemm()
+    if sgemm is None:
+        np.matmul(a, b.T if transpose_b else b, out=out)
+        return
+    if b.strides[1] != 4 or b.strides[0] % 4 or b.strides[0] // 4 < b.shape[1]:
+        b = np.ascontiguousarray(b)
+    (M, K), N = a.shape, out.shape[1]
+    sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS if transpose_b else _NO_TRANS, M, N, K, 1.0, a.ctypes.data, K,
+          b.ctypes.data, b.strides[0] // 4, 0.0, out.ctypes.data, N)
 
 
 def make_attention(original: Callable[..., Any]) -> Callable[..., Any]:
