@@ -9,13 +9,16 @@ run instead, the adopted length sits on a prefill chunk boundary the cold run al
 from __future__ import annotations
 
 import os
+import queue
 import random
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from mlxcel_compat.cache.disk import EntryHeader, commit, read_header, write_temp
+from mlxcel_compat.engine import disk_tier
 from tests.conftest import tiny_model
 from tests.engine_harness import EngineHarness
 
@@ -90,6 +93,34 @@ def spilled(h: EngineHarness, seed: int) -> tuple[list[int], Any, Path]:
     settle(h)
     (path,) = files(h)
     return a, cold, path
+
+
+def test_the_writer_paces_itself_while_the_engine_is_busy(llama: EngineHarness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spills are written at full speed while the engine is idle, and at BUSY_WRITE_BYTES_PER_S
+    while a request runs (lowered here so that one small entry takes half a second)."""
+    first, second = tokens(6 * CHUNK + 1, seed=11), tokens(6 * CHUNK + 1, seed=12)
+    llama.run(first, n_predict=4)
+    entry = llama.on_engine(lambda: llama.engine.prefix_cache.store.entries()[0])
+    started = time.monotonic()
+    llama.on_engine(lambda: disk_of(llama).spill("kv", entry))
+    assert settle(llama)["write_paced_ms_total"] == 0  # idle: no pause
+    idle_seconds = time.monotonic() - started
+    llama.run(second, n_predict=4)
+    entry = llama.on_engine(lambda: next(e for e in llama.engine.prefix_cache.store.entries() if list(e.tokens[:8]) == second[:8]))
+    monkeypatch.setattr(disk_tier, "BUSY_WRITE_BYTES_PER_S", entry.nbytes / 0.5)
+    events: queue.Queue = queue.Queue()
+    running = llama.submit(tokens(40, seed=13), events.put, n_predict=3000, ignore_eos=True)
+    while events.empty():  # the long request is decoding
+        time.sleep(0.01)
+    started = time.monotonic()
+    assert llama.on_engine(lambda: (disk_of(llama).spill("kv", entry), llama.engine.busy)) == (True, True)
+    disk = settle(llama)
+    busy_seconds = time.monotonic() - started
+    llama.engine.cancel(running.task_id)
+    assert disk["writes"] == 2
+    assert 450 <= disk["write_paced_ms_total"] <= 600  # the entry's bytes at the lowered rate
+    assert busy_seconds >= 0.45 > idle_seconds
+    assert llama.run(second, n_predict=4).finish.n_cached > 0  # the engine serves on
 
 
 def test_a_corrupted_payload_is_rejected_removed_and_never_adopted(llama: EngineHarness) -> None:

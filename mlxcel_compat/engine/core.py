@@ -343,6 +343,12 @@ class Engine:
             self.batched_decode = self.batched_prefill = False
         return self.batched_decode
 
+    @property
+    def busy(self) -> bool:
+        """Whether requests are running or waiting (read from other threads: the disk tier's
+        writer paces itself while this holds)."""
+        return self._has_work()
+
     def _has_work(self) -> bool:
         return bool(self.waiting) or bool(self.slot_calls) or any(s.sequence is not None for s in self.slots)
 

@@ -12,7 +12,11 @@ views of evaluated arrays and touches files; a finished job goes back to the eng
 drops the arrays) through a results queue, and ``wake`` asks the engine to collect it soon. The
 writer runs at a lower CPU priority, hashes and writes in 8 MiB steps (releasing the GIL), and
 the queue is bounded in bytes: when it is full, an evicted entry is dropped (counted) rather than
-making decode wait.
+making decode wait. While the engine has work, the writer also paces itself to
+``BUSY_WRITE_BYTES_PER_S``: on a machine whose cores decode already uses in full, hashing and
+copying entries into the page cache at full speed (~100 MB/s when a 2K-token entry is evicted twice
+a second) cost decode 5-15 % even at the lowest CPU priority (docs/benchmarks.md), so writes wait
+in the queue for idle time instead, and run at full speed once the engine is idle.
 """
 
 from __future__ import annotations
@@ -52,6 +56,10 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING_BYTES = 1 << 30  # evicted entries waiting for the writer; more are dropped
 WRITER_NICE = 19  # where SCHED_IDLE is not available: the writer yields the CPU to decode
+# Write rate while the engine has work (requests running or waiting). A new 2K-token entry of the
+# small llama (50 MB) takes seconds of prefill on these cores, so new KV arrives at ~20 MB/s at
+# most; faster evictions are repeats and extensions of what is already cached.
+BUSY_WRITE_BYTES_PER_S = 32 << 20
 
 
 @dataclass
@@ -78,6 +86,7 @@ class _Result:
     error: str | None = None
     discarded: bool = False  # a reset happened while it was written
     removed: list[Path] = field(default_factory=list)  # deleted by the budget
+    paced_ms: float = 0.0  # pauses while the engine was busy
 
 
 @dataclass
@@ -94,6 +103,7 @@ class DiskCountersEngine:
     write_errors: int = 0
     writes_dropped: int = 0  # the queue was full
     writes_skipped: int = 0  # already on disk, or larger than the whole budget
+    write_paced_ms: float = 0.0  # the writer's pauses while the engine was busy
 
 
 class DiskTier:
@@ -107,6 +117,7 @@ class DiskTier:
         min_prefix: int,
         apc: ApcConfig | None,
         wake: Callable[[], None] = lambda: None,
+        busy: Callable[[], bool] = lambda: False,
     ) -> None:
         self.root = root
         self.capacity_bytes = capacity_bytes
@@ -121,6 +132,8 @@ class DiskTier:
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._results: queue.Queue[_Result] = queue.Queue()
         self._wake = wake
+        self._busy = busy  # read by the writer thread: whether the engine has work now
+        self._flushing = False  # the shutdown flush writes at full speed
         self._writer = threading.Thread(target=self._write_loop, name="mlxcel-disk-writer", daemon=True)
         self._writer.start()
         log.info(
@@ -228,7 +241,8 @@ class DiskTier:
         if result.error is not None:
             self.counters.write_errors += 1
             log.warning("prompt-cache disk tier: writing %s failed: %s", job.path.name, result.error)
-        elif not result.discarded:
+        self.counters.write_paced_ms += result.paced_ms
+        if result.error is None and not result.discarded:
             self.counters.writes += 1
             self.counters.bytes_written += result.size
             self.index.add(job.header, job.path, result.size)
@@ -249,6 +263,7 @@ class DiskTier:
             if entry.nbytes <= room:
                 chosen.append((kind, entry))
                 room -= entry.nbytes
+        self._flushing = True
         written = sum(self.spill(kind, entry, force=True) for kind, entry in reversed(chosen))
         self.wait_written(timeout)
         if self._queued:
@@ -309,6 +324,7 @@ class DiskTier:
             "writes_dropped": c.writes_dropped,
             "writes_skipped": c.writes_skipped,
             "write_errors": c.write_errors,
+            "write_paced_ms_total": round(c.write_paced_ms, 3),
             "write_queue_entries": len(self._queued),
             "write_queue_bytes": self._pending_bytes,
             "evictions": ic.removed_by_budget,
@@ -326,7 +342,7 @@ class DiskTier:
             "enabled": False, "path": None, "entries": 0, "bytes": 0, "capacity_bytes": 0, "lookups": 0,
             "hits": 0, "misses": 0, "tokens_loaded_total": 0, "loads": 0, "load_ms_total": 0.0, "load_ms_avg": 0.0,
             "load_ms_last": 0.0, "bytes_read_total": 0, "writes": 0, "bytes_written_total": 0,
-            "writes_dropped": 0, "writes_skipped": 0, "write_errors": 0, "write_queue_entries": 0,
+            "writes_dropped": 0, "writes_skipped": 0, "write_errors": 0, "write_paced_ms_total": 0.0, "write_queue_entries": 0,
             "write_queue_bytes": 0, "evictions": 0, "vanished": 0,
             "rejections": dict.fromkeys(REJECT_REASONS, 0), "last_reject": None, "startup_ms": 0.0,
             "startup": dict(files=0, indexed=0, rejected=0, stale_temp=0, removed_by_budget=0),
@@ -341,9 +357,16 @@ class DiskTier:
             if job is None:
                 return
             result = _Result(job)
+
+            def pace(nbytes: int, result: _Result = result) -> None:
+                if not self._flushing and self._busy():
+                    pause = nbytes / BUSY_WRITE_BYTES_PER_S
+                    time.sleep(pause)
+                    result.paced_ms += pause * 1000.0
+
             try:
                 assert job.tensors is not None
-                temp = write_temp(job.path, job.header, job.tensors)
+                temp = write_temp(job.path, job.header, job.tensors, pace)
                 with directory_lock(self.root):
                     if job.generation != self.generation:
                         discard(temp)

@@ -199,7 +199,8 @@ class PrefixCache:
             log.info("Applied prompt-cache disk capacity default: %d bytes (half of what %s could use, at most 16 GiB)", capacity, root)
         loaded = engine.loaded
         compat = Compat(model=loaded.fingerprint, runtime=kv_io.runtime_tag(loaded.model))
-        disk = DiskTier(root, capacity, compat, config.min_prefix, apc, wake=lambda: engine.call(self._refresh))
+        disk = DiskTier(root, capacity, compat, config.min_prefix, apc, wake=lambda: engine.call(self._refresh),
+                        busy=lambda: engine.busy)
         self.store.on_evict = lambda entry: disk.spill("kv", entry)
         if self.snapshots is not None:
             self.snapshots.store.on_evict = lambda entry: disk.spill("snapshot", entry)

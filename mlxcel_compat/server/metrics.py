@@ -139,6 +139,8 @@ def _disk_metrics(d: dict[str, Any]) -> list[Metric]:
         _counter("mlxcel_prompt_cache_disk_written_bytes_total", "Bytes written to the disk tier.", d["bytes_written_total"]),
         _counter("mlxcel_prompt_cache_disk_writes_dropped_total", "Evicted entries not written because the write queue was full.", d["writes_dropped"]),
         _counter("mlxcel_prompt_cache_disk_write_errors_total", "Disk-tier writes that failed.", d["write_errors"]),
+        _counter("mlxcel_prompt_cache_disk_write_paced_seconds_total", "Time the disk-tier writer paused because the engine was busy.",
+                 d["write_paced_ms_total"] / 1000.0),
         _gauge("mlxcel_prompt_cache_disk_write_queue_bytes", "Bytes of evicted entries waiting to be written.", d["write_queue_bytes"]),
         _counter("mlxcel_prompt_cache_disk_evictions_total", "Disk-tier files deleted to keep the byte budget.", d["evictions"]),
         _labelled("mlxcel_prompt_cache_disk_rejections_total", "Disk-tier files rejected and removed, by reason.", "reason", d["rejections"]),
