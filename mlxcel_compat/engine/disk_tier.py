@@ -12,11 +12,12 @@ views of evaluated arrays and touches files; a finished job goes back to the eng
 drops the arrays) through a results queue, and ``wake`` asks the engine to collect it soon. The
 writer runs at a lower CPU priority, hashes and writes in 8 MiB steps (releasing the GIL), and
 the queue is bounded in bytes: when it is full, an evicted entry is dropped (counted) rather than
-making decode wait. While the engine has work, the writer also paces itself to
-``BUSY_WRITE_BYTES_PER_S``: on a machine whose cores decode already uses in full, hashing and
-copying entries into the page cache at full speed (~100 MB/s when a 2K-token entry is evicted twice
-a second) cost decode 5-15 % even at the lowest CPU priority (docs/benchmarks.md), so writes wait
-in the queue for idle time instead, and run at full speed once the engine is idle.
+making decode wait. The files are written with ``O_DIRECT`` where the filesystem takes it
+(``cache/disk.py``), and while the engine has work (``busy``) the writer paces itself to
+``BUSY_WRITE_BYTES_PER_S``, at full speed again once it is idle: on a machine whose cores decode
+already uses in full, writing evicted entries through the page cache at full speed (~100 MB/s when
+a 2K-token entry is evicted twice a second) cost decode up to 17 % even at the lowest CPU
+priority; with both, it measured within the noise of runs that wrote nothing (docs/benchmarks.md).
 """
 
 from __future__ import annotations
