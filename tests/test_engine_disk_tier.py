@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from mlxcel_compat.cache.disk import EntryHeader, commit, read_header, write_temp
-from mlxcel_compat.engine import disk_tier
+from mlxcel_compat.engine import disk_tier, prefix_cache
 from tests.conftest import tiny_model
 from tests.engine_harness import EngineHarness
 
@@ -121,6 +121,19 @@ def test_the_writer_paces_itself_while_the_engine_is_busy(llama: EngineHarness, 
     assert 450 <= disk["write_paced_ms_total"] <= 600  # the entry's bytes at the lowered rate
     assert busy_seconds >= 0.45 > idle_seconds
     assert llama.run(second, n_predict=4).finish.n_cached > 0  # the engine serves on
+
+
+def test_a_ram_reset_hands_memory_back_only_when_it_freed_something(llama: EngineHarness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Handing memory back (MLX's buffer cache, a collection, malloc_trim) costs ~0.1 s, so a RAM
+    reset does it only when entries were dropped; an empty reset returns at once."""
+    handed_back: list[int] = []
+    real = prefix_cache.release_free_memory
+    monkeypatch.setattr(prefix_cache, "release_free_memory", lambda: (handed_back.append(1), real())[1])
+    llama.run(tokens(3 * CHUNK + 1, seed=21), n_predict=2)
+    first = llama.on_engine(lambda: llama.engine.prefix_cache.reset("ram"))
+    assert first["tiers"]["ram"]["cleared_entries"] == 1 and handed_back == [1]
+    again = llama.on_engine(lambda: llama.engine.prefix_cache.reset("ram"))
+    assert again["cleared_entries"] == 0 and handed_back == [1]
 
 
 def test_a_corrupted_payload_is_rejected_removed_and_never_adopted(llama: EngineHarness) -> None:
