@@ -253,7 +253,8 @@ def section_pieces(args: argparse.Namespace, env: dict[str, Any]) -> None:
         pieces = {
             "SiLU gating": (lambda: activations.swiglu(g, u), lambda: cpu_fusion.swiglu(g, u), silu),
             "RMS norm": (lambda: layer.input_layernorm(x), lambda: layer.input_layernorm(x), "compiled"),
-            "RoPE (queries)": (lambda: attn.rope(q, offset=100), lambda: attn.rope(q, offset=100), "compiled"),
+            "RoPE (queries)": (lambda: attn.rope(q, offset=100), lambda: attn.rope(q, offset=100),
+                               "angles shared, rotation compiled" if cpu_fusion.SHARED_ROPE_ANGLES else "compiled"),
             "MLP (gate, up, SiLU, down)": (lambda: layer.mlp(x), lambda: layer.mlp(x), "compiled"),
         }
         for name, (plain, lever, what) in pieces.items():
@@ -278,7 +279,7 @@ class Levers:
 
         self.env, self.attention, self.fusion = env, attention, cpu_fusion
         self.defaults = (attention.QUERY_BLOCK, attention._exp2_shifted, cpu_fusion.SMALL_ELEMENTS,
-                         attention.NUMPY_ATTENTION_MIN, cpu_fusion.NUMPY_MIN)
+                         attention.NUMPY_ATTENTION_MIN, cpu_fusion.NUMPY_MIN, cpu_fusion.SHARED_ROPE_ANGLES)
         self.swiglu_modules = [m for name, m in sys.modules.items() if name.startswith("mlx_lm.models.")
                                and getattr(m, "swiglu", None) is cpu_fusion.swiglu]
         self.mlx_swiglu = activations.swiglu
@@ -291,7 +292,8 @@ class Levers:
 
         if "all" in off:
             off = LEVERS
-        block, exp2, small, numpy_attention, numpy_silu = self.defaults
+        block, exp2, small, numpy_attention, numpy_silu, shared_angles = self.defaults
+        self.fusion.SHARED_ROPE_ANGLES = False if "shared RoPE angles" in off else shared_angles
         self.attention.QUERY_BLOCK = 1 << 30 if "query blocks" in off else block
         self.attention.NUMPY_ATTENTION_MIN = 1 << 62 if "NumPy attention" in off else numpy_attention
         self.fusion.NUMPY_MIN = 1 << 62 if "NumPy SiLU" in off else numpy_silu
@@ -311,7 +313,7 @@ class Levers:
 
 # The levers of issue 15.
 LEVERS = ("matmul shim", "compiled modules", "SiLU via power of 2", "compiled exponent", "query blocks", "NumPy attention",
-          "NumPy SiLU")
+          "NumPy SiLU", "shared RoPE angles")
 OFF = ("", *LEVERS)
 
 

@@ -90,7 +90,12 @@ def test_compile_traces_are_bounded() -> None:
     assert made("_mlxcel_fused") == []
     assert made("_mlxcel_fused_shapeless") == [m for m in fused if m not in ropes]
     mx.eval(model(mx.array([[3]]), cache=cache))
-    assert made("_mlxcel_fused") == fused
+    # One sequence's cache has an integer offset: RoPE shares the step's angles (no trace per module).
+    assert made("_mlxcel_fused") == [m for m in fused if m not in ropes]
+    x = mx.random.normal((2, 4, 1, ropes[0].dims))
+    offsets = mx.array([7, 30])  # a batch's cache: one offset per row, an array
+    assert mx.array_equal(ropes[0](x, offset=offsets), super(type(ropes[0]), ropes[0]).__call__(x, offset=offsets))
+    assert "_mlxcel_fused" in ropes[0].__dict__
     # A per-head norm of a one-KV-head model sees (B, 1, L, Dh) for every chunk length L.
     norm = next(m for m in fused if m not in ropes)
     for length in range(1, 2 * cpu_fusion.MAX_SPECIALIZED_SHAPES):
@@ -99,6 +104,20 @@ def test_compile_traces_are_bounded() -> None:
     assert len(norm.__dict__["_mlxcel_shapes"]) == cpu_fusion.MAX_SPECIALIZED_SHAPES
     assert cpu_fusion.rope_compiles(mx.zeros((4, 12, 1, 64))) and not cpu_fusion.rope_compiles(mx.zeros((1, 12, 2, 64)))
     assert not cpu_fusion.rope_compiles(mx.zeros((64, 12, 1, 64)))  # above SMALL_ELEMENTS
+
+
+@pytest.mark.parametrize("dims,base,scale", [(64, 500000.0, 1.0), (16, 10000.0, 1.0), (128, 1000000.0, 0.25)])
+def test_decode_rope_with_shared_angles_is_bit_identical(dims: int, base: float, scale: float) -> None:
+    """A decode step's RoPE takes its angles from one mx.fast.rope call per position and rotates
+    every layer's queries and keys with them: bit-identical to mx.fast.rope, angles computed once."""
+    rope = nn.RoPE(dims, traditional=False, base=base, scale=scale)
+    cpu_fusion._fuse(rope, cpu_fusion._fused_rope_call)
+    for offset in (0, 1, 777, 31999):
+        for heads in (12, 4):
+            x = mx.random.normal((1, heads, 1, dims)) * 3
+            assert mx.array_equal(rope(x, offset=offset), mx.fast.rope(x, dims, traditional=False, base=base, scale=scale, offset=offset))
+        first = cpu_fusion._angles(rope, offset)
+        assert all(a is b for a, b in zip(first, cpu_fusion._angles(rope, offset)))  # once per position
 
 
 def test_install_is_idempotent() -> None:
