@@ -118,7 +118,10 @@ def cblas_sgemm() -> Any | None:
     """
     global _sgemm
     if _sgemm is None and _loaded is not None and _loaded.path is not None:
-        fn = ctypes.CDLL(_loaded.path).cblas_sgemm  # the library's own definition, not the global one
+        try:
+            fn = ctypes.CDLL(_loaded.path).cblas_sgemm  # the library's own definition, not the global one
+        except (OSError, AttributeError):  # a BLAS without the CBLAS interface: NumPy's matmul then
+            return None
         c_int, c_float, ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
         fn.restype = None
         fn.argtypes = [c_int, c_int, c_int, c_int, c_int, c_int, c_float, ptr, c_int, ptr, c_int, c_float, ptr, c_int]
