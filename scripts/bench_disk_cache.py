@@ -18,7 +18,8 @@ Three parts, each measuring its sides in the same run (``--parts``, all by defau
 * ``decode``: decode tokens/s of one ``--decode-tokens`` stream while other requests keep pushing
   2K-token entries out of RAM (every ``--spill-every`` seconds), on one server with the disk tier:
   runs in which every evicted entry is written (~50 MB each on the small model) alternate with runs
-  in which the same evictions write nothing (their entries are on disk already). Goal: >= 95%.
+  of the same requests under one session key, whose new entries replace their identical
+  predecessors, so nothing is written. Goal: >= 95%.
 
 Example::
 
@@ -294,8 +295,8 @@ def part_decode(model: str, args: argparse.Namespace, work: Path) -> dict[str, A
     try:
         probe = server(model)
         with httpx.Client(base_url=probe.base_url, timeout=600) as c:
-            prefixes = [prefix_of(c, 2000, args.prefix_tokens)]
-            stream(c, prefixes[0])
+            prefix = prefix_of(c, 2000, args.prefix_tokens)
+            stream(c, prefix)
             entry_bytes = c.get("/v1/cache/stats").json()["bytes"]
         probe.stop()
         ram = str(int(entry_bytes * 5.4))
@@ -305,13 +306,13 @@ def part_decode(model: str, args: argparse.Namespace, work: Path) -> dict[str, A
 
         def evict(c: httpx.Client, kind: str) -> dict[str, Any]:
             key = "quiet" if kind == "quiet" else f"spill-{next(fresh)}"
-            return stream(c, prefixes[0], prompt_cache_key=key)["final"]["timings"]
+            return stream(c, prefix, prompt_cache_key=key)["final"]["timings"]
 
         rates: dict[str, list[float]] = {"spill": [], "quiet": []}
         writes: dict[str, list[int]] = {"spill": [], "quiet": []}
         misses = dict.fromkeys(rates, 0)
         with httpx.Client(base_url=s.base_url, timeout=600) as c:
-            stream(c, prefixes[0])
+            stream(c, prefix)
             for _ in range(6):  # RAM full
                 evict(c, "spill")
             for rep in range(args.reps):

@@ -103,3 +103,8 @@ def test_a_refusal_at_the_first_write_falls_back_to_the_page_cache(tmp_path: Pat
     assert header.payload_blake3 == payload_checksum(expected)
     assert path.read_bytes()[-sum(map(len, expected)):] == b"".join(expected)
     assert not list(tmp_path.rglob(".tmp-*"))
+    # The directory is remembered: the next file there goes through the page cache at once.
+    opened = len(direct_fds)
+    path.unlink()
+    write(tmp_path / "c")
+    assert len(direct_fds) == opened and refused == [0]

@@ -104,6 +104,7 @@ _MAX_TABLE_BYTES = 256 << 20  # a bigger table is not ours (1M tokens take ~5.5 
 _CHUNK = 8 << 20  # bytes hashed and written per step (keeps each GIL hold short)
 _DIRECT_ALIGN = 4096  # O_DIRECT offsets, lengths and buffers are multiples of this
 _staging = threading.local()  # each writer thread's page-aligned O_DIRECT buffer (_CHUNK bytes)
+_no_direct_io: set[Path] = set()  # directories whose filesystem refused O_DIRECT: not tried again
 _HEX_ZERO = "0" * 64
 _DTYPE_SIZES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
@@ -266,10 +267,14 @@ def write_temp(final: Path, header: EntryHeader, tensors: Sequence[Tensor],
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         prologue = struct.pack("<Q", len(table)) + table
-        try:
-            digest = _write_payload(_DirectFile.open(temp), prologue, tensors, pace)
-        except _NoDirectIO:
-            os.ftruncate(fd, 0)
+        digest = None
+        if temp.parent not in _no_direct_io:
+            try:
+                digest = _write_payload(_DirectFile.open(temp), prologue, tensors, pace)
+            except _NoDirectIO:
+                _no_direct_io.add(temp.parent)
+                os.ftruncate(fd, 0)
+        if digest is None:
             digest = _write_payload(_BufferedFile(fd), prologue, tensors, pace)
         header.payload_blake3 = digest
         final_table = _table_bytes(header)
