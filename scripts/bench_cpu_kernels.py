@@ -279,7 +279,8 @@ class Levers:
 
         self.env, self.attention, self.fusion = env, attention, cpu_fusion
         self.defaults = (attention.QUERY_BLOCK, attention._exp2_shifted, cpu_fusion.SMALL_ELEMENTS,
-                         attention.NUMPY_ATTENTION_MIN, cpu_fusion.NUMPY_MIN, cpu_fusion.SHARED_ROPE_ANGLES)
+                         attention.NUMPY_ATTENTION_MIN, cpu_fusion.NUMPY_MIN, cpu_fusion.SHARED_ROPE_ANGLES,
+                         attention.UNSHIFTED_SOFTMAX)
         self.swiglu_modules = [m for name, m in sys.modules.items() if name.startswith("mlx_lm.models.")
                                and getattr(m, "swiglu", None) is cpu_fusion.swiglu]
         self.mlx_swiglu = activations.swiglu
@@ -292,7 +293,8 @@ class Levers:
 
         if "all" in off:
             off = LEVERS
-        block, exp2, small, numpy_attention, numpy_silu, shared_angles = self.defaults
+        block, exp2, small, numpy_attention, numpy_silu, shared_angles, unshifted = self.defaults
+        self.attention.UNSHIFTED_SOFTMAX = False if "unshifted softmax" in off else unshifted
         self.fusion.SHARED_ROPE_ANGLES = False if "shared RoPE angles" in off else shared_angles
         self.attention.QUERY_BLOCK = 1 << 30 if "query blocks" in off else block
         self.attention.NUMPY_ATTENTION_MIN = 1 << 62 if "NumPy attention" in off else numpy_attention
@@ -313,7 +315,7 @@ class Levers:
 
 # The levers of issue 15.
 LEVERS = ("matmul shim", "compiled modules", "SiLU via power of 2", "compiled exponent", "query blocks", "NumPy attention",
-          "NumPy SiLU", "shared RoPE angles")
+          "NumPy SiLU", "shared RoPE angles", "unshifted softmax")
 OFF = ("", *LEVERS)
 
 

@@ -89,6 +89,39 @@ def test_numpy_path_matches_the_mlx_path(kind) -> None:
     assert close(ours, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask))
 
 
+@pytest.mark.parametrize("case", ["huge logits", "tiny logits"])
+def test_numpy_softmax_outside_the_unshifted_range_is_computed_shifted(monkeypatch, case) -> None:
+    """The prompt-chunk softmax skips the row-maximum shift only while every row's sum stays in
+    [2^-64, 2^64]. Logits past that (one head's queries scaled up: rows whose 2 ** score
+    overflows; an additive bias of -200 on every key of some queries: rows that underflow to 0)
+    fall back to the shifted form, to the same result as MLX's attention."""
+    B, Hq, Hk, L, S = 1, 8, 4, 128, 128
+    q, k, v = qkv(B, Hq, Hk, L, S, seed=9)
+    mask = "causal"
+    if case == "huge logits":
+        q = q * mx.array([40.0] + [1.0] * (Hq - 1))[:, None, None]  # head 0: 2 ** score overflows
+    else:
+        picked = (mx.arange(L)[:, None] % 3 == 0) & (mx.arange(L)[:, None] < 64)  # in the first block
+        bias = mx.where(picked, -200.0, 0.0)  # on every key of those queries
+        causal = mx.arange(L)[:, None] >= mx.arange(S)[None]
+        mask = mx.broadcast_to(mx.where(causal, bias, -mx.inf), (B, 1, L, S))
+    fallbacks = []
+    unshifted = attention._exp2_unshifted
+
+    def spy(scores):
+        total = unshifted(scores)
+        fallbacks.append(total is None)
+        return total
+
+    monkeypatch.setattr(attention, "_exp2_unshifted", spy)
+    ours = attention._attend_numpy(q, k, v, 0.125, mask if isinstance(mask, str)
+                                   else attention._group_mask(mask, B, Hq, Hk, L, S))
+    assert any(fallbacks) and not all(fallbacks)  # some blocks fell back, others did not
+    reference = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    assert not mx.isnan(ours).any().item()
+    assert close(ours, reference)
+
+
 def test_numpy_path_without_a_loaded_blas_uses_numpy_matmul(monkeypatch) -> None:
     """Where MLX runs on a BLAS this process did not load (``backend.cblas_sgemm()`` is None),
     the products fall back to NumPy's own matmul, to the same result; keys here are a transposed

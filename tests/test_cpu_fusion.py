@@ -61,8 +61,9 @@ def test_compiled_modules_are_bit_identical(family: str) -> None:
     prompt = mx.array([[5, 17, 300, 41, 9, 77, 123, 8]])
 
     def decode(enabled: bool) -> list[mx.array]:
-        saved = cpu_fusion.SMALL_ELEMENTS
-        cpu_fusion.SMALL_ELEMENTS = saved if enabled else -1
+        saved = cpu_fusion.SMALL_ELEMENTS, cpu_fusion.SHARED_ROPE_ANGLES
+        cpu_fusion.SMALL_ELEMENTS = saved[0] if enabled else -1
+        cpu_fusion.SHARED_ROPE_ANGLES = enabled  # off: every RoPE call is mx.fast.rope's own
         try:
             cache = make_prompt_cache(model)
             outs = [model(prompt, cache=cache), model(prompt[:, :3], cache=cache)]  # chunks: shapeless
@@ -71,14 +72,15 @@ def test_compiled_modules_are_bit_identical(family: str) -> None:
             mx.eval(outs)
             return outs
         finally:
-            cpu_fusion.SMALL_ELEMENTS = saved
+            cpu_fusion.SMALL_ELEMENTS, cpu_fusion.SHARED_ROPE_ANGLES = saved
 
     for fused, plain in zip(decode(True), decode(False)):
         assert mx.array_equal(fused, plain)
 
 
 def test_compile_traces_are_bounded() -> None:
-    """Prompt chunks use shapeless compiles (norms, MLPs) or none (RoPE); decode steps per shape."""
+    """Prompt chunks use shapeless compiles (norms, MLPs; RoPE's one shared rotation); decode
+    steps one per shape."""
     model = load_model(str(tiny_model("llama")), []).model
     fused = [m for _, m in model.named_modules() if type(m).__name__.startswith("Fused")]
     ropes = [m for m in fused if isinstance(m, nn.RoPE)]
@@ -118,6 +120,22 @@ def test_decode_rope_with_shared_angles_is_bit_identical(dims: int, base: float,
             assert mx.array_equal(rope(x, offset=offset), mx.fast.rope(x, dims, traditional=False, base=base, scale=scale, offset=offset))
         first = cpu_fusion._angles(rope, offset)
         assert all(a is b for a, b in zip(first, cpu_fusion._angles(rope, offset)))  # once per position
+
+
+@pytest.mark.parametrize("dims,base,scale", [(64, 500000.0, 1.0), (16, 10000.0, 1.0), (128, 1000000.0, 0.25)])
+def test_prompt_chunk_rope_with_shared_angles_is_bit_identical(dims: int, base: float, scale: float) -> None:
+    """A prompt chunk's RoPE takes the angles of its positions from one mx.fast.rope call, shared
+    by queries and keys of every layer, and rotates in one shapeless trace: bit-identical to
+    mx.fast.rope for every chunk length and offset."""
+    rope = nn.RoPE(dims, traditional=False, base=base, scale=scale)
+    cpu_fusion._fuse(rope, cpu_fusion._fused_rope_call)
+    for length, offset in ((2, 0), (7, 900), (100, 37), (512, 512), (1000, 31000)):
+        for heads in (12, 4):
+            x = mx.random.normal((1, heads, length, dims)) * 3
+            assert mx.array_equal(rope(x, offset=offset), mx.fast.rope(x, dims, traditional=False, base=base, scale=scale, offset=offset))
+        first = cpu_fusion._angles(rope, offset, length)
+        assert first[0].shape == (1, 1, length, dims // 2)
+        assert all(a is b for a, b in zip(first, cpu_fusion._angles(rope, offset, length)))  # once per chunk
 
 
 def test_install_is_idempotent() -> None:

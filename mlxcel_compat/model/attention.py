@@ -46,6 +46,11 @@ QUERY_BLOCK = 64
 # NumPy arrays (:func:`_attend_numpy`); smaller ones, and decode steps, stay lazy in MLX.
 NUMPY_ATTENTION_MIN = 1 << 16
 
+# A prompt chunk's softmax exponentiates the scores without shifting them by their row maxima when
+# every row's sum stays in [2^-64, 2^64] (see :func:`_exp2_unshifted`), and shifted otherwise.
+UNSHIFTED_SOFTMAX = True
+_SUM_MIN, _SUM_MAX = np.float32(2.0**-64), np.float32(2.0**64)
+
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enums
 
 
@@ -122,10 +127,10 @@ def _attend_numpy(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
 
     ``mask`` is "causal", None, or a grouped mask (:func:`_group_mask`). Queries go in blocks of
     ``QUERY_BLOCK`` (causal: each block to the keys up to its own end), and for each block and KV
-    head: scores = Q K^T by the BLAS into one buffer, masked, shifted by their row maxima,
-    exponentiated (a power of 2: the scale folds in log2 e) and summed in place, then multiplied
-    by V, and the (queries, D) result divided by the sums. Reading the inputs costs one evaluation
-    in the middle of the step; MLX gets back one (B, Hq, L, Dv) array.
+    head: scores = Q K^T by the BLAS into one buffer, masked, exponentiated (a power of 2: the
+    scale folds in log2 e; unshifted where that is safe, see :func:`_exp2_unshifted`) and summed
+    in place, then multiplied by V, and the (queries, D) result divided by the sums. Reading the inputs costs one evaluation
+    in the middle of the step; MLX gets back one (B, Hq, L, Dv) array, a view of a token-major one.
     """
     causal = isinstance(mask, str)
     generic = mask is not None and not causal
@@ -138,7 +143,10 @@ def _attend_numpy(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
     r = Hq // Hk
     m = np.broadcast_to(views[3], (B, Hk, r, L, S)) if generic else None
     q = q.reshape(B, Hk, r, L, D)  # query heads grouped by the KV head they share
-    out = np.empty((B, Hk, r, L, Dv), dtype=np.float32)
+    # The output is written token-major, (B, L, Hq, Dv), and handed to MLX as a (B, Hq, L, Dv)
+    # view of it: the caller's transpose back to (B, L, Hq * Dv) for the output projection is
+    # then free, where a head-major array costs a strided copy per layer.
+    out = np.empty((B, L, Hk, r, Dv), dtype=np.float32)
     for start in range(0, L, QUERY_BLOCK):
         end = min(L, start + QUERY_BLOCK)
         n = end - start
@@ -151,21 +159,51 @@ def _attend_numpy(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
         future = np.triu(np.full((n, n), -np.inf, dtype=np.float32), k=1) if causal else None
         for b in range(B):
             for h in range(Hk):
-                _matmul(block[b, h].reshape(r * n, D), k[b, h, :seen], flat, transpose_b=True)
-                if future is not None:
-                    scores[..., seen - n:] += future
-                elif m is not None:
-                    bm = m[b, h, :, start:end]
-                    if bm.dtype == np.bool_:
-                        np.copyto(scores, np.float32(-np.inf), where=np.logical_not(bm))
-                    else:
-                        scores += bm * np.float32(LOG2E)
-                scores -= scores.max(axis=-1, keepdims=True)
-                np.exp2(scores, out=scores)
-                total = scores.sum(axis=-1, keepdims=True)
+                bm = m[b, h, :, start:end] if m is not None else None
+                _scores(block[b, h], k[b, h, :seen], scores, future, bm)
+                total = _exp2_unshifted(scores) if UNSHIFTED_SOFTMAX else None
+                if total is None:
+                    if UNSHIFTED_SOFTMAX:  # a row's sum left the safe range: the scores again, shifted
+                        _scores(block[b, h], k[b, h, :seen], scores, future, bm)
+                    scores -= scores.max(axis=-1, keepdims=True)
+                    np.exp2(scores, out=scores)
+                    total = scores.sum(axis=-1, keepdims=True)
                 _matmul(flat, v[b, h, :seen], weighted.reshape(r * n, Dv), transpose_b=False)
-                np.divide(weighted, total, out=out[b, h, :, start:end])
-    return mx.array(out.reshape(B, Hq, L, Dv))
+                np.divide(weighted, total, out=out[b, start:end, h].transpose(1, 0, 2))
+    return mx.array(out.reshape(B, L, Hq, Dv)).transpose(0, 2, 1, 3)
+
+
+def _scores(block: np.ndarray, keys: np.ndarray, scores: np.ndarray, future: np.ndarray | None,
+            mask: np.ndarray | None) -> None:
+    """scores = block K^T for one KV head's query block (r, n, D), then masked: ``future`` on the
+    last n columns (causal), or ``mask`` (r, n, seen), boolean or additive (in natural-log units)."""
+    r, n, D = block.shape
+    _matmul(block.reshape(r * n, D), keys, scores.reshape(r * n, scores.shape[-1]), transpose_b=True)
+    if future is not None:
+        scores[..., scores.shape[-1] - n:] += future
+    elif mask is not None:
+        if mask.dtype == np.bool_:
+            np.copyto(scores, np.float32(-np.inf), where=np.logical_not(mask))
+        else:
+            scores += mask * np.float32(LOG2E)
+
+
+def _exp2_unshifted(scores: np.ndarray) -> np.ndarray | None:
+    """2 ** scores in place and the row sums (r, n, 1), or None if a row's sum is outside
+    [2^-64, 2^64] (``scores`` then holds garbage and must be computed again).
+
+    A softmax shifts each row by its maximum so that the exponential cannot overflow; that costs
+    two passes over the scores (the maximum, the subtraction) of the four its NumPy form makes.
+    Without the shift the weights are the same up to float32 rounding whenever the row's sum is
+    in range: below 2^64 no term overflowed, and above 2^-64 the largest term (at least the sum
+    over the number of keys) is a normal float, so the terms that underflowed to zero were under
+    2^-30 of the sum, below float32's resolution of it. Rows of logits that large or that small
+    are rare (a weight of e^44 against the rest), and the caller recomputes them shifted."""
+    with np.errstate(over="ignore"):
+        np.exp2(scores, out=scores)
+    total = scores.sum(axis=-1, keepdims=True)
+    safe = (total >= _SUM_MIN) & (total <= _SUM_MAX)  # false for inf and nan too
+    return total if safe.all() else None
 
 
 def _matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray, transpose_b: bool) -> None:
