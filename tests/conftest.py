@@ -103,13 +103,18 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+        self.terminate()
+        if self.proc is not None:
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def terminate(self) -> None:
+        """Ask the server to shut down (SIGTERM) without waiting for it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
 
 
 @pytest.fixture(scope="session")
@@ -124,6 +129,8 @@ def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
         return server
 
     yield start
+    for server in started:  # every server shuts down at once: each takes a moment to drain
+        server.terminate()
     for server in started:
         server.stop()
 

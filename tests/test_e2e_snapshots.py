@@ -82,8 +82,10 @@ def runs(family: str, server_factory) -> dict[str, list[dict[str, int]]]:
 
     model = tiny_model(family)
     out = {}
-    for name, env in CONFIGS.items():
-        server = server_factory(["-m", str(model), "-b", "64", "-c", "4096", "--prompt-cache-min-prefix", "16"], env=env)
+    servers = {name: server_factory(["-m", str(model), "-b", "64", "-c", "4096", "--prompt-cache-min-prefix", "16"],
+                                    env=env, wait=False) for name, env in CONFIGS.items()}  # start together
+    for name, server in servers.items():
+        server.wait_healthy()
         with httpx.Client(base_url=server.base_url, timeout=60) as client:
             out[name] = converse(client, warmup=name == "full")
             out[name + "_stats"] = client.get("/v1/cache/stats").json()
