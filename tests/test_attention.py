@@ -106,14 +106,15 @@ def test_numpy_softmax_outside_the_unshifted_range_is_computed_shifted(monkeypat
         causal = mx.arange(L)[:, None] >= mx.arange(S)[None]
         mask = mx.broadcast_to(mx.where(causal, bias, -mx.inf), (B, 1, L, S))
     fallbacks = []
-    unshifted = attention._exp2_unshifted
+    weigh = attention._weigh
 
-    def spy(scores):
-        total = unshifted(scores)
-        fallbacks.append(total is None)
-        return total
+    def spy(scores, values, weighted, shifted):
+        safe = weigh(scores, values, weighted, shifted)
+        if not shifted:
+            fallbacks.append(not safe)
+        return safe
 
-    monkeypatch.setattr(attention, "_exp2_unshifted", spy)
+    monkeypatch.setattr(attention, "_weigh", spy)
     ours = attention._attend_numpy(q, k, v, 0.125, mask if isinstance(mask, str)
                                    else attention._group_mask(mask, B, Hq, Hk, L, S))
     assert any(fallbacks) and not all(fallbacks)  # some blocks fell back, others did not

@@ -47,7 +47,7 @@ QUERY_BLOCK = 64
 NUMPY_ATTENTION_MIN = 1 << 16
 
 # A prompt chunk's softmax exponentiates the scores without shifting them by their row maxima when
-# every row's sum stays in [2^-64, 2^64] (see :func:`_exp2_unshifted`), and shifted otherwise.
+# every row's sum stays in [2^-64, 2^64] (see :func:`_weigh`), and shifted otherwise.
 UNSHIFTED_SOFTMAX = True
 _SUM_MIN, _SUM_MAX = np.float32(2.0**-64), np.float32(2.0**64)
 
@@ -127,9 +127,10 @@ def _attend_numpy(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
 
     ``mask`` is "causal", None, or a grouped mask (:func:`_group_mask`). Queries go in blocks of
     ``QUERY_BLOCK`` (causal: each block to the keys up to its own end), and for each block and KV
-    head: scores = Q K^T by the BLAS into one buffer, masked, exponentiated (a power of 2: the
-    scale folds in log2 e; unshifted where that is safe, see :func:`_exp2_unshifted`) and summed
-    in place, then multiplied by V, and the (queries, D) result divided by the sums. Reading the inputs costs one evaluation
+    head: scores = Q K^T by the BLAS into one buffer, masked, exponentiated in place (a power of
+    2: the scale folds in log2 e; unshifted where that is safe, see :func:`_weigh`), then
+    multiplied by [V | 1], and the (queries, D) result divided by the sums that the column of ones
+    gives. Reading the inputs costs one evaluation
     in the middle of the step; MLX gets back one (B, Hq, L, Dv) array, a view of a token-major one.
     """
     causal = isinstance(mask, str)
@@ -147,29 +148,29 @@ def _attend_numpy(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
     # view of it: the caller's transpose back to (B, L, Hq * Dv) for the output projection is
     # then free, where a head-major array costs a strided copy per layer.
     out = np.empty((B, L, Hk, r, Dv), dtype=np.float32)
+    # The values with a column of ones, [V | 1]: the product by the weights then also gives each
+    # row's sum of weights, in its last column, which spares a pass over the weights (the 65th
+    # column of a 64-wide head cost the BLAS nothing measurable).
+    v1 = np.empty((B, Hk, S, Dv + 1), dtype=np.float32)
+    v1[..., :Dv] = v
+    v1[..., Dv] = 1.0
     for start in range(0, L, QUERY_BLOCK):
         end = min(L, start + QUERY_BLOCK)
         n = end - start
         seen = S - L + end if causal else S  # causal: the block's last query sees keys [0, seen)
         block = q[:, :, :, start:end] * np.float32(scale * LOG2E)  # contiguous (B, Hk, r, n, D)
         scores = np.empty((r, n, seen), dtype=np.float32)
-        flat = scores.reshape(r * n, seen)
-        weighted = np.empty((r, n, Dv), dtype=np.float32)
+        weighted = np.empty((r, n, Dv + 1), dtype=np.float32)
         # Causal: query i of the block sees keys up to seen - n + i: 0 / -inf on the last n columns.
         future = np.triu(np.full((n, n), -np.inf, dtype=np.float32), k=1) if causal else None
         for b in range(B):
             for h in range(Hk):
                 bm = m[b, h, :, start:end] if m is not None else None
                 _scores(block[b, h], k[b, h, :seen], scores, future, bm)
-                total = _exp2_unshifted(scores) if UNSHIFTED_SOFTMAX else None
-                if total is None:
-                    if UNSHIFTED_SOFTMAX:  # a row's sum left the safe range: the scores again, shifted
-                        _scores(block[b, h], k[b, h, :seen], scores, future, bm)
-                    scores -= scores.max(axis=-1, keepdims=True)
-                    np.exp2(scores, out=scores)
-                    total = scores.sum(axis=-1, keepdims=True)
-                _matmul(flat, v[b, h, :seen], weighted.reshape(r * n, Dv), transpose_b=False)
-                np.divide(weighted, total, out=out[b, start:end, h].transpose(1, 0, 2))
+                if not _weigh(scores, v1[b, h, :seen], weighted, shifted=not UNSHIFTED_SOFTMAX):
+                    _scores(block[b, h], k[b, h, :seen], scores, future, bm)  # again, shifted this time
+                    _weigh(scores, v1[b, h, :seen], weighted, shifted=True)
+                np.divide(weighted[..., :Dv], weighted[..., Dv:], out=out[b, start:end, h].transpose(1, 0, 2))
     return mx.array(out.reshape(B, L, Hq, Dv)).transpose(0, 2, 1, 3)
 
 
@@ -188,22 +189,29 @@ def _scores(block: np.ndarray, keys: np.ndarray, scores: np.ndarray, future: np.
             scores += mask * np.float32(LOG2E)
 
 
-def _exp2_unshifted(scores: np.ndarray) -> np.ndarray | None:
-    """2 ** scores in place and the row sums (r, n, 1), or None if a row's sum is outside
-    [2^-64, 2^64] (``scores`` then holds garbage and must be computed again).
+def _weigh(scores: np.ndarray, values: np.ndarray, weighted: np.ndarray, shifted: bool) -> bool:
+    """weighted = 2 ** scores @ values for one KV head's block: ``scores`` (r, n, seen) in log2
+    units, exponentiated in place; ``values`` (seen, Dv + 1) ends with a column of ones, so the
+    last column of ``weighted`` (r, n, Dv + 1) holds the rows' sums. False if a row's sum is
+    outside [2^-64, 2^64] without the shift (``scores`` must then be computed again, shifted).
 
     A softmax shifts each row by its maximum so that the exponential cannot overflow; that costs
-    two passes over the scores (the maximum, the subtraction) of the four its NumPy form makes.
-    Without the shift the weights are the same up to float32 rounding whenever the row's sum is
-    in range: below 2^64 no term overflowed, and above 2^-64 the largest term (at least the sum
-    over the number of keys) is a normal float, so the terms that underflowed to zero were under
-    2^-30 of the sum, below float32's resolution of it. Rows of logits that large or that small
-    are rare (a weight of e^44 against the rest), and the caller recomputes them shifted."""
+    two passes over the scores (the maximum, the subtraction). Without the shift the weights are
+    the same up to float32 rounding whenever the row's sum is in range: below 2^64 no term
+    overflowed, and above 2^-64 the largest term (at least the sum over the number of keys) is a
+    normal float, so the terms that underflowed to zero were under 2^-30 of the sum, below
+    float32's resolution of it. Rows of logits that large or that small are rare (a weight of
+    e^44 against the rest), and the caller recomputes them shifted."""
+    if shifted:
+        scores -= scores.max(axis=-1, keepdims=True)
     with np.errstate(over="ignore"):
         np.exp2(scores, out=scores)
-    total = scores.sum(axis=-1, keepdims=True)
-    safe = (total >= _SUM_MIN) & (total <= _SUM_MAX)  # false for inf and nan too
-    return total if safe.all() else None
+    r, n, seen = scores.shape
+    _matmul(scores.reshape(r * n, seen), values, weighted.reshape(r * n, weighted.shape[-1]), transpose_b=False)
+    if shifted:
+        return True
+    total = weighted[..., -1]
+    return bool(((total >= _SUM_MIN) & (total <= _SUM_MAX)).all())  # false for inf and nan too
 
 
 def _matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray, transpose_b: bool) -> None:
