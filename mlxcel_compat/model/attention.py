@@ -161,39 +161,43 @@ def _attend_numpy(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
         block = q[:, :, :, start:end] * np.float32(scale * LOG2E)  # contiguous (B, Hk, r, n, D)
         scores = np.empty((r, n, seen), dtype=np.float32)
         weighted = np.empty((r, n, Dv + 1), dtype=np.float32)
-        # Causal: query i of the block sees keys up to seen - n + i: 0 / -inf on the last n columns.
-        future = np.triu(np.full((n, n), -np.inf, dtype=np.float32), k=1) if causal else None
+        # Causal: query i of the block sees keys up to seen - n + i, so the last n columns hide
+        # an upper triangle.
+        future = np.triu(np.ones((n, n), dtype=np.bool_), k=1) if causal else None
         for b in range(B):
             for h in range(Hk):
                 bm = m[b, h, :, start:end] if m is not None else None
-                _scores(block[b, h], k[b, h, :seen], scores, future, bm)
-                if not _weigh(scores, v1[b, h, :seen], weighted, shifted=not UNSHIFTED_SOFTMAX):
-                    _scores(block[b, h], k[b, h, :seen], scores, future, bm)  # again, shifted this time
-                    _weigh(scores, v1[b, h, :seen], weighted, shifted=True)
+                _scores(block[b, h], k[b, h, :seen], scores, bm)
+                if not _weigh(scores, v1[b, h, :seen], weighted, future, shifted=not UNSHIFTED_SOFTMAX):
+                    _scores(block[b, h], k[b, h, :seen], scores, bm)  # again, shifted this time
+                    _weigh(scores, v1[b, h, :seen], weighted, future, shifted=True)
                 np.divide(weighted[..., :Dv], weighted[..., Dv:], out=out[b, start:end, h].transpose(1, 0, 2))
     return mx.array(out.reshape(B, L, Hq, Dv)).transpose(0, 2, 1, 3)
 
 
-def _scores(block: np.ndarray, keys: np.ndarray, scores: np.ndarray, future: np.ndarray | None,
-            mask: np.ndarray | None) -> None:
-    """scores = block K^T for one KV head's query block (r, n, D), then masked: ``future`` on the
-    last n columns (causal), or ``mask`` (r, n, seen), boolean or additive (in natural-log units)."""
+def _scores(block: np.ndarray, keys: np.ndarray, scores: np.ndarray, mask: np.ndarray | None) -> None:
+    """scores = block K^T for one KV head's query block (r, n, D), then masked by ``mask`` (r, n,
+    seen), boolean or additive (in natural-log units), if given (a causal block's future is
+    hidden by :func:`_weigh`)."""
     r, n, D = block.shape
     _matmul(block.reshape(r * n, D), keys, scores.reshape(r * n, scores.shape[-1]), transpose_b=True)
-    if future is not None:
-        scores[..., scores.shape[-1] - n:] += future
-    elif mask is not None:
+    if mask is not None:
         if mask.dtype == np.bool_:
             np.copyto(scores, np.float32(-np.inf), where=np.logical_not(mask))
         else:
             scores += mask * np.float32(LOG2E)
 
 
-def _weigh(scores: np.ndarray, values: np.ndarray, weighted: np.ndarray, shifted: bool) -> bool:
+def _weigh(scores: np.ndarray, values: np.ndarray, weighted: np.ndarray, future: np.ndarray | None,
+           shifted: bool) -> bool:
     """weighted = 2 ** scores @ values for one KV head's block: ``scores`` (r, n, seen) in log2
     units, exponentiated in place; ``values`` (seen, Dv + 1) ends with a column of ones, so the
-    last column of ``weighted`` (r, n, Dv + 1) holds the rows' sums. False if a row's sum is
-    outside [2^-64, 2^64] without the shift (``scores`` must then be computed again, shifted).
+    last column of ``weighted`` (r, n, Dv + 1) holds the rows' sums. ``future`` (n, n), if
+    given, marks the scores of the last n columns that the queries must not see (causal): their
+    weights are set to zero after the exponential, because ``exp2(-inf)`` takes the vector math
+    library's slow path for special values (20 % of the exponential's time, measured). False if
+    a row's sum is outside [2^-64, 2^64] without the shift (``scores`` must then be computed
+    again, shifted).
 
     A softmax shifts each row by its maximum so that the exponential cannot overflow; that costs
     two passes over the scores (the maximum, the subtraction). Without the shift the weights are
@@ -202,11 +206,16 @@ def _weigh(scores: np.ndarray, values: np.ndarray, weighted: np.ndarray, shifted
     normal float, so the terms that underflowed to zero were under 2^-30 of the sum, below
     float32's resolution of it. Rows of logits that large or that small are rare (a weight of
     e^44 against the rest), and the caller recomputes them shifted."""
+    r, n, seen = scores.shape
+    tail = scores[..., seen - n:]
     if shifted:
+        if future is not None:  # hidden scores must not set the shift
+            np.copyto(tail, np.float32(-np.inf), where=future)
         scores -= scores.max(axis=-1, keepdims=True)
     with np.errstate(over="ignore"):
         np.exp2(scores, out=scores)
-    r, n, seen = scores.shape
+    if future is not None and not shifted:
+        np.copyto(tail, np.float32(0.0), where=future)
     _matmul(scores.reshape(r * n, seen), values, weighted.reshape(r * n, weighted.shape[-1]), transpose_b=False)
     if shifted:
         return True
