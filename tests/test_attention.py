@@ -108,8 +108,8 @@ def test_numpy_softmax_outside_the_unshifted_range_is_computed_shifted(monkeypat
     fallbacks = []
     weigh = attention._weigh
 
-    def spy(scores, values, weighted, future, shifted):
-        safe = weigh(scores, values, weighted, future, shifted)
+    def spy(scores, values, weighted, hidden, shifted):
+        safe = weigh(scores, values, weighted, hidden, shifted)
         if not shifted:
             fallbacks.append(not safe)
         return safe

@@ -163,39 +163,39 @@ def _attend_numpy(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
         weighted = np.empty((r, n, Dv + 1), dtype=np.float32)
         # Causal: query i of the block sees keys up to seen - n + i, so the last n columns hide
         # an upper triangle.
-        future = np.triu(np.ones((n, n), dtype=np.bool_), k=1) if causal else None
+        hidden = np.triu(np.ones((n, n), dtype=np.bool_), k=1) if causal else None
         for b in range(B):
             for h in range(Hk):
-                bm = m[b, h, :, start:end] if m is not None else None
-                _scores(block[b, h], k[b, h, :seen], scores, bm)
-                if not _weigh(scores, v1[b, h, :seen], weighted, future, shifted=not UNSHIFTED_SOFTMAX):
-                    _scores(block[b, h], k[b, h, :seen], scores, bm)  # again, shifted this time
-                    _weigh(scores, v1[b, h, :seen], weighted, future, shifted=True)
+                bias = None
+                if m is not None:  # a boolean mask hides scores, an additive one biases them
+                    bm = m[b, h, :, start:end]
+                    hidden, bias = (np.logical_not(bm), None) if bm.dtype == np.bool_ else (None, bm)
+                _scores(block[b, h], k[b, h, :seen], scores, bias)
+                if not _weigh(scores, v1[b, h, :seen], weighted, hidden, shifted=not UNSHIFTED_SOFTMAX):
+                    _scores(block[b, h], k[b, h, :seen], scores, bias)  # again, shifted this time
+                    _weigh(scores, v1[b, h, :seen], weighted, hidden, shifted=True)
                 np.divide(weighted[..., :Dv], weighted[..., Dv:], out=out[b, start:end, h].transpose(1, 0, 2))
     return mx.array(out.reshape(B, L, Hq, Dv)).transpose(0, 2, 1, 3)
 
 
-def _scores(block: np.ndarray, keys: np.ndarray, scores: np.ndarray, mask: np.ndarray | None) -> None:
-    """scores = block K^T for one KV head's query block (r, n, D), then masked by ``mask`` (r, n,
-    seen), boolean or additive (in natural-log units), if given (a causal block's future is
-    hidden by :func:`_weigh`)."""
+def _scores(block: np.ndarray, keys: np.ndarray, scores: np.ndarray, bias: np.ndarray | None) -> None:
+    """scores = block K^T for one KV head's query block (r, n, D), plus ``bias`` (r, n, seen), an
+    additive mask in natural-log units, if given (boolean masks are applied by :func:`_weigh`)."""
     r, n, D = block.shape
     _matmul(block.reshape(r * n, D), keys, scores.reshape(r * n, scores.shape[-1]), transpose_b=True)
-    if mask is not None:
-        if mask.dtype == np.bool_:
-            np.copyto(scores, np.float32(-np.inf), where=np.logical_not(mask))
-        else:
-            scores += mask * np.float32(LOG2E)
+    if bias is not None:
+        scores += bias * np.float32(LOG2E)
 
 
-def _weigh(scores: np.ndarray, values: np.ndarray, weighted: np.ndarray, future: np.ndarray | None,
+def _weigh(scores: np.ndarray, values: np.ndarray, weighted: np.ndarray, hidden: np.ndarray | None,
            shifted: bool) -> bool:
     """weighted = 2 ** scores @ values for one KV head's block: ``scores`` (r, n, seen) in log2
     units, exponentiated in place; ``values`` (seen, Dv + 1) ends with a column of ones, so the
-    last column of ``weighted`` (r, n, Dv + 1) holds the rows' sums. ``future`` (n, n), if
-    given, marks the scores of the last n columns that the queries must not see (causal): their
-    weights are set to zero after the exponential, because ``exp2(-inf)`` takes the vector math
-    library's slow path for special values (20 % of the exponential's time, measured). False if
+    last column of ``weighted`` (r, n, Dv + 1) holds the rows' sums. ``hidden``, if given, marks
+    the scores the queries must not see, in the last ``hidden.shape[-1]`` columns (a causal
+    block's (n, n) upper triangle, or a boolean mask's (r, n, seen) complement): their weights are
+    set to zero after the exponential, because ``exp2(-inf)`` takes the vector math library's
+    slow path for special values (a 1024-key block 119 µs against 88, measured). False if
     a row's sum is outside [2^-64, 2^64] without the shift (``scores`` must then be computed
     again, shifted).
 
@@ -207,15 +207,15 @@ def _weigh(scores: np.ndarray, values: np.ndarray, weighted: np.ndarray, future:
     float32's resolution of it. Rows of logits that large or that small are rare (a weight of
     e^44 against the rest), and the caller recomputes them shifted."""
     r, n, seen = scores.shape
-    tail = scores[..., seen - n:]
+    tail = scores[..., seen - hidden.shape[-1]:] if hidden is not None else None
     if shifted:
-        if future is not None:  # hidden scores must not set the shift
-            np.copyto(tail, np.float32(-np.inf), where=future)
+        if hidden is not None:  # hidden scores must not set the shift
+            np.copyto(tail, np.float32(-np.inf), where=hidden)
         scores -= scores.max(axis=-1, keepdims=True)
     with np.errstate(over="ignore"):
         np.exp2(scores, out=scores)
-    if future is not None and not shifted:
-        np.copyto(tail, np.float32(0.0), where=future)
+    if hidden is not None and not shifted:
+        np.copyto(tail, np.float32(0.0), where=hidden)
     _matmul(scores.reshape(r * n, seen), values, weighted.reshape(r * n, weighted.shape[-1]), transpose_b=False)
     if shifted:
         return True
