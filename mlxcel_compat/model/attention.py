@@ -130,8 +130,8 @@ def _attend_numpy(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
     head: scores = Q K^T by the BLAS into one buffer, masked, exponentiated in place (a power of
     2: the scale folds in log2 e; unshifted where that is safe, see :func:`_weigh`), then
     multiplied by [V | 1], and the (queries, D) result divided by the sums that the column of ones
-    gives. Reading the inputs costs one evaluation
-    in the middle of the step; MLX gets back one (B, Hq, L, Dv) array, a view of a token-major one.
+    gives. Reading the inputs costs one evaluation in the middle of the step; MLX gets back one
+    (B, Hq, L, Dv) array, a view of a token-major one.
     """
     causal = isinstance(mask, str)
     generic = mask is not None and not causal
@@ -150,7 +150,7 @@ def _attend_numpy(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
     out = np.empty((B, L, Hk, r, Dv), dtype=np.float32)
     # The values with a column of ones, [V | 1]: the product by the weights then also gives each
     # row's sum of weights, in its last column, which spares a pass over the weights (the 65th
-    # column of a 64-wide head cost the BLAS nothing measurable).
+    # column of a 64-wide head costs the BLAS 5-15 % more, less than that pass).
     v1 = np.empty((B, Hk, S, Dv + 1), dtype=np.float32)
     v1[..., :Dv] = v
     v1[..., Dv] = 1.0
