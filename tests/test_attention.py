@@ -146,8 +146,11 @@ def test_unhandled_masks_go_to_mlx_unchanged() -> None:
     assert mx.array_equal(sdpa(q, k, v, cache=None, scale=0.125, mask=odd), expected)
 
 
-def test_loaded_models_run_the_cpu_path_with_the_same_logits() -> None:
-    loaded = load_model(str(tiny_model("llama")), [])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text"])
+def test_loaded_models_run_the_cpu_path_with_the_same_logits(family: str) -> None:
+    """A 160-token prompt through the model with the CPU path and with mlx-lm's own attention:
+    causal masks, and on gemma3_text's sliding layers (a 64-token window) boolean ones."""
+    loaded = load_model(str(tiny_model(family)), [])
     module = sys.modules[type(loaded.model).__module__]
     patched = module.scaled_dot_product_attention
     assert patched.original is base.scaled_dot_product_attention.original
