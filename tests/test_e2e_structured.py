@@ -249,9 +249,18 @@ def test_openai_sdk_parse_with_a_pydantic_model(structured_server):
 # ---------------------------------------------------------------------- tool calls per family
 
 
+@pytest.fixture(scope="module")
+def family_servers(server_factory) -> dict[str, ServerProcess]:
+    """One server per factory family, all started at once (they load in parallel)."""
+    return {family: server_factory(["-m", str(tiny_model(family)), "-np", "2", "-c", "2048", "-b", "64"], wait=False)
+            for family in FAMILIES}
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
-def family_server(request, server_factory) -> ServerProcess:
-    return server_factory(["-m", str(tiny_model(request.param)), "-np", "2", "-c", "2048", "-b", "64"])
+def family_server(request, family_servers) -> ServerProcess:
+    server = family_servers[request.param]
+    server.wait_healthy()
+    return server
 
 
 def assert_valid_calls(calls: list[dict[str, Any]], allowed: set[str]) -> None:
