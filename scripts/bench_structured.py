@@ -18,7 +18,8 @@ Three measurements, all in this process (no HTTP, so only the grammar's cost sho
    mask computation, the unpacking to the boolean row the sampler uses, and the 8 masks of a
    batched step (eight states, as ``compute_masks`` computes them). Goal: p50 <= 0.2 ms, p99 <= 2 ms.
    Also: what the vocabulary holds (tokens a JSON string may hold whole, partial UTF-8 characters,
-   tokens with a quote, backslash or control character), and the mask time with the engine's
+   tokens with a quote, backslash or control character), its byte trie's nodes per token (the
+   walk no slice covers; llguidance's docs put real tokenizers at about 2), and the mask time with the engine's
    slices (``MASK_SLICES``) against llguidance's default ones, interleaved over 2 rounds of walks.
 3. **Compile time** of that schema: first request (compilation) against a repeat (the cache), on
    both vocabularies, plus the one-off llguidance tokenizer build.
@@ -237,6 +238,18 @@ def vocabulary_kinds(compiler: Any) -> dict[str, int]:
     return kinds
 
 
+def trie_nodes_per_token(compiler: Any) -> float:
+    """Nodes of the vocabulary's byte trie (one per distinct token prefix) per token: the size of
+    the walk behind a mask that no slice covers. llguidance's docs put real tokenizers at about
+    2 (docs/optimizations.md: "around 2 * n_vocab nodes")."""
+    tokenizer = compiler.tokenizer
+    prefixes: set[bytes] = set()
+    for token in range(compiler.vocab_size):
+        data = tokenizer.decode_bytes([token])
+        prefixes.update(data[:i] for i in range(1, len(data) + 1))
+    return len(prefixes) / compiler.vocab_size
+
+
 def compare_slices(compiler: Any, hf: Any, walks: int) -> dict[str, list[float]]:
     """Mask p99 (ms) with the engine's slices against llguidance's defaults, 2 interleaved rounds."""
     import llguidance
@@ -291,7 +304,8 @@ def main() -> int:
 
     compiler, hf, build_s = large_compiler(args.vocab)
     results["large_vocab"] = {"vocab": args.vocab, "tokenizer_build_s": build_s, "compile": bench_compile(compiler), "masks": bench_masks(compiler, hf, args.walks),
-                              "kinds": vocabulary_kinds(compiler), "slices_p99_ms": compare_slices(compiler, hf, args.walks)}
+                              "kinds": vocabulary_kinds(compiler), "trie_nodes_per_token": trie_nodes_per_token(compiler),
+                              "slices_p99_ms": compare_slices(compiler, hf, args.walks)}
     from transformers import AutoTokenizer
 
     from mlxcel_compat.engine.grammar import GrammarCompiler
@@ -307,7 +321,8 @@ def main() -> int:
     print(f"  llguidance mask:            p50 {m['compute_p50_ms']:.3f} ms   p99 {m['compute_p99_ms']:.3f} ms   max {m['compute_max_ms']:.3f} ms")
     print(f"  unpack to a boolean row:    p50 {m['unpack_p50_ms']:.3f} ms   p99 {m['unpack_p99_ms']:.3f} ms")
     print(f"  8 masks of a batched step:  p50 {m['batch8_p50_ms']:.3f} ms   p99 {m['batch8_p99_ms']:.3f} ms")
-    print("  vocabulary: " + ", ".join(f"{n:,} {kind.replace('_', ' ')}" for kind, n in lv["kinds"].items()))
+    print("  vocabulary: " + ", ".join(f"{n:,} {kind.replace('_', ' ')}" for kind, n in lv["kinds"].items())
+          + f"; its byte trie has {lv['trie_nodes_per_token']:.2f} nodes per token")
     for name, values in lv["slices_p99_ms"].items():
         print(f"  mask p99 with {name} slices, 2 rounds (seeds 8, 9): " + " / ".join(f"{v:.3f}" for v in values) + " ms")
     print(f"\nllguidance tokenizer build ({args.vocab} tokens): {lv['tokenizer_build_s']:.2f} s")
