@@ -21,6 +21,7 @@ from mlxcel_compat.engine.sampling import (
     DEFAULT_SEED,
     SamplerChain,
     SamplingParams,
+    _Cands,
     dry_penalties,
     dry_sequence_breakers,
     parse_logit_bias,
@@ -431,6 +432,25 @@ def test_mirostat_and_adaptive_p_draw_valid_tokens():
     assert probs[3:].sum() == 0.0 and math.isclose(probs.sum(), 1.0, rel_tol=1e-5)
 
 
+def test_numpy_samplers_take_overflowed_logits_without_nan():
+    """Mirostat 1 and 2 and adaptive-p compute their softmax in NumPy: a logit that overflowed to
+    +inf (a temperature near 0) gets all the probability, with no inf - inf on the way."""
+    import warnings
+
+    overflowed = LOGITS.copy()
+    overflowed[2] = np.inf
+    mirostat = [SamplingParams(mirostat=version, seed=5, post_sampling_probs=True) for version in (1, 2)]
+    adaptive = SamplingParams(samplers=["adaptive_p"], adaptive_target=0.3, seed=5, post_sampling_probs=True)
+    for params in (*mirostat, adaptive):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            result = SamplerChain(params, VOCAB, [EOG]).sample(mx.array(overflowed))
+        probs = np.array(result.probs)
+        assert not np.isnan(probs).any() and math.isclose(probs.sum(), 1.0, rel_tol=1e-5)
+        if params is not adaptive:  # adaptive-p steers towards its target probability, not the top
+            assert result.token.item() == 2
+
+
 # -- tokenizer-backed samplers (DRY breakers, infill) ----------------------------
 
 
@@ -464,6 +484,24 @@ def test_dry_breakers_from_vocab(bpe_tokenizer):
     # "Hello" ends with "lo", a prefix of "lo wo": the rest must follow as tokens
     tail = tuple(bpe_tokenizer.encode(" wo", add_special_tokens=False))
     assert tail in breakers[hello]
+
+
+def test_infill_with_overflowed_logits_keeps_the_infinite_ones(bpe_tokenizer):
+    """A temperature near 0 (1e-40 in float32) can turn logits into +inf before the infill
+    sampler: the infinite ones then hold all the probability, with no NaN on the way."""
+    import warnings
+
+    vocab = len(bpe_tokenizer)
+    hello = bpe_tokenizer.convert_tokens_to_ids("Hello")
+    eos = bpe_tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    logits = np.full(vocab, -np.inf, dtype=np.float32)
+    logits[[hello, bpe_tokenizer.convert_tokens_to_ids("Ġworld"), eos]] = [np.inf, 1.2, -5.0]
+    chain = SamplerChain(SamplingParams(samplers=["infill"], seed=2), vocab, [eos], tokenizer=bpe_tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an inf - inf in the sampler warns
+        kept = chain._apply_infill(_Cands(mx.array(logits), None))
+    kept_ids = set(np.flatnonzero(np.array(kept.logits) > -np.inf).tolist())
+    assert hello in kept_ids and bpe_tokenizer.convert_tokens_to_ids("Ġworld") not in kept_ids
 
 
 def test_infill_merges_prefixes_and_keeps_confident(bpe_tokenizer):

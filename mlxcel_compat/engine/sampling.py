@@ -478,6 +478,15 @@ def _softmax(logits: mx.array) -> mx.array:
     return mx.softmax(logits, axis=-1)
 
 
+def _softmax_np(logits: np.ndarray) -> np.ndarray:
+    """Softmax of float64 logits for the samplers that run in NumPy. Logits that overflowed to
+    +inf (a temperature near 0 divides them) hold all the probability, shared equally; the
+    shift by the maximum would otherwise compute inf - inf."""
+    top = logits.max()
+    probs = np.isposinf(logits).astype(np.float64) if np.isposinf(top) else np.exp(logits - top)
+    return probs / probs.sum()
+
+
 def _keep_sorted_prefix(cond: mx.array) -> mx.array:
     """Keep sorted positions up to and including the first one where ``cond`` holds."""
     before = mx.cumsum(cond.astype(mx.int32)) - cond.astype(mx.int32)
@@ -856,8 +865,7 @@ class SamplerChain:
         alive = alive[np.argsort(-logits_np[alive], kind="stable")]
         lg = logits_np[alive].copy()
         ids = ids_np[alive]
-        probs = np.exp(lg - lg[0])
-        probs /= probs.sum()
+        probs = _softmax_np(lg)
         eog_set = set(self.eog_token_ids)
         is_eog = np.array([int(t) in eog_set for t in ids], dtype=bool)
         keep = np.zeros(logits_np.shape[0], dtype=bool)
@@ -922,8 +930,7 @@ class SamplerChain:
         ids = np.arange(logits.shape[0]) if c.ids is None else np.array(c.ids).astype(np.int64)
         alive = logits > _NEG_INF
         probs = np.zeros_like(logits)
-        probs[alive] = np.exp(logits[alive] - logits[alive].max())
-        probs /= probs.sum()
+        probs[alive] = _softmax_np(logits[alive])
         target = min(max(self.params.adaptive_target, 0.0), 1.0)
         if self._adaptive_total_weight == 0.0:
             adapted = target
@@ -933,8 +940,7 @@ class SamplerChain:
         dist = np.abs((probs - adapted) / 0.3)
         new_logits = np.where(alive, 5.0 - 10.0 * dist * dist / (1.0 + dist), _NEG_INF)
         new_probs = np.zeros_like(new_logits)
-        new_probs[alive] = np.exp(new_logits[alive] - new_logits[alive].max())
-        new_probs /= new_probs.sum()
+        new_probs[alive] = _softmax_np(new_logits[alive])
         idx = self._draw_numpy(new_probs)
         decay = self._adaptive_decay
         self._adaptive_weighted_sum = probs[idx] + decay * self._adaptive_weighted_sum
@@ -948,12 +954,7 @@ class SamplerChain:
         logits = np.array(c.logits, dtype=np.float64)
         order = np.argsort(-logits, kind="stable")
         sorted_logits = logits[order]
-
-        def softmax(x: np.ndarray) -> np.ndarray:
-            e = np.exp(x - x[0])
-            return e / e.sum()
-
-        probs = softmax(sorted_logits)
+        probs = _softmax_np(sorted_logits)
         if self._mirostat == 1:
             m = 100
             count = min(m - 1, len(probs) - 1)
@@ -972,7 +973,7 @@ class SamplerChain:
             over = np.flatnonzero(surprise > self._mirostat_mu)
             size = int(over[0]) if over.size else len(probs)
             size = max(size, 1)
-        kept = softmax(sorted_logits[:size])
+        kept = _softmax_np(sorted_logits[:size])
         idx = self._draw_numpy(kept)
         observed = -math.log2(max(float(kept[idx]), 1e-45))
         self._mirostat_mu -= p.mirostat_eta * (observed - p.mirostat_tau)
