@@ -8,6 +8,7 @@ differing position must be one where the sequential run was near a tie.
 
 from __future__ import annotations
 
+import os
 import queue
 import random
 
@@ -329,3 +330,17 @@ def test_a_model_without_batch_caches_serves_concurrent_requests_one_pass_each(h
         assert len(tokens) == 5
         agree_where_decided(Run(tokens=tokens), harness.run(prompt, n_predict=5, n_probs=2, ignore_eos=True, cache=False))
     assert harness.on_engine(engine.probe_batching)  # the real model batches
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's per-thread /proc entries")
+def test_stop_returns_once_the_engine_os_thread_is_gone() -> None:
+    """Engine.stop waits for the engine's OS thread to end, its C++ thread-local destructors
+    included: MLX's per-thread compile cache takes the GIL there, and a process that exited
+    right after a stop aborted ("terminate called without an active exception", about one exit
+    in three for this file) when that destructor ran during interpreter finalization."""
+    h = EngineHarness(tiny_model("llama"), n_parallel=1, enabled=False)
+    h.run(random_tokens(20, seed=1), n_predict=4)  # the engine thread runs compiled functions
+    task = f"/proc/self/task/{h.engine._thread.native_id}"
+    assert os.path.exists(task)
+    h.close()
+    assert not os.path.exists(task)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 import threading
 import time
@@ -170,6 +171,8 @@ class Engine:
         self._commands.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            _wait_for_os_thread(self._thread.native_id, timeout)
 
     @property
     def running(self) -> bool:
@@ -703,3 +706,20 @@ def _config_value(config: dict[str, Any], key: str, default: Any) -> Any:
 
 
 __all__ = ["Engine", "EngineConfig", "EngineMetrics"]
+
+
+def _wait_for_os_thread(native_id: int | None, timeout: float) -> None:
+    """Wait until the OS thread ``native_id`` has exited, not only its Python code.
+
+    ``Thread.join`` returns once the thread's Python code is done, but the OS thread then still
+    runs its C++ thread-local destructors, and MLX's per-thread ``mx.compile`` cache is one that
+    takes the GIL. If the interpreter is finalizing by then (a process that exits right after
+    stopping the engine), taking the GIL ends the thread inside that destructor and the process
+    aborts ("terminate called without an active exception"). Linux lists a process's live
+    threads in /proc/self/task; where it does not, this returns at once."""
+    if native_id is None:
+        return
+    task = f"/proc/self/task/{native_id}"
+    deadline = time.monotonic() + timeout
+    while os.path.exists(task) and time.monotonic() < deadline:
+        time.sleep(0.001)
