@@ -19,8 +19,9 @@ Three measurements, all in this process (no HTTP, so only the grammar's cost sho
    batched step (eight states, as ``compute_masks`` computes them). Goal: p50 <= 0.2 ms, p99 <= 2 ms.
    Also: what the vocabulary holds (tokens a JSON string may hold whole, partial UTF-8 characters,
    tokens with a quote, backslash or control character), its byte trie's nodes per token (the
-   walk no slice covers; llguidance's docs put real tokenizers at about 2), and the mask time with the engine's
-   slices (``MASK_SLICES``) against llguidance's default ones, interleaved over 2 rounds of walks.
+   walk no slice covers; llguidance's docs put real tokenizers at about 2), and the mask time
+   with the engine's slices (``MASK_SLICES``) against llguidance's default ones, interleaved over
+   2 rounds of walks.
 3. **Compile time** of that schema: first request (compilation) against a repeat (the cache), on
    both vocabularies, plus the one-off llguidance tokenizer build.
 
@@ -220,34 +221,28 @@ def bench_masks(compiler: Any, hf: Any, walks: int, seed: int = 7) -> dict[str, 
     }
 
 
-def vocabulary_kinds(compiler: Any) -> dict[str, int]:
-    """How many tokens a JSON string may hold whole (llguidance's string slices can cover them),
-    how many are partial UTF-8 characters, and how many hold a quote, backslash or control char."""
+def vocabulary_shape(compiler: Any) -> tuple[dict[str, int], float]:
+    """What the vocabulary holds, in one pass over its tokens: how many a JSON string may hold
+    whole (llguidance's string slices can cover them), how many are partial UTF-8 characters, and
+    how many hold a quote, backslash or control char; and its byte trie's nodes (one per distinct
+    token prefix) per token, the size of the walk behind a mask that no slice covers (llguidance's
+    docs/optimizations.md: "around 2 * n_vocab nodes" for real tokenizers)."""
     import re
 
     must_escape = re.compile(r'["\\\x00-\x1f\x7f]')
     kinds = {"json_string": 0, "partial_utf8": 0, "quote_backslash_control_or_empty": 0}
+    prefixes: set[bytes] = set()
     tokenizer = compiler.tokenizer
     for token in range(compiler.vocab_size):
+        data = tokenizer.decode_bytes([token])
+        prefixes.update(data[:i] for i in range(1, len(data) + 1))
         try:
-            text = tokenizer.decode_bytes([token]).decode("utf-8")
+            text = data.decode("utf-8")
         except UnicodeDecodeError:
             kinds["partial_utf8"] += 1
             continue
         kinds["quote_backslash_control_or_empty" if not text or must_escape.search(text) else "json_string"] += 1
-    return kinds
-
-
-def trie_nodes_per_token(compiler: Any) -> float:
-    """Nodes of the vocabulary's byte trie (one per distinct token prefix) per token: the size of
-    the walk behind a mask that no slice covers. llguidance's docs put real tokenizers at about
-    2 (docs/optimizations.md: "around 2 * n_vocab nodes")."""
-    tokenizer = compiler.tokenizer
-    prefixes: set[bytes] = set()
-    for token in range(compiler.vocab_size):
-        data = tokenizer.decode_bytes([token])
-        prefixes.update(data[:i] for i in range(1, len(data) + 1))
-    return len(prefixes) / compiler.vocab_size
+    return kinds, len(prefixes) / compiler.vocab_size
 
 
 def compare_slices(compiler: Any, hf: Any, walks: int) -> dict[str, list[float]]:
@@ -303,9 +298,9 @@ def main() -> int:
         print(f"{row['batch']:>3} {row['constrained_tok_s']:>12.1f} {row['unconstrained_tok_s']:>10.1f} {row['ratio_median']:>7.3f}  {reps}")
 
     compiler, hf, build_s = large_compiler(args.vocab)
+    kinds, nodes_per_token = vocabulary_shape(compiler)
     results["large_vocab"] = {"vocab": args.vocab, "tokenizer_build_s": build_s, "compile": bench_compile(compiler), "masks": bench_masks(compiler, hf, args.walks),
-                              "kinds": vocabulary_kinds(compiler), "trie_nodes_per_token": trie_nodes_per_token(compiler),
-                              "slices_p99_ms": compare_slices(compiler, hf, args.walks)}
+                              "kinds": kinds, "trie_nodes_per_token": nodes_per_token, "slices_p99_ms": compare_slices(compiler, hf, args.walks)}
     from transformers import AutoTokenizer
 
     from mlxcel_compat.engine.grammar import GrammarCompiler

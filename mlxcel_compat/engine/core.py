@@ -705,9 +705,6 @@ def _config_value(config: dict[str, Any], key: str, default: Any) -> Any:
     return config.get("text_config", {}).get(key, default)
 
 
-__all__ = ["Engine", "EngineConfig", "EngineMetrics"]
-
-
 def _wait_for_os_thread(native_id: int | None, timeout: float) -> None:
     """Wait until the OS thread ``native_id`` has exited, not only its Python code.
 
@@ -723,3 +720,6 @@ def _wait_for_os_thread(native_id: int | None, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while os.path.exists(task) and time.monotonic() < deadline:
         time.sleep(0.001)
+
+
+__all__ = ["Engine", "EngineConfig", "EngineMetrics"]

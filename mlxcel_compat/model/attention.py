@@ -5,9 +5,10 @@ and the softmax's ``exp`` is a scalar loop (~18 ns an element on these cores) th
 attention over many keys. Two paths replace it (scripts/bench_cpu_kernels.py, docs/benchmarks.md):
 
 - **Decode steps** (one query a row) stay lazy in MLX, where evaluating each layer's inputs in
-  the middle of the step measured 1.27x slower at 1K context (docs/benchmarks.md): the softmax is a power of 2 of scores taken in log2
-  units, about three times faster than ``exp`` there, and the output is normalised instead of the
-  weights, which saves a pass over the scores. 8 rows decoding at 4K context 29 -> 13 ms a layer.
+  the middle of the step measured 1.27x slower at 1K context (docs/benchmarks.md): the softmax
+  is a power of 2 of scores taken in log2 units, about three times faster than ``exp`` there,
+  and the output is normalised instead of the weights, which saves a pass over the scores. 8 rows
+  decoding at 4K context 29 -> 13 ms a layer.
 - **Prompt chunks** (more than one query a row, at least ``NUMPY_ATTENTION_MIN`` scores) are
   evaluated up to the attention and computed on NumPy arrays (:func:`_attend_numpy`): the two
   products by the same BLAS as MLX's matmuls, called directly, and the softmax by NumPy's float32
