@@ -64,6 +64,17 @@ def test_oversized_body_on_an_anthropic_route_is_413_in_anthropics_shape(http: h
     assert_serving(http)
 
 
+def test_infill_sampler_over_the_whole_vocabulary_answers(http: httpx.Client) -> None:
+    """Found by the schemathesis fuzz (``"samplers": "tattimtt"``): a chain with infill and no
+    top-k hands infill the whole vocabulary, whose prefix merge compared every pair of tokens in
+    Python, minutes a step on the engine thread, and no other request was served meanwhile."""
+    body = {"prompt": "x", "samplers": "i", "n_predict": 4, "ignore_eos": True}
+    response = http.post("/completion", json=body, timeout=60)
+    assert response.status_code == 200, response.text[:500]
+    assert response.json()["tokens_predicted"] == 4
+    assert_serving(http)
+
+
 @pytest.fixture(scope="module")
 def long_context(server_factory, llama_dir) -> Iterator[str]:
     """The model's whole context (32k tokens) in one slot: a prompt of half a million characters

@@ -517,3 +517,56 @@ def test_infill_merges_prefixes_and_keeps_confident(bpe_tokenizer):
     expected = np.zeros(vocab)
     expected[[ids["Hello"], eos]] = softmax(np.array([1.5, -5.0]))
     assert_probs(probs, expected)
+
+
+def _merge_pairwise(pieces: list[bytes], logits: np.ndarray, probs: np.ndarray) -> None:
+    """llama.cpp's infill merge as it is written there: every ordered pair, in candidate order."""
+    for i0 in range(len(pieces)):
+        for i1 in range(len(pieces)):
+            if logits[i0] == -np.inf:
+                break
+            if i0 == i1 or logits[i1] == -np.inf:
+                continue
+            a, b = pieces[i0], pieces[i1]
+            if a and len(a) <= len(b) and b.startswith(a):
+                dst, src = (i1, i0) if probs[i1] > probs[i0] else (i0, i1)
+                probs[dst] += probs[src]
+                logits[src] = -np.inf
+                probs[src] = 0.0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_infill_prefix_merge_visits_the_pairs_in_llama_cpps_order(seed):
+    """The bisecting merge gives what comparing every pair gives, on pieces built to overlap:
+    prefixes of prefixes, equal pieces of different tokens, empty (special) pieces, equal
+    probabilities (the tie keeps i0), and candidates not sorted by probability."""
+    from mlxcel_compat.engine.sampling import _merge_prefix_pieces
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 60))
+    pieces = [bytes(rng.choice(list(b"ab\xc3"), size=int(rng.integers(0, 4)))) for _ in range(n)]
+    probs = rng.choice([0.05, 0.1, 0.2, 0.3], size=n).astype(np.float64)
+    logits = np.log(probs)
+    logits[rng.random(n) < 0.1] = -np.inf  # already removed by an earlier stage
+    expected_logits, expected_probs = logits.copy(), probs.copy()
+    _merge_pairwise(pieces, expected_logits, expected_probs)
+    _merge_prefix_pieces(pieces, logits, probs)
+    assert np.array_equal(logits, expected_logits)
+    assert np.array_equal(probs, expected_probs)
+
+
+def test_infill_over_a_whole_vocabulary_keeps_the_same_candidates(bpe_tokenizer):
+    """Without a top-k before it, infill sees the whole vocabulary; the result is llama.cpp's."""
+    from mlxcel_compat.engine.sampling import _merge_prefix_pieces
+    from mlxcel_compat.engine.textstream import token_bytes
+
+    vocab = len(bpe_tokenizer)
+    rng = np.random.default_rng(3)
+    pieces = [token_bytes(bpe_tokenizer, t, special=False) for t in range(vocab)]
+    probs = softmax(rng.normal(size=vocab))
+    logits = np.log(probs)
+    expected_logits, expected_probs = logits.copy(), probs.copy()
+    _merge_pairwise(pieces, expected_logits, expected_probs)
+    _merge_prefix_pieces(pieces, logits, probs)
+    assert np.array_equal(logits, expected_logits) and np.array_equal(probs, expected_probs)
+    assert np.isinf(logits).sum() >= 10  # merges happened: "H" into "Hello", and others

@@ -13,6 +13,7 @@ sorts run on ``k`` values rather than the whole vocabulary.
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 import secrets
@@ -522,6 +523,36 @@ def _index_array(tokens: Sequence[Any]) -> mx.array:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
 
+def _merge_prefix_pieces(pieces: list[bytes], logits: np.ndarray, probs: np.ndarray) -> None:
+    """The infill sampler's merge, in place: a candidate whose piece is a prefix of another's
+    pools the two probabilities into the likelier one and the other drops out (logit -inf).
+
+    llama.cpp compares every pair in order (i0 outer, i1 inner, both in candidate order), so
+    the result depends on that order; this visits the same pairs in the same order but finds
+    each i0's partners by bisecting the sorted pieces, since the pieces that start with
+    ``pieces[i0]`` form one run of them. Without a top-k before it the sampler sees the whole
+    vocabulary, and comparing every pair was quadratic in it: minutes of the engine thread a
+    step for a 5K vocabulary, stalling every other request.
+    """
+    order = sorted(range(len(pieces)), key=pieces.__getitem__)
+    ordered = [pieces[i] for i in order]
+    for i0, head in enumerate(pieces):
+        if not head:  # an empty piece (a special token) is nobody's prefix, as in llama.cpp
+            continue
+        start = end = bisect.bisect_left(ordered, head)
+        while end < len(ordered) and ordered[end].startswith(head):
+            end += 1
+        for i1 in sorted(order[start:end]):
+            if logits[i0] == _NEG_INF:
+                break
+            if i1 == i0 or logits[i1] == _NEG_INF:
+                continue
+            dst, src = (i1, i0) if probs[i1] > probs[i0] else (i0, i1)
+            probs[dst] += probs[src]
+            logits[src] = _NEG_INF
+            probs[src] = 0.0
+
+
 class SamplerChain:
     """Samples tokens for one request with llama.cpp's chain semantics.
 
@@ -877,18 +908,7 @@ class SamplerChain:
             return _Cands(mx.where(mx.array(keep), c.logits, _NEG_INF), c.ids)
 
         pieces = [token_bytes(self.tokenizer, int(t), special=False) for t in ids]
-        for i0 in range(len(ids)):
-            for i1 in range(len(ids)):
-                if lg[i0] == _NEG_INF:
-                    break
-                if i0 == i1 or lg[i1] == _NEG_INF:
-                    continue
-                a, b = pieces[i0], pieces[i1]
-                if a and len(a) <= len(b) and b.startswith(a):
-                    dst, src = (i1, i0) if probs[i1] > probs[i0] else (i0, i1)
-                    probs[dst] += probs[src]
-                    lg[src] = _NEG_INF
-                    probs[src] = 0.0
+        _merge_prefix_pieces(pieces, lg, probs)
 
         survivors = [i for i in range(len(ids)) if probs[i] >= 0.2 or is_eog[i]]
         n_non_eog = sum(1 for i in survivors if not is_eog[i])
