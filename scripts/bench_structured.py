@@ -22,6 +22,12 @@ Three measurements, all in this process (no HTTP, so only the grammar's cost sho
    walk no slice covers; llguidance's docs put real tokenizers at about 2), and the mask time
    with the engine's slices (``MASK_SLICES``) against llguidance's default ones, interleaved over
    2 rounds of walks.
+   ``--tokenizer FILE`` (repeatable) runs the same walks on a real vocabulary as well: a
+   ``tokenizer.json``, or a tiktoken BPE file (``*.tiktoken``, converted by transformers'
+   ``TikTokenConverter``). No hub is reachable here, but some PyPI packages ship one, e.g. Qwen's
+   151,643-token vocabulary in ``dashscope`` (``dashscope/resources/qwen.tiktoken``; docs/benchmarks.md
+   gives the commands). The factory's invented words make a wider byte trie than a real
+   vocabulary's, and the walk behind a slow mask is that trie, so the two are reported side by side.
 3. **Compile time** of that schema: first request (compilation) against a repeat (the cache), on
    both vocabularies, plus the one-off llguidance tokenizer build.
 
@@ -29,6 +35,7 @@ Usage::
 
     .venv/bin/python scripts/bench_structured.py                 # small model, 5 repetitions
     .venv/bin/python scripts/bench_structured.py --model llama:tiny --reps 2 --walks 5
+    .venv/bin/python scripts/bench_structured.py --tokenizer /tmp/qwen.tiktoken
 """
 
 from __future__ import annotations
@@ -173,6 +180,30 @@ def large_compiler(vocab_size: int) -> tuple[Any, Any, float]:
     return compiler, hf, time.perf_counter() - t0
 
 
+def real_compiler(path: Path) -> tuple[Any, Any, float]:
+    """A compiler over a real vocabulary from ``path``: a tokenizer.json or a tiktoken BPE file.
+
+    Its end-of-generation ids are the special added tokens named like an end (``<|endoftext|>``,
+    ``<｜end▁of▁sentence｜>``); a tiktoken file gets ``<|endoftext|>`` appended, as its models do.
+    """
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from mlxcel_compat.engine.grammar import GrammarCompiler
+
+    if path.suffix == ".tiktoken":
+        backend = TikTokenConverter(vocab_file=str(path), extra_special_tokens=["<|endoftext|>"]).converted()
+    else:
+        backend = tokenizers.Tokenizer.from_file(str(path))
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend)
+    ends = [i for i, t in sorted(hf.added_tokens_decoder.items()) if t.special and "end" in t.content.lower()]
+    compiler = GrammarCompiler(hf, len(hf), ends[:2])
+    t0 = time.perf_counter()
+    compiler.tokenizer  # noqa: B018 - builds it
+    return compiler, hf, time.perf_counter() - t0
+
+
 def bench_masks(compiler: Any, hf: Any, walks: int, seed: int = 7) -> dict[str, Any]:
     import numpy as np
 
@@ -284,6 +315,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--vocab", type=int, default=150_000, help="vocabulary of the mask benchmark")
     parser.add_argument("--walks", type=int, default=20, help="random documents walked through the mask benchmark")
+    parser.add_argument("--tokenizer", action="append", default=[], type=Path, metavar="FILE",
+                        help="also walk a real vocabulary: a tokenizer.json or a *.tiktoken file (repeatable)")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
     load_optimized_blas()
@@ -320,6 +353,17 @@ def main() -> int:
           + f"; its byte trie has {lv['trie_nodes_per_token']:.2f} nodes per token")
     for name, values in lv["slices_p99_ms"].items():
         print(f"  mask p99 with {name} slices, 2 rounds (seeds 8, 9): " + " / ".join(f"{v:.3f}" for v in values) + " ms")
+    results["real_vocabularies"] = []
+    for path in args.tokenizer:
+        real, real_hf, real_build_s = real_compiler(path)
+        real_kinds, real_nodes = vocabulary_shape(real)
+        rounds = [bench_masks(real, real_hf, args.walks, seed=seed) for seed in (7, 8)]
+        results["real_vocabularies"].append({"file": str(path), "vocab": real.vocab_size, "tokenizer_build_s": real_build_s,
+                                             "kinds": real_kinds, "trie_nodes_per_token": real_nodes, "masks": rounds})
+        print(f"\nMask per token, real vocabulary {path.name} ({real.vocab_size:,} tokens, {real_nodes:.2f} trie nodes per token), "
+              f"2 rounds of {args.walks} documents (seeds 7, 8):")
+        for m in rounds:
+            print(f"  {m['tokens']} tokens: p50 {m['compute_p50_ms']:.3f} ms   p99 {m['compute_p99_ms']:.3f} ms   max {m['compute_max_ms']:.3f} ms")
     print(f"\nllguidance tokenizer build ({args.vocab} tokens): {lv['tokenizer_build_s']:.2f} s")
     for name in ("large_vocab", "model_vocab"):
         c = results[name]["compile"]
