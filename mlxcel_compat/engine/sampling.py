@@ -362,6 +362,7 @@ def dry_sequence_breakers(
         needle = breaker.encode("utf-8")[:_DRY_MAX_CHAR_LEN]
         if not needle:
             continue
+        rests: dict[int, tuple[int, ...] | None] = {}  # tail by overlap: one encode each, not one per token
         for token_id, word in enumerate(words):
             if needle in word:
                 tails = result.setdefault(token_id, [])
@@ -372,13 +373,15 @@ def dry_sequence_breakers(
             while pos != -1:
                 overlap = len(word) - pos
                 if overlap < len(needle) and word[pos:] == needle[:overlap]:
-                    try:
-                        rest = needle[overlap:].decode("utf-8")
-                    except UnicodeDecodeError:
-                        rest = None  # the split fell inside a character
-                    if rest is not None:
-                        tail = tuple(hf.encode(rest, add_special_tokens=False))
-                        tail = tail[:_DRY_MAX_SEQ_LEN]
+                    if overlap not in rests:
+                        try:
+                            rest = needle[overlap:].decode("utf-8")
+                        except UnicodeDecodeError:
+                            rests[overlap] = None  # the split fell inside a character
+                        else:
+                            rests[overlap] = tuple(hf.encode(rest, add_special_tokens=False))[:_DRY_MAX_SEQ_LEN]
+                    tail = rests[overlap]
+                    if tail is not None:
                         tails = result.setdefault(token_id, [])
                         if tail not in tails:
                             tails.append(tail)
