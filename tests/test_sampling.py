@@ -537,36 +537,41 @@ def _merge_pairwise(pieces: list[bytes], logits: np.ndarray, probs: np.ndarray) 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_infill_prefix_merge_visits_the_pairs_in_llama_cpps_order(seed):
-    """The bisecting merge gives what comparing every pair gives, on pieces built to overlap:
+    """The indexed merge gives what comparing every pair gives, on pieces built to overlap:
     prefixes of prefixes, equal pieces of different tokens, empty (special) pieces, equal
-    probabilities (the tie keeps i0), and candidates not sorted by probability."""
-    from mlxcel_compat.engine.sampling import _merge_prefix_pieces
+    probabilities (the tie keeps i0), candidates that are a shuffled part of the vocabulary (so
+    candidate order is not id order) and ids of a padded vocabulary beyond the tokenizer's."""
+    from mlxcel_compat.engine.sampling import PieceIndex, _merge_prefix_pieces
 
     rng = np.random.default_rng(seed)
-    n = int(rng.integers(1, 60))
-    pieces = [bytes(rng.choice(list(b"ab\xc3"), size=int(rng.integers(0, 4)))) for _ in range(n)]
+    vocab = [bytes(rng.choice(list(b"ab\xc3"), size=int(rng.integers(0, 4))).tolist()) for _ in range(int(rng.integers(1, 80)))]
+    padded = len(vocab) + 3
+    ids = rng.permutation(padded)[: int(rng.integers(1, padded + 1))]
+    n = len(ids)
     probs = rng.choice([0.05, 0.1, 0.2, 0.3], size=n).astype(np.float64)
     logits = np.log(probs)
     logits[rng.random(n) < 0.1] = -np.inf  # already removed by an earlier stage
+    pieces = [vocab[t] if t < len(vocab) else b"" for t in ids]
     expected_logits, expected_probs = logits.copy(), probs.copy()
     _merge_pairwise(pieces, expected_logits, expected_probs)
-    _merge_prefix_pieces(pieces, logits, probs)
+    _merge_prefix_pieces(PieceIndex.from_pieces(vocab), ids, logits, probs)
     assert np.array_equal(logits, expected_logits)
     assert np.array_equal(probs, expected_probs)
 
 
 def test_infill_over_a_whole_vocabulary_keeps_the_same_candidates(bpe_tokenizer):
     """Without a top-k before it, infill sees the whole vocabulary; the result is llama.cpp's."""
-    from mlxcel_compat.engine.sampling import _merge_prefix_pieces
+    from mlxcel_compat.engine.sampling import _merge_prefix_pieces, piece_index
     from mlxcel_compat.engine.textstream import token_bytes
 
     vocab = len(bpe_tokenizer)
     rng = np.random.default_rng(3)
-    pieces = [token_bytes(bpe_tokenizer, t, special=False) for t in range(vocab)]
-    probs = softmax(rng.normal(size=vocab))
+    ids = np.argsort(-rng.normal(size=vocab), kind="stable")  # candidate order: by probability
+    probs = np.sort(softmax(rng.normal(size=vocab)))[::-1].copy()
     logits = np.log(probs)
+    pieces = [token_bytes(bpe_tokenizer, int(t), special=False) for t in ids]
     expected_logits, expected_probs = logits.copy(), probs.copy()
     _merge_pairwise(pieces, expected_logits, expected_probs)
-    _merge_prefix_pieces(pieces, logits, probs)
+    _merge_prefix_pieces(piece_index(bpe_tokenizer), ids, logits, probs)
     assert np.array_equal(logits, expected_logits) and np.array_equal(probs, expected_probs)
     assert np.isinf(logits).sum() >= 10  # merges happened: "H" into "Hello", and others

@@ -13,7 +13,6 @@ sorts run on ``k`` values rather than the whole vocabulary.
 
 from __future__ import annotations
 
-import bisect
 import math
 import re
 import secrets
@@ -526,26 +525,74 @@ def _index_array(tokens: Sequence[Any]) -> mx.array:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
 
-def _merge_prefix_pieces(pieces: list[bytes], logits: np.ndarray, probs: np.ndarray) -> None:
-    """The infill sampler's merge, in place: a candidate whose piece is a prefix of another's
-    pools the two probabilities into the likelier one and the other drops out (logit -inf).
+@dataclass(frozen=True)
+class PieceIndex:
+    """A vocabulary's pieces in sorted order, for the infill merge: which tokens extend a token.
+
+    The pieces that start with a given piece form one run of the sorted pieces, so the tokens whose
+    piece starts with token t's are ``order[run_start[r]:run_end[r]]`` with ``r = rank[t]`` (t
+    itself included, and the tokens with an equal piece, before or after it). Built
+    once per tokenizer (:func:`piece_index`), because every infill step without a top-k before it
+    sees the whole vocabulary.
+    """
+
+    order: np.ndarray  # token ids sorted by piece
+    rank: np.ndarray  # rank[t]: where token t sits in ``order``
+    run_start: np.ndarray  # run_start[pos]: the first of the pieces equal to the one at ``pos``
+    run_end: np.ndarray  # run_end[pos]: the end of the pieces that start with the one at ``pos``
+
+    @classmethod
+    def from_pieces(cls, pieces: Sequence[bytes]) -> "PieceIndex":
+        order = sorted(range(len(pieces)), key=pieces.__getitem__)
+        ordered = [pieces[i] for i in order]
+        run_start = np.arange(len(order), dtype=np.int64)
+        run_end = run_start + 1
+        for pos, head in enumerate(ordered):
+            if not head:  # an empty piece (a special token) is nobody's prefix, as in llama.cpp
+                continue
+            if pos and ordered[pos - 1] == head:
+                run_start[pos], run_end[pos] = run_start[pos - 1], run_end[pos - 1]
+                continue
+            end = pos + 1
+            while end < len(ordered) and ordered[end].startswith(head):
+                end += 1
+            run_end[pos] = end
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[order] = np.arange(len(order))
+        return cls(np.asarray(order, dtype=np.int64), rank, run_start, run_end)
+
+
+def piece_index(tokenizer: Any) -> PieceIndex:
+    """The tokenizer's :class:`PieceIndex` over its generated-text pieces (built once)."""
+    from mlxcel_compat.engine.textstream import derived, token_bytes
+
+    def build(hf: Any) -> PieceIndex:
+        return PieceIndex.from_pieces([token_bytes(hf, t, special=False) for t in range(len(hf))])
+
+    return derived(tokenizer, "infill piece index", build)
+
+
+def _merge_prefix_pieces(index: PieceIndex, ids: np.ndarray, logits: np.ndarray, probs: np.ndarray) -> None:
+    """The infill sampler's merge, in place over the candidates ``ids`` (their logits and
+    probabilities alongside): a candidate whose piece is a prefix of another's pools the two
+    probabilities into the likelier one and the other drops out (logit -inf).
 
     llama.cpp compares every pair in order (i0 outer, i1 inner, both in candidate order), so
-    the result depends on that order; this visits the same pairs in the same order but finds
-    each i0's partners by bisecting the sorted pieces, since the pieces that start with
-    ``pieces[i0]`` form one run of them. Without a top-k before it the sampler sees the whole
-    vocabulary, and comparing every pair was quadratic in it: minutes of the engine thread a
-    step for a 5K vocabulary, stalling every other request.
+    the result depends on that order; this visits the same pairs in the same order but takes
+    each i0's partners from the vocabulary's :class:`PieceIndex`, and skips the candidates that
+    no other token extends, which have none. Without a top-k before it the sampler sees the
+    whole vocabulary, and comparing every pair was quadratic in it: minutes of the engine thread
+    a step for an 8K vocabulary, stalling every other request.
     """
-    order = sorted(range(len(pieces)), key=pieces.__getitem__)
-    ordered = [pieces[i] for i in order]
-    for i0, head in enumerate(pieces):
-        if not head:  # an empty piece (a special token) is nobody's prefix, as in llama.cpp
-            continue
-        start = end = bisect.bisect_left(ordered, head)
-        while end < len(ordered) and ordered[end].startswith(head):
-            end += 1
-        for i1 in sorted(order[start:end]):
+    n_vocab = len(index.rank)
+    position = np.full(max(n_vocab, int(ids.max()) + 1), -1, dtype=np.int64)
+    position[ids] = np.arange(len(ids))
+    known = ids < n_vocab  # a model's padded vocabulary beyond the tokenizer: no piece
+    rank = np.where(known, index.rank[np.minimum(ids, n_vocab - 1)], 0)
+    run_start, run_end = index.run_start[rank], index.run_end[rank]
+    for i0 in np.flatnonzero(known & (run_end - run_start > 1)).tolist():
+        partners = position[index.order[run_start[i0] : run_end[i0]]]
+        for i1 in np.sort(partners[partners >= 0]).tolist():
             if logits[i0] == _NEG_INF:
                 break
             if i1 == i0 or logits[i1] == _NEG_INF:
@@ -887,8 +934,6 @@ class SamplerChain:
     def _apply_infill(self, c: _Cands) -> _Cands:
         """llama.cpp's infill sampler: prefer EOG when text is unlikely, merge
         tokens that are prefixes of each other, then keep the confident ones."""
-        from mlxcel_compat.engine.textstream import token_bytes
-
         logits_np = np.array(c.logits, dtype=np.float64)
         ids_np = (
             np.arange(logits_np.shape[0]) if c.ids is None else np.array(c.ids).astype(np.int64)
@@ -910,8 +955,7 @@ class SamplerChain:
             keep[alive[is_eog]] = True
             return _Cands(mx.where(mx.array(keep), c.logits, _NEG_INF), c.ids)
 
-        pieces = [token_bytes(self.tokenizer, int(t), special=False) for t in ids]
-        _merge_prefix_pieces(pieces, lg, probs)
+        _merge_prefix_pieces(piece_index(self.tokenizer), ids, lg, probs)
 
         survivors = [i for i in range(len(ids)) if probs[i] >= 0.2 or is_eog[i]]
         n_non_eog = sum(1 for i in survivors if not is_eog[i])

@@ -15,7 +15,7 @@ import json
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 _SPM_SPACE = "\u2581"
 
@@ -132,19 +132,31 @@ class VocabBytes:
         return value
 
 
-_vocab_cache: "weakref.WeakKeyDictionary[Any, VocabBytes]" = weakref.WeakKeyDictionary()
-_vocab_lock = threading.Lock()
+_derived: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
+_derived_lock = threading.Lock()
+T = TypeVar("T")
+
+
+def derived(tokenizer: Any, name: str, build: Callable[[Any], T]) -> T:
+    """What ``build(hf)`` derives from a tokenizer's vocabulary (the byte table, the infill
+    sampler's piece index), built once and kept as long as the tokenizer lives.
+
+    Built outside the lock (a 150k vocabulary's piece index takes a second); if two threads
+    build it at once, the first one stored is the one everybody gets.
+    """
+    hf = unwrap_tokenizer(tokenizer)
+    with _derived_lock:
+        value = _derived.setdefault(hf, {}).get(name)
+    if value is None:
+        value = build(hf)
+        with _derived_lock:
+            value = _derived[hf].setdefault(name, value)
+    return value
 
 
 def vocab_table(tokenizer: Any) -> VocabBytes:
     """The (shared, cached) byte table of a tokenizer's vocabulary."""
-    hf = unwrap_tokenizer(tokenizer)
-    with _vocab_lock:
-        vocab = _vocab_cache.get(hf)
-        if vocab is None:
-            vocab = VocabBytes(hf)
-            _vocab_cache[hf] = vocab
-    return vocab
+    return derived(tokenizer, "vocab bytes", VocabBytes)
 
 
 def token_bytes(tokenizer: Any, token_id: int, *, special: bool = True) -> bytes:
