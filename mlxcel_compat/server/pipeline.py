@@ -39,7 +39,7 @@ from mlxcel_compat.chat.messages import (
 from mlxcel_compat.chat.template import TemplateError
 from mlxcel_compat.engine.reasoning_budget import opens_block
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent, next_task_id
-from mlxcel_compat.engine.sampling import dry_sequence_breakers
+from mlxcel_compat.engine.sampling import dry_sequence_breakers, piece_index
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.cache_hooks import find_breakpoints
@@ -121,10 +121,13 @@ def _parse_options(ctx: ServerContext, data: Mapping[str, Any]) -> CompletionOpt
 
 def prepare_samplers(ctx: ServerContext, opts: CompletionOptions) -> None:
     """Work the engine would otherwise do when the sequence starts, done here on a worker thread:
-    mapping DRY sequence breakers to token sequences scans the whole vocabulary (cached per list)."""
+    mapping DRY sequence breakers to token sequences scans the whole vocabulary (cached per list),
+    and the infill sampler's piece index sorts it (once per model)."""
     s = opts.request.sampling
     if s.dry_multiplier > 0 and "dry" in s.samplers:
         dry_sequence_breakers(ctx.model.tokenizer, s.dry_sequence_breakers)
+    if "infill" in s.samplers:
+        piece_index(ctx.model.tokenizer)
 
 
 def check_context(ctx: ServerContext, tokens: list[int]) -> None:
