@@ -166,3 +166,16 @@ def test_sampler_parameters_in_combination(ctx, values: dict[str, Any], samplers
         assert exc.status_code == 400 and any(f"'{name}'" in exc.message for name in (*values, "samplers")), exc.message
         return
     check_sampler(ctx, requests)
+
+
+def test_preparation_builds_the_infill_piece_index_off_the_engine_thread(ctx) -> None:
+    """The infill sampler's piece index sorts the whole vocabulary (a second for 150k tokens): the
+    request's worker thread builds it, so the engine thread's first infill step does not."""
+    from mlxcel_compat.engine.textstream import _derived, unwrap_tokenizer
+
+    per_tokenizer = _derived[unwrap_tokenizer(ctx.model.tokenizer)]
+    per_tokenizer.pop("infill piece index", None)
+    prepare(ctx, "completion", {"prompt": "Hi", "n_predict": 1, "samplers": ["top_k", "temperature"]})
+    assert "infill piece index" not in per_tokenizer  # only a chain with infill needs it
+    prepare(ctx, "completion", {"prompt": "Hi", "n_predict": 1, "samplers": ["infill"]})
+    assert "infill piece index" in per_tokenizer
