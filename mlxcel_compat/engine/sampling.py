@@ -531,9 +531,9 @@ class PieceIndex:
 
     The pieces that start with a given piece form one run of the sorted pieces, so the tokens whose
     piece starts with token t's are ``order[run_start[r]:run_end[r]]`` with ``r = rank[t]`` (t
-    itself included, and the tokens with an equal piece, before or after it). Built
-    once per tokenizer (:func:`piece_index`), because every infill step without a top-k before it
-    sees the whole vocabulary.
+    itself included, and the tokens with an equal piece, before or after it). Built once per
+    tokenizer (:func:`piece_index`), because every infill step without a top-k before it sees the
+    whole vocabulary.
     """
 
     order: np.ndarray  # token ids sorted by piece
@@ -580,7 +580,7 @@ def _merge_prefix_pieces(index: PieceIndex, ids: np.ndarray, logits: np.ndarray,
     llama.cpp compares every pair in order (i0 outer, i1 inner, both in candidate order), so
     the result depends on that order; this visits the same pairs in the same order but takes
     each i0's partners from the vocabulary's :class:`PieceIndex`, and skips the candidates that
-    no other token extends, which have none. Without a top-k before it the sampler sees the
+    no other token extends (they have no partner). Without a top-k before it the sampler sees the
     whole vocabulary, and comparing every pair was quadratic in it: minutes of the engine thread
     a step for an 8K vocabulary, stalling every other request.
     """
