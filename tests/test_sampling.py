@@ -575,3 +575,17 @@ def test_infill_over_a_whole_vocabulary_keeps_the_same_candidates(bpe_tokenizer)
     _merge_prefix_pieces(piece_index(bpe_tokenizer), ids, logits, probs)
     assert np.array_equal(logits, expected_logits) and np.array_equal(probs, expected_probs)
     assert np.isinf(logits).sum() >= 10  # merges happened: "H" into "Hello", and others
+
+
+def test_infill_with_no_confident_text_collapses_to_the_end_token(bpe_tokenizer):
+    """Five equally likely text tokens (0.2 - a little each after the EOG's share) and an EOG too
+    unlikely to win outright: no text token reaches 0.2, so only the end token is left."""
+    vocab = len(bpe_tokenizer)
+    eos = bpe_tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    text = [bpe_tokenizer.convert_tokens_to_ids(p) for p in ["Hello", "Ġworld", "Ġthere", ",", "."]]
+    logits = np.full(vocab, -np.inf, dtype=np.float32)
+    logits[text] = 1.0
+    logits[eos] = -4.0
+    chain = SamplerChain(SamplingParams(samplers=["infill"], seed=2), vocab, [eos], tokenizer=bpe_tokenizer)
+    kept = np.array(chain._apply_infill(_Cands(mx.array(logits), None)).logits)
+    assert np.flatnonzero(kept > -np.inf).tolist() == [eos]

@@ -945,8 +945,7 @@ class SamplerChain:
         lg = logits_np[alive].copy()
         ids = ids_np[alive]
         probs = _softmax_np(lg)
-        eog_set = set(self.eog_token_ids)
-        is_eog = np.array([int(t) in eog_set for t in ids], dtype=bool)
+        is_eog = np.isin(ids, self.eog_token_ids)
         keep = np.zeros(logits_np.shape[0], dtype=bool)
 
         p_eog = float(probs[is_eog].sum())
@@ -957,17 +956,17 @@ class SamplerChain:
 
         _merge_prefix_pieces(piece_index(self.tokenizer), ids, lg, probs)
 
-        survivors = [i for i in range(len(ids)) if probs[i] >= 0.2 or is_eog[i]]
-        n_non_eog = sum(1 for i in survivors if not is_eog[i])
+        # Whole-array steps: without a top-k before it this sees the whole vocabulary every token.
+        survivors = (probs >= 0.2) | is_eog
+        n_non_eog = int((survivors & ~is_eog).sum())
         if n_non_eog == 0:
             # llama.cpp collapses to a single EOT/EOS token.
             eot = self.eog_token_ids[0] if self.eog_token_ids else int(ids[0])
             only_eot = mx.where(mx.arange(self.vocab_size) == eot, 1.0, _NEG_INF)
             return _Cands(only_eot.astype(mx.float32), None)
-        total = sum(probs[i] for i in survivors)
+        total = sum(probs[survivors].tolist())  # a few terms, summed in order as before
         threshold = 1.0 / (n_non_eog + 1)
-        final = [i for i in survivors if probs[i] / total >= threshold or is_eog[i]]
-        final = [i for i in final if lg[i] > _NEG_INF]
+        final = survivors & ((probs / total >= threshold) | is_eog) & (lg > _NEG_INF)
         keep[alive[final]] = True
         return _Cands(mx.where(mx.array(keep), c.logits, _NEG_INF), c.ids)
 
