@@ -684,6 +684,12 @@ _CACHE: tuple[Setting, ...] = (
             group="cache", upstream=False,
             default_doc="half of the free space plus the cache's files, at most 16 GiB",
             help="Byte budget of the disk tier; the oldest files are deleted first."),
+    Setting("prompt_cache_write_through", ("--prompt-cache-write-through",), type="bool", default=False,
+            negative_flags=("--no-prompt-cache-write-through",), group="cache", upstream=False,
+            help="Write each new prompt-cache entry to --prompt-cache-dir as soon as it is stored, not only when "
+                 "it leaves RAM. For replicas sharing one directory: each finds the others' entries while "
+                 "running, so a shared system prompt is prefilled once for all of them. Costs a disk write "
+                 "per stored entry."),
     Setting("disable_boundary_snapshot", type="bool", default=False, group="cache", upstream=False,
             help="Turn off history-boundary snapshots in chats (environment only)."),
     Setting("disable_cache_warmup", type="bool", default=False, group="cache", upstream=False,

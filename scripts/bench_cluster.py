@@ -16,6 +16,10 @@ router's ``/flush_cache`` before each workload, and runs the workload with concu
   chat, odd ones the Anthropic ``/v1/messages`` API, interleaved, as ``bench_prompt_cache.py
   --workloads agent`` runs them one API after the other.
 
+``--tiers`` picks the cache set-ups: ``ram`` (each replica's RAM cache alone, the default) and
+``shared-disk`` (plus one ``--prompt-cache-dir`` for all replicas of a cluster, with
+``--prompt-cache-write-through``, so each replica finds what the others stored while running).
+
 Every request carries its session in ``X-Session-ID`` (the header vllm-router hashes first; its
 chat route ignores the body's ``prompt_cache_key``). ``--concurrency`` client threads share the
 sessions (session u belongs to thread u mod C); each thread sends its sessions' turns round by
@@ -29,7 +33,7 @@ workload's wall time, also per core of this machine) and how the requests spread
 
 Examples::
 
-    python scripts/bench_cluster.py --model llama:tiny
+    python scripts/bench_cluster.py --model llama:tiny --tiers ram,shared-disk
     python scripts/bench_cluster.py --model llama:small --replicas 1,2 --policies consistent_hash \\
         --workloads multi-turn --sessions 4 --rounds 3 --json out.json
 """
@@ -58,6 +62,7 @@ if str(ROOT) not in sys.path:
 from mlxcel_compat.testing.cluster import ClusterProcess  # noqa: E402
 
 WORKLOADS = ("multi-turn", "agent")
+TIERS = ("ram", "shared-disk")  # shared-disk: every replica gets --prompt-cache-dir DIR (one DIR) --prompt-cache-write-through
 SESSION_HEADER = "X-Session-ID"
 
 
@@ -153,6 +158,8 @@ def summarize(records: list[dict[str, Any]], wall: float, before: list[dict[str,
         "cores": cores, "requests_per_s_per_core": len(ok) / wall / cores if wall else None,
         "requests_per_replica": per_replica,
         "replica_hits": [a["hits"] - b["hits"] for a, b in zip(after, before)],
+        # Hits served from a file of the shared disk tier (--prompt-cache-dir), e.g. another replica's.
+        "disk_hits": sum(a["tiers"]["disk"]["hits"] - b["tiers"]["disk"]["hits"] for a, b in zip(after, before)),
         "records": records,
     }
 
@@ -193,30 +200,34 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, command: str
          f"share this machine's {cores} cores. vllm-router {info.get('router_version', '?')}.", ""]
     shared = session_part_hit(results)
     # The single-replica figure: the mean of the N=1 runs (every policy routes alike with one replica).
-    base: dict[str, dict[str, Any]] = {}
+    base: dict[tuple[str, str], dict[str, Any]] = {}
     for w in WORKLOADS:
-        ones = [r["summary"] for r in results if r["workload"] == w and r["replicas"] == 1]
-        if ones:
-            base[w] = {k: sum(o[k] or 0 for o in ones) / len(ones) for k in ("hit_fraction", "requests_per_s")}
-    hdr = ["workload", "policy", "N", "requests", "hit frac", "vs N=1", "hit frac turns 2+", "own-history hit frac", "TTFT p50 ms",
-           "TTFT p90 ms", "req/s", "req/s vs N=1", f"req/s per core ({cores})", "gen tok/s", "requests per replica", "errors"]
+        for t in TIERS:
+            ones = [r["summary"] for r in results if r["workload"] == w and r["tier"] == t and r["replicas"] == 1]
+            if ones:
+                base[w, t] = {k: sum(o[k] or 0 for o in ones) / len(ones) for k in ("hit_fraction", "requests_per_s")}
+    hdr = ["workload", "cache", "policy", "N", "requests", "hit frac", "vs N=1", "hit frac turns 2+", "own-history hit frac", "TTFT p50 ms",
+           "TTFT p90 ms", "req/s", "req/s vs N=1", f"req/s per core ({cores})", "gen tok/s", "requests per replica", "disk hits", "errors"]
     L += ["| " + " | ".join(hdr) + " |", "|" + "|".join("---" for _ in hdr) + "|"]
-    for r in sorted(results, key=lambda r: (WORKLOADS.index(r["workload"]), r["policy"], r["replicas"])):
-        s, b = r["summary"], base.get(r["workload"], {})
+    for r in sorted(results, key=lambda r: (WORKLOADS.index(r["workload"]), TIERS.index(r["tier"]), r["policy"], r["replicas"])):
+        s, b = r["summary"], base.get((r["workload"], r["tier"]), {})
         L.append("| " + " | ".join([
-            r["workload"], r["policy"], str(r["replicas"]), str(s["requests"]), fmt(s["hit_fraction"], ".1%"),
+            r["workload"], r["tier"], r["policy"], str(r["replicas"]), str(s["requests"]), fmt(s["hit_fraction"], ".1%"),
             fmt(ratio(s["hit_fraction"], b.get("hit_fraction")), ".3f"), fmt(s["hit_fraction_later_turns"], ".1%"),
             fmt(s["hit_fraction_session_part"], ".1%"), fmt(s["ttft_p50_ms"]), fmt(s["ttft_p90_ms"]), fmt(s["requests_per_s"], ".2f"),
             fmt(ratio(s["requests_per_s"], b.get("requests_per_s")), ".2f"), fmt(s["requests_per_s_per_core"], ".2f"),
-            fmt(s["generated_tok_per_s"]), "/".join(str(n) for n in s["requests_per_replica"]), str(s["errors"]),
+            fmt(s["generated_tok_per_s"]), "/".join(str(n) for n in s["requests_per_replica"]), str(s["disk_hits"]), str(s["errors"]),
         ]) + " |")
     L.append("")
-    L.append("hit frac: reused / prompt tokens over all requests; vs N=1: against the mean of the one-replica runs; "
+    L.append("cache: ram = each replica's RAM cache alone; shared-disk = plus one --prompt-cache-dir for all replicas, with "
+             "--prompt-cache-write-through. "
+             "hit frac: reused / prompt tokens over all requests; vs N=1: against the mean of the one-replica runs of the same cache set-up; "
              "own-history hit frac: turns 2+, reuse beyond the prefix all sessions share ("
-             + ", ".join(f"{w}: {n} tokens" for w, n in shared.items()) + "), i.e. what only affinity can keep.")
+             + ", ".join(f"{w}: {n} tokens" for w, n in shared.items()) + "), i.e. what only affinity can keep "
+             "without a shared disk tier; disk hits: requests served from a file of the disk tier (0 without --prompt-cache-dir).")
     for r in results:
         if r["summary"]["errors"]:
-            L.append(f"Errors ({r['workload']}, {r['policy']}, N={r['replicas']}): {r['summary']['error_samples']}")
+            L.append(f"Errors ({r['workload']}, {r['tier']}, {r['policy']}, N={r['replicas']}): {r['summary']['error_samples']}")
     return "\n".join(L)
 
 
@@ -226,6 +237,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replicas", default="1,2,4", help="replica counts (default 1,2,4)")
     p.add_argument("--policies", default="consistent_hash,round_robin", help="vllm-router policies (default consistent_hash,round_robin)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"subset of {', '.join(WORKLOADS)} (default both)")
+    p.add_argument("--tiers", default="ram", help=f"cache set-ups, subset of {', '.join(TIERS)} (default ram): ram is each "
+                   "replica's RAM cache alone; shared-disk adds one disk tier for all replicas, with write-through")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARGS",
                    help="extra replica arguments (repeatable; the = form: --server-arg=--ctx-size=8192)")
     # 15 sessions: a session's turns are about 15 requests apart, which round_robin over 2 or 4
@@ -249,6 +262,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.workload_list = [x.strip() for x in args.workloads.split(",") if x.strip()]
     if any(w not in WORKLOADS for w in args.workload_list):
         p.error(f"--workloads: choose from {', '.join(WORKLOADS)}")
+    args.tier_list = [x.strip() for x in args.tiers.split(",") if x.strip()]
+    if not args.tier_list or any(t not in TIERS for t in args.tier_list):
+        p.error(f"--tiers: choose from {', '.join(TIERS)}")
     if not args.replica_list or min(args.replica_list) < 1 or args.concurrency < 1 or args.sessions < 1:
         p.error("--replicas, --concurrency and --sessions must be >= 1")
     return args
@@ -269,28 +285,28 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         pass
     texts: Texts | None = None
-    for policy in args.policy_list:
-        for n in args.replica_list:
-            log_dir = log_root / f"{policy}-{n}"
-            print(f"== {policy}, {n} replica(s): starting (logs {log_dir})", file=sys.stderr, flush=True)
-            cluster = ClusterProcess(n, free_port(), log_dir, ["-m", model_dir, *server_args], policy=policy,
-                                     timeout=args.startup_timeout)
-            try:
-                probe = Api(cluster.url, "openai", args.n_predict, args.seed, None, None, args.timeout)
-                info.update(probe.probe())
-                if texts is None:
-                    texts = Texts(probe, args)
-                for url in cluster.replica_urls:  # each replica's first request pays MLX's set-up
-                    httpx.post(url + "/completion", json={"prompt": "warm up", "n_predict": 2, "cache_prompt": False}, timeout=120)
-                probe.close()
-                for kind in args.workload_list:
-                    summary = run_workload(cluster, kind, args, texts, info.get("model"))
-                    results.append({"workload": kind, "policy": policy, "replicas": n, "summary": summary})
-                    print(f"   {kind}: hit {fmt(summary['hit_fraction'], '.1%')}, TTFT p50 {fmt(summary['ttft_p50_ms'])} ms, "
-                          f"{fmt(summary['requests_per_s'], '.2f')} req/s, per replica {summary['requests_per_replica']}, "
-                          f"errors {summary['errors']}", file=sys.stderr, flush=True)
-            finally:
-                cluster.stop()
+    for tier, policy, n in [(t, p, n) for t in args.tier_list for p in args.policy_list for n in args.replica_list]:
+        log_dir = log_root / f"{tier}-{policy}-{n}"
+        print(f"== {tier}, {policy}, {n} replica(s): starting (logs {log_dir})", file=sys.stderr, flush=True)
+        tier_args = ["--prompt-cache-dir", str(log_dir / "disk"), "--prompt-cache-write-through"] if tier == "shared-disk" else []
+        cluster = ClusterProcess(n, free_port(), log_dir, ["-m", model_dir, *server_args, *tier_args], policy=policy,
+                                 timeout=args.startup_timeout)
+        try:
+            probe = Api(cluster.url, "openai", args.n_predict, args.seed, None, None, args.timeout)
+            info.update(probe.probe())
+            if texts is None:
+                texts = Texts(probe, args)
+            for url in cluster.replica_urls:  # each replica's first request pays MLX's set-up
+                httpx.post(url + "/completion", json={"prompt": "warm up", "n_predict": 2, "cache_prompt": False}, timeout=120)
+            probe.close()
+            for kind in args.workload_list:
+                summary = run_workload(cluster, kind, args, texts, info.get("model"))
+                results.append({"workload": kind, "tier": tier, "policy": policy, "replicas": n, "summary": summary})
+                print(f"   {kind}: hit {fmt(summary['hit_fraction'], '.1%')}, TTFT p50 {fmt(summary['ttft_p50_ms'])} ms, "
+                      f"{fmt(summary['requests_per_s'], '.2f')} req/s, per replica {summary['requests_per_replica']}, "
+                      f"errors {summary['errors']}", file=sys.stderr, flush=True)
+        finally:
+            cluster.stop()
     print(render(results, args, command, info))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -257,6 +257,36 @@ def test_two_servers_share_one_directory_and_one_budget(server_factory, tmp_path
         assert disk_stats(c)["hits"] == 1
 
 
+def test_replicas_with_write_through_share_a_system_prompt_while_running(server_factory, tmp_path) -> None:
+    """Two servers on one directory, as two replicas behind a router: a chat the first one served
+    leaves its system prompt where the second finds it, for another session, without a restart."""
+    flags = ("--prompt-cache-write-through",)
+    servers = [start(server_factory, tmp_path, *flags, model=tiny_model("qwen3")) for _ in range(2)]
+    system = {"role": "system", "content": text(80, seed=500)}
+
+    def chat(server: ServerProcess, session: str, question: str, **extra: Any) -> dict[str, Any]:
+        r = httpx.post(server.base_url + "/v1/chat/completions", headers={"X-Session-ID": session}, timeout=60, json={
+            "messages": [system, {"role": "user", "content": question}], "max_tokens": 8, "temperature": 0, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = chat(servers[0], "alice", "Where is the lighthouse?")
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    with httpx.Client(base_url=servers[0].base_url, timeout=60) as c:
+        d = settle(c)
+        assert d["writes"] >= 1 and c.get("/v1/cache/stats").json()["evictions"]["lru"] == 0  # nothing left RAM
+    cold = chat(servers[1], "bob", "Who keeps the lantern lit?", cache_prompt=False)
+    warm = chat(servers[1], "bob", "Who keeps the lantern lit?")
+    shared = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+    with httpx.Client(base_url=servers[1].base_url, timeout=60) as c:
+        assert len(tokenize(c, system["content"])) <= shared < warm["usage"]["prompt_tokens"]  # the system prompt, at least
+        d = disk_stats(c)
+        assert d["picked_up"] >= 1 and d["hits"] == 1 and d["tokens_loaded_total"] == shared
+        assert "mlxcel_prompt_cache_disk_picked_up_total" in c.get("/metrics").text
+        assert_serving(c)
+
+
 def test_reset_by_tier_and_stats_of_both_tiers(server_factory, tmp_path) -> None:
     server = start(server_factory, tmp_path, "--prompt-cache-capacity-bytes", SMALL_RAM, "--prompt-cache-disk-capacity-bytes", "50000000")
     a, b = text(90, seed=400), text(90, seed=401)

@@ -265,3 +265,55 @@ def test_start_up_with_many_files_reads_only_headers(tmp_path: Path) -> None:
         assert disk["startup"] == dict(files=len(paths), indexed=len(paths), rejected=0, stale_temp=0, removed_by_budget=0)
     finally:
         h.close()
+
+
+def test_write_through_shares_a_prefix_with_another_engine_on_the_directory(tmp_path: Path) -> None:
+    """Two engines on one directory, as replicas behind a router: what one stores, the other
+    finds while both run (no restart), from another session, and continues exactly as cold."""
+    model = tiny_model("llama")
+    system = tokens(6 * CHUNK, seed=30)  # a shared prefix ending on a chunk (and APC block) boundary
+    mine, theirs = system + tokens(40, seed=31), system + tokens(40, seed=32)
+    a = EngineHarness(model, batch_size=CHUNK, disk_dir=str(tmp_path), disk_capacity_bytes=1 << 30, disk_write_through=True)
+    b = EngineHarness(model, batch_size=CHUNK, disk_dir=str(tmp_path), disk_capacity_bytes=1 << 30)
+    try:
+        assert a.stats()["tiers"]["disk"]["entries"] == b.stats()["tiers"]["disk"]["entries"] == 0
+        a.run(mine, n_predict=6, session="alice")
+        written = settle(a)
+        assert written["writes"] == 1 and a.stats()["evictions"]["lru"] == 0  # written while still in RAM
+        cold = b.run(theirs, n_predict=10, cache=False)
+        warm = b.run(theirs, n_predict=10, session="bob")
+        assert warm.finish.n_cached == len(system)  # the shared prefix, from a's file
+        assert warm.tokens == cold.tokens
+        disk = b.stats()["tiers"]["disk"]
+        assert disk["picked_up"] == 1 and disk["hits"] == 1 and disk["tokens_loaded_total"] == len(system)
+        assert disk["writes"] == 0  # b writes only what it evicts
+        # a's RAM entry is already on disk: its eviction writes nothing again.
+        assert a.on_engine(lambda: disk_of(a).spill("kv", a.engine.prefix_cache.store.entries()[0])) is False
+    finally:
+        a.close()
+        b.close()
+
+
+def test_write_through_off_writes_nothing_before_an_eviction(llama: EngineHarness) -> None:
+    llama.run(tokens(3 * CHUNK + 1, seed=33), n_predict=4)
+    assert settle(llama)["writes"] == 0 and not files(llama)
+
+
+def test_write_through_of_recurrent_session_snapshots(tmp_path: Path) -> None:
+    """qwen3_next: a session's snapshot written at once is continued by another engine like a RAM hit."""
+    model = tiny_model("qwen3_next")
+    history = tokens(90, seed=34)
+    a = EngineHarness(model, batch_size=32, disk_dir=str(tmp_path / "shared"), disk_capacity_bytes=1 << 30, disk_write_through=True)
+    b = EngineHarness(model, batch_size=32, disk_dir=str(tmp_path / "shared"), disk_capacity_bytes=1 << 30)
+    try:
+        first = a.run(history, n_predict=4, session="alice")
+        assert settle(a)["writes"] >= 1
+        follow_up = history + first.tokens[:-1] + tokens(20, seed=35)
+        here = a.run(follow_up, n_predict=8, n_probs=4, session="alice")  # a RAM hit on a
+        there = b.run(follow_up, n_predict=8, n_probs=4, session="alice")  # the session moved to b
+        assert there.finish.n_cached == here.finish.n_cached == len(history) + len(first.tokens) - 1
+        assert (there.tokens, there.logprobs) == (here.tokens, here.logprobs)
+        assert b.stats()["tiers"]["disk"]["hits"] == 1
+    finally:
+        a.close()
+        b.close()

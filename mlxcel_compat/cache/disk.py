@@ -40,8 +40,9 @@ model directory that does not belong there is rejected as ``foreign_model`` or
 the content a reader loads is checked against its checksums). The directory lock (``.lock``,
 ``flock``) serialises what changes many files at once: committing a write, enforcing the byte
 budget (oldest modification time first, over every model directory) and clearing a tier. A
-process learns of another's files at its next start-up; a file another process evicted is a plain
-miss (``vanished``), never an error.
+process indexes the whole directory at start-up and, while running, picks up what the others
+wrote or deleted since its last look (``DiskIndex.refresh``, one ``stat`` when nothing changed); a
+file another process evicted is a plain miss (``vanished``), never an error.
 
 Nothing here is thread-safe except ``write_temp``/``commit``/``enforce_budget``, which touch only
 files: the index belongs to the engine thread.
@@ -62,7 +63,7 @@ import sys
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,8 @@ REJECT_REASONS = (
 )
 
 _SCAN_THREADS = 8  # header reads in flight at start-up
+REFRESH_MAX_FILES = 64  # other processes' new files indexed per refresh (headers read on the engine thread)
+RACY_NS = 1_000_000_000  # a directory listed sooner than this after its mtime is listed again
 _MAX_TABLE_BYTES = 256 << 20  # a bigger table is not ours (1M tokens take ~5.5 MB of base64)
 _CHUNK = 8 << 20  # bytes hashed and written per step (keeps each GIL hold short)
 _DIRECT_ALIGN = 4096  # O_DIRECT offsets, lengths and buffers are multiples of this
@@ -736,6 +739,8 @@ class DiskCounters:
     last_reject: dict[str, Any] | None = None
     removed_by_budget: int = 0
     vanished: int = 0  # indexed files another process removed
+    picked_up: int = 0  # files another process wrote, indexed while running (``refresh``)
+    refreshes: int = 0  # listings of the directory after a change
 
 
 class DiskIndex:
@@ -756,6 +761,8 @@ class DiskIndex:
         unbounded = dict(capacity_bytes=1 << 62, max_entries=1 << 31, ttl_seconds=0, min_prefix=min_prefix)
         self.stores: dict[str, _FileBacked] = {"kv": _KVIndex(apc=apc, **unbounded), "snapshot": _SnapshotIndex(**unbounded)}
         self._by_path: dict[Path, tuple[str, int]] = {}
+        self._listed_mtime_ns: int | None = None  # the directory's mtime when it was last listed
+        self._listed_at_ns = 0  # wall-clock time of that listing
 
     # --- start-up ---
 
@@ -766,6 +773,7 @@ class DiskIndex:
         ``stale_temp``, ``removed_by_budget``).
         """
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._listed_mtime_ns, self._listed_at_ns = os.stat(self.directory).st_mtime_ns, time.time_ns()
         found = dict(files=0, indexed=0, rejected=0, stale_temp=0, removed_by_budget=0)
         with directory_lock(self.root):
             stale = remove_stale_temps(self.directory)
@@ -790,6 +798,44 @@ class DiskIndex:
             if path not in removed:
                 found["indexed"] += self.add(header, path, size)
         return found
+
+    def refresh(self, skip: Collection[Path] = ()) -> bool:
+        """Pick up what other processes sharing the directory changed since the last look.
+
+        Files that appeared are indexed (headers only, at most ``REFRESH_MAX_FILES`` a call, the
+        rest at the next one), files that disappeared are forgotten. ``skip``: this process's
+        own files still being committed. Creating, renaming and deleting a file change the
+        directory's modification time, so when it is unchanged this costs one ``stat``. A change
+        made within the timestamp's granularity after a listing may leave it unchanged, so a
+        listing made less than ``RACY_NS`` after the time it saw is repeated at the next call
+        (git treats its "racily clean" index the same way). Engine thread. Returns whether the
+        directory was listed.
+        """
+        try:
+            mtime = os.stat(self.directory).st_mtime_ns
+        except OSError:
+            return False
+        if mtime == self._listed_mtime_ns and self._listed_at_ns - mtime >= RACY_NS:
+            return False
+        self._listed_mtime_ns, self._listed_at_ns = mtime, time.time_ns()
+        self.counters.refreshes += 1
+        listed = {Path(e.path) for e in _scandir(self.directory) if _is_entry_name(e.name)}
+        for path in [p for p in self._by_path if p not in listed]:
+            self.counters.vanished += self.forget(path)
+        new = sorted(p for p in listed if p not in self._by_path and p not in skip)
+        if len(new) > REFRESH_MAX_FILES:
+            new = new[:REFRESH_MAX_FILES]
+            self._listed_mtime_ns = None  # list again at the next call
+        good = []
+        for path in new:
+            outcome = self._scan_one(path)
+            if isinstance(outcome, DiskReject):
+                self.reject(outcome.reason, path, outcome.detail, remove=True)
+            elif outcome is not None:
+                good.append(outcome)
+        for _, path, size, header in sorted(good, key=lambda g: (g[0], g[1].name)):
+            self.counters.picked_up += self.add(header, path, size)
+        return True
 
     def _scan_one(self, path: Path) -> tuple[float, Path, int, EntryHeader] | DiskReject | None:
         """One file's header at start-up: ``(mtime, path, size, header)``, a rejection, or None (gone)."""

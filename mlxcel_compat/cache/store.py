@@ -260,6 +260,9 @@ class EntryStore:
         # left the store: the disk tier writes such entries out instead of losing them. Entries
         # that expire (TTL), are superseded or are cleared by a reset are not handed over.
         self.on_evict: Callable[[CacheEntry], None] | None = None
+        # Called with each newly stored entry, once the caps hold: with --prompt-cache-write-through
+        # the disk tier writes it at once, so that other servers sharing the directory can use it.
+        self.on_insert: Callable[[CacheEntry], None] | None = None
 
     # --- public API ---
 
@@ -356,6 +359,8 @@ class EntryStore:
         assert entry.id in self._entries, f"{entry.id=} evicted right after insert"
         self.counters.inserts += 1
         self._after_insert(entry)
+        if self.on_insert is not None:
+            self.on_insert(entry)
         return result
 
     def refresh_pin(self, bucket: Bucket, session_key: str, tokens: Sequence[int], pin_ttl: float) -> bool:

@@ -2,10 +2,13 @@
 
     RAM store evicts an entry (LRU / bytes) ──► spill: encode (zero-copy views, engine thread)
         ──► writer thread: temp file, hash, fsync, rename, budget ──► results ──► index.add
-    request misses RAM (or RAM's match is shorter) ──► probe the disk index (same key and prefix
-        rules) ──► load: header, tokens, tensors, checksum, rebuild (engine thread) ──► promote
+    request misses RAM (or RAM's match is shorter) ──► refresh the index with the files other
+        servers on the directory wrote since ──► probe it (same key and prefix rules) ──► load: header, tokens, tensors, checksum, rebuild (engine thread) ──► promote
         into the RAM store, where the normal lookup adopts it
     clean shutdown ──► flush: every RAM entry not on disk yet (newest first, up to the budget)
+    --prompt-cache-write-through ──► spill each entry as soon as the RAM store holds it, so that
+        servers sharing the directory (replicas behind a router) find it without waiting for
+        an eviction: a shared system prompt is then prefilled once for all of them
 
 The index and every MLX object belong to the engine thread. The writer thread only reads numpy
 views of evaluated arrays and touches files; a finished job goes back to the engine thread (which
@@ -176,6 +179,7 @@ class DiskTier:
     def probe(self, kind: str, bucket: Any, session_key: str, tokens: list[int]) -> CacheHit | None:
         """The disk index's best match for a request (same rules as RAM), without loading it."""
         self.collect()
+        self.index.refresh(skip=self._queued)
         store = self.index.stores[kind]
         if not len(store):
             return None
@@ -330,6 +334,8 @@ class DiskTier:
             "write_queue_bytes": self._pending_bytes,
             "evictions": ic.removed_by_budget,
             "vanished": ic.vanished,
+            "picked_up": ic.picked_up,
+            "refreshes": ic.refreshes,
             "rejections": dict(ic.rejections),
             "last_reject": dict(ic.last_reject) if ic.last_reject is not None else None,
             "startup_ms": round(self.startup_ms, 3),
@@ -344,7 +350,7 @@ class DiskTier:
             "hits": 0, "misses": 0, "tokens_loaded_total": 0, "loads": 0, "load_ms_total": 0.0, "load_ms_avg": 0.0,
             "load_ms_last": 0.0, "bytes_read_total": 0, "writes": 0, "bytes_written_total": 0,
             "writes_dropped": 0, "writes_skipped": 0, "write_errors": 0, "write_paced_ms_total": 0.0, "write_queue_entries": 0,
-            "write_queue_bytes": 0, "evictions": 0, "vanished": 0,
+            "write_queue_bytes": 0, "evictions": 0, "vanished": 0, "picked_up": 0, "refreshes": 0,
             "rejections": dict.fromkeys(REJECT_REASONS, 0), "last_reject": None, "startup_ms": 0.0,
             "startup": dict(files=0, indexed=0, rejected=0, stale_temp=0, removed_by_budget=0),
         }

@@ -72,6 +72,7 @@ class PrefixCacheConfig:
     pin_capacity_bytes: int | None = None  # None: a quarter of the KV budget
     disk_dir: str | None = None  # --prompt-cache-dir: the disk tier (off when None)
     disk_capacity_bytes: int | None = None  # None: disk_capacity_default
+    disk_write_through: bool = False  # --prompt-cache-write-through: write entries when stored
 
     @classmethod
     def from_settings(cls, s: Any) -> "PrefixCacheConfig":
@@ -95,6 +96,7 @@ class PrefixCacheConfig:
             pin_capacity_bytes=s.prompt_cache_pin_capacity_bytes,
             disk_dir=s.prompt_cache_dir,
             disk_capacity_bytes=s.prompt_cache_disk_capacity_bytes,
+            disk_write_through=bool(s.prompt_cache_write_through),
         )
 
 
@@ -183,6 +185,8 @@ class PrefixCache:
         self.disk = self._make_disk(engine, config, apc) if config.enabled and config.disk_dir else None
         if config.disk_dir and not config.enabled:
             log.warning("--prompt-cache-dir is ignored: the prompt cache is off")
+        if config.disk_write_through and self.disk is None:
+            log.warning("--prompt-cache-write-through is ignored: there is no disk tier (--prompt-cache-dir)")
         self.last_stats: dict[str, Any] = self.stats()
 
     def _make_disk(self, engine: "Engine", config: PrefixCacheConfig, apc: ApcConfig | None) -> DiskTier:
@@ -201,9 +205,10 @@ class PrefixCache:
         compat = Compat(model=loaded.fingerprint, runtime=kv_io.runtime_tag(loaded.model))
         disk = DiskTier(root, capacity, compat, config.min_prefix, apc, wake=lambda: engine.call(self._refresh),
                         busy=lambda: engine.busy)
-        self.store.on_evict = lambda entry: disk.spill("kv", entry)
-        if self.snapshots is not None:
-            self.snapshots.store.on_evict = lambda entry: disk.spill("snapshot", entry)
+        for kind, store in self._stores.items():
+            store.on_evict = lambda entry, kind=kind: disk.spill(kind, entry)
+            if config.disk_write_through:
+                store.on_insert = lambda entry, kind=kind: disk.spill(kind, entry)
         return disk
 
     @property

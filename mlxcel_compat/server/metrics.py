@@ -143,6 +143,8 @@ def _disk_metrics(d: dict[str, Any]) -> list[Metric]:
                  d["write_paced_ms_total"] / 1000.0),
         _gauge("mlxcel_prompt_cache_disk_write_queue_bytes", "Bytes of evicted entries waiting to be written.", d["write_queue_bytes"]),
         _counter("mlxcel_prompt_cache_disk_evictions_total", "Disk-tier files deleted to keep the byte budget.", d["evictions"]),
+        _counter("mlxcel_prompt_cache_disk_picked_up_total",
+                 "Disk-tier files other servers sharing the directory wrote, indexed while running.", d["picked_up"]),
         _labelled("mlxcel_prompt_cache_disk_rejections_total", "Disk-tier files rejected and removed, by reason.", "reason", d["rejections"]),
     ]
 

@@ -10,6 +10,7 @@ import fcntl
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -251,6 +252,43 @@ def test_forget_drop_and_clear(tmp_path) -> None:
     index_write(index, tuple(range(200, 240)), session="u")
     size = next(index.directory.glob("kv-*")).stat().st_size
     assert index.clear() == (1, size) and index.entries == 0 and not list(index.directory.glob("kv-*"))
+
+
+def test_refresh_picks_up_what_another_process_wrote_and_deleted(tmp_path) -> None:
+    mine, theirs = make_index(tmp_path), make_index(tmp_path)  # two servers on one directory
+    long_ago = time.time_ns() - 5 * disk.RACY_NS
+    os.utime(mine.directory, ns=(long_ago, long_ago))
+    assert mine.refresh() and mine.entries == 0  # changed since start-up: listed
+    assert not mine.refresh()  # unchanged, and not racily: one stat, no listing
+    shared = index_write(theirs, tuple(range(40)), session="alice")  # its rename changes the directory
+    assert mine.refresh() and mine.entries == 1 and mine.counters.picked_up == 1
+    hit = mine.stores["kv"].lookup(BUCKET, "bob", list(range(40)) + [7], record=False).hit
+    assert hit is not None and hit.matched_len == 40 and hit.entry.payload.path == shared
+    # A change within the timestamp granularity of the listing leaves the mtime as it was: a
+    # listing made that soon after the mtime it saw is repeated.
+    racy = mine._listed_mtime_ns
+    index_write(theirs, tuple(range(100, 140)), session="carol")
+    os.utime(mine.directory, ns=(racy, racy))
+    assert mine.refresh() and mine.entries == 2
+    # Deleted by the other process (its budget): forgotten, counted as vanished.
+    shared.unlink()
+    assert mine.refresh() and mine.entries == 1 and mine.counters.vanished == 1
+    # A bad file is rejected and removed, as at start-up; files being committed here are skipped.
+    bad = mine.directory / entry_name("kv", b"\x05" * 32)
+    bad.write_bytes(os.urandom(100))
+    own = write(mine.directory, tuple(range(200, 240)), session="dave")
+    assert mine.refresh(skip={own}) and not bad.exists() and mine.counters.rejections["not_a_cache_file"] == 1
+    assert mine.entries == 1 and mine.counters.picked_up == 2
+
+
+def test_refresh_indexes_a_bounded_number_of_new_files_per_call(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(disk, "REFRESH_MAX_FILES", 3)
+    mine, theirs = make_index(tmp_path), make_index(tmp_path)
+    for i in range(7):
+        index_write(theirs, tuple(range(i * 50, i * 50 + 40)), session=f"s{i}", seed=i)
+    assert mine.refresh() and mine.entries == 3
+    assert mine.refresh() and mine.entries == 6  # listed again although nothing changed since
+    assert mine.refresh() and mine.entries == 7
 
 
 def test_short_entries_are_not_indexed_and_their_files_go(tmp_path) -> None:
