@@ -819,10 +819,12 @@ class DiskIndex:
             return False
         self._listed_mtime_ns, self._listed_at_ns = mtime, time.time_ns()
         self.counters.refreshes += 1
-        listed = {Path(e.path) for e in _scandir(self.directory) if _is_entry_name(e.name)}
-        for path in [p for p in self._by_path if p not in listed]:
+        # Names, not Paths: building a Path per file costs ~7 us, 14 ms for 2000 files.
+        listed = {e.name for e in _scandir(self.directory) if _is_entry_name(e.name)}
+        known = {p.name for p in self._by_path} | {p.name for p in skip}
+        for path in [p for p in self._by_path if p.name not in listed]:
             self.counters.vanished += self.forget(path)
-        new = sorted(p for p in listed if p not in self._by_path and p not in skip)
+        new = [self.directory / name for name in sorted(listed - known)]
         if len(new) > REFRESH_MAX_FILES:
             new = new[:REFRESH_MAX_FILES]
             self._listed_mtime_ns = None  # list again at the next call
