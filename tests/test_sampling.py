@@ -486,6 +486,50 @@ def test_dry_breakers_from_vocab(bpe_tokenizer):
     assert tail in breakers[hello]
 
 
+def _breakers_by_loop(tokenizer, breakers):
+    """llama.cpp's get_overlapping_token_sequences as a loop over every token: the reference."""
+    from mlxcel_compat.engine.textstream import token_bytes
+
+    words = [token_bytes(tokenizer, t, special=True) for t in range(len(tokenizer))]
+    result: dict[int, set[tuple[int, ...]]] = {}
+    for breaker in breakers:
+        needle = breaker.encode("utf-8")[:40]
+        if not needle:
+            continue
+        for token_id, word in enumerate(words):
+            if needle in word:
+                result.setdefault(token_id, set()).add(())
+                continue
+            for pos in range(len(word)):
+                overlap = len(word) - pos
+                if overlap < len(needle) and word[pos:] == needle[:overlap]:
+                    try:
+                        rest = needle[overlap:].decode("utf-8")
+                    except UnicodeDecodeError:
+                        continue
+                    result.setdefault(token_id, set()).add(tuple(tokenizer.encode(rest, add_special_tokens=False))[:20])
+    return result
+
+
+BREAKER_SETS = [
+    ["\n", ":", '"', "*"],  # llama.cpp's default
+    ["lo wo", "Hello world! Hello there, world. Hello world! Hello there, world."],  # longer than 40 bytes
+    [" the", "ing ", "é", "→ next", "\u0000", "", "<|endoftext|>", "a"],  # multi-byte, NUL, empty, special
+]
+
+
+@pytest.mark.parametrize("breakers", BREAKER_SETS)
+def test_dry_breakers_match_a_loop_over_every_token(bpe_tokenizer, breakers):
+    from mlx_lm.tokenizer_utils import load
+
+    from tests.conftest import tiny_model
+
+    for tokenizer in (bpe_tokenizer, load(tiny_model("llama"))):
+        got = dry_sequence_breakers(tokenizer, breakers)
+        assert {t: set(tails) for t, tails in got.items()} == _breakers_by_loop(tokenizer, breakers)
+        assert all(len(tails) == len(set(tails)) for tails in got.values())
+
+
 def test_infill_with_overflowed_logits_keeps_the_infinite_ones(bpe_tokenizer):
     """A temperature near 0 (1e-40 in float32) can turn logits into +inf before the infill
     sampler: the infinite ones then hold all the probability, with no NaN on the way."""
