@@ -2,9 +2,10 @@
 
     RAM store evicts an entry (LRU / bytes) ──► spill: encode (zero-copy views, engine thread)
         ──► writer thread: temp file, hash, fsync, rename, budget ──► results ──► index.add
-    request misses RAM (or RAM's match is shorter) ──► refresh the index with the files other
-        servers on the directory wrote since ──► probe it (same key and prefix rules) ──► load: header, tokens, tensors, checksum, rebuild (engine thread) ──► promote
-        into the RAM store, where the normal lookup adopts it
+    request misses RAM (or RAM's match is shorter) ──► refresh the index with what other
+        servers on the directory wrote or deleted since ──► probe it (same key and prefix rules)
+        ──► load: header, tokens, tensors, checksum, rebuild (engine thread) ──► promote into
+        the RAM store, where the normal lookup adopts it
     clean shutdown ──► flush: every RAM entry not on disk yet (newest first, up to the budget)
     --prompt-cache-write-through ──► spill each entry as soon as the RAM store holds it, so that
         servers sharing the directory (replicas behind a router) find it without waiting for
