@@ -346,9 +346,9 @@ class VocabText:
 
     @classmethod
     def of(cls, hf: Any) -> "VocabText":
-        from mlxcel_compat.engine.textstream import token_bytes
+        from mlxcel_compat.engine.textstream import all_token_bytes
 
-        words = [token_bytes(hf, t, special=True) for t in range(len(hf))]
+        words = all_token_bytes(hf, special=True)
         starts = np.zeros(len(words) + 1, dtype=np.int64)
         np.cumsum([len(w) for w in words], out=starts[1:])
         data = np.frombuffer(b"".join(words), dtype=np.uint8)
@@ -607,10 +607,10 @@ class PieceIndex:
 
 def piece_index(tokenizer: Any) -> PieceIndex:
     """The tokenizer's :class:`PieceIndex` over its generated-text pieces (built once)."""
-    from mlxcel_compat.engine.textstream import derived, token_bytes
+    from mlxcel_compat.engine.textstream import all_token_bytes, derived
 
     def build(hf: Any) -> PieceIndex:
-        return PieceIndex.from_pieces([token_bytes(hf, t, special=False) for t in range(len(hf))])
+        return PieceIndex.from_pieces(all_token_bytes(hf, special=False))
 
     return derived(tokenizer, "infill piece index", build)
 

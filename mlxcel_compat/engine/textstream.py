@@ -174,6 +174,13 @@ def token_bytes(tokenizer: Any, token_id: int, *, special: bool = True) -> bytes
     return vocab.raw(token_id)
 
 
+def all_token_bytes(tokenizer: Any, *, special: bool = True) -> list[bytes]:
+    """Every token's bytes, as :func:`token_bytes` gives them, with the table looked up once
+    (for what is derived from the whole vocabulary: DRY's byte search, infill's piece index)."""
+    vocab = vocab_table(tokenizer)
+    return [b"" if not special and t in vocab.special_ids else vocab.raw(t) for t in range(vocab.size)]
+
+
 def complete_utf8_length(data: bytes) -> int:
     """Length of ``data`` without a trailing, incomplete UTF-8 character.
 
