@@ -260,6 +260,7 @@ def test_refresh_picks_up_what_another_process_wrote_and_deleted(tmp_path) -> No
     os.utime(mine.directory, ns=(long_ago, long_ago))
     assert mine.refresh() and mine.entries == 0  # changed since start-up: listed
     assert not mine.refresh()  # unchanged, and not racily: one stat, no listing
+    assert mine.counters.refreshes == 1
     shared = index_write(theirs, tuple(range(40)), session="alice")  # its rename changes the directory
     assert mine.refresh() and mine.entries == 1 and mine.counters.picked_up == 1
     hit = mine.stores["kv"].lookup(BUCKET, "bob", list(range(40)) + [7], record=False).hit
