@@ -19,6 +19,10 @@
  * whichever thread runs it (vector partial sums over k in order, a fixed reduction tree, then the
  * scalar tail), so a row of a batched product is bit-identical to the same row computed alone.
  *
+ * The library also carries the kernels of the CPU decode runtime (mlxcel_compat/model/cpu_decode.py,
+ * at the end of this file): RMS norm, RoPE, SiLU gating and a decode step's attention, which run
+ * one sequence's decode step between calls to the kernel above, on the same thread pool.
+ *
  * No dependency but libc and pthreads; compiled for the machine it runs on (-march=native).
  */
 #define _GNU_SOURCE
@@ -243,7 +247,10 @@ static long long now_ns(void) {
     return t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
+struct attention_job; /* a decode step's attention, one part per KV head (below) */
+
 struct job {
+    const struct attention_job *attention; /* or a product: */
     int nn; /* w is K x N (rows_nn), else N x K (rows_nt) */
     int M, N, K;
     const float *x, *w;
@@ -272,8 +279,14 @@ static inline void cpu_relax(void) {
 /* Outputs per unit of work: NB_MAX weight rows, or NB_MAX vectors of columns. */
 static int unit(int nn) { return nn ? NB_MAX * VL : NB_MAX; }
 
+static void attend_head(const struct attention_job *a, int h);
+
 /* Part p of the N outputs, in whole units. */
 static void run_part(const struct job *j, int p) {
+    if (j->attention) {
+        attend_head(j->attention, p);
+        return;
+    }
     int u = unit(j->nn);
     int per = ((j->N + j->parts - 1) / j->parts + u - 1) / u * u;
     int n0 = p * per < j->N ? p * per : j->N;
@@ -349,29 +362,38 @@ static void start_workers(void) {
 /* Below this many multiply-adds a product runs on the calling thread: waking a worker costs more. */
 #define PARALLEL_MIN_MACS (1 << 16)
 
+/* Runs `parts` parts of `j` on the calling thread and the workers; 0 if the pool is busy or
+ * single-threaded (the caller then runs the parts itself). */
+static int run_parallel(struct job j) {
+    if (n_threads <= 1 || j.parts <= 1 || pthread_mutex_trylock(&pool_lock) != 0) return 0;
+    start_workers();
+    int threads = n_threads < n_workers + 1 ? n_threads : n_workers + 1;
+    if (threads <= 1) {
+        pthread_mutex_unlock(&pool_lock);
+        return 0;
+    }
+    job = j;
+    atomic_store_explicit(&parts_done, 0, memory_order_relaxed);
+    unsigned number = atomic_load_explicit(&job_number, memory_order_relaxed) + 1;
+    atomic_store_explicit(&ticket, (unsigned long long)number << 32, memory_order_release);
+    atomic_store_explicit(&job_number, number, memory_order_release);
+    if (atomic_load(&sleepers) > 0) syscall(SYS_futex, &job_number, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
+    work_on(number);
+    for (int spins = 0; atomic_load_explicit(&parts_done, memory_order_acquire) < j.parts; spins++) {
+        if (spins < SPIN_PAUSES) cpu_relax();
+        else sched_yield();
+    }
+    pthread_mutex_unlock(&pool_lock);
+    return 1;
+}
+
 static void small_m(int nn, int M, int N, int K, float alpha, const float *x, size_t ldx, const float *w,
                     size_t ldw, float beta, float *c, size_t ldc) {
     int units = (N + unit(nn) - 1) / unit(nn);
-    if (n_threads > 1 && units > 1 && (long)M * N * K >= PARALLEL_MIN_MACS && pthread_mutex_trylock(&pool_lock) == 0) {
-        start_workers();
-        int threads = n_threads < n_workers + 1 ? n_threads : n_workers + 1;
-        if (threads > 1) {
-            int parts = threads * PARTS_PER_THREAD < units ? threads * PARTS_PER_THREAD : units;
-            job = (struct job){nn, M, N, K, x, w, ldx, ldw, ldc, c, alpha, beta, parts};
-            atomic_store_explicit(&parts_done, 0, memory_order_relaxed);
-            unsigned number = atomic_load_explicit(&job_number, memory_order_relaxed) + 1;
-            atomic_store_explicit(&ticket, (unsigned long long)number << 32, memory_order_release);
-            atomic_store_explicit(&job_number, number, memory_order_release);
-            if (atomic_load(&sleepers) > 0) syscall(SYS_futex, &job_number, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
-            work_on(number);
-            for (int spins = 0; atomic_load_explicit(&parts_done, memory_order_acquire) < parts; spins++) {
-                if (spins < SPIN_PAUSES) cpu_relax();
-                else sched_yield();
-            }
-            pthread_mutex_unlock(&pool_lock);
-            return;
-        }
-        pthread_mutex_unlock(&pool_lock);
+    if ((long)M * N * K >= PARALLEL_MIN_MACS) {
+        int threads = n_threads < MAX_THREADS ? n_threads : MAX_THREADS;
+        int parts = threads * PARTS_PER_THREAD < units ? threads * PARTS_PER_THREAD : units;
+        if (run_parallel((struct job){NULL, nn, M, N, K, x, w, ldx, ldw, ldc, c, alpha, beta, parts})) return;
     }
     if (nn) rows_nn(M, 0, N, K, x, ldx, w, ldw, c, ldc, alpha, beta);
     else rows_nt(M, 0, N, K, x, ldx, w, ldw, c, ldc, alpha, beta);
@@ -457,4 +479,134 @@ int mlxcel_shim_configure(int new_route, int new_small_m_max, int threads) {
 /* Calls so far by route taken: [sgemm, sgemv, kernel]. */
 void mlxcel_shim_calls(long out[3]) {
     for (int i = 0; i < 3; i++) out[i] = atomic_load(&calls[i]);
+}
+
+/* ------------------------------------------------------------------------- decode-step kernels
+ * The element-wise parts and the attention of one sequence's decode step, for the CPU decode
+ * runtime (mlxcel_compat/model/cpu_decode.py), which calls them through ctypes between the
+ * matrix-vector products above. Each is one call per layer where MLX runs a chain of small
+ * operations, and each uses vectors where MLX's CPU loops are scalar (its exponential). */
+
+typedef int vi __attribute__((vector_size(VL * sizeof(int)), aligned(sizeof(int))));
+
+/* 2 ** x for x in [-126, 126] (clamped), within 1e-7 relative: 2 ** floor(x) from the exponent
+ * bits times a degree-6 polynomial of the fraction (a least-squares fit of 2 ** f on [0, 1)). */
+static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+static inline vf exp2v(vf x) {
+    x = vselect(x < splat(-126.0f), splat(-126.0f), x);
+    x = vselect(x > splat(126.0f), splat(126.0f), x);
+    vi t = __builtin_convertvector(x, vi); /* toward zero */
+    vf tf = __builtin_convertvector(t, vf);
+    t += (vi)(tf > x); /* -1 where truncation went up: floor */
+    vf f = x - __builtin_convertvector(t, vf);
+    vf p = splat(2.18712622881867e-4f);
+    p = p * f + splat(1.238241558894515e-3f);
+    p = p * f + splat(9.686185978353024e-3f);
+    p = p * f + splat(5.5478911846876144e-2f);
+    p = p * f + splat(2.4023109674453735e-1f);
+    p = p * f + splat(6.93146824836731e-1f);
+    p = p * f + splat(1.0f);
+    return (vf)((vi)p + (t << 23));
+}
+
+static inline float exp2s(float x) {
+    vf v = splat(x);
+    return exp2v(v)[0];
+}
+
+/* out[r, :] = x[r, :] / sqrt(mean(x[r, :] ** 2) + eps) * w for `rows` rows of n (RMSNorm; per head
+ * for a model's query and key norms). out may be x. */
+void mlxcel_rms_norm(const float *x, const float *w, float *out, int rows, int n, float eps) {
+    for (int r = 0; r < rows; r++, x += n, out += n) {
+        vf acc = {0};
+        int i = 0;
+        for (; i + VL <= n; i += VL) acc += loadv(x + i) * loadv(x + i);
+        float ss = hsum(acc);
+        for (; i < n; i++) ss += x[i] * x[i];
+        float scale = 1.0f / __builtin_sqrtf(ss / (float)n + eps);
+        for (i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
+    }
+}
+
+/* RoPE of `heads` rows of d in place, with the angles' cosines and sines (d / 2 each) of one
+ * position: rotating halves (x[i], x[i + d/2]), or neighbours (x[2i], x[2i + 1]) if
+ * `traditional`, as mx.fast.rope computes them. */
+void mlxcel_rope(float *x, int heads, int d, const float *cos, const float *sin, int traditional) {
+    int half = d / 2;
+    for (int h = 0; h < heads; h++, x += d)
+        for (int i = 0; i < half; i++) {
+            int a = traditional ? 2 * i : i, b = traditional ? 2 * i + 1 : i + half;
+            float x1 = x[a], x2 = x[b];
+            x[a] = x1 * cos[i] - x2 * sin[i];
+            x[b] = x1 * sin[i] + x2 * cos[i];
+        }
+}
+
+/* gate = silu(gate) * up = gate * up / (1 + 2 ** (-gate log2 e)), in place: the same formula as
+ * the MLX lever (model/cpu_fusion.py). */
+void mlxcel_swiglu(float *gate, const float *up, int n) {
+    const float m = -1.4426950408889634f;
+    int i = 0;
+    for (; i + VL <= n; i += VL) {
+        vf g = loadv(gate + i);
+        vf r = g * loadv(up + i) / (splat(1.0f) + exp2v(g * splat(m)));
+        memcpy(gate + i, &r, sizeof r);
+    }
+    for (; i < n; i++) gate[i] = gate[i] * up[i] / (1.0f + exp2s(gate[i] * m));
+}
+
+struct attention_job {
+    const float *q;  /* (Hq, d) queries of one position */
+    const float *k_new, *v_new; /* (Hk, d) its key and value, written at position `pos` first */
+    float *keys, *values; /* the layer's cache, (Hk, capacity, d) */
+    float *out;           /* (Hq, d) */
+    int group, d, pos;    /* query heads per KV head; keys seen are [0, pos] */
+    size_t head_stride;   /* capacity * d */
+    float scale;          /* the softmax scale times log2 e (the exponential is a power of 2) */
+};
+
+/* KV head h of a decode step: write the new key and value, then for its `group` query heads
+ * softmax(q K^T scale) V over positions [0, pos]. The scores go in one pass over the keys (all
+ * the group's queries per key row), the products by the values in one pass over the values. */
+static void attend_head(const struct attention_job *a, int h) {
+    int g = a->group, d = a->d, n = a->pos + 1;
+    float *keys = a->keys + h * a->head_stride, *values = a->values + h * a->head_stride;
+    memcpy(keys + (size_t)a->pos * d, a->k_new + (size_t)h * d, d * sizeof(float));
+    memcpy(values + (size_t)a->pos * d, a->v_new + (size_t)h * d, d * sizeof(float));
+    float *q = malloc(((size_t)g * d + (size_t)g * n) * sizeof(float));
+    if (!q) abort();
+    float *scores = q + (size_t)g * d;
+    for (int i = 0; i < g * d; i++) q[i] = a->q[(size_t)h * g * d + i] * a->scale;
+    rows_nt(g, 0, n, d, q, d, keys, d, scores, n, 1.0f, 0.0f);
+    float *out = a->out + (size_t)h * g * d;
+    for (int i = 0; i < g; i++) {
+        float *s = scores + (size_t)i * n;
+        float top = s[0];
+        for (int t = 1; t < n; t++) top = s[t] > top ? s[t] : top;
+        vf acc = {0};
+        int t = 0;
+        for (; t + VL <= n; t += VL) {
+            vf e = exp2v(loadv(s + t) - splat(top));
+            memcpy(s + t, &e, sizeof e);
+            acc += e;
+        }
+        float sum = hsum(acc);
+        for (; t < n; t++) sum += s[t] = exp2s(s[t] - top);
+        float inv = 1.0f / sum;
+        for (t = 0; t < n; t++) s[t] *= inv;
+    }
+    rows_nn(g, 0, d, n, scores, n, values, d, out, d, 1.0f, 0.0f);
+    free(q);
+}
+
+/* A decode step's attention for every KV head of one layer, the heads spread over the pool. */
+void mlxcel_decode_attention(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
+                             float *out, int kv_heads, int group, int d, int pos, long capacity, float scale) {
+    struct attention_job a = {q, k_new, v_new, keys, values, out, group, d, pos, (size_t)capacity * d, scale};
+    struct job j = {0};
+    j.attention = &a;
+    j.parts = kv_heads;
+    if (!run_parallel(j))
+        for (int h = 0; h < kv_heads; h++) attend_head(&a, h);
 }

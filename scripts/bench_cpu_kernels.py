@@ -15,7 +15,9 @@ Levers (what runs where: docs/architecture.md, "Platform notes"):
    in NumPy from a prompt chunk's size), RMS norm, RoPE and the MLP plain against compiled, at
    decode and prompt sizes.
 5. In the model: a decode step at --context tokens of context and a prefill of --prompt tokens,
-   with all levers on and with each one off in turn.
+   with all levers on and with each one off in turn. With the CPU decode runtime on
+   (model/cpu_decode.py), a decode step of one sequence runs outside MLX, so the MLX levers
+   change only its prefill column; "CPU decode runtime" off measures MLX's step with them.
 6. The prefill chunk (``--batch-size``): the same prefill at several chunk sizes.
 7. Compile traces (model/cpu_fusion.py): the process's RSS after prompts of many new (batch,
    length) shapes, and after the same shapes again; ``mx.compile`` keeps a trace per shape it
@@ -311,10 +313,11 @@ class Levers:
         shim = self.env["shim"]
         if shim is not None:
             shim.configure(route=blas_shim.ROUTE_SGEMM if "matmul shim" in off else blas_shim.ROUTE_KERNEL)
+        self.env["use_decoder"] = self.env["decoder"] is not None and "CPU decode runtime" not in off
 
 
 # The levers of issue 15.
-LEVERS = ("matmul shim", "compiled modules", "SiLU via power of 2", "compiled exponent", "query blocks", "NumPy attention",
+LEVERS = ("CPU decode runtime", "matmul shim", "compiled modules", "SiLU via power of 2", "compiled exponent", "query blocks", "NumPy attention",
           "NumPy SiLU", "shared RoPE angles", "unshifted softmax")
 OFF = ("", *LEVERS)
 
@@ -323,6 +326,8 @@ def decode_step(env: dict[str, Any], context: int) -> Callable[[], float]:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    from mlxcel_compat.model import cpu_decode
+
     model = env["model"]
     cache = make_prompt_cache(model)
     ids = [(7 * i + 3) % 8000 for i in range(context)]
@@ -330,10 +335,14 @@ def decode_step(env: dict[str, Any], context: int) -> Callable[[], float]:
         model(mx.array([ids[start:start + 512]]), cache=cache)
         mx.eval([c.state for c in cache])
     token = mx.array([[11]])
+    owned = cpu_decode.OwnedCache()
 
     def run() -> float:
         t = benchlib.clock()
-        mx.eval(mx.argmax(model(token, cache=cache)[0, -1]))
+        if env["use_decoder"]:  # the engine's step for one sequence (model/cpu_decode.py)
+            mx.eval(mx.argmax(mx.array(env["decoder"].step(11, cache, owned))))
+        else:
+            mx.eval(mx.argmax(model(token, cache=cache)[0, -1]))
         elapsed = benchlib.clock() - t
         for c in cache:
             c.trim(1)
@@ -346,6 +355,8 @@ def prefill(env: dict[str, Any], n: int, chunk: int) -> Callable[[], float]:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    from mlxcel_compat.model import cpu_decode
+
     model = env["model"]
     prompt = [(13 * i + 5) % 8000 for i in range(n)]
 
@@ -355,7 +366,10 @@ def prefill(env: dict[str, Any], n: int, chunk: int) -> Callable[[], float]:
         for start in range(0, n - 1, chunk):
             model(mx.array([prompt[start:min(start + chunk, n - 1)]]), cache=cache)
             mx.eval([c.state for c in cache])
-        mx.eval(mx.argmax(model(mx.array([prompt[-1:]]), cache=cache)[0, -1]))
+        if env["use_decoder"]:  # the last token as the engine feeds it: the decode runtime's step
+            mx.eval(mx.argmax(mx.array(env["decoder"].step(prompt[-1], cache, cpu_decode.OwnedCache()))))
+        else:
+            mx.eval(mx.argmax(model(mx.array([prompt[-1:]]), cache=cache)[0, -1]))
         return benchlib.clock() - t
     return run
 
@@ -476,9 +490,11 @@ def load_env(args: argparse.Namespace) -> dict[str, Any]:
 
     from mlxcel_compat.model.loader import load_model
 
-    model = load_model(str(Path(args.model) if args.model else benchlib.ensure_model("llama", args.size)), []).model
+    loaded = load_model(str(Path(args.model) if args.model else benchlib.ensure_model("llama", args.size)), [])
+    model = loaded.model
     weights = [m.weight for _, m in model.named_modules() if isinstance(m, nn.Linear)]
-    return {"info": info, "shim": backend.matmul_shim(), "model": model, "weights": weights}
+    return {"info": info, "shim": backend.matmul_shim(), "model": model, "weights": weights, "decoder": loaded.decoder,
+            "use_decoder": loaded.decoder is not None}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,9 +2,11 @@
 """CPU throughput against the machine's own limits, all measured in one run (issue 15).
 
 1. **Decode step vs the streaming limit**: the time per token of greedy decoding at ``--context``
-   tokens of context, pipelined as the engine does it, against the weight bytes of one step divided by the best matrix-vector
-   bandwidth this run measures on the same weight matrices (OpenBLAS ``cblas_sgemv`` called
-   directly, and the shim's kernel). Goal: step <= 1.3 x the limit.
+   tokens of context, as the engine decodes one sequence (the CPU decode runtime,
+   ``model/cpu_decode.py``), and as MLX decodes it (pipelined, the levers on, and all off),
+   against the weight bytes of one step divided by the best matrix-vector bandwidth this run
+   measures on the same weight matrices (OpenBLAS ``cblas_sgemv`` called directly, and the
+   shim's kernel through MLX and called directly). Goal: step <= 1.3 x the limit.
 2. **Prefill vs the compute limit**: a ``--prompt``-token prompt prefilled the way the engine does
    it (aligned chunks of the chunk size, then the last token), against the step's FLOPs (weights
    and causal attention) divided by the SGEMM rate this run measures on the model's own weight
@@ -71,6 +73,7 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     import numpy as np
     from mlx_lm.models.cache import make_prompt_cache
 
+    from mlxcel_compat.model import cpu_decode
     from mlxcel_compat.model.loader import load_model
 
     loaded = load_model(str(model_dir), [])
@@ -105,6 +108,16 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
                   ctypes.c_float(0.0), y.ctypes.data_as(f32p), 1)
         return benchlib.clock() - t
 
+    decoder = loaded.decoder  # the engine's decode step for one sequence (model/cpu_decode.py), or None
+    kernel = decoder.k.sgemm if decoder is not None else None  # the shim's cblas_sgemm, called directly
+
+    def kernel_pass() -> float:
+        t = benchlib.clock()
+        for a, y in zip(arrays, ys):
+            n, k = a.shape
+            kernel(101, 111, 112, 1, n, k, 1.0, xs[k].ctypes.data, k, a.ctypes.data, k, 0.0, y.ctypes.data, n)
+        return benchlib.clock() - t
+
     mx_x = {k: mx.ones((1, k)) for k in xs}
 
     def mlx_pass(route: int) -> Callable[[], float]:
@@ -124,9 +137,25 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         mx.eval([c.state for c in cache])
     token = mx.array([[11]])
 
+    owned = cpu_decode.OwnedCache()
+
+    def runtime_step() -> float:
+        """Time per token over STEPS greedy steps as the engine decodes one sequence on the CPU:
+        the decode runtime's step, its logits handed to MLX for sampling (greedy here)."""
+        all_levers(True)
+        t = benchlib.clock()
+        token = 11
+        for _ in range(STEPS):
+            token = int(mx.argmax(mx.array(decoder.step(token, cache, owned))).item())
+        elapsed = (benchlib.clock() - t) / STEPS
+        for c in cache:
+            c.trim(STEPS)
+        return elapsed
+
     def decode_step(on: bool) -> Callable[[], float]:
-        """Time per token over STEPS greedy steps decoded as the engine does (the graph of token
-        n+1 is queued with async_eval before token n is read back); the cache is rewound after."""
+        """Time per token over STEPS greedy steps decoded by MLX as the engine does without the
+        decode runtime (a batch; a model it does not take): the graph of token n+1 is queued with
+        async_eval before token n is read back. The cache is rewound after."""
         def run() -> float:
             all_levers(on)
             t = benchlib.clock()
@@ -147,9 +176,13 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     fns: dict[str, Callable[[], float]] = {"sgemv (OpenBLAS, direct)": gemv_pass}
     if shim is not None:
         fns["kernel (shim, via MLX)"] = mlx_pass(blas_shim.ROUTE_KERNEL)
+    if kernel is not None:
+        fns["kernel (shim, direct)"] = kernel_pass
     fns["sgemm (OpenBLAS, via MLX)"] = mlx_pass(blas_shim.ROUTE_SGEMM)
-    fns["step, levers on"] = decode_step(True)
-    fns["step, levers off"] = decode_step(False)
+    if decoder is not None:
+        fns["step, decode runtime"] = runtime_step
+    fns["step, MLX, levers on"] = decode_step(True)
+    fns["step, MLX, levers off"] = decode_step(False)
     decode = benchlib.interleaved(fns, args.reps)
 
     # -- prefill of --prompt tokens vs the SGEMM rate on the model's shapes at the chunk size
@@ -211,7 +244,9 @@ def report_limits(r: dict[str, Any]) -> list[str]:
         out.append(f"| {name} | {median(v) * 1e3:.1f} | {min(v) * 1e3:.1f} | {gb / median(v):.1f} |")
     out += ["", f"Streaming limit (weight bytes / best GEMV bandwidth): **{best * 1e3:.1f} ms**", "",
             "| decode step | ms (median) | min | × streaming limit (median) | goal |", "|---|---:|---:|---:|---:|"]
-    for name in ("step, levers on", "step, levers off"):
+    for name in ("step, decode runtime", "step, MLX, levers on", "step, MLX, levers off"):
+        if name not in d:
+            continue
         v = d[name]
         out.append(f"| {name} | {median(v) * 1e3:.1f} | {min(v) * 1e3:.1f} | {median(v) / best:.2f} | ≤ 1.3 |")
     limit = r["prefill_flops"] / r["sgemm_rate"]

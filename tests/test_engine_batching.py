@@ -170,10 +170,12 @@ def run_with_model(h: EngineHarness, wrapper, requests: list, sinks: list) -> li
     engine = h.engine
     while h.on_engine(lambda: engine.n_processing):
         pass
-    real = engine.loaded.model
+    real, real_decoder = engine.loaded.model, engine.loaded.decoder
 
     def install_and_submit() -> None:  # on the engine thread
         engine.loaded.model = engine.batch.model = wrapper
+        if hasattr(wrapper, "wrap"):  # steps of one sequence alone run in the CPU decode runtime
+            engine.loaded.decoder = wrapper.wrap(real_decoder)
         for request, sink in zip(requests, sinks):
             engine.submit(request, sink.put)
 
@@ -186,7 +188,8 @@ def run_with_model(h: EngineHarness, wrapper, requests: list, sinks: list) -> li
                 seen.append(sink.get(timeout=120))
             events.append(seen)
     finally:
-        h.on_engine(lambda: setattr(engine.loaded, "model", real) or setattr(engine.batch, "model", real))
+        h.on_engine(lambda: setattr(engine.loaded, "model", real) or setattr(engine.batch, "model", real)
+                    or setattr(engine.loaded, "decoder", real_decoder))
     return events
 
 

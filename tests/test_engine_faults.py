@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 from typing import Any
 
+import mlx.core as mx
 import pytest
 
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, TokenEvent
@@ -48,6 +49,26 @@ class Faulty:
 
     def __getattr__(self, name):
         return getattr(self.model, name)
+
+    def wrap(self, decoder: Any) -> Any:
+        """The CPU decode runtime (one token a step, outside the model's call), raising on the
+        same passes: a sequence stepped alone runs there."""
+        return None if decoder is None else FaultyDecoder(self, decoder)
+
+
+class FaultyDecoder:
+    def __init__(self, faulty: Faulty, decoder: Any) -> None:
+        self.faulty = faulty
+        self.decoder = decoder
+
+    def step(self, token, cache, owned):
+        if self.faulty.fails(mx.array([[token]])):
+            self.faulty.raised += 1
+            raise RuntimeError("injected fault")
+        return self.decoder.step(token, cache, owned)
+
+    def __getattr__(self, name):
+        return getattr(self.decoder, name)
 
 
 def tokens_of(events: list) -> list[int]:

@@ -266,7 +266,7 @@ class Engine:
         import mlx.core as mx
 
         before = mx.get_active_memory()
-        self.loaded.model = None
+        self.loaded.model = self.loaded.decoder = None  # the decoder's views hold the weights too
         self.batch = DecodeBatch(None)
         gc.collect()
         mx.clear_cache()
@@ -282,7 +282,8 @@ class Engine:
 
         t0 = time.perf_counter()
         try:
-            self.loaded.model = load_model(self.config.model, self.config.aliases, offline=self.config.offline).model
+            reloaded = load_model(self.config.model, self.config.aliases, offline=self.config.offline)
+            self.loaded.model, self.loaded.decoder = reloaded.model, reloaded.decoder
         except Exception as exc:
             log.exception("could not reload the model after sleep")
             for sub in list(self.waiting):

@@ -36,6 +36,7 @@ def make_sequence(engine: "Engine", request: GenerationRequest, sink: "Sink", sl
         emit=sink,
         slot_id=slot_id,
         grammar=grammar,
+        decoder=loaded.decoder,
     )
     cache = engine.prefix_cache
     if request.is_child:

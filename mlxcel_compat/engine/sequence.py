@@ -38,6 +38,7 @@ from mlxcel_compat.engine.grammar import GrammarState, compute_masks
 from mlxcel_compat.engine.reasoning_budget import ReasoningBudget
 from mlxcel_compat.engine.sampling import SamplerChain, top_logprobs, top_probs
 from mlxcel_compat.engine.textstream import TextStream, token_is_complete_utf8
+from mlxcel_compat.model.cpu_decode import OwnedCache
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class Sequence:
         emit: Callable[[EngineEvent], None],
         slot_id: int,
         grammar: GrammarState | None = None,
+        decoder: Any = None,
     ) -> None:
         self.request = request
         self.model = model
@@ -83,6 +85,10 @@ class Sequence:
         self.emit = emit
         self.slot_id = slot_id
         self.grammar = grammar
+        # model.cpu_decode.CpuDecoder: single-token steps of this sequence alone run there, and
+        # write only the cache buffers it made for this sequence (``_owned``).
+        self.decoder = decoder
+        self._owned = OwnedCache()
         self.prompt = request.prompt_tokens
         # Tokens whose KV/state the cache holds, in order (prompt first, then fed-back samples).
         self.cache_tokens: list[int] = []
@@ -287,6 +293,13 @@ class Sequence:
     # ------------------------------------------------------------------ decode
 
     def _forward_logits(self, tokens: list[int] | mx.array) -> Any:
+        if self.decoder is not None and (isinstance(tokens, mx.array) or len(tokens) == 1) and self.decoder.can_run(self.cache, self._owned):
+            # The CPU decode runtime takes the token's value: no step is queued ahead of it,
+            # and none needs to be (it never waits on MLX's scheduler).
+            token = int(tokens.item()) if isinstance(tokens, mx.array) else tokens[0]
+            logits = mx.array(self.decoder.step(token, self.cache, self._owned))
+            self.cache_tokens.append(token)
+            return logits
         inputs = tokens.reshape(1, 1) if isinstance(tokens, mx.array) else mx.array(tokens)[None]
         logits = self.model(inputs, cache=self.cache)[0, -1, :]
         if isinstance(tokens, mx.array):

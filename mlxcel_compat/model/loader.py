@@ -45,6 +45,7 @@ class LoadedModel:
     size_bytes: int = 0
     gguf: Any = None  # model.gguf_load.GGUFSummary for a GGUF file, else None
     fingerprint: str = ""  # model_fingerprint(...): what saved prompt-cache state must match
+    decoder: Any = None  # model.cpu_decode.CpuDecoder: one sequence's decode steps outside MLX, or None
 
     @property
     def file_type(self) -> str:
@@ -198,6 +199,7 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
         attention.install()  # the model's module is imported now: switch its attention
         fused = cpu_fusion.install(model)
         log.debug("CPU fusion: %s", fused)
+    decoder = _cpu_decoder(model) if mx.default_device() == mx.cpu else None
     params = tree_flatten(model.parameters())
     n_params = summary.n_params if summary is not None else sum(v.size for _, v in params)
     size_bytes = summary.file_bytes if summary is not None else sum(v.nbytes for _, v in params)
@@ -213,4 +215,18 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
         size_bytes=size_bytes,
         gguf=summary,
         fingerprint=model_fingerprint(path, summary),
+        decoder=decoder,
     )
+
+
+def _cpu_decoder(model: Any) -> Any:
+    """The CPU decode runtime for this model, or None; which one is active is logged."""
+    from mlxcel_compat import backend
+    from mlxcel_compat.model import cpu_decode
+
+    built = cpu_decode.build(model, backend.matmul_shim())
+    if isinstance(built, str):
+        log.info("decode step: MLX (CPU decode runtime not used: %s)", built)
+        return None
+    log.info("decode step: CPU decode runtime (the shim's kernels; one sequence at a time, batches in MLX)")
+    return built

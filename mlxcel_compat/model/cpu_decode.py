@@ -1,0 +1,348 @@
+"""One sequence's decode step outside MLX, for dense llama-style models on the CPU.
+
+Why: on the CPU, MLX runs a decode step as ~900 scheduled operations, kept in lockstep with the
+engine thread that queues them (docs/benchmarks.md, issue 15: ``MAX_ACTIVE_TASKS``), and its
+exponential is a scalar loop. The weight matrix-vector products, which are the step's real work,
+already run at the machine's streaming speed in the BLAS shim's kernel (``blas_shim.c``); what
+kept the step at 1.6-1.8x that speed was everything around them. Here the same step is a short,
+fixed sequence of calls into the shim's library, made by the engine thread itself: per layer
+one RMS norm, the projections (the shim's matrix-vector kernel, residuals added by the kernel's
+``beta``), one RoPE call each for queries and keys, one attention call for every head (the new
+key and value written into the cache, a vectorized softmax, the heads spread over the shim's
+threads) and one SiLU-gating call. NumPy holds the buffers; nothing is allocated per step.
+
+The KV cache stays mlx-lm's ``KVCache``: the step writes the new position into the cache's own
+MLX buffers (NumPy views of them) and advances ``offset``, so prefill, batching, the prompt
+cache and slot files see the cache exactly as MLX's step would have left it. MLX arrays are
+immutable to everything else, so the step writes only into buffers it made itself for this
+sequence (:class:`OwnedCache`): at its first step, and whenever someone else replaced a layer's
+arrays (a batch, MLX's own step), it copies the layer into a fresh buffer first; the arrays
+others hold (prompt-cache entries, a sibling completion's prefix) are never written.
+
+Which models: mlx-lm's ``llama`` (and ``mistral``, which mlx-lm runs as llama), ``qwen2`` and
+``qwen3`` modules with float32 weights, every layer a plain ``KVCache``. Anything else (quantized
+weights, other families, sliding windows, batches) keeps MLX's step; :func:`build` says why.
+
+Exactness: the logits match MLX's to float32 rounding (a different summation order and a
+polynomial ``2 ** x`` within 1e-7), tested per family against the MLX step, greedy tokens
+included (``tests/test_cpu_decode.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+LOG2E = 1.4426950408889634
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ANGLE_BLOCK = 256  # RoPE angles are computed by MLX for this many positions at a time
+
+# CBLAS constants (cblas.h).
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+
+
+def enabled() -> bool:
+    """``MLXCEL_CPU_DECODE=0`` keeps MLX's decode step (for comparison, or as a fallback)."""
+    return os.environ.get("MLXCEL_CPU_DECODE", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def _f32(a: Any) -> np.ndarray:
+    """A float32 NumPy view of an evaluated MLX array (its buffer), or a contiguous copy."""
+    return np.ascontiguousarray(np.asarray(a), dtype=np.float32)
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+@dataclass
+class _Linear:
+    weight: np.ndarray  # (N, K), the module's own buffer
+    bias: np.ndarray | None
+
+
+@dataclass
+class _Layer:
+    n1: np.ndarray
+    n1_eps: float
+    n2: np.ndarray
+    n2_eps: float
+    q: _Linear
+    k: _Linear
+    v: _Linear
+    o: _Linear
+    gate: _Linear
+    up: _Linear
+    down: _Linear
+    q_norm: tuple[np.ndarray, float] | None  # qwen3's per-head norms
+    k_norm: tuple[np.ndarray, float] | None
+
+
+@dataclass
+class OwnedCache:
+    """The MLX arrays (keys, values per layer) the decoder made for one sequence: the only
+    buffers it may write. A new sequence starts with none."""
+
+    arrays: list[tuple[Any, Any]] = field(default_factory=list)
+    views: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+
+
+class _Kernels:
+    """The shim's decode-step functions and its cblas_sgemm, with ctypes argument types."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i, f, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+        self.sgemm = self._fn(lib.cblas_sgemm, [i, i, i, i, i, i, f, p, i, p, i, f, p, i])
+        self.rms_norm = self._fn(lib.mlxcel_rms_norm, [p, p, p, i, i, f])
+        self.rope = self._fn(lib.mlxcel_rope, [p, i, i, p, p, i])
+        self.swiglu = self._fn(lib.mlxcel_swiglu, [p, p, i])
+        self.attention = self._fn(lib.mlxcel_decode_attention, [p, p, p, p, p, p, i, i, i, i, L, f])
+
+    @staticmethod
+    def _fn(fn: Any, argtypes: list[Any]) -> Any:
+        fn.restype = None
+        fn.argtypes = argtypes
+        return fn
+
+
+def _head_dim(attn: Any) -> int:
+    return attn.q_proj.weight.shape[0] // attn.n_heads
+
+
+def unsupported(model: Any) -> str | None:
+    """Why this model's decode steps stay in MLX, or None if :class:`CpuDecoder` runs them."""
+    model_type = getattr(getattr(model, "args", None), "model_type", None)
+    if model_type not in MODEL_TYPES:
+        return f"model type {model_type!r} (supported: {', '.join(MODEL_TYPES)})"
+    if any(type(m).__name__.startswith("Quantized") for _, m in model.named_modules()):
+        return "quantized weights"
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not layers or not isinstance(getattr(inner, "embed_tokens", None), nn.Embedding):
+        return "unexpected module layout"
+    if getattr(model.args, "sliding_window", None) and any(t != "full_attention" for t in getattr(model.args, "layer_types", None) or ()):
+        return "sliding-window layers"
+    linears = []
+    for layer in layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        names = ("q_proj", "k_proj", "v_proj", "o_proj")
+        if attn is None or mlp is None or not any(c.__name__ == "MLP" for c in type(mlp).__mro__):
+            return "unexpected layer layout"
+        linears += [getattr(attn, n, None) for n in names]
+        linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
+        norms += [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
+        if not all(isinstance(n, nn.RMSNorm) for n in norms):
+            return "norms other than RMSNorm"
+        if not all(isinstance(m, nn.Linear) for m in linears[-7:]) or not hasattr(attn, "n_heads"):
+            return "unexpected attention layout"
+        if getattr(getattr(attn, "rope", None), "dims", None) != _head_dim(attn):
+            return "partial or unknown rotary embedding"
+    linears.append(model.lm_head if hasattr(model, "lm_head") else inner.embed_tokens)
+    arrays = [m.weight for m in linears] + [inner.embed_tokens.weight]
+    if any(a.dtype != mx.float32 for a in arrays):
+        return "weights are not float32"
+    return None
+
+
+def build(model: Any, shim: Any) -> "CpuDecoder | str":
+    """The decoder for ``model``, or why there is none (logged at start-up)."""
+    if not enabled():
+        return "off (MLXCEL_CPU_DECODE=0)"
+    if shim is None:
+        return "the BLAS shim's kernels are not loaded"
+    try:
+        kernels = _Kernels(shim.lib)
+    except AttributeError:  # a library built from an older source
+        return "the loaded shim has no decode-step kernels"
+    reason = unsupported(model)
+    if reason is not None:
+        return reason
+    return CpuDecoder(model, kernels)
+
+
+class CpuDecoder:
+    """Decode steps of one sequence (batch of 1) for a model :func:`unsupported` accepts.
+
+    Not thread-safe: the engine thread owns it, as it owns the model.
+    """
+
+    def __init__(self, model: Any, kernels: _Kernels) -> None:
+        self.k = kernels
+        inner = model.model
+        mx.eval(model.parameters())
+        attn0 = inner.layers[0].self_attn
+        self.n_heads, self.n_kv_heads = attn0.n_heads, attn0.n_kv_heads
+        self.head_dim = _head_dim(attn0)
+        self.scale = float(attn0.scale) * LOG2E
+        self.rope = attn0.rope
+        self.traditional = bool(getattr(self.rope, "traditional", False))
+        self.embed = _f32(inner.embed_tokens.weight)
+        self.norm = (_f32(inner.norm.weight), float(inner.norm.eps))
+        head = model.lm_head if hasattr(model, "lm_head") else inner.embed_tokens
+        self.head = _Linear(_f32(head.weight), None)
+        self.layers = [self._layer(layer) for layer in inner.layers]
+        hidden = self.embed.shape[1]
+        inter = self.layers[0].gate.weight.shape[0]
+        hq, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
+        self.x = np.empty(hidden, np.float32)
+        self.h = np.empty(hidden, np.float32)
+        self.q = np.empty(hq * d, np.float32)
+        self.kv = np.empty((2, hk * d), np.float32)
+        self.att = np.empty(hq * d, np.float32)
+        self.gate = np.empty(inter, np.float32)
+        self.up = np.empty(inter, np.float32)
+        self.logits = np.empty(self.head.weight.shape[0], np.float32)
+        self._angles: tuple[int, np.ndarray, np.ndarray] | None = None  # (first position, cos, sin)
+        self.steps = 0  # steps run so far (tests and benchmarks check that it ran)
+
+    @staticmethod
+    def _linear(module: Any) -> _Linear:
+        bias = module.bias if "bias" in module else None
+        return _Linear(_f32(module.weight), _f32(bias) if bias is not None else None)
+
+    def _layer(self, layer: Any) -> _Layer:
+        a, m = layer.self_attn, layer.mlp
+        lin = self._linear
+
+        def norm(n: Any) -> tuple[np.ndarray, float] | None:
+            return (_f32(n.weight), float(n.eps)) if n is not None else None
+
+        return _Layer(
+            n1=_f32(layer.input_layernorm.weight), n1_eps=float(layer.input_layernorm.eps),
+            n2=_f32(layer.post_attention_layernorm.weight), n2_eps=float(layer.post_attention_layernorm.eps),
+            q=lin(a.q_proj), k=lin(a.k_proj), v=lin(a.v_proj), o=lin(a.o_proj),
+            gate=lin(m.gate_proj), up=lin(m.up_proj), down=lin(m.down_proj),
+            q_norm=norm(getattr(a, "q_norm", None)), k_norm=norm(getattr(a, "k_norm", None)),
+        )
+
+    # ------------------------------------------------------------------ eligibility
+
+    @staticmethod
+    def can_run(cache: list[Any], owned: OwnedCache) -> bool:
+        """Whether ``cache`` is one sequence's plain float32 KV cache: the buffers this decoder
+        made for it (the common case, checked by identity), or mlx-lm ``KVCache`` layers holding
+        one row of float32 keys and values."""
+        from mlx_lm.models.cache import KVCache
+
+        if len(owned.arrays) == len(cache) and all(c.keys is a for c, (a, _) in zip(cache, owned.arrays)):
+            return True
+        return all(
+            type(c) is KVCache and c.keys is not None and c.keys.ndim == 4 and c.keys.shape[0] == 1
+            and c.keys.dtype == mx.float32 and c.values.dtype == mx.float32 for c in cache
+        )
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, token: int, cache: list[Any], owned: OwnedCache) -> np.ndarray:
+        """Feed ``token`` at position ``cache[0].offset``; return the logits (a buffer reused by
+        the next step: copy it before then). The cache advances by one position."""
+        pos = cache[0].offset
+        views = self._own(cache, owned, pos)
+        cos, sin = self._angle_row(pos)
+        k, x, h, q, att, gate, up = self.k, self.x, self.h, self.q, self.att, self.gate, self.up
+        hq, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
+        kn, vn = self.kv[0], self.kv[1]
+        np.copyto(x, self.embed[token])
+        for layer, (keys, values) in zip(self.layers, views):
+            k.rms_norm(_ptr(x), _ptr(layer.n1), _ptr(h), 1, x.size, layer.n1_eps)
+            self._mv(layer.q, h, q)
+            self._mv(layer.k, h, kn)
+            self._mv(layer.v, h, vn)
+            if layer.q_norm is not None:
+                k.rms_norm(_ptr(q), _ptr(layer.q_norm[0]), _ptr(q), hq, d, layer.q_norm[1])
+                k.rms_norm(_ptr(kn), _ptr(layer.k_norm[0]), _ptr(kn), hk, d, layer.k_norm[1])
+            k.rope(_ptr(q), hq, d, _ptr(cos), _ptr(sin), self.traditional)
+            k.rope(_ptr(kn), hk, d, _ptr(cos), _ptr(sin), self.traditional)
+            k.attention(_ptr(q), _ptr(kn), _ptr(vn), _ptr(keys), _ptr(values), _ptr(att), hk, hq // hk, d, pos,
+                        keys.shape[2], self.scale)
+            self._mv(layer.o, att, x, accumulate=True)
+            k.rms_norm(_ptr(x), _ptr(layer.n2), _ptr(h), 1, x.size, layer.n2_eps)
+            self._mv(layer.gate, h, gate)
+            self._mv(layer.up, h, up)
+            k.swiglu(_ptr(gate), _ptr(up), gate.size)
+            self._mv(layer.down, gate, x, accumulate=True)
+        k.rms_norm(_ptr(x), _ptr(self.norm[0]), _ptr(h), 1, x.size, self.norm[1])
+        self._mv(self.head, h, self.logits)
+        for c in cache:
+            c.offset += 1
+        self.steps += 1
+        return self.logits
+
+    def _mv(self, lin: _Linear, x: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
+        """out = W x (+ b), or out += W x (+ b): the shim's matrix-vector kernel."""
+        n, kk = lin.weight.shape
+        self.k.sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, 1, n, kk, 1.0, _ptr(x), kk, _ptr(lin.weight), kk,
+                     1.0 if accumulate else 0.0, _ptr(out), n)
+        if lin.bias is not None:
+            out += lin.bias
+
+    # ------------------------------------------------------------------ the cache
+
+    def _own(self, cache: list[Any], owned: OwnedCache, pos: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Writable views of every layer's keys and values with room for position ``pos``: the
+        buffers made for this sequence, copied first if the cache holds others now."""
+        if len(owned.arrays) == len(cache) and all(
+            c.keys is a and c.values is b and pos < c.keys.shape[2] for c, (a, b) in zip(cache, owned.arrays)
+        ):
+            return owned.views
+        mx.eval([(c.keys, c.values) for c in cache])
+        owned.arrays, owned.views = [], []
+        for c in cache:
+            keys, values = (self._fresh(a, pos, getattr(c, "step", ANGLE_BLOCK)) for a in (c.keys, c.values))
+            c.keys, c.values = keys, values
+            owned.arrays.append((keys, values))
+            owned.views.append((np.asarray(keys), np.asarray(values)))
+        return owned.views
+
+    @staticmethod
+    def _fresh(a: Any, pos: int, step: int) -> Any:
+        """A new MLX array with ``a``'s first ``pos`` positions and room for at least one more
+        (capacity rounded up to the cache's allocation step, as mlx-lm's cache grows): one
+        buffer of MLX's, filled through a NumPy view of it."""
+        b, h, cap, d = a.shape
+        capacity = max(cap, (pos // step + 1) * step)
+        fresh = mx.zeros((b, h, capacity, d), dtype=mx.float32)
+        mx.eval(fresh)
+        view = np.asarray(fresh)
+        if not (view.flags.c_contiguous and view.flags.writeable):  # never seen: a broadcast constant
+            data = np.zeros((b, h, capacity, d), np.float32)
+            data[:, :, :pos] = np.asarray(a)[:, :, :pos]
+            fresh = mx.array(data)
+            mx.eval(fresh)
+            return fresh
+        view[:, :, :pos] = np.asarray(a)[:, :, :pos]
+        return fresh
+
+    def _angle_row(self, pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin of position ``pos``'s RoPE angles, as the model's RoPE module computes
+        them: it is applied to unit vectors (rotating (1, 0) gives (cos, sin)) for a block of
+        positions at a time, so every scaling variant mlx-lm implements is taken as it is."""
+        if self._angles is None or not self._angles[0] <= pos < self._angles[0] + ANGLE_BLOCK:
+            first = pos - pos % ANGLE_BLOCK
+            d, half = self.head_dim, self.head_dim // 2
+            unit = np.zeros((1, 1, ANGLE_BLOCK, d), np.float32)
+            if self.traditional:
+                unit[..., 0::2] = 1.0
+            else:
+                unit[..., :half] = 1.0
+            probe = np.array(self.rope(mx.array(unit), offset=first))[0, 0]
+            if self.traditional:
+                cos, sin = probe[:, 0::2], probe[:, 1::2]
+            else:
+                cos, sin = probe[:, :half], probe[:, half:]
+            self._angles = (first, np.ascontiguousarray(cos), np.ascontiguousarray(sin))
+        first, cos, sin = self._angles
+        return cos[pos - first], sin[pos - first]
+
+
+__all__ = ["CpuDecoder", "OwnedCache", "build", "enabled", "unsupported"]
