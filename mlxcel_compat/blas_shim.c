@@ -556,6 +556,12 @@ void mlxcel_swiglu(float *gate, const float *up, int n) {
     for (; i < n; i++) gate[i] = gate[i] * up[i] / (1.0f + exp2s(gate[i] * m));
 }
 
+/* Weights below 2 ** NEGLIGIBLE of the largest (which is 1) are set to zero: the sum is at least
+ * 1, so they are far below float32's resolution of it, and multiplying the values by them could
+ * produce denormal numbers, which x86 cores handle in microcode, many times slower. (Not seen on
+ * the generated models, whose random weights give flat attention; trained models' is peaky.) */
+#define NEGLIGIBLE -64.0f
+
 struct attention_job {
     const float *q;  /* (Hq, d) queries of one position */
     const float *k_new, *v_new; /* (Hk, d) its key and value, written at position `pos` first */
@@ -587,12 +593,13 @@ static void attend_head(const struct attention_job *a, int h) {
         vf acc = {0};
         int t = 0;
         for (; t + VL <= n; t += VL) {
-            vf e = exp2v(loadv(s + t) - splat(top));
+            vf x = loadv(s + t) - splat(top);
+            vf e = vselect(x < splat(NEGLIGIBLE), splat(0.0f), exp2v(x));
             memcpy(s + t, &e, sizeof e);
             acc += e;
         }
         float sum = hsum(acc);
-        for (; t < n; t++) sum += s[t] = exp2s(s[t] - top);
+        for (; t < n; t++) sum += s[t] = s[t] - top < NEGLIGIBLE ? 0.0f : exp2s(s[t] - top);
         float inv = 1.0f / sum;
         for (t = 0; t < n; t++) s[t] *= inv;
     }

@@ -78,7 +78,7 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
 
     loaded = load_model(str(model_dir), [])
     model = loaded.model
-    levers = Levers({"model": model, "shim": shim})
+    levers = Levers({"model": model, "shim": shim, "decoder": loaded.decoder})
     named = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     head = [m.weight for name, m in named if name.endswith("lm_head")]  # computed for the last token only
     layer_weights = [m.weight for name, m in named if not name.endswith("lm_head")]

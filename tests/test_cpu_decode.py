@@ -86,16 +86,17 @@ def test_swiglu_matches_the_formula_over_extremes() -> None:
     assert (np.abs(ours - ref) / scale).max() < 4e-6
 
 
-@pytest.mark.parametrize("kv_heads,group,n", [(4, 3, 1), (4, 3, 300), (2, 1, 17), (1, 8, 1025)])
-def test_decode_attention_matches_a_reference(kv_heads: int, group: int, n: int) -> None:
+@pytest.mark.parametrize("kv_heads,group,n,peak", [(4, 3, 1, 1), (4, 3, 300, 1), (2, 1, 17, 1), (1, 8, 1025, 1), (4, 3, 300, 60)])
+def test_decode_attention_matches_a_reference(kv_heads: int, group: int, n: int, peak: float) -> None:
     """Scores, a softmax and the product by the values per KV head, the new key and value
-    written at position n - 1 first; the rest of the cache is left as it was."""
+    written at position n - 1 first; the rest of the cache is left as it was. ``peak`` scales
+    the queries: at 60 most weights are below 2 ** -64 of the largest (set to zero)."""
     rng = np.random.default_rng(3)
     d, capacity, pos = 64, n + 40, n - 1
     keys = rng.standard_normal((kv_heads, capacity, d)).astype(np.float32)
     values = rng.standard_normal((kv_heads, capacity, d)).astype(np.float32)
     before_k, before_v = keys.copy(), values.copy()
-    q = (rng.standard_normal(kv_heads * group * d) * 2).astype(np.float32)
+    q = (rng.standard_normal(kv_heads * group * d) * 2 * peak).astype(np.float32)
     k_new = rng.standard_normal(kv_heads * d).astype(np.float32)
     v_new = rng.standard_normal(kv_heads * d).astype(np.float32)
     out = np.empty(kv_heads * group * d, np.float32)
@@ -176,6 +177,16 @@ def test_arrays_held_elsewhere_are_never_written() -> None:
     replaced = cache[0].keys
     loaded.decoder.step(9, cache, owned)
     assert cache[0].keys is not replaced and cache[0].offset == 69
+
+
+def test_a_token_outside_the_vocabulary_is_an_error_and_changes_nothing() -> None:
+    loaded = load_model(str(tiny_model("llama")), [])
+    cache = _prefill(loaded.model, 16)
+    owned = cpu_decode.OwnedCache()
+    for bad in (-1, loaded.decoder.embed.shape[0]):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            loaded.decoder.step(bad, cache, owned)
+    assert cache[0].offset == 16 and not owned.arrays
 
 
 def test_caches_it_does_not_take() -> None:

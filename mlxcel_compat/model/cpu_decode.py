@@ -246,6 +246,8 @@ class CpuDecoder:
     def step(self, token: int, cache: list[Any], owned: OwnedCache) -> np.ndarray:
         """Feed ``token`` at position ``cache[0].offset``; return the logits (a buffer reused by
         the next step: copy it before then). The cache advances by one position."""
+        if not 0 <= token < self.embed.shape[0]:  # NumPy would wrap a negative index silently
+            raise ValueError(f"token id {token} is outside the vocabulary (0..{self.embed.shape[0] - 1})")
         pos = cache[0].offset
         views = self._own(cache, owned, pos)
         cos, sin = self._angle_row(pos)
