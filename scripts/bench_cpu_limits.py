@@ -7,6 +7,9 @@
    against the weight bytes of one step divided by the best matrix-vector bandwidth this run
    measures on the same weight matrices (OpenBLAS ``cblas_sgemv`` called directly, and the
    shim's kernel through MLX and called directly). Goal: step <= 1.3 x the limit.
+   Also batched decode (``--batch-rows``): B sequences of ``--batch-context`` tokens each, one
+   step for all of them, the runtime's rows (each on its own cache) against MLX's pass over the
+   merged batch cache, tokens per second.
 2. **Prefill vs the compute limit**: a ``--prompt``-token prompt prefilled the way the engine does
    it (aligned chunks of the chunk size, then the last token), against the step's FLOPs (weights
    and causal attention) divided by the SGEMM rate this run measures on the model's own weight
@@ -185,6 +188,57 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     fns["step, MLX, levers off"] = decode_step(False)
     decode = benchlib.interleaved(fns, args.reps)
 
+    # -- batched decode: B sequences of --batch-context tokens each, one step for all of them
+    batched: dict[int, dict[str, list[float]]] = {}
+    rows = [int(b) for b in args.batch_rows.split(",") if b] if decoder is not None else []
+    if rows:
+        from mlx_lm.models.cache import KVCache
+
+        seqs = []
+        for i in range(max(rows)):
+            c = make_prompt_cache(model)
+            ids = mx.array([[(11 * j + 5 * i + 3) % 8000 for j in range(args.batch_context)]])
+            for start in range(0, args.batch_context, 512):
+                model(ids[:, start:start + 512], cache=c)
+                mx.eval([layer.state for layer in c])
+            seqs.append(c)
+        owned_rows = [cpu_decode.OwnedCache() for _ in seqs]
+
+        def runtime_rows(b: int) -> Callable[[], float]:
+            def run() -> float:
+                all_levers(True)
+                t = benchlib.clock()
+                tokens = [11] * b
+                for _ in range(STEPS):
+                    logits = mx.array(decoder.step_rows(tokens, seqs[:b], owned_rows[:b]))
+                    tokens = mx.argmax(logits, axis=-1).tolist()
+                elapsed = (benchlib.clock() - t) / STEPS
+                for c in seqs[:b]:
+                    for layer in c:
+                        layer.trim(STEPS)
+                return elapsed
+            return run
+
+        def mlx_rows(b: int) -> Callable[[], float]:
+            def run() -> float:
+                all_levers(True)
+                merged = [KVCache.merge([c[i] for c in seqs[:b]]) for i in range(len(seqs[0]))]
+                mx.eval([layer.state for layer in merged])
+                t = benchlib.clock()
+                pending = mx.argmax(model(mx.array([[11]] * b), cache=merged)[:, -1], axis=-1).astype(mx.int32)
+                mx.async_eval(pending)
+                for _ in range(STEPS - 1):
+                    following = mx.argmax(model(pending.reshape(b, 1), cache=merged)[:, -1], axis=-1).astype(mx.int32)
+                    mx.async_eval(following)
+                    pending.tolist()
+                    pending = following
+                pending.tolist()
+                return (benchlib.clock() - t) / STEPS
+            return run
+
+        for b in rows:
+            batched[b] = benchlib.interleaved({"runtime": runtime_rows(b), "mlx": mlx_rows(b)}, args.reps)
+
     # -- prefill of --prompt tokens vs the SGEMM rate on the model's shapes at the chunk size
     chunk = min(args.chunk, args.prompt)
     mx_chunk = {k: mx.ones((chunk, k)) for k in xs}
@@ -228,6 +282,7 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         "step_bytes": step_bytes, "context": args.context, "prompt": args.prompt, "chunk": chunk,
         "decode": decode, "prefill": pre, "sgemm_rate": sgemm_rate,
         "prefill_flops": weight_flops + attention_flops, "attention_flops": attention_flops,
+        "batched": batched, "batch_context": args.batch_context,
     }
 
 
@@ -249,6 +304,14 @@ def report_limits(r: dict[str, Any]) -> list[str]:
             continue
         v = d[name]
         out.append(f"| {name} | {median(v) * 1e3:.1f} | {min(v) * 1e3:.1f} | {median(v) / best:.2f} | ≤ 1.3 |")
+    if r["batched"]:
+        out += ["", f"Batched decode: B sequences of {r['batch_context']} tokens each, one step for all of them "
+                "(the runtime's rows on their own caches, against MLX's pass over the merged batch cache, pipelined).", "",
+                "| B | runtime ms/step | MLX ms/step | runtime tok/s | MLX tok/s | runtime × MLX | runtime step × streaming limit |",
+                "|---:|---:|---:|---:|---:|---:|---:|"]
+        for b, v in r["batched"].items():
+            rt, ml = median(v["runtime"]), median(v["mlx"])
+            out.append(f"| {b} | {rt * 1e3:.1f} | {ml * 1e3:.1f} | {b / rt:.0f} | {b / ml:.0f} | {ml / rt:.2f} | {rt / best:.2f} |")
     limit = r["prefill_flops"] / r["sgemm_rate"]
     out += ["", f"Prefill of {r['prompt']} tokens in chunks of {r['chunk']}: {r['prefill_flops'] / 1e9:.1f} GFLOP "
             f"({r['attention_flops'] / 1e9:.1f} of them causal attention). SGEMM rate on the model's weight shapes "
@@ -406,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=1024, help="prompt length for prefill and TTFT")
     ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: the server's, min(-b, -ub))")
     ap.add_argument("--n-predict", type=int, default=128)
+    ap.add_argument("--batch-rows", default="1,2,4,8", help="batched decode: rows per step (empty: skip)")
+    ap.add_argument("--batch-context", type=int, default=512, help="batched decode: context of each row")
     ap.add_argument("--skip-servers", action="store_true", help="only the in-process limits")
     ap.add_argument("--before-ref", default=BEFORE_REF, help="git ref of the 'before' server (default: main before issue 15)")
     ap.add_argument("--startup-timeout", type=float, default=300.0)

@@ -22,6 +22,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from mlxcel_compat import backend
+from mlxcel_compat.engine.request import TokenEvent
 from mlxcel_compat.model import cpu_decode
 from mlxcel_compat.model.loader import load_model
 from tests.conftest import tiny_model
@@ -59,7 +60,7 @@ def test_rope_matches_mx_fast_rope(traditional: bool) -> None:
     what the module gives."""
     rope = nn.RoPE(64, traditional=traditional, base=500000.0)
     dec = cpu_decode.CpuDecoder.__new__(cpu_decode.CpuDecoder)
-    dec.rope, dec.traditional, dec.head_dim, dec._angles = rope, traditional, 64, None
+    dec.rope, dec.traditional, dec.head_dim, dec._angle_blocks = rope, traditional, 64, {}
     x = np.random.default_rng(1).standard_normal((1, 6, 1, 64)).astype(np.float32)
     for pos in (0, 5, 255, 256, 1000):
         cos, sin = dec._angle_row(pos)
@@ -155,6 +156,34 @@ def test_decoder_follows_mlx_step_for_step(family: str) -> None:
         token = int(want.argmax())
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_rows_stepped_together_are_bit_identical_to_rows_alone(family: str) -> None:
+    """Three sequences at different positions (one past a 256-position block of angles), stepped
+    together for 6 steps, give exactly the logits each gives stepped alone from a copy."""
+    loaded = load_model(str(tiny_model(family)), [])
+    model, decoder = loaded.model, loaded.decoder
+    together = [_prefill(model, n) for n in (20, 250, 300)]
+    alone = [copy.deepcopy(c) for c in together]
+    owned_t = [cpu_decode.OwnedCache() for _ in together]
+    owned_a = [cpu_decode.OwnedCache() for _ in alone]
+    tokens = [11, 12, 13]
+    for _ in range(6):
+        rows = decoder.step_rows(tokens, together, owned_t).copy()
+        for r, (cache, owned) in enumerate(zip(alone, owned_a)):
+            assert np.array_equal(rows[r], decoder.step(tokens[r], cache, owned))
+        tokens = [int(t) for t in rows.argmax(axis=1)]
+    assert [c[0].offset for c in together] == [26, 256, 306]
+
+
+def test_a_failed_step_advances_no_cache() -> None:
+    loaded = load_model(str(tiny_model("llama")), [])
+    caches = [_prefill(loaded.model, n) for n in (10, 12)]
+    owned = [cpu_decode.OwnedCache() for _ in caches]
+    with pytest.raises(ValueError):
+        loaded.decoder.step_rows([5, 10**9], caches, owned)
+    assert [c[0].offset for c in caches] == [10, 12]
+
+
 def test_arrays_held_elsewhere_are_never_written() -> None:
     """A prompt-cache entry or a sibling holds the cache's arrays (here: views of them): the
     decoder copies each layer into its own buffer once and writes only there."""
@@ -216,6 +245,27 @@ def test_quantized_weights_and_the_switch(monkeypatch: pytest.MonkeyPatch) -> No
     assert cpu_decode.build(loaded.model, None) == "the BLAS shim's kernels are not loaded"
     nn.quantize(loaded.model, group_size=32, bits=8)
     assert cpu_decode.unsupported(loaded.model) == "quantized weights"
+
+
+def test_engine_batches_through_the_runtime_exactly_like_lone_runs() -> None:
+    """Three requests admitted together decode in runtime passes of several rows, and each
+    gives exactly the tokens it gives alone (rows are bit-identical to lone steps)."""
+    import queue
+
+    from tests.test_engine_batching import run_logged
+
+    h = EngineHarness(tiny_model("qwen3"), n_parallel=4)
+    try:
+        prompts = [[(17 * i + 31 * r) % 900 + 20 for i in range(40 + 7 * r)] for r in range(3)]
+        requests = [h.request(p, n_predict=24, ignore_eos=True, cache=False) for p in prompts]
+        log, events = run_logged(h, requests, [queue.Queue() for _ in requests])
+        assert any(rows > 1 and n == 1 for rows, n in log.shapes)
+        for prompt, seen in zip(prompts, events):
+            tokens = [e.token for e in seen if isinstance(e, TokenEvent)]
+            assert len(tokens) == 24
+            assert tokens == h.run(prompt, n_predict=24, ignore_eos=True, cache=False).tokens
+    finally:
+        h.close()
 
 
 def test_engine_tokens_equal_with_and_without_the_runtime(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -174,8 +174,8 @@ def run_with_model(h: EngineHarness, wrapper, requests: list, sinks: list) -> li
 
     def install_and_submit() -> None:  # on the engine thread
         engine.loaded.model = engine.batch.model = wrapper
-        if hasattr(wrapper, "wrap"):  # steps of one sequence alone run in the CPU decode runtime
-            engine.loaded.decoder = wrapper.wrap(real_decoder)
+        if hasattr(wrapper, "wrap"):  # the CPU decode runtime steps rows alone and together
+            engine.loaded.decoder = engine.batch.decoder = wrapper.wrap(real_decoder)
         for request, sink in zip(requests, sinks):
             engine.submit(request, sink.put)
 
@@ -189,12 +189,13 @@ def run_with_model(h: EngineHarness, wrapper, requests: list, sinks: list) -> li
             events.append(seen)
     finally:
         h.on_engine(lambda: setattr(engine.loaded, "model", real) or setattr(engine.batch, "model", real)
-                    or setattr(engine.loaded, "decoder", real_decoder))
+                    or setattr(engine.loaded, "decoder", real_decoder) or setattr(engine.batch, "decoder", real_decoder))
     return events
 
 
 class ForwardLog:
-    """Wraps the engine's real model and records the (batch, tokens) shape of every forward pass."""
+    """Wraps the engine's real model and records the (batch, tokens) shape of every forward pass,
+    the CPU decode runtime's steps included (``wrap``)."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -206,6 +207,24 @@ class ForwardLog:
 
     def __getattr__(self, name):
         return getattr(self.model, name)
+
+    def wrap(self, decoder):
+        return None if decoder is None else _LoggedDecoder(self, decoder)
+
+
+class _LoggedDecoder:
+    def __init__(self, log: ForwardLog, decoder) -> None:
+        self.log, self.decoder = log, decoder
+
+    def step(self, token, cache, owned):
+        return self.step_rows([token], [cache], [owned])[0]
+
+    def step_rows(self, tokens, caches, owned):
+        self.log.shapes.append((len(tokens), 1))
+        return self.decoder.step_rows(tokens, caches, owned)
+
+    def __getattr__(self, name):
+        return getattr(self.decoder, name)
 
 
 def test_new_sequences_get_their_first_tokens_from_one_batched_pass(harness: EngineHarness) -> None:

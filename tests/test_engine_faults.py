@@ -62,10 +62,13 @@ class FaultyDecoder:
         self.decoder = decoder
 
     def step(self, token, cache, owned):
-        if self.faulty.fails(mx.array([[token]])):
+        return self.step_rows([token], [cache], [owned])[0]
+
+    def step_rows(self, tokens, caches, owned):
+        if self.faulty.fails(mx.array(tokens).reshape(-1, 1)):
             self.faulty.raised += 1
             raise RuntimeError("injected fault")
-        return self.decoder.step(token, cache, owned)
+        return self.decoder.step_rows(tokens, caches, owned)
 
     def __getattr__(self, name):
         return getattr(self.decoder, name)

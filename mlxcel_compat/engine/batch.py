@@ -16,6 +16,13 @@ are computed (all rows in parallel) while the forward pass runs (``sequence.draw
 A sequence whose prompt is prefilled up to its last token joins with that token as its pending
 one: its first token is then sampled by the batched pass (nothing is emitted for the prompt
 token), so several new sequences start decoding without a (1, 1) forward pass each.
+
+With the CPU decode runtime (``model/cpu_decode.py``), rows keep their own caches instead and
+the runtime steps them together (``CpuDecoder.step_rows``: one pass over the weights for every
+row, attention row by row); nothing is merged or extracted, and a row's logits are bit-identical
+to its step alone. The runtime needs the fed tokens' values, so that pass is not pipelined.
+A row the runtime cannot take (never seen: every cache of a model it takes is a plain
+``KVCache``) turns the batch back into a merged one.
 """
 
 from __future__ import annotations
@@ -97,8 +104,9 @@ def prefill_together(model: Any, seqs: list[Sequence], chunks: list[list[int]]) 
 
 
 class DecodeBatch:
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, decoder: Any = None) -> None:
         self.model = model
+        self.decoder = decoder  # model.cpu_decode.CpuDecoder: rows keep their caches; None: merged
         self.sequences: list[Sequence] = []
         self.cache: list[Any] | None = None
 
@@ -109,6 +117,11 @@ class DecodeBatch:
         """Take over ``seq``'s cache as a new row: a decoding sequence, or a prompt-ready one whose
         last prompt token the next step feeds (so its first token comes out of the batched pass)."""
         assert seq.phase == "decode" or seq.prompt_ready, f"{seq.phase=}"
+        if self.decoder is not None:
+            if self.decoder.can_run(seq.cache, seq.owned):
+                self.sequences.append(seq)  # its cache stays its own
+                return
+            self._merge_rows()
         row = [_merge([layer]) for layer in seq.cache]
         if self.cache is None:
             self.cache = row
@@ -118,10 +131,19 @@ class DecodeBatch:
         seq.cache = []  # the batch owns the state until the sequence leaves
         self.sequences.append(seq)
 
+    def _merge_rows(self) -> None:
+        """From rows on their own caches (the CPU decode runtime's) to one merged batch cache."""
+        rows, self.sequences, self.decoder = self.sequences, [], None
+        for seq in rows:
+            self.add(seq)
+
     def remove(self, indices: list[int]) -> list[Sequence]:
         """Extract the given rows back into their sequences' own caches and drop them."""
-        assert self.cache is not None
         gone = [self.sequences[i] for i in indices]
+        if self.decoder is not None:
+            self.sequences = [s for i, s in enumerate(self.sequences) if i not in set(indices)]
+            return gone
+        assert self.cache is not None
         for i, seq in zip(indices, gone):
             seq.cache = [layer.extract(i) for layer in self.cache]
         keep = [i for i in range(len(self.sequences)) if i not in set(indices)]
@@ -150,15 +172,12 @@ class DecodeBatch:
         if not self.sequences:
             return done, failed
         tokens = mx.stack([p[0] for p in fed]).reshape(len(fed), 1)
-        marks = kv.checkpoint(self.cache)
         try:
-            logits = self.model(tokens, cache=self.cache)[:, -1, :]
-        except Exception as exc:
-            restored = kv.rollback(self.cache, marks)
+            logits = self._forward(tokens)
+        except ForwardFailed:
             for seq in self.sequences:
                 seq.undo_batched_feed()
-            raise ForwardFailed(exc, restored) from exc
-        del marks
+            raise
         constrained = [s for s in self.sequences if s.grammar is not None]
         plain = [s.chain.is_plain_argmax and s.request.n_probs <= 0 and s.grammar is None for s in self.sequences]
         argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(plain) else None
@@ -192,6 +211,21 @@ class DecodeBatch:
             else:
                 done.append(seq)
         return done, failed
+
+    def _forward(self, tokens: Any) -> Any:
+        """(B, vocabulary) logits of the fed tokens; ForwardFailed (caches as before) if it raises."""
+        if self.decoder is not None:
+            try:  # a failed runtime step advances no cache: nothing to roll back
+                rows = self.decoder.step_rows(tokens.reshape(-1).tolist(), [s.cache for s in self.sequences],
+                                              [s.owned for s in self.sequences])
+            except Exception as exc:
+                raise ForwardFailed(exc, True) from exc
+            return mx.array(rows)
+        marks = kv.checkpoint(self.cache)
+        try:
+            return self.model(tokens, cache=self.cache)[:, -1, :]
+        except Exception as exc:
+            raise ForwardFailed(exc, kv.rollback(self.cache, marks)) from exc
 
     def _begin_feeds(self) -> tuple[list[tuple[Any, Any, Any]], list[tuple[Sequence, Exception]]]:
         """Every row's pending token, in row order; a row that cannot hand it over leaves the batch."""

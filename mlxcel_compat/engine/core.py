@@ -290,7 +290,7 @@ class Engine:
                 self.waiting.remove(sub)
                 sub.sink(ErrorEvent(f"could not reload the model: {exc}"))
             return
-        self.batch = DecodeBatch(self.loaded.model)
+        self.batch = DecodeBatch(self.loaded.model, self.loaded.decoder)
         self.sleeping = False
         log.info("woke up: model '%s' reloaded in %.1f s for a new request", self.loaded.model_id, time.perf_counter() - t0)
 
@@ -304,7 +304,7 @@ class Engine:
         self.n_ctx_total, self.n_ctx = slot_context(self.config.ctx_size, len(self.slots), self.config.kv_unified, n_ctx_train)
         for slot in self.slots:
             slot.n_ctx = self.n_ctx
-        self.batch = DecodeBatch(self.loaded.model)
+        self.batch = DecodeBatch(self.loaded.model, self.loaded.decoder)
         tokenizer = self.loaded.tokenizer
         vocab_size = int(_config_value(self.loaded.config, "vocab_size", 0) or len(tokenizer))
         self.grammars = GrammarCompiler(tokenizer, vocab_size, sorted(tokenizer.eos_token_ids or []))
@@ -647,14 +647,14 @@ class Engine:
 
     def _fail_batch(self, joining: list[Slot], exc: Exception) -> None:
         members = set(map(id, self.batch.sequences)) | {id(s.sequence) for s in joining}
-        self.batch = DecodeBatch(self.loaded.model)
+        self.batch = DecodeBatch(self.loaded.model, self.loaded.decoder)
         for slot in self.slots:
             if slot.sequence is not None and id(slot.sequence) in members:
                 self._fail(slot, exc)
 
     def _fail_all(self, exc: Exception) -> None:
         """After an unexpected engine error: every running sequence ends with an error event."""
-        self.batch = DecodeBatch(self.loaded.model)
+        self.batch = DecodeBatch(self.loaded.model, self.loaded.decoder)
         for slot in self.slots:
             if slot.sequence is not None:
                 self._fail(slot, exc)

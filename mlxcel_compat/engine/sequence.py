@@ -86,9 +86,9 @@ class Sequence:
         self.slot_id = slot_id
         self.grammar = grammar
         # model.cpu_decode.CpuDecoder: single-token steps of this sequence alone run there, and
-        # write only the cache buffers it made for this sequence (``_owned``).
+        # write only the cache buffers it made for this sequence (``owned``).
         self.decoder = decoder
-        self._owned = OwnedCache()
+        self.owned = OwnedCache()
         self.prompt = request.prompt_tokens
         # Tokens whose KV/state the cache holds, in order (prompt first, then fed-back samples).
         self.cache_tokens: list[int] = []
@@ -293,11 +293,11 @@ class Sequence:
     # ------------------------------------------------------------------ decode
 
     def _forward_logits(self, tokens: list[int] | mx.array) -> Any:
-        if self.decoder is not None and (isinstance(tokens, mx.array) or len(tokens) == 1) and self.decoder.can_run(self.cache, self._owned):
+        if self.decoder is not None and (isinstance(tokens, mx.array) or len(tokens) == 1) and self.decoder.can_run(self.cache, self.owned):
             # The CPU decode runtime takes the token's value: no step is queued ahead of it,
             # and none needs to be (it never waits on MLX's scheduler).
             token = int(tokens.item()) if isinstance(tokens, mx.array) else tokens[0]
-            logits = mx.array(self.decoder.step(token, self.cache, self._owned))
+            logits = mx.array(self.decoder.step(token, self.cache, self.owned))
             self.cache_tokens.append(token)
             return logits
         inputs = tokens.reshape(1, 1) if isinstance(tokens, mx.array) else mx.array(tokens)[None]

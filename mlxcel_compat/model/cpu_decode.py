@@ -19,9 +19,12 @@ sequence (:class:`OwnedCache`): at its first step, and whenever someone else rep
 arrays (a batch, MLX's own step), it copies the layer into a fresh buffer first; the arrays
 others hold (prompt-cache entries, a sibling completion's prefix) are never written.
 
+Several sequences decoding together (a batch) are stepped at once (:meth:`CpuDecoder.step_rows`),
+each on its own cache: the projections take every row in one pass over the weights.
+
 Which models: mlx-lm's ``llama`` (and ``mistral``, which mlx-lm runs as llama), ``qwen2`` and
 ``qwen3`` modules with float32 weights, every layer a plain ``KVCache``. Anything else (quantized
-weights, other families, sliding windows, batches) keeps MLX's step; :func:`build` says why.
+weights, other families, sliding windows) keeps MLX's step; :func:`build` says why.
 
 Exactness: the logits match MLX's to float32 rounding (a different summation order and a
 polynomial ``2 ** x`` within 1e-7), tested per family against the MLX step, greedy tokens
@@ -45,6 +48,7 @@ log = logging.getLogger(__name__)
 LOG2E = 1.4426950408889634
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ANGLE_BLOCK = 256  # RoPE angles are computed by MLX for this many positions at a time
+ANGLE_BLOCKS_KEPT = 64  # blocks of angles kept (a batch's rows sit at different positions)
 
 # CBLAS constants (cblas.h).
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -85,6 +89,21 @@ class _Layer:
     down: _Linear
     q_norm: tuple[np.ndarray, float] | None  # qwen3's per-head norms
     k_norm: tuple[np.ndarray, float] | None
+
+
+@dataclass
+class _Buffers:
+    """One step's activations for ``rows`` sequences, allocated once per row count."""
+
+    x: np.ndarray  # (rows, hidden): the residual stream
+    h: np.ndarray  # (rows, hidden): normed
+    q: np.ndarray  # (rows, heads * head_dim)
+    k_new: np.ndarray  # (rows, kv_heads * head_dim): the new keys
+    v_new: np.ndarray  # and values
+    att: np.ndarray  # (rows, heads * head_dim)
+    gate: np.ndarray  # (rows, intermediate)
+    up: np.ndarray
+    logits: np.ndarray  # (rows, vocabulary)
 
 
 @dataclass
@@ -171,7 +190,7 @@ def build(model: Any, shim: Any) -> "CpuDecoder | str":
 
 
 class CpuDecoder:
-    """Decode steps of one sequence (batch of 1) for a model :func:`unsupported` accepts.
+    """Decode steps of one sequence or several, for a model :func:`unsupported` accepts.
 
     Not thread-safe: the engine thread owns it, as it owns the model.
     """
@@ -191,18 +210,8 @@ class CpuDecoder:
         head = model.lm_head if hasattr(model, "lm_head") else inner.embed_tokens
         self.head = _Linear(_f32(head.weight), None)
         self.layers = [self._layer(layer) for layer in inner.layers]
-        hidden = self.embed.shape[1]
-        inter = self.layers[0].gate.weight.shape[0]
-        hq, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
-        self.x = np.empty(hidden, np.float32)
-        self.h = np.empty(hidden, np.float32)
-        self.q = np.empty(hq * d, np.float32)
-        self.kv = np.empty((2, hk * d), np.float32)
-        self.att = np.empty(hq * d, np.float32)
-        self.gate = np.empty(inter, np.float32)
-        self.up = np.empty(inter, np.float32)
-        self.logits = np.empty(self.head.weight.shape[0], np.float32)
-        self._angles: tuple[int, np.ndarray, np.ndarray] | None = None  # (first position, cos, sin)
+        self._buffers: dict[int, _Buffers] = {}  # by row count
+        self._angle_blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # first position -> (cos, sin)
         self.steps = 0  # steps run so far (tests and benchmarks check that it ran)
 
     @staticmethod
@@ -246,44 +255,78 @@ class CpuDecoder:
     def step(self, token: int, cache: list[Any], owned: OwnedCache) -> np.ndarray:
         """Feed ``token`` at position ``cache[0].offset``; return the logits (a buffer reused by
         the next step: copy it before then). The cache advances by one position."""
-        if not 0 <= token < self.embed.shape[0]:  # NumPy would wrap a negative index silently
-            raise ValueError(f"token id {token} is outside the vocabulary (0..{self.embed.shape[0] - 1})")
-        pos = cache[0].offset
-        views = self._own(cache, owned, pos)
-        cos, sin = self._angle_row(pos)
-        k, x, h, q, att, gate, up = self.k, self.x, self.h, self.q, self.att, self.gate, self.up
+        return self.step_rows([token], [cache], [owned])[0]
+
+    def step_rows(self, tokens: list[int], caches: list[list[Any]], owned: list[OwnedCache]) -> np.ndarray:
+        """One step of several sequences at once, each on its own cache at its own position:
+        the projections take all rows in one pass over each weight (the shim's kernel reads a
+        weight row once for up to 16 rows, and computes each row exactly as it would alone, so a
+        row's logits are bit-identical to its step alone); RoPE and attention go row by row.
+        Returns (rows, vocabulary) logits, a buffer reused by the next step. If anything raises,
+        no cache has advanced (a position written past ``offset`` is unused)."""
+        vocab = self.embed.shape[0]
+        for token in tokens:
+            if not 0 <= token < vocab:  # NumPy would wrap a negative index silently
+                raise ValueError(f"token id {token} is outside the vocabulary (0..{vocab - 1})")
+        rows = len(tokens)
+        positions = [cache[0].offset for cache in caches]
+        views = [self._own(cache, o, pos) for cache, o, pos in zip(caches, owned, positions)]
+        angles = [self._angle_row(pos) for pos in positions]
+        b = self._buffers_for(rows)
+        k, x, h, q, att, gate, up = self.k, b.x, b.h, b.q, b.att, b.gate, b.up
         hq, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
-        kn, vn = self.kv[0], self.kv[1]
-        np.copyto(x, self.embed[token])
-        for layer, (keys, values) in zip(self.layers, views):
-            k.rms_norm(_ptr(x), _ptr(layer.n1), _ptr(h), 1, x.size, layer.n1_eps)
+        group, hidden = hq // hk, x.shape[1]
+        row_q, row_kv = [_ptr(r) for r in q], [(_ptr(kr), _ptr(vr)) for kr, vr in zip(b.k_new, b.v_new)]
+        row_att = [_ptr(r) for r in att]
+        np.take(self.embed, tokens, axis=0, out=x)
+        for i, layer in enumerate(self.layers):
+            k.rms_norm(_ptr(x), _ptr(layer.n1), _ptr(h), rows, hidden, layer.n1_eps)
             self._mv(layer.q, h, q)
-            self._mv(layer.k, h, kn)
-            self._mv(layer.v, h, vn)
+            self._mv(layer.k, h, b.k_new)
+            self._mv(layer.v, h, b.v_new)
             if layer.q_norm is not None:
-                k.rms_norm(_ptr(q), _ptr(layer.q_norm[0]), _ptr(q), hq, d, layer.q_norm[1])
-                k.rms_norm(_ptr(kn), _ptr(layer.k_norm[0]), _ptr(kn), hk, d, layer.k_norm[1])
-            k.rope(_ptr(q), hq, d, _ptr(cos), _ptr(sin), self.traditional)
-            k.rope(_ptr(kn), hk, d, _ptr(cos), _ptr(sin), self.traditional)
-            k.attention(_ptr(q), _ptr(kn), _ptr(vn), _ptr(keys), _ptr(values), _ptr(att), hk, hq // hk, d, pos,
-                        keys.shape[2], self.scale)
+                k.rms_norm(_ptr(q), _ptr(layer.q_norm[0]), _ptr(q), rows * hq, d, layer.q_norm[1])
+                k.rms_norm(_ptr(b.k_new), _ptr(layer.k_norm[0]), _ptr(b.k_new), rows * hk, d, layer.k_norm[1])
+            for r in range(rows):
+                cos, sin = angles[r]
+                keys, values = views[r][i]
+                kp, vp = row_kv[r]
+                k.rope(row_q[r], hq, d, _ptr(cos), _ptr(sin), self.traditional)
+                k.rope(kp, hk, d, _ptr(cos), _ptr(sin), self.traditional)
+                k.attention(row_q[r], kp, vp, _ptr(keys), _ptr(values), row_att[r], hk, group, d, positions[r],
+                            keys.shape[2], self.scale)
             self._mv(layer.o, att, x, accumulate=True)
-            k.rms_norm(_ptr(x), _ptr(layer.n2), _ptr(h), 1, x.size, layer.n2_eps)
+            k.rms_norm(_ptr(x), _ptr(layer.n2), _ptr(h), rows, hidden, layer.n2_eps)
             self._mv(layer.gate, h, gate)
             self._mv(layer.up, h, up)
             k.swiglu(_ptr(gate), _ptr(up), gate.size)
             self._mv(layer.down, gate, x, accumulate=True)
-        k.rms_norm(_ptr(x), _ptr(self.norm[0]), _ptr(h), 1, x.size, self.norm[1])
-        self._mv(self.head, h, self.logits)
-        for c in cache:
-            c.offset += 1
-        self.steps += 1
-        return self.logits
+        k.rms_norm(_ptr(x), _ptr(self.norm[0]), _ptr(h), rows, hidden, self.norm[1])
+        self._mv(self.head, h, b.logits)
+        for cache in caches:
+            for c in cache:
+                c.offset += 1
+        self.steps += rows
+        return b.logits
+
+    def _buffers_for(self, rows: int) -> _Buffers:
+        b = self._buffers.get(rows)
+        if b is None:
+            hidden, inter = self.embed.shape[1], self.layers[0].gate.weight.shape[0]
+            hq, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
+
+            def buf(n: int) -> np.ndarray:
+                return np.empty((rows, n), np.float32)
+
+            b = self._buffers[rows] = _Buffers(x=buf(hidden), h=buf(hidden), q=buf(hq * d), k_new=buf(hk * d), v_new=buf(hk * d),
+                                               att=buf(hq * d), gate=buf(inter), up=buf(inter),
+                                               logits=buf(self.head.weight.shape[0]))
+        return b
 
     def _mv(self, lin: _Linear, x: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
-        """out = W x (+ b), or out += W x (+ b): the shim's matrix-vector kernel."""
+        """out = x W^T (+ b), or out += x W^T (+ b), for every row of x: the shim's kernel."""
         n, kk = lin.weight.shape
-        self.k.sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, 1, n, kk, 1.0, _ptr(x), kk, _ptr(lin.weight), kk,
+        self.k.sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, x.shape[0], n, kk, 1.0, _ptr(x), kk, _ptr(lin.weight), kk,
                      1.0 if accumulate else 0.0, _ptr(out), n)
         if lin.bias is not None:
             out += lin.bias
@@ -328,9 +371,14 @@ class CpuDecoder:
     def _angle_row(self, pos: int) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin of position ``pos``'s RoPE angles, as the model's RoPE module computes
         them: it is applied to unit vectors (rotating (1, 0) gives (cos, sin)) for a block of
-        positions at a time, so every scaling variant mlx-lm implements is taken as it is."""
-        if self._angles is None or not self._angles[0] <= pos < self._angles[0] + ANGLE_BLOCK:
-            first = pos - pos % ANGLE_BLOCK
+        positions at a time, so every scaling variant mlx-lm implements is taken as it is. The
+        blocks of the positions in use stay (``ANGLE_BLOCKS_KEPT``; rows of a batch sit at
+        different positions)."""
+        first = pos - pos % ANGLE_BLOCK
+        block = self._angle_blocks.get(first)
+        if block is None:
+            if len(self._angle_blocks) >= ANGLE_BLOCKS_KEPT:
+                self._angle_blocks.pop(next(iter(self._angle_blocks)))  # the oldest
             d, half = self.head_dim, self.head_dim // 2
             unit = np.zeros((1, 1, ANGLE_BLOCK, d), np.float32)
             if self.traditional:
@@ -342,8 +390,8 @@ class CpuDecoder:
                 cos, sin = probe[:, 0::2], probe[:, 1::2]
             else:
                 cos, sin = probe[:, :half], probe[:, half:]
-            self._angles = (first, np.ascontiguousarray(cos), np.ascontiguousarray(sin))
-        first, cos, sin = self._angles
+            block = self._angle_blocks[first] = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))
+        cos, sin = block
         return cos[pos - first], sin[pos - first]
 
 

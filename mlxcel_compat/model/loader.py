@@ -228,5 +228,5 @@ def _cpu_decoder(model: Any) -> Any:
     if isinstance(built, str):
         log.info("decode step: MLX (CPU decode runtime not used: %s)", built)
         return None
-    log.info("decode step: CPU decode runtime (the shim's kernels; one sequence at a time, batches in MLX)")
+    log.info("decode step: CPU decode runtime (the shim's kernels; single sequences and batches)")
     return built
