@@ -1,4 +1,4 @@
-"""One sequence's decode step outside MLX, for dense llama-style models on the CPU.
+"""Decode steps outside MLX, one sequence or a batch, for dense llama-style models on the CPU.
 
 Why: on the CPU, MLX runs a decode step as ~900 scheduled operations, kept in lockstep with the
 engine thread that queues them (docs/benchmarks.md, issue 15: ``MAX_ACTIVE_TASKS``), and its
@@ -16,7 +16,7 @@ MLX buffers (NumPy views of them) and advances ``offset``, so prefill, batching,
 cache and slot files see the cache exactly as MLX's step would have left it. MLX arrays are
 immutable to everything else, so the step writes only into buffers it made itself for this
 sequence (:class:`OwnedCache`): at its first step, and whenever someone else replaced a layer's
-arrays (a batch, MLX's own step), it copies the layer into a fresh buffer first; the arrays
+arrays (a merged MLX batch, MLX's own step), it copies the layer into a fresh buffer first; the arrays
 others hold (prompt-cache entries, a sibling completion's prefix) are never written.
 
 Several sequences decoding together (a batch) are stepped at once (:meth:`CpuDecoder.step_rows`),
@@ -34,7 +34,6 @@ included (``tests/test_cpu_decode.py``).
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,8 +41,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-
-log = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
