@@ -21,7 +21,7 @@
  *
  * The library also carries the kernels of the CPU decode runtime (mlxcel_compat/model/cpu_decode.py,
  * at the end of this file): RMS norm, RoPE, SiLU gating and a decode step's attention, which run
- * one sequence's decode step between calls to the kernel above, on the same thread pool.
+ * decode steps (one sequence or a batch) between calls to the kernel above, on the same thread pool.
  *
  * No dependency but libc and pthreads; compiled for the machine it runs on (-march=native).
  */
@@ -391,8 +391,7 @@ static void small_m(int nn, int M, int N, int K, float alpha, const float *x, si
                     size_t ldw, float beta, float *c, size_t ldc) {
     int units = (N + unit(nn) - 1) / unit(nn);
     if ((long)M * N * K >= PARALLEL_MIN_MACS) {
-        int threads = n_threads < MAX_THREADS ? n_threads : MAX_THREADS;
-        int parts = threads * PARTS_PER_THREAD < units ? threads * PARTS_PER_THREAD : units;
+        int parts = n_threads * PARTS_PER_THREAD < units ? n_threads * PARTS_PER_THREAD : units;
         if (run_parallel((struct job){NULL, nn, M, N, K, x, w, ldx, ldw, ldc, c, alpha, beta, parts})) return;
     }
     if (nn) rows_nn(M, 0, N, K, x, ldx, w, ldw, c, ldc, alpha, beta);
@@ -482,17 +481,18 @@ void mlxcel_shim_calls(long out[3]) {
 }
 
 /* ------------------------------------------------------------------------- decode-step kernels
- * The element-wise parts and the attention of one sequence's decode step, for the CPU decode
+ * The element-wise parts and the attention of a decode step, for the CPU decode
  * runtime (mlxcel_compat/model/cpu_decode.py), which calls them through ctypes between the
  * matrix-vector products above. Each is one call per layer where MLX runs a chain of small
  * operations, and each uses vectors where MLX's CPU loops are scalar (its exponential). */
 
 typedef int vi __attribute__((vector_size(VL * sizeof(int)), aligned(sizeof(int))));
 
-/* 2 ** x for x in [-126, 126] (clamped), within 1e-7 relative: 2 ** floor(x) from the exponent
- * bits times a degree-6 polynomial of the fraction (a least-squares fit of 2 ** f on [0, 1)). */
+/* a where mask, else b (GCC's C vector extensions have no vector ?:). */
 static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
+/* 2 ** x for x in [-126, 126] (clamped), within 1e-7 relative: 2 ** floor(x) from the exponent
+ * bits times a degree-6 polynomial of the fraction (a least-squares fit of 2 ** f on [0, 1)). */
 static inline vf exp2v(vf x) {
     x = vselect(x < splat(-126.0f), splat(-126.0f), x);
     x = vselect(x > splat(126.0f), splat(126.0f), x);

@@ -133,27 +133,40 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         return run
 
     # -- decode step at --context tokens of context (the cache rewound after each step)
-    cache = make_prompt_cache(model)
-    ids = mx.array([[(7 * i + 3) % 8000 for i in range(args.context)]])
-    for start in range(0, args.context, 512):
-        model(ids[:, start:start + 512], cache=cache)
-        mx.eval([c.state for c in cache])
+    def prefilled(ids: list[int]) -> list[Any]:
+        cache = make_prompt_cache(model)
+        for start in range(0, len(ids), 512):
+            model(mx.array([ids[start:start + 512]]), cache=cache)
+            mx.eval([c.state for c in cache])
+        return cache
+
+    cache = prefilled([(7 * i + 3) % 8000 for i in range(args.context)])
     token = mx.array([[11]])
 
-    owned = cpu_decode.OwnedCache()
+    def runtime_steps(caches: list[list[Any]]) -> Callable[[], float]:
+        """Time per step over STEPS greedy steps of these sequences as the engine decodes them on
+        the CPU: the decode runtime's step (all rows at once), its logits handed to MLX for
+        sampling (greedy here). The caches are rewound after."""
+        owned = [cpu_decode.OwnedCache() for _ in caches]
 
-    def runtime_step() -> float:
-        """Time per token over STEPS greedy steps as the engine decodes one sequence on the CPU:
-        the decode runtime's step, its logits handed to MLX for sampling (greedy here)."""
-        all_levers(True)
-        t = benchlib.clock()
-        token = 11
-        for _ in range(STEPS):
-            token = int(mx.argmax(mx.array(decoder.step(token, cache, owned))).item())
-        elapsed = (benchlib.clock() - t) / STEPS
-        for c in cache:
-            c.trim(STEPS)
-        return elapsed
+        def run() -> float:
+            all_levers(True)
+            # MLX's own step (measured in turn) replaces the caches' arrays: the runtime takes them
+            # over again (a copy, which the engine makes once per sequence) before the clock starts.
+            decoder.step_rows([11] * len(caches), caches, owned)
+            for c in caches:
+                for layer in c:
+                    layer.trim(1)
+            t = benchlib.clock()
+            tokens = [11] * len(caches)
+            for _ in range(STEPS):
+                tokens = mx.argmax(mx.array(decoder.step_rows(tokens, caches, owned)), axis=-1).tolist()
+            elapsed = (benchlib.clock() - t) / STEPS
+            for c in caches:
+                for layer in c:
+                    layer.trim(STEPS)
+            return elapsed
+        return run
 
     def decode_step(on: bool) -> Callable[[], float]:
         """Time per token over STEPS greedy steps decoded by MLX as the engine does without the
@@ -183,7 +196,7 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         fns["kernel (shim, direct)"] = kernel_pass
     fns["sgemm (OpenBLAS, via MLX)"] = mlx_pass(blas_shim.ROUTE_SGEMM)
     if decoder is not None:
-        fns["step, decode runtime"] = runtime_step
+        fns["step, decode runtime"] = runtime_steps([cache])
     fns["step, MLX, levers on"] = decode_step(True)
     fns["step, MLX, levers off"] = decode_step(False)
     decode = benchlib.interleaved(fns, args.reps)
@@ -194,30 +207,7 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     if rows:
         from mlx_lm.models.cache import KVCache
 
-        seqs = []
-        for i in range(max(rows)):
-            c = make_prompt_cache(model)
-            ids = mx.array([[(11 * j + 5 * i + 3) % 8000 for j in range(args.batch_context)]])
-            for start in range(0, args.batch_context, 512):
-                model(ids[:, start:start + 512], cache=c)
-                mx.eval([layer.state for layer in c])
-            seqs.append(c)
-        owned_rows = [cpu_decode.OwnedCache() for _ in seqs]
-
-        def runtime_rows(b: int) -> Callable[[], float]:
-            def run() -> float:
-                all_levers(True)
-                t = benchlib.clock()
-                tokens = [11] * b
-                for _ in range(STEPS):
-                    logits = mx.array(decoder.step_rows(tokens, seqs[:b], owned_rows[:b]))
-                    tokens = mx.argmax(logits, axis=-1).tolist()
-                elapsed = (benchlib.clock() - t) / STEPS
-                for c in seqs[:b]:
-                    for layer in c:
-                        layer.trim(STEPS)
-                return elapsed
-            return run
+        seqs = [prefilled([(11 * j + 5 * i + 3) % 8000 for j in range(args.batch_context)]) for i in range(max(rows))]
 
         def mlx_rows(b: int) -> Callable[[], float]:
             def run() -> float:
@@ -237,7 +227,7 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
             return run
 
         for b in rows:
-            batched[b] = benchlib.interleaved({"runtime": runtime_rows(b), "mlx": mlx_rows(b)}, args.reps)
+            batched[b] = benchlib.interleaved({"runtime": runtime_steps(seqs[:b]), "mlx": mlx_rows(b)}, args.reps)
 
     # -- prefill of --prompt tokens vs the SGEMM rate on the model's shapes at the chunk size
     chunk = min(args.chunk, args.prompt)

@@ -248,13 +248,17 @@ def test_the_library_is_rebuilt_for_another_source_or_cpu(tmp_path: Path, monkey
 
 @needs_shim
 @pytest.mark.e2e
-def test_the_server_logs_which_matmul_path_is_active(server_factory, llama_dir) -> None:
+def test_the_server_logs_which_matmul_path_and_decode_step_are_active(server_factory, llama_dir) -> None:
     import httpx
 
     on = server_factory(["-m", str(llama_dir)])
     off = server_factory(["-m", str(llama_dir)], env={"MLXCEL_BLAS_SHIM": "0"})
     assert "float32 matmuls: matmuls with <= 16 rows -> mlxcel kernel" in on.log()
     assert "float32 matmuls: off (MLXCEL_BLAS_SHIM=0)" in off.log()
+    # The CPU decode runtime runs on the shim's kernels: with them it is active, without them
+    # the server says why it keeps MLX's step.
+    assert "decode step: CPU decode runtime" in on.log()
+    assert "decode step: MLX (CPU decode runtime not used: the BLAS shim's kernels are not loaded)" in off.log()
     body = {"prompt": [5, 17, 300, 41, 9], "n_predict": 4, "temperature": 0, "n_probs": 1}
     replies = [httpx.post(s.base_url + "/completion", json=body, timeout=60).json() for s in (on, off)]
     assert all(r["tokens_predicted"] == 4 for r in replies)

@@ -63,9 +63,9 @@ def test_rope_matches_mx_fast_rope(traditional: bool) -> None:
     dec.rope, dec.traditional, dec.head_dim, dec._angle_blocks = rope, traditional, 64, {}
     x = np.random.default_rng(1).standard_normal((1, 6, 1, 64)).astype(np.float32)
     for pos in (0, 5, 255, 256, 1000):
-        cos, sin = dec._angle_row(pos)
+        cos, sin = dec._angle_row(pos)  # addresses
         ours = x.copy()
-        _kernels().rope(_p(ours), 6, 64, _p(cos), _p(sin), traditional)
+        _kernels().rope(_p(ours), 6, 64, cos, sin, traditional)
         theirs = np.array(rope(mx.array(x), offset=pos))
         assert np.abs(ours - theirs).max() <= 1e-6 * np.abs(theirs).max(), pos
 
@@ -264,6 +264,59 @@ def test_engine_batches_through_the_runtime_exactly_like_lone_runs() -> None:
             tokens = [e.token for e in seen if isinstance(e, TokenEvent)]
             assert len(tokens) == 24
             assert tokens == h.run(prompt, n_predict=24, ignore_eos=True, cache=False).tokens
+    finally:
+        h.close()
+
+
+def test_a_row_the_runtime_cannot_take_turns_the_batch_back_into_a_merged_one() -> None:
+    """Every cache of a model the runtime takes is a plain KVCache, so this is the fallback for
+    what should not happen: a row whose layers are another cache class joins a runtime batch.
+    The rows already in it move into one merged batch cache, and every row decodes on, in
+    MLX's batched pass, like a lone run wherever that run's choice was decided."""
+    from mlxcel_compat.engine.batch import DecodeBatch
+    from mlxcel_compat.engine.factory import make_sequence
+    from tests.engine_harness import Run
+    from tests.test_engine_batching import agree_where_decided
+
+    class OtherKV(KVCache):
+        pass
+
+    h = EngineHarness(tiny_model("llama"), n_parallel=4)
+    try:
+        prompts = [[(13 * i + 7 * r) % 900 + 20 for i in range(30 + 9 * r)] for r in range(2)]
+        lone = [h.run(p, n_predict=8, n_probs=2, ignore_eos=True, cache=False) for p in prompts]
+        events: list = []
+
+        def on_engine() -> dict:
+            engine = h.engine
+            seqs = [make_sequence(engine, h.request(p, n_predict=8, ignore_eos=True, cache=False), events.append, i)
+                    for i, p in enumerate(prompts)]
+            for seq in seqs:
+                while not seq.prompt_ready:
+                    seq.prefill_step()
+            others = []
+            for c in seqs[1].cache:
+                other = OtherKV()
+                other.keys, other.values, other.offset = c.keys, c.values, c.offset
+                others.append(other)
+            seqs[1].cache = others
+            batch = DecodeBatch(engine.loaded.model, engine.loaded.decoder)
+            batch.add(seqs[0])
+            runtime_then = batch.decoder is not None and seqs[0].cache != []
+            batch.add(seqs[1])
+            merged = batch.decoder is None and batch.cache is not None and seqs[0].cache == []
+            while len(batch):
+                _, failed = batch.step()
+                assert not failed
+            return {"runtime_then": runtime_then, "merged": merged,
+                    "tokens": {seq.request.task_id: list(seq.generated) for seq in seqs}, "ids": [s.request.task_id for s in seqs]}
+
+        out = h.on_engine(on_engine)
+        assert out["runtime_then"] and out["merged"]
+        for task_id, alone in zip(out["ids"], lone):
+            tokens = out["tokens"][task_id]
+            assert len(tokens) == 8
+            agree_where_decided(Run(tokens=tokens), alone)
     finally:
         h.close()
 

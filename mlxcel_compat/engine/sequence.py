@@ -85,8 +85,8 @@ class Sequence:
         self.emit = emit
         self.slot_id = slot_id
         self.grammar = grammar
-        # model.cpu_decode.CpuDecoder: single-token steps of this sequence alone run there, and
-        # write only the cache buffers it made for this sequence (``owned``).
+        # model.cpu_decode.CpuDecoder: this sequence's single-token steps run there (alone here,
+        # in a batch through engine/batch.py), writing only the buffers it made for it (``owned``).
         self.decoder = decoder
         self.owned = OwnedCache()
         self.prompt = request.prompt_tokens

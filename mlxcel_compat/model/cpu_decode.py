@@ -69,14 +69,26 @@ def _ptr(a: np.ndarray) -> int:
 class _Linear:
     weight: np.ndarray  # (N, K), the module's own buffer
     bias: np.ndarray | None
+    ptr: int = field(init=False)  # the weight's address, taken once (``ndarray.ctypes`` costs ~1 us a call)
+
+    def __post_init__(self) -> None:
+        self.ptr = _ptr(self.weight)
+
+
+@dataclass
+class _Norm:
+    weight: np.ndarray
+    eps: float
+    ptr: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ptr = _ptr(self.weight)
 
 
 @dataclass
 class _Layer:
-    n1: np.ndarray
-    n1_eps: float
-    n2: np.ndarray
-    n2_eps: float
+    n1: _Norm  # before attention
+    n2: _Norm  # before the MLP
     q: _Linear
     k: _Linear
     v: _Linear
@@ -84,13 +96,14 @@ class _Layer:
     gate: _Linear
     up: _Linear
     down: _Linear
-    q_norm: tuple[np.ndarray, float] | None  # qwen3's per-head norms
-    k_norm: tuple[np.ndarray, float] | None
+    q_norm: _Norm | None  # qwen3's per-head norms
+    k_norm: _Norm | None
 
 
 @dataclass
 class _Buffers:
-    """One step's activations for ``rows`` sequences, allocated once per row count."""
+    """One step's activations for ``rows`` sequences, allocated once per row count, with their
+    addresses (the step passes them to the kernels ~20 times a layer)."""
 
     x: np.ndarray  # (rows, hidden): the residual stream
     h: np.ndarray  # (rows, hidden): normed
@@ -101,6 +114,12 @@ class _Buffers:
     gate: np.ndarray  # (rows, intermediate)
     up: np.ndarray
     logits: np.ndarray  # (rows, vocabulary)
+    ptr: dict[str, int] = field(init=False)  # by field name
+    rows: list[tuple[int, int, int, int]] = field(init=False)  # per row: q, new key, new value, att
+
+    def __post_init__(self) -> None:
+        self.ptr = {name: _ptr(a) for name, a in vars(self).items() if isinstance(a, np.ndarray)}
+        self.rows = [(_ptr(q), _ptr(k), _ptr(v), _ptr(a)) for q, k, v, a in zip(self.q, self.k_new, self.v_new, self.att)]
 
 
 @dataclass
@@ -109,7 +128,12 @@ class OwnedCache:
     buffers it may write. A new sequence starts with none."""
 
     arrays: list[tuple[Any, Any]] = field(default_factory=list)
-    views: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    views: list[tuple[int, int, int]] = field(default_factory=list)  # per layer: keys, values, capacity
+
+    def holds(self, cache: list[Any]) -> bool:
+        """Whether every layer of ``cache`` still holds the arrays made for it."""
+        return len(self.arrays) == len(cache) and all(
+            c.keys is a and c.values is b for c, (a, b) in zip(cache, self.arrays))
 
 
 class _Kernels:
@@ -147,25 +171,24 @@ def unsupported(model: Any) -> str | None:
         return "unexpected module layout"
     if getattr(model.args, "sliding_window", None) and any(t != "full_attention" for t in getattr(model.args, "layer_types", None) or ()):
         return "sliding-window layers"
-    linears = []
+    head = model.lm_head if hasattr(model, "lm_head") else inner.embed_tokens
+    weights = [inner.embed_tokens.weight, head.weight]
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        names = ("q_proj", "k_proj", "v_proj", "o_proj")
         if attn is None or mlp is None or not any(c.__name__ == "MLP" for c in type(mlp).__mro__):
             return "unexpected layer layout"
-        linears += [getattr(attn, n, None) for n in names]
-        linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if not all(isinstance(m, nn.Linear) for m in projections) or not hasattr(attn, "n_heads"):
+            return "unexpected attention layout"
         norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
         norms += [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
         if not all(isinstance(n, nn.RMSNorm) for n in norms):
             return "norms other than RMSNorm"
-        if not all(isinstance(m, nn.Linear) for m in linears[-7:]) or not hasattr(attn, "n_heads"):
-            return "unexpected attention layout"
         if getattr(getattr(attn, "rope", None), "dims", None) != _head_dim(attn):
             return "partial or unknown rotary embedding"
-    linears.append(model.lm_head if hasattr(model, "lm_head") else inner.embed_tokens)
-    arrays = [m.weight for m in linears] + [inner.embed_tokens.weight]
-    if any(a.dtype != mx.float32 for a in arrays):
+        weights += [m.weight for m in projections]
+    if any(w.dtype != mx.float32 for w in weights):
         return "weights are not float32"
     return None
 
@@ -203,7 +226,7 @@ class CpuDecoder:
         self.rope = attn0.rope
         self.traditional = bool(getattr(self.rope, "traditional", False))
         self.embed = _f32(inner.embed_tokens.weight)
-        self.norm = (_f32(inner.norm.weight), float(inner.norm.eps))
+        self.norm = self._norm(inner.norm)
         head = model.lm_head if hasattr(model, "lm_head") else inner.embed_tokens
         self.head = _Linear(_f32(head.weight), None)
         self.layers = [self._layer(layer) for layer in inner.layers]
@@ -216,16 +239,14 @@ class CpuDecoder:
         bias = module.bias if "bias" in module else None
         return _Linear(_f32(module.weight), _f32(bias) if bias is not None else None)
 
+    @staticmethod
+    def _norm(module: Any) -> _Norm | None:
+        return _Norm(_f32(module.weight), float(module.eps)) if module is not None else None
+
     def _layer(self, layer: Any) -> _Layer:
-        a, m = layer.self_attn, layer.mlp
-        lin = self._linear
-
-        def norm(n: Any) -> tuple[np.ndarray, float] | None:
-            return (_f32(n.weight), float(n.eps)) if n is not None else None
-
+        a, m, lin, norm = layer.self_attn, layer.mlp, self._linear, self._norm
         return _Layer(
-            n1=_f32(layer.input_layernorm.weight), n1_eps=float(layer.input_layernorm.eps),
-            n2=_f32(layer.post_attention_layernorm.weight), n2_eps=float(layer.post_attention_layernorm.eps),
+            n1=norm(layer.input_layernorm), n2=norm(layer.post_attention_layernorm),
             q=lin(a.q_proj), k=lin(a.k_proj), v=lin(a.v_proj), o=lin(a.o_proj),
             gate=lin(m.gate_proj), up=lin(m.up_proj), down=lin(m.down_proj),
             q_norm=norm(getattr(a, "q_norm", None)), k_norm=norm(getattr(a, "k_norm", None)),
@@ -240,9 +261,7 @@ class CpuDecoder:
         one row of float32 keys and values."""
         from mlx_lm.models.cache import KVCache
 
-        if len(owned.arrays) == len(cache) and all(c.keys is a for c, (a, _) in zip(cache, owned.arrays)):
-            return True
-        return all(
+        return owned.holds(cache) or all(
             type(c) is KVCache and c.keys is not None and c.keys.ndim == 4 and c.keys.shape[0] == 1
             and c.keys.dtype == mx.float32 and c.values.dtype == mx.float32 for c in cache
         )
@@ -268,38 +287,35 @@ class CpuDecoder:
         rows = len(tokens)
         positions = [cache[0].offset for cache in caches]
         views = [self._own(cache, o, pos) for cache, o, pos in zip(caches, owned, positions)]
+        if len(self._angle_blocks) > ANGLE_BLOCKS_KEPT:
+            self._angle_blocks.clear()  # between steps: no address handed out below is freed
         angles = [self._angle_row(pos) for pos in positions]
         b = self._buffers_for(rows)
-        k, x, h, q, att, gate, up = self.k, b.x, b.h, b.q, b.att, b.gate, b.up
+        k, p, mv, trad = self.k, b.ptr, self._mv, self.traditional
         hq, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
-        group, hidden = hq // hk, x.shape[1]
-        row_q, row_kv = [_ptr(r) for r in q], [(_ptr(kr), _ptr(vr)) for kr, vr in zip(b.k_new, b.v_new)]
-        row_att = [_ptr(r) for r in att]
-        np.take(self.embed, tokens, axis=0, out=x)
+        group, hidden = hq // hk, b.x.shape[1]
+        np.take(self.embed, tokens, axis=0, out=b.x)
         for i, layer in enumerate(self.layers):
-            k.rms_norm(_ptr(x), _ptr(layer.n1), _ptr(h), rows, hidden, layer.n1_eps)
-            self._mv(layer.q, h, q)
-            self._mv(layer.k, h, b.k_new)
-            self._mv(layer.v, h, b.v_new)
+            k.rms_norm(p["x"], layer.n1.ptr, p["h"], rows, hidden, layer.n1.eps)
+            mv(layer.q, b, "h", "q")
+            mv(layer.k, b, "h", "k_new")
+            mv(layer.v, b, "h", "v_new")
             if layer.q_norm is not None:
-                k.rms_norm(_ptr(q), _ptr(layer.q_norm[0]), _ptr(q), rows * hq, d, layer.q_norm[1])
-                k.rms_norm(_ptr(b.k_new), _ptr(layer.k_norm[0]), _ptr(b.k_new), rows * hk, d, layer.k_norm[1])
-            for r in range(rows):
-                cos, sin = angles[r]
-                keys, values = views[r][i]
-                kp, vp = row_kv[r]
-                k.rope(row_q[r], hq, d, _ptr(cos), _ptr(sin), self.traditional)
-                k.rope(kp, hk, d, _ptr(cos), _ptr(sin), self.traditional)
-                k.attention(row_q[r], kp, vp, _ptr(keys), _ptr(values), row_att[r], hk, group, d, positions[r],
-                            keys.shape[2], self.scale)
-            self._mv(layer.o, att, x, accumulate=True)
-            k.rms_norm(_ptr(x), _ptr(layer.n2), _ptr(h), rows, hidden, layer.n2_eps)
-            self._mv(layer.gate, h, gate)
-            self._mv(layer.up, h, up)
-            k.swiglu(_ptr(gate), _ptr(up), gate.size)
-            self._mv(layer.down, gate, x, accumulate=True)
-        k.rms_norm(_ptr(x), _ptr(self.norm[0]), _ptr(h), rows, hidden, self.norm[1])
-        self._mv(self.head, h, b.logits)
+                k.rms_norm(p["q"], layer.q_norm.ptr, p["q"], rows * hq, d, layer.q_norm.eps)
+                k.rms_norm(p["k_new"], layer.k_norm.ptr, p["k_new"], rows * hk, d, layer.k_norm.eps)
+            for (q, kn, vn, att), (cos, sin), pos, row_views in zip(b.rows, angles, positions, views):
+                keys, values, capacity = row_views[i]
+                k.rope(q, hq, d, cos, sin, trad)
+                k.rope(kn, hk, d, cos, sin, trad)
+                k.attention(q, kn, vn, keys, values, att, hk, group, d, pos, capacity, self.scale)
+            mv(layer.o, b, "att", "x", accumulate=True)
+            k.rms_norm(p["x"], layer.n2.ptr, p["h"], rows, hidden, layer.n2.eps)
+            mv(layer.gate, b, "h", "gate")
+            mv(layer.up, b, "h", "up")
+            k.swiglu(p["gate"], p["up"], b.gate.size)
+            mv(layer.down, b, "gate", "x", accumulate=True)
+        k.rms_norm(p["x"], self.norm.ptr, p["h"], rows, hidden, self.norm.eps)
+        mv(self.head, b, "h", "logits")
         for cache in caches:
             for c in cache:
                 c.offset += 1
@@ -320,30 +336,29 @@ class CpuDecoder:
                                                logits=buf(self.head.weight.shape[0]))
         return b
 
-    def _mv(self, lin: _Linear, x: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
-        """out = x W^T (+ b), or out += x W^T (+ b), for every row of x: the shim's kernel."""
+    def _mv(self, lin: _Linear, b: _Buffers, x: str, out: str, accumulate: bool = False) -> None:
+        """b.out = b.x W^T (+ bias), or b.out += b.x W^T (+ bias), for every row: the shim's kernel."""
         n, kk = lin.weight.shape
-        self.k.sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, x.shape[0], n, kk, 1.0, _ptr(x), kk, _ptr(lin.weight), kk,
-                     1.0 if accumulate else 0.0, _ptr(out), n)
+        self.k.sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, b.x.shape[0], n, kk, 1.0, b.ptr[x], kk, lin.ptr, kk,
+                     1.0 if accumulate else 0.0, b.ptr[out], n)
         if lin.bias is not None:
-            out += lin.bias
+            getattr(b, out)[...] += lin.bias
 
     # ------------------------------------------------------------------ the cache
 
-    def _own(self, cache: list[Any], owned: OwnedCache, pos: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Writable views of every layer's keys and values with room for position ``pos``: the
-        buffers made for this sequence, copied first if the cache holds others now."""
-        if len(owned.arrays) == len(cache) and all(
-            c.keys is a and c.values is b and pos < c.keys.shape[2] for c, (a, b) in zip(cache, owned.arrays)
-        ):
+    def _own(self, cache: list[Any], owned: OwnedCache, pos: int) -> list[tuple[int, int, int]]:
+        """Addresses of every layer's keys and values, and their capacity, with room for
+        position ``pos``: the buffers made for this sequence, copied first if the cache holds
+        others now (or they are full)."""
+        if owned.holds(cache) and all(pos < capacity for _, _, capacity in owned.views):
             return owned.views
         mx.eval([(c.keys, c.values) for c in cache])
         owned.arrays, owned.views = [], []
         for c in cache:
-            keys, values = (self._fresh(a, pos, getattr(c, "step", ANGLE_BLOCK)) for a in (c.keys, c.values))
+            keys, values = (self._fresh(a, pos, c.step) for a in (c.keys, c.values))
             c.keys, c.values = keys, values
             owned.arrays.append((keys, values))
-            owned.views.append((np.asarray(keys), np.asarray(values)))
+            owned.views.append((_ptr(np.asarray(keys)), _ptr(np.asarray(values)), keys.shape[2]))
         return owned.views
 
     @staticmethod
@@ -356,26 +371,20 @@ class CpuDecoder:
         fresh = mx.zeros((b, h, capacity, d), dtype=mx.float32)
         mx.eval(fresh)
         view = np.asarray(fresh)
-        if not (view.flags.c_contiguous and view.flags.writeable):  # never seen: a broadcast constant
-            data = np.zeros((b, h, capacity, d), np.float32)
-            data[:, :, :pos] = np.asarray(a)[:, :, :pos]
-            fresh = mx.array(data)
-            mx.eval(fresh)
-            return fresh
+        if not (view.flags.c_contiguous and view.flags.writeable):  # e.g. a broadcast constant: not ours to write
+            raise RuntimeError("MLX gave no writable buffer of its own for the KV cache")
         view[:, :, :pos] = np.asarray(a)[:, :, :pos]
         return fresh
 
-    def _angle_row(self, pos: int) -> tuple[np.ndarray, np.ndarray]:
-        """cos and sin of position ``pos``'s RoPE angles, as the model's RoPE module computes
+    def _angle_row(self, pos: int) -> tuple[int, int]:
+        """Addresses of cos and sin of position ``pos``'s RoPE angles, as the model's RoPE module computes
         them: it is applied to unit vectors (rotating (1, 0) gives (cos, sin)) for a block of
         positions at a time, so every scaling variant mlx-lm implements is taken as it is. The
-        blocks of the positions in use stay (``ANGLE_BLOCKS_KEPT``; rows of a batch sit at
+        blocks stay until there are more than ``ANGLE_BLOCKS_KEPT`` (rows of a batch sit at
         different positions)."""
         first = pos - pos % ANGLE_BLOCK
         block = self._angle_blocks.get(first)
         if block is None:
-            if len(self._angle_blocks) >= ANGLE_BLOCKS_KEPT:
-                self._angle_blocks.pop(next(iter(self._angle_blocks)))  # the oldest
             d, half = self.head_dim, self.head_dim // 2
             unit = np.zeros((1, 1, ANGLE_BLOCK, d), np.float32)
             if self.traditional:
@@ -389,7 +398,8 @@ class CpuDecoder:
                 cos, sin = probe[:, :half], probe[:, half:]
             block = self._angle_blocks[first] = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))
         cos, sin = block
-        return cos[pos - first], sin[pos - first]
+        row = (pos - first) * cos.strides[0]
+        return _ptr(cos) + row, _ptr(sin) + row
 
 
 __all__ = ["CpuDecoder", "OwnedCache", "build", "enabled", "unsupported"]

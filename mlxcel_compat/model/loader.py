@@ -45,7 +45,7 @@ class LoadedModel:
     size_bytes: int = 0
     gguf: Any = None  # model.gguf_load.GGUFSummary for a GGUF file, else None
     fingerprint: str = ""  # model_fingerprint(...): what saved prompt-cache state must match
-    decoder: Any = None  # model.cpu_decode.CpuDecoder: one sequence's decode steps outside MLX, or None
+    decoder: Any = None  # model.cpu_decode.CpuDecoder: decode steps outside MLX (single or batched), or None
 
     @property
     def file_type(self) -> str:
