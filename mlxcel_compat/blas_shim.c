@@ -38,6 +38,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "blas_shim.h"
+
 /* CBLAS enum values (cblas.h). */
 enum { RowMajor = 101, ColMajor = 102, NoTrans = 111, Trans = 112, ConjTrans = 113 };
 
@@ -247,10 +249,9 @@ static long long now_ns(void) {
     return t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
-struct attention_job; /* a decode step's attention, one part per KV head (below) */
-
 struct job {
-    const struct attention_job *attention; /* or a product: */
+    mlxcel_task_fn task; /* a task of another source file (mlxcel_parallel), or a product: */
+    const void *task_ctx;
     int nn; /* w is K x N (rows_nn), else N x K (rows_nt) */
     int M, N, K;
     const float *x, *w;
@@ -279,12 +280,10 @@ static inline void cpu_relax(void) {
 /* Outputs per unit of work: NB_MAX weight rows, or NB_MAX vectors of columns. */
 static int unit(int nn) { return nn ? NB_MAX * VL : NB_MAX; }
 
-static void attend_head(const struct attention_job *a, int h);
-
 /* Part p of the N outputs, in whole units. */
 static void run_part(const struct job *j, int p) {
-    if (j->attention) {
-        attend_head(j->attention, p);
+    if (j->task) {
+        j->task(j->task_ctx, p);
         return;
     }
     int u = unit(j->nn);
@@ -392,11 +391,22 @@ static void small_m(int nn, int M, int N, int K, float alpha, const float *x, si
     int units = (N + unit(nn) - 1) / unit(nn);
     if ((long)M * N * K >= PARALLEL_MIN_MACS) {
         int parts = n_threads * PARTS_PER_THREAD < units ? n_threads * PARTS_PER_THREAD : units;
-        if (run_parallel((struct job){NULL, nn, M, N, K, x, w, ldx, ldw, ldc, c, alpha, beta, parts})) return;
+        if (run_parallel((struct job){NULL, NULL, nn, M, N, K, x, w, ldx, ldw, ldc, c, alpha, beta, parts})) return;
     }
     if (nn) rows_nn(M, 0, N, K, x, ldx, w, ldw, c, ldc, alpha, beta);
     else rows_nt(M, 0, N, K, x, ldx, w, ldw, c, ldc, alpha, beta);
 }
+
+void mlxcel_parallel(int parts, mlxcel_task_fn fn, const void *ctx) {
+    struct job j = {0};
+    j.task = fn;
+    j.task_ctx = ctx;
+    j.parts = parts;
+    if (!run_parallel(j))
+        for (int p = 0; p < parts; p++) fn(ctx, p);
+}
+
+int mlxcel_threads(void) { return n_threads; }
 
 /* ------------------------------------------------------------------------------------ routing */
 
@@ -446,6 +456,12 @@ static void route_sgemm(int order, int ta, int tb, int M, int N, int K, float al
         }
     }
     atomic_fetch_add_explicit(&calls[0], 1, memory_order_relaxed);
+    real_sgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+void mlxcel_blas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+                       const float *B, int ldb, float beta, float *C, int ldc) {
+    if (!real_sgemm) resolve_fallback();
     real_sgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
@@ -575,7 +591,8 @@ struct attention_job {
 /* KV head h of a decode step: write the new key and value, then for its `group` query heads
  * softmax(q K^T scale) V over positions [0, pos]. The scores go in one pass over the keys (all
  * the group's queries per key row), the products by the values in one pass over the values. */
-static void attend_head(const struct attention_job *a, int h) {
+static void attend_head(const void *ctx, int h) {
+    const struct attention_job *a = ctx;
     int g = a->group, d = a->d, n = a->pos + 1;
     float *keys = a->keys + h * a->head_stride, *values = a->values + h * a->head_stride;
     memcpy(keys + (size_t)a->pos * d, a->k_new + (size_t)h * d, d * sizeof(float));
@@ -611,9 +628,5 @@ static void attend_head(const struct attention_job *a, int h) {
 void mlxcel_decode_attention(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
                              float *out, int kv_heads, int group, int d, int pos, long capacity, float scale) {
     struct attention_job a = {q, k_new, v_new, keys, values, out, group, d, pos, (size_t)capacity * d, scale};
-    struct job j = {0};
-    j.attention = &a;
-    j.parts = kv_heads;
-    if (!run_parallel(j))
-        for (int h = 0; h < kv_heads; h++) attend_head(&a, h);
+    mlxcel_parallel(kv_heads, attend_head, &a);
 }

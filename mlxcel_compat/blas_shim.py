@@ -30,6 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("blas_shim.c")
+# Every file the library is built from: the shim, the block-format products (``block_matmul.c``,
+# ggml's kernels called from the shim's threads) and the header they share.
+SOURCES = (SOURCE, SOURCE.with_name("block_matmul.c"))
+HEADERS = (SOURCE.with_name("blas_shim.h"),)
 CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
 LIBS = ("-ldl",)
 
@@ -121,7 +125,8 @@ def _cpu_signature() -> str:
 def library_name() -> str:
     """The file name of the build of this source for this CPU (a compiler upgrade keeps it)."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LIBS).encode(), _cpu_signature().encode()):
+    parts = [path.read_bytes() for path in SOURCES + HEADERS]
+    for part in (*parts, " ".join(CFLAGS + LIBS).encode(), _cpu_signature().encode()):
         key.update(part)
         key.update(b"\0")
     return f"blas_shim-{key.hexdigest()[:16]}.so"
@@ -150,7 +155,7 @@ def build(directory: Path | None = None) -> ShimBuild:
             errors.append(f"{where}: {exc.strerror or exc}")
             continue
         try:
-            cmd = [cc, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS]
+            cmd = [cc, *CFLAGS, "-o", tmp, *(str(path) for path in SOURCES), *LIBS]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if out.returncode != 0:
                 last = (out.stderr.strip().splitlines() or ["?"])[-1]

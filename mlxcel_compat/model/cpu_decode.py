@@ -42,6 +42,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlxcel_compat.model.block_layers import BlockEmbedding, BlockLinear, block_weight_of
+from mlxcel_compat.model.block_weight import BlockWeight
+
 LOG2E = 1.4426950408889634
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ANGLE_BLOCK = 256  # RoPE angles are computed by MLX for this many positions at a time
@@ -67,12 +70,14 @@ def _ptr(a: np.ndarray) -> int:
 
 @dataclass
 class _Linear:
-    weight: np.ndarray  # (N, K), the module's own buffer
+    weight: np.ndarray | BlockWeight  # (N, K): the module's own float32 buffer, or its blocks
     bias: np.ndarray | None
     ptr: int = field(init=False)  # the weight's address, taken once (``ndarray.ctypes`` costs ~1 us a call)
+    block: BlockWeight | None = field(init=False)  # quantized (ggml's kernels), else None
 
     def __post_init__(self) -> None:
-        self.ptr = _ptr(self.weight)
+        self.block = self.weight if isinstance(self.weight, BlockWeight) else None
+        self.ptr = 0 if self.block is not None else _ptr(self.weight)
 
 
 @dataclass
@@ -155,7 +160,9 @@ class _Kernels:
 
 
 def _head_dim(attn: Any) -> int:
-    return attn.q_proj.weight.shape[0] // attn.n_heads
+    block = block_weight_of(attn.q_proj)
+    rows = block.n if block is not None else attn.q_proj.weight.shape[0]
+    return rows // attn.n_heads
 
 
 def unsupported(model: Any) -> str | None:
@@ -167,19 +174,19 @@ def unsupported(model: Any) -> str | None:
         return "quantized weights"
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
-    if not layers or not isinstance(getattr(inner, "embed_tokens", None), nn.Embedding):
+    if not layers or not isinstance(getattr(inner, "embed_tokens", None), (nn.Embedding, BlockEmbedding)):
         return "unexpected module layout"
     if getattr(model.args, "sliding_window", None) and any(t != "full_attention" for t in getattr(model.args, "layer_types", None) or ()):
         return "sliding-window layers"
     head = model.lm_head if hasattr(model, "lm_head") else inner.embed_tokens
-    weights = [inner.embed_tokens.weight, head.weight]
+    weights = [m.weight for m in (inner.embed_tokens, head) if block_weight_of(m) is None]
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if attn is None or mlp is None or not any(c.__name__ == "MLP" for c in type(mlp).__mro__):
             return "unexpected layer layout"
         projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if not all(isinstance(m, nn.Linear) for m in projections) or not hasattr(attn, "n_heads"):
+        if not all(isinstance(m, (nn.Linear, BlockLinear)) for m in projections) or not hasattr(attn, "n_heads"):
             return "unexpected attention layout"
         norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
         norms += [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
@@ -187,9 +194,9 @@ def unsupported(model: Any) -> str | None:
             return "norms other than RMSNorm"
         if getattr(getattr(attn, "rope", None), "dims", None) != _head_dim(attn):
             return "partial or unknown rotary embedding"
-        weights += [m.weight for m in projections]
+        weights += [m.weight for m in projections if block_weight_of(m) is None]
     if any(w.dtype != mx.float32 for w in weights):
-        return "weights are not float32"
+        return "weights are neither float32 nor in ggml's blocks"
     return None
 
 
@@ -225,10 +232,10 @@ class CpuDecoder:
         self.scale = float(attn0.scale) * LOG2E
         self.rope = attn0.rope
         self.traditional = bool(getattr(self.rope, "traditional", False))
-        self.embed = _f32(inner.embed_tokens.weight)
+        self.embed = block_weight_of(inner.embed_tokens) or _f32(inner.embed_tokens.weight)
         self.norm = self._norm(inner.norm)
         head = model.lm_head if hasattr(model, "lm_head") else inner.embed_tokens
-        self.head = _Linear(_f32(head.weight), None)
+        self.head = _Linear(block_weight_of(head) or _f32(head.weight), None)
         self.layers = [self._layer(layer) for layer in inner.layers]
         self._buffers: dict[int, _Buffers] = {}  # by row count
         self._angle_blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # first position -> (cos, sin)
@@ -237,7 +244,7 @@ class CpuDecoder:
     @staticmethod
     def _linear(module: Any) -> _Linear:
         bias = module.bias if "bias" in module else None
-        return _Linear(_f32(module.weight), _f32(bias) if bias is not None else None)
+        return _Linear(block_weight_of(module) or _f32(module.weight), _f32(bias) if bias is not None else None)
 
     @staticmethod
     def _norm(module: Any) -> _Norm | None:
@@ -294,7 +301,10 @@ class CpuDecoder:
         k, p, mv, trad = self.k, b.ptr, self._mv, self.traditional
         hq, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
         group, hidden = hq // hk, b.x.shape[1]
-        np.take(self.embed, tokens, axis=0, out=b.x)
+        if isinstance(self.embed, BlockWeight):
+            self.embed.take(tokens, out=b.x)
+        else:
+            np.take(self.embed, tokens, axis=0, out=b.x)
         for i, layer in enumerate(self.layers):
             k.rms_norm(p["x"], layer.n1.ptr, p["h"], rows, hidden, layer.n1.eps)
             mv(layer.q, b, "h", "q")
@@ -339,8 +349,11 @@ class CpuDecoder:
     def _mv(self, lin: _Linear, b: _Buffers, x: str, out: str, accumulate: bool = False) -> None:
         """b.out = b.x W^T (+ bias), or b.out += b.x W^T (+ bias), for every row: the shim's kernel."""
         n, kk = lin.weight.shape
-        self.k.sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, b.x.shape[0], n, kk, 1.0, b.ptr[x], kk, lin.ptr, kk,
-                     1.0 if accumulate else 0.0, b.ptr[out], n)
+        if lin.block is not None:  # ggml's vec_dot, row by row: a row's result never depends on the others
+            lin.block.matmul_into(b.x.shape[0], b.ptr[x], kk, b.ptr[out], n, 1.0 if accumulate else 0.0)
+        else:
+            self.k.sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, b.x.shape[0], n, kk, 1.0, b.ptr[x], kk, lin.ptr, kk,
+                         1.0 if accumulate else 0.0, b.ptr[out], n)
         if lin.bias is not None:
             getattr(b, out)[...] += lin.bias
 

@@ -222,8 +222,11 @@ def _is_norm(module: Any) -> bool:
 
 
 def _is_mlp(name: str, module: Any) -> bool:
-    """A dense gated MLP of an mlx-lm model (``layers.N.mlp``, class ``MLP``)."""
-    return name.endswith(".mlp") and type(module).__name__ == "MLP"
+    """A dense gated MLP of an mlx-lm model (``layers.N.mlp``, class ``MLP``), of float weights:
+    one with block-format weights evaluates inside its call, which ``mx.compile`` cannot trace."""
+    from mlxcel_compat.model.block_layers import holds_blocks
+
+    return name.endswith(".mlp") and type(module).__name__ == "MLP" and not holds_blocks(module)
 
 
 def install(model: Any) -> dict[str, int]:

@@ -4,7 +4,8 @@ The header (metadata and tensor table) is parsed here with ``struct``; tensor by
 one tensor at a time, so loading never holds the whole file: the memory peak is the decoded
 weights plus one tensor in flight. Quantized tensors are read with ``os.preadv`` into NumPy
 (``read_tensor``) and decoded there; float tensors (F32, F16, BF16) are read straight into MLX
-memory (``read_float_tensor``), the one copy a safetensors load makes too.
+memory (``read_float_tensor``), the one copy a safetensors load makes too. Tensors the CPU
+serves from their blocks are not read at all: they are views of the mapped file (``map_file``).
 
 A split model (``name-00001-of-00003.gguf``, written by ``gguf-split`` or the converter) is
 opened from its first part; the other parts are found beside it, as llama.cpp does.
@@ -276,6 +277,27 @@ def read_tensor(info: TensorInfo, scratch: np.ndarray | None = None) -> np.ndarr
     finally:
         os.close(fd)
     return buffer
+
+
+def map_file(path: Path) -> np.ndarray:
+    """The whole of ``path`` as a read-only uint8 array over a shared memory map.
+
+    Tensors served from their blocks are views of it: loading copies nothing, the pages are the
+    page cache's (shared with every process that maps the file, kept across restarts), and the
+    map is populated up front, as llama.cpp maps its models, so the first request does not
+    fault them in one by one.
+    """
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
+    return np.frombuffer(mapped, dtype=np.uint8)
+
+
+def tensor_view(info: TensorInfo, mapped: np.ndarray) -> np.ndarray:
+    """The raw bytes of one tensor, a view of its file's map (``map_file``)."""
+    if info.offset + info.n_bytes > mapped.size:
+        raise GGUFError(f"'{info.path}' ends inside tensor '{info.name}'")
+    return mapped[info.offset:info.offset + info.n_bytes]
 
 
 class _SafetensorsView:

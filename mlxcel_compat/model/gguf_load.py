@@ -6,13 +6,17 @@ the engine, prompt cache, batching and attention path treat it like any other ml
 Weights are streamed: each tensor is read, decoded or repacked, put into the model, and its
 buffers dropped before the next one. The memory peak is the final weights plus one tensor in
 flight, never a second copy of the model. Every tensor type is checked before the first byte is
-read, so an unsupported type fails fast. Two paths:
+read, so an unsupported type fails fast. Three paths (``precision.tensor_precision`` decides):
 
+- on the CPU, the weights of linear layers and the embedding in a block type (every quantized
+  type, F16, BF16) are not read at all: they stay in the memory-mapped file
+  (``gguf.map_file``), served by ggml's kernels through block layers (``block_layers.py``); the
+  query and key rows llama.cpp permuted are read in the model's order (``BlockWeight.rows``);
 - float tensors (F32, F16, BF16) are read straight into MLX memory (``gguf.read_float_tensor``)
   and the converter's changes are undone with MLX operations: the one copy a safetensors
   checkpoint costs, which keeps a GGUF load as fast as the same model's directory;
-- quantized tensors are read into NumPy (``gguf.read_tensor``) and decoded or repacked there
-  (``gguf_quants``), then handed to MLX.
+- other quantized tensors are read into NumPy (``gguf.read_tensor``) and decoded or repacked
+  there (``gguf_quants``), then handed to MLX.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from mlxcel_compat.model import gguf_arch, gguf_quants, precision
-from mlxcel_compat.model.gguf import FLOAT_TYPES, GGUFModelFile, TensorInfo, open_gguf, read_float_tensor, read_tensor
+from mlxcel_compat.model import block_weight, gguf_arch, gguf_quants, precision
+from mlxcel_compat.model.gguf import (FLOAT_TYPES, GGUFModelFile, TensorInfo, map_file, open_gguf, read_float_tensor,
+                                      read_tensor, tensor_view)
 from mlxcel_compat.model.gguf_tokenizer import SpecialTokens, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -45,9 +50,12 @@ class GGUFSummary:
     n_params: int
     file_bytes: int
     compute_dtype: str
-    precision: dict[str, int] = field(default_factory=dict)  # "affine q8_0" / "float32" -> tensors
+    precision: dict[str, int] = field(default_factory=dict)  # "blocks q4_K" / "affine q8_0" / "float32" -> tensors
     specials: SpecialTokens | None = None
     load_seconds: float = 0.0
+    weight_bytes: dict[str, int] = field(default_factory=dict)  # the same labels -> bytes they take in memory
+    kernels: dict[str, str] = field(default_factory=dict)  # "blocks q4_K" -> what computes with them
+    blocks_unavailable: str = ""  # on the CPU: why quantized weights were expanded to float32
 
 
 def _quantizable(model: Any, mlx_name: str, shape: tuple[int, ...]) -> bool:
@@ -119,6 +127,18 @@ def _affine(info: TensorInfo, raw: np.ndarray, mlx_name: str, spec: gguf_arch.Ar
             (prefix + "biases", mx.array(blocks.biases))]
 
 
+def _blocks(info: TensorInfo, mapped: np.ndarray, mlx_name: str, spec: gguf_arch.ArchSpec, config: dict[str, Any],
+            target_shape: tuple[int, ...], lib: block_weight.BlockLibrary) -> block_weight.BlockWeight:
+    """A weight served from its blocks in the mapped file: nothing is read or copied."""
+    if tuple(info.shape) != tuple(target_shape):
+        raise ValueError(f"tensor '{info.name}' has shape {info.shape}; the model expects {target_shape} for {mlx_name}")
+    n, k = info.shape
+    heads = gguf_arch.qk_heads(spec, config, mlx_name)
+    rows = gguf_arch.unpermute_rows(np.arange(n, dtype=np.int32), heads) if heads is not None else None
+    data = tensor_view(info, mapped).reshape(n, -1)
+    return block_weight.BlockWeight(data, info.ggml_type, n, k, lib, rows=rows)
+
+
 def _install_rope_freqs(model: Any, file: GGUFModelFile, config: dict[str, Any]) -> None:
     """Llama 3 files carry the RoPE frequency factors as a tensor (``rope_freqs.weight``)."""
     import mlx.core as mx
@@ -168,6 +188,8 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
+    from mlxcel_compat.model import block_layers
+
     t0 = time.perf_counter()
     if on_cpu is None:
         on_cpu = mx.default_device() == mx.cpu
@@ -184,9 +206,11 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         log.warning("GGUF tensors without a counterpart in the mlx-lm model are ignored: %s", ", ".join(ignored[:8]))
 
     dtype = precision.compute_dtype(on_cpu, {t.ggml_type for t in file.tensors.values()})
+    lib = block_weight.library() if on_cpu else "not on the CPU"
     plans = {
         g: precision.tensor_precision(file.tensors[g].ggml_type, on_cpu,
-                                      not on_cpu and _quantizable(model, m, file.tensors[g].shape), dtype)
+                                      _quantizable(model, m, file.tensors[g].shape), dtype,
+                                      blocks=not isinstance(lib, str))
         for g, m in names.items()
     }
     affine = {names[g][: -len(".weight")]: file.tensors[g] for g, p in plans.items() if p == precision.AFFINE}
@@ -201,8 +225,12 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         type_counts=file.type_counts(), n_params=file.n_params, file_bytes=file.size_bytes,
         compute_dtype=dtype, specials=specials,
     )
+    if on_cpu and isinstance(lib, str) and any(file.tensors[g].ggml_type not in FLOAT_TYPES for g in names):
+        summary.blocks_unavailable = lib
+    maps = {part: map_file(part) for part in file.parts} if precision.BLOCKS in plans.values() else {}
     total = sum(file.tensors[g].n_bytes for g in names)
-    decoded = [file.tensors[g].n_bytes for g in names if file.tensors[g].ggml_type not in FLOAT_TYPES]
+    decoded = [file.tensors[g].n_bytes for g in names
+               if file.tensors[g].ggml_type not in FLOAT_TYPES and plans[g] != precision.BLOCKS]
     scratch = np.empty(max(decoded, default=0), dtype=np.uint8)  # only quantized tensors go through NumPy
     done = 0
     loaded: list[tuple[str, Any]] = []
@@ -210,6 +238,17 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         if gguf_name not in names:
             continue
         mlx_name, plan = names[gguf_name], plans[gguf_name]
+        if plan == precision.BLOCKS:
+            weight = _blocks(info, maps[info.path], mlx_name, spec, config, shapes[mlx_name], lib)
+            block_layers.install(model, mlx_name[: -len(".weight")], weight)
+            label = f"blocks {gguf_quants.type_name(info.ggml_type).lower()}"
+            summary.precision[label] = summary.precision.get(label, 0) + 1
+            summary.weight_bytes[label] = summary.weight_bytes.get(label, 0) + weight.nbytes
+            summary.kernels.setdefault(label, lib.ggml.describe(info.ggml_type))
+            done += info.n_bytes
+            if progress is not None:
+                progress(done, total)
+            continue
         if plan == precision.AFFINE:
             weights = _affine(info, read_tensor(info, scratch), mlx_name, spec, config)
         elif info.ggml_type in FLOAT_TYPES:
@@ -221,6 +260,7 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         loaded.extend(weights)
         label = f"affine {gguf_quants.type_name(info.ggml_type).lower()}" if plan == precision.AFFINE else plan
         summary.precision[label] = summary.precision.get(label, 0) + 1
+        summary.weight_bytes[label] = summary.weight_bytes.get(label, 0) + sum(w.nbytes for _, w in weights)
         done += info.n_bytes
         if progress is not None:
             progress(done, total)

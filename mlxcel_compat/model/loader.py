@@ -102,6 +102,15 @@ def _log_gguf(summary: Any) -> None:
     kept = ", ".join(f"{count} {label}" for label, count in sorted(summary.precision.items()))
     log.info("GGUF weights kept as: %s (compute dtype %s); loaded in %.2f s", kept, summary.compute_dtype,
              summary.load_seconds)
+    for label, size in sorted(summary.weight_bytes.items()):
+        kernel = summary.kernels.get(label, "MLX")
+        log.info("- %s: %d tensors, %.1f MiB, computed by %s", label, summary.precision.get(label, 0), size / 2**20,
+                 kernel)
+    log.info("weights take %.1f MiB (the file's tensors: %.1f MiB)", sum(summary.weight_bytes.values()) / 2**20,
+             summary.file_bytes / 2**20)
+    if summary.blocks_unavailable:
+        log.warning("quantized weights expanded to float32 (4 bytes a weight): ggml's kernels are not available: %s",
+                    summary.blocks_unavailable)
     if summary.specials is not None and summary.specials.fim:
         log.info("FIM tokens: %s", ", ".join(f"{k}={v}" for k, v in summary.specials.fim.items()))
 

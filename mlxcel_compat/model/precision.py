@@ -1,8 +1,10 @@
 """What each GGUF tensor becomes in memory, by device: the precision policy.
 
-- **CPU**: everything is dequantized to float32. MLX's quantized matmul on the CPU is about 40x
-  slower than a float32 matmul through OpenBLAS, and half-precision matmuls are as slow, so
-  float32 is the fast form there (the memory cost is 4 bytes per weight).
+- **CPU**: the weights of linear layers and of the token embedding stay in the file's blocks
+  (``blocks``): every quantized type, F16 and BF16, memory-mapped and multiplied by ggml's
+  kernels (``block_weight.py``). Everything else (norms, F32 tensors, tensors of other layers)
+  is float32, as MLX's CPU matmuls are fastest there. Without ggml's kernels (another
+  platform, ``MLXCEL_GGML=0``) the block types are dequantized to float32 instead.
 - **Metal / CUDA**: Q8_0, Q4_0 and Q4_1 matrices stay quantized as MLX affine weights (group
   size 32, 8 or 4 bits). The conversion is exact: same integers, same float16 scales, and the
   offsets ggml implies (-128 d, -8 d, or the stored min) are float16 values too. The other
@@ -19,7 +21,9 @@ from __future__ import annotations
 
 from gguf import GGMLQuantizationType as T
 
-FLOAT32, FLOAT16, BFLOAT16, AFFINE = "float32", "float16", "bfloat16", "affine"
+from mlxcel_compat.model.ggml_cpu import BLOCK_TYPES
+
+FLOAT32, FLOAT16, BFLOAT16, AFFINE, BLOCKS = "float32", "float16", "bfloat16", "affine", "blocks"
 AFFINE_TYPES = frozenset({T.Q8_0, T.Q4_0, T.Q4_1})
 
 
@@ -34,18 +38,20 @@ def compute_dtype(on_cpu: bool, ggml_types: set[int]) -> str:
     return FLOAT16
 
 
-def tensor_precision(ggml_type: int, on_cpu: bool, quantizable: bool, dtype: str) -> str:
-    """How one tensor is kept: ``affine`` (MLX quantized) or a float dtype name.
+def tensor_precision(ggml_type: int, on_cpu: bool, quantizable: bool, dtype: str, blocks: bool = False) -> str:
+    """How one tensor is kept: ``blocks`` (the file's, CPU), ``affine`` (MLX quantized) or a float
+    dtype name.
 
     Args:
         ggml_type: the tensor's GGML type.
         on_cpu: whether MLX runs on the CPU.
         quantizable: the tensor is the weight of a Linear or Embedding whose rows are whole
-            32-value groups (what ``nn.QuantizedLinear`` can hold).
+            32-value groups (what ``nn.QuantizedLinear`` can hold, and what a block layer replaces).
         dtype: the model's compute dtype (``compute_dtype``).
+        blocks: ggml's CPU kernels are loaded (``block_weight.library()``).
     """
     if on_cpu:
-        return FLOAT32
+        return BLOCKS if blocks and quantizable and ggml_type in BLOCK_TYPES else FLOAT32
     if ggml_type in AFFINE_TYPES and quantizable:
         return AFFINE
     return dtype

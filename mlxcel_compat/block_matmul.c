@@ -1,0 +1,216 @@
+/* Products of float32 activations with weights kept in ggml's block formats (the quantized GGUF
+ * types, F16 and BF16), on the CPU, without ever expanding a whole weight to float32.
+ *
+ * The per-type arithmetic is ggml's own: mlxcel_compat/model/ggml_cpu.py loads ggml's CPU library
+ * (the PyPI wheel libggml-python) and hands over, per type, the function pointers of its public
+ * type traits (ggml-cpu.h: vec_dot and the activations' from_float; ggml.h: to_float). This file
+ * only decides how a product is cut up and run:
+ *
+ *   - few rows (decode steps, batched decode): each activation row is quantized once to the
+ *     weight type's vec_dot_type (Q8_0, Q8_1, Q8_K, F16 or BF16, as llama.cpp does), then every
+ *     output is one vec_dot of a weight row with it; a weight row is read once for all the rows
+ *     (it stays in L1 meanwhile), and the weight rows are spread over the shim's thread pool;
+ *   - many rows (prompt chunks): the weight is expanded TILE_VALUES values at a time into one
+ *     reused float32 buffer (to_float, rows spread over the pool) and multiplied by the BLAS's
+ *     own sgemm, so a prompt chunk runs at the BLAS's float32 speed with no float32 copy of the
+ *     weight kept.
+ *
+ * Row r of the product may be a permuted row of the stored weight (`rows`): llama.cpp stores the
+ * query and key rows of llama models permuted for its RoPE, and the model wants them un-permuted;
+ * reading the rows in another order costs nothing, where un-permuting the blocks would copy them
+ * out of the memory-mapped file.
+ *
+ * An MLX affine 8-bit weight (an mlx-community directory) is held as Q8_0 blocks (its integers
+ * minus 128, its scales) plus a per-group bias (`group_bias`): the product adds, per output,
+ * the biases times the sums of the inputs over their groups.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "blas_shim.h"
+
+enum { RowMajor = 101, NoTrans = 111, Trans = 112 };
+
+typedef void (*vec_dot_fn)(int n, float *s, size_t bs, const void *x, size_t bx, const void *y, size_t by, int nrc);
+typedef void (*to_float_fn)(const void *x, float *y, int64_t k);
+typedef void (*from_float_fn)(const float *x, void *y, int64_t k);
+
+/* One block type's kernels (filled by ggml_cpu.py from ggml's type traits). */
+struct mlxcel_block_type {
+    vec_dot_fn vec_dot;     /* one weight row . one activation row in vec_dot_type */
+    from_float_fn quantize; /* float32 activations -> vec_dot_type */
+    to_float_fn to_float;   /* a weight row -> float32 */
+    long act_block;         /* vec_dot_type: values per block */
+    long act_block_bytes;   /* and bytes per block */
+};
+
+/* A weight of n rows of k values (a linear layer's (out, in) matrix, an embedding table). */
+struct mlxcel_block_weight {
+    const struct mlxcel_block_type *type;
+    const unsigned char *data; /* n rows of row_bytes each */
+    long row_bytes;
+    const int32_t *rows;      /* output r is stored row rows[r]; NULL: row r */
+    const float *group_bias;  /* NULL, or n x (k / bias_group) biases, one per group of inputs */
+    int bias_group;
+    int n, k;
+};
+
+/* Values of the weight expanded to float32 at a time for the BLAS (2 MiB). */
+#define TILE_VALUES (1 << 19)
+#define PARTS_PER_THREAD 4
+#define PARALLEL_MIN_VALUES (1 << 15) /* smaller products run on the calling thread */
+
+static inline size_t stored(const struct mlxcel_block_weight *w, int r) { return (size_t)(w->rows ? w->rows[r] : r); }
+
+static inline const unsigned char *stored_row(const struct mlxcel_block_weight *w, int r) {
+    return w->data + stored(w, r) * (size_t)w->row_bytes;
+}
+
+/* The biases of output r's groups (group_bias is laid out like the stored rows). */
+static inline const float *row_bias(const struct mlxcel_block_weight *w, int r) {
+    return w->group_bias + stored(w, r) * (size_t)(w->k / w->bias_group);
+}
+
+/* A buffer per thread, grown as needed and kept: products come from the engine thread. */
+struct scratch {
+    void *p;
+    size_t size;
+};
+
+static void *grow(struct scratch *s, size_t size) {
+    if (s->size < size) {
+        free(s->p);
+        s->p = malloc(size);
+        if (!s->p) abort();
+        s->size = size;
+    }
+    return s->p;
+}
+
+static __thread struct scratch act_scratch, sums_scratch, tile_scratch;
+
+static int parts_for(int units) {
+    int parts = mlxcel_threads() * PARTS_PER_THREAD;
+    return parts < units ? parts : units;
+}
+
+/* ------------------------------------------------------------------------------- few rows */
+
+struct vec_dot_job {
+    const struct mlxcel_block_weight *w;
+    int m;
+    const unsigned char *act; /* m activation rows in vec_dot_type */
+    size_t act_bytes;         /* bytes of one of them */
+    const float *sums;        /* m x (k / bias_group) input sums, with group_bias */
+    float *c;
+    long ldc;
+    float beta;
+    int parts;
+};
+
+static void vec_dot_part(const void *ctx, int p) {
+    const struct vec_dot_job *j = ctx;
+    const struct mlxcel_block_weight *w = j->w;
+    int per = (w->n + j->parts - 1) / j->parts;
+    int r0 = p * per, r1 = r0 + per < w->n ? r0 + per : w->n;
+    int groups = w->group_bias ? w->k / w->bias_group : 0;
+    for (int r = r0; r < r1; r++) {
+        const unsigned char *row = stored_row(w, r);
+        for (int i = 0; i < j->m; i++) {
+            float s;
+            w->type->vec_dot(w->k, &s, 0, row, 0, j->act + (size_t)i * j->act_bytes, 0, 1);
+            if (groups) {
+                const float *b = row_bias(w, r), *x = j->sums + (size_t)i * groups;
+                for (int g = 0; g < groups; g++) s += b[g] * x[g];
+            }
+            float *out = j->c + (size_t)i * j->ldc + r;
+            *out = j->beta == 0.0f ? s : s + j->beta * *out;
+        }
+    }
+}
+
+static void by_vec_dot(const struct mlxcel_block_weight *w, int m, const float *x, long ldx, float *c, long ldc,
+                       float beta) {
+    size_t act_bytes = (size_t)(w->k / w->type->act_block) * (size_t)w->type->act_block_bytes;
+    unsigned char *act = grow(&act_scratch, act_bytes * (size_t)m);
+    for (int i = 0; i < m; i++) w->type->quantize(x + (size_t)i * ldx, act + (size_t)i * act_bytes, w->k);
+    float *sums = NULL;
+    if (w->group_bias) {
+        int groups = w->k / w->bias_group;
+        sums = grow(&sums_scratch, sizeof(float) * (size_t)m * (size_t)groups);
+        for (int i = 0; i < m; i++)
+            for (int g = 0; g < groups; g++) {
+                float s = 0.0f;
+                for (int t = 0; t < w->bias_group; t++) s += x[(size_t)i * ldx + (size_t)g * w->bias_group + t];
+                sums[(size_t)i * groups + g] = s;
+            }
+    }
+    struct vec_dot_job j = {w, m, act, act_bytes, sums, c, ldc, beta, 1};
+    if ((long)w->n * w->k * m >= PARALLEL_MIN_VALUES) j.parts = parts_for(w->n);
+    mlxcel_parallel(j.parts, vec_dot_part, &j);
+}
+
+/* ------------------------------------------------------------------------------ many rows */
+
+struct expand_job {
+    const struct mlxcel_block_weight *w;
+    int r0, count; /* stored rows r0 .. r0 + count - 1 of the product */
+    float *tile;   /* count x k */
+    int parts;
+};
+
+static void expand_part(const void *ctx, int p) {
+    const struct expand_job *j = ctx;
+    const struct mlxcel_block_weight *w = j->w;
+    int per = (j->count + j->parts - 1) / j->parts;
+    int a = p * per, b = a + per < j->count ? a + per : j->count;
+    int groups = w->group_bias ? w->k / w->bias_group : 0;
+    for (int t = a; t < b; t++) {
+        float *out = j->tile + (size_t)t * w->k;
+        w->type->to_float(stored_row(w, j->r0 + t), out, w->k);
+        if (groups) {
+            const float *bias = row_bias(w, j->r0 + t);
+            for (int i = 0; i < w->k; i++) out[i] += bias[i / w->bias_group];
+        }
+    }
+}
+
+static void by_tiles(const struct mlxcel_block_weight *w, int m, const float *x, long ldx, float *c, long ldc,
+                     float beta) {
+    int per_tile = TILE_VALUES / w->k > 16 ? TILE_VALUES / w->k : 16;
+    if (per_tile > w->n) per_tile = w->n;
+    float *tile = grow(&tile_scratch, sizeof(float) * (size_t)per_tile * (size_t)w->k);
+    for (int r0 = 0; r0 < w->n; r0 += per_tile) {
+        int count = r0 + per_tile < w->n ? per_tile : w->n - r0;
+        struct expand_job j = {w, r0, count, tile, parts_for(count)};
+        mlxcel_parallel(j.parts, expand_part, &j);
+        mlxcel_blas_sgemm(RowMajor, NoTrans, Trans, m, count, w->k, 1.0f, x, (int)ldx, tile, w->k, beta, c + r0,
+                          (int)ldc);
+    }
+}
+
+/* ------------------------------------------------------------------------------ interface */
+
+/* c[i, r] = x[i, :] . W[r, :] (+ beta * c[i, r]) for i < m, r < n: the (m, k) activations by the
+ * weight's (n, k) rows, x and c row-major with leading dimensions ldx and ldc; by vec_dot, or by
+ * float32 tiles and the BLAS if `tiles` (the caller decides: a row's result must not depend on
+ * how many rows share the call, so a prompt chunk and a decode step each always take one path). */
+void mlxcel_block_matmul(const struct mlxcel_block_weight *w, int m, const float *x, long ldx, float *c, long ldc,
+                         float beta, int tiles) {
+    if (m <= 0) return;
+    if (tiles) by_tiles(w, m, x, ldx, c, ldc, beta);
+    else by_vec_dot(w, m, x, ldx, c, ldc, beta);
+}
+
+/* out[i, :] = W[ids[i], :] as float32 for i < count: an embedding lookup. */
+void mlxcel_block_rows(const struct mlxcel_block_weight *w, const int32_t *ids, int count, float *out) {
+    for (int i = 0; i < count; i++) {
+        float *row = out + (size_t)i * w->k;
+        w->type->to_float(stored_row(w, ids[i]), row, w->k);
+        if (w->group_bias) {
+            const float *bias = row_bias(w, ids[i]);
+            for (int t = 0; t < w->k; t++) row[t] += bias[t / w->bias_group];
+        }
+    }
+}

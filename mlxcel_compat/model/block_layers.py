@@ -1,0 +1,111 @@
+"""MLX layers whose weights stay in ggml's block format (``block_weight.py``), for the CPU.
+
+A quantized GGUF (or an MLX affine model, repacked) keeps every linear layer's weight and the
+token embedding in its blocks; these modules take the place of mlx-lm's ``nn.Linear`` and
+``nn.Embedding`` in the loaded model, so the model's own code runs unchanged. A call evaluates
+its input (like the NumPy paths of ``attention.py`` and ``cpu_fusion.py``, one evaluation in the
+middle of a step), runs the product in ``block_matmul.c`` and hands MLX the float32 result.
+
+Prompt chunks (more than ``VEC_DOT_ROWS_MAX`` tokens a sequence) expand the weight in tiles for
+the BLAS; decode-sized inputs take ggml's vec_dot. The choice is made per sequence length, not
+per row count, so a sequence's results do not depend on how many sequences share a batch.
+Decode steps of the families the CPU decode runtime knows do not come here: it calls the
+weights directly (``cpu_decode.py``).
+
+They cannot run inside an ``mx.compile`` trace (nothing can be evaluated there), so
+``cpu_fusion`` compiles no module that holds one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlxcel_compat.model.block_weight import VEC_DOT_ROWS_MAX, BlockWeight
+
+
+def _product(weight: BlockWeight, x: Any) -> Any:
+    """x @ W^T for an MLX array ``x`` (..., k), as a float32 MLX array (..., n)."""
+    try:
+        mx.eval(x)
+    except ValueError as exc:  # inside an mx.compile trace
+        raise RuntimeError("a block-format weight cannot be used inside mx.compile") from exc
+    view = np.asarray(x.astype(mx.float32) if x.dtype != mx.float32 else x)
+    rows = view.reshape(-1, weight.k)
+    tokens = x.shape[-2] if x.ndim >= 2 else 1
+    out = weight.matmul(rows, tiles=tokens > VEC_DOT_ROWS_MAX)
+    return mx.array(out).reshape(*x.shape[:-1], weight.n)
+
+
+class BlockLinear(nn.Module):
+    """``nn.Linear`` over a :class:`BlockWeight` (the bias, if any, stays an MLX array)."""
+
+    def __init__(self, weight: BlockWeight, bias: Any = None) -> None:
+        super().__init__()
+        self.block = weight  # not an mx.array: not a parameter
+        if bias is not None:
+            self.bias = bias
+
+    def __call__(self, x: Any) -> Any:
+        y = _product(self.block, x)
+        return y + self.bias if "bias" in self else y
+
+    def _extra_repr(self) -> str:
+        return f"input_dims={self.block.k}, output_dims={self.block.n}, type={self.block.ggml_type}"
+
+
+class BlockEmbedding(nn.Module):
+    """``nn.Embedding`` over a :class:`BlockWeight`, with ``as_linear`` for tied output heads."""
+
+    def __init__(self, weight: BlockWeight) -> None:
+        super().__init__()
+        self.block = weight
+
+    def __call__(self, ids: Any) -> Any:
+        mx.eval(ids)
+        values = np.asarray(ids)
+        rows = self.block.take(values.reshape(-1))
+        return mx.array(rows).reshape(*values.shape, self.block.k)
+
+    def as_linear(self, x: Any) -> Any:
+        return _product(self.block, x)
+
+    def _extra_repr(self) -> str:
+        return f"{self.block.n}, {self.block.k}, type={self.block.ggml_type}"
+
+
+def install(model: Any, path: str, weight: BlockWeight) -> Any:
+    """Replace the ``nn.Linear`` or ``nn.Embedding`` at ``path`` (``model.layers.0.mlp.up_proj``)
+    with its block form over ``weight``; a linear layer's bias stays (loaded later by name)."""
+    *parents, last = path.split(".")
+    parent = model
+    for part in parents:
+        parent = parent[int(part)] if isinstance(parent, list) else getattr(parent, part)
+    old = parent[int(last)] if isinstance(parent, list) else getattr(parent, last)
+    if isinstance(old, nn.Embedding):
+        new: nn.Module = BlockEmbedding(weight)
+    elif isinstance(old, nn.Linear):
+        new = BlockLinear(weight, old.bias if "bias" in old else None)
+    else:
+        raise TypeError(f"{path} is a {type(old).__name__}, not a linear layer or an embedding")
+    if isinstance(parent, list):
+        parent[int(last)] = new
+    else:
+        setattr(parent, last, new)
+    return new
+
+
+def block_weight_of(module: Any) -> BlockWeight | None:
+    """The block weight a layer holds, or None for any other module."""
+    return module.block if isinstance(module, (BlockLinear, BlockEmbedding)) else None
+
+
+def holds_blocks(module: Any) -> bool:
+    """Whether ``module`` or any module inside it holds a block weight."""
+    return any(isinstance(m, (BlockLinear, BlockEmbedding)) for _, m in module.named_modules())
+
+
+__all__ = ["BlockEmbedding", "BlockLinear", "block_weight_of", "holds_blocks", "install"]

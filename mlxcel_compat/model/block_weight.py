@@ -1,0 +1,167 @@
+"""A weight kept in ggml's block format on the CPU, and its products (``block_matmul.c``).
+
+A GGUF tensor of a quantized type (or F16/BF16) is served as it is stored: ``data`` is a view
+of the memory-mapped file, so loading copies nothing, the pages are shared with the page cache
+and a restart finds them there. Products go through ``block_matmul.c`` in the BLAS shim's
+library, with ggml's per-type kernels (``ggml_cpu.py``): few activation rows by ``vec_dot``,
+many rows by tiles expanded to float32 for the BLAS's sgemm. Nothing here imports MLX; the MLX
+modules that hold these weights are in ``block_layers.py``, and the CPU decode runtime calls them
+directly (``cpu_decode.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from mlxcel_compat.model import ggml_cpu
+
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+
+# Products whose activations have more rows than this per sequence (prompt chunks) expand the
+# weight into float32 tiles for the BLAS's sgemm; up to this many (decode steps, short chunks)
+# take ggml's vec_dot, row by row (scripts/bench_block_kernels.py measures the crossover).
+VEC_DOT_ROWS_MAX = 8
+
+
+class _WeightStruct(ctypes.Structure):
+    """``struct mlxcel_block_weight`` (block_matmul.c)."""
+
+    _fields_ = [("type", _P), ("data", _P), ("row_bytes", _L), ("rows", _P), ("group_bias", _P),
+                ("bias_group", _I), ("n", _I), ("k", _I)]
+
+
+@dataclass(frozen=True)
+class BlockLibrary:
+    """The shim's block-product functions and ggml's kernels: what a :class:`BlockWeight` needs."""
+
+    matmul: Any  # mlxcel_block_matmul
+    rows: Any  # mlxcel_block_rows
+    ggml: ggml_cpu.GGMLKernels
+
+
+@lru_cache(maxsize=1)
+def library() -> BlockLibrary | str:
+    """The block products, or why there are none (the loader then expands weights to float32)."""
+    from mlxcel_compat import backend
+
+    ggml = ggml_cpu.kernels()
+    if isinstance(ggml, str):
+        return ggml
+    shim = backend.matmul_shim()
+    if shim is None:
+        return "the BLAS shim (which runs ggml's kernels on its threads) is not loaded"
+    try:
+        matmul, rows = shim.lib.mlxcel_block_matmul, shim.lib.mlxcel_block_rows
+    except AttributeError:
+        return "the loaded BLAS shim has no block products (built from an older source)"
+    matmul.restype = rows.restype = None
+    matmul.argtypes = [_P, _I, _P, _L, _P, _L, _F, _I]
+    rows.argtypes = [_P, _P, _I, _P]
+    return BlockLibrary(matmul, rows, ggml)
+
+
+def row_bytes(ggml_type: int, k: int) -> int:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    if k % block:
+        raise ValueError(f"rows of {k} values do not fill whole {GGMLQuantizationType(ggml_type).name} blocks")
+    return k // block * size
+
+
+@dataclass(eq=False)
+class BlockWeight:
+    """``n`` rows of ``k`` values in GGML type ``ggml_type``: a linear layer's (out, in) weight
+    or an embedding table.
+
+    ``rows``: output row r is stored row ``rows[r]`` (llama.cpp's permuted query and key rows,
+    read in the model's order). ``group_bias``: per stored row, one bias per ``bias_group``
+    inputs, added to the blocks' values (MLX affine 8-bit weights, held as Q8_0 blocks).
+    """
+
+    data: np.ndarray  # uint8 (n, row_bytes): a view of the mapped file, or a repacked copy
+    ggml_type: int
+    n: int
+    k: int
+    lib: BlockLibrary
+    rows: np.ndarray | None = None  # int32 (n,)
+    group_bias: np.ndarray | None = None  # float32 (n, k / bias_group)
+    bias_group: int = 0
+    address: int = field(init=False)  # of the C struct, passed on every call
+    _struct: _WeightStruct = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        expected = row_bytes(self.ggml_type, self.k)
+        if self.data.dtype != np.uint8 or self.data.shape != (self.n, expected) or not self.data.flags.c_contiguous:
+            raise ValueError(f"block data of shape {self.data.shape} does not hold {self.n} rows of {expected} bytes")
+        if self.rows is not None:
+            self.rows = np.ascontiguousarray(self.rows, dtype=np.int32)
+            if self.rows.shape != (self.n,) or self.n and not (0 <= self.rows.min() and self.rows.max() < self.n):
+                raise ValueError("the row order must name each of the weight's rows")
+        if self.group_bias is not None:
+            self.group_bias = np.ascontiguousarray(self.group_bias, dtype=np.float32)
+            if not self.bias_group or self.k % self.bias_group or self.group_bias.shape != (self.n, self.k // self.bias_group):
+                raise ValueError("group biases must hold one value per row and group of inputs")
+        kind = self.lib.ggml.block_type(self.ggml_type)
+        self._struct = _WeightStruct(
+            ctypes.addressof(kind), self.data.ctypes.data, self.data.shape[1],
+            self.rows.ctypes.data if self.rows is not None else None,
+            self.group_bias.ctypes.data if self.group_bias is not None else None,
+            self.bias_group, self.n, self.k)
+        self.address = ctypes.addressof(self._struct)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        extra = [a.nbytes for a in (self.rows, self.group_bias) if a is not None]
+        return self.data.nbytes + sum(extra)
+
+    def matmul_into(self, m: int, x: int, ldx: int, out: int, ldo: int, beta: float = 0.0, tiles: bool = False) -> None:
+        """out[i, :] = x[i, :] @ W^T (+ beta * out) for i < m, on raw float32 addresses (row
+        strides in elements), by ggml's vec_dot or (``tiles``) float32 tiles and the BLAS: what
+        the CPU decode runtime calls, ~7 times a layer."""
+        self.lib.matmul(self.address, m, x, ldx, out, ldo, beta, int(tiles))
+
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None, beta: float = 0.0,
+               tiles: bool | None = None) -> np.ndarray:
+        """``x`` (m, k) float32 times the weight's transpose: (m, n) float32. ``tiles`` picks the
+        path (default: by the row count, ``VEC_DOT_ROWS_MAX``). Each row's result depends only
+        on the path, never on how many rows share the call."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.k:
+            raise ValueError(f"activations of shape {x.shape} do not have {self.k} columns")
+        if out is None:
+            out = np.empty((x.shape[0], self.n), dtype=np.float32)
+        elif out.shape != (x.shape[0], self.n) or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError("the output must be a contiguous float32 (m, n) array")
+        if tiles is None:
+            tiles = x.shape[0] > VEC_DOT_ROWS_MAX
+        self.matmul_into(x.shape[0], x.ctypes.data, self.k, out.ctypes.data, self.n, beta, tiles)
+        return out
+
+    def take(self, ids: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``ids`` as float32 (count, k): an embedding lookup."""
+        ids = np.ascontiguousarray(ids, dtype=np.int32).reshape(-1)
+        if ids.size and not (0 <= ids.min() and ids.max() < self.n):
+            raise ValueError(f"row ids must be in 0..{self.n - 1}")
+        if out is None:
+            out = np.empty((ids.size, self.k), dtype=np.float32)
+        elif out.shape != (ids.size, self.k) or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError("the output must be a contiguous float32 (count, k) array")
+        self.lib.rows(self.address, ids.ctypes.data, ids.size, out.ctypes.data)
+        return out
+
+    def dequantize(self) -> np.ndarray:
+        """The whole weight as float32 (n, k), in output order: for tests and references only."""
+        return self.take(np.arange(self.n))
+
+
+__all__ = ["VEC_DOT_ROWS_MAX", "BlockLibrary", "BlockWeight", "library", "row_bytes"]

@@ -1,0 +1,138 @@
+"""ggml's CPU kernels for GGUF's block formats, from the ``libggml-python`` wheel.
+
+Why ggml: it is the reference implementation of every GGUF type, and its CPU library publishes
+its kernels (``ggml-cpu.h``: ``ggml_get_type_traits_cpu(type)`` gives ``vec_dot``, a row of
+weights times a row of activations, and ``from_float`` for the activations' ``vec_dot_type``;
+``ggml.h``: ``ggml_get_type_traits(type)->to_float`` expands a row). Calling them computes
+exactly llama.cpp's products (activations quantized to Q8_0/Q8_1/Q8_K, F16 or BF16 first). They
+were measured against float32-activation kernels of our own on the same tensors before being
+chosen (``scripts/bench_block_kernels.py``, docs/benchmarks.md).
+
+This module only finds and loads the two libraries (``libggml-base``, ``libggml-cpu``), calls
+``ggml_cpu_init`` once, and turns a type's traits into the :class:`BlockType` that
+``block_matmul.c`` (compiled into the BLAS shim's library, whose threads call the kernels) takes.
+Nothing here imports MLX. Without the wheel (another platform), or with ``MLXCEL_GGML=0``,
+:func:`kernels` says why and the loader expands quantized weights to float32 as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from gguf import GGMLQuantizationType as T
+
+# The types served from their blocks: every quantized type the loader reads, and the half floats.
+BLOCK_TYPES = frozenset({T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
+                         T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
+
+_FN = ctypes.c_void_p  # function pointers travel as plain addresses
+
+
+class _TypeTraits(ctypes.Structure):
+    """``struct ggml_type_traits`` (ggml.h)."""
+
+    _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64),
+                ("blck_size_interleave", ctypes.c_int64), ("type_size", ctypes.c_size_t),
+                ("is_quantized", ctypes.c_bool), ("to_float", _FN), ("from_float_ref", _FN)]
+
+
+class _CpuTraits(ctypes.Structure):
+    """``struct ggml_type_traits_cpu`` (ggml-cpu.h)."""
+
+    _fields_ = [("from_float", _FN), ("vec_dot", _FN), ("vec_dot_type", ctypes.c_int), ("nrows", ctypes.c_int64)]
+
+
+class BlockType(ctypes.Structure):
+    """``struct mlxcel_block_type`` (block_matmul.c): one type's kernels."""
+
+    _fields_ = [("vec_dot", _FN), ("quantize", _FN), ("to_float", _FN),
+                ("act_block", ctypes.c_long), ("act_block_bytes", ctypes.c_long)]
+
+
+def enabled() -> bool:
+    """``MLXCEL_GGML=0`` expands quantized weights to float32 at load instead (as before)."""
+    return os.environ.get("MLXCEL_GGML", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def library_dir() -> Path | None:
+    """Where the ``libggml`` package (the libggml-python wheel) keeps its shared libraries."""
+    spec = importlib.util.find_spec("libggml")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        for sub in ("lib64", "lib"):
+            if (Path(root) / sub / "libggml-cpu.so").exists():
+                return Path(root) / sub
+    return None
+
+
+@dataclass
+class GGMLKernels:
+    """ggml's two libraries, loaded, and the per-type kernels built from them so far."""
+
+    base: ctypes.CDLL
+    cpu: ctypes.CDLL
+    directory: Path
+    version: str
+    _types: dict[int, BlockType] = field(default_factory=dict)
+
+    def block_type(self, ggml_type: int) -> BlockType:
+        """The kernels of ``ggml_type`` (kept alive here: block_matmul.c holds their address)."""
+        found = self._types.get(int(ggml_type))
+        if found is None:
+            if ggml_type not in BLOCK_TYPES:
+                raise ValueError(f"GGML type {ggml_type} is not served from its blocks")
+            cpu = self.cpu.ggml_get_type_traits_cpu(int(ggml_type)).contents
+            traits = self.base.ggml_get_type_traits(int(ggml_type)).contents
+            act = self.base.ggml_get_type_traits(cpu.vec_dot_type).contents
+            quantize = self.cpu.ggml_get_type_traits_cpu(cpu.vec_dot_type).contents.from_float
+            if not (cpu.vec_dot and quantize and traits.to_float):
+                raise ValueError(f"ggml has no CPU kernels for {traits.type_name.decode()}")
+            found = BlockType(cpu.vec_dot, quantize, traits.to_float, act.blck_size, act.type_size)
+            self._types[int(ggml_type)] = found
+        return found
+
+    def describe(self, ggml_type: int) -> str:
+        """What the start-up log says serves a type, e.g. ``ggml q4_K x q8_K``."""
+        cpu = self.cpu.ggml_get_type_traits_cpu(int(ggml_type)).contents
+        name = self.base.ggml_type_name(int(ggml_type)).decode()
+        act = self.base.ggml_type_name(cpu.vec_dot_type).decode()
+        return f"ggml {name} x {act}"
+
+
+@lru_cache(maxsize=1)
+def kernels() -> GGMLKernels | str:
+    """ggml's kernels, or why they cannot be used (logged at start-up)."""
+    if not enabled():
+        return "off (MLXCEL_GGML=0)"
+    directory = library_dir()
+    if directory is None:
+        return "the libggml-python package (ggml's CPU library) is not installed"
+    try:
+        base = ctypes.CDLL(str(directory / "libggml-base.so"))
+        cpu = ctypes.CDLL(str(directory / "libggml-cpu.so"))
+        base.ggml_get_type_traits.restype = ctypes.POINTER(_TypeTraits)
+        base.ggml_get_type_traits.argtypes = [ctypes.c_int]
+        base.ggml_type_name.restype = ctypes.c_char_p
+        base.ggml_type_name.argtypes = [ctypes.c_int]
+        cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_CpuTraits)
+        cpu.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
+        cpu.ggml_cpu_init.restype = None
+        cpu.ggml_cpu_init()  # fills the FP16 tables the kernels read
+    except (OSError, AttributeError) as exc:
+        return f"loading ggml's CPU library from {directory} failed: {exc}"
+    try:
+        from importlib.metadata import version
+
+        ggml_version = version("libggml-python")
+    except Exception:  # noqa: BLE001 - only for the log
+        ggml_version = "?"
+    return GGMLKernels(base, cpu, directory, ggml_version)
+
+
+__all__ = ["BLOCK_TYPES", "BlockType", "GGMLKernels", "enabled", "kernels", "library_dir"]
