@@ -97,6 +97,21 @@ class GGMLKernels:
             self._types[int(ggml_type)] = found
         return found
 
+    def quantize(self, ggml_type: int, values: "np.ndarray") -> "np.ndarray":
+        """``values`` (rows, k) float32 in ``ggml_type``'s blocks, by ggml's own quantizer (what
+        llama-quantize runs, without an importance matrix): uint8 (rows, row bytes). For the
+        test factory's files; serving never quantizes."""
+        import numpy as np
+
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        rows, k = values.shape
+        row_size = self.base.ggml_row_size(int(ggml_type), k)
+        out = np.empty((rows, row_size), dtype=np.uint8)
+        done = self.base.ggml_quantize_chunk(int(ggml_type), values.ctypes.data, out.ctypes.data, 0, rows, k, None)
+        if done != out.nbytes:
+            raise ValueError(f"ggml quantized {done} bytes, expected {out.nbytes}")
+        return out
+
     def describe(self, ggml_type: int) -> str:
         """What the start-up log says serves a type, e.g. ``ggml q4_K x q8_K``."""
         cpu = self.cpu.ggml_get_type_traits_cpu(int(ggml_type)).contents
@@ -120,6 +135,11 @@ def kernels() -> GGMLKernels | str:
         base.ggml_get_type_traits.argtypes = [ctypes.c_int]
         base.ggml_type_name.restype = ctypes.c_char_p
         base.ggml_type_name.argtypes = [ctypes.c_int]
+        base.ggml_row_size.restype = ctypes.c_size_t
+        base.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
+        base.ggml_quantize_chunk.restype = ctypes.c_size_t
+        base.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                             ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_CpuTraits)
         cpu.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
         cpu.ggml_cpu_init.restype = None

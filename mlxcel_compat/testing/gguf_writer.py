@@ -16,6 +16,12 @@ conventions are applied here, independently of the loader that undoes them:
   ``{name, template}``) as ``tokenizer.chat_template.NAME`` keys, ``default`` as the plain key;
 - 1-D tensors (norms, biases) and the convolution stay F32; matrices take the requested type,
   falling back to F16 when a row does not fill whole 32-value blocks (as the converter does);
+  the types past F16/Q8_0/Q4_0 are quantized by ggml's own quantizer (``ggml_cpu``, what
+  llama-quantize runs, without an importance matrix), K-quants of rows that do not fill whole
+  256-value blocks fall back as llama-quantize's do (Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to
+  Q8_0; Q2_K and Q3_K to Q4_0, where llama-quantize takes IQ4_NL), and ``q4_k_m`` / ``q5_k_m``
+  follow llama-quantize's mix: Q6_K for the output and for ``attn_v`` and ``ffn_down`` of the
+  layers its ``use_more_bits`` picks;
 - the tokenizer as ``gpt2`` BPE; the pre-tokenizer is named after how transformers splits text
   for the family (``gpt-2``, the regex of our tokenizer.json, except ``qwen2``: transformers
   applies Qwen2's regex to that model type), as the converter's tokenizer hash would find;
@@ -34,7 +40,11 @@ from typing import Any
 
 import numpy as np
 
-GGUF_TYPES: tuple[str, ...] = ("f32", "f16", "q8_0", "q4_0")
+GGUF_TYPES: tuple[str, ...] = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k",
+                               "q5_k", "q6_k", "q4_k_m", "q5_k_m")
+# llama-quantize's fallbacks for K-quants of rows that are not whole 256-value blocks (Q2_K and
+# Q3_K fall back to IQ4_NL there, which this server does not load: Q4_0 here).
+_K_FALLBACK = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 
 
 @dataclass(frozen=True)
@@ -65,13 +75,33 @@ def permute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _file_type(gguf_type: str) -> int:
-    from gguf import LlamaFileType
+    from gguf import LlamaFileType as F
 
-    return {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16,
-            "q8_0": LlamaFileType.MOSTLY_Q8_0, "q4_0": LlamaFileType.MOSTLY_Q4_0}[gguf_type]
+    return {"f32": F.ALL_F32, "f16": F.MOSTLY_F16, "q8_0": F.MOSTLY_Q8_0, "q4_0": F.MOSTLY_Q4_0,
+            "q4_1": F.MOSTLY_Q4_1, "q5_0": F.MOSTLY_Q5_0, "q5_1": F.MOSTLY_Q5_1, "q2_k": F.MOSTLY_Q2_K,
+            "q3_k": F.MOSTLY_Q3_K_M, "q4_k": F.MOSTLY_Q4_K_S, "q5_k": F.MOSTLY_Q5_K_S, "q6_k": F.MOSTLY_Q6_K,
+            "q4_k_m": F.MOSTLY_Q4_K_M, "q5_k_m": F.MOSTLY_Q5_K_M}[gguf_type]
 
 
-def _encode(name: str, data: np.ndarray, gguf_type: str) -> tuple[np.ndarray, Any]:
+def use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama-quantize's choice of the layers whose attn_v / ffn_down get more bits in *_M mixes."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def tensor_type(name: str, gguf_type: str, n_layers: int) -> str:
+    """The type one matrix gets in a file of ``gguf_type`` (before the row-length fallbacks)."""
+    if gguf_type not in ("q4_k_m", "q5_k_m"):
+        return gguf_type
+    base = gguf_type[:4]
+    if name == "output.weight":
+        return "q6_k"
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        layer = int(name.split(".")[1])
+        return "q6_k" if use_more_bits(layer, n_layers) else base
+    return base
+
+
+def _encode(name: str, data: np.ndarray, gguf_type: str, n_layers: int = 1) -> tuple[np.ndarray, Any]:
     """The stored array and its raw GGML type (None for plain float arrays)."""
     from gguf import GGMLQuantizationType, quants
 
@@ -79,8 +109,20 @@ def _encode(name: str, data: np.ndarray, gguf_type: str) -> tuple[np.ndarray, An
         return data.astype(np.float32), None
     if gguf_type == "f16" or data.shape[-1] % 32:
         return data.astype(np.float16), None
-    qtype = GGMLQuantizationType.Q8_0 if gguf_type == "q8_0" else GGMLQuantizationType.Q4_0
-    return quants.quantize(data.astype(np.float32), qtype), qtype
+    kind = tensor_type(name, gguf_type, n_layers)
+    if kind in _K_FALLBACK and data.shape[-1] % 256:
+        kind = _K_FALLBACK[kind]
+    if kind in ("q8_0", "q4_0"):
+        qtype = GGMLQuantizationType.Q8_0 if kind == "q8_0" else GGMLQuantizationType.Q4_0
+        return quants.quantize(data.astype(np.float32), qtype), qtype
+    from mlxcel_compat.model import ggml_cpu
+
+    kernels = ggml_cpu.kernels()
+    if isinstance(kernels, str):
+        raise RuntimeError(f"writing {kind.upper()} tensors needs ggml's quantizer: {kernels}")
+    qtype = GGMLQuantizationType[kind.upper()]
+    rows = data.astype(np.float32).reshape(-1, data.shape[-1])
+    return kernels.quantize(qtype, rows).reshape(*data.shape[:-1], -1), qtype
 
 
 def _tensors(family: str, config: dict[str, Any], weights: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -294,7 +336,7 @@ def write_gguf(family: str, size: str, out: str | Path, gguf_type: str = "f32",
     _add_hparams(writer, family, config)
     _add_tokenizer(writer, source, _TARGETS[family].pre)
     for name, data in _tensors(family, config, weights).items():
-        stored, raw_type = _encode(name, data, gguf_type)
+        stored, raw_type = _encode(name, data, gguf_type, config["num_hidden_layers"])
         writer.add_tensor(name, stored, raw_dtype=raw_type)
     paths = writer.format_shard_names(out)
     writer.write_header_to_file(out)

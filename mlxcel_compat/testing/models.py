@@ -9,7 +9,7 @@ machine (for a given ``tokenizers`` version). Directories load with
 Command line (a stable contract for scripts)::
 
     python -m mlxcel_compat.testing.models --family llama --size tiny --out DIR
-    python -m mlxcel_compat.testing.models --family F --size S --format gguf [--gguf-type f32|f16|q8_0|q4_0] --out FILE.gguf
+    python -m mlxcel_compat.testing.models --family F --size S --format gguf [--gguf-type TYPE] --out FILE.gguf
     python -m mlxcel_compat.testing.models --list
 
 A GGUF is written from the same weights, tokenizer and chat template as the directory, with
@@ -496,7 +496,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="output directory (replaced if it holds a previous build), or the .gguf file")
     parser.add_argument("--format", choices=("hf", "gguf"), default="hf",
                         help="hf: a Hugging Face directory (default); gguf: one GGUF file")
-    parser.add_argument("--gguf-type", default="f32", help="matrix type of a GGUF: f32, f16, q8_0 or q4_0 (default f32)")
+    parser.add_argument("--gguf-type", default="f32",
+                        help="matrix type of a GGUF (default f32): f32, f16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, "
+                             "q3_k, q4_k, q5_k, q6_k, or llama-quantize's q4_k_m / q5_k_m mixes")
     args = parser.parse_args(argv)
 
     if args.list:
