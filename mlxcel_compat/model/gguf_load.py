@@ -176,13 +176,15 @@ def _build_model(config: dict[str, Any], file: GGUFModelFile) -> Any:
     return model
 
 
-def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None = None
+def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None = None, blocks: bool = True
               ) -> tuple[Any, Any, dict[str, Any], GGUFSummary]:
     """Load ``path`` (a .gguf, or the first part of a split model).
 
     Returns ``(model, tokenizer, config, summary)``: an mlx-lm model, an mlx-lm
     ``TokenizerWrapper``, the synthesised config.json dict and what to report about the file.
     ``on_cpu`` defaults to MLX's default device; passing it lets tests exercise the GPU policy.
+    ``blocks=False`` expands every quantized weight to float32 on the CPU: the float32 reference
+    of the file (its dequantized weights in float32 math) that tests and benchmarks compare with.
     """
     import mlx.core as mx
     import mlx.nn as nn
@@ -206,7 +208,7 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         log.warning("GGUF tensors without a counterpart in the mlx-lm model are ignored: %s", ", ".join(ignored[:8]))
 
     dtype = precision.compute_dtype(on_cpu, {t.ggml_type for t in file.tensors.values()})
-    lib = block_weight.library() if on_cpu else "not on the CPU"
+    lib = block_weight.library() if on_cpu and blocks else "not on the CPU" if not on_cpu else "blocks=False"
     plans = {
         g: precision.tensor_precision(file.tensors[g].ggml_type, on_cpu,
                                       _quantizable(model, m, file.tensors[g].shape), dtype,

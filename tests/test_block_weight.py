@@ -1,0 +1,168 @@
+"""Weights in ggml's block formats (model/block_weight.py, block_matmul.c, ggml's kernels).
+
+Every type the CPU serves from its blocks is checked against gguf-py's dequantizer, an
+independent implementation of the layouts:
+
+- expanding rows (embeddings, the tiles of prompt chunks) gives gguf-py's values exactly;
+- a product by float32 tiles and the BLAS equals float32 math on those values to float32
+  rounding;
+- a product by ggml's vec_dot (decode steps) quantizes the activations as llama.cpp does (Q8_0,
+  Q8_1 or Q8_K blocks of 8-bit integers, or F16 / BF16 values), so it is checked against the
+  error bound that quantization implies: for each output, the sum over inputs of |w| times the
+  largest rounding error of that input (half a step of its block, or its half-float rounding).
+
+Rows are independent whatever the row count and the thread count, the permuted row order of
+llama's query and key projections reads the same values, and bad arguments are errors.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from mlxcel_compat.model import ggml_cpu
+from mlxcel_compat.model.block_weight import BlockWeight, library
+from tests.test_gguf_quants import F16_FIELDS, random_blocks
+
+LIB = library()
+pytestmark = pytest.mark.skipif(isinstance(LIB, str), reason=f"no block kernels here: {LIB}")
+
+TYPES = [*F16_FIELDS, T.F16, T.BF16]
+# The activations' type of each weight type, and values per block: what vec_dot quantizes x to.
+ACTIVATION_BLOCK = {T.Q8_0: 32, T.Q4_0: 32, T.Q5_0: 32, T.Q4_1: 32, T.Q5_1: 32,
+                    T.Q2_K: 256, T.Q3_K: 256, T.Q4_K: 256, T.Q5_K: 256, T.Q6_K: 256}
+
+
+def raw_weight(qtype: T, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random but valid stored bytes of an (n, k) weight: uint8 (n, row bytes)."""
+    block, _ = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    if qtype in F16_FIELDS:
+        raw = random_blocks(qtype, n * k // block, seed=seed)
+    elif qtype == T.F16:
+        raw = rng.standard_normal(n * k).astype(np.float16).view(np.uint8)
+    else:  # BF16: the top half of float32 values
+        raw = (rng.standard_normal(n * k).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def reference(qtype: T, raw: np.ndarray) -> np.ndarray:
+    n = raw.shape[0]
+    return gguf.quants.dequantize(raw.reshape(-1), qtype).reshape(n, -1).astype(np.float32)
+
+
+def activation_error(qtype: T, x: np.ndarray) -> np.ndarray:
+    """The largest rounding error of each activation when vec_dot quantizes it, (m, k)."""
+    if qtype == T.F16:
+        return np.abs(x) * 2.0**-11
+    if qtype == T.BF16:
+        return np.abs(x) * 2.0**-8
+    block = ACTIVATION_BLOCK[qtype]
+    m, k = x.shape
+    amax = np.abs(x).reshape(m, k // block, block).max(axis=-1, keepdims=True)
+    return np.broadcast_to(amax / 127 / 2, (m, k // block, block)).reshape(m, k)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_rows_expand_to_gguf_py_values(qtype: T) -> None:
+    raw = raw_weight(qtype, 40, 512)
+    weight = BlockWeight(raw, qtype, 40, 512, LIB)
+    np.testing.assert_array_equal(weight.dequantize(), reference(qtype, raw))
+    ids = [39, 0, 7, 7]
+    np.testing.assert_array_equal(weight.take(ids), reference(qtype, raw)[ids])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_products_by_tiles_and_by_vec_dot(qtype: T) -> None:
+    n, k = 300, 512
+    raw = raw_weight(qtype, n, k, seed=1)
+    w = reference(qtype, raw)
+    weight = BlockWeight(raw, qtype, n, k, LIB)
+    x = np.random.default_rng(2).standard_normal((12, k)).astype(np.float32)
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64)  # sum |x w| per output
+
+    tiles = weight.matmul(x, tiles=True)
+    assert np.all(np.abs(tiles - exact) <= 1e-5 * scale + 1e-6)
+
+    by_dot = weight.matmul(x, tiles=False)
+    bound = activation_error(qtype, x).astype(np.float64) @ np.abs(w).T.astype(np.float64)
+    assert np.all(np.abs(by_dot - exact) <= 1.02 * bound + 1e-5 * scale + 1e-6)
+    assert np.abs(by_dot - exact).max() > 1e-5 * scale.max()  # the activations really were quantized
+
+
+@pytest.mark.parametrize("tiles", [False, True], ids=["vec_dot", "tiles"])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.Q6_K, T.F16], ids=lambda t: t.name)
+def test_a_row_does_not_depend_on_the_others(qtype: T, tiles: bool) -> None:
+    """By vec_dot (decode steps, decode batches), each row's result is bit for bit the same
+    whatever rows share the call; the product is large enough to run on every thread of the
+    pool. By tiles, the BLAS's sgemm blocks its work by the row count, so rows agree to float32
+    rounding only (as MLX's own float32 prompt chunks do)."""
+    n, k = 1024, 768
+    weight = BlockWeight(raw_weight(qtype, n, k, seed=3), qtype, n, k, LIB)
+    x = np.random.default_rng(4).standard_normal((16, k)).astype(np.float32)
+    together = weight.matmul(x, tiles=tiles)
+    scale = float((np.abs(x) @ np.abs(weight.dequantize()).T).max())  # the largest sum of |x w|
+    check = (lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * scale)) if tiles else np.testing.assert_array_equal
+    for i in (0, 5, 15):
+        check(weight.matmul(x[i:i + 1], tiles=tiles)[0], together[i])
+    check(weight.matmul(x[3:9], tiles=tiles), together[3:9])
+
+
+@pytest.mark.parametrize("tiles", [False, True], ids=["vec_dot", "tiles"])
+def test_permuted_rows_and_accumulation(tiles: bool) -> None:
+    n, k = 96, 256
+    raw = raw_weight(T.Q4_K, n, k, seed=5)
+    order = np.random.default_rng(6).permutation(n).astype(np.int32)
+    plain = BlockWeight(raw, T.Q4_K, n, k, LIB)
+    permuted = BlockWeight(raw, T.Q4_K, n, k, LIB, rows=order)
+    np.testing.assert_array_equal(permuted.dequantize(), plain.dequantize()[order])
+    x = np.random.default_rng(7).standard_normal((3, k)).astype(np.float32)
+    np.testing.assert_array_equal(permuted.matmul(x, tiles=tiles), plain.matmul(x, tiles=tiles)[:, order])
+    start = np.random.default_rng(8).standard_normal((3, n)).astype(np.float32)
+    out = start.copy()
+    plain.matmul(x, out=out, beta=1.0, tiles=tiles)
+    np.testing.assert_allclose(out, start + plain.matmul(x, tiles=tiles), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("tiles", [False, True], ids=["vec_dot", "tiles"])
+def test_group_biases_are_added_per_group_of_inputs(tiles: bool) -> None:
+    n, k, group = 64, 256, 64
+    raw = raw_weight(T.Q8_0, n, k, seed=9)
+    bias = np.random.default_rng(10).standard_normal((n, k // group)).astype(np.float32)
+    weight = BlockWeight(raw, T.Q8_0, n, k, LIB, group_bias=bias, bias_group=group)
+    expected = reference(T.Q8_0, raw) + np.repeat(bias, group, axis=1)
+    np.testing.assert_allclose(weight.dequantize(), expected, rtol=1e-6, atol=1e-6)
+    x = np.random.default_rng(11).standard_normal((2, k)).astype(np.float32)
+    plain = BlockWeight(raw, T.Q8_0, n, k, LIB).matmul(x, tiles=tiles)
+    sums = x.reshape(2, k // group, group).sum(axis=-1)
+    np.testing.assert_allclose(weight.matmul(x, tiles=tiles) - plain, sums @ bias.T, rtol=1e-4, atol=2e-3)
+
+
+def test_bad_arguments_are_errors() -> None:
+    raw = raw_weight(T.Q4_0, 8, 64)
+    with pytest.raises(ValueError, match="does not hold"):
+        BlockWeight(raw[:, :-1], T.Q4_0, 8, 64, LIB)
+    with pytest.raises(ValueError, match="row order"):
+        BlockWeight(raw, T.Q4_0, 8, 64, LIB, rows=np.array([0, 1, 2, 3, 4, 5, 6, 8]))
+    weight = BlockWeight(raw, T.Q4_0, 8, 64, LIB)
+    with pytest.raises(ValueError, match="columns"):
+        weight.matmul(np.zeros((1, 32), np.float32))
+    with pytest.raises(ValueError, match="row ids"):
+        weight.take([8])
+    with pytest.raises(ValueError, match="row ids"):
+        weight.take([-1])
+
+
+def test_ggml_quantizer_round_trips_through_the_kernels() -> None:
+    """The factory quantizes with ggml's own quantizer: its blocks expand to values close to the
+    input (within each type's step) and equal gguf-py's reading of them."""
+    kernels = ggml_cpu.kernels()
+    values = np.random.default_rng(12).standard_normal((8, 512)).astype(np.float32)
+    for qtype, tolerance in ((T.Q8_0, 0.02), (T.Q6_K, 0.06), (T.Q4_K, 0.3), (T.Q5_1, 0.15)):
+        raw = kernels.quantize(qtype, values)
+        weight = BlockWeight(raw, qtype, 8, 512, LIB)
+        np.testing.assert_array_equal(weight.dequantize(), reference(qtype, raw))
+        assert np.abs(weight.dequantize() - values).max() < tolerance, qtype.name
