@@ -36,8 +36,14 @@ def private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def tiny_model(family: str = "llama") -> Path:
+    """The tiny factory model of ``family`` as a directory, or ``"family:type"`` as a GGUF file
+    of that type (``"llama:q4_0"``: quantized weights the CPU serves from their blocks)."""
+    from mlxcel_compat.testing.gguf_writer import ensure_gguf
     from mlxcel_compat.testing.models import ensure_model
 
+    if ":" in family:
+        name, gguf_type = family.split(":")
+        return ensure_gguf(name, "tiny", gguf_type, cache_dir=MODEL_CACHE)
     return ensure_model(family, "tiny", cache_dir=MODEL_CACHE)
 
 

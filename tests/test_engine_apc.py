@@ -115,8 +115,9 @@ def test_repeat_of_a_prompt_inside_a_longer_entry(harnesses: HarnessFactory, apc
     assert h.run(prompt, n_predict=1).finish.n_cached == expected
 
 
-def test_partial_adoption_is_within_tolerance_of_a_cold_prefill(harnesses: HarnessFactory) -> None:
-    h = harnesses()
+@pytest.mark.parametrize("family", ["llama", "llama:q4_0"])
+def test_partial_adoption_is_within_tolerance_of_a_cold_prefill(harnesses: HarnessFactory, family: str) -> None:
+    h = harnesses(family)
     first, second = diverging(random_tokens(200, seed=6), 7, 8, 25)
     h.run(first, n_predict=2)
     apc_hits = h.stats()["apc_hits"]  # counters are monotonic: they survive reset
@@ -128,8 +129,9 @@ def test_partial_adoption_is_within_tolerance_of_a_cold_prefill(harnesses: Harne
     assert_close(warm, cold)
 
 
-def test_partial_adoption_at_a_chunk_boundary_is_exact(harnesses: HarnessFactory) -> None:
-    h = harnesses()
+@pytest.mark.parametrize("family", ["llama", "llama:q4_0"])
+def test_partial_adoption_at_a_chunk_boundary_is_exact(harnesses: HarnessFactory, family: str) -> None:
+    h = harnesses(family)
     first, second = diverging(random_tokens(6 * CHUNK, seed=9), 10, 11, 40)
     h.run(first, n_predict=3)
     apc_hits = h.stats()["apc_hits"]

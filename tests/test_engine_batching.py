@@ -27,7 +27,7 @@ def random_tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(8000) for _ in range(n)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_next", "gemma3_text"])
+@pytest.fixture(scope="module", params=["llama", "qwen3_next", "gemma3_text", "qwen3:q4_k_m"])
 def harness(request: pytest.FixtureRequest):
     h = EngineHarness(tiny_model(request.param), batch_size=32, n_parallel=4, enabled=False)
     yield h

@@ -47,10 +47,11 @@ def files(h: EngineHarness) -> list[Path]:
     return sorted(disk_of(h).index.directory.glob("*.safetensors"))
 
 
-@pytest.fixture()
-def llama(tmp_path: Path):
-    # RAM holds about one 100-token entry: every new entry pushes the previous one to disk.
-    h = EngineHarness(tiny_model("llama"), batch_size=CHUNK, capacity_bytes=130 * ENTRY_BYTES, disk_dir=str(tmp_path), disk_capacity_bytes=1 << 30)
+@pytest.fixture(params=["llama", "llama:q4_0"])
+def llama(tmp_path: Path, request: pytest.FixtureRequest):
+    # RAM holds about one 100-token entry: every new entry pushes the previous one to disk. The
+    # same on a quantized GGUF (weights in their blocks): its KV goes to disk and back unchanged.
+    h = EngineHarness(tiny_model(request.param), batch_size=CHUNK, capacity_bytes=130 * ENTRY_BYTES, disk_dir=str(tmp_path), disk_capacity_bytes=1 << 30)
     yield h
     h.close()
 

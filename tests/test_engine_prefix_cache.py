@@ -27,7 +27,7 @@ def random_tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(8000) for _ in range(n)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "llama:q4_0"])
 def harness(request: pytest.FixtureRequest):
     h = EngineHarness(tiny_model(request.param), batch_size=CHUNK)
     yield h

@@ -23,7 +23,7 @@ def random_tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(8000) for _ in range(n)]
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "gemma3_text"])
+@pytest.fixture(scope="module", params=["qwen3_next", "gemma3_text", "gemma3_text:q8_0"])
 def harness(request: pytest.FixtureRequest):
     h = EngineHarness(tiny_model(request.param), batch_size=CHUNK, n_parallel=2, min_prefix=8)
     yield h

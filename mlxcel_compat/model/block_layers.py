@@ -6,9 +6,12 @@ token embedding in its blocks; these modules take the place of mlx-lm's ``nn.Lin
 its input (like the NumPy paths of ``attention.py`` and ``cpu_fusion.py``, one evaluation in the
 middle of a step), runs the product in ``block_matmul.c`` and hands MLX the float32 result.
 
-Prompt chunks (more than ``VEC_DOT_ROWS_MAX`` tokens a sequence) expand the weight in tiles for
-the BLAS; decode-sized inputs take ggml's vec_dot. The choice is made per sequence length, not
-per row count, so a sequence's results do not depend on how many sequences share a batch.
+Prompt chunks (more than one token a sequence) expand the weight in tiles for the BLAS: every
+prompt token is float32 math on the weights' values, whatever the chunk's length, its padding
+in a batched prefill, or where a prompt-cache hit split the prompt, so a token's KV does not
+depend on how it was scheduled. Decode steps (one token a sequence) take ggml's vec_dot,
+llama.cpp's arithmetic (activations quantized to 8 bits), row by row, so a sequence's results do
+not depend on how many sequences share a batch either.
 Decode steps of the families the CPU decode runtime knows do not come here: it calls the
 weights directly (``cpu_decode.py``).
 
@@ -24,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxcel_compat.model.block_weight import VEC_DOT_ROWS_MAX, BlockWeight
+from mlxcel_compat.model.block_weight import BlockWeight
 
 
 def _product(weight: BlockWeight, x: Any) -> Any:
@@ -36,7 +39,7 @@ def _product(weight: BlockWeight, x: Any) -> Any:
     view = np.asarray(x.astype(mx.float32) if x.dtype != mx.float32 else x)
     rows = view.reshape(-1, weight.k)
     tokens = x.shape[-2] if x.ndim >= 2 else 1
-    out = weight.matmul(rows, tiles=tokens > VEC_DOT_ROWS_MAX)
+    out = weight.matmul(rows, tiles=tokens > 1)
     return mx.array(out).reshape(*x.shape[:-1], weight.n)
 
 
