@@ -34,6 +34,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxcel_compat.cache import kv
 from mlxcel_compat.engine.sequence import Sequence, draw_pending
+from mlxcel_compat.model.block_layers import logits_unused
 
 
 def _merge(layers: list[Any]) -> Any:
@@ -92,7 +93,8 @@ def prefill_together(model: Any, seqs: list[Sequence], chunks: list[list[int]]) 
     if any(padding):
         for layer in cache:
             layer.prepare(lengths=lengths, right_padding=padding)
-    model(mx.array([c + [0] * p for c, p in zip(chunks, padding)]), cache=cache)
+    with logits_unused():  # only the caches are wanted
+        model(mx.array([c + [0] * p for c, p in zip(chunks, padding)]), cache=cache)
     if any(padding):
         for layer in cache:
             layer.finalize()

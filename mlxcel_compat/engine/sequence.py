@@ -38,6 +38,7 @@ from mlxcel_compat.engine.grammar import GrammarState, compute_masks
 from mlxcel_compat.engine.reasoning_budget import ReasoningBudget
 from mlxcel_compat.engine.sampling import SamplerChain, top_logprobs, top_probs
 from mlxcel_compat.engine.textstream import TextStream, token_is_complete_utf8
+from mlxcel_compat.model.block_layers import logits_unused
 from mlxcel_compat.model.cpu_decode import OwnedCache
 
 log = logging.getLogger(__name__)
@@ -238,7 +239,8 @@ class Sequence:
         last = self.n_prompt - 1
         if len(self.cache_tokens) < last:
             chunk = self.next_chunk()
-            self.model(mx.array(chunk)[None], cache=self.cache)
+            with logits_unused():  # only the cache is wanted
+                self.model(mx.array(chunk)[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
             self.chunk_done(chunk)
             return len(chunk)

@@ -24,6 +24,7 @@ from mlxcel_compat.cache import kv
 from mlxcel_compat.cache.key import TEXT_ONLY_MM_DIGEST, Bucket
 from mlxcel_compat.cache.snapshot import ORIGIN_BOUNDARY, ORIGIN_COMPLETION, SnapshotLookup, SnapshotStore
 from mlxcel_compat.engine.request import WarmupJob
+from mlxcel_compat.model.block_layers import logits_unused
 
 if TYPE_CHECKING:
     from mlxcel_compat.engine.sequence import Sequence
@@ -41,7 +42,8 @@ def prefill_tokens(model: Any, cache: list[Any], tokens: list[int], start: int, 
         if should_stop():
             return pos
         end = min(len(tokens), (pos // chunk_size + 1) * chunk_size)
-        model(mx.array(tokens[pos:end])[None], cache=cache)
+        with logits_unused():  # only the cache is wanted
+            model(mx.array(tokens[pos:end])[None], cache=cache)
         mx.eval([layer.state for layer in cache])
         pos = end
     return pos
