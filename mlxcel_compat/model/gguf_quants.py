@@ -396,9 +396,11 @@ def requantize(values: np.ndarray, bits: int, dtype: str) -> tuple[np.ndarray, n
     """8-, 6-, ... bit affine codes for ``values`` (float32, one group per row), min/max per group.
 
     The bias is the group's minimum rounded down to ``dtype`` and the scale ``(max - bias) / top``
-    rounded up, so the grid ``bias + scale * [0, top]`` covers every value and each one is off by
-    at most ``scale / 2``: at most ``(max - min) / (2 top)`` times ``1 + 2^-9`` for float16,
-    plus one float16 ulp of the minimum over ``2 top`` (``top = 2^bits - 1``).
+    rounded up (``top = 2^bits - 1``), so the grid ``bias + scale * [0, top]`` covers every value
+    and each one is off by at most ``scale / 2``, the nearest grid point being found in float64.
+    With e one ulp of ``dtype`` relative (2^-10 for float16) and t its smallest subnormal:
+    ``scale / 2 <= (max - min + e |min| + t) / top * (1 + e) / 2 + t / 2``. Rounding the other way
+    (nearest for both) would leave values outside the grid, clipped by more than half a step.
     """
     top = (1 << bits) - 1
     lo, hi = values.min(axis=1, keepdims=True), values.max(axis=1, keepdims=True)

@@ -9,8 +9,8 @@
   quantization (``QuantizedLinear`` / ``QuantizedEmbedding``: ``scale * u + bias`` per group),
   built tensor by tensor from the file's blocks at about their size (``GPU_FORMS``,
   ``affine_form``). Scales and biases are kept in the compute dtype, as MLX's kernels require.
-  Per type (bits per weight in brackets, float16 scales; u = 2^-11 is float16's unit roundoff,
-  2^-8 for bfloat16):
+  Per type (bits per weight in brackets, float16 scales; ε = 2^-11 is float16's unit roundoff,
+  2^-8 bfloat16's):
 
   ========  =====================  ============  =============================================
   type      MLX form               bytes / file  error against the file's own values
@@ -24,12 +24,16 @@
             (8.25)                               [-124, 128]), scale -d, bias 128 d per block
   Q4_K      4-bit, group 32 (5)    1.11x         scale d sc and bias -dmin m per 32-value
   Q5_K      5-bit, group 32 (6)    1.09x         sub-block, each rounded once: at most
-                                                 u (|d sc| q + |dmin m|) per weight
-  Q6_K      8-bit, group 64 (8.5)  1.295x        requantized: at most (max - min) / 510 of its
-                                                 64-value group (times 1 + 2^-10)
-  Q2_K      4-bit, group 32 (5)    1.90x         requantized: at most (max - min) / 30 of its
-                                                 32-value group (times 1 + 2^-10)
+                                                 ε (|d sc| q + |dmin m|) per weight
+  Q6_K      8-bit, group 64 (8.5)  1.295x        requantized: at most (max - min) / 510 over
+                                                 its 64-value group, plus rounding (below)
+  Q2_K      4-bit, group 32 (5)    1.90x         requantized: at most (max - min) / 30 over
+                                                 its 32-value group, plus rounding (below)
   ========  =====================  ============  =============================================
+
+  (Float16 subnormals add at most 2^-25 to a rounded scale or bias.) The requantized bound in
+  full, with ``top = 2^bits - 1`` and e = 2^-10 (one float16 ulp, relative; 2^-7 in bfloat16):
+  half the grid step, ``(max - min + e |min| + 2^-24) / top * (1 + e) / 2 + 2^-25``.
 
   Q6_K and Q2_K have a scale (and Q2_K a min) per 16 values, and MLX's groups start at 32, so
   their values are requantized: bias = the group's minimum rounded down, scale = (max - bias) /
@@ -39,10 +43,13 @@
   weights grows 4.5%); 8-bit g32 would add 0.25x but costs 9 bits per weight, 1.37x the file, over
   the 1.3x memory goal; 6-bit forms add 1.0x. Q2_K's 4-bit g32 adds 0.23x (+2.7%) at 1.9x the
   file, where 8-bit g64 would add 0.02x at 3.24x; a Q2_K file is chosen for its size. Q3_K keeps
-  its exact 8-bit form (a 5-bit requantization would save 0.65x and add 0.25x).
+  its exact 8-bit form (a 5-bit requantization would save 0.65x and add 0.25x). On the factory's
+  small llama the forms move the logits (RMS) by this share of what the file's own quantization
+  moved them from the F32 file: Q8_0 and Q3_K 0 (float32 sums), Q4_K_M 0.05, Q5_K_M 0.10, Q6_K
+  0.32, Q2_K 0.31 (tests/test_gguf_gpu_policy.py).
 
   The exact forms are exact in float16; in a bfloat16 model (a file with BF16 tensors) their
-  scales, which are float16 values, are rounded to bfloat16 (the Q4_K bound with u = 2^-8). A
+  scales, which are float16 values, are rounded to bfloat16 (the Q4_K bound with ε = 2^-8). A
   tensor whose scales or biases overflow the compute dtype (|d| >= 512 for Q8_0's -128 d) is
   dequantized to that dtype instead, and the load logs it. Float tensors keep the file's
   precision: an all-F32 file stays float32, a file with BF16 tensors runs in bfloat16, anything
