@@ -151,8 +151,9 @@ def test_unpermute_inverts_the_converter_permutation() -> None:
         assert not np.array_equal(permute_rows(rows, heads), rows)
 
 
-def test_gpu_policy_keeps_legacy_quants_as_exact_affine_weights() -> None:
-    """Exercised on the CPU: Q8_0 matrices become QuantizedLinear with the file's exact blocks."""
+def test_gpu_policy_keeps_q8_0_as_exact_affine_weights() -> None:
+    """Exercised on the CPU: Q8_0 matrices become QuantizedLinear with the file's exact blocks, the
+    same values the CPU's block layers hold (every type's form: tests/test_gguf_gpu_policy.py)."""
     import mlx.nn as nn
 
     path = ensure_gguf("qwen3", "tiny", "q8_0", cache_dir=MODEL_CACHE)

@@ -16,7 +16,11 @@ read, so an unsupported type fails fast. Three paths (``precision.tensor_precisi
   and the converter's changes are undone with MLX operations: the one copy a safetensors
   checkpoint costs, which keeps a GGUF load as fast as the same model's directory;
 - other quantized tensors are read into NumPy (``gguf.read_tensor``) and decoded or repacked
-  there (``gguf_quants``), then handed to MLX.
+  there (``gguf_quants``), then handed to MLX. On Metal/CUDA the weights of linear layers and
+  the embedding become MLX affine weights in their type's form (``precision.affine_form``), one
+  tensor at a time at about the file's size; once all are read, each such layer is swapped for
+  a ``QuantizedLinear`` / ``QuantizedEmbedding`` with its own bits and group size. A tensor whose
+  scales overflow the compute dtype is dequantized instead (logged, ``affine_fallbacks``).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class GGUFSummary:
     weight_bytes: dict[str, int] = field(default_factory=dict)  # the same labels -> bytes they take in memory
     kernels: dict[str, str] = field(default_factory=dict)  # "blocks q4_K" -> what computes with them
     blocks_unavailable: str = ""  # on the CPU: why quantized weights were expanded to float32
+    affine_fallbacks: list[str] = field(default_factory=list)  # tensors whose affine scales overflow the dtype
 
 
 def _quantizable(model: Any, mlx_name: str, shape: tuple[int, ...]) -> bool:
@@ -110,21 +115,30 @@ def _load_float(info: TensorInfo, mlx_name: str, spec: gguf_arch.ArchSpec, confi
     return array.reshape(target_shape)
 
 
-def _affine(info: TensorInfo, raw: np.ndarray, mlx_name: str, spec: gguf_arch.ArchSpec,
-            config: dict[str, Any]) -> list[tuple[str, Any]]:
+def _affine(info: TensorInfo, raw: np.ndarray, mlx_name: str, spec: gguf_arch.ArchSpec, config: dict[str, Any],
+            form: precision.AffineForm, dtype: str, target_shape: tuple[int, ...]) -> list[tuple[str, Any]] | None:
+    """A quantized matrix as MLX affine ``weight``, ``scales`` and ``biases`` in ``form``, or None
+    when its scales or biases overflow ``dtype`` (the caller dequantizes that tensor instead)."""
     import mlx.core as mx
+
+    if tuple(info.shape) != tuple(target_shape):
+        raise ValueError(f"tensor '{info.name}' has shape {info.shape}; the model expects {target_shape} for {mlx_name}")
 
     heads = gguf_arch.qk_heads(spec, config, mlx_name)
     rows = raw.reshape(info.shape[0], -1)
     if heads is not None:
         rows = gguf_arch.unpermute_rows(rows, heads)
-    blocks = gguf_quants.to_affine(np.ascontiguousarray(rows).reshape(-1), info.ggml_type, info.shape)
+    blocks = gguf_quants.to_affine(np.ascontiguousarray(rows).reshape(-1), info.ggml_type, info.shape,
+                                   form.bits, form.group_size, dtype)
     if blocks is None:
-        raise ValueError(f"tensor '{info.name}' ({gguf_quants.type_name(info.ggml_type)}) has a scale whose "
-                         "offset overflows float16, so it has no exact MLX affine form")
+        return None
+    if form.method == precision.EXACT and not blocks.exact:  # the policy's promise, checked on the data
+        raise RuntimeError(f"tensor '{info.name}': {form.describe()} changed a value")
+    target = {precision.FLOAT16: mx.float16, precision.BFLOAT16: mx.bfloat16, precision.FLOAT32: mx.float32}[dtype]
     prefix = mlx_name[: -len("weight")]
-    return [(mlx_name, mx.array(blocks.weight)), (prefix + "scales", mx.array(blocks.scales)),
-            (prefix + "biases", mx.array(blocks.biases))]
+    # The scales hold dtype values already (gguf_quants rounds them), so the cast is exact.
+    return [(mlx_name, mx.array(blocks.weight)), (prefix + "scales", mx.array(blocks.scales).astype(target)),
+            (prefix + "biases", mx.array(blocks.biases).astype(target))]
 
 
 def _blocks(info: TensorInfo, mapped: np.ndarray, mlx_name: str, spec: gguf_arch.ArchSpec, config: dict[str, Any],
@@ -215,12 +229,7 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
                                       blocks=not isinstance(lib, str))
         for g, m in names.items()
     }
-    affine = {names[g][: -len(".weight")]: file.tensors[g] for g, p in plans.items() if p == precision.AFFINE}
-    if affine:
-        bits = {p: 8 if info.ggml_type == gguf_quants.T.Q8_0 else 4 for p, info in affine.items()}
-        nn.quantize(model, class_predicate=lambda p, m: {"group_size": 32, "bits": bits[p], "mode": "affine"}
-                    if p in bits else False)
-    model.eval()
+    quantized: dict[str, precision.AffineForm] = {}  # module path -> the form its weight took
 
     summary = GGUFSummary(
         path=str(file.path), parts=len(file.parts), architecture=file.architecture, file_type=file.file_type,
@@ -251,21 +260,37 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
             if progress is not None:
                 progress(done, total)
             continue
+        label, weights = plan, None
         if plan == precision.AFFINE:
-            weights = _affine(info, read_tensor(info, scratch), mlx_name, spec, config)
-        elif info.ggml_type in FLOAT_TYPES:
+            form = precision.affine_form(info.ggml_type, dtype)
+            weights = _affine(info, read_tensor(info, scratch), mlx_name, spec, config, form, dtype,
+                              shapes[mlx_name])
+            if weights is None:
+                log.warning("tensor '%s' (%s): its affine scales or biases overflow %s; dequantized to %s instead",
+                            info.name, gguf_quants.type_name(info.ggml_type), dtype, dtype)
+                summary.affine_fallbacks.append(info.name)
+                plan = label = dtype
+            else:
+                quantized[mlx_name[: -len(".weight")]] = form
+                label = f"affine {gguf_quants.type_name(info.ggml_type).lower()}"
+                summary.kernels.setdefault(label, form.describe())
+        if weights is None and info.ggml_type in FLOAT_TYPES:
             weights = [(mlx_name, _load_float(info, mlx_name, spec, config, plan, shapes[mlx_name]))]
-        else:
+        elif weights is None:
             weights = [(mlx_name, _decode(info, read_tensor(info, scratch), mlx_name, spec, config, plan,
                                           shapes[mlx_name]))]
         mx.eval([w for _, w in weights])  # one tensor in flight: its temporaries go now
         loaded.extend(weights)
-        label = f"affine {gguf_quants.type_name(info.ggml_type).lower()}" if plan == precision.AFFINE else plan
         summary.precision[label] = summary.precision.get(label, 0) + 1
         summary.weight_bytes[label] = summary.weight_bytes.get(label, 0) + sum(w.nbytes for _, w in weights)
         done += info.n_bytes
         if progress is not None:
             progress(done, total)
+    if quantized:  # each layer with its weight's bits and group size; the rest stay float
+        nn.quantize(model, class_predicate=lambda p, m: {"group_size": quantized[p].group_size,
+                                                         "bits": quantized[p].bits, "mode": "affine"}
+                    if p in quantized else False)
+    model.eval()
     model.load_weights(loaded, strict=False)  # the model's own initial values were never evaluated
     if "rope_freqs.weight" in file.tensors and spec.permute_qk:
         _install_rope_freqs(model, file, config)

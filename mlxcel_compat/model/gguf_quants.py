@@ -54,6 +54,24 @@ def _bits(words: np.ndarray, count: int) -> np.ndarray:
     return ((words[:, None] >> shifts) & 1).astype(np.uint8)
 
 
+def _q5_ints(b: np.ndarray, qh: int, qs: int) -> np.ndarray:
+    """Q5_0/Q5_1: 4 low bits as ``_nibbles``, the fifth from a 32-bit word at byte ``qh``."""
+    high = _bits(np.ascontiguousarray(b[:, qh:qh + 4]).view("<u4")[:, 0], 32) << 4
+    return _nibbles(b[:, qs:qs + 16]) | high
+
+
+def _k_quant_ints(b: np.ndarray, high_bits: bool) -> np.ndarray:
+    """Q4_K (``high_bits`` False) / Q5_K: the unsigned integers, shaped (n, 4 chunks, 2 sub-blocks, 32)."""
+    n = len(b)
+    qs = b[:, 48:176].reshape(n, 4, 1, 32) if high_bits else b[:, 16:144].reshape(n, 4, 1, 32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2)  # chunk c: low nibbles (sub-block 2c), high (2c+1)
+    if high_bits:
+        qh = b[:, 16:48].reshape(n, 1, 1, 32)
+        bit = np.arange(8, dtype=np.uint8).reshape(1, 4, 2, 1)  # sub-block 2c + k -> qh bit 2c + k
+        q = q | (((qh >> bit) & 1) << 4)
+    return q
+
+
 def _q8_0(b: np.ndarray) -> np.ndarray:
     return _f16(b, 0) * b[:, 2:34].view(np.int8).astype(np.float32)
 
@@ -67,13 +85,11 @@ def _q4_1(b: np.ndarray) -> np.ndarray:
 
 
 def _q5_0(b: np.ndarray) -> np.ndarray:
-    high = _bits(np.ascontiguousarray(b[:, 2:6]).view("<u4")[:, 0], 32) << 4
-    return _f16(b, 0) * ((_nibbles(b[:, 6:22]) | high).astype(np.float32) - 16)
+    return _f16(b, 0) * (_q5_ints(b, 2, 6).astype(np.float32) - 16)
 
 
 def _q5_1(b: np.ndarray) -> np.ndarray:
-    high = _bits(np.ascontiguousarray(b[:, 4:8]).view("<u4")[:, 0], 32) << 4
-    return _f16(b, 0) * (_nibbles(b[:, 8:24]) | high).astype(np.float32) + _f16(b, 2)
+    return _f16(b, 0) * _q5_ints(b, 4, 8).astype(np.float32) + _f16(b, 2)
 
 
 def _q2_k(b: np.ndarray) -> np.ndarray:
@@ -132,8 +148,7 @@ def _q4_k(b: np.ndarray) -> np.ndarray:
     # 4 chunks of 64: 32 low nibbles (scale 2c) then 32 high nibbles (scale 2c+1) of 32 bytes.
     n = len(b)
     sc, mn = _k4_scales(b[:, 4:16])
-    qs = b[:, 16:144].reshape(n, 4, 1, 32)
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.float32)  # (n, 4, 2, 32)
+    q = _k_quant_ints(b, high_bits=False).astype(np.float32)  # (n, 4, 2, 32)
     d, dmin = _f16(b, 0).reshape(n, 1, 1, 1), _f16(b, 2).reshape(n, 1, 1, 1)
     y = d * sc.reshape(n, 4, 2, 1) * q - dmin * mn.reshape(n, 4, 2, 1)
     return y.reshape(n, 256)
@@ -142,11 +157,7 @@ def _q4_k(b: np.ndarray) -> np.ndarray:
 def _q5_k(b: np.ndarray) -> np.ndarray:
     n = len(b)
     sc, mn = _k4_scales(b[:, 4:16])
-    qh = b[:, 16:48].reshape(n, 1, 1, 32)
-    qs = b[:, 48:176].reshape(n, 4, 1, 32)
-    low = np.concatenate([qs & 0x0F, qs >> 4], axis=2)  # (n, 4, 2, 32)
-    bit = np.arange(8, dtype=np.uint8).reshape(1, 4, 2, 1)  # chunk c, nibble k -> qh bit 2c + k
-    q = (low | (((qh >> bit) & 1) << 4)).astype(np.float32)
+    q = _k_quant_ints(b, high_bits=True).astype(np.float32)  # (n, 4, 2, 32)
     d, dmin = _f16(b, 0).reshape(n, 1, 1, 1), _f16(b, 2).reshape(n, 1, 1, 1)
     y = d * sc.reshape(n, 4, 2, 1) * q - dmin * mn.reshape(n, 4, 2, 1)
     return y.reshape(n, 256)
@@ -231,49 +242,215 @@ def dequantize(raw: np.ndarray, ggml_type: int, n_values: int, dtype: type = np.
 
 
 # --------------------------------------------------------------------------- MLX affine form
+#
+# MLX's affine quantization stores ``scale * u + bias`` per group of 32, 64 or 128 values along a
+# row, ``u`` unsigned with 2, 3, 4, 5, 6 or 8 bits, the row's values packed as one little-endian
+# bit stream into uint32 words (value i at bits i*bits .. i*bits + bits - 1). Most GGML types are
+# already that arithmetic over the file's integers (``INTEGER_FORMS``); the others (Q6_K, Q2_K:
+# a scale or a min per 16 values) are requantized from their values (``to_affine``).
+
+
+@dataclass(frozen=True)
+class IntegerForm:
+    """A GGML type's values written as ``scale * u + bias`` over its own integers ``u``.
+
+    ``split(blocks)`` gives ``u`` (uint8, one row per block) and one float32 ``scale`` and
+    ``bias`` per ``group`` values, each computed exactly in float32 from the stored fields.
+    ``scale_bits`` is how many significant bits those scales and biases can need: 11 when they
+    are a stored float16 times a power of two, 17 when a float16 times a 6-bit sub-block scale,
+    so whether a compute dtype holds them exactly is decided before any data is read.
+    """
+
+    bits: int
+    group: int
+    scale_bits: int
+    split: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _split_q8_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = _f16(b, 0)
+    return (b[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8), d, d * -128
+
+
+def _split_q4_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = _f16(b, 0)
+    return _nibbles(b[:, 2:18]), d, d * -8
+
+
+def _split_q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return _nibbles(b[:, 4:20]), _f16(b, 0), _f16(b, 2)
+
+
+def _split_q5_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = _f16(b, 0)
+    return _q5_ints(b, 2, 6), d, d * -16
+
+
+def _split_q5_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return _q5_ints(b, 4, 8), _f16(b, 0), _f16(b, 2)
+
+
+def _split_k(b: np.ndarray, high_bits: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: scale ``d * sc`` and bias ``-dmin * m`` per 32-value sub-block."""
+    sc, mn = _k4_scales(b[:, 4:16])
+    return _k_quant_ints(b, high_bits).reshape(len(b), 256), _f16(b, 0) * sc, -(_f16(b, 2) * mn)
+
+
+def _split_q4_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return _split_k(b, high_bits=False)
+
+
+def _split_q5_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return _split_k(b, high_bits=True)
+
+
+def _split_q3_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q3_K's values are ``d * sc * (q - 4)``, sc in [-32, 31] and q - 4 in [-4, 3]; the integers
+    ``-sc * (q - 4)`` lie in [-128, 124], so ``u = 128 - sc * (q - 4)`` fits 8 bits, with scale
+    ``-d`` and bias ``128 d`` for the whole 256-value block."""
+    n = len(b)
+    hmask = b[:, 0:32].reshape(n, 1, 1, 2, 16)
+    qs = b[:, 32:96].reshape(n, 2, 1, 2, 16)
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1, 1)
+    low = ((qs >> shifts) & 3).astype(np.int16)
+    mask_bit = np.arange(8, dtype=np.uint8).reshape(1, 2, 4, 1, 1)
+    signed = low - 4 * (1 - ((hmask >> mask_bit) & 1)).astype(np.int16)
+    sc = _q3_k_scales(b[:, 96:108]).astype(np.int16).reshape(n, 2, 4, 2, 1)
+    d = _f16(b, 108)
+    return (128 - sc * signed).astype(np.uint8).reshape(n, 256), -d, d * 128
+
+
+INTEGER_FORMS: dict[int, IntegerForm] = {
+    T.Q8_0: IntegerForm(8, 32, 11, _split_q8_0),
+    T.Q4_0: IntegerForm(4, 32, 11, _split_q4_0),
+    T.Q4_1: IntegerForm(4, 32, 11, _split_q4_1),
+    T.Q5_0: IntegerForm(5, 32, 11, _split_q5_0),
+    T.Q5_1: IntegerForm(5, 32, 11, _split_q5_1),
+    T.Q4_K: IntegerForm(4, 32, 17, _split_q4_k),
+    T.Q5_K: IntegerForm(5, 32, 17, _split_q5_k),
+    T.Q3_K: IntegerForm(8, 256, 11, _split_q3_k),
+}
+# Significant bits of each dtype scales and biases can be kept in (MLX wants the activations' dtype).
+DTYPE_BITS = {"float16": 11, "bfloat16": 8, "float32": 24}
+AFFINE_CHUNK_VALUES = 1 << 20  # values converted per step: temporaries of a few MiB
+
+
+def integer_form(ggml_type: int, bits: int, group_size: int) -> IntegerForm | None:
+    """The type's own integers as MLX affine with ``bits`` and ``group_size``, if they fit it."""
+    form = INTEGER_FORMS.get(ggml_type)
+    if form is None or form.bits != bits or form.group % group_size:
+        return None
+    return form
 
 
 @dataclass
 class AffineBlocks:
-    """A GGML tensor re-expressed exactly as MLX affine quantization (group size 32).
-
-    MLX computes ``scale * q + bias`` per group of 32, with ``q`` unsigned and packed into
-    uint32 words from the least significant bits up. Q8_0 (``d * q``, q signed) becomes
-    ``q + 128`` with bias ``-128 d``; Q4_0 (``d * (q - 8)``) has bias ``-8 d``; Q4_1 (``d * q + m``)
-    maps directly. All scales and biases are float16 values ggml already stored (times a power
-    of two), so the conversion is exact.
-    """
+    """A GGML matrix as MLX affine quantization: ``weight`` (uint32, packed as MLX packs), and
+    ``scales`` / ``biases`` per group, as float32 arrays holding values of the target dtype (so
+    casting them in MLX is exact). ``exact``: every value equals the file's dequantized value."""
 
     weight: np.ndarray  # uint32, (rows, cols * bits / 32)
-    scales: np.ndarray  # float16, (rows, cols / 32)
-    biases: np.ndarray  # float16, (rows, cols / 32)
+    scales: np.ndarray  # float32 holding dtype values, (rows, cols / group_size)
+    biases: np.ndarray  # the same
     bits: int
-    group_size: int = 32
+    group_size: int
+    exact: bool
 
 
-def to_affine(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> AffineBlocks | None:
-    """The exact MLX affine form of a Q8_0/Q4_0/Q4_1 matrix, or None if a bias overflows float16."""
+def pack(u: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 values below ``2**bits`` (flat, a multiple of 32 of them) as MLX's uint32 words."""
+    if bits == 8:
+        return np.ascontiguousarray(u, dtype=np.uint8).view("<u4")
+    # Eight values fill exactly ``bits`` bytes of the stream: assemble them in a uint64, keep those bytes.
+    eights = u.reshape(-1, 8).astype(np.uint64)
+    shifts = (np.arange(8, dtype=np.uint64) * np.uint64(bits))
+    words = np.bitwise_or.reduce(eights << shifts, axis=1).astype("<u8")
+    return np.ascontiguousarray(words.view(np.uint8).reshape(-1, 8)[:, :bits]).reshape(-1).view("<u4")
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x`` (float32) rounded to the nearest ``dtype`` value (ties to even), as float32."""
+    if dtype == "float16":
+        with np.errstate(over="ignore"):  # overflow is inf, which to_affine refuses
+            return x.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.astype(np.uint32).view(np.float32)
+    return np.asarray(x, dtype=np.float32)
+
+
+def step_to(x: np.ndarray, dtype: str, up: bool) -> np.ndarray:
+    """The next ``dtype`` value above (``up``) or below each ``x`` (already ``dtype`` values)."""
+    if dtype in ("float16", "float32"):
+        np_type = np.float16 if dtype == "float16" else np.float32
+        return np.nextafter(x.astype(np_type), np_type(np.inf if up else -np.inf)).astype(np.float32)
+    y = np.ascontiguousarray(x, dtype=np.float32) + np.float32(0)  # -0 becomes +0
+    bits = y.view(np.uint32).astype(np.int64)
+    away = (y > 0) if up else (y < 0)  # moving away from zero adds one bfloat16 ulp to the magnitude
+    bits = np.where(y == 0, 0x00010000 if up else 0x80010000, np.where(away, bits + 0x10000, bits - 0x10000))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def requantize(values: np.ndarray, bits: int, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """8-, 6-, ... bit affine codes for ``values`` (float32, one group per row), min/max per group.
+
+    The bias is the group's minimum rounded down to ``dtype`` and the scale ``(max - bias) / top``
+    rounded up (``top = 2^bits - 1``), so the grid ``bias + scale * [0, top]`` covers every value
+    and each one is off by at most ``scale / 2``, the nearest grid point being found in float64.
+    With e one ulp of ``dtype`` relative (2^-10 for float16) and t its smallest subnormal:
+    ``scale / 2 <= (max - min + e |min| + t) / top * (1 + e) / 2 + t / 2``. Rounding the other way
+    (nearest for both) would leave values outside the grid, clipped by more than half a step.
+    """
+    top = (1 << bits) - 1
+    lo, hi = values.min(axis=1, keepdims=True), values.max(axis=1, keepdims=True)
+    bias = round_to(lo, dtype)
+    high = bias > lo
+    bias[high] = step_to(bias[high], dtype, up=False)
+    scale = round_to(((hi.astype(np.float64) - bias) / top).astype(np.float32), dtype)
+    short = bias.astype(np.float64) + top * scale.astype(np.float64) < hi
+    scale[short] = step_to(scale[short], dtype, up=True)
+    safe = np.where(scale > 0, scale, np.float32(1)).astype(np.float64)  # float64: the nearest point, no tie slips
+    u = np.clip(np.rint((values.astype(np.float64) - bias) / safe), 0, top).astype(np.uint8)
+    return u, scale, bias
+
+
+def to_affine(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...], bits: int, group_size: int,
+              dtype: str) -> AffineBlocks | None:
+    """The MLX affine form (``bits``, ``group_size``, scales in ``dtype``) of a GGML matrix.
+
+    Where the type's own integers fit (``integer_form``) they are kept and its scales and biases
+    rounded once to ``dtype`` (exact when ``dtype`` holds them); otherwise the values are
+    requantized per group (``requantize``). Returns None when a scale or bias overflows
+    ``dtype``: that tensor has no affine form in it.
+    """
     rows, cols = int(np.prod(shape[:-1])), shape[-1]
-    _, type_size = GGML_QUANT_SIZES[T(ggml_type)]
-    b = raw.reshape(-1, type_size)
-    d = np.ascontiguousarray(b[:, 0:2]).view("<f2")[:, 0]
-    if ggml_type == T.Q8_0:
-        q = (b[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        bias32, bits = d.astype(np.float32) * -128, 8
-    elif ggml_type == T.Q4_0:
-        q = _nibbles(b[:, 2:18])
-        bias32, bits = d.astype(np.float32) * -8, 4
-    elif ggml_type == T.Q4_1:
-        q = _nibbles(b[:, 4:20])
-        bias32, bits = np.ascontiguousarray(b[:, 2:4]).view("<f2")[:, 0].astype(np.float32), 4
-    else:
-        raise ValueError(f"{type_name(ggml_type)} has no exact MLX affine form")
-    bias = bias32.astype(np.float16)
-    if not np.array_equal(bias.astype(np.float32), bias32):
-        return None
-    q = q.reshape(rows, cols)
-    if bits == 4:
-        q = q[:, 0::2] | (q[:, 1::2] << 4)
-    weight = np.ascontiguousarray(q).view("<u4")
-    groups = (rows, cols // 32)
-    return AffineBlocks(weight, d.reshape(groups).copy(), bias.reshape(groups), bits)
+    block_size, type_size = GGML_QUANT_SIZES[T(ggml_type)]
+    if cols % group_size or block_size % group_size or cols % block_size:
+        raise ValueError(f"{type_name(ggml_type)} rows of {cols} values have no affine form in groups of {group_size}")
+    blocks = raw.reshape(-1, type_size)
+    form = integer_form(ggml_type, bits, group_size)
+    weight = np.empty(rows * cols * bits // 32, dtype=np.uint32)
+    scales = np.empty(rows * cols // group_size, dtype=np.float32)
+    biases = np.empty_like(scales)
+    exact = form is not None
+    step = max(1, AFFINE_CHUNK_VALUES // block_size)
+    for start in range(0, len(blocks), step):
+        chunk = blocks[start:start + step]
+        if form is not None:
+            u, scale, bias = form.split(chunk)
+            repeat = form.group // group_size
+            scale32, bias32 = np.repeat(scale, repeat, axis=1), np.repeat(bias, repeat, axis=1)
+            scale, bias = round_to(scale32, dtype), round_to(bias32, dtype)
+            exact = exact and np.array_equal(scale, scale32) and np.array_equal(bias, bias32)
+        else:
+            values = DECODERS[ggml_type](chunk).reshape(-1, group_size)
+            u, scale, bias = requantize(values, bits, dtype)
+        if not (np.isfinite(scale).all() and np.isfinite(bias).all()):
+            return None
+        v0, g0 = start * block_size, start * block_size // group_size
+        weight[v0 * bits // 32:(v0 + u.size) * bits // 32] = pack(u.reshape(-1), bits)
+        scales[g0:g0 + scale.size] = scale.reshape(-1)
+        biases[g0:g0 + bias.size] = bias.reshape(-1)
+    return AffineBlocks(weight.reshape(rows, -1), scales.reshape(rows, -1), biases.reshape(rows, -1),
+                        bits, group_size, exact)
