@@ -27,8 +27,10 @@ Exact in float16 means: the directory's scales and biases (bfloat16 in most mlx-
 directories, float16 in others) survive a round trip through float16; a bfloat16 value does
 unless it is tiny (below 2 ** -24, or a subnormal of float16 with more than its bits) or huge.
 
-Anything else (another mode such as mxfp4, a group size that is not a multiple of 32, scales or
-biases that are not float16 values, e.g. a float32 directory) is expanded to float32 by
+A scale that multiplies only zero integers is replaced by 0 (MLX gives a group of equal values,
+such as an all-zero row, the scale -1e-7, which float16 cannot hold). Anything else (another
+mode such as mxfp4, a group size that is not a multiple of 32, scales or biases that are not
+float16 values, e.g. a float32 directory) is expanded to float32 by
 ``mx.dequantize``, and the start-up log says which tensors and why. Bytes: Q4_1 takes 5 bits a
 weight (an MLX 4-bit directory 4.5 at group 64, 4.25 at 128), Q8_0 8.5 plus 32 / group_size
 for the group biases (MLX 8-bit: 8.5 at group 64).
@@ -95,6 +97,25 @@ def _as_float16(values: np.ndarray) -> np.ndarray | None:
     return half if np.array_equal(half.astype(np.float32), values) else None
 
 
+def _scales_as_float16(scales: np.ndarray, weight: np.ndarray, bits: int, group_size: int) -> np.ndarray | None:
+    """The scales as float16 if each one that is used is a float16 value, else None.
+
+    MLX gives a group of equal values (all zeros, a padded row) a scale of -1e-7 and integers
+    0: that scale is no float16 value, but it multiplies only zeros, so it is replaced by 0
+    (``0 * s + b`` is ``b`` either way). Only the rows holding such scales are unpacked."""
+    half = scales.astype(np.float16)
+    bad = half.astype(np.float32) != scales
+    if not bad.any():
+        return half
+    rows = np.flatnonzero(bad.any(axis=1))
+    n_groups = scales.shape[1]
+    used = _unpack(weight[rows], bits, n_groups * group_size).reshape(len(rows), n_groups, group_size).any(axis=-1)
+    if (bad[rows] & used).any():
+        return None
+    half[rows] = np.where(bad[rows], np.float16(0), half[rows])
+    return half
+
+
 def _unpack(packed: np.ndarray, bits: int, k: int) -> np.ndarray:
     """MLX's packed integers, uint8 (rows, k). MLX writes each row as one little-endian bit
     stream, values from the least significant bits up (checked against ``mx.dequantize`` by
@@ -147,9 +168,10 @@ def repack(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int
         return f"unexpected shapes: weight {weight.shape} {weight.dtype}, scales {scales.shape}, biases {biases.shape}"
     scales = np.ascontiguousarray(scales, dtype=np.float32)
     biases = np.ascontiguousarray(biases, dtype=np.float32)
-    d = _as_float16(scales)
+    d = _scales_as_float16(scales, weight, bits, group_size)
     if d is None:
         return "scales are not float16 values (ggml's blocks hold float16 scales)"
+    scales = d.astype(np.float32)  # the same values, with unused ones zeroed
     per_group = group_size // BLOCK
     if target == T.Q4_1:
         m = _as_float16(biases)
