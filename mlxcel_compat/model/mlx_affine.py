@@ -166,6 +166,7 @@ def repack(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int
     k = groups * group_size
     if weight.dtype != np.uint32 or weight.shape != (n, k * bits // 32) or biases.shape != scales.shape:
         return f"unexpected shapes: weight {weight.shape} {weight.dtype}, scales {scales.shape}, biases {biases.shape}"
+    weight = np.ascontiguousarray(weight)
     scales = np.ascontiguousarray(scales, dtype=np.float32)
     biases = np.ascontiguousarray(biases, dtype=np.float32)
     d = _scales_as_float16(scales, weight, bits, group_size)
