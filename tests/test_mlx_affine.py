@@ -285,7 +285,8 @@ def test_weights_take_about_the_directory_bytes(family: str, quantization: Quant
     directory = quantized_dir(family, quantization)
     loaded = load_model(str(directory), [])
     tensors = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-    float_params = json.loads((ensure_model(family, "tiny", MODEL_CACHE) / models.MANIFEST_NAME).read_text())["num_parameters"]
+    manifest = ensure_model(family, "tiny", MODEL_CACHE) / models.MANIFEST_NAME
+    float_params = json.loads(manifest.read_text())["num_parameters"]
     assert loaded.n_params == float_params  # block weights count as their n x k values
     # Q4_1 holds 5 bits a weight where the directory holds 4.5 (group 64); Q8_0 plus group
     # biases 9 where it holds 8.5; the norms widen to float32.
@@ -304,7 +305,7 @@ def test_tensors_without_a_block_form_load_as_float32(quantization: Quantization
     directory = quantized_dir("llama", quantization)
     with caplog.at_level(logging.INFO, logger="mlxcel_compat.model.loader"):
         loaded = load_model(str(directory), [])
-    assert f"quantized weights expanded to float32 (4 bytes a weight), 16 tensors: " in caplog.text
+    assert "quantized weights expanded to float32 (4 bytes a weight), 16 tensors: " in caplog.text
     assert why in caplog.text and "decode step: CPU decode runtime" in caplog.text
     q_proj = loaded.model.model.layers[0].self_attn.q_proj
     assert type(q_proj) is nn.Linear and q_proj.weight.dtype == mx.float32
@@ -336,7 +337,8 @@ def test_engine_cache_hit_equals_the_cold_run_on_a_quantized_directory() -> None
         h.close()
 
 
-def test_factory_cli_writes_mlx_lm_quantized_directories(tmp_path: Path) -> None:
+def test_factory_cli_writes_mlx_lm_quantized_directories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLXCEL_CACHE_DIR", str(MODEL_CACHE))  # where the float directory it converts is cached
     out = tmp_path / "llama-q8"
     assert models.main(["--family", "llama", "--quantize", "8", "--q-group-size", "32", "--out", str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
@@ -349,5 +351,7 @@ def test_factory_cli_writes_mlx_lm_quantized_directories(tmp_path: Path) -> None
     assert isinstance(model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
     # Deterministic: the cached build of the same parameters has the same bytes.
     cached = quantized_dir("llama", Quantization(8, 32))
-    manifest = json.loads((cached / models.MANIFEST_NAME).read_text())
-    assert manifest["files"]["model.safetensors"] == json.loads((out / models.MANIFEST_NAME).read_text())["files"]["model.safetensors"]
+    def safetensors(directory: Path) -> dict:
+        return json.loads((directory / models.MANIFEST_NAME).read_text())["files"]["model.safetensors"]
+
+    assert safetensors(cached) == safetensors(out)

@@ -256,7 +256,8 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
         _log_affine(affine, sum(v.nbytes for _, v in params) + sum(b.nbytes for b in blocks), directory_bytes)
     decoder = _cpu_decoder(model) if on_cpu else None
     # Block weights (not MLX parameters) count as their n x k values and their bytes in memory.
-    n_params = summary.n_params if summary is not None else sum(v.size for _, v in params) + sum(b.n * b.k for b in blocks)
+    n_params = (summary.n_params if summary is not None
+                else sum(v.size for _, v in params) + sum(b.n * b.k for b in blocks))
     size_bytes = (summary.file_bytes if summary is not None
                   else sum(v.nbytes for _, v in params) + sum(b.nbytes for b in blocks))
     mx.eval(model.parameters())

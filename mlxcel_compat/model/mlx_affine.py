@@ -41,7 +41,6 @@ so the temporaries stay small next to the weight), on the engine thread at load.
 
 from __future__ import annotations
 
-import logging
 import sys
 from dataclasses import dataclass, field
 from math import gcd
@@ -52,8 +51,6 @@ from gguf import GGMLQuantizationType as T
 
 from mlxcel_compat.model import block_layers
 from mlxcel_compat.model.block_weight import BlockLibrary, BlockWeight, row_bytes
-
-log = logging.getLogger(__name__)
 
 AFFINE = "affine"
 BLOCK = 32  # values per ggml block (Q4_1, Q8_0)
