@@ -110,17 +110,32 @@ class BlockEmbedding(nn.Module):
         return f"{self.block.n}, {self.block.k}, type={self.block.ggml_type}"
 
 
-def install(model: Any, path: str, weight: BlockWeight) -> Any:
-    """Replace the ``nn.Linear`` or ``nn.Embedding`` at ``path`` (``model.layers.0.mlp.up_proj``)
-    with its block form over ``weight``; a linear layer's bias stays (loaded later by name)."""
+def _parent(model: Any, path: str) -> tuple[Any, str]:
     *parents, last = path.split(".")
     parent = model
     for part in parents:
         parent = parent[int(part)] if isinstance(parent, list) else getattr(parent, part)
-    old = parent[int(last)] if isinstance(parent, list) else getattr(parent, last)
-    if isinstance(old, nn.Embedding):
+    return parent, last
+
+
+def module_at(model: Any, path: str) -> Any:
+    """The module at ``path`` (``model.layers.0.mlp.up_proj``, as ``named_modules`` names it)."""
+    parent, last = _parent(model, path)
+    return parent[int(last)] if isinstance(parent, list) else getattr(parent, last)
+
+
+def install(model: Any, path: str, weight: BlockWeight) -> Any:
+    """Replace the linear layer or embedding at ``path`` (``model.layers.0.mlp.up_proj``) with its
+    block form over ``weight``; a linear layer's bias stays (loaded later by name, or kept).
+
+    The layer may be float (``nn.Linear`` / ``nn.Embedding``: a GGUF's, whose weight is never
+    loaded) or MLX-quantized (``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding``: a quantized
+    directory's, whose weight ``weight`` is repacked from, ``mlx_affine.py``)."""
+    parent, last = _parent(model, path)
+    old = module_at(model, path)
+    if isinstance(old, (nn.Embedding, nn.QuantizedEmbedding)):
         new: nn.Module = BlockEmbedding(weight)
-    elif isinstance(old, nn.Linear):
+    elif isinstance(old, (nn.Linear, nn.QuantizedLinear)):
         new = BlockLinear(weight, old.bias if "bias" in old else None, head=path.endswith("lm_head"))
     else:
         raise TypeError(f"{path} is a {type(old).__name__}, not a linear layer or an embedding")
@@ -141,4 +156,4 @@ def holds_blocks(module: Any) -> bool:
     return any(isinstance(m, (BlockLinear, BlockEmbedding)) for _, m in module.named_modules())
 
 
-__all__ = ["BlockEmbedding", "BlockLinear", "block_weight_of", "holds_blocks", "install", "logits_unused"]
+__all__ = ["BlockEmbedding", "BlockLinear", "block_weight_of", "holds_blocks", "install", "logits_unused", "module_at"]

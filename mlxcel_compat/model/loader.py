@@ -10,7 +10,9 @@ can act on (the hub is often unreachable on servers):
   MLX repository.
 
 On the CPU backend the weights end up in float32, because float16 and bfloat16 matmuls (and
-quantized ones) are ~40x slower there.
+quantized ones) are ~40x slower there, except quantized weights: a GGUF's stay in the file's
+blocks and an MLX quantized directory's affine weights are repacked into the same blocks
+(``mlx_affine.py``), both multiplied by ggml's kernels.
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ class _ProgressLog:
 _SAMPLE = 1 << 20  # bytes read from each end of a weight file's data
 
 
-def model_fingerprint(path: Path, gguf: Any = None) -> str:
+def model_fingerprint(path: Path, gguf: Any = None, kept: dict[str, Any] | None = None) -> str:
     """A 64-hex identity of the weights, config and tokenizer, for state saved to disk.
 
     KV state is only valid for the exact weights that computed it, and token ids only for the
@@ -142,7 +144,9 @@ def model_fingerprint(path: Path, gguf: Any = None) -> str:
     with the same shapes changes those bytes), with ``config.json``, ``tokenizer.json`` and
     ``tokenizer.model`` hashed whole; each part of a GGUF model its first 16 MiB (metadata with the
     vocabulary, tensor table, first tensors) and last MiB, plus how its weights are kept in memory
-    (``gguf``: the load summary's precision and compute dtype), which changes the computed KV too.
+    (``gguf``: the load summary's precision and compute dtype), which changes the computed KV too;
+    likewise ``kept`` for a quantized directory whose weights were repacked into ggml's blocks
+    (``AffineLoad.fingerprint``): KV computed by ggml's kernels is not MLX's quantized matmul's.
     """
     from blake3 import blake3
 
@@ -177,7 +181,35 @@ def model_fingerprint(path: Path, gguf: Any = None) -> str:
             h.update(f.read(_SAMPLE))
             f.seek(max(data_start, size - _SAMPLE))
             h.update(f.read(_SAMPLE))
+    if kept is not None:
+        h.update(json.dumps(kept, sort_keys=True).encode())
     return h.hexdigest()
+
+
+def _log_affine(affine: Any, weight_bytes: int, directory_bytes: int) -> None:
+    """The GGUF path's lines for a quantized directory: which kernel serves each kind of
+    tensor, how many bytes it takes, and which tensors could not be kept in blocks and why."""
+    for label, count in sorted(affine.precision.items()):
+        log.info("- %s: %d tensors, %.1f MiB, computed by %s (from MLX %s)", label, count,
+                 affine.weight_bytes[label] / 2**20, affine.kernels[label], "; ".join(sorted(affine.sources[label])))
+    for why, paths in affine.expanded.items():
+        log.warning("quantized weights expanded to float32 (4 bytes a weight), %d tensors: %s (%s)", len(paths), why,
+                    ", ".join(paths[:4]) + (", ..." if len(paths) > 4 else ""))
+    for kind, paths in affine.kept.items():
+        log.warning("%d %s modules stay MLX-quantized (MLX's quantized matmul, ~40x slower than float32 here)",
+                    len(paths), kind)
+    if affine.inexact:
+        log.info("%d Q8_0 tensors have group biases rounded once in float32 (not bit-exact)", affine.inexact)
+    log.info("weights take %.1f MiB (the directory's tensors: %.1f MiB)", weight_bytes / 2**20,
+             directory_bytes / 2**20)
+
+
+def _block_weights(model: Any) -> list[Any]:
+    """Every distinct block weight the model holds (a tied head shares the embedding's)."""
+    from mlxcel_compat.model.block_layers import block_weight_of
+
+    found = {id(w): w for _, m in model.named_modules() if (w := block_weight_of(m)) is not None}
+    return list(found.values())
 
 
 def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: str | None = None) -> LoadedModel:
@@ -190,7 +222,9 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
     from mlx.utils import tree_flatten
 
     path = resolve_model_path(model_arg, offline=offline)
+    on_cpu = mx.default_device() == mx.cpu
     summary = None
+    affine = None  # mlx_affine.AffineLoad for a quantized directory on the CPU
     if path.is_file():
         from mlxcel_compat.model.gguf_load import load_gguf
 
@@ -199,19 +233,33 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
     else:
         from mlx_lm.utils import load
 
-        model, tokenizer, config = load(str(path), return_config=True)
-    if mx.default_device() == mx.cpu:
+        raw = read_config(path)
+        quantized = on_cpu and ("quantization" in raw or "quantization_config" in raw)
+        # A quantized directory is read lazily: each layer is evaluated, repacked and dropped in
+        # turn (mlx_affine.serve), so its MLX copy and its blocks are never all in memory.
+        model, tokenizer, config = load(str(path), return_config=True, lazy=quantized)
+        if on_cpu and config.get("quantization") is not None:
+            affine = _serve_affine(model)
+    if on_cpu:
         from mlxcel_compat.model import attention, cpu_fusion
 
-        # Quantized (integer) weights stay as they are; only half-precision floats are widened.
+        # Block weights are not parameters; quantized (integer) weights left to MLX stay as they
+        # are; only half-precision floats are widened.
         model.set_dtype(mx.float32, predicate=lambda dt: dt in (mx.float16, mx.bfloat16))
         attention.install()  # the model's module is imported now: switch its attention
         fused = cpu_fusion.install(model)
         log.debug("CPU fusion: %s", fused)
-    decoder = _cpu_decoder(model) if mx.default_device() == mx.cpu else None
     params = tree_flatten(model.parameters())
-    n_params = summary.n_params if summary is not None else sum(v.size for _, v in params)
-    size_bytes = summary.file_bytes if summary is not None else sum(v.nbytes for _, v in params)
+    blocks = _block_weights(model)
+    if affine is not None:
+        directory_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        _log_affine(affine, sum(v.nbytes for _, v in params) + sum(b.nbytes for b in blocks), directory_bytes)
+    decoder = _cpu_decoder(model) if on_cpu else None
+    # Block weights (not MLX parameters) count as their n x k values and their bytes in memory.
+    n_params = (summary.n_params if summary is not None
+                else sum(v.size for _, v in params) + sum(b.n * b.k for b in blocks))
+    size_bytes = (summary.file_bytes if summary is not None
+                  else sum(v.nbytes for _, v in params) + sum(b.nbytes for b in blocks))
     mx.eval(model.parameters())
     return LoadedModel(
         model=model,
@@ -223,9 +271,25 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
         n_params=n_params,
         size_bytes=size_bytes,
         gguf=summary,
-        fingerprint=model_fingerprint(path, summary),
+        fingerprint=model_fingerprint(path, summary, affine.fingerprint if affine is not None else None),
         decoder=decoder,
     )
+
+
+def _serve_affine(model: Any) -> Any:
+    """Repack the quantized directory's MLX affine weights into ggml's blocks (``mlx_affine``);
+    None, and MLX's quantized layers kept, when ggml's kernels are not available."""
+    from mlxcel_compat.model import block_weight, mlx_affine
+
+    lib = block_weight.library()
+    if isinstance(lib, str):
+        log.warning("quantized weights stay MLX-quantized (its quantized matmul, ~40x slower than float32 here): "
+                    "ggml's kernels are not available: %s", lib)
+        return None
+    affine = mlx_affine.serve(model, lib)
+    log.info("MLX quantized weights on the CPU: %d tensors repacked into ggml blocks, %d expanded to float32",
+             sum(n for label, n in affine.precision.items() if label != "float32"), affine.precision.get("float32", 0))
+    return affine
 
 
 def _cpu_decoder(model: Any) -> Any:

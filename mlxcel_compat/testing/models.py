@@ -10,10 +10,14 @@ Command line (a stable contract for scripts)::
 
     python -m mlxcel_compat.testing.models --family llama --size tiny --out DIR
     python -m mlxcel_compat.testing.models --family F --size S --format gguf [--gguf-type TYPE] --out FILE.gguf
+    python -m mlxcel_compat.testing.models --family F --quantize 4|8 [--q-group-size 32|64|128] --out DIR
     python -m mlxcel_compat.testing.models --list
 
 A GGUF is written from the same weights, tokenizer and chat template as the directory, with
-llama.cpp's converter conventions (``gguf_writer.py``).
+llama.cpp's converter conventions (``gguf_writer.py``). A quantized directory (``--quantize``,
+:class:`Quantization`) is what ``mlx_lm.convert -q`` makes of the directory: mlx-lm's own
+conversion (cast to bfloat16, as from a bfloat16 checkpoint, then ``quantize_model``) and save
+path, so tests load a real mlx-community-style directory offline.
 """
 
 from __future__ import annotations
@@ -392,8 +396,9 @@ def is_complete(directory: str | Path) -> bool:
         return False
 
 
-def build_model(family: str, size: str, out_dir: str | Path) -> Path:
-    """Build the (family, size) model into ``out_dir`` and return its path.
+def build_model(family: str, size: str, out_dir: str | Path, quantization: Quantization | None = None) -> Path:
+    """Build the (family, size) model into ``out_dir`` and return its path; ``quantization``:
+    its MLX quantized conversion instead (the float directory is built in the default cache).
 
     The files are written into a temporary directory beside ``out_dir`` and
     renamed into place, so readers never see a half-written model. An existing
@@ -407,7 +412,10 @@ def build_model(family: str, size: str, out_dir: str | Path) -> Path:
         raise FileExistsError(f"{out_dir} exists and is not a model built by this tool")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        _write_model_files(family, size, tmp)
+        if quantization is not None:
+            _write_quantized_files(family, size, tmp, quantization, None)
+        else:
+            _write_model_files(family, size, tmp)
         if out_dir.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
             os.replace(out_dir, old / "model")
@@ -421,6 +429,61 @@ def build_model(family: str, size: str, out_dir: str | Path) -> Path:
     return out_dir
 
 
+@dataclass(frozen=True)
+class Quantization:
+    """How ``mlx_lm.convert -q`` quantizes a factory directory: ``--q-bits``, ``--q-group-size``,
+    ``--q-mode`` and ``--dtype`` (the float dtype the weights are cast to first, which is the
+    dtype of the scales and biases: bfloat16, as for most mlx-community directories)."""
+
+    bits: int = 4
+    group_size: int = 64
+    mode: str = "affine"
+    dtype: str = "bfloat16"
+
+    @property
+    def suffix(self) -> str:
+        """The cache directory's suffix, e.g. ``q4-g64`` (mode and dtype only when not the default)."""
+        parts = [f"q{self.bits}", f"g{self.group_size}"]
+        if self.mode != "affine":
+            parts.append(self.mode)
+        if self.dtype != "bfloat16":
+            parts.append(self.dtype)
+        return "-".join(parts)
+
+
+def _write_quantized_files(family: str, size: str, directory: Path, quantization: Quantization,
+                           cache_dir: str | Path | None) -> None:
+    """Write the quantized conversion of the (family, size) directory into ``directory``."""
+    import contextlib
+    import io
+
+    from mlx_lm.convert import convert
+
+    source = ensure_model(family, size, cache_dir)
+    staging = directory / "convert"
+    with contextlib.redirect_stdout(io.StringIO()):  # convert prints its progress
+        convert(str(source), str(staging), quantize=True, q_group_size=quantization.group_size,
+                q_bits=quantization.bits, q_mode=quantization.mode, dtype=quantization.dtype)
+    for path in staging.iterdir():
+        os.replace(path, directory / path.name)
+    staging.rmdir()
+    config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    if "quantization" not in config:
+        raise RuntimeError(f"mlx_lm.convert quantized nothing of {family}-{size} with {quantization}")
+    files = {}
+    for path in sorted(directory.iterdir()):
+        files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    manifest = {
+        "family": family,
+        "size": size,
+        "format_version": FORMAT_VERSION,
+        "quantization": {"bits": quantization.bits, "group_size": quantization.group_size,
+                         "mode": quantization.mode, "dtype": quantization.dtype},
+        "files": files,
+    }
+    (directory / MANIFEST_NAME).write_text(_json_text(manifest), encoding="utf-8")
+
+
 def default_cache_dir() -> Path:
     """``$MLXCEL_CACHE_DIR`` if set, else ``~/.cache/mlxcel_compat/models``."""
     env = os.environ.get("MLXCEL_CACHE_DIR")
@@ -430,8 +493,9 @@ def default_cache_dir() -> Path:
 
 
 def ensure_model(family: str = "llama", size: str = "tiny",
-                 cache_dir: str | Path | None = None) -> Path:
-    """Return ``<cache_dir>/<family>-<size>-v<N>``, building it on first use.
+                 cache_dir: str | Path | None = None, quantization: Quantization | None = None) -> Path:
+    """Return ``<cache_dir>/<family>-<size>-v<N>``, building it on first use; with
+    ``quantization``, ``<family>-<size>-v<N>-<suffix>``: its MLX quantized conversion.
 
     Safe with concurrent callers: each builds into its own temporary directory
     and renames it into place; a loser of the race discards its copy and uses
@@ -439,7 +503,8 @@ def ensure_model(family: str = "llama", size: str = "tiny",
     """
     _check(family, size)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    target = root.absolute() / f"{family}-{size}-v{FORMAT_VERSION}"
+    name = f"{family}-{size}-v{FORMAT_VERSION}" + (f"-{quantization.suffix}" if quantization is not None else "")
+    target = root.absolute() / name
     if is_complete(target):
         return target
     root.mkdir(parents=True, exist_ok=True)
@@ -453,7 +518,10 @@ def ensure_model(family: str = "llama", size: str = "tiny",
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        _write_model_files(family, size, tmp)
+        if quantization is not None:
+            _write_quantized_files(family, size, tmp, quantization, root)
+        else:
+            _write_model_files(family, size, tmp)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -499,6 +567,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf-type", default="f32",
                         help="matrix type of a GGUF (default f32): f32, f16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, "
                              "q3_k, q4_k, q5_k, q6_k, or llama-quantize's q4_k_m / q5_k_m mixes")
+    parser.add_argument("--quantize", type=int, metavar="BITS",
+                        help="write the directory's MLX quantized conversion (mlx_lm.convert -q) with BITS-bit "
+                             "integers: 4 or 8 (also 2, 3, 5, 6)")
+    parser.add_argument("--q-group-size", type=int, default=64, help="quantization group size: 32, 64 or 128 "
+                        "(default 64)")
+    parser.add_argument("--q-mode", default="affine", help="quantization mode (default affine; mlx-lm also "
+                        "has mxfp4, nvfp4, mxfp8)")
+    parser.add_argument("--q-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="float dtype of the quantized directory, and of its scales (default bfloat16)")
     args = parser.parse_args(argv)
 
     if args.list:
@@ -521,8 +598,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print("\n".join(str(p) for p in paths))
         return 0
+    quantization = None
+    if args.quantize is not None:
+        if args.format != "hf":
+            parser.error("--quantize writes a directory (--format hf)")
+        quantization = Quantization(args.quantize, args.q_group_size, args.q_mode, args.q_dtype)
     try:
-        path = build_model(args.family, args.size, args.out)
+        path = build_model(args.family, args.size, args.out, quantization)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except FileExistsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
