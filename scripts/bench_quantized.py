@@ -174,6 +174,7 @@ def _make_atomically(target: Path, build: Callable[[Path], None]) -> Path:
         print(f"making {target} ...", flush=True)
         t0 = time.monotonic()
         build(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp made it private
         os.replace(tmp, target)
         print(f"  made in {time.monotonic() - t0:.1f} s ({target.stat().st_size / MIB:.0f} MiB)", flush=True)
     finally:
