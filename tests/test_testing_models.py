@@ -390,3 +390,85 @@ def test_large_tokenizer_grows_a_valid_bpe_deterministically() -> None:
     split = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True).pre_tokenize_str
     texts = [byte_level_bytes(piece).decode("utf-8") for piece in grown]  # raises on a broken character
     assert all([p for p, _ in split(t)] == [piece] for t, piece in zip(texts, grown))
+
+
+# --- random-block GGUF files (write_random_gguf) ----------------------------------------------
+
+RANDOM_DIMS = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=64, intermediate_size=512)
+
+
+@pytest.mark.parametrize(("gguf_type", "dims"), [
+    ("q4_k_m", RANDOM_DIMS),
+    # intermediate 320: ffn_down's rows are not whole 256-value blocks (Q4_K -> Q5_0, Q6_K -> Q8_0)
+    ("q4_k_m", {**RANDOM_DIMS, "intermediate_size": 320}),
+    ("q8_0", RANDOM_DIMS),
+    ("q4_1", RANDOM_DIMS),
+])
+def test_random_gguf_has_the_mix_and_loads(gguf_type: str, dims: dict, tmp_path: Path) -> None:
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    from mlxcel_compat.model import block_weight
+    from mlxcel_compat.model.gguf import open_gguf, read_tensor
+    from mlxcel_compat.model.gguf_load import load_gguf
+    from mlxcel_compat.model.gguf_quants import type_name
+    from mlxcel_compat.testing import gguf_writer
+
+    from tests.conftest import tiny_model
+
+    source = tiny_model("llama")
+    path = gguf_writer.write_random_gguf(tmp_path / "r.gguf", "llama", dims, gguf_type, seed=7, model_dir=source)
+    again = gguf_writer.write_random_gguf(tmp_path / "again.gguf", "llama", dims, gguf_type, seed=7, model_dir=source)
+    assert path.read_bytes() == again.read_bytes()  # the bytes depend only on the arguments
+    file = open_gguf(path)
+    n_layers = dims["num_hidden_layers"]
+    assert file.arch_value("embedding_length") == dims["hidden_size"]
+    assert file.arch_value("feed_forward_length") == dims["intermediate_size"]
+    assert file.arch_value("block_count") == n_layers
+    assert len(file.metadata["tokenizer.ggml.tokens"]) == tok.VOCAB_SIZE
+    expected = {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{i}.{t}.weight" for i in range(n_layers)
+        for t in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+                  "ffn_down")}
+    assert set(file.tensors) == expected
+    for name, info in file.tensors.items():
+        kind = type_name(info.ggml_type).lower()
+        if name.endswith("norm.weight"):
+            assert kind == "f32"
+            continue
+        want = gguf_writer.tensor_type(name, gguf_type, n_layers)
+        if info.shape[-1] % 256 and want in ("q4_k", "q6_k"):
+            want = {"q4_k": "q5_0", "q6_k": "q8_0"}[want]
+        assert kind == want, name
+        assert kind == gguf_writer.stored_type(name, info.shape, gguf_type, n_layers)
+        values = quants.dequantize(read_tensor(info), GGMLQuantizationType(info.ggml_type))
+        assert values.size == info.n_values and np.all(np.isfinite(values)), name
+        # scaled like the factory's weights: mean about 0, std 1/sqrt(fan_in)
+        std = 1 / np.sqrt(info.shape[-1])
+        assert abs(values.mean()) < 0.1 * std and 0.8 * std < values.std() < 1.25 * std, name
+    if gguf_type == "q4_k_m":
+        kinds = {n: type_name(i.ggml_type).lower() for n, i in file.tensors.items()}
+        assert kinds["output.weight"] == "q6_k" and kinds["token_embd.weight"] == "q4_k"
+        more = [i for i in range(n_layers) if gguf_writer.use_more_bits(i, n_layers)]
+        assert 0 < len(more) < n_layers
+
+    model, tokenizer, config, summary = load_gguf(str(path), on_cpu=True)
+    if not isinstance(block_weight.library(), str):  # served from the file's blocks, every matrix
+        assert sum(n for label, n in summary.precision.items() if label.startswith("blocks")) == len(expected) - (
+            2 * n_layers + 1)
+    assert config["hidden_size"] == dims["hidden_size"] and config["num_hidden_layers"] == n_layers
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    logits = model(mx.array([ids]), cache=make_prompt_cache(model))
+    assert logits.shape == (1, len(ids), tok.VOCAB_SIZE)
+    assert mx.all(mx.isfinite(logits)).item()
+    assert 0.1 < logits[0, -1].std().item() < 10.0
+
+
+def test_random_gguf_rejects_unknown_types(tmp_path: Path) -> None:
+    from mlxcel_compat.testing import gguf_writer
+
+    with pytest.raises(ValueError, match="unknown GGUF type"):
+        gguf_writer.write_random_gguf(tmp_path / "x.gguf", "llama", RANDOM_DIMS, "q7_k")
+    with pytest.raises(ValueError, match="no GGUF writer"):
+        gguf_writer.write_random_gguf(tmp_path / "x.gguf", "qwen3_next", RANDOM_DIMS, "q8_0")
