@@ -20,8 +20,10 @@
  * scalar tail), so a row of a batched product is bit-identical to the same row computed alone.
  *
  * The library also carries the kernels of the CPU decode runtime (mlxcel_compat/model/cpu_decode.py,
- * at the end of this file): RMS norm, RoPE, SiLU gating and a decode step's attention, which run
- * decode steps (one sequence or a batch) between calls to the kernel above, on the same thread pool.
+ * at the end of this file): RMS norms (Gemma's on a residual branch too), RoPE, SiLU and GELU-tanh
+ * gating and a decode step's attention (over a growing cache or a sliding window's ring), which
+ * run decode steps (one sequence or a batch) between calls to the kernel above, on the same thread
+ * pool.
  *
  * No dependency but libc and pthreads; compiled for the machine it runs on (-march=native).
  */
@@ -533,15 +535,29 @@ static inline float exp2s(float x) {
 
 /* out[r, :] = x[r, :] / sqrt(mean(x[r, :] ** 2) + eps) * w for `rows` rows of n (RMSNorm; per head
  * for a model's query and key norms). out may be x. */
+static inline float rms_scale(const float *x, int n, float eps) {
+    vf acc = {0};
+    int i = 0;
+    for (; i + VL <= n; i += VL) acc += loadv(x + i) * loadv(x + i);
+    float ss = hsum(acc);
+    for (; i < n; i++) ss += x[i] * x[i];
+    return 1.0f / __builtin_sqrtf(ss / (float)n + eps);
+}
+
 void mlxcel_rms_norm(const float *x, const float *w, float *out, int rows, int n, float eps) {
     for (int r = 0; r < rows; r++, x += n, out += n) {
-        vf acc = {0};
-        int i = 0;
-        for (; i + VL <= n; i += VL) acc += loadv(x + i) * loadv(x + i);
-        float ss = hsum(acc);
-        for (; i < n; i++) ss += x[i] * x[i];
-        float scale = 1.0f / __builtin_sqrtf(ss / (float)n + eps);
-        for (i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
+        float scale = rms_scale(x, n, eps);
+        for (int i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
+    }
+}
+
+/* x[r, :] += RMSNorm(b[r, :]) * w for `rows` rows of n: Gemma's norm of a branch's output (the
+ * attention's, the MLP's) before it joins the residual stream, in one pass instead of a norm into
+ * a buffer and a sum. */
+void mlxcel_rms_norm_add(const float *b, const float *w, float *x, int rows, int n, float eps) {
+    for (int r = 0; r < rows; r++, b += n, x += n) {
+        float scale = rms_scale(b, n, eps);
+        for (int i = 0; i < n; i++) x[i] += b[i] * scale * w[i];
     }
 }
 
@@ -572,6 +588,26 @@ void mlxcel_swiglu(float *gate, const float *up, int n) {
     for (; i < n; i++) gate[i] = gate[i] * up[i] / (1.0f + exp2s(gate[i] * m));
 }
 
+/* gate = gelu_tanh(gate) * up in place, gelu_tanh(x) = 0.5 x (1 + tanh(u)) with
+ * u = sqrt(2 / pi) (x + 0.044715 x^3) (mlx's nn.gelu_approx, Gemma's "gelu_pytorch_tanh"),
+ * computed as x / (1 + e^(-2u)), the same value (0.5 (1 + tanh u) = 1 / (1 + e^(-2u))), with the
+ * power of 2 of the gating kernel above: no tanh, and no cancellation in 1 + tanh(u) where tanh is
+ * near -1 (mlx's form rounds there to a multiple of 2^-24, which this one does not). */
+void mlxcel_gelu_tanh_gate(float *gate, const float *up, int n) {
+    const float c = 0.7978845608028654f * -2.0f * 1.4426950408889634f; /* -2 sqrt(2 / pi) log2 e */
+    const float cubic = 0.044715f;
+    int i = 0;
+    for (; i + VL <= n; i += VL) {
+        vf x = loadv(gate + i);
+        vf r = x * loadv(up + i) / (splat(1.0f) + exp2v((x + splat(cubic) * x * x * x) * splat(c)));
+        memcpy(gate + i, &r, sizeof r);
+    }
+    for (; i < n; i++) {
+        float x = gate[i];
+        gate[i] = x * up[i] / (1.0f + exp2s((x + cubic * x * x * x) * c));
+    }
+}
+
 /* Weights below 2 ** NEGLIGIBLE of the largest (which is 1) are set to zero: the sum is at least
  * 1, so they are far below float32's resolution of it, and multiplying the values by them could
  * produce denormal numbers, which x86 cores handle in microcode, many times slower. (Not seen on
@@ -580,23 +616,24 @@ void mlxcel_swiglu(float *gate, const float *up, int n) {
 
 struct attention_job {
     const float *q;  /* (Hq, d) queries of one position */
-    const float *k_new, *v_new; /* (Hk, d) its key and value, written at position `pos` first */
+    const float *k_new, *v_new; /* (Hk, d) its key and value, written at slot `write` first */
     float *keys, *values; /* the layer's cache, (Hk, capacity, d) */
     float *out;           /* (Hq, d) */
-    int group, d, pos;    /* query heads per KV head; keys seen are [0, pos] */
+    int group, d;         /* query heads per KV head, head size */
+    int write, n;         /* the slot the new key and value go to; keys seen are slots [0, n) */
     size_t head_stride;   /* capacity * d */
     float scale;          /* the softmax scale times log2 e (the exponential is a power of 2) */
 };
 
 /* KV head h of a decode step: write the new key and value, then for its `group` query heads
- * softmax(q K^T scale) V over positions [0, pos]. The scores go in one pass over the keys (all
- * the group's queries per key row), the products by the values in one pass over the values. */
+ * softmax(q K^T scale) V over slots [0, n). The scores go in one pass over the keys (all the
+ * group's queries per key row), the products by the values in one pass over the values. */
 static void attend_head(const void *ctx, int h) {
     const struct attention_job *a = ctx;
-    int g = a->group, d = a->d, n = a->pos + 1;
+    int g = a->group, d = a->d, n = a->n;
     float *keys = a->keys + h * a->head_stride, *values = a->values + h * a->head_stride;
-    memcpy(keys + (size_t)a->pos * d, a->k_new + (size_t)h * d, d * sizeof(float));
-    memcpy(values + (size_t)a->pos * d, a->v_new + (size_t)h * d, d * sizeof(float));
+    memcpy(keys + (size_t)a->write * d, a->k_new + (size_t)h * d, d * sizeof(float));
+    memcpy(values + (size_t)a->write * d, a->v_new + (size_t)h * d, d * sizeof(float));
     float *q = malloc(((size_t)g * d + (size_t)g * n) * sizeof(float));
     if (!q) abort();
     float *scores = q + (size_t)g * d;
@@ -624,9 +661,24 @@ static void attend_head(const void *ctx, int h) {
     free(q);
 }
 
-/* A decode step's attention for every KV head of one layer, the heads spread over the pool. */
+/* A decode step's attention for every KV head of one layer, the heads spread over the pool: the
+ * new key and value written at slot `write`, the queries attending slots [0, n) of the cache's
+ * `capacity`. A growing cache writes at its position and sees everything before it (write = pos,
+ * n = pos + 1); a sliding window's ring (mlx-lm's RotatingKVCache) writes over its oldest slot
+ * once full and sees every slot, in the ring's order (the softmax does not depend on it).
+ * Returns 0, or -1 (and touches nothing) if the slot or the length does not fit the capacity. */
+int mlxcel_decode_attention_at(const float *q, const float *k_new, const float *v_new, float *keys,
+                               float *values, float *out, int kv_heads, int group, int d, int write, int n,
+                               long capacity, float scale) {
+    if (write < 0 || write >= capacity || n < 1 || n > capacity) return -1;
+    struct attention_job a = {q, k_new, v_new, keys, values, out, group, d, write, n, (size_t)capacity * d, scale};
+    mlxcel_parallel(kv_heads, attend_head, &a);
+    return 0;
+}
+
+/* The growing cache's case of the above: write at `pos`, attend [0, pos] (the caller keeps
+ * pos < capacity). */
 void mlxcel_decode_attention(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
                              float *out, int kv_heads, int group, int d, int pos, long capacity, float scale) {
-    struct attention_job a = {q, k_new, v_new, keys, values, out, group, d, pos, (size_t)capacity * d, scale};
-    mlxcel_parallel(kv_heads, attend_head, &a);
+    mlxcel_decode_attention_at(q, k_new, v_new, keys, values, out, kv_heads, group, d, pos, pos + 1, capacity, scale);
 }

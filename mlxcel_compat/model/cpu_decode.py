@@ -6,29 +6,39 @@ exponential is a scalar loop. The weight matrix-vector products, which are the s
 already run at the machine's streaming speed in the BLAS shim's kernel (``blas_shim.c``); what
 kept the step at 1.6-1.8x that speed was everything around them. Here the same step is a short,
 fixed sequence of calls into the shim's library, made by the engine thread itself: per layer
-one RMS norm, the projections (the shim's matrix-vector kernel, residuals added by the kernel's
-``beta``), one RoPE call each for queries and keys, one attention call for every head (the new
-key and value written into the cache, a vectorized softmax, the heads spread over the shim's
-threads) and one SiLU-gating call. NumPy holds the buffers; nothing is allocated per step.
+one RMS norm, the projections (the shim's matrix-vector kernel, or ggml's ``vec_dot`` for a
+weight kept in a GGUF file's blocks; residuals added by the kernel's ``beta``), one RoPE call
+each for queries and keys, one attention call for every head (the new key and value written into
+the cache, a vectorized softmax, the heads spread over the shim's threads) and one gating call
+(SiLU, or Gemma's GELU with the tanh approximation). NumPy holds the buffers; nothing is
+allocated per step.
 
-The KV cache stays mlx-lm's ``KVCache``: the step writes the new position into the cache's own
-MLX buffers (NumPy views of them) and advances ``offset``, so prefill, batching, the prompt
-cache and slot files see the cache exactly as MLX's step would have left it. MLX arrays are
-immutable to everything else, so the step writes only into buffers it made itself for this
-sequence (:class:`OwnedCache`): at its first step, and whenever someone else replaced a layer's
-arrays (a merged MLX batch, MLX's own step), it copies the layer into a fresh buffer first; the arrays
-others hold (prompt-cache entries, a sibling completion's prefix) are never written.
+The KV cache stays mlx-lm's (``KVCache``, and ``RotatingKVCache`` for a sliding-window layer):
+the step writes the new position into the cache's own MLX buffers (NumPy views of them) at the
+slot mlx-lm's own update would use, and advances ``offset`` (and a ring's ``_idx``), so prefill,
+batching, the prompt cache and slot files see the cache exactly as MLX's step would have left it.
+MLX arrays are immutable to everything else, so the step writes only into buffers it made itself
+for this sequence (:class:`OwnedCache`): at its first step, and whenever someone else replaced a
+layer's arrays (a merged MLX batch, MLX's own step), it copies the layer into a fresh buffer
+first; the arrays others hold (prompt-cache entries, a sibling completion's prefix) are never
+written.
 
 Several sequences decoding together (a batch) are stepped at once (:meth:`CpuDecoder.step_rows`),
 each on its own cache: the projections take every row in one pass over the weights.
 
-Which models: mlx-lm's ``llama`` (and ``mistral``, which mlx-lm runs as llama), ``qwen2`` and
-``qwen3`` modules with float32 weights, every layer a plain ``KVCache``. Anything else (quantized
-weights, other families, sliding windows) keeps MLX's step; :func:`build` says why.
+Which models: mlx-lm's ``llama`` (and ``mistral``, which mlx-lm runs as llama), ``qwen2``,
+``qwen3`` and ``gemma3_text`` modules, with float32 weights or weights in ggml's blocks
+(``block_layers.py``), every layer the cache mlx-lm's ``make_cache`` gives it. Gemma 3 brings
+the sliding-window layers (a ring of ``sliding_window`` positions, their own RoPE base), the
+GELU-gated MLP, four norms a layer plus per-head query and key norms (each ``1 + w``), the
+embedding scaled by ``sqrt(hidden)`` (rounded through bfloat16, as mlx-lm does) and
+``query_pre_attn_scalar``. Anything else (MLX-quantized weights, other families, a llama with
+sliding layers) keeps MLX's step; :func:`build` says why.
 
 Exactness: the logits match MLX's to float32 rounding (a different summation order and a
 polynomial ``2 ** x`` within 1e-7), tested per family against the MLX step, greedy tokens
-included (``tests/test_cpu_decode.py``).
+included (``tests/test_cpu_decode.py``). Block weights are multiplied by the same ggml kernels
+as MLX's step runs them (``BlockLinear``), so there too only the rest of the step differs.
 """
 
 from __future__ import annotations
@@ -46,7 +56,8 @@ from mlxcel_compat.model.block_layers import BlockEmbedding, BlockLinear, block_
 from mlxcel_compat.model.block_weight import BlockWeight
 
 LOG2E = 1.4426950408889634
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, sliding windows
 ANGLE_BLOCK = 256  # RoPE angles are computed by MLX for this many positions at a time
 ANGLE_BLOCKS_KEPT = 64  # blocks of angles kept (a batch's rows sit at different positions)
 
@@ -101,8 +112,12 @@ class _Layer:
     gate: _Linear
     up: _Linear
     down: _Linear
-    q_norm: _Norm | None  # qwen3's per-head norms
+    q_norm: _Norm | None  # qwen3's and gemma3's per-head norms
     k_norm: _Norm | None
+    attn_out: _Norm | None = None  # gemma3: the attention's output is normed before the residual sum
+    mlp_out: _Norm | None = None  # and the MLP's
+    sliding: bool = False  # gemma3: a sliding-window layer (its cache a RotatingKVCache ring)
+    rope: int = 0  # which of the decoder's RoPE modules (gemma3: sliding layers have their own base)
 
 
 @dataclass
@@ -112,6 +127,7 @@ class _Buffers:
 
     x: np.ndarray  # (rows, hidden): the residual stream
     h: np.ndarray  # (rows, hidden): normed
+    branch: np.ndarray  # (rows, hidden): gemma3's attention or MLP output, before its norm
     q: np.ndarray  # (rows, heads * head_dim)
     k_new: np.ndarray  # (rows, kv_heads * head_dim): the new keys
     v_new: np.ndarray  # and values
@@ -149,12 +165,15 @@ class _Kernels:
         self.sgemm = self._fn(lib.cblas_sgemm, [i, i, i, i, i, i, f, p, i, p, i, f, p, i])
         self.rms_norm = self._fn(lib.mlxcel_rms_norm, [p, p, p, i, i, f])
         self.rope = self._fn(lib.mlxcel_rope, [p, i, i, p, p, i])
+        self.rms_norm_add = self._fn(lib.mlxcel_rms_norm_add, [p, p, p, i, i, f])
         self.swiglu = self._fn(lib.mlxcel_swiglu, [p, p, i])
+        self.gelu_tanh_gate = self._fn(lib.mlxcel_gelu_tanh_gate, [p, p, i])
         self.attention = self._fn(lib.mlxcel_decode_attention, [p, p, p, p, p, p, i, i, i, i, L, f])
+        self.attention_at = self._fn(lib.mlxcel_decode_attention_at, [p, p, p, p, p, p, i, i, i, i, i, L, f], ctypes.c_int)
 
     @staticmethod
-    def _fn(fn: Any, argtypes: list[Any]) -> Any:
-        fn.restype = None
+    def _fn(fn: Any, argtypes: list[Any], restype: Any = None) -> Any:
+        fn.restype = restype
         fn.argtypes = argtypes
         return fn
 
@@ -165,6 +184,28 @@ def _head_dim(attn: Any) -> int:
     return rows // attn.n_heads
 
 
+def _gemma_norm() -> type:
+    """mlx-lm's Gemma RMS norm (it scales by ``1 + w``; nn.RMSNorm by ``w``)."""
+    from mlx_lm.models.gemma3_text import RMSNorm
+
+    return RMSNorm
+
+
+def _gemma_mlp() -> type:
+    """mlx-lm's Gemma 3 MLP: ``down(gelu_approx(gate(x)) * up(x))``."""
+    from mlx_lm.models.gemma3_text import MLP
+
+    return MLP
+
+
+def _head_module(model: Any) -> Any:
+    """The output projection's module: ``lm_head``, or the embedding when the head is tied
+    (mlx-lm drops ``lm_head`` then; gemma3 also says so by ``tie_word_embeddings``)."""
+    if getattr(model, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
+        return model.model.embed_tokens
+    return model.lm_head
+
+
 def unsupported(model: Any) -> str | None:
     """Why this model's decode steps stay in MLX, or None if :class:`CpuDecoder` runs them."""
     model_type = getattr(getattr(model, "args", None), "model_type", None)
@@ -172,26 +213,34 @@ def unsupported(model: Any) -> str | None:
         return f"model type {model_type!r} (supported: {', '.join(MODEL_TYPES)})"
     if any(type(m).__name__.startswith("Quantized") for _, m in model.named_modules()):
         return "quantized weights"
+    gemma = model_type in GEMMA_TYPES
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if not layers or not isinstance(getattr(inner, "embed_tokens", None), (nn.Embedding, BlockEmbedding)):
         return "unexpected module layout"
-    if getattr(model.args, "sliding_window", None) and any(t != "full_attention" for t in getattr(model.args, "layer_types", None) or ()):
+    if not gemma and getattr(model.args, "sliding_window", None) and any(
+            t != "full_attention" for t in getattr(model.args, "layer_types", None) or ()):
         return "sliding-window layers"
-    head = model.lm_head if hasattr(model, "lm_head") else inner.embed_tokens
+    norm_type = _gemma_norm() if gemma else nn.RMSNorm
+    norm_names = ("input_layernorm", "post_attention_layernorm")
+    if gemma:
+        norm_names += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+    head = _head_module(model)
     weights = [m.weight for m in (inner.embed_tokens, head) if block_weight_of(m) is None]
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if attn is None or mlp is None or not any(c.__name__ == "MLP" for c in type(mlp).__mro__):
             return "unexpected layer layout"
+        if gemma and not isinstance(mlp, _gemma_mlp()):
+            return "unexpected layer layout"
         projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         if not all(isinstance(m, (nn.Linear, BlockLinear)) for m in projections) or not hasattr(attn, "n_heads"):
             return "unexpected attention layout"
-        norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
-        norms += [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
-        if not all(isinstance(n, nn.RMSNorm) for n in norms):
-            return "norms other than RMSNorm"
+        norms = [getattr(layer, n, None) for n in norm_names]
+        norms += [getattr(attn, n, None) for n in ("q_norm", "k_norm") if gemma or hasattr(attn, n)]
+        if not all(isinstance(n, norm_type) for n in norms):
+            return "norms other than Gemma's RMSNorm" if gemma else "norms other than RMSNorm"
         if getattr(getattr(attn, "rope", None), "dims", None) != _head_dim(attn):
             return "partial or unknown rotary embedding"
         weights += [m.weight for m in projections if block_weight_of(m) is None]
@@ -216,6 +265,30 @@ def build(model: Any, shim: Any) -> "CpuDecoder | str":
     return CpuDecoder(model, kernels)
 
 
+def _ring_plan(c: Any) -> tuple[int, int, int] | None:
+    """What mlx-lm's ``RotatingKVCache._update_in_place`` does to the ring before it writes one
+    token: ``(capacity, first slot kept, _idx)`` after it grows the buffer (by at most its
+    ``step``, up to ``max_size``, with ``_idx`` set to ``offset``) or trims one that a prompt
+    left longer than ``max_size`` (to its newest ``max_size`` slots, ``_idx = max_size``), or
+    None for a state it could not write one token into (``keep`` other than 0, a slot outside
+    the buffer)."""
+    if c.keys is None or c.keep != 0:
+        return None
+    cap, prev, idx, size = c.keys.shape[2], c.offset, c._idx, c.max_size
+    start, capacity = 0, cap
+    if prev >= cap and cap < size:
+        grow = min(c.step, size - prev)
+        if grow <= 0:
+            return None
+        capacity, idx = cap + grow, prev
+    elif cap > size:
+        start, capacity, idx = cap - size, size, size
+    write = 0 if idx == size else idx  # the ring wraps to its first slot (keep = 0)
+    if not 0 <= write < capacity:
+        return None
+    return capacity, start, idx
+
+
 class CpuDecoder:
     """Decode steps of one sequence or several, for a model :func:`unsupported` accepts.
 
@@ -227,18 +300,31 @@ class CpuDecoder:
         inner = model.model
         mx.eval(model.parameters())
         attn0 = inner.layers[0].self_attn
+        self.gemma = model.args.model_type in GEMMA_TYPES
         self.n_heads, self.n_kv_heads = attn0.n_heads, attn0.n_kv_heads
         self.head_dim = _head_dim(attn0)
         self.scale = float(attn0.scale) * LOG2E
-        self.rope = attn0.rope
-        self.traditional = bool(getattr(self.rope, "traditional", False))
+        # RoPE modules by layer kind: mlx-lm builds every layer of a kind from the same arguments
+        # (gemma3: sliding layers with rope_local_base_freq, the others with rope_theta and its
+        # scaling), so one module per kind gives every layer's angles.
+        kinds = [bool(getattr(layer.self_attn, "is_sliding", False)) for layer in inner.layers]
+        firsts = {kind: i for i, kind in reversed(list(enumerate(kinds)))}
+        order = sorted(firsts, key=firsts.get)
+        self.ropes = [inner.layers[firsts[kind]].self_attn.rope for kind in order]
+        self.traditional = [bool(getattr(rope, "traditional", False)) for rope in self.ropes]
         self.embed = block_weight_of(inner.embed_tokens) or _f32(inner.embed_tokens.weight)
+        # gemma3 scales the embedding by sqrt(hidden) rounded to bfloat16 (its own expression)
+        hidden = self.embed.shape[1]
+        self.embed_scale = np.float32(mx.array(hidden ** 0.5, mx.bfloat16).astype(mx.float32).item()) if self.gemma else None
+        self.window = int(model.args.sliding_window) if self.gemma else None
         self.norm = self._norm(inner.norm)
-        head = model.lm_head if hasattr(model, "lm_head") else inner.embed_tokens
+        head = _head_module(model)
         self.head = _Linear(block_weight_of(head) or _f32(head.weight), None)
-        self.layers = [self._layer(layer) for layer in inner.layers]
+        self.layers = [self._layer(layer, order.index(kind)) for layer, kind in zip(inner.layers, kinds)]
+        self._rings = [i for i, layer in enumerate(self.layers) if layer.sliding]  # RotatingKVCache layers
+        self._plain = [i for i, layer in enumerate(self.layers) if not layer.sliding]  # KVCache layers
         self._buffers: dict[int, _Buffers] = {}  # by row count
-        self._angle_blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # first position -> (cos, sin)
+        self._angle_blocks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (kind, first position) -> (cos, sin)
         self.steps = 0  # steps run so far (tests and benchmarks check that it ran)
 
     @staticmethod
@@ -248,30 +334,44 @@ class CpuDecoder:
 
     @staticmethod
     def _norm(module: Any) -> _Norm | None:
-        return _Norm(_f32(module.weight), float(module.eps)) if module is not None else None
+        """The norm's gain as the model applies it: ``w``, or Gemma's ``1 + w`` (computed by MLX
+        in float32, as the module computes it on every call)."""
+        if module is None:
+            return None
+        gain = 1.0 + module.weight if isinstance(module, _gemma_norm()) else module.weight
+        return _Norm(_f32(gain), float(module.eps))
 
-    def _layer(self, layer: Any) -> _Layer:
+    def _layer(self, layer: Any, rope: int) -> _Layer:
         a, m, lin, norm = layer.self_attn, layer.mlp, self._linear, self._norm
-        return _Layer(
-            n1=norm(layer.input_layernorm), n2=norm(layer.post_attention_layernorm),
-            q=lin(a.q_proj), k=lin(a.k_proj), v=lin(a.v_proj), o=lin(a.o_proj),
-            gate=lin(m.gate_proj), up=lin(m.up_proj), down=lin(m.down_proj),
-            q_norm=norm(getattr(a, "q_norm", None)), k_norm=norm(getattr(a, "k_norm", None)),
-        )
+        common = dict(q=lin(a.q_proj), k=lin(a.k_proj), v=lin(a.v_proj), o=lin(a.o_proj),
+                      gate=lin(m.gate_proj), up=lin(m.up_proj), down=lin(m.down_proj),
+                      q_norm=norm(getattr(a, "q_norm", None)), k_norm=norm(getattr(a, "k_norm", None)), rope=rope)
+        if self.gemma:  # post_attention_layernorm norms the attention's output; pre_feedforward the MLP's input
+            return _Layer(n1=norm(layer.input_layernorm), n2=norm(layer.pre_feedforward_layernorm),
+                          attn_out=norm(layer.post_attention_layernorm), mlp_out=norm(layer.post_feedforward_layernorm),
+                          sliding=bool(a.is_sliding), **common)
+        return _Layer(n1=norm(layer.input_layernorm), n2=norm(layer.post_attention_layernorm), **common)
 
     # ------------------------------------------------------------------ eligibility
 
-    @staticmethod
-    def can_run(cache: list[Any], owned: OwnedCache) -> bool:
-        """Whether ``cache`` is one sequence's plain float32 KV cache: the buffers this decoder
-        made for it (the common case, checked by identity), or mlx-lm ``KVCache`` layers holding
-        one row of float32 keys and values."""
-        from mlx_lm.models.cache import KVCache
+    def can_run(self, cache: list[Any], owned: OwnedCache) -> bool:
+        """Whether ``cache`` is one sequence's float32 KV cache, each layer what mlx-lm's
+        ``make_cache`` gives it: the buffers this decoder made for it (the common case, checked
+        by identity), or mlx-lm ``KVCache`` layers (``RotatingKVCache`` rings of the model's
+        window for sliding layers) holding one row of float32 keys and values. A ring must be in
+        a state mlx-lm's update can write one token into (:func:`_ring_plan`)."""
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-        return owned.holds(cache) or all(
-            type(c) is KVCache and c.keys is not None and c.keys.ndim == 4 and c.keys.shape[0] == 1
-            and c.keys.dtype == mx.float32 and c.values.dtype == mx.float32 for c in cache
-        )
+        if len(cache) != len(self.layers):
+            return False
+        if not owned.holds(cache) and not all(
+            type(c) is (RotatingKVCache if layer.sliding else KVCache)
+            and c.keys is not None and c.keys.ndim == 4 and c.keys.shape[0] == 1
+            and c.keys.dtype == mx.float32 and c.values.dtype == mx.float32
+            for c, layer in zip(cache, self.layers)
+        ):
+            return False
+        return all(cache[i].max_size == self.window and _ring_plan(cache[i]) is not None for i in self._rings)
 
     # ------------------------------------------------------------------ the step
 
@@ -294,17 +394,19 @@ class CpuDecoder:
         rows = len(tokens)
         positions = [cache[0].offset for cache in caches]
         views = [self._own(cache, o, pos) for cache, o, pos in zip(caches, owned, positions)]
-        if len(self._angle_blocks) > ANGLE_BLOCKS_KEPT:
+        if len(self._angle_blocks) > ANGLE_BLOCKS_KEPT * len(self.ropes):
             self._angle_blocks.clear()  # between steps: no address handed out below is freed
-        angles = [self._angle_row(pos) for pos in positions]
+        angles = [[self._angle_row(pos, kind) for kind in range(len(self.ropes))] for pos in positions]
         b = self._buffers_for(rows)
-        k, p, mv, trad = self.k, b.ptr, self._mv, self.traditional
+        k, p, mv, trads = self.k, b.ptr, self._mv, self.traditional
         hq, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
         group, hidden = hq // hk, b.x.shape[1]
         if isinstance(self.embed, BlockWeight):
             self.embed.take(tokens, out=b.x)
         else:
             np.take(self.embed, tokens, axis=0, out=b.x)
+        if self.embed_scale is not None:
+            b.x *= self.embed_scale
         for i, layer in enumerate(self.layers):
             k.rms_norm(p["x"], layer.n1.ptr, p["h"], rows, hidden, layer.n1.eps)
             mv(layer.q, b, "h", "q")
@@ -313,20 +415,43 @@ class CpuDecoder:
             if layer.q_norm is not None:
                 k.rms_norm(p["q"], layer.q_norm.ptr, p["q"], rows * hq, d, layer.q_norm.eps)
                 k.rms_norm(p["k_new"], layer.k_norm.ptr, p["k_new"], rows * hk, d, layer.k_norm.eps)
-            for (q, kn, vn, att), (cos, sin), pos, row_views in zip(b.rows, angles, positions, views):
+            trad = trads[layer.rope]
+            for (q, kn, vn, att), row_angles, pos, row_views, cache in zip(b.rows, angles, positions, views, caches):
                 keys, values, capacity = row_views[i]
+                cos, sin = row_angles[layer.rope]
                 k.rope(q, hq, d, cos, sin, trad)
                 k.rope(kn, hk, d, cos, sin, trad)
-                k.attention(q, kn, vn, keys, values, att, hk, group, d, pos, capacity, self.scale)
-            mv(layer.o, b, "att", "x", accumulate=True)
+                if layer.sliding:  # the ring's slot (_ring_plan left _idx where mlx-lm's update has it)
+                    ring = cache[i]
+                    write = 0 if ring._idx == ring.max_size else ring._idx
+                    seen = min(pos + 1, capacity)  # what mlx-lm's keys_and_values hands its attention
+                    if k.attention_at(q, kn, vn, keys, values, att, hk, group, d, write, seen, capacity, self.scale):
+                        raise RuntimeError(f"layer {i}: ring slot {write} outside its {capacity} positions")
+                else:
+                    k.attention(q, kn, vn, keys, values, att, hk, group, d, pos, capacity, self.scale)
+            if layer.attn_out is not None:
+                mv(layer.o, b, "att", "branch")
+                k.rms_norm_add(p["branch"], layer.attn_out.ptr, p["x"], rows, hidden, layer.attn_out.eps)
+            else:
+                mv(layer.o, b, "att", "x", accumulate=True)
             k.rms_norm(p["x"], layer.n2.ptr, p["h"], rows, hidden, layer.n2.eps)
             mv(layer.gate, b, "h", "gate")
             mv(layer.up, b, "h", "up")
-            k.swiglu(p["gate"], p["up"], b.gate.size)
-            mv(layer.down, b, "gate", "x", accumulate=True)
+            if self.gemma:
+                k.gelu_tanh_gate(p["gate"], p["up"], b.gate.size)
+            else:
+                k.swiglu(p["gate"], p["up"], b.gate.size)
+            if layer.mlp_out is not None:
+                mv(layer.down, b, "gate", "branch")
+                k.rms_norm_add(p["branch"], layer.mlp_out.ptr, p["x"], rows, hidden, layer.mlp_out.eps)
+            else:
+                mv(layer.down, b, "gate", "x", accumulate=True)
         k.rms_norm(p["x"], self.norm.ptr, p["h"], rows, hidden, self.norm.eps)
         mv(self.head, b, "h", "logits")
         for cache in caches:
+            for i in self._rings:  # as mlx-lm's update leaves a ring: the slot after the one written
+                ring = cache[i]
+                ring._idx = (0 if ring._idx == ring.max_size else ring._idx) + 1
             for c in cache:
                 c.offset += 1
         self.steps += rows
@@ -341,9 +466,9 @@ class CpuDecoder:
             def buf(n: int) -> np.ndarray:
                 return np.empty((rows, n), np.float32)
 
-            b = self._buffers[rows] = _Buffers(x=buf(hidden), h=buf(hidden), q=buf(hq * d), k_new=buf(hk * d), v_new=buf(hk * d),
-                                               att=buf(hq * d), gate=buf(inter), up=buf(inter),
-                                               logits=buf(self.head.weight.shape[0]))
+            b = self._buffers[rows] = _Buffers(x=buf(hidden), h=buf(hidden), branch=buf(hidden), q=buf(hq * d),
+                                               k_new=buf(hk * d), v_new=buf(hk * d), att=buf(hq * d), gate=buf(inter),
+                                               up=buf(inter), logits=buf(self.head.weight.shape[0]))
         return b
 
     def _mv(self, lin: _Linear, b: _Buffers, x: str, out: str, accumulate: bool = False) -> None:
@@ -362,54 +487,83 @@ class CpuDecoder:
     def _own(self, cache: list[Any], owned: OwnedCache, pos: int) -> list[tuple[int, int, int]]:
         """Addresses of every layer's keys and values, and their capacity, with room for
         position ``pos``: the buffers made for this sequence, copied first if the cache holds
-        others now (or they are full)."""
-        if owned.holds(cache) and all(pos < capacity for _, _, capacity in owned.views):
+        others now (or they are full, or a ring is due to grow or be trimmed). Raises, before
+        anything is replaced, for a ring that mlx-lm's update could not write into either."""
+        plans = []
+        for i in self._rings:
+            c = cache[i]
+            plan = _ring_plan(c) if c.max_size == self.window else None
+            if plan is None:
+                raise RuntimeError(f"layer {i}: a sliding-window cache the decoder cannot write into")
+            plans.append(plan)
+        if owned.holds(cache) and all(pos < owned.views[i][2] for i in self._plain) and all(
+                plan[:2] == (owned.views[i][2], 0) for i, plan in zip(self._rings, plans)):
             return owned.views
         mx.eval([(c.keys, c.values) for c in cache])
         owned.arrays, owned.views = [], []
-        for c in cache:
-            keys, values = (self._fresh(a, pos, c.step) for a in (c.keys, c.values))
+        ring_plans = dict(zip(self._rings, plans))
+        for i, c in enumerate(cache):
+            if i in ring_plans:
+                capacity, start, c._idx = ring_plans[i]
+                keys, values = (self._fresh_ring(a, start, capacity) for a in (c.keys, c.values))
+            else:
+                keys, values = (self._fresh(a, pos, c.step) for a in (c.keys, c.values))
             c.keys, c.values = keys, values
             owned.arrays.append((keys, values))
             owned.views.append((_ptr(np.asarray(keys)), _ptr(np.asarray(values)), keys.shape[2]))
         return owned.views
 
     @staticmethod
-    def _fresh(a: Any, pos: int, step: int) -> Any:
-        """A new MLX array with ``a``'s first ``pos`` positions and room for at least one more
-        (capacity rounded up to the cache's allocation step, as mlx-lm's cache grows): one
-        buffer of MLX's, filled through a NumPy view of it."""
-        b, h, cap, d = a.shape
-        capacity = max(cap, (pos // step + 1) * step)
-        fresh = mx.zeros((b, h, capacity, d), dtype=mx.float32)
+    def _writable(shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
+        """A new zero MLX array of ``shape`` (float32) and a writable NumPy view of its buffer."""
+        fresh = mx.zeros(shape, dtype=mx.float32)
         mx.eval(fresh)
         view = np.asarray(fresh)
         if not (view.flags.c_contiguous and view.flags.writeable):  # e.g. a broadcast constant: not ours to write
             raise RuntimeError("MLX gave no writable buffer of its own for the KV cache")
+        return fresh, view
+
+    @classmethod
+    def _fresh(cls, a: Any, pos: int, step: int) -> Any:
+        """A new MLX array with ``a``'s first ``pos`` positions and room for at least one more
+        (capacity rounded up to the cache's allocation step, as mlx-lm's cache grows): one
+        buffer of MLX's, filled through a NumPy view of it."""
+        b, h, cap, d = a.shape
+        fresh, view = cls._writable((b, h, max(cap, (pos // step + 1) * step), d))
         view[:, :, :pos] = np.asarray(a)[:, :, :pos]
         return fresh
 
-    def _angle_row(self, pos: int) -> tuple[int, int]:
-        """Addresses of cos and sin of position ``pos``'s RoPE angles, as the model's RoPE module computes
-        them: it is applied to unit vectors (rotating (1, 0) gives (cos, sin)) for a block of
-        positions at a time, so every scaling variant mlx-lm implements is taken as it is. The
-        blocks stay until there are more than ``ANGLE_BLOCKS_KEPT`` (rows of a batch sit at
-        different positions)."""
+    @classmethod
+    def _fresh_ring(cls, a: Any, start: int, capacity: int) -> Any:
+        """A ring's new buffer of ``capacity`` slots, as mlx-lm's update makes it: ``a``'s slots
+        from ``start`` on (a trimmed ring keeps its newest ``capacity``), then zeros (a grown one)."""
+        b, h, cap, d = a.shape
+        fresh, view = cls._writable((b, h, capacity, d))
+        kept = min(cap - start, capacity)
+        view[:, :, :kept] = np.asarray(a)[:, :, start:start + kept]
+        return fresh
+
+    def _angle_row(self, pos: int, kind: int = 0) -> tuple[int, int]:
+        """Addresses of cos and sin of position ``pos``'s RoPE angles, as the model's RoPE module
+        of this ``kind`` (an index into ``self.ropes``) computes them: it is applied to unit
+        vectors (rotating (1, 0) gives (cos, sin)) for a block of positions at a time, so every
+        scaling variant mlx-lm implements is taken as it is. The blocks stay until there are
+        more than ``ANGLE_BLOCKS_KEPT`` a kind (rows of a batch sit at different positions)."""
         first = pos - pos % ANGLE_BLOCK
-        block = self._angle_blocks.get(first)
+        block = self._angle_blocks.get((kind, first))
         if block is None:
-            d, half = self.head_dim, self.head_dim // 2
+            d, half, traditional = self.head_dim, self.head_dim // 2, self.traditional[kind]
             unit = np.zeros((1, 1, ANGLE_BLOCK, d), np.float32)
-            if self.traditional:
+            if traditional:
                 unit[..., 0::2] = 1.0
             else:
                 unit[..., :half] = 1.0
-            probe = np.array(self.rope(mx.array(unit), offset=first))[0, 0]
-            if self.traditional:
+            probe = np.array(self.ropes[kind](mx.array(unit), offset=first))[0, 0]
+            if traditional:
                 cos, sin = probe[:, 0::2], probe[:, 1::2]
             else:
                 cos, sin = probe[:, :half], probe[:, half:]
-            block = self._angle_blocks[first] = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))
+            block = self._angle_blocks[(kind, first)] = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))
         cos, sin = block
         row = (pos - first) * cos.strides[0]
         return _ptr(cos) + row, _ptr(sin) + row
