@@ -196,12 +196,15 @@ def attach(shim: Shim, blas: ctypes.CDLL, threads: int) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mlxcel_compat.blas_shim``: build the library now (scripts/setup.sh runs this)."""
+    """``python -m mlxcel_compat.blas_shim [--quiet]``: build the library now (scripts/setup.sh runs
+    this); ``--quiet`` says nothing when it was already up to date."""
+    args = sys.argv[1:] if argv is None else argv
     result = build()
     if result.path is None:
         print(f"blas shim: not built: {result.reason}", file=sys.stderr)
         return 0  # optional: the server runs without it (and says so at start-up)
-    print(f"blas shim: {'built' if result.built_now else 'up to date'}: {result.path}", file=sys.stderr)
+    if result.built_now or "--quiet" not in args:
+        print(f"blas shim: {'built' if result.built_now else 'up to date'}: {result.path}", file=sys.stderr)
     return 0
 
 

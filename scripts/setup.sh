@@ -3,15 +3,32 @@
 # libopenblas0-pthread, when we may install system packages), a virtualenv in .venv
 # with the project and its test extras, and the matrix-vector shim compiled for this
 # CPU (mlxcel_compat/blas_shim.c, when a C compiler is present). Sourced by serve.sh and test.sh.
+#
+# Quiet by design: one line per step that does something (nothing when all is up to date). What
+# apt and pip print goes to $venv/setup.log, which the message of a failed step names.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${MLXCEL_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
+mkdir -p "$venv"
+setup_log="$venv/setup.log"
+
+# setup_step "what it does" command...: one line, the command's output into the log.
+setup_step() {
+  local what="$1"; shift
+  echo "setup: $what" >&2
+  echo "=== $(date -u '+%F %T') $what: $*" >>"$setup_log"
+  if ! "$@" >>"$setup_log" 2>&1; then
+    echo "setup: FAILED: $what (full log: $setup_log)" >&2
+    tail -n 15 "$setup_log" | sed 's/^/  | /' >&2
+    exit 1
+  fi
+}
 
 if [ "$(uname -s)" = "Linux" ] && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1 && [ "${MLXCEL_NO_APT:-0}" != "1" ]; then
-    echo "setup: installing libopenblas0-pthread (optimized BLAS for MLX on CPU)" >&2
-    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread >/dev/null
+    setup_step "installing libopenblas0-pthread (optimized BLAS for MLX on CPU)" \
+      env DEBIAN_FRONTEND=noninteractive sh -c 'apt-get update -qq && apt-get install -y -qq libopenblas0-pthread'
   else
     echo "setup: WARNING: no optimized BLAS found and cannot install one; MLX will use the slow reference BLAS" >&2
   fi
@@ -19,14 +36,18 @@ fi
 
 stamp="$venv/.mlxcel-installed"
 if [ ! -x "$venv/bin/python" ]; then
-  "$python" -m venv "$venv"
+  setup_step "creating the virtualenv $venv" "$python" -m venv "$venv"
 fi
 if [ ! -f "$stamp" ] || [ "$root/setup.cfg" -nt "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
-  "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
-  "$venv/bin/python" -m pip install -q -e "$root[test]"
+  # pip's warnings (index locations of this machine's pip config, setuptools' deprecation blocks)
+  # stay in the log; PIP_DISABLE_PIP_VERSION_CHECK keeps the upgrade nag out of it too.
+  export PIP_DISABLE_PIP_VERSION_CHECK=1
+  setup_step "upgrading pip" "$venv/bin/python" -m pip install -q --upgrade pip
+  setup_step "installing mlxcel_compat and its test dependencies into $venv (a few minutes the first time)" \
+    "$venv/bin/python" -m pip install -q -e "$root[test]"
   touch "$stamp"
 fi
 # Compiled into the user cache, keyed by the source and the CPU: a no-op when up to date. Without
 # a C compiler it says so and the server calls the BLAS directly (slower decode; results equal
 # to float32 rounding).
-"$venv/bin/python" -m mlxcel_compat.blas_shim || true
+"$venv/bin/python" -m mlxcel_compat.blas_shim --quiet || true

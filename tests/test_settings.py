@@ -351,14 +351,15 @@ def _setting_for(spelling: str) -> str:
     raise KeyError(spelling)
 
 
-def test_slot_save_path_must_be_an_existing_directory(tmp_path) -> None:
+def test_slot_save_path_is_a_directory_or_a_path_for_one(tmp_path) -> None:
     assert resolve(["--slot-save-path", str(tmp_path)]).slot_save_path == str(tmp_path)
     assert resolve([], MLXCEL_SLOT_SAVE_PATH=str(tmp_path)).slot_save_path == str(tmp_path)
     assert resolve([]).slot_save_path is None
-    for missing in (str(tmp_path / "nope"), str(tmp_path / "file")):
-        (tmp_path / "file").write_text("x")
-        with pytest.raises(SettingsError, match="--slot-save-path.*an existing directory"):
-            resolve_settings(["--slot-save-path", missing], {})
+    # A missing directory is accepted (the server creates it at start-up); a file is not.
+    assert resolve(["--slot-save-path", str(tmp_path / "new")]).slot_save_path == str(tmp_path / "new")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SettingsError, match="--slot-save-path.*a directory"):
+        resolve_settings(["--slot-save-path", str(tmp_path / "file")], {})
 
 
 def test_disk_tier_settings() -> None:
