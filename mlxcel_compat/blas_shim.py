@@ -44,7 +44,7 @@ ROUTE_KERNEL = 2  # products with up to small_m_max rows to the shim's kernel; o
 ROUTE_NAMES = {ROUTE_SGEMM: "sgemm", ROUTE_GEMV: "gemv", ROUTE_KERNEL: "kernel"}
 
 # Up to this many rows the kernel beats OpenBLAS's sgemm on the small llama's weights
-# (scripts/bench_cpu_kernels.py, docs/benchmarks.md).
+# (scripts/bench_cpu_kernels.py, docs/benchmarks/cpu.md).
 SMALL_M_MAX = 16
 
 

@@ -464,7 +464,7 @@ _MODEL: tuple[Setting, ...] = (
     Setting("ubatch_size", ("-ub", "--ubatch-size"), ("LLAMA_ARG_UBATCH",), type="int", default=512, minimum=1,
             group="model", help="Physical batch size: prompt tokens computed per forward pass (the prefill "
                                 "chunk is the smaller of this and --batch-size; 512 measured best on CPU, "
-                                "docs/benchmarks.md)."),
+                                "docs/benchmarks/cpu.md)."),
     Setting("chat_template", ("--chat-template",), ("LLAMA_ARG_CHAT_TEMPLATE",), group="model",
             metavar="TEMPLATE", help="Chat template: a built-in name or Jinja source (default: the model's)."),
     Setting("chat_template_file", ("--chat-template-file",), ("LLAMA_ARG_CHAT_TEMPLATE_FILE",), group="model",

@@ -281,7 +281,7 @@ def part_startup(model: str, args: argparse.Namespace, work: Path) -> dict[str, 
 def part_decode(model: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Decode tok/s of one stream while evicted entries are written, against the same server while
     nothing is written, alternating. One process: two identical servers differed by up to 11 % in
-    decode speed here (an A/A test, docs/benchmarks.md), more than the effect measured.
+    decode speed here (an A/A test, docs/benchmarks/disk-tier.md), more than the effect measured.
 
     The RAM budget holds five 2K-token entries. Every ``--spill-every`` seconds of a stream, an
     exact repeat of a cached 2K prefix arrives: a one-token prefill that donates a new entry. In

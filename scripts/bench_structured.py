@@ -25,9 +25,10 @@ Three measurements, all in this process (no HTTP, so only the grammar's cost sho
    ``--tokenizer FILE`` (repeatable) runs the same walks on a real vocabulary as well: a
    ``tokenizer.json``, or a tiktoken BPE file (``*.tiktoken``, converted by transformers'
    ``TikTokenConverter``). No hub is reachable here, but some PyPI packages ship one, e.g. Qwen's
-   151,643-token vocabulary in ``dashscope`` (``dashscope/resources/qwen.tiktoken``; docs/benchmarks.md
-   gives the commands). The factory's invented words make a wider byte trie than a real
-   vocabulary's, and the walk behind a slow mask is that trie, so the two are reported side by side.
+   151,643-token vocabulary in ``dashscope`` (``dashscope/resources/qwen.tiktoken``;
+   docs/benchmarks/structured-output.md gives the commands). The factory's invented words make a
+   wider byte trie than a real vocabulary's, and the walk behind a slow mask is that trie, so the
+   two are reported side by side.
 3. **Compile time** of that schema: first request (compilation) against a repeat (the cache), on
    both vocabularies, plus the one-off llguidance tokenizer build.
 

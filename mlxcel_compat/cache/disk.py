@@ -26,8 +26,8 @@ bytes go to the device with ``O_DIRECT`` where the filesystem takes it (through 
 page-aligned staging buffer; the tail is padded and the file truncated back): written through
 the page cache, a 50 MB entry left 50 MB of dirty pages that the kernel, and then the fsync,
 flushed in bursts, which cost a decoding engine on the same cores up to 17 % of its speed
-(docs/benchmarks.md). tmpfs and other filesystems that refuse it get ordinary writes. A crash
-leaves only a temporary file; at start-up a temporary file whose lock can be taken belongs
+(docs/benchmarks/disk-tier.md). tmpfs and other filesystems that refuse it get ordinary writes.
+A crash leaves only a temporary file; at start-up a temporary file whose lock can be taken belongs
 to a dead writer and is removed (``stale_temp``).
 
 **Directory layout**: ``DIR/<model key>/<kind>-<digest hex>.safetensors``, where the model key

@@ -44,7 +44,7 @@ def _merge(layers: list[Any]) -> Any:
 # Batched prefill pays for a row only if the chunks are of about the same length: on a CPU a
 # padded token costs ~2.5 ms of compute, a (1, L) pass ~50 ms on top of its tokens (it reads every
 # weight once), and a row's cached prefix is copied into the batch cache and back
-# (scripts/bench_prefill_batching.py, docs/benchmarks.md).
+# (scripts/bench_prefill_batching.py, docs/benchmarks/batching.md).
 PREFILL_PAD_LIMIT = 16  # tokens of right padding allowed per row
 PREFILL_PREFIX_LIMIT = 2048  # cached tokens a row may bring along
 

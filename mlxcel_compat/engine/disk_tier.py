@@ -21,7 +21,8 @@ making decode wait. The files are written with ``O_DIRECT`` where the filesystem
 ``BUSY_WRITE_BYTES_PER_S``, at full speed again once it is idle: on a machine whose cores decode
 already uses in full, writing evicted entries through the page cache at full speed (~100 MB/s when
 a 2K-token entry is evicted twice a second) cost decode up to 17 % even at the lowest CPU
-priority; with both, it measured within the noise of runs that wrote nothing (docs/benchmarks.md).
+priority; with both, it measured within the noise of runs that wrote nothing
+(docs/benchmarks/disk-tier.md).
 """
 
 from __future__ import annotations

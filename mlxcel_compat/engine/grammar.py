@@ -50,7 +50,7 @@ COMPILED_CACHE_SIZE = 64
 # Its default groups JSON-string tokens at lengths 1-10, 11-30 and longer, so inside a string
 # with fewer than 10 characters left (``maxLength``) every token is walked; smaller steps let
 # the short tokens still be set at once: the p99 mask time on a 150k vocabulary fell ~8 %
-# (scripts/bench_structured.py, docs/benchmarks.md).
+# (scripts/bench_structured.py, docs/benchmarks/structured-output.md).
 _JSON_CHAR = r'[^"\\\x00-\x1F\x7F]'
 MASK_SLICES = [r"[\x20\x0A\x0D\x09]+", *(f"{_JSON_CHAR}{{1,{n}}}" for n in (2, 4, 6, 8, 10, 30)), f"{_JSON_CHAR}+"]
 

@@ -2,10 +2,10 @@
 
 On the CPU, ``mx.fast.scaled_dot_product_attention`` runs as a matmul, a softmax and a matmul,
 and the softmax's ``exp`` is a scalar loop (~18 ns an element on these cores) that dominates
-attention over many keys. Two paths replace it (scripts/bench_cpu_kernels.py, docs/benchmarks.md):
+attention over many keys. Two paths replace it (scripts/bench_cpu_kernels.py, docs/benchmarks/cpu.md):
 
 - **Decode steps** (one query a row) stay lazy in MLX, where evaluating each layer's inputs in
-  the middle of the step measured 1.27x slower at 1K context (docs/benchmarks.md): the softmax
+  the middle of the step measured 1.27x slower at 1K context (docs/benchmarks/cpu.md): the softmax
   is a power of 2 of scores taken in log2 units, about three times faster than ``exp`` there,
   and the output is normalised instead of the weights, which saves a pass over the scores. 8 rows
   decoding at 4K context 29 -> 13 ms a layer.
@@ -18,7 +18,7 @@ attention over many keys. Two paths replace it (scripts/bench_cpu_kernels.py, do
   over 1K keys: 137 ms a layer with ``mx.fast``, 26 ms with the softmax alone in NumPy, 21 ms
   with the whole attention there, 13.5 ms since the softmax skips the row-maximum shift and
   takes its sums from the product (:func:`_weigh`); over 2.5K keys 360, 96, 46 and 41 ms
-  (docs/benchmarks.md). It runs on the calling thread: two threads calling OpenBLAS at once
+  (docs/benchmarks/cpu.md). It runs on the calling thread: two threads calling OpenBLAS at once
   measured 1.7x slower.
 
 Both agree with ``mx.fast`` to a few 1e-6 relative (tests/test_attention.py). Only what these

@@ -1,7 +1,7 @@
 """Decode steps outside MLX, one sequence or a batch, for dense llama-style models on the CPU.
 
 Why: on the CPU, MLX runs a decode step as ~900 scheduled operations, kept in lockstep with the
-engine thread that queues them (docs/benchmarks.md, issue 15: ``MAX_ACTIVE_TASKS``), and its
+engine thread that queues them (docs/benchmarks/cpu.md, issue 15: ``MAX_ACTIVE_TASKS``), and its
 exponential is a scalar loop. The weight matrix-vector products, which are the step's real work,
 already run at the machine's streaming speed in the BLAS shim's kernel (``blas_shim.c``); what
 kept the step at 1.6-1.8x that speed was everything around them. Here the same step is a short,

@@ -4,7 +4,7 @@ On the CPU a decode step is a graph of many small operations (~920 for the small
 lever on), and each costs a few microseconds of dispatch whatever its size; prompt chunks, on the
 other hand, spend their non-matmul time in MLX's scalar transcendental loops (``exp`` costs ~20 ns
 an element, ``power`` about a third of that). Three levers, each measured by
-``scripts/bench_cpu_kernels.py`` (docs/benchmarks.md):
+``scripts/bench_cpu_kernels.py`` (docs/benchmarks/cpu.md):
 
 - **SiLU gating through a power of 2.** ``silu(gate) * x`` is computed as
   ``gate * x / (1 + 2 ** (-gate * log2 e))`` in one compiled loop, instead of mlx-lm's
