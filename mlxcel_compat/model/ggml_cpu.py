@@ -4,9 +4,9 @@ Why ggml: it is the reference implementation of every GGUF type, and its CPU lib
 its kernels (``ggml-cpu.h``: ``ggml_get_type_traits_cpu(type)`` gives ``vec_dot``, a row of
 weights times a row of activations, and ``from_float`` for the activations' ``vec_dot_type``;
 ``ggml.h``: ``ggml_get_type_traits(type)->to_float`` expands a row). Calling them computes
-exactly llama.cpp's products (activations quantized to Q8_0/Q8_1/Q8_K, F16 or BF16 first). They
-were measured against float32-activation kernels of our own on the same tensors before being
-chosen (``scripts/bench_block_kernels.py``, docs/benchmarks.md).
+exactly llama.cpp's products (activations quantized to Q8_0/Q8_1/Q8_K, F16 or BF16 first), so
+a greedy continuation here follows llama-server's arithmetic, not a float32 reference's: the two
+differ only where the reference's top two candidates are near a tie (tests/test_e2e_real_model.py).
 
 This module only finds and loads the two libraries (``libggml-base``, ``libggml-cpu``), calls
 ``ggml_cpu_init`` once, and turns a type's traits into the :class:`BlockType` that
