@@ -223,7 +223,9 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _noop("suffix", STRING, "ignored, as llama-server does", scope="completion"),
     _noop("model", STRING, "ignored in single-model mode, as llama-server does; responses carry the server's model name"),
     _f("messages", {"type": "array", "items": MESSAGE}, scope="chat", required=True, note="string, null or text-part content"),
-    RequestField("messages[].content[].image_url", scope="chat", status="unsupported", note="multimodal input is not supported"),
+    RequestField("messages[].content[].image_url", scope="chat", status="unsupported",
+                 note="no multimodal input: image_url, input_audio, input_video/video_url parts (in any message, tool messages "
+                      "too) are llama-server's 500 'image input is not supported - hint: ...' without --mmproj"),
     RequestField("messages[].content[].input_audio", scope="chat", status="unsupported", note="multimodal input is not supported"),
     RequestField("messages[].content[].input_video", scope="chat", status="unsupported", note="multimodal input is not supported"),
     _f("tools", {"type": "array", "items": TOOL}, scope="chat", note="needs --jinja"),
@@ -274,7 +276,8 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
        note="user and assistant turns, string or block content"),
     _f("system", {"anyOf": [STRING, {"type": "array", "items": TEXT_PART}]}, scope="messages", note="string or text blocks"),
     RequestField("messages[].content[].type", scope="messages",
-       note="text, tool_use, tool_result (string or text blocks, is_error), thinking; image and document blocks are a 400"),
+       note="text, tool_use, tool_result (string, text or image blocks, is_error), thinking; an image block, in a message "
+            "or a tool_result, is llama-server's 500 'image input is not supported' (no multimodal input); document blocks are a 400"),
     _f("tools", {"type": "array", "items": ANTHROPIC_TOOL}, scope="messages"),
     RequestField("tools[].input_schema", scope="messages", note="client tools; server tool types are a 400"),
     _f("tool_choice.type", {"enum": ["auto", "any", "tool", "none"]}, scope="messages",
@@ -297,7 +300,8 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _f("output_config.format", OBJECT, scope="messages", note="json_schema output, constrained through response_format (docs/structured-output.md)"),
     # OpenAI Responses (/v1/responses, /responses, input_tokens), translated into a chat body.
     _f("input", {"anyOf": [STRING, {"type": "array", "items": OBJECT}]}, scope="responses",
-       note="string or items: messages (input_text, output_text), function_call, function_call_output, reasoning; input_image/input_file are a 400"),
+       note="string or items: messages (input_text, output_text), function_call, function_call_output, reasoning; input_image "
+            "(also in a function_call_output) is llama-server's 500 'image input is not supported', input_file its 400"),
     _f("instructions", STRING, scope="responses"),
     RequestField("tools[].type", scope="responses", note="function tools; other types are skipped with a warning"),
     _f("max_output_tokens", int_range(1), scope="responses"),

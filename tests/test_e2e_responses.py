@@ -132,8 +132,8 @@ def test_prompt_cache_turn_two_reports_cached_tokens(client, raw) -> None:
 def test_previous_response_id_and_unsupported_inputs_are_clear_400s(client, raw) -> None:
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
         client.responses.create(model="tiny", input="again", previous_response_id="resp_123")
-    with pytest.raises(openai.BadRequestError, match="input_image"):
-        client.responses.create(model="tiny", input=[{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA=="}]}])
+    with pytest.raises(openai.BadRequestError, match="'input_file' is not supported by llamacpp"):
+        client.responses.create(model="tiny", input=[{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}])
     with pytest.raises(openai.BadRequestError, match="item type"):
         client.responses.create(model="tiny", input=[{"type": "item_reference", "id": "msg_1"}])
     missing = raw.post("/v1/responses", json={"instructions": "x"})

@@ -63,20 +63,34 @@ def item_id(prefix: str) -> str:
 
 
 def _input_text(content: Any, where: str, kinds: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Content parts as chat text parts (a string is one part)."""
+    """Content parts as chat parts (a string is one text part).
+
+    Where ``kinds`` allows ``input_image``, an image becomes the chat body's ``image_url`` part,
+    as llama-server converts it; the chat pipeline then refuses it on this text-only server with
+    llama-server's 500. ``input_file`` and other media kinds are llama-server's 400s.
+    """
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
         raise InvalidRequest(f"{where}.content: must be a string or an array of content parts")
-    parts = []
+    parts: list[dict[str, Any]] = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind in ("input_image", "input_file", "input_audio"):
-            raise InvalidRequest(f"{where}.content[{i}]: '{kind}' is not supported: this server has no multimodal input")
+        if kind == "input_image" and "input_image" in kinds:
+            if "image_url" not in part:
+                raise InvalidRequest("'image_url' is required")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+            continue
+        if kind == "input_file" and "input_image" in kinds:
+            raise InvalidRequest("'input_file' is not supported by llamacpp at this moment")
         if kind not in kinds or not isinstance(part.get("text"), str):
             raise InvalidRequest(f"{where}.content[{i}]: type must be one of {', '.join(repr(k) for k in kinds)}, with a 'text'")
         parts.append({"type": "text", "text": part["text"]})
     return parts
+
+
+def _has_media(parts: list[dict[str, Any]]) -> bool:
+    return any(p["type"] != "text" for p in parts)
 
 
 def _translate_input(items: Any) -> list[dict[str, Any]]:
@@ -99,7 +113,7 @@ def _translate_input(items: Any) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         role = item.get("role")
         if kind == "message" and role in ("user", "system", "developer"):
-            messages.append({"role": "system" if role == "developer" else role, "content": _input_text(item.get("content"), where, ("input_text",))})
+            messages.append({"role": "system" if role == "developer" else role, "content": _input_text(item.get("content"), where, ("input_text", "input_image"))})
         elif kind == "message" and role == "assistant":
             msg = assistant()
             text = "".join(p["text"] for p in _input_text(item.get("content"), where, ("output_text", "input_text")))
@@ -116,7 +130,8 @@ def _translate_input(items: Any) -> list[dict[str, Any]]:
             if not isinstance(item.get("call_id"), str):
                 raise InvalidRequest(f"{where}: a function_call_output needs 'call_id'")
             output = item.get("output", "")
-            text = output if isinstance(output, str) else "".join(p["text"] for p in _input_text(output, where, ("input_text", "output_text")))
+            parts = [] if isinstance(output, str) else _input_text(output, where, ("input_text", "output_text", "input_image"))
+            text: Any = output if isinstance(output, str) else parts if _has_media(parts) else "".join(p["text"] for p in parts)
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
         elif kind == "reasoning":
             pieces = [p.get("text", "") for p in (item.get("content") or item.get("summary") or []) if isinstance(p, Mapping)]
