@@ -149,8 +149,13 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _noop("n_cache_reuse", int_range(0), "KV-shift chunk reuse is not implemented; the prompt cache reuses prefixes by itself"),
     _f("t_max_predict_ms", int_range(-1), note="generation stops with stop_type 'limit' at the first newline sent after this many ms of generation (llama-server's rule)"),
     _f("return_tokens", BOOL),
-    _f("return_progress", BOOL),
-    _f("timings_per_token", BOOL),
+    _f("return_progress", BOOL,
+       note="streams prompt_progress {total, cache, processed, time_ms} with llama-server's counts: once at the start "
+            "(processed = cache = the reused prefix), then one per -b tokens, the last with processed = total; native and "
+            "OpenAI chunks, and response.in_progress events on /v1/responses"),
+    _f("timings_per_token", BOOL,
+       note="running timings on each streamed token chunk (native, OpenAI completions and chat, Responses text deltas) "
+            "and on each prompt_progress report"),
     _f("post_sampling_probs", BOOL),
     _f("n_probs", int_range(0, "$n_probs_max"), aliases=("logprobs",),
        note="at most --n-probs-max (400 above it); logprobs is the /v1/completions spelling"),
@@ -304,7 +309,8 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
             "(also in a function_call_output) is llama-server's 500 'image input is not supported', input_file its 400"),
     _f("instructions", STRING, scope="responses"),
     RequestField("tools[].type", scope="responses", note="function tools; other types are skipped with a warning"),
-    _f("max_output_tokens", int_range(1), scope="responses"),
+    _f("max_output_tokens", int_range(1), scope="responses",
+       note="a reply it cuts is still status 'completed' and its stream ends with response.completed, as llama-server's"),
     _f("stream", BOOL, scope="responses"),
     _f("temperature", NUMBER, scope="responses"),
     _f("top_p", NUMBER, scope="responses"),

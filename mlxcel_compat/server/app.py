@@ -359,7 +359,10 @@ async def _wait_for_model(ctx: ServerContext) -> None:
             pin_max_ttl=float(ctx.settings.prompt_cache_pin_max_ttl),
         )
         ctx.model = model  # last: this is what opens the gate
-        log.info("model '%s' ready: serving on %d slots, n_ctx %d", ctx.model.model_id, len(ctx.engine.slots), ctx.model.n_ctx)
+        log.info(
+            "model '%s' ready: serving on %d slots, n_ctx %d, prompts prefilled in chunks of %d tokens",
+            ctx.model.model_id, len(ctx.engine.slots), ctx.model.n_ctx, ctx.engine.config.batch_size,
+        )
         log.info(
             "request limits: body %d bytes, prompts of more than %s characters refused before tokenizing, %d worker threads; prompt-cache isolation: %s",
             ctx.max_body_bytes,
