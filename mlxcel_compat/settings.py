@@ -405,8 +405,13 @@ MIB = 1 << 20
 _LIMITS: tuple[Setting, ...] = (
     Setting("max_body_bytes", ("--max-body-bytes",), type="int", minimum=1024, group="limits",
             upstream=False, metavar="BYTES", default_doc="max(1 MiB, 64 bytes x context size)",
+            reason="413 in llama.cpp's error shape; the refused body is drained (bounded lingering close), so httpx, "
+                   "requests, the openai SDK and curl all read the 413",
             help="Largest request body. A larger one gets 413 as soon as its Content-Length, or the part read so "
-                 "far, says so; it is never read in full. The default holds any prompt that fits the context, "
+                 "far, says so; it is never parsed. The rest of it is then read and dropped before the connection "
+                 "closes (a lingering close, so clients that send the whole body before reading see the 413), up to "
+                 "max(128 MiB, 8 x this limit) bytes and 10 s; a longer body is cut at once. "
+                 "The default holds any prompt that fits the context, "
                  "as text or token ids, with room to spare; parsing a body holds the event loop for about 20 ms "
                  "per MiB of token ids, which is why it is not larger."),
     Setting("n_probs_max", ("--n-probs-max",), type="int", default=100, minimum=0, group="limits", upstream=False,
