@@ -330,10 +330,13 @@ _SERVER: tuple[Setting, ...] = (
     Setting("props", ("--props",), ("LLAMA_ARG_ENDPOINT_PROPS",), type="bool", default=False,
             help="Allow POST /props (accepted and ignored, as in llama-server)."),
     Setting("cors_origins", ("--cors-origins",), ("LLAMA_ARG_CORS_ORIGINS",), default="*", metavar="ORIGINS",
+            reason="as llama-server, except that a comma list echoes the request's Origin when it is listed "
+                   "(llama-server sends the whole list, which browsers reject)",
             help="Allowed CORS origins, comma-separated; 'localhost' echoes only local origins."),
     Setting("cors_methods", ("--cors-methods",), ("LLAMA_ARG_CORS_METHODS",), default="GET, POST, DELETE, OPTIONS",
             metavar="METHODS", help="Allowed CORS methods, comma-separated."),
     Setting("cors_headers", ("--cors-headers",), ("LLAMA_ARG_CORS_HEADERS",), default="*", metavar="HEADERS",
+            reason="sent as configured, '*' by default, whatever the preflight asks for, as llama-server",
             help="Allowed CORS headers, comma-separated."),
     Setting("cors_credentials", ("--cors-credentials",), ("LLAMA_ARG_CORS_CREDENTIALS",), type="bool",
             default=True, negative_flags=("--no-cors-credentials",),
