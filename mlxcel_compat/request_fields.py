@@ -149,8 +149,13 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _noop("n_cache_reuse", int_range(0), "KV-shift chunk reuse is not implemented; the prompt cache reuses prefixes by itself"),
     _f("t_max_predict_ms", int_range(-1), note="generation stops with stop_type 'limit' at the first newline sent after this many ms of generation (llama-server's rule)"),
     _f("return_tokens", BOOL),
-    _f("return_progress", BOOL),
-    _f("timings_per_token", BOOL),
+    _f("return_progress", BOOL,
+       note="streams prompt_progress {total, cache, processed, time_ms} with llama-server's counts: once at the start "
+            "(processed = cache = the reused prefix), then one per -b tokens, the last with processed = total; native and "
+            "OpenAI chunks, and response.in_progress events on /v1/responses"),
+    _f("timings_per_token", BOOL,
+       note="running timings on each streamed token chunk (native, OpenAI completions and chat, Responses text deltas) "
+            "and on each prompt_progress report"),
     _f("post_sampling_probs", BOOL),
     _f("n_probs", int_range(0, "$n_probs_max"), aliases=("logprobs",),
        note="at most --n-probs-max (400 above it); logprobs is the /v1/completions spelling"),
@@ -223,7 +228,9 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _noop("suffix", STRING, "ignored, as llama-server does", scope="completion"),
     _noop("model", STRING, "ignored in single-model mode, as llama-server does; responses carry the server's model name"),
     _f("messages", {"type": "array", "items": MESSAGE}, scope="chat", required=True, note="string, null or text-part content"),
-    RequestField("messages[].content[].image_url", scope="chat", status="unsupported", note="multimodal input is not supported"),
+    RequestField("messages[].content[].image_url", scope="chat", status="unsupported",
+                 note="no multimodal input: image_url, input_audio, input_video/video_url parts (in any message, tool messages "
+                      "too) are llama-server's 500 'image input is not supported - hint: ...' without --mmproj"),
     RequestField("messages[].content[].input_audio", scope="chat", status="unsupported", note="multimodal input is not supported"),
     RequestField("messages[].content[].input_video", scope="chat", status="unsupported", note="multimodal input is not supported"),
     _f("tools", {"type": "array", "items": TOOL}, scope="chat", note="needs --jinja"),
@@ -274,7 +281,8 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
        note="user and assistant turns, string or block content"),
     _f("system", {"anyOf": [STRING, {"type": "array", "items": TEXT_PART}]}, scope="messages", note="string or text blocks"),
     RequestField("messages[].content[].type", scope="messages",
-       note="text, tool_use, tool_result (string or text blocks, is_error), thinking; image and document blocks are a 400"),
+       note="text, tool_use, tool_result (string, text or image blocks, is_error), thinking; an image block, in a message "
+            "or a tool_result, is llama-server's 500 'image input is not supported' (no multimodal input); document blocks are a 400"),
     _f("tools", {"type": "array", "items": ANTHROPIC_TOOL}, scope="messages"),
     RequestField("tools[].input_schema", scope="messages", note="client tools; server tool types are a 400"),
     _f("tool_choice.type", {"enum": ["auto", "any", "tool", "none"]}, scope="messages",
@@ -297,10 +305,12 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _f("output_config.format", OBJECT, scope="messages", note="json_schema output, constrained through response_format (docs/structured-output.md)"),
     # OpenAI Responses (/v1/responses, /responses, input_tokens), translated into a chat body.
     _f("input", {"anyOf": [STRING, {"type": "array", "items": OBJECT}]}, scope="responses",
-       note="string or items: messages (input_text, output_text), function_call, function_call_output, reasoning; input_image/input_file are a 400"),
+       note="string or items: messages (input_text, output_text), function_call, function_call_output, reasoning; input_image "
+            "(also in a function_call_output) is llama-server's 500 'image input is not supported', input_file its 400"),
     _f("instructions", STRING, scope="responses"),
     RequestField("tools[].type", scope="responses", note="function tools; other types are skipped with a warning"),
-    _f("max_output_tokens", int_range(1), scope="responses"),
+    _f("max_output_tokens", int_range(1), scope="responses",
+       note="a reply it cuts is still status 'completed' and its stream ends with response.completed, as llama-server's"),
     _f("stream", BOOL, scope="responses"),
     _f("temperature", NUMBER, scope="responses"),
     _f("top_p", NUMBER, scope="responses"),

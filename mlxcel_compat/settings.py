@@ -331,10 +331,13 @@ _SERVER: tuple[Setting, ...] = (
     Setting("props", ("--props",), ("LLAMA_ARG_ENDPOINT_PROPS",), type="bool", default=False,
             help="Allow POST /props (accepted and ignored, as in llama-server)."),
     Setting("cors_origins", ("--cors-origins",), ("LLAMA_ARG_CORS_ORIGINS",), default="*", metavar="ORIGINS",
+            reason="as llama-server, except that a comma list echoes the request's Origin when it is listed "
+                   "(llama-server sends the whole list, which browsers reject)",
             help="Allowed CORS origins, comma-separated; 'localhost' echoes only local origins."),
     Setting("cors_methods", ("--cors-methods",), ("LLAMA_ARG_CORS_METHODS",), default="GET, POST, DELETE, OPTIONS",
             metavar="METHODS", help="Allowed CORS methods, comma-separated."),
     Setting("cors_headers", ("--cors-headers",), ("LLAMA_ARG_CORS_HEADERS",), default="*", metavar="HEADERS",
+            reason="sent as configured, '*' by default, whatever the preflight asks for, as llama-server",
             help="Allowed CORS headers, comma-separated."),
     Setting("cors_credentials", ("--cors-credentials",), ("LLAMA_ARG_CORS_CREDENTIALS",), type="bool",
             default=True, negative_flags=("--no-cors-credentials",),
@@ -407,8 +410,13 @@ MIB = 1 << 20
 _LIMITS: tuple[Setting, ...] = (
     Setting("max_body_bytes", ("--max-body-bytes",), type="int", minimum=1024, group="limits",
             upstream=False, metavar="BYTES", default_doc="max(1 MiB, 64 bytes x context size)",
+            reason="413 in llama.cpp's error shape; the refused body is drained (bounded lingering close), so httpx, "
+                   "requests, the openai SDK and curl all read the 413",
             help="Largest request body. A larger one gets 413 as soon as its Content-Length, or the part read so "
-                 "far, says so; it is never read in full. The default holds any prompt that fits the context, "
+                 "far, says so; it is never parsed. The rest of it is then read and dropped before the connection "
+                 "closes (a lingering close, so clients that send the whole body before reading see the 413), up to "
+                 "max(128 MiB, 8 x this limit) bytes and 10 s; a longer body is cut at once. "
+                 "The default holds any prompt that fits the context, "
                  "as text or token ids, with room to spare; parsing a body holds the event loop for about 20 ms "
                  "per MiB of token ids, which is why it is not larger."),
     Setting("n_probs_max", ("--n-probs-max",), type="int", default=100, minimum=0, group="limits", upstream=False,

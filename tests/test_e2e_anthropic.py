@@ -203,11 +203,11 @@ def test_stop_sequences(client) -> None:
 
 
 def test_errors_are_typed_and_in_anthropic_shape(client, raw, agent_server) -> None:
-    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    document = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "notes"}}
     with pytest.raises(anthropic.BadRequestError) as info:
-        client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [image]}])
+        client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [document]}])
     assert info.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": info.value.body["error"]["message"]}}
-    assert "image" in info.value.body["error"]["message"] and "not supported" in info.value.body["error"]["message"]
+    assert "document" in info.value.body["error"]["message"] and "not supported" in info.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError, match="context"):
         client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "word " * 5000}])
     with pytest.raises(anthropic.BadRequestError, match="cache_control"):

@@ -159,11 +159,14 @@ def raw_request(port: int, request: str) -> tuple[str, list[tuple[str, str]], by
     return lines[0], headers, body  # type: ignore[return-value]
 
 
-def test_cors_preflight_header_names_and_values(split_server) -> None:
+@pytest.mark.parametrize("path", ["/completions", "/v1/chat/completions"])
+def test_cors_preflight_header_names_and_values(split_server, path: str) -> None:
+    """llama-server sends --cors-headers as configured, ``*`` by default, whatever the preflight
+    asks for; browser apps written against it expect that literal ``*``."""
     status, headers, body = raw_request(
         split_server.port,
-        "OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\nOrigin: http://app.example\r\n"
-        "Access-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: Content-Type, X-Custom\r\n"
+        f"OPTIONS {path} HTTP/1.1\r\nHost: x\r\nOrigin: http://app.example\r\n"
+        "Access-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: Authorization, Content-Type, X-Custom\r\n"
         "Connection: close\r\n\r\n",
     )
     assert status.startswith("HTTP/1.1 200")
@@ -171,9 +174,33 @@ def test_cors_preflight_header_names_and_values(split_server) -> None:
     assert sent["Access-Control-Allow-Origin"] == "http://app.example"
     assert sent["Access-Control-Allow-Credentials"] == "true"
     assert sent["Access-Control-Allow-Methods"] == "GET, POST, DELETE, OPTIONS"
-    assert sent["Access-Control-Allow-Headers"] == "Content-Type, X-Custom"
+    assert sent["Access-Control-Allow-Headers"] == "*"
+    assert sent["Content-Type"] == "text/html"
     assert sent["Server"] == "llama.cpp"
     assert body == b""
+
+
+@pytest.fixture(scope="module")
+def cors_server(server_factory, llama_dir) -> Iterator[ServerProcess]:
+    yield server_factory(["-m", str(llama_dir), "-c", "256", "-np", "1", "--no-cors-credentials",
+                          "--cors-headers", "Authorization,Content-Type", "--cors-methods", "GET,POST"])
+
+
+def test_cors_settings_go_out_as_configured(cors_server) -> None:
+    """--cors-methods and --cors-headers verbatim; origins ``*`` without credentials is ``*``."""
+    status, headers, _ = raw_request(
+        cors_server.port,
+        "OPTIONS /completions HTTP/1.1\r\nHost: x\r\nOrigin: http://app.example\r\n"
+        "Access-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: X-Other\r\nConnection: close\r\n\r\n",
+    )
+    sent = dict(headers)
+    assert status.startswith("HTTP/1.1 200")
+    assert sent["Access-Control-Allow-Origin"] == "*"
+    assert sent["Access-Control-Allow-Credentials"] == "false"
+    assert sent["Access-Control-Allow-Methods"] == "GET,POST"
+    assert sent["Access-Control-Allow-Headers"] == "Authorization,Content-Type"
+    status, headers, _ = raw_request(cors_server.port, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert dict(headers)["Access-Control-Allow-Origin"] == "*"
 
 
 def test_cors_response_header_names(split_server) -> None:

@@ -156,4 +156,5 @@ def test_ubatch_size_sets_the_prefill_chunk(server_factory, llama_dir, how) -> N
         _, events = post_stream(client, "/completion", {"prompt": list(range(5, 105)), "n_predict": 1,
                                                         "return_progress": True, "cache_prompt": False})
     processed = [e["prompt_progress"]["processed"] for e in events if "prompt_progress" in e]
-    assert processed == [32, 64, 96, 99, 100]  # aligned chunks of 32, then the last prompt token
+    assert processed == [0, 100]  # llama-server's reports: the start, then one per -b (2048) tokens
+    assert "prompts prefilled in chunks of 32 tokens" in server.log()

@@ -36,7 +36,8 @@ __all__ = [
 ]
 
 _MEDIA_HINT = "hint: if this is unexpected, you may need to provide the mmproj"
-_MEDIA_PART_KINDS = {"image_url": "image", "input_audio": "audio", "input_video": "video"}
+# llama-server takes "video_url" as another name of "input_video".
+_MEDIA_PART_KINDS = {"image_url": "image", "input_audio": "audio", "input_video": "video", "video_url": "video"}
 _TOOL_CHOICES = ("auto", "none", "required")
 _CONTINUE_FIELDS = ("content", "reasoning_content")
 

@@ -503,6 +503,8 @@ class Engine:
 
         seq.emit = emit_counted
         slot.begin(seq)
+        if sub.request.return_progress and not sub.request.is_child:
+            seq.report_progress()  # llama-server's first report: the prefix taken from the cache
 
     def _step_all(self) -> None:
         """One scheduler iteration: a bounded amount of prefill, then one decode step for all."""

@@ -221,7 +221,7 @@ class Sequence:
         if self._feeding_prompt:  # the fed token was the prompt's: nothing was generated yet
             self._feeding_prompt = False
             if self.request.return_progress:
-                self._emit_progress()  # processed == total: the whole prompt is in the cache
+                self.report_progress()  # processed == total: the whole prompt is in the cache
             return
         self._history[-1] = token
         self.cache_tokens[-1] = token
@@ -253,7 +253,7 @@ class Sequence:
             mx.async_eval(self._undrawn)
             self._draw_alone()
         if self.request.return_progress:
-            self._emit_progress()  # processed == total: the whole prompt is in the cache
+            self.report_progress()  # processed == total: the whole prompt is in the cache
         return 1
 
     def next_chunk(self) -> list[int]:
@@ -278,9 +278,14 @@ class Sequence:
             position, ttl = self.pins.pop(0)
             self.on_pin(self, position, ttl)
         if self.request.return_progress:
-            self._emit_progress()
+            self.report_progress()
 
-    def _emit_progress(self) -> None:
+    def report_progress(self) -> None:
+        """A ``ProgressEvent``: the prompt tokens in the cache now, the adopted ones included.
+
+        Sent when the sequence starts (the adopted prefix), after each prefill chunk and when the
+        last prompt token is in; ``server/progress.py`` maps them onto llama-server's reports.
+        """
         done = len(self.cache_tokens)
         self.emit(
             ProgressEvent(

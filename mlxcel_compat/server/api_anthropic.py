@@ -1,8 +1,9 @@
 """The Anthropic Messages API: ``/v1/messages`` and ``/v1/messages/count_tokens``.
 
 A Messages body is translated into the OpenAI chat body the shared pipeline takes (system and
-text blocks become messages and text parts, ``tool_use`` becomes ``tool_calls``, ``tool_result``
-becomes ``tool`` messages, ``thinking`` becomes ``reasoning_content``), and the engine's events
+text blocks become messages and text parts, ``image`` blocks ``image_url`` parts (which this
+text-only server refuses as llama-server does), ``tool_use`` becomes ``tool_calls``,
+``tool_result`` becomes ``tool`` messages, ``thinking`` becomes ``reasoning_content``), and the engine's events
 come back as an Anthropic message or its SSE events. ``cache_control`` markers travel with the
 parts, messages and tools they sit on: the pipeline turns them into explicit cache breakpoints.
 
@@ -87,9 +88,27 @@ def _blocks(content: Any, where: str) -> list[Mapping[str, Any]]:
     if not isinstance(content, list) or not all(isinstance(b, Mapping) for b in content):
         raise InvalidRequest(f"{where}: must be a string or an array of content blocks")
     for i, block in enumerate(content):
-        if block.get("type") in ("image", "document"):
-            raise InvalidRequest(f"{where}[{i}]: {block['type']} content blocks are not supported: this server has no multimodal input")
+        if block.get("type") == "document":
+            raise InvalidRequest(f"{where}[{i}]: document content blocks are not supported: this server has no multimodal input")
     return content
+
+
+def _image_part(block: Mapping[str, Any]) -> dict[str, Any] | None:
+    """An ``image`` block as the OpenAI ``image_url`` part llama-server turns it into.
+
+    The chat pipeline then refuses it as llama-server does on a model without a projector
+    (500, "image input is not supported - hint: ..."), in a message and in a ``tool_result``
+    alike. A source other than base64 or a URL is dropped, as llama-server drops it.
+    """
+    source = block.get("source")
+    source = source if isinstance(source, Mapping) else {}
+    if source.get("type") == "base64":
+        url = f"data:{source.get('media_type') or 'image/jpeg'};base64,{source.get('data') or ''}"
+    elif source.get("type") == "url":
+        url = str(source.get("url") or "")
+    else:
+        return None
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _system_message(system: Any) -> dict[str, Any] | None:
@@ -102,15 +121,19 @@ def _system_message(system: Any) -> dict[str, Any] | None:
     return {"role": "system", "content": system if isinstance(system, str) else [_text_part(b, f"system[{i}]") for i, b in enumerate(blocks)]}
 
 
-def _tool_result_text(block: Mapping[str, Any], where: str) -> str:
+def _tool_result_content(block: Mapping[str, Any], where: str) -> str | list[dict[str, Any]]:
+    """A ``tool_result``'s content as the tool message's: its text, or parts when it holds images."""
     content = block.get("content", "")
     if isinstance(content, str):
         text = content
     else:
         parts = _blocks(content, f"{where}.content")
         for i, part in enumerate(parts):
-            if part.get("type") != "text":
-                raise InvalidRequest(f"{where}.content[{i}]: only text blocks are supported in tool_result")
+            if part.get("type") not in ("text", "image"):
+                raise InvalidRequest(f"{where}.content[{i}]: only text and image blocks are supported in tool_result")
+        if any(p.get("type") == "image" for p in parts):  # llama-server keeps parts, which a text-only model refuses
+            kept = [_image_part(p) if p.get("type") == "image" else {"type": "text", "text": str(p.get("text", ""))} for p in parts]
+            return [p for p in kept if p is not None]
         text = "\n".join(str(p.get("text", "")) for p in parts)
     return "Error: " + text if block.get("is_error") is True else text
 
@@ -137,6 +160,10 @@ def _translate_message(m: int, message: Any) -> list[dict[str, Any]]:
         kind, here = block.get("type"), f"{where}.content[{i}]"
         if kind == "text":
             parts.append(_text_part(block, here))
+        elif kind == "image":
+            image = _image_part(block)
+            if image is not None:
+                parts.append(image)
         elif kind == "thinking" and role == "assistant":
             reasoning += str(block.get("thinking", ""))
         elif kind == "redacted_thinking" and role == "assistant":
@@ -148,7 +175,7 @@ def _translate_message(m: int, message: Any) -> list[dict[str, Any]]:
             calls.append({"id": str(block.get("id", "")), "type": "function", "function": {"name": block["name"], "arguments": arguments}})
             marked = block.get("cache_control") or marked
         elif kind == "tool_result" and role == "user":
-            result: dict[str, Any] = {"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")), "content": _tool_result_text(block, here)}
+            result: dict[str, Any] = {"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")), "content": _tool_result_content(block, here)}
             if block.get("cache_control") is not None:
                 result["cache_control"] = block["cache_control"]
             tools.append(result)

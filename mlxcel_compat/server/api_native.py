@@ -20,6 +20,7 @@ from mlxcel_compat.server.errors import ApiError, InvalidRequest, event_error, j
 from mlxcel_compat.server.openapi import JSON, SSE, Operation
 from mlxcel_compat.server.params import CompletionOptions
 from mlxcel_compat.server.pipeline import collect, ctx_of, prepare_completion, prompt_text, read_json, render_prompt, respond, sse_response
+from mlxcel_compat.server.progress import PromptProgress
 
 # ---------------------------------------------------------------------- /completion
 
@@ -48,6 +49,7 @@ async def completion(request: Request) -> Response:
 async def _stream(ctx: ServerContext, requests: list[GenerationRequest], opts: CompletionOptions) -> AsyncIterator[bytes]:
     m = ctx.model
     results = [fmt.Result(index=r.index, request=r) for r in requests]
+    progress = PromptProgress.for_request(ctx, opts.timings_per_token)
     try:
         async for i, event in ctx.run(requests):
             res = results[i]
@@ -56,16 +58,8 @@ async def _stream(ctx: ServerContext, requests: list[GenerationRequest], opts: C
                 chunk = fmt.native_partial(res, event, m.tokenizer, event.id_slot, opts.timings_per_token)
                 yield fmt.sse(chunk)
             elif isinstance(event, ProgressEvent):
-                yield fmt.sse(
-                    {
-                        "index": res.index,
-                        "content": "",
-                        "tokens": [0],
-                        "stop": False,
-                        "id_slot": event.id_slot,
-                        "prompt_progress": {"total": event.total, "cache": event.cache, "processed": event.processed, "time_ms": event.time_ms},
-                    }
-                )
+                for report in progress.feed(i, event):
+                    yield fmt.sse(report.attach(fmt.native_progress(res, event.id_slot)))
             elif isinstance(event, FinishEvent):
                 res.close(event)
                 body = fmt.native_final(

@@ -35,6 +35,7 @@ from mlxcel_compat.server.pipeline import (
     sse_response,
     warm_up,
 )
+from mlxcel_compat.server.progress import PromptProgress
 
 SYSTEM_FINGERPRINT = fmt.BUILD_INFO
 
@@ -190,13 +191,20 @@ async def _stream_completion(ctx: ServerContext, requests: list[GenerationReques
     cid, created = completion_id(), fmt.now()
     results = [fmt.Result(index=r.index, request=r) for r in requests]
     remaining = len(requests)
+    progress = PromptProgress.for_request(ctx, opts.timings_per_token)
     async for i, event in ctx.run(requests):
         res = results[i]
         if isinstance(event, TokenEvent):
             res.add(event, m.tokenizer)
             if event.text or event.top is not None:
                 logprobs = {"content": [fmt.prob_entry(m.tokenizer, event, res.request.post_sampling_probs)]} if event.top is not None else None
-                yield fmt.sse(completion_chunk(event.text, i, m.model_id, cid, created, None, logprobs))
+                chunk = completion_chunk(event.text, i, m.model_id, cid, created, None, logprobs)
+                if opts.timings_per_token:
+                    chunk["timings"] = fmt.timings_json(event)
+                yield fmt.sse(chunk)
+        elif isinstance(event, ProgressEvent):
+            for report in progress.feed(i, event):  # an empty token's chunk, as llama-server sends it
+                yield fmt.sse(report.attach(completion_chunk("", i, m.model_id, cid, created, None)))
         elif isinstance(event, FinishEvent):
             res.close(event)
             remaining -= 1
@@ -266,6 +274,7 @@ async def _stream_chat(
     started: set[int] = set()
     last_finish: FinishEvent | None = None
     remaining = len(requests)
+    progress = PromptProgress.for_request(ctx, job.opts.timings_per_token)
     async for i, event in ctx.run(requests):
         res = results[i]
         if i not in started and isinstance(event, (TokenEvent, FinishEvent)):
@@ -279,12 +288,14 @@ async def _stream_chat(
                 deltas = [("content", "")]  # the token's text is held back; its logprobs are not
             for k, (field, text) in enumerate(deltas):
                 rebuilt[i][field] += text
-                last = logprobs if k == len(deltas) - 1 else None
-                yield fmt.sse(chat_chunk({field: text}, i, m.model_id, cid, created, None, last))
+                is_last = k == len(deltas) - 1
+                chunk = chat_chunk({field: text}, i, m.model_id, cid, created, None, logprobs if is_last else None)
+                if is_last and job.opts.timings_per_token:  # on the token's last chunk, as llama-server
+                    chunk["timings"] = fmt.timings_json(event)
+                yield fmt.sse(chunk)
         elif isinstance(event, ProgressEvent):
-            chunk = chat_chunk({"role": "assistant", "content": None}, i, m.model_id, cid, created)
-            chunk["prompt_progress"] = {"total": event.total, "cache": event.cache, "processed": event.processed, "time_ms": event.time_ms}
-            yield fmt.sse(chunk)
+            for report in progress.feed(i, event):
+                yield fmt.sse(report.attach(chat_chunk({"role": "assistant", "content": None}, i, m.model_id, cid, created)))
         elif isinstance(event, FinishEvent):
             res.close(event)
             remaining -= 1

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, TokenEvent
+from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, ProgressEvent, TokenEvent
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.errors import InvalidRequest, ServerError, json_response
@@ -41,13 +41,14 @@ from mlxcel_compat.server.pipeline import (
     stream_deltas,
     warm_up,
 )
+from mlxcel_compat.server.progress import PromptProgress
 
 log = logging.getLogger(__name__)
 
 # Fields that mean the same in the chat body, plus llama-server extras passed through.
 PASSTHROUGH = (
     "temperature", "top_p", "stream", "parallel_tool_calls", "prompt_cache_key", "user",
-    "chat_template_kwargs", "cache_prompt", "top_k", "min_p", "seed",
+    "chat_template_kwargs", "cache_prompt", "top_k", "min_p", "seed", "timings_per_token", "return_progress",
 )
 
 
@@ -63,20 +64,34 @@ def item_id(prefix: str) -> str:
 
 
 def _input_text(content: Any, where: str, kinds: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Content parts as chat text parts (a string is one part)."""
+    """Content parts as chat parts (a string is one text part).
+
+    Where ``kinds`` allows ``input_image``, an image becomes the chat body's ``image_url`` part,
+    as llama-server converts it; the chat pipeline then refuses it on this text-only server with
+    llama-server's 500. ``input_file`` and other media kinds are llama-server's 400s.
+    """
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
         raise InvalidRequest(f"{where}.content: must be a string or an array of content parts")
-    parts = []
+    parts: list[dict[str, Any]] = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind in ("input_image", "input_file", "input_audio"):
-            raise InvalidRequest(f"{where}.content[{i}]: '{kind}' is not supported: this server has no multimodal input")
+        if kind == "input_image" and "input_image" in kinds:
+            if "image_url" not in part:
+                raise InvalidRequest("'image_url' is required")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+            continue
+        if kind == "input_file" and "input_image" in kinds:
+            raise InvalidRequest("'input_file' is not supported by llamacpp at this moment")
         if kind not in kinds or not isinstance(part.get("text"), str):
             raise InvalidRequest(f"{where}.content[{i}]: type must be one of {', '.join(repr(k) for k in kinds)}, with a 'text'")
         parts.append({"type": "text", "text": part["text"]})
     return parts
+
+
+def _has_media(parts: list[dict[str, Any]]) -> bool:
+    return any(p["type"] != "text" for p in parts)
 
 
 def _translate_input(items: Any) -> list[dict[str, Any]]:
@@ -99,7 +114,7 @@ def _translate_input(items: Any) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         role = item.get("role")
         if kind == "message" and role in ("user", "system", "developer"):
-            messages.append({"role": "system" if role == "developer" else role, "content": _input_text(item.get("content"), where, ("input_text",))})
+            messages.append({"role": "system" if role == "developer" else role, "content": _input_text(item.get("content"), where, ("input_text", "input_image"))})
         elif kind == "message" and role == "assistant":
             msg = assistant()
             text = "".join(p["text"] for p in _input_text(item.get("content"), where, ("output_text", "input_text")))
@@ -116,7 +131,8 @@ def _translate_input(items: Any) -> list[dict[str, Any]]:
             if not isinstance(item.get("call_id"), str):
                 raise InvalidRequest(f"{where}: a function_call_output needs 'call_id'")
             output = item.get("output", "")
-            text = output if isinstance(output, str) else "".join(p["text"] for p in _input_text(output, where, ("input_text", "output_text")))
+            parts = [] if isinstance(output, str) else _input_text(output, where, ("input_text", "output_text", "input_image"))
+            text: Any = output if isinstance(output, str) else parts if _has_media(parts) else "".join(p["text"] for p in parts)
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
         elif kind == "reasoning":
             pieces = [p.get("text", "") for p in (item.get("content") or item.get("summary") or []) if isinstance(p, Mapping)]
@@ -265,10 +281,6 @@ def response_body(
     }
 
 
-def final_status(fin: FinishEvent) -> str:
-    return "incomplete" if fin.stop_type == "limit" else "completed"
-
-
 # ---------------------------------------------------------------------- /v1/responses
 
 
@@ -289,7 +301,9 @@ async def responses(request: Request) -> Response:
         output.append(message_item(item_id("msg_"), reply.content))
     output += [function_call_item(c) for c in reply.tool_calls]
     warm_up(ctx, job, _reply_message(reply))
-    out = response_body(response_id(), fmt.now(), ctx, body, final_status(fin), output, usage_json(ctx, fin, reply.reasoning))
+    # "completed" even when max_output_tokens cut the reply: llama-server's status, which its
+    # clients (and llama.cpp's own tests) expect; OpenAI would say "incomplete".
+    out = response_body(response_id(), fmt.now(), ctx, body, "completed", output, usage_json(ctx, fin, reply.reasoning))
     return json_response(out)
 
 
@@ -317,7 +331,8 @@ class _Events:
         self.sequence += 1
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
-    def delta(self, field: str, text: str) -> list[bytes]:
+    def delta(self, field: str, text: str, timings: dict[str, Any] | None = None) -> list[bytes]:
+        """The events of one text delta; ``timings`` (``timings_per_token``) go on the delta event."""
         out = []
         if self.open != field:
             out += self.close()
@@ -325,7 +340,9 @@ class _Events:
         self.text += text
         item = self.output[-1]
         kind = "response.reasoning_text.delta" if field == "reasoning_content" else "response.output_text.delta"
-        extra = {} if field == "reasoning_content" else {"logprobs": []}
+        extra: dict[str, Any] = {} if field == "reasoning_content" else {"logprobs": []}
+        if timings is not None:
+            extra["timings"] = timings
         out.append(self.event(kind, item_id=item["id"], output_index=len(self.output) - 1, content_index=0, delta=text, **extra))
         return out
 
@@ -378,21 +395,34 @@ class _Events:
 
 
 async def _stream(ctx: ServerContext, job: ChatJob, body: Mapping[str, Any]) -> AsyncIterator[bytes]:
+    """The Responses events, with llama-server's telemetry: ``return_progress`` sends a
+    ``response.in_progress`` per progress report (``prompt_progress``, and ``timings`` with
+    ``timings_per_token``), ``timings_per_token`` puts ``timings`` on each token's last delta, and
+    ``response.completed`` (also after ``max_output_tokens``) carries ``timings`` beside ``response``."""
     rid, created = response_id(), fmt.now()
     events = _Events()
     splitter = reply_splitter(ctx, job)
     res = fmt.Result(index=0, request=job.requests[0])
+    per_token = job.opts.timings_per_token
+    progress = PromptProgress.for_request(ctx, per_token) if job.requests[0].return_progress else None
     start = response_body(rid, created, ctx, body, "in_progress", [], None)
     yield events.event("response.created", response=start)
-    yield events.event("response.in_progress", response=start)
+    if progress is None:  # otherwise each progress report is a response.in_progress event
+        yield events.event("response.in_progress", response=start)
     async for _, event in ctx.run(job.requests):
         if isinstance(event, ErrorEvent):
             yield events.event("error", code="server_error", message=ServerError(event.message).message, param=None)
             return
+        if isinstance(event, ProgressEvent) and progress is not None:
+            for report in progress.feed(0, event):
+                yield events.event("response.in_progress", **report.attach({"response": start}))
+            continue
         if not isinstance(event, (TokenEvent, FinishEvent)):
             continue
-        for field, text in stream_deltas(ctx, splitter, res, event):
-            for chunk in events.delta(field, text):
+        deltas = stream_deltas(ctx, splitter, res, event)
+        timings = fmt.timings_json(event) if per_token and isinstance(event, TokenEvent) else None
+        for k, (field, text) in enumerate(deltas):
+            for chunk in events.delta(field, text, timings if k == len(deltas) - 1 else None):
                 yield chunk
         if isinstance(event, FinishEvent):
             reply = parse_reply(ctx, job, res.content)
@@ -405,9 +435,8 @@ async def _stream(ctx: ServerContext, job: ChatJob, body: Mapping[str, Any]) -> 
                 for chunk in events.function_call(call):
                     yield chunk
             warm_up(ctx, job, _reply_message(reply))
-            status = final_status(event)
-            final = response_body(rid, created, ctx, body, status, events.output, usage_json(ctx, event, reply.reasoning))
-            yield events.event(f"response.{status}", response=final)
+            final = response_body(rid, created, ctx, body, "completed", events.output, usage_json(ctx, event, reply.reasoning))
+            yield events.event("response.completed", response=final, timings=fmt.timings_json(event))
 
 
 # ---------------------------------------------------------------------- /v1/responses/input_tokens

@@ -133,14 +133,53 @@ class _WriteTimeout(Exception):
     """The client did not take a response chunk within ``--timeout`` seconds."""
 
 
+# Lingering close after an early 413: how much of the rest of an over-limit body is read and
+# dropped before the connection closes (at most this many seconds, and this many bytes or this
+# many times the limit, whichever is more). Beyond that the connection is cut.
+DRAIN_SECONDS = 10.0
+DRAIN_MIN_BYTES = 128 << 20
+DRAIN_LIMIT_FACTOR = 8
+
+
+def drain_bound(limit: int) -> int:
+    """The most body bytes a refused request may send before its connection is cut."""
+    return max(DRAIN_MIN_BYTES, DRAIN_LIMIT_FACTOR * limit)
+
+
+async def drain_body(receive: Receive, received: int, bound: int, seconds: float = DRAIN_SECONDS) -> bool:
+    """Read and drop the rest of a request body (nothing is parsed or kept).
+
+    ``received``: body bytes already read. True once the client has sent all of it, False when
+    it sent more than ``bound`` bytes in all, took longer than ``seconds`` or went away.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while True:
+        try:
+            message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            return False
+        if message["type"] != "http.request":
+            return False  # http.disconnect
+        received += len(message.get("body", b""))
+        if received > bound:
+            return False
+        if not message.get("more_body", False):
+            return True
+
+
 class LimitsMiddleware:
     """``--max-body-bytes`` while the body streams in, and ``--timeout`` for each write.
 
     A body whose ``Content-Length`` is over the cap is refused before any of it is read; a body
     without one is counted as it arrives and refused (413, llama.cpp's error shape) as soon as it
-    passes the cap. Either way the connection is closed after the answer, so the unread rest
-    never reaches a next request. A client that stops reading a response (a full socket buffer
-    for ``--timeout`` seconds) loses its connection, which cancels its generation.
+    passes the cap. The connection is closed after the answer, so the unread rest never reaches
+    a next request, but not at once: as nginx's lingering close, the 413 goes out first and the
+    rest of the body is read and dropped (up to :func:`drain_bound` bytes and ``DRAIN_SECONDS``),
+    because httpx, requests and the openai SDK write the whole body before they read anything:
+    closed on them mid-body, they report a broken pipe instead of the 413. A longer body is cut
+    as soon as it is refused. A client that stops reading a response (a full socket buffer for
+    ``--timeout`` seconds) loses its connection, which cancels its generation.
     """
 
     def __init__(self, app: ASGIApp, ctx: ServerContext, write_timeout: float, prefix: str = "") -> None:
@@ -160,7 +199,8 @@ class LimitsMiddleware:
         limit = self.ctx.max_body_bytes
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await self._refuse(self.too_large(int(declared), limit, exact=True), scope, receive, send)
+            drain = int(declared) <= drain_bound(limit)
+            await self._refuse(self.too_large(int(declared), limit, exact=True), scope, receive, send, drain=drain)
             return
         received = 0
         started = False
@@ -187,14 +227,24 @@ class LimitsMiddleware:
         except PayloadTooLarge as exc:
             if started:
                 raise
-            await self._refuse(exc, scope, receive, send)
+            await self._refuse(exc, scope, receive, send, drain=True, received=received)
         except _WriteTimeout:
             log.info("closing a connection on %s: the client took no data for %s s (--timeout)", scope.get("path"), self.write_timeout)
 
-    async def _refuse(self, exc: PayloadTooLarge, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _refuse(self, exc: PayloadTooLarge, scope: Scope, receive: Receive, send: Send, drain: bool, received: int = 0) -> None:
+        """The 413; with ``drain``, the connection stays open while the rest of the body is dropped."""
         response = error_response(exc, ERROR_SHAPES.get(_route_path(scope, self.prefix)))
         response.headers["connection"] = "close"  # the unread rest of the body must not become a request
-        await response(scope, receive, send)
+        if not drain:
+            await response(scope, receive, send)
+            return
+        # The whole answer goes out now (its Content-Length tells the client where it ends); the
+        # response is finished, and the connection closed, once the body is drained.
+        await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body, "more_body": True})
+        if not await drain_body(receive, received, drain_bound(self.ctx.max_body_bytes)):
+            log.info("closing a connection on %s: its refused body went past the drain bound", scope.get("path"))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class ErrorMiddleware:
@@ -359,7 +409,10 @@ async def _wait_for_model(ctx: ServerContext) -> None:
             pin_max_ttl=float(ctx.settings.prompt_cache_pin_max_ttl),
         )
         ctx.model = model  # last: this is what opens the gate
-        log.info("model '%s' ready: serving on %d slots, n_ctx %d", ctx.model.model_id, len(ctx.engine.slots), ctx.model.n_ctx)
+        log.info(
+            "model '%s' ready: serving on %d slots, n_ctx %d, prompts prefilled in chunks of %d tokens",
+            ctx.model.model_id, len(ctx.engine.slots), ctx.model.n_ctx, ctx.engine.config.batch_size,
+        )
         log.info(
             "request limits: body %d bytes, prompts of more than %s characters refused before tokenizing, %d worker threads; prompt-cache isolation: %s",
             ctx.max_body_bytes,

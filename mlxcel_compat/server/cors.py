@@ -7,10 +7,12 @@ API-key checks: 200, an empty ``text/html`` body, ``Access-Control-Allow-Origin`
 not lowercased: HTTP says names are case-insensitive, but some clients compare them as written,
 which is why this is not Starlette's ``CORSMiddleware`` (it lowercases them).
 
-Origins: ``*`` echoes the request's ``Origin`` (so credentials work), ``localhost`` echoes only
-local origins, and a comma list echoes an origin that is in it. Allowed headers ``*`` echo the
-preflight's ``Access-Control-Request-Headers`` (a literal ``*`` means nothing to a browser once
-credentials are allowed).
+Origins: ``*`` with credentials echoes the request's ``Origin`` (so credentials work), ``*``
+without them is sent as ``*``, ``localhost`` echoes only local origins, and a comma list echoes an
+origin that is in it (llama-server sends the list itself, which no browser accepts; the origins it
+allows are the same). ``--cors-methods`` and ``--cors-headers`` go out as configured: a preflight
+gets ``Access-Control-Allow-Headers: *`` by default whatever it asks for, as from llama-server,
+and browser apps written against llama-server expect exactly that.
 """
 
 from __future__ import annotations
@@ -37,13 +39,15 @@ class CorsPolicy:
     def from_settings(cls, settings: Any) -> "CorsPolicy":
         return cls(
             origins=settings.cors_origins.strip(),
-            methods=", ".join(m.strip() for m in settings.cors_methods.split(",") if m.strip()),
+            methods=settings.cors_methods.strip(),
             headers=settings.cors_headers.strip(),
             credentials=bool(settings.cors_credentials),
         )
 
     def allow_origin(self, origin: str) -> str | None:
         """The ``Access-Control-Allow-Origin`` value for a request's ``Origin`` (None: omit)."""
+        if self.origins == "*" and not self.credentials:
+            return "*"
         if not origin:
             return None
         if self.origins == "*":
@@ -52,11 +56,6 @@ class CorsPolicy:
             return origin if _LOCAL_ORIGIN.fullmatch(origin) else None
         allowed = [o.strip() for o in self.origins.split(",")]
         return origin if origin in allowed else None
-
-    def allow_headers(self, requested: str) -> str:
-        if self.headers == "*" and requested:
-            return requested
-        return self.headers
 
 
 class CorsMiddleware:
@@ -71,7 +70,7 @@ class CorsMiddleware:
         headers = {k.lower(): v.decode("latin-1") for k, v in scope["headers"]}
         allow_origin = self.policy.allow_origin(headers.get(b"origin", ""))
         if scope["method"] == "OPTIONS":
-            await self._preflight(send, allow_origin, headers.get(b"access-control-request-headers", ""))
+            await self._preflight(send, allow_origin)
             return
 
         async def send_with_cors(message: Message) -> None:
@@ -85,7 +84,7 @@ class CorsMiddleware:
 
         await self.app(scope, receive, send_with_cors)
 
-    async def _preflight(self, send: Send, allow_origin: str | None, requested_headers: str) -> None:
+    async def _preflight(self, send: Send, allow_origin: str | None) -> None:
         policy = self.policy
         headers = [(b"Content-Type", b"text/html"), (b"Content-Length", b"0")]
         if allow_origin is not None:
@@ -93,7 +92,7 @@ class CorsMiddleware:
         headers += [
             (b"Access-Control-Allow-Credentials", b"true" if policy.credentials else b"false"),
             (b"Access-Control-Allow-Methods", policy.methods.encode("latin-1")),
-            (b"Access-Control-Allow-Headers", policy.allow_headers(requested_headers).encode("latin-1")),
+            (b"Access-Control-Allow-Headers", policy.headers.encode("latin-1")),
         ]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b""})

@@ -237,6 +237,20 @@ def native_partial(result: Result, event: TokenEvent, tokenizer: Any, id_slot: i
     return out
 
 
+def native_progress(result: Result, id_slot: int) -> dict[str, Any]:
+    """A native progress chunk before its ``timings`` / ``prompt_progress``: llama-server sends
+    it as a partial of an empty token (``tokens: [0]``), nothing predicted yet."""
+    return {
+        "index": result.index,
+        "content": "",
+        "tokens": [0],
+        "stop": False,
+        "id_slot": id_slot,
+        "tokens_predicted": 0,
+        "tokens_evaluated": len(result.request.prompt_tokens),
+    }
+
+
 def filter_fields(data: dict[str, Any], fields: list[str]) -> dict[str, Any]:
     """``response_fields``: keep only the listed (possibly nested ``a/b``) keys, flattened."""
     out: dict[str, Any] = {}

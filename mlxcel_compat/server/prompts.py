@@ -117,7 +117,9 @@ def tokenize_text(tokenizer: Any, text: str, add_special: bool) -> list[int]:
 def tokenize_one(tokenizer: Any, prompt: Any, vocab_size: int, bound: PromptBound | None = None) -> list[int]:
     if isinstance(prompt, dict):
         if "multimodal_data" in prompt:
-            raise InvalidRequest("multimodal_data is not supported by this server (no multimodal projector loaded)")
+            # llama-server's words and status on a model without a projector (its completion
+            # handler turns every tokenizing error into a 400).
+            raise InvalidRequest("Multimodal data provided, but model does not support multimodal requests.")
         prompt = prompt.get("prompt_string")
         if not isinstance(prompt, str):
             raise InvalidRequest("prompt_string must be a string")
