@@ -93,8 +93,9 @@ def test_the_server_serves_the_real_file_from_its_blocks(real_server: ServerProc
 
 def test_chat_names_paris(client: openai.OpenAI) -> None:
     # Not "What is the capital of France?": for this 135M model the first answer token of that
-    # phrasing is a near tie even in float32 ("The" 0.152, "L" 0.140), so 8-bit activations (as
-    # llama.cpp computes them) turn it into "L'Étoile, ...". This phrasing has a clear margin.
+    # phrasing is a near tie even in float32 ("The" 0.152, "L" 0.140), so 8-bit activations turn
+    # it into "L'Étoile, la Marseillaise, ..." (llama-server b11312 answers that too, greedy, on
+    # this file: "L" 0.157, "The" 0.123). This phrasing has a clear margin.
     answer = ask(client, "Which city is the capital of France?")
     assert "Paris" in answer.choices[0].message.content
     assert answer.choices[0].finish_reason == "stop"  # it ended its turn itself
