@@ -22,6 +22,9 @@ from a fixed word list through a seeded RNG, decoding is greedy):
 * ``prefix64``: a 2K-token prefix + 64 new tokens. Warm TTFT against the cold prefill of the
   64 new tokens alone and against the cold prefill of the whole prompt (goal: warm / 64-only
   <= 1.2).
+* ``hit-ttft``: a ``--prefix-tokens`` prompt cold, then again (a full hit), then with ``--new-tokens``
+  more, ``--repeats`` times; with ``--peer-llama-server BIN`` (and ``--serve FILE.gguf``) side by side
+  with llama-server on the same file (issue 29: a hit at most as slow as llama-server's).
 * ``agent``: a coding-agent loop, the same conversations once through ``/v1/chat/completions`` and
   once through the Anthropic ``/v1/messages`` (cache reset before each): a ~``--agent-system-tokens``
   system prompt (default 2048) plus ``AGENT_TOOLS`` schemas, ``--agent-sessions`` sessions (default
@@ -79,9 +82,10 @@ from typing import Any, Callable
 
 import httpx
 
-from benchlib import ServerProcess, pct, ratio, resolve_model
+from benchlib import ServerProcess, free_port, pct, ratio, resolve_model
 
-WORKLOADS = ("shared-system", "multi-turn", "timestamp", "unrelated", "prefix64", "apc-divergent", "agent")
+WORKLOADS = ("shared-system", "multi-turn", "timestamp", "unrelated", "prefix64", "apc-divergent", "agent", "hit-ttft")
+HIT_TTFT_KINDS = ("cold", "full-hit", "hit+new")  # the hit-ttft workload's requests, in order
 # The coding agent's tools (JSON schemas a Claude-Code-like client sends with every request).
 AGENT_TOOLS = [
     {"name": name, "description": desc, "input_schema": {"type": "object", "properties": props, "required": list(props)}}
@@ -833,6 +837,20 @@ class Bench:
             resp_us.append((time.perf_counter() - t0) / 20 * 1e6)
         return {"request_us_p50": statistics.median(req_us), "reply_us_p50": statistics.median(resp_us), "n": len(req_us)}
 
+    def hit_ttft(self) -> None:
+        """A ``--prefix-tokens`` prompt sent cold, then again (a full hit: every prompt token but
+        the last is cached), then with ``--new-tokens`` more (a hit plus new tokens), each of
+        ``--repeats`` times with a fresh prompt. With ``--peer-llama-server`` every request goes to
+        llama-server and to this server back to back (order alternating), on the same GGUF file."""
+        g = "hit-ttft"
+        self.begin_group(g)
+        for i in range(self.args.repeats):
+            prompt = [Msg("user", self.text.text(f"hit-prefix-{i}", self.args.prefix_tokens))]
+            longer = [Msg("user", prompt[0].content + " " + self.text.text(f"hit-new-{i}", self.args.new_tokens))]
+            for kind, msgs in zip(HIT_TTFT_KINDS, (prompt, prompt, longer)):
+                self.run(g, "warm", msgs, f"bench-hit-{i}", i=i, case=kind)
+        self.end_group(g)
+
     def warmup(self) -> None:
         if self.args.warmup <= 0:
             return
@@ -1067,6 +1085,32 @@ def render_comparison(bench: Bench, comparison: dict[str, dict[str, Any]]) -> li
     return L
 
 
+def render_hit_ttft(bench: Bench) -> list[str]:
+    """The hit-ttft workload: TTFT p50 of a cold prompt, its full hit and a hit plus new tokens, per
+    server, and each server against llama-server where one ran beside it."""
+    recs = [r for r in bench.records if r["group"] == "hit-ttft" and r["counted"] and r["ok"]]
+    if not recs:
+        return []
+    servers = list(dict.fromkeys(r.get("server") for r in recs))
+    L = [f"### Cache-hit TTFT ({bench.args.prefix_tokens}-token prompt; hit + {bench.args.new_tokens} new tokens; "
+         f"{bench.args.repeats} repeats)", ""]
+    hdr = ["request", *(f"TTFT p50 {s or 'server'}" for s in servers), *(f"cached {s or 'server'}" for s in servers)]
+    if "llama-server" in servers and len(servers) == 2:
+        hdr.append("ours / llama-server")
+    L += ["| " + " | ".join(hdr) + " |", "|" + "|".join("---" for _ in hdr) + "|"]
+    for case in HIT_TTFT_KINDS:
+        rows = {s: [r for r in recs if r.get("case") == case and r.get("server") == s] for s in servers}
+        p50 = {s: pct([r["ttft_ms"] for r in rows[s]], 50) for s in servers}
+        cells = [case, *(fmt_ms(p50[s]) for s in servers),
+                 *(fmt_n(pct([r["cached_tokens"] for r in rows[s] if r["cached_tokens"] is not None], 50)) for s in servers)]
+        if len(hdr) > len(cells):
+            ours = next(s for s in servers if s != "llama-server")
+            cells.append(fmt_r(ratio(p50[ours], p50["llama-server"])))
+        L.append("| " + " | ".join(cells) + " |")
+    L.append("")
+    return L
+
+
 def render(bench: Bench, summary: dict[str, dict[str, Any]], info: dict[str, Any], command: str,
            comparison: dict[str, dict[str, Any]] | None = None) -> str:
     L: list[str] = []
@@ -1178,6 +1222,7 @@ def render(bench: Bench, summary: dict[str, dict[str, Any]], info: dict[str, Any
             L.extend(render_cases_single(bench, s))
     if comparison:
         L.extend(render_comparison(bench, comparison))
+    L.extend(render_hit_ttft(bench))
     for w in bench.warnings:
         L.append(f"WARNING: {w}")
     return "\n".join(L).rstrip() + "\n"
@@ -1199,6 +1244,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-arg", action="append", default=[], metavar="ARGS",
                    help="extra server arguments (repeatable; use the = form: --server-arg=--no-cache-prompt)")
     p.add_argument("--server-python", default=sys.executable, help="Python that runs the server (default: this one)")
+    p.add_argument("--peer-llama-server", metavar="BIN",
+                   help="with --serve FILE.gguf: also start this llama-server binary on the same file and the same "
+                        "--server-arg flags, and send every request to both (order alternating); rows are "
+                        "workload@mlxcel and workload@llama-server")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--server-log", metavar="FILE", help="keep the started server's output in FILE (default: a temp file, "
                    "deleted unless start-up fails)")
@@ -1253,6 +1302,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--apc-lengths: expected positive token counts")
     if args.apc_users < 1 or args.apc_turns < 1:
         p.error("--apc-users and --apc-turns must be >= 1")
+    if args.peer_llama_server and not (args.serve and args.serve.endswith(".gguf") and not args.compare_apc):
+        p.error("--peer-llama-server needs --serve FILE.gguf (the file both servers load) and no --compare-apc")
     if args.compare_apc:
         if not args.serve:
             p.error("--compare-apc needs --serve (it starts both servers itself)")
@@ -1273,6 +1324,8 @@ def main(argv: list[str] | None = None) -> int:
         specs: list[tuple[str | None, list[str]]] = [(None, [])]
         if args.compare_apc:
             specs = [("apc-on", ["--apc-enabled=true"]), ("apc-off", ["--apc-enabled=false"])]
+        elif args.peer_llama_server:
+            specs = [("mlxcel", [])]
         if args.serve:
             model_dir = resolve_model(args.serve, args.size)
             extra = [x for a in args.server_arg for x in shlex.split(a)]
@@ -1290,6 +1343,15 @@ def main(argv: list[str] | None = None) -> int:
                 server.start()
                 server.wait_healthy(args.startup_timeout)
                 targets.append((label, server.base_url))
+            if args.peer_llama_server:
+                port = free_port()
+                peer = ServerProcess([args.peer_llama_server, "-m", model_dir, "--host", "127.0.0.1", "--port", str(port),
+                                      *extra], port, name="llama-server")
+                servers.append(peer)
+                print(f"starting llama-server: {shlex.join(peer.cmd)}", file=sys.stderr, flush=True)
+                peer.start()
+                peer.wait_healthy(args.startup_timeout)
+                targets.append(("llama-server", peer.base_url))
         else:
             targets = [(None, args.base_url)]
         for label, base_url in targets:
@@ -1324,10 +1386,10 @@ def main(argv: list[str] | None = None) -> int:
         for w in args.workload_list:
             {"shared-system": bench.shared_system, "multi-turn": bench.multi_turn, "timestamp": bench.timestamp,
              "unrelated": bench.unrelated, "prefix64": bench.prefix64, "apc-divergent": bench.apc_divergent,
-             "agent": bench.agent}[w]()
+             "agent": bench.agent, "hit-ttft": bench.hit_ttft}[w]()
         summary = summarize(bench)
         info["agent_translation"] = bench.translation_cost()
-        comparison = compare_apc(summary) if bench.compare else None
+        comparison = compare_apc(summary) if args.compare_apc else None
         if bench.compare and bench.reply_mismatches:
             bench.warnings.append(f"{bench.reply_mismatches} request(s) got different replies from the two servers "
                                   "(each conversation continues with its own server's reply, so later prompts differ "

@@ -116,8 +116,8 @@ def ensure_model(family: str, size: str, cache_dir: str | Path | None = None) ->
 
 
 def resolve_model(spec: str, default_size: str) -> str:
-    """A model directory as given, or ``family[:size]`` built by mlxcel_compat.testing.models."""
-    if os.path.isdir(spec):
+    """A model directory or GGUF file as given, or ``family[:size]`` built by mlxcel_compat.testing.models."""
+    if os.path.isdir(spec) or (spec.endswith(".gguf") and os.path.isfile(spec)):
         return spec
     family, _, size = spec.partition(":")
     return str(ensure_model(family, size or default_size))
