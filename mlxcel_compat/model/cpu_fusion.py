@@ -223,10 +223,13 @@ def _is_norm(module: Any) -> bool:
 
 def _is_mlp(name: str, module: Any) -> bool:
     """A dense gated MLP of an mlx-lm model (``layers.N.mlp``, class ``MLP``), of float weights:
-    one with block-format weights evaluates inside its call, which ``mx.compile`` cannot trace."""
+    one with block-format weights evaluates inside its call, which ``mx.compile`` cannot trace;
+    one with a LoRA adapter reads its scales at call time, which a trace would bake in."""
     from mlxcel_compat.model.block_layers import holds_blocks
+    from mlxcel_compat.model.lora_layers import holds_lora
 
-    return name.endswith(".mlp") and type(module).__name__ == "MLP" and not holds_blocks(module)
+    return (name.endswith(".mlp") and type(module).__name__ == "MLP" and not holds_blocks(module)
+            and not holds_lora(module))
 
 
 def install(model: Any) -> dict[str, int]:
