@@ -321,11 +321,6 @@ class AdapterSet:
         return [{"id": a.id, "path": a.path, "scale": s, "task_name": a.task_name, "prompt_prefix": a.prompt_prefix}
                 for a, s in zip(self.adapters, self.scales)]
 
-    @staticmethod
-    def report(scales: Sequence[float]) -> list[dict[str, Any]]:
-        """``generation_settings.lora``: ``[{id, scale}]`` for every adapter."""
-        return [{"id": i, "scale": s} for i, s in enumerate(scales)]
-
 
 def parse_scaled(item: str) -> AdapterSpec:
     """``FNAME:SCALE`` as llama-server splits it (exactly one ``:``)."""
@@ -338,5 +333,19 @@ def parse_scaled(item: str) -> AdapterSpec:
     return AdapterSpec(parts[0], scale)
 
 
-__all__ = ["AdapterError", "AdapterFile", "AdapterSet", "AdapterSpec", "LoraFactor", "as_scale", "inspect_adapter",
+def adapter_specs(settings: Any) -> list[AdapterSpec]:
+    """``--lora`` and ``--lora-scaled`` in command-line order (llama-server appends both to one
+    list, which gives the ids); from the environment, ``--lora`` items first."""
+    positions = getattr(settings, "positions", {}) or {}
+    items: list[tuple[int, int, AdapterSpec]] = []
+    for name, parse in (("lora", lambda v: AdapterSpec(v, 1.0)), ("lora_scaled", parse_scaled)):
+        values = tuple(getattr(settings, name, None) or ())
+        where = positions.get(name, ())
+        for i, value in enumerate(values):
+            order = where[i] if len(where) == len(values) else (1 << 30) + (0 if name == "lora" else 1 << 20) + i
+            items.append((order, i, parse(value)))
+    return [spec for _, _, spec in sorted(items, key=lambda t: (t[0], t[1]))]
+
+
+__all__ = ["AdapterError", "adapter_specs", "AdapterFile", "AdapterSet", "AdapterSpec", "LoraFactor", "as_scale", "inspect_adapter",
            "parse_scaled", "read_factors"]
