@@ -105,7 +105,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModelNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    app = build_server(settings, str(model_path), api_keys, model_name=model_arg)
+    from mlxcel_compat.model.lora import AdapterError, AdapterSet, adapter_specs
+
+    try:
+        # Adapter files are checked before listening too (their shapes once the model is loaded).
+        adapters = AdapterSet.from_specs(adapter_specs(settings), bool(settings.lora_init_without_apply))
+    except (AdapterError, OSError) as exc:
+        print(f"error: failed to load LoRA adapter: {exc}", file=sys.stderr)
+        return 1
+    app = build_server(settings, str(model_path), api_keys, model_name=model_arg, adapters=adapters)
     code = asyncio.run(serve(app, settings))
     engine = app.state.ctx.engine
     if engine.state == "failed":
@@ -118,14 +126,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit_now(code)
 
 
-def build_server(settings: object, model_arg: str, api_keys: list[str], model_name: str | None = None) -> object:
+def build_server(settings: object, model_arg: str, api_keys: list[str], model_name: str | None = None,
+                 adapters: object = None) -> object:
     from mlxcel_compat.engine.core import Engine, EngineConfig
     from mlxcel_compat.engine.prefix_cache import PrefixCache, PrefixCacheConfig
+    from mlxcel_compat.model.lora import AdapterSet
     from mlxcel_compat.server.app import build_app
     from mlxcel_compat.server.context import ServerContext
     from mlxcel_compat.server.metrics import Metrics, prompt_cache_metrics
 
     # llama-server's auto slot count: 4 slots sharing one unified KV buffer (each may use all of -c).
+    adapters = adapters if adapters is not None else AdapterSet()
     auto_parallel = settings.n_parallel <= 0
     n_parallel = 4 if auto_parallel else settings.n_parallel
     engine = Engine(
@@ -141,10 +152,11 @@ def build_server(settings: object, model_arg: str, api_keys: list[str], model_na
             cont_batching=bool(settings.cont_batching),
             sleep_idle_seconds=settings.sleep_idle_seconds,
             keep_slot_state=bool(settings.slot_save_path),
+            adapters=list(adapters.adapters),
         ),
         prefix_cache_factory=lambda engine: PrefixCache(engine, PrefixCacheConfig.from_settings(settings)),
     )
-    ctx = ServerContext(settings=settings, engine=engine, api_keys=api_keys)
+    ctx = ServerContext(settings=settings, engine=engine, api_keys=api_keys, adapters=adapters)
     ctx.metrics = Metrics(engine)
     ctx.metrics.add_collector(lambda: prompt_cache_metrics(engine))
     return build_app(ctx)

@@ -206,8 +206,10 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _f("grammar_triggers", {"type": "array", "items": {"type": "object", "properties": {"type": {"enum": [0, 1, 2, 3]}, "value": STRING, "token": INTEGER}, "required": ["type", "value"]}},
        note="llama-server's four types: token, word, pattern, full pattern"),
     _f("preserved_tokens", {"type": "array", "items": STRING}, note="one-token entries may be word triggers and are rendered as text"),
-    RequestField("lora", {"type": "array", "maxItems": 0}, status="unsupported",
-                 note="no adapters can be loaded; an empty list is accepted, any adapter id is rejected (501)"),
+    _f("lora", {"type": "array", "items": {"type": "object", "properties": {"id": INTEGER, "scale": NUMBER}}},
+       note="per-request adapter scales: adapters not listed get 0, ids out of range are ignored; absent or empty: "
+            "the global scales (POST /lora-adapters); its own prompt-cache bucket (lora_id); rows with different "
+            "scales share a batched pass, each scaled by its own"),
     _f("id_slot", INTEGER, note="pins the request to a slot, modulo the slot count"),
     _f("verbose", BOOL, note="adds __verbose to OpenAI responses"),
     _f("reasoning_format", {"enum": ["none", "auto", "deepseek", "deepseek-legacy"]}, note="per-request override of --reasoning-format"),

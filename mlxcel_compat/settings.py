@@ -286,7 +286,7 @@ R_LOG_FORMAT = "logs use Python's logging format"
 R_UI = "no web UI is bundled; GET / serves a status page (see --ui)"
 R_ROUTER = "router (multi-model) mode is not supported; serve one model per process"
 R_EMBED = "embeddings and reranking are not supported"
-R_LORA = "LoRA adapters are not supported"
+R_LORA_ENV = "llama-server reads no environment variable for it (MLXCEL_* only)"
 R_CVEC = "control vectors are not supported"
 R_TLS = "TLS is not supported; terminate TLS in a reverse proxy"
 R_TOOLS = "built-in agent tools, MCP and the CORS proxy are not supported"
@@ -524,12 +524,15 @@ _MODEL: tuple[Setting, ...] = (
               "--gpt-oss-120b-default", "--vision-gemma-4b-default", "--vision-gemma-12b-default"),
              "llama.cpp presets that download a GGUF model.",
              "presets are not implemented; pass -m or -hf with the model they name", group="model"),
-    _refused("lora", ("--lora",), "LoRA adapter(s), comma-separated.", R_LORA, metavar="FNAME",
-             group="model", type="list"),
-    _refused("lora_scaled", ("--lora-scaled",), "LoRA adapter(s) with scales.", R_LORA, metavar="FNAME:SCALE",
-             group="model", type="list"),
-    _noop("lora_init_without_apply", ("--lora-init-without-apply",), "Load adapters at scale 0.", R_LORA,
-          group="model"),
+    Setting("lora", ("--lora",), type="list", default=(), group="model", metavar="FNAME", reason=R_LORA_ENV,
+            help="LoRA adapter(s) at scale 1.0: a GGUF LoRA file (convert_lora_to_gguf.py) or an mlx-lm / PEFT "
+                 "adapter directory; comma-separated, the flag may repeat. Served unfused; adapter ids follow "
+                 "the command line (--lora and --lora-scaled together)."),
+    Setting("lora_scaled", ("--lora-scaled",), type="list", default=(), group="model", metavar="FNAME:SCALE",
+            reason=R_LORA_ENV, help="LoRA adapter(s) with their initial scales (FNAME:SCALE, comma-separated; "
+                                    "the flag may repeat)."),
+    Setting("lora_init_without_apply", ("--lora-init-without-apply",), type="bool", default=False, group="model",
+            reason=R_LORA_ENV, help="Load the adapters at scale 0 (set scales later with POST /lora-adapters)."),
     _refused("control_vector", ("--control-vector",), "Control vector file(s).", R_CVEC, metavar="FNAME",
              group="model", type="list"),
     _refused("control_vector_scaled", ("--control-vector-scaled",), "Control vectors with scales.", R_CVEC,
@@ -963,7 +966,7 @@ def check_table(settings: Sequence[Setting] = SETTINGS) -> None:
     """Fail loudly on an inconsistent table (run at import; cheap)."""
     names = [s.name for s in settings]
     assert len(names) == len(set(names)), "duplicate setting names"
-    reserved = {"sources", "ignored", "is_set"}
+    reserved = {"sources", "ignored", "is_set", "positions"}
     envs: dict[str, str] = {}
     for s in settings:
         assert s.name.isidentifier() and s.name not in reserved, f"{s.name=}"
@@ -996,6 +999,7 @@ class CliValue:
 
     spelling: str
     value: bool | str | tuple[str, str]
+    position: int = -1  # index of the flag in argv (orders items across flags: --lora, --lora-scaled)
 
 
 def _looks_like_value(token: str) -> bool:
@@ -1023,6 +1027,7 @@ def parse_argv(argv: Sequence[str]) -> dict[str, list[CliValue]]:
     i = 0
     while i < len(argv):
         token = argv[i]
+        position = i
         i += 1
         name, inline = _split_flag(token)
         hit = _FLAG_INDEX.get(name) if token.startswith("-") else None
@@ -1051,7 +1056,7 @@ def parse_argv(argv: Sequence[str]) -> dict[str, list[CliValue]]:
             i += 1
         else:
             raise SettingsError(f"expected value for argument: {name}")
-        found.setdefault(setting.name, []).append(CliValue(name, value))
+        found.setdefault(setting.name, []).append(CliValue(name, value, position))
     return found
 
 
@@ -1236,11 +1241,34 @@ def resolve_settings(argv: Sequence[str] | None = None, environ: Mapping[str, st
     _apply_cache_switch(resolved)
     _apply_escapes(resolved)
     _check_refused(resolved)
+    _check_lora_scaled(resolved)
     ignored = [(resolved[s.name].spelling, s.reason) for s in SETTINGS
                if s.status == "noop" and resolved[s.name].source != "default"]
     values = {name: item.value for name, item in resolved.items()}
     sources = MappingProxyType({name: item.source for name, item in resolved.items()})
-    return Settings(**values, sources=sources, ignored=ignored)
+    return Settings(**values, sources=sources, ignored=ignored, positions=_list_positions(cli))
+
+
+def _list_positions(cli: Mapping[str, list[CliValue]]) -> Mapping[str, tuple[int, ...]]:
+    """For list settings given on the command line: the argv position of each resolved item."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, occurrences in cli.items():
+        setting = settings_by_name[name]
+        if setting.type == "list" and setting.status != "noop" and not setting.list_reset:
+            out[name] = tuple(o.position for o in occurrences for _ in _list_items(setting, str(o.value)))
+    return MappingProxyType(out)
+
+
+def _check_lora_scaled(resolved: Mapping[str, _Resolved]) -> None:
+    """``--lora-scaled`` items are FNAME:SCALE, split as llama-server splits them."""
+    from mlxcel_compat.model.lora import parse_scaled
+
+    item = resolved["lora_scaled"]
+    for value in item.value or ():
+        try:
+            parse_scaled(value)
+        except ValueError:
+            raise SettingsError(f"invalid value for {item.spelling}: {value!r}; expected FNAME:SCALE") from None
 
 
 def make_settings(**overrides: Any) -> Settings:
@@ -1279,7 +1307,8 @@ Settings = dataclasses.make_dataclass(
     "Settings",
     [(s.name, Any, field(repr=not s.secret)) for s in SETTINGS]
     + [("sources", Mapping[str, str], field(repr=False)),
-       ("ignored", list[tuple[str, str]], field(default_factory=list, repr=False))],
+       ("ignored", list[tuple[str, str]], field(default_factory=list, repr=False)),
+       ("positions", Mapping[str, tuple[int, ...]], field(default_factory=dict, repr=False))],
     namespace={"is_set": _is_set, "__module__": __name__},
     frozen=True,
 )

@@ -58,7 +58,9 @@ def test_manifest_flag_statuses_and_notes(manifest) -> None:
         if entry["status"] != "supported":
             assert entry["note"], entry["setting"]
     names = {e["setting"] for e in manifest_flags(status="refused", manifest=manifest)}
-    assert {"embeddings", "rerank", "lora", "mmproj", "ssl_key_file", "models_dir"} <= names
+    assert {"embeddings", "rerank", "mmproj", "ssl_key_file", "models_dir"} <= names
+    supported = {e["setting"] for e in manifest_flags(status="supported", manifest=manifest)}
+    assert {"lora", "lora_scaled", "lora_init_without_apply"} <= supported  # issue 30
     noop = {e["setting"] for e in manifest_flags(status="noop", manifest=manifest)}
     assert {"n_gpu_layers", "flash_attn", "mlock", "threads", "cache_type_k"} <= noop
 
@@ -69,7 +71,7 @@ SUPPORTED_ROUTES = [
     ("POST", "/v1/completions"), ("POST", "/chat/completions"), ("POST", "/v1/chat/completions"),
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template"), ("GET", "/slots"),
     ("POST", "/v1/cache/reset"), ("GET", "/v1/cache/stats"), ("GET", "/openapi.json"), ("GET", "/"), ("GET", "/index.html"),
-    ("POST", "/slots/{id_slot}"),
+    ("POST", "/slots/{id_slot}"), ("GET", "/lora-adapters"), ("POST", "/lora-adapters"),
     ("GET", "/tools"), ("POST", "/tools"), ("GET", "/cors-proxy"), ("POST", "/cors-proxy"), ("POST", "/predict"),
     ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"), ("POST", "/responses"),
     ("POST", "/chat/completions/input_tokens"), ("POST", "/v1/chat/completions/input_tokens"),
@@ -82,7 +84,7 @@ UPSTREAM_ROUTES = [
     ("POST", "/v1/chat/completions/control"),
     ("POST", "/v1/audio/transcriptions"), ("POST", "/audio/transcriptions"), ("POST", "/infill"), ("POST", "/embedding"), ("POST", "/embeddings"),
     ("POST", "/v1/embeddings"), ("POST", "/rerank"), ("POST", "/reranking"), ("POST", "/v1/rerank"),
-    ("POST", "/v1/reranking"), ("GET", "/lora-adapters"), ("POST", "/lora-adapters"),
+    ("POST", "/v1/reranking"),
     ("GET", "/v1/stream"), ("DELETE", "/v1/stream"), ("POST", "/v1/streams/lookup"), ("POST", "/models"), ("POST", "/models/load"), ("POST", "/models/unload"),
     ("GET", "/models/sse"), ("DELETE", "/models"),
 ]
@@ -116,7 +118,7 @@ message_delimiters
 """.split()
 
 NOT_SUPPORTED = """
-lora backend_sampling reasoning_control
+backend_sampling reasoning_control
 """.split()
 
 # Accepted-and-ignored (or refused) before issues 12 and 13; now acted on as llama-server does.
@@ -159,7 +161,8 @@ def test_request_fields(manifest) -> None:
 
 def test_request_field_helpers_filter(manifest) -> None:
     unsupported = manifest_request_fields(status="unsupported", manifest=manifest)
-    assert "lora" in unsupported and "grammar" not in unsupported and "stream" not in unsupported
+    assert "previous_response_id" in unsupported and "lora" not in unsupported and "grammar" not in unsupported
+    assert "stream" not in unsupported
     chat = manifest_request_fields(scope="chat", manifest=manifest)
     assert "messages" in chat and "prompt" not in chat
     assert set(manifest_request_fields(status="noop", scope="completion", manifest=manifest)) == {

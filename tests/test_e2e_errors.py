@@ -119,9 +119,13 @@ def test_unknown_fields_are_ignored(http):
     assert response.status_code == 200
 
 
-def test_lora_is_refused_not_ignored(http):
-    # No LoRA adapter can be loaded: the request is refused (docs/compat manifest).
-    assert_error(http.post("/completion", json={"prompt": "Hi", "n_predict": 1, "lora": [{"id": 0, "scale": 1.0}]}), 501, "not_supported_error", "lora")
+def test_lora_without_adapters_is_read_as_llama_server_reads_it(http):
+    # No adapter is loaded: ids out of range are ignored (construct_lora_list), a non-array is a 400.
+    base = http.post("/completion", json={"prompt": "Hi", "n_predict": 3, "temperature": 0})
+    ignored = http.post("/completion", json={"prompt": "Hi", "n_predict": 3, "temperature": 0, "lora": [{"id": 0, "scale": 1.0}]})
+    assert ignored.status_code == 200 and ignored.json()["content"] == base.json()["content"]
+    assert ignored.json()["generation_settings"]["lora"] == []
+    assert_error(http.post("/completion", json={"prompt": "Hi", "n_predict": 1, "lora": {"id": 0}}), 400, "invalid_request_error", "lora")
     assert_serving(http)
 
 

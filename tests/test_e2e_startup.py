@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess
+from tests.conftest import MODEL_CACHE, ServerProcess
 from tests.e2e_helpers import NO_REGISTRY, post_stream
 
 
@@ -112,11 +112,26 @@ def test_deployment_flags_are_accepted_as_documented_no_ops(server_factory, llam
     assert httpx.get(server.base_url + "/health", timeout=10).json() == {"status": "ok"}
 
 
-@pytest.mark.parametrize("flag", [["--embeddings"], ["--lora", "adapter.gguf"]])
+@pytest.mark.parametrize("flag", [["--embeddings"]])
 def test_unsupported_features_are_refused_with_a_reason(flag, llama_dir) -> None:
     out = run_cli(["-m", str(llama_dir), *flag])
     assert out.returncode == 2
     assert flag[0] in out.stderr and "not supported" in out.stderr.lower()
+
+
+def test_an_adapter_that_cannot_be_served_stops_start_up(llama_dir, tmp_path) -> None:
+    """A missing file before listening; a GGUF adapter of another architecture, or with a
+    tensor the model has no layer for, once the model is loaded: exit 1, the message says which."""
+    from mlxcel_compat.testing.adapters import ensure_adapter
+
+    out = run_cli(["-m", str(llama_dir), "--lora", str(tmp_path / "missing.gguf")])
+    assert out.returncode == 1 and "missing.gguf' does not exist" in out.stderr
+    other = ensure_adapter("qwen3", "tiny", "gguf", cache_dir=MODEL_CACHE)
+    out = run_cli(["-m", str(llama_dir), "--port", "0", "--lora-scaled", f"{other}:0.5"])
+    assert out.returncode == 1 and "architecture 'qwen3'" in out.stderr and "'llama'" in out.stderr
+    gemma = ensure_adapter("gemma3_text", "tiny", "mlx", cache_dir=MODEL_CACHE)
+    out = run_cli(["-m", str(llama_dir), "--port", "0", "--lora", str(gemma)])
+    assert out.returncode == 1 and "model.layers.2." in out.stderr
 
 
 def test_unknown_argument_is_a_clear_error() -> None:

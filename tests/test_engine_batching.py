@@ -216,12 +216,12 @@ class _LoggedDecoder:
     def __init__(self, log: ForwardLog, decoder) -> None:
         self.log, self.decoder = log, decoder
 
-    def step(self, token, cache, owned):
-        return self.step_rows([token], [cache], [owned])[0]
+    def step(self, token, cache, owned, scales=None):
+        return self.step_rows([token], [cache], [owned], None if scales is None else [scales])[0]
 
-    def step_rows(self, tokens, caches, owned):
+    def step_rows(self, tokens, caches, owned, scales=None):
         self.log.shapes.append((len(tokens), 1))
-        return self.decoder.step_rows(tokens, caches, owned)
+        return self.decoder.step_rows(tokens, caches, owned, scales)
 
     def __getattr__(self, name):
         return getattr(self.decoder, name)

@@ -61,14 +61,14 @@ class FaultyDecoder:
         self.faulty = faulty
         self.decoder = decoder
 
-    def step(self, token, cache, owned):
-        return self.step_rows([token], [cache], [owned])[0]
+    def step(self, token, cache, owned, scales=None):
+        return self.step_rows([token], [cache], [owned], None if scales is None else [scales])[0]
 
-    def step_rows(self, tokens, caches, owned):
+    def step_rows(self, tokens, caches, owned, scales=None):
         if self.faulty.fails(mx.array(tokens).reshape(-1, 1)):
             self.faulty.raised += 1
             raise RuntimeError("injected fault")
-        return self.decoder.step_rows(tokens, caches, owned)
+        return self.decoder.step_rows(tokens, caches, owned, scales)
 
     def __getattr__(self, name):
         return getattr(self.decoder, name)

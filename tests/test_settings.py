@@ -328,7 +328,6 @@ def test_optional_value_flag_does_not_eat_the_next_flag() -> None:
     [
         (["--embeddings"], {}, "--embeddings"),
         (["--rerank"], {}, "--rerank"),
-        (["--lora", "a.gguf"], {}, "--lora"),
         (["--mmproj", "p.gguf"], {}, "--mmproj"),
         (["--fim-qwen-7b-default"], {}, "--fim-qwen-7b-default"),
         ([], {"LLAMA_ARG_SSL_KEY_FILE": "/k.pem"}, "LLAMA_ARG_SSL_KEY_FILE"),
@@ -509,3 +508,20 @@ def test_markdown_lists_every_setting_with_its_variables() -> None:
         for name in s.flags[:1] + ((s.mlxcel_env,) if s.mlxcel_env else ()):
             assert f"`{name}`" in text, s.name
     assert "`LLAMA_ARG_NO_CACHE_PROMPT`" in text and "| refused |" in text and "| noop |" in text
+
+
+def test_lora_flags_keep_llama_servers_order_and_format() -> None:
+    """--lora and --lora-scaled append to one list (ids in command-line order), comma lists and
+    repeated flags both add; FNAME:SCALE splits on its one ':'; no LLAMA_ARG_* name exists."""
+    from mlxcel_compat.model.lora import AdapterSpec, adapter_specs
+
+    s = resolve_settings(["--lora-scaled", "b.gguf:0.5", "--lora", "a.gguf,c", "--lora-scaled", "d:2",
+                          "--lora-init-without-apply"], {})
+    assert adapter_specs(s) == [AdapterSpec("b.gguf", 0.5), AdapterSpec("a.gguf", 1.0), AdapterSpec("c", 1.0),
+                                AdapterSpec("d", 2.0)]
+    assert s.lora_init_without_apply is True
+    s = resolve_settings([], {"MLXCEL_LORA": "x", "MLXCEL_LORA_SCALED": "z:3", "LLAMA_ARG_LORA": "ignored"})
+    assert adapter_specs(s) == [AdapterSpec("x", 1.0), AdapterSpec("z", 3.0)]
+    for bad in ("b.gguf", "a:b:1", "b.gguf:x"):
+        with pytest.raises(SettingsError, match="invalid value for --lora-scaled"):
+            resolve_settings(["--lora-scaled", bad], {})

@@ -279,6 +279,7 @@ class SnapshotStore(EntryStore):
         return {
             "snapshot_enabled": self.enabled,
             "snapshot_entries": len(self._entries),
+            "snapshot_entries_by_lora_id": self.entries_by_lora_id(),
             "snapshot_bytes": self._nbytes,
             "snapshot_capacity_bytes": self.capacity_bytes,
             "snapshot_max_entries": self.max_entries,

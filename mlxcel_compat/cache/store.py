@@ -561,11 +561,22 @@ class EntryStore:
             self.counters.partial_hits += 1
         return LookupResult(hit=hit, reason=None, best_len=hit.verified_len)
 
+    def entries_by_lora_id(self) -> dict[str, dict[str, int]]:
+        """Entries and bytes per ``lora_id`` ("" = the base model): adapters and scales never
+        share entries, so this shows what each adapter set holds."""
+        out: dict[str, dict[str, int]] = {}
+        for entry in self._entries.values():
+            item = out.setdefault(entry.bucket.lora_id, {"entries": 0, "bytes": 0})
+            item["entries"] += 1
+            item["bytes"] += entry.nbytes
+        return out
+
     def _base_stats(self) -> dict[str, object]:
         c = self.counters
         return {
             "enabled": self.enabled,
             "entries": len(self._entries),
+            "entries_by_lora_id": self.entries_by_lora_id(),
             "bytes": self._nbytes,
             "capacity_bytes": self.capacity_bytes,
             "max_entries": self.max_entries,

@@ -35,6 +35,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlxcel_compat.cache import kv
 from mlxcel_compat.engine.sequence import Sequence, draw_pending
 from mlxcel_compat.model.block_layers import logits_unused
+from mlxcel_compat.model.lora_layers import applied
 
 
 def _merge(layers: list[Any]) -> Any:
@@ -93,7 +94,7 @@ def prefill_together(model: Any, seqs: list[Sequence], chunks: list[list[int]]) 
     if any(padding):
         for layer in cache:
             layer.prepare(lengths=lengths, right_padding=padding)
-    with logits_unused():  # only the caches are wanted
+    with logits_unused(), applied(lora_rows(seqs)):  # only the caches are wanted
         model(mx.array([c + [0] * p for c, p in zip(chunks, padding)]), cache=cache)
     if any(padding):
         for layer in cache:
@@ -103,6 +104,13 @@ def prefill_together(model: Any, seqs: list[Sequence], chunks: list[list[int]]) 
     for seq, row, chunk in zip(seqs, rows, chunks):
         seq.cache = row
         seq.chunk_done(chunk)
+
+
+def lora_rows(seqs: list[Sequence]) -> list[tuple[float, ...]] | None:
+    """Each row's LoRA scales (``lora_layers.applied`` scales every row by its own), or None
+    when no row uses an adapter: rows with different adapter sets share a pass exactly."""
+    rows = [s.request.lora for s in seqs]
+    return rows if any(any(r) for r in rows) else None
 
 
 class DecodeBatch:
@@ -219,13 +227,14 @@ class DecodeBatch:
         if self.decoder is not None:
             try:  # a failed runtime step advances no cache: nothing to roll back
                 rows = self.decoder.step_rows(tokens.reshape(-1).tolist(), [s.cache for s in self.sequences],
-                                              [s.owned for s in self.sequences])
+                                              [s.owned for s in self.sequences], lora_rows(self.sequences))
             except Exception as exc:
                 raise ForwardFailed(exc, True) from exc
             return mx.array(rows)
         marks = kv.checkpoint(self.cache)
         try:
-            return self.model(tokens, cache=self.cache)[:, -1, :]
+            with applied(lora_rows(self.sequences)):
+                return self.model(tokens, cache=self.cache)[:, -1, :]
         except Exception as exc:
             raise ForwardFailed(exc, kv.rollback(self.cache, marks)) from exc
 

@@ -64,6 +64,7 @@ class EngineConfig:
     cont_batching: bool = True  # False: decode one sequence at a time (no batched steps)
     sleep_idle_seconds: int = -1  # unload the model after this many idle seconds (<= 0: never)
     keep_slot_state: bool = False  # slots keep their last state for slot files (--slot-save-path)
+    adapters: list[Any] = field(default_factory=list)  # lora.AdapterFile: LoRA adapters, installed unfused
 
 
 @dataclass
@@ -284,7 +285,8 @@ class Engine:
 
         t0 = time.perf_counter()
         try:
-            reloaded = load_model(self.config.model, self.config.aliases, offline=self.config.offline)
+            reloaded = load_model(self.config.model, self.config.aliases, offline=self.config.offline,
+                                  adapters=self.config.adapters)
             self.loaded.model, self.loaded.decoder = reloaded.model, reloaded.decoder
         except Exception as exc:
             log.exception("could not reload the model after sleep")
@@ -301,7 +303,7 @@ class Engine:
 
         t0 = time.perf_counter()
         self.loaded = load_model(self.config.model, self.config.aliases, offline=self.config.offline,
-                                 name=self.config.model_name)
+                                 name=self.config.model_name, adapters=self.config.adapters)
         n_ctx_train = int(_config_value(self.loaded.config, "max_position_embeddings", 4096))
         self.n_ctx_total, self.n_ctx = slot_context(self.config.ctx_size, len(self.slots), self.config.kv_unified, n_ctx_train)
         for slot in self.slots:

@@ -315,7 +315,7 @@ class PrefixCache:
         ctx = seq.request.cache
         return Bucket(
             model_id=self.model_id,
-            lora_id="",
+            lora_id=ctx.lora_id,
             template_sig=ctx.template_sig,
             rope_regime=None,
             mm_digest=ctx.mm_digest or TEXT_ONLY_MM_DIGEST,

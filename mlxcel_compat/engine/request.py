@@ -32,6 +32,8 @@ class CacheContext:
     template_sig: str = ""  # 64 hex chars; the raw-prompt sentinel on /completion
     mm_digest: bytes = b""
     namespace: str = ""  # tenant (cache.key.cache_namespace): entries of other tenants are invisible
+    # The effective LoRA adapters and scales (lora.AdapterSet.lora_id): "" for the base model.
+    lora_id: str = ""
     # Chat routes: token length of the rendered history alone (snapshot boundary), if known.
     history_boundary: int | None = None
     # Explicit cache breakpoints (``cache_control``): (token position, pin seconds), ascending.
@@ -65,6 +67,9 @@ class GenerationRequest:
     reasoning_budget: ReasoningBudgetSpec | None = None
     # Grammar, JSON schema or tool-call constraint on the output (None: free text).
     constraint: Constraint | None = None
+    # LoRA scales, one per adapter id (the global ones unless the request's ``lora`` overrides
+    # them); () or all zeros: the base model.
+    lora: tuple[float, ...] = ()
 
     @property
     def is_child(self) -> bool:
@@ -153,3 +158,5 @@ class WarmupJob:
     tokens: list[int]  # the rendered history including the assistant reply (no generation prompt)
     mm_digest: bytes = b""  # empty: text only
     namespace: str = ""  # the tenant of the request it follows
+    lora_id: str = ""  # and its adapters: the warm-up prefills under the same scales
+    lora: tuple[float, ...] = ()

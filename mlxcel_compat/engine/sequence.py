@@ -39,6 +39,7 @@ from mlxcel_compat.engine.reasoning_budget import ReasoningBudget
 from mlxcel_compat.engine.sampling import SamplerChain, top_logprobs, top_probs
 from mlxcel_compat.engine.textstream import TextStream, token_is_complete_utf8
 from mlxcel_compat.model.block_layers import logits_unused
+from mlxcel_compat.model.lora_layers import applied
 from mlxcel_compat.model.cpu_decode import OwnedCache
 
 log = logging.getLogger(__name__)
@@ -229,6 +230,11 @@ class Sequence:
         if self.finished is None and self._context_full():
             self._finish("limit", "", truncated=True)
 
+    @property
+    def lora_rows(self) -> list[tuple[float, ...]] | None:
+        """The LoRA scales of this sequence's forward passes (``lora_layers.applied``)."""
+        return [self.request.lora] if any(self.request.lora) else None
+
     # ------------------------------------------------------------------ prefill
 
     def prefill_step(self) -> int:
@@ -239,7 +245,7 @@ class Sequence:
         last = self.n_prompt - 1
         if len(self.cache_tokens) < last:
             chunk = self.next_chunk()
-            with logits_unused():  # only the cache is wanted
+            with logits_unused(), applied(self.lora_rows):  # only the cache is wanted
                 self.model(mx.array(chunk)[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
             self.chunk_done(chunk)
@@ -304,11 +310,12 @@ class Sequence:
             # The CPU decode runtime takes the token's value: no step is queued ahead of it,
             # and none needs to be (it never waits on MLX's scheduler).
             token = int(tokens.item()) if isinstance(tokens, mx.array) else tokens[0]
-            logits = mx.array(self.decoder.step(token, self.cache, self.owned))
+            logits = mx.array(self.decoder.step(token, self.cache, self.owned, self.request.lora or None))
             self.cache_tokens.append(token)
             return logits
         inputs = tokens.reshape(1, 1) if isinstance(tokens, mx.array) else mx.array(tokens)[None]
-        logits = self.model(inputs, cache=self.cache)[0, -1, :]
+        with applied(self.lora_rows):
+            logits = self.model(inputs, cache=self.cache)[0, -1, :]
         if isinstance(tokens, mx.array):
             self.cache_tokens.append(-1)  # placeholder; filled in when the token is read back
         else:

@@ -54,7 +54,7 @@ def request_bucket(engine: "Engine", cache: Any) -> Bucket:
     """The bucket of a request's ``CacheContext`` (the prompt cache's key minus session and tokens)."""
     return Bucket(
         model_id=engine.loaded.model_id,
-        lora_id="",
+        lora_id=cache.lora_id,
         template_sig=cache.template_sig or RAW_PROMPT_TEMPLATE_SIG,
         rope_regime=None,
         mm_digest=cache.mm_digest or TEXT_ONLY_MM_DIGEST,
@@ -142,9 +142,12 @@ def adopt_kept(seq: "Sequence", kept: KeptState) -> int:
     """With the prompt cache off: reuse the common prefix of the slot's state, as llama-server does.
 
     The whole state is reused when it is a prefix of the prompt; a shorter common prefix only when
-    every layer can be cut. At least one prompt token is always left to prefill.
+    every layer can be cut. At least one prompt token is always left to prefill. State computed
+    under other LoRA scales is not reused (llama-server clears the slot when they change).
     """
     if kept.bucket.mm_digest != (seq.request.cache.mm_digest or TEXT_ONLY_MM_DIGEST) or not kept.tokens:
+        return 0
+    if kept.bucket.lora_id != seq.request.cache.lora_id:
         return 0
     common = 0
     for a, b in zip(kept.tokens, seq.prompt):

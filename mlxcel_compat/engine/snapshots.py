@@ -25,6 +25,7 @@ from mlxcel_compat.cache.key import TEXT_ONLY_MM_DIGEST, Bucket
 from mlxcel_compat.cache.snapshot import ORIGIN_BOUNDARY, ORIGIN_COMPLETION, SnapshotLookup, SnapshotStore
 from mlxcel_compat.engine.request import WarmupJob
 from mlxcel_compat.model.block_layers import logits_unused
+from mlxcel_compat.model.lora_layers import applied
 
 if TYPE_CHECKING:
     from mlxcel_compat.engine.sequence import Sequence
@@ -32,8 +33,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def prefill_tokens(model: Any, cache: list[Any], tokens: list[int], start: int, chunk_size: int, should_stop: Callable[[], bool]) -> int:
-    """Prefill ``tokens[start:]`` in chunks aligned on absolute multiples of ``chunk_size``.
+def prefill_tokens(model: Any, cache: list[Any], tokens: list[int], start: int, chunk_size: int, should_stop: Callable[[], bool],
+                   lora: tuple[float, ...] = ()) -> int:
+    """Prefill ``tokens[start:]`` in chunks aligned on absolute multiples of ``chunk_size``,
+    under the LoRA scales ``lora`` (those of the request the state belongs to).
 
     Returns how far it got (``len(tokens)`` unless ``should_stop`` interrupted it).
     """
@@ -42,7 +45,7 @@ def prefill_tokens(model: Any, cache: list[Any], tokens: list[int], start: int, 
         if should_stop():
             return pos
         end = min(len(tokens), (pos // chunk_size + 1) * chunk_size)
-        with logits_unused():  # only the cache is wanted
+        with logits_unused(), applied([lora] if any(lora) else None):  # only the cache is wanted
             model(mx.array(tokens[pos:end])[None], cache=cache)
         mx.eval([layer.state for layer in cache])
         pos = end
@@ -57,15 +60,15 @@ class SessionSnapshots:
         self.warmup = warmup
         self.trace = trace
 
-    def bucket(self, template_sig: str, mm_digest: bytes, namespace: str) -> Bucket:
+    def bucket(self, template_sig: str, mm_digest: bytes, namespace: str, lora_id: str = "") -> Bucket:
         return Bucket(
-            model_id=self.model_id, lora_id="", template_sig=template_sig, rope_regime=None,
+            model_id=self.model_id, lora_id=lora_id, template_sig=template_sig, rope_regime=None,
             mm_digest=mm_digest or TEXT_ONLY_MM_DIGEST, namespace=namespace,
         )
 
     def _seq_bucket(self, seq: "Sequence") -> Bucket:
         ctx = seq.request.cache
-        return self.bucket(ctx.template_sig, ctx.mm_digest, ctx.namespace)
+        return self.bucket(ctx.template_sig, ctx.mm_digest, ctx.namespace, ctx.lora_id)
 
     # ------------------------------------------------------------------ requests
 
@@ -105,7 +108,7 @@ class SessionSnapshots:
 
     def run_warmup(self, job: WarmupJob, model: Any, make_cache: Callable[[], list[Any]], chunk_size: int, should_stop: Callable[[], bool]) -> bool:
         """Extend the session's best snapshot through ``job.tokens``; False when skipped."""
-        bucket = self.bucket(job.template_sig, job.mm_digest, job.namespace)
+        bucket = self.bucket(job.template_sig, job.mm_digest, job.namespace, job.lora_id)
         # The job has no token left to "generate": look up as if one more token followed.
         probe = self.store.lookup(bucket, job.session_key, job.tokens + [-1], record=False)
         hit = probe.hit
@@ -116,7 +119,7 @@ class SessionSnapshots:
         cache = kv.copy_cache(hit.entry.payload)
         if hit.needs_trim:
             kv.truncate(cache, hit.matched_len)
-        reached = prefill_tokens(model, cache, job.tokens, hit.matched_len, chunk_size, should_stop)
+        reached = prefill_tokens(model, cache, job.tokens, hit.matched_len, chunk_size, should_stop, job.lora)
         if reached < len(job.tokens):
             self.store.record_warmup(False)  # a request arrived: it goes first
             return False

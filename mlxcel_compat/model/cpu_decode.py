@@ -54,6 +54,7 @@ import numpy as np
 
 from mlxcel_compat.model.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.model.block_weight import BlockWeight
+from mlxcel_compat.model.lora_layers import Factor, factors_of
 
 LOG2E = 1.4426950408889634
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -80,9 +81,26 @@ def _ptr(a: np.ndarray) -> int:
 
 
 @dataclass
+class _Lora:
+    """One adapter on one projection (``lora_layers.Factor``) with its factors' addresses."""
+
+    factor: Factor
+    a_ptr: int = field(init=False)  # (r, K)
+    b_ptr: int = field(init=False)  # (N, r)
+
+    def __post_init__(self) -> None:
+        self.a_ptr, self.b_ptr = _ptr(self.factor.a), _ptr(self.factor.b)
+
+    @property
+    def rank(self) -> int:
+        return self.factor.a.shape[0]
+
+
+@dataclass
 class _Linear:
     weight: np.ndarray | BlockWeight  # (N, K): the module's own float32 buffer, or its blocks
     bias: np.ndarray | None
+    lora: list[_Lora] = field(default_factory=list)  # adapters served unfused (lora_layers.py)
     ptr: int = field(init=False)  # the weight's address, taken once (``ndarray.ctypes`` costs ~1 us a call)
     block: BlockWeight | None = field(init=False)  # quantized (ggml's kernels), else None
 
@@ -319,18 +337,22 @@ class CpuDecoder:
         self.window = int(model.args.sliding_window) if self.gemma else None
         self.norm = self._norm(inner.norm)
         head = _head_module(model)
-        self.head = _Linear(block_weight_of(head) or _f32(head.weight), None)
+        self.head = _Linear(block_weight_of(head) or _f32(head.weight), None,
+                            [_Lora(f) for f in factors_of(head)] if isinstance(head, (nn.Linear, BlockLinear)) else [])
         self.layers = [self._layer(layer, order.index(kind)) for layer, kind in zip(inner.layers, kinds)]
         self._rings = [i for i, layer in enumerate(self.layers) if layer.sliding]  # RotatingKVCache layers
         self._plain = [i for i, layer in enumerate(self.layers) if not layer.sliding]  # KVCache layers
         self._buffers: dict[int, _Buffers] = {}  # by row count
         self._angle_blocks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (kind, first position) -> (cos, sin)
+        self._lora_t: dict[tuple[int, int], np.ndarray] = {}  # (rows, rank) -> A x of one adapter
+        self._columns: dict[int, list[float]] | None = None  # this step's scales by adapter id, one per row
         self.steps = 0  # steps run so far (tests and benchmarks check that it ran)
 
     @staticmethod
     def _linear(module: Any) -> _Linear:
         bias = module.bias if "bias" in module else None
-        return _Linear(block_weight_of(module) or _f32(module.weight), _f32(bias) if bias is not None else None)
+        return _Linear(block_weight_of(module) or _f32(module.weight), _f32(bias) if bias is not None else None,
+                       [_Lora(f) for f in factors_of(module)])
 
     @staticmethod
     def _norm(module: Any) -> _Norm | None:
@@ -375,18 +397,23 @@ class CpuDecoder:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, token: int, cache: list[Any], owned: OwnedCache) -> np.ndarray:
+    def step(self, token: int, cache: list[Any], owned: OwnedCache, scales: Any = None) -> np.ndarray:
         """Feed ``token`` at position ``cache[0].offset``; return the logits (a buffer reused by
-        the next step: copy it before then). The cache advances by one position."""
-        return self.step_rows([token], [cache], [owned])[0]
+        the next step: copy it before then). The cache advances by one position. ``scales``:
+        the LoRA adapters' scales (one per adapter id), None for the base model."""
+        return self.step_rows([token], [cache], [owned], None if scales is None else [scales])[0]
 
-    def step_rows(self, tokens: list[int], caches: list[list[Any]], owned: list[OwnedCache]) -> np.ndarray:
+    def step_rows(self, tokens: list[int], caches: list[list[Any]], owned: list[OwnedCache],
+                  scales: Any = None) -> np.ndarray:
         """One step of several sequences at once, each on its own cache at its own position:
         the projections take all rows in one pass over each weight (the shim's kernel reads a
         weight row once for up to 16 rows, and computes each row exactly as it would alone, so a
         row's logits are bit-identical to its step alone); RoPE and attention go row by row.
+        ``scales``: per row, the LoRA adapters' scales (None: the base model for every row; a
+        row of zeros adds exactly nothing to its projections).
         Returns (rows, vocabulary) logits, a buffer reused by the next step. If anything raises,
         no cache has advanced (a position written past ``offset`` is unused)."""
+        self._columns = _columns(scales)
         vocab = self.embed.shape[0]
         for token in tokens:
             if not 0 <= token < vocab:  # NumPy would wrap a negative index silently
@@ -481,6 +508,25 @@ class CpuDecoder:
                          1.0 if accumulate else 0.0, b.ptr[out], n)
         if lin.bias is not None:
             getattr(b, out)[...] += lin.bias
+        if lin.lora and self._columns is not None:
+            self._add_lora(lin, b, x, out)
+
+    def _add_lora(self, lin: _Linear, b: _Buffers, x: str, out: str) -> None:
+        """b.out += scale * multiplier * B (A b.x) per row, for each adapter of ``lin`` (the
+        shim's kernel for both products). ``A x`` is scaled row by row whatever the scales, so a
+        row's result does not depend on the other rows of its batch (a zero row adds zeros)."""
+        rows, (n, kk) = b.x.shape[0], lin.weight.shape
+        for lora in lin.lora:
+            column = self._columns.get(lora.factor.adapter)
+            if column is None:
+                continue
+            r, m = lora.rank, lora.factor.multiplier
+            t = self._lora_t.get((rows, r))
+            if t is None:
+                t = self._lora_t[(rows, r)] = np.empty((rows, r), np.float32)
+            self.k.sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, rows, r, kk, 1.0, b.ptr[x], kk, lora.a_ptr, kk, 0.0, _ptr(t), r)
+            t *= np.asarray([c * m for c in column], np.float32)[:, None]
+            self.k.sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, rows, n, r, 1.0, _ptr(t), r, lora.b_ptr, r, 1.0, b.ptr[out], n)
 
     # ------------------------------------------------------------------ the cache
 
@@ -567,6 +613,15 @@ class CpuDecoder:
         cos, sin = block
         row = (pos - first) * cos.strides[0]
         return _ptr(cos) + row, _ptr(sin) + row
+
+
+def _columns(scales: Any) -> dict[int, list[float]] | None:
+    """Per adapter id with a non-zero scale in some row, that adapter's scale in every row."""
+    if not scales or not any(any(row) for row in scales):
+        return None
+    n = max(len(row) for row in scales)
+    columns = {i: [float(row[i]) if i < len(row) else 0.0 for row in scales] for i in range(n)}
+    return {i: c for i, c in columns.items() if any(c)}
 
 
 __all__ = ["CpuDecoder", "OwnedCache", "build", "enabled", "unsupported"]

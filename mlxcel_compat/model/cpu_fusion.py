@@ -106,7 +106,7 @@ def _fused_call(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
     head sees (B, 1, L, Dh) for every chunk length L, so the specialized shapes are also capped
     per module (``MAX_SPECIALIZED_SHAPES``); past the cap, new shapes go shapeless."""
     plain = super(type(self), self).__call__
-    if args or kwargs or x.size > SMALL_ELEMENTS:
+    if args or kwargs or x.size > SMALL_ELEMENTS or _adapting(self):
         return plain(x, *args, **kwargs)
     shapes = self.__dict__.setdefault("_mlxcel_shapes", set())  # the shapes given a specialized trace
     shape = x.shape
@@ -119,6 +119,18 @@ def _fused_call(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
         fused = mx.compile(plain, shapeless=not specialized)
         object.__setattr__(self, slot, fused)
     return fused(x)
+
+
+def _adapting(module: Any) -> bool:
+    """Whether a LoRA adapter inside ``module`` applies to this pass (then no trace may run it).
+    Whether the module holds one is looked up once, at its first call."""
+    from mlxcel_compat.model import lora_layers
+
+    holds = module.__dict__.get("_mlxcel_lora_inside")
+    if holds is None:
+        holds = lora_layers.holds_lora(module)
+        object.__setattr__(module, "_mlxcel_lora_inside", holds)
+    return holds and lora_layers.current() is not None
 
 
 def rope_compiles(x: Any) -> bool:
@@ -223,7 +235,9 @@ def _is_norm(module: Any) -> bool:
 
 def _is_mlp(name: str, module: Any) -> bool:
     """A dense gated MLP of an mlx-lm model (``layers.N.mlp``, class ``MLP``), of float weights:
-    one with block-format weights evaluates inside its call, which ``mx.compile`` cannot trace."""
+    one with block-format weights evaluates inside its call, which ``mx.compile`` cannot trace.
+    One with a LoRA adapter is compiled too, but its trace serves only passes with no adapter
+    active (its layers read their scales at call time, which a trace would bake in)."""
     from mlxcel_compat.model.block_layers import holds_blocks
 
     return name.endswith(".mlp") and type(module).__name__ == "MLP" and not holds_blocks(module)

@@ -21,7 +21,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from mlxcel_compat.model import hub
 from mlxcel_compat.model.gguf import is_gguf_path
@@ -48,6 +48,7 @@ class LoadedModel:
     gguf: Any = None  # model.gguf_load.GGUFSummary for a GGUF file, else None
     fingerprint: str = ""  # model_fingerprint(...): what saved prompt-cache state must match
     decoder: Any = None  # model.cpu_decode.CpuDecoder: decode steps outside MLX (single or batched), or None
+    n_adapted: int = 0  # modules carrying a LoRA adapter (model.lora_layers), served unfused
 
     @property
     def file_type(self) -> str:
@@ -212,11 +213,14 @@ def _block_weights(model: Any) -> list[Any]:
     return list(found.values())
 
 
-def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: str | None = None) -> LoadedModel:
+def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: str | None = None,
+               adapters: Sequence[Any] = ()) -> LoadedModel:
     """Load weights and tokenizer. Must run on the engine thread (it creates MLX state).
 
     ``model_arg`` is a local directory or GGUF file (or a hub id, resolved here); ``name`` is what
     the user asked for, used for the display id when it differs from the local path (``-hf``).
+    ``adapters`` (``lora.AdapterFile``) are checked against the model and installed unfused
+    (``lora_layers.py``); one that does not fit raises ``lora.AdapterError`` naming the tensor.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -240,6 +244,7 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
         model, tokenizer, config = load(str(path), return_config=True, lazy=quantized)
         if on_cpu and config.get("quantization") is not None:
             affine = _serve_affine(model)
+    n_adapted = _install_adapters(model, config, summary, adapters) if adapters else 0
     if on_cpu:
         from mlxcel_compat.model import attention, cpu_fusion
 
@@ -273,7 +278,19 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
         gguf=summary,
         fingerprint=model_fingerprint(path, summary, affine.fingerprint if affine is not None else None),
         decoder=decoder,
+        n_adapted=n_adapted,
     )
+
+
+def _install_adapters(model: Any, config: dict[str, Any], summary: Any, adapters: Sequence[Any]) -> int:
+    """Install the LoRA adapters before the CPU levers (compiled MLPs must not hold one)."""
+    from mlxcel_compat.model import lora_layers
+
+    n = lora_layers.install(model, config, adapters, lora_layers.model_architecture(config, summary))
+    for adapter in adapters:
+        log.info("LoRA adapter %d: %s (%s), served unfused", adapter.id, adapter.path, adapter.kind)
+    log.info("LoRA: %d adapter%s on %d modules", len(adapters), "" if len(adapters) == 1 else "s", n)
+    return n
 
 
 def _serve_affine(model: Any) -> Any:

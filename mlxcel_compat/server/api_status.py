@@ -32,7 +32,8 @@ def _default_params(ctx: ServerContext) -> dict[str, Any]:
     from mlxcel_compat.server.params import Body, parse_sampling
 
     sampling = parse_sampling(Body({}), ctx.settings, ctx.model.vocab_size, ctx.tokenize)
-    return metrics_params(GenerationRequest(prompt_tokens=[], sampling=sampling, n_predict=-1), False)
+    request = GenerationRequest(prompt_tokens=[], sampling=sampling, n_predict=-1, lora=ctx.adapters.scales)
+    return metrics_params(request, False)
 
 
 async def props(request: Request) -> Response:

@@ -29,6 +29,7 @@ from mlxcel_compat.engine.core import Engine
 from mlxcel_compat.server import (
     api_anthropic,
     api_cache,
+    api_lora,
     api_native,
     api_openai,
     api_responses,
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 
 # /get_load is public like /health: routers poll it without the client's API key.
 PUBLIC_PATHS = {"/health", "/v1/health", "/get_load", "/models", "/v1/models", "/", "/index.html"}
-API_MODULES = (api_status, api_router, api_native, api_openai, api_anthropic, api_responses, api_cache, api_slots, api_web, openapi)
+API_MODULES = (api_status, api_router, api_native, api_openai, api_anthropic, api_responses, api_cache, api_slots, api_lora, api_web, openapi)
 ERROR_SHAPES: dict[str, ErrorShape] = {path: shape for m in API_MODULES for path, shape in getattr(m, "ERROR_SHAPES", {}).items()}
 
 

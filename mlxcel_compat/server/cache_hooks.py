@@ -174,7 +174,8 @@ class CacheHooks:
             return None
         tokens = self.tokenize(render_next_history(self.template, chat, reply))
         ctx = request.cache
-        return WarmupJob(session_key=ctx.session_key, template_sig=ctx.template_sig, tokens=tokens, namespace=ctx.namespace)
+        return WarmupJob(session_key=ctx.session_key, template_sig=ctx.template_sig, tokens=tokens, namespace=ctx.namespace,
+                         lora_id=ctx.lora_id, lora=request.lora)
 
     def _apply(
         self, data: Mapping[str, Any], requests: list[GenerationRequest], template_sig: str, header: str | None, api_key_id: str | None

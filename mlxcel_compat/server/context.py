@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 from mlxcel_compat.engine.client import EngineClient
 from mlxcel_compat.engine.core import Engine
 from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest
+from mlxcel_compat.model.lora import AdapterSet
 from mlxcel_compat.server.prompts import PromptBound
 from mlxcel_compat.server.workers import WorkerPool, pool_size
 
@@ -57,6 +58,7 @@ class ServerContext:
     cache_hooks: Any = None  # prompt-cache request preparation (session key, template signature)
     draining: bool = False  # SIGTERM/SIGINT received: new requests get 503
     structured: Any = None  # server.structured.StructuredOutput: grammars, schemas, tool calls
+    adapters: AdapterSet = field(default_factory=AdapterSet)  # LoRA adapters and their global scales
 
     def __post_init__(self) -> None:
         self.client = EngineClient(self.engine)

@@ -169,7 +169,8 @@ def generation_settings(
         samplers=samplers,
     )
     out["speculative.types"] = "none"
-    out.update(timings_per_token=timings_per_token, post_sampling_probs=request.post_sampling_probs, backend_sampling=False, lora=[])
+    out.update(timings_per_token=timings_per_token, post_sampling_probs=request.post_sampling_probs, backend_sampling=False,
+               lora=[{"id": i, "scale": scale} for i, scale in enumerate(request.lora)])
     return out
 
 

@@ -15,7 +15,8 @@ from typing import Any, Callable, Mapping, Sequence
 from mlxcel_compat.engine.reasoning_budget import ReasoningBudgetSpec
 from mlxcel_compat.engine.request import CacheContext, GenerationRequest
 from mlxcel_compat.engine.sampling import SamplingParams, parse_logit_bias, parse_samplers
-from mlxcel_compat.server.errors import InvalidRequest, NotSupported
+from mlxcel_compat.model.lora import AdapterSet
+from mlxcel_compat.server.errors import InvalidRequest
 
 INT32_MAX = 2**31 - 1
 INT32_MIN = -(2**31)
@@ -142,18 +143,21 @@ def cache_prompt_flag(body: Mapping[str, Any], default: bool) -> bool:
     return value
 
 
-def reject_unsupported(data: Mapping[str, Any]) -> None:
-    """Refuse what this server cannot honour instead of silently ignoring it (see the manifest).
+LORA_FIELD_ERROR = "Error: 'lora' must be an array of objects with 'id' and 'scale' fields"
 
-    No LoRA adapter can be loaded; llama.cpp's neutral value (an empty ``lora`` list) passes.
-    (``grammar`` and ``json_schema`` are read by ``server/structured.py``.)
-    """
+
+def parse_lora(data: Mapping[str, Any], adapters: AdapterSet | None) -> tuple[float, ...]:
+    """The request's effective LoRA scales (one per adapter id), as llama-server reads ``lora``:
+    absent or empty, the global scales; else the listed ids take their scales and the others 0
+    (ids out of range are ignored, as there). Not an array: 400 with llama-server's message."""
+    adapters = adapters if adapters is not None else AdapterSet()
     lora = data.get("lora")
-    if lora is not None:
-        if not isinstance(lora, list):
-            raise _field_error("lora", f"type must be array, but is {_type_name(lora)}")
-        if lora:
-            raise NotSupported("Field 'lora': no LoRA adapter is loaded on this server")
+    if lora is not None and not isinstance(lora, list):
+        raise InvalidRequest(LORA_FIELD_ERROR)
+    try:
+        return adapters.for_request(lora)
+    except ValueError as exc:
+        raise _field_error("lora", str(exc)) from None
 
 
 @dataclass
@@ -180,9 +184,10 @@ def parse_completion_options(
     vocab_size: int,
     tokenize: Callable[[str], list[int]],
     eog_ids: Sequence[int],
+    adapters: AdapterSet | None = None,
 ) -> CompletionOptions:
     """Build the per-request options, starting from the server's CLI defaults."""
-    reject_unsupported(data)
+    lora = parse_lora(data, adapters)
     b = Body(data)
     sampling = parse_sampling(b, settings, vocab_size, tokenize)
     n_predict = cap_n_predict(b.int(("n_predict", "max_completion_tokens", "max_tokens"), settings.n_predict, -1, INT32_MAX), settings)
@@ -203,7 +208,9 @@ def parse_completion_options(
         post_sampling_probs=b.bool("post_sampling_probs", False),
         return_progress=b.bool("return_progress", False),
         id_slot=id_slot if isinstance(id_slot, int) and not isinstance(id_slot, bool) else -1,
-        cache=CacheContext(enabled=cache_prompt_flag(data, settings.cache_prompt)),
+        cache=CacheContext(enabled=cache_prompt_flag(data, settings.cache_prompt),
+                           lora_id=adapters.lora_id(lora) if adapters is not None else ""),
+        lora=lora,
         t_max_predict_ms=b.int("t_max_predict_ms", -1, -1, None),
         n_indent=b.int("n_indent", 0, 0, None),
         reasoning_budget=parse_reasoning_budget(b, settings, tokenize),

@@ -76,12 +76,17 @@ def api_key_id(request: Request) -> str | None:
     return request.scope.get("state", {}).get("api_key_id")
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """A body as a JSON object; anything else is a 400 (llama-server answers 500)."""
+def parse_json(raw: bytes, empty: Any = None) -> Any:
+    """A body as JSON (``empty`` for a blank one); invalid JSON is a 400 (llama-server answers 500)."""
     try:
-        data = orjson.loads(raw) if raw.strip() else {}
+        return orjson.loads(raw) if raw.strip() else empty
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"Invalid JSON in request body: {exc}") from None
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A body as a JSON object; anything else is a 400 (llama-server answers 500)."""
+    data = parse_json(raw, {})
     if not isinstance(data, dict):
         raise InvalidRequest("Request body must be a JSON object")
     return data
@@ -116,7 +121,8 @@ def parse_options(ctx: ServerContext, data: Mapping[str, Any], *, response_forma
 
 def _parse_options(ctx: ServerContext, data: Mapping[str, Any]) -> CompletionOptions:
     m = ctx.model
-    return parse_completion_options(data, ctx.settings, len(ctx.engine.slots), m.vocab_size, ctx.tokenize, m.eog_ids)
+    return parse_completion_options(data, ctx.settings, len(ctx.engine.slots), m.vocab_size, ctx.tokenize, m.eog_ids,
+                                    ctx.adapters)
 
 
 def prepare_samplers(ctx: ServerContext, opts: CompletionOptions) -> None:
