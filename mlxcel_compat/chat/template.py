@@ -29,6 +29,7 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mlxcel_compat.chat.builtin_templates import BUILTIN_TEMPLATE_NAMES, BuiltinTemplate
+from mlxcel_compat.chat.format_context import FormatContext
 
 __all__ = [
     "BUILTIN_TEMPLATES",
@@ -235,6 +236,7 @@ class ChatTemplate:
             raise TemplateError(f"invalid chat template: {exc}") from exc
         self._variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
         self._caps: dict[str, bool] | None = None
+        self._format = FormatContext.of(source)
 
     # --- construction ---------------------------------------------------------------------
 
@@ -354,10 +356,17 @@ class ChatTemplate:
                 ``preserve_thinking``/``clear_thinking``/``truncate_history_thinking``/
                 ``drop_thinking`` unless those are given, as llama.cpp does.
 
+        Templates of the families llama.cpp's chat handlers extend also get their variables
+        (``chat/format_context.py``: today's date for Llama 3.x, ``datetime`` and ``functions``
+        for Firefunction v2); those win over ``kwargs``, as in llama.cpp.
+
         Raises:
             TemplateError: the template failed or refused the conversation.
         """
         prepared = self._adapt_messages(_prepare_messages(messages))
+        tools, extra = self._format.apply(tools)
+        if extra:
+            kwargs = {**kwargs, **extra}
         return self._render_prepared(
             prepared,
             tools=tools,
