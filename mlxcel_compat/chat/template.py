@@ -29,7 +29,6 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mlxcel_compat.chat.builtin_templates import BUILTIN_TEMPLATE_NAMES, BuiltinTemplate
-from mlxcel_compat.chat.format_context import FormatContext
 
 __all__ = [
     "BUILTIN_TEMPLATES",
@@ -138,8 +137,32 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
+def _is_nothing(value: Any) -> bool:
+    return value is None or isinstance(value, jinja2.Undefined)
+
+
+class _ChatEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, plus llama.cpp's Jinja rule for ``+``: a missing or null operand next to a
+    string counts as ``""``.
+
+    Templates written for llama-server rely on it: Firefunction v2 builds its system prompt as
+    ``suffix + "\\n" + functions`` and renders with ``functions`` undefined there. Jinja itself
+    raises (an undefined operand) or Python does (``str + None``). ``~`` keeps Jinja's meaning.
+    """
+
+    intercepted_binops = frozenset({"+"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "+":
+            if isinstance(left, str) and _is_nothing(right):
+                return left
+            if isinstance(right, str) and _is_nothing(left):
+                return right
+        return super().call_binop(context, operator, left, right)
+
+
 def _make_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _ChatEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols, jinja2.ext.do],
@@ -236,7 +259,6 @@ class ChatTemplate:
             raise TemplateError(f"invalid chat template: {exc}") from exc
         self._variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
         self._caps: dict[str, bool] | None = None
-        self._format = FormatContext.of(source)
 
     # --- construction ---------------------------------------------------------------------
 
@@ -356,17 +378,10 @@ class ChatTemplate:
                 ``preserve_thinking``/``clear_thinking``/``truncate_history_thinking``/
                 ``drop_thinking`` unless those are given, as llama.cpp does.
 
-        Templates of the families llama.cpp's chat handlers extend also get their variables
-        (``chat/format_context.py``: today's date for Llama 3.x, ``datetime`` and ``functions``
-        for Firefunction v2); those win over ``kwargs``, as in llama.cpp.
-
         Raises:
             TemplateError: the template failed or refused the conversation.
         """
         prepared = self._adapt_messages(_prepare_messages(messages))
-        tools, extra = self._format.apply(tools)
-        if extra:
-            kwargs = {**kwargs, **extra}
         return self._render_prepared(
             prepared,
             tools=tools,
