@@ -127,6 +127,7 @@ class Engine:
         self.accepting = True  # False once a shutdown has begun: new requests get 503
         self.n_engine_errors = 0  # sequences failed by an exception in the engine
         self._batch_only_failures = 0  # consecutive failed batched passes whose rows all worked alone
+        self._held: list[tuple[Sink, FinishEvent]] | None = None  # finishes of the iteration in progress
         self._prefix_cache_factory = prefix_cache_factory
         self._commands: queue.Queue[Any] = queue.Queue()
         self._stop = threading.Event()
@@ -483,9 +484,13 @@ class Engine:
 
         def emit_counted(event: EngineEvent) -> None:
             # Count before the client hears of the finish: /metrics read right after a
-            # response already includes it.
+            # response already includes it. A finish inside a scheduler iteration waits for the
+            # iteration's pass to be counted too (llama-server counts a decode before sampling).
             if isinstance(event, FinishEvent):
                 self._count(event)
+                if self._held is not None:
+                    self._held.append((sub.sink, event))
+                    return
             sub.sink(event)
 
         seq.emit = emit_counted
@@ -501,9 +506,15 @@ class Engine:
         sequences = [s.sequence for s in busy]
         before = [(seq.stats.n_prompt_processed, len(seq.generated)) for seq in sequences]
         t0 = time.perf_counter()
-        self._prefill(busy)
-        self._decode()
-        self._count_pass(sequences, before, time.perf_counter() - t0)
+        self._held = []
+        try:
+            self._prefill(busy)
+            self._decode()
+            self._count_pass(sequences, before, time.perf_counter() - t0)
+        finally:
+            held, self._held = self._held, None
+            for sink, event in held:
+                sink(event)
 
     def _count_pass(self, sequences: list[Sequence], before: list[tuple[int, int]], seconds: float) -> None:
         """llama-server's per-decode metrics for an iteration that ran forward passes.

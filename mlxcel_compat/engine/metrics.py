@@ -19,7 +19,8 @@ another thread never sees a bucket's count without its time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class Bucket:
 class EngineMetrics:
     """Cumulative since start-up; ``server/metrics.py`` turns them into the ``llamacpp:*`` text."""
 
+    # llama-server's t_start (ggml_time_us() at start-up: a monotonic clock in microseconds, not
+    # Unix time, whatever the Process-Start-Time-Unix header that carries it says).
+    t_start_us: int = field(default_factory=lambda: time.monotonic_ns() // 1000)
     prompt: Bucket = Bucket()  # computed prompt tokens only; cached ones are counted apart
     predict: Bucket = Bucket()
     prompt_tokens_cached_total: int = 0
