@@ -41,9 +41,9 @@ FIREFUNCTION_STYLE = r"""{%- set suffix = "Available functions as JSON spec:\n" 
 {%- for message in messages -%}
 {%- set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + (message['content'] | default('', true)) -%}
 {%- if message['tool_calls'] -%}
-{%- set calls = namespace(items=[]) -%}
-{%- for call in message['tool_calls'] -%}{%- set calls.items = calls.items + ['{"name": "' + call['function']['name'] + '", "arguments": ' + call['function']['arguments'] + '}'] -%}{%- endfor -%}
-{%- set content = content + ' functools[' + calls.items | join(', ') + ']' -%}
+{%- set tool = namespace(calls=[]) -%}
+{%- for call in message['tool_calls'] -%}{%- set tool.calls = tool.calls + ['{"name": "' + call['function']['name'] + '", "arguments": ' + call['function']['arguments'] + '}'] -%}{%- endfor -%}
+{%- set content = content + ' functools[' + tool.calls | join(', ') + ']' -%}
 {%- endif -%}
 {{- content + '<|eot_id|>' -}}
 {%- endfor -%}
