@@ -114,7 +114,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: failed to load LoRA adapter: {exc}", file=sys.stderr)
         return 1
     app = build_server(settings, str(model_path), api_keys, model_name=model_arg, adapters=adapters)
-    code = asyncio.run(serve(app, settings))
+    from mlxcel_compat.listen import ListenError
+
+    try:
+        code = asyncio.run(serve(app, settings))
+    except ListenError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     engine = app.state.ctx.engine
     if engine.state == "failed":
         print(f"error: model failed to load: {engine.load_error}", file=sys.stderr)
@@ -168,13 +174,16 @@ BACKLOG = 2048  # pending connections the listener queues (a burst of hundreds o
 
 def hypercorn_config(settings: object) -> object:
     """``--timeout`` is llama-server's read/write timeout: hypercorn's per-read timeout here, and
-    the write half in the app (``server.app.LimitsMiddleware``)."""
+    the write half in the app (``server.app.LimitsMiddleware``).
+
+    The ``--host`` addresses are bound here (``listen.py``), so a bad address fails start-up
+    before the model loads; ``ListenError`` says which. ``config.listening`` names them."""
     from hypercorn.config import Config
 
+    from mlxcel_compat.listen import open_listeners, parse_hosts
     from mlxcel_compat.server.api_vertex import VertexConfig
 
     config = Config()
-    host = settings.host
     port = settings.port
     vertex = VertexConfig.from_env()
     if vertex.enabled:
@@ -182,7 +191,9 @@ def hypercorn_config(settings: object) -> object:
             log.warning("Vertex AI prediction mode: listening on AIP_HTTP_PORT %d instead of %d", vertex.port, port)
         port = vertex.port
         log.info("Vertex AI prediction mode: predict route %s, health route %s", vertex.predict_route, vertex.health_route or "/health")
-    config.bind = [f"unix:{host}"] if host.endswith(".sock") else [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    listeners = open_listeners(parse_hosts(settings.host), port)
+    config.listening = listeners.urls
+    config.bind = listeners.hand_over()
     config.read_timeout = settings.timeout if settings.timeout > 0 else None
     config.keep_alive_timeout = min(KEEP_ALIVE_SECONDS, settings.timeout) if settings.timeout > 0 else KEEP_ALIVE_SECONDS
     config.backlog = BACKLOG
@@ -215,7 +226,8 @@ async def serve(app: object, settings: object) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    log.info("server is listening on %s", config.bind[0])
+    for url in config.listening:
+        log.info("server is listening on %s", url)
     await hypercorn_serve(app, config, shutdown_trigger=stopped.wait)  # type: ignore[arg-type]
     return 0
 

@@ -242,7 +242,7 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
                                   "required": ["type", "function"]}]},
        scope="chat", note="auto (free text, calls constrained once opened), none, required, or a named function (forced call)"),
     _f("parallel_tool_calls", BOOL, scope="chat", note="false: at most one call (and the grammar allows only one)"),
-    _f("chat_template_kwargs", OBJECT, scope="chat", note="merged over --chat-template-kwargs"),
+    _f("chat_template_kwargs", OBJECT, scope="chat", note="merged over --chat-template-kwargs; both override the date_string and datetime every template gets (today, local time)"),
     _f("reasoning_effort", STRING, scope="chat", note="'none' turns thinking off; other values are ignored, as llama-server does"),
     _f("add_generation_prompt", BOOL, scope="chat"),
     _f("continue_final_message", BOOL, scope="chat"),

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
+from mlxcel_compat.listen import parse_hosts
+
 TYPES = ("str", "int", "float", "bool", "list", "json", "choice")
 STATUSES = ("supported", "noop", "refused")
 ARITIES = ("flag", "value", "optional", "pair")
@@ -177,6 +179,12 @@ def _parse_n_parallel(raw: str) -> int:
     return value
 
 
+def _parse_hosts(raw: str) -> str:
+    """``--host``: llama-server's comma-separated addresses (mlxcel_compat/listen.py), kept as given."""
+    parse_hosts(raw)
+    return raw
+
+
 def _parse_positive_float(raw: str) -> float:
     value = _parse_float(raw)
     if not (value > 0 and math.isfinite(value)):
@@ -303,7 +311,10 @@ _SERVER: tuple[Setting, ...] = (
     Setting("version", ("--version",), type="bool", default=False, cli_only=True,
             help="Print the version and exit."),
     Setting("host", ("--host",), ("LLAMA_ARG_HOST",), default="127.0.0.1", metavar="HOST",
-            help="Address to listen on; a path ending in .sock binds a UNIX socket."),
+            parse=_parse_hosts, accepts="a comma-separated list of at least one address",
+            help="Addresses to listen on, comma-separated, each an IP address, a host name or a UNIX socket "
+                 "path ending in .sock; all share --port. With several TCP addresses IPv6 ones are "
+                 "IPv6-only (0.0.0.0,:: binds both families) and --port 0 is refused."),
     Setting("port", ("--port",), ("LLAMA_ARG_PORT",), type="int", default=8080, minimum=0, maximum=65535,
             metavar="PORT", help="Port to listen on (0 = any free port)."),
     Setting("api_prefix", ("--api-prefix",), ("LLAMA_ARG_API_PREFIX",), default="", metavar="PREFIX",
@@ -366,7 +377,10 @@ _SERVER: tuple[Setting, ...] = (
     Setting("sleep_idle_seconds", ("--sleep-idle-seconds",), type="int", default=-1, minimum=-1, group="server",
             metavar="SECONDS",
             help="Unload the model after this many seconds without requests and return its memory; the next "
-                 "request reloads it (-1 = never). /health stays 200 and /props reports is_sleeping."),
+                 "generation reloads it (-1 = never). /health stays 200 and /props reports is_sleeping. The "
+                 "tokenizer stays loaded, so /tokenize, /detokenize, /apply-template, token counting, /slots "
+                 "and /metrics leave the server asleep (llama-server b11312 reloads its model for all but "
+                 "/metrics). The /metrics throughput gauges still cover the window since the previous scrape."),
     _noop("models_max", ("--models-max",), "Router mode: models loaded at once.", R_ROUTER, metavar="N",
           env=("LLAMA_ARG_MODELS_MAX",), group="server", type="int"),
     _noop("models_autoload", ("--models-autoload",), "Router mode: load models on demand.", R_ROUTER,

@@ -290,9 +290,10 @@ def test_undefined_attribute_access_is_template_error() -> None:
 
 
 def test_python_errors_inside_template_are_template_errors() -> None:
-    # str + None is a TypeError in Python; it must not escape as a 500.
+    # int + str is a TypeError in Python; it must not escape as a 500. (str + None renders, as in
+    # llama.cpp's Jinja engine: tests/test_template_dates.py.)
     with pytest.raises(TemplateError):
-        make_template(PLAIN).render([{"role": "user", "content": None}])
+        make_template("{{ 1 + messages[0].content }}").render([{"role": "user", "content": "x"}])
 
 
 def test_syntax_error_is_template_error_at_construction() -> None:

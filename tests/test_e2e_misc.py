@@ -135,7 +135,8 @@ def test_slots_per_slot_state(http):
         assert slot["is_processing"] is False
     used = slots[1]
     assert isinstance(used["id_task"], int)
-    assert used["n_prompt_tokens_cache"] + used["n_prompt_tokens_processed"] >= 1
+    assert used["n_prompt_tokens"] >= 1  # the slot keeps its tokens; its counts are reset
+    assert (used["n_prompt_tokens_cache"], used["n_prompt_tokens_processed"]) == (0, 0)
     assert used["params"]["seed"] != 4294967295  # the seed actually drawn for the task
     assert isinstance(used["next_token"], list) and len(used["next_token"]) == 1
     assert used["next_token"][0]["has_next_token"] is False
@@ -152,14 +153,14 @@ def test_slots_params_are_the_metrics_only_set(http):
     assert params["ignore_eos"] is True
 
 
-def test_slots_keep_the_last_task_decode_count(http):
-    # llama-server resets n_decoded only when the slot starts its next task.
+def test_idle_slot_shows_the_reset_counts(http):
+    # llama-server resets a slot's counts when its task ends (server_slot::reset): no budget
+    # (n_remain -1), nothing decoded, no newline pending; the last task's id and params stay.
     wait_idle(http)
-    http.post("/completion", json={"prompt": "Count", "n_predict": 3, "id_slot": 1, "ignore_eos": True})
+    http.post("/completion", json={"prompt": "Count\n", "n_predict": 3, "id_slot": 1, "ignore_eos": True})
     wait_idle(http)
     next_token = http.get("/slots").json()[1]["next_token"][0]
-    assert next_token["n_decoded"] == 3
-    assert next_token["n_remain"] == 0
+    assert next_token == {"has_next_token": False, "has_new_line": False, "n_remain": -1, "n_decoded": 0}
 
 
 def test_slots_n_prompt_tokens_is_the_slot_cache_size(http):

@@ -20,6 +20,7 @@ import secrets
 import string
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from mlxcel_compat.chat.template import ChatTemplate
@@ -27,6 +28,7 @@ from mlxcel_compat.chat.template import ChatTemplate
 __all__ = [
     "ChatRequest",
     "ChatRequestError",
+    "date_context",
     "parse_chat_request",
     "parse_tool_calls",
     "prompt_opens_thinking",
@@ -374,8 +376,20 @@ _RENDER_ARGUMENTS = (
 )
 
 
+def date_context(now: datetime | None = None) -> dict[str, str]:
+    """The date variables llama.cpp gives every template (``common_chat_extra_context``).
+
+    Local time, as llama.cpp formats it: ``date_string`` (``"02 Dec 2026"``, read by the Llama
+    3.x templates, which otherwise print a fixed fallback date) and ``datetime``
+    (``"Dec 02 2026"``, read by Firefunction v2). ``chat_template_kwargs`` override them.
+    """
+    now = now or datetime.now()
+    return {"datetime": now.strftime("%b %d %Y"), "date_string": now.strftime("%d %b %Y")}
+
+
 def _render_kwargs(chat: ChatRequest) -> dict[str, Any]:
-    kwargs = {k: v for k, v in chat.template_kwargs.items() if k not in _RENDER_ARGUMENTS}
+    kwargs = date_context()
+    kwargs.update((k, v) for k, v in chat.template_kwargs.items() if k not in _RENDER_ARGUMENTS)
     # llama.cpp always gives templates an enable_thinking value (true unless turned off).
     kwargs.setdefault("enable_thinking", True)
     return kwargs

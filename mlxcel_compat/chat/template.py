@@ -137,8 +137,32 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
+def _is_nothing(value: Any) -> bool:
+    return value is None or isinstance(value, jinja2.Undefined)
+
+
+class _ChatEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, plus llama.cpp's Jinja rule for ``+``: a missing or null operand next to a
+    string counts as ``""``.
+
+    Templates written for llama-server rely on it: Firefunction v2 builds its system prompt as
+    ``suffix + "\\n" + functions`` and renders with ``functions`` undefined there. Jinja itself
+    raises (an undefined operand) or Python does (``str + None``). ``~`` keeps Jinja's meaning.
+    """
+
+    intercepted_binops = frozenset({"+"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "+":
+            if isinstance(left, str) and _is_nothing(right):
+                return left
+            if isinstance(right, str) and _is_nothing(left):
+                return right
+        return super().call_binop(context, operator, left, right)
+
+
 def _make_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _ChatEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols, jinja2.ext.do],

@@ -28,6 +28,7 @@ from typing import Any, Callable
 from mlxcel_compat import backend
 from mlxcel_compat.engine.batch import DecodeBatch, ForwardFailed, batch_caches_work, prefill_groups, prefill_together
 from mlxcel_compat.engine.grammar import GrammarCompiler
+from mlxcel_compat.engine.metrics import EngineMetrics
 from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest
 from mlxcel_compat.engine.sequence import Sequence
 from mlxcel_compat.engine.slots import Slot, slot_context
@@ -65,20 +66,6 @@ class EngineConfig:
     sleep_idle_seconds: int = -1  # unload the model after this many idle seconds (<= 0: never)
     keep_slot_state: bool = False  # slots keep their last state for slot files (--slot-save-path)
     adapters: list[Any] = field(default_factory=list)  # lora.AdapterFile: LoRA adapters, installed unfused
-
-
-@dataclass
-class EngineMetrics:
-    """llama.cpp's ``llamacpp:*`` counters. Written by the engine thread only."""
-
-    prompt_tokens_total: int = 0
-    prompt_seconds_total: float = 0.0
-    tokens_predicted_total: int = 0
-    tokens_predicted_seconds_total: float = 0.0
-    n_decode_total: int = 0
-    n_tokens_max: int = 0
-    busy_slots_sum: int = 0  # summed over decode iterations, for n_busy_slots_per_decode
-    prompt_tokens_cached_total: int = 0
 
 
 @dataclass
@@ -141,6 +128,7 @@ class Engine:
         self.accepting = True  # False once a shutdown has begun: new requests get 503
         self.n_engine_errors = 0  # sequences failed by an exception in the engine
         self._batch_only_failures = 0  # consecutive failed batched passes whose rows all worked alone
+        self._held: list[tuple[Sink, FinishEvent]] | None = None  # finishes of the iteration in progress
         self._prefix_cache_factory = prefix_cache_factory
         self._commands: queue.Queue[Any] = queue.Queue()
         self._stop = threading.Event()
@@ -498,23 +486,58 @@ class Engine:
 
         def emit_counted(event: EngineEvent) -> None:
             # Count before the client hears of the finish: /metrics read right after a
-            # response already includes it.
+            # response already includes it. A finish inside a scheduler iteration waits for the
+            # iteration's pass to be counted too (llama-server counts a decode before sampling).
             if isinstance(event, FinishEvent):
-                self._count(event, shared=seq.stats.shared)
+                self._count(event)
+                if self._held is not None:
+                    self._held.append((sub.sink, event))
+                    return
             sub.sink(event)
 
         seq.emit = emit_counted
         slot.begin(seq)
         if sub.request.return_progress and not sub.request.is_child:
             seq.report_progress()  # llama-server's first report: the prefix taken from the cache
+        if seq.stats.n_cached and not seq.stats.shared:
+            self.metrics.add_prompt_cached(seq.stats.n_cached)
 
     def _step_all(self) -> None:
         """One scheduler iteration: a bounded amount of prefill, then one decode step for all."""
         busy = [s for s in self.slots if s.sequence is not None]
         if not busy:
             return
-        self._prefill(busy)
-        self._decode()
+        sequences = [s.sequence for s in busy]
+        before = [(seq.stats.n_prompt_processed, len(seq.generated)) for seq in sequences]
+        t0 = time.perf_counter()
+        self._held = []
+        try:
+            self._prefill(busy)
+            self._decode()
+            self._count_pass(sequences, before, time.perf_counter() - t0)
+        finally:
+            held, self._held = self._held, None
+            for sink, event in held:
+                sink(event)
+
+    def _count_pass(self, sequences: list[Sequence], before: list[tuple[int, int]], seconds: float) -> None:
+        """llama-server's per-decode metrics for an iteration that ran forward passes.
+
+        llama-server puts an iteration's tokens (one per decoding slot, then prompt tokens) into
+        batches of at most ``--batch-size`` tokens, one ``llama_decode`` each; the iteration is
+        counted as that many calls. A first token is sampled from a row that fed a prompt token,
+        so that row is not counted twice.
+        """
+        n_prompt = n_fed_generated = 0
+        for seq, (processed, generated) in zip(sequences, before):
+            n_prompt += seq.stats.n_prompt_processed - processed
+            new_tokens = len(seq.generated) - generated
+            n_fed_generated += new_tokens - (1 if generated == 0 and new_tokens > 0 else 0)
+        n_tokens = n_prompt + n_fed_generated
+        if n_tokens > 0:
+            longest = max(len(seq.cache_tokens) for seq in sequences)
+            n_calls = -(-n_tokens // max(1, self.config.batch_size))
+            self.metrics.add_pass(len(sequences), longest, n_prompt, seconds, n_calls)
 
     def _prefill(self, busy: list[Slot]) -> None:
         """Prefill at most about one chunk (``--batch-size`` tokens) per iteration, oldest first,
@@ -606,8 +629,6 @@ class Engine:
         batched = len(self.batch) + len(joining)
         if batched == 0:
             return
-        self.metrics.n_decode_total += 1
-        self.metrics.busy_slots_sum += batched
         if self.config.cont_batching and self.batched_decode and batched > 1:
             self._decode_batched(joining)
             return
@@ -703,15 +724,10 @@ class Engine:
             slot.kept = keep_state(self, seq) if donate and fin is not None else None
         slot.end()
 
-    def _count(self, fin: FinishEvent, shared: bool = False) -> None:
-        m = self.metrics
-        m.prompt_tokens_total += fin.n_prompt - fin.n_cached
-        if not shared:  # tokens copied from a sibling completion are not prompt-cache reuse
-            m.prompt_tokens_cached_total += fin.n_cached
-        m.prompt_seconds_total += fin.prompt_ms / 1000.0
-        m.tokens_predicted_total += fin.n_decoded
-        m.tokens_predicted_seconds_total += fin.predicted_ms / 1000.0
-        m.n_tokens_max = max(m.n_tokens_max, fin.n_prompt + fin.n_decoded)
+    def _count(self, fin: FinishEvent) -> None:
+        """A generation's tokens and time, once it ends (prompt counts move per pass instead)."""
+        if fin.n_decoded > 0:
+            self.metrics.add_prediction(fin.n_decoded, fin.predicted_ms / 1000.0)
 
 
 def _config_value(config: dict[str, Any], key: str, default: Any) -> Any:

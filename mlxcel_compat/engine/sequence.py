@@ -53,6 +53,7 @@ class SequenceStats:
     n_cached: int = 0  # prompt tokens adopted from the prompt cache (or a sibling, see shared)
     n_cache_written: int = 0  # prompt tokens newly pinned at cache breakpoints, beyond n_cached
     shared: bool = False  # n_cached came from a sibling completion (n_cmpl), not the prompt cache
+    n_prompt_processed: int = 0  # prompt tokens run through the model (cached ones excluded)
     t_start: float = field(default_factory=time.perf_counter)
     t_prompt_done: float | None = None
     t_end: float | None = None
@@ -179,6 +180,7 @@ class Sequence:
             assert self.prompt_ready, "only a prompt-ready sequence joins a batch without a sampled token"
             self._feeding_prompt = True
             self.cache_tokens.append(self.prompt[-1])
+            self.stats.n_prompt_processed += 1
             return mx.array(self.prompt[-1], dtype=mx.int32), None, None
         pending = self._pending
         if self.budget is not None:
@@ -196,6 +198,7 @@ class Sequence:
         self.cache_tokens.pop()
         if self._feeding_prompt:
             self._feeding_prompt = False
+            self.stats.n_prompt_processed -= 1
         else:
             self._history.pop()
 
@@ -251,6 +254,7 @@ class Sequence:
             self.chunk_done(chunk)
             return len(chunk)
         # The final prompt token produces the logits of the first sampled token.
+        self.stats.n_prompt_processed += 1
         if self.grammar is None:
             self._pending = self._forward(self.prompt[last:])
             mx.async_eval(*self._pending_arrays())
@@ -273,6 +277,7 @@ class Sequence:
     def chunk_done(self, chunk: list[int]) -> None:
         """The cache now holds ``chunk`` too (computed alone or in a batched prefill pass)."""
         self.cache_tokens.extend(chunk)
+        self.stats.n_prompt_processed += len(chunk)
         if self.boundary is not None and len(self.cache_tokens) == self.boundary and self.on_boundary is not None:
             self.boundary = None
             self.on_boundary(self)

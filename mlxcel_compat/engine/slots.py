@@ -40,14 +40,12 @@ class SlotTask:
     """What ``/slots`` reports about the slot's current or last task (plain Python values)."""
 
     id_task: int
-    n_prompt_tokens: int  # prompt length of the task
-    n_prompt_tokens_cache: int
     params: dict[str, Any]
     n_predict: int
-    # Filled in when the task ends: llama-server keeps showing the last task's counts.
-    n_decoded: int = 0
+    # Filled in when the task ends: the tokens the slot keeps, and whether it stopped before
+    # its end (cancelled or failed), which llama-server's idle slot still shows as has_next_token.
     n_tokens_in_slot: int = 0
-    has_new_line: bool = False
+    has_next_token: bool = False
 
 
 @dataclass
@@ -80,8 +78,6 @@ class Slot:
         params["seed"] = sequence.chain.seed
         self.task = SlotTask(
             id_task=req.task_id,
-            n_prompt_tokens=len(req.prompt_tokens),
-            n_prompt_tokens_cache=sequence.stats.n_cached,
             params=params,
             n_predict=req.n_predict,
         )
@@ -95,36 +91,39 @@ class Slot:
     def end(self) -> None:
         seq = self.sequence
         if seq is not None and self.task is not None:
-            self.task.n_decoded = len(seq.generated)
             self.task.n_tokens_in_slot = len(seq.cache_tokens)
-            self.task.has_new_line = seq.has_new_line
+            self.task.has_next_token = seq.finished is None or seq.finished.cancelled
         self.sequence = None
         self.t_last_used = time.monotonic()
 
     def to_json(self) -> dict[str, Any]:
-        """llama-server's ``/slots`` element; read from the HTTP side (benign races only)."""
+        """llama-server's ``/slots`` element; read from the HTTP side (benign races only).
+
+        A slot that has run a task shows it; once the task ends, llama-server resets the slot's
+        counts (``server_slot::reset``): its tokens stay, processed/cached/decoded are 0, the
+        budget is unlimited (``n_remain`` -1) and no newline is pending.
+        """
         seq = self.sequence
         out: dict[str, Any] = {"id": self.id, "n_ctx": self.n_ctx, "speculative": False, "is_processing": self.is_processing}
         task = self.task
         if task is None:
             return out
-        n_decoded = len(seq.generated) if seq is not None else task.n_decoded
-        in_slot = len(seq.cache_tokens) if seq is not None else task.n_tokens_in_slot
-        n_remain = -1 if task.n_predict < 0 else max(task.n_predict - n_decoded, 0)
-        processed = min(in_slot, task.n_prompt_tokens) - task.n_prompt_tokens_cache
+        if seq is not None and seq.finished is None:
+            n_decoded = len(seq.generated)
+            in_slot, processed, cached = len(seq.cache_tokens), seq.stats.n_prompt_processed, seq.stats.n_cached
+            n_remain = -1 if task.n_predict < 0 else max(task.n_predict - n_decoded, 0)
+            has_next, has_new_line = True, seq.has_new_line
+        else:
+            in_slot = len(seq.cache_tokens) if seq is not None else task.n_tokens_in_slot
+            n_decoded = processed = cached = 0
+            n_remain, has_new_line = -1, False
+            has_next = seq.finished.cancelled if seq is not None and seq.finished is not None else task.has_next_token
         out.update(
             id_task=task.id_task,
             n_prompt_tokens=in_slot,  # llama-server: tokens currently held in the slot
-            n_prompt_tokens_processed=max(processed, 0),
-            n_prompt_tokens_cache=task.n_prompt_tokens_cache,
+            n_prompt_tokens_processed=processed,
+            n_prompt_tokens_cache=cached,
             params=task.params,
-            next_token=[
-                {
-                    "has_next_token": seq is not None,
-                    "has_new_line": seq.has_new_line if seq is not None else task.has_new_line,
-                    "n_remain": n_remain,
-                    "n_decoded": n_decoded,
-                }
-            ],
+            next_token=[{"has_next_token": has_next, "has_new_line": has_new_line, "n_remain": n_remain, "n_decoded": n_decoded}],
         )
         return out

@@ -141,7 +141,10 @@ async def metrics(request: Request) -> Response:
     if not ctx.settings.metrics:
         raise NotSupported("This server does not support metrics endpoint. Start it with `--metrics`")
     body = ctx.metrics.render()
-    return Response(body, media_type="text/plain; version=0.0.4", headers={"Process-Start-Time-Unix": str(int(ctx.started))})
+    # Scrapers compare it between scrapes to notice a restart (llama-server's value and clock).
+    start = str(ctx.engine.metrics.t_start_us)
+    # The content type exactly as llama-server sends it (Starlette would add a charset).
+    return Response(body, headers={"Content-Type": "text/plain; version=0.0.4", "Process-Start-Time-Unix": start})
 
 
 ROUTES = [

@@ -104,21 +104,26 @@ def prob_entry(tokenizer: Any, event: TokenEvent, post: bool) -> dict[str, Any]:
 
 
 def timings_json(fin: FinishEvent | TokenEvent) -> dict[str, Any]:
-    """``timings``: prompt_n counts only prefilled tokens, so prompt_per_second is never inflated.
+    """``timings`` as llama-server computes them (``server_slot_stats``).
 
-    Token events carry the running values (``timings_per_token``), finish events the final ones.
+    ``prompt_n`` counts only prefilled tokens, so ``prompt_per_second`` is never inflated. The
+    generation rate is over ``predicted_n - 1`` decode steps: the first token comes from the
+    prompt's last pass, and ``predicted_ms`` runs from it to the last token. A rate whose divisor
+    is not known yet (no prompt token computed, a single generated token) is 0.0. Token events
+    carry the running values (``timings_per_token``), finish events the final ones.
     """
     prompt_n = fin.n_prompt - fin.n_cached
+    steps = max(fin.n_decoded - 1, 0)
     return {
         "cache_n": fin.n_cached,
         "prompt_n": prompt_n,
         "prompt_ms": fin.prompt_ms,
-        "prompt_per_token_ms": fin.prompt_ms / prompt_n if prompt_n else None,
-        "prompt_per_second": 1000.0 * prompt_n / fin.prompt_ms if fin.prompt_ms > 0 else None,
+        "prompt_per_token_ms": fin.prompt_ms / prompt_n if prompt_n > 0 else 0.0,
+        "prompt_per_second": 1000.0 * prompt_n / fin.prompt_ms if fin.prompt_ms > 0 else 0.0,
         "predicted_n": fin.n_decoded,
         "predicted_ms": fin.predicted_ms,
-        "predicted_per_token_ms": fin.predicted_ms / fin.n_decoded if fin.n_decoded else None,
-        "predicted_per_second": 1000.0 * fin.n_decoded / fin.predicted_ms if fin.predicted_ms > 0 else None,
+        "predicted_per_token_ms": fin.predicted_ms / steps if steps > 0 else 0.0,
+        "predicted_per_second": 1000.0 * steps / fin.predicted_ms if fin.predicted_ms > 0 else 0.0,
     }
 
 

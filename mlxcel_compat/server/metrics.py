@@ -1,18 +1,25 @@
-"""Prometheus ``/metrics``: llama.cpp's ``llamacpp:*`` families, read from the engine's counters.
+"""Prometheus ``/metrics``: llama-server's ``llamacpp:*`` families, then the prompt cache's.
 
-A custom collector reads the engine's plain counters at scrape time, so the engine thread does no
-Prometheus work per token. Extra families (the prompt cache's) register through
-:meth:`Metrics.add_collector`.
+The ``llamacpp:*`` part is written as llama-server writes it (``server_task_result_metrics::
+to_metrics``): the same names, help texts, types and order, values in C++'s default stream format
+(6 significant digits: ``117``, ``0.0324773``, ``1.23457e+06``), counters named as llama-server
+names them (``n_tokens_max`` is a counter without ``_total``, which the Prometheus client would
+rename). The two throughput gauges cover the window since the previous scrape, as llama-server's
+buckets do (each scrape resets them). They are read from the engine's plain counters at scrape
+time, so the engine thread does no Prometheus work per token. Extra families (the prompt
+cache's) register through :meth:`Metrics.add_collector` and are rendered by the Prometheus client.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from mlxcel_compat.engine.core import Engine
+from mlxcel_compat.engine.metrics import Bucket
 
 
 def _counter(name: str, doc: str, value: float) -> Metric:
@@ -27,35 +34,56 @@ def _gauge(name: str, doc: str, value: float) -> Metric:
     return family
 
 
-class LlamaCppCollector:
-    """The ``llamacpp:*`` families llama-server exposes (same names, types and meanings)."""
+def cpp_number(value: float) -> str:
+    """A value as C++'s ``operator<<`` prints a double by default (``%g``, 6 significant digits)."""
+    return format(float(value), "g")
+
+
+class LlamaCppFamilies:
+    """The ``llamacpp:*`` text of a scrape; remembers the previous scrape for the rate gauges."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._lock = threading.Lock()
+        self._prompt_seen = Bucket()
+        self._predict_seen = Bucket()
 
-    def collect(self) -> Iterable[Metric]:
+    def _rates(self) -> tuple[float, float]:
+        """Prompt and generation throughput since the previous scrape, which this one replaces."""
         m = self.engine.metrics
-        prompt_tps = m.prompt_tokens_total / m.prompt_seconds_total if m.prompt_seconds_total else 0.0
-        gen_tps = m.tokens_predicted_total / m.tokens_predicted_seconds_total if m.tokens_predicted_seconds_total else 0.0
-        yield _counter("llamacpp:prompt_tokens_total", "Number of prompt tokens processed.", m.prompt_tokens_total)
-        yield _counter("llamacpp:prompt_seconds_total", "Prompt process time", m.prompt_seconds_total)
-        yield _counter("llamacpp:tokens_predicted_total", "Number of generation tokens processed.", m.tokens_predicted_total)
-        yield _counter("llamacpp:tokens_predicted_seconds_total", "Predict process time", m.tokens_predicted_seconds_total)
-        yield _counter("llamacpp:n_decode_total", "Total number of llama_decode() calls", m.n_decode_total)
-        yield _counter(
-            "llamacpp:prompt_tokens_cached_total",
-            "Number of prompt tokens reused from the prompt cache instead of being processed.",
-            m.prompt_tokens_cached_total,
+        prompt, predict = m.prompt, m.predict
+        with self._lock:
+            rates = prompt.rate_since(self._prompt_seen), predict.rate_since(self._predict_seen)
+            self._prompt_seen, self._predict_seen = prompt, predict
+        return rates
+
+    def render(self) -> str:
+        m = self.engine.metrics
+        prompt_rate, predict_rate = self._rates()
+        counters = (
+            ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens", m.prompt.count),
+            ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache", m.prompt_tokens_cached_total),
+            ("prompt_seconds_total", "Total time spent processing prompts", m.prompt.seconds),
+            ("tokens_predicted_total", "Number of generation tokens processed", m.predict.count),
+            ("tokens_predicted_seconds_total", "Total time spent generating tokens", m.predict.seconds),
+            ("n_decode_total", "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding", m.n_decode_total),
+            ("n_tokens_max", "Largest observed sequence length (prompt + generation)", m.n_tokens_max),
+            ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", 0),
+            ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model", 0),
+            ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps", 0),
         )
-        # llama-server types this high-water mark a counter but names it without "_total";
-        # the OpenMetrics-aware client would rename a counter, so it is exposed as a gauge.
-        yield _gauge("llamacpp:n_tokens_max", "Largest observed n_tokens.", m.n_tokens_max)
-        yield _gauge("llamacpp:prompt_tokens_seconds", "Average prompt throughput in tokens/s.", prompt_tps)
-        yield _gauge("llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s.", gen_tps)
-        yield _gauge("llamacpp:requests_processing", "Number of requests processing.", self.engine.n_processing)
-        yield _gauge("llamacpp:requests_deferred", "Number of requests deferred.", self.engine.n_deferred)
-        busy = m.busy_slots_sum / m.n_decode_total if m.n_decode_total else 0.0
-        yield _gauge("llamacpp:n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call", busy)
+        gauges = (
+            ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", prompt_rate),
+            ("predicted_tokens_seconds", "Average generation throughput in tokens/s", predict_rate),
+            ("requests_processing", "Number of requests processing", self.engine.n_processing),
+            ("requests_deferred", "Number of requests deferred", self.engine.n_deferred),
+            ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call", m.n_busy_slots_total / max(m.n_decode_total, 1)),
+        )
+        lines: list[str] = []
+        for kind, items in (("counter", counters), ("gauge", gauges)):
+            for name, doc, value in items:
+                lines += [f"# HELP llamacpp:{name} {doc}", f"# TYPE llamacpp:{name} {kind}", f"llamacpp:{name} {cpp_number(value)}"]
+        return "\n".join(lines) + "\n"
 
 
 class _FunctionCollector:
@@ -68,14 +96,14 @@ class _FunctionCollector:
 
 class Metrics:
     def __init__(self, engine: Engine) -> None:
+        self.llamacpp = LlamaCppFamilies(engine)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(LlamaCppCollector(engine))  # type: ignore[arg-type]
 
     def add_collector(self, fn: Callable[[], Iterable[Metric]]) -> None:
         self.registry.register(_FunctionCollector(fn))  # type: ignore[arg-type]
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return self.llamacpp.render().encode() + generate_latest(self.registry)
 
 
 __all__ = ["Metrics"]

@@ -1,0 +1,74 @@
+"""What the engine counts for ``/metrics``: llama-server's ``server_metrics``, at the same moments.
+
+llama-server (``server-context.cpp``, ``server-common.h``) moves its counters at three points,
+and so does the engine:
+
+- **admission**: the prompt tokens taken from the prompt cache (``prompt_tokens_cached_total``);
+- **every forward pass** (a scheduler iteration that ran a prefill chunk or a decode step): its
+  ``n_decode`` calls (as many as llama-server's batches of ``--batch-size`` tokens would take), the
+  busy slots, the longest sequence held, and the prompt tokens computed in it with the
+  iteration's time (``prompt_tokens_total``, ``prompt_seconds_total``);
+- **the end of a generation**: its tokens, its decode steps and its time
+  (``tokens_predicted_total``, ``tokens_predicted_seconds_total``). The first generated token
+  comes from the prompt's last pass and costs no decode step, so a generation of ``n`` tokens
+  counts ``n - 1`` steps, and the generation rate is steps over time.
+
+Written by the engine thread only. Buckets are immutable and replaced whole, so a reader on
+another thread never sees a bucket's count without its time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Tokens, the decode steps they took and the seconds spent (llama-server's ``bucket``)."""
+
+    count: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+
+    def plus(self, count: int, steps: int, seconds: float) -> Bucket:
+        return Bucket(self.count + count, self.steps + steps, self.seconds + seconds)
+
+    def rate_since(self, earlier: Bucket) -> float:
+        """Steps per second between ``earlier`` and this reading (0.0 when no time passed)."""
+        seconds = self.seconds - earlier.seconds
+        return (self.steps - earlier.steps) / seconds if seconds > 0 else 0.0
+
+
+@dataclass
+class EngineMetrics:
+    """Cumulative since start-up; ``server/metrics.py`` turns them into the ``llamacpp:*`` text."""
+
+    # llama-server's t_start (ggml_time_us() at start-up: a monotonic clock in microseconds, not
+    # Unix time, whatever the Process-Start-Time-Unix header that carries it says).
+    t_start_us: int = field(default_factory=lambda: time.monotonic_ns() // 1000)
+    prompt: Bucket = Bucket()  # computed prompt tokens only; cached ones are counted apart
+    predict: Bucket = Bucket()
+    prompt_tokens_cached_total: int = 0
+    n_decode_total: int = 0
+    n_busy_slots_total: int = 0  # summed over forward passes, for n_busy_slots_per_decode
+    n_tokens_max: int = 0  # the most tokens a slot held at a forward pass
+
+    def add_prompt_cached(self, n_tokens: int) -> None:
+        self.prompt_tokens_cached_total += n_tokens
+
+    def add_pass(self, n_busy: int, n_tokens_max: int, n_prompt: int, seconds: float, n_calls: int = 1) -> None:
+        """A scheduler iteration over ``n_busy`` slots, worth ``n_calls`` of llama-server's
+        ``llama_decode`` calls; ``n_prompt`` of its tokens were prompt tokens."""
+        self.n_decode_total += n_calls
+        self.n_busy_slots_total += n_busy * n_calls
+        self.n_tokens_max = max(self.n_tokens_max, n_tokens_max)
+        if n_prompt > 0:
+            self.prompt = self.prompt.plus(n_prompt, n_prompt, seconds)
+
+    def add_prediction(self, n_tokens: int, seconds: float) -> None:
+        """A finished generation of ``n_tokens`` (> 0), ``seconds`` from its first to its last token."""
+        self.predict = self.predict.plus(n_tokens, max(n_tokens - 1, 0), seconds)
+
+
+__all__ = ["Bucket", "EngineMetrics"]
