@@ -110,15 +110,15 @@ async def feature_disabled(request: Request) -> Response:
 
 
 DISABLED = Operation("Built-in agent tools and the CORS proxy: always 403 here (feature disabled)", errors=(403,))
-PAGE = Operation("The chat page (404 with --no-ui)", media=("text/html",), errors=(304, 404))
+PAGE = Operation("The chat page (404 with --no-ui)", media=("text/html",), errors=(404,))
 ASSET_MEDIA = ("text/javascript", "text/css", "image/svg+xml", "text/markdown", TEXT)
 FILE_PARAM = {"file": {"type": "string"}}
 OPERATIONS = {
     ("GET", "/"): PAGE,
     ("GET", "/index.html"): PAGE,
-    ("GET", "/ui/{file}"): Operation("A file of the chat page (404 with --no-ui)", media=ASSET_MEDIA, errors=(304, 404), path=FILE_PARAM),
+    ("GET", "/ui/{file}"): Operation("A file of the chat page (404 with --no-ui)", media=ASSET_MEDIA, errors=(404,), path=FILE_PARAM),
     ("GET", "/ui/vendor/{file}"): Operation("A vendored library of the chat page, or its licence (404 with --no-ui)", media=ASSET_MEDIA,
-                                            errors=(304, 404), path=FILE_PARAM),
+                                            errors=(404,), path=FILE_PARAM),
     ("GET", "/tools"): DISABLED,
     ("POST", "/tools"): DISABLED,
     ("GET", "/cors-proxy"): DISABLED,
