@@ -1,8 +1,8 @@
 """The chat page at ``/`` in a real browser: Debian's headless Chromium driven by Selenium.
 
 One browser for the module and three real servers on the tiny generated model: the page as a
-user gets it (``--ui-config`` gives it short answers), one with ``--api-key`` and one with
-``--no-ui``. Everything the page shows comes from the real server through its real stream.
+user gets it (``--ui-config-file`` and ``--ui-config`` give it short greedy answers), one with
+``--api-key`` and one with ``--no-ui``. Everything the page shows comes from the real server through its real stream.
 
 What is tested where:
 - markdown and the ``<script>`` / ``<img onerror>`` case use real model output: a GBNF grammar
@@ -36,6 +36,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 KEY = "ui-secret-key"
 UI_CONFIG = {"max_tokens": 16, "temperature": 0}
+UI_CONFIG_FILE = {"max_tokens": 99, "top_k": 40}  # --ui-config wins where both set a key
 CACHE_FIGURE = re.compile(r"(\d+) of (\d+) prompt tokens from cache")
 WAIT = 60.0
 
@@ -65,9 +66,11 @@ def browser() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def ui_server(server_factory, llama_dir: Path):
+def ui_server(server_factory, llama_dir: Path, tmp_path_factory):
+    config_file = tmp_path_factory.mktemp("ui-config") / "ui.json"
+    config_file.write_text(json.dumps(UI_CONFIG_FILE), encoding="utf-8")
     return server_factory(["-m", str(llama_dir), "-c", "4096", "-np", "1", "--alias", "tiny-chat",
-                           "--ui-config", json.dumps(UI_CONFIG)])
+                           "--ui-config-file", str(config_file), "--ui-config", json.dumps(UI_CONFIG)])
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +146,11 @@ def test_loads_without_console_errors_fast_and_small(browser, ui_server) -> None
     assert browser.title == "tiny-chat"  # llama-server's UI convention: the model's name
     facts = by_css(browser, "#model-facts")[0].text
     assert "context 4096 tokens" in facts and "text only" in facts  # from /props
+    # What the old status page showed is in the Server dialog.
+    by_css(browser, "#open-server")[0].click()
+    info = until(browser, lambda d: "Slots busy" in by_css(d, "#server-info")[0].text and by_css(d, "#server-info")[0]).text
+    assert "Model tiny-chat" in info and "Context per slot 4096" in info and "Slots busy 0 of 1" in info and "/metrics" in info
+    by_css(browser, "#server-dialog button")[0].click()
     # Again with the HTTP cache off: every file is fetched and counted, first paint included.
     browser.execute_cdp_cmd("Network.enable", {})
     browser.execute_cdp_cmd("Network.setCacheDisabled", {"cacheDisabled": True})
@@ -180,7 +188,7 @@ def test_headers_cache_and_csp(ui_server) -> None:
         for missing in ("/ui/nope.js", "/ui/vendor/nope.js", "/ui/..%2Findex.html", "/ui/vendor"):
             assert http.get(missing).status_code == 404, missing
         props = http.get("/props").json()
-        assert props["ui"] is True and props["ui_settings"] == UI_CONFIG
+        assert props["ui"] is True and props["ui_settings"] == {"max_tokens": 16, "top_k": 40, "temperature": 0}
         assert props["model_alias"] == "tiny-chat" and props["default_generation_settings"]["n_ctx"] == 4096
 
 
@@ -255,6 +263,13 @@ def test_reload_keeps_the_conversation_and_the_list_manages_it(browser, ui_serve
     by_css(browser, "#messages .msg.user [data-action=save-edit]")[0].click()
     until(browser, lambda d: by_css(d, "#messages .msg.user .content")[0].text == "An edited question")
     wait_answer(browser, 1)
+    # Regenerate the answer: a new request for the same question, the old answer dropped.
+    with httpx.Client(base_url=ui_server.base_url) as http:
+        before = http.get("/slots").json()[0]["id_task"]
+        by_css(browser, "#messages .msg.assistant [data-action=regenerate]")[0].click()
+        until(browser, lambda d: http.get("/slots").json()[0]["id_task"] != before)
+    wait_answer(browser, 1)
+    assert len(answers(browser)) == 1
     exported = json.loads(browser.execute_async_script(
         "import(new URL('ui/store.js', location.href)).then(m => arguments[0](m.exportJson()));"))
     (conversation,) = exported["conversations"]

@@ -509,3 +509,15 @@ def test_markdown_lists_every_setting_with_its_variables() -> None:
         for name in s.flags[:1] + ((s.mlxcel_env,) if s.mlxcel_env else ()):
             assert f"`{name}`" in text, s.name
     assert "`LLAMA_ARG_NO_CACHE_PROMPT`" in text and "| refused |" in text and "| noop |" in text
+
+
+def test_ui_config_and_its_file_must_hold_json_objects(tmp_path) -> None:
+    good = tmp_path / "ui.json"
+    good.write_text('{"systemMessage": "Be brief.", "temperature": 0.5}', encoding="utf-8")
+    s = resolve(["--webui-config-file", str(good)], LLAMA_ARG_UI_CONFIG='{"temperature": 0.1}')
+    assert s.ui_config_file == str(good) and s.ui_config == {"temperature": 0.1}
+    listed = tmp_path / "list.json"
+    listed.write_text("[1]", encoding="utf-8")
+    for argv in (["--ui-config", "[1]"], ["--ui-config-file", str(listed)], ["--ui-config-file", str(tmp_path / "missing.json")]):
+        with pytest.raises(SettingsError, match=f"invalid value for {argv[0]}"):
+            resolve(argv)
