@@ -192,6 +192,17 @@ def _parse_positive_float(raw: str) -> float:
     return value
 
 
+def _parse_json_file(raw: str) -> str:
+    """A file holding a JSON object (read and checked at start-up; kept as the path)."""
+    try:
+        with open(os.path.expanduser(raw), encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(str(exc)) from None
+    _parse_json_object(text)
+    return raw
+
+
 def _parse_directory(raw: str) -> str:
     """A directory, or a path where one can be made (kept as given; the server creates it at
     start-up, as it does ``--prompt-cache-dir``). An existing file is refused."""
@@ -291,7 +302,7 @@ R_SPEC = "speculative decoding is not implemented"
 R_MMPROJ = "multimodal projectors are not supported, so this option has nothing to act on"
 R_SLOTS = "mlxcel_compat keeps a radix prompt cache instead of llama.cpp's slot caches; see --prompt-cache-*"
 R_LOG_FORMAT = "logs use Python's logging format"
-R_UI = "no web UI is bundled; GET / serves a status page (see --ui)"
+R_UI = "the built-in chat page is served from the package; other static files are not served"
 R_ROUTER = "router (multi-model) mode is not supported; serve one model per process"
 R_EMBED = "embeddings and reranking are not supported"
 R_LORA_ENV = "llama-server reads no environment variable for it (MLXCEL_* only)"
@@ -368,12 +379,16 @@ _SERVER: tuple[Setting, ...] = (
           env=("LLAMA_ARG_STATIC_PATH",), group="server"),
     Setting("ui", ("--ui", "--webui"), ("LLAMA_ARG_UI",), type="bool", default=True,
             negative_flags=("--no-ui", "--no-webui"), group="server",
-            reason="no web UI is bundled: GET / serves a small status page (model, slots, API links)",
-            help="Serve GET / (off: / answers 404)."),
-    _noop("ui_config", ("--ui-config", "--webui-config"), "Default web UI settings (JSON).", R_UI, metavar="JSON",
-          env=("LLAMA_ARG_UI_CONFIG",), group="server"),
-    _noop("ui_config_file", ("--ui-config-file", "--webui-config-file"), "File with default web UI settings.",
-          R_UI, metavar="PATH", env=("LLAMA_ARG_UI_CONFIG_FILE",), group="server"),
+            reason="the chat page is mlxcel_compat's own (static files in the package), not llama-server's Svelte UI",
+            help="Serve the built-in chat page at / (off: /, /index.html and /ui/* answer 404)."),
+    Setting("ui_config", ("--ui-config", "--webui-config"), ("LLAMA_ARG_UI_CONFIG",), type="json", default={},
+            group="server", metavar="JSON",
+            help="Default chat-page settings as a JSON object (llama-server's keys: systemMessage, temperature, "
+                 "top_k, top_p, min_p, max_tokens, ..., custom); /props returns it as ui_settings. Settings saved "
+                 "in the browser win. Overrides --ui-config-file."),
+    Setting("ui_config_file", ("--ui-config-file", "--webui-config-file"), ("LLAMA_ARG_UI_CONFIG_FILE",),
+            group="server", metavar="PATH", parse=_parse_json_file, accepts="a readable file holding a JSON object",
+            help="File with default chat-page settings (a JSON object, as --ui-config)."),
     Setting("sleep_idle_seconds", ("--sleep-idle-seconds",), type="int", default=-1, minimum=-1, group="server",
             metavar="SECONDS",
             help="Unload the model after this many seconds without requests and return its memory; the next "

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install what mlxcel_compat needs, idempotently: an optimized BLAS (Debian's
-# libopenblas0-pthread, when we may install system packages), a virtualenv in .venv
+# libopenblas0-pthread, when we may install system packages), headless Chromium for the chat
+# page's browser tests (Debian's chromium + chromium-driver, likewise), a virtualenv in .venv
 # with the project and its test extras, and the matrix-vector shim compiled for this
 # CPU (mlxcel_compat/blas_shim.c, when a C compiler is present). Sourced by serve.sh and test.sh.
 #
@@ -31,6 +32,17 @@ if [ "$(uname -s)" = "Linux" ] && ! ls /usr/lib/*-linux-gnu/openblas-pthread/lib
       env DEBIAN_FRONTEND=noninteractive sh -c 'apt-get update -qq && apt-get install -y -qq libopenblas0-pthread'
   else
     echo "setup: WARNING: no optimized BLAS found and cannot install one; MLX will use the slow reference BLAS" >&2
+  fi
+fi
+
+# Headless Chromium and its WebDriver for the chat page's browser tests (tests/test_e2e_webui.py,
+# which skip with the reason when they are missing). Installed the same way as OpenBLAS.
+if [ "$(uname -s)" = "Linux" ] && ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1 && [ "${MLXCEL_NO_APT:-0}" != "1" ]; then
+    setup_step "installing chromium and chromium-driver (browser tests of the chat page)" \
+      env DEBIAN_FRONTEND=noninteractive sh -c 'apt-get update -qq && apt-get install -y -qq chromium chromium-driver'
+  else
+    echo "setup: note: no chromium/chromedriver and cannot install them; the chat page's browser tests will skip" >&2
   fi
 fi
 

@@ -282,7 +282,7 @@ def test_cache_admin_routes_need_the_key(key_server):
     assert httpx.post(base + "/v1/cache/reset", headers=auth).json()["success"] is True
 
 
-@pytest.mark.parametrize("path", ["/health", "/v1/health", "/models", "/v1/models"])
+@pytest.mark.parametrize("path", ["/health", "/v1/health", "/models", "/v1/models", "/", "/index.html", "/ui/main.js", "/ui/vendor/marked.esm.js"])
 def test_public_paths_need_no_key(key_server, path):
     assert httpx.get(key_server.base_url + path).status_code == 200
 

@@ -224,14 +224,16 @@ def test_tools_and_cors_proxy_are_forbidden(split_server) -> None:
             assert response.json() == {"error": {"message": "this feature is disabled", "type": "feature_disabled"}}
 
 
-def test_status_page_and_no_ui(split_server, unified_server) -> None:
+def test_chat_page_and_no_ui(split_server, unified_server) -> None:
     with client_for(split_server) as client:
         page = client.get("/")
-    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    assert "tiny-a" in page.text and "<table>" in page.text and "README.md" in page.text
-    assert page.text.count("<td>256</td>") == 2  # one row per slot with its context
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert '<script type="module" src="ui/main.js">' in page.text and "content-security-policy" in page.headers
+        assert client.get("/ui/main.js").status_code == 200
+        assert client.get("/props").json()["ui"] is True
     with client_for(unified_server) as client:
-        assert client.get("/").status_code == 404
+        for path in ("/", "/index.html", "/ui/main.js"):
+            assert client.get(path).status_code == 404, path
         assert client.get("/props").json()["ui"] is False
 
 

@@ -525,3 +525,15 @@ def test_lora_flags_keep_llama_servers_order_and_format() -> None:
     for bad in ("b.gguf", "a:b:1", "b.gguf:x"):
         with pytest.raises(SettingsError, match="invalid value for --lora-scaled"):
             resolve_settings(["--lora-scaled", bad], {})
+
+
+def test_ui_config_and_its_file_must_hold_json_objects(tmp_path) -> None:
+    good = tmp_path / "ui.json"
+    good.write_text('{"systemMessage": "Be brief.", "temperature": 0.5}', encoding="utf-8")
+    s = resolve(["--webui-config-file", str(good)], LLAMA_ARG_UI_CONFIG='{"temperature": 0.1}')
+    assert s.ui_config_file == str(good) and s.ui_config == {"temperature": 0.1}
+    listed = tmp_path / "list.json"
+    listed.write_text("[1]", encoding="utf-8")
+    for argv in (["--ui-config", "[1]"], ["--ui-config-file", str(listed)], ["--ui-config-file", str(tmp_path / "missing.json")]):
+        with pytest.raises(SettingsError, match=f"invalid value for {argv[0]}"):
+            resolve(argv)

@@ -53,7 +53,7 @@ async def props(request: Request) -> Response:
         "endpoint_props": bool(s.props),
         "endpoint_metrics": bool(s.metrics),
         "ui": bool(s.ui),
-        "ui_settings": {},
+        "ui_settings": ctx.ui_settings,
         "chat_template": template.source if template else "",
         "chat_template_caps": template.caps() if template else {},
         "bos_token": m.bos_token,

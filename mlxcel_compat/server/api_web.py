@@ -1,8 +1,15 @@
-"""The routes of llama-server's web UI: ``GET /`` and the UI's tool routes.
+"""The routes of llama-server's web UI: the chat page at ``GET /`` and the UI's tool routes.
 
-No web UI is bundled. Without ``--no-ui``, ``GET /`` (and ``/index.html``) serves one small
-status page: the model, its context, the slots and where the API is documented. With ``--no-ui``
-they answer 404, as llama-server does.
+The page is static files shipped in the package (``mlxcel_compat/webui``: plain HTML, CSS and
+JavaScript modules, two vendored libraries; no build step and nothing fetched from elsewhere, so
+it works offline). ``/`` and ``/index.html`` serve the page, ``/ui/{file}`` and
+``/ui/vendor/{file}`` its assets. With ``--no-ui`` every one of them answers 404, as llama-server
+does. The page itself talks to the API (``/props``, ``/v1/chat/completions``) like any client.
+
+Every UI response carries a content-security policy that allows scripts from this origin only
+(no inline script, no ``eval``, no remote fetches), and ``Cache-Control: no-cache`` with an
+``ETag``: the browser keeps its copy and revalidates it, so an upgraded server never runs a
+stale page, at the cost of one 304 per file.
 
 ``/tools`` (the UI's built-in agent tools) and ``/cors-proxy`` (its MCP CORS proxy) are never
 enabled here; llama-server answers 403 "this feature is disabled" when they are off, and clients
@@ -11,54 +18,91 @@ look for that 403 rather than a 404.
 
 from __future__ import annotations
 
-import html
+import hashlib
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
-from mlxcel_compat import __version__
 from mlxcel_compat.server.errors import raw_error_response
-from mlxcel_compat.server.openapi import Operation
+from mlxcel_compat.server.openapi import TEXT, Operation
 from mlxcel_compat.server.pipeline import ctx_of
 
-DOCS_URL = "https://github.com/ggml-org/llama.cpp/blob/master/tools/server/README.md"
-_API_LINKS = ("/health", "/props", "/slots", "/v1/models", "/metrics")
+UI_DIR = Path(__file__).resolve().parent.parent / "webui"
+
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
+    "connect-src 'self'; font-src 'self'; manifest-src 'self'; base-uri 'none'; form-action 'self'; "
+    "frame-ancestors 'none'; object-src 'none'"
+)
+MEDIA_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".mjs": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+    ".md": "text/markdown; charset=utf-8",
+    ".LICENSE": "text/plain; charset=utf-8",
+}
 
 
-def _status_page(request: Request) -> str:
-    ctx = ctx_of(request)
-    m = ctx.model
-    esc = html.escape
-    rows = "".join(
-        f"<tr><td>{slot.id}</td><td>{slot.n_ctx}</td><td>{'busy' if slot.is_processing else 'idle'}</td></tr>"
-        for slot in ctx.engine.slots
-    )
-    prefix = ctx.settings.api_prefix.rstrip("/")
-    links = " · ".join(f'<a href="{esc(prefix + path)}">{esc(path)}</a>' for path in _API_LINKS)
-    state = "sleeping (the next request reloads the model)" if ctx.engine.sleeping else "ready"
-    return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>mlxcel-server: {esc(m.model_id)}</title>
-<style>body{{font-family:sans-serif;margin:2em;max-width:48em}}td,th{{padding:0 1em;text-align:left}}</style>
-</head><body>
-<h1>mlxcel-server</h1>
-<p>An MLX server with llama-server's HTTP API (mlxcel_compat {esc(__version__)}). No web UI is bundled.</p>
-<h2>Model</h2>
-<p><b>{esc(m.model_id)}</b> ({esc(", ".join(m.aliases))}), {state}.<br>
-Context: {m.n_ctx} tokens per slot, trained for {m.n_ctx_train}.</p>
-<h2>Slots</h2>
-<table><tr><th>id</th><th>n_ctx</th><th>state</th></tr>{rows}</table>
-<h2>API</h2>
-<p>{links}</p>
-<p>The API is llama-server's: <a href="{DOCS_URL}">llama.cpp server documentation</a>.</p>
-</body></html>
-"""
+@dataclass(frozen=True)
+class StaticFile:
+    """One file of the page, read once: its bytes, media type and entity tag."""
+
+    body: bytes
+    media_type: str
+    etag: str
+
+
+@lru_cache(maxsize=1)
+def ui_files(root: Path = UI_DIR) -> dict[str, StaticFile]:
+    """Every servable file under ``root`` by its URL path relative to the page (``index.html``,
+    ``ui/main.js``, ...). Lookups go through this table, so no request path reaches the file system."""
+    files: dict[str, StaticFile] = {}
+    for path in sorted(root.rglob("*")):
+        media = MEDIA_TYPES.get(path.suffix)
+        if not path.is_file() or media is None:
+            continue
+        body = path.read_bytes()
+        files[path.relative_to(root).as_posix()] = StaticFile(body, media, '"' + hashlib.sha256(body).hexdigest()[:32] + '"')
+    return files
+
+
+def _not_found() -> Response:
+    return raw_error_response(404, {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}})
+
+
+def _serve(request: Request, name: str) -> Response:
+    file = ui_files().get(name) if ctx_of(request).settings.ui else None
+    if file is None:
+        return _not_found()
+    headers = {
+        "Cache-Control": "no-cache",
+        "ETag": file.etag,
+        "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+        "X-Content-Type-Options": "nosniff",
+        "Referrer-Policy": "no-referrer",
+        "Cross-Origin-Opener-Policy": "same-origin",
+    }
+    if file.etag in request.headers.get("if-none-match", ""):
+        return Response(status_code=304, headers=headers)
+    return Response(file.body, media_type=file.media_type, headers=headers)
 
 
 async def index(request: Request) -> Response:
-    if not ctx_of(request).settings.ui:
-        return raw_error_response(404, {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}})
-    return HTMLResponse(_status_page(request))
+    return _serve(request, "index.html")
+
+
+async def asset(request: Request) -> Response:
+    return _serve(request, "ui/" + request.path_params["file"])
+
+
+async def vendor_asset(request: Request) -> Response:
+    return _serve(request, "ui/vendor/" + request.path_params["file"])
 
 
 async def feature_disabled(request: Request) -> Response:
@@ -66,10 +110,15 @@ async def feature_disabled(request: Request) -> Response:
 
 
 DISABLED = Operation("Built-in agent tools and the CORS proxy: always 403 here (feature disabled)", errors=(403,))
-STATUS_PAGE = Operation("A plain status page (404 with --no-ui)", media=("text/html",), errors=(404,))
+PAGE = Operation("The chat page (404 with --no-ui)", media=("text/html",), errors=(404,))
+ASSET_MEDIA = ("text/javascript", "text/css", "image/svg+xml", "text/markdown", TEXT)
+FILE_PARAM = {"file": {"type": "string"}}
 OPERATIONS = {
-    ("GET", "/"): STATUS_PAGE,
-    ("GET", "/index.html"): STATUS_PAGE,
+    ("GET", "/"): PAGE,
+    ("GET", "/index.html"): PAGE,
+    ("GET", "/ui/{file}"): Operation("A file of the chat page (404 with --no-ui)", media=ASSET_MEDIA, errors=(404,), path=FILE_PARAM),
+    ("GET", "/ui/vendor/{file}"): Operation("A vendored library of the chat page, or its licence (404 with --no-ui)", media=ASSET_MEDIA,
+                                            errors=(404,), path=FILE_PARAM),
     ("GET", "/tools"): DISABLED,
     ("POST", "/tools"): DISABLED,
     ("GET", "/cors-proxy"): DISABLED,
@@ -79,6 +128,11 @@ OPERATIONS = {
 ROUTES = [
     Route("/", index, methods=["GET"]),
     Route("/index.html", index, methods=["GET"]),
+    Route("/ui/{file}", asset, methods=["GET"]),
+    Route("/ui/vendor/{file}", vendor_asset, methods=["GET"]),
     Route("/tools", feature_disabled, methods=["GET", "POST"]),
     Route("/cors-proxy", feature_disabled, methods=["GET", "POST"]),
 ]
+
+# Paths the API key never guards (llama-server: "/" and every UI asset); see app.GateMiddleware.
+PUBLIC_PREFIXES = ("/ui/",)

@@ -52,6 +52,13 @@ log = logging.getLogger(__name__)
 
 # /get_load is public like /health: routers poll it without the client's API key.
 PUBLIC_PATHS = {"/health", "/v1/health", "/get_load", "/models", "/v1/models", "/", "/index.html"}
+
+
+def is_public(path: str) -> bool:
+    """Paths that never need the API key: health, the model list and the chat page's files."""
+    return path in PUBLIC_PATHS or path.startswith(api_web.PUBLIC_PREFIXES)
+
+
 API_MODULES = (api_status, api_router, api_native, api_openai, api_anthropic, api_responses, api_cache, api_slots, api_lora, api_web, openapi)
 ERROR_SHAPES: dict[str, ErrorShape] = {path: shape for m in API_MODULES for path, shape in getattr(m, "ERROR_SHAPES", {}).items()}
 
@@ -109,7 +116,7 @@ class GateMiddleware:
             key = self._matching_key(scope)
             if key is not None:
                 scope.setdefault("state", {})["api_key_id"] = self.key_ids[key]
-            elif path not in PUBLIC_PATHS:
+            elif not is_public(path):
                 if shape is not None:
                     await error_response(AuthenticationError("Invalid API Key"), shape)(scope, receive, send)
                     return
@@ -377,7 +384,7 @@ def build_app(ctx: ServerContext) -> Starlette:
     )
     app.state.ctx = ctx
     app.state.operations = operations(vertex)
-    app.state.public_paths = PUBLIC_PATHS
+    app.state.public_paths = PUBLIC_PATHS | {path for _, path in openapi.served_routes(api_web.ROUTES) if is_public(path)}
     return app
 
 

@@ -7,6 +7,9 @@ and :meth:`ServerContext.on_model_loaded` fills in the model-derived parts once 
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -80,6 +83,17 @@ class ServerContext:
     def prompt_bound(self) -> PromptBound:
         assert self.model is not None
         return PromptBound(self.model.n_ctx, self.model.chars_per_token)
+
+    @functools.cached_property
+    def ui_settings(self) -> dict[str, Any]:
+        """The chat page's default settings (``--ui-config-file``, then ``--ui-config`` over it),
+        read once; /props returns them. Both were checked to be JSON objects at start-up."""
+        values: dict[str, Any] = {}
+        if self.settings.ui_config_file:
+            with open(os.path.expanduser(self.settings.ui_config_file), encoding="utf-8") as f:
+                values.update(json.load(f))
+        values.update(self.settings.ui_config or {})
+        return values
 
     @property
     def cache_isolation(self) -> str:

@@ -1,0 +1,202 @@
+// One conversation on screen: its messages, streaming an answer into it, stop, edit and
+// regenerate, and the per-answer figures (tokens/s, prompt tokens, how many came from the cache).
+
+import { renderMarkdown } from "./render.js";
+import { saveConversation } from "./store.js";
+
+// The figures line under an answer. `stats` comes from the stream's usage and timings.
+export function statsText(stats) {
+  if (!stats) return "";
+  const parts = [];
+  if (stats.completion !== undefined) parts.push(`${stats.completion} tokens`);
+  if (stats.tps) parts.push(`${stats.tps.toFixed(1)} tokens/s`);
+  if (stats.prompt !== undefined) parts.push(`${stats.cached || 0} of ${stats.prompt} prompt tokens from cache`);
+  if (stats.nCtx && stats.prompt !== undefined) parts.push(`context ${stats.prompt + (stats.completion || 0)}/${stats.nCtx}`);
+  if (stats.stopped) parts.push("stopped");
+  return parts.join(" · ");
+}
+
+function element(tag, className, text) {
+  const el = document.createElement(tag);
+  if (className) el.className = className;
+  if (text !== undefined) el.textContent = text;
+  return el;
+}
+
+function button(label, action) {
+  const b = element("button", "", label);
+  b.type = "button";
+  b.dataset.action = action;
+  return b;
+}
+
+export class ChatView {
+  constructor({ root, api, settings, onChange, onBusy }) {
+    this.root = root;
+    this.api = api;
+    this.settings = settings; // () => Settings
+    this.onChange = onChange; // the conversation list changed (title, order)
+    this.onBusy = onBusy; // (busy: boolean)
+    this.conversation = null;
+    this.abort = null;
+    this.nCtx = 0;
+    root.addEventListener("click", (event) => this.clicked(event));
+  }
+
+  get busy() {
+    return this.abort !== null;
+  }
+
+  show(conversation) {
+    this.conversation = conversation;
+    this.root.replaceChildren();
+    if (!conversation || conversation.messages.length === 0) {
+      this.root.append(element("p", "hint", "Ask anything. Conversations are kept in this browser only."));
+      return;
+    }
+    conversation.messages.forEach((message, i) => this.root.append(this.messageElement(message, i)));
+    this.scroll(true);
+  }
+
+  messageElement(message, index) {
+    const article = element("article", `msg ${message.role}`);
+    article.dataset.index = index;
+    article.append(element("div", "role", message.role === "user" ? "You" : "Model"));
+    if (message.role === "assistant") {
+      const details = element("details", "reasoning");
+      details.append(element("summary", "", "Reasoning"), element("div", "reasoning-body markdown"));
+      details.hidden = !message.reasoning;
+      article.append(details, element("div", "content markdown"), element("div", "stats"));
+      this.fill(article, message);
+      article.append(this.actions(button("Regenerate", "regenerate")));
+    } else {
+      article.append(element("div", "content plain", message.content));
+      article.append(this.actions(button("Edit", "edit")));
+    }
+    return article;
+  }
+
+  actions(...buttons) {
+    const bar = element("div", "actions");
+    bar.append(...buttons);
+    return bar;
+  }
+
+  // Update an assistant message's element from its record.
+  fill(article, message) {
+    const details = article.querySelector(".reasoning");
+    if (message.reasoning) {
+      details.hidden = false;
+      details.querySelector("summary").textContent = message.thinking ? "Reasoning (thinking…)" : "Reasoning";
+      renderMarkdown(details.querySelector(".reasoning-body"), message.reasoning);
+    }
+    renderMarkdown(article.querySelector(".content"), message.content);
+    const stats = article.querySelector(".stats");
+    stats.textContent = message.error ? `Error: ${message.error}` : statsText(message.stats);
+    stats.classList.toggle("error", Boolean(message.error));
+  }
+
+  scroll(force = false) {
+    const r = this.root;
+    if (force || r.scrollHeight - r.scrollTop - r.clientHeight < 120) r.scrollTop = r.scrollHeight;
+  }
+
+  async send(text) {
+    if (this.busy || !text.trim()) return;
+    const c = this.conversation;
+    if (c.messages.length === 0 && c.title === "New chat") c.title = text.trim().slice(0, 48);
+    c.messages.push({ role: "user", content: text });
+    await this.generate();
+  }
+
+  stop() {
+    this.abort?.abort();
+  }
+
+  clicked(event) {
+    const b = event.target.closest("button[data-action]");
+    if (!b || this.busy) return;
+    const index = Number(b.closest("article").dataset.index);
+    if (b.dataset.action === "regenerate") {
+      this.conversation.messages.splice(index);
+      this.show(this.conversation);
+      this.generate();
+    } else if (b.dataset.action === "edit") {
+      this.edit(b.closest("article"), index);
+    } else if (b.dataset.action === "save-edit") {
+      const text = b.closest("article").querySelector("textarea").value;
+      if (!text.trim()) return;
+      this.conversation.messages.splice(index);
+      this.conversation.messages.push({ role: "user", content: text });
+      this.show(this.conversation);
+      this.generate();
+    } else if (b.dataset.action === "cancel-edit") {
+      this.show(this.conversation);
+    }
+  }
+
+  edit(article, index) {
+    const content = article.querySelector(".content");
+    const area = element("textarea", "edit");
+    area.value = this.conversation.messages[index].content;
+    area.rows = Math.min(12, area.value.split("\n").length + 1);
+    content.replaceWith(area);
+    article.querySelector(".actions").replaceWith(this.actions(button("Save and regenerate", "save-edit"), button("Cancel", "cancel-edit")));
+    area.focus();
+  }
+
+  requestMessages() {
+    const system = this.settings().systemMessage;
+    const history = this.conversation.messages.map(({ role, content }) => ({ role, content }));
+    return system ? [{ role: "system", content: system }, ...history] : history;
+  }
+
+  async generate() {
+    const c = this.conversation;
+    const body = { messages: this.requestMessages(), ...this.settings().requestFields() };
+    const answer = { role: "assistant", content: "", reasoning: "" };
+    c.messages.push(answer);
+    saveConversation(c);
+    this.onChange();
+    this.show(c);
+    const article = this.root.lastElementChild;
+    this.abort = new AbortController();
+    this.onBusy(true);
+    let pending = false;
+    const repaint = () => {
+      if (pending) return;
+      pending = true;
+      requestAnimationFrame(() => { pending = false; this.fill(article, answer); this.scroll(); });
+    };
+    try {
+      for await (const chunk of this.api.streamChat(body, this.abort.signal)) {
+        const delta = chunk.choices?.[0]?.delta || {};
+        if (delta.reasoning_content) { answer.reasoning += delta.reasoning_content; answer.thinking = true; }
+        if (delta.content) { answer.content += delta.content; answer.thinking = false; }
+        if (chunk.usage) answer.stats = this.stats(chunk);
+        repaint();
+      }
+    } catch (error) {
+      if (this.abort.signal.aborted) answer.stats = { ...(answer.stats || {}), stopped: true };
+      else answer.error = error.message;
+    } finally {
+      answer.thinking = false;
+      this.abort = null;
+      this.onBusy(false);
+      saveConversation(c);
+      this.onChange();
+      if (this.conversation === c) { this.fill(article, answer); this.scroll(); }
+    }
+  }
+
+  stats(chunk) {
+    const usage = chunk.usage;
+    return {
+      prompt: usage.prompt_tokens,
+      cached: usage.prompt_tokens_details?.cached_tokens ?? chunk.timings?.cache_n ?? 0,
+      completion: usage.completion_tokens,
+      tps: chunk.timings?.predicted_per_second,
+      nCtx: this.nCtx,
+    };
+  }
+}

@@ -1,0 +1,232 @@
+// The page's entry point: reads /props (asking for the API key when the server wants one),
+// then wires the conversation list, the chat view and the dialogs together.
+//
+// Later features (tools, MCP: issue 35) plug in here: a module that adds request fields
+// through Settings and handles new delta kinds in ChatView.generate.
+
+import { Api, ApiError } from "./api.js";
+import { ChatView } from "./chat.js";
+import { enableCopyButtons } from "./render.js";
+import { Settings } from "./settings.js";
+import * as store from "./store.js";
+
+const $ = (id) => document.getElementById(id);
+const base = new URL(".", location.href);
+let apiKey = store.loadApiKey();
+const api = new Api(base, () => apiKey);
+let props = {};
+let settings = new Settings(store.loadSettings(), props);
+
+const view = new ChatView({
+  root: $("messages"),
+  api,
+  settings: () => settings,
+  onChange: () => renderList(),
+  onBusy: (busy) => {
+    $("send").hidden = busy;
+    $("stop").hidden = !busy;
+    document.body.classList.toggle("busy", busy);
+  },
+});
+
+function status(text, isError = false) {
+  $("status").textContent = text;
+  $("status").classList.toggle("error", isError);
+}
+
+// ---------------------------------------------------------------- API key and /props
+
+function askKey(message) {
+  return new Promise((resolve) => {
+    const dialog = $("key-dialog");
+    $("key-error").textContent = message;
+    $("key-input").value = "";
+    dialog.addEventListener("close", () => resolve($("key-input").value.trim()), { once: true });
+    dialog.showModal();
+  });
+}
+
+async function loadProps() {
+  for (;;) {
+    try {
+      return await api.get("props");
+    } catch (error) {
+      if (!(error instanceof ApiError) || error.status !== 401) throw error;
+      apiKey = await askKey(apiKey ? "That key was refused: " + error.message : "");
+      store.saveApiKey(apiKey);
+    }
+  }
+}
+
+function showModel() {
+  const name = props.model_alias || (props.model_path || "").split("/").pop() || "mlxcel-server";
+  document.title = name;
+  $("model-name").textContent = name;
+  const n = props.default_generation_settings?.n_ctx;
+  const kinds = Object.entries(props.modalities || {}).filter(([, on]) => on).map(([k]) => k);
+  view.nCtx = n || 0;
+  $("model-facts").textContent = [n ? `context ${n} tokens` : "", kinds.length ? `text + ${kinds.join(", ")}` : "text only"].filter(Boolean).join(" · ");
+}
+
+// ---------------------------------------------------------------- conversation list
+
+let current = null;
+
+function open(conversation) {
+  current = conversation;
+  view.show(conversation);
+  renderList();
+}
+
+function renderList() {
+  const list = $("conversations");
+  list.replaceChildren();
+  for (const c of store.listConversations()) {
+    const li = document.createElement("li");
+    li.dataset.id = c.id;
+    li.classList.toggle("current", current && c.id === current.id);
+    const title = document.createElement("button");
+    title.type = "button";
+    title.className = "title";
+    title.dataset.action = "open";
+    title.textContent = c.title;
+    const rename = document.createElement("button");
+    rename.type = "button";
+    rename.dataset.action = "rename";
+    rename.title = "Rename";
+    rename.textContent = "✎";
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.dataset.action = "delete";
+    remove.title = "Delete";
+    remove.textContent = "✕";
+    li.append(title, rename, remove);
+    list.append(li);
+  }
+}
+
+$("conversations").addEventListener("click", (event) => {
+  const b = event.target.closest("button[data-action]");
+  if (!b || view.busy) return;
+  const id = b.closest("li").dataset.id;
+  if (b.dataset.action === "open") {
+    open(store.getConversation(id));
+  } else if (b.dataset.action === "rename") {
+    const c = store.getConversation(id);
+    const title = prompt("Rename conversation", c.title);
+    if (title && title.trim()) {
+      store.renameConversation(id, title.trim());
+      if (current?.id === id) current.title = title.trim();
+      renderList();
+    }
+  } else if (b.dataset.action === "delete") {
+    if (!confirm("Delete this conversation?")) return;
+    store.deleteConversation(id);
+    if (current?.id === id) open(store.listConversations()[0] || store.newConversation());
+    else renderList();
+  }
+});
+
+$("new-chat").addEventListener("click", () => {
+  if (!view.busy) open(store.newConversation());
+});
+
+$("export").addEventListener("click", () => {
+  const blob = new Blob([store.exportJson()], { type: "application/json" });
+  const a = document.createElement("a");
+  a.href = URL.createObjectURL(blob);
+  a.download = `conversations-${new Date().toISOString().slice(0, 10)}.json`;
+  a.click();
+  setTimeout(() => URL.revokeObjectURL(a.href), 1000);
+});
+
+// ---------------------------------------------------------------- composer
+
+$("composer").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const text = $("input").value;
+  if (!text.trim() || view.busy) return;
+  $("input").value = "";
+  view.send(text);
+});
+
+$("input").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+    event.preventDefault();
+    $("composer").requestSubmit();
+  }
+});
+
+$("stop").addEventListener("click", () => view.stop());
+
+// ---------------------------------------------------------------- dialogs
+
+$("open-settings").addEventListener("click", () => {
+  settings.fill($("settings-fields"));
+  $("settings-dialog").showModal();
+});
+
+$("settings-reset").addEventListener("click", () => {
+  new Settings({}, props).fill($("settings-fields"));
+});
+
+$("settings-form").addEventListener("submit", (event) => {
+  if (event.submitter?.value !== "save") return;
+  try {
+    const saved = settings.read($("settings-fields"));
+    store.saveSettings(saved);
+    settings = new Settings(saved, props);
+  } catch (error) {
+    event.preventDefault();
+    alert(error.message);
+  }
+});
+
+$("open-server").addEventListener("click", async () => {
+  const info = $("server-info");
+  const rows = [
+    ["Model", props.model_alias], ["Path", props.model_path], ["Type", props.model_ftype],
+    ["Context per slot", props.default_generation_settings?.n_ctx], ["Slots", props.total_slots],
+    ["Build", props.build_info],
+  ];
+  try {
+    const slots = await api.get("slots");
+    rows.push(["Slots busy", `${slots.filter((s) => s.is_processing).length} of ${slots.length}`]);
+  } catch { /* --no-slots */ }
+  const table = document.createElement("table");
+  for (const [k, v] of rows) {
+    const tr = table.insertRow();
+    tr.insertCell().textContent = k;
+    tr.insertCell().textContent = v ?? "";
+  }
+  const links = document.createElement("p");
+  for (const path of ["health", "props", "slots", "v1/models", "metrics", "openapi.json"]) {
+    const a = document.createElement("a");
+    a.href = new URL(path, base).href;
+    a.textContent = "/" + path;
+    links.append(a, " ");
+  }
+  info.replaceChildren(table, links);
+  $("server-dialog").showModal();
+});
+
+// ---------------------------------------------------------------- start
+
+enableCopyButtons($("messages"));
+
+async function start() {
+  status("connecting…");
+  try {
+    props = await loadProps();
+  } catch (error) {
+    status(`Cannot reach the server: ${error.message}`, true);
+    return;
+  }
+  settings = new Settings(store.loadSettings(), props);
+  showModel();
+  status("");
+  open(store.listConversations()[0] || store.newConversation());
+  document.body.dataset.ready = "1";
+}
+
+start();
