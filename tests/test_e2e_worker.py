@@ -78,7 +78,7 @@ def test_get_load_counts_busy_slots_and_the_queue(worker, http) -> None:
                 break
             time.sleep(0.01)
         assert seen[-1] == {"load": 3, "running": 2, "waiting": 1, "total_slots": 2, "is_sleeping": False}, seen[-5:]
-        assert "llamacpp:requests_processing 2.0" in http.get("/metrics").text
+        assert "\nllamacpp:requests_processing 2\n" in http.get("/metrics").text  # printed as C++ prints it
     finally:
         stop.set()
         for t in threads:

@@ -63,5 +63,6 @@ OPERATIONS = {
     ("POST", "/lora-adapters"): Operation(
         "Set the global LoRA scales (body [{\"id\": i, \"scale\": s}]; adapters not listed get 0)",
         ok={"type": "object", "properties": {"success": {"type": "boolean"}}, "required": ["success"]},
+        errors=(400,),  # a body that is not an array of {id, scale}
     ),
 }
