@@ -10,6 +10,8 @@ cd "$root"
 report="$(mktemp)"
 trap 'rm -f "$report"' EXIT
 status=0
-MLXCEL_REAL_MODEL_REPORT="$report" "$venv/bin/python" -m pytest "$@" || status=$?
+# Both cores (pytest-xdist), one test file per worker at a time, so a module's servers stay in one
+# process; `scripts/test.sh -n 0 ...` runs in one process instead.
+MLXCEL_REAL_MODEL_REPORT="$report" "$venv/bin/python" -m pytest -n 2 --dist loadfile "$@" || status=$?
 if [ -s "$report" ]; then cat "$report"; fi
 exit "$status"

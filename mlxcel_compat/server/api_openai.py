@@ -208,8 +208,11 @@ async def _stream_completion(ctx: ServerContext, requests: list[GenerationReques
         elif isinstance(event, FinishEvent):
             res.close(event)
             remaining -= 1
-            if event.text:
-                yield fmt.sse(completion_chunk(event.text, i, m.model_id, cid, created, None))
+            if event.text:  # text held back until the end (a stop string's prefix, a split character)
+                chunk = completion_chunk(event.text, i, m.model_id, cid, created, None)
+                if opts.timings_per_token:
+                    chunk["timings"] = fmt.timings_json(event)
+                yield fmt.sse(chunk)
             final = completion_chunk("", i, m.model_id, cid, created, finish_reason(event))
             if remaining == 0:
                 final["usage"] = usage_json(results)
@@ -302,7 +305,10 @@ async def _stream_chat(
             last_finish = event
             for field, text in splitters[i].push(event.text) + splitters[i].flush():
                 rebuilt[i][field] += text
-                yield fmt.sse(chat_chunk({field: text}, i, m.model_id, cid, created))
+                chunk = chat_chunk({field: text}, i, m.model_id, cid, created)
+                if job.opts.timings_per_token:  # held-back text is a token's too
+                    chunk["timings"] = fmt.timings_json(event)
+                yield fmt.sse(chunk)
             tool_calls: list[dict[str, Any]] = []
             if job.with_tools:
                 _, tool_calls = extract_tool_calls(split_reply(ctx, res.content, data)[1], data)

@@ -420,7 +420,7 @@ async def _stream(ctx: ServerContext, job: ChatJob, body: Mapping[str, Any]) -> 
         if not isinstance(event, (TokenEvent, FinishEvent)):
             continue
         deltas = stream_deltas(ctx, splitter, res, event)
-        timings = fmt.timings_json(event) if per_token and isinstance(event, TokenEvent) else None
+        timings = fmt.timings_json(event) if per_token else None  # text held back to the finish has them too
         for k, (field, text) in enumerate(deltas):
             for chunk in events.delta(field, text, timings if k == len(deltas) - 1 else None):
                 yield chunk
