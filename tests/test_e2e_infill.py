@@ -1,0 +1,252 @@
+"""``/infill``: llama-server's fill-in-the-middle prompt, token for token, then a native completion.
+
+The expected prompts are built here from llama-server's rules (``format_prompt_infill`` in
+b11312's ``server-common.cpp``), written out case by case with the numbers of these servers
+(``-b 64 -c 512``, ``-n`` left at -1): the prefix keeps its last 3 x (64 / 4) = 48 tokens, the
+suffix its first 64 / 4 - 2 - len(prompt) tokens, the extra context its last 512 - 64 + 2 = 450.
+
+Side by side with the real llama-server (b11312, ``~/.cache/llama-peer``), on the factory's FIM
+GGUF, for every request of :data:`CASES` with and without ``--spm-infill``:
+:func:`test_prompts_equal_the_real_llama_server` (skipped where the binary is absent, as in CI).
+Run on 2026-12-02: the ``prompt`` text and ``tokens_evaluated`` of all 2 x 5 requests were equal,
+and so were the 501 without FIM tokens (same message) and the 400 for a bad ``input_extra``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e_helpers import parse_sse
+from tests.conftest import free_port, tiny_model
+from mlxcel_compat.testing.tokenizer import fim_token_id
+
+PRE, MID, SUF, PAD, REP, SEP = (fim_token_id(t) for t in (
+    "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"))
+ARGS = ["-np", "1", "-c", "512", "-b", "64"]
+LLAMA_SERVER = Path.home() / ".cache/llama-peer/llama.cpp/build/bin/llama-server"
+
+PREFIX = "def total(items):\n    result = 0\n    for item in items:\n" + "".join(f"    # step {i}: add the value\n" for i in range(12))
+SUFFIX = "\n    return result\n\n\nprint(total([1, 2, 3]))\n" + "".join(f"# trailing note {i}\n" for i in range(8))
+
+
+@pytest.fixture(scope="module")
+def coder_dir() -> Path:
+    return tiny_model("qwen2_coder")
+
+
+@pytest.fixture(scope="module")
+def coder_gguf() -> Path:
+    return tiny_model("qwen2_coder:f32")
+
+
+@pytest.fixture(scope="module")
+def fim_server(server_factory, coder_dir):
+    return server_factory(["-m", str(coder_dir), *ARGS])
+
+
+@pytest.fixture(scope="module")
+def spm_server(server_factory, coder_gguf):
+    return server_factory(["-m", str(coder_gguf), *ARGS, "--spm-infill"])
+
+
+@pytest.fixture(scope="module")
+def http(fim_server):
+    with httpx.Client(base_url=fim_server.base_url, timeout=60) as client:
+        yield client
+
+
+def plain(http: httpx.Client, text: str) -> list[int]:
+    """Text as llama-server tokenizes the FIM pieces: no BOS, special-token text left as text.
+    The factory vocabulary has no special token inside these texts, so /tokenize agrees."""
+    assert "<|" not in text
+    return http.post("/tokenize", json={"content": text}).json()["tokens"]
+
+
+def infill(http: httpx.Client, **body) -> dict:
+    response = http.post("/infill", json={"n_predict": 1, "temperature": 0, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def detok(http: httpx.Client, tokens: list[int]) -> str:
+    return http.post("/detokenize", json={"tokens": tokens}).json()["content"]
+
+
+def assert_prompt(http: httpx.Client, result: dict, expected: list[int]) -> None:
+    assert result["tokens_evaluated"] == len(expected)
+    assert result["prompt"] == detok(http, expected)
+
+
+def test_repo_level_layout_with_extra_chunks_and_truncation(http):
+    prefix, suffix = plain(http, PREFIX), plain(http, SUFFIX)
+    assert len(prefix) > 48 and len(suffix) > 16  # both are cut
+    prompt = plain(http, " result")
+    extra = [{"filename": "util.py", "text": "def helper():\n    pass\n"}, {"text": "CONSTANT = 3\n"}]
+    result = infill(http, input_prefix=PREFIX, input_suffix=SUFFIX, input_extra=extra, prompt=" result")
+    expected = (
+        [REP, *plain(http, "myproject\n")]
+        + [SEP, *plain(http, "util.py\n"), *plain(http, extra[0]["text"])]
+        + [SEP, *plain(http, "tmp\n"), *plain(http, extra[1]["text"])]  # no filename: "tmp"
+        + [SEP, *plain(http, "filename\n")]
+        + [PRE, *prefix[-48:], *prompt]  # the prompt follows the prefix, before the suffix token
+        + [SUF, *suffix[: 16 - 2 - len(prompt)]]
+        + [MID]
+    )
+    assert_prompt(http, result, expected)
+
+
+def test_without_extra_the_repo_lines_still_frame_the_file(http):
+    result = infill(http, input_prefix="x = ", input_suffix="\n")
+    expected = [REP, *plain(http, "myproject\n"), SEP, *plain(http, "filename\n"), PRE, *plain(http, "x = "), SUF, *plain(http, "\n"), MID]
+    assert_prompt(http, result, expected)
+
+
+def test_extra_context_keeps_its_last_tokens(http):
+    chunks = [{"filename": f"f{i}.py", "text": "".join(f"value_{i}_{j} = {j}\n" for j in range(20))} for i in range(6)]
+    extra = [REP, *plain(http, "myproject\n")]
+    for c in chunks:
+        extra += [SEP, *plain(http, c["filename"] + "\n"), *plain(http, c["text"])]
+    extra += [SEP, *plain(http, "filename\n")]
+    assert len(extra) > 450
+    result = infill(http, input_prefix="a", input_suffix="b", input_extra=chunks, n_predict=1)
+    expected = [*extra[-450:], PRE, *plain(http, "a"), SUF, *plain(http, "b"), MID]
+    assert_prompt(http, result, expected)
+
+
+def test_prefix_and_suffix_may_mix_text_and_token_ids(http):
+    ids = plain(http, " value")
+    result = infill(http, input_prefix=["x =", *ids], input_suffix=[*ids, "\n"])
+    expected = [REP, *plain(http, "myproject\n"), SEP, *plain(http, "filename\n"),
+                PRE, *plain(http, "x ="), *ids, SUF, *ids, *plain(http, "\n"), MID]
+    assert_prompt(http, result, expected)
+
+
+def test_special_token_text_in_the_code_is_not_a_control_token(http, coder_dir):
+    """The prefix is tokenized with special parsing off (the quoted text is ordinary tokens), the
+    ``prompt`` with it on (its ``<|fim_pad|>`` is the control token)."""
+    from tokenizers import Tokenizer
+
+    spelled = Tokenizer.from_file(str(coder_dir / "tokenizer.json"))
+    spelled.encode_special_tokens = True
+    code = "s = '<|fim_middle|>'"
+    result = infill(http, input_prefix=code, input_suffix="", prompt="<|fim_pad|>")
+    expected = [REP, *plain(http, "myproject\n"), SEP, *plain(http, "filename\n"),
+                PRE, *spelled.encode(code, add_special_tokens=False).ids, PAD, SUF, MID]
+    assert MID not in expected[:-1]
+    assert_prompt(http, result, expected)
+
+
+def test_spm_order_puts_the_suffix_first(spm_server):
+    with httpx.Client(base_url=spm_server.base_url, timeout=60) as http:
+        prompt = plain(http, " result")
+        suffix = plain(http, SUFFIX)
+        result = infill(http, input_prefix=PREFIX, input_suffix=SUFFIX, prompt=" result")
+        expected = [REP, *plain(http, "myproject\n"), SEP, *plain(http, "filename\n"),
+                    SUF, *suffix[: 16 - 2 - len(prompt)], PRE, *plain(http, PREFIX)[-48:], *prompt, MID]
+        assert_prompt(http, result, expected)
+
+
+def test_second_keystroke_in_the_same_file_hits_the_prompt_cache(http):
+    body = {"input_prefix": PREFIX[:120], "input_suffix": SUFFIX[:40], "input_extra": [{"filename": "u.py", "text": "import os\n" * 20}],
+            "cache_prompt": True, "n_predict": 4}
+    first = infill(http, **body)
+    second = infill(http, **{**body, "input_prefix": PREFIX[:121]})
+    assert second["tokens_cached"] > 0
+    assert second["tokens_cached"] >= first["tokens_evaluated"] - 30  # the extra context and most of the prefix
+
+
+def test_streaming_infill_sends_native_events(http):
+    response = http.post("/infill", json={"input_prefix": "x = ", "input_suffix": "\n", "n_predict": 3, "stream": True, "temperature": 0})
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = parse_sse(response.text)
+    assert events[-1]["stop"] is True and all(e["stop"] is False for e in events[:-1])
+    streamed = "".join(e["content"] for e in events[:-1])
+    whole = infill(http, input_prefix="x = ", input_suffix="\n", n_predict=3)
+    assert streamed == whole["content"] or whole["content"].startswith(streamed)
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"input_suffix": ""}, "\"input_prefix\" is required"),
+        ({"input_prefix": ""}, "\"input_suffix\" is required"),
+        ({"input_prefix": 3, "input_suffix": ""}, "\"input_prefix\" must be a string or an array of strings and token ids"),
+        ({"input_prefix": "", "input_suffix": "", "input_extra": {}}, "\"input_extra\" must be an array of {\"filename\": string, \"text\": string}"),
+        ({"input_prefix": "", "input_suffix": "", "input_extra": [{"filename": "a"}]}, "extra_context chunk must contain a \"text\" field with a string value"),
+        ({"input_prefix": "", "input_suffix": "", "input_extra": [{"text": "", "filename": 1}]}, "extra_context chunk's \"filename\" field must be a string"),
+        ({"input_prefix": [99999], "input_suffix": ""}, "Prompt contains invalid tokens"),
+    ],
+)
+def test_bad_fields_get_400(http, body, message):
+    response = http.post("/infill", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == message
+
+
+def test_a_non_string_prompt_is_ignored(http):
+    assert infill(http, input_prefix="a", input_suffix="b", prompt=5)["tokens_evaluated"] == infill(http, input_prefix="a", input_suffix="b")["tokens_evaluated"]
+
+
+def test_model_without_fim_tokens_gets_501(server):
+    response = httpx.post(server.base_url + "/infill", json={"input_prefix": "a", "input_suffix": "b"})
+    assert response.status_code == 501
+    assert response.json()["error"] == {
+        "code": 501,
+        "message": "Infill is not supported by this model: prefix token is missing. suffix token is missing. middle token is missing. ",
+        "type": "not_supported_error",
+    }
+
+
+# ---------------------------------------------------------------------- side by side with llama-server
+
+CASES = [
+    {"input_prefix": PREFIX, "input_suffix": SUFFIX, "prompt": " result",
+     "input_extra": [{"filename": "util.py", "text": "def helper():\n    pass\n"}, {"text": "CONSTANT = 3\n"}]},
+    {"input_prefix": "x = ", "input_suffix": "\n"},
+    {"input_prefix": "a", "input_suffix": "b",
+     "input_extra": [{"filename": f"f{i}.py", "text": "".join(f"value_{i}_{j} = {j}\n" for j in range(20))} for i in range(6)]},
+    {"input_prefix": "s = '<|fim_middle|>'", "input_suffix": "", "prompt": "<|fim_pad|>"},
+    {"input_prefix": ["x =", 1000, 2000], "input_suffix": [3000, "\n"]},
+]
+
+
+def _llama_server(gguf: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([str(LLAMA_SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), *ARGS, "-t", "1", *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("llama-server did not start")
+
+
+@pytest.mark.skipif(not os.access(LLAMA_SERVER, os.X_OK), reason="the llama-server binary (b11312) is not built on this machine")
+@pytest.mark.parametrize("spm", [False, True])
+def test_prompts_equal_the_real_llama_server(server_factory, coder_gguf, spm):
+    flags = ["--spm-infill"] if spm else []
+    ours = server_factory(["-m", str(coder_gguf), *ARGS, *flags])
+    proc, theirs = _llama_server(coder_gguf, flags)
+    try:
+        for body in CASES:
+            body = {**body, "n_predict": 1, "temperature": 0}
+            a = httpx.post(ours.base_url + "/infill", json=body, timeout=60).json()
+            b = httpx.post(theirs + "/infill", json=body, timeout=60).json()
+            assert (a["prompt"], a["tokens_evaluated"]) == (b["prompt"], b["tokens_evaluated"]), body
+        bad = {"input_prefix": "", "input_suffix": "", "input_extra": [{"filename": "a"}]}
+        a, b = (httpx.post(u + "/infill", json=bad, timeout=60) for u in (ours.base_url, theirs))
+        assert (a.status_code, a.json()) == (b.status_code, b.json())
+    finally:
+        proc.terminate()
+        proc.wait(10)
