@@ -250,3 +250,61 @@ def test_prompts_equal_the_real_llama_server(server_factory, coder_gguf, spm):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+# ---------------------------------------------------------------------- finding the FIM tokens
+
+
+def test_factory_gguf_states_the_fim_ids_and_the_directory_is_found_by_text(coder_dir, coder_gguf):
+    from mlx_lm.tokenizer_utils import load
+
+    from mlxcel_compat.model.fim import FimTokens, model_fim_tokens
+    from mlxcel_compat.model.gguf import open_gguf
+    from mlxcel_compat.model.gguf_tokenizer import special_tokens
+
+    expected = FimTokens(pre=PRE, suf=SUF, mid=MID, pad=PAD, rep=REP, sep=SEP)
+    md = open_gguf(coder_gguf).metadata
+    assert (md["tokenizer.ggml.fim_pre_token_id"], md["tokenizer.ggml.fim_sep_token_id"]) == (PRE, SEP)
+    specials = special_tokens(open_gguf(coder_gguf))
+    assert FimTokens(**specials.fim) == expected
+    assert {PAD, REP, SEP} <= set(specials.eog)  # llama.cpp ends generation at them
+    assert model_fim_tokens(load(coder_dir), 8198) == expected
+
+
+def test_stated_ids_win_unless_out_of_range_and_old_keys_fill_in():
+    from mlxcel_compat.model.fim import find_fim_tokens, stated_ids
+
+    vocab = {"<PRE>": 5, "▁<PRE>": 3, "<SUF>": 6, "<MID>": 7, "<|fim_pad|>": 8}
+    found = find_fim_tokens(vocab, 10)
+    assert (found.pre, found.suf, found.mid, found.pad, found.rep, found.sep) == (3, 6, 7, 8, None, None)
+    stated = stated_ids({"tokenizer.ggml.fim_pre_token_id": 1, "tokenizer.ggml.prefix_token_id": 2,
+                         "tokenizer.ggml.fim_suf_token_id": 99, "tokenizer.ggml.middle_token_id": 4})
+    assert stated == {"pre": 2, "suf": 99, "mid": 4}  # the deprecated key is read last, as llama.cpp reads it
+    found = find_fim_tokens(vocab, 10, stated)
+    assert (found.pre, found.suf, found.mid) == (2, 6, 4)  # 99 is outside the vocabulary: found by text
+    assert find_fim_tokens({}, 10).missing() == "prefix token is missing. suffix token is missing. middle token is missing. "
+
+
+def test_without_a_file_separator_chunks_are_joined_with_snippet_lines(coder_dir):
+    """CodeLlama's kind of vocabulary: prefix, suffix and middle only, and a BOS."""
+    from tokenizers import Tokenizer
+
+    from mlxcel_compat.model.fim import FimTokens
+    from mlxcel_compat.server.infill import InfillBudget, infill_prompt, parse_infill
+
+    tok = Tokenizer.from_file(str(coder_dir / "tokenizer.json"))
+    tok.encode_special_tokens = True
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False).ids
+
+    fim = FimTokens(pre=PRE, suf=SUF, mid=MID)
+    body = {"input_prefix": "a = 1", "input_suffix": "b = 2", "input_extra": [{"filename": "x.py", "text": "c = 3"}, {"text": "d = 4"}]}
+    budget = InfillBudget(n_batch=64, n_predict=-1, n_ctx=512, spm=False, bos_id=7)
+    snippet = enc("\n\n--- snippet ---\n\n")
+    expected = [*snippet, *enc("c = 3"), *snippet, *enc("d = 4"), 7, PRE, *enc("a = 1"), SUF, *enc("b = 2"), MID]
+    assert infill_prompt(fim, parse_infill(body), budget, enc, enc) == expected
+    # The extra context is cut from the front; the BOS stays after it.
+    small = InfillBudget(n_batch=64, n_predict=200, n_ctx=470, spm=True, bos_id=7)  # 470 - 64 - 400 = 6 tokens
+    extra = [*snippet, *enc("c = 3"), *snippet, *enc("d = 4")]
+    assert infill_prompt(fim, parse_infill(body), small, enc, enc) == [*extra[-6:], 7, SUF, *enc("b = 2"), PRE, *enc("a = 1"), MID]
