@@ -9,7 +9,11 @@ Side by side with the real llama-server (b11312, ``~/.cache/llama-peer``), on th
 GGUF, for every request of :data:`CASES` with and without ``--spm-infill``:
 :func:`test_prompts_equal_the_real_llama_server` (skipped where the binary is absent, as in CI).
 Run on 2026-12-02: the ``prompt`` text and ``tokens_evaluated`` of all 2 x 5 requests were equal,
-and so were the 501 without FIM tokens (same message) and the 400 for a bad ``input_extra``.
+and so was the 400 for a bad ``input_extra`` (status and body). By hand the same day: llama-server
+on the tiny llama GGUF (no FIM tokens) answered the 501 body :func:`test_model_without_fim_tokens_gets_501`
+expects, word for word; a ``null`` filename and an out-of-vocabulary id gave the same 400s as here;
+a missing ``input_prefix`` and a numeric one gave 500s (``[json.exception.out_of_range.403] key
+'input_prefix' not found``, ``[json.exception.type_error.302] ...``), where this server answers 400.
 """
 
 from __future__ import annotations

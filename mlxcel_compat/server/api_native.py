@@ -225,7 +225,7 @@ OPERATIONS = {
     ("POST", "/infill"): Operation(
         "Fill in the middle: llama-server's FIM prompt from input_prefix, input_suffix and input_extra, then a native completion",
         body=("all", "infill"),
-        ok=NATIVE_RESULT,
+        ok=COMPLETION.ok,  # an array with n_cmpl > 1, as /completion
         media=(JSON, SSE),
         errors=(500, 501),
     ),
