@@ -175,6 +175,19 @@ def test_streaming_infill_sends_native_events(http):
     assert streamed == whole["content"] or whole["content"].startswith(streamed)
 
 
+def test_editor_sampler_chain_with_infill_and_several_completions(http, server_factory, coder_dir):
+    """llama.vscode's samplers (top_k, top_p, infill); n_cmpl > 1 answers an array, as /completion
+    (this server has one slot, so the array is asked of a two-slot one)."""
+    body = {"input_prefix": "x = ", "input_suffix": "\n", "samplers": ["top_k", "top_p", "infill"], "top_k": 40, "n_predict": 4}
+    result = infill(http, **body, temperature=0.7, seed=3)
+    assert result["generation_settings"]["samplers"] == ["top_k", "top_p", "infill"]
+    assert 1 <= result["tokens_predicted"] <= 4
+    two = server_factory(["-m", str(coder_dir), "-np", "2", "-c", "1024", "-b", "64"])
+    both = httpx.post(two.base_url + "/infill", json={**body, "n_cmpl": 2}, timeout=60).json()
+    assert [r["index"] for r in both] == [0, 1]
+    assert both[0]["tokens_evaluated"] == both[1]["tokens_evaluated"] == result["tokens_evaluated"]
+
+
 @pytest.mark.parametrize(
     "body, message",
     [
