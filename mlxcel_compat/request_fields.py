@@ -13,7 +13,7 @@ serves: a value outside it gets a 4xx naming the field (or, for ``unsupported`` 
 (:func:`bounds`), e.g. ``"$n_probs_max"`` is ``--n-probs-max``.
 
 ``scope`` says which routes read a field: ``all`` (the native routes, passed through by the OpenAI
-ones), ``completion``, ``chat``, ``tokenize``, ``detokenize``, ``vertex``, and the agent APIs'
+ones), ``completion``, ``infill``, ``chat``, ``tokenize``, ``detokenize``, ``vertex``, and the agent APIs'
 own bodies, ``messages`` (Anthropic) and ``responses`` (OpenAI Responses). A name is unique
 within a scope. A dotted name (``stream_options.
 include_usage``) is a member of an object field; ``messages[].content[].image_url`` names a content
@@ -31,6 +31,7 @@ SCOPES: dict[str, str] = {
     "all": "native routes; the OpenAI routes pass these through too",
     "completion": "/completion, /completions, /v1/completions",
     "chat": "/chat/completions, /v1/chat/completions (and /apply-template, which renders the chat only)",
+    "infill": "/infill (every native field too)",
     "tokenize": "/tokenize",
     "detokenize": "/detokenize",
     "vertex": "/predict (Vertex AI prediction mode, AIP_MODE=PREDICTION)",
@@ -269,6 +270,16 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
        note="vLLM's field: a prompt-cache namespace under --prompt-cache-isolation salt or api-key; also read from extra_body"),
     _f("extra_body", {"type": "object", "properties": {"cache_prompt": BOOL, "prompt_cache_key": STRING, "cache_salt": STRING}},
        origin="mlxcel", note="cache_prompt, prompt_cache_key and cache_salt are read from it too"),
+    _f("input_prefix", {"anyOf": [STRING, PIECES]}, scope="infill", required=True,
+       note="the text before the cursor (or text and token ids mixed); its last 3/4 x --batch-size tokens are kept; "
+            "llama-server answers 500 when it is missing, this server 400"),
+    _f("input_suffix", {"anyOf": [STRING, PIECES]}, scope="infill", required=True,
+       note="the text after the cursor; its first --batch-size/4 - 2 - len(prompt) tokens are kept"),
+    _f("input_extra", {"type": "array", "items": {"type": "object", "properties": {"text": STRING, "filename": STRING}, "required": ["text"]}},
+       scope="infill",
+       note="other files' text before the FIM prefix: repo-level <|repo_name|>/<|file_sep|> layout when the model has those tokens, "
+            "else '--- snippet ---' separators; the last n_ctx - --batch-size - 2 x -n tokens are kept; filename defaults to tmp"),
+    _f("prompt", STRING, scope="infill", note="text after the prefix, before the FIM suffix token (special tokens parsed); a non-string is ignored, as llama-server does"),
     _f("content", {"anyOf": [STRING, PIECES]}, scope="tokenize", note="text, or text and token ids mixed"),
     _f("add_special", BOOL, scope="tokenize"),
     _noop("parse_special", BOOL, "special tokens in the text are always parsed", scope="tokenize"),

@@ -571,6 +571,8 @@ _MODEL: tuple[Setting, ...] = (
 )
 
 _SAMPLING: tuple[Setting, ...] = (
+    Setting("spm_infill", ("--spm-infill",), type="bool", default=False, group="sampling",
+            help="/infill puts the suffix before the prefix (Suffix/Prefix/Middle), as some models prefer."),
     Setting("n_predict", ("-n", "--predict", "--n-predict"), ("LLAMA_ARG_N_PREDICT",), type="int", default=-1,
             minimum=-1, group="sampling", help="Default maximum of new tokens per request (-1 = no limit)."),
     Setting("n_keep", ("--keep",), type="int", default=0, minimum=-1, group="sampling",
@@ -883,7 +885,6 @@ _COMPAT: tuple[Setting, ...] = (
           "lookup decoding is not implemented", metavar="FNAME"),
     _noop("lookup_cache_dynamic", ("-lcd", "--lookup-cache-dynamic"), "Dynamic lookup-decoding cache.",
           "lookup decoding is not implemented", metavar="FNAME"),
-    _noop("spm_infill", ("--spm-infill",), "Suffix/Prefix/Middle order for /infill.", "/infill is not served"),
     _noop("pooling", ("--pooling",), "Embedding pooling type.", R_EMBED, metavar="{none,mean,cls,last,rank}",
           env=("LLAMA_ARG_POOLING",)),
     _noop("embd_normalize", ("--embd-normalize",), "Embedding normalisation.", R_EMBED, metavar="N"),

@@ -67,7 +67,7 @@ def test_manifest_flag_statuses_and_notes(manifest) -> None:
 
 SUPPORTED_ROUTES = [
     ("GET", "/health"), ("GET", "/v1/health"), ("GET", "/metrics"), ("GET", "/props"), ("POST", "/props"),
-    ("GET", "/models"), ("GET", "/v1/models"), ("POST", "/completion"), ("POST", "/completions"),
+    ("GET", "/models"), ("GET", "/v1/models"), ("POST", "/completion"), ("POST", "/completions"), ("POST", "/infill"),
     ("POST", "/v1/completions"), ("POST", "/chat/completions"), ("POST", "/v1/chat/completions"),
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template"), ("GET", "/slots"),
     ("POST", "/v1/cache/reset"), ("GET", "/v1/cache/stats"), ("GET", "/openapi.json"), ("GET", "/"), ("GET", "/index.html"),
@@ -83,7 +83,7 @@ SUPPORTED_ROUTES = [
 # Every other route of llama-server-api.md §2 (single-model and router mode).
 UPSTREAM_ROUTES = [
     ("POST", "/v1/chat/completions/control"),
-    ("POST", "/v1/audio/transcriptions"), ("POST", "/audio/transcriptions"), ("POST", "/infill"), ("POST", "/embedding"), ("POST", "/embeddings"),
+    ("POST", "/v1/audio/transcriptions"), ("POST", "/audio/transcriptions"), ("POST", "/embedding"), ("POST", "/embeddings"),
     ("POST", "/v1/embeddings"), ("POST", "/rerank"), ("POST", "/reranking"), ("POST", "/v1/rerank"),
     ("POST", "/v1/reranking"),
     ("GET", "/v1/stream"), ("DELETE", "/v1/stream"), ("POST", "/v1/streams/lookup"), ("POST", "/models"), ("POST", "/models/load"), ("POST", "/models/unload"),

@@ -30,6 +30,7 @@ from schemathesis.specs.openapi.checks import (
 
 from mlxcel_compat.server.app import routes
 from mlxcel_compat.server.openapi import served_routes
+from tests.conftest import tiny_model
 from tests.e2e_helpers import wait_idle
 
 pytestmark = pytest.mark.e2e
@@ -38,10 +39,11 @@ EXAMPLES = int(os.environ.get("MLXCEL_SCHEMATHESIS_EXAMPLES", "200"))
 
 
 @pytest.fixture(scope="module")
-def fuzzed_server(server_factory, llama_dir, tmp_path_factory) -> str:
+def fuzzed_server(server_factory, tmp_path_factory) -> str:
     slot_dir = tmp_path_factory.mktemp("fuzzed-slots")  # the slot-file route answers 501 without it
+    # A model with FIM tokens: /infill answers 501 without them.
     server = server_factory(
-        ["-m", str(llama_dir), "-np", "4", "-c", "256", "-b", "64", "--metrics", "--props",
+        ["-m", str(tiny_model("qwen2_coder")), "-np", "4", "-c", "256", "-b", "64", "--metrics", "--props",
          "--n-predict-max", "4", "--max-prompts", "4", "--alias", "fuzz", "--slot-save-path", str(slot_dir)]
     )
     return server.base_url

@@ -355,7 +355,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_cli_list_and_unknown_family(tmp_path: Path) -> None:
     listed = _cli("--list")
     assert listed.returncode == 0
-    assert listed.stdout.splitlines() == list(models.FAMILIES)
+    assert listed.stdout.splitlines() == [*models.FAMILIES, *models.FIM_FAMILIES]
     bad = _cli("--family", "gpt9", "--size", "tiny", "--out", str(tmp_path / "x"))
     assert bad.returncode != 0
     assert "unknown model family 'gpt9'" in bad.stderr

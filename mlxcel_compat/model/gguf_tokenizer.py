@@ -15,7 +15,8 @@ What llama.cpp derives from the metadata is derived the same way here:
 - ``add_bos_token`` defaults to true for SentencePiece (``llama``) vocabularies;
 - ``tokenizer.chat_template`` is the default template and ``tokenizer.chat_template.NAME``
   become named templates (``tool_use``, ...);
-- FIM token ids (``tokenizer.ggml.fim_*_token_id``) are reported in ``SpecialTokens``.
+- FIM token ids (``tokenizer.ggml.fim_*_token_id``, else found by their text, ``model/fim.py``)
+  are reported in ``SpecialTokens``; the FIM pad, repo and file-separator tokens end generation.
 
 The converted directory is cached (``$XDG_CACHE_HOME/mlxcel_compat/gguf-tokenizers``, else
 ``~/.cache/...``), keyed by a hash of the GGUF's header (all its metadata), this module's source
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlxcel_compat.model.fim import find_fim_tokens, stated_ids
 from mlxcel_compat.model.gguf import GGUFModelFile
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,6 @@ EOG_TEXTS = frozenset({
     "<end_of_utterance>", "<｜end▁of▁sentence｜>",
 })
 CONTROL, USER_DEFINED = 3, 4
-FIM_KEYS = ("pre", "suf", "mid", "pad", "rep", "sep")
 MAX_CACHED = 16  # converted tokenizers kept; the least recently used beyond that are deleted
 
 
@@ -85,8 +86,10 @@ def special_tokens(file: GGUFModelFile) -> SpecialTokens:
     eog = {i for i in (specials.eos, specials.eot, specials.eom) if i is not None}
     eog.update(i for i, (text, kind) in enumerate(zip(tokens, types))
                if text in EOG_TEXTS and kind in (CONTROL, USER_DEFINED))
+    fim = find_fim_tokens({text: i for i, text in reversed(list(enumerate(tokens)))}, len(tokens), stated_ids(md))
+    eog.update(fim.end_of_generation())
     specials.eog = sorted(eog)
-    specials.fim = {k: v for k in FIM_KEYS if (v := _meta_int(file, f"fim_{k}_token_id")) is not None}
+    specials.fim = fim.as_dict()
     if specials.bos is None:
         specials.add_bos = False
     return specials

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from mlxcel_compat.model import hub
+from mlxcel_compat.model.fim import FimTokens, model_fim_tokens
 from mlxcel_compat.model.gguf import is_gguf_path
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class LoadedModel:
     fingerprint: str = ""  # model_fingerprint(...): what saved prompt-cache state must match
     decoder: Any = None  # model.cpu_decode.CpuDecoder: decode steps outside MLX (single or batched), or None
     n_adapted: int = 0  # modules carrying a LoRA adapter (model.lora_layers), served unfused
+    fim: FimTokens = field(default_factory=FimTokens)  # fill-in-the-middle tokens (/infill)
 
     @property
     def file_type(self) -> str:
@@ -114,8 +116,6 @@ def _log_gguf(summary: Any) -> None:
     if summary.blocks_unavailable:
         log.warning("quantized weights expanded to float32 (4 bytes a weight): ggml's kernels are not available: %s",
                     summary.blocks_unavailable)
-    if summary.specials is not None and summary.specials.fim:
-        log.info("FIM tokens: %s", ", ".join(f"{k}={v}" for k, v in summary.specials.fim.items()))
 
 
 class _ProgressLog:
@@ -245,6 +245,13 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
         if on_cpu and config.get("quantization") is not None:
             affine = _serve_affine(model)
     n_adapted = _install_adapters(model, config, summary, adapters) if adapters else 0
+    text_cfg = config.get("text_config", {})
+    fim = model_fim_tokens(tokenizer, int(config.get("vocab_size") or text_cfg.get("vocab_size") or 0),
+                           summary.specials if summary is not None else None)
+    if summary is None and fim.end_of_generation():  # a GGUF's were added with its other end tokens
+        tokenizer.eos_token_ids = set(tokenizer.eos_token_ids) | set(fim.end_of_generation())
+    if fim.as_dict():
+        log.info("FIM tokens: %s", ", ".join(f"{k}={v}" for k, v in fim.as_dict().items()))
     if on_cpu:
         from mlxcel_compat.model import attention, cpu_fusion
 
@@ -279,6 +286,7 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
         fingerprint=model_fingerprint(path, summary, affine.fingerprint if affine is not None else None),
         decoder=decoder,
         n_adapted=n_adapted,
+        fim=fim,
     )
 
 

@@ -1,7 +1,8 @@
-"""llama-server's native API: ``/completion``, ``/tokenize``, ``/detokenize``, ``/apply-template``.
+"""llama-server's native API: ``/completion``, ``/infill``, ``/tokenize``, ``/detokenize``, ``/apply-template``.
 
 ``/completion`` (alias ``/completions``) takes llama-server's prompt shapes and answers with its
-native result JSON, or native SSE chunks when streaming.
+native result JSON, or native SSE chunks when streaming. ``/infill`` builds a fill-in-the-middle
+prompt (``server/infill.py``) and then answers exactly as ``/completion`` does.
 """
 
 from __future__ import annotations
@@ -16,10 +17,24 @@ from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequ
 from mlxcel_compat.engine.textstream import token_bytes
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
-from mlxcel_compat.server.errors import ApiError, InvalidRequest, event_error, json_response
+from mlxcel_compat.server.errors import ApiError, InvalidRequest, NotSupported, event_error, json_response
+from mlxcel_compat.server.infill import InfillBudget, infill_prompt, parse_infill, plain_tokenizer
 from mlxcel_compat.server.openapi import JSON, SSE, Operation
 from mlxcel_compat.server.params import CompletionOptions
-from mlxcel_compat.server.pipeline import collect, ctx_of, prepare_completion, prompt_text, read_json, render_prompt, respond, sse_response
+from mlxcel_compat.server.pipeline import (
+    CompletionJob,
+    _prepare_completion,
+    api_key_id,
+    collect,
+    ctx_of,
+    header_session,
+    prepare_completion,
+    prompt_text,
+    read_json,
+    render_prompt,
+    respond,
+    sse_response,
+)
 from mlxcel_compat.server.progress import PromptProgress
 
 # ---------------------------------------------------------------------- /completion
@@ -27,7 +42,10 @@ from mlxcel_compat.server.progress import PromptProgress
 
 async def completion(request: Request) -> Response:
     ctx = ctx_of(request)
-    job = await prepare_completion(ctx, request, await read_json(request))
+    return await _answer(ctx, request, await prepare_completion(ctx, request, await read_json(request)))
+
+
+async def _answer(ctx: ServerContext, request: Request, job: CompletionJob) -> Response:
     opts = job.opts
     if opts.stream:
         return sse_response(_stream(ctx, job.requests, opts), opts)
@@ -73,6 +91,28 @@ async def _stream(ctx: ServerContext, requests: list[GenerationRequest], opts: C
                 return
     except ApiError as exc:
         yield fmt.sse(exc.to_json())
+
+
+# ---------------------------------------------------------------------- /infill
+
+
+async def infill(request: Request) -> Response:
+    ctx = ctx_of(request)
+    missing = ctx.model.fim.missing()
+    if missing:  # checked before the body is read, as llama-server does
+        raise NotSupported(f"Infill is not supported by this model: {missing}")
+    data = await read_json(request)
+    job = await ctx.workers.run(_prepare_infill, ctx, data, header_session(request), api_key_id(request))
+    return await _answer(ctx, request, job)
+
+
+def _prepare_infill(ctx: ServerContext, data: dict[str, Any], session: str | None, key_id: str | None) -> CompletionJob:
+    m = ctx.model
+    s = ctx.settings
+    budget = InfillBudget(n_batch=s.batch_size, n_predict=s.n_predict, n_ctx=m.n_ctx, spm=bool(s.spm_infill), bos_id=m.bos_id)
+    tokens = infill_prompt(m.fim, parse_infill(data), budget, plain_tokenizer(m.tokenizer), ctx.tokenize)
+    # From here on an infill request is a completion of these tokens (cache, samplers, stream).
+    return _prepare_completion(ctx, {**data, "prompt": tokens}, session, key_id)
 
 
 # ---------------------------------------------------------------------- tokens and templates
@@ -143,6 +183,7 @@ async def apply_template(request: Request) -> Response:
 ROUTES = [
     Route("/completion", completion, methods=["POST"]),
     Route("/completions", completion, methods=["POST"]),
+    Route("/infill", infill, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/apply-template", apply_template, methods=["POST"]),
@@ -181,6 +222,13 @@ COMPLETION = Operation(
 OPERATIONS = {
     ("POST", "/completion"): COMPLETION,
     ("POST", "/completions"): COMPLETION,
+    ("POST", "/infill"): Operation(
+        "Fill in the middle: llama-server's FIM prompt from input_prefix, input_suffix and input_extra, then a native completion",
+        body=("all", "infill"),
+        ok=COMPLETION.ok,  # an array with n_cmpl > 1, as /completion
+        media=(JSON, SSE),
+        errors=(500, 501),
+    ),
     ("POST", "/tokenize"): Operation(
         "Tokenize text (special tokens parsed), optionally with each token's piece",
         body=("tokenize",),

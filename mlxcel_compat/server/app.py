@@ -307,6 +307,7 @@ def operations(vertex: VertexConfig | None = None) -> dict[tuple[str, str], open
 
 
 def model_info(engine: Engine, settings: Any) -> ModelInfo:
+    from mlxcel_compat.model.fim import FimTokens
     from mlxcel_compat.chat import builtin_templates
     from mlxcel_compat.chat.builtin_templates import BuiltinTemplate
     from mlxcel_compat.chat.template import ChatTemplate
@@ -347,6 +348,7 @@ def model_info(engine: Engine, settings: Any) -> ModelInfo:
         file_type=loaded.file_type,
         format="gguf" if loaded.gguf is not None else "safetensors",
         chars_per_token=max_chars_per_token(tok),
+        fim=getattr(loaded, "fim", None) or FimTokens(),
     )
 
 

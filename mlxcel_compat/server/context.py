@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator
 from mlxcel_compat.engine.client import EngineClient
 from mlxcel_compat.engine.core import Engine
 from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest
+from mlxcel_compat.model.fim import FimTokens
 from mlxcel_compat.model.lora import AdapterSet
 from mlxcel_compat.server.prompts import PromptBound
 from mlxcel_compat.server.workers import WorkerPool, pool_size
@@ -48,6 +49,7 @@ class ModelInfo:
     file_type: str = "F32"  # llama.cpp's file type name for a GGUF ("Q4_K - Medium"); F32 otherwise
     format: str = "safetensors"  # "gguf" or "safetensors"
     chars_per_token: int | None = None  # proven bound (server.prompts.max_chars_per_token)
+    fim: FimTokens = field(default_factory=FimTokens)  # fill-in-the-middle tokens (/infill)
 
 
 @dataclass

@@ -65,8 +65,13 @@ _TARGETS: dict[str, _Target] = {
     "qwen3": _Target("qwen3", permute_qk=False, norm_shift=0.0),
     "gemma3_text": _Target("gemma3", permute_qk=False, norm_shift=1.0),
     "lfm2": _Target("lfm2", permute_qk=False, norm_shift=0.0),
+    "qwen2_coder": _Target("qwen2", permute_qk=False, norm_shift=0.0, pre="qwen2"),
 }
-GGUF_FAMILIES: tuple[str, ...] = tuple(_TARGETS)
+# The families the family-wide GGUF tests run on (the FIM family has its own tests).
+GGUF_FAMILIES: tuple[str, ...] = tuple(f for f in _TARGETS if f != "qwen2_coder")
+# llama.cpp's metadata keys for the FIM tokens (what convert_hf_to_gguf writes for Qwen2.5-Coder).
+FIM_KEYS = {"<|fim_prefix|>": "fim_pre", "<|fim_suffix|>": "fim_suf", "<|fim_middle|>": "fim_mid",
+            "<|fim_pad|>": "fim_pad", "<|repo_name|>": "fim_rep", "<|file_sep|>": "fim_sep"}
 
 
 def permute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -247,13 +252,16 @@ def _add_tokenizer(writer: Any, model_dir: Path, pre: str) -> None:
     tokenizer = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
     config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
     vocab = tokenizer["model"]["vocab"]
-    tokens = [""] * tok.VOCAB_SIZE
-    types = [int(TokenType.NORMAL)] * tok.VOCAB_SIZE
+    n_vocab = 1 + max(max(vocab.values()), *(a["id"] for a in tokenizer["added_tokens"]))
+    tokens = [""] * n_vocab
+    types = [int(TokenType.NORMAL)] * n_vocab
     for text, index in vocab.items():
         tokens[index] = text
     for added in tokenizer["added_tokens"]:
         tokens[added["id"]] = added["content"]
         types[added["id"]] = int(TokenType.CONTROL if added["special"] else TokenType.USER_DEFINED)
+        if added["content"] in FIM_KEYS:
+            writer.add_uint32(f"tokenizer.ggml.{FIM_KEYS[added['content']]}_token_id", added["id"])
     merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)

@@ -57,6 +57,12 @@ class Family:
     thinking: bool  # the chat template handles <think> (Qwen3 style)
     add_bos: bool  # the tokenizer prepends <|begin_of_text|> (Llama 3 style)
     norm_one: float  # stored RMSNorm weight meaning a gain of 1 (Gemma uses 1 + w)
+    model_type: str = ""  # mlx-lm's model_type when it is not the name
+    fim: bool = False  # the tokenizer has fill-in-the-middle tokens (tokenizer.FIM_TOKENS)
+
+    @property
+    def kind(self) -> str:
+        return self.model_type or self.name
 
 
 _FAMILIES: dict[str, Family] = {
@@ -69,10 +75,14 @@ _FAMILIES: dict[str, Family] = {
         Family("qwen2", "Qwen2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
         Family("mistral", "MistralForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
         Family("lfm2", "Lfm2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
+        # Qwen2.5-Coder's shape: qwen2 with the FIM tokens (<|fim_prefix|>, ..., <|file_sep|>) added.
+        Family("qwen2_coder", "Qwen2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0, model_type="qwen2", fim=True),
     )
 }
 
-FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
+# The families every family-wide test runs on; the FIM ones are served by /infill's tests.
+FIM_FAMILIES: tuple[str, ...] = tuple(name for name, f in _FAMILIES.items() if f.fim)
+FAMILIES: tuple[str, ...] = tuple(name for name in _FAMILIES if name not in FIM_FAMILIES)
 
 
 def _llama_config(size: str) -> dict[str, Any]:
@@ -191,7 +201,7 @@ _CONFIGS = {
 
 def _check(family: str, size: str) -> Family:
     if family not in _FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; choose one of: {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown model family {family!r}; choose one of: {', '.join(_FAMILIES)}")
     if size not in SIZES:
         raise ValueError(f"unknown model size {size!r}; choose one of: {', '.join(SIZES)}")
     return _FAMILIES[family]
@@ -200,11 +210,11 @@ def _check(family: str, size: str) -> Family:
 def model_config(family: str, size: str) -> dict[str, Any]:
     """The ``config.json`` content for a pair (keys sorted when written)."""
     spec = _check(family, size)
-    config = _CONFIGS[family](size)
+    config = _CONFIGS[spec.kind](size)
     config.update(
-        model_type=family,
+        model_type=spec.kind,
         architectures=[spec.architecture],
-        vocab_size=tok.VOCAB_SIZE,
+        vocab_size=tok.VOCAB_SIZE + (len(tok.FIM_TOKENS) if spec.fim else 0),
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         bos_token_id=tok.token_id(tok.BEGIN_OF_TEXT) if spec.add_bos else None,
         eos_token_id=_EOS_IDS,
@@ -314,11 +324,14 @@ def _tokenizer_files(spec: Family) -> dict[str, str]:
         }
         for t in tok.ADDED_TOKENS
     }
+    fim = list(tok.FIM_TOKENS) if spec.fim else []
+    added.update({str(tok.fim_token_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                             "single_word": False, "special": True} for t in fim})
     tokenizer_config = {
         "add_bos_token": spec.add_bos,
         "add_eos_token": False,
         "added_tokens_decoder": added,
-        "additional_special_tokens": [tok.IM_START, tok.IM_END],
+        "additional_special_tokens": [tok.IM_START, tok.IM_END, *fim],
         "bos_token": bos,
         "chat_template": tok.chat_template(spec.thinking),
         "clean_up_tokenization_spaces": False,
@@ -330,14 +343,14 @@ def _tokenizer_files(spec: Family) -> dict[str, str]:
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
     special_tokens_map = {
-        "additional_special_tokens": [tok.IM_START, tok.IM_END],
+        "additional_special_tokens": [tok.IM_START, tok.IM_END, *fim],
         "eos_token": tok.IM_END,
         "pad_token": tok.ENDOFTEXT,
     }
     if bos is not None:
         special_tokens_map["bos_token"] = bos
     return {
-        "tokenizer.json": tok.tokenizer_json_for(spec.add_bos),
+        "tokenizer.json": tok.tokenizer_json_for(spec.add_bos, fim=spec.fim),
         "tokenizer_config.json": _json_text(tokenizer_config),
         "special_tokens_map.json": _json_text(special_tokens_map),
     }
@@ -559,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Write a deterministic random-weight model directory loadable by mlx_lm.",
     )
     parser.add_argument("--list", action="store_true", help="print the families, one per line")
-    parser.add_argument("--family", help=f"one of: {', '.join(FAMILIES)}")
+    parser.add_argument("--family", help=f"one of: {', '.join(_FAMILIES)}")
     parser.add_argument("--size", default="tiny", help=f"one of: {', '.join(SIZES)} (default tiny)")
     parser.add_argument("--out", help="output directory (replaced if it holds a previous build), or the .gguf file")
     parser.add_argument("--format", choices=("hf", "gguf"), default="hf",
@@ -579,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.list:
-        print("\n".join(FAMILIES))
+        print("\n".join(_FAMILIES))
         return 0
     if args.family is None or args.out is None:
         parser.error("--family and --out are required (or use --list)")

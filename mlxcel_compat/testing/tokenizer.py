@@ -56,6 +56,10 @@ ADDED_TOKENS: tuple[AddedTokenSpec, ...] = (
     AddedTokenSpec(THINK_END, False),
 )
 
+# The fill-in-the-middle tokens of Qwen2.5-Coder, in its id order: a FIM family's tokenizer adds
+# them after the shared vocabulary (ids VOCAB_SIZE, VOCAB_SIZE + 1, ...), as special tokens.
+FIM_TOKENS: tuple[str, ...] = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
+
 CORPUS_SEED = 0x5EED_C0DE
 # About 400 KB: with min_frequency=2 (no merges of one-off pairs), this is what it
 # takes to learn the 8184 non-added tokens; generation + training take ~0.6 s.
@@ -383,8 +387,14 @@ def _trained_tokenizer_json() -> str:
     return train_tokenizer_json()
 
 
-def tokenizer_json_for(add_bos: bool) -> str:
-    """The ``tokenizer.json`` text, with a BOS-prepending post-processor when ``add_bos``.
+def fim_token_id(content: str) -> int:
+    """The id of a FIM token in a FIM family's vocabulary (they follow the shared one)."""
+    return VOCAB_SIZE + FIM_TOKENS.index(content)
+
+
+def tokenizer_json_for(add_bos: bool, fim: bool = False) -> str:
+    """The ``tokenizer.json`` text, with a BOS-prepending post-processor when ``add_bos`` and
+    the FIM tokens added after the shared vocabulary when ``fim``.
 
     ``Tokenizer.to_str`` writes the vocabulary in id order and fields in a fixed
     order, so the text is identical across runs for a given ``tokenizers`` version.
@@ -398,6 +408,11 @@ def tokenizer_json_for(add_bos: bool) -> str:
             pair=f"{BEGIN_OF_TEXT} $A {BEGIN_OF_TEXT}:1 $B:1",
             special_tokens=[(BEGIN_OF_TEXT, token_id(BEGIN_OF_TEXT))],
         )
+    if fim:
+        from tokenizers import AddedToken
+
+        tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in FIM_TOKENS])
+        assert [tokenizer.token_to_id(t) for t in FIM_TOKENS] == [fim_token_id(t) for t in FIM_TOKENS]
     return tokenizer.to_str(pretty=True) + "\n"
 
 
