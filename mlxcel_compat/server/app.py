@@ -37,6 +37,7 @@ from mlxcel_compat.server import (
     api_slots,
     api_status,
     api_vertex,
+    api_tools,
     api_web,
     openapi,
 )
@@ -47,6 +48,7 @@ from mlxcel_compat.server.cors import CorsMiddleware, CorsPolicy
 from mlxcel_compat.server.errors import ApiError, AuthenticationError, ErrorShape, PayloadTooLarge, ServerError, Unavailable, error_response, raw_error_response
 from mlxcel_compat.server.prompts import max_chars_per_token
 from mlxcel_compat.server.structured import StructuredOutput, server_default
+from mlxcel_compat.settings import mcp_proxy_enabled, server_tools
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ def is_public(path: str) -> bool:
     return path in PUBLIC_PATHS or path.startswith(api_web.PUBLIC_PREFIXES)
 
 
-API_MODULES = (api_status, api_router, api_native, api_openai, api_anthropic, api_responses, api_cache, api_slots, api_lora, api_web, openapi)
+API_MODULES = (api_status, api_router, api_native, api_openai, api_anthropic, api_responses, api_cache, api_slots, api_lora, api_web, api_tools, openapi)
 ERROR_SHAPES: dict[str, ErrorShape] = {path: shape for m in API_MODULES for path, shape in getattr(m, "ERROR_SHAPES", {}).items()}
 
 
@@ -365,6 +367,7 @@ def build_app(ctx: ServerContext) -> Starlette:
             ctx.engine.stop()
             ctx.workers.close()
 
+    warn_agent_features(settings)
     prefix = settings.api_prefix.rstrip("/") if settings.api_prefix else ""
     vertex = VertexConfig.from_env()
     route_list: list[Any] = routes(vertex)
@@ -386,6 +389,19 @@ def build_app(ctx: ServerContext) -> Starlette:
     app.state.operations = operations(vertex)
     app.state.public_paths = PUBLIC_PATHS | {path for _, path in openapi.served_routes(api_web.ROUTES) if is_public(path)}
     return app
+
+
+def warn_agent_features(settings: Any) -> None:
+    """llama-server's start-up warnings for the features that reach the host or the network."""
+    features = []
+    if mcp_proxy_enabled(settings):
+        features.append("MCP proxy (experimental)")
+    if server_tools(settings):
+        features.append("server tools (experimental)")
+        if not settings.is_set("cors_origins"):
+            log.warning("server tools are enabled, using localhost as default CORS origin (change via --cors-origins)")
+    if features:
+        log.warning("security: %s enabled - do not expose to untrusted environments", ", ".join(features))
 
 
 async def _wait_for_model(ctx: ServerContext) -> None:
