@@ -415,11 +415,16 @@ _SERVER: tuple[Setting, ...] = (
              metavar="PATH", env=("LLAMA_ARG_MODELS_PRESET",), group="server"),
     Setting("ui_mcp_proxy", ("--ui-mcp-proxy", "--webui-mcp-proxy"), ("LLAMA_ARG_UI_MCP_PROXY",), type="bool",
             default=False, negative_flags=("--no-ui-mcp-proxy", "--no-webui-mcp-proxy"), group="server",
+            reason="forwarded header names go out in canonical casing (X-Custom): the ASGI server lowercases "
+                   "incoming names, llama-server keeps the page's casing",
             help="Experimental, never in untrusted environments: serve /cors-proxy?url=..., which forwards "
                  "a request to any http(s) URL (for the MCP servers a browser UI talks to) with only the "
                  "X-Llama-Server-Proxy-Header-* headers it was given. /props reports cors_proxy_enabled."),
     Setting("tools", ("--tools",), ("LLAMA_ARG_TOOLS",), type="list", default=(), metavar="TOOL1,TOOL2,...",
             group="server",
+            reason="host runtime only (see --tools-runtime); a timed-out command's whole process group is killed "
+                   "(llama-server kills the shell only); outside git repositories listings walk names in sorted "
+                   "order (llama-server: directory order); grep patterns are Python regular expressions",
             help="Experimental, never in untrusted environments: enable built-in agent tools for the chat page "
                  "('all', or some of read_file, file_glob_search, grep_search, exec_shell_command, write_file, "
                  "edit_file, get_info); GET /tools lists them, POST /tools runs one on this host as the server's "
