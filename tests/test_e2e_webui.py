@@ -99,7 +99,10 @@ def by_css(driver: Any, selector: str) -> list[Any]:
 
 
 def console_errors(driver: Any) -> list[dict]:
-    return [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+    """Severe console entries, less the browser's note of the 403 that tells the page the server has no
+    built-in tools (it asks GET /tools, as llama-server's UI does, and that 403 is the answer)."""
+    return [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"
+            and not ("/tools - Failed to load resource" in entry["message"] and "status of 403" in entry["message"])]
 
 
 def open_page(driver: Any, base_url: str, settings: dict | None = None) -> None:
@@ -337,3 +340,53 @@ def test_no_ui_answers_404(browser, noui_server) -> None:
         response = httpx.get(noui_server.base_url + path)
         assert response.status_code == 404 and response.json()["error"]["message"] == "File Not Found", path
     assert httpx.get(noui_server.base_url + "/props").json()["ui"] is False
+
+
+# ---------------------------------------------------------------------- --tools
+
+
+@pytest.fixture(scope="module")
+def tools_ui_server(server_factory, llama_dir: Path):
+    return server_factory(["-m", str(llama_dir), "-c", "4096", "-np", "1", "--tools", "get_info"])
+
+
+def test_tool_call_runs_through_post_tools_and_goes_back_to_the_model(browser, tools_ui_server) -> None:
+    # tool_choice "required" (an extra request field) forces a call to the only tool offered; the page runs
+    # it through POST /tools and sends its result back as a tool message, and the model answers again.
+    custom = {"tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 200, "temperature": 0}
+    open_page(browser, tools_ui_server.base_url, {"custom": json.dumps(custom)})
+    toggle = by_css(browser, "#tools-toggle")[0]
+    assert toggle.is_displayed() and "Tools (1)" in " ".join(toggle.text.split()) and by_css(browser, "#tools-on")[0].is_selected()
+    send(browser, "Where are you running?")
+    until(browser, lambda d: len(answers(d)) >= 2 and d.find_element("css selector", "#send").is_displayed(),
+          message="the answer after the tool result never came")
+    info = httpx.post(tools_ui_server.base_url + "/tools", json={"tool": "get_info"}).json()
+    results = by_css(browser, "#messages .msg.tool")
+    assert 1 <= len(results) <= 5  # at most MAX_ROUNDS rounds of calls per answer
+    assert results[0].find_element("css selector", ".role").get_attribute("textContent") == "Tool result: Get Runtime Info"
+    assert json.loads(results[0].find_element("css selector", ".content").text) == info
+    assert "Calls Get Runtime Info (get_info)" in answers(browser)[0].text
+    exported = json.loads(browser.execute_async_script(
+        "import(new URL('ui/store.js', location.href)).then(m => arguments[0](m.exportJson()));"))
+    messages = exported["conversations"][0]["messages"]
+    assert [m["role"] for m in messages[:4]] == ["user", "assistant", "tool", "assistant"]
+    call = messages[1]["tool_calls"][0]
+    assert call["function"]["name"] == "get_info" and messages[2]["tool_call_id"] == call["id"]
+    # the second answer's prompt held the first call and its result
+    assert messages[3]["stats"]["prompt"] > messages[1]["stats"]["prompt"] + len(json.dumps(info)) // 8
+    assert console_errors(browser) == []
+    # unticked, the tools are not offered: a plain answer, no tool messages
+    by_css(browser, "#new-chat")[0].click()
+    by_css(browser, "#tools-on")[0].click()
+    by_css(browser, "#open-settings")[0].click()
+    by_css(browser, "#setting-custom")[0].clear()
+    by_css(browser, "#settings-save")[0].click()
+    send(browser, "Hi again")
+    wait_answer(browser, 1)
+    assert by_css(browser, "#messages .msg.tool") == []
+
+
+def test_no_tools_hides_the_toggle(browser, ui_server) -> None:
+    open_page(browser, ui_server.base_url)
+    assert not by_css(browser, "#tools-toggle")[0].is_displayed()
+    assert console_errors(browser) == []

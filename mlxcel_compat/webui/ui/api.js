@@ -12,7 +12,7 @@ async function errorOf(response) {
   let message = `${response.status} ${response.statusText}`;
   try {
     const body = await response.json();
-    message = body?.error?.message || message;
+    message = body?.error?.message || body?.message || message; // POST /tools: a bare {code, message, type}
   } catch { /* not JSON */ }
   return new ApiError(response.status, message);
 }
@@ -53,6 +53,12 @@ export class Api {
 
   async get(path) {
     const response = await fetch(new URL(path, this.base), { headers: this.headers() });
+    if (!response.ok) throw await errorOf(response);
+    return response.json();
+  }
+
+  async post(path, body) {
+    const response = await fetch(new URL(path, this.base), { method: "POST", headers: this.headers(true), body: JSON.stringify(body) });
     if (!response.ok) throw await errorOf(response);
     return response.json();
   }

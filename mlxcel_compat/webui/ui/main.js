@@ -1,19 +1,20 @@
 // The page's entry point: reads /props (asking for the API key when the server wants one),
 // then wires the conversation list, the chat view and the dialogs together.
-//
-// Later features (tools, MCP: issue 35) plug in here: a module that adds request fields
-// through Settings and handles new delta kinds in ChatView.generate.
+// When the server lists built-in tools (GET /tools, --tools), the composer's "Tools" box offers
+// them to the model (tools.js runs the calls).
 
 import { Api, ApiError } from "./api.js";
 import { ChatView } from "./chat.js";
 import { enableCopyButtons } from "./render.js";
 import { Settings } from "./settings.js";
 import * as store from "./store.js";
+import { Tools } from "./tools.js";
 
 const $ = (id) => document.getElementById(id);
 const base = new URL(".", location.href);
 let apiKey = store.loadApiKey();
 const api = new Api(base, () => apiKey);
+const tools = new Tools(api);
 let props = {};
 let settings = new Settings(store.loadSettings(), props);
 
@@ -21,6 +22,8 @@ const view = new ChatView({
   root: $("messages"),
   api,
   settings: () => settings,
+  tools,
+  toolsOn: () => $("tools-on").checked,
   onChange: () => renderList(),
   onBusy: (busy) => {
     $("send").hidden = busy;
@@ -225,6 +228,14 @@ async function start() {
   settings = new Settings(store.loadSettings(), props);
   showModel();
   status("");
+  try {
+    await tools.load();
+  } catch (error) {
+    status(`Cannot list the server's tools: ${error.message}`, true);
+  }
+  $("tools-toggle").hidden = !tools.available;
+  $("tools-count").textContent = tools.available ? `(${tools.list.length})` : "";
+  $("tools-toggle").title = "Offer the server's built-in tools to the model: " + tools.list.map((t) => t.tool).join(", ");
   open(store.listConversations()[0] || store.newConversation());
   document.body.dataset.ready = "1";
 }
