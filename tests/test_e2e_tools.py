@@ -328,3 +328,18 @@ def test_proxy_bad_target(client: httpx.Client, url: str, status: int, message: 
 def test_proxy_unreachable_target(client: httpx.Client) -> None:
     r = client.get("/cors-proxy", params={"url": f"http://127.0.0.1:{free_port()}/"})
     assert (r.status_code, r.text) == (500, "proxy error: Could not establish connection")
+
+
+def test_a_client_that_goes_away_stops_the_streamed_command(client: httpx.Client, tmp_path: Path) -> None:
+    import time
+
+    ticks = tmp_path / "ticks"
+    command = f"while true; do echo x >> {ticks}; echo tick; sleep 0.1; done"
+    with client.stream("POST", "/tools", json={"tool": "exec_shell_command", "stream": True,
+                                               "params": {"command": command, "timeout": 60}}) as r:
+        first = next(r.iter_lines())
+        assert first.startswith("data: ") and json.loads(first[6:]) == {"chunk": "tick\n"}
+    time.sleep(1.0)  # the next chunk finds the client gone and the process group is killed
+    size = ticks.stat().st_size
+    time.sleep(0.6)
+    assert ticks.stat().st_size == size, "the command kept running after the client left"
