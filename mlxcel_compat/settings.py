@@ -310,8 +310,7 @@ R_CVEC = "control vectors are not supported"
 R_TLS = "TLS is not supported; terminate TLS in a reverse proxy"
 R_TOOLS_RUNTIME = ("the built-in tools run on the host only; llama-server's container (docker:, podman:) and "
                    "ssh: runtimes are not implemented, so leave --tools-runtime unset")
-R_MCP = ("server-side MCP clients are not implemented; the chat page reaches MCP servers through "
-         "--ui-mcp-proxy instead")
+R_MCP = "stdio servers only, as llama-server b11312; one JSON message per line"
 R_GGUF = "models are loaded from a local path (-m) or a Hugging Face repository (-hf)"
 R_COMMAND = "this llama.cpp command is not available in mlxcel_compat"
 R_TEMPLATE_KW = "set it per request or through --chat-template-kwargs"
@@ -429,10 +428,14 @@ _SERVER: tuple[Setting, ...] = (
                  "('all', or some of read_file, file_glob_search, grep_search, exec_shell_command, write_file, "
                  "edit_file, get_info); GET /tools lists them, POST /tools runs one on this host as the server's "
                  "user. Unless --cors-origins is given, CORS origins become 'localhost'."),
-    _refused("mcp_servers_config", ("--mcp-servers-config",), "MCP server definitions (file).", R_MCP,
-             metavar="PATH", env=("LLAMA_ARG_MCP_SERVERS_CONFIG",), group="server"),
-    _refused("mcp_servers_json", ("--mcp-servers-json",), "MCP server definitions (inline JSON).", R_MCP,
-             metavar="JSON", env=("LLAMA_ARG_MCP_SERVERS_JSON",), group="server"),
+    Setting("mcp_servers_config", ("--mcp-servers-config",), ("LLAMA_ARG_MCP_SERVERS_CONFIG",), metavar="PATH",
+            group="server", reason=R_MCP,
+            help="Experimental, never in untrusted environments: a JSON file of MCP servers in Cursor's format "
+                 "({\"mcpServers\": {NAME: {\"command\", \"args\", \"env\", \"cwd\", \"timeout_ms\"}}}); their "
+                 "tools join /tools as NAME_TOOL. Unless --cors-origins is given, CORS origins become 'localhost'."),
+    Setting("mcp_servers_json", ("--mcp-servers-json",), ("LLAMA_ARG_MCP_SERVERS_JSON",), metavar="JSON",
+            group="server", reason=R_MCP,
+            help="Experimental: MCP servers as inline JSON, as --mcp-servers-config (both may be given)."),
     Setting("agent", ("-ag", "--agent"), ("LLAMA_ARG_AGENT",), type="bool", default=False,
             negative_flags=("-no-ag", "--no-agent"), group="server",
             help="Experimental, never in untrusted environments: --tools all and --ui-mcp-proxy together "
@@ -1326,6 +1329,12 @@ def _check_tools(resolved: Mapping[str, _Resolved]) -> None:
         select_tools(item.value or ())
     except ValueError as exc:
         raise SettingsError(f"{item.spelling}: {exc}") from None
+    from mlxcel_compat.server.mcp_client import load_configs
+
+    try:
+        load_configs(resolved["mcp_servers_config"].value, resolved["mcp_servers_json"].value)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def server_tools(settings: Any) -> tuple[str, ...]:
@@ -1338,8 +1347,9 @@ def mcp_proxy_enabled(settings: Any) -> bool:
 
 
 def cors_origins(settings: Any) -> str:
-    """``--cors-origins``; with tools on and no explicit value, llama-server's ``localhost``."""
-    if server_tools(settings) and not settings.is_set("cors_origins"):
+    """``--cors-origins``; with tools or MCP servers and no explicit value, llama-server's ``localhost``."""
+    mcp = settings.mcp_servers_config or settings.mcp_servers_json
+    if (server_tools(settings) or mcp) and not settings.is_set("cors_origins"):
         return "localhost"
     return settings.cors_origins
 

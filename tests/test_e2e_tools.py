@@ -73,8 +73,7 @@ def test_unknown_tool_and_runtime_stop_start_up(llama_dir: Path) -> None:
     import sys
 
     for args, message in ((["--tools", "read_file,nope"], 'unknown tool "nope". available tools: read_file, file_glob_search'),
-                          (["--tools-runtime", "docker:alpine"], "--tools-runtime is not supported"),
-                          (["--mcp-servers-config", "mcp.json"], "--mcp-servers-config is not supported")):
+                          (["--tools-runtime", "docker:alpine"], "--tools-runtime is not supported")):
         proc = subprocess.run([sys.executable, "-m", "mlxcel_compat", "-m", str(llama_dir), *args],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode != 0 and message in proc.stderr + proc.stdout, (args, proc.stderr)
@@ -343,3 +342,76 @@ def test_a_client_that_goes_away_stops_the_streamed_command(client: httpx.Client
     size = ticks.stat().st_size
     time.sleep(0.6)
     assert ticks.stat().st_size == size, "the command kept running after the client left"
+
+
+# --------------------------------------------------------------------------- MCP servers (stdio)
+
+MCP_SERVER = r'''
+import json, os, sys
+for line in sys.stdin:
+    msg = json.loads(line)
+    if "id" not in msg:
+        continue  # notifications/initialized
+    method, rid = msg["method"], msg["id"]
+    if method == "initialize":
+        result = {"protocolVersion": msg["params"]["protocolVersion"], "capabilities": {"tools": {}},
+                  "serverInfo": {"name": "demo", "version": "1"}}
+    elif method == "tools/list":
+        result = {"tools": [{"name": "echo", "description": "Echo the text back",
+                             "inputSchema": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}},
+                            {"name": "fail", "description": "Always fails", "inputSchema": {"type": "object"}}]}
+    elif method == "tools/call":
+        args = msg["params"]["arguments"]
+        if msg["params"]["name"] == "echo":
+            sys.stdout.write(json.dumps({"jsonrpc": "2.0", "method": "notifications/progress", "params": {}}) + "\n")
+            result = {"content": [{"type": "text", "text": "echo: " + args["text"]},
+                                  {"type": "text", "text": "pid " + os.environ["DEMO_MARK"]}]}
+        else:
+            result = {"content": [{"type": "text", "text": "it failed"}], "isError": True}
+    else:
+        sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": rid, "error": {"code": -32601, "message": "no such method"}}) + "\n")
+        sys.stdout.flush()
+        continue
+    sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": rid, "result": result}) + "\n")
+    sys.stdout.flush()
+'''
+
+
+@pytest.fixture(scope="module")
+def mcp_server(server_factory, llama_dir: Path, tmp_path_factory):
+    import sys
+
+    script = tmp_path_factory.mktemp("mcp") / "demo_mcp.py"
+    script.write_text(MCP_SERVER)
+    config = {"mcpServers": {"demo": {"command": sys.executable, "args": [str(script)], "env": {"DEMO_MARK": "set"}},
+                             "nocommand": {"args": []}}}
+    return server_factory(["-m", str(llama_dir), "-c", "512", "-np", "1", "--mcp-servers-json", json.dumps(config)])
+
+
+def test_mcp_tools_are_listed_and_called(mcp_server) -> None:
+    with httpx.Client(base_url=mcp_server.base_url, timeout=60) as c:
+        tools = c.get("/tools").json()
+        assert [t["tool"] for t in tools] == ["demo_echo", "demo_fail"]  # no built-in tools without --tools
+        echo = tools[0]
+        assert echo["type"] == "mcp" and echo["display_name"] == "demo_echo" and echo["uses_cwd"] is False
+        assert echo["definition"]["function"] == {"name": "demo_echo", "description": "Echo the text back",
+                                                  "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}
+        r = c.post("/tools", json={"tool": "demo_echo", "params": {"text": "hi"}})
+        assert r.json() == {"plain_text_response": "echo: hi\npid set"}  # env merged over ours, a notification skipped
+        assert c.post("/tools", json={"tool": "demo_fail", "params": {}}).json() == {"error": "it failed"}
+        assert c.post("/tools", json={"tool": "demo_echo", "stream": True}).status_code == 404
+        origin = c.get("/tools", headers={"Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in origin.headers  # MCP servers on: CORS origins default to localhost
+    log = mcp_server.log_path.read_text()
+    assert "MCP server 'nocommand' has no command, skipping" in log and "'demo' discovered 2 tools" in log
+    assert "security: MCP servers (experimental) enabled" in log
+
+
+def test_bad_mcp_config_stops_start_up(llama_dir: Path, tmp_path: Path) -> None:
+    import sys
+
+    for args, message in ((["--mcp-servers-json", "{not json"], "failed to parse MCP config JSON"),
+                          (["--mcp-servers-config", str(tmp_path / "missing.json")], "failed to open MCP config file")):
+        proc = subprocess.run([sys.executable, "-m", "mlxcel_compat", "-m", str(llama_dir), *args],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and message in proc.stderr + proc.stdout, (args, proc.stderr)

@@ -502,9 +502,10 @@ class Tool:
     permission_write: bool = False
     support_stream: bool = False
     uses_cwd: bool = True
+    kind: str = "server"  # "mcp" for a tool of an MCP server (mcp_client.py)
 
     def to_json(self) -> dict[str, Any]:
-        return {"display_name": self.display_name, "tool": self.name, "type": "server",
+        return {"display_name": self.display_name, "tool": self.name, "type": self.kind,
                 "permissions": {"write": self.permission_write}, "uses_cwd": self.uses_cwd,
                 "definition": self.definition}
 
@@ -593,3 +594,27 @@ def select_tools(names: tuple[str, ...] | list[str]) -> tuple[Tool, ...]:
         if name != "all" and name not in TOOL_NAMES:
             raise ValueError(f'unknown tool "{name}". available tools: {", ".join(TOOL_NAMES)}')
     return tuple(t for t in TOOLS if "all" in names or t.name in names)
+
+
+def mcp_tools(manager: Any, taken: tuple[Tool, ...] = ()) -> tuple[Tool, ...]:
+    """The tools ``manager`` (an ``McpManager``) discovered, named ``SERVER_TOOL``; a name that is
+    already taken is skipped with a warning, as llama-server does."""
+    import logging
+
+    seen = {t.name for t in taken}
+    out = []
+    for d in manager.tools:
+        name = f"{d.server}_{d.name}"
+        if name in seen:
+            logging.getLogger(__name__).warning('MCP tool "%s" from server "%s" collides with an existing tool, skipping',
+                                                name, d.server)
+            continue
+        seen.add(name)
+        schema = d.input_schema if isinstance(d.input_schema, dict) else {}
+        definition = {"type": "function", "function": {"name": name, "description": d.description, "parameters": schema}}
+        out.append(Tool(name, name, definition, _mcp_invoke(manager, d.server, d.name), uses_cwd=False, kind="mcp"))
+    return tuple(out)
+
+
+def _mcp_invoke(manager: Any, server: str, tool: str) -> Callable[[dict[str, Any], Chunk | None], dict[str, Any]]:
+    return lambda params, stream=None: manager.call_tool(server, tool, params)

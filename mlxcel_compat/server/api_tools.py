@@ -1,6 +1,7 @@
-"""The chat page's companions: ``/tools`` (``--tools``) and ``/cors-proxy`` (``--ui-mcp-proxy``).
+"""The chat page's companions: ``/tools`` (``--tools``, MCP servers) and ``/cors-proxy`` (``--ui-mcp-proxy``).
 
-Both are off by default and then answer llama-server's 403 "this feature is disabled", which
+``/tools`` serves the built-in tools (``agent_tools.py``) and those of the MCP servers the
+server runs (``mcp_client.py``), found at start-up. Both routes are off by default and then answer llama-server's 403 "this feature is disabled", which
 clients look for (rather than a 404) to learn that a feature is off.
 
 ``POST /tools`` takes ``{"tool": NAME, "params": {...}, "stream": false}``. The headers
@@ -32,7 +33,7 @@ from mlxcel_compat.server.errors import json_response, raw_error_response
 from mlxcel_compat.server.formats import sse
 from mlxcel_compat.server.openapi import Operation
 from mlxcel_compat.server.pipeline import SSE_HEADERS, ctx_of
-from mlxcel_compat.settings import mcp_proxy_enabled, server_tools
+from mlxcel_compat.settings import mcp_proxy_enabled
 
 _DISABLED = {"error": {"message": "this feature is disabled", "type": "feature_disabled"}}
 _NOT_FOUND = {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}
@@ -42,8 +43,10 @@ def feature_disabled() -> Response:
     return raw_error_response(403, _DISABLED)
 
 
-def _enabled(request: Request) -> tuple[Tool, ...]:
-    return agent_tools.select_tools(server_tools(ctx_of(request).settings))
+def _enabled(request: Request) -> tuple[Tool, ...] | None:
+    """The tools ``/tools`` serves (built-in and MCP), or None when the route is off."""
+    state = request.app.state
+    return state.agent_tools if getattr(state, "tools_enabled", False) else None
 
 
 def _bare_error(status: int, message: str) -> Response:
@@ -101,14 +104,14 @@ def _parse_call(raw: bytes, headers: Any) -> tuple[str, dict[str, Any], bool]:
 
 async def tools_get(request: Request) -> Response:
     tools = _enabled(request)
-    if not tools:
+    if tools is None:
         return feature_disabled()
     return json_response([t.to_json() for t in tools])
 
 
 async def tools_post(request: Request) -> Response:
     tools = _enabled(request)
-    if not tools:
+    if tools is None:
         return feature_disabled()
     try:
         name, params, stream = _parse_call(await request.body(), request.headers)
@@ -167,9 +170,9 @@ async def cors_proxy_route(request: Request) -> Response:
 TOOLS_OK = {"type": "array", "items": {"type": "object"}}
 URL_PARAM = {"url": {"type": "string"}}
 OPERATIONS = {
-    ("GET", "/tools"): Operation("The built-in agent tools (--tools): names, JSON schemas, permissions; 403 when off",
+    ("GET", "/tools"): Operation("The built-in agent tools (--tools) and MCP servers' tools: names, JSON schemas, permissions; 403 when off",
                                  ok=TOOLS_OK, errors=(403,)),
-    ("POST", "/tools"): Operation("Run one built-in tool (stream: true answers SSE); 403 when --tools is off",
+    ("POST", "/tools"): Operation("Run one built-in or MCP tool (stream: true answers SSE); 403 when neither --tools nor MCP servers are on",
                                   body=(), media=("application/json", "text/event-stream"), errors=(400, 403, 404)),
     ("GET", "/cors-proxy"): Operation("Forward a GET to ?url= with the X-Llama-Server-Proxy-Header-* headers "
                                       "(--ui-mcp-proxy; 403 when off)", media=("*/*",), errors=(400, 403), query=URL_PARAM),
