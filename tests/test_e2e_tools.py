@@ -327,6 +327,7 @@ def test_proxy_bad_target(client: httpx.Client, url: str, status: int, message: 
 def test_proxy_unreachable_target(client: httpx.Client) -> None:
     r = client.get("/cors-proxy", params={"url": f"http://127.0.0.1:{free_port()}/"})
     assert (r.status_code, r.text) == (500, "proxy error: Could not establish connection")
+    assert r.headers["x-accel-buffering"] == "no"
 
 
 def test_a_client_that_goes_away_stops_the_streamed_command(client: httpx.Client, tmp_path: Path) -> None:

@@ -150,7 +150,8 @@ async def proxy(request: Request) -> Response:
     except httpx.HTTPError as exc:
         await client.aclose()
         message = "Could not establish connection" if isinstance(exc, httpx.ConnectError) else type(exc).__name__
-        return Response("proxy error: " + message, status_code=500, media_type="application/json; charset=utf-8")
+        return Response("proxy error: " + message, status_code=500, media_type="application/json; charset=utf-8",
+                        headers={"X-Accel-Buffering": "no"})
     headers, content_type = returned_headers(upstream.headers.raw)
     headers["X-Accel-Buffering"] = "no"
 
