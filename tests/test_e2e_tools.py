@@ -416,3 +416,19 @@ def test_bad_mcp_config_stops_start_up(llama_dir: Path, tmp_path: Path) -> None:
         proc = subprocess.run([sys.executable, "-m", "mlxcel_compat", "-m", str(llama_dir), *args],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode != 0 and message in proc.stderr + proc.stdout, (args, proc.stderr)
+
+
+def test_other_sites_cannot_run_tools_or_use_the_proxy(client: httpx.Client, tools_server, tmp_path: Path, upstream: str) -> None:
+    # CORS keeps a foreign page from reading answers, not from sending a simple POST: the Origin check does.
+    marker = tmp_path / "ran"
+    body = json.dumps({"tool": "exec_shell_command", "params": {"command": f"touch {marker}"}})
+    r = client.post("/tools", content=body, headers={"Origin": "http://evil.example", "Content-Type": "text/plain"})
+    assert (r.status_code, r.json()) == (403, {"error": {"code": 403, "message": "origin not allowed: http://evil.example",
+                                                        "type": "permission_error"}})
+    assert not marker.exists()
+    proxied = client.post("/cors-proxy", params={"url": upstream + "/x"}, headers={"Origin": "http://evil.example"})
+    assert proxied.status_code == 403
+    assert client.post("/tools", content=body, headers={"Origin": "http://localhost:5173"}).status_code == 200  # allowed
+    own = {"Origin": "http://box.example:8080", "Host": "box.example:8080"}  # the page this server serves, by any name
+    assert client.post("/tools", content=body, headers=own).status_code == 200
+    assert marker.exists()

@@ -10,7 +10,8 @@ clients look for (rather than a 404) to learn that a feature is off.
 the model writes ``params``, the page writes the headers. Errors are llama-server's: a body or
 parameter it cannot read is a 400 and a tool that fails a 500, both with the bare
 ``{"code", "message", "type"}`` object (no ``error`` wrapper, as llama-server sends it); an
-unknown tool is the plain 404. ``stream: true`` (``exec_shell_command`` only) answers SSE
+unknown tool is the plain 404. A browser request from an origin that is neither this server's nor one CORS allows is refused
+(403), which llama-server does not do (see ``foreign_origin``). ``stream: true`` (``exec_shell_command`` only) answers SSE
 events ``{"chunk": TEXT}`` as output arrives, then ``{"done": true}`` (with ``error`` when the
 call failed). A client that goes away stops the command. Tools run on threads of their own, not
 on the request worker pool: a shell command may take a minute.
@@ -47,6 +48,26 @@ def _enabled(request: Request) -> tuple[Tool, ...] | None:
     """The tools ``/tools`` serves (built-in and MCP), or None when the route is off."""
     state = request.app.state
     return state.agent_tools if getattr(state, "tools_enabled", False) else None
+
+
+def foreign_origin(request: Request) -> str | None:
+    """The request's ``Origin`` when it is neither this server's own nor one the CORS policy allows.
+
+    CORS only keeps a page from reading answers; a page on any site can still send a simple POST
+    here. A browser names the page's origin on such a request, so refusing origins CORS would not
+    allow keeps other sites from running tools or using the proxy (llama-server has no such check;
+    clients that are not browsers send no Origin and are unaffected)."""
+    origin = request.headers.get("origin")
+    if not origin:
+        return None
+    own = f"{request.url.scheme}://{request.headers.get('host', '')}"
+    if origin == own or request.app.state.cors_policy.allow_origin(origin) is not None:
+        return None
+    return origin
+
+
+def _refuse_origin(origin: str) -> Response:
+    return raw_error_response(403, {"error": {"code": 403, "message": f"origin not allowed: {origin}", "type": "permission_error"}})
 
 
 def _bare_error(status: int, message: str) -> Response:
@@ -113,6 +134,8 @@ async def tools_post(request: Request) -> Response:
     tools = _enabled(request)
     if tools is None:
         return feature_disabled()
+    if (origin := foreign_origin(request)) is not None:
+        return _refuse_origin(origin)
     try:
         name, params, stream = _parse_call(await request.body(), request.headers)
     except ParamError as exc:
@@ -164,6 +187,8 @@ async def _stream(tool: Tool, params: dict[str, Any]) -> AsyncIterator[bytes]:
 async def cors_proxy_route(request: Request) -> Response:
     if not mcp_proxy_enabled(ctx_of(request).settings):
         return feature_disabled()
+    if (origin := foreign_origin(request)) is not None:
+        return _refuse_origin(origin)
     return await cors_proxy.proxy(request)
 
 

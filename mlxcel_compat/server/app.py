@@ -375,6 +375,7 @@ def build_app(ctx: ServerContext) -> Starlette:
             ctx.workers.close()
 
     warn_agent_features(settings)
+    cors_policy = CorsPolicy.from_settings(settings)
     builtin_tools = agent_tools.select_tools(server_tools(settings))
     configs = load_configs(settings.mcp_servers_config, settings.mcp_servers_json)
     mcp = McpManager(configs) if configs else None
@@ -387,7 +388,7 @@ def build_app(ctx: ServerContext) -> Starlette:
         routes=route_list,
         middleware=[
             Middleware(ServerHeaderMiddleware),
-            Middleware(CorsMiddleware, policy=CorsPolicy.from_settings(settings)),
+            Middleware(CorsMiddleware, policy=cors_policy),
             Middleware(GateMiddleware, ctx=ctx, prefix=prefix),
             Middleware(ErrorMiddleware, prefix=prefix),
             Middleware(LimitsMiddleware, ctx=ctx, write_timeout=settings.timeout, prefix=prefix),
@@ -396,6 +397,7 @@ def build_app(ctx: ServerContext) -> Starlette:
         lifespan=lifespan,
     )
     app.state.ctx = ctx
+    app.state.cors_policy = cors_policy
     app.state.agent_tools = builtin_tools  # plus the MCP servers' tools once discovered (lifespan)
     app.state.tools_enabled = bool(builtin_tools) or mcp is not None  # llama-server: /tools 403 otherwise
     app.state.operations = operations(vertex)
