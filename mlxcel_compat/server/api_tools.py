@@ -10,8 +10,7 @@ clients look for (rather than a 404) to learn that a feature is off.
 the model writes ``params``, the page writes the headers. Errors are llama-server's: a body or
 parameter it cannot read is a 400 and a tool that fails a 500, both with the bare
 ``{"code", "message", "type"}`` object (no ``error`` wrapper, as llama-server sends it); an
-unknown tool is the plain 404. A browser request from an origin that is neither this server's nor one CORS allows is refused
-(403), which llama-server does not do (see ``foreign_origin``). ``stream: true`` (``exec_shell_command`` only) answers SSE
+unknown tool is the plain 404. A browser request from an origin CORS does not allow is refused (403), which llama-server does not do (see ``foreign_origin``). ``stream: true`` (``exec_shell_command`` only) answers SSE
 events ``{"chunk": TEXT}`` as output arrives, then ``{"done": true}`` (with ``error`` when the
 call failed). A client that goes away stops the command. Tools run on threads of their own, not
 on the request worker pool: a shell command may take a minute.
@@ -51,17 +50,17 @@ def _enabled(request: Request) -> tuple[Tool, ...] | None:
 
 
 def foreign_origin(request: Request) -> str | None:
-    """The request's ``Origin`` when it is neither this server's own nor one the CORS policy allows.
+    """The request's ``Origin`` when the CORS policy does not allow it.
 
     CORS only keeps a page from reading answers; a page on any site can still send a simple POST
-    here. A browser names the page's origin on such a request, so refusing origins CORS would not
-    allow keeps other sites from running tools or using the proxy (llama-server has no such check;
-    clients that are not browsers send no Origin and are unaffected)."""
+    here. A browser names the page's origin on such a request, so refusing the origins CORS would
+    not allow keeps other sites from running tools or using the proxy (llama-server has no such
+    check). The server's own name is not trusted as such: a DNS-rebinding page has it too. With
+    tools on the origins default to ``localhost``, so the chat page works when opened at
+    localhost, 127.0.0.1 or [::1]; reached by another name, that name goes in ``--cors-origins``.
+    Clients that are not browsers send no Origin and are unaffected."""
     origin = request.headers.get("origin")
-    if not origin:
-        return None
-    own = f"{request.url.scheme}://{request.headers.get('host', '')}"
-    if origin == own or request.app.state.cors_policy.allow_origin(origin) is not None:
+    if not origin or request.app.state.cors_policy.allow_origin(origin) is not None:
         return None
     return origin
 
