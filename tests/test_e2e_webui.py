@@ -390,3 +390,90 @@ def test_no_tools_hides_the_toggle(browser, ui_server) -> None:
     open_page(browser, ui_server.base_url)
     assert not by_css(browser, "#tools-toggle")[0].is_displayed()
     assert console_errors(browser) == []
+
+
+# ---------------------------------------------------------------------- MCP servers through --ui-mcp-proxy
+
+
+class McpHttp:
+    """A small MCP server on MCP's streamable HTTP transport: JSON answers, an SSE one for tools/call,
+    a session id it hands out at initialize and then requires. It records what reached it."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        import threading
+
+        from tests.conftest import free_port
+
+        self.seen: list[dict] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                message = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                outer.seen.append({"message": message, "headers": dict(self.headers.items())})
+                method = message.get("method")
+                if method != "initialize" and self.headers.get("mcp-session-id") != "s-42":
+                    return self.answer(400, {"jsonrpc": "2.0", "id": message.get("id"), "error": {"code": -32000, "message": "no session"}})
+                if "id" not in message:
+                    return self.answer(202, None)
+                if method == "initialize":
+                    result = {"protocolVersion": "2024-11-05", "capabilities": {"tools": {}}, "serverInfo": {"name": "web", "version": "1"}}
+                elif method == "tools/list":
+                    result = {"tools": [{"name": "where_am_i", "description": "Where the MCP server runs",
+                                         "inputSchema": {"type": "object", "properties": {}}}]}
+                else:
+                    return self.answer(200, {"jsonrpc": "2.0", "id": message["id"],
+                                             "result": {"content": [{"type": "text", "text": "on the MCP test server"}]}}, sse=True)
+                self.answer(200, {"jsonrpc": "2.0", "id": message["id"], "result": result})
+
+            def answer(self, status: int, body: dict | None, sse: bool = False) -> None:
+                data = b"" if body is None else (b"event: message\ndata: " + json.dumps(body).encode() + b"\n\n" if sse else json.dumps(body).encode())
+                self.send_response(status)
+                self.send_header("Content-Type", "text/event-stream" if sse else "application/json")
+                self.send_header("Mcp-Session-Id", "s-42")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/mcp"
+
+
+@pytest.fixture(scope="module")
+def mcp_http() -> Iterator[McpHttp]:
+    server = McpHttp()
+    yield server
+    server.httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def proxy_ui_server(server_factory, llama_dir: Path):
+    return server_factory(["-m", str(llama_dir), "-c", "4096", "-np", "1", "--ui-mcp-proxy", "--api-key", KEY])
+
+
+def test_mcp_server_tools_run_through_the_cors_proxy(browser, proxy_ui_server, mcp_http) -> None:
+    custom = {"tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 200, "temperature": 0}
+    browser.get(proxy_ui_server.base_url + "/")
+    browser.execute_script("localStorage.clear(); localStorage.setItem('mlxcel.apiKey', arguments[0]);"
+                           "localStorage.setItem('mlxcel.settings.v1', arguments[1]);",
+                           KEY, json.dumps({"mcpServers": mcp_http.url, "custom": json.dumps(custom)}))
+    browser.refresh()
+    until(browser, lambda d: d.execute_script("return document.body.dataset.ready === '1'"), message="page never got ready")
+    console_errors(browser)  # drop the 401 of the first load, before the key was stored
+    assert "Tools (1)" in " ".join(by_css(browser, "#tools-toggle")[0].text.split())
+    send(browser, "Where is the MCP server?")
+    until(browser, lambda d: len(answers(d)) >= 2 and d.find_element("css selector", "#send").is_displayed(),
+          message="the answer after the MCP tool result never came")
+    result = by_css(browser, "#messages .msg.tool")[0]
+    assert result.find_element("css selector", ".content").text == "on the MCP test server"
+    methods = [s["message"].get("method") for s in mcp_http.seen]
+    assert methods[:4] == ["initialize", "notifications/initialized", "tools/list", "tools/call"]
+    call = mcp_http.seen[3]
+    assert call["message"]["params"]["name"] == "where_am_i" and call["headers"]["Mcp-Session-Id"] == "s-42"
+    assert "Authorization" not in call["headers"] and "Cookie" not in call["headers"]  # the API key stays here
+    assert console_errors(browser) == []

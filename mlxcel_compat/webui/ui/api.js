@@ -51,6 +51,11 @@ export class Api {
     return h;
   }
 
+  // A raw fetch of a path of this server, with the API key; the caller reads the response.
+  fetch(path, init = {}) {
+    return fetch(new URL(path, this.base), { ...init, headers: { ...this.headers(), ...(init.headers || {}) } });
+  }
+
   async get(path) {
     const response = await fetch(new URL(path, this.base), { headers: this.headers() });
     if (!response.ok) throw await errorOf(response);

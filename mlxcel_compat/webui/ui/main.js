@@ -1,7 +1,8 @@
 // The page's entry point: reads /props (asking for the API key when the server wants one),
 // then wires the conversation list, the chat view and the dialogs together.
-// When the server lists built-in tools (GET /tools, --tools), the composer's "Tools" box offers
-// them to the model (tools.js runs the calls).
+// When the server lists built-in tools (GET /tools, --tools) or Settings names MCP servers
+// (reached through --ui-mcp-proxy), the composer's "Tools" box offers them to the model
+// (tools.js runs the calls).
 
 import { Api, ApiError } from "./api.js";
 import { ChatView } from "./chat.js";
@@ -178,7 +179,9 @@ $("settings-form").addEventListener("submit", (event) => {
   try {
     const saved = settings.read($("settings-fields"));
     store.saveSettings(saved);
+    const servers = settings.mcpServers.join("\n");
     settings = new Settings(saved, props);
+    if (settings.mcpServers.join("\n") !== servers) loadTools();
   } catch (error) {
     event.preventDefault();
     alert(error.message);
@@ -217,6 +220,18 @@ $("open-server").addEventListener("click", async () => {
 
 enableCopyButtons($("messages"));
 
+async function loadTools() {
+  try {
+    await tools.load(settings.mcpServers);
+    if (tools.errors.length) status(tools.errors.join("; "), true);
+  } catch (error) {
+    status(`Cannot list the server's tools: ${error.message}`, true);
+  }
+  $("tools-toggle").hidden = !tools.available;
+  $("tools-count").textContent = tools.available ? `(${tools.list.length})` : "";
+  $("tools-toggle").title = "Offer these tools to the model: " + tools.list.map((t) => t.tool).join(", ");
+}
+
 async function start() {
   status("connecting…");
   try {
@@ -228,14 +243,7 @@ async function start() {
   settings = new Settings(store.loadSettings(), props);
   showModel();
   status("");
-  try {
-    await tools.load();
-  } catch (error) {
-    status(`Cannot list the server's tools: ${error.message}`, true);
-  }
-  $("tools-toggle").hidden = !tools.available;
-  $("tools-count").textContent = tools.available ? `(${tools.list.length})` : "";
-  $("tools-toggle").title = "Offer the server's built-in tools to the model: " + tools.list.map((t) => t.tool).join(", ");
+  await loadTools();
   open(store.listConversations()[0] || store.newConversation());
   document.body.dataset.ready = "1";
 }

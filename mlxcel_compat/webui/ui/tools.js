@@ -1,25 +1,44 @@
-// The server's built-in tools (--tools) as the page uses them, like llama-server's web UI:
-// GET /tools says which exist (403: the server has none), their definitions go into the chat
-// request's `tools`, and each call the model makes runs through POST /tools; its result goes
-// back to the model as a `tool` message and the model answers again, for at most MAX_ROUNDS
-// rounds per answer (a request that forces tool calls, tool_choice "required", would loop).
+// The tools the page offers the model, like llama-server's web UI: the server's built-in ones
+// (GET /tools says which exist, 403: none; each call runs through POST /tools) and those of the
+// MCP servers listed in Settings (mcp.js, through --ui-mcp-proxy). Definitions go into the chat
+// request's `tools`; a call's result goes back to the model as a `tool` message and the model
+// answers again, for at most MAX_ROUNDS rounds per answer (a request that forces tool calls,
+// tool_choice "required", would loop).
 
 import { ApiError } from "./api.js";
+import { McpClient } from "./mcp.js";
 
 export const MAX_ROUNDS = 5;
 
 export class Tools {
   constructor(api) {
     this.api = api;
-    this.list = []; // GET /tools entries: {tool, display_name, definition, permissions, ...}
+    this.mcp = new McpClient(api);
+    this.list = []; // GET /tools entries {tool, display_name, definition, ...}; MCP ones add `mcp: {server, name}`
+    this.errors = []; // MCP servers that could not be used, as messages
   }
 
-  async load() {
+  // The server's tools, then those of each MCP server URL (a name already taken is skipped).
+  async load(mcpUrls = []) {
     try {
       this.list = await this.api.get("tools");
     } catch (error) {
       if (!(error instanceof ApiError) || (error.status !== 403 && error.status !== 404)) throw error;
       this.list = [];
+    }
+    this.errors = [];
+    for (const url of mcpUrls) {
+      try {
+        const server = await this.mcp.connect(url);
+        for (const t of server.tools) {
+          if (this.list.some((e) => e.tool === t.name)) continue;
+          const parameters = t.inputSchema && typeof t.inputSchema === "object" ? t.inputSchema : { type: "object", properties: {} };
+          this.list.push({ tool: t.name, display_name: `${t.name} (MCP ${new URL(url).host})`, type: "mcp", mcp: { server, name: t.name },
+                           definition: { type: "function", function: { name: t.name, description: t.description || "", parameters } } });
+        }
+      } catch (error) {
+        this.errors.push(`MCP server ${url}: ${error.message}`);
+      }
     }
     return this.list;
   }
@@ -43,6 +62,14 @@ export class Tools {
       params = call.function.arguments ? JSON.parse(call.function.arguments) : {};
     } catch {
       return JSON.stringify({ error: "the tool call's arguments are not valid JSON" });
+    }
+    const mcp = this.list.find((t) => t.tool === call.function.name)?.mcp;
+    if (mcp) {
+      try {
+        return await this.mcp.call(mcp.server, mcp.name, params);
+      } catch (error) {
+        return JSON.stringify({ error: error.message });
+      }
     }
     let result;
     try {
