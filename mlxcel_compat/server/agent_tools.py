@@ -20,6 +20,7 @@ Paths resolve against ``X-Tool-Cwd`` or the server's working directory (``~`` ex
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import re
 import signal
@@ -29,6 +30,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from mlxcel_compat.server.text_edits import apply_edits
+
+log = logging.getLogger(__name__)
 
 READ_FILE_MAX_SIZE = 16 * 1024
 READ_FILE_MAX_SIZE_BASE64 = 32 * 1024 * 1024
@@ -57,7 +62,7 @@ _JSON_TYPE = {str: "string", bool: "boolean", int: "number", float: "number", li
               type(None): "null"}
 
 
-def _type_name(value: Any) -> str:
+def type_name(value: Any) -> str:
     return _JSON_TYPE.get(type(value), "object")
 
 
@@ -67,7 +72,7 @@ def required(params: dict[str, Any], key: str, kind: type) -> Any:
         raise ParamError(f"[json.exception.out_of_range.403] key '{key}' not found")
     value = params[key]
     if not _is_kind(value, kind):
-        raise ParamError(f"[json.exception.type_error.302] type must be {_JSON_TYPE[kind]}, but is {_type_name(value)}")
+        raise ParamError(f"[json.exception.type_error.302] type must be {_JSON_TYPE[kind]}, but is {type_name(value)}")
     return int(value) if kind is int else value
 
 
@@ -456,8 +461,6 @@ def write_file(params: dict[str, Any], stream: Chunk | None = None) -> dict[str,
 
 
 def edit_file(params: dict[str, Any], stream: Chunk | None = None) -> dict[str, Any]:
-    from mlxcel_compat.server.text_edits import apply_edits
-
     path = required(params, "path", str)
     if "edits" not in params:
         required(params, "edits", list)  # raises: the key is required
@@ -467,7 +470,7 @@ def edit_file(params: dict[str, Any], stream: Chunk | None = None) -> dict[str, 
     edits: list[tuple[str, str]] = []
     for item in edits_json:
         if not isinstance(item, dict):
-            raise ParamError(f"[json.exception.type_error.304] cannot use at() with {_type_name(item)}")
+            raise ParamError(f"[json.exception.type_error.304] cannot use at() with {type_name(item)}")
         old, new = required(item, "old_text", str), required(item, "new_text", str)
         if not old:
             return {"error": f"edits[{len(edits)}].old_text must not be empty"}
@@ -599,14 +602,12 @@ def select_tools(names: tuple[str, ...] | list[str]) -> tuple[Tool, ...]:
 def mcp_tools(manager: Any, taken: tuple[Tool, ...] = ()) -> tuple[Tool, ...]:
     """The tools ``manager`` (an ``McpManager``) discovered, named ``SERVER_TOOL``; a name that is
     already taken is skipped with a warning, as llama-server does."""
-    import logging
-
     seen = {t.name for t in taken}
     out = []
     for d in manager.tools:
         name = f"{d.server}_{d.name}"
         if name in seen:
-            logging.getLogger(__name__).warning('MCP tool "%s" from server "%s" collides with an existing tool, skipping',
+            log.warning('MCP tool "%s" from server "%s" collides with an existing tool, skipping',
                                                 name, d.server)
             continue
         seen.add(name)

@@ -104,17 +104,17 @@ def _parse_call(raw: bytes, headers: Any) -> tuple[str, dict[str, Any], bool]:
     except orjson.JSONDecodeError as exc:
         raise ParamError(f"[json.exception.parse_error.101] parse error: {exc}") from None
     if not isinstance(body, dict):
-        raise ParamError(f"[json.exception.type_error.304] cannot use at() with {agent_tools._type_name(body)}")
+        raise ParamError(f"[json.exception.type_error.304] cannot use at() with {agent_tools.type_name(body)}")
     name = agent_tools.required(body, "tool", str)
     params = body.get("params", {})
     if params is None:
         params = {}
     if not isinstance(params, dict):
         raise ParamError(f"[json.exception.type_error.305] cannot use operator[] with a string argument with "
-                         f"{agent_tools._type_name(params)}")
+                         f"{agent_tools.type_name(params)}")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise ParamError(f"[json.exception.type_error.302] type must be boolean, but is {agent_tools._type_name(stream)}")
+        raise ParamError(f"[json.exception.type_error.302] type must be boolean, but is {agent_tools.type_name(stream)}")
     for key, header in (("cwd", "x-tool-cwd"), ("runtime", "x-tool-runtime"), ("resp_type", "x-resp-type")):
         params.pop(key, None)
         if headers.get(header):
