@@ -1,7 +1,7 @@
 """``--tools`` and ``--ui-mcp-proxy`` on a real server, driven with raw httpx.
 
 Expected values are llama-server b11312's, read from its code and checked against its binary on
-the same requests: each tool's result shape and text, the bare error object of ``POST /tools``,
+the same requests (the MCP server's tools too, with the same demo MCP server): each tool's result shape and text, the bare error object of ``POST /tools``,
 the 404 of an unknown tool, the SSE events of a streamed command, and the proxy's rules for the
 headers that go out and come back, against a real HTTP server started here.
 """
@@ -400,6 +400,10 @@ def test_mcp_tools_are_listed_and_called(mcp_server) -> None:
         r = c.post("/tools", json={"tool": "demo_echo", "params": {"text": "hi"}})
         assert r.json() == {"plain_text_response": "echo: hi\npid set"}  # env merged over ours, a notification skipped
         assert c.post("/tools", json={"tool": "demo_fail", "params": {}}).json() == {"error": "it failed"}
+        # the demo server dies on a call without "text": that call reads "transport closed", the next one restarts it
+        assert c.post("/tools", json={"tool": "demo_echo", "params": {}}).json() == {"error": "transport closed"}
+        assert c.post("/tools", json={"tool": "demo_echo", "params": {"text": "again"}}).json() == {
+            "plain_text_response": "echo: again\npid set"}
         assert c.post("/tools", json={"tool": "demo_echo", "stream": True}).status_code == 404
         origin = c.get("/tools", headers={"Origin": "http://evil.example"})
         assert "access-control-allow-origin" not in origin.headers  # MCP servers on: CORS origins default to localhost
