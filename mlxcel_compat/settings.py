@@ -308,7 +308,9 @@ R_EMBED = "embeddings and reranking are not supported"
 R_LORA_ENV = "llama-server reads no environment variable for it (MLXCEL_* only)"
 R_CVEC = "control vectors are not supported"
 R_TLS = "TLS is not supported; terminate TLS in a reverse proxy"
-R_TOOLS = "built-in agent tools, MCP and the CORS proxy are not supported"
+R_TOOLS_RUNTIME = ("the built-in tools run on the host only; llama-server's container (docker:, podman:) and "
+                   "ssh: runtimes are not implemented, so leave --tools-runtime unset")
+R_MCP = "stdio servers only, as llama-server b11312; one JSON message per line"
 R_GGUF = "models are loaded from a local path (-m) or a Hugging Face repository (-hf)"
 R_COMMAND = "this llama.cpp command is not available in mlxcel_compat"
 R_TEMPLATE_KW = "set it per request or through --chat-template-kwargs"
@@ -400,8 +402,8 @@ _SERVER: tuple[Setting, ...] = (
           env=("LLAMA_ARG_MODELS_MAX",), group="server", type="int"),
     _noop("models_autoload", ("--models-autoload",), "Router mode: load models on demand.", R_ROUTER,
           env=("LLAMA_ARG_MODELS_AUTOLOAD",), negative_flags=("--no-models-autoload",), group="server"),
-    _noop("tools_runtime", ("--tools-runtime",), "Where built-in tools run.", R_TOOLS, metavar="OPTION",
-          env=("LLAMA_ARG_TOOLS_RUNTIME",), group="server"),
+    _refused("tools_runtime", ("--tools-runtime",), "Where built-in tools run (docker:IMAGE, ssh:TARGET, ...).",
+             R_TOOLS_RUNTIME, metavar="OPTION", env=("LLAMA_ARG_TOOLS_RUNTIME",), group="server"),
     _refused("ssl_key_file", ("--ssl-key-file",), "PEM private key for HTTPS.", R_TLS, metavar="FNAME",
              env=("LLAMA_ARG_SSL_KEY_FILE",), group="server"),
     _refused("ssl_cert_file", ("--ssl-cert-file",), "PEM certificate for HTTPS.", R_TLS, metavar="FNAME",
@@ -410,17 +412,34 @@ _SERVER: tuple[Setting, ...] = (
              env=("LLAMA_ARG_MODELS_DIR",), group="server"),
     _refused("models_preset", ("--models-preset",), "Router mode: INI file of model presets.", R_ROUTER,
              metavar="PATH", env=("LLAMA_ARG_MODELS_PRESET",), group="server"),
-    _refused("ui_mcp_proxy", ("--ui-mcp-proxy", "--webui-mcp-proxy"), "Enable the MCP CORS proxy.", R_TOOLS,
-             env=("LLAMA_ARG_UI_MCP_PROXY",), negative_flags=("--no-ui-mcp-proxy", "--no-webui-mcp-proxy"),
-             group="server"),
-    _refused("tools", ("--tools",), "Enable built-in agent tools.", R_TOOLS, metavar="TOOL1,TOOL2",
-             env=("LLAMA_ARG_TOOLS",), group="server"),
-    _refused("mcp_servers_config", ("--mcp-servers-config",), "MCP server definitions (file).", R_TOOLS,
-             metavar="PATH", env=("LLAMA_ARG_MCP_SERVERS_CONFIG",), group="server"),
-    _refused("mcp_servers_json", ("--mcp-servers-json",), "MCP server definitions (inline JSON).", R_TOOLS,
-             metavar="JSON", env=("LLAMA_ARG_MCP_SERVERS_JSON",), group="server"),
-    _refused("agent", ("-ag", "--agent"), "Enable all built-in tools and the CORS proxy.", R_TOOLS,
-             env=("LLAMA_ARG_AGENT",), negative_flags=("-no-ag", "--no-agent"), group="server"),
+    Setting("ui_mcp_proxy", ("--ui-mcp-proxy", "--webui-mcp-proxy"), ("LLAMA_ARG_UI_MCP_PROXY",), type="bool",
+            default=False, negative_flags=("--no-ui-mcp-proxy", "--no-webui-mcp-proxy"), group="server",
+            reason="forwarded header names go out in canonical casing (X-Custom): the ASGI server lowercases "
+                   "incoming names, llama-server keeps the page's casing",
+            help="Experimental, never in untrusted environments: serve /cors-proxy?url=..., which forwards "
+                 "a request to any http(s) URL (for the MCP servers a browser UI talks to) with only the "
+                 "X-Llama-Server-Proxy-Header-* headers it was given. /props reports cors_proxy_enabled."),
+    Setting("tools", ("--tools",), ("LLAMA_ARG_TOOLS",), type="list", default=(), metavar="TOOL1,TOOL2,...",
+            group="server",
+            reason="host runtime only (see --tools-runtime); a timed-out command's whole process group is killed "
+                   "(llama-server kills the shell only); outside git repositories listings walk names in sorted "
+                   "order (llama-server: directory order); grep patterns are Python regular expressions",
+            help="Experimental, never in untrusted environments: enable built-in agent tools for the chat page "
+                 "('all', or some of read_file, file_glob_search, grep_search, exec_shell_command, write_file, "
+                 "edit_file, get_info); GET /tools lists them, POST /tools runs one on this host as the server's "
+                 "user. Unless --cors-origins is given, CORS origins become 'localhost'."),
+    Setting("mcp_servers_config", ("--mcp-servers-config",), ("LLAMA_ARG_MCP_SERVERS_CONFIG",), metavar="PATH",
+            group="server", reason=R_MCP,
+            help="Experimental, never in untrusted environments: a JSON file of MCP servers in Cursor's format "
+                 "({\"mcpServers\": {NAME: {\"command\", \"args\", \"env\", \"cwd\", \"timeout_ms\"}}}); their "
+                 "tools join /tools as NAME_TOOL. Unless --cors-origins is given, CORS origins become 'localhost'."),
+    Setting("mcp_servers_json", ("--mcp-servers-json",), ("LLAMA_ARG_MCP_SERVERS_JSON",), metavar="JSON",
+            group="server", reason=R_MCP,
+            help="Experimental: MCP servers as inline JSON, as --mcp-servers-config (both may be given)."),
+    Setting("agent", ("-ag", "--agent"), ("LLAMA_ARG_AGENT",), type="bool", default=False,
+            negative_flags=("-no-ag", "--no-agent"), group="server",
+            help="Experimental, never in untrusted environments: --tools all and --ui-mcp-proxy together "
+                 "(CORS origins become 'localhost' unless --cors-origins is given)."),
     _refused("embeddings", ("--embedding", "--embeddings"), "Serve embeddings only.", R_EMBED,
              env=("LLAMA_ARG_EMBEDDINGS",), group="server"),
     _refused("rerank", ("--rerank", "--reranking"), "Enable the rerank endpoint.", R_EMBED,
@@ -1272,6 +1291,7 @@ def resolve_settings(argv: Sequence[str] | None = None, environ: Mapping[str, st
     _apply_escapes(resolved)
     _check_refused(resolved)
     _check_lora_scaled(resolved)
+    _check_tools(resolved)
     ignored = [(resolved[s.name].spelling, s.reason) for s in SETTINGS
                if s.status == "noop" and resolved[s.name].source != "default"]
     values = {name: item.value for name, item in resolved.items()}
@@ -1299,6 +1319,40 @@ def _check_lora_scaled(resolved: Mapping[str, _Resolved]) -> None:
             parse_scaled(value)
         except ValueError:
             raise SettingsError(f"invalid value for {item.spelling}: {value!r}; expected FNAME:SCALE") from None
+
+
+def _check_tools(resolved: Mapping[str, _Resolved]) -> None:
+    """``--tools`` names, checked at start-up with llama-server's message."""
+    from mlxcel_compat.server.agent_tools import select_tools
+
+    item = resolved["tools"]
+    try:
+        select_tools(item.value or ())
+    except ValueError as exc:
+        raise SettingsError(f"{item.spelling}: {exc}") from None
+    from mlxcel_compat.server.mcp_client import load_configs
+
+    try:
+        load_configs(resolved["mcp_servers_config"].value, resolved["mcp_servers_json"].value)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+
+
+def server_tools(settings: Any) -> tuple[str, ...]:
+    """The tools asked for: ``--tools``, or every one with ``--agent``."""
+    return ("all",) if settings.agent else tuple(settings.tools or ())
+
+
+def mcp_proxy_enabled(settings: Any) -> bool:
+    return bool(settings.ui_mcp_proxy or settings.agent)
+
+
+def cors_origins(settings: Any) -> str:
+    """``--cors-origins``; with tools or MCP servers and no explicit value, llama-server's ``localhost``."""
+    mcp = settings.mcp_servers_config or settings.mcp_servers_json
+    if (server_tools(settings) or mcp) and not settings.is_set("cors_origins"):
+        return "localhost"
+    return settings.cors_origins
 
 
 def make_settings(**overrides: Any) -> Settings:

@@ -99,7 +99,10 @@ def by_css(driver: Any, selector: str) -> list[Any]:
 
 
 def console_errors(driver: Any) -> list[dict]:
-    return [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+    """Severe console entries, less the browser's note of the 403 that tells the page the server has no
+    built-in tools (it asks GET /tools, as llama-server's UI does, and that 403 is the answer)."""
+    return [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"
+            and not ("/tools - Failed to load resource" in entry["message"] and "status of 403" in entry["message"])]
 
 
 def open_page(driver: Any, base_url: str, settings: dict | None = None) -> None:
@@ -337,3 +340,140 @@ def test_no_ui_answers_404(browser, noui_server) -> None:
         response = httpx.get(noui_server.base_url + path)
         assert response.status_code == 404 and response.json()["error"]["message"] == "File Not Found", path
     assert httpx.get(noui_server.base_url + "/props").json()["ui"] is False
+
+
+# ---------------------------------------------------------------------- --tools
+
+
+@pytest.fixture(scope="module")
+def tools_ui_server(server_factory, llama_dir: Path):
+    return server_factory(["-m", str(llama_dir), "-c", "4096", "-np", "1", "--tools", "get_info"])
+
+
+def test_tool_call_runs_through_post_tools_and_goes_back_to_the_model(browser, tools_ui_server) -> None:
+    # tool_choice "required" (an extra request field) forces a call to the only tool offered; the page runs
+    # it through POST /tools and sends its result back as a tool message, and the model answers again.
+    custom = {"tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 200, "temperature": 0}
+    open_page(browser, tools_ui_server.base_url, {"custom": json.dumps(custom)})
+    toggle = by_css(browser, "#tools-toggle")[0]
+    assert toggle.is_displayed() and "Tools (1)" in " ".join(toggle.text.split()) and by_css(browser, "#tools-on")[0].is_selected()
+    send(browser, "Where are you running?")
+    until(browser, lambda d: len(answers(d)) >= 2 and d.find_element("css selector", "#send").is_displayed(),
+          message="the answer after the tool result never came")
+    info = httpx.post(tools_ui_server.base_url + "/tools", json={"tool": "get_info"}).json()
+    results = by_css(browser, "#messages .msg.tool")
+    assert 1 <= len(results) <= 5  # at most MAX_ROUNDS rounds of calls per answer
+    assert results[0].find_element("css selector", ".role").get_attribute("textContent") == "Tool result: Get Runtime Info"
+    assert json.loads(results[0].find_element("css selector", ".content").text) == info
+    assert "Calls Get Runtime Info (get_info)" in answers(browser)[0].text
+    exported = json.loads(browser.execute_async_script(
+        "import(new URL('ui/store.js', location.href)).then(m => arguments[0](m.exportJson()));"))
+    messages = exported["conversations"][0]["messages"]
+    assert [m["role"] for m in messages[:4]] == ["user", "assistant", "tool", "assistant"]
+    call = messages[1]["tool_calls"][0]
+    assert call["function"]["name"] == "get_info" and messages[2]["tool_call_id"] == call["id"]
+    # the second answer's prompt held the first call and its result
+    assert messages[3]["stats"]["prompt"] > messages[1]["stats"]["prompt"] + len(json.dumps(info)) // 8
+    assert console_errors(browser) == []
+    # unticked, the tools are not offered: a plain answer, no tool messages
+    by_css(browser, "#new-chat")[0].click()
+    by_css(browser, "#tools-on")[0].click()
+    by_css(browser, "#open-settings")[0].click()
+    by_css(browser, "#setting-custom")[0].clear()
+    by_css(browser, "#settings-save")[0].click()
+    send(browser, "Hi again")
+    wait_answer(browser, 1)
+    assert by_css(browser, "#messages .msg.tool") == []
+
+
+def test_no_tools_hides_the_toggle(browser, ui_server) -> None:
+    open_page(browser, ui_server.base_url)
+    assert not by_css(browser, "#tools-toggle")[0].is_displayed()
+    assert console_errors(browser) == []
+
+
+# ---------------------------------------------------------------------- MCP servers through --ui-mcp-proxy
+
+
+class McpHttp:
+    """A small MCP server on MCP's streamable HTTP transport: JSON answers, an SSE one for tools/call,
+    a session id it hands out at initialize and then requires. It records what reached it."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        import threading
+
+        from tests.conftest import free_port
+
+        self.seen: list[dict] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                message = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                outer.seen.append({"message": message, "headers": dict(self.headers.items())})
+                method = message.get("method")
+                if method != "initialize" and self.headers.get("mcp-session-id") != "s-42":
+                    return self.answer(400, {"jsonrpc": "2.0", "id": message.get("id"), "error": {"code": -32000, "message": "no session"}})
+                if "id" not in message:
+                    return self.answer(202, None)
+                if method == "initialize":
+                    result = {"protocolVersion": "2024-11-05", "capabilities": {"tools": {}}, "serverInfo": {"name": "web", "version": "1"}}
+                elif method == "tools/list":
+                    result = {"tools": [{"name": "where_am_i", "description": "Where the MCP server runs",
+                                         "inputSchema": {"type": "object", "properties": {}}}]}
+                else:
+                    return self.answer(200, {"jsonrpc": "2.0", "id": message["id"],
+                                             "result": {"content": [{"type": "text", "text": "on the MCP test server"}]}}, sse=True)
+                self.answer(200, {"jsonrpc": "2.0", "id": message["id"], "result": result})
+
+            def answer(self, status: int, body: dict | None, sse: bool = False) -> None:
+                data = b"" if body is None else (b"event: message\ndata: " + json.dumps(body).encode() + b"\n\n" if sse else json.dumps(body).encode())
+                self.send_response(status)
+                self.send_header("Content-Type", "text/event-stream" if sse else "application/json")
+                self.send_header("Mcp-Session-Id", "s-42")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/mcp"
+
+
+@pytest.fixture(scope="module")
+def mcp_http() -> Iterator[McpHttp]:
+    server = McpHttp()
+    yield server
+    server.httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def proxy_ui_server(server_factory, llama_dir: Path):
+    return server_factory(["-m", str(llama_dir), "-c", "4096", "-np", "1", "--ui-mcp-proxy", "--api-key", KEY])
+
+
+def test_mcp_server_tools_run_through_the_cors_proxy(browser, proxy_ui_server, mcp_http) -> None:
+    custom = {"tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 200, "temperature": 0}
+    browser.get(proxy_ui_server.base_url + "/")
+    browser.execute_script("localStorage.clear(); localStorage.setItem('mlxcel.apiKey', arguments[0]);"
+                           "localStorage.setItem('mlxcel.settings.v1', arguments[1]);",
+                           KEY, json.dumps({"mcpServers": mcp_http.url, "custom": json.dumps(custom)}))
+    browser.refresh()
+    until(browser, lambda d: d.execute_script("return document.body.dataset.ready === '1'"), message="page never got ready")
+    console_errors(browser)  # drop the 401 of the first load, before the key was stored
+    assert "Tools (1)" in " ".join(by_css(browser, "#tools-toggle")[0].text.split())
+    send(browser, "Where is the MCP server?")
+    until(browser, lambda d: len(answers(d)) >= 2 and d.find_element("css selector", "#send").is_displayed(),
+          message="the answer after the MCP tool result never came")
+    result = by_css(browser, "#messages .msg.tool")[0]
+    assert result.find_element("css selector", ".content").text == "on the MCP test server"
+    methods = [s["message"].get("method") for s in mcp_http.seen]
+    assert methods[:4] == ["initialize", "notifications/initialized", "tools/list", "tools/call"]
+    call = mcp_http.seen[3]
+    assert call["message"]["params"]["name"] == "where_am_i" and call["headers"]["Mcp-Session-Id"] == "s-42"
+    assert "Authorization" not in call["headers"] and "Cookie" not in call["headers"]  # the API key stays here
+    assert console_errors(browser) == []

@@ -537,3 +537,22 @@ def test_ui_config_and_its_file_must_hold_json_objects(tmp_path) -> None:
     for argv in (["--ui-config", "[1]"], ["--ui-config-file", str(listed)], ["--ui-config-file", str(tmp_path / "missing.json")]):
         with pytest.raises(SettingsError, match=f"invalid value for {argv[0]}"):
             resolve(argv)
+
+
+def test_agent_tools_and_their_cors_default() -> None:
+    from mlxcel_compat.settings import cors_origins, mcp_proxy_enabled, server_tools
+
+    off = resolve_settings(["-m", "x"], environ={})
+    assert server_tools(off) == () and not mcp_proxy_enabled(off) and cors_origins(off) == "*"
+    agent = resolve_settings(["-m", "x", "--agent"], environ={})
+    assert server_tools(agent) == ("all",) and mcp_proxy_enabled(agent) and cors_origins(agent) == "localhost"
+    some = resolve_settings(["-m", "x"], environ={"LLAMA_ARG_TOOLS": "read_file,get_info"})
+    assert server_tools(some) == ("read_file", "get_info") and not mcp_proxy_enabled(some)
+    explicit = resolve_settings(["-m", "x", "--tools", "all", "--cors-origins", "*"], environ={})
+    assert cors_origins(explicit) == "*"
+    proxy_only = resolve_settings(["-m", "x", "--ui-mcp-proxy"], environ={})
+    assert mcp_proxy_enabled(proxy_only) and cors_origins(proxy_only) == "*"  # llama-server: only tools and MCP servers
+    with pytest.raises(SettingsError, match='unknown tool "shell". available tools: read_file'):
+        resolve_settings(["-m", "x", "--tools", "shell"], environ={})
+    with pytest.raises(SettingsError, match="--tools-runtime is not supported by mlxcel_compat: the built-in tools run on the host only"):
+        resolve_settings(["-m", "x", "--tools-runtime", "ssh:box"], environ={})

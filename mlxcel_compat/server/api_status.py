@@ -13,6 +13,7 @@ from mlxcel_compat.server.errors import NotSupported, Unavailable, json_response
 from mlxcel_compat.server.formats import BUILD_INFO, metrics_params
 from mlxcel_compat.server.openapi import TEXT, Operation
 from mlxcel_compat.server.pipeline import ctx_of, read_json
+from mlxcel_compat.settings import mcp_proxy_enabled
 
 
 async def health(request: Request) -> Response:
@@ -60,7 +61,7 @@ async def props(request: Request) -> Response:
         "eos_token": m.eos_token,
         "build_info": BUILD_INFO,
         "is_sleeping": ctx.engine.sleeping,
-        "cors_proxy_enabled": False,
+        "cors_proxy_enabled": mcp_proxy_enabled(s),
     }
     if template is not None and template.tool_use_source:  # llama-server: Jinja mode, when the model has one
         body["chat_template_tool_use"] = template.tool_use_source

@@ -1,4 +1,4 @@
-"""The routes of llama-server's web UI: the chat page at ``GET /`` and the UI's tool routes.
+"""The routes of llama-server's web UI: the chat page at ``GET /`` and its files.
 
 The page is static files shipped in the package (``mlxcel_compat/webui``: plain HTML, CSS and
 JavaScript modules, two vendored libraries; no build step and nothing fetched from elsewhere, so
@@ -11,9 +11,9 @@ Every UI response carries a content-security policy that allows scripts from thi
 ``ETag``: the browser keeps its copy and revalidates it, so an upgraded server never runs a
 stale page, at the cost of one 304 per file.
 
-``/tools`` (the UI's built-in agent tools) and ``/cors-proxy`` (its MCP CORS proxy) are never
-enabled here; llama-server answers 403 "this feature is disabled" when they are off, and clients
-look for that 403 rather than a 404.
+The page's companions, ``/tools`` (``--tools``) and ``/cors-proxy`` (``--ui-mcp-proxy``), live
+in ``api_tools.py``. When ``GET /tools`` lists tools, the page offers them to the model and runs
+the calls it makes through ``POST /tools``.
 """
 
 from __future__ import annotations
@@ -105,11 +105,6 @@ async def vendor_asset(request: Request) -> Response:
     return _serve(request, "ui/vendor/" + request.path_params["file"])
 
 
-async def feature_disabled(request: Request) -> Response:
-    return raw_error_response(403, {"error": {"message": "this feature is disabled", "type": "feature_disabled"}})
-
-
-DISABLED = Operation("Built-in agent tools and the CORS proxy: always 403 here (feature disabled)", errors=(403,))
 PAGE = Operation("The chat page (404 with --no-ui)", media=("text/html",), errors=(404,))
 ASSET_MEDIA = ("text/javascript", "text/css", "image/svg+xml", "text/markdown", TEXT)
 FILE_PARAM = {"file": {"type": "string"}}
@@ -119,10 +114,6 @@ OPERATIONS = {
     ("GET", "/ui/{file}"): Operation("A file of the chat page (404 with --no-ui)", media=ASSET_MEDIA, errors=(404,), path=FILE_PARAM),
     ("GET", "/ui/vendor/{file}"): Operation("A vendored library of the chat page, or its licence (404 with --no-ui)", media=ASSET_MEDIA,
                                             errors=(404,), path=FILE_PARAM),
-    ("GET", "/tools"): DISABLED,
-    ("POST", "/tools"): DISABLED,
-    ("GET", "/cors-proxy"): DISABLED,
-    ("POST", "/cors-proxy"): DISABLED,
 }
 
 ROUTES = [
@@ -130,8 +121,6 @@ ROUTES = [
     Route("/index.html", index, methods=["GET"]),
     Route("/ui/{file}", asset, methods=["GET"]),
     Route("/ui/vendor/{file}", vendor_asset, methods=["GET"]),
-    Route("/tools", feature_disabled, methods=["GET", "POST"]),
-    Route("/cors-proxy", feature_disabled, methods=["GET", "POST"]),
 ]
 
 # Paths the API key never guards (llama-server: "/" and every UI asset); see app.GateMiddleware.

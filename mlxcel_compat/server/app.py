@@ -37,6 +37,7 @@ from mlxcel_compat.server import (
     api_slots,
     api_status,
     api_vertex,
+    api_tools,
     api_web,
     openapi,
 )
@@ -46,7 +47,10 @@ from mlxcel_compat.server.context import ModelInfo, ServerContext
 from mlxcel_compat.server.cors import CorsMiddleware, CorsPolicy
 from mlxcel_compat.server.errors import ApiError, AuthenticationError, ErrorShape, PayloadTooLarge, ServerError, Unavailable, error_response, raw_error_response
 from mlxcel_compat.server.prompts import max_chars_per_token
+from mlxcel_compat.server import agent_tools
+from mlxcel_compat.server.mcp_client import McpManager, load_configs
 from mlxcel_compat.server.structured import StructuredOutput, server_default
+from mlxcel_compat.settings import mcp_proxy_enabled, server_tools
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +63,7 @@ def is_public(path: str) -> bool:
     return path in PUBLIC_PATHS or path.startswith(api_web.PUBLIC_PREFIXES)
 
 
-API_MODULES = (api_status, api_router, api_native, api_openai, api_anthropic, api_responses, api_cache, api_slots, api_lora, api_web, openapi)
+API_MODULES = (api_status, api_router, api_native, api_openai, api_anthropic, api_responses, api_cache, api_slots, api_lora, api_web, api_tools, openapi)
 ERROR_SHAPES: dict[str, ErrorShape] = {path: shape for m in API_MODULES for path, shape in getattr(m, "ERROR_SHAPES", {}).items()}
 
 
@@ -360,13 +364,23 @@ def build_app(ctx: ServerContext) -> Starlette:
         if ctx.engine.state == "loading" and not ctx.engine._thread.is_alive():
             ctx.engine.start()
         waiter = asyncio.create_task(_wait_for_model(ctx))
+        if mcp is not None:  # spawn each MCP server once to list its tools, as llama-server does at start-up
+            await asyncio.to_thread(mcp.discover)
+            app.state.agent_tools = builtin_tools + agent_tools.mcp_tools(mcp, builtin_tools)
         try:
             yield
         finally:
+            if mcp is not None:
+                await asyncio.to_thread(mcp.close)
             waiter.cancel()
             ctx.engine.stop()
             ctx.workers.close()
 
+    warn_agent_features(settings)
+    cors_policy = CorsPolicy.from_settings(settings)
+    builtin_tools = agent_tools.select_tools(server_tools(settings))
+    configs = load_configs(settings.mcp_servers_config, settings.mcp_servers_json)
+    mcp = McpManager(configs) if configs else None
     prefix = settings.api_prefix.rstrip("/") if settings.api_prefix else ""
     vertex = VertexConfig.from_env()
     route_list: list[Any] = routes(vertex)
@@ -376,7 +390,7 @@ def build_app(ctx: ServerContext) -> Starlette:
         routes=route_list,
         middleware=[
             Middleware(ServerHeaderMiddleware),
-            Middleware(CorsMiddleware, policy=CorsPolicy.from_settings(settings)),
+            Middleware(CorsMiddleware, policy=cors_policy),
             Middleware(GateMiddleware, ctx=ctx, prefix=prefix),
             Middleware(ErrorMiddleware, prefix=prefix),
             Middleware(LimitsMiddleware, ctx=ctx, write_timeout=settings.timeout, prefix=prefix),
@@ -385,9 +399,28 @@ def build_app(ctx: ServerContext) -> Starlette:
         lifespan=lifespan,
     )
     app.state.ctx = ctx
+    app.state.cors_policy = cors_policy
+    app.state.agent_tools = builtin_tools  # plus the MCP servers' tools once discovered (lifespan)
+    app.state.tools_enabled = bool(builtin_tools) or mcp is not None  # llama-server: /tools 403 otherwise
     app.state.operations = operations(vertex)
     app.state.public_paths = PUBLIC_PATHS | {path for _, path in openapi.served_routes(api_web.ROUTES) if is_public(path)}
     return app
+
+
+def warn_agent_features(settings: Any) -> None:
+    """llama-server's start-up warnings for the features that reach the host or the network."""
+    features = []
+    mcp = bool(settings.mcp_servers_config or settings.mcp_servers_json)
+    if (server_tools(settings) or mcp) and not settings.is_set("cors_origins"):
+        log.warning("server tools or MCP servers are enabled, using localhost as default CORS origin (change via --cors-origins)")
+    if mcp_proxy_enabled(settings):
+        features.append("MCP proxy (experimental)")
+    if server_tools(settings):
+        features.append("server tools (experimental)")
+    if mcp:
+        features.append("MCP servers (experimental)")
+    if features:
+        log.warning("security: %s enabled - do not expose to untrusted environments", ", ".join(features))
 
 
 async def _wait_for_model(ctx: ServerContext) -> None:

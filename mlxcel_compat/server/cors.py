@@ -37,8 +37,10 @@ class CorsPolicy:
 
     @classmethod
     def from_settings(cls, settings: Any) -> "CorsPolicy":
+        from mlxcel_compat.settings import cors_origins
+
         return cls(
-            origins=settings.cors_origins.strip(),
+            origins=cors_origins(settings).strip(),
             methods=settings.cors_methods.strip(),
             headers=settings.cors_headers.strip(),
             credentials=bool(settings.cors_credentials),

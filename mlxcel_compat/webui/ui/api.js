@@ -12,7 +12,7 @@ async function errorOf(response) {
   let message = `${response.status} ${response.statusText}`;
   try {
     const body = await response.json();
-    message = body?.error?.message || message;
+    message = body?.error?.message || body?.message || message; // POST /tools: a bare {code, message, type}
   } catch { /* not JSON */ }
   return new ApiError(response.status, message);
 }
@@ -51,8 +51,19 @@ export class Api {
     return h;
   }
 
+  // A raw fetch of a path of this server, with the API key; the caller reads the response.
+  fetch(path, init = {}) {
+    return fetch(new URL(path, this.base), { ...init, headers: { ...this.headers(), ...(init.headers || {}) } });
+  }
+
   async get(path) {
     const response = await fetch(new URL(path, this.base), { headers: this.headers() });
+    if (!response.ok) throw await errorOf(response);
+    return response.json();
+  }
+
+  async post(path, body) {
+    const response = await fetch(new URL(path, this.base), { method: "POST", headers: this.headers(true), body: JSON.stringify(body) });
     if (!response.ok) throw await errorOf(response);
     return response.json();
   }

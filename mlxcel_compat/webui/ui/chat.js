@@ -1,8 +1,11 @@
 // One conversation on screen: its messages, streaming an answer into it, stop, edit and
 // regenerate, and the per-answer figures (tokens/s, prompt tokens, how many came from the cache).
+// With the server's tools on, an answer that calls tools runs them and the model answers again
+// (tools.js), each call and each result shown as messages of their own.
 
 import { renderMarkdown } from "./render.js";
 import { saveConversation } from "./store.js";
+import { MAX_ROUNDS, mergeToolCalls } from "./tools.js";
 
 // The figures line under an answer. `stats` comes from the stream's usage and timings.
 export function statsText(stats) {
@@ -13,6 +16,7 @@ export function statsText(stats) {
   if (stats.prompt !== undefined) parts.push(`${stats.cached || 0} of ${stats.prompt} prompt tokens from cache`);
   if (stats.nCtx && stats.prompt !== undefined) parts.push(`context ${stats.prompt + (stats.completion || 0)}/${stats.nCtx}`);
   if (stats.stopped) parts.push("stopped");
+  if (stats.note) parts.push(stats.note);
   return parts.join(" · ");
 }
 
@@ -31,9 +35,11 @@ function button(label, action) {
 }
 
 export class ChatView {
-  constructor({ root, api, settings, onChange, onBusy }) {
+  constructor({ root, api, settings, onChange, onBusy, tools, toolsOn }) {
     this.root = root;
     this.api = api;
+    this.tools = tools; // Tools (tools.js)
+    this.toolsOn = toolsOn || (() => false); // () => whether to offer the tools to the model
     this.settings = settings; // () => Settings
     this.onChange = onChange; // the conversation list changed (title, order)
     this.onBusy = onBusy; // (busy: boolean)
@@ -61,12 +67,17 @@ export class ChatView {
   messageElement(message, index) {
     const article = element("article", `msg ${message.role}`);
     article.dataset.index = index;
+    if (message.role === "tool") {
+      article.append(element("div", "role", `Tool result: ${this.tools?.displayName(message.name) || message.name}`));
+      article.append(element("pre", "content tool-result", message.content));
+      return article;
+    }
     article.append(element("div", "role", message.role === "user" ? "You" : "Model"));
     if (message.role === "assistant") {
       const details = element("details", "reasoning");
       details.append(element("summary", "", "Reasoning"), element("div", "reasoning-body markdown"));
       details.hidden = !message.reasoning;
-      article.append(details, element("div", "content markdown"), element("div", "stats"));
+      article.append(details, element("div", "content markdown"), element("ul", "tool-calls"), element("div", "stats"));
       this.fill(article, message);
       article.append(this.actions(button("Regenerate", "regenerate")));
     } else {
@@ -91,6 +102,9 @@ export class ChatView {
       renderMarkdown(details.querySelector(".reasoning-body"), message.reasoning);
     }
     renderMarkdown(article.querySelector(".content"), message.content);
+    const calls = article.querySelector(".tool-calls");
+    calls.replaceChildren(...(message.tool_calls || []).map((call) =>
+      element("li", "", `Calls ${this.tools?.displayName(call.function.name) || call.function.name} (${call.function.name}) with ${call.function.arguments || "{}"}`)));
     const stats = article.querySelector(".stats");
     stats.textContent = message.error ? `Error: ${message.error}` : statsText(message.stats);
     stats.classList.toggle("error", Boolean(message.error));
@@ -147,32 +161,65 @@ export class ChatView {
 
   requestMessages() {
     const system = this.settings().systemMessage;
-    const history = this.conversation.messages.map(({ role, content }) => ({ role, content }));
+    const history = this.conversation.messages.map(({ role, content, tool_calls, tool_call_id }) => {
+      const m = { role, content };
+      if (tool_calls?.length) m.tool_calls = tool_calls;
+      if (tool_call_id !== undefined) m.tool_call_id = tool_call_id;
+      return m;
+    });
     return system ? [{ role: "system", content: system }, ...history] : history;
   }
 
+  // One answer, and while it calls tools: run them, then the next answer (MAX_ROUNDS at most).
   async generate() {
     const c = this.conversation;
-    const body = { messages: this.requestMessages(), ...this.settings().requestFields() };
+    this.abort = new AbortController();
+    this.onBusy(true);
+    try {
+      for (let round = 0; ; round++) {
+        const answer = await this.streamAnswer(c);
+        if (!answer.tool_calls?.length || answer.error || this.abort.signal.aborted) break;
+        if (round >= MAX_ROUNDS) {
+          answer.stats = { ...(answer.stats || {}), note: `tool calls not run: ${MAX_ROUNDS} rounds per answer at most` };
+          break;
+        }
+        for (const call of answer.tool_calls) {
+          const content = await this.tools.run(call);
+          c.messages.push({ role: "tool", tool_call_id: call.id, name: call.function.name, content });
+          saveConversation(c);
+          if (this.conversation === c) this.show(c);
+        }
+        if (this.abort.signal.aborted) break;
+      }
+    } finally {
+      this.abort = null;
+      this.onBusy(false);
+      saveConversation(c);
+      this.onChange();
+    }
+  }
+
+  async streamAnswer(c) {
+    const offer = this.toolsOn() && this.tools?.available ? { tools: this.tools.definitions() } : {};
+    const body = { messages: this.requestMessages(), ...offer, ...this.settings().requestFields() };
     const answer = { role: "assistant", content: "", reasoning: "" };
     c.messages.push(answer);
     saveConversation(c);
     this.onChange();
     this.show(c);
     const article = this.root.lastElementChild;
-    this.abort = new AbortController();
-    this.onBusy(true);
     let pending = false;
     const repaint = () => {
       if (pending) return;
       pending = true;
-      requestAnimationFrame(() => { pending = false; this.fill(article, answer); this.scroll(); });
+      requestAnimationFrame(() => { pending = false; if (this.conversation === c) { this.fill(article, answer); this.scroll(); } });
     };
     try {
       for await (const chunk of this.api.streamChat(body, this.abort.signal)) {
         const delta = chunk.choices?.[0]?.delta || {};
         if (delta.reasoning_content) { answer.reasoning += delta.reasoning_content; answer.thinking = true; }
         if (delta.content) { answer.content += delta.content; answer.thinking = false; }
+        if (delta.tool_calls) answer.tool_calls = mergeToolCalls(answer.tool_calls || [], delta.tool_calls);
         if (chunk.usage) answer.stats = this.stats(chunk);
         repaint();
       }
@@ -181,12 +228,10 @@ export class ChatView {
       else answer.error = error.message;
     } finally {
       answer.thinking = false;
-      this.abort = null;
-      this.onBusy(false);
       saveConversation(c);
-      this.onChange();
       if (this.conversation === c) { this.fill(article, answer); this.scroll(); }
     }
+    return answer;
   }
 
   stats(chunk) {

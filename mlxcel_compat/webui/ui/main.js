@@ -1,19 +1,21 @@
 // The page's entry point: reads /props (asking for the API key when the server wants one),
 // then wires the conversation list, the chat view and the dialogs together.
-//
-// Later features (tools, MCP: issue 35) plug in here: a module that adds request fields
-// through Settings and handles new delta kinds in ChatView.generate.
+// When the server lists built-in tools (GET /tools, --tools) or Settings names MCP servers
+// (reached through --ui-mcp-proxy), the composer's "Tools" box offers them to the model
+// (tools.js runs the calls).
 
 import { Api, ApiError } from "./api.js";
 import { ChatView } from "./chat.js";
 import { enableCopyButtons } from "./render.js";
 import { Settings } from "./settings.js";
 import * as store from "./store.js";
+import { Tools } from "./tools.js";
 
 const $ = (id) => document.getElementById(id);
 const base = new URL(".", location.href);
 let apiKey = store.loadApiKey();
 const api = new Api(base, () => apiKey);
+const tools = new Tools(api);
 let props = {};
 let settings = new Settings(store.loadSettings(), props);
 
@@ -21,6 +23,8 @@ const view = new ChatView({
   root: $("messages"),
   api,
   settings: () => settings,
+  tools,
+  toolsOn: () => $("tools-on").checked,
   onChange: () => renderList(),
   onBusy: (busy) => {
     $("send").hidden = busy;
@@ -175,7 +179,9 @@ $("settings-form").addEventListener("submit", (event) => {
   try {
     const saved = settings.read($("settings-fields"));
     store.saveSettings(saved);
+    const servers = settings.mcpServers.join("\n");
     settings = new Settings(saved, props);
+    if (settings.mcpServers.join("\n") !== servers) loadTools();
   } catch (error) {
     event.preventDefault();
     alert(error.message);
@@ -214,6 +220,18 @@ $("open-server").addEventListener("click", async () => {
 
 enableCopyButtons($("messages"));
 
+async function loadTools() {
+  try {
+    await tools.load(settings.mcpServers);
+    if (tools.errors.length) status(tools.errors.join("; "), true);
+  } catch (error) {
+    status(`Cannot list the server's tools: ${error.message}`, true);
+  }
+  $("tools-toggle").hidden = !tools.available;
+  $("tools-count").textContent = tools.available ? `(${tools.list.length})` : "";
+  $("tools-toggle").title = "Offer these tools to the model: " + tools.list.map((t) => t.tool).join(", ");
+}
+
 async function start() {
   status("connecting…");
   try {
@@ -225,6 +243,7 @@ async function start() {
   settings = new Settings(store.loadSettings(), props);
   showModel();
   status("");
+  await loadTools();
   open(store.listConversations()[0] || store.newConversation());
   document.body.dataset.ready = "1";
 }

@@ -17,6 +17,7 @@ export const FIELDS = [
   { key: "presence_penalty", label: "Presence penalty", kind: "number", step: "0.05", param: "presence_penalty" },
   { key: "frequency_penalty", label: "Frequency penalty", kind: "number", step: "0.05", param: "frequency_penalty" },
   { key: "seed", label: "Seed", kind: "integer", param: "seed" },
+  { key: "mcpServers", label: "MCP servers (one URL per line; needs --ui-mcp-proxy)", kind: "text" },
   { key: "custom", label: "Extra request fields (JSON object)", kind: "json" },
 ];
 
@@ -57,7 +58,7 @@ export class Settings {
     const out = {};
     const values = this.values;
     for (const field of FIELDS) {
-      if (field.key === "systemMessage" || field.key === "custom") continue;
+      if (field.key === "systemMessage" || field.key === "custom" || field.key === "mcpServers") continue;
       let value;
       try { value = parseField(field, values[field.key]); } catch { value = undefined; }
       if (value !== undefined) out[field.key] = value;
@@ -65,6 +66,11 @@ export class Settings {
     let custom;
     try { custom = parseField(FIELDS.at(-1), typeof values.custom === "object" ? JSON.stringify(values.custom) : values.custom); } catch { custom = undefined; }
     return { ...out, ...(custom || {}) };
+  }
+
+  // The MCP server URLs of the settings, one per line.
+  get mcpServers() {
+    return String(this.values.mcpServers || "").split("\n").map((u) => u.trim()).filter(Boolean);
   }
 
   get systemMessage() {
