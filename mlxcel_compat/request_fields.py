@@ -38,6 +38,7 @@ SCOPES: dict[str, str] = {
     "responses": "/v1/responses, /responses, /v1/responses/input_tokens (OpenAI Responses)",
     "slots": "/slots/{id_slot}?action=save|restore|erase (needs --slot-save-path)",
     "cache_reset": "/v1/cache/reset, /flush_cache",
+    "embeddings": "/embedding, /embeddings, /v1/embeddings (needs --embeddings)",
 }
 INT32_MAX = 2**31 - 1
 INT32_MIN = -(2**31)
@@ -274,6 +275,14 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _noop("parse_special", BOOL, "special tokens in the text are always parsed", scope="tokenize"),
     _f("with_pieces", BOOL, scope="tokenize"),
     _f("tokens", {"type": "array", "items": TOKEN_ID}, scope="detokenize"),
+    _f("input", {"anyOf": [STRING, PIECES, {"type": "array", "items": {"anyOf": [STRING, PIECES, PROMPT_OBJECT]}}]}, scope="embeddings",
+       note="/completion's prompt shapes; an array of strings (or of token arrays) is one input each, embedded in one request"),
+    _f("content", {"anyOf": [STRING, PIECES, {"type": "array", "items": {"anyOf": [STRING, PIECES, PROMPT_OBJECT]}}]}, scope="embeddings",
+       note="as input, and the answer takes the native shape even on /v1/embeddings"),
+    _f("encoding_format", {"enum": ["float", "base64"]}, scope="embeddings", note="base64: little-endian float32 bytes"),
+    _f("embd_normalize", int_range(-1), scope="embeddings",
+       note="-1 none, 0 max-abs int16, 1 taxicab, 2 euclidean (default: --embd-normalize), >2 p-norm; pooled vectors only"),
+    _noop("model", STRING, "the OpenAI answer echoes it; the served model embeds", scope="embeddings"),
     _f("instances", {"type": "array", "maxItems": 128,
                      "items": {"type": "object", "properties": {"@requestFormat": STRING}, "required": ["@requestFormat"]}},
        scope="vertex", required=True,

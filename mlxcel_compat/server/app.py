@@ -29,6 +29,7 @@ from mlxcel_compat.engine.core import Engine
 from mlxcel_compat.server import (
     api_anthropic,
     api_cache,
+    api_embeddings,
     api_lora,
     api_native,
     api_openai,
@@ -59,7 +60,7 @@ def is_public(path: str) -> bool:
     return path in PUBLIC_PATHS or path.startswith(api_web.PUBLIC_PREFIXES)
 
 
-API_MODULES = (api_status, api_router, api_native, api_openai, api_anthropic, api_responses, api_cache, api_slots, api_lora, api_web, openapi)
+API_MODULES = (api_status, api_router, api_native, api_openai, api_embeddings, api_anthropic, api_responses, api_cache, api_slots, api_lora, api_web, openapi)
 ERROR_SHAPES: dict[str, ErrorShape] = {path: shape for m in API_MODULES for path, shape in getattr(m, "ERROR_SHAPES", {}).items()}
 
 
@@ -347,7 +348,22 @@ def model_info(engine: Engine, settings: Any) -> ModelInfo:
         file_type=loaded.file_type,
         format="gguf" if loaded.gguf is not None else "safetensors",
         chars_per_token=max_chars_per_token(tok),
+        pooling=served_pooling(settings, loaded.path),
     )
+
+
+def served_pooling(settings: Any, path: Any) -> str:
+    """llama-server's choice: ``--rerank`` means rank, then ``--pooling``, then the model's type
+    (read only when embeddings are served: a GGUF header is read again for it)."""
+    if settings.rerank:
+        return "rank"
+    if settings.pooling:
+        return str(settings.pooling)
+    if not settings.embeddings:
+        return "none"
+    from mlxcel_compat.model.pooling import model_pooling
+
+    return model_pooling(path)
 
 
 def build_app(ctx: ServerContext) -> Starlette:

@@ -48,6 +48,7 @@ class ModelInfo:
     file_type: str = "F32"  # llama.cpp's file type name for a GGUF ("Q4_K - Medium"); F32 otherwise
     format: str = "safetensors"  # "gguf" or "safetensors"
     chars_per_token: int | None = None  # proven bound (server.prompts.max_chars_per_token)
+    pooling: str = "none"  # embeddings: --pooling, --rerank's rank, else the model's own (model/pooling.py)
 
 
 @dataclass

@@ -322,10 +322,12 @@ def write_spm_tokenizer_gguf(out: str | Path, tokenizer_dir: str | Path, arch: s
 
 
 def write_gguf(family: str, size: str, out: str | Path, gguf_type: str = "f32",
-               split_max_tensors: int = 0, model_dir: str | Path | None = None) -> list[Path]:
+               split_max_tensors: int = 0, model_dir: str | Path | None = None, pooling: str | None = None) -> list[Path]:
     """Write (family, size) as GGUF at ``out``; returns the written files (several when split).
 
-    ``model_dir`` is the HF directory to take the tokenizer from (built on demand otherwise).
+    ``model_dir`` is the HF directory to take the tokenizer from (built on demand otherwise);
+    ``pooling`` (none, mean, cls, last, rank) is written as ``<arch>.pooling_type``, as llama.cpp's
+    converter writes it for an embedding model.
     """
     import gguf
 
@@ -347,6 +349,8 @@ def write_gguf(family: str, size: str, out: str | Path, gguf_type: str = "f32",
     writer.add_file_type(_file_type(gguf_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_hparams(writer, family, config)
+    if pooling is not None:
+        writer.add_pooling_type(gguf.PoolingType[pooling.upper()])
     _add_tokenizer(writer, source, _TARGETS[family].pre)
     for name, data in _tensors(family, config, weights).items():
         stored, raw_type = _encode(name, data, gguf_type, config["num_hidden_layers"])
