@@ -39,6 +39,7 @@ SCOPES: dict[str, str] = {
     "slots": "/slots/{id_slot}?action=save|restore|erase (needs --slot-save-path)",
     "cache_reset": "/v1/cache/reset, /flush_cache",
     "embeddings": "/embedding, /embeddings, /v1/embeddings (needs --embeddings)",
+    "rerank": "/rerank, /reranking, /v1/rerank, /v1/reranking (needs --rerank)",
 }
 INT32_MAX = 2**31 - 1
 INT32_MIN = -(2**31)
@@ -283,6 +284,12 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _f("embd_normalize", int_range(-1), scope="embeddings",
        note="-1 none, 0 max-abs int16, 1 taxicab, 2 euclidean (default: --embd-normalize), >2 p-norm; pooled vectors only"),
     _noop("model", STRING, "the OpenAI answer echoes it; the served model embeds", scope="embeddings"),
+    _f("query", STRING, scope="rerank", required=True),
+    _f("documents", {"type": "array", "items": STRING, "minItems": 1}, scope="rerank", note="Jina shape; or texts"),
+    _f("texts", {"type": "array", "items": STRING, "minItems": 1}, scope="rerank", note="TEI shape: the answer is a bare array"),
+    _f("top_n", int_range(0), scope="rerank", note="default: every document"),
+    _f("return_text", BOOL, scope="rerank", note="TEI shape only"),
+    _noop("model", STRING, "the answer echoes it; the served model scores", scope="rerank"),
     _f("instances", {"type": "array", "maxItems": 128,
                      "items": {"type": "object", "properties": {"@requestFormat": STRING}, "required": ["@requestFormat"]}},
        scope="vertex", required=True,

@@ -80,14 +80,13 @@ SUPPORTED_ROUTES = [
     ("POST", "/responses/input_tokens"), ("POST", "/v1/responses/input_tokens"),
     ("GET", "/get_load"), ("GET", "/get_server_info"), ("GET", "/get_model_info"), ("POST", "/flush_cache"),
     ("POST", "/embedding"), ("POST", "/embeddings"), ("POST", "/v1/embeddings"),
+    ("POST", "/rerank"), ("POST", "/reranking"), ("POST", "/v1/rerank"), ("POST", "/v1/reranking"),
 ]
 
 # Every other route of llama-server-api.md §2 (single-model and router mode).
 UPSTREAM_ROUTES = [
     ("POST", "/v1/chat/completions/control"),
     ("POST", "/v1/audio/transcriptions"), ("POST", "/audio/transcriptions"), ("POST", "/infill"),
-    ("POST", "/rerank"), ("POST", "/reranking"), ("POST", "/v1/rerank"),
-    ("POST", "/v1/reranking"),
     ("GET", "/v1/stream"), ("DELETE", "/v1/stream"), ("POST", "/v1/streams/lookup"), ("POST", "/models"), ("POST", "/models/load"), ("POST", "/models/unload"),
     ("GET", "/models/sse"), ("DELETE", "/models"),
 ]

@@ -217,3 +217,100 @@ def test_langchain_openai_embeddings(last_server) -> None:
     assert len(docs) == len(TEXTS) and all(len(d) == 64 for d in docs)
     scores = [cosine(query, d) for d in docs]
     assert int(np.argmax(scores)) == 3 and scores[3] > 1 - 1e-5
+
+
+# --------------------------------------------------------------------------- rerank
+
+QUERY = "where is the cat"
+DOCS = ["the cat sat on the mat", "stock markets fell sharply", "a kitten sleeping", "rain tomorrow", "cats and dogs"]
+NOT_RERANKING = "This server does not support reranking. Start it with `--reranking`"
+RERANK_PATHS = ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")
+
+
+@pytest.fixture(scope="module")
+def rerank_server(server_factory, tmp_path_factory) -> ServerProcess:
+    """The factory's Qwen3-Reranker-style GGUF (cls.output rows, the rerank prompt), --rerank."""
+    from mlxcel_compat.testing.gguf_writer import write_gguf
+
+    out = tmp_path_factory.mktemp("rerank-gguf") / "qwen3-reranker.gguf"
+    write_gguf("qwen3", "tiny", out, "f32", model_dir=tiny_model("qwen3"), reranker=True)
+    return server_factory(["-m", str(out), "--rerank", "-np", "1", "-c", "1024", "--alias", "tiny-rerank"])
+
+
+@pytest.fixture(scope="module")
+def reference_scores():
+    """transformers' causal LM on the same weights: softmax of the label tokens' logits at the
+    last token of each pair's prompt (how Qwen3-Reranker is scored)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from mlxcel_compat.model.rerank import QWEN3_RERANK_TEMPLATE
+    from mlxcel_compat.testing.gguf_writer import rerank_label_ids
+
+    directory = tiny_model("qwen3")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+    ids = list(rerank_label_ids(directory))
+
+    def run(query: str, docs: list[str]) -> tuple[list[float], int]:
+        scores, n_tokens = [], 0
+        for doc in docs:
+            text = QWEN3_RERANK_TEMPLATE.replace("{query}", query).replace("{document}", doc)
+            tokens = tokenizer.encode(text, add_special_tokens=False)
+            n_tokens += len(tokens)
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([tokens])).logits[0, -1, ids].double()
+            scores.append(float(torch.softmax(logits, 0)[0]))
+        return scores, n_tokens
+
+    return run
+
+
+def test_rerank_without_the_flag_is_501(http, last_server) -> None:
+    with client_for(last_server) as c:  # embeddings with pooling last: still no reranking
+        for path in RERANK_PATHS:
+            for client in (http, c):
+                r = client.post(path, json={"query": "q", "documents": ["d"]})
+                assert r.status_code == 501, (path, r.text)
+                assert r.json()["error"] == {"code": 501, "message": NOT_RERANKING, "type": "not_supported_error"}
+
+
+def test_rerank_ordering_and_scores_equal_the_reference(rerank_server, reference_scores) -> None:
+    want, n_tokens = reference_scores(QUERY, DOCS)
+    with client_for(rerank_server) as c:
+        r = c.post("/v1/rerank", json={"model": "m", "query": QUERY, "documents": DOCS})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["model"], body["object"]) == ("m", "list")
+    assert body["usage"] == {"prompt_tokens": n_tokens, "total_tokens": n_tokens}
+    results = body["results"]
+    assert [x["index"] for x in results] == sorted(range(len(DOCS)), key=lambda i: -want[i])
+    for x in results:
+        assert set(x) == {"index", "relevance_score"}
+        assert abs(x["relevance_score"] - want[x["index"]]) < 1e-4
+
+
+def test_rerank_top_n_and_tei_shape(rerank_server, reference_scores) -> None:
+    want, _ = reference_scores(QUERY, DOCS)
+    best = sorted(range(len(DOCS)), key=lambda i: -want[i])
+    with client_for(rerank_server) as c:
+        jina = c.post("/rerank", json={"query": QUERY, "documents": DOCS, "top_n": 2}).json()
+        tei = c.post("/reranking", json={"query": QUERY, "texts": DOCS, "return_text": True, "top_n": 3}).json()
+        plain = c.post("/v1/reranking", json={"query": QUERY, "texts": DOCS}).json()
+    assert [x["index"] for x in jina["results"]] == best[:2] and jina["model"] == "tiny-rerank"
+    assert [x["index"] for x in tei] == best[:3]
+    assert all(x["text"] == DOCS[x["index"]] and abs(x["score"] - want[x["index"]]) < 1e-4 for x in tei)
+    assert isinstance(plain, list) and len(plain) == len(DOCS) and all(set(x) == {"index", "score"} for x in plain)
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"documents": ["d"]}, '"query" must be provided'),
+    ({"query": 1, "documents": ["d"]}, '"query" must be a string'),
+    ({"query": "q", "documents": []}, '"documents" must be a non-empty string array'),
+    ({"query": "q"}, '"documents" must be a non-empty string array'),
+    ({"query": "q", "documents": ["d", 3]}, '"documents" must be a non-empty string array'),
+])
+def test_bad_rerank_bodies_are_a_400(rerank_server, body, message) -> None:
+    with client_for(rerank_server) as c:
+        r = c.post("/v1/rerank", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"code": 400, "message": message, "type": "invalid_request_error"}

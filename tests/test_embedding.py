@@ -144,3 +144,41 @@ def test_gguf_pooling_comes_from_its_metadata(tmp_path, pooling) -> None:
     out = tmp_path / f"qwen3-{pooling}.gguf"
     write_gguf("qwen3", "tiny", out, "f32", model_dir=tiny_model("qwen3"), pooling=pooling)
     assert model_pooling(out) == pooling
+
+
+# --------------------------------------------------------------------------- decoder rerankers
+
+
+def test_a_qwen3_reranker_directory_is_recognised_as_llama_cpp_does(tmp_path) -> None:
+    from mlxcel_compat.model.rerank import is_reranker_directory
+
+    base = tiny_model("qwen3")
+    assert not is_reranker_directory(base)
+    named = tmp_path / "Qwen3-Reranker-tiny"
+    shutil.copytree(base, named)
+    assert is_reranker_directory(named) and model_pooling(named) == "rank"
+    titled = tmp_path / "plain"
+    shutil.copytree(base, titled)
+    (titled / "README.md").write_text("# Qwen3-Reranker-0.6B\n")
+    assert is_reranker_directory(titled)
+
+
+def test_a_directory_reranker_scores_with_its_label_tokens_rows(loaded, family) -> None:
+    """With the label tokens' rows of the output head (a directory reranker), the scores equal a
+    GGUF-style head holding the same rows."""
+    import mlx.core as mx
+
+    from mlxcel_compat.engine.embedding import rank_scores
+    from mlxcel_compat.model.rerank import QWEN3_RERANK_TEMPLATE, RankHead
+
+    ids = (88, 2146)
+    tokens = RankHead(QWEN3_RERANK_TEMPLATE, token_ids=ids).prompt(loaded.tokenizer, "q", "a document")
+    assert tokens[0] == loaded.tokenizer.encode("<|im_start|>", add_special_tokens=False)[0]  # specials parsed
+    hidden = embed(loaded.model, EmbeddingJob([tokens], "last", 512))[0]
+    model = loaded.model
+    weight = model.lm_head.weight if hasattr(model, "lm_head") else model.model.embed_tokens.weight
+    rows = np.array(weight.astype(mx.float32))[list(ids)]
+    by_tokens = rank_scores(model, hidden, RankHead(QWEN3_RERANK_TEMPLATE, token_ids=ids))
+    by_matrix = rank_scores(model, hidden, RankHead(QWEN3_RERANK_TEMPLATE, matrix=rows))
+    np.testing.assert_allclose(by_tokens, by_matrix, atol=1e-5)
+    assert abs(float(by_tokens.sum()) - 1.0) < 1e-6

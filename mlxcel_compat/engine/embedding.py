@@ -26,8 +26,9 @@ class EmbeddingJob:
     """One request's inputs, already tokenized and checked by the HTTP side."""
 
     prompts: list[list[int]]
-    pooling: str  # none | mean | cls | last
+    pooling: str  # none | mean | cls | last | rank
     max_batch_tokens: int  # padded tokens per forward pass (--ubatch-size)
+    rank: Any = None  # model.rerank.RankHead for pooling rank: the last token's scores
 
 
 def hidden_module(model: Any) -> Any:
@@ -51,7 +52,30 @@ def embed(model: Any, job: EmbeddingJob) -> list[np.ndarray]:
         hidden = _hidden_batch(inner, [job.prompts[i] for i in group])
         for row, i in enumerate(group):
             out[i] = _pool(hidden[row, : len(job.prompts[i])], job.pooling)
-    return [v for v in out if v is not None]
+    vectors = [v for v in out if v is not None]
+    if job.pooling == "rank":
+        scores = rank_scores(model, np.concatenate(vectors, axis=0), job.rank)
+        vectors = [scores[i : i + 1] for i in range(len(vectors))]
+    return vectors
+
+
+def rank_scores(model: Any, last_hidden: np.ndarray, head: Any) -> np.ndarray:
+    """(n, n_embd) last-token hidden states -> (n, n_labels) scores: the head's rows (a GGUF's
+    ``cls.output``, or the output head's rows of the label tokens), softmax-ed for Qwen3 kinds."""
+    if head is None:
+        raise ValueError("pooling rank needs a reranking head")
+    if head.matrix is not None:
+        logits = last_hidden.astype(np.float64) @ head.matrix.astype(np.float64).T
+    else:
+        import mlx.core as mx
+
+        h = mx.array(last_hidden)
+        out = model.lm_head(h) if hasattr(model, "lm_head") else hidden_module(model).embed_tokens.as_linear(h)
+        logits = np.array(out.astype(mx.float32))[:, list(head.token_ids)].astype(np.float64)
+    if head.softmax:
+        logits = np.exp(logits - logits.max(axis=1, keepdims=True))
+        logits /= logits.sum(axis=1, keepdims=True)
+    return logits.astype(np.float32)
 
 
 def _groups(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
@@ -99,6 +123,6 @@ def _pool(hidden: np.ndarray, pooling: str) -> np.ndarray:
         return hidden.mean(axis=0, dtype=np.float64).astype(np.float32)[None, :]
     if pooling == "cls":
         return hidden[:1].copy()
-    if pooling == "last":
+    if pooling in ("last", "rank"):  # a causal reranker reads its last token
         return hidden[-1:].copy()
     raise ValueError(f"unknown pooling {pooling!r}")

@@ -32,6 +32,10 @@ def model_pooling(path: str | Path) -> str:
 
         value = open_gguf(path).arch_value("pooling_type")
         return GGUF_POOLING.get(int(value), "none") if value is not None else "none"
+    from mlxcel_compat.model.rerank import is_reranker_directory
+
+    if is_reranker_directory(path):
+        return "rank"  # what llama.cpp's converter writes for a Qwen3-Reranker checkpoint
     return _sentence_transformers_pooling(path) or "none"
 
 

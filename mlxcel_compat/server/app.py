@@ -33,6 +33,7 @@ from mlxcel_compat.server import (
     api_lora,
     api_native,
     api_openai,
+    api_rerank,
     api_responses,
     api_router,
     api_slots,
@@ -60,7 +61,7 @@ def is_public(path: str) -> bool:
     return path in PUBLIC_PATHS or path.startswith(api_web.PUBLIC_PREFIXES)
 
 
-API_MODULES = (api_status, api_router, api_native, api_openai, api_embeddings, api_anthropic, api_responses, api_cache, api_slots, api_lora, api_web, openapi)
+API_MODULES = (api_status, api_router, api_native, api_openai, api_embeddings, api_rerank, api_anthropic, api_responses, api_cache, api_slots, api_lora, api_web, openapi)
 ERROR_SHAPES: dict[str, ErrorShape] = {path: shape for m in API_MODULES for path, shape in getattr(m, "ERROR_SHAPES", {}).items()}
 
 
@@ -311,6 +312,7 @@ def model_info(engine: Engine, settings: Any) -> ModelInfo:
     from mlxcel_compat.chat import builtin_templates
     from mlxcel_compat.chat.builtin_templates import BuiltinTemplate
     from mlxcel_compat.chat.template import ChatTemplate
+    from mlxcel_compat.model.rerank import rank_head
 
     loaded = engine.loaded
     tok = loaded.tokenizer
@@ -328,6 +330,7 @@ def model_info(engine: Engine, settings: Any) -> ModelInfo:
     else:  # --no-jinja: llama.cpp's built-in format that matches the template (ChatML if none does)
         source = override or ChatTemplate.from_tokenizer(tok).source
         template = BuiltinTemplate(builtin_templates.detect(source) or "chatml", bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")
+    pooling = served_pooling(settings, loaded.path)
     return ModelInfo(
         model_id=loaded.model_id,
         aliases=loaded.aliases or [loaded.model_id],
@@ -348,7 +351,8 @@ def model_info(engine: Engine, settings: Any) -> ModelInfo:
         file_type=loaded.file_type,
         format="gguf" if loaded.gguf is not None else "safetensors",
         chars_per_token=max_chars_per_token(tok),
-        pooling=served_pooling(settings, loaded.path),
+        pooling=pooling,
+        rank_head=rank_head(loaded.path, tok) if pooling == "rank" else None,
     )
 
 
