@@ -63,7 +63,7 @@ def gguf_server(server_factory, tmp_path_factory) -> ServerProcess:
 @pytest.fixture(scope="module")
 def none_server(server_factory) -> ServerProcess:
     """The tiny llama declares no pooling: none, one vector per token."""
-    return server_factory(["-m", str(tiny_model("llama")), "--embeddings", "-np", "1", "-c", "512"])
+    return server_factory(["-m", str(tiny_model("llama")), "--embeddings", "-np", "1", "-c", "512", "-ub", "1024", "-b", "1024"])
 
 
 def client_for(server: ServerProcess) -> httpx.Client:
@@ -314,3 +314,27 @@ def test_bad_rerank_bodies_are_a_400(rerank_server, body, message) -> None:
         r = c.post("/v1/rerank", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"] == {"code": 400, "message": message, "type": "invalid_request_error"}
+
+
+def test_an_input_over_the_context_is_llama_servers_400(none_server) -> None:
+    """Text longer than the context but within --ubatch-size (token-id arrays, and text proven too
+    long before tokenizing, get the server-wide "exceeds the available context size" 400)."""
+    with client_for(none_server) as c:
+        text = " ".join(TEXTS * 12)
+        n = len(tokens_of(c, text))
+        r = c.post("/embedding", json={"input": text})
+    assert 512 < n <= 1024 and r.status_code == 400
+    assert r.json()["error"] == {
+        "code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": n, "n_ctx": 512,
+        "message": f"input ({n} tokens) is larger than the max context size (512 tokens). skipping",
+    }
+
+
+def test_rerank_on_a_model_without_a_head_is_501_not_a_crash(server_factory) -> None:
+    server = server_factory(["-m", str(tiny_model("llama")), "--rerank", "-np", "1", "-c", "512"])
+    with client_for(server) as c:
+        for path, body in (("/v1/rerank", {"query": "q", "documents": ["d"]}), ("/v1/embeddings", {"input": "x"})):
+            r = c.post(path, json=body)
+            assert r.status_code == 501, r.text
+            assert r.json()["error"]["message"].startswith("This model has no reranking head")
+        assert c.post("/completion", json={"prompt": "hi", "n_predict": 2}).status_code == 200

@@ -22,15 +22,14 @@ from starlette.routing import Route
 
 from mlxcel_compat.engine.embedding import EmbeddingJob
 from mlxcel_compat.server.context import ServerContext
-from mlxcel_compat.server.errors import InvalidRequest, NotSupported, ServerError
+from mlxcel_compat.server.embedding_requests import NO_HEAD, UNSPLIT_POOLINGS, check_length, embeddings_enabled
+from mlxcel_compat.server.errors import InvalidRequest, NotSupported
 from mlxcel_compat.server.openapi import Operation
-from mlxcel_compat.server.pipeline import check_context, ctx_of, read_json, respond
+from mlxcel_compat.server.pipeline import ctx_of, read_json, respond
 from mlxcel_compat.server.prompts import tokenize_one
 
 NOT_ENABLED = "This server does not support embeddings. Start it with `--embeddings`"
 NOT_OAI = "Pooling type 'none' is not OAI compatible. Please use a different pooling type"
-# Poolings whose input must fit one physical batch in llama.cpp (it cannot split them).
-UNSPLIT_POOLINGS = ("none", "mean", "cls")
 
 
 def normalize(vector: np.ndarray, mode: int) -> np.ndarray:
@@ -60,10 +59,6 @@ class EmbeddingRequest:
     model: str
 
 
-def embeddings_enabled(ctx: ServerContext) -> bool:
-    return bool(ctx.settings.embeddings or ctx.settings.rerank)
-
-
 def parse_request(ctx: ServerContext, data: dict[str, Any], oai: bool) -> EmbeddingRequest:
     """llama-server's checks, in its order; every failure is a 400 except a too long input (500)."""
     m = ctx.model
@@ -86,15 +81,10 @@ def parse_request(ctx: ServerContext, data: dict[str, Any], oai: bool) -> Embedd
         raise InvalidRequest("embd_normalize must be an integer")
     ubatch = ctx.settings.ubatch_size
     for tokens in prompts:
-        if m.pooling in UNSPLIT_POOLINGS and len(tokens) > ubatch:
-            raise ServerError(
-                f"input ({len(tokens)} tokens) is too large to process. increase the physical batch size "
-                f"(current batch size: {ubatch})"
-            )
-        check_context(ctx, tokens)
+        check_length(ctx, tokens, m.pooling in UNSPLIT_POOLINGS)
     model = data.get("model")
     return EmbeddingRequest(
-        job=EmbeddingJob(prompts=prompts, pooling=m.pooling, max_batch_tokens=ubatch),
+        job=EmbeddingJob(prompts=prompts, pooling=m.pooling, max_batch_tokens=ubatch, rank=m.rank_head),
         oai=oai,
         base64=encoding == "base64",
         normalize=mode,
@@ -144,6 +134,8 @@ async def _embeddings(request: Request, oai: bool) -> Response:
         raise NotSupported(NOT_ENABLED)
     if oai and ctx.model.pooling == "none":
         raise InvalidRequest(NOT_OAI)
+    if ctx.model.pooling == "rank" and ctx.model.rank_head is None:
+        raise NotSupported(NO_HEAD)
     req = await ctx.workers.run(parse_request, ctx, data, oai)
     vectors = await ctx.client.embed(req.job)
     return await respond(ctx, lambda: format_response(ctx, req, vectors))

@@ -21,15 +21,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from mlxcel_compat.engine.embedding import EmbeddingJob
-from mlxcel_compat.server.api_embeddings import embeddings_enabled
+from mlxcel_compat.server.embedding_requests import NO_HEAD, check_length, embeddings_enabled
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.errors import InvalidRequest, NotSupported
 from mlxcel_compat.server.openapi import Operation
-from mlxcel_compat.server.pipeline import check_context, ctx_of, read_json, respond
+from mlxcel_compat.server.pipeline import ctx_of, read_json, respond
 
 NOT_ENABLED = "This server does not support reranking. Start it with `--reranking`"
-NO_HEAD = ("This model has no reranking head this server can use: a Qwen3-Reranker-style decoder (a GGUF with "
-           "cls.output and a rerank template, or a Qwen3-Reranker directory) is needed")
 
 
 @dataclass(frozen=True)
@@ -59,7 +57,7 @@ def parse_request(ctx: ServerContext, data: dict[str, Any]) -> RerankRequest:
         raise InvalidRequest("top_n must be an integer")
     prompts = [m.rank_head.prompt(m.tokenizer, query, doc) for doc in documents]
     for tokens in prompts:
-        check_context(ctx, tokens)
+        check_length(ctx, tokens, unsplit=False)  # a causal reranker reads its last token: splittable
     model = data.get("model")
     return RerankRequest(
         job=EmbeddingJob(prompts=prompts, pooling="rank", max_batch_tokens=ctx.settings.ubatch_size, rank=m.rank_head),
