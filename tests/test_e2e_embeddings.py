@@ -338,3 +338,20 @@ def test_rerank_on_a_model_without_a_head_is_501_not_a_crash(server_factory) -> 
             assert r.status_code == 501, r.text
             assert r.json()["error"]["message"].startswith("This model has no reranking head")
         assert c.post("/completion", json={"prompt": "hi", "n_predict": 2}).status_code == 200
+
+
+def test_an_embedding_request_wakes_a_sleeping_model(server_factory) -> None:
+    import time
+
+    server = server_factory(["-m", str(tiny_model("qwen3")), "--embeddings", "--pooling", "mean", "-np", "1", "-c", "512",
+                             "--sleep-idle-seconds", "1"])
+    with client_for(server) as c:
+        before = c.post("/v1/embeddings", json={"input": TEXTS[1]}).json()["data"][0]["embedding"]
+        deadline = time.monotonic() + 30
+        while not c.get("/props").json().get("is_sleeping") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert c.get("/props").json()["is_sleeping"] is True
+        r = c.post("/v1/embeddings", json={"input": TEXTS[1]})
+        assert r.status_code == 200, r.text
+        assert c.get("/props").json()["is_sleeping"] is False
+    np.testing.assert_allclose(r.json()["data"][0]["embedding"], before, atol=1e-6)
