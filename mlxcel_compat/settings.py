@@ -304,7 +304,6 @@ R_SLOTS = "mlxcel_compat keeps a radix prompt cache instead of llama.cpp's slot 
 R_LOG_FORMAT = "logs use Python's logging format"
 R_UI = "the built-in chat page is served from the package; other static files are not served"
 R_ROUTER = "router (multi-model) mode is not supported; serve one model per process"
-R_EMBED = "embeddings and reranking are not supported"
 R_LORA_ENV = "llama-server reads no environment variable for it (MLXCEL_* only)"
 R_CVEC = "control vectors are not supported"
 R_TLS = "TLS is not supported; terminate TLS in a reverse proxy"
@@ -440,10 +439,14 @@ _SERVER: tuple[Setting, ...] = (
             negative_flags=("-no-ag", "--no-agent"), group="server",
             help="Experimental, never in untrusted environments: --tools all and --ui-mcp-proxy together "
                  "(CORS origins become 'localhost' unless --cors-origins is given)."),
-    _refused("embeddings", ("--embedding", "--embeddings"), "Serve embeddings only.", R_EMBED,
-             env=("LLAMA_ARG_EMBEDDINGS",), group="server"),
-    _refused("rerank", ("--rerank", "--reranking"), "Enable the rerank endpoint.", R_EMBED,
-             env=("LLAMA_ARG_RERANKING",), group="server"),
+    Setting("embeddings", ("--embedding", "--embeddings"), ("LLAMA_ARG_EMBEDDINGS",), type="bool", default=False,
+            group="server",
+            help="Serve /embedding, /embeddings and /v1/embeddings (501 without it). Completions still work; "
+                 "embedding requests never touch the prompt cache."),
+    Setting("rerank", ("--rerank", "--reranking"), ("LLAMA_ARG_RERANKING",), type="bool", default=False,
+            group="server",
+            help="Serve /rerank, /reranking, /v1/rerank and /v1/reranking (501 without it): embeddings with "
+                 "pooling rank, as llama-server sets them."),
     Setting("slot_save_path", ("--slot-save-path",), group="server", metavar="PATH",
             parse=_parse_directory, accepts="a directory (created if missing)",
             reason="llama.cpp reads no variable for it; MLXCEL_SLOT_SAVE_PATH works here",
@@ -904,9 +907,15 @@ _COMPAT: tuple[Setting, ...] = (
           "lookup decoding is not implemented", metavar="FNAME"),
     _noop("lookup_cache_dynamic", ("-lcd", "--lookup-cache-dynamic"), "Dynamic lookup-decoding cache.",
           "lookup decoding is not implemented", metavar="FNAME"),
-    _noop("pooling", ("--pooling",), "Embedding pooling type.", R_EMBED, metavar="{none,mean,cls,last,rank}",
-          env=("LLAMA_ARG_POOLING",)),
-    _noop("embd_normalize", ("--embd-normalize",), "Embedding normalisation.", R_EMBED, metavar="N"),
+    Setting("pooling", ("--pooling",), ("LLAMA_ARG_POOLING",), type="choice",
+            choices=("none", "mean", "cls", "last", "rank"), group="model", default_doc="from the model",
+            help="Pooling of embeddings: none (one vector per token, native routes only), mean, cls (first "
+                 "token), last, rank (a reranker's score). Default: the GGUF's <arch>.pooling_type or the "
+                 "sentence-transformers 1_Pooling config, else none."),
+    Setting("embd_normalize", ("--embd-normalize",), type="int", default=2, group="model", minimum=-1,
+            reason="llama.cpp reads no variable for it; MLXCEL_EMBD_NORMALIZE works here",
+            help="Normalisation of pooled embeddings (a request's embd_normalize wins): -1 none, 0 max "
+                 "absolute scaled to int16, 1 taxicab, 2 euclidean, >2 p-norm."),
     _refused("rpc", ("--rpc",), "RPC servers to offload to.", "RPC backends are not supported",
              metavar="SERVERS", env=("LLAMA_ARG_RPC",)),
     _refused("mmproj", ("-mm", "--mmproj"), "Multimodal projector file.", "multimodal input is not supported",

@@ -58,9 +58,10 @@ def test_manifest_flag_statuses_and_notes(manifest) -> None:
         if entry["status"] != "supported":
             assert entry["note"], entry["setting"]
     names = {e["setting"] for e in manifest_flags(status="refused", manifest=manifest)}
-    assert {"embeddings", "rerank", "mmproj", "ssl_key_file", "models_dir"} <= names
+    assert {"mmproj", "ssl_key_file", "models_dir"} <= names
     supported = {e["setting"] for e in manifest_flags(status="supported", manifest=manifest)}
     assert {"lora", "lora_scaled", "lora_init_without_apply"} <= supported  # issue 30
+    assert {"embeddings", "rerank", "pooling", "embd_normalize"} <= supported  # issue 32
     noop = {e["setting"] for e in manifest_flags(status="noop", manifest=manifest)}
     assert {"n_gpu_layers", "flash_attn", "mlock", "threads", "cache_type_k"} <= noop
 
@@ -78,14 +79,14 @@ SUPPORTED_ROUTES = [
     ("POST", "/chat/completions/input_tokens"), ("POST", "/v1/chat/completions/input_tokens"),
     ("POST", "/responses/input_tokens"), ("POST", "/v1/responses/input_tokens"),
     ("GET", "/get_load"), ("GET", "/get_server_info"), ("GET", "/get_model_info"), ("POST", "/flush_cache"),
+    ("POST", "/embedding"), ("POST", "/embeddings"), ("POST", "/v1/embeddings"),
+    ("POST", "/rerank"), ("POST", "/reranking"), ("POST", "/v1/rerank"), ("POST", "/v1/reranking"),
 ]
 
 # Every other route of llama-server-api.md §2 (single-model and router mode).
 UPSTREAM_ROUTES = [
     ("POST", "/v1/chat/completions/control"),
-    ("POST", "/v1/audio/transcriptions"), ("POST", "/audio/transcriptions"), ("POST", "/embedding"), ("POST", "/embeddings"),
-    ("POST", "/v1/embeddings"), ("POST", "/rerank"), ("POST", "/reranking"), ("POST", "/v1/rerank"),
-    ("POST", "/v1/reranking"),
+    ("POST", "/v1/audio/transcriptions"), ("POST", "/audio/transcriptions"),
     ("GET", "/v1/stream"), ("DELETE", "/v1/stream"), ("POST", "/v1/streams/lookup"), ("POST", "/models"), ("POST", "/models/load"), ("POST", "/models/unload"),
     ("GET", "/models/sse"), ("DELETE", "/models"),
 ]

@@ -326,12 +326,9 @@ def test_optional_value_flag_does_not_eat_the_next_flag() -> None:
 @pytest.mark.parametrize(
     ("argv", "env", "spelling"),
     [
-        (["--embeddings"], {}, "--embeddings"),
-        (["--rerank"], {}, "--rerank"),
         (["--mmproj", "p.gguf"], {}, "--mmproj"),
         (["--fim-qwen-7b-default"], {}, "--fim-qwen-7b-default"),
         ([], {"LLAMA_ARG_SSL_KEY_FILE": "/k.pem"}, "LLAMA_ARG_SSL_KEY_FILE"),
-        ([], {"LLAMA_ARG_EMBEDDINGS": "1"}, "LLAMA_ARG_EMBEDDINGS"),
         ([], {"LLAMA_ARG_MODELS_DIR": "/models"}, "LLAMA_ARG_MODELS_DIR"),
     ],
 )
@@ -556,3 +553,15 @@ def test_agent_tools_and_their_cors_default() -> None:
         resolve_settings(["-m", "x", "--tools", "shell"], environ={})
     with pytest.raises(SettingsError, match="--tools-runtime is not supported by mlxcel_compat: the built-in tools run on the host only"):
         resolve_settings(["-m", "x", "--tools-runtime", "ssh:box"], environ={})
+
+
+# --------------------------------------------------------------------------- embeddings (issue 32)
+
+
+def test_embedding_options_parse_as_llama_server_spells_them() -> None:
+    s = resolve(["--embedding", "--pooling", "mean", "--embd-normalize", "-1"])
+    assert (s.embeddings, s.rerank, s.pooling, s.embd_normalize) == (True, False, "mean", -1)
+    s = resolve([], LLAMA_ARG_RERANKING="1", LLAMA_ARG_POOLING="last")
+    assert (s.rerank, s.pooling, s.embd_normalize) == (True, "last", 2)
+    with pytest.raises(SettingsError, match="--pooling"):
+        resolve(["--pooling", "max"])

@@ -11,6 +11,7 @@ import asyncio
 from typing import Any, AsyncIterator, Callable
 
 from mlxcel_compat.engine.core import Engine
+from mlxcel_compat.engine.embedding import EmbeddingJob, embed
 from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest
 
 
@@ -52,6 +53,11 @@ class EngineClient:
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread and await its result."""
         return await asyncio.wrap_future(self.engine.call(fn))
+
+    async def embed(self, job: EmbeddingJob) -> list[Any]:
+        """The job's embeddings (NumPy arrays), computed on the engine thread between steps."""
+        engine = self.engine
+        return await asyncio.wrap_future(engine.call(lambda: embed(engine.loaded.model, job), wake=True))
 
     async def call_on_slot(self, slot_id: int, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(slot)`` on the engine thread once the slot is idle, and await its result."""

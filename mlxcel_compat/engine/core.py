@@ -88,6 +88,7 @@ class _Warmup:
 class _Call:
     fn: Callable[[], Any]
     future: Future
+    wake: bool = False  # reload a sleeping model first (fn uses the weights)
 
 
 @dataclass
@@ -184,10 +185,11 @@ class Engine:
         ``running_too`` the running ones as well (their state may still be donated)."""
         self._commands.put(_Shutdown(running_too))
 
-    def call(self, fn: Callable[[], Any]) -> Future:
-        """Run ``fn`` on the engine thread between steps (cache stats, reset, ...)."""
+    def call(self, fn: Callable[[], Any], wake: bool = False) -> Future:
+        """Run ``fn`` on the engine thread between steps (cache stats, reset, ...); ``wake``: ``fn``
+        computes with the model (embeddings), so a sleeping one is reloaded first."""
         future: Future = Future()
-        self._commands.put(_Call(fn, future))
+        self._commands.put(_Call(fn, future, wake))
         return future
 
     def call_on_slot(self, slot_id: int, fn: Callable[[Slot], Any]) -> Future:
@@ -377,6 +379,10 @@ class Engine:
             elif isinstance(cmd, _Cancel):
                 self._cancel(cmd.task_id)
             elif isinstance(cmd, _Call):
+                if cmd.wake:
+                    self._idle_since = time.monotonic()
+                    if self.sleeping:
+                        self._wake()
                 self._run_call(cmd)
             elif isinstance(cmd, _SlotCall):
                 self.slot_calls.append(cmd)

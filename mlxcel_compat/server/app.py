@@ -29,9 +29,11 @@ from mlxcel_compat.engine.core import Engine
 from mlxcel_compat.server import (
     api_anthropic,
     api_cache,
+    api_embeddings,
     api_lora,
     api_native,
     api_openai,
+    api_rerank,
     api_responses,
     api_router,
     api_slots,
@@ -63,7 +65,7 @@ def is_public(path: str) -> bool:
     return path in PUBLIC_PATHS or path.startswith(api_web.PUBLIC_PREFIXES)
 
 
-API_MODULES = (api_status, api_router, api_native, api_openai, api_anthropic, api_responses, api_cache, api_slots, api_lora, api_web, api_tools, openapi)
+API_MODULES = (api_status, api_router, api_native, api_openai, api_embeddings, api_rerank, api_anthropic, api_responses, api_cache, api_slots, api_lora, api_web, api_tools, openapi)
 ERROR_SHAPES: dict[str, ErrorShape] = {path: shape for m in API_MODULES for path, shape in getattr(m, "ERROR_SHAPES", {}).items()}
 
 
@@ -315,6 +317,7 @@ def model_info(engine: Engine, settings: Any) -> ModelInfo:
     from mlxcel_compat.chat import builtin_templates
     from mlxcel_compat.chat.builtin_templates import BuiltinTemplate
     from mlxcel_compat.chat.template import ChatTemplate
+    from mlxcel_compat.model.rerank import rank_head
 
     loaded = engine.loaded
     tok = loaded.tokenizer
@@ -332,6 +335,7 @@ def model_info(engine: Engine, settings: Any) -> ModelInfo:
     else:  # --no-jinja: llama.cpp's built-in format that matches the template (ChatML if none does)
         source = override or ChatTemplate.from_tokenizer(tok).source
         template = BuiltinTemplate(builtin_templates.detect(source) or "chatml", bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")
+    pooling = served_pooling(settings, loaded.path)
     return ModelInfo(
         model_id=loaded.model_id,
         aliases=loaded.aliases or [loaded.model_id],
@@ -353,7 +357,23 @@ def model_info(engine: Engine, settings: Any) -> ModelInfo:
         format="gguf" if loaded.gguf is not None else "safetensors",
         chars_per_token=max_chars_per_token(tok),
         fim=getattr(loaded, "fim", None) or FimTokens(),
+        pooling=pooling,
+        rank_head=rank_head(loaded.path, tok) if pooling == "rank" else None,
     )
+
+
+def served_pooling(settings: Any, path: Any) -> str:
+    """llama-server's choice: ``--rerank`` means rank, then ``--pooling``, then the model's type
+    (read only when embeddings are served: a GGUF header is read again for it)."""
+    if settings.rerank:
+        return "rank"
+    if settings.pooling:
+        return str(settings.pooling)
+    if not settings.embeddings:
+        return "none"
+    from mlxcel_compat.model.pooling import model_pooling
+
+    return model_pooling(path)
 
 
 def build_app(ctx: ServerContext) -> Starlette:

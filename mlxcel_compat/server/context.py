@@ -50,6 +50,8 @@ class ModelInfo:
     format: str = "safetensors"  # "gguf" or "safetensors"
     chars_per_token: int | None = None  # proven bound (server.prompts.max_chars_per_token)
     fim: FimTokens = field(default_factory=FimTokens)  # fill-in-the-middle tokens (/infill)
+    pooling: str = "none"  # embeddings: --pooling, --rerank's rank, else the model's own (model/pooling.py)
+    rank_head: Any = None  # model.rerank.RankHead of a reranker served with pooling rank
 
 
 @dataclass

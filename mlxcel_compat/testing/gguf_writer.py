@@ -330,10 +330,15 @@ def write_spm_tokenizer_gguf(out: str | Path, tokenizer_dir: str | Path, arch: s
 
 
 def write_gguf(family: str, size: str, out: str | Path, gguf_type: str = "f32",
-               split_max_tensors: int = 0, model_dir: str | Path | None = None) -> list[Path]:
+               split_max_tensors: int = 0, model_dir: str | Path | None = None, pooling: str | None = None,
+               reranker: bool = False) -> list[Path]:
     """Write (family, size) as GGUF at ``out``; returns the written files (several when split).
 
-    ``model_dir`` is the HF directory to take the tokenizer from (built on demand otherwise).
+    ``model_dir`` is the HF directory to take the tokenizer from (built on demand otherwise);
+    ``pooling`` (none, mean, cls, last, rank) is written as ``<arch>.pooling_type``, as llama.cpp's
+    converter writes it for an embedding model. ``reranker`` (qwen3): a Qwen3-Reranker-style file as
+    the converter writes one: pooling rank, the rerank prompt as ``tokenizer.chat_template.rerank``
+    and ``cls.output.weight``, the output head's rows of :func:`rerank_label_ids`.
     """
     import gguf
 
@@ -355,8 +360,20 @@ def write_gguf(family: str, size: str, out: str | Path, gguf_type: str = "f32",
     writer.add_file_type(_file_type(gguf_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_hparams(writer, family, config)
+    if pooling is not None or reranker:
+        writer.add_pooling_type(gguf.PoolingType[(pooling or "rank").upper()])
     _add_tokenizer(writer, source, _TARGETS[family].pre)
-    for name, data in _tensors(family, config, weights).items():
+    tensors = _tensors(family, config, weights)
+    if reranker:
+        from mlxcel_compat.model.rerank import LABELS, QWEN3_RERANK_TEMPLATE
+
+        if family != "qwen3":
+            raise ValueError("only the qwen3 factory model has a reranker form")
+        writer.add_classifier_output_labels(list(LABELS))
+        writer.add_string("tokenizer.chat_template.rerank", QWEN3_RERANK_TEMPLATE)
+        head = tensors.get("output.weight", tensors["token_embd.weight"])
+        tensors["cls.output.weight"] = np.ascontiguousarray(head[list(rerank_label_ids(source))])
+    for name, data in tensors.items():
         stored, raw_type = _encode(name, data, gguf_type, config["num_hidden_layers"])
         writer.add_tensor(name, stored, raw_dtype=raw_type)
     paths = writer.format_shard_names(out)
@@ -365,6 +382,16 @@ def write_gguf(family: str, size: str, out: str | Path, gguf_type: str = "f32",
     writer.write_tensors_to_file()
     writer.close()
     return paths
+
+
+def rerank_label_ids(model_dir: str | Path) -> tuple[int, int]:
+    """The factory reranker's "yes" and "no" rows: the first token of each word (the factory's
+    vocabulary has no single "yes" token; a real Qwen3 vocabulary has both)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    yes, no = (tokenizer.encode(word, add_special_tokens=False).ids[0] for word in ("yes", "no"))
+    return yes, no
 
 
 def ensure_gguf(family: str = "llama", size: str = "tiny", gguf_type: str = "f32",

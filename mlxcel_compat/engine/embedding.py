@@ -1,0 +1,128 @@
+"""Embeddings of token sequences: the model's final hidden states, pooled (engine thread only).
+
+A decoder's embedding is what llama.cpp reads as ``t_embd``: the hidden state after the final
+norm, before the output head. Several inputs go through one forward pass: sorted by length and
+right-padded, at most ``max_batch_tokens`` padded tokens a pass. Padding after a sequence's last
+token changes nothing before it under a causal mask, and pooling reads only the real positions,
+so a batched input's vector is its vector alone (to float rounding). An input longer than one
+pass is run in chunks through a KV cache (a causal model reads the past from it). Nothing here
+touches the prompt cache: an embedding is one pass that nothing continues.
+
+Results leave the engine thread as NumPy float32 arrays, never as ``mx.array``s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+PAD_TOKEN = 0  # any id works: padding sits after the real tokens and is never pooled
+
+
+@dataclass(frozen=True)
+class EmbeddingJob:
+    """One request's inputs, already tokenized and checked by the HTTP side."""
+
+    prompts: list[list[int]]
+    pooling: str  # none | mean | cls | last | rank
+    max_batch_tokens: int  # padded tokens per forward pass (--ubatch-size)
+    rank: Any = None  # model.rerank.RankHead for pooling rank: the last token's scores
+
+
+def hidden_module(model: Any) -> Any:
+    """The part of an mlx-lm model that maps token ids to final (normed) hidden states."""
+    for inner in (getattr(model, "model", None), getattr(getattr(model, "language_model", None), "model", None)):
+        if inner is not None and callable(inner):
+            return inner
+    raise TypeError(f"{type(model).__name__} exposes no hidden states (no .model module)")
+
+
+def embed(model: Any, job: EmbeddingJob) -> list[np.ndarray]:
+    """Each prompt's embedding in input order: shape (n_tokens, n_embd) for pooling ``none``,
+    else (1, n_embd), unnormalised (the caller normalises pooled vectors)."""
+    inner = hidden_module(model)
+    out: list[np.ndarray | None] = [None] * len(job.prompts)
+    for group in _groups([len(p) for p in job.prompts], job.max_batch_tokens):
+        if len(group) == 1 and len(job.prompts[group[0]]) > job.max_batch_tokens:
+            i = group[0]
+            out[i] = _pool(_hidden_chunked(model, inner, job.prompts[i], job.max_batch_tokens), job.pooling)
+            continue
+        hidden = _hidden_batch(inner, [job.prompts[i] for i in group])
+        for row, i in enumerate(group):
+            out[i] = _pool(hidden[row, : len(job.prompts[i])], job.pooling)
+    vectors = [v for v in out if v is not None]
+    if job.pooling == "rank":
+        scores = rank_scores(model, np.concatenate(vectors, axis=0), job.rank)
+        vectors = [scores[i : i + 1] for i in range(len(vectors))]
+    return vectors
+
+
+def rank_scores(model: Any, last_hidden: np.ndarray, head: Any) -> np.ndarray:
+    """(n, n_embd) last-token hidden states -> (n, n_labels) scores: the head's rows (a GGUF's
+    ``cls.output``, or the output head's rows of the label tokens), softmax-ed for Qwen3 kinds."""
+    if head is None:
+        raise ValueError("pooling rank needs a reranking head")
+    if head.matrix is not None:
+        logits = last_hidden.astype(np.float64) @ head.matrix.astype(np.float64).T
+    else:
+        import mlx.core as mx
+
+        h = mx.array(last_hidden)
+        out = model.lm_head(h) if hasattr(model, "lm_head") else hidden_module(model).embed_tokens.as_linear(h)
+        logits = np.array(out.astype(mx.float32))[:, list(head.token_ids)].astype(np.float64)
+    if head.softmax:
+        logits = np.exp(logits - logits.max(axis=1, keepdims=True))
+        logits /= logits.sum(axis=1, keepdims=True)
+    return logits.astype(np.float32)
+
+
+def _groups(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
+    """Indices in groups of similar length whose padded size fits one pass (one input at least)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        # Sorted ascending, so the newest member is the longest: it sets the padded width.
+        if current and (len(current) + 1) * lengths[i] > max_batch_tokens:
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _hidden_batch(inner: Any, prompts: list[list[int]]) -> np.ndarray:
+    import mlx.core as mx
+
+    width = max(len(p) for p in prompts)
+    rows = [p + [PAD_TOKEN] * (width - len(p)) for p in prompts]
+    hidden = inner(mx.array(rows))
+    return np.array(hidden.astype(mx.float32))
+
+
+def _hidden_chunked(model: Any, inner: Any, prompt: list[int], chunk: int) -> np.ndarray:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    parts = []
+    for start in range(0, len(prompt), chunk):
+        hidden = inner(mx.array([prompt[start : start + chunk]]), cache=cache)
+        parts.append(np.array(hidden.astype(mx.float32))[0])
+    return np.concatenate(parts, axis=0)
+
+
+def _pool(hidden: np.ndarray, pooling: str) -> np.ndarray:
+    """(n_tokens, n_embd) hidden states of one input -> its embedding rows."""
+    if pooling == "none":
+        return np.ascontiguousarray(hidden)
+    if pooling == "mean":
+        return hidden.mean(axis=0, dtype=np.float64).astype(np.float32)[None, :]
+    if pooling == "cls":
+        return hidden[:1].copy()
+    if pooling in ("last", "rank"):  # a causal reranker reads its last token
+        return hidden[-1:].copy()
+    raise ValueError(f"unknown pooling {pooling!r}")
