@@ -162,28 +162,43 @@ class ServerProcess:
             self.proc.terminate()
 
 
+def stop_all(servers: list[ServerProcess]) -> None:
+    for server in servers:  # every server shuts down at once: each takes a moment to drain
+        server.terminate()
+    for server in servers:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    """Start servers with given arguments; all are stopped at the end of the session."""
-    started: list[ServerProcess] = []
+    """Start servers with given arguments. A server started with ``keep=True`` (the session-wide
+    ones below) lives until the session ends; any other is stopped when the test module that
+    started it ends (:func:`stop_module_servers`), so a run never holds every module's servers
+    at once (about 90 of them ran a 24 GiB machine out of memory)."""
     log_dir = tmp_path_factory.mktemp("server-logs")
+    kept: list[ServerProcess] = []
 
-    def start(args: list[str], env: dict[str, str] | None = None, wait: bool = True) -> ServerProcess:
+    def start(args: list[str], env: dict[str, str] | None = None, wait: bool = True, keep: bool = False) -> ServerProcess:
         server = ServerProcess(args=args, env=env or {}).start(log_dir, wait=wait)
-        started.append(server)
+        (kept if keep else start.module).append(server)
         return server
 
+    start.module = []  # servers to stop at the end of the current module
     yield start
-    for server in started:  # every server shuts down at once: each takes a moment to drain
-        server.terminate()
-    for server in started:
-        server.stop()
+    stop_all(kept + start.module)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stop_module_servers(server_factory) -> Iterator[None]:
+    yield
+    stop_all(server_factory.module)
+    server_factory.module.clear()
 
 
 @pytest.fixture(scope="session")
 def server(server_factory, llama_dir: Path) -> ServerProcess:
     """The default server: tiny llama, 2 slots, metrics on, small chunk size."""
-    return server_factory(["-m", str(llama_dir), "-np", "2", "-c", "2048", "-b", "64", "--metrics", "--props", "--alias", "tiny-llama"])
+    return server_factory(["-m", str(llama_dir), "-np", "2", "-c", "2048", "-b", "64", "--metrics", "--props", "--alias", "tiny-llama"], keep=True)
 
 
 @pytest.fixture()
@@ -201,4 +216,5 @@ def small_server(server_factory, llama_dir: Path) -> ServerProcess:
     return server_factory(
         ["-m", str(llama_dir), "-c", "128", "-np", "1", "--no-slots"],
         env={"LLAMA_ARG_CTX_SIZE": "512", "LLAMA_ARG_N_PARALLEL": "3"},
+        keep=True,
     )
