@@ -10,8 +10,8 @@ cd "$root"
 report="$(mktemp)"
 trap 'rm -f "$report"' EXIT
 status=0
-# One process: with pytest-xdist (`scripts/test.sh -n 2 --dist loadfile`) every worker keeps its
-# own copy of the session's servers, which ran a 24 GiB machine out of memory.
-MLXCEL_REAL_MODEL_REPORT="$report" "$venv/bin/python" -m pytest "$@" || status=$?
+# Both cores (pytest-xdist), one test file per worker at a time, so a module's servers stay in one
+# process (and stop with it: tests/conftest.py); `scripts/test.sh -n 0 ...` runs in one process.
+MLXCEL_REAL_MODEL_REPORT="$report" "$venv/bin/python" -m pytest -n 2 --dist loadfile "$@" || status=$?
 if [ -s "$report" ]; then cat "$report"; fi
 exit "$status"
