@@ -8,6 +8,7 @@ llama-server does.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -113,7 +114,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (AdapterError, OSError) as exc:
         print(f"error: failed to load LoRA adapter: {exc}", file=sys.stderr)
         return 1
-    app = build_server(settings, str(model_path), api_keys, model_name=model_arg, adapters=adapters)
+    from mlxcel_compat.engine.speculative import SpecConfig, SpecError
+
+    try:
+        speculative = SpecConfig.from_settings(settings)
+        if speculative.draft_model:  # the draft is found before listening too
+            speculative = dataclasses.replace(speculative, draft_model=str(resolve_model_path(
+                speculative.draft_model, offline=True, cache_dir=settings.llama_cache)))
+    except (SpecError, ModelNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    app = build_server(settings, str(model_path), api_keys, model_name=model_arg, adapters=adapters,
+                       speculative=speculative)
     from mlxcel_compat.listen import ListenError
 
     try:
@@ -133,8 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_server(settings: object, model_arg: str, api_keys: list[str], model_name: str | None = None,
-                 adapters: object = None) -> object:
+                 adapters: object = None, speculative: object = None) -> object:
     from mlxcel_compat.engine.core import Engine, EngineConfig
+    from mlxcel_compat.engine.speculative import SpecConfig
     from mlxcel_compat.engine.prefix_cache import PrefixCache, PrefixCacheConfig
     from mlxcel_compat.model.lora import AdapterSet
     from mlxcel_compat.server.app import build_app
@@ -159,6 +172,7 @@ def build_server(settings: object, model_arg: str, api_keys: list[str], model_na
             sleep_idle_seconds=settings.sleep_idle_seconds,
             keep_slot_state=bool(settings.slot_save_path),
             adapters=list(adapters.adapters),
+            speculative=speculative if speculative is not None else SpecConfig.from_settings(settings),
         ),
         prefix_cache_factory=lambda engine: PrefixCache(engine, PrefixCacheConfig.from_settings(settings)),
     )

@@ -46,6 +46,7 @@ GROUPS: tuple[tuple[str, str], ...] = (
     ("model", "Model and chat"),
     ("sampling", "Sampling defaults"),
     ("cache", "Prompt cache"),
+    ("speculative", "Speculative decoding"),
     ("logging", "Logging"),
     ("compat", "llama.cpp options without an MLX equivalent"),
 )
@@ -170,6 +171,13 @@ def _parse_tristate(raw: str) -> str:
     if word in ("auto", "-1"):
         return "auto"
     return "on" if parse_bool(word) else "off"
+
+
+def _parse_spec_types(raw: str) -> str:
+    """``--spec-type``: llama-server's names, checked here so a typo stops start-up."""
+    from mlxcel_compat.engine.speculative import parse_types
+
+    return ",".join(parse_types(raw))
 
 
 def _parse_n_parallel(raw: str) -> int:
@@ -298,7 +306,10 @@ R_LOADING = "the weights live in MLX arrays (GGUF tensors are decoded into them)
 R_FIT = "no automatic memory fitting; set --ctx-size and the --prompt-cache-* budgets instead"
 R_KV_TYPE = "the KV cache uses the model's dtype; KV cache quantization is not implemented"
 R_ROPE = "RoPE scaling comes from the model's config.json"
-R_SPEC = "speculative decoding is not implemented"
+R_SPEC = "the draft model runs on the engine thread beside the model, with its settings"
+R_SPEC_NGRAM = "that n-gram drafting kind is not served here (--spec-type refuses it); ngram-simple is"
+R_SPEC_REMOVED = ("removed from llama-server (it refuses the option now); accepted and ignored for older "
+                  "deployments: use --spec-draft-n-max, --spec-draft-n-min, --spec-ngram-simple-size-n/m")
 R_MMPROJ = "multimodal projectors are not supported, so this option has nothing to act on"
 R_SLOTS = "mlxcel_compat keeps a radix prompt cache instead of llama.cpp's slot caches; see --prompt-cache-*"
 R_LOG_FORMAT = "logs use Python's logging format"
@@ -935,12 +946,17 @@ _COMPAT: tuple[Setting, ...] = (
     _noop("mtmd_batch_max_tokens", ("--mtmd-batch-max-tokens",), "Image tokens per batch.", R_MMPROJ,
           metavar="N", env=("LLAMA_ARG_MTMD_BATCH_MAX_TOKENS",)),
     _noop("media_path", ("--media-path",), "Directory for file:// media.", R_MMPROJ, metavar="PATH"),
-    _spec("spec_draft_hf", ("--spec-draft-hf", "-hfd", "-hfrd", "--hf-repo-draft"), "Draft model repository.",
-          metavar="USER/MODEL", env=("LLAMA_ARG_SPEC_DRAFT_HF_REPO",)),
-    _spec("spec_draft_model", ("--spec-draft-model", "-md", "--model-draft"), "Draft model.", metavar="FNAME",
-          env=("LLAMA_ARG_SPEC_DRAFT_MODEL",)),
-    _spec("spec_type", ("--spec-type",), "Speculative decoding types.", metavar="TYPES",
-          env=("LLAMA_ARG_SPEC_TYPE",)),
+    _noop("spec_draft_hf", ("--spec-draft-hf", "-hfd", "-hfrd", "--hf-repo-draft"), "Draft model repository.",
+          "a draft model is loaded from a local file or directory (-md); download it first", metavar="USER/MODEL",
+          env=("LLAMA_ARG_SPEC_DRAFT_HF_REPO",)),
+    Setting("spec_draft_model", ("--spec-draft-model", "-md", "--model-draft"), ("LLAMA_ARG_SPEC_DRAFT_MODEL",),
+            metavar="FNAME", group="speculative",
+            help="Draft model for speculative decoding (a .gguf file or model directory with the model's "
+                 "vocabulary). Without --spec-type it drafts as draft-simple."),
+    Setting("spec_type", ("--spec-type",), ("LLAMA_ARG_SPEC_TYPE",), metavar="TYPES", group="speculative",
+            default="none", parse=_parse_spec_types, accepts="a comma-separated list of none, draft-simple, ngram-simple",
+            help="Speculative decoding types: ngram-simple (drafts from the text so far; no model needed), "
+                 "draft-simple (drafts with -md); both may be given (n-grams are tried first)."),
     _spec("spec_draft_threads", ("--spec-draft-threads", "-td", "--threads-draft"), "Draft threads."),
     _spec("spec_draft_threads_batch", ("--spec-draft-threads-batch", "-tbd", "--threads-batch-draft"),
           "Draft batch threads."),
@@ -969,13 +985,16 @@ _COMPAT: tuple[Setting, ...] = (
           metavar="", env=("LLAMA_ARG_SPEC_DRAFT_CPU_MOE",)),
     _spec("spec_draft_n_cpu_moe", ("--spec-draft-n-cpu-moe", "--spec-draft-ncmoe", "-ncmoed", "--n-cpu-moe-draft"),
           "Draft MoE layers on CPU.", env=("LLAMA_ARG_SPEC_DRAFT_N_CPU_MOE",)),
-    _spec("spec_draft_n_max", ("--spec-draft-n-max",), "Tokens to draft.", env=("LLAMA_ARG_SPEC_DRAFT_N_MAX",)),
-    _spec("spec_draft_n_min", ("--spec-draft-n-min",), "Minimum draft tokens.",
-          env=("LLAMA_ARG_SPEC_DRAFT_N_MIN",)),
+    Setting("spec_draft_n_max", ("--spec-draft-n-max",), ("LLAMA_ARG_SPEC_DRAFT_N_MAX",), type="int", default=3,
+            minimum=0, group="speculative", metavar="N", help="Tokens the draft model proposes per step, at most."),
+    Setting("spec_draft_n_min", ("--spec-draft-n-min",), ("LLAMA_ARG_SPEC_DRAFT_N_MIN",), type="int", default=0,
+            minimum=0, group="speculative", metavar="N",
+            help="A shorter draft from the draft model is not verified (the step decodes one token)."),
     _spec("spec_draft_p_split", ("--spec-draft-p-split", "--draft-p-split"), "Draft split probability.",
           metavar="P", env=("LLAMA_ARG_SPEC_DRAFT_P_SPLIT",)),
-    _spec("spec_draft_p_min", ("--spec-draft-p-min", "--draft-p-min"), "Minimum draft probability.",
-          metavar="P", env=("LLAMA_ARG_SPEC_DRAFT_P_MIN",)),
+    Setting("spec_draft_p_min", ("--spec-draft-p-min", "--draft-p-min"), ("LLAMA_ARG_SPEC_DRAFT_P_MIN",),
+            type="float", default=0.0, minimum=0.0, maximum=1.0, group="speculative", metavar="P",
+            help="The draft model stops drafting before a token it gives less than this probability."),
     _spec("spec_draft_backend_sampling", ("--spec-draft-backend-sampling",), "Draft sampling on the backend.",
           metavar="", env=("LLAMA_ARG_SPEC_DRAFT_BACKEND_SAMPLING",),
           negative_flags=("--no-spec-draft-backend-sampling",)),
@@ -983,26 +1002,39 @@ _COMPAT: tuple[Setting, ...] = (
           metavar="<dev1,dev2,..>"),
     _spec("spec_draft_ngl", ("--spec-draft-ngl", "-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"),
           "Draft GPU layers.", env=("LLAMA_ARG_N_GPU_LAYERS_DRAFT",)),
-    _spec("spec_ngram_mod_n_min", ("--spec-ngram-mod-n-min",), "N-gram drafting: minimum tokens."),
-    _spec("spec_ngram_mod_n_max", ("--spec-ngram-mod-n-max",), "N-gram drafting: maximum tokens."),
-    _spec("spec_ngram_mod_n_match", ("--spec-ngram-mod-n-match",), "N-gram drafting: lookup length."),
-    _spec("spec_ngram_simple_size_n", ("--spec-ngram-simple-size-n",), "ngram-simple: lookup n-gram size."),
-    _spec("spec_ngram_simple_size_m", ("--spec-ngram-simple-size-m",), "ngram-simple: draft m-gram size."),
-    _spec("spec_ngram_simple_min_hits", ("--spec-ngram-simple-min-hits",), "ngram-simple: minimum hits."),
-    _spec("spec_ngram_map_k_size_n", ("--spec-ngram-map-k-size-n",), "ngram-map-k: lookup n-gram size."),
-    _spec("spec_ngram_map_k_size_m", ("--spec-ngram-map-k-size-m",), "ngram-map-k: draft m-gram size."),
-    _spec("spec_ngram_map_k_min_hits", ("--spec-ngram-map-k-min-hits",), "ngram-map-k: minimum hits."),
-    _spec("spec_ngram_map_k4v_size_n", ("--spec-ngram-map-k4v-size-n",), "ngram-map-k4v: lookup n-gram size."),
-    _spec("spec_ngram_map_k4v_size_m", ("--spec-ngram-map-k4v-size-m",), "ngram-map-k4v: draft m-gram size."),
-    _spec("spec_ngram_map_k4v_min_hits", ("--spec-ngram-map-k4v-min-hits",), "ngram-map-k4v: minimum hits."),
-    _spec("spec_default", ("--spec-default",), "Default speculative decoding config.", metavar=""),
-    _spec("draft_max", ("--draft", "--draft-n", "--draft-max"), "Removed upstream; older builds' draft size.",
-          env=("LLAMA_ARG_DRAFT_MAX",)),
-    _spec("draft_min", ("--draft-min", "--draft-n-min"), "Removed upstream; older builds' minimum draft size.",
-          env=("LLAMA_ARG_DRAFT_MIN",)),
-    _spec("spec_ngram_size_n", ("--spec-ngram-size-n",), "Removed upstream."),
-    _spec("spec_ngram_size_m", ("--spec-ngram-size-m",), "Removed upstream."),
-    _spec("spec_ngram_min_hits", ("--spec-ngram-min-hits",), "Removed upstream."),
+    _noop("spec_ngram_mod_n_min", ("--spec-ngram-mod-n-min",), "N-gram drafting: minimum tokens.",
+          R_SPEC_NGRAM, metavar="N"),
+    _noop("spec_ngram_mod_n_max", ("--spec-ngram-mod-n-max",), "N-gram drafting: maximum tokens.",
+          R_SPEC_NGRAM, metavar="N"),
+    _noop("spec_ngram_mod_n_match", ("--spec-ngram-mod-n-match",), "N-gram drafting: lookup length.",
+          R_SPEC_NGRAM, metavar="N"),
+    Setting("spec_ngram_simple_size_n", ("--spec-ngram-simple-size-n",), type="int", default=12, minimum=1,
+            maximum=1024, group="speculative", metavar="N",
+            help="ngram-simple: length of the n-gram looked up in the text so far (a draft is at least this long)."),
+    Setting("spec_ngram_simple_size_m", ("--spec-ngram-simple-size-m",), type="int", default=48, minimum=1,
+            maximum=1024, group="speculative", metavar="N",
+            help="ngram-simple: tokens drafted after a found n-gram, at most."),
+    _noop("spec_ngram_simple_min_hits", ("--spec-ngram-simple-min-hits",), "ngram-simple: minimum hits.",
+          "ngram-simple drafts from a single earlier occurrence (llama.cpp's simple mode never reads it)", metavar="N"),
+    _noop("spec_ngram_map_k_size_n", ("--spec-ngram-map-k-size-n",), "ngram-map-k: lookup n-gram size.",
+          R_SPEC_NGRAM, metavar="N"),
+    _noop("spec_ngram_map_k_size_m", ("--spec-ngram-map-k-size-m",), "ngram-map-k: draft m-gram size.",
+          R_SPEC_NGRAM, metavar="N"),
+    _noop("spec_ngram_map_k_min_hits", ("--spec-ngram-map-k-min-hits",), "ngram-map-k: minimum hits.",
+          R_SPEC_NGRAM, metavar="N"),
+    _noop("spec_ngram_map_k4v_size_n", ("--spec-ngram-map-k4v-size-n",), "ngram-map-k4v: lookup n-gram size.",
+          R_SPEC_NGRAM, metavar="N"),
+    _noop("spec_ngram_map_k4v_size_m", ("--spec-ngram-map-k4v-size-m",), "ngram-map-k4v: draft m-gram size.",
+          R_SPEC_NGRAM, metavar="N"),
+    _noop("spec_ngram_map_k4v_min_hits", ("--spec-ngram-map-k4v-min-hits",), "ngram-map-k4v: minimum hits.",
+          R_SPEC_NGRAM, metavar="N"),
+    _noop("spec_default", ("--spec-default",), "Default speculative decoding config.",
+          "llama-server's default config is ngram-mod, which is not served here; use --spec-type ngram-simple"),
+    _noop("draft_max", ("--draft", "--draft-n", "--draft-max"), "Removed upstream; older builds' draft size.", R_SPEC_REMOVED, metavar="N", env=("LLAMA_ARG_DRAFT_MAX",)),
+    _noop("draft_min", ("--draft-min", "--draft-n-min"), "Removed upstream; older builds' minimum draft size.", R_SPEC_REMOVED, metavar="N", env=("LLAMA_ARG_DRAFT_MIN",)),
+    _noop("spec_ngram_size_n", ("--spec-ngram-size-n",), "Removed upstream.", R_SPEC_REMOVED, metavar="N"),
+    _noop("spec_ngram_size_m", ("--spec-ngram-size-m",), "Removed upstream.", R_SPEC_REMOVED, metavar="N"),
+    _noop("spec_ngram_min_hits", ("--spec-ngram-min-hits",), "Removed upstream.", R_SPEC_REMOVED, metavar="N"),
 )
 
 SETTINGS: tuple[Setting, ...] = _SERVER + _LIMITS + _MODEL + _SAMPLING + _CACHE + _LOGGING + _COMPAT

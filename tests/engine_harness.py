@@ -22,10 +22,12 @@ class Run:
 
 
 class EngineHarness:
-    def __init__(self, model_dir: Path, batch_size: int = 16, n_parallel: int = 2, **cache_config: Any) -> None:
+    def __init__(self, model_dir: Path, batch_size: int = 16, n_parallel: int = 2, speculative: Any = None,
+                 **cache_config: Any) -> None:
         config = PrefixCacheConfig(**{"min_prefix": 8, "capacity_bytes": 1 << 30, **cache_config})
         self.engine = Engine(
-            EngineConfig(model=str(model_dir), ctx_size=4096, n_parallel=n_parallel, batch_size=batch_size),
+            EngineConfig(model=str(model_dir), ctx_size=4096, n_parallel=n_parallel, batch_size=batch_size,
+                         speculative=speculative),
             prefix_cache_factory=lambda engine: PrefixCache(engine, config),
         )
         self.engine.start()

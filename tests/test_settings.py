@@ -306,12 +306,12 @@ def test_build_parser_is_generated_from_the_table() -> None:
 
 def test_noop_flags_with_and_without_values_are_ignored_and_listed() -> None:
     argv = ["-ngl", "99", "-fa", "-m", "model", "--mlock", "-t", "8", "--control-vector-layer-range", "0", "3",
-            "--flash-attn", "on", "--no-mmap", "--spec-draft-n-max", "4", "-c", "64"]
+            "--flash-attn", "on", "--no-mmap", "--spec-draft-threads", "4", "-c", "64"]
     s = resolve(argv, LLAMA_ARG_CACHE_TYPE_K="q8_0")
     assert s.model == "model" and s.ctx_size == 64  # parsing continued correctly after every noop
     ignored = dict(s.ignored)
     assert set(ignored) == {"-ngl", "--flash-attn", "--mlock", "-t", "--control-vector-layer-range", "--no-mmap",
-                            "--spec-draft-n-max", "LLAMA_ARG_CACHE_TYPE_K"}
+                            "--spec-draft-threads", "LLAMA_ARG_CACHE_TYPE_K"}
     assert all(reason for reason in ignored.values())
     assert s.flash_attn == "on" and s.n_gpu_layers == "99" and s.control_vector_layer_range == ("0", "3")
     assert s.mmap is False and s.is_set("mlock")

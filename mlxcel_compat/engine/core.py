@@ -66,6 +66,7 @@ class EngineConfig:
     sleep_idle_seconds: int = -1  # unload the model after this many idle seconds (<= 0: never)
     keep_slot_state: bool = False  # slots keep their last state for slot files (--slot-save-path)
     adapters: list[Any] = field(default_factory=list)  # lora.AdapterFile: LoRA adapters, installed unfused
+    speculative: Any = None  # engine.speculative.SpecConfig (None: plain decoding)
 
 
 @dataclass
@@ -121,6 +122,8 @@ class Engine:
         self.warmups: collections.deque[Any] = collections.deque()
         self.slot_calls: list[_SlotCall] = []  # slot actions waiting for their slot to be idle
         self.prefix_cache: Any = None
+        self.draft: Any = None  # engine.speculative.DraftModel once loaded (-md)
+        self.speculative: Any = None  # engine.speculative.SpecConfig in force (None: off)
         self.grammars: Any = None  # engine.grammar.GrammarCompiler once the model is loaded
         self.compat: Any = None  # cache.disk.Compat: what saved state must match (set at load)
         self.batch: DecodeBatch = DecodeBatch(None)
@@ -308,7 +311,11 @@ class Engine:
         from mlxcel_compat.cache.disk import Compat
         from mlxcel_compat.cache.kv_io import runtime_tag
 
-        self.compat = Compat(model=self.loaded.fingerprint, runtime=runtime_tag(self.loaded.model))
+        self._load_speculative()
+        fingerprint = self.loaded.fingerprint
+        if self.draft is not None:  # prompt-cache entries then hold the draft's tensors too
+            fingerprint = f"{fingerprint}+draft:{self.draft.loaded.fingerprint}"
+        self.compat = Compat(model=fingerprint, runtime=runtime_tag(self.loaded.model))
         if self._prefix_cache_factory is not None:
             self.prefix_cache = self._prefix_cache_factory(self)
         self._warm_up()
@@ -323,6 +330,35 @@ class Engine:
             self.n_ctx,
             ", unified KV" if self.config.kv_unified else "",
         )
+
+    def _load_speculative(self) -> None:
+        """Speculative decoding (engine/speculative.py): load the draft model (-md) and check it
+        against the target; a model whose cache cannot give back rejected positions (recurrent
+        layers) decodes plainly, and the log says so."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+        from mlxcel_compat.engine.speculative import DraftModel, check_vocabularies
+
+        spec = self.config.speculative
+        if spec is None or not spec.enabled:
+            return
+        if not can_trim_prompt_cache(make_prompt_cache(self.loaded.model)):
+            log.warning("speculative decoding off: this model's cache cannot drop rejected draft tokens (recurrent layers)")
+            return
+        if spec.uses_draft_model:
+            from mlxcel_compat.model.loader import load_model
+
+            t0 = time.perf_counter()
+            loaded = load_model(spec.draft_model, [], offline=self.config.offline)
+            check_vocabularies(self.loaded.tokenizer, loaded.tokenizer)
+            self.draft = DraftModel(loaded)
+            log.info("draft model '%s' loaded in %.1f s (%d parameters, %s)", loaded.path, time.perf_counter() - t0,
+                     loaded.n_params, "CPU decode runtime" if loaded.decoder is not None else "MLX steps")
+        self.speculative = spec
+        for slot in self.slots:
+            slot.speculative = True
+        log.info("speculative decoding: %s (draft n_max %d, n_min %d, p_min %.2f; ngram size n %d, m %d)", spec.type_names,
+                 spec.draft_n_max, spec.draft_n_min, spec.draft_p_min, spec.ngram_size_n, spec.ngram_size_m)
 
     def _warm_up(self) -> None:
         """Run one tiny forward pass: MLX's first call pays a one-off set-up cost."""
@@ -626,11 +662,14 @@ class Engine:
     def _decode(self) -> None:
         """One decode step of every decoding sequence; prompt-ready sequences join with their
         last prompt token. Several rows go through one batched pass; a lone sequence steps on its
-        own cache (faster than a batch of one)."""
+        own cache (faster than a batch of one). A sequence with a speculative draft this step
+        verifies it alone, in one pass of its own (``_speculate``)."""
+        speculated = self._speculate() if self.speculative is not None else set()
         joining = [
             s
             for s in self.slots
-            if s.sequence is not None and (s.sequence.phase == "decode" or s.sequence.prompt_ready) and s.sequence not in self._batched
+            if s.sequence is not None and (s.sequence.phase == "decode" or s.sequence.prompt_ready)
+            and s.sequence not in self._batched and id(s.sequence) not in speculated
         ]
         batched = len(self.batch) + len(joining)
         if batched == 0:
@@ -640,6 +679,31 @@ class Engine:
             return
         for slot in joining:
             self._step_alone(slot)
+
+    def _speculate(self) -> set[int]:
+        """Draft for every decoding sequence that speculates, and verify each non-empty draft:
+        the pending token and the draft in one pass (a row leaves the batch for it, and joins
+        again on a step without a draft). Returns the ids of the sequences stepped here."""
+        stepped: set[int] = set()
+        for slot in self.slots:
+            seq = slot.sequence
+            if seq is None or seq.speculator is None or seq.phase != "decode":
+                continue
+            try:
+                draft = seq.draft_tokens()
+                if not draft:
+                    continue
+                stepped.add(id(seq))
+                if seq in self._batched:
+                    self.batch.remove([self.batch.sequences.index(seq)])
+                seq.speculate_step(draft)
+            except Exception as exc:
+                stepped.add(id(seq))
+                self._fail(slot, exc)
+                continue
+            if seq.finished is not None:
+                self._release(slot, donate=True)
+        return stepped
 
     def _step_alone(self, slot: Slot) -> bool:
         """One decode step of a sequence on its own cache; a failure fails this sequence only."""
@@ -731,9 +795,12 @@ class Engine:
         slot.end()
 
     def _count(self, fin: FinishEvent) -> None:
-        """A generation's tokens and time, once it ends (prompt counts move per pass instead)."""
+        """A generation's tokens and time, once it ends (prompt counts move per pass instead),
+        and its speculative drafts (llama-server adds a slot's draft counts when it is released)."""
         if fin.n_decoded > 0:
             self.metrics.add_prediction(fin.n_decoded, fin.predicted_ms / 1000.0)
+        if fin.n_draft_rounds > 0:
+            self.metrics.add_drafts(fin.n_draft, fin.n_draft_accepted, fin.n_draft_rounds, fin.accepted_per_pos)
 
 
 def _config_value(config: dict[str, Any], key: str, default: Any) -> Any:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -13,6 +14,8 @@ from mlxcel_compat.engine.textstream import TextStream
 
 if TYPE_CHECKING:
     from mlxcel_compat.engine.core import Engine, Sink
+
+log = logging.getLogger(__name__)
 
 
 def make_sequence(engine: "Engine", request: GenerationRequest, sink: "Sink", slot_id: int) -> Sequence:
@@ -38,6 +41,8 @@ def make_sequence(engine: "Engine", request: GenerationRequest, sink: "Sink", sl
         grammar=grammar,
         decoder=loaded.decoder,
     )
+    if engine.speculative is not None:
+        seq.speculator = speculator_for(engine, seq)
     cache = engine.prefix_cache
     if request.is_child:
         return seq
@@ -58,3 +63,15 @@ def make_sequence(engine: "Engine", request: GenerationRequest, sink: "Sink", sl
 
         adopt_kept(seq, engine.slots[slot_id].kept)
     return seq
+
+
+def speculator_for(engine: "Engine", seq: Sequence) -> Any:
+    """This sequence's drafting, or None where speculation cannot verify exactly: a grammar's
+    mask and a thinking budget's forced tokens depend on every accepted token (the log says so)."""
+    from mlxcel_compat.engine.speculative import Speculator
+
+    reason = "a grammar constrains it" if seq.grammar is not None else "it has a thinking budget" if seq.budget is not None else None
+    if reason is not None:
+        log.info("task %d: speculative decoding off for this request: %s", seq.request.task_id, reason)
+        return None
+    return Speculator(engine.speculative, engine.draft)

@@ -53,6 +53,10 @@ class EngineMetrics:
     n_decode_total: int = 0
     n_busy_slots_total: int = 0  # summed over forward passes, for n_busy_slots_per_decode
     n_tokens_max: int = 0  # the most tokens a slot held at a forward pass
+    n_draft_tokens: int = 0  # speculative decoding: draft tokens proposed
+    n_draft_accepted: int = 0  # ... accepted
+    n_draft_rounds: int = 0  # ... verification passes
+    accepted_per_pos: tuple[int, ...] = ()  # verification passes that accepted draft position i
 
     def add_prompt_cached(self, n_tokens: int) -> None:
         self.prompt_tokens_cached_total += n_tokens
@@ -65,6 +69,15 @@ class EngineMetrics:
         self.n_tokens_max = max(self.n_tokens_max, n_tokens_max)
         if n_prompt > 0:
             self.prompt = self.prompt.plus(n_prompt, n_prompt, seconds)
+
+    def add_drafts(self, n_draft: int, n_accepted: int, n_rounds: int, per_pos: tuple[int, ...]) -> None:
+        """A finished generation's speculative drafts."""
+        self.n_draft_tokens += n_draft
+        self.n_draft_accepted += n_accepted
+        self.n_draft_rounds += n_rounds
+        width = max(len(self.accepted_per_pos), len(per_pos))
+        mine, theirs = (tuple(v) + (0,) * (width - len(v)) for v in (self.accepted_per_pos, per_pos))
+        self.accepted_per_pos = tuple(a + b for a, b in zip(mine, theirs))
 
     def add_prediction(self, n_tokens: int, seconds: float) -> None:
         """A finished generation of ``n_tokens`` (> 0), ``seconds`` from its first to its last token."""

@@ -145,6 +145,8 @@ class PrefixCache:
         self.config = config
         self.model_id = loaded.model_id
         probe = make_prompt_cache(loaded.model)
+        self.n_layers = len(probe)  # an entry's first layers are the model's; a draft model's follow
+        self.draft = engine.draft  # engine.speculative.DraftModel (-md) or None
         # Entries of caches without recurrent state may be cut (each entry still says whether
         # its own state can, e.g. a sliding window that has not wrapped yet).
         self.token_granular = kv.can_truncate(probe) and not kv.has_recurrent_state(probe)
@@ -347,7 +349,7 @@ class PrefixCache:
             self._trace_lookup(seq, result, failed=True)
             self._refresh()
             return 0
-        seq.cache = cache
+        seq.cache = self._split_draft(seq, cache, hit.matched_len)
         seq.adopt(hit.matched_len)
         log.debug(
             "prompt cache hit: task=%d matched=%d/%d entry=%s stage=%s",
@@ -374,7 +376,7 @@ class PrefixCache:
         if not tokens or (self.token_granular and held != len(tokens)):
             log.debug("prompt cache: not donating task %d: cache holds %d tokens, %d recorded", seq.request.task_id, held, len(tokens))
             return
-        payload = kv.snapshot(seq.cache)
+        payload = kv.snapshot(seq.cache + self._draft_layers(seq))
         result = self.store.insert(
             self.bucket(seq),
             seq.request.cache.session_key,
@@ -386,6 +388,30 @@ class PrefixCache:
         if not result.inserted:
             log.debug("prompt cache: task %d not stored (%s)", seq.request.task_id, result.reason)
         self._refresh()
+
+    def _draft_layers(self, seq: "Sequence") -> list[Any]:
+        """The draft model's cache of ``seq``, brought to exactly the tokens the entry stores, so
+        the entry keeps both under one key (a hit then warms both); [] when the sequence never
+        drafted (its draft state would have to prefill the whole prompt first)."""
+        spec = seq.speculator
+        state = spec.state if spec is not None else None
+        if self.draft is None or state is None:
+            return []
+        self.draft.sync(state, seq.cache_tokens)
+        return list(state.cache)
+
+    def _split_draft(self, seq: "Sequence", cache: list[Any], matched: int) -> list[Any]:
+        """An adopted entry's model layers; its draft-model layers, if it has them, become the
+        sequence's draft state (holding the same ``matched`` tokens)."""
+        if len(cache) <= self.n_layers:
+            return cache
+        spec = seq.speculator
+        if self.draft is not None and spec is not None and spec.draft is not None and len(cache) == self.n_layers + self.draft.n_layers:
+            from mlxcel_compat.engine.speculative import DraftState
+            from mlxcel_compat.model.cpu_decode import OwnedCache
+
+            spec.state = DraftState(cache=cache[self.n_layers:], tokens=list(seq.prompt[:matched]), owned=OwnedCache())
+        return cache[: self.n_layers]
 
     def _promote_from_disk(self, kind: str, seq: "Sequence") -> None:
         """When the disk tier holds a longer match than RAM, load it into the RAM store.

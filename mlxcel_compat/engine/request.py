@@ -70,6 +70,8 @@ class GenerationRequest:
     # LoRA scales, one per adapter id (the global ones unless the request's ``lora`` overrides
     # them); () or all zeros: the base model.
     lora: tuple[float, ...] = ()
+    # What generation_settings shows as "speculative.types" (the server's --spec-type, resolved).
+    spec_types: str = "none"
 
     @property
     def is_child(self) -> bool:
@@ -101,6 +103,8 @@ class TokenEvent:
     prompt_ms: float = 0.0
     predicted_ms: float = 0.0
     n_cache_written: int = 0  # prompt tokens newly pinned at cache breakpoints (beyond n_cached)
+    n_draft: int = 0  # speculative decoding so far: draft tokens (timings draft_n) ...
+    n_draft_accepted: int = 0  # ... and those accepted (draft_n_accepted)
 
 
 @dataclass
@@ -134,6 +138,10 @@ class FinishEvent:
     # n_indent: the reply ends at this many characters of sent text (-1: keep everything).
     content_cut: int = -1
     n_cache_written: int = 0  # prompt tokens newly pinned at cache breakpoints (beyond n_cached)
+    n_draft: int = 0  # speculative decoding: draft tokens proposed (timings draft_n)
+    n_draft_accepted: int = 0  # ... accepted by the model (timings draft_n_accepted)
+    n_draft_rounds: int = 0  # ... verification passes
+    accepted_per_pos: tuple[int, ...] = ()  # rounds whose draft was accepted at least up to position i
 
 
 @dataclass

@@ -25,6 +25,7 @@ from functools import partial
 from typing import Any, Callable, Sequence as Seq
 
 import mlx.core as mx
+import numpy as np
 
 from mlxcel_compat.engine.request import (
     EngineEvent,
@@ -37,6 +38,7 @@ from mlxcel_compat.engine.request import (
 from mlxcel_compat.engine.grammar import GrammarState, compute_masks
 from mlxcel_compat.engine.reasoning_budget import ReasoningBudget
 from mlxcel_compat.engine.sampling import SamplerChain, top_logprobs, top_probs
+from mlxcel_compat.engine.speculative import verify_draft
 from mlxcel_compat.engine.textstream import TextStream, token_is_complete_utf8
 from mlxcel_compat.model.block_layers import logits_unused
 from mlxcel_compat.model.lora_layers import applied
@@ -54,6 +56,10 @@ class SequenceStats:
     n_cache_written: int = 0  # prompt tokens newly pinned at cache breakpoints, beyond n_cached
     shared: bool = False  # n_cached came from a sibling completion (n_cmpl), not the prompt cache
     n_prompt_processed: int = 0  # prompt tokens run through the model (cached ones excluded)
+    n_draft: int = 0  # speculative decoding: draft tokens proposed (llama-server's draft_n)
+    n_draft_accepted: int = 0  # ... and accepted by the model (draft_n_accepted)
+    n_draft_rounds: int = 0  # verification passes
+    accepted_per_pos: list[int] = field(default_factory=list)  # rounds accepting draft position i
     t_start: float = field(default_factory=time.perf_counter)
     t_prompt_done: float | None = None
     t_end: float | None = None
@@ -116,6 +122,8 @@ class Sequence:
         self.has_new_line = False
         self._last_nl_pos = 0
         self._content_cut = -1
+        # engine.speculative.Speculator: this sequence's drafting (None: plain decoding).
+        self.speculator: Any = None
         spec = request.reasoning_budget
         self.budget = ReasoningBudget(spec, partial(token_is_complete_utf8, text.tokenizer)) if spec is not None else None
 
@@ -403,6 +411,96 @@ class Sequence:
             else:
                 self._finish("limit", "", truncated=self._context_full())
 
+    # ------------------------------------------------------------------ speculative decoding
+    # engine/speculative.py: the draft is proposed before the step, verified in one pass here.
+
+    def draft_tokens(self) -> list[int]:
+        """The draft to verify with the pending token in this step, or [] for a plain step.
+
+        At most as many tokens as may still be generated after the pending one with room for the
+        token sampled after the last of them (so every fed token had room, as in a plain step)."""
+        spec = self.speculator
+        if spec is None or self.finished is not None or self._pending is None or self.cancelled or not self._room_for_more():
+            return []
+        from mlx_lm.models.cache import can_trim_prompt_cache
+
+        n_max = self.n_ctx - (self.n_prompt + len(self.generated)) - 2
+        if self.request.n_predict >= 0:
+            n_max = min(n_max, max(self.request.n_predict, 1) - len(self.generated) - 2)
+        if n_max < max(1, spec.n_min) or not can_trim_prompt_cache(self.cache):
+            return []
+        token = int(self._pending[0].item())
+        draft = spec.propose(self.cache_tokens, token, n_max)
+        if draft:
+            self.stats.n_draft += len(draft)
+            self.stats.n_draft_rounds += 1
+        return draft
+
+    def speculate_step(self, draft: list[int]) -> None:
+        """Feed the pending token and ``draft`` in one pass, then accept tokens in order: each
+        position is sampled with this request's chain (the history so far included), a draft
+        token is kept while the sample equals it, and the first sample that differs (or the one
+        after a fully accepted draft) becomes the pending token. The cache gives back the
+        rejected positions. See engine/speculative.py for why the output is plain decoding's."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        token_arr, logprobs, probs = self._pending
+        token = int(token_arr.item())
+        if self.stats.t_prompt_done is None:
+            self.stats.t_prompt_done = time.perf_counter()
+        fed = [token] + draft
+        rows = self._verify_logits(fed)
+        self._pending = None
+        self._history.append(token)
+        self.cache_tokens.append(token)
+        n_before = len(self.generated)
+        self._accept(token, logprobs, probs)
+        greedy = self.chain.is_plain_argmax and self.request.n_probs <= 0
+        picks = np.argmax(rows, axis=1) if greedy else None
+
+        def sample_at(i: int) -> tuple[int, Any]:
+            row = mx.array(rows[i])
+            if greedy:
+                return int(picks[i]), (mx.array(int(picks[i]), dtype=mx.int32), row - mx.logsumexp(row), None)
+            result = self.chain.sample(row, self._history)
+            return int(result.token.item()), (result.token, result.logprobs, result.probs)
+
+        def accept(value: int, sampled: Any) -> bool:
+            self._history.append(value)
+            self.cache_tokens.append(value)
+            self._accept(value, sampled[1], sampled[2])
+            return self.finished is None
+
+        n_kept = 0
+        if self.finished is None:
+            n_kept, self._pending = verify_draft(draft, sample_at, accept)
+        rejected = len(draft) - n_kept
+        if rejected:  # the cache holds every fed position; cache_tokens only the accepted ones
+            trim_prompt_cache(self.cache, rejected)
+        self.stats.n_draft_accepted += n_kept
+        self.speculator.verified(len(draft), n_kept)
+        per_pos = self.stats.accepted_per_pos
+        per_pos.extend([0] * (n_kept - len(per_pos)))
+        for k in range(n_kept):
+            per_pos[k] += 1
+        if self.finished is None and self._context_full():
+            self._finish("limit", "", truncated=True)
+        if len(self.generated) // _CLEAR_EVERY != n_before // _CLEAR_EVERY:
+            mx.clear_cache()
+
+    def _verify_logits(self, fed: list[int]) -> np.ndarray:
+        """(len(fed), vocabulary) logits of feeding ``fed`` after the cache: the CPU decode
+        runtime's rows (bit-identical to single steps) where it runs, else one MLX pass. The
+        caller records in ``cache_tokens`` the fed tokens it keeps, and trims the others."""
+        dec = self.decoder
+        if dec is not None and dec.can_step_tokens(self.cache, self.owned):
+            rows = dec.step_tokens(fed, self.cache, self.owned, self.request.lora or None)
+        else:
+            with applied(self.lora_rows):
+                logits = self.model(mx.array(fed)[None], cache=self.cache)[0]
+            rows = np.array(logits.astype(mx.float32))
+        return rows
+
     def _accept(self, token: int, logprobs: Any, probs: Any) -> None:
         self.generated.append(token)
         now = time.perf_counter()
@@ -417,6 +515,8 @@ class Sequence:
             prompt_ms=(t_prompt - self.stats.t_start) * 1000.0,
             predicted_ms=(now - t_prompt) * 1000.0,
             n_cache_written=self.stats.n_cache_written,
+            n_draft=self.stats.n_draft,
+            n_draft_accepted=self.stats.n_draft_accepted,
         )
         if self.request.n_probs > 0:
             self._fill_probs(event, token, logprobs, probs)
@@ -533,6 +633,10 @@ class Sequence:
             cancelled=cancelled,
             content_cut=self._content_cut,
             n_cache_written=self.stats.n_cache_written,
+            n_draft=self.stats.n_draft,
+            n_draft_accepted=self.stats.n_draft_accepted,
+            n_draft_rounds=self.stats.n_draft_rounds,
+            accepted_per_pos=tuple(self.stats.accepted_per_pos),
         )
         self.emit(self.finished)
 

@@ -70,6 +70,7 @@ class Slot:
     task: SlotTask | None = None
     t_last_used: float = field(default=0.0)
     kept: KeptState | None = None  # only while slot files are enabled
+    speculative: bool = False  # the server decodes speculatively (llama-server's can_speculate)
 
     def begin(self, sequence: "Sequence") -> None:
         self.sequence = sequence
@@ -104,7 +105,8 @@ class Slot:
         budget is unlimited (``n_remain`` -1) and no newline is pending.
         """
         seq = self.sequence
-        out: dict[str, Any] = {"id": self.id, "n_ctx": self.n_ctx, "speculative": False, "is_processing": self.is_processing}
+        out: dict[str, Any] = {"id": self.id, "n_ctx": self.n_ctx, "speculative": self.speculative,
+                               "is_processing": self.is_processing}
         task = self.task
         if task is None:
             return out

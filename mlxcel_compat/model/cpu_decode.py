@@ -52,6 +52,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlxcel_compat.blas_shim import SMALL_M_MAX
 from mlxcel_compat.model.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.model.block_weight import BlockWeight
 from mlxcel_compat.model.lora_layers import Factor, factors_of
@@ -61,6 +62,9 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, sliding windows
 ANGLE_BLOCK = 256  # RoPE angles are computed by MLX for this many positions at a time
 ANGLE_BLOCKS_KEPT = 64  # blocks of angles kept (a batch's rows sit at different positions)
+# Rows the shim's matrix kernel computes each exactly as alone (its ``small_m_max``); more rows
+# go to the BLAS's GEMM, whose sums round differently.
+EXACT_ROWS = SMALL_M_MAX
 
 # CBLAS constants (cblas.h).
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -413,14 +417,53 @@ class CpuDecoder:
         row of zeros adds exactly nothing to its projections).
         Returns (rows, vocabulary) logits, a buffer reused by the next step. If anything raises,
         no cache has advanced (a position written past ``offset`` is unused)."""
-        self._columns = _columns(scales)
+        self._check_tokens(tokens)
+        positions = [cache[0].offset for cache in caches]
+        views = [self._own(cache, o, pos) for cache, o, pos in zip(caches, owned, positions)]
+        return self._run(tokens, caches, positions, views, scales)
+
+    def step_tokens(self, tokens: list[int], cache: list[Any], owned: OwnedCache, scales: Any = None) -> np.ndarray:
+        """Feed several consecutive tokens of one sequence (a speculative draft to verify):
+        ``tokens[j]`` at position ``offset + j``. Returns (len(tokens), vocabulary) logits.
+
+        Why it exists: verifying a draft of n tokens must cost about one step, not n. The
+        tokens go through the projections as the rows of one batch (one pass over each weight),
+        and attention runs row by row in order, each row writing its key and value before it
+        attends, so row j sees the rows before it: causal attention over the chunk. Every row
+        is computed exactly as :meth:`step` computes it at that position (in passes of at most
+        ``EXACT_ROWS`` rows), so the logits are bit-identical to n single steps (greedy speculation then reproduces plain decoding
+        token for token). Plain KV caches only (no sliding-window ring: :meth:`can_step_tokens`).
+        The cache advances by ``len(tokens)`` positions; drop rejected ones with ``trim``.
+        Returns a new array (not a reused buffer)."""
+        if self._rings:
+            raise RuntimeError("a model with sliding-window layers feeds one token per step here")
+        self._check_tokens(tokens)
+        start = cache[0].offset
+        views = self._own(cache, owned, start, last=start + len(tokens) - 1)
+        out = np.empty((len(tokens), self.head.weight.shape[0]), np.float32)
+        for first in range(0, len(tokens), EXACT_ROWS):
+            part = tokens[first:first + EXACT_ROWS]
+            rows = len(part)
+            out[first:first + rows] = self._run(part, [cache] * rows, [start + first + j for j in range(rows)],
+                                                [views] * rows, None if scales is None else [scales] * rows)
+        return out
+
+    def can_step_tokens(self, cache: list[Any], owned: OwnedCache) -> bool:
+        """Whether :meth:`step_tokens` takes this cache (a plain-attention model's, see can_run)."""
+        return not self._rings and self.can_run(cache, owned)
+
+    def _check_tokens(self, tokens: list[int]) -> None:
         vocab = self.embed.shape[0]
         for token in tokens:
             if not 0 <= token < vocab:  # NumPy would wrap a negative index silently
                 raise ValueError(f"token id {token} is outside the vocabulary (0..{vocab - 1})")
+
+    def _run(self, tokens: list[int], caches: list[list[Any]], positions: list[int],
+             views: list[list[tuple[int, int, int]]], scales: Any) -> np.ndarray:
+        """The step itself: row r is ``tokens[r]`` at ``positions[r]`` on ``caches[r]`` (the same
+        cache on several rows for consecutive positions of one sequence)."""
+        self._columns = _columns(scales)
         rows = len(tokens)
-        positions = [cache[0].offset for cache in caches]
-        views = [self._own(cache, o, pos) for cache, o, pos in zip(caches, owned, positions)]
         if len(self._angle_blocks) > ANGLE_BLOCKS_KEPT * len(self.ropes):
             self._angle_blocks.clear()  # between steps: no address handed out below is freed
         angles = [[self._angle_row(pos, kind) for kind in range(len(self.ropes))] for pos in positions]
@@ -530,11 +573,13 @@ class CpuDecoder:
 
     # ------------------------------------------------------------------ the cache
 
-    def _own(self, cache: list[Any], owned: OwnedCache, pos: int) -> list[tuple[int, int, int]]:
+    def _own(self, cache: list[Any], owned: OwnedCache, pos: int, last: int | None = None) -> list[tuple[int, int, int]]:
         """Addresses of every layer's keys and values, and their capacity, with room for
-        position ``pos``: the buffers made for this sequence, copied first if the cache holds
-        others now (or they are full, or a ring is due to grow or be trimmed). Raises, before
-        anything is replaced, for a ring that mlx-lm's update could not write into either."""
+        positions ``pos`` to ``last`` (default ``pos``): the buffers made for this sequence,
+        copied first (their first ``pos`` positions) if the cache holds others now (or they are
+        full, or a ring is due to grow or be trimmed). Raises, before anything is replaced, for
+        a ring that mlx-lm's update could not write into either."""
+        last = pos if last is None else last
         plans = []
         for i in self._rings:
             c = cache[i]
@@ -542,7 +587,7 @@ class CpuDecoder:
             if plan is None:
                 raise RuntimeError(f"layer {i}: a sliding-window cache the decoder cannot write into")
             plans.append(plan)
-        if owned.holds(cache) and all(pos < owned.views[i][2] for i in self._plain) and all(
+        if owned.holds(cache) and all(last < owned.views[i][2] for i in self._plain) and all(
                 plan[:2] == (owned.views[i][2], 0) for i, plan in zip(self._rings, plans)):
             return owned.views
         mx.eval([(c.keys, c.values) for c in cache])
@@ -553,7 +598,7 @@ class CpuDecoder:
                 capacity, start, c._idx = ring_plans[i]
                 keys, values = (self._fresh_ring(a, start, capacity) for a in (c.keys, c.values))
             else:
-                keys, values = (self._fresh(a, pos, c.step) for a in (c.keys, c.values))
+                keys, values = (self._fresh(a, pos, c.step, last) for a in (c.keys, c.values))
             c.keys, c.values = keys, values
             owned.arrays.append((keys, values))
             owned.views.append((_ptr(np.asarray(keys)), _ptr(np.asarray(values)), keys.shape[2]))
@@ -570,12 +615,13 @@ class CpuDecoder:
         return fresh, view
 
     @classmethod
-    def _fresh(cls, a: Any, pos: int, step: int) -> Any:
-        """A new MLX array with ``a``'s first ``pos`` positions and room for at least one more
-        (capacity rounded up to the cache's allocation step, as mlx-lm's cache grows): one
-        buffer of MLX's, filled through a NumPy view of it."""
+    def _fresh(cls, a: Any, pos: int, step: int, last: int | None = None) -> Any:
+        """A new MLX array with ``a``'s first ``pos`` positions and room up to position ``last``
+        (default ``pos``; capacity rounded up to the cache's allocation step, as mlx-lm's cache
+        grows): one buffer of MLX's, filled through a NumPy view of it."""
         b, h, cap, d = a.shape
-        fresh, view = cls._writable((b, h, max(cap, (pos // step + 1) * step), d))
+        last = pos if last is None else last
+        fresh, view = cls._writable((b, h, max(cap, (last // step + 1) * step), d))
         view[:, :, :pos] = np.asarray(a)[:, :, :pos]
         return fresh
 

@@ -30,10 +30,11 @@ async def health(request: Request) -> Response:
 
 def _default_params(ctx: ServerContext) -> dict[str, Any]:
     from mlxcel_compat.engine.request import GenerationRequest
-    from mlxcel_compat.server.params import Body, parse_sampling
+    from mlxcel_compat.server.params import Body, parse_sampling, spec_type_names
 
     sampling = parse_sampling(Body({}), ctx.settings, ctx.model.vocab_size, ctx.tokenize)
-    request = GenerationRequest(prompt_tokens=[], sampling=sampling, n_predict=-1, lora=ctx.adapters.scales)
+    request = GenerationRequest(prompt_tokens=[], sampling=sampling, n_predict=-1, lora=ctx.adapters.scales,
+                                spec_types=spec_type_names(ctx.settings))
     return metrics_params(request, False)
 
 

@@ -114,7 +114,7 @@ def timings_json(fin: FinishEvent | TokenEvent) -> dict[str, Any]:
     """
     prompt_n = fin.n_prompt - fin.n_cached
     steps = max(fin.n_decoded - 1, 0)
-    return {
+    out = {
         "cache_n": fin.n_cached,
         "prompt_n": prompt_n,
         "prompt_ms": fin.prompt_ms,
@@ -125,6 +125,9 @@ def timings_json(fin: FinishEvent | TokenEvent) -> dict[str, Any]:
         "predicted_per_token_ms": fin.predicted_ms / steps if steps > 0 else 0.0,
         "predicted_per_second": 1000.0 * steps / fin.predicted_ms if fin.predicted_ms > 0 else 0.0,
     }
+    if fin.n_draft > 0:  # llama-server adds them once speculative decoding has drafted
+        out.update(draft_n=fin.n_draft, draft_n_accepted=fin.n_draft_accepted)
+    return out
 
 
 def generation_settings(
@@ -173,7 +176,7 @@ def generation_settings(
         generation_prompt="",
         samplers=samplers,
     )
-    out["speculative.types"] = "none"
+    out["speculative.types"] = request.spec_types
     out.update(timings_per_token=timings_per_token, post_sampling_probs=request.post_sampling_probs, backend_sampling=False,
                lora=[{"id": i, "scale": scale} for i, scale in enumerate(request.lora)])
     return out

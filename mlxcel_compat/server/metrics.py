@@ -68,9 +68,9 @@ class LlamaCppFamilies:
             ("tokens_predicted_seconds_total", "Total time spent generating tokens", m.predict.seconds),
             ("n_decode_total", "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding", m.n_decode_total),
             ("n_tokens_max", "Largest observed sequence length (prompt + generation)", m.n_tokens_max),
-            ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", 0),
-            ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model", 0),
-            ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps", 0),
+            ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", m.n_draft_tokens),
+            ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model", m.n_draft_accepted),
+            ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps", m.n_draft_rounds),
         )
         gauges = (
             ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", prompt_rate),
@@ -83,6 +83,10 @@ class LlamaCppFamilies:
         for kind, items in (("counter", counters), ("gauge", gauges)):
             for name, doc, value in items:
                 lines += [f"# HELP llamacpp:{name} {doc}", f"# TYPE llamacpp:{name} {kind}", f"llamacpp:{name} {cpp_number(value)}"]
+        if m.accepted_per_pos:  # llama-server's labelled counter, once speculation has run
+            name = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total"
+            lines += [f"# HELP {name} Accepted tokens per draft position", f"# TYPE {name} counter"]
+            lines += [f'{name}{{position="{i}"}} {n}' for i, n in enumerate(m.accepted_per_pos)]
         return "\n".join(lines) + "\n"
 
 

@@ -214,6 +214,7 @@ def parse_completion_options(
         t_max_predict_ms=b.int("t_max_predict_ms", -1, -1, None),
         n_indent=b.int("n_indent", 0, 0, None),
         reasoning_budget=parse_reasoning_budget(b, settings, tokenize),
+        spec_types=spec_type_names(settings),
     )
     sampling.n_probs = n_probs
     sampling.post_sampling_probs = request.post_sampling_probs
@@ -347,3 +348,11 @@ def parse_sampling(b: Body, settings: Any, vocab_size: int, tokenize: Callable[[
         adaptive_target=b.float("adaptive_target", s.adaptive_target, None, 1.0, soft=True),
         adaptive_decay=b.float("adaptive_decay", s.adaptive_decay, 0.0, 0.99),
     )
+
+
+def spec_type_names(settings: Any) -> str:
+    """``speculative.types`` as llama-server shows it: the --spec-type names in force (a draft
+    model alone drafts as draft-simple)."""
+    from mlxcel_compat.engine.speculative import SpecConfig
+
+    return SpecConfig.from_settings(settings).type_names

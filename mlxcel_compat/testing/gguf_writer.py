@@ -331,14 +331,17 @@ def write_spm_tokenizer_gguf(out: str | Path, tokenizer_dir: str | Path, arch: s
 
 def write_gguf(family: str, size: str, out: str | Path, gguf_type: str = "f32",
                split_max_tensors: int = 0, model_dir: str | Path | None = None, pooling: str | None = None,
-               reranker: bool = False) -> list[Path]:
+               reranker: bool = False, weights: dict[str, Any] | None = None,
+               config: dict[str, Any] | None = None) -> list[Path]:
     """Write (family, size) as GGUF at ``out``; returns the written files (several when split).
 
     ``model_dir`` is the HF directory to take the tokenizer from (built on demand otherwise);
     ``pooling`` (none, mean, cls, last, rank) is written as ``<arch>.pooling_type``, as llama.cpp's
     converter writes it for an embedding model. ``reranker`` (qwen3): a Qwen3-Reranker-style file as
     the converter writes one: pooling rank, the rerank prompt as ``tokenizer.chat_template.rerank``
-    and ``cls.output.weight``, the output head's rows of :func:`rerank_label_ids`.
+    and ``cls.output.weight``, the output head's rows of :func:`rerank_label_ids`. ``weights``
+    and ``config``: other weights of the family's shape (a derived model, ``draft_pair.py``)
+    instead of the (family, size) ones.
     """
     import gguf
 
@@ -348,7 +351,8 @@ def write_gguf(family: str, size: str, out: str | Path, gguf_type: str = "f32",
         raise ValueError(f"family {family!r} has no GGUF writer; choose one of: {', '.join(GGUF_FAMILIES)}")
     if gguf_type not in GGUF_TYPES:
         raise ValueError(f"unknown GGUF type {gguf_type!r}; choose one of: {', '.join(GGUF_TYPES)}")
-    weights, config = models._random_weights(family, size)
+    if weights is None or config is None:
+        weights, config = models._random_weights(family, size)
     source = Path(model_dir) if model_dir is not None else models.ensure_model(family, size)
     directory_config = json.loads((source / "config.json").read_text(encoding="utf-8"))
     if directory_config.get("rope_scaling"):

@@ -358,10 +358,18 @@ def _tokenizer_files(spec: Family) -> dict[str, str]:
 
 def _write_model_files(family: str, size: str, directory: Path) -> None:
     """Write every file of the model into an existing empty ``directory``."""
+    weights, config = _random_weights(family, size)
+    write_model_directory(directory, family, size, weights, config)
+
+
+def write_model_directory(directory: Path, family: str, size: str, weights: dict[str, Any], config: dict[str, Any],
+                          derived: dict[str, Any] | None = None) -> None:
+    """Write ``weights`` and ``config`` as a model directory of ``family`` (its tokenizer and
+    templates) into an existing empty ``directory``, the manifest last; ``derived`` says how the
+    weights were derived from the (family, size) model, if they were (``draft_pair.py``)."""
     import mlx.core as mx
 
     spec = _check(family, size)
-    weights, config = _random_weights(family, size)
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
     texts = _tokenizer_files(spec)
     texts["config.json"] = _json_text(config)
@@ -384,6 +392,8 @@ def _write_model_files(family: str, size: str, directory: Path) -> None:
         "num_parameters": int(sum(v.size for v in weights.values())),
         "files": files,
     }
+    if derived is not None:
+        manifest["derived"] = derived
     # Written last: a directory with a manifest is complete.
     (directory / MANIFEST_NAME).write_text(_json_text(manifest), encoding="utf-8")
 

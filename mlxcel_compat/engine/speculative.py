@@ -1,0 +1,321 @@
+"""Speculative decoding: cheap guesses of the next tokens, checked by the model in one pass.
+
+Why: a decode step reads every weight to produce one token; feeding the model n guessed tokens
+costs about the same pass (``CpuDecoder.step_tokens`` takes them as the rows of one batch), and
+every guess the model agrees with is a token won. Two kinds of guess, as llama-server names them
+(``--spec-type``):
+
+- ``ngram-simple``: the last ``size_n`` tokens (the token about to be fed included) are looked
+  up in the sequence so far; the ``size_m`` tokens that followed their latest earlier occurrence
+  are the draft. Free, and it pays off where answers repeat their context: an agent editing a
+  file, a RAG answer quoting its sources.
+- ``draft-simple``: a small model with the same vocabulary (``-md``) proposes up to ``n_max``
+  tokens greedily, stopping early when its top probability falls below ``p_min``.
+
+Verification (``Sequence.speculate_step``) samples the target at every drafted position with the
+request's own sampler chain, in order, and keeps each draft token the sample equals; the first
+sample that differs is kept instead and ends the round. Drafts are deterministic (a draft model's
+top token, an n-gram's continuation), so this *is* the standard rejection rule for a one-point
+draft distribution: a draft token is accepted with the target's probability of it, and a
+rejection leaves the target's distribution without it. The output is distributed exactly as
+plain decoding's, one sample per emitted token (a seeded request draws the same random numbers),
+and greedy output is plain decoding's token for token where the verify pass computes the same
+logits (the CPU decode runtime: bit-identical rows).
+
+Everything here but :class:`DraftModel` is pure Python; the draft model's passes run on the
+engine thread like the target's.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# llama-server b11312's --spec-type names (common/speculative.cpp), and the ones served here.
+LLAMA_SERVER_TYPES = ("none", "draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark",
+                      "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+SERVED_TYPES = ("none", "draft-simple", "ngram-simple")
+NGRAM_TYPES = ("ngram-simple",)  # tried first, as llama-server orders its speculators
+DRAFT_CATCH_UP_CHUNK = 512  # tokens a draft model prefills per pass when it catches up
+NGRAM_CAP_START = 16  # n-gram draft tokens verified at first (one exact pass of the CPU runtime)
+NGRAM_CAP_MIN = 2
+
+
+class SpecError(ValueError):
+    """A speculative-decoding setting that cannot be served (reported at start-up)."""
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """The speculative settings (llama-server's defaults, b11312 ``common.h``)."""
+
+    types: tuple[str, ...] = ("none",)
+    draft_model: str | None = None  # -md FILE/DIR
+    draft_n_max: int = 3
+    draft_n_min: int = 0
+    draft_p_min: float = 0.0
+    ngram_size_n: int = 12  # --spec-ngram-simple-size-n: the looked-up n-gram
+    ngram_size_m: int = 48  # --spec-ngram-simple-size-m: the draft after it
+
+    @classmethod
+    def from_settings(cls, s: Any) -> "SpecConfig":
+        """From the settings table (``--spec-*``); raises SpecError for a combination that
+        cannot be served."""
+        return resolve(parse_types(s.spec_type), s.spec_draft_model, draft_n_max=int(s.spec_draft_n_max),
+                       draft_n_min=int(s.spec_draft_n_min), draft_p_min=float(s.spec_draft_p_min),
+                       ngram_size_n=int(s.spec_ngram_simple_size_n), ngram_size_m=int(s.spec_ngram_simple_size_m))
+
+    @property
+    def active(self) -> tuple[str, ...]:
+        return tuple(t for t in self.types if t != "none")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.active)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return "draft-simple" in self.active
+
+    @property
+    def type_names(self) -> str:
+        """What ``/props`` shows as ``speculative.types`` (llama-server joins the names)."""
+        return ",".join(self.types) if self.types else "none"
+
+
+def parse_types(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """``--spec-type a,b``: the names as llama-server parses them; unknown names are an error,
+    names llama-server knows but this server does not serve say so."""
+    if value is None or value == "":
+        return ("none",)
+    names = [v.strip() for v in (value.split(",") if isinstance(value, str) else value) if v.strip()]
+    for name in names:
+        if name not in LLAMA_SERVER_TYPES:
+            raise SpecError(f"unknown speculative decoding type '{name}' (one of: {', '.join(LLAMA_SERVER_TYPES)})")
+        if name not in SERVED_TYPES:
+            raise SpecError(f"speculative decoding type '{name}' is not supported by this server "
+                            f"(supported: {', '.join(SERVED_TYPES)})")
+    return tuple(dict.fromkeys(names)) or ("none",)
+
+
+def resolve(types: tuple[str, ...], draft_model: str | None, **numbers: Any) -> SpecConfig:
+    """The config the engine runs. A draft model given without a type drafts with it
+    (``draft-simple``): llama-server b11312 would load it and never use it, which no one wants."""
+    if draft_model and not any(t.startswith("draft-") for t in types):
+        types = tuple(t for t in types if t != "none") + ("draft-simple",)
+    if "draft-simple" in types and not draft_model:
+        raise SpecError("speculative decoding type 'draft-simple' needs a draft model (-md FILE)")
+    config = SpecConfig(types=types, draft_model=draft_model or None, **numbers)
+    if config.draft_n_max < 0 or config.draft_n_min < 0:
+        raise SpecError("--spec-draft-n-max and --spec-draft-n-min must be >= 0")
+    if not 1 <= config.ngram_size_n <= 1024 or not 1 <= config.ngram_size_m <= 1024:
+        raise SpecError("ngram size N and M must be between 1 and 1024 inclusive")
+    return config
+
+
+def ngram_simple_draft(tokens: list[int] | np.ndarray, sampled: int, size_n: int, size_m: int) -> list[int]:
+    """llama.cpp's ``ngram-simple`` draft: ``tokens`` is the sequence the model holds, ``sampled``
+    the token about to be fed. The pattern is the last ``size_n - 1`` tokens plus ``sampled``; the
+    latest earlier position where it occurs (never position 0, never the current one) gives the
+    draft: what followed it, at most ``size_m`` tokens and at least ``size_n`` (else none)."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    cur = len(arr)
+    if cur <= size_n + size_m + 1:
+        return []
+    pattern = np.append(arr[cur - size_n + 1:], sampled)
+    last_start = cur - size_n - 1  # the search runs from here down to 1
+    windows = np.lib.stride_tricks.sliding_window_view(arr[: last_start + size_n], size_n)
+    hits = np.flatnonzero((windows == pattern).all(axis=1))
+    hits = hits[hits >= 1]
+    if hits.size == 0:
+        return []
+    match = int(hits[-1])
+    n_copy = min(size_m, cur - (match + size_n))
+    if n_copy < size_n:
+        return []
+    return arr[match + size_n: match + size_n + n_copy].tolist()
+
+
+def verify_draft(draft: list[int], sample_at: Callable[[int], tuple[int, Any]],
+                 accept: Callable[[int, Any], bool]) -> tuple[int, Any]:
+    """The acceptance rule. ``sample_at(i)`` draws the model's token at draft position ``i``
+    (with everything accepted before it as history) and returns ``(value, sampled)``; a draft
+    token equal to the draw is kept (``accept(value, sampled)`` emits it and says whether
+    generation goes on). Returns ``(tokens kept, the sampled value that ends the round)``: the
+    first draw that differs, or the draw after a fully kept draft, or None if generation ended.
+    One draw per emitted token, exactly as plain decoding draws."""
+    for i in range(len(draft) + 1):
+        value, sampled = sample_at(i)
+        if i == len(draft) or value != draft[i]:
+            return i, sampled
+        if not accept(value, sampled):
+            return i + 1, None
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class DraftState:
+    """One sequence's draft-model KV cache and the tokens it holds, in order."""
+
+    cache: list[Any]
+    tokens: list[int] = field(default_factory=list)
+    owned: Any = None  # model.cpu_decode.OwnedCache of the draft's CPU decode runtime
+
+
+class DraftModel:
+    """The draft model (``-md``): its weights, its CPU decode runtime, and drafting.
+
+    A sequence's draft cache follows the target's: before drafting it is cut back to the tokens
+    both hold and fed the rest (a prompt-cache hit hands it the draft tensors stored with the
+    target's, ``engine/prefix_cache.py``, so a hit warms both)."""
+
+    def __init__(self, loaded: Any) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.decoder = loaded.decoder
+        self.n_layers = len(self.new_state().cache)
+        self.n_fed = 0  # tokens run through the draft model so far (tests and benchmarks read it)
+
+    def new_state(self) -> DraftState:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from mlxcel_compat.model.cpu_decode import OwnedCache
+
+        return DraftState(cache=make_prompt_cache(self.model), owned=OwnedCache())
+
+    def sync(self, state: DraftState, tokens: list[int]) -> Any:
+        """Make ``state`` hold exactly ``tokens``; return the logits after the last one (an
+        ``mx.array`` or NumPy row), or None if ``tokens`` is empty. At least the last token is
+        fed again if the state already holds all of them (its logits are not kept)."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        if not tokens:
+            return None
+        common = 0
+        limit = min(len(state.tokens), len(tokens) - 1)
+        while common < limit and state.tokens[common] == tokens[common]:
+            common += 1
+        if len(state.tokens) > common:
+            trim_prompt_cache(state.cache, len(state.tokens) - common)
+            del state.tokens[common:]
+        rest = tokens[common:]
+        dec = self.decoder
+        while len(rest) > 16 or (rest and (dec is None or not dec.can_step_tokens(state.cache, state.owned))):
+            chunk = rest[:DRAFT_CATCH_UP_CHUNK] if len(rest) > 16 else rest
+            logits = self.model(mx.array(chunk)[None], cache=state.cache)[0, -1]
+            mx.eval(logits)
+            state.tokens += chunk
+            self.n_fed += len(chunk)
+            rest = rest[len(chunk):]
+            if not rest:
+                return logits
+        logits = dec.step_tokens(rest, state.cache, state.owned)[-1].copy()
+        state.tokens += rest
+        self.n_fed += len(rest)
+        return logits
+
+    def propose(self, state: DraftState, context: list[int], n_max: int, p_min: float) -> list[int]:
+        """Up to ``n_max`` greedy draft tokens after ``context`` (the target's tokens and the one
+        about to be fed), stopping before a token whose draft probability is below ``p_min``."""
+        import mlx.core as mx
+
+        draft: list[int] = []
+        logits = self.sync(state, context)
+        while logits is not None and len(draft) < n_max:
+            row = np.asarray(logits, dtype=np.float32) if not isinstance(logits, mx.array) else np.array(logits.astype(mx.float32))
+            token = int(np.argmax(row))
+            if p_min > 0.0:
+                shifted = np.exp(row - row[token])
+                if 1.0 / float(shifted.sum()) < p_min:
+                    break
+            draft.append(token)
+            if len(draft) == n_max:
+                break
+            logits = self._feed_one(state, token)
+        return draft
+
+    def _feed_one(self, state: DraftState, token: int) -> Any:
+        import mlx.core as mx
+
+        dec = self.decoder
+        state.tokens.append(token)
+        self.n_fed += 1
+        if dec is not None and dec.can_run(state.cache, state.owned):
+            return dec.step(token, state.cache, state.owned).copy()
+        logits = self.model(mx.array([[token]]), cache=state.cache)[0, -1]
+        mx.eval(logits)
+        return logits
+
+
+class Speculator:
+    """One sequence's drafting: the n-gram lookup first, then the draft model (if any).
+
+    An n-gram draft is cut to a length that follows what the model accepted lately: verifying a
+    token costs a fraction of a step (~0.25 of one with float32 weights, ~0.5 with ggml blocks,
+    whose products are computed row by row), so a long draft that the model leaves at once would
+    make decoding slower than plain. The cap starts at ``NGRAM_CAP_START``, doubles while whole
+    drafts are accepted and falls to about twice the last accepted run otherwise. What is
+    verified changes, never what is generated."""
+
+    def __init__(self, config: SpecConfig, draft: DraftModel | None) -> None:
+        self.config = config
+        self.draft = draft if config.uses_draft_model else None
+        self.state: DraftState | None = None  # the draft model's, made on first use or adopted
+        self.ngram_cap = NGRAM_CAP_START
+        self._last_ngram = False  # the last draft came from the n-gram lookup
+
+    def verified(self, n_draft: int, n_accepted: int) -> None:
+        """The outcome of the last draft: how many of its tokens the model accepted."""
+        if not self._last_ngram:
+            return
+        if n_accepted == n_draft:
+            self.ngram_cap = min(2 * self.ngram_cap, self.config.ngram_size_m)
+        else:
+            self.ngram_cap = max(NGRAM_CAP_MIN, 2 * (n_accepted + 1))
+
+    @property
+    def n_min(self) -> int:
+        return self.config.draft_n_min if self.draft is not None else 0
+
+    def propose(self, tokens: list[int], sampled: int, n_max: int) -> list[int]:
+        """Draft tokens to follow ``tokens`` + ``sampled``: at most ``n_max``, or none."""
+        if n_max <= 0:
+            return []
+        c = self.config
+        self._last_ngram = False
+        if "ngram-simple" in c.active:
+            found = ngram_simple_draft(tokens, sampled, c.ngram_size_n, c.ngram_size_m)
+            if found:
+                self._last_ngram = True
+                return found[:min(n_max, self.ngram_cap)]
+        if self.draft is not None:
+            if self.state is None:
+                self.state = self.draft.new_state()
+            found = self.draft.propose(self.state, list(tokens) + [sampled], min(n_max, c.draft_n_max), c.draft_p_min)
+            return found if len(found) >= c.draft_n_min else []
+        return []
+
+
+def check_vocabularies(target_tokenizer: Any, draft_tokenizer: Any) -> None:
+    """Refuse a draft whose vocabulary differs from the target's, as llama-server does
+    (``common_speculative_are_compatible``): the same size within a few tokens, the same
+    special tokens, and the same token text for the ids both have."""
+    t_vocab, d_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if abs(len(t_vocab) - len(d_vocab)) > 128:
+        raise SpecError(f"draft model vocab must closely match target model to use speculation but "
+                        f"target vocab size {len(t_vocab)} does not match draft vocab size {len(d_vocab)}")
+    t_ids = {i: s for s, i in t_vocab.items()}
+    for token, i in d_vocab.items():
+        if i in t_ids and t_ids[i] != token:
+            raise SpecError(f"draft model vocab must match target model to use speculation but "
+                            f"token {i} content differs - target '{t_ids[i]}', draft '{token}'")
+    for name in ("bos_token_id", "eos_token_id"):
+        t, d = getattr(target_tokenizer, name, None), getattr(draft_tokenizer, name, None)
+        if t != d:
+            raise SpecError(f"draft model special tokens must match target model to use speculation: {name} {t} != {d}")

@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Speculative decoding's decode speed-up, measured side by side in one run (issue 33).
+
+Two workloads, each served plain and speculating by our server (and by llama-server with the
+same flags when ``--peer-llama-server`` names its binary), every request greedy, through
+``/completion``; the figure is ``timings.predicted_per_second`` (llama-server's own), and the
+ratio is speculating over plain of the same server, measured in alternation:
+
+- ``edit``: a real trained model (default: SmolLM2-135M-Instruct, fetched as the demo fetches it;
+  ``--model`` another GGUF) asked to give back a file with a small fix: the answer repeats most of
+  its prompt, which n-gram drafting (``--spec-type ngram-simple``) turns into long drafts;
+- ``draft``: the factory's derived target/draft pair (``mlxcel_compat.testing.draft_pair``: the
+  draft is the target's first layers, the target's deeper layers damped), written as GGUF so
+  llama-server serves the same weights, speculating with ``-md``.
+
+Both servers' greedy outputs with and without speculation are compared and reported.
+
+    scripts/bench_speculative.py [--workload edit|draft|both] [--peer-llama-server BIN] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchlib import ROOT, ServerProcess, free_port, mean, ratio, run
+
+sys.path.insert(0, str(ROOT))
+
+FILE = '''import json
+import os
+
+
+def load_settings(path):
+    """Read the settings file, or the defaults when it is missing."""
+    if not os.path.exists(path):
+        retrun {"theme": "light", "font_size": 12, "autosave": True}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def save_settings(path, settings):
+    """Write the settings as indented JSON."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(settings, f, indent=2, sort_keys=True)
+
+
+def update_setting(path, key, value):
+    settings = load_settings(path)
+    settings[key] = value
+    save_settings(path, settings)
+    return settings
+'''
+EDIT_ASK = "Fix the typo 'retrun' in this file and output the complete corrected file.\n\n```python\n"
+
+
+def start(name: str, cmd: list[str], port: int) -> ServerProcess:
+    server = ServerProcess(cmd, port, name=name)
+    server.start()
+    server.wait_healthy(300)
+    return server
+
+
+def ours(model: Path, extra: list[str]) -> tuple[list[str], int]:
+    port = free_port()
+    return [sys.executable, "-m", "mlxcel_compat", "-m", str(model), "--port", str(port), "-np", "1", "-c", "4096",
+            *extra], port
+
+
+def peer(binary: str, model: Path, extra: list[str]) -> tuple[list[str], int]:
+    port = free_port()
+    return [binary, "-m", str(model), "--port", str(port), "-np", "1", "-c", "4096", "-t", "2", *extra], port
+
+
+def completion(server: ServerProcess, body: dict[str, Any]) -> dict[str, Any]:
+    with httpx.Client(base_url=server.base_url, timeout=600) as http:
+        out = http.post("/completion", json=body)
+        out.raise_for_status()
+        return out.json()
+
+
+def edit_prompt(server: ServerProcess) -> str:
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        messages = [{"role": "user", "content": EDIT_ASK + FILE + "```"}]
+        return http.post("/apply-template", json={"messages": messages}).json()["prompt"]
+
+
+def measure(servers: dict[str, ServerProcess], body: dict[str, Any], reps: int) -> dict[str, dict[str, Any]]:
+    """Each server answers ``body`` ``reps`` times, in alternation (noisy machines drift)."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
+    for name, server in servers.items():  # warm-up: first requests pay one-off costs
+        completion(server, dict(body, n_predict=8))
+    for _ in range(reps):
+        for name, server in servers.items():
+            runs[name].append(completion(server, body))
+    out = {}
+    for name, answers in runs.items():
+        t = [a["timings"] for a in answers]
+        out[name] = {
+            "tok_s": mean(x["predicted_per_second"] for x in t),
+            "n": answers[0]["tokens_predicted"],
+            "draft_n": sum(x.get("draft_n", 0) for x in t) / reps,
+            "accepted": sum(x.get("draft_n_accepted", 0) for x in t) / reps,
+            "content": answers[0]["content"],
+        }
+    return out
+
+
+def report(title: str, results: dict[str, dict[str, Any]], pairs: list[tuple[str, str]]) -> list[str]:
+    lines = [f"### {title}", "", "| server | plain tok/s | speculating tok/s | ratio | drafted | accepted | acceptance | same text |",
+             "|---|---|---|---|---|---|---|---|"]
+    for plain, spec in pairs:
+        if plain not in results:
+            continue
+        p, s = results[plain], results[spec]
+        acc = s["accepted"] / s["draft_n"] if s["draft_n"] else 0.0
+        lines.append(f"| {spec.split(':')[0]} | {p['tok_s']:.1f} | {s['tok_s']:.1f} | {ratio(s['tok_s'], p['tok_s']):.2f}x | "
+                     f"{s['draft_n']:.0f} | {s['accepted']:.0f} | {acc:.2f} | {p['content'] == s['content']} |")
+    return lines + [""]
+
+
+def run_edit(args: argparse.Namespace) -> list[str]:
+    from mlxcel_compat.testing.real_model import ensure_real_model
+
+    model = Path(args.model) if args.model else ensure_real_model()
+    ngram = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(args.ngram_n),
+             "--spec-ngram-simple-size-m", str(args.ngram_m)]
+    cmds = {"mlxcel:plain": ours(model, []), "mlxcel:ngram": ours(model, ngram)}
+    if args.peer_llama_server:
+        cmds.update({"llama-server:plain": peer(args.peer_llama_server, model, []),
+                     "llama-server:ngram": peer(args.peer_llama_server, model, ngram)})
+    servers = {name: start(name, cmd, port) for name, (cmd, port) in cmds.items()}
+    try:
+        prompt = edit_prompt(servers["mlxcel:plain"])
+        body = {"prompt": prompt, "n_predict": args.n_predict, "temperature": 0, "cache_prompt": False}
+        results = measure(servers, body, args.reps)
+    finally:
+        for server in servers.values():
+            server.stop()
+    return report(f"edit: {model.name}, ngram-simple n={args.ngram_n} m={args.ngram_m}, {args.n_predict} tokens",
+                  results, [("mlxcel:plain", "mlxcel:ngram"), ("llama-server:plain", "llama-server:ngram")])
+
+
+def run_draft(args: argparse.Namespace) -> list[str]:
+    from mlxcel_compat.testing.draft_pair import ensure_pair_gguf
+
+    target, draft = ensure_pair_gguf("llama", "small", args.draft_layers, args.damping, args.gguf_type)
+    spec = ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(args.n_max)]
+    cmds = {"mlxcel:plain": ours(target, []), "mlxcel:draft": ours(target, spec)}
+    if args.peer_llama_server:
+        cmds.update({"llama-server:plain": peer(args.peer_llama_server, target, []),
+                     "llama-server:draft": peer(args.peer_llama_server, target, spec)})
+    servers = {name: start(name, cmd, port) for name, (cmd, port) in cmds.items()}
+    try:
+        body = {"prompt": "The quick brown fox jumps over the lazy dog. " * 4, "n_predict": args.n_predict,
+                "temperature": 0, "cache_prompt": False, "ignore_eos": True}
+        results = measure(servers, body, args.reps)
+    finally:
+        for server in servers.values():
+            server.stop()
+    return report(f"draft model: factory llama-small pair ({args.gguf_type} GGUF, draft = first {args.draft_layers} "
+                  f"layers, damping {args.damping:g}), n_max {args.n_max}, {args.n_predict} tokens",
+                  results, [("mlxcel:plain", "mlxcel:draft"), ("llama-server:plain", "llama-server:draft")])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=("edit", "draft", "both"), default="both")
+    parser.add_argument("--model", help="GGUF for the edit workload (default: SmolLM2-135M-Instruct Q4_1)")
+    parser.add_argument("--peer-llama-server", metavar="BIN", help="llama-server binary to compare with")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--n-predict", type=int, default=256)
+    parser.add_argument("--ngram-n", type=int, default=12)
+    parser.add_argument("--ngram-m", type=int, default=48)
+    parser.add_argument("--n-max", type=int, default=4)
+    parser.add_argument("--draft-layers", type=int, default=2)
+    parser.add_argument("--damping", type=float, default=0.02)
+    parser.add_argument("--gguf-type", default="f32")
+    args = parser.parse_args()
+    lines = ["command: " + shlex.join(["scripts/bench_speculative.py", *sys.argv[1:]]), ""]
+    if args.workload in ("edit", "both"):
+        lines += run_edit(args)
+    if args.workload in ("draft", "both"):
+        lines += run_draft(args)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
