@@ -165,10 +165,13 @@ def _prompts(n: int, seed: int = 3) -> list[list[int]]:
     return out
 
 
-def _sampled(harness: EngineHarness, prompt: list[int], seed: int, n_predict: int = 24, cache: bool = False) -> GenerationRequest:
+def _sampled(harness: EngineHarness, prompt: list[int], seed: int, n_predict: int = 24, cache: bool = False,
+             penalties: bool = False) -> GenerationRequest:
+    extra = dict(repeat_penalty=1.2, repeat_last_n=8, presence_penalty=0.3, dry_multiplier=0.5, dry_allowed_length=4,
+                 dry_penalty_last_n=16) if penalties else {}
     return GenerationRequest(
         prompt_tokens=list(prompt),
-        sampling=SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=seed),
+        sampling=SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=seed, **extra),
         n_predict=n_predict,
         cache=CacheContext(enabled=cache, session_key="s", template_sig=RAW_PROMPT_TEMPLATE_SIG, mm_digest=TEXT_ONLY_MM_DIGEST),
     )
@@ -207,17 +210,31 @@ def test_batched_speculation_equals_plain_decoding(engines, kind: str) -> None:
 
 @pytest.mark.engine
 @pytest.mark.parametrize("kind", ["draft", "ngram"])
-def test_seeded_sampling_equals_plain_sampling(engines, kind: str) -> None:
-    """One draw per emitted token, from bit-identical logits: a seeded sampled request gives
-    plain decoding's tokens exactly (llama.cpp's own speculative test checks the same)."""
+@pytest.mark.parametrize("penalties", [False, True], ids=["plain-chain", "penalties-and-dry"])
+def test_seeded_sampling_equals_plain_sampling(engines, kind: str, penalties: bool) -> None:
+    """One draw per emitted token, from bit-identical logits, with the history each position
+    has in plain decoding (penalties, DRY): a seeded sampled request gives plain decoding's
+    tokens exactly (llama.cpp's own speculative test checks the same)."""
+    drafted = 0
     for seed, prompt in zip((5, 6, 7), _prompts(3, seed=21)):
         outs = []
         for name in ("plain", kind):
             events: queue.Queue = queue.Queue()
-            engines[name].engine.submit(_sampled(engines[name], prompt, seed), events.put)
+            engines[name].engine.submit(_sampled(engines[name], prompt, seed, penalties=penalties), events.put)
             outs.append(collect(events))
         assert outs[1].tokens == outs[0].tokens
         assert outs[1].finish.seed == seed
+        drafted += outs[1].finish.n_draft
+    assert drafted > 0
+
+
+@pytest.mark.engine
+def test_ngram_speculation_on_a_cache_hit_matches_a_cold_run(engines) -> None:
+    prompt = _prompts(1, seed=41)[0]
+    cold = engines["plain"].run(prompt, n_predict=20, cache=False, ignore_eos=True)
+    engines["ngram"].run(prompt, n_predict=20, ignore_eos=True)
+    hit = engines["ngram"].run(prompt, n_predict=20, ignore_eos=True)
+    assert hit.finish.n_cached > 0 and hit.tokens == cold.tokens
 
 
 @pytest.mark.engine

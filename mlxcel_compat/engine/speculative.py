@@ -42,7 +42,10 @@ LLAMA_SERVER_TYPES = ("none", "draft-simple", "draft-eagle3", "draft-mtp", "draf
 SERVED_TYPES = ("none", "draft-simple", "ngram-simple")
 NGRAM_TYPES = ("ngram-simple",)  # tried first, as llama-server orders its speculators
 DRAFT_CATCH_UP_CHUNK = 512  # tokens a draft model prefills per pass when it catches up
-NGRAM_CAP_START = 16  # n-gram draft tokens verified at first (one exact pass of the CPU runtime)
+# n-gram draft tokens verified per round, at most: with the pending token, one pass of the CPU
+# decode runtime (``EXACT_ROWS`` rows). A longer draft costs a second pass for its tail, which
+# the next round verifies as cheaply once the first part is accepted.
+NGRAM_CAP_MAX = 15
 NGRAM_CAP_MIN = 2
 
 
@@ -259,15 +262,16 @@ class Speculator:
     An n-gram draft is cut to a length that follows what the model accepted lately: verifying a
     token costs a fraction of a step (~0.25 of one with float32 weights, ~0.5 with ggml blocks,
     whose products are computed row by row), so a long draft that the model leaves at once would
-    make decoding slower than plain. The cap starts at ``NGRAM_CAP_START``, doubles while whole
-    drafts are accepted and falls to about twice the last accepted run otherwise. What is
+    make decoding slower than plain. The cap starts at ``NGRAM_CAP_MAX``, falls to about twice
+    the last accepted run when a draft is cut short and doubles again while drafts are accepted
+    whole. What is
     verified changes, never what is generated."""
 
     def __init__(self, config: SpecConfig, draft: DraftModel | None) -> None:
         self.config = config
         self.draft = draft if config.uses_draft_model else None
         self.state: DraftState | None = None  # the draft model's, made on first use or adopted
-        self.ngram_cap = NGRAM_CAP_START
+        self.ngram_cap = NGRAM_CAP_MAX
         self._last_ngram = False  # the last draft came from the n-gram lookup
 
     def verified(self, n_draft: int, n_accepted: int) -> None:
@@ -275,7 +279,7 @@ class Speculator:
         if not self._last_ngram:
             return
         if n_accepted == n_draft:
-            self.ngram_cap = min(2 * self.ngram_cap, self.config.ngram_size_m)
+            self.ngram_cap = min(2 * self.ngram_cap, NGRAM_CAP_MAX)
         else:
             self.ngram_cap = max(NGRAM_CAP_MIN, 2 * (n_accepted + 1))
 
