@@ -307,7 +307,7 @@ R_FIT = "no automatic memory fitting; set --ctx-size and the --prompt-cache-* bu
 R_KV_TYPE = "the KV cache uses the model's dtype; KV cache quantization is not implemented"
 R_ROPE = "RoPE scaling comes from the model's config.json"
 R_SPEC = "the draft model runs on the engine thread beside the model, with its settings"
-R_SPEC_NGRAM = "that n-gram drafting kind is not served here (--spec-type refuses it); ngram-simple is"
+R_SPEC_NGRAM = "that n-gram drafting kind is not served here (--spec-type refuses it); ngram-simple and ngram-mod are"
 R_SPEC_REMOVED = ("removed from llama-server (it refuses the option now); accepted and ignored for older "
                   "deployments: use --spec-draft-n-max, --spec-draft-n-min, --spec-ngram-simple-size-n/m")
 R_MMPROJ = "multimodal projectors are not supported, so this option has nothing to act on"
@@ -954,9 +954,10 @@ _COMPAT: tuple[Setting, ...] = (
             help="Draft model for speculative decoding (a .gguf file or model directory with the model's "
                  "vocabulary). Without --spec-type it drafts as draft-simple."),
     Setting("spec_type", ("--spec-type",), ("LLAMA_ARG_SPEC_TYPE",), metavar="TYPES", group="speculative",
-            default="none", parse=_parse_spec_types, accepts="a comma-separated list of none, draft-simple, ngram-simple",
+            default="none", parse=_parse_spec_types, accepts="a comma-separated list of none, draft-simple, ngram-simple, ngram-mod",
             help="Speculative decoding types: ngram-simple (drafts from the text so far; no model needed), "
-                 "draft-simple (drafts with -md); both may be given (n-grams are tried first)."),
+                 "ngram-mod (drafts from a table of every sequence's n-grams), draft-simple (drafts with -md); "
+                 "several may be given (n-grams are tried first)."),
     _spec("spec_draft_threads", ("--spec-draft-threads", "-td", "--threads-draft"), "Draft threads."),
     _spec("spec_draft_threads_batch", ("--spec-draft-threads-batch", "-tbd", "--threads-batch-draft"),
           "Draft batch threads."),
@@ -1002,12 +1003,12 @@ _COMPAT: tuple[Setting, ...] = (
           metavar="<dev1,dev2,..>"),
     _spec("spec_draft_ngl", ("--spec-draft-ngl", "-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"),
           "Draft GPU layers.", env=("LLAMA_ARG_N_GPU_LAYERS_DRAFT",)),
-    _noop("spec_ngram_mod_n_min", ("--spec-ngram-mod-n-min",), "N-gram drafting: minimum tokens.",
-          R_SPEC_NGRAM, metavar="N"),
-    _noop("spec_ngram_mod_n_max", ("--spec-ngram-mod-n-max",), "N-gram drafting: maximum tokens.",
-          R_SPEC_NGRAM, metavar="N"),
-    _noop("spec_ngram_mod_n_match", ("--spec-ngram-mod-n-match",), "N-gram drafting: lookup length.",
-          R_SPEC_NGRAM, metavar="N"),
+    Setting("spec_ngram_mod_n_min", ("--spec-ngram-mod-n-min",), type="int", default=48, minimum=0, maximum=1024,
+            group="speculative", metavar="N", help="ngram-mod: a shorter chain of lookups is no draft."),
+    Setting("spec_ngram_mod_n_max", ("--spec-ngram-mod-n-max",), type="int", default=64, minimum=0, maximum=1024,
+            group="speculative", metavar="N", help="ngram-mod: tokens drafted per step, at most."),
+    Setting("spec_ngram_mod_n_match", ("--spec-ngram-mod-n-match",), type="int", default=24, minimum=1, maximum=1024,
+            group="speculative", metavar="N", help="ngram-mod: length of the n-grams hashed into the table."),
     Setting("spec_ngram_simple_size_n", ("--spec-ngram-simple-size-n",), type="int", default=12, minimum=1,
             maximum=1024, group="speculative", metavar="N",
             help="ngram-simple: length of the n-gram looked up in the text so far (a draft is at least this long)."),
@@ -1028,8 +1029,8 @@ _COMPAT: tuple[Setting, ...] = (
           R_SPEC_NGRAM, metavar="N"),
     _noop("spec_ngram_map_k4v_min_hits", ("--spec-ngram-map-k4v-min-hits",), "ngram-map-k4v: minimum hits.",
           R_SPEC_NGRAM, metavar="N"),
-    _noop("spec_default", ("--spec-default",), "Default speculative decoding config.",
-          "llama-server's default config is ngram-mod, which is not served here; use --spec-type ngram-simple"),
+    Setting("spec_default", ("--spec-default",), type="bool", default=False, group="speculative",
+            help="llama-server's default speculative config: ngram-mod with n-match 24, n-min 48, n-max 64."),
     _noop("draft_max", ("--draft", "--draft-n", "--draft-max"), "Removed upstream; older builds' draft size.", R_SPEC_REMOVED, metavar="N", env=("LLAMA_ARG_DRAFT_MAX",)),
     _noop("draft_min", ("--draft-min", "--draft-n-min"), "Removed upstream; older builds' minimum draft size.", R_SPEC_REMOVED, metavar="N", env=("LLAMA_ARG_DRAFT_MIN",)),
     _noop("spec_ngram_size_n", ("--spec-ngram-size-n",), "Removed upstream.", R_SPEC_REMOVED, metavar="N"),

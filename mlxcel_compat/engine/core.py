@@ -123,6 +123,7 @@ class Engine:
         self.slot_calls: list[_SlotCall] = []  # slot actions waiting for their slot to be idle
         self.prefix_cache: Any = None
         self.draft: Any = None  # engine.speculative.DraftModel once loaded (-md)
+        self.ngram_table: Any = None  # engine.speculative.NgramModTable (ngram-mod: shared by all sequences)
         self.speculative: Any = None  # engine.speculative.SpecConfig in force (None: off)
         self.grammars: Any = None  # engine.grammar.GrammarCompiler once the model is loaded
         self.compat: Any = None  # cache.disk.Compat: what saved state must match (set at load)
@@ -337,7 +338,7 @@ class Engine:
         layers) decodes plainly, and the log says so."""
         from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
-        from mlxcel_compat.engine.speculative import DraftModel, check_vocabularies
+        from mlxcel_compat.engine.speculative import DraftModel, NgramModTable, check_vocabularies
 
         spec = self.config.speculative
         if spec is None or not spec.enabled:
@@ -354,11 +355,14 @@ class Engine:
             self.draft = DraftModel(loaded)
             log.info("draft model '%s' loaded in %.1f s (%d parameters, %s)", loaded.path, time.perf_counter() - t0,
                      loaded.n_params, "CPU decode runtime" if loaded.decoder is not None else "MLX steps")
+        if "ngram-mod" in spec.active:
+            self.ngram_table = NgramModTable(spec.mod_n_match)
         self.speculative = spec
         for slot in self.slots:
             slot.speculative = True
-        log.info("speculative decoding: %s (draft n_max %d, n_min %d, p_min %.2f; ngram size n %d, m %d)", spec.type_names,
-                 spec.draft_n_max, spec.draft_n_min, spec.draft_p_min, spec.ngram_size_n, spec.ngram_size_m)
+        log.info("speculative decoding: %s (draft n_max %d, n_min %d, p_min %.2f; ngram-simple n %d, m %d; "
+                 "ngram-mod n_match %d, n_min %d, n_max %d)", spec.type_names, spec.draft_n_max, spec.draft_n_min,
+                 spec.draft_p_min, spec.ngram_size_n, spec.ngram_size_m, spec.mod_n_match, spec.mod_n_min, spec.mod_n_max)
 
     def _warm_up(self) -> None:
         """Run one tiny forward pass: MLX's first call pays a one-off set-up cost."""

@@ -74,4 +74,4 @@ def speculator_for(engine: "Engine", seq: Sequence) -> Any:
     if reason is not None:
         log.info("task %d: speculative decoding off for this request: %s", seq.request.task_id, reason)
         return None
-    return Speculator(engine.speculative, engine.draft)
+    return Speculator(engine.speculative, engine.draft, engine.ngram_table)

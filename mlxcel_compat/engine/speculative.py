@@ -9,6 +9,10 @@ every guess the model agrees with is a token won. Two kinds of guess, as llama-s
   up in the sequence so far; the ``size_m`` tokens that followed their latest earlier occurrence
   are the draft. Free, and it pays off where answers repeat their context: an agent editing a
   file, a RAG answer quoting its sources.
+- ``ngram-mod``: llama.cpp's hashed n-gram table, shared by every sequence of the server (what
+  ``--spec-default`` turns on): each ``n_match``-gram seen maps to the token that followed it, and
+  a draft chains lookups from the last ``n_match`` tokens, at least ``n_min`` long, at most
+  ``n_max``. It remembers what earlier requests generated too.
 - ``draft-simple``: a small model with the same vocabulary (``-md``) proposes up to ``n_max``
   tokens greedily, stopping early when its top probability falls below ``p_min``.
 
@@ -39,8 +43,7 @@ log = logging.getLogger(__name__)
 # llama-server b11312's --spec-type names (common/speculative.cpp), and the ones served here.
 LLAMA_SERVER_TYPES = ("none", "draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark",
                       "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
-SERVED_TYPES = ("none", "draft-simple", "ngram-simple")
-NGRAM_TYPES = ("ngram-simple",)  # tried first, as llama-server orders its speculators
+SERVED_TYPES = ("none", "draft-simple", "ngram-simple", "ngram-mod")
 DRAFT_CATCH_UP_CHUNK = 512  # tokens a draft model prefills per pass when it catches up
 # n-gram draft tokens verified per round, at most: with the pending token, one pass of the CPU
 # decode runtime (``EXACT_ROWS`` rows). A longer draft costs a second pass for its tail, which
@@ -64,14 +67,24 @@ class SpecConfig:
     draft_p_min: float = 0.0
     ngram_size_n: int = 12  # --spec-ngram-simple-size-n: the looked-up n-gram
     ngram_size_m: int = 48  # --spec-ngram-simple-size-m: the draft after it
+    mod_n_match: int = 24  # --spec-ngram-mod-n-match: the n-gram hashed into the table
+    mod_n_min: int = 48  # --spec-ngram-mod-n-min: shorter chains are no draft
+    mod_n_max: int = 64  # --spec-ngram-mod-n-max
 
     @classmethod
     def from_settings(cls, s: Any) -> "SpecConfig":
         """From the settings table (``--spec-*``); raises SpecError for a combination that
         cannot be served."""
-        return resolve(parse_types(s.spec_type), s.spec_draft_model, draft_n_max=int(s.spec_draft_n_max),
+        types = parse_types(s.spec_type)
+        mod = dict(mod_n_match=int(s.spec_ngram_mod_n_match), mod_n_min=int(s.spec_ngram_mod_n_min),
+                   mod_n_max=int(s.spec_ngram_mod_n_max))
+        if s.spec_default:  # llama-server's --spec-default: ngram-mod with these sizes
+            types = tuple(t for t in types if t != "none") + ("ngram-mod",)
+            mod = dict(mod_n_match=24, mod_n_min=48, mod_n_max=64)
+        return resolve(types, s.spec_draft_model, draft_n_max=int(s.spec_draft_n_max),
                        draft_n_min=int(s.spec_draft_n_min), draft_p_min=float(s.spec_draft_p_min),
-                       ngram_size_n=int(s.spec_ngram_simple_size_n), ngram_size_m=int(s.spec_ngram_simple_size_m))
+                       ngram_size_n=int(s.spec_ngram_simple_size_n), ngram_size_m=int(s.spec_ngram_simple_size_m),
+                       **mod)
 
     @property
     def active(self) -> tuple[str, ...]:
@@ -118,6 +131,8 @@ def resolve(types: tuple[str, ...], draft_model: str | None, **numbers: Any) -> 
         raise SpecError("--spec-draft-n-max and --spec-draft-n-min must be >= 0")
     if not 1 <= config.ngram_size_n <= 1024 or not 1 <= config.ngram_size_m <= 1024:
         raise SpecError("ngram size N and M must be between 1 and 1024 inclusive")
+    if not 1 <= config.mod_n_match <= 1024 or not 0 <= config.mod_n_min <= 1024 or not 0 <= config.mod_n_max <= 1024:
+        raise SpecError("ngram-mod n-match must be between 1 and 1024, n-min and n-max between 0 and 1024")
     return config
 
 
@@ -159,6 +174,102 @@ def verify_draft(draft: list[int], sample_at: Callable[[int], tuple[int, Any]],
         if not accept(value, sampled):
             return i + 1, None
     raise AssertionError("unreachable")
+
+
+class NgramModTable:
+    """llama.cpp's ``common_ngram_mod``: a fixed table of ``size`` slots; an ``n``-gram hashes to
+    one slot (a 64-bit multiply-add over its tokens, modulo the size) holding the token that last
+    followed it. Collisions overwrite, as in llama.cpp; a wrong guess only costs a rejected draft.
+    NumPy holds the table (4 bytes a slot) and hashes a prompt's n-grams in one pass."""
+
+    EMPTY = -1
+    MULTIPLIER = np.uint64(6364136223846793005)
+
+    def __init__(self, n: int, size: int = 4 * 1024 * 1024) -> None:
+        self.n = n
+        self.entries = np.full(size, self.EMPTY, dtype=np.int32)
+        self.used = 0
+
+    def _slots(self, windows: np.ndarray) -> np.ndarray:
+        h = np.zeros(windows.shape[0], dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            for i in range(self.n):
+                h = h * self.MULTIPLIER + windows[:, i].astype(np.uint64)
+        return (h % np.uint64(self.entries.size)).astype(np.int64)
+
+    def add(self, tokens: np.ndarray, first: int, last: int) -> None:
+        """Record the n-grams starting at ``first`` .. ``last - 1`` and the token after each."""
+        if last <= first:
+            return
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[first: last + self.n], self.n)[: last - first]
+        slots = self._slots(windows)
+        self.used += int(np.count_nonzero(self.entries[np.unique(slots)] == self.EMPTY))
+        self.entries[slots] = tokens[first + self.n: last + self.n]  # a repeated slot keeps one of them: any is a guess
+
+    def get(self, window: list[int]) -> int:
+        return int(self.entries[self._slots(np.asarray([window], dtype=np.int64))[0]])
+
+    def reset(self) -> None:
+        self.entries.fill(self.EMPTY)
+        self.used = 0
+
+
+@dataclass
+class NgramModState:
+    """One sequence's place in the shared table (llama.cpp's ``seq_info``)."""
+
+    i_last: int = 0  # n-grams before this position of the sequence are in the table
+    n_draft_last: int = 0
+    n_low: int = 0  # verification rounds in a row that accepted under a quarter of the draft
+    begun: bool = False
+
+
+NGRAM_MOD_RESET_OCCUPANCY = 0.25  # a table fuller than this is cleared when a sequence begins
+NGRAM_MOD_LOW_ROUNDS = 5  # low-acceptance rounds in a row that clear the table
+
+
+def ngram_mod_draft(table: NgramModTable, state: NgramModState, tokens: list[int], sampled: int,
+                    n_min: int, n_max: int) -> list[int]:
+    """llama.cpp's ``ngram-mod`` draft for a sequence holding ``tokens`` with ``sampled`` next."""
+    n, cur = table.n, len(tokens)
+    if cur < n:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    if not state.begun:  # llama-server's begin(): the prompt's n-grams, then the occupancy check
+        state.begun = True
+        table.add(arr, 0, cur - n)
+        state.i_last = cur - n
+        if table.used > NGRAM_MOD_RESET_OCCUPANCY * table.entries.size:
+            table.reset()
+    elif state.i_last + 32 < cur:  # new n-grams go in by chunks
+        table.add(arr, state.i_last, cur - n)
+        state.i_last = cur - n
+    window = tokens[cur - n + 1:] + [sampled]
+    draft: list[int] = []
+    for i in range(n_max):
+        token = table.get(window)
+        if token == table.EMPTY:
+            if i < n_min:
+                return []
+            break
+        draft.append(token)
+        window = window[1:] + [token]
+    state.n_draft_last = len(draft)
+    return draft
+
+
+def ngram_mod_verified(table: NgramModTable, state: NgramModState, n_accepted: int) -> None:
+    """llama.cpp's accept(): a streak of drafts mostly rejected clears the table."""
+    if state.n_draft_last <= 0:
+        return
+    if n_accepted / state.n_draft_last < 0.25:
+        state.n_low += 1
+        if state.n_low >= NGRAM_MOD_LOW_ROUNDS:
+            table.reset()
+            state.n_low = 0
+            state.i_last = 0
+    else:
+        state.n_low = 0
 
 
 @dataclass
@@ -267,16 +378,20 @@ class Speculator:
     whole. What is
     verified changes, never what is generated."""
 
-    def __init__(self, config: SpecConfig, draft: DraftModel | None) -> None:
+    def __init__(self, config: SpecConfig, draft: DraftModel | None, table: NgramModTable | None = None) -> None:
         self.config = config
         self.draft = draft if config.uses_draft_model else None
         self.state: DraftState | None = None  # the draft model's, made on first use or adopted
+        self.table = table if "ngram-mod" in config.active else None  # shared by the server's sequences
+        self.mod_state = NgramModState()
         self.ngram_cap = NGRAM_CAP_MAX
-        self._last_ngram = False  # the last draft came from the n-gram lookup
+        self._last = ""  # which kind made the last draft
 
     def verified(self, n_draft: int, n_accepted: int) -> None:
         """The outcome of the last draft: how many of its tokens the model accepted."""
-        if not self._last_ngram:
+        if self._last == "ngram-mod" and self.table is not None:
+            ngram_mod_verified(self.table, self.mod_state, n_accepted)
+        if not self._last.startswith("ngram"):
             return
         if n_accepted == n_draft:
             self.ngram_cap = min(2 * self.ngram_cap, NGRAM_CAP_MAX)
@@ -292,11 +407,16 @@ class Speculator:
         if n_max <= 0:
             return []
         c = self.config
-        self._last_ngram = False
+        self._last = ""
         if "ngram-simple" in c.active:
             found = ngram_simple_draft(tokens, sampled, c.ngram_size_n, c.ngram_size_m)
             if found:
-                self._last_ngram = True
+                self._last = "ngram-simple"
+                return found[:min(n_max, self.ngram_cap)]
+        if self.table is not None:
+            found = ngram_mod_draft(self.table, self.mod_state, list(tokens), sampled, c.mod_n_min, c.mod_n_max)
+            if found:
+                self._last = "ngram-mod"
                 return found[:min(n_max, self.ngram_cap)]
         if self.draft is not None:
             if self.state is None:
