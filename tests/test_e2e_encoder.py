@@ -8,6 +8,10 @@ References: transformers (PyTorch, CPU) on the factory directories (``testing/en
 from __future__ import annotations
 
 import base64
+import os
+import subprocess
+import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,7 +19,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.conftest import ServerProcess, tiny_encoder
+from tests.conftest import ServerProcess, free_port, tiny_encoder
 
 pytestmark = pytest.mark.e2e
 
@@ -25,6 +29,7 @@ QUERY = "what moved the quick storm"
 DOCUMENTS = ["The quick storm moved the windows.", "A little year shows the job.", "storm storm storm",
              "Every public name very changes much member against no winter."]
 NO_LOGITS = "the current context does not support logits computation. skipping"
+LLAMA_SERVER = Path.home() / ".cache/llama-peer/llama.cpp/build/bin/llama-server"
 
 
 def cosine(a: Any, b: Any) -> float:
@@ -171,3 +176,46 @@ def test_cross_encoder_rerank(rerank_server, torch_mod, transformers_mod) -> Non
         r = c.post("/v1/rerank", json={"query": QUERY, "documents": [long_doc]})
         assert r.status_code == 400 and r.json()["error"]["type"] == "exceed_context_size_error", r.text
         assert c.get("/health").json() == {"status": "ok"}
+
+
+def _llama_server(gguf: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([str(LLAMA_SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--embeddings",
+                             "-np", "1", "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("llama-server did not start")
+
+
+@pytest.mark.skipif(not os.access(LLAMA_SERVER, os.X_OK), reason="the llama-server binary (b11312) is not built on this machine")
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+def test_embeddings_equal_the_real_llama_server(server_factory, kind: str) -> None:
+    """The same GGUF in llama-server: the same tokens, vectors (its GELU and float paths differ
+    from ours by ~1e-4 a value), generation error and too-long error."""
+    gguf = tiny_encoder(kind, gguf=True)
+    ours = server_factory(["-m", str(gguf), "--embeddings", "-np", "1"])
+    proc, theirs = _llama_server(gguf)
+    texts = [*TEXTS, "Ünïcode   spaces\tand CAPS", "  two  blanks "]
+    try:
+        with httpx.Client(timeout=60) as c:
+            for text in texts:
+                a, b = (c.post(u + "/tokenize", json={"content": text, "add_special": True}).json() for u in (ours.base_url, theirs))
+                assert a == b, text
+            a, b = (c.post(u + "/v1/embeddings", json={"input": texts}).json() for u in (ours.base_url, theirs))
+            assert a["usage"] == b["usage"]
+            for x, y in zip(a["data"], b["data"]):
+                assert cosine(x["embedding"], y["embedding"]) > 1 - 1e-4
+            for path, body in (("/completion", {"prompt": "hi"}), ("/completion", {"prompt": "hi", "stream": True}),
+                               ("/v1/embeddings", {"input": " ".join(["storm"] * 100)})):
+                a, b = (c.post(u + path, json=body) for u in (ours.base_url, theirs))
+                assert (a.status_code, a.json()) == (b.status_code, b.json()), path
+    finally:
+        proc.terminate()
+        proc.wait(10)

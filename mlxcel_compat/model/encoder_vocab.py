@@ -72,7 +72,7 @@ def wordpiece_backend(md: dict[str, Any]) -> tuple[Any, dict[str, str]]:
 
 def unigram_backend(md: dict[str, Any]) -> tuple[Any, dict[str, str]]:
     """An XLM-R (UGM) vocabulary as a ``tokenizers.Tokenizer``, and its special tokens by role."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     tokens: list[str] = list(md["tokenizer.ggml.tokens"])
     scores: list[float] = list(md.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
@@ -84,7 +84,8 @@ def unigram_backend(md: dict[str, Any]) -> tuple[Any, dict[str, str]]:
     if charsmap:
         steps.append(normalizers.Precompiled(bytes(charsmap)))
     if md.get("tokenizer.ggml.remove_extra_whitespaces", True):
-        steps.append(normalizers.Replace(" {2,}", " "))
+        # SentencePiece's remove_extra_whitespaces: no leading or trailing blanks, no runs of them
+        steps += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]
     tk.normalizer = normalizers.Sequence(steps)
     prepend = "always" if md.get("tokenizer.ggml.add_space_prefix", True) else "never"
     tk.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=prepend)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 WEIGHT_SEED = 20261202
 VOCAB_SIZE = 1000
 BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -157,12 +157,12 @@ def _corpus() -> list[str]:
 
 def tokenizer_json(kind: str) -> str:
     """A trained tokenizer.json: WordPiece (BERT, lowercased) or Unigram (XLM-R, Metaspace)."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     s = _spec(kind)
     if _xlmr(s):
         tk = Tokenizer(models.Unigram())
-        tk.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(" {2,}", " ")])
+        tk.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " ")])
         tk.pre_tokenizer = pre_tokenizers.Metaspace()
         tk.decoder = decoders.Metaspace()
         tk.train_from_iterator(_corpus(), trainers.UnigramTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(XLMR_SPECIALS),
