@@ -195,7 +195,7 @@ def _llama_server(gguf: Path) -> tuple[subprocess.Popen, str]:
 
 
 @pytest.mark.skipif(not os.access(LLAMA_SERVER, os.X_OK), reason="the llama-server binary (b11312) is not built on this machine")
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "nomic-bert"])
 def test_embeddings_equal_the_real_llama_server(server_factory, kind: str) -> None:
     """The same GGUF in llama-server: the same tokens, vectors (its GELU and float paths differ
     from ours by ~1e-4 a value), generation error and too-long error."""

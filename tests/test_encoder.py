@@ -1,4 +1,4 @@
-"""BERT-family encoders (``model/bert.py``) on the engine side: loading a directory and a GGUF,
+"""BERT-family encoders (``model/bert.py``: BERT, XLM-R, NomicBERT) on the engine side: loading a directory and a GGUF,
 embeddings for every pooling and normalisation, and cross-encoder scores.
 
 The reference is Hugging Face transformers (PyTorch, CPU) on the same factory directories
@@ -79,17 +79,20 @@ def _pool(hidden: np.ndarray, pooling: str) -> np.ndarray:
     return (hidden.mean(axis=0) if pooling == "mean" else hidden[0])[None, :]
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "nomic-bert"])
 def test_loaded_as_an_encoder(loaded, kind: str) -> None:
     m = loaded(kind)
     assert m.kind == "encoder" and m.decoder is None
     assert getattr(m.model, "is_encoder", False)
-    # XLM-R's table has pad_token_id + 1 more rows than it has positions; they are dropped.
     assert m.config["max_position_embeddings"] == 64
-    assert m.model.embed.positions.weight.shape[0] == 64
+    if kind == "nomic-bert":  # rotary positions, SwiGLU, no biases
+        layer = m.model.layers[0]
+        assert "positions" not in m.model.embed and "gate" in layer and "bias" not in layer.q
+    else:  # XLM-R's table has pad_token_id + 1 more rows than it has positions; they are dropped.
+        assert m.model.embed.positions.weight.shape[0] == 64
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "nomic-bert"])
 @pytest.mark.parametrize("pooling", ["none", "mean", "cls"])
 def test_embeddings_equal_transformers(loaded, reference, kind: str, pooling: str) -> None:
     m = loaded(kind)
@@ -112,7 +115,7 @@ def test_embeddings_equal_transformers(loaded, reference, kind: str, pooling: st
             assert abs(np.abs(normalize(ours[0], 0)).max() - 32760.0) < 1e-2
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "nomic-bert"])
 def test_small_passes_equal_one_pass(loaded, kind: str) -> None:
     """Grouped in several passes (a 24-token batch) or all in one: the same vectors."""
     m = loaded(kind)
@@ -123,11 +126,12 @@ def test_small_passes_equal_one_pass(loaded, kind: str) -> None:
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "bert-reranker"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "bert-reranker", "nomic-bert"])
 def test_gguf_is_the_directory(loaded, kind: str) -> None:
     """The GGUF (llama.cpp's names, vocabulary and position table) tokenizes and embeds as the directory."""
     d, g = loaded(kind), loaded(kind, gguf=True)
-    assert g.kind == "encoder" and g.gguf is not None and g.gguf.architecture == "bert"
+    assert g.kind == "encoder" and g.gguf is not None
+    assert g.gguf.architecture == ("nomic-bert" if kind == "nomic-bert" else "bert")
     assert g.config["max_position_embeddings"] == d.config["max_position_embeddings"]
     for text in TEXTS:
         assert list(g.tokenizer.encode(text, add_special_tokens=True)) == list(d.tokenizer.encode(text, add_special_tokens=True))
@@ -150,7 +154,8 @@ def test_declared_pooling() -> None:
     assert model_pooling(tiny_encoder("bert")) == "mean"
     assert model_pooling(tiny_encoder("xlm-roberta")) == "cls"
     assert model_pooling(tiny_encoder("bert-reranker")) == "rank"
-    for kind, pooling in (("bert", "mean"), ("xlm-roberta", "cls"), ("bert-reranker", "rank")):
+    assert model_pooling(tiny_encoder("nomic-bert")) == "mean"
+    for kind, pooling in (("bert", "mean"), ("xlm-roberta", "cls"), ("bert-reranker", "rank"), ("nomic-bert", "mean")):
         assert model_pooling(tiny_encoder(kind, gguf=True)) == pooling
 
 

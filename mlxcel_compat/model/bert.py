@@ -1,4 +1,5 @@
-"""BERT-family encoders in MLX: BERT and XLM-RoBERTa (bge, e5, gte, bge-reranker).
+"""BERT-family encoders in MLX: BERT, XLM-RoBERTa and NomicBERT (bge, e5, gte, bge-reranker,
+nomic-embed-text).
 
 mlx-lm is the model zoo for decoders but has no encoder. The MLX ecosystem's ``mlx-embeddings``
 does, but its package requires mlx-vlm (and through it opencv, datasets, mlx-audio, fastapi, ...)
@@ -15,6 +16,9 @@ architecture is small, so it is written here, following transformers' ``BertMode
 XLM-R numbers its positions from ``pad_token_id + 1`` (its position table's first rows are never
 used). As llama.cpp's converter does, those rows are dropped at load, so positions start at 0
 for every model here and the table's length is the longest input the model takes.
+
+NomicBERT (nomic-embed-text) keeps the post-norm layout but has rotary positions (NeoX style, no
+position table), a SwiGLU MLP (``down(silu(gate(x)) * up(x))``) and no biases in its linear layers.
 
 A cross-encoder (``*ForSequenceClassification``) scores the first token's final hidden state:
 BERT through its pooler (dense + tanh) and a linear classifier, XLM-R through its classification
@@ -37,14 +41,14 @@ from typing import Any
 
 import numpy as np
 
-ENCODER_TYPES = ("bert", "xlm-roberta")
+ENCODER_TYPES = ("bert", "xlm-roberta", "nomic_bert")
 
 
 @dataclass(frozen=True)
 class EncoderConfig:
     """The numbers that shape an encoder, read from config.json or a GGUF header."""
 
-    model_type: str  # bert | xlm-roberta (llama.cpp writes both as the "bert" architecture)
+    model_type: str  # bert | xlm-roberta (llama.cpp writes both as the "bert" architecture) | nomic_bert
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -56,6 +60,10 @@ class EncoderConfig:
     position_offset: int = 0  # rows dropped from a Hugging Face position table (XLM-R: pad_token_id + 1)
     num_labels: int = 0  # > 0: a sequence-classification head (a cross-encoder)
     head_dense: bool = True  # the head has its dense + tanh layer (BERT's pooler, XLM-R's classifier.dense)
+    rotary: bool = False  # NomicBERT: rotary positions (NeoX style) instead of a position table
+    rope_theta: float = 1000.0
+    gated: bool = False  # NomicBERT: a SwiGLU MLP (up, gate, down) instead of GELU (up, down)
+    bias: bool = True  # the linear layers of the attention and the MLP have biases
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "EncoderConfig":
@@ -63,6 +71,8 @@ class EncoderConfig:
         model_type = str(config.get("model_type", ""))
         if model_type not in ENCODER_TYPES:
             raise ValueError(f"not a BERT-family encoder: model_type {model_type!r} (known: {', '.join(ENCODER_TYPES)})")
+        if model_type == "nomic_bert":
+            return cls._from_nomic(config)
         act = str(config.get("hidden_act", "gelu"))
         if act != "gelu":
             raise ValueError(f"{model_type}: hidden_act {act!r} is not supported (only gelu)")
@@ -81,6 +91,46 @@ class EncoderConfig:
             layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
             position_offset=offset,
             num_labels=_num_labels(config),
+        )
+
+
+    @classmethod
+    def _from_nomic(cls, config: dict[str, Any]) -> "EncoderConfig":
+        """nomic-ai's own config keys (n_embd, n_layer, ...) or transformers' NomicBertConfig's."""
+        def key(*names: str, default: Any = None) -> Any:
+            for name in names:
+                if config.get(name) is not None:
+                    return config[name]
+            if default is None:
+                raise ValueError(f"nomic_bert config.json lacks {' / '.join(names)}")
+            return default
+
+        act = str(key("hidden_act", "activation_function", default="swiglu"))
+        if act not in ("swiglu", "silu"):
+            raise ValueError(f"nomic_bert: activation {act!r} is not supported (only swiglu)")
+        if key("rotary_emb_fraction", default=1.0) != 1.0 or key("rotary_emb_interleaved", default=False):
+            raise ValueError("nomic_bert: only full, non-interleaved rotary embeddings are supported")
+        if key("prenorm", default=False) or key("moe_every_n_layers", default=0):
+            raise ValueError("nomic_bert: pre-norm and MoE variants are not supported")
+        rope = config.get("rope_parameters") or {}
+        n_positions = int(key("max_position_embeddings", "n_positions", default=2048))
+        if n_positions == 8192 and int(config.get("max_trained_positions", 2048)) == 2048:
+            n_positions = 2048  # what llama.cpp's converter says nomic-embed-text v1/v1.5 are trained for
+        return cls(
+            model_type="nomic_bert",
+            vocab_size=int(key("vocab_size")),
+            hidden_size=int(key("hidden_size", "n_embd")),
+            num_hidden_layers=int(key("num_hidden_layers", "n_layer")),
+            num_attention_heads=int(key("num_attention_heads", "n_head")),
+            intermediate_size=int(key("intermediate_size", "n_inner")),
+            n_positions=n_positions,
+            type_vocab_size=int(key("type_vocab_size", default=2)),
+            layer_norm_eps=float(key("layer_norm_eps", "layer_norm_epsilon", default=1e-12)),
+            num_labels=0,
+            rotary=True,
+            rope_theta=float(rope.get("rope_theta") or key("rotary_emb_base", "rope_theta", default=1000.0)),
+            gated=True,
+            bias=bool(config.get("qkv_proj_bias", False)),
         )
 
 
@@ -110,24 +160,31 @@ def _make_modules() -> tuple[Any, Any]:
         def __init__(self, c: EncoderConfig) -> None:
             super().__init__()
             self.tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-            self.positions = nn.Embedding(c.n_positions, c.hidden_size)
+            if not c.rotary:
+                self.positions = nn.Embedding(c.n_positions, c.hidden_size)
             self.types = nn.Embedding(max(1, c.type_vocab_size), c.hidden_size)
             self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
         def __call__(self, ids: mx.array, types: mx.array) -> mx.array:
-            positions = mx.arange(ids.shape[1])[None, :]
-            return self.norm(self.tokens(ids) + self.positions(positions) + self.types(types))
+            x = self.tokens(ids) + self.types(types)
+            if "positions" in self:
+                x = x + self.positions(mx.arange(ids.shape[1])[None, :])
+            return self.norm(x)
 
     class Layer(nn.Module):
         def __init__(self, c: EncoderConfig) -> None:
             super().__init__()
             h = c.hidden_size
             self.n_heads = c.num_attention_heads
-            self.scale = 1.0 / math.sqrt(h // c.num_attention_heads)
-            self.q, self.k, self.v, self.o = (nn.Linear(h, h) for _ in range(4))
+            self.head_dim = h // c.num_attention_heads
+            self.scale = 1.0 / math.sqrt(self.head_dim)
+            self.rope_theta = c.rope_theta if c.rotary else None
+            self.q, self.k, self.v, self.o = (nn.Linear(h, h, bias=c.bias) for _ in range(4))
             self.attn_norm = nn.LayerNorm(h, eps=c.layer_norm_eps)
-            self.up = nn.Linear(h, c.intermediate_size)
-            self.down = nn.Linear(c.intermediate_size, h)
+            self.up = nn.Linear(h, c.intermediate_size, bias=c.bias)
+            if c.gated:
+                self.gate = nn.Linear(h, c.intermediate_size, bias=c.bias)
+            self.down = nn.Linear(c.intermediate_size, h, bias=c.bias)
             self.out_norm = nn.LayerNorm(h, eps=c.layer_norm_eps)
 
         def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
@@ -136,9 +193,14 @@ def _make_modules() -> tuple[Any, Any]:
             def heads(t: mx.array) -> mx.array:
                 return t.reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
 
-            att = mx.fast.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)),
-                                                       scale=self.scale, mask=mask)
+            q, k = heads(self.q(x)), heads(self.k(x))
+            if self.rope_theta is not None:  # rotate-half (NeoX) rotary, positions 0..n-1
+                q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=0)
+                k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=0)
+            att = mx.fast.scaled_dot_product_attention(q, k, heads(self.v(x)), scale=self.scale, mask=mask)
             x = self.attn_norm(x + self.o(att.transpose(0, 2, 1, 3).reshape(b, n, h)))
+            if "gate" in self:
+                return self.out_norm(x + self.down(nn.silu(self.gate(x)) * self.up(x)))
             return self.out_norm(x + self.down(nn.gelu(self.up(x))))
 
     class ClassifierHead(nn.Module):
@@ -228,6 +290,23 @@ _HF_HEADS = {
     # XLMRobertaForSequenceClassification: classifier.dense + tanh, then classifier.out_proj.
     "xlm-roberta": ((r"classifier\.dense\.(\w+)", r"head.dense.\1"), (r"classifier\.out_proj\.(\w+)", r"head.out.\1")),
 }
+# NomicBERT: nomic-ai's checkpoint names, then transformers' NomicBertModel's (its save format).
+_NOMIC_NAMES = (
+    (r"embeddings\.word_embeddings\.(\w+)", r"embed.tokens.\1"),
+    (r"embeddings\.token_type_embeddings\.(\w+)", r"embed.types.\1"),
+    (r"(?:emb_ln|embeddings\.LayerNorm)\.(\w+)", r"embed.norm.\1"),
+    (r"encoder\.layers\.(\d+)\.attn\.Wqkv\.(\w+)", r"layers.\1.qkv.\2"),  # split below
+    (r"encoder\.layers\.(\d+)\.attn\.out_proj\.(\w+)", r"layers.\1.o.\2"),
+    (r"encoder\.layers\.(\d+)\.mlp\.fc11\.(\w+)", r"layers.\1.up.\2"),
+    (r"encoder\.layers\.(\d+)\.mlp\.fc12\.(\w+)", r"layers.\1.gate.\2"),
+    (r"encoder\.layers\.(\d+)\.mlp\.fc2\.(\w+)", r"layers.\1.down.\2"),
+    (r"encoder\.layers\.(\d+)\.norm1\.(\w+)", r"layers.\1.attn_norm.\2"),
+    (r"encoder\.layers\.(\d+)\.norm2\.(\w+)", r"layers.\1.out_norm.\2"),
+    (r"layers\.(\d+)\.self_attn\.([qkvo])_proj\.(\w+)", r"layers.\1.\2.\3"),
+    (r"layers\.(\d+)\.mlp\.(up|gate|down)_proj\.(\w+)", r"layers.\1.\2.\3"),
+    (r"layers\.(\d+)\.post_attention_layernorm\.(\w+)", r"layers.\1.attn_norm.\2"),
+    (r"layers\.(\d+)\.post_mlp_layernorm\.(\w+)", r"layers.\1.out_norm.\2"),
+)
 # llama.cpp's GGUF names (src/llama-arch.cpp) -> this module's names.
 GGUF_NAMES = (
     (r"token_embd\.weight", "embed.tokens.weight"),
@@ -237,9 +316,11 @@ GGUF_NAMES = (
     (r"blk\.(\d+)\.attn_q\.(weight|bias)", r"layers.\1.q.\2"),
     (r"blk\.(\d+)\.attn_k\.(weight|bias)", r"layers.\1.k.\2"),
     (r"blk\.(\d+)\.attn_v\.(weight|bias)", r"layers.\1.v.\2"),
+    (r"blk\.(\d+)\.attn_qkv\.(weight|bias)", r"layers.\1.qkv.\2"),  # fused (nomic-bert): split below
     (r"blk\.(\d+)\.attn_output\.(weight|bias)", r"layers.\1.o.\2"),
     (r"blk\.(\d+)\.attn_output_norm\.(weight|bias)", r"layers.\1.attn_norm.\2"),
     (r"blk\.(\d+)\.ffn_up\.(weight|bias)", r"layers.\1.up.\2"),
+    (r"blk\.(\d+)\.ffn_gate\.(weight|bias)", r"layers.\1.gate.\2"),
     (r"blk\.(\d+)\.ffn_down\.(weight|bias)", r"layers.\1.down.\2"),
     (r"blk\.(\d+)\.layer_output_norm\.(weight|bias)", r"layers.\1.out_norm.\2"),
     (r"cls\.output\.(weight|bias)", r"head.out.\1"),
@@ -257,7 +338,10 @@ def _rename(name: str, table: Any) -> str | None:
 def hf_weights(config: EncoderConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A Hugging Face checkpoint's tensors under this module's names, float32; unused ones
     (MLM heads, a plain model's pooler, ``position_ids`` buffers) are dropped."""
-    table = _HF_NAMES + (_HF_HEADS[config.model_type] if config.num_labels > 0 else ())
+    if config.model_type == "nomic_bert":
+        table: Any = _NOMIC_NAMES
+    else:
+        table = _HF_NAMES + (_HF_HEADS[config.model_type] if config.num_labels > 0 else ())
     out: dict[str, np.ndarray] = {}
     for name, value in tensors.items():
         for prefix in ("bert.", "roberta."):
@@ -270,7 +354,15 @@ def hf_weights(config: EncoderConfig, tensors: dict[str, np.ndarray]) -> dict[st
         if target == "embed.positions.weight":
             value = value[config.position_offset:]
         out[target] = value
-    return out
+    return _split_qkv(out)
+
+
+def _split_qkv(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A fused query/key/value projection (rows q, then k, then v) as three."""
+    for name in [n for n in weights if ".qkv." in n]:
+        for part, rows in zip("qkv", np.split(weights.pop(name), 3, axis=0)):
+            weights[name.replace(".qkv.", f".{part}.")] = np.ascontiguousarray(rows)
+    return weights
 
 
 def gguf_weights(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -280,7 +372,7 @@ def gguf_weights(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         target = _rename(name, GGUF_NAMES)
         if target is not None:
             out[target] = np.asarray(value, dtype=np.float32)
-    return out
+    return _split_qkv(out)
 
 
 def load_weights(model: Any, weights: dict[str, np.ndarray]) -> None:

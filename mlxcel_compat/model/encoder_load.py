@@ -4,11 +4,12 @@ An encoder is served for embeddings and reranking only (``LoadedModel.kind == "e
 has no causal mask, no KV cache and no output head over the vocabulary, so the engine builds no
 decode runtime, prompt cache or slot state for it.
 
-- a directory: ``config.json`` with ``model_type`` bert or xlm-roberta, ``*.safetensors``, and a
-  tokenizer mlx-lm's tokenizer loader reads (``tokenizer.json``);
-- a GGUF with ``general.architecture = bert`` (llama.cpp writes BERT, RoBERTa and XLM-R as
-  that): hyperparameters from ``bert.*``, tensors under llama.cpp's names (dequantized to
-  float32), the vocabulary rebuilt by ``encoder_vocab.py`` through ``gguf_tokenizer.py``.
+- a directory: ``config.json`` with ``model_type`` bert, xlm-roberta or nomic_bert,
+  ``*.safetensors``, and a tokenizer mlx-lm's tokenizer loader reads (``tokenizer.json``);
+- a GGUF with ``general.architecture`` ``bert`` (llama.cpp writes BERT, RoBERTa and XLM-R as
+  that) or ``nomic-bert``: hyperparameters from ``<arch>.*``, tensors under llama.cpp's names
+  (dequantized to float32), the vocabulary rebuilt by ``encoder_vocab.py`` through
+  ``gguf_tokenizer.py``.
 
 The returned config is config.json-shaped with ``max_position_embeddings`` set to the positions
 the model takes (XLM-R's offset rows dropped), which is llama.cpp's ``n_ctx_train``.
@@ -25,7 +26,7 @@ import numpy as np
 
 from mlxcel_compat.model import bert
 
-ENCODER_ARCHS = ("bert",)
+ENCODER_ARCHS = ("bert", "nomic-bert")
 
 
 def is_encoder_path(path: Path) -> bool:
@@ -76,10 +77,12 @@ def gguf_config(file: Any) -> bert.EncoderConfig:
 
     tensors = file.tensors
     tokens = file.metadata.get("tokenizer.ggml.tokens") or []
+    nomic = file.architecture == "nomic-bert"
     cls_out = tensors.get("cls.output.weight")
     types = tensors.get("token_types.weight")
+    xlmr = file.metadata.get("tokenizer.ggml.model") == "t5"
     return bert.EncoderConfig(
-        model_type="xlm-roberta" if file.metadata.get("tokenizer.ggml.model") == "t5" else "bert",
+        model_type="nomic_bert" if nomic else "xlm-roberta" if xlmr else "bert",
         vocab_size=int(file.arch_value("vocab_size") or len(tokens)),
         hidden_size=int(need("embedding_length")),
         num_hidden_layers=int(need("block_count")),
@@ -91,6 +94,10 @@ def gguf_config(file: Any) -> bert.EncoderConfig:
         layer_norm_eps=float(file.arch_value("attention.layer_norm_epsilon", 1e-12)),
         num_labels=int(cls_out.shape[0]) if cls_out is not None else 0,
         head_dense="cls.weight" in tensors,
+        rotary=nomic,
+        rope_theta=float(file.arch_value("rope.freq_base", 1000.0)),
+        gated="blk.0.ffn_gate.weight" in tensors,
+        bias=any(f"blk.0.{t}.bias" in tensors for t in ("attn_q", "attn_qkv", "attn_output")),
     )
 
 
@@ -127,7 +134,8 @@ def load_gguf(path: Path) -> tuple[Any, Any, dict[str, Any], Any]:
     summary.load_seconds = time.perf_counter() - t0
     raw = {
         "model_type": config.model_type,
-        "architectures": ["BertForSequenceClassification" if config.num_labels else "BertModel"],
+        "architectures": ["NomicBertModel" if config.rotary else
+                          "BertForSequenceClassification" if config.num_labels else "BertModel"],
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "num_hidden_layers": config.num_hidden_layers,

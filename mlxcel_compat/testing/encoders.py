@@ -8,7 +8,10 @@ Three kinds, each a Hugging Face directory that transformers loads as it is (``A
 - ``xlm-roberta``: an ``XLMRobertaModel`` embedder with a Unigram tokenizer and CLS pooling
   (bge-m3 shape; positions numbered from ``pad_token_id + 1``);
 - ``bert-reranker``: a ``BertForSequenceClassification`` cross-encoder with one label (the
-  ms-marco cross-encoder / bge-reranker shape).
+  ms-marco cross-encoder / bge-reranker shape);
+- ``nomic-bert``: a ``NomicBertModel`` embedder (nomic-embed-text shape: rotary positions, SwiGLU,
+  no linear biases) with the WordPiece tokenizer and mean pooling, its weights under nomic-ai's
+  checkpoint names (``emb_ln``, ``encoder.layers.N.attn.Wqkv``, ``mlp.fc11`` ...).
 
 Weights come from a fixed NumPy seed; the tokenizers are trained offline with ``tokenizers`` on
 the factory's generated corpus (``testing/tokenizer.py``), so a build takes well under a second.
@@ -57,6 +60,7 @@ SPECS: dict[str, EncoderSpec] = {
         EncoderSpec("bert", "bert", "BertModel", "mean"),
         EncoderSpec("xlm-roberta", "xlm-roberta", "XLMRobertaModel", "cls"),
         EncoderSpec("bert-reranker", "bert", "BertForSequenceClassification", "rank", num_labels=1),
+        EncoderSpec("nomic-bert", "nomic_bert", "NomicBertModel", "mean"),
     )
 }
 KINDS = tuple(SPECS)
@@ -70,6 +74,13 @@ def _spec(kind: str) -> EncoderSpec:
 
 def _xlmr(spec: EncoderSpec) -> bool:
     return spec.model_type == "xlm-roberta"
+
+
+def _nomic(spec: EncoderSpec) -> bool:
+    return spec.model_type == "nomic_bert"
+
+
+NOMIC_ROPE_THETA = 1000.0
 
 
 def config_for(kind: str) -> dict[str, Any]:
@@ -96,6 +107,11 @@ def config_for(kind: str) -> dict[str, Any]:
     }
     if _xlmr(s):
         config.update(bos_token_id=0, eos_token_id=2)
+    if _nomic(s):
+        del config["position_embedding_type"]
+        config.update(hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": NOMIC_ROPE_THETA},
+                      layer_norm_eps=1e-12, qkv_proj_bias=False, mlp_fc1_bias=False, mlp_fc2_bias=False,
+                      rotary_emb_fraction=1.0, rotary_emb_interleaved=False, prenorm=False)
     if s.num_labels:
         config["id2label"] = {str(i): f"LABEL_{i}" for i in range(s.num_labels)}
         config["label2id"] = {f"LABEL_{i}": i for i in range(s.num_labels)}
@@ -123,6 +139,8 @@ def random_weights(kind: str) -> dict[str, np.ndarray]:
     def norm(prefix: str) -> dict[str, np.ndarray]:
         return {f"{prefix}.weight": (1.0 + 0.1 * rng.standard_normal(h)).astype(np.float32), f"{prefix}.bias": bias(h)}
 
+    if _nomic(s):
+        return _nomic_weights(s, c, rng, matrix, norm)
     p = _prefix(s)
     w: dict[str, np.ndarray] = {
         f"{p}embeddings.word_embeddings.weight": (0.5 * rng.standard_normal((VOCAB_SIZE, h))).astype(np.float32),
@@ -146,6 +164,25 @@ def random_weights(kind: str) -> dict[str, np.ndarray]:
         w["classifier.out_proj.weight"], w["classifier.out_proj.bias"] = matrix(s.num_labels, h), bias(s.num_labels)
     else:
         w["pooler.dense.weight"], w["pooler.dense.bias"] = matrix(h, h), bias(h)  # a base model has one, unused
+    return w
+
+
+def _nomic_weights(s: EncoderSpec, c: dict[str, Any], rng: np.random.Generator, matrix: Any, norm: Any) -> dict[str, np.ndarray]:
+    """nomic-ai's checkpoint names: fused Wqkv, fc11 (up), fc12 (gate), fc2 (down), no biases."""
+    h, f = s.hidden_size, s.intermediate_size
+    w: dict[str, np.ndarray] = {
+        "embeddings.word_embeddings.weight": (0.5 * rng.standard_normal((VOCAB_SIZE, h))).astype(np.float32),
+        "embeddings.token_type_embeddings.weight": (0.5 * rng.standard_normal((c["type_vocab_size"], h))).astype(np.float32),
+        **norm("emb_ln"),
+    }
+    for i in range(s.num_hidden_layers):
+        layer = f"encoder.layers.{i}"
+        w[f"{layer}.attn.Wqkv.weight"] = matrix(3 * h, h)
+        w[f"{layer}.attn.out_proj.weight"] = matrix(h, h)
+        w[f"{layer}.mlp.fc11.weight"], w[f"{layer}.mlp.fc12.weight"] = matrix(f, h), matrix(f, h)
+        w[f"{layer}.mlp.fc2.weight"] = matrix(h, f)
+        w.update(norm(f"{layer}.norm1"))
+        w.update(norm(f"{layer}.norm2"))
     return w
 
 
@@ -270,6 +307,18 @@ _GGUF_LAYER = {
     "attention.output.dense": "attn_output", "attention.output.LayerNorm": "attn_output_norm",
     "intermediate.dense": "ffn_up", "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm",
 }
+_GGUF_NOMIC = (
+    (r"embeddings\.word_embeddings\.weight", "token_embd.weight"),
+    (r"embeddings\.token_type_embeddings\.weight", "token_types.weight"),
+    (r"emb_ln\.(weight|bias)", r"token_embd_norm.\1"),
+    (r"encoder\.layers\.(\d+)\.attn\.Wqkv\.weight", r"blk.\1.attn_qkv.weight"),
+    (r"encoder\.layers\.(\d+)\.attn\.out_proj\.weight", r"blk.\1.attn_output.weight"),
+    (r"encoder\.layers\.(\d+)\.mlp\.fc11\.weight", r"blk.\1.ffn_up.weight"),
+    (r"encoder\.layers\.(\d+)\.mlp\.fc12\.weight", r"blk.\1.ffn_gate.weight"),
+    (r"encoder\.layers\.(\d+)\.mlp\.fc2\.weight", r"blk.\1.ffn_down.weight"),
+    (r"encoder\.layers\.(\d+)\.norm1\.(weight|bias)", r"blk.\1.attn_output_norm.\2"),
+    (r"encoder\.layers\.(\d+)\.norm2\.(weight|bias)", r"blk.\1.layer_output_norm.\2"),
+)
 _GGUF_HEAD = {
     "pooler.dense": "cls", "classifier.dense": "cls", "classifier.out_proj": "cls.output", "classifier": "cls.output",
 }
@@ -280,6 +329,14 @@ def gguf_tensors(kind: str) -> dict[str, np.ndarray]:
     s = _spec(kind)
     c = config_for(kind)
     out: dict[str, np.ndarray] = {}
+    if _nomic(s):
+        import re
+
+        for name, value in random_weights(kind).items():
+            for pattern, target in _GGUF_NOMIC:
+                if re.fullmatch(pattern, name):
+                    out[re.sub(pattern, target, name)] = np.ascontiguousarray(value, dtype=np.float32)
+        return out
     for name, value in random_weights(kind).items():
         for prefix in ("bert.", "roberta."):
             name = name[len(prefix):] if name.startswith(prefix) else name
@@ -349,7 +406,8 @@ def _add_vocab(writer: Any, kind: str, directory: Path) -> None:
 
 
 def write_encoder_gguf(kind: str, out: str | Path, model_dir: str | Path | None = None) -> Path:
-    """The ``kind`` encoder as an F32 GGUF (architecture ``bert``), from its directory's tokenizer."""
+    """The ``kind`` encoder as an F32 GGUF (architecture ``bert``, or ``nomic-bert``), from its
+    directory's tokenizer."""
     import gguf
 
     s = _spec(kind)
@@ -357,7 +415,7 @@ def write_encoder_gguf(kind: str, out: str | Path, model_dir: str | Path | None 
     directory = Path(model_dir) if model_dir is not None else ensure_encoder(kind)
     out = Path(out).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(out), "bert")
+    writer = gguf.GGUFWriter(str(out), "nomic-bert" if _nomic(s) else "bert")
     writer.add_name(f"mlxcel-encoder-{kind}")
     writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
     writer.add_context_length(s.n_positions)
@@ -367,6 +425,8 @@ def write_encoder_gguf(kind: str, out: str | Path, model_dir: str | Path | None 
     writer.add_head_count(s.num_attention_heads)
     writer.add_layer_norm_eps(c["layer_norm_eps"])
     writer.add_causal_attention(False)
+    if _nomic(s):
+        writer.add_rope_freq_base(NOMIC_ROPE_THETA)
     writer.add_vocab_size(VOCAB_SIZE)
     writer.add_pooling_type(gguf.PoolingType[s.pooling.upper()])
     writer.add_token_type_count(c["type_vocab_size"])
