@@ -97,6 +97,18 @@ def test_openai_client_float_and_base64(bert_server, torch_mod, transformers_mod
     assert len(encoded.data) == len(TEXTS)
 
 
+def test_langchain_openai_embeddings(bert_server, torch_mod, transformers_mod) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai")
+    emb = langchain_openai.OpenAIEmbeddings(model="tiny-bert", base_url=bert_server.base_url + "/v1", api_key="none",
+                                            check_embedding_ctx_length=False)
+    docs = emb.embed_documents(TEXTS)
+    expected = reference_vectors(torch_mod, transformers_mod, "bert", "mean")
+    assert len(docs) == len(TEXTS)
+    for got, want in zip(docs, expected):
+        assert cosine(got, want) > 1 - 1e-4
+    assert cosine(emb.embed_query(TEXTS[1]), expected[1]) > 1 - 1e-4
+
+
 def test_native_shape_and_normalisation(bert_server) -> None:
     with client_for(bert_server) as c:
         r = c.post("/embedding", json={"content": TEXTS[1], "embd_normalize": -1})

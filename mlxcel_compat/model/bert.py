@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -365,6 +365,11 @@ def _split_qkv(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return weights
 
 
+def gguf_target(name: str) -> str | None:
+    """This module's name for a GGUF tensor (None: a tensor the encoder does not use)."""
+    return _rename(name, GGUF_NAMES)
+
+
 def gguf_weights(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A GGUF's tensors (already dequantized, NumPy row-major) under this module's names."""
     out: dict[str, np.ndarray] = {}
@@ -414,16 +419,10 @@ def load_directory(directory: Path) -> tuple[Any, dict[str, Any]]:
     config = EncoderConfig.from_hf(raw)
     weights = hf_weights(config, read_safetensors(directory))
     if config.num_labels > 0 and "head.dense.weight" not in weights:
-        config = _replace(config, head_dense=False)
+        config = replace(config, head_dense=False)
     model = build_encoder(config)
     load_weights(model, weights)
     return model, raw
-
-
-def _replace(config: EncoderConfig, **changes: Any) -> EncoderConfig:
-    from dataclasses import replace
-
-    return replace(config, **changes)
 
 
 def pair_encoding(tokenizer: Any, first: str, second: str) -> tuple[list[int], list[int]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -121,11 +122,11 @@ def load_gguf(path: Path) -> tuple[Any, Any, dict[str, Any], Any]:
               for name, info in file.tensors.items()}
     weights = bert.gguf_weights(arrays)
     if config.type_vocab_size == 0:  # a file without token types: type 0 adds nothing
-        config = bert._replace(config, type_vocab_size=1)
+        config = replace(config, type_vocab_size=1)
         weights["embed.types.weight"] = np.zeros((1, config.hidden_size), dtype=np.float32)
     model = bert.build_encoder(config)
     bert.load_weights(model, weights)
-    n_float = sum(1 for name in file.tensors if bert._rename(name, bert.GGUF_NAMES) is not None)
+    n_float = sum(1 for name in file.tensors if bert.gguf_target(name) is not None)
     summary = GGUFSummary(
         path=str(file.path), parts=len(file.parts), architecture=file.architecture, file_type=file.file_type,
         type_counts=file.type_counts(), n_params=file.n_params, file_bytes=file.size_bytes, compute_dtype="float32",
