@@ -126,7 +126,7 @@ def test_small_passes_equal_one_pass(loaded, kind: str) -> None:
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "bert-reranker", "nomic-bert"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "bert-reranker", "xlm-roberta-reranker", "nomic-bert"])
 def test_gguf_is_the_directory(loaded, kind: str) -> None:
     """The GGUF (llama.cpp's names, vocabulary and position table) tokenizes and embeds as the directory."""
     d, g = loaded(kind), loaded(kind, gguf=True)
@@ -135,7 +135,7 @@ def test_gguf_is_the_directory(loaded, kind: str) -> None:
     assert g.config["max_position_embeddings"] == d.config["max_position_embeddings"]
     for text in TEXTS:
         assert list(g.tokenizer.encode(text, add_special_tokens=True)) == list(d.tokenizer.encode(text, add_special_tokens=True))
-    pooling = "rank" if kind == "bert-reranker" else "mean"
+    pooling = "rank" if kind.endswith("reranker") else "mean"
     if pooling == "rank":
         pairs_d = [CROSS_ENCODER.encode(d.tokenizer, QUERY, doc) for doc in DOCUMENTS]
         pairs_g = [CROSS_ENCODER.encode(g.tokenizer, QUERY, doc) for doc in DOCUMENTS]
@@ -155,24 +155,31 @@ def test_declared_pooling() -> None:
     assert model_pooling(tiny_encoder("xlm-roberta")) == "cls"
     assert model_pooling(tiny_encoder("bert-reranker")) == "rank"
     assert model_pooling(tiny_encoder("nomic-bert")) == "mean"
-    for kind, pooling in (("bert", "mean"), ("xlm-roberta", "cls"), ("bert-reranker", "rank"), ("nomic-bert", "mean")):
+    assert model_pooling(tiny_encoder("xlm-roberta-reranker")) == "rank"
+    for kind, pooling in (("bert", "mean"), ("xlm-roberta", "cls"), ("bert-reranker", "rank"), ("nomic-bert", "mean"),
+                          ("xlm-roberta-reranker", "rank")):
         assert model_pooling(tiny_encoder(kind, gguf=True)) == pooling
 
 
-def test_rerank_equals_transformers(loaded, torch_mod) -> None:
+@pytest.mark.parametrize("kind", ["bert-reranker", "xlm-roberta-reranker"])
+def test_rerank_equals_transformers(loaded, torch_mod, kind: str) -> None:
     transformers = pytest.importorskip("transformers")
-    directory = str(tiny_encoder("bert-reranker"))
+    directory = str(tiny_encoder(kind))
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     ref_model = transformers.AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch_mod.float32).eval()
     batch = tokenizer([QUERY] * len(DOCUMENTS), DOCUMENTS, padding=True, return_tensors="pt")
     with torch_mod.no_grad():
         expected = ref_model(**batch).logits[:, 0].numpy()
 
-    m = loaded("bert-reranker")
+    m = loaded(kind)
     head = rank_head(m.path, m.tokenizer)
     assert head is CROSS_ENCODER
     pairs = [head.encode(m.tokenizer, QUERY, doc) for doc in DOCUMENTS]
-    assert any(1 in types for _, types in pairs), "BERT pairs carry segment B's token type"
+    assert [ids for ids, _ in pairs] == [list(row[row != tokenizer.pad_token_id]) for row in batch["input_ids"].numpy()]
+    if kind == "bert-reranker":
+        assert any(1 in types for _, types in pairs), "BERT pairs carry segment B's token type"
+    else:
+        assert m.model.config.model_type == "xlm-roberta" and "dense" in m.model.head
     scores = embed(m.model, EmbeddingJob(prompts=[p for p, _ in pairs], pooling="rank", max_batch_tokens=512,
                                          token_types=[t for _, t in pairs]))
     ours = np.array([float(s.ravel()[0]) for s in scores])

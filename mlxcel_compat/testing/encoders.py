@@ -9,6 +9,8 @@ Three kinds, each a Hugging Face directory that transformers loads as it is (``A
   (bge-m3 shape; positions numbered from ``pad_token_id + 1``);
 - ``bert-reranker``: a ``BertForSequenceClassification`` cross-encoder with one label (the
   ms-marco cross-encoder / bge-reranker shape);
+- ``xlm-roberta-reranker``: an ``XLMRobertaForSequenceClassification`` cross-encoder (bge-reranker's
+  shape: ``classifier.dense`` + tanh, then ``classifier.out_proj``);
 - ``nomic-bert``: a ``NomicBertModel`` embedder (nomic-embed-text shape: rotary positions, SwiGLU,
   no linear biases) with the WordPiece tokenizer and mean pooling, its weights under nomic-ai's
   checkpoint names (``emb_ln``, ``encoder.layers.N.attn.Wqkv``, ``mlp.fc11`` ...).
@@ -61,6 +63,7 @@ SPECS: dict[str, EncoderSpec] = {
         EncoderSpec("xlm-roberta", "xlm-roberta", "XLMRobertaModel", "cls"),
         EncoderSpec("bert-reranker", "bert", "BertForSequenceClassification", "rank", num_labels=1),
         EncoderSpec("nomic-bert", "nomic_bert", "NomicBertModel", "mean"),
+        EncoderSpec("xlm-roberta-reranker", "xlm-roberta", "XLMRobertaForSequenceClassification", "rank", num_labels=1),
     )
 }
 KINDS = tuple(SPECS)
