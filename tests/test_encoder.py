@@ -133,6 +133,7 @@ def test_gguf_is_the_directory(loaded, kind: str) -> None:
     assert g.kind == "encoder" and g.gguf is not None
     assert g.gguf.architecture == ("nomic-bert" if kind == "nomic-bert" else "bert")
     assert g.config["max_position_embeddings"] == d.config["max_position_embeddings"]
+    assert g.n_params == d.n_params and g.gguf.weight_bytes == {"float32": d.size_bytes}
     for text in TEXTS:
         assert list(g.tokenizer.encode(text, add_special_tokens=True)) == list(d.tokenizer.encode(text, add_special_tokens=True))
     pooling = "rank" if kind.endswith("reranker") else "mean"

@@ -187,7 +187,7 @@ def _make_modules() -> tuple[Any, Any]:
             self.down = nn.Linear(c.intermediate_size, h, bias=c.bias)
             self.out_norm = nn.LayerNorm(h, eps=c.layer_norm_eps)
 
-        def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
+        def __call__(self, x: mx.array, mask: mx.array | None) -> mx.array:
             b, n, h = x.shape
 
             def heads(t: mx.array) -> mx.array:
@@ -236,7 +236,7 @@ def _make_modules() -> tuple[Any, Any]:
                 types: (B, L) token type ids (segment A 0, B 1), or None for all 0.
                 lengths: each row's real length (None: every row is full); padded keys are masked.
             """
-            if types is None:
+            if types is None or self.config.type_vocab_size <= 1:  # one type row: segment B is type 0 too
                 types = mx.zeros(ids.shape, dtype=mx.int32)
             mask = None
             if lengths is not None and any(n < ids.shape[1] for n in lengths):
@@ -381,7 +381,8 @@ def gguf_weights(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def load_weights(model: Any, weights: dict[str, np.ndarray]) -> None:
-    """Install ``weights`` (this module's names); every parameter must be given, in its shape."""
+    """Install ``weights`` (this module's names; the dict is emptied of them as they are copied
+    into MLX); every parameter must be given, in its shape."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -392,7 +393,11 @@ def load_weights(model: Any, weights: dict[str, np.ndarray]) -> None:
     for name, value in weights.items():
         if name in expected and tuple(expected[name].shape) != value.shape:
             raise ValueError(f"encoder weight {name}: shape {value.shape}, expected {tuple(expected[name].shape)}")
-    model.load_weights([(name, mx.array(value)) for name, value in weights.items() if name in expected])
+    loaded = []
+    for name in [n for n in weights if n in expected]:
+        loaded.append((name, mx.array(weights.pop(name))))  # each NumPy copy goes once MLX holds it
+        mx.eval(loaded[-1][1])
+    model.load_weights(loaded)
     mx.eval(model.parameters())
 
 

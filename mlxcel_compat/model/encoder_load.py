@@ -125,12 +125,13 @@ def load_gguf(path: Path) -> tuple[Any, Any, dict[str, Any], Any]:
         config = replace(config, type_vocab_size=1)
         weights["embed.types.weight"] = np.zeros((1, config.hidden_size), dtype=np.float32)
     model = bert.build_encoder(config)
+    n_bytes = sum(v.nbytes for v in weights.values())
     bert.load_weights(model, weights)
     n_float = sum(1 for name in file.tensors if bert.gguf_target(name) is not None)
     summary = GGUFSummary(
         path=str(file.path), parts=len(file.parts), architecture=file.architecture, file_type=file.file_type,
         type_counts=file.type_counts(), n_params=file.n_params, file_bytes=file.size_bytes, compute_dtype="float32",
-        precision={"float32": n_float}, specials=specials, weight_bytes={"float32": sum(v.nbytes for v in weights.values())},
+        precision={"float32": n_float}, specials=specials, weight_bytes={"float32": n_bytes},
     )
     summary.load_seconds = time.perf_counter() - t0
     raw = {
