@@ -231,3 +231,16 @@ def test_embeddings_equal_the_real_llama_server(server_factory, kind: str) -> No
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_without_the_flag(server_factory) -> None:
+    """An encoder served without --embeddings: embeddings answer llama-server's 501, generation
+    its 500, and the server is up (a NomicBERT directory)."""
+    server = server_factory(["-m", str(tiny_encoder("nomic-bert")), "-np", "1"])
+    with client_for(server) as c:
+        r = c.post("/v1/embeddings", json={"input": "hello"})
+        assert r.status_code == 501
+        assert r.json()["error"]["message"] == "This server does not support embeddings. Start it with `--embeddings`"
+        r = c.post("/completion", json={"prompt": "hello"})
+        assert (r.status_code, r.json()["error"]["message"]) == (500, NO_LOGITS)
+        assert c.get("/health").json() == {"status": "ok"}
