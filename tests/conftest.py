@@ -47,6 +47,14 @@ def tiny_model(family: str = "llama") -> Path:
     return ensure_model(family, "tiny", cache_dir=MODEL_CACHE)
 
 
+def tiny_encoder(kind: str = "bert", gguf: bool = False) -> Path:
+    """A tiny factory encoder (``testing/encoders.py``: bert, xlm-roberta, bert-reranker), as a
+    directory or as its GGUF."""
+    from mlxcel_compat.testing.encoders import ensure_encoder, ensure_encoder_gguf
+
+    return ensure_encoder_gguf(kind, MODEL_CACHE) if gguf else ensure_encoder(kind, MODEL_CACHE)
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct Q4_1 (real trained weights), fetched once into the user cache as the

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 Sink = Callable[[EngineEvent], None]
 WARMUP_QUEUE = 8  # pending background warm-ups (one per session)
 SHUTTING_DOWN = "Server is shutting down"
+NO_LOGITS = "the current context does not support logits computation. skipping"  # an encoder cannot generate
 BATCH_FAILURES_TOLERATED = 3  # failed batched passes in a row, with no faulty row, before batching stops
 
 
@@ -302,6 +303,9 @@ class Engine:
         self.n_ctx_total, self.n_ctx = slot_context(self.config.ctx_size, len(self.slots), self.config.kv_unified, n_ctx_train)
         for slot in self.slots:
             slot.n_ctx = self.n_ctx
+        if self.loaded.kind == "encoder":
+            self._load_encoder(t0)
+            return
         self.batch = DecodeBatch(self.loaded.model, self.loaded.decoder)
         tokenizer = self.loaded.tokenizer
         vocab_size = int(_config_value(self.loaded.config, "vocab_size", 0) or len(tokenizer))
@@ -364,6 +368,21 @@ class Engine:
                  "ngram-mod n_match %d, n_min %d, n_max %d)", spec.type_names, spec.draft_n_max, spec.draft_n_min,
                  spec.draft_p_min, spec.ngram_size_n, spec.ngram_size_m, spec.mod_n_match, spec.mod_n_min, spec.mod_n_max)
 
+    def _load_encoder(self, t0: float) -> None:
+        """An encoder serves embeddings and rerank only: no decode batch, prompt cache or warm-up
+        of the decode path; generation requests are refused at submit (``_drain_commands``)."""
+        import mlx.core as mx
+
+        tokenizer = self.loaded.tokenizer
+        vocab_size = int(self.loaded.config.get("vocab_size") or 0)
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, [])  # built lazily; never used here
+        self.batched_decode = self.batched_prefill = False
+        mx.eval(self.loaded.model(mx.array([[0, 1]])))  # MLX's one-off first-call cost
+        gc.collect()
+        mx.clear_cache()
+        log.info("encoder '%s' loaded from %s in %.1f s (%d parameters, %d positions): embeddings and rerank only",
+                 self.loaded.model_id, self.loaded.path, time.perf_counter() - t0, self.loaded.n_params, self.n_ctx)
+
     def _warm_up(self) -> None:
         """Run one tiny forward pass: MLX's first call pays a one-off set-up cost."""
         import mlx.core as mx
@@ -413,6 +432,8 @@ class Engine:
                     cmd.sink(unavailable())
                 elif not cmd.request.prompt_tokens:
                     cmd.sink(empty_finish(cmd.request))  # llama-server: an empty prompt ends at once
+                elif self.loaded.kind == "encoder":
+                    cmd.sink(ErrorEvent(NO_LOGITS))  # llama-server's answer on a model without a KV cache
                 else:
                     self.waiting.append(cmd)
                     self._idle_since = time.monotonic()

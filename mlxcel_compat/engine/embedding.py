@@ -8,6 +8,10 @@ so a batched input's vector is its vector alone (to float rounding). An input lo
 pass is run in chunks through a KV cache (a causal model reads the past from it). Nothing here
 touches the prompt cache: an embedding is one pass that nothing continues.
 
+An encoder (``model/bert.py``) attends both ways, so its padding is masked instead, and an input
+is never split (the HTTP side refuses one longer than a pass, as llama-server does). Its pooling
+``rank`` is its classification head on the first token.
+
 Results leave the engine thread as NumPy float32 arrays, never as ``mx.array``s.
 """
 
@@ -29,6 +33,7 @@ class EmbeddingJob:
     pooling: str  # none | mean | cls | last | rank
     max_batch_tokens: int  # padded tokens per forward pass (--ubatch-size)
     rank: Any = None  # model.rerank.RankHead for pooling rank: the last token's scores
+    token_types: list[list[int]] | None = None  # an encoder's segment ids per prompt (a rerank pair); None: all 0
 
 
 def hidden_module(model: Any) -> Any:
@@ -42,6 +47,8 @@ def hidden_module(model: Any) -> Any:
 def embed(model: Any, job: EmbeddingJob) -> list[np.ndarray]:
     """Each prompt's embedding in input order: shape (n_tokens, n_embd) for pooling ``none``,
     else (1, n_embd), unnormalised (the caller normalises pooled vectors)."""
+    if getattr(model, "is_encoder", False):
+        return _embed_encoder(model, job)
     inner = hidden_module(model)
     out: list[np.ndarray | None] = [None] * len(job.prompts)
     for group in _groups([len(p) for p in job.prompts], job.max_batch_tokens):
@@ -76,6 +83,29 @@ def rank_scores(model: Any, last_hidden: np.ndarray, head: Any) -> np.ndarray:
         logits = np.exp(logits - logits.max(axis=1, keepdims=True))
         logits /= logits.sum(axis=1, keepdims=True)
     return logits.astype(np.float32)
+
+
+def _embed_encoder(model: Any, job: EmbeddingJob) -> list[np.ndarray]:
+    """Padded batches with a padding mask; pooling ``rank``: (1, n_labels) head scores."""
+    import mlx.core as mx
+
+    out: list[np.ndarray | None] = [None] * len(job.prompts)
+    for group in _groups([len(p) for p in job.prompts], job.max_batch_tokens):
+        lengths = [len(job.prompts[i]) for i in group]
+        width = max(lengths)
+        ids = [job.prompts[i] + [PAD_TOKEN] * (width - n) for i, n in zip(group, lengths)]
+        types = [(job.token_types[i] if job.token_types is not None else [0] * n) + [0] * (width - n)
+                 for i, n in zip(group, lengths)]
+        hidden = model(mx.array(ids), mx.array(types), lengths)
+        if job.pooling == "rank":
+            scores = np.array(model.classify(hidden).astype(mx.float32))
+            for row, i in enumerate(group):
+                out[i] = scores[row : row + 1]
+            continue
+        values = np.array(hidden.astype(mx.float32))
+        for row, (i, n) in enumerate(zip(group, lengths)):
+            out[i] = _pool(values[row, :n], job.pooling)
+    return [v for v in out if v is not None]
 
 
 def _groups(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:

@@ -183,6 +183,10 @@ def _hf_tokenizer(file: GGUFModelFile, tokenizer_dict: dict[str, Any], specials:
     """The transformers tokenizer the GGUF metadata describes (the conversion itself)."""
     from transformers import PreTrainedTokenizerFast
 
+    from mlxcel_compat.model import encoder_vocab
+
+    if encoder_vocab.is_encoder_vocab(file.architecture, tokenizer_dict.get("tokenizer_type")):
+        return encoder_vocab.hf_tokenizer(file.metadata)  # BERT-family vocabularies (WPM, UGM)
     backend = _convert(file.architecture, tokenizer_dict)
     tokens = tokenizer_dict["tokens"]
 

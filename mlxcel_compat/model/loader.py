@@ -51,6 +51,7 @@ class LoadedModel:
     decoder: Any = None  # model.cpu_decode.CpuDecoder: decode steps outside MLX (single or batched), or None
     n_adapted: int = 0  # modules carrying a LoRA adapter (model.lora_layers), served unfused
     fim: FimTokens = field(default_factory=FimTokens)  # fill-in-the-middle tokens (/infill)
+    kind: str = "decoder"  # "encoder": a BERT-family model (model/bert.py), served for embeddings and rerank only
 
     @property
     def file_type(self) -> str:
@@ -226,6 +227,12 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
     from mlx.utils import tree_flatten
 
     path = resolve_model_path(model_arg, offline=offline)
+    from mlxcel_compat.model import encoder_load
+
+    if encoder_load.is_encoder_path(path):
+        if adapters:
+            raise ValueError("LoRA adapters apply to decoder models; this is a BERT-family encoder")
+        return _load_encoder(path, model_arg, aliases, name)
     on_cpu = mx.default_device() == mx.cpu
     summary = None
     affine = None  # mlx_affine.AffineLoad for a quantized directory on the CPU
@@ -287,6 +294,38 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
         decoder=decoder,
         n_adapted=n_adapted,
         fim=fim,
+    )
+
+
+def _load_encoder(path: Path, model_arg: str, aliases: list[str], name: str | None) -> LoadedModel:
+    """A BERT-family encoder (``encoder_load.py``): float32 MLX weights, no decode runtime."""
+    from mlx.utils import tree_flatten
+
+    from mlxcel_compat.model import encoder_load
+
+    summary = None
+    if path.is_file():
+        model, tokenizer, config, summary = encoder_load.load_gguf(path)
+        _log_gguf(summary)
+    else:
+        model, tokenizer, config = encoder_load.load_directory(path)
+    params = tree_flatten(model.parameters())
+    c = model.config
+    log.info("encoder %s: %d layers, hidden %d, %d positions, %s; served for embeddings and rerank only",
+             c.model_type, c.num_hidden_layers, c.hidden_size, c.n_positions,
+             f"classification head ({c.num_labels} labels)" if c.num_labels else "no classification head")
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        path=path,
+        model_id=model_display_id(name or model_arg, aliases),
+        aliases=sorted(aliases),
+        n_params=summary.n_params if summary is not None else sum(v.size for _, v in params),
+        size_bytes=summary.file_bytes if summary is not None else sum(v.nbytes for _, v in params),
+        gguf=summary,
+        fingerprint=model_fingerprint(path, summary),
+        kind="encoder",
     )
 
 

@@ -36,6 +36,11 @@ def model_pooling(path: str | Path) -> str:
 
     if is_reranker_directory(path):
         return "rank"  # what llama.cpp's converter writes for a Qwen3-Reranker checkpoint
+    from mlxcel_compat.model import bert
+
+    config = _read_json(path / "config.json")
+    if isinstance(config, dict) and bert.is_encoder_config(config) and bert.is_classifier(config):
+        return "rank"  # a cross-encoder: scores are what it computes (llama-server needs --rerank for its GGUF)
     return _sentence_transformers_pooling(path) or "none"
 
 

@@ -8,6 +8,10 @@ softmax for the ``qwen3`` architecture. A directory is recognised by the convert
 README titled Qwen3-Reranker, the name, a ``*ForSequenceClassification`` architecture) and its head
 rows are the vocabulary's "yes" and "no" tokens.
 
+A cross-encoder (a BERT-family ``*ForSequenceClassification``, ``model/bert.py``) scores a pair
+with its own classification head on the first token; its head here only says how a pair becomes
+tokens: the model's tokenizer joins the two texts with their segment ids (``pair``).
+
 Everything here is NumPy and plain Python: the HTTP side reads it at start-up.
 """
 
@@ -41,16 +45,32 @@ class RankHead:
     matrix: np.ndarray | None = None  # (n_labels, n_embd): a GGUF's cls.output rows
     token_ids: tuple[int, ...] = ()  # or these rows of the model's own output head
     softmax: bool = True  # llama.cpp applies it for qwen3 rerankers
+    pair: bool = False  # a cross-encoder: the tokenizer's pair encoding, the model's own head scores it
 
     def prompt(self, tokenizer: Any, query: str, document: str) -> list[int]:
         """The pair's tokens: the template filled in, special tokens parsed, none added."""
+        return self.encode(tokenizer, query, document)[0]
+
+    def encode(self, tokenizer: Any, query: str, document: str) -> tuple[list[int], list[int] | None]:
+        """The pair's tokens and, for a cross-encoder, their token types (None: all 0)."""
+        if self.pair:
+            from mlxcel_compat.model.bert import pair_encoding
+
+            return pair_encoding(tokenizer, query, document)
         text = self.template.replace("{query}", query).replace("{document}", document)
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return list(tokenizer.encode(text, add_special_tokens=False)), None
+
+
+CROSS_ENCODER = RankHead(template="", softmax=False, pair=True)
 
 
 def rank_head(path: str | Path, tokenizer: Any) -> RankHead | None:
     """The model's reranking head, or None when it is no decoder reranker this server knows."""
     path = Path(path)
+    from mlxcel_compat.model import encoder_load
+
+    if encoder_load.is_encoder_path(path):
+        return CROSS_ENCODER if encoder_load.has_classifier(path) else None
     if path.is_file():
         return _gguf_head(path)
     config = _read_json(path / "config.json") or {}

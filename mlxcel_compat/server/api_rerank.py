@@ -55,12 +55,15 @@ def parse_request(ctx: ServerContext, data: dict[str, Any]) -> RerankRequest:
     top_n = data.get("top_n", len(documents))
     if not isinstance(top_n, int) or isinstance(top_n, bool):
         raise InvalidRequest("top_n must be an integer")
-    prompts = [m.rank_head.prompt(m.tokenizer, query, doc) for doc in documents]
+    pairs = [m.rank_head.encode(m.tokenizer, query, doc) for doc in documents]
+    prompts = [tokens for tokens, _ in pairs]
+    types = [t if t is not None else [0] * len(tokens) for tokens, t in pairs] if m.rank_head.pair else None
     for tokens in prompts:
         check_length(ctx, tokens, unsplit=False)  # a causal reranker reads its last token: splittable
     model = data.get("model")
     return RerankRequest(
-        job=EmbeddingJob(prompts=prompts, pooling="rank", max_batch_tokens=ctx.settings.ubatch_size, rank=m.rank_head),
+        job=EmbeddingJob(prompts=prompts, pooling="rank", max_batch_tokens=ctx.settings.ubatch_size, rank=m.rank_head,
+                         token_types=types),
         documents=documents,
         top_n=max(0, top_n),
         tei=tei,

@@ -359,6 +359,7 @@ def model_info(engine: Engine, settings: Any) -> ModelInfo:
         fim=getattr(loaded, "fim", None) or FimTokens(),
         pooling=pooling,
         rank_head=rank_head(loaded.path, tok) if pooling == "rank" else None,
+        kind=getattr(loaded, "kind", "decoder"),
     )
 
 

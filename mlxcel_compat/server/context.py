@@ -52,6 +52,7 @@ class ModelInfo:
     fim: FimTokens = field(default_factory=FimTokens)  # fill-in-the-middle tokens (/infill)
     pooling: str = "none"  # embeddings: --pooling, --rerank's rank, else the model's own (model/pooling.py)
     rank_head: Any = None  # model.rerank.RankHead of a reranker served with pooling rank
+    kind: str = "decoder"  # "encoder": a BERT-family model, embeddings and rerank only (no generation)
 
 
 @dataclass

@@ -9,8 +9,9 @@ from mlxcel_compat.server.pipeline import check_context
 
 # Poolings whose input must fit one physical batch in llama.cpp (it cannot split them).
 UNSPLIT_POOLINGS = ("none", "mean", "cls")
-NO_HEAD = ("This model has no reranking head this server can use: a Qwen3-Reranker-style decoder (a GGUF with "
-           "cls.output and a rerank template, or a Qwen3-Reranker directory) is needed")
+NO_HEAD = ("This model has no reranking head this server can use: a cross-encoder (a BERT or XLM-R "
+           "*ForSequenceClassification directory, or a bert GGUF with cls.output) or a Qwen3-Reranker-style decoder "
+           "(a GGUF with cls.output and a rerank template, or a Qwen3-Reranker directory) is needed")
 
 
 def embeddings_enabled(ctx: ServerContext) -> bool:
@@ -19,8 +20,10 @@ def embeddings_enabled(ctx: ServerContext) -> bool:
 
 def check_length(ctx: ServerContext, tokens: list[int], unsplit: bool) -> None:
     """llama-server's limits, in its order: an input it cannot split must fit one physical batch
-    (its 500) and the slot's context (its own 400 wording); others get the usual context check."""
+    (its 500) and the slot's context (its own 400 wording); others get the usual context check.
+    An encoder never splits an input (it has no KV cache), and its context is its position table."""
     assert ctx.model is not None
+    unsplit = unsplit or ctx.model.kind == "encoder"
     n, ubatch, n_ctx = len(tokens), ctx.settings.ubatch_size, ctx.model.n_ctx
     if not unsplit:
         check_context(ctx, tokens)

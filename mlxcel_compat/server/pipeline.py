@@ -142,7 +142,15 @@ def check_context(ctx: ServerContext, tokens: list[int]) -> None:
 
 
 def expand(ctx: ServerContext, opts: CompletionOptions, prompts: list[list[int]]) -> list[GenerationRequest]:
-    """One request per prompt and per completion (``n_cmpl``); children get seed+1, seed+2, ..."""
+    """One request per prompt and per completion (``n_cmpl``); children get seed+1, seed+2, ...
+
+    An encoder cannot generate: llama-server answers its 500 once a prompt reaches a slot (an
+    empty prompt still gets its empty answer). Raised here, before any stream starts, it is the
+    plain JSON error llama-server sends for a stream whose first result is an error."""
+    if ctx.model.kind == "encoder" and any(prompts):
+        from mlxcel_compat.engine.core import NO_LOGITS
+
+        raise ServerError(NO_LOGITS)
     requests = []
     for p_index, tokens in enumerate(prompts):
         for child in range(opts.n_cmpl):
