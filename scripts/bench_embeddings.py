@@ -17,6 +17,7 @@ speed-up of the batched request (goal: at least 3x over the sequential single re
 vectors of both sides are compared too (largest difference; they must agree to float rounding).
 
     python scripts/bench_embeddings.py [--size small] [--reps 5]
+    python scripts/bench_embeddings.py --model bert-small   # the factory's BERT encoder, bge-small's shape
 """
 
 from __future__ import annotations
@@ -49,13 +50,22 @@ def texts(n: int = 64) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="small")
-    parser.add_argument("--model", default="", help="a model directory or GGUF instead of the factory qwen3")
+    parser.add_argument("--model", default="", help="a model directory or GGUF instead of the factory qwen3 "
+                        "(or a factory encoder: bert, bert-small, xlm-roberta, nomic-bert)")
+    parser.add_argument("--pooling", default="", help="--pooling for the server (default: last for the factory "
+                        "qwen3, the model's own for --model)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--n", type=int, default=64)
     args = parser.parse_args()
     model = args.model or benchlib.resolve_model(f"qwen3:{args.size}", args.size)
-    server = benchlib.ServerProcess.mlxcel(model, ["--embeddings", "--pooling", "last", "-np", "8", "-c", "4096"],
-                                           name="embeddings")
+    if args.model in ("bert", "bert-small", "xlm-roberta", "nomic-bert"):
+        from mlxcel_compat.testing.encoders import ensure_encoder
+
+        model = str(ensure_encoder(args.model))
+    pooling = args.pooling or ("" if args.model else "last")
+    ctx = [] if args.model else ["-c", "4096"]  # an encoder's context is its position table
+    server = benchlib.ServerProcess.mlxcel(model, ["--embeddings", *(["--pooling", pooling] if pooling else []),
+                                                   "-np", "8", *ctx], name="embeddings")
     server.start()
     try:
         server.wait_healthy(300)

@@ -64,6 +64,9 @@ SPECS: dict[str, EncoderSpec] = {
         EncoderSpec("bert-reranker", "bert", "BertForSequenceClassification", "rank", num_labels=1),
         EncoderSpec("nomic-bert", "nomic_bert", "NomicBertModel", "mean"),
         EncoderSpec("xlm-roberta-reranker", "xlm-roberta", "XLMRobertaForSequenceClassification", "rank", num_labels=1),
+        # bge-small-en's shape (33M parameters with its vocabulary): for benchmarks, not tests
+        EncoderSpec("bert-small", "bert", "BertModel", "mean", hidden_size=384, num_hidden_layers=12,
+                    num_attention_heads=12, intermediate_size=1536, n_positions=512),
     )
 }
 KINDS = tuple(SPECS)
