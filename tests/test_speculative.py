@@ -332,3 +332,27 @@ def test_a_missing_draft_model_stops_start_up(server_factory, pair: tuple[Path, 
     proc = server_factory(["-m", str(pair[0]), "-md", str(tmp_path / "nope.gguf")], wait=False)
     assert proc.proc.wait(timeout=60) == 1
     assert "nope.gguf" in proc.log()
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("kind", ["draft", "ngram"])
+def test_logprobs_and_stop_strings_are_plain_decodings(engines, kind: str) -> None:
+    """Per-token probabilities come from the same logits, and a stop string inside a verified
+    draft ends the text where plain decoding ends it (the rest of the draft is given back)."""
+    prompt = _prompts(1, seed=51)[0]
+    plain = engines["plain"].run(prompt, n_predict=16, cache=False, ignore_eos=True, n_probs=3)
+    spec = engines[kind].run(prompt, n_predict=16, cache=False, ignore_eos=True, n_probs=3)
+    assert spec.tokens == plain.tokens and spec.logprobs == plain.logprobs
+    tokenizer = engines["plain"].tokenizer
+    text = tokenizer.decode(plain.tokens)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    outs = []
+    for name in ("plain", kind):
+        request = engines[name].request(prompt, n_predict=16, cache=False, ignore_eos=True)
+        request.stop = [stop]
+        events: queue.Queue = queue.Queue()
+        engines[name].engine.submit(request, events.put)
+        outs.append(collect(events))
+    assert outs[0].finish.stop_type == "word" and outs[1].finish.stop_type == "word"
+    assert outs[1].tokens == outs[0].tokens
+    assert outs[1].finish.tokens_cached == outs[0].finish.tokens_cached
