@@ -316,9 +316,16 @@ def test_server_reports_speculation_like_llama_server(spec_server) -> None:
         again = http.post("/completion", json=body).json()
         assert again["content"] == done["content"] and again["tokens_cached"] > 0
         metrics = http.get("/metrics").text
-        drafted = float(next(line.split()[1] for line in metrics.splitlines()
-                             if line.startswith("llamacpp:spec_decode_num_draft_tokens_total")))
-        assert drafted >= timings["draft_n"] + again["timings"]["draft_n"]
+
+        def counter(name: str) -> float:
+            return sum(float(line.split()[1]) for line in metrics.splitlines() if line.startswith(f"llamacpp:{name}"))
+
+        # the first requests this server saw (the two warm-up-free completions above)
+        both = (timings, again["timings"])
+        assert counter("spec_decode_num_draft_tokens_total") == sum(t["draft_n"] for t in both)
+        accepted = sum(t["draft_n_accepted"] for t in both)
+        assert counter("spec_decode_num_accepted_tokens_total") == accepted > 0
+        assert counter("spec_decode_num_accepted_tokens_per_pos_total") == accepted  # over every position
         assert 'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in metrics
     client = OpenAI(base_url=base + "/v1", api_key="none")
     chat = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0)

@@ -465,7 +465,16 @@ class Sequence:
             result = self.chain.sample(row, self._history)
             return int(result.token.item()), (result.token, result.logprobs, result.probs)
 
+        per_pos = self.stats.accepted_per_pos
+        kept: list[int] = []  # this round's accepted draft tokens
+
         def accept(value: int, sampled: Any) -> bool:
+            # Counted before the token is emitted: a finish it causes reports this round too.
+            if len(kept) == len(per_pos):
+                per_pos.append(0)
+            per_pos[len(kept)] += 1
+            kept.append(value)
+            self.stats.n_draft_accepted += 1
             self._history.append(value)
             self.cache_tokens.append(value)
             self._accept(value, sampled[1], sampled[2])
@@ -477,12 +486,7 @@ class Sequence:
         rejected = len(draft) - n_kept
         if rejected:  # the cache holds every fed position; cache_tokens only the accepted ones
             trim_prompt_cache(self.cache, rejected)
-        self.stats.n_draft_accepted += n_kept
         self.speculator.verified(len(draft), n_kept)
-        per_pos = self.stats.accepted_per_pos
-        per_pos.extend([0] * (n_kept - len(per_pos)))
-        for k in range(n_kept):
-            per_pos[k] += 1
         if self.finished is None and self._context_full():
             self._finish("limit", "", truncated=True)
         if len(self.generated) // _CLEAR_EVERY != n_before // _CLEAR_EVERY:
