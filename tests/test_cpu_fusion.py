@@ -53,6 +53,19 @@ def test_swiglu_inside_a_compiled_trace_stays_in_mlx() -> None:
     assert mx.allclose(compiled(gate, x), cpu_fusion.swiglu(gate, x), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("rows", [1, 64])  # one row: nn.gelu itself; 64 rows of 1032: NumPy's erf
+def test_gelu_agrees_with_the_exact_erf_form(rows: int) -> None:
+    special = mx.array([0.0, -0.0, 1e-30, -1e-30, 9.0, -9.0, 80.0, -80.0])
+    x = mx.concatenate([mx.random.normal((rows, 1024)) * 4, mx.broadcast_to(special, (rows, 8))], axis=1)[None]
+    assert (x.size >= cpu_fusion.NUMPY_MIN) == (rows > 1)
+    ours, theirs = cpu_fusion.gelu(x), nn.gelu(x)
+    assert bool(mx.all(mx.isfinite(ours)))
+    # Abramowitz and Stegun's erf within 6e-7: the GELU within 3e-7 |x| (plus float32 rounding)
+    assert (mx.abs(ours - theirs) / (mx.abs(x) + 1e-6)).max().item() < 1e-6
+    if rows == 1:  # small inputs are MLX's own GELU
+        assert mx.array_equal(ours, theirs)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text"])
 def test_compiled_modules_are_bit_identical(family: str) -> None:
     loaded = load_model(str(tiny_model(family)), [])

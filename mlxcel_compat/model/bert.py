@@ -156,6 +156,8 @@ def _make_modules() -> tuple[Any, Any]:
     import mlx.core as mx
     import mlx.nn as nn
 
+    from mlxcel_compat.model import cpu_fusion
+
     class Embeddings(nn.Module):
         def __init__(self, c: EncoderConfig) -> None:
             super().__init__()
@@ -201,7 +203,7 @@ def _make_modules() -> tuple[Any, Any]:
             x = self.attn_norm(x + self.o(att.transpose(0, 2, 1, 3).reshape(b, n, h)))
             if "gate" in self:
                 return self.out_norm(x + self.down(nn.silu(self.gate(x)) * self.up(x)))
-            return self.out_norm(x + self.down(nn.gelu(self.up(x))))
+            return self.out_norm(x + self.down(cpu_fusion.gelu(self.up(x))))
 
     class ClassifierHead(nn.Module):
         """``out(tanh(dense(h_first)))``, or ``out(h_first)`` without the dense layer."""

@@ -97,6 +97,47 @@ def swiglu(gate: Any, x: Any) -> Any:
     return mx.array(out)
 
 
+# Abramowitz and Stegun 7.1.26: erf(a) = 1 - t (c1 + t (c2 + ... t c5)) e^(-a^2), t = 1 / (1 + p a),
+# |error| <= 1.5e-7 in exact arithmetic (6e-7 in float32).
+_ERF_P = np.float32(0.3275911)
+_ERF_C = tuple(np.float32(c) for c in (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592))
+
+
+def gelu(x: Any) -> Any:
+    """GELU with the exact (erf) form, ``0.5 x (1 + erf(x / sqrt 2))``, as BERT-family encoders use it.
+
+    MLX's CPU ``erf`` is a scalar loop (~30 ns an element: 0.66 s of a 0.96 s pass of 64 short
+    texts through a bge-small-shaped encoder). Prompt-sized inputs (``NUMPY_MIN`` elements or
+    more) are computed by NumPy instead, erf from Abramowitz and Stegun's 7.1.26 through the
+    vectorized ``exp2``: 3-5x faster, within 6e-7 of the exact erf (the GELU within
+    ``3e-7 |x|``). Smaller inputs, and inputs inside an ``mx.compile`` trace, keep ``nn.gelu``.
+    """
+    views = None
+    if x.ndim >= 2 and x.size >= NUMPY_MIN and x.dtype == mx.float32 and mx.default_device() == mx.cpu:
+        views = evaluated_numpy(x)
+    if views is None:
+        return nn.gelu(x)
+    (xs,) = views
+    a = np.abs(xs) * np.float32(1.0 / np.sqrt(2.0))  # erf's argument, made positive (erf is odd)
+    t = a * _ERF_P
+    t += np.float32(1.0)
+    np.reciprocal(t, out=t)
+    poly = t * _ERF_C[0]
+    for c in _ERF_C[1:]:
+        poly += c
+        poly *= t
+    np.square(a, out=a)
+    a *= np.float32(-LOG2E)
+    np.exp2(a, out=a)
+    poly *= a  # 1 - erf(|x| / sqrt 2)
+    np.subtract(np.float32(1.0), poly, out=poly)
+    np.copysign(poly, xs, out=poly)  # erf(x / sqrt 2)
+    poly += np.float32(1.0)
+    poly *= xs
+    poly *= np.float32(0.5)
+    return mx.array(poly)
+
+
 def _fused_call(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
     """The compiled module for small inputs, the plain one otherwise.
 
