@@ -118,14 +118,22 @@ def gelu(x: Any) -> Any:
     if views is None:
         return nn.gelu(x)
     (xs,) = views
+    flat = xs.reshape(-1)
+    out = np.empty_like(flat)
+    parts = np.array_split(np.arange(flat.size), _gelu_pool()._max_workers)  # NumPy's loops release the GIL
+    list(_gelu_pool().map(lambda idx: _gelu_into(flat[idx[0]: idx[-1] + 1], out[idx[0]: idx[-1] + 1]), parts))
+    return mx.array(out.reshape(xs.shape))
+
+
+def _gelu_into(xs: np.ndarray, out: np.ndarray) -> None:
     a = np.abs(xs) * np.float32(1.0 / np.sqrt(2.0))  # erf's argument, made positive (erf is odd)
-    t = a * _ERF_P
-    t += np.float32(1.0)
-    np.reciprocal(t, out=t)
-    poly = t * _ERF_C[0]
+    np.multiply(a, _ERF_P, out=out)
+    out += np.float32(1.0)
+    np.reciprocal(out, out=out)  # t
+    poly = out * _ERF_C[0]
     for c in _ERF_C[1:]:
         poly += c
-        poly *= t
+        poly *= out
     np.square(a, out=a)
     a *= np.float32(-LOG2E)
     np.exp2(a, out=a)
@@ -133,9 +141,17 @@ def gelu(x: Any) -> Any:
     np.subtract(np.float32(1.0), poly, out=poly)
     np.copysign(poly, xs, out=poly)  # erf(x / sqrt 2)
     poly += np.float32(1.0)
-    poly *= xs
-    poly *= np.float32(0.5)
-    return mx.array(poly)
+    np.multiply(poly, xs, out=out)
+    out *= np.float32(0.5)
+
+
+@lru_cache(maxsize=1)
+def _gelu_pool() -> Any:
+    """Threads for :func:`gelu`'s NumPy loops, one per core (NumPy runs an operation on one)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="mlxcel-gelu")
 
 
 def _fused_call(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
