@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -110,6 +110,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_healthy(base_url: str, proc: subprocess.Popen | None, log: Callable[[], str], timeout: float = 120.0) -> None:
+    """Poll ``base_url``'s ``/health`` until it answers 200. Fails with ``log()`` when ``proc``
+    exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log()}")
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"server not healthy after {timeout} s:\n{log()}")
+
+
 @dataclass
 class ServerProcess:
     """A real ``mlxcel-server`` process on a free loopback port."""
@@ -140,17 +156,7 @@ class ServerProcess:
         return self
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"server not healthy after {timeout} s:\n{self.log()}")
+        wait_until_healthy(self.base_url, self.proc, self.log, timeout)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
