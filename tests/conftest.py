@@ -26,6 +26,37 @@ import httpx  # noqa: E402
 MODEL_CACHE = Path(os.environ.get("MLXCEL_TEST_MODEL_CACHE", Path(__file__).resolve().parent.parent / ".test-models"))
 
 
+# Modules that start servers (seconds each) besides the test_e2e_* ones.
+SERVER_MODULES = frozenset({"test_schemathesis.py", "test_readme.py", "test_blas_shim.py", "test_speculative.py"})
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist's loadfile hands out files with the most tests first, so the few-test modules
+    # that restart servers (the disk tier, the README, LoRA, the cluster) came last and one core
+    # idled while the other finished them. The order below replaces that one.
+    if config.getvalue("dist") == "loadfile":
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In an xdist worker: the modules that start servers first, then the others, each group with
+    the most tests first, so both workers end on short unit-test modules. Deterministic, as xdist
+    requires (every worker must collect the same order); a plain run keeps the file order."""
+    if not hasattr(config, "workerinput"):
+        return
+    counts: dict[Path, int] = {}
+    for item in items:
+        counts[item.path] = counts.get(item.path, 0) + 1
+    first = {path: i for i, path in enumerate(counts)}
+
+    def key(item: pytest.Item) -> tuple[bool, int, int]:
+        starts_servers = item.path.name.startswith("test_e2e_") or item.path.name in SERVER_MODULES
+        return (not starts_servers, -counts[item.path], first[item.path])
+
+    items.sort(key=key)  # stable: a module's own tests keep their order
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``XDG_CACHE_HOME`` for the session (and the servers it starts): converted GGUF tokenizers
