@@ -34,7 +34,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # pytest-xdist's loadfile hands out files with the most tests first, so the few-test modules
     # that restart servers (the disk tier, the README, LoRA, the cluster) came last and one core
     # idled while the other finished them. The order below replaces that one.
-    if config.getvalue("dist") == "loadfile":
+    if getattr(config.option, "dist", "no") == "loadfile":  # (without xdist there is no such option)
         config.option.loadscopereorder = False
 
 
