@@ -6,9 +6,9 @@ documented response. Afterwards /health answers 200 and every slot is idle.
 
 CI-sized: the tiny model, a 256-token context, at most 4 new tokens and 4 prompts per request
 (server flags), so a request costs milliseconds; generating the bodies is what takes the time, so
-routes with the same body (aliases, the token-counting routes, /apply-template's subset of the
-chat body) share the cases generated for one of them. ``MLXCEL_SCHEMATHESIS_EXAMPLES`` changes
-the count (default 200).
+routes with the same body (aliases, the token-counting routes, the embedding and rerank routes,
+/apply-template's subset of the chat body) share the cases generated for one of them.
+``MLXCEL_SCHEMATHESIS_EXAMPLES`` changes the count (default 200).
 """
 
 from __future__ import annotations
@@ -101,6 +101,8 @@ SHARERS = {
     ("GET", "/models"): [("GET", "/v1/models")],
     ("POST", "/v1/responses"): [("POST", "/responses"), ("POST", "/v1/responses/input_tokens"), ("POST", "/responses/input_tokens")],
     ("POST", "/v1/cache/reset"): [("POST", "/flush_cache")],
+    ("POST", "/embedding"): [("POST", "/embeddings"), ("POST", "/v1/embeddings")],
+    ("POST", "/rerank"): [("POST", "/reranking"), ("POST", "/v1/rerank"), ("POST", "/v1/reranking")],
 }
 SHARED = {route for routes_ in SHARERS.values() for route in routes_}
 SOURCES = [route for route in served_routes(routes()) if route not in SHARED]
