@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -24,6 +24,37 @@ import httpx  # noqa: E402
 
 # Tests build their models into one cache directory per test session (they are deterministic).
 MODEL_CACHE = Path(os.environ.get("MLXCEL_TEST_MODEL_CACHE", Path(__file__).resolve().parent.parent / ".test-models"))
+
+
+# Modules that start servers (seconds each) besides the test_e2e_* ones.
+SERVER_MODULES = frozenset({"test_schemathesis.py", "test_readme.py", "test_blas_shim.py", "test_speculative.py"})
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist's loadfile hands out files with the most tests first, so the few-test modules
+    # that restart servers (the disk tier, the README, LoRA, the cluster) came last and one core
+    # idled while the other finished them. The order below replaces that one.
+    if getattr(config.option, "dist", "no") == "loadfile":  # (without xdist there is no such option)
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In an xdist worker: the modules that start servers first, then the others, each group with
+    the most tests first, so both workers end on short unit-test modules. Deterministic, as xdist
+    requires (every worker must collect the same order); a plain run keeps the file order."""
+    if not hasattr(config, "workerinput"):
+        return
+    counts: dict[Path, int] = {}
+    for item in items:
+        counts[item.path] = counts.get(item.path, 0) + 1
+    first = {path: i for i, path in enumerate(counts)}
+
+    def key(item: pytest.Item) -> tuple[bool, int, int]:
+        starts_servers = item.path.name.startswith("test_e2e_") or item.path.name in SERVER_MODULES
+        return (not starts_servers, -counts[item.path], first[item.path])
+
+    items.sort(key=key)  # stable: a module's own tests keep their order
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -110,6 +141,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_healthy(base_url: str, proc: subprocess.Popen | None, log: Callable[[], str], timeout: float = 120.0) -> None:
+    """Poll ``base_url``'s ``/health`` until it answers 200. Fails with ``log()`` when ``proc``
+    exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log()}")
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"server not healthy after {timeout} s:\n{log()}")
+
+
 @dataclass
 class ServerProcess:
     """A real ``mlxcel-server`` process on a free loopback port."""
@@ -140,17 +187,7 @@ class ServerProcess:
         return self
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"server not healthy after {timeout} s:\n{self.log()}")
+        wait_until_healthy(self.base_url, self.proc, self.log, timeout)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""

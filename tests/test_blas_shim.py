@@ -248,10 +248,10 @@ def test_the_library_is_rebuilt_for_another_source_or_cpu(tmp_path: Path, monkey
 
 @needs_shim
 @pytest.mark.e2e
-def test_the_server_logs_which_matmul_path_and_decode_step_are_active(server_factory, llama_dir) -> None:
+def test_the_server_logs_which_matmul_path_and_decode_step_are_active(server_factory, server, llama_dir) -> None:
     import httpx
 
-    on = server_factory(["-m", str(llama_dir)])
+    on = server  # the session's tiny llama, started as any server is: the shim on
     off = server_factory(["-m", str(llama_dir)], env={"MLXCEL_BLAS_SHIM": "0"})
     assert "float32 matmuls: matmuls with <= 16 rows -> mlxcel kernel" in on.log()
     assert "float32 matmuls: off (MLXCEL_BLAS_SHIM=0)" in off.log()

@@ -251,9 +251,10 @@ def _llama_server(gguf: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
 
 @pytest.mark.skipif(not os.access(LLAMA_SERVER, os.X_OK), reason="the llama-server binary (b11312) is not built on this machine")
 @pytest.mark.parametrize("spm", [False, True])
-def test_prompts_equal_the_real_llama_server(server_factory, coder_gguf, spm):
+def test_prompts_equal_the_real_llama_server(request, server_factory, coder_gguf, spm):
     flags = ["--spm-infill"] if spm else []
-    ours = server_factory(["-m", str(coder_gguf), *ARGS, *flags])
+    # With --spm-infill, ours is the module's spm_server (the same file and flags).
+    ours = request.getfixturevalue("spm_server") if spm else server_factory(["-m", str(coder_gguf), *ARGS])
     proc, theirs = _llama_server(coder_gguf, flags)
     try:
         for body in CASES:

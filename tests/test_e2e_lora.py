@@ -102,12 +102,11 @@ def test_props_and_generation_settings_report_the_adapters(http) -> None:
     assert r.status_code == 400 and "'lora' must be an array" in r.json()["error"]["message"]
 
 
-def test_output_equals_a_model_with_fused_weights(server_factory, lora_server, tmp_path) -> None:
+def test_output_equals_a_model_with_fused_weights(server_factory, lora_server, server, tmp_path) -> None:
     fused = server_factory(["-m", str(fused_dir(tmp_path, 0.75)), "-np", "2", "-c", "2048", "-b", "64"])
-    base = server_factory(["-m", str(tiny_model("llama")), "-np", "1", "-c", "2048", "-b", "64"])
     ours = openai.OpenAI(base_url=lora_server.base_url + "/v1", api_key="x", max_retries=0)
     theirs = openai.OpenAI(base_url=fused.base_url + "/v1", api_key="x", max_retries=0)
-    plain = openai.OpenAI(base_url=base.base_url + "/v1", api_key="x", max_retries=0)
+    plain = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)  # the session's tiny llama: no adapters
     for prompt in (PROMPT, OTHER):
         kw: dict[str, Any] = dict(model="x", prompt=prompt, max_tokens=12, temperature=0)
         adapted = ours.completions.create(**kw, extra_body={"lora": [{"id": 0, "scale": 0.75}]}).choices[0].text

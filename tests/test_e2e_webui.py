@@ -75,7 +75,8 @@ def ui_server(server_factory, llama_dir: Path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def key_server(server_factory, llama_dir: Path):
-    return server_factory(["-m", str(llama_dir), "-c", "1024", "-np", "1", "--api-key", KEY])
+    """Behind --api-key, with the MCP proxy on too: the proxy's test (below) shares this server."""
+    return server_factory(["-m", str(llama_dir), "-c", "4096", "-np", "1", "--ui-mcp-proxy", "--api-key", KEY])
 
 
 @pytest.fixture(scope="module")
@@ -452,8 +453,9 @@ def mcp_http() -> Iterator[McpHttp]:
 
 
 @pytest.fixture(scope="module")
-def proxy_ui_server(server_factory, llama_dir: Path):
-    return server_factory(["-m", str(llama_dir), "-c", "4096", "-np", "1", "--ui-mcp-proxy", "--api-key", KEY])
+def proxy_ui_server(key_server):
+    """--ui-mcp-proxy behind --api-key: the API-key test's server."""
+    return key_server
 
 
 def test_mcp_server_tools_run_through_the_cors_proxy(browser, proxy_ui_server, mcp_http) -> None:

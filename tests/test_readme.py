@@ -23,16 +23,14 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
 
 from mlxcel_compat.settings import resolve_settings
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -97,16 +95,8 @@ class ReadmeServer:
         self.proc = subprocess.Popen(command, shell=True, cwd=ROOT, env=env, stdout=open(log, "wb"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600  # serve.sh may reinstall the project first
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, log.read_text(errors="replace")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(log.read_text(errors="replace"))
+        # serve.sh may reinstall the project first
+        wait_until_healthy(self.url, self.proc, lambda: log.read_text(errors="replace"), timeout=600)
 
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGTERM)

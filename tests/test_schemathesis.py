@@ -6,8 +6,9 @@ documented response. Afterwards /health answers 200 and every slot is idle.
 
 CI-sized: the tiny model, a 256-token context, at most 4 new tokens and 4 prompts per request
 (server flags), so a request costs milliseconds; generating the bodies is what takes the time, so
-routes with the same body (aliases, /apply-template's subset of the chat body) share the cases
-generated for one of them. ``MLXCEL_SCHEMATHESIS_EXAMPLES`` changes the count (default 200).
+routes with the same body (aliases, the token-counting routes, the embedding and rerank routes,
+/apply-template's subset of the chat body) share the cases generated for one of them.
+``MLXCEL_SCHEMATHESIS_EXAMPLES`` changes the count (default 200).
 """
 
 from __future__ import annotations
@@ -92,13 +93,16 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 # each of them still receives every example, validated against its own documentation.
 SHARERS = {
     ("POST", "/completion"): [("POST", "/completions"), ("POST", "/v1/completions")],
-    ("POST", "/v1/chat/completions"): [("POST", "/chat/completions"), ("POST", "/apply-template")],
+    # The token-counting routes document exactly their generating route's body.
+    ("POST", "/v1/chat/completions"): [("POST", "/chat/completions"), ("POST", "/apply-template"),
+                                       ("POST", "/v1/chat/completions/input_tokens"), ("POST", "/chat/completions/input_tokens")],
+    ("POST", "/v1/messages"): [("POST", "/v1/messages/count_tokens")],
     ("GET", "/health"): [("GET", "/v1/health")],
     ("GET", "/models"): [("GET", "/v1/models")],
-    ("POST", "/v1/chat/completions/input_tokens"): [("POST", "/chat/completions/input_tokens")],
-    ("POST", "/v1/responses"): [("POST", "/responses")],
-    ("POST", "/v1/responses/input_tokens"): [("POST", "/responses/input_tokens")],
+    ("POST", "/v1/responses"): [("POST", "/responses"), ("POST", "/v1/responses/input_tokens"), ("POST", "/responses/input_tokens")],
     ("POST", "/v1/cache/reset"): [("POST", "/flush_cache")],
+    ("POST", "/embedding"): [("POST", "/embeddings"), ("POST", "/v1/embeddings")],
+    ("POST", "/rerank"): [("POST", "/reranking"), ("POST", "/v1/rerank"), ("POST", "/v1/reranking")],
 }
 SHARED = {route for routes_ in SHARERS.values() for route in routes_}
 SOURCES = [route for route in served_routes(routes()) if route not in SHARED]
@@ -128,6 +132,26 @@ def test_every_route_against_its_documentation(api_schema, fuzzed_server, reques
         # A route without inputs has one distinct request; every other one got all its examples.
         assert len(calls[route]) >= (EXAMPLES if has_inputs else 1), (route, len(calls[route]), sorted(set(calls[route])))
     assert {route for route in served_routes(routes())} == set(SOURCES) | SHARED  # every route is fuzzed
+
+
+def test_routes_that_share_cases_document_a_subset_of_their_sources_inputs(api_schema) -> None:
+    """What makes sharing sound: a sharer's documented body fields are its source's, defined the
+    same way, it requires nothing more, and its parameters are the same."""
+    def inputs(method: str, path: str) -> tuple[dict, list]:
+        documented = api_schema.raw_schema["paths"][path][method.lower()]
+        body = documented.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+        if "$ref" in body:
+            body = api_schema.raw_schema["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
+        return body, documented.get("parameters", [])
+
+    for source, sharers in SHARERS.items():
+        body, parameters = inputs(*source)
+        for route in sharers:
+            theirs, their_parameters = inputs(*route)
+            fields = theirs.get("properties", {})
+            assert {name: body.get("properties", {}).get(name) for name in fields} == fields, route
+            assert set(theirs.get("required", [])) <= set(body.get("required", [])), route
+            assert their_parameters == parameters, route
 
 
 def test_server_is_healthy_and_idle_after_fuzzing(fuzzed_server: str) -> None:
