@@ -141,6 +141,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LLAMA_SERVER = Path.home() / ".cache/llama-peer/llama.cpp/build/bin/llama-server"  # ../shared/peers/build-llama-server.sh
+
+
+def start_llama_server(args: list[str], timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """The real llama-server on a free loopback port, once healthy: ``(process, base URL)``. The
+    caller stops it; a server that does not come up is killed here."""
+    port = free_port()
+    proc = subprocess.Popen([str(LLAMA_SERVER), "--host", "127.0.0.1", "--port", str(port), *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, proc, lambda: "(llama-server's output is not kept)", timeout)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, url
+
+
 def wait_until_healthy(base_url: str, proc: subprocess.Popen | None, log: Callable[[], str], timeout: float = 120.0) -> None:
     """Poll ``base_url``'s ``/health`` until it answers 200. Fails with ``log()`` when ``proc``
     exits first or ``timeout`` seconds pass."""

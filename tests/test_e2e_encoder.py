@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import base64
 import os
-import subprocess
-import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
 import openai
 import pytest
 
-from tests.conftest import ServerProcess, free_port, tiny_encoder
+from tests.conftest import LLAMA_SERVER, ServerProcess, start_llama_server, tiny_encoder
+from tests.test_encoder import cosine
 
 pytestmark = pytest.mark.e2e
 
@@ -29,12 +27,6 @@ QUERY = "what moved the quick storm"
 DOCUMENTS = ["The quick storm moved the windows.", "A little year shows the job.", "storm storm storm",
              "Every public name very changes much member against no winter."]
 NO_LOGITS = "the current context does not support logits computation. skipping"
-LLAMA_SERVER = Path.home() / ".cache/llama-peer/llama.cpp/build/bin/llama-server"
-
-
-def cosine(a: Any, b: Any) -> float:
-    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 @pytest.fixture(scope="module")
@@ -190,21 +182,6 @@ def test_cross_encoder_rerank(rerank_server, torch_mod, transformers_mod) -> Non
         assert c.get("/health").json() == {"status": "ok"}
 
 
-def _llama_server(gguf: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([str(LLAMA_SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--embeddings",
-                             "-np", "1", "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("llama-server did not start")
-
 
 @pytest.mark.skipif(not os.access(LLAMA_SERVER, os.X_OK), reason="the llama-server binary (b11312) is not built on this machine")
 @pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "nomic-bert"])
@@ -213,7 +190,7 @@ def test_embeddings_equal_the_real_llama_server(server_factory, kind: str) -> No
     from ours by ~1e-4 a value), generation error and too-long error."""
     gguf = tiny_encoder(kind, gguf=True)
     ours = server_factory(["-m", str(gguf), "--embeddings", "-np", "1"])
-    proc, theirs = _llama_server(gguf)
+    proc, theirs = start_llama_server(["-m", str(gguf), "--embeddings", "-np", "1", "-t", "1"])
     texts = [*TEXTS, "Ünïcode   spaces\tand CAPS", "  two  blanks "]
     try:
         with httpx.Client(timeout=60) as c:

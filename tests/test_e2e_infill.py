@@ -19,21 +19,18 @@ a missing ``input_prefix`` and a numeric one gave 500s (``[json.exception.out_of
 from __future__ import annotations
 
 import os
-import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.e2e_helpers import parse_sse
-from tests.conftest import free_port, tiny_model
+from tests.conftest import LLAMA_SERVER, start_llama_server, tiny_model
 from mlxcel_compat.testing.tokenizer import fim_token_id
 
 PRE, MID, SUF, PAD, REP, SEP = (fim_token_id(t) for t in (
     "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"))
 ARGS = ["-np", "1", "-c", "512", "-b", "64"]
-LLAMA_SERVER = Path.home() / ".cache/llama-peer/llama.cpp/build/bin/llama-server"
 
 PREFIX = "def total(items):\n    result = 0\n    for item in items:\n" + "".join(f"    # step {i}: add the value\n" for i in range(12))
 SUFFIX = "\n    return result\n\n\nprint(total([1, 2, 3]))\n" + "".join(f"# trailing note {i}\n" for i in range(8))
@@ -233,21 +230,6 @@ CASES = [
 ]
 
 
-def _llama_server(gguf: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([str(LLAMA_SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), *ARGS, "-t", "1", *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("llama-server did not start")
-
 
 @pytest.mark.skipif(not os.access(LLAMA_SERVER, os.X_OK), reason="the llama-server binary (b11312) is not built on this machine")
 @pytest.mark.parametrize("spm", [False, True])
@@ -255,7 +237,7 @@ def test_prompts_equal_the_real_llama_server(request, server_factory, coder_gguf
     flags = ["--spm-infill"] if spm else []
     # With --spm-infill, ours is the module's spm_server (the same file and flags).
     ours = request.getfixturevalue("spm_server") if spm else server_factory(["-m", str(coder_gguf), *ARGS])
-    proc, theirs = _llama_server(coder_gguf, flags)
+    proc, theirs = start_llama_server(["-m", str(coder_gguf), *ARGS, "-t", "1", *flags])
     try:
         for body in CASES:
             body = {**body, "n_predict": 1, "temperature": 0}

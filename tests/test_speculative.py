@@ -363,3 +363,20 @@ def test_logprobs_and_stop_strings_are_plain_decodings(engines, kind: str) -> No
     assert outs[0].finish.stop_type == "word" and outs[1].finish.stop_type == "word"
     assert outs[1].tokens == outs[0].tokens
     assert outs[1].finish.tokens_cached == outs[0].finish.tokens_cached
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("limits", [dict(draft_n_max=2, draft_n_min=3), dict(draft_n_max=4, draft_p_min=1.0)],
+                         ids=["n-min-above-n-max", "p-min-1"])
+def test_draft_limits_turn_drafts_off_and_leave_the_output(pair: tuple[Path, Path], engines, limits: dict) -> None:
+    """--spec-draft-n-min: a shorter draft is not verified; --spec-draft-p-min 1: no draft token is
+    that sure. Either way nothing is drafted, and the output is plain decoding's."""
+    target, draft = pair
+    harness = EngineHarness(target, batch_size=32, n_parallel=1, speculative=resolve(("draft-simple",), str(draft), **limits))
+    try:
+        prompt = _prompts(1, seed=61)[0]
+        run = harness.run(prompt, n_predict=12, cache=False, ignore_eos=True)
+        assert run.finish.n_draft == 0
+        assert run.tokens == engines["plain"].run(prompt, n_predict=12, cache=False, ignore_eos=True).tokens
+    finally:
+        harness.close()

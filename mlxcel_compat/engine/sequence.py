@@ -459,10 +459,9 @@ class Sequence:
         picks = np.argmax(rows, axis=1) if greedy else None
 
         def sample_at(i: int) -> tuple[int, Any]:
-            row = mx.array(rows[i])
-            if greedy:
-                return int(picks[i]), (mx.array(int(picks[i]), dtype=mx.int32), row - mx.logsumexp(row), None)
-            result = self.chain.sample(row, self._history)
+            if greedy:  # no probabilities were asked for: the token is all a step keeps
+                return int(picks[i]), (mx.array(int(picks[i]), dtype=mx.int32), None, None)
+            result = self.chain.sample(mx.array(rows[i]), self._history)
             return int(result.token.item()), (result.token, result.logprobs, result.probs)
 
         per_pos = self.stats.accepted_per_pos

@@ -318,10 +318,13 @@ class DraftModel:
         if len(state.tokens) > common:
             trim_prompt_cache(state.cache, len(state.tokens) - common)
             del state.tokens[common:]
+        from mlxcel_compat.model.cpu_decode import EXACT_ROWS
+
         rest = tokens[common:]
         dec = self.decoder
-        while len(rest) > 16 or (rest and (dec is None or not dec.can_step_tokens(state.cache, state.owned))):
-            chunk = rest[:DRAFT_CATCH_UP_CHUNK] if len(rest) > 16 else rest
+        # More than one exact pass of the CPU runtime's rows (a prompt): MLX's prefill, by chunks.
+        while len(rest) > EXACT_ROWS or (rest and (dec is None or not dec.can_step_tokens(state.cache, state.owned))):
+            chunk = rest[:DRAFT_CATCH_UP_CHUNK] if len(rest) > EXACT_ROWS else rest
             logits = self.model(mx.array(chunk)[None], cache=state.cache)[0, -1]
             mx.eval(logits)
             state.tokens += chunk
