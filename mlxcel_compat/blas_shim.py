@@ -122,21 +122,37 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(lines))) + platform.machine()
 
 
-def library_name() -> str:
+@dataclass(frozen=True)
+class Recipe:
+    """How one of the package's C libraries is compiled: the shim, or another library built the
+    same way on the machine that runs it (``model/ggml_repack.py``'s, linked to ggml)."""
+
+    stem: str
+    sources: tuple[Path, ...]
+    headers: tuple[Path, ...] = ()
+    flags: tuple[str, ...] = CFLAGS
+    libs: tuple[str, ...] = LIBS
+    keyed_by: tuple[Path, ...] = ()  # other files whose change means a rebuild (libraries linked to)
+
+
+SHIM = Recipe("blas_shim", SOURCES, HEADERS)
+
+
+def library_name(recipe: Recipe = SHIM) -> str:
     """The file name of the build of this source for this CPU (a compiler upgrade keeps it)."""
     key = hashlib.sha256()
-    parts = [path.read_bytes() for path in SOURCES + HEADERS]
-    for part in (*parts, " ".join(CFLAGS + LIBS).encode(), _cpu_signature().encode()):
+    parts = [path.read_bytes() for path in recipe.sources + recipe.headers + recipe.keyed_by]
+    for part in (*parts, " ".join(recipe.flags + recipe.libs).encode(), _cpu_signature().encode()):
         key.update(part)
         key.update(b"\0")
-    return f"blas_shim-{key.hexdigest()[:16]}.so"
+    return f"{recipe.stem}-{key.hexdigest()[:16]}.so"
 
 
-def build(directory: Path | None = None) -> ShimBuild:
+def build(directory: Path | None = None, recipe: Recipe = SHIM) -> ShimBuild:
     """The compiled library for this source, compiler and CPU, compiling it if needed."""
     if platform.system() != "Linux":
         return ShimBuild(None, f"not needed on {platform.system()}")
-    name = library_name()
+    name = library_name(recipe)
     candidates = [directory] if directory is not None else [cache_dir(), Path(tempfile.gettempdir()) / "mlxcel_compat-native"]
     for where in candidates:
         if (where / name).exists():
@@ -155,15 +171,16 @@ def build(directory: Path | None = None) -> ShimBuild:
             errors.append(f"{where}: {exc.strerror or exc}")
             continue
         try:
-            cmd = [cc, *CFLAGS, "-o", tmp, *(str(path) for path in SOURCES), *LIBS]
+            cmd = [cc, *recipe.flags, "-o", tmp, *(str(path) for path in recipe.sources), *recipe.libs]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            what = recipe.sources[0].name
             if out.returncode != 0:
                 last = (out.stderr.strip().splitlines() or ["?"])[-1]
-                return ShimBuild(None, f"compiling {SOURCE.name} with {cc} failed: {last}")
+                return ShimBuild(None, f"compiling {what} with {cc} failed: {last}")
             os.replace(tmp, target)  # atomic: concurrent builders each install a complete file
             return ShimBuild(target, built_now=True)
         except (OSError, subprocess.SubprocessError) as exc:
-            return ShimBuild(None, f"compiling {SOURCE.name} with {cc} failed: {exc}")
+            return ShimBuild(None, f"compiling {recipe.sources[0].name} with {cc} failed: {exc}")
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

@@ -59,6 +59,27 @@ if [ ! -f "$stamp" ] || [ "$root/setup.cfg" -nt "$stamp" ] || [ "$root/pyproject
     "$venv/bin/python" -m pip install -q -e "$root[test]"
   touch "$stamp"
 fi
+# ggml's CPU kernels (quantized GGUF weights, model/ggml_cpu.py) built for this CPU: the PyPI
+# wheel is compiled for AVX2 (and its libggml-base for plain x86-64); built from the same
+# version's sdist with GGML_NATIVE it uses AVX-512/VNNI where the CPU has them, and its repacked
+# int8 GEMM (model/ggml_repack.py). scripts/bench_ggml_build.py measures both builds on the same
+# tensors. About a minute; redone when the CPU's flags or the pin change.
+# MLXCEL_GGML_NATIVE=0 keeps the prebuilt wheel; without a C++ compiler it is kept too.
+ggml_pin="$(grep -o 'libggml-python==[^;[:space:]]*' "$root/setup.cfg" | head -n 1)"
+if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && [ -n "$ggml_pin" ] && [ "${MLXCEL_GGML_NATIVE:-1}" != "0" ]; then
+  if command -v c++ >/dev/null 2>&1; then
+    want="$ggml_pin $(grep -m 1 '^flags' /proc/cpuinfo | md5sum | cut -c1-16)"
+    native_stamp="$venv/.ggml-native"
+    if [ ! -f "$native_stamp" ] || [ "$(cat "$native_stamp")" != "$want" ] || [ "$stamp" -nt "$native_stamp" ]; then
+      setup_step "building ggml's CPU kernels for this CPU ($ggml_pin from its sdist, GGML_NATIVE; about a minute)" \
+        "$venv/bin/python" -m pip install -q --no-deps --force-reinstall --no-cache-dir \
+        --no-binary libggml-python -C cmake.define.GGML_NATIVE=ON "$ggml_pin"
+      echo "$want" >"$native_stamp"
+    fi
+  else
+    echo "setup: note: no C++ compiler; ggml's kernels stay the prebuilt AVX2 wheel's" >&2
+  fi
+fi
 # Compiled into the user cache, keyed by the source and the CPU: a no-op when up to date. Without
 # a C compiler it says so and the server calls the BLAS directly (slower decode; results equal
 # to float32 rounding).

@@ -122,7 +122,10 @@ def test_gguf_equals_hf_directory(family: str, gguf_type: str, hf_models: dict[s
     expected = reference(mx.array([ids]))
     got = model(mx.array([ids]))
     diff = mx.abs(got - expected).max().item()
-    assert diff <= TOLERANCE[gguf_type], (family, gguf_type, diff)
+    # A weight ggml repacks (Q4_0 here, ggml_repack.py) computes prompts with 8-bit activations,
+    # as decode steps do (llama.cpp's arithmetic); the others expand float32 tiles for prompts.
+    prompt_tolerance = DECODE_TOLERANCE[gguf_type] if summary.repacked else TOLERANCE[gguf_type]
+    assert diff <= prompt_tolerance, (family, gguf_type, diff)
     if gguf_type == "f32":
         assert _greedy(model, ids) == _greedy(reference, ids)
     else:

@@ -93,6 +93,10 @@ class BlockWeight:
     rows: np.ndarray | None = None  # int32 (n,)
     group_bias: np.ndarray | None = None  # float32 (n, k / bias_group)
     bias_group: int = 0
+    # ggml's repacked copy (``ggml_repack.py``), where it multiplies faster: prompt chunks always
+    # go there, decode steps only if ``repacked_decode`` (then the file's pages are released).
+    repacked: Any = None
+    repacked_decode: bool = False
     address: int = field(init=False)  # of the C struct, passed on every call
     _struct: _WeightStruct = field(init=False, repr=False)
 
@@ -123,13 +127,17 @@ class BlockWeight:
     @property
     def nbytes(self) -> int:
         extra = [a.nbytes for a in (self.rows, self.group_bias) if a is not None]
-        return self.data.nbytes + sum(extra)
+        blocks = 0 if self.repacked is not None and self.repacked_decode else self.data.nbytes
+        return blocks + sum(extra) + (self.repacked.nbytes if self.repacked is not None else 0)
 
     def matmul_into(self, m: int, x: int, ldx: int, out: int, ldo: int, beta: float = 0.0, tiles: bool = False) -> None:
         """out[i, :] = x[i, :] @ W^T (+ beta * out) for i < m, on raw float32 addresses (row
         strides in elements), by ggml's vec_dot or (``tiles``) float32 tiles and the BLAS: what
         the CPU decode runtime calls, ~7 times a layer."""
-        self.lib.matmul(self.address, m, x, ldx, out, ldo, beta, int(tiles))
+        if self.repacked is not None and (tiles or self.repacked_decode):
+            self.repacked.matmul_into(m, x, ldx, out, ldo, beta, per_row=not tiles)
+        else:
+            self.lib.matmul(self.address, m, x, ldx, out, ldo, beta, int(tiles))
 
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None, beta: float = 0.0,
                tiles: bool | None = None) -> np.ndarray:

@@ -54,13 +54,22 @@ class BlockType(ctypes.Structure):
                 ("act_block", ctypes.c_long), ("act_block_bytes", ctypes.c_long)]
 
 
+# What the start-up log and the benchmark report of a build (ggml-cpu.h's ggml_cpu_has_*).
+_FEATURES = ("avx2", "avx512", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "neon", "dotprod")
+
+
 def enabled() -> bool:
     """``MLXCEL_GGML=0`` expands quantized weights to float32 at load instead (as before)."""
     return os.environ.get("MLXCEL_GGML", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def library_dir() -> Path | None:
-    """Where the ``libggml`` package (the libggml-python wheel) keeps its shared libraries."""
+    """Where ggml's two CPU libraries are: ``$MLXCEL_GGML_LIB`` if set (another build of the
+    same ggml version, e.g. the prebuilt wheel's, which ``scripts/bench_ggml_build.py`` compares),
+    else the ``libggml`` package's (scripts/setup.sh rebuilds it from its sdist for this CPU)."""
+    override = os.environ.get("MLXCEL_GGML_LIB", "").strip()
+    if override:
+        return Path(override) if (Path(override) / "libggml-cpu.so").exists() else None
     spec = importlib.util.find_spec("libggml")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -80,6 +89,20 @@ class GGMLKernels:
     directory: Path
     version: str
     _types: dict[int, BlockType] = field(default_factory=dict)
+
+    @property
+    def features(self) -> list[str]:
+        """The instruction sets this build of ggml's CPU library was compiled for (its
+        ``ggml_cpu_has_*`` answers): a prebuilt wheel says AVX2, a build for this CPU (what
+        scripts/setup.sh makes) says AVX512 and VNNI where the CPU has them."""
+        found = []
+        for name in _FEATURES:
+            fn = getattr(self.cpu, f"ggml_cpu_has_{name}", None)
+            if fn is not None:
+                fn.restype = ctypes.c_int
+                if fn():
+                    found.append(name.upper())
+        return found
 
     def block_type(self, ggml_type: int) -> BlockType:
         """The kernels of ``ggml_type`` (kept alive here: block_matmul.c holds their address)."""
@@ -105,6 +128,9 @@ class GGMLKernels:
 
         values = np.ascontiguousarray(values, dtype=np.float32)
         rows, k = values.shape
+        block = self.base.ggml_get_type_traits(int(ggml_type)).contents.blck_size
+        if k % block:  # ggml's quantizers would write past the rows' end
+            raise ValueError(f"rows of {k} values do not fill whole blocks of {block}")
         row_size = self.base.ggml_row_size(int(ggml_type), k)
         out = np.empty((rows, row_size), dtype=np.uint8)
         done = self.base.ggml_quantize_chunk(int(ggml_type), values.ctypes.data, out.ctypes.data, 0, rows, k, None)
@@ -117,7 +143,7 @@ class GGMLKernels:
         cpu = self.cpu.ggml_get_type_traits_cpu(int(ggml_type)).contents
         name = self.base.ggml_type_name(int(ggml_type)).decode()
         act = self.base.ggml_type_name(cpu.vec_dot_type).decode()
-        return f"ggml {name} x {act}"
+        return f"ggml {name} x {act} ({'/'.join(self.features) or 'generic'})"
 
 
 @lru_cache(maxsize=1)

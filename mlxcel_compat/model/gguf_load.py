@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from mlxcel_compat.model import block_weight, gguf_arch, gguf_quants, precision
+from mlxcel_compat.model import block_weight, ggml_repack, gguf_arch, gguf_quants, precision
 from mlxcel_compat.model.gguf import (FLOAT_TYPES, GGUFModelFile, TensorInfo, map_file, open_gguf, read_float_tensor,
                                       read_tensor, tensor_view)
 from mlxcel_compat.model.gguf_tokenizer import SpecialTokens, load_tokenizer
@@ -59,6 +59,7 @@ class GGUFSummary:
     load_seconds: float = 0.0
     weight_bytes: dict[str, int] = field(default_factory=dict)  # the same labels -> bytes they take in memory
     kernels: dict[str, str] = field(default_factory=dict)  # "blocks q4_K" -> what computes with them
+    repacked: dict[str, str] = field(default_factory=dict)  # the same labels -> how many are repacked, for what
     blocks_unavailable: str = ""  # on the CPU: why quantized weights were expanded to float32
     affine_fallbacks: list[str] = field(default_factory=list)  # tensors whose affine scales overflow the dtype
 
@@ -251,8 +252,13 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         mlx_name, plan = names[gguf_name], plans[gguf_name]
         if plan == precision.BLOCKS:
             weight = _blocks(info, maps[info.path], mlx_name, spec, config, shapes[mlx_name], lib)
-            block_layers.install(model, mlx_name[: -len(".weight")], weight)
+            module = block_layers.install(model, mlx_name[: -len(".weight")], weight)
             label = f"blocks {gguf_quants.type_name(info.ggml_type).lower()}"
+            if isinstance(module, block_layers.BlockLinear) and ggml_repack.attach(weight, maps[info.path], info.offset):
+                count = summary.repacked.get(label, "0 ").split(" ", 1)[0]
+                summary.repacked[label] = f"{int(count) + 1} " + (
+                    "repacked by ggml (decode and prompts)" if weight.repacked_decode
+                    else "also repacked by ggml (prompts; decode steps use the blocks)")
             summary.precision[label] = summary.precision.get(label, 0) + 1
             summary.weight_bytes[label] = summary.weight_bytes.get(label, 0) + weight.nbytes
             summary.kernels.setdefault(label, lib.ggml.describe(info.ggml_type))

@@ -110,8 +110,9 @@ def _log_gguf(summary: Any) -> None:
              summary.load_seconds)
     for label, size in sorted(summary.weight_bytes.items()):
         kernel = summary.kernels.get(label, "MLX")
-        log.info("- %s: %d tensors, %.1f MiB, computed by %s", label, summary.precision.get(label, 0), size / 2**20,
-                 kernel)
+        repacked = summary.repacked.get(label)
+        log.info("- %s: %d tensors, %.1f MiB, computed by %s%s", label, summary.precision.get(label, 0), size / 2**20,
+                 kernel, f"; {repacked}" if repacked else "")
     log.info("weights take %.1f MiB (the file's tensors: %.1f MiB)", sum(summary.weight_bytes.values()) / 2**20,
              summary.file_bytes / 2**20)
     if summary.blocks_unavailable:

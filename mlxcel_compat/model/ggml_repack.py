@@ -1,0 +1,165 @@
+"""Weights repacked by ggml into its interleaved layouts, and their products (``ggml_repack.c``).
+
+ggml's CPU backend keeps some types in a second, interleaved layout (its ``CPU_REPACK`` buffer
+type: on x86 Q4_0 and Q4_K, plus Q2_K and IQ4_NL with AVX-512, as 8 rows whose blocks
+alternate), with GEMV and GEMM kernels that multiply them faster than the row-by-row ``vec_dot``
+of ``block_matmul.c``: llama-server uses them by default. This module compiles the small C library
+that reaches them through ggml's public API (linked to the ggml libraries ``ggml_cpu.py`` loads,
+built like the BLAS shim on the machine that runs it) and repacks a weight when ggml has a layout
+for its type on this CPU; :class:`~mlxcel_compat.model.block_weight.BlockWeight` then sends its
+products there. Nothing here imports MLX.
+
+The repacked copy replaces the mapped file's pages in memory: after repacking, the pages of the
+tensor are dropped from the process (``madvise(MADV_DONTNEED)``; they stay in the page cache),
+so a repacked model takes what a mapped one takes. ``MLXCEL_GGML_REPACK=0`` keeps every weight in
+the file's blocks (llama-server's ``--no-repack``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gguf import GGMLQuantizationType as T
+
+from mlxcel_compat import blas_shim
+from mlxcel_compat.model import ggml_cpu
+
+SOURCE = Path(__file__).resolve().parents[1] / "ggml_repack.c"
+
+# Where the repacked kernels beat block_matmul.c's (scripts/bench_ggml_build.py --repack, on this
+# project's AVX-512 machines): a prompt chunk of Q4_0 or Q4_K (ggml's int8 GEMM: 1.4-2.1x for
+# Q4_K, 2.2-5.7x for Q4_0), and a decode step of Q4_0 (its GEMV: 1.3-2.1x). Q4_K's GEMV is
+# slower than vec_dot on large matrices (0.77x on 11008 x 4096) and Q2_K's GEMM slower than the
+# float32 tiles, so a Q4_K weight keeps its blocks for decode steps (both forms in memory, as
+# llama-server holds them) and Q2_K is not repacked.
+PROMPT_TYPES = frozenset({T.Q4_0, T.Q4_K, T.IQ4_NL})
+DECODE_TYPES = frozenset({T.Q4_0, T.IQ4_NL})
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+
+
+def enabled() -> bool:
+    """``MLXCEL_GGML_REPACK=0`` serves every weight from the file's own blocks."""
+    return os.environ.get("MLXCEL_GGML_REPACK", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def recipe(kernels: ggml_cpu.GGMLKernels) -> blas_shim.Recipe:
+    """How the library is compiled: against the headers and libraries of the ggml in use (the
+    shim's thread pool is found at load time: the shim is loaded globally first)."""
+    lib, include = kernels.directory, kernels.directory.parent / "include"
+    return blas_shim.Recipe(
+        "ggml_repack", (SOURCE,), (blas_shim.SOURCE.with_name("blas_shim.h"),),
+        flags=(*blas_shim.CFLAGS, f"-I{include}", f"-I{blas_shim.SOURCE.parent}"),
+        libs=(f"-L{lib}", "-lggml-base", "-lggml-cpu", "-lggml", f"-Wl,-rpath,{lib}"),
+        keyed_by=(lib / "libggml-cpu.so", include / "ggml.h"))
+
+
+@dataclass(frozen=True)
+class RepackLibrary:
+    """The compiled library's functions."""
+
+    new: Any
+    free: Any
+    bytes: Any
+    matmul: Any
+    path: Path
+
+
+@lru_cache(maxsize=1)
+def library() -> RepackLibrary | str:
+    """The repacking library, or why there is none (weights then stay in the file's blocks)."""
+    if not enabled():
+        return "off (MLXCEL_GGML_REPACK=0)"
+    from mlxcel_compat import backend
+
+    kernels = ggml_cpu.kernels()
+    if isinstance(kernels, str):
+        return kernels
+    if backend.matmul_shim() is None:
+        return "the BLAS shim (whose threads run the products) is not loaded"
+    if not (kernels.directory.parent / "include" / "ggml.h").exists():
+        return f"ggml's headers are not beside {kernels.directory}"
+    built = blas_shim.build(recipe=recipe(kernels))
+    if built.path is None:
+        return built.reason
+    try:
+        lib = ctypes.CDLL(str(built.path))
+        new, free, nbytes, matmul = lib.mlxcel_repack_new, lib.mlxcel_repack_free, lib.mlxcel_repack_bytes, lib.mlxcel_repack_matmul
+    except (OSError, AttributeError) as exc:
+        return f"loading {built.path} failed: {exc}"
+    new.restype, new.argtypes = _P, [_I, _P, _I, _I]
+    free.restype, free.argtypes = None, [_P]
+    nbytes.restype, nbytes.argtypes = _L, [_P]
+    matmul.restype, matmul.argtypes = None, [_P, _I, _P, _L, _P, _L, _F, _I]
+    return RepackLibrary(new, free, nbytes, matmul, built.path)
+
+
+@dataclass(eq=False)
+class Repacked:
+    """One weight in ggml's repacked layout (freed with this object)."""
+
+    handle: int
+    nbytes: int
+    lib: RepackLibrary
+
+    def matmul_into(self, m: int, x: int, ldx: int, out: int, ldo: int, beta: float, per_row: bool) -> None:
+        self.lib.matmul(self.handle, m, x, ldx, out, ldo, beta, int(per_row))
+
+    def __del__(self) -> None:
+        if self.handle:
+            self.lib.free(self.handle)
+            self.handle = 0
+
+
+def repack(data: np.ndarray, ggml_type: int, n: int, k: int, rows: np.ndarray | None = None) -> Repacked | None:
+    """``data`` (n rows of ggml blocks; output row r is stored row ``rows[r]``) in ggml's
+    repacked layout for this CPU, or None when ggml has none for the type and shape, or it is
+    not worth it (``PROMPT_TYPES``)."""
+    lib = library()
+    if isinstance(lib, str) or ggml_type not in PROMPT_TYPES:
+        return None
+    source = np.ascontiguousarray(data[rows] if rows is not None else data)
+    handle = lib.new(int(ggml_type), source.ctypes.data, n, k)
+    if not handle:
+        return None
+    return Repacked(handle, int(lib.bytes(handle)), lib)
+
+
+def attach(weight: Any, mapped: np.ndarray | None = None, offset: int = 0) -> bool:
+    """Give ``weight`` (a linear layer's :class:`~mlxcel_compat.model.block_weight.BlockWeight`)
+    its repacked copy where that is worth it; when decode steps use the copy too, drop the file's
+    pages of the weight (``mapped``, at ``offset``) from the process. Whether it was repacked."""
+    if weight.group_bias is not None:
+        return False
+    repacked = repack(weight.data, weight.ggml_type, weight.n, weight.k, weight.rows)
+    if repacked is None:
+        return False
+    weight.repacked = repacked
+    weight.repacked_decode = weight.ggml_type in DECODE_TYPES
+    if weight.repacked_decode and mapped is not None:
+        release_pages(mapped, offset, weight.data.nbytes)
+    return True
+
+
+def release_pages(mapped: np.ndarray, offset: int, length: int) -> None:
+    """Drop bytes ``offset .. offset + length`` of a read-only file map (``gguf.map_file``) from the
+    process: the pages stay in the page cache and come back on the next read. Only the whole pages
+    inside the range, so a neighbouring tensor's pages are left alone."""
+    base = mapped.base
+    if not isinstance(base, mmap.mmap) or not hasattr(base, "madvise"):
+        return
+    first = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (offset + length) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > first:
+        base.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+
+__all__ = ["DECODE_TYPES", "PROMPT_TYPES", "Repacked", "RepackLibrary", "attach", "enabled", "library", "release_pages",
+           "repack"]

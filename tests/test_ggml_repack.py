@@ -1,0 +1,135 @@
+"""ggml's repacked weights (model/ggml_repack.py, ggml_repack.c): the same products as the file's
+blocks, rows that never depend on how many share a decode call, and a repacked model that
+answers as before."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from mlxcel_compat import backend
+from mlxcel_compat.model import block_weight, ggml_cpu, ggml_repack
+
+backend.load_optimized_blas()
+LIB = block_weight.library()
+REPACK = ggml_repack.library()
+pytestmark = pytest.mark.skipif(isinstance(LIB, str) or isinstance(REPACK, str),
+                                reason=f"no ggml kernels or repacking here: {LIB if isinstance(LIB, str) else REPACK}")
+
+
+def _weight(ggml_type: int, n: int, k: int, seed: int = 0, rows: np.ndarray | None = None):
+    kernels = ggml_cpu.kernels()
+    values = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32) / np.sqrt(k)
+    blocks = kernels.quantize(ggml_type, values)
+    return blocks, block_weight.BlockWeight(blocks, ggml_type, n, k, LIB, rows=rows)
+
+
+def _product(repacked, x: np.ndarray, n: int, per_row: bool, out: np.ndarray | None = None, beta: float = 0.0,
+             ldx: int | None = None) -> np.ndarray:
+    m = x.shape[0]
+    out = np.empty((m, n), dtype=np.float32) if out is None else out
+    repacked.matmul_into(m, x.ctypes.data, ldx or x.shape[1], out.ctypes.data, out.shape[1], beta, per_row)
+    return out
+
+
+@pytest.mark.parametrize("ggml_type", sorted(ggml_repack.PROMPT_TYPES - {T.IQ4_NL}))
+@pytest.mark.parametrize("n,k", [(64, 256), (2048, 768), (776, 512)])
+def test_repacked_products_equal_the_blocks_within_rounding(ggml_type: int, n: int, k: int) -> None:
+    """Both compute llama.cpp's products (8-bit activations, the same blocks): they differ only in
+    float32 summation order. Tolerance: 1e-5 relative to the product's scale."""
+    blocks, weight = _weight(ggml_type, n, k)
+    repacked = ggml_repack.repack(blocks, ggml_type, n, k)
+    assert repacked is not None and repacked.nbytes >= blocks.nbytes
+    x = np.random.default_rng(1).standard_normal((13, k), dtype=np.float32)
+    reference = weight.matmul(x, tiles=False)
+    scale = float(np.abs(reference).max())
+    for per_row in (True, False):
+        got = _product(repacked, x, n, per_row)
+        assert np.abs(got - reference).max() <= 1e-5 * scale, per_row
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K])
+def test_per_row_products_do_not_depend_on_the_rows_sharing_the_call(ggml_type: int) -> None:
+    """Decode steps: a sequence's logits must be the same alone or in a batch, so each row of a
+    per-row product is bit-identical to that row multiplied on its own, for every row count."""
+    n, k = 1024, 512
+    blocks, _ = _weight(ggml_type, n, k, seed=2)
+    repacked = ggml_repack.repack(blocks, ggml_type, n, k)
+    x = np.random.default_rng(3).standard_normal((16, k), dtype=np.float32)
+    alone = np.concatenate([_product(repacked, x[i:i + 1], n, True) for i in range(16)])
+    for m in (1, 2, 3, 4, 5, 8, 13, 16):
+        assert np.array_equal(_product(repacked, x[:m], n, True), alone[:m]), m
+
+
+def test_row_order_strides_and_accumulation() -> None:
+    """Permuted rows (llama.cpp's Q/K order) are repacked in the model's order; activations and
+    outputs with leading dimensions wider than a row, and beta = 1, as the decode runtime uses them."""
+    n, k = 512, 256
+    perm = np.random.default_rng(4).permutation(n).astype(np.int32)
+    blocks, weight = _weight(T.Q4_K, n, k, seed=5, rows=perm)
+    repacked = ggml_repack.repack(blocks, T.Q4_K, n, k, rows=perm)
+    wide_x = np.random.default_rng(6).standard_normal((5, k + 32), dtype=np.float32)
+    x = np.ascontiguousarray(wide_x[:, :k])
+    out = np.random.default_rng(7).standard_normal((5, n + 16), dtype=np.float32)
+    before = out.copy()
+    for per_row in (True, False):
+        got = out.copy()
+        _product(repacked, wide_x, n, per_row, out=got, beta=1.0, ldx=k + 32)
+        expected = before[:, :n] + weight.matmul(x, tiles=False)
+        assert np.abs(got[:, :n] - expected).max() <= 1e-4
+        assert np.array_equal(got[:, n:], before[:, n:])  # past the product's columns: untouched
+
+
+def test_types_and_shapes_without_a_worthwhile_layout_are_not_repacked() -> None:
+    blocks, _ = _weight(T.Q6_K, 64, 256)
+    assert ggml_repack.repack(blocks, T.Q6_K, 64, 256) is None  # no x86 layout
+    blocks, _ = _weight(T.Q2_K, 64, 256)
+    assert ggml_repack.repack(blocks, T.Q2_K, 64, 256) is None  # its GEMM is slower than our tiles
+    blocks, _ = _weight(T.Q4_K, 60, 256)
+    assert ggml_repack.repack(blocks, T.Q4_K, 60, 256) is None  # rows come in groups of 8
+
+
+def test_released_pages_read_back_unchanged(tmp_path) -> None:
+    """Dropping a repacked tensor's pages from the process leaves the file's bytes readable."""
+    from mlxcel_compat.model.gguf import map_file
+
+    data = np.random.default_rng(8).integers(0, 255, size=5 * mmap.PAGESIZE + 123, dtype=np.uint8)
+    path = tmp_path / "blob"
+    path.write_bytes(data.tobytes())
+    mapped = map_file(path)
+    ggml_repack.release_pages(mapped, 100, 3 * mmap.PAGESIZE)
+    assert np.array_equal(mapped, data)
+
+
+def test_a_repacked_q4_0_model_serves_decode_and_prompts_from_the_copy() -> None:
+    """Loading a Q4_0 GGUF repacks its linear layers (decode steps too) and releases their
+    pages; the token embedding keeps its blocks; greedy decoding matches the float32 expansion
+    of the same file wherever its top two logits are apart."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxcel_compat.model.gguf_load import load_gguf
+    from mlxcel_compat.testing.gguf_writer import ensure_gguf
+    from tests.conftest import MODEL_CACHE
+
+    path = ensure_gguf("llama", "tiny", "q4_0", cache_dir=MODEL_CACHE)
+    model, tokenizer, _, summary = load_gguf(str(path), on_cpu=True)
+    assert "repacked by ggml (decode and prompts)" in summary.repacked["blocks q4_0"]
+    proj = model.layers[0].self_attn.q_proj.block
+    assert proj.repacked is not None and proj.repacked_decode
+    assert model.model.embed_tokens.block.repacked is None  # looked up by rows: the file's blocks
+    reference, *_ = load_gguf(str(path), on_cpu=True, blocks=False)
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    caches = make_prompt_cache(model), make_prompt_cache(reference)
+    ours, theirs = model(mx.array([ids]), cache=caches[0]), reference(mx.array([ids]), cache=caches[1])
+    for _ in range(6):
+        a, b = np.array(ours[0, -1]), np.array(theirs[0, -1])
+        assert np.abs(a - b).max() <= 0.25  # 8-bit activations against float32 math (test_gguf_models)
+        top = np.sort(b)[-2:]
+        if top[1] - top[0] > 0.5:
+            assert int(a.argmax()) == int(b.argmax())
+        token = int(b.argmax())
+        ours, theirs = model(mx.array([[token]]), cache=caches[0]), reference(mx.array([[token]]), cache=caches[1])
