@@ -164,6 +164,7 @@ def build_server(settings: object, model_arg: str, api_keys: list[str], model_na
             model_name=model_name,
             aliases=list(settings.alias or []),
             offline=bool(settings.offline),
+            repack=settings.repack is not False,
             ctx_size=settings.ctx_size,
             n_parallel=n_parallel,
             kv_unified=auto_parallel or bool(settings.kv_unified),

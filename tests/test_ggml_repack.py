@@ -133,3 +133,19 @@ def test_a_repacked_q4_0_model_serves_decode_and_prompts_from_the_copy() -> None
             assert int(a.argmax()) == int(b.argmax())
         token = int(b.argmax())
         ours, theirs = model(mx.array([[token]]), cache=caches[0]), reference(mx.array([[token]]), cache=caches[1])
+
+
+def test_no_repack_keeps_the_file_blocks_only() -> None:
+    """llama-server's --no-repack / LLAMA_ARG_NO_REPACK reach the loader: no repacked copies."""
+    from mlxcel_compat.model.gguf_load import load_gguf
+    from mlxcel_compat.settings import resolve_settings
+    from mlxcel_compat.testing.gguf_writer import ensure_gguf
+    from tests.conftest import MODEL_CACHE
+
+    assert resolve_settings(["-m", "x.gguf"], environ={}).repack is True
+    assert resolve_settings(["-m", "x.gguf", "--no-repack"], environ={}).repack is False
+    assert resolve_settings(["-m", "x.gguf"], environ={"LLAMA_ARG_NO_REPACK": "1"}).repack is False
+    path = ensure_gguf("llama", "tiny", "q4_0", cache_dir=MODEL_CACHE)
+    model, _, _, summary = load_gguf(str(path), on_cpu=True, repack=False)
+    assert summary.repacked == {}
+    assert model.layers[0].self_attn.q_proj.block.repacked is None

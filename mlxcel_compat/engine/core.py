@@ -59,6 +59,7 @@ class EngineConfig:
     aliases: list[str] = field(default_factory=list)
     model_name: str | None = None  # what the user asked for (-hf user/repo:quant), for the display id
     offline: bool = False
+    repack: bool = True  # ggml's repacked layouts for quantized GGUF weights (llama.cpp's --repack)
     ctx_size: int = 0  # 0: the model's training context
     n_parallel: int = 4
     kv_unified: bool = False  # True: every slot may use the whole context (llama.cpp's -kvu)
@@ -281,7 +282,7 @@ class Engine:
         t0 = time.perf_counter()
         try:
             reloaded = load_model(self.config.model, self.config.aliases, offline=self.config.offline,
-                                  adapters=self.config.adapters)
+                                  adapters=self.config.adapters, repack=self.config.repack)
             self.loaded.model, self.loaded.decoder = reloaded.model, reloaded.decoder
         except Exception as exc:
             log.exception("could not reload the model after sleep")
@@ -298,7 +299,7 @@ class Engine:
 
         t0 = time.perf_counter()
         self.loaded = load_model(self.config.model, self.config.aliases, offline=self.config.offline,
-                                 name=self.config.model_name, adapters=self.config.adapters)
+                                 name=self.config.model_name, adapters=self.config.adapters, repack=self.config.repack)
         n_ctx_train = int(_config_value(self.loaded.config, "max_position_embeddings", 4096))
         self.n_ctx_total, self.n_ctx = slot_context(self.config.ctx_size, len(self.slots), self.config.kv_unified, n_ctx_train)
         for slot in self.slots:
@@ -354,7 +355,7 @@ class Engine:
             from mlxcel_compat.model.loader import load_model
 
             t0 = time.perf_counter()
-            loaded = load_model(spec.draft_model, [], offline=self.config.offline)
+            loaded = load_model(spec.draft_model, [], offline=self.config.offline, repack=self.config.repack)
             check_vocabularies(self.loaded.tokenizer, loaded.tokenizer)
             self.draft = DraftModel(loaded)
             log.info("draft model '%s' loaded in %.1f s (%d parameters, %s)", loaded.path, time.perf_counter() - t0,

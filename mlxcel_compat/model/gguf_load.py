@@ -191,8 +191,8 @@ def _build_model(config: dict[str, Any], file: GGUFModelFile) -> Any:
     return model
 
 
-def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None = None, blocks: bool = True
-              ) -> tuple[Any, Any, dict[str, Any], GGUFSummary]:
+def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None = None, blocks: bool = True,
+              repack: bool = True) -> tuple[Any, Any, dict[str, Any], GGUFSummary]:
     """Load ``path`` (a .gguf, or the first part of a split model).
 
     Returns ``(model, tokenizer, config, summary)``: an mlx-lm model, an mlx-lm
@@ -200,6 +200,7 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     ``on_cpu`` defaults to MLX's default device; passing it lets tests exercise the GPU policy.
     ``blocks=False`` expands every quantized weight to float32 on the CPU: the float32 reference
     of the file (its dequantized weights in float32 math) that tests and benchmarks compare with.
+    ``repack=False`` keeps every weight in the file's blocks only (``ggml_repack.py``; --no-repack).
     """
     import mlx.core as mx
     import mlx.nn as nn
@@ -254,7 +255,8 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
             weight = _blocks(info, maps[info.path], mlx_name, spec, config, shapes[mlx_name], lib)
             module = block_layers.install(model, mlx_name[: -len(".weight")], weight)
             label = f"blocks {gguf_quants.type_name(info.ggml_type).lower()}"
-            if isinstance(module, block_layers.BlockLinear) and ggml_repack.attach(weight, maps[info.path], info.offset):
+            if repack and isinstance(module, block_layers.BlockLinear) and ggml_repack.attach(
+                    weight, maps[info.path], info.offset):
                 count = summary.repacked.get(label, "0 ").split(" ", 1)[0]
                 summary.repacked[label] = f"{int(count) + 1} " + (
                     "repacked by ggml (decode and prompts)" if weight.repacked_decode

@@ -216,13 +216,14 @@ def _block_weights(model: Any) -> list[Any]:
 
 
 def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: str | None = None,
-               adapters: Sequence[Any] = ()) -> LoadedModel:
+               adapters: Sequence[Any] = (), repack: bool = True) -> LoadedModel:
     """Load weights and tokenizer. Must run on the engine thread (it creates MLX state).
 
     ``model_arg`` is a local directory or GGUF file (or a hub id, resolved here); ``name`` is what
     the user asked for, used for the display id when it differs from the local path (``-hf``).
     ``adapters`` (``lora.AdapterFile``) are checked against the model and installed unfused
     (``lora_layers.py``); one that does not fit raises ``lora.AdapterError`` naming the tensor.
+    ``repack``: a GGUF's Q4_0/Q4_K weights also take ggml's repacked layout (``ggml_repack.py``).
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -240,7 +241,7 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
     if path.is_file():
         from mlxcel_compat.model.gguf_load import load_gguf
 
-        model, tokenizer, config, summary = load_gguf(str(path), progress=_ProgressLog(path.name))
+        model, tokenizer, config, summary = load_gguf(str(path), progress=_ProgressLog(path.name), repack=repack)
         _log_gguf(summary)
     else:
         from mlx_lm.utils import load
