@@ -52,7 +52,7 @@ import json, sys, time
 import numpy as np
 from mlxcel_compat import backend
 backend.load_optimized_blas()
-from mlxcel_compat.model import block_weight
+from mlxcel_compat.model import block_weight, ggml_repack
 spec = json.loads(sys.argv[1])
 lib = block_weight.library()
 assert not isinstance(lib, str), lib
@@ -61,6 +61,12 @@ rng = np.random.default_rng(0)
 for case in spec["cases"]:
     weights = [block_weight.BlockWeight(np.load(p, mmap_mode="r")[:], case["type_id"], n, k, lib)
                for p, (n, k) in zip(case["files"], case["shapes"])]
+    if spec["repacked"]:  # the same products from ggml's repacked copy (decode rows: one GEMV each)
+        repacked = [ggml_repack.repack(w.data, w.ggml_type, w.n, w.k) for w in weights]
+        if any(r is None for r in repacked):
+            continue
+        for w, r in zip(weights, repacked):
+            w.repacked, w.repacked_decode = r, True
     for label, (m, tiles) in spec["rows"].items():
         xs = [rng.standard_normal((m, w.k), dtype=np.float32) for w in weights]
         outs = [np.empty((m, w.n), dtype=np.float32) for w in weights]
@@ -141,40 +147,47 @@ def main() -> int:
     version = dist_version("libggml-python")
     cache = Path(args.cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
-    builds = {"prebuilt": prebuilt_libs(cache, version),
-              "native": Path(args.native_lib) if args.native_lib else ggml_cpu.library_dir()}
+    native = Path(args.native_lib) if args.native_lib else ggml_cpu.library_dir()
+    builds = {"prebuilt": prebuilt_libs(cache, version), "native": native, "native repacked": native}
     types = [t for t in args.types.split(",") if t]
     shapes = [s for s in args.shapes.split(",") if s]
     results: dict[str, dict[str, list[float]]] = {b: {} for b in builds}
     features: dict[str, list[str]] = {}
     checks: dict[str, dict[str, list[float]]] = {}
+    features["native repacked"] = []
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         cases = make_weights(Path(tmp), types, shapes)
-        spec = json.dumps({"cases": cases, "rows": ROWS, "budget_s": args.budget, "max_inner": 200})
         for rep in range(args.reps):
             order = list(builds) if rep % 2 == 0 else list(builds)[::-1]
             for build in order:
-                env = {**os.environ, "MLXCEL_GGML_LIB": str(builds[build]), "PYTHONPATH": str(ROOT)}
+                library = builds["native" if build == "native repacked" else build]
+                spec = json.dumps({"cases": cases, "rows": ROWS, "budget_s": args.budget, "max_inner": 200,
+                                   "repacked": build == "native repacked"})
+                env = {**os.environ, "MLXCEL_GGML_LIB": str(library), "PYTHONPATH": str(ROOT)}
                 done = subprocess.run([sys.executable, "-c", CHILD, spec], env=env, capture_output=True, text=True)
                 if done.returncode:
                     print(done.stderr, file=sys.stderr)
                     return 1
                 out = json.loads(done.stdout.strip().splitlines()[-1])
                 features[build] = out["features"]
-                checks[build] = out["checks"]
+                checks.setdefault(build, {}).update(out["checks"])
                 for key, t in out["times"].items():
                     results[build].setdefault(key, []).append(t)
     print(f"ggml {version}; prebuilt: {'/'.join(features['prebuilt'])} ({builds['prebuilt']}); "
           f"native: {'/'.join(features['native'])} ({builds['native']}); {args.reps} rounds, medians")
-    print(f"{'weights':16s} {'product':26s} {'prebuilt ms':>12s} {'native ms':>10s} {'prebuilt/native':>16s}")
+    print(f"{'weights':16s} {'product':26s} {'prebuilt ms':>12s} {'native ms':>10s} {'repacked ms':>12s} "
+          f"{'prebuilt/native':>16s} {'native/repacked':>16s}")
     table = []
     for key in results["native"]:
         case, label = key.split("|")
         a, b = statistics.median(results["prebuilt"][key]), statistics.median(results["native"][key])
+        c = statistics.median(results["native repacked"][key]) if key in results["native repacked"] else None
         worst = max(abs(x - y) / max(abs(x), 1e-3) for x, y in zip(checks["prebuilt"][key], checks["native"][key]))
-        print(f"{case:16s} {label:26s} {a * 1e3:12.3f} {b * 1e3:10.3f} {a / b:16.2f}"
+        print(f"{case:16s} {label:26s} {a * 1e3:12.3f} {b * 1e3:10.3f} "
+              + (f"{c * 1e3:12.3f} {a / b:16.2f} {b / c:16.2f}" if c else f"{'-':>12s} {a / b:16.2f} {'-':>16s}")
               + ("" if worst < 1e-3 else f"   (products differ: {worst:.1e})"))
-        table.append({"weights": case, "product": label, "prebuilt_s": a, "native_s": b, "ratio": a / b})
+        table.append({"weights": case, "product": label, "prebuilt_s": a, "native_s": b, "repacked_s": c,
+                      "prebuilt_over_native": a / b, "native_over_repacked": b / c if c else None})
     if args.json:
         Path(args.json).write_text(json.dumps({"version": version, "features": features, "rows": table}, indent=1))
     return 0
