@@ -366,7 +366,8 @@ def start_server(args: argparse.Namespace, server: str, path: Path, n_parallel: 
         env = {"OPENBLAS_NUM_THREADS": str(args.threads)}
     else:
         cmd = [args.python, "-m", "mlxcel_compat", *common, *args.mlxcel_arg]
-        env = {"OPENBLAS_NUM_THREADS": str(args.threads), "PYTHONPATH": _child_env()["PYTHONPATH"]}
+        env = {"OPENBLAS_NUM_THREADS": str(args.threads), "PYTHONPATH": _child_env()["PYTHONPATH"],
+               **dict(item.split("=", 1) for item in args.mlxcel_env)}
     log_dir = Path(args.cache_dir) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     # cwd: ``python -m`` puts the working directory first on sys.path, before PYTHONPATH
@@ -668,6 +669,8 @@ def main() -> int:
     parser.add_argument("--python", default=sys.executable, help="the Python that runs our server")
     parser.add_argument("--llama-arg", action="append", default=[], help="extra argument for llama-server")
     parser.add_argument("--mlxcel-arg", action="append", default=[], help="extra argument for our server")
+    parser.add_argument("--mlxcel-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="extra environment variable for our server (e.g. MLXCEL_GGML_REPACK=decode)")
     parser.add_argument("--load-timeout", type=float, default=600.0)
     parser.add_argument("--request-timeout", type=float, default=3600.0)
     parser.add_argument("--json", help="write every figure here")

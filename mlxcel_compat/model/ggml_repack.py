@@ -50,6 +50,12 @@ def enabled() -> bool:
     return os.environ.get("MLXCEL_GGML_REPACK", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+def decode_types() -> frozenset[int]:
+    """The types whose decode steps use the repacked copy: ``DECODE_TYPES``, or every repacked
+    type with ``MLXCEL_GGML_REPACK=decode`` (what scripts/bench_quantized.py compares)."""
+    return PROMPT_TYPES if os.environ.get("MLXCEL_GGML_REPACK", "").strip().lower() == "decode" else DECODE_TYPES
+
+
 def recipe(kernels: ggml_cpu.GGMLKernels) -> blas_shim.Recipe:
     """How the library is compiled: against the headers and libraries of the ggml in use (the
     shim's thread pool is found at load time: the shim is loaded globally first)."""
@@ -142,7 +148,7 @@ def attach(weight: Any, mapped: np.ndarray | None = None, offset: int = 0) -> bo
     if repacked is None:
         return False
     weight.repacked = repacked
-    weight.repacked_decode = weight.ggml_type in DECODE_TYPES
+    weight.repacked_decode = weight.ggml_type in decode_types()
     if weight.repacked_decode and mapped is not None:
         release_pages(mapped, offset, weight.data.nbytes)
     return True
@@ -161,5 +167,5 @@ def release_pages(mapped: np.ndarray, offset: int, length: int) -> None:
         base.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
-__all__ = ["DECODE_TYPES", "PROMPT_TYPES", "Repacked", "RepackLibrary", "attach", "enabled", "library", "release_pages",
+__all__ = ["DECODE_TYPES", "PROMPT_TYPES", "Repacked", "RepackLibrary", "attach", "decode_types", "enabled", "library", "release_pages",
            "repack"]
