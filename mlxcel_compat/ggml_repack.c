@@ -13,9 +13,11 @@
  * other product of the process.
  *
  * Exactness: ggml's GEMM (4 activation rows at a time) and GEMV (one) do not round alike for
- * every type, so a product whose rows must not depend on how many rows share the call (decode
- * steps: a sequence's tokens are the same whether it decodes alone or in a batch) runs each
- * activation row as its own GEMV (`per_row`); a prompt chunk takes GEMM for its rows.
+ * every type, and no row's result may depend on what else shares its call. A decode product
+ * (`per_row`: a sequence's tokens are the same whether it decodes alone or in a batch) runs each
+ * activation row as its own GEMV; a prompt chunk's rows all go through GEMM, padded with zero
+ * rows to a multiple of 4 (a token's KV is then the same whatever the chunking, the batch's
+ * padding or where a cache hit split the prompt).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -116,14 +118,26 @@ static void *grow(struct scratch *s, size_t size) {
     return s->p;
 }
 
-static __thread struct scratch graph_scratch, work_scratch, x_scratch, out_scratch;
+static __thread struct scratch graph_scratch, work_scratch, x_scratch, pad_scratch, out_scratch;
 
 /* out[i, 0 .. count) = x[i, :] . W[r0 .. r0 + count, :] for i < m, by one graph. */
 static void graph_product(const struct mlxcel_repacked *r, int r0, int count, int m, const float *x, long ldx,
-                          float *out, long ldo) {
-    if (m > 1 && ldx != r->k) { /* ggml quantizes 4 activation rows at a time as one contiguous block */
-        float *packed = grow(&x_scratch, sizeof(float) * (size_t)m * (size_t)r->k);
+                          float *out, long ldo, int gemm) {
+    if (gemm && (ldx != r->k || m % 4)) {
+        /* ggml quantizes 4 activation rows at a time as one contiguous block, and multiplies
+         * rows in groups of 4 by its GEMM, the rest by its GEMV, which round differently for
+         * some types (Q4_K): zero rows pad m to a multiple of 4, so that every row of a product
+         * with several rows is a GEMM row, whatever else shares the call. */
+        int padded = (m + 3) / 4 * 4;
+        float *packed = grow(&x_scratch, sizeof(float) * (size_t)padded * (size_t)r->k);
         for (int i = 0; i < m; i++) memcpy(packed + (size_t)i * r->k, x + (size_t)i * ldx, sizeof(float) * (size_t)r->k);
+        memset(packed + (size_t)m * r->k, 0, sizeof(float) * (size_t)(padded - m) * (size_t)r->k);
+        if (padded != m) {
+            float *wide = grow(&pad_scratch, sizeof(float) * (size_t)padded * (size_t)count);
+            graph_product(r, r0, count, padded, packed, r->k, wide, count, gemm);
+            for (int i = 0; i < m; i++) memcpy(out + (size_t)i * ldo, wide + (size_t)i * count, sizeof(float) * (size_t)count);
+            return;
+        }
         x = packed;
         ldx = r->k;
     }
@@ -174,11 +188,11 @@ static void part(const void *ctx, int p) {
         const float *x = j->x + (size_t)i * j->ldx;
         float *c = j->c + (size_t)i * j->ldc + r0;
         if (j->beta == 0.0f) {
-            graph_product(r, r0, count, m, x, j->ldx, c, j->ldc);
+            graph_product(r, r0, count, m, x, j->ldx, c, j->ldc, !j->per_row);
             continue;
         }
         float *tmp = grow(&out_scratch, sizeof(float) * (size_t)m * (size_t)count);
-        graph_product(r, r0, count, m, x, j->ldx, tmp, count);
+        graph_product(r, r0, count, m, x, j->ldx, tmp, count, !j->per_row);
         for (int a = 0; a < m; a++)
             for (int t = 0; t < count; t++) c[(size_t)a * j->ldc + t] = tmp[(size_t)a * count + t] + j->beta * c[(size_t)a * j->ldc + t];
     }

@@ -149,3 +149,17 @@ def test_no_repack_keeps_the_file_blocks_only() -> None:
     model, _, _, summary = load_gguf(str(path), on_cpu=True, repack=False)
     assert summary.repacked == {}
     assert model.layers[0].self_attn.q_proj.block.repacked is None
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K])
+def test_prompt_rows_do_not_depend_on_the_rows_sharing_the_call(ggml_type: int) -> None:
+    """Prompt chunks: a token's product is bit-identical whatever the chunk's length and where
+    the token sits in it (ggml's GEMM for every row: calls are padded to a multiple of 4 rows),
+    so chunking, batched padding and cache-hit splits never change a token's KV."""
+    n, k = 512, 512
+    blocks, _ = _weight(ggml_type, n, k, seed=9)
+    repacked = ggml_repack.repack(blocks, ggml_type, n, k)
+    x = np.random.default_rng(10).standard_normal((23, k), dtype=np.float32)
+    whole = _product(repacked, x, n, False)
+    for start, stop in ((0, 2), (1, 4), (3, 10), (5, 6), (7, 23), (0, 23)):
+        assert np.array_equal(_product(repacked, np.ascontiguousarray(x[start:stop]), n, False), whole[start:stop])

@@ -9,7 +9,9 @@ middle of a step), runs the product in ``block_matmul.c`` and hands MLX the floa
 Prompt chunks (more than one token a sequence) expand the weight in tiles for the BLAS: every
 prompt token is float32 math on the weights' values, whatever the chunk's length, its padding
 in a batched prefill, or where a prompt-cache hit split the prompt, so a token's KV does not
-depend on how it was scheduled. Decode steps (one token a sequence) take ggml's vec_dot,
+depend on how it was scheduled. A weight ggml repacks (Q4_0, Q4_K: ``ggml_repack.py``) takes
+ggml's int8 GEMM for prompt chunks instead, with the same independence (every row is a GEMM
+row). Decode steps (one token a sequence) take ggml's vec_dot,
 llama.cpp's arithmetic (activations quantized to 8 bits), row by row, so a sequence's results do
 not depend on how many sequences share a batch either.
 Decode steps of the families the CPU decode runtime knows do not come here: it calls the
