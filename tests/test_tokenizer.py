@@ -14,6 +14,7 @@ converter output as a ``PreTrainedTokenizerFast``, in this process.
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -227,3 +228,25 @@ def test_loading_a_gguf_and_a_directory_imports_no_transformers(tmp_path: Path) 
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
     assert any((tmp_path / "cache").iterdir())  # the conversion ran (in its child) and was cached
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is how a transformers import shows")
+@pytest.mark.parametrize("model", ["llama:q4_0", "qwen2"])
+def test_a_real_server_maps_no_torch(model: str, server_factory, tmp_path: Path) -> None:
+    """``python -m mlxcel_compat -m MODEL``, started with a cold tokenizer cache (the conversion
+    runs in its child) and serving: importing transformers imports torch where it is installed,
+    so no torch library may be mapped into the server process."""
+    import httpx
+
+    server = server_factory(["-m", str(tiny_model(model)), "-c", "512"], env={"XDG_CACHE_HOME": str(tmp_path)})
+    reply = httpx.post(f"{server.base_url}/tokenize", json={"content": "Hello world"}, timeout=30)
+    assert reply.status_code == 200 and reply.json()["tokens"] == _hf(_reference_dir(model)).encode("Hello world", add_special_tokens=False)
+    maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+    assert "libmlx" in maps  # the right process, with its libraries mapped
+    assert "torch" not in maps, [line for line in maps.splitlines() if "torch" in line][:3]
+    assert "in a child process" in server.log()  # the cold cache was filled by the child
+
+
+def _reference_dir(model: str) -> Path:
+    """The directory whose tokenizer a factory model (directory, or ``family:type`` GGUF) has."""
+    return tiny_model(model.split(":")[0])
