@@ -250,3 +250,22 @@ def test_a_real_server_maps_no_torch(model: str, server_factory, tmp_path: Path)
 def _reference_dir(model: str) -> Path:
     """The directory whose tokenizer a factory model (directory, or ``family:type`` GGUF) has."""
     return tiny_model(model.split(":")[0])
+
+
+def test_truncation_and_padding_in_tokenizer_json_do_not_apply(tmp_path: Path) -> None:
+    """A tokenizer.json saved with truncation and padding on (common for encoders) encodes in
+    full and unpadded, as transformers' ``encode`` does (it switches both off per call)."""
+    import json
+    import shutil
+
+    directory = tmp_path / "padded"
+    shutil.copytree(tiny_model("llama"), directory)
+    spec = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+    spec["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    spec["padding"] = {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None,
+                       "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+    (directory / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    text = "a sentence that is longer than four tokens, surely"
+    for ours in (load_directory(directory, cache_dir=tmp_path / "cache"), from_files(directory)):
+        assert ours.encode(text) == _hf(directory).encode(text)
+        assert 4 < len(ours.encode(text)) < 64

@@ -274,7 +274,9 @@ def from_files(directory: str | Path, eos_token_ids: Iterable[int] = ()) -> Serv
     config = _read_json(directory / "tokenizer_config.json")
     named, extra = _specials(config, _read_json(directory / "special_tokens_map.json"))
     _add_missing_specials(backend, config, named, extra)
+    # transformers' encode and pair call neither truncate nor pad unless asked (it switches both off).
     backend.no_truncation()
+    backend.no_padding()
     backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
     _set_post_processor(backend, config, named)
     tokenizer_class = str(config.get("tokenizer_class") or "")
