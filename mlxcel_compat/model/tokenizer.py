@@ -11,13 +11,14 @@ tokenizers) already uses: ``encode``, ``decode``, ``len()``, ``get_vocab``,
 and their ids, ``chat_template``, a pair ``__call__`` (cross-encoders) and mlx-lm's
 ``eos_token_ids``.
 
-:func:`load_directory` reads a Hugging Face tokenizer directory the way transformers' fast
+:func:`from_files` reads a Hugging Face tokenizer directory the way transformers' fast
 tokenizer loads it (``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``,
 the chat template files), including what its constructor changes in the Rust object: special
 tokens named in the config but missing from the vocabulary are added, and an explicit
 ``add_bos_token`` / ``add_eos_token`` (or no post-processor at all) rebuilds the post-processor
-with transformers' template. ``tests/test_tokenizer.py`` compares every result with
-transformers' tokenizer loaded from the same files.
+with transformers' template; truncation and padding are off, as transformers' ``encode`` turns
+them off. ``tests/test_tokenizer.py`` compares every result with transformers' tokenizer
+loaded from the same files.
 
 Reading the files is exact where transformers takes ``tokenizer.json`` as it is
 (``PreTrainedTokenizerFast``, ``TokenizersBackend``), not where a model-specific class rebuilds
