@@ -6,8 +6,8 @@
   (scores, token types, byte tokens). Token ids, text, streaming detokenization, special tokens
   and the chat template must be the directory's, including around special tokens and leading
   spaces, where llama.cpp's space prefix differs from transformers' default.
-- The converted-tokenizer cache: reused without converting, keyed by the header, rebuilt when
-  damaged, pruned, and optional.
+- The converted-tokenizer cache: reused without converting (no child process), keyed by the
+  header, rebuilt when damaged, pruned, and optional.
 - Named chat templates (``tokenizer.chat_template.NAME``) as llama-server uses them: the
   default for plain requests, ``tool_use`` for requests with tools.
 """
@@ -23,9 +23,11 @@ from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
 
 from mlxcel_compat.chat.messages import parse_chat_request, render_chat
 from mlxcel_compat.chat.template import ChatTemplate
-from mlxcel_compat.model import gguf_tokenizer
+from mlxcel_compat.engine.textstream import TextStream
+from mlxcel_compat.model import gguf_tokenizer, tokenizer_cache
 from mlxcel_compat.model.gguf import open_gguf
 from mlxcel_compat.model.gguf_tokenizer import cache_key, load_tokenizer
+from mlxcel_compat.model.tokenizer import ServedTokenizer
 from mlxcel_compat.testing.gguf_writer import ensure_gguf, write_gguf, write_spm_tokenizer_gguf
 from mlxcel_compat.testing.tokenizer import generate_corpus, write_spm_tokenizer_dir
 from tests.conftest import MODEL_CACHE, tiny_model
@@ -51,15 +53,9 @@ def spm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _stream(tokenizer, ids: list[int]) -> list[str]:
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    pieces = []
-    for token in ids:
-        detokenizer.add_token(token)
-        pieces.append(detokenizer.last_segment)
-    detokenizer.finalize()
-    pieces.append(detokenizer.last_segment)
-    return pieces
+    """The text the server streams for these tokens, one piece per token (engine/textstream.py)."""
+    stream = TextStream(tokenizer, eog_token_ids=[])
+    return [stream.push(token).text for token in ids] + [stream.finish()]
 
 
 def test_sentencepiece_gguf_tokenizes_like_the_directory(spm: tuple[Path, Path], tmp_path: Path) -> None:
@@ -68,7 +64,7 @@ def test_sentencepiece_gguf_tokenizes_like_the_directory(spm: tuple[Path, Path],
     assert file.metadata["tokenizer.ggml.model"] == "llama"
     ours, specials = load_tokenizer(file, cache_dir=tmp_path)
     theirs = load_hf_tokenizer(directory)
-    assert type(ours.detokenizer) is type(theirs.detokenizer)  # SentencePiece streaming detokenizer
+    assert isinstance(ours, ServedTokenizer)  # no transformers object in the serving process
     assert specials.add_bos and specials.bos == 1 and specials.eos == 2 and specials.eog == [2]
     assert (ours.bos_token, ours.eos_token, ours.unk_token) == ("<s>", "</s>", "<unk>")
 
@@ -121,7 +117,7 @@ def test_converted_tokenizer_is_cached_and_reused_without_converting(tmp_path: P
     def no_conversion(*args, **kwargs):
         raise AssertionError("converted again although the cache holds this tokenizer")
 
-    monkeypatch.setattr(gguf_tokenizer, "_convert", no_conversion)
+    monkeypatch.setattr(tokenizer_cache, "convert_in_child", no_conversion)
     second, specials = load_tokenizer(file, cache_dir=tmp_path)
     text = "<|im_start|>user\nhello café 你好<|im_end|>"
     assert second.encode(text) == first.encode(text) and second.eos_token_ids == first.eos_token_ids
@@ -145,7 +141,7 @@ def test_damaged_cache_entry_is_rebuilt(tmp_path: Path, caplog) -> None:
 
 
 def test_cache_is_pruned_and_optional(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(gguf_tokenizer, "MAX_CACHED", 1)
+    monkeypatch.setattr(tokenizer_cache, "MAX_CACHED", 1)
     files = [open_gguf(ensure_gguf(f, "tiny", "f32", cache_dir=MODEL_CACHE)) for f in ("qwen3", "llama")]
     for file in files:
         load_tokenizer(file, cache_dir=tmp_path)

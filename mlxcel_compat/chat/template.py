@@ -267,7 +267,8 @@ class ChatTemplate:
         """Build the template for a loaded tokenizer.
 
         Args:
-            tokenizer: an HF tokenizer or an mlx-lm ``TokenizerWrapper``.
+            tokenizer: the served ``model.tokenizer.ServedTokenizer``, an HF tokenizer or an
+                mlx-lm ``TokenizerWrapper``.
             override: the ``--chat-template`` value or ``--chat-template-file`` content. One of
                 llama.cpp's built-in names (``chat/builtin_templates.py``; those render as
                 llama.cpp's C++ does) or the name of one of the model's named templates selects

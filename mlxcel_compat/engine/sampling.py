@@ -654,8 +654,8 @@ class SamplerChain:
     prompt plus the generated tokens so far; it must only grow between calls
     (elements may be ints or lazy MLX scalars, so the newest token need not be
     evaluated yet). ``n_ctx`` is what ``-1`` means for ``repeat_last_n`` /
-    ``dry_penalty_last_n`` (None: unbounded). ``tokenizer`` (an mlx-lm
-    TokenizerWrapper or HF tokenizer) is needed only for DRY and infill.
+    ``dry_penalty_last_n`` (None: unbounded). ``tokenizer`` (the served
+    tokenizer, an HF tokenizer or an mlx-lm wrapper) is needed only for DRY and infill.
     """
 
     def __init__(

@@ -440,7 +440,8 @@ def pair_encoding(tokenizer: Any, first: str, second: str) -> tuple[list[int], l
     sentence-transformers' ``CrossEncoder`` feed it. (llama-server's own layout for a GGUF
     without a rerank template is ``BOS q EOS SEP d EOS`` by the vocabulary's flags, all of type 0.)
     """
-    hf = tokenizer if callable(tokenizer) else tokenizer._tokenizer  # mlx-lm's TokenizerWrapper wraps it
+    # The served tokenizer and an HF tokenizer are callable; mlx-lm's TokenizerWrapper wraps one.
+    hf = tokenizer if callable(tokenizer) else tokenizer._tokenizer
     encoded = hf(first, second)
     types = encoded.get("token_type_ids") or [0] * len(encoded["input_ids"])
     return list(encoded["input_ids"]), list(types)

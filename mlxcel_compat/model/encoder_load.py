@@ -5,7 +5,7 @@ has no causal mask, no KV cache and no output head over the vocabulary, so the e
 decode runtime, prompt cache or slot state for it.
 
 - a directory: ``config.json`` with ``model_type`` bert, xlm-roberta or nomic_bert,
-  ``*.safetensors``, and a tokenizer mlx-lm's tokenizer loader reads (``tokenizer.json``);
+  ``*.safetensors``, and a tokenizer ``model/tokenizer.py`` reads (``tokenizer.json``);
 - a GGUF with ``general.architecture`` ``bert`` (llama.cpp writes BERT, RoBERTa and XLM-R as
   that) or ``nomic-bert``: hyperparameters from ``<arch>.*``, tensors under llama.cpp's names
   (dequantized to float32), the vocabulary rebuilt by ``encoder_vocab.py`` through
@@ -61,10 +61,10 @@ def _served_config(raw: dict[str, Any], config: bert.EncoderConfig) -> dict[str,
 
 def load_directory(path: Path) -> tuple[Any, Any, dict[str, Any]]:
     """``(model, tokenizer, config)`` of a Hugging Face encoder directory."""
-    from mlx_lm.tokenizer_utils import load as load_wrapper
+    from mlxcel_compat.model.tokenizer import load_directory as load_tokenizer
 
     model, raw = bert.load_directory(path)
-    tokenizer = load_wrapper(path)
+    tokenizer = load_tokenizer(path)
     return model, tokenizer, _served_config(raw, model.config)
 
 

@@ -182,9 +182,9 @@ def _prepare(file: GGUFModelFile) -> tuple[gguf_arch.ArchSpec, Any, SpecialToken
 
 
 def _build_model(config: dict[str, Any], file: GGUFModelFile) -> Any:
-    from mlx_lm.utils import _get_classes
+    from mlxcel_compat.model.zoo import model_classes
 
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
     if hasattr(model, "lm_head") and "output.weight" not in file.tensors and hasattr(model, "sanitize"):
         model.sanitize({})  # models that decide tying at load time (gemma3) drop the head here
@@ -196,7 +196,7 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     """Load ``path`` (a .gguf, or the first part of a split model).
 
     Returns ``(model, tokenizer, config, summary)``: an mlx-lm model, an mlx-lm
-    ``TokenizerWrapper``, the synthesised config.json dict and what to report about the file.
+    ``tokenizer.ServedTokenizer``, the synthesised config.json dict and what to report about the file.
     ``on_cpu`` defaults to MLX's default device; passing it lets tests exercise the GPU policy.
     ``blocks=False`` expands every quantized weight to float32 on the CPU: the float32 reference
     of the file (its dequantized weights in float32 math) that tests and benchmarks compare with.

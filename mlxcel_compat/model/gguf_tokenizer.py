@@ -1,12 +1,18 @@
-"""The tokenizer and chat templates a GGUF file describes, as an mlx-lm ``TokenizerWrapper``.
+"""The tokenizer and chat templates a GGUF file describes, as a ``tokenizer.ServedTokenizer``.
 
 A GGUF has no ``tokenizer.json``: the vocabulary, merges, scores, token types, pre-tokenizer
 name and special token ids are metadata (``tokenizer.ggml.*``). transformers' GGUF tokenizer
 mapping (``convert_gguf_tokenizer``) builds a ``tokenizers`` object from exactly those fields
 and does not import torch (transformers' GGUF *tensor* reader does, so it is not used). The
-result is saved as an ordinary tokenizer directory and loaded with mlx-lm's own tokenizer
-loader, so detokenizer choice, tool-call parsing and the chat template behave as they do for a
-Hugging Face directory of the same model.
+result, wrapped in transformers' ``PreTrainedTokenizerFast`` with the file's special tokens and
+chat templates, is saved as an ordinary tokenizer directory (``tokenizer.json``,
+``tokenizer_config.json``, the template files) and loaded from it by ``model/tokenizer.py``
+exactly as a Hugging Face directory of the same model is.
+
+The conversion is the only step that needs transformers, and it runs in a child process
+(``tokenizer_cache.py``: ``python -m mlxcel_compat.model.tokenizer_cache gguf FILE OUT``), so the serving process never
+imports transformers (nor torch, which importing transformers imports where it is installed),
+not even on a first start.
 
 What llama.cpp derives from the metadata is derived the same way here:
 
@@ -20,23 +26,23 @@ What llama.cpp derives from the metadata is derived the same way here:
 
 The converted directory is cached (``$XDG_CACHE_HOME/mlxcel_compat/gguf-tokenizers``, else
 ``~/.cache/...``), keyed by a hash of the GGUF's header (all its metadata), this module's source
-and the transformers/tokenizers versions: a restart of the same model then loads the tokenizer
-exactly as a Hugging Face directory does, without the conversion. An unusable cache directory
-only means converting every time; a cached entry that fails to load is rebuilt.
+and the transformers/tokenizers versions (read from the installed distributions, not imported):
+a restart of the same model then loads ``tokenizer.json`` straight into ``tokenizers``, with no
+child process. An unusable cache directory only means converting every time; a cached entry
+that fails to load is rebuilt.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mlxcel_compat.model.fim import find_fim_tokens, stated_ids
 from mlxcel_compat.model.gguf import GGUFModelFile
+from mlxcel_compat.model import tokenizer_cache
+from mlxcel_compat.model.tokenizer import ServedTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +53,6 @@ EOG_TEXTS = frozenset({
     "<end_of_utterance>", "<｜end▁of▁sentence｜>",
 })
 CONTROL, USER_DEFINED = 3, 4
-MAX_CACHED = 16  # converted tokenizers kept; the least recently used beyond that are deleted
 
 
 @dataclass
@@ -158,19 +163,16 @@ def _space_prefix_like_llama_cpp(backend: Any, add_space_prefix: bool) -> None:
 
 def default_cache_dir() -> Path:
     """Where converted tokenizers are kept: ``$XDG_CACHE_HOME`` (else ``~/.cache``) ``/mlxcel_compat/gguf-tokenizers``."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "mlxcel_compat" / "gguf-tokenizers"
+    return tokenizer_cache.cache_root() / "gguf-tokenizers"
 
 
 def cache_key(file: GGUFModelFile) -> str:
     """Changes whenever the converted tokenizer could: the header bytes (every metadata key), the
     code converting it (this module) and the libraries it uses."""
-    import tokenizers
-    import transformers
     from blake3 import blake3
 
     digest = blake3(Path(__file__).read_bytes())
-    digest.update(f"transformers {transformers.__version__} tokenizers {tokenizers.__version__}".encode())
+    digest.update(tokenizer_cache.library_versions().encode())
     with open(file.path, "rb") as f:
         remaining = file.header_bytes
         while remaining > 0 and (chunk := f.read(min(remaining, 1 << 22))):
@@ -206,57 +208,27 @@ def _hf_tokenizer(file: GGUFModelFile, tokenizer_dict: dict[str, Any], specials:
     )
 
 
-def _usable_cache(cache_dir: Path) -> bool:
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        return os.access(cache_dir, os.W_OK)
-    except OSError:
-        return False
-
-
-def _keep(directory: Path, entry: Path, cache_dir: Path) -> None:
-    """Move a freshly saved tokenizer into the cache (atomically) and drop the oldest entries."""
-    try:
-        os.rename(directory, entry)
-    except OSError:  # another process cached the same tokenizer first
-        return
-    entries = sorted((p for p in cache_dir.iterdir() if p.is_dir() and not p.name.startswith(".")),
-                     key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in entries[MAX_CACHED:]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def load_tokenizer(file: GGUFModelFile, cache_dir: Path | None = None) -> tuple[Any, SpecialTokens]:
-    """An mlx-lm ``TokenizerWrapper`` for the GGUF's tokenizer, and its special tokens.
-
-    The wrapper is always loaded by mlx-lm from a tokenizer directory: the cached one when this
-    header was converted before, else a fresh conversion saved into the cache (or a temporary
-    directory when the cache cannot be written).
-    """
-    from mlx_lm.tokenizer_utils import load as load_wrapper
-
+def convert(file: GGUFModelFile, directory: Path) -> None:
+    """Save the converted tokenizer of ``file`` into ``directory`` (imports transformers)."""
     tokenizer_dict = _tokenizer_dict(file)
-    if "tokens" not in tokenizer_dict:
+    _hf_tokenizer(file, tokenizer_dict, special_tokens(file)).save_pretrained(directory)
+
+
+def load_tokenizer(file: GGUFModelFile, cache_dir: Path | None = None) -> tuple[ServedTokenizer, SpecialTokens]:
+    """The GGUF's tokenizer and its special tokens.
+
+    Always loaded from a tokenizer directory: the cached one when this header was converted
+    before, else a fresh conversion (in a child process: ``tokenizer_cache.py``) saved into the
+    cache (or a temporary directory when the cache cannot be written).
+    """
+    if "tokenizer.ggml.tokens" not in file.metadata:
         raise ValueError(f"'{file.path}' has no tokenizer (tokenizer.ggml.tokens is missing)")
     specials = special_tokens(file)
+
+    def convert(out: Path) -> None:
+        log.info("converting the GGUF vocabulary (%d tokens) with transformers' converter, in a child process",
+                 len(file.metadata["tokenizer.ggml.tokens"]))
+        tokenizer_cache.convert_in_child("gguf", Path(file.path), out)
+
     cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
-    cached = _usable_cache(cache_dir)
-    entry = cache_dir / cache_key(file) if cached else None
-    if entry is not None and entry.is_dir():
-        try:
-            wrapper = load_wrapper(entry, eos_token_ids=specials.eog)
-            os.utime(entry)  # recently used: kept by the pruning
-            return wrapper, specials
-        except Exception as exc:  # a damaged entry: convert again
-            log.warning("cached GGUF tokenizer %s does not load (%s); converting again", entry, exc)
-            shutil.rmtree(entry, ignore_errors=True)
-    directory = Path(tempfile.mkdtemp(prefix=".convert-" if cached else "mlxcel-gguf-tokenizer-",
-                                      dir=cache_dir if cached else None))
-    try:
-        _hf_tokenizer(file, tokenizer_dict, specials).save_pretrained(directory)
-        wrapper = load_wrapper(directory, eos_token_ids=specials.eog)
-        if entry is not None:
-            _keep(directory, entry, cache_dir)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    return wrapper, specials
+    return tokenizer_cache.load_converted(cache_key(file), cache_dir, convert, specials.eog), specials

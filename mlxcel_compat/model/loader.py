@@ -3,7 +3,8 @@
 Resolution happens before MLX is touched so that a missing model fails fast with a message a user
 can act on (the hub is often unreachable on servers):
 
-- ``-m DIR``: a model directory (config.json + safetensors), loaded by ``mlx_lm.utils.load``;
+- ``-m DIR``: a model directory (config.json + safetensors): weights by mlx-lm's ``load_model``,
+  the tokenizer by ``model/tokenizer.py``;
 - ``-m FILE.gguf`` (or the first part of a split model): loaded by ``model/gguf_load.py``;
 - ``-m user/repo`` or ``-hf user/repo[:quant]`` (``-hff``, ``-hft``, ``$LLAMA_CACHE``): fetched by
   ``model/hub.py``, which picks a GGUF file as llama-server does or the whole directory of an
@@ -39,7 +40,7 @@ class LoadedModel:
     """Everything the engine and the HTTP layer need to know about the served model."""
 
     model: Any  # mlx.nn.Module; owned by the engine thread
-    tokenizer: Any  # mlx_lm TokenizerWrapper (pure Python; safe to use from handlers)
+    tokenizer: Any  # model.tokenizer.ServedTokenizer (no MLX; safe to use from handlers)
     config: dict[str, Any]
     path: Path
     model_id: str  # the display id: first alias, else the directory name
@@ -244,13 +245,16 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
         model, tokenizer, config, summary = load_gguf(str(path), progress=_ProgressLog(path.name), repack=repack)
         _log_gguf(summary)
     else:
-        from mlx_lm.utils import load
+        from mlxcel_compat.model import tokenizer as served_tokenizer
+        from mlxcel_compat.model import zoo
 
         raw = read_config(path)
         quantized = on_cpu and ("quantization" in raw or "quantization_config" in raw)
         # A quantized directory is read lazily: each layer is evaluated, repacked and dropped in
         # turn (mlx_affine.serve), so its MLX copy and its blocks are never all in memory.
-        model, tokenizer, config = load(str(path), return_config=True, lazy=quantized)
+        # mlx-lm loads the weights only; the tokenizer is ours (no transformers: model/zoo.py).
+        model, config = zoo.load_model(path, lazy=quantized)
+        tokenizer = served_tokenizer.load_directory(path, served_tokenizer.config_eos_ids(config.get("eos_token_id")))
         if on_cpu and config.get("quantization") is not None:
             affine = _serve_affine(model)
     n_adapted = _install_adapters(model, config, summary, adapters) if adapters else 0

@@ -56,7 +56,7 @@ def max_chars_per_token(tokenizer: Any) -> int | None:
     merge before the model sees them: a normalizer that strips or rewrites, a pre-tokenizer that
     drops whitespace, or unknown characters fused into one ``<unk>`` token.
     """
-    backend = getattr(tokenizer, "backend_tokenizer", None)  # a Hugging Face fast tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # the served tokenizer or an HF fast one
     if backend is None:  # mlx-lm's TokenizerWrapper holds one
         backend = getattr(getattr(tokenizer, "_tokenizer", None), "backend_tokenizer", None)
     if backend is None:
