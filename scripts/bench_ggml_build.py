@@ -66,7 +66,7 @@ for case in spec["cases"]:
         if any(r is None for r in repacked):
             continue
         for w, r in zip(weights, repacked):
-            w.repacked, w.repacked_decode = r, True
+            w.repacked = r
     for label, (m, tiles) in spec["rows"].items():
         xs = [rng.standard_normal((m, w.k), dtype=np.float32) for w in weights]
         outs = [np.empty((m, w.n), dtype=np.float32) for w in weights]

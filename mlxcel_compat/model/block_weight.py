@@ -93,10 +93,8 @@ class BlockWeight:
     rows: np.ndarray | None = None  # int32 (n,)
     group_bias: np.ndarray | None = None  # float32 (n, k / bias_group)
     bias_group: int = 0
-    # ggml's repacked copy (``ggml_repack.py``), where it multiplies faster: prompt chunks always
-    # go there, decode steps only if ``repacked_decode`` (then the file's pages are released).
+    # ggml's repacked copy (``ggml_repack.py``) where it multiplies faster: every product goes there
     repacked: Any = None
-    repacked_decode: bool = False
     address: int = field(init=False)  # of the C struct, passed on every call
     _struct: _WeightStruct = field(init=False, repr=False)
 
@@ -127,14 +125,14 @@ class BlockWeight:
     @property
     def nbytes(self) -> int:
         extra = [a.nbytes for a in (self.rows, self.group_bias) if a is not None]
-        blocks = 0 if self.repacked is not None and self.repacked_decode else self.data.nbytes
+        blocks = 0 if self.repacked is not None else self.data.nbytes  # its pages are released
         return blocks + sum(extra) + (self.repacked.nbytes if self.repacked is not None else 0)
 
     def matmul_into(self, m: int, x: int, ldx: int, out: int, ldo: int, beta: float = 0.0, tiles: bool = False) -> None:
         """out[i, :] = x[i, :] @ W^T (+ beta * out) for i < m, on raw float32 addresses (row
         strides in elements), by ggml's vec_dot or (``tiles``) float32 tiles and the BLAS: what
         the CPU decode runtime calls, ~7 times a layer."""
-        if self.repacked is not None and (tiles or self.repacked_decode):
+        if self.repacked is not None:
             self.repacked.matmul_into(m, x, ldx, out, ldo, beta, per_row=not tiles)
         else:
             self.lib.matmul(self.address, m, x, ldx, out, ldo, beta, int(tiles))

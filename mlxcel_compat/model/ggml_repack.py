@@ -9,9 +9,11 @@ built like the BLAS shim on the machine that runs it) and repacks a weight when 
 for its type on this CPU; :class:`~mlxcel_compat.model.block_weight.BlockWeight` then sends its
 products there. Nothing here imports MLX.
 
-The repacked copy replaces the mapped file's pages in memory: after repacking, the pages of the
-tensor are dropped from the process (``madvise(MADV_DONTNEED)``; they stay in the page cache),
-so a repacked model takes what a mapped one takes. ``MLXCEL_GGML_REPACK=0`` keeps every weight in
+A repacked weight computes every product from the copy: decode steps (each activation row its
+own GEMV, so a row never depends on the batch) and prompt chunks (GEMM). The copy replaces the
+mapped file's pages in memory: after repacking, the pages of the tensor are dropped from the
+process (``madvise(MADV_DONTNEED)``; they stay in the page cache), so a repacked model takes what
+a mapped one takes. ``MLXCEL_GGML_REPACK=0`` keeps every weight in
 the file's blocks (llama-server's ``--no-repack``).
 """
 
@@ -34,14 +36,12 @@ from mlxcel_compat.model import ggml_cpu
 
 SOURCE = Path(__file__).resolve().parents[1] / "ggml_repack.c"
 
-# Where the repacked kernels beat block_matmul.c's (scripts/bench_ggml_build.py --repack, on this
-# project's AVX-512 machines): a prompt chunk of Q4_0 or Q4_K (ggml's int8 GEMM: 1.4-2.1x for
-# Q4_K, 2.2-5.7x for Q4_0), and a decode step of Q4_0 (its GEMV: 1.3-2.1x). Q4_K's GEMV is
-# slower than vec_dot on large matrices (0.77x on 11008 x 4096) and Q2_K's GEMM slower than the
-# float32 tiles, so a Q4_K weight keeps its blocks for decode steps (both forms in memory, as
-# llama-server holds them) and Q2_K is not repacked.
-PROMPT_TYPES = frozenset({T.Q4_0, T.Q4_K, T.IQ4_NL})
-DECODE_TYPES = frozenset({T.Q4_0, T.IQ4_NL})
+# The types repacked (ggml's layouts on x86: Q4_0 and Q4_K 8x8, IQ4_NL; measured on this
+# project's AVX-512 machines, docs/benchmarks/quantized.md): a prompt chunk of Q4_K by ggml's
+# int8 GEMM 1.4-2.1x faster than float32 tiles, Q4_0 2.2-5.7x; a decode step by its GEMV about
+# as fast as vec_dot on a Llama-7B layer (0.88x on 11008 x 4096, 1.30x on 4096 x 11008: 4 % in
+# all) and 1.1-1.4x on small matrices. Q2_K's GEMM is slower than the float32 tiles: not repacked.
+REPACKED_TYPES = frozenset({T.Q4_0, T.Q4_K, T.IQ4_NL})
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 
 
@@ -49,11 +49,6 @@ def enabled() -> bool:
     """``MLXCEL_GGML_REPACK=0`` serves every weight from the file's own blocks."""
     return os.environ.get("MLXCEL_GGML_REPACK", "1").strip().lower() not in ("0", "off", "false", "no")
 
-
-def decode_types() -> frozenset[int]:
-    """The types whose decode steps use the repacked copy: ``DECODE_TYPES``, or every repacked
-    type with ``MLXCEL_GGML_REPACK=decode`` (what scripts/bench_quantized.py compares)."""
-    return PROMPT_TYPES if os.environ.get("MLXCEL_GGML_REPACK", "").strip().lower() == "decode" else DECODE_TYPES
 
 
 def recipe(kernels: ggml_cpu.GGMLKernels) -> blas_shim.Recipe:
@@ -127,9 +122,9 @@ class Repacked:
 def repack(data: np.ndarray, ggml_type: int, n: int, k: int, rows: np.ndarray | None = None) -> Repacked | None:
     """``data`` (n rows of ggml blocks; output row r is stored row ``rows[r]``) in ggml's
     repacked layout for this CPU, or None when ggml has none for the type and shape, or it is
-    not worth it (``PROMPT_TYPES``)."""
+    not worth it (``REPACKED_TYPES``)."""
     lib = library()
-    if isinstance(lib, str) or ggml_type not in PROMPT_TYPES:
+    if isinstance(lib, str) or ggml_type not in REPACKED_TYPES:
         return None
     source = np.ascontiguousarray(data[rows] if rows is not None else data)
     handle = lib.new(int(ggml_type), source.ctypes.data, n, k)
@@ -140,16 +135,15 @@ def repack(data: np.ndarray, ggml_type: int, n: int, k: int, rows: np.ndarray | 
 
 def attach(weight: Any, mapped: np.ndarray | None = None, offset: int = 0) -> bool:
     """Give ``weight`` (a linear layer's :class:`~mlxcel_compat.model.block_weight.BlockWeight`)
-    its repacked copy where that is worth it; when decode steps use the copy too, drop the file's
-    pages of the weight (``mapped``, at ``offset``) from the process. Whether it was repacked."""
+    its repacked copy where that is worth it, which then computes all its products, and drop the
+    file's pages of the weight (``mapped``, at ``offset``) from the process. Whether it was."""
     if weight.group_bias is not None:
         return False
     repacked = repack(weight.data, weight.ggml_type, weight.n, weight.k, weight.rows)
     if repacked is None:
         return False
     weight.repacked = repacked
-    weight.repacked_decode = weight.ggml_type in decode_types()
-    if weight.repacked_decode and mapped is not None:
+    if mapped is not None:
         release_pages(mapped, offset, weight.data.nbytes)
     return True
 
@@ -167,5 +161,5 @@ def release_pages(mapped: np.ndarray, offset: int, length: int) -> None:
         base.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
-__all__ = ["DECODE_TYPES", "PROMPT_TYPES", "Repacked", "RepackLibrary", "attach", "decode_types", "enabled", "library", "release_pages",
+__all__ = ["REPACKED_TYPES", "Repacked", "RepackLibrary", "attach", "enabled", "library", "release_pages",
            "repack"]

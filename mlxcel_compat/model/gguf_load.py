@@ -59,7 +59,7 @@ class GGUFSummary:
     load_seconds: float = 0.0
     weight_bytes: dict[str, int] = field(default_factory=dict)  # the same labels -> bytes they take in memory
     kernels: dict[str, str] = field(default_factory=dict)  # "blocks q4_K" -> what computes with them
-    repacked: dict[str, str] = field(default_factory=dict)  # the same labels -> how many are repacked, for what
+    repacked: dict[str, int] = field(default_factory=dict)  # the same labels -> how many ggml repacked
     blocks_unavailable: str = ""  # on the CPU: why quantized weights were expanded to float32
     affine_fallbacks: list[str] = field(default_factory=list)  # tensors whose affine scales overflow the dtype
 
@@ -257,10 +257,7 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
             label = f"blocks {gguf_quants.type_name(info.ggml_type).lower()}"
             if repack and isinstance(module, block_layers.BlockLinear) and ggml_repack.attach(
                     weight, maps[info.path], info.offset):
-                count = summary.repacked.get(label, "0 ").split(" ", 1)[0]
-                summary.repacked[label] = f"{int(count) + 1} " + (
-                    "repacked by ggml (decode and prompts)" if weight.repacked_decode
-                    else "also repacked by ggml (prompts; decode steps use the blocks)")
+                summary.repacked[label] = summary.repacked.get(label, 0) + 1
             summary.precision[label] = summary.precision.get(label, 0) + 1
             summary.weight_bytes[label] = summary.weight_bytes.get(label, 0) + weight.nbytes
             summary.kernels.setdefault(label, lib.ggml.describe(info.ggml_type))

@@ -113,7 +113,7 @@ def _log_gguf(summary: Any) -> None:
         kernel = summary.kernels.get(label, "MLX")
         repacked = summary.repacked.get(label)
         log.info("- %s: %d tensors, %.1f MiB, computed by %s%s", label, summary.precision.get(label, 0), size / 2**20,
-                 kernel, f"; {repacked}" if repacked else "")
+                 kernel, f"; {repacked} repacked by ggml (its GEMV/GEMM)" if repacked else "")
     log.info("weights take %.1f MiB (the file's tensors: %.1f MiB)", sum(summary.weight_bytes.values()) / 2**20,
              summary.file_bytes / 2**20)
     if summary.blocks_unavailable:
