@@ -92,16 +92,25 @@ def test_types_and_shapes_without_a_worthwhile_layout_are_not_repacked() -> None
     assert ggml_repack.repack(blocks, T.Q4_K, 60, 256) is None  # rows come in groups of 8
 
 
-def test_released_pages_read_back_unchanged(tmp_path) -> None:
-    """Dropping a repacked tensor's pages from the process leaves the file's bytes readable."""
+def test_released_pages_leave_the_process_and_read_back_unchanged(tmp_path) -> None:
+    """Dropping a repacked tensor's pages takes them out of the process's RSS (they stay in the
+    page cache) and leaves the file's bytes readable; pages only partly inside the range stay."""
     from mlxcel_compat.model.gguf import map_file
 
-    data = np.random.default_rng(8).integers(0, 255, size=5 * mmap.PAGESIZE + 123, dtype=np.uint8)
+    size = 8 << 20
+    data = np.random.default_rng(8).integers(0, 255, size=size, dtype=np.uint8)
     path = tmp_path / "blob"
     path.write_bytes(data.tobytes())
-    mapped = map_file(path)
-    ggml_repack.release_pages(mapped, 100, 3 * mmap.PAGESIZE)
+    mapped = map_file(path)  # populated: all 8 MiB resident
+    before = _rss_file()
+    ggml_repack.release_pages(mapped, 100, size // 2)
+    assert before - _rss_file() >= size // 2 - 2 * mmap.PAGESIZE - (256 << 10)  # (the rest: noise)
     assert np.array_equal(mapped, data)
+
+
+def _rss_file() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
 
 
 def test_a_repacked_q4_0_model_serves_decode_and_prompts_from_the_copy() -> None:

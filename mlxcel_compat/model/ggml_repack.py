@@ -153,6 +153,8 @@ def release_pages(mapped: np.ndarray, offset: int, length: int) -> None:
     process: the pages stay in the page cache and come back on the next read. Only the whole pages
     inside the range, so a neighbouring tensor's pages are left alone."""
     base = mapped.base
+    if isinstance(base, memoryview):  # np.frombuffer keeps the buffer's memoryview
+        base = base.obj
     if not isinstance(base, mmap.mmap) or not hasattr(base, "madvise"):
         return
     first = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
