@@ -18,7 +18,7 @@ import gc
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ from mlxcel_compat.cache.block_hash import ApcConfig
 from mlxcel_compat.cache.disk import Compat, list_entry_files
 from mlxcel_compat.cache.families import recurrent_family
 from mlxcel_compat.cache.key import PIN_SESSION, TEXT_ONLY_MM_DIGEST, Bucket
+from mlxcel_compat.cache.media import first_media_token
 from mlxcel_compat.cache.snapshot import SnapshotStore, is_snapshot_family, snapshot_capacity_default
 from mlxcel_compat.cache.store import EntryStore, LookupResult, PromptCacheStore
 from mlxcel_compat.engine.disk_tier import DiskTier
@@ -334,7 +335,7 @@ class PrefixCache:
             self._refresh()
             return restored
         self._promote_from_disk("kv", seq)
-        result = self.store.lookup(self.bucket(seq), seq.request.cache.session_key, seq.prompt)
+        result = self._lookup(seq)
         hit = result.hit
         if hit is None:
             self._trace_lookup(seq, result)
@@ -363,6 +364,36 @@ class PrefixCache:
         self._refresh()
         return hit.matched_len
 
+    def _lookup(self, seq: "Sequence") -> LookupResult:
+        """The store's lookup in the request's bucket; with images, the match never ends inside
+        one, and the text-only bucket may give the prefix before the first image instead (it
+        does not depend on any image: ``cache/media.py``). The longer one is the recorded lookup."""
+        bucket, session = self.bucket(seq), seq.request.cache.session_key
+        media = seq.request.media
+        if media is None or not media.images:
+            return self.store.lookup(bucket, session, seq.prompt)
+        spans = media.spans
+        first = first_media_token(spans) or 0
+        own = self.store.lookup(bucket, session, seq.prompt, record=False, spans=spans)
+        text = self.store.lookup(replace(bucket, mm_digest=TEXT_ONLY_MM_DIGEST), session, seq.prompt[: first + 1], record=False) if first > 0 else None
+        if text is not None and text.hit is not None and (own.hit is None or text.hit.matched_len > own.hit.matched_len):
+            return self.store.lookup(replace(bucket, mm_digest=TEXT_ONLY_MM_DIGEST), session, seq.prompt[: first + 1])
+        return self.store.lookup(bucket, session, seq.prompt, spans=spans)
+
+    def _donate_text_prefix(self, seq: "Sequence") -> None:
+        """A multimodal sequence also stores its prefix before the first image in the text-only
+        bucket, so the same text with another image reuses it (``_lookup``)."""
+        media = seq.request.media
+        first = first_media_token(media.spans) if media is not None else None
+        if first is None or first < max(1, self.config.min_prefix) or not self.token_granular:
+            return
+        payload = kv.copy_cache(seq.cache[: self.n_layers])
+        if not kv.can_truncate(payload):
+            return
+        kv.truncate(payload, first)
+        bucket = replace(self.bucket(seq), mm_digest=TEXT_ONLY_MM_DIGEST)
+        self.store.insert(bucket, seq.request.cache.session_key, seq.cache_tokens[:first], payload, kv.nbytes(payload), True)
+
     def donate(self, seq: "Sequence") -> None:
         """Store ``seq``'s KV with exactly the tokens it holds (called after a consistent finish)."""
         if not self.config.enabled or not seq.request.cache.enabled:
@@ -387,6 +418,7 @@ class PrefixCache:
         )
         if not result.inserted:
             log.debug("prompt cache: task %d not stored (%s)", seq.request.task_id, result.reason)
+        self._donate_text_prefix(seq)
         self._refresh()
 
     def _draft_layers(self, seq: "Sequence") -> list[Any]:

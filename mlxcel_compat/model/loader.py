@@ -52,6 +52,7 @@ class LoadedModel:
     n_adapted: int = 0  # modules carrying a LoRA adapter (model.lora_layers), served unfused
     fim: FimTokens = field(default_factory=FimTokens)  # fill-in-the-middle tokens (/infill)
     kind: str = "decoder"  # "encoder": a BERT-family model (model/bert.py), served for embeddings and rerank only
+    vision: Any = None  # model.vision.VisionFacts of a vision-language model (mlx-vlm), else None
 
     @property
     def file_type(self) -> str:
@@ -233,6 +234,12 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
         if adapters:
             raise ValueError("LoRA adapters apply to decoder models; this is a BERT-family encoder")
         return _load_encoder(path, model_arg, aliases, name)
+    from mlxcel_compat.model import vision
+
+    if path.is_dir() and vision.is_vision_directory(path):
+        if adapters:
+            raise ValueError("LoRA adapters are not served on vision-language models yet")
+        return _load_vision(path, model_arg, aliases, name)
     on_cpu = mx.default_device() == mx.cpu
     summary = None
     affine = None  # mlx_affine.AffineLoad for a quantized directory on the CPU
@@ -326,6 +333,35 @@ def _load_encoder(path: Path, model_arg: str, aliases: list[str], name: str | No
         gguf=summary,
         fingerprint=model_fingerprint(path, summary),
         kind="encoder",
+    )
+
+
+def _load_vision(path: Path, model_arg: str, aliases: list[str], name: str | None) -> LoadedModel:
+    """A vision-language directory through mlx-vlm (``model/vision.py``): float32 weights, MLX's
+    own steps (no CPU decode runtime, fusion or attention levers: they patch mlx-lm's modules)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlxcel_compat.model import vision
+
+    model, tokenizer, config, facts = vision.load_vision_directory(path)
+    if mx.default_device() == mx.cpu:
+        model.set_dtype(mx.float32, predicate=lambda dt: dt in (mx.float16, mx.bfloat16))
+    params = tree_flatten(model.parameters())
+    mx.eval(model.parameters())
+    log.info("vision-language model %s (mlx-vlm): image token %d, %d x %d merge; images through the vision tower",
+             facts.model_type, facts.image_token_id, facts.merge_size, facts.merge_size)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        path=path,
+        model_id=model_display_id(name or model_arg, aliases),
+        aliases=sorted(aliases),
+        n_params=sum(v.size for _, v in params),
+        size_bytes=sum(v.nbytes for _, v in params),
+        fingerprint=model_fingerprint(path),
+        vision=facts,
     )
 
 

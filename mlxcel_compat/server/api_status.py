@@ -49,7 +49,7 @@ async def props(request: Request) -> Response:
         "model_alias": m.model_id,
         "model_ftype": m.file_type,
         "model_path": m.path,
-        "modalities": {"vision": False, "video": False, "audio": False},
+        "modalities": {"vision": ctx.media is not None, "video": False, "audio": False},
         "media_marker": "<__media__>",
         "endpoint_slots": bool(s.slots),
         "endpoint_props": bool(s.props),
@@ -92,7 +92,7 @@ async def models(request: Request) -> Response:
                     "type": "model",
                     "description": "",
                     "tags": [""],
-                    "capabilities": ["completion"],
+                    "capabilities": ["completion", "multimodal"] if ctx.media is not None else ["completion"],
                     "parameters": "",
                     "details": {
                         "parent_model": "",

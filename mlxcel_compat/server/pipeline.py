@@ -38,7 +38,7 @@ from mlxcel_compat.chat.messages import (
 )
 from mlxcel_compat.chat.template import TemplateError
 from mlxcel_compat.engine.reasoning_budget import opens_block
-from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent, next_task_id
+from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, MediaInput, TokenEvent, next_task_id
 from mlxcel_compat.engine.sampling import dry_sequence_breakers, piece_index
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
@@ -220,7 +220,7 @@ def render_prompt(ctx: ServerContext, data: Mapping[str, Any]) -> tuple[str, Cha
         defaults = default_template_kwargs(ctx.settings)
         if ctx.cache_hooks is not None:
             defaults = ctx.cache_hooks.template_defaults(data, defaults)
-        chat = parse_chat_request(data, default_template_kwargs=defaults)
+        chat = parse_chat_request(data, default_template_kwargs=defaults, images=ctx.media is not None)
         return render_chat(template, chat), chat
     except (ChatRequestError, TemplateError) as exc:
         if getattr(exc, "status_code", 400) >= 500:
@@ -235,8 +235,11 @@ async def count_prompt_tokens(ctx: ServerContext, data: Mapping[str, Any]) -> in
 
 
 def _count_prompt_tokens(ctx: ServerContext, data: Mapping[str, Any]) -> int:
-    prompt, _ = render_prompt(ctx, data)
-    return len(ctx.tokenize_rendered(prompt))
+    prompt, chat = render_prompt(ctx, data)
+    tokens = ctx.tokenize_rendered(prompt)
+    if chat.images:
+        tokens, _, _ = ctx.media.prepare(chat.images, tokens)
+    return len(tokens)
 
 
 @dataclass
@@ -276,12 +279,31 @@ def _prepare_chat(ctx: ServerContext, data: Mapping[str, Any], session: str | No
     opts = _parse_options(ctx, data)
     opts.request.constraint = constraint
     tokens = ctx.tokenize_rendered(prompt)
+    media = digest = None
+    if chat.images:
+        tokens, media, digest = ctx.media.prepare(chat.images, tokens)
     check_context(ctx, tokens)
     prepare_samplers(ctx, opts)
     requests = expand(ctx, opts, [tokens])
     if ctx.cache_hooks is not None:
         ctx.cache_hooks.prepare_chat(data, chat, requests, prompt, session, breakpoints, key_id)
+    if media is not None:
+        attach_media(requests, media, digest)
     return ChatJob(data=data, chat=chat, prompt=prompt, opts=opts, requests=requests)
+
+
+def attach_media(requests: list[GenerationRequest], media: MediaInput, digest: bytes) -> None:
+    """Images ride with each request; their digest keys the prompt cache (``mm_digest``). The
+    history-boundary split is computed on the rendered text, whose offsets the image tokens
+    moved, so it is dropped (dense-KV families do not use it), and breakpoints inside an image
+    are moved back to its start (the cache never splits a prompt inside one)."""
+    from mlxcel_compat.cache.media import clip_to_media
+
+    for req in requests:
+        req.media = media
+        req.cache.mm_digest = digest
+        req.cache.history_boundary = None
+        req.cache.breakpoints = [(clip_to_media(at, media.spans), ttl) for at, ttl in req.cache.breakpoints]
 
 
 def reasoning_on(ctx: ServerContext, data: Mapping[str, Any]) -> bool:
