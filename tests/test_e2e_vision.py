@@ -153,6 +153,19 @@ def test_responses_input_image(oai: openai.OpenAI) -> None:
     assert response.output_text
 
 
+def test_native_completion_multimodal_data_at_the_media_marker(http: httpx.Client) -> None:
+    marker = http.get("/props").json()["media_marker"]
+    item = base64.b64encode(png(10)).decode()
+    body = {"prompt": {"prompt_string": f"Picture: {marker} Caption:", "multimodal_data": [item]}, "n_predict": 4,
+            "temperature": 0}
+    first = http.post("/completion", json=body).json()
+    assert first["content"] and first["tokens_evaluated"] > 8
+    again = http.post("/completion", json=body).json()
+    assert again["content"] == first["content"] and again["tokens_cached"] >= first["tokens_evaluated"] - 1
+    wrong = http.post("/completion", json={**body, "prompt": {"prompt_string": "no marker", "multimodal_data": [item]}})
+    assert wrong.status_code == 400 and "0 media markers" in wrong.json()["error"]["message"]
+
+
 def png_header_only(width: int, height: int) -> bytes:
     from tests.test_media_input import png_header_only as header
 

@@ -36,6 +36,9 @@ from mlxcel_compat.engine.request import MediaImage, MediaInput
 from mlxcel_compat.server.errors import InvalidRequest
 
 FETCH_TIMEOUT_S = 10.0  # llama-server's download timeout
+# Where a raw prompt's ``multimodal_data`` items go (``/props`` ``media_marker``); llama-server's
+# is random per process unless ``LLAMA_MEDIA_MARKER`` pins it, this one is fixed.
+MEDIA_MARKER = "<__media__>"
 
 
 @dataclass(frozen=True)
@@ -195,3 +198,17 @@ class ImageInput:
         expanded.extend(tokens[last:])
         digest = multimodal_digest([d.digest_item() for d in images])
         return expanded, MediaInput(records), digest
+
+
+def marked_prompt_tokens(tokenizer: Any, facts: Any, prompt: str, n_items: int) -> list[int]:
+    """A raw prompt's tokens with each media marker replaced by the model's image tokens
+    (``<|vision_start|><|image_pad|><|vision_end|>``, one pad to be expanded by ``prepare``)."""
+    pieces = prompt.split(MEDIA_MARKER)
+    if len(pieces) - 1 != n_items:
+        raise InvalidRequest(f"the prompt has {len(pieces) - 1} media markers ({MEDIA_MARKER}) for {n_items} "
+                             "multimodal_data items")
+    image = [facts.vision_start_token_id, facts.image_token_id, facts.vision_end_token_id]
+    tokens = list(tokenizer.encode(pieces[0], add_special_tokens=True))
+    for piece in pieces[1:]:
+        tokens += [t for t in image if t >= 0] + list(tokenizer.encode(piece, add_special_tokens=False))
+    return tokens

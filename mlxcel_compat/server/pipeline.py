@@ -198,14 +198,42 @@ def _prepare_completion(
 ) -> CompletionJob:
     opts = parse_options(ctx, data, response_format=response_format)
     m = ctx.model
-    prompts, multi = tokenize_prompts(m.tokenizer, data.get("prompt"), m.vocab_size, ctx.prompt_bound, ctx.settings.max_prompts)
+    media = _raw_media(ctx, data.get("prompt"))
+    if media is not None:
+        prompts, multi = [media[0]], False
+    else:
+        prompts, multi = tokenize_prompts(m.tokenizer, data.get("prompt"), m.vocab_size, ctx.prompt_bound, ctx.settings.max_prompts)
     for tokens in prompts:
         check_context(ctx, tokens)
     prepare_samplers(ctx, opts)
     requests = expand(ctx, opts, prompts)
     if ctx.cache_hooks is not None:
         ctx.cache_hooks.prepare_raw(data, requests, session, key_id)
+    if media is not None:
+        attach_media(requests, media[1], media[2])
     return CompletionJob(opts=opts, requests=requests, multi=multi)
+
+
+def _raw_media(ctx: ServerContext, prompt: Any) -> tuple[list[int], MediaInput, bytes] | None:
+    """A raw prompt ``{"prompt_string", "multimodal_data": [base64, ...]}`` on a vision model:
+    its tokens with the images in place of the media markers (None for any other prompt; a text
+    model refuses ``multimodal_data`` in ``tokenize_prompts`` with llama-server's message)."""
+    if ctx.media is None:
+        return None
+    if isinstance(prompt, list) and any(isinstance(p, Mapping) and "multimodal_data" in p for p in prompt):
+        raise InvalidRequest("multimodal_data is served for a single prompt per request")
+    if not isinstance(prompt, Mapping) or "multimodal_data" not in prompt:
+        return None
+    from mlxcel_compat.server.media import marked_prompt_tokens
+
+    text, items = prompt.get("prompt_string"), prompt.get("multimodal_data")
+    if not isinstance(text, str):
+        raise InvalidRequest("prompt_string must be a string")
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise InvalidRequest("multimodal_data must be an array of base64 strings")
+    ctx.prompt_bound.check(len(text))
+    tokens = marked_prompt_tokens(ctx.model.tokenizer, ctx.media.facts, text, len(items))
+    return ctx.media.prepare(items, tokens)
 
 
 # ---------------------------------------------------------------------- chat requests
