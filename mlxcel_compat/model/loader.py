@@ -306,8 +306,6 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
 
 def _load_encoder(path: Path, model_arg: str, aliases: list[str], name: str | None) -> LoadedModel:
     """A BERT-family encoder (``encoder_load.py``): float32 MLX weights, no decode runtime."""
-    from mlx.utils import tree_flatten
-
     from mlxcel_compat.model import encoder_load
 
     summary = None
@@ -316,11 +314,19 @@ def _load_encoder(path: Path, model_arg: str, aliases: list[str], name: str | No
         _log_gguf(summary)
     else:
         model, tokenizer, config = encoder_load.load_directory(path)
-    params = tree_flatten(model.parameters())
     c = model.config
     log.info("encoder %s: %d layers, hidden %d, %d positions, %s; served for embeddings and rerank only",
              c.model_type, c.num_hidden_layers, c.hidden_size, c.n_positions,
              f"classification head ({c.num_labels} labels)" if c.num_labels else "no classification head")
+    return _plain_loaded(path, model_arg, aliases, name, model, tokenizer, config, summary, kind="encoder")
+
+
+def _plain_loaded(path: Path, model_arg: str, aliases: list[str], name: str | None, model: Any, tokenizer: Any,
+                  config: dict[str, Any], summary: Any = None, **extra: Any) -> LoadedModel:
+    """The ``LoadedModel`` of a model whose weights are all MLX parameters (no block weights)."""
+    from mlx.utils import tree_flatten
+
+    params = tree_flatten(model.parameters())
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -332,7 +338,7 @@ def _load_encoder(path: Path, model_arg: str, aliases: list[str], name: str | No
         size_bytes=summary.file_bytes if summary is not None else sum(v.nbytes for _, v in params),
         gguf=summary,
         fingerprint=model_fingerprint(path, summary),
-        kind="encoder",
+        **extra,
     )
 
 
@@ -340,29 +346,16 @@ def _load_vision(path: Path, model_arg: str, aliases: list[str], name: str | Non
     """A vision-language directory through mlx-vlm (``model/vision.py``): float32 weights, MLX's
     own steps (no CPU decode runtime, fusion or attention levers: they patch mlx-lm's modules)."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
 
     from mlxcel_compat.model import vision
 
     model, tokenizer, config, facts = vision.load_vision_directory(path)
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32, predicate=lambda dt: dt in (mx.float16, mx.bfloat16))
-    params = tree_flatten(model.parameters())
     mx.eval(model.parameters())
     log.info("vision-language model %s (mlx-vlm): image token %d, %d x %d merge; images through the vision tower",
              facts.model_type, facts.image_token_id, facts.merge_size, facts.merge_size)
-    return LoadedModel(
-        model=model,
-        tokenizer=tokenizer,
-        config=config,
-        path=path,
-        model_id=model_display_id(name or model_arg, aliases),
-        aliases=sorted(aliases),
-        n_params=sum(v.size for _, v in params),
-        size_bytes=sum(v.nbytes for _, v in params),
-        fingerprint=model_fingerprint(path),
-        vision=facts,
-    )
+    return _plain_loaded(path, model_arg, aliases, name, model, tokenizer, config, vision=facts)
 
 
 def _install_adapters(model: Any, config: dict[str, Any], summary: Any, adapters: Sequence[Any]) -> int:
