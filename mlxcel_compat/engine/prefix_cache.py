@@ -335,6 +335,9 @@ class PrefixCache:
             self._refresh()
             return restored
         self._promote_from_disk("kv", seq)
+        text_prefix = self._text_prefix(seq)
+        if text_prefix is not None:  # the text before the first image may be on disk too
+            self._promote_from_disk("kv", seq, *text_prefix)
         result = self._lookup(seq)
         hit = result.hit
         if hit is None:
@@ -373,12 +376,22 @@ class PrefixCache:
         if media is None or not media.images:
             return self.store.lookup(bucket, session, seq.prompt)
         spans = media.spans
-        first = first_media_token(spans) or 0
         own = self.store.lookup(bucket, session, seq.prompt, record=False, spans=spans)
-        text = self.store.lookup(replace(bucket, mm_digest=TEXT_ONLY_MM_DIGEST), session, seq.prompt[: first + 1], record=False) if first > 0 else None
-        if text is not None and text.hit is not None and (own.hit is None or text.hit.matched_len > own.hit.matched_len):
-            return self.store.lookup(replace(bucket, mm_digest=TEXT_ONLY_MM_DIGEST), session, seq.prompt[: first + 1])
+        text_prefix = self._text_prefix(seq)
+        if text_prefix is not None:
+            text = self.store.lookup(*text_prefix, record=False)
+            if text.hit is not None and (own.hit is None or text.hit.matched_len > own.hit.matched_len):
+                return self.store.lookup(*text_prefix)
         return self.store.lookup(bucket, session, seq.prompt, spans=spans)
+
+    def _text_prefix(self, seq: "Sequence") -> tuple[Bucket, str, list[int]] | None:
+        """(text-only bucket, session, the prompt through its first image token) of a request with
+        images: a lookup there adopts at most the tokens before that image."""
+        media = seq.request.media
+        first = first_media_token(media.spans) if media is not None else None
+        if not first:
+            return None
+        return replace(self.bucket(seq), mm_digest=TEXT_ONLY_MM_DIGEST), seq.request.cache.session_key, seq.prompt[: first + 1]
 
     def _donate_text_prefix(self, seq: "Sequence") -> None:
         """A multimodal sequence also stores its prefix before the first image in the text-only
@@ -445,7 +458,8 @@ class PrefixCache:
             spec.state = DraftState(cache=cache[self.n_layers:], tokens=list(seq.prompt[:matched]), owned=OwnedCache())
         return cache[: self.n_layers]
 
-    def _promote_from_disk(self, kind: str, seq: "Sequence") -> None:
+    def _promote_from_disk(self, kind: str, seq: "Sequence", bucket: Bucket | None = None, session: str | None = None,
+                           prompt: list[int] | None = None) -> None:
         """When the disk tier holds a longer match than RAM, load it into the RAM store.
 
         The normal lookup that follows then adopts it, so a disk hit obeys exactly the RAM rules
@@ -454,8 +468,9 @@ class PrefixCache:
         disk = self.disk
         if disk is None:
             return
-        disk.counters.lookups += 1
-        bucket, session, prompt = self.bucket(seq), seq.request.cache.session_key, seq.prompt
+        if bucket is None or session is None or prompt is None:  # (a text-prefix probe is not another lookup)
+            disk.counters.lookups += 1
+            bucket, session, prompt = self.bucket(seq), seq.request.cache.session_key, seq.prompt
         hit = disk.probe(kind, bucket, session, prompt)
         if hit is None:
             return
