@@ -209,10 +209,13 @@ def test_anthropic_bad_image_is_a_400(vlm) -> None:
 
 def test_slot_save_of_a_slot_holding_media_is_501(oai: openai.OpenAI, http: httpx.Client) -> None:
     ask(oai, [SYSTEM, user(data_uri(png(9)))])
+    slot = http.get("/slots").json()[0]
+    assert 4 <= slot["n_media_tokens"] < slot["n_prompt_tokens"]  # the image's tokens, shown beside llama-server's fields
     response = http.post("/slots/0?action=save", json={"filename": "vision.bin"})
     assert response.status_code == 501
     assert response.json()["error"] == {"code": 501, "message": "This feature is not supported by multimodal", "type": "not_supported_error"}
     ask(oai, [SYSTEM, {"role": "user", "content": "just text"}])  # a text slot saves as before
+    assert "n_media_tokens" not in http.get("/slots").json()[0]
     assert http.post("/slots/0?action=save", json={"filename": "text.bin"}).status_code == 200
 
 

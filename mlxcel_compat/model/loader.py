@@ -353,6 +353,7 @@ def _load_vision(path: Path, model_arg: str, aliases: list[str], name: str | Non
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32, predicate=lambda dt: dt in (mx.float16, mx.bfloat16))
     mx.eval(model.parameters())
+    model.warm_up()
     log.info("vision-language model %s (mlx-vlm): image token %d, %d x %d merge; images through the vision tower",
              facts.model_type, facts.image_token_id, facts.merge_size, facts.merge_size)
     return _plain_loaded(path, model_arg, aliases, name, model, tokenizer, config, vision=facts)

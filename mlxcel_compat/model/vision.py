@@ -121,6 +121,16 @@ class VisionLM(nn.Module):
         """This model for one sequence (``prompt``): with its images when ``media`` has any."""
         return self if media is None or not media.images else BoundVisionLM(self, media, prompt)
 
+    def warm_up(self) -> None:
+        """Run the vision tower once on a blank 2x2-patch image: MLX's first call of a graph pays a
+        one-off set-up cost (seconds), which the first request with an image would otherwise pay."""
+        tower = self.vlm.vision_tower
+        merge = int(getattr(tower, "spatial_merge_size", 2))
+        width = int(tower.patch_embed.proj.weight.size // tower.patch_embed.proj.weight.shape[0])
+        grid = mx.array([[1, merge, merge]])
+        pixels = mx.zeros((merge * merge, width), dtype=tower.patch_embed.proj.weight.dtype)
+        mx.eval(tower(pixels, grid, output_hidden_states=False))
+
     def forward(self, inputs: mx.array, cache: Any, embeds: mx.array | None, positions: mx.array) -> mx.array:
         """Logits of ``inputs`` (1, L) at ``positions`` (3, 1, L), with ``embeds`` replacing the
         token embeddings where given."""
