@@ -475,7 +475,7 @@ MIB = 1 << 20
 
 _LIMITS: tuple[Setting, ...] = (
     Setting("max_body_bytes", ("--max-body-bytes",), type="int", minimum=1024, group="limits",
-            upstream=False, metavar="BYTES", default_doc="max(1 MiB, 64 bytes x context size)",
+            upstream=False, metavar="BYTES", default_doc="max(1 MiB, 64 bytes x context size), plus one base64 image at --media-max-bytes on a vision model",
             reason="413 in llama.cpp's error shape; the refused body is drained (bounded lingering close), so httpx, "
                    "requests, the openai SDK and curl all read the 413",
             help="Largest request body. A larger one gets 413 as soon as its Content-Length, or the part read so "

@@ -190,6 +190,13 @@ def test_bad_media_is_a_400_and_the_server_stays_healthy(oai: openai.OpenAI, htt
     assert ask(oai, [user(data_uri(png(1)))])[0]
 
 
+def test_the_default_body_cap_has_room_for_an_image_at_the_byte_limit(oai: openai.OpenAI) -> None:
+    big = png(11, (700, 700))  # random pixels: ~1.5 MB of PNG, ~2 MB of base64, over the text-only 1 MiB cap
+    assert len(big) > 1 << 20
+    content, _, _ = ask(oai, [user(data_uri(big))])
+    assert content
+
+
 def test_a_thousand_images_is_a_400(http: httpx.Client, oai: openai.OpenAI) -> None:
     tiny = data_uri(png(1, (4, 4)))
     parts = [{"type": "image_url", "image_url": {"url": tiny}}] * 1000

@@ -80,10 +80,14 @@ class ServerContext:
     @property
     def max_body_bytes(self) -> int:
         """``--max-body-bytes``, by default ``max(1 MiB, 64 bytes x context size)``: room for any
-        prompt that fits the context (text or token ids, JSON-escaped), and no more."""
+        prompt that fits the context (text or token ids, JSON-escaped), and no more; a vision model
+        adds one base64 image at ``--media-max-bytes``."""
         if self.settings.max_body_bytes is not None:
             return self.settings.max_body_bytes
-        return max(1 << 20, BODY_BYTES_PER_TOKEN * self.engine.n_ctx)
+        text = max(1 << 20, BODY_BYTES_PER_TOKEN * self.engine.n_ctx)
+        if self.media is not None:  # a vision model: room for one image at --media-max-bytes, base64-encoded
+            return text + -(-4 * self.media.limits.max_bytes // 3)
+        return text
 
     @property
     def prompt_bound(self) -> PromptBound:
