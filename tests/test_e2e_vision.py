@@ -60,7 +60,7 @@ def vlm_dir() -> Path:
 def vlm(server_factory, vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     slots = tmp_path_factory.mktemp("vision-slots")
     return server_factory(["-m", str(vlm_dir), "-np", "1", "-c", "4096", "-b", "64", "--prompt-cache-min-prefix", "8",
-                           "--slot-save-path", str(slots), "--props", "--alias", "tiny-vl"])
+                           "--slot-save-path", str(slots), "--props", "--alias", "tiny-vl", "--no-mmproj"])  # accepted: nothing to turn off
 
 
 @pytest.fixture()
@@ -123,6 +123,18 @@ def test_the_same_text_with_another_image_reuses_only_the_text_before_it(oai: op
     assert cached == first_image_token(http, vlm_dir, other)
     cold, _, _ = ask(oai, other, cold=True)
     assert warm == cold
+
+
+def test_streaming_and_token_counting_with_an_image(oai: openai.OpenAI, http: httpx.Client) -> None:
+    messages = [SYSTEM, user(data_uri(png(12)))]
+    chunks = list(oai.chat.completions.create(model="tiny-vl", messages=messages, max_tokens=6, temperature=0, stream=True,
+                                              stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert streamed == ask(oai, messages, cold=True)[0]
+    counted = http.post("/v1/chat/completions/input_tokens", json={"messages": messages}).json()
+    assert counted["input_tokens"] == usage.prompt_tokens  # the image's tokens counted as the completion does
 
 
 def test_the_same_image_as_webp_hits_the_png_entry(oai: openai.OpenAI) -> None:

@@ -173,3 +173,18 @@ def test_a_slots_kept_state_is_reused_only_for_the_same_images(vlm_dir: Path, im
         assert run(engine, other).finish.n_cached == 0  # type: ignore[union-attr]
     finally:
         engine.stop()
+
+
+def test_two_slots_with_different_images_at_once_answer_as_each_alone(harness: EngineHarness, prompts: Prompts) -> None:
+    """Each sequence's positions and features are its own (mlx-vlm keeps them on the shared model
+    object, which this server never relies on): interleaved, each answers as it does alone."""
+    harness.reset()
+    a = prompts.request("Concurrent one:", [12], " Go on.", n_predict=10, cache=False)
+    b = prompts.request("Another prompt, longer, with its own picture:", [13, 14], " Go on.", n_predict=10, cache=False)
+    alone = [run(harness.engine, a).tokens, run(harness.engine, b).tokens]
+    queues: list[queue.Queue] = [queue.Queue(), queue.Queue()]
+    for request, events in zip((a, b), queues):
+        request.task_id += 1000  # a fresh task for the same request record
+        harness.engine.submit(request, events.put)
+    together = [collect(events).tokens for events in queues]
+    assert together == alone
