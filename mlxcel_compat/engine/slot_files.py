@@ -51,7 +51,8 @@ class SlotFileError(Exception):
 
 
 class SlotHoldsMedia(SlotFileError):
-    """The slot's state holds image tokens: llama-server answers save and erase with 501."""
+    """The slot's state holds image tokens: a save is llama-server's 501 (its file format has no
+    room for the images; an erase still clears the slot)."""
 
     def __init__(self) -> None:
         super().__init__("This feature is not supported by multimodal")
