@@ -10,6 +10,7 @@ import base64
 import io
 import struct
 import zlib
+from typing import Any
 
 import numpy as np
 import pytest
@@ -117,3 +118,46 @@ def test_count_and_byte_limits(images: ImageInput) -> None:
 def test_marker_count_must_match_the_images(images: ImageInput) -> None:
     with pytest.raises(InvalidRequest, match="2 image markers for 1 images"):
         images.prepare([data_uri(encoded(1))], prompt_with(2))
+
+
+@pytest.fixture(scope="module")
+def image_site() -> Any:
+    """A real HTTP server on loopback serving one PNG at /cat.png (404 elsewhere)."""
+    import http.server
+    import threading
+
+    body = encoded(3)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path != "/cat.png":
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", body
+    server.shutdown()
+
+
+def test_http_images_are_fetched_only_with_media_fetch(image_site: Any, images: ImageInput) -> None:
+    base, body = image_site
+    with pytest.raises(InvalidRequest, match="--media-fetch"):
+        image_bytes(f"{base}/cat.png", MediaLimits())
+    fetching = MediaLimits(fetch=True)
+    assert image_bytes(f"{base}/cat.png", fetching) == body
+    # The downloaded image and the same bytes inline are one image to the cache.
+    fetched = ImageInput(images.facts, fetching).prepare([f"{base}/cat.png"], prompt_with(1))[2]
+    assert fetched == images.prepare([data_uri(body)], prompt_with(1))[2]
+    with pytest.raises(InvalidRequest, match="HTTP 404"):
+        image_bytes(f"{base}/dog.png", fetching)
+    with pytest.raises(InvalidRequest, match="--media-max-bytes"):
+        image_bytes(f"{base}/cat.png", MediaLimits(fetch=True, max_bytes=1000))
