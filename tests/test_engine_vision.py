@@ -1,4 +1,4 @@
-"""The factory's tiny Qwen2.5-VL on the engine: images through the vision tower, and the prompt
+"""The factory's tiny Qwen2.5-VL and Qwen2-VL on the engine: images through the vision tower, and the prompt
 cache's whole-image rule in RAM, on disk and in a slot's kept state.
 
 Every adoption here is checked twice: its length is never strictly inside an image's tokens, and
@@ -26,11 +26,11 @@ from mlxcel_compat.testing import vision
 from tests.engine_harness import EngineHarness, Run, collect
 
 
-@pytest.fixture(scope="module")
-def vlm_dir() -> Path:
+@pytest.fixture(scope="module", params=vision.FAMILIES)
+def vlm_dir(request: pytest.FixtureRequest) -> Path:
     from tests.conftest import MODEL_CACHE
 
-    return vision.ensure_vision_model(MODEL_CACHE)
+    return vision.ensure_vision_model(MODEL_CACHE, request.param)
 
 
 @pytest.fixture(scope="module")

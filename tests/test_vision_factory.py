@@ -1,4 +1,4 @@
-"""The tiny Qwen2.5-VL factory directory (``testing/vision.py``): deterministic bytes, loadable by
+"""The tiny Qwen2.5-VL and Qwen2-VL factory directories (``testing/vision.py``): deterministic bytes, loadable by
 mlx-vlm, its vision tokens single ids, its template rendering image parts, its real image
 processor bounded by the configured pixel budget."""
 
@@ -14,11 +14,11 @@ import pytest
 from mlxcel_compat.testing import vision
 
 
-@pytest.fixture(scope="module")
-def vlm_dir() -> Path:
+@pytest.fixture(scope="module", params=vision.FAMILIES)
+def vlm_dir(request: pytest.FixtureRequest) -> Path:
     from tests.conftest import MODEL_CACHE
 
-    return vision.ensure_vision_model(MODEL_CACHE)
+    return vision.ensure_vision_model(MODEL_CACHE, request.param)
 
 
 def _sha(path: Path) -> str:
@@ -26,7 +26,7 @@ def _sha(path: Path) -> str:
 
 
 def test_two_builds_write_the_same_bytes(vlm_dir: Path, tmp_path: Path) -> None:
-    other = vision.ensure_vision_model(tmp_path)
+    other = vision.ensure_vision_model(tmp_path, json.loads((vlm_dir / "config.json").read_text())["model_type"])
     for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
         assert _sha(other / name) == _sha(vlm_dir / name), name
 
@@ -36,7 +36,7 @@ def test_mlx_vlm_loads_it_and_the_tokenizer_knows_the_vision_tokens(vlm_dir: Pat
     from mlx_vlm.utils import load_model
 
     model = load_model(vlm_dir)
-    assert type(model).__module__.startswith("mlx_vlm.models.qwen2_5_vl")
+    assert type(model).__module__.startswith(f"mlx_vlm.models.{vlm_dir.name.split('-')[0]}")
     tokenizer = load_tokenizer(vlm_dir)
     ids = tokenizer.encode("<|vision_start|><|image_pad|><|vision_end|>")
     assert ids == [vision.vision_token_id(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")]

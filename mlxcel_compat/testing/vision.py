@@ -1,7 +1,8 @@
-"""A tiny random-weight Qwen2.5-VL directory for tests: a real vision tower, a real image processor.
+"""Tiny random-weight Qwen2.5-VL / Qwen2-VL directories for tests: a real vision tower, a real
+image processor.
 
-The model is mlx-vlm's own ``qwen2_5_vl`` classes at tiny sizes (a 2-block vision tower of width
-32 merged into a 2-layer text model of width 64), so the server runs the same vision tower, merged
+The model is mlx-vlm's own ``qwen2_5_vl`` (or ``qwen2_vl``) classes at tiny sizes (a 2-block
+vision tower of width 32 merged into a 2-layer text model of width 64), so the server runs the same vision tower, merged
 embeddings and multimodal RoPE (``mrope``) that a real Qwen2.5-VL checkpoint runs, in milliseconds.
 
 - Weights: a fixed NumPy seed, stored under mlx-vlm's parameter names and layouts (so loading
@@ -16,7 +17,7 @@ embeddings and multimodal RoPE (``mrope``) that a real Qwen2.5-VL checkpoint run
   patches, 2x2 merge, temporal patch 2, CLIP mean/std, and a small ``max_pixels`` (28*28*16:
   at most 16 image tokens an image) so a request with several images still prefills in a blink.
 
-Command line: ``python -m mlxcel_compat.testing.vision --out DIR``.
+Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl]``.
 """
 
 from __future__ import annotations
@@ -53,14 +54,27 @@ def vision_token_id(content: str) -> int:
     return tok.VOCAB_SIZE + VISION_TOKENS.index(content)
 
 
-def model_config() -> dict[str, Any]:
-    """``config.json``: Qwen2.5-VL's layout (text fields at the top level, ``vision_config`` nested)."""
-    vision = dict(model_type="qwen2_5_vl", depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64,
-                  num_heads=2, in_chans=3, in_channels=3, patch_size=PATCH_SIZE, spatial_patch_size=PATCH_SIZE,
-                  spatial_merge_size=MERGE_SIZE, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
-                  tokens_per_second=2, hidden_act="silu")
+FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "qwen2_vl")
+_ARCHITECTURES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration"}
+
+
+def _vision_config(family: str) -> dict[str, Any]:
+    common = dict(model_type=family, depth=2, num_heads=2, in_chans=3, in_channels=3, patch_size=PATCH_SIZE,
+                  spatial_patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=2)
+    if family == "qwen2_vl":  # a plain ViT (LayerNorm, GELU MLP), its width "embed_dim"; hidden_size is the output
+        return dict(common, embed_dim=32, hidden_size=64, mlp_ratio=2)
+    # Qwen2.5-VL: windowed attention with full-attention blocks, SwiGLU MLPs
+    return dict(common, hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=56,
+                fullatt_block_indexes=[1], tokens_per_second=2, hidden_act="silu")
+
+
+def model_config(family: str = "qwen2_5_vl") -> dict[str, Any]:
+    """``config.json``: Qwen2-VL's layout (text fields at the top level, ``vision_config`` nested)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown vision family {family!r}; choose one of: {', '.join(FAMILIES)}")
+    vision = _vision_config(family)
     return dict(
-        model_type="qwen2_5_vl", architectures=["Qwen2_5_VLForConditionalGeneration"],
+        model_type=family, architectures=[_ARCHITECTURES[family]],
         hidden_size=64, num_hidden_layers=2, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
         rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, hidden_act="silu",
         # head_dim 16: 8 rotary frequencies split over (time, height, width)
@@ -151,10 +165,10 @@ def random_weights(config: dict[str, Any]) -> dict[str, Any]:
     return {name: mx.array(_init(rng, name, shapes[name])) for name in sorted(shapes)}
 
 
-def _write_files(directory: Path) -> None:
+def _write_files(directory: Path, family: str) -> None:
     import mlx.core as mx
 
-    config = model_config()
+    config = model_config(family)
     weights = random_weights(config)
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
     texts = {
@@ -169,24 +183,25 @@ def _write_files(directory: Path) -> None:
     for name, data in texts.items():
         (directory / name).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     (directory / "tokenizer.json").write_text(tokenizer_json(), encoding="utf-8")
-    manifest = {"family": "qwen2_5_vl", "size": "tiny", "format_version": FORMAT_VERSION,
+    manifest = {"family": family, "size": "tiny", "format_version": FORMAT_VERSION,
                 "num_parameters": int(sum(v.size for v in weights.values()))}
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")  # last
 
 
-def ensure_vision_model(cache_dir: str | Path | None = None) -> Path:
-    """``<cache>/qwen2_5_vl-tiny-v<N>``, built on first use (into a temporary directory renamed
+def ensure_vision_model(cache_dir: str | Path | None = None, family: str = "qwen2_5_vl") -> Path:
+    """``<cache>/<family>-tiny-v<N>``, built on first use (into a temporary directory renamed
     into place, so concurrent callers never see half a model)."""
     from .models import default_cache_dir
 
+    model_config(family)  # an unknown family fails here, before anything is written
     root = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()).absolute()
-    target = root / f"qwen2_5_vl-tiny-v{FORMAT_VERSION}"
+    target = root / f"{family}-tiny-v{FORMAT_VERSION}"
     if (target / MANIFEST_NAME).is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
     try:
-        _write_files(tmp)
+        _write_files(tmp, family)
         if target.exists():
             shutil.rmtree(target, ignore_errors=True)  # an incomplete leftover
         try:
@@ -202,9 +217,11 @@ def ensure_vision_model(cache_dir: str | Path | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlxcel_compat.testing.vision",
-                                     description="Write the tiny random-weight Qwen2.5-VL directory.")
+                                     description="Write a tiny random-weight Qwen2-VL-family directory.")
     parser.add_argument("--out", required=True, help="the cache directory to build it in")
-    print(ensure_vision_model(parser.parse_args(argv).out))
+    parser.add_argument("--family", default="qwen2_5_vl", choices=FAMILIES)
+    args = parser.parse_args(argv)
+    print(ensure_vision_model(args.out, args.family))
     return 0
 
 
