@@ -475,7 +475,9 @@ async def _wait_for_model(ctx: ServerContext) -> None:
         if ctx.engine.loaded.vision is not None:
             from mlxcel_compat.server.media import ImageInput, MediaLimits
 
-            ctx.media = ImageInput(ctx.engine.loaded.vision, MediaLimits.from_settings(ctx.settings))
+            media = ImageInput(ctx.engine.loaded.vision, MediaLimits.from_settings(ctx.settings))
+            await asyncio.to_thread(media.processor)  # the image processor, read before the gate opens
+            ctx.media = media
         ctx.model = model  # last: this is what opens the gate
         log.info(
             "model '%s' ready: serving on %d slots, n_ctx %d, prompts prefilled in chunks of %d tokens",

@@ -152,7 +152,8 @@ class ImageInput:
     """Turns a chat's image sources into the engine's ``MediaInput`` for the served model.
 
     ``facts`` is the model's ``model.vision.VisionFacts``; the Hugging Face image processor
-    (``preprocessor_config.json``) is loaded on first use, once, on a worker thread.
+    (``preprocessor_config.json``) is loaded once, off the event loop (the app does it before it
+    opens the gate, so no request pays the import).
     """
 
     def __init__(self, facts: Any, limits: MediaLimits) -> None:
