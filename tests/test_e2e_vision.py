@@ -112,6 +112,7 @@ def test_second_turn_about_the_same_image_reuses_the_image(oai: openai.OpenAI) -
     second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "and what colours?"}]
     warm, _, cached = ask(oai, second)
     assert cached >= n_first  # the whole first turn, its image included
+    assert httpx.get(str(oai.base_url).replace("/v1/", "/v1/cache/stats")).json()["multimodal_entries"] >= 1
     cold, _, cold_cached = ask(oai, second, cold=True)
     assert cold_cached == 0 and warm == cold
 

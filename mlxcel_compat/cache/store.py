@@ -579,6 +579,8 @@ class EntryStore:
             "enabled": self.enabled,
             "entries": len(self._entries),
             "entries_by_lora_id": self.entries_by_lora_id(),
+            # entries of requests with images (their bucket's mm_digest is not the text-only one)
+            "multimodal_entries": sum(1 for e in self._entries.values() if not e.bucket.text_only),
             "bytes": self._nbytes,
             "capacity_bytes": self.capacity_bytes,
             "max_entries": self.max_entries,
