@@ -137,7 +137,8 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _f("prompt", {"anyOf": [STRING, PIECES, PROMPT_OBJECT,
                             {"type": "array", "maxItems": "$max_prompts", "items": {"anyOf": [STRING, PIECES, PROMPT_OBJECT]}}]},
        scope="completion", required=True,
-       note="string, token ids, mixed arrays, several prompts (at most --max-prompts); multimodal_data is rejected"),
+       note="string, token ids, mixed arrays, several prompts (at most --max-prompts); multimodal_data (base64 images at the "
+            "/props media_marker, one prompt) on a vision-language model (docs/vision.md), rejected by a text model"),
     _f("stream", BOOL),
     _f("stream_options.include_usage", BOOL),
     _f("cache_prompt", BOOL, note="false = a cold prefill that neither reads nor feeds the prompt cache; also read from extra_body"),
@@ -233,11 +234,12 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _noop("suffix", STRING, "ignored, as llama-server does", scope="completion"),
     _noop("model", STRING, "ignored in single-model mode, as llama-server does; responses carry the server's model name"),
     _f("messages", {"type": "array", "items": MESSAGE}, scope="chat", required=True, note="string, null or text-part content"),
-    RequestField("messages[].content[].image_url", scope="chat", status="unsupported",
-                 note="no multimodal input: image_url, input_audio, input_video/video_url parts (in any message, tool messages "
-                      "too) are llama-server's 500 'image input is not supported - hint: ...' without --mmproj"),
-    RequestField("messages[].content[].input_audio", scope="chat", status="unsupported", note="multimodal input is not supported"),
-    RequestField("messages[].content[].input_video", scope="chat", status="unsupported", note="multimodal input is not supported"),
+    RequestField("messages[].content[].image_url", scope="chat", status="partial",
+                 note="served by a vision-language model directory (mlx-vlm Qwen2-VL / Qwen2.5-VL; docs/vision.md): data: URIs "
+                      "and raw base64, http(s) only with --media-fetch, file:// refused; limits --media-max-*; a text model "
+                      "answers llama-server's 500 'image input is not supported - hint: ...' (in any message, tool messages too)"),
+    RequestField("messages[].content[].input_audio", scope="chat", status="unsupported", note="no audio tower is served: llama-server's 500"),
+    RequestField("messages[].content[].input_video", scope="chat", status="unsupported", note="video is not served: llama-server's 500"),
     _f("tools", {"type": "array", "items": TOOL}, scope="chat", note="needs --jinja"),
     _f("tool_choice", {"anyOf": [{"enum": ["auto", "none", "required"]},
                                  {"type": "object", "properties": {"type": {"const": "function"},
@@ -310,8 +312,8 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
        note="user and assistant turns, string or block content"),
     _f("system", {"anyOf": [STRING, {"type": "array", "items": TEXT_PART}]}, scope="messages", note="string or text blocks"),
     RequestField("messages[].content[].type", scope="messages",
-       note="text, tool_use, tool_result (string, text or image blocks, is_error), thinking; an image block, in a message "
-            "or a tool_result, is llama-server's 500 'image input is not supported' (no multimodal input); document blocks are a 400"),
+       note="text, tool_use, tool_result (string, text or image blocks, is_error), thinking; image blocks (base64) are "
+            "served by a vision-language model (docs/vision.md), a text model's 500 'image input is not supported'; document blocks are a 400"),
     _f("tools", {"type": "array", "items": ANTHROPIC_TOOL}, scope="messages"),
     RequestField("tools[].input_schema", scope="messages", note="client tools; server tool types are a 400"),
     _f("tool_choice.type", {"enum": ["auto", "any", "tool", "none"]}, scope="messages",
@@ -335,7 +337,8 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     # OpenAI Responses (/v1/responses, /responses, input_tokens), translated into a chat body.
     _f("input", {"anyOf": [STRING, {"type": "array", "items": OBJECT}]}, scope="responses",
        note="string or items: messages (input_text, output_text), function_call, function_call_output, reasoning; input_image "
-            "(also in a function_call_output) is llama-server's 500 'image input is not supported', input_file its 400"),
+            "(also in a function_call_output) served by a vision-language model (docs/vision.md), a text model's 500 'image input "
+            "is not supported'; input_file its 400"),
     _f("instructions", STRING, scope="responses"),
     RequestField("tools[].type", scope="responses", note="function tools; other types are skipped with a warning"),
     _f("max_output_tokens", int_range(1), scope="responses",

@@ -310,7 +310,11 @@ R_SPEC = "the draft model runs on the engine thread beside the model, with its s
 R_SPEC_NGRAM = "that n-gram drafting kind is not served here (--spec-type refuses it); ngram-simple and ngram-mod are"
 R_SPEC_REMOVED = ("removed from llama-server (it refuses the option now); accepted and ignored for older "
                   "deployments: use --spec-draft-n-max, --spec-draft-n-min, --spec-ngram-simple-size-n/m")
-R_MMPROJ = "multimodal projectors are not supported, so this option has nothing to act on"
+R_MMPROJ = "GGUF multimodal projectors are not loaded (vision models are served from their mlx-vlm directory), so this option has nothing to act on"
+R_MMPROJ_FILE = (
+    "GGUF multimodal projectors are not loaded: serve a vision-language model directory that mlx-vlm loads "
+    "(a Hugging Face Qwen2-VL / Qwen2.5-VL directory, whose config.json has vision_config) with -m instead"
+)
 R_SLOTS = "mlxcel_compat keeps a radix prompt cache instead of llama.cpp's slot caches; see --prompt-cache-*"
 R_LOG_FORMAT = "logs use Python's logging format"
 R_UI = "the built-in chat page is served from the package; other static files are not served"
@@ -471,7 +475,7 @@ MIB = 1 << 20
 
 _LIMITS: tuple[Setting, ...] = (
     Setting("max_body_bytes", ("--max-body-bytes",), type="int", minimum=1024, group="limits",
-            upstream=False, metavar="BYTES", default_doc="max(1 MiB, 64 bytes x context size)",
+            upstream=False, metavar="BYTES", default_doc="max(1 MiB, 64 bytes x context size), plus one base64 image at --media-max-bytes on a vision model",
             reason="413 in llama.cpp's error shape; the refused body is drained (bounded lingering close), so httpx, "
                    "requests, the openai SDK and curl all read the 413",
             help="Largest request body. A larger one gets 413 as soon as its Content-Length, or the part read so "
@@ -491,6 +495,22 @@ _LIMITS: tuple[Setting, ...] = (
                  "(-1 = no cap but the context)."),
     Setting("max_prompts", ("--max-prompts",), type="int", default=64, minimum=1, group="limits", upstream=False,
             metavar="N", help="Most prompts in one /completion or /v1/completions request; more: 400."),
+    Setting("media_max_images", ("--media-max-images",), type="int", default=16, minimum=0, group="limits",
+            upstream=False, metavar="N",
+            help="Most images in one request (a vision-language model); more: 400."),
+    Setting("media_max_pixels", ("--media-max-pixels",), type="int", default=4096 * 4096, minimum=1,
+            group="limits", upstream=False, metavar="N",
+            help="Largest image, in pixels (width x height), read from its header before it is decoded: "
+                 "a larger one (or a decompression bomb) is refused with 400. The image processor then "
+                 "resizes what it takes to the model's own pixel budget."),
+    Setting("media_max_bytes", ("--media-max-bytes",), type="int", default=10 * 1024 * 1024, minimum=1,
+            group="limits", upstream=False, metavar="BYTES",
+            help="Largest encoded image (after base64 decoding, or downloaded); larger: 400. llama-server's "
+                 "download limit is 10 MB."),
+    Setting("media_fetch", ("--media-fetch",), type="bool", default=False, group="limits", upstream=False,
+            negative_flags=("--no-media-fetch",),
+            help="Download http(s) image URLs (llama-server's limits: --media-max-bytes, 10 s). Off by "
+                 "default, since a server often must not reach out: such a URL is then a 400."),
     Setting("max_stop_strings", ("--max-stop-strings",), type="int", default=32, minimum=0, group="limits",
             upstream=False, metavar="N",
             help="Most entries in stop, and in dry_sequence_breakers; more: 400."),
@@ -931,10 +951,9 @@ _COMPAT: tuple[Setting, ...] = (
                  "absolute scaled to int16, 1 taxicab, 2 euclidean, >2 p-norm."),
     _refused("rpc", ("--rpc",), "RPC servers to offload to.", "RPC backends are not supported",
              metavar="SERVERS", env=("LLAMA_ARG_RPC",)),
-    _refused("mmproj", ("-mm", "--mmproj"), "Multimodal projector file.", "multimodal input is not supported",
+    _refused("mmproj", ("-mm", "--mmproj"), "Multimodal projector file.", R_MMPROJ_FILE,
              metavar="FILE", env=("LLAMA_ARG_MMPROJ",)),
-    _refused("mmproj_url", ("-mmu", "--mmproj-url"), "Multimodal projector URL.",
-             "multimodal input is not supported", metavar="URL", env=("LLAMA_ARG_MMPROJ_URL",)),
+    _refused("mmproj_url", ("-mmu", "--mmproj-url"), "Multimodal projector URL.", R_MMPROJ_FILE, metavar="URL", env=("LLAMA_ARG_MMPROJ_URL",)),
     _noop("mmproj_auto", ("--mmproj-auto",), "Use the repository's projector with -hf.", R_MMPROJ,
           env=("LLAMA_ARG_MMPROJ_AUTO",), negative_flags=("--no-mmproj", "--no-mmproj-auto")),
     _noop("mmproj_offload", ("--mmproj-offload",), "GPU offload of the projector.", R_MMPROJ,
@@ -947,7 +966,8 @@ _COMPAT: tuple[Setting, ...] = (
           env=("LLAMA_ARG_IMAGE_MAX_TOKENS",)),
     _noop("mtmd_batch_max_tokens", ("--mtmd-batch-max-tokens",), "Image tokens per batch.", R_MMPROJ,
           metavar="N", env=("LLAMA_ARG_MTMD_BATCH_MAX_TOKENS",)),
-    _noop("media_path", ("--media-path",), "Directory for file:// media.", R_MMPROJ, metavar="PATH"),
+    _noop("media_path", ("--media-path",), "Directory for file:// media.",
+          "file:// images are refused (send data: URIs, or http(s) URLs with --media-fetch)", metavar="PATH"),
     _noop("spec_draft_hf", ("--spec-draft-hf", "-hfd", "-hfrd", "--hf-repo-draft"), "Draft model repository.",
           "a draft model is loaded from a local file or directory (-md); download it first", metavar="USER/MODEL",
           env=("LLAMA_ARG_SPEC_DRAFT_HF_REPO",)),

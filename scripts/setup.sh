@@ -57,6 +57,11 @@ if [ ! -f "$stamp" ] || [ "$root/setup.cfg" -nt "$stamp" ] || [ "$root/pyproject
   setup_step "upgrading pip" "$venv/bin/python" -m pip install -q --upgrade pip
   setup_step "installing mlxcel_compat and its test dependencies into $venv (a few minutes the first time)" \
     "$venv/bin/python" -m pip install -q -e "$root[test]"
+  # Vision-language models (model/vision.py) run on mlx-vlm's model classes. Its own metadata
+  # pulls opencv, datasets, mlx-audio, fastapi and more that the classes used here never import,
+  # so it goes in without them (setup.cfg's `vision` extra is the same pin with them).
+  setup_step "installing mlx-vlm 0.7.10 (vision models; without its optional heavy dependencies)" \
+    "$venv/bin/python" -m pip install -q --no-deps "mlx-vlm==0.7.10"
   touch "$stamp"
 fi
 # ggml's CPU kernels (quantized GGUF weights, model/ggml_cpu.py) built for this CPU: the PyPI

@@ -37,8 +37,9 @@ Readings of the spec recorded here:
   cross-session entry that is longer only before the clamp does not beat the session.
 - A non-trimmable entry can be adopted only when it is a whole prefix of the request
   and at least one token shorter than it (its state cannot give the last token back).
-- APC partial reuse needs: APC on, a trimmable entry that still has its chain, and a
-  text-only bucket (multimodal requests adopt whole entries only).
+- APC partial reuse needs: APC on and a trimmable entry that still has its chain. In a
+  multimodal bucket (every entry holds the same images, by ``mm_digest``) a match is clipped
+  so that it never ends inside an image's tokens (``lookup(spans=...)``, ``cache/media.py``).
 - APC requires the prompt cache: a store built with ``enabled=False`` ignores its
   ``ApcConfig``, and stats say ``apc_enabled: false, apc_disabled_reason: "cache_off"``.
 - ``--apc-num-blocks`` bounds the total length of all stored chains. Over the bound,
@@ -74,6 +75,7 @@ from mlxcel_compat.cache.block_hash import (
     extend_token_granular,
 )
 from mlxcel_compat.cache.key import Bucket, prompt_digest
+from mlxcel_compat.cache.media import clip_to_media
 from mlxcel_compat.cache.radix import RadixTrie
 
 logger = logging.getLogger(__name__)
@@ -89,7 +91,7 @@ ADOPTION_REJECT_REASONS = ("token_mismatch",)
 INELIGIBLE_REASONS = (
     "no_overlap",  # no stored entry of the bucket shares a first token with the request
     "partial_overlap_apc_off",  # only part of the entry matches and APC is off
-    "partial_overlap_multimodal",  # multimodal buckets adopt whole entries only
+    "partial_overlap_multimodal",  # no longer produced (multimodal matches are clipped to whole images); kept for the stats' shape
     "partial_overlap_not_trimmable",  # the entry's state cannot be cut (recurrent, wrapped window)
     "partial_overlap_no_chain",  # the entry's chain was dropped under --apc-num-blocks
     "not_trimmable_exact_repeat",  # whole entry, but its state cannot give the last token back
@@ -577,6 +579,8 @@ class EntryStore:
             "enabled": self.enabled,
             "entries": len(self._entries),
             "entries_by_lora_id": self.entries_by_lora_id(),
+            # entries of requests with images (their bucket's mm_digest is not the text-only one)
+            "multimodal_entries": sum(1 for e in self._entries.values() if not e.bucket.text_only),
             "bytes": self._nbytes,
             "capacity_bytes": self.capacity_bytes,
             "max_entries": self.max_entries,
@@ -663,7 +667,8 @@ class PromptCacheStore(EntryStore):
     # --- public API ---
 
     def lookup(
-        self, bucket: Bucket, session_key: str, tokens: Sequence[int], *, record: bool = True
+        self, bucket: Bucket, session_key: str, tokens: Sequence[int], *, record: bool = True,
+        spans: Sequence[tuple[int, int]] = (),
     ) -> LookupResult:
         """Find the state to adopt before prefilling ``tokens``.
 
@@ -678,6 +683,8 @@ class PromptCacheStore(EntryStore):
             tokens: the full rendered prompt.
             record: False for a probe (is the disk tier's match longer?): no counters and no
                 recency change, so the stats describe the lookups that decide.
+            spans: the request's image token spans ([start, end)); a match that would end
+                inside one is cut back to its start (the whole-image rule).
 
         Returns:
             A ``LookupResult``. On a hit, ``hit.matched_len`` leaves at least one token
@@ -693,7 +700,7 @@ class PromptCacheStore(EntryStore):
         self._sweep_helper(now)
         if record:
             self.counters.lookups += 1
-        sel = self._select_helper(bucket, session_key, toks)
+        sel = self._select_helper(bucket, session_key, toks, tuple(spans))
         best = sel.best
         if best is None:
             if sel.short is not None:
@@ -753,7 +760,8 @@ class PromptCacheStore(EntryStore):
             self.counters.apc_extended_tokens += hit.verified_len - hit.block_len
         return super()._record_hit(hit, now)
 
-    def _select_helper(self, bucket: Bucket, session_key: str, toks: tuple[int, ...]) -> _Selection:
+    def _select_helper(self, bucket: Bucket, session_key: str, toks: tuple[int, ...],
+                       spans: tuple[tuple[int, int], ...] = ()) -> _Selection:
         """The winning candidate, or what explains the miss."""
         sel = _Selection()
         trie = self._tries.get(bucket)
@@ -761,7 +769,7 @@ class PromptCacheStore(EntryStore):
             return sel
         limit = len(toks) - 1  # the last prompt token is always prefilled for fresh logits
         hasher = None
-        if self.apc is not None and bucket.text_only:
+        if self.apc is not None:
             hasher = BlockHasher(toks, self.apc.block_size, self.apc.hash_name, bucket.mm_digest)
         for group in trie.overlap_groups(toks):
             best = sel.best
@@ -772,7 +780,7 @@ class PromptCacheStore(EntryStore):
             if group.common_len < self.min_prefix and (best is not None or sel.short is not None):
                 break  # everything from here on is too short, and the miss reason is known
             for entry_id in group.entry_ids:
-                cand = self._evaluate_helper(self._entries[entry_id], group.common_len, toks, limit, hasher, session_key)
+                cand = self._evaluate_helper(self._entries[entry_id], group.common_len, toks, limit, hasher, session_key, spans)
                 if isinstance(cand, str):
                     if sel.turndown is None:  # the deepest overlap explains a miss best
                         sel.turndown = _Turndown(entry_id, group.common_len, cand)
@@ -792,6 +800,7 @@ class PromptCacheStore(EntryStore):
         limit: int,
         hasher: BlockHasher | None,
         session_key: str,
+        spans: tuple[tuple[int, int], ...] = (),
     ) -> _Candidate | str:
         """How much of ``entry`` the request may adopt, or why it is not eligible."""
         length = len(entry.tokens)
@@ -809,7 +818,7 @@ class PromptCacheStore(EntryStore):
             block_len = agreed_block_len(entry.block_chain, request_chain, length, len(toks), bs)
             # Entries with a chain are trimmable dense KV: extend token by token.
             verified = extend_token_granular(entry.tokens, toks, block_len, bs)
-        usable = min(verified, limit)
+        usable = clip_to_media(min(verified, limit), spans)
         if usable <= 0:
             return "no_block_verified"
         if entry.tokens[:usable] != toks[:usable]:
@@ -824,8 +833,6 @@ class PromptCacheStore(EntryStore):
         """Why a partly overlapping entry cannot be cut to the overlap (None: it can)."""
         if self.apc is None:
             return "partial_overlap_apc_off"
-        if hasher is None:
-            return "partial_overlap_multimodal"
         if not entry.trimmable:
             return "partial_overlap_not_trimmable"
         if entry.block_chain is None:
@@ -836,7 +843,7 @@ class PromptCacheStore(EntryStore):
 
     def _after_insert(self, entry: CacheEntry) -> None:
         apc = self.apc
-        if apc is None or not entry.trimmable or not entry.bucket.text_only:
+        if apc is None or not entry.trimmable:
             return  # such entries are only ever adopted whole: a chain would be dead weight
         entry.block_chain = block_chain(entry.tokens, apc.block_size, apc.hash_name, entry.bucket.mm_digest)
         self._blocks.add(entry.block_chain)

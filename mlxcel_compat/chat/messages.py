@@ -77,6 +77,9 @@ class ChatRequest:
     # llama.cpp --prefill-assistant: the trailing assistant message is appended after the
     # generation prompt so the model carries on from it.
     prefill: bool = False
+    # The image sources (``image_url.url`` values) in message order, each rendered as one
+    # ``{"type": "image"}`` part; only when the model takes images (``parse_chat_request(images=...)``).
+    images: list[Any] = field(default_factory=list)
 
     @property
     def render_tools(self) -> list[dict[str, Any]] | None:
@@ -99,6 +102,7 @@ def parse_chat_request(
     *,
     default_template_kwargs: Mapping[str, Any] | None = None,
     prefill_assistant: bool = True,
+    images: bool = False,
 ) -> ChatRequest:
     """Validate and normalize an OpenAI chat body.
 
@@ -106,6 +110,8 @@ def parse_chat_request(
         body: the decoded JSON body.
         default_template_kwargs: ``--chat-template-kwargs`` (already parsed).
         prefill_assistant: ``--prefill-assistant`` (llama.cpp default on).
+        images: the model takes images: ``image_url`` parts become ``{"type": "image"}`` parts and
+            their sources are collected in ``ChatRequest.images`` (otherwise llama-server's 500).
 
     Raises:
         ChatRequestError: with llama-server's wording where it has one.
@@ -117,7 +123,8 @@ def parse_chat_request(
     raw_messages = body["messages"]
     if not isinstance(raw_messages, list):
         raise ChatRequestError("Expected 'messages' to be an array")
-    messages = [_parse_message(m) for m in raw_messages]
+    sources: list[Any] | None = [] if images else None
+    messages = [_parse_message(m, sources) for m in raw_messages]
 
     tools = _parse_tools(body.get("tools"))
     tool_choice = _parse_tool_choice(body.get("tool_choice"))
@@ -151,6 +158,7 @@ def parse_chat_request(
         template_kwargs=template_kwargs,
         continue_field=continue_field,
         prefill=prefill,
+        images=sources or [],
     )
 
 
@@ -163,7 +171,7 @@ def _parse_error(detail: str) -> ChatRequestError:
     return ChatRequestError(f"Failed to parse messages: {detail}")
 
 
-def _parse_message(raw: Any) -> dict[str, Any]:
+def _parse_message(raw: Any, images: list[Any] | None = None) -> dict[str, Any]:
     if not isinstance(raw, Mapping):
         raise _parse_error(f"Expected 'message' to be an object, got {_dump(raw)}")
     role = raw.get("role")
@@ -177,7 +185,7 @@ def _parse_message(raw: Any) -> dict[str, Any]:
     if not isinstance(role, str):
         raise _parse_error(f"'role' must be a string: {_dump(raw)}")
 
-    message: dict[str, Any] = {"role": role, "content": _parse_content(raw.get("content"))}
+    message: dict[str, Any] = {"role": role, "content": _parse_content(raw.get("content"), images)}
     if raw.get("tool_calls") is not None:
         calls = _parse_tool_calls_field(raw["tool_calls"])
         if calls:
@@ -193,7 +201,16 @@ def _parse_message(raw: Any) -> dict[str, Any]:
     return message
 
 
-def _parse_content(content: Any) -> str | list[dict[str, str]]:
+def _image_source(part: Mapping[str, Any]) -> Any:
+    """The ``url`` of an OpenAI ``image_url`` part (also given as a bare string)."""
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, Mapping) else image
+    if not isinstance(url, str):
+        raise ChatRequestError("image_url part needs an image_url.url string")
+    return url
+
+
+def _parse_content(content: Any, images: list[Any] | None = None) -> str | list[dict[str, str]]:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -203,8 +220,12 @@ def _parse_content(content: Any) -> str | list[dict[str, str]]:
     parts: list[dict[str, str]] = []
     for part in content:
         kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "image_url" and images is not None:
+            images.append(_image_source(part))
+            parts.append({"type": "image"})
+            continue
         if kind in _MEDIA_PART_KINDS:
-            # No mmproj in this server: media is never accepted.
+            # Not a vision model (or audio/video, which no model here takes): llama-server's 500.
             raise ChatRequestError(
                 f"{_MEDIA_PART_KINDS[kind]} input is not supported - {_MEDIA_HINT}",
                 status_code=500,

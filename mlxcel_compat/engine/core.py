@@ -403,6 +403,12 @@ class Engine:
     def probe_batching(self) -> bool:
         """A model whose layers cannot take mlx-lm's batch caches serves its slots one sequence
         per forward pass, instead of failing every concurrent request."""
+        if self.loaded.vision is not None:
+            # Each sequence of a vision model has its own multimodal RoPE positions, which mlx-lm's
+            # batch caches cannot carry per row (model/vision.py): one sequence per forward pass.
+            log.info("vision-language model: one sequence per forward pass (no batched decode or prefill)")
+            self.batched_decode = self.batched_prefill = False
+            return False
         try:
             batch_caches_work(self.loaded.model)
         except Exception:

@@ -29,7 +29,8 @@ def make_sequence(engine: "Engine", request: GenerationRequest, sink: "Sink", sl
     preserved = constraint.preserved_tokens if constraint is not None else ()
     seq = Sequence(
         request=request,
-        model=loaded.model,
+        # A vision model gets a view bound to this request's images (model/vision.py).
+        model=loaded.model.bind(request.media, request.prompt_tokens) if loaded.vision is not None else loaded.model,
         cache=make_prompt_cache(loaded.model),
         n_ctx=engine.n_ctx,
         chunk_size=engine.config.batch_size,

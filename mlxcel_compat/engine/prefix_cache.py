@@ -18,7 +18,7 @@ import gc
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ from mlxcel_compat.cache.block_hash import ApcConfig
 from mlxcel_compat.cache.disk import Compat, list_entry_files
 from mlxcel_compat.cache.families import recurrent_family
 from mlxcel_compat.cache.key import PIN_SESSION, TEXT_ONLY_MM_DIGEST, Bucket
+from mlxcel_compat.cache.media import first_media_token
 from mlxcel_compat.cache.snapshot import SnapshotStore, is_snapshot_family, snapshot_capacity_default
 from mlxcel_compat.cache.store import EntryStore, LookupResult, PromptCacheStore
 from mlxcel_compat.engine.disk_tier import DiskTier
@@ -334,7 +335,10 @@ class PrefixCache:
             self._refresh()
             return restored
         self._promote_from_disk("kv", seq)
-        result = self.store.lookup(self.bucket(seq), seq.request.cache.session_key, seq.prompt)
+        text_prefix = self._text_prefix(seq)
+        if text_prefix is not None:  # the text before the first image may be on disk too
+            self._promote_from_disk("kv", seq, *text_prefix)
+        result = self._lookup(seq)
         hit = result.hit
         if hit is None:
             self._trace_lookup(seq, result)
@@ -363,6 +367,46 @@ class PrefixCache:
         self._refresh()
         return hit.matched_len
 
+    def _lookup(self, seq: "Sequence") -> LookupResult:
+        """The store's lookup in the request's bucket; with images, the match never ends inside
+        one, and the text-only bucket may give the prefix before the first image instead (it
+        does not depend on any image: ``cache/media.py``). The longer one is the recorded lookup."""
+        bucket, session = self.bucket(seq), seq.request.cache.session_key
+        media = seq.request.media
+        if media is None or not media.images:
+            return self.store.lookup(bucket, session, seq.prompt)
+        spans = media.spans
+        own = self.store.lookup(bucket, session, seq.prompt, record=False, spans=spans)
+        text_prefix = self._text_prefix(seq)
+        if text_prefix is not None:
+            text = self.store.lookup(*text_prefix, record=False)
+            if text.hit is not None and (own.hit is None or text.hit.matched_len > own.hit.matched_len):
+                return self.store.lookup(*text_prefix)
+        return self.store.lookup(bucket, session, seq.prompt, spans=spans)
+
+    def _text_prefix(self, seq: "Sequence") -> tuple[Bucket, str, list[int]] | None:
+        """(text-only bucket, session, the prompt through its first image token) of a request with
+        images: a lookup there adopts at most the tokens before that image."""
+        media = seq.request.media
+        first = first_media_token(media.spans) if media is not None else None
+        if not first:
+            return None
+        return replace(self.bucket(seq), mm_digest=TEXT_ONLY_MM_DIGEST), seq.request.cache.session_key, seq.prompt[: first + 1]
+
+    def _donate_text_prefix(self, seq: "Sequence") -> None:
+        """A multimodal sequence also stores its prefix before the first image in the text-only
+        bucket, so the same text with another image reuses it (``_lookup``)."""
+        media = seq.request.media
+        first = first_media_token(media.spans) if media is not None else None
+        if first is None or first < max(1, self.config.min_prefix) or not self.token_granular:
+            return
+        payload = kv.copy_cache(seq.cache[: self.n_layers])
+        if not kv.can_truncate(payload):
+            return
+        kv.truncate(payload, first)
+        bucket = replace(self.bucket(seq), mm_digest=TEXT_ONLY_MM_DIGEST)
+        self.store.insert(bucket, seq.request.cache.session_key, seq.cache_tokens[:first], payload, kv.nbytes(payload), True)
+
     def donate(self, seq: "Sequence") -> None:
         """Store ``seq``'s KV with exactly the tokens it holds (called after a consistent finish)."""
         if not self.config.enabled or not seq.request.cache.enabled:
@@ -387,6 +431,7 @@ class PrefixCache:
         )
         if not result.inserted:
             log.debug("prompt cache: task %d not stored (%s)", seq.request.task_id, result.reason)
+        self._donate_text_prefix(seq)
         self._refresh()
 
     def _draft_layers(self, seq: "Sequence") -> list[Any]:
@@ -413,7 +458,8 @@ class PrefixCache:
             spec.state = DraftState(cache=cache[self.n_layers:], tokens=list(seq.prompt[:matched]), owned=OwnedCache())
         return cache[: self.n_layers]
 
-    def _promote_from_disk(self, kind: str, seq: "Sequence") -> None:
+    def _promote_from_disk(self, kind: str, seq: "Sequence", bucket: Bucket | None = None, session: str | None = None,
+                           prompt: list[int] | None = None) -> None:
         """When the disk tier holds a longer match than RAM, load it into the RAM store.
 
         The normal lookup that follows then adopts it, so a disk hit obeys exactly the RAM rules
@@ -422,8 +468,9 @@ class PrefixCache:
         disk = self.disk
         if disk is None:
             return
-        disk.counters.lookups += 1
-        bucket, session, prompt = self.bucket(seq), seq.request.cache.session_key, seq.prompt
+        if bucket is None or session is None or prompt is None:  # (a text-prefix probe is not another lookup)
+            disk.counters.lookups += 1
+            bucket, session, prompt = self.bucket(seq), seq.request.cache.session_key, seq.prompt
         hit = disk.probe(kind, bucket, session, prompt)
         if hit is None:
             return

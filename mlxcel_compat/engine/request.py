@@ -21,6 +21,27 @@ def next_task_id() -> int:
 
 
 @dataclass
+class MediaImage:
+    """One decoded, preprocessed image of a request (server/media.py), in prompt order."""
+
+    pixel_values: Any  # numpy float32 (patches, channels x temporal x patch x patch): the image processor's output
+    grid_thw: tuple[int, int, int]  # patch grid (time, rows, columns) before the merge
+    span: tuple[int, int]  # [start, end) of its image tokens in the prompt
+
+
+@dataclass
+class MediaInput:
+    """The images of a request; the engine's vision model (model/vision.py) turns them into
+    features. ``spans`` is what the prompt cache needs: it never splits a prompt inside one."""
+
+    images: list[MediaImage] = field(default_factory=list)
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        return [img.span for img in self.images]
+
+
+@dataclass
 class CacheContext:
     """How the prompt cache should treat this request (computed by the route, used by the engine)."""
 
@@ -67,6 +88,8 @@ class GenerationRequest:
     reasoning_budget: ReasoningBudgetSpec | None = None
     # Grammar, JSON schema or tool-call constraint on the output (None: free text).
     constraint: Constraint | None = None
+    # Images in the prompt (a vision-language model only); None for text.
+    media: MediaInput | None = None
     # LoRA scales, one per adapter id (the global ones unless the request's ``lora`` overrides
     # them); () or all zeros: the base model.
     lora: tuple[float, ...] = ()

@@ -50,6 +50,20 @@ class SlotFileError(Exception):
     """A slot file action that cannot be done; the message is for the client."""
 
 
+class SlotHoldsMedia(SlotFileError):
+    """The slot's state holds image tokens: a save is llama-server's 501 (its file format has no
+    room for the images; an erase still clears the slot)."""
+
+    def __init__(self) -> None:
+        super().__init__("This feature is not supported by multimodal")
+
+
+def _refuse_media(slot: Slot) -> None:
+    kept = slot.kept
+    if kept is not None and kept.bucket.mm_digest != TEXT_ONLY_MM_DIGEST:
+        raise SlotHoldsMedia()
+
+
 def request_bucket(engine: "Engine", cache: Any) -> Bucket:
     """The bucket of a request's ``CacheContext`` (the prompt cache's key minus session and tokens)."""
     return Bucket(
@@ -70,6 +84,7 @@ def keep_state(engine: "Engine", seq: "Sequence") -> KeptState:
 def save(engine: "Engine", slot: Slot, path: Path, filename: str, template_digest: str) -> dict[str, Any]:
     """Write the slot's state to ``path``; llama-server's response fields."""
     t0 = time.perf_counter()
+    _refuse_media(slot)
     kept = slot.kept
     if kept is None:
         bucket = Bucket(engine.loaded.model_id, "", RAW_PROMPT_TEMPLATE_SIG, None, TEXT_ONLY_MM_DIGEST)
@@ -161,6 +176,13 @@ def adopt_kept(seq: "Sequence", kept: KeptState) -> int:
         usable = min(common, limit)
     else:
         return 0
+    media = seq.request.media
+    if media is not None:  # never split the prompt inside an image (cache/media.py)
+        from mlxcel_compat.cache.media import clip_to_media
+
+        usable = clip_to_media(usable, media.spans)
+        if usable < len(kept.tokens) and not kv.can_truncate(kept.cache):
+            return 0
     if usable <= 0:
         return 0
     cache = kv.copy_cache(kept.cache)

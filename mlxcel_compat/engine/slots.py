@@ -46,6 +46,8 @@ class SlotTask:
     # its end (cancelled or failed), which llama-server's idle slot still shows as has_next_token.
     n_tokens_in_slot: int = 0
     has_next_token: bool = False
+    # Image tokens in the task's prompt (a vision model); /slots shows them only when there are some.
+    n_media_tokens: int = 0
 
 
 @dataclass
@@ -81,6 +83,7 @@ class Slot:
             id_task=req.task_id,
             params=params,
             n_predict=req.n_predict,
+            n_media_tokens=sum(end - start for start, end in req.media.spans) if req.media is not None else 0,
         )
 
     @property
@@ -128,4 +131,6 @@ class Slot:
             params=task.params,
             next_token=[{"has_next_token": has_next, "has_new_line": has_new_line, "n_remain": n_remain, "n_decoded": n_decoded}],
         )
+        if task.n_media_tokens:
+            out["n_media_tokens"] = task.n_media_tokens  # (mlxcel: llama-server has no such field)
         return out

@@ -53,6 +53,7 @@ class LoadedModel:
     n_adapted: int = 0  # modules carrying a LoRA adapter (model.lora_layers), served unfused
     fim: FimTokens = field(default_factory=FimTokens)  # fill-in-the-middle tokens (/infill)
     kind: str = "decoder"  # "encoder": a BERT-family model (model/bert.py), served for embeddings and rerank only
+    vision: Any = None  # model.vision.VisionFacts of a vision-language model (mlx-vlm), else None
 
     @property
     def file_type(self) -> str:
@@ -236,6 +237,12 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
         if adapters:
             raise ValueError("LoRA adapters apply to decoder models; this is a BERT-family encoder")
         return _load_encoder(path, model_arg, aliases, name)
+    from mlxcel_compat.model import vision
+
+    if path.is_dir() and vision.is_vision_directory(path):
+        if adapters:
+            raise ValueError("LoRA adapters are not served on vision-language models yet")
+        return _load_vision(path, model_arg, aliases, name)
     on_cpu = mx.default_device() == mx.cpu
     summary = None
     affine = None  # mlx_affine.AffineLoad for a quantized directory on the CPU
@@ -305,8 +312,6 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
 
 def _load_encoder(path: Path, model_arg: str, aliases: list[str], name: str | None) -> LoadedModel:
     """A BERT-family encoder (``encoder_load.py``): float32 MLX weights, no decode runtime."""
-    from mlx.utils import tree_flatten
-
     from mlxcel_compat.model import encoder_load
 
     summary = None
@@ -315,11 +320,19 @@ def _load_encoder(path: Path, model_arg: str, aliases: list[str], name: str | No
         _log_gguf(summary)
     else:
         model, tokenizer, config = encoder_load.load_directory(path)
-    params = tree_flatten(model.parameters())
     c = model.config
     log.info("encoder %s: %d layers, hidden %d, %d positions, %s; served for embeddings and rerank only",
              c.model_type, c.num_hidden_layers, c.hidden_size, c.n_positions,
              f"classification head ({c.num_labels} labels)" if c.num_labels else "no classification head")
+    return _plain_loaded(path, model_arg, aliases, name, model, tokenizer, config, summary, kind="encoder")
+
+
+def _plain_loaded(path: Path, model_arg: str, aliases: list[str], name: str | None, model: Any, tokenizer: Any,
+                  config: dict[str, Any], summary: Any = None, **extra: Any) -> LoadedModel:
+    """The ``LoadedModel`` of a model whose weights are all MLX parameters (no block weights)."""
+    from mlx.utils import tree_flatten
+
+    params = tree_flatten(model.parameters())
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -331,8 +344,25 @@ def _load_encoder(path: Path, model_arg: str, aliases: list[str], name: str | No
         size_bytes=summary.file_bytes if summary is not None else sum(v.nbytes for _, v in params),
         gguf=summary,
         fingerprint=model_fingerprint(path, summary),
-        kind="encoder",
+        **extra,
     )
+
+
+def _load_vision(path: Path, model_arg: str, aliases: list[str], name: str | None) -> LoadedModel:
+    """A vision-language directory through mlx-vlm (``model/vision.py``): float32 weights, MLX's
+    own steps (no CPU decode runtime, fusion or attention levers: they patch mlx-lm's modules)."""
+    import mlx.core as mx
+
+    from mlxcel_compat.model import vision
+
+    model, tokenizer, config, facts = vision.load_vision_directory(path)
+    if mx.default_device() == mx.cpu:
+        model.set_dtype(mx.float32, predicate=lambda dt: dt in (mx.float16, mx.bfloat16))
+    mx.eval(model.parameters())
+    model.warm_up()
+    log.info("vision-language model %s (mlx-vlm): image token %d, %d x %d merge; images through the vision tower",
+             facts.model_type, facts.image_token_id, facts.merge_size, facts.merge_size)
+    return _plain_loaded(path, model_arg, aliases, name, model, tokenizer, config, vision=facts)
 
 
 def _install_adapters(model: Any, config: dict[str, Any], summary: Any, adapters: Sequence[Any]) -> int:

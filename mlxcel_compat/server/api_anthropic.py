@@ -1,8 +1,8 @@
 """The Anthropic Messages API: ``/v1/messages`` and ``/v1/messages/count_tokens``.
 
 A Messages body is translated into the OpenAI chat body the shared pipeline takes (system and
-text blocks become messages and text parts, ``image`` blocks ``image_url`` parts (which this
-text-only server refuses as llama-server does), ``tool_use`` becomes ``tool_calls``,
+text blocks become messages and text parts, ``image`` blocks ``image_url`` parts (read by a
+vision model, refused by a text model as llama-server refuses them), ``tool_use`` becomes ``tool_calls``,
 ``tool_result`` becomes ``tool`` messages, ``thinking`` becomes ``reasoning_content``), and the engine's events
 come back as an Anthropic message or its SSE events. ``cache_control`` markers travel with the
 parts, messages and tools they sit on: the pipeline turns them into explicit cache breakpoints.
@@ -96,9 +96,9 @@ def _blocks(content: Any, where: str) -> list[Mapping[str, Any]]:
 def _image_part(block: Mapping[str, Any]) -> dict[str, Any] | None:
     """An ``image`` block as the OpenAI ``image_url`` part llama-server turns it into.
 
-    The chat pipeline then refuses it as llama-server does on a model without a projector
-    (500, "image input is not supported - hint: ..."), in a message and in a ``tool_result``
-    alike. A source other than base64 or a URL is dropped, as llama-server drops it.
+    The chat pipeline then reads it on a vision model (``server/media.py``) or refuses it as
+    llama-server does on a model without a projector (500, "image input is not supported - hint:
+    ..."), in a message and in a ``tool_result`` alike. A source other than base64 or a URL is dropped, as llama-server drops it.
     """
     source = block.get("source")
     source = source if isinstance(source, Mapping) else {}

@@ -95,6 +95,8 @@ async def slot_action(request: Request) -> Response:
     fn = slot_files.save if action == "save" else slot_files.restore
     try:
         result = await ctx.client.call_on_slot(slot, functools.partial(fn, engine, path=path, filename=filename, template_digest=digest))
+    except slot_files.SlotHoldsMedia as exc:
+        raise NotSupported(str(exc)) from None
     except slot_files.SlotFileError as exc:
         if action == "restore":
             raise InvalidRequest(f"Unable to restore slot: {exc}") from None

@@ -11,6 +11,7 @@ from starlette.routing import Route
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.errors import NotSupported, Unavailable, json_response
 from mlxcel_compat.server.formats import BUILD_INFO, metrics_params
+from mlxcel_compat.server.media import MEDIA_MARKER
 from mlxcel_compat.server.openapi import TEXT, Operation
 from mlxcel_compat.server.pipeline import ctx_of, read_json
 from mlxcel_compat.settings import mcp_proxy_enabled
@@ -49,8 +50,8 @@ async def props(request: Request) -> Response:
         "model_alias": m.model_id,
         "model_ftype": m.file_type,
         "model_path": m.path,
-        "modalities": {"vision": False, "video": False, "audio": False},
-        "media_marker": "<__media__>",
+        "modalities": {"vision": ctx.media is not None, "video": False, "audio": False},
+        "media_marker": MEDIA_MARKER,
         "endpoint_slots": bool(s.slots),
         "endpoint_props": bool(s.props),
         "endpoint_metrics": bool(s.metrics),
@@ -92,7 +93,7 @@ async def models(request: Request) -> Response:
                     "type": "model",
                     "description": "",
                     "tags": [""],
-                    "capabilities": ["completion"],
+                    "capabilities": ["completion", "multimodal"] if ctx.media is not None else ["completion"],
                     "parameters": "",
                     "details": {
                         "parent_model": "",

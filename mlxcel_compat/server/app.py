@@ -472,6 +472,12 @@ async def _wait_for_model(ctx: ServerContext) -> None:
             pins=cache is not None and cache.pins_enabled,
             pin_max_ttl=float(ctx.settings.prompt_cache_pin_max_ttl),
         )
+        if ctx.engine.loaded.vision is not None:
+            from mlxcel_compat.server.media import ImageInput, MediaLimits
+
+            media = ImageInput(ctx.engine.loaded.vision, MediaLimits.from_settings(ctx.settings))
+            await asyncio.to_thread(media.processor)  # the image processor, read before the gate opens
+            ctx.media = media
         ctx.model = model  # last: this is what opens the gate
         log.info(
             "model '%s' ready: serving on %d slots, n_ctx %d, prompts prefilled in chunks of %d tokens",

@@ -170,8 +170,8 @@ class CacheHooks:
 
     def warmup_job(self, data: Mapping[str, Any], chat: Any, request: GenerationRequest, reply: Mapping[str, Any]) -> WarmupJob | None:
         """What the engine should prefill while idle so the session's next turn starts warm."""
-        if not self.warmup or not request.cache.enabled:
-            return None
+        if not self.warmup or not request.cache.enabled or request.media is not None:
+            return None  # (a warm-up prefills text alone: it cannot place the images' positions)
         tokens = self.tokenize(render_next_history(self.template, chat, reply))
         ctx = request.cache
         return WarmupJob(session_key=ctx.session_key, template_sig=ctx.template_sig, tokens=tokens, namespace=ctx.namespace,

@@ -67,6 +67,7 @@ class ServerContext:
     draining: bool = False  # SIGTERM/SIGINT received: new requests get 503
     structured: Any = None  # server.structured.StructuredOutput: grammars, schemas, tool calls
     adapters: AdapterSet = field(default_factory=AdapterSet)  # LoRA adapters and their global scales
+    media: Any = None  # server.media.ImageInput when the served model takes images, else None
 
     def __post_init__(self) -> None:
         self.client = EngineClient(self.engine)
@@ -79,10 +80,14 @@ class ServerContext:
     @property
     def max_body_bytes(self) -> int:
         """``--max-body-bytes``, by default ``max(1 MiB, 64 bytes x context size)``: room for any
-        prompt that fits the context (text or token ids, JSON-escaped), and no more."""
+        prompt that fits the context (text or token ids, JSON-escaped), and no more; a vision model
+        adds one base64 image at ``--media-max-bytes``."""
         if self.settings.max_body_bytes is not None:
             return self.settings.max_body_bytes
-        return max(1 << 20, BODY_BYTES_PER_TOKEN * self.engine.n_ctx)
+        text = max(1 << 20, BODY_BYTES_PER_TOKEN * self.engine.n_ctx)
+        if self.media is not None:  # a vision model: room for one image at --media-max-bytes, base64-encoded
+            return text + -(-4 * self.media.limits.max_bytes // 3)
+        return text
 
     @property
     def prompt_bound(self) -> PromptBound:

@@ -38,7 +38,7 @@ from mlxcel_compat.chat.messages import (
 )
 from mlxcel_compat.chat.template import TemplateError
 from mlxcel_compat.engine.reasoning_budget import opens_block
-from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent, next_task_id
+from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, MediaInput, TokenEvent, next_task_id
 from mlxcel_compat.engine.sampling import dry_sequence_breakers, piece_index
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
@@ -198,14 +198,42 @@ def _prepare_completion(
 ) -> CompletionJob:
     opts = parse_options(ctx, data, response_format=response_format)
     m = ctx.model
-    prompts, multi = tokenize_prompts(m.tokenizer, data.get("prompt"), m.vocab_size, ctx.prompt_bound, ctx.settings.max_prompts)
+    media = _raw_media(ctx, data.get("prompt"))
+    if media is not None:
+        prompts, multi = [media[0]], False
+    else:
+        prompts, multi = tokenize_prompts(m.tokenizer, data.get("prompt"), m.vocab_size, ctx.prompt_bound, ctx.settings.max_prompts)
     for tokens in prompts:
         check_context(ctx, tokens)
     prepare_samplers(ctx, opts)
     requests = expand(ctx, opts, prompts)
     if ctx.cache_hooks is not None:
         ctx.cache_hooks.prepare_raw(data, requests, session, key_id)
+    if media is not None:
+        attach_media(requests, media[1], media[2])
     return CompletionJob(opts=opts, requests=requests, multi=multi)
+
+
+def _raw_media(ctx: ServerContext, prompt: Any) -> tuple[list[int], MediaInput, bytes] | None:
+    """A raw prompt ``{"prompt_string", "multimodal_data": [base64, ...]}`` on a vision model:
+    its tokens with the images in place of the media markers (None for any other prompt; a text
+    model refuses ``multimodal_data`` in ``tokenize_prompts`` with llama-server's message)."""
+    if ctx.media is None:
+        return None
+    if isinstance(prompt, list) and any(isinstance(p, Mapping) and "multimodal_data" in p for p in prompt):
+        raise InvalidRequest("multimodal_data is served for a single prompt per request")
+    if not isinstance(prompt, Mapping) or "multimodal_data" not in prompt:
+        return None
+    from mlxcel_compat.server.media import marked_prompt_tokens
+
+    text, items = prompt.get("prompt_string"), prompt.get("multimodal_data")
+    if not isinstance(text, str):
+        raise InvalidRequest("prompt_string must be a string")
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise InvalidRequest("multimodal_data must be an array of base64 strings")
+    ctx.prompt_bound.check(len(text))
+    tokens = marked_prompt_tokens(ctx.model.tokenizer, ctx.media.facts, text, len(items))
+    return ctx.media.prepare(items, tokens)
 
 
 # ---------------------------------------------------------------------- chat requests
@@ -220,7 +248,7 @@ def render_prompt(ctx: ServerContext, data: Mapping[str, Any]) -> tuple[str, Cha
         defaults = default_template_kwargs(ctx.settings)
         if ctx.cache_hooks is not None:
             defaults = ctx.cache_hooks.template_defaults(data, defaults)
-        chat = parse_chat_request(data, default_template_kwargs=defaults)
+        chat = parse_chat_request(data, default_template_kwargs=defaults, images=ctx.media is not None)
         return render_chat(template, chat), chat
     except (ChatRequestError, TemplateError) as exc:
         if getattr(exc, "status_code", 400) >= 500:
@@ -235,8 +263,11 @@ async def count_prompt_tokens(ctx: ServerContext, data: Mapping[str, Any]) -> in
 
 
 def _count_prompt_tokens(ctx: ServerContext, data: Mapping[str, Any]) -> int:
-    prompt, _ = render_prompt(ctx, data)
-    return len(ctx.tokenize_rendered(prompt))
+    prompt, chat = render_prompt(ctx, data)
+    tokens = ctx.tokenize_rendered(prompt)
+    if chat.images:
+        tokens, _, _ = ctx.media.prepare(chat.images, tokens)
+    return len(tokens)
 
 
 @dataclass
@@ -276,12 +307,31 @@ def _prepare_chat(ctx: ServerContext, data: Mapping[str, Any], session: str | No
     opts = _parse_options(ctx, data)
     opts.request.constraint = constraint
     tokens = ctx.tokenize_rendered(prompt)
+    media = digest = None
+    if chat.images:
+        tokens, media, digest = ctx.media.prepare(chat.images, tokens)
     check_context(ctx, tokens)
     prepare_samplers(ctx, opts)
     requests = expand(ctx, opts, [tokens])
     if ctx.cache_hooks is not None:
         ctx.cache_hooks.prepare_chat(data, chat, requests, prompt, session, breakpoints, key_id)
+    if media is not None:
+        attach_media(requests, media, digest)
     return ChatJob(data=data, chat=chat, prompt=prompt, opts=opts, requests=requests)
+
+
+def attach_media(requests: list[GenerationRequest], media: MediaInput, digest: bytes) -> None:
+    """Images ride with each request; their digest keys the prompt cache (``mm_digest``). The
+    history-boundary split is computed on the rendered text, whose offsets the image tokens
+    moved, so it is dropped (dense-KV families do not use it), and breakpoints inside an image
+    are moved back to its start (the cache never splits a prompt inside one)."""
+    from mlxcel_compat.cache.media import clip_to_media
+
+    for req in requests:
+        req.media = media
+        req.cache.mm_digest = digest
+        req.cache.history_boundary = None
+        req.cache.breakpoints = [(clip_to_media(at, media.spans), ttl) for at, ttl in req.cache.breakpoints]
 
 
 def reasoning_on(ctx: ServerContext, data: Mapping[str, Any]) -> bool:

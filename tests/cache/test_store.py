@@ -302,11 +302,29 @@ def test_partial_overlap_with_a_dropped_chain_is_explained() -> None:
     assert (res.reason, res.detail, res.candidate_id) == ("no_candidate", "partial_overlap_no_chain", a)
 
 
-def test_multimodal_partial_overlap_is_explained() -> None:
+@pytest.mark.parametrize(
+    "spans, expected",
+    [
+        ((), 200),  # no image near the divergence: the 200 shared tokens
+        (((150, 220),), 150),  # the match would end inside an image: cut back to its first token
+        (((100, 150),), 200),  # the image is whole inside the match
+        (((200, 260),), 200),  # the image starts exactly at the split point
+        (((10, 40), (190, 230)), 190),  # the second image would be split
+    ],
+)
+def test_multimodal_partial_overlap_never_ends_inside_an_image(spans: tuple[tuple[int, int], ...], expected: int) -> None:
     store = make_store(apc=ApcConfig())
     mm = make_bucket(mm_digest=multimodal_digest([b"image"]))
     store.insert(mm, "s1", ENTRY, "kv", 10, True)
-    assert store.lookup(mm, "s1", REQUEST).detail == "partial_overlap_multimodal"
+    hit = store.lookup(mm, "s1", REQUEST, spans=spans).hit
+    assert hit is not None and hit.matched_len == expected
+
+
+def test_an_image_at_the_start_leaves_nothing_to_adopt() -> None:
+    store = make_store(apc=ApcConfig())
+    mm = make_bucket(mm_digest=multimodal_digest([b"image"]))
+    store.insert(mm, "s1", ENTRY, "kv", 10, True)
+    assert store.lookup(mm, "s1", REQUEST, spans=((0, 250),)).hit is None
 
 
 @pytest.mark.parametrize(
@@ -353,12 +371,12 @@ def test_non_trimmable_entries_never_match_partially() -> None:
     assert store.stats()["apc_active_entries"] == 0  # no chain kept for it
 
 
-def test_multimodal_bucket_adopts_whole_entries_only() -> None:
+def test_multimodal_bucket_is_its_own_and_a_whole_entry_is_adopted() -> None:
     store = make_store(apc=ApcConfig())
     mm = make_bucket(mm_digest=multimodal_digest([b"image"]))
     store.insert(mm, "s1", ENTRY, "kv", 10, True)
-    assert store.lookup(mm, "s1", REQUEST).reason == "no_candidate"
-    assert store.lookup(mm, "s1", ENTRY + (1,)).hit is not None
+    hit = store.lookup(mm, "s1", ENTRY + (1,), spans=((20, 60),)).hit
+    assert hit is not None and hit.matched_len == len(ENTRY)
     assert store.lookup(B, "s1", ENTRY + (1,)).reason == "no_candidate"  # other bucket
 
 

@@ -1,0 +1,229 @@
+"""Tiny random-weight Qwen2.5-VL / Qwen2-VL directories for tests: a real vision tower, a real
+image processor.
+
+The model is mlx-vlm's own ``qwen2_5_vl`` (or ``qwen2_vl``) classes at tiny sizes (a 2-block
+vision tower of width 32 merged into a 2-layer text model of width 64), so the server runs the same vision tower, merged
+embeddings and multimodal RoPE (``mrope``) that a real Qwen2.5-VL checkpoint runs, in milliseconds.
+
+- Weights: a fixed NumPy seed, stored under mlx-vlm's parameter names and layouts (so loading
+  needs no conversion), initialized like the text factory's (``models._init_tensor``).
+- Tokenizer: the factory's shared 8k vocabulary (``testing/tokenizer.py``) with Qwen2-VL's vision
+  tokens added after it as special tokens: ``<|vision_start|>``, ``<|vision_end|>``,
+  ``<|image_pad|>``, ``<|video_pad|>``.
+- Chat template: the factory's ChatML, whose content parts also render an image part
+  (``image`` or ``image_url``) as ``<|vision_start|><|image_pad|><|vision_end|>``, as Qwen2-VL's
+  does; the server expands the one ``<|image_pad|>`` into the image's merged patch count.
+- Image processor: Hugging Face's Qwen2-VL ``preprocessor_config.json``, written offline: 14-pixel
+  patches, 2x2 merge, temporal patch 2, CLIP mean/std, and a small ``max_pixels`` (28*28*16:
+  at most 16 image tokens an image) so a request with several images still prefills in a blink.
+
+Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import tokenizer as tok
+
+FORMAT_VERSION = 1
+WEIGHT_SEED = 20261202
+MANIFEST_NAME = "mlxcel_vision.json"
+VISION_TOKENS: tuple[str, ...] = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+VOCAB_SIZE = tok.VOCAB_SIZE + len(VISION_TOKENS)
+PATCH_SIZE = 14
+MERGE_SIZE = 2
+MIN_PIXELS = 28 * 28 * 4  # at least 2x2 merged tokens
+MAX_PIXELS = 28 * 28 * 16  # at most 16 merged tokens an image: tests stay fast
+# CLIP's normalisation, as Qwen2-VL's processor config has it.
+IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
+IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
+_EOS_IDS = [tok.token_id(tok.IM_END), tok.token_id(tok.ENDOFTEXT)]
+
+
+def vision_token_id(content: str) -> int:
+    """The id of a vision token: they follow the shared vocabulary in ``VISION_TOKENS`` order."""
+    return tok.VOCAB_SIZE + VISION_TOKENS.index(content)
+
+
+FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "qwen2_vl")
+_ARCHITECTURES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration"}
+
+
+def _vision_config(family: str) -> dict[str, Any]:
+    common = dict(model_type=family, depth=2, num_heads=2, in_chans=3, in_channels=3, patch_size=PATCH_SIZE,
+                  spatial_patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=2)
+    if family == "qwen2_vl":  # a plain ViT (LayerNorm, GELU MLP), its width "embed_dim"; hidden_size is the output
+        return dict(common, embed_dim=32, hidden_size=64, mlp_ratio=2)
+    # Qwen2.5-VL: windowed attention with full-attention blocks, SwiGLU MLPs
+    return dict(common, hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=56,
+                fullatt_block_indexes=[1], tokens_per_second=2, hidden_act="silu")
+
+
+def model_config(family: str = "qwen2_5_vl") -> dict[str, Any]:
+    """``config.json``: Qwen2-VL's layout (text fields at the top level, ``vision_config`` nested)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown vision family {family!r}; choose one of: {', '.join(FAMILIES)}")
+    vision = _vision_config(family)
+    return dict(
+        model_type=family, architectures=[_ARCHITECTURES[family]],
+        hidden_size=64, num_hidden_layers=2, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, hidden_act="silu",
+        # head_dim 16: 8 rotary frequencies split over (time, height, width)
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        max_position_embeddings=32768, vocab_size=VOCAB_SIZE,
+        vision_start_token_id=vision_token_id("<|vision_start|>"),
+        vision_end_token_id=vision_token_id("<|vision_end|>"),
+        image_token_id=vision_token_id("<|image_pad|>"),
+        video_token_id=vision_token_id("<|video_pad|>"),
+        vision_token_id=vision_token_id("<|vision_start|>"),
+        bos_token_id=None, eos_token_id=_EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT),
+        torch_dtype="float32", vision_config=vision,
+    )
+
+
+def preprocessor_config() -> dict[str, Any]:
+    """Hugging Face's Qwen2-VL image processor configuration (``preprocessor_config.json``)."""
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2_5_VLProcessor",
+        "do_convert_rgb": True, "do_resize": True, "do_rescale": True, "do_normalize": True,
+        "rescale_factor": 1 / 255, "image_mean": IMAGE_MEAN, "image_std": IMAGE_STD,
+        "patch_size": PATCH_SIZE, "merge_size": MERGE_SIZE, "temporal_patch_size": 2,
+        "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
+        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+    }
+
+
+def chat_template() -> str:
+    """The factory's ChatML template with image parts rendered as Qwen2-VL renders them."""
+    base = tok.chat_template(thinking=False)
+    unsupported = "{%- else -%}\n                {{- raise_exception('Unsupported content part type: ' ~ part.type) -}}"
+    if unsupported not in base:
+        raise RuntimeError("the factory chat template changed: update testing/vision.py")
+    image = ("{%- elif part.type == 'image' or part.type == 'image_url' -%}\n"
+             "                {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}\n            ")
+    return base.replace(unsupported, image + unsupported)
+
+
+def tokenizer_json() -> str:
+    """The shared vocabulary with the vision tokens added after it."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tokenizer = Tokenizer.from_str(tok.tokenizer_json_for(add_bos=False))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
+    assert [tokenizer.token_to_id(t) for t in VISION_TOKENS] == [vision_token_id(t) for t in VISION_TOKENS]
+    return tokenizer.to_str(pretty=True) + "\n"
+
+
+def _tokenizer_config() -> dict[str, Any]:
+    added = {str(tok.token_id(t.content)): {"content": t.content, "lstrip": False, "normalized": False,
+                                            "rstrip": False, "single_word": False, "special": t.special}
+             for t in tok.ADDED_TOKENS}
+    added.update({str(vision_token_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                             "single_word": False, "special": True} for t in VISION_TOKENS})
+    return {
+        "add_bos_token": False, "add_eos_token": False, "added_tokens_decoder": added,
+        "additional_special_tokens": [tok.IM_START, tok.IM_END, *VISION_TOKENS], "bos_token": None,
+        "chat_template": chat_template(), "clean_up_tokenization_spaces": False, "eos_token": tok.IM_END,
+        "errors": "replace", "model_max_length": 32768, "pad_token": tok.ENDOFTEXT,
+        "split_special_tokens": False, "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+
+
+def _init(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Biases zero, other vectors (norm gains) one, matrices the text factory's 1/sqrt(fan_in)."""
+    from .models import _FAMILIES, _init_tensor
+
+    if len(shape) == 1:
+        leaf = name.rsplit(".", 1)[-1]
+        return np.zeros(shape, np.float32) if leaf == "bias" else np.ones(shape, np.float32)
+    return _init_tensor(rng, name, shape, _FAMILIES["qwen2"])
+
+
+def random_weights(config: dict[str, Any]) -> dict[str, Any]:
+    """mlx-vlm's model for ``config`` with seeded weights, in sorted name order."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import get_model_and_args
+
+    module, _ = get_model_and_args(config)
+    model_config = module.ModelConfig.from_dict(json.loads(json.dumps(config)))
+    model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
+    model_config.text_config = module.TextConfig.from_dict(config)
+    model = module.Model(model_config)
+    shapes = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+    rng = np.random.default_rng(WEIGHT_SEED)
+    return {name: mx.array(_init(rng, name, shapes[name])) for name in sorted(shapes)}
+
+
+def _write_files(directory: Path, family: str) -> None:
+    import mlx.core as mx
+
+    config = model_config(family)
+    weights = random_weights(config)
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    texts = {
+        "config.json": config,
+        "preprocessor_config.json": preprocessor_config(),
+        "tokenizer_config.json": _tokenizer_config(),
+        "special_tokens_map.json": {"additional_special_tokens": [tok.IM_START, tok.IM_END, *VISION_TOKENS],
+                                    "eos_token": tok.IM_END, "pad_token": tok.ENDOFTEXT},
+        "generation_config.json": {"bos_token_id": None, "eos_token_id": _EOS_IDS,
+                                   "pad_token_id": config["pad_token_id"]},
+    }
+    for name, data in texts.items():
+        (directory / name).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    (directory / "tokenizer.json").write_text(tokenizer_json(), encoding="utf-8")
+    manifest = {"family": family, "size": "tiny", "format_version": FORMAT_VERSION,
+                "num_parameters": int(sum(v.size for v in weights.values()))}
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")  # last
+
+
+def ensure_vision_model(cache_dir: str | Path | None = None, family: str = "qwen2_5_vl") -> Path:
+    """``<cache>/<family>-tiny-v<N>``, built on first use (into a temporary directory renamed
+    into place, so concurrent callers never see half a model)."""
+    from .models import default_cache_dir
+
+    model_config(family)  # an unknown family fails here, before anything is written
+    root = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()).absolute()
+    target = root / f"{family}-tiny-v{FORMAT_VERSION}"
+    if (target / MANIFEST_NAME).is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
+    try:
+        _write_files(tmp, family)
+        if target.exists():
+            shutil.rmtree(target, ignore_errors=True)  # an incomplete leftover
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / MANIFEST_NAME).is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mlxcel_compat.testing.vision",
+                                     description="Write a tiny random-weight Qwen2-VL-family directory.")
+    parser.add_argument("--out", required=True, help="the cache directory to build it in")
+    parser.add_argument("--family", default="qwen2_5_vl", choices=FAMILIES)
+    args = parser.parse_args(argv)
+    print(ensure_vision_model(args.out, args.family))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,190 @@
+"""The factory's tiny Qwen2.5-VL and Qwen2-VL on the engine: images through the vision tower, and the prompt
+cache's whole-image rule in RAM, on disk and in a slot's kept state.
+
+Every adoption here is checked twice: its length is never strictly inside an image's tokens, and
+the tokens generated after it are exactly a cold run's."""
+
+from __future__ import annotations
+
+import io
+import json
+import queue
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG
+from mlxcel_compat.cache.media import first_media_token, split_ok
+from mlxcel_compat.engine.core import Engine, EngineConfig
+from mlxcel_compat.engine.request import CacheContext, GenerationRequest
+from mlxcel_compat.engine.sampling import SamplingParams
+from mlxcel_compat.server.media import ImageInput, MediaLimits
+from mlxcel_compat.testing import vision
+from tests.engine_harness import EngineHarness, Run, collect
+
+
+@pytest.fixture(scope="module", params=vision.FAMILIES)
+def vlm_dir(request: pytest.FixtureRequest) -> Path:
+    from tests.conftest import MODEL_CACHE
+
+    return vision.ensure_vision_model(MODEL_CACHE, request.param)
+
+
+@pytest.fixture(scope="module")
+def images(vlm_dir: Path) -> ImageInput:
+    from mlxcel_compat.model.vision import vision_facts
+
+    return ImageInput(vision_facts(vlm_dir, json.loads((vlm_dir / "config.json").read_text())), MediaLimits())
+
+
+def png(seed: int, size: tuple[int, int] = (56, 40)) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def raw_base64(data: bytes) -> str:
+    import base64
+
+    return base64.b64encode(data).decode()
+
+
+class Prompts:
+    """Prompts built as the chat route builds them: text, an image marker, text; images prepared."""
+
+    def __init__(self, harness_tokenizer: Any, images: ImageInput) -> None:
+        self.tok = harness_tokenizer
+        self.images = images
+
+    def request(self, before: str, seeds: list[int], after: str, n_predict: int = 6, cache: bool = True) -> GenerationRequest:
+        facts = self.images.facts
+        marker = [facts.vision_start_token_id, facts.image_token_id, facts.vision_end_token_id]
+        tokens = list(self.tok.encode(before, add_special_tokens=False))
+        for seed in seeds:
+            tokens += marker + list(self.tok.encode(f" picture {seed}", add_special_tokens=False))
+        tokens += list(self.tok.encode(after, add_special_tokens=False))
+        tokens, media, digest = self.images.prepare([raw_base64(png(s)) for s in seeds], tokens)
+        return GenerationRequest(
+            prompt_tokens=tokens, sampling=SamplingParams(temperature=0.0, seed=7), n_predict=n_predict, media=media,
+            cache=CacheContext(enabled=cache, session_key="s", template_sig=RAW_PROMPT_TEMPLATE_SIG, mm_digest=digest),
+        )
+
+
+def run(engine: Engine, request: GenerationRequest) -> Run:
+    events: queue.Queue = queue.Queue()
+    engine.submit(request, events.put)
+    return collect(events)
+
+
+def cold_tokens(engine: Engine, request: GenerationRequest) -> list[int]:
+    cold = GenerationRequest(prompt_tokens=request.prompt_tokens, sampling=request.sampling, n_predict=request.n_predict,
+                             media=request.media, cache=CacheContext(enabled=False, mm_digest=request.cache.mm_digest))
+    return run(engine, cold).tokens
+
+
+def assert_whole_images(request: GenerationRequest, cached: int) -> None:
+    assert request.media is not None and split_ok(cached, request.media.spans), (cached, request.media.spans)
+
+
+@pytest.fixture(scope="module")
+def harness(vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    disk = tmp_path_factory.mktemp("vision-disk")
+    h = EngineHarness(vlm_dir, batch_size=16, n_parallel=2, min_prefix=4, disk_dir=str(disk),
+                      disk_capacity_bytes=1 << 28, disk_write_through=True)
+    yield h
+    h.close()
+
+
+@pytest.fixture()
+def prompts(harness: EngineHarness, images: ImageInput) -> Prompts:
+    return Prompts(harness.tokenizer, images)
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_a_later_turn_about_the_same_images_adopts_them_whole(harness: EngineHarness, prompts: Prompts, tier: str) -> None:
+    harness.reset()
+    # (each tier's prompts differ: an entry identical to one a reset dropped is another test's matter)
+    first = prompts.request(f"Look at these, {tier}:", [1, 2], " What differs?")
+    out = run(harness.engine, first)
+    history = first.prompt_tokens + out.tokens
+    if tier == "disk":
+        harness.on_engine(lambda: harness.engine.prefix_cache.disk.wait_written(30))
+        harness.on_engine(lambda: harness.engine.prefix_cache.reset("ram"))
+    nxt = prompts.request(f"Look at these, {tier}:", [1, 2], " What differs?")
+    nxt.prompt_tokens = history + list(harness.tokenizer.encode(" And the colours?", add_special_tokens=False))
+    warm = run(harness.engine, nxt)
+    assert warm.finish is not None and warm.finish.n_cached >= len(first.prompt_tokens) > nxt.media.spans[-1][1]
+    assert_whole_images(nxt, warm.finish.n_cached)
+    assert warm.tokens == cold_tokens(harness.engine, nxt)
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_another_image_adopts_only_the_text_before_it(harness: EngineHarness, prompts: Prompts, tier: str) -> None:
+    harness.reset()
+    text = f"A long shared instruction about the pictures that follow ({tier}):"
+    run(harness.engine, prompts.request(text, [3], " Describe it."))
+    if tier == "disk":
+        harness.on_engine(lambda: harness.engine.prefix_cache.disk.wait_written(30))
+        harness.on_engine(lambda: harness.engine.prefix_cache.reset("ram"))
+    other = prompts.request(text, [4], " Describe it.")
+    warm = run(harness.engine, other)
+    assert warm.finish is not None and warm.finish.n_cached == first_media_token(other.media.spans)
+    assert warm.tokens == cold_tokens(harness.engine, other)
+
+
+def test_the_second_of_two_images_differing_stops_before_it(harness: EngineHarness, prompts: Prompts) -> None:
+    harness.reset()
+    run(harness.engine, prompts.request("Compare:", [5, 6], " Which is brighter?"))
+    other = prompts.request("Compare:", [5, 7], " Which is brighter?")
+    warm = run(harness.engine, other)
+    # Another digest: only the text before the first image is shared (the text-only bucket).
+    assert warm.finish is not None and warm.finish.n_cached == first_media_token(other.media.spans)
+    assert warm.tokens == cold_tokens(harness.engine, other)
+
+
+def test_text_only_requests_run_as_on_a_text_model(harness: EngineHarness) -> None:
+    harness.reset()
+    prompt = list(harness.tokenizer.encode("Plain text with no picture at all, twice over.", add_special_tokens=False))
+    first = harness.run(prompt, n_predict=6)
+    again = harness.run(prompt + first.tokens + [11, 12, 13], n_predict=6)
+    assert again.finish is not None and again.finish.n_cached >= len(prompt)
+    assert again.tokens == harness.run(prompt + first.tokens + [11, 12, 13], n_predict=6, cache=False).tokens
+
+
+def test_a_slots_kept_state_is_reused_only_for_the_same_images(vlm_dir: Path, images: ImageInput) -> None:
+    engine = Engine(EngineConfig(model=str(vlm_dir), ctx_size=4096, n_parallel=1, batch_size=16, keep_slot_state=True))
+    engine.start()
+    try:
+        assert engine.wait_ready(180), engine.load_error
+        prompts = Prompts(engine.loaded.tokenizer, images)
+        first = prompts.request("Slot test:", [8], " Say something.")
+        out = run(engine, first)
+        same = prompts.request("Slot test:", [8], " Say something.")
+        same.prompt_tokens = first.prompt_tokens + out.tokens + [21, 22]
+        warm = run(engine, same)
+        assert warm.finish is not None and warm.finish.n_cached >= len(first.prompt_tokens)
+        assert_whole_images(same, warm.finish.n_cached)
+        assert warm.tokens == cold_tokens(engine, same)
+        other = prompts.request("Slot test:", [9], " Say something.")
+        assert run(engine, other).finish.n_cached == 0  # type: ignore[union-attr]
+    finally:
+        engine.stop()
+
+
+def test_two_slots_with_different_images_at_once_answer_as_each_alone(harness: EngineHarness, prompts: Prompts) -> None:
+    """Each sequence's positions and features are its own (mlx-vlm keeps them on the shared model
+    object, which this server never relies on): interleaved, each answers as it does alone."""
+    harness.reset()
+    a = prompts.request("Concurrent one:", [12], " Go on.", n_predict=10, cache=False)
+    b = prompts.request("Another prompt, longer, with its own picture:", [13, 14], " Go on.", n_predict=10, cache=False)
+    alone = [run(harness.engine, a).tokens, run(harness.engine, b).tokens]
+    queues: list[queue.Queue] = [queue.Queue(), queue.Queue()]
+    for request, events in zip((a, b), queues):
+        request.task_id += 1000  # a fresh task for the same request record
+        harness.engine.submit(request, events.put)
+    together = [collect(events).tokens for events in queues]
+    assert together == alone

@@ -1,0 +1,163 @@
+"""Request images (``server/media.py``): sources, limits and the multimodal digest, without a server.
+
+The digest is over decoded pixels: the same picture as PNG and as lossless WebP, or behind a data
+URI and raw base64, gives one ``mm_digest``; swapping two images changes it. Each limit is a 400
+(``InvalidRequest``) that names it, found before the pixels are decoded where it can be."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mlxcel_compat.cache.key import TEXT_ONLY_MM_DIGEST
+from mlxcel_compat.server.errors import InvalidRequest
+from mlxcel_compat.server.media import ImageInput, MediaLimits, decode_image, image_bytes
+from mlxcel_compat.testing import vision
+
+
+def encoded(seed: int, fmt: str = "PNG", size: tuple[int, int] = (56, 40), **save: object) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format=fmt, **save)
+    return out.getvalue()
+
+
+def data_uri(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims ``width`` x ``height``, with almost no pixel data (a bomb's shape)."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+@pytest.fixture(scope="module")
+def images() -> ImageInput:
+    from mlxcel_compat.model.vision import vision_facts
+    from tests.conftest import MODEL_CACHE
+
+    path = vision.ensure_vision_model(MODEL_CACHE)
+    import json
+
+    return ImageInput(vision_facts(path, json.loads((path / "config.json").read_text())), MediaLimits())
+
+
+def prompt_with(n: int) -> list[int]:
+    pad = vision.vision_token_id("<|image_pad|>")
+    start, end = vision.vision_token_id("<|vision_start|>"), vision.vision_token_id("<|vision_end|>")
+    return [1, 2, 3] + [start, pad, end, 7] * n + [9]
+
+
+def test_same_pixels_in_two_encodings_and_two_source_forms_give_one_digest(images: ImageInput) -> None:
+    png, webp = encoded(1), encoded(1, "WEBP", lossless=True)
+    assert png != webp
+    sources = [data_uri(png), data_uri(webp, "image/webp"), base64.b64encode(png).decode()]
+    digests = {images.prepare([src], prompt_with(1))[2] for src in sources}
+    assert len(digests) == 1 and TEXT_ONLY_MM_DIGEST not in digests
+
+
+def test_swapping_two_images_changes_the_digest_and_a_lossy_copy_is_another_image(images: ImageInput) -> None:
+    a, b = data_uri(encoded(1)), data_uri(encoded(2))
+    ab = images.prepare([a, b], prompt_with(2))[2]
+    ba = images.prepare([b, a], prompt_with(2))[2]
+    assert ab != ba
+    jpeg = data_uri(encoded(1, "JPEG", quality=70), "image/jpeg")
+    assert images.prepare([jpeg], prompt_with(1))[2] != images.prepare([a], prompt_with(1))[2]
+
+
+def test_each_image_token_becomes_the_merged_patch_count_and_spans_follow(images: ImageInput) -> None:
+    tokens, media, _ = images.prepare([data_uri(encoded(1)), data_uri(encoded(2, size=(28, 28)))], prompt_with(2))
+    pad = vision.vision_token_id("<|image_pad|>")
+    counts = [t * h * w // 4 for t, h, w in (img.grid_thw for img in media.images)]
+    assert [end - start for start, end in media.spans] == counts
+    for start, end in media.spans:
+        assert tokens[start - 1] == vision.vision_token_id("<|vision_start|>") and set(tokens[start:end]) == {pad}
+        assert tokens[end] == vision.vision_token_id("<|vision_end|>")
+    assert tokens.count(pad) == sum(counts)
+    assert all(img.pixel_values.shape[0] == t * h * w for img in media.images for t, h, w in [img.grid_thw])
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        (data_uri(b"hello", "text/plain"), "unsupported media type 'text/plain'"),
+        ("data:image/png;base64,@@@@", "not valid base64"),
+        (data_uri(encoded(1)[:200]), "failed to load image"),  # a truncated PNG
+        (data_uri(b"not an image at all"), "failed to load image"),
+        (data_uri(png_header_only(5000, 5000)), "over the limit of 16777216 (--media-max-pixels)"),
+        (data_uri(png_header_only(20000, 20000)), "pixels"),  # 400 Mpx: refused from the header alone
+        ("http://127.0.0.1:9/cat.png", "--media-fetch"),
+        ("file://cat.png", "file://"),
+    ],
+)
+def test_bad_sources_are_400s_that_say_why(source: str, message: str) -> None:
+    limits = MediaLimits()
+    with pytest.raises(InvalidRequest, match=message.replace("(", r"\(").replace(")", r"\)")):
+        decode_image(image_bytes(source, limits), limits)
+
+
+def test_count_and_byte_limits(images: ImageInput) -> None:
+    with pytest.raises(InvalidRequest, match=r"1000 images in one request, over the limit of 16 \(--media-max-images\)"):
+        images.decode_all([data_uri(encoded(1))] * 1000)
+    small = MediaLimits(max_bytes=1000)
+    with pytest.raises(InvalidRequest, match=r"--media-max-bytes"):
+        image_bytes(data_uri(encoded(1, size=(200, 200))), small)
+
+
+def test_marker_count_must_match_the_images(images: ImageInput) -> None:
+    with pytest.raises(InvalidRequest, match="2 image markers for 1 images"):
+        images.prepare([data_uri(encoded(1))], prompt_with(2))
+
+
+@pytest.fixture(scope="module")
+def image_site() -> Any:
+    """A real HTTP server on loopback serving one PNG at /cat.png (404 elsewhere)."""
+    import http.server
+    import threading
+
+    body = encoded(3)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path != "/cat.png":
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", body
+    server.shutdown()
+
+
+def test_http_images_are_fetched_only_with_media_fetch(image_site: Any, images: ImageInput) -> None:
+    base, body = image_site
+    with pytest.raises(InvalidRequest, match="--media-fetch"):
+        image_bytes(f"{base}/cat.png", MediaLimits())
+    fetching = MediaLimits(fetch=True)
+    assert image_bytes(f"{base}/cat.png", fetching) == body
+    # The downloaded image and the same bytes inline are one image to the cache.
+    fetched = ImageInput(images.facts, fetching).prepare([f"{base}/cat.png"], prompt_with(1))[2]
+    assert fetched == images.prepare([data_uri(body)], prompt_with(1))[2]
+    with pytest.raises(InvalidRequest, match="HTTP 404"):
+        image_bytes(f"{base}/dog.png", fetching)
+    with pytest.raises(InvalidRequest, match="--media-max-bytes"):
+        image_bytes(f"{base}/cat.png", MediaLimits(fetch=True, max_bytes=1000))
