@@ -410,6 +410,16 @@ void mlxcel_parallel(int parts, mlxcel_task_fn fn, const void *ctx) {
 
 int mlxcel_threads(void) { return n_threads; }
 
+void *mlxcel_scratch(struct mlxcel_scratch *s, size_t size) {
+    if (s->size < size) {
+        free(s->p);
+        s->p = malloc(size);
+        if (!s->p) abort();
+        s->size = size;
+    }
+    return s->p;
+}
+
 /* ------------------------------------------------------------------------------------ routing */
 
 static void resolve_fallback(void) {

@@ -73,22 +73,8 @@ static inline const float *row_bias(const struct mlxcel_block_weight *w, int r) 
 }
 
 /* A buffer per thread, grown as needed and kept: products come from the engine thread. */
-struct scratch {
-    void *p;
-    size_t size;
-};
 
-static void *grow(struct scratch *s, size_t size) {
-    if (s->size < size) {
-        free(s->p);
-        s->p = malloc(size);
-        if (!s->p) abort();
-        s->size = size;
-    }
-    return s->p;
-}
-
-static __thread struct scratch act_scratch, sums_scratch, tile_scratch;
+static __thread struct mlxcel_scratch act_scratch, sums_scratch, tile_scratch;
 
 static int parts_for(int units) {
     int parts = mlxcel_threads() * PARTS_PER_THREAD;
@@ -133,12 +119,12 @@ static void vec_dot_part(const void *ctx, int p) {
 static void by_vec_dot(const struct mlxcel_block_weight *w, int m, const float *x, long ldx, float *c, long ldc,
                        float beta) {
     size_t act_bytes = (size_t)(w->k / w->type->act_block) * (size_t)w->type->act_block_bytes;
-    unsigned char *act = grow(&act_scratch, act_bytes * (size_t)m);
+    unsigned char *act = mlxcel_scratch(&act_scratch, act_bytes * (size_t)m);
     for (int i = 0; i < m; i++) w->type->quantize(x + (size_t)i * ldx, act + (size_t)i * act_bytes, w->k);
     float *sums = NULL;
     if (w->group_bias) {
         int groups = w->k / w->bias_group;
-        sums = grow(&sums_scratch, sizeof(float) * (size_t)m * (size_t)groups);
+        sums = mlxcel_scratch(&sums_scratch, sizeof(float) * (size_t)m * (size_t)groups);
         for (int i = 0; i < m; i++)
             for (int g = 0; g < groups; g++) {
                 float s = 0.0f;
@@ -180,7 +166,7 @@ static void by_tiles(const struct mlxcel_block_weight *w, int m, const float *x,
                      float beta) {
     int per_tile = TILE_VALUES / w->k > 16 ? TILE_VALUES / w->k : 16;
     if (per_tile > w->n) per_tile = w->n;
-    float *tile = grow(&tile_scratch, sizeof(float) * (size_t)per_tile * (size_t)w->k);
+    float *tile = mlxcel_scratch(&tile_scratch, sizeof(float) * (size_t)per_tile * (size_t)w->k);
     for (int r0 = 0; r0 < w->n; r0 += per_tile) {
         int count = r0 + per_tile < w->n ? per_tile : w->n - r0;
         struct expand_job j = {w, r0, count, tile, parts_for(count)};

@@ -101,24 +101,9 @@ void mlxcel_repack_free(struct mlxcel_repacked *r) {
 /* Bytes the repacked weight takes. */
 long mlxcel_repack_bytes(const struct mlxcel_repacked *r) { return (long)ggml_backend_buffer_get_size(r->buffer); }
 
-/* A thread's reused memory: the graph's tensors, ggml's work buffer (the quantized activations)
- * and an output for products that accumulate. */
-struct scratch {
-    void *p;
-    size_t size;
-};
-
-static void *grow(struct scratch *s, size_t size) {
-    if (s->size < size) {
-        free(s->p);
-        s->p = malloc(size);
-        if (!s->p) abort();
-        s->size = size;
-    }
-    return s->p;
-}
-
-static __thread struct scratch graph_scratch, work_scratch, x_scratch, pad_scratch, out_scratch;
+/* A thread's reused memory: the graph's tensors, ggml's work buffer (the quantized activations),
+ * padded activations and outputs, and an output for products that accumulate. */
+static __thread struct mlxcel_scratch graph_scratch, work_scratch, x_scratch, pad_scratch, out_scratch;
 
 /* out[i, 0 .. count) = x[i, :] . W[r0 .. r0 + count, :] for i < m, by one graph. */
 static void graph_product(const struct mlxcel_repacked *r, int r0, int count, int m, const float *x, long ldx,
@@ -129,11 +114,11 @@ static void graph_product(const struct mlxcel_repacked *r, int r0, int count, in
          * some types (Q4_K): zero rows pad m to a multiple of 4, so that every row of a product
          * with several rows is a GEMM row, whatever else shares the call. */
         int padded = (m + 3) / 4 * 4;
-        float *packed = grow(&x_scratch, sizeof(float) * (size_t)padded * (size_t)r->k);
+        float *packed = mlxcel_scratch(&x_scratch, sizeof(float) * (size_t)padded * (size_t)r->k);
         for (int i = 0; i < m; i++) memcpy(packed + (size_t)i * r->k, x + (size_t)i * ldx, sizeof(float) * (size_t)r->k);
         memset(packed + (size_t)m * r->k, 0, sizeof(float) * (size_t)(padded - m) * (size_t)r->k);
         if (padded != m) {
-            float *wide = grow(&pad_scratch, sizeof(float) * (size_t)padded * (size_t)count);
+            float *wide = mlxcel_scratch(&pad_scratch, sizeof(float) * (size_t)padded * (size_t)count);
             graph_product(r, r0, count, padded, packed, r->k, wide, count, gemm);
             for (int i = 0; i < m; i++) memcpy(out + (size_t)i * ldo, wide + (size_t)i * count, sizeof(float) * (size_t)count);
             return;
@@ -142,7 +127,7 @@ static void graph_product(const struct mlxcel_repacked *r, int r0, int count, in
         ldx = r->k;
     }
     size_t mem = ggml_tensor_overhead() * GRAPH_TENSORS + ggml_graph_overhead_custom(GRAPH_TENSORS, false);
-    struct ggml_init_params params = {mem, grow(&graph_scratch, mem), true};
+    struct ggml_init_params params = {mem, mlxcel_scratch(&graph_scratch, mem), true};
     struct ggml_context *ctx = ggml_init(params);
     struct ggml_tensor *w = ggml_view_2d(ctx, r->w, r->k, count, r->w->nb[1], (size_t)r0 * r->w->nb[1]);
     w->buffer = r->w->buffer; /* the repacked layout: what ggml's CPU backend dispatches on */
@@ -159,7 +144,7 @@ static void graph_product(const struct mlxcel_repacked *r, int r0, int count, in
     struct ggml_cgraph *graph = ggml_new_graph_custom(ctx, GRAPH_TENSORS, false);
     ggml_build_forward_expand(graph, y);
     struct ggml_cplan plan = ggml_graph_plan(graph, 1, NULL);
-    plan.work_data = plan.work_size ? grow(&work_scratch, plan.work_size) : NULL;
+    plan.work_data = plan.work_size ? mlxcel_scratch(&work_scratch, plan.work_size) : NULL;
     ggml_graph_compute(graph, &plan);
     ggml_free(ctx);
 }
@@ -191,7 +176,7 @@ static void part(const void *ctx, int p) {
             graph_product(r, r0, count, m, x, j->ldx, c, j->ldc, !j->per_row);
             continue;
         }
-        float *tmp = grow(&out_scratch, sizeof(float) * (size_t)m * (size_t)count);
+        float *tmp = mlxcel_scratch(&out_scratch, sizeof(float) * (size_t)m * (size_t)count);
         graph_product(r, r0, count, m, x, j->ldx, tmp, count, !j->per_row);
         for (int a = 0; a < m; a++)
             for (int t = 0; t < count; t++) c[(size_t)a * j->ldc + t] = tmp[(size_t)a * count + t] + j->beta * c[(size_t)a * j->ldc + t];
