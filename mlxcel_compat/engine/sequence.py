@@ -366,6 +366,9 @@ class Sequence:
             mx.clear_cache()
 
     def _decode_step_pipelined(self, token_arr: Any, logprobs: Any, probs: Any) -> None:
+        if self._room_for_more() and self._forward_is_eager():
+            self._decode_step_eager(token_arr, logprobs, probs)
+            return
         if self._room_for_more() and self.budget is not None:
             # The thinking budget decides the next step from this token: read it first.
             token = int(token_arr.item())
@@ -388,6 +391,28 @@ class Sequence:
         self._accept(token, logprobs, probs)
         if self.finished is None and self._pending is None:
             self._finish("limit", "", truncated=self._context_full())
+
+    def _forward_is_eager(self) -> bool:
+        """Whether the next single-token forward pass runs to completion when it is called (the
+        CPU decode runtime) rather than being queued on MLX's scheduler."""
+        return self.decoder is not None and self.decoder.can_run(self.cache, self.owned)
+
+    def _decode_step_eager(self, token_arr: Any, logprobs: Any, probs: Any) -> None:
+        """A decode step whose forward pass runs synchronously (the CPU decode runtime): token n
+        is read back and sent first, then step n+1 runs. Pipelining buys nothing there (nothing
+        overlaps a call that returns finished), and feeding first would hold every token, the
+        first one included, back for a whole step: on a full cache hit that step was as long
+        as the hit itself. A token that ends the sequence (EOS, a stop string, the budget) is not
+        fed at all, as in the no-room case."""
+        token = int(token_arr.item())
+        if self.budget is not None:
+            self.budget.accept(token)  # the thinking budget masks the next sample from this token
+        self._history.append(token)
+        self._pending = None
+        self._accept(token, logprobs, probs)
+        if self.finished is None:
+            self._pending = self._forward([token])
+            mx.async_eval(*self._pending_arrays())
 
     def _decode_step_constrained(self, token_arr: Any, logprobs: Any, probs: Any) -> None:
         """The grammar's decode step: queue the forward pass fed with token n, read n back, feed it
