@@ -123,3 +123,30 @@ def test_donated_entry_holds_exactly_its_tokens(harness: EngineHarness) -> None:
     assert held == [len(tokens)] * len(held)
     assert nbytes == measured  # logical bytes, no preallocated slack
     assert nbytes % len(tokens) == 0  # dense KV: the same bytes for every token held
+
+
+def test_unaligned_rest_goes_in_one_pass_when_it_fits(harness: EngineHarness) -> None:
+    """After an unaligned hit the rest of the prompt is one pass if it fits in a chunk (two
+    passes split at the chunk grid bought no exactness there); aligned starts and longer rests
+    keep the grid, so cold runs and aligned hits split exactly as before."""
+    from mlxcel_compat.engine.factory import make_sequence
+
+    prompt = random_tokens(3 * CHUNK + 2, seed=13)  # 50 tokens: the last one is fed alone
+
+    def chunks_after(adopted: int) -> list[int]:
+        seq = make_sequence(harness.engine, harness.request(prompt, cache=False), lambda event: None, 0)
+        seq.adopt(adopted)
+        sizes = []
+        while len(seq.cache_tokens) < seq.n_prompt - 1:
+            chunk = seq.next_chunk()
+            seq.cache_tokens.extend(chunk)
+            sizes.append(len(chunk))
+        return sizes
+
+    sizes = harness.on_engine(lambda: {n: chunks_after(n) for n in (0, 16, 37, 40, 20, 3)})
+    assert sizes[0] == [16, 16, 16, 1]  # cold: on the grid
+    assert sizes[16] == [16, 16, 1]  # aligned hit: the cold run's chunks
+    assert sizes[37] == [12]  # 37..49 crosses 48: one pass instead of 11 + 1
+    assert sizes[40] == [9]
+    assert sizes[20] == [12, 16, 1]  # 29 tokens left: more than a chunk, back on the grid
+    assert sizes[3] == [13, 16, 16, 1]

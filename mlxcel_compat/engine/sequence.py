@@ -280,6 +280,11 @@ class Sequence:
         start, last = len(self.cache_tokens), self.n_prompt - 1
         boundary = self.boundary
         limit = boundary if boundary is not None and start < boundary <= last else last
+        if start % self.chunk_size and limit - start <= self.chunk_size:
+            # An unaligned start (a hit that adopted a prefix off the chunk grid) is not bit-exact
+            # with the cold run whatever the split, so the rest goes in one pass when it fits in
+            # one chunk, not in two split at the grid (each pass costs a read of every weight).
+            return self.prompt[start:limit]
         return self.prompt[start : min(limit, (start // self.chunk_size + 1) * self.chunk_size)]
 
     def chunk_done(self, chunk: list[int]) -> None:
