@@ -644,8 +644,10 @@ def test_engine_tokens_equal_with_and_without_the_runtime(monkeypatch: pytest.Mo
             hit = h.run(prompt, n_predict=48, ignore_eos=True)
             assert hit.finish.n_cached == len(prompt) - 1
             assert hit.tokens == cold.tokens
-            if on:  # every step of both runs: the last prompt token, then each token fed back
-                assert h.engine.loaded.decoder.steps == 2 * 48
+            if on:  # every row of both runs: the cold run's prompt tail past its last chunk
+                # (300 - 288 = 12 tokens, rows of one step) or the hit's last prompt token, then
+                # each token fed back
+                assert h.engine.loaded.decoder.steps == (12 + 47) + (1 + 47)
             runs[on] = cold.tokens
         finally:
             h.close()
