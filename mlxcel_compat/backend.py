@@ -129,6 +129,55 @@ def cblas_sgemm() -> Any | None:
     return _sgemm
 
 
+class _OneThread:
+    """``with backend.one_blas_thread():`` the loaded OpenBLAS runs its calls on the calling
+    thread alone, then goes back to its thread count (a no-op for another BLAS, or none).
+
+    Why: a prompt chunk's attention over a cached prefix is many small products (one per query
+    block and KV head: 192 rows by ~1K keys by 64, then by 65 columns). OpenBLAS splits each one
+    over its threads and synchronises them per call, which cost more than the split saved
+    (``model/attention.py``; docs/benchmarks/prompt-cache.md, issue 29). Nothing else calls the
+    BLAS meanwhile: the attention runs on the engine thread with every MLX input evaluated.
+    OpenBLAS 0.3.21 (Debian 12) has no per-thread count, so the process-wide one is set and put
+    back; a call another thread makes in between only runs single-threaded.
+    """
+
+    def __init__(self) -> None:
+        self._set: Any = None
+        self._get: Any = None
+        self._before = 1
+
+    def _bind(self) -> bool:
+        if self._set is None:
+            if _loaded is None or _loaded.name != "openblas" or _loaded.path is None:
+                return False
+            lib = ctypes.CDLL(_loaded.path)
+            try:
+                self._set, self._get = lib.openblas_set_num_threads, lib.openblas_get_num_threads
+            except AttributeError:
+                return False
+            self._set.argtypes, self._set.restype, self._get.restype = [ctypes.c_int], None, ctypes.c_int
+        return True
+
+    def __enter__(self) -> None:
+        if self._bind():
+            self._before = self._get()
+            if self._before != 1:
+                self._set(1)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._set is not None and self._before != 1:
+            self._set(self._before)
+
+
+_one_thread = _OneThread()
+
+
+def one_blas_thread() -> _OneThread:
+    """A context in which the loaded OpenBLAS computes on the calling thread only (see _OneThread)."""
+    return _one_thread
+
+
 def _blas_threads(lib: ctypes.CDLL) -> int:
     try:
         fn = lib.openblas_get_num_threads

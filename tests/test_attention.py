@@ -174,3 +174,38 @@ def test_prompt_chunk_inside_a_compiled_trace_stays_in_mlx() -> None:
     q, k, v = qkv(1, 12, 4, 128, 300)
     compiled = mx.compile(lambda q, k, v: attention.cpu_attention(q, k, v, 0.125, "causal"))
     assert close(compiled(q, k, v), attention.cpu_attention(q, k, v, 0.125, "causal"))
+
+
+def test_a_short_chunk_multiplies_on_one_blas_thread_to_the_same_result(monkeypatch) -> None:
+    """A chunk of at most SINGLE_THREAD_MAX_QUERIES queries (a cache hit's rest over its cached
+    keys) computes its products with OpenBLAS on one thread, and gets what the split products
+    give; the thread count is back afterwards, and a longer chunk keeps the split."""
+    import ctypes
+
+    from mlxcel_compat import backend
+
+    info = backend.load_optimized_blas()
+    if info.name != "openblas" or info.path is None:
+        pytest.skip("needs the loaded OpenBLAS")
+    lib = ctypes.CDLL(info.path)
+    lib.openblas_get_num_threads.restype = ctypes.c_int
+    threads = lib.openblas_get_num_threads()
+    seen: list[int] = []
+    real = attention._matmul
+
+    def counting(*args, **kwargs):
+        seen.append(lib.openblas_get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_matmul", counting)
+    q, kbuf, vbuf = qkv(1, 12, 4, 70, 1100, seed=7)
+    k, v = kbuf[:, :, :1076], vbuf[:, :, :1076]
+    alone = attention._attend_numpy(q, k, v, 0.125, "causal")
+    assert seen and set(seen) == {1}
+    assert lib.openblas_get_num_threads() == threads
+    seen.clear()
+    monkeypatch.setattr(attention, "SINGLE_THREAD_MAX_QUERIES", 0)
+    split = attention._attend_numpy(q, k, v, 0.125, "causal")
+    assert set(seen) == {threads}
+    assert close(alone, split)
+    assert close(alone, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal"))

@@ -644,8 +644,10 @@ def test_engine_tokens_equal_with_and_without_the_runtime(monkeypatch: pytest.Mo
             hit = h.run(prompt, n_predict=48, ignore_eos=True)
             assert hit.finish.n_cached == len(prompt) - 1
             assert hit.tokens == cold.tokens
-            if on:  # every step of both runs: the last prompt token, then each token fed back
-                assert h.engine.loaded.decoder.steps == 2 * 48
+            if on:  # every row of both runs: the cold run's prompt tail past its last chunk
+                # (300 - 288 = 12 tokens, rows of one step) or the hit's last prompt token, then
+                # each token fed back
+                assert h.engine.loaded.decoder.steps == (12 + 47) + (1 + 47)
             runs[on] = cold.tokens
         finally:
             h.close()
@@ -682,3 +684,36 @@ def test_engine_gemma3_tokens_equal_with_and_without_the_runtime(monkeypatch: py
         for a, b in zip(with_runtime.logprobs, without.logprobs):
             assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
     print("gemma3 tokens:", runs[True][1].tokens)
+
+
+def test_engine_sends_each_token_before_the_next_step() -> None:
+    """With the runtime, a decode step returns finished, so pipelining cannot hide it: each token
+    is sent before the step that feeds it back runs. On a full prompt-cache hit the first token
+    then leaves after one step (the last prompt token), not two; the tokens are the cold run's."""
+    import queue
+
+    from tests.engine_harness import collect
+
+    prompt = [(13 * i + 5) % 900 + 20 for i in range(200)]
+    h = EngineHarness(tiny_model("llama"))
+    try:
+        decoder = h.engine.loaded.decoder
+        assert decoder is not None
+        cold = h.run(prompt, n_predict=6, ignore_eos=True)
+        before = decoder.steps
+        events: queue.Queue = queue.Queue()
+        steps_at_token: list[int] = []
+
+        def sink(event: object) -> None:  # called on the engine thread, as the event is sent
+            if isinstance(event, TokenEvent):
+                steps_at_token.append(decoder.steps - before)
+            events.put(event)
+
+        h.submit(prompt, sink, n_predict=6, ignore_eos=True)
+        hit = collect(events)
+        assert hit.finish.n_cached == len(prompt) - 1
+        assert hit.tokens == cold.tokens
+        assert steps_at_token == [1, 2, 3, 4, 5, 6]  # token k is sent after k steps, never k + 1
+        assert decoder.steps - before == 6  # the last token is never fed back
+    finally:
+        h.close()

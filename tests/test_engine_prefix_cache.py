@@ -123,3 +123,64 @@ def test_donated_entry_holds_exactly_its_tokens(harness: EngineHarness) -> None:
     assert held == [len(tokens)] * len(held)
     assert nbytes == measured  # logical bytes, no preallocated slack
     assert nbytes % len(tokens) == 0  # dense KV: the same bytes for every token held
+
+
+def test_unaligned_rest_goes_in_one_pass_when_it_fits(harness: EngineHarness) -> None:
+    """After an unaligned hit the rest of the prompt is one pass if it fits in a chunk (two
+    passes split at the chunk grid bought no exactness there); aligned starts and longer rests
+    keep the grid, so cold runs and aligned hits split exactly as before."""
+    from mlxcel_compat.engine.factory import make_sequence
+
+    prompt = random_tokens(3 * CHUNK + 2, seed=13)  # 50 tokens: the last one is fed alone
+
+    def chunks_after(adopted: int) -> list[int]:
+        seq = make_sequence(harness.engine, harness.request(prompt, cache=False), lambda event: None, 0)
+        seq.adopt(adopted)
+        sizes = []
+        while len(seq.cache_tokens) < seq.n_prompt - 1:
+            chunk = seq.next_chunk()
+            seq.cache_tokens.extend(chunk)
+            sizes.append(len(chunk))
+        return sizes
+
+    sizes = harness.on_engine(lambda: {n: chunks_after(n) for n in (0, 16, 37, 40, 20, 3)})
+    assert sizes[0] == [16, 16, 16, 1]  # cold: on the grid
+    assert sizes[16] == [16, 16, 1]  # aligned hit: the cold run's chunks
+    assert sizes[37] == [12]  # 37..49 crosses 48: one pass instead of 11 + 1
+    assert sizes[40] == [9]
+    assert sizes[20] == [12, 16, 1]  # 29 tokens left: more than a chunk, back on the grid
+    assert sizes[3] == [13, 16, 16, 1]
+
+
+def test_a_hit_with_a_short_tail_feeds_it_as_decode_rows(harness: EngineHarness) -> None:
+    """A hit that leaves 2-16 prompt tokens feeds them as the rows of one decode step of the CPU
+    runtime (float32 weights). The cold run feeds its own tail past the last chunk the same way,
+    so the hit is bit-exact even where the adopted prefix is off the chunk grid (every row is
+    computed as a single step at its position), and the stored entry is never written."""
+    decoder = harness.engine.loaded.decoder
+    rows = decoder is not None and harness.on_engine(lambda: _rows_match_chunks(harness))
+    shared = random_tokens(2 * CHUNK + 5, seed=14)  # 37: off the grid
+    harness.run(shared + random_tokens(6, seed=15), n_predict=2)
+    (entry_id,) = harness.on_engine(lambda: [e.id for e in harness.engine.prefix_cache.store.entries()])
+    before = _entry_arrays(harness, entry_id)
+    second = shared + random_tokens(9, seed=16)  # 46 tokens: 9 left after the hit
+    steps = decoder.steps if decoder is not None else 0
+    warm = harness.run(second, n_predict=4, n_probs=N_PROBS)
+    assert warm.finish.n_cached == len(shared)
+    if rows:
+        assert decoder.steps - steps == 9 + 3  # the tail's rows in one step, then 3 fed back
+    cold = harness.run(second, n_predict=4, n_probs=N_PROBS, cache=False)
+    if rows:
+        assert warm.tokens == cold.tokens
+        assert warm.logprobs == cold.logprobs  # bit-identical, off the grid too
+    else:  # weights in ggml's blocks: the tail is a prefill chunk, within tolerance
+        for token in set(warm.logprobs[0]) & set(cold.logprobs[0]):
+            assert abs(warm.logprobs[0][token] - cold.logprobs[0][token]) < LOGPROB_TOL
+    for x, y in zip(before, _entry_arrays(harness, entry_id)):
+        np.testing.assert_array_equal(x, y)
+
+
+def _rows_match_chunks(harness: EngineHarness) -> bool:
+    from mlxcel_compat.engine.factory import rows_match_chunks
+
+    return rows_match_chunks(harness.engine.loaded)

@@ -635,7 +635,10 @@ class Engine:
                 continue
             runnable.append(seq)
             budget -= max(1, len(seq.next_chunk()))
-        chunkable = [s for s in runnable if len(s.cache_tokens) < s.n_prompt - 1]
+        # A lone sequence feeds a short tail as the rows of one decode step (Sequence.decode_rows_tail);
+        # with others prefilling, its chunk shares their batched pass instead.
+        tails = {id(s) for s in runnable if len(waiting) == 1 and s.decode_rows_tail() is not None}
+        chunkable = [s for s in runnable if len(s.cache_tokens) < s.n_prompt - 1 and id(s) not in tails]
         chunks = [s.next_chunk() for s in chunkable]
         batching = self.config.cont_batching and self.batched_prefill
         groups = prefill_groups(chunkable, chunks) if batching else [[i] for i in range(len(chunkable))]
@@ -646,7 +649,7 @@ class Engine:
             for seq, _ in unit:
                 try:
                     if not together:
-                        seq.prefill_step()
+                        seq.prefill_step(rows_tail=id(seq) in tails)
                     self._share_prompt(seq, waiting)
                 except Exception as exc:
                     all_alone_ok = False

@@ -17,6 +17,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+def rows_match_chunks(loaded: Any) -> bool:
+    """Whether the CPU decode runtime's rows compute a prompt tail as a prefill chunk would, to
+    float32 rounding: the runtime runs and every weight is float32. Weights kept in ggml's blocks
+    multiply a decode row's activations quantized to the type's ``vec_dot_type`` (as llama.cpp's
+    decode does) but a chunk's in float32; their log-probabilities differ by ~1e-2, so a prompt
+    tail fed as rows there would leave KV that a later cold prefill does not reproduce."""
+    if loaded.decoder is None:
+        return False
+    known = getattr(loaded, "_rows_match_chunks", None)  # judged once per loaded model
+    if known is None:
+        from mlxcel_compat.model.block_layers import block_weight_of
+
+        known = all(block_weight_of(m) is None for _, m in loaded.model.named_modules())
+        loaded._rows_match_chunks = known
+    return known
+
 
 def make_sequence(engine: "Engine", request: GenerationRequest, sink: "Sink", slot_id: int) -> Sequence:
     loaded = engine.loaded
@@ -42,6 +58,7 @@ def make_sequence(engine: "Engine", request: GenerationRequest, sink: "Sink", sl
         grammar=grammar,
         decoder=loaded.decoder,
     )
+    seq.tail_rows = rows_match_chunks(loaded)
     if engine.speculative is not None:
         seq.speculator = speculator_for(engine, seq)
     cache = engine.prefix_cache

@@ -42,7 +42,7 @@ from mlxcel_compat.engine.speculative import verify_draft
 from mlxcel_compat.engine.textstream import TextStream, token_is_complete_utf8
 from mlxcel_compat.model.block_layers import logits_unused
 from mlxcel_compat.model.lora_layers import applied
-from mlxcel_compat.model.cpu_decode import OwnedCache
+from mlxcel_compat.model.cpu_decode import EXACT_ROWS, OwnedCache
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,9 @@ class Sequence:
         # in a batch through engine/batch.py), writing only the buffers it made for it (``owned``).
         self.decoder = decoder
         self.owned = OwnedCache()
+        # A short prompt tail may be fed as the rows of one decode step (decode_rows_tail); set
+        # by the factory where those rows match a prefill chunk (factory.rows_match_chunks).
+        self.tail_rows = False
         self.prompt = request.prompt_tokens
         # Tokens whose KV/state the cache holds, in order (prompt first, then fed-back samples).
         self.cache_tokens: list[int] = []
@@ -248,31 +251,62 @@ class Sequence:
 
     # ------------------------------------------------------------------ prefill
 
-    def prefill_step(self) -> int:
+    def prefill_step(self, rows_tail: bool = False) -> int:
         """Prefill one aligned chunk, or the last prompt token (which samples the first token).
+        ``rows_tail``: feed a short rest of the prompt as the rows of one decode step, where
+        :meth:`decode_rows_tail` allows it (the engine asks when this sequence prefills alone).
 
         Returns the number of prompt tokens processed.
         """
         last = self.n_prompt - 1
-        if len(self.cache_tokens) < last:
+        tail = self.decode_rows_tail() if rows_tail else None
+        if tail is None and len(self.cache_tokens) < last:
             chunk = self.next_chunk()
             with logits_unused(), applied(self.lora_rows):  # only the cache is wanted
                 self.model(mx.array(chunk)[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
             self.chunk_done(chunk)
             return len(chunk)
-        # The final prompt token produces the logits of the first sampled token.
-        self.stats.n_prompt_processed += 1
+        # The final prompt token (or the short tail that ends with it) produces the logits of
+        # the first sampled token.
+        fed = tail if tail is not None else self.prompt[last:]
+        self.stats.n_prompt_processed += len(fed)
         if self.grammar is None:
-            self._pending = self._forward(self.prompt[last:])
+            self._pending = self._forward(fed)
             mx.async_eval(*self._pending_arrays())
         else:
-            self._undrawn = self._forward_logits(self.prompt[last:])
+            self._undrawn = self._forward_logits(fed)
             mx.async_eval(self._undrawn)
             self._draw_alone()
         if self.request.return_progress:
             self.report_progress()  # processed == total: the whole prompt is in the cache
-        return 1
+        return len(fed)
+
+    def decode_rows_tail(self) -> list[int] | None:
+        """The rest of the prompt, its last token included, when it is fed as the rows of one
+        decode step (``CpuDecoder.step_tokens``) instead of a prefill chunk and then a step of
+        its own; None otherwise.
+
+        Why: a hit that leaves a few tokens (2 to ``EXACT_ROWS``) paid a prefill chunk (MLX's
+        graph, ~10 ms of fixed cost on a CPU) and then one more step for the last token, two
+        reads of every weight; as rows of one step they cost one. The rule depends only on
+        how many prompt tokens are left, so a cold run takes the same path from the same chunk
+        boundary and an aligned hit stays bit-exact (each row is computed exactly as a single
+        step at its position). The engine takes it only for a sequence that prefills alone:
+        with others, the tail's chunk shares one batched pass with theirs. Not when the tail would pass a snapshot boundary or a cache
+        breakpoint (those are taken between prefill chunks), and only on caches the runtime
+        steps (an empty one, a ring or MLX's batch cache keep the chunks), and with float32
+        weights only (``factory.rows_match_chunks``)."""
+        start, n = len(self.cache_tokens), self.n_prompt
+        if not self.tail_rows or self.decoder is None or self._pending is not None or not 2 <= n - start <= EXACT_ROWS:
+            return None
+        if self.boundary is not None and start < self.boundary < n:
+            return None
+        if any(start < position < n for position, _ in self.pins):
+            return None
+        if not self.decoder.can_step_tokens(self.cache, self.owned):
+            return None
+        return self.prompt[start:]
 
     def next_chunk(self) -> list[int]:
         """The prompt tokens of the next prefill chunk: up to the next multiple of the chunk size,
@@ -280,6 +314,11 @@ class Sequence:
         start, last = len(self.cache_tokens), self.n_prompt - 1
         boundary = self.boundary
         limit = boundary if boundary is not None and start < boundary <= last else last
+        if start % self.chunk_size and limit - start <= self.chunk_size:
+            # An unaligned start (a hit that adopted a prefix off the chunk grid) is not bit-exact
+            # with the cold run whatever the split, so the rest goes in one pass when it fits in
+            # one chunk, not in two split at the grid (each pass costs a read of every weight).
+            return self.prompt[start:limit]
         return self.prompt[start : min(limit, (start // self.chunk_size + 1) * self.chunk_size)]
 
     def chunk_done(self, chunk: list[int]) -> None:
@@ -326,6 +365,12 @@ class Sequence:
             logits = mx.array(self.decoder.step(token, self.cache, self.owned, self.request.lora or None))
             self.cache_tokens.append(token)
             return logits
+        if self.decoder is not None and isinstance(tokens, list) and self.decoder.can_step_tokens(self.cache, self.owned):
+            # A short prompt tail (decode_rows_tail): one step whose rows are its tokens; the
+            # last row's logits sample the first token.
+            rows = self.decoder.step_tokens(tokens, self.cache, self.owned, self.request.lora or None)
+            self.cache_tokens.extend(tokens)
+            return mx.array(rows[-1])
         inputs = tokens.reshape(1, 1) if isinstance(tokens, mx.array) else mx.array(tokens)[None]
         with applied(self.lora_rows):
             logits = self.model(inputs, cache=self.cache)[0, -1, :]
@@ -366,6 +411,9 @@ class Sequence:
             mx.clear_cache()
 
     def _decode_step_pipelined(self, token_arr: Any, logprobs: Any, probs: Any) -> None:
+        if self._room_for_more() and self._forward_is_eager():
+            self._decode_step_eager(token_arr, logprobs, probs)
+            return
         if self._room_for_more() and self.budget is not None:
             # The thinking budget decides the next step from this token: read it first.
             token = int(token_arr.item())
@@ -388,6 +436,28 @@ class Sequence:
         self._accept(token, logprobs, probs)
         if self.finished is None and self._pending is None:
             self._finish("limit", "", truncated=self._context_full())
+
+    def _forward_is_eager(self) -> bool:
+        """Whether the next single-token forward pass runs to completion when it is called (the
+        CPU decode runtime) rather than being queued on MLX's scheduler."""
+        return self.decoder is not None and self.decoder.can_run(self.cache, self.owned)
+
+    def _decode_step_eager(self, token_arr: Any, logprobs: Any, probs: Any) -> None:
+        """A decode step whose forward pass runs synchronously (the CPU decode runtime): token n
+        is read back and sent first, then step n+1 runs. Pipelining buys nothing there (nothing
+        overlaps a call that returns finished), and feeding first would hold every token, the
+        first one included, back for a whole step: on a full cache hit that step was as long
+        as the hit itself. A token that ends the sequence (EOS, a stop string, the budget) is not
+        fed at all, as in the no-room case."""
+        token = int(token_arr.item())
+        if self.budget is not None:
+            self.budget.accept(token)  # the thinking budget masks the next sample from this token
+        self._history.append(token)
+        self._pending = None
+        self._accept(token, logprobs, probs)
+        if self.finished is None:
+            self._pending = self._forward([token])
+            mx.async_eval(*self._pending_arrays())
 
     def _decode_step_constrained(self, token_arr: Any, logprobs: Any, probs: Any) -> None:
         """The grammar's decode step: queue the forward pass fed with token n, read n back, feed it

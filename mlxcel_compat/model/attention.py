@@ -29,6 +29,7 @@ to mlx-lm's own function unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from functools import partial
 from typing import Any, Callable
@@ -52,6 +53,14 @@ NUMPY_ATTENTION_MIN = 1 << 16
 # A prompt chunk's softmax exponentiates the scores without shifting them by their row maxima when
 # every row's sum stays in [2^-64, 2^64] (see :func:`_weigh`), and shifted otherwise.
 UNSHIFTED_SOFTMAX = True
+# A chunk of at most this many queries (a cache hit's rest) computes its attention's products on
+# the engine thread alone, OpenBLAS's threads idle (``backend.one_blas_thread``): each product is
+# small (a query block's rows of one KV head by the keys seen), and OpenBLAS's per-call split and
+# synchronisation cost about what it saved on a quiet machine and 2-4x more on a busy one (17 and
+# 52 queries over 1K keys: 1.0 and 2.5 ms a layer alone against 0.9-4.1 and 2.0-8.3 split). A
+# 512-token chunk's products are big enough to gain from the split (17 against 22 ms a layer when
+# quiet), so they keep it. Measured in docs/benchmarks/prompt-cache.md (issue 29).
+SINGLE_THREAD_MAX_QUERIES = 128
 _SUM_MIN, _SUM_MAX = np.float32(2.0**-64), np.float32(2.0**64)
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enums
@@ -157,6 +166,17 @@ def _attend_numpy(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
     v1 = np.empty((B, Hk, S, Dv + 1), dtype=np.float32)
     v1[..., :Dv] = v
     v1[..., Dv] = 1.0
+    with backend.one_blas_thread() if L <= SINGLE_THREAD_MAX_QUERIES else contextlib.nullcontext():
+        _attend_blocks(q, k, v1, out, scale, causal, m)
+    return mx.array(out.reshape(B, L, Hq, Dv)).transpose(0, 2, 1, 3)
+
+
+def _attend_blocks(q: np.ndarray, k: np.ndarray, v1: np.ndarray, out: np.ndarray, scale: float, causal: bool,
+                   m: np.ndarray | None) -> None:
+    """The loop of :func:`_attend_numpy`: ``q`` (B, Hk, r, L, D), ``v1`` the values with their
+    column of ones, ``out`` (B, L, Hk, r, Dv) written in place."""
+    B, Hk, r, L, D = q.shape
+    S, Dv = k.shape[2], v1.shape[-1] - 1
     for start in range(0, L, QUERY_BLOCK):
         end = min(L, start + QUERY_BLOCK)
         n = end - start
@@ -178,7 +198,6 @@ def _attend_numpy(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
                     _scores(block[b, h], k[b, h, :seen], scores, bias)  # again, shifted this time
                     _weigh(scores, v1[b, h, :seen], weighted, hidden, shifted=True)
                 np.divide(weighted[..., :Dv], weighted[..., Dv:], out=out[b, start:end, h].transpose(1, 0, 2))
-    return mx.array(out.reshape(B, L, Hq, Dv)).transpose(0, 2, 1, 3)
 
 
 def _scores(block: np.ndarray, keys: np.ndarray, scores: np.ndarray, bias: np.ndarray | None) -> None:
