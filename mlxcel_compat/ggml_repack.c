@@ -39,7 +39,6 @@ struct mlxcel_repacked {
 };
 
 #define PART_BYTES (192 * 1024) /* a part's weights stay in L2 while its activation rows pass */
-#define GRAPH_TENSORS 4
 #define PARTS_PER_THREAD 2
 
 /* ggml's own log, less its per-tensor "repack: repack tensor ..." lines (debug and info). */
@@ -105,7 +104,9 @@ long mlxcel_repack_bytes(const struct mlxcel_repacked *r) { return (long)ggml_ba
  * padded activations and outputs, and an output for products that accumulate. */
 static __thread struct mlxcel_scratch graph_scratch, work_scratch, x_scratch, pad_scratch, out_scratch;
 
-/* out[i, 0 .. count) = x[i, :] . W[r0 .. r0 + count, :] for i < m, by one graph. */
+/* out[i, 0 .. count) = x[i, :] . W[r0 .. r0 + count, :] for i < m, by one graph: one GEMM node
+ * (`gemm`), or one GEMV node per activation row, run one after the other over the same weights
+ * (which stay in the cache meanwhile; one graph amortizes ggml's per-graph set-up). */
 static void graph_product(const struct mlxcel_repacked *r, int r0, int count, int m, const float *x, long ldx,
                           float *out, long ldo, int gemm) {
     if (gemm && (ldx != r->k || m % 4)) {
@@ -126,23 +127,27 @@ static void graph_product(const struct mlxcel_repacked *r, int r0, int count, in
         x = packed;
         ldx = r->k;
     }
-    size_t mem = ggml_tensor_overhead() * GRAPH_TENSORS + ggml_graph_overhead_custom(GRAPH_TENSORS, false);
+    int nodes = gemm ? 1 : m, rows = gemm ? m : 1;
+    size_t tensors = 1 + 2 * (size_t)nodes;
+    size_t mem = ggml_tensor_overhead() * tensors + ggml_graph_overhead_custom(tensors, false);
     struct ggml_init_params params = {mem, mlxcel_scratch(&graph_scratch, mem), true};
     struct ggml_context *ctx = ggml_init(params);
     struct ggml_tensor *w = ggml_view_2d(ctx, r->w, r->k, count, r->w->nb[1], (size_t)r0 * r->w->nb[1]);
     w->buffer = r->w->buffer; /* the repacked layout: what ggml's CPU backend dispatches on */
     w->extra = r->w->extra;
     w->data = (char *)r->w->data + (size_t)r0 * r->w->nb[1]; /* 8-row groups are contiguous */
-    struct ggml_tensor *xt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, r->k, m);
-    xt->data = (void *)x;
-    xt->nb[1] = (size_t)ldx * sizeof(float);
-    xt->nb[2] = xt->nb[3] = xt->nb[1] * (size_t)m;
-    struct ggml_tensor *y = ggml_mul_mat(ctx, w, xt);
-    y->data = out;
-    y->nb[1] = (size_t)ldo * sizeof(float);
-    y->nb[2] = y->nb[3] = y->nb[1] * (size_t)m;
-    struct ggml_cgraph *graph = ggml_new_graph_custom(ctx, GRAPH_TENSORS, false);
-    ggml_build_forward_expand(graph, y);
+    struct ggml_cgraph *graph = ggml_new_graph_custom(ctx, tensors, false);
+    for (int node = 0; node < nodes; node++) {
+        struct ggml_tensor *xt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, r->k, rows);
+        xt->data = (void *)(x + (size_t)node * ldx);
+        xt->nb[1] = (size_t)ldx * sizeof(float);
+        xt->nb[2] = xt->nb[3] = xt->nb[1] * (size_t)rows;
+        struct ggml_tensor *y = ggml_mul_mat(ctx, w, xt);
+        y->data = out + (size_t)node * ldo;
+        y->nb[1] = (size_t)ldo * sizeof(float);
+        y->nb[2] = y->nb[3] = y->nb[1] * (size_t)rows;
+        ggml_build_forward_expand(graph, y);
+    }
     struct ggml_cplan plan = ggml_graph_plan(graph, 1, NULL);
     plan.work_data = plan.work_size ? mlxcel_scratch(&work_scratch, plan.work_size) : NULL;
     ggml_graph_compute(graph, &plan);
@@ -161,26 +166,20 @@ struct job {
     int part_rows;
 };
 
-/* Part p: weight rows r0 .. r0 + count for every activation row (each its own GEMV if per_row;
- * the part's weights stay in the cache meanwhile). */
+/* Part p: weight rows r0 .. r0 + count for every activation row. */
 static void part(const void *ctx, int p) {
     const struct job *j = ctx;
     const struct mlxcel_repacked *r = j->r;
     int r0 = p * j->part_rows, count = r0 + j->part_rows < r->n ? j->part_rows : r->n - r0;
-    int step = j->per_row ? 1 : j->m;
-    for (int i = 0; i < j->m; i += step) {
-        int m = i + step < j->m ? step : j->m - i;
-        const float *x = j->x + (size_t)i * j->ldx;
-        float *c = j->c + (size_t)i * j->ldc + r0;
-        if (j->beta == 0.0f) {
-            graph_product(r, r0, count, m, x, j->ldx, c, j->ldc, !j->per_row);
-            continue;
-        }
-        float *tmp = mlxcel_scratch(&out_scratch, sizeof(float) * (size_t)m * (size_t)count);
-        graph_product(r, r0, count, m, x, j->ldx, tmp, count, !j->per_row);
-        for (int a = 0; a < m; a++)
-            for (int t = 0; t < count; t++) c[(size_t)a * j->ldc + t] = tmp[(size_t)a * count + t] + j->beta * c[(size_t)a * j->ldc + t];
+    float *c = j->c + r0;
+    if (j->beta == 0.0f) {
+        graph_product(r, r0, count, j->m, j->x, j->ldx, c, j->ldc, !j->per_row);
+        return;
     }
+    float *tmp = mlxcel_scratch(&out_scratch, sizeof(float) * (size_t)j->m * (size_t)count);
+    graph_product(r, r0, count, j->m, j->x, j->ldx, tmp, count, !j->per_row);
+    for (int a = 0; a < j->m; a++)
+        for (int t = 0; t < count; t++) c[(size_t)a * j->ldc + t] = tmp[(size_t)a * count + t] + j->beta * c[(size_t)a * j->ldc + t];
 }
 
 /* c[i, :] = x[i, :] . W^T (+ beta * c[i, :]) for i < m, x and c row-major with leading dimensions

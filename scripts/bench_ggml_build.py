@@ -13,7 +13,9 @@ run, each in its own child process, on the very same weight bytes:
 For each GGML type and weight shape (a layer of SmolLM2-135M, of the factory's small llama and
 of Llama-2-7B), the time of one pass over the layer's seven matrices is measured for a decode
 step (1 activation row, ``vec_dot``), a 4-stream batched step (4 rows, ``vec_dot``) and a
-prompt chunk (512 rows: tiles expanded by ``to_float`` and the BLAS's sgemm). Variants are
+prompt chunk (512 rows: tiles expanded by ``to_float`` and the BLAS's sgemm); a third column,
+"repacked", runs the same products from ggml's repacked copy where it has one (the native build;
+``model/ggml_repack.py``: decode rows one GEMV each, prompt chunks its GEMM). Variants are
 interleaved over ``--reps`` rounds (rotating order); medians are printed with the ratio
 prebuilt / native (above 1: the native build is faster). Both builds compute llama.cpp's
 products; the native build's products are checked equal to the prebuilt's within float rounding.
@@ -44,8 +46,7 @@ SHAPES = {
     "7b": dict(hidden=4096, kv=4096, ffn=11008),
 }
 TYPES = ("q4_0", "q4_1", "q5_0", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K")
-ROWS = {"decode (1 row)": (1, False), "4 streams (4 rows)": (4, False), "prompt chunk (512 rows)": (512, True),
-        "prompt chunk by vec_dot": (512, False)}
+ROWS = {"decode (1 row)": (1, False), "4 streams (4 rows)": (4, False), "prompt chunk (512 rows)": (512, True)}
 
 CHILD = r"""
 import json, sys, time
