@@ -670,7 +670,7 @@ def main() -> int:
     parser.add_argument("--llama-arg", action="append", default=[], help="extra argument for llama-server")
     parser.add_argument("--mlxcel-arg", action="append", default=[], help="extra argument for our server")
     parser.add_argument("--mlxcel-env", action="append", default=[], metavar="NAME=VALUE",
-                        help="extra environment variable for our server (e.g. MLXCEL_GGML_REPACK=decode)")
+                        help="extra environment variable for our server (e.g. MLXCEL_GGML=0)")
     parser.add_argument("--load-timeout", type=float, default=600.0)
     parser.add_argument("--request-timeout", type=float, default=3600.0)
     parser.add_argument("--json", help="write every figure here")

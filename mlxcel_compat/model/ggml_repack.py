@@ -13,15 +13,14 @@ A repacked weight computes every product from the copy: decode steps (each activ
 own GEMV, so a row never depends on the batch) and prompt chunks (GEMM). The copy replaces the
 mapped file's pages in memory: after repacking, the pages of the tensor are dropped from the
 process (``madvise(MADV_DONTNEED)``; they stay in the page cache), so a repacked model takes what
-a mapped one takes. ``MLXCEL_GGML_REPACK=0`` keeps every weight in
-the file's blocks (llama-server's ``--no-repack``).
+a mapped one takes. ``--no-repack`` (the ``repack`` setting, ``load_gguf(repack=False)``) keeps
+every weight in the file's blocks.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -43,11 +42,6 @@ SOURCE = Path(__file__).resolve().parents[1] / "ggml_repack.c"
 # all) and 1.1-1.4x on small matrices. Q2_K's GEMM is slower than the float32 tiles: not repacked.
 REPACKED_TYPES = frozenset({T.Q4_0, T.Q4_K, T.IQ4_NL})
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-
-
-def enabled() -> bool:
-    """``MLXCEL_GGML_REPACK=0`` serves every weight from the file's own blocks."""
-    return os.environ.get("MLXCEL_GGML_REPACK", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 
@@ -76,8 +70,6 @@ class RepackLibrary:
 @lru_cache(maxsize=1)
 def library() -> RepackLibrary | str:
     """The repacking library, or why there is none (weights then stay in the file's blocks)."""
-    if not enabled():
-        return "off (MLXCEL_GGML_REPACK=0)"
     from mlxcel_compat import backend
 
     kernels = ggml_cpu.kernels()
@@ -163,5 +155,5 @@ def release_pages(mapped: np.ndarray, offset: int, length: int) -> None:
         base.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
-__all__ = ["REPACKED_TYPES", "Repacked", "RepackLibrary", "attach", "enabled", "library", "release_pages",
+__all__ = ["REPACKED_TYPES", "Repacked", "RepackLibrary", "attach", "library", "release_pages",
            "repack"]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -277,26 +276,12 @@ def default_cache_dir() -> Path:
 def ensure_encoder(kind: str, cache_dir: str | Path | None = None) -> Path:
     """``<cache>/encoder-<kind>-v<N>``, built on first use (into a temporary directory renamed
     into place, so concurrent callers never see half a model)."""
+    from . import models
+
     _spec(kind)
     root = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()).absolute()
-    target = root / f"encoder-{kind}-v{FORMAT_VERSION}"
-    if (target / "mlxcel_encoder.json").is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
-    try:
-        _write_files(kind, tmp)
-        if target.exists():
-            shutil.rmtree(target, ignore_errors=True)  # an incomplete leftover
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "mlxcel_encoder.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return models.build_directory(root / f"encoder-{kind}-v{FORMAT_VERSION}", "mlxcel_encoder.json",
+                                  lambda tmp: _write_files(kind, tmp))
 
 
 # --- GGUF ---------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -549,6 +549,29 @@ def ensure_model(family: str = "llama", size: str = "tiny",
             os.rename(tmp, target)
         except OSError:
             if not is_complete(target):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def build_directory(target: Path, marker: str, write: Callable[[Path], None]) -> Path:
+    """``target``, written by ``write(tmp)`` into a temporary directory beside it and renamed into
+    place on first use; complete once its ``marker`` file exists (written last). Concurrent callers
+    never see half a directory: a loser of the race discards its copy and uses the winner's."""
+    if (target / marker).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        write(tmp)
+        if target.exists():
+            shutil.rmtree(target, ignore_errors=True)  # an incomplete leftover
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / marker).is_file():
                 raise
     finally:
         if tmp.exists():

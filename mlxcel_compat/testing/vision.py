@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -191,28 +188,11 @@ def _write_files(directory: Path, family: str) -> None:
 def ensure_vision_model(cache_dir: str | Path | None = None, family: str = "qwen2_5_vl") -> Path:
     """``<cache>/<family>-tiny-v<N>``, built on first use (into a temporary directory renamed
     into place, so concurrent callers never see half a model)."""
-    from .models import default_cache_dir
+    from .models import build_directory, default_cache_dir
 
     model_config(family)  # an unknown family fails here, before anything is written
     root = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()).absolute()
-    target = root / f"{family}-tiny-v{FORMAT_VERSION}"
-    if (target / MANIFEST_NAME).is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
-    try:
-        _write_files(tmp, family)
-        if target.exists():
-            shutil.rmtree(target, ignore_errors=True)  # an incomplete leftover
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / MANIFEST_NAME).is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_directory(root / f"{family}-tiny-v{FORMAT_VERSION}", MANIFEST_NAME, lambda tmp: _write_files(tmp, family))
 
 
 def main(argv: list[str] | None = None) -> int:
