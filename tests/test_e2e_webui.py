@@ -460,13 +460,15 @@ def proxy_ui_server(key_server):
 
 def test_mcp_server_tools_run_through_the_cors_proxy(browser, proxy_ui_server, mcp_http) -> None:
     custom = {"tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 200, "temperature": 0}
-    browser.get(proxy_ui_server.base_url + "/")
+    # The settings are written from /health (same origin, no page script): written on a loaded chat
+    # page, its start-up could read them after an await and open an MCP session before the reload.
+    browser.get(proxy_ui_server.base_url + "/health")
     browser.execute_script("localStorage.clear(); localStorage.setItem('mlxcel.apiKey', arguments[0]);"
                            "localStorage.setItem('mlxcel.settings.v1', arguments[1]);",
                            KEY, json.dumps({"mcpServers": mcp_http.url, "custom": json.dumps(custom)}))
-    browser.refresh()
+    browser.get(proxy_ui_server.base_url + "/")
     until(browser, lambda d: d.execute_script("return document.body.dataset.ready === '1'"), message="page never got ready")
-    console_errors(browser)  # drop the 401 of the first load, before the key was stored
+    console_errors(browser)  # drop what the earlier pages logged
     assert "Tools (1)" in " ".join(by_css(browser, "#tools-toggle")[0].text.split())
     send(browser, "Where is the MCP server?")
     until(browser, lambda d: len(answers(d)) >= 2 and d.find_element("css selector", "#send").is_displayed(),

@@ -87,12 +87,16 @@ class ServedTokenizer:
 
     # --- encode and decode -----------------------------------------------------------------------
 
+    # The batch calls, with one item: the Rust library releases the GIL only in its batch methods,
+    # and a half-megabyte prompt takes a third of a second to tokenize. Through ``encode`` the event
+    # loop (``/health``, streams) would stand still that long; a batch of one costs ~1 us more.
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: int | Iterable[int], skip_special_tokens: bool = False) -> str:
         ids = [int(token_ids)] if isinstance(token_ids, int) else [int(t) for t in token_ids]
-        text = self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = self.backend_tokenizer.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         if self.spec.clean_up_spaces and type(self.backend_tokenizer.model).__name__ != "BPE":
             for old, new in _CLEAN_UP:
                 text = text.replace(old, new)
@@ -100,7 +104,8 @@ class ServedTokenizer:
 
     def __call__(self, text: str, text_pair: str | None = None) -> dict[str, list[int]]:
         """A text or a pair with the special tokens added, as transformers' ``tokenizer(a, b)``."""
-        encoding = self.backend_tokenizer.encode(text, text_pair, add_special_tokens=True)
+        pair = text if text_pair is None else (text, text_pair)
+        encoding = self.backend_tokenizer.encode_batch([pair], add_special_tokens=True)[0]
         out = {"input_ids": encoding.ids, "attention_mask": encoding.attention_mask}
         if self.spec.type_ids:
             out["token_type_ids"] = encoding.type_ids
