@@ -175,7 +175,7 @@ def main() -> int:
     parser.add_argument("--peer-llama-server", metavar="BIN", help="llama-server binary to compare with")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--n-predict", type=int, default=256)
-    parser.add_argument("--ngram-n", type=int, default=12)
+    parser.add_argument("--ngram-n", type=int, default=12, help="--spec-ngram-simple-size-n of both servers (default 12, llama-server's; 4 is fastest on the edit workload)")
     parser.add_argument("--ngram-m", type=int, default=48)
     parser.add_argument("--n-max", type=int, default=4)
     parser.add_argument("--draft-layers", type=int, default=2)
