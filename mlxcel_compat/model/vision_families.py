@@ -173,9 +173,14 @@ class Gemma3(VisionFamily):
     As mlx-vlm's ``gemma3`` generates: the features are divided by ``sqrt(hidden_size)`` (the
     top-level config's) before they replace the image tokens' embeddings, because its text model
     multiplies every input embedding by ``sqrt(hidden_size)``; attention stays causal over image
-    tokens too (mlx-vlm builds a 4-D mask but its language model does not use it); sliding-window
-    layers keep a ``RotatingKVCache`` of the window, as on the text model. Pan-and-scan crops are
-    off (the processor is called with ``do_pan_and_scan=False``)."""
+    tokens too (mlx-vlm builds a 4-D mask but its language model does not use it). Pan-and-scan
+    crops are off (the processor is called with ``do_pan_and_scan=False``).
+
+    The sliding-window layers keep every token's KV (a plain ``KVCache``; mlx-vlm's attention masks
+    them to the window, so the logits are those of mlx-vlm's ``RotatingKVCache``), unlike the text
+    model's rotating window: a rotating cache cannot be cut to a prefix, and the prompt cache's
+    image rules (a hit ends before or after an image; the text before the first image is shared
+    with other images) need that cut. The cost is the memory of a full KV on those layers."""
 
     model_types = ("gemma3",)
     processors = {"Gemma3ImageProcessor": "transformers.models.gemma3.image_processing_pil_gemma3:Gemma3ImageProcessorPil"}
@@ -205,15 +210,6 @@ class Gemma3(VisionFamily):
 
         size = int(vlm.config.vision_config.image_size)
         return MediaImage(np.zeros((1, 3, size, size), np.float32), (1, 1, 1), (0, 1))
-
-    def make_cache(self, vlm: Any) -> list[Any]:
-        from mlx_lm.models.cache import KVCache, RotatingKVCache
-
-        text = vlm.language_model.config
-        pattern = text.sliding_window_pattern
-        return [KVCache() if i % pattern == pattern - 1 else RotatingKVCache(max_size=text.sliding_window, keep=0)
-                for i in range(text.num_hidden_layers)]
-
 
 class Llava(VisionFamily):
     """LLaVA (1.5-style): fixed-size images (center-cropped), CLIP, a 2-layer GELU projector."""

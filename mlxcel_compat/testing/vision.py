@@ -55,6 +55,7 @@ MAX_PIXELS = 28 * 28 * 16  # at most 16 merged tokens an image: tests stay fast
 # Gemma 3 and LLaVA: fixed-size images of 4x4 patches (SigLIP / CLIP towers at 56 pixels).
 IMAGE_SIZE = 56
 GEMMA_TOKENS_PER_IMAGE = 4  # the 4x4 patches average-pooled 2x2
+SLIDING_WINDOW = 24  # Gemma 3's local layers: shorter than the tests' prompts, so the window matters
 # CLIP's normalisation, as Qwen2-VL's and LLaVA's processor configs have it; Gemma 3's is 0.5.
 IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
 IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -97,7 +98,7 @@ def _gemma3_config() -> dict[str, Any]:
     text = dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
                 rms_norm_eps=1e-6, vocab_size=vocab_size("gemma3"), rope_global_base_freq=1000000.0,
-                rope_local_base_freq=10000.0, sliding_window=512, sliding_window_pattern=2,
+                rope_local_base_freq=10000.0, sliding_window=SLIDING_WINDOW, sliding_window_pattern=2,
                 max_position_embeddings=32768, mm_tokens_per_image=GEMMA_TOKENS_PER_IMAGE)
     return dict(
         model_type="gemma3", architectures=[_ARCHITECTURES["gemma3"]], text_config=text,
