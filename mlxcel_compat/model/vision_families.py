@@ -198,7 +198,9 @@ class Gemma3(VisionFamily):
         )
 
     def features(self, vlm: Any, images: list[Any]) -> mx.array:
-        dtype = vlm.language_model.model.embed_tokens.weight.dtype
+        # mlx-vlm casts to the embeddings' dtype; the tower's weight has it too, and stays a float
+        # where a quantized checkpoint packs the embedding table into integers.
+        dtype = vlm.vision_tower.vision_model.embeddings.patch_embedding.weight.dtype
         pixels = mx.array(np.concatenate([img.pixel_values for img in images])).transpose(0, 2, 3, 1)
         hidden, _, _ = vlm.vision_tower(pixels.astype(dtype), output_hidden_states=True)
         projected = vlm.multi_modal_projector(hidden)
