@@ -221,3 +221,22 @@ def test_two_slots_with_different_images_at_once_answer_as_each_alone(harness: E
         harness.engine.submit(request, events.put)
     together = [collect(events).tokens for events in queues]
     assert together == alone
+
+
+def test_families_not_served_are_refused_with_the_list(tmp_path: Path, vlm_dir: Path) -> None:
+    from mlxcel_compat.model.vision import load_vision_directory
+    from mlxcel_compat.model.vision_families import SUPPORTED_MODEL_TYPES
+
+    assert set(vision.FAMILIES) <= set(SUPPORTED_MODEL_TYPES)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "vision_config": {}}))
+    with pytest.raises(ValueError, match="vision model type 'qwen3_vl' is not served yet; supported: .*gemma3.*llava"):
+        load_vision_directory(tmp_path)
+    # A family's directory whose image processor is another family's is refused, naming it.
+    other = tmp_path / "mixed"
+    other.mkdir()
+    config = json.loads((vlm_dir / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(config))
+    processor = "Gemma3ImageProcessor" if config["model_type"] != "gemma3" else "Qwen2VLImageProcessor"
+    (other / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": processor}))
+    with pytest.raises(ValueError, match=f"image processor '{processor}' .* is not served for"):
+        load_vision_directory(other)

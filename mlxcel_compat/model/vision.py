@@ -68,6 +68,7 @@ def load_vision_directory(path: Path) -> tuple["VisionLM", Any, dict[str, Any], 
     family = family_of(config)
     if not (path / "preprocessor_config.json").is_file():
         raise ValueError(f"{path} has no preprocessor_config.json: the image processor's settings are missing")
+    family.processor_name(path)  # an image processor the family does not take is refused before the weights load
     from mlx_vlm.utils import load_model as load_vlm
 
     vlm = load_vlm(path)
