@@ -75,7 +75,7 @@ def load_vision_directory(path: Path) -> tuple["VisionLM", Any, dict[str, Any], 
     eos = config.get("eos_token_id")
     tokenizer = load_tokenizer(path, eos_token_ids=eos if isinstance(eos, list) else None)
     facts = family.facts(path, config, tokenizer)
-    return VisionLM(vlm, family, facts.image_token_id), tokenizer, config, facts
+    return VisionLM(vlm, family, facts), tokenizer, config, facts
 
 
 def _offset(cache: Any) -> int:
@@ -91,11 +91,11 @@ def _offset(cache: Any) -> int:
 class VisionLM(nn.Module):
     """The mlx-vlm model, called like an mlx-lm language model (tokens, cache) -> logits."""
 
-    def __init__(self, vlm: Any, family: VisionFamily, image_token_id: int) -> None:
+    def __init__(self, vlm: Any, family: VisionFamily, facts: VisionFacts) -> None:
         super().__init__()
         self.vlm = vlm
         self.family = family
-        self.image_token_id = image_token_id
+        self.facts = facts
 
     @property
     def layers(self) -> list[Any]:
@@ -115,8 +115,13 @@ class VisionLM(nn.Module):
 
     def warm_up(self) -> None:
         """Run the vision tower once on a blank image: MLX's first call of a graph pays a one-off
-        set-up cost (seconds), which the first request with an image would otherwise pay."""
-        mx.eval(self.family.features(self.vlm, [self.family.blank_image(self.vlm)]))
+        set-up cost (seconds), which the first request with an image would otherwise pay. A
+        family with a fixed token count per image is checked against the tower's rows here."""
+        rows = self.family.features(self.vlm, [self.family.blank_image(self.vlm)])
+        mx.eval(rows)
+        fixed = self.facts.tokens_per_image
+        if fixed and rows.shape[0] != fixed:
+            raise ValueError(f"the vision tower gives {rows.shape[0]} feature rows an image, the config {fixed} image tokens")
 
     def forward(self, inputs: mx.array, cache: Any, embeds: mx.array | None, positions: mx.array | None) -> mx.array:
         """Logits of ``inputs`` (1, L) at ``positions`` (mrope: (3, 1, L); else ``None``, the
@@ -142,7 +147,7 @@ class BoundVisionLM:
         prompt = np.asarray(prompt_tokens, dtype=np.int64)
         rope = base.family.prompt_positions(base.vlm, prompt, media.images)
         self.positions, self.delta = rope if rope is not None else (None, 0)  # (3, 1, n_prompt) for mrope
-        is_image = prompt == base.image_token_id
+        is_image = prompt == base.facts.image_token_id
         # The row of the vision features each image token takes, or -1.
         self.feature_row = np.where(is_image, np.cumsum(is_image) - 1, -1)
         self._features: mx.array | None = None

@@ -167,7 +167,17 @@ class Qwen2VL(VisionFamily):
         return language.model(inputs, cache=cache, inputs_embeds=embeds, position_ids=positions)
 
 
-class Gemma3(VisionFamily):
+class _FixedSize(VisionFamily):
+    """A family whose processor gives every image the tower's one input size (channels first)."""
+
+    def blank_image(self, vlm: Any) -> Any:
+        from mlxcel_compat.engine.request import MediaImage
+
+        size = int(vlm.config.vision_config.image_size)
+        return MediaImage(np.zeros((1, 3, size, size), np.float32), (1, 1, 1), (0, 1))
+
+
+class Gemma3(_FixedSize):
     """Gemma 3 with vision: fixed-size images (``size`` of the processor), SigLIP, a pooled projection.
 
     As mlx-vlm's ``gemma3`` generates: the features are divided by ``sqrt(hidden_size)`` (the
@@ -207,13 +217,7 @@ class Gemma3(VisionFamily):
         projected = projected / (vlm.config.hidden_size ** 0.5)
         return projected.reshape(-1, projected.shape[-1])
 
-    def blank_image(self, vlm: Any) -> Any:
-        from mlxcel_compat.engine.request import MediaImage
-
-        size = int(vlm.config.vision_config.image_size)
-        return MediaImage(np.zeros((1, 3, size, size), np.float32), (1, 1, 1), (0, 1))
-
-class Llava(VisionFamily):
+class Llava(_FixedSize):
     """LLaVA (1.5-style): fixed-size images (center-cropped), CLIP, a 2-layer GELU projector."""
 
     model_types = ("llava",)
@@ -243,12 +247,6 @@ class Llava(VisionFamily):
             selected = mx.concatenate([states[i][:, 1:] if default else states[i] for i in layer], axis=-1)
         projected = vlm.multi_modal_projector(selected)
         return projected.reshape(-1, projected.shape[-1])
-
-    def blank_image(self, vlm: Any) -> Any:
-        from mlxcel_compat.engine.request import MediaImage
-
-        size = int(vlm.config.vision_config.image_size)
-        return MediaImage(np.zeros((1, 3, size, size), np.float32), (1, 1, 1), (0, 1))
 
 
 FAMILIES: dict[str, VisionFamily] = {t: f for f in (Qwen2VL(), Gemma3(), Llava()) for t in f.model_types}
