@@ -76,7 +76,8 @@ class VisionFamily:
     """The rules of one mlx-vlm family (the base: plain RoPE, one KV table per layer)."""
 
     model_types: tuple[str, ...] = ()
-    processors: dict[str, str] = {}  # preprocessor_config.json image_processor_type -> "module:Class"
+    # preprocessor_config.json image_processor_type -> "module:Class" (the first: when it names none)
+    processors: dict[str, str] = {}
     mrope = False
 
     # ----- prompt side -----
@@ -89,6 +90,8 @@ class VisionFamily:
 
         kind = json.loads((path / "preprocessor_config.json").read_text(encoding="utf-8")).get("image_processor_type")
         kind = str(kind or "").removesuffix("Fast")
+        if not kind:  # an older or converted directory that does not say: the family's own
+            return next(iter(self.processors.values()))
         if kind not in self.processors:
             raise ValueError(f"image processor '{kind}' of {path} is not served for {self.model_types[0]}; "
                              f"supported: {', '.join(self.processors)}")
