@@ -115,13 +115,18 @@ class VisionLM(nn.Module):
 
     def warm_up(self) -> None:
         """Run the vision tower once on a blank image: MLX's first call of a graph pays a one-off
-        set-up cost (seconds), which the first request with an image would otherwise pay. A
-        family with a fixed token count per image is checked against the tower's rows here."""
-        rows = self.family.features(self.vlm, [self.family.blank_image(self.vlm)])
+        set-up cost (seconds), which the first request with an image would otherwise pay. The
+        tower's rows are checked against the image tokens the prompt side gives the same image
+        (a mismatch would put features at the wrong tokens)."""
+        blank = self.family.blank_image(self.vlm)
+        rows = self.family.features(self.vlm, [blank])
         mx.eval(rows)
-        fixed = self.facts.tokens_per_image
-        if fixed and rows.shape[0] != fixed:
-            raise ValueError(f"the vision tower gives {rows.shape[0]} feature rows an image, the config {fixed} image tokens")
+        processed = {"pixel_values": blank.pixel_values}
+        if self.family.mrope:
+            processed["image_grid_thw"] = np.asarray([blank.grid_thw])
+        tokens, _ = self.facts.image_token_count(processed)
+        if rows.shape[0] != tokens:
+            raise ValueError(f"the vision tower gives {rows.shape[0]} feature rows for an image of {tokens} image tokens")
 
     def forward(self, inputs: mx.array, cache: Any, embeds: mx.array | None, positions: mx.array | None) -> mx.array:
         """Logits of ``inputs`` (1, L) at ``positions`` (mrope: (3, 1, L); else ``None``, the
