@@ -240,3 +240,23 @@ def test_families_not_served_are_refused_with_the_list(tmp_path: Path, vlm_dir: 
     (other / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": processor}))
     with pytest.raises(ValueError, match=f"image processor '{processor}' .* is not served for"):
         load_vision_directory(other)
+
+
+def test_a_tower_whose_rows_differ_from_the_image_tokens_is_refused_at_load(tmp_path: Path) -> None:
+    """A LLaVA with a SigLIP tower: mlx-vlm's ``default`` strategy drops its first patch (no class
+    token there), one row short of the prompt side's one token per patch; the warm-up refuses it."""
+    import mlx.core as mx
+
+    from mlxcel_compat.model.vision import load_vision_directory
+    from tests.conftest import MODEL_CACHE
+
+    source = vision.ensure_vision_model(MODEL_CACHE, "llava")
+    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
+        (tmp_path / name).write_bytes((source / name).read_bytes())
+    config = vision.model_config("llava")
+    config["vision_config"]["model_type"] = "siglip_vision_model"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), vision.random_weights(config), metadata={"format": "mlx"})
+    model, _, _, _ = load_vision_directory(tmp_path)
+    with pytest.raises(ValueError, match="the vision tower gives 15 feature rows for an image of 16 image tokens"):
+        model.warm_up()
