@@ -1,23 +1,27 @@
-"""Tiny random-weight Qwen2.5-VL / Qwen2-VL directories for tests: a real vision tower, a real
-image processor.
+"""Tiny random-weight vision-language directories for tests (Qwen2.5-VL, Qwen2-VL, Gemma 3,
+LLaVA): a real vision tower, a real image processor.
 
-The model is mlx-vlm's own ``qwen2_5_vl`` (or ``qwen2_vl``) classes at tiny sizes (a 2-block
-vision tower of width 32 merged into a 2-layer text model of width 64), so the server runs the same vision tower, merged
-embeddings and multimodal RoPE (``mrope``) that a real Qwen2.5-VL checkpoint runs, in milliseconds.
+Each model is mlx-vlm's own classes for its ``model_type`` at tiny sizes (2-block vision towers of
+width 32 feeding 2-layer text models of width 64), so the server runs the same vision tower,
+projector, merged embeddings and positions (Qwen's multimodal RoPE, plain RoPE for the others)
+that a real checkpoint of the family runs, in milliseconds.
 
 - Weights: a fixed NumPy seed, stored under mlx-vlm's parameter names and layouts (so loading
   needs no conversion), initialized like the text factory's (``models._init_tensor``).
-- Tokenizer: the factory's shared 8k vocabulary (``testing/tokenizer.py``) with Qwen2-VL's vision
-  tokens added after it as special tokens: ``<|vision_start|>``, ``<|vision_end|>``,
-  ``<|image_pad|>``, ``<|video_pad|>``.
+- Tokenizer: the factory's shared 8k vocabulary (``testing/tokenizer.py``) with the family's vision
+  tokens added after it as special tokens (``FAMILY_TOKENS``: Qwen2-VL's ``<|vision_start|>``,
+  ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>``; Gemma 3's ``<start_of_image>``,
+  ``<end_of_image>``, ``<image_soft_token>``; LLaVA's ``<image>``).
 - Chat template: the factory's ChatML, whose content parts also render an image part
-  (``image`` or ``image_url``) as ``<|vision_start|><|image_pad|><|vision_end|>``, as Qwen2-VL's
-  does; the server expands the one ``<|image_pad|>`` into the image's merged patch count.
-- Image processor: Hugging Face's Qwen2-VL ``preprocessor_config.json``, written offline: 14-pixel
-  patches, 2x2 merge, temporal patch 2, CLIP mean/std, and a small ``max_pixels`` (28*28*16:
-  at most 16 image tokens an image) so a request with several images still prefills in a blink.
+  (``image`` or ``image_url``) as the family's template does (``TEMPLATE_IMAGE``); the server
+  expands it into the image's tokens.
+- Image processor: the family's Hugging Face ``preprocessor_config.json``, written offline. Qwen:
+  14-pixel patches, 2x2 merge, temporal patch 2, CLIP mean/std, and a small ``max_pixels``
+  (28*28*16: at most 16 image tokens an image). Gemma 3: 56-pixel images (SigLIP, 4x4 patches
+  pooled to 4 tokens), a sliding window of 24 tokens on its local layers (shorter than the tests'
+  prompts). LLaVA: 56-pixel center crops (CLIP, 16 tokens, a Llama text model).
 
-Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl]``.
+Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|gemma3|llava]``.
 """
 
 from __future__ import annotations
