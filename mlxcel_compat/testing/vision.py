@@ -50,8 +50,6 @@ FAMILIES: tuple[str, ...] = tuple(FAMILY_TOKENS)
 TEMPLATE_IMAGE = {"qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                   "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                   "gemma3": "<start_of_image>", "llava": "<image>"}
-VISION_TOKENS = FAMILY_TOKENS["qwen2_5_vl"]
-VOCAB_SIZE = tok.VOCAB_SIZE + len(VISION_TOKENS)
 PATCH_SIZE = 14
 MERGE_SIZE = 2
 MIN_PIXELS = 28 * 28 * 4  # at least 2x2 merged tokens
@@ -145,7 +143,7 @@ def model_config(family: str = "qwen2_5_vl") -> dict[str, Any]:
         rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, hidden_act="silu",
         # head_dim 16: 8 rotary frequencies split over (time, height, width)
         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-        max_position_embeddings=32768, vocab_size=VOCAB_SIZE,
+        max_position_embeddings=32768, vocab_size=vocab_size(family),
         vision_start_token_id=vision_token_id("<|vision_start|>"),
         vision_end_token_id=vision_token_id("<|vision_end|>"),
         image_token_id=vision_token_id("<|image_pad|>"),
