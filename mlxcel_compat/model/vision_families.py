@@ -187,7 +187,10 @@ class Gemma3(_FixedSize):
     top-level config's) before they replace the image tokens' embeddings, because its text model
     multiplies every input embedding by ``sqrt(hidden_size)``; attention stays causal over image
     tokens too (mlx-vlm builds a 4-D mask but its language model does not use it). Pan-and-scan
-    crops are off (the processor is called with ``do_pan_and_scan=False``).
+    crops are off (the processor is called with ``do_pan_and_scan=False``). One difference: with
+    images, mlx-vlm also zeroes the embeddings of ``pad_token_id`` tokens in the prompt; here they
+    keep their embeddings, so the text before an image stays what a text-only request computes
+    (the prompt cache shares it) — a rendered chat holds no pad tokens.
 
     The sliding-window layers keep every token's KV (a plain ``KVCache``; mlx-vlm's attention masks
     them to the window, so the logits are those of mlx-vlm's ``RotatingKVCache``), unlike the text
