@@ -235,7 +235,7 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _noop("model", STRING, "ignored in single-model mode, as llama-server does; responses carry the server's model name"),
     _f("messages", {"type": "array", "items": MESSAGE}, scope="chat", required=True, note="string, null or text-part content"),
     RequestField("messages[].content[].image_url", scope="chat", status="partial",
-                 note="served by a vision-language model directory (mlx-vlm Qwen2-VL / Qwen2.5-VL; docs/vision.md): data: URIs "
+                 note="served by a vision-language model directory (mlx-vlm Qwen2-VL, Qwen2.5-VL, Gemma 3, LLaVA; docs/vision.md): data: URIs "
                       "and raw base64, http(s) only with --media-fetch, file:// refused; limits --media-max-*; a text model "
                       "answers llama-server's 500 'image input is not supported - hint: ...' (in any message, tool messages too)"),
     RequestField("messages[].content[].input_audio", scope="chat", status="unsupported", note="no audio tower is served: llama-server's 500"),

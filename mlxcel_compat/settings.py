@@ -313,7 +313,7 @@ R_SPEC_REMOVED = ("removed from llama-server (it refuses the option now); accept
 R_MMPROJ = "GGUF multimodal projectors are not loaded (vision models are served from their mlx-vlm directory), so this option has nothing to act on"
 R_MMPROJ_FILE = (
     "GGUF multimodal projectors are not loaded: serve a vision-language model directory that mlx-vlm loads "
-    "(a Hugging Face Qwen2-VL / Qwen2.5-VL directory, whose config.json has vision_config) with -m instead"
+    "(a Hugging Face Qwen2-VL, Qwen2.5-VL, Gemma 3 or LLaVA directory, whose config.json has vision_config) with -m instead"
 )
 R_SLOTS = "mlxcel_compat keeps a radix prompt cache instead of llama.cpp's slot caches; see --prompt-cache-*"
 R_LOG_FORMAT = "logs use Python's logging format"

@@ -1,5 +1,6 @@
-"""End to end: images through the official openai and anthropic clients to a real server on the
-factory's tiny Qwen2.5-VL (mlx-vlm's classes: vision tower, merged embeddings, multimodal RoPE).
+"""End to end: images through the official openai and anthropic clients to a real server on each
+of the factory's tiny Qwen2.5-VL, Gemma 3 and LLaVA (mlx-vlm's classes: vision tower, merged
+embeddings, multimodal RoPE for Qwen, plain positions for the other two).
 
 - A chat with an image is answered, on every chat-like API (OpenAI chat, Anthropic Messages,
   OpenAI Responses).
@@ -49,11 +50,11 @@ def user(image: str, text: str = "what is in this picture?") -> dict[str, Any]:
     return {"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": image}}]}
 
 
-@pytest.fixture(scope="module")
-def vlm_dir() -> Path:
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "gemma3", "llava"])
+def vlm_dir(request: pytest.FixtureRequest) -> Path:
     from tests.conftest import MODEL_CACHE
 
-    return vision.ensure_vision_model(MODEL_CACHE)
+    return vision.ensure_vision_model(MODEL_CACHE, request.param)
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +85,21 @@ def ask(oai: openai.OpenAI, messages: list[dict[str, Any]], cold: bool = False) 
 
 
 def first_image_token(http: httpx.Client, vlm_dir: Path, messages: list[dict[str, Any]]) -> int:
-    """Where the first image token sits in the prompt: the tokens of the text before it."""
+    """Where the first image token sits in the prompt: the tokens of the text before the image's
+    marker, the marker's tokens before the one expanded, and the family's tokens before the image's
+    (Gemma 3: ``\\n\\n<start_of_image>``)."""
+    import json
+
     from mlx_lm.utils import load_tokenizer
 
+    from mlxcel_compat.model.vision import vision_facts
+
+    tokenizer = load_tokenizer(vlm_dir)
+    config = json.loads((vlm_dir / "config.json").read_text())
+    facts = vision_facts(vlm_dir, config, tokenizer)
     prompt = http.post("/apply-template", json={"messages": messages}).json()["prompt"]
-    head = prompt[: prompt.index("<|image_pad|>")]
-    return len(load_tokenizer(vlm_dir).encode(head, add_special_tokens=False))
+    head = prompt[: prompt.index(vision.TEMPLATE_IMAGE[config["model_type"]])]
+    return len(tokenizer.encode(head, add_special_tokens=False)) + list(facts.marker).index(facts.expand_token) + len(facts.before)
 
 
 def test_props_and_models_say_vision(http: httpx.Client) -> None:
@@ -101,8 +111,8 @@ def test_a_chat_with_an_image_is_answered_and_the_image_takes_its_patch_tokens(o
     content, n_prompt, _ = ask(oai, [SYSTEM, user(data_uri(png(1)))])
     assert content
     text_only, n_text, _ = ask(oai, [SYSTEM, {"role": "user", "content": "what is in this picture?"}])
-    # 56x40 pixels -> a 4x2 grid of 14-pixel patches... resized by the processor to its own grid:
-    # the image adds <|vision_start|>, its merged patches and <|vision_end|>.
+    # Qwen: 56x40 pixels resized by the processor to its own grid: the image adds <|vision_start|>,
+    # its merged patches and <|vision_end|>; Gemma 3 and LLaVA: a fixed 4 or 16 tokens (and markers).
     assert n_prompt - n_text >= 2 + 4
 
 

@@ -1,5 +1,6 @@
-"""The factory's tiny Qwen2.5-VL and Qwen2-VL on the engine: images through the vision tower, and the prompt
-cache's whole-image rule in RAM, on disk and in a slot's kept state.
+"""The factory's tiny vision-language models (Qwen2.5-VL, Qwen2-VL, Gemma 3, LLaVA) on the engine: images
+through the vision tower, logits equal to mlx-vlm's own forward pass, and the prompt cache's
+whole-image rule in RAM, on disk and in a slot's kept state.
 
 Every adoption here is checked twice: its length is never strictly inside an image's tokens, and
 the tokens generated after it are exactly a cold run's."""
@@ -61,8 +62,7 @@ class Prompts:
         self.images = images
 
     def request(self, before: str, seeds: list[int], after: str, n_predict: int = 6, cache: bool = True) -> GenerationRequest:
-        facts = self.images.facts
-        marker = [facts.vision_start_token_id, facts.image_token_id, facts.vision_end_token_id]
+        marker = list(self.images.facts.marker)  # what the family's chat template writes for an image
         tokens = list(self.tok.encode(before, add_special_tokens=False))
         for seed in seeds:
             tokens += marker + list(self.tok.encode(f" picture {seed}", add_special_tokens=False))
@@ -102,6 +102,39 @@ def harness(vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture()
 def prompts(harness: EngineHarness, images: ImageInput) -> Prompts:
     return Prompts(harness.tokenizer, images)
+
+
+def test_chunked_prefill_with_images_gives_mlx_vlms_own_logits(vlm_dir: Path, images: ImageInput) -> None:
+    """The engine's view of the model, fed 5-token chunks, against mlx-vlm's own path (its
+    ``get_input_embeddings`` over the whole prompt, then its language model) on the same prompt."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxcel_compat.model.vision import load_vision_directory
+
+    model, tokenizer, _, _ = load_vision_directory(vlm_dir)
+    prompts = Prompts(tokenizer, images)
+    request = prompts.request("Two pictures:", [1, 2], " Which is which?")
+    tokens = request.prompt_tokens
+    bound, cache = model.bind(request.media, tokens), make_prompt_cache(model)
+    ours = mx.concatenate([bound(mx.array(tokens[i : i + 5])[None], cache=cache) for i in range(0, len(tokens), 5)], axis=1)
+    vlm, ids = model.vlm, mx.array(tokens)[None]
+    pixels = mx.array(np.concatenate([img.pixel_values for img in request.media.images]))
+    extra: dict[str, Any] = {}
+    if model.family.mrope:
+        extra["image_grid_thw"] = mx.array([list(img.grid_thw) for img in request.media.images])
+    embeds = vlm.get_input_embeddings(ids, pixels, mask=mx.ones(ids.shape), **extra).inputs_embeds
+    language = vlm.language_model
+    own_cache = language.make_cache() if hasattr(language, "make_cache") else make_prompt_cache(language)
+    theirs = language(ids, inputs_embeds=embeds, cache=own_cache, **extra).logits
+    assert float(mx.abs(ours - theirs).max()) < 1e-4
+    text = list(tokenizer.encode("Only words, no picture.", add_special_tokens=False))
+    plain = model(mx.array(text)[None], cache=make_prompt_cache(model))
+    language_alone = language.model(mx.array(text)[None], cache=make_prompt_cache(model), **(
+        {"position_ids": model.family.text_positions(0, len(text))} if model.family.mrope else {}))
+    head = getattr(language, "lm_head", None)
+    expected = head(language_alone) if head is not None else language.model.embed_tokens.as_linear(language_alone)
+    assert float(mx.abs(plain - expected).max()) < 1e-4
 
 
 @pytest.mark.parametrize("tier", ["ram", "disk"])
@@ -188,3 +221,42 @@ def test_two_slots_with_different_images_at_once_answer_as_each_alone(harness: E
         harness.engine.submit(request, events.put)
     together = [collect(events).tokens for events in queues]
     assert together == alone
+
+
+def test_families_not_served_are_refused_with_the_list(tmp_path: Path, vlm_dir: Path) -> None:
+    from mlxcel_compat.model.vision import load_vision_directory
+    from mlxcel_compat.model.vision_families import SUPPORTED_MODEL_TYPES
+
+    assert set(vision.FAMILIES) <= set(SUPPORTED_MODEL_TYPES)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "vision_config": {}}))
+    with pytest.raises(ValueError, match="vision model type 'qwen3_vl' is not served yet; supported: .*gemma3.*llava"):
+        load_vision_directory(tmp_path)
+    # A family's directory whose image processor is another family's is refused, naming it.
+    other = tmp_path / "mixed"
+    other.mkdir()
+    config = json.loads((vlm_dir / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(config))
+    processor = "Gemma3ImageProcessor" if config["model_type"] != "gemma3" else "Qwen2VLImageProcessor"
+    (other / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": processor}))
+    with pytest.raises(ValueError, match=f"image processor '{processor}' .* is not served for"):
+        load_vision_directory(other)
+
+
+def test_a_tower_whose_rows_differ_from_the_image_tokens_is_refused_at_load(tmp_path: Path) -> None:
+    """A LLaVA with a SigLIP tower: mlx-vlm's ``default`` strategy drops its first patch (no class
+    token there), one row short of the prompt side's one token per patch; the warm-up refuses it."""
+    import mlx.core as mx
+
+    from mlxcel_compat.model.vision import load_vision_directory
+    from tests.conftest import MODEL_CACHE
+
+    source = vision.ensure_vision_model(MODEL_CACHE, "llava")
+    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
+        (tmp_path / name).write_bytes((source / name).read_bytes())
+    config = vision.model_config("llava")
+    config["vision_config"]["model_type"] = "siglip_vision_model"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), vision.random_weights(config), metadata={"format": "mlx"})
+    model, _, _, _ = load_vision_directory(tmp_path)
+    with pytest.raises(ValueError, match="the vision tower gives 15 feature rows for an image of 16 image tokens"):
+        model.warm_up()

@@ -115,6 +115,39 @@ def test_count_and_byte_limits(images: ImageInput) -> None:
         image_bytes(data_uri(encoded(1, size=(200, 200))), small)
 
 
+@pytest.mark.parametrize("family", ["gemma3", "llava"])
+def test_fixed_size_families_expand_each_marker_between_their_own_tokens(family: str) -> None:
+    """Gemma 3: ``<start_of_image>`` becomes ``\\n\\n<start_of_image>``, ``mm_tokens_per_image``
+    soft tokens, ``<end_of_image>\\n\\n`` (Gemma3Processor's text); LLaVA: ``<image>`` one per
+    patch. A raw prompt's media marker becomes what the template writes (one marker token)."""
+    import json
+
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxcel_compat.model.vision import vision_facts
+    from mlxcel_compat.server.media import MEDIA_MARKER, marked_prompt_tokens
+    from tests.conftest import MODEL_CACHE
+
+    path = vision.ensure_vision_model(MODEL_CACHE, family)
+    tokenizer = load_tokenizer(path)
+    facts = vision_facts(path, json.loads((path / "config.json").read_text()), tokenizer)
+    raw = marked_prompt_tokens(tokenizer, facts, f"one {MEDIA_MARKER} two {MEDIA_MARKER} end", 2)
+    assert raw.count(facts.expand_token) == 2 and list(facts.marker) == [facts.expand_token]
+    tokens, media, _ = ImageInput(facts, MediaLimits()).prepare([data_uri(encoded(1)), data_uri(encoded(2, size=(300, 90)))], raw)
+    per_image = vision.GEMMA_TOKENS_PER_IMAGE if family == "gemma3" else (vision.IMAGE_SIZE // 14) ** 2
+    assert [end - start for start, end in media.spans] == [per_image, per_image]
+    for start, end in media.spans:
+        assert set(tokens[start:end]) == {facts.image_token_id}
+        assert tuple(tokens[start - len(facts.before) : start]) == facts.before
+        assert tuple(tokens[end : end + len(facts.after)]) == facts.after
+    if family == "gemma3":
+        newlines = tuple(tokenizer.encode("\n\n", add_special_tokens=False))
+        assert facts.before == newlines + (vision.vision_token_id("<start_of_image>", family),)
+        assert facts.after == (vision.vision_token_id("<end_of_image>", family),) + newlines
+    assert all(img.pixel_values.shape == (1, 3, vision.IMAGE_SIZE, vision.IMAGE_SIZE) for img in media.images)
+    assert len(tokens) == len(raw) + 2 * (per_image + len(facts.before) + len(facts.after) - 1)
+
+
 def test_marker_count_must_match_the_images(images: ImageInput) -> None:
     with pytest.raises(InvalidRequest, match="2 image markers for 1 images"):
         images.prepare([data_uri(encoded(1))], prompt_with(2))

@@ -24,8 +24,8 @@ def next_task_id() -> int:
 class MediaImage:
     """One decoded, preprocessed image of a request (server/media.py), in prompt order."""
 
-    pixel_values: Any  # numpy float32 (patches, channels x temporal x patch x patch): the image processor's output
-    grid_thw: tuple[int, int, int]  # patch grid (time, rows, columns) before the merge
+    pixel_values: Any  # numpy float32, the image processor's output (Qwen: patches x features; else 1, 3, H, W)
+    grid_thw: tuple[int, int, int]  # Qwen's patch grid (time, rows, columns) before the merge; else (1, 1, 1)
     span: tuple[int, int]  # [start, end) of its image tokens in the prompt
 
 

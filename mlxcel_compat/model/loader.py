@@ -360,8 +360,9 @@ def _load_vision(path: Path, model_arg: str, aliases: list[str], name: str | Non
         model.set_dtype(mx.float32, predicate=lambda dt: dt in (mx.float16, mx.bfloat16))
     mx.eval(model.parameters())
     model.warm_up()
-    log.info("vision-language model %s (mlx-vlm): image token %d, %d x %d merge; images through the vision tower",
-             facts.model_type, facts.image_token_id, facts.merge_size, facts.merge_size)
+    log.info("vision-language model %s (mlx-vlm): image token %d, %s; images through the vision tower",
+             facts.model_type, facts.image_token_id,
+             f"{facts.tokens_per_image} tokens an image" if facts.tokens_per_image else "tokens from each image's size")
     return _plain_loaded(path, model_arg, aliases, name, model, tokenizer, config, vision=facts)
 
 

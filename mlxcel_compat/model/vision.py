@@ -1,17 +1,18 @@
 """Vision-language models through mlx-vlm: loading, and a text-model face for the engine.
 
 The engine drives every model as mlx-lm drives one: ``model(tokens, cache=cache)`` for a prefill
-chunk or a decode step, with mlx-lm's ``KVCache`` objects. A Qwen2-VL / Qwen2.5-VL model from
-mlx-vlm needs two more things: the image features merged into the input embeddings where the
-prompt holds ``<|image_pad|>`` tokens, and multimodal RoPE positions (``mrope``: an image's tokens
-take (time, row, column) positions, and the text after it continues from the image's largest
-position rather than from its token count). mlx-vlm's language model keeps those positions in
-attributes of the shared model object (``_position_ids``, ``_rope_deltas``), which several slots
-with different images would overwrite. So:
+chunk or a decode step, with mlx-lm's KV cache objects. A vision-language model needs more: the
+image features merged into the input embeddings where the prompt holds the image's tokens, and,
+for Qwen2-VL / Qwen2.5-VL, multimodal RoPE positions (``mrope``: an image's tokens take (time,
+row, column) positions, and the text after it continues from the image's largest position rather
+than from its token count). What differs between families (which tokens, which tower call,
+which positions, which cache) is in ``model/vision_families.py``; this module is the same for all.
+mlx-vlm's language models keep mrope positions in attributes of the shared model object
+(``_position_ids``, ``_rope_deltas``), which several slots with different images would overwrite. So:
 
-- :class:`VisionLM` wraps the loaded mlx-vlm model and always passes the positions explicitly:
-  a sequence without media gets plain positions (offset + index on all three axes, which is
-  ordinary RoPE, so text-only requests behave as on the text model);
+- :class:`VisionLM` wraps the loaded mlx-vlm model and, for an mrope family, always passes the
+  positions explicitly: a sequence without media gets plain positions (offset + index on all
+  three axes, which is ordinary RoPE, so text-only requests behave as on the text model);
 - :meth:`VisionLM.bind` gives one sequence its own :class:`BoundVisionLM`, built from the
   request's :class:`~mlxcel_compat.engine.request.MediaInput`: the vision tower runs once, on the
   engine thread, the first time a chunk reaches an image (never when the prompt cache already
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +34,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-log = logging.getLogger(__name__)
+from mlxcel_compat.model.vision_families import SUPPORTED_MODEL_TYPES, VisionFacts, VisionFamily, family_of
 
-# mlx-vlm model types served here (multimodal RoPE positions computed by the model's own
-# get_rope_index); other vision families are refused at load with the list.
-SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+__all__ = ["SUPPORTED_MODEL_TYPES", "VisionFacts", "VisionLM", "BoundVisionLM", "is_vision_directory",
+           "load_vision_directory", "vision_facts"]
+
+log = logging.getLogger(__name__)
 
 
 def is_vision_directory(path: Path) -> bool:
@@ -50,28 +51,13 @@ def is_vision_directory(path: Path) -> bool:
     return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
 
 
-@dataclass
-class VisionFacts:
-    """What the HTTP layer needs to know about the served model's image input (no MLX)."""
+def vision_facts(path: Path, config: dict[str, Any], tokenizer: Any = None) -> VisionFacts:
+    """The prompt-side facts of the directory's family (its tokenizer read when not given)."""
+    if tokenizer is None:
+        from mlx_lm.utils import load_tokenizer
 
-    model_type: str
-    image_token_id: int
-    vision_start_token_id: int
-    vision_end_token_id: int
-    merge_size: int
-    processor_dir: Path  # holds preprocessor_config.json (the Hugging Face image processor)
-
-
-def vision_facts(path: Path, config: dict[str, Any]) -> VisionFacts:
-    vision = config.get("vision_config") or {}
-    return VisionFacts(
-        model_type=str(config.get("model_type")),
-        image_token_id=int(config["image_token_id"]),
-        vision_start_token_id=int(config.get("vision_start_token_id", -1)),
-        vision_end_token_id=int(config.get("vision_end_token_id", -1)),
-        merge_size=int(vision.get("spatial_merge_size", 2)),
-        processor_dir=path,
-    )
+        tokenizer = load_tokenizer(path)
+    return family_of(config).facts(path, config, tokenizer)
 
 
 def load_vision_directory(path: Path) -> tuple["VisionLM", Any, dict[str, Any], VisionFacts]:
@@ -79,17 +65,17 @@ def load_vision_directory(path: Path) -> tuple["VisionLM", Any, dict[str, Any], 
     from mlx_lm.utils import load_tokenizer
 
     config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"vision model type '{model_type}' is not served yet; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    family = family_of(config)
     if not (path / "preprocessor_config.json").is_file():
         raise ValueError(f"{path} has no preprocessor_config.json: the image processor's settings are missing")
+    family.processor_name(path)  # an image processor the family does not take is refused before the weights load
     from mlx_vlm.utils import load_model as load_vlm
 
     vlm = load_vlm(path)
     eos = config.get("eos_token_id")
     tokenizer = load_tokenizer(path, eos_token_ids=eos if isinstance(eos, list) else None)
-    return VisionLM(vlm), tokenizer, config, vision_facts(path, config)
+    facts = family.facts(path, config, tokenizer)
+    return VisionLM(vlm, family, facts), tokenizer, config, facts
 
 
 def _offset(cache: Any) -> int:
@@ -105,9 +91,11 @@ def _offset(cache: Any) -> int:
 class VisionLM(nn.Module):
     """The mlx-vlm model, called like an mlx-lm language model (tokens, cache) -> logits."""
 
-    def __init__(self, vlm: Any) -> None:
+    def __init__(self, vlm: Any, family: VisionFamily, facts: VisionFacts) -> None:
         super().__init__()
         self.vlm = vlm
+        self.family = family
+        self.facts = facts
 
     @property
     def layers(self) -> list[Any]:
@@ -117,65 +105,67 @@ class VisionLM(nn.Module):
     def config(self) -> Any:
         return self.vlm.config
 
+    def make_cache(self) -> list[Any]:
+        """The family's KV cache layers (mlx-lm's ``make_prompt_cache`` asks for them)."""
+        return self.family.make_cache(self.vlm)
+
     def bind(self, media: Any, prompt: list[int]) -> "VisionLM | BoundVisionLM":
         """This model for one sequence (``prompt``): with its images when ``media`` has any."""
         return self if media is None or not media.images else BoundVisionLM(self, media, prompt)
 
     def warm_up(self) -> None:
-        """Run the vision tower once on a blank 2x2-patch image: MLX's first call of a graph pays a
-        one-off set-up cost (seconds), which the first request with an image would otherwise pay."""
-        tower = self.vlm.vision_tower
-        merge = int(getattr(tower, "spatial_merge_size", 2))
-        width = int(tower.patch_embed.proj.weight.size // tower.patch_embed.proj.weight.shape[0])
-        grid = mx.array([[1, merge, merge]])
-        pixels = mx.zeros((merge * merge, width), dtype=tower.patch_embed.proj.weight.dtype)
-        mx.eval(tower(pixels, grid, output_hidden_states=False))
+        """Run the vision tower once on a blank image: MLX's first call of a graph pays a one-off
+        set-up cost (seconds), which the first request with an image would otherwise pay. The
+        tower's rows are checked against the image tokens the prompt side gives the same image
+        (a mismatch would put features at the wrong tokens)."""
+        blank = self.family.blank_image(self.vlm)
+        rows = self.family.features(self.vlm, [blank])
+        mx.eval(rows)
+        processed = {"pixel_values": blank.pixel_values}
+        if self.family.mrope:
+            processed["image_grid_thw"] = np.asarray([blank.grid_thw])
+        tokens, _ = self.facts.image_token_count(processed)
+        if rows.shape[0] != tokens:
+            raise ValueError(f"the vision tower gives {rows.shape[0]} feature rows for an image of {tokens} image tokens")
 
-    def forward(self, inputs: mx.array, cache: Any, embeds: mx.array | None, positions: mx.array) -> mx.array:
-        """Logits of ``inputs`` (1, L) at ``positions`` (3, 1, L), with ``embeds`` replacing the
-        token embeddings where given."""
+    def forward(self, inputs: mx.array, cache: Any, embeds: mx.array | None, positions: mx.array | None) -> mx.array:
+        """Logits of ``inputs`` (1, L) at ``positions`` (mrope: (3, 1, L); else ``None``, the
+        cache's offset + index), with ``embeds`` replacing the token embeddings where given."""
         language = self.vlm.language_model
-        hidden = language.model(inputs, cache=cache, inputs_embeds=embeds, position_ids=positions)
-        if language.args.tie_word_embeddings:
-            return language.model.embed_tokens.as_linear(hidden)
-        return language.lm_head(hidden)
+        hidden = self.family.hidden(language, inputs, cache, embeds, positions)
+        head = getattr(language, "lm_head", None)  # absent when tied to the embeddings
+        return head(hidden) if head is not None else language.model.embed_tokens.as_linear(hidden)
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         batch, length = inputs.shape
-        start = _offset(cache)
-        positions = mx.broadcast_to(mx.arange(start, start + length)[None, None], (3, batch, length))
-        return self.forward(inputs, cache, None, positions)
+        return self.forward(inputs, cache, None, self.family.text_positions(_offset(cache), length, batch))
 
 
 class BoundVisionLM:
-    """One sequence's view of a :class:`VisionLM`: its images' features and mrope positions."""
+    """One sequence's view of a :class:`VisionLM`: its images' features (and mrope positions)."""
 
     def __init__(self, base: VisionLM, media: Any, prompt_tokens: list[int]) -> None:
         self.base = base
         self.media = media
         self.layers = base.layers
+        self.make_cache = base.make_cache
         prompt = np.asarray(prompt_tokens, dtype=np.int64)
-        grid = mx.array(np.asarray([img.grid_thw for img in media.images], dtype=np.int64))
-        language = base.vlm.language_model
-        positions, deltas = language.get_rope_index(mx.array(prompt)[None], grid, None, None)
-        self.positions = positions  # (3, 1, n_prompt)
-        self.delta = int(deltas.reshape(-1)[0].item())
-        is_image = prompt == base.vlm.config.image_token_id
+        rope = base.family.prompt_positions(base.vlm, prompt, media.images)
+        self.positions, self.delta = rope if rope is not None else (None, 0)  # (3, 1, n_prompt) for mrope
+        is_image = prompt == base.facts.image_token_id
         # The row of the vision features each image token takes, or -1.
         self.feature_row = np.where(is_image, np.cumsum(is_image) - 1, -1)
         self._features: mx.array | None = None
 
     def _image_features(self) -> mx.array:
         if self._features is None:
-            tower = self.base.vlm.vision_tower
-            pixels = mx.array(np.concatenate([img.pixel_values for img in self.media.images]))
-            grid = mx.array(np.asarray([img.grid_thw for img in self.media.images], dtype=np.int64))
-            dtype = tower.patch_embed.proj.weight.dtype
-            self._features = tower(pixels.astype(dtype), grid, output_hidden_states=False)
+            self._features = self.base.family.features(self.base.vlm, self.media.images)
             mx.eval(self._features)
         return self._features
 
-    def _positions(self, start: int, length: int) -> mx.array:
+    def _positions(self, start: int, length: int) -> mx.array | None:
+        if self.positions is None:
+            return None
         n_prompt = self.positions.shape[-1]
         if start + length <= n_prompt:
             return self.positions[:, :, start : start + length]

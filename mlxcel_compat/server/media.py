@@ -14,8 +14,10 @@ the engine thread; it produces plain records (NumPy arrays) that the engine's vi
 - Digest: ``mm_digest`` is BLAKE3 over the *decoded* RGB pixels (with each image's size), in
   prompt order (``cache.key.multimodal_digest``): the same picture as PNG or lossless WebP, or
   behind two URLs, gives one digest; swapping two images changes it.
-- Expansion: the chat template writes one ``<|image_pad|>`` per image; each becomes the image's
-  merged patch count (``t * h * w / merge**2``), as Hugging Face's Qwen2-VL processor does.
+- Expansion: the chat template writes one image marker per image; each becomes the image's
+  tokens, by its family's rule (``model/vision_families.py``: Qwen2-VL's merged patch count
+  ``t * h * w / merge**2``, Gemma 3's fixed count between ``<start_of_image>`` and
+  ``<end_of_image>``, LLaVA's one per patch), as the family's Hugging Face processor does.
 """
 
 from __future__ import annotations
@@ -151,8 +153,8 @@ def decode_image(data: bytes, limits: MediaLimits) -> DecodedImage:
 class ImageInput:
     """Turns a chat's image sources into the engine's ``MediaInput`` for the served model.
 
-    ``facts`` is the model's ``model.vision.VisionFacts``; the Hugging Face image processor
-    (``preprocessor_config.json``) is loaded once, off the event loop (the app does it before it
+    ``facts`` is the model's ``model.vision_families.VisionFacts``; the family's Hugging Face image
+    processor (``preprocessor_config.json``) is loaded once, off the event loop (the app does it before it
     opens the gate, so no request pays the import).
     """
 
@@ -165,9 +167,11 @@ class ImageInput:
     def processor(self) -> Any:
         with self._lock:
             if self._processor is None:
-                from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+                import importlib
 
-                self._processor = Qwen2VLImageProcessorPil.from_pretrained(str(self.facts.processor_dir))
+                module, _, name = self.facts.processor.partition(":")
+                cls = getattr(importlib.import_module(module), name)
+                self._processor = cls.from_pretrained(str(self.facts.processor_dir))
             return self._processor
 
     def decode_all(self, sources: list[Any]) -> list[DecodedImage]:
@@ -179,8 +183,8 @@ class ImageInput:
     def prepare(self, sources: list[Any], tokens: list[int]) -> tuple[list[int], MediaInput, bytes]:
         """``(expanded tokens, media, mm_digest)`` for a prompt holding one image token per source."""
         images = self.decode_all(sources)
-        pad = self.facts.image_token_id
-        where = [i for i, t in enumerate(tokens) if t == pad]
+        facts = self.facts
+        where = [i for i, t in enumerate(tokens) if t == facts.expand_token]
         if len(where) != len(images):
             raise InvalidRequest(f"the prompt has {len(where)} image markers for {len(images)} images")
         processor = self.processor()
@@ -188,12 +192,13 @@ class ImageInput:
         records: list[MediaImage] = []
         last = 0
         for at, decoded in zip(where, images):
-            out = processor(images=[decoded.image], return_tensors="np")
-            grid = tuple(int(x) for x in out["image_grid_thw"][0])
-            count = grid[0] * grid[1] * grid[2] // (self.facts.merge_size ** 2)
+            out = processor(images=[decoded.image], return_tensors="np", **facts.processor_kwargs)
+            count, grid = facts.image_token_count(out)
             expanded.extend(tokens[last:at])
+            expanded.extend(facts.before)
             start = len(expanded)
-            expanded.extend([pad] * count)
+            expanded.extend([facts.image_token_id] * count)
+            expanded.extend(facts.after)
             records.append(MediaImage(np.asarray(out["pixel_values"], dtype=np.float32), grid, (start, start + count)))
             last = at + 1
         expanded.extend(tokens[last:])
@@ -202,14 +207,14 @@ class ImageInput:
 
 
 def marked_prompt_tokens(tokenizer: Any, facts: Any, prompt: str, n_items: int) -> list[int]:
-    """A raw prompt's tokens with each media marker replaced by the model's image tokens
-    (``<|vision_start|><|image_pad|><|vision_end|>``, one pad to be expanded by ``prepare``)."""
+    """A raw prompt's tokens with each media marker replaced by what the model's chat template
+    writes for an image (``facts.marker``: Qwen2-VL's ``<|vision_start|><|image_pad|><|vision_end|>``,
+    Gemma 3's ``<start_of_image>``, LLaVA's ``<image>``), to be expanded by ``prepare``."""
     pieces = prompt.split(MEDIA_MARKER)
     if len(pieces) - 1 != n_items:
         raise InvalidRequest(f"the prompt has {len(pieces) - 1} media markers ({MEDIA_MARKER}) for {n_items} "
                              "multimodal_data items")
-    image = [facts.vision_start_token_id, facts.image_token_id, facts.vision_end_token_id]
     tokens = list(tokenizer.encode(pieces[0], add_special_tokens=True))
     for piece in pieces[1:]:
-        tokens += [t for t in image if t >= 0] + list(tokenizer.encode(piece, add_special_tokens=False))
+        tokens += list(facts.marker) + list(tokenizer.encode(piece, add_special_tokens=False))
     return tokens

@@ -1,23 +1,27 @@
-"""Tiny random-weight Qwen2.5-VL / Qwen2-VL directories for tests: a real vision tower, a real
-image processor.
+"""Tiny random-weight vision-language directories for tests (Qwen2.5-VL, Qwen2-VL, Gemma 3,
+LLaVA): a real vision tower, a real image processor.
 
-The model is mlx-vlm's own ``qwen2_5_vl`` (or ``qwen2_vl``) classes at tiny sizes (a 2-block
-vision tower of width 32 merged into a 2-layer text model of width 64), so the server runs the same vision tower, merged
-embeddings and multimodal RoPE (``mrope``) that a real Qwen2.5-VL checkpoint runs, in milliseconds.
+Each model is mlx-vlm's own classes for its ``model_type`` at tiny sizes (2-block vision towers of
+width 32 feeding 2-layer text models of width 64), so the server runs the same vision tower,
+projector, merged embeddings and positions (Qwen's multimodal RoPE, plain RoPE for the others)
+that a real checkpoint of the family runs, in milliseconds.
 
 - Weights: a fixed NumPy seed, stored under mlx-vlm's parameter names and layouts (so loading
   needs no conversion), initialized like the text factory's (``models._init_tensor``).
-- Tokenizer: the factory's shared 8k vocabulary (``testing/tokenizer.py``) with Qwen2-VL's vision
-  tokens added after it as special tokens: ``<|vision_start|>``, ``<|vision_end|>``,
-  ``<|image_pad|>``, ``<|video_pad|>``.
+- Tokenizer: the factory's shared 8k vocabulary (``testing/tokenizer.py``) with the family's vision
+  tokens added after it as special tokens (``FAMILY_TOKENS``: Qwen2-VL's ``<|vision_start|>``,
+  ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>``; Gemma 3's ``<start_of_image>``,
+  ``<end_of_image>``, ``<image_soft_token>``; LLaVA's ``<image>``).
 - Chat template: the factory's ChatML, whose content parts also render an image part
-  (``image`` or ``image_url``) as ``<|vision_start|><|image_pad|><|vision_end|>``, as Qwen2-VL's
-  does; the server expands the one ``<|image_pad|>`` into the image's merged patch count.
-- Image processor: Hugging Face's Qwen2-VL ``preprocessor_config.json``, written offline: 14-pixel
-  patches, 2x2 merge, temporal patch 2, CLIP mean/std, and a small ``max_pixels`` (28*28*16:
-  at most 16 image tokens an image) so a request with several images still prefills in a blink.
+  (``image`` or ``image_url``) as the family's template does (``TEMPLATE_IMAGE``); the server
+  expands it into the image's tokens.
+- Image processor: the family's Hugging Face ``preprocessor_config.json``, written offline. Qwen:
+  14-pixel patches, 2x2 merge, temporal patch 2, CLIP mean/std, and a small ``max_pixels``
+  (28*28*16: at most 16 image tokens an image). Gemma 3: 56-pixel images (SigLIP, 4x4 patches
+  pooled to 4 tokens), a sliding window of 24 tokens on its local layers (shorter than the tests'
+  prompts). LLaVA: 56-pixel center crops (CLIP, 16 tokens, a Llama text model).
 
-Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl]``.
+Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|gemma3|llava]``.
 """
 
 from __future__ import annotations
@@ -34,28 +38,54 @@ from . import tokenizer as tok
 FORMAT_VERSION = 1
 WEIGHT_SEED = 20261202
 MANIFEST_NAME = "mlxcel_vision.json"
-VISION_TOKENS: tuple[str, ...] = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-VOCAB_SIZE = tok.VOCAB_SIZE + len(VISION_TOKENS)
+# Each family's vision tokens, added after the shared vocabulary as special tokens, in this order.
+FAMILY_TOKENS: dict[str, tuple[str, ...]] = {
+    "qwen2_5_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+    "qwen2_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+    "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
+    "llava": ("<image>",),
+}
+FAMILIES: tuple[str, ...] = tuple(FAMILY_TOKENS)
+# What each family's chat template writes for one image part (the server expands it).
+TEMPLATE_IMAGE = {"qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+                  "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+                  "gemma3": "<start_of_image>", "llava": "<image>"}
 PATCH_SIZE = 14
 MERGE_SIZE = 2
 MIN_PIXELS = 28 * 28 * 4  # at least 2x2 merged tokens
 MAX_PIXELS = 28 * 28 * 16  # at most 16 merged tokens an image: tests stay fast
-# CLIP's normalisation, as Qwen2-VL's processor config has it.
+# Gemma 3 and LLaVA: fixed-size images of 4x4 patches (SigLIP / CLIP towers at 56 pixels).
+IMAGE_SIZE = 56
+GEMMA_TOKENS_PER_IMAGE = 4  # the 4x4 patches average-pooled 2x2
+SLIDING_WINDOW = 24  # Gemma 3's local layers: shorter than the tests' prompts, so the window matters
+# CLIP's normalisation, as Qwen2-VL's and LLaVA's processor configs have it; Gemma 3's is 0.5.
 IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
 IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
 _EOS_IDS = [tok.token_id(tok.IM_END), tok.token_id(tok.ENDOFTEXT)]
 
 
-def vision_token_id(content: str) -> int:
-    """The id of a vision token: they follow the shared vocabulary in ``VISION_TOKENS`` order."""
-    return tok.VOCAB_SIZE + VISION_TOKENS.index(content)
+def vision_token_id(content: str, family: str = "qwen2_5_vl") -> int:
+    """The id of a vision token: they follow the shared vocabulary in ``FAMILY_TOKENS`` order."""
+    return tok.VOCAB_SIZE + FAMILY_TOKENS[family].index(content)
 
 
-FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "qwen2_vl")
-_ARCHITECTURES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration"}
+def vocab_size(family: str) -> int:
+    return tok.VOCAB_SIZE + len(FAMILY_TOKENS[family])
+
+
+_ARCHITECTURES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
+                  "gemma3": "Gemma3ForConditionalGeneration", "llava": "LlavaForConditionalGeneration"}
 
 
 def _vision_config(family: str) -> dict[str, Any]:
+    if family == "gemma3":  # SigLIP (no class token), 4x4 patches
+        return dict(model_type="siglip_vision_model", num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                    num_attention_heads=2, patch_size=PATCH_SIZE, image_size=IMAGE_SIZE, num_channels=3,
+                    layer_norm_eps=1e-6)
+    if family == "llava":  # CLIP (a class token, dropped by the "default" feature strategy)
+        return dict(model_type="clip_vision_model", num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                    num_attention_heads=2, patch_size=PATCH_SIZE, image_size=IMAGE_SIZE, num_channels=3,
+                    projection_dim=32, layer_norm_eps=1e-5)
     common = dict(model_type=family, depth=2, num_heads=2, in_chans=3, in_channels=3, patch_size=PATCH_SIZE,
                   spatial_patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=2)
     if family == "qwen2_vl":  # a plain ViT (LayerNorm, GELU MLP), its width "embed_dim"; hidden_size is the output
@@ -65,10 +95,47 @@ def _vision_config(family: str) -> dict[str, Any]:
                 fullatt_block_indexes=[1], tokens_per_second=2, hidden_act="silu")
 
 
+def _gemma3_config() -> dict[str, Any]:
+    """Gemma 3's layout: ``text_config`` and ``vision_config`` nested, the image token ids at the top."""
+    text = dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                rms_norm_eps=1e-6, vocab_size=vocab_size("gemma3"), rope_global_base_freq=1000000.0,
+                rope_local_base_freq=10000.0, sliding_window=SLIDING_WINDOW, sliding_window_pattern=2,
+                max_position_embeddings=32768, mm_tokens_per_image=GEMMA_TOKENS_PER_IMAGE)
+    return dict(
+        model_type="gemma3", architectures=[_ARCHITECTURES["gemma3"]], text_config=text,
+        vision_config=_vision_config("gemma3"), hidden_size=64, vocab_size=vocab_size("gemma3"),
+        mm_tokens_per_image=GEMMA_TOKENS_PER_IMAGE,
+        boi_token_index=vision_token_id("<start_of_image>", "gemma3"),
+        eoi_token_index=vision_token_id("<end_of_image>", "gemma3"),
+        image_token_index=vision_token_id("<image_soft_token>", "gemma3"),
+        bos_token_id=None, eos_token_id=_EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT), torch_dtype="float32",
+    )
+
+
+def _llava_config() -> dict[str, Any]:
+    """LLaVA's layout: a Llama ``text_config``, a CLIP ``vision_config``, a 2-layer GELU projector."""
+    text = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=192, num_attention_heads=4,
+                num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=vocab_size("llava"), rope_theta=10000.0,
+                max_position_embeddings=32768, tie_word_embeddings=False)
+    return dict(
+        model_type="llava", architectures=[_ARCHITECTURES["llava"]], text_config=text,
+        vision_config=_vision_config("llava"), vocab_size=vocab_size("llava"),
+        image_token_index=vision_token_id("<image>", "llava"), vision_feature_layer=-2,
+        vision_feature_select_strategy="default", projector_hidden_act="gelu",
+        bos_token_id=None, eos_token_id=_EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT), torch_dtype="float32",
+    )
+
+
 def model_config(family: str = "qwen2_5_vl") -> dict[str, Any]:
-    """``config.json``: Qwen2-VL's layout (text fields at the top level, ``vision_config`` nested)."""
+    """``config.json``: Qwen2-VL's layout (text fields at the top level, ``vision_config`` nested),
+    or Gemma 3's and LLaVA's (``text_config`` nested too)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown vision family {family!r}; choose one of: {', '.join(FAMILIES)}")
+    if family == "gemma3":
+        return _gemma3_config()
+    if family == "llava":
+        return _llava_config()
     vision = _vision_config(family)
     return dict(
         model_type=family, architectures=[_ARCHITECTURES[family]],
@@ -76,7 +143,7 @@ def model_config(family: str = "qwen2_5_vl") -> dict[str, Any]:
         rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, hidden_act="silu",
         # head_dim 16: 8 rotary frequencies split over (time, height, width)
         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-        max_position_embeddings=32768, vocab_size=VOCAB_SIZE,
+        max_position_embeddings=32768, vocab_size=vocab_size(family),
         vision_start_token_id=vision_token_id("<|vision_start|>"),
         vision_end_token_id=vision_token_id("<|vision_end|>"),
         image_token_id=vision_token_id("<|image_pad|>"),
@@ -87,8 +154,24 @@ def model_config(family: str = "qwen2_5_vl") -> dict[str, Any]:
     )
 
 
-def preprocessor_config() -> dict[str, Any]:
-    """Hugging Face's Qwen2-VL image processor configuration (``preprocessor_config.json``)."""
+def preprocessor_config(family: str = "qwen2_5_vl") -> dict[str, Any]:
+    """Hugging Face's image processor configuration (``preprocessor_config.json``) of the family."""
+    if family == "gemma3":
+        return {
+            "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+            "do_convert_rgb": None, "do_resize": True, "do_rescale": True, "do_normalize": True,
+            "do_pan_and_scan": None, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2,
+            "rescale_factor": 1 / 255, "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+            "image_seq_length": GEMMA_TOKENS_PER_IMAGE,
+        }
+    if family == "llava":  # llava-hf's checkpoints name CLIP's processor
+        return {
+            "image_processor_type": "CLIPImageProcessor", "processor_class": "LlavaProcessor",
+            "do_convert_rgb": True, "do_resize": True, "do_center_crop": True, "do_rescale": True,
+            "do_normalize": True, "image_mean": IMAGE_MEAN, "image_std": IMAGE_STD, "resample": 3,
+            "rescale_factor": 1 / 255, "size": {"shortest_edge": IMAGE_SIZE},
+            "crop_size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        }
     return {
         "image_processor_type": "Qwen2VLImageProcessor",
         "processor_class": "Qwen2_5_VLProcessor",
@@ -100,49 +183,55 @@ def preprocessor_config() -> dict[str, Any]:
     }
 
 
-def chat_template() -> str:
-    """The factory's ChatML template with image parts rendered as Qwen2-VL renders them."""
+def chat_template(family: str = "qwen2_5_vl") -> str:
+    """The factory's ChatML template with image parts rendered as the family's template renders
+    them (``TEMPLATE_IMAGE``)."""
     base = tok.chat_template(thinking=False)
     unsupported = "{%- else -%}\n                {{- raise_exception('Unsupported content part type: ' ~ part.type) -}}"
     if unsupported not in base:
         raise RuntimeError("the factory chat template changed: update testing/vision.py")
     image = ("{%- elif part.type == 'image' or part.type == 'image_url' -%}\n"
-             "                {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}\n            ")
+             f"                {{{{- '{TEMPLATE_IMAGE[family]}' -}}}}\n            ")
     return base.replace(unsupported, image + unsupported)
 
 
-def tokenizer_json() -> str:
-    """The shared vocabulary with the vision tokens added after it."""
+def tokenizer_json(family: str = "qwen2_5_vl") -> str:
+    """The shared vocabulary with the family's vision tokens added after it."""
     from tokenizers import AddedToken, Tokenizer
 
+    tokens = FAMILY_TOKENS[family]
     tokenizer = Tokenizer.from_str(tok.tokenizer_json_for(add_bos=False))
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
-    assert [tokenizer.token_to_id(t) for t in VISION_TOKENS] == [vision_token_id(t) for t in VISION_TOKENS]
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
+    assert [tokenizer.token_to_id(t) for t in tokens] == [vision_token_id(t, family) for t in tokens]
     return tokenizer.to_str(pretty=True) + "\n"
 
 
-def _tokenizer_config() -> dict[str, Any]:
+def _tokenizer_config(family: str) -> dict[str, Any]:
+    tokens = FAMILY_TOKENS[family]
     added = {str(tok.token_id(t.content)): {"content": t.content, "lstrip": False, "normalized": False,
                                             "rstrip": False, "single_word": False, "special": t.special}
              for t in tok.ADDED_TOKENS}
-    added.update({str(vision_token_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                             "single_word": False, "special": True} for t in VISION_TOKENS})
+    added.update({str(vision_token_id(t, family)): {"content": t, "lstrip": False, "normalized": False,
+                                                     "rstrip": False, "single_word": False, "special": True}
+                  for t in tokens})
     return {
         "add_bos_token": False, "add_eos_token": False, "added_tokens_decoder": added,
-        "additional_special_tokens": [tok.IM_START, tok.IM_END, *VISION_TOKENS], "bos_token": None,
-        "chat_template": chat_template(), "clean_up_tokenization_spaces": False, "eos_token": tok.IM_END,
+        "additional_special_tokens": [tok.IM_START, tok.IM_END, *tokens], "bos_token": None,
+        "chat_template": chat_template(family), "clean_up_tokenization_spaces": False, "eos_token": tok.IM_END,
         "errors": "replace", "model_max_length": 32768, "pad_token": tok.ENDOFTEXT,
         "split_special_tokens": False, "tokenizer_class": "PreTrainedTokenizerFast",
     }
 
 
-def _init(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """Biases zero, other vectors (norm gains) one, matrices the text factory's 1/sqrt(fan_in)."""
+def _init(rng: np.random.Generator, name: str, shape: tuple[int, ...], family: str) -> np.ndarray:
+    """Biases zero, other vectors (norm gains) one, matrices the text factory's 1/sqrt(fan_in).
+    Gemma 3's RMSNorms scale by ``1 + w`` (its text model and projector): stored as zero."""
     from .models import _FAMILIES, _init_tensor
 
     if len(shape) == 1:
         leaf = name.rsplit(".", 1)[-1]
-        return np.zeros(shape, np.float32) if leaf == "bias" else np.ones(shape, np.float32)
+        gemma_norm = family == "gemma3" and name.startswith(("language_model.", "multi_modal_projector."))
+        return np.zeros(shape, np.float32) if leaf == "bias" or gemma_norm else np.ones(shape, np.float32)
     return _init_tensor(rng, name, shape, _FAMILIES["qwen2"])
 
 
@@ -155,11 +244,11 @@ def random_weights(config: dict[str, Any]) -> dict[str, Any]:
     module, _ = get_model_and_args(config)
     model_config = module.ModelConfig.from_dict(json.loads(json.dumps(config)))
     model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
-    model_config.text_config = module.TextConfig.from_dict(config)
+    model_config.text_config = module.TextConfig.from_dict(config.get("text_config", config))
     model = module.Model(model_config)
     shapes = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
     rng = np.random.default_rng(WEIGHT_SEED)
-    return {name: mx.array(_init(rng, name, shapes[name])) for name in sorted(shapes)}
+    return {name: mx.array(_init(rng, name, shapes[name], config["model_type"])) for name in sorted(shapes)}
 
 
 def _write_files(directory: Path, family: str) -> None:
@@ -168,18 +257,19 @@ def _write_files(directory: Path, family: str) -> None:
     config = model_config(family)
     weights = random_weights(config)
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    tokens = FAMILY_TOKENS[family]
     texts = {
         "config.json": config,
-        "preprocessor_config.json": preprocessor_config(),
-        "tokenizer_config.json": _tokenizer_config(),
-        "special_tokens_map.json": {"additional_special_tokens": [tok.IM_START, tok.IM_END, *VISION_TOKENS],
+        "preprocessor_config.json": preprocessor_config(family),
+        "tokenizer_config.json": _tokenizer_config(family),
+        "special_tokens_map.json": {"additional_special_tokens": [tok.IM_START, tok.IM_END, *tokens],
                                     "eos_token": tok.IM_END, "pad_token": tok.ENDOFTEXT},
         "generation_config.json": {"bos_token_id": None, "eos_token_id": _EOS_IDS,
                                    "pad_token_id": config["pad_token_id"]},
     }
     for name, data in texts.items():
         (directory / name).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    (directory / "tokenizer.json").write_text(tokenizer_json(), encoding="utf-8")
+    (directory / "tokenizer.json").write_text(tokenizer_json(family), encoding="utf-8")
     manifest = {"family": family, "size": "tiny", "format_version": FORMAT_VERSION,
                 "num_parameters": int(sum(v.size for v in weights.values()))}
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")  # last
@@ -197,7 +287,7 @@ def ensure_vision_model(cache_dir: str | Path | None = None, family: str = "qwen
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlxcel_compat.testing.vision",
-                                     description="Write a tiny random-weight Qwen2-VL-family directory.")
+                                     description="Write a tiny random-weight vision-language directory.")
     parser.add_argument("--out", required=True, help="the cache directory to build it in")
     parser.add_argument("--family", default="qwen2_5_vl", choices=FAMILIES)
     args = parser.parse_args(argv)
