@@ -1,18 +1,20 @@
 #!/usr/bin/env python3
 """Time to first token of a second turn about the same image against the first turn's (issue 31).
 
-Starts a real server on a vision-language model directory (default: the factory's tiny
-Qwen2.5-VL, built on first use), then for each of ``--pairs`` fresh random images sends a first
+Starts a real server on a vision-language model directory (default: the factory's small
+Qwen2.5-VL, ~45M parameters, whose 448x448 image is 256 image tokens, built on first use;
+``--factory-size tiny`` for the tests' model, whose processor shrinks every image to at most 16
+tokens, so its first turn costs little more than its HTTP round trip), then for each of ``--pairs`` fresh random images sends a first
 turn (system text, a question and the image) and a second turn about the same image (the first
 turn, its reply and a short new question), both streamed, and reads the time from sending the
 request to the first content chunk. The second turn adopts the first turn's KV, image included,
-so it prefills only the new message and never runs the vision tower; decoding and preprocessing
-the image still happen on every request (its digest is over the decoded pixels). Prints the
+so it prefills only the new message and never runs the vision tower; the image's decoding and
+preprocessing are skipped too when the same bytes come again (``server/media.py``'s memo). Prints the
 median TTFT of each and their ratio (goal: second <= 0.2 x first).
 
 Examples::
 
-    python scripts/bench_vision_ttft.py                          # factory VLM, 10 pairs, 448x448 images
+    python scripts/bench_vision_ttft.py                          # small factory VLM, 10 pairs, 448x448 images
     python scripts/bench_vision_ttft.py --model ~/models/Qwen2.5-VL-3B-Instruct --pairs 5 --size 672
 """
 
@@ -65,13 +67,14 @@ def ttft(client: httpx.Client, messages: list[dict]) -> tuple[float, str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="a vision-language model directory (default: the factory's tiny Qwen2.5-VL)")
+    ap.add_argument("--model", help="a vision-language model directory (default: the factory's Qwen2.5-VL)")
+    ap.add_argument("--factory-size", default="small", choices=("tiny", "small"), help="the factory model's size (default small)")
     ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--size", type=int, default=448, help="image side in pixels (default 448)")
     args = ap.parse_args(argv)
     from mlxcel_compat.testing.vision import ensure_vision_model
 
-    model = args.model or str(ensure_vision_model())
+    model = args.model or str(ensure_vision_model(family="qwen2_5_vl", size=args.factory_size))
     server = benchlib.ServerProcess.mlxcel(model, ["-np", "1", "--prompt-cache-min-prefix", "8"], name="vision")
     server.start()
     try:

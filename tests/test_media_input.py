@@ -18,7 +18,7 @@ from PIL import Image
 
 from mlxcel_compat.cache.key import TEXT_ONLY_MM_DIGEST
 from mlxcel_compat.server.errors import InvalidRequest
-from mlxcel_compat.server.media import ImageInput, MediaLimits, decode_image, image_bytes
+from mlxcel_compat.server.media import ImageInput, MediaLimits, PreparedMemo, decode_image, image_bytes
 from mlxcel_compat.testing import vision
 
 
@@ -88,6 +88,43 @@ def test_each_image_token_becomes_the_merged_patch_count_and_spans_follow(images
     assert all(img.pixel_values.shape[0] == t * h * w for img in media.images for t, h, w in [img.grid_thw])
 
 
+def test_the_same_bytes_again_skip_decoding_and_give_what_a_fresh_server_gives(images: ImageInput) -> None:
+    """The memo (a later turn resends the conversation's images): the same encoded bytes reuse the
+    first request's processed pixels; tokens, spans, pixels and digest equal a fresh server's."""
+    fresh = ImageInput(images.facts, MediaLimits())
+    source = data_uri(encoded(31, size=(56, 84)))
+    first = fresh.prepare([source], prompt_with(1))
+    hits = fresh.memo.hits
+    again = fresh.prepare([source, base64.b64encode(encoded(31, size=(56, 84))).decode()], prompt_with(2))
+    assert fresh.memo.hits == hits + 2  # both: the raw base64 holds the same bytes
+    assert again[1].images[0].pixel_values is first[1].images[0].pixel_values
+    assert not first[1].images[0].pixel_values.flags.writeable  # shared: nobody may write it
+    other = ImageInput(images.facts, MediaLimits())
+    cold = other.prepare([source], prompt_with(1))
+    assert cold[0] == first[0] and cold[2] == first[2] and cold[1].spans == first[1].spans
+    np.testing.assert_array_equal(cold[1].images[0].pixel_values, first[1].images[0].pixel_values)
+    # Other bytes of the same picture are decoded again, and get the same digest.
+    lossless = data_uri(encoded(31, "WEBP", size=(56, 84), lossless=True), "image/webp")
+    misses = fresh.memo.misses
+    assert fresh.prepare([lossless], prompt_with(1))[2] == first[2] and fresh.memo.misses == misses + 1
+
+
+def test_bad_bytes_are_refused_every_time_and_the_memo_stays_within_its_bytes(images: ImageInput) -> None:
+    fresh = ImageInput(images.facts, MediaLimits())
+    truncated = data_uri(encoded(1)[:200])
+    for _ in range(2):
+        with pytest.raises(InvalidRequest, match="failed to load image"):
+            fresh.prepare([truncated], prompt_with(1))
+    one = fresh.prepare([data_uri(encoded(40))], prompt_with(1))[1].images[0].pixel_values.nbytes
+    memo = fresh.memo = PreparedMemo(max_bytes=2 * one)
+    for seed in (40, 41, 42):  # the third pushes the first out (least recently used)
+        fresh.prepare([data_uri(encoded(seed))], prompt_with(1))
+    hits = memo.hits
+    fresh.prepare([data_uri(encoded(42))], prompt_with(1))
+    fresh.prepare([data_uri(encoded(40))], prompt_with(1))
+    assert memo.hits == hits + 1 and memo._bytes <= memo.max_bytes
+
+
 @pytest.mark.parametrize(
     "source, message",
     [
@@ -109,7 +146,7 @@ def test_bad_sources_are_400s_that_say_why(source: str, message: str) -> None:
 
 def test_count_and_byte_limits(images: ImageInput) -> None:
     with pytest.raises(InvalidRequest, match=r"1000 images in one request, over the limit of 16 \(--media-max-images\)"):
-        images.decode_all([data_uri(encoded(1))] * 1000)
+        images.prepare([data_uri(encoded(1))] * 1000, prompt_with(1000))
     small = MediaLimits(max_bytes=1000)
     with pytest.raises(InvalidRequest, match=r"--media-max-bytes"):
         image_bytes(data_uri(encoded(1, size=(200, 200))), small)

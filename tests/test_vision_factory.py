@@ -77,3 +77,20 @@ def test_the_image_processor_keeps_images_within_the_configured_size(vlm_dir: Pa
     else:  # a fixed-size image: 4x4 patches of 14 pixels
         assert out["pixel_values"].shape == (1, 3, vision.IMAGE_SIZE, vision.IMAGE_SIZE)
         assert count == (vision.GEMMA_TOKENS_PER_IMAGE if family(vlm_dir) == "gemma3" else 16)
+
+
+def test_the_small_qwen_is_a_consistent_config_for_benchmarks_and_only_qwen_has_it() -> None:
+    """The benchmarks' size (``bench_vision_ttft.py``): its mrope sections cover the head's rotary
+    half, and its processor keeps a 448x448 image at 256 merged tokens (the tiny one's: 16). Not
+    built here (it takes seconds and ~180 MB); the benchmark builds and serves it."""
+    config = vision.model_config("qwen2_5_vl", "small")
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    assert sum(config["rope_scaling"]["mrope_section"]) == head_dim // 2
+    assert config["vision_config"]["out_hidden_size"] == config["hidden_size"]
+    assert config["vision_config"]["hidden_size"] % config["vision_config"]["num_heads"] == 0
+    small, tiny = vision.preprocessor_config("qwen2_5_vl", "small"), vision.preprocessor_config("qwen2_5_vl")
+    patch_area = (small["patch_size"] * small["merge_size"]) ** 2
+    assert small["max_pixels"] // patch_area == 256 and tiny["max_pixels"] // patch_area == 16
+    for family in ("gemma3", "llava", "qwen2_vl"):
+        with pytest.raises(ValueError, match="small for qwen2_5_vl"):
+            vision.ensure_vision_model("/nonexistent", family, "small")

@@ -11,9 +11,15 @@ the engine thread; it produces plain records (NumPy arrays) that the engine's vi
   encoded image, ``--media-max-pixels`` per image, read from the header *before* decoding (so a
   decompression bomb never allocates its pixels; Pillow's own ``MAX_IMAGE_PIXELS`` guard is an
   error too). Truncated or undecodable data and a non-image MIME type are 400s.
-- Digest: ``mm_digest`` is BLAKE3 over the *decoded* RGB pixels (with each image's size), in
-  prompt order (``cache.key.multimodal_digest``): the same picture as PNG or lossless WebP, or
-  behind two URLs, gives one digest; swapping two images changes it.
+- Digest: ``mm_digest`` is BLAKE3 over the *decoded* RGB pixels (each image's size and pixels
+  hashed, then those hashes in prompt order: ``cache.key.multimodal_digest``): the same picture
+  as PNG or lossless WebP, or behind two URLs, gives one digest; swapping two images changes it.
+- Memo: a chat client resends every image of the conversation with every turn, and decoding and
+  preprocessing an image costs more than prefilling a turn that the prompt cache holds. So each
+  image's result (its pixel digest, the processor's output, its token count) is kept by the
+  BLAKE3 of its *encoded* bytes (:class:`PreparedMemo`, a byte-bounded LRU): the same bytes again
+  skip decoding and preprocessing; other bytes of the same picture are decoded and get the same
+  digest as before.
 - Expansion: the chat template writes one image marker per image; each becomes the image's
   tokens, by its family's rule (``model/vision_families.py``: Qwen2-VL's merged patch count
   ``t * h * w / merge**2``, Gemma 3's fixed count between ``<start_of_image>`` and
@@ -27,11 +33,14 @@ import binascii
 import io
 import struct
 import threading
+from collections import OrderedDict
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from blake3 import blake3
 
 from mlxcel_compat.cache.key import multimodal_digest
 from mlxcel_compat.engine.request import MediaImage, MediaInput
@@ -41,6 +50,8 @@ FETCH_TIMEOUT_S = 10.0  # llama-server's download timeout
 # Where a raw prompt's ``multimodal_data`` items go (``/props`` ``media_marker``); llama-server's
 # is random per process unless ``LLAMA_MEDIA_MARKER`` pins it, this one is fixed.
 MEDIA_MARKER = "<__media__>"
+# Bytes of preprocessed pixels the memo keeps (a 448x448 image is ~5 MB for Qwen2.5-VL).
+PREPARED_MEMO_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -66,8 +77,57 @@ class DecodedImage:
     height: int
 
     def digest_item(self) -> bytes:
-        """What ``mm_digest`` covers: the size, then the decoded RGB bytes."""
-        return struct.pack("<II", self.width, self.height) + self.image.tobytes()
+        """This image's part of ``mm_digest``: BLAKE3 of its size, then its decoded RGB bytes
+        (32 bytes, which :class:`PreparedMemo` keeps instead of the pixels)."""
+        h = blake3(struct.pack("<II", self.width, self.height))
+        h.update(self.image.tobytes())
+        return h.digest()
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """One image ready for a prompt: its digest item, the processor's output, its token count."""
+
+    digest_item: bytes
+    pixel_values: np.ndarray  # read-only: shared by every request that sends the same bytes
+    count: int
+    grid: tuple[int, int, int]
+
+
+class PreparedMemo:
+    """Prepared images by the BLAKE3 of their encoded bytes, least recently used first out once
+    their pixel arrays pass ``max_bytes`` (one image larger than that is not kept). Thread-safe:
+    requests prepare their images on worker threads."""
+
+    def __init__(self, max_bytes: int = PREPARED_MEMO_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[bytes, PreparedImage] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, key: bytes) -> PreparedImage | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return item
+
+    def put(self, key: bytes, item: PreparedImage) -> None:
+        size = item.pixel_values.nbytes
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = item
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, old = self._items.popitem(last=False)
+                self._bytes -= old.pixel_values.nbytes
 
 
 def _too_big(n: int, limit: int) -> InvalidRequest:
@@ -163,6 +223,7 @@ class ImageInput:
         self.limits = limits
         self._processor: Any = None
         self._lock = threading.Lock()
+        self.memo = PreparedMemo()
 
     def processor(self) -> Any:
         with self._lock:
@@ -174,36 +235,45 @@ class ImageInput:
                 self._processor = cls.from_pretrained(str(self.facts.processor_dir))
             return self._processor
 
-    def decode_all(self, sources: list[Any]) -> list[DecodedImage]:
+    def prepare(self, sources: list[Any], tokens: list[int]) -> tuple[list[int], MediaInput, bytes]:
+        """``(expanded tokens, media, mm_digest)`` for a prompt holding one image token per source."""
         if len(sources) > self.limits.max_images:
             raise InvalidRequest(f"{len(sources)} images in one request, over the limit of {self.limits.max_images} "
                                  "(--media-max-images)")
-        return [decode_image(image_bytes(src, self.limits), self.limits) for src in sources]
-
-    def prepare(self, sources: list[Any], tokens: list[int]) -> tuple[list[int], MediaInput, bytes]:
-        """``(expanded tokens, media, mm_digest)`` for a prompt holding one image token per source."""
-        images = self.decode_all(sources)
         facts = self.facts
         where = [i for i, t in enumerate(tokens) if t == facts.expand_token]
-        if len(where) != len(images):
-            raise InvalidRequest(f"the prompt has {len(where)} image markers for {len(images)} images")
-        processor = self.processor()
+        if len(where) != len(sources):
+            raise InvalidRequest(f"the prompt has {len(where)} image markers for {len(sources)} images")
+        images = [self.prepared(image_bytes(src, self.limits)) for src in sources]
         expanded: list[int] = []
         records: list[MediaImage] = []
         last = 0
-        for at, decoded in zip(where, images):
-            out = processor(images=[decoded.image], return_tensors="np", **facts.processor_kwargs)
-            count, grid = facts.image_token_count(out)
+        for at, image in zip(where, images):
             expanded.extend(tokens[last:at])
             expanded.extend(facts.before)
             start = len(expanded)
-            expanded.extend([facts.image_token_id] * count)
+            expanded.extend([facts.image_token_id] * image.count)
             expanded.extend(facts.after)
-            records.append(MediaImage(np.asarray(out["pixel_values"], dtype=np.float32), grid, (start, start + count)))
+            records.append(MediaImage(image.pixel_values, image.grid, (start, start + image.count)))
             last = at + 1
         expanded.extend(tokens[last:])
-        digest = multimodal_digest([d.digest_item() for d in images])
+        digest = multimodal_digest([image.digest_item for image in images])
         return expanded, MediaInput(records), digest
+
+    def prepared(self, data: bytes) -> PreparedImage:
+        """One image's encoded bytes, decoded and preprocessed, or the memo's result for the same bytes."""
+        key = blake3(data).digest()
+        found = self.memo.get(key)
+        if found is not None:
+            return found
+        decoded = decode_image(data, self.limits)
+        out = self.processor()(images=[decoded.image], return_tensors="np", **self.facts.processor_kwargs)
+        count, grid = self.facts.image_token_count(out)
+        pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+        pixels.flags.writeable = False
+        image = PreparedImage(decoded.digest_item(), pixels, count, grid)
+        self.memo.put(key, image)
+        return image
 
 
 def marked_prompt_tokens(tokenizer: Any, facts: Any, prompt: str, n_items: int) -> list[int]:

@@ -21,7 +21,12 @@ that a real checkpoint of the family runs, in milliseconds.
   pooled to 4 tokens), a sliding window of 24 tokens on its local layers (shorter than the tests'
   prompts). LLaVA: 56-pixel center crops (CLIP, 16 tokens, a Llama text model).
 
-Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|gemma3|llava]``.
+Size ``small`` (Qwen2.5-VL only; ``SMALL``): an 8-block tower of width 384 feeding an 8-layer text
+model of width 512 (~45M parameters), and the real processor's image sizes (a 448x448 image
+becomes 256 image tokens): for benchmarks whose ratios need a first turn that costs what a real
+one's vision tower and image prefill cost (``scripts/bench_vision_ttft.py``), not for tests.
+
+Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|gemma3|llava] [--size small]``.
 """
 
 from __future__ import annotations
@@ -62,6 +67,15 @@ SLIDING_WINDOW = 24  # Gemma 3's local layers: shorter than the tests' prompts, 
 IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
 IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
 _EOS_IDS = [tok.token_id(tok.IM_END), tok.token_id(tok.ENDOFTEXT)]
+SIZES = ("tiny", "small")
+# The small Qwen2.5-VL: what differs from the tiny one (text model, tower, processor).
+SMALL = {
+    "text": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1408, num_attention_heads=8,
+                 num_key_value_heads=4, rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]}),  # head_dim 64
+    "vision": dict(depth=8, num_heads=6, hidden_size=384, intermediate_size=1024, out_hidden_size=512,
+                   window_size=112, fullatt_block_indexes=[3, 7]),
+    "max_pixels": 448 * 448,
+}
 
 
 def vision_token_id(content: str, family: str = "qwen2_5_vl") -> int:
@@ -127,11 +141,20 @@ def _llava_config() -> dict[str, Any]:
     )
 
 
-def model_config(family: str = "qwen2_5_vl") -> dict[str, Any]:
-    """``config.json``: Qwen2-VL's layout (text fields at the top level, ``vision_config`` nested),
-    or Gemma 3's and LLaVA's (``text_config`` nested too)."""
+def _check(family: str, size: str) -> None:
     if family not in FAMILIES:
         raise ValueError(f"unknown vision family {family!r}; choose one of: {', '.join(FAMILIES)}")
+    if size not in SIZES or (size == "small" and family != "qwen2_5_vl"):
+        raise ValueError(f"vision size {size!r} is not made for {family}: tiny for every family, small for qwen2_5_vl")
+
+
+def model_config(family: str = "qwen2_5_vl", size: str = "tiny") -> dict[str, Any]:
+    """``config.json``: Qwen2-VL's layout (text fields at the top level, ``vision_config`` nested),
+    or Gemma 3's and LLaVA's (``text_config`` nested too)."""
+    _check(family, size)
+    if size == "small":
+        tiny = model_config(family)
+        return dict(tiny, **SMALL["text"], vision_config=dict(tiny["vision_config"], **SMALL["vision"]))
     if family == "gemma3":
         return _gemma3_config()
     if family == "llava":
@@ -154,8 +177,12 @@ def model_config(family: str = "qwen2_5_vl") -> dict[str, Any]:
     )
 
 
-def preprocessor_config(family: str = "qwen2_5_vl") -> dict[str, Any]:
+def preprocessor_config(family: str = "qwen2_5_vl", size: str = "tiny") -> dict[str, Any]:
     """Hugging Face's image processor configuration (``preprocessor_config.json``) of the family."""
+    if size == "small":
+        tiny = preprocessor_config(family)
+        most = SMALL["max_pixels"]
+        return dict(tiny, max_pixels=most, size={"shortest_edge": MIN_PIXELS, "longest_edge": most})
     if family == "gemma3":
         return {
             "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
@@ -251,16 +278,16 @@ def random_weights(config: dict[str, Any]) -> dict[str, Any]:
     return {name: mx.array(_init(rng, name, shapes[name], config["model_type"])) for name in sorted(shapes)}
 
 
-def _write_files(directory: Path, family: str) -> None:
+def _write_files(directory: Path, family: str, size: str = "tiny") -> None:
     import mlx.core as mx
 
-    config = model_config(family)
+    config = model_config(family, size)
     weights = random_weights(config)
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
     tokens = FAMILY_TOKENS[family]
     texts = {
         "config.json": config,
-        "preprocessor_config.json": preprocessor_config(family),
+        "preprocessor_config.json": preprocessor_config(family, size),
         "tokenizer_config.json": _tokenizer_config(family),
         "special_tokens_map.json": {"additional_special_tokens": [tok.IM_START, tok.IM_END, *tokens],
                                     "eos_token": tok.IM_END, "pad_token": tok.ENDOFTEXT},
@@ -270,28 +297,30 @@ def _write_files(directory: Path, family: str) -> None:
     for name, data in texts.items():
         (directory / name).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     (directory / "tokenizer.json").write_text(tokenizer_json(family), encoding="utf-8")
-    manifest = {"family": family, "size": "tiny", "format_version": FORMAT_VERSION,
+    manifest = {"family": family, "size": size, "format_version": FORMAT_VERSION,
                 "num_parameters": int(sum(v.size for v in weights.values()))}
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")  # last
 
 
-def ensure_vision_model(cache_dir: str | Path | None = None, family: str = "qwen2_5_vl") -> Path:
-    """``<cache>/<family>-tiny-v<N>``, built on first use (into a temporary directory renamed
+def ensure_vision_model(cache_dir: str | Path | None = None, family: str = "qwen2_5_vl", size: str = "tiny") -> Path:
+    """``<cache>/<family>-<size>-v<N>``, built on first use (into a temporary directory renamed
     into place, so concurrent callers never see half a model)."""
     from .models import build_directory, default_cache_dir
 
-    model_config(family)  # an unknown family fails here, before anything is written
+    _check(family, size)  # fails here, before anything is written
     root = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()).absolute()
-    return build_directory(root / f"{family}-tiny-v{FORMAT_VERSION}", MANIFEST_NAME, lambda tmp: _write_files(tmp, family))
+    return build_directory(root / f"{family}-{size}-v{FORMAT_VERSION}", MANIFEST_NAME,
+                           lambda tmp: _write_files(tmp, family, size))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlxcel_compat.testing.vision",
-                                     description="Write a tiny random-weight vision-language directory.")
+                                     description="Write a random-weight vision-language directory (tiny: for tests).")
     parser.add_argument("--out", required=True, help="the cache directory to build it in")
     parser.add_argument("--family", default="qwen2_5_vl", choices=FAMILIES)
+    parser.add_argument("--size", default="tiny", choices=SIZES, help="small: Qwen2.5-VL only, for benchmarks")
     args = parser.parse_args(argv)
-    print(ensure_vision_model(args.out, args.family))
+    print(ensure_vision_model(args.out, args.family, args.size))
     return 0
 
 
