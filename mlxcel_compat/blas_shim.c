@@ -187,16 +187,19 @@ static void rows_nt(int M, int n0, int n1, int K, const float *x, size_t ldx, co
 
 /* c[i, j] = alpha * sum_k x[i, k] * w[k, j] (+ beta * c[i, j]) for i < MB and the NV * VL columns
  * from w, w being K x N (not transposed: attention's probabilities @ values). Each element is
- * summed over k in order, whatever M: no horizontal sums. */
+ * summed over k in order, whatever M: no horizontal sums. Rows k >= K1 of w are read from w2
+ * (row k - K1) instead: a cache whose last keys are held apart sums exactly as one table. */
 static inline __attribute__((always_inline)) void block_nn(const int MB, const int NV, int K, const float *x,
                                                            size_t ldx, const float *w, size_t ldw, float *c,
-                                                           size_t ldc, float alpha, float beta) {
+                                                           size_t ldc, float alpha, float beta, const float *w2,
+                                                           int K1) {
     vf acc[MB_MAX][NB_MAX];
     for (int i = 0; i < MB; i++)
         for (int j = 0; j < NV; j++) acc[i][j] = (vf){0};
     for (int k = 0; k < K; k++) {
+        const float *row = k < K1 ? w + k * ldw : w2 + (k - K1) * ldw;
         vf wv[NB_MAX];
-        for (int j = 0; j < NV; j++) wv[j] = loadv(w + k * ldw + j * VL);
+        for (int j = 0; j < NV; j++) wv[j] = loadv(row + j * VL);
         for (int i = 0; i < MB; i++) {
             vf xs = splat(x[i * ldx + k]);
             for (int j = 0; j < NV; j++) acc[i][j] += xs * wv[j];
@@ -208,11 +211,12 @@ static inline __attribute__((always_inline)) void block_nn(const int MB, const i
 }
 
 #define BLOCK_NN(mb, nv) \
-    block_nn(mb, nv, K, x + (size_t)m * ldx, ldx, w + n, ldw, c + (size_t)m * ldc + n, ldc, alpha, beta)
+    block_nn(mb, nv, K, x + (size_t)m * ldx, ldx, w + n, ldw, c + (size_t)m * ldc + n, ldc, alpha, beta, w2 + n, K1)
 
-/* All M rows of x against columns [n0, n1) of w. */
-static void rows_nn(int M, int n0, int n1, int K, const float *x, size_t ldx, const float *w, size_t ldw,
-                    float *c, size_t ldc, float alpha, float beta) {
+/* All M rows of x against columns [n0, n1) of w, its rows from K1 on read from w2 (see block_nn;
+ * K1 = K: all from w). */
+static void rows_nn_split(int M, int n0, int n1, int K, const float *x, size_t ldx, const float *w, size_t ldw,
+                          float *c, size_t ldc, float alpha, float beta, const float *w2, int K1) {
     int n = n0;
     for (; n + NB_MAX * VL <= n1; n += NB_MAX * VL) {
         int m = 0;
@@ -227,9 +231,15 @@ static void rows_nn(int M, int n0, int n1, int K, const float *x, size_t ldx, co
     for (; n < n1; n++) /* the last columns, one at a time, in the same order */
         for (int m = 0; m < M; m++) {
             float s = 0.0f;
-            for (int k = 0; k < K; k++) s += x[(size_t)m * ldx + k] * w[(size_t)k * ldw + n];
+            for (int k = 0; k < K; k++)
+                s += x[(size_t)m * ldx + k] * (k < K1 ? w[(size_t)k * ldw + n] : w2[(size_t)(k - K1) * ldw + n]);
             store(c + (size_t)m * ldc + n, alpha, beta, s);
         }
+}
+
+static void rows_nn(int M, int n0, int n1, int K, const float *x, size_t ldx, const float *w, size_t ldw,
+                    float *c, size_t ldc, float alpha, float beta) {
+    rows_nn_split(M, n0, n1, K, x, ldx, w, ldw, c, ldc, alpha, beta, w, K);
 }
 
 /* ------------------------------------------------------------------------------- thread pool
@@ -628,6 +638,8 @@ struct attention_job {
     const float *q;  /* (Hq, d) queries of one position */
     const float *k_new, *v_new; /* (Hk, d) its key and value, written at slot `write` first */
     float *keys, *values; /* the layer's cache, (Hk, capacity, d) */
+    float *k_out, *v_out; /* NULL, or (Hk, d): the new key and value go here, not into the cache
+                           * (then read only), and are attended as slot n - 1 */
     float *out;           /* (Hq, d) */
     int group, d;         /* query heads per KV head, head size */
     int write, n;         /* the slot the new key and value go to; keys seen are slots [0, n) */
@@ -642,13 +654,25 @@ static void attend_head(const void *ctx, int h) {
     const struct attention_job *a = ctx;
     int g = a->group, d = a->d, n = a->n;
     float *keys = a->keys + h * a->head_stride, *values = a->values + h * a->head_stride;
-    memcpy(keys + (size_t)a->write * d, a->k_new + (size_t)h * d, d * sizeof(float));
-    memcpy(values + (size_t)a->write * d, a->v_new + (size_t)h * d, d * sizeof(float));
+    const float *k_new = a->k_new + (size_t)h * d, *v_new = a->v_new + (size_t)h * d;
+    int apart = a->k_out != NULL;
+    if (apart) {
+        memcpy(a->k_out + (size_t)h * d, k_new, d * sizeof(float));
+        memcpy(a->v_out + (size_t)h * d, v_new, d * sizeof(float));
+    } else {
+        memcpy(keys + (size_t)a->write * d, k_new, d * sizeof(float));
+        memcpy(values + (size_t)a->write * d, v_new, d * sizeof(float));
+    }
     float *q = malloc(((size_t)g * d + (size_t)g * n) * sizeof(float));
     if (!q) abort();
     float *scores = q + (size_t)g * d;
     for (int i = 0; i < g * d; i++) q[i] = a->q[(size_t)h * g * d + i] * a->scale;
-    rows_nt(g, 0, n, d, q, d, keys, d, scores, n, 1.0f, 0.0f);
+    if (apart) { /* each score is its own dot product (hsum4 adds as hsum): the same numbers */
+        rows_nt(g, 0, n - 1, d, q, d, keys, d, scores, n, 1.0f, 0.0f);
+        rows_nt(g, 0, 1, d, q, d, k_new, d, scores + (n - 1), n, 1.0f, 0.0f);
+    } else {
+        rows_nt(g, 0, n, d, q, d, keys, d, scores, n, 1.0f, 0.0f);
+    }
     float *out = a->out + (size_t)h * g * d;
     for (int i = 0; i < g; i++) {
         float *s = scores + (size_t)i * n;
@@ -667,7 +691,7 @@ static void attend_head(const void *ctx, int h) {
         float inv = 1.0f / sum;
         for (t = 0; t < n; t++) s[t] *= inv;
     }
-    rows_nn(g, 0, d, n, scores, n, values, d, out, d, 1.0f, 0.0f);
+    rows_nn_split(g, 0, d, n, scores, n, values, d, out, d, 1.0f, 0.0f, apart ? v_new : values, apart ? n - 1 : n);
     free(q);
 }
 
@@ -681,7 +705,22 @@ int mlxcel_decode_attention_at(const float *q, const float *k_new, const float *
                                float *values, float *out, int kv_heads, int group, int d, int write, int n,
                                long capacity, float scale) {
     if (write < 0 || write >= capacity || n < 1 || n > capacity) return -1;
-    struct attention_job a = {q, k_new, v_new, keys, values, out, group, d, write, n, (size_t)capacity * d, scale};
+    struct attention_job a = {q, k_new, v_new, keys, values, NULL, NULL, out, group, d, write, n, (size_t)capacity * d, scale};
+    mlxcel_parallel(kv_heads, attend_head, &a);
+    return 0;
+}
+
+/* A decode step's attention over a cache it may not write (a prompt-cache entry another sequence
+ * shares): slots [0, n_base) of the cache, then the new key and value, which go to k_out and
+ * v_out ((Hk, d) each) instead. The same numbers as mlxcel_decode_attention at pos = n_base on a
+ * cache holding the same slots. Returns 0, or -1 (touching nothing) if n_base is not in
+ * [1, capacity]. */
+int mlxcel_decode_attention_apart(const float *q, const float *k_new, const float *v_new, const float *keys,
+                                  const float *values, float *out, float *k_out, float *v_out, int kv_heads,
+                                  int group, int d, int n_base, long capacity, float scale) {
+    if (n_base < 1 || n_base > capacity) return -1;
+    struct attention_job a = {q, k_new, v_new, (float *)keys, (float *)values, k_out, v_out, out, group, d,
+                              n_base, n_base + 1, (size_t)capacity * d, scale};
     mlxcel_parallel(kv_heads, attend_head, &a);
     return 0;
 }

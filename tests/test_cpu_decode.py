@@ -415,6 +415,54 @@ def test_rows_stepped_together_are_bit_identical_to_rows_alone(family: str, gguf
     assert [c[0].offset for c in together] == [26, 256, 306]
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("prompt", [63, 64, 65, 66, 255])
+def test_a_step_on_shared_arrays_is_bit_identical_and_writes_nothing_shared(family: str, prompt: int) -> None:
+    """A prompt-cache hit's first step reads the adopted arrays in place (no copy) and keeps its
+    new key and value apart: its logits, the cache as anyone evaluates it then, and every later
+    step equal exactly those of the decoder on its own copy; the shared arrays are unchanged.
+    Prompts cover each remainder of the attended length by the kernel's 4-key blocks."""
+    loaded = load_model(str(tiny_model(family)), [])
+    model, decoder = loaded.model, loaded.decoder
+    shared = _prefill(model, prompt)
+    before = [(np.array(c.keys), np.array(c.values)) for c in shared]
+    hit = [copy.copy(c) for c in shared]  # what adoption does: new cache objects, the same arrays
+    own = copy.deepcopy(shared)
+    owned_hit, owned_own = cpu_decode.OwnedCache(), cpu_decode.OwnedCache()
+    decoder._own(own, owned_own, prompt)  # the usual path: the decoder's own copy first
+    got, want = decoder.step(11, hit, owned_hit).copy(), decoder.step(11, own, owned_own).copy()
+    assert np.array_equal(got, want)
+    assert owned_hit.apart is not None and owned_hit.arrays == []  # nothing was copied
+    for a, b in zip(hit, own):  # the cache as donation or MLX would read it now
+        assert a.offset == b.offset == prompt + 1
+        assert np.array_equal(np.array(a.keys[..., : a.offset, :]), np.array(b.keys[..., : b.offset, :]))
+        assert np.array_equal(np.array(a.values[..., : a.offset, :]), np.array(b.values[..., : b.offset, :]))
+    token = int(want.argmax())
+    for _ in range(3):  # the next step makes the decoder's own buffers from the shared ones
+        got, want = decoder.step(token, hit, owned_hit).copy(), decoder.step(token, own, owned_own).copy()
+        assert np.array_equal(got, want)
+        token = int(want.argmax())
+    assert owned_hit.apart is None and owned_hit.holds(hit)
+    for c, (keys, values) in zip(shared, before):
+        assert np.array_equal(np.array(c.keys), keys) and np.array_equal(np.array(c.values), values)
+
+
+def test_a_step_on_shared_arrays_then_someone_elses_step_stays_right() -> None:
+    """After a step kept apart, MLX's own step (or a batch) extends the cache: it reads the lazy
+    concatenation, and the decoder, seeing arrays it did not make, copies them as usual."""
+    loaded = load_model(str(tiny_model("llama")), [])
+    model, decoder = loaded.model, loaded.decoder
+    shared = _prefill(model, 40)
+    hit, theirs = [copy.copy(c) for c in shared], copy.deepcopy(shared)
+    owned = cpu_decode.OwnedCache()
+    decoder.step(11, hit, owned)
+    _mlx_logits(model, 11, theirs)
+    got, want = _mlx_logits(model, 12, hit), _mlx_logits(model, 12, theirs)
+    assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
+    got, want = decoder.step(13, hit, owned).copy(), _mlx_logits(model, 13, theirs)
+    assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max() and hit[0].offset == 43
+
+
 def test_a_failed_step_advances_no_cache() -> None:
     loaded = load_model(str(tiny_model("llama")), [])
     caches = [_prefill(loaded.model, n) for n in (10, 12)]

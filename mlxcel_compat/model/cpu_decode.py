@@ -21,7 +21,10 @@ MLX arrays are immutable to everything else, so the step writes only into buffer
 for this sequence (:class:`OwnedCache`): at its first step, and whenever someone else replaced a
 layer's arrays (a merged MLX batch, MLX's own step), it copies the layer into a fresh buffer
 first; the arrays others hold (prompt-cache entries, a sibling completion's prefix) are never
-written.
+written. One exception to the copy: the first step on a cache the decoder does not own (a
+prompt-cache hit's) reads the shared arrays in place and keeps its new key and value apart
+(:class:`_Apart`), so a hit's first token costs no copy of the adopted KV; the copy is made at
+the next step, after that token has gone out (a hit's first token is its time to first token).
 
 Several sequences decoding together (a batch) are stepped at once (:meth:`CpuDecoder.step_rows`),
 each on its own cache: the projections take every row in one pass over the weights.
@@ -166,12 +169,51 @@ class _Buffers:
 
 
 @dataclass
+class _Apart:
+    """A step taken on shared arrays (``CpuDecoder._borrow``): per layer, NumPy views of the
+    shared keys and values (read, never written), the step's new key and value ((kv_heads, d)
+    each), and the lazy MLX concatenations of the two that the cache holds now. The next step
+    builds its own buffers from the views and rows directly; anyone else evaluating the
+    concatenations gets the same values (MLX arrays, immutable like their inputs)."""
+
+    pos: int  # the new rows' position
+    shared: list[tuple[np.ndarray, np.ndarray]]
+    rows: list[tuple[np.ndarray, np.ndarray]]
+    arrays: list[tuple[Any, Any]]
+
+    def holds(self, cache: list[Any]) -> bool:
+        return len(self.arrays) == len(cache) and all(
+            c.keys is a and c.values is b and c.offset == self.pos + 1 for c, (a, b) in zip(cache, self.arrays))
+
+
+@dataclass
+class _Borrowed:
+    """One row's step on shared arrays, before it runs: the kernels' views (with the two rows'
+    addresses last) and what :meth:`keep_apart` turns into the cache's arrays after it."""
+
+    pos: int
+    shared: list[tuple[np.ndarray, np.ndarray]]
+    rows: list[tuple[np.ndarray, np.ndarray]]
+    views: list[tuple[int, int, int, int, int]]
+
+    def keep_apart(self, cache: list[Any]) -> _Apart:
+        """After the step: every layer holds its shared positions and the new one (lazily)."""
+        arrays = []
+        for c, (k_row, v_row) in zip(cache, self.rows):
+            c.keys, c.values = (mx.concatenate([a[:, :, : self.pos], mx.array(row)[None, :, None, :]], axis=2)
+                                for a, row in ((c.keys, k_row), (c.values, v_row)))
+            arrays.append((c.keys, c.values))
+        return _Apart(self.pos, self.shared, self.rows, arrays)
+
+
+@dataclass
 class OwnedCache:
     """The MLX arrays (keys, values per layer) the decoder made for one sequence: the only
     buffers it may write. A new sequence starts with none."""
 
     arrays: list[tuple[Any, Any]] = field(default_factory=list)
     views: list[tuple[int, int, int]] = field(default_factory=list)  # per layer: keys, values, capacity
+    apart: _Apart | None = None  # the last step's rows, kept apart from shared arrays
 
     def holds(self, cache: list[Any]) -> bool:
         """Whether every layer of ``cache`` still holds the arrays made for it."""
@@ -192,6 +234,8 @@ class _Kernels:
         self.gelu_tanh_gate = self._fn(lib.mlxcel_gelu_tanh_gate, [p, p, i])
         self.attention = self._fn(lib.mlxcel_decode_attention, [p, p, p, p, p, p, i, i, i, i, L, f])
         self.attention_at = self._fn(lib.mlxcel_decode_attention_at, [p, p, p, p, p, p, i, i, i, i, i, L, f], ctypes.c_int)
+        self.attention_apart = self._fn(lib.mlxcel_decode_attention_apart, [p, p, p, p, p, p, p, p, i, i, i, i, L, f],
+                                        ctypes.c_int)
 
     @staticmethod
     def _fn(fn: Any, argtypes: list[Any], restype: Any = None) -> Any:
@@ -419,8 +463,14 @@ class CpuDecoder:
         no cache has advanced (a position written past ``offset`` is unused)."""
         self._check_tokens(tokens)
         positions = [cache[0].offset for cache in caches]
-        views = [self._own(cache, o, pos) for cache, o, pos in zip(caches, owned, positions)]
-        return self._run(tokens, caches, positions, views, scales)
+        borrowed = [self._borrow(cache, o, pos) for cache, o, pos in zip(caches, owned, positions)]
+        views = [b.views if b is not None else self._own(cache, o, pos)
+                 for b, cache, o, pos in zip(borrowed, caches, owned, positions)]
+        logits = self._run(tokens, caches, positions, views, scales)
+        for b, cache, o in zip(borrowed, caches, owned):
+            if b is not None:
+                o.apart = b.keep_apart(cache)
+        return logits
 
     def step_tokens(self, tokens: list[int], cache: list[Any], owned: OwnedCache, scales: Any = None) -> np.ndarray:
         """Feed several consecutive tokens of one sequence (a speculative draft to verify):
@@ -487,7 +537,7 @@ class CpuDecoder:
                 k.rms_norm(p["k_new"], layer.k_norm.ptr, p["k_new"], rows * hk, d, layer.k_norm.eps)
             trad = trads[layer.rope]
             for (q, kn, vn, att), row_angles, pos, row_views, cache in zip(b.rows, angles, positions, views, caches):
-                keys, values, capacity = row_views[i]
+                keys, values, capacity = row_views[i][:3]
                 cos, sin = row_angles[layer.rope]
                 k.rope(q, hq, d, cos, sin, trad)
                 k.rope(kn, hk, d, cos, sin, trad)
@@ -497,6 +547,10 @@ class CpuDecoder:
                     seen = min(pos + 1, capacity)  # what mlx-lm's keys_and_values hands its attention
                     if k.attention_at(q, kn, vn, keys, values, att, hk, group, d, write, seen, capacity, self.scale):
                         raise RuntimeError(f"layer {i}: ring slot {write} outside its {capacity} positions")
+                elif len(row_views[i]) == 5:  # shared arrays (_borrow): read them, keep the new rows apart
+                    if k.attention_apart(q, kn, vn, keys, values, att, row_views[i][3], row_views[i][4],
+                                         hk, group, d, pos, capacity, self.scale):
+                        raise RuntimeError(f"layer {i}: position {pos} outside the shared {capacity} positions")
                 else:
                     k.attention(q, kn, vn, keys, values, att, hk, group, d, pos, capacity, self.scale)
             if layer.attn_out is not None:
@@ -587,6 +641,9 @@ class CpuDecoder:
             if plan is None:
                 raise RuntimeError(f"layer {i}: a sliding-window cache the decoder cannot write into")
             plans.append(plan)
+        apart, owned.apart = owned.apart, None
+        if apart is not None and apart.holds(cache) and not self._rings:
+            return self._own_apart(cache, owned, apart, last)
         if owned.holds(cache) and all(last < owned.views[i][2] for i in self._plain) and all(
                 plan[:2] == (owned.views[i][2], 0) for i, plan in zip(self._rings, plans)):
             return owned.views
@@ -603,6 +660,58 @@ class CpuDecoder:
             owned.arrays.append((keys, values))
             owned.views.append((_ptr(np.asarray(keys)), _ptr(np.asarray(values)), keys.shape[2]))
         return owned.views
+
+    def _own_apart(self, cache: list[Any], owned: OwnedCache, apart: _Apart, last: int) -> list[tuple[int, int, int]]:
+        """:meth:`_own` after a step kept apart: the buffers made from the shared views and the
+        kept rows (no evaluation of the cache's concatenations, which would copy once more)."""
+        owned.arrays, owned.views = [], []
+        pos = apart.pos
+        for c, (keys_view, values_view), (k_row, v_row) in zip(cache, apart.shared, apart.rows):
+            made = []
+            for view, row in ((keys_view, k_row), (values_view, v_row)):
+                b, h, _, d = view.shape
+                fresh, out = self._writable((b, h, max(pos + 1, (last // c.step + 1) * c.step), d))
+                out[:, :, :pos] = view[:, :, :pos]
+                out[0, :, pos] = row
+                made.append(fresh)
+            c.keys, c.values = made
+            owned.arrays.append((c.keys, c.values))
+            owned.views.append((_ptr(np.asarray(c.keys)), _ptr(np.asarray(c.values)), c.keys.shape[2]))
+        return owned.views
+
+    def _borrow(self, cache: list[Any], owned: OwnedCache, pos: int) -> "_Borrowed | None":
+        """Views for a step that reads ``cache``'s arrays in place, when they are not this
+        sequence's (a prompt-cache hit, a sibling's prefix) and the step can leave them unwritten:
+        plain KV layers only (no ring), each layer's float32 keys and values laid out by head,
+        then position, then dimension (an entry's slice of a larger buffer is), ``pos`` of them
+        valid. None: the step copies them into its own buffers first (:meth:`_own`)."""
+        from mlx_lm.models.cache import KVCache
+
+        if self._rings or pos < 1 or owned.holds(cache) or owned.apart is not None:
+            return None
+        if not all(type(c) is KVCache and c.keys is not None and c.offset == pos for c in cache):
+            return None
+        mx.eval([(c.keys, c.values) for c in cache])
+        d, item = self.head_dim, 4
+        shared, views, rows = [], [], []
+        for c in cache:
+            pair = []
+            for a in (c.keys, c.values):
+                if a.dtype != mx.float32 or a.ndim != 4 or a.shape[0] != 1 or a.shape[3] != d or a.shape[2] < pos:
+                    return None
+                view = np.asarray(a)
+                strides = view.strides
+                if strides[3] != item or strides[2] != d * item or strides[1] % (d * item) or strides[1] < a.shape[2] * d * item:
+                    return None
+                pair.append(view)
+            if pair[0].strides != pair[1].strides:
+                return None
+            shared.append((pair[0], pair[1]))
+            k_row = np.empty((self.n_kv_heads, d), np.float32)
+            v_row = np.empty((self.n_kv_heads, d), np.float32)
+            rows.append((k_row, v_row))
+            views.append((_ptr(pair[0]), _ptr(pair[1]), pair[0].strides[1] // (d * item), _ptr(k_row), _ptr(v_row)))
+        return _Borrowed(pos, shared, rows, views)
 
     @staticmethod
     def _writable(shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
