@@ -195,12 +195,28 @@ def test_the_digest_covers_the_decoded_samples(media: ImageInput) -> None:
     def digest(*clips: bytes) -> bytes:
         return media.prepare([AudioSource(b64(c), "wav") for c in clips], marker * len(clips))[2]
 
-    # Stereo with both channels equal, and 32-bit PCM of the same tone, decode to other samples
-    # only by rounding: the digest is over the decoded float samples, so equal samples, equal digest.
+    # The digest is over the decoded float samples: stereo with equal channels and its mono, or a
+    # 16-bit recording widened to 24 bits, decode to the same samples and give one digest.
     assert digest(wav(1)) == digest(wav(1))
     assert digest(wav(1), wav(2)) != digest(wav(2), wav(1))
     assert digest(wav(1)) != digest(wav(2))
     assert digest(wav(1)) == digest(wav(1, channels=2))
+    assert digest(wav(1)) == digest(as_24_bit(wav(1)))
+
+
+def as_24_bit(clip: bytes) -> bytes:
+    """The same 16-bit recording written as 24-bit PCM (a zero low byte under each sample)."""
+    with wave.open(io.BytesIO(clip)) as w:
+        rate, frames = w.getframerate(), w.readframes(w.getnframes())
+    pairs = np.frombuffer(frames, np.uint8).reshape(-1, 2)
+    wide = np.concatenate([np.zeros((pairs.shape[0], 1), np.uint8), pairs], axis=1)
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(3)
+        w.setframerate(rate)
+        w.writeframes(wide.tobytes())
+    return out.getvalue()
 
 
 @pytest.mark.parametrize(("clip", "fmt", "message"), [

@@ -304,6 +304,8 @@ class ImageInput:
         kinds = ["audio" if isinstance(s, AudioSource) else "image" for s in sources]
         found = ["audio" if t == audio_marker else "image" for _, t in markers]
         if found != kinds:
+            if "audio" not in found + kinds:
+                raise InvalidRequest(f"the prompt has {len(found)} image markers for {len(kinds)} images")
             raise InvalidRequest(f"the prompt has {found.count('image')} image and {found.count('audio')} audio "
                                  f"markers for {kinds.count('image')} images and {kinds.count('audio')} audio clips")
         expanded: list[int] = []
