@@ -189,7 +189,8 @@ def _resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
 
 def decode_audio(data: bytes, fmt: Any, limits: MediaLimits, rate: int, max_samples: int) -> DecodedAudio:
     """A WAV clip (PCM, 8 to 32 bits, any channels: averaged to mono) as float32 at ``rate``; its
-    duration is checked from the header before any frame is read."""
+    duration is checked from the header before any frame is read. The bytes say what the clip is,
+    as in llama-server (``fmt``, the part's ``format``, is only checked to be one it takes)."""
     import wave
 
     if len(data) > limits.max_bytes:
@@ -199,8 +200,6 @@ def decode_audio(data: bytes, fmt: Any, limits: MediaLimits, rate: int, max_samp
         raise InvalidRequest(f"input_audio.format must be 'wav' or 'mp3', got {fmt!r}")
     if kind is None:
         raise InvalidRequest("failed to load audio: not a WAV or MP3 file")
-    if fmt is not None and fmt != kind:
-        raise InvalidRequest(f"input_audio.format is '{fmt}' but the data is {kind.upper()}")
     if kind == "mp3":
         raise InvalidRequest("mp3 audio is not decoded by this server (no MP3 decoder is installed); send WAV")
     try:
@@ -242,6 +241,7 @@ class ImageInput:
         self.facts = facts
         self.limits = limits
         self._processor: Any = None
+        self._extractor: Any = None
         self._lock = threading.Lock()
 
     def processor(self) -> Any:
@@ -256,7 +256,7 @@ class ImageInput:
 
     def extractor(self) -> Any:
         with self._lock:
-            if getattr(self, "_extractor", None) is None:
+            if self._extractor is None:
                 import importlib
 
                 audio = self.facts.audio
