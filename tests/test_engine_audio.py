@@ -7,8 +7,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import queue
-import struct
 import wave
 from pathlib import Path
 from typing import Any
@@ -19,13 +17,13 @@ import pytest
 from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG
 from mlxcel_compat.cache.media import first_media_token, split_ok
 from mlxcel_compat.chat.messages import AudioSource
-from mlxcel_compat.engine.core import Engine
 from mlxcel_compat.engine.request import CacheContext, GenerationRequest
 from mlxcel_compat.engine.sampling import SamplingParams
 from mlxcel_compat.server.errors import InvalidRequest
 from mlxcel_compat.server.media import ImageInput, MediaLimits, is_audio
 from mlxcel_compat.testing import vision
-from tests.engine_harness import EngineHarness, Run, collect
+from tests.engine_harness import EngineHarness
+from tests.test_engine_vision import cold_tokens, run  # the same helpers as for images
 
 
 def wav(seed: int, seconds: float = 1.0, rate: int = 16000, channels: int = 1, width: int = 2) -> bytes:
@@ -79,18 +77,6 @@ class Prompts:
             prompt_tokens=tokens, sampling=SamplingParams(temperature=0.0, seed=7), n_predict=n_predict, media=media,
             cache=CacheContext(enabled=cache, session_key="s", template_sig=RAW_PROMPT_TEMPLATE_SIG, mm_digest=digest),
         )
-
-
-def run(engine: Engine, request: GenerationRequest) -> Run:
-    events: queue.Queue = queue.Queue()
-    engine.submit(request, events.put)
-    return collect(events)
-
-
-def cold_tokens(engine: Engine, request: GenerationRequest) -> list[int]:
-    cold = GenerationRequest(prompt_tokens=request.prompt_tokens, sampling=request.sampling, n_predict=request.n_predict,
-                             media=request.media, cache=CacheContext(enabled=False, mm_digest=request.cache.mm_digest))
-    return run(engine, cold).tokens
 
 
 @pytest.fixture(scope="module")
@@ -251,4 +237,3 @@ def test_audio_limits(media: ImageInput) -> None:
     _, out, _ = media.prepare([AudioSource(b64(wav(1, seconds=0.5, rate=8000)), "wav")], marker)
     assert out.audio[0].mask.sum() > 0
     assert is_audio(wav(1)) and is_audio(b"ID3\x03rest") and not is_audio(b"\x89PNG\r\n\x1a\n")
-    assert struct.calcsize("<I") == 4
