@@ -105,43 +105,73 @@ def test_the_prompt_holds_each_clip_as_gemma3n_processor_writes_it(media: ImageI
     assert not media.facts.images
 
 
-def test_chunked_prefill_with_audio_gives_mlx_vlms_own_logits(audio_dir: Path, media: ImageInput) -> None:
-    """5-token chunks against mlx-vlm's own path over the whole prompt (its ``get_input_embeddings``
-    with the clips' features, then its language model), with the text rows scaled by
-    ``sqrt(hidden_size)`` as Hugging Face's Gemma3nModel embeds them (mlx-vlm 0.7.10 leaves them
-    unscaled when a prompt has media; its text-only path scales them). The tiny model's sliding
-    window (24) is shorter than the prompt: mlx-vlm's own rotating cache is compared against."""
+def _logits(model: Any, request: GenerationRequest, step: int) -> Any:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    tokens = request.prompt_tokens
+    bound, cache = model.bind(request.media, tokens), make_prompt_cache(model)
+    return mx.concatenate([bound(mx.array(tokens[i : i + step])[None], cache=cache) for i in range(0, len(tokens), step)], axis=1)
+
+
+def _without_kv_sharing(audio_dir: Path, root: Path) -> Path:
+    """The factory's Gemma 3n with every layer keeping its own KV (``num_kv_shared_layers`` 0)."""
+    import mlx.core as mx
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
+        (root / name).write_bytes((audio_dir / name).read_bytes())
+    config = vision.model_config("gemma3n")
+    config["text_config"]["num_kv_shared_layers"] = 0
+    (root / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(root / "model.safetensors"), vision.random_weights(config), metadata={"format": "mlx"})
+    return root
+
+
+def test_chunked_prefill_with_audio_gives_mlx_vlms_own_logits(audio_dir: Path, media: ImageInput, tmp_path: Path) -> None:
+    """5-token chunks against mlx-vlm's own path over the whole prompt (its ``get_input_embeddings``
+    with the clips' features, then its language model and its own caches: a rotating window on the
+    sliding layers, the tiny window of 24 shorter than the prompt), with the text rows scaled by
+    ``sqrt(hidden_size)`` as Hugging Face's Gemma3nModel embeds them (mlx-vlm 0.7.10 leaves them
+    unscaled when a prompt has media; its text-only path scales them).
+
+    mlx-vlm's KV-sharing layers rotate their queries at positions ahead by the chunk's length (its
+    logits depend on the chunking), so the comparison is on the factory model without KV sharing;
+    with it, the logits are the same for every chunking, as Hugging Face's model's are."""
+    import mlx.core as mx
+
     from mlxcel_compat.model.vision import load_vision_directory
 
-    model, tokenizer, _, _ = load_vision_directory(audio_dir)
+    model, tokenizer, _, _ = load_vision_directory(_without_kv_sharing(audio_dir, tmp_path))
     request = Prompts(tokenizer, media).request("Two clips to compare:", [1, 2], " Which is higher?")
     tokens = request.prompt_tokens
     assert len(tokens) > 2 * vision.SLIDING_WINDOW
-    bound, cache = model.bind(request.media, tokens), make_prompt_cache(model)
-    ours = mx.concatenate([bound(mx.array(tokens[i : i + 5])[None], cache=cache) for i in range(0, len(tokens), 5)], axis=1)
+    ours = _logits(model, request, 5)
     vlm, ids = model.vlm, mx.array(tokens)[None]
     features = mx.array(np.concatenate([c.features for c in request.media.audio]))
     masks = mx.array(np.concatenate([c.mask for c in request.media.audio]))
     out = vlm.get_input_embeddings(ids, None, input_features=features, input_features_mask=masks)
     text = (ids < vlm.language_model.model.vocab_size_per_layer_input)[..., None]
     embeds = mx.where(text, out.inputs_embeds * (vlm.language_model.model.hidden_size ** 0.5), out.inputs_embeds)
-    # mlx-vlm's generate prefills in chunks too: its language model over the same chunks, its own
-    # caches (a rotating window on the sliding layers).
-    own_cache = vlm.language_model.make_cache()
-    theirs = mx.concatenate([
-        vlm.language_model(None, inputs_embeds=embeds[:, i : i + 5], per_layer_inputs=out.per_layer_inputs[:, i : i + 5],
-                           cache=own_cache).logits
-        for i in range(0, len(tokens), 5)], axis=1)
+    theirs = vlm.language_model(None, inputs_embeds=embeds, per_layer_inputs=out.per_layer_inputs,
+                                cache=vlm.language_model.make_cache()).logits
     assert float(mx.abs(ours - theirs).max()) < 1e-4
     # Text alone runs as mlx-vlm's language model runs it.
-    words = list(tokenizer.encode("Only words, no sound, long enough to pass the window.", add_special_tokens=False))
-    cache, own_cache = make_prompt_cache(model), vlm.language_model.make_cache()
-    for i in range(0, len(words), 5):
-        chunk = mx.array(words[i : i + 5])[None]
-        assert float(mx.abs(model(chunk, cache=cache) - vlm.language_model(chunk, cache=own_cache).logits).max()) < 1e-4
+    words = mx.array(list(tokenizer.encode("Only words, no sound, long enough to pass the window.", add_special_tokens=False)))[None]
+    plain = model(words, cache=model.make_cache())
+    assert float(mx.abs(plain - vlm.language_model(words, cache=vlm.language_model.make_cache()).logits).max()) < 1e-4
+
+
+def test_with_kv_sharing_the_logits_do_not_depend_on_the_chunking(audio_dir: Path, media: ImageInput) -> None:
+    import mlx.core as mx
+
+    from mlxcel_compat.model.vision import load_vision_directory
+
+    model, tokenizer, _, _ = load_vision_directory(audio_dir)
+    assert model.vlm.language_model.model.first_kv_shared_layer_idx < len(model.layers)  # the factory shares KV
+    request = Prompts(tokenizer, media).request("One clip:", [3], " What is it?")
+    whole = _logits(model, request, len(request.prompt_tokens))
+    for step in (1, 5, 24):
+        assert float(mx.abs(_logits(model, request, step) - whole).max()) < 1e-4
 
 
 def test_a_later_turn_about_the_same_audio_adopts_it_whole(harness: EngineHarness, prompts: Prompts) -> None:

@@ -297,16 +297,17 @@ class Llava(_FixedSize):
         return projected.reshape(-1, projected.shape[-1])
 
 
-class _FetchedState:
-    """A KV layer as Gemma 3n's KV-sharing layers read it: ``state`` is the keys and values held so
-    far (mlx-vlm's cache gives that; mlx-lm's, which the engine keeps, gives its whole buffer)."""
+class _SharedKV:
+    """One KV layer for one forward pass, as Gemma 3n's KV-sharing layers need it: ``state`` is the
+    keys and values held so far, this chunk's included (mlx-lm's cache, which the engine keeps,
+    gives its whole buffer), and ``offset`` stays the pass's first position. mlx-vlm 0.7.10's
+    sharing layers read the offset after the layer they share has stored the chunk, so their
+    queries' RoPE positions run ahead by the chunk's length and the logits depend on the chunking;
+    Hugging Face's model gives every layer the tokens' own positions, as this does."""
 
     def __init__(self, layer: Any) -> None:
         self.layer = layer
-
-    @property
-    def offset(self) -> int:
-        return self.layer.offset
+        self.offset = layer.offset
 
     @property
     def state(self) -> tuple[mx.array, mx.array]:
@@ -332,7 +333,9 @@ class Gemma3n(VisionFamily):
     media, unlike its text-only path; here both scale, so the text before a clip is what a
     text-only request computes (the prompt cache shares it). Every layer keeps a full KV (the
     sliding-window layers masked to the window, as for Gemma 3), so a cache hit can end anywhere
-    outside a clip. Images are not served (its MobileNetV5 tower is not wired here)."""
+    outside a clip. The KV-sharing layers' queries take the tokens' own positions (``_SharedKV``;
+    mlx-vlm's run ahead by the chunk's length). Images are not served (its MobileNetV5 tower is
+    not wired here)."""
 
     model_types = ("gemma3n",)
     extractors = {"Gemma3nAudioFeatureExtractor":
@@ -439,7 +442,7 @@ class Gemma3n(VisionFamily):
 
     def hidden(self, language: Any, inputs: mx.array, cache: Any, embeds: mx.array | None,
                positions: mx.array | None) -> mx.array:
-        layers = [_FetchedState(layer) for layer in cache] if cache else cache
+        layers = [_SharedKV(layer) for layer in cache] if cache else cache
         if embeds is None:
             return language.model(inputs, cache=layers)
         per_layer = language.model.get_per_layer_inputs(inputs)
