@@ -80,8 +80,10 @@ class Prompts:
 
 
 @pytest.fixture(scope="module")
-def harness(audio_dir: Path):
-    h = EngineHarness(audio_dir, batch_size=16, n_parallel=2, min_prefix=4)
+def harness(audio_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    disk = tmp_path_factory.mktemp("audio-disk")
+    h = EngineHarness(audio_dir, batch_size=16, n_parallel=2, min_prefix=4, disk_dir=str(disk),
+                      disk_capacity_bytes=1 << 28, disk_write_through=True)
     yield h
     h.close()
 
@@ -174,11 +176,15 @@ def test_with_kv_sharing_the_logits_do_not_depend_on_the_chunking(audio_dir: Pat
         assert float(mx.abs(_logits(model, request, step) - whole).max()) < 1e-4
 
 
-def test_a_later_turn_about_the_same_audio_adopts_it_whole(harness: EngineHarness, prompts: Prompts) -> None:
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_a_later_turn_about_the_same_audio_adopts_it_whole(harness: EngineHarness, prompts: Prompts, tier: str) -> None:
     harness.reset()
-    first = prompts.request("Hear this:", [1], " What sound is it?")
+    first = prompts.request(f"Hear this ({tier}):", [1], " What sound is it?")
     out = run(harness.engine, first)
-    nxt = prompts.request("Hear this:", [1], " What sound is it?")
+    if tier == "disk":
+        harness.on_engine(lambda: harness.engine.prefix_cache.disk.wait_written(30))
+        harness.on_engine(lambda: harness.engine.prefix_cache.reset("ram"))
+    nxt = prompts.request(f"Hear this ({tier}):", [1], " What sound is it?")
     nxt.prompt_tokens = first.prompt_tokens + out.tokens + list(harness.tokenizer.encode(" Again?", add_special_tokens=False))
     warm = run(harness.engine, nxt)
     assert warm.finish is not None and warm.finish.n_cached >= len(first.prompt_tokens) > nxt.media.spans[-1][1]
@@ -186,10 +192,14 @@ def test_a_later_turn_about_the_same_audio_adopts_it_whole(harness: EngineHarnes
     assert warm.tokens == cold_tokens(harness.engine, nxt)
 
 
-def test_another_clip_adopts_only_the_text_before_it(harness: EngineHarness, prompts: Prompts) -> None:
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_another_clip_adopts_only_the_text_before_it(harness: EngineHarness, prompts: Prompts, tier: str) -> None:
     harness.reset()
-    text = "A long shared instruction about the sound that follows:"
+    text = f"A long shared instruction about the sound that follows ({tier}):"
     run(harness.engine, prompts.request(text, [3], " Describe it."))
+    if tier == "disk":
+        harness.on_engine(lambda: harness.engine.prefix_cache.disk.wait_written(30))
+        harness.on_engine(lambda: harness.engine.prefix_cache.reset("ram"))
     other = prompts.request(text, [4], " Describe it.")
     warm = run(harness.engine, other)
     assert warm.finish is not None and warm.finish.n_cached == first_media_token(other.media.spans)
