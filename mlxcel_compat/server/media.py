@@ -1,4 +1,5 @@
-"""Request images for a vision-language model: fetch, decode, bound, preprocess, digest, expand.
+"""Request images (and audio clips) for a vision-language model: fetch, decode, bound, preprocess,
+digest, expand.
 
 Runs on the request's worker thread (``server/workers.py``), never on the event loop and never on
 the engine thread; it produces plain records (NumPy arrays) that the engine's vision model
@@ -18,6 +19,12 @@ the engine thread; it produces plain records (NumPy arrays) that the engine's vi
   tokens, by its family's rule (``model/vision_families.py``: Qwen2-VL's merged patch count
   ``t * h * w / merge**2``, Gemma 3's fixed count between ``<start_of_image>`` and
   ``<end_of_image>``, LLaVA's one per patch), as the family's Hugging Face processor does.
+- Audio (Gemma 3n): ``input_audio`` parts and audio ``multimodal_data`` items (told by their
+  bytes, as llama-server does); WAV decoded by the standard library's ``wave`` (PCM, mixed to mono,
+  resampled linearly to the feature extractor's rate), its length checked from the header first
+  (``--media-max-audio-seconds`` and the model's clip length), ``--media-max-audio`` clips per
+  request; MP3 is a 400 (no decoder installed). The digest covers the decoded samples, in prompt
+  order with the images; each clip becomes the family's fixed count of audio tokens.
 """
 
 from __future__ import annotations
@@ -230,7 +237,8 @@ def decode_audio(data: bytes, fmt: Any, limits: MediaLimits, rate: int, max_samp
 
 
 class ImageInput:
-    """Turns a chat's image sources into the engine's ``MediaInput`` for the served model.
+    """Turns a chat's image sources (and audio sources, on a model with an audio tower) into the
+    engine's ``MediaInput`` for the served model.
 
     ``facts`` is the model's ``model.vision_families.VisionFacts``; the family's Hugging Face image
     processor (``preprocessor_config.json``) is loaded once, off the event loop (the app does it before it
