@@ -341,6 +341,7 @@ class Gemma3n(VisionFamily):
     extractors = {"Gemma3nAudioFeatureExtractor":
                   "transformers.models.gemma3n.feature_extraction_gemma3n:Gemma3nAudioFeatureExtractor"}
     REDUCTION = 16  # mel frames per audio token: two stride-2 convolutions, then the conformer's 4x reduction
+    EXTRACTOR_MAX_SAMPLES = 480_000  # Gemma3nAudioFeatureExtractor's default max_length (30 s at 16 kHz)
 
     def processor_name(self, path: Path) -> str:
         return ""  # images are not served for this family
@@ -361,7 +362,8 @@ class Gemma3n(VisionFamily):
         audio = AudioFacts(
             audio_token_id=audio_token, marker=(audio_token,), expand_token=audio_token,
             before=gap + (boa,), after=(int(config.get("eoa_token_id", 262272)),) + gap, tokens_per_clip=tokens,
-            sampling_rate=rate, max_samples=tokens * self.REDUCTION * hop, extractor=self.extractors[kind],
+            sampling_rate=rate, max_samples=min(tokens * self.REDUCTION * hop, self.EXTRACTOR_MAX_SAMPLES),
+            extractor=self.extractors[kind],
             extractor_dir=path)
         image = int(config.get("image_token_id", 262145))
         return VisionFacts(model_type="gemma3n", image_token_id=image, marker=(image,), expand_token=image,
