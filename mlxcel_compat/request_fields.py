@@ -137,8 +137,9 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _f("prompt", {"anyOf": [STRING, PIECES, PROMPT_OBJECT,
                             {"type": "array", "maxItems": "$max_prompts", "items": {"anyOf": [STRING, PIECES, PROMPT_OBJECT]}}]},
        scope="completion", required=True,
-       note="string, token ids, mixed arrays, several prompts (at most --max-prompts); multimodal_data (base64 images at the "
-            "/props media_marker, one prompt) on a vision-language model (docs/vision.md), rejected by a text model"),
+       note="string, token ids, mixed arrays, several prompts (at most --max-prompts); multimodal_data (base64 images, or "
+            "WAV audio told by its bytes on Gemma 3n, at the /props media_marker, one prompt) on a vision-language model "
+            "(docs/vision.md), rejected by a text model"),
     _f("stream", BOOL),
     _f("stream_options.include_usage", BOOL),
     _f("cache_prompt", BOOL, note="false = a cold prefill that neither reads nor feeds the prompt cache; also read from extra_body"),
@@ -238,7 +239,11 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
                  note="served by a vision-language model directory (mlx-vlm Qwen2-VL, Qwen2.5-VL, Gemma 3, LLaVA; docs/vision.md): data: URIs "
                       "and raw base64, http(s) only with --media-fetch, file:// refused; limits --media-max-*; a text model "
                       "answers llama-server's 500 'image input is not supported - hint: ...' (in any message, tool messages too)"),
-    RequestField("messages[].content[].input_audio", scope="chat", status="unsupported", note="no audio tower is served: llama-server's 500"),
+    RequestField("messages[].content[].input_audio", scope="chat", status="partial",
+                 note="served by a Gemma 3n directory (mlx-vlm's audio tower; docs/vision.md): {data: base64, format: wav|mp3}, "
+                      "WAV decoded (PCM), mp3 a 400 (no decoder installed); limits --media-max-audio, "
+                      "--media-max-audio-seconds, --media-max-bytes; any other model answers llama-server's 500 "
+                      "'audio input is not supported - hint: ...'"),
     RequestField("messages[].content[].input_video", scope="chat", status="unsupported", note="video is not served: llama-server's 500"),
     _f("tools", {"type": "array", "items": TOOL}, scope="chat", note="needs --jinja"),
     _f("tool_choice", {"anyOf": [{"enum": ["auto", "none", "required"]},

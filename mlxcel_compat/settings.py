@@ -498,6 +498,13 @@ _LIMITS: tuple[Setting, ...] = (
     Setting("media_max_images", ("--media-max-images",), type="int", default=16, minimum=0, group="limits",
             upstream=False, metavar="N",
             help="Most images in one request (a vision-language model); more: 400."),
+    Setting("media_max_audio", ("--media-max-audio",), type="int", default=16, minimum=0, group="limits",
+            upstream=False, metavar="N",
+            help="Most audio clips in one request (a model with an audio tower); more: 400."),
+    Setting("media_max_audio_seconds", ("--media-max-audio-seconds",), type="float", default=600.0, minimum=0.0,
+            group="limits", upstream=False, metavar="SECONDS",
+            help="Longest audio clip, read from its header before it is decoded; longer: 400. A model's own "
+                 "clip length bounds it too (Gemma 3n: 30 s)."),
     Setting("media_max_pixels", ("--media-max-pixels",), type="int", default=4096 * 4096, minimum=1,
             group="limits", upstream=False, metavar="N",
             help="Largest image, in pixels (width x height), read from its header before it is decoded: "

@@ -44,6 +44,14 @@ _TOOL_CHOICES = ("auto", "none", "required")
 _CONTINUE_FIELDS = ("content", "reasoning_content")
 
 
+@dataclass(frozen=True)
+class AudioSource:
+    """An ``input_audio`` part (or an audio ``multimodal_data`` item): base64 data and its format."""
+
+    data: Any
+    format: Any = None  # "wav" | "mp3" from the part; None: told by the bytes
+
+
 class ChatRequestError(Exception):
     """A chat body that llama-server would refuse.
 
@@ -103,6 +111,7 @@ def parse_chat_request(
     default_template_kwargs: Mapping[str, Any] | None = None,
     prefill_assistant: bool = True,
     images: bool = False,
+    audio: bool = False,
 ) -> ChatRequest:
     """Validate and normalize an OpenAI chat body.
 
@@ -112,6 +121,8 @@ def parse_chat_request(
         prefill_assistant: ``--prefill-assistant`` (llama.cpp default on).
         images: the model takes images: ``image_url`` parts become ``{"type": "image"}`` parts and
             their sources are collected in ``ChatRequest.images`` (otherwise llama-server's 500).
+        audio: the model takes audio: ``input_audio`` parts become ``{"type": "audio"}`` parts and
+            their ``AudioSource``s join the same list, in message order (otherwise the 500).
 
     Raises:
         ChatRequestError: with llama-server's wording where it has one.
@@ -123,8 +134,9 @@ def parse_chat_request(
     raw_messages = body["messages"]
     if not isinstance(raw_messages, list):
         raise ChatRequestError("Expected 'messages' to be an array")
-    sources: list[Any] | None = [] if images else None
-    messages = [_parse_message(m, sources) for m in raw_messages]
+    sources: list[Any] | None = [] if images or audio else None
+    kinds = frozenset(k for k, on in (("image", images), ("audio", audio)) if on)
+    messages = [_parse_message(m, sources, kinds) for m in raw_messages]
 
     tools = _parse_tools(body.get("tools"))
     tool_choice = _parse_tool_choice(body.get("tool_choice"))
@@ -171,7 +183,7 @@ def _parse_error(detail: str) -> ChatRequestError:
     return ChatRequestError(f"Failed to parse messages: {detail}")
 
 
-def _parse_message(raw: Any, images: list[Any] | None = None) -> dict[str, Any]:
+def _parse_message(raw: Any, images: list[Any] | None = None, kinds: frozenset[str] = frozenset()) -> dict[str, Any]:
     if not isinstance(raw, Mapping):
         raise _parse_error(f"Expected 'message' to be an object, got {_dump(raw)}")
     role = raw.get("role")
@@ -185,7 +197,7 @@ def _parse_message(raw: Any, images: list[Any] | None = None) -> dict[str, Any]:
     if not isinstance(role, str):
         raise _parse_error(f"'role' must be a string: {_dump(raw)}")
 
-    message: dict[str, Any] = {"role": role, "content": _parse_content(raw.get("content"), images)}
+    message: dict[str, Any] = {"role": role, "content": _parse_content(raw.get("content"), images, kinds)}
     if raw.get("tool_calls") is not None:
         calls = _parse_tool_calls_field(raw["tool_calls"])
         if calls:
@@ -210,7 +222,20 @@ def _image_source(part: Mapping[str, Any]) -> Any:
     return url
 
 
-def _parse_content(content: Any, images: list[Any] | None = None) -> str | list[dict[str, str]]:
+def _audio_source(part: Mapping[str, Any]) -> Any:
+    """An OpenAI ``input_audio`` part's ``{data, format}`` (llama-server takes wav and mp3)."""
+    audio = part.get("input_audio")
+    audio = audio if isinstance(audio, Mapping) else {}
+    data, fmt = audio.get("data"), audio.get("format")
+    if fmt not in ("wav", "mp3"):
+        raise ChatRequestError("input_audio.format must be either 'wav' or 'mp3'")
+    if not isinstance(data, str) or not data:
+        raise ChatRequestError("input_audio part needs an input_audio.data base64 string")
+    return AudioSource(data, fmt)
+
+
+def _parse_content(content: Any, images: list[Any] | None = None,
+                   kinds: frozenset[str] = frozenset({"image"})) -> str | list[dict[str, str]]:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -220,12 +245,16 @@ def _parse_content(content: Any, images: list[Any] | None = None) -> str | list[
     parts: list[dict[str, str]] = []
     for part in content:
         kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind == "image_url" and images is not None:
+        if kind == "image_url" and images is not None and "image" in kinds:
             images.append(_image_source(part))
             parts.append({"type": "image"})
             continue
+        if kind == "input_audio" and images is not None and "audio" in kinds:
+            images.append(_audio_source(part))
+            parts.append({"type": "audio"})
+            continue
         if kind in _MEDIA_PART_KINDS:
-            # Not a vision model (or audio/video, which no model here takes): llama-server's 500.
+            # A modality the model does not take (video: none here): llama-server's 500.
             raise ChatRequestError(
                 f"{_MEDIA_PART_KINDS[kind]} input is not supported - {_MEDIA_HINT}",
                 status_code=500,

@@ -373,7 +373,7 @@ class PrefixCache:
         does not depend on any image: ``cache/media.py``). The longer one is the recorded lookup."""
         bucket, session = self.bucket(seq), seq.request.cache.session_key
         media = seq.request.media
-        if media is None or not media.images:
+        if media is None or not media.spans:
             return self.store.lookup(bucket, session, seq.prompt)
         spans = media.spans
         own = self.store.lookup(bucket, session, seq.prompt, record=False, spans=spans)

@@ -30,15 +30,25 @@ class MediaImage:
 
 
 @dataclass
+class MediaAudio:
+    """One decoded audio clip of a request, as its family's feature extractor gives it (server/media.py)."""
+
+    features: Any  # numpy float32 (1, frames, mel bins): the log-mel features
+    mask: Any  # numpy bool (1, frames): True for the clip's frames, False for padding
+    span: tuple[int, int]  # [start, end) of its audio tokens in the prompt
+
+
+@dataclass
 class MediaInput:
-    """The images of a request; the engine's vision model (model/vision.py) turns them into
-    features. ``spans`` is what the prompt cache needs: it never splits a prompt inside one."""
+    """The images and audio clips of a request; the engine's model (model/vision.py) turns them
+    into features. ``spans`` is what the prompt cache needs: it never splits a prompt inside one."""
 
     images: list[MediaImage] = field(default_factory=list)
+    audio: list[MediaAudio] = field(default_factory=list)
 
     @property
     def spans(self) -> list[tuple[int, int]]:
-        return [img.span for img in self.images]
+        return sorted([img.span for img in self.images] + [clip.span for clip in self.audio])
 
 
 @dataclass

@@ -360,9 +360,14 @@ def _load_vision(path: Path, model_arg: str, aliases: list[str], name: str | Non
         model.set_dtype(mx.float32, predicate=lambda dt: dt in (mx.float16, mx.bfloat16))
     mx.eval(model.parameters())
     model.warm_up()
-    log.info("vision-language model %s (mlx-vlm): image token %d, %s; images through the vision tower",
-             facts.model_type, facts.image_token_id,
-             f"{facts.tokens_per_image} tokens an image" if facts.tokens_per_image else "tokens from each image's size")
+    if facts.images:
+        log.info("vision-language model %s (mlx-vlm): image token %d, %s; images through the vision tower",
+                 facts.model_type, facts.image_token_id,
+                 f"{facts.tokens_per_image} tokens an image" if facts.tokens_per_image else "tokens from each image's size")
+    if facts.audio is not None:
+        log.info("%s (mlx-vlm): audio token %d, %d tokens a clip (at most %.2f s); audio through the audio tower",
+                 facts.model_type, facts.audio.audio_token_id, facts.audio.tokens_per_clip,
+                 facts.audio.max_samples / facts.audio.sampling_rate)
     return _plain_loaded(path, model_arg, aliases, name, model, tokenizer, config, vision=facts)
 
 

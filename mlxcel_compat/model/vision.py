@@ -69,9 +69,7 @@ def load_vision_directory(path: Path) -> tuple["VisionLM", Any, dict[str, Any], 
     if not (path / "preprocessor_config.json").is_file():
         raise ValueError(f"{path} has no preprocessor_config.json: the image processor's settings are missing")
     family.processor_name(path)  # an image processor the family does not take is refused before the weights load
-    from mlx_vlm.utils import load_model as load_vlm
-
-    vlm = load_vlm(path)
+    vlm = family.load(path)
     eos = config.get("eos_token_id")
     tokenizer = load_tokenizer(path, eos_token_ids=eos if isinstance(eos, list) else None)
     facts = family.facts(path, config, tokenizer)
@@ -111,13 +109,18 @@ class VisionLM(nn.Module):
 
     def bind(self, media: Any, prompt: list[int]) -> "VisionLM | BoundVisionLM":
         """This model for one sequence (``prompt``): with its images when ``media`` has any."""
-        return self if media is None or not media.images else BoundVisionLM(self, media, prompt)
+        return self if media is None or not media.spans else BoundVisionLM(self, media, prompt)
 
     def warm_up(self) -> None:
         """Run the vision tower once on a blank image: MLX's first call of a graph pays a one-off
         set-up cost (seconds), which the first request with an image would otherwise pay. The
         tower's rows are checked against the image tokens the prompt side gives the same image
-        (a mismatch would put features at the wrong tokens)."""
+        (a mismatch would put features at the wrong tokens). A family with audio runs its audio tower
+        on the longest clip it takes, which must fit the clip's tokens."""
+        if self.facts.audio is not None:
+            self._warm_up_audio(self.facts.audio)
+        if not self.facts.images:
+            return
         blank = self.family.blank_image(self.vlm)
         rows = self.family.features(self.vlm, [blank])
         mx.eval(rows)
@@ -128,17 +131,28 @@ class VisionLM(nn.Module):
         if rows.shape[0] != tokens:
             raise ValueError(f"the vision tower gives {rows.shape[0]} feature rows for an image of {tokens} image tokens")
 
+    def _warm_up_audio(self, audio: Any) -> None:
+        import importlib
+
+        from mlxcel_compat.engine.request import MediaAudio
+
+        module, _, name = audio.extractor.partition(":")
+        extractor = getattr(importlib.import_module(module), name).from_pretrained(str(audio.extractor_dir))
+        out = extractor([np.zeros(audio.max_samples, np.float32)], return_tensors="np", max_length=audio.max_samples)
+        clip = MediaAudio(out["input_features"], out["input_features_mask"], (0, audio.tokens_per_clip))
+        mx.eval(self.family.audio_features(self.vlm, [clip]))
+
     def forward(self, inputs: mx.array, cache: Any, embeds: mx.array | None, positions: mx.array | None) -> mx.array:
         """Logits of ``inputs`` (1, L) at ``positions`` (mrope: (3, 1, L); else ``None``, the
         cache's offset + index), with ``embeds`` replacing the token embeddings where given."""
         language = self.vlm.language_model
         hidden = self.family.hidden(language, inputs, cache, embeds, positions)
-        head = getattr(language, "lm_head", None)  # absent when tied to the embeddings
-        return head(hidden) if head is not None else language.model.embed_tokens.as_linear(hidden)
+        return self.family.logits(language, hidden)
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         batch, length = inputs.shape
-        return self.forward(inputs, cache, None, self.family.text_positions(_offset(cache), length, batch))
+        embeds = self.family.text_embeddings(self.vlm, inputs)
+        return self.forward(inputs, cache, embeds, self.family.text_positions(_offset(cache), length, batch))
 
 
 class BoundVisionLM:
@@ -150,18 +164,33 @@ class BoundVisionLM:
         self.layers = base.layers
         self.make_cache = base.make_cache
         prompt = np.asarray(prompt_tokens, dtype=np.int64)
-        rope = base.family.prompt_positions(base.vlm, prompt, media.images)
+        rope = base.family.prompt_positions(base.vlm, prompt, media.images) if media.images else None
         self.positions, self.delta = rope if rope is not None else (None, 0)  # (3, 1, n_prompt) for mrope
-        is_image = prompt == base.facts.image_token_id
-        # The row of the vision features each image token takes, or -1.
-        self.feature_row = np.where(is_image, np.cumsum(is_image) - 1, -1)
-        self._features: mx.array | None = None
+        # Per kind (images, audio clips): the row of its features each of its tokens takes, or -1.
+        self.kinds: list[tuple[np.ndarray, Any]] = []
+        if media.images:
+            self.kinds.append((self._rows(prompt, base.facts.image_token_id), self._image_features))
+        audio = getattr(media, "audio", None)
+        if audio:
+            self.kinds.append((self._rows(prompt, base.facts.audio.audio_token_id), self._audio_features))
+        self._features: dict[str, mx.array] = {}
+
+    @staticmethod
+    def _rows(prompt: np.ndarray, token: int) -> np.ndarray:
+        hit = prompt == token
+        return np.where(hit, np.cumsum(hit) - 1, -1)
+
+    def _cached(self, kind: str, make: Any) -> mx.array:
+        if kind not in self._features:
+            self._features[kind] = make()
+            mx.eval(self._features[kind])
+        return self._features[kind]
 
     def _image_features(self) -> mx.array:
-        if self._features is None:
-            self._features = self.base.family.features(self.base.vlm, self.media.images)
-            mx.eval(self._features)
-        return self._features
+        return self._cached("image", lambda: self.base.family.features(self.base.vlm, self.media.images))
+
+    def _audio_features(self) -> mx.array:
+        return self._cached("audio", lambda: self.base.family.audio_features(self.base.vlm, self.media.audio))
 
     def _positions(self, start: int, length: int) -> mx.array | None:
         if self.positions is None:
@@ -176,16 +205,19 @@ class BoundVisionLM:
         return after if inside is None else mx.concatenate([inside, after], axis=-1)
 
     def _embeds(self, inputs: mx.array, start: int, length: int) -> mx.array | None:
-        rows = np.full(length, -1, dtype=np.int64)
-        inside = self.feature_row[start : start + length]
-        rows[: inside.size] = inside
-        if rows.max() < 0:
-            return None
-        language = self.base.vlm.language_model
-        embeds = language.model.embed_tokens(inputs)
-        features = self._image_features()[mx.array(np.maximum(rows, 0))]
-        mask = mx.array(rows >= 0)[None, :, None]
-        return mx.where(mask, features[None].astype(embeds.dtype), embeds)
+        embeds = None
+        for feature_row, features_of in self.kinds:
+            rows = np.full(length, -1, dtype=np.int64)
+            inside = feature_row[start : start + length]
+            rows[: inside.size] = inside
+            if rows.max() < 0:
+                continue
+            if embeds is None:
+                embeds = self.base.family.token_embeddings(self.base.vlm, inputs)
+            features = features_of()[mx.array(np.maximum(rows, 0))]
+            mask = mx.array(rows >= 0)[None, :, None]
+            embeds = mx.where(mask, features[None].astype(embeds.dtype), embeds)
+        return embeds if embeds is not None else self.base.family.text_embeddings(self.base.vlm, inputs)
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         length = inputs.shape[1]

@@ -34,6 +34,25 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class AudioFacts:
+    """The prompt-side facts of a family's audio input (plain data): the template writes ``marker``
+    once per audio part; ``server/media.py`` replaces its ``expand_token`` by ``before +
+    [audio_token_id] * tokens_per_clip + after`` and prepares the samples with the family's Hugging
+    Face feature extractor (configured by ``preprocessor_config.json``)."""
+
+    audio_token_id: int
+    marker: tuple[int, ...]
+    expand_token: int
+    before: tuple[int, ...]
+    after: tuple[int, ...]
+    tokens_per_clip: int  # every clip takes this many tokens (the features are padded to it)
+    sampling_rate: int  # the extractor's input rate: decoded audio is resampled to it
+    max_samples: int  # the longest clip the tokens hold (longer: 400, never cut)
+    extractor: str  # "module:Class" of the feature extractor
+    extractor_dir: Path = Path(".")
+
+
+@dataclass(frozen=True)
 class VisionFacts:
     """What the HTTP layer needs to know about the served model's image input (plain data, no MLX).
 
@@ -55,6 +74,8 @@ class VisionFacts:
     processor: str = ""  # "module:Class" of the image processor (Hugging Face, PIL backend)
     processor_kwargs: dict[str, Any] = field(default_factory=dict)
     processor_dir: Path = Path(".")  # holds preprocessor_config.json
+    images: bool = True  # the family's images are served (Gemma 3n: not yet, its audio is)
+    audio: AudioFacts | None = None  # the family's audio input, when it has an audio tower
 
     def image_token_count(self, processed: Any) -> tuple[int, tuple[int, int, int]]:
         """``(tokens, grid_thw)`` of one image from its processor output; ``grid_thw`` is
@@ -123,6 +144,27 @@ class VisionFamily:
     def hidden(self, language: Any, inputs: mx.array, cache: Any, embeds: mx.array | None,
                positions: mx.array | None) -> mx.array:
         return language.model(inputs, inputs_embeds=embeds, cache=cache)
+
+    def logits(self, language: Any, hidden: mx.array) -> mx.array:
+        head = getattr(language, "lm_head", None)  # absent when tied to the embeddings
+        return head(hidden) if head is not None else language.model.embed_tokens.as_linear(hidden)
+
+    def load(self, path: Path) -> Any:
+        from mlx_vlm.utils import load_model
+
+        return load_model(path)
+
+    def token_embeddings(self, vlm: Any, inputs: mx.array) -> mx.array:
+        """The input embeddings of ``inputs`` that media features are merged into."""
+        return vlm.language_model.model.embed_tokens(inputs)
+
+    def text_embeddings(self, vlm: Any, inputs: mx.array) -> mx.array | None:
+        """Embeddings for a chunk without media rows (``None``: the text model embeds the tokens)."""
+        return None
+
+    def audio_features(self, vlm: Any, clips: list[Any]) -> mx.array:
+        """``(audio tokens, hidden)``: one row per audio token of ``clips`` (``MediaAudio``s), in order."""
+        raise NotImplementedError
 
 
 class Qwen2VL(VisionFamily):
@@ -255,7 +297,161 @@ class Llava(_FixedSize):
         return projected.reshape(-1, projected.shape[-1])
 
 
-FAMILIES: dict[str, VisionFamily] = {t: f for f in (Qwen2VL(), Gemma3(), Llava()) for t in f.model_types}
+class _SharedKV:
+    """One KV layer for one forward pass, as Gemma 3n's KV-sharing layers need it: ``state`` is the
+    keys and values held so far, this chunk's included (mlx-lm's cache, which the engine keeps,
+    gives its whole buffer), and ``offset`` stays the pass's first position. mlx-vlm 0.7.10's
+    sharing layers read the offset after the layer they share has stored the chunk, so their
+    queries' RoPE positions run ahead by the chunk's length and the logits depend on the chunking;
+    Hugging Face's model gives every layer the tokens' own positions, as this does."""
+
+    def __init__(self, layer: Any) -> None:
+        self.layer = layer
+        self.offset = layer.offset
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        return self.layer.keys[..., : self.layer.offset, :], self.layer.values[..., : self.layer.offset, :]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return self.layer.update_and_fetch(keys, values)
+
+    def make_mask(self, *args: Any, **kwargs: Any) -> Any:
+        return self.layer.make_mask(*args, **kwargs)
+
+
+class Gemma3n(VisionFamily):
+    """Gemma 3n's audio: a USM-style conformer over log-mel features, every clip padded to
+    ``audio_soft_tokens_per_image`` tokens (188: 30 s), between ``<start_of_audio>`` and
+    ``<end_of_audio>``, as Gemma3nProcessor writes them.
+
+    As Hugging Face's Gemma3nModel embeds a prompt: text tokens through ``embed_tokens`` scaled by
+    ``sqrt(hidden_size)``, the vision and audio vocabularies' tokens (``<end_of_audio>`` among them)
+    through their own embedders, the audio tokens replaced by the tower's rows (padding frames: the
+    audio vocabulary's last embedding); per-layer inputs from the token ids. One difference from
+    mlx-vlm 0.7.10: its ``get_input_embeddings`` leaves the text tokens unscaled when a prompt has
+    media, unlike its text-only path; here both scale, so the text before a clip is what a
+    text-only request computes (the prompt cache shares it). Every layer keeps a full KV (the
+    sliding-window layers masked to the window, as for Gemma 3), so a cache hit can end anywhere
+    outside a clip. The KV-sharing layers' queries take the tokens' own positions (``_SharedKV``;
+    mlx-vlm's run ahead by the chunk's length). Images are not served (its MobileNetV5 tower is
+    not wired here)."""
+
+    model_types = ("gemma3n",)
+    extractors = {"Gemma3nAudioFeatureExtractor":
+                  "transformers.models.gemma3n.feature_extraction_gemma3n:Gemma3nAudioFeatureExtractor"}
+    REDUCTION = 16  # mel frames per audio token: two stride-2 convolutions, then the conformer's 4x reduction
+    EXTRACTOR_MAX_SAMPLES = 480_000  # Gemma3nAudioFeatureExtractor's default max_length (30 s at 16 kHz)
+
+    def processor_name(self, path: Path) -> str:
+        return ""  # images are not served for this family
+
+    def facts(self, path: Path, config: dict[str, Any], tokenizer: Any) -> VisionFacts:
+        import json
+
+        pre = json.loads((path / "preprocessor_config.json").read_text(encoding="utf-8"))
+        kind = str(pre.get("feature_extractor_type") or "Gemma3nAudioFeatureExtractor")
+        if kind not in self.extractors:
+            raise ValueError(f"feature extractor '{kind}' of {path} is not served for gemma3n; "
+                             f"supported: {', '.join(self.extractors)}")
+        rate = int(pre.get("sampling_rate", 16000))
+        hop = int(round(rate * float(pre.get("hop_length_ms", 10.0)) / 1000.0))
+        tokens = int(config.get("audio_soft_tokens_per_image", 188))
+        audio_token, boa = int(config.get("audio_token_id", 262273)), int(config.get("boa_token_id", 256000))
+        gap = tuple(int(t) for t in tokenizer.encode("\n\n", add_special_tokens=False))
+        audio = AudioFacts(
+            audio_token_id=audio_token, marker=(audio_token,), expand_token=audio_token,
+            before=gap + (boa,), after=(int(config.get("eoa_token_id", 262272)),) + gap, tokens_per_clip=tokens,
+            sampling_rate=rate, max_samples=min(tokens * self.REDUCTION * hop, self.EXTRACTOR_MAX_SAMPLES),
+            extractor=self.extractors[kind],
+            extractor_dir=path)
+        image = int(config.get("image_token_id", 262145))
+        return VisionFacts(model_type="gemma3n", image_token_id=image, marker=(image,), expand_token=image,
+                           images=False, audio=audio, processor_dir=path)
+
+    def load(self, path: Path) -> Any:
+        """mlx-vlm's loader; a directory without the vision tower's weights (an audio-and-text one,
+        as the test factory writes, already in mlx-vlm's names and layouts) loads without it."""
+        import json
+
+        import mlx.core as mx
+
+        files = sorted(path.glob("*.safetensors"))
+        names = {k for f in files for k in mx.load(str(f)).keys()}
+        if any(k.startswith("vision_tower.") for k in names):
+            return super().load(path)
+        from mlx_vlm.utils import get_model_and_args
+
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        module, _ = get_model_and_args(config)
+        model_config = module.ModelConfig.from_dict(config)
+        model_config.text_config = module.TextConfig.from_dict(config["text_config"])
+        model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
+        model_config.audio_config = module.AudioConfig.from_dict(config["audio_config"])
+        vlm = module.Model(model_config)
+        vlm.vision_tower = None
+        weights: dict[str, Any] = {}
+        for f in files:
+            weights.update(mx.load(str(f)))
+        vlm.load_weights(list(weights.items()), strict=True)
+        vlm.eval()
+        return vlm
+
+    def make_cache(self, vlm: Any) -> list[Any]:
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache() for _ in range(vlm.language_model.model.first_kv_shared_layer_idx)]
+
+    def token_embeddings(self, vlm: Any, inputs: mx.array) -> mx.array:
+        model = vlm.language_model.model
+        embeds = model.embed_tokens(inputs) * (model.hidden_size ** 0.5)
+        for embedder, upper in ((vlm.embed_vision, vlm.embed_audio.vocab_offset), (vlm.embed_audio, None)):
+            if embedder is None:
+                continue
+            low = embedder.vocab_offset
+            inside = inputs >= low if upper is None else mx.logical_and(inputs >= low, inputs < upper)
+            safe = mx.where(inside, inputs, low + embedder.vocab_size - 1)
+            embeds = mx.where(inside[..., None], embedder(input_ids=safe).astype(embeds.dtype), embeds)
+        return embeds
+
+    def text_embeddings(self, vlm: Any, inputs: mx.array) -> mx.array | None:
+        # Only a chunk with tokens of the vision or audio vocabulary needs their embedders.
+        if not bool((inputs >= vlm.language_model.model.vocab_size_per_layer_input).any().item()):
+            return None
+        return self.token_embeddings(vlm, inputs)
+
+    def audio_features(self, vlm: Any, clips: list[Any]) -> mx.array:
+        pad_id = mx.array([[vlm.language_model.model.vocab_size - 1]])
+        padding = vlm.embed_audio(input_ids=pad_id)[0]
+        tokens = int(vlm.config.audio_soft_tokens_per_image)
+        rows = []
+        for clip in clips:
+            features = mx.array(clip.features)
+            mask = mx.array(clip.mask)
+            encoded, padded = vlm.audio_tower(features, ~mask)
+            embedded = vlm.embed_audio(inputs_embeds=encoded)[0]
+            embedded = mx.where(padded[0][:, None], padding, embedded)
+            if embedded.shape[0] > tokens:
+                raise ValueError(f"the audio tower gives {embedded.shape[0]} rows for a clip of {tokens} tokens")
+            extra = mx.broadcast_to(padding, (tokens - embedded.shape[0], padding.shape[-1]))
+            rows.append(mx.concatenate([embedded, extra.astype(embedded.dtype)], axis=0))
+        return mx.concatenate(rows, axis=0)
+
+    def logits(self, language: Any, hidden: mx.array) -> mx.array:
+        out = language.model.embed_tokens.as_linear(hidden)
+        cap = language.final_logit_softcapping
+        return out if not cap else mx.tanh(out / cap) * cap
+
+    def hidden(self, language: Any, inputs: mx.array, cache: Any, embeds: mx.array | None,
+               positions: mx.array | None) -> mx.array:
+        layers = [_SharedKV(layer) for layer in cache] if cache else cache
+        if embeds is None:
+            return language.model(inputs, cache=layers)
+        per_layer = language.model.get_per_layer_inputs(inputs)
+        return language.model(inputs, inputs_embeds=embeds, cache=layers, per_layer_inputs=per_layer)
+
+
+FAMILIES: dict[str, VisionFamily] = {t: f for f in (Qwen2VL(), Gemma3(), Llava(), Gemma3n()) for t in f.model_types}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 

@@ -476,7 +476,11 @@ async def _wait_for_model(ctx: ServerContext) -> None:
             from mlxcel_compat.server.media import ImageInput, MediaLimits
 
             media = ImageInput(ctx.engine.loaded.vision, MediaLimits.from_settings(ctx.settings))
-            await asyncio.to_thread(media.processor)  # the image processor, read before the gate opens
+            # The image processor and the audio feature extractor, read before the gate opens.
+            if media.facts.images:
+                await asyncio.to_thread(media.processor)
+            if media.facts.audio is not None:
+                await asyncio.to_thread(media.extractor)
             ctx.media = media
         ctx.model = model  # last: this is what opens the gate
         log.info(

@@ -67,7 +67,7 @@ class ServerContext:
     draining: bool = False  # SIGTERM/SIGINT received: new requests get 503
     structured: Any = None  # server.structured.StructuredOutput: grammars, schemas, tool calls
     adapters: AdapterSet = field(default_factory=AdapterSet)  # LoRA adapters and their global scales
-    media: Any = None  # server.media.ImageInput when the served model takes images, else None
+    media: Any = None  # server.media.ImageInput when the served model takes images or audio, else None
 
     def __post_init__(self) -> None:
         self.client = EngineClient(self.engine)

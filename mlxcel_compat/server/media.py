@@ -1,4 +1,5 @@
-"""Request images for a vision-language model: fetch, decode, bound, preprocess, digest, expand.
+"""Request images (and audio clips) for a vision-language model: fetch, decode, bound, preprocess,
+digest, expand.
 
 Runs on the request's worker thread (``server/workers.py``), never on the event loop and never on
 the engine thread; it produces plain records (NumPy arrays) that the engine's vision model
@@ -24,6 +25,12 @@ the engine thread; it produces plain records (NumPy arrays) that the engine's vi
   tokens, by its family's rule (``model/vision_families.py``: Qwen2-VL's merged patch count
   ``t * h * w / merge**2``, Gemma 3's fixed count between ``<start_of_image>`` and
   ``<end_of_image>``, LLaVA's one per patch), as the family's Hugging Face processor does.
+- Audio (Gemma 3n): ``input_audio`` parts and audio ``multimodal_data`` items (told by their
+  bytes, as llama-server does); WAV decoded by the standard library's ``wave`` (PCM, mixed to mono,
+  resampled linearly to the feature extractor's rate), its length checked from the header first
+  (``--media-max-audio-seconds`` and the model's clip length), ``--media-max-audio`` clips per
+  request; MP3 is a 400 (no decoder installed). The digest covers the decoded samples, in prompt
+  order with the images; each clip becomes the family's fixed count of audio tokens.
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ import numpy as np
 from blake3 import blake3
 
 from mlxcel_compat.cache.key import multimodal_digest
-from mlxcel_compat.engine.request import MediaImage, MediaInput
+from mlxcel_compat.chat.messages import AudioSource
+from mlxcel_compat.engine.request import MediaAudio, MediaImage, MediaInput
 from mlxcel_compat.server.errors import InvalidRequest
 
 FETCH_TIMEOUT_S = 10.0  # llama-server's download timeout
@@ -62,10 +70,25 @@ class MediaLimits:
     max_pixels: int = 4096 * 4096
     max_bytes: int = 10 * 1024 * 1024
     fetch: bool = False
+    max_audio: int = 16
+    max_audio_seconds: float = 600.0
 
     @classmethod
     def from_settings(cls, s: Any) -> "MediaLimits":
-        return cls(int(s.media_max_images), int(s.media_max_pixels), int(s.media_max_bytes), bool(s.media_fetch))
+        return cls(int(s.media_max_images), int(s.media_max_pixels), int(s.media_max_bytes), bool(s.media_fetch),
+                   int(s.media_max_audio), float(s.media_max_audio_seconds))
+
+
+@dataclass
+class DecodedAudio:
+    """One clip as mono float32 samples at the model's rate."""
+
+    samples: np.ndarray
+    rate: int
+
+    def digest_item(self) -> bytes:
+        """What ``mm_digest`` covers: a tag (never equal to an image's size prefix), the rate, the samples."""
+        return b"audio\0" + struct.pack("<I", self.rate) + self.samples.astype("<f4").tobytes()
 
 
 @dataclass
@@ -210,8 +233,72 @@ def decode_image(data: bytes, limits: MediaLimits) -> DecodedImage:
     return DecodedImage(rgb, width, height)
 
 
+def _audio_kind(data: bytes) -> str | None:
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
+        return "wav"
+    if data[:3] == b"ID3" or (len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0):
+        return "mp3"
+    return None
+
+
+def is_audio(data: bytes) -> bool:
+    """llama-server tells audio from images by the bytes (RIFF/WAVE, MP3 frames or an ID3 tag)."""
+    return _audio_kind(data) is not None
+
+
+def _resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
+    # Linear interpolation onto the target rate's sample times (the feature extractor takes one rate).
+    if rate == target or samples.size == 0:
+        return samples
+    n = int(round(samples.size * target / rate))
+    return np.interp(np.arange(n) * (rate / target), np.arange(samples.size), samples).astype(np.float32)
+
+
+def decode_audio(data: bytes, fmt: Any, limits: MediaLimits, rate: int, max_samples: int) -> DecodedAudio:
+    """A WAV clip (PCM, 8 to 32 bits, any channels: averaged to mono) as float32 at ``rate``; its
+    duration is checked from the header before any frame is read. The bytes say what the clip is,
+    as in llama-server (``fmt``, the part's ``format``, is only checked to be one it takes)."""
+    import wave
+
+    if len(data) > limits.max_bytes:
+        raise InvalidRequest(f"audio is {len(data)} bytes, over the limit of {limits.max_bytes} (--media-max-bytes)")
+    kind = _audio_kind(data)
+    if fmt is not None and fmt not in ("wav", "mp3"):
+        raise InvalidRequest(f"input_audio.format must be 'wav' or 'mp3', got {fmt!r}")
+    if kind is None:
+        raise InvalidRequest("failed to load audio: not a WAV or MP3 file")
+    if kind == "mp3":
+        raise InvalidRequest("mp3 audio is not decoded by this server (no MP3 decoder is installed); send WAV")
+    try:
+        with wave.open(io.BytesIO(data)) as wav:
+            channels, width, frame_rate, frames = wav.getnchannels(), wav.getsampwidth(), wav.getframerate(), wav.getnframes()
+            seconds = frames / frame_rate if frame_rate else 0.0
+            longest = min(limits.max_audio_seconds, max_samples / rate)
+            if seconds > longest:
+                raise InvalidRequest(f"audio is {seconds:.2f} s long, over the limit of {longest:.2f} s "
+                                     "(--media-max-audio-seconds, or the model's clip length)")
+            raw = wav.readframes(frames)
+    except InvalidRequest:
+        raise
+    except (wave.Error, EOFError, ValueError, struct.error) as exc:
+        raise InvalidRequest(f"failed to load audio: {exc}") from None
+    if len(raw) != frames * channels * width or frames == 0:
+        raise InvalidRequest("failed to load audio: truncated or empty WAV data")
+    if width == 1:
+        pcm = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128.0) / 128.0
+    elif width == 3:
+        b = np.frombuffer(raw, np.uint8).reshape(-1, 3).astype(np.int32)
+        pcm = ((b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)) << 8 >> 8).astype(np.float32) / float(1 << 23)
+    else:
+        pcm = np.frombuffer(raw, {2: "<i2", 4: "<i4"}[width]).astype(np.float32) / float(1 << (8 * width - 1))
+    mono = pcm.reshape(-1, channels).mean(axis=1).astype(np.float32)
+    samples = _resample(mono, frame_rate, rate)[:max_samples]
+    return DecodedAudio(samples, rate)
+
+
 class ImageInput:
-    """Turns a chat's image sources into the engine's ``MediaInput`` for the served model.
+    """Turns a chat's image sources (and audio sources, on a model with an audio tower) into the
+    engine's ``MediaInput`` for the served model.
 
     ``facts`` is the model's ``model.vision_families.VisionFacts``; the family's Hugging Face image
     processor (``preprocessor_config.json``) is loaded once, off the event loop (the app does it before it
@@ -222,6 +309,7 @@ class ImageInput:
         self.facts = facts
         self.limits = limits
         self._processor: Any = None
+        self._extractor: Any = None
         self._lock = threading.Lock()
         self.memo = PreparedMemo()
 
@@ -235,30 +323,88 @@ class ImageInput:
                 self._processor = cls.from_pretrained(str(self.facts.processor_dir))
             return self._processor
 
+    def extractor(self) -> Any:
+        with self._lock:
+            if self._extractor is None:
+                import importlib
+
+                audio = self.facts.audio
+                module, _, name = audio.extractor.partition(":")
+                self._extractor = getattr(importlib.import_module(module), name).from_pretrained(str(audio.extractor_dir))
+            return self._extractor
+
+    def decode_audio_all(self, sources: list[AudioSource]) -> list[DecodedAudio]:
+        audio = self.facts.audio
+        if audio is None:
+            raise InvalidRequest("audio input is not supported by this model")
+        if len(sources) > self.limits.max_audio:
+            raise InvalidRequest(f"{len(sources)} audio clips in one request, over the limit of "
+                                 f"{self.limits.max_audio} (--media-max-audio)")
+        clips = []
+        for src in sources:
+            if not isinstance(src.data, str) or not src.data:
+                raise InvalidRequest("input_audio.data must be a non-empty base64 string")
+            if len(src.data) * 3 // 4 > self.limits.max_bytes:
+                raise InvalidRequest(f"audio is {len(src.data) * 3 // 4} bytes, over the limit of "
+                                     f"{self.limits.max_bytes} (--media-max-bytes)")
+            try:
+                data = base64.b64decode(src.data, validate=True)
+            except (binascii.Error, ValueError):
+                raise InvalidRequest("audio data is not valid base64") from None
+            clips.append(decode_audio(data, src.format, self.limits, audio.sampling_rate, audio.max_samples))
+        return clips
+
     def prepare(self, sources: list[Any], tokens: list[int]) -> tuple[list[int], MediaInput, bytes]:
-        """``(expanded tokens, media, mm_digest)`` for a prompt holding one image token per source."""
-        if len(sources) > self.limits.max_images:
-            raise InvalidRequest(f"{len(sources)} images in one request, over the limit of {self.limits.max_images} "
-                                 "(--media-max-images)")
+        """``(expanded tokens, media, mm_digest)`` for a prompt holding one marker token per source
+        (image sources: ``image_url`` strings; audio: :class:`AudioSource`), in prompt order."""
         facts = self.facts
-        where = [i for i, t in enumerate(tokens) if t == facts.expand_token]
-        if len(where) != len(sources):
-            raise InvalidRequest(f"the prompt has {len(where)} image markers for {len(sources)} images")
-        images = [self.prepared(image_bytes(src, self.limits)) for src in sources]
+        image_sources = [s for s in sources if not isinstance(s, AudioSource)]
+        audio_sources = [s for s in sources if isinstance(s, AudioSource)]
+        if len(image_sources) > self.limits.max_images:
+            raise InvalidRequest(f"{len(image_sources)} images in one request, over the limit of {self.limits.max_images} "
+                                 "(--media-max-images)")
+        audio_marker = facts.audio.expand_token if facts.audio is not None else None
+        markers = [(i, t) for i, t in enumerate(tokens) if t == facts.expand_token or t == audio_marker]
+        kinds = ["audio" if isinstance(s, AudioSource) else "image" for s in sources]
+        found = ["audio" if t == audio_marker else "image" for _, t in markers]
+        if found != kinds:
+            if "audio" not in found + kinds:
+                raise InvalidRequest(f"the prompt has {len(found)} image markers for {len(kinds)} images")
+            raise InvalidRequest(f"the prompt has {found.count('image')} image and {found.count('audio')} audio "
+                                 f"markers for {kinds.count('image')} images and {kinds.count('audio')} audio clips")
+        images = iter([self.prepared(image_bytes(src, self.limits)) for src in image_sources])
+        clips = iter(self.decode_audio_all(audio_sources) if audio_sources else [])
         expanded: list[int] = []
-        records: list[MediaImage] = []
+        media = MediaInput()
+        items: list[bytes] = []
         last = 0
-        for at, image in zip(where, images):
+        for at, token in markers:
             expanded.extend(tokens[last:at])
-            expanded.extend(facts.before)
-            start = len(expanded)
-            expanded.extend([facts.image_token_id] * image.count)
-            expanded.extend(facts.after)
-            records.append(MediaImage(image.pixel_values, image.grid, (start, start + image.count)))
+            if token == audio_marker:
+                clip = next(clips)
+                items.append(clip.digest_item())
+                media.audio.append(self._audio_record(clip, expanded))
+            else:
+                image = next(images)
+                items.append(image.digest_item)
+                expanded.extend(facts.before)
+                start = len(expanded)
+                expanded.extend([facts.image_token_id] * image.count)
+                expanded.extend(facts.after)
+                media.images.append(MediaImage(image.pixel_values, image.grid, (start, start + image.count)))
             last = at + 1
         expanded.extend(tokens[last:])
-        digest = multimodal_digest([image.digest_item for image in images])
-        return expanded, MediaInput(records), digest
+        return expanded, media, multimodal_digest(items)
+
+    def _audio_record(self, clip: DecodedAudio, expanded: list[int]) -> MediaAudio:
+        audio = self.facts.audio
+        out = self.extractor()([clip.samples], return_tensors="np", max_length=audio.max_samples, truncation=True)
+        expanded.extend(audio.before)
+        start = len(expanded)
+        expanded.extend([audio.audio_token_id] * audio.tokens_per_clip)
+        expanded.extend(audio.after)
+        return MediaAudio(np.asarray(out["input_features"], dtype=np.float32),
+                          np.asarray(out["input_features_mask"], dtype=bool), (start, start + audio.tokens_per_clip))
 
     def prepared(self, data: bytes) -> PreparedImage:
         """One image's encoded bytes, decoded and preprocessed, or the memo's result for the same bytes."""
@@ -276,7 +422,26 @@ class ImageInput:
         return image
 
 
-def marked_prompt_tokens(tokenizer: Any, facts: Any, prompt: str, n_items: int) -> list[int]:
+def raw_media_sources(facts: Any, items: list[str]) -> tuple[list[Any], list[bool]]:
+    """A raw prompt's ``multimodal_data`` items as sources, audio told from images by the bytes
+    (llama-server's rule): ``(sources, is_audio)``. Audio on a model without an audio tower: 400."""
+    sources: list[Any] = []
+    kinds: list[bool] = []
+    for item in items:
+        try:
+            head = base64.b64decode(item[:64] + "=" * (-len(item[:64]) % 4), validate=False)
+        except (binascii.Error, ValueError):
+            head = b""  # refused as bad base64 when the image is decoded
+        audio = is_audio(head)
+        if audio and (facts.audio is None):
+            raise InvalidRequest("audio input is not supported by this model")
+        sources.append(AudioSource(item) if audio else item)
+        kinds.append(audio)
+    return sources, kinds
+
+
+def marked_prompt_tokens(tokenizer: Any, facts: Any, prompt: str, n_items: int,
+                         kinds: list[bool] | None = None) -> list[int]:
     """A raw prompt's tokens with each media marker replaced by what the model's chat template
     writes for an image (``facts.marker``: Qwen2-VL's ``<|vision_start|><|image_pad|><|vision_end|>``,
     Gemma 3's ``<start_of_image>``, LLaVA's ``<image>``), to be expanded by ``prepare``."""
@@ -285,6 +450,7 @@ def marked_prompt_tokens(tokenizer: Any, facts: Any, prompt: str, n_items: int) 
         raise InvalidRequest(f"the prompt has {len(pieces) - 1} media markers ({MEDIA_MARKER}) for {n_items} "
                              "multimodal_data items")
     tokens = list(tokenizer.encode(pieces[0], add_special_tokens=True))
-    for piece in pieces[1:]:
-        tokens += list(facts.marker) + list(tokenizer.encode(piece, add_special_tokens=False))
+    for piece, audio in zip(pieces[1:], kinds or [False] * n_items):
+        marker = facts.audio.marker if audio else facts.marker
+        tokens += list(marker) + list(tokenizer.encode(piece, add_special_tokens=False))
     return tokens

@@ -224,7 +224,7 @@ def _raw_media(ctx: ServerContext, prompt: Any) -> tuple[list[int], MediaInput, 
         raise InvalidRequest("multimodal_data is served for a single prompt per request")
     if not isinstance(prompt, Mapping) or "multimodal_data" not in prompt:
         return None
-    from mlxcel_compat.server.media import marked_prompt_tokens
+    from mlxcel_compat.server.media import marked_prompt_tokens, raw_media_sources
 
     text, items = prompt.get("prompt_string"), prompt.get("multimodal_data")
     if not isinstance(text, str):
@@ -232,8 +232,9 @@ def _raw_media(ctx: ServerContext, prompt: Any) -> tuple[list[int], MediaInput, 
     if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
         raise InvalidRequest("multimodal_data must be an array of base64 strings")
     ctx.prompt_bound.check(len(text))
-    tokens = marked_prompt_tokens(ctx.model.tokenizer, ctx.media.facts, text, len(items))
-    return ctx.media.prepare(items, tokens)
+    sources, kinds = raw_media_sources(ctx.media.facts, items)
+    tokens = marked_prompt_tokens(ctx.model.tokenizer, ctx.media.facts, text, len(items), kinds)
+    return ctx.media.prepare(sources, tokens)
 
 
 # ---------------------------------------------------------------------- chat requests
@@ -248,7 +249,9 @@ def render_prompt(ctx: ServerContext, data: Mapping[str, Any]) -> tuple[str, Cha
         defaults = default_template_kwargs(ctx.settings)
         if ctx.cache_hooks is not None:
             defaults = ctx.cache_hooks.template_defaults(data, defaults)
-        chat = parse_chat_request(data, default_template_kwargs=defaults, images=ctx.media is not None)
+        facts = ctx.media.facts if ctx.media is not None else None
+        chat = parse_chat_request(data, default_template_kwargs=defaults, images=facts is not None and facts.images,
+                                  audio=facts is not None and facts.audio is not None)
         return render_chat(template, chat), chat
     except (ChatRequestError, TemplateError) as exc:
         if getattr(exc, "status_code", 400) >= 500:

@@ -1,5 +1,6 @@
 """Tiny random-weight vision-language directories for tests (Qwen2.5-VL, Qwen2-VL, Gemma 3,
-LLaVA): a real vision tower, a real image processor.
+LLaVA): a real vision tower, a real image processor; and Gemma 3n (``--family gemma3n``): a real
+audio tower, a real audio feature extractor.
 
 Each model is mlx-vlm's own classes for its ``model_type`` at tiny sizes (2-block vision towers of
 width 32 feeding 2-layer text models of width 64), so the server runs the same vision tower,
@@ -20,13 +21,16 @@ that a real checkpoint of the family runs, in milliseconds.
   (28*28*16: at most 16 image tokens an image). Gemma 3: 56-pixel images (SigLIP, 4x4 patches
   pooled to 4 tokens), a sliding window of 24 tokens on its local layers (shorter than the tests'
   prompts). LLaVA: 56-pixel center crops (CLIP, 16 tokens, a Llama text model).
+- Gemma 3n: a 4-layer text model (sliding and full attention, the last 2 layers sharing KV, AltUp,
+  per-layer inputs) with a 2-block conformer audio tower of width 32 over 16 mel bins; 8 tokens a
+  clip (1.28 s at 16 kHz). Its vision tower is not written (see ``_gemma3n_config``).
 
 Size ``small`` (Qwen2.5-VL only; ``SMALL``): an 8-block tower of width 384 feeding an 8-layer text
 model of width 512 (~45M parameters), and the real processor's image sizes (a 448x448 image
 becomes 256 image tokens): for benchmarks whose ratios need a first turn that costs what a real
 one's vision tower and image prefill cost (``scripts/bench_vision_ttft.py``), not for tests.
 
-Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|gemma3|llava] [--size small]``.
+Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|gemma3|llava|gemma3n] [--size small]``.
 """
 
 from __future__ import annotations
@@ -49,12 +53,20 @@ FAMILY_TOKENS: dict[str, tuple[str, ...]] = {
     "qwen2_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
     "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
     "llava": ("<image>",),
+    # Gemma 3n's layout at tiny size: two text-range markers, then the vision vocabulary (its first id
+    # the vision offset, <end_of_image> at it), then the audio vocabulary (<end_of_audio> at its offset).
+    "gemma3n": ("<start_of_image>", "<start_of_audio>", "<end_of_image>", "<image_soft_token>", "<vision_2>",
+                "<vision_3>", "<end_of_audio>", "<audio_soft_token>", "<audio_2>", "<audio_3>"),
 }
-FAMILIES: tuple[str, ...] = tuple(FAMILY_TOKENS)
+ALL_FAMILIES: tuple[str, ...] = tuple(FAMILY_TOKENS)
+AUDIO_FAMILIES: tuple[str, ...] = ("gemma3n",)  # served for audio (Gemma 3n's images are not)
+FAMILIES: tuple[str, ...] = tuple(f for f in ALL_FAMILIES if f not in AUDIO_FAMILIES)  # served for images
 # What each family's chat template writes for one image part (the server expands it).
 TEMPLATE_IMAGE = {"qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                   "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-                  "gemma3": "<start_of_image>", "llava": "<image>"}
+                  "gemma3": "<start_of_image>", "llava": "<image>", "gemma3n": "<image_soft_token>"}
+# What the template writes for one audio part (families with an audio tower): Gemma 3n's soft token.
+TEMPLATE_AUDIO = {"gemma3n": "<audio_soft_token>"}
 PATCH_SIZE = 14
 MERGE_SIZE = 2
 MIN_PIXELS = 28 * 28 * 4  # at least 2x2 merged tokens
@@ -76,6 +88,11 @@ SMALL = {
                    window_size=112, fullatt_block_indexes=[3, 7]),
     "max_pixels": 448 * 448,
 }
+# Gemma 3n: 8 audio tokens a clip (its audio tower reduces mel frames 16x: 1.28 s of 16 kHz audio),
+# 16 mel bins; the real model takes 188 tokens (30 s) of 128 bins.
+AUDIO_TOKENS_PER_CLIP = 8
+AUDIO_MEL_BINS = 16
+AUDIO_SAMPLING_RATE = 16000
 
 
 def vision_token_id(content: str, family: str = "qwen2_5_vl") -> int:
@@ -88,7 +105,8 @@ def vocab_size(family: str) -> int:
 
 
 _ARCHITECTURES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
-                  "gemma3": "Gemma3ForConditionalGeneration", "llava": "LlavaForConditionalGeneration"}
+                  "gemma3": "Gemma3ForConditionalGeneration", "llava": "LlavaForConditionalGeneration",
+                  "gemma3n": "Gemma3nForConditionalGeneration"}
 
 
 def _vision_config(family: str) -> dict[str, Any]:
@@ -142,10 +160,44 @@ def _llava_config() -> dict[str, Any]:
 
 
 def _check(family: str, size: str) -> None:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown vision family {family!r}; choose one of: {', '.join(FAMILIES)}")
+    if family not in ALL_FAMILIES:
+        raise ValueError(f"unknown vision family {family!r}; choose one of: {', '.join(ALL_FAMILIES)}")
     if size not in SIZES or (size == "small" and family != "qwen2_5_vl"):
         raise ValueError(f"vision size {size!r} is not made for {family}: tiny for every family, small for qwen2_5_vl")
+
+
+def _gemma3n_config() -> dict[str, Any]:
+    """Gemma 3n's layout: text, vision and audio configs nested; the vision and audio vocabularies
+    follow the text one (``vocab_offset``). The vision tower (MobileNetV5, its blocks fixed at
+    ~300M parameters in mlx-vlm) has no weights here: mlx-vlm drops a module a checkpoint omits, and
+    the server serves Gemma 3n's audio, not its images."""
+    vision_offset = vision_token_id("<end_of_image>", "gemma3n")
+    audio_offset = vision_token_id("<end_of_audio>", "gemma3n")
+    total = vocab_size("gemma3n")
+    text = dict(model_type="gemma3n_text", hidden_size=64, num_hidden_layers=4, intermediate_size=[128] * 4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, vocab_size=total,
+                vocab_size_per_layer_input=vision_offset, laurel_rank=8, hidden_size_per_layer_input=16,
+                altup_num_inputs=4, altup_active_idx=0, altup_correct_scale=True, num_kv_shared_layers=2,
+                layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=SLIDING_WINDOW,
+                rope_theta=1000000.0, rope_local_base_freq=10000.0, final_logit_softcapping=30.0,
+                activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0], max_position_embeddings=32768)
+    vision = dict(model_type="gemma3n_vision", hidden_size=32, vocab_size=4, vocab_offset=vision_offset,
+                  rms_norm_eps=1e-6)
+    audio = dict(model_type="gemma3n_audio", input_feat_size=AUDIO_MEL_BINS, hidden_size=32,
+                 conf_num_attention_heads=2, conf_num_hidden_layers=2, conf_attention_chunk_size=4,
+                 conf_attention_context_left=5, conf_attention_context_right=0, conf_conv_kernel_size=3,
+                 conf_positional_bias_size=64, conf_reduction_factor=4, sscp_conv_channel_size=[8, 4],
+                 vocab_size=4, vocab_offset=audio_offset, rms_norm_eps=1e-6)
+    return dict(
+        model_type="gemma3n", architectures=[_ARCHITECTURES["gemma3n"]], text_config=text, vision_config=vision,
+        audio_config=audio, hidden_size=64, vocab_size=total,
+        vision_soft_tokens_per_image=GEMMA_TOKENS_PER_IMAGE, audio_soft_tokens_per_image=AUDIO_TOKENS_PER_CLIP,
+        boi_token_id=vision_token_id("<start_of_image>", "gemma3n"), eoi_token_id=vision_offset,
+        image_token_id=vision_token_id("<image_soft_token>", "gemma3n"),
+        boa_token_id=vision_token_id("<start_of_audio>", "gemma3n"), eoa_token_id=audio_offset,
+        audio_token_id=vision_token_id("<audio_soft_token>", "gemma3n"),
+        bos_token_id=None, eos_token_id=_EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT), torch_dtype="float32",
+    )
 
 
 def model_config(family: str = "qwen2_5_vl", size: str = "tiny") -> dict[str, Any]:
@@ -157,6 +209,8 @@ def model_config(family: str = "qwen2_5_vl", size: str = "tiny") -> dict[str, An
         return dict(tiny, **SMALL["text"], vision_config=dict(tiny["vision_config"], **SMALL["vision"]))
     if family == "gemma3":
         return _gemma3_config()
+    if family == "gemma3n":
+        return _gemma3n_config()
     if family == "llava":
         return _llava_config()
     vision = _vision_config(family)
@@ -178,11 +232,21 @@ def model_config(family: str = "qwen2_5_vl", size: str = "tiny") -> dict[str, An
 
 
 def preprocessor_config(family: str = "qwen2_5_vl", size: str = "tiny") -> dict[str, Any]:
-    """Hugging Face's image processor configuration (``preprocessor_config.json``) of the family."""
+    """Hugging Face's image processor configuration (``preprocessor_config.json``) of the family
+    (Gemma 3n: its audio feature extractor's, the fields of ``Gemma3nAudioFeatureExtractor``)."""
     if size == "small":
         tiny = preprocessor_config(family)
         most = SMALL["max_pixels"]
         return dict(tiny, max_pixels=most, size={"shortest_edge": MIN_PIXELS, "longest_edge": most})
+    if family == "gemma3n":
+        return {
+            "feature_extractor_type": "Gemma3nAudioFeatureExtractor", "processor_class": "Gemma3nProcessor",
+            "feature_size": AUDIO_MEL_BINS, "sampling_rate": AUDIO_SAMPLING_RATE, "padding_value": 0.0,
+            "return_attention_mask": True, "frame_length_ms": 32.0, "hop_length_ms": 10.0,
+            "min_frequency": 125.0, "max_frequency": 7600.0, "preemphasis": 0.97, "preemphasis_htk_flavor": True,
+            "fft_overdrive": True, "dither": 0.0, "input_scale_factor": 1.0, "mel_floor": 1e-5,
+            "per_bin_mean": None, "per_bin_stddev": None, "padding_side": "right",
+        }
     if family == "gemma3":
         return {
             "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
@@ -219,6 +283,9 @@ def chat_template(family: str = "qwen2_5_vl") -> str:
         raise RuntimeError("the factory chat template changed: update testing/vision.py")
     image = ("{%- elif part.type == 'image' or part.type == 'image_url' -%}\n"
              f"                {{{{- '{TEMPLATE_IMAGE[family]}' -}}}}\n            ")
+    if family in TEMPLATE_AUDIO:
+        image += ("{%- elif part.type == 'audio' or part.type == 'input_audio' -%}\n"
+                  f"                {{{{- '{TEMPLATE_AUDIO[family]}' -}}}}\n            ")
     return base.replace(unsupported, image + unsupported)
 
 
@@ -272,7 +339,11 @@ def random_weights(config: dict[str, Any]) -> dict[str, Any]:
     model_config = module.ModelConfig.from_dict(json.loads(json.dumps(config)))
     model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
     model_config.text_config = module.TextConfig.from_dict(config.get("text_config", config))
+    if "audio_config" in config:
+        model_config.audio_config = module.AudioConfig.from_dict(config["audio_config"])
     model = module.Model(model_config)
+    if config["model_type"] == "gemma3n":
+        model.vision_tower = None  # not written: mlx-vlm drops a module a checkpoint omits (see _gemma3n_config)
     shapes = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
     rng = np.random.default_rng(WEIGHT_SEED)
     return {name: mx.array(_init(rng, name, shapes[name], config["model_type"])) for name in sorted(shapes)}
@@ -317,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlxcel_compat.testing.vision",
                                      description="Write a random-weight vision-language directory (tiny: for tests).")
     parser.add_argument("--out", required=True, help="the cache directory to build it in")
-    parser.add_argument("--family", default="qwen2_5_vl", choices=FAMILIES)
+    parser.add_argument("--family", default="qwen2_5_vl", choices=ALL_FAMILIES)
     parser.add_argument("--size", default="tiny", choices=SIZES, help="small: Qwen2.5-VL only, for benchmarks")
     args = parser.parse_args(argv)
     print(ensure_vision_model(args.out, args.family, args.size))
