@@ -241,7 +241,7 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
                       "answers llama-server's 500 'image input is not supported - hint: ...' (in any message, tool messages too)"),
     RequestField("messages[].content[].input_audio", scope="chat", status="partial",
                  note="served by a Gemma 3n directory (mlx-vlm's audio tower; docs/vision.md): {data: base64, format: wav|mp3}, "
-                      "WAV decoded (PCM), mp3 a 400 (no decoder installed); limits --media-max-audio, "
+                      "WAV, MP3 (and FLAC told by its bytes) decoded by miniaudio, as llama-server does; limits --media-max-audio, "
                       "--media-max-audio-seconds, --media-max-bytes; any other model answers llama-server's 500 "
                       "'audio input is not supported - hint: ...'"),
     RequestField("messages[].content[].input_video", scope="chat", status="unsupported", note="video is not served: llama-server's 500"),

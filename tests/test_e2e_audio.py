@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from mlxcel_compat.testing import vision
-from tests.test_engine_audio import wav
+from tests.test_engine_audio import encoded, wav
 
 pytestmark = pytest.mark.e2e
 
@@ -112,6 +112,24 @@ def test_the_same_text_with_another_clip_reuses_only_the_text_before_it(oai: ope
     assert warm == ask(oai, messages, cold=True)[0]
 
 
+def test_an_mp3_clip_is_answered_and_its_second_turn_reuses_it(oai: openai.OpenAI) -> None:
+    first = [SYSTEM, user(encoded(wav(4), "mp3"), fmt="mp3")]
+    answer, n_first, _ = ask(oai, first)
+    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "is it a voice?"}]
+    warm, _, cached = ask(oai, second)
+    assert cached >= n_first - 2
+    assert warm == ask(oai, second, cold=True)[0]
+
+
+def test_native_completion_takes_a_flac_multimodal_data_item(http: httpx.Client) -> None:
+    marker = http.get("/props").json()["media_marker"]
+    body = {"prompt": {"prompt_string": f"Sound: {marker} Caption:", "multimodal_data": [b64(encoded(wav(8), "flac"))]},
+            "n_predict": 4, "temperature": 0}
+    reply = http.post("/completion", json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["tokens_evaluated"] > vision.AUDIO_TOKENS_PER_CLIP
+
+
 def test_native_completion_takes_a_wav_multimodal_data_item(http: httpx.Client) -> None:
     marker = http.get("/props").json()["media_marker"]
     body = {"prompt": {"prompt_string": f"Sound: {marker} Caption:", "multimodal_data": [b64(wav(7))]}, "n_predict": 4,
@@ -123,10 +141,10 @@ def test_native_completion_takes_a_wav_multimodal_data_item(http: httpx.Client) 
 
 BAD = [
     (b"RIFF\x00\x00\x00\x00WAVEjunk", "wav", "failed to load audio"),
-    (b"plain text, not audio", "wav", "not a WAV or MP3 file"),
+    (b"plain text, not audio", "wav", "not a WAV, MP3 or FLAC file"),
     (wav(1, seconds=3.0), "wav", "over the limit of 1.28 s"),
     (wav(1)[:-200], "wav", "truncated"),
-    (b"ID3\x03\x00\x00\x00\x00\x00\x00", "mp3", "mp3 audio is not decoded by this server"),
+    (b"ID3\x03\x00\x00\x00\x00\x00\x00", "mp3", "not a valid MP3 stream"),
     (wav(1), "ogg", "input_audio.format must be either 'wav' or 'mp3'"),
 ]
 

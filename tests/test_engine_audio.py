@@ -41,6 +41,18 @@ def wav(seed: int, seconds: float = 1.0, rate: int = 16000, channels: int = 1, w
     return out.getvalue()
 
 
+def encoded(clip: bytes, fmt: str) -> bytes:
+    """The same recording as MP3 or FLAC, written by libsndfile (the ``soundfile`` test
+    dependency): no encoder is part of the server, which only decodes."""
+    import soundfile
+
+    with wave.open(io.BytesIO(clip)) as w:
+        rate, pcm = w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), "<i2").reshape(-1, w.getnchannels())
+    out = io.BytesIO()
+    soundfile.write(out, pcm, rate, format=fmt.upper())
+    return out.getvalue()
+
+
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -228,6 +240,27 @@ def test_the_digest_covers_the_decoded_samples(media: ImageInput) -> None:
     assert digest(wav(1)) != digest(wav(2))
     assert digest(wav(1)) == digest(wav(1, channels=2))
     assert digest(wav(1)) == digest(as_24_bit(wav(1)))
+    # FLAC is lossless: the same 16-bit recording decodes to the same samples as its WAV.
+    assert digest(wav(1)) == digest(encoded(wav(1), "flac"))
+    # MP3 is lossy: other samples, another digest; the same MP3 bytes, the same one.
+    assert digest(encoded(wav(1), "mp3")) == digest(encoded(wav(1), "mp3")) != digest(wav(1))
+
+
+def test_mp3_and_flac_decode_to_the_recording(media: ImageInput) -> None:
+    """miniaudio (llama-server's decoder) gives the clip at the extractor's rate: FLAC exactly the
+    WAV's samples, MP3 the same tone (its spectrum peaks at the tone's frequency), both about
+    the recording's length (an MP3 encoder pads by a few frames)."""
+    from mlxcel_compat.server.media import decode_audio
+
+    clip = wav(2, seconds=1.0, rate=22050, channels=2)  # a 300 Hz tone, resampled to 16 kHz on decoding
+    decode = lambda data: decode_audio(data, None, MediaLimits(), 16000, 480000).samples  # noqa: E731
+    reference = decode(clip)
+    assert reference.size == 16000
+    np.testing.assert_array_equal(decode(encoded(clip, "flac")), reference)
+    lossy = decode(encoded(clip, "mp3"))
+    assert 16000 <= lossy.size <= 16000 + 2 * 1152
+    spectrum = np.abs(np.fft.rfft(lossy[:16000]))
+    assert abs(int(np.argmax(spectrum)) - 300) <= 2  # 1 Hz a bin over one second
 
 
 def as_24_bit(clip: bytes) -> bytes:
@@ -247,8 +280,9 @@ def as_24_bit(clip: bytes) -> bytes:
 
 @pytest.mark.parametrize(("clip", "fmt", "message"), [
     (b"RIFF\x00\x00\x00\x00WAVEjunk", "wav", "failed to load audio"),
-    (b"not audio at all", "wav", "not a WAV or MP3 file"),
-    (b"ID3\x03\x00\x00\x00\x00\x00\x00", "mp3", "mp3 audio is not decoded by this server"),
+    (b"not audio at all", "wav", "not a WAV, MP3 or FLAC file"),
+    (b"ID3\x03\x00\x00\x00\x00\x00\x00", "mp3", "not a valid MP3 stream"),
+    (b"fLaC\x00\x00\x00\x22" + bytes(40), "wav", "not a valid FLAC stream"),
     (None, "flac", "must be 'wav' or 'mp3'"),
 ])
 def test_bad_audio_is_a_400_that_says_why(media: ImageInput, clip: bytes | None, fmt: str, message: str) -> None:
@@ -271,6 +305,9 @@ def test_audio_limits(media: ImageInput) -> None:
         small.prepare([AudioSource(b64(wav(1)), "wav")] * 2, marker * 2)
     with pytest.raises(InvalidRequest, match="over the limit of 0.50 s"):
         ImageInput(media.facts, MediaLimits(max_audio_seconds=0.5)).prepare([AudioSource(b64(wav(1)), "wav")], marker)
+    # An MP3's length is counted from its frames before any is decoded.
+    with pytest.raises(InvalidRequest, match=r"audio is 2\.\d\d s long, over the limit of 1\.28 s"):
+        media.prepare([AudioSource(b64(encoded(wav(1, seconds=2.0), "mp3")), "mp3")], marker)
     # The bytes say what a clip is, as in llama-server: WAV data labelled mp3 is decoded as WAV.
     assert media.prepare([AudioSource(b64(wav(1)), "mp3")], marker)[2] == media.prepare([AudioSource(b64(wav(1)), "wav")], marker)[2]
     # Another rate is resampled to the extractor's (16 kHz): 0.5 s at 8 kHz is 8000 samples.

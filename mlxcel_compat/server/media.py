@@ -26,11 +26,11 @@ the engine thread; it produces plain records (NumPy arrays) that the engine's vi
   ``t * h * w / merge**2``, Gemma 3's fixed count between ``<start_of_image>`` and
   ``<end_of_image>``, LLaVA's one per patch), as the family's Hugging Face processor does.
 - Audio (Gemma 3n): ``input_audio`` parts and audio ``multimodal_data`` items (told by their
-  bytes, as llama-server does); WAV decoded by the standard library's ``wave`` (PCM, mixed to mono,
-  resampled linearly to the feature extractor's rate), its length checked from the header first
-  (``--media-max-audio-seconds`` and the model's clip length), ``--media-max-audio`` clips per
-  request; MP3 is a 400 (no decoder installed). The digest covers the decoded samples, in prompt
-  order with the images; each clip becomes the family's fixed count of audio tokens.
+  bytes, as llama-server does); WAV, MP3 and FLAC decoded by miniaudio, llama-server's own
+  decoder (mixed to mono, resampled to the feature extractor's rate), the length checked from
+  the header first (``--media-max-audio-seconds`` and the model's clip length),
+  ``--media-max-audio`` clips per request. The digest covers the decoded samples, in prompt order
+  with the images; each clip becomes the family's fixed count of audio tokens.
 """
 
 from __future__ import annotations
@@ -234,31 +234,30 @@ def decode_image(data: bytes, limits: MediaLimits) -> DecodedImage:
 
 
 def _audio_kind(data: bytes) -> str | None:
+    # llama-server's test (mtmd-helper's is_audio_file): a RIFF/WAVE header, an ID3 tag or an MPEG
+    # frame's sync bits, or FLAC's stream marker.
     if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
         return "wav"
     if data[:3] == b"ID3" or (len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0):
         return "mp3"
+    if data[:4] == b"fLaC":
+        return "flac"
     return None
 
 
 def is_audio(data: bytes) -> bool:
-    """llama-server tells audio from images by the bytes (RIFF/WAVE, MP3 frames or an ID3 tag)."""
+    """llama-server tells audio from images by the bytes (RIFF/WAVE, MP3 frames or an ID3 tag, FLAC)."""
     return _audio_kind(data) is not None
 
 
-def _resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
-    # Linear interpolation onto the target rate's sample times (the feature extractor takes one rate).
-    if rate == target or samples.size == 0:
-        return samples
-    n = int(round(samples.size * target / rate))
-    return np.interp(np.arange(n) * (rate / target), np.arange(samples.size), samples).astype(np.float32)
-
-
 def decode_audio(data: bytes, fmt: Any, limits: MediaLimits, rate: int, max_samples: int) -> DecodedAudio:
-    """A WAV clip (PCM, 8 to 32 bits, any channels: averaged to mono) as float32 at ``rate``; its
-    duration is checked from the header before any frame is read. The bytes say what the clip is,
-    as in llama-server (``fmt``, the part's ``format``, is only checked to be one it takes)."""
-    import wave
+    """A WAV, MP3 or FLAC clip as mono float32 at ``rate``, by miniaudio, the decoder llama-server
+    uses (mtmd-helper: ``ma_decoder`` to f32, one channel, the model's rate): channels averaged,
+    resampled by its linear resampler. The duration is read from the header (MP3: by counting
+    frames, without decoding them) and checked before any sample is decoded. The bytes say what
+    the clip is, as in llama-server (``fmt``, the part's ``format``, is only checked to be one it
+    takes)."""
+    import miniaudio
 
     if len(data) > limits.max_bytes:
         raise InvalidRequest(f"audio is {len(data)} bytes, over the limit of {limits.max_bytes} (--media-max-bytes)")
@@ -266,34 +265,43 @@ def decode_audio(data: bytes, fmt: Any, limits: MediaLimits, rate: int, max_samp
     if fmt is not None and fmt not in ("wav", "mp3"):
         raise InvalidRequest(f"input_audio.format must be 'wav' or 'mp3', got {fmt!r}")
     if kind is None:
-        raise InvalidRequest("failed to load audio: not a WAV or MP3 file")
-    if kind == "mp3":
-        raise InvalidRequest("mp3 audio is not decoded by this server (no MP3 decoder is installed); send WAV")
+        raise InvalidRequest("failed to load audio: not a WAV, MP3 or FLAC file")
+    info_of = {"wav": miniaudio.wav_get_info, "mp3": miniaudio.mp3_get_info, "flac": miniaudio.flac_get_info}[kind]
     try:
-        with wave.open(io.BytesIO(data)) as wav:
-            channels, width, frame_rate, frames = wav.getnchannels(), wav.getsampwidth(), wav.getframerate(), wav.getnframes()
-            seconds = frames / frame_rate if frame_rate else 0.0
-            longest = min(limits.max_audio_seconds, max_samples / rate)
-            if seconds > longest:
-                raise InvalidRequest(f"audio is {seconds:.2f} s long, over the limit of {longest:.2f} s "
-                                     "(--media-max-audio-seconds, or the model's clip length)")
-            raw = wav.readframes(frames)
-    except InvalidRequest:
-        raise
-    except (wave.Error, EOFError, ValueError, struct.error) as exc:
-        raise InvalidRequest(f"failed to load audio: {exc}") from None
-    if len(raw) != frames * channels * width or frames == 0:
-        raise InvalidRequest("failed to load audio: truncated or empty WAV data")
-    if width == 1:
-        pcm = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128.0) / 128.0
-    elif width == 3:
-        b = np.frombuffer(raw, np.uint8).reshape(-1, 3).astype(np.int32)
-        pcm = ((b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)) << 8 >> 8).astype(np.float32) / float(1 << 23)
-    else:
-        pcm = np.frombuffer(raw, {2: "<i2", 4: "<i4"}[width]).astype(np.float32) / float(1 << (8 * width - 1))
-    mono = pcm.reshape(-1, channels).mean(axis=1).astype(np.float32)
-    samples = _resample(mono, frame_rate, rate)[:max_samples]
-    return DecodedAudio(samples, rate)
+        info = info_of(data)
+    except miniaudio.MiniaudioError as exc:
+        raise InvalidRequest(f"failed to load audio: not a valid {kind.upper()} stream ({exc.args[0]})") from None
+    if info.num_frames <= 0 or info.sample_rate <= 0:
+        raise InvalidRequest(f"failed to load audio: the {kind.upper()} stream holds no samples")
+    seconds = info.num_frames / info.sample_rate
+    longest = min(limits.max_audio_seconds, max_samples / rate)
+    if seconds > longest:
+        raise InvalidRequest(f"audio is {seconds:.2f} s long, over the limit of {longest:.2f} s "
+                             "(--media-max-audio-seconds, or the model's clip length)")
+    try:
+        decoded = miniaudio.decode(data, output_format=miniaudio.SampleFormat.FLOAT32, nchannels=1, sample_rate=rate)
+    except miniaudio.MiniaudioError as exc:
+        raise InvalidRequest(f"failed to load audio: {exc.args[0]}") from None
+    if kind == "wav":
+        _refuse_truncated_wav(data, info.num_frames)
+    return DecodedAudio(np.asarray(decoded.samples, dtype=np.float32)[:max_samples], rate)
+
+
+def _refuse_truncated_wav(data: bytes, frames_in_file: int) -> None:
+    """A WAV header states its frame count, and a cut upload holds fewer; miniaudio decodes the
+    frames that are there (llama-server then serves a shorter clip without a word), so the
+    header's count is read by the standard library's ``wave`` and compared. PCM only: ``wave``
+    does not open float or compressed WAVs, which are decoded as they come."""
+    import wave
+
+    try:
+        with wave.open(io.BytesIO(data)) as header:
+            stated = header.getnframes()
+    except (wave.Error, EOFError, ValueError, struct.error):
+        return
+    if frames_in_file < stated:
+        raise InvalidRequest(f"failed to load audio: truncated WAV data ({stated} frames in its header, "
+                             f"{frames_in_file} in the data)")
 
 
 class ImageInput:
