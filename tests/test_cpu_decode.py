@@ -723,7 +723,9 @@ def test_engine_gemma3_tokens_equal_with_and_without_the_runtime(monkeypatch: py
             assert warm.finish.n_cached == len(history)
             cold = h.run(second, n_predict=40, n_probs=2, ignore_eos=True, cache=False)
             if on:
-                assert h.engine.loaded.decoder.steps == 4 + 40 + 40
+                # The first two runs restart at the boundary (100, off the chunk grid): their
+                # rest takes the last prompt token along (Sequence.prompt_tail), one step fewer.
+                assert h.engine.loaded.decoder.steps == 3 + 39 + 40
             runs[on] = (warm, cold)
         finally:
             h.close()

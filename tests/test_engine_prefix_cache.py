@@ -184,3 +184,36 @@ def _rows_match_chunks(harness: EngineHarness) -> bool:
     from mlxcel_compat.engine.factory import rows_match_chunks
 
     return rows_match_chunks(harness.engine.loaded)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "llama:q4_0"])
+def test_a_hit_off_the_grid_takes_the_last_prompt_token_into_its_one_pass(family: str) -> None:
+    """After a hit off the chunk grid, the rest of the prompt (more than the decode rows take)
+    goes in one pass that takes the last prompt token along and samples the first token from its
+    last row: no decode step runs until the first token is fed back (one read of the weights
+    fewer). The answer equals the cold run's, the first token's log-probabilities within
+    LOGPROB_TOL (an unaligned hit is not bit-exact whatever the split). Weights in ggml's
+    blocks keep the chunk and then the step (their step quantizes its activations, a chunk does
+    not: the first token's log-probabilities would move by ~1e-2)."""
+    harness = EngineHarness(tiny_model(family), batch_size=64)
+    try:
+        decoder = harness.engine.loaded.decoder
+        assert decoder is not None
+        shared = random_tokens(64 + 5, seed=24)  # 69: off the grid of 64
+        harness.run(shared + random_tokens(4, seed=25), n_predict=2)
+        second = shared + random_tokens(30, seed=26)  # 30 left after the hit: more than 16 rows, one chunk
+        steps = decoder.steps
+        warm = harness.run(second, n_predict=4, n_probs=N_PROBS)
+        assert warm.finish.n_cached == len(shared)
+        folds = ":" not in family
+        # float32: only the 3 tokens fed back step, the prompt's last one was in the pass
+        assert decoder.steps - steps == (3 if folds else 4)
+        cold_steps = decoder.steps
+        cold = harness.run(second, n_predict=4, n_probs=N_PROBS, cache=False)
+        assert decoder.steps - cold_steps == 4  # the cold run's last prompt token is a decode step, as before
+        assert warm.tokens == cold.tokens
+        for token in set(warm.logprobs[0]) & set(cold.logprobs[0]):
+            assert abs(warm.logprobs[0][token] - cold.logprobs[0][token]) < LOGPROB_TOL
+        assert set(warm.logprobs[0]) & set(cold.logprobs[0])
+    finally:
+        harness.close()

@@ -635,9 +635,10 @@ class Engine:
                 continue
             runnable.append(seq)
             budget -= max(1, len(seq.next_chunk()))
-        # A lone sequence feeds a short tail as the rows of one decode step (Sequence.decode_rows_tail);
-        # with others prefilling, its chunk shares their batched pass instead.
-        tails = {id(s) for s in runnable if len(waiting) == 1 and s.decode_rows_tail() is not None}
+        # A lone sequence feeds the rest of its prompt in one pass that samples the first token
+        # where it can (Sequence.prompt_tail); with others prefilling, its chunk shares their
+        # batched pass instead.
+        tails = {id(s) for s in runnable if len(waiting) == 1 and s.prompt_tail() is not None}
         chunkable = [s for s in runnable if len(s.cache_tokens) < s.n_prompt - 1 and id(s) not in tails]
         chunks = [s.next_chunk() for s in chunkable]
         batching = self.config.cont_batching and self.batched_prefill

@@ -42,7 +42,7 @@ from mlxcel_compat.engine.speculative import verify_draft
 from mlxcel_compat.engine.textstream import TextStream, token_is_complete_utf8
 from mlxcel_compat.model.block_layers import logits_unused
 from mlxcel_compat.model.lora_layers import applied
-from mlxcel_compat.model.cpu_decode import EXACT_ROWS, OwnedCache
+from mlxcel_compat.model.cpu_decode import EXACT_ROWS, OwnedCache, head_module
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Sequence:
         # in a batch through engine/batch.py), writing only the buffers it made for it (``owned``).
         self.decoder = decoder
         self.owned = OwnedCache()
-        # A short prompt tail may be fed as the rows of one decode step (decode_rows_tail); set
+        # A short prompt tail may be fed as the rows of one decode step (prompt_tail); set
         # by the factory where those rows match a prefill chunk (factory.rows_match_chunks).
         self.tail_rows = False
         self.prompt = request.prompt_tokens
@@ -253,13 +253,13 @@ class Sequence:
 
     def prefill_step(self, rows_tail: bool = False) -> int:
         """Prefill one aligned chunk, or the last prompt token (which samples the first token).
-        ``rows_tail``: feed a short rest of the prompt as the rows of one decode step, where
-        :meth:`decode_rows_tail` allows it (the engine asks when this sequence prefills alone).
+        ``rows_tail``: feed the rest of the prompt in one pass that samples the first token, where
+        :meth:`prompt_tail` allows it (the engine asks when this sequence prefills alone).
 
         Returns the number of prompt tokens processed.
         """
         last = self.n_prompt - 1
-        tail = self.decode_rows_tail() if rows_tail else None
+        tail = self.prompt_tail() if rows_tail else None
         if tail is None and len(self.cache_tokens) < last:
             chunk = self.next_chunk()
             with logits_unused(), applied(self.lora_rows):  # only the cache is wanted
@@ -282,31 +282,49 @@ class Sequence:
             self.report_progress()  # processed == total: the whole prompt is in the cache
         return len(fed)
 
-    def decode_rows_tail(self) -> list[int] | None:
-        """The rest of the prompt, its last token included, when it is fed as the rows of one
-        decode step (``CpuDecoder.step_tokens``) instead of a prefill chunk and then a step of
-        its own; None otherwise.
+    def prompt_tail(self) -> list[int] | None:
+        """The rest of the prompt, its last token included, when one pass feeds it and its last
+        row samples the first token, instead of a prefill chunk and then a step of its own (two
+        reads of every weight where one does); None otherwise. Two kinds:
 
-        Why: a hit that leaves a few tokens (2 to ``EXACT_ROWS``) paid a prefill chunk (MLX's
-        graph, ~10 ms of fixed cost on a CPU) and then one more step for the last token, two
-        reads of every weight; as rows of one step they cost one. The rule depends only on
-        how many prompt tokens are left, so a cold run takes the same path from the same chunk
-        boundary and an aligned hit stays bit-exact (each row is computed exactly as a single
-        step at its position). The engine takes it only for a sequence that prefills alone:
-        with others, the tail's chunk shares one batched pass with theirs. Not when the tail would pass a snapshot boundary or a cache
-        breakpoint (those are taken between prefill chunks), and only on caches the runtime
-        steps (an empty one, a ring or MLX's batch cache keep the chunks), and with float32
-        weights only (``factory.rows_match_chunks``)."""
+        - **Decode rows**: a rest of 2 to ``EXACT_ROWS`` tokens as the rows of one decode step
+          (``CpuDecoder.step_tokens``). The rule depends only on how many prompt tokens are
+          left, so a cold run takes the same path from the same chunk boundary and an aligned
+          hit stays bit-exact (each row is computed exactly as a single step at its position).
+          Only on caches the runtime steps (an empty one, a ring or MLX's batch cache keep the
+          chunks).
+        - **A hit's rest in one chunk**: after a hit off the chunk grid, the rest goes in one pass
+          when it fits in a chunk (:meth:`next_chunk`), and that pass takes the last token along,
+          its logits from the last row only (:meth:`_last_row_logits`). No cold run and no
+          aligned hit starts off the grid, so neither changes: their last token stays a decode
+          step, and a full hit's first token still equals the cold run's bit for bit. (A hit
+          off the grid is not bit-exact with the cold run whatever the split.) On the families
+          the CPU decode runtime takes, whose output head is known.
+
+        Both kinds with float32 weights only (``factory.rows_match_chunks``): with weights in
+        ggml's blocks a decode step quantizes its activations (as llama.cpp's decode does) and a
+        chunk does not, so the first token's log-probabilities would move by ~1e-2 against a cold
+        run's, and a tail fed as rows would leave KV that a cold prefill does not reproduce.
+
+        The engine takes it only for a sequence that prefills alone: with others, the tail's
+        chunk shares one batched pass with theirs. Not when the tail would pass a snapshot
+        boundary or a cache breakpoint (those are taken between prefill chunks), nor for a
+        completion whose siblings copy its prompt's KV (``n_cmpl``: they take it one token short).
+        """
         start, n = len(self.cache_tokens), self.n_prompt
-        if not self.tail_rows or self.decoder is None or self._pending is not None or not 2 <= n - start <= EXACT_ROWS:
+        if self.decoder is None or self._pending is not None or n - start < 2 or self.request.share_group >= 0:
             return None
         if self.boundary is not None and start < self.boundary < n:
             return None
         if any(start < position < n for position, _ in self.pins):
             return None
-        if not self.decoder.can_step_tokens(self.cache, self.owned):
+        if not self.tail_rows:
             return None
-        return self.prompt[start:]
+        if n - start <= EXACT_ROWS and self.decoder.can_step_tokens(self.cache, self.owned):
+            return self.prompt[start:]
+        if start % self.chunk_size and n - start <= self.chunk_size:
+            return self.prompt[start:]
+        return None
 
     def next_chunk(self) -> list[int]:
         """The prompt tokens of the next prefill chunk: up to the next multiple of the chunk size,
@@ -365,15 +383,19 @@ class Sequence:
             logits = mx.array(self.decoder.step(token, self.cache, self.owned, self.request.lora or None))
             self.cache_tokens.append(token)
             return logits
-        if self.decoder is not None and isinstance(tokens, list) and self.decoder.can_step_tokens(self.cache, self.owned):
-            # A short prompt tail (decode_rows_tail): one step whose rows are its tokens; the
-            # last row's logits sample the first token.
+        if (self.decoder is not None and isinstance(tokens, list) and len(tokens) <= EXACT_ROWS and self.tail_rows
+                and self.decoder.can_step_tokens(self.cache, self.owned)):
+            # A short prompt tail (prompt_tail): one step whose rows are its tokens; the last
+            # row's logits sample the first token.
             rows = self.decoder.step_tokens(tokens, self.cache, self.owned, self.request.lora or None)
             self.cache_tokens.extend(tokens)
             return mx.array(rows[-1])
         inputs = tokens.reshape(1, 1) if isinstance(tokens, mx.array) else mx.array(tokens)[None]
         with applied(self.lora_rows):
-            logits = self.model(inputs, cache=self.cache)[0, -1, :]
+            if self.decoder is not None and inputs.shape[1] > 1:  # a hit's rest in one chunk (prompt_tail)
+                logits = _last_row_logits(self.model, inputs, self.cache)
+            else:
+                logits = self.model(inputs, cache=self.cache)[0, -1, :]
         if isinstance(tokens, mx.array):
             self.cache_tokens.append(-1)  # placeholder; filled in when the token is read back
         else:
@@ -719,6 +741,18 @@ class Sequence:
         failed = draw_pending([self])
         if failed:
             raise failed[0][1]
+
+
+def _last_row_logits(model: Any, inputs: Any, cache: Any) -> Any:
+    """``model(inputs, cache)[0, -1]`` with the output head applied to the last row only: mlx-lm's
+    models compute the head on every position (a prompt chunk's 70 rows of a 49K-token vocabulary
+    cost a fifth of a small model's pass), and slicing the logits afterwards does not spare it.
+    For the CPU decode runtime's families (``cpu_decode.MODEL_TYPES``), whose ``__call__`` is the
+    head over ``model.model``'s normed hidden states, and nothing after it."""
+    hidden = model.model(inputs, cache)[:, -1:, :]
+    head = head_module(model)
+    logits = head.as_linear(hidden) if head is model.model.embed_tokens else head(hidden)
+    return logits[0, -1, :]
 
 
 def draw_pending(seqs: Seq[Sequence]) -> list[tuple[Sequence, Exception]]:

@@ -264,7 +264,7 @@ def _gemma_mlp() -> type:
     return MLP
 
 
-def _head_module(model: Any) -> Any:
+def head_module(model: Any) -> Any:
     """The output projection's module: ``lm_head``, or the embedding when the head is tied
     (mlx-lm drops ``lm_head`` then; gemma3 also says so by ``tie_word_embeddings``)."""
     if getattr(model, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
@@ -291,7 +291,7 @@ def unsupported(model: Any) -> str | None:
     norm_names = ("input_layernorm", "post_attention_layernorm")
     if gemma:
         norm_names += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-    head = _head_module(model)
+    head = head_module(model)
     weights = [m.weight for m in (inner.embed_tokens, head) if block_weight_of(m) is None]
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -384,7 +384,7 @@ class CpuDecoder:
         self.embed_scale = np.float32(mx.array(hidden ** 0.5, mx.bfloat16).astype(mx.float32).item()) if self.gemma else None
         self.window = int(model.args.sliding_window) if self.gemma else None
         self.norm = self._norm(inner.norm)
-        head = _head_module(model)
+        head = head_module(model)
         self.head = _Linear(block_weight_of(head) or _f32(head.weight), None,
                             [_Lora(f) for f in factors_of(head)] if isinstance(head, (nn.Linear, BlockLinear)) else [])
         self.layers = [self._layer(layer, order.index(kind)) for layer, kind in zip(inner.layers, kinds)]
