@@ -10,8 +10,21 @@ cd "$root"
 report="$(mktemp)"
 trap 'rm -f "$report"' EXIT
 status=0
+# The default run leaves out the rest of the big test matrices (marked `slow`: every row and column
+# of each still runs) and fuzzes 80 examples a route; `scripts/test.sh --slow ...` runs everything,
+# 200 examples a route. A `-m` of the caller's own comes later on pytest's line and wins.
+select=(-m "not slow")
+args=()
+for arg in "$@"; do
+  if [ "$arg" = "--slow" ]; then
+    select=()
+    export MLXCEL_SCHEMATHESIS_EXAMPLES="${MLXCEL_SCHEMATHESIS_EXAMPLES:-200}"
+  else
+    args+=("$arg")
+  fi
+done
 # Both cores (pytest-xdist), one test file per worker at a time, so a module's servers stay in one
 # process (and stop with it: tests/conftest.py); `scripts/test.sh -n 0 ...` runs in one process.
-MLXCEL_REAL_MODEL_REPORT="$report" "$venv/bin/python" -m pytest -n 2 --dist loadfile "$@" || status=$?
+MLXCEL_REAL_MODEL_REPORT="$report" "$venv/bin/python" -m pytest -n 2 --dist loadfile "${select[@]}" "${args[@]}" || status=$?
 if [ -s "$report" ]; then cat "$report"; fi
 exit "$status"

@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import pytest
 
@@ -133,6 +133,24 @@ def llama_dir() -> Path:
 @pytest.fixture(scope="session")
 def qwen3_dir() -> Path:
     return tiny_model("qwen3")
+
+
+# The rest of a test matrix: deselected by scripts/test.sh unless --slow (pyproject's markers).
+SLOW = pytest.mark.slow
+
+
+def matrix(rows: Sequence[Any], columns: Sequence[Any]) -> list[Any]:
+    """Every (row, column) pair as ``pytest.param``s, all but a diagonal marked :data:`SLOW`: the
+    default suite still runs every row and every column once (``max(len)`` pairs), and
+    ``scripts/test.sh --slow`` runs the whole product."""
+    n = max(len(rows), len(columns))
+    kept = {(rows[i % len(rows)], columns[i % len(columns)]) for i in range(n)}
+    return [pytest.param(r, c, marks=() if (r, c) in kept else SLOW) for r in rows for c in columns]
+
+
+def slow_but(values: Sequence[Any], kept: Sequence[Any]) -> list[Any]:
+    """``values`` as ``pytest.param``s, those not in ``kept`` marked :data:`SLOW`."""
+    return [v if v in kept else pytest.param(v, marks=SLOW) for v in values]
 
 
 def free_port() -> int:

@@ -34,7 +34,7 @@ from mlxcel_compat.model import gguf_quants, precision
 from mlxcel_compat.model.gguf import open_gguf
 from mlxcel_compat.model.gguf_load import load_gguf
 from mlxcel_compat.testing.gguf_writer import GGUF_FAMILIES, ensure_gguf
-from tests.conftest import MODEL_CACHE
+from tests.conftest import MODEL_CACHE, matrix, slow_but
 
 pytestmark = pytest.mark.engine
 
@@ -76,7 +76,8 @@ def float_logits() -> mx.array:
     return logits
 
 
-@pytest.mark.parametrize("gguf_type", ["q8_0", "q4_k_m", "q5_k_m", "q6_k", "q3_k", "q2_k"])
+# The issue's four (Q4_K_M, Q5_K_M, Q6_K, Q8_0) by default; Q3_K and Q2_K with --slow.
+@pytest.mark.parametrize("gguf_type", slow_but(["q8_0", "q4_k_m", "q5_k_m", "q6_k", "q3_k", "q2_k"], ["q8_0", "q4_k_m", "q5_k_m", "q6_k"]))
 def test_small_llama_stays_quantized(gguf_type: str, float_logits: mx.array) -> None:
     path = ensure_gguf("llama", "small", gguf_type, cache_dir=MODEL_CACHE)
     file = open_gguf(path)
@@ -111,8 +112,7 @@ def test_small_llama_stays_quantized(gguf_type: str, float_logits: mx.array) -> 
         assert mapping <= MAPPING_SHARE * quantization
 
 
-@pytest.mark.parametrize("gguf_type", ["q8_0", "q5_0", "q4_1"])
-@pytest.mark.parametrize("family", GGUF_FAMILIES)
+@pytest.mark.parametrize("family, gguf_type", matrix(GGUF_FAMILIES, ["q8_0", "q5_0", "q4_1"]))
 def test_tiny_models_run_in_float16(family: str, gguf_type: str) -> None:
     """As loaded (float16 activations and scales) every family runs its affine layers, tied
     embeddings (QuantizedEmbedding as the output) included, near the float32 reference."""

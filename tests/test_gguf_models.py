@@ -31,7 +31,7 @@ from mlxcel_compat.model.gguf_load import load_gguf
 from mlxcel_compat.model.gguf_quants import UnsupportedTensorType
 from mlxcel_compat.model.loader import load_model
 from mlxcel_compat.testing.gguf_writer import GGUF_FAMILIES, ensure_gguf, permute_rows, write_gguf
-from tests.conftest import MODEL_CACHE, tiny_model
+from tests.conftest import MODEL_CACHE, matrix, tiny_model
 
 pytestmark = pytest.mark.engine
 
@@ -95,8 +95,7 @@ def _greedy(model, prompt: list[int], n: int = 8) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("gguf_type", DIRECTORY_TYPES)
-@pytest.mark.parametrize("family", GGUF_FAMILIES)
+@pytest.mark.parametrize("family, gguf_type", matrix(GGUF_FAMILIES, DIRECTORY_TYPES))
 def test_gguf_equals_hf_directory(family: str, gguf_type: str, hf_models: dict[str, tuple]) -> None:
     hf_model, hf_tok = hf_models[family]
     path = ensure_gguf(family, "tiny", gguf_type, cache_dir=MODEL_CACHE)

@@ -47,7 +47,7 @@ from mlxcel_compat.model.cpu_decode import OwnedCache
 from mlxcel_compat.model.loader import load_model, model_fingerprint
 from mlxcel_compat.testing import models
 from mlxcel_compat.testing.models import Quantization, ensure_model
-from tests.conftest import MODEL_CACHE
+from tests.conftest import MODEL_CACHE, SLOW
 from tests.engine_harness import EngineHarness
 from tests.test_block_weight import activation_error
 
@@ -208,10 +208,10 @@ def _reference(directory: Path):
 
 
 @pytest.mark.parametrize("family,quantization", [
-    ("llama", Q4), ("llama", Q8), ("qwen3", Q4), ("qwen3", Q8),
-    ("llama", Quantization(4, 32)), ("qwen3", Quantization(8, 32)), ("llama", Quantization(3, 64)),
+    ("llama", Q4), pytest.param("llama", Q8, marks=SLOW), pytest.param("qwen3", Q4, marks=SLOW), ("qwen3", Q8),
+    ("llama", Quantization(4, 32)), pytest.param("qwen3", Quantization(8, 32), marks=SLOW), ("llama", Quantization(3, 64)),
     ("llama", Quantization(6, 64)),
-], ids=lambda v: v if isinstance(v, str) else v.suffix)
+], ids=lambda v: v if isinstance(v, str) else v.suffix)  # each family, bit width and group size by default
 def test_served_model_matches_mlx_quantized_model(family: str, quantization: Quantization,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     directory = quantized_dir(family, quantization)

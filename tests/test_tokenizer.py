@@ -31,7 +31,7 @@ from mlxcel_compat.model.tokenizer import ServedTokenizer, from_files, load_dire
 from mlxcel_compat.testing import tokenizer as factory_tokenizer
 from mlxcel_compat.testing.gguf_writer import GGUF_FAMILIES, write_spm_tokenizer_gguf
 from mlxcel_compat.testing.models import FAMILIES, FIM_FAMILIES
-from tests.conftest import tiny_encoder, tiny_model
+from tests.conftest import slow_but, tiny_encoder, tiny_model
 
 TEXTS = [
     "Hello world, the quick brown fox.",
@@ -105,7 +105,9 @@ def _gguf_reference(path: Path) -> Any:
     return hf
 
 
-@pytest.mark.parametrize("family", FAMILIES + FIM_FAMILIES)
+# Byte-level BPE (llama), Qwen-style pre-tokenization with thinking tokens (qwen3), Gemma's
+# SentencePiece-shaped vocabulary and the FIM tokens by default; the other families with --slow.
+@pytest.mark.parametrize("family", slow_but(FAMILIES + FIM_FAMILIES, ["llama", "qwen3", "gemma3_text", "qwen2_coder"]))
 def test_factory_directory_matches_transformers(family: str) -> None:
     directory = tiny_model(family)
     ours = load_directory(directory)
@@ -113,7 +115,7 @@ def test_factory_directory_matches_transformers(family: str) -> None:
     _check_same(ours, _hf(directory))
 
 
-@pytest.mark.parametrize("family", GGUF_FAMILIES)
+@pytest.mark.parametrize("family", slow_but(GGUF_FAMILIES, ["llama", "gemma3_text"]))
 def test_factory_gguf_matches_the_converted_tokenizer(family: str, tmp_path: Path) -> None:
     path = tiny_model(f"{family}:f32")
     ours, specials = gguf_tokenizer.load_tokenizer(open_gguf(path), cache_dir=tmp_path)
@@ -130,7 +132,8 @@ def test_sentencepiece_directory_and_gguf_match_transformers(tmp_path: Path) -> 
     _check_same(ours, _gguf_reference(path), TEXTS + paragraphs)
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "bert-reranker", "xlm-roberta-reranker"])
+@pytest.mark.parametrize("kind", slow_but(["bert", "xlm-roberta", "bert-reranker", "xlm-roberta-reranker"],
+                                           ["bert", "xlm-roberta-reranker"]))  # WordPiece, and SentencePiece pairs
 def test_encoder_vocabularies_and_pairs_match_transformers(kind: str, tmp_path: Path) -> None:
     directory = tiny_encoder(kind)
     ours, theirs = load_directory(directory), _hf(directory)
