@@ -81,6 +81,13 @@ class EngineHarness:
         self.engine.stop()
 
 
+def disk_tier_harness(model_dir: Path, disk_dir: Path) -> EngineHarness:
+    """The media tests' engine: two slots, 16-token chunks, a small minimum prefix, and a
+    write-through disk tier, so each cache rule is checked in RAM and on disk."""
+    return EngineHarness(model_dir, batch_size=16, n_parallel=2, min_prefix=4, disk_dir=str(disk_dir),
+                         disk_capacity_bytes=1 << 28, disk_write_through=True)
+
+
 def collect(events: queue.Queue) -> Run:
     """Read one sequence's events until it finishes."""
     out = Run()

@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from mlxcel_compat.testing import vision
+from tests.test_e2e_vision import ask as vision_ask
 from tests.test_engine_audio import encoded, wav
 
 pytestmark = pytest.mark.e2e
@@ -63,11 +64,7 @@ def http(srv) -> httpx.Client:
 
 
 def ask(oai: openai.OpenAI, messages: list[dict[str, Any]], cold: bool = False) -> tuple[str, int, int]:
-    reply = oai.chat.completions.create(model="tiny-audio", messages=messages, max_tokens=6, temperature=0,
-                                        extra_body={"cache_prompt": False} if cold else None)
-    usage = reply.usage
-    assert usage is not None and usage.prompt_tokens_details is not None
-    return reply.choices[0].message.content or "", usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0
+    return vision_ask(oai, messages, cold, model="tiny-audio")
 
 
 def test_props_say_audio(http: httpx.Client) -> None:

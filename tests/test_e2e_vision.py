@@ -75,9 +75,9 @@ def http(vlm) -> httpx.Client:
         yield client
 
 
-def ask(oai: openai.OpenAI, messages: list[dict[str, Any]], cold: bool = False) -> tuple[str, int, int]:
+def ask(oai: openai.OpenAI, messages: list[dict[str, Any]], cold: bool = False, model: str = "tiny-vl") -> tuple[str, int, int]:
     """(content, prompt tokens, cached tokens) of a greedy 6-token reply; ``cold``: no cache."""
-    reply = oai.chat.completions.create(model="tiny-vl", messages=messages, max_tokens=6, temperature=0,
+    reply = oai.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
                                         extra_body={"cache_prompt": False} if cold else None)
     usage = reply.usage
     assert usage is not None and usage.prompt_tokens_details is not None

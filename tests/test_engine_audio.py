@@ -22,7 +22,7 @@ from mlxcel_compat.engine.sampling import SamplingParams
 from mlxcel_compat.server.errors import InvalidRequest
 from mlxcel_compat.server.media import ImageInput, MediaLimits, is_audio
 from mlxcel_compat.testing import vision
-from tests.engine_harness import EngineHarness
+from tests.engine_harness import EngineHarness, disk_tier_harness
 from tests.test_engine_vision import cold_tokens, run  # the same helpers as for images
 
 
@@ -93,9 +93,7 @@ class Prompts:
 
 @pytest.fixture(scope="module")
 def harness(audio_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    disk = tmp_path_factory.mktemp("audio-disk")
-    h = EngineHarness(audio_dir, batch_size=16, n_parallel=2, min_prefix=4, disk_dir=str(disk),
-                      disk_capacity_bytes=1 << 28, disk_write_through=True)
+    h = disk_tier_harness(audio_dir, tmp_path_factory.mktemp("audio-disk"))
     yield h
     h.close()
 

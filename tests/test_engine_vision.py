@@ -24,7 +24,7 @@ from mlxcel_compat.engine.request import CacheContext, GenerationRequest
 from mlxcel_compat.engine.sampling import SamplingParams
 from mlxcel_compat.server.media import ImageInput, MediaLimits
 from mlxcel_compat.testing import vision
-from tests.engine_harness import EngineHarness, Run, collect
+from tests.engine_harness import EngineHarness, Run, collect, disk_tier_harness
 
 
 @pytest.fixture(scope="module", params=vision.FAMILIES)
@@ -92,9 +92,7 @@ def assert_whole_images(request: GenerationRequest, cached: int) -> None:
 
 @pytest.fixture(scope="module")
 def harness(vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    disk = tmp_path_factory.mktemp("vision-disk")
-    h = EngineHarness(vlm_dir, batch_size=16, n_parallel=2, min_prefix=4, disk_dir=str(disk),
-                      disk_capacity_bytes=1 << 28, disk_write_through=True)
+    h = disk_tier_harness(vlm_dir, tmp_path_factory.mktemp("vision-disk"))
     yield h
     h.close()
 

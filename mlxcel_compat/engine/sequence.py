@@ -312,13 +312,12 @@ class Sequence:
         completion whose siblings copy its prompt's KV (``n_cmpl``: they take it one token short).
         """
         start, n = len(self.cache_tokens), self.n_prompt
-        if self.decoder is None or self._pending is not None or n - start < 2 or self.request.share_group >= 0:
+        if (not self.tail_rows or self.decoder is None or self._pending is not None or n - start < 2
+                or self.request.share_group >= 0):
             return None
         if self.boundary is not None and start < self.boundary < n:
             return None
         if any(start < position < n for position, _ in self.pins):
-            return None
-        if not self.tail_rows:
             return None
         if n - start <= EXACT_ROWS and self.decoder.can_step_tokens(self.cache, self.owned):
             return self.prompt[start:]
@@ -383,7 +382,7 @@ class Sequence:
             logits = mx.array(self.decoder.step(token, self.cache, self.owned, self.request.lora or None))
             self.cache_tokens.append(token)
             return logits
-        if (self.decoder is not None and isinstance(tokens, list) and len(tokens) <= EXACT_ROWS and self.tail_rows
+        if (self.decoder is not None and isinstance(tokens, list) and len(tokens) <= EXACT_ROWS
                 and self.decoder.can_step_tokens(self.cache, self.owned)):
             # A short prompt tail (prompt_tail): one step whose rows are its tokens; the last
             # row's logits sample the first token.
