@@ -80,11 +80,11 @@ static atomic_long calls[3]; /* by route actually taken: sgemm, sgemv, kernel */
 
 static inline vf loadv(const float *p) { return *(const vf *)p; }
 
-static inline vf splat(float a) {
-    vf v;
-    for (int l = 0; l < VL; l++) v[l] = a;
-    return v;
-}
+/* a in every lane. Written as a scalar minus a vector of zeros (GCC and Clang broadcast the
+ * scalar: one instruction; x - 0 is x for every x, signed zeros included); a loop over the lanes
+ * compiled (GCC 12, AVX-512) to one masked broadcast per lane, which made every kernel that
+ * broadcasts in its inner loop (rows_nn: probabilities @ values) ~3x slower. */
+static inline vf splat(float a) { return a - (vf){0}; }
 
 /* Sum of the lanes by halving: one fixed order. */
 static inline float hsum(vf v) {
@@ -206,8 +206,14 @@ static inline __attribute__((always_inline)) void block_nn(const int MB, const i
         }
     }
     for (int i = 0; i < MB; i++)
-        for (int j = 0; j < NV; j++)
-            for (int l = 0; l < VL; l++) store(c + i * ldc + j * VL + l, alpha, beta, acc[i][j][l]);
+        for (int j = 0; j < NV; j++) {
+            if (beta == 0.0f) { /* store's alpha * s, a vector at a time */
+                vf r = acc[i][j] * splat(alpha);
+                memcpy(c + i * ldc + j * VL, &r, sizeof r);
+            } else {
+                for (int l = 0; l < VL; l++) store(c + i * ldc + j * VL + l, alpha, beta, acc[i][j][l]);
+            }
+        }
 }
 
 #define BLOCK_NN(mb, nv) \
@@ -634,6 +640,24 @@ void mlxcel_gelu_tanh_gate(float *gate, const float *up, int n) {
  * the generated models, whose random weights give flat attention; trained models' is peaky.) */
 #define NEGLIGIBLE -64.0f
 
+/* s[t] = 2 ** (s[t] - max s) for t < n, in place (weights below 2 ** NEGLIGIBLE set to zero);
+ * returns their sum. The caller normalises (the weights, or the output they give). */
+static float exp2_shifted_row(float *s, int n) {
+    float top = s[0];
+    for (int t = 1; t < n; t++) top = s[t] > top ? s[t] : top;
+    vf acc = {0};
+    int t = 0;
+    for (; t + VL <= n; t += VL) {
+        vf x = loadv(s + t) - splat(top);
+        vf e = vselect(x < splat(NEGLIGIBLE), splat(0.0f), exp2v(x));
+        memcpy(s + t, &e, sizeof e);
+        acc += e;
+    }
+    float sum = hsum(acc);
+    for (; t < n; t++) sum += s[t] = s[t] - top < NEGLIGIBLE ? 0.0f : exp2s(s[t] - top);
+    return sum;
+}
+
 struct attention_job {
     const float *q;  /* (Hq, d) queries of one position */
     const float *k_new, *v_new; /* (Hk, d) its key and value, written at slot `write` first */
@@ -676,20 +700,8 @@ static void attend_head(const void *ctx, int h) {
     float *out = a->out + (size_t)h * g * d;
     for (int i = 0; i < g; i++) {
         float *s = scores + (size_t)i * n;
-        float top = s[0];
-        for (int t = 1; t < n; t++) top = s[t] > top ? s[t] : top;
-        vf acc = {0};
-        int t = 0;
-        for (; t + VL <= n; t += VL) {
-            vf x = loadv(s + t) - splat(top);
-            vf e = vselect(x < splat(NEGLIGIBLE), splat(0.0f), exp2v(x));
-            memcpy(s + t, &e, sizeof e);
-            acc += e;
-        }
-        float sum = hsum(acc);
-        for (; t < n; t++) sum += s[t] = s[t] - top < NEGLIGIBLE ? 0.0f : exp2s(s[t] - top);
-        float inv = 1.0f / sum;
-        for (t = 0; t < n; t++) s[t] *= inv;
+        float inv = 1.0f / exp2_shifted_row(s, n);
+        for (int t = 0; t < n; t++) s[t] *= inv;
     }
     rows_nn_split(g, 0, d, n, scores, n, values, d, out, d, 1.0f, 0.0f, apart ? v_new : values, apart ? n - 1 : n);
     free(q);
@@ -730,4 +742,103 @@ int mlxcel_decode_attention_apart(const float *q, const float *k_new, const floa
 void mlxcel_decode_attention(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
                              float *out, int kv_heads, int group, int d, int pos, long capacity, float scale) {
     mlxcel_decode_attention_at(q, k_new, v_new, keys, values, out, kv_heads, group, d, pos, pos + 1, capacity, scale);
+}
+
+/* ------------------------------------------------------------------------- prompt-chunk attention
+ * A short prompt chunk fed through the CPU decode runtime (a cache hit's rest, CpuDecoder.prefill):
+ * `rows` consecutive positions of one sequence, from `pos` on. Row by row the decode kernel above
+ * would read every key and value once per row; here each KV head's keys are read once per block of
+ * CHUNK_QUERY_BLOCK queries, both products vectorized over their output columns (the keys
+ * transposed once per head), and the parts (KV head, query block) spread over the pool. */
+
+#define CHUNK_QUERY_BLOCK 16
+
+struct chunk_attention_job {
+    const float *q;        /* (rows, Hq * d), RoPE applied */
+    const float *k_new, *v_new; /* (rows, Hk * d) */
+    float *keys, *values;  /* the layer's cache, (Hk, capacity, d) */
+    float *keys_t;         /* scratch: (Hk, d, ldk), each head's keys transposed, zeros after pos + rows */
+    int ldk;               /* pos + rows rounded up to whole vectors, off multiples of 4 KiB */
+    float *out;            /* (rows, Hq * d) */
+    int rows, kv_heads, group, d, pos, blocks;
+    size_t head_stride;    /* capacity * d */
+    float scale;           /* the softmax scale times log2 e */
+};
+
+/* KV head h: write the chunk's keys and values into the cache, then transpose the head's keys. */
+static void chunk_write_head(const void *ctx, int h) {
+    const struct chunk_attention_job *a = ctx;
+    int d = a->d, hk = a->kv_heads, n = a->pos + a->rows;
+    float *keys = a->keys + h * a->head_stride, *values = a->values + h * a->head_stride;
+    for (int r = 0; r < a->rows; r++) {
+        memcpy(keys + (size_t)(a->pos + r) * d, a->k_new + ((size_t)r * hk + h) * d, d * sizeof(float));
+        memcpy(values + (size_t)(a->pos + r) * d, a->v_new + ((size_t)r * hk + h) * d, d * sizeof(float));
+    }
+    int ldk = a->ldk;
+    float *kt = a->keys_t + (size_t)h * d * ldk;
+    for (int t = 0; t < n; t++)
+        for (int i = 0; i < d; i++) kt[(size_t)i * ldk + t] = keys[(size_t)t * d + i];
+    for (int i = 0; i < d; i++) memset(kt + (size_t)i * ldk + n, 0, (size_t)(ldk - n) * sizeof(float));
+}
+
+/* Part p = (KV head, query block): the block's queries of the head's group against the keys up to
+ * the block's last position, causally masked, softmax (shifted by the row's maximum), times the
+ * values; the output normalised by each row's sum. */
+static void chunk_attend_part(const void *ctx, int p) {
+    static __thread struct mlxcel_scratch scratch;
+    const struct chunk_attention_job *a = ctx;
+    int h = p / a->blocks, j0 = (p % a->blocks) * CHUNK_QUERY_BLOCK;
+    int nb = a->rows - j0 < CHUNK_QUERY_BLOCK ? a->rows - j0 : CHUNK_QUERY_BLOCK;
+    int g = a->group, d = a->d, hq = a->kv_heads * g, seen = a->pos + j0 + nb;
+    int ls = (seen + VL - 1) / VL * VL; /* scores a row: whole vectors (the keys' zero padding) */
+    int m = g * nb; /* block rows, query head major: row gi * nb + jj */
+    float *qb = mlxcel_scratch(&scratch, ((size_t)m * d * 2 + (size_t)m * ls + m) * sizeof(float));
+    float *tmp = qb + (size_t)m * d, *s = tmp + (size_t)m * d, *inv = s + (size_t)m * ls;
+    for (int gi = 0; gi < g; gi++)
+        for (int jj = 0; jj < nb; jj++) {
+            const float *src = a->q + (size_t)(j0 + jj) * hq * d + (size_t)(h * g + gi) * d;
+            float *dst = qb + (size_t)(gi * nb + jj) * d;
+            for (int i = 0; i < d; i++) dst[i] = src[i] * a->scale;
+        }
+    rows_nn(m, 0, ls, d, qb, d, a->keys_t + (size_t)h * d * a->ldk, a->ldk, s, ls, 1.0f, 0.0f);
+    for (int r = 0; r < m; r++) {
+        float *row = s + (size_t)r * ls;
+        int visible = a->pos + j0 + r % nb + 1; /* keys [0, visible): causal */
+        inv[r] = 1.0f / exp2_shifted_row(row, visible);
+        memset(row + visible, 0, (size_t)(seen - visible) * sizeof(float));
+    }
+    rows_nn(m, 0, d, seen, s, ls, a->values + h * a->head_stride, d, tmp, d, 1.0f, 0.0f);
+    for (int gi = 0; gi < g; gi++)
+        for (int jj = 0; jj < nb; jj++) {
+            int r = gi * nb + jj;
+            float *dst = a->out + (size_t)(j0 + jj) * hq * d + (size_t)(h * g + gi) * d;
+            for (int i = 0; i < d; i++) dst[i] = tmp[(size_t)r * d + i] * inv[r];
+        }
+}
+
+/* Causal attention of `rows` consecutive positions from `pos` on: their keys and values written at
+ * slots [pos, pos + rows) of the cache first, row r attending slots [0, pos + r]. Returns 0, or -1
+ * (touching nothing) if the rows do not fit the capacity. */
+int mlxcel_chunk_attention(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
+                           float *out, int rows, int kv_heads, int group, int d, int pos, long capacity,
+                           float scale) {
+    static __thread struct mlxcel_scratch keys_t;
+    if (rows < 1 || pos < 0 || pos + rows > capacity) return -1;
+    int blocks = (rows + CHUNK_QUERY_BLOCK - 1) / CHUNK_QUERY_BLOCK;
+    int ldk = (pos + rows + VL - 1) / VL * VL;
+    if (ldk % 1024 == 0) ldk += VL; /* rows 4 KiB apart share cache sets */
+    float *kt = mlxcel_scratch(&keys_t, (size_t)kv_heads * d * ldk * sizeof(float));
+    struct chunk_attention_job a = {q, k_new, v_new, keys, values, kt, ldk, out, rows, kv_heads, group, d, pos,
+                                    blocks, (size_t)capacity * d, scale};
+    mlxcel_parallel(kv_heads, chunk_write_head, &a);
+    mlxcel_parallel(kv_heads * blocks, chunk_attend_part, &a);
+    return 0;
+}
+
+/* RoPE of `rows` rows of `heads` heads of d (rows contiguous), row r with the angles at cos and sin
+ * + r * d / 2 (consecutive positions). */
+void mlxcel_rope_rows(float *x, int rows, int heads, int d, const float *cos, const float *sin, int traditional) {
+    for (int r = 0; r < rows; r++)
+        mlxcel_rope(x + (size_t)r * heads * d, heads, d, cos + (size_t)r * (d / 2), sin + (size_t)r * (d / 2),
+                    traditional);
 }

@@ -767,3 +767,71 @@ def test_engine_sends_each_token_before_the_next_step() -> None:
         assert decoder.steps - before == 6  # the last token is never fed back
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("kv_heads,group,pos,rows", [(4, 3, 1007, 65), (2, 1, 0, 17), (1, 8, 1020, 4), (4, 3, 1, 1), (4, 3, 200, 64)])
+def test_chunk_attention_matches_a_causal_reference(kv_heads: int, group: int, pos: int, rows: int) -> None:
+    """A prompt chunk's attention (``mlxcel_chunk_attention``): the rows' keys and values written
+    at positions pos .. pos + rows - 1 first (nothing else in the cache touched), row r attending
+    positions [0, pos + r]; against float64 NumPy. Lengths cross the kernel's 16-query blocks,
+    its vector widths and the padding of its transposed keys; too many rows are refused."""
+    rng = np.random.default_rng(4)
+    d, capacity = 64, pos + rows + 30
+    keys = rng.standard_normal((kv_heads, capacity, d)).astype(np.float32)
+    values = rng.standard_normal((kv_heads, capacity, d)).astype(np.float32)
+    before_k, before_v = keys.copy(), values.copy()
+    q = (rng.standard_normal((rows, kv_heads * group * d)) * 2).astype(np.float32)
+    k_new = rng.standard_normal((rows, kv_heads * d)).astype(np.float32)
+    v_new = rng.standard_normal((rows, kv_heads * d)).astype(np.float32)
+    out = np.empty((rows, kv_heads * group * d), np.float32)
+    scale, k = d ** -0.5, _kernels()
+    assert k.chunk_attention(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(out), rows, kv_heads, group, d,
+                             pos, capacity, scale * cpu_decode.LOG2E) == 0
+    span = slice(pos, pos + rows)
+    assert np.array_equal(keys[:, span], k_new.reshape(rows, kv_heads, d).transpose(1, 0, 2))
+    assert np.array_equal(values[:, span], v_new.reshape(rows, kv_heads, d).transpose(1, 0, 2))
+    untouched = np.ones(capacity, bool)
+    untouched[span] = False
+    assert np.array_equal(keys[:, untouched], before_k[:, untouched]) and np.array_equal(values[:, untouched], before_v[:, untouched])
+    n = pos + rows
+    s = np.einsum("rhgd,htd->rhgt", q.reshape(rows, kv_heads, group, d).astype(np.float64), keys[:, :n].astype(np.float64)) * scale
+    s = np.where((np.arange(n)[None, :] > (pos + np.arange(rows))[:, None])[:, None, None, :], -np.inf, s)
+    w = np.exp(s - s.max(axis=-1, keepdims=True))
+    ref = np.einsum("rhgt,htd->rhgd", w / w.sum(axis=-1, keepdims=True), values[:, :n].astype(np.float64)).reshape(rows, -1)
+    assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert k.chunk_attention(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(out), rows, kv_heads, group, d,
+                             capacity - rows + 1, capacity, scale) == -1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("prompt,rest", [(69, 30), (250, 40), (40, 2), (300, 130)])
+def test_prefill_of_a_hits_rest_matches_mlx_and_writes_nothing_shared(family: str, prompt: int, rest: int) -> None:
+    """A hit's rest fed by ``prefill`` (one chunk: the GEMM, the chunk attention, the head on the
+    last row) against MLX's pass over the same rest on a copy of the cache: the last row's
+    logits within LOGITS_RTOL, the cache's keys and values too, and then steps continue from
+    either to the same logits. The adopted arrays are never written, and the KV is copied once,
+    into buffers the next step keeps (no second copy). Rests cross a 256-position block of RoPE
+    angles and the capacity's growth."""
+    loaded = load_model(str(tiny_model(family)), [])
+    model, decoder = loaded.model, loaded.decoder
+    shared = _prefill(model, prompt)
+    before = [(np.array(c.keys), np.array(c.values)) for c in shared]
+    hit, theirs = [copy.copy(c) for c in shared], copy.deepcopy(shared)
+    ids = _ids(rest, seed=3)
+    owned = cpu_decode.OwnedCache()
+    steps, fed = decoder.steps, decoder.prefilled
+    got = decoder.prefill(ids, hit, owned).copy()
+    assert decoder.steps == steps and decoder.prefilled == fed + rest
+    want = np.array(model(mx.array([ids]), cache=theirs)[0, -1])
+    assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
+    _assert_same_cache(hit, theirs, LOGITS_RTOL)
+    assert owned.holds(hit)
+    buffers = [a for a, _ in owned.arrays]
+    token = int(want.argmax())
+    for _ in range(3):
+        got, want = decoder.step(token, hit, owned).copy(), _mlx_logits(model, token, theirs)
+        assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
+        token = int(want.argmax())
+    assert all(c.keys is a for c, a in zip(hit, buffers))
+    for c, (keys, values) in zip(shared, before):
+        assert np.array_equal(np.array(c.keys), keys) and np.array_equal(np.array(c.values), values)

@@ -202,12 +202,13 @@ def test_a_hit_off_the_grid_takes_the_last_prompt_token_into_its_one_pass(family
         shared = random_tokens(64 + 5, seed=24)  # 69: off the grid of 64
         harness.run(shared + random_tokens(4, seed=25), n_predict=2)
         second = shared + random_tokens(30, seed=26)  # 30 left after the hit: more than 16 rows, one chunk
-        steps = decoder.steps
+        steps, fed = decoder.steps, decoder.prefilled
         warm = harness.run(second, n_predict=4, n_probs=N_PROBS)
         assert warm.finish.n_cached == len(shared)
         folds = ":" not in family
         # float32: only the 3 tokens fed back step, the prompt's last one was in the pass
         assert decoder.steps - steps == (3 if folds else 4)
+        assert decoder.prefilled - fed == (30 if folds else 0)  # float32: the rest was one prefill chunk
         cold_steps = decoder.steps
         cold = harness.run(second, n_predict=4, n_probs=N_PROBS, cache=False)
         assert decoder.steps - cold_steps == 4  # the cold run's last prompt token is a decode step, as before

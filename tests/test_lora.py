@@ -229,3 +229,18 @@ def test_the_set_follows_llama_server_rules() -> None:
     assert parse_scaled("x.gguf:0.5").scale == 0.5
     with pytest.raises(ValueError, match="FNAME:SCALE"):
         parse_scaled("x.gguf")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_prefill_chunk_through_the_runtime_applies_the_adapter(family: str) -> None:
+    """A hit's rest fed by ``CpuDecoder.prefill`` (a prompt chunk through the runtime, the head
+    on the last row) with an adapter's scale: the fused model's last logits, within TOL."""
+    base = tiny_model(family)
+    loaded = load_model(str(base), [], adapters=adapters_of(adapter(family, "gguf")).adapters)
+    ref_model, _ = fused(base, family, 0.75)
+    head, rest = PROMPT[:5], PROMPT[5:] * 3  # 5 adopted, 21 to prefill
+    cache = make_prompt_cache(loaded.model)
+    with lora_layers.applied([(0.75,)]):
+        mx.eval(loaded.model(mx.array([head]), cache=cache))
+    ours = loaded.decoder.prefill(rest, cache, cpu_decode.OwnedCache(), (0.75,)).copy()
+    assert_close(ours, prefill_logits(ref_model, head + rest)[-1])

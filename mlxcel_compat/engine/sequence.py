@@ -295,7 +295,9 @@ class Sequence:
           chunks).
         - **A hit's rest in one chunk**: after a hit off the chunk grid, the rest goes in one pass
           when it fits in a chunk (:meth:`next_chunk`), and that pass takes the last token along,
-          its logits from the last row only (:meth:`_last_row_logits`). No cold run and no
+          its logits from the last row only: ``CpuDecoder.prefill`` where the runtime takes the
+          cache (more than ``EXACT_ROWS`` tokens; fewer go as decode rows, above), else MLX's
+          chunk (:meth:`_last_row_logits`). No cold run and no
           aligned hit starts off the grid, so neither changes: their last token stays a decode
           step, and a full hit's first token still equals the cold run's bit for bit. (A hit
           off the grid is not bit-exact with the cold run whatever the split.) On the families
@@ -382,13 +384,20 @@ class Sequence:
             logits = mx.array(self.decoder.step(token, self.cache, self.owned, self.request.lora or None))
             self.cache_tokens.append(token)
             return logits
-        if (self.decoder is not None and isinstance(tokens, list) and len(tokens) <= EXACT_ROWS
+        if (self.decoder is not None and isinstance(tokens, list) and len(tokens) > 1
                 and self.decoder.can_step_tokens(self.cache, self.owned)):
-            # A short prompt tail (prompt_tail): one step whose rows are its tokens; the last
-            # row's logits sample the first token.
-            rows = self.decoder.step_tokens(tokens, self.cache, self.owned, self.request.lora or None)
+            if len(tokens) <= EXACT_ROWS:
+                # A short prompt tail (prompt_tail): one step whose rows are its tokens; the last
+                # row's logits sample the first token.
+                rows = self.decoder.step_tokens(tokens, self.cache, self.owned, self.request.lora or None)
+                self.cache_tokens.extend(tokens)
+                return mx.array(rows[-1])
+            # A hit's longer rest off the chunk grid (prompt_tail): one prompt chunk through the
+            # CPU decode runtime, the head on its last row. Not bit-exact with any other split
+            # (as MLX's chunk was not), so the runtime's GEMM and chunk attention serve it.
+            logits = self.decoder.prefill(tokens, self.cache, self.owned, self.request.lora or None)
             self.cache_tokens.extend(tokens)
-            return mx.array(rows[-1])
+            return mx.array(logits)
         inputs = tokens.reshape(1, 1) if isinstance(tokens, mx.array) else mx.array(tokens)[None]
         with applied(self.lora_rows):
             if self.decoder is not None and inputs.shape[1] > 1:  # a hit's rest in one chunk (prompt_tail)

@@ -29,6 +29,11 @@ the next step, after that token has gone out (a hit's first token is its time to
 Several sequences decoding together (a batch) are stepped at once (:meth:`CpuDecoder.step_rows`),
 each on its own cache: the projections take every row in one pass over the weights.
 
+A prompt-cache hit's longer rest (more than ``EXACT_ROWS`` tokens after a hit off the chunk grid)
+is fed here too, as one prompt chunk (:meth:`CpuDecoder.prefill`): the rows through the BLAS's
+GEMM, one ``mlxcel_chunk_attention`` call a layer, the head on the last row only, into buffers
+the next steps keep; MLX's pass over the same rest spent as long around its products as in them.
+
 Which models: mlx-lm's ``llama`` (and ``mistral``, which mlx-lm runs as llama), ``qwen2``,
 ``qwen3`` and ``gemma3_text`` modules, with float32 weights or weights in ggml's blocks
 (``block_layers.py``), every layer the cache mlx-lm's ``make_cache`` gives it. Gemma 3 brings
@@ -236,6 +241,8 @@ class _Kernels:
         self.attention_at = self._fn(lib.mlxcel_decode_attention_at, [p, p, p, p, p, p, i, i, i, i, i, L, f], ctypes.c_int)
         self.attention_apart = self._fn(lib.mlxcel_decode_attention_apart, [p, p, p, p, p, p, p, p, i, i, i, i, L, f],
                                         ctypes.c_int)
+        self.chunk_attention = self._fn(lib.mlxcel_chunk_attention, [p, p, p, p, p, p, i, i, i, i, i, L, f], ctypes.c_int)
+        self.rope_rows = self._fn(lib.mlxcel_rope_rows, [p, i, i, i, p, p, i])
 
     @staticmethod
     def _fn(fn: Any, argtypes: list[Any], restype: Any = None) -> Any:
@@ -391,10 +398,13 @@ class CpuDecoder:
         self._rings = [i for i, layer in enumerate(self.layers) if layer.sliding]  # RotatingKVCache layers
         self._plain = [i for i, layer in enumerate(self.layers) if not layer.sliding]  # KVCache layers
         self._buffers: dict[int, _Buffers] = {}  # by row count
+        self._chunk_buffers: _Buffers | None = None  # a prompt chunk's (prefill): the largest so far
+        self._rows = 0  # rows of the pass running now (a chunk's buffers may hold more)
         self._angle_blocks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (kind, first position) -> (cos, sin)
         self._lora_t: dict[tuple[int, int], np.ndarray] = {}  # (rows, rank) -> A x of one adapter
         self._columns: dict[int, list[float]] | None = None  # this step's scales by adapter id, one per row
         self.steps = 0  # steps run so far (tests and benchmarks check that it ran)
+        self.prefilled = 0  # prompt tokens fed by prefill so far
 
     @staticmethod
     def _linear(module: Any) -> _Linear:
@@ -499,8 +509,33 @@ class CpuDecoder:
         return out
 
     def can_step_tokens(self, cache: list[Any], owned: OwnedCache) -> bool:
-        """Whether :meth:`step_tokens` takes this cache (a plain-attention model's, see can_run)."""
+        """Whether :meth:`step_tokens` and :meth:`prefill` take this cache (a plain-attention
+        model's, see can_run)."""
         return not self._rings and self.can_run(cache, owned)
+
+    def prefill(self, tokens: list[int], cache: list[Any], owned: OwnedCache, scales: Any = None) -> np.ndarray:
+        """Feed the rest of a prompt, ``tokens[j]`` at position ``offset + j``, as one prompt
+        chunk, and return the last token's logits (a buffer reused by the next pass: copy it
+        before then). The cache advances by ``len(tokens)`` positions, in buffers this sequence
+        owns (a hit's adopted KV is copied into them once, here, not again at the first step).
+
+        Why it exists: a prompt-cache hit leaves a rest of tens of tokens over a long cache, and
+        MLX's pass over it spends as long around its matrix products as in them (norms, RoPE,
+        the attention evaluated mid-pass, the KV concatenated; docs/benchmarks/prompt-cache.md).
+        Here the rows go through each weight in one product (the BLAS's GEMM), the attention is
+        one call a layer (``mlxcel_chunk_attention``: each KV head's keys read once per block of
+        queries, both products vectorized, on the shim's threads), and the output head takes the
+        last row only. Unlike :meth:`step_tokens` the rows are not computed as single steps
+        would compute them (the GEMM and the blocked attention sum in other orders): the logits
+        agree with MLX's chunk to float32 rounding, as any two prompt splits do. Plain KV caches
+        only (:meth:`can_step_tokens`)."""
+        if self._rings:
+            raise RuntimeError("a model with sliding-window layers prefills through MLX")
+        self._check_tokens(tokens)
+        start = cache[0].offset
+        views = self._own(cache, owned, start, last=start + len(tokens) - 1)
+        return self._run(tokens, [cache] * len(tokens), [start + j for j in range(len(tokens))],
+                         [views] * len(tokens), None if scales is None else [scales] * len(tokens), chunk=True)[0]
 
     def _check_tokens(self, tokens: list[int]) -> None:
         vocab = self.embed.shape[0]
@@ -509,24 +544,31 @@ class CpuDecoder:
                 raise ValueError(f"token id {token} is outside the vocabulary (0..{vocab - 1})")
 
     def _run(self, tokens: list[int], caches: list[list[Any]], positions: list[int],
-             views: list[list[tuple[int, int, int]]], scales: Any) -> np.ndarray:
+             views: list[list[tuple[int, int, int]]], scales: Any, chunk: bool = False) -> np.ndarray:
         """The step itself: row r is ``tokens[r]`` at ``positions[r]`` on ``caches[r]`` (the same
-        cache on several rows for consecutive positions of one sequence)."""
+        cache on several rows for consecutive positions of one sequence). ``chunk``: the rows are
+        consecutive positions of one sequence, attended in one call a layer, and only the last
+        row's logits are computed (:meth:`prefill`); the result then has one row."""
         self._columns = _columns(scales)
-        rows = len(tokens)
+        rows = self._rows = len(tokens)
         if len(self._angle_blocks) > ANGLE_BLOCKS_KEPT * len(self.ropes):
             self._angle_blocks.clear()  # between steps: no address handed out below is freed
-        angles = [[self._angle_row(pos, kind) for kind in range(len(self.ropes))] for pos in positions]
-        b = self._buffers_for(rows)
+        if chunk:
+            b = self._chunk_buffers_for(rows)
+            spans = [self._angle_span(positions[0], rows, kind) for kind in range(len(self.ropes))]
+        else:
+            b = self._buffers_for(rows)
+            angles = [[self._angle_row(pos, kind) for kind in range(len(self.ropes))] for pos in positions]
         k, p, mv, trads = self.k, b.ptr, self._mv, self.traditional
         hq, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
         group, hidden = hq // hk, b.x.shape[1]
+        x = b.x[:rows]
         if isinstance(self.embed, BlockWeight):
-            self.embed.take(tokens, out=b.x)
+            self.embed.take(tokens, out=x)
         else:
-            np.take(self.embed, tokens, axis=0, out=b.x)
+            np.take(self.embed, tokens, axis=0, out=x)
         if self.embed_scale is not None:
-            b.x *= self.embed_scale
+            x *= self.embed_scale
         for i, layer in enumerate(self.layers):
             k.rms_norm(p["x"], layer.n1.ptr, p["h"], rows, hidden, layer.n1.eps)
             mv(layer.q, b, "h", "q")
@@ -536,23 +578,32 @@ class CpuDecoder:
                 k.rms_norm(p["q"], layer.q_norm.ptr, p["q"], rows * hq, d, layer.q_norm.eps)
                 k.rms_norm(p["k_new"], layer.k_norm.ptr, p["k_new"], rows * hk, d, layer.k_norm.eps)
             trad = trads[layer.rope]
-            for (q, kn, vn, att), row_angles, pos, row_views, cache in zip(b.rows, angles, positions, views, caches):
-                keys, values, capacity = row_views[i][:3]
-                cos, sin = row_angles[layer.rope]
-                k.rope(q, hq, d, cos, sin, trad)
-                k.rope(kn, hk, d, cos, sin, trad)
-                if layer.sliding:  # the ring's slot (_ring_plan left _idx where mlx-lm's update has it)
-                    ring = cache[i]
-                    write = 0 if ring._idx == ring.max_size else ring._idx
-                    seen = min(pos + 1, capacity)  # what mlx-lm's keys_and_values hands its attention
-                    if k.attention_at(q, kn, vn, keys, values, att, hk, group, d, write, seen, capacity, self.scale):
-                        raise RuntimeError(f"layer {i}: ring slot {write} outside its {capacity} positions")
-                elif len(row_views[i]) == 5:  # shared arrays (_borrow): read them, keep the new rows apart
-                    if k.attention_apart(q, kn, vn, keys, values, att, row_views[i][3], row_views[i][4],
-                                         hk, group, d, pos, capacity, self.scale):
-                        raise RuntimeError(f"layer {i}: position {pos} outside the shared {capacity} positions")
-                else:
-                    k.attention(q, kn, vn, keys, values, att, hk, group, d, pos, capacity, self.scale)
+            if chunk:
+                cos, sin = spans[layer.rope]
+                k.rope_rows(p["q"], rows, hq, d, _ptr(cos), _ptr(sin), trad)
+                k.rope_rows(p["k_new"], rows, hk, d, _ptr(cos), _ptr(sin), trad)
+                keys, values, capacity = views[0][i][:3]
+                if k.chunk_attention(p["q"], p["k_new"], p["v_new"], keys, values, p["att"], rows, hk, group, d,
+                                     positions[0], capacity, self.scale):
+                    raise RuntimeError(f"layer {i}: positions {positions[0]}..{positions[-1]} outside {capacity}")
+            else:
+                for (q, kn, vn, att), row_angles, pos, row_views, cache in zip(b.rows, angles, positions, views, caches):
+                    keys, values, capacity = row_views[i][:3]
+                    cos, sin = row_angles[layer.rope]
+                    k.rope(q, hq, d, cos, sin, trad)
+                    k.rope(kn, hk, d, cos, sin, trad)
+                    if layer.sliding:  # the ring's slot (_ring_plan left _idx where mlx-lm's update has it)
+                        ring = cache[i]
+                        write = 0 if ring._idx == ring.max_size else ring._idx
+                        seen = min(pos + 1, capacity)  # what mlx-lm's keys_and_values hands its attention
+                        if k.attention_at(q, kn, vn, keys, values, att, hk, group, d, write, seen, capacity, self.scale):
+                            raise RuntimeError(f"layer {i}: ring slot {write} outside its {capacity} positions")
+                    elif len(row_views[i]) == 5:  # shared arrays (_borrow): read them, keep the new rows apart
+                        if k.attention_apart(q, kn, vn, keys, values, att, row_views[i][3], row_views[i][4],
+                                             hk, group, d, pos, capacity, self.scale):
+                            raise RuntimeError(f"layer {i}: position {pos} outside the shared {capacity} positions")
+                    else:
+                        k.attention(q, kn, vn, keys, values, att, hk, group, d, pos, capacity, self.scale)
             if layer.attn_out is not None:
                 mv(layer.o, b, "att", "branch")
                 k.rms_norm_add(p["branch"], layer.attn_out.ptr, p["x"], rows, hidden, layer.attn_out.eps)
@@ -562,15 +613,19 @@ class CpuDecoder:
             mv(layer.gate, b, "h", "gate")
             mv(layer.up, b, "h", "up")
             if self.gemma:
-                k.gelu_tanh_gate(p["gate"], p["up"], b.gate.size)
+                k.gelu_tanh_gate(p["gate"], p["up"], rows * b.gate.shape[1])
             else:
-                k.swiglu(p["gate"], p["up"], b.gate.size)
+                k.swiglu(p["gate"], p["up"], rows * b.gate.shape[1])
             if layer.mlp_out is not None:
                 mv(layer.down, b, "gate", "branch")
                 k.rms_norm_add(p["branch"], layer.mlp_out.ptr, p["x"], rows, hidden, layer.mlp_out.eps)
             else:
                 mv(layer.down, b, "gate", "x", accumulate=True)
-        k.rms_norm(p["x"], self.norm.ptr, p["h"], rows, hidden, self.norm.eps)
+        if chunk:  # the last row only: its norm into the first row of h, then the head on one row
+            k.rms_norm(p["x"] + (rows - 1) * hidden * 4, self.norm.ptr, p["h"], 1, hidden, self.norm.eps)
+            self._rows, self._columns = 1, _columns(None if scales is None else scales[-1:])
+        else:
+            k.rms_norm(p["x"], self.norm.ptr, p["h"], rows, hidden, self.norm.eps)
         mv(self.head, b, "h", "logits")
         for cache in caches:
             for i in self._rings:  # as mlx-lm's update leaves a ring: the slot after the one written
@@ -578,33 +633,49 @@ class CpuDecoder:
                 ring._idx = (0 if ring._idx == ring.max_size else ring._idx) + 1
             for c in cache:
                 c.offset += 1
-        self.steps += rows
+        if chunk:
+            self.prefilled += rows
+        else:
+            self.steps += rows
         return b.logits
 
     def _buffers_for(self, rows: int) -> _Buffers:
         b = self._buffers.get(rows)
         if b is None:
-            hidden, inter = self.embed.shape[1], self.layers[0].gate.weight.shape[0]
-            hq, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
-
-            def buf(n: int) -> np.ndarray:
-                return np.empty((rows, n), np.float32)
-
-            b = self._buffers[rows] = _Buffers(x=buf(hidden), h=buf(hidden), branch=buf(hidden), q=buf(hq * d),
-                                               k_new=buf(hk * d), v_new=buf(hk * d), att=buf(hq * d), gate=buf(inter),
-                                               up=buf(inter), logits=buf(self.head.weight.shape[0]))
+            b = self._buffers[rows] = self._new_buffers(rows, rows)
         return b
 
+    def _chunk_buffers_for(self, rows: int) -> _Buffers:
+        """A prompt chunk's buffers: one set, grown in steps of 64 rows, its first ``rows`` used
+        (rows are contiguous, so the addresses hold for any count), logits for one row."""
+        b = self._chunk_buffers
+        if b is None or b.x.shape[0] < rows:
+            b = self._chunk_buffers = self._new_buffers(-(-rows // 64) * 64, 1)
+        return b
+
+    def _new_buffers(self, rows: int, logit_rows: int) -> _Buffers:
+        hidden, inter = self.embed.shape[1], self.layers[0].gate.weight.shape[0]
+        hq, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
+
+        def buf(n: int, r: int = rows) -> np.ndarray:
+            return np.empty((r, n), np.float32)
+
+        return _Buffers(x=buf(hidden), h=buf(hidden), branch=buf(hidden), q=buf(hq * d), k_new=buf(hk * d),
+                        v_new=buf(hk * d), att=buf(hq * d), gate=buf(inter), up=buf(inter),
+                        logits=buf(self.head.weight.shape[0], logit_rows))
+
     def _mv(self, lin: _Linear, b: _Buffers, x: str, out: str, accumulate: bool = False) -> None:
-        """b.out = b.x W^T (+ bias), or b.out += b.x W^T (+ bias), for every row: the shim's kernel."""
+        """b.out = b.x W^T (+ bias), or b.out += b.x W^T (+ bias), for the pass's rows (``_rows``):
+        the shim's kernel."""
         n, kk = lin.weight.shape
+        rows = self._rows
         if lin.block is not None:  # ggml's vec_dot, row by row: a row's result never depends on the others
-            lin.block.matmul_into(b.x.shape[0], b.ptr[x], kk, b.ptr[out], n, 1.0 if accumulate else 0.0)
+            lin.block.matmul_into(rows, b.ptr[x], kk, b.ptr[out], n, 1.0 if accumulate else 0.0)
         else:
-            self.k.sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, b.x.shape[0], n, kk, 1.0, b.ptr[x], kk, lin.ptr, kk,
+            self.k.sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, rows, n, kk, 1.0, b.ptr[x], kk, lin.ptr, kk,
                          1.0 if accumulate else 0.0, b.ptr[out], n)
         if lin.bias is not None:
-            getattr(b, out)[...] += lin.bias
+            getattr(b, out)[:rows] += lin.bias
         if lin.lora and self._columns is not None:
             self._add_lora(lin, b, x, out)
 
@@ -612,7 +683,7 @@ class CpuDecoder:
         """b.out += scale * multiplier * B (A b.x) per row, for each adapter of ``lin`` (the
         shim's kernel for both products). ``A x`` is scaled row by row whatever the scales, so a
         row's result does not depend on the other rows of its batch (a zero row adds zeros)."""
-        rows, (n, kk) = b.x.shape[0], lin.weight.shape
+        rows, (n, kk) = self._rows, lin.weight.shape
         for lora in lin.lora:
             column = self._columns.get(lora.factor.adapter)
             if column is None:
@@ -743,6 +814,17 @@ class CpuDecoder:
         kept = min(cap - start, capacity)
         view[:, :, :kept] = np.asarray(a)[:, :, start:start + kept]
         return fresh
+
+    def _angle_span(self, first: int, rows: int, kind: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin of positions ``first`` .. ``first + rows - 1`` (rows, head_dim / 2) each,
+        contiguous: a prompt chunk's angles for one ``rope_rows`` call."""
+        parts = []
+        for pos in range(first - first % ANGLE_BLOCK, first + rows, ANGLE_BLOCK):
+            self._angle_row(pos, kind)  # makes the block
+            cos, sin = self._angle_blocks[(kind, pos)]
+            lo, hi = max(first - pos, 0), min(first + rows - pos, ANGLE_BLOCK)
+            parts.append((cos[lo:hi], sin[lo:hi]))
+        return np.concatenate([c for c, _ in parts]), np.concatenate([s for _, s in parts])
 
     def _angle_row(self, pos: int, kind: int = 0) -> tuple[int, int]:
         """Addresses of cos and sin of position ``pos``'s RoPE angles, as the model's RoPE module
