@@ -7,7 +7,11 @@ therefore be imported, and :func:`load_optimized_blas` called, before anything i
 
 OpenBLAS then picks its kernels from CPUID, which can go wrong on virtual CPUs; unless the user
 chose (``OPENBLAS_CORETYPE``), the kernels are chosen from the CPU flags instead (see
-:func:`openblas_kernels_for_cpu`).
+:func:`openblas_kernels_for_cpu`). Its threads wait for the next call by spinning for
+``2 ** OPENBLAS_THREAD_TIMEOUT`` cycles (default 28: ~0.1 s), which keeps every core busy after
+each GEMM, while the shim's own threads need them (a hit's rest on the CPU decode runtime
+alternates the two every millisecond: its attention took 49-56 ms a pass with OpenBLAS spinning
+0.1 s, 24-31 without); unless the user chose, the spin is cut to ``OPENBLAS_SPIN_EXPONENT``.
 
 Matmuls with few rows (every decode step) are slow in OpenBLAS's GEMM; ``blas_shim`` interposes
 ``cblas_sgemm`` for them, so it is loaded globally just before the BLAS (see ``blas_shim.py``).
@@ -27,6 +31,13 @@ from typing import Any, NoReturn
 from mlxcel_compat import blas_shim
 
 log = logging.getLogger(__name__)
+
+# OPENBLAS_THREAD_TIMEOUT unless the user set it: 2 ** 22 cycles (~1.4 ms) of spinning. MLX's
+# prefill leaves gaps of that order between its GEMMs: at 16 (~20 us) a cold 1K-token prompt
+# took 1.20-1.23x llama-server's time instead of 1.09-1.24x, at 22 1.11-1.12x; a hit's rest on
+# the runtime took 0.95-1.00x llama-server's at 16, 0.98x at 22 and 0.89-1.14x at 28
+# (scripts/bench_prompt_cache.py, docs/benchmarks/prompt-cache.md).
+OPENBLAS_SPIN_EXPONENT = 22
 
 # Most specific first: the pthread build is what Debian's libopenblas0-pthread installs.
 _BLAS_CANDIDATES = (
@@ -229,6 +240,8 @@ def load_optimized_blas() -> BlasInfo:
     for path in _candidates():
         name = "blis" if "blis" in path else "openblas"
         forced = False
+        if name == "openblas":  # read by OpenBLAS when it loads, as the core type below
+            os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", str(OPENBLAS_SPIN_EXPONENT))
         if name == "openblas" and "OPENBLAS_CORETYPE" not in os.environ and platform.machine() in ("x86_64", "AMD64"):
             kernels = openblas_kernels_for_cpu(_cpu_flags())
             if kernels is not None:  # read by OpenBLAS when it loads, so set it first

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mlxcel_compat.backend import _cpu_flags, load_optimized_blas, openblas_kernels_for_cpu
+from mlxcel_compat.backend import OPENBLAS_SPIN_EXPONENT, _cpu_flags, load_optimized_blas, openblas_kernels_for_cpu
 
 AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}
 
@@ -51,3 +51,33 @@ def test_openblas_runs_the_kernels_the_cpu_supports() -> None:
 def test_a_kernel_choice_made_by_the_user_is_kept() -> None:
     info = blas_in_fresh_process({**os.environ, "OPENBLAS_CORETYPE": "Haswell"})
     assert info == {"name": "openblas", "kernels": "Haswell", "forced": False, "env": "Haswell"}
+
+
+def idle_cpu_after_a_gemm(env: dict[str, str]) -> dict:
+    """In a fresh process: OPENBLAS_THREAD_TIMEOUT as loaded, and the CPU seconds the process
+    spends in the 0.1 s after a threaded GEMM, while its caller sleeps (OpenBLAS's threads
+    spinning for the next call)."""
+    code = (
+        "import json, os, time, numpy as np\n"
+        "from mlxcel_compat import backend\n"
+        "backend.load_optimized_blas()\n"
+        "sgemm = backend.cblas_sgemm()\n"
+        "a = np.ones((512, 512), np.float32); c = np.empty_like(a)\n"
+        "for _ in range(3): sgemm(101, 111, 111, 512, 512, 512, 1.0, a.ctypes.data, 512, a.ctypes.data, 512, 0.0, c.ctypes.data, 512)\n"
+        "t = os.times(); time.sleep(0.1); u = os.times()\n"
+        "print(json.dumps({'env': os.environ.get('OPENBLAS_THREAD_TIMEOUT'), 'cpu': u.user + u.system - t.user - t.system, 'c': float(c[0, 0])}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+@needs_openblas
+def test_openblas_threads_do_not_spin_between_calls() -> None:
+    """OpenBLAS's threads wait for the next call spinning for 2 ** OPENBLAS_THREAD_TIMEOUT cycles
+    (its default, 28, is ~0.1 s on every core): the set-up cuts that to OPENBLAS_SPIN_EXPONENT
+    so the shim's threads get the cores between GEMMs, and keeps a value the user chose."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    ours = idle_cpu_after_a_gemm(env)
+    assert ours["env"] == str(OPENBLAS_SPIN_EXPONENT) and ours["c"] == 512.0
+    assert ours["cpu"] < 0.03  # the 0.1 s sleep costs (almost) no CPU
+    assert idle_cpu_after_a_gemm({**env, "OPENBLAS_THREAD_TIMEOUT": "20"})["env"] == "20"
