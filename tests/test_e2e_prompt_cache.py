@@ -221,3 +221,24 @@ def test_eviction_keeps_bytes_within_a_tiny_budget(server_factory, llama_dir) ->
             assert stats["bytes"] <= budget
         assert stats["evictions"]["lru"] > 0
         assert stats["capacity_bytes"] == budget
+
+
+def test_a_request_sent_again_takes_its_first_token_from_the_cache(client, raw) -> None:
+    """A long prompt sent again (a regenerated answer, a retry) adopts all of its tokens: its
+    entry keeps the logits the first request computed at the prompt's last position, so no
+    forward pass runs before the first token. The answer equals the first one and the cold
+    run's; every prompt token counts as cached (``cached_tokens``, ``tokens_cached``,
+    ``timings.cache_n``) and none as processed (``timings.prompt_n`` 0)."""
+    messages = [{"role": "system", "content": SYSTEM * 20}, {"role": "user", "content": QUESTIONS[2]}]
+    first = chat(client, messages)
+    again = chat(client, messages)
+    assert cached(first) == 0 and cached(again) == again.usage.prompt_tokens > 1000
+    cold = chat(client, messages, cache_prompt=False)
+    assert again.choices[0].message.content == first.choices[0].message.content == cold.choices[0].message.content
+    prompt = SYSTEM * 20
+    body = {"prompt": prompt, "n_predict": 4, "temperature": 0}
+    one = raw.post("/completion", json=body).json()
+    two = raw.post("/completion", json=body).json()
+    assert two["content"] == one["content"]
+    assert two["timings"]["cache_n"] == two["tokens_evaluated"] and two["timings"]["prompt_n"] == 0
+    assert two["tokens_cached"] == two["tokens_evaluated"] + 3  # prompt + the tokens fed back

@@ -20,6 +20,9 @@ from tests.engine_harness import EngineHarness
 CHUNK = 16
 LOGPROB_TOL = 1e-4
 N_PROBS = 8
+# Long enough that the tiny models' logits (vocabulary 8192: 32 KiB) cost less than
+# FINAL_LOGITS_MAX_SHARE of the entry's KV (the tiny llama's: 512 bytes a token).
+LONG_PROMPT = 1100
 
 
 def random_tokens(n: int, seed: int) -> list[int]:
@@ -66,11 +69,40 @@ def test_unaligned_hit_is_within_tolerance(harness: EngineHarness) -> None:
 
 
 def test_exact_repeat_reprefills_one_token(harness: EngineHarness) -> None:
+    """A short prompt's entry keeps no logits (they would cost more than FINAL_LOGITS_MAX_SHARE
+    of its KV): sent again, its last token is computed again."""
     prompt = random_tokens(50, seed=7)
     cold = harness.run(prompt, n_predict=6)
     warm = harness.run(prompt, n_predict=6)
     assert warm.finish.n_cached == len(prompt) - 1
     assert warm.tokens == cold.tokens
+
+
+def test_a_prompt_sent_again_samples_from_the_entrys_logits(harness: EngineHarness) -> None:
+    """A long prompt's entry keeps the logits its donor computed at the prompt's last position
+    (with that position's KV, which the entry holds anyway). The same prompt sent again adopts
+    all of it and samples its first token from them: no forward pass before the first token,
+    nothing counted as prompt processing, and the answer and its log-probabilities bit-identical
+    to the cold run's. A prompt that is only a prefix of the entry, or extends the donor's prompt,
+    computes its last token as before."""
+    prompt = random_tokens(LONG_PROMPT, seed=30)
+    decoder = harness.engine.loaded.decoder
+    cold = harness.run(prompt, n_predict=6, n_probs=N_PROBS)
+    steps, fed = decoder.steps, decoder.prefilled
+    (entry,) = harness.on_engine(lambda: harness.engine.prefix_cache.store.entries())
+    assert entry.final_logits is not None and entry.final_logits[0] == len(prompt)
+    assert entry.nbytes == entry.payload_nbytes + entry.final_logits[2]
+    hits = harness.stats()["hits"]
+    warm = harness.run(prompt, n_predict=6, n_probs=N_PROBS)
+    assert warm.finish.n_cached == len(prompt) and warm.finish.n_prompt == len(prompt)
+    assert decoder.steps - steps == 5 and decoder.prefilled == fed  # only the 5 tokens fed back
+    assert warm.tokens == cold.tokens and warm.logprobs == cold.logprobs
+    assert harness.stats()["hits"] == hits + 1  # one lookup, one hit (the store's, one token short)
+    again = harness.run(prompt, n_predict=6, n_probs=N_PROBS)  # from the entry the warm run donated
+    assert again.finish.n_cached == len(prompt) and again.tokens == cold.tokens
+    for other in (prompt[:-1], prompt + cold.tokens[:1]):
+        run = harness.run(other, n_predict=3)
+        assert run.finish.n_cached == len(other) - 1
 
 
 def _entry_arrays(harness: EngineHarness, entry_id: int) -> list[np.ndarray]:

@@ -124,6 +124,15 @@ class CacheEntry:
     use_tick: int = 0  # recency order that a coarse clock cannot tie
     pin_ttl: float = 0.0  # > 0: pinned (an explicit cache breakpoint) for this many seconds
     pin_until: float = 0.0  # clock() when the pin lapses; every hit or re-pin moves it
+    # The adapter's (n, logits, nbytes of them) after the first n tokens, when the donor computed
+    # them (its prompt's last position): a later prompt equal to tokens[:n] needs no forward pass
+    # at all. The logits are opaque here, like the payload; their bytes are in ``nbytes`` too.
+    final_logits: tuple[int, object, int] | None = None
+
+    @property
+    def payload_nbytes(self) -> int:
+        """The payload's bytes alone (what the disk tier writes)."""
+        return self.nbytes - (self.final_logits[2] if self.final_logits is not None else 0)
 
     @property
     def pinned(self) -> bool:
@@ -307,6 +316,7 @@ class EntryStore:
         trimmable: bool,
         origin: str = "completion",
         pin_ttl: float = 0.0,
+        final_logits: tuple[int, object, int] | None = None,
     ) -> InsertResult:
         """Store a finished sequence's state (donate).
 
@@ -319,6 +329,7 @@ class EntryStore:
             trimmable: whether ``payload`` can be cut to any shorter prefix.
             origin: donation kind; supersede only acts within one origin.
             pin_ttl: > 0 pins the entry for that many seconds (see the module docstring).
+            final_logits: kept as ``CacheEntry.final_logits``; ``nbytes`` includes their bytes.
 
         Returns:
             Whether it was stored, why not, and which entries it displaced.
@@ -350,7 +361,7 @@ class EntryStore:
         entry = CacheEntry(
             id=next(self._ids), bucket=bucket, session_key=session_key, tokens=toks,
             payload=payload, nbytes=nbytes, trimmable=trimmable, created=now,
-            last_used=now, origin=origin, digest=digest, use_tick=next(self._ticks),
+            last_used=now, origin=origin, digest=digest, use_tick=next(self._ticks), final_logits=final_logits,
         )
         self._add_entry(entry)
         if pin_ttl > 0:

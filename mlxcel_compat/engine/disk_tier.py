@@ -162,7 +162,7 @@ class DiskTier:
             return False
         header = EntryHeader(
             kind=kind, compat=self.index.compat, bucket=entry.bucket, session_key=entry.session_key,
-            tokens=entry.tokens, origin=entry.origin, trimmable=entry.trimmable, nbytes=entry.nbytes, layout={},
+            tokens=entry.tokens, origin=entry.origin, trimmable=entry.trimmable, nbytes=entry.payload_nbytes, layout={},
         )
         path = self.index.directory / entry_name(kind, header.digest)
         if path in self._queued:

@@ -4,7 +4,8 @@ Runs on the engine thread only (it owns the store). The store is pure bookkeepin
 (copying, truncating and measuring mlx-lm cache objects) is ``cache/kv.py``.
 
     request ──► adopt(seq): lookup(bucket, session, prompt) ──hit──► copy entry KV, trim to the
-                match, prefill only the rest (at least one token)
+                match, prefill only the rest (at least one token; none when the entry keeps the
+                logits of exactly this prompt, ``_final_logits``)
     finish  ──► donate(seq): snapshot the sequence's KV with exactly the tokens it holds
 
 APC (partial reuse) is decided once, at start-up, by ``apc_decision``: off when the cache is off,
@@ -48,6 +49,10 @@ KV_FLOOR_BYTES = 2 * GIB
 DISK_DEFAULT_CEILING = 16 * GIB
 FLUSH_TIMEOUT_SECONDS = 20.0  # a clean shutdown writes RAM entries to the disk tier for at most this long
 RESET_TIERS = ("ram", "disk", "all")
+# An entry keeps its donor's logits at the prompt's last position (a prompt sent again then
+# needs no forward pass, ``PrefixCache._final_logits``) when they cost at most this share of its
+# KV bytes: 32 KiB of logits against 25 MiB of KV for a 1K-token prompt of the small llama.
+FINAL_LOGITS_MAX_SHARE = 1 / 16
 
 
 @dataclass
@@ -344,28 +349,56 @@ class PrefixCache:
             self._trace_lookup(seq, result)
             self._refresh()
             return 0
+        final = self._final_logits(seq, hit)
+        matched = seq.n_prompt if final is not None else hit.matched_len
         try:
             cache = kv.copy_cache(hit.entry.payload)
-            if hit.needs_trim:
-                kv.truncate(cache, hit.matched_len)
+            if hit.needs_trim or final is not None:
+                kv.truncate(cache, matched)
         except Exception as exc:  # a broken entry must not fail the request: prefill cold
             log.debug("prompt cache: adoption failed for task %d: %s", seq.request.task_id, exc)
             self._trace_lookup(seq, result, failed=True)
             self._refresh()
             return 0
-        seq.cache = self._split_draft(seq, cache, hit.matched_len)
-        seq.adopt(hit.matched_len)
+        seq.cache = self._split_draft(seq, cache, matched)
+        seq.adopt(matched, final_logits=final)
         log.debug(
-            "prompt cache hit: task=%d matched=%d/%d entry=%s stage=%s",
+            "prompt cache hit: task=%d matched=%d/%d entry=%s stage=%s%s",
             seq.request.task_id,
-            hit.matched_len,
+            matched,
             seq.n_prompt,
             hit.entry.anon_repr(),
             hit.stage,
+            " (with the entry's final logits)" if final is not None else "",
         )
         self._trace_lookup(seq, result)
         self._refresh()
-        return hit.matched_len
+        return matched
+
+    def _final_logits(self, seq: "Sequence", hit: Any) -> Any:
+        """The logits ``hit``'s entry keeps for exactly ``seq``'s prompt, when the whole prompt
+        can be adopted with them; else None (the last prompt token is computed, as always).
+
+        Why: a prompt sent again (a regenerated answer, a retried or fanned-out request) is a
+        full hit whose only work is its last token's forward pass, the one a cold run ran to get
+        these logits. The entry holds that token's KV too (its donor wrote it then), so the
+        pair is exactly the cold run's state: the first token is sampled from the same logits,
+        bit for bit, and the next step continues from the same cache. The store's lookup still
+        stops one token short (its contract); this extends it by that token, only when the entry
+        holds the whole prompt, vouched for (``common_len``/``verified_len``), and nothing else
+        rides on the last position: no images, no draft model's cache, no sibling completions."""
+        final = hit.entry.final_logits
+        if final is None or self.draft is not None or seq.request.share_group >= 0:
+            return None
+        media = seq.request.media
+        if media is not None and media.spans:
+            return None
+        n, logits, _ = final
+        if n != seq.n_prompt or hit.matched_len != n - 1 or min(hit.common_len, hit.verified_len) < n:
+            return None
+        if len(hit.entry.tokens) > n and not hit.entry.trimmable:
+            return None
+        return logits
 
     def _lookup(self, seq: "Sequence") -> LookupResult:
         """The store's lookup in the request's bucket; with images, the match never ends inside
@@ -421,18 +454,34 @@ class PrefixCache:
             log.debug("prompt cache: not donating task %d: cache holds %d tokens, %d recorded", seq.request.task_id, held, len(tokens))
             return
         payload = kv.snapshot(seq.cache + self._draft_layers(seq))
+        payload_bytes = kv.nbytes(payload)
+        final = self._keep_final_logits(seq, tokens, payload_bytes)
         result = self.store.insert(
             self.bucket(seq),
             seq.request.cache.session_key,
             tokens,
             payload,
-            kv.nbytes(payload),
+            payload_bytes + (final[2] if final is not None else 0),
             kv.can_truncate(payload) and self.token_granular,
+            final_logits=final,
         )
         if not result.inserted:
             log.debug("prompt cache: task %d not stored (%s)", seq.request.task_id, result.reason)
         self._donate_text_prefix(seq)
         self._refresh()
+
+    def _keep_final_logits(self, seq: "Sequence", tokens: list[int], payload_bytes: int) -> tuple[int, Any, int] | None:
+        """(n_prompt, logits, their bytes) for the entry ``seq`` donates, when it computed the
+        logits at its prompt's last position (``Sequence.final_logits``) and they cost at most
+        ``FINAL_LOGITS_MAX_SHARE`` of the entry's KV (a short prompt's entry of a big vocabulary
+        keeps the old rule: its last token is computed again); else None."""
+        logits = seq.final_logits
+        if logits is None or self.draft is not None or len(tokens) < seq.n_prompt:
+            return None
+        nbytes = int(logits.nbytes)
+        if nbytes > FINAL_LOGITS_MAX_SHARE * payload_bytes or list(tokens[: seq.n_prompt]) != list(seq.prompt):
+            return None  # (the tokens differ after a context shift)
+        return seq.n_prompt, logits, nbytes
 
     def _draft_layers(self, seq: "Sequence") -> list[Any]:
         """The draft model's cache of ``seq``, brought to exactly the tokens the entry stores, so

@@ -111,6 +111,11 @@ class Sequence:
         self._pending: Any = None  # (token, logprobs, probs) of the step in flight
         self._undrawn: Any = None  # grammar: logits in flight whose token waits for the mask
         self._feeding_prompt = False  # a batch step is feeding the last prompt token
+        # The logits at the prompt's last position: computed by this sequence's last prefill
+        # pass, or its donor's (a whole prompt adopted, ``adopt``); the prompt cache keeps them
+        # with the entry this sequence donates (``PrefixCache.donate``).
+        self.final_logits: Any = None
+        self._ready_logits: Any = None  # adopted ones, not yet sampled
         # Snapshot families: prefill stops exactly at the rendered history's end and calls back.
         self.boundary: int | None = None
         self.on_boundary: Callable[["Sequence"], None] | None = None
@@ -150,13 +155,18 @@ class Sequence:
         instead of one (1, 1) pass each, which costs nearly as much as a whole batched step."""
         return self.finished is None and self._pending is None and 0 < len(self.cache_tokens) == self.n_prompt - 1
 
-    def adopt(self, n_tokens: int, shared: bool = False) -> None:
+    def adopt(self, n_tokens: int, shared: bool = False, final_logits: Any = None) -> None:
         """Record that the cache already holds the first ``n_tokens`` prompt tokens.
 
         ``shared``: they came from a sibling completion of the same request (``n_cmpl``), not
         from the prompt cache; they are not computed again, so they count as cached.
+        ``final_logits``: the whole prompt is adopted (``n_tokens == n_prompt``), with the logits
+        its donor computed at the prompt's last position: the first token is sampled from them,
+        and no forward pass runs before it (``PrefixCache.adopt``).
         """
-        assert 0 <= n_tokens < self.n_prompt, f"{n_tokens=} {self.n_prompt=}"
+        whole = final_logits is not None and n_tokens == self.n_prompt
+        assert 0 <= n_tokens < self.n_prompt or whole, f"{n_tokens=} {self.n_prompt=}"
+        self._ready_logits = final_logits if whole else None
         self.cache_tokens = list(self.prompt[:n_tokens])
         self.stats.n_cached = n_tokens
         self.stats.shared = shared
@@ -268,14 +278,16 @@ class Sequence:
             self.chunk_done(chunk)
             return len(chunk)
         # The final prompt token (or the short tail that ends with it) produces the logits of
-        # the first sampled token.
-        fed = tail if tail is not None else self.prompt[last:]
+        # the first sampled token; a whole prompt adopted with its donor's logits feeds nothing.
+        fed = [] if self._ready_logits is not None else tail if tail is not None else self.prompt[last:]
         self.stats.n_prompt_processed += len(fed)
+        logits, self._ready_logits = (self._forward_logits(fed) if fed else self._ready_logits), None
+        self.final_logits = logits
         if self.grammar is None:
-            self._pending = self._forward(fed)
+            self._pending = self._sample(logits)
             mx.async_eval(*self._pending_arrays())
         else:
-            self._undrawn = self._forward_logits(fed)
+            self._undrawn = logits
             mx.async_eval(self._undrawn)
             self._draw_alone()
         if self.request.return_progress:
@@ -411,7 +423,10 @@ class Sequence:
         return logits
 
     def _forward(self, tokens: list[int] | mx.array) -> tuple[Any, Any, Any]:
-        result = self.chain.sample(self._budget_mask(self._forward_logits(tokens)), self._history)
+        return self._sample(self._forward_logits(tokens))
+
+    def _sample(self, logits: Any) -> tuple[Any, Any, Any]:
+        result = self.chain.sample(self._budget_mask(logits), self._history)
         return result.token, result.logprobs, result.probs
 
     def _budget_mask(self, logits: Any) -> Any:
