@@ -64,7 +64,8 @@ def test_a_prompt_cache_hit_gives_the_cold_output(client: httpx.Client) -> None:
     cold = complete(client, prompt, cache_prompt=False)
     first = complete(client, prompt)
     warm = complete(client, prompt)
-    assert warm["timings"]["cache_n"] == warm["tokens_evaluated"] - 1 and warm["timings"]["prompt_n"] == 1
+    # Adopted whole, first token from the entry's kept logits (docs/prompt-cache.md, lookup step 7).
+    assert warm["timings"]["cache_n"] == warm["tokens_evaluated"] and warm["timings"]["prompt_n"] == 0
     assert first["content"] == cold["content"] and warm["content"] == cold["content"]
 
     # A longer prompt adopts the first one's KV (a split at a multiple of the 32-token chunk) and

@@ -123,7 +123,8 @@ def test_a_prompt_cache_hit_gives_the_cold_text(http: httpx.Client) -> None:
     cold = complete(http, prompt, cache_prompt=False)
     complete(http, prompt)
     full = complete(http, prompt)
-    assert full["timings"]["cache_n"] == full["tokens_evaluated"] - 1
+    # The prompt sent again is adopted whole: its entry kept the logits of its last position.
+    assert full["timings"]["cache_n"] == full["tokens_evaluated"] and full["timings"]["prompt_n"] == 0
     assert full["content"] == cold["content"]
 
     ids = http.post("/tokenize", json={"content": prompt}).json()["tokens"]
