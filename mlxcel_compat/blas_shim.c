@@ -760,24 +760,31 @@ struct chunk_attention_job {
     float *keys_t;         /* scratch: (Hk, d, ldk), each head's keys transposed, zeros after pos + rows */
     int ldk;               /* pos + rows rounded up to whole vectors, off multiples of 4 KiB */
     float *out;            /* (rows, Hq * d) */
+    float *k_out, *v_out;  /* NULL, or (Hk, rows, d): the rows' keys and values go here, not into
+                            * the cache (then read only, slots [0, pos) valid) */
     int rows, kv_heads, group, d, pos, blocks;
     size_t head_stride;    /* capacity * d */
     float scale;           /* the softmax scale times log2 e */
 };
 
-/* KV head h: write the chunk's keys and values into the cache, then transpose the head's keys. */
+/* KV head h: write the chunk's keys and values into the cache (or apart), then transpose the
+ * head's keys. */
 static void chunk_write_head(const void *ctx, int h) {
     const struct chunk_attention_job *a = ctx;
     int d = a->d, hk = a->kv_heads, n = a->pos + a->rows;
     float *keys = a->keys + h * a->head_stride, *values = a->values + h * a->head_stride;
+    float *k_rows = a->k_out ? a->k_out + (size_t)h * a->rows * d : keys + (size_t)a->pos * d;
+    float *v_rows = a->v_out ? a->v_out + (size_t)h * a->rows * d : values + (size_t)a->pos * d;
     for (int r = 0; r < a->rows; r++) {
-        memcpy(keys + (size_t)(a->pos + r) * d, a->k_new + ((size_t)r * hk + h) * d, d * sizeof(float));
-        memcpy(values + (size_t)(a->pos + r) * d, a->v_new + ((size_t)r * hk + h) * d, d * sizeof(float));
+        memcpy(k_rows + (size_t)r * d, a->k_new + ((size_t)r * hk + h) * d, d * sizeof(float));
+        memcpy(v_rows + (size_t)r * d, a->v_new + ((size_t)r * hk + h) * d, d * sizeof(float));
     }
     int ldk = a->ldk;
     float *kt = a->keys_t + (size_t)h * d * ldk;
-    for (int t = 0; t < n; t++)
-        for (int i = 0; i < d; i++) kt[(size_t)i * ldk + t] = keys[(size_t)t * d + i];
+    for (int t = 0; t < n; t++) {
+        const float *key = t < a->pos ? keys + (size_t)t * d : k_rows + (size_t)(t - a->pos) * d;
+        for (int i = 0; i < d; i++) kt[(size_t)i * ldk + t] = key[i];
+    }
     for (int i = 0; i < d; i++) memset(kt + (size_t)i * ldk + n, 0, (size_t)(ldk - n) * sizeof(float));
 }
 
@@ -807,7 +814,9 @@ static void chunk_attend_part(const void *ctx, int p) {
         inv[r] = 1.0f / exp2_shifted_row(row, visible);
         memset(row + visible, 0, (size_t)(seen - visible) * sizeof(float));
     }
-    rows_nn(m, 0, d, seen, s, ls, a->values + h * a->head_stride, d, tmp, d, 1.0f, 0.0f);
+    const float *values = a->values + h * a->head_stride; /* slots from pos on: the rows, apart or not */
+    const float *v_rows = a->v_out ? a->v_out + (size_t)h * a->rows * d : values + (size_t)a->pos * d;
+    rows_nn_split(m, 0, d, seen, s, ls, values, d, tmp, d, 1.0f, 0.0f, v_rows, a->pos);
     for (int gi = 0; gi < g; gi++)
         for (int jj = 0; jj < nb; jj++) {
             int r = gi * nb + jj;
@@ -816,22 +825,41 @@ static void chunk_attend_part(const void *ctx, int p) {
         }
 }
 
+static void chunk_attention(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
+                            float *out, float *k_out, float *v_out, int rows, int kv_heads, int group, int d,
+                            int pos, long capacity, float scale) {
+    static __thread struct mlxcel_scratch keys_t;
+    int blocks = (rows + CHUNK_QUERY_BLOCK - 1) / CHUNK_QUERY_BLOCK;
+    int ldk = (pos + rows + VL - 1) / VL * VL;
+    if (ldk % 1024 == 0) ldk += VL; /* rows 4 KiB apart share cache sets */
+    float *kt = mlxcel_scratch(&keys_t, (size_t)kv_heads * d * ldk * sizeof(float));
+    struct chunk_attention_job a = {q, k_new, v_new, keys, values, kt, ldk, out, k_out, v_out, rows, kv_heads,
+                                    group, d, pos, blocks, (size_t)capacity * d, scale};
+    mlxcel_parallel(kv_heads, chunk_write_head, &a);
+    mlxcel_parallel(kv_heads * blocks, chunk_attend_part, &a);
+}
+
 /* Causal attention of `rows` consecutive positions from `pos` on: their keys and values written at
  * slots [pos, pos + rows) of the cache first, row r attending slots [0, pos + r]. Returns 0, or -1
  * (touching nothing) if the rows do not fit the capacity. */
 int mlxcel_chunk_attention(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
                            float *out, int rows, int kv_heads, int group, int d, int pos, long capacity,
                            float scale) {
-    static __thread struct mlxcel_scratch keys_t;
     if (rows < 1 || pos < 0 || pos + rows > capacity) return -1;
-    int blocks = (rows + CHUNK_QUERY_BLOCK - 1) / CHUNK_QUERY_BLOCK;
-    int ldk = (pos + rows + VL - 1) / VL * VL;
-    if (ldk % 1024 == 0) ldk += VL; /* rows 4 KiB apart share cache sets */
-    float *kt = mlxcel_scratch(&keys_t, (size_t)kv_heads * d * ldk * sizeof(float));
-    struct chunk_attention_job a = {q, k_new, v_new, keys, values, kt, ldk, out, rows, kv_heads, group, d, pos,
-                                    blocks, (size_t)capacity * d, scale};
-    mlxcel_parallel(kv_heads, chunk_write_head, &a);
-    mlxcel_parallel(kv_heads * blocks, chunk_attend_part, &a);
+    chunk_attention(q, k_new, v_new, keys, values, out, NULL, NULL, rows, kv_heads, group, d, pos, capacity, scale);
+    return 0;
+}
+
+/* The same over a cache it may not write (a prompt-cache entry another sequence shares): slots
+ * [0, pos) of the cache, then the rows, whose keys and values go to k_out and v_out ((Hk, rows, d)
+ * each) instead. The same numbers as mlxcel_chunk_attention on a cache holding the same slots.
+ * Returns 0, or -1 (touching nothing) if pos is not in [1, capacity]. */
+int mlxcel_chunk_attention_apart(const float *q, const float *k_new, const float *v_new, const float *keys,
+                                 const float *values, float *out, float *k_out, float *v_out, int rows,
+                                 int kv_heads, int group, int d, int pos, long capacity, float scale) {
+    if (rows < 1 || pos < 1 || pos > capacity) return -1;
+    chunk_attention(q, k_new, v_new, (float *)keys, (float *)values, out, k_out, v_out, rows, kv_heads, group, d,
+                    pos, capacity, scale);
     return 0;
 }
 

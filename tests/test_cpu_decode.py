@@ -809,9 +809,10 @@ def test_prefill_of_a_hits_rest_matches_mlx_and_writes_nothing_shared(family: st
     """A hit's rest fed by ``prefill`` (one chunk: the GEMM, the chunk attention, the head on the
     last row) against MLX's pass over the same rest on a copy of the cache: the last row's
     logits within LOGITS_RTOL, the cache's keys and values too, and then steps continue from
-    either to the same logits. The adopted arrays are never written, and the KV is copied once,
-    into buffers the next step keeps (no second copy). Rests cross a 256-position block of RoPE
-    angles and the capacity's growth."""
+    either to the same logits. The adopted arrays are read in place and never written (the rows
+    kept apart, the copy made once by the next step); on the decoder's own buffers the same rest
+    gives the same logits bit for bit. Rests cross a 256-position block of RoPE angles and the
+    capacity's growth."""
     loaded = load_model(str(tiny_model(family)), [])
     model, decoder = loaded.model, loaded.decoder
     shared = _prefill(model, prompt)
@@ -820,18 +821,26 @@ def test_prefill_of_a_hits_rest_matches_mlx_and_writes_nothing_shared(family: st
     ids = _ids(rest, seed=3)
     owned = cpu_decode.OwnedCache()
     steps, fed = decoder.steps, decoder.prefilled
-    got = decoder.prefill(ids, hit, owned).copy()
+    got = first = decoder.prefill(ids, hit, owned).copy()
     assert decoder.steps == steps and decoder.prefilled == fed + rest
     want = np.array(model(mx.array([ids]), cache=theirs)[0, -1])
     assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
     _assert_same_cache(hit, theirs, LOGITS_RTOL)
-    assert owned.holds(hit)
-    buffers = [a for a, _ in owned.arrays]
+    assert owned.apart is not None and owned.arrays == []  # read in place: nothing copied yet
     token = int(want.argmax())
-    for _ in range(3):
+    for step in range(3):  # the first step makes the decoder's own buffers, the next ones keep them
         got, want = decoder.step(token, hit, owned).copy(), _mlx_logits(model, token, theirs)
         assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
         token = int(want.argmax())
-    assert all(c.keys is a for c, a in zip(hit, buffers))
+        if step == 0:
+            buffers = [a for a, _ in owned.arrays]
+    assert owned.holds(hit) and all(c.keys is a for c, a in zip(hit, buffers))
+    # The same rest on the decoder's own copy of the cache: bit-identical logits (the kernel
+    # reads the rows apart in the same order as from its own buffers).
+    own = copy.deepcopy(shared)
+    owned_own = cpu_decode.OwnedCache()
+    decoder._own(own, owned_own, prompt)
+    again = decoder.prefill(ids, own, owned_own).copy()
+    assert owned_own.apart is None and np.array_equal(again, first)
     for c, (keys, values) in zip(shared, before):
         assert np.array_equal(np.array(c.keys), keys) and np.array_equal(np.array(c.values), values)

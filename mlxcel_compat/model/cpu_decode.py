@@ -31,8 +31,9 @@ each on its own cache: the projections take every row in one pass over the weigh
 
 A prompt-cache hit's longer rest (more than ``EXACT_ROWS`` tokens after a hit off the chunk grid)
 is fed here too, as one prompt chunk (:meth:`CpuDecoder.prefill`): the rows through the BLAS's
-GEMM, one ``mlxcel_chunk_attention`` call a layer, the head on the last row only, into buffers
-the next steps keep; MLX's pass over the same rest spent as long around its products as in them.
+GEMM, one chunk-attention call a layer (the adopted KV read in place, the rows' kept apart until
+the next step copies both once), the head on the last row only; MLX's pass over the same rest
+spent as long around its products as in them.
 
 Which models: mlx-lm's ``llama`` (and ``mistral``, which mlx-lm runs as llama), ``qwen2``,
 ``qwen3`` and ``gemma3_text`` modules, with float32 weights or weights in ggml's blocks
@@ -181,14 +182,15 @@ class _Apart:
     builds its own buffers from the views and rows directly; anyone else evaluating the
     concatenations gets the same values (MLX arrays, immutable like their inputs)."""
 
-    pos: int  # the new rows' position
+    pos: int  # the first new row's position
     shared: list[tuple[np.ndarray, np.ndarray]]
-    rows: list[tuple[np.ndarray, np.ndarray]]
+    rows: list[tuple[np.ndarray, np.ndarray]]  # per layer: keys, values (kv_heads, n, d)
     arrays: list[tuple[Any, Any]]
 
     def holds(self, cache: list[Any]) -> bool:
+        n = self.rows[0][0].shape[1]
         return len(self.arrays) == len(cache) and all(
-            c.keys is a and c.values is b and c.offset == self.pos + 1 for c, (a, b) in zip(cache, self.arrays))
+            c.keys is a and c.values is b and c.offset == self.pos + n for c, (a, b) in zip(cache, self.arrays))
 
 
 @dataclass
@@ -205,7 +207,7 @@ class _Borrowed:
         """After the step: every layer holds its shared positions and the new one (lazily)."""
         arrays = []
         for c, (k_row, v_row) in zip(cache, self.rows):
-            c.keys, c.values = (mx.concatenate([a[:, :, : self.pos], mx.array(row)[None, :, None, :]], axis=2)
+            c.keys, c.values = (mx.concatenate([a[:, :, : self.pos], mx.array(row)[None]], axis=2)
                                 for a, row in ((c.keys, k_row), (c.values, v_row)))
             arrays.append((c.keys, c.values))
         return _Apart(self.pos, self.shared, self.rows, arrays)
@@ -242,6 +244,8 @@ class _Kernels:
         self.attention_apart = self._fn(lib.mlxcel_decode_attention_apart, [p, p, p, p, p, p, p, p, i, i, i, i, L, f],
                                         ctypes.c_int)
         self.chunk_attention = self._fn(lib.mlxcel_chunk_attention, [p, p, p, p, p, p, i, i, i, i, i, L, f], ctypes.c_int)
+        self.chunk_attention_apart = self._fn(lib.mlxcel_chunk_attention_apart, [p, p, p, p, p, p, p, p, i, i, i, i, i, L, f],
+                                              ctypes.c_int)
         self.rope_rows = self._fn(lib.mlxcel_rope_rows, [p, i, i, i, p, p, i])
 
     @staticmethod
@@ -516,8 +520,10 @@ class CpuDecoder:
     def prefill(self, tokens: list[int], cache: list[Any], owned: OwnedCache, scales: Any = None) -> np.ndarray:
         """Feed the rest of a prompt, ``tokens[j]`` at position ``offset + j``, as one prompt
         chunk, and return the last token's logits (a buffer reused by the next pass: copy it
-        before then). The cache advances by ``len(tokens)`` positions, in buffers this sequence
-        owns (a hit's adopted KV is copied into them once, here, not again at the first step).
+        before then). The cache advances by ``len(tokens)`` positions. On a hit's adopted arrays
+        (which it may not write) it reads them in place and keeps the rows' keys and values apart,
+        as a step on shared arrays does (:meth:`_borrow`): the copy into this sequence's own
+        buffers is made once, at the next step, after the first token has gone out.
 
         Why it exists: a prompt-cache hit leaves a rest of tens of tokens over a long cache, and
         MLX's pass over it spends as long around its matrix products as in them (norms, RoPE,
@@ -532,10 +538,14 @@ class CpuDecoder:
         if self._rings:
             raise RuntimeError("a model with sliding-window layers prefills through MLX")
         self._check_tokens(tokens)
-        start = cache[0].offset
-        views = self._own(cache, owned, start, last=start + len(tokens) - 1)
-        return self._run(tokens, [cache] * len(tokens), [start + j for j in range(len(tokens))],
-                         [views] * len(tokens), None if scales is None else [scales] * len(tokens), chunk=True)[0]
+        start, n = cache[0].offset, len(tokens)
+        borrowed = self._borrow(cache, owned, start, n)
+        views = borrowed.views if borrowed is not None else self._own(cache, owned, start, last=start + n - 1)
+        logits = self._run(tokens, [cache] * n, [start + j for j in range(n)], [views] * n,
+                           None if scales is None else [scales] * n, chunk=True)[0]
+        if borrowed is not None:
+            owned.apart = borrowed.keep_apart(cache)
+        return logits
 
     def _check_tokens(self, tokens: list[int]) -> None:
         vocab = self.embed.shape[0]
@@ -583,8 +593,13 @@ class CpuDecoder:
                 k.rope_rows(p["q"], rows, hq, d, _ptr(cos), _ptr(sin), trad)
                 k.rope_rows(p["k_new"], rows, hk, d, _ptr(cos), _ptr(sin), trad)
                 keys, values, capacity = views[0][i][:3]
-                if k.chunk_attention(p["q"], p["k_new"], p["v_new"], keys, values, p["att"], rows, hk, group, d,
-                                     positions[0], capacity, self.scale):
+                if len(views[0][i]) == 5:  # shared arrays (_borrow): read them, keep the new rows apart
+                    failed = k.chunk_attention_apart(p["q"], p["k_new"], p["v_new"], keys, values, p["att"], views[0][i][3],
+                                                     views[0][i][4], rows, hk, group, d, positions[0], capacity, self.scale)
+                else:
+                    failed = k.chunk_attention(p["q"], p["k_new"], p["v_new"], keys, values, p["att"], rows, hk, group, d,
+                                               positions[0], capacity, self.scale)
+                if failed:
                     raise RuntimeError(f"layer {i}: positions {positions[0]}..{positions[-1]} outside {capacity}")
             else:
                 for (q, kn, vn, att), row_angles, pos, row_views, cache in zip(b.rows, angles, positions, views, caches):
@@ -739,23 +754,25 @@ class CpuDecoder:
         pos = apart.pos
         for c, (keys_view, values_view), (k_row, v_row) in zip(cache, apart.shared, apart.rows):
             made = []
+            n = k_row.shape[1]
             for view, row in ((keys_view, k_row), (values_view, v_row)):
                 b, h, _, d = view.shape
-                fresh, out = self._writable((b, h, max(pos + 1, (last // c.step + 1) * c.step), d))
+                fresh, out = self._writable((b, h, max(pos + n, (last // c.step + 1) * c.step), d))
                 out[:, :, :pos] = view[:, :, :pos]
-                out[0, :, pos] = row
+                out[0, :, pos:pos + n] = row
                 made.append(fresh)
             c.keys, c.values = made
             owned.arrays.append((c.keys, c.values))
             owned.views.append((_ptr(np.asarray(c.keys)), _ptr(np.asarray(c.values)), c.keys.shape[2]))
         return owned.views
 
-    def _borrow(self, cache: list[Any], owned: OwnedCache, pos: int) -> "_Borrowed | None":
-        """Views for a step that reads ``cache``'s arrays in place, when they are not this
-        sequence's (a prompt-cache hit, a sibling's prefix) and the step can leave them unwritten:
-        plain KV layers only (no ring), each layer's float32 keys and values laid out by head,
-        then position, then dimension (an entry's slice of a larger buffer is), ``pos`` of them
-        valid. None: the step copies them into its own buffers first (:meth:`_own`)."""
+    def _borrow(self, cache: list[Any], owned: OwnedCache, pos: int, n: int = 1) -> "_Borrowed | None":
+        """Views for a step (or a prefill of ``n`` rows) that reads ``cache``'s arrays in place,
+        when they are not this sequence's (a prompt-cache hit, a sibling's prefix) and the step
+        can leave them unwritten: plain KV layers only (no ring), each layer's float32 keys and
+        values laid out by head, then position, then dimension (an entry's slice of a larger
+        buffer is), ``pos`` of them valid. None: the step copies them into its own buffers first
+        (:meth:`_own`)."""
         from mlx_lm.models.cache import KVCache
 
         if self._rings or pos < 1 or owned.holds(cache) or owned.apart is not None:
@@ -778,8 +795,8 @@ class CpuDecoder:
             if pair[0].strides != pair[1].strides:
                 return None
             shared.append((pair[0], pair[1]))
-            k_row = np.empty((self.n_kv_heads, d), np.float32)
-            v_row = np.empty((self.n_kv_heads, d), np.float32)
+            k_row = np.empty((self.n_kv_heads, n, d), np.float32)
+            v_row = np.empty((self.n_kv_heads, n, d), np.float32)
             rows.append((k_row, v_row))
             views.append((_ptr(pair[0]), _ptr(pair[1]), pair[0].strides[1] // (d * item), _ptr(k_row), _ptr(v_row)))
         return _Borrowed(pos, shared, rows, views)
