@@ -142,7 +142,9 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
             "(docs/vision.md), rejected by a text model"),
     _f("stream", BOOL),
     _f("stream_options.include_usage", BOOL),
-    _f("cache_prompt", BOOL, note="false = a cold prefill that neither reads nor feeds the prompt cache; also read from extra_body"),
+    _f("cache_prompt", BOOL, note="false = a cold prefill that neither reads nor feeds the prompt cache; also read from extra_body; "
+       "true: a prompt sent again is adopted whole when its entry kept the last position's logits (cache_n = the prompt, prompt_n 0; "
+       "llama-server computes the last token again: n - 1 and 1)"),
     _f("n_predict", int_range(-1, INT32_MAX), aliases=("max_completion_tokens", "max_tokens"),
        note="lowered to --n-predict-max when that is set"),
     RequestField("n_keep", int_range(-1), status="partial",
