@@ -21,16 +21,22 @@ def test_kernels_follow_the_cpu_flags() -> None:
     assert openblas_kernels_for_cpu({"sse3", "avx"}) is None  # leave the choice to OpenBLAS
 
 
+def in_fresh_process(code: str, env: dict[str, str]) -> dict:
+    """The JSON that ``code`` prints, run by a new interpreter with ``env`` (the BLAS is set up
+    once a process, before MLX)."""
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
 def blas_in_fresh_process(env: dict[str, str]) -> dict:
-    code = (
+    return in_fresh_process(
         "import json, os\n"
         "from mlxcel_compat.backend import load_optimized_blas\n"
         "info = load_optimized_blas()\n"
         "print(json.dumps({'name': info.name, 'kernels': info.kernels, 'forced': info.kernels_forced,"
-        " 'env': os.environ.get('OPENBLAS_CORETYPE')}))\n"
+        " 'env': os.environ.get('OPENBLAS_CORETYPE')}))\n",
+        env,
     )
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
 
 
 needs_openblas = pytest.mark.skipif(
@@ -57,7 +63,7 @@ def idle_cpu_after_a_gemm(env: dict[str, str]) -> dict:
     """In a fresh process: OPENBLAS_THREAD_TIMEOUT as loaded, and the CPU seconds the process
     spends in the 0.1 s after a threaded GEMM, while its caller sleeps (OpenBLAS's threads
     spinning for the next call)."""
-    code = (
+    return in_fresh_process(
         "import json, os, time, numpy as np\n"
         "from mlxcel_compat import backend\n"
         "backend.load_optimized_blas()\n"
@@ -65,10 +71,9 @@ def idle_cpu_after_a_gemm(env: dict[str, str]) -> dict:
         "a = np.ones((512, 512), np.float32); c = np.empty_like(a)\n"
         "for _ in range(3): sgemm(101, 111, 111, 512, 512, 512, 1.0, a.ctypes.data, 512, a.ctypes.data, 512, 0.0, c.ctypes.data, 512)\n"
         "t = os.times(); time.sleep(0.1); u = os.times()\n"
-        "print(json.dumps({'env': os.environ.get('OPENBLAS_THREAD_TIMEOUT'), 'cpu': u.user + u.system - t.user - t.system, 'c': float(c[0, 0])}))\n"
+        "print(json.dumps({'env': os.environ.get('OPENBLAS_THREAD_TIMEOUT'), 'cpu': u.user + u.system - t.user - t.system, 'c': float(c[0, 0])}))\n",
+        env,
     )
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
 
 
 @needs_openblas
