@@ -47,6 +47,10 @@ ROUTE_NAMES = {ROUTE_SGEMM: "sgemm", ROUTE_GEMV: "gemv", ROUTE_KERNEL: "kernel"}
 # (scripts/bench_cpu_kernels.py, docs/benchmarks/cpu.md).
 SMALL_M_MAX = 16
 
+# Calls over up to this many rows (a decode step's products, norms and attention) are made
+# holding the GIL (:func:`holding_the_gil`); longer ones (prompt chunks) release it.
+GIL_HELD_ROWS_MAX = 16
+
 
 @dataclass(frozen=True)
 class ShimBuild:
@@ -185,6 +189,21 @@ def build(directory: Path | None = None, recipe: Recipe = SHIM) -> ShimBuild:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return ShimBuild(None, "no writable directory for the compiled library: " + "; ".join(errors))
+
+
+def holding_the_gil(lib: ctypes.CDLL) -> ctypes.PyDLL:
+    """The same loaded library, its functions called without releasing the GIL.
+
+    A decode step is ~250 calls of a few to a few hundred microseconds. ctypes releases the GIL
+    around each and must take it back after: with any other Python thread runnable (the HTTP
+    event loop streaming the previous token, a client thread) each return waits for that thread
+    to give the GIL up, up to the switch interval (a convoy: measured in-process on the small
+    Q4_K_M file, a thread that merely wakes every 0.5 ms made a step 30 % slower, a busy thread
+    150x slower). Kept for the call, the GIL passes to other threads between calls, at the
+    interpreter's usual switch points, so they still run within a few milliseconds. Only
+    short calls may use this view (``GIL_HELD_ROWS_MAX``): a long one would stall the others.
+    """
+    return ctypes.PyDLL(lib._name, handle=lib._handle)
 
 
 def load(build_result: ShimBuild) -> Shim | str:

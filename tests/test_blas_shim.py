@@ -174,6 +174,52 @@ def test_concurrent_callers_get_correct_results() -> None:
     assert results == {3: True, 4: True, 5: True}
 
 
+def _python_progress_during(fn) -> int:
+    """How many times another Python thread ran its loop while ``fn`` (one long sgemm through
+    the shim) ran on this one. The switch interval is raised so that this thread, once it holds
+    the GIL, gives it up only where the call itself does."""
+    count, stop, started = [0], threading.Event(), threading.Event()
+
+    def spin() -> None:
+        started.set()
+        while not stop.is_set():
+            count[0] += 1
+
+    a = np.ones((512, 1024), np.float32)
+    b = np.ones((1024, 1024), np.float32)
+    c = np.empty((512, 1024), np.float32)
+    previous = sys.getswitchinterval()
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    started.wait()
+    sys.setswitchinterval(0.5)
+    try:
+        for _ in range(3):
+            before = count[0]  # this thread holds the GIL from here to the call
+            fn(ROW_MAJOR, NO_TRANS, TRANS, 512, 1024, 1024, 1.0, ptr(a), 1024, ptr(b), 1024, 0.0, ptr(c), 1024)
+            progress = count[0] - before
+    finally:
+        sys.setswitchinterval(previous)
+        stop.set()
+        thread.join()
+    assert c[0, 0] == 1024.0
+    return progress
+
+
+@needs_shim
+def test_the_held_view_keeps_the_gil_for_the_call_and_the_plain_one_gives_it_up() -> None:
+    """``holding_the_gil``: the same library's functions, called without releasing the GIL (a
+    decode step's short calls: no other thread's Python can delay their return). The plain
+    view releases it, so the other thread runs during the call."""
+    lib = backend.matmul_shim().lib
+    held = blas_shim.holding_the_gil(lib)
+    assert held._handle == lib._handle
+    held_sgemm = held.cblas_sgemm
+    held_sgemm.argtypes = SGEMM_ARGS
+    assert _python_progress_during(held_sgemm) == 0
+    assert _python_progress_during(shim_sgemm()) > 0
+
+
 CHILD = """
 import ctypes, json, os, sys
 import numpy as np

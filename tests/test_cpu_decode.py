@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import copy
+import ctypes
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,9 +27,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from mlxcel_compat import backend
+from mlxcel_compat import backend, blas_shim
 from mlxcel_compat.engine.request import TokenEvent
-from mlxcel_compat.model import cpu_decode
+from mlxcel_compat.model import block_weight, cpu_decode
 from mlxcel_compat.model.loader import load_model
 from mlxcel_compat.testing.gguf_writer import ensure_gguf
 from tests.conftest import MODEL_CACHE, tiny_model
@@ -844,3 +845,24 @@ def test_prefill_of_a_hits_rest_matches_mlx_and_writes_nothing_shared(family: st
     assert owned_own.apart is None and np.array_equal(again, first)
     for c, (keys, values) in zip(shared, before):
         assert np.array_equal(np.array(c.keys), keys) and np.array_equal(np.array(c.values), values)
+
+
+def test_steps_call_the_kernels_holding_the_gil_and_long_prefills_release_it() -> None:
+    """A pass of up to GIL_HELD_ROWS_MAX rows (decode steps, short rests) runs on the kernels
+    bound through ``blas_shim.holding_the_gil`` (no other thread's Python can delay the return
+    of its ~250 short calls), a longer one on the plain ones (the HTTP thread keeps running
+    during its long products). Both give the same numbers: the tests above run both."""
+    loaded = load_model(str(tiny_model("llama")), [])
+    model, decoder = loaded.model, loaded.decoder
+    pythonapi = ctypes._FUNCFLAG_PYTHONAPI
+    assert decoder._held.attention._flags_ & pythonapi and decoder._held.sgemm._flags_ & pythonapi
+    assert not decoder._released.attention._flags_ & pythonapi
+    cache, owned = _prefill(model, 40), cpu_decode.OwnedCache()
+    decoder.prefill(_ids(blas_shim.GIL_HELD_ROWS_MAX + 1, seed=5), cache, owned)
+    assert decoder.k is decoder._released
+    decoder.step(7, cache, owned)
+    assert decoder.k is decoder._held
+    decoder.prefill(_ids(blas_shim.GIL_HELD_ROWS_MAX, seed=6), cache, owned)
+    assert decoder.k is decoder._held
+    blocks = block_weight.library()
+    assert blocks.matmul_held._flags_ & pythonapi and not blocks.matmul._flags_ & pythonapi

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from mlxcel_compat import blas_shim
 from mlxcel_compat.model import ggml_cpu
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
@@ -43,6 +44,7 @@ class BlockLibrary:
     matmul: Any  # mlxcel_block_matmul
     rows: Any  # mlxcel_block_rows
     ggml: ggml_cpu.GGMLKernels
+    matmul_held: Any  # mlxcel_block_matmul called holding the GIL: for short calls
 
 
 @lru_cache(maxsize=1)
@@ -58,12 +60,13 @@ def library() -> BlockLibrary | str:
         return "the BLAS shim (which runs ggml's kernels on its threads) is not loaded"
     try:
         matmul, rows = shim.lib.mlxcel_block_matmul, shim.lib.mlxcel_block_rows
+        matmul_held = blas_shim.holding_the_gil(shim.lib).mlxcel_block_matmul
     except AttributeError:
         return "the loaded BLAS shim has no block products (built from an older source)"
-    matmul.restype = rows.restype = None
-    matmul.argtypes = [_P, _I, _P, _L, _P, _L, _F, _I]
+    matmul.restype = rows.restype = matmul_held.restype = None
+    matmul.argtypes = matmul_held.argtypes = [_P, _I, _P, _L, _P, _L, _F, _I]
     rows.argtypes = [_P, _P, _I, _P]
-    return BlockLibrary(matmul, rows, ggml)
+    return BlockLibrary(matmul, rows, ggml, matmul_held)
 
 
 def row_bytes(ggml_type: int, k: int) -> int:
@@ -135,7 +138,8 @@ class BlockWeight:
         if self.repacked is not None:
             self.repacked.matmul_into(m, x, ldx, out, ldo, beta, per_row=not tiles)
         else:
-            self.lib.matmul(self.address, m, x, ldx, out, ldo, beta, int(tiles))
+            short = m <= blas_shim.GIL_HELD_ROWS_MAX and not tiles
+            (self.lib.matmul_held if short else self.lib.matmul)(self.address, m, x, ldx, out, ldo, beta, int(tiles))
 
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None, beta: float = 0.0,
                tiles: bool | None = None) -> np.ndarray:

@@ -61,6 +61,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlxcel_compat import blas_shim
 from mlxcel_compat.blas_shim import SMALL_M_MAX
 from mlxcel_compat.model.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.model.block_weight import BlockWeight
@@ -334,12 +335,13 @@ def build(model: Any, shim: Any) -> "CpuDecoder | str":
         return "the BLAS shim's kernels are not loaded"
     try:
         kernels = _Kernels(shim.lib)
+        held = _Kernels(blas_shim.holding_the_gil(shim.lib))
     except AttributeError:  # a library built from an older source
         return "the loaded shim has no decode-step kernels"
     reason = unsupported(model)
     if reason is not None:
         return reason
-    return CpuDecoder(model, kernels)
+    return CpuDecoder(model, kernels, held)
 
 
 def _ring_plan(c: Any) -> tuple[int, int, int] | None:
@@ -372,8 +374,11 @@ class CpuDecoder:
     Not thread-safe: the engine thread owns it, as it owns the model.
     """
 
-    def __init__(self, model: Any, kernels: _Kernels) -> None:
-        self.k = kernels
+    def __init__(self, model: Any, kernels: _Kernels, held: _Kernels | None = None) -> None:
+        # ``held``: the same kernels called holding the GIL (blas_shim.holding_the_gil), for
+        # passes of up to GIL_HELD_ROWS_MAX rows; ``_run`` picks one of the two as ``self.k``.
+        self.k = self._released = kernels
+        self._held = held or kernels
         inner = model.model
         mx.eval(model.parameters())
         attn0 = inner.layers[0].self_attn
@@ -561,6 +566,7 @@ class CpuDecoder:
         row's logits are computed (:meth:`prefill`); the result then has one row."""
         self._columns = _columns(scales)
         rows = self._rows = len(tokens)
+        self.k = self._held if rows <= blas_shim.GIL_HELD_ROWS_MAX else self._released
         if len(self._angle_blocks) > ANGLE_BLOCKS_KEPT * len(self.ropes):
             self._angle_blocks.clear()  # between steps: no address handed out below is freed
         if chunk:

@@ -65,6 +65,7 @@ class RepackLibrary:
     bytes: Any
     matmul: Any
     path: Path
+    matmul_held: Any  # mlxcel_repack_matmul called holding the GIL: for short calls
 
 
 @lru_cache(maxsize=1)
@@ -85,13 +86,15 @@ def library() -> RepackLibrary | str:
     try:
         lib = ctypes.CDLL(str(built.path))
         new, free, nbytes, matmul = lib.mlxcel_repack_new, lib.mlxcel_repack_free, lib.mlxcel_repack_bytes, lib.mlxcel_repack_matmul
+        matmul_held = blas_shim.holding_the_gil(lib).mlxcel_repack_matmul
     except (OSError, AttributeError) as exc:
         return f"loading {built.path} failed: {exc}"
     new.restype, new.argtypes = _P, [_I, _P, _I, _I]
     free.restype, free.argtypes = None, [_P]
     nbytes.restype, nbytes.argtypes = _L, [_P]
-    matmul.restype, matmul.argtypes = None, [_P, _I, _P, _L, _P, _L, _F, _I]
-    return RepackLibrary(new, free, nbytes, matmul, built.path)
+    for fn in (matmul, matmul_held):
+        fn.restype, fn.argtypes = None, [_P, _I, _P, _L, _P, _L, _F, _I]
+    return RepackLibrary(new, free, nbytes, matmul, built.path, matmul_held)
 
 
 @dataclass(eq=False)
@@ -103,7 +106,8 @@ class Repacked:
     lib: RepackLibrary
 
     def matmul_into(self, m: int, x: int, ldx: int, out: int, ldo: int, beta: float, per_row: bool) -> None:
-        self.lib.matmul(self.handle, m, x, ldx, out, ldo, beta, int(per_row))
+        short = m <= blas_shim.GIL_HELD_ROWS_MAX and per_row
+        (self.lib.matmul_held if short else self.lib.matmul)(self.handle, m, x, ldx, out, ldo, beta, int(per_row))
 
     def __del__(self) -> None:
         if self.handle:
