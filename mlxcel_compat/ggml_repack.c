@@ -40,6 +40,7 @@ struct mlxcel_repacked {
 
 #define PART_BYTES (192 * 1024) /* a part's weights stay in L2 while its activation rows pass */
 #define PARTS_PER_THREAD 2
+#define PLAIN_ROWS_MIN 8 /* ggml's tiled K-quant kernels take products of >= 8 rows */
 
 /* ggml's own log, less its per-tensor "repack: repack tensor ..." lines (debug and info). */
 static void log_warnings(enum ggml_log_level level, const char *text, void *user) {
@@ -90,15 +91,32 @@ struct mlxcel_repacked *mlxcel_repack_new(int type, const void *data, int n, int
     return r;
 }
 
+/* The weight `data` as it is stored (n rows of k values of GGML type `type`, ggml's row layout),
+ * for prompt chunks through ggml's own mul_mat (mlxcel_plain_matmul): its tiled K-quant
+ * kernels and llamafile's GEMMs, llama.cpp's prompt arithmetic. Nothing is copied: `data` (the
+ * mapped file) must outlive the handle. */
+struct mlxcel_repacked *mlxcel_plain_new(int type, const void *data, int n, int k) {
+    struct mlxcel_repacked *r = calloc(1, sizeof *r);
+    if (!r) return NULL;
+    struct ggml_init_params params = {ggml_tensor_overhead() * 2, NULL, true};
+    r->ctx = ggml_init(params);
+    r->w = ggml_new_tensor_2d(r->ctx, (enum ggml_type)type, k, n);
+    r->w->data = (void *)data;
+    r->n = n;
+    r->k = k;
+    r->part_rows = n;
+    return r;
+}
+
 void mlxcel_repack_free(struct mlxcel_repacked *r) {
     if (!r) return;
-    ggml_backend_buffer_free(r->buffer);
+    if (r->buffer) ggml_backend_buffer_free(r->buffer);
     ggml_free(r->ctx);
     free(r);
 }
 
 /* Bytes the repacked weight takes. */
-long mlxcel_repack_bytes(const struct mlxcel_repacked *r) { return (long)ggml_backend_buffer_get_size(r->buffer); }
+long mlxcel_repack_bytes(const struct mlxcel_repacked *r) { return r->buffer ? (long)ggml_backend_buffer_get_size(r->buffer) : 0; }
 
 /* A thread's reused memory: the graph's tensors, ggml's work buffer (the quantized activations),
  * padded activations and outputs, and an output for products that accumulate. */
@@ -198,4 +216,49 @@ void mlxcel_repack_matmul(const struct mlxcel_repacked *r, int m, const float *x
     struct job j = {r, m, x, ldx, c, ldc, beta, per_row, part_rows};
     int parts = (r->n + part_rows - 1) / part_rows;
     mlxcel_parallel(parts, part, &j);
+}
+
+/* c = x W^T (+ beta c) for a prompt chunk of m rows, as one graph on ggml's threads (one
+ * mul_mat quantizes the activations once for all the weight's rows). ggml picks its kernel by
+ * the row count (its tiled K-quant kernels from PLAIN_ROWS_MIN rows, vec_dot below), so fewer
+ * rows are padded with zero rows: every row of every chunk takes the same kernel, and its
+ * result does not depend on the chunk (tests/test_ggml_repack.py). */
+void mlxcel_plain_matmul(const struct mlxcel_repacked *r, int m, const float *x, long ldx, float *c, long ldc,
+                         float beta) {
+    if (m <= 0) return;
+    int rows = m < PLAIN_ROWS_MIN ? PLAIN_ROWS_MIN : m;
+    if (rows != m) {
+        float *packed = mlxcel_scratch(&x_scratch, sizeof(float) * (size_t)rows * (size_t)r->k);
+        for (int i = 0; i < m; i++) memcpy(packed + (size_t)i * r->k, x + (size_t)i * ldx, sizeof(float) * (size_t)r->k);
+        memset(packed + (size_t)m * r->k, 0, sizeof(float) * (size_t)(rows - m) * (size_t)r->k);
+        x = packed;
+        ldx = r->k;
+    }
+    int direct = rows == m && beta == 0.0f;
+    float *out = direct ? c : mlxcel_scratch(&pad_scratch, sizeof(float) * (size_t)rows * (size_t)r->n);
+    long ldo = direct ? ldc : r->n;
+    size_t tensors = 3;
+    size_t mem = ggml_tensor_overhead() * tensors + ggml_graph_overhead_custom(tensors, false);
+    struct ggml_init_params params = {mem, mlxcel_scratch(&graph_scratch, mem), true};
+    struct ggml_context *ctx = ggml_init(params);
+    struct ggml_tensor *xt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, r->k, rows);
+    xt->data = (void *)x;
+    xt->nb[1] = (size_t)ldx * sizeof(float);
+    xt->nb[2] = xt->nb[3] = xt->nb[1] * (size_t)rows;
+    struct ggml_tensor *y = ggml_mul_mat(ctx, r->w, xt);
+    y->data = out;
+    y->nb[1] = (size_t)ldo * sizeof(float);
+    y->nb[2] = y->nb[3] = y->nb[1] * (size_t)rows;
+    struct ggml_cgraph *graph = ggml_new_graph_custom(ctx, tensors, false);
+    ggml_build_forward_expand(graph, y);
+    struct ggml_cplan plan = ggml_graph_plan(graph, mlxcel_threads(), NULL); /* a pool made for the graph */
+    plan.work_data = plan.work_size ? mlxcel_scratch(&work_scratch, plan.work_size) : NULL;
+    ggml_graph_compute(graph, &plan);
+    ggml_free(ctx);
+    if (direct) return;
+    for (int i = 0; i < m; i++)
+        for (int t = 0; t < r->n; t++) {
+            float v = out[(size_t)i * r->n + t];
+            c[(size_t)i * ldc + t] = beta == 0.0f ? v : v + beta * c[(size_t)i * ldc + t];
+        }
 }

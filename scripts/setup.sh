@@ -64,25 +64,53 @@ if [ ! -f "$stamp" ] || [ "$root/setup.cfg" -nt "$stamp" ] || [ "$root/pyproject
     "$venv/bin/python" -m pip install -q --no-deps "mlx-vlm==0.7.10"
   touch "$stamp"
 fi
-# ggml's CPU kernels (quantized GGUF weights, model/ggml_cpu.py) built for this CPU: the PyPI
-# wheel is compiled for AVX2 (and its libggml-base for plain x86-64); built from the same
-# version's sdist with GGML_NATIVE it uses AVX-512/VNNI where the CPU has them, and its repacked
-# int8 GEMM (model/ggml_repack.py). scripts/bench_ggml_build.py measures both builds on the same
-# tensors. About a minute; redone when the CPU's flags or the pin change.
-# MLXCEL_GGML_NATIVE=0 keeps the prebuilt wheel; without a C++ compiler it is kept too.
-ggml_pin="$(grep -o 'libggml-python==[^;[:space:]]*' "$root/setup.cfg" | head -n 1)"
-if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && [ -n "$ggml_pin" ] && [ "${MLXCEL_GGML_NATIVE:-1}" != "0" ]; then
-  if command -v c++ >/dev/null 2>&1; then
-    want="$ggml_pin $(grep -m 1 '^flags' /proc/cpuinfo | md5sum | cut -c1-16)"
-    native_stamp="$venv/.ggml-native"
-    if [ ! -f "$native_stamp" ] || [ "$(cat "$native_stamp")" != "$want" ] || [ "$stamp" -nt "$native_stamp" ]; then
-      setup_step "building ggml's CPU kernels for this CPU ($ggml_pin from its sdist, GGML_NATIVE; about a minute)" \
-        "$venv/bin/python" -m pip install -q --no-deps --force-reinstall --no-cache-dir \
-        --no-binary libggml-python -C cmake.define.GGML_NATIVE=ON "$ggml_pin"
-      echo "$want" >"$native_stamp"
+# ggml's CPU kernels (quantized GGUF weights, model/ggml_cpu.py) built for this CPU into
+# $venv/ggml (lib/, include/), which model/ggml_cpu.py prefers to the libggml-python wheel's
+# (0.20, compiled for AVX2: the fallback without a C++ compiler). The source is the ggml that
+# llama.cpp b11312 vendors (0.25), taken from the PyPI sdist llama-cpp-python 0.3.36 (only
+# downloaded and unpacked, never installed): its tiled K-quant kernels multiply prompt chunks
+# 2-4x faster than 0.20's (model/ggml_repack.py: prompt_product). Built as
+# ../shared/peers/build-llama-server.sh builds llama-server: this CPU's AVX-512/VNNI flags,
+# AMX off (these VMs report AMX, whose instructions fault). About a minute (cmake comes from
+# PyPI when the system has none); redone when the CPU's flags or the source change.
+# MLXCEL_GGML_BUILD=0 keeps the wheel's.
+ggml_source="llama-cpp-python==0.3.36"
+if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && [ "${MLXCEL_GGML_BUILD:-1}" != "0" ]; then
+  if command -v c++ >/dev/null 2>&1 && command -v cc >/dev/null 2>&1; then
+    flags="$(grep -m 1 '^flags' /proc/cpuinfo)"
+    want="$ggml_source $(echo "$flags" | md5sum | cut -c1-16)"
+    ggml_stamp="$venv/ggml/.built"
+    if [ ! -f "$ggml_stamp" ] || [ "$(cat "$ggml_stamp")" != "$want" ]; then
+      build_ggml() {
+        local work cmake=cmake src
+        work="$(mktemp -d)" || return 1
+        trap "rm -rf '$work'; trap - RETURN" RETURN
+        if ! command -v cmake >/dev/null 2>&1; then
+          "$venv/bin/python" -m pip install -q cmake || return 1
+          cmake="$venv/bin/cmake"
+        fi
+        "$venv/bin/python" -m pip download -q --no-deps --no-binary :all: -d "$work" "$ggml_source" || return 1
+        tar -xzf "$work"/llama_cpp_python-*.tar.gz -C "$work" || return 1
+        src="$(ls -d "$work"/llama_cpp_python-*/vendor/llama.cpp)" || return 1
+        has() { case " $flags " in *" $1 "*) echo ON;; *) echo OFF;; esac; }
+        "$cmake" -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+          -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+          -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=OFF -DGGML_OPENMP=OFF \
+          -DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)" -DGGML_F16C="$(has f16c)" \
+          -DGGML_BMI2="$(has bmi2)" -DGGML_AVX512="$(has avx512f)" -DGGML_AVX512_VBMI="$(has avx512_vbmi)" \
+          -DGGML_AVX512_VNNI="$(has avx512_vnni)" -DGGML_AVX512_BF16="$(has avx512_bf16)" \
+          -DGGML_AVX_VNNI="$(has avx_vnni)" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+          -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON '-DCMAKE_INSTALL_RPATH=$ORIGIN' || return 1
+        "$cmake" --build "$work/build" --target ggml-base ggml-cpu ggml -j"$(nproc)" || return 1
+        rm -rf "$venv/ggml" && mkdir -p "$venv/ggml/lib" || return 1
+        cp -a "$work"/build/bin/libggml*.so* "$venv/ggml/lib/" || return 1
+        cp -r "$src/ggml/include" "$venv/ggml/include" || return 1
+        echo "$want" >"$ggml_stamp"
+      }
+      setup_step "building ggml 0.25's CPU kernels for this CPU (from the $ggml_source sdist; about a minute)" build_ggml
     fi
   else
-    echo "setup: note: no C++ compiler; ggml's kernels stay the prebuilt AVX2 wheel's" >&2
+    echo "setup: note: no C/C++ compiler; ggml's kernels stay the prebuilt libggml-python wheel's" >&2
   fi
 fi
 # Compiled into the user cache, keyed by the source and the CPU: a no-op when up to date. Without

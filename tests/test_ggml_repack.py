@@ -176,3 +176,93 @@ def test_prompt_rows_do_not_depend_on_the_rows_sharing_the_call(ggml_type: int) 
     whole = _product(repacked, x, n, False)
     for start, stop in ((0, 2), (1, 4), (3, 10), (5, 6), (7, 23), (0, 23)):
         assert np.array_equal(_product(repacked, np.ascontiguousarray(x[start:stop]), n, False), whole[start:stop])
+
+
+PROMPT = pytest.mark.skipif(not ggml_repack.takes_prompt_products(T.Q4_K),
+                            reason=f"ggml {ggml_cpu.kernels().version if not isinstance(LIB, str) else '?'} has no tiled "
+                                   "K-quant kernels (scripts/setup.sh builds 0.25)")
+
+
+def _prompt(ggml_type: int, n: int, k: int, seed: int = 0, rows: np.ndarray | None = None):
+    blocks, weight = _weight(ggml_type, n, k, seed=seed, rows=rows)
+    assert ggml_repack.prompt_product(weight)
+    return blocks, weight
+
+
+@PROMPT
+@pytest.mark.parametrize("ggml_type", sorted(ggml_repack.PROMPT_TYPES))
+@pytest.mark.parametrize("n,k", [(2048, 768), (64, 512)])
+def test_prompt_products_equal_the_dequantized_weights_within_the_activations_rounding(ggml_type: int, n: int,
+                                                                                      k: int) -> None:
+    """A prompt chunk through ggml's mul_mat (its tiled kernels) against float64 math on gguf-py's
+    dequantization of the same blocks. ggml rounds the activations to 8 bits per 256 values (Q8_K:
+    each value within max|x| / 254 of its block), so output j may be off by at most
+    sum_i |w_ji| * max|x_block(i)| / 254; float32 rounding adds 1e-5 of the product's scale."""
+    from gguf.quants import dequantize
+
+    blocks, weight = _prompt(ggml_type, n, k, seed=11)
+    x = np.random.default_rng(12).standard_normal((37, k), dtype=np.float32)
+    got = weight.matmul(x, tiles=True)
+    w = dequantize(blocks, ggml_type).reshape(n, k).astype(np.float64)
+    reference = x.astype(np.float64) @ w.T
+    step = np.repeat(np.abs(x).reshape(37, k // 256, 256).max(axis=2), 256, axis=1) / 254  # (rows, k)
+    bound = step @ np.abs(w).T
+    assert np.all(np.abs(got - reference) <= bound * 1.001 + 1e-5 * np.abs(reference).max())
+    assert np.abs(got - reference).max() > 0  # int8 activations: not the float32 tiles' result
+
+
+@PROMPT
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K])
+def test_prompt_product_rows_do_not_depend_on_the_chunk(ggml_type: int) -> None:
+    """ggml picks its kernel by the row count (tiled from 8 rows, vec_dot below): fewer rows are
+    padded, so a token's product is bit-identical whatever the chunk's length and its place in
+    it; wider leading dimensions and beta = 1 (the decode runtime's accumulation) too."""
+    n, k = 512, 768
+    _, weight = _prompt(ggml_type, n, k, seed=13)
+    x = np.random.default_rng(14).standard_normal((300, k), dtype=np.float32)
+    whole = weight.matmul(x, tiles=True)
+    for start, stop in ((0, 1), (4, 7), (8, 16), (9, 18), (100, 117), (13, 300)):
+        assert np.array_equal(weight.matmul(np.ascontiguousarray(x[start:stop]), tiles=True), whole[start:stop])
+    wide = np.random.default_rng(15).standard_normal((20, k + 16), dtype=np.float32)
+    out = np.random.default_rng(16).standard_normal((20, n + 8), dtype=np.float32)
+    before = out.copy()
+    weight.matmul_into(20, wide.ctypes.data, k + 16, out.ctypes.data, n + 8, 1.0, tiles=True)
+    alone = weight.matmul(np.ascontiguousarray(wide[:, :k]), tiles=True)
+    assert np.array_equal(out[:, :n], before[:, :n] + alone) and np.array_equal(out[:, n:], before[:, n:])
+
+
+@PROMPT
+def test_permuted_rows_are_stored_in_order_for_prompt_products() -> None:
+    """llama.cpp's permuted Q/K rows: the weight is copied into the model's order (ggml's mul_mat
+    reads rows as stored), and every path still gives output r from stored row rows[r]."""
+    n, k = 256, 512
+    perm = np.random.default_rng(17).permutation(n).astype(np.int32)
+    blocks, weight = _prompt(T.Q6_K, n, k, seed=18, rows=perm)
+    assert weight.rows is None and np.array_equal(weight.data, blocks[perm])
+    _, plain = _weight(T.Q6_K, n, k, seed=18, rows=perm)
+    x = np.random.default_rng(19).standard_normal((24, k), dtype=np.float32)
+    assert np.array_equal(weight.matmul(x, tiles=False), plain.matmul(x, tiles=False))
+    assert np.array_equal(weight.take([3, 200]), plain.take([3, 200]))
+    ordered = block_weight.BlockWeight(np.ascontiguousarray(blocks[perm]), T.Q6_K, n, k, LIB)
+    assert ggml_repack.prompt_product(ordered)
+    assert np.array_equal(weight.matmul(x, tiles=True), ordered.matmul(x, tiles=True))
+
+
+@PROMPT
+def test_a_k_quant_model_takes_prompt_products_instead_of_repacking() -> None:
+    """A Q4_K_M file: its Q4_K and Q6_K linear layers take ggml's mul_mat for prompts and are not
+    repacked (the tiled kernels beat the repacked GEMM), with --no-repack too (llama.cpp runs
+    the tiled kernels either way); the embedding keeps its blocks."""
+    from mlxcel_compat.model import block_layers
+    from mlxcel_compat.model.gguf_load import load_gguf
+    from mlxcel_compat.testing.gguf_writer import ensure_gguf
+    from tests.conftest import MODEL_CACHE
+
+    path = ensure_gguf("llama", "small", "q4_k_m", cache_dir=MODEL_CACHE)  # rows of 768: whole K-quant blocks
+    for repack in (True, False):
+        model, _, _, summary = load_gguf(str(path), on_cpu=True, repack=repack)
+        linears = [m.block for _, m in model.named_modules() if isinstance(m, block_layers.BlockLinear)]
+        k_quants = [b for b in linears if b.ggml_type in ggml_repack.PROMPT_TYPES]
+        assert k_quants and all(b.prompt is not None and b.repacked is None for b in k_quants)
+        assert sum(summary.prompt_products.values()) == len(k_quants) and summary.repacked == {}
+        assert model.model.embed_tokens.block.prompt is None

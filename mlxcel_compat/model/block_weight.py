@@ -98,6 +98,9 @@ class BlockWeight:
     bias_group: int = 0
     # ggml's repacked copy (``ggml_repack.py``) where it multiplies faster: every product goes there
     repacked: Any = None
+    # ggml's own mul_mat over these blocks (``ggml_repack.PromptProduct``) where it multiplies
+    # prompt chunks faster than float32 tiles: the ``tiles`` path goes there
+    prompt: Any = None
     address: int = field(init=False)  # of the C struct, passed on every call
     _struct: _WeightStruct = field(init=False, repr=False)
 
@@ -113,6 +116,9 @@ class BlockWeight:
             self.group_bias = np.ascontiguousarray(self.group_bias, dtype=np.float32)
             if not self.bias_group or self.k % self.bias_group or self.group_bias.shape != (self.n, self.k // self.bias_group):
                 raise ValueError("group biases must hold one value per row and group of inputs")
+        self._describe()
+
+    def _describe(self) -> None:
         kind = self.lib.ggml.block_type(self.ggml_type)
         self._struct = _WeightStruct(
             ctypes.addressof(kind), self.data.ctypes.data, self.data.shape[1],
@@ -120,6 +126,16 @@ class BlockWeight:
             self.group_bias.ctypes.data if self.group_bias is not None else None,
             self.bias_group, self.n, self.k)
         self.address = ctypes.addressof(self._struct)
+
+    def reorder(self) -> None:
+        """Store the rows in output order (a copy): for products that read the rows as stored."""
+        if self.rows is None:
+            return
+        rows, self.rows = self.rows, None
+        self.data = np.ascontiguousarray(self.data[rows])
+        if self.group_bias is not None:
+            self.group_bias = np.ascontiguousarray(self.group_bias[rows])
+        self._describe()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -137,6 +153,8 @@ class BlockWeight:
         the CPU decode runtime calls, ~7 times a layer."""
         if self.repacked is not None:
             self.repacked.matmul_into(m, x, ldx, out, ldo, beta, per_row=not tiles)
+        elif tiles and self.prompt is not None:
+            self.prompt.matmul_into(m, x, ldx, out, ldo, beta)
         else:
             short = m <= blas_shim.GIL_HELD_ROWS_MAX and not tiles
             (self.lib.matmul_held if short else self.lib.matmul)(self.address, m, x, ldx, out, ldo, beta, int(tiles))

@@ -64,7 +64,7 @@ import numpy as np
 from mlxcel_compat import blas_shim
 from mlxcel_compat.blas_shim import SMALL_M_MAX
 from mlxcel_compat.model.block_layers import BlockEmbedding, BlockLinear, block_weight_of
-from mlxcel_compat.model.block_weight import BlockWeight
+from mlxcel_compat.model.block_weight import VEC_DOT_ROWS_MAX, BlockWeight
 from mlxcel_compat.model.lora_layers import Factor, factors_of
 
 LOG2E = 1.4426950408889634
@@ -409,6 +409,7 @@ class CpuDecoder:
         self._buffers: dict[int, _Buffers] = {}  # by row count
         self._chunk_buffers: _Buffers | None = None  # a prompt chunk's (prefill): the largest so far
         self._rows = 0  # rows of the pass running now (a chunk's buffers may hold more)
+        self._chunk = False  # whether that pass is a prefill chunk
         self._angle_blocks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (kind, first position) -> (cos, sin)
         self._lora_t: dict[tuple[int, int], np.ndarray] = {}  # (rows, rank) -> A x of one adapter
         self._columns: dict[int, list[float]] | None = None  # this step's scales by adapter id, one per row
@@ -566,6 +567,7 @@ class CpuDecoder:
         row's logits are computed (:meth:`prefill`); the result then has one row."""
         self._columns = _columns(scales)
         rows = self._rows = len(tokens)
+        self._chunk = chunk
         self.k = self._held if rows <= blas_shim.GIL_HELD_ROWS_MAX else self._released
         if len(self._angle_blocks) > ANGLE_BLOCKS_KEPT * len(self.ropes):
             self._angle_blocks.clear()  # between steps: no address handed out below is freed
@@ -690,8 +692,9 @@ class CpuDecoder:
         the shim's kernel."""
         n, kk = lin.weight.shape
         rows = self._rows
-        if lin.block is not None:  # ggml's vec_dot, row by row: a row's result never depends on the others
-            lin.block.matmul_into(rows, b.ptr[x], kk, b.ptr[out], n, 1.0 if accumulate else 0.0)
+        if lin.block is not None:  # a step: ggml's vec_dot, row by row; a rest: the prompt chunks' path
+            lin.block.matmul_into(rows, b.ptr[x], kk, b.ptr[out], n, 1.0 if accumulate else 0.0,
+                                  tiles=self._chunk and rows > VEC_DOT_ROWS_MAX)
         else:
             self.k.sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, rows, n, kk, 1.0, b.ptr[x], kk, lin.ptr, kk,
                          1.0 if accumulate else 0.0, b.ptr[out], n)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -64,12 +65,16 @@ def enabled() -> bool:
 
 
 def library_dir() -> Path | None:
-    """Where ggml's two CPU libraries are: ``$MLXCEL_GGML_LIB`` if set (another build of the
-    same ggml version, e.g. the prebuilt wheel's, which ``scripts/bench_ggml_build.py`` compares),
-    else the ``libggml`` package's (scripts/setup.sh rebuilds it from its sdist for this CPU)."""
+    """Where ggml's two CPU libraries are: ``$MLXCEL_GGML_LIB`` if set (another build, e.g. the
+    prebuilt wheel's, which ``scripts/bench_ggml_build.py`` compares), else the environment's
+    ``ggml/lib`` (scripts/setup.sh builds ggml 0.25 there for this CPU), else the ``libggml``
+    package's (the libggml-python wheel: ggml 0.20 for AVX2)."""
     override = os.environ.get("MLXCEL_GGML_LIB", "").strip()
     if override:
         return Path(override) if (Path(override) / "libggml-cpu.so").exists() else None
+    built = Path(sys.prefix) / "ggml" / "lib"  # scripts/setup.sh's build for this CPU
+    if (built / "libggml-cpu.so").exists():
+        return built
     spec = importlib.util.find_spec("libggml")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -172,11 +177,10 @@ def kernels() -> GGMLKernels | str:
         cpu.ggml_cpu_init()  # fills the FP16 tables the kernels read
     except (OSError, AttributeError) as exc:
         return f"loading ggml's CPU library from {directory} failed: {exc}"
-    try:
-        from importlib.metadata import version
-
-        ggml_version = version("libggml-python")
-    except Exception:  # noqa: BLE001 - only for the log
+    try:  # the library's own version (the package's number is not ggml's)
+        base.ggml_version.restype = ctypes.c_char_p
+        ggml_version = base.ggml_version().decode()
+    except AttributeError:
         ggml_version = "?"
     return GGMLKernels(base, cpu, directory, ggml_version)
 

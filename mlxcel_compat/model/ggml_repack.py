@@ -41,6 +41,12 @@ SOURCE = Path(__file__).resolve().parents[1] / "ggml_repack.c"
 # as fast as vec_dot on a Llama-7B layer (0.88x on 11008 x 4096, 1.30x on 4096 x 11008: 4 % in
 # all) and 1.1-1.4x on small matrices. Q2_K's GEMM is slower than the float32 tiles: not repacked.
 REPACKED_TYPES = frozenset({T.Q4_0, T.Q4_K, T.IQ4_NL})
+# The types whose prompt chunks go through ggml's own mul_mat on the stored blocks (the rest:
+# float32 tiles and the BLAS): ggml 0.25's tiled K-quant kernels (AVX-512 VNNI int8, Q8_K
+# activations) and llamafile's int8 GEMM for Q8_0 and Q5_0: what llama.cpp runs for prompts.
+# Measured on a 768 x 2048 weight and 1024 rows (docs/benchmarks/quantized.md).
+PROMPT_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
+PROMPT_GGML_MIN = (0, 25)  # the first ggml with the tiled kernels
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 
 
@@ -66,6 +72,8 @@ class RepackLibrary:
     matmul: Any
     path: Path
     matmul_held: Any  # mlxcel_repack_matmul called holding the GIL: for short calls
+    plain_new: Any  # mlxcel_plain_new: a weight as stored, for ggml's own mul_mat
+    plain_matmul: Any  # mlxcel_plain_matmul: a prompt chunk through it
 
 
 @lru_cache(maxsize=1)
@@ -87,6 +95,7 @@ def library() -> RepackLibrary | str:
         lib = ctypes.CDLL(str(built.path))
         new, free, nbytes, matmul = lib.mlxcel_repack_new, lib.mlxcel_repack_free, lib.mlxcel_repack_bytes, lib.mlxcel_repack_matmul
         matmul_held = blas_shim.holding_the_gil(lib).mlxcel_repack_matmul
+        plain_new, plain_matmul = lib.mlxcel_plain_new, lib.mlxcel_plain_matmul
     except (OSError, AttributeError) as exc:
         return f"loading {built.path} failed: {exc}"
     new.restype, new.argtypes = _P, [_I, _P, _I, _I]
@@ -94,7 +103,9 @@ def library() -> RepackLibrary | str:
     nbytes.restype, nbytes.argtypes = _L, [_P]
     for fn in (matmul, matmul_held):
         fn.restype, fn.argtypes = None, [_P, _I, _P, _L, _P, _L, _F, _I]
-    return RepackLibrary(new, free, nbytes, matmul, built.path, matmul_held)
+    plain_new.restype, plain_new.argtypes = _P, [_I, _P, _I, _I]
+    plain_matmul.restype, plain_matmul.argtypes = None, [_P, _I, _P, _L, _P, _L, _F]
+    return RepackLibrary(new, free, nbytes, matmul, built.path, matmul_held, plain_new, plain_matmul)
 
 
 @dataclass(eq=False)
@@ -129,11 +140,68 @@ def repack(data: np.ndarray, ggml_type: int, n: int, k: int, rows: np.ndarray | 
     return Repacked(handle, int(lib.bytes(handle)), lib)
 
 
+@dataclass(eq=False)
+class PromptProduct:
+    """A weight as stored, multiplied for prompt chunks by ggml's own mul_mat (one graph on
+    ggml's threads; freed with this object). ``data``: the blocks it reads, kept alive here."""
+
+    handle: int
+    data: np.ndarray
+    lib: RepackLibrary
+
+    def matmul_into(self, m: int, x: int, ldx: int, out: int, ldo: int, beta: float) -> None:
+        self.lib.plain_matmul(self.handle, m, x, ldx, out, ldo, beta)
+
+    def __del__(self) -> None:
+        if self.handle:
+            self.lib.free(self.handle)
+            self.handle = 0
+
+
+def prompt_product(weight: Any, mapped: np.ndarray | None = None, offset: int = 0) -> bool:
+    """Give ``weight`` (a linear layer's BlockWeight, not repacked) ggml's mul_mat for its prompt
+    chunks where that is faster than float32 tiles (``PROMPT_TYPES``, with a ggml that has
+    them: ``PROMPT_GGML_MIN``). A weight whose rows are read permuted is first copied into the
+    model's order (the file's pages of it dropped, as repacking does). Whether it was."""
+    lib = library()
+    if (isinstance(lib, str) or not takes_prompt_products(weight.ggml_type) or weight.group_bias is not None
+            or weight.repacked is not None):
+        return False
+    if weight.rows is not None:
+        weight.reorder()
+        if mapped is not None:
+            release_pages(mapped, offset, weight.data.nbytes)
+    handle = lib.plain_new(int(weight.ggml_type), weight.data.ctypes.data, weight.n, weight.k)
+    if not handle:
+        return False
+    weight.prompt = PromptProduct(handle, weight.data, lib)
+    return True
+
+
+def takes_prompt_products(ggml_type: int) -> bool:
+    """Whether weights of this type get ggml's mul_mat for prompt chunks (and are therefore
+    not repacked: ggml's tiled kernels multiply a Q4_K prompt chunk ~1.8x faster than its
+    repacked GEMM, and decode rows by vec_dot about as fast as by the repacked GEMV)."""
+    kernels = ggml_cpu.kernels()
+    return (ggml_type in PROMPT_TYPES and not isinstance(kernels, str)
+            and _version(kernels.version) >= PROMPT_GGML_MIN)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for part in text.split("."):
+        digits = "".join(c for c in part if c.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
 def attach(weight: Any, mapped: np.ndarray | None = None, offset: int = 0) -> bool:
     """Give ``weight`` (a linear layer's :class:`~mlxcel_compat.model.block_weight.BlockWeight`)
     its repacked copy where that is worth it, which then computes all its products, and drop the
     file's pages of the weight (``mapped``, at ``offset``) from the process. Whether it was."""
-    if weight.group_bias is not None:
+    if weight.group_bias is not None or takes_prompt_products(weight.ggml_type):
         return False
     repacked = repack(weight.data, weight.ggml_type, weight.n, weight.k, weight.rows)
     if repacked is None:
@@ -159,5 +227,5 @@ def release_pages(mapped: np.ndarray, offset: int, length: int) -> None:
         base.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
-__all__ = ["REPACKED_TYPES", "Repacked", "RepackLibrary", "attach", "library", "release_pages",
-           "repack"]
+__all__ = ["PROMPT_TYPES", "PromptProduct", "REPACKED_TYPES", "Repacked", "RepackLibrary", "attach", "library",
+           "prompt_product", "release_pages", "repack", "takes_prompt_products"]

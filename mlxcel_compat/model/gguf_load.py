@@ -60,6 +60,7 @@ class GGUFSummary:
     weight_bytes: dict[str, int] = field(default_factory=dict)  # the same labels -> bytes they take in memory
     kernels: dict[str, str] = field(default_factory=dict)  # "blocks q4_K" -> what computes with them
     repacked: dict[str, int] = field(default_factory=dict)  # the same labels -> how many ggml repacked
+    prompt_products: dict[str, int] = field(default_factory=dict)  # -> how many take ggml's mul_mat for prompts
     blocks_unavailable: str = ""  # on the CPU: why quantized weights were expanded to float32
     affine_fallbacks: list[str] = field(default_factory=list)  # tensors whose affine scales overflow the dtype
 
@@ -258,6 +259,9 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
             if repack and isinstance(module, block_layers.BlockLinear) and ggml_repack.attach(
                     weight, maps[info.path], info.offset):
                 summary.repacked[label] = summary.repacked.get(label, 0) + 1
+            elif isinstance(module, block_layers.BlockLinear) and ggml_repack.prompt_product(
+                    weight, maps[info.path], info.offset):
+                summary.prompt_products[label] = summary.prompt_products.get(label, 0) + 1
             summary.precision[label] = summary.precision.get(label, 0) + 1
             summary.weight_bytes[label] = summary.weight_bytes.get(label, 0) + weight.nbytes
             summary.kernels.setdefault(label, lib.ggml.describe(info.ggml_type))

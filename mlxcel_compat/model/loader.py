@@ -112,9 +112,10 @@ def _log_gguf(summary: Any) -> None:
              summary.load_seconds)
     for label, size in sorted(summary.weight_bytes.items()):
         kernel = summary.kernels.get(label, "MLX")
-        repacked = summary.repacked.get(label)
-        log.info("- %s: %d tensors, %.1f MiB, computed by %s%s", label, summary.precision.get(label, 0), size / 2**20,
-                 kernel, f"; {repacked} repacked by ggml (its GEMV/GEMM)" if repacked else "")
+        repacked, prompts = summary.repacked.get(label), summary.prompt_products.get(label)
+        log.info("- %s: %d tensors, %.1f MiB, computed by %s%s%s", label, summary.precision.get(label, 0), size / 2**20,
+                 kernel, f"; {repacked} repacked by ggml (its GEMV/GEMM)" if repacked else "",
+                 f"; prompts of {prompts} by ggml's mul_mat" if prompts else "")
     log.info("weights take %.1f MiB (the file's tensors: %.1f MiB)", sum(summary.weight_bytes.values()) / 2**20,
              summary.file_bytes / 2**20)
     if summary.blocks_unavailable:
