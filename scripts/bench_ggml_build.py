@@ -2,13 +2,15 @@
 """Which build of ggml's CPU kernels to serve quantized weights with: measured on the same tensors.
 
 The quantized GGUF weights are multiplied by ggml's own kernels (``model/ggml_cpu.py``,
-``block_matmul.c``). Two builds of the same ggml version are compared here, side by side in one
-run, each in its own child process, on the very same weight bytes:
+``block_matmul.c``). Two builds are compared here, side by side in one run, each in its own
+child process, on the very same weight bytes:
 
-- ``prebuilt``: the PyPI wheel ``libggml-python`` as published (compiled for AVX2, so that it runs
-  on any x86-64 CPU of the last decade); downloaded here with ``pip download --only-binary``;
-- ``native``: the same version built from its sdist for this CPU (``GGML_NATIVE``: AVX-512,
-  VNNI, BF16 where the CPU has them), which ``scripts/setup.sh`` installs.
+- ``prebuilt``: the PyPI wheel ``libggml-python`` as published (ggml 0.20 compiled for AVX2, so
+  that it runs on any x86-64 CPU of the last decade); downloaded here with ``pip download
+  --only-binary``;
+- ``native``: the build this process serves with (``ggml_cpu.library_dir()``): since 2026-12-03
+  ggml 0.25 built by ``scripts/setup.sh`` for this CPU (AVX-512, VNNI, BF16 where the CPU has
+  them; earlier, the wheel's own version rebuilt from its sdist with ``GGML_NATIVE``).
 
 For each GGML type and weight shape (a layer of SmolLM2-135M, of the factory's small llama and
 of Llama-2-7B), the time of one pass over the layer's seven matrices is measured for a decode

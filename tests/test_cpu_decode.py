@@ -654,7 +654,8 @@ def test_a_row_the_runtime_cannot_take_turns_the_batch_back_into_a_merged_one() 
             others = []
             for c in seqs[1].cache:
                 other = OtherKV()
-                other.keys, other.values, other.offset = c.keys, c.values, c.offset
+                # copies: the runtime's own buffers (its prefill made them) would be taken by identity
+                other.keys, other.values, other.offset = mx.array(np.array(c.keys)), mx.array(np.array(c.values)), c.offset
                 others.append(other)
             seqs[1].cache = others
             batch = DecodeBatch(engine.loaded.model, engine.loaded.decoder)
@@ -697,6 +698,8 @@ def test_engine_tokens_equal_with_and_without_the_runtime(monkeypatch: pytest.Mo
                 # (300 - 288 = 12 tokens, rows of one step) or the hit's last prompt token, then
                 # each token fed back
                 assert h.engine.loaded.decoder.steps == (12 + 47) + (1 + 47)
+                # and the cold run's chunks before that tail, one prefill each (no output head)
+                assert h.engine.loaded.decoder.prefilled == 288
             runs[on] = cold.tokens
         finally:
             h.close()
@@ -866,3 +869,33 @@ def test_steps_call_the_kernels_holding_the_gil_and_long_prefills_release_it() -
     assert decoder.k is decoder._held
     blocks = block_weight.library()
     assert blocks.matmul_held._flags_ & pythonapi and not blocks.matmul._flags_ & pythonapi
+
+
+@pytest.mark.parametrize("family,gguf_type", [("llama", None), ("qwen3", None), ("llama", "q8_0"), ("llama", "q4_k_m")])
+def test_a_cold_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(family: str, gguf_type: str | None) -> None:
+    """``prefill(..., logits=False)`` on an empty cache (``can_prefill``; a ring cache is not
+    taken): its own buffers, the keys and values MLX's chunk leaves to LOGITS_RTOL (the same
+    products: float32 GEMM, or for blocks the chunks' path, tiles or ggml's prompt products), in
+    two chunks as in one, and the next step's logits too; no logits computed."""
+    if gguf_type is None:
+        loaded = load_model(str(tiny_model(family)), [])
+        model, decoder = loaded.model, loaded.decoder
+    else:
+        model, decoder = _block_model(family, gguf_type)
+    ids = _ids(70, seed=31)
+    theirs = make_prompt_cache(model)
+    model(mx.array([ids]), cache=theirs)
+    mx.eval([c.state for c in theirs])
+    for split in (70, 40):
+        ours, owned = make_prompt_cache(model), cpu_decode.OwnedCache()
+        assert decoder.can_prefill(ours, owned) and not decoder.can_step_tokens(ours, owned)
+        fed = decoder.prefilled
+        assert decoder.prefill(ids[:split], ours, owned, logits=False) is None
+        if split < 70:
+            decoder.prefill(ids[split:], ours, owned, logits=False)
+        assert decoder.prefilled == fed + 70 and owned.holds(ours) and all(c.offset == 70 for c in ours)
+        _assert_same_cache(ours, theirs, LOGITS_RTOL)
+        got, want = decoder.step(5, ours, owned).copy(), _mlx_logits(model, 5, copy.deepcopy(theirs))
+        assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
+    gemma = load_model(str(tiny_model("gemma3_text")), [])  # sliding-window rings: MLX's chunks
+    assert not gemma.decoder.can_prefill(make_prompt_cache(gemma.model), cpu_decode.OwnedCache())

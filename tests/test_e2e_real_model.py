@@ -49,6 +49,9 @@ STORY = ("Here is a short story that a teacher read to her class on a rainy afte
          "fog and followed his light home. ")
 
 
+PARIS_QUESTION = "What is the capital of France? Answer with the city's name."
+
+
 @pytest.fixture(scope="module")
 def real_server(server_factory, smollm2_gguf: Path) -> ServerProcess:
     return server_factory(["-m", str(smollm2_gguf), "-np", "2", "-c", "4096", "-b", str(CHUNK)])
@@ -92,11 +95,13 @@ def test_the_server_serves_the_real_file_from_its_blocks(real_server: ServerProc
 
 
 def test_chat_names_paris(client: openai.OpenAI) -> None:
-    # Not "What is the capital of France?": for this 135M model the first answer token of that
-    # phrasing is a near tie even in float32 ("The" 0.152, "L" 0.140), so 8-bit activations turn
-    # it into "L'Étoile, la Marseillaise, ..." (llama-server b11312 answers that too, greedy, on
-    # this file: "L" 0.157, "The" 0.123). This phrasing has a clear margin.
-    answer = ask(client, "Which city is the capital of France?")
+    # Not "What is the capital of France?" nor "Which city is the capital of France?": for this
+    # 135M model their first answer token is a near tie ("The" / "L" / "Le"), which float32
+    # rounding alone decides: noise of 3e-6 relative in the prompt's KV turned "The capital of
+    # France is Paris" into "Le Grand Château, ..." in one run of four (8-bit activations and
+    # llama-server b11312 answer "L'Étoile, ..." to the first). This phrasing answered "The
+    # capital of France is Paris" in every such trial, both prefill paths included.
+    answer = ask(client, PARIS_QUESTION)
     assert "Paris" in answer.choices[0].message.content
     assert answer.choices[0].finish_reason == "stop"  # it ended its turn itself
 
@@ -137,7 +142,7 @@ def test_a_prompt_cache_hit_gives_the_cold_text(http: httpx.Client) -> None:
 
 
 def test_generation_stops_at_im_end(http: httpx.Client) -> None:
-    messages = [{"role": "user", "content": "Which city is the capital of France?"}]
+    messages = [{"role": "user", "content": PARIS_QUESTION}]
     prompt = http.post("/apply-template", json={"messages": messages}).json()["prompt"]
     assert prompt.endswith("<|im_start|>assistant\n")
     r = complete(http, prompt, n_predict=64)

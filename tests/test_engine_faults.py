@@ -51,8 +51,8 @@ class Faulty:
         return getattr(self.model, name)
 
     def wrap(self, decoder: Any) -> Any:
-        """The CPU decode runtime (one token a step, outside the model's call), raising on the
-        same passes: a sequence stepped alone runs there."""
+        """The CPU decode runtime (one token a step, and a lone sequence's prompt chunks, outside
+        the model's call), raising on the same passes: a sequence stepped alone runs there."""
         return None if decoder is None else FaultyDecoder(self, decoder)
 
 
@@ -69,6 +69,12 @@ class FaultyDecoder:
             self.faulty.raised += 1
             raise RuntimeError("injected fault")
         return self.decoder.step_rows(tokens, caches, owned, scales)
+
+    def prefill(self, tokens, cache, owned, scales=None, logits=True):
+        if self.faulty.fails(mx.array(tokens).reshape(1, -1)):  # a lone prompt chunk on the runtime
+            self.faulty.raised += 1
+            raise RuntimeError("injected fault")
+        return self.decoder.prefill(tokens, cache, owned, scales, logits)
 
     def __getattr__(self, name):
         return getattr(self.decoder, name)

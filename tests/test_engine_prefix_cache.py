@@ -225,8 +225,9 @@ def test_a_hit_off_the_grid_takes_the_last_prompt_token_into_its_one_pass(family
     last row: no decode step runs until the first token is fed back (one read of the weights
     fewer). The answer equals the cold run's, the first token's log-probabilities within
     LOGPROB_TOL (an unaligned hit is not bit-exact whatever the split). Weights in ggml's
-    blocks keep the chunk and then the step (their step quantizes its activations, a chunk does
-    not: the first token's log-probabilities would move by ~1e-2)."""
+    blocks keep the chunk and then the step (their step quantizes its activations by vec_dot's
+    rule, a chunk by another or not at all: the first token's log-probabilities would move by
+    ~1e-2)."""
     harness = EngineHarness(tiny_model(family), batch_size=64)
     try:
         decoder = harness.engine.loaded.decoder
@@ -240,7 +241,9 @@ def test_a_hit_off_the_grid_takes_the_last_prompt_token_into_its_one_pass(family
         folds = ":" not in family
         # float32: only the 3 tokens fed back step, the prompt's last one was in the pass
         assert decoder.steps - steps == (3 if folds else 4)
-        assert decoder.prefilled - fed == (30 if folds else 0)  # float32: the rest was one prefill chunk
+        # float32: the rest was one prefill chunk; blocks: a chunk of all but the last token
+        # (the runtime's too, as every chunk of a sequence prefilling alone), then that token's step
+        assert decoder.prefilled - fed == (30 if folds else 29)
         cold_steps = decoder.steps
         cold = harness.run(second, n_predict=4, n_probs=N_PROBS, cache=False)
         assert decoder.steps - cold_steps == 4  # the cold run's last prompt token is a decode step, as before

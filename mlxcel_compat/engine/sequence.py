@@ -272,9 +272,15 @@ class Sequence:
         tail = self.prompt_tail() if rows_tail else None
         if tail is None and len(self.cache_tokens) < last:
             chunk = self.next_chunk()
-            with logits_unused(), applied(self.lora_rows):  # only the cache is wanted
-                self.model(mx.array(chunk)[None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
+            if self.decoder is not None and len(chunk) > 1 and self.decoder.can_prefill(self.cache, self.owned):
+                # The CPU decode runtime's chunk (CpuDecoder.prefill, no output head): the same
+                # products with none of MLX's eager evaluations around them, and its causal
+                # attention kernel. Chunked like MLX's, so an aligned hit still equals a cold run.
+                self.decoder.prefill(chunk, self.cache, self.owned, self.request.lora or None, logits=False)
+            else:
+                with logits_unused(), applied(self.lora_rows):  # only the cache is wanted
+                    self.model(mx.array(chunk)[None], cache=self.cache)
+                mx.eval([c.state for c in self.cache])
             self.chunk_done(chunk)
             return len(chunk)
         # The final prompt token (or the short tail that ends with it) produces the logits of

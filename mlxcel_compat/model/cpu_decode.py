@@ -64,7 +64,7 @@ import numpy as np
 from mlxcel_compat import blas_shim
 from mlxcel_compat.blas_shim import SMALL_M_MAX
 from mlxcel_compat.model.block_layers import BlockEmbedding, BlockLinear, block_weight_of
-from mlxcel_compat.model.block_weight import VEC_DOT_ROWS_MAX, BlockWeight
+from mlxcel_compat.model.block_weight import BlockWeight
 from mlxcel_compat.model.lora_layers import Factor, factors_of
 
 LOG2E = 1.4426950408889634
@@ -523,10 +523,24 @@ class CpuDecoder:
         model's, see can_run)."""
         return not self._rings and self.can_run(cache, owned)
 
-    def prefill(self, tokens: list[int], cache: list[Any], owned: OwnedCache, scales: Any = None) -> np.ndarray:
+    def can_prefill(self, cache: list[Any], owned: OwnedCache) -> bool:
+        """Whether :meth:`prefill` takes this cache: as :meth:`can_step_tokens`, or an empty
+        mlx-lm ``KVCache`` per layer (a cold prompt's first chunk)."""
+        from mlx_lm.models.cache import KVCache
+
+        if self._rings or len(cache) != len(self.layers):
+            return False
+        if all(type(c) is KVCache and c.keys is None and c.offset == 0 for c in cache):
+            return True
+        return self.can_run(cache, owned)
+
+    def prefill(self, tokens: list[int], cache: list[Any], owned: OwnedCache, scales: Any = None,
+                logits: bool = True) -> np.ndarray | None:
         """Feed the rest of a prompt, ``tokens[j]`` at position ``offset + j``, as one prompt
         chunk, and return the last token's logits (a buffer reused by the next pass: copy it
-        before then). The cache advances by ``len(tokens)`` positions. On a hit's adopted arrays
+        before then), or None without ``logits`` (a prefill chunk: no output head). The cache
+        advances by ``len(tokens)`` positions; an empty cache (:meth:`can_prefill`) gets this
+        sequence's own buffers. On a hit's adopted arrays
         (which it may not write) it reads them in place and keeps the rows' keys and values apart,
         as a step on shared arrays does (:meth:`_borrow`): the copy into this sequence's own
         buffers is made once, at the next step, after the first token has gone out.
@@ -547,11 +561,11 @@ class CpuDecoder:
         start, n = cache[0].offset, len(tokens)
         borrowed = self._borrow(cache, owned, start, n)
         views = borrowed.views if borrowed is not None else self._own(cache, owned, start, last=start + n - 1)
-        logits = self._run(tokens, [cache] * n, [start + j for j in range(n)], [views] * n,
-                           None if scales is None else [scales] * n, chunk=True)[0]
+        out = self._run(tokens, [cache] * n, [start + j for j in range(n)], [views] * n,
+                        None if scales is None else [scales] * n, chunk=True, head=logits)
         if borrowed is not None:
             owned.apart = borrowed.keep_apart(cache)
-        return logits
+        return out[0] if logits else None
 
     def _check_tokens(self, tokens: list[int]) -> None:
         vocab = self.embed.shape[0]
@@ -560,7 +574,7 @@ class CpuDecoder:
                 raise ValueError(f"token id {token} is outside the vocabulary (0..{vocab - 1})")
 
     def _run(self, tokens: list[int], caches: list[list[Any]], positions: list[int],
-             views: list[list[tuple[int, int, int]]], scales: Any, chunk: bool = False) -> np.ndarray:
+             views: list[list[tuple[int, int, int]]], scales: Any, chunk: bool = False, head: bool = True) -> np.ndarray:
         """The step itself: row r is ``tokens[r]`` at ``positions[r]`` on ``caches[r]`` (the same
         cache on several rows for consecutive positions of one sequence). ``chunk``: the rows are
         consecutive positions of one sequence, attended in one call a layer, and only the last
@@ -645,11 +659,13 @@ class CpuDecoder:
             else:
                 mv(layer.down, b, "gate", "x", accumulate=True)
         if chunk:  # the last row only: its norm into the first row of h, then the head on one row
-            k.rms_norm(p["x"] + (rows - 1) * hidden * 4, self.norm.ptr, p["h"], 1, hidden, self.norm.eps)
+            if head:
+                k.rms_norm(p["x"] + (rows - 1) * hidden * 4, self.norm.ptr, p["h"], 1, hidden, self.norm.eps)
             self._rows, self._columns = 1, _columns(None if scales is None else scales[-1:])
         else:
             k.rms_norm(p["x"], self.norm.ptr, p["h"], rows, hidden, self.norm.eps)
-        mv(self.head, b, "h", "logits")
+        if head:
+            mv(self.head, b, "h", "logits")
         for cache in caches:
             for i in self._rings:  # as mlx-lm's update leaves a ring: the slot after the one written
                 ring = cache[i]
@@ -694,7 +710,7 @@ class CpuDecoder:
         rows = self._rows
         if lin.block is not None:  # a step: ggml's vec_dot, row by row; a rest: the prompt chunks' path
             lin.block.matmul_into(rows, b.ptr[x], kk, b.ptr[out], n, 1.0 if accumulate else 0.0,
-                                  tiles=self._chunk and rows > VEC_DOT_ROWS_MAX)
+                                  tiles=self._chunk and rows > 1)  # as block_layers' chunks choose
         else:
             self.k.sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, rows, n, kk, 1.0, b.ptr[x], kk, lin.ptr, kk,
                          1.0 if accumulate else 0.0, b.ptr[out], n)
@@ -742,13 +758,16 @@ class CpuDecoder:
         if owned.holds(cache) and all(last < owned.views[i][2] for i in self._plain) and all(
                 plan[:2] == (owned.views[i][2], 0) for i, plan in zip(self._rings, plans)):
             return owned.views
-        mx.eval([(c.keys, c.values) for c in cache])
+        mx.eval([(c.keys, c.values) for c in cache if c.keys is not None])
         owned.arrays, owned.views = [], []
         ring_plans = dict(zip(self._rings, plans))
         for i, c in enumerate(cache):
             if i in ring_plans:
                 capacity, start, c._idx = ring_plans[i]
                 keys, values = (self._fresh_ring(a, start, capacity) for a in (c.keys, c.values))
+            elif c.keys is None:  # an empty cache (can_prefill): buffers for positions 0 .. last
+                shape = (1, self.n_kv_heads, (last // c.step + 1) * c.step, self.head_dim)
+                keys, values = (self._writable(shape)[0] for _ in range(2))
             else:
                 keys, values = (self._fresh(a, pos, c.step, last) for a in (c.keys, c.values))
             c.keys, c.values = keys, values
