@@ -18,6 +18,11 @@
  * activation row as its own GEMV; a prompt chunk's rows all go through GEMM, padded with zero
  * rows to a multiple of 4 (a token's KV is then the same whatever the chunking, the batch's
  * padding or where a cache hit split the prompt).
+ *
+ * The same graph API also multiplies prompt chunks of weights kept as stored (mlxcel_plain_new,
+ * mlxcel_plain_matmul): ggml's own mul_mat, whose tiled K-quant kernels (ggml 0.25) are what
+ * llama.cpp runs for prompts; one graph over the whole weight on ggml's threads (the activations
+ * quantized once), chunks under 8 rows padded so every row takes the tiled kernel.
  */
 #include <stdint.h>
 #include <stdio.h>

@@ -915,8 +915,9 @@ _COMPAT: tuple[Setting, ...] = (
           negative_flags=("-nkvo", "--no-kv-offload")),
     Setting("repack", ("--repack",), ("LLAMA_ARG_REPACK",), type="bool", default=True, group="model",
             negative_flags=("-nr", "--no-repack"),
-            help="Serve a quantized GGUF's Q4_0/Q4_K weights from ggml's repacked layout for this CPU (its int8 "
-                 "GEMV/GEMM), in place of the file's pages. --no-repack: the file's blocks only."),
+            help="Serve a quantized GGUF's Q4_0 weights (Q4_K too with a ggml older than 0.25) from ggml's "
+                 "repacked layout for this CPU (its int8 GEMV/GEMM), in place of the file's pages. --no-repack: "
+                 "the file's blocks only (K-quant prompt chunks keep ggml's tiled kernels either way)."),
     _noop("no_host", ("--no-host",), "Bypass the host buffer.", R_LOADING, env=("LLAMA_ARG_NO_HOST",)),
     _noop("op_offload", ("--op-offload",), "Offload host tensor operations.", R_LOADING,
           negative_flags=("--no-op-offload",)),

@@ -15,6 +15,12 @@ mapped file's pages in memory: after repacking, the pages of the tensor are drop
 process (``madvise(MADV_DONTNEED)``; they stay in the page cache), so a repacked model takes what
 a mapped one takes. ``--no-repack`` (the ``repack`` setting, ``load_gguf(repack=False)``) keeps
 every weight in the file's blocks.
+
+Prompt products (:func:`prompt_product`): with ggml 0.25 or later (what ``scripts/setup.sh``
+builds), a K-quant weight (``PROMPT_TYPES``) is not repacked but multiplies prompt chunks as
+stored, by ggml's own ``mul_mat`` (one graph on ggml's threads, ``mlxcel_plain_matmul``), whose
+tiled int8 kernels beat both the float32 tiles (2-4x) and, for Q4_K, the repacked GEMM (1.8x);
+its decode rows stay ``vec_dot``, about as fast as the repacked GEMV.
 """
 
 from __future__ import annotations
