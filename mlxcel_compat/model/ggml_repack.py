@@ -47,10 +47,11 @@ SOURCE = Path(__file__).resolve().parents[1] / "ggml_repack.c"
 # as fast as vec_dot on a Llama-7B layer (0.88x on 11008 x 4096, 1.30x on 4096 x 11008: 4 % in
 # all) and 1.1-1.4x on small matrices. Q2_K's GEMM is slower than the float32 tiles: not repacked.
 REPACKED_TYPES = frozenset({T.Q4_0, T.Q4_K, T.IQ4_NL})
-# The types whose prompt chunks go through ggml's own mul_mat on the stored blocks (the rest:
-# float32 tiles and the BLAS): ggml 0.25's tiled K-quant kernels (AVX-512 VNNI int8, Q8_K
-# activations) and llamafile's int8 GEMM for Q8_0 and Q5_0: what llama.cpp runs for prompts.
-# Measured on a 768 x 2048 weight and 1024 rows (docs/benchmarks/quantized.md).
+# The types whose prompt chunks go through ggml's own mul_mat on the stored blocks: ggml 0.25's
+# tiled K-quant kernels (AVX-512 VNNI int8, Q8_K activations), what llama.cpp runs for prompts,
+# 1.8-3.9x faster than float32 tiles on a 2048 x 768 weight and 1024 rows. The rest keep the
+# tiles and the BLAS: ggml's path (llamafile's GEMM for Q8_0/Q5_0, vec_dot for Q4_1) measured
+# 0.26-0.78x of them (docs/benchmarks/quantized.md).
 PROMPT_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
 PROMPT_GGML_MIN = (0, 25)  # the first ggml with the tiled kernels
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
