@@ -98,8 +98,8 @@ struct mlxcel_repacked *mlxcel_repack_new(int type, const void *data, int n, int
 
 /* The weight `data` as it is stored (n rows of k values of GGML type `type`, ggml's row layout),
  * for prompt chunks through ggml's own mul_mat (mlxcel_plain_matmul): its tiled K-quant
- * kernels and llamafile's GEMMs, llama.cpp's prompt arithmetic. Nothing is copied: `data` (the
- * mapped file) must outlive the handle. */
+ * kernels, llama.cpp's prompt arithmetic. Nothing is copied: `data` (the mapped file) must
+ * outlive the handle. */
 struct mlxcel_repacked *mlxcel_plain_new(int type, const void *data, int n, int k) {
     struct mlxcel_repacked *r = calloc(1, sizeof *r);
     if (!r) return NULL;
@@ -127,6 +127,37 @@ long mlxcel_repack_bytes(const struct mlxcel_repacked *r) { return r->buffer ? (
  * padded activations and outputs, and an output for products that accumulate. */
 static __thread struct mlxcel_scratch graph_scratch, work_scratch, x_scratch, pad_scratch, out_scratch;
 
+/* out[i, 0 .. count) = x[i, :] . W[r0 .. r0 + count, :] as one graph of `nodes` mul_mat nodes over
+ * the same view of the weight, each of `rows` consecutive activation rows (strides ldx, ldo), on
+ * `threads` threads (1: the calling thread; more: a pool ggml makes for the graph). */
+static void run_graph(const struct mlxcel_repacked *r, int r0, int count, int nodes, int rows, const float *x,
+                      long ldx, float *out, long ldo, int threads) {
+    size_t tensors = 1 + 2 * (size_t)nodes;
+    size_t mem = ggml_tensor_overhead() * tensors + ggml_graph_overhead_custom(tensors, false);
+    struct ggml_init_params params = {mem, mlxcel_scratch(&graph_scratch, mem), true};
+    struct ggml_context *ctx = ggml_init(params);
+    struct ggml_tensor *w = ggml_view_2d(ctx, r->w, r->k, count, r->w->nb[1], (size_t)r0 * r->w->nb[1]);
+    w->buffer = r->w->buffer; /* the repacked layout (if any): what ggml's CPU backend dispatches on */
+    w->extra = r->w->extra;
+    w->data = (char *)r->w->data + (size_t)r0 * r->w->nb[1]; /* 8-row groups are contiguous */
+    struct ggml_cgraph *graph = ggml_new_graph_custom(ctx, tensors, false);
+    for (int node = 0; node < nodes; node++) {
+        struct ggml_tensor *xt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, r->k, rows);
+        xt->data = (void *)(x + (size_t)node * ldx);
+        xt->nb[1] = (size_t)ldx * sizeof(float);
+        xt->nb[2] = xt->nb[3] = xt->nb[1] * (size_t)rows;
+        struct ggml_tensor *y = ggml_mul_mat(ctx, w, xt);
+        y->data = out + (size_t)node * ldo;
+        y->nb[1] = (size_t)ldo * sizeof(float);
+        y->nb[2] = y->nb[3] = y->nb[1] * (size_t)rows;
+        ggml_build_forward_expand(graph, y);
+    }
+    struct ggml_cplan plan = ggml_graph_plan(graph, threads, NULL);
+    plan.work_data = plan.work_size ? mlxcel_scratch(&work_scratch, plan.work_size) : NULL;
+    ggml_graph_compute(graph, &plan);
+    ggml_free(ctx);
+}
+
 /* out[i, 0 .. count) = x[i, :] . W[r0 .. r0 + count, :] for i < m, by one graph: one GEMM node
  * (`gemm`), or one GEMV node per activation row, run one after the other over the same weights
  * (which stay in the cache meanwhile; one graph amortizes ggml's per-graph set-up). */
@@ -150,31 +181,7 @@ static void graph_product(const struct mlxcel_repacked *r, int r0, int count, in
         x = packed;
         ldx = r->k;
     }
-    int nodes = gemm ? 1 : m, rows = gemm ? m : 1;
-    size_t tensors = 1 + 2 * (size_t)nodes;
-    size_t mem = ggml_tensor_overhead() * tensors + ggml_graph_overhead_custom(tensors, false);
-    struct ggml_init_params params = {mem, mlxcel_scratch(&graph_scratch, mem), true};
-    struct ggml_context *ctx = ggml_init(params);
-    struct ggml_tensor *w = ggml_view_2d(ctx, r->w, r->k, count, r->w->nb[1], (size_t)r0 * r->w->nb[1]);
-    w->buffer = r->w->buffer; /* the repacked layout: what ggml's CPU backend dispatches on */
-    w->extra = r->w->extra;
-    w->data = (char *)r->w->data + (size_t)r0 * r->w->nb[1]; /* 8-row groups are contiguous */
-    struct ggml_cgraph *graph = ggml_new_graph_custom(ctx, tensors, false);
-    for (int node = 0; node < nodes; node++) {
-        struct ggml_tensor *xt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, r->k, rows);
-        xt->data = (void *)(x + (size_t)node * ldx);
-        xt->nb[1] = (size_t)ldx * sizeof(float);
-        xt->nb[2] = xt->nb[3] = xt->nb[1] * (size_t)rows;
-        struct ggml_tensor *y = ggml_mul_mat(ctx, w, xt);
-        y->data = out + (size_t)node * ldo;
-        y->nb[1] = (size_t)ldo * sizeof(float);
-        y->nb[2] = y->nb[3] = y->nb[1] * (size_t)rows;
-        ggml_build_forward_expand(graph, y);
-    }
-    struct ggml_cplan plan = ggml_graph_plan(graph, 1, NULL);
-    plan.work_data = plan.work_size ? mlxcel_scratch(&work_scratch, plan.work_size) : NULL;
-    ggml_graph_compute(graph, &plan);
-    ggml_free(ctx);
+    run_graph(r, r0, count, gemm ? 1 : m, gemm ? m : 1, x, ldx, out, ldo, 1);
 }
 
 struct job {
@@ -241,25 +248,7 @@ void mlxcel_plain_matmul(const struct mlxcel_repacked *r, int m, const float *x,
     }
     int direct = rows == m && beta == 0.0f;
     float *out = direct ? c : mlxcel_scratch(&pad_scratch, sizeof(float) * (size_t)rows * (size_t)r->n);
-    long ldo = direct ? ldc : r->n;
-    size_t tensors = 3;
-    size_t mem = ggml_tensor_overhead() * tensors + ggml_graph_overhead_custom(tensors, false);
-    struct ggml_init_params params = {mem, mlxcel_scratch(&graph_scratch, mem), true};
-    struct ggml_context *ctx = ggml_init(params);
-    struct ggml_tensor *xt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, r->k, rows);
-    xt->data = (void *)x;
-    xt->nb[1] = (size_t)ldx * sizeof(float);
-    xt->nb[2] = xt->nb[3] = xt->nb[1] * (size_t)rows;
-    struct ggml_tensor *y = ggml_mul_mat(ctx, r->w, xt);
-    y->data = out;
-    y->nb[1] = (size_t)ldo * sizeof(float);
-    y->nb[2] = y->nb[3] = y->nb[1] * (size_t)rows;
-    struct ggml_cgraph *graph = ggml_new_graph_custom(ctx, tensors, false);
-    ggml_build_forward_expand(graph, y);
-    struct ggml_cplan plan = ggml_graph_plan(graph, mlxcel_threads(), NULL); /* a pool made for the graph */
-    plan.work_data = plan.work_size ? mlxcel_scratch(&work_scratch, plan.work_size) : NULL;
-    ggml_graph_compute(graph, &plan);
-    ggml_free(ctx);
+    run_graph(r, 0, r->n, 1, rows, x, ldx, out, direct ? ldc : r->n, mlxcel_threads());
     if (direct) return;
     for (int i = 0; i < m; i++)
         for (int t = 0; t < r->n; t++) {

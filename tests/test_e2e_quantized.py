@@ -15,7 +15,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from gguf import GGMLQuantizationType
 
+from mlxcel_compat.model import ggml_repack
 from mlxcel_compat.testing.gguf_writer import ensure_gguf
 from tests.conftest import MODEL_CACHE, ServerProcess
 from tests.test_e2e_disk_cache import disk_stats, start, text
@@ -54,6 +56,8 @@ def test_the_weights_stay_in_the_files_blocks(quantized_server: ServerProcess, c
     log = quantized_server.log()
     assert "GGUF weights kept as:" in log and "blocks q4_k" in log and "blocks q6_k" in log
     assert "computed by ggml q4_K x q8_K" in log and "computed by ggml q6_K x q8_K" in log
+    if ggml_repack.takes_prompt_products(GGMLQuantizationType.Q4_K):  # ggml 0.25 (scripts/setup.sh)
+        assert "; prompts of " in log and "by ggml's mul_mat" in log and "repacked by ggml" not in log
     assert "weights take" in log and "expanded to float32" not in log
     assert "decode step: CPU decode runtime" in log
     assert client.get("/props").json()["model_ftype"] == "Q4_K - Medium"

@@ -374,11 +374,11 @@ class CpuDecoder:
     Not thread-safe: the engine thread owns it, as it owns the model.
     """
 
-    def __init__(self, model: Any, kernels: _Kernels, held: _Kernels | None = None) -> None:
+    def __init__(self, model: Any, kernels: _Kernels, held: _Kernels) -> None:
         # ``held``: the same kernels called holding the GIL (blas_shim.holding_the_gil), for
         # passes of up to GIL_HELD_ROWS_MAX rows; ``_run`` picks one of the two as ``self.k``.
         self.k = self._released = kernels
-        self._held = held or kernels
+        self._held = held
         inner = model.model
         mx.eval(model.parameters())
         attn0 = inner.layers[0].self_attn

@@ -49,9 +49,9 @@ SOURCE = Path(__file__).resolve().parents[1] / "ggml_repack.c"
 REPACKED_TYPES = frozenset({T.Q4_0, T.Q4_K, T.IQ4_NL})
 # The types whose prompt chunks go through ggml's own mul_mat on the stored blocks: ggml 0.25's
 # tiled K-quant kernels (AVX-512 VNNI int8, Q8_K activations), what llama.cpp runs for prompts,
-# 1.8-3.9x faster than float32 tiles on a 2048 x 768 weight and 1024 rows. The rest keep the
+# 1.9-2.5x faster than float32 tiles on a 2048 x 768 weight and 1024 rows. The rest keep the
 # tiles and the BLAS: ggml's path (llamafile's GEMM for Q8_0/Q5_0, vec_dot for Q4_1) measured
-# 0.26-0.78x of them (docs/benchmarks/quantized.md).
+# 0.40-1.03x of them (scripts/bench_prompt_products.py, docs/benchmarks/quantized.md).
 PROMPT_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
 PROMPT_GGML_MIN = (0, 25)  # the first ggml with the tiled kernels
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
@@ -195,13 +195,11 @@ def takes_prompt_products(ggml_type: int) -> bool:
 
 
 def _version(text: str) -> tuple[int, ...]:
-    parts = []
-    for part in text.split("."):
-        digits = "".join(c for c in part if c.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
+    """``"0.25.3"`` -> ``(0, 25, 3)``; an unknown version (``"?"``) -> ``()``, older than any."""
+    try:
+        return tuple(int(part) for part in text.split("."))
+    except ValueError:
+        return ()
 
 
 def attach(weight: Any, mapped: np.ndarray | None = None, offset: int = 0) -> bool:
