@@ -11,7 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.conftest import tiny_model
+from mlxcel_compat.testing.gguf_writer import ensure_gguf
+from tests.conftest import MODEL_CACHE, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,10 +36,11 @@ def test_models_caches_and_the_weight_loader_import_no_transformers() -> None:
         from mlxcel_compat.model import zoo
         model, config = zoo.load_model({str(tiny_model('qwen3'))!r})
         cls, args = zoo.model_classes(config)
-        print(type(model).__module__, cls.__module__, mlx_lm.__version__ != "")
+        by_name, _ = zoo.module_classes("qwen3")
+        print(type(model).__module__, cls.__module__, mlx_lm.__version__ != "", by_name is cls)
         print({HEAVY})
     """)
-    assert out[0] == "mlx_lm.models.qwen3 mlx_lm.models.qwen3 True"
+    assert out[0] == "mlx_lm.models.qwen3 mlx_lm.models.qwen3 True True"
     assert out[1] == "[]"
 
 
@@ -57,3 +59,19 @@ def test_the_package_is_whole_once_something_else_is_asked_of_it() -> None:
         print(wrapper.encode("Hello world", add_special_tokens=False) != [])
     """)
     assert out == ["True True True", "True"]
+
+
+def test_a_gguf_server_imports_neither_the_hub_client_nor_httpx() -> None:
+    """The server's app and a GGUF load leave out ``huggingface_hub`` (mlx-lm's ``utils`` imports
+    it: ~20 MiB with httpx2 and trio) and ``httpx`` (only the CORS proxy uses it: ~11 MiB with
+    rich and click where installed): fixed memory that counts against llama-server's."""
+    path = ensure_gguf("qwen3", "tiny", "q8_0", cache_dir=MODEL_CACHE)
+    out = _run(f"""
+        import sys
+        import mlxcel_compat.server.app
+        from mlxcel_compat.model.gguf_load import load_gguf
+        model, *_ = load_gguf({str(path)!r}, on_cpu=True)
+        print(type(model).__module__)
+        print(sorted(m for m in sys.modules if m.split('.')[0] in ('huggingface_hub', 'httpx', 'transformers')))
+    """)
+    assert out == ["mlx_lm.models.qwen3", "[]"]

@@ -183,9 +183,9 @@ def _prepare(file: GGUFModelFile) -> tuple[gguf_arch.ArchSpec, Any, SpecialToken
 
 
 def _build_model(config: dict[str, Any], file: GGUFModelFile) -> Any:
-    from mlxcel_compat.model.zoo import model_classes
+    from mlxcel_compat.model.zoo import module_classes
 
-    model_class, args_class = model_classes(config)
+    model_class, args_class = module_classes(config["model_type"])  # gguf_arch names mlx-lm's modules
     model = model_class(args_class.from_dict(config))
     if hasattr(model, "lm_head") and "output.weight" not in file.tensors and hasattr(model, "sanitize"):
         model.sanitize({})  # models that decide tying at load time (gemma3) drop the head here

@@ -90,8 +90,18 @@ def utils() -> types.ModuleType:
 
 
 def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
-    """mlx-lm's ``(Model, ModelArgs)`` for a config.json dict (its ``_get_classes``)."""
+    """mlx-lm's ``(Model, ModelArgs)`` for a config.json dict (its ``_get_classes``, which maps
+    other names of a ``model_type`` to mlx-lm's module)."""
     return utils()._get_classes(config)
+
+
+def module_classes(module: str) -> tuple[Any, Any]:
+    """``(Model, ModelArgs)`` of ``mlx_lm.models.<module>``, for a caller that already holds
+    mlx-lm's module name (the GGUF architectures' table): without ``mlx_lm.utils``, whose
+    ``huggingface_hub`` import (httpx, trio, ...) costs ~20 MiB of the serving process."""
+    install()
+    arch = importlib.import_module(f"mlx_lm.models.{module}")
+    return arch.Model, arch.ModelArgs
 
 
 def load_model(path: Any, lazy: bool = False) -> tuple[Any, dict[str, Any]]:
