@@ -493,6 +493,12 @@ void mlxcel_blas_sgemm(int order, int ta, int tb, int M, int N, int K, float alp
     real_sgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
+void mlxcel_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda, const float *B,
+                  int ldb, float beta, float *C, int ldc) {
+    if (!real_sgemm) resolve_fallback();
+    route_sgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
 /* The interposed symbol: MLX's calls land here. */
 void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                  const float *B, int ldb, float beta, float *C, int ldc) {

@@ -28,4 +28,27 @@ void *mlxcel_scratch(struct mlxcel_scratch *s, size_t size);
 void mlxcel_blas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                        const float *B, int ldb, float beta, float *C, int ldc);
 
+/* cblas_sgemm as the shim routes it (its small-M kernel for few rows, the BLAS's own otherwise). */
+void mlxcel_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda, const float *B,
+                  int ldb, float beta, float *C, int ldc);
+
+/* The decode runtime's kernels (blas_shim.c), for decode_pass.c's layer loop. */
+void mlxcel_rms_norm(const float *x, const float *w, float *out, int rows, int n, float eps);
+void mlxcel_rms_norm_add(const float *b, const float *w, float *x, int rows, int n, float eps);
+void mlxcel_rope(float *x, int heads, int d, const float *cos, const float *sin, int traditional);
+void mlxcel_rope_rows(float *x, int rows, int heads, int d, const float *cos, const float *sin, int traditional);
+void mlxcel_swiglu(float *gate, const float *up, int n);
+void mlxcel_gelu_tanh_gate(float *gate, const float *up, int n);
+int mlxcel_decode_attention_at(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
+                               float *out, int kv_heads, int group, int d, int write, int n, long capacity,
+                               float scale);
+int mlxcel_decode_attention_apart(const float *q, const float *k_new, const float *v_new, const float *keys,
+                                  const float *values, float *out, float *k_out, float *v_out, int kv_heads,
+                                  int group, int d, int n_base, long capacity, float scale);
+int mlxcel_chunk_attention(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
+                           float *out, int rows, int kv_heads, int group, int d, int pos, long capacity, float scale);
+int mlxcel_chunk_attention_apart(const float *q, const float *k_new, const float *v_new, const float *keys,
+                                 const float *values, float *out, float *k_out, float *v_out, int rows,
+                                 int kv_heads, int group, int d, int pos, long capacity, float scale);
+
 #endif

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,7 +30,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from mlxcel_compat import backend, blas_shim
 from mlxcel_compat.engine.request import TokenEvent
-from mlxcel_compat.model import block_weight, cpu_decode
+from mlxcel_compat.model import cpu_decode
 from mlxcel_compat.model.loader import load_model
 from mlxcel_compat.testing.gguf_writer import ensure_gguf
 from tests.conftest import MODEL_CACHE, tiny_model
@@ -51,8 +52,36 @@ BLOCK_RTOL = 0.06
 pytestmark = pytest.mark.skipif(backend.matmul_shim() is None, reason="the BLAS shim is not built on this machine")
 
 
-def _kernels() -> cpu_decode._Kernels:
-    return cpu_decode._Kernels(backend.matmul_shim().lib)
+class _Kernels:
+    """The shim's decode-step kernels with ctypes argument types, for testing each on its own
+    (the runtime calls them from ``decode_pass.c``)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i, f, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+        self.sgemm = self._fn(lib.cblas_sgemm, [i, i, i, i, i, i, f, p, i, p, i, f, p, i])
+        self.rms_norm = self._fn(lib.mlxcel_rms_norm, [p, p, p, i, i, f])
+        self.rope = self._fn(lib.mlxcel_rope, [p, i, i, p, p, i])
+        self.rms_norm_add = self._fn(lib.mlxcel_rms_norm_add, [p, p, p, i, i, f])
+        self.swiglu = self._fn(lib.mlxcel_swiglu, [p, p, i])
+        self.gelu_tanh_gate = self._fn(lib.mlxcel_gelu_tanh_gate, [p, p, i])
+        self.attention = self._fn(lib.mlxcel_decode_attention, [p, p, p, p, p, p, i, i, i, i, L, f])
+        self.attention_at = self._fn(lib.mlxcel_decode_attention_at, [p, p, p, p, p, p, i, i, i, i, i, L, f], ctypes.c_int)
+        self.attention_apart = self._fn(lib.mlxcel_decode_attention_apart, [p, p, p, p, p, p, p, p, i, i, i, i, L, f],
+                                        ctypes.c_int)
+        self.chunk_attention = self._fn(lib.mlxcel_chunk_attention, [p, p, p, p, p, p, i, i, i, i, i, L, f], ctypes.c_int)
+        self.chunk_attention_apart = self._fn(lib.mlxcel_chunk_attention_apart, [p, p, p, p, p, p, p, p, i, i, i, i, i, L, f],
+                                              ctypes.c_int)
+        self.rope_rows = self._fn(lib.mlxcel_rope_rows, [p, i, i, i, p, p, i])
+
+    @staticmethod
+    def _fn(fn: Any, argtypes: list[Any], restype: Any = None) -> Any:
+        fn.restype = restype
+        fn.argtypes = argtypes
+        return fn
+
+
+def _kernels() -> _Kernels:
+    return _Kernels(backend.matmul_shim().lib)
 
 
 def _p(a: np.ndarray) -> int:
@@ -850,25 +879,35 @@ def test_prefill_of_a_hits_rest_matches_mlx_and_writes_nothing_shared(family: st
         assert np.array_equal(np.array(c.keys), keys) and np.array_equal(np.array(c.values), values)
 
 
-def test_steps_call_the_kernels_holding_the_gil_and_long_prefills_release_it() -> None:
-    """A pass of up to GIL_HELD_ROWS_MAX rows (decode steps, short rests) runs on the kernels
-    bound through ``blas_shim.holding_the_gil`` (no other thread's Python can delay the return
-    of its ~250 short calls), a longer one on the plain ones (the HTTP thread keeps running
-    during its long products). Both give the same numbers: the tests above run both."""
+def test_steps_hold_the_gil_and_prompt_chunks_release_it() -> None:
+    """A decode step of up to GIL_HELD_ROWS_MAX rows on a small model is one call made holding
+    the GIL (``blas_shim.holding_the_gil``: no other thread's Python can delay its return); a
+    prompt chunk, however short, releases it (the HTTP thread keeps running during its long
+    products), as a step of a big model does (``GIL_HELD_WEIGHT_BYTES_MAX``)."""
     loaded = load_model(str(tiny_model("llama")), [])
     model, decoder = loaded.model, loaded.decoder
+    native = decoder.native
     pythonapi = ctypes._FUNCFLAG_PYTHONAPI
-    assert decoder._held.attention._flags_ & pythonapi and decoder._held.sgemm._flags_ & pythonapi
-    assert not decoder._released.attention._flags_ & pythonapi
+    assert native.run_held._flags_ & pythonapi and not native.run_released._flags_ & pythonapi
+    assert native.hold_gil
+    calls: list[str] = []
+
+    def counted(name: str, fn: Any) -> Any:
+        def call(*args: Any) -> int:
+            calls.append(name)
+            return fn(*args)
+        return call
+
+    native.run_held, native.run_released = counted("held", native.run_held), counted("released", native.run_released)
     cache, owned = _prefill(model, 40), cpu_decode.OwnedCache()
     decoder.prefill(_ids(blas_shim.GIL_HELD_ROWS_MAX + 1, seed=5), cache, owned)
-    assert decoder.k is decoder._released
     decoder.step(7, cache, owned)
-    assert decoder.k is decoder._held
-    decoder.prefill(_ids(blas_shim.GIL_HELD_ROWS_MAX, seed=6), cache, owned)
-    assert decoder.k is decoder._held
-    blocks = block_weight.library()
-    assert blocks.matmul_held._flags_ & pythonapi and not blocks.matmul._flags_ & pythonapi
+    decoder.prefill(_ids(2, seed=6), cache, owned)
+    decoder.step_rows([8, 9], [cache, _prefill(model, 12)], [owned, cpu_decode.OwnedCache()])
+    assert calls == ["released", "held", "released", "held"]
+    native.hold_gil = False  # a big model's
+    decoder.step(10, cache, owned)
+    assert calls[-1] == "released"
 
 
 @pytest.mark.parametrize("family,gguf_type", [("llama", None), ("qwen3", None), ("llama", "q8_0"), ("llama", "q4_k_m")])

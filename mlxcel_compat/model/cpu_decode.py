@@ -4,14 +4,15 @@ Why: on the CPU, MLX runs a decode step as ~900 scheduled operations, kept in lo
 engine thread that queues them (docs/benchmarks/cpu.md, issue 15: ``MAX_ACTIVE_TASKS``), and its
 exponential is a scalar loop. The weight matrix-vector products, which are the step's real work,
 already run at the machine's streaming speed in the BLAS shim's kernel (``blas_shim.c``); what
-kept the step at 1.6-1.8x that speed was everything around them. Here the same step is a short,
-fixed sequence of calls into the shim's library, made by the engine thread itself: per layer
-one RMS norm, the projections (the shim's matrix-vector kernel, or ggml's ``vec_dot`` for a
-weight kept in a GGUF file's blocks; residuals added by the kernel's ``beta``), one RoPE call
-each for queries and keys, one attention call for every head (the new key and value written into
-the cache, a vectorized softmax, the heads spread over the shim's threads) and one gating call
-(SiLU, or Gemma's GELU with the tanh approximation). NumPy holds the buffers; nothing is
-allocated per step.
+kept the step at 1.6-1.8x that speed was everything around them. Here the same step is one call
+into the shim's library (``decode_pass.c``, made by the engine thread itself), whose loop runs
+per layer one RMS norm, the projections (the shim's matrix-vector kernel, or ggml's ``vec_dot``
+for a weight kept in a GGUF file's blocks; residuals added by the kernel's ``beta``), one RoPE
+call each for queries and keys, one attention call for every head (the new key and value written
+into the cache, a vectorized softmax, the heads spread over the shim's threads) and one gating
+call (SiLU, or Gemma's GELU with the tanh approximation). Made from Python, those ~15 calls a
+layer cost a fifth of a small model's step in interpreter work; ``model/decode_pass.py``
+describes the model to the C loop once. NumPy holds the buffers; nothing is allocated per step.
 
 The KV cache stays mlx-lm's (``KVCache``, and ``RotatingKVCache`` for a sliding-window layer):
 the step writes the new position into the cache's own MLX buffers (NumPy views of them) at the
@@ -61,9 +62,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxcel_compat import blas_shim
 from mlxcel_compat.blas_shim import SMALL_M_MAX
 from mlxcel_compat.model.block_layers import BlockEmbedding, BlockLinear, block_weight_of
+from mlxcel_compat.model import decode_pass
 from mlxcel_compat.model.block_weight import BlockWeight
 from mlxcel_compat.model.lora_layers import Factor, factors_of
 
@@ -75,9 +76,6 @@ ANGLE_BLOCKS_KEPT = 64  # blocks of angles kept (a batch's rows sit at different
 # Rows the shim's matrix kernel computes each exactly as alone (its ``small_m_max``); more rows
 # go to the BLAS's GEMM, whose sums round differently.
 EXACT_ROWS = SMALL_M_MAX
-
-# CBLAS constants (cblas.h).
-_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
 
 def enabled() -> bool:
@@ -154,8 +152,8 @@ class _Layer:
 
 @dataclass
 class _Buffers:
-    """One step's activations for ``rows`` sequences, allocated once per row count, with their
-    addresses (the step passes them to the kernels ~20 times a layer)."""
+    """One pass's activations for ``rows`` rows, allocated once per row count, and the C
+    structure that points at them."""
 
     x: np.ndarray  # (rows, hidden): the residual stream
     h: np.ndarray  # (rows, hidden): normed
@@ -167,12 +165,10 @@ class _Buffers:
     gate: np.ndarray  # (rows, intermediate)
     up: np.ndarray
     logits: np.ndarray  # (rows, vocabulary)
-    ptr: dict[str, int] = field(init=False)  # by field name
-    rows: list[tuple[int, int, int, int]] = field(init=False)  # per row: q, new key, new value, att
+    native: decode_pass.NativeBuffers = field(init=False)
 
     def __post_init__(self) -> None:
-        self.ptr = {name: _ptr(a) for name, a in vars(self).items() if isinstance(a, np.ndarray)}
-        self.rows = [(_ptr(q), _ptr(k), _ptr(v), _ptr(a)) for q, k, v, a in zip(self.q, self.k_new, self.v_new, self.att)]
+        self.native = decode_pass.buffers({name: a for name, a in vars(self).items() if isinstance(a, np.ndarray)})
 
 
 @dataclass
@@ -227,33 +223,6 @@ class OwnedCache:
         """Whether every layer of ``cache`` still holds the arrays made for it."""
         return len(self.arrays) == len(cache) and all(
             c.keys is a and c.values is b for c, (a, b) in zip(cache, self.arrays))
-
-
-class _Kernels:
-    """The shim's decode-step functions and its cblas_sgemm, with ctypes argument types."""
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        p, i, f, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
-        self.sgemm = self._fn(lib.cblas_sgemm, [i, i, i, i, i, i, f, p, i, p, i, f, p, i])
-        self.rms_norm = self._fn(lib.mlxcel_rms_norm, [p, p, p, i, i, f])
-        self.rope = self._fn(lib.mlxcel_rope, [p, i, i, p, p, i])
-        self.rms_norm_add = self._fn(lib.mlxcel_rms_norm_add, [p, p, p, i, i, f])
-        self.swiglu = self._fn(lib.mlxcel_swiglu, [p, p, i])
-        self.gelu_tanh_gate = self._fn(lib.mlxcel_gelu_tanh_gate, [p, p, i])
-        self.attention = self._fn(lib.mlxcel_decode_attention, [p, p, p, p, p, p, i, i, i, i, L, f])
-        self.attention_at = self._fn(lib.mlxcel_decode_attention_at, [p, p, p, p, p, p, i, i, i, i, i, L, f], ctypes.c_int)
-        self.attention_apart = self._fn(lib.mlxcel_decode_attention_apart, [p, p, p, p, p, p, p, p, i, i, i, i, L, f],
-                                        ctypes.c_int)
-        self.chunk_attention = self._fn(lib.mlxcel_chunk_attention, [p, p, p, p, p, p, i, i, i, i, i, L, f], ctypes.c_int)
-        self.chunk_attention_apart = self._fn(lib.mlxcel_chunk_attention_apart, [p, p, p, p, p, p, p, p, i, i, i, i, i, L, f],
-                                              ctypes.c_int)
-        self.rope_rows = self._fn(lib.mlxcel_rope_rows, [p, i, i, i, p, p, i])
-
-    @staticmethod
-    def _fn(fn: Any, argtypes: list[Any], restype: Any = None) -> Any:
-        fn.restype = restype
-        fn.argtypes = argtypes
-        return fn
 
 
 def _head_dim(attn: Any) -> int:
@@ -333,15 +302,12 @@ def build(model: Any, shim: Any) -> "CpuDecoder | str":
         return "off (MLXCEL_CPU_DECODE=0)"
     if shim is None:
         return "the BLAS shim's kernels are not loaded"
-    try:
-        kernels = _Kernels(shim.lib)
-        held = _Kernels(blas_shim.holding_the_gil(shim.lib))
-    except AttributeError:  # a library built from an older source
+    if not hasattr(shim.lib, "mlxcel_decode_pass"):  # a library built from an older source
         return "the loaded shim has no decode-step kernels"
     reason = unsupported(model)
     if reason is not None:
         return reason
-    return CpuDecoder(model, kernels, held)
+    return CpuDecoder(model, shim.lib)
 
 
 def _ring_plan(c: Any) -> tuple[int, int, int] | None:
@@ -374,11 +340,7 @@ class CpuDecoder:
     Not thread-safe: the engine thread owns it, as it owns the model.
     """
 
-    def __init__(self, model: Any, kernels: _Kernels, held: _Kernels) -> None:
-        # ``held``: the same kernels called holding the GIL (blas_shim.holding_the_gil), for
-        # passes of up to GIL_HELD_ROWS_MAX rows; ``_run`` picks one of the two as ``self.k``.
-        self.k = self._released = kernels
-        self._held = held
+    def __init__(self, model: Any, lib: ctypes.CDLL) -> None:
         inner = model.model
         mx.eval(model.parameters())
         attn0 = inner.layers[0].self_attn
@@ -408,13 +370,10 @@ class CpuDecoder:
         self._plain = [i for i, layer in enumerate(self.layers) if not layer.sliding]  # KVCache layers
         self._buffers: dict[int, _Buffers] = {}  # by row count
         self._chunk_buffers: _Buffers | None = None  # a prompt chunk's (prefill): the largest so far
-        self._rows = 0  # rows of the pass running now (a chunk's buffers may hold more)
-        self._chunk = False  # whether that pass is a prefill chunk
         self._angle_blocks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (kind, first position) -> (cos, sin)
-        self._lora_t: dict[tuple[int, int], np.ndarray] = {}  # (rows, rank) -> A x of one adapter
-        self._columns: dict[int, list[float]] | None = None  # this step's scales by adapter id, one per row
         self.steps = 0  # steps run so far (tests and benchmarks check that it ran)
         self.prefilled = 0  # prompt tokens fed by prefill so far
+        self.native = decode_pass.describe(self, lib)  # the C loop's view of all of the above
 
     @staticmethod
     def _linear(module: Any) -> _Linear:
@@ -574,26 +533,25 @@ class CpuDecoder:
                 raise ValueError(f"token id {token} is outside the vocabulary (0..{vocab - 1})")
 
     def _run(self, tokens: list[int], caches: list[list[Any]], positions: list[int],
-             views: list[list[tuple[int, int, int]]], scales: Any, chunk: bool = False, head: bool = True) -> np.ndarray:
-        """The step itself: row r is ``tokens[r]`` at ``positions[r]`` on ``caches[r]`` (the same
-        cache on several rows for consecutive positions of one sequence). ``chunk``: the rows are
-        consecutive positions of one sequence, attended in one call a layer, and only the last
-        row's logits are computed (:meth:`prefill`); the result then has one row."""
-        self._columns = _columns(scales)
-        rows = self._rows = len(tokens)
-        self._chunk = chunk
-        self.k = self._held if rows <= blas_shim.GIL_HELD_ROWS_MAX else self._released
+             views: list[list[tuple[int, ...]]], scales: Any, chunk: bool = False, head: bool = True) -> np.ndarray:
+        """The pass itself (``decode_pass.c``): row r is ``tokens[r]`` at ``positions[r]`` on
+        ``caches[r]`` (the same cache on several rows for consecutive positions of one sequence).
+        ``chunk``: the rows are consecutive positions of one sequence, attended in one call a
+        layer, and only the last row's logits are computed (:meth:`prefill`); the result then has
+        one row."""
+        rows = len(tokens)
         if len(self._angle_blocks) > ANGLE_BLOCKS_KEPT * len(self.ropes):
-            self._angle_blocks.clear()  # between steps: no address handed out below is freed
+            self._angle_blocks.clear()  # between passes: no address handed out below is freed
         if chunk:
             b = self._chunk_buffers_for(rows)
             spans = [self._angle_span(positions[0], rows, kind) for kind in range(len(self.ropes))]
+            angles = np.array([_ptr(a) for span in spans for a in span], np.int64)
+            kv = self._kv(views[:1], positions[:1], caches[:1])
         else:
             b = self._buffers_for(rows)
-            angles = [[self._angle_row(pos, kind) for kind in range(len(self.ropes))] for pos in positions]
-        k, p, mv, trads = self.k, b.ptr, self._mv, self.traditional
-        hq, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
-        group, hidden = hq // hk, b.x.shape[1]
+            angles = np.array([[self._angle_row(pos, kind) for kind in range(len(self.ropes))] for pos in positions],
+                              np.int64)
+            kv = self._kv(views, positions, caches)
         x = b.x[:rows]
         if isinstance(self.embed, BlockWeight):
             self.embed.take(tokens, out=x)
@@ -601,71 +559,10 @@ class CpuDecoder:
             np.take(self.embed, tokens, axis=0, out=x)
         if self.embed_scale is not None:
             x *= self.embed_scale
-        for i, layer in enumerate(self.layers):
-            k.rms_norm(p["x"], layer.n1.ptr, p["h"], rows, hidden, layer.n1.eps)
-            mv(layer.q, b, "h", "q")
-            mv(layer.k, b, "h", "k_new")
-            mv(layer.v, b, "h", "v_new")
-            if layer.q_norm is not None:
-                k.rms_norm(p["q"], layer.q_norm.ptr, p["q"], rows * hq, d, layer.q_norm.eps)
-                k.rms_norm(p["k_new"], layer.k_norm.ptr, p["k_new"], rows * hk, d, layer.k_norm.eps)
-            trad = trads[layer.rope]
-            if chunk:
-                cos, sin = spans[layer.rope]
-                k.rope_rows(p["q"], rows, hq, d, _ptr(cos), _ptr(sin), trad)
-                k.rope_rows(p["k_new"], rows, hk, d, _ptr(cos), _ptr(sin), trad)
-                keys, values, capacity = views[0][i][:3]
-                if len(views[0][i]) == 5:  # shared arrays (_borrow): read them, keep the new rows apart
-                    failed = k.chunk_attention_apart(p["q"], p["k_new"], p["v_new"], keys, values, p["att"], views[0][i][3],
-                                                     views[0][i][4], rows, hk, group, d, positions[0], capacity, self.scale)
-                else:
-                    failed = k.chunk_attention(p["q"], p["k_new"], p["v_new"], keys, values, p["att"], rows, hk, group, d,
-                                               positions[0], capacity, self.scale)
-                if failed:
-                    raise RuntimeError(f"layer {i}: positions {positions[0]}..{positions[-1]} outside {capacity}")
-            else:
-                for (q, kn, vn, att), row_angles, pos, row_views, cache in zip(b.rows, angles, positions, views, caches):
-                    keys, values, capacity = row_views[i][:3]
-                    cos, sin = row_angles[layer.rope]
-                    k.rope(q, hq, d, cos, sin, trad)
-                    k.rope(kn, hk, d, cos, sin, trad)
-                    if layer.sliding:  # the ring's slot (_ring_plan left _idx where mlx-lm's update has it)
-                        ring = cache[i]
-                        write = 0 if ring._idx == ring.max_size else ring._idx
-                        seen = min(pos + 1, capacity)  # what mlx-lm's keys_and_values hands its attention
-                        if k.attention_at(q, kn, vn, keys, values, att, hk, group, d, write, seen, capacity, self.scale):
-                            raise RuntimeError(f"layer {i}: ring slot {write} outside its {capacity} positions")
-                    elif len(row_views[i]) == 5:  # shared arrays (_borrow): read them, keep the new rows apart
-                        if k.attention_apart(q, kn, vn, keys, values, att, row_views[i][3], row_views[i][4],
-                                             hk, group, d, pos, capacity, self.scale):
-                            raise RuntimeError(f"layer {i}: position {pos} outside the shared {capacity} positions")
-                    else:
-                        k.attention(q, kn, vn, keys, values, att, hk, group, d, pos, capacity, self.scale)
-            if layer.attn_out is not None:
-                mv(layer.o, b, "att", "branch")
-                k.rms_norm_add(p["branch"], layer.attn_out.ptr, p["x"], rows, hidden, layer.attn_out.eps)
-            else:
-                mv(layer.o, b, "att", "x", accumulate=True)
-            k.rms_norm(p["x"], layer.n2.ptr, p["h"], rows, hidden, layer.n2.eps)
-            mv(layer.gate, b, "h", "gate")
-            mv(layer.up, b, "h", "up")
-            if self.gemma:
-                k.gelu_tanh_gate(p["gate"], p["up"], rows * b.gate.shape[1])
-            else:
-                k.swiglu(p["gate"], p["up"], rows * b.gate.shape[1])
-            if layer.mlp_out is not None:
-                mv(layer.down, b, "gate", "branch")
-                k.rms_norm_add(p["branch"], layer.mlp_out.ptr, p["x"], rows, hidden, layer.mlp_out.eps)
-            else:
-                mv(layer.down, b, "gate", "x", accumulate=True)
-        if chunk:  # the last row only: its norm into the first row of h, then the head on one row
-            if head:
-                k.rms_norm(p["x"] + (rows - 1) * hidden * 4, self.norm.ptr, p["h"], 1, hidden, self.norm.eps)
-            self._rows, self._columns = 1, _columns(None if scales is None else scales[-1:])
-        else:
-            k.rms_norm(p["x"], self.norm.ptr, p["h"], rows, hidden, self.norm.eps)
-        if head:
-            mv(self.head, b, "h", "logits")
+        failed = self.native.run(b.native, rows, chunk, head, kv, angles, decode_pass.lora_scales(scales))
+        if failed:
+            first, last = positions[0], positions[-1]
+            raise RuntimeError(f"layer {failed - 1}: positions {first}..{last} do not fit the layer's KV cache")
         for cache in caches:
             for i in self._rings:  # as mlx-lm's update leaves a ring: the slot after the one written
                 ring = cache[i]
@@ -677,6 +574,24 @@ class CpuDecoder:
         else:
             self.steps += rows
         return b.logits
+
+    def _kv(self, views: list[list[tuple[int, ...]]], positions: list[int], caches: list[list[Any]]) -> np.ndarray:
+        """``struct mlxcel_kv`` of every row and layer: its keys, values and capacity (``views``),
+        where the row writes and how many slots it sees (a growing cache: its position, and
+        everything up to it; a ring: mlx-lm's slot and at most its capacity), and for shared
+        arrays (a view of 5: :meth:`_borrow`) the buffers its new keys and values go to instead."""
+        kv = np.zeros((len(views), len(self.layers), decode_pass.KV_FIELDS), np.int64)
+        for r, (row_views, pos) in enumerate(zip(views, positions)):
+            a = np.array(row_views, np.int64)
+            kv[r, :, 0:2], kv[r, :, 4] = a[:, 0:2], a[:, 2]
+            if a.shape[1] == 5:
+                kv[r, :, 2:4] = a[:, 3:5]
+            kv[r, :, 5], kv[r, :, 6] = pos, pos + 1
+            for i in self._rings:  # the ring's slot (_ring_plan left _idx where mlx-lm's update has it)
+                ring = caches[r][i]
+                kv[r, i, 5] = 0 if ring._idx == ring.max_size else ring._idx
+                kv[r, i, 6] = min(pos + 1, int(a[i, 2]))  # what mlx-lm's keys_and_values hands its attention
+        return kv
 
     def _buffers_for(self, rows: int) -> _Buffers:
         b = self._buffers.get(rows)
@@ -702,39 +617,6 @@ class CpuDecoder:
         return _Buffers(x=buf(hidden), h=buf(hidden), branch=buf(hidden), q=buf(hq * d), k_new=buf(hk * d),
                         v_new=buf(hk * d), att=buf(hq * d), gate=buf(inter), up=buf(inter),
                         logits=buf(self.head.weight.shape[0], logit_rows))
-
-    def _mv(self, lin: _Linear, b: _Buffers, x: str, out: str, accumulate: bool = False) -> None:
-        """b.out = b.x W^T (+ bias), or b.out += b.x W^T (+ bias), for the pass's rows (``_rows``):
-        the shim's kernel."""
-        n, kk = lin.weight.shape
-        rows = self._rows
-        if lin.block is not None:  # a step: ggml's vec_dot, row by row; a rest: the prompt chunks' path
-            lin.block.matmul_into(rows, b.ptr[x], kk, b.ptr[out], n, 1.0 if accumulate else 0.0,
-                                  tiles=self._chunk and rows > 1)  # as block_layers' chunks choose
-        else:
-            self.k.sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, rows, n, kk, 1.0, b.ptr[x], kk, lin.ptr, kk,
-                         1.0 if accumulate else 0.0, b.ptr[out], n)
-        if lin.bias is not None:
-            getattr(b, out)[:rows] += lin.bias
-        if lin.lora and self._columns is not None:
-            self._add_lora(lin, b, x, out)
-
-    def _add_lora(self, lin: _Linear, b: _Buffers, x: str, out: str) -> None:
-        """b.out += scale * multiplier * B (A b.x) per row, for each adapter of ``lin`` (the
-        shim's kernel for both products). ``A x`` is scaled row by row whatever the scales, so a
-        row's result does not depend on the other rows of its batch (a zero row adds zeros)."""
-        rows, (n, kk) = self._rows, lin.weight.shape
-        for lora in lin.lora:
-            column = self._columns.get(lora.factor.adapter)
-            if column is None:
-                continue
-            r, m = lora.rank, lora.factor.multiplier
-            t = self._lora_t.get((rows, r))
-            if t is None:
-                t = self._lora_t[(rows, r)] = np.empty((rows, r), np.float32)
-            self.k.sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, rows, r, kk, 1.0, b.ptr[x], kk, lora.a_ptr, kk, 0.0, _ptr(t), r)
-            t *= np.asarray([c * m for c in column], np.float32)[:, None]
-            self.k.sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, rows, n, r, 1.0, _ptr(t), r, lora.b_ptr, r, 1.0, b.ptr[out], n)
 
     # ------------------------------------------------------------------ the cache
 
@@ -895,15 +777,6 @@ class CpuDecoder:
         cos, sin = block
         row = (pos - first) * cos.strides[0]
         return _ptr(cos) + row, _ptr(sin) + row
-
-
-def _columns(scales: Any) -> dict[int, list[float]] | None:
-    """Per adapter id with a non-zero scale in some row, that adapter's scale in every row."""
-    if not scales or not any(any(row) for row in scales):
-        return None
-    n = max(len(row) for row in scales)
-    columns = {i: [float(row[i]) if i < len(row) else 0.0 for row in scales] for i in range(n)}
-    return {i: c for i, c in columns.items() if any(c)}
 
 
 __all__ = ["CpuDecoder", "OwnedCache", "build", "enabled", "unsupported"]
