@@ -281,6 +281,32 @@ def log_blas(info: BlasInfo) -> None:
     )
 
 
+# glibc's mallopt parameter (malloc.h) and the size from which blocks are mapped on their own.
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 128 << 10
+
+
+def map_big_allocations() -> bool:
+    """Make glibc's malloc map every block of ``MMAP_THRESHOLD`` bytes or more on its own, and
+    unmap it when freed (``mallopt(M_MMAP_THRESHOLD)``; no-op elsewhere). Returns whether it did.
+
+    Why: by default glibc raises that threshold to the size of each mapped block freed (up to
+    32 MiB), so after the first few megabyte-sized buffers are freed (the warm-up's KV caches,
+    a prompt chunk's activations), later ones are carved out of the allocating thread's arena,
+    and a thread's arena keeps what it freed: ``malloc_trim`` does not give it back. The engine
+    thread's arena held ~30 MiB that way after loading a small model (RSS after load 1.34x
+    llama-server's on an 88M-parameter Q8_0 file; 48 MiB of anonymous memory instead of 78 with
+    the fixed threshold). MLX and the decode runtime keep their own buffers between steps, so
+    mapping big blocks afresh costs nothing per token.
+    """
+    if platform.system() != "Linux":
+        return False
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        return False
+
+
 def release_free_memory() -> None:
     """Hand the C heap's free pages back to the system (glibc ``malloc_trim``; no-op elsewhere).
 

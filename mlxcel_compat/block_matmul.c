@@ -74,7 +74,7 @@ static inline const float *row_bias(const struct mlxcel_block_weight *w, int r) 
 
 /* A buffer per thread, grown as needed and kept: products come from the engine thread. */
 
-static __thread struct mlxcel_scratch act_scratch, sums_scratch, tile_scratch;
+static __thread struct mlxcel_scratch tile_scratch;
 
 static int parts_for(int units) {
     int parts = mlxcel_threads() * PARTS_PER_THREAD;
@@ -83,57 +83,96 @@ static int parts_for(int units) {
 
 /* ------------------------------------------------------------------------------- few rows */
 
-struct vec_dot_job {
+/* Weights multiplied by the same activation rows in one job (a layer's q, k and v; gate and up):
+ * the rows are quantized once per activation type and the weights' rows, taken together, are
+ * spread over the pool, so the pool starts once and waits once for all of them. */
+#define SHARED_MAX 3
+
+struct vec_dot_target {
     const struct mlxcel_block_weight *w;
-    int m;
-    const unsigned char *act; /* m activation rows in vec_dot_type */
+    const unsigned char *act; /* m activation rows in w's vec_dot_type */
     size_t act_bytes;         /* bytes of one of them */
     const float *sums;        /* m x (k / bias_group) input sums, with group_bias */
     float *c;
     long ldc;
+};
+
+struct vec_dot_job {
+    struct vec_dot_target t[SHARED_MAX];
+    int first[SHARED_MAX + 1]; /* target i has rows first[i] .. first[i + 1] - 1 of the job */
+    int m;
     float beta;
     int parts;
 };
 
-static void vec_dot_part(const void *ctx, int p) {
-    const struct vec_dot_job *j = ctx;
-    const struct mlxcel_block_weight *w = j->w;
-    int per = (w->n + j->parts - 1) / j->parts;
-    int r0 = p * per, r1 = r0 + per < w->n ? r0 + per : w->n;
+static void vec_dot_rows(const struct vec_dot_job *j, const struct vec_dot_target *t, int r0, int r1) {
+    const struct mlxcel_block_weight *w = t->w;
     int groups = w->group_bias ? w->k / w->bias_group : 0;
     for (int r = r0; r < r1; r++) {
         const unsigned char *row = stored_row(w, r);
         for (int i = 0; i < j->m; i++) {
             float s;
-            w->type->vec_dot(w->k, &s, 0, row, 0, j->act + (size_t)i * j->act_bytes, 0, 1);
+            w->type->vec_dot(w->k, &s, 0, row, 0, t->act + (size_t)i * t->act_bytes, 0, 1);
             if (groups) {
-                const float *b = row_bias(w, r), *x = j->sums + (size_t)i * groups;
+                const float *b = row_bias(w, r), *x = t->sums + (size_t)i * groups;
                 for (int g = 0; g < groups; g++) s += b[g] * x[g];
             }
-            float *out = j->c + (size_t)i * j->ldc + r;
+            float *out = t->c + (size_t)i * t->ldc + r;
             *out = j->beta == 0.0f ? s : s + j->beta * *out;
         }
     }
 }
 
-static void by_vec_dot(const struct mlxcel_block_weight *w, int m, const float *x, long ldx, float *c, long ldc,
-                       float beta) {
-    size_t act_bytes = (size_t)(w->k / w->type->act_block) * (size_t)w->type->act_block_bytes;
-    unsigned char *act = mlxcel_scratch(&act_scratch, act_bytes * (size_t)m);
-    for (int i = 0; i < m; i++) w->type->quantize(x + (size_t)i * ldx, act + (size_t)i * act_bytes, w->k);
-    float *sums = NULL;
-    if (w->group_bias) {
-        int groups = w->k / w->bias_group;
-        sums = mlxcel_scratch(&sums_scratch, sizeof(float) * (size_t)m * (size_t)groups);
-        for (int i = 0; i < m; i++)
-            for (int g = 0; g < groups; g++) {
-                float s = 0.0f;
-                for (int t = 0; t < w->bias_group; t++) s += x[(size_t)i * ldx + (size_t)g * w->bias_group + t];
-                sums[(size_t)i * groups + g] = s;
-            }
+static void vec_dot_part(const void *ctx, int p) {
+    const struct vec_dot_job *j = ctx;
+    int total = j->first[SHARED_MAX];
+    int per = (total + j->parts - 1) / j->parts;
+    int r0 = p * per, r1 = r0 + per < total ? r0 + per : total;
+    for (int i = 0; i < SHARED_MAX && r0 < r1; i++) {
+        int a = r0 > j->first[i] ? r0 : j->first[i], b = r1 < j->first[i + 1] ? r1 : j->first[i + 1];
+        if (a < b) vec_dot_rows(j, &j->t[i], a - j->first[i], b - j->first[i]);
     }
-    struct vec_dot_job j = {w, m, act, act_bytes, sums, c, ldc, beta, 1};
-    if ((long)w->n * w->k * m >= PARALLEL_MIN_VALUES) j.parts = parts_for(w->n);
+}
+
+static __thread struct mlxcel_scratch shared_act_scratch[SHARED_MAX], shared_sums_scratch[SHARED_MAX];
+
+/* c[i] = x W[i]^T (+ beta c[i]) for `count` weights of k inputs each. */
+static void by_vec_dot(int count, const struct mlxcel_block_weight *const *ws, int m, const float *x, long ldx,
+                       float *const *cs, const long *ldcs, float beta) {
+    struct vec_dot_job j = {0};
+    j.m = m;
+    j.beta = beta;
+    long macs = 0;
+    for (int t = 0; t < count; t++) {
+        const struct mlxcel_block_weight *w = ws[t];
+        struct vec_dot_target *target = &j.t[t];
+        target->w = w;
+        target->c = cs[t];
+        target->ldc = ldcs[t];
+        target->act_bytes = (size_t)(w->k / w->type->act_block) * (size_t)w->type->act_block_bytes;
+        for (int u = 0; u < t && !target->act; u++) /* the same activation type: the same rows */
+            if (ws[u]->type->quantize == w->type->quantize && ws[u]->k == w->k) target->act = j.t[u].act;
+        if (!target->act) {
+            unsigned char *act = mlxcel_scratch(&shared_act_scratch[t], target->act_bytes * (size_t)m);
+            for (int i = 0; i < m; i++) w->type->quantize(x + (size_t)i * ldx, act + (size_t)i * target->act_bytes, w->k);
+            target->act = act;
+        }
+        if (w->group_bias) {
+            int groups = w->k / w->bias_group;
+            float *sums = mlxcel_scratch(&shared_sums_scratch[t], sizeof(float) * (size_t)m * (size_t)groups);
+            for (int i = 0; i < m; i++)
+                for (int g = 0; g < groups; g++) {
+                    float s = 0.0f;
+                    for (int u = 0; u < w->bias_group; u++) s += x[(size_t)i * ldx + (size_t)g * w->bias_group + u];
+                    sums[(size_t)i * groups + g] = s;
+                }
+            target->sums = sums;
+        }
+        j.first[t + 1] = j.first[t] + w->n;
+        macs += (long)w->n * w->k * m;
+    }
+    for (int t = count; t < SHARED_MAX; t++) j.first[t + 1] = j.first[t];
+    j.parts = macs >= PARALLEL_MIN_VALUES ? parts_for(j.first[SHARED_MAX]) : 1;
     mlxcel_parallel(j.parts, vec_dot_part, &j);
 }
 
@@ -186,7 +225,16 @@ void mlxcel_block_matmul(const struct mlxcel_block_weight *w, int m, const float
                          float beta, int tiles) {
     if (m <= 0) return;
     if (tiles) by_tiles(w, m, x, ldx, c, ldc, beta);
-    else by_vec_dot(w, m, x, ldx, c, ldc, beta);
+    else by_vec_dot(1, &w, m, x, ldx, &c, &ldc, beta);
+}
+
+/* The decode path of mlxcel_block_matmul for up to 3 weights over the same activations (x, k
+ * columns each): c[t][i, :] = x[i, :] . W_t (+ beta c[t][i, :]), in one job. Each output is
+ * computed exactly as mlxcel_block_matmul(..., tiles = 0) computes it. */
+void mlxcel_block_matmul_shared(int count, const struct mlxcel_block_weight *const *ws, int m, const float *x,
+                                long ldx, float *const *cs, const long *ldcs, float beta) {
+    if (m <= 0 || count <= 0 || count > SHARED_MAX) return;
+    by_vec_dot(count, ws, m, x, ldx, cs, ldcs, beta);
 }
 
 /* out[i, :] = W[ids[i], :] as float32 for i < count: an embedding lookup. */

@@ -15,7 +15,7 @@ import signal
 import sys
 from typing import Sequence
 
-from mlxcel_compat.backend import exit_now, load_optimized_blas, log_blas
+from mlxcel_compat.backend import exit_now, load_optimized_blas, log_blas, map_big_allocations
 
 log = logging.getLogger("mlxcel_compat")
 
@@ -81,6 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings)
+    map_big_allocations()
     log_blas(load_optimized_blas())
     for name, reason in settings.ignored:
         log.info("ignored option %s: %s", name, reason)

@@ -30,6 +30,8 @@ typedef void (*prompt_fn)(const void *handle, int m, const float *x, long ldx, f
 struct mlxcel_block_weight; /* block_matmul.c */
 void mlxcel_block_matmul(const struct mlxcel_block_weight *w, int m, const float *x, long ldx, float *c, long ldc,
                          float beta, int tiles);
+void mlxcel_block_matmul_shared(int count, const struct mlxcel_block_weight *const *ws, int m, const float *x,
+                                long ldx, float *const *cs, const long *ldcs, float beta);
 
 /* One adapter on one projection: out += scale * multiplier * B (A x), scale per row and adapter. */
 struct mlxcel_lora {
@@ -97,17 +99,9 @@ static __thread struct mlxcel_scratch lora_scratch;
 
 enum { RowMajor = 101, NoTrans = 111, Trans = 112 };
 
-/* out (m, n) = x (m, k) W^T (+ beta out) (+ bias) (+ the adapters). `tiles`: a prompt chunk's path. */
-static void product(const struct mlxcel_linear *l, int m, const float *x, float *out, float beta, int tiles,
-                    const double *scales, int n_adapters) {
-    if (l->repacked) {
-        l->repacked_matmul(l->repacked, m, x, l->k, out, l->n, beta, !tiles);
-    } else if (l->blocks) {
-        if (tiles && l->prompt) l->prompt_matmul(l->prompt, m, x, l->k, out, l->n, beta);
-        else mlxcel_block_matmul(l->blocks, m, x, l->k, out, l->n, beta, tiles);
-    } else {
-        mlxcel_sgemm(RowMajor, NoTrans, Trans, m, l->n, l->k, 1.0f, x, l->k, l->w, l->k, beta, out, l->n);
-    }
+/* out += bias, and the adapters' scale * multiplier * B (A x): what follows a layer's product. */
+static void extras(const struct mlxcel_linear *l, int m, const float *x, float *out, const double *scales,
+                   int n_adapters) {
     if (l->bias)
         for (int i = 0; i < m; i++)
             for (int r = 0; r < l->n; r++) out[(size_t)i * l->n + r] += l->bias[r];
@@ -128,6 +122,37 @@ static void product(const struct mlxcel_linear *l, int m, const float *x, float 
     }
 }
 
+/* out (m, n) = x (m, k) W^T (+ beta out) (+ bias) (+ the adapters). `tiles`: a prompt chunk's path. */
+static void product(const struct mlxcel_linear *l, int m, const float *x, float *out, float beta, int tiles,
+                    const double *scales, int n_adapters) {
+    if (l->repacked) {
+        l->repacked_matmul(l->repacked, m, x, l->k, out, l->n, beta, !tiles);
+    } else if (l->blocks) {
+        if (tiles && l->prompt) l->prompt_matmul(l->prompt, m, x, l->k, out, l->n, beta);
+        else mlxcel_block_matmul(l->blocks, m, x, l->k, out, l->n, beta, tiles);
+    } else {
+        mlxcel_sgemm(RowMajor, NoTrans, Trans, m, l->n, l->k, 1.0f, x, l->k, l->w, l->k, beta, out, l->n);
+    }
+    extras(l, m, x, out, scales, n_adapters);
+}
+
+/* outs[t] = x W_t^T for `count` layers of the same input (q, k, v; gate, up): weights in ggml's
+ * blocks on the decode path go through one shared job (the same numbers as one by one). */
+static void products(int count, const struct mlxcel_linear *const *ls, int m, const float *x, float *const *outs,
+                     int tiles, const double *scales, int n_adapters) {
+    int shared = !tiles;
+    for (int t = 0; t < count; t++) shared &= ls[t]->blocks && !ls[t]->repacked;
+    if (!shared) {
+        for (int t = 0; t < count; t++) product(ls[t], m, x, outs[t], 0.0f, tiles, scales, n_adapters);
+        return;
+    }
+    const struct mlxcel_block_weight *ws[3];
+    long ldcs[3];
+    for (int t = 0; t < count; t++) ws[t] = ls[t]->blocks, ldcs[t] = ls[t]->n;
+    mlxcel_block_matmul_shared(count, ws, m, x, ls[0]->k, outs, ldcs, 0.0f);
+    for (int t = 0; t < count; t++) extras(ls[t], m, x, outs[t], scales, n_adapters);
+}
+
 /* One forward pass of `rows` rows: each its own position (and cache: kv is rows x layers, angles
  * rows x angle sets x (cos, sin)), or with `chunk` consecutive positions of one sequence (kv is
  * 1 x layers, angles angle sets x (cos, sin) of every row's position, the logits of the last row
@@ -143,9 +168,9 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
     for (int i = 0; i < m->n_layers; i++) {
         const struct mlxcel_layer *L = &m->layers[i];
         mlxcel_rms_norm(b->x, L->n1.w, b->h, rows, hidden, L->n1.eps);
-        product(&L->q, rows, b->h, b->q, 0.0f, tiles, scales, n_adapters);
-        product(&L->k, rows, b->h, b->k_new, 0.0f, tiles, scales, n_adapters);
-        product(&L->v, rows, b->h, b->v_new, 0.0f, tiles, scales, n_adapters);
+        const struct mlxcel_linear *qkv[3] = {&L->q, &L->k, &L->v};
+        float *qkv_out[3] = {b->q, b->k_new, b->v_new};
+        products(3, qkv, rows, b->h, qkv_out, tiles, scales, n_adapters);
         if (L->q_norm.w) {
             mlxcel_rms_norm(b->q, L->q_norm.w, b->q, rows * hq, d, L->q_norm.eps);
             mlxcel_rms_norm(b->k_new, L->k_norm.w, b->k_new, rows * hk, d, L->k_norm.eps);
@@ -185,8 +210,9 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
             product(&L->o, rows, b->att, b->x, 1.0f, tiles, scales, n_adapters);
         }
         mlxcel_rms_norm(b->x, L->n2.w, b->h, rows, hidden, L->n2.eps);
-        product(&L->gate, rows, b->h, b->gate, 0.0f, tiles, scales, n_adapters);
-        product(&L->up, rows, b->h, b->up, 0.0f, tiles, scales, n_adapters);
+        const struct mlxcel_linear *gate_up[2] = {&L->gate, &L->up};
+        float *gate_up_out[2] = {b->gate, b->up};
+        products(2, gate_up, rows, b->h, gate_up_out, tiles, scales, n_adapters);
         if (m->gelu) mlxcel_gelu_tanh_gate(b->gate, b->up, rows * m->inter);
         else mlxcel_swiglu(b->gate, b->up, rows * m->inter);
         if (L->mlp_out.w) {

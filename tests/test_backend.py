@@ -86,3 +86,37 @@ def test_openblas_threads_do_not_spin_between_calls() -> None:
     assert ours["env"] == str(OPENBLAS_SPIN_EXPONENT) and ours["c"] == 512.0
     assert ours["cpu"] < 0.03  # the 0.1 s sleep costs (almost) no CPU
     assert idle_cpu_after_a_gemm({**env, "OPENBLAS_THREAD_TIMEOUT": "20"})["env"] == "20"
+
+
+_FREED_BY_A_THREAD = """
+import json, threading
+import numpy as np
+from mlxcel_compat import backend
+mapped = backend.map_big_allocations() if {fix} else False
+
+def anon():
+    return next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('RssAnon')) / 1024
+
+def work():
+    big = np.ones(8 << 20, np.uint8)  # mapped, then freed: glibc raises its threshold to 8 MiB
+    del big
+    blocks = [np.ones(1 << 20, np.uint8) for _ in range(40)]  # 40 MiB of 1 MiB blocks
+    del blocks
+
+before = anon()
+thread = threading.Thread(target=work)
+thread.start()
+thread.join()
+print(json.dumps({{'mapped': mapped, 'kept': anon() - before}}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+def test_megabyte_blocks_a_thread_frees_leave_the_process() -> None:
+    """With ``map_big_allocations`` (the server sets it at start-up) blocks freed by a thread
+    leave the process; with glibc's default, its dynamic threshold puts them in the thread's
+    arena, which keeps them (the engine thread kept ~30 MiB after loading a small model)."""
+    fixed = in_fresh_process(_FREED_BY_A_THREAD.format(fix=True), dict(os.environ))
+    default = in_fresh_process(_FREED_BY_A_THREAD.format(fix=False), dict(os.environ))
+    assert fixed["mapped"] and fixed["kept"] < 4
+    assert default["kept"] > 30  # what the setting is for: without it the 40 MiB stay

@@ -61,10 +61,11 @@ def test_the_package_is_whole_once_something_else_is_asked_of_it() -> None:
     assert out == ["True True True", "True"]
 
 
-def test_a_gguf_server_imports_neither_the_hub_client_nor_httpx() -> None:
+def test_a_gguf_server_imports_neither_the_hub_client_nor_httpx_nor_llguidance() -> None:
     """The server's app and a GGUF load leave out ``huggingface_hub`` (mlx-lm's ``utils`` imports
-    it: ~20 MiB with httpx2 and trio) and ``httpx`` (only the CORS proxy uses it: ~11 MiB with
-    rich and click where installed): fixed memory that counts against llama-server's."""
+    it: ~20 MiB with httpx2 and trio), ``httpx`` (only the CORS proxy uses it: ~11 MiB with
+    rich and click where installed) and ``llguidance`` (the first grammar imports it: ~6 MiB):
+    fixed memory that counts against llama-server's."""
     path = ensure_gguf("qwen3", "tiny", "q8_0", cache_dir=MODEL_CACHE)
     out = _run(f"""
         import sys
@@ -72,6 +73,6 @@ def test_a_gguf_server_imports_neither_the_hub_client_nor_httpx() -> None:
         from mlxcel_compat.model.gguf_load import load_gguf
         model, *_ = load_gguf({str(path)!r}, on_cpu=True)
         print(type(model).__module__)
-        print(sorted(m for m in sys.modules if m.split('.')[0] in ('huggingface_hub', 'httpx', 'transformers')))
+        print(sorted(m for m in sys.modules if m.split('.')[0] in ('huggingface_hub', 'httpx', 'transformers', 'llguidance')))
     """)
     assert out == ["mlx_lm.models.qwen3", "[]"]

@@ -73,12 +73,29 @@ def prefill_groups(seqs: list[Sequence], chunks: list[list[int]]) -> list[list[i
 def batch_caches_work(model: Any) -> bool:
     """Decode two sequences of different lengths through one merged batch cache. Some models'
     layers cannot take mlx-lm's batch caches; the engine then gives each sequence its own pass."""
-    rows = [make_prompt_cache(model) for _ in range(2)]
+    rows = [probe_cache(model) for _ in range(2)]
     for cache, tokens in zip(rows, ([[0, 1, 2]], [[0, 1]])):
         model(mx.array(tokens), cache=cache)
     merged = [_merge(list(layers)) for layers in zip(*rows)]
+    for layer in merged:
+        layer.step = PROBE_STEP
     mx.eval(model(mx.array([[3], [4]]), cache=merged))
     return True
+
+
+# Positions a probe's cache allocates at a time: mlx-lm's 256 would make each of the load-time
+# probes' caches hold 256 positions a layer (tens of MiB on a small model, all at once: the
+# process's peak memory), for passes of a few tokens.
+PROBE_STEP = 8
+
+
+def probe_cache(model: Any) -> list[Any]:
+    """``make_prompt_cache(model)`` for a pass of a few tokens, allocating ``PROBE_STEP`` at a time."""
+    cache = make_prompt_cache(model)
+    for layer in cache:
+        if hasattr(layer, "step"):
+            layer.step = PROBE_STEP
+    return cache
 
 
 def prefill_together(model: Any, seqs: list[Sequence], chunks: list[list[int]]) -> None:

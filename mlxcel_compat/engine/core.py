@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from mlxcel_compat import backend
-from mlxcel_compat.engine.batch import DecodeBatch, ForwardFailed, batch_caches_work, prefill_groups, prefill_together
+from mlxcel_compat.engine.batch import (DecodeBatch, ForwardFailed, batch_caches_work, prefill_groups, prefill_together,
+                                         probe_cache)
 from mlxcel_compat.engine.grammar import GrammarCompiler
 from mlxcel_compat.engine.metrics import EngineMetrics
 from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest
@@ -387,9 +388,8 @@ class Engine:
     def _warm_up(self) -> None:
         """Run one tiny forward pass: MLX's first call pays a one-off set-up cost."""
         import mlx.core as mx
-        from mlx_lm.models.cache import make_prompt_cache
 
-        cache = make_prompt_cache(self.loaded.model)
+        cache = probe_cache(self.loaded.model)
         mx.eval(self.loaded.model(mx.array([[0, 1]]), cache=cache))
         self.probe_batching()
         del cache

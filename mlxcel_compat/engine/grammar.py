@@ -25,13 +25,14 @@ import json
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import llguidance
 import numpy as np
-from llguidance.gbnf_to_lark import any_to_lark
 
 from mlxcel_compat.engine.textstream import token_bytes, unwrap_tokenizer, vocab_table
+
+if TYPE_CHECKING:
+    import llguidance
 
 # llama.cpp's common_grammar_trigger_type values (the wire format of grammar_triggers).
 TRIGGER_TOKEN = 0
@@ -91,6 +92,8 @@ class Constraint:
 def lark_from_gbnf(text: str) -> str:
     """llama.cpp GBNF (or Lark, recognised by ``%llguidance`` or a ``start:`` rule) as Lark."""
     try:
+        from llguidance.gbnf_to_lark import any_to_lark  # imported when first used: ~6 MiB of every server
+
         return any_to_lark(text)
     except Exception as exc:  # the converter raises plain Exceptions with a useful message
         raise GrammarError(str(exc)) from None
@@ -190,6 +193,8 @@ class GrammarCompiler:
             if self._built.is_set():
                 return
             try:
+                import llguidance  # imported when first used: ~6 MiB of every server
+
                 wrapper = llguidance.TokenizerWrapper(_VocabView(self._source, self.vocab_size, self.eog_ids))
                 self._ll_tokenizer = llguidance.LLTokenizer(wrapper, n_vocab=self.vocab_size, eos_token=self.eog_ids or None,
                                                             slices=MASK_SLICES)
@@ -234,6 +239,8 @@ class GrammarCompiler:
         return hit
 
     def _compile(self, lark: str) -> llguidance.LLMatcher | GrammarError:
+        import llguidance
+
         grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
