@@ -31,9 +31,9 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("blas_shim.c")
 # Every file the library is built from: the shim, the block-format products (``block_matmul.c``,
-# ggml's kernels called from the shim's threads), the decode runtime's layer loop
-# (``decode_pass.c``) and the header they share.
-SOURCES = (SOURCE, SOURCE.with_name("block_matmul.c"), SOURCE.with_name("decode_pass.c"))
+# ggml's kernels called from the shim's threads, and this project's own for K-quant decode rows,
+# ``quant_rows.c``), the decode runtime's layer loop (``decode_pass.c``) and the header they share.
+SOURCES = (SOURCE, SOURCE.with_name("block_matmul.c"), SOURCE.with_name("quant_rows.c"), SOURCE.with_name("decode_pass.c"))
 HEADERS = (SOURCE.with_name("blas_shim.h"),)
 CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
 LIBS = ("-ldl",)

@@ -36,6 +36,11 @@ typedef void (*vec_dot_fn)(int n, float *s, size_t bs, const void *x, size_t bx,
 typedef void (*to_float_fn)(const void *x, float *y, int64_t k);
 typedef void (*from_float_fn)(const float *x, void *y, int64_t k);
 
+/* Rows of weights times rows of activations by this library's own kernels (quant_rows.c). */
+typedef void (*rows_fn)(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
+                        float *out, size_t ldo);
+rows_fn mlxcel_rows_kernel(int ggml_type);
+
 /* One block type's kernels (filled by ggml_cpu.py from ggml's type traits). */
 struct mlxcel_block_type {
     vec_dot_fn vec_dot;     /* one weight row . one activation row in vec_dot_type */
@@ -43,6 +48,7 @@ struct mlxcel_block_type {
     to_float_fn to_float;   /* a weight row -> float32 */
     long act_block;         /* vec_dot_type: values per block */
     long act_block_bytes;   /* and bytes per block */
+    int own_kernel;         /* the ggml type whose rows kernel (quant_rows.c) replaces vec_dot, or -1 */
 };
 
 /* A weight of n rows of k values (a linear layer's (out, in) matrix, an embedding table). */
@@ -105,14 +111,32 @@ struct vec_dot_job {
     int parts;
 };
 
+static __thread struct mlxcel_scratch rows_scratch;
+
+/* Weight rows [r0, r1) of target t times the job's activation rows: the type's own rows kernel
+ * (quant_rows.c) on the whole band where it has one (row by row for permuted rows), else ggml's
+ * vec_dot for each pair; then the group biases and beta. */
 static void vec_dot_rows(const struct vec_dot_job *j, const struct vec_dot_target *t, int r0, int r1) {
     const struct mlxcel_block_weight *w = t->w;
-    int groups = w->group_bias ? w->k / w->bias_group : 0;
-    for (int r = r0; r < r1; r++) {
-        const unsigned char *row = stored_row(w, r);
-        for (int i = 0; i < j->m; i++) {
-            float s;
-            w->type->vec_dot(w->k, &s, 0, row, 0, t->act + (size_t)i * t->act_bytes, 0, 1);
+    int groups = w->group_bias ? w->k / w->bias_group : 0, n = r1 - r0, m = j->m;
+    rows_fn own = w->type->own_kernel >= 0 ? mlxcel_rows_kernel(w->type->own_kernel) : NULL;
+    float *sums = mlxcel_scratch(&rows_scratch, sizeof(float) * (size_t)n * (size_t)m); /* [i * n + r - r0] */
+    if (own && !w->rows) {
+        own(w->k, stored_row(w, r0), (size_t)w->row_bytes, n, t->act, t->act_bytes, m, sums, (size_t)n);
+    } else {
+        for (int r = r0; r < r1; r++) {
+            const unsigned char *row = stored_row(w, r);
+            if (own) {
+                own(w->k, row, (size_t)w->row_bytes, 1, t->act, t->act_bytes, m, sums + (r - r0), (size_t)n);
+                continue;
+            }
+            for (int i = 0; i < m; i++)
+                w->type->vec_dot(w->k, sums + (size_t)i * n + (r - r0), 0, row, 0, t->act + (size_t)i * t->act_bytes, 0, 1);
+        }
+    }
+    for (int r = r0; r < r1; r++)
+        for (int i = 0; i < m; i++) {
+            float s = sums[(size_t)i * n + (r - r0)];
             if (groups) {
                 const float *b = row_bias(w, r), *x = t->sums + (size_t)i * groups;
                 for (int g = 0; g < groups; g++) s += b[g] * x[g];
@@ -120,7 +144,6 @@ static void vec_dot_rows(const struct vec_dot_job *j, const struct vec_dot_targe
             float *out = t->c + (size_t)i * t->ldc + r;
             *out = j->beta == 0.0f ? s : s + j->beta * *out;
         }
-    }
 }
 
 static void vec_dot_part(const void *ctx, int p) {

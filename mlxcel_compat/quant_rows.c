@@ -1,33 +1,39 @@
-/* One weight row in ggml's blocks times up to MAX_ROWS activation rows quantized by ggml, with
- * AVX-512 VNNI: what block_matmul.c's decode products run instead of ggml's vec_dot where this
- * file has a kernel for the weight's type (mlxcel_rows_kernel).
+/* Weight rows in ggml's K-quant blocks times activation rows quantized by ggml (Q8_K), with
+ * AVX-512: what block_matmul.c's decode products run instead of ggml's vec_dot for the types this
+ * file has a kernel for (mlxcel_rows_kernel).
  *
- * Why: ggml's x86 vec_dot for these types is written for AVX2 (one 32-byte vector at a time,
- * maddubs then madd), and computes one weight row with one activation row per call: a batch of
- * m decode rows unpacks every weight block m times, and a row as short as a small model's (768
- * values: 3 Q4_K super-blocks) pays the call's set-up and final reduction on few blocks. Here a
- * weight row's block is unpacked once for all the activation rows, the products are vpdpbusd
- * (u8 x s8 sums of four, one instruction per 64 values), and each activation row's sums stay
- * in vector registers until the row is done.
+ * Why: ggml's x86 vec_dot for these types is written for AVX2 (32 values per instruction) and
+ * computes one weight row with one activation row per call, unpacking the row's blocks (4- or
+ * 6-bit values, 6- or 8-bit sub-block scales) each time: a batch of m decode rows unpacks every
+ * weight block m times, and a row as short as a small model's (768 values: 3 super-blocks) pays
+ * the call's set-up and final reduction on few blocks. Here the blocks are unpacked once per
+ * pass, 64 values per instruction, for two weight rows against one activation row (sharing its
+ * loads) or for one weight row against up to MAX_ROWS activation rows (sharing the unpacking),
+ * and each pair's sums stay in vector registers until its row is done.
  *
  * The arithmetic is ggml's: the same integer products of the same quantized values (the
  * activations are what ggml's from_float made), scaled by the same float16 block factors; only
  * the order in which the float products are added differs (a few units of float32 rounding of
- * the sum). Each activation row's result is computed by the same operations whatever m is, so a
- * row of a batch is bit-identical to the row alone.
+ * the sum). Each (weight row, activation row) pair takes the same operations in the same order
+ * whatever the other rows of the call are, so a row of a batch is bit-identical to the row alone.
  *
- * Types: Q4_K x Q8_K. Without AVX-512 BW and VNNI, mlxcel_rows_kernel returns NULL and ggml's
- * vec_dot serves every type.
+ * Types: Q4_K and Q6_K, the K-quants of the common Q4_K_M and Q6_K files, whose blocks carry a
+ * scale per 32 or 16 values: there the shared unpacking is most of the saving
+ * (scripts/bench_quant_rows.py: 1.1-1.4x ggml's vec_dot for one activation row, 1.8x for four,
+ * docs/benchmarks/quantized.md). For Q8_0 and Q4_1 the same approach measured 0.75-1.3x (one row)
+ * and 1.0-1.25x (four), not worth a second implementation: ggml's vec_dot serves them, as it
+ * serves every type on a CPU without AVX-512 BW (mlxcel_rows_kernel returns NULL).
  */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
-typedef void (*mlxcel_rows_fn)(int k, const void *w, const void *act, size_t act_bytes, int m, float *out);
+typedef void (*mlxcel_rows_fn)(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
+                               float *out, size_t ldo);
 
-enum { TYPE_Q4_K = 12 }; /* enum ggml_type */
+enum { TYPE_Q4_K = 12, TYPE_Q6_K = 14 }; /* enum ggml_type */
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
 
 #define QK_K 256
@@ -62,73 +68,211 @@ static inline void q4_K_scales(const uint8_t *s, uint64_t *scales, uint64_t *min
     *mins = (uint64_t)m_lo | (uint64_t)m_hi << 32;
 }
 
-/* Rows of Q4_K x Q8_K. A block's 128 bytes hold its 256 values as 4 chunks of 64: the low
- * nibbles of 32 bytes are values 0-31 of a chunk, the high nibbles 32-63. Loaded 64 bytes at a
- * time, the low nibbles are sub-blocks (0, 2) (or (4, 6)) and the high ones (1, 3) (or (5, 7));
- * the activations' 256-bit halves are paired to match. Products: u8 x s8 pairs summed to int16
- * (at most 2 x 15 x 128), then times the sub-blocks' scales summed to int32 (vpmaddwd). */
-static inline __attribute__((always_inline)) void q4_K_rows(int k, const void *w, const void *act, size_t act_bytes,
-                                                              int m, float *out) {
-    const struct q4_K_block *x = w;
-    const int nb = k / QK_K;
+/* One Q4_K block's weights, unpacked: the four 64-byte vectors of 4-bit values (sub-blocks
+ * (0, 2), (1, 3), (4, 6), (5, 7)), their scales as 16-bit lanes matching them, the mins as 16-bit
+ * pairs matching the activations' 16-value sums, and the block's two factors. */
+struct q4_K_unpacked {
+    __m512i q[4], s[4];
+    __m256i mins;
+    float d, dmin;
+};
+
+static inline __attribute__((always_inline)) void q4_K_unpack(const struct q4_K_block *x, struct q4_K_unpacked *u) {
     const __m512i low = _mm512_set1_epi8(0x0f);
-    const __m512i pick01 = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i step1 = _mm512_set1_epi16(1), step4 = _mm512_set1_epi16(4);
+    const __m512i pick = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m128i pair = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    __m512 acc[MAX_ROWS];
-    __m256 acc_m[MAX_ROWS];
-    for (int r = 0; r < m; r++) {
-        acc[r] = _mm512_setzero_ps();
-        acc_m[r] = _mm256_setzero_ps();
-    }
-    for (int b = 0; b < nb; b++) {
-        uint64_t sc, mn;
-        q4_K_scales(x[b].scales, &sc, &mn);
-        __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
-        __m512i s01 = _mm512_permutexvar_epi16(pick01, sc16);
-        __m512i s23 = _mm512_permutexvar_epi16(_mm512_add_epi16(pick01, step1), sc16);
-        __m512i s45 = _mm512_permutexvar_epi16(_mm512_add_epi16(pick01, step4), sc16);
-        __m512i s67 = _mm512_permutexvar_epi16(_mm512_add_epi16(pick01, _mm512_add_epi16(step4, step1)), sc16);
-        __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)mn), pair));
-        __m512i q0 = _mm512_loadu_si512(x[b].qs), q1 = _mm512_loadu_si512(x[b].qs + 64);
-        __m512i lo0 = _mm512_and_si512(q0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), low);
-        __m512i lo1 = _mm512_and_si512(q1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), low);
-        float d = half_to_float(x[b].d), dmin = half_to_float(x[b].dmin);
-        for (int r = 0; r < m; r++) {
-            const struct q8_K_block *y = (const struct q8_K_block *)((const char *)act + (size_t)r * act_bytes) + b;
-            __m512i a0 = _mm512_loadu_si512(y->qs), a1 = _mm512_loadu_si512(y->qs + 64);
-            __m512i a2 = _mm512_loadu_si512(y->qs + 128), a3 = _mm512_loadu_si512(y->qs + 192);
-            __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(lo0, _mm512_shuffle_i64x2(a0, a1, 0x44)), s01);
-            p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(hi0, _mm512_shuffle_i64x2(a0, a1, 0xee)), s23));
-            p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(lo1, _mm512_shuffle_i64x2(a2, a3, 0x44)), s45));
-            p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(hi1, _mm512_shuffle_i64x2(a2, a3, 0xee)), s67));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(d * y->d), acc[r]);
-            __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
-            acc_m[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins)), _mm256_set1_ps(dmin * y->d), acc_m[r]);
-        }
-    }
-    for (int r = 0; r < m; r++) {
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc_m[r]), _mm256_extractf128_ps(acc_m[r], 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        out[r] = hsum512(acc[r]) - _mm_cvtss_f32(h);
-    }
+    uint64_t sc, mn;
+    q4_K_scales(x->scales, &sc, &mn);
+    __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+    static const short first[4] = {0, 1, 4, 5}; /* sub-blocks (first, first + 2) in each vector */
+    for (int v = 0; v < 4; v++) u->s[v] = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, _mm512_set1_epi16(first[v])), sc16);
+    u->mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)mn), pair));
+    __m512i q0 = _mm512_loadu_si512(x->qs), q1 = _mm512_loadu_si512(x->qs + 64);
+    u->q[0] = _mm512_and_si512(q0, low);
+    u->q[1] = _mm512_and_si512(_mm512_srli_epi16(q0, 4), low);
+    u->q[2] = _mm512_and_si512(q1, low);
+    u->q[3] = _mm512_and_si512(_mm512_srli_epi16(q1, 4), low);
+    u->d = half_to_float(x->d);
+    u->dmin = half_to_float(x->dmin);
 }
 
-/* Activation rows in passes of MAX_ROWS (each pass's count a constant, so its loop unrolls). */
-static void rows_q4_K(int k, const void *w, const void *act, size_t act_bytes, int m, float *out) {
-    int r = 0;
-    for (; r + 4 <= m; r += 4) q4_K_rows(k, w, (const char *)act + r * act_bytes, act_bytes, 4, out + r);
-    switch (m - r) {
-    case 3: q4_K_rows(k, w, (const char *)act + r * act_bytes, act_bytes, 3, out + r); break;
-    case 2: q4_K_rows(k, w, (const char *)act + r * act_bytes, act_bytes, 2, out + r); break;
-    case 1: q4_K_rows(k, w, (const char *)act + r * act_bytes, act_bytes, 1, out + r); break;
-    }
+/* The activations of one Q8_K block paired with the unpacked vectors: the first and third
+ * 32-value quarters of each half together, then the second and fourth. */
+static inline __attribute__((always_inline)) void q8_K_pairs(const struct q8_K_block *y, __m512i a[4]) {
+    __m512i a0 = _mm512_loadu_si512(y->qs), a1 = _mm512_loadu_si512(y->qs + 64);
+    __m512i a2 = _mm512_loadu_si512(y->qs + 128), a3 = _mm512_loadu_si512(y->qs + 192);
+    a[0] = _mm512_shuffle_i64x2(a0, a1, 0x44);
+    a[1] = _mm512_shuffle_i64x2(a0, a1, 0xee);
+    a[2] = _mm512_shuffle_i64x2(a2, a3, 0x44);
+    a[3] = _mm512_shuffle_i64x2(a2, a3, 0xee);
 }
+
+/* One weight block times one activation block, added to the row's sums: u8 x s8 pairs summed
+ * to int16 (at most 2 x 15 x 128), times the sub-blocks' scales summed to int32 (vpmaddwd);
+ * the mins times the activations' 16-value sums likewise. */
+static inline __attribute__((always_inline)) void q4_K_accumulate(const struct q4_K_unpacked *u, const __m512i a[4],
+                                                                    const struct q8_K_block *y, __m512 *acc,
+                                                                    __m256 *acc_m) {
+    __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(u->q[0], a[0]), u->s[0]);
+    p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(u->q[1], a[1]), u->s[1]));
+    p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(u->q[2], a[2]), u->s[2]));
+    p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(u->q[3], a[3]), u->s[3]));
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(u->d * y->d), *acc);
+    __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
+    *acc_m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(bs, u->mins)), _mm256_set1_ps(u->dmin * y->d), *acc_m);
+}
+
+static inline float q4_K_total(__m512 acc, __m256 acc_m) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc_m), _mm256_extractf128_ps(acc_m, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return hsum512(acc) - _mm_cvtss_f32(h);
+}
+
+/* nw weight rows (w, w + w_bytes, ...) times m activation rows: out[i * nw + j] for activation
+ * row i and weight row j. Every (weight row, activation row) pair takes the same operations in
+ * the same order whatever nw and m are. */
+static inline __attribute__((always_inline)) void q4_K_tile(int k, const void *w, size_t w_bytes, int nw, const void *act,
+                                                              size_t act_bytes, int m, float *out) {
+    const int nb = k / QK_K;
+    __m512 acc[2 * MAX_ROWS];
+    __m256 acc_m[2 * MAX_ROWS];
+    for (int t = 0; t < nw * m; t++) {
+        acc[t] = _mm512_setzero_ps();
+        acc_m[t] = _mm256_setzero_ps();
+    }
+    for (int b = 0; b < nb; b++) {
+        struct q4_K_unpacked u[2];
+        for (int j = 0; j < nw; j++) q4_K_unpack((const struct q4_K_block *)((const char *)w + j * w_bytes) + b, &u[j]);
+        for (int i = 0; i < m; i++) {
+            const struct q8_K_block *y = (const struct q8_K_block *)((const char *)act + (size_t)i * act_bytes) + b;
+            __m512i a[4];
+            q8_K_pairs(y, a);
+            for (int j = 0; j < nw; j++) q4_K_accumulate(&u[j], a, y, &acc[i * nw + j], &acc_m[i * nw + j]);
+        }
+    }
+    for (int t = 0; t < nw * m; t++) out[t] = q4_K_total(acc[t], acc_m[t]);
+}
+
+/* Weight rows [0, n) (row_bytes apart) times m activation rows: out[i * ldo + r], by the type's
+ * tile (NAME##_tile). A lone activation row takes two weight rows at a time (sharing its loads),
+ * rows r and r + n/2 so that each stream of blocks stays sequential (adjacent rows measured 2.5x
+ * slower on weights out of the caches: the prefetchers lost the streams); several activation
+ * rows take one weight row at a time for up to MAX_ROWS of them (sharing its unpacking). */
+#define ROWS_DRIVER(NAME)                                                                                          \
+    static void rows_##NAME(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes,     \
+                            int m, float *out, size_t ldo) {                                                      \
+        float t[2 * MAX_ROWS];                                                                                    \
+        const char *wr = w, *ar = act;                                                                            \
+        if (m == 1) {                                                                                             \
+            int half = n / 2;                                                                                     \
+            for (int r = 0; r < half; r++) {                                                                      \
+                NAME##_tile(k, wr + r * row_bytes, half * row_bytes, 2, act, act_bytes, 1, t);                    \
+                out[r] = t[0], out[r + half] = t[1];                                                              \
+            }                                                                                                     \
+            if (n % 2) NAME##_tile(k, wr + (n - 1) * row_bytes, row_bytes, 1, act, act_bytes, 1, out + n - 1);    \
+            return;                                                                                               \
+        }                                                                                                         \
+        for (int r = 0; r < n; r++) {                                                                             \
+            const char *row = wr + r * row_bytes;                                                                 \
+            int i = 0;                                                                                            \
+            for (; i + 4 <= m; i += 4) {                                                                          \
+                NAME##_tile(k, row, row_bytes, 1, ar + i * act_bytes, act_bytes, 4, t);                           \
+                for (int x = 0; x < 4; x++) out[(i + x) * ldo + r] = t[x];                                        \
+            }                                                                                                     \
+            switch (m - i) {                                                                                      \
+            case 3: NAME##_tile(k, row, row_bytes, 1, ar + i * act_bytes, act_bytes, 3, t); break;                \
+            case 2: NAME##_tile(k, row, row_bytes, 1, ar + i * act_bytes, act_bytes, 2, t); break;                \
+            case 1: NAME##_tile(k, row, row_bytes, 1, ar + i * act_bytes, act_bytes, 1, t); break;                \
+            }                                                                                                     \
+            for (int x = 0; x < m - i; x++) out[(i + x) * ldo + r] = t[x];                                        \
+        }                                                                                                         \
+    }
+
+ROWS_DRIVER(q4_K)
+
+/* --------------------------------------------------------------------------------------- Q6_K
+ * 256 values: ql (low 4 bits), qh (high 2 bits), 16 int8 scales (one per 16 values), d. In each
+ * half of 128 values, the low nibbles of ql's 64 bytes are values 0-63 and the high ones 64-127;
+ * qh's 32 bytes carry their top bits two at a time (values 0-31, 32-63, 64-95, 96-127). The
+ * stored values are q + 32 (0-63): the products take q + 32 as u8, and 32 times the activations'
+ * 16-value sums times the scales are subtracted. */
+
+struct q6_K_block {
+    uint8_t ql[128];
+    uint8_t qh[64];
+    int8_t scales[16];
+    uint16_t d;
+};
+
+struct q6_K_unpacked {
+    __m512i q[4], s[4]; /* values 0-63, 64-127, 128-191, 192-255 and their scales as 16-bit lanes */
+    __m256i scales;     /* the 16 scales as 16-bit lanes, for the activations' sums */
+    float d;
+};
+
+static inline __attribute__((always_inline)) void q6_K_unpack(const struct q6_K_block *x, struct q6_K_unpacked *u) {
+    const __m512i low = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+    /* qh's bit pairs 0-1 and 2-3 moved to bits 4-5 (left by 4 and 2), pairs 4-5 and 6-7 (right
+     * by 0 and 2), for the two 256-bit halves; what crosses into a neighbouring byte is masked */
+    const __m512i left = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), right = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+    /* in each 128-bit lane L, 16-bit scale L (or 4 + L) of a broadcast group of eight */
+    const __m512i pick_l = _mm512_set_epi8(7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4,
+                                           5, 4, 5, 4, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 1, 0, 1, 0, 1, 0, 1, 0,
+                                           1, 0, 1, 0, 1, 0, 1, 0);
+    const __m512i pick_h = _mm512_add_epi8(pick_l, _mm512_set1_epi8(8));
+    u->scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales));
+    for (int half = 0; half < 2; half++) {
+        __m512i ql = _mm512_loadu_si512(x->ql + 64 * half);
+        __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->qh + 32 * half)));
+        __m512i h_lo = _mm512_and_si512(_mm512_sllv_epi64(qh, left), top);
+        __m512i h_hi = _mm512_and_si512(_mm512_srlv_epi64(qh, right), top);
+        u->q[2 * half] = _mm512_or_si512(_mm512_and_si512(ql, low), h_lo);
+        u->q[2 * half + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low), h_hi);
+        __m512i group = _mm512_broadcast_i32x4(half ? _mm256_extracti128_si256(u->scales, 1) : _mm256_castsi256_si128(u->scales));
+        u->s[2 * half] = _mm512_shuffle_epi8(group, pick_l);
+        u->s[2 * half + 1] = _mm512_shuffle_epi8(group, pick_h);
+    }
+    u->d = half_to_float(x->d);
+}
+
+static inline __attribute__((always_inline)) void q6_K_accumulate(const struct q6_K_unpacked *u, const struct q8_K_block *y,
+                                                                    __m512 *acc, __m256 *acc_m) {
+    __m512i p = _mm512_setzero_si512();
+    for (int v = 0; v < 4; v++)
+        p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(u->q[v], _mm512_loadu_si512(y->qs + 64 * v)), u->s[v]));
+    float dd = u->d * y->d;
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dd), *acc);
+    __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
+    *acc_m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(bs, u->scales)), _mm256_set1_ps(32.0f * dd), *acc_m);
+}
+
+static inline __attribute__((always_inline)) void q6_K_tile(int k, const void *w, size_t w_bytes, int nw, const void *act,
+                                                              size_t act_bytes, int m, float *out) {
+    const int nb = k / QK_K;
+    __m512 acc[2 * MAX_ROWS];
+    __m256 acc_m[2 * MAX_ROWS];
+    for (int t = 0; t < nw * m; t++) {
+        acc[t] = _mm512_setzero_ps();
+        acc_m[t] = _mm256_setzero_ps();
+    }
+    for (int b = 0; b < nb; b++) {
+        struct q6_K_unpacked u[2];
+        for (int j = 0; j < nw; j++) q6_K_unpack((const struct q6_K_block *)((const char *)w + j * w_bytes) + b, &u[j]);
+        for (int i = 0; i < m; i++) {
+            const struct q8_K_block *y = (const struct q8_K_block *)((const char *)act + (size_t)i * act_bytes) + b;
+            for (int j = 0; j < nw; j++) q6_K_accumulate(&u[j], y, &acc[i * nw + j], &acc_m[i * nw + j]);
+        }
+    }
+    for (int t = 0; t < nw * m; t++) out[t] = q4_K_total(acc[t], acc_m[t]);
+}
+
+ROWS_DRIVER(q6_K)
 
 mlxcel_rows_fn mlxcel_rows_kernel(int ggml_type) {
     switch (ggml_type) {
     case TYPE_Q4_K: return rows_q4_K;
+    case TYPE_Q6_K: return rows_q6_K;
     default: return NULL;
     }
 }

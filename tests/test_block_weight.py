@@ -166,3 +166,35 @@ def test_ggml_quantizer_round_trips_through_the_kernels() -> None:
         weight = BlockWeight(raw, qtype, 8, 512, LIB)
         np.testing.assert_array_equal(weight.dequantize(), reference(qtype, raw))
         assert np.abs(weight.dequantize() - values).max() < tolerance, qtype.name
+
+
+OWN = sorted(LIB.own_kernels) if not isinstance(LIB, str) else []
+
+
+@pytest.mark.skipif(not OWN, reason="the shim has no own rows kernels on this CPU (AVX-512 BW)")
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_own_rows_kernels_agree_with_ggml_s_vec_dot(qtype: T) -> None:
+    """quant_rows.c serves decode rows of Q4_K and Q6_K where the CPU has AVX-512 BW: the same
+    integer products as ggml's vec_dot, summed in another order, so the two agree to float32
+    rounding of the sum (1e-6 of the sum of |x w|); every row count, odd weight-row counts (the
+    paired rows' remainder) and permuted rows give each row bit for bit what it gets alone."""
+    assert qtype in OWN
+    n, k = 301, 768
+    raw = raw_weight(qtype, n, k, seed=5)
+    weight = BlockWeight(raw, qtype, n, k, LIB)
+    x = np.random.default_rng(6).standard_normal((9, k)).astype(np.float32)
+    own = weight.matmul(x, tiles=False)
+    kind = LIB.block_type(qtype)
+    kind.own_kernel = -1  # ggml's vec_dot for this type, as MLXCEL_OWN_KERNELS=0 gives
+    try:
+        by_ggml = weight.matmul(x, tiles=False)
+    finally:
+        kind.own_kernel = int(qtype)
+    scale = np.abs(x).astype(np.float64) @ np.abs(reference(qtype, raw)).T.astype(np.float64)
+    assert np.all(np.abs(own - by_ggml) <= 1e-6 * scale)
+    assert not np.array_equal(own, by_ggml)  # really another kernel
+    for rows in ([0], [1, 2], [0, 1, 2], [0, 1, 2, 3], [2, 3, 4, 5, 6], list(range(9))):
+        np.testing.assert_array_equal(weight.matmul(x[rows], tiles=False), own[rows])
+    order = np.random.default_rng(7).permutation(n).astype(np.int32)
+    permuted = BlockWeight(raw, qtype, n, k, LIB, rows=order)
+    np.testing.assert_array_equal(permuted.matmul(x, tiles=False), own[:, order])

@@ -12,6 +12,7 @@ directly (``cpu_decode.py``).
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -37,6 +38,12 @@ class _WeightStruct(ctypes.Structure):
                 ("bias_group", _I), ("n", _I), ("k", _I)]
 
 
+def own_kernels_enabled() -> bool:
+    """``MLXCEL_OWN_KERNELS=0`` multiplies decode rows by ggml's vec_dot for every type (for
+    comparison: ``scripts/bench_quant_rows.py``, ``scripts/bench_quantized.py --mlxcel-env``)."""
+    return os.environ.get("MLXCEL_OWN_KERNELS", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
 @dataclass(frozen=True)
 class BlockLibrary:
     """The shim's block-product functions and ggml's kernels: what a :class:`BlockWeight` needs."""
@@ -45,6 +52,21 @@ class BlockLibrary:
     rows: Any  # mlxcel_block_rows
     ggml: ggml_cpu.GGMLKernels
     matmul_held: Any  # mlxcel_block_matmul called holding the GIL: for short calls
+    own_kernels: frozenset[int]  # types whose decode rows the shim's own kernels multiply (quant_rows.c)
+
+    def block_type(self, ggml_type: int) -> ggml_cpu.BlockType:
+        """ggml's kernels of the type, with the shim's own rows kernel where it has one."""
+        kind = self.ggml.block_type(ggml_type)
+        kind.own_kernel = int(ggml_type) if int(ggml_type) in self.own_kernels else -1
+        return kind
+
+    def describe(self, ggml_type: int) -> str:
+        """What the start-up log says multiplies a type: ggml's kernels, and the shim's own for
+        decode rows where it has one."""
+        text = self.ggml.describe(ggml_type)
+        if int(ggml_type) in self.own_kernels:
+            text += "; decode rows by mlxcel's AVX-512 kernel"
+        return text
 
 
 @lru_cache(maxsize=1)
@@ -61,12 +83,15 @@ def library() -> BlockLibrary | str:
     try:
         matmul, rows = shim.lib.mlxcel_block_matmul, shim.lib.mlxcel_block_rows
         matmul_held = blas_shim.holding_the_gil(shim.lib).mlxcel_block_matmul
+        own = shim.lib.mlxcel_rows_kernel
     except AttributeError:
         return "the loaded BLAS shim has no block products (built from an older source)"
     matmul.restype = rows.restype = matmul_held.restype = None
     matmul.argtypes = matmul_held.argtypes = [_P, _I, _P, _L, _P, _L, _F, _I]
     rows.argtypes = [_P, _P, _I, _P]
-    return BlockLibrary(matmul, rows, ggml, matmul_held)
+    own.restype, own.argtypes = _P, [_I]
+    own_kernels = frozenset(t for t in ggml_cpu.BLOCK_TYPES if own(int(t))) if own_kernels_enabled() else frozenset()
+    return BlockLibrary(matmul, rows, ggml, matmul_held, own_kernels)
 
 
 def row_bytes(ggml_type: int, k: int) -> int:
@@ -119,7 +144,7 @@ class BlockWeight:
         self._describe()
 
     def _describe(self) -> None:
-        kind = self.lib.ggml.block_type(self.ggml_type)
+        kind = self.lib.block_type(self.ggml_type)
         self._struct = _WeightStruct(
             ctypes.addressof(kind), self.data.ctypes.data, self.data.shape[1],
             self.rows.ctypes.data if self.rows is not None else None,

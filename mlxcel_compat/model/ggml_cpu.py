@@ -52,7 +52,8 @@ class BlockType(ctypes.Structure):
     """``struct mlxcel_block_type`` (block_matmul.c): one type's kernels."""
 
     _fields_ = [("vec_dot", _FN), ("quantize", _FN), ("to_float", _FN),
-                ("act_block", ctypes.c_long), ("act_block_bytes", ctypes.c_long)]
+                ("act_block", ctypes.c_long), ("act_block_bytes", ctypes.c_long),
+                ("own_kernel", ctypes.c_int)]  # set by block_weight.library(): quant_rows.c's kernel, or -1
 
 
 # What the start-up log and the benchmark report of a build (ggml-cpu.h's ggml_cpu_has_*).
@@ -121,7 +122,7 @@ class GGMLKernels:
             quantize = self.cpu.ggml_get_type_traits_cpu(cpu.vec_dot_type).contents.from_float
             if not (cpu.vec_dot and quantize and traits.to_float):
                 raise ValueError(f"ggml has no CPU kernels for {traits.type_name.decode()}")
-            found = BlockType(cpu.vec_dot, quantize, traits.to_float, act.blck_size, act.type_size)
+            found = BlockType(cpu.vec_dot, quantize, traits.to_float, act.blck_size, act.type_size, -1)
             self._types[int(ggml_type)] = found
         return found
 

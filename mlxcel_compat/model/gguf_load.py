@@ -264,7 +264,7 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
                 summary.prompt_products[label] = summary.prompt_products.get(label, 0) + 1
             summary.precision[label] = summary.precision.get(label, 0) + 1
             summary.weight_bytes[label] = summary.weight_bytes.get(label, 0) + weight.nbytes
-            summary.kernels.setdefault(label, lib.ggml.describe(info.ggml_type))
+            summary.kernels.setdefault(label, lib.describe(info.ggml_type))
             done += info.n_bytes
             if progress is not None:
                 progress(done, total)

@@ -306,7 +306,7 @@ def serve(model: Any, lib: BlockLibrary) -> AffineLoad:
                              bias_group=target.bias_group)
         block_layers.install(model, path, weight)
         summary.inexact += not target.exact
-        kernel = lib.ggml.describe(target.ggml_type) + (" + group biases" if target.group_bias is not None else "")
+        kernel = lib.describe(target.ggml_type) + (" + group biases" if target.group_bias is not None else "")
         summary.count(f"blocks {T(target.ggml_type).name.lower()}", weight.nbytes, source, kernel)
         del module, arrays, target, weight
     return summary

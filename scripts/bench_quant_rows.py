@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Decode rows of a quantized weight: this project's own kernels (quant_rows.c) against ggml's vec_dot.
+
+A decode step multiplies each weight by one activation row per sequence (``block_matmul.c``'s
+few-rows path, on the shim's threads). For Q4_K and Q6_K the shim has its own AVX-512 kernels
+(``block_weight.BlockLibrary.own_kernels``); with ``own_kernel`` cleared the same call runs ggml's
+``vec_dot`` per pair of rows, which ``MLXCEL_OWN_KERNELS=0`` gives a server. This runs both on the
+same blocks, side by side, ``--reps`` rounds in alternating order, for each type, shape and row
+count, and prints medians (microseconds a product) and the ratio ggml / own (above 1: the own
+kernel is faster). Every shape runs on all of the shim's threads, as in a server.
+
+    .venv/bin/python scripts/bench_quant_rows.py
+    .venv/bin/python scripts/bench_quant_rows.py --shapes 4096x11008,11008x4096 --rows 1,4 --reps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mlxcel_compat import backend  # noqa: E402
+
+backend.load_optimized_blas()  # before NumPy's first product and MLX
+
+import numpy as np  # noqa: E402
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+from mlxcel_compat.model import block_weight, ggml_cpu  # noqa: E402
+
+# (inputs k, outputs n): the small llama's q/o and gate/up and down projections, Llama-2-7B's
+# q/o, gate/up and down.
+SHAPES = "768x768,768x2048,2048x768,4096x4096,4096x11008,11008x4096"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", default="Q4_K,Q6_K")
+    parser.add_argument("--shapes", default=SHAPES, help="comma list of KxN (inputs x outputs)")
+    parser.add_argument("--rows", default="1,4", help="activation rows (sequences decoding together)")
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args()
+    lib, kernels = block_weight.library(), ggml_cpu.kernels()
+    for missing in (lib, kernels):
+        if isinstance(missing, str):
+            print(f"error: {missing}", file=sys.stderr)
+            return 1
+    rng = np.random.default_rng(0)
+    print(f"ggml {kernels.version}; own kernels for {', '.join(T(t).name for t in sorted(lib.own_kernels)) or 'none'}; "
+          f"{args.reps} rounds, medians in microseconds a product")
+    print(f"{'type':6s} {'k x n':>12s} {'rows':>4s} {'ggml':>9s} {'own':>9s} {'ggml/own':>9s}")
+    for name in args.types.split(","):
+        ggml_type = int(T[name])
+        if ggml_type not in lib.own_kernels:
+            print(f"{name}: no own kernel on this CPU")
+            continue
+        kind = lib.block_type(ggml_type)
+        for shape in args.shapes.split(","):
+            k, n = (int(v) for v in shape.split("x"))
+            values = rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)
+            weight = block_weight.BlockWeight(kernels.quantize(ggml_type, values), ggml_type, n, k, lib)
+            for rows in (int(r) for r in args.rows.split(",")):
+                x = rng.standard_normal((rows, k), dtype=np.float32)
+                out = np.empty((rows, n), np.float32)
+                times: dict[int, list[float]] = {ggml_type: [], -1: []}
+                for rep in range(args.reps + 1):  # the first round warms up, unrecorded
+                    for own in ((ggml_type, -1) if rep % 2 else (-1, ggml_type)):
+                        kind.own_kernel = own
+                        start = time.perf_counter()
+                        weight.matmul(x, out=out, tiles=False)
+                        if rep:
+                            times[own].append(time.perf_counter() - start)
+                kind.own_kernel = ggml_type
+                us = {key: statistics.median(t) * 1e6 for key, t in times.items()}
+                print(f"{name:6s} {shape:>12s} {rows:4d} {us[-1]:9.1f} {us[ggml_type]:9.1f} {us[-1] / us[ggml_type]:8.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
