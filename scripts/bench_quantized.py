@@ -1,13 +1,18 @@
 #!/usr/bin/env python3
 """Quantized GGUF files served by this server and by llama-server, side by side (issue 27).
 
-For each file, both servers are started the same way, one at a time, from the same file:
+For each file, both servers are started the same way, one after the other, from the same file:
 ``-m FILE -np 1 -c 4096 --port P -t T -tb T`` (T: ``--threads``, all the CPUs this process may use
 by default; ``OPENBLAS_NUM_THREADS=T`` too, which is how this server's BLAS and kernels take a
 thread count, since MLX ignores ``-t``). Our server runs as ``python -m mlxcel_compat`` with this
 checkout on ``PYTHONPATH``. Every request is ``POST /completion`` with the prompt as token ids
 (the same ids for both servers, tokenized once by the file's own tokenizer), greedy
 (``temperature`` 0, ``top_k`` 1), ``ignore_eos``, ``cache_prompt: false``.
+
+Both servers stay up for a session, and the timed requests are interleaved: each repetition of
+decode, prefill and 4 streams runs on both servers before the next one starts (which server goes
+first alternates), so the machine's drift (on a shared 2-core machine, tens of percent within
+minutes) falls on both alike instead of on whichever ran later. An idle server takes no CPU.
 
 What one server session measures (``-np 1``):
 
@@ -68,7 +73,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -433,99 +437,142 @@ def _check_counts(name: str, answer: dict[str, Any], prompt_n: int | None, predi
               f"{t.get('predicted_n')} (asked {predicted_n})", flush=True)
 
 
-def session_np1(args: argparse.Namespace, server: str, path: Path, label: str, prep: dict[str, Any]
-                ) -> dict[str, Any]:
-    """The ``-np 1`` session of one server: load, memory, decode, prefill, accuracy, peak."""
-    res: dict[str, Any] = {}
-    proc, load_s, at_health = start_server(args, server, path, 1, label)
-    try:
+def _rotated(servers: list[str], rep: int) -> list[str]:
+    """The servers in the order of repetition ``rep``: each goes first in turn."""
+    k = rep % len(servers)
+    return servers[k:] + servers[:k]
+
+
+def _start_all(args: argparse.Namespace, servers: list[str], path: Path, n_parallel: int, label: str
+               ) -> tuple[dict[str, benchlib.ServerProcess], dict[str, dict[str, Any]]]:
+    """Start every server, one after the other (each loads alone: the others are up and idle);
+    their processes, and per server the seconds to /health and the RSS then."""
+    procs: dict[str, benchlib.ServerProcess] = {}
+    res: dict[str, dict[str, Any]] = {}
+    for server in servers:
+        proc, load_s, at_health = start_server(args, server, path, n_parallel, label)
+        procs[server] = proc
         assert proc.proc is not None
-        pid = proc.proc.pid
-        res["load_s"] = load_s
-        res["rss_health"] = at_health["VmRSS"]
-        if has_children(pid):
+        res[server] = {"load_s": load_s, "rss_health": at_health["VmRSS"]}
+        if has_children(proc.proc.pid):
             print(f"  warning: {server} has child processes; their memory is not counted", flush=True)
-        with httpx.Client(timeout=args.request_timeout) as client:
-            completion(client, proc, prep["prompts"][0], WARMUP_TOKENS)
-            warm = proc_status(pid)
-            res["rss_warm"], res["rss_warm_anon"] = warm["VmRSS"], warm["RssAnon"]
-            res["rss_warm_file"] = warm["RssFile"]
+    return procs, res
+
+
+def session_np1(args: argparse.Namespace, servers: list[str], path: Path, label: str, prep: dict[str, Any]
+                ) -> dict[str, dict[str, Any]]:
+    """The ``-np 1`` session: every server up at once, measured in turn (load, memory), then the
+    timed requests interleaved, each repetition of decode and prefill on every server before the
+    next (the first server alternating), so that the machine's drift falls on both alike; then
+    accuracy and each process's peak."""
+    procs: dict[str, benchlib.ServerProcess] = {}
+    try:
+        procs, res = _start_all(args, servers, path, 1, label)
+        clients = {server: httpx.Client(timeout=args.request_timeout) for server in servers}
+        try:
+            for server, proc in procs.items():
+                completion(clients[server], proc, prep["prompts"][0], WARMUP_TOKENS)
+                warm = proc_status(proc.proc.pid)
+                res[server].update(rss_warm=warm["VmRSS"], rss_warm_anon=warm["RssAnon"], rss_warm_file=warm["RssFile"])
             if "decode" in args.measure:
-                tps, wall_tps = [], []
-                for _ in range(args.reps):
-                    answer, wall = completion(client, proc, prep["prompts"][0], args.n_predict)
-                    _check_counts(f"{server} decode", answer, len(prep["prompts"][0]), args.n_predict)
-                    tps.append(_timing(answer, "predicted_per_second"))
-                    wall_tps.append(answer["timings"]["predicted_n"] / wall)
-                res["decode_tps"], res["decode_wall_tps"] = tps, wall_tps
+                for server in servers:
+                    res[server]["decode_tps"], res[server]["decode_wall_tps"] = [], []
+                for rep in range(args.reps):
+                    for server in _rotated(servers, rep):
+                        answer, wall = completion(clients[server], procs[server], prep["prompts"][0], args.n_predict)
+                        _check_counts(f"{server} decode", answer, len(prep["prompts"][0]), args.n_predict)
+                        res[server]["decode_tps"].append(_timing(answer, "predicted_per_second"))
+                        res[server]["decode_wall_tps"].append(answer["timings"]["predicted_n"] / wall)
             if "prefill" in args.measure:
-                tps = []
-                for ids in prep["prefill"][: args.reps]:
-                    answer, _ = completion(client, proc, ids, 1)
-                    _check_counts(f"{server} prefill", answer, len(ids), 1)
-                    tps.append(_timing(answer, "prompt_per_second"))
-                res["prefill_tps"] = tps
+                for server in servers:
+                    res[server]["prefill_tps"] = []
+                for rep, ids in enumerate(prep["prefill"][: args.reps]):
+                    for server in _rotated(servers, rep):
+                        answer, _ = completion(clients[server], procs[server], ids, 1)
+                        _check_counts(f"{server} prefill", answer, len(ids), 1)
+                        res[server]["prefill_tps"].append(_timing(answer, "prompt_per_second"))
             if "accuracy" in args.measure and prep["reference"] is not None:
-                firsts = []
-                for ids, ref in zip(prep["prompts"], prep["reference"]):
-                    answer, _ = completion(client, proc, ids, len(ref["tokens"]), return_tokens=True)
-                    got = [int(t) for t in answer.get("tokens") or []]
-                    n = len(ref["tokens"])
-                    first = next((i for i in range(n) if i >= len(got) or got[i] != ref["tokens"][i]), n)
-                    firsts.append({"first": first, "of": n, "gap": ref["gaps"][first] if first < n else None})
-                res["accuracy"] = firsts
-        res["peak"] = proc_status(pid)["VmHWM"]
+                for server in servers:
+                    firsts = []
+                    for ids, ref in zip(prep["prompts"], prep["reference"]):
+                        answer, _ = completion(clients[server], procs[server], ids, len(ref["tokens"]), return_tokens=True)
+                        got = [int(t) for t in answer.get("tokens") or []]
+                        n = len(ref["tokens"])
+                        first = next((i for i in range(n) if i >= len(got) or got[i] != ref["tokens"][i]), n)
+                        firsts.append({"first": first, "of": n, "gap": ref["gaps"][first] if first < n else None})
+                    res[server]["accuracy"] = firsts
+        finally:
+            for client in clients.values():
+                client.close()
+        for server, proc in procs.items():
+            res[server]["peak"] = proc_status(proc.proc.pid)["VmHWM"]
     finally:
-        stop_server(proc)
+        for proc in procs.values():
+            stop_server(proc)
     return res
 
 
-def session_np4(args: argparse.Namespace, server: str, path: Path, label: str, prep: dict[str, Any]
-                ) -> dict[str, Any]:
-    """The ``-np 4`` session of one server: four concurrent streams, and the session's peak RSS."""
-    proc, _, _ = start_server(args, server, path, 4, label)
+def four_streams(args: argparse.Namespace, proc: benchlib.ServerProcess, clients: list[httpx.Client],
+                 prompts: list[list[int]], server: str) -> tuple[float, float]:
+    """Four prompts sent at once: aggregate tokens/s (all tokens over first send .. last answer)
+    and the streams' mean timings.predicted_per_second."""
+    barrier = threading.Barrier(len(prompts))
+    Span = tuple[float, float, dict[str, Any]]
+    spans: list[Span | BaseException] = [RuntimeError("not run")] * len(prompts)
+
+    def one(i: int) -> None:
+        try:
+            barrier.wait()
+            t0 = time.perf_counter()
+            answer, _ = completion(clients[i], proc, prompts[i], args.n_predict)
+            spans[i] = (t0, time.perf_counter(), answer)
+        except BaseException as exc:  # reported below, in the main thread
+            spans[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for span in spans:
+        if isinstance(span, BaseException):
+            raise span
+    done = [s for s in spans if not isinstance(s, BaseException)]
+    for _, _, answer in done:
+        _check_counts(f"{server} 4 streams", answer, None, args.n_predict)
+    total = sum(a["timings"]["predicted_n"] for _, _, a in done)
+    return (total / (max(e for _, e, _ in done) - min(s for s, _, _ in done)),
+            statistics.mean(_timing(a, "predicted_per_second") for _, _, a in done))
+
+
+def session_np4(args: argparse.Namespace, servers: list[str], path: Path, label: str, prep: dict[str, Any]
+                ) -> dict[str, dict[str, Any]]:
+    """The ``-np 4`` session: every server up at once, four concurrent streams on each in turn
+    (interleaved as in session_np1), and each session's peak RSS."""
+    procs: dict[str, benchlib.ServerProcess] = {}
     prompts = prep["prompts"][1:5]
     try:
-        assert proc.proc is not None
-        clients = [httpx.Client(timeout=args.request_timeout) for _ in prompts]
+        procs, _ = _start_all(args, servers, path, 4, label)
+        clients = {server: [httpx.Client(timeout=args.request_timeout) for _ in prompts] for server in servers}
+        res: dict[str, dict[str, Any]] = {server: {"streams_tps": [], "streams_per_stream_tps": []} for server in servers}
         try:
-            completion(clients[0], proc, prep["prompts"][0], WARMUP_TOKENS)
-            aggregate, per_stream = [], []
-            for _ in range(args.reps):
-                barrier = threading.Barrier(len(prompts))
-                Span = tuple[float, float, dict[str, Any]]
-                spans: list[Span | BaseException] = [RuntimeError("not run")] * len(prompts)
-
-                def one(i: int) -> None:
-                    try:
-                        barrier.wait()
-                        t0 = time.perf_counter()
-                        answer, _ = completion(clients[i], proc, prompts[i], args.n_predict)
-                        spans[i] = (t0, time.perf_counter(), answer)
-                    except BaseException as exc:  # reported below, in the main thread
-                        spans[i] = exc
-
-                threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                for span in spans:
-                    if isinstance(span, BaseException):
-                        raise span
-                done = [s for s in spans if not isinstance(s, BaseException)]
-                for _, _, answer in done:
-                    _check_counts(f"{server} 4 streams", answer, None, args.n_predict)
-                total = sum(a["timings"]["predicted_n"] for _, _, a in done)
-                aggregate.append(total / (max(e for _, e, _ in done) - min(s for s, _, _ in done)))
-                per_stream.append(statistics.mean(_timing(a, "predicted_per_second") for _, _, a in done))
+            for server in servers:
+                completion(clients[server][0], procs[server], prep["prompts"][0], WARMUP_TOKENS)
+            for rep in range(args.reps):
+                for server in _rotated(servers, rep):
+                    aggregate, per_stream = four_streams(args, procs[server], clients[server], prompts, server)
+                    res[server]["streams_tps"].append(aggregate)
+                    res[server]["streams_per_stream_tps"].append(per_stream)
         finally:
-            for c in clients:
-                c.close()
-        peak = proc_status(proc.proc.pid)["VmHWM"]
+            for group in clients.values():
+                for c in group:
+                    c.close()
+        for server, proc in procs.items():
+            res[server]["peak_np4"] = proc_status(proc.proc.pid)["VmHWM"]
     finally:
-        stop_server(proc)
-    return {"streams_tps": aggregate, "streams_per_stream_tps": per_stream, "peak_np4": peak}
+        for proc in procs.values():
+            stop_server(proc)
+    return res
 
 
 # --------------------------------------------------------------------------- report
@@ -713,13 +760,12 @@ def main() -> int:
             print(f"[{key}] prompts tokenized{' and float32 reference computed' if reference else ''} "
                   f"in {time.monotonic() - t0:.1f} s", flush=True)
             order = servers if index % 2 == 0 else servers[::-1]
-            results: dict[str, dict[str, Any]] = {}
-            for server in order:
-                t0 = time.monotonic()
-                results[server] = session_np1(args, server, path, key, prep)
-                if "streams" in args.measure:
-                    results[server].update(session_np4(args, server, path, key, prep))
-                print(f"[{key}] {server} measured in {time.monotonic() - t0:.1f} s", flush=True)
+            t0 = time.monotonic()
+            results = session_np1(args, order, path, key, prep)
+            if "streams" in args.measure:
+                for server, figures in session_np4(args, order, path, key, prep).items():
+                    results[server].update(figures)
+            print(f"[{key}] measured in {time.monotonic() - t0:.1f} s", flush=True)
             rows = report(key, path, results, args, notes)
             all_results["files"][key] = {"path": str(path), "bytes": path.stat().st_size, "servers": results,
                                          "rows": rows, "notes": notes}

@@ -125,19 +125,21 @@ class ServerContext:
             tokens.insert(0, bos)
         return tokens
 
-    async def run(self, requests: list[GenerationRequest]) -> AsyncIterator[tuple[int, EngineEvent]]:
-        """Run several sequences concurrently; yield ``(index in requests, event)`` as they come.
+    async def run(self, requests: list[GenerationRequest], incremental: bool = True
+                  ) -> AsyncIterator[tuple[int, EngineEvent]]:
+        """Run several sequences concurrently; yield ``(index in requests, event)`` as they come
+        (``incremental=False``: each sequence's events once it has finished, EngineClient.generate).
 
         Leaving the iteration early cancels every sequence that has not finished.
         """
         if len(requests) == 1:
-            async for event in self.client.generate(requests[0]):
+            async for event in self.client.generate(requests[0], incremental):
                 yield 0, event
             return
         merged: asyncio.Queue[tuple[int, EngineEvent]] = asyncio.Queue()
 
         async def pump(i: int, req: GenerationRequest) -> None:
-            async for event in self.client.generate(req):
+            async for event in self.client.generate(req, incremental):
                 await merged.put((i, event))
 
         tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]

@@ -423,7 +423,7 @@ async def collect(ctx: ServerContext, request: Request, requests: list[Generatio
     tokenizer = ctx.model.tokenizer
 
     async def consume() -> None:
-        async for i, event in ctx.run(requests):
+        async for i, event in ctx.run(requests, incremental=False):  # nothing is sent before the end
             res = results[i]
             if isinstance(event, TokenEvent):
                 res.add(event, tokenizer)
