@@ -212,11 +212,12 @@ def test_prompt_products_equal_the_dequantized_weights_within_the_activations_ro
 
 
 @PROMPT
-@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K])
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q8_0])
 def test_prompt_product_rows_do_not_depend_on_the_chunk(ggml_type: int) -> None:
-    """ggml picks its kernel by the row count (tiled from 8 rows, vec_dot below): fewer rows are
-    padded, so a token's product is bit-identical whatever the chunk's length and its place in
-    it; wider leading dimensions and beta = 1 (the decode runtime's accumulation) too."""
+    """ggml picks its kernel by the row count (tiled from 8 rows, vec_dot below; llamafile's GEMM
+    for Q8_0 blocks its tiles by it): fewer rows are padded, so a token's product is
+    bit-identical whatever the chunk's length and its place in it; wider leading dimensions and
+    beta = 1 (the decode runtime's accumulation) too."""
     n, k = 512, 768
     _, weight = _prompt(ggml_type, n, k, seed=13)
     x = np.random.default_rng(14).standard_normal((300, k), dtype=np.float32)

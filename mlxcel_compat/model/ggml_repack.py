@@ -49,10 +49,14 @@ SOURCE = Path(__file__).resolve().parents[1] / "ggml_repack.c"
 REPACKED_TYPES = frozenset({T.Q4_0, T.Q4_K, T.IQ4_NL})
 # The types whose prompt chunks go through ggml's own mul_mat on the stored blocks: ggml 0.25's
 # tiled K-quant kernels (AVX-512 VNNI int8, Q8_K activations), what llama.cpp runs for prompts,
-# 1.9-2.5x faster than float32 tiles on a 2048 x 768 weight and 1024 rows. The rest keep the
-# tiles and the BLAS: ggml's path (llamafile's GEMM for Q8_0/Q5_0, vec_dot for Q4_1) measured
-# 0.40-1.03x of them (scripts/bench_prompt_products.py, docs/benchmarks/quantized.md).
-PROMPT_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
+# 1.9-2.6x faster than float32 tiles on a 2048 x 768 weight and 1024 rows, and Q8_0 through
+# llamafile's GEMM (8-bit activations, as llama.cpp's prompts), 1.06-1.09x the tiles and no
+# float32 tile or BLAS buffers (a 1K prompt on the small llama's Q8_0: 0.84x -> 0.96x
+# llama-server's, its greedy continuations still closer to the float32 reference than
+# llama-server's). The rest keep the tiles and the BLAS: ggml's path (llamafile's GEMM for
+# Q5_0, vec_dot for Q4_1) measured 0.44-1.0x of them (scripts/bench_prompt_products.py,
+# docs/benchmarks/quantized.md).
+PROMPT_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0})
 PROMPT_GGML_MIN = (0, 25)  # the first ggml with the tiled kernels
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 
