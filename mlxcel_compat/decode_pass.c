@@ -154,16 +154,18 @@ static void products(int count, const struct mlxcel_linear *const *ls, int m, co
 }
 
 /* One forward pass of `rows` rows: each its own position (and cache: kv is rows x layers, angles
- * rows x angle sets x (cos, sin)), or with `chunk` consecutive positions of one sequence (kv is
- * 1 x layers, angles angle sets x (cos, sin) of every row's position, the logits of the last row
- * only). The residual stream b->x holds the rows' embeddings on entry. `head`: compute the logits.
- * `scales`: rows x n_adapters LoRA scales, or NULL. Returns 0, or 1 + the layer whose attention
- * did not fit its cache (nothing of that layer's KV written). */
-int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers *b, int rows, int chunk, int head,
-                       const struct mlxcel_kv *kv, const float *const *angles, const double *scales,
-                       int n_adapters) {
+ * rows x angle sets x (cos, sin)), or, given `segments`, prompt chunks: segment j is rows
+ * segments[j] .. segments[j + 1] - 1, consecutive positions of one sequence (kv is
+ * n_segments x layers, angles n_segments x angle sets x (cos, sin) of every row's position), its
+ * attention one call a layer, and the logits are the last row's only (one segment). The residual
+ * stream b->x holds the rows' embeddings on entry. `head`: compute the logits. `scales`:
+ * rows x n_adapters LoRA scales, or NULL. Returns 0, or 1 + the layer whose attention did not fit
+ * its cache (nothing of that layer's KV written, for that row or segment and the ones after). */
+int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers *b, int rows, const int *segments,
+                       int n_segments, int head, const struct mlxcel_kv *kv, const float *const *angles,
+                       const double *scales, int n_adapters) {
     int hidden = m->hidden, hq = m->heads, hk = m->kv_heads, d = m->head_dim, group = hq / hk;
-    int kinds = m->angle_sets;
+    int kinds = m->angle_sets, chunk = segments != NULL;
     int tiles = chunk && rows > 1;
     for (int i = 0; i < m->n_layers; i++) {
         const struct mlxcel_layer *L = &m->layers[i];
@@ -177,16 +179,22 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         }
         int trad = m->traditional[L->rope];
         if (chunk) {
-            const float *cos = angles[2 * L->rope], *sin = angles[2 * L->rope + 1];
-            const struct mlxcel_kv *s = &kv[i];
-            mlxcel_rope_rows(b->q, rows, hq, d, cos, sin, trad);
-            mlxcel_rope_rows(b->k_new, rows, hk, d, cos, sin, trad);
-            int failed = s->k_out
-                ? mlxcel_chunk_attention_apart(b->q, b->k_new, b->v_new, s->keys, s->values, b->att, s->k_out,
-                                               s->v_out, rows, hk, group, d, (int)s->write, s->capacity, m->scale)
-                : mlxcel_chunk_attention(b->q, b->k_new, b->v_new, s->keys, s->values, b->att, rows, hk, group, d,
-                                         (int)s->write, s->capacity, m->scale);
-            if (failed) return i + 1;
+            for (int j = 0; j < n_segments; j++) {
+                int r0 = segments[j], n = segments[j + 1] - r0;
+                const float *const *a = angles + (size_t)j * kinds * 2;
+                const float *cos = a[2 * L->rope], *sin = a[2 * L->rope + 1];
+                const struct mlxcel_kv *s = &kv[(size_t)j * m->n_layers + i];
+                float *q = b->q + (size_t)r0 * hq * d, *kn = b->k_new + (size_t)r0 * hk * d;
+                float *vn = b->v_new + (size_t)r0 * hk * d, *att = b->att + (size_t)r0 * hq * d;
+                mlxcel_rope_rows(q, n, hq, d, cos, sin, trad);
+                mlxcel_rope_rows(kn, n, hk, d, cos, sin, trad);
+                int failed = s->k_out
+                    ? mlxcel_chunk_attention_apart(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, n, hk, group,
+                                                   d, (int)s->write, s->capacity, m->scale)
+                    : mlxcel_chunk_attention(q, kn, vn, s->keys, s->values, att, n, hk, group, d, (int)s->write,
+                                             s->capacity, m->scale);
+                if (failed) return i + 1;
+            }
         } else {
             for (int r = 0; r < rows; r++) {
                 const struct mlxcel_kv *s = &kv[(size_t)r * m->n_layers + i];

@@ -162,7 +162,7 @@ static inline __attribute__((always_inline)) void q4_K_tile(int k, const void *w
 #define ROWS_DRIVER(NAME)                                                                                          \
     static void rows_##NAME(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes,     \
                             int m, float *out, size_t ldo) {                                                      \
-        float t[2 * MAX_ROWS];                                                                                    \
+        float t[2 * MAX_ROWS] = {0};                                                                              \
         const char *wr = w, *ar = act;                                                                            \
         if (m == 1) {                                                                                             \
             int half = n / 2;                                                                                     \

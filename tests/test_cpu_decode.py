@@ -938,3 +938,56 @@ def test_a_cold_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(family: str, gguf_ty
         assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
     gemma = load_model(str(tiny_model("gemma3_text")), [])  # sliding-window rings: MLX's chunks
     assert not gemma.decoder.can_prefill(make_prompt_cache(gemma.model), cpu_decode.OwnedCache())
+
+
+@pytest.mark.parametrize("family,gguf_type", [("llama", None), ("llama", "q4_k_m")])
+def test_prompt_chunks_of_several_sequences_in_one_pass_equal_each_alone(family: str, gguf_type: str | None) -> None:
+    """``prefill_rows``: chunks of three sequences (an empty cache, one holding its own prefix,
+    and a hit's adopted arrays, which stay unwritten) in one pass leave each cache as its own
+    ``prefill`` does: bit for bit where the products of a row do not depend on the others (ggml's
+    prompt products of K-quant blocks: the small model, whose rows fill whole K-quant blocks),
+    to float32 rounding for float32 GEMMs, whose blocking follows the row count; each cache
+    advanced by its own chunk, and the next steps agree too."""
+    if gguf_type is None:
+        loaded = load_model(str(tiny_model(family)), [])
+        model, decoder = loaded.model, loaded.decoder
+    else:
+        model, decoder = _block_model(family, gguf_type, size="small")
+    exact = gguf_type is not None
+
+    def start() -> tuple[list[list], list[cpu_decode.OwnedCache]]:
+        caches, owned = [make_prompt_cache(model), make_prompt_cache(model), _prefill(model, 20, seed=41)], []
+        for _ in range(3):
+            owned.append(cpu_decode.OwnedCache())
+        decoder.prefill(_ids(12, seed=42), caches[1], owned[1], logits=False)  # its own buffers now
+        return caches, owned
+
+    chunks = [_ids(30, seed=43), _ids(9, seed=44), _ids(17, seed=45)]
+    together, owned_together = start()
+    shared = [(np.array(c.keys), np.array(c.values)) for c in together[2]]
+    fed = decoder.prefilled
+    assert decoder.prefill_rows(chunks, together, owned_together) is None
+    assert decoder.prefilled == fed + 56
+    assert [c[0].offset for c in together] == [30, 21, 37]
+    for c, (keys, values) in zip(together[2], shared):  # the hit's arrays were read in place
+        assert np.array_equal(np.array(c.keys)[:, :, :20], keys[:, :, :20])
+    alone, owned_alone = start()
+    for chunk, cache, owned in zip(chunks, alone, owned_alone):
+        decoder.prefill(chunk, cache, owned, logits=False)
+    for cache_t, owned_t, cache_a, owned_a in zip(together, owned_together, alone, owned_alone):
+        n = cache_t[0].offset
+        for a, b in zip(cache_t, cache_a):
+            ka, kb = np.array(a.keys)[:, :, :n], np.array(b.keys)[:, :, :n]
+            va, vb = np.array(a.values)[:, :, :n], np.array(b.values)[:, :, :n]
+            if exact:
+                assert np.array_equal(ka, kb) and np.array_equal(va, vb)
+            else:
+                assert np.abs(ka - kb).max() <= LOGITS_RTOL * np.abs(kb).max()
+                assert np.abs(va - vb).max() <= LOGITS_RTOL * np.abs(vb).max()
+        got, want = decoder.step(5, cache_t, owned_t).copy(), decoder.step(5, cache_a, owned_a).copy()
+        if exact:
+            assert np.array_equal(got, want)
+        else:
+            assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
+    with pytest.raises(ValueError):
+        decoder.prefill_rows([[5, 6], [7, 8]], [together[0], together[0]], [owned_together[0]] * 2)

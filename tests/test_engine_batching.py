@@ -227,6 +227,10 @@ class _LoggedDecoder:
         self.log.shapes.append((1, len(tokens)))  # a lone prompt chunk, as MLX's pass would be
         return self.decoder.prefill(tokens, cache, owned, scales, logits)
 
+    def prefill_rows(self, chunks, caches, owned, scales=None, logits=False):
+        self.log.shapes.append((len(chunks), max(len(c) for c in chunks)))  # as MLX's padded pass would be
+        return self.decoder.prefill_rows(chunks, caches, owned, scales, logits)
+
     def __getattr__(self, name):
         return getattr(self.decoder, name)
 
@@ -268,8 +272,8 @@ def test_prompt_chunks_of_similar_length_share_one_pass(harness: EngineHarness) 
     sinks = [queue.Queue() for _ in range(4)]
     requests = [harness.request(p, n_predict=4, n_probs=2, ignore_eos=True, cache=False) for p in prompts + [far]]
     log, events = run_logged(harness, requests, sinks)
-    if plain_attention(harness):
-        assert log.shapes[:4] == [(1, 32), (3, 11), (1, 30), (4, 1)]
+    if plain_attention(harness):  # the CPU decode runtime pads nothing: the far one joins them
+        assert log.shapes[:3] == [(1, 32), (4, 30), (4, 1)]
     else:
         assert log.shapes[:5] == [(1, 32), (1, 7), (1, 11), (1, 8), (1, 30)]
     for prompt, seen in zip(prompts + [far], events):
@@ -280,7 +284,7 @@ def test_prompt_chunks_of_similar_length_share_one_pass(harness: EngineHarness) 
 
 class NoBatchedPrefill(ForwardLog):
     """The real model, made to refuse prompt chunks of several rows (as a model whose layers cannot
-    take mlx-lm's batch caches would)."""
+    take mlx-lm's batch caches would), and its CPU decode runtime likewise."""
 
     def __call__(self, inputs, **kwargs):
         self.shapes.append(tuple(inputs.shape[:2]))
@@ -289,20 +293,42 @@ class NoBatchedPrefill(ForwardLog):
         return self.model(inputs, **kwargs)
 
 
+
+class RefusingDecoder:
+    """The CPU decode runtime, made to refuse prompt chunks of several sequences at once."""
+
+    def __init__(self, decoder) -> None:
+        self.decoder = decoder
+
+    def prefill_rows(self, chunks, *args, **kwargs):
+        if len(chunks) > 1:
+            raise ValueError("this runtime cannot prefill a batch")
+        return self.decoder.prefill_rows(chunks, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.decoder, name)
+
+
 def test_a_model_that_cannot_batch_prefill_falls_back_to_one_at_a_time(harness: EngineHarness) -> None:
     engine = harness.engine
     batches_prompts = plain_attention(harness)
     prompts = [random_tokens(10, seed=600 + i) for i in range(3)]
     sinks = [queue.Queue() for _ in prompts]
     requests = [harness.request(p, n_predict=3, n_probs=2, ignore_eos=True, cache=False) for p in prompts]
-    real = engine.loaded.model
+    real, real_decoder = engine.loaded.model, engine.loaded.decoder
     refusing = NoBatchedPrefill(real)
-    harness.on_engine(lambda: setattr(engine.loaded, "model", refusing) or setattr(engine.batch, "model", refusing))
+    refusing_decoder = None if real_decoder is None else RefusingDecoder(real_decoder)
+
+    def install(model, decoder) -> None:
+        engine.loaded.model = engine.batch.model = model
+        engine.loaded.decoder = engine.batch.decoder = decoder
+
+    harness.on_engine(lambda: install(refusing, refusing_decoder))
     try:
         log, events = run_logged(harness, requests, sinks)
         still_batching = harness.on_engine(lambda: engine.batched_prefill)
     finally:
-        harness.on_engine(lambda: setattr(engine.loaded, "model", real) or setattr(engine.batch, "model", real) or setattr(engine, "batched_prefill", True))
+        harness.on_engine(lambda: install(real, real_decoder) or setattr(engine, "batched_prefill", True))
     chunks = [s for s in log.shapes if s[1] > 1]
     if batches_prompts:  # the refused pass, then each chunk alone, and no batched prefill after
         assert chunks[:4] == [(3, 9), (1, 9), (1, 9), (1, 9)] and not still_batching

@@ -76,6 +76,12 @@ class FaultyDecoder:
             raise RuntimeError("injected fault")
         return self.decoder.prefill(tokens, cache, owned, scales, logits)
 
+    def prefill_rows(self, chunks, caches, owned, scales=None, logits=False):
+        if any(self.faulty.fails(mx.array(c).reshape(1, -1)) for c in chunks):  # several sequences' chunks
+            self.faulty.raised += 1
+            raise RuntimeError("injected fault")
+        return self.decoder.prefill_rows(chunks, caches, owned, scales, logits)
+
     def __getattr__(self, name):
         return getattr(self.decoder, name)
 

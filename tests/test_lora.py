@@ -122,11 +122,13 @@ def test_gguf_base_with_a_gguf_adapter(gguf_type: str) -> None:
     loaded = load_model(str(base), [], adapters=adapters_of(adapter("llama", "gguf")).adapters)
     assert loaded.decoder is not None
     ref_model, ref_decoder = fused(base, "llama", 0.5, blocks=gguf_type == "f32")
-    assert_close(prefill_logits(loaded.model, PROMPT, [(0.5,)]), prefill_logits(ref_model, PROMPT))
+    # Q8_0 blocks quantize the activations to Q8_0, in decode steps (llama.cpp's vec_dot) and
+    # prompts (its mul_mat) alike; the float32 reference does not (measured: 1.6e-2 of the
+    # largest logit for the prompt, 2.1e-2 for steps over its KV).
+    tol = TOL if gguf_type == "f32" else 3e-2
+    assert_close(prefill_logits(loaded.model, PROMPT, [(0.5,)]), prefill_logits(ref_model, PROMPT), tol)
     tokens, logits = decode(loaded.model, loaded.decoder, PROMPT, 4, (0.5,))
     ref_tokens, ref_logits = decode(ref_model, ref_decoder, PROMPT, 4)
-    # Block decode steps quantize activations to Q8 (llama.cpp's vec_dot); the reference does not.
-    tol = TOL if gguf_type == "f32" else 2e-2
     for a, b in zip(logits, ref_logits):
         assert_close(a, b, tol)
     if gguf_type == "f32":

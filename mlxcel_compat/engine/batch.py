@@ -56,17 +56,28 @@ def can_prefill_together(seq: Sequence) -> bool:
     return all(type(layer) is KVCache for layer in seq.cache) and len(seq.cache_tokens) <= PREFILL_PREFIX_LIMIT
 
 
+def on_runtime(seq: Sequence, chunk: list[int]) -> bool:
+    """Whether the CPU decode runtime prefills this chunk (``CpuDecoder.can_prefill``), as it
+    does a lone sequence's (``Sequence.prefill_step``)."""
+    return seq.decoder is not None and len(chunk) > 1 and seq.decoder.can_prefill(seq.cache, seq.owned)
+
+
 def prefill_groups(seqs: list[Sequence], chunks: list[list[int]]) -> list[list[int]]:
-    """Split sequences (by index) into groups that prefill in one pass each: batchable rows whose
-    chunks are within PREFILL_PAD_LIMIT tokens of the group's longest; the rest alone."""
-    groups: list[list[int]] = []
-    batchable = sorted((i for i, s in enumerate(seqs) if can_prefill_together(s)), key=lambda i: -len(chunks[i]))
+    """Split sequences (by index) into groups that prefill in one pass each: the chunks the CPU
+    decode runtime takes, all together (nothing is padded); batchable rows whose chunks are
+    within PREFILL_PAD_LIMIT tokens of the group's longest; the rest alone."""
+    runtime = [i for i, (s, c) in enumerate(zip(seqs, chunks)) if on_runtime(s, c)]
+    groups: list[list[int]] = [runtime] if runtime else []
+    batchable = sorted((i for i, s in enumerate(seqs) if i not in runtime and can_prefill_together(s)),
+                       key=lambda i: -len(chunks[i]))
+    padded: list[list[int]] = []
     for i in batchable:
-        if groups and len(chunks[groups[-1][0]]) - len(chunks[i]) <= PREFILL_PAD_LIMIT:
-            groups[-1].append(i)
+        if padded and len(chunks[padded[-1][0]]) - len(chunks[i]) <= PREFILL_PAD_LIMIT:
+            padded[-1].append(i)
         else:
-            groups.append([i])
-    alone = set(range(len(seqs))) - set(batchable)
+            padded.append([i])
+    groups += padded
+    alone = set(range(len(seqs))) - set(batchable) - set(runtime)
     return sorted([sorted(g) for g in groups] + [[i] for i in alone])
 
 
@@ -99,12 +110,20 @@ def probe_cache(model: Any) -> list[Any]:
 
 
 def prefill_together(model: Any, seqs: list[Sequence], chunks: list[list[int]]) -> None:
-    """One forward pass over several sequences' prompt chunks, right-padded to the longest.
+    """One forward pass over several sequences' prompt chunks (a group of ``prefill_groups``).
 
-    The rows' caches are merged into mlx-lm batch caches (left-padded to a common length), the
-    padding is declared with ``prepare`` and rolled out of the way by ``finalize``, and each row
-    is extracted back into its sequence's own cache.
+    Chunks the CPU decode runtime takes go through ``CpuDecoder.prefill_rows``: each written into
+    its sequence's own buffers, the products over all rows at once. Otherwise MLX's pass, the
+    chunks right-padded to the longest: the rows' caches are merged into mlx-lm batch caches
+    (left-padded to a common length), the padding is declared with ``prepare`` and rolled out of
+    the way by ``finalize``, and each row is extracted back into its sequence's own cache.
     """
+    if all(on_runtime(s, c) for s, c in zip(seqs, chunks)):
+        seqs[0].decoder.prefill_rows(chunks, [s.cache for s in seqs], [s.owned for s in seqs],
+                                     [s.request.lora or None for s in seqs])
+        for seq, chunk in zip(seqs, chunks):
+            seq.chunk_done(chunk)
+        return
     lengths = [len(c) for c in chunks]
     padding = [max(lengths) - n for n in lengths]
     cache = [_merge(list(layers)) for layers in zip(*(s.cache for s in seqs))]

@@ -514,17 +514,45 @@ class CpuDecoder:
         would compute them (the GEMM and the blocked attention sum in other orders): the logits
         agree with MLX's chunk to float32 rounding, as any two prompt splits do. Plain KV caches
         only (:meth:`can_step_tokens`)."""
+        out = self.prefill_rows([tokens], [cache], [owned], [scales], logits=logits)
+        return out[0] if logits else None
+
+    def prefill_rows(self, chunks: list[list[int]], caches: list[list[Any]], owned: list[OwnedCache],
+                     scales: list[Any] | None = None, logits: bool = False) -> np.ndarray | None:
+        """:meth:`prefill` of several sequences' prompt chunks in one pass: ``chunks[i]`` on
+        ``caches[i]`` from its offset, every sequence's rows through each weight together (one
+        product a weight for all of them), each sequence's attention over its own cache (one call
+        a layer and sequence). Each :meth:`can_prefill` cache, each its own sequence's. With
+        ``logits``, one chunk only: the last row's logits.
+
+        Why: sequences admitted together (several slots) went through MLX's batched pass, which
+        merged their caches into one padded batch cache and extracted them again, then had this
+        runtime copy each into its own buffers at the first step: three copies of every row's KV
+        at once (the peak memory of a four-stream server). Here each chunk is written into its
+        sequence's own buffers once, and the products still take all rows in one pass."""
         if self._rings:
             raise RuntimeError("a model with sliding-window layers prefills through MLX")
-        self._check_tokens(tokens)
-        start, n = cache[0].offset, len(tokens)
-        borrowed = self._borrow(cache, owned, start, n)
-        views = borrowed.views if borrowed is not None else self._own(cache, owned, start, last=start + n - 1)
-        out = self._run(tokens, [cache] * n, [start + j for j in range(n)], [views] * n,
-                        None if scales is None else [scales] * n, chunk=True, head=logits)
-        if borrowed is not None:
-            owned.apart = borrowed.keep_apart(cache)
-        return out[0] if logits else None
+        if logits and len(chunks) != 1:
+            raise ValueError("logits are for a single sequence's chunk")
+        for tokens in chunks:
+            self._check_tokens(tokens)
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("each chunk needs its own sequence's cache")
+        starts = [cache[0].offset for cache in caches]
+        borrowed = [self._borrow(cache, o, start, len(tokens)) for cache, o, start, tokens in zip(caches, owned, starts, chunks)]
+        views = [b.views if b is not None else self._own(cache, o, start, last=start + len(tokens) - 1)
+                 for b, cache, o, start, tokens in zip(borrowed, caches, owned, starts, chunks)]
+        rows = [len(tokens) for tokens in chunks]
+        row_scales = None if scales is None or all(s is None for s in scales) else [
+            s if s is not None else () for s, n in zip(scales, rows) for _ in range(n)]
+        out = self._run([t for tokens in chunks for t in tokens], caches, starts, views, row_scales,
+                        segments=rows, head=logits)
+        for b, cache, o in zip(borrowed, caches, owned):
+            if b is not None:
+                o.apart = b.keep_apart(cache)
+        return out if logits else None
+
+
 
     def _check_tokens(self, tokens: list[int]) -> None:
         vocab = self.embed.shape[0]
@@ -533,25 +561,30 @@ class CpuDecoder:
                 raise ValueError(f"token id {token} is outside the vocabulary (0..{vocab - 1})")
 
     def _run(self, tokens: list[int], caches: list[list[Any]], positions: list[int],
-             views: list[list[tuple[int, ...]]], scales: Any, chunk: bool = False, head: bool = True) -> np.ndarray:
+             views: list[list[tuple[int, ...]]], scales: Any, segments: list[int] | None = None,
+             head: bool = True) -> np.ndarray:
         """The pass itself (``decode_pass.c``): row r is ``tokens[r]`` at ``positions[r]`` on
-        ``caches[r]`` (the same cache on several rows for consecutive positions of one sequence).
-        ``chunk``: the rows are consecutive positions of one sequence, attended in one call a
-        layer, and only the last row's logits are computed (:meth:`prefill`); the result then has
-        one row."""
+        ``caches[r]`` (the same cache on several rows for consecutive positions of one sequence,
+        a speculative draft's). ``segments``: prompt chunks instead, ``segments[j]`` rows of
+        sequence j from ``positions[j]`` on ``caches[j]`` (``views[j]``), attended in one call a
+        layer and sequence; only the last row's logits are computed (one chunk; :meth:`prefill`),
+        and the result then has one row. ``scales``: per row."""
         rows = len(tokens)
         if len(self._angle_blocks) > ANGLE_BLOCKS_KEPT * len(self.ropes):
             self._angle_blocks.clear()  # between passes: no address handed out below is freed
-        if chunk:
+        if segments is not None:
             b = self._chunk_buffers_for(rows)
-            spans = [self._angle_span(positions[0], rows, kind) for kind in range(len(self.ropes))]
-            angles = np.array([_ptr(a) for span in spans for a in span], np.int64)
-            kv = self._kv(views[:1], positions[:1], caches[:1])
+            spans = [[self._angle_span(pos, n, kind) for kind in range(len(self.ropes))]
+                     for pos, n in zip(positions, segments)]  # kept alive for the call
+            angles = np.array([[_ptr(a) for span in row for a in span] for row in spans], np.int64)
+            kv = self._kv(views, positions, caches)
+            offsets = np.cumsum([0, *segments], dtype=np.int32)
         else:
             b = self._buffers_for(rows)
             angles = np.array([[self._angle_row(pos, kind) for kind in range(len(self.ropes))] for pos in positions],
                               np.int64)
             kv = self._kv(views, positions, caches)
+            offsets = None
         x = b.x[:rows]
         if isinstance(self.embed, BlockWeight):
             self.embed.take(tokens, out=x)
@@ -559,17 +592,17 @@ class CpuDecoder:
             np.take(self.embed, tokens, axis=0, out=x)
         if self.embed_scale is not None:
             x *= self.embed_scale
-        failed = self.native.run(b.native, rows, chunk, head, kv, angles, decode_pass.lora_scales(scales))
+        failed = self.native.run(b.native, rows, offsets, head, kv, angles, decode_pass.lora_scales(scales))
         if failed:
-            first, last = positions[0], positions[-1]
-            raise RuntimeError(f"layer {failed - 1}: positions {first}..{last} do not fit the layer's KV cache")
-        for cache in caches:
+            raise RuntimeError(f"layer {failed - 1}: positions from {min(positions)} do not fit the layer's KV cache")
+        advance = segments if segments is not None else [1] * rows
+        for cache, n in zip(caches, advance):
             for i in self._rings:  # as mlx-lm's update leaves a ring: the slot after the one written
                 ring = cache[i]
-                ring._idx = (0 if ring._idx == ring.max_size else ring._idx) + 1
+                ring._idx = (0 if ring._idx == ring.max_size else ring._idx) + n
             for c in cache:
-                c.offset += 1
-        if chunk:
+                c.offset += n
+        if segments is not None:
             self.prefilled += rows
         else:
             self.steps += rows

@@ -73,12 +73,16 @@ class NativeModel:
     def __post_init__(self) -> None:
         self.address = ctypes.addressof(self.struct)
 
-    def run(self, buffers: "NativeBuffers", rows: int, chunk: bool, head: bool, kv: np.ndarray,
+    def run(self, buffers: "NativeBuffers", rows: int, segments: np.ndarray | None, head: bool, kv: np.ndarray,
             angles: np.ndarray, scales: np.ndarray | None) -> int:
-        """One pass (``mlxcel_decode_pass``); 0, or 1 + the layer whose attention did not fit."""
-        held = self.hold_gil and not chunk and rows <= blas_shim.GIL_HELD_ROWS_MAX
+        """One pass (``mlxcel_decode_pass``); 0, or 1 + the layer whose attention did not fit.
+        ``segments``: int32 row offsets of prompt chunks (one more than there are chunks), or
+        None for decode rows."""
+        held = self.hold_gil and segments is None and rows <= blas_shim.GIL_HELD_ROWS_MAX
         fn = self.run_held if held else self.run_released
-        return fn(self.address, buffers.address, rows, int(chunk), int(head), kv.ctypes.data, angles.ctypes.data,
+        return fn(self.address, buffers.address, rows,
+                  segments.ctypes.data if segments is not None else None, len(segments) - 1 if segments is not None else 0,
+                  int(head), kv.ctypes.data, angles.ctypes.data,
                   scales.ctypes.data if scales is not None else None, scales.shape[1] if scales is not None else 0)
 
 
@@ -143,7 +147,7 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
     fns = [lib.mlxcel_decode_pass, held_lib.mlxcel_decode_pass]
     for fn in fns:
         fn.restype = _I
-        fn.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _I]
+        fn.argtypes = [_P, _P, _I, _P, _I, _I, _P, _P, _P, _I]
     weight_bytes = sum(_weight_bytes(lin) for layer in decoder.layers
                        for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down))
     weight_bytes += _weight_bytes(decoder.head)
