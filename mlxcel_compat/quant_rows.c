@@ -18,11 +18,12 @@
  * whatever the other rows of the call are, so a row of a batch is bit-identical to the row alone.
  *
  * Types: Q4_K and Q6_K, the K-quants of the common Q4_K_M and Q6_K files, whose blocks carry a
- * scale per 32 or 16 values: there the shared unpacking is most of the saving
- * (scripts/bench_quant_rows.py: 1.1-1.4x ggml's vec_dot for one activation row, 1.8x for four,
- * docs/benchmarks/quantized.md). For Q8_0 and Q4_1 the same approach measured 0.75-1.3x (one row)
- * and 1.0-1.25x (four), not worth a second implementation: ggml's vec_dot serves them, as it
- * serves every type on a CPU without AVX-512 BW (mlxcel_rows_kernel returns NULL).
+ * scale per 32 or 16 values: there the shared unpacking is most of the saving; and Q8_0, whose
+ * products are one vpdpbusd per 64 values (AVX-512 VNNI) where ggml's AVX2 code takes four
+ * instructions per 32 (scripts/bench_quant_rows.py, docs/benchmarks/quantized.md). For Q4_1 the
+ * same approach measured 0.75-1.07x (one row) and 1.0-1.22x (four), not worth a second
+ * implementation: ggml's vec_dot serves it and the other types, and every type on a CPU without
+ * AVX-512 BW (mlxcel_rows_kernel returns NULL).
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -31,7 +32,7 @@
 typedef void (*mlxcel_rows_fn)(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
                                float *out, size_t ldo);
 
-enum { TYPE_Q4_K = 12, TYPE_Q6_K = 14 }; /* enum ggml_type */
+enum { TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q6_K = 14 }; /* enum ggml_type */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
@@ -269,10 +270,73 @@ static inline __attribute__((always_inline)) void q6_K_tile(int k, const void *w
 
 ROWS_DRIVER(q6_K)
 
+#if defined(__AVX512VNNI__)
+/* --------------------------------------------------------------------------------------- Q8_0
+ * 32 int8 values and a float16 factor a block, on both sides (activations quantized to Q8_0 by
+ * ggml). Two blocks a step (64 values in one vector): signed x signed through vpdpbusd (AVX-512
+ * VNNI) as |w| x (a with w's sign). A row's last block, when the count is odd, takes the same
+ * operations on a vector whose upper half is zero. */
+
+struct q8_0_block {
+    uint16_t d;
+    int8_t qs[32];
+};
+
+static inline __m512i two_blocks_q8_0(const struct q8_0_block *x, int pair) {
+    __m256i lo = _mm256_loadu_si256((const __m256i *)x[0].qs);
+    __m256i hi = pair ? _mm256_loadu_si256((const __m256i *)x[1].qs) : _mm256_setzero_si256();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+/* a in lanes 0-7, b in lanes 8-15. */
+static inline __m512 two_factors(float a, float b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(a)), _mm256_set1_ps(b), 1);
+}
+
+static inline __attribute__((always_inline)) void q8_0_tile(int k, const void *w, size_t w_bytes, int nw, const void *act,
+                                                              size_t act_bytes, int m, float *out) {
+    const int nb = k / 32;
+    __m512 acc[2 * MAX_ROWS];
+    for (int t = 0; t < nw * m; t++) acc[t] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b += 2) {
+        int pair = b + 1 < nb;
+        __m512i mag[2];
+        __mmask64 negative[2];
+        float d0[2], d1[2];
+        for (int j = 0; j < nw; j++) {
+            const struct q8_0_block *x = (const struct q8_0_block *)((const char *)w + j * w_bytes) + b;
+            __m512i q = two_blocks_q8_0(x, pair);
+            mag[j] = _mm512_abs_epi8(q);
+            negative[j] = _mm512_movepi8_mask(q);
+            d0[j] = half_to_float(x[0].d);
+            d1[j] = pair ? half_to_float(x[1].d) : 0.0f;
+        }
+        for (int i = 0; i < m; i++) {
+            const struct q8_0_block *y = (const struct q8_0_block *)((const char *)act + (size_t)i * act_bytes) + b;
+            __m512i a = two_blocks_q8_0(y, pair);
+            float e0 = half_to_float(y[0].d), e1 = pair ? half_to_float(y[1].d) : 0.0f;
+            for (int j = 0; j < nw; j++) {
+                /* a with the weights' signs (|w| times that is w times a; where w is 0, so is |w|) */
+                __m512i signed_a = _mm512_mask_sub_epi8(a, negative[j], _mm512_setzero_si512(), a);
+                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), mag[j], signed_a);
+                acc[i * nw + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), two_factors(d0[j] * e0, d1[j] * e1), acc[i * nw + j]);
+            }
+        }
+    }
+    for (int t = 0; t < nw * m; t++) out[t] = hsum512(acc[t]);
+}
+
+ROWS_DRIVER(q8_0)
+
+#endif /* AVX512VNNI */
+
 mlxcel_rows_fn mlxcel_rows_kernel(int ggml_type) {
     switch (ggml_type) {
     case TYPE_Q4_K: return rows_q4_K;
     case TYPE_Q6_K: return rows_q6_K;
+#if defined(__AVX512VNNI__)
+    case TYPE_Q8_0: return rows_q8_0;
+#endif
     default: return NULL;
     }
 }
