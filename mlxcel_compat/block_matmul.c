@@ -118,8 +118,13 @@ static __thread struct mlxcel_scratch rows_scratch;
  * vec_dot for each pair; then the group biases and beta. */
 static void vec_dot_rows(const struct vec_dot_job *j, const struct vec_dot_target *t, int r0, int r1) {
     const struct mlxcel_block_weight *w = t->w;
-    int groups = w->group_bias ? w->k / w->bias_group : 0, n = r1 - r0, m = j->m;
+    const int groups = w->group_bias ? w->k / w->bias_group : 0, n = r1 - r0, m = j->m;
+    const float beta = j->beta;
     rows_fn own = w->type->own_kernel >= 0 ? mlxcel_rows_kernel(w->type->own_kernel) : NULL;
+    if (own && !w->rows && !groups && beta == 0.0f) { /* straight into the output */
+        own(w->k, stored_row(w, r0), (size_t)w->row_bytes, n, t->act, t->act_bytes, m, t->c + r0, (size_t)t->ldc);
+        return;
+    }
     float *sums = mlxcel_scratch(&rows_scratch, sizeof(float) * (size_t)n * (size_t)m); /* [i * n + r - r0] */
     if (own && !w->rows) {
         own(w->k, stored_row(w, r0), (size_t)w->row_bytes, n, t->act, t->act_bytes, m, sums, (size_t)n);
@@ -134,16 +139,20 @@ static void vec_dot_rows(const struct vec_dot_job *j, const struct vec_dot_targe
                 w->type->vec_dot(w->k, sums + (size_t)i * n + (r - r0), 0, row, 0, t->act + (size_t)i * t->act_bytes, 0, 1);
         }
     }
-    for (int r = r0; r < r1; r++)
-        for (int i = 0; i < m; i++) {
-            float s = sums[(size_t)i * n + (r - r0)];
-            if (groups) {
-                const float *b = row_bias(w, r), *x = t->sums + (size_t)i * groups;
-                for (int g = 0; g < groups; g++) s += b[g] * x[g];
+    for (int i = 0; i < m; i++) {
+        float *restrict s = sums + (size_t)i * n, *restrict out = t->c + (size_t)i * t->ldc + r0;
+        if (groups) {
+            const float *x = t->sums + (size_t)i * groups;
+            for (int r = 0; r < n; r++) {
+                const float *b = row_bias(w, r0 + r);
+                for (int g = 0; g < groups; g++) s[r] += b[g] * x[g];
             }
-            float *out = t->c + (size_t)i * t->ldc + r;
-            *out = j->beta == 0.0f ? s : s + j->beta * *out;
         }
+        if (beta == 0.0f)
+            for (int r = 0; r < n; r++) out[r] = s[r];
+        else
+            for (int r = 0; r < n; r++) out[r] = s[r] + beta * out[r];
+    }
 }
 
 static void vec_dot_part(const void *ctx, int p) {
