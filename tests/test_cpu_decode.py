@@ -991,3 +991,22 @@ def test_prompt_chunks_of_several_sequences_in_one_pass_equal_each_alone(family:
             assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
     with pytest.raises(ValueError):
         decoder.prefill_rows([[5, 6], [7, 8]], [together[0], together[0]], [owned_together[0]] * 2)
+
+
+def test_a_bounded_sequence_s_buffers_are_allocated_once_and_unbounded_ones_grow_by_a_fraction() -> None:
+    """``OwnedCache.reserve`` (the sequence's prompt and n_predict, engine/sequence.py): the
+    decoder's buffers hold all of it from the prompt's first chunk on, in whole KV_STEPs, and
+    steps up to it never copy the cache; without a bound they get KV_HEADROOM positions more
+    than needed, and outgrown, at least an eighth more than before."""
+    loaded = load_model(str(tiny_model("llama")), [])
+    model, decoder = loaded.model, loaded.decoder
+    cache, owned = make_prompt_cache(model), cpu_decode.OwnedCache(reserve=45)
+    decoder.prefill(_ids(20, seed=51), cache, owned, logits=False)
+    buffers = [a for a, _ in owned.arrays]
+    assert all(a.shape[2] == 48 for a in buffers)
+    for token in range(25):  # positions 20 .. 44: the reserve
+        decoder.step(token + 10, cache, owned)
+    assert all(c.keys is a for c, a in zip(cache, buffers)) and cache[0].offset == 45
+    assert cpu_decode._capacity(19) == 96  # 20 + 64 headroom, to 16s
+    assert cpu_decode._capacity(999, current=960) == 1088  # 960 + 960 / 8 = 1080, to 16s
+    assert cpu_decode._capacity(999, current=64) == 1072  # 1000 + 64 headroom, to 16s

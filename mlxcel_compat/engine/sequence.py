@@ -97,7 +97,11 @@ class Sequence:
         # model.cpu_decode.CpuDecoder: this sequence's single-token steps run there (alone here,
         # in a batch through engine/batch.py), writing only the buffers it made for it (``owned``).
         self.decoder = decoder
-        self.owned = OwnedCache()
+        # The positions a bounded request can fill (its prompt and n_predict, within the
+        # context): the decoder allocates its buffers for them at once, not in growing copies.
+        # An unbounded one (n_predict -1) grows them as it goes.
+        bound = len(request.prompt_tokens) + max(request.n_predict, 1) if request.n_predict >= 0 else 0
+        self.owned = OwnedCache(reserve=min(bound, n_ctx))
         # A short prompt tail may be fed as the rows of one decode step (prompt_tail); set
         # by the factory where those rows match a prefill chunk (factory.rows_match_chunks).
         self.tail_rows = False

@@ -73,6 +73,11 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, sliding windows
 ANGLE_BLOCK = 256  # RoPE angles are computed by MLX for this many positions at a time
 ANGLE_BLOCKS_KEPT = 64  # blocks of angles kept (a batch's rows sit at different positions)
+# Positions the decoder's own KV buffers are allocated in (``_capacity``): mlx-lm's caches grow by
+# 256, which left a short sequence's buffers up to 255 positions too long (24 KiB a position on
+# the small llama: four streams of ~160 tokens held 24 MiB where 16 are used).
+KV_STEP = 16
+KV_HEADROOM = 64  # positions allocated beyond the one needed where the request sets no bound
 # Rows the shim's matrix kernel computes each exactly as alone (its ``small_m_max``); more rows
 # go to the BLAS's GEMM, whose sums round differently.
 EXACT_ROWS = SMALL_M_MAX
@@ -218,6 +223,7 @@ class OwnedCache:
     arrays: list[tuple[Any, Any]] = field(default_factory=list)
     views: list[tuple[int, int, int]] = field(default_factory=list)  # per layer: keys, values, capacity
     apart: _Apart | None = None  # the last step's rows, kept apart from shared arrays
+    reserve: int = 0  # positions the sequence may fill (prompt + n_predict): allocated at once
 
     def holds(self, cache: list[Any]) -> bool:
         """Whether every layer of ``cache`` still holds the arrays made for it."""
@@ -308,6 +314,19 @@ def build(model: Any, shim: Any) -> "CpuDecoder | str":
     if reason is not None:
         return reason
     return CpuDecoder(model, shim.lib)
+
+
+def _capacity(last: int, current: int = 0, reserve: int = 0) -> int:
+    """Positions for a layer's own KV buffer that must hold position ``last``: what the sequence
+    may fill (``reserve``: its prompt and n_predict) if that is more, so that a bounded request
+    allocates once; beyond that (no bound, or past it) ``KV_HEADROOM`` more and at least an
+    eighth more than the ``current`` capacity it outgrows (each growth copies the cache, and
+    the freed buffer stays in MLX's cache: growing by a fraction keeps both proportional to the
+    length); a whole number of ``KV_STEP``."""
+    need = max(last + 1, reserve)
+    if need > reserve:
+        need = max(need + KV_HEADROOM, current + current // 8)
+    return -(-need // KV_STEP) * KV_STEP
 
 
 def _ring_plan(c: Any) -> tuple[int, int, int] | None:
@@ -681,10 +700,10 @@ class CpuDecoder:
                 capacity, start, c._idx = ring_plans[i]
                 keys, values = (self._fresh_ring(a, start, capacity) for a in (c.keys, c.values))
             elif c.keys is None:  # an empty cache (can_prefill): buffers for positions 0 .. last
-                shape = (1, self.n_kv_heads, (last // c.step + 1) * c.step, self.head_dim)
+                shape = (1, self.n_kv_heads, _capacity(last, reserve=owned.reserve), self.head_dim)
                 keys, values = (self._writable(shape)[0] for _ in range(2))
             else:
-                keys, values = (self._fresh(a, pos, c.step, last) for a in (c.keys, c.values))
+                keys, values = (self._fresh(a, pos, last, owned.reserve) for a in (c.keys, c.values))
             c.keys, c.values = keys, values
             owned.arrays.append((keys, values))
             owned.views.append((_ptr(np.asarray(keys)), _ptr(np.asarray(values)), keys.shape[2]))
@@ -700,7 +719,7 @@ class CpuDecoder:
             n = k_row.shape[1]
             for view, row in ((keys_view, k_row), (values_view, v_row)):
                 b, h, _, d = view.shape
-                fresh, out = self._writable((b, h, max(pos + n, (last // c.step + 1) * c.step), d))
+                fresh, out = self._writable((b, h, _capacity(max(pos + n - 1, last), reserve=owned.reserve), d))
                 out[:, :, :pos] = view[:, :, :pos]
                 out[0, :, pos:pos + n] = row
                 made.append(fresh)
@@ -755,13 +774,13 @@ class CpuDecoder:
         return fresh, view
 
     @classmethod
-    def _fresh(cls, a: Any, pos: int, step: int, last: int | None = None) -> Any:
+    def _fresh(cls, a: Any, pos: int, last: int | None = None, reserve: int = 0) -> Any:
         """A new MLX array with ``a``'s first ``pos`` positions and room up to position ``last``
-        (default ``pos``; capacity rounded up to the cache's allocation step, as mlx-lm's cache
-        grows): one buffer of MLX's, filled through a NumPy view of it."""
+        (default ``pos``) and the ``reserve`` (``_capacity``; at least ``a``'s capacity): one
+        buffer of MLX's, filled through a NumPy view of it."""
         b, h, cap, d = a.shape
         last = pos if last is None else last
-        fresh, view = cls._writable((b, h, max(cap, (last // step + 1) * step), d))
+        fresh, view = cls._writable((b, h, max(cap, _capacity(last, cap, reserve)), d))
         view[:, :, :pos] = np.asarray(a)[:, :, :pos]
         return fresh
 
