@@ -131,7 +131,10 @@ static inline __attribute__((always_inline)) void block(const int MB, const int 
     int k = 0;
     for (; k + VL <= K; k += VL) {
         vf wv[NB_MAX];
-        for (int j = 0; j < NB; j++) wv[j] = loadv(w + j * ldw + k);
+        for (int j = 0; j < NB; j++) {
+            wv[j] = loadv(w + j * ldw + k);
+            __asm__("" : "+v"(wv[j])); /* in a register, read once for every row (see block_nn) */
+        }
         for (int i = 0; i < MB; i++) {
             vf xv = loadv(x + i * ldx + k);
             for (int j = 0; j < NB; j++) acc[i][j] += xv * wv[j];
@@ -199,7 +202,12 @@ static inline __attribute__((always_inline)) void block_nn(const int MB, const i
     for (int k = 0; k < K; k++) {
         const float *row = k < K1 ? w + k * ldw : w2 + (k - K1) * ldw;
         vf wv[NB_MAX];
-        for (int j = 0; j < NV; j++) wv[j] = loadv(row + j * VL);
+        for (int j = 0; j < NV; j++) {
+            wv[j] = loadv(row + j * VL);
+            /* in a register: GCC otherwise folds the load into each row's multiply-add, reading
+             * the vector MB times (load-bound: attention's P @ V ran at half the FMA rate) */
+            __asm__("" : "+v"(wv[j]));
+        }
         for (int i = 0; i < MB; i++) {
             vf xs = splat(x[i * ldx + k]);
             for (int j = 0; j < NV; j++) acc[i][j] += xs * wv[j];
