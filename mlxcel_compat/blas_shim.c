@@ -658,7 +658,18 @@ void mlxcel_gelu_tanh_gate(float *gate, const float *up, int n) {
  * returns their sum. The caller normalises (the weights, or the output they give). */
 static float exp2_shifted_row(float *s, int n) {
     float top = s[0];
-    for (int t = 1; t < n; t++) top = s[t] > top ? s[t] : top;
+    int t0 = 0;
+    if (n >= VL) { /* the maximum a vector at a time (the scalar loop was a fifth of a chunk's attention) */
+        vf m = loadv(s);
+        for (t0 = VL; t0 + VL <= n; t0 += VL) {
+            vf v = loadv(s + t0);
+            m = vselect(v > m, v, m);
+        }
+        float lanes[VL];
+        memcpy(lanes, &m, sizeof m);
+        for (int l = 0; l < VL; l++) top = lanes[l] > top ? lanes[l] : top;
+    }
+    for (int t = t0; t < n; t++) top = s[t] > top ? s[t] : top;
     vf acc = {0};
     int t = 0;
     for (; t + VL <= n; t += VL) {
