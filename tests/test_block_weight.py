@@ -200,3 +200,34 @@ def test_own_rows_kernels_agree_with_ggml_s_vec_dot(qtype: T) -> None:
     order = np.random.default_rng(7).permutation(n).astype(np.int32)
     permuted = BlockWeight(raw, qtype, n, k, LIB, rows=order)
     np.testing.assert_array_equal(permuted.matmul(x, tiles=False), own[:, order])
+
+
+@pytest.mark.skipif(isinstance(LIB, str) or not LIB.quantizers, reason="the shim has no own quantizer on this CPU")
+def test_own_q8_k_quantizer_writes_ggml_s_bytes() -> None:
+    """quant_rows.c's Q8_K quantizer of decode activations: byte for byte what ggml's
+    quantize_row_q8_K writes, for ordinary rows, blocks of zeros, a largest magnitude held by
+    both signs (the first one decides the scale's sign), exact halves (round half to even) and
+    values far apart in size."""
+    import ctypes
+
+    q8_k = int(T.Q8_K)
+    ours_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(LIB.quantizers[q8_k])
+    ggml_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(
+        LIB.ggml.cpu.ggml_get_type_traits_cpu(q8_k).contents.from_float)
+    row_bytes = GGML_QUANT_SIZES[T.Q8_K][1] * 3
+    rng = np.random.default_rng(8)
+    rows = [rng.standard_normal(768).astype(np.float32) * s for s in (1e-3, 1.0, 300.0)]
+    tie = rng.standard_normal(768).astype(np.float32)
+    tie[[5, 300, 600]], tie[[9, 301, 700]] = 4.0, -4.0  # both signs at the block's largest magnitude
+    tie[[700]] = 4.0
+    halves = np.full(768, 0.5, np.float32) * rng.choice([-1, 1, 3, 5], 768).astype(np.float32)
+    halves[0] = 127.0  # iscale -1: every other value lands on a half exactly
+    zeros = np.zeros(768, np.float32)
+    zeros[300:] = rng.standard_normal(468)
+    for x in [*rows, tie, halves, zeros]:
+        # ggml leaves a zero block's 16-value sums as they were (d = 0 makes them irrelevant);
+        # ours writes zeros: both buffers start as zeros
+        ours, theirs = np.zeros(row_bytes, np.uint8), np.zeros(row_bytes, np.uint8)
+        ours_fn(x.ctypes.data, ours.ctypes.data, 768)
+        ggml_fn(x.ctypes.data, theirs.ctypes.data, 768)
+        np.testing.assert_array_equal(ours, theirs)

@@ -53,11 +53,16 @@ class BlockLibrary:
     ggml: ggml_cpu.GGMLKernels
     matmul_held: Any  # mlxcel_block_matmul called holding the GIL: for short calls
     own_kernels: frozenset[int]  # types whose decode rows the shim's own kernels multiply (quant_rows.c)
+    quantizers: dict[int, int]  # activation types the shim quantizes itself (byte for byte ggml's), to the function
 
     def block_type(self, ggml_type: int) -> ggml_cpu.BlockType:
-        """ggml's kernels of the type, with the shim's own rows kernel where it has one."""
+        """ggml's kernels of the type, with the shim's own rows kernel and activation quantizer
+        where it has them."""
         kind = self.ggml.block_type(ggml_type)
         kind.own_kernel = int(ggml_type) if int(ggml_type) in self.own_kernels else -1
+        own_quantizer = self.quantizers.get(self.ggml.activation_type(ggml_type))
+        if own_quantizer:
+            kind.quantize = own_quantizer
         return kind
 
     def describe(self, ggml_type: int) -> str:
@@ -83,15 +88,21 @@ def library() -> BlockLibrary | str:
     try:
         matmul, rows = shim.lib.mlxcel_block_matmul, shim.lib.mlxcel_block_rows
         matmul_held = blas_shim.holding_the_gil(shim.lib).mlxcel_block_matmul
-        own = shim.lib.mlxcel_rows_kernel
+        own, quantizer = shim.lib.mlxcel_rows_kernel, shim.lib.mlxcel_quantizer
     except AttributeError:
         return "the loaded BLAS shim has no block products (built from an older source)"
     matmul.restype = rows.restype = matmul_held.restype = None
     matmul.argtypes = matmul_held.argtypes = [_P, _I, _P, _L, _P, _L, _F, _I]
     rows.argtypes = [_P, _P, _I, _P]
-    own.restype, own.argtypes = _P, [_I]
-    own_kernels = frozenset(t for t in ggml_cpu.BLOCK_TYPES if own(int(t))) if own_kernels_enabled() else frozenset()
-    return BlockLibrary(matmul, rows, ggml, matmul_held, own_kernels)
+    own.restype = quantizer.restype = _P
+    own.argtypes = quantizer.argtypes = [_I]
+    own_kernels: frozenset[int] = frozenset()
+    quantizers: dict[int, int] = {}
+    if own_kernels_enabled():
+        own_kernels = frozenset(int(t) for t in ggml_cpu.BLOCK_TYPES if own(int(t)))
+        acts = {ggml.activation_type(t) for t in ggml_cpu.BLOCK_TYPES}
+        quantizers = {a: quantizer(a) for a in acts if quantizer(a)}
+    return BlockLibrary(matmul, rows, ggml, matmul_held, own_kernels, quantizers)
 
 
 def row_bytes(ggml_type: int, k: int) -> int:

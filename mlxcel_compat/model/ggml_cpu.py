@@ -110,6 +110,10 @@ class GGMLKernels:
                     found.append(name.upper())
         return found
 
+    def activation_type(self, ggml_type: int) -> int:
+        """The type ggml quantizes activations to for this weight type's products (vec_dot_type)."""
+        return int(self.cpu.ggml_get_type_traits_cpu(int(ggml_type)).contents.vec_dot_type)
+
     def block_type(self, ggml_type: int) -> BlockType:
         """The kernels of ``ggml_type`` (kept alive here: block_matmul.c holds their address)."""
         found = self._types.get(int(ggml_type))
