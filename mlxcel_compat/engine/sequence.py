@@ -433,6 +433,15 @@ class Sequence:
         return logits
 
     def _forward(self, tokens: list[int] | mx.array) -> tuple[Any, Any, Any]:
+        if (isinstance(tokens, list) and len(tokens) == 1 and self.decoder is not None and self.budget is None
+                and self.request.n_probs <= 0 and self.chain.is_plain_argmax
+                and self.decoder.can_run(self.cache, self.owned)):
+            # A plain greedy step on the CPU decode runtime: the argmax of its logits buffer in
+            # NumPy (the first of equal maxima, as MLX's), not a round trip through MLX's
+            # scheduler for one argmax (~0.1 ms a token); nothing reads the log-probabilities.
+            logits = self.decoder.step(tokens[0], self.cache, self.owned, self.request.lora or None)
+            self.cache_tokens.append(tokens[0])
+            return mx.array(int(logits.argmax()), dtype=mx.int32), None, None
         return self._sample(self._forward_logits(tokens))
 
     def _sample(self, logits: Any) -> tuple[Any, Any, Any]:

@@ -393,6 +393,7 @@ class CpuDecoder:
         self.steps = 0  # steps run so far (tests and benchmarks check that it ran)
         self.prefilled = 0  # prompt tokens fed by prefill so far
         self.native = decode_pass.describe(self, lib)  # the C loop's view of all of the above
+        self._kv_bases: dict[int, tuple[list[tuple[int, ...]], np.ndarray]] = {}  # by id of a views list
 
     @staticmethod
     def _linear(module: Any) -> _Linear:
@@ -605,8 +606,9 @@ class CpuDecoder:
             kv = self._kv(views, positions, caches)
             offsets = None
         x = b.x[:rows]
-        if isinstance(self.embed, BlockWeight):
-            self.embed.take(tokens, out=x)
+        if isinstance(self.embed, BlockWeight):  # the ids were checked (_check_tokens)
+            ids = np.array(tokens, np.int32)
+            self.embed.lib.rows(self.embed.address, ids.ctypes.data, rows, b.native.pointers[0])
         else:
             np.take(self.embed, tokens, axis=0, out=x)
         if self.embed_scale is not None:
@@ -632,18 +634,31 @@ class CpuDecoder:
         where the row writes and how many slots it sees (a growing cache: its position, and
         everything up to it; a ring: mlx-lm's slot and at most its capacity), and for shared
         arrays (a view of 5: :meth:`_borrow`) the buffers its new keys and values go to instead."""
-        kv = np.zeros((len(views), len(self.layers), decode_pass.KV_FIELDS), np.int64)
+        kv = np.empty((len(views), len(self.layers), decode_pass.KV_FIELDS), np.int64)
         for r, (row_views, pos) in enumerate(zip(views, positions)):
-            a = np.array(row_views, np.int64)
-            kv[r, :, 0:2], kv[r, :, 4] = a[:, 0:2], a[:, 2]
-            if a.shape[1] == 5:
-                kv[r, :, 2:4] = a[:, 3:5]
+            kv[r] = self._kv_base(row_views)
             kv[r, :, 5], kv[r, :, 6] = pos, pos + 1
             for i in self._rings:  # the ring's slot (_ring_plan left _idx where mlx-lm's update has it)
                 ring = caches[r][i]
                 kv[r, i, 5] = 0 if ring._idx == ring.max_size else ring._idx
-                kv[r, i, 6] = min(pos + 1, int(a[i, 2]))  # what mlx-lm's keys_and_values hands its attention
+                kv[r, i, 6] = min(pos + 1, int(kv[r, i, 4]))  # what mlx-lm's keys_and_values hands its attention
         return kv
+
+    def _kv_base(self, row_views: list[tuple[int, ...]]) -> np.ndarray:
+        """The addresses and capacities of ``row_views`` as ``struct mlxcel_kv`` fields, made once
+        per views list (a sequence's own buffers keep theirs from step to step)."""
+        held = self._kv_bases.get(id(row_views))
+        if held is not None and held[0] is row_views:
+            return held[1]
+        a = np.array(row_views, np.int64)
+        base = np.zeros((len(self.layers), decode_pass.KV_FIELDS), np.int64)
+        base[:, 0:2], base[:, 4] = a[:, 0:2], a[:, 2]
+        if a.shape[1] == 5:
+            base[:, 2:4] = a[:, 3:5]
+        if len(self._kv_bases) >= 64:  # sequences come and go: forget the old ones
+            self._kv_bases.clear()
+        self._kv_bases[id(row_views)] = (row_views, base)
+        return base
 
     def _buffers_for(self, rows: int) -> _Buffers:
         b = self._buffers.get(rows)
