@@ -7,7 +7,10 @@ few-rows path, on the shim's threads). For Q4_K and Q6_K the shim has its own AV
 ``vec_dot`` per pair of rows, which ``MLXCEL_OWN_KERNELS=0`` gives a server. This runs both on the
 same blocks, side by side, ``--reps`` rounds in alternating order, for each type, shape and row
 count, and prints medians (microseconds a product) and the ratio ggml / own (above 1: the own
-kernel is faster). Every shape runs on all of the shim's threads, as in a server.
+kernel is faster). Where ggml has a repacked layout for the type (Q4_K: llama-server's decode
+path, its 8-row GEMV), that runs too, one product per activation row as the runtime would call
+it, and its ratio to the own kernel is printed. Every shape runs on all of the shim's threads,
+as in a server.
 
     .venv/bin/python scripts/bench_quant_rows.py
     .venv/bin/python scripts/bench_quant_rows.py --shapes 4096x11008,11008x4096 --rows 1,4 --reps 20
@@ -30,7 +33,7 @@ backend.load_optimized_blas()  # before NumPy's first product and MLX
 import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from mlxcel_compat.model import block_weight, ggml_cpu  # noqa: E402
+from mlxcel_compat.model import block_weight, ggml_cpu, ggml_repack  # noqa: E402
 
 # (inputs k, outputs n): the small llama's q/o and gate/up and down projections, Llama-2-7B's
 # q/o, gate/up and down.
@@ -52,7 +55,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     print(f"ggml {kernels.version}; own kernels for {', '.join(T(t).name for t in sorted(lib.own_kernels)) or 'none'}; "
           f"{args.reps} rounds, medians in microseconds a product")
-    print(f"{'type':6s} {'k x n':>12s} {'rows':>4s} {'ggml':>9s} {'own':>9s} {'ggml/own':>9s}")
+    print(f"{'type':6s} {'k x n':>12s} {'rows':>4s} {'ggml':>9s} {'own':>9s} {'ggml/own':>9s} {'repacked':>9s} {'rep/own':>8s}")
     for name in args.types.split(","):
         ggml_type = int(T[name])
         if ggml_type not in lib.own_kernels:
@@ -62,21 +65,27 @@ def main() -> int:
         for shape in args.shapes.split(","):
             k, n = (int(v) for v in shape.split("x"))
             values = rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)
-            weight = block_weight.BlockWeight(kernels.quantize(ggml_type, values), ggml_type, n, k, lib)
+            blocks = kernels.quantize(ggml_type, values)
+            weight = block_weight.BlockWeight(blocks, ggml_type, n, k, lib)
+            packed = ggml_repack.repack(blocks, ggml_type, n, k) if ggml_type in ggml_repack.REPACKED_TYPES else None
+            repacked = block_weight.BlockWeight(blocks, ggml_type, n, k, lib, repacked=packed) if packed else None
             for rows in (int(r) for r in args.rows.split(",")):
                 x = rng.standard_normal((rows, k), dtype=np.float32)
                 out = np.empty((rows, n), np.float32)
-                times: dict[int, list[float]] = {ggml_type: [], -1: []}
+                times: dict[int, list[float]] = {ggml_type: [], -1: [], -2: []}
+                ways = [ggml_type, -1] + ([-2] if repacked is not None else [])
                 for rep in range(args.reps + 1):  # the first round warms up, unrecorded
-                    for own in ((ggml_type, -1) if rep % 2 else (-1, ggml_type)):
-                        kind.own_kernel = own
+                    for way in ways[rep % len(ways):] + ways[:rep % len(ways)]:
+                        kind.own_kernel = ggml_type if way == -2 else way
                         start = time.perf_counter()
-                        weight.matmul(x, out=out, tiles=False)
+                        (repacked if way == -2 else weight).matmul(x, out=out, tiles=False)
                         if rep:
-                            times[own].append(time.perf_counter() - start)
+                            times[way].append(time.perf_counter() - start)
                 kind.own_kernel = ggml_type
-                us = {key: statistics.median(t) * 1e6 for key, t in times.items()}
-                print(f"{name:6s} {shape:>12s} {rows:4d} {us[-1]:9.1f} {us[ggml_type]:9.1f} {us[-1] / us[ggml_type]:8.2f}x")
+                us = {key: statistics.median(t) * 1e6 for key, t in times.items() if t}
+                rep_text = f"{us[-2]:9.1f} {us[-2] / us[ggml_type]:7.2f}x" if -2 in us else f"{'-':>9s} {'-':>8s}"
+                print(f"{name:6s} {shape:>12s} {rows:4d} {us[-1]:9.1f} {us[ggml_type]:9.1f} {us[-1] / us[ggml_type]:8.2f}x "
+                      f"{rep_text}")
     return 0
 
 

@@ -252,6 +252,15 @@ def _prefill_text(index: int, n_sentences: int) -> str:
     return f"Part {index + 1}. " + " ".join(rng.choice(SENTENCES) for _ in range(n_sentences))
 
 
+def _accuracy_text(index: int) -> str:
+    """An accuracy prompt beyond the fixed ones (``--accuracy-prompts``): a deterministic opening
+    of two sentences, different for every ``index``."""
+    import random
+
+    rng = random.Random(5000 + index)
+    return " ".join(rng.choice(SENTENCES) for _ in range(2))
+
+
 def prepare(path: str, n_prefill: int, n_prefill_prompts: int, n_accuracy: int, accuracy_tokens: int,
             reference: bool) -> dict[str, Any]:
     """Token ids of every prompt, by the file's own tokenizer, and the float32 reference's greedy
@@ -277,7 +286,7 @@ def prepare(path: str, n_prefill: int, n_prefill_prompts: int, n_accuracy: int, 
     def encode(text: str) -> list[int]:
         return [int(t) for t in tokenizer.encode(text)]
 
-    prompts = [encode(p) for p in PROMPTS]
+    prompts = [encode(p) for p in PROMPTS] + [encode(_accuracy_text(i)) for i in range(n_accuracy - len(PROMPTS))]
     prefill = []
     for i in range(n_prefill_prompts):
         n_sentences = max(8, n_prefill // 10)
@@ -312,7 +321,8 @@ def run_prepare(args: argparse.Namespace, path: Path, reference: bool) -> dict[s
         out_path = f.name
     try:
         cmd = [args.python, str(Path(__file__).resolve()), "--prepare", str(path), "--prepare-out", out_path,
-               "--prefill-tokens", str(args.prefill_tokens), "--reps", str(args.reps)]
+               "--prefill-tokens", str(args.prefill_tokens), "--reps", str(args.reps),
+               "--accuracy-prompts", str(args.accuracy_prompts)]
         if reference:
             cmd.append("--prepare-reference")
         subprocess.run(cmd, check=True, env=_child_env())
@@ -706,6 +716,9 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3, help="repetitions of decode, prefill and 4 streams")
     parser.add_argument("--n-predict", type=int, default=128, help="new tokens per decode request")
     parser.add_argument("--prefill-tokens", type=int, default=1024)
+    parser.add_argument("--accuracy-prompts", type=int, default=len(PROMPTS),
+                        help=f"greedy continuations compared with the float32 reference: the {len(PROMPTS)} fixed "
+                             "prompts, then generated ones (more prompts: a less noisy count)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     default_cache = str(Path.home() / ".cache" / "mlxcel_compat" / "bench-quantized")
     parser.add_argument("--cache-dir", default=os.environ.get("MLXCEL_BENCH_CACHE", default_cache),
@@ -726,7 +739,8 @@ def main() -> int:
     parser.add_argument("--prepare-reference", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.prepare:
-        data = prepare(args.prepare, args.prefill_tokens, max(1, args.reps), len(PROMPTS), 32, args.prepare_reference)
+        data = prepare(args.prepare, args.prefill_tokens, max(1, args.reps), args.accuracy_prompts, 32,
+                       args.prepare_reference)
         Path(args.prepare_out).write_text(json.dumps(data))
         return 0
 
