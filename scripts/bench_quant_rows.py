@@ -42,7 +42,7 @@ SHAPES = "768x768,768x2048,2048x768,4096x4096,4096x11008,11008x4096"
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--types", default="Q4_K,Q6_K")
+    parser.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
     parser.add_argument("--shapes", default=SHAPES, help="comma list of KxN (inputs x outputs)")
     parser.add_argument("--rows", default="1,4", help="activation rows (sequences decoding together)")
     parser.add_argument("--reps", type=int, default=30)
