@@ -101,7 +101,7 @@ static inline __attribute__((always_inline)) void q4_K_unpack(const struct q4_K_
 
 /* The activations of one Q8_K block paired with the unpacked vectors: the first and third
  * 32-value quarters of each half together, then the second and fourth. */
-static inline __attribute__((always_inline)) void q8_K_pairs(const struct q8_K_block *y, __m512i a[4]) {
+static inline __attribute__((always_inline)) void q4_K_activations(const struct q8_K_block *y, __m512i a[4]) {
     __m512i a0 = _mm512_loadu_si512(y->qs), a1 = _mm512_loadu_si512(y->qs + 64);
     __m512i a2 = _mm512_loadu_si512(y->qs + 128), a3 = _mm512_loadu_si512(y->qs + 192);
     a[0] = _mm512_shuffle_i64x2(a0, a1, 0x44);
@@ -125,37 +125,45 @@ static inline __attribute__((always_inline)) void q4_K_accumulate(const struct q
     *acc_m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(bs, u->mins)), _mm256_set1_ps(u->dmin * y->d), *acc_m);
 }
 
-static inline float q4_K_total(__m512 acc, __m256 acc_m) {
+/* A pair's sum: the products' lanes less the mins' (both kept as float lanes until the row is done). */
+static inline float k_quant_total(__m512 acc, __m256 acc_m) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc_m), _mm256_extractf128_ps(acc_m, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     h = _mm_add_ss(h, _mm_movehdup_ps(h));
     return hsum512(acc) - _mm_cvtss_f32(h);
 }
 
-/* nw weight rows (w, w + w_bytes, ...) times m activation rows: out[i * nw + j] for activation
- * row i and weight row j. Every (weight row, activation row) pair takes the same operations in
- * the same order whatever nw and m are. */
-static inline __attribute__((always_inline)) void q4_K_tile(int k, const void *w, size_t w_bytes, int nw, const void *act,
-                                                              size_t act_bytes, int m, float *out) {
-    const int nb = k / QK_K;
-    __m512 acc[2 * MAX_ROWS];
-    __m256 acc_m[2 * MAX_ROWS];
-    for (int t = 0; t < nw * m; t++) {
-        acc[t] = _mm512_setzero_ps();
-        acc_m[t] = _mm256_setzero_ps();
+/* NAME##_tile: nw weight rows (w, w + w_bytes, ...) times m activation rows (Q8_K blocks),
+ * out[i * nw + j] for activation row i and weight row j, from the type's NAME##_unpack (a weight
+ * block into struct NAME##_unpacked), NAME##_activations (an activation block's four vectors,
+ * paired as the unpacked ones) and NAME##_accumulate. Every (weight row, activation row) pair
+ * takes the same operations in the same order whatever nw and m are. */
+#define K_QUANT_TILE(NAME)                                                                                         \
+    static inline __attribute__((always_inline)) void NAME##_tile(int k, const void *w, size_t w_bytes, int nw,    \
+                                                                  const void *act, size_t act_bytes, int m,       \
+                                                                  float *out) {                                   \
+        const int nb = k / QK_K;                                                                                  \
+        __m512 acc[2 * MAX_ROWS];                                                                                 \
+        __m256 acc_m[2 * MAX_ROWS];                                                                               \
+        for (int t = 0; t < nw * m; t++) {                                                                        \
+            acc[t] = _mm512_setzero_ps();                                                                         \
+            acc_m[t] = _mm256_setzero_ps();                                                                       \
+        }                                                                                                         \
+        for (int b = 0; b < nb; b++) {                                                                            \
+            struct NAME##_unpacked u[2];                                                                          \
+            for (int j = 0; j < nw; j++)                                                                          \
+                NAME##_unpack((const struct NAME##_block *)((const char *)w + j * w_bytes) + b, &u[j]);           \
+            for (int i = 0; i < m; i++) {                                                                         \
+                const struct q8_K_block *y = (const struct q8_K_block *)((const char *)act + (size_t)i * act_bytes) + b; \
+                __m512i a[4];                                                                                     \
+                NAME##_activations(y, a);                                                                         \
+                for (int j = 0; j < nw; j++) NAME##_accumulate(&u[j], a, y, &acc[i * nw + j], &acc_m[i * nw + j]); \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int t = 0; t < nw * m; t++) out[t] = k_quant_total(acc[t], acc_m[t]);                                \
     }
-    for (int b = 0; b < nb; b++) {
-        struct q4_K_unpacked u[2];
-        for (int j = 0; j < nw; j++) q4_K_unpack((const struct q4_K_block *)((const char *)w + j * w_bytes) + b, &u[j]);
-        for (int i = 0; i < m; i++) {
-            const struct q8_K_block *y = (const struct q8_K_block *)((const char *)act + (size_t)i * act_bytes) + b;
-            __m512i a[4];
-            q8_K_pairs(y, a);
-            for (int j = 0; j < nw; j++) q4_K_accumulate(&u[j], a, y, &acc[i * nw + j], &acc_m[i * nw + j]);
-        }
-    }
-    for (int t = 0; t < nw * m; t++) out[t] = q4_K_total(acc[t], acc_m[t]);
-}
+
+K_QUANT_TILE(q4_K)
 
 /* Weight rows [0, n) (row_bytes apart) times m activation rows: out[i * ldo + r], by the type's
  * tile (NAME##_tile). A lone activation row takes two weight rows at a time (sharing its loads),
@@ -239,37 +247,22 @@ static inline __attribute__((always_inline)) void q6_K_unpack(const struct q6_K_
     u->d = half_to_float(x->d);
 }
 
-static inline __attribute__((always_inline)) void q6_K_accumulate(const struct q6_K_unpacked *u, const struct q8_K_block *y,
-                                                                    __m512 *acc, __m256 *acc_m) {
+/* A Q8_K block's values in the unpacked vectors' order: as stored. */
+static inline __attribute__((always_inline)) void q6_K_activations(const struct q8_K_block *y, __m512i a[4]) {
+    for (int v = 0; v < 4; v++) a[v] = _mm512_loadu_si512(y->qs + 64 * v);
+}
+
+static inline __attribute__((always_inline)) void q6_K_accumulate(const struct q6_K_unpacked *u, const __m512i a[4],
+                                                                    const struct q8_K_block *y, __m512 *acc, __m256 *acc_m) {
     __m512i p = _mm512_setzero_si512();
-    for (int v = 0; v < 4; v++)
-        p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(u->q[v], _mm512_loadu_si512(y->qs + 64 * v)), u->s[v]));
+    for (int v = 0; v < 4; v++) p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(u->q[v], a[v]), u->s[v]));
     float dd = u->d * y->d;
     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dd), *acc);
     __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
     *acc_m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(bs, u->scales)), _mm256_set1_ps(32.0f * dd), *acc_m);
 }
 
-static inline __attribute__((always_inline)) void q6_K_tile(int k, const void *w, size_t w_bytes, int nw, const void *act,
-                                                              size_t act_bytes, int m, float *out) {
-    const int nb = k / QK_K;
-    __m512 acc[2 * MAX_ROWS];
-    __m256 acc_m[2 * MAX_ROWS];
-    for (int t = 0; t < nw * m; t++) {
-        acc[t] = _mm512_setzero_ps();
-        acc_m[t] = _mm256_setzero_ps();
-    }
-    for (int b = 0; b < nb; b++) {
-        struct q6_K_unpacked u[2];
-        for (int j = 0; j < nw; j++) q6_K_unpack((const struct q6_K_block *)((const char *)w + j * w_bytes) + b, &u[j]);
-        for (int i = 0; i < m; i++) {
-            const struct q8_K_block *y = (const struct q8_K_block *)((const char *)act + (size_t)i * act_bytes) + b;
-            for (int j = 0; j < nw; j++) q6_K_accumulate(&u[j], y, &acc[i * nw + j], &acc_m[i * nw + j]);
-        }
-    }
-    for (int t = 0; t < nw * m; t++) out[t] = q4_K_total(acc[t], acc_m[t]);
-}
-
+K_QUANT_TILE(q6_K)
 ROWS_DRIVER(q6_K)
 
 /* ------------------------------------------------------------------------ Q8_K activations
