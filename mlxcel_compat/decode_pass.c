@@ -75,6 +75,7 @@ struct mlxcel_model {
     int gelu;       /* Gemma's GELU-tanh gating, else SiLU */
     float scale;    /* the attention's softmax scale times log2 e */
     int angle_sets; /* RoPE angle sets (gemma3: 2, the sliding layers' own base) */
+    int prompt_rows_min; /* the fewest rows a prompt chunk multiplies by the prompt products */
     int traditional[2];
     const struct mlxcel_layer *layers;
     struct mlxcel_norm norm;
@@ -166,7 +167,15 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                        const double *scales, int n_adapters) {
     int hidden = m->hidden, hq = m->heads, hk = m->kv_heads, d = m->head_dim, group = hq / hk;
     int kinds = m->angle_sets, chunk = segments != NULL;
+    /* Prompt chunks of prompt_rows_min rows or more take the prompt products (ggml's tiled
+     * kernels, its repacked GEMM, float32 tiles); shorter ones take the decode rows' kernels: a
+     * graph of ggml's for a handful of rows cost ~0.2 ms a weight in set-up (a 13-token prompt
+     * 24 -> 13 ms on the small Q6_K). Both compute a row the same whatever rows share the pass,
+     * and the rule depends on each chunk's own length (the caller passes chunks of one kind
+     * together: CpuDecoder.prefill_rows), so a chunk's KV is the same alone or batched, cold or
+     * after an aligned hit. */
     int tiles = chunk && rows > 1;
+    for (int j = 0; chunk && j < n_segments; j++) tiles &= segments[j + 1] - segments[j] >= m->prompt_rows_min;
     for (int i = 0; i < m->n_layers; i++) {
         const struct mlxcel_layer *L = &m->layers[i];
         mlxcel_rms_norm(b->x, L->n1.w, b->h, rows, hidden, L->n1.eps);

@@ -78,6 +78,10 @@ ANGLE_BLOCKS_KEPT = 64  # blocks of angles kept (a batch's rows sit at different
 # the small llama: four streams of ~160 tokens held 24 MiB where 16 are used).
 KV_STEP = 16
 KV_HEADROOM = 64  # positions allocated beyond the one needed where the request sets no bound
+# A prompt chunk this long or longer takes the prompt products (``decode_pass.c``: ggml's tiled
+# kernels); a shorter one the decode rows' kernels (a graph of ggml's for a handful of rows cost
+# ~0.2 ms a weight in set-up). Chunks of the two kinds never share a pass.
+PROMPT_ROWS_MIN = 17
 # Rows the shim's matrix kernel computes each exactly as alone (its ``small_m_max``); more rows
 # go to the BLAS's GEMM, whose sums round differently.
 EXACT_ROWS = SMALL_M_MAX
@@ -392,6 +396,7 @@ class CpuDecoder:
         self._angle_blocks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (kind, first position) -> (cos, sin)
         self.steps = 0  # steps run so far (tests and benchmarks check that it ran)
         self.prefilled = 0  # prompt tokens fed by prefill so far
+        self.prompt_rows_min = PROMPT_ROWS_MIN
         self.native = decode_pass.describe(self, lib)  # the C loop's view of all of the above
         self._kv_bases: dict[int, tuple[list[tuple[int, ...]], np.ndarray]] = {}  # by id of a views list
 
@@ -554,6 +559,13 @@ class CpuDecoder:
             raise RuntimeError("a model with sliding-window layers prefills through MLX")
         if logits and len(chunks) != 1:
             raise ValueError("logits are for a single sequence's chunk")
+        short = [len(c) < PROMPT_ROWS_MIN for c in chunks]
+        if len(chunks) > 1 and any(short) and not all(short):  # one pass for each kind of product
+            for kind in (True, False):
+                picked = [i for i, s in enumerate(short) if s == kind]
+                self.prefill_rows([chunks[i] for i in picked], [caches[i] for i in picked], [owned[i] for i in picked],
+                                  None if scales is None else [scales[i] for i in picked])
+            return None
         for tokens in chunks:
             self._check_tokens(tokens)
         if len({id(c) for c in caches}) != len(caches):

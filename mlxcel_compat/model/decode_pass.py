@@ -48,7 +48,8 @@ class LayerStruct(ctypes.Structure):
 
 class ModelStruct(ctypes.Structure):
     _fields_ = [("n_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
-                ("gelu", _I), ("scale", _F), ("angle_sets", _I), ("traditional", _I * 2), ("layers", _P),
+                ("gelu", _I), ("scale", _F), ("angle_sets", _I), ("prompt_rows_min", _I), ("traditional", _I * 2),
+                ("layers", _P),
                 ("norm", NormStruct), ("head", LinearStruct)]
 
 
@@ -141,7 +142,8 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
     struct = ModelStruct(
         n_layers=len(decoder.layers), hidden=decoder.embed.shape[1], heads=decoder.n_heads,
         kv_heads=decoder.n_kv_heads, head_dim=decoder.head_dim, inter=decoder.layers[0].gate.weight.shape[0],
-        gelu=int(decoder.gemma), scale=decoder.scale, angle_sets=len(decoder.ropes), traditional=traditional,
+        gelu=int(decoder.gemma), scale=decoder.scale, angle_sets=len(decoder.ropes),
+        prompt_rows_min=decoder.prompt_rows_min, traditional=traditional,
         layers=ctypes.addressof(layers), norm=_norm(decoder.norm), head=_linear(decoder.head, keep))
     held_lib = blas_shim.holding_the_gil(lib)
     fns = [lib.mlxcel_decode_pass, held_lib.mlxcel_decode_pass]
