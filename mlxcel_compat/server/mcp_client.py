@@ -132,6 +132,7 @@ class StdioSession:
     initialized: bool = False
     last_error: str = ""
     stderr_tail: str = ""
+    closed: bool = False  # its stdout has ended: the process is gone or going, whatever poll() says yet
 
     def start(self) -> bool:
         env = {**os.environ, **dict(self.config.env)} if self.config.env else None
@@ -148,7 +149,7 @@ class StdioSession:
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.proc is not None and not self.closed and self.proc.poll() is None
 
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -161,6 +162,7 @@ class StdioSession:
                 continue  # not a message: skipped, as llama-server does
             if isinstance(message, dict):
                 self.replies.put(message)
+        self.closed = True  # before the end is seen: the next call starts a new process
         self.replies.put(None)  # end of stream
 
     def _read_stderr(self) -> None:
