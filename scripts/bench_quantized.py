@@ -601,6 +601,33 @@ def _fmt(value: float | None, spec: str, values: Sequence[float] | None = None) 
     return text
 
 
+def bytes_per_token(path: Path) -> int:
+    """Weight bytes a decode step reads: every tensor but the token embedding (one row of it),
+    which the output head reads whole where it is tied (no ``output.weight``)."""
+    from mlxcel_compat.model.gguf import open_gguf
+
+    tensors = open_gguf(path).tensors
+    embedding = tensors.get("token_embd.weight")
+    total = sum(t.n_bytes for t in tensors.values())
+    return total if embedding is None or "output.weight" not in tensors else total - embedding.n_bytes
+
+
+def stream_bandwidth(reps: int = 5) -> float:
+    """Bytes a second this machine streams from memory on all its cores, measured now: the best
+    of ``reps`` float32 matrix-vector products (OpenBLAS sgemv through NumPy, every thread) over
+    a 256 MiB matrix, which reads the matrix once from DRAM (the L3 holds a tenth of it)."""
+    import numpy as np
+
+    w = np.ones((8192, 8192), np.float32)
+    x = np.ones(8192, np.float32)
+    best = float("inf")
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        w @ x
+        best = min(best, time.perf_counter() - t0)
+    return w.nbytes / best
+
+
 def kv_bytes(path: Path, element_bytes: int) -> int:
     """Bytes of the K and V caches of the whole context (``CTX`` tokens) for the file's shape."""
     from mlxcel_compat.model.gguf import open_gguf
@@ -656,6 +683,12 @@ def report(key: str, path: Path, results: dict[str, dict[str, Any]], args: argpa
     if "decode" in args.measure:
         row("decode tok/s, 1 stream (timings)", "decode_tps", ".1f", ">= 1.2x", lambda b, a: b >= 1.2 * a)
         row("decode tok/s, 1 stream (wall)", "decode_wall_tps", ".1f")
+        if args.bandwidth:  # the streaming limit: weights read once a token at the measured bandwidth
+            floor = args.bandwidth / bytes_per_token(path)
+            shares = ", ".join(f"{server} {_med(results[server]['decode_tps']) / floor:.2f}x of it"
+                               for server in SERVERS if results.get(server, {}).get("decode_tps"))
+            print(f"  memory-bound limit: {floor:.1f} tok/s ({bytes_per_token(path) / MIB:.0f} MiB of weights a token "
+                  f"at {args.bandwidth / 1e9:.1f} GB/s streamed); {shares}")
     if "streams" in args.measure:
         row("decode tok/s, 4 streams (aggregate)", "streams_tps", ".1f", ">= 1.0x", lambda b, a: b >= a)
         row("  per stream (timings, mean)", "streams_per_stream_tps", ".1f")
@@ -751,6 +784,9 @@ def main() -> int:
         raise SystemExit(f"no llama-server at {args.llama_server} "
                          "(build it with ../shared/peers/build-llama-server.sh)")
     Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
+    args.bandwidth = stream_bandwidth() if "decode" in args.measure else None
+    if args.bandwidth:
+        print(f"memory streamed at {args.bandwidth / 1e9:.1f} GB/s (sgemv over 256 MiB, every thread)", flush=True)
 
     def interrupted(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
