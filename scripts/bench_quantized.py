@@ -28,7 +28,7 @@ What one server session measures (``-np 1``):
   file-backed parts are shown;
 - **decode**: a short prompt and 128 new tokens (``--n-predict``), ``--reps`` times:
   ``timings.predicted_per_second`` and tokens / request wall time (prefill of the short prompt
-  and HTTP included); medians, [min-max];
+  and HTTP included), and that short prompt's ``timings.prompt_ms``; medians, [min-max];
 - **prefill**: a 1024-token prompt (``--prefill-tokens``, a different one each repetition) and
   1 new token: ``timings.prompt_per_second`` (``prompt_n`` is checked to be the whole prompt);
 - **accuracy**: greedy 32-token continuations of 10 fixed prompts (``return_tokens``) against
@@ -486,13 +486,14 @@ def session_np1(args: argparse.Namespace, servers: list[str], path: Path, label:
                 res[server].update(rss_warm=warm["VmRSS"], rss_warm_anon=warm["RssAnon"], rss_warm_file=warm["RssFile"])
             if "decode" in args.measure:
                 for server in servers:
-                    res[server]["decode_tps"], res[server]["decode_wall_tps"] = [], []
+                    res[server]["decode_tps"], res[server]["decode_wall_tps"], res[server]["decode_prompt_ms"] = [], [], []
                 for rep in range(args.reps):
                     for server in _rotated(servers, rep):
                         answer, wall = completion(clients[server], procs[server], prep["prompts"][0], args.n_predict)
                         _check_counts(f"{server} decode", answer, len(prep["prompts"][0]), args.n_predict)
                         res[server]["decode_tps"].append(_timing(answer, "predicted_per_second"))
                         res[server]["decode_wall_tps"].append(answer["timings"]["predicted_n"] / wall)
+                        res[server]["decode_prompt_ms"].append(_timing(answer, "prompt_ms"))
             if "prefill" in args.measure:
                 for server in servers:
                     res[server]["prefill_tps"] = []
@@ -683,11 +684,13 @@ def report(key: str, path: Path, results: dict[str, dict[str, Any]], args: argpa
     if "decode" in args.measure:
         row("decode tok/s, 1 stream (timings)", "decode_tps", ".1f", ">= 1.2x", lambda b, a: b >= 1.2 * a)
         row("decode tok/s, 1 stream (wall)", "decode_wall_tps", ".1f")
+        row("  its short prompt: prompt_ms", "decode_prompt_ms", ".1f", higher=False)
         if args.bandwidth:  # the streaming limit: weights read once a token at the measured bandwidth
-            floor = args.bandwidth / bytes_per_token(path)
+            weights = bytes_per_token(path)
+            floor = args.bandwidth / weights
             shares = ", ".join(f"{server} {_med(results[server]['decode_tps']) / floor:.2f}x of it"
                                for server in SERVERS if results.get(server, {}).get("decode_tps"))
-            print(f"  memory-bound limit: {floor:.1f} tok/s ({bytes_per_token(path) / MIB:.0f} MiB of weights a token "
+            print(f"  memory-bound limit: {floor:.1f} tok/s ({weights / MIB:.0f} MiB of weights a token "
                   f"at {args.bandwidth / 1e9:.1f} GB/s streamed); {shares}")
     if "streams" in args.measure:
         row("decode tok/s, 4 streams (aggregate)", "streams_tps", ".1f", ">= 1.0x", lambda b, a: b >= a)

@@ -138,6 +138,10 @@ class Sequence:
         self.speculator: Any = None
         spec = request.reasoning_budget
         self.budget = ReasoningBudget(spec, partial(token_is_complete_utf8, text.tokenizer)) if spec is not None else None
+        # A plain greedy sequence on the CPU decode runtime: its eager steps take the argmax of
+        # the runtime's logits in NumPy (_decode_step_eager). Decided once: none of it changes.
+        self._runtime_argmax = (decoder is not None and self.budget is None and request.n_probs <= 0
+                                and grammar is None and chain.is_plain_argmax)
 
     # ------------------------------------------------------------------ public
 
@@ -433,16 +437,16 @@ class Sequence:
         return logits
 
     def _forward(self, tokens: list[int] | mx.array) -> tuple[Any, Any, Any]:
-        if (isinstance(tokens, list) and len(tokens) == 1 and self.decoder is not None and self.budget is None
-                and self.request.n_probs <= 0 and self.chain.is_plain_argmax
-                and self.decoder.can_run(self.cache, self.owned)):
-            # A plain greedy step on the CPU decode runtime: the argmax of its logits buffer in
-            # NumPy (the first of equal maxima, as MLX's), not a round trip through MLX's
-            # scheduler for one argmax (~0.1 ms a token); nothing reads the log-probabilities.
-            logits = self.decoder.step(tokens[0], self.cache, self.owned, self.request.lora or None)
-            self.cache_tokens.append(tokens[0])
-            return mx.array(int(logits.argmax()), dtype=mx.int32), None, None
         return self._sample(self._forward_logits(tokens))
+
+    def _argmax_step(self, token: int) -> tuple[Any, Any, Any]:
+        """A plain greedy step on the CPU decode runtime (``_runtime_argmax``, on a cache it
+        runs): the argmax of its logits buffer in NumPy (the first of equal maxima, as MLX's), not
+        a round trip through MLX's scheduler for one argmax (~0.1 ms a token); nothing reads the
+        log-probabilities."""
+        logits = self.decoder.step(token, self.cache, self.owned, self.request.lora or None)
+        self.cache_tokens.append(token)
+        return mx.array(int(logits.argmax()), dtype=mx.int32), None, None
 
     def _sample(self, logits: Any) -> tuple[Any, Any, Any]:
         result = self.chain.sample(self._budget_mask(logits), self._history)
@@ -520,7 +524,7 @@ class Sequence:
         self._pending = None
         self._accept(token, logprobs, probs)
         if self.finished is None:
-            self._pending = self._forward([token])
+            self._pending = self._argmax_step(token) if self._runtime_argmax else self._forward([token])
             mx.async_eval(*self._pending_arrays())
 
     def _decode_step_constrained(self, token_arr: Any, logprobs: Any, probs: Any) -> None:

@@ -584,8 +584,6 @@ class CpuDecoder:
                 o.apart = b.keep_apart(cache)
         return out if logits else None
 
-
-
     def _check_tokens(self, tokens: list[int]) -> None:
         vocab = self.embed.shape[0]
         for token in tokens:
@@ -609,14 +607,13 @@ class CpuDecoder:
             spans = [[self._angle_span(pos, n, kind) for kind in range(len(self.ropes))]
                      for pos, n in zip(positions, segments)]  # kept alive for the call
             angles = np.array([[_ptr(a) for span in row for a in span] for row in spans], np.int64)
-            kv = self._kv(views, positions, caches)
             offsets = np.cumsum([0, *segments], dtype=np.int32)
         else:
             b = self._buffers_for(rows)
             angles = np.array([[self._angle_row(pos, kind) for kind in range(len(self.ropes))] for pos in positions],
                               np.int64)
-            kv = self._kv(views, positions, caches)
             offsets = None
+        kv = self._kv(views, positions, caches)
         x = b.x[:rows]
         if isinstance(self.embed, BlockWeight):  # the ids were checked (_check_tokens)
             ids = np.array(tokens, np.int32)
