@@ -24,6 +24,7 @@
  * llama.cpp runs for prompts; one graph over the whole weight on ggml's threads (the activations
  * quantized once), chunks under 8 rows padded so every row takes the tiled kernel.
  */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -127,9 +128,45 @@ long mlxcel_repack_bytes(const struct mlxcel_repacked *r) { return r->buffer ? (
  * padded activations and outputs, and an output for products that accumulate. */
 static __thread struct mlxcel_scratch graph_scratch, work_scratch, x_scratch, pad_scratch, out_scratch;
 
+/* ggml's threads for graphs computed on more than one thread (prompt chunks' products), kept for
+ * the process: ggml_graph_compute without a threadpool makes one for the call and joins it after,
+ * ~0.1-0.2 ms a product (most of a short prompt's chunk). Its threads sleep as soon as a graph is
+ * done (poll 0), leaving the cores to the shim's pool between graphs. Held by one caller at a
+ * time (graph_threads_lock); another caller meanwhile computes with a threadpool of its own. */
+static pthread_mutex_t graph_threads_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct ggml_threadpool *graph_threads;
+static int graph_threads_n;
+
+static void graph_threads_after_fork_in_child(void) {
+    graph_threads = NULL; /* its threads did not survive the fork: the first graph makes new ones */
+    pthread_mutex_init(&graph_threads_lock, NULL);
+}
+
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, graph_threads_after_fork_in_child); }
+
+/* The process's threadpool of `threads` threads, locked for the caller (graph_threads_lock), or
+ * NULL (ggml makes one for the call) when another caller holds it. */
+static struct ggml_threadpool *graph_threads_acquire(int threads) {
+    static pthread_once_t registered = PTHREAD_ONCE_INIT;
+    pthread_once(&registered, register_fork_handler);
+    if (pthread_mutex_trylock(&graph_threads_lock) != 0) return NULL;
+    if (graph_threads && graph_threads_n != threads) {
+        ggml_threadpool_free(graph_threads);
+        graph_threads = NULL;
+    }
+    if (!graph_threads) {
+        struct ggml_threadpool_params params = ggml_threadpool_params_default(threads);
+        params.poll = 0;
+        graph_threads = ggml_threadpool_new(&params);
+        graph_threads_n = threads;
+    }
+    if (!graph_threads) pthread_mutex_unlock(&graph_threads_lock);
+    return graph_threads;
+}
+
 /* out[i, 0 .. count) = x[i, :] . W[r0 .. r0 + count, :] as one graph of `nodes` mul_mat nodes over
  * the same view of the weight, each of `rows` consecutive activation rows (strides ldx, ldo), on
- * `threads` threads (1: the calling thread; more: a pool ggml makes for the graph). */
+ * `threads` threads (1: the calling thread; more: the process's ggml threadpool, graph_threads). */
 static void run_graph(const struct mlxcel_repacked *r, int r0, int count, int nodes, int rows, const float *x,
                       long ldx, float *out, long ldo, int threads) {
     size_t tensors = 1 + 2 * (size_t)nodes;
@@ -152,9 +189,11 @@ static void run_graph(const struct mlxcel_repacked *r, int r0, int count, int no
         y->nb[2] = y->nb[3] = y->nb[1] * (size_t)rows;
         ggml_build_forward_expand(graph, y);
     }
-    struct ggml_cplan plan = ggml_graph_plan(graph, threads, NULL);
+    struct ggml_threadpool *pool = threads > 1 ? graph_threads_acquire(threads) : NULL;
+    struct ggml_cplan plan = ggml_graph_plan(graph, threads, pool);
     plan.work_data = plan.work_size ? mlxcel_scratch(&work_scratch, plan.work_size) : NULL;
     ggml_graph_compute(graph, &plan);
+    if (pool) pthread_mutex_unlock(&graph_threads_lock);
     ggml_free(ctx);
 }
 

@@ -212,6 +212,43 @@ def test_prompt_products_equal_the_dequantized_weights_within_the_activations_ro
 
 
 @PROMPT
+def test_prompt_products_from_several_threads_and_a_forked_child_equal_one_caller() -> None:
+    """Prompt graphs run on one ggml threadpool kept for the process: a second caller meanwhile
+    computes with a threadpool of its own, and a forked child (where the pool's threads do not
+    exist) makes a new one; every result is bit-identical to one caller's."""
+    import os
+    import signal
+    import threading
+    import time
+
+    _, weight = _prompt(T.Q4_K, 1024, 768, seed=17)
+    xs = [np.random.default_rng(18 + i).standard_normal((40, 768), dtype=np.float32) for i in range(4)]
+    alone = [weight.matmul(x, tiles=True) for x in xs]
+    got: list[list[np.ndarray]] = [[] for _ in xs]
+
+    def run(i: int) -> None:
+        for _ in range(20):
+            got[i].append(weight.matmul(xs[i], tiles=True))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(np.array_equal(g, alone[i]) for i in range(len(xs)) for g in got[i])
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if np.array_equal(weight.matmul(xs[0], tiles=True), alone[0]) else 1)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:  # a child waiting on threads the fork did not copy
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and done[1] == 0
+
+
+@PROMPT
 @pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q8_0])
 def test_prompt_product_rows_do_not_depend_on_the_chunk(ggml_type: int) -> None:
     """ggml picks its kernel by the row count (tiled from 8 rows, vec_dot below; llamafile's GEMM
