@@ -53,6 +53,25 @@ SMALL_M_MAX = 16
 GIL_HELD_ROWS_MAX = 16
 
 
+class StreamedConsumers:
+    """How many consumers read the engine's events as they come (streamed responses: the
+    event loop must run between tokens). While there is one, decode passes release the GIL
+    (``decode_pass.NativeModel.run``): a small model's step holding it for its 2-3 ms left the
+    event loop waiting a switch interval for each of its own GIL round trips, and streamed
+    tokens came in bursts 25-60 ms apart (small Q4_K_M, greedy). Counted on the event loop,
+    read on the engine thread; a plain int under the GIL."""
+
+    count = 0
+
+    @classmethod
+    def started(cls) -> None:
+        cls.count += 1
+
+    @classmethod
+    def ended(cls) -> None:
+        cls.count -= 1
+
+
 @dataclass(frozen=True)
 class ShimBuild:
     """The compiled library, or why there is none."""

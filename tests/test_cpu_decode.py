@@ -883,7 +883,8 @@ def test_steps_hold_the_gil_and_prompt_chunks_release_it() -> None:
     """A decode step of up to GIL_HELD_ROWS_MAX rows on a small model is one call made holding
     the GIL (``blas_shim.holding_the_gil``: no other thread's Python can delay its return); a
     prompt chunk, however short, releases it (the HTTP thread keeps running during its long
-    products), as a step of a big model does (``GIL_HELD_WEIGHT_BYTES_MAX``)."""
+    products), as a step of a big model does (``GIL_HELD_WEIGHT_BYTES_MAX``) and every step
+    while a response is streamed (``blas_shim.StreamedConsumers``)."""
     loaded = load_model(str(tiny_model("llama")), [])
     model, decoder = loaded.model, loaded.decoder
     native = decoder.native
@@ -905,8 +906,15 @@ def test_steps_hold_the_gil_and_prompt_chunks_release_it() -> None:
     decoder.prefill(_ids(2, seed=6), cache, owned)
     decoder.step_rows([8, 9], [cache, _prefill(model, 12)], [owned, cpu_decode.OwnedCache()])
     assert calls == ["released", "held", "released", "held"]
+    blas_shim.StreamedConsumers.started()  # a streamed response: the event loop runs between tokens
+    try:
+        decoder.step(10, cache, owned)
+    finally:
+        blas_shim.StreamedConsumers.ended()
+    decoder.step(11, cache, owned)
+    assert calls[-2:] == ["released", "held"]
     native.hold_gil = False  # a big model's
-    decoder.step(10, cache, owned)
+    decoder.step(12, cache, owned)
     assert calls[-1] == "released"
 
 

@@ -282,6 +282,39 @@ def test_ignore_eos_and_banned_tokens():
     assert_probs(got, dist_over([1, 2]))
 
 
+
+@pytest.mark.parametrize("params", [
+    {},
+    {"ignore_eos": True},
+    {"logit_bias": {2: 5.0, 3: float("-inf")}},
+    {"ignore_eos": True, "logit_bias": {0: 0.5}},
+])
+def test_plain_argmax_with_a_bias_is_the_chains_draw(params):
+    """Greedy rows with a logit bias (ignore_eos's -inf on the end tokens) take the fast argmax
+    paths: NumPy's on the CPU runtime's row (argmax_of, the row left as it was, a read-only one
+    too) and a batch's one argmax over biased rows. Each picks what the chain draws, ties to
+    the first index as MLX does."""
+    chain = SamplerChain(SamplingParams(temperature=0.0, **params), VOCAB, [EOG])
+    assert chain.is_plain_argmax
+    rng = np.random.default_rng(3)
+    rows = [LOGITS[::-1].copy(), rng.standard_normal(VOCAB).astype(np.float32), np.full(VOCAB, 1.5, np.float32)]
+    for row in rows:
+        before = row.copy()
+        drawn = chain.sample(mx.array(row)).token.item()
+        assert chain.argmax_of(row) == drawn and np.array_equal(row, before)
+        frozen = row.copy()
+        frozen.flags.writeable = False
+        assert chain.argmax_of(frozen) == drawn
+    batch = mx.array(np.stack(rows))
+    biased = batch
+    for i in range(len(rows)):
+        biased = chain.biased(biased, i)
+    picks = mx.argmax(biased, axis=-1).tolist()
+    assert picks == [chain.sample(mx.array(row)).token.item() for row in rows]
+    if "ignore_eos" in params:
+        assert picks[0] != EOG  # the reversed row's best token is the end token, which is banned
+
+
 # -- penalties -----------------------------------------------------------------
 
 

@@ -226,7 +226,13 @@ class DecodeBatch:
             raise
         constrained = [s for s in self.sequences if s.grammar is not None]
         plain = [s.chain.is_plain_argmax and s.request.n_probs <= 0 and s.grammar is None for s in self.sequences]
-        argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if any(plain) else None
+        argmax = None
+        if any(plain):  # one argmax for the batch, each plain row with its logit bias (ignore_eos)
+            biased = logits
+            for i, seq in enumerate(self.sequences):
+                if plain[i]:
+                    biased = seq.chain.biased(biased, i)
+            argmax = mx.argmax(biased, axis=-1).astype(mx.int32)
         pending: list[Any] = [logits] if constrained else []
         broken: dict[int, Exception] = {}
         for i, seq in enumerate(self.sequences):

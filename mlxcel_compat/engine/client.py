@@ -18,6 +18,7 @@ import asyncio
 import collections
 from typing import Any, AsyncIterator, Callable
 
+from mlxcel_compat.blas_shim import StreamedConsumers
 from mlxcel_compat.engine.core import Engine
 from mlxcel_compat.engine.embedding import EmbeddingJob, embed
 from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest
@@ -49,6 +50,8 @@ class EngineClient:
 
         self.engine.submit(request, sink)
         self.in_flight += 1
+        if incremental:
+            StreamedConsumers.started()
         done = False
         try:
             while True:
@@ -65,6 +68,8 @@ class EngineClient:
                     return
         finally:
             self.in_flight -= 1
+            if incremental:
+                StreamedConsumers.ended()
             if not done:
                 self.engine.cancel(request.task_id)
 

@@ -441,12 +441,12 @@ class Sequence:
 
     def _argmax_step(self, token: int) -> tuple[Any, Any, Any]:
         """A plain greedy step on the CPU decode runtime (``_runtime_argmax``, on a cache it
-        runs): the argmax of its logits buffer in NumPy (the first of equal maxima, as MLX's), not
-        a round trip through MLX's scheduler for one argmax (~0.1 ms a token); nothing reads the
-        log-probabilities."""
+        runs): the argmax of its logits buffer after the logit bias, in NumPy
+        (``SamplerChain.argmax_of``), not a round trip through MLX's scheduler (~0.1 ms a token);
+        nothing reads the log-probabilities."""
         logits = self.decoder.step(token, self.cache, self.owned, self.request.lora or None)
         self.cache_tokens.append(token)
-        return mx.array(int(logits.argmax()), dtype=mx.int32), None, None
+        return mx.array(self.chain.argmax_of(logits), dtype=mx.int32), None, None
 
     def _sample(self, logits: Any) -> tuple[Any, Any, Any]:
         result = self.chain.sample(self._budget_mask(logits), self._history)
@@ -594,7 +594,7 @@ class Sequence:
         n_before = len(self.generated)
         self._accept(token, logprobs, probs)
         greedy = self.chain.is_plain_argmax and self.request.n_probs <= 0
-        picks = np.argmax(rows, axis=1) if greedy else None
+        picks = [self.chain.argmax_of(row) for row in rows] if greedy else None
 
         def sample_at(i: int) -> tuple[int, Any]:
             if greedy:  # no probabilities were asked for: the token is all a step keeps

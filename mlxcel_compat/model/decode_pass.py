@@ -21,8 +21,9 @@ from mlxcel_compat import blas_shim
 _P, _I, _F, _D = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_double
 
 # Passes this long or shorter hold the GIL (steps of up to GIL_HELD_ROWS_MAX rows over at most
-# this many weight bytes: a few milliseconds); a longer one releases it, so the HTTP side is not
-# held up for a whole step of a big model.
+# this many weight bytes: a few milliseconds) unless a response is being streamed
+# (blas_shim.StreamedConsumers); a longer one releases it, so the HTTP side is not held up for a
+# whole step of a big model.
 GIL_HELD_WEIGHT_BYTES_MAX = 512 << 20
 KV_FIELDS = 8  # struct mlxcel_kv: keys, values, k_out, v_out, capacity, write, n, unused (8 bytes each)
 
@@ -79,7 +80,8 @@ class NativeModel:
         """One pass (``mlxcel_decode_pass``); 0, or 1 + the layer whose attention did not fit.
         ``segments``: int32 row offsets of prompt chunks (one more than there are chunks), or
         None for decode rows."""
-        held = self.hold_gil and segments is None and rows <= blas_shim.GIL_HELD_ROWS_MAX
+        held = (self.hold_gil and segments is None and rows <= blas_shim.GIL_HELD_ROWS_MAX
+                and not blas_shim.StreamedConsumers.count)
         fn = self.run_held if held else self.run_released
         return fn(self.address, buffers.address, rows,
                   segments.ctypes.data if segments is not None else None, len(segments) - 1 if segments is not None else 0,
