@@ -231,3 +231,31 @@ def test_own_q8_k_quantizer_writes_ggml_s_bytes() -> None:
         ours_fn(x.ctypes.data, ours.ctypes.data, 768)
         ggml_fn(x.ctypes.data, theirs.ctypes.data, 768)
         np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.skipif(isinstance(LIB, str) or not LIB.dequantizers, reason="the shim has no own dequantizers on this CPU")
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0], ids=lambda t: t.name)
+def test_own_dequantizers_write_ggml_s_floats(qtype: T) -> None:
+    """quant_rows.c's expansion of 32-value blocks to float32 (a prompt chunk's tiles, an
+    embedding row): bit for bit ggml's to_float (its scalar reference code), on random valid
+    blocks and on blocks at the ends of their ranges (every bit of qh set, factors of both signs,
+    subnormal and largest half-precision factors)."""
+    import ctypes
+
+    assert int(qtype) in LIB.dequantizers
+    fn_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+    ours_fn = fn_type(LIB.dequantizers[int(qtype)])
+    ggml_fn = fn_type(LIB.ggml.base.ggml_get_type_traits(int(qtype)).contents.to_float)
+    k = 512
+    raw = raw_weight(qtype, 6, k, seed=9)
+    blocks = raw.reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    extremes = np.array([0x0001, 0x7BFF, 0xFBFF, 0x8001], np.uint16).view(np.uint8).reshape(4, 2)
+    blocks[:4, :2] = extremes  # d: smallest subnormal, largest, its negative, negative subnormal
+    if qtype in (T.Q5_0, T.Q5_1):
+        offset = 2 if qtype == T.Q5_0 else 4
+        blocks[4:8, offset:offset + 4] = 0xFF  # every fifth bit set
+    for row in raw:
+        ours, theirs = np.zeros(k, np.float32), np.ones(k, np.float32)
+        ours_fn(row.ctypes.data, ours.ctypes.data, k)
+        ggml_fn(row.ctypes.data, theirs.ctypes.data, k)
+        np.testing.assert_array_equal(ours.view(np.uint32), theirs.view(np.uint32))

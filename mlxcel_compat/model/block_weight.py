@@ -54,6 +54,7 @@ class BlockLibrary:
     matmul_held: Any  # mlxcel_block_matmul called holding the GIL: for short calls
     own_kernels: frozenset[int]  # types whose decode rows the shim's own kernels multiply (quant_rows.c)
     quantizers: dict[int, int]  # activation types the shim quantizes itself (byte for byte ggml's), to the function
+    dequantizers: dict[int, int]  # weight types the shim expands to float32 itself (ggml's is scalar), to the function
 
     def block_type(self, ggml_type: int) -> ggml_cpu.BlockType:
         """ggml's kernels of the type, with the shim's own rows kernel and activation quantizer
@@ -63,6 +64,9 @@ class BlockLibrary:
         own_quantizer = self.quantizers.get(self.ggml.activation_type(ggml_type))
         if own_quantizer:
             kind.quantize = own_quantizer
+        own_dequantizer = self.dequantizers.get(int(ggml_type))
+        if own_dequantizer:
+            kind.to_float = own_dequantizer
         return kind
 
     def describe(self, ggml_type: int) -> str:
@@ -71,6 +75,8 @@ class BlockLibrary:
         text = self.ggml.describe(ggml_type)
         if int(ggml_type) in self.own_kernels:
             text += "; decode rows by mlxcel's AVX-512 kernel"
+        if int(ggml_type) in self.dequantizers:
+            text += "; float32 tiles expanded by mlxcel's AVX-512 code"
         return text
 
 
@@ -88,21 +94,23 @@ def library() -> BlockLibrary | str:
     try:
         matmul, rows = shim.lib.mlxcel_block_matmul, shim.lib.mlxcel_block_rows
         matmul_held = blas_shim.holding_the_gil(shim.lib).mlxcel_block_matmul
-        own, quantizer = shim.lib.mlxcel_rows_kernel, shim.lib.mlxcel_quantizer
+        own, quantizer, dequantizer = shim.lib.mlxcel_rows_kernel, shim.lib.mlxcel_quantizer, shim.lib.mlxcel_dequantizer
     except AttributeError:
         return "the loaded BLAS shim has no block products (built from an older source)"
     matmul.restype = rows.restype = matmul_held.restype = None
     matmul.argtypes = matmul_held.argtypes = [_P, _I, _P, _L, _P, _L, _F, _I]
     rows.argtypes = [_P, _P, _I, _P]
-    own.restype = quantizer.restype = _P
-    own.argtypes = quantizer.argtypes = [_I]
+    own.restype = quantizer.restype = dequantizer.restype = _P
+    own.argtypes = quantizer.argtypes = dequantizer.argtypes = [_I]
     own_kernels: frozenset[int] = frozenset()
     quantizers: dict[int, int] = {}
+    dequantizers: dict[int, int] = {}
     if own_kernels_enabled():
         own_kernels = frozenset(int(t) for t in ggml_cpu.BLOCK_TYPES if own(int(t)))
         acts = {ggml.activation_type(t) for t in ggml_cpu.BLOCK_TYPES}
         quantizers = {a: quantizer(a) for a in acts if quantizer(a)}
-    return BlockLibrary(matmul, rows, ggml, matmul_held, own_kernels, quantizers)
+        dequantizers = {int(t): dequantizer(int(t)) for t in ggml_cpu.BLOCK_TYPES if dequantizer(int(t))}
+    return BlockLibrary(matmul, rows, ggml, matmul_held, own_kernels, quantizers, dequantizers)
 
 
 def row_bytes(ggml_type: int, k: int) -> int:
