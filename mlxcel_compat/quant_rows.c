@@ -27,6 +27,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef void (*mlxcel_rows_fn)(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
@@ -36,6 +37,7 @@ typedef void (*mlxcel_quantize_fn)(const float *x, void *y, int64_t k);
 
 typedef void (*mlxcel_dequantize_fn)(const void *x, float *y, int64_t k);
 
+enum { SPLIT_TYPE_BASE = 1000 }; /* + a ggml type: that type with its rows split (rows_q4_1_split) */
 enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q6_K = 14,
        TYPE_Q8_K = 15 }; /* enum ggml_type */
 
@@ -367,6 +369,118 @@ static inline __attribute__((always_inline)) void q8_0_tile(int k, const void *w
 
 ROWS_DRIVER(q8_0)
 
+#if defined(__AVX512VL__)
+static inline void nibble_halves(const uint8_t *qs, uint32_t qh, int five_bits, __m512i *first, __m512i *second);
+static inline void store_block(float *y, __m512i first, __m512i second, int offset, float d, int with_min, float m);
+
+/* ------------------------------------------------------------------------ Q4_1, rows split
+ * A Q4_1 weight whose rows were rearranged at load (block_weight.split_rows): a row's nb blocks
+ * as their nibbles (nb x 16 bytes), then their factors d (nb half floats), then their minimums m
+ * (nb half floats): ggml's row of 20-byte blocks, the same bytes in another order, so that 16
+ * blocks' factors are one load and two blocks' nibbles another. ggml's AVX2 vec_dot (its only
+ * x86 code for Q4_1) converts each block's two factors one at a time and pairs 32 values an
+ * instruction; this takes 64 (vpdpbusd: the nibbles as u8 times the activations' s8) and is
+ * ~1.3-1.6x ggml's on a row in the caches (2026-12-06). The activations are ggml's own Q8_1
+ * blocks (d, s = d x the sum of the values, 32 values), copied per row into three arrays. The
+ * integer sums are ggml's; a row's total is d_w d_a x sum plus m_w s_a over the blocks, added in
+ * another order (float32 rounding). */
+#define TYPE_Q4_1_SPLIT (SPLIT_TYPE_BASE + TYPE_Q4_1)
+
+struct q8_1_block {
+    uint16_t d, s;
+    int8_t qs[32];
+};
+
+/* nw (1 or 2) split rows (w, w + w_bytes) of nb blocks times one activation row (q: its values,
+ * d and s: per block): out[j]. Each row takes the same operations whatever nw is. */
+static inline __attribute__((always_inline)) void q4_1_split_tile(int nb, const uint8_t *w, size_t w_bytes, int nw,
+                                                                   const int8_t *q, const float *d, const float *s,
+                                                                   float *out) {
+    const __m512i shift = _mm512_set_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0, 0, 0x0004000400040004LL,
+                                           0x0004000400040004LL, 0, 0); /* high nibbles in 128-bit lanes 1 and 3 */
+    const __m512i low = _mm512_set1_epi8(0x0f), twice = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);
+    __m512 acc[2], mins[2];
+    for (int j = 0; j < nw; j++) acc[j] = mins[j] = _mm512_setzero_ps();
+    for (int b0 = 0; b0 < nb; b0 += 16) {
+        const int count = nb - b0 < 16 ? nb - b0 : 16;
+        const __mmask16 in = (__mmask16)((1u << count) - 1);
+        const __m512 ad = _mm512_maskz_loadu_ps(in, d + b0), as = _mm512_maskz_loadu_ps(in, s + b0);
+        __m512 f[2];
+        for (int j = 0; j < nw; j++) {
+            const uint16_t *factors = (const uint16_t *)(w + j * w_bytes + (size_t)nb * 16);
+            f[j] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, factors + b0)), ad);
+            mins[j] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, factors + nb + b0)), as, mins[j]);
+        }
+        for (int p = 0; p < count; p += 2) {
+            const int b = b0 + p, pair = p + 1 < count;
+            /* blocks b and b + 1: activations in the halves, factors in lanes 0-7 and 8-15 */
+            __m512i a = pair ? _mm512_loadu_si512(q + (size_t)b * 32)
+                             : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q + (size_t)b * 32)));
+            __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(p), _mm256_set1_epi32(p + pair), 1);
+            for (int j = 0; j < nw; j++) {
+                const uint8_t *nibbles = w + j * w_bytes + (size_t)b * 16;
+                __m512i raw = pair ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)nibbles))
+                                   : _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)nibbles));
+                __m512i v = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi64(twice, raw), shift), low);
+                if (!pair) v = _mm512_maskz_mov_epi32(0x00ff, v);
+                __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, a);
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_permutexvar_ps(pick, f[j]), acc[j]);
+            }
+        }
+    }
+    for (int j = 0; j < nw; j++) out[j] = _mm512_reduce_add_ps(acc[j]) + _mm512_reduce_add_ps(mins[j]);
+}
+
+static __thread struct {
+    void *p;
+    size_t size;
+} split_scratch;
+
+/* rows_fn over split Q4_1 rows: for each activation row, its values and factors copied out, then
+ * weight rows r and r + n/2 together (as ROWS_DRIVER's single row). */
+static void rows_q4_1_split(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
+                            float *out, size_t ldo) {
+    const int nb = k / 32;
+    size_t need = (size_t)nb * (32 + 2 * sizeof(float));
+    if (split_scratch.size < need) {
+        free(split_scratch.p);
+        split_scratch.p = malloc(need);
+        split_scratch.size = split_scratch.p ? need : 0;
+        if (!split_scratch.p) return;
+    }
+    float *d = split_scratch.p, *s = d + nb;
+    int8_t *q = (int8_t *)(s + nb);
+    const uint8_t *wr = w;
+    for (int i = 0; i < m; i++) {
+        const struct q8_1_block *y = (const struct q8_1_block *)((const char *)act + (size_t)i * act_bytes);
+        for (int b = 0; b < nb; b++) {
+            memcpy(q + (size_t)b * 32, y[b].qs, 32);
+            d[b] = half_to_float(y[b].d);
+            s[b] = half_to_float(y[b].s);
+        }
+        float *o = out + (size_t)i * ldo, t[2];
+        const int half = n / 2;
+        for (int r = 0; r < half; r++) {
+            q4_1_split_tile(nb, wr + (size_t)r * row_bytes, (size_t)half * row_bytes, 2, q, d, s, t);
+            o[r] = t[0], o[r + half] = t[1];
+        }
+        if (n % 2) q4_1_split_tile(nb, wr + (size_t)(n - 1) * row_bytes, row_bytes, 1, q, d, s, o + n - 1);
+    }
+}
+
+/* A split row expanded to float32: d x q + m, as ggml's dequantize_row_q4_1 (exact products). */
+static void dequantize_q4_1_split(const void *vx, float *y, int64_t k) {
+    const int64_t nb = k / 32;
+    const uint8_t *nibbles = vx;
+    const uint16_t *factors = (const uint16_t *)(nibbles + nb * 16);
+    for (int64_t b = 0; b < nb; b++, y += 32) {
+        __m512i first, second;
+        nibble_halves(nibbles + b * 16, 0, 0, &first, &second);
+        store_block(y, first, second, 0, half_to_float(factors[b]), 1, half_to_float(factors[nb + b]));
+    }
+}
+#endif /* AVX512VL */
+
 #endif /* AVX512VNNI */
 
 /* ------------------------------------------------------------- 32-value blocks to float32
@@ -469,6 +583,9 @@ mlxcel_dequantize_fn mlxcel_dequantizer(int ggml_type) {
     case TYPE_Q5_0: return dequantize_q5_0;
     case TYPE_Q5_1: return dequantize_q5_1;
     case TYPE_Q8_0: return dequantize_q8_0;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    case TYPE_Q4_1_SPLIT: return dequantize_q4_1_split;
+#endif
     default: return NULL;
     }
 }
@@ -479,6 +596,9 @@ mlxcel_rows_fn mlxcel_rows_kernel(int ggml_type) {
     case TYPE_Q6_K: return rows_q6_K;
 #if defined(__AVX512VNNI__)
     case TYPE_Q8_0: return rows_q8_0;
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    case TYPE_Q4_1_SPLIT: return rows_q4_1_split;
 #endif
     default: return NULL;
     }

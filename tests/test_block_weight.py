@@ -259,3 +259,28 @@ def test_own_dequantizers_write_ggml_s_floats(qtype: T) -> None:
         ours_fn(row.ctypes.data, ours.ctypes.data, k)
         ggml_fn(row.ctypes.data, theirs.ctypes.data, k)
         np.testing.assert_array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
+@pytest.mark.skipif(isinstance(LIB, str) or not LIB.split_kinds, reason="the shim has no split-row kernels on this CPU")
+@pytest.mark.parametrize("n,k", [(300, 512), (7, 96), (64, 4096)])
+def test_split_q4_1_rows_give_ggml_s_products(n: int, k: int) -> None:
+    """A Q4_1 weight whose rows split_rows rearranged (nibbles, then factors, then minimums: the
+    same bytes) expands to exactly the values of its blocks (gguf-py's), and its decode rows
+    agree with ggml's vec_dot over the original blocks to float32 rounding (the same integer
+    sums, the block terms added in another order), each row whatever rows share its call; its
+    prompt tiles are bit for bit the original's."""
+    from mlxcel_compat.model.block_weight import split_rows
+
+    raw = raw_weight(T.Q4_1, n, k, seed=21)
+    plain = BlockWeight(raw, T.Q4_1, n, k, LIB)
+    split = BlockWeight(raw.copy(), T.Q4_1, n, k, LIB)
+    assert split_rows(split) and split.split and not split_rows(split)  # once only
+    assert not np.array_equal(split.data, raw)  # rearranged
+    np.testing.assert_array_equal(split.dequantize(), reference(T.Q4_1, raw))
+    x = np.random.default_rng(22).standard_normal((11, k)).astype(np.float32)
+    want = plain.matmul(x, tiles=False)
+    got = split.matmul(x, tiles=False)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    for i in (0, 5, 10):
+        np.testing.assert_array_equal(split.matmul(x[i:i + 1], tiles=False)[0], got[i])
+    np.testing.assert_array_equal(split.matmul(x, tiles=True), plain.matmul(x, tiles=True))

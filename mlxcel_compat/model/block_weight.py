@@ -29,6 +29,10 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 # model's layers choose by sequence instead (``block_layers``: decode steps vec_dot, prompt
 # chunks tiles), and the CPU decode runtime always takes vec_dot.
 VEC_DOT_ROWS_MAX = 8
+# Types whose rows ``split_rows`` rearranges at load for the shim's own kernels (quant_rows.c),
+# and the code (SPLIT_TYPE_BASE + the ggml type) that names the rearranged form there.
+SPLIT_TYPES = (3,)  # GGML_TYPE_Q4_1
+SPLIT_TYPE_BASE = 1000
 
 
 class _WeightStruct(ctypes.Structure):
@@ -55,6 +59,7 @@ class BlockLibrary:
     own_kernels: frozenset[int]  # types whose decode rows the shim's own kernels multiply (quant_rows.c)
     quantizers: dict[int, int]  # activation types the shim quantizes itself (byte for byte ggml's), to the function
     dequantizers: dict[int, int]  # weight types the shim expands to float32 itself (ggml's is scalar), to the function
+    split_kinds: dict[int, ggml_cpu.BlockType]  # types whose rows split_rows rearranges, to their kernels
 
     def block_type(self, ggml_type: int) -> ggml_cpu.BlockType:
         """ggml's kernels of the type, with the shim's own rows kernel and activation quantizer
@@ -69,13 +74,21 @@ class BlockLibrary:
             kind.to_float = own_dequantizer
         return kind
 
+    def split_kind(self, ggml_type: int) -> ggml_cpu.BlockType:
+        """The kernels of a weight of the type whose rows ``split_rows`` rearranged."""
+        return self.split_kinds[int(ggml_type)]
+
     def describe(self, ggml_type: int) -> str:
         """What the start-up log says multiplies a type: ggml's kernels, and the shim's own for
         decode rows where it has one."""
         text = self.ggml.describe(ggml_type)
         if int(ggml_type) in self.own_kernels:
             text += "; decode rows by mlxcel's AVX-512 kernel"
-        if int(ggml_type) in self.dequantizers:
+        if int(ggml_type) in self.split_kinds:
+            activations = text.split(" x ")[1].split(" ")[0] if " x " in text else "8-bit"
+            text = (f"mlxcel's AVX-512 VNNI kernel over rows split at load (nibbles, then factors) x ggml's "
+                    f"{activations} activations; float32 tiles expanded by mlxcel's AVX-512 code")
+        elif int(ggml_type) in self.dequantizers:
             text += "; float32 tiles expanded by mlxcel's AVX-512 code"
         return text
 
@@ -110,7 +123,14 @@ def library() -> BlockLibrary | str:
         acts = {ggml.activation_type(t) for t in ggml_cpu.BLOCK_TYPES}
         quantizers = {a: quantizer(a) for a in acts if quantizer(a)}
         dequantizers = {int(t): dequantizer(int(t)) for t in ggml_cpu.BLOCK_TYPES if dequantizer(int(t))}
-    return BlockLibrary(matmul, rows, ggml, matmul_held, own_kernels, quantizers, dequantizers)
+    split_kinds: dict[int, ggml_cpu.BlockType] = {}
+    for ggml_type in SPLIT_TYPES if own_kernels_enabled() else ():
+        code = SPLIT_TYPE_BASE + int(ggml_type)
+        if own(code) and dequantizer(code):
+            plain = ggml.block_type(ggml_type)
+            split_kinds[int(ggml_type)] = ggml_cpu.BlockType(plain.vec_dot, plain.quantize, dequantizer(code),
+                                                             plain.act_block, plain.act_block_bytes, code)
+    return BlockLibrary(matmul, rows, ggml, matmul_held, own_kernels, quantizers, dequantizers, split_kinds)
 
 
 def row_bytes(ggml_type: int, k: int) -> int:
@@ -145,6 +165,8 @@ class BlockWeight:
     # ggml's own mul_mat over these blocks (``ggml_repack.PromptProduct``) where it multiplies
     # prompt chunks faster than float32 tiles: the ``tiles`` path goes there
     prompt: Any = None
+    # rows rearranged by ``split_rows`` (nibbles, then factors): only this library's kernels read them
+    split: bool = False
     address: int = field(init=False)  # of the C struct, passed on every call
     _struct: _WeightStruct = field(init=False, repr=False)
 
@@ -163,7 +185,7 @@ class BlockWeight:
         self._describe()
 
     def _describe(self) -> None:
-        kind = self.lib.block_type(self.ggml_type)
+        kind = self.lib.split_kind(self.ggml_type) if self.split else self.lib.block_type(self.ggml_type)
         self._struct = _WeightStruct(
             ctypes.addressof(kind), self.data.ctypes.data, self.data.shape[1],
             self.rows.ctypes.data if self.rows is not None else None,
@@ -237,4 +259,29 @@ class BlockWeight:
         return self.take(np.arange(self.n))
 
 
-__all__ = ["VEC_DOT_ROWS_MAX", "BlockLibrary", "BlockWeight", "library", "row_bytes"]
+def split_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: int = 0) -> bool:
+    """Rearrange each row of ``weight`` (a linear layer's or embedding's blocks of a type in
+    ``SPLIT_TYPES``, where the library has the kernels) into a copy: the blocks' nibbles, then
+    their factors, then their minimums, the same bytes (``quant_rows.c``: a Q4_1 row's 16
+    factors are then one load, ~1.3-1.6x ggml's vec_dot). The file's pages of the weight
+    (``mapped``, at ``offset``) are dropped, as a repacked weight's are: the weight still takes
+    the file's size. Whether it was split."""
+    if (int(weight.ggml_type) not in weight.lib.split_kinds or weight.split or weight.group_bias is not None
+            or weight.repacked is not None or weight.prompt is not None):
+        return False
+    block, size = 32, row_bytes(weight.ggml_type, 32)
+    blocks = weight.data.reshape(weight.n, weight.k // block, size)
+    head = size - block // 2  # the factor bytes ahead of the nibbles: d and m
+    nibbles = blocks[:, :, head:].reshape(weight.n, -1)
+    factors = [blocks[:, :, f:f + 2].reshape(weight.n, -1) for f in range(0, head, 2)]
+    weight.data = np.ascontiguousarray(np.concatenate([nibbles, *factors], axis=1))
+    weight.split = True
+    weight._describe()
+    if mapped is not None:
+        from mlxcel_compat.model.ggml_repack import release_pages
+
+        release_pages(mapped, offset, weight.data.nbytes)
+    return True
+
+
+__all__ = ["SPLIT_TYPES", "VEC_DOT_ROWS_MAX", "BlockLibrary", "BlockWeight", "library", "row_bytes", "split_rows"]

@@ -262,6 +262,8 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
             elif isinstance(module, block_layers.BlockLinear) and ggml_repack.prompt_product(
                     weight, maps[info.path], info.offset):
                 summary.prompt_products[label] = summary.prompt_products.get(label, 0) + 1
+            else:
+                block_weight.split_rows(weight, maps[info.path], info.offset)
             summary.precision[label] = summary.precision.get(label, 0) + 1
             summary.weight_bytes[label] = summary.weight_bytes.get(label, 0) + weight.nbytes
             summary.kernels.setdefault(label, lib.describe(info.ggml_type))
