@@ -78,16 +78,15 @@ class BlockLibrary:
         """The kernels of a weight of the type whose rows ``split_rows`` rearranged."""
         return self.split_kinds[int(ggml_type)]
 
-    def describe(self, ggml_type: int) -> str:
-        """What the start-up log says multiplies a type: ggml's kernels, and the shim's own for
-        decode rows where it has one."""
+    def describe(self, ggml_type: int, split: bool = False) -> str:
+        """What the start-up log says multiplies a type (its rows ``split`` or not): ggml's
+        kernels, and the shim's own for decode rows where it has one."""
         text = self.ggml.describe(ggml_type)
         if int(ggml_type) in self.own_kernels:
             text += "; decode rows by mlxcel's AVX-512 kernel"
-        if int(ggml_type) in self.split_kinds:
-            activations = text.split(" x ")[1].split(" ")[0] if " x " in text else "8-bit"
-            text = (f"mlxcel's AVX-512 VNNI kernel over rows split at load (nibbles, then factors) x ggml's "
-                    f"{activations} activations; float32 tiles expanded by mlxcel's AVX-512 code")
+        if split:
+            text += ("; rows split at load (nibbles, then factors): decode rows by mlxcel's AVX-512 VNNI kernel, "
+                     "float32 tiles expanded by mlxcel's AVX-512 code")
         elif int(ggml_type) in self.dequantizers:
             text += "; float32 tiles expanded by mlxcel's AVX-512 code"
         return text

@@ -266,7 +266,7 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
                 block_weight.split_rows(weight, maps[info.path], info.offset)
             summary.precision[label] = summary.precision.get(label, 0) + 1
             summary.weight_bytes[label] = summary.weight_bytes.get(label, 0) + weight.nbytes
-            summary.kernels.setdefault(label, lib.describe(info.ggml_type))
+            summary.kernels.setdefault(label, lib.describe(info.ggml_type, weight.split))
             done += info.n_bytes
             if progress is not None:
                 progress(done, total)

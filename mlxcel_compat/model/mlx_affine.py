@@ -50,7 +50,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from mlxcel_compat.model import block_layers
-from mlxcel_compat.model.block_weight import BlockLibrary, BlockWeight, row_bytes
+from mlxcel_compat.model.block_weight import BlockLibrary, BlockWeight, row_bytes, split_rows
 
 AFFINE = "affine"
 BLOCK = 32  # values per ggml block (Q4_1, Q8_0)
@@ -304,9 +304,10 @@ def serve(model: Any, lib: BlockLibrary) -> AffineLoad:
         n, k = module.weight.shape[0], module.weight.shape[1] * 32 // bits
         weight = BlockWeight(target.data, target.ggml_type, n, k, lib, group_bias=target.group_bias,
                              bias_group=target.bias_group)
+        split_rows(weight)  # a 4-bit weight's Q4_1 rows, for the shim's own kernel (block_weight.py)
         block_layers.install(model, path, weight)
         summary.inexact += not target.exact
-        kernel = lib.describe(target.ggml_type) + (" + group biases" if target.group_bias is not None else "")
+        kernel = lib.describe(target.ggml_type, weight.split) + (" + group biases" if target.group_bias is not None else "")
         summary.count(f"blocks {T(target.ggml_type).name.lower()}", weight.nbytes, source, kernel)
         del module, arrays, target, weight
     return summary
