@@ -484,20 +484,25 @@ static void dequantize_q4_1_split(const void *vx, float *y, int64_t k) {
 #endif /* AVX512VNNI */
 
 /* ------------------------------------------------------------- 32-value blocks to float32
- * Weight rows of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 expanded to float32 (a prompt chunk's tiles,
+ * Weight rows of Q4_0, Q4_1, Q5_0 and Q5_1 expanded to float32 (a prompt chunk's tiles,
  * block_matmul.c; an embedding row), 16 values an instruction: ggml's to_float for these types
  * is its scalar reference code (~0.8 ns a value here, ~40 ms of a 32-token prompt on SmolLM2's
  * Q4_1 file; this takes ~0.1 ns). The same values as ggml's, bit for bit: the integer value
- * (less its offset) converted to float, times d, plus m for the types with a minimum. The
- * product of an integer of at most 8 bits and a half-precision d is exact in float32, so a
- * fused multiply-add rounds once where ggml's x*d + m rounds once too. A 32-value block: value j of the first half
- * is the low nibble of qs[j], of the second half its high nibble; the Q5 types' fifth bits are
- * bits j and 16 + j of qh. */
+ * (less its offset) converted to float, times d, plus m for the types with a minimum (the
+ * product of a 5-bit integer and a half-precision d is exact in float32, so a fused
+ * multiply-add rounds once where ggml's x*d + m does). A 32-value block: value j of the first
+ * half is the low nibble of qs[j], of the second half its high nibble; the Q5 types' fifth bits
+ * are bits j and 16 + j of qh. (Q8_0's to_float, vectorized by the compiler, is as fast.) */
 
-struct q4_0_block { uint16_t d; uint8_t qs[16]; };
-struct q4_1_block { uint16_t d, m; uint8_t qs[16]; };
-struct q5_0_block { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; };
-struct q5_1_block { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; };
+/* Where a 32-value type keeps its parts: bytes a block, offsets of the minimum m (-1: none),
+ * the fifth bits qh (-1: none) and the 16 bytes of nibbles (d at 0), and the offset taken from
+ * every integer value. */
+struct nibble_layout {
+    int bytes, m, qh, qs, offset;
+};
+
+static const struct nibble_layout Q4_0_LAYOUT = {18, -1, -1, 2, 8}, Q4_1_LAYOUT = {20, 2, -1, 4, 0},
+                                  Q5_0_LAYOUT = {22, -1, 2, 6, 16}, Q5_1_LAYOUT = {24, 2, 4, 8, 0};
 
 /* The block's 16 bytes of nibbles as two vectors of 16 int32 values: the low nibbles (values
  * 0-15) and the high ones (values 16-31), each with its fifth bit from qh where there is one. */
@@ -521,56 +526,24 @@ static inline void store_block(float *y, __m512i first, __m512i second, int offs
     _mm512_storeu_ps(y + 16, with_min ? _mm512_fmadd_ps(b, vd, vm) : _mm512_mul_ps(b, vd));
 }
 
-static void dequantize_q4_0(const void *vx, float *y, int64_t k) {
-    const struct q4_0_block *x = vx;
-    for (int64_t b = 0; b < k / 32; b++, y += 32) {
+static inline __attribute__((always_inline)) void dequantize_nibbles(const uint8_t *x, float *y, int64_t k,
+                                                                      struct nibble_layout L) {
+    for (int64_t b = 0; b < k / 32; b++, x += L.bytes, y += 32) {
+        uint16_t d, m = 0;
+        uint32_t qh = 0;
+        memcpy(&d, x, 2);
+        if (L.m >= 0) memcpy(&m, x + L.m, 2);
+        if (L.qh >= 0) memcpy(&qh, x + L.qh, 4);
         __m512i first, second;
-        nibble_halves(x[b].qs, 0, 0, &first, &second);
-        store_block(y, first, second, 8, half_to_float(x[b].d), 0, 0.0f);
+        nibble_halves(x + L.qs, qh, L.qh >= 0, &first, &second);
+        store_block(y, first, second, L.offset, half_to_float(d), L.m >= 0, half_to_float(m));
     }
 }
 
-static void dequantize_q4_1(const void *vx, float *y, int64_t k) {
-    const struct q4_1_block *x = vx;
-    for (int64_t b = 0; b < k / 32; b++, y += 32) {
-        __m512i first, second;
-        nibble_halves(x[b].qs, 0, 0, &first, &second);
-        store_block(y, first, second, 0, half_to_float(x[b].d), 1, half_to_float(x[b].m));
-    }
-}
-
-static void dequantize_q5_0(const void *vx, float *y, int64_t k) {
-    const struct q5_0_block *x = vx;
-    for (int64_t b = 0; b < k / 32; b++, y += 32) {
-        uint32_t qh;
-        memcpy(&qh, x[b].qh, 4);
-        __m512i first, second;
-        nibble_halves(x[b].qs, qh, 1, &first, &second);
-        store_block(y, first, second, 16, half_to_float(x[b].d), 0, 0.0f);
-    }
-}
-
-static void dequantize_q5_1(const void *vx, float *y, int64_t k) {
-    const struct q5_1_block *x = vx;
-    for (int64_t b = 0; b < k / 32; b++, y += 32) {
-        uint32_t qh;
-        memcpy(&qh, x[b].qh, 4);
-        __m512i first, second;
-        nibble_halves(x[b].qs, qh, 1, &first, &second);
-        store_block(y, first, second, 0, half_to_float(x[b].d), 1, half_to_float(x[b].m));
-    }
-}
-
-static void dequantize_q8_0(const void *vx, float *y, int64_t k) {
-    const struct q8_0_block_values { uint16_t d; int8_t qs[32]; } *x = vx;
-    for (int64_t b = 0; b < k / 32; b++, y += 32) {
-        __m512 d = _mm512_set1_ps(half_to_float(x[b].d));
-        __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)x[b].qs)));
-        __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x[b].qs + 16))));
-        _mm512_storeu_ps(y, _mm512_mul_ps(a, d));
-        _mm512_storeu_ps(y + 16, _mm512_mul_ps(c, d));
-    }
-}
+static void dequantize_q4_0(const void *x, float *y, int64_t k) { dequantize_nibbles(x, y, k, Q4_0_LAYOUT); }
+static void dequantize_q4_1(const void *x, float *y, int64_t k) { dequantize_nibbles(x, y, k, Q4_1_LAYOUT); }
+static void dequantize_q5_0(const void *x, float *y, int64_t k) { dequantize_nibbles(x, y, k, Q5_0_LAYOUT); }
+static void dequantize_q5_1(const void *x, float *y, int64_t k) { dequantize_nibbles(x, y, k, Q5_1_LAYOUT); }
 
 /* This library's quantizer of activations into a vec_dot_type, or NULL (ggml's then). */
 mlxcel_quantize_fn mlxcel_quantizer(int ggml_type) { return ggml_type == TYPE_Q8_K ? mlxcel_quantize_q8_K : NULL; }
@@ -582,7 +555,6 @@ mlxcel_dequantize_fn mlxcel_dequantizer(int ggml_type) {
     case TYPE_Q4_1: return dequantize_q4_1;
     case TYPE_Q5_0: return dequantize_q5_0;
     case TYPE_Q5_1: return dequantize_q5_1;
-    case TYPE_Q8_0: return dequantize_q8_0;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     case TYPE_Q4_1_SPLIT: return dequantize_q4_1_split;
 #endif

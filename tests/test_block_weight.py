@@ -234,7 +234,7 @@ def test_own_q8_k_quantizer_writes_ggml_s_bytes() -> None:
 
 
 @pytest.mark.skipif(isinstance(LIB, str) or not LIB.dequantizers, reason="the shim has no own dequantizers on this CPU")
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1], ids=lambda t: t.name)
 def test_own_dequantizers_write_ggml_s_floats(qtype: T) -> None:
     """quant_rows.c's expansion of 32-value blocks to float32 (a prompt chunk's tiles, an
     embedding row): bit for bit ggml's to_float (its scalar reference code), on random valid
