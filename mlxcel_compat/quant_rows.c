@@ -20,10 +20,11 @@
  * Types: Q4_K and Q6_K, the K-quants of the common Q4_K_M and Q6_K files, whose blocks carry a
  * scale per 32 or 16 values: there the shared unpacking is most of the saving; and Q8_0, whose
  * products are one vpdpbusd per 64 values (AVX-512 VNNI) where ggml's AVX2 code takes four
- * instructions per 32 (scripts/bench_quant_rows.py, docs/benchmarks/quantized.md). For Q4_1 the
- * same approach measured 0.75-1.07x (one row) and 1.0-1.22x (four), not worth a second
- * implementation: ggml's vec_dot serves it and the other types, and every type on a CPU without
- * AVX-512 BW (mlxcel_rows_kernel returns NULL).
+ * instructions per 32 (scripts/bench_quant_rows.py, docs/benchmarks/quantized.md). Q4_1 over
+ * ggml's own layout measured 0.75-1.07x (one row): its kernel here reads rows rearranged at load
+ * (nibbles, then factors: see "rows split" below), 1.3-1.5x. ggml's vec_dot serves the other
+ * types, and every type on a CPU without AVX-512 BW (mlxcel_rows_kernel returns NULL). This file
+ * also expands Q4_0-Q5_1 blocks to float32 (mlxcel_dequantizer), ggml's being scalar code.
  */
 #include <stddef.h>
 #include <stdint.h>
