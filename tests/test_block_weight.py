@@ -262,21 +262,23 @@ def test_own_dequantizers_write_ggml_s_floats(qtype: T) -> None:
 
 
 @pytest.mark.skipif(isinstance(LIB, str) or not LIB.split_kinds, reason="the shim has no split-row kernels on this CPU")
-@pytest.mark.parametrize("n,k", [(300, 512), (7, 96), (64, 4096)])
-def test_split_q4_1_rows_give_ggml_s_products(n: int, k: int) -> None:
-    """A Q4_1 weight whose rows split_rows rearranged (nibbles, then factors, then minimums: the
-    same bytes) expands to exactly the values of its blocks (gguf-py's), and its decode rows
-    agree with ggml's vec_dot over the original blocks to float32 rounding (the same integer
-    sums, the block terms added in another order), each row whatever rows share its call; its
-    prompt tiles are bit for bit the original's."""
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_0, T.Q5_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", [(300, 512), (7, 96), (64, 4096), (33, 896)])
+def test_split_rows_give_ggml_s_products(qtype: T, n: int, k: int) -> None:
+    """A Q4_1/Q5_0/Q5_1 weight whose rows split_rows rearranged (nibbles, fifth bits, factors,
+    minimums: the same bytes) expands to exactly the values of its blocks (gguf-py's), and its
+    decode rows agree with ggml's vec_dot over the original blocks to float32 rounding (the same
+    integer sums, the block terms added in another order), each row whatever rows share its
+    call; its prompt tiles are bit for bit the original's. Row lengths of 3, 16, 28 and 128
+    blocks: a lone last block, whole groups of 16 and a group's remainder."""
     from mlxcel_compat.model.block_weight import split_rows
 
-    raw = raw_weight(T.Q4_1, n, k, seed=21)
-    plain = BlockWeight(raw, T.Q4_1, n, k, LIB)
-    split = BlockWeight(raw.copy(), T.Q4_1, n, k, LIB)
+    raw = raw_weight(qtype, n, k, seed=21)
+    plain = BlockWeight(raw, qtype, n, k, LIB)
+    split = BlockWeight(raw.copy(), qtype, n, k, LIB)
     assert split_rows(split) and split.split and not split_rows(split)  # once only
     assert not np.array_equal(split.data, raw)  # rearranged
-    np.testing.assert_array_equal(split.dequantize(), reference(T.Q4_1, raw))
+    np.testing.assert_array_equal(split.dequantize(), reference(qtype, raw))
     x = np.random.default_rng(22).standard_normal((11, k)).astype(np.float32)
     want = plain.matmul(x, tiles=False)
     got = split.matmul(x, tiles=False)

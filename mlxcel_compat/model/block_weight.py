@@ -31,7 +31,13 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 VEC_DOT_ROWS_MAX = 8
 # Types whose rows ``split_rows`` rearranges at load for the shim's own kernels (quant_rows.c),
 # and the code (SPLIT_TYPE_BASE + the ggml type) that names the rearranged form there.
-SPLIT_TYPES = (3,)  # GGML_TYPE_Q4_1
+SPLIT_FIELDS = {  # each type's block fields (byte ranges) in their order in a split group
+    3: ((0, 2), (2, 4), (4, 20)),  # GGML_TYPE_Q4_1: d, m, qs[16]
+    6: ((0, 2), (2, 6), (6, 22)),  # GGML_TYPE_Q5_0: d, qh[4], qs[16]
+    7: ((0, 2), (2, 4), (4, 8), (8, 24)),  # GGML_TYPE_Q5_1: d, m, qh[4], qs[16]
+}
+SPLIT_GROUP = 16  # blocks a group of a split row
+SPLIT_TYPES = tuple(SPLIT_FIELDS)
 SPLIT_TYPE_BASE = 1000
 
 
@@ -260,20 +266,20 @@ class BlockWeight:
 
 def split_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: int = 0) -> bool:
     """Rearrange each row of ``weight`` (a linear layer's or embedding's blocks of a type in
-    ``SPLIT_TYPES``, where the library has the kernels) into a copy: the blocks' nibbles, then
-    their factors, then their minimums, the same bytes (``quant_rows.c``: a Q4_1 row's 16
-    factors are then one load, ~1.3-1.6x ggml's vec_dot). The file's pages of the weight
+    ``SPLIT_TYPES``, where the library has the kernels) into a copy: the blocks in groups of 16,
+    each group as its blocks' factors, minimums, fifth bits, then nibbles (``SPLIT_FIELDS``),
+    the same bytes (``quant_rows.c``: 16 blocks' factors are then one load). The file's pages of the weight
     (``mapped``, at ``offset``) are dropped, as a repacked weight's are: the weight still takes
     the file's size. Whether it was split."""
     if (int(weight.ggml_type) not in weight.lib.split_kinds or weight.split or weight.group_bias is not None
             or weight.repacked is not None or weight.prompt is not None):
         return False
-    block, size = 32, row_bytes(weight.ggml_type, 32)
-    blocks = weight.data.reshape(weight.n, weight.k // block, size)
-    head = size - block // 2  # the factor bytes ahead of the nibbles: d and m
-    nibbles = blocks[:, :, head:].reshape(weight.n, -1)
-    factors = [blocks[:, :, f:f + 2].reshape(weight.n, -1) for f in range(0, head, 2)]
-    weight.data = np.ascontiguousarray(np.concatenate([nibbles, *factors], axis=1))
+    blocks = weight.data.reshape(weight.n, weight.k // 32, row_bytes(weight.ggml_type, 32))
+    groups = []
+    for start in range(0, blocks.shape[1], SPLIT_GROUP):  # each group: every block's d, then m, qh, nibbles
+        group = blocks[:, start:start + SPLIT_GROUP]
+        groups += [group[:, :, a:b].reshape(weight.n, -1) for a, b in SPLIT_FIELDS[int(weight.ggml_type)]]
+    weight.data = np.ascontiguousarray(np.concatenate(groups, axis=1))
     weight.split = True
     weight._describe()
     if mapped is not None:
