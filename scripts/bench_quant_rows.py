@@ -9,8 +9,9 @@ same blocks, side by side, ``--reps`` rounds in alternating order, for each type
 count, and prints medians (microseconds a product) and the ratio ggml / own (above 1: the own
 kernel is faster). Where ggml has a repacked layout for the type (Q4_K: llama-server's decode
 path, its 8-row GEMV), that runs too, one product per activation row as the runtime would call
-it, and its ratio to the own kernel is printed. Every shape runs on all of the shim's threads,
-as in a server.
+it, and its ratio to the own kernel is printed. Q4_1, Q5_0 and Q5_1 have own kernels over rows
+the loader rearranges (``block_weight.split_rows``): those run over a split copy, against ggml's
+vec_dot over the blocks as stored. Every shape runs on all of the shim's threads, as in a server.
 
     .venv/bin/python scripts/bench_quant_rows.py
     .venv/bin/python scripts/bench_quant_rows.py --shapes 4096x11008,11008x4096 --rows 1,4 --reps 20
@@ -42,7 +43,7 @@ SHAPES = "768x768,768x2048,2048x768,4096x4096,4096x11008,11008x4096"
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
+    parser.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_1,Q5_0,Q5_1")
     parser.add_argument("--shapes", default=SHAPES, help="comma list of KxN (inputs x outputs)")
     parser.add_argument("--rows", default="1,4", help="activation rows (sequences decoding together)")
     parser.add_argument("--reps", type=int, default=30)
@@ -58,6 +59,9 @@ def main() -> int:
     print(f"{'type':6s} {'k x n':>12s} {'rows':>4s} {'ggml':>9s} {'own':>9s} {'ggml/own':>9s} {'repacked':>9s} {'rep/own':>8s}")
     for name in args.types.split(","):
         ggml_type = int(T[name])
+        if ggml_type in lib.split_kinds:
+            split_rows_against_ggml(lib, kernels, name, ggml_type, args, rng)
+            continue
         if ggml_type not in lib.own_kernels:
             print(f"{name}: no own kernel on this CPU")
             continue
@@ -87,6 +91,32 @@ def main() -> int:
                 print(f"{name:6s} {shape:>12s} {rows:4d} {us[-1]:9.1f} {us[ggml_type]:9.1f} {us[-1] / us[ggml_type]:8.2f}x "
                       f"{rep_text}")
     return 0
+
+
+def split_rows_against_ggml(lib, kernels, name: str, ggml_type: int, args: argparse.Namespace,
+                            rng: np.random.Generator) -> None:
+    """A type whose rows the loader splits (``block_weight.split_rows``): the own kernel over the
+    split copy against ggml's vec_dot over the same blocks as stored, rounds alternating."""
+    for shape in args.shapes.split(","):
+        k, n = (int(v) for v in shape.split("x"))
+        values = rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)
+        blocks = kernels.quantize(ggml_type, values)
+        plain = block_weight.BlockWeight(blocks, ggml_type, n, k, lib)
+        split = block_weight.BlockWeight(blocks.copy(), ggml_type, n, k, lib)
+        block_weight.split_rows(split)
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = rng.standard_normal((rows, k), dtype=np.float32)
+            out = np.empty((rows, n), np.float32)
+            times: dict[str, list[float]] = {"ggml": [], "own": []}
+            for rep in range(args.reps + 1):
+                for key, weight in ((("ggml", plain), ("own", split)) if rep % 2 else (("own", split), ("ggml", plain))):
+                    start = time.perf_counter()
+                    weight.matmul(x, out=out, tiles=False)
+                    if rep:
+                        times[key].append(time.perf_counter() - start)
+            us = {key: statistics.median(t) * 1e6 for key, t in times.items()}
+            print(f"{name:6s} {shape:>12s} {rows:4d} {us['ggml']:9.1f} {us['own']:9.1f} {us['ggml'] / us['own']:8.2f}x "
+                  f"{'(split rows)':>18s}")
 
 
 if __name__ == "__main__":
