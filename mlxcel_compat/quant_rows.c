@@ -22,7 +22,7 @@
  * products are one vpdpbusd per 64 values (AVX-512 VNNI) where ggml's AVX2 code takes four
  * instructions per 32 (scripts/bench_quant_rows.py, docs/benchmarks/quantized.md). Q4_1 over
  * ggml's own layout measured 0.75-1.07x (one row): its kernel here reads rows rearranged at load
- * (nibbles, then factors: see "rows split" below), 1.3-1.5x. ggml's vec_dot serves the other
+ * (factors ahead of nibbles: see "rows split" below), 1.5-2.5x; Q5_0 and Q5_1 likewise. ggml's vec_dot serves the other
  * types, and every type on a CPU without AVX-512 BW (mlxcel_rows_kernel returns NULL). This file
  * also expands Q4_0-Q5_1 blocks to float32 (mlxcel_dequantizer), ggml's being scalar code.
  */

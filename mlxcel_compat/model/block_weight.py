@@ -29,9 +29,10 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 # model's layers choose by sequence instead (``block_layers``: decode steps vec_dot, prompt
 # chunks tiles), and the CPU decode runtime always takes vec_dot.
 VEC_DOT_ROWS_MAX = 8
-# Types whose rows ``split_rows`` rearranges at load for the shim's own kernels (quant_rows.c),
-# and the code (SPLIT_TYPE_BASE + the ggml type) that names the rearranged form there.
-SPLIT_FIELDS = {  # each type's block fields (byte ranges) in their order in a split group
+# Types whose rows ``split_rows`` rearranges at load for the shim's own kernels (quant_rows.c):
+# each type's block fields (byte ranges) in their order in a group of SPLIT_GROUP blocks of a
+# split row, and the code (SPLIT_TYPE_BASE + the ggml type) that names the split form there.
+SPLIT_FIELDS = {
     3: ((0, 2), (2, 4), (4, 20)),  # GGML_TYPE_Q4_1: d, m, qs[16]
     6: ((0, 2), (2, 6), (6, 22)),  # GGML_TYPE_Q5_0: d, qh[4], qs[16]
     7: ((0, 2), (2, 4), (4, 8), (8, 24)),  # GGML_TYPE_Q5_1: d, m, qh[4], qs[16]
@@ -91,7 +92,7 @@ class BlockLibrary:
         if int(ggml_type) in self.own_kernels:
             text += "; decode rows by mlxcel's AVX-512 kernel"
         if split:
-            text += ("; rows split at load (nibbles, then factors): decode rows by mlxcel's AVX-512 VNNI kernel, "
+            text += ("; rows split at load (factors ahead of nibbles): decode rows by mlxcel's AVX-512 VNNI kernel, "
                      "float32 tiles expanded by mlxcel's AVX-512 code")
         elif int(ggml_type) in self.dequantizers:
             text += "; float32 tiles expanded by mlxcel's AVX-512 code"
@@ -170,7 +171,7 @@ class BlockWeight:
     # ggml's own mul_mat over these blocks (``ggml_repack.PromptProduct``) where it multiplies
     # prompt chunks faster than float32 tiles: the ``tiles`` path goes there
     prompt: Any = None
-    # rows rearranged by ``split_rows`` (nibbles, then factors): only this library's kernels read them
+    # rows rearranged by ``split_rows`` (factors ahead of nibbles): only this library's kernels read them
     split: bool = False
     address: int = field(init=False)  # of the C struct, passed on every call
     _struct: _WeightStruct = field(init=False, repr=False)
@@ -268,9 +269,9 @@ def split_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: in
     """Rearrange each row of ``weight`` (a linear layer's or embedding's blocks of a type in
     ``SPLIT_TYPES``, where the library has the kernels) into a copy: the blocks in groups of 16,
     each group as its blocks' factors, minimums, fifth bits, then nibbles (``SPLIT_FIELDS``),
-    the same bytes (``quant_rows.c``: 16 blocks' factors are then one load). The file's pages of the weight
-    (``mapped``, at ``offset``) are dropped, as a repacked weight's are: the weight still takes
-    the file's size. Whether it was split."""
+    the same bytes (``quant_rows.c``: 16 blocks' factors are then one load, and a row is read
+    front to back). The file's pages of the weight (``mapped``, at ``offset``) are dropped, as a
+    repacked weight's are: the weight still takes the file's size. Whether it was split."""
     if (int(weight.ggml_type) not in weight.lib.split_kinds or weight.split or weight.group_bias is not None
             or weight.repacked is not None or weight.prompt is not None):
         return False
@@ -289,4 +290,4 @@ def split_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: in
     return True
 
 
-__all__ = ["SPLIT_TYPES", "VEC_DOT_ROWS_MAX", "BlockLibrary", "BlockWeight", "library", "row_bytes", "split_rows"]
+__all__ = ["SPLIT_FIELDS", "SPLIT_TYPES", "VEC_DOT_ROWS_MAX", "BlockLibrary", "BlockWeight", "library", "row_bytes", "split_rows"]
