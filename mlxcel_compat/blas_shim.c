@@ -66,6 +66,17 @@ typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const fl
 
 typedef float vf __attribute__((vector_size(VL * sizeof(float)), aligned(sizeof(float))));
 
+/* Keeps a loaded vector in a register for the loop that reuses it: GCC otherwise folds the load
+ * into each use (a memory operand per multiply-add), reading it once per row. The constraint
+ * names the vector registers of the target ("v": x86's xmm/ymm/zmm, "w": AArch64's). */
+#if defined(__x86_64__) || defined(__i386__)
+#define KEEP_IN_REGISTER(v) __asm__("" : "+v"(v))
+#elif defined(__aarch64__)
+#define KEEP_IN_REGISTER(v) __asm__("" : "+w"(v))
+#else
+#define KEEP_IN_REGISTER(v) ((void)0)
+#endif
+
 /* Routes, as mlxcel_shim_configure takes them. */
 enum { ROUTE_SGEMM = 0, ROUTE_GEMV = 1, ROUTE_KERNEL = 2 };
 
@@ -133,7 +144,7 @@ static inline __attribute__((always_inline)) void block(const int MB, const int 
         vf wv[NB_MAX];
         for (int j = 0; j < NB; j++) {
             wv[j] = loadv(w + j * ldw + k);
-            __asm__("" : "+v"(wv[j])); /* in a register, read once for every row (see block_nn) */
+            KEEP_IN_REGISTER(wv[j]); /* read once for every row */
         }
         for (int i = 0; i < MB; i++) {
             vf xv = loadv(x + i * ldx + k);
@@ -204,9 +215,7 @@ static inline __attribute__((always_inline)) void block_nn(const int MB, const i
         vf wv[NB_MAX];
         for (int j = 0; j < NV; j++) {
             wv[j] = loadv(row + j * VL);
-            /* in a register: GCC otherwise folds the load into each row's multiply-add, reading
-             * the vector MB times (load-bound: attention's P @ V ran at half the FMA rate) */
-            __asm__("" : "+v"(wv[j]));
+            KEEP_IN_REGISTER(wv[j]); /* folded into each row's multiply-add, attention's P @ V was load-bound at half the FMA rate */
         }
         for (int i = 0; i < MB; i++) {
             vf xs = splat(x[i * ldx + k]);

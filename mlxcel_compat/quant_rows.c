@@ -419,7 +419,7 @@ static inline __attribute__((always_inline)) void split_tile(int nb, const uint8
         const int count = nb - b0 < 16 ? nb - b0 : 16;
         const __mmask16 in = (__mmask16)((1u << count) - 1);
         const __m512 ad = _mm512_maskz_loadu_ps(in, d + b0), as = _mm512_maskz_loadu_ps(in, s + b0);
-        /* the group's parts: d, m, qh, nibbles (split_group) */
+        /* the group's parts: d, m, qh, nibbles (block_weight.SPLIT_FIELDS) */
         const size_t group = (size_t)b0 * block_bytes, at_qh = (size_t)count * (2 + 2 * form.minimum),
                      at_nibbles = at_qh + (size_t)count * 4 * form.five_bits;
         __m512 f[2];

@@ -265,8 +265,8 @@ def test_own_dequantizers_write_ggml_s_floats(qtype: T) -> None:
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_0, T.Q5_1], ids=lambda t: t.name)
 @pytest.mark.parametrize("n,k", [(300, 512), (7, 96), (64, 4096), (33, 896)])
 def test_split_rows_give_ggml_s_products(qtype: T, n: int, k: int) -> None:
-    """A Q4_1/Q5_0/Q5_1 weight whose rows split_rows rearranged (nibbles, fifth bits, factors,
-    minimums: the same bytes) expands to exactly the values of its blocks (gguf-py's), and its
+    """A Q4_1/Q5_0/Q5_1 weight whose rows split_rows rearranged (in groups of 16 blocks, factors,
+    minimums and fifth bits ahead of the nibbles: the same bytes) expands to exactly the values of its blocks (gguf-py's), and its
     decode rows agree with ggml's vec_dot over the original blocks to float32 rounding (the same
     integer sums, the block terms added in another order), each row whatever rows share its
     call; its prompt tiles are bit for bit the original's. Row lengths of 3, 16, 28 and 128

@@ -81,10 +81,6 @@ class BlockLibrary:
             kind.to_float = own_dequantizer
         return kind
 
-    def split_kind(self, ggml_type: int) -> ggml_cpu.BlockType:
-        """The kernels of a weight of the type whose rows ``split_rows`` rearranged."""
-        return self.split_kinds[int(ggml_type)]
-
     def describe(self, ggml_type: int, split: bool = False) -> str:
         """What the start-up log says multiplies a type (its rows ``split`` or not): ggml's
         kernels, and the shim's own for decode rows where it has one."""
@@ -191,7 +187,7 @@ class BlockWeight:
         self._describe()
 
     def _describe(self) -> None:
-        kind = self.lib.split_kind(self.ggml_type) if self.split else self.lib.block_type(self.ggml_type)
+        kind = self.lib.split_kinds[int(self.ggml_type)] if self.split else self.lib.block_type(self.ggml_type)
         self._struct = _WeightStruct(
             ctypes.addressof(kind), self.data.ctypes.data, self.data.shape[1],
             self.rows.ctypes.data if self.rows is not None else None,
