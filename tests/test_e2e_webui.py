@@ -200,7 +200,10 @@ def test_headers_cache_and_csp(ui_server) -> None:
 
 
 def test_answer_streams_and_the_second_turn_comes_from_the_cache(browser, ui_server) -> None:
-    open_page(browser, ui_server.base_url, {"max_tokens": "48", "custom": '{"ignore_eos": true}'})
+    # 400 tokens: the page paints once an animation frame (~16 ms), and the tiny model writes 48
+    # tokens within one or two frames, so a short answer can land on screen in one piece (as it did
+    # in a CI run); 400 take about ten frames here.
+    open_page(browser, ui_server.base_url, {"max_tokens": "400", "custom": '{"ignore_eos": true}'})
     # Record every length the answer's text has on screen while it streams.
     browser.execute_script("""
         window.__lengths = [];
@@ -212,7 +215,7 @@ def test_answer_streams_and_the_second_turn_comes_from_the_cache(browser, ui_ser
     first = wait_answer(browser, 1)
     lengths = sorted(set(browser.execute_script("return window.__lengths")) - {0})
     assert len(lengths) >= 2, f"the answer appeared in one piece: {lengths}"
-    assert "48 tokens" in first.text and "tokens/s" in first.text
+    assert "400 tokens" in first.text and "tokens/s" in first.text
     _, prompt1 = cache_figure(first)
     send(browser, "Tell me more.")
     cached, prompt2 = cache_figure(wait_answer(browser, 2))
