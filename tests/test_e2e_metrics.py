@@ -155,7 +155,10 @@ def test_scripted_workload(server) -> None:
         assert moved["tokens_predicted_total"] == 2
 
         # 4. Streamed: prompt counters move while it runs, the generation's once it ends.
-        with client.stream("POST", "/completion", json={"prompt": "Stream " + PROMPT, "n_predict": 300, "ignore_eos": True, "stream": True}) as stream:
+        # 1000 tokens: the scrape below must land while they are still being written, and the
+        # tiny model's greedy steps take ~0.25 ms (300 tokens in 70 ms in the engine): too little
+        # margin for a scrape on a loaded machine.
+        with client.stream("POST", "/completion", json={"prompt": "Stream " + PROMPT, "n_predict": 1000, "ignore_eos": True, "stream": True}) as stream:
             lines = stream.iter_lines()
             next(line for line in lines if line.startswith("data: "))
             moved, gauges = scraper.delta()
@@ -166,7 +169,7 @@ def test_scripted_workload(server) -> None:
                 pass
         wait_idle(client)
         moved, gauges = scraper.delta()
-        assert moved["tokens_predicted_total"] == 300
+        assert moved["tokens_predicted_total"] == 1000
         assert gauges["predicted_tokens_seconds"] > 0
 
         # 5. Idle: a window without work reports zero throughput; asleep, nothing else changes,

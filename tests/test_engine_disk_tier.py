@@ -310,8 +310,10 @@ def test_write_through_of_recurrent_session_snapshots(tmp_path: Path) -> None:
         first = a.run(history, n_predict=4, session="alice")
         assert settle(a)["writes"] >= 1
         follow_up = history + first.tokens[:-1] + tokens(20, seed=35)
-        here = a.run(follow_up, n_predict=8, n_probs=4, session="alice")  # a RAM hit on a
+        # b first: a's next run writes the session's longer snapshot at once and deletes this one
+        # (superseded), which raced b's lookup when b came second.
         there = b.run(follow_up, n_predict=8, n_probs=4, session="alice")  # the session moved to b
+        here = a.run(follow_up, n_predict=8, n_probs=4, session="alice")  # a RAM hit on a
         assert there.finish.n_cached == here.finish.n_cached == len(history) + len(first.tokens) - 1
         assert (there.tokens, there.logprobs) == (here.tokens, here.logprobs)
         assert b.stats()["tiers"]["disk"]["hits"] == 1
