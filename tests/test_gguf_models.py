@@ -39,7 +39,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog. def f(x: int) -> str:\n  
 TEXTS = [PROMPT, "  two spaces\n\ttab <|im_start|>user\nhi<|im_end|>", "<think>\nx\n</think>\n\n🚀 ✅"]
 TOLERANCE = {"f32": 0.0, "f16": 1e-4, "q8_0": 1e-4, "q4_0": 1e-4}
 # The types gguf-py can round-trip a directory's weights through (the other types, written by
-# ggml's quantizer, are compared with the float32 expansion of the same file: test_block_models.py).
+# ggml's quantizer, are decoded block by block against gguf-py in test_gguf_quants.py and followed
+# step by step against MLX's step on the same file in test_cpu_decode.py).
 DIRECTORY_TYPES = tuple(TOLERANCE)
 # Decode steps of block weights multiply by activations quantized as llama.cpp does (Q8_0 for
 # these types, F16 for F16): their logits differ from float32 math on the same weights by this
