@@ -62,6 +62,14 @@ struct q8_K_block { /* block_q8_K */
 
 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
+/* acc + the int16 pairs of p times those of s, summed to int32: one vpdpwssd with AVX-512 VNNI,
+ * vpmaddwd and an add without (the same integers either way). */
+#if defined(__AVX512VNNI__)
+#define SCALED_SUM(acc, p, s) _mm512_dpwssd_epi32((acc), (p), (s))
+#else
+#define SCALED_SUM(acc, p, s) _mm512_add_epi32((acc), _mm512_madd_epi16((p), (s)))
+#endif
+
 static inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 /* The eight 6-bit scales and mins of a Q4_K block, as bytes (ggml's get_scale_min_k4). */
@@ -123,9 +131,7 @@ static inline __attribute__((always_inline)) void q4_K_accumulate(const struct q
                                                                     const struct q8_K_block *y, __m512 *acc,
                                                                     __m256 *acc_m) {
     __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(u->q[0], a[0]), u->s[0]);
-    p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(u->q[1], a[1]), u->s[1]));
-    p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(u->q[2], a[2]), u->s[2]));
-    p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(u->q[3], a[3]), u->s[3]));
+    for (int v = 1; v < 4; v++) p = SCALED_SUM(p, _mm512_maddubs_epi16(u->q[v], a[v]), u->s[v]);
     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(u->d * y->d), *acc);
     __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
     *acc_m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(bs, u->mins)), _mm256_set1_ps(u->dmin * y->d), *acc_m);
@@ -260,8 +266,8 @@ static inline __attribute__((always_inline)) void q6_K_activations(const struct 
 
 static inline __attribute__((always_inline)) void q6_K_accumulate(const struct q6_K_unpacked *u, const __m512i a[4],
                                                                     const struct q8_K_block *y, __m512 *acc, __m256 *acc_m) {
-    __m512i p = _mm512_setzero_si512();
-    for (int v = 0; v < 4; v++) p = _mm512_add_epi32(p, _mm512_madd_epi16(_mm512_maddubs_epi16(u->q[v], a[v]), u->s[v]));
+    __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(u->q[0], a[0]), u->s[0]);
+    for (int v = 1; v < 4; v++) p = SCALED_SUM(p, _mm512_maddubs_epi16(u->q[v], a[v]), u->s[v]);
     float dd = u->d * y->d;
     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dd), *acc);
     __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
