@@ -13,7 +13,9 @@
  *   - many rows (prompt chunks): the weight is expanded TILE_VALUES values at a time into one
  *     reused float32 buffer (to_float, rows spread over the pool) and multiplied by the BLAS's
  *     own sgemm, so a prompt chunk runs at the BLAS's float32 speed with no float32 copy of the
- *     weight kept.
+ *     weight kept; where quant_rows.c has a GEMM for the type (Q8_0 with AVX-512 VNNI), the
+ *     chunk's rows are quantized to vec_dot_type instead (as llama.cpp's prompts are) and
+ *     multiplied by it, no float32 tile at all.
  *
  * Row r of the product may be a permuted row of the stored weight (`rows`): llama.cpp stores the
  * query and key rows of llama models permuted for its RoPE, and the model wants them un-permuted;
@@ -40,6 +42,13 @@ typedef void (*from_float_fn)(const float *x, void *y, int64_t k);
 typedef void (*rows_fn)(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
                         float *out, size_t ldo);
 rows_fn mlxcel_rows_kernel(int ggml_type);
+
+/* A prompt chunk times weight rows [r0, r1) by this library's own GEMM (quant_rows.c), the
+ * activations in the weight type's vec_dot_type. */
+typedef void (*gemm_fn)(int k, const unsigned char *data, size_t row_bytes, const int32_t *rows, int r0, int r1,
+                        const void *act, size_t act_bytes, int m, float *c, size_t ldc, float beta);
+gemm_fn mlxcel_gemm_kernel(int ggml_type);
+#define GEMM_BAND 8 /* weight rows: a part's band is a multiple of the GEMM's panel (GEMM_ROWS) */
 
 /* One block type's kernels (filled by ggml_cpu.py from ggml's type traits). */
 struct mlxcel_block_type {
@@ -247,6 +256,50 @@ static void by_tiles(const struct mlxcel_block_weight *w, int m, const float *x,
     }
 }
 
+/* A prompt chunk by the type's own GEMM: the activation rows quantized as vec_dot's (rows spread
+ * over the pool), then bands of weight rows spread over it, each band meeting every row. */
+struct gemm_job {
+    const struct mlxcel_block_weight *w;
+    gemm_fn gemm;
+    const float *x;
+    long ldx;
+    unsigned char *act;
+    size_t act_bytes;
+    int m, parts, bands;
+    float *c;
+    long ldc;
+    float beta;
+};
+
+static void quantize_part(const void *ctx, int p) {
+    const struct gemm_job *j = ctx;
+    int per = (j->m + j->parts - 1) / j->parts;
+    for (int i = p * per; i < j->m && i < (p + 1) * per; i++)
+        j->w->type->quantize(j->x + (size_t)i * j->ldx, j->act + (size_t)i * j->act_bytes, j->w->k);
+}
+
+static void gemm_part(const void *ctx, int p) {
+    const struct gemm_job *j = ctx;
+    const struct mlxcel_block_weight *w = j->w;
+    int per = (j->bands + j->parts - 1) / j->parts;
+    int r0 = p * per * GEMM_BAND, r1 = (p + 1) * per * GEMM_BAND;
+    if (r1 > w->n) r1 = w->n;
+    if (r0 < r1) j->gemm(w->k, w->data, (size_t)w->row_bytes, w->rows, r0, r1, j->act, j->act_bytes, j->m, j->c, (size_t)j->ldc, j->beta);
+}
+
+static __thread struct mlxcel_scratch gemm_act_scratch;
+
+static void by_gemm(const struct mlxcel_block_weight *w, gemm_fn gemm, int m, const float *x, long ldx, float *c,
+                    long ldc, float beta) {
+    struct gemm_job j = {w, gemm, x, ldx, NULL, 0, m, 1, (w->n + GEMM_BAND - 1) / GEMM_BAND, c, ldc, beta};
+    j.act_bytes = (size_t)(w->k / w->type->act_block) * (size_t)w->type->act_block_bytes;
+    j.act = mlxcel_scratch(&gemm_act_scratch, j.act_bytes * (size_t)m);
+    j.parts = parts_for(m);
+    mlxcel_parallel(j.parts, quantize_part, &j);
+    j.parts = parts_for(j.bands);
+    mlxcel_parallel(j.parts, gemm_part, &j);
+}
+
 /* ------------------------------------------------------------------------------ interface */
 
 /* c[i, r] = x[i, :] . W[r, :] (+ beta * c[i, r]) for i < m, r < n: the (m, k) activations by the
@@ -256,7 +309,9 @@ static void by_tiles(const struct mlxcel_block_weight *w, int m, const float *x,
 void mlxcel_block_matmul(const struct mlxcel_block_weight *w, int m, const float *x, long ldx, float *c, long ldc,
                          float beta, int tiles) {
     if (m <= 0) return;
-    if (tiles) by_tiles(w, m, x, ldx, c, ldc, beta);
+    gemm_fn gemm = tiles && w->type->own_kernel >= 0 && !w->group_bias ? mlxcel_gemm_kernel(w->type->own_kernel) : NULL;
+    if (gemm) by_gemm(w, gemm, m, x, ldx, c, ldc, beta);
+    else if (tiles) by_tiles(w, m, x, ldx, c, ldc, beta);
     else by_vec_dot(1, &w, m, x, ldx, &c, &ldc, beta);
 }
 

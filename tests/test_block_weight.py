@@ -84,11 +84,15 @@ def test_products_by_tiles_and_by_vec_dot(qtype: T) -> None:
     exact = x.astype(np.float64) @ w.T.astype(np.float64)
     scale = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64)  # sum |x w| per output
 
+    bound = activation_error(qtype, x).astype(np.float64) @ np.abs(w).T.astype(np.float64)
     tiles = weight.matmul(x, tiles=True)
-    assert np.all(np.abs(tiles - exact) <= 1e-5 * scale + 1e-6)
+    if qtype in LIB.gemm_kernels:  # the shim's own GEMM: activations quantized, as vec_dot's
+        assert np.all(np.abs(tiles - exact) <= 1.02 * bound + 1e-5 * scale + 1e-6)
+        assert np.abs(tiles - exact).max() > 1e-5 * scale.max()
+    else:
+        assert np.all(np.abs(tiles - exact) <= 1e-5 * scale + 1e-6)
 
     by_dot = weight.matmul(x, tiles=False)
-    bound = activation_error(qtype, x).astype(np.float64) @ np.abs(w).T.astype(np.float64)
     assert np.all(np.abs(by_dot - exact) <= 1.02 * bound + 1e-5 * scale + 1e-6)
     assert np.abs(by_dot - exact).max() > 1e-5 * scale.max()  # the activations really were quantized
 
@@ -136,7 +140,9 @@ def test_group_biases_are_added_per_group_of_inputs(tiles: bool) -> None:
     expected = reference(T.Q8_0, raw) + np.repeat(bias, group, axis=1)
     np.testing.assert_allclose(weight.dequantize(), expected, rtol=1e-6, atol=1e-6)
     x = np.random.default_rng(11).standard_normal((2, k)).astype(np.float32)
-    plain = BlockWeight(raw, T.Q8_0, n, k, LIB).matmul(x, tiles=tiles)
+    # A weight with group biases takes float32 tiles for prompt chunks (no own GEMM): compared
+    # with float32 math there, with vec_dot's product of the same blocks for decode rows.
+    plain = x @ reference(T.Q8_0, raw).T if tiles else BlockWeight(raw, T.Q8_0, n, k, LIB).matmul(x, tiles=False)
     sums = x.reshape(2, k // group, group).sum(axis=-1)
     np.testing.assert_allclose(weight.matmul(x, tiles=tiles) - plain, sums @ bias.T, rtol=1e-4, atol=2e-3)
 
@@ -286,3 +292,64 @@ def test_split_rows_give_ggml_s_products(qtype: T, n: int, k: int) -> None:
     for i in (0, 5, 10):
         np.testing.assert_array_equal(split.matmul(x[i:i + 1], tiles=False)[0], got[i])
     np.testing.assert_array_equal(split.matmul(x, tiles=True), plain.matmul(x, tiles=True))
+
+
+@pytest.mark.skipif(isinstance(LIB, str) or T.Q8_0 not in LIB.gemm_kernels, reason="the shim has no own GEMM on this CPU (AVX-512 VNNI)")
+@pytest.mark.parametrize("n,k", [(301, 768), (8, 96), (1024, 2048)])
+def test_own_q8_0_gemm_agrees_with_ggml_s_vec_dot(n: int, k: int) -> None:
+    """Prompt chunks of a Q8_0 weight take quant_rows.c's GEMM: the activations quantized by
+    ggml's from_float as vec_dot's are, the same integer products as ggml's vec_dot, added in
+    another order (agreeing to float32 rounding of the sum). Weight-row counts that leave a short
+    last panel of 8, a row of three blocks (a lone last block), an odd number of activation rows
+    (the last one alone), permuted rows and accumulation (beta); each row's result is bit for bit
+    the same whatever rows share the call."""
+    raw = raw_weight(T.Q8_0, n, k, seed=23)
+    weight = BlockWeight(raw, T.Q8_0, n, k, LIB)
+    x = np.random.default_rng(24).standard_normal((37, k)).astype(np.float32)
+    gemm = weight.matmul(x, tiles=True)
+    kind = LIB.block_type(T.Q8_0)
+    kind.own_kernel = -1  # ggml's vec_dot (and float32 tiles), as MLXCEL_OWN_KERNELS=0 gives
+    try:
+        by_ggml = weight.matmul(x, tiles=False)
+    finally:
+        kind.own_kernel = int(T.Q8_0)
+    scale = np.abs(x).astype(np.float64) @ np.abs(reference(T.Q8_0, raw)).T.astype(np.float64)
+    assert np.all(np.abs(gemm - by_ggml) <= 1e-6 * scale)
+    assert not np.array_equal(gemm, by_ggml)  # really another kernel
+    for rows in ([0], [1, 2], [36], [3, 4, 5], list(range(10, 37))):
+        np.testing.assert_array_equal(weight.matmul(x[rows], tiles=True), gemm[rows])
+    order = np.random.default_rng(25).permutation(n).astype(np.int32)
+    permuted = BlockWeight(raw, T.Q8_0, n, k, LIB, rows=order)
+    np.testing.assert_array_equal(permuted.matmul(x, tiles=True), gemm[:, order])
+    start = np.random.default_rng(26).standard_normal((37, n)).astype(np.float32)
+    out = start.copy()
+    weight.matmul(x, out=out, beta=1.0, tiles=True)
+    np.testing.assert_allclose(out, start + gemm, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.skipif(isinstance(LIB, str) or not (LIB.own_kernels or LIB.split_kinds), reason="no own kernels on this CPU")
+def test_permuted_rows_are_copied_in_order_for_the_own_kernels() -> None:
+    """llama's query and key rows are read permuted (``rows``); where the shim's own kernels
+    multiply the type, the loader copies them into output order (``in_output_order``: the
+    kernels take a band of rows at once only then), before a split-row type is split. Every
+    product is bit for bit the permuted weight's; types the kernels do not serve are left as
+    they are."""
+    from mlxcel_compat.model.block_weight import in_output_order, split_rows
+
+    n, k = 96, 512
+    order = np.random.default_rng(27).permutation(n).astype(np.int32)
+    x = np.random.default_rng(28).standard_normal((5, k)).astype(np.float32)
+    served = [t for t in (T.Q8_0, T.Q4_K, T.Q6_K, T.Q4_1, T.Q5_0) if int(t) in LIB.own_kernels or int(t) in LIB.split_kinds]
+    assert served
+    for qtype in served:
+        raw = raw_weight(qtype, n, k, seed=29)
+        permuted = BlockWeight(raw.copy(), qtype, n, k, LIB, rows=order)
+        split_rows(permuted)  # a split type's kernel on the rows as stored, read permuted
+        weight = BlockWeight(raw, qtype, n, k, LIB, rows=order)
+        assert in_output_order(weight) and weight.rows is None and not in_output_order(weight)
+        np.testing.assert_array_equal(weight.data, raw[order])
+        split_rows(weight)
+        for tiles in (False, True):
+            np.testing.assert_array_equal(weight.matmul(x, tiles=tiles), permuted.matmul(x, tiles=tiles), err_msg=qtype.name)
+    other = BlockWeight(raw_weight(T.Q3_K, n, k, seed=30), T.Q3_K, n, k, LIB, rows=order)
+    assert not in_output_order(other) and other.rows is not None

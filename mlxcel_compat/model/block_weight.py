@@ -4,7 +4,8 @@ A GGUF tensor of a quantized type (or F16/BF16) is served as it is stored: ``dat
 of the memory-mapped file, so loading copies nothing, the pages are shared with the page cache
 and a restart finds them there. Products go through ``block_matmul.c`` in the BLAS shim's
 library, with ggml's per-type kernels (``ggml_cpu.py``): few activation rows by ``vec_dot``,
-many rows by tiles expanded to float32 for the BLAS's sgemm. Nothing here imports MLX; the MLX
+many rows (``tiles``: a prompt chunk's path) by tiles expanded to float32 for the BLAS's sgemm,
+or by the shim's own GEMM where it has one for the type (Q8_0). Nothing here imports MLX; the MLX
 modules that hold these weights are in ``block_layers.py``, and the CPU decode runtime calls them
 directly (``cpu_decode.py``).
 """
@@ -67,6 +68,7 @@ class BlockLibrary:
     quantizers: dict[int, int]  # activation types the shim quantizes itself (byte for byte ggml's), to the function
     dequantizers: dict[int, int]  # weight types the shim expands to float32 itself (ggml's is scalar), to the function
     split_kinds: dict[int, ggml_cpu.BlockType]  # types whose rows split_rows rearranges, to their kernels
+    gemm_kernels: frozenset[int]  # types whose prompt chunks the shim's own GEMM multiplies (quant_rows.c)
 
     def block_type(self, ggml_type: int) -> ggml_cpu.BlockType:
         """ggml's kernels of the type, with the shim's own rows kernel and activation quantizer
@@ -87,6 +89,8 @@ class BlockLibrary:
         text = self.ggml.describe(ggml_type)
         if int(ggml_type) in self.own_kernels:
             text += "; decode rows by mlxcel's AVX-512 kernel"
+        if int(ggml_type) in self.gemm_kernels:
+            text += "; prompt chunks by mlxcel's AVX-512 VNNI GEMM"
         if split:
             text += ("; rows split at load (factors ahead of nibbles): decode rows by mlxcel's AVX-512 VNNI kernel, "
                      "float32 tiles expanded by mlxcel's AVX-512 code")
@@ -110,13 +114,14 @@ def library() -> BlockLibrary | str:
         matmul, rows = shim.lib.mlxcel_block_matmul, shim.lib.mlxcel_block_rows
         matmul_held = blas_shim.holding_the_gil(shim.lib).mlxcel_block_matmul
         own, quantizer, dequantizer = shim.lib.mlxcel_rows_kernel, shim.lib.mlxcel_quantizer, shim.lib.mlxcel_dequantizer
+        gemm = shim.lib.mlxcel_gemm_kernel
     except AttributeError:
         return "the loaded BLAS shim has no block products (built from an older source)"
     matmul.restype = rows.restype = matmul_held.restype = None
     matmul.argtypes = matmul_held.argtypes = [_P, _I, _P, _L, _P, _L, _F, _I]
     rows.argtypes = [_P, _P, _I, _P]
-    own.restype = quantizer.restype = dequantizer.restype = _P
-    own.argtypes = quantizer.argtypes = dequantizer.argtypes = [_I]
+    own.restype = quantizer.restype = dequantizer.restype = gemm.restype = _P
+    own.argtypes = quantizer.argtypes = dequantizer.argtypes = gemm.argtypes = [_I]
     own_kernels: frozenset[int] = frozenset()
     quantizers: dict[int, int] = {}
     dequantizers: dict[int, int] = {}
@@ -132,7 +137,8 @@ def library() -> BlockLibrary | str:
             plain = ggml.block_type(ggml_type)
             split_kinds[int(ggml_type)] = ggml_cpu.BlockType(plain.vec_dot, plain.quantize, dequantizer(code),
                                                              plain.act_block, plain.act_block_bytes, code)
-    return BlockLibrary(matmul, rows, ggml, matmul_held, own_kernels, quantizers, dequantizers, split_kinds)
+    gemm_kernels = frozenset(t for t in own_kernels if gemm(t))  # the C side picks it by the type's own_kernel
+    return BlockLibrary(matmul, rows, ggml, matmul_held, own_kernels, quantizers, dequantizers, split_kinds, gemm_kernels)
 
 
 def row_bytes(ggml_type: int, k: int) -> int:
@@ -217,8 +223,10 @@ class BlockWeight:
 
     def matmul_into(self, m: int, x: int, ldx: int, out: int, ldo: int, beta: float = 0.0, tiles: bool = False) -> None:
         """out[i, :] = x[i, :] @ W^T (+ beta * out) for i < m, on raw float32 addresses (row
-        strides in elements), by ggml's vec_dot or (``tiles``) float32 tiles and the BLAS: what
-        the CPU decode runtime calls, ~7 times a layer."""
+        strides in elements), by ggml's vec_dot or (``tiles``) the prompt path: ggml's repacked
+        GEMM or mul_mat where the weight has one, the shim's own GEMM for its types
+        (``gemm_kernels``), else float32 tiles and the BLAS. What the CPU decode runtime calls,
+        ~7 times a layer."""
         if self.repacked is not None:
             self.repacked.matmul_into(m, x, ldx, out, ldo, beta, per_row=not tiles)
         elif tiles and self.prompt is not None:
@@ -261,6 +269,25 @@ class BlockWeight:
         return self.take(np.arange(self.n))
 
 
+def in_output_order(weight: BlockWeight, mapped: np.ndarray | None = None, offset: int = 0) -> bool:
+    """Copy a weight whose rows are read permuted (llama's query and key projections) into
+    output order where the shim's own kernels multiply its type (``own_kernels``, ``split_kinds``):
+    they take a band of rows in one call only when its rows are stored in order (``block_matmul.c``
+    calls them once a row otherwise, and a split row's kernel then copies the activations out for
+    every row). The file's pages of the weight (``mapped``, at ``offset``) are dropped, as a
+    repacked weight's are: the weight still takes the file's size. Whether it was copied."""
+    kind = int(weight.ggml_type)
+    if (weight.rows is None or weight.repacked is not None or weight.prompt is not None
+            or (kind not in weight.lib.own_kernels and kind not in weight.lib.split_kinds)):
+        return False
+    weight.reorder()
+    if mapped is not None:
+        from mlxcel_compat.model.ggml_repack import release_pages
+
+        release_pages(mapped, offset, weight.data.nbytes)
+    return True
+
+
 def split_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: int = 0) -> bool:
     """Rearrange each row of ``weight`` (a linear layer's or embedding's blocks of a type in
     ``SPLIT_TYPES``, where the library has the kernels) into a copy: the blocks in groups of 16,
@@ -286,4 +313,5 @@ def split_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: in
     return True
 
 
-__all__ = ["SPLIT_FIELDS", "SPLIT_TYPES", "VEC_DOT_ROWS_MAX", "BlockLibrary", "BlockWeight", "library", "row_bytes", "split_rows"]
+__all__ = ["SPLIT_FIELDS", "SPLIT_TYPES", "VEC_DOT_ROWS_MAX", "BlockLibrary", "BlockWeight", "in_output_order", "library",
+           "row_bytes", "split_rows"]

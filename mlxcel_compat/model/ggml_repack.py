@@ -55,7 +55,8 @@ REPACKED_TYPES = frozenset({T.Q4_0, T.Q4_K, T.IQ4_NL})
 # llama-server's, its greedy continuations still closer to the float32 reference than
 # llama-server's). The rest keep the tiles and the BLAS: ggml's path (llamafile's GEMM for
 # Q5_0, vec_dot for Q4_1) measured 0.44-1.0x of them (scripts/bench_prompt_products.py,
-# docs/benchmarks/quantized.md).
+# docs/benchmarks/quantized.md). Q8_0 takes the shim's own GEMM instead where it has one
+# (quant_rows.c, AVX-512 VNNI; prompt_product).
 PROMPT_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0})
 PROMPT_GGML_MIN = (0, 25)  # the first ggml with the tiled kernels
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
@@ -173,10 +174,11 @@ def prompt_product(weight: Any, mapped: np.ndarray | None = None, offset: int = 
     """Give ``weight`` (a linear layer's BlockWeight, not repacked) ggml's mul_mat for its prompt
     chunks where that is faster than float32 tiles (``PROMPT_TYPES``, with a ggml that has
     them: ``PROMPT_GGML_MIN``). A weight whose rows are read permuted is first copied into the
-    model's order (the file's pages of it dropped, as repacking does). Whether it was."""
+    model's order (the file's pages of it dropped, as repacking does). Not where the shim has its
+    own GEMM for the type (``BlockLibrary.gemm_kernels``: Q8_0, faster than ggml's). Whether it was."""
     lib = library()
     if (isinstance(lib, str) or not takes_prompt_products(weight.ggml_type) or weight.group_bias is not None
-            or weight.repacked is not None):
+            or weight.repacked is not None or int(weight.ggml_type) in weight.lib.gemm_kernels):
         return False
     if weight.rows is not None:
         weight.reorder()

@@ -263,6 +263,7 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
                     weight, maps[info.path], info.offset):
                 summary.prompt_products[label] = summary.prompt_products.get(label, 0) + 1
             else:
+                block_weight.in_output_order(weight, maps[info.path], info.offset)
                 block_weight.split_rows(weight, maps[info.path], info.offset)
             summary.precision[label] = summary.precision.get(label, 0) + 1
             summary.weight_bytes[label] = summary.weight_bytes.get(label, 0) + weight.nbytes
