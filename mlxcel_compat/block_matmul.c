@@ -69,7 +69,6 @@ struct mlxcel_block_weight {
     const float *group_bias;  /* NULL, or n x (k / bias_group) biases, one per group of inputs */
     int bias_group;
     int n, k;
-    int float_prompts;        /* prompt chunks by float32 tiles even where the type has an own GEMM */
 };
 
 /* Values of the weight expanded to float32 at a time for the BLAS (2 MiB). */
@@ -310,8 +309,7 @@ static void by_gemm(const struct mlxcel_block_weight *w, gemm_fn gemm, int m, co
 void mlxcel_block_matmul(const struct mlxcel_block_weight *w, int m, const float *x, long ldx, float *c, long ldc,
                          float beta, int tiles) {
     if (m <= 0) return;
-    gemm_fn gemm = tiles && w->type->own_kernel >= 0 && !w->group_bias && !w->float_prompts
-                       ? mlxcel_gemm_kernel(w->type->own_kernel) : NULL;
+    gemm_fn gemm = tiles && w->type->own_kernel >= 0 && !w->group_bias ? mlxcel_gemm_kernel(w->type->own_kernel) : NULL;
     if (gemm) by_gemm(w, gemm, m, x, ldx, c, ldc, beta);
     else if (tiles) by_tiles(w, m, x, ldx, c, ldc, beta);
     else by_vec_dot(1, &w, m, x, ldx, &c, &ldc, beta);

@@ -379,6 +379,113 @@ static inline __attribute__((always_inline)) void q8_0_tile(int k, const void *w
 
 ROWS_DRIVER(q8_0)
 
+#if defined(__AVX512VL__)
+/* ------------------------------------------------------------------ Q8_0 prompt chunks (GEMM)
+ * A prompt chunk (many activation rows, quantized to Q8_0 by ggml's from_float as llama.cpp's
+ * prompts are) times weight rows [r0, r1). GEMM_ROWS weight rows at a time are copied into a
+ * panel, per pair of blocks the values as u8 (w + 128: vpdpbusd takes u8 x s8) and the two
+ * factors as one vector; the panel then meets every activation row, two at a time, with 16 sums
+ * in registers. (w + 128) a = w a + 128 a: each pair's integer sum starts at -128 times the
+ * activations' sums (per 4 values: their own vpdpbusd), so it ends at the plain w a. Per pair of
+ * blocks and (weight row, activation row): one vpdpbusd, one conversion, the two factors' product
+ * and one fused multiply-add, where the decode kernel above spends four more on the signs and
+ * the factors (llamafile's GEMM, which ggml runs for a Q8_0 prompt on x86, takes 256 bits at a
+ * time). A pair's sum and its final reduction take the same steps whatever rows, band or panel it
+ * falls in, so a row's result does not depend on the others. */
+#define GEMM_ROWS 8
+
+static __thread struct {
+    void *p;
+    size_t size;
+} panel_scratch;
+
+/* The sums of v[0] .. v[7]'s lanes, in order. */
+static inline __m256 sums_of_eight(const __m512 v[GEMM_ROWS]) {
+    __m512 t[4], u[2];
+    for (int i = 0; i < 4; i++) /* v[2i]'s 256-bit halves added, then v[2i + 1]'s */
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+    for (int i = 0; i < 2; i++) /* four partial sums for each of four rows, a 128-bit lane each */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xdd));
+    __m512 p = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+    p = _mm512_add_ps(p, _mm512_shuffle_ps(p, p, 0x4e)); /* lane 4L: row L, lane 4L + 1: row L + 4 */
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), p));
+}
+
+/* `count` (1 or 2) activation rows from i0 times the panel's `rows` weight rows, into out[i * ldo + j]. */
+static inline __attribute__((always_inline)) void q8_0_panel_times(int nb, const __m512i *wu, const __m512 *ws,
+                                                                     const char *act, size_t act_bytes, int i0,
+                                                                     int count, int rows, float *out, size_t ldo,
+                                                                     float beta) {
+    const __m512i k128 = _mm512_set1_epi8((char)0x80);
+    __m512 acc[2][GEMM_ROWS];
+    for (int c = 0; c < count; c++)
+        for (int j = 0; j < GEMM_ROWS; j++) acc[c][j] = _mm512_setzero_ps();
+    for (int b = 0, p = 0; b < nb; b += 2, p++) {
+        int pair = b + 1 < nb;
+        __m512i a[2], start[2];
+        __m512 e[2];
+        for (int c = 0; c < count; c++) {
+            const struct q8_0_block *y = (const struct q8_0_block *)(act + (size_t)(i0 + c) * act_bytes) + b;
+            a[c] = two_blocks_q8_0(y, pair);
+            /* 128 x (-a): a is within -127 .. 127 (ggml's Q8_0), so -a is an int8 too */
+            start[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k128, _mm512_sub_epi8(_mm512_setzero_si512(), a[c]));
+            e[c] = two_factors(half_to_float(y[0].d), pair ? half_to_float(y[1].d) : 0.0f);
+        }
+        for (int j = 0; j < GEMM_ROWS; j++) {
+            __m512i w = _mm512_loadu_si512(wu + (size_t)p * GEMM_ROWS + j);
+            __m512 d = _mm512_loadu_ps((const float *)(ws + (size_t)p * GEMM_ROWS + j));
+            for (int c = 0; c < count; c++) {
+                __m512i q = _mm512_dpbusd_epi32(start[c], w, a[c]);
+                acc[c][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(d, e[c]), acc[c][j]);
+            }
+        }
+    }
+    const __mmask8 keep = (__mmask8)((1u << rows) - 1);
+    for (int c = 0; c < count; c++) {
+        float *o = out + (size_t)(i0 + c) * ldo;
+        __m256 v = sums_of_eight(acc[c]);
+        if (beta != 0.0f) v = _mm256_fmadd_ps(_mm256_set1_ps(beta), _mm256_maskz_loadu_ps(keep, o), v);
+        _mm256_mask_storeu_ps(o, keep, v);
+    }
+}
+
+/* c[i * ldc + r] = (weight row r) . (activation row i) (+ beta c[i * ldc + r]) for r0 <= r < r1,
+ * i < m; weight row r is stored row rows[r] (NULL: r), row_bytes apart from data. */
+static void gemm_q8_0(int k, const unsigned char *data, size_t row_bytes, const int32_t *rows, int r0, int r1,
+                      const void *act, size_t act_bytes, int m, float *c, size_t ldc, float beta) {
+    const int nb = k / 32, pairs = (nb + 1) / 2;
+    size_t need = (size_t)pairs * GEMM_ROWS * (sizeof(__m512i) + sizeof(__m512));
+    if (panel_scratch.size < need) {
+        free(panel_scratch.p);
+        panel_scratch.p = malloc(need);
+        panel_scratch.size = panel_scratch.p ? need : 0;
+        if (!panel_scratch.p) abort();
+    }
+    __m512i *wu = panel_scratch.p;
+    __m512 *ws = (__m512 *)(wu + (size_t)pairs * GEMM_ROWS);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int p0 = r0; p0 < r1; p0 += GEMM_ROWS) {
+        int count = r1 - p0 < GEMM_ROWS ? r1 - p0 : GEMM_ROWS;
+        for (int j = 0; j < GEMM_ROWS; j++) {
+            const struct q8_0_block *x =
+                j < count ? (const struct q8_0_block *)(data + (size_t)(rows ? rows[p0 + j] : p0 + j) * row_bytes) : NULL;
+            for (int b = 0, p = 0; b < nb; b += 2, p++) {
+                int pair = b + 1 < nb;
+                __m512i *u = wu + (size_t)p * GEMM_ROWS + j; /* a missing row: w = 0, factors 0 */
+                _mm512_storeu_si512(u, x ? _mm512_xor_si512(two_blocks_q8_0(x + b, pair), flip) : flip);
+                _mm512_storeu_ps((float *)(ws + (size_t)p * GEMM_ROWS + j),
+                                 x ? two_factors(half_to_float(x[b].d), pair ? half_to_float(x[b + 1].d) : 0.0f)
+                                   : _mm512_setzero_ps());
+            }
+        }
+        int i = 0;
+        for (; i + 2 <= m; i += 2) q8_0_panel_times(nb, wu, ws, act, act_bytes, i, 2, count, c + p0, ldc, beta);
+        if (i < m) q8_0_panel_times(nb, wu, ws, act, act_bytes, i, 1, count, c + p0, ldc, beta);
+    }
+}
+#endif
 
 #if defined(__AVX512VL__)
 static inline void nibble_halves(const uint8_t *qs, uint32_t qh, int five_bits, __m512i *first, __m512i *second);
@@ -413,34 +520,15 @@ struct q8_1_block {
     int8_t qs[32];
 };
 
-/* Blocks p and p + 1 (p even; p alone if not `pair`) of a split row's group (`part`, its fifth
- * bits at at_qh, its nibbles at at_nibbles) as 64 u8 values, in order (zero past a lone block). */
-static inline __attribute__((always_inline)) __m512i split_pair_values(const uint8_t *part, size_t at_qh,
-                                                                        size_t at_nibbles, int p, int pair,
-                                                                        struct split_form form) {
-    const __m512i shift = _mm512_set_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0, 0, 0x0004000400040004LL,
-                                           0x0004000400040004LL, 0, 0); /* high nibbles in 128-bit lanes 1 and 3 */
-    const __m512i low = _mm512_set1_epi8(0x0f), twice = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);
-    const uint8_t *nibbles = part + at_nibbles + (size_t)p * 16;
-    __m512i raw = pair ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)nibbles))
-                       : _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)nibbles));
-    __m512i v = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi64(twice, raw), shift), low);
-    if (form.five_bits) { /* bit i of the two blocks' qh is value i's fifth bit: byte i of v */
-        const uint8_t *qh = part + at_qh + (size_t)p * 4;
-        uint64_t word;
-        uint32_t one;
-        if (pair) memcpy(&word, qh, 8);
-        else memcpy(&one, qh, 4), word = one;
-        v = _mm512_mask_add_epi8(v, _cvtu64_mask64(word), v, _mm512_set1_epi8(0x10));
-    }
-    return pair ? v : _mm512_maskz_mov_epi32(0x00ff, v);
-}
-
 /* nw (1 or 2) split rows (w, w + w_bytes) of nb blocks times one activation row (q: its values,
  * d and s: per block): out[j]. Each row takes the same operations whatever nw is. */
 static inline __attribute__((always_inline)) void split_tile(int nb, const uint8_t *w, size_t w_bytes, int nw,
                                                               const int8_t *q, const float *d, const float *s,
                                                               float *out, struct split_form form) {
+    const __m512i shift = _mm512_set_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0, 0, 0x0004000400040004LL,
+                                           0x0004000400040004LL, 0, 0); /* high nibbles in 128-bit lanes 1 and 3 */
+    const __m512i low = _mm512_set1_epi8(0x0f), twice = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);
+    const __m512i fifth = _mm512_set1_epi8(0x10);
     const int block_bytes = 18 + 2 * form.minimum + 4 * form.five_bits;
     __m512 acc[2], mins[2];
     for (int j = 0; j < nw; j++) acc[j] = mins[j] = _mm512_setzero_ps();
@@ -467,7 +555,20 @@ static inline __attribute__((always_inline)) void split_tile(int nb, const uint8
                              : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q + (size_t)b * 32)));
             __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(p), _mm256_set1_epi32(p + pair), 1);
             for (int j = 0; j < nw; j++) {
-                __m512i v = split_pair_values(w + j * w_bytes + group, at_qh, at_nibbles, p, pair, form);
+                const uint8_t *part = w + j * w_bytes + group, *nibbles = part + at_nibbles + (size_t)p * 16;
+                __m512i raw = pair ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)nibbles))
+                                   : _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)nibbles));
+                __m512i v = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi64(twice, raw), shift), low);
+                if (form.five_bits) { /* bit i of the two blocks' qh is value i's fifth bit: byte i of v */
+                    const uint8_t *qh = part + at_qh + (size_t)p * 4;
+                    uint64_t word;
+                    uint32_t one;
+                    if (pair) memcpy(&word, qh, 8);
+                    else memcpy(&one, qh, 4), word = one;
+                    __mmask64 bits = _cvtu64_mask64(word);
+                    v = _mm512_mask_add_epi8(v, bits, v, fifth);
+                }
+                if (!pair) v = _mm512_maskz_mov_epi32(0x00ff, v);
                 __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, a);
                 acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_permutexvar_ps(pick, f[j]), acc[j]);
             }
@@ -560,200 +661,6 @@ static inline __attribute__((always_inline)) void split_dequantize(const void *v
 SPLIT_KERNELS(q4_1, Q4_1_SPLIT)
 SPLIT_KERNELS(q5_0, Q5_0_SPLIT)
 SPLIT_KERNELS(q5_1, Q5_1_SPLIT)
-
-/* ------------------------------------------------------------------ prompt chunks (GEMM)
- * A prompt chunk (many activation rows, quantized by ggml's from_float to the type's vec_dot
- * type as llama.cpp's prompts are: Q8_0, or Q8_1 for the types with a minimum) times weight rows
- * [r0, r1). GEMM_ROWS weight rows at a time are copied into a panel, per pair of blocks their 64
- * values as u8 (vpdpbusd takes u8 x s8), the two blocks' factors as one vector and, for the
- * types with a minimum, their minimums likewise; the panel then meets every activation row, two
- * at a time, with 16 sums in registers. Values kept `offset` above their true ones (Q8_0's int8
- * values flipped to u8: 128; Q5_0's stored values: 16) start each pair's integer sum at -offset
- * times the activations' sums (per 4 values: their own vpdpbusd), so it ends at the true
- * product; a minimum adds m_w s_a once per block (s_a = d_a x the sum of its values, Q8_1's s),
- * for the panel's 8 rows in one vector.
- * Per pair of blocks and (weight row, activation row): one vpdpbusd, one conversion, the two
- * factors' product and one fused multiply-add (and per pair and activation row one more for
- * the minimums), where the decode
- * kernels spend more on signs, factors and unpacking (llamafile's GEMM, which ggml runs for a
- * Q8_0 or Q5_0 prompt on x86, takes 256 bits at a time; Q4_1's prompts otherwise take float32
- * tiles). The integer sums are ggml's; a pair's sum and its final reduction take the same steps
- * whatever rows, band or panel it falls in, so a row's result does not depend on the others. */
-#define GEMM_ROWS 8
-
-struct gemm_form {
-    int offset;     /* the panel's values less this are the true ones */
-    int minimum;    /* a minimum a block (its activations are Q8_1: d, s, values) */
-    int act_block;  /* bytes of an activation block */
-    int act_values; /* where its values start */
-};
-
-static const struct gemm_form Q8_0_GEMM = {128, 0, 34, 2}, Q4_1_GEMM = {0, 1, 36, 4}, Q5_0_GEMM = {16, 0, 34, 2},
-                              Q5_1_GEMM = {0, 1, 36, 4};
-
-static __thread struct {
-    void *p;
-    size_t size;
-} panel_scratch;
-
-/* The sums of v[0] .. v[7]'s lanes, in order. */
-static inline __m256 sums_of_eight(const __m512 v[GEMM_ROWS]) {
-    __m512 t[4], u[2];
-    for (int i = 0; i < 4; i++) /* v[2i]'s 256-bit halves added, then v[2i + 1]'s */
-        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
-    for (int i = 0; i < 2; i++) /* four partial sums for each of four rows, a 128-bit lane each */
-        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xdd));
-    __m512 p = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
-    p = _mm512_add_ps(p, _mm512_shuffle_ps(p, p, 0x4e)); /* lane 4L: row L, lane 4L + 1: row L + 4 */
-    return _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), p));
-}
-
-/* The panel: per pair of blocks p and weight row j, values and factors at p * GEMM_ROWS + j;
- * the minimums of pair p as one vector, row j's of its first block in lane j, of its second in
- * lane 8 + j (one fused multiply-add per pair and activation row takes them for all 8 rows). */
-struct panel {
-    __m512i *values;
-    __m512 *factors;
-    float *minimums;
-};
-
-/* `count` (1 or 2) activation rows from i0 times the panel's `rows` weight rows, into out[i * ldo + j]. */
-static inline __attribute__((always_inline)) void panel_times(int nb, struct panel w, const char *act, size_t act_bytes,
-                                                                int i0, int count, int rows, float *out, size_t ldo,
-                                                                float beta, struct gemm_form form) {
-    __m512 acc[2][GEMM_ROWS], mins[2];
-    for (int c = 0; c < count; c++) {
-        mins[c] = _mm512_setzero_ps();
-        for (int j = 0; j < GEMM_ROWS; j++) acc[c][j] = _mm512_setzero_ps();
-    }
-    for (int b = 0, p = 0; b < nb; b += 2, p++) {
-        int pair = b + 1 < nb;
-        __m512i a[2], start[2];
-        __m512 e[2], s[2];
-        for (int c = 0; c < count; c++) {
-            const uint8_t *y = (const uint8_t *)act + (size_t)(i0 + c) * act_bytes + (size_t)b * form.act_block;
-            __m256i lo = _mm256_loadu_si256((const __m256i *)(y + form.act_values));
-            __m256i hi = pair ? _mm256_loadu_si256((const __m256i *)(y + form.act_block + form.act_values))
-                              : _mm256_setzero_si256();
-            a[c] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            /* offset x (-a): ggml's 8-bit activations are within -127 .. 127, so -a is an int8 too */
-            start[c] = form.offset ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)form.offset),
-                                                         _mm512_sub_epi8(_mm512_setzero_si512(), a[c]))
-                                   : _mm512_setzero_si512();
-            uint16_t h[4] = {0, 0, 0, 0};
-            memcpy(h, y, form.minimum ? 4 : 2);
-            if (pair) memcpy(h + 2, y + form.act_block, form.minimum ? 4 : 2);
-            e[c] = two_factors(half_to_float(h[0]), half_to_float(h[2]));
-            s[c] = two_factors(half_to_float(h[1]), half_to_float(h[3]));
-            if (form.minimum) mins[c] = _mm512_fmadd_ps(_mm512_loadu_ps(w.minimums + (size_t)p * 16), s[c], mins[c]);
-        }
-        for (int j = 0; j < GEMM_ROWS; j++) {
-            size_t at = (size_t)p * GEMM_ROWS + j;
-            __m512i v = _mm512_loadu_si512(w.values + at);
-            __m512 d = _mm512_loadu_ps((const float *)(w.factors + at));
-            for (int c = 0; c < count; c++) {
-                __m512i q = _mm512_dpbusd_epi32(start[c], v, a[c]);
-                acc[c][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(d, e[c]), acc[c][j]);
-            }
-        }
-    }
-    const __mmask8 keep = (__mmask8)((1u << rows) - 1);
-    for (int c = 0; c < count; c++) {
-        float *o = out + (size_t)(i0 + c) * ldo;
-        __m256 v = sums_of_eight(acc[c]);
-        if (form.minimum)
-            v = _mm256_add_ps(v, _mm256_add_ps(_mm512_castps512_ps256(mins[c]), _mm512_extractf32x8_ps(mins[c], 1)));
-        if (beta != 0.0f) v = _mm256_fmadd_ps(_mm256_set1_ps(beta), _mm256_maskz_loadu_ps(keep, o), v);
-        _mm256_mask_storeu_ps(o, keep, v);
-    }
-}
-
-/* Weight row x (nb blocks) into the panel as row j: a Q8_0 row (split == NULL) or a split row. */
-static inline __attribute__((always_inline)) void pack_row(const uint8_t *x, int nb, struct panel w, int j,
-                                                             const struct split_form *split) {
-    if (!split) {
-        const struct q8_0_block *blocks = (const struct q8_0_block *)x;
-        for (int b = 0, p = 0; b < nb; b += 2, p++) {
-            int pair = b + 1 < nb;
-            size_t at = (size_t)p * GEMM_ROWS + j;
-            _mm512_storeu_si512(w.values + at, _mm512_xor_si512(two_blocks_q8_0(blocks + b, pair), _mm512_set1_epi8((char)0x80)));
-            _mm512_storeu_ps((float *)(w.factors + at),
-                             two_factors(half_to_float(blocks[b].d), pair ? half_to_float(blocks[b + 1].d) : 0.0f));
-        }
-        return;
-    }
-    const struct split_form form = *split;
-    const int block_bytes = 18 + 2 * form.minimum + 4 * form.five_bits;
-    for (int b0 = 0; b0 < nb; b0 += 16) { /* a group: d, m, qh, nibbles (block_weight.SPLIT_FIELDS) */
-        const int count = nb - b0 < 16 ? nb - b0 : 16;
-        const uint8_t *part = x + (size_t)b0 * block_bytes;
-        const uint16_t *factors = (const uint16_t *)part;
-        const size_t at_qh = (size_t)count * (2 + 2 * form.minimum), at_nibbles = at_qh + (size_t)count * 4 * form.five_bits;
-        for (int q = 0; q < count; q += 2) {
-            int pair = q + 1 < count;
-            size_t at = (size_t)((b0 + q) / 2) * GEMM_ROWS + j;
-            _mm512_storeu_si512(w.values + at, split_pair_values(part, at_qh, at_nibbles, q, pair, form));
-            _mm512_storeu_ps((float *)(w.factors + at),
-                             two_factors(half_to_float(factors[q]), pair ? half_to_float(factors[q + 1]) : 0.0f));
-            if (form.minimum) {
-                float *m = w.minimums + (size_t)((b0 + q) / 2) * 16 + j;
-                m[0] = half_to_float(factors[count + q]);
-                m[8] = pair ? half_to_float(factors[count + q + 1]) : 0.0f;
-            }
-        }
-    }
-}
-
-/* c[i * ldc + r] = (weight row r) . (activation row i) (+ beta c[i * ldc + r]) for r0 <= r < r1,
- * i < m; weight row r is stored row rows[r] (NULL: r), row_bytes apart from data. */
-static inline __attribute__((always_inline)) void gemm_rows(int k, const unsigned char *data, size_t row_bytes,
-                                                              const int32_t *rows, int r0, int r1, const void *act,
-                                                              size_t act_bytes, int m, float *c, size_t ldc, float beta,
-                                                              struct gemm_form form, const struct split_form *split) {
-    const int nb = k / 32, pairs = (nb + 1) / 2;
-    const size_t cells = (size_t)pairs * GEMM_ROWS;
-    size_t need = cells * (sizeof(__m512i) + sizeof(__m512)) + (size_t)pairs * sizeof(__m512);
-    if (panel_scratch.size < need) {
-        free(panel_scratch.p);
-        panel_scratch.p = malloc(need);
-        panel_scratch.size = panel_scratch.p ? need : 0;
-        if (!panel_scratch.p) abort();
-    }
-    struct panel w = {panel_scratch.p, NULL, NULL};
-    w.factors = (__m512 *)(w.values + cells);
-    w.minimums = (float *)(w.factors + cells);
-    for (int p0 = r0; p0 < r1; p0 += GEMM_ROWS) {
-        int count = r1 - p0 < GEMM_ROWS ? r1 - p0 : GEMM_ROWS;
-        for (int j = 0; j < GEMM_ROWS; j++) {
-            if (j < count) {
-                pack_row(data + (size_t)(rows ? rows[p0 + j] : p0 + j) * row_bytes, nb, w, j, split);
-                continue;
-            }
-            for (int p = 0; p < pairs; p++) { /* a missing row: nothing from it */
-                size_t at = (size_t)p * GEMM_ROWS + j;
-                _mm512_storeu_si512(w.values + at, _mm512_setzero_si512());
-                _mm512_storeu_ps((float *)(w.factors + at), _mm512_setzero_ps());
-                w.minimums[(size_t)p * 16 + j] = w.minimums[(size_t)p * 16 + 8 + j] = 0.0f;
-            }
-        }
-        int i = 0;
-        for (; i + 2 <= m; i += 2) panel_times(nb, w, act, act_bytes, i, 2, count, c + p0, ldc, beta, form);
-        if (i < m) panel_times(nb, w, act, act_bytes, i, 1, count, c + p0, ldc, beta, form);
-    }
-}
-
-#define GEMM_KERNEL(NAME, FORM, SPLIT)                                                                             \
-    static void gemm_##NAME(int k, const unsigned char *data, size_t row_bytes, const int32_t *rows, int r0,       \
-                            int r1, const void *act, size_t act_bytes, int m, float *c, size_t ldc, float beta) { \
-        gemm_rows(k, data, row_bytes, rows, r0, r1, act, act_bytes, m, c, ldc, beta, FORM, SPLIT);               \
-    }
-
-GEMM_KERNEL(q8_0, Q8_0_GEMM, NULL)
-GEMM_KERNEL(q4_1_split, Q4_1_GEMM, &Q4_1_SPLIT)
-GEMM_KERNEL(q5_0_split, Q5_0_GEMM, &Q5_0_SPLIT)
-GEMM_KERNEL(q5_1_split, Q5_1_GEMM, &Q5_1_SPLIT)
 #endif /* AVX512VL */
 
 #endif /* AVX512VNNI */
@@ -842,15 +749,11 @@ mlxcel_dequantize_fn mlxcel_dequantizer(int ggml_type) {
 /* This library's product of a prompt chunk with weights of the type (activations in the type's
  * vec_dot_type), or NULL (float32 tiles and the BLAS, or ggml's mul_mat). */
 mlxcel_gemm_fn mlxcel_gemm_kernel(int ggml_type) {
-    switch (ggml_type) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    case TYPE_Q8_0: return gemm_q8_0;
-    case SPLIT_TYPE(TYPE_Q4_1): return gemm_q4_1_split;
-    case SPLIT_TYPE(TYPE_Q5_0): return gemm_q5_0_split;
-    case SPLIT_TYPE(TYPE_Q5_1): return gemm_q5_1_split;
+    if (ggml_type == TYPE_Q8_0) return gemm_q8_0;
 #endif
-    default: return NULL;
-    }
+    (void)ggml_type;
+    return NULL;
 }
 
 mlxcel_rows_fn mlxcel_rows_kernel(int ggml_type) {

@@ -5,12 +5,11 @@ A prompt chunk of a weight in ggml's blocks can go three ways (``model/block_wei
 float32 tiles expanded by ggml's ``to_float`` and multiplied by the BLAS's sgemm (``tiles``),
 ggml's own ``mul_mat`` on the stored blocks (``ggml``: ``ggml_repack.PromptProduct``, ggml 0.25's
 tiled int8 kernels for the K-quants), or ggml's repacked copy and its GEMM (``repacked``, where
-ggml has a layout for the type), and for Q8_0, and Q4_1/Q5_0/Q5_1 over rows split as the loader
-splits them, on a CPU with AVX-512 VNNI the shim's own GEMM (``own``: ``quant_rows.c``, what the
-server runs there). This runs them on one weight per type,
+ggml has a layout for the type), and for Q8_0 on a CPU with AVX-512 VNNI the shim's own GEMM
+(``own``: ``quant_rows.c``, what the server runs there). This runs them on one weight per type,
 side by side, ``--reps`` rounds in rotating order, and prints medians, the ratio tiles / ggml
 (above 1: ggml's mul_mat is faster), which is how ``ggml_repack.PROMPT_TYPES`` was chosen, and
-ggml / own and tiles / own.
+ggml / own.
 
     .venv/bin/python scripts/bench_prompt_products.py
     .venv/bin/python scripts/bench_prompt_products.py --n 11008 --k 4096 --rows 512 --reps 3
@@ -56,8 +55,7 @@ def main() -> int:
     x = rng.standard_normal((args.rows, args.k), dtype=np.float32)
     print(f"ggml {kernels.version} ({kernels.directory}); weight {args.n} x {args.k}, {args.rows} rows, "
           f"{args.reps} rounds, medians in ms")
-    print(f"{'type':6s} {'tiles':>8s} {'ggml':>8s} {'repacked':>9s} {'own':>8s} {'tiles/ggml':>11s} {'ggml/own':>9s} "
-          f"{'tiles/own':>10s}")
+    print(f"{'type':6s} {'tiles':>8s} {'ggml':>8s} {'repacked':>9s} {'own':>8s} {'tiles/ggml':>11s} {'ggml/own':>9s}")
     for name in args.types.split(","):
         ggml_type = int(T[name])
         blocks = kernels.quantize(ggml_type, values)
@@ -70,9 +68,6 @@ def main() -> int:
             weights["repacked"] = block_weight.BlockWeight(blocks, ggml_type, args.n, args.k, lib, repacked=repacked)
         if ggml_type in lib.gemm_kernels:  # the plain weight's prompt path; "tiles" is forced below
             weights["own"] = block_weight.BlockWeight(blocks, ggml_type, args.n, args.k, lib)
-        elif block_weight.SPLIT_TYPE_BASE + ggml_type in lib.gemm_kernels:  # over rows split as the loader does
-            weights["own"] = block_weight.BlockWeight(blocks.copy(), ggml_type, args.n, args.k, lib)
-            block_weight.split_rows(weights["own"])
         kind = lib.block_type(ggml_type)
         times: dict[str, list[float]] = {key: [] for key in weights}
         order = list(weights)
@@ -88,9 +83,7 @@ def main() -> int:
         packed = f"{ms['repacked']:9.1f}" if "repacked" in ms else f"{'-':>9s}"
         own = f"{ms['own']:8.1f}" if "own" in ms else f"{'-':>8s}"
         own_ratio = f"{ms['ggml'] / ms['own']:8.2f}x" if "own" in ms else f"{'-':>9s}"
-        tiles_ratio = f"{ms['tiles'] / ms['own']:9.2f}x" if "own" in ms else f"{'-':>10s}"
-        print(f"{name:6s} {ms['tiles']:8.1f} {ms['ggml']:8.1f} {packed} {own} {ms['tiles'] / ms['ggml']:10.2f}x {own_ratio} "
-              f"{tiles_ratio}")
+        print(f"{name:6s} {ms['tiles']:8.1f} {ms['ggml']:8.1f} {packed} {own} {ms['tiles'] / ms['ggml']:10.2f}x {own_ratio}")
     return 0
 
 

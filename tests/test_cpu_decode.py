@@ -921,16 +921,14 @@ def test_steps_hold_the_gil_and_prompt_chunks_release_it() -> None:
 @pytest.mark.parametrize("family,gguf_type", [("llama", None), ("qwen3", None), ("llama", "q8_0"), ("llama", "q4_k_m")])
 def test_a_cold_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(family: str, gguf_type: str | None) -> None:
     """``prefill(..., logits=False)`` on an empty cache (``can_prefill``; a ring cache is not
-    taken): its own buffers, the keys and values MLX's chunk leaves (the same products: float32
-    GEMM, to LOGITS_RTOL; for blocks the chunks' path, whose int8 GEMMs quantize the
-    activations as decode steps do, to BLOCK_RTOL), in two chunks as in one, and the next step's
-    logits too; no logits computed."""
+    taken): its own buffers, the keys and values MLX's chunk leaves to LOGITS_RTOL (the same
+    products: float32 GEMM, or for blocks the chunks' path, tiles or ggml's prompt products), in
+    two chunks as in one, and the next step's logits too; no logits computed."""
     if gguf_type is None:
         loaded = load_model(str(tiny_model(family)), [])
         model, decoder = loaded.model, loaded.decoder
     else:
         model, decoder = _block_model(family, gguf_type)
-    rtol = LOGITS_RTOL if gguf_type is None else BLOCK_RTOL
     ids = _ids(70, seed=31)
     theirs = make_prompt_cache(model)
     model(mx.array([ids]), cache=theirs)
@@ -943,9 +941,9 @@ def test_a_cold_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(family: str, gguf_ty
         if split < 70:
             decoder.prefill(ids[split:], ours, owned, logits=False)
         assert decoder.prefilled == fed + 70 and owned.holds(ours) and all(c.offset == 70 for c in ours)
-        _assert_same_cache(ours, theirs, rtol)
+        _assert_same_cache(ours, theirs, LOGITS_RTOL)
         got, want = decoder.step(5, ours, owned).copy(), _mlx_logits(model, 5, copy.deepcopy(theirs))
-        assert np.abs(got - want).max() <= rtol * np.abs(want).max()
+        assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
     gemma = load_model(str(tiny_model("gemma3_text")), [])  # sliding-window rings: MLX's chunks
     assert not gemma.decoder.can_prefill(make_prompt_cache(gemma.model), cpu_decode.OwnedCache())
 

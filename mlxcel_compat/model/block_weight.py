@@ -47,7 +47,7 @@ class _WeightStruct(ctypes.Structure):
     """``struct mlxcel_block_weight`` (block_matmul.c)."""
 
     _fields_ = [("type", _P), ("data", _P), ("row_bytes", _L), ("rows", _P), ("group_bias", _P),
-                ("bias_group", _I), ("n", _I), ("k", _I), ("float_prompts", _I)]
+                ("bias_group", _I), ("n", _I), ("k", _I)]
 
 
 def own_kernels_enabled() -> bool:
@@ -68,7 +68,7 @@ class BlockLibrary:
     quantizers: dict[int, int]  # activation types the shim quantizes itself (byte for byte ggml's), to the function
     dequantizers: dict[int, int]  # weight types the shim expands to float32 itself (ggml's is scalar), to the function
     split_kinds: dict[int, ggml_cpu.BlockType]  # types whose rows split_rows rearranges, to their kernels
-    gemm_kernels: frozenset[int]  # kernel codes (a type, or SPLIT_TYPE_BASE + a split type) of the shim's own prompt GEMMs
+    gemm_kernels: frozenset[int]  # types whose prompt chunks the shim's own GEMM multiplies (quant_rows.c)
 
     def block_type(self, ggml_type: int) -> ggml_cpu.BlockType:
         """ggml's kernels of the type, with the shim's own rows kernel and activation quantizer
@@ -83,18 +83,17 @@ class BlockLibrary:
             kind.to_float = own_dequantizer
         return kind
 
-    def describe(self, ggml_type: int, split: bool = False, float_prompts: bool = False) -> str:
-        """What the start-up log says multiplies a type (its rows ``split`` or not, its prompts
-        by float32 tiles or not): ggml's kernels, and the shim's own where it has them."""
+    def describe(self, ggml_type: int, split: bool = False) -> str:
+        """What the start-up log says multiplies a type (its rows ``split`` or not): ggml's
+        kernels, and the shim's own for decode rows where it has one."""
         text = self.ggml.describe(ggml_type)
         if int(ggml_type) in self.own_kernels:
             text += "; decode rows by mlxcel's AVX-512 kernel"
-        if int(ggml_type) in self.gemm_kernels and not split and not float_prompts:
+        if int(ggml_type) in self.gemm_kernels:
             text += "; prompt chunks by mlxcel's AVX-512 VNNI GEMM"
         if split:
-            gemm = SPLIT_TYPE_BASE + int(ggml_type) in self.gemm_kernels and not float_prompts
             text += ("; rows split at load (factors ahead of nibbles): decode rows by mlxcel's AVX-512 VNNI kernel, "
-                     + ("prompt chunks by its GEMM" if gemm else "float32 tiles expanded by mlxcel's AVX-512 code"))
+                     "float32 tiles expanded by mlxcel's AVX-512 code")
         elif int(ggml_type) in self.dequantizers:
             text += "; float32 tiles expanded by mlxcel's AVX-512 code"
         return text
@@ -138,9 +137,7 @@ def library() -> BlockLibrary | str:
             plain = ggml.block_type(ggml_type)
             split_kinds[int(ggml_type)] = ggml_cpu.BlockType(plain.vec_dot, plain.quantize, dequantizer(code),
                                                              plain.act_block, plain.act_block_bytes, code)
-    # The C side picks a GEMM by the weight's kernel code (BlockType.own_kernel).
-    gemm_kernels = frozenset([t for t in own_kernels if gemm(t)]
-                             + [kind.own_kernel for kind in split_kinds.values() if gemm(kind.own_kernel)])
+    gemm_kernels = frozenset(t for t in own_kernels if gemm(t))  # the C side picks it by the type's own_kernel
     return BlockLibrary(matmul, rows, ggml, matmul_held, own_kernels, quantizers, dequantizers, split_kinds, gemm_kernels)
 
 
@@ -178,10 +175,6 @@ class BlockWeight:
     prompt: Any = None
     # rows rearranged by ``split_rows`` (factors ahead of nibbles): only this library's kernels read them
     split: bool = False
-    # prompt chunks by float32 tiles even where the shim has a GEMM for the type (whose 8-bit
-    # activations are llama.cpp's arithmetic): an MLX directory's weights, whose prompts then
-    # equal MLX's own float products (``mlx_affine.py``)
-    float_prompts: bool = False
     address: int = field(init=False)  # of the C struct, passed on every call
     _struct: _WeightStruct = field(init=False, repr=False)
 
@@ -205,7 +198,7 @@ class BlockWeight:
             ctypes.addressof(kind), self.data.ctypes.data, self.data.shape[1],
             self.rows.ctypes.data if self.rows is not None else None,
             self.group_bias.ctypes.data if self.group_bias is not None else None,
-            self.bias_group, self.n, self.k, int(self.float_prompts))
+            self.bias_group, self.n, self.k)
         self.address = ctypes.addressof(self._struct)
 
     def reorder(self) -> None:

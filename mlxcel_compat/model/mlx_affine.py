@@ -302,16 +302,12 @@ def serve(model: Any, lib: BlockLibrary) -> AffineLoad:
             summary.count("float32", new.weight.nbytes, source, "MLX float32 (expanded at load)")
             continue
         n, k = module.weight.shape[0], module.weight.shape[1] * 32 // bits
-        # Prompts by float32 tiles: they equal MLX's own quantized model's to float32 rounding
-        # (the GEMM's 8-bit activations, llama.cpp's arithmetic, moved the tiny models' prompt
-        # logits by ~0.1); decode steps take 8-bit activations either way.
         weight = BlockWeight(target.data, target.ggml_type, n, k, lib, group_bias=target.group_bias,
-                             bias_group=target.bias_group, float_prompts=True)
+                             bias_group=target.bias_group)
         split_rows(weight)  # a 4-bit weight's Q4_1 rows, for the shim's own kernel (block_weight.py)
         block_layers.install(model, path, weight)
         summary.inexact += not target.exact
-        kernel = lib.describe(target.ggml_type, weight.split, float_prompts=True) + (
-            " + group biases" if target.group_bias is not None else "")
+        kernel = lib.describe(target.ggml_type, weight.split) + (" + group biases" if target.group_bias is not None else "")
         summary.count(f"blocks {T(target.ggml_type).name.lower()}", weight.nbytes, source, kernel)
         del module, arrays, target, weight
     return summary
