@@ -24,7 +24,8 @@
  * ggml's own layout measured 0.75-1.07x (one row): its kernel here reads rows rearranged at load
  * (factors ahead of nibbles: see "rows split" below), 1.5-2.5x; Q5_0 and Q5_1 likewise. ggml's vec_dot serves the other
  * types, and every type on a CPU without AVX-512 BW (mlxcel_rows_kernel returns NULL). This file
- * also expands Q4_0-Q5_1 blocks to float32 (mlxcel_dequantizer), ggml's being scalar code.
+ * also expands Q4_0-Q5_1 blocks to float32 (mlxcel_dequantizer), ggml's being scalar code, and
+ * multiplies Q8_0 prompt chunks by its own int8 GEMM (mlxcel_gemm_kernel, "Q8_0 prompt chunks").
  */
 #include <stddef.h>
 #include <stdint.h>
