@@ -29,8 +29,9 @@
  */
 #include <stddef.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
+
+#include "blas_shim.h"
 
 typedef void (*mlxcel_rows_fn)(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
                                float *out, size_t ldo);
@@ -395,10 +396,7 @@ ROWS_DRIVER(q8_0)
  * falls in, so a row's result does not depend on the others. */
 #define GEMM_ROWS 8
 
-static __thread struct {
-    void *p;
-    size_t size;
-} panel_scratch;
+static __thread struct mlxcel_scratch panel_scratch;
 
 /* The sums of v[0] .. v[7]'s lanes, in order. */
 static inline __m256 sums_of_eight(const __m512 v[GEMM_ROWS]) {
@@ -457,14 +455,7 @@ static inline __attribute__((always_inline)) void q8_0_panel_times(int nb, const
 static void gemm_q8_0(int k, const unsigned char *data, size_t row_bytes, const int32_t *rows, int r0, int r1,
                       const void *act, size_t act_bytes, int m, float *c, size_t ldc, float beta) {
     const int nb = k / 32, pairs = (nb + 1) / 2;
-    size_t need = (size_t)pairs * GEMM_ROWS * (sizeof(__m512i) + sizeof(__m512));
-    if (panel_scratch.size < need) {
-        free(panel_scratch.p);
-        panel_scratch.p = malloc(need);
-        panel_scratch.size = panel_scratch.p ? need : 0;
-        if (!panel_scratch.p) abort();
-    }
-    __m512i *wu = panel_scratch.p;
+    __m512i *wu = mlxcel_scratch(&panel_scratch, (size_t)pairs * GEMM_ROWS * (sizeof(__m512i) + sizeof(__m512)));
     __m512 *ws = (__m512 *)(wu + (size_t)pairs * GEMM_ROWS);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int p0 = r0; p0 < r1; p0 += GEMM_ROWS) {
@@ -486,9 +477,7 @@ static void gemm_q8_0(int k, const unsigned char *data, size_t row_bytes, const 
         if (i < m) q8_0_panel_times(nb, wu, ws, act, act_bytes, i, 1, count, c + p0, ldc, beta);
     }
 }
-#endif
 
-#if defined(__AVX512VL__)
 static inline void nibble_halves(const uint8_t *qs, uint32_t qh, int five_bits, __m512i *first, __m512i *second);
 static inline void store_block(float *y, __m512i first, __m512i second, int offset, float d, int with_min, float m);
 
@@ -578,10 +567,7 @@ static inline __attribute__((always_inline)) void split_tile(int nb, const uint8
     for (int j = 0; j < nw; j++) out[j] = _mm512_reduce_add_ps(acc[j]) + _mm512_reduce_add_ps(mins[j]);
 }
 
-static __thread struct {
-    void *p;
-    size_t size;
-} split_scratch;
+static __thread struct mlxcel_scratch split_scratch;
 
 /* rows_fn over split rows: for each activation row, its values, d and s copied out, then weight
  * rows r and r + n/2 together (as ROWS_DRIVER's single row). */
@@ -589,14 +575,7 @@ static inline __attribute__((always_inline)) void split_rows_driver(int k, const
                                                                      const void *act, size_t act_bytes, int m,
                                                                      float *out, size_t ldo, struct split_form form) {
     const int nb = k / 32;
-    size_t need = (size_t)nb * (32 + 2 * sizeof(float));
-    if (split_scratch.size < need) {
-        free(split_scratch.p);
-        split_scratch.p = malloc(need);
-        split_scratch.size = split_scratch.p ? need : 0;
-        if (!split_scratch.p) return;
-    }
-    float *d = split_scratch.p, *s = d + nb;
+    float *d = mlxcel_scratch(&split_scratch, (size_t)nb * (32 + 2 * sizeof(float))), *s = d + nb;
     int8_t *q = (int8_t *)(s + nb);
     const uint8_t *wr = w;
     for (int i = 0; i < m; i++) {

@@ -201,8 +201,10 @@ class BlockWeight:
             self.bias_group, self.n, self.k)
         self.address = ctypes.addressof(self._struct)
 
-    def reorder(self) -> None:
-        """Store the rows in output order (a copy): for products that read the rows as stored."""
+    def reorder(self, mapped: np.ndarray | None = None, offset: int = 0) -> None:
+        """Store the rows in output order (a copy): for products that read the rows as stored.
+        The file's pages of the weight (``mapped``, at ``offset``) are dropped, as a repacked
+        weight's are: the weight still takes the file's size."""
         if self.rows is None:
             return
         rows, self.rows = self.rows, None
@@ -210,6 +212,10 @@ class BlockWeight:
         if self.group_bias is not None:
             self.group_bias = np.ascontiguousarray(self.group_bias[rows])
         self._describe()
+        if mapped is not None:
+            from mlxcel_compat.model.ggml_repack import release_pages
+
+            release_pages(mapped, offset, self.data.nbytes)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -274,17 +280,13 @@ def in_output_order(weight: BlockWeight, mapped: np.ndarray | None = None, offse
     output order where the shim's own kernels multiply its type (``own_kernels``, ``split_kinds``):
     they take a band of rows in one call only when its rows are stored in order (``block_matmul.c``
     calls them once a row otherwise, and a split row's kernel then copies the activations out for
-    every row). The file's pages of the weight (``mapped``, at ``offset``) are dropped, as a
-    repacked weight's are: the weight still takes the file's size. Whether it was copied."""
+    every row). The file's pages of the weight (``mapped``, at ``offset``) are dropped
+    (``BlockWeight.reorder``). Whether it was copied."""
     kind = int(weight.ggml_type)
     if (weight.rows is None or weight.repacked is not None or weight.prompt is not None
             or (kind not in weight.lib.own_kernels and kind not in weight.lib.split_kinds)):
         return False
-    weight.reorder()
-    if mapped is not None:
-        from mlxcel_compat.model.ggml_repack import release_pages
-
-        release_pages(mapped, offset, weight.data.nbytes)
+    weight.reorder(mapped, offset)
     return True
 
 

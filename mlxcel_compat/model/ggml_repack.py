@@ -180,10 +180,7 @@ def prompt_product(weight: Any, mapped: np.ndarray | None = None, offset: int = 
     if (isinstance(lib, str) or not takes_prompt_products(weight.ggml_type) or weight.group_bias is not None
             or weight.repacked is not None or int(weight.ggml_type) in weight.lib.gemm_kernels):
         return False
-    if weight.rows is not None:
-        weight.reorder()
-        if mapped is not None:
-            release_pages(mapped, offset, weight.data.nbytes)
+    weight.reorder(mapped, offset)
     handle = lib.plain_new(int(weight.ggml_type), weight.data.ctypes.data, weight.n, weight.k)
     if not handle:
         return False
