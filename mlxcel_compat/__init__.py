@@ -1,8 +1,8 @@
 """mlxcel_compat: an MLX inference server that is a drop-in replacement for llama-server."""
 
-from mlxcel_compat.model import zoo as _zoo
+from mlxcel_compat import zoo as _zoo
 
 __version__ = "0.1.0"
 
-# Before anything imports mlx-lm: its package __init__ imports transformers (model/zoo.py).
+# Before anything imports mlx-lm: its package __init__ imports transformers (zoo.py).
 _zoo.install()

@@ -15,7 +15,7 @@ import signal
 import sys
 from typing import Sequence
 
-from mlxcel_compat.backend import exit_now, load_optimized_blas, log_blas, map_big_allocations
+from mlxcel_compat.runtime.backend import exit_now, load_optimized_blas, log_blas, map_big_allocations
 
 log = logging.getLogger("mlxcel_compat")
 
@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModelNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    from mlxcel_compat.model.lora import AdapterError, AdapterSet, adapter_specs
+    from mlxcel_compat.lora.adapters import AdapterError, AdapterSet, adapter_specs
 
     try:
         # Adapter files are checked before listening too (their shapes once the model is loaded).
@@ -150,7 +150,7 @@ def build_server(settings: object, model_arg: str, api_keys: list[str], model_na
     from mlxcel_compat.engine.core import Engine, EngineConfig
     from mlxcel_compat.engine.speculative import SpecConfig
     from mlxcel_compat.engine.prefix_cache import PrefixCache, PrefixCacheConfig
-    from mlxcel_compat.model.lora import AdapterSet
+    from mlxcel_compat.lora.adapters import AdapterSet
     from mlxcel_compat.server.app import build_app
     from mlxcel_compat.server.context import ServerContext
     from mlxcel_compat.server.metrics import Metrics, prompt_cache_metrics

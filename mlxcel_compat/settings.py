@@ -1383,7 +1383,7 @@ def _list_positions(cli: Mapping[str, list[CliValue]]) -> Mapping[str, tuple[int
 
 def _check_lora_scaled(resolved: Mapping[str, _Resolved]) -> None:
     """``--lora-scaled`` items are FNAME:SCALE, split as llama-server splits them."""
-    from mlxcel_compat.model.lora import parse_scaled
+    from mlxcel_compat.lora.adapters import parse_scaled
 
     item = resolved["lora_scaled"]
     for value in item.value or ():

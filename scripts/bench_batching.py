@@ -151,7 +151,7 @@ class PromptMaker:
 # mlx_lm.server with exactly our BLAS set-up (same library, same OpenBLAS kernel choice).
 THEIRS_WRAPPER = (
     "import sys\n"
-    "from mlxcel_compat.backend import load_optimized_blas\n"
+    "from mlxcel_compat.runtime.backend import load_optimized_blas\n"
     "load_optimized_blas()\n"
     "sys.argv[0] = 'mlx_lm.server'\n"
     "from mlx_lm.server import main\n"

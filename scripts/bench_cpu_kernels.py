@@ -3,27 +3,27 @@
 
 Levers (what runs where: docs/architecture.md, "Platform notes"):
 
-1. OpenBLAS kernels chosen from the CPU flags (backend.py) against OpenBLAS's own choice and
+1. OpenBLAS kernels chosen from the CPU flags (runtime/backend.py) against OpenBLAS's own choice and
    against Prescott forced; float32 matmul GFLOP/s, each in a fresh process.
 2. The matmul route for few-row products (blas_shim.c): one pass over every weight matrix of the
    model, (M, K) @ W^T, through OpenBLAS's sgemm, through cblas_sgemv (M = 1) and through the shim's
    kernel, for M = 1 .. 32; plus cblas_sgemv called directly (no MLX) as the reference bandwidth.
-3. Attention (model/attention.py): mx.fast.scaled_dot_product_attention against the CPU path, per
+3. Attention (runtime/attention.py): mx.fast.scaled_dot_product_attention against the CPU path, per
    layer, decode and prompt shapes; the CPU path with its query blocks and its compiled exponent
    each switched off (prompt shapes are computed on NumPy arrays: "NumPy attention" in section 5).
-4. Element-wise pieces alone (model/cpu_fusion.py): SiLU gating (mlx-lm's against the power of 2,
+4. Element-wise pieces alone (runtime/cpu_fusion.py): SiLU gating (mlx-lm's against the power of 2,
    in NumPy from a prompt chunk's size), RMS norm, RoPE and the MLP plain against compiled, at
    decode and prompt sizes.
 5. In the model: a decode step at --context tokens of context and a prefill of --prompt tokens,
    with all levers on and with each one off in turn. With the CPU decode runtime on
-   (model/cpu_decode.py), a decode step of one sequence runs outside MLX, so the MLX levers
+   (runtime/cpu_decode.py), a decode step of one sequence runs outside MLX, so the MLX levers
    change only its prefill column; "CPU decode runtime" off measures MLX's step with them.
 6. The prefill chunk (``--batch-size``): the same prefill at several chunk sizes.
-7. Compile traces (model/cpu_fusion.py): the process's RSS after prompts of many new (batch,
+7. Compile traces (runtime/cpu_fusion.py): the process's RSS after prompts of many new (batch,
    length) shapes, and after the same shapes again; ``mx.compile`` keeps a trace per shape it
    specializes, so this must stay flat (``--size tiny``, whose small rows make most prompt chunks
    "small", is the telling case).
-8. The query block size (model/attention.py ``QUERY_BLOCK``): the prefill with each block size
+8. The query block size (runtime/attention.py ``QUERY_BLOCK``): the prefill with each block size
    (``--query-blocks``).
 
 Times are medians of --reps repetitions, the variants interleaved (rotating order) so that a noisy
@@ -54,7 +54,7 @@ import benchlib  # noqa: E402  (never imports MLX)
 MATMUL_CHILD = """
 import ctypes, json, os, sys, time
 os.environ["MLXCEL_BLAS_SHIM"] = "0"  # plain OpenBLAS sgemm: the kernel choice is measured here
-from mlxcel_compat import backend
+from mlxcel_compat.runtime import backend
 if sys.argv[1] == "backend":
     kernels = backend.load_optimized_blas().kernels
 else:  # the library loaded directly: OpenBLAS picks its kernels unaided (or as OPENBLAS_CORETYPE says)
@@ -99,7 +99,7 @@ def matmul_in_fresh_process(loader: str, coretype: str | None) -> dict:
 
 
 def section_kernels(args: argparse.Namespace) -> None:
-    from mlxcel_compat.backend import _cpu_flags, openblas_kernels_for_cpu
+    from mlxcel_compat.runtime.backend import _cpu_flags, openblas_kernels_for_cpu
 
     print("## 1. OpenBLAS kernels (fresh process each, plain sgemm)\n")
     if openblas_kernels_for_cpu(_cpu_flags()) is None:
@@ -121,7 +121,7 @@ def section_routes(args: argparse.Namespace, env: dict[str, Any]) -> None:
     import mlx.core as mx
     import numpy as np
 
-    from mlxcel_compat import blas_shim
+    from mlxcel_compat.runtime.native import blas_shim
 
     shim, weights = env["shim"], env["weights"]
     nbytes = sum(w.nbytes for w in weights)
@@ -177,8 +177,8 @@ ATTN_SHAPES = ((1, 1, 1024), (1, 1, 4096), (8, 1, 4096), (1, 74, 2122), (1, 512,
 def section_attention(args: argparse.Namespace, env: dict[str, Any]) -> None:
     import mlx.core as mx
 
-    from mlxcel_compat import blas_shim
-    from mlxcel_compat.model import attention
+    from mlxcel_compat.runtime.native import blas_shim
+    from mlxcel_compat.runtime import attention
 
     print("## 3. Attention per layer (12 query heads, 4 KV heads, head dim 64)\n")
     compiled_exp = attention._exp2_shifted
@@ -223,7 +223,7 @@ def section_pieces(args: argparse.Namespace, env: dict[str, Any]) -> None:
     import mlx.core as mx
     from mlx_lm.models import activations
 
-    from mlxcel_compat.model import cpu_fusion
+    from mlxcel_compat.runtime import cpu_fusion
 
     model = env["model"]
     layer = model.model.layers[0]
@@ -277,7 +277,8 @@ class Levers:
     def __init__(self, env: dict[str, Any]) -> None:
         from mlx_lm.models import activations
 
-        from mlxcel_compat.model import attention, cpu_fusion
+        from mlxcel_compat.runtime import attention
+        from mlxcel_compat.runtime import cpu_fusion
 
         self.env, self.attention, self.fusion = env, attention, cpu_fusion
         self.defaults = (attention.QUERY_BLOCK, attention._exp2_shifted, cpu_fusion.SMALL_ELEMENTS,
@@ -291,7 +292,7 @@ class Levers:
         """Everything on except the levers named in ``off`` (names from OFF; "all" = every one)."""
         import mlx.core as mx
 
-        from mlxcel_compat import blas_shim
+        from mlxcel_compat.runtime.native import blas_shim
 
         if "all" in off:
             off = LEVERS
@@ -326,7 +327,7 @@ def decode_step(env: dict[str, Any], context: int) -> Callable[[], float]:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxcel_compat.model import cpu_decode
+    from mlxcel_compat.runtime import cpu_decode
 
     model = env["model"]
     cache = make_prompt_cache(model)
@@ -339,7 +340,7 @@ def decode_step(env: dict[str, Any], context: int) -> Callable[[], float]:
 
     def run() -> float:
         t = benchlib.clock()
-        if env["use_decoder"]:  # the engine's step for one sequence (model/cpu_decode.py)
+        if env["use_decoder"]:  # the engine's step for one sequence (runtime/cpu_decode.py)
             mx.eval(mx.argmax(mx.array(env["decoder"].step(11, cache, owned))))
         else:
             mx.eval(mx.argmax(model(token, cache=cache)[0, -1]))
@@ -355,7 +356,7 @@ def prefill(env: dict[str, Any], n: int, chunk: int) -> Callable[[], float]:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxcel_compat.model import cpu_decode
+    from mlxcel_compat.runtime import cpu_decode
 
     model = env["model"]
     prompt = [(13 * i + 5) % 8000 for i in range(n)]
@@ -420,7 +421,7 @@ def section_traces(args: argparse.Namespace, env: dict[str, Any]) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxcel_compat.backend import release_free_memory
+    from mlxcel_compat.runtime.backend import release_free_memory
 
     model = env["model"]
 
@@ -453,8 +454,8 @@ def section_traces(args: argparse.Namespace, env: dict[str, Any]) -> None:
 
 
 def section_query_blocks(args: argparse.Namespace, env: dict[str, Any]) -> None:
-    """The prefill with each query block size (model/attention.py: QUERY_BLOCK), interleaved."""
-    from mlxcel_compat.model import attention
+    """The prefill with each query block size (runtime/attention.py: QUERY_BLOCK), interleaved."""
+    from mlxcel_compat.runtime import attention
 
     fill = prefill(env, args.prompt, args.chunk)
     default = attention.QUERY_BLOCK
@@ -483,7 +484,7 @@ def section_query_blocks(args: argparse.Namespace, env: dict[str, Any]) -> None:
 
 
 def load_env(args: argparse.Namespace) -> dict[str, Any]:
-    from mlxcel_compat import backend
+    from mlxcel_compat.runtime import backend
 
     info = backend.load_optimized_blas()
     import mlx.nn as nn

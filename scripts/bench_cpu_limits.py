@@ -3,7 +3,7 @@
 
 1. **Decode step vs the streaming limit**: the time per token of greedy decoding at ``--context``
    tokens of context, as the engine decodes one sequence (the CPU decode runtime,
-   ``model/cpu_decode.py``), and as MLX decodes it (pipelined, the levers on, and all off),
+   ``runtime/cpu_decode.py``), and as MLX decodes it (pipelined, the levers on, and all off),
    against the weight bytes of one step divided by the best matrix-vector bandwidth this run
    measures on the same weight matrices (OpenBLAS ``cblas_sgemv`` called directly, and the
    shim's kernel through MLX and called directly). Goal: step <= 1.3 x the limit.
@@ -67,7 +67,8 @@ def median(xs: list[float]) -> float:
 def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     from bench_cpu_kernels import Levers
 
-    from mlxcel_compat import backend, blas_shim
+    from mlxcel_compat.runtime import backend
+    from mlxcel_compat.runtime.native import blas_shim
 
     info = backend.load_optimized_blas()
     shim = backend.matmul_shim()
@@ -76,7 +77,7 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     import numpy as np
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxcel_compat.model import cpu_decode
+    from mlxcel_compat.runtime import cpu_decode
     from mlxcel_compat.model.loader import load_model
 
     loaded = load_model(str(model_dir), [])
@@ -111,7 +112,7 @@ def limits(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
                   ctypes.c_float(0.0), y.ctypes.data_as(f32p), 1)
         return benchlib.clock() - t
 
-    decoder = loaded.decoder  # the engine's decode step for one sequence (model/cpu_decode.py), or None
+    decoder = loaded.decoder  # the engine's decode step for one sequence (runtime/cpu_decode.py), or None
     kernel = decoder.k.sgemm if decoder is not None else None  # the shim's cblas_sgemm, called directly
 
     def kernel_pass() -> float:
@@ -366,7 +367,7 @@ MLX_LM_CHILD = r"""
 import json, os, sys, time
 os.environ["MLXCEL_BLAS_SHIM"] = "0"  # none of the levers: MLX calls OpenBLAS's sgemm directly
 sys.path.insert(0, sys.argv[1])
-from mlxcel_compat.backend import load_optimized_blas
+from mlxcel_compat.runtime.backend import load_optimized_blas
 load_optimized_blas()  # the same OpenBLAS and kernels as the server (without it: the reference BLAS)
 import mlx.core as mx
 from mlx_lm import load

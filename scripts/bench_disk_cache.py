@@ -206,7 +206,7 @@ def part_ttft(model: str, args: argparse.Namespace, work: Path) -> dict[str, Any
 def write_synthetic_entries(model: str, directory: Path, gigabytes: float) -> tuple[int, int]:
     """Valid disk-tier files of this model's KV shape (2K tokens each): ``(files, bytes)``."""
     sys.path.insert(0, str(ROOT))
-    from mlxcel_compat.backend import load_optimized_blas
+    from mlxcel_compat.runtime.backend import load_optimized_blas
 
     load_optimized_blas()
     import mlx.core as mx

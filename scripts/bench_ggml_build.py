@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Which build of ggml's CPU kernels to serve quantized weights with: measured on the same tensors.
 
-The quantized GGUF weights are multiplied by ggml's own kernels (``model/ggml_cpu.py``,
+The quantized GGUF weights are multiplied by ggml's own kernels (``runtime/ggml_cpu.py``,
 ``block_matmul.c``). Two builds are compared here, side by side in one run, each in its own
 child process, on the very same weight bytes:
 
@@ -17,7 +17,7 @@ of Llama-2-7B), the time of one pass over the layer's seven matrices is measured
 step (1 activation row, ``vec_dot``), a 4-stream batched step (4 rows, ``vec_dot``) and a
 prompt chunk (512 rows: tiles expanded by ``to_float`` and the BLAS's sgemm); a third column,
 "repacked", runs the same products from ggml's repacked copy where it has one (the native build;
-``model/ggml_repack.py``: decode rows one GEMV each, prompt chunks its GEMM). Variants are
+``runtime/ggml_repack.py``: decode rows one GEMV each, prompt chunks its GEMM). Variants are
 interleaved over ``--reps`` rounds (rotating order); medians are printed with the ratio
 prebuilt / native (above 1: the native build is faster). Both builds compute llama.cpp's
 products; the native build's products are checked equal to the prebuilt's within float rounding.
@@ -53,9 +53,10 @@ ROWS = {"decode (1 row)": (1, False), "4 streams (4 rows)": (4, False), "prompt 
 CHILD = r"""
 import json, sys, time
 import numpy as np
-from mlxcel_compat import backend
+from mlxcel_compat.runtime import backend
 backend.load_optimized_blas()
-from mlxcel_compat.model import block_weight, ggml_repack
+from mlxcel_compat.runtime import block_weight
+from mlxcel_compat.runtime import ggml_repack
 spec = json.loads(sys.argv[1])
 lib = block_weight.library()
 assert not isinstance(lib, str), lib
@@ -107,7 +108,7 @@ def make_weights(directory: Path, types: list[str], shapes: list[str]) -> list[d
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-    from mlxcel_compat.model import ggml_cpu
+    from mlxcel_compat.runtime import ggml_cpu
 
     kernels = ggml_cpu.kernels()
     assert not isinstance(kernels, str), kernels
@@ -135,7 +136,7 @@ def make_weights(directory: Path, types: list[str], shapes: list[str]) -> list[d
 def main() -> int:
     from importlib.metadata import version as dist_version
 
-    from mlxcel_compat.model import ggml_cpu
+    from mlxcel_compat.runtime import ggml_cpu
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--types", default=",".join(TYPES))

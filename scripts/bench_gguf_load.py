@@ -12,7 +12,7 @@ load runs in a fresh process (so page cache is warm for both but no MLX state is
   median of ``--reps`` runs (``--reps 0`` skips them).
 
 A GGUF converts its tokenizer on the first load and reuses the cached conversion afterwards
-(``model/gguf_tokenizer.py``). The children get a fresh, empty ``XDG_CACHE_HOME``: one first,
+(``gguf/tokenizer.py``). The children get a fresh, empty ``XDG_CACHE_HOME``: one first,
 cold GGUF load is reported on its own, then ``--rounds`` rounds each load the GGUF and the
 directory back to back (the order alternating between rounds). The table shows medians; the
 load-time ratio is the median of the per-round GGUF/HF ratios, so a burst of load from other
@@ -51,7 +51,7 @@ def child(path: str, reps: int) -> dict:
     """Runs in a fresh process: load the model and measure it."""
     import threading
 
-    from mlxcel_compat.backend import load_optimized_blas
+    from mlxcel_compat.runtime.backend import load_optimized_blas
 
     load_optimized_blas()
     import mlx.core as mx

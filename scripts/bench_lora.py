@@ -8,7 +8,7 @@ the adapter, and with it) and times greedy decode steps of each side by side, in
 (``benchlib.interleaved``: the order rotates each repetition, so a busy machine's noise hits both
 alike), after a shared prompt:
 
-- **CPU decode runtime** (``model/cpu_decode.py``, what the engine runs for one sequence):
+- **CPU decode runtime** (``runtime/cpu_decode.py``, what the engine runs for one sequence):
   ``--steps`` steps per measurement, each ``CpuDecoder.step`` + argmax; the adapter adds two
   small products per projection (``A x`` then ``B (A x)``, the shim's kernel);
 - **MLX step** (``MLXCEL_CPU_DECODE=0``'s path): a (1, 1) forward pass through the mlx-lm model,
@@ -49,13 +49,14 @@ def _decode_runs(model, decoder, prompt, steps, scales):
     import numpy as np
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxcel_compat.model import cpu_decode, lora_layers
+    from mlxcel_compat.runtime import cpu_decode
+    from mlxcel_compat.runtime import lora_rows
 
     rows = None if scales is None else [scales]
 
     def fresh_cache():
         cache = make_prompt_cache(model)
-        with lora_layers.applied(rows):
+        with lora_rows.applied(rows):
             model(mx.array([prompt]), cache=cache)
         mx.eval([c.state for c in cache])
         return cache
@@ -71,7 +72,7 @@ def _decode_runs(model, decoder, prompt, steps, scales):
         cache, token = fresh_cache(), mx.array([[prompt[-1]]])
         t0 = benchlib.clock()
         for _ in range(steps):
-            with lora_layers.applied(rows):
+            with lora_rows.applied(rows):
                 logits = model(token, cache=cache)
             token = mx.argmax(logits[:, -1, :], axis=-1).reshape(1, 1)
             mx.eval(token)
@@ -81,11 +82,11 @@ def _decode_runs(model, decoder, prompt, steps, scales):
 
 
 def bench_decode(args) -> dict:
-    from mlxcel_compat.backend import load_optimized_blas
+    from mlxcel_compat.runtime.backend import load_optimized_blas
 
     load_optimized_blas()
     from mlxcel_compat.model.loader import load_model
-    from mlxcel_compat.model.lora import AdapterSet, AdapterSpec
+    from mlxcel_compat.lora.adapters import AdapterSet, AdapterSpec
     from mlxcel_compat.testing.adapters import ensure_adapter
 
     model_dir = benchlib.ensure_model("llama", args.size)
@@ -113,7 +114,7 @@ def bench_decode(args) -> dict:
 def bench_scale_change(args) -> dict:
     import httpx
 
-    from mlxcel_compat.model.lora import AdapterSet, AdapterSpec
+    from mlxcel_compat.lora.adapters import AdapterSet, AdapterSpec
     from mlxcel_compat.testing.adapters import ensure_adapter
 
     adapter = ensure_adapter("llama", "tiny", "gguf", rank=args.rank, alpha=2.0 * args.rank)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import benchlib  # noqa: E402
-from mlxcel_compat.backend import load_optimized_blas  # noqa: E402
+from mlxcel_compat.runtime.backend import load_optimized_blas  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

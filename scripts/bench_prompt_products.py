@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Which path multiplies a quantized weight by a prompt chunk fastest: measured on the same blocks.
 
-A prompt chunk of a weight in ggml's blocks can go three ways (``model/block_weight.py``):
+A prompt chunk of a weight in ggml's blocks can go three ways (``runtime/block_weight.py``):
 float32 tiles expanded by ggml's ``to_float`` and multiplied by the BLAS's sgemm (``tiles``),
 ggml's own ``mul_mat`` on the stored blocks (``ggml``: ``ggml_repack.PromptProduct``, ggml 0.25's
 tiled int8 kernels for the K-quants), or ggml's repacked copy and its GEMM (``repacked``, where
@@ -25,14 +25,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlxcel_compat import backend  # noqa: E402
+from mlxcel_compat.runtime import backend  # noqa: E402
 
 backend.load_optimized_blas()  # before NumPy's first product and MLX
 
 import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from mlxcel_compat.model import block_weight, ggml_cpu, ggml_repack  # noqa: E402
+from mlxcel_compat.runtime import block_weight, ggml_cpu, ggml_repack  # noqa: E402
 
 TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "Q4_1")
 

@@ -27,14 +27,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlxcel_compat import backend  # noqa: E402
+from mlxcel_compat.runtime import backend  # noqa: E402
 
 backend.load_optimized_blas()  # before NumPy's first product and MLX
 
 import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from mlxcel_compat.model import block_weight, ggml_cpu, ggml_repack  # noqa: E402
+from mlxcel_compat.runtime import block_weight, ggml_cpu, ggml_repack  # noqa: E402
 
 # (inputs k, outputs n): the small llama's q/o and gate/up and down projections, Llama-2-7B's
 # q/o, gate/up and down.

@@ -265,7 +265,7 @@ def prepare(path: str, n_prefill: int, n_prefill_prompts: int, n_accuracy: int, 
             reference: bool) -> dict[str, Any]:
     """Token ids of every prompt, by the file's own tokenizer, and the float32 reference's greedy
     continuations of the accuracy prompts (with the gap between its two best logits at each step)."""
-    from mlxcel_compat.backend import load_optimized_blas
+    from mlxcel_compat.runtime.backend import load_optimized_blas
 
     load_optimized_blas()
     import mlx.core as mx
@@ -274,12 +274,12 @@ def prepare(path: str, n_prefill: int, n_prefill_prompts: int, n_accuracy: int, 
     mx.set_default_device(mx.cpu)
     model = None
     if reference:
-        from mlxcel_compat.model.gguf_load import load_gguf
+        from mlxcel_compat.gguf.load import load_gguf
 
         model, tokenizer, _, _ = load_gguf(path, on_cpu=True, blocks=False)
     else:
-        from mlxcel_compat.model.gguf import open_gguf
-        from mlxcel_compat.model.gguf_tokenizer import load_tokenizer
+        from mlxcel_compat.gguf.reader import open_gguf
+        from mlxcel_compat.gguf.tokenizer import load_tokenizer
 
         tokenizer, _ = load_tokenizer(open_gguf(path))
 
@@ -333,7 +333,7 @@ def run_prepare(args: argparse.Namespace, path: Path, reference: bool) -> dict[s
 
 def reference_fits(path: Path) -> tuple[bool, str]:
     """Whether the float32 expansion of ``path`` fits in half the available memory, and why not."""
-    from mlxcel_compat.model.gguf import open_gguf
+    from mlxcel_compat.gguf.reader import open_gguf
 
     need = open_gguf(path).n_params * 4
     with open("/proc/meminfo") as f:
@@ -605,7 +605,7 @@ def _fmt(value: float | None, spec: str, values: Sequence[float] | None = None) 
 def bytes_per_token(path: Path) -> int:
     """Weight bytes a decode step reads: every tensor but the token embedding (one row of it),
     which the output head reads whole where it is tied (no ``output.weight``)."""
-    from mlxcel_compat.model.gguf import open_gguf
+    from mlxcel_compat.gguf.reader import open_gguf
 
     tensors = open_gguf(path).tensors
     embedding = tensors.get("token_embd.weight")
@@ -637,7 +637,7 @@ def stream_bandwidth(reps: int = 5) -> float:
 
 def kv_bytes(path: Path, element_bytes: int) -> int:
     """Bytes of the K and V caches of the whole context (``CTX`` tokens) for the file's shape."""
-    from mlxcel_compat.model.gguf import open_gguf
+    from mlxcel_compat.gguf.reader import open_gguf
 
     f = open_gguf(path)
     layers = int(f.arch_value("block_count"))
@@ -651,7 +651,7 @@ def kv_bytes(path: Path, element_bytes: int) -> int:
 def report(key: str, path: Path, results: dict[str, dict[str, Any]], args: argparse.Namespace,
            notes: list[str]) -> list[dict[str, Any]]:
     """Print one file's table (both servers, the ratio, the goal and whether it is met); return its rows."""
-    from mlxcel_compat.model.gguf import open_gguf
+    from mlxcel_compat.gguf.reader import open_gguf
 
     f = open_gguf(path)
     file_bytes = path.stat().st_size

@@ -53,7 +53,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mlxcel_compat.backend import load_optimized_blas  # noqa: E402
+from mlxcel_compat.runtime.backend import load_optimized_blas  # noqa: E402
 
 import benchlib  # noqa: E402
 

@@ -53,7 +53,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # The optimized BLAS must be loaded before anything imports mlx.core.
-from mlxcel_compat.backend import load_optimized_blas  # noqa: E402
+from mlxcel_compat.runtime.backend import load_optimized_blas  # noqa: E402
 
 BLAS = load_optimized_blas()
 

@@ -29,7 +29,7 @@ def run(main: Callable[[], int | None]) -> NoReturn:
     """Run a benchmark's ``main`` and leave without the interpreter's teardown.
 
     In-process benchmarks run MLX (and ``mx.compile``) on engine threads, after which MLX 0.32
-    may abort at exit with status 134 (``mlxcel_compat.backend.exit_now`` says why); the results
+    may abort at exit with status 134 (``mlxcel_compat.runtime.backend.exit_now`` says why); the results
     are printed by then, but the abort message and the status would read as a failure.
     """
     try:
@@ -41,7 +41,7 @@ def run(main: Callable[[], int | None]) -> NoReturn:
         code = 1
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from mlxcel_compat.backend import exit_now
+    from mlxcel_compat.runtime.backend import exit_now
 
     exit_now(code or 0)
 

@@ -3,7 +3,7 @@
 # libopenblas0-pthread, when we may install system packages), headless Chromium for the chat
 # page's browser tests (Debian's chromium + chromium-driver, likewise), a virtualenv in .venv
 # with the project and its test extras, and the matrix-vector shim compiled for this
-# CPU (mlxcel_compat/blas_shim.c, when a C compiler is present). Sourced by serve.sh and test.sh.
+# CPU (mlxcel_compat/runtime/native/blas_shim.c, when a C compiler is present). Sourced by serve.sh and test.sh.
 #
 # Quiet by design: one line per step that does something (nothing when all is up to date). What
 # apt and pip print goes to $venv/setup.log, which the message of a failed step names.
@@ -57,19 +57,19 @@ if [ ! -f "$stamp" ] || [ "$root/setup.cfg" -nt "$stamp" ] || [ "$root/pyproject
   setup_step "upgrading pip" "$venv/bin/python" -m pip install -q --upgrade pip
   setup_step "installing mlxcel_compat and its test dependencies into $venv (a few minutes the first time)" \
     "$venv/bin/python" -m pip install -q -e "$root[test]"
-  # Vision-language models (model/vision.py) run on mlx-vlm's model classes. Its own metadata
+  # Vision-language models (vision/model.py) run on mlx-vlm's model classes. Its own metadata
   # pulls opencv, datasets, mlx-audio, fastapi and more that the classes used here never import,
   # so it goes in without them (setup.cfg's `vision` extra is the same pin with them).
   setup_step "installing mlx-vlm 0.7.10 (vision models; without its optional heavy dependencies)" \
     "$venv/bin/python" -m pip install -q --no-deps "mlx-vlm==0.7.10"
   touch "$stamp"
 fi
-# ggml's CPU kernels (quantized GGUF weights, model/ggml_cpu.py) built for this CPU into
-# $venv/ggml (lib/, include/), which model/ggml_cpu.py prefers to the libggml-python wheel's
+# ggml's CPU kernels (quantized GGUF weights, runtime/ggml_cpu.py) built for this CPU into
+# $venv/ggml (lib/, include/), which runtime/ggml_cpu.py prefers to the libggml-python wheel's
 # (0.20, compiled for AVX2: the fallback without a C++ compiler). The source is the ggml that
 # llama.cpp b11312 vendors (0.25), taken from the PyPI sdist llama-cpp-python 0.3.36 (only
 # downloaded and unpacked, never installed): its tiled K-quant kernels multiply prompt chunks
-# 2-4x faster than 0.20's (model/ggml_repack.py: prompt_product). Built as
+# 2-4x faster than 0.20's (runtime/ggml_repack.py: prompt_product). Built as
 # ../shared/peers/build-llama-server.sh builds llama-server: this CPU's AVX-512/VNNI flags,
 # AMX off (these VMs report AMX, whose instructions fault). About a minute (cmake comes from
 # PyPI when the system has none); redone when the CPU's flags or the source change.
@@ -116,4 +116,4 @@ fi
 # Compiled into the user cache, keyed by the source and the CPU: a no-op when up to date. Without
 # a C compiler it says so and the server calls the BLAS directly (slower decode; results equal
 # to float32 rounding).
-"$venv/bin/python" -m mlxcel_compat.blas_shim --quiet || true
+"$venv/bin/python" -m mlxcel_compat.runtime.native.blas_shim --quiet || true

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import pytest
 
-from mlxcel_compat.backend import load_optimized_blas
+from mlxcel_compat.runtime.backend import load_optimized_blas
 
 load_optimized_blas()
 

@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.models import base
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxcel_compat.model import attention
+from mlxcel_compat.runtime import attention
 from mlxcel_compat.model.loader import load_model
 from tests.conftest import tiny_model
 
@@ -182,7 +182,7 @@ def test_a_short_chunk_multiplies_on_one_blas_thread_to_the_same_result(monkeypa
     give; the thread count is back afterwards, and a longer chunk keeps the split."""
     import ctypes
 
-    from mlxcel_compat import backend
+    from mlxcel_compat.runtime import backend
 
     info = backend.load_optimized_blas()
     if info.name != "openblas" or info.path is None:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mlxcel_compat.backend import OPENBLAS_SPIN_EXPONENT, _cpu_flags, load_optimized_blas, openblas_kernels_for_cpu
+from mlxcel_compat.runtime.backend import OPENBLAS_SPIN_EXPONENT, _cpu_flags, load_optimized_blas, openblas_kernels_for_cpu
 
 AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}
 
@@ -31,7 +31,7 @@ def in_fresh_process(code: str, env: dict[str, str]) -> dict:
 def blas_in_fresh_process(env: dict[str, str]) -> dict:
     return in_fresh_process(
         "import json, os\n"
-        "from mlxcel_compat.backend import load_optimized_blas\n"
+        "from mlxcel_compat.runtime.backend import load_optimized_blas\n"
         "info = load_optimized_blas()\n"
         "print(json.dumps({'name': info.name, 'kernels': info.kernels, 'forced': info.kernels_forced,"
         " 'env': os.environ.get('OPENBLAS_CORETYPE')}))\n",
@@ -65,7 +65,7 @@ def idle_cpu_after_a_gemm(env: dict[str, str]) -> dict:
     spinning for the next call)."""
     return in_fresh_process(
         "import json, os, time, numpy as np\n"
-        "from mlxcel_compat import backend\n"
+        "from mlxcel_compat.runtime import backend\n"
         "backend.load_optimized_blas()\n"
         "sgemm = backend.cblas_sgemm()\n"
         "a = np.ones((512, 512), np.float32); c = np.empty_like(a)\n"
@@ -91,7 +91,7 @@ def test_openblas_threads_do_not_spin_between_calls() -> None:
 _FREED_BY_A_THREAD = """
 import json, threading
 import numpy as np
-from mlxcel_compat import backend
+from mlxcel_compat.runtime import backend
 mapped = backend.map_big_allocations() if {fix} else False
 
 def anon():

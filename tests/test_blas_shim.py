@@ -20,7 +20,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel_compat import backend, blas_shim
+from mlxcel_compat.runtime import backend
+from mlxcel_compat.runtime.native import blas_shim
 from tests.conftest import tiny_model
 
 RTOL = 1e-5
@@ -223,7 +224,7 @@ def test_the_held_view_keeps_the_gil_for_the_call_and_the_plain_one_gives_it_up(
 CHILD = """
 import ctypes, json, os, sys
 import numpy as np
-from mlxcel_compat import backend
+from mlxcel_compat.runtime import backend
 info = backend.load_optimized_blas()
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache

@@ -1,4 +1,4 @@
-"""Block layers in a loaded model (model/block_layers.py): what replaces nn.Linear/nn.Embedding,
+"""Block layers in a loaded model (runtime/block_layers.py): what replaces nn.Linear/nn.Embedding,
 the per-sequence choice of kernel path, and the skipped output head of prefill chunks."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxcel_compat.model.block_layers import BlockEmbedding, BlockLinear, holds_blocks, logits_unused
-from mlxcel_compat.model.gguf_load import load_gguf
+from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, holds_blocks, logits_unused
+from mlxcel_compat.gguf.load import load_gguf
 from tests.conftest import tiny_model
 
 pytestmark = pytest.mark.engine

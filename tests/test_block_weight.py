@@ -1,4 +1,4 @@
-"""Weights in ggml's block formats (model/block_weight.py, block_matmul.c, ggml's kernels).
+"""Weights in ggml's block formats (runtime/block_weight.py, block_matmul.c, ggml's kernels).
 
 Every type the CPU serves from its blocks is checked against gguf-py's dequantizer, an
 independent implementation of the layouts:
@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from mlxcel_compat.model import ggml_cpu
-from mlxcel_compat.model.block_weight import BlockWeight, library
+from mlxcel_compat.runtime import ggml_cpu
+from mlxcel_compat.runtime.block_weight import BlockWeight, library
 from tests.test_gguf_quants import F16_FIELDS, random_blocks
 
 LIB = library()
@@ -277,7 +277,7 @@ def test_split_rows_give_ggml_s_products(qtype: T, n: int, k: int) -> None:
     integer sums, the block terms added in another order), each row whatever rows share its
     call; its prompt tiles are bit for bit the original's. Row lengths of 3, 16, 28 and 128
     blocks: a lone last block, whole groups of 16 and a group's remainder."""
-    from mlxcel_compat.model.block_weight import split_rows
+    from mlxcel_compat.runtime.block_weight import split_rows
 
     raw = raw_weight(qtype, n, k, seed=21)
     plain = BlockWeight(raw, qtype, n, k, LIB)
@@ -334,7 +334,7 @@ def test_permuted_rows_are_copied_in_order_for_the_own_kernels() -> None:
     kernels take a band of rows at once only then), before a split-row type is split. Every
     product is bit for bit the permuted weight's; types the kernels do not serve are left as
     they are."""
-    from mlxcel_compat.model.block_weight import in_output_order, split_rows
+    from mlxcel_compat.runtime.block_weight import in_output_order, split_rows
 
     n, k = 96, 512
     order = np.random.default_rng(27).permutation(n).astype(np.int32)

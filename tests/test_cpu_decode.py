@@ -1,4 +1,4 @@
-"""The CPU decode runtime (model/cpu_decode.py) and its kernels in blas_shim.c.
+"""The CPU decode runtime (runtime/cpu_decode.py) and its kernels in blas_shim.c.
 
 - Each kernel against a float64 NumPy reference (RMS norm, Gemma's norm of a branch added to the
   residual, RoPE in both layouts against ``mx.fast.rope``, SiLU and GELU-tanh gating with the
@@ -28,9 +28,10 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from mlxcel_compat import backend, blas_shim
+from mlxcel_compat.runtime import backend
+from mlxcel_compat.runtime.native import blas_shim
 from mlxcel_compat.engine.request import TokenEvent
-from mlxcel_compat.model import cpu_decode
+from mlxcel_compat.runtime import cpu_decode
 from mlxcel_compat.model.loader import load_model
 from mlxcel_compat.testing.gguf_writer import ensure_gguf
 from tests.conftest import MODEL_CACHE, tiny_model

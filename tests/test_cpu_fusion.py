@@ -1,4 +1,4 @@
-"""The CPU levers inside the model (model/cpu_fusion.py, model/attention.py) and what they change.
+"""The CPU levers inside the model (runtime/cpu_fusion.py, runtime/attention.py) and what they change.
 
 - Compiled small-input modules: bit-identical to the plain modules; their compile traces are
   bounded (a trace per prompt-chunk length would stay for the life of the process).
@@ -24,7 +24,7 @@ import pytest
 from mlx_lm.models import activations
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxcel_compat.model import cpu_fusion
+from mlxcel_compat.runtime import cpu_fusion
 from mlxcel_compat.model.loader import load_model
 from tests.conftest import tiny_model
 from tests.engine_harness import EngineHarness
@@ -159,7 +159,7 @@ def test_install_is_idempotent() -> None:
 REFERENCE = r"""
 import json, os, sys
 os.environ["MLXCEL_BLAS_SHIM"] = "0"
-from mlxcel_compat.backend import load_optimized_blas
+from mlxcel_compat.runtime.backend import load_optimized_blas
 load_optimized_blas()  # OpenBLAS as in the server, but MLX calls its sgemm directly
 import mlx.core as mx
 from mlx_lm.generate import generate_step

@@ -95,7 +95,7 @@ def test_the_same_text_with_another_clip_reuses_only_the_text_before_it(oai: ope
                                                                         audio_dir: Path) -> None:
     from mlx_lm.utils import load_tokenizer
 
-    from mlxcel_compat.model.vision import vision_facts
+    from mlxcel_compat.vision.model import vision_facts
 
     text = "A long shared instruction that comes before the clip, about listening carefully:"
     ask(oai, [SYSTEM, user(wav(5), text)])

@@ -243,7 +243,7 @@ def reference_scores():
     last token of each pair's prompt (how Qwen3-Reranker is scored)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from mlxcel_compat.model.rerank import QWEN3_RERANK_TEMPLATE
+    from mlxcel_compat.encoders.rerank import QWEN3_RERANK_TEMPLATE
     from mlxcel_compat.testing.gguf_writer import rerank_label_ids
 
     directory = tiny_model("qwen3")

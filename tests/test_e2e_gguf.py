@@ -13,7 +13,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from mlxcel_compat.model.gguf import open_gguf
+from mlxcel_compat.gguf.reader import open_gguf
 from mlxcel_compat.testing.gguf_writer import ensure_gguf
 from tests.conftest import MODEL_CACHE
 from tests.test_gguf_hub import populate_cache

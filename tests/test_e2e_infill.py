@@ -258,9 +258,9 @@ def test_prompts_equal_the_real_llama_server(request, server_factory, coder_gguf
 def test_factory_gguf_states_the_fim_ids_and_the_directory_is_found_by_text(coder_dir, coder_gguf):
     from mlx_lm.tokenizer_utils import load
 
-    from mlxcel_compat.model.fim import FimTokens, model_fim_tokens
-    from mlxcel_compat.model.gguf import open_gguf
-    from mlxcel_compat.model.gguf_tokenizer import special_tokens
+    from mlxcel_compat.tokenizer.fim import FimTokens, model_fim_tokens
+    from mlxcel_compat.gguf.reader import open_gguf
+    from mlxcel_compat.gguf.tokenizer import special_tokens
 
     expected = FimTokens(pre=PRE, suf=SUF, mid=MID, pad=PAD, rep=REP, sep=SEP)
     md = open_gguf(coder_gguf).metadata
@@ -272,7 +272,7 @@ def test_factory_gguf_states_the_fim_ids_and_the_directory_is_found_by_text(code
 
 
 def test_stated_ids_win_unless_out_of_range_and_old_keys_fill_in():
-    from mlxcel_compat.model.fim import find_fim_tokens, stated_ids
+    from mlxcel_compat.tokenizer.fim import find_fim_tokens, stated_ids
 
     vocab = {"<PRE>": 5, "▁<PRE>": 3, "<SUF>": 6, "<MID>": 7, "<|fim_pad|>": 8}
     found = find_fim_tokens(vocab, 10)
@@ -289,7 +289,7 @@ def test_without_a_file_separator_chunks_are_joined_with_snippet_lines(coder_dir
     """CodeLlama's kind of vocabulary: prefix, suffix and middle only, and a BOS."""
     from tokenizers import Tokenizer
 
-    from mlxcel_compat.model.fim import FimTokens
+    from mlxcel_compat.tokenizer.fim import FimTokens
     from mlxcel_compat.server.infill import InfillBudget, infill_prompt, parse_infill
 
     tok = Tokenizer.from_file(str(coder_dir / "tokenizer.json"))

@@ -17,7 +17,7 @@ import openai
 import pytest
 from gguf import GGMLQuantizationType
 
-from mlxcel_compat.model import ggml_repack
+from mlxcel_compat.runtime import ggml_repack
 from mlxcel_compat.testing.gguf_writer import ensure_gguf
 from tests.conftest import MODEL_CACHE, ServerProcess
 from tests.test_e2e_disk_cache import disk_stats, start, text

@@ -92,7 +92,7 @@ def first_image_token(http: httpx.Client, vlm_dir: Path, messages: list[dict[str
 
     from mlx_lm.utils import load_tokenizer
 
-    from mlxcel_compat.model.vision import vision_facts
+    from mlxcel_compat.vision.model import vision_facts
 
     tokenizer = load_tokenizer(vlm_dir)
     config = json.loads((vlm_dir / "config.json").read_text())

@@ -1,5 +1,5 @@
 """Embeddings on the engine side (``engine/embedding.py``), the pooling a model declares
-(``model/pooling.py``) and llama.cpp's normalisations (``server/api_embeddings.py``).
+(``encoders/pooling.py``) and llama.cpp's normalisations (``server/api_embeddings.py``).
 
 The reference is Hugging Face transformers (PyTorch, CPU) on the same factory weights: its
 ``last_hidden_state`` is the final-norm output llama.cpp reads as a decoder's embedding.
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from mlxcel_compat.engine.embedding import EmbeddingJob, _groups, embed
-from mlxcel_compat.model.pooling import model_pooling
+from mlxcel_compat.encoders.pooling import model_pooling
 from mlxcel_compat.server.api_embeddings import normalize
 from tests.conftest import tiny_model
 
@@ -150,7 +150,7 @@ def test_gguf_pooling_comes_from_its_metadata(tmp_path, pooling) -> None:
 
 
 def test_a_qwen3_reranker_directory_is_recognised_as_llama_cpp_does(tmp_path) -> None:
-    from mlxcel_compat.model.rerank import is_reranker_directory
+    from mlxcel_compat.encoders.rerank import is_reranker_directory
 
     base = tiny_model("qwen3")
     assert not is_reranker_directory(base)
@@ -169,7 +169,7 @@ def test_a_directory_reranker_scores_with_its_label_tokens_rows(loaded, family) 
     import mlx.core as mx
 
     from mlxcel_compat.engine.embedding import rank_scores
-    from mlxcel_compat.model.rerank import QWEN3_RERANK_TEMPLATE, RankHead
+    from mlxcel_compat.encoders.rerank import QWEN3_RERANK_TEMPLATE, RankHead
 
     ids = (88, 2146)
     tokens = RankHead(QWEN3_RERANK_TEMPLATE, token_ids=ids).prompt(loaded.tokenizer, "q", "a document")

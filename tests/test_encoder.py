@@ -1,4 +1,4 @@
-"""BERT-family encoders (``model/bert.py``: BERT, XLM-R, NomicBERT) on the engine side: loading a directory and a GGUF,
+"""BERT-family encoders (``encoders/bert.py``: BERT, XLM-R, NomicBERT) on the engine side: loading a directory and a GGUF,
 embeddings for every pooling and normalisation, and cross-encoder scores.
 
 The reference is Hugging Face transformers (PyTorch, CPU) on the same factory directories
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from mlxcel_compat.engine.embedding import EmbeddingJob, embed
-from mlxcel_compat.model.pooling import model_pooling
-from mlxcel_compat.model.rerank import CROSS_ENCODER, rank_head
+from mlxcel_compat.encoders.pooling import model_pooling
+from mlxcel_compat.encoders.rerank import CROSS_ENCODER, rank_head
 from mlxcel_compat.server.api_embeddings import normalize
 from tests.conftest import tiny_encoder
 

@@ -66,7 +66,7 @@ def audio_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def media(audio_dir: Path) -> ImageInput:
-    from mlxcel_compat.model.vision import vision_facts
+    from mlxcel_compat.vision.model import vision_facts
 
     return ImageInput(vision_facts(audio_dir, json.loads((audio_dir / "config.json").read_text())), MediaLimits())
 
@@ -151,7 +151,7 @@ def test_chunked_prefill_with_audio_gives_mlx_vlms_own_logits(audio_dir: Path, m
     with it, the logits are the same for every chunking, as Hugging Face's model's are."""
     import mlx.core as mx
 
-    from mlxcel_compat.model.vision import load_vision_directory
+    from mlxcel_compat.vision.model import load_vision_directory
 
     model, tokenizer, _, _ = load_vision_directory(_without_kv_sharing(audio_dir, tmp_path))
     request = Prompts(tokenizer, media).request("Two clips to compare:", [1, 2], " Which is higher?")
@@ -176,7 +176,7 @@ def test_chunked_prefill_with_audio_gives_mlx_vlms_own_logits(audio_dir: Path, m
 def test_with_kv_sharing_the_logits_do_not_depend_on_the_chunking(audio_dir: Path, media: ImageInput) -> None:
     import mlx.core as mx
 
-    from mlxcel_compat.model.vision import load_vision_directory
+    from mlxcel_compat.vision.model import load_vision_directory
 
     model, tokenizer, _, _ = load_vision_directory(audio_dir)
     assert model.vlm.language_model.model.first_kv_shared_layer_idx < len(model.layers)  # the factory shares KV

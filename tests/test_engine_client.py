@@ -50,7 +50,7 @@ def test_a_streaming_consumer_makes_decode_steps_release_the_gil_while_it_reads(
     request until its last event or until it stops reading, and only then: while one reads, a
     small model's decode steps release the GIL so the event loop sends each token as it comes
     (held, they left it waiting and tokens came in bursts)."""
-    from mlxcel_compat.blas_shim import StreamedConsumers
+    from mlxcel_compat.runtime.native.blas_shim import StreamedConsumers
 
     harness = EngineHarness(tiny_model("llama"), n_parallel=1, enabled=False)
     try:

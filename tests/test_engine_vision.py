@@ -36,7 +36,7 @@ def vlm_dir(request: pytest.FixtureRequest) -> Path:
 
 @pytest.fixture(scope="module")
 def images(vlm_dir: Path) -> ImageInput:
-    from mlxcel_compat.model.vision import vision_facts
+    from mlxcel_compat.vision.model import vision_facts
 
     return ImageInput(vision_facts(vlm_dir, json.loads((vlm_dir / "config.json").read_text())), MediaLimits())
 
@@ -108,7 +108,7 @@ def test_chunked_prefill_with_images_gives_mlx_vlms_own_logits(vlm_dir: Path, im
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxcel_compat.model.vision import load_vision_directory
+    from mlxcel_compat.vision.model import load_vision_directory
 
     model, tokenizer, _, _ = load_vision_directory(vlm_dir)
     prompts = Prompts(tokenizer, images)
@@ -222,8 +222,8 @@ def test_two_slots_with_different_images_at_once_answer_as_each_alone(harness: E
 
 
 def test_families_not_served_are_refused_with_the_list(tmp_path: Path, vlm_dir: Path) -> None:
-    from mlxcel_compat.model.vision import load_vision_directory
-    from mlxcel_compat.model.vision_families import SUPPORTED_MODEL_TYPES
+    from mlxcel_compat.vision.model import load_vision_directory
+    from mlxcel_compat.vision.families import SUPPORTED_MODEL_TYPES
 
     assert set(vision.FAMILIES) <= set(SUPPORTED_MODEL_TYPES)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "vision_config": {}}))
@@ -245,7 +245,7 @@ def test_a_tower_whose_rows_differ_from_the_image_tokens_is_refused_at_load(tmp_
     token there), one row short of the prompt side's one token per patch; the warm-up refuses it."""
     import mlx.core as mx
 
-    from mlxcel_compat.model.vision import load_vision_directory
+    from mlxcel_compat.vision.model import load_vision_directory
     from tests.conftest import MODEL_CACHE
 
     source = vision.ensure_vision_model(MODEL_CACHE, "llava")

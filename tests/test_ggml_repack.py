@@ -1,4 +1,4 @@
-"""ggml's repacked weights (model/ggml_repack.py, ggml_repack.c): the same products as the file's
+"""ggml's repacked weights (runtime/ggml_repack.py, ggml_repack.c): the same products as the file's
 blocks, rows that never depend on how many share a decode call, and a repacked model that
 answers as before."""
 
@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from mlxcel_compat import backend
-from mlxcel_compat.model import block_weight, ggml_cpu, ggml_repack
+from mlxcel_compat.runtime import backend
+from mlxcel_compat.runtime import block_weight
+from mlxcel_compat.runtime import ggml_cpu
+from mlxcel_compat.runtime import ggml_repack
 
 backend.load_optimized_blas()
 LIB = block_weight.library()
@@ -95,7 +97,7 @@ def test_types_and_shapes_without_a_worthwhile_layout_are_not_repacked() -> None
 def test_released_pages_leave_the_process_and_read_back_unchanged(tmp_path) -> None:
     """Dropping a repacked tensor's pages takes them out of the process's RSS (they stay in the
     page cache) and leaves the file's bytes readable; pages only partly inside the range stay."""
-    from mlxcel_compat.model.gguf import map_file
+    from mlxcel_compat.gguf.reader import map_file
 
     size = 8 << 20
     data = np.random.default_rng(8).integers(0, 255, size=size, dtype=np.uint8)
@@ -120,13 +122,13 @@ def test_a_repacked_q4_0_model_serves_decode_and_prompts_from_the_copy() -> None
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxcel_compat.model.gguf_load import load_gguf
+    from mlxcel_compat.gguf.load import load_gguf
     from mlxcel_compat.testing.gguf_writer import ensure_gguf
     from tests.conftest import MODEL_CACHE
 
     path = ensure_gguf("llama", "tiny", "q4_0", cache_dir=MODEL_CACHE)
     model, tokenizer, _, summary = load_gguf(str(path), on_cpu=True)
-    from mlxcel_compat.model import block_layers
+    from mlxcel_compat.runtime import block_layers
 
     linears = [m for _, m in model.named_modules() if isinstance(m, block_layers.BlockLinear) and m.block.ggml_type == T.Q4_0]
     assert summary.repacked["blocks q4_0"] == len(linears) > 0
@@ -150,7 +152,7 @@ def test_a_repacked_q4_0_model_serves_decode_and_prompts_from_the_copy() -> None
 
 def test_no_repack_keeps_the_file_blocks_only() -> None:
     """llama-server's --no-repack / LLAMA_ARG_NO_REPACK reach the loader: no repacked copies."""
-    from mlxcel_compat.model.gguf_load import load_gguf
+    from mlxcel_compat.gguf.load import load_gguf
     from mlxcel_compat.settings import resolve_settings
     from mlxcel_compat.testing.gguf_writer import ensure_gguf
     from tests.conftest import MODEL_CACHE
@@ -293,8 +295,8 @@ def test_a_k_quant_model_takes_prompt_products_instead_of_repacking() -> None:
     """A Q4_K_M file: its Q4_K and Q6_K linear layers take ggml's mul_mat for prompts and are not
     repacked (the tiled kernels beat the repacked GEMM), with --no-repack too (llama.cpp runs
     the tiled kernels either way); the embedding keeps its blocks."""
-    from mlxcel_compat.model import block_layers
-    from mlxcel_compat.model.gguf_load import load_gguf
+    from mlxcel_compat.runtime import block_layers
+    from mlxcel_compat.gguf.load import load_gguf
     from mlxcel_compat.testing.gguf_writer import ensure_gguf
     from tests.conftest import MODEL_CACHE
 

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from mlxcel_compat.model import gguf_arch, precision
-from mlxcel_compat.model.gguf import GGUFError, open_gguf, read_float_tensor, read_tensor
-from mlxcel_compat.model.gguf_load import _decode, _load_float
+from mlxcel_compat.gguf import architectures as gguf_arch
+from mlxcel_compat.gguf import precision
+from mlxcel_compat.gguf.reader import GGUFError, open_gguf, read_float_tensor, read_tensor
+from mlxcel_compat.gguf.load import _decode, _load_float
 
 SHAPES = {"a": (7,), "b": (6, 64), "c": (2, 3, 32)}
 

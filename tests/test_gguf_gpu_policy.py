@@ -30,9 +30,10 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from mlxcel_compat.model import gguf_quants, precision
-from mlxcel_compat.model.gguf import open_gguf
-from mlxcel_compat.model.gguf_load import load_gguf
+from mlxcel_compat.gguf import quants as gguf_quants
+from mlxcel_compat.gguf import precision
+from mlxcel_compat.gguf.reader import open_gguf
+from mlxcel_compat.gguf.load import load_gguf
 from mlxcel_compat.testing.gguf_writer import GGUF_FAMILIES, ensure_gguf
 from tests.conftest import MODEL_CACHE, matrix, slow_but
 
@@ -150,7 +151,7 @@ def test_a_tensor_whose_bias_overflows_float16_is_dequantized(tmp_path: Path, ca
     with open(path, "r+b") as f:
         f.seek(info.offset)  # the first block's d
         f.write(np.array([512.0], dtype=np.float16).tobytes())
-    with caplog.at_level(logging.WARNING, logger="mlxcel_compat.model.gguf_load"):
+    with caplog.at_level(logging.WARNING, logger="mlxcel_compat.gguf.load"):
         model, _, _, summary = load_gguf(str(path), on_cpu=False)
     assert summary.affine_fallbacks == ["blk.0.attn_q.weight"]
     assert "blk.0.attn_q.weight" in caplog.text and "overflow float16" in caplog.text

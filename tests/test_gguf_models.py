@@ -25,11 +25,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
 from mlxcel_compat.chat.template import ChatTemplate
-from mlxcel_compat.model import gguf_arch
-from mlxcel_compat.model.block_weight import library
-from mlxcel_compat.model.gguf import open_gguf
-from mlxcel_compat.model.gguf_load import load_gguf
-from mlxcel_compat.model.gguf_quants import UnsupportedTensorType
+from mlxcel_compat.gguf import architectures as gguf_arch
+from mlxcel_compat.runtime.block_weight import library
+from mlxcel_compat.gguf.reader import open_gguf
+from mlxcel_compat.gguf.load import load_gguf
+from mlxcel_compat.gguf.quants import UnsupportedTensorType
 from mlxcel_compat.model.loader import load_model
 from mlxcel_compat.testing.gguf_writer import GGUF_FAMILIES, ensure_gguf, permute_rows, write_gguf
 from tests.conftest import MODEL_CACHE, matrix, tiny_model

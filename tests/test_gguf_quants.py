@@ -1,4 +1,4 @@
-"""GGML block decoding (model/gguf_quants.py) against gguf-py's reference dequantizer.
+"""GGML block decoding (gguf/quants.py) against gguf-py's reference dequantizer.
 
 The loader decodes every type with its own NumPy code, so gguf-py is an independent reference
 here. K-quant test data are raw random-but-valid blocks (gguf-py cannot quantize K types): random
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from mlxcel_compat.model import gguf_quants, precision
+from mlxcel_compat.gguf import quants as gguf_quants
+from mlxcel_compat.gguf import precision
 
 # Byte offsets of the float16 fields (d, dmin/m) inside one block of each type.
 F16_FIELDS = {
@@ -185,7 +186,7 @@ def test_affine_quantized_matmul_within_the_bound(qtype: T) -> None:
 def test_affine_error_on_ggml_quantized_weights(qtype: T) -> None:
     """The measurements behind the choice of forms (precision.py): heavy-tailed weights quantized by
     ggml, the RMS error each form adds to the file's values, against the file's own error."""
-    from mlxcel_compat.model import ggml_cpu
+    from mlxcel_compat.runtime import ggml_cpu
 
     kernels = ggml_cpu.kernels()
     if isinstance(kernels, str):

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load
 
-from mlxcel_compat.model.gguf import open_gguf
-from mlxcel_compat.model.gguf_load import load_gguf
+from mlxcel_compat.gguf.reader import open_gguf
+from mlxcel_compat.gguf.load import load_gguf
 from mlxcel_compat.testing.gguf_writer import llama3_rope_factors, write_gguf
 from tests.conftest import tiny_model
 

@@ -1,4 +1,4 @@
-"""The tokenizer and chat templates of a GGUF (model/gguf_tokenizer.py) against HF directories.
+"""The tokenizer and chat templates of a GGUF (gguf/tokenizer.py) against HF directories.
 
 - SentencePiece vocabularies (``tokenizer.ggml.model = llama``): a small SentencePiece-style BPE
   built offline with the ``tokenizers`` library (``testing/tokenizer.py``), written as an HF
@@ -24,10 +24,11 @@ from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
 from mlxcel_compat.chat.messages import parse_chat_request, render_chat
 from mlxcel_compat.chat.template import ChatTemplate
 from mlxcel_compat.engine.textstream import TextStream
-from mlxcel_compat.model import gguf_tokenizer, tokenizer_cache
-from mlxcel_compat.model.gguf import open_gguf
-from mlxcel_compat.model.gguf_tokenizer import cache_key, load_tokenizer
-from mlxcel_compat.model.tokenizer import ServedTokenizer
+from mlxcel_compat.gguf import tokenizer as gguf_tokenizer
+from mlxcel_compat.tokenizer import cache as tokenizer_cache
+from mlxcel_compat.gguf.reader import open_gguf
+from mlxcel_compat.gguf.tokenizer import cache_key, load_tokenizer
+from mlxcel_compat.tokenizer.served import ServedTokenizer
 from mlxcel_compat.testing.gguf_writer import ensure_gguf, write_gguf, write_spm_tokenizer_gguf
 from mlxcel_compat.testing.tokenizer import generate_corpus, write_spm_tokenizer_dir
 from tests.conftest import MODEL_CACHE, tiny_model

@@ -1,6 +1,6 @@
 """LoRA adapters served unfused, against a model whose weights this test fuses itself.
 
-Each adapted linear adds ``scale * multiplier * B (A x)`` (``model/lora_layers.py``); the
+Each adapted linear adds ``scale * multiplier * B (A x)`` (``lora/layers.py``); the
 reference is the same model with ``W + scale * multiplier * B @ A`` written into its weights
 here. Unfused and fused differ only in float32 summation order: the logits agree to 2e-5 of
 the largest, and greedy tokens are the same. Families: llama, qwen3 and gemma3 (sliding
@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxcel_compat import backend
-from mlxcel_compat.model import cpu_decode, lora_layers
-from mlxcel_compat.model.block_layers import module_at
+from mlxcel_compat.runtime import backend
+from mlxcel_compat.runtime import cpu_decode
+from mlxcel_compat.runtime import lora_rows
+from mlxcel_compat.runtime.block_layers import module_at
 from mlxcel_compat.model.loader import load_model
-from mlxcel_compat.model.lora import AdapterError, AdapterSet, AdapterSpec, inspect_adapter, parse_scaled
+from mlxcel_compat.lora.adapters import AdapterError, AdapterSet, AdapterSpec, inspect_adapter, parse_scaled
 from mlxcel_compat.testing import adapters as factory
 from tests.conftest import MODEL_CACHE, tiny_model
 
@@ -45,7 +46,7 @@ def fused(model_path: Path, family: str, scale: float, blocks: bool = True, **kw
     """The base model with ``W + scale * multiplier * B @ A`` in its weights, and its decoder."""
     loaded = load_model(str(model_path), [])
     if not blocks:
-        from mlxcel_compat.model.gguf_load import load_gguf
+        from mlxcel_compat.gguf.load import load_gguf
 
         loaded.model = load_gguf(str(model_path), blocks=False)[0]
     factors, multiplier = factory.adapter_factors(family, "tiny", **kw)
@@ -57,14 +58,14 @@ def fused(model_path: Path, family: str, scale: float, blocks: bool = True, **kw
 
 
 def prefill_logits(model, tokens: list[int], rows=None) -> np.ndarray:
-    with lora_layers.applied(rows):
+    with lora_rows.applied(rows):
         return np.array(model(mx.array([tokens]), cache=make_prompt_cache(model))[0])
 
 
 def decode(model, decoder, tokens: list[int], steps: int, scales=None) -> tuple[list[int], list[np.ndarray]]:
     """Prefill all but the last token through MLX, then greedy steps through the CPU runtime."""
     cache = make_prompt_cache(model)
-    with lora_layers.applied(None if scales is None else [scales]):
+    with lora_rows.applied(None if scales is None else [scales]):
         model(mx.array([tokens[:-1]]), cache=cache)
     mx.eval([c.state for c in cache])
     owned, token, out, logits = cpu_decode.OwnedCache(), tokens[-1], [], []
@@ -145,7 +146,7 @@ def test_two_adapters_and_per_row_scales_in_one_batch() -> None:
     # the row alone. (A batch with no adapter active runs the compiled MLPs of the base model,
     # which round a little differently from the plain ones an adapted batch runs.)
     def batch(scales) -> np.ndarray:
-        with lora_layers.applied(scales):
+        with lora_rows.applied(scales):
             return np.array(loaded.model(mx.array([PROMPT] * 3), cache=make_prompt_cache(loaded.model)))
 
     mixed = batch(rows)
@@ -158,7 +159,7 @@ def test_two_adapters_and_per_row_scales_in_one_batch() -> None:
     caches = []
     for row in rows:
         cache = make_prompt_cache(loaded.model)
-        with lora_layers.applied([row]):
+        with lora_rows.applied([row]):
             loaded.model(mx.array([PROMPT[:-1]]), cache=cache)
         mx.eval([c.state for c in cache])
         caches.append(cache)
@@ -242,7 +243,7 @@ def test_a_prefill_chunk_through_the_runtime_applies_the_adapter(family: str) ->
     ref_model, _ = fused(base, family, 0.75)
     head, rest = PROMPT[:5], PROMPT[5:] * 3  # 5 adopted, 21 to prefill
     cache = make_prompt_cache(loaded.model)
-    with lora_layers.applied([(0.75,)]):
+    with lora_rows.applied([(0.75,)]):
         mx.eval(loaded.model(mx.array([head]), cache=cache))
     ours = loaded.decoder.prefill(rest, cache, cpu_decode.OwnedCache(), (0.75,)).copy()
     assert_close(ours, prefill_logits(ref_model, head + rest)[-1])

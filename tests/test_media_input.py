@@ -44,7 +44,7 @@ def png_header_only(width: int, height: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def images() -> ImageInput:
-    from mlxcel_compat.model.vision import vision_facts
+    from mlxcel_compat.vision.model import vision_facts
     from tests.conftest import MODEL_CACHE
 
     path = vision.ensure_vision_model(MODEL_CACHE)
@@ -161,7 +161,7 @@ def test_fixed_size_families_expand_each_marker_between_their_own_tokens(family:
 
     from mlx_lm.utils import load_tokenizer
 
-    from mlxcel_compat.model.vision import vision_facts
+    from mlxcel_compat.vision.model import vision_facts
     from mlxcel_compat.server.media import MEDIA_MARKER, marked_prompt_tokens
     from tests.conftest import MODEL_CACHE
 

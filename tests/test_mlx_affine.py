@@ -1,4 +1,4 @@
-"""MLX affine-quantized directories on the CPU, repacked into ggml blocks (model/mlx_affine.py).
+"""MLX affine-quantized directories on the CPU, repacked into ggml blocks (runtime/mlx_affine.py).
 
 Tensors: every bit width MLX has (2, 3, 4 -> Q4_1; 5, 6, 8 -> Q8_0 + group biases) at group
 sizes 32, 64 and 128, with bfloat16 and float16 scales:
@@ -40,10 +40,10 @@ from gguf import GGMLQuantizationType as T
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
-from mlxcel_compat.model import mlx_affine
-from mlxcel_compat.model.block_layers import BlockEmbedding, BlockLinear, block_weight_of
-from mlxcel_compat.model.block_weight import BlockWeight, library
-from mlxcel_compat.model.cpu_decode import OwnedCache
+from mlxcel_compat.runtime import mlx_affine
+from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
+from mlxcel_compat.runtime.block_weight import BlockWeight, library
+from mlxcel_compat.runtime.cpu_decode import OwnedCache
 from mlxcel_compat.model.loader import load_model, model_fingerprint
 from mlxcel_compat.testing import models
 from mlxcel_compat.testing.models import Quantization, ensure_model

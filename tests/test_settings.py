@@ -510,7 +510,7 @@ def test_markdown_lists_every_setting_with_its_variables() -> None:
 def test_lora_flags_keep_llama_servers_order_and_format() -> None:
     """--lora and --lora-scaled append to one list (ids in command-line order), comma lists and
     repeated flags both add; FNAME:SCALE splits on its one ':'; no LLAMA_ARG_* name exists."""
-    from mlxcel_compat.model.lora import AdapterSpec, adapter_specs
+    from mlxcel_compat.lora.adapters import AdapterSpec, adapter_specs
 
     s = resolve_settings(["--lora-scaled", "b.gguf:0.5", "--lora", "a.gguf,c", "--lora-scaled", "d:2",
                           "--lora-init-without-apply"], {})

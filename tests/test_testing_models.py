@@ -409,10 +409,10 @@ def test_random_gguf_has_the_mix_and_loads(gguf_type: str, dims: dict, tmp_path:
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
-    from mlxcel_compat.model import block_weight
-    from mlxcel_compat.model.gguf import open_gguf, read_tensor
-    from mlxcel_compat.model.gguf_load import load_gguf
-    from mlxcel_compat.model.gguf_quants import type_name
+    from mlxcel_compat.runtime import block_weight
+    from mlxcel_compat.gguf.reader import open_gguf, read_tensor
+    from mlxcel_compat.gguf.load import load_gguf
+    from mlxcel_compat.gguf.quants import type_name
     from mlxcel_compat.testing import gguf_writer
 
     from tests.conftest import tiny_model

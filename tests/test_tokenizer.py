@@ -1,4 +1,4 @@
-"""The served tokenizer (model/tokenizer.py) against transformers' on the same files.
+"""The served tokenizer (tokenizer/served.py) against transformers' on the same files.
 
 The server used to wrap every tokenizer in transformers' ``PreTrainedTokenizerFast`` (inside
 mlx-lm's ``TokenizerWrapper``); it now reads the files itself and keeps transformers out of the
@@ -25,9 +25,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from mlxcel_compat.engine.textstream import TextStream, token_bytes
-from mlxcel_compat.model import gguf_tokenizer
-from mlxcel_compat.model.gguf import open_gguf
-from mlxcel_compat.model.tokenizer import ServedTokenizer, from_files, load_directory
+from mlxcel_compat.gguf import tokenizer as gguf_tokenizer
+from mlxcel_compat.gguf.reader import open_gguf
+from mlxcel_compat.tokenizer.cache import load_directory
+from mlxcel_compat.tokenizer.served import ServedTokenizer, from_files
 from mlxcel_compat.testing import tokenizer as factory_tokenizer
 from mlxcel_compat.testing.gguf_writer import GGUF_FAMILIES, write_spm_tokenizer_gguf
 from mlxcel_compat.testing.models import FAMILIES, FIM_FAMILIES
@@ -197,13 +198,13 @@ def test_reading_tokenizer_json_directly_is_exact_where_transformers_takes_it_as
 def test_without_transformers_the_directory_is_read_directly(tmp_path: Path, monkeypatch, caplog) -> None:
     import logging
 
-    from mlxcel_compat.model import tokenizer_cache
+    from mlxcel_compat.tokenizer import cache as tokenizer_cache
 
     def fail(kind: str, source: Path, out: Path) -> None:
         raise RuntimeError("building the tokenizer with transformers failed (exit 1): No module named 'transformers'")
 
     monkeypatch.setattr(tokenizer_cache, "convert_in_child", fail)
-    with caplog.at_level(logging.WARNING, logger="mlxcel_compat.model.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="mlxcel_compat.tokenizer.cache"):
         ours = load_directory(tiny_model("llama"), cache_dir=tmp_path)
     assert "reading" in caplog.text and "tokenizer.json as it is" in caplog.text
     assert ours.encode("Hello world") == _hf(tiny_model("llama")).encode("Hello world")
@@ -215,8 +216,8 @@ def test_loading_a_gguf_and_a_directory_imports_no_transformers(tmp_path: Path) 
     script = textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from mlxcel_compat.model import gguf_tokenizer
-        from mlxcel_compat.model.gguf import open_gguf
+        from mlxcel_compat.gguf import tokenizer as gguf_tokenizer
+        from mlxcel_compat.gguf.reader import open_gguf
         from mlxcel_compat.model.loader import load_model
         from mlxcel_compat.chat.template import ChatTemplate
         gguf_tokenizer.default_cache_dir = lambda: Path({str(tmp_path / 'cache')!r})  # a cold cache

@@ -63,7 +63,7 @@ def test_the_template_renders_image_parts_and_still_refuses_unknown_ones(vlm_dir
 def test_the_image_processor_keeps_images_within_the_configured_size(vlm_dir: Path) -> None:
     from PIL import Image
 
-    from mlxcel_compat.model.vision import vision_facts
+    from mlxcel_compat.vision.model import vision_facts
     from mlxcel_compat.server.media import ImageInput, MediaLimits
 
     facts = vision_facts(vlm_dir, json.loads((vlm_dir / "config.json").read_text()))

@@ -1,4 +1,4 @@
-"""mlx-lm imported without transformers (model/zoo.py), and still the whole package when asked.
+"""mlx-lm imported without transformers (zoo.py), and still the whole package when asked.
 
 Each case runs in a fresh interpreter: whether transformers is imported is a property of the
 process, and this one imported it long ago (the tests' references use it).
@@ -33,7 +33,7 @@ def test_models_caches_and_the_weight_loader_import_no_transformers() -> None:
         import mlxcel_compat
         from mlx_lm.models.cache import make_prompt_cache
         import mlx_lm
-        from mlxcel_compat.model import zoo
+        from mlxcel_compat import zoo
         model, config = zoo.load_model({str(tiny_model('qwen3'))!r})
         cls, args = zoo.model_classes(config)
         by_name, _ = zoo.module_classes("qwen3")
@@ -50,7 +50,7 @@ def test_the_package_is_whole_once_something_else_is_asked_of_it() -> None:
     out = _run(f"""
         import sys
         import mlxcel_compat
-        from mlxcel_compat.model import zoo
+        from mlxcel_compat import zoo
         utils = zoo.utils()
         from mlx_lm import generate, load
         import mlx_lm.tokenizer_utils as real
@@ -70,7 +70,7 @@ def test_a_gguf_server_imports_neither_the_hub_client_nor_httpx_nor_llguidance()
     out = _run(f"""
         import sys
         import mlxcel_compat.server.app
-        from mlxcel_compat.model.gguf_load import load_gguf
+        from mlxcel_compat.gguf.load import load_gguf
         model, *_ = load_gguf({str(path)!r}, on_cpu=True)
         print(type(model).__module__)
         print(sorted(m for m in sys.modules if m.split('.')[0] in ('huggingface_hub', 'httpx', 'transformers', 'llguidance')))

@@ -17,7 +17,7 @@ A sequence whose prompt is prefilled up to its last token joins with that token 
 one: its first token is then sampled by the batched pass (nothing is emitted for the prompt
 token), so several new sequences start decoding without a (1, 1) forward pass each.
 
-With the CPU decode runtime (``model/cpu_decode.py``), rows keep their own caches instead and
+With the CPU decode runtime (``runtime/cpu_decode.py``), rows keep their own caches instead and
 the runtime steps them together (``CpuDecoder.step_rows``: one pass over the weights for every
 row, attention row by row); nothing is merged or extracted, and a row's logits are bit-identical
 to its step alone. The runtime needs the fed tokens' values, so that pass is not pipelined.
@@ -34,8 +34,8 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxcel_compat.cache import kv
 from mlxcel_compat.engine.sequence import Sequence, draw_pending
-from mlxcel_compat.model.block_layers import logits_unused
-from mlxcel_compat.model.lora_layers import applied
+from mlxcel_compat.runtime.block_layers import logits_unused
+from mlxcel_compat.runtime.lora_rows import applied
 
 
 def _merge(layers: list[Any]) -> Any:
@@ -143,7 +143,7 @@ def prefill_together(model: Any, seqs: list[Sequence], chunks: list[list[int]]) 
 
 
 def lora_rows(seqs: list[Sequence]) -> list[tuple[float, ...]] | None:
-    """Each row's LoRA scales (``lora_layers.applied`` scales every row by its own), or None
+    """Each row's LoRA scales (``lora_rows.applied`` scales every row by its own), or None
     when no row uses an adapter: rows with different adapter sets share a pass exactly."""
     rows = [s.request.lora for s in seqs]
     return rows if any(any(r) for r in rows) else None

@@ -18,7 +18,7 @@ import asyncio
 import collections
 from typing import Any, AsyncIterator, Callable
 
-from mlxcel_compat.blas_shim import StreamedConsumers
+from mlxcel_compat.runtime.native.blas_shim import StreamedConsumers
 from mlxcel_compat.engine.core import Engine
 from mlxcel_compat.engine.embedding import EmbeddingJob, embed
 from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest

@@ -25,7 +25,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from mlxcel_compat import backend
+from mlxcel_compat.runtime import backend
 from mlxcel_compat.engine.batch import (DecodeBatch, ForwardFailed, batch_caches_work, prefill_groups, prefill_together,
                                          probe_cache)
 from mlxcel_compat.engine.grammar import GrammarCompiler
@@ -405,7 +405,7 @@ class Engine:
         per forward pass, instead of failing every concurrent request."""
         if self.loaded.vision is not None:
             # Each sequence of a vision model has its own multimodal RoPE positions, which mlx-lm's
-            # batch caches cannot carry per row (model/vision.py): one sequence per forward pass.
+            # batch caches cannot carry per row (vision/model.py): one sequence per forward pass.
             log.info("vision-language model: one sequence per forward pass (no batched decode or prefill)")
             self.batched_decode = self.batched_prefill = False
             return False

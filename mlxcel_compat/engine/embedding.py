@@ -8,7 +8,7 @@ so a batched input's vector is its vector alone (to float rounding). An input lo
 pass is run in chunks through a KV cache (a causal model reads the past from it). Nothing here
 touches the prompt cache: an embedding is one pass that nothing continues.
 
-An encoder (``model/bert.py``) attends both ways, so its padding is masked instead, and an input
+An encoder (``encoders/bert.py``) attends both ways, so its padding is masked instead, and an input
 is never split (the HTTP side refuses one longer than a pass, as llama-server does). Its pooling
 ``rank`` is its classification head on the first token.
 

@@ -27,7 +27,7 @@ def rows_match_chunks(loaded: Any) -> bool:
         return False
     known = getattr(loaded, "_rows_match_chunks", None)  # judged once per loaded model
     if known is None:
-        from mlxcel_compat.model.block_layers import block_weight_of
+        from mlxcel_compat.runtime.block_layers import block_weight_of
 
         known = all(block_weight_of(m) is None for _, m in loaded.model.named_modules())
         loaded._rows_match_chunks = known
@@ -45,7 +45,7 @@ def make_sequence(engine: "Engine", request: GenerationRequest, sink: "Sink", sl
     preserved = constraint.preserved_tokens if constraint is not None else ()
     seq = Sequence(
         request=request,
-        # A vision model gets a view bound to this request's images (model/vision.py).
+        # A vision model gets a view bound to this request's images (vision/model.py).
         model=loaded.model.bind(request.media, request.prompt_tokens) if loaded.vision is not None else loaded.model,
         cache=make_prompt_cache(loaded.model),
         n_ctx=engine.n_ctx,

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from mlxcel_compat.engine.textstream import token_bytes, unwrap_tokenizer, vocab_table
+from mlxcel_compat.engine.textstream import token_bytes, vocab_table
+from mlxcel_compat.tokenizer.served import unwrap_tokenizer
 
 if TYPE_CHECKING:
     import llguidance

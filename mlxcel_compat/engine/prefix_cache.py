@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxcel_compat.backend import release_free_memory
+from mlxcel_compat.runtime.backend import release_free_memory
 from mlxcel_compat.cache import kv, kv_io
 from mlxcel_compat.cache.block_hash import ApcConfig
 from mlxcel_compat.cache.disk import Compat, list_entry_files
@@ -502,7 +502,7 @@ class PrefixCache:
         spec = seq.speculator
         if self.draft is not None and spec is not None and spec.draft is not None and len(cache) == self.n_layers + self.draft.n_layers:
             from mlxcel_compat.engine.speculative import DraftState
-            from mlxcel_compat.model.cpu_decode import OwnedCache
+            from mlxcel_compat.runtime.cpu_decode import OwnedCache
 
             spec.state = DraftState(cache=cache[self.n_layers:], tokens=list(seq.prompt[:matched]), owned=OwnedCache())
         return cache[: self.n_layers]

@@ -12,43 +12,13 @@ from typing import Any, Literal, Union
 from mlxcel_compat.engine.grammar import Constraint
 from mlxcel_compat.engine.reasoning_budget import ReasoningBudgetSpec
 from mlxcel_compat.engine.sampling import SamplingParams
+from mlxcel_compat.vision.inputs import MediaInput
 
 _task_ids = itertools.count()
 
 
 def next_task_id() -> int:
     return next(_task_ids)
-
-
-@dataclass
-class MediaImage:
-    """One decoded, preprocessed image of a request (server/media.py), in prompt order."""
-
-    pixel_values: Any  # numpy float32, the image processor's output (Qwen: patches x features; else 1, 3, H, W)
-    grid_thw: tuple[int, int, int]  # Qwen's patch grid (time, rows, columns) before the merge; else (1, 1, 1)
-    span: tuple[int, int]  # [start, end) of its image tokens in the prompt
-
-
-@dataclass
-class MediaAudio:
-    """One decoded audio clip of a request, as its family's feature extractor gives it (server/media.py)."""
-
-    features: Any  # numpy float32 (1, frames, mel bins): the log-mel features
-    mask: Any  # numpy bool (1, frames): True for the clip's frames, False for padding
-    span: tuple[int, int]  # [start, end) of its audio tokens in the prompt
-
-
-@dataclass
-class MediaInput:
-    """The images and audio clips of a request; the engine's model (model/vision.py) turns them
-    into features. ``spans`` is what the prompt cache needs: it never splits a prompt inside one."""
-
-    images: list[MediaImage] = field(default_factory=list)
-    audio: list[MediaAudio] = field(default_factory=list)
-
-    @property
-    def spans(self) -> list[tuple[int, int]]:
-        return sorted([img.span for img in self.images] + [clip.span for clip in self.audio])
 
 
 @dataclass

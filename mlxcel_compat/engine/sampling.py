@@ -391,7 +391,8 @@ def dry_sequence_breakers(
     150k vocabulary took seconds a breaker set as a Python loop over its tokens. Results are
     still cached per tokenizer.
     """
-    from mlxcel_compat.engine.textstream import derived, unwrap_tokenizer
+    from mlxcel_compat.engine.textstream import derived
+    from mlxcel_compat.tokenizer.served import unwrap_tokenizer
 
     hf = unwrap_tokenizer(tokenizer)
     key = tuple(breakers)

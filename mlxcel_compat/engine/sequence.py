@@ -40,9 +40,9 @@ from mlxcel_compat.engine.reasoning_budget import ReasoningBudget
 from mlxcel_compat.engine.sampling import SamplerChain, top_logprobs, top_probs
 from mlxcel_compat.engine.speculative import verify_draft
 from mlxcel_compat.engine.textstream import TextStream, token_is_complete_utf8
-from mlxcel_compat.model.block_layers import logits_unused
-from mlxcel_compat.model.lora_layers import applied
-from mlxcel_compat.model.cpu_decode import EXACT_ROWS, OwnedCache, head_module
+from mlxcel_compat.runtime.block_layers import logits_unused
+from mlxcel_compat.runtime.lora_rows import applied
+from mlxcel_compat.runtime.cpu_decode import EXACT_ROWS, OwnedCache, head_module
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ class Sequence:
 
     @property
     def lora_rows(self) -> list[tuple[float, ...]] | None:
-        """The LoRA scales of this sequence's forward passes (``lora_layers.applied``)."""
+        """The LoRA scales of this sequence's forward passes (``lora_rows.applied``)."""
         return [self.request.lora] if any(self.request.lora) else None
 
     # ------------------------------------------------------------------ prefill

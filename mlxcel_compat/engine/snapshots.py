@@ -24,8 +24,8 @@ from mlxcel_compat.cache import kv
 from mlxcel_compat.cache.key import TEXT_ONLY_MM_DIGEST, Bucket
 from mlxcel_compat.cache.snapshot import ORIGIN_BOUNDARY, ORIGIN_COMPLETION, SnapshotLookup, SnapshotStore
 from mlxcel_compat.engine.request import WarmupJob
-from mlxcel_compat.model.block_layers import logits_unused
-from mlxcel_compat.model.lora_layers import applied
+from mlxcel_compat.runtime.block_layers import logits_unused
+from mlxcel_compat.runtime.lora_rows import applied
 
 if TYPE_CHECKING:
     from mlxcel_compat.engine.sequence import Sequence

@@ -298,7 +298,7 @@ class DraftModel:
     def new_state(self) -> DraftState:
         from mlx_lm.models.cache import make_prompt_cache
 
-        from mlxcel_compat.model.cpu_decode import OwnedCache
+        from mlxcel_compat.runtime.cpu_decode import OwnedCache
 
         return DraftState(cache=make_prompt_cache(self.model), owned=OwnedCache())
 
@@ -318,7 +318,7 @@ class DraftModel:
         if len(state.tokens) > common:
             trim_prompt_cache(state.cache, len(state.tokens) - common)
             del state.tokens[common:]
-        from mlxcel_compat.model.cpu_decode import EXACT_ROWS
+        from mlxcel_compat.runtime.cpu_decode import EXACT_ROWS
 
         rest = tokens[common:]
         dec = self.decoder

@@ -17,14 +17,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
+from mlxcel_compat.tokenizer.served import unwrap_tokenizer
+
 _SPM_SPACE = "\u2581"
-
-
-def unwrap_tokenizer(tokenizer: Any) -> Any:
-    """The Hugging Face tokenizer inside an mlx-lm ``TokenizerWrapper``, else the tokenizer itself
-    (the served ``model.tokenizer.ServedTokenizer``, an HF tokenizer in tests)."""
-    inner = getattr(tokenizer, "_tokenizer", None)
-    return inner if inner is not None and hasattr(inner, "convert_ids_to_tokens") else tokenizer
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxcel_compat.model.gguf import SPLIT_NAME
+from mlxcel_compat.gguf.reader import SPLIT_NAME
 
 DEFAULT_TAGS = ("Q4_K_M", "Q8_0")
 EXCLUDED = ("mmproj", "imatrix")

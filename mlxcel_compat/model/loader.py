@@ -4,8 +4,8 @@ Resolution happens before MLX is touched so that a missing model fails fast with
 can act on (the hub is often unreachable on servers):
 
 - ``-m DIR``: a model directory (config.json + safetensors): weights by mlx-lm's ``load_model``,
-  the tokenizer by ``model/tokenizer.py``;
-- ``-m FILE.gguf`` (or the first part of a split model): loaded by ``model/gguf_load.py``;
+  the tokenizer by ``tokenizer/served.py``;
+- ``-m FILE.gguf`` (or the first part of a split model): loaded by ``gguf/load.py``;
 - ``-m user/repo`` or ``-hf user/repo[:quant]`` (``-hff``, ``-hft``, ``$LLAMA_CACHE``): fetched by
   ``model/hub.py``, which picks a GGUF file as llama-server does or the whole directory of an
   MLX repository.
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from mlxcel_compat.model import hub
-from mlxcel_compat.model.fim import FimTokens, model_fim_tokens
-from mlxcel_compat.model.gguf import is_gguf_path
+from mlxcel_compat.tokenizer.fim import FimTokens, model_fim_tokens
+from mlxcel_compat.gguf.reader import is_gguf_path
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,9 @@ class LoadedModel:
     gguf: Any = None  # model.gguf_load.GGUFSummary for a GGUF file, else None
     fingerprint: str = ""  # model_fingerprint(...): what saved prompt-cache state must match
     decoder: Any = None  # model.cpu_decode.CpuDecoder: decode steps outside MLX (single or batched), or None
-    n_adapted: int = 0  # modules carrying a LoRA adapter (model.lora_layers), served unfused
+    n_adapted: int = 0  # modules carrying a LoRA adapter (lora/layers.py), served unfused
     fim: FimTokens = field(default_factory=FimTokens)  # fill-in-the-middle tokens (/infill)
-    kind: str = "decoder"  # "encoder": a BERT-family model (model/bert.py), served for embeddings and rerank only
+    kind: str = "decoder"  # "encoder": a BERT-family model (encoders/bert.py), served for embeddings and rerank only
     vision: Any = None  # model.vision.VisionFacts of a vision-language model (mlx-vlm), else None
 
     @property
@@ -158,7 +158,7 @@ def model_fingerprint(path: Path, gguf: Any = None, kept: dict[str, Any] | None 
 
     h = blake3(b"mlxcel:model-fingerprint:v1")
     if path.is_file():
-        from mlxcel_compat.model.gguf import split_parts
+        from mlxcel_compat.gguf.reader import split_parts
 
         for part in split_parts(path):
             size = part.stat().st_size
@@ -212,7 +212,7 @@ def _log_affine(affine: Any, weight_bytes: int, directory_bytes: int) -> None:
 
 def _block_weights(model: Any) -> list[Any]:
     """Every distinct block weight the model holds (a tied head shares the embedding's)."""
-    from mlxcel_compat.model.block_layers import block_weight_of
+    from mlxcel_compat.runtime.block_layers import block_weight_of
 
     found = {id(w): w for _, m in model.named_modules() if (w := block_weight_of(m)) is not None}
     return list(found.values())
@@ -232,13 +232,13 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
     from mlx.utils import tree_flatten
 
     path = resolve_model_path(model_arg, offline=offline)
-    from mlxcel_compat.model import encoder_load
+    from mlxcel_compat.encoders import load as encoder_load
 
     if encoder_load.is_encoder_path(path):
         if adapters:
             raise ValueError("LoRA adapters apply to decoder models; this is a BERT-family encoder")
         return _load_encoder(path, model_arg, aliases, name)
-    from mlxcel_compat.model import vision
+    from mlxcel_compat.vision import model as vision
 
     if path.is_dir() and vision.is_vision_directory(path):
         if adapters:
@@ -248,21 +248,22 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
     summary = None
     affine = None  # mlx_affine.AffineLoad for a quantized directory on the CPU
     if path.is_file():
-        from mlxcel_compat.model.gguf_load import load_gguf
+        from mlxcel_compat.gguf.load import load_gguf
 
         model, tokenizer, config, summary = load_gguf(str(path), progress=_ProgressLog(path.name), repack=repack)
         _log_gguf(summary)
     else:
-        from mlxcel_compat.model import tokenizer as served_tokenizer
-        from mlxcel_compat.model import zoo
+        from mlxcel_compat.tokenizer.cache import load_directory
+        from mlxcel_compat.tokenizer.served import config_eos_ids
+        from mlxcel_compat import zoo
 
         raw = read_config(path)
         quantized = on_cpu and ("quantization" in raw or "quantization_config" in raw)
         # A quantized directory is read lazily: each layer is evaluated, repacked and dropped in
         # turn (mlx_affine.serve), so its MLX copy and its blocks are never all in memory.
-        # mlx-lm loads the weights only; the tokenizer is ours (no transformers: model/zoo.py).
+        # mlx-lm loads the weights only; the tokenizer is ours (no transformers: zoo.py).
         model, config = zoo.load_model(path, lazy=quantized)
-        tokenizer = served_tokenizer.load_directory(path, served_tokenizer.config_eos_ids(config.get("eos_token_id")))
+        tokenizer = load_directory(path, config_eos_ids(config.get("eos_token_id")))
         if on_cpu and config.get("quantization") is not None:
             affine = _serve_affine(model)
     n_adapted = _install_adapters(model, config, summary, adapters) if adapters else 0
@@ -274,7 +275,8 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
     if fim.as_dict():
         log.info("FIM tokens: %s", ", ".join(f"{k}={v}" for k, v in fim.as_dict().items()))
     if on_cpu:
-        from mlxcel_compat.model import attention, cpu_fusion
+        from mlxcel_compat.runtime import attention
+        from mlxcel_compat.runtime import cpu_fusion
 
         # Block weights are not parameters; quantized (integer) weights left to MLX stay as they
         # are; only half-precision floats are widened.
@@ -313,7 +315,7 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
 
 def _load_encoder(path: Path, model_arg: str, aliases: list[str], name: str | None) -> LoadedModel:
     """A BERT-family encoder (``encoder_load.py``): float32 MLX weights, no decode runtime."""
-    from mlxcel_compat.model import encoder_load
+    from mlxcel_compat.encoders import load as encoder_load
 
     summary = None
     if path.is_file():
@@ -350,11 +352,11 @@ def _plain_loaded(path: Path, model_arg: str, aliases: list[str], name: str | No
 
 
 def _load_vision(path: Path, model_arg: str, aliases: list[str], name: str | None) -> LoadedModel:
-    """A vision-language directory through mlx-vlm (``model/vision.py``): float32 weights, MLX's
+    """A vision-language directory through mlx-vlm (``vision/model.py``): float32 weights, MLX's
     own steps (no CPU decode runtime, fusion or attention levers: they patch mlx-lm's modules)."""
     import mlx.core as mx
 
-    from mlxcel_compat.model import vision
+    from mlxcel_compat.vision import model as vision
 
     model, tokenizer, config, facts = vision.load_vision_directory(path)
     if mx.default_device() == mx.cpu:
@@ -374,7 +376,7 @@ def _load_vision(path: Path, model_arg: str, aliases: list[str], name: str | Non
 
 def _install_adapters(model: Any, config: dict[str, Any], summary: Any, adapters: Sequence[Any]) -> int:
     """Install the LoRA adapters before the CPU levers (compiled MLPs must not hold one)."""
-    from mlxcel_compat.model import lora_layers
+    from mlxcel_compat.lora import layers as lora_layers
 
     n = lora_layers.install(model, config, adapters, lora_layers.model_architecture(config, summary))
     for adapter in adapters:
@@ -386,7 +388,8 @@ def _install_adapters(model: Any, config: dict[str, Any], summary: Any, adapters
 def _serve_affine(model: Any) -> Any:
     """Repack the quantized directory's MLX affine weights into ggml's blocks (``mlx_affine``);
     None, and MLX's quantized layers kept, when ggml's kernels are not available."""
-    from mlxcel_compat.model import block_weight, mlx_affine
+    from mlxcel_compat.runtime import block_weight
+    from mlxcel_compat.runtime import mlx_affine
 
     lib = block_weight.library()
     if isinstance(lib, str):
@@ -401,8 +404,8 @@ def _serve_affine(model: Any) -> Any:
 
 def _cpu_decoder(model: Any) -> Any:
     """The CPU decode runtime for this model, or None; which one is active is logged."""
-    from mlxcel_compat import backend
-    from mlxcel_compat.model import cpu_decode
+    from mlxcel_compat.runtime import backend
+    from mlxcel_compat.runtime import cpu_decode
 
     built = cpu_decode.build(model, backend.matmul_shim())
     if isinstance(built, str):

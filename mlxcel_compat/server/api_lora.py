@@ -1,6 +1,6 @@
 """llama-server's LoRA routes: ``GET /lora-adapters`` and ``POST /lora-adapters``.
 
-The adapters are served unfused (``model/lora_layers.py``), so setting the global scales is a
+The adapters are served unfused (``lora/layers.py``), so setting the global scales is a
 change of one tuple on the HTTP side (``AdapterSet.scales``), effective for the next request: no
 engine call, no reload. Requests already running keep the scales they started with, as a
 llama-server slot keeps its task's. The new scales also change the prompt cache's ``lora_id`` of

@@ -1,7 +1,7 @@
 """llama-server's rerank routes: ``/rerank``, ``/reranking``, ``/v1/rerank``, ``/v1/reranking``.
 
 They need ``--rerank`` (embeddings with pooling ``rank``; 501 otherwise). Each document is paired
-with the query in the model's rerank prompt (``model/rerank.py``) and all pairs are scored in one
+with the query in the model's rerank prompt (``encoders/rerank.py``) and all pairs are scored in one
 request, in as few forward passes as their lengths allow. Two answer shapes, as llama-server:
 
 - Jina (``documents``): ``{"model", "object": "list", "usage", "results": [{"index", "relevance_score"}]}``;

@@ -313,11 +313,11 @@ def operations(vertex: VertexConfig | None = None) -> dict[tuple[str, str], open
 
 
 def model_info(engine: Engine, settings: Any) -> ModelInfo:
-    from mlxcel_compat.model.fim import FimTokens
+    from mlxcel_compat.tokenizer.fim import FimTokens
     from mlxcel_compat.chat import builtin_templates
     from mlxcel_compat.chat.builtin_templates import BuiltinTemplate
     from mlxcel_compat.chat.template import ChatTemplate
-    from mlxcel_compat.model.rerank import rank_head
+    from mlxcel_compat.encoders.rerank import rank_head
 
     loaded = engine.loaded
     tok = loaded.tokenizer
@@ -372,7 +372,7 @@ def served_pooling(settings: Any, path: Any) -> str:
         return str(settings.pooling)
     if not settings.embeddings:
         return "none"
-    from mlxcel_compat.model.pooling import model_pooling
+    from mlxcel_compat.encoders.pooling import model_pooling
 
     return model_pooling(path)
 

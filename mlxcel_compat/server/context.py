@@ -17,8 +17,8 @@ from typing import Any, AsyncIterator
 from mlxcel_compat.engine.client import EngineClient
 from mlxcel_compat.engine.core import Engine
 from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest
-from mlxcel_compat.model.fim import FimTokens
-from mlxcel_compat.model.lora import AdapterSet
+from mlxcel_compat.tokenizer.fim import FimTokens
+from mlxcel_compat.lora.adapters import AdapterSet
 from mlxcel_compat.server.prompts import PromptBound
 from mlxcel_compat.server.workers import WorkerPool, pool_size
 
@@ -50,7 +50,7 @@ class ModelInfo:
     format: str = "safetensors"  # "gguf" or "safetensors"
     chars_per_token: int | None = None  # proven bound (server.prompts.max_chars_per_token)
     fim: FimTokens = field(default_factory=FimTokens)  # fill-in-the-middle tokens (/infill)
-    pooling: str = "none"  # embeddings: --pooling, --rerank's rank, else the model's own (model/pooling.py)
+    pooling: str = "none"  # embeddings: --pooling, --rerank's rank, else the model's own (encoders/pooling.py)
     rank_head: Any = None  # model.rerank.RankHead of a reranker served with pooling rank
     kind: str = "decoder"  # "encoder": a BERT-family model, embeddings and rerank only (no generation)
 

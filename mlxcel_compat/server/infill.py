@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from mlxcel_compat.engine.textstream import derived
-from mlxcel_compat.model.fim import FimTokens
+from mlxcel_compat.tokenizer.fim import FimTokens
 from mlxcel_compat.server.errors import InvalidRequest
 
 # The separator llama-server puts before each extra chunk when there is no file-separator token.

@@ -3,7 +3,7 @@ digest, expand.
 
 Runs on the request's worker thread (``server/workers.py``), never on the event loop and never on
 the engine thread; it produces plain records (NumPy arrays) that the engine's vision model
-(``model/vision.py``) turns into features.
+(``vision/model.py``) turns into features.
 
 - Sources (llama-server's): ``data:image/...;base64,...``, raw base64, and ``http(s)`` URLs only
   with ``--media-fetch`` (off by default; ``--media-max-bytes`` and 10 s, llama-server's download
@@ -22,7 +22,7 @@ the engine thread; it produces plain records (NumPy arrays) that the engine's vi
   skip decoding and preprocessing; other bytes of the same picture are decoded and get the same
   digest as before.
 - Expansion: the chat template writes one image marker per image; each becomes the image's
-  tokens, by its family's rule (``model/vision_families.py``: Qwen2-VL's merged patch count
+  tokens, by its family's rule (``vision/families.py``: Qwen2-VL's merged patch count
   ``t * h * w / merge**2``, Gemma 3's fixed count between ``<start_of_image>`` and
   ``<end_of_image>``, LLaVA's one per patch), as the family's Hugging Face processor does.
 - Audio (Gemma 3n): ``input_audio`` parts and audio ``multimodal_data`` items (told by their
@@ -51,7 +51,7 @@ from blake3 import blake3
 
 from mlxcel_compat.cache.key import multimodal_digest
 from mlxcel_compat.chat.messages import AudioSource
-from mlxcel_compat.engine.request import MediaAudio, MediaImage, MediaInput
+from mlxcel_compat.vision.inputs import MediaAudio, MediaImage, MediaInput
 from mlxcel_compat.server.errors import InvalidRequest
 
 FETCH_TIMEOUT_S = 10.0  # llama-server's download timeout

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 from mlxcel_compat.engine.reasoning_budget import ReasoningBudgetSpec
 from mlxcel_compat.engine.request import CacheContext, GenerationRequest
 from mlxcel_compat.engine.sampling import SamplingParams, parse_logit_bias, parse_samplers
-from mlxcel_compat.model.lora import AdapterSet
+from mlxcel_compat.lora.adapters import AdapterSet
 from mlxcel_compat.server.errors import InvalidRequest
 
 INT32_MAX = 2**31 - 1

@@ -1,7 +1,7 @@
 """Deterministic LoRA adapters for the factory's models (tests, benchmarks, the demo).
 
 The same random factors are written in three formats, each with its own conventions, so a test
-can check the loader against the math (``model/lora.py`` reads them back):
+can check the loader against the math (``lora/adapters.py`` reads them back):
 
 - ``gguf``: what llama.cpp's ``convert_lora_to_gguf.py`` writes: ``general.type = adapter``,
   ``adapter.type = lora``, ``adapter.lora.alpha``; tensors ``<gguf weight name>.lora_a`` (NumPy

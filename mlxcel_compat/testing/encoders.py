@@ -1,7 +1,7 @@
 """Tiny random-weight BERT-family encoders for tests: embedders and a cross-encoder.
 
 Three kinds, each a Hugging Face directory that transformers loads as it is (``AutoModel``,
-``AutoModelForSequenceClassification``) and that this server loads through ``model/bert.py``:
+``AutoModelForSequenceClassification``) and that this server loads through ``encoders/bert.py``:
 
 - ``bert``: a ``BertModel`` embedder with a WordPiece tokenizer and sentence-transformers files
   saying mean pooling (bge/e5/gte shape);

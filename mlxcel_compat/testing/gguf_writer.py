@@ -133,7 +133,7 @@ def _encode(name: str, data: np.ndarray, gguf_type: str, n_layers: int = 1) -> t
     if kind in ("q8_0", "q4_0"):
         qtype = GGMLQuantizationType.Q8_0 if kind == "q8_0" else GGMLQuantizationType.Q4_0
         return quants.quantize(data.astype(np.float32), qtype), qtype
-    from mlxcel_compat.model import ggml_cpu
+    from mlxcel_compat.runtime import ggml_cpu
 
     kernels = ggml_cpu.kernels()
     if isinstance(kernels, str):
@@ -369,7 +369,7 @@ def write_gguf(family: str, size: str, out: str | Path, gguf_type: str = "f32",
     _add_tokenizer(writer, source, _TARGETS[family].pre)
     tensors = _tensors(family, config, weights)
     if reranker:
-        from mlxcel_compat.model.rerank import LABELS, QWEN3_RERANK_TEMPLATE
+        from mlxcel_compat.encoders.rerank import LABELS, QWEN3_RERANK_TEMPLATE
 
         if family != "qwen3":
             raise ValueError("only the qwen3 factory model has a reranker form")

@@ -14,7 +14,7 @@ def test_bookkeeping_modules_do_not_import_mlx() -> None:
         + "print(sorted(m for m in sys.modules if m == 'mlx' or m.startswith(('mlx.', 'mlx_lm.'))\n"
         + "             and m != 'mlx_lm._version'))\n"
     )
-    # mlxcel_compat's import registers mlx-lm's package lazily (model/zoo.py: its __init__ has not
+    # mlxcel_compat's import registers mlx-lm's package lazily (zoo.py: its __init__ has not
     # run and imports nothing until an attribute is read) with its version string module; any
     # other mlx-lm module, or MLX itself, would mean the bookkeeping loaded MLX code.
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

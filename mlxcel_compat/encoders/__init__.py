@@ -1,0 +1,1 @@
+"""BERT-family encoders (embeddings, cross-encoders), pooling and rerank heads."""

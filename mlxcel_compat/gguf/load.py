@@ -1,0 +1,314 @@
+"""Load a GGUF file as an ordinary mlx-lm model: config from metadata, weights streamed in.
+
+The model object is the one mlx-lm builds from the equivalent ``config.json`` (``gguf_arch``), so
+the engine, prompt cache, batching and attention path treat it like any other mlx-lm model.
+
+Weights are streamed: each tensor is read, decoded or repacked, put into the model, and its
+buffers dropped before the next one. The memory peak is the final weights plus one tensor in
+flight, never a second copy of the model. Every tensor type is checked before the first byte is
+read, so an unsupported type fails fast. Three paths (``precision.tensor_precision`` decides):
+
+- on the CPU, the weights of linear layers and the embedding in a block type (every quantized
+  type, F16, BF16) are not read at all: they stay in the memory-mapped file
+  (``gguf.map_file``), served by ggml's kernels through block layers (``block_layers.py``); the
+  query and key rows llama.cpp permuted are read in the model's order (``BlockWeight.rows``);
+- float tensors (F32, F16, BF16) are read straight into MLX memory (``gguf.read_float_tensor``)
+  and the converter's changes are undone with MLX operations: the one copy a safetensors
+  checkpoint costs, which keeps a GGUF load as fast as the same model's directory;
+- other quantized tensors are read into NumPy (``gguf.read_tensor``) and decoded or repacked
+  there (``gguf_quants``), then handed to MLX. On Metal/CUDA the weights of linear layers and
+  the embedding become MLX affine weights in their type's form (``precision.affine_form``), one
+  tensor at a time at about the file's size; once all are read, each such layer is swapped for
+  a ``QuantizedLinear`` / ``QuantizedEmbedding`` with its own bits and group size. A tensor whose
+  scales overflow the compute dtype is dequantized instead (logged, ``affine_fallbacks``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from mlxcel_compat.runtime import block_weight
+from mlxcel_compat.runtime import ggml_repack
+from mlxcel_compat.gguf import architectures as gguf_arch
+from mlxcel_compat.gguf import quants as gguf_quants
+from mlxcel_compat.gguf import precision
+from mlxcel_compat.gguf.reader import (FLOAT_TYPES, GGUFModelFile, TensorInfo, map_file, open_gguf, read_float_tensor,
+                                      read_tensor, tensor_view)
+from mlxcel_compat.gguf.tokenizer import SpecialTokens, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+@dataclass
+class GGUFSummary:
+    """What start-up logs, /props and /v1/models report about a loaded GGUF."""
+
+    path: str
+    parts: int
+    architecture: str
+    file_type: str  # llama.cpp's name, e.g. "Q4_K - Medium"
+    type_counts: dict[str, int]
+    n_params: int
+    file_bytes: int
+    compute_dtype: str
+    precision: dict[str, int] = field(default_factory=dict)  # "blocks q4_K" / "affine q8_0" / "float32" -> tensors
+    specials: SpecialTokens | None = None
+    load_seconds: float = 0.0
+    weight_bytes: dict[str, int] = field(default_factory=dict)  # the same labels -> bytes they take in memory
+    kernels: dict[str, str] = field(default_factory=dict)  # "blocks q4_K" -> what computes with them
+    repacked: dict[str, int] = field(default_factory=dict)  # the same labels -> how many ggml repacked
+    prompt_products: dict[str, int] = field(default_factory=dict)  # -> how many take ggml's mul_mat for prompts
+    blocks_unavailable: str = ""  # on the CPU: why quantized weights were expanded to float32
+    affine_fallbacks: list[str] = field(default_factory=list)  # tensors whose affine scales overflow the dtype
+
+
+def _quantizable(model: Any, mlx_name: str, shape: tuple[int, ...]) -> bool:
+    import mlx.nn as nn
+
+    if not mlx_name.endswith(".weight") or len(shape) != 2 or shape[-1] % 32:
+        return False
+    module = model
+    for part in mlx_name.rsplit(".", 1)[0].split("."):
+        module = module[int(part)] if isinstance(module, list) else getattr(module, part, None)
+        if module is None:
+            return False
+    return isinstance(module, (nn.Linear, nn.Embedding))
+
+
+def _decode(info: TensorInfo, raw: np.ndarray, mlx_name: str, spec: gguf_arch.ArchSpec,
+            config: dict[str, Any], dtype: str, target_shape: tuple[int, ...]) -> Any:
+    import mlx.core as mx
+
+    heads = gguf_arch.qk_heads(spec, config, mlx_name)
+    rows = raw.reshape(info.shape[0], -1) if len(info.shape) > 1 else raw
+    if heads is not None:
+        rows = gguf_arch.unpermute_rows(rows, heads)
+    np_dtype = np.float16 if dtype == precision.FLOAT16 else np.float32
+    values = gguf_quants.dequantize(np.ascontiguousarray(rows).reshape(-1), info.ggml_type, info.n_values,
+                                    dtype=np_dtype, name=info.name)
+    if spec.norm_shift and mlx_name.endswith("norm.weight"):
+        values = values - np_dtype(spec.norm_shift)
+    if int(np.prod(target_shape)) != values.size:
+        raise ValueError(f"tensor '{info.name}' has shape {info.shape}; the model expects {target_shape} for {mlx_name}")
+    array = mx.array(values.reshape(target_shape))
+    return array.astype(mx.bfloat16) if dtype == precision.BFLOAT16 else array
+
+
+def _load_float(info: TensorInfo, mlx_name: str, spec: gguf_arch.ArchSpec, config: dict[str, Any], dtype: str,
+                target_shape: tuple[int, ...]) -> Any:
+    """A float tensor read into MLX and transformed there, as ``_decode`` does in NumPy."""
+    import mlx.core as mx
+
+    array = read_float_tensor(info)
+    if (heads := gguf_arch.qk_heads(spec, config, mlx_name)) is not None:
+        array = gguf_arch.unpermute_rows(array, heads)
+    target = {precision.FLOAT32: mx.float32, precision.FLOAT16: mx.float16, precision.BFLOAT16: mx.bfloat16}[dtype]
+    # The arithmetic dtype of the NumPy path (bfloat16 is reached from float32), so both round alike.
+    work = mx.float16 if target == mx.float16 else mx.float32
+    if spec.norm_shift and mlx_name.endswith("norm.weight"):
+        array = array.astype(work) - mx.array(spec.norm_shift, dtype=work)
+    if array.dtype != target:
+        array = array.astype(target)
+    if array.size != int(np.prod(target_shape)):
+        raise ValueError(f"tensor '{info.name}' has shape {info.shape}; the model expects {target_shape} for {mlx_name}")
+    return array.reshape(target_shape)
+
+
+def _affine(info: TensorInfo, raw: np.ndarray, mlx_name: str, spec: gguf_arch.ArchSpec, config: dict[str, Any],
+            form: precision.AffineForm, dtype: str, target_shape: tuple[int, ...]) -> list[tuple[str, Any]] | None:
+    """A quantized matrix as MLX affine ``weight``, ``scales`` and ``biases`` in ``form``, or None
+    when its scales or biases overflow ``dtype`` (the caller dequantizes that tensor instead)."""
+    import mlx.core as mx
+
+    if tuple(info.shape) != tuple(target_shape):
+        raise ValueError(f"tensor '{info.name}' has shape {info.shape}; the model expects {target_shape} for {mlx_name}")
+
+    heads = gguf_arch.qk_heads(spec, config, mlx_name)
+    rows = raw.reshape(info.shape[0], -1)
+    if heads is not None:
+        rows = gguf_arch.unpermute_rows(rows, heads)
+    blocks = gguf_quants.to_affine(np.ascontiguousarray(rows).reshape(-1), info.ggml_type, info.shape,
+                                   form.bits, form.group_size, dtype)
+    if blocks is None:
+        return None
+    if form.method == precision.EXACT and not blocks.exact:  # the policy's promise, checked on the data
+        raise RuntimeError(f"tensor '{info.name}': {form.describe()} changed a value")
+    target = {precision.FLOAT16: mx.float16, precision.BFLOAT16: mx.bfloat16, precision.FLOAT32: mx.float32}[dtype]
+    prefix = mlx_name[: -len("weight")]
+    # The scales hold dtype values already (gguf_quants rounds them), so the cast is exact.
+    return [(mlx_name, mx.array(blocks.weight)), (prefix + "scales", mx.array(blocks.scales).astype(target)),
+            (prefix + "biases", mx.array(blocks.biases).astype(target))]
+
+
+def _blocks(info: TensorInfo, mapped: np.ndarray, mlx_name: str, spec: gguf_arch.ArchSpec, config: dict[str, Any],
+            target_shape: tuple[int, ...], lib: block_weight.BlockLibrary) -> block_weight.BlockWeight:
+    """A weight served from its blocks in the mapped file: nothing is read or copied."""
+    if tuple(info.shape) != tuple(target_shape):
+        raise ValueError(f"tensor '{info.name}' has shape {info.shape}; the model expects {target_shape} for {mlx_name}")
+    n, k = info.shape
+    heads = gguf_arch.qk_heads(spec, config, mlx_name)
+    rows = gguf_arch.unpermute_rows(np.arange(n, dtype=np.int32), heads) if heads is not None else None
+    data = tensor_view(info, mapped).reshape(n, -1)
+    return block_weight.BlockWeight(data, info.ggml_type, n, k, lib, rows=rows)
+
+
+def _install_rope_freqs(model: Any, file: GGUFModelFile, config: dict[str, Any]) -> None:
+    """Llama 3 files carry the RoPE frequency factors as a tensor (``rope_freqs.weight``)."""
+    import mlx.core as mx
+
+    factors = gguf_quants.dequantize(read_tensor(file.tensors["rope_freqs.weight"]),
+                                     file.tensors["rope_freqs.weight"].ggml_type,
+                                     file.tensors["rope_freqs.weight"].n_values)
+    head_dim = config["head_dim"]
+    periods = config.get("rope_theta", 10000.0) ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    freqs = mx.array(periods.astype(np.float32) * factors)
+    for layer in model.layers:
+        layer.self_attn.rope._freqs = freqs
+
+
+def _prepare(file: GGUFModelFile) -> tuple[gguf_arch.ArchSpec, Any, SpecialTokens, dict[str, Any]]:
+    spec = gguf_arch.arch_spec(file)
+    for info in file.tensors.values():
+        gguf_quants.check_supported(info.name, info.ggml_type)
+    tokenizer, specials = load_tokenizer(file)
+    n_vocab = len(file.metadata.get("tokenizer.ggml.tokens") or [])
+    config = gguf_arch.model_config(file, spec, n_vocab, specials.eog, specials.bos if specials.add_bos else None)
+    if spec.permute_qk and "rope_freqs.weight" in file.tensors:
+        # Llama3RoPE is built from a placeholder and its frequencies replaced by the file's.
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": 1.0}
+    return spec, tokenizer, specials, config
+
+
+def _build_model(config: dict[str, Any], file: GGUFModelFile) -> Any:
+    from mlxcel_compat.zoo import module_classes
+
+    model_class, args_class = module_classes(config["model_type"])  # gguf_arch names mlx-lm's modules
+    model = model_class(args_class.from_dict(config))
+    if hasattr(model, "lm_head") and "output.weight" not in file.tensors and hasattr(model, "sanitize"):
+        model.sanitize({})  # models that decide tying at load time (gemma3) drop the head here
+    return model
+
+
+def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None = None, blocks: bool = True,
+              repack: bool = True) -> tuple[Any, Any, dict[str, Any], GGUFSummary]:
+    """Load ``path`` (a .gguf, or the first part of a split model).
+
+    Returns ``(model, tokenizer, config, summary)``: an mlx-lm model, an mlx-lm
+    ``tokenizer.ServedTokenizer``, the synthesised config.json dict and what to report about the file.
+    ``on_cpu`` defaults to MLX's default device; passing it lets tests exercise the GPU policy.
+    ``blocks=False`` expands every quantized weight to float32 on the CPU: the float32 reference
+    of the file (its dequantized weights in float32 math) that tests and benchmarks compare with.
+    ``repack=False`` keeps every weight in the file's blocks only (``ggml_repack.py``; --no-repack).
+    """
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from mlxcel_compat.runtime import block_layers
+
+    t0 = time.perf_counter()
+    if on_cpu is None:
+        on_cpu = mx.default_device() == mx.cpu
+    file = open_gguf(path)
+    spec, tokenizer, specials, config = _prepare(file)
+    model = _build_model(config, file)
+    shapes = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+    names = gguf_arch.gguf_names(spec, list(shapes), config["num_hidden_layers"])
+    missing = sorted(set(names) - set(file.tensors))
+    if missing:
+        raise ValueError(f"'{file.path}' lacks tensors the {spec.gguf_arch} model needs: {', '.join(missing[:8])}")
+    ignored = sorted(set(file.tensors) - set(names) - {"rope_freqs.weight"})
+    if ignored:
+        log.warning("GGUF tensors without a counterpart in the mlx-lm model are ignored: %s", ", ".join(ignored[:8]))
+
+    dtype = precision.compute_dtype(on_cpu, {t.ggml_type for t in file.tensors.values()})
+    lib = block_weight.library() if on_cpu and blocks else "not on the CPU" if not on_cpu else "blocks=False"
+    plans = {
+        g: precision.tensor_precision(file.tensors[g].ggml_type, on_cpu,
+                                      _quantizable(model, m, file.tensors[g].shape), dtype,
+                                      blocks=not isinstance(lib, str))
+        for g, m in names.items()
+    }
+    quantized: dict[str, precision.AffineForm] = {}  # module path -> the form its weight took
+
+    summary = GGUFSummary(
+        path=str(file.path), parts=len(file.parts), architecture=file.architecture, file_type=file.file_type,
+        type_counts=file.type_counts(), n_params=file.n_params, file_bytes=file.size_bytes,
+        compute_dtype=dtype, specials=specials,
+    )
+    if on_cpu and isinstance(lib, str) and any(file.tensors[g].ggml_type not in FLOAT_TYPES for g in names):
+        summary.blocks_unavailable = lib
+    maps = {part: map_file(part) for part in file.parts} if precision.BLOCKS in plans.values() else {}
+    total = sum(file.tensors[g].n_bytes for g in names)
+    decoded = [file.tensors[g].n_bytes for g in names
+               if file.tensors[g].ggml_type not in FLOAT_TYPES and plans[g] != precision.BLOCKS]
+    scratch = np.empty(max(decoded, default=0), dtype=np.uint8)  # only quantized tensors go through NumPy
+    done = 0
+    loaded: list[tuple[str, Any]] = []
+    for gguf_name, info in file.tensors.items():
+        if gguf_name not in names:
+            continue
+        mlx_name, plan = names[gguf_name], plans[gguf_name]
+        if plan == precision.BLOCKS:
+            weight = _blocks(info, maps[info.path], mlx_name, spec, config, shapes[mlx_name], lib)
+            module = block_layers.install(model, mlx_name[: -len(".weight")], weight)
+            label = f"blocks {gguf_quants.type_name(info.ggml_type).lower()}"
+            if repack and isinstance(module, block_layers.BlockLinear) and ggml_repack.attach(
+                    weight, maps[info.path], info.offset):
+                summary.repacked[label] = summary.repacked.get(label, 0) + 1
+            elif isinstance(module, block_layers.BlockLinear) and ggml_repack.prompt_product(
+                    weight, maps[info.path], info.offset):
+                summary.prompt_products[label] = summary.prompt_products.get(label, 0) + 1
+            else:
+                block_weight.in_output_order(weight, maps[info.path], info.offset)
+                block_weight.split_rows(weight, maps[info.path], info.offset)
+            summary.precision[label] = summary.precision.get(label, 0) + 1
+            summary.weight_bytes[label] = summary.weight_bytes.get(label, 0) + weight.nbytes
+            summary.kernels.setdefault(label, lib.describe(info.ggml_type, weight.split))
+            done += info.n_bytes
+            if progress is not None:
+                progress(done, total)
+            continue
+        label, weights = plan, None
+        if plan == precision.AFFINE:
+            form = precision.affine_form(info.ggml_type, dtype)
+            weights = _affine(info, read_tensor(info, scratch), mlx_name, spec, config, form, dtype,
+                              shapes[mlx_name])
+            if weights is None:
+                log.warning("tensor '%s' (%s): its affine scales or biases overflow %s; dequantized to %s instead",
+                            info.name, gguf_quants.type_name(info.ggml_type), dtype, dtype)
+                summary.affine_fallbacks.append(info.name)
+                plan = label = dtype
+            else:
+                quantized[mlx_name[: -len(".weight")]] = form
+                label = f"affine {gguf_quants.type_name(info.ggml_type).lower()}"
+                summary.kernels.setdefault(label, form.describe())
+        if weights is None and info.ggml_type in FLOAT_TYPES:
+            weights = [(mlx_name, _load_float(info, mlx_name, spec, config, plan, shapes[mlx_name]))]
+        elif weights is None:
+            weights = [(mlx_name, _decode(info, read_tensor(info, scratch), mlx_name, spec, config, plan,
+                                          shapes[mlx_name]))]
+        mx.eval([w for _, w in weights])  # one tensor in flight: its temporaries go now
+        loaded.extend(weights)
+        summary.precision[label] = summary.precision.get(label, 0) + 1
+        summary.weight_bytes[label] = summary.weight_bytes.get(label, 0) + sum(w.nbytes for _, w in weights)
+        done += info.n_bytes
+        if progress is not None:
+            progress(done, total)
+    if quantized:  # each layer with its weight's bits and group size; the rest stay float
+        nn.quantize(model, class_predicate=lambda p, m: {"group_size": quantized[p].group_size,
+                                                         "bits": quantized[p].bits, "mode": "affine"}
+                    if p in quantized else False)
+    model.eval()
+    model.load_weights(loaded, strict=False)  # the model's own initial values were never evaluated
+    if "rope_freqs.weight" in file.tensors and spec.permute_qk:
+        _install_rope_freqs(model, file, config)
+    summary.load_seconds = time.perf_counter() - t0
+    return model, tokenizer, config, summary

@@ -1,0 +1,254 @@
+"""The tokenizer and chat templates a GGUF file describes, as a ``tokenizer.ServedTokenizer``.
+
+A GGUF has no ``tokenizer.json``: the vocabulary, merges, scores, token types, pre-tokenizer
+name and special token ids are metadata (``tokenizer.ggml.*``). transformers' GGUF tokenizer
+mapping (``convert_gguf_tokenizer``) builds a ``tokenizers`` object from exactly those fields
+and does not import torch (transformers' GGUF *tensor* reader does, so it is not used). The
+result, wrapped in transformers' ``PreTrainedTokenizerFast`` with the file's special tokens and
+chat templates, is saved as an ordinary tokenizer directory (``tokenizer.json``,
+``tokenizer_config.json``, the template files) and loaded from it by ``tokenizer/served.py``
+exactly as a Hugging Face directory of the same model is.
+
+The conversion is the only step that needs transformers, and it runs in a child process
+(``tokenizer_cache.py``: ``python -m mlxcel_compat.tokenizer.cache gguf FILE OUT``), so the serving process never
+imports transformers (nor torch, which importing transformers imports where it is installed),
+not even on a first start.
+
+What llama.cpp derives from the metadata is derived the same way here:
+
+- end-of-generation ids: EOS, EOT and EOM ids, plus any control or user-defined token whose
+  text is one of llama.cpp's end-of-turn markers (``<|im_end|>``, ``<|eot_id|>``, ...);
+- ``add_bos_token`` defaults to true for SentencePiece (``llama``) vocabularies;
+- ``tokenizer.chat_template`` is the default template and ``tokenizer.chat_template.NAME``
+  become named templates (``tool_use``, ...);
+- FIM token ids (``tokenizer.ggml.fim_*_token_id``, else found by their text, ``tokenizer/fim.py``)
+  are reported in ``SpecialTokens``; the FIM pad, repo and file-separator tokens end generation.
+
+The converted directory is cached (``$XDG_CACHE_HOME/mlxcel_compat/gguf-tokenizers``, else
+``~/.cache/...``), keyed by a hash of the GGUF's header (all its metadata), this module's source
+and the transformers/tokenizers versions (read from the installed distributions, not imported):
+a restart of the same model then loads ``tokenizer.json`` straight into ``tokenizers``, with no
+child process. An unusable cache directory only means converting every time; a cached entry
+that fails to load is rebuilt.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlxcel_compat.tokenizer.fim import find_fim_tokens, stated_ids
+from mlxcel_compat.gguf.reader import GGUFModelFile
+from mlxcel_compat.tokenizer import cache as tokenizer_cache
+from mlxcel_compat.tokenizer.served import ServedTokenizer
+
+log = logging.getLogger(__name__)
+
+# llama.cpp (llama-vocab.cpp) treats tokens with these texts as end of generation.
+EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>",
+    "<end_of_utterance>", "<｜end▁of▁sentence｜>",
+})
+CONTROL, USER_DEFINED = 3, 4
+
+
+@dataclass
+class SpecialTokens:
+    """Special token ids as the GGUF states them (None when absent)."""
+
+    bos: int | None
+    eos: int | None
+    eot: int | None
+    eom: int | None
+    add_bos: bool
+    add_eos: bool
+    eog: list[int] = field(default_factory=list)
+    fim: dict[str, int] = field(default_factory=dict)  # "pre", "suf", "mid", ... -> id
+
+
+def _meta_int(file: GGUFModelFile, key: str) -> int | None:
+    value = file.metadata.get(f"tokenizer.ggml.{key}")
+    return int(value) if value is not None else None
+
+
+def special_tokens(file: GGUFModelFile) -> SpecialTokens:
+    md = file.metadata
+    tokens: list[str] = md.get("tokenizer.ggml.tokens") or []
+    types: list[int] = md.get("tokenizer.ggml.token_type") or [0] * len(tokens)
+    model = md.get("tokenizer.ggml.model")
+    add_bos = md.get("tokenizer.ggml.add_bos_token")
+    specials = SpecialTokens(
+        bos=_meta_int(file, "bos_token_id"),
+        eos=_meta_int(file, "eos_token_id"),
+        eot=_meta_int(file, "eot_token_id"),
+        eom=_meta_int(file, "eom_token_id"),
+        add_bos=bool(add_bos) if add_bos is not None else model == "llama",
+        add_eos=bool(md.get("tokenizer.ggml.add_eos_token", False)),
+    )
+    eog = {i for i in (specials.eos, specials.eot, specials.eom) if i is not None}
+    eog.update(i for i, (text, kind) in enumerate(zip(tokens, types))
+               if text in EOG_TEXTS and kind in (CONTROL, USER_DEFINED))
+    fim = find_fim_tokens({text: i for i, text in reversed(list(enumerate(tokens)))}, len(tokens), stated_ids(md))
+    eog.update(fim.end_of_generation())
+    specials.eog = sorted(eog)
+    specials.fim = fim.as_dict()
+    if specials.bos is None:
+        specials.add_bos = False
+    return specials
+
+
+def chat_templates(file: GGUFModelFile) -> str | dict[str, str] | None:
+    """The default template, or a name -> template dict when named variants exist."""
+    md = file.metadata
+    default = md.get("tokenizer.chat_template")
+    prefix = "tokenizer.chat_template."
+    named = {key[len(prefix):]: value for key, value in md.items() if key.startswith(prefix)}
+    if not named:
+        return default
+    if default is not None:
+        named = {"default": default, **named}
+    return named
+
+
+def _tokenizer_dict(file: GGUFModelFile) -> dict[str, Any]:
+    """The fields transformers' converter reads, under its names."""
+    md = file.metadata
+    renames = {
+        "model": "tokenizer_type", "pre": "pre_tokenizer_type", "tokens": "tokens", "scores": "scores",
+        "token_type": "token_type", "merges": "merges", "precompiled_charsmap": "precompiled_charsmap",
+        "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "unknown_token_id": "unk_token_id",
+        "padding_token_id": "pad_token_id", "add_space_prefix": "add_prefix_space",
+    }
+    return {name: md[f"tokenizer.ggml.{key}"] for key, name in renames.items() if f"tokenizer.ggml.{key}" in md}
+
+
+def _convert(architecture: str, tokenizer_dict: dict[str, Any]) -> Any:
+    """The ``tokenizers.Tokenizer`` for this vocabulary (transformers' GGUF tokenizer mapping)."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError:  # transformers < 5.x kept it in one module
+        from transformers.integrations.ggml import convert_gguf_tokenizer  # type: ignore[no-redef]
+    backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        _space_prefix_like_llama_cpp(backend, bool(tokenizer_dict.get("add_prefix_space", True)))
+    return backend
+
+
+def _space_prefix_like_llama_cpp(backend: Any, add_space_prefix: bool) -> None:
+    """SentencePiece vocabularies: put the "▁" prefix where llama.cpp puts it.
+
+    transformers builds them with a ``Metaspace`` pre-tokenizer that prefixes only the start of
+    the text and only when it does not already begin with a space. llama.cpp prefixes a space to
+    every text fragment that starts the input or follows a special token, whatever it begins
+    with, and not at all when ``tokenizer.ggml.add_space_prefix`` is false; so does the legacy
+    Llama 2 ``tokenizer.json`` (a ``Prepend`` normalizer, applied to each piece of text between
+    special tokens). Measured on a SentencePiece vocabulary: ``"<s>[INST]"``, ``"a</s>b"`` and
+    ``"  two"`` tokenize differently without this. Builders with their own layout (Gemma, Phi-3:
+    no ``Metaspace``) are left alone.
+    """
+    from tokenizers import decoders, normalizers, pre_tokenizers
+
+    if not isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace):
+        return
+    space = "\u2581"
+    steps = [normalizers.Prepend(space)] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", space)])
+    backend.pre_tokenizer = None
+    strip = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
+    backend.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+
+
+def default_cache_dir() -> Path:
+    """Where converted tokenizers are kept: ``$XDG_CACHE_HOME`` (else ``~/.cache``) ``/mlxcel_compat/gguf-tokenizers``."""
+    return tokenizer_cache.cache_root() / "gguf-tokenizers"
+
+
+def cache_key(file: GGUFModelFile) -> str:
+    """Changes whenever the converted tokenizer could: the header bytes (every metadata key), the
+    code converting it (this module) and the libraries it uses."""
+    from blake3 import blake3
+
+    digest = blake3(Path(__file__).read_bytes())
+    digest.update(tokenizer_cache.library_versions().encode())
+    with open(file.path, "rb") as f:
+        remaining = file.header_bytes
+        while remaining > 0 and (chunk := f.read(min(remaining, 1 << 22))):
+            digest.update(chunk)
+            remaining -= len(chunk)
+    return digest.hexdigest()[:32]
+
+
+def _hf_tokenizer(file: GGUFModelFile, tokenizer_dict: dict[str, Any], specials: SpecialTokens) -> Any:
+    """The transformers tokenizer the GGUF metadata describes (the conversion itself)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from mlxcel_compat.gguf import encoder_vocab
+
+    if encoder_vocab.is_encoder_vocab(file.architecture, tokenizer_dict.get("tokenizer_type")):
+        return encoder_vocab.hf_tokenizer(file.metadata)  # BERT-family vocabularies (WPM, UGM)
+    backend = _convert(file.architecture, tokenizer_dict)
+    tokens = tokenizer_dict["tokens"]
+
+    def text(token_id: int | None) -> str | None:
+        return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=text(specials.bos),
+        eos_token=text(specials.eos),
+        unk_token=text(tokenizer_dict.get("unk_token_id")),
+        pad_token=text(tokenizer_dict.get("pad_token_id")),
+        add_bos_token=specials.add_bos,
+        add_eos_token=specials.add_eos,
+        clean_up_tokenization_spaces=False,
+        chat_template=chat_templates(file),
+    )
+
+
+def convert(file: GGUFModelFile, directory: Path) -> None:
+    """Save the converted tokenizer of ``file`` into ``directory`` (imports transformers)."""
+    tokenizer_dict = _tokenizer_dict(file)
+    _hf_tokenizer(file, tokenizer_dict, special_tokens(file)).save_pretrained(directory)
+
+
+def load_tokenizer(file: GGUFModelFile, cache_dir: Path | None = None) -> tuple[ServedTokenizer, SpecialTokens]:
+    """The GGUF's tokenizer and its special tokens.
+
+    Always loaded from a tokenizer directory: the cached one when this header was converted
+    before, else a fresh conversion (in a child process: ``tokenizer_cache.py``) saved into the
+    cache (or a temporary directory when the cache cannot be written).
+    """
+    if "tokenizer.ggml.tokens" not in file.metadata:
+        raise ValueError(f"'{file.path}' has no tokenizer (tokenizer.ggml.tokens is missing)")
+    specials = special_tokens(file)
+
+    def convert(out: Path) -> None:
+        log.info("converting the GGUF vocabulary (%d tokens) with transformers' converter, in a child process",
+                 len(file.metadata["tokenizer.ggml.tokens"]))
+        tokenizer_cache.convert_in_child("mlxcel_compat.gguf.tokenizer", Path(file.path), out)
+
+    cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
+    return tokenizer_cache.load_converted(cache_key(file), cache_dir, convert, specials.eog), specials
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mlxcel_compat.gguf.tokenizer FILE.gguf OUT``: the child process of
+    :func:`load_tokenizer` (``tokenizer/cache.py: convert_in_child``), which imports transformers
+    so the serving process does not."""
+    import sys
+
+    from mlxcel_compat.gguf.reader import open_gguf
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m mlxcel_compat.gguf.tokenizer FILE.gguf OUT", file=sys.stderr)
+        return 2
+    convert(open_gguf(args[0]), Path(args[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""LoRA adapter files and the unfused layers that apply them."""

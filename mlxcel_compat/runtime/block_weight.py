@@ -1,0 +1,319 @@
+"""A weight kept in ggml's block format on the CPU, and its products (``block_matmul.c``).
+
+A GGUF tensor of a quantized type (or F16/BF16) is served as it is stored: ``data`` is a view
+of the memory-mapped file, so loading copies nothing, the pages are shared with the page cache
+and a restart finds them there. Products go through ``block_matmul.c`` in the BLAS shim's
+library, with ggml's per-type kernels (``ggml_cpu.py``): few activation rows by ``vec_dot``,
+many rows (``tiles``: a prompt chunk's path) by tiles expanded to float32 for the BLAS's sgemm,
+or by the shim's own GEMM where it has one for the type (Q8_0). Nothing here imports MLX; the MLX
+modules that hold these weights are in ``block_layers.py``, and the CPU decode runtime calls them
+directly (``cpu_decode.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from mlxcel_compat.runtime.native import blas_shim
+from mlxcel_compat.runtime import ggml_cpu
+
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+
+# ``BlockWeight.matmul``'s default path by row count: up to this many rows ggml's vec_dot, more
+# float32 tiles and the BLAS's sgemm (a crossover measured on the small llama's Q4_K_M). The
+# model's layers choose by sequence instead (``block_layers``: decode steps vec_dot, prompt
+# chunks tiles), and the CPU decode runtime always takes vec_dot.
+VEC_DOT_ROWS_MAX = 8
+# Types whose rows ``split_rows`` rearranges at load for the shim's own kernels (quant_rows.c):
+# each type's block fields (byte ranges) in their order in a group of SPLIT_GROUP blocks of a
+# split row, and the code (SPLIT_TYPE_BASE + the ggml type) that names the split form there.
+SPLIT_FIELDS = {
+    3: ((0, 2), (2, 4), (4, 20)),  # GGML_TYPE_Q4_1: d, m, qs[16]
+    6: ((0, 2), (2, 6), (6, 22)),  # GGML_TYPE_Q5_0: d, qh[4], qs[16]
+    7: ((0, 2), (2, 4), (4, 8), (8, 24)),  # GGML_TYPE_Q5_1: d, m, qh[4], qs[16]
+}
+SPLIT_GROUP = 16  # blocks a group of a split row
+SPLIT_TYPES = tuple(SPLIT_FIELDS)
+SPLIT_TYPE_BASE = 1000
+
+
+class _WeightStruct(ctypes.Structure):
+    """``struct mlxcel_block_weight`` (block_matmul.c)."""
+
+    _fields_ = [("type", _P), ("data", _P), ("row_bytes", _L), ("rows", _P), ("group_bias", _P),
+                ("bias_group", _I), ("n", _I), ("k", _I)]
+
+
+def own_kernels_enabled() -> bool:
+    """``MLXCEL_OWN_KERNELS=0`` multiplies decode rows by ggml's vec_dot for every type (for
+    comparison: ``scripts/bench_quant_rows.py``, ``scripts/bench_quantized.py --mlxcel-env``)."""
+    return os.environ.get("MLXCEL_OWN_KERNELS", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+@dataclass(frozen=True)
+class BlockLibrary:
+    """The shim's block-product functions and ggml's kernels: what a :class:`BlockWeight` needs."""
+
+    matmul: Any  # mlxcel_block_matmul
+    rows: Any  # mlxcel_block_rows
+    ggml: ggml_cpu.GGMLKernels
+    matmul_held: Any  # mlxcel_block_matmul called holding the GIL: for short calls
+    own_kernels: frozenset[int]  # types whose decode rows the shim's own kernels multiply (quant_rows.c)
+    quantizers: dict[int, int]  # activation types the shim quantizes itself (byte for byte ggml's), to the function
+    dequantizers: dict[int, int]  # weight types the shim expands to float32 itself (ggml's is scalar), to the function
+    split_kinds: dict[int, ggml_cpu.BlockType]  # types whose rows split_rows rearranges, to their kernels
+    gemm_kernels: frozenset[int]  # types whose prompt chunks the shim's own GEMM multiplies (quant_rows.c)
+
+    def block_type(self, ggml_type: int) -> ggml_cpu.BlockType:
+        """ggml's kernels of the type, with the shim's own rows kernel and activation quantizer
+        where it has them."""
+        kind = self.ggml.block_type(ggml_type)
+        kind.own_kernel = int(ggml_type) if int(ggml_type) in self.own_kernels else -1
+        own_quantizer = self.quantizers.get(self.ggml.activation_type(ggml_type))
+        if own_quantizer:
+            kind.quantize = own_quantizer
+        own_dequantizer = self.dequantizers.get(int(ggml_type))
+        if own_dequantizer:
+            kind.to_float = own_dequantizer
+        return kind
+
+    def describe(self, ggml_type: int, split: bool = False) -> str:
+        """What the start-up log says multiplies a type (its rows ``split`` or not): ggml's
+        kernels, and the shim's own for decode rows where it has one."""
+        text = self.ggml.describe(ggml_type)
+        if int(ggml_type) in self.own_kernels:
+            text += "; decode rows by mlxcel's AVX-512 kernel"
+        if int(ggml_type) in self.gemm_kernels:
+            text += "; prompt chunks by mlxcel's AVX-512 VNNI GEMM"
+        if split:
+            text += ("; rows split at load (factors ahead of nibbles): decode rows by mlxcel's AVX-512 VNNI kernel, "
+                     "float32 tiles expanded by mlxcel's AVX-512 code")
+        elif int(ggml_type) in self.dequantizers:
+            text += "; float32 tiles expanded by mlxcel's AVX-512 code"
+        return text
+
+
+@lru_cache(maxsize=1)
+def library() -> BlockLibrary | str:
+    """The block products, or why there are none (the loader then expands weights to float32)."""
+    from mlxcel_compat.runtime import backend
+
+    ggml = ggml_cpu.kernels()
+    if isinstance(ggml, str):
+        return ggml
+    shim = backend.matmul_shim()
+    if shim is None:
+        return "the BLAS shim (which runs ggml's kernels on its threads) is not loaded"
+    try:
+        matmul, rows = shim.lib.mlxcel_block_matmul, shim.lib.mlxcel_block_rows
+        matmul_held = blas_shim.holding_the_gil(shim.lib).mlxcel_block_matmul
+        own, quantizer, dequantizer = shim.lib.mlxcel_rows_kernel, shim.lib.mlxcel_quantizer, shim.lib.mlxcel_dequantizer
+        gemm = shim.lib.mlxcel_gemm_kernel
+    except AttributeError:
+        return "the loaded BLAS shim has no block products (built from an older source)"
+    matmul.restype = rows.restype = matmul_held.restype = None
+    matmul.argtypes = matmul_held.argtypes = [_P, _I, _P, _L, _P, _L, _F, _I]
+    rows.argtypes = [_P, _P, _I, _P]
+    own.restype = quantizer.restype = dequantizer.restype = gemm.restype = _P
+    own.argtypes = quantizer.argtypes = dequantizer.argtypes = gemm.argtypes = [_I]
+    own_kernels: frozenset[int] = frozenset()
+    quantizers: dict[int, int] = {}
+    dequantizers: dict[int, int] = {}
+    if own_kernels_enabled():
+        own_kernels = frozenset(int(t) for t in ggml_cpu.BLOCK_TYPES if own(int(t)))
+        acts = {ggml.activation_type(t) for t in ggml_cpu.BLOCK_TYPES}
+        quantizers = {a: quantizer(a) for a in acts if quantizer(a)}
+        dequantizers = {int(t): dequantizer(int(t)) for t in ggml_cpu.BLOCK_TYPES if dequantizer(int(t))}
+    split_kinds: dict[int, ggml_cpu.BlockType] = {}
+    for ggml_type in SPLIT_TYPES if own_kernels_enabled() else ():
+        code = SPLIT_TYPE_BASE + int(ggml_type)
+        if own(code) and dequantizer(code):
+            plain = ggml.block_type(ggml_type)
+            split_kinds[int(ggml_type)] = ggml_cpu.BlockType(plain.vec_dot, plain.quantize, dequantizer(code),
+                                                             plain.act_block, plain.act_block_bytes, code)
+    gemm_kernels = frozenset(t for t in own_kernels if gemm(t))  # the C side picks it by the type's own_kernel
+    return BlockLibrary(matmul, rows, ggml, matmul_held, own_kernels, quantizers, dequantizers, split_kinds, gemm_kernels)
+
+
+def row_bytes(ggml_type: int, k: int) -> int:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    if k % block:
+        raise ValueError(f"rows of {k} values do not fill whole {GGMLQuantizationType(ggml_type).name} blocks")
+    return k // block * size
+
+
+@dataclass(eq=False)
+class BlockWeight:
+    """``n`` rows of ``k`` values in GGML type ``ggml_type``: a linear layer's (out, in) weight
+    or an embedding table.
+
+    ``rows``: output row r is stored row ``rows[r]`` (llama.cpp's permuted query and key rows,
+    read in the model's order). ``group_bias``: per stored row, one bias per ``bias_group``
+    inputs, added to the blocks' values (MLX affine 8-bit weights, held as Q8_0 blocks).
+    """
+
+    data: np.ndarray  # uint8 (n, row_bytes): a view of the mapped file, or a repacked copy
+    ggml_type: int
+    n: int
+    k: int
+    lib: BlockLibrary
+    rows: np.ndarray | None = None  # int32 (n,)
+    group_bias: np.ndarray | None = None  # float32 (n, k / bias_group)
+    bias_group: int = 0
+    # ggml's repacked copy (``ggml_repack.py``) where it multiplies faster: every product goes there
+    repacked: Any = None
+    # ggml's own mul_mat over these blocks (``ggml_repack.PromptProduct``) where it multiplies
+    # prompt chunks faster than float32 tiles: the ``tiles`` path goes there
+    prompt: Any = None
+    # rows rearranged by ``split_rows`` (factors ahead of nibbles): only this library's kernels read them
+    split: bool = False
+    address: int = field(init=False)  # of the C struct, passed on every call
+    _struct: _WeightStruct = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        expected = row_bytes(self.ggml_type, self.k)
+        if self.data.dtype != np.uint8 or self.data.shape != (self.n, expected) or not self.data.flags.c_contiguous:
+            raise ValueError(f"block data of shape {self.data.shape} does not hold {self.n} rows of {expected} bytes")
+        if self.rows is not None:
+            self.rows = np.ascontiguousarray(self.rows, dtype=np.int32)
+            if self.rows.shape != (self.n,) or self.n and not (0 <= self.rows.min() and self.rows.max() < self.n):
+                raise ValueError("the row order must name each of the weight's rows")
+        if self.group_bias is not None:
+            self.group_bias = np.ascontiguousarray(self.group_bias, dtype=np.float32)
+            if not self.bias_group or self.k % self.bias_group or self.group_bias.shape != (self.n, self.k // self.bias_group):
+                raise ValueError("group biases must hold one value per row and group of inputs")
+        self._describe()
+
+    def _describe(self) -> None:
+        kind = self.lib.split_kinds[int(self.ggml_type)] if self.split else self.lib.block_type(self.ggml_type)
+        self._struct = _WeightStruct(
+            ctypes.addressof(kind), self.data.ctypes.data, self.data.shape[1],
+            self.rows.ctypes.data if self.rows is not None else None,
+            self.group_bias.ctypes.data if self.group_bias is not None else None,
+            self.bias_group, self.n, self.k)
+        self.address = ctypes.addressof(self._struct)
+
+    def reorder(self, mapped: np.ndarray | None = None, offset: int = 0) -> None:
+        """Store the rows in output order (a copy): for products that read the rows as stored.
+        The file's pages of the weight (``mapped``, at ``offset``) are dropped, as a repacked
+        weight's are: the weight still takes the file's size."""
+        if self.rows is None:
+            return
+        rows, self.rows = self.rows, None
+        self.data = np.ascontiguousarray(self.data[rows])
+        if self.group_bias is not None:
+            self.group_bias = np.ascontiguousarray(self.group_bias[rows])
+        self._describe()
+        if mapped is not None:
+            from mlxcel_compat.runtime.ggml_repack import release_pages
+
+            release_pages(mapped, offset, self.data.nbytes)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        extra = [a.nbytes for a in (self.rows, self.group_bias) if a is not None]
+        blocks = 0 if self.repacked is not None else self.data.nbytes  # its pages are released
+        return blocks + sum(extra) + (self.repacked.nbytes if self.repacked is not None else 0)
+
+    def matmul_into(self, m: int, x: int, ldx: int, out: int, ldo: int, beta: float = 0.0, tiles: bool = False) -> None:
+        """out[i, :] = x[i, :] @ W^T (+ beta * out) for i < m, on raw float32 addresses (row
+        strides in elements), by ggml's vec_dot or (``tiles``) the prompt path: ggml's repacked
+        GEMM or mul_mat where the weight has one, the shim's own GEMM for its types
+        (``gemm_kernels``), else float32 tiles and the BLAS. What the CPU decode runtime calls,
+        ~7 times a layer."""
+        if self.repacked is not None:
+            self.repacked.matmul_into(m, x, ldx, out, ldo, beta, per_row=not tiles)
+        elif tiles and self.prompt is not None:
+            self.prompt.matmul_into(m, x, ldx, out, ldo, beta)
+        else:
+            short = m <= blas_shim.GIL_HELD_ROWS_MAX and not tiles
+            (self.lib.matmul_held if short else self.lib.matmul)(self.address, m, x, ldx, out, ldo, beta, int(tiles))
+
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None, beta: float = 0.0,
+               tiles: bool | None = None) -> np.ndarray:
+        """``x`` (m, k) float32 times the weight's transpose: (m, n) float32. ``tiles`` picks the
+        path (default: by the row count, ``VEC_DOT_ROWS_MAX``). Each row's result depends only
+        on the path, never on how many rows share the call."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.k:
+            raise ValueError(f"activations of shape {x.shape} do not have {self.k} columns")
+        if out is None:
+            out = np.empty((x.shape[0], self.n), dtype=np.float32)
+        elif out.shape != (x.shape[0], self.n) or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError("the output must be a contiguous float32 (m, n) array")
+        if tiles is None:
+            tiles = x.shape[0] > VEC_DOT_ROWS_MAX
+        self.matmul_into(x.shape[0], x.ctypes.data, self.k, out.ctypes.data, self.n, beta, tiles)
+        return out
+
+    def take(self, ids: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``ids`` as float32 (count, k): an embedding lookup."""
+        ids = np.ascontiguousarray(ids, dtype=np.int32).reshape(-1)
+        if ids.size and not (0 <= ids.min() and ids.max() < self.n):
+            raise ValueError(f"row ids must be in 0..{self.n - 1}")
+        if out is None:
+            out = np.empty((ids.size, self.k), dtype=np.float32)
+        elif out.shape != (ids.size, self.k) or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError("the output must be a contiguous float32 (count, k) array")
+        self.lib.rows(self.address, ids.ctypes.data, ids.size, out.ctypes.data)
+        return out
+
+    def dequantize(self) -> np.ndarray:
+        """The whole weight as float32 (n, k), in output order: for tests and references only."""
+        return self.take(np.arange(self.n))
+
+
+def in_output_order(weight: BlockWeight, mapped: np.ndarray | None = None, offset: int = 0) -> bool:
+    """Copy a weight whose rows are read permuted (llama's query and key projections) into
+    output order where the shim's own kernels multiply its type (``own_kernels``, ``split_kinds``):
+    they take a band of rows in one call only when its rows are stored in order (``block_matmul.c``
+    calls them once a row otherwise, and a split row's kernel then copies the activations out for
+    every row). The file's pages of the weight (``mapped``, at ``offset``) are dropped
+    (``BlockWeight.reorder``). Whether it was copied."""
+    kind = int(weight.ggml_type)
+    if (weight.rows is None or weight.repacked is not None or weight.prompt is not None
+            or (kind not in weight.lib.own_kernels and kind not in weight.lib.split_kinds)):
+        return False
+    weight.reorder(mapped, offset)
+    return True
+
+
+def split_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: int = 0) -> bool:
+    """Rearrange each row of ``weight`` (a linear layer's or embedding's blocks of a type in
+    ``SPLIT_TYPES``, where the library has the kernels) into a copy: the blocks in groups of 16,
+    each group as its blocks' factors, minimums, fifth bits, then nibbles (``SPLIT_FIELDS``),
+    the same bytes (``quant_rows.c``: 16 blocks' factors are then one load, and a row is read
+    front to back). The file's pages of the weight (``mapped``, at ``offset``) are dropped, as a
+    repacked weight's are: the weight still takes the file's size. Whether it was split."""
+    if (int(weight.ggml_type) not in weight.lib.split_kinds or weight.split or weight.group_bias is not None
+            or weight.repacked is not None or weight.prompt is not None):
+        return False
+    blocks = weight.data.reshape(weight.n, weight.k // 32, row_bytes(weight.ggml_type, 32))
+    groups = []
+    for start in range(0, blocks.shape[1], SPLIT_GROUP):  # each group: every block's d, then m, qh, nibbles
+        group = blocks[:, start:start + SPLIT_GROUP]
+        groups += [group[:, :, a:b].reshape(weight.n, -1) for a, b in SPLIT_FIELDS[int(weight.ggml_type)]]
+    weight.data = np.ascontiguousarray(np.concatenate(groups, axis=1))
+    weight.split = True
+    weight._describe()
+    if mapped is not None:
+        from mlxcel_compat.runtime.ggml_repack import release_pages
+
+        release_pages(mapped, offset, weight.data.nbytes)
+    return True
+
+
+__all__ = ["SPLIT_FIELDS", "SPLIT_TYPES", "VEC_DOT_ROWS_MAX", "BlockLibrary", "BlockWeight", "in_output_order", "library",
+           "row_bytes", "split_rows"]

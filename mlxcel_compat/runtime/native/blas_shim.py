@@ -1,0 +1,280 @@
+"""Build and load ``blas_shim.c``: MLX's float32 matmuls with few rows at memory-streaming speed.
+
+MLX's CPU backend computes every float32 matmul with one ``cblas_sgemm`` call, and OpenBLAS
+(Debian's 0.3.21) runs the products of a decode step, (1 .. a few rows) @ (a weight), through its
+full GEMM path, which first copies the whole weight: about a third of the speed at which a
+matrix-vector kernel streams the same weight. ``blas_shim.c`` defines ``cblas_sgemm``; loaded with
+``RTLD_GLOBAL`` before the BLAS it comes first in the process's symbol lookup, so MLX's calls go
+through it, and it sends products with up to ``SMALL_M_MAX`` rows to its own kernel (every weight
+row read once for all rows), other one-row or one-column products to ``cblas_sgemv``, the rest to
+the BLAS's ``cblas_sgemm``. ``scripts/bench_cpu_kernels.py`` measures each route.
+
+The library is compiled on the machine that runs it (``-march=native``), by the system C compiler,
+into the user cache directory, keyed by the source and the CPU: ``scripts/setup.sh``
+builds it at install time, and a server that finds none (or a stale one) builds it at start-up.
+Without a compiler or without an optimized BLAS nothing is loaded and MLX calls the BLAS directly;
+the start-up log says which path is active and why. ``MLXCEL_BLAS_SHIM=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("blas_shim.c")
+# Every file the library is built from: the shim, the block-format products (``block_matmul.c``,
+# ggml's kernels called from the shim's threads, and this project's own for K-quant decode rows,
+# ``quant_rows.c``), the decode runtime's layer loop (``decode_pass.c``) and the header they share.
+SOURCES = (SOURCE, SOURCE.with_name("block_matmul.c"), SOURCE.with_name("quant_rows.c"), SOURCE.with_name("decode_pass.c"))
+HEADERS = (SOURCE.with_name("blas_shim.h"),)
+CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
+LIBS = ("-ldl",)
+
+# Routes, as mlxcel_shim_configure takes them.
+ROUTE_SGEMM = 0  # everything to the BLAS's cblas_sgemm: as if the shim were not there
+ROUTE_GEMV = 1  # one-row / one-column products to cblas_sgemv, the rest to cblas_sgemm
+ROUTE_KERNEL = 2  # products with up to small_m_max rows to the shim's kernel; other M/N == 1 to sgemv
+ROUTE_NAMES = {ROUTE_SGEMM: "sgemm", ROUTE_GEMV: "gemv", ROUTE_KERNEL: "kernel"}
+
+# Up to this many rows the kernel beats OpenBLAS's sgemm on the small llama's weights
+# (scripts/bench_cpu_kernels.py, docs/benchmarks/cpu.md).
+SMALL_M_MAX = 16
+
+# Calls over up to this many rows (a decode step's products, norms and attention) are made
+# holding the GIL (:func:`holding_the_gil`); longer ones (prompt chunks) release it.
+GIL_HELD_ROWS_MAX = 16
+
+
+class StreamedConsumers:
+    """How many consumers read the engine's events as they come (streamed responses: the
+    event loop must run between tokens). While there is one, decode passes release the GIL
+    (``decode_pass.NativeModel.run``): a small model's step holding it for its 2-3 ms left the
+    event loop waiting a switch interval for each of its own GIL round trips, and streamed
+    tokens came in bursts 25-60 ms apart (small Q4_K_M, greedy). Counted on the event loop,
+    read on the engine thread; a plain int under the GIL."""
+
+    count = 0
+
+    @classmethod
+    def started(cls) -> None:
+        cls.count += 1
+
+    @classmethod
+    def ended(cls) -> None:
+        cls.count -= 1
+
+
+@dataclass(frozen=True)
+class ShimBuild:
+    """The compiled library, or why there is none."""
+
+    path: Path | None
+    reason: str = ""  # why path is None
+    built_now: bool = False
+
+
+@dataclass
+class Shim:
+    """The loaded library and how it routes."""
+
+    lib: ctypes.CDLL
+    path: Path
+    threads: int
+    vector_width: int = 0  # floats per vector the kernel was compiled for
+    route: int = ROUTE_KERNEL
+    small_m_max: int = SMALL_M_MAX
+
+    def configure(self, route: int | None = None, small_m_max: int | None = None, threads: int | None = None) -> None:
+        """Change the routing at run time (benchmarks measure each route in one process)."""
+        if route is not None:
+            self.route = route
+        if small_m_max is not None:
+            self.small_m_max = small_m_max
+        if threads is not None:
+            self.threads = threads
+        self.vector_width = self.lib.mlxcel_shim_configure(self.route, self.small_m_max, self.threads)
+
+    def calls(self) -> dict[str, int]:
+        """How many cblas_sgemm calls each route took so far in this process."""
+        out = (ctypes.c_long * 3)()
+        self.lib.mlxcel_shim_calls(out)
+        return {"sgemm": out[0], "sgemv": out[1], "kernel": out[2]}
+
+    def describe(self) -> str:
+        if self.route == ROUTE_SGEMM:
+            return "off (every matmul to cblas_sgemm)"
+        if self.route == ROUTE_GEMV:
+            return "one-row/one-column matmuls -> cblas_sgemv"
+        return (
+            f"matmuls with <= {self.small_m_max} rows -> mlxcel kernel ({self.vector_width}-float vectors, "
+            f"{self.threads} threads), other one-row/one-column -> cblas_sgemv"
+        )
+
+
+def disabled() -> bool:
+    return os.environ.get("MLXCEL_BLAS_SHIM", "1").strip().lower() in ("0", "off", "false", "no")
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mlxcel_compat" / "native"
+
+
+def find_compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the CPU's model and flags."""
+    wanted = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line.strip() for line in f if line.startswith(wanted)]
+    except OSError:
+        lines = []
+    return "\n".join(sorted(set(lines))) + platform.machine()
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one of the package's C libraries is compiled: the shim, or another library built the
+    same way on the machine that runs it (``runtime/ggml_repack.py``'s, linked to ggml)."""
+
+    stem: str
+    sources: tuple[Path, ...]
+    headers: tuple[Path, ...] = ()
+    flags: tuple[str, ...] = CFLAGS
+    libs: tuple[str, ...] = LIBS
+    keyed_by: tuple[Path, ...] = ()  # other files whose change means a rebuild (libraries linked to)
+
+
+SHIM = Recipe("blas_shim", SOURCES, HEADERS)
+
+
+def repack_recipe(ggml_lib: Path) -> Recipe:
+    """How ``ggml_repack.c`` is compiled: against the headers and libraries of the ggml in use,
+    ``ggml_lib`` being its library directory (``runtime/ggml_cpu.py``). The shim's thread pool is
+    found at load time: the shim is loaded globally first."""
+    include = ggml_lib.parent / "include"
+    return Recipe(
+        "ggml_repack", (SOURCE.with_name("ggml_repack.c"),), HEADERS,
+        flags=(*CFLAGS, f"-I{include}", f"-I{SOURCE.parent}"),
+        libs=(f"-L{ggml_lib}", "-lggml-base", "-lggml-cpu", "-lggml", f"-Wl,-rpath,{ggml_lib}"),
+        keyed_by=(ggml_lib / "libggml-cpu.so", include / "ggml.h"))
+
+
+def library_name(recipe: Recipe = SHIM) -> str:
+    """The file name of the build of this source for this CPU (a compiler upgrade keeps it)."""
+    key = hashlib.sha256()
+    parts = [path.read_bytes() for path in recipe.sources + recipe.headers + recipe.keyed_by]
+    for part in (*parts, " ".join(recipe.flags + recipe.libs).encode(), _cpu_signature().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return f"{recipe.stem}-{key.hexdigest()[:16]}.so"
+
+
+def build(directory: Path | None = None, recipe: Recipe = SHIM) -> ShimBuild:
+    """The compiled library for this source, compiler and CPU, compiling it if needed."""
+    if platform.system() != "Linux":
+        return ShimBuild(None, f"not needed on {platform.system()}")
+    name = library_name(recipe)
+    candidates = [directory] if directory is not None else [cache_dir(), Path(tempfile.gettempdir()) / "mlxcel_compat-native"]
+    for where in candidates:
+        if (where / name).exists():
+            return ShimBuild(where / name)
+    cc = find_compiler()
+    if cc is None:
+        return ShimBuild(None, "no C compiler found (install gcc, or set CC, and restart)")
+    errors = []
+    for where in candidates:
+        target = where / name
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=where)
+            os.close(fd)
+        except OSError as exc:
+            errors.append(f"{where}: {exc.strerror or exc}")
+            continue
+        try:
+            cmd = [cc, *recipe.flags, "-o", tmp, *(str(path) for path in recipe.sources), *recipe.libs]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            what = recipe.sources[0].name
+            if out.returncode != 0:
+                last = (out.stderr.strip().splitlines() or ["?"])[-1]
+                return ShimBuild(None, f"compiling {what} with {cc} failed: {last}")
+            os.replace(tmp, target)  # atomic: concurrent builders each install a complete file
+            return ShimBuild(target, built_now=True)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return ShimBuild(None, f"compiling {recipe.sources[0].name} with {cc} failed: {exc}")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return ShimBuild(None, "no writable directory for the compiled library: " + "; ".join(errors))
+
+
+def holding_the_gil(lib: ctypes.CDLL) -> ctypes.PyDLL:
+    """The same loaded library, its functions called without releasing the GIL.
+
+    A decode step is ~250 calls of a few to a few hundred microseconds. ctypes releases the GIL
+    around each and must take it back after: with any other Python thread runnable (the HTTP
+    event loop streaming the previous token, a client thread) each return waits for that thread
+    to give the GIL up, up to the switch interval (a convoy: measured in-process on the small
+    Q4_K_M file, a thread that merely wakes every 0.5 ms made a step 30 % slower, a busy thread
+    150x slower). Kept for the call, the GIL passes to other threads between calls, at the
+    interpreter's usual switch points, so they still run within a few milliseconds. Only
+    short calls may use this view (``GIL_HELD_ROWS_MAX``): a long one would stall the others.
+    """
+    return ctypes.PyDLL(lib._name, handle=lib._handle)
+
+
+def load(build_result: ShimBuild) -> Shim | str:
+    """Load the compiled library globally (before the BLAS!); the Shim, or why it failed."""
+    assert build_result.path is not None
+    try:
+        lib = ctypes.CDLL(str(build_result.path), mode=ctypes.RTLD_GLOBAL)
+        lib.mlxcel_shim_init.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.mlxcel_shim_configure.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.mlxcel_shim_configure.restype = ctypes.c_int
+        lib.mlxcel_shim_calls.argtypes = [ctypes.POINTER(ctypes.c_long)]
+    except (OSError, AttributeError) as exc:
+        return f"loading {build_result.path} failed: {exc}"
+    return Shim(lib, build_result.path, threads=1)
+
+
+def attach(shim: Shim, blas: ctypes.CDLL, threads: int) -> str | None:
+    """Point the shim at the BLAS's sgemm/sgemv and switch it on; None, or why it cannot be."""
+    try:
+        sgemm, sgemv = blas.cblas_sgemm, blas.cblas_sgemv
+    except AttributeError:
+        return "the BLAS has no cblas_sgemm/cblas_sgemv"
+    shim.lib.mlxcel_shim_init(ctypes.cast(sgemm, ctypes.c_void_p), ctypes.cast(sgemv, ctypes.c_void_p))
+    shim.configure(ROUTE_KERNEL, SMALL_M_MAX, max(1, threads))
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mlxcel_compat.runtime.native.blas_shim [--quiet]``: build the library now (scripts/setup.sh runs
+    this); ``--quiet`` says nothing when it was already up to date."""
+    args = sys.argv[1:] if argv is None else argv
+    result = build()
+    if result.path is None:
+        print(f"blas shim: not built: {result.reason}", file=sys.stderr)
+        return 0  # optional: the server runs without it (and says so at start-up)
+    if result.built_now or "--quiet" not in args:
+        print(f"blas shim: {'built' if result.built_now else 'up to date'}: {result.path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

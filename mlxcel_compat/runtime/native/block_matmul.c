@@ -1,0 +1,337 @@
+/* Products of float32 activations with weights kept in ggml's block formats (the quantized GGUF
+ * types, F16 and BF16), on the CPU, without ever expanding a whole weight to float32.
+ *
+ * The per-type arithmetic is ggml's own: mlxcel_compat/runtime/ggml_cpu.py loads ggml's CPU library
+ * (the PyPI wheel libggml-python) and hands over, per type, the function pointers of its public
+ * type traits (ggml-cpu.h: vec_dot and the activations' from_float; ggml.h: to_float). This file
+ * only decides how a product is cut up and run:
+ *
+ *   - few rows (decode steps, batched decode): each activation row is quantized once to the
+ *     weight type's vec_dot_type (Q8_0, Q8_1, Q8_K, F16 or BF16, as llama.cpp does), then every
+ *     output is one vec_dot of a weight row with it; a weight row is read once for all the rows
+ *     (it stays in L1 meanwhile), and the weight rows are spread over the shim's thread pool;
+ *   - many rows (prompt chunks): the weight is expanded TILE_VALUES values at a time into one
+ *     reused float32 buffer (to_float, rows spread over the pool) and multiplied by the BLAS's
+ *     own sgemm, so a prompt chunk runs at the BLAS's float32 speed with no float32 copy of the
+ *     weight kept; where quant_rows.c has a GEMM for the type (Q8_0 with AVX-512 VNNI), the
+ *     chunk's rows are quantized to vec_dot_type instead (as llama.cpp's prompts are) and
+ *     multiplied by it, no float32 tile at all.
+ *
+ * Row r of the product may be a permuted row of the stored weight (`rows`): llama.cpp stores the
+ * query and key rows of llama models permuted for its RoPE, and the model wants them un-permuted;
+ * reading the rows in another order costs nothing, where un-permuting the blocks would copy them
+ * out of the memory-mapped file.
+ *
+ * An MLX affine 8-bit weight (an mlx-community directory) is held as Q8_0 blocks (its integers
+ * minus 128, its scales) plus a per-group bias (`group_bias`): the product adds, per output,
+ * the biases times the sums of the inputs over their groups.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "blas_shim.h"
+
+enum { RowMajor = 101, NoTrans = 111, Trans = 112 };
+
+typedef void (*vec_dot_fn)(int n, float *s, size_t bs, const void *x, size_t bx, const void *y, size_t by, int nrc);
+typedef void (*to_float_fn)(const void *x, float *y, int64_t k);
+typedef void (*from_float_fn)(const float *x, void *y, int64_t k);
+
+/* Rows of weights times rows of activations by this library's own kernels (quant_rows.c). */
+typedef void (*rows_fn)(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
+                        float *out, size_t ldo);
+rows_fn mlxcel_rows_kernel(int ggml_type);
+
+/* A prompt chunk times weight rows [r0, r1) by this library's own GEMM (quant_rows.c), the
+ * activations in the weight type's vec_dot_type. */
+typedef void (*gemm_fn)(int k, const unsigned char *data, size_t row_bytes, const int32_t *rows, int r0, int r1,
+                        const void *act, size_t act_bytes, int m, float *c, size_t ldc, float beta);
+gemm_fn mlxcel_gemm_kernel(int ggml_type);
+#define GEMM_BAND 8 /* weight rows: a part's band is a multiple of the GEMM's panel (GEMM_ROWS) */
+
+/* One block type's kernels (filled by ggml_cpu.py from ggml's type traits). */
+struct mlxcel_block_type {
+    vec_dot_fn vec_dot;     /* one weight row . one activation row in vec_dot_type */
+    from_float_fn quantize; /* float32 activations -> vec_dot_type */
+    to_float_fn to_float;   /* a weight row -> float32 */
+    long act_block;         /* vec_dot_type: values per block */
+    long act_block_bytes;   /* and bytes per block */
+    int own_kernel;         /* the ggml type whose rows kernel (quant_rows.c) replaces vec_dot, or -1 */
+};
+
+/* A weight of n rows of k values (a linear layer's (out, in) matrix, an embedding table). */
+struct mlxcel_block_weight {
+    const struct mlxcel_block_type *type;
+    const unsigned char *data; /* n rows of row_bytes each */
+    long row_bytes;
+    const int32_t *rows;      /* output r is stored row rows[r]; NULL: row r */
+    const float *group_bias;  /* NULL, or n x (k / bias_group) biases, one per group of inputs */
+    int bias_group;
+    int n, k;
+};
+
+/* Values of the weight expanded to float32 at a time for the BLAS (2 MiB). */
+#define TILE_VALUES (1 << 19)
+#define PARTS_PER_THREAD 4
+#define PARALLEL_MIN_VALUES (1 << 15) /* smaller products run on the calling thread */
+
+static inline size_t stored(const struct mlxcel_block_weight *w, int r) { return (size_t)(w->rows ? w->rows[r] : r); }
+
+static inline const unsigned char *stored_row(const struct mlxcel_block_weight *w, int r) {
+    return w->data + stored(w, r) * (size_t)w->row_bytes;
+}
+
+/* The biases of output r's groups (group_bias is laid out like the stored rows). */
+static inline const float *row_bias(const struct mlxcel_block_weight *w, int r) {
+    return w->group_bias + stored(w, r) * (size_t)(w->k / w->bias_group);
+}
+
+/* A buffer per thread, grown as needed and kept: products come from the engine thread. */
+
+static __thread struct mlxcel_scratch tile_scratch;
+
+static int parts_for(int units) {
+    int parts = mlxcel_threads() * PARTS_PER_THREAD;
+    return parts < units ? parts : units;
+}
+
+/* ------------------------------------------------------------------------------- few rows */
+
+/* Weights multiplied by the same activation rows in one job (a layer's q, k and v; gate and up):
+ * the rows are quantized once per activation type and the weights' rows, taken together, are
+ * spread over the pool, so the pool starts once and waits once for all of them. */
+#define SHARED_MAX 3
+
+struct vec_dot_target {
+    const struct mlxcel_block_weight *w;
+    const unsigned char *act; /* m activation rows in w's vec_dot_type */
+    size_t act_bytes;         /* bytes of one of them */
+    const float *sums;        /* m x (k / bias_group) input sums, with group_bias */
+    float *c;
+    long ldc;
+};
+
+struct vec_dot_job {
+    struct vec_dot_target t[SHARED_MAX];
+    int first[SHARED_MAX + 1]; /* target i has rows first[i] .. first[i + 1] - 1 of the job */
+    int m;
+    float beta;
+    int parts;
+};
+
+static __thread struct mlxcel_scratch rows_scratch;
+
+/* Weight rows [r0, r1) of target t times the job's activation rows: the type's own rows kernel
+ * (quant_rows.c) on the whole band where it has one (row by row for permuted rows), else ggml's
+ * vec_dot for each pair; then the group biases and beta. */
+static void vec_dot_rows(const struct vec_dot_job *j, const struct vec_dot_target *t, int r0, int r1) {
+    const struct mlxcel_block_weight *w = t->w;
+    const int groups = w->group_bias ? w->k / w->bias_group : 0, n = r1 - r0, m = j->m;
+    const float beta = j->beta;
+    rows_fn own = w->type->own_kernel >= 0 ? mlxcel_rows_kernel(w->type->own_kernel) : NULL;
+    if (own && !w->rows && !groups && beta == 0.0f) { /* straight into the output */
+        own(w->k, stored_row(w, r0), (size_t)w->row_bytes, n, t->act, t->act_bytes, m, t->c + r0, (size_t)t->ldc);
+        return;
+    }
+    float *sums = mlxcel_scratch(&rows_scratch, sizeof(float) * (size_t)n * (size_t)m); /* [i * n + r - r0] */
+    if (own && !w->rows) {
+        own(w->k, stored_row(w, r0), (size_t)w->row_bytes, n, t->act, t->act_bytes, m, sums, (size_t)n);
+    } else {
+        for (int r = r0; r < r1; r++) {
+            const unsigned char *row = stored_row(w, r);
+            if (own) {
+                own(w->k, row, (size_t)w->row_bytes, 1, t->act, t->act_bytes, m, sums + (r - r0), (size_t)n);
+                continue;
+            }
+            for (int i = 0; i < m; i++)
+                w->type->vec_dot(w->k, sums + (size_t)i * n + (r - r0), 0, row, 0, t->act + (size_t)i * t->act_bytes, 0, 1);
+        }
+    }
+    for (int i = 0; i < m; i++) {
+        float *restrict s = sums + (size_t)i * n, *restrict out = t->c + (size_t)i * t->ldc + r0;
+        if (groups) {
+            const float *x = t->sums + (size_t)i * groups;
+            for (int r = 0; r < n; r++) {
+                const float *b = row_bias(w, r0 + r);
+                for (int g = 0; g < groups; g++) s[r] += b[g] * x[g];
+            }
+        }
+        if (beta == 0.0f)
+            for (int r = 0; r < n; r++) out[r] = s[r];
+        else
+            for (int r = 0; r < n; r++) out[r] = s[r] + beta * out[r];
+    }
+}
+
+static void vec_dot_part(const void *ctx, int p) {
+    const struct vec_dot_job *j = ctx;
+    int total = j->first[SHARED_MAX];
+    int per = (total + j->parts - 1) / j->parts;
+    int r0 = p * per, r1 = r0 + per < total ? r0 + per : total;
+    for (int i = 0; i < SHARED_MAX && r0 < r1; i++) {
+        int a = r0 > j->first[i] ? r0 : j->first[i], b = r1 < j->first[i + 1] ? r1 : j->first[i + 1];
+        if (a < b) vec_dot_rows(j, &j->t[i], a - j->first[i], b - j->first[i]);
+    }
+}
+
+static __thread struct mlxcel_scratch shared_act_scratch[SHARED_MAX], shared_sums_scratch[SHARED_MAX];
+
+/* c[i] = x W[i]^T (+ beta c[i]) for `count` weights of k inputs each. */
+static void by_vec_dot(int count, const struct mlxcel_block_weight *const *ws, int m, const float *x, long ldx,
+                       float *const *cs, const long *ldcs, float beta) {
+    struct vec_dot_job j = {0};
+    j.m = m;
+    j.beta = beta;
+    long macs = 0;
+    for (int t = 0; t < count; t++) {
+        const struct mlxcel_block_weight *w = ws[t];
+        struct vec_dot_target *target = &j.t[t];
+        target->w = w;
+        target->c = cs[t];
+        target->ldc = ldcs[t];
+        target->act_bytes = (size_t)(w->k / w->type->act_block) * (size_t)w->type->act_block_bytes;
+        for (int u = 0; u < t && !target->act; u++) /* the same activation type: the same rows */
+            if (ws[u]->type->quantize == w->type->quantize && ws[u]->k == w->k) target->act = j.t[u].act;
+        if (!target->act) {
+            unsigned char *act = mlxcel_scratch(&shared_act_scratch[t], target->act_bytes * (size_t)m);
+            for (int i = 0; i < m; i++) w->type->quantize(x + (size_t)i * ldx, act + (size_t)i * target->act_bytes, w->k);
+            target->act = act;
+        }
+        if (w->group_bias) {
+            int groups = w->k / w->bias_group;
+            float *sums = mlxcel_scratch(&shared_sums_scratch[t], sizeof(float) * (size_t)m * (size_t)groups);
+            for (int i = 0; i < m; i++)
+                for (int g = 0; g < groups; g++) {
+                    float s = 0.0f;
+                    for (int u = 0; u < w->bias_group; u++) s += x[(size_t)i * ldx + (size_t)g * w->bias_group + u];
+                    sums[(size_t)i * groups + g] = s;
+                }
+            target->sums = sums;
+        }
+        j.first[t + 1] = j.first[t] + w->n;
+        macs += (long)w->n * w->k * m;
+    }
+    for (int t = count; t < SHARED_MAX; t++) j.first[t + 1] = j.first[t];
+    j.parts = macs >= PARALLEL_MIN_VALUES ? parts_for(j.first[SHARED_MAX]) : 1;
+    mlxcel_parallel(j.parts, vec_dot_part, &j);
+}
+
+/* ------------------------------------------------------------------------------ many rows */
+
+struct expand_job {
+    const struct mlxcel_block_weight *w;
+    int r0, count; /* stored rows r0 .. r0 + count - 1 of the product */
+    float *tile;   /* count x k */
+    int parts;
+};
+
+static void expand_part(const void *ctx, int p) {
+    const struct expand_job *j = ctx;
+    const struct mlxcel_block_weight *w = j->w;
+    int per = (j->count + j->parts - 1) / j->parts;
+    int a = p * per, b = a + per < j->count ? a + per : j->count;
+    int groups = w->group_bias ? w->k / w->bias_group : 0;
+    for (int t = a; t < b; t++) {
+        float *out = j->tile + (size_t)t * w->k;
+        w->type->to_float(stored_row(w, j->r0 + t), out, w->k);
+        if (groups) {
+            const float *bias = row_bias(w, j->r0 + t);
+            for (int i = 0; i < w->k; i++) out[i] += bias[i / w->bias_group];
+        }
+    }
+}
+
+static void by_tiles(const struct mlxcel_block_weight *w, int m, const float *x, long ldx, float *c, long ldc,
+                     float beta) {
+    int per_tile = TILE_VALUES / w->k > 16 ? TILE_VALUES / w->k : 16;
+    if (per_tile > w->n) per_tile = w->n;
+    float *tile = mlxcel_scratch(&tile_scratch, sizeof(float) * (size_t)per_tile * (size_t)w->k);
+    for (int r0 = 0; r0 < w->n; r0 += per_tile) {
+        int count = r0 + per_tile < w->n ? per_tile : w->n - r0;
+        struct expand_job j = {w, r0, count, tile, parts_for(count)};
+        mlxcel_parallel(j.parts, expand_part, &j);
+        mlxcel_blas_sgemm(RowMajor, NoTrans, Trans, m, count, w->k, 1.0f, x, (int)ldx, tile, w->k, beta, c + r0,
+                          (int)ldc);
+    }
+}
+
+/* A prompt chunk by the type's own GEMM: the activation rows quantized as vec_dot's (rows spread
+ * over the pool), then bands of weight rows spread over it, each band meeting every row. */
+struct gemm_job {
+    const struct mlxcel_block_weight *w;
+    gemm_fn gemm;
+    const float *x;
+    long ldx;
+    unsigned char *act;
+    size_t act_bytes;
+    int m, parts, bands;
+    float *c;
+    long ldc;
+    float beta;
+};
+
+static void quantize_part(const void *ctx, int p) {
+    const struct gemm_job *j = ctx;
+    int per = (j->m + j->parts - 1) / j->parts;
+    for (int i = p * per; i < j->m && i < (p + 1) * per; i++)
+        j->w->type->quantize(j->x + (size_t)i * j->ldx, j->act + (size_t)i * j->act_bytes, j->w->k);
+}
+
+static void gemm_part(const void *ctx, int p) {
+    const struct gemm_job *j = ctx;
+    const struct mlxcel_block_weight *w = j->w;
+    int per = (j->bands + j->parts - 1) / j->parts;
+    int r0 = p * per * GEMM_BAND, r1 = (p + 1) * per * GEMM_BAND;
+    if (r1 > w->n) r1 = w->n;
+    if (r0 < r1) j->gemm(w->k, w->data, (size_t)w->row_bytes, w->rows, r0, r1, j->act, j->act_bytes, j->m, j->c, (size_t)j->ldc, j->beta);
+}
+
+static __thread struct mlxcel_scratch gemm_act_scratch;
+
+static void by_gemm(const struct mlxcel_block_weight *w, gemm_fn gemm, int m, const float *x, long ldx, float *c,
+                    long ldc, float beta) {
+    struct gemm_job j = {w, gemm, x, ldx, NULL, 0, m, 1, (w->n + GEMM_BAND - 1) / GEMM_BAND, c, ldc, beta};
+    j.act_bytes = (size_t)(w->k / w->type->act_block) * (size_t)w->type->act_block_bytes;
+    j.act = mlxcel_scratch(&gemm_act_scratch, j.act_bytes * (size_t)m);
+    j.parts = parts_for(m);
+    mlxcel_parallel(j.parts, quantize_part, &j);
+    j.parts = parts_for(j.bands);
+    mlxcel_parallel(j.parts, gemm_part, &j);
+}
+
+/* ------------------------------------------------------------------------------ interface */
+
+/* c[i, r] = x[i, :] . W[r, :] (+ beta * c[i, r]) for i < m, r < n: the (m, k) activations by the
+ * weight's (n, k) rows, x and c row-major with leading dimensions ldx and ldc; by vec_dot, or by
+ * float32 tiles and the BLAS if `tiles` (the caller decides: a row's result must not depend on
+ * how many rows share the call, so a prompt chunk and a decode step each always take one path). */
+void mlxcel_block_matmul(const struct mlxcel_block_weight *w, int m, const float *x, long ldx, float *c, long ldc,
+                         float beta, int tiles) {
+    if (m <= 0) return;
+    gemm_fn gemm = tiles && w->type->own_kernel >= 0 && !w->group_bias ? mlxcel_gemm_kernel(w->type->own_kernel) : NULL;
+    if (gemm) by_gemm(w, gemm, m, x, ldx, c, ldc, beta);
+    else if (tiles) by_tiles(w, m, x, ldx, c, ldc, beta);
+    else by_vec_dot(1, &w, m, x, ldx, &c, &ldc, beta);
+}
+
+/* The decode path of mlxcel_block_matmul for up to 3 weights over the same activations (x, k
+ * columns each): c[t][i, :] = x[i, :] . W_t (+ beta c[t][i, :]), in one job. Each output is
+ * computed exactly as mlxcel_block_matmul(..., tiles = 0) computes it. */
+void mlxcel_block_matmul_shared(int count, const struct mlxcel_block_weight *const *ws, int m, const float *x,
+                                long ldx, float *const *cs, const long *ldcs, float beta) {
+    if (m <= 0 || count <= 0 || count > SHARED_MAX) return;
+    by_vec_dot(count, ws, m, x, ldx, cs, ldcs, beta);
+}
+
+/* out[i, :] = W[ids[i], :] as float32 for i < count: an embedding lookup. */
+void mlxcel_block_rows(const struct mlxcel_block_weight *w, const int32_t *ids, int count, float *out) {
+    for (int i = 0; i < count; i++) {
+        float *row = out + (size_t)i * w->k;
+        w->type->to_float(stored_row(w, ids[i]), row, w->k);
+        if (w->group_bias) {
+            const float *bias = row_bias(w, ids[i]);
+            for (int t = 0; t < w->k; t++) row[t] += bias[t / w->bias_group];
+        }
+    }
+}

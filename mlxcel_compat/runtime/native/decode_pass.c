@@ -1,0 +1,252 @@
+/* A whole forward pass of the CPU decode runtime (mlxcel_compat/runtime/cpu_decode.py) in one call.
+ *
+ * Why: a decode step is ~15 kernel calls a layer (norms, projections, RoPE, attention, gating).
+ * Made from Python through ctypes, each call costs a few microseconds of interpreter work around
+ * its kernel: on a small model that was a fifth of the step (12 layers, 2.5 ms a step of which
+ * 2.0 ms in the products). Here the layer loop runs in C over a description of the model built
+ * once (struct mlxcel_model) and the per-pass state (the rows' KV slots and RoPE angles), calling
+ * the same kernels in the same order the Python loop called them: the arithmetic, and so every
+ * logit, is unchanged.
+ *
+ * The products of a linear layer go where BlockWeight.matmul_into sent them: float32 weights to
+ * the shim's routed cblas_sgemm (its small-M kernel for up to small_m_max rows, the BLAS beyond),
+ * weights in ggml's blocks to mlxcel_block_matmul (vec_dot rows for steps, float32 tiles for
+ * prompt chunks), or to ggml's repacked copy or its own mul_mat (ggml_repack.c, reached through the
+ * function pointers Python hands over). LoRA adapters served unfused (lora_layers.py) add
+ * scale * multiplier * B (A x) per row after their layer's product.
+ *
+ * The embedding lookup and the caches' bookkeeping (offsets, ring indices) stay in Python.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "blas_shim.h"
+
+typedef void (*repacked_fn)(const void *handle, int m, const float *x, long ldx, float *c, long ldc, float beta,
+                            int per_row);
+typedef void (*prompt_fn)(const void *handle, int m, const float *x, long ldx, float *c, long ldc, float beta);
+
+struct mlxcel_block_weight; /* block_matmul.c */
+void mlxcel_block_matmul(const struct mlxcel_block_weight *w, int m, const float *x, long ldx, float *c, long ldc,
+                         float beta, int tiles);
+void mlxcel_block_matmul_shared(int count, const struct mlxcel_block_weight *const *ws, int m, const float *x,
+                                long ldx, float *const *cs, const long *ldcs, float beta);
+
+/* One adapter on one projection: out += scale * multiplier * B (A x), scale per row and adapter. */
+struct mlxcel_lora {
+    const float *a; /* (rank, k) */
+    const float *b; /* (n, rank) */
+    double multiplier;
+    int rank;
+    int adapter; /* column of the pass's scales */
+};
+
+/* A linear layer, out = x W^T (+ bias): exactly one of w and blocks is set. */
+struct mlxcel_linear {
+    const float *w;                           /* float32 (n, k) */
+    const struct mlxcel_block_weight *blocks; /* ggml's blocks */
+    const void *repacked;                     /* ggml's repacked copy (every product goes there), or NULL */
+    repacked_fn repacked_matmul;
+    const void *prompt; /* ggml's own mul_mat over the blocks (prompt chunks), or NULL */
+    prompt_fn prompt_matmul;
+    const float *bias; /* (n) or NULL */
+    const struct mlxcel_lora *lora;
+    int n_lora;
+    int n, k;
+};
+
+/* A norm's gain as the model applies it (Gemma's 1 + w already added), or w NULL where absent. */
+struct mlxcel_norm {
+    const float *w;
+    float eps;
+};
+
+struct mlxcel_layer {
+    struct mlxcel_linear q, k, v, o, gate, up, down;
+    struct mlxcel_norm n1, n2;                /* before attention, before the MLP */
+    struct mlxcel_norm q_norm, k_norm;        /* per head (qwen3, gemma3) */
+    struct mlxcel_norm attn_out, mlp_out;     /* gemma3: each branch's output normed before its sum */
+    int rope;                                 /* which angle set (gemma3: sliding layers have their own) */
+};
+
+struct mlxcel_model {
+    int n_layers, hidden, heads, kv_heads, head_dim, inter;
+    int gelu;       /* Gemma's GELU-tanh gating, else SiLU */
+    float scale;    /* the attention's softmax scale times log2 e */
+    int angle_sets; /* RoPE angle sets (gemma3: 2, the sliding layers' own base) */
+    int prompt_rows_min; /* the fewest rows a prompt chunk multiplies by the prompt products */
+    int traditional[2];
+    const struct mlxcel_layer *layers;
+    struct mlxcel_norm norm;
+    struct mlxcel_linear head;
+};
+
+/* A pass's activations, rows contiguous (row widths: hidden, heads * d, kv_heads * d, inter, vocab). */
+struct mlxcel_buffers {
+    float *x, *h, *branch, *q, *k_new, *v_new, *att, *gate, *up, *logits;
+};
+
+/* Where one row (a prompt chunk: the chunk) attends in one layer. A growing cache: write = the
+ * position, n = write + 1; a sliding window's ring: its slot and how many slots it sees; a cache
+ * the pass may not write (k_out set): n_base = write, the new rows go to k_out and v_out. */
+struct mlxcel_kv {
+    float *keys, *values, *k_out, *v_out;
+    int64_t capacity, write, n, unused;
+};
+
+/* Per-thread scratch for the adapters' A x. */
+static __thread struct mlxcel_scratch lora_scratch;
+
+enum { RowMajor = 101, NoTrans = 111, Trans = 112 };
+
+/* out += bias, and the adapters' scale * multiplier * B (A x): what follows a layer's product. */
+static void extras(const struct mlxcel_linear *l, int m, const float *x, float *out, const double *scales,
+                   int n_adapters) {
+    if (l->bias)
+        for (int i = 0; i < m; i++)
+            for (int r = 0; r < l->n; r++) out[(size_t)i * l->n + r] += l->bias[r];
+    if (!scales) return;
+    for (int j = 0; j < l->n_lora; j++) {
+        const struct mlxcel_lora *a = &l->lora[j];
+        if (a->adapter >= n_adapters) continue;
+        int any = 0;
+        for (int i = 0; i < m; i++) any |= scales[(size_t)i * n_adapters + a->adapter] != 0.0;
+        if (!any) continue;
+        float *t = mlxcel_scratch(&lora_scratch, sizeof(float) * (size_t)m * (size_t)a->rank);
+        mlxcel_sgemm(RowMajor, NoTrans, Trans, m, a->rank, l->k, 1.0f, x, l->k, a->a, l->k, 0.0f, t, a->rank);
+        for (int i = 0; i < m; i++) {
+            float s = (float)(scales[(size_t)i * n_adapters + a->adapter] * a->multiplier);
+            for (int r = 0; r < a->rank; r++) t[(size_t)i * a->rank + r] *= s;
+        }
+        mlxcel_sgemm(RowMajor, NoTrans, Trans, m, l->n, a->rank, 1.0f, t, a->rank, a->b, a->rank, 1.0f, out, l->n);
+    }
+}
+
+/* out (m, n) = x (m, k) W^T (+ beta out) (+ bias) (+ the adapters). `tiles`: a prompt chunk's path. */
+static void product(const struct mlxcel_linear *l, int m, const float *x, float *out, float beta, int tiles,
+                    const double *scales, int n_adapters) {
+    if (l->repacked) {
+        l->repacked_matmul(l->repacked, m, x, l->k, out, l->n, beta, !tiles);
+    } else if (l->blocks) {
+        if (tiles && l->prompt) l->prompt_matmul(l->prompt, m, x, l->k, out, l->n, beta);
+        else mlxcel_block_matmul(l->blocks, m, x, l->k, out, l->n, beta, tiles);
+    } else {
+        mlxcel_sgemm(RowMajor, NoTrans, Trans, m, l->n, l->k, 1.0f, x, l->k, l->w, l->k, beta, out, l->n);
+    }
+    extras(l, m, x, out, scales, n_adapters);
+}
+
+/* outs[t] = x W_t^T for `count` layers of the same input (q, k, v; gate, up): weights in ggml's
+ * blocks on the decode path go through one shared job (the same numbers as one by one). */
+static void products(int count, const struct mlxcel_linear *const *ls, int m, const float *x, float *const *outs,
+                     int tiles, const double *scales, int n_adapters) {
+    int shared = !tiles;
+    for (int t = 0; t < count; t++) shared &= ls[t]->blocks && !ls[t]->repacked;
+    if (!shared) {
+        for (int t = 0; t < count; t++) product(ls[t], m, x, outs[t], 0.0f, tiles, scales, n_adapters);
+        return;
+    }
+    const struct mlxcel_block_weight *ws[3];
+    long ldcs[3];
+    for (int t = 0; t < count; t++) ws[t] = ls[t]->blocks, ldcs[t] = ls[t]->n;
+    mlxcel_block_matmul_shared(count, ws, m, x, ls[0]->k, outs, ldcs, 0.0f);
+    for (int t = 0; t < count; t++) extras(ls[t], m, x, outs[t], scales, n_adapters);
+}
+
+/* One forward pass of `rows` rows: each its own position (and cache: kv is rows x layers, angles
+ * rows x angle sets x (cos, sin)), or, given `segments`, prompt chunks: segment j is rows
+ * segments[j] .. segments[j + 1] - 1, consecutive positions of one sequence (kv is
+ * n_segments x layers, angles n_segments x angle sets x (cos, sin) of every row's position), its
+ * attention one call a layer, and the logits are the last row's only (one segment). The residual
+ * stream b->x holds the rows' embeddings on entry. `head`: compute the logits. `scales`:
+ * rows x n_adapters LoRA scales, or NULL. Returns 0, or 1 + the layer whose attention did not fit
+ * its cache (nothing of that layer's KV written, for that row or segment and the ones after). */
+int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers *b, int rows, const int *segments,
+                       int n_segments, int head, const struct mlxcel_kv *kv, const float *const *angles,
+                       const double *scales, int n_adapters) {
+    int hidden = m->hidden, hq = m->heads, hk = m->kv_heads, d = m->head_dim, group = hq / hk;
+    int kinds = m->angle_sets, chunk = segments != NULL;
+    /* Prompt chunks of prompt_rows_min rows or more take the prompt products (ggml's tiled
+     * kernels, its repacked GEMM, float32 tiles); shorter ones take the decode rows' kernels: a
+     * graph of ggml's for a handful of rows cost ~0.2 ms a weight in set-up (a 13-token prompt
+     * 24 -> 13 ms on the small Q6_K). Both compute a row the same whatever rows share the pass,
+     * and the rule depends on each chunk's own length (the caller passes chunks of one kind
+     * together: CpuDecoder.prefill_rows), so a chunk's KV is the same alone or batched, cold or
+     * after an aligned hit. */
+    int tiles = chunk && rows > 1;
+    for (int j = 0; chunk && j < n_segments; j++) tiles &= segments[j + 1] - segments[j] >= m->prompt_rows_min;
+    for (int i = 0; i < m->n_layers; i++) {
+        const struct mlxcel_layer *L = &m->layers[i];
+        mlxcel_rms_norm(b->x, L->n1.w, b->h, rows, hidden, L->n1.eps);
+        const struct mlxcel_linear *qkv[3] = {&L->q, &L->k, &L->v};
+        float *qkv_out[3] = {b->q, b->k_new, b->v_new};
+        products(3, qkv, rows, b->h, qkv_out, tiles, scales, n_adapters);
+        if (L->q_norm.w) {
+            mlxcel_rms_norm(b->q, L->q_norm.w, b->q, rows * hq, d, L->q_norm.eps);
+            mlxcel_rms_norm(b->k_new, L->k_norm.w, b->k_new, rows * hk, d, L->k_norm.eps);
+        }
+        int trad = m->traditional[L->rope];
+        if (chunk) {
+            for (int j = 0; j < n_segments; j++) {
+                int r0 = segments[j], n = segments[j + 1] - r0;
+                const float *const *a = angles + (size_t)j * kinds * 2;
+                const float *cos = a[2 * L->rope], *sin = a[2 * L->rope + 1];
+                const struct mlxcel_kv *s = &kv[(size_t)j * m->n_layers + i];
+                float *q = b->q + (size_t)r0 * hq * d, *kn = b->k_new + (size_t)r0 * hk * d;
+                float *vn = b->v_new + (size_t)r0 * hk * d, *att = b->att + (size_t)r0 * hq * d;
+                mlxcel_rope_rows(q, n, hq, d, cos, sin, trad);
+                mlxcel_rope_rows(kn, n, hk, d, cos, sin, trad);
+                int failed = s->k_out
+                    ? mlxcel_chunk_attention_apart(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, n, hk, group,
+                                                   d, (int)s->write, s->capacity, m->scale)
+                    : mlxcel_chunk_attention(q, kn, vn, s->keys, s->values, att, n, hk, group, d, (int)s->write,
+                                             s->capacity, m->scale);
+                if (failed) return i + 1;
+            }
+        } else {
+            for (int r = 0; r < rows; r++) {
+                const struct mlxcel_kv *s = &kv[(size_t)r * m->n_layers + i];
+                const float *const *a = angles + (size_t)r * kinds * 2;
+                float *q = b->q + (size_t)r * hq * d, *kn = b->k_new + (size_t)r * hk * d;
+                float *vn = b->v_new + (size_t)r * hk * d, *att = b->att + (size_t)r * hq * d;
+                mlxcel_rope(q, hq, d, a[2 * L->rope], a[2 * L->rope + 1], trad);
+                mlxcel_rope(kn, hk, d, a[2 * L->rope], a[2 * L->rope + 1], trad);
+                int failed = s->k_out
+                    ? mlxcel_decode_attention_apart(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, hk, group,
+                                                    d, (int)s->write, s->capacity, m->scale)
+                    : mlxcel_decode_attention_at(q, kn, vn, s->keys, s->values, att, hk, group, d, (int)s->write,
+                                                 (int)s->n, s->capacity, m->scale);
+                if (failed) return i + 1;
+            }
+        }
+        if (L->attn_out.w) {
+            product(&L->o, rows, b->att, b->branch, 0.0f, tiles, scales, n_adapters);
+            mlxcel_rms_norm_add(b->branch, L->attn_out.w, b->x, rows, hidden, L->attn_out.eps);
+        } else {
+            product(&L->o, rows, b->att, b->x, 1.0f, tiles, scales, n_adapters);
+        }
+        mlxcel_rms_norm(b->x, L->n2.w, b->h, rows, hidden, L->n2.eps);
+        const struct mlxcel_linear *gate_up[2] = {&L->gate, &L->up};
+        float *gate_up_out[2] = {b->gate, b->up};
+        products(2, gate_up, rows, b->h, gate_up_out, tiles, scales, n_adapters);
+        if (m->gelu) mlxcel_gelu_tanh_gate(b->gate, b->up, rows * m->inter);
+        else mlxcel_swiglu(b->gate, b->up, rows * m->inter);
+        if (L->mlp_out.w) {
+            product(&L->down, rows, b->gate, b->branch, 0.0f, tiles, scales, n_adapters);
+            mlxcel_rms_norm_add(b->branch, L->mlp_out.w, b->x, rows, hidden, L->mlp_out.eps);
+        } else {
+            product(&L->down, rows, b->gate, b->x, 1.0f, tiles, scales, n_adapters);
+        }
+    }
+    if (!head) return 0;
+    if (chunk) { /* the last row only: its norm into the first row of h, the head on that row */
+        mlxcel_rms_norm(b->x + (size_t)(rows - 1) * hidden, m->norm.w, b->h, 1, hidden, m->norm.eps);
+        product(&m->head, 1, b->h, b->logits, 0.0f, 0, scales ? scales + (size_t)(rows - 1) * n_adapters : NULL,
+                n_adapters);
+    } else {
+        mlxcel_rms_norm(b->x, m->norm.w, b->h, rows, hidden, m->norm.eps);
+        product(&m->head, rows, b->h, b->logits, 0.0f, 0, scales, n_adapters);
+    }
+    return 0;
+}

@@ -1,0 +1,175 @@
+"""The C description of a model for ``decode_pass.c``, which runs the CPU decode runtime's forward
+passes in one call each.
+
+``cpu_decode.CpuDecoder`` holds the model as NumPy buffers and block weights; this module mirrors
+that as the C structures once (``struct mlxcel_model``: per layer its projections, norms and
+RoPE set), keeps every buffer they point to alive, and turns a pass's per-call state (the rows'
+KV slots, their RoPE angles, the LoRA scales) into the arrays the C loop reads. Nothing here
+imports MLX.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from mlxcel_compat.runtime.native import blas_shim
+
+_P, _I, _F, _D = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_double
+
+# Passes this long or shorter hold the GIL (steps of up to GIL_HELD_ROWS_MAX rows over at most
+# this many weight bytes: a few milliseconds) unless a response is being streamed
+# (blas_shim.StreamedConsumers); a longer one releases it, so the HTTP side is not held up for a
+# whole step of a big model.
+GIL_HELD_WEIGHT_BYTES_MAX = 512 << 20
+KV_FIELDS = 8  # struct mlxcel_kv: keys, values, k_out, v_out, capacity, write, n, unused (8 bytes each)
+
+
+class LoraStruct(ctypes.Structure):
+    _fields_ = [("a", _P), ("b", _P), ("multiplier", _D), ("rank", _I), ("adapter", _I)]
+
+
+class LinearStruct(ctypes.Structure):
+    _fields_ = [("w", _P), ("blocks", _P), ("repacked", _P), ("repacked_matmul", _P), ("prompt", _P),
+                ("prompt_matmul", _P), ("bias", _P), ("lora", _P), ("n_lora", _I), ("n", _I), ("k", _I)]
+
+
+class NormStruct(ctypes.Structure):
+    _fields_ = [("w", _P), ("eps", _F)]
+
+
+class LayerStruct(ctypes.Structure):
+    _fields_ = [*((name, LinearStruct) for name in ("q", "k", "v", "o", "gate", "up", "down")),
+                *((name, NormStruct) for name in ("n1", "n2", "q_norm", "k_norm", "attn_out", "mlp_out")),
+                ("rope", _I)]
+
+
+class ModelStruct(ctypes.Structure):
+    _fields_ = [("n_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
+                ("gelu", _I), ("scale", _F), ("angle_sets", _I), ("prompt_rows_min", _I), ("traditional", _I * 2),
+                ("layers", _P),
+                ("norm", NormStruct), ("head", LinearStruct)]
+
+
+BUFFER_NAMES = ("x", "h", "branch", "q", "k_new", "v_new", "att", "gate", "up", "logits")
+
+
+def _address(fn: Any) -> int:
+    return ctypes.cast(fn, _P).value or 0
+
+
+@dataclass(eq=False)
+class NativeModel:
+    """A decoder's model as ``decode_pass.c`` reads it, and the function that runs a pass."""
+
+    struct: ModelStruct
+    keep: list[Any]  # the ctypes arrays the structure points into
+    run_released: Any  # mlxcel_decode_pass, the GIL released during the call
+    run_held: Any  # and held
+    hold_gil: bool  # whether short passes hold it (a small model's)
+    address: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.address = ctypes.addressof(self.struct)
+
+    def run(self, buffers: "NativeBuffers", rows: int, segments: np.ndarray | None, head: bool, kv: np.ndarray,
+            angles: np.ndarray, scales: np.ndarray | None) -> int:
+        """One pass (``mlxcel_decode_pass``); 0, or 1 + the layer whose attention did not fit.
+        ``segments``: int32 row offsets of prompt chunks (one more than there are chunks), or
+        None for decode rows."""
+        held = (self.hold_gil and segments is None and rows <= blas_shim.GIL_HELD_ROWS_MAX
+                and not blas_shim.StreamedConsumers.count)
+        fn = self.run_held if held else self.run_released
+        return fn(self.address, buffers.address, rows,
+                  segments.ctypes.data if segments is not None else None, len(segments) - 1 if segments is not None else 0,
+                  int(head), kv.ctypes.data, angles.ctypes.data,
+                  scales.ctypes.data if scales is not None else None, scales.shape[1] if scales is not None else 0)
+
+
+@dataclass(eq=False)
+class NativeBuffers:
+    """``struct mlxcel_buffers`` over one set of the decoder's activation buffers."""
+
+    pointers: Any
+    address: int
+
+
+def buffers(arrays: dict[str, np.ndarray]) -> NativeBuffers:
+    pointers = (_P * len(BUFFER_NAMES))(*(arrays[name].ctypes.data for name in BUFFER_NAMES))
+    return NativeBuffers(pointers, ctypes.addressof(pointers))
+
+
+def _linear(lin: Any, keep: list[Any]) -> LinearStruct:
+    """``lin``: a ``cpu_decode._Linear``."""
+    s = LinearStruct(n=lin.weight.shape[0], k=lin.weight.shape[1])
+    block = lin.block
+    if block is None:
+        s.w = lin.ptr
+    else:
+        s.blocks = block.address
+        if block.repacked is not None:
+            s.repacked, s.repacked_matmul = block.repacked.handle, _address(block.repacked.lib.matmul)
+        if block.prompt is not None:
+            s.prompt, s.prompt_matmul = block.prompt.handle, _address(block.prompt.lib.plain_matmul)
+    if lin.bias is not None:
+        s.bias = lin.bias.ctypes.data
+    if lin.lora:
+        loras = (LoraStruct * len(lin.lora))(*(
+            LoraStruct(lora.a_ptr, lora.b_ptr, float(lora.factor.multiplier), lora.rank, lora.factor.adapter)
+            for lora in lin.lora))
+        keep.append(loras)
+        s.lora, s.n_lora = ctypes.addressof(loras), len(lin.lora)
+    return s
+
+
+def _norm(norm: Any) -> NormStruct:
+    return NormStruct() if norm is None else NormStruct(norm.ptr, norm.eps)
+
+
+def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
+    """The C structures of a ``cpu_decode.CpuDecoder``'s model (its ``layers``, ``norm``, ``head``)."""
+    keep: list[Any] = []
+    layers = (LayerStruct * len(decoder.layers))()
+    for s, layer in zip(layers, decoder.layers):
+        for name in ("q", "k", "v", "o", "gate", "up", "down"):
+            setattr(s, name, _linear(getattr(layer, name), keep))
+        for name in ("n1", "n2", "q_norm", "k_norm", "attn_out", "mlp_out"):
+            setattr(s, name, _norm(getattr(layer, name)))
+        s.rope = layer.rope
+    keep.append(layers)
+    traditional = (_I * 2)(*[int(t) for t in decoder.traditional] + [0] * (2 - len(decoder.traditional)))
+    struct = ModelStruct(
+        n_layers=len(decoder.layers), hidden=decoder.embed.shape[1], heads=decoder.n_heads,
+        kv_heads=decoder.n_kv_heads, head_dim=decoder.head_dim, inter=decoder.layers[0].gate.weight.shape[0],
+        gelu=int(decoder.gemma), scale=decoder.scale, angle_sets=len(decoder.ropes),
+        prompt_rows_min=decoder.prompt_rows_min, traditional=traditional,
+        layers=ctypes.addressof(layers), norm=_norm(decoder.norm), head=_linear(decoder.head, keep))
+    held_lib = blas_shim.holding_the_gil(lib)
+    fns = [lib.mlxcel_decode_pass, held_lib.mlxcel_decode_pass]
+    for fn in fns:
+        fn.restype = _I
+        fn.argtypes = [_P, _P, _I, _P, _I, _I, _P, _P, _P, _I]
+    weight_bytes = sum(_weight_bytes(lin) for layer in decoder.layers
+                       for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down))
+    weight_bytes += _weight_bytes(decoder.head)
+    return NativeModel(struct, keep, fns[0], fns[1], weight_bytes <= GIL_HELD_WEIGHT_BYTES_MAX)
+
+
+def _weight_bytes(lin: Any) -> int:
+    return lin.block.nbytes if lin.block is not None else lin.weight.nbytes
+
+
+def lora_scales(scales: Sequence[Sequence[float] | None] | None) -> np.ndarray | None:
+    """Per row, each adapter's LoRA scale (float64, zeros where a row names fewer adapters), or
+    None when no row has a non-zero one (the base model: no adapter's product runs)."""
+    if not scales or not any(row and any(row) for row in scales):
+        return None
+    n = max(len(row) for row in scales if row)
+    out = np.zeros((len(scales), n), np.float64)
+    for i, row in enumerate(scales):
+        if row:
+            out[i, :len(row)] = row
+    return out
