@@ -35,7 +35,7 @@ if [ "$(uname -s)" = "Linux" ] && ! ls /usr/lib/*-linux-gnu/openblas-pthread/lib
   fi
 fi
 
-# Headless Chromium and its WebDriver for the chat page's browser tests (tests/test_e2e_webui.py,
+# Headless Chromium and its WebDriver for the chat page's browser tests (tests/e2e/test_webui.py,
 # which skip with the reason when they are missing). Installed the same way as OpenBLAS.
 if [ "$(uname -s)" = "Linux" ] && ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1 && [ "${MLXCEL_NO_APT:-0}" != "1" ]; then

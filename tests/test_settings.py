@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from pathlib import Path
 
 import pytest
 
@@ -22,8 +21,9 @@ from mlxcel_compat.settings import (
     resolve_settings,
     settings_by_name,
 )
+from tests.conftest import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 
 
 def resolve(argv: list[str] | None = None, **environ: str):

@@ -46,7 +46,7 @@
   its exact 8-bit form (a 5-bit requantization would save 0.65x and add 0.25x). On the factory's
   small llama the forms move the logits (RMS) by this share of what the file's own quantization
   moved them from the F32 file: Q8_0 and Q3_K 0 (float32 sums), Q4_K_M 0.05, Q5_K_M 0.10, Q6_K
-  0.32, Q2_K 0.31 (tests/test_gguf_gpu_policy.py).
+  0.32, Q2_K 0.31 (tests/gguf/test_gpu_policy.py).
 
   The exact forms are exact in float16; in a bfloat16 model (a file with BF16 tensors) their
   scales, which are float16 values, are rounded to bfloat16 (the Q4_K bound with ε = 2^-8). A

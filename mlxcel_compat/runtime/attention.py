@@ -21,7 +21,7 @@ attention over many keys. Two paths replace it (scripts/bench_cpu_kernels.py, do
   (docs/benchmarks/cpu.md). It runs on the calling thread: two threads calling OpenBLAS at once
   measured 1.7x slower.
 
-Both agree with ``mx.fast`` to a few 1e-6 relative (tests/test_attention.py). Only what these
+Both agree with ``mx.fast`` to a few 1e-6 relative (tests/runtime/test_attention.py). Only what these
 paths handle exactly is routed here (CPU, no attention sinks, no quantized KV, masks that are
 None, "causal" or a boolean/additive array broadcastable per KV-head group); everything else goes
 to mlx-lm's own function unchanged.

@@ -47,7 +47,7 @@ sliding layers) keeps MLX's step; :func:`build` says why.
 
 Exactness: the logits match MLX's to float32 rounding (a different summation order and a
 polynomial ``2 ** x`` within 1e-7), tested per family against the MLX step, greedy tokens
-included (``tests/test_cpu_decode.py``). Block weights are multiplied by the same ggml kernels
+included (``tests/runtime/test_cpu_decode.py``). Block weights are multiplied by the same ggml kernels
 as MLX's step runs them (``BlockLinear``), so there too only the rest of the step differs.
 """
 

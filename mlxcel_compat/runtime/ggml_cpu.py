@@ -6,7 +6,7 @@ weights times a row of activations, and ``from_float`` for the activations' ``ve
 ``ggml.h``: ``ggml_get_type_traits(type)->to_float`` expands a row). Calling them computes
 exactly llama.cpp's products (activations quantized to Q8_0/Q8_1/Q8_K, F16 or BF16 first), so
 a greedy continuation here follows llama-server's arithmetic, not a float32 reference's: the two
-differ only where the reference's top two candidates are near a tie (tests/test_e2e_real_model.py).
+differ only where the reference's top two candidates are near a tie (tests/e2e/test_real_model.py).
 
 This module only finds and loads the two libraries (``libggml-base``, ``libggml-cpu``), calls
 ``ggml_cpu_init`` once, and turns a type's traits into the :class:`BlockType` that

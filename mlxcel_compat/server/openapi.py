@@ -4,7 +4,7 @@ Paths and methods come from the application's routes, request bodies from the re
 table (``request_fields.py``, also the source of the compatibility manifest) with this server's
 limits filled in, and each route's response from the :class:`Operation` its API module declares
 next to its handler. A route without an operation, or an operation without a route, is a test
-failure (tests/test_openapi.py), so the document cannot drift from the server.
+failure (tests/server/test_openapi.py), so the document cannot drift from the server.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ the chat template files), including what its constructor changes in the Rust obj
 tokens named in the config but missing from the vocabulary are added, and an explicit
 ``add_bos_token`` / ``add_eos_token`` (or no post-processor at all) rebuilds the post-processor
 with transformers' template; truncation and padding are off, as transformers' ``encode`` turns
-them off. ``tests/test_tokenizer.py`` compares every result with transformers' tokenizer
+them off. ``tests/tokenizer/test_served.py`` compares every result with transformers' tokenizer
 loaded from the same files.
 
 Reading the files is exact where transformers takes ``tokenizer.json`` as it is

@@ -1,7 +1,7 @@
 """The disk tier's bookkeeping: file format, rejections, index, budget, temporary files (no MLX).
 
 Payload tensors are numpy arrays here; the engine's adapter (cache/kv_io.py) hands over numpy views
-of MLX arrays the same way (tests/test_engine_disk_tier.py covers that side).
+of MLX arrays the same way (tests/engine/test_disk_tier.py covers that side).
 """
 
 from __future__ import annotations
