@@ -181,8 +181,11 @@ def cache_key(file: GGUFModelFile) -> str:
     return digest.hexdigest()[:32]
 
 
-def _hf_tokenizer(file: GGUFModelFile, tokenizer_dict: dict[str, Any], specials: SpecialTokens) -> Any:
-    """The transformers tokenizer the GGUF metadata describes (the conversion itself)."""
+def hf_tokenizer(file: GGUFModelFile) -> Any:
+    """The transformers tokenizer the GGUF metadata describes: the conversion itself, which
+    :func:`convert` saves (imports transformers; the tests compare the served tokenizer with it)."""
+    tokenizer_dict = _tokenizer_dict(file)
+    specials = special_tokens(file)
     from transformers import PreTrainedTokenizerFast
 
     from mlxcel_compat.gguf import encoder_vocab
@@ -210,8 +213,7 @@ def _hf_tokenizer(file: GGUFModelFile, tokenizer_dict: dict[str, Any], specials:
 
 def convert(file: GGUFModelFile, directory: Path) -> None:
     """Save the converted tokenizer of ``file`` into ``directory`` (imports transformers)."""
-    tokenizer_dict = _tokenizer_dict(file)
-    _hf_tokenizer(file, tokenizer_dict, special_tokens(file)).save_pretrained(directory)
+    hf_tokenizer(file).save_pretrained(directory)
 
 
 def load_tokenizer(file: GGUFModelFile, cache_dir: Path | None = None) -> tuple[ServedTokenizer, SpecialTokens]:

@@ -366,7 +366,7 @@ async def messages(request: Request) -> Response:
     return json_response(message_body(message_id(), ctx.model.model_id, content, reason, stop_sequence, usage))
 
 
-class _Blocks:
+class ContentBlocks:
     """Numbers the content blocks of a streamed message and opens/closes them in order."""
 
     KINDS = {"reasoning_content": ("thinking", "thinking_delta", "thinking"), "content": ("text", "text_delta", "text")}
@@ -410,7 +410,7 @@ async def _stream(ctx: ServerContext, job: ChatJob) -> AsyncIterator[bytes]:
     """message_start, ping, the content blocks in order, message_delta (stop, usage), message_stop."""
     m = ctx.model
     splitter = reply_splitter(ctx, job)
-    blocks = _Blocks()
+    blocks = ContentBlocks()
     res = fmt.Result(index=0, request=job.requests[0])
     rebuilt = {"content": "", "reasoning_content": ""}
     mid = message_id()

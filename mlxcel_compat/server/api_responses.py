@@ -317,7 +317,7 @@ def _reply_message(reply: Reply) -> dict[str, Any]:
     return msg
 
 
-class _Events:
+class ResponseEvents:
     """Responses SSE events, numbered, and the output items they build."""
 
     def __init__(self) -> None:
@@ -400,7 +400,7 @@ async def _stream(ctx: ServerContext, job: ChatJob, body: Mapping[str, Any]) -> 
     ``timings_per_token``), ``timings_per_token`` puts ``timings`` on each token's last delta, and
     ``response.completed`` (also after ``max_output_tokens``) carries ``timings`` beside ``response``."""
     rid, created = response_id(), fmt.now()
-    events = _Events()
+    events = ResponseEvents()
     splitter = reply_splitter(ctx, job)
     res = fmt.Result(index=0, request=job.requests[0])
     per_token = job.opts.timings_per_token

@@ -44,7 +44,7 @@ def stream_through(writer, text: str) -> list[bytes]:
 
 
 def test_anthropic_stream_blocks_are_numbered_in_order() -> None:
-    blocks = api_anthropic._Blocks()
+    blocks = api_anthropic.ContentBlocks()
     chunks = stream_through(blocks, REPLY) + blocks.close()
     _, calls = extract_tool_calls("Looking." + REPLY.split("Looking.")[1], {})
     for call in calls:
@@ -64,7 +64,7 @@ def test_anthropic_stream_blocks_are_numbered_in_order() -> None:
 
 
 def test_responses_stream_items_and_sequence() -> None:
-    events_writer = api_responses._Events()
+    events_writer = api_responses.ResponseEvents()
     chunks = stream_through(events_writer, REPLY) + events_writer.close()
     _, calls = extract_tool_calls("Looking." + REPLY.split("Looking.")[1], {})
     chunks += events_writer.function_call(calls[0])

@@ -102,8 +102,7 @@ def _check_same(ours: ServedTokenizer, theirs: Any, texts: list[str] = TEXTS) ->
 def _gguf_reference(path: Path) -> Any:
     """What the server loaded before: the converter's tokenizer, saved and loaded by transformers."""
     file = open_gguf(path)
-    hf = gguf_tokenizer._hf_tokenizer(file, gguf_tokenizer._tokenizer_dict(file), gguf_tokenizer.special_tokens(file))
-    return hf
+    return gguf_tokenizer.hf_tokenizer(file)
 
 
 # Byte-level BPE (llama), Qwen-style pre-tokenization with thinking tokens (qwen3), Gemma's
