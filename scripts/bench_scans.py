@@ -83,7 +83,7 @@ def vocabulary_parts(args: argparse.Namespace) -> None:
 def refresh_part(args: argparse.Namespace) -> None:
     import os
 
-    from mlxcel_compat.cache.disk import Compat, DiskIndex, EntryHeader, commit, entry_name, write_temp
+    from mlxcel_compat.cache.disk_format import Compat, DiskIndex, EntryHeader, commit, entry_name, write_temp
     from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG, TEXT_ONLY_MM_DIGEST, Bucket
 
     compat = Compat(model="m" * 64, runtime="bench")

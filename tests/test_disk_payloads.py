@@ -16,7 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
 from mlxcel_compat.cache import kv, kv_io
-from mlxcel_compat.cache.disk import Compat, DiskReject, EntryHeader, commit, entry_name, read_header, write_temp
+from mlxcel_compat.cache.disk_format import Compat, DiskReject, EntryHeader, commit, entry_name, read_header, write_temp
 from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG, TEXT_ONLY_MM_DIGEST, Bucket
 from tests.conftest import tiny_model
 

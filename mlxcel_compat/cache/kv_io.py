@@ -21,7 +21,7 @@ import mlx_lm
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from mlxcel_compat.cache.disk import DiskReject, EntryHeader, Tensor, payload_checksum
+from mlxcel_compat.cache.disk_format import DiskReject, EntryHeader, Tensor, payload_checksum
 
 LAYOUT_VERSION = 1
 

@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from mlxcel_compat.cache import kv_io
 from mlxcel_compat.cache.block_hash import ApcConfig
-from mlxcel_compat.cache.disk import (
+from mlxcel_compat.cache.disk_format import (
     REJECT_REASONS,
     Compat,
     DiskIndex,
