@@ -31,8 +31,10 @@ from mlxcel_compat.cache.disk_directory import (
 )
 from mlxcel_compat.cache.disk_format import REJECT_REASONS, TIER_KINDS, Compat, DiskReject, EntryHeader, read_header
 from mlxcel_compat.cache.key import Bucket, prompt_digest
+from mlxcel_compat.cache.prompt_store import PromptCacheStore
+from mlxcel_compat.cache.records import CacheEntry
 from mlxcel_compat.cache.snapshot import SnapshotStore
-from mlxcel_compat.cache.store import CacheEntry, EntryStore, PromptCacheStore
+from mlxcel_compat.cache.store import EntryStore
 
 _SCAN_THREADS = 8  # header reads in flight at start-up
 REFRESH_MAX_FILES = 64  # other processes' new files indexed per refresh (headers read on the engine thread)

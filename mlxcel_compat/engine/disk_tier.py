@@ -43,7 +43,8 @@ from mlxcel_compat.cache.disk_directory import directory_lock, enforce_budget, e
 from mlxcel_compat.cache.disk_format import REJECT_REASONS, Compat, DiskReject, EntryHeader, Tensor, read_header
 from mlxcel_compat.cache.disk_index import DiskIndex, DiskRef
 from mlxcel_compat.cache.disk_write import commit, discard, write_temp
-from mlxcel_compat.cache.store import CacheEntry, CacheHit, EntryStore
+from mlxcel_compat.cache.records import CacheEntry, CacheHit
+from mlxcel_compat.cache.store import EntryStore
 
 log = logging.getLogger(__name__)
 

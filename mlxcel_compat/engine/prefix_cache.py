@@ -33,8 +33,10 @@ from mlxcel_compat.cache.disk_format import Compat
 from mlxcel_compat.cache.families import recurrent_family
 from mlxcel_compat.cache.key import PIN_SESSION, TEXT_ONLY_MM_DIGEST, Bucket
 from mlxcel_compat.cache.media import first_media_token
+from mlxcel_compat.cache.prompt_store import PromptCacheStore
+from mlxcel_compat.cache.records import LookupResult
 from mlxcel_compat.cache.snapshot import SnapshotStore, is_snapshot_family, snapshot_capacity_default
-from mlxcel_compat.cache.store import EntryStore, LookupResult, PromptCacheStore
+from mlxcel_compat.cache.store import EntryStore
 from mlxcel_compat.engine.disk_tier import DiskTier
 from mlxcel_compat.engine.request import WarmupJob
 from mlxcel_compat.engine.snapshots import SessionSnapshots

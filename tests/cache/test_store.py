@@ -10,7 +10,8 @@ from mlxcel_compat.cache.block_hash import ApcConfig
 from mlxcel_compat.cache.key import (
     multimodal_digest,
 )
-from mlxcel_compat.cache.store import CacheEntry, PromptCacheStore
+from mlxcel_compat.cache.prompt_store import PromptCacheStore
+from mlxcel_compat.cache.records import CacheEntry
 from tests.cache.fakes import FakeClock, make_bucket
 
 
