@@ -213,7 +213,9 @@ def write_synthetic_entries(model: str, directory: Path, gigabytes: float) -> tu
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlxcel_compat.cache import kv, kv_io
-    from mlxcel_compat.cache.disk import Compat, EntryHeader, commit, entry_name, write_temp
+    from mlxcel_compat.cache.disk_directory import entry_name
+    from mlxcel_compat.cache.disk_format import Compat, EntryHeader
+    from mlxcel_compat.cache.disk_write import commit, write_temp
     from mlxcel_compat.cache.key import ANON_SESSION, RAW_PROMPT_TEMPLATE_SIG, TEXT_ONLY_MM_DIGEST, Bucket
     from mlxcel_compat.model.loader import load_model
 

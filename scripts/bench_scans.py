@@ -83,7 +83,10 @@ def vocabulary_parts(args: argparse.Namespace) -> None:
 def refresh_part(args: argparse.Namespace) -> None:
     import os
 
-    from mlxcel_compat.cache.disk import Compat, DiskIndex, EntryHeader, commit, entry_name, write_temp
+    from mlxcel_compat.cache.disk_directory import entry_name
+    from mlxcel_compat.cache.disk_format import Compat, EntryHeader
+    from mlxcel_compat.cache.disk_index import DiskIndex
+    from mlxcel_compat.cache.disk_write import commit, write_temp
     from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG, TEXT_ONLY_MM_DIGEST, Bucket
 
     compat = Compat(model="m" * 64, runtime="bench")
@@ -103,7 +106,7 @@ def refresh_part(args: argparse.Namespace) -> None:
     os.utime(reader.directory, ns=(old, old))
 
     def relist() -> None:
-        reader._listed_mtime_ns = None  # as if another server had changed the directory
+        reader.listed_mtime_ns = None  # as if another server had changed the directory
         reader.refresh()
 
     print(f"refresh: {reader.entries} files indexed; relisting them {median_ms(relist, args.reps):.1f} ms, "

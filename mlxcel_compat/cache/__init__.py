@@ -37,8 +37,9 @@ from mlxcel_compat.cache.key import (
     template_signature,
     tools_digest,
 )
+from mlxcel_compat.cache.prompt_store import PromptCacheStore
 from mlxcel_compat.cache.radix import OverlapGroup, RadixTrie, TrieNode
-from mlxcel_compat.cache.store import (
+from mlxcel_compat.cache.records import (
     EVICTION_REASONS,
     INELIGIBLE_REASONS,
     MISS_REASONS,
@@ -47,12 +48,11 @@ from mlxcel_compat.cache.store import (
     STAGE_SESSION,
     CacheEntry,
     CacheHit,
-    EntryStore,
     InsertResult,
     LookupResult,
-    PromptCacheStore,
     StoreCounters,
 )
+from mlxcel_compat.cache.store import EntryStore
 
 __all__ = [
     "ANON_SESSION",

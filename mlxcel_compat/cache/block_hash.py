@@ -42,13 +42,23 @@ DEFAULT_BLOCKS_PER_ENTRY = 64
 _U64 = struct.Struct("<Q")
 
 
-class _Hasher(Protocol):
+class Hasher(Protocol):
+    """What a block hash needs of a hash object (``hashlib.sha256()``, ``blake3()``)."""
+
     def update(self, data: bytes, /) -> object: ...
 
     def digest(self) -> bytes: ...
 
 
-def _hasher_factory(hash_name: str) -> Callable[[], _Hasher]:
+def hasher_factory(hash_name: str) -> Callable[[], Hasher]:
+    """The constructor of the hash named ``hash_name`` ("sha256" or "blake3").
+
+    Every block hash is made through this one function, so replacing it (a test's colliding
+    hash) changes the hash of every chain.
+
+    Raises:
+        ValueError: an unknown hash name.
+    """
     if hash_name == "sha256":
         return hashlib.sha256
     if hash_name == "blake3":
@@ -70,7 +80,7 @@ class ApcConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"APC block size must be >= 1, got {self.block_size}")
-        _hasher_factory(self.hash_name)  # validates the name
+        hasher_factory(self.hash_name)  # validates the name
         if self.num_blocks is not None and self.num_blocks < 0:
             raise ValueError(f"APC num_blocks must be >= 0, got {self.num_blocks}")
 
@@ -82,7 +92,7 @@ class ApcConfig:
 
 
 def _hash_packed(
-    new_hasher: Callable[[], _Hasher], parent: bytes, num_tokens: int, packed: bytes, mm_digest: bytes
+    new_hasher: Callable[[], Hasher], parent: bytes, num_tokens: int, packed: bytes, mm_digest: bytes
 ) -> BlockHash:
     h = new_hasher()
     h.update(APC_BLOCK_DOMAIN)
@@ -107,7 +117,7 @@ def hash_block(hash_name: str, parent: bytes, tokens: Sequence[int], mm_digest: 
     """
     assert len(parent) == DIGEST_SIZE, f"{len(parent)=}"
     assert len(mm_digest) == DIGEST_SIZE, f"{len(mm_digest)=}"
-    return _hash_packed(_hasher_factory(hash_name), parent, len(tokens), pack_tokens(tokens), mm_digest)
+    return _hash_packed(hasher_factory(hash_name), parent, len(tokens), pack_tokens(tokens), mm_digest)
 
 
 def block_chain(
@@ -142,7 +152,7 @@ class BlockHasher:
         self._packed: bytes | None = None  # packed on first use, then sliced per block
         self._num_tokens = len(tokens)
         self._block_size = block_size
-        self._new_hasher = _hasher_factory(hash_name)
+        self._new_hasher = hasher_factory(hash_name)
         self._mm_digest = mm_digest
         self._hashes: list[BlockHash] = []
 

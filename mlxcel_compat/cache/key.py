@@ -138,6 +138,21 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+def unpack_tokens(raw: bytes) -> tuple[int, ...]:
+    """The inverse of ``pack_tokens``: the token ids of a file on disk.
+
+    Raises:
+        ValueError: ``raw`` is not a whole number of i32 values.
+    """
+    if len(raw) % 4:
+        raise ValueError("token bytes are not a whole number of i32")
+    packed = array("i")
+    packed.frombytes(raw)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return tuple(packed)
+
+
 def _length_prefixed(text: str) -> bytes:
     raw = text.encode("utf-8")
     return _U64.pack(len(raw)) + raw

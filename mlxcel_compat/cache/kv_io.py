@@ -1,7 +1,7 @@
 """mlx-lm cache objects to tensors and back: the payload of disk-tier entries and slot files.
 
-The MLX side of ``cache/disk.py`` (which never imports MLX). A model cache is a list of mlx-lm
-cache objects; each one's ``state`` (mlx-lm's own save/restore protocol, also used by its
+The MLX side of ``cache/disk_format.py`` (which never imports MLX). A model cache is a list of
+mlx-lm cache objects; each one's ``state`` (mlx-lm's own save/restore protocol, also used by its
 ``save_prompt_cache``) is a small tree of arrays and scalars. ``encode`` turns the tree into a JSON
 *layout* (class names, scalars, tensor references) plus the tensors, ``decode`` rebuilds the
 objects with ``from_state``. Class names are looked up only among mlx-lm's cache classes.
@@ -21,7 +21,7 @@ import mlx_lm
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from mlxcel_compat.cache.disk import DiskReject, EntryHeader, Tensor, payload_checksum
+from mlxcel_compat.cache.disk_format import DiskReject, EntryHeader, Tensor, payload_checksum
 
 LAYOUT_VERSION = 1
 

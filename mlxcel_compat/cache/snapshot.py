@@ -51,7 +51,8 @@ from dataclasses import dataclass
 from blake3 import blake3
 
 from mlxcel_compat.cache.key import Bucket
-from mlxcel_compat.cache.store import STAGE_SESSION, CacheEntry, CacheHit, EntryStore, InsertResult
+from mlxcel_compat.cache.records import STAGE_SESSION, CacheEntry, CacheHit, InsertResult
+from mlxcel_compat.cache.store import EntryStore
 
 logger = logging.getLogger(__name__)
 

@@ -315,7 +315,7 @@ class Engine:
         # thread (~0.3 s on a 49k vocabulary, ~1 s on 150k): built at load it held ~33 MiB of every
         # server's memory (SmolLM2), used or not.
         self.grammars = GrammarCompiler(tokenizer, vocab_size, sorted(tokenizer.eos_token_ids or []))
-        from mlxcel_compat.cache.disk import Compat
+        from mlxcel_compat.cache.disk_format import Compat
         from mlxcel_compat.cache.kv_io import runtime_tag
 
         self._load_speculative()

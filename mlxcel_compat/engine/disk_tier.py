@@ -39,24 +39,12 @@ from typing import Any, Callable
 
 from mlxcel_compat.cache import kv_io
 from mlxcel_compat.cache.block_hash import ApcConfig
-from mlxcel_compat.cache.disk import (
-    REJECT_REASONS,
-    Compat,
-    DiskIndex,
-    DiskRef,
-    DiskReject,
-    EntryHeader,
-    Tensor,
-    commit,
-    directory_lock,
-    discard,
-    enforce_budget,
-    entry_name,
-    read_header,
-    touch,
-    write_temp,
-)
-from mlxcel_compat.cache.store import CacheEntry, CacheHit, EntryStore
+from mlxcel_compat.cache.disk_directory import directory_lock, enforce_budget, entry_name, touch
+from mlxcel_compat.cache.disk_format import REJECT_REASONS, Compat, DiskReject, EntryHeader, Tensor, read_header
+from mlxcel_compat.cache.disk_index import DiskIndex, DiskRef
+from mlxcel_compat.cache.disk_write import commit, discard, write_temp
+from mlxcel_compat.cache.records import CacheEntry, CacheHit
+from mlxcel_compat.cache.store import EntryStore
 
 log = logging.getLogger(__name__)
 

@@ -28,12 +28,15 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxcel_compat.runtime.backend import release_free_memory
 from mlxcel_compat.cache import kv, kv_io
 from mlxcel_compat.cache.block_hash import ApcConfig
-from mlxcel_compat.cache.disk import Compat, list_entry_files
+from mlxcel_compat.cache.disk_directory import list_entry_files
+from mlxcel_compat.cache.disk_format import Compat
 from mlxcel_compat.cache.families import recurrent_family
 from mlxcel_compat.cache.key import PIN_SESSION, TEXT_ONLY_MM_DIGEST, Bucket
 from mlxcel_compat.cache.media import first_media_token
+from mlxcel_compat.cache.prompt_store import PromptCacheStore
+from mlxcel_compat.cache.records import LookupResult
 from mlxcel_compat.cache.snapshot import SnapshotStore, is_snapshot_family, snapshot_capacity_default
-from mlxcel_compat.cache.store import EntryStore, LookupResult, PromptCacheStore
+from mlxcel_compat.cache.store import EntryStore
 from mlxcel_compat.engine.disk_tier import DiskTier
 from mlxcel_compat.engine.request import WarmupJob
 from mlxcel_compat.engine.snapshots import SessionSnapshots

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlxcel_compat.cache import kv, kv_io
-from mlxcel_compat.cache.disk import DiskReject, EntryHeader, commit, read_header, write_temp
+from mlxcel_compat.cache.disk_format import DiskReject, EntryHeader, read_header
+from mlxcel_compat.cache.disk_write import commit, write_temp
 from mlxcel_compat.cache.key import ANON_SESSION, RAW_PROMPT_TEMPLATE_SIG, TEXT_ONLY_MM_DIGEST, Bucket
 from mlxcel_compat.engine.slots import KeptState, Slot
 

@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from mlxcel_compat.cache.prompt_store import PromptCacheStore
 from mlxcel_compat.cache.snapshot import SnapshotStore
-from mlxcel_compat.cache.store import PromptCacheStore
 from mlxcel_compat.engine.disk_tier import DiskTier
 from mlxcel_compat.engine.prefix_cache import RESET_TIERS, reset_result, tiers_stats
 from mlxcel_compat.server.errors import InvalidRequest, json_response

@@ -17,21 +17,12 @@ import numpy as np
 import pytest
 from blake3 import blake3
 
-from mlxcel_compat.cache import disk
+from mlxcel_compat.cache import disk_index
 from mlxcel_compat.cache.block_hash import ApcConfig
-from mlxcel_compat.cache.disk import (
-    Compat,
-    DiskIndex,
-    DiskReject,
-    EntryHeader,
-    Tensor,
-    commit,
-    enforce_budget,
-    entry_name,
-    read_header,
-    remove_stale_temps,
-    write_temp,
-)
+from mlxcel_compat.cache.disk_directory import LOCK_NAME, enforce_budget, entry_name, remove_stale_temps
+from mlxcel_compat.cache.disk_format import Compat, DiskReject, EntryHeader, Tensor, payload_checksum, read_header
+from mlxcel_compat.cache.disk_index import RACY_NS, DiskIndex
+from mlxcel_compat.cache.disk_write import byte_blocks, commit, write_temp
 from mlxcel_compat.cache.key import ANON_SESSION
 from tests.cache.fakes import make_bucket, rewrite_record
 
@@ -116,7 +107,7 @@ def test_a_flipped_payload_byte_passes_the_header_but_not_the_checksum(tmp_path)
     data[-7] ^= 0x01
     path.write_bytes(bytes(data))
     got, _ = read_header(path, COMPAT)  # payloads are checked when loaded, not at start-up
-    assert disk.payload_checksum([payload(path)]) != got.payload_blake3
+    assert payload_checksum([payload(path)]) != got.payload_blake3
 
 
 def test_kinds_are_enforced(tmp_path) -> None:
@@ -211,7 +202,7 @@ def test_index_is_rebuilt_from_headers_and_bad_files_are_removed(tmp_path) -> No
     assert found == dict(files=8, indexed=4, rejected=4, stale_temp=1, removed_by_budget=0)
     rejections = {k: v for k, v in again.counters.rejections.items() if v}
     assert rejections == {"not_a_cache_file": 1, "truncated": 1, "foreign_model": 1, "corrupt_header": 1, "stale_temp": 1}
-    assert sorted(p.name for p in d.iterdir() if p.name != disk.LOCK_NAME) == sorted(p.name for p in [*good, snap])
+    assert sorted(p.name for p in d.iterdir() if p.name != LOCK_NAME) == sorted(p.name for p in [*good, snap])
     assert not foreign.exists() and theirs.exists()  # another model's directory is not ours to judge
     assert (again.entries, len(again.stores["kv"]), len(again.stores["snapshot"])) == (4, 3, 1)
     assert again.nbytes == sum(p.stat().st_size for p in [*good, snap])
@@ -256,7 +247,7 @@ def test_forget_drop_and_clear(tmp_path) -> None:
 
 def test_refresh_picks_up_what_another_process_wrote_and_deleted(tmp_path) -> None:
     mine, theirs = make_index(tmp_path), make_index(tmp_path)  # two servers on one directory
-    long_ago = time.time_ns() - 5 * disk.RACY_NS
+    long_ago = time.time_ns() - 5 * RACY_NS
     os.utime(mine.directory, ns=(long_ago, long_ago))
     assert mine.refresh() and mine.entries == 0  # changed since start-up: listed
     assert not mine.refresh()  # unchanged, and not racily: one stat, no listing
@@ -267,7 +258,7 @@ def test_refresh_picks_up_what_another_process_wrote_and_deleted(tmp_path) -> No
     assert hit is not None and hit.matched_len == 40 and hit.entry.payload.path == shared
     # A change within the timestamp granularity of the listing leaves the mtime as it was: a
     # listing made that soon after the mtime it saw is repeated.
-    racy = mine._listed_mtime_ns
+    racy = mine.listed_mtime_ns
     index_write(theirs, tuple(range(100, 140)), session="carol")
     os.utime(mine.directory, ns=(racy, racy))
     assert mine.refresh() and mine.entries == 2
@@ -283,7 +274,7 @@ def test_refresh_picks_up_what_another_process_wrote_and_deleted(tmp_path) -> No
 
 
 def test_refresh_indexes_a_bounded_number_of_new_files_per_call(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(disk, "REFRESH_MAX_FILES", 3)
+    monkeypatch.setattr(disk_index, "REFRESH_MAX_FILES", 3)
     mine, theirs = make_index(tmp_path), make_index(tmp_path)
     for i in range(7):
         index_write(theirs, tuple(range(i * 50, i * 50 + 40)), session=f"s{i}", seed=i)
@@ -309,7 +300,7 @@ def test_large_strided_tensors_are_written_piece_by_piece_in_c_order(tmp_path) -
     big = np.random.default_rng(3).standard_normal((1, 3, 9100, 8)).astype(np.float32)
     view = big[:, :, :9000, :]  # each head's rows are contiguous (288 kB), the whole is not
     assert not view.flags.c_contiguous
-    assert [len(b) for b in disk._byte_blocks(view)] == [9000 * 8 * 4] * 3
+    assert [len(b) for b in byte_blocks(view)] == [9000 * 8 * 4] * 3
     h = header(tuple(range(40)))
     path = tmp_path / entry_name("kv", h.digest)
     commit(write_temp(path, h, [Tensor("t0", "F32", view.shape, view, view.nbytes)]), path)

@@ -1,4 +1,4 @@
-"""mlx-lm caches through a disk file and back (cache/kv_io.py + cache/disk.py), for every family.
+"""mlx-lm caches through a disk file and back (cache/kv_io.py + cache/disk_format.py), for every family.
 
 Dense KV (llama, qwen3), sliding windows that wrapped (gemma3_text's RotatingKVCache) and
 recurrent-hybrid state (qwen3_next's ArraysCache + KVCache) must come back bit-identical: the next
@@ -16,7 +16,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
 from mlxcel_compat.cache import kv, kv_io
-from mlxcel_compat.cache.disk import Compat, DiskReject, EntryHeader, commit, entry_name, read_header, write_temp
+from mlxcel_compat.cache.disk_directory import entry_name
+from mlxcel_compat.cache.disk_format import Compat, DiskReject, EntryHeader, read_header
+from mlxcel_compat.cache.disk_write import commit, write_temp
 from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG, TEXT_ONLY_MM_DIGEST, Bucket
 from tests.conftest import tiny_model
 

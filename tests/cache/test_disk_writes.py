@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlxcel_compat.cache import disk
-from mlxcel_compat.cache.disk import Compat, EntryHeader, Tensor, commit, entry_name, payload_checksum, read_header, write_temp
+from mlxcel_compat.cache.disk_directory import entry_name
+from mlxcel_compat.cache.disk_format import Compat, EntryHeader, Tensor, payload_checksum, read_header
+from mlxcel_compat.cache.disk_write import DirectFile, NoDirectIO, commit, write_temp
 from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG, TEXT_ONLY_MM_DIGEST, Bucket
 
 BUCKET = Bucket("tiny", "", RAW_PROMPT_TEMPLATE_SIG, None, TEXT_ONLY_MM_DIGEST)
@@ -47,22 +48,22 @@ def direct_io_works(directory: Path) -> bool:
 
 def test_direct_and_buffered_writes_make_the_same_checked_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     opened = []
-    real_open = disk._DirectFile.open.__func__
+    real_open = DirectFile.open.__func__
 
     def spy(cls, path):  # noqa: ANN001, ANN202
         f = real_open(cls, path)
         opened.append(path)
         return f
 
-    monkeypatch.setattr(disk._DirectFile, "open", classmethod(spy))
+    monkeypatch.setattr(DirectFile, "open", classmethod(spy))
     first = write(tmp_path / "direct")
     # Where this filesystem takes O_DIRECT, the first file was written with it.
     assert bool(opened) == direct_io_works(tmp_path)
 
     def refuse(cls, path):  # noqa: ANN001, ANN202
-        raise disk._NoDirectIO
+        raise NoDirectIO
 
-    monkeypatch.setattr(disk._DirectFile, "open", classmethod(refuse))
+    monkeypatch.setattr(DirectFile, "open", classmethod(refuse))
     second = write(tmp_path / "buffered")
     a, b = first.read_bytes(), second.read_bytes()
     assert len(a) == len(b) == first.stat().st_size  # the padding was truncated away
@@ -94,7 +95,7 @@ def test_a_refusal_at_the_first_write_falls_back_to_the_page_cache(tmp_path: Pat
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(disk._DirectFile, "open", classmethod(open_plain))
+    monkeypatch.setattr(DirectFile, "open", classmethod(open_plain))
     monkeypatch.setattr(os, "pwrite", pwrite)
     path = write(tmp_path / "c")
     assert refused == [0]

@@ -7,7 +7,10 @@ import sys
 
 
 def test_bookkeeping_modules_do_not_import_mlx() -> None:
-    modules = ["key", "radix", "store", "block_hash", "snapshot", "families", "disk"]
+    modules = [
+        "key", "radix", "records", "store", "prompt_store", "block_hash", "snapshot", "families",
+        "disk_format", "disk_write", "disk_directory", "disk_index",
+    ]
     code = (
         "import sys\n"
         + "".join(f"import mlxcel_compat.cache.{m}\n" for m in modules)

@@ -10,7 +10,8 @@ from mlxcel_compat.cache.block_hash import ApcConfig
 from mlxcel_compat.cache.key import (
     multimodal_digest,
 )
-from mlxcel_compat.cache.store import CacheEntry, PromptCacheStore
+from mlxcel_compat.cache.prompt_store import PromptCacheStore
+from mlxcel_compat.cache.records import CacheEntry
 from tests.cache.fakes import FakeClock, make_bucket
 
 
@@ -495,7 +496,7 @@ class CollidingHash:
 def test_forced_block_hash_collision_is_refused_and_counted(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     import mlxcel_compat.cache.block_hash as block_hash
 
-    monkeypatch.setattr(block_hash, "_hasher_factory", lambda name: CollidingHash)
+    monkeypatch.setattr(block_hash, "hasher_factory", lambda name: CollidingHash)
     store = make_store(apc=ApcConfig(block_size=16), min_prefix=4)
     put(store, ENTRY)
     # Shares 3 tokens with the entry; every block hash "agrees" all the same.

@@ -4,7 +4,7 @@ and their own bounds demote them back to ordinary entries."""
 from __future__ import annotations
 
 from mlxcel_compat.cache.key import PIN_SESSION
-from mlxcel_compat.cache.store import PromptCacheStore
+from mlxcel_compat.cache.prompt_store import PromptCacheStore
 from tests.cache.fakes import FakeClock, make_bucket
 
 B = make_bucket()

@@ -19,7 +19,8 @@ import openai
 import pytest
 
 from mlxcel_compat.cache import kv_io
-from mlxcel_compat.cache.disk import TEMP_PREFIX, entry_name, read_header
+from mlxcel_compat.cache.disk_directory import TEMP_PREFIX, entry_name
+from mlxcel_compat.cache.disk_format import read_header
 from tests.cache.fakes import rewrite_record
 from tests.conftest import ServerProcess, tiny_model
 from tests.e2e.helpers import assert_serving

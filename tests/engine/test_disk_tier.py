@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from mlxcel_compat.cache.disk import EntryHeader, commit, read_header, write_temp
+from mlxcel_compat.cache.disk_format import EntryHeader, read_header
+from mlxcel_compat.cache.disk_write import commit, write_temp
 from mlxcel_compat.engine import disk_tier, prefix_cache
 from tests.conftest import tiny_model
 from tests.engine.harness import EngineHarness

@@ -62,7 +62,7 @@ def test_forced_hash_collision_is_refused_at_adoption(harness: EngineHarness, mo
 
     assert harness.stats()["apc_enabled"]
     harness.reset()
-    monkeypatch.setattr(block_hash, "_hasher_factory", lambda name: CollidingHash)
+    monkeypatch.setattr(block_hash, "hasher_factory", lambda name: CollidingHash)
     stored = random_tokens(80, seed=3)
     harness.run(stored, n_predict=2, ignore_eos=True)
     other = stored[:3] + random_tokens(70, seed=4)
