@@ -11,13 +11,12 @@ from mlxcel_compat.chat.messages import (
     ChatRequest,
     ChatRequestError,
     parse_chat_request,
-    parse_tool_calls,
-    prompt_opens_thinking,
     render_chat,
     render_history_boundary,
-    split_reasoning,
 )
+from mlxcel_compat.chat.reasoning import prompt_opens_thinking, split_reasoning
 from mlxcel_compat.chat.template import BUILTIN_TEMPLATES, ChatTemplate, TemplateError
+from mlxcel_compat.chat.tool_calls import parse_tool_calls
 
 __all__ = [
     "BUILTIN_TEMPLATES",
