@@ -8,13 +8,9 @@ from typing import Any
 
 import pytest
 
-from mlxcel_compat.chat.messages import (
-    ChatRequestError,
-    parse_chat_request,
-    render_chat,
-    render_history_boundary,
-)
+from mlxcel_compat.chat.messages import ChatRequestError, parse_chat_request
 from mlxcel_compat.chat.reasoning import prompt_opens_thinking, split_reasoning
+from mlxcel_compat.chat.render import render_chat, render_history_boundary
 from mlxcel_compat.chat.template import ChatTemplate
 from mlxcel_compat.chat.tool_calls import parse_tool_calls
 

@@ -1,4 +1,4 @@
-"""OpenAI chat request parsing and prompt rendering.
+"""OpenAI chat request parsing: a ``/v1/chat/completions`` body to a :class:`ChatRequest`.
 
 ``parse_chat_request`` validates a ``/v1/chat/completions`` (or ``/apply-template``) body the way
 llama-server's ``oaicompat_chat_params_parse`` and ``common_chat_msgs_parse_oaicompat`` do, with
@@ -7,30 +7,24 @@ only ``role``, ``content``, ``tool_calls``, ``reasoning_content``, ``name`` and 
 survive, a missing or null ``content`` becomes ``""``, and tool-call arguments are JSON strings
 (the template layer turns them back into objects for templates that want objects).
 
-``render_chat`` turns a parsed request into prompt text, including llama.cpp's assistant prefill.
-A finished generation is taken apart for the response by ``split_reasoning``
-(``chat/reasoning.py``) and ``parse_tool_calls`` (``chat/tool_calls.py``), a streamed one by
-``StreamSplitter`` (``chat/stream_splitter.py``).
+``render_chat`` (``chat/render.py``) turns a parsed request into prompt text, including
+llama.cpp's assistant prefill. A finished generation is taken apart for the response by
+``split_reasoning`` (``chat/reasoning.py``) and ``parse_tool_calls`` (``chat/tool_calls.py``), a
+streamed one by ``StreamSplitter`` (``chat/stream_splitter.py``).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
-from mlxcel_compat.chat.template import ChatTemplate
-
 __all__ = [
+    "AudioSource",
     "ChatRequest",
     "ChatRequestError",
-    "date_context",
     "parse_chat_request",
-    "render_chat",
-    "render_history_boundary",
 ]
 
 _MEDIA_HINT = "hint: if this is unexpected, you may need to provide the mmproj"
@@ -96,9 +90,6 @@ class ChatRequest:
     def enable_thinking(self) -> bool:
         """Effective thinking switch; llama.cpp passes ``enable_thinking=true`` unless told not to."""
         return self.template_kwargs.get("enable_thinking", True) is not False
-
-
-# --- request parsing ----------------------------------------------------------------------
 
 
 def parse_chat_request(
@@ -407,117 +398,3 @@ def _parse_continue(raw: Any) -> tuple[bool, str]:
     raise ChatRequestError(
         "'continue_final_message' must be a boolean, \"content\" or \"reasoning_content\""
     )
-
-
-# --- rendering ------------------------------------------------------------------------------
-
-
-# Render arguments that chat_template_kwargs must not bind (they would clash or override).
-_RENDER_ARGUMENTS = (
-    "messages",
-    "tools",
-    "documents",
-    "add_generation_prompt",
-    "continue_final_message",
-)
-
-
-def date_context(now: datetime | None = None) -> dict[str, str]:
-    """The date variables llama.cpp gives every template (``common_chat_extra_context``).
-
-    Local time, as llama.cpp formats it: ``date_string`` (``"02 Dec 2026"``, read by the Llama
-    3.x templates, which otherwise print a fixed fallback date) and ``datetime``
-    (``"Dec 02 2026"``, read by Firefunction v2). ``chat_template_kwargs`` override them.
-    """
-    now = now or datetime.now()
-    return {"datetime": now.strftime("%b %d %Y"), "date_string": now.strftime("%d %b %Y")}
-
-
-def _render_kwargs(chat: ChatRequest) -> dict[str, Any]:
-    kwargs = date_context()
-    kwargs.update((k, v) for k, v in chat.template_kwargs.items() if k not in _RENDER_ARGUMENTS)
-    # llama.cpp always gives templates an enable_thinking value (true unless turned off).
-    kwargs.setdefault("enable_thinking", True)
-    return kwargs
-
-
-def render_chat(template: ChatTemplate, chat: ChatRequest) -> str:
-    """The final prompt text for a parsed request.
-
-    With prefill, the messages before the trailing assistant message are rendered with a
-    generation prompt and the assistant's text is appended (llama-server's
-    ``--prefill-assistant``), so the model continues that text. ``continue_final_message``
-    instead renders the whole conversation and cuts it right after the final message's text.
-
-    Raises:
-        TemplateError: the template failed or refused the conversation.
-    """
-    template = template.for_tools(chat.render_tools)
-    kwargs = _render_kwargs(chat)
-    if chat.prefill:
-        head, last = chat.messages[:-1], chat.messages[-1]
-        prompt = template.render(
-            head, tools=chat.render_tools, add_generation_prompt=True, **kwargs
-        )
-        return prompt + _prefill_text(last)
-    return template.render(
-        chat.messages,
-        tools=chat.render_tools,
-        add_generation_prompt=chat.add_generation_prompt,
-        continue_final_message=chat.continue_field if chat.continue_final_message else False,
-        **kwargs,
-    )
-
-
-def _prefill_text(message: Mapping[str, Any]) -> str:
-    content = message.get("content")
-    if isinstance(content, list):
-        # llama-server joins the prefilled message's text parts with a blank line.
-        return "\n\n".join(part.get("text", "") for part in content)
-    return content or ""
-
-
-def render_history_boundary(template: ChatTemplate, chat: ChatRequest, prompt: str) -> str:
-    """The rendered history of ``chat``, clipped to its common prefix with ``prompt``.
-
-    History is the conversation without its trailing new input (the user or tool messages after
-    the last assistant or system message). It is rendered closed (no generation prompt) and
-    clipped because templates may render the last history turn differently once a new turn
-    follows. Returns ``""`` when there is no history.
-    """
-    end = len(chat.messages)
-    while end > 0 and chat.messages[end - 1]["role"] not in ("assistant", "system"):
-        end -= 1
-    if end == 0:
-        return ""
-    history = template.for_tools(chat.render_tools).render_history(
-        chat.messages[:end], tools=chat.render_tools, **_render_kwargs(chat)
-    )
-    return os.path.commonprefix([history, prompt])
-
-
-def render_prefix(template: ChatTemplate, chat: ChatRequest, n_messages: int, n_parts: int | None, prompt: str) -> str:
-    """The rendered start of the conversation up to a block, clipped to its common prefix with ``prompt``.
-
-    The first ``n_messages`` messages are rendered closed (no generation prompt), the last of
-    them cut to its first ``n_parts`` content parts when given; tools render as in the prompt.
-    Zero messages render the tools (and whatever the template puts before any message). Used
-    for explicit cache breakpoints (``cache_control``): the clip keeps exactly the prompt text
-    that ends at the marked block.
-    """
-    messages = [dict(m) for m in chat.messages[:n_messages]]
-    if messages and n_parts is not None and isinstance(messages[-1].get("content"), list):
-        messages[-1]["content"] = messages[-1]["content"][:n_parts]
-    template = template.for_tools(chat.render_tools)
-    text = template.render_history(messages, tools=chat.render_tools, **_render_kwargs(chat))
-    return os.path.commonprefix([text, prompt])
-
-
-def render_next_history(template: ChatTemplate, chat: ChatRequest, reply: Mapping[str, Any]) -> str:
-    """The history the next turn will start with: this conversation plus ``reply``, closed.
-
-    Used to warm up a session's snapshot in the background before its next turn arrives.
-    """
-    messages = [*chat.messages, dict(reply)]
-    template = template.for_tools(chat.render_tools)
-    return template.render_history(messages, tools=chat.render_tools, **_render_kwargs(chat))

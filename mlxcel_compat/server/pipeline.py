@@ -26,12 +26,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from mlxcel_compat.chat.messages import (
-    ChatRequest,
-    ChatRequestError,
-    parse_chat_request,
-    render_chat,
-)
+from mlxcel_compat.chat.messages import ChatRequest, ChatRequestError, parse_chat_request
+from mlxcel_compat.chat.render import render_chat
 from mlxcel_compat.chat.reasoning import prompt_opens_thinking, split_reasoning
 from mlxcel_compat.chat.stream_splitter import StreamSplitter
 from mlxcel_compat.chat.template import TemplateError
