@@ -12,8 +12,8 @@ import json
 import orjson
 import pytest
 
-from mlxcel_compat.chat.messages import parse_chat_request
 from mlxcel_compat.chat.render import render_prefix
+from mlxcel_compat.chat.request import parse_chat_request
 from mlxcel_compat.chat.stream_splitter import StreamSplitter
 from mlxcel_compat.chat.template import ChatTemplate
 from mlxcel_compat.server import api_anthropic, api_responses

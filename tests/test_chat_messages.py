@@ -1,4 +1,4 @@
-"""Tests for mlxcel_compat.chat.messages: request validation, prompt rendering, output parsing."""
+"""Tests for mlxcel_compat.chat.request, .render, .reasoning, .tool_calls and .stream_splitter: request validation, prompt rendering, output parsing."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from mlxcel_compat.chat.messages import ChatRequestError, parse_chat_request
 from mlxcel_compat.chat.reasoning import prompt_opens_thinking, split_reasoning
 from mlxcel_compat.chat.render import render_chat, render_history_boundary
+from mlxcel_compat.chat.request import ChatRequestError, parse_chat_request
 from mlxcel_compat.chat.template import ChatTemplate
 from mlxcel_compat.chat.tool_calls import parse_tool_calls
 

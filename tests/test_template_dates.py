@@ -14,8 +14,8 @@ from datetime import datetime
 
 import pytest
 
-from mlxcel_compat.chat.messages import parse_chat_request
 from mlxcel_compat.chat.render import date_context, render_chat
+from mlxcel_compat.chat.request import parse_chat_request
 from mlxcel_compat.chat.template import ChatTemplate, TemplateError
 
 LLAMA31_STYLE = r"""{{- bos_token }}

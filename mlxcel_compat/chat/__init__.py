@@ -1,15 +1,16 @@
 """Chat templates and chat-request handling for the chat routes.
 
 ``template`` compiles and renders sandboxed Jinja chat templates (HF semantics) and detects their
-capabilities; ``messages`` validates OpenAI chat bodies llama-server style, renders the final
-prompt, and parses reasoning and tool calls out of generations.
+capabilities; ``request`` validates OpenAI chat bodies llama-server style, ``render`` renders the
+final prompt, and ``reasoning``, ``tool_calls`` and ``stream_splitter`` parse reasoning and tool
+calls out of generations.
 """
 
 from __future__ import annotations
 
-from mlxcel_compat.chat.messages import ChatRequest, ChatRequestError, parse_chat_request
 from mlxcel_compat.chat.reasoning import prompt_opens_thinking, split_reasoning
 from mlxcel_compat.chat.render import render_chat, render_history_boundary
+from mlxcel_compat.chat.request import ChatRequest, ChatRequestError, parse_chat_request
 from mlxcel_compat.chat.template import BUILTIN_TEMPLATES, ChatTemplate, TemplateError
 from mlxcel_compat.chat.tool_calls import parse_tool_calls
 

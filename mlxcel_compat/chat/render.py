@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from mlxcel_compat.chat.messages import ChatRequest
+from mlxcel_compat.chat.request import ChatRequest
 from mlxcel_compat.chat.template import ChatTemplate
 
 __all__ = [
