@@ -11,7 +11,8 @@ from __future__ import annotations
 from mlxcel_compat.chat.reasoning import prompt_opens_thinking, split_reasoning
 from mlxcel_compat.chat.render import render_chat, render_history_boundary
 from mlxcel_compat.chat.request import ChatRequest, ChatRequestError, parse_chat_request
-from mlxcel_compat.chat.template import BUILTIN_TEMPLATES, ChatTemplate, TemplateError
+from mlxcel_compat.chat.sandbox import TemplateError
+from mlxcel_compat.chat.template import BUILTIN_TEMPLATES, ChatTemplate
 from mlxcel_compat.chat.tool_calls import parse_tool_calls
 
 __all__ = [

@@ -29,8 +29,8 @@ from starlette.responses import Response, StreamingResponse
 from mlxcel_compat.chat.reasoning import prompt_opens_thinking, split_reasoning
 from mlxcel_compat.chat.render import render_chat
 from mlxcel_compat.chat.request import ChatRequest, ChatRequestError, parse_chat_request
+from mlxcel_compat.chat.sandbox import TemplateError
 from mlxcel_compat.chat.stream_splitter import StreamSplitter
-from mlxcel_compat.chat.template import TemplateError
 from mlxcel_compat.chat.tool_calls import parse_tool_calls
 from mlxcel_compat.engine.reasoning_budget import opens_block
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent, next_task_id
