@@ -117,7 +117,7 @@ class ChatTemplate:
         """Build the template for a loaded tokenizer.
 
         Args:
-            tokenizer: the served ``model.tokenizer.ServedTokenizer``, an HF tokenizer or an
+            tokenizer: the served ``tokenizer.served.ServedTokenizer``, an HF tokenizer or an
                 mlx-lm ``TokenizerWrapper``.
             override: the ``--chat-template`` value or ``--chat-template-file`` content. One of
                 llama.cpp's built-in names (``chat/builtin_templates.py``; those render as
