@@ -1,13 +1,13 @@
-"""Sandboxed Jinja chat templates, rendered the way HF transformers renders them.
+"""Chat templates, rendered the way HF transformers renders them: the ``ChatTemplate`` class.
 
-Chat templates ship with model repositories and are untrusted code, so they run in Jinja's
-``ImmutableSandboxedEnvironment``. The environment offers what transformers'
-``apply_chat_template`` offers (``raise_exception``, an HF-flavoured ``tojson``, ``strftime_now``,
-a no-op ``{% generation %}`` tag, ``loopcontrols``), because templates are written against that
-runtime. On top of that this module adds the llama-server behaviour the chat routes need:
-capability detection for ``/props`` (``chat_template_caps``), the content and tool-call argument
-shapes a template wants, the ``preserve_reasoning`` switch, and ``--chat-template NAME`` (llama.cpp's
-built-in formats live in ``builtin_templates.py``).
+Chat templates ship with model repositories and are untrusted code, so they compile in the
+sandboxed Jinja environment of ``chat/sandbox.py``, which offers what transformers'
+``apply_chat_template`` offers. On top of that this module adds the llama-server behaviour the
+chat routes need: capability detection for ``/props`` (``chat_template_caps``, probed in
+``chat/template_caps.py``), the content and tool-call argument shapes a template wants and the
+``preserve_reasoning`` switch (``chat/template_inputs.py``), the model's templates read from its
+tokenizer with ChatML as the fallback, and ``--chat-template NAME`` (llama.cpp's built-in formats
+live in ``builtin_templates.py``).
 
 Rendered text contains whatever special tokens the template writes (for example ``bos_token``).
 Tokenize it without adding special tokens again, as transformers does.
@@ -16,166 +16,28 @@ Tokenize it without adding special tokens again, as transformers does.
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Mapping, Sequence
-from datetime import datetime
-from typing import Any, NoReturn
+from typing import Any
 
 import jinja2
-import jinja2.ext
 import jinja2.meta
-import jinja2.nodes
-import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mlxcel_compat.chat.builtin_templates import BUILTIN_TEMPLATE_NAMES, BuiltinTemplate
+from mlxcel_compat.chat.sandbox import ENVIRONMENT, TemplateError
+from mlxcel_compat.chat.template_caps import detect_caps
+from mlxcel_compat.chat.template_inputs import (
+    adapt_messages,
+    cut_final_message,
+    expand_switches,
+    mark_final_message,
+    prepare_messages,
+)
+from mlxcel_compat.tokenizer.served import unwrap_tokenizer
 
 __all__ = [
     "BUILTIN_TEMPLATES",
     "ChatTemplate",
-    "TemplateError",
 ]
-
-
-class TemplateError(Exception):
-    """A chat template failed to compile or render.
-
-    Raised for Jinja syntax and runtime errors, sandbox violations and the template's own
-    ``raise_exception(...)``. The routes answer it with HTTP 400 and ``message``.
-    """
-
-    status_code = 400
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
-# --- Jinja environment (shared by every template) ---------------------------------------------
-
-
-def _raise_exception(message: Any) -> NoReturn:
-    # Templates call this to refuse a conversation ("roles must alternate ...").
-    raise TemplateError(str(message))
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | str | None = None,
-    separators: Sequence[str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    """HF's ``tojson``: plain ``json.dumps`` that keeps non-ASCII text and key order.
-
-    Jinja's own filter HTML-escapes ``<``, ``>`` and ``&`` and sorts keys, which would change
-    the prompt the model was trained on.
-    """
-    if separators is not None:
-        separators = tuple(separators)
-    return json.dumps(
-        value,
-        ensure_ascii=ensure_ascii,
-        indent=indent,
-        separators=separators,
-        sort_keys=sort_keys,
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class _TemplateDict:
-    """Stands in for the ``dict`` global: builds dicts, exposes nothing of the ``dict`` type."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """``namespace(...)`` that refuses underscore-prefixed names, so no internals can be reached."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - same trick as Jinja's Namespace
-        self, rest = args[0], args[1:]
-        attrs = dict(*rest, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"chat templates cannot store underscore-prefixed names on a namespace: {name!r}"
-            )
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """Accepts ``{% generation %}...{% endgeneration %}`` and renders the body unchanged.
-
-    transformers uses the tag to build assistant-token masks for training; serving only needs
-    templates that contain it to compile.
-    """
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        call = self.call_method("_render_body")
-        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
-
-    def _render_body(self, caller: Any) -> str:
-        return caller()
-
-
-def _is_nothing(value: Any) -> bool:
-    return value is None or isinstance(value, jinja2.Undefined)
-
-
-class _ChatEnvironment(ImmutableSandboxedEnvironment):
-    """The sandbox, plus llama.cpp's Jinja rule for ``+``: a missing or null operand next to a
-    string counts as ``""``.
-
-    Templates written for llama-server rely on it: Firefunction v2 builds its system prompt as
-    ``suffix + "\\n" + functions`` and renders with ``functions`` undefined there. Jinja itself
-    raises (an undefined operand) or Python does (``str + None``). ``~`` keeps Jinja's meaning.
-    """
-
-    intercepted_binops = frozenset({"+"})
-
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "+":
-            if isinstance(left, str) and _is_nothing(right):
-                return left
-            if isinstance(right, str) and _is_nothing(left):
-                return right
-        return super().call_binop(context, operator, left, right)
-
-
-def _make_environment() -> ImmutableSandboxedEnvironment:
-    env = _ChatEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationTag, jinja2.ext.loopcontrols, jinja2.ext.do],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    return env
-
-
-_ENV = _make_environment()
 
 
 # --- the ChatML template (written for this project; renders what llama.cpp's ChatML renders) ---
@@ -197,18 +59,6 @@ BUILTIN_TEMPLATES: dict[str, str] = {
 
 # Names the render arguments own; kwargs with these names are ignored instead of clobbering them.
 _RESERVED_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
-
-# Marks the end of the final message when continuing it; the rendered text is cut there.
-_CONTINUE_MARKER = "<<mlxcel-continue-final-message-7c1e>>"
-
-# Placeholders for capability probes: distinctive strings looked for in the rendered output.
-_PH_SYSTEM = "<<probe-system-5b2f>>"
-_PH_TOOL_NAME = "probe_tool_9d41"
-_PH_CALL_NAME = "probe_call_3e87"
-_PH_ARG = "<<probe-arg-a1>>"
-_PH_ARG2 = "<<probe-arg-b2>>"
-_PH_TEXT = "<<probe-text-c6d0>>"
-_PH_REASONING = "<<probe-reasoning-e4a9>>"
 
 
 class ChatTemplate:
@@ -253,8 +103,8 @@ class ChatTemplate:
         self._globals["bos_token"] = bos_token
         self._globals["eos_token"] = eos_token
         try:
-            ast = _ENV.parse(source)
-            self._compiled = _ENV.from_string(ast)
+            ast = ENVIRONMENT.parse(source)
+            self._compiled = ENVIRONMENT.from_string(ast)
         except jinja2.TemplateSyntaxError as exc:
             raise TemplateError(f"invalid chat template: {exc}") from exc
         self._variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
@@ -267,7 +117,7 @@ class ChatTemplate:
         """Build the template for a loaded tokenizer.
 
         Args:
-            tokenizer: the served ``model.tokenizer.ServedTokenizer``, an HF tokenizer or an
+            tokenizer: the served ``tokenizer.served.ServedTokenizer``, an HF tokenizer or an
                 mlx-lm ``TokenizerWrapper``.
             override: the ``--chat-template`` value or ``--chat-template-file`` content. One of
                 llama.cpp's built-in names (``chat/builtin_templates.py``; those render as
@@ -277,7 +127,7 @@ class ChatTemplate:
         Without an override the model's ``default`` template is used (``tool_use`` when that is
         the only one); a model without any template falls back to ChatML, as llama.cpp does.
         """
-        hf = _unwrap_tokenizer(tokenizer)
+        hf = unwrap_tokenizer(tokenizer, "chat_template")
         named = _named_templates(getattr(hf, "chat_template", None))
         special = _special_tokens(hf)
         bos = _token_text(getattr(hf, "bos_token", None))
@@ -382,7 +232,7 @@ class ChatTemplate:
         Raises:
             TemplateError: the template failed or refused the conversation.
         """
-        prepared = self._adapt_messages(_prepare_messages(messages))
+        prepared = adapt_messages(prepare_messages(messages), self.caps())
         return self._render_prepared(
             prepared,
             tools=tools,
@@ -432,7 +282,7 @@ class ChatTemplate:
         llama.cpp reports them.
         """
         if self._caps is None:
-            self._caps = self._detect_caps()
+            self._caps = detect_caps(self._probe, reads_reasoning_effort=self.supports_kwarg("reasoning_effort"))
         return dict(self._caps)
 
     # --- internals --------------------------------------------------------------------------
@@ -454,10 +304,10 @@ class ChatTemplate:
         field = ""
         if continue_final_message:
             field = "content" if continue_final_message is True else str(continue_final_message)
-            _mark_final_message(messages, field)
+            mark_final_message(messages, field)
 
         context = dict(self._globals)
-        context.update(_expand_switches(kwargs))
+        context.update(expand_switches(kwargs))
         for reserved in _RESERVED_NAMES:
             context.pop(reserved, None)
         context["messages"] = messages
@@ -475,28 +325,8 @@ class ChatTemplate:
             raise TemplateError(str(exc) or type(exc).__name__) from exc
 
         if field:
-            cut = text.rfind(_CONTINUE_MARKER)
-            if cut < 0:
-                raise TemplateError(
-                    f"continue_final_message is set but the final message's {field} does not "
-                    "appear in the rendered chat"
-                )
-            text = text[:cut]
+            text = cut_final_message(text, field)
         return text
-
-    def _adapt_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        caps = self.caps()
-        only_string = caps["supports_string_content"] and not caps["supports_typed_content"]
-        only_typed = caps["supports_typed_content"] and not caps["supports_string_content"]
-        for message in messages:
-            content = message.get("content")
-            if only_string and isinstance(content, list):
-                message["content"] = _join_text_parts(content)
-            elif only_typed and isinstance(content, str):
-                message["content"] = [{"type": "text", "text": content}]
-            if caps["supports_object_arguments"]:
-                _arguments_to_objects(message)
-        return messages
 
     def _probe(
         self,
@@ -508,7 +338,7 @@ class ChatTemplate:
         """Render a probe conversation as-is; ``None`` when the template raises."""
         try:
             return self._render_prepared(
-                _prepare_messages(messages),
+                prepare_messages(messages),
                 tools=tools,
                 documents=None,
                 add_generation_prompt=True,
@@ -518,76 +348,8 @@ class ChatTemplate:
         except TemplateError:
             return None
 
-    def _detect_caps(self) -> dict[str, bool]:
-        caps: dict[str, bool] = {}
-        caps.update(self._detect_content_caps())
 
-        out = self._probe(
-            [
-                {"role": "system", "content": _PH_SYSTEM},
-                {"role": "user", "content": "User message"},
-            ]
-        )
-        caps["supports_system_role"] = out is not None and _PH_SYSTEM in out
-
-        out = self._probe([{"role": "user", "content": "User message"}], tools=_probe_tools())
-        caps["supports_tools"] = out is not None and _PH_TOOL_NAME in out
-
-        caps.update(self._detect_tool_call_caps())
-
-        # Reasoning deeper in the history than the last assistant turn must survive when the
-        # preserve switch is on (many templates keep only the latest turn's reasoning).
-        out = self._probe(_reasoning_conversation(), preserve_reasoning=True)
-        caps["supports_preserve_reasoning"] = out is not None and _PH_REASONING in out
-
-        caps["supports_reasoning_effort"] = self.supports_kwarg("reasoning_effort")
-        return dict(sorted(caps.items()))
-
-    def _detect_content_caps(self) -> dict[str, bool]:
-        out = self._probe([{"role": "user", "content": _PH_TEXT}])
-        string_ok = out is not None and _PH_TEXT in out
-
-        typed = [{"type": "text", "text": _PH_TEXT}]
-        out = self._probe([{"role": "user", "content": typed}])
-        # A template that prints the list as a Python repr does not really take typed content.
-        typed_ok = out is not None and _PH_TEXT in out and "'type'" not in out
-        return {"supports_string_content": string_ok, "supports_typed_content": typed_ok}
-
-    def _detect_tool_call_caps(self) -> dict[str, bool]:
-        """Object arguments first (printed as JSON, not a Python repr), then string arguments."""
-        args: list[Any] = [{"arg": _PH_ARG}, {"arg": _PH_ARG2}]
-        out = self._probe(_tool_call_conversation(args[:1]), tools=_probe_tools())
-        object_ok = out is not None and _PH_ARG in out and "'arg'" not in out
-        calls_ok = object_ok
-        if not object_ok:
-            args = [json.dumps(a) for a in args]
-            out = self._probe(_tool_call_conversation(args[:1]), tools=_probe_tools())
-            calls_ok = out is not None and (_PH_ARG in out or _PH_CALL_NAME in out)
-
-        parallel_ok = False
-        if calls_ok:
-            out = self._probe(_tool_call_conversation(args), tools=_probe_tools())
-            parallel_ok = out is not None and _PH_ARG in out and _PH_ARG2 in out
-        return {
-            "supports_object_arguments": object_ok,
-            "supports_tool_calls": calls_ok,
-            "supports_parallel_tool_calls": parallel_ok,
-        }
-
-
-# --- helpers ----------------------------------------------------------------------------------
-
-
-def _unwrap_tokenizer(tokenizer: Any) -> Any:
-    """The HF tokenizer inside an mlx-lm ``TokenizerWrapper`` (or the tokenizer itself).
-
-    HF fast tokenizers also have a ``_tokenizer`` (the Rust one), which has no chat template;
-    only unwrap when the inner object looks like an HF tokenizer.
-    """
-    inner = getattr(tokenizer, "_tokenizer", None)
-    if inner is not None and hasattr(inner, "chat_template"):
-        return inner
-    return tokenizer
+# --- helpers: the model's templates and special tokens, read from its tokenizer ----------------
 
 
 def _named_templates(raw: Any) -> dict[str, str]:
@@ -626,131 +388,3 @@ def _special_tokens(hf: Any) -> dict[str, Any]:
         elif value is not None:
             result[str(key)] = _token_text(value)
     return result
-
-
-def _prepare_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Deep-copy messages (never mutate the caller's) and alias reasoning for templates.
-
-    Templates read an assistant's reasoning as ``reasoning_content`` or, for gpt-oss, as
-    ``thinking``; transformers fills both, so do we.
-    """
-    prepared: list[dict[str, Any]] = []
-    for message in messages:
-        copied = copy.deepcopy(dict(message))
-        reasoning = copied.get("reasoning_content")
-        if reasoning is not None and "thinking" not in copied:
-            copied["thinking"] = reasoning
-        prepared.append(copied)
-    return prepared
-
-
-def _expand_switches(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """Apply llama.cpp's ``preserve_reasoning`` switch; explicit kwargs still win."""
-    expanded = dict(kwargs)
-    switch = kwargs.get("preserve_reasoning")
-    if isinstance(switch, bool):
-        derived = {
-            "preserve_thinking": switch,
-            "clear_thinking": not switch,
-            "truncate_history_thinking": not switch,
-            "drop_thinking": not switch,
-        }
-        for key, value in derived.items():
-            expanded.setdefault(key, value)
-    return expanded
-
-
-def _join_text_parts(parts: list[Any]) -> str:
-    # llama.cpp joins text parts with a newline when the template only takes strings.
-    texts = [
-        part.get("text", "")
-        for part in parts
-        if isinstance(part, Mapping) and part.get("type") == "text"
-    ]
-    return "\n".join(str(t) for t in texts)
-
-
-def _arguments_to_objects(message: dict[str, Any]) -> None:
-    for call in message.get("tool_calls") or []:
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict):
-            continue
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                parsed = json.loads(arguments)
-            except ValueError:
-                continue
-            if isinstance(parsed, dict):
-                function["arguments"] = parsed
-
-
-def _mark_final_message(messages: list[dict[str, Any]], field: str) -> None:
-    """Append the continue marker to ``field`` of the final message (last text part for lists)."""
-    if not messages:
-        raise TemplateError("continue_final_message is set but there are no messages")
-    final = messages[-1]
-    value = final.get(field)
-    if isinstance(value, str):
-        final[field] = value + _CONTINUE_MARKER
-        if field == "reasoning_content" and final.get("thinking") == value:
-            final["thinking"] = value + _CONTINUE_MARKER
-        return
-    if isinstance(value, list):
-        for part in reversed(value):
-            if isinstance(part, dict) and isinstance(part.get("text"), str):
-                part["text"] = part["text"] + _CONTINUE_MARKER
-                return
-    raise TemplateError(
-        f"continue_final_message is set but the final message has no {field} to continue"
-    )
-
-
-def _probe_tools() -> list[dict[str, Any]]:
-    return [
-        {
-            "type": "function",
-            "function": {
-                "name": _PH_TOOL_NAME,
-                "description": "Tool description",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"arg": {"type": "string", "description": "Arg description"}},
-                    "required": ["arg"],
-                },
-            },
-        }
-    ]
-
-
-def _tool_call_conversation(arguments: list[Any]) -> list[dict[str, Any]]:
-    calls = [
-        {
-            "id": f"call0000{i + 1}",
-            "type": "function",
-            "function": {"name": _PH_CALL_NAME, "arguments": args},
-        }
-        for i, args in enumerate(arguments)
-    ]
-    return [
-        {"role": "user", "content": "User message"},
-        # Some templates expect empty content next to tool calls.
-        {"role": "assistant", "content": "", "tool_calls": calls},
-        {"role": "tool", "content": "Tool response", "tool_call_id": "call00001"},
-        {"role": "assistant", "content": "The tool response was 'tool response'"},
-        {"role": "user", "content": "User message"},
-    ]
-
-
-def _reasoning_conversation() -> list[dict[str, Any]]:
-    return [
-        {"role": "user", "content": "User message"},
-        {"role": "assistant", "content": "Assistant message", "reasoning_content": _PH_REASONING},
-        {"role": "user", "content": "User message"},
-        {
-            "role": "assistant",
-            "content": "Assistant message",
-            "reasoning_content": "Reasoning content",
-        },
-        {"role": "user", "content": "User message"},
-    ]

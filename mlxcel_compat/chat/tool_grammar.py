@@ -1,4 +1,5 @@
-"""Grammars that force well-formed tool calls, in the syntax ``parse_tool_calls`` reads back.
+"""Grammars that force well-formed tool calls, in the syntax ``parse_tool_calls`` reads back
+(``chat/tool_calls.py``).
 
 The chat templates this server parses calls from (Hermes/Qwen style, every factory family's
 template) write a call as::
@@ -18,11 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlxcel_compat.chat.reasoning import THINK_END
+from mlxcel_compat.chat.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from mlxcel_compat.engine.grammar import TRIGGER_PATTERN_FULL, GrammarTrigger, json_rule
-
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
-THINK_END = "</think>"
 
 # Where a lazy tool-call grammar starts ("auto"): the first <tool_call> once any <think> block
 # the reply opened is closed. A prompt that already opened the block needs its </think> first.

@@ -23,8 +23,8 @@ from mlxcel_compat.server.openapi import JSON, SSE, Operation
 from mlxcel_compat.server.params import CompletionOptions
 from mlxcel_compat.server.pipeline import (
     CompletionJob,
-    _prepare_completion,
     api_key_id,
+    build_completion_job,
     collect,
     ctx_of,
     header_session,
@@ -112,7 +112,7 @@ def _prepare_infill(ctx: ServerContext, data: dict[str, Any], session: str | Non
     budget = InfillBudget(n_batch=s.batch_size, n_predict=s.n_predict, n_ctx=m.n_ctx, spm=bool(s.spm_infill), bos_id=m.bos_id)
     tokens = infill_prompt(m.fim, parse_infill(data), budget, plain_tokenizer(m.tokenizer), ctx.tokenize)
     # From here on an infill request is a completion of these tokens (cache, samplers, stream).
-    return _prepare_completion(ctx, {**data, "prompt": tokens}, session, key_id)
+    return build_completion_job(ctx, {**data, "prompt": tokens}, session, key_id)
 
 
 # ---------------------------------------------------------------------- tokens and templates

@@ -12,7 +12,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mlxcel_compat.chat.messages import StreamSplitter, prompt_opens_thinking
+from mlxcel_compat.chat.reasoning import prompt_opens_thinking
+from mlxcel_compat.chat.stream_splitter import StreamSplitter
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, ProgressEvent, TokenEvent
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext

@@ -27,8 +27,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from mlxcel_compat.server import agent_tools, cors_proxy
-from mlxcel_compat.server.agent_tools import ParamError, Tool
+from mlxcel_compat.server import agent_params, cors_proxy
+from mlxcel_compat.server.agent_params import ParamError
+from mlxcel_compat.server.agent_tools import Tool
 from mlxcel_compat.server.errors import json_response, raw_error_response
 from mlxcel_compat.server.formats import sse
 from mlxcel_compat.server.openapi import Operation
@@ -91,7 +92,7 @@ def check_runtime(spec: str) -> None:
     raise RuntimeError(f"tool runtime {spec}: only the host runtime is supported by mlxcel_compat")
 
 
-def _invoke(tool: Tool, params: dict[str, Any], stream: agent_tools.Chunk | None) -> Any:
+def _invoke(tool: Tool, params: dict[str, Any], stream: agent_params.Chunk | None) -> Any:
     if params.get("runtime"):
         check_runtime(params["runtime"])
     return tool.invoke(params, stream)
@@ -104,17 +105,17 @@ def _parse_call(raw: bytes, headers: Any) -> tuple[str, dict[str, Any], bool]:
     except orjson.JSONDecodeError as exc:
         raise ParamError(f"[json.exception.parse_error.101] parse error: {exc}") from None
     if not isinstance(body, dict):
-        raise ParamError(f"[json.exception.type_error.304] cannot use at() with {agent_tools.type_name(body)}")
-    name = agent_tools.required(body, "tool", str)
+        raise ParamError(f"[json.exception.type_error.304] cannot use at() with {agent_params.type_name(body)}")
+    name = agent_params.required(body, "tool", str)
     params = body.get("params", {})
     if params is None:
         params = {}
     if not isinstance(params, dict):
         raise ParamError(f"[json.exception.type_error.305] cannot use operator[] with a string argument with "
-                         f"{agent_tools.type_name(params)}")
+                         f"{agent_params.type_name(params)}")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise ParamError(f"[json.exception.type_error.302] type must be boolean, but is {agent_tools.type_name(stream)}")
+        raise ParamError(f"[json.exception.type_error.302] type must be boolean, but is {agent_params.type_name(stream)}")
     for key, header in (("cwd", "x-tool-cwd"), ("runtime", "x-tool-runtime"), ("resp_type", "x-resp-type")):
         params.pop(key, None)
         if headers.get(header):

@@ -16,8 +16,8 @@ from typing import Any, Callable, Mapping
 
 from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG, TEXT_ONLY_MM_DIGEST, cache_namespace, resolve_session_key, template_signature
 from mlxcel_compat.cache.snapshot import common_prefix_len
-from mlxcel_compat.chat.messages import render_history_boundary, render_next_history, render_prefix
-from mlxcel_compat.chat.template import TemplateError
+from mlxcel_compat.chat.render import render_history_boundary, render_next_history, render_prefix
+from mlxcel_compat.chat.sandbox import TemplateError
 from mlxcel_compat.engine.request import GenerationRequest, WarmupJob
 from mlxcel_compat.server.errors import InvalidRequest
 

@@ -50,7 +50,7 @@ import numpy as np
 from blake3 import blake3
 
 from mlxcel_compat.cache.key import multimodal_digest
-from mlxcel_compat.chat.messages import AudioSource
+from mlxcel_compat.chat.request import AudioSource
 from mlxcel_compat.vision.inputs import MediaAudio, MediaImage, MediaInput
 from mlxcel_compat.server.errors import InvalidRequest
 

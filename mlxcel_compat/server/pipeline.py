@@ -26,17 +26,12 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from mlxcel_compat.chat.messages import (
-    ChatRequest,
-    ChatRequestError,
-    StreamSplitter,
-    parse_chat_request,
-    parse_tool_calls,
-    prompt_opens_thinking,
-    render_chat,
-    split_reasoning,
-)
-from mlxcel_compat.chat.template import TemplateError
+from mlxcel_compat.chat.reasoning import prompt_opens_thinking, split_reasoning
+from mlxcel_compat.chat.render import render_chat
+from mlxcel_compat.chat.request import ChatRequest, ChatRequestError, parse_chat_request
+from mlxcel_compat.chat.sandbox import TemplateError
+from mlxcel_compat.chat.stream_splitter import StreamSplitter
+from mlxcel_compat.chat.tool_calls import parse_tool_calls
 from mlxcel_compat.engine.reasoning_budget import opens_block
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent, next_task_id
 from mlxcel_compat.vision.inputs import MediaInput
@@ -191,12 +186,14 @@ async def prepare_completion(
 ) -> CompletionJob:
     """``prompt`` (llama-server's shapes) and the options, tokenized on a worker thread;
     ``response_format`` is read on ``/v1/completions`` only."""
-    return await ctx.workers.run(_prepare_completion, ctx, data, header_session(request), api_key_id(request), response_format)
+    return await ctx.workers.run(build_completion_job, ctx, data, header_session(request), api_key_id(request), response_format)
 
 
-def _prepare_completion(
+def build_completion_job(
     ctx: ServerContext, data: Mapping[str, Any], session: str | None, key_id: str | None, response_format: bool = False
 ) -> CompletionJob:
+    """The work of :func:`prepare_completion`, on the calling thread: ``session`` and ``key_id``
+    are what the request's headers gave. ``/infill`` and the tests call it with their own prompts."""
     opts = parse_options(ctx, data, response_format=response_format)
     m = ctx.model
     media = _raw_media(ctx, data.get("prompt"))
@@ -300,10 +297,12 @@ async def prepare_chat(ctx: ServerContext, request: Request, data: Mapping[str, 
     ``response_format``, ``tool_choice`` with ``tools``, ``parallel_tool_calls``) become the
     requests' constraint (``server/structured.py``).
     """
-    return await ctx.workers.run(_prepare_chat, ctx, data, header_session(request), api_key_id(request))
+    return await ctx.workers.run(build_chat_job, ctx, data, header_session(request), api_key_id(request))
 
 
-def _prepare_chat(ctx: ServerContext, data: Mapping[str, Any], session: str | None, key_id: str | None) -> ChatJob:
+def build_chat_job(ctx: ServerContext, data: Mapping[str, Any], session: str | None, key_id: str | None) -> ChatJob:
+    """The work of :func:`prepare_chat`, on the calling thread: ``session`` and ``key_id`` are
+    what the request's headers gave."""
     breakpoints = find_breakpoints(data)
     prompt, chat = render_prompt(ctx, data)
     ctx.prompt_bound.check(len(prompt))  # the rendered prompt cannot fit: no need to tokenize it

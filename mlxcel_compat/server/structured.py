@@ -28,7 +28,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from mlxcel_compat.chat.messages import ChatRequest, prompt_opens_thinking
+from mlxcel_compat.chat.reasoning import prompt_opens_thinking
+from mlxcel_compat.chat.request import ChatRequest
 from mlxcel_compat.chat.tool_grammar import lazy_trigger, tool_call_grammar
 from mlxcel_compat.engine.grammar import (
     TRIGGER_PATTERN,

@@ -305,8 +305,13 @@ def config_eos_ids(value: Any) -> list[int]:
     return []
 
 
-def unwrap_tokenizer(tokenizer: Any) -> Any:
+def unwrap_tokenizer(tokenizer: Any, attribute: str = "convert_ids_to_tokens") -> Any:
     """The Hugging Face tokenizer inside an mlx-lm ``TokenizerWrapper``, else the tokenizer itself
-    (the served :class:`ServedTokenizer`, an HF tokenizer in tests)."""
+    (the served :class:`ServedTokenizer`, an HF tokenizer in tests).
+
+    HF fast tokenizers also have a ``_tokenizer`` (the Rust one), so the inner object is only
+    taken when it has ``attribute``, the one the caller reads: the vocabulary's
+    ``convert_ids_to_tokens`` by default, ``chat_template`` for the chat template.
+    """
     inner = getattr(tokenizer, "_tokenizer", None)
-    return inner if inner is not None and hasattr(inner, "convert_ids_to_tokens") else tokenizer
+    return inner if inner is not None and hasattr(inner, attribute) else tokenizer

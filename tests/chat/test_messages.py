@@ -1,4 +1,4 @@
-"""Tests for mlxcel_compat.chat.messages: request validation, prompt rendering, output parsing."""
+"""Tests for mlxcel_compat.chat.request, .render, .reasoning, .tool_calls and .stream_splitter: request validation, prompt rendering, output parsing."""
 
 from __future__ import annotations
 
@@ -8,16 +8,11 @@ from typing import Any
 
 import pytest
 
-from mlxcel_compat.chat.messages import (
-    ChatRequestError,
-    parse_chat_request,
-    parse_tool_calls,
-    prompt_opens_thinking,
-    render_chat,
-    render_history_boundary,
-    split_reasoning,
-)
+from mlxcel_compat.chat.reasoning import prompt_opens_thinking, split_reasoning
+from mlxcel_compat.chat.render import render_chat, render_history_boundary
+from mlxcel_compat.chat.request import ChatRequestError, parse_chat_request
 from mlxcel_compat.chat.template import ChatTemplate
+from mlxcel_compat.chat.tool_calls import parse_tool_calls
 
 # A ChatML template in the style of Qwen3, written for these tests (tools in the system prompt,
 # Hermes tool calls, tool responses, enable_thinking). Independent of the tiny-model factory.
@@ -490,7 +485,7 @@ def test_prompt_opens_thinking() -> None:
 
 
 def _split_stream(pieces: list[str], **kwargs) -> tuple[str, str]:
-    from mlxcel_compat.chat.messages import StreamSplitter
+    from mlxcel_compat.chat.stream_splitter import StreamSplitter
 
     splitter = StreamSplitter(**kwargs)
     fields = {"content": "", "reasoning_content": ""}

@@ -1,4 +1,4 @@
-"""Tests for mlxcel_compat.chat.template: sandboxed rendering, helpers, caps, built-ins."""
+"""Tests for mlxcel_compat.chat.template (with .sandbox, .template_inputs, .template_caps): sandboxed rendering, helpers, caps, built-ins."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from mlxcel_compat.chat import template as template_module
-from mlxcel_compat.chat.template import BUILTIN_TEMPLATES, ChatTemplate, TemplateError
+from mlxcel_compat.chat import sandbox
+from mlxcel_compat.chat.sandbox import TemplateError
+from mlxcel_compat.chat.template import BUILTIN_TEMPLATES, ChatTemplate
 
 # A ChatML template in the style of Qwen3, written for these tests: tools as JSON lines in the
 # system prompt, Hermes tool calls, tool responses as user turns, reasoning kept only after the
@@ -266,8 +267,8 @@ def test_template_is_compiled_once(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("template compiled again")
 
-    monkeypatch.setattr(template_module._ENV, "from_string", refuse)
-    monkeypatch.setattr(template_module._ENV, "parse", refuse)
+    monkeypatch.setattr(sandbox.ENVIRONMENT, "from_string", refuse)
+    monkeypatch.setattr(sandbox.ENVIRONMENT, "parse", refuse)
     tpl.render([{"role": "user", "content": "x"}])
     tpl.caps()
     tpl.render([{"role": "user", "content": "y"}])
@@ -351,7 +352,7 @@ def test_strftime_now_uses_current_time(monkeypatch: pytest.MonkeyPatch) -> None
         def now() -> datetime:
             return datetime(2024, 7, 26, 13, 5)
 
-    monkeypatch.setattr(template_module, "datetime", FixedDatetime)
+    monkeypatch.setattr(sandbox, "datetime", FixedDatetime)
     out = make_template("{{ strftime_now('%d %b %Y %H:%M') }}").render([])
     assert out == "26 Jul 2024 13:05"
 

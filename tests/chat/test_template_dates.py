@@ -14,8 +14,10 @@ from datetime import datetime
 
 import pytest
 
-from mlxcel_compat.chat.messages import date_context, parse_chat_request, render_chat
-from mlxcel_compat.chat.template import ChatTemplate, TemplateError
+from mlxcel_compat.chat.render import date_context, render_chat
+from mlxcel_compat.chat.request import parse_chat_request
+from mlxcel_compat.chat.sandbox import TemplateError
+from mlxcel_compat.chat.template import ChatTemplate
 
 LLAMA31_STYLE = r"""{{- bos_token }}
 {%- if not date_string is defined %}{%- set date_string = "26 Jul 2024" %}{%- endif %}

@@ -16,7 +16,7 @@ import pytest
 
 from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG
 from mlxcel_compat.cache.media import first_media_token, split_ok
-from mlxcel_compat.chat.messages import AudioSource
+from mlxcel_compat.chat.request import AudioSource
 from mlxcel_compat.engine.request import CacheContext, GenerationRequest
 from mlxcel_compat.engine.sampling import SamplingParams
 from mlxcel_compat.server.errors import InvalidRequest

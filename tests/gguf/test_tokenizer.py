@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
 
-from mlxcel_compat.chat.messages import parse_chat_request, render_chat
+from mlxcel_compat.chat.render import render_chat
+from mlxcel_compat.chat.request import parse_chat_request
 from mlxcel_compat.chat.template import ChatTemplate
 from mlxcel_compat.engine.textstream import TextStream
 from mlxcel_compat.gguf import tokenizer as gguf_tokenizer

@@ -12,7 +12,9 @@ import json
 import orjson
 import pytest
 
-from mlxcel_compat.chat.messages import StreamSplitter, parse_chat_request, render_prefix
+from mlxcel_compat.chat.render import render_prefix
+from mlxcel_compat.chat.request import parse_chat_request
+from mlxcel_compat.chat.stream_splitter import StreamSplitter
 from mlxcel_compat.chat.template import ChatTemplate
 from mlxcel_compat.server import api_anthropic, api_responses
 from mlxcel_compat.server.cache_hooks import Breakpoint, find_breakpoints

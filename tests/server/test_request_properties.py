@@ -28,7 +28,7 @@ from mlxcel_compat.server.app import model_info
 from mlxcel_compat.server.cache_hooks import CacheHooks
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.errors import ApiError
-from mlxcel_compat.server.pipeline import _prepare_chat, _prepare_completion
+from mlxcel_compat.server.pipeline import build_chat_job, build_completion_job
 from mlxcel_compat.server.structured import StructuredOutput
 from mlxcel_compat.settings import resolve_settings
 
@@ -84,8 +84,8 @@ def check_sampler(ctx: ServerContext, requests: list) -> None:
 def prepare(ctx: ServerContext, route: str, body: dict[str, Any]) -> list:
     """What the route does with a body before the engine (the handlers' own steps)."""
     if route == "chat":
-        return _prepare_chat(ctx, check_logprobs(body), None, None).requests
-    return _prepare_completion(ctx, body, None, None).requests
+        return build_chat_job(ctx, check_logprobs(body), None, None).requests
+    return build_completion_job(ctx, body, None, None).requests
 
 
 def assert_answer_or_named_4xx(ctx: ServerContext, route: str, field_name: str, body: dict[str, Any]) -> None:
@@ -161,7 +161,7 @@ def test_sampler_parameters_in_combination(ctx, values: dict[str, Any], samplers
     if samplers is not None:
         body["samplers"] = samplers
     try:
-        requests = _prepare_completion(ctx, body, None, None).requests
+        requests = build_completion_job(ctx, body, None, None).requests
     except ApiError as exc:
         assert exc.status_code == 400 and any(f"'{name}'" in exc.message for name in (*values, "samplers")), exc.message
         return

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from mlxcel_compat.chat.messages import parse_chat_request, parse_tool_calls
+from mlxcel_compat.chat.request import parse_chat_request
+from mlxcel_compat.chat.tool_calls import parse_tool_calls
 from mlxcel_compat.chat.tool_grammar import lazy_trigger, tool_call_grammar
 from mlxcel_compat.engine.grammar import (
     Constraint,

@@ -1,4 +1,4 @@
-"""OpenAI chat request parsing, prompt rendering, and parsing of tool calls and reasoning.
+"""OpenAI chat request parsing: a ``/v1/chat/completions`` body to a :class:`ChatRequest`.
 
 ``parse_chat_request`` validates a ``/v1/chat/completions`` (or ``/apply-template``) body the way
 llama-server's ``oaicompat_chat_params_parse`` and ``common_chat_msgs_parse_oaicompat`` do, with
@@ -7,34 +7,24 @@ only ``role``, ``content``, ``tool_calls``, ``reasoning_content``, ``name`` and 
 survive, a missing or null ``content`` becomes ``""``, and tool-call arguments are JSON strings
 (the template layer turns them back into objects for templates that want objects).
 
-``render_chat`` turns a parsed request into prompt text, including llama.cpp's assistant prefill.
-``split_reasoning`` and ``parse_tool_calls`` take a finished generation apart for the response.
+``render_chat`` (``chat/render.py``) turns a parsed request into prompt text, including
+llama.cpp's assistant prefill. A finished generation is taken apart for the response by
+``split_reasoning`` (``chat/reasoning.py``) and ``parse_tool_calls`` (``chat/tool_calls.py``), a
+streamed one by ``StreamSplitter`` (``chat/stream_splitter.py``).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import secrets
-import string
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
-from mlxcel_compat.chat.template import ChatTemplate
-
 __all__ = [
+    "AudioSource",
     "ChatRequest",
     "ChatRequestError",
-    "date_context",
     "parse_chat_request",
-    "parse_tool_calls",
-    "prompt_opens_thinking",
-    "render_chat",
-    "render_history_boundary",
-    "split_reasoning",
 ]
 
 _MEDIA_HINT = "hint: if this is unexpected, you may need to provide the mmproj"
@@ -100,9 +90,6 @@ class ChatRequest:
     def enable_thinking(self) -> bool:
         """Effective thinking switch; llama.cpp passes ``enable_thinking=true`` unless told not to."""
         return self.template_kwargs.get("enable_thinking", True) is not False
-
-
-# --- request parsing ----------------------------------------------------------------------
 
 
 def parse_chat_request(
@@ -411,283 +398,3 @@ def _parse_continue(raw: Any) -> tuple[bool, str]:
     raise ChatRequestError(
         "'continue_final_message' must be a boolean, \"content\" or \"reasoning_content\""
     )
-
-
-# --- rendering ------------------------------------------------------------------------------
-
-
-# Render arguments that chat_template_kwargs must not bind (they would clash or override).
-_RENDER_ARGUMENTS = (
-    "messages",
-    "tools",
-    "documents",
-    "add_generation_prompt",
-    "continue_final_message",
-)
-
-
-def date_context(now: datetime | None = None) -> dict[str, str]:
-    """The date variables llama.cpp gives every template (``common_chat_extra_context``).
-
-    Local time, as llama.cpp formats it: ``date_string`` (``"02 Dec 2026"``, read by the Llama
-    3.x templates, which otherwise print a fixed fallback date) and ``datetime``
-    (``"Dec 02 2026"``, read by Firefunction v2). ``chat_template_kwargs`` override them.
-    """
-    now = now or datetime.now()
-    return {"datetime": now.strftime("%b %d %Y"), "date_string": now.strftime("%d %b %Y")}
-
-
-def _render_kwargs(chat: ChatRequest) -> dict[str, Any]:
-    kwargs = date_context()
-    kwargs.update((k, v) for k, v in chat.template_kwargs.items() if k not in _RENDER_ARGUMENTS)
-    # llama.cpp always gives templates an enable_thinking value (true unless turned off).
-    kwargs.setdefault("enable_thinking", True)
-    return kwargs
-
-
-def render_chat(template: ChatTemplate, chat: ChatRequest) -> str:
-    """The final prompt text for a parsed request.
-
-    With prefill, the messages before the trailing assistant message are rendered with a
-    generation prompt and the assistant's text is appended (llama-server's
-    ``--prefill-assistant``), so the model continues that text. ``continue_final_message``
-    instead renders the whole conversation and cuts it right after the final message's text.
-
-    Raises:
-        TemplateError: the template failed or refused the conversation.
-    """
-    template = template.for_tools(chat.render_tools)
-    kwargs = _render_kwargs(chat)
-    if chat.prefill:
-        head, last = chat.messages[:-1], chat.messages[-1]
-        prompt = template.render(
-            head, tools=chat.render_tools, add_generation_prompt=True, **kwargs
-        )
-        return prompt + _prefill_text(last)
-    return template.render(
-        chat.messages,
-        tools=chat.render_tools,
-        add_generation_prompt=chat.add_generation_prompt,
-        continue_final_message=chat.continue_field if chat.continue_final_message else False,
-        **kwargs,
-    )
-
-
-def _prefill_text(message: Mapping[str, Any]) -> str:
-    content = message.get("content")
-    if isinstance(content, list):
-        # llama-server joins the prefilled message's text parts with a blank line.
-        return "\n\n".join(part.get("text", "") for part in content)
-    return content or ""
-
-
-def render_history_boundary(template: ChatTemplate, chat: ChatRequest, prompt: str) -> str:
-    """The rendered history of ``chat``, clipped to its common prefix with ``prompt``.
-
-    History is the conversation without its trailing new input (the user or tool messages after
-    the last assistant or system message). It is rendered closed (no generation prompt) and
-    clipped because templates may render the last history turn differently once a new turn
-    follows. Returns ``""`` when there is no history.
-    """
-    end = len(chat.messages)
-    while end > 0 and chat.messages[end - 1]["role"] not in ("assistant", "system"):
-        end -= 1
-    if end == 0:
-        return ""
-    history = template.for_tools(chat.render_tools).render_history(
-        chat.messages[:end], tools=chat.render_tools, **_render_kwargs(chat)
-    )
-    return os.path.commonprefix([history, prompt])
-
-
-def render_prefix(template: ChatTemplate, chat: ChatRequest, n_messages: int, n_parts: int | None, prompt: str) -> str:
-    """The rendered start of the conversation up to a block, clipped to its common prefix with ``prompt``.
-
-    The first ``n_messages`` messages are rendered closed (no generation prompt), the last of
-    them cut to its first ``n_parts`` content parts when given; tools render as in the prompt.
-    Zero messages render the tools (and whatever the template puts before any message). Used
-    for explicit cache breakpoints (``cache_control``): the clip keeps exactly the prompt text
-    that ends at the marked block.
-    """
-    messages = [dict(m) for m in chat.messages[:n_messages]]
-    if messages and n_parts is not None and isinstance(messages[-1].get("content"), list):
-        messages[-1]["content"] = messages[-1]["content"][:n_parts]
-    template = template.for_tools(chat.render_tools)
-    text = template.render_history(messages, tools=chat.render_tools, **_render_kwargs(chat))
-    return os.path.commonprefix([text, prompt])
-
-
-def render_next_history(template: ChatTemplate, chat: ChatRequest, reply: Mapping[str, Any]) -> str:
-    """The history the next turn will start with: this conversation plus ``reply``, closed.
-
-    Used to warm up a session's snapshot in the background before its next turn arrives.
-    """
-    messages = [*chat.messages, dict(reply)]
-    template = template.for_tools(chat.render_tools)
-    return template.render_history(messages, tools=chat.render_tools, **_render_kwargs(chat))
-
-
-# --- generation parsing ---------------------------------------------------------------------
-
-THINK_START = "<think>"
-THINK_END = "</think>"
-
-
-def prompt_opens_thinking(prompt: str) -> bool:
-    """True when the prompt ends inside an open ``<think>`` block (the template opened it)."""
-    trimmed = prompt.rstrip()
-    return trimmed.endswith(THINK_START)
-
-
-def split_reasoning(text: str, *, thinking_forced_open: bool = False) -> tuple[str | None, str]:
-    """Split a generation into ``(reasoning_content, content)``, deepseek style.
-
-    Handles ``<think>...</think>`` at the start of the text, an unclosed ``<think>`` (a
-    generation cut short while thinking: everything is reasoning), and a text that starts
-    inside the block because the prompt already ended with ``<think>``: a ``</think>`` without
-    an opening tag before it closes such a block. With ``thinking_forced_open`` a text with no
-    ``</think>`` at all is reasoning too.
-
-    Reasoning is stripped and is ``None`` when empty; content loses its leading whitespace.
-    """
-    stripped = text.lstrip()
-    if stripped.startswith(THINK_START):
-        body = stripped[len(THINK_START) :]
-        end = body.find(THINK_END)
-        if end < 0:
-            return _reasoning_or_none(body), ""
-        return _reasoning_or_none(body[:end]), body[end + len(THINK_END) :].lstrip()
-    end = text.find(THINK_END)
-    if end >= 0 and THINK_START not in text[:end]:
-        return _reasoning_or_none(text[:end]), text[end + len(THINK_END) :].lstrip()
-    if thinking_forced_open:
-        return _reasoning_or_none(text), ""
-    return None, text
-
-
-def _reasoning_or_none(text: str) -> str | None:
-    text = text.strip()
-    return text or None
-
-
-_TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_ID_ALPHABET = string.ascii_letters + string.digits
-
-
-def _tool_call_id() -> str:
-    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """Extract Hermes/Qwen ``<tool_call>{"name":..., "arguments":...}</tool_call>`` blocks.
-
-    Returns the remaining content and OpenAI tool calls
-    ``{"type":"function","id":"call_...","function":{"name","arguments":<JSON string>}}``.
-    A block whose body is not a JSON object with a string ``name`` stays in the content, as
-    does an unclosed block; the content is stripped only when a call was extracted.
-    """
-    calls: list[dict[str, Any]] = []
-    kept: list[str] = []
-    position = 0
-    for match in _TOOL_CALL_BLOCK.finditer(text):
-        call = _tool_call_from_json(match.group(1))
-        if call is None:
-            continue
-        kept.append(text[position : match.start()])
-        position = match.end()
-        calls.append(call)
-    if not calls:
-        return text, []
-    kept.append(text[position:])
-    content = "\n".join(piece.strip() for piece in kept if piece.strip())
-    return content, calls
-
-
-def _tool_call_from_json(body: str) -> dict[str, Any] | None:
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return None
-    arguments = data.get("arguments", {})
-    if isinstance(arguments, str):
-        arguments_text = arguments
-    else:
-        arguments_text = json.dumps(arguments, ensure_ascii=False)
-    return {
-        "type": "function",
-        "id": _tool_call_id(),
-        "function": {"name": data["name"], "arguments": arguments_text},
-    }
-
-
-class StreamSplitter:
-    """Splits streamed generated text into ``content`` and ``reasoning_content`` deltas.
-
-    The streaming counterpart of :func:`split_reasoning` and :func:`parse_tool_calls`: text inside
-    ``<think>...</think>`` (or before ``</think>`` when the prompt opened the block) goes to
-    ``reasoning_content``; with tools, ``<tool_call>...</tool_call>`` blocks are withheld (the
-    route sends them as ``tool_calls`` at the end). A suffix that may be the start of a marker is
-    held back until the next piece decides it.
-    """
-
-    def __init__(self, *, reasoning: bool = True, in_reasoning: bool = False, tools: bool = False) -> None:
-        self.mode = "reasoning_content" if reasoning and in_reasoning else "content"
-        self.markers = ((THINK_START, THINK_END) if reasoning else ()) + (("<tool_call>", "</tool_call>") if tools else ())
-        self.buffer = ""
-        self.tool_text = ""  # an unfinished tool-call block, given back as content if never closed
-
-    def push(self, text: str) -> list[tuple[str, str]]:
-        """Feed generated text; return ``(field, text)`` deltas that can be sent now."""
-        self.buffer += text
-        out: list[tuple[str, str]] = []
-        while True:
-            hits = [(self.buffer.find(m), m) for m in self.markers if m in self.buffer]
-            if not hits:
-                keep = self._partial_marker_len()
-                self._emit(out, self.buffer[: len(self.buffer) - keep])
-                self.buffer = self.buffer[len(self.buffer) - keep :]
-                return out
-            index, marker = min(hits)
-            self._emit(out, self.buffer[:index])
-            self.buffer = self.buffer[index + len(marker) :]
-            self._switch(marker)
-
-    def flush(self) -> list[tuple[str, str]]:
-        """The end of generation: release what was held back."""
-        out: list[tuple[str, str]] = []
-        self._emit(out, self.buffer)
-        self.buffer = ""
-        if self.mode == "tool":
-            out.append(("content", "<tool_call>" + self.tool_text))
-            self.tool_text = ""
-        return out
-
-    def _switch(self, marker: str) -> None:
-        if marker == THINK_START:
-            self.mode = "reasoning_content"
-        elif marker == THINK_END or marker == "</tool_call>":
-            self.mode = "content"
-            self.tool_text = ""
-        elif marker == "<tool_call>":
-            self.mode = "tool"
-
-    def _emit(self, out: list[tuple[str, str]], text: str) -> None:
-        if not text:
-            return
-        if self.mode == "tool":
-            self.tool_text += text
-        elif out and out[-1][0] == self.mode:
-            out[-1] = (self.mode, out[-1][1] + text)
-        else:
-            out.append((self.mode, text))
-
-    def _partial_marker_len(self) -> int:
-        longest = 0
-        for marker in self.markers:
-            for n in range(min(len(marker) - 1, len(self.buffer)), 0, -1):
-                if self.buffer.endswith(marker[:n]):
-                    longest = max(longest, n)
-                    break
-        return longest
