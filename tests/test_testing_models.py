@@ -374,7 +374,7 @@ def test_cli_build_matches_in_process_build(built: dict[str, Path], tmp_path: Pa
 def test_large_tokenizer_grows_a_valid_bpe_deterministically() -> None:
     from tokenizers import Tokenizer, pre_tokenizers
 
-    from mlxcel_compat.engine.textstream import byte_level_bytes
+    from mlxcel_compat.tokenizer.byte_level import byte_level_bytes
 
     text = tok.large_tokenizer_json(12_000)
     assert text == tok.large_tokenizer_json(12_000)

@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from mlxcel_compat.engine.textstream import byte_level_bytes
+from mlxcel_compat.tokenizer.byte_level import byte_level_bytes
 
 # The vocabulary size is shared by every family and size: the same text encodes
 # to the same ids whichever test model is loaded. 8192 matches the benchmark
