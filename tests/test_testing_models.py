@@ -21,6 +21,8 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.utils import load
 
+from mlxcel_compat.testing import chatml
+from mlxcel_compat.testing import corpus as factory_corpus
 from mlxcel_compat.testing import models
 from mlxcel_compat.testing import tokenizer as tok
 
@@ -156,7 +158,7 @@ def test_small_sizes_are_benchmark_sized() -> None:
 
 
 def test_builds_are_byte_identical(built: dict[str, Path], tmp_path: Path) -> None:
-    tok._trained_tokenizer_json.cache_clear()  # retrain the tokenizer too
+    tok.trained_tokenizer_json.cache_clear()  # retrain the tokenizer too
     for family, first in built.items():
         second = models.build_model(family, "tiny", tmp_path / family)
         digests = _digests(second)
@@ -275,12 +277,12 @@ def test_special_tokens_and_bos(loaded: dict[str, tuple]) -> None:
 
 
 def test_corpus_is_varied_and_fixed() -> None:
-    corpus = tok.generate_corpus()
+    corpus = factory_corpus.generate_corpus()
     assert len(corpus) >= 100_000
     for needle in ("def ", "{", "| name |", "$ ", "User:", "你好", "🚀"):
         assert needle in corpus
     assert hashlib.sha256(corpus.encode()).hexdigest() == hashlib.sha256(
-        tok.generate_corpus.__wrapped__().encode()).hexdigest()
+        factory_corpus.generate_corpus.__wrapped__().encode()).hexdigest()
 
 
 # --- chat template ----------------------------------------------------------
@@ -317,7 +319,7 @@ def test_chat_template_enable_thinking(loaded: dict[str, tuple]) -> None:
 
 
 def test_chat_template_renders_with_plain_jinja2() -> None:
-    template = tok.chat_template(thinking=True)
+    template = chatml.chat_template(thinking=True)
     text = _render_plain(template, messages=CONVERSATION, tools=TOOLS,
                          add_generation_prompt=True, enable_thinking=False)
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")

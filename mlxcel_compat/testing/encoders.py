@@ -16,7 +16,7 @@ Three kinds, each a Hugging Face directory that transformers loads as it is (``A
   checkpoint names (``emb_ln``, ``encoder.layers.N.attn.Wqkv``, ``mlp.fc11`` ...).
 
 Weights come from a fixed NumPy seed; the tokenizers are trained offline with ``tokenizers`` on
-the factory's generated corpus (``testing/tokenizer.py``), so a build takes well under a second.
+the factory's generated corpus (``testing/corpus.py``), so a build takes well under a second.
 :func:`write_encoder_gguf` writes the same weights and vocabulary as llama.cpp's converter writes
 a BERT-family model (architecture ``bert``: XLM-R's offset position rows dropped, the WordPiece
 vocabulary in "phantom space" form, pooling as ``bert.pooling_type``), except that a BERT
@@ -192,9 +192,9 @@ def _nomic_weights(s: EncoderSpec, c: dict[str, Any], rng: np.random.Generator, 
 
 
 def _corpus() -> list[str]:
-    from . import tokenizer as tok
+    from .corpus import generate_corpus
 
-    return [line for line in tok.generate_corpus(target_chars=60_000).splitlines() if line.strip()]
+    return [line for line in generate_corpus(target_chars=60_000).splitlines() if line.strip()]
 
 
 def tokenizer_json(kind: str) -> str:

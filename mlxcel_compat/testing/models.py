@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import chatml
 from . import tokenizer as tok
 
 # Bump when the bytes of any output change, so cached directories are rebuilt.
@@ -333,7 +334,7 @@ def _tokenizer_files(spec: Family) -> dict[str, str]:
         "added_tokens_decoder": added,
         "additional_special_tokens": [tok.IM_START, tok.IM_END, *fim],
         "bos_token": bos,
-        "chat_template": tok.chat_template(spec.thinking),
+        "chat_template": chatml.chat_template(spec.thinking),
         "clean_up_tokenization_spaces": False,
         "eos_token": tok.IM_END,
         "errors": "replace",

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from . import chatml
 from . import tokenizer as tok
 
 FORMAT_VERSION = 1
@@ -277,7 +278,7 @@ def preprocessor_config(family: str = "qwen2_5_vl", size: str = "tiny") -> dict[
 def chat_template(family: str = "qwen2_5_vl") -> str:
     """The factory's ChatML template with image parts rendered as the family's template renders
     them (``TEMPLATE_IMAGE``)."""
-    base = tok.chat_template(thinking=False)
+    base = chatml.chat_template(thinking=False)
     unsupported = "{%- else -%}\n                {{- raise_exception('Unsupported content part type: ' ~ part.type) -}}"
     if unsupported not in base:
         raise RuntimeError("the factory chat template changed: update testing/vision.py")
