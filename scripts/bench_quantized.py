@@ -185,9 +185,9 @@ def smollm2(args: argparse.Namespace) -> Path:
 
 
 def _factory_version() -> int:
-    from mlxcel_compat.testing import models
+    from mlxcel_compat.testing import model_directory
 
-    return models.FORMAT_VERSION
+    return model_directory.FORMAT_VERSION
 
 
 def small_f32(args: argparse.Namespace) -> Path:

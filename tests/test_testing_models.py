@@ -23,7 +23,7 @@ from mlx_lm.utils import load
 
 from mlxcel_compat.testing import chatml
 from mlxcel_compat.testing import corpus as factory_corpus
-from mlxcel_compat.testing import models
+from mlxcel_compat.testing import families, model_directory, models
 from mlxcel_compat.testing import tokenizer as tok
 
 TOOLS = [
@@ -70,7 +70,7 @@ def _digests(directory: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {family: models.build_model(family, "tiny", root / family) for family in models.FAMILIES}
+    return {family: model_directory.build_model(family, "tiny", root / family) for family in families.FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +90,10 @@ def _render_plain(template: str, **kwargs: object) -> str:
 # --- models ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", models.FAMILIES)
+@pytest.mark.parametrize("family", families.FAMILIES)
 def test_tiny_model_prefills_and_decodes(family: str, loaded: dict[str, tuple]) -> None:
     model, tokenizer = loaded[family]
-    vocab = models.model_config(family, "tiny")["vocab_size"]
+    vocab = families.model_config(family, "tiny")["vocab_size"]
     assert vocab == len(tokenizer) == tok.VOCAB_SIZE
     cache = make_prompt_cache(model)
     prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
@@ -145,22 +145,22 @@ def test_describe_matches_the_loaded_model(loaded: dict[str, tuple]) -> None:
 
 
 def test_small_sizes_are_benchmark_sized() -> None:
-    for family in models.FAMILIES:
+    for family in families.FAMILIES:
         count = models.describe(family, "small")["num_parameters"]
         assert 88_000_000 <= count <= 100_000_000, (family, count)
-    llama = models.model_config("llama", "small")
+    llama = families.model_config("llama", "small")
     assert (llama["hidden_size"], llama["num_hidden_layers"], llama["num_attention_heads"],
             llama["num_key_value_heads"], llama["intermediate_size"], llama["vocab_size"]) == (
         768, 12, 12, 4, 2048, 8192)
-    for family in models.FAMILIES:
-        for size in models.SIZES:
-            assert models.model_config(family, size)["max_position_embeddings"] >= 8192
+    for family in families.FAMILIES:
+        for size in families.SIZES:
+            assert families.model_config(family, size)["max_position_embeddings"] >= 8192
 
 
 def test_builds_are_byte_identical(built: dict[str, Path], tmp_path: Path) -> None:
     tok.trained_tokenizer_json.cache_clear()  # retrain the tokenizer too
     for family, first in built.items():
-        second = models.build_model(family, "tiny", tmp_path / family)
+        second = model_directory.build_model(family, "tiny", tmp_path / family)
         digests = _digests(second)
         assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "generation_config.json"} <= set(digests)
@@ -169,22 +169,22 @@ def test_builds_are_byte_identical(built: dict[str, Path], tmp_path: Path) -> No
 
 def test_unknown_family_and_size_are_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown model family 'gpt9'"):
-        models.build_model("gpt9", "tiny", tmp_path / "x")
+        model_directory.build_model("gpt9", "tiny", tmp_path / "x")
     with pytest.raises(ValueError, match="unknown model size"):
-        models.ensure_model("llama", "huge", tmp_path)
+        model_directory.ensure_model("llama", "huge", tmp_path)
     assert not (tmp_path / "x").exists()
 
 
 def test_build_replaces_a_previous_build_but_not_foreign_files(tmp_path: Path) -> None:
-    out = models.build_model("qwen3", "tiny", tmp_path / "m")
+    out = model_directory.build_model("qwen3", "tiny", tmp_path / "m")
     before = _digests(out)
-    assert models.build_model("qwen3", "tiny", out) == out
+    assert model_directory.build_model("qwen3", "tiny", out) == out
     assert _digests(out) == before
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
     with pytest.raises(FileExistsError):
-        models.build_model("qwen3", "tiny", foreign)
+        model_directory.build_model("qwen3", "tiny", foreign)
     assert (foreign / "notes.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["foreign", "m"]  # no temp leftovers
 
@@ -198,7 +198,7 @@ def test_ensure_model_builds_once_and_survives_a_race(tmp_path: Path,
     def worker() -> None:
         try:
             barrier.wait()
-            results.append(models.ensure_model("gemma3_text", "tiny", tmp_path))
+            results.append(model_directory.ensure_model("gemma3_text", "tiny", tmp_path))
         except BaseException as e:  # surfaced by the assert below
             errors.append(e)
 
@@ -208,21 +208,21 @@ def test_ensure_model_builds_once_and_survives_a_race(tmp_path: Path,
     for t in threads:
         t.join()
     assert not errors
-    expected = tmp_path / f"gemma3_text-tiny-v{models.FORMAT_VERSION}"
+    expected = tmp_path / f"gemma3_text-tiny-v{model_directory.FORMAT_VERSION}"
     assert results == [expected, expected]
-    assert models.is_complete(expected)
+    assert model_directory.is_complete(expected)
     assert [p.name for p in tmp_path.iterdir()] == [expected.name]  # losers cleaned up
 
     mtime = (expected / "model.safetensors").stat().st_mtime_ns
-    assert models.ensure_model("gemma3_text", "tiny", tmp_path) == expected
+    assert model_directory.ensure_model("gemma3_text", "tiny", tmp_path) == expected
     assert (expected / "model.safetensors").stat().st_mtime_ns == mtime  # not rebuilt
 
     (expected / "tokenizer.json").unlink()  # damaged: rebuilt on next use
-    assert not models.is_complete(expected)
-    assert models.is_complete(models.ensure_model("gemma3_text", "tiny", tmp_path))
+    assert not model_directory.is_complete(expected)
+    assert model_directory.is_complete(model_directory.ensure_model("gemma3_text", "tiny", tmp_path))
 
     monkeypatch.setenv("MLXCEL_CACHE_DIR", str(tmp_path))
-    assert models.ensure_model("gemma3_text", "tiny") == expected
+    assert model_directory.ensure_model("gemma3_text", "tiny") == expected
 
 
 # --- tokenizer ------------------------------------------------------------
@@ -265,7 +265,7 @@ def test_special_tokens_and_bos(loaded: dict[str, tuple]) -> None:
         assert tokenizer.eos_token_ids == {tok.token_id(tok.IM_END), tok.token_id(tok.ENDOFTEXT)}
         plain = tokenizer.encode("hello there", add_special_tokens=False)
         with_bos = tokenizer.encode("hello there")
-        if models._FAMILIES[family].add_bos:  # llama, mistral
+        if families.FAMILY_SPECS[family].add_bos:  # llama, mistral
             assert with_bos == [tok.token_id(tok.BEGIN_OF_TEXT)] + plain
         else:
             assert with_bos == plain
@@ -357,7 +357,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_cli_list_and_unknown_family(tmp_path: Path) -> None:
     listed = _cli("--list")
     assert listed.returncode == 0
-    assert listed.stdout.splitlines() == [*models.FAMILIES, *models.FIM_FAMILIES]
+    assert listed.stdout.splitlines() == [*families.FAMILIES, *families.FIM_FAMILIES]
     bad = _cli("--family", "gpt9", "--size", "tiny", "--out", str(tmp_path / "x"))
     assert bad.returncode != 0
     assert "unknown model family 'gpt9'" in bad.stderr

@@ -45,10 +45,11 @@ def _linear_shapes(family: str, size: str) -> tuple[dict[str, tuple[int, int]], 
     """(out, in) of every adapted module path, and the model config."""
     from mlx.utils import tree_flatten
 
-    from . import models
+    from .families import model_config
+    from .weights import instantiate
 
-    config = models.model_config(family, size)
-    model = models._instantiate(config)
+    config = model_config(family, size)
+    model = instantiate(config)
     shapes = {}
     for name, p in tree_flatten(model.parameters()):
         path = name.removesuffix(".weight")
@@ -149,13 +150,14 @@ def ensure_adapter(family: str = "llama", size: str = "tiny", fmt: str = "gguf",
     import shutil
     import tempfile
 
-    from . import models
+    from .cache_dir import default_cache_dir
+    from .model_directory import FORMAT_VERSION
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown adapter format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    root = (Path(cache_dir).expanduser() if cache_dir is not None else models.default_cache_dir()).absolute()
+    root = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()).absolute()
     root.mkdir(parents=True, exist_ok=True)
-    stem = f"lora-{family}-{size}-v{models.FORMAT_VERSION}-r{rank}-a{alpha:g}-s{seed}"
+    stem = f"lora-{family}-{size}-v{FORMAT_VERSION}-r{rank}-a{alpha:g}-s{seed}"
     target = root / (f"{stem}-{gguf_type}.gguf" if fmt == "gguf" else f"{stem}-{fmt}")
     if target.exists():
         return target

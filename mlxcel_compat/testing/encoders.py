@@ -268,19 +268,19 @@ def _write_files(kind: str, directory: Path) -> None:
 
 
 def default_cache_dir() -> Path:
-    from . import models
+    from . import cache_dir
 
-    return models.default_cache_dir()
+    return cache_dir.default_cache_dir()
 
 
 def ensure_encoder(kind: str, cache_dir: str | Path | None = None) -> Path:
     """``<cache>/encoder-<kind>-v<N>``, built on first use (into a temporary directory renamed
     into place, so concurrent callers never see half a model)."""
-    from . import models
+    from .cache_dir import build_directory
 
     _spec(kind)
     root = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()).absolute()
-    return models.build_directory(root / f"encoder-{kind}-v{FORMAT_VERSION}", "mlxcel_encoder.json",
+    return build_directory(root / f"encoder-{kind}-v{FORMAT_VERSION}", "mlxcel_encoder.json",
                                   lambda tmp: _write_files(kind, tmp))
 
 

@@ -1,7 +1,7 @@
 """Write a factory model as a GGUF file, the way llama.cpp's ``convert_hf_to_gguf.py`` would.
 
 The weights, tokenizer and chat template are the ones of the Hugging Face directory built by
-``models.py`` for the same (family, size), so a test can load both and compare. The converter's
+``model_directory.py`` for the same (family, size), so a test can load both and compare. The converter's
 conventions are applied here, independently of the loader that undoes them:
 
 - tensor names from gguf-py's ``TensorNameMap`` (``model.layers.0.self_attn.q_proj.weight`` ->
@@ -345,15 +345,16 @@ def write_gguf(family: str, size: str, out: str | Path, gguf_type: str = "f32",
     """
     import gguf
 
-    from . import models
+    from .model_directory import ensure_model
+    from .weights import random_weights
 
     if family not in _TARGETS:
         raise ValueError(f"family {family!r} has no GGUF writer; choose one of: {', '.join(GGUF_FAMILIES)}")
     if gguf_type not in GGUF_TYPES:
         raise ValueError(f"unknown GGUF type {gguf_type!r}; choose one of: {', '.join(GGUF_TYPES)}")
     if weights is None or config is None:
-        weights, config = models._random_weights(family, size)
-    source = Path(model_dir) if model_dir is not None else models.ensure_model(family, size)
+        weights, config = random_weights(family, size)
+    source = Path(model_dir) if model_dir is not None else ensure_model(family, size)
     directory_config = json.loads((source / "config.json").read_text(encoding="utf-8"))
     if directory_config.get("rope_scaling"):
         config = {**config, "rope_scaling": directory_config["rope_scaling"]}
@@ -404,13 +405,14 @@ def ensure_gguf(family: str = "llama", size: str = "tiny", gguf_type: str = "f32
     import os
     import tempfile
 
-    from . import models
+    from .cache_dir import default_cache_dir
+    from .model_directory import FORMAT_VERSION, ensure_model
 
-    root = Path(cache_dir).expanduser() if cache_dir is not None else models.default_cache_dir()
-    target = root.absolute() / f"{family}-{size}-v{models.FORMAT_VERSION}-{gguf_type}.gguf"
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = root.absolute() / f"{family}-{size}-v{FORMAT_VERSION}-{gguf_type}.gguf"
     if target.is_file():
         return target
-    source = models.ensure_model(family, size, cache_dir)
+    source = ensure_model(family, size, cache_dir)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", suffix=".gguf", dir=root)
     os.close(fd)
     try:
@@ -497,12 +499,12 @@ def random_tensor_shapes(family: str, config: dict[str, Any]) -> dict[str, tuple
     in the order ``write_gguf`` writes them (HF names sorted)."""
     import gguf
 
-    from . import models
+    from .weights import instantiate, stored_shapes
 
     target = _TARGETS[family]
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == target.arch)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
-    shapes = models._stored_shapes(models._instantiate(config), config)  # lazy arrays: no memory
+    shapes = stored_shapes(instantiate(config), config)  # lazy arrays: no memory
     out: dict[str, tuple[int, ...]] = {}
     for hf_name in sorted(shapes):
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -516,9 +518,9 @@ def random_tensor_shapes(family: str, config: dict[str, Any]) -> dict[str, tuple
 def random_config(family: str, dims: dict[str, Any] | None) -> dict[str, Any]:
     """The factory's ``small`` config of ``family`` with ``dims`` in place of its dimensions
     (``head_dim`` follows ``hidden_size / num_attention_heads`` unless given)."""
-    from . import models
+    from .families import model_config
 
-    config = models.model_config(family, "small")
+    config = model_config(family, "small")
     dims = dict(dims or {})
     if "layer_types" in config and "num_hidden_layers" in dims and "layer_types" not in dims:
         raise ValueError(f"{family} has per-layer types: give layer_types with num_hidden_layers")
@@ -546,7 +548,8 @@ def write_random_gguf(out: str | Path, family: str = "llama", dims: dict[str, An
     """
     import gguf
 
-    from . import models
+    from .families import FAMILY_SPECS
+    from .model_directory import ensure_model
 
     if family not in _TARGETS:
         raise ValueError(f"family {family!r} has no GGUF writer; choose one of: {', '.join(GGUF_FAMILIES)}")
@@ -564,7 +567,7 @@ def write_random_gguf(out: str | Path, family: str = "llama", dims: dict[str, An
     writer.add_file_type(_file_type(gguf_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_hparams(writer, family, config)
-    source = Path(model_dir) if model_dir is not None else models.ensure_model(family, "tiny")  # one per family
+    source = Path(model_dir) if model_dir is not None else ensure_model(family, "tiny")  # one per family
     _add_tokenizer(writer, source, _TARGETS[family].pre)
     for name, shape in shapes.items():
         kind = kinds[name]
@@ -581,7 +584,7 @@ def write_random_gguf(out: str | Path, family: str = "llama", dims: dict[str, An
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    norm_one = np.float32(models._FAMILIES[family].norm_one + _TARGETS[family].norm_shift)
+    norm_one = np.float32(FAMILY_SPECS[family].norm_one + _TARGETS[family].norm_shift)
     for name, shape in shapes.items():
         kind = kinds[name]
         std = 1.0 / math.sqrt(shape[-1]) if len(shape) > 1 else 0.0

@@ -8,7 +8,7 @@ projector, merged embeddings and positions (Qwen's multimodal RoPE, plain RoPE f
 that a real checkpoint of the family runs, in milliseconds.
 
 - Weights: a fixed NumPy seed, stored under mlx-vlm's parameter names and layouts (so loading
-  needs no conversion), initialized like the text factory's (``models._init_tensor``).
+  needs no conversion), initialized like the text factory's (``weights.init_tensor``).
 - Tokenizer: the factory's shared 8k vocabulary (``testing/tokenizer.py``) with the family's vision
   tokens added after it as special tokens (``FAMILY_TOKENS``: Qwen2-VL's ``<|vision_start|>``,
   ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>``; Gemma 3's ``<start_of_image>``,
@@ -321,13 +321,14 @@ def _tokenizer_config(family: str) -> dict[str, Any]:
 def _init(rng: np.random.Generator, name: str, shape: tuple[int, ...], family: str) -> np.ndarray:
     """Biases zero, other vectors (norm gains) one, matrices the text factory's 1/sqrt(fan_in).
     Gemma 3's RMSNorms scale by ``1 + w`` (its text model and projector): stored as zero."""
-    from .models import _FAMILIES, _init_tensor
+    from .families import FAMILY_SPECS
+    from .weights import init_tensor
 
     if len(shape) == 1:
         leaf = name.rsplit(".", 1)[-1]
         gemma_norm = family == "gemma3" and name.startswith(("language_model.", "multi_modal_projector."))
         return np.zeros(shape, np.float32) if leaf == "bias" or gemma_norm else np.ones(shape, np.float32)
-    return _init_tensor(rng, name, shape, _FAMILIES["qwen2"])
+    return init_tensor(rng, name, shape, FAMILY_SPECS["qwen2"])
 
 
 def random_weights(config: dict[str, Any]) -> dict[str, Any]:
@@ -377,7 +378,7 @@ def _write_files(directory: Path, family: str, size: str = "tiny") -> None:
 def ensure_vision_model(cache_dir: str | Path | None = None, family: str = "qwen2_5_vl", size: str = "tiny") -> Path:
     """``<cache>/<family>-<size>-v<N>``, built on first use (into a temporary directory renamed
     into place, so concurrent callers never see half a model)."""
-    from .models import build_directory, default_cache_dir
+    from .cache_dir import build_directory, default_cache_dir
 
     _check(family, size)  # fails here, before anything is written
     root = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()).absolute()
