@@ -57,7 +57,7 @@ The files (``--files``; made on first use under ``--cache-dir``):
   written as an F32 GGUF (``python -m mlxcel_compat.testing.models ... --format gguf``) and
   quantized by ``llama-quantize``;
 - ``7b-q4_k_m``: a Llama-2-7B-shaped Q4_K_M file of valid random blocks
-  (``mlxcel_compat.testing.gguf_writer.write_random_gguf``, 3.7 GiB).
+  (``mlxcel_compat.testing.gguf_random.write_random_gguf``, 3.7 GiB).
 
 Servers are stopped on every exit (errors and Ctrl-C included). Logs: ``<cache-dir>/logs``.
 

@@ -415,13 +415,13 @@ def test_random_gguf_has_the_mix_and_loads(gguf_type: str, dims: dict, tmp_path:
     from mlxcel_compat.gguf.reader import open_gguf, read_tensor
     from mlxcel_compat.gguf.load import load_gguf
     from mlxcel_compat.gguf.quants import type_name
-    from mlxcel_compat.testing import gguf_writer
+    from mlxcel_compat.testing import gguf_random, gguf_tensors
 
     from tests.conftest import tiny_model
 
     source = tiny_model("llama")
-    path = gguf_writer.write_random_gguf(tmp_path / "r.gguf", "llama", dims, gguf_type, seed=7, model_dir=source)
-    again = gguf_writer.write_random_gguf(tmp_path / "again.gguf", "llama", dims, gguf_type, seed=7, model_dir=source)
+    path = gguf_random.write_random_gguf(tmp_path / "r.gguf", "llama", dims, gguf_type, seed=7, model_dir=source)
+    again = gguf_random.write_random_gguf(tmp_path / "again.gguf", "llama", dims, gguf_type, seed=7, model_dir=source)
     assert path.read_bytes() == again.read_bytes()  # the bytes depend only on the arguments
     file = open_gguf(path)
     n_layers = dims["num_hidden_layers"]
@@ -439,11 +439,11 @@ def test_random_gguf_has_the_mix_and_loads(gguf_type: str, dims: dict, tmp_path:
         if name.endswith("norm.weight"):
             assert kind == "f32"
             continue
-        want = gguf_writer.tensor_type(name, gguf_type, n_layers)
+        want = gguf_tensors.tensor_type(name, gguf_type, n_layers)
         if info.shape[-1] % 256 and want in ("q4_k", "q6_k"):
             want = {"q4_k": "q5_0", "q6_k": "q8_0"}[want]
         assert kind == want, name
-        assert kind == gguf_writer.stored_type(name, info.shape, gguf_type, n_layers)
+        assert kind == gguf_tensors.stored_type(name, info.shape, gguf_type, n_layers)
         values = quants.dequantize(read_tensor(info), GGMLQuantizationType(info.ggml_type))
         assert values.size == info.n_values and np.all(np.isfinite(values)), name
         # scaled like the factory's weights: mean about 0, std 1/sqrt(fan_in)
@@ -452,7 +452,7 @@ def test_random_gguf_has_the_mix_and_loads(gguf_type: str, dims: dict, tmp_path:
     if gguf_type == "q4_k_m":
         kinds = {n: type_name(i.ggml_type).lower() for n, i in file.tensors.items()}
         assert kinds["output.weight"] == "q6_k" and kinds["token_embd.weight"] == "q4_k"
-        more = [i for i in range(n_layers) if gguf_writer.use_more_bits(i, n_layers)]
+        more = [i for i in range(n_layers) if gguf_tensors.use_more_bits(i, n_layers)]
         assert 0 < len(more) < n_layers
 
     model, tokenizer, config, summary = load_gguf(str(path), on_cpu=True)
@@ -468,9 +468,9 @@ def test_random_gguf_has_the_mix_and_loads(gguf_type: str, dims: dict, tmp_path:
 
 
 def test_random_gguf_rejects_unknown_types(tmp_path: Path) -> None:
-    from mlxcel_compat.testing import gguf_writer
+    from mlxcel_compat.testing import gguf_random
 
     with pytest.raises(ValueError, match="unknown GGUF type"):
-        gguf_writer.write_random_gguf(tmp_path / "x.gguf", "llama", RANDOM_DIMS, "q7_k")
+        gguf_random.write_random_gguf(tmp_path / "x.gguf", "llama", RANDOM_DIMS, "q7_k")
     with pytest.raises(ValueError, match="no GGUF writer"):
-        gguf_writer.write_random_gguf(tmp_path / "x.gguf", "qwen3_next", RANDOM_DIMS, "q8_0")
+        gguf_random.write_random_gguf(tmp_path / "x.gguf", "qwen3_next", RANDOM_DIMS, "q8_0")

@@ -30,7 +30,8 @@ from mlxcel_compat.gguf.reader import open_gguf
 from mlxcel_compat.tokenizer.cache import load_directory
 from mlxcel_compat.tokenizer.served import ServedTokenizer, from_files
 from mlxcel_compat.testing.corpus import generate_corpus
-from mlxcel_compat.testing.gguf_writer import GGUF_FAMILIES, write_spm_tokenizer_gguf
+from mlxcel_compat.testing.gguf_tensors import GGUF_FAMILIES
+from mlxcel_compat.testing.gguf_writer import write_spm_tokenizer_gguf
 from mlxcel_compat.testing.families import FAMILIES, FIM_FAMILIES
 from mlxcel_compat.testing.spm_tokenizer import write_spm_tokenizer_dir
 from tests.conftest import slow_but, tiny_encoder, tiny_model

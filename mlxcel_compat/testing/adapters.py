@@ -79,9 +79,9 @@ def write_gguf_adapter(family: str, out: str | Path, size: str = "tiny", rank: i
                        alpha: float = DEFAULT_ALPHA, gguf_type: str = "f32", seed: int = ADAPTER_SEED) -> Path:
     import gguf
 
-    from . import gguf_writer
+    from .gguf_tensors import GGUF_TARGETS, encode_tensor, permute_rows
 
-    target = gguf_writer._TARGETS[family]
+    target = GGUF_TARGETS[family]
     factors, _ = adapter_factors(family, size, rank, alpha, seed)
     _, config = _linear_shapes(family, size)
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == target.arch)
@@ -96,11 +96,11 @@ def write_gguf_adapter(family: str, out: str | Path, size: str = "tiny", rank: i
     for path, (a, b) in factors.items():
         weight = names.get_name(path + ".weight", try_suffixes=(".weight",))
         if target.permute_qk and path.endswith("self_attn.q_proj"):
-            b = gguf_writer.permute_rows(b, config["num_attention_heads"])
+            b = permute_rows(b, config["num_attention_heads"])
         elif target.permute_qk and path.endswith("self_attn.k_proj"):
-            b = gguf_writer.permute_rows(b, config["num_key_value_heads"])
+            b = permute_rows(b, config["num_key_value_heads"])
         for suffix, data in ((".lora_a", a), (".lora_b", b)):
-            stored, raw_type = gguf_writer._encode(weight + suffix, np.ascontiguousarray(data), gguf_type)
+            stored, raw_type = encode_tensor(weight + suffix, np.ascontiguousarray(data), gguf_type)
             writer.add_tensor(weight + suffix, stored, raw_dtype=raw_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
