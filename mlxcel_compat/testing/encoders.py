@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from .cache_dir import build_directory, default_cache_dir
+
 FORMAT_VERSION = 2
 WEIGHT_SEED = 20261202
 VOCAB_SIZE = 1000
@@ -267,21 +269,13 @@ def _write_files(kind: str, directory: Path) -> None:
                                                     encoding="utf-8")  # last: the directory is complete
 
 
-def default_cache_dir() -> Path:
-    from . import cache_dir
-
-    return cache_dir.default_cache_dir()
-
-
 def ensure_encoder(kind: str, cache_dir: str | Path | None = None) -> Path:
     """``<cache>/encoder-<kind>-v<N>``, built on first use (into a temporary directory renamed
     into place, so concurrent callers never see half a model)."""
-    from .cache_dir import build_directory
-
     _spec(kind)
     root = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()).absolute()
     return build_directory(root / f"encoder-{kind}-v{FORMAT_VERSION}", "mlxcel_encoder.json",
-                                  lambda tmp: _write_files(kind, tmp))
+                           lambda tmp: _write_files(kind, tmp))
 
 
 # --- GGUF ---------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ import numpy as np
 
 from . import chatml
 from . import tokenizer as tok
+from .families import EOS_IDS
 
 FORMAT_VERSION = 1
 WEIGHT_SEED = 20261202
@@ -79,7 +80,6 @@ SLIDING_WINDOW = 24  # Gemma 3's local layers: shorter than the tests' prompts, 
 # CLIP's normalisation, as Qwen2-VL's and LLaVA's processor configs have it; Gemma 3's is 0.5.
 IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
 IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
-_EOS_IDS = [tok.token_id(tok.IM_END), tok.token_id(tok.ENDOFTEXT)]
 SIZES = ("tiny", "small")
 # The small Qwen2.5-VL: what differs from the tiny one (text model, tower, processor).
 SMALL = {
@@ -142,7 +142,7 @@ def _gemma3_config() -> dict[str, Any]:
         boi_token_index=vision_token_id("<start_of_image>", "gemma3"),
         eoi_token_index=vision_token_id("<end_of_image>", "gemma3"),
         image_token_index=vision_token_id("<image_soft_token>", "gemma3"),
-        bos_token_id=None, eos_token_id=_EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT), torch_dtype="float32",
+        bos_token_id=None, eos_token_id=EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT), torch_dtype="float32",
     )
 
 
@@ -156,7 +156,7 @@ def _llava_config() -> dict[str, Any]:
         vision_config=_vision_config("llava"), vocab_size=vocab_size("llava"),
         image_token_index=vision_token_id("<image>", "llava"), vision_feature_layer=-2,
         vision_feature_select_strategy="default", projector_hidden_act="gelu",
-        bos_token_id=None, eos_token_id=_EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT), torch_dtype="float32",
+        bos_token_id=None, eos_token_id=EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT), torch_dtype="float32",
     )
 
 
@@ -197,7 +197,7 @@ def _gemma3n_config() -> dict[str, Any]:
         image_token_id=vision_token_id("<image_soft_token>", "gemma3n"),
         boa_token_id=vision_token_id("<start_of_audio>", "gemma3n"), eoa_token_id=audio_offset,
         audio_token_id=vision_token_id("<audio_soft_token>", "gemma3n"),
-        bos_token_id=None, eos_token_id=_EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT), torch_dtype="float32",
+        bos_token_id=None, eos_token_id=EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT), torch_dtype="float32",
     )
 
 
@@ -227,7 +227,7 @@ def model_config(family: str = "qwen2_5_vl", size: str = "tiny") -> dict[str, An
         image_token_id=vision_token_id("<|image_pad|>"),
         video_token_id=vision_token_id("<|video_pad|>"),
         vision_token_id=vision_token_id("<|vision_start|>"),
-        bos_token_id=None, eos_token_id=_EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT),
+        bos_token_id=None, eos_token_id=EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT),
         torch_dtype="float32", vision_config=vision,
     )
 
@@ -364,7 +364,7 @@ def _write_files(directory: Path, family: str, size: str = "tiny") -> None:
         "tokenizer_config.json": _tokenizer_config(family),
         "special_tokens_map.json": {"additional_special_tokens": [tok.IM_START, tok.IM_END, *tokens],
                                     "eos_token": tok.IM_END, "pad_token": tok.ENDOFTEXT},
-        "generation_config.json": {"bos_token_id": None, "eos_token_id": _EOS_IDS,
+        "generation_config.json": {"bos_token_id": None, "eos_token_id": EOS_IDS,
                                    "pad_token_id": config["pad_token_id"]},
     }
     for name, data in texts.items():
