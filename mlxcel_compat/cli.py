@@ -61,7 +61,7 @@ def resolve_model_arg(settings: object) -> str:
     try:
         path = ensure_real_model(SMOLLM2, offline=bool(getattr(settings, "offline", False)))
     except RealModelUnavailable as exc:
-        from mlxcel_compat.testing.models import ensure_model
+        from mlxcel_compat.testing.model_directory import ensure_model
 
         path = ensure_model("llama", "tiny")
         log.warning("no model given (-m) and the demo model %s is unavailable (%s): serving the generated "

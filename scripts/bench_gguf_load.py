@@ -123,7 +123,7 @@ def main() -> None:
         return
 
     from mlxcel_compat.testing.gguf_writer import ensure_gguf
-    from mlxcel_compat.testing.models import ensure_model
+    from mlxcel_compat.testing.model_directory import ensure_model
 
     directory = ensure_model(args.family, args.size)
     gguf_path = ensure_gguf(args.family, args.size, args.gguf_type)

@@ -57,7 +57,7 @@ The files (``--files``; made on first use under ``--cache-dir``):
   written as an F32 GGUF (``python -m mlxcel_compat.testing.models ... --format gguf``) and
   quantized by ``llama-quantize``;
 - ``7b-q4_k_m``: a Llama-2-7B-shaped Q4_K_M file of valid random blocks
-  (``mlxcel_compat.testing.gguf_writer.write_random_gguf``, 3.7 GiB).
+  (``mlxcel_compat.testing.gguf_random.write_random_gguf``, 3.7 GiB).
 
 Servers are stopped on every exit (errors and Ctrl-C included). Logs: ``<cache-dir>/logs``.
 
@@ -185,9 +185,9 @@ def smollm2(args: argparse.Namespace) -> Path:
 
 
 def _factory_version() -> int:
-    from mlxcel_compat.testing import models
+    from mlxcel_compat.testing import model_directory
 
-    return models.FORMAT_VERSION
+    return model_directory.FORMAT_VERSION
 
 
 def small_f32(args: argparse.Namespace) -> Path:

@@ -110,7 +110,7 @@ def ensure_model(family: str, size: str, cache_dir: str | Path | None = None) ->
     """The generated model directory of ``family``/``size`` (built on first use)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from mlxcel_compat.testing.models import ensure_model as _ensure
+    from mlxcel_compat.testing.model_directory import ensure_model as _ensure
 
     return _ensure(family, size, cache_dir=cache_dir)
 

@@ -77,7 +77,7 @@ def tiny_model(family: str = "llama") -> Path:
     """The tiny factory model of ``family`` as a directory, or ``"family:type"`` as a GGUF file
     of that type (``"llama:q4_0"``: quantized weights the CPU serves from their blocks)."""
     from mlxcel_compat.testing.gguf_writer import ensure_gguf
-    from mlxcel_compat.testing.models import ensure_model
+    from mlxcel_compat.testing.model_directory import ensure_model
 
     if ":" in family:
         name, gguf_type = family.split(":")

@@ -17,40 +17,10 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
+from mlxcel_compat.tokenizer.byte_level import byte_level_bytes
 from mlxcel_compat.tokenizer.served import unwrap_tokenizer
 
 _SPM_SPACE = "\u2581"
-
-
-def _gpt2_byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's bytes-to-unicode table used by byte-level BPE vocabularies."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("\u00a1"), ord("\u00ac") + 1))
-        + list(range(ord("\u00ae"), ord("\u00ff") + 1))
-    )
-    mapping: dict[str, int] = {chr(b): b for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            mapping[chr(256 + extra)] = b
-            extra += 1
-    return mapping
-
-
-_BYTE_DECODER = _gpt2_byte_decoder()
-
-
-def byte_level_bytes(piece: str) -> bytes:
-    """The bytes a byte-level BPE piece stands for (``"Ġhi"`` -> ``b" hi"``)."""
-    out = bytearray()
-    for ch in piece:
-        b = _BYTE_DECODER.get(ch)
-        if b is None:
-            out.extend(ch.encode("utf-8"))
-        else:
-            out.append(b)
-    return bytes(out)
 
 
 def _decoder_kind(decoder: Any) -> str:

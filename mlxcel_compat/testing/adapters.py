@@ -45,10 +45,11 @@ def _linear_shapes(family: str, size: str) -> tuple[dict[str, tuple[int, int]], 
     """(out, in) of every adapted module path, and the model config."""
     from mlx.utils import tree_flatten
 
-    from . import models
+    from .families import model_config
+    from .weights import instantiate
 
-    config = models.model_config(family, size)
-    model = models._instantiate(config)
+    config = model_config(family, size)
+    model = instantiate(config)
     shapes = {}
     for name, p in tree_flatten(model.parameters()):
         path = name.removesuffix(".weight")
@@ -78,9 +79,9 @@ def write_gguf_adapter(family: str, out: str | Path, size: str = "tiny", rank: i
                        alpha: float = DEFAULT_ALPHA, gguf_type: str = "f32", seed: int = ADAPTER_SEED) -> Path:
     import gguf
 
-    from . import gguf_writer
+    from .gguf_tensors import GGUF_TARGETS, encode_tensor, permute_rows
 
-    target = gguf_writer._TARGETS[family]
+    target = GGUF_TARGETS[family]
     factors, _ = adapter_factors(family, size, rank, alpha, seed)
     _, config = _linear_shapes(family, size)
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == target.arch)
@@ -95,11 +96,11 @@ def write_gguf_adapter(family: str, out: str | Path, size: str = "tiny", rank: i
     for path, (a, b) in factors.items():
         weight = names.get_name(path + ".weight", try_suffixes=(".weight",))
         if target.permute_qk and path.endswith("self_attn.q_proj"):
-            b = gguf_writer.permute_rows(b, config["num_attention_heads"])
+            b = permute_rows(b, config["num_attention_heads"])
         elif target.permute_qk and path.endswith("self_attn.k_proj"):
-            b = gguf_writer.permute_rows(b, config["num_key_value_heads"])
+            b = permute_rows(b, config["num_key_value_heads"])
         for suffix, data in ((".lora_a", a), (".lora_b", b)):
-            stored, raw_type = gguf_writer._encode(weight + suffix, np.ascontiguousarray(data), gguf_type)
+            stored, raw_type = encode_tensor(weight + suffix, np.ascontiguousarray(data), gguf_type)
             writer.add_tensor(weight + suffix, stored, raw_dtype=raw_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -149,13 +150,14 @@ def ensure_adapter(family: str = "llama", size: str = "tiny", fmt: str = "gguf",
     import shutil
     import tempfile
 
-    from . import models
+    from .cache_dir import default_cache_dir
+    from .model_directory import FORMAT_VERSION
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown adapter format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    root = (Path(cache_dir).expanduser() if cache_dir is not None else models.default_cache_dir()).absolute()
+    root = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()).absolute()
     root.mkdir(parents=True, exist_ok=True)
-    stem = f"lora-{family}-{size}-v{models.FORMAT_VERSION}-r{rank}-a{alpha:g}-s{seed}"
+    stem = f"lora-{family}-{size}-v{FORMAT_VERSION}-r{rank}-a{alpha:g}-s{seed}"
     target = root / (f"{stem}-{gguf_type}.gguf" if fmt == "gguf" else f"{stem}-{fmt}")
     if target.exists():
         return target

@@ -21,7 +21,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mlxcel_compat.testing import models
+from mlxcel_compat.testing.cache_dir import default_cache_dir
+from mlxcel_compat.testing.model_directory import is_complete, write_model_directory
+from mlxcel_compat.testing.weights import random_weights
 
 PAIR_VERSION = 1
 DAMPED = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
@@ -29,7 +31,7 @@ DAMPED = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 
 def pair_weights(family: str, size: str, draft_layers: int, damping: float) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
     """``(target weights, target config, draft weights, draft config)``."""
-    weights, config = models._random_weights(family, size)
+    weights, config = random_weights(family, size)
     n_layers = int(config["num_hidden_layers"])
     if not 1 <= draft_layers < n_layers:
         raise ValueError(f"draft_layers must be in 1..{n_layers - 1}")
@@ -59,10 +61,10 @@ def pair_name(family: str, size: str, draft_layers: int, damping: float) -> str:
 def ensure_pair(family: str = "llama", size: str = "small", draft_layers: int = 2, damping: float = 0.02,
                 cache_dir: str | Path | None = None) -> tuple[Path, Path]:
     """``(target directory, draft directory)``, built once into the factory's cache."""
-    root = Path(cache_dir).expanduser() if cache_dir is not None else models.default_cache_dir()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     base = root.absolute() / pair_name(family, size, draft_layers, damping)
     target_dir, draft_dir = base / "target", base / "draft"
-    if models.is_complete(target_dir) and models.is_complete(draft_dir):
+    if is_complete(target_dir) and is_complete(draft_dir):
         return target_dir, draft_dir
     target, t_config, draft, d_config = pair_weights(family, size, draft_layers, damping)
     base.mkdir(parents=True, exist_ok=True)
@@ -70,12 +72,12 @@ def ensure_pair(family: str = "llama", size: str = "small", draft_layers: int = 
     for out, weights, config, role in ((target_dir, target, t_config, "target"), (draft_dir, draft, d_config, "draft")):
         tmp = Path(tempfile.mkdtemp(prefix=f".{role}.tmp-", dir=base))
         try:
-            models.write_model_directory(tmp, family, size, weights, config, derived=dict(derived, role=role))
+            write_model_directory(tmp, family, size, weights, config, derived=dict(derived, role=role))
             if out.exists():
                 shutil.rmtree(out, ignore_errors=True)
             os.rename(tmp, out)
         except OSError:
-            if not models.is_complete(out):
+            if not is_complete(out):
                 raise
         finally:
             if tmp.exists():

@@ -16,7 +16,7 @@ Three kinds, each a Hugging Face directory that transformers loads as it is (``A
   checkpoint names (``emb_ln``, ``encoder.layers.N.attn.Wqkv``, ``mlp.fc11`` ...).
 
 Weights come from a fixed NumPy seed; the tokenizers are trained offline with ``tokenizers`` on
-the factory's generated corpus (``testing/tokenizer.py``), so a build takes well under a second.
+the factory's generated corpus (``testing/corpus.py``), so a build takes well under a second.
 :func:`write_encoder_gguf` writes the same weights and vocabulary as llama.cpp's converter writes
 a BERT-family model (architecture ``bert``: XLM-R's offset position rows dropped, the WordPiece
 vocabulary in "phantom space" form, pooling as ``bert.pooling_type``), except that a BERT
@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .cache_dir import build_directory, default_cache_dir
 
 FORMAT_VERSION = 2
 WEIGHT_SEED = 20261202
@@ -192,9 +194,9 @@ def _nomic_weights(s: EncoderSpec, c: dict[str, Any], rng: np.random.Generator, 
 
 
 def _corpus() -> list[str]:
-    from . import tokenizer as tok
+    from .corpus import generate_corpus
 
-    return [line for line in tok.generate_corpus(target_chars=60_000).splitlines() if line.strip()]
+    return [line for line in generate_corpus(target_chars=60_000).splitlines() if line.strip()]
 
 
 def tokenizer_json(kind: str) -> str:
@@ -267,21 +269,13 @@ def _write_files(kind: str, directory: Path) -> None:
                                                     encoding="utf-8")  # last: the directory is complete
 
 
-def default_cache_dir() -> Path:
-    from . import models
-
-    return models.default_cache_dir()
-
-
 def ensure_encoder(kind: str, cache_dir: str | Path | None = None) -> Path:
     """``<cache>/encoder-<kind>-v<N>``, built on first use (into a temporary directory renamed
     into place, so concurrent callers never see half a model)."""
-    from . import models
-
     _spec(kind)
     root = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()).absolute()
-    return models.build_directory(root / f"encoder-{kind}-v{FORMAT_VERSION}", "mlxcel_encoder.json",
-                                  lambda tmp: _write_files(kind, tmp))
+    return build_directory(root / f"encoder-{kind}-v{FORMAT_VERSION}", "mlxcel_encoder.json",
+                           lambda tmp: _write_files(kind, tmp))
 
 
 # --- GGUF ---------------------------------------------------------------------------------------

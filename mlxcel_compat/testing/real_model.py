@@ -25,7 +25,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxcel_compat.testing.models import default_cache_dir
+from mlxcel_compat.testing.cache_dir import default_cache_dir
 
 PIP_TIMEOUT_S = 20  # per network operation; an unreachable registry fails fast and the caller falls back
 

@@ -8,7 +8,7 @@ projector, merged embeddings and positions (Qwen's multimodal RoPE, plain RoPE f
 that a real checkpoint of the family runs, in milliseconds.
 
 - Weights: a fixed NumPy seed, stored under mlx-vlm's parameter names and layouts (so loading
-  needs no conversion), initialized like the text factory's (``models._init_tensor``).
+  needs no conversion), initialized like the text factory's (``weights.init_tensor``).
 - Tokenizer: the factory's shared 8k vocabulary (``testing/tokenizer.py``) with the family's vision
   tokens added after it as special tokens (``FAMILY_TOKENS``: Qwen2-VL's ``<|vision_start|>``,
   ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>``; Gemma 3's ``<start_of_image>``,
@@ -42,7 +42,9 @@ from typing import Any
 
 import numpy as np
 
+from . import chatml
 from . import tokenizer as tok
+from .families import EOS_IDS
 
 FORMAT_VERSION = 1
 WEIGHT_SEED = 20261202
@@ -78,7 +80,6 @@ SLIDING_WINDOW = 24  # Gemma 3's local layers: shorter than the tests' prompts, 
 # CLIP's normalisation, as Qwen2-VL's and LLaVA's processor configs have it; Gemma 3's is 0.5.
 IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
 IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
-_EOS_IDS = [tok.token_id(tok.IM_END), tok.token_id(tok.ENDOFTEXT)]
 SIZES = ("tiny", "small")
 # The small Qwen2.5-VL: what differs from the tiny one (text model, tower, processor).
 SMALL = {
@@ -141,7 +142,7 @@ def _gemma3_config() -> dict[str, Any]:
         boi_token_index=vision_token_id("<start_of_image>", "gemma3"),
         eoi_token_index=vision_token_id("<end_of_image>", "gemma3"),
         image_token_index=vision_token_id("<image_soft_token>", "gemma3"),
-        bos_token_id=None, eos_token_id=_EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT), torch_dtype="float32",
+        bos_token_id=None, eos_token_id=EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT), torch_dtype="float32",
     )
 
 
@@ -155,7 +156,7 @@ def _llava_config() -> dict[str, Any]:
         vision_config=_vision_config("llava"), vocab_size=vocab_size("llava"),
         image_token_index=vision_token_id("<image>", "llava"), vision_feature_layer=-2,
         vision_feature_select_strategy="default", projector_hidden_act="gelu",
-        bos_token_id=None, eos_token_id=_EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT), torch_dtype="float32",
+        bos_token_id=None, eos_token_id=EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT), torch_dtype="float32",
     )
 
 
@@ -196,7 +197,7 @@ def _gemma3n_config() -> dict[str, Any]:
         image_token_id=vision_token_id("<image_soft_token>", "gemma3n"),
         boa_token_id=vision_token_id("<start_of_audio>", "gemma3n"), eoa_token_id=audio_offset,
         audio_token_id=vision_token_id("<audio_soft_token>", "gemma3n"),
-        bos_token_id=None, eos_token_id=_EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT), torch_dtype="float32",
+        bos_token_id=None, eos_token_id=EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT), torch_dtype="float32",
     )
 
 
@@ -226,7 +227,7 @@ def model_config(family: str = "qwen2_5_vl", size: str = "tiny") -> dict[str, An
         image_token_id=vision_token_id("<|image_pad|>"),
         video_token_id=vision_token_id("<|video_pad|>"),
         vision_token_id=vision_token_id("<|vision_start|>"),
-        bos_token_id=None, eos_token_id=_EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT),
+        bos_token_id=None, eos_token_id=EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT),
         torch_dtype="float32", vision_config=vision,
     )
 
@@ -277,7 +278,7 @@ def preprocessor_config(family: str = "qwen2_5_vl", size: str = "tiny") -> dict[
 def chat_template(family: str = "qwen2_5_vl") -> str:
     """The factory's ChatML template with image parts rendered as the family's template renders
     them (``TEMPLATE_IMAGE``)."""
-    base = tok.chat_template(thinking=False)
+    base = chatml.chat_template(thinking=False)
     unsupported = "{%- else -%}\n                {{- raise_exception('Unsupported content part type: ' ~ part.type) -}}"
     if unsupported not in base:
         raise RuntimeError("the factory chat template changed: update testing/vision.py")
@@ -320,13 +321,14 @@ def _tokenizer_config(family: str) -> dict[str, Any]:
 def _init(rng: np.random.Generator, name: str, shape: tuple[int, ...], family: str) -> np.ndarray:
     """Biases zero, other vectors (norm gains) one, matrices the text factory's 1/sqrt(fan_in).
     Gemma 3's RMSNorms scale by ``1 + w`` (its text model and projector): stored as zero."""
-    from .models import _FAMILIES, _init_tensor
+    from .families import FAMILY_SPECS
+    from .weights import init_tensor
 
     if len(shape) == 1:
         leaf = name.rsplit(".", 1)[-1]
         gemma_norm = family == "gemma3" and name.startswith(("language_model.", "multi_modal_projector."))
         return np.zeros(shape, np.float32) if leaf == "bias" or gemma_norm else np.ones(shape, np.float32)
-    return _init_tensor(rng, name, shape, _FAMILIES["qwen2"])
+    return init_tensor(rng, name, shape, FAMILY_SPECS["qwen2"])
 
 
 def random_weights(config: dict[str, Any]) -> dict[str, Any]:
@@ -362,7 +364,7 @@ def _write_files(directory: Path, family: str, size: str = "tiny") -> None:
         "tokenizer_config.json": _tokenizer_config(family),
         "special_tokens_map.json": {"additional_special_tokens": [tok.IM_START, tok.IM_END, *tokens],
                                     "eos_token": tok.IM_END, "pad_token": tok.ENDOFTEXT},
-        "generation_config.json": {"bos_token_id": None, "eos_token_id": _EOS_IDS,
+        "generation_config.json": {"bos_token_id": None, "eos_token_id": EOS_IDS,
                                    "pad_token_id": config["pad_token_id"]},
     }
     for name, data in texts.items():
@@ -376,7 +378,7 @@ def _write_files(directory: Path, family: str, size: str = "tiny") -> None:
 def ensure_vision_model(cache_dir: str | Path | None = None, family: str = "qwen2_5_vl", size: str = "tiny") -> Path:
     """``<cache>/<family>-<size>-v<N>``, built on first use (into a temporary directory renamed
     into place, so concurrent callers never see half a model)."""
-    from .models import build_directory, default_cache_dir
+    from .cache_dir import build_directory, default_cache_dir
 
     _check(family, size)  # fails here, before anything is written
     root = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()).absolute()

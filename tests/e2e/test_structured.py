@@ -17,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from mlxcel_compat.testing.models import FAMILIES
+from mlxcel_compat.testing.families import FAMILIES
 from tests.conftest import ServerProcess, tiny_model
 from tests.e2e.helpers import DONE, assert_serving, post_stream
 

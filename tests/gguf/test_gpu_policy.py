@@ -34,7 +34,8 @@ from mlxcel_compat.gguf import quants as gguf_quants
 from mlxcel_compat.gguf import precision
 from mlxcel_compat.gguf.reader import open_gguf
 from mlxcel_compat.gguf.load import load_gguf
-from mlxcel_compat.testing.gguf_writer import GGUF_FAMILIES, ensure_gguf
+from mlxcel_compat.testing.gguf_tensors import GGUF_FAMILIES
+from mlxcel_compat.testing.gguf_writer import ensure_gguf
 from tests.conftest import MODEL_CACHE, matrix, slow_but
 
 pytestmark = pytest.mark.engine

@@ -31,7 +31,8 @@ from mlxcel_compat.gguf.reader import open_gguf
 from mlxcel_compat.gguf.load import load_gguf
 from mlxcel_compat.gguf.quants import UnsupportedTensorType
 from mlxcel_compat.model.loader import load_model
-from mlxcel_compat.testing.gguf_writer import GGUF_FAMILIES, ensure_gguf, permute_rows, write_gguf
+from mlxcel_compat.testing.gguf_tensors import GGUF_FAMILIES, permute_rows
+from mlxcel_compat.testing.gguf_writer import ensure_gguf, write_gguf
 from tests.conftest import MODEL_CACHE, matrix, tiny_model
 
 pytestmark = pytest.mark.engine

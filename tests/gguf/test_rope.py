@@ -20,7 +20,8 @@ from mlx_lm.utils import load
 
 from mlxcel_compat.gguf.reader import open_gguf
 from mlxcel_compat.gguf.load import load_gguf
-from mlxcel_compat.testing.gguf_writer import llama3_rope_factors, write_gguf
+from mlxcel_compat.testing.gguf_tensors import llama3_rope_factors
+from mlxcel_compat.testing.gguf_writer import write_gguf
 from tests.conftest import tiny_model
 
 pytestmark = pytest.mark.engine

@@ -1,7 +1,7 @@
 """The tokenizer and chat templates of a GGUF (gguf/tokenizer.py) against HF directories.
 
 - SentencePiece vocabularies (``tokenizer.ggml.model = llama``): a small SentencePiece-style BPE
-  built offline with the ``tokenizers`` library (``testing/tokenizer.py``), written as an HF
+  built offline with the ``tokenizers`` library (``testing/spm_tokenizer.py``), written as an HF
   directory in the legacy Llama 2 layout and as a GGUF the way llama.cpp's converter writes one
   (scores, token types, byte tokens). Token ids, text, streaming detokenization, special tokens
   and the chat template must be the directory's, including around special tokens and leading
@@ -31,7 +31,8 @@ from mlxcel_compat.gguf.reader import open_gguf
 from mlxcel_compat.gguf.tokenizer import cache_key, load_tokenizer
 from mlxcel_compat.tokenizer.served import ServedTokenizer
 from mlxcel_compat.testing.gguf_writer import ensure_gguf, write_gguf, write_spm_tokenizer_gguf
-from mlxcel_compat.testing.tokenizer import generate_corpus, write_spm_tokenizer_dir
+from mlxcel_compat.testing.corpus import generate_corpus
+from mlxcel_compat.testing.spm_tokenizer import write_spm_tokenizer_dir
 from tests.conftest import MODEL_CACHE, tiny_model
 
 SPM_TEXTS = [

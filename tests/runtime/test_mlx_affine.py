@@ -45,8 +45,8 @@ from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, bloc
 from mlxcel_compat.runtime.block_weight import BlockWeight, library
 from mlxcel_compat.runtime.cpu_decode import OwnedCache
 from mlxcel_compat.model.loader import load_model, model_fingerprint
-from mlxcel_compat.testing import models
-from mlxcel_compat.testing.models import Quantization, ensure_model
+from mlxcel_compat.testing import model_directory, models
+from mlxcel_compat.testing.model_directory import Quantization, ensure_model
 from tests.conftest import MODEL_CACHE, SLOW
 from tests.engine.harness import EngineHarness
 from tests.runtime.test_block_weight import activation_error
@@ -285,7 +285,7 @@ def test_weights_take_about_the_directory_bytes(family: str, quantization: Quant
     directory = quantized_dir(family, quantization)
     loaded = load_model(str(directory), [])
     tensors = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-    manifest = ensure_model(family, "tiny", MODEL_CACHE) / models.MANIFEST_NAME
+    manifest = ensure_model(family, "tiny", MODEL_CACHE) / model_directory.MANIFEST_NAME
     float_params = json.loads(manifest.read_text())["num_parameters"]
     assert loaded.n_params == float_params  # block weights count as their n x k values
     # Q4_1 holds 5 bits a weight where the directory holds 4.5 (group 64); Q8_0 plus group
@@ -343,7 +343,7 @@ def test_factory_cli_writes_mlx_lm_quantized_directories(tmp_path: Path, monkeyp
     assert models.main(["--family", "llama", "--quantize", "8", "--q-group-size", "32", "--out", str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["quantization"] == {"group_size": 32, "bits": 8, "mode": "affine"}
-    assert models.is_complete(out)
+    assert model_directory.is_complete(out)
     weights = mx.load(str(out / "model.safetensors"))
     assert weights["model.layers.0.mlp.down_proj.weight"].dtype == mx.uint32
     assert weights["model.layers.0.mlp.down_proj.scales"].dtype == mx.bfloat16
@@ -352,6 +352,6 @@ def test_factory_cli_writes_mlx_lm_quantized_directories(tmp_path: Path, monkeyp
     # Deterministic: the cached build of the same parameters has the same bytes.
     cached = quantized_dir("llama", Quantization(8, 32))
     def safetensors(directory: Path) -> dict:
-        return json.loads((directory / models.MANIFEST_NAME).read_text())["files"]["model.safetensors"]
+        return json.loads((directory / model_directory.MANIFEST_NAME).read_text())["files"]["model.safetensors"]
 
     assert safetensors(cached) == safetensors(out)

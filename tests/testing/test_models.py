@@ -21,7 +21,9 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.utils import load
 
-from mlxcel_compat.testing import models
+from mlxcel_compat.testing import chatml
+from mlxcel_compat.testing import corpus as factory_corpus
+from mlxcel_compat.testing import families, model_directory, models
 from mlxcel_compat.testing import tokenizer as tok
 
 TOOLS = [
@@ -68,7 +70,7 @@ def _digests(directory: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {family: models.build_model(family, "tiny", root / family) for family in models.FAMILIES}
+    return {family: model_directory.build_model(family, "tiny", root / family) for family in families.FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +90,10 @@ def _render_plain(template: str, **kwargs: object) -> str:
 # --- models ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", models.FAMILIES)
+@pytest.mark.parametrize("family", families.FAMILIES)
 def test_tiny_model_prefills_and_decodes(family: str, loaded: dict[str, tuple]) -> None:
     model, tokenizer = loaded[family]
-    vocab = models.model_config(family, "tiny")["vocab_size"]
+    vocab = families.model_config(family, "tiny")["vocab_size"]
     assert vocab == len(tokenizer) == tok.VOCAB_SIZE
     cache = make_prompt_cache(model)
     prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
@@ -143,22 +145,22 @@ def test_describe_matches_the_loaded_model(loaded: dict[str, tuple]) -> None:
 
 
 def test_small_sizes_are_benchmark_sized() -> None:
-    for family in models.FAMILIES:
+    for family in families.FAMILIES:
         count = models.describe(family, "small")["num_parameters"]
         assert 88_000_000 <= count <= 100_000_000, (family, count)
-    llama = models.model_config("llama", "small")
+    llama = families.model_config("llama", "small")
     assert (llama["hidden_size"], llama["num_hidden_layers"], llama["num_attention_heads"],
             llama["num_key_value_heads"], llama["intermediate_size"], llama["vocab_size"]) == (
         768, 12, 12, 4, 2048, 8192)
-    for family in models.FAMILIES:
-        for size in models.SIZES:
-            assert models.model_config(family, size)["max_position_embeddings"] >= 8192
+    for family in families.FAMILIES:
+        for size in families.SIZES:
+            assert families.model_config(family, size)["max_position_embeddings"] >= 8192
 
 
 def test_builds_are_byte_identical(built: dict[str, Path], tmp_path: Path) -> None:
-    tok._trained_tokenizer_json.cache_clear()  # retrain the tokenizer too
+    tok.trained_tokenizer_json.cache_clear()  # retrain the tokenizer too
     for family, first in built.items():
-        second = models.build_model(family, "tiny", tmp_path / family)
+        second = model_directory.build_model(family, "tiny", tmp_path / family)
         digests = _digests(second)
         assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "generation_config.json"} <= set(digests)
@@ -167,22 +169,22 @@ def test_builds_are_byte_identical(built: dict[str, Path], tmp_path: Path) -> No
 
 def test_unknown_family_and_size_are_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown model family 'gpt9'"):
-        models.build_model("gpt9", "tiny", tmp_path / "x")
+        model_directory.build_model("gpt9", "tiny", tmp_path / "x")
     with pytest.raises(ValueError, match="unknown model size"):
-        models.ensure_model("llama", "huge", tmp_path)
+        model_directory.ensure_model("llama", "huge", tmp_path)
     assert not (tmp_path / "x").exists()
 
 
 def test_build_replaces_a_previous_build_but_not_foreign_files(tmp_path: Path) -> None:
-    out = models.build_model("qwen3", "tiny", tmp_path / "m")
+    out = model_directory.build_model("qwen3", "tiny", tmp_path / "m")
     before = _digests(out)
-    assert models.build_model("qwen3", "tiny", out) == out
+    assert model_directory.build_model("qwen3", "tiny", out) == out
     assert _digests(out) == before
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
     with pytest.raises(FileExistsError):
-        models.build_model("qwen3", "tiny", foreign)
+        model_directory.build_model("qwen3", "tiny", foreign)
     assert (foreign / "notes.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["foreign", "m"]  # no temp leftovers
 
@@ -196,7 +198,7 @@ def test_ensure_model_builds_once_and_survives_a_race(tmp_path: Path,
     def worker() -> None:
         try:
             barrier.wait()
-            results.append(models.ensure_model("gemma3_text", "tiny", tmp_path))
+            results.append(model_directory.ensure_model("gemma3_text", "tiny", tmp_path))
         except BaseException as e:  # surfaced by the assert below
             errors.append(e)
 
@@ -206,21 +208,21 @@ def test_ensure_model_builds_once_and_survives_a_race(tmp_path: Path,
     for t in threads:
         t.join()
     assert not errors
-    expected = tmp_path / f"gemma3_text-tiny-v{models.FORMAT_VERSION}"
+    expected = tmp_path / f"gemma3_text-tiny-v{model_directory.FORMAT_VERSION}"
     assert results == [expected, expected]
-    assert models.is_complete(expected)
+    assert model_directory.is_complete(expected)
     assert [p.name for p in tmp_path.iterdir()] == [expected.name]  # losers cleaned up
 
     mtime = (expected / "model.safetensors").stat().st_mtime_ns
-    assert models.ensure_model("gemma3_text", "tiny", tmp_path) == expected
+    assert model_directory.ensure_model("gemma3_text", "tiny", tmp_path) == expected
     assert (expected / "model.safetensors").stat().st_mtime_ns == mtime  # not rebuilt
 
     (expected / "tokenizer.json").unlink()  # damaged: rebuilt on next use
-    assert not models.is_complete(expected)
-    assert models.is_complete(models.ensure_model("gemma3_text", "tiny", tmp_path))
+    assert not model_directory.is_complete(expected)
+    assert model_directory.is_complete(model_directory.ensure_model("gemma3_text", "tiny", tmp_path))
 
     monkeypatch.setenv("MLXCEL_CACHE_DIR", str(tmp_path))
-    assert models.ensure_model("gemma3_text", "tiny") == expected
+    assert model_directory.ensure_model("gemma3_text", "tiny") == expected
 
 
 # --- tokenizer ------------------------------------------------------------
@@ -263,7 +265,7 @@ def test_special_tokens_and_bos(loaded: dict[str, tuple]) -> None:
         assert tokenizer.eos_token_ids == {tok.token_id(tok.IM_END), tok.token_id(tok.ENDOFTEXT)}
         plain = tokenizer.encode("hello there", add_special_tokens=False)
         with_bos = tokenizer.encode("hello there")
-        if models._FAMILIES[family].add_bos:  # llama, mistral
+        if families.FAMILY_SPECS[family].add_bos:  # llama, mistral
             assert with_bos == [tok.token_id(tok.BEGIN_OF_TEXT)] + plain
         else:
             assert with_bos == plain
@@ -275,12 +277,12 @@ def test_special_tokens_and_bos(loaded: dict[str, tuple]) -> None:
 
 
 def test_corpus_is_varied_and_fixed() -> None:
-    corpus = tok.generate_corpus()
+    corpus = factory_corpus.generate_corpus()
     assert len(corpus) >= 100_000
     for needle in ("def ", "{", "| name |", "$ ", "User:", "你好", "🚀"):
         assert needle in corpus
     assert hashlib.sha256(corpus.encode()).hexdigest() == hashlib.sha256(
-        tok.generate_corpus.__wrapped__().encode()).hexdigest()
+        factory_corpus.generate_corpus.__wrapped__().encode()).hexdigest()
 
 
 # --- chat template ----------------------------------------------------------
@@ -317,7 +319,7 @@ def test_chat_template_enable_thinking(loaded: dict[str, tuple]) -> None:
 
 
 def test_chat_template_renders_with_plain_jinja2() -> None:
-    template = tok.chat_template(thinking=True)
+    template = chatml.chat_template(thinking=True)
     text = _render_plain(template, messages=CONVERSATION, tools=TOOLS,
                          add_generation_prompt=True, enable_thinking=False)
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
@@ -355,7 +357,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_cli_list_and_unknown_family(tmp_path: Path) -> None:
     listed = _cli("--list")
     assert listed.returncode == 0
-    assert listed.stdout.splitlines() == [*models.FAMILIES, *models.FIM_FAMILIES]
+    assert listed.stdout.splitlines() == [*families.FAMILIES, *families.FIM_FAMILIES]
     bad = _cli("--family", "gpt9", "--size", "tiny", "--out", str(tmp_path / "x"))
     assert bad.returncode != 0
     assert "unknown model family 'gpt9'" in bad.stderr
@@ -374,7 +376,7 @@ def test_cli_build_matches_in_process_build(built: dict[str, Path], tmp_path: Pa
 def test_large_tokenizer_grows_a_valid_bpe_deterministically() -> None:
     from tokenizers import Tokenizer, pre_tokenizers
 
-    from mlxcel_compat.engine.textstream import byte_level_bytes
+    from mlxcel_compat.tokenizer.byte_level import byte_level_bytes
 
     text = tok.large_tokenizer_json(12_000)
     assert text == tok.large_tokenizer_json(12_000)
@@ -413,13 +415,13 @@ def test_random_gguf_has_the_mix_and_loads(gguf_type: str, dims: dict, tmp_path:
     from mlxcel_compat.gguf.reader import open_gguf, read_tensor
     from mlxcel_compat.gguf.load import load_gguf
     from mlxcel_compat.gguf.quants import type_name
-    from mlxcel_compat.testing import gguf_writer
+    from mlxcel_compat.testing import gguf_random, gguf_tensors
 
     from tests.conftest import tiny_model
 
     source = tiny_model("llama")
-    path = gguf_writer.write_random_gguf(tmp_path / "r.gguf", "llama", dims, gguf_type, seed=7, model_dir=source)
-    again = gguf_writer.write_random_gguf(tmp_path / "again.gguf", "llama", dims, gguf_type, seed=7, model_dir=source)
+    path = gguf_random.write_random_gguf(tmp_path / "r.gguf", "llama", dims, gguf_type, seed=7, model_dir=source)
+    again = gguf_random.write_random_gguf(tmp_path / "again.gguf", "llama", dims, gguf_type, seed=7, model_dir=source)
     assert path.read_bytes() == again.read_bytes()  # the bytes depend only on the arguments
     file = open_gguf(path)
     n_layers = dims["num_hidden_layers"]
@@ -437,11 +439,11 @@ def test_random_gguf_has_the_mix_and_loads(gguf_type: str, dims: dict, tmp_path:
         if name.endswith("norm.weight"):
             assert kind == "f32"
             continue
-        want = gguf_writer.tensor_type(name, gguf_type, n_layers)
+        want = gguf_tensors.tensor_type(name, gguf_type, n_layers)
         if info.shape[-1] % 256 and want in ("q4_k", "q6_k"):
             want = {"q4_k": "q5_0", "q6_k": "q8_0"}[want]
         assert kind == want, name
-        assert kind == gguf_writer.stored_type(name, info.shape, gguf_type, n_layers)
+        assert kind == gguf_tensors.stored_type(name, info.shape, gguf_type, n_layers)
         values = quants.dequantize(read_tensor(info), GGMLQuantizationType(info.ggml_type))
         assert values.size == info.n_values and np.all(np.isfinite(values)), name
         # scaled like the factory's weights: mean about 0, std 1/sqrt(fan_in)
@@ -450,7 +452,7 @@ def test_random_gguf_has_the_mix_and_loads(gguf_type: str, dims: dict, tmp_path:
     if gguf_type == "q4_k_m":
         kinds = {n: type_name(i.ggml_type).lower() for n, i in file.tensors.items()}
         assert kinds["output.weight"] == "q6_k" and kinds["token_embd.weight"] == "q4_k"
-        more = [i for i in range(n_layers) if gguf_writer.use_more_bits(i, n_layers)]
+        more = [i for i in range(n_layers) if gguf_tensors.use_more_bits(i, n_layers)]
         assert 0 < len(more) < n_layers
 
     model, tokenizer, config, summary = load_gguf(str(path), on_cpu=True)
@@ -466,9 +468,9 @@ def test_random_gguf_has_the_mix_and_loads(gguf_type: str, dims: dict, tmp_path:
 
 
 def test_random_gguf_rejects_unknown_types(tmp_path: Path) -> None:
-    from mlxcel_compat.testing import gguf_writer
+    from mlxcel_compat.testing import gguf_random
 
     with pytest.raises(ValueError, match="unknown GGUF type"):
-        gguf_writer.write_random_gguf(tmp_path / "x.gguf", "llama", RANDOM_DIMS, "q7_k")
+        gguf_random.write_random_gguf(tmp_path / "x.gguf", "llama", RANDOM_DIMS, "q7_k")
     with pytest.raises(ValueError, match="no GGUF writer"):
-        gguf_writer.write_random_gguf(tmp_path / "x.gguf", "qwen3_next", RANDOM_DIMS, "q8_0")
+        gguf_random.write_random_gguf(tmp_path / "x.gguf", "qwen3_next", RANDOM_DIMS, "q8_0")

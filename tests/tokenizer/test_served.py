@@ -29,9 +29,11 @@ from mlxcel_compat.gguf import tokenizer as gguf_tokenizer
 from mlxcel_compat.gguf.reader import open_gguf
 from mlxcel_compat.tokenizer.cache import load_directory
 from mlxcel_compat.tokenizer.served import ServedTokenizer, from_files
-from mlxcel_compat.testing import tokenizer as factory_tokenizer
-from mlxcel_compat.testing.gguf_writer import GGUF_FAMILIES, write_spm_tokenizer_gguf
-from mlxcel_compat.testing.models import FAMILIES, FIM_FAMILIES
+from mlxcel_compat.testing.corpus import generate_corpus
+from mlxcel_compat.testing.gguf_tensors import GGUF_FAMILIES
+from mlxcel_compat.testing.gguf_writer import write_spm_tokenizer_gguf
+from mlxcel_compat.testing.families import FAMILIES, FIM_FAMILIES
+from mlxcel_compat.testing.spm_tokenizer import write_spm_tokenizer_dir
 from tests.conftest import REPO_ROOT, slow_but, tiny_encoder, tiny_model
 
 TEXTS = [
@@ -124,8 +126,8 @@ def test_factory_gguf_matches_the_converted_tokenizer(family: str, tmp_path: Pat
 
 
 def test_sentencepiece_directory_and_gguf_match_transformers(tmp_path: Path) -> None:
-    directory = factory_tokenizer.write_spm_tokenizer_dir(tmp_path / "hf")
-    paragraphs = factory_tokenizer.generate_corpus().split("\n\n")[:40]
+    directory = write_spm_tokenizer_dir(tmp_path / "hf")
+    paragraphs = generate_corpus().split("\n\n")[:40]
     _check_same(load_directory(directory), _hf(directory), TEXTS + paragraphs)
     path = write_spm_tokenizer_gguf(tmp_path / "spm.gguf", directory)
     ours, _ = gguf_tokenizer.load_tokenizer(open_gguf(path), cache_dir=tmp_path / "cache")
@@ -151,7 +153,7 @@ def test_encoder_vocabularies_and_pairs_match_transformers(kind: str, tmp_path: 
 def test_real_smollm2_gguf_matches_the_converted_tokenizer(smollm2_gguf: Path, tmp_path: Path) -> None:
     ours, _ = gguf_tokenizer.load_tokenizer(open_gguf(smollm2_gguf), cache_dir=tmp_path)
     reference = _gguf_reference(smollm2_gguf)
-    _check_same(ours, reference, TEXTS + [factory_tokenizer.generate_corpus()[:4000]])
+    _check_same(ours, reference, TEXTS + [generate_corpus()[:4000]])
 
 
 def test_clean_up_spaces_applies_to_wordpiece_not_bpe(tmp_path: Path) -> None:

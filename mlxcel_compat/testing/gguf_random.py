@@ -1,0 +1,192 @@
+"""Random-block GGUF files of any size, written one tensor at a time (:func:`write_random_gguf`).
+
+For benchmarks of large files (a 7B-shaped Q4_K_M, ``LLAMA2_7B_DIMS``) without a float32 source:
+the metadata, tokenizer and tensor types are what ``gguf_writer.write_gguf`` would write for the
+factory family at those dimensions; the quantized tensors are valid random blocks whose values
+have the factory weights' spread. ``python -m mlxcel_compat.testing.gguf_writer`` is its command
+line.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .families import FAMILY_SPECS, model_config
+from .gguf_metadata import add_hparams, add_tokenizer
+from .gguf_tensors import GGUF_FAMILIES, GGUF_TARGETS, GGUF_TYPES, file_type, stored_type
+from .model_directory import ensure_model
+from .weights import instantiate, stored_shapes
+
+# Llama-2-7B's dimensions (the vocabulary stays the factory tokenizer's).
+LLAMA2_7B_DIMS: dict[str, int] = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                      num_key_value_heads=32, head_dim=128, intermediate_size=11008)
+RANDOM_SEED = 20251201
+
+# Byte offsets of the float16 scale fields in one block: (d, the min/dmin field or None). The
+# values are y = d * A + m * B with A and B set by the block's other bytes (Q4_1/Q5_1 add m,
+# the K-quants subtract dmin times a sub-block min), so a block is linear in these two fields.
+_SCALE_FIELDS: dict[str, tuple[int, int | None]] = {
+    "q4_0": (0, None), "q4_1": (0, 2), "q5_0": (0, None), "q5_1": (0, 2), "q8_0": (0, None),
+    "q2_k": (80, 82), "q3_k": (108, None), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208, None),
+}
+
+
+def _set_f16(blocks: np.ndarray, offset: int, values: np.ndarray) -> None:
+    blocks[:, offset:offset + 2] = values.astype("<f2").view(np.uint8).reshape(-1, 2)
+
+
+def _random_blocks(rng: np.random.Generator, kind: str, n_blocks: int, d: float, min_ratio: float) -> np.ndarray:
+    """``n_blocks`` blocks of ``kind``: random bytes, then d = ``d`` times a factor in [0.5, 1.5)
+    per block and the min field ``min_ratio`` times that d (both finite float16)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = GGML_QUANT_SIZES[GGMLQuantizationType[kind.upper()]][1]
+    blocks = np.frombuffer(bytearray(rng.bytes(n_blocks * size)), dtype=np.uint8).reshape(n_blocks, size)
+    d_at, m_at = _SCALE_FIELDS[kind]
+    scale = (np.float32(d) * (np.float32(0.5) + rng.random(n_blocks, dtype=np.float32))).astype(np.float16)
+    _set_f16(blocks, d_at, scale)
+    if m_at is not None:
+        _set_f16(blocks, m_at, scale.astype(np.float32) * np.float32(min_ratio))
+    return blocks
+
+
+def _block_calibration(kind: str) -> tuple[float, float]:
+    """``(min_ratio, unit_std)`` for random blocks of ``kind``: the min field as a multiple of d
+    that centres the values on 0, and the values' standard deviation when d's factor is 1.
+
+    Measured with gguf-py's dequantizer on a fixed sample, using the linearity in the two fields
+    (a sample with the min field 0, and one with d 0, give A and B). Every value of a block whose
+    two fields are 0 must be 0: that checks the field offsets.
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[kind.upper()]
+    d_at, m_at = _SCALE_FIELDS[kind]
+    rng = np.random.default_rng(RANDOM_SEED)
+    base = _random_blocks(rng, kind, 512, 1.0, 0.0)
+    factors = base[:, d_at:d_at + 2].copy().view("<f2").astype(np.float32).reshape(-1, 1)
+    block_values = GGML_QUANT_SIZES[qtype][0]
+
+    def values(d_on: bool, m_on: bool) -> np.ndarray:
+        blocks = base.copy()
+        _set_f16(blocks, d_at, factors[:, 0] if d_on else np.zeros(len(blocks), np.float32))
+        if m_at is not None:
+            _set_f16(blocks, m_at, factors[:, 0] if m_on else np.zeros(len(blocks), np.float32))
+        return quants.dequantize(blocks, qtype).reshape(len(blocks), block_values).astype(np.float64)
+
+    if np.any(values(False, False)):
+        raise AssertionError(f"{kind}: the scale fields are not at {_SCALE_FIELDS[kind]}")
+    a = values(True, False)
+    ratio = 0.0
+    if m_at is not None:
+        b = values(False, True)
+        ratio = float(-a.mean() / b.mean())
+        a = a + ratio * b
+    return ratio, float(a.std())
+
+
+def random_tensor_shapes(family: str, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """GGUF name -> NumPy shape of every tensor a converted ``family`` model of ``config`` holds,
+    in the order ``write_gguf`` writes them (HF names sorted)."""
+    import gguf
+
+    target = GGUF_TARGETS[family]
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == target.arch)
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    shapes = stored_shapes(instantiate(config), config)  # lazy arrays: no memory
+    out: dict[str, tuple[int, ...]] = {}
+    for hf_name in sorted(shapes):
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ValueError(f"no GGUF name for {hf_name} in {target.arch}")
+        shape = shapes[hf_name]
+        out[gguf_name] = shape[:2] if gguf_name.endswith("shortconv.conv.weight") else shape
+    return out
+
+
+def random_config(family: str, dims: dict[str, Any] | None) -> dict[str, Any]:
+    """The factory's ``small`` config of ``family`` with ``dims`` in place of its dimensions
+    (``head_dim`` follows ``hidden_size / num_attention_heads`` unless given)."""
+    config = model_config(family, "small")
+    dims = dict(dims or {})
+    if "layer_types" in config and "num_hidden_layers" in dims and "layer_types" not in dims:
+        raise ValueError(f"{family} has per-layer types: give layer_types with num_hidden_layers")
+    if "head_dim" in config and "head_dim" not in dims and ({"hidden_size", "num_attention_heads"} & set(dims)):
+        dims["head_dim"] = dims.get("hidden_size", config["hidden_size"]) // dims.get(
+            "num_attention_heads", config["num_attention_heads"])
+    config.update(dims)
+    return config
+
+
+def write_random_gguf(out: str | Path, family: str = "llama", dims: dict[str, Any] | None = None,
+                      gguf_type: str = "q4_k_m", seed: int = RANDOM_SEED,
+                      model_dir: str | Path | None = None) -> Path:
+    """Write a random-weight GGUF of any size, one tensor at a time, without a float32 source.
+
+    The file is what ``write_gguf`` would write for the factory's ``family`` with its dimensions
+    replaced by ``dims`` (``LLAMA2_7B_DIMS`` for a 7B-shaped file): the same metadata, tokenizer
+    and chat template, the tensor types of ``gguf_type`` (``stored_type``: llama-quantize's
+    Q4_K_M/Q5_K_M mixes and row-length fallbacks). Quantized tensors are valid random blocks:
+    random bytes, with finite float16 scale fields chosen so that the values have mean about 0
+    and standard deviation 1/sqrt(fan_in), as the factory's weights (``_block_calibration``).
+    Float tensors are normal with that deviation; norm weights are 1. The bytes depend only on
+    the arguments. The memory used is one tensor's blocks. ``model_dir`` is a factory directory
+    of ``family`` to take the tokenizer from (the tiny one is built on demand otherwise).
+    """
+    import gguf
+
+    if family not in GGUF_TARGETS:
+        raise ValueError(f"family {family!r} has no GGUF writer; choose one of: {', '.join(GGUF_FAMILIES)}")
+    if gguf_type not in GGUF_TYPES:
+        raise ValueError(f"unknown GGUF type {gguf_type!r}; choose one of: {', '.join(GGUF_TYPES)}")
+    config = random_config(family, dims)
+    n_layers = config["num_hidden_layers"]
+    shapes = random_tensor_shapes(family, config)
+    kinds = {name: stored_type(name, shape, gguf_type, n_layers) for name, shape in shapes.items()}
+    calibration = {k: _block_calibration(k) for k in sorted(set(kinds.values())) if k in _SCALE_FIELDS}
+    out = Path(out).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(out), GGUF_TARGETS[family].arch)
+    writer.add_name(f"mlxcel-{family}-random")
+    writer.add_file_type(file_type(gguf_type))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add_hparams(writer, family, config)
+    source = Path(model_dir) if model_dir is not None else ensure_model(family, "tiny")  # one per family
+    add_tokenizer(writer, source, GGUF_TARGETS[family].pre)
+    for name, shape in shapes.items():
+        kind = kinds[name]
+        if kind in ("f32", "f16"):
+            dtype = np.float32 if kind == "f32" else np.float16
+            writer.add_tensor_info(name, shape, np.dtype(dtype), math.prod(shape) * np.dtype(dtype).itemsize)
+        else:
+            qtype = gguf.GGMLQuantizationType[kind.upper()]
+            block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            row_bytes = shape[-1] // block_values * block_bytes
+            writer.add_tensor_info(name, (*shape[:-1], row_bytes), np.dtype(np.uint8),
+                                   math.prod(shape[:-1]) * row_bytes, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    norm_one = np.float32(FAMILY_SPECS[family].norm_one + GGUF_TARGETS[family].norm_shift)
+    for name, shape in shapes.items():
+        kind = kinds[name]
+        std = 1.0 / math.sqrt(shape[-1]) if len(shape) > 1 else 0.0
+        if len(shape) == 1:
+            data: np.ndarray = (np.full(shape, norm_one, np.float32) if "norm" in name
+                                else np.zeros(shape, np.float32))
+        elif kind in ("f32", "f16"):
+            data = (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(
+                np.float32 if kind == "f32" else np.float16)
+        else:
+            qtype = gguf.GGMLQuantizationType[kind.upper()]
+            ratio, unit_std = calibration[kind]
+            n_blocks = math.prod(shape) // gguf.GGML_QUANT_SIZES[qtype][0]
+            data = _random_blocks(rng, kind, n_blocks, std / unit_std, ratio)
+        writer.write_tensor_data(data)
+    writer.close()
+    return out

@@ -1,0 +1,168 @@
+"""A factory model's tensors as llama.cpp's ``convert_hf_to_gguf.py`` stores them.
+
+Per family, what the converter does differently (:class:`GgufTarget`: the GGUF architecture,
+llama's Q/K row permutation, Gemma's norm shift, the pre-tokenizer's name); the tensors' GGUF
+names and layout (:func:`converted_tensors`); and each tensor's stored type in a file of a given
+type, with llama-quantize's mixes and row-length fallbacks (:func:`stored_type`,
+:func:`encode_tensor`). ``gguf_writer.py`` writes whole files from these.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+GGUF_TYPES: tuple[str, ...] = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k",
+                               "q5_k", "q6_k", "q4_k_m", "q5_k_m")
+# llama-quantize's fallbacks for K-quants of rows that are not whole 256-value blocks (Q2_K and
+# Q3_K fall back to IQ4_NL there, which this server does not load: Q4_0 here).
+_K_FALLBACK = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+
+
+@dataclass(frozen=True)
+class GgufTarget:
+    """What llama.cpp's converter does differently for one factory family."""
+
+    arch: str  # general.architecture
+    permute_qk: bool  # llama-family Q/K row permutation
+    norm_shift: float  # added to every *norm.weight
+    pre: str = "gpt-2"  # tokenizer.ggml.pre: the split regex transformers applies to this family
+
+
+GGUF_TARGETS: dict[str, GgufTarget] = {
+    "llama": GgufTarget("llama", permute_qk=True, norm_shift=0.0),
+    "mistral": GgufTarget("llama", permute_qk=True, norm_shift=0.0),
+    # transformers tokenizes model_type qwen2 with Qwen2's own regex, whatever tokenizer.json says,
+    # and llama.cpp's converter names the pre-tokenizer after that behaviour.
+    "qwen2": GgufTarget("qwen2", permute_qk=False, norm_shift=0.0, pre="qwen2"),
+    "qwen3": GgufTarget("qwen3", permute_qk=False, norm_shift=0.0),
+    "gemma3_text": GgufTarget("gemma3", permute_qk=False, norm_shift=1.0),
+    "lfm2": GgufTarget("lfm2", permute_qk=False, norm_shift=0.0),
+    "qwen2_coder": GgufTarget("qwen2", permute_qk=False, norm_shift=0.0, pre="qwen2"),
+}
+# The families the family-wide GGUF tests run on (the FIM family has its own tests).
+GGUF_FAMILIES: tuple[str, ...] = tuple(f for f in GGUF_TARGETS if f != "qwen2_coder")
+
+
+def permute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute``: within each head, interleave the two rotary halves."""
+    return (weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def file_type(gguf_type: str) -> int:
+    """The ``general.file_type`` (llama.cpp's ``LlamaFileType``) of a file of ``gguf_type``."""
+    from gguf import LlamaFileType as F
+
+    return {"f32": F.ALL_F32, "f16": F.MOSTLY_F16, "q8_0": F.MOSTLY_Q8_0, "q4_0": F.MOSTLY_Q4_0,
+            "q4_1": F.MOSTLY_Q4_1, "q5_0": F.MOSTLY_Q5_0, "q5_1": F.MOSTLY_Q5_1, "q2_k": F.MOSTLY_Q2_K,
+            "q3_k": F.MOSTLY_Q3_K_M, "q4_k": F.MOSTLY_Q4_K_S, "q5_k": F.MOSTLY_Q5_K_S, "q6_k": F.MOSTLY_Q6_K,
+            "q4_k_m": F.MOSTLY_Q4_K_M, "q5_k_m": F.MOSTLY_Q5_K_M}[gguf_type]
+
+
+def use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama-quantize's choice of the layers whose attn_v / ffn_down get more bits in *_M mixes."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def tensor_type(name: str, gguf_type: str, n_layers: int) -> str:
+    """The type one matrix gets in a file of ``gguf_type`` (before the row-length fallbacks)."""
+    if gguf_type not in ("q4_k_m", "q5_k_m"):
+        return gguf_type
+    base = gguf_type[:4]
+    if name == "output.weight":
+        return "q6_k"
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        layer = int(name.split(".")[1])
+        return "q6_k" if use_more_bits(layer, n_layers) else base
+    return base
+
+
+def stored_type(name: str, shape: tuple[int, ...], gguf_type: str, n_layers: int = 1) -> str:
+    """The type one tensor of ``shape`` is stored as in a file of ``gguf_type``, the row-length
+    fallbacks included: ``f32`` for 1-D tensors and the convolution, ``f16`` for rows that are not
+    whole 32-value blocks, the K-quants' fallbacks for rows that are not whole 256-value blocks."""
+    if len(shape) < 2 or gguf_type == "f32" or name.endswith("shortconv.conv.weight"):
+        return "f32"
+    if gguf_type == "f16" or shape[-1] % 32:
+        return "f16"
+    kind = tensor_type(name, gguf_type, n_layers)
+    if kind in _K_FALLBACK and shape[-1] % 256:
+        kind = _K_FALLBACK[kind]
+    return kind
+
+
+def encode_tensor(name: str, data: np.ndarray, gguf_type: str, n_layers: int = 1) -> tuple[np.ndarray, Any]:
+    """The stored array and its raw GGML type (None for plain float arrays)."""
+    from gguf import GGMLQuantizationType, quants
+
+    kind = stored_type(name, data.shape, gguf_type, n_layers)
+    if kind == "f32":
+        return data.astype(np.float32), None
+    if kind == "f16":
+        return data.astype(np.float16), None
+    if kind in ("q8_0", "q4_0"):
+        qtype = GGMLQuantizationType.Q8_0 if kind == "q8_0" else GGMLQuantizationType.Q4_0
+        return quants.quantize(data.astype(np.float32), qtype), qtype
+    from mlxcel_compat.runtime import ggml_cpu
+
+    kernels = ggml_cpu.kernels()
+    if isinstance(kernels, str):
+        raise RuntimeError(f"writing {kind.upper()} tensors needs ggml's quantizer: {kernels}")
+    qtype = GGMLQuantizationType[kind.upper()]
+    rows = data.astype(np.float32).reshape(-1, data.shape[-1])
+    return kernels.quantize(qtype, rows).reshape(*data.shape[:-1], -1), qtype
+
+
+def converted_tensors(family: str, config: dict[str, Any], weights: dict[str, Any]) -> dict[str, np.ndarray]:
+    """GGUF name -> float32 array in the converter's layout."""
+    import gguf
+
+    target = GGUF_TARGETS[family]
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == target.arch)
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    out: dict[str, np.ndarray] = {}
+    for hf_name in sorted(weights):
+        data = np.array(weights[hf_name], dtype=np.float32)
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ValueError(f"no GGUF name for {hf_name} in {target.arch}")
+        if target.permute_qk and ".self_attn.q_proj." in hf_name:
+            data = permute_rows(data, config["num_attention_heads"])
+        elif target.permute_qk and ".self_attn.k_proj." in hf_name:
+            data = permute_rows(data, config["num_key_value_heads"])
+        if hf_name.endswith("norm.weight"):
+            data = data + np.float32(target.norm_shift)
+        if gguf_name.endswith("shortconv.conv.weight"):
+            data = data.reshape(data.shape[0], data.shape[1])  # (C, K, 1) -> (C, K)
+        out[gguf_name] = data
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        out["rope_freqs.weight"] = llama3_rope_factors(config)
+    return out
+
+
+def llama3_rope_factors(config: dict[str, Any]) -> np.ndarray:
+    """The ``rope_freqs`` tensor the converter writes for ``rope_type: llama3``: per rotary
+    frequency, the factor ggml divides the rotation speed by (1 for short wavelengths, ``factor``
+    for long ones, a smooth blend between)."""
+    scaling = config["rope_scaling"]
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    factor = float(scaling.get("factor", 8.0))
+    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    context = float(scaling.get("original_max_position_embeddings", 8192))
+    inv_freq = 1.0 / (float(config["rope_theta"]) ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factors = []
+    for freq in inv_freq:
+        wavelength = 2 * math.pi / float(freq)
+        if wavelength < context / high:
+            factors.append(1.0)
+        elif wavelength > context / low:
+            factors.append(factor)
+        else:
+            smooth = (context / wavelength - low) / (high - low)
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)

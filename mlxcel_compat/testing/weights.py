@@ -1,0 +1,99 @@
+"""The seeded random weights of a factory model, and the mlx-lm model they fit.
+
+The weights come from a fixed NumPy PCG64 seed, generated in sorted name order with exact IEEE
+operations only, so every build of a pair produces the same bytes on every machine. The GGUF
+writer, the draft pair, the adapters and the vision factory draw on the same functions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .families import Family, family_spec, model_config
+
+WEIGHT_SEED = 20240229
+
+
+def instantiate(config: dict[str, Any]) -> Any:
+    """The mlx-lm model for ``config``; its arrays stay lazy, so this is cheap."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    return model_class(args_class.from_dict(config))
+
+
+def stored_shapes(model: Any, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the tensors written to ``model.safetensors``.
+
+    Tied families omit ``lm_head.weight`` (gemma3_text's ``sanitize`` then drops
+    the head module when loading).
+    """
+    from mlx.utils import tree_flatten
+
+    shapes = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+    if config.get("tie_word_embeddings"):
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def init_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...],
+                 spec: Family) -> np.ndarray:
+    """One seeded float32 tensor.
+
+    Matrices are normal with std 1/sqrt(fan_in) (unit gain), which keeps the
+    logits' spread near 1 so greedy decoding is not decided by near-ties.
+    Only exact IEEE operations are used (no log/exp), so the bits do not depend
+    on the machine's math library.
+    """
+    leaf = name.rsplit(".", 1)[-1]
+    if len(shape) == 1:
+        if leaf == "A_log":
+            # Decay rates of the gated delta net: like log(U(1, 16)).
+            return rng.random(shape, dtype=np.float32) * np.float32(2.75)
+        if leaf == "dt_bias":
+            return np.ones(shape, dtype=np.float32)
+        if leaf == "bias":
+            return np.zeros(shape, dtype=np.float32)
+        if "norm" in name:
+            return np.full(shape, spec.norm_one, dtype=np.float32)
+        raise ValueError(f"no initializer for the 1-D parameter {name}")
+    if name.endswith("embed_tokens.weight"):
+        fan_in = shape[1]  # as the tied output head, the hidden size is the fan-in
+    else:
+        fan_in = math.prod(shape[1:])
+    std = np.float32(1.0 / math.sqrt(fan_in))
+    return rng.standard_normal(shape, dtype=np.float32) * std
+
+
+def random_weights(family: str, size: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The config and its weights as MLX arrays, generated in sorted name order."""
+    import mlx.core as mx
+
+    spec = family_spec(family, size)
+    config = model_config(family, size)
+    model = instantiate(config)
+    shapes = stored_shapes(model, config)
+    rng = np.random.default_rng(WEIGHT_SEED)
+    weights = {
+        name: mx.array(init_tensor(rng, name, shapes[name], spec)) for name in sorted(shapes)
+    }
+    _check_loadable(model, weights)
+    return weights, config
+
+
+def _check_loadable(model: Any, arrays: dict[str, Any]) -> None:
+    """Fail the build, not the later load, if mlx-lm would reject these weights."""
+    from mlx.utils import tree_flatten
+
+    if hasattr(model, "sanitize"):
+        sanitized = model.sanitize(dict(arrays))
+        changed = [k for k in arrays if sanitized.get(k) is not arrays[k]]
+        if changed or len(sanitized) != len(arrays):
+            raise RuntimeError(f"sanitize would rewrite stored tensors: {changed[:5]}")
+    expected = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+    actual = {name: tuple(a.shape) for name, a in arrays.items()}
+    if expected != actual:
+        raise RuntimeError(f"weights do not match the model: {sorted(set(expected) ^ set(actual))}")
