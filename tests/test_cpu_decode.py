@@ -1,4 +1,4 @@
-"""The CPU decode runtime (runtime/cpu_decode.py) and its kernels in blas_shim.c.
+"""The CPU decode runtime (runtime/cpu_decode.py) and its kernels in the shim's library.
 
 - Each kernel against a float64 NumPy reference (RMS norm, Gemma's norm of a branch added to the
   residual, RoPE in both layouts against ``mx.fast.rope``, SiLU and GELU-tanh gating with the
