@@ -19,8 +19,8 @@
  * carries the kernels of the CPU decode runtime (mlxcel_compat/runtime/cpu_decode.py): RMS norms
  * (Gemma's on a residual branch too), RoPE, SiLU and GELU-tanh gating (elementwise.c) and a decode
  * step's attention (over a growing cache or a sliding window's ring) and a prompt chunk's
- * (attention.c), which run decode steps (one sequence or a batch) between calls to the kernel
- * above, on the same thread pool.
+ * (attention.c), which run decode steps (one sequence or a batch) between calls to the small-M
+ * kernel, on the same thread pool.
  *
  * No dependency but libc and pthreads; compiled for the machine it runs on (-march=native).
  */
