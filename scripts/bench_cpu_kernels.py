@@ -58,8 +58,8 @@ from mlxcel_compat.runtime import backend
 if sys.argv[1] == "backend":
     kernels = backend.load_optimized_blas().kernels
 else:  # the library loaded directly: OpenBLAS picks its kernels unaided (or as OPENBLAS_CORETYPE says)
-    path = next(p for p in backend._candidates() if "openblas" in p)
-    kernels = backend._openblas_corename(ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL))
+    path = next(p for p in backend.blas_candidates() if "openblas" in p)
+    kernels = backend.openblas_corename(ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL))
 import mlx.core as mx
 out = {"kernels": kernels}
 for m, k, n in ((128, 768, 2048), (1024, 768, 2048)):
@@ -99,10 +99,10 @@ def matmul_in_fresh_process(loader: str, coretype: str | None) -> dict:
 
 
 def section_kernels(args: argparse.Namespace) -> None:
-    from mlxcel_compat.runtime.backend import _cpu_flags, openblas_kernels_for_cpu
+    from mlxcel_compat.runtime.backend import cpu_flags, openblas_kernels_for_cpu
 
     print("## 1. OpenBLAS kernels (fresh process each, plain sgemm)\n")
-    if openblas_kernels_for_cpu(_cpu_flags()) is None:
+    if openblas_kernels_for_cpu(cpu_flags()) is None:
         print("(no AVX2/AVX-512 flags: the backend leaves the kernel choice to OpenBLAS)")
     print("| OpenBLAS kernels | how | 128x768x2048 GFLOP/s | 1024x768x2048 GFLOP/s |")
     print("|---|---|---:|---:|")
@@ -181,7 +181,7 @@ def section_attention(args: argparse.Namespace, env: dict[str, Any]) -> None:
     from mlxcel_compat.runtime import attention
 
     print("## 3. Attention per layer (12 query heads, 4 KV heads, head dim 64)\n")
-    compiled_exp = attention._exp2_shifted
+    compiled_exp = attention.exp2_shifted
     plain_exp = lambda s, m: mx.power(2.0, s - m)  # noqa: E731
     shim = env["shim"]
 
@@ -189,14 +189,14 @@ def section_attention(args: argparse.Namespace, env: dict[str, Any]) -> None:
         def make():
             saved = attention.QUERY_BLOCK
             attention.QUERY_BLOCK = saved if blocks else 1 << 30
-            attention._exp2_shifted = compiled_exp if compiled else plain_exp
+            attention.exp2_shifted = compiled_exp if compiled else plain_exp
             if shim is not None:
                 shim.configure(route=route)
             try:
                 return attention.cpu_attention(q, k, v, 0.125, mask)
             finally:
                 attention.QUERY_BLOCK = saved
-                attention._exp2_shifted = compiled_exp
+                attention.exp2_shifted = compiled_exp
         return make
 
     print("| B | queries | keys | mx.fast ms | CPU path ms | speed-up | no query blocks | plain exponent | matmuls to sgemm | max rel. difference |")
@@ -281,7 +281,7 @@ class Levers:
         from mlxcel_compat.runtime import cpu_fusion
 
         self.env, self.attention, self.fusion = env, attention, cpu_fusion
-        self.defaults = (attention.QUERY_BLOCK, attention._exp2_shifted, cpu_fusion.SMALL_ELEMENTS,
+        self.defaults = (attention.QUERY_BLOCK, attention.exp2_shifted, cpu_fusion.SMALL_ELEMENTS,
                          attention.NUMPY_ATTENTION_MIN, cpu_fusion.NUMPY_MIN, cpu_fusion.SHARED_ROPE_ANGLES,
                          attention.UNSHIFTED_SOFTMAX)
         self.swiglu_modules = [m for name, m in sys.modules.items() if name.startswith("mlx_lm.models.")
@@ -302,7 +302,7 @@ class Levers:
         self.attention.QUERY_BLOCK = 1 << 30 if "query blocks" in off else block
         self.attention.NUMPY_ATTENTION_MIN = 1 << 62 if "NumPy attention" in off else numpy_attention
         self.fusion.NUMPY_MIN = 1 << 62 if "NumPy SiLU" in off else numpy_silu
-        self.attention._exp2_shifted = (lambda s, m: mx.power(2.0, s - m)) if "compiled exponent" in off else exp2
+        self.attention.exp2_shifted = (lambda s, m: mx.power(2.0, s - m)) if "compiled exponent" in off else exp2
         self.fusion.SMALL_ELEMENTS = -1 if "compiled modules" in off else small
         swiglu = self.mlx_swiglu if "SiLU via power of 2" in off else self.fusion.swiglu
         for module in self.swiglu_modules:

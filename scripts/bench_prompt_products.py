@@ -6,7 +6,7 @@ float32 tiles expanded by ggml's ``to_float`` and multiplied by the BLAS's sgemm
 ggml's own ``mul_mat`` on the stored blocks (``ggml``: ``ggml_repack.PromptProduct``, ggml 0.25's
 tiled int8 kernels for the K-quants), or ggml's repacked copy and its GEMM (``repacked``, where
 ggml has a layout for the type), and for Q8_0 on a CPU with AVX-512 VNNI the shim's own GEMM
-(``own``: ``quant_rows.c``, what the server runs there). This runs them on one weight per type,
+(``own``: ``mlxcel_gemm_kernel``'s, what the server runs there). This runs them on one weight per type,
 side by side, ``--reps`` rounds in rotating order, and prints medians, the ratio tiles / ggml
 (above 1: ggml's mul_mat is faster), which is how ``ggml_repack.PROMPT_TYPES`` was chosen, and
 ggml / own.

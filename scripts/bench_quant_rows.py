@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Decode rows of a quantized weight: this project's own kernels (quant_rows.c) against ggml's vec_dot.
+"""Decode rows of a quantized weight: this project's own kernels (mlxcel_rows_kernel) against ggml's vec_dot.
 
 A decode step multiplies each weight by one activation row per sequence (``block_matmul.c``'s
 few-rows path, on the shim's threads). For Q4_K and Q6_K the shim has its own AVX-512 kernels

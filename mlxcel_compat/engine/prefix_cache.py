@@ -505,7 +505,7 @@ class PrefixCache:
         spec = seq.speculator
         if self.draft is not None and spec is not None and spec.draft is not None and len(cache) == self.n_layers + self.draft.n_layers:
             from mlxcel_compat.engine.speculative import DraftState
-            from mlxcel_compat.runtime.cpu_decode import OwnedCache
+            from mlxcel_compat.runtime.decode_kv import OwnedCache
 
             spec.state = DraftState(cache=cache[self.n_layers:], tokens=list(seq.prompt[:matched]), owned=OwnedCache())
         return cache[: self.n_layers]

@@ -42,7 +42,8 @@ from mlxcel_compat.engine.speculative import verify_draft
 from mlxcel_compat.engine.textstream import TextStream, token_is_complete_utf8
 from mlxcel_compat.runtime.block_layers import logits_unused
 from mlxcel_compat.runtime.lora_rows import applied
-from mlxcel_compat.runtime.cpu_decode import EXACT_ROWS, OwnedCache, head_module
+from mlxcel_compat.runtime.cpu_decode import EXACT_ROWS, head_module
+from mlxcel_compat.runtime.decode_kv import OwnedCache
 
 log = logging.getLogger(__name__)
 

@@ -278,7 +278,7 @@ class DraftState:
 
     cache: list[Any]
     tokens: list[int] = field(default_factory=list)
-    owned: Any = None  # model.cpu_decode.OwnedCache of the draft's CPU decode runtime
+    owned: Any = None  # runtime.decode_kv.OwnedCache of the draft's CPU decode runtime
 
 
 class DraftModel:
@@ -298,7 +298,7 @@ class DraftModel:
     def new_state(self) -> DraftState:
         from mlx_lm.models.cache import make_prompt_cache
 
-        from mlxcel_compat.runtime.cpu_decode import OwnedCache
+        from mlxcel_compat.runtime.decode_kv import OwnedCache
 
         return DraftState(cache=make_prompt_cache(self.model), owned=OwnedCache())
 

@@ -82,8 +82,10 @@ def _quantizable(model: Any, mlx_name: str, shape: tuple[int, ...]) -> bool:
     return isinstance(module, (nn.Linear, nn.Embedding))
 
 
-def _decode(info: TensorInfo, raw: np.ndarray, mlx_name: str, spec: gguf_arch.ArchSpec,
-            config: dict[str, Any], dtype: str, target_shape: tuple[int, ...]) -> Any:
+def decode_tensor(info: TensorInfo, raw: np.ndarray, mlx_name: str, spec: gguf_arch.ArchSpec,
+                  config: dict[str, Any], dtype: str, target_shape: tuple[int, ...]) -> Any:
+    """A tensor's bytes expanded in NumPy (any type), the converter's changes undone (query and key
+    rows un-permuted, a norm's shift taken off), as an MLX array of ``dtype`` and ``target_shape``."""
     import mlx.core as mx
 
     heads = gguf_arch.qk_heads(spec, config, mlx_name)
@@ -101,9 +103,9 @@ def _decode(info: TensorInfo, raw: np.ndarray, mlx_name: str, spec: gguf_arch.Ar
     return array.astype(mx.bfloat16) if dtype == precision.BFLOAT16 else array
 
 
-def _load_float(info: TensorInfo, mlx_name: str, spec: gguf_arch.ArchSpec, config: dict[str, Any], dtype: str,
-                target_shape: tuple[int, ...]) -> Any:
-    """A float tensor read into MLX and transformed there, as ``_decode`` does in NumPy."""
+def load_float_tensor(info: TensorInfo, mlx_name: str, spec: gguf_arch.ArchSpec, config: dict[str, Any], dtype: str,
+                      target_shape: tuple[int, ...]) -> Any:
+    """A float tensor read into MLX and transformed there, as :func:`decode_tensor` does in NumPy."""
     import mlx.core as mx
 
     array = read_float_tensor(info)
@@ -291,10 +293,10 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
                 label = f"affine {gguf_quants.type_name(info.ggml_type).lower()}"
                 summary.kernels.setdefault(label, form.describe())
         if weights is None and info.ggml_type in FLOAT_TYPES:
-            weights = [(mlx_name, _load_float(info, mlx_name, spec, config, plan, shapes[mlx_name]))]
+            weights = [(mlx_name, load_float_tensor(info, mlx_name, spec, config, plan, shapes[mlx_name]))]
         elif weights is None:
-            weights = [(mlx_name, _decode(info, read_tensor(info, scratch), mlx_name, spec, config, plan,
-                                          shapes[mlx_name]))]
+            weights = [(mlx_name, decode_tensor(info, read_tensor(info, scratch), mlx_name, spec, config, plan,
+                                                shapes[mlx_name]))]
         mx.eval([w for _, w in weights])  # one tensor in flight: its temporaries go now
         loaded.extend(weights)
         summary.precision[label] = summary.precision.get(label, 0) + 1

@@ -6,7 +6,7 @@ runs exactly the base model's arithmetic, and rows of one batch may use differen
 
 How it is installed: each adapted module (``nn.Linear``, ``BlockLinear`` over ggml blocks,
 ``nn.QuantizedLinear``) gets a subclass of its own class whose ``__call__`` adds the adapters'
-products (the technique of ``cpu_fusion._fuse``), with the factors kept outside the module's
+products (the technique of ``cpu_fusion.fuse``), with the factors kept outside the module's
 parameters. The module keeps its path, its class checks and its weights, so everything that reads
 a model (the CPU decode runtime, block-weight lookups, the fingerprint) sees it as before.
 

@@ -10,14 +10,14 @@ attention over many keys. Two paths replace it (scripts/bench_cpu_kernels.py, do
   and the output is normalised instead of the weights, which saves a pass over the scores. 8 rows
   decoding at 4K context 29 -> 13 ms a layer.
 - **Prompt chunks** (more than one query a row, at least ``NUMPY_ATTENTION_MIN`` scores) are
-  evaluated up to the attention and computed on NumPy arrays (:func:`_attend_numpy`): the two
+  evaluated up to the attention and computed on NumPy arrays (:func:`attend_numpy`): the two
   products by the same BLAS as MLX's matmuls, called directly, and the softmax by NumPy's float32
   loops, which are vectorized (~0.4 ns an element here against ~9 ns for MLX's scalar power of
   2). Each query block's scores are computed, exponentiated and multiplied by the values in place,
   one KV head at a time, so no score matrix goes back to MLX: only the output does. 512 queries
   over 1K keys: 137 ms a layer with ``mx.fast``, 26 ms with the softmax alone in NumPy, 21 ms
   with the whole attention there, 13.5 ms since the softmax skips the row-maximum shift and
-  takes its sums from the product (:func:`_weigh`); over 2.5K keys 360, 96, 46 and 41 ms
+  takes its sums from the product (:func:`weigh`); over 2.5K keys 360, 96, 46 and 41 ms
   (docs/benchmarks/cpu.md). It runs on the calling thread: two threads calling OpenBLAS at once
   measured 1.7x slower.
 
@@ -47,11 +47,11 @@ from mlxcel_compat.runtime.cpu_fusion import LOG2E, evaluated_numpy
 # softmax in NumPy (32 and 256 were slower; scripts/bench_cpu_kernels.py section 8).
 QUERY_BLOCK = 64
 # Attention of prompt chunks with at least this many scores (elements, all heads) is computed on
-# NumPy arrays (:func:`_attend_numpy`); smaller ones, and decode steps, stay lazy in MLX.
+# NumPy arrays (:func:`attend_numpy`); smaller ones, and decode steps, stay lazy in MLX.
 NUMPY_ATTENTION_MIN = 1 << 16
 
 # A prompt chunk's softmax exponentiates the scores without shifting them by their row maxima when
-# every row's sum stays in [2^-64, 2^64] (see :func:`_weigh`), and shifted otherwise.
+# every row's sum stays in [2^-64, 2^64] (see :func:`weigh`), and shifted otherwise.
 UNSHIFTED_SOFTMAX = True
 # A chunk of at most this many queries (a cache hit's rest) computes its attention's products on
 # the engine thread alone, OpenBLAS's threads idle (``backend.one_blas_thread``): each product is
@@ -67,13 +67,13 @@ _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enums
 
 
 @partial(mx.compile, shapeless=True)
-def _exp2_shifted(scores: Any, top: Any) -> Any:
+def exp2_shifted(scores: Any, top: Any) -> Any:
     """2 ** (scores - top) as one fused loop on the CPU (MLX compiles element-wise chains with the
     system C++ compiler, and falls back to the plain ops without one); bit-identical to the ops."""
     return mx.power(2.0, scores - top)
 
 
-def _group_mask(mask: Any, B: int, Hq: int, Hk: int, L: int, S: int) -> Any:
+def group_mask(mask: Any, B: int, Hq: int, Hk: int, L: int, S: int) -> Any:
     """``mask`` shaped to broadcast over (B, Hk, Hq // Hk, L, S), or ``False`` if it cannot be."""
     if mask is None:
         return None
@@ -98,12 +98,12 @@ def cpu_attention(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
     if Hq % Hk:
         return None
     causal = isinstance(mask, str) and mask == "causal"
-    grouped = None if causal else _group_mask(mask, B, Hq, Hk, L, S)
+    grouped = None if causal else group_mask(mask, B, Hq, Hk, L, S)
     if grouped is False:
         return None
     if (L > 1 and B * Hq * L * S >= NUMPY_ATTENTION_MIN
             and queries.dtype == keys.dtype == values.dtype == mx.float32):
-        out = _attend_numpy(queries, keys, values, scale, "causal" if causal else grouped)
+        out = attend_numpy(queries, keys, values, scale, "causal" if causal else grouped)
         if out is not None:
             return out
     if causal and L > QUERY_BLOCK:
@@ -112,13 +112,13 @@ def cpu_attention(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
             end = min(L, start + QUERY_BLOCK)
             seen = S - L + end  # the block's last query sees keys [0, seen)
             q = queries[:, :, start:end]
-            blocks.append(_attend(q, keys[:, :, :seen], values[:, :, :seen], scale, _group_mask(mask, B, Hq, Hk, end - start, seen)))
+            blocks.append(attend_mlx(q, keys[:, :, :seen], values[:, :, :seen], scale, group_mask(mask, B, Hq, Hk, end - start, seen)))
         return mx.concatenate(blocks, axis=2)
-    return _attend(queries, keys, values, scale, _group_mask(mask, B, Hq, Hk, L, S) if causal else grouped)
+    return attend_mlx(queries, keys, values, scale, group_mask(mask, B, Hq, Hk, L, S) if causal else grouped)
 
 
-def _attend(queries: Any, keys: Any, values: Any, scale: float, grouped: Any) -> Any:
-    """The lazy MLX path; ``grouped`` is a mask from :func:`_group_mask` or None."""
+def attend_mlx(queries: Any, keys: Any, values: Any, scale: float, grouped: Any) -> Any:
+    """The lazy MLX path; ``grouped`` is a mask from :func:`group_mask` or None."""
     B, Hq, L, D = queries.shape
     Hk, S = keys.shape[1], keys.shape[2]
     r = Hq // Hk
@@ -127,20 +127,20 @@ def _attend(queries: Any, keys: Any, values: Any, scale: float, grouped: Any) ->
     scores = ((queries * (scale * LOG2E)).reshape(B, Hk, r * L, D) @ keys.swapaxes(-1, -2)).reshape(B, Hk, r, L, S)
     if grouped is not None:
         scores = mx.where(grouped, scores, -mx.inf) if grouped.dtype == mx.bool_ else scores + grouped * LOG2E
-    weights = _exp2_shifted(scores, mx.max(scores, axis=-1, keepdims=True))
+    weights = exp2_shifted(scores, mx.max(scores, axis=-1, keepdims=True))
     total = mx.sum(weights, axis=-1, keepdims=True)
     out = (weights.reshape(B, Hk, r * L, S) @ values) / total.reshape(B, Hk, r * L, 1)
     return out.reshape(B, Hq, L, values.shape[-1]).astype(queries.dtype)
 
 
-def _attend_numpy(queries: Any, keys: Any, values: Any, scale: float, mask: Any) -> Any | None:
+def attend_numpy(queries: Any, keys: Any, values: Any, scale: float, mask: Any) -> Any | None:
     """A prompt chunk's attention on NumPy arrays (float32); None inside an ``mx.compile`` trace,
     where nothing can be evaluated mid-step and the caller stays in MLX.
 
-    ``mask`` is "causal", None, or a grouped mask (:func:`_group_mask`). Queries go in blocks of
+    ``mask`` is "causal", None, or a grouped mask (:func:`group_mask`). Queries go in blocks of
     ``QUERY_BLOCK`` (causal: each block to the keys up to its own end), and for each block and KV
     head: scores = Q K^T by the BLAS into one buffer, masked, exponentiated in place (a power of
-    2: the scale folds in log2 e; unshifted where that is safe, see :func:`_weigh`), then
+    2: the scale folds in log2 e; unshifted where that is safe, see :func:`weigh`), then
     multiplied by [V | 1], and the (queries, D) result divided by the sums that the column of ones
     gives. Reading the inputs costs one evaluation in the middle of the step; MLX gets back one
     (B, Hq, L, Dv) array, a view of a token-major one.
@@ -173,7 +173,7 @@ def _attend_numpy(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
 
 def _attend_blocks(q: np.ndarray, k: np.ndarray, v1: np.ndarray, out: np.ndarray, scale: float, causal: bool,
                    m: np.ndarray | None) -> None:
-    """The loop of :func:`_attend_numpy`: ``q`` (B, Hk, r, L, D), ``v1`` the values with their
+    """The loop of :func:`attend_numpy`: ``q`` (B, Hk, r, L, D), ``v1`` the values with their
     column of ones, ``out`` (B, L, Hk, r, Dv) written in place."""
     B, Hk, r, L, D = q.shape
     S, Dv = k.shape[2], v1.shape[-1] - 1
@@ -194,23 +194,23 @@ def _attend_blocks(q: np.ndarray, k: np.ndarray, v1: np.ndarray, out: np.ndarray
                     bm = m[b, h, :, start:end]
                     hidden, bias = (np.logical_not(bm), None) if bm.dtype == np.bool_ else (None, bm)
                 _scores(block[b, h], k[b, h, :seen], scores, bias)
-                if not _weigh(scores, v1[b, h, :seen], weighted, hidden, shifted=not UNSHIFTED_SOFTMAX):
+                if not weigh(scores, v1[b, h, :seen], weighted, hidden, shifted=not UNSHIFTED_SOFTMAX):
                     _scores(block[b, h], k[b, h, :seen], scores, bias)  # again, shifted this time
-                    _weigh(scores, v1[b, h, :seen], weighted, hidden, shifted=True)
+                    weigh(scores, v1[b, h, :seen], weighted, hidden, shifted=True)
                 np.divide(weighted[..., :Dv], weighted[..., Dv:], out=out[b, start:end, h].transpose(1, 0, 2))
 
 
 def _scores(block: np.ndarray, keys: np.ndarray, scores: np.ndarray, bias: np.ndarray | None) -> None:
     """scores = block K^T for one KV head's query block (r, n, D), plus ``bias`` (r, n, seen), an
-    additive mask in natural-log units, if given (boolean masks are applied by :func:`_weigh`)."""
+    additive mask in natural-log units, if given (boolean masks are applied by :func:`weigh`)."""
     r, n, D = block.shape
-    _matmul(block.reshape(r * n, D), keys, scores.reshape(r * n, scores.shape[-1]), transpose_b=True)
+    matmul(block.reshape(r * n, D), keys, scores.reshape(r * n, scores.shape[-1]), transpose_b=True)
     if bias is not None:
         scores += bias * np.float32(LOG2E)
 
 
-def _weigh(scores: np.ndarray, values: np.ndarray, weighted: np.ndarray, hidden: np.ndarray | None,
-           shifted: bool) -> bool:
+def weigh(scores: np.ndarray, values: np.ndarray, weighted: np.ndarray, hidden: np.ndarray | None,
+          shifted: bool) -> bool:
     """weighted = 2 ** scores @ values for one KV head's block: ``scores`` (r, n, seen) in log2
     units, exponentiated in place; ``values`` (seen, Dv + 1) ends with a column of ones, so the
     last column of ``weighted`` (r, n, Dv + 1) holds the rows' sums. ``hidden``, if given, marks
@@ -238,14 +238,14 @@ def _weigh(scores: np.ndarray, values: np.ndarray, weighted: np.ndarray, hidden:
         np.exp2(scores, out=scores)
     if hidden is not None and not shifted:
         np.copyto(tail, np.float32(0.0), where=hidden)
-    _matmul(scores.reshape(r * n, seen), values, weighted.reshape(r * n, weighted.shape[-1]), transpose_b=False)
+    matmul(scores.reshape(r * n, seen), values, weighted.reshape(r * n, weighted.shape[-1]), transpose_b=False)
     if shifted:
         return True
     total = weighted[..., -1]
     return bool(((total >= _SUM_MIN) & (total <= _SUM_MAX)).all())  # false for inf and nan too
 
 
-def _matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray, transpose_b: bool) -> None:
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray, transpose_b: bool) -> None:
     """out = a @ b (or a @ b.T), float32, by the BLAS MLX uses (:func:`backend.cblas_sgemm`).
 
     ``a`` and ``out`` are C-contiguous; ``b`` may be a strided view (a KV cache's rows), as long
@@ -294,4 +294,5 @@ def install() -> int:
     return switched
 
 
-__all__ = ["cpu_attention", "install", "make_attention"]
+__all__ = ["attend_mlx", "attend_numpy", "cpu_attention", "exp2_shifted", "group_mask", "install", "make_attention",
+           "matmul", "weigh"]

@@ -71,7 +71,8 @@ class BlasInfo:
     matmul_route: str = "the BLAS's cblas_sgemm"  # which path MLX's float32 matmuls take (blas_shim)
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``), or none where they cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -98,7 +99,8 @@ def openblas_kernels_for_cpu(flags: set[str]) -> str | None:
     return None
 
 
-def _openblas_corename(lib: ctypes.CDLL) -> str | None:
+def openblas_corename(lib: ctypes.CDLL) -> str | None:
+    """The name of the kernels OpenBLAS chose (``openblas_get_corename``), or None for another BLAS."""
     try:
         fn = lib.openblas_get_corename
     except AttributeError:
@@ -216,7 +218,8 @@ def _load_shim_before(lib: ctypes.CDLL) -> tuple[blas_shim.Shim | None, str]:
     return shim, shim.describe() + (" (compiled now)" if built.built_now else "")
 
 
-def _candidates() -> list[str]:
+def blas_candidates() -> list[str]:
+    """The BLAS libraries to try, in order: ``MLXCEL_BLAS_PATH``, the system's, then the environment's OpenBLAS."""
     override = os.environ.get("MLXCEL_BLAS_PATH")
     found = [override] if override else []
     found += [p for p in _BLAS_CANDIDATES if os.path.exists(p)]
@@ -237,13 +240,13 @@ def load_optimized_blas() -> BlasInfo:
         return _loaded
     if "mlx.core" in sys.modules:
         log.warning("mlx.core was imported before the BLAS was chosen; it may use the reference BLAS")
-    for path in _candidates():
+    for path in blas_candidates():
         name = "blis" if "blis" in path else "openblas"
         forced = False
         if name == "openblas":  # read by OpenBLAS when it loads, as the core type below
             os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", str(OPENBLAS_SPIN_EXPONENT))
         if name == "openblas" and "OPENBLAS_CORETYPE" not in os.environ and platform.machine() in ("x86_64", "AMD64"):
-            kernels = openblas_kernels_for_cpu(_cpu_flags())
+            kernels = openblas_kernels_for_cpu(cpu_flags())
             if kernels is not None:  # read by OpenBLAS when it loads, so set it first
                 os.environ["OPENBLAS_CORETYPE"] = kernels
                 forced = True
@@ -256,7 +259,7 @@ def load_optimized_blas() -> BlasInfo:
             continue
         _shim, route = _load_shim_before(lib)
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # now global, after the shim
-        corename = _openblas_corename(lib) if name == "openblas" else None
+        corename = openblas_corename(lib) if name == "openblas" else None
         _loaded = BlasInfo(name, path, True, corename, forced, route)
         return _loaded
     _loaded = BlasInfo("reference", None, False)

@@ -4,7 +4,8 @@ A quantized GGUF (or an MLX affine model, repacked) keeps every linear layer's w
 token embedding in its blocks; these modules take the place of mlx-lm's ``nn.Linear`` and
 ``nn.Embedding`` in the loaded model, so the model's own code runs unchanged. A call evaluates
 its input (like the NumPy paths of ``attention.py`` and ``cpu_fusion.py``, one evaluation in the
-middle of a step), runs the product in ``block_matmul.c`` and hands MLX the float32 result.
+middle of a step), runs the product in the native layer's block products (``mlxcel_block_matmul``)
+and hands MLX the float32 result.
 
 Prompt chunks (more than one token a sequence) expand the weight in tiles for the BLAS: every
 prompt token is float32 math on the weights' values, whatever the chunk's length, its padding

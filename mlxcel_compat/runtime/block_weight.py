@@ -1,11 +1,12 @@
-"""A weight kept in ggml's block format on the CPU, and its products (``block_matmul.c``).
+"""A weight kept in ggml's block format on the CPU, and its products (``mlxcel_block_matmul``).
 
 A GGUF tensor of a quantized type (or F16/BF16) is served as it is stored: ``data`` is a view
 of the memory-mapped file, so loading copies nothing, the pages are shared with the page cache
-and a restart finds them there. Products go through ``block_matmul.c`` in the BLAS shim's
-library, with ggml's per-type kernels (``ggml_cpu.py``): few activation rows by ``vec_dot``,
-many rows (``tiles``: a prompt chunk's path) by tiles expanded to float32 for the BLAS's sgemm,
-or by the shim's own GEMM where it has one for the type (Q8_0). Nothing here imports MLX; the MLX
+and a restart finds them there. Products go through the native layer's block products
+(``mlxcel_block_matmul``) in the BLAS shim's library, with ggml's per-type kernels
+(``ggml_cpu.py``): few activation rows by ``vec_dot``, many rows (``tiles``: a prompt chunk's
+path) by tiles expanded to float32 for the BLAS's sgemm, or by the shim's own GEMM where it has
+one for the type (Q8_0). Nothing here imports MLX; the MLX
 modules that hold these weights are in ``block_layers.py``, and the CPU decode runtime calls them
 directly (``cpu_decode.py``).
 """
@@ -30,7 +31,7 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 # model's layers choose by sequence instead (``block_layers``: decode steps vec_dot, prompt
 # chunks tiles), and the CPU decode runtime always takes vec_dot.
 VEC_DOT_ROWS_MAX = 8
-# Types whose rows ``split_rows`` rearranges at load for the shim's own kernels (quant_rows.c):
+# Types whose rows ``split_rows`` rearranges at load for the shim's own kernels (``mlxcel_rows_kernel``):
 # each type's block fields (byte ranges) in their order in a group of SPLIT_GROUP blocks of a
 # split row, and the code (SPLIT_TYPE_BASE + the ggml type) that names the split form there.
 SPLIT_FIELDS = {
@@ -44,7 +45,7 @@ SPLIT_TYPE_BASE = 1000
 
 
 class _WeightStruct(ctypes.Structure):
-    """``struct mlxcel_block_weight`` (block_matmul.c)."""
+    """``struct mlxcel_block_weight`` (the native layer's block products)."""
 
     _fields_ = [("type", _P), ("data", _P), ("row_bytes", _L), ("rows", _P), ("group_bias", _P),
                 ("bias_group", _I), ("n", _I), ("k", _I)]
@@ -64,11 +65,11 @@ class BlockLibrary:
     rows: Any  # mlxcel_block_rows
     ggml: ggml_cpu.GGMLKernels
     matmul_held: Any  # mlxcel_block_matmul called holding the GIL: for short calls
-    own_kernels: frozenset[int]  # types whose decode rows the shim's own kernels multiply (quant_rows.c)
+    own_kernels: frozenset[int]  # types whose decode rows the shim's own kernels multiply (mlxcel_rows_kernel)
     quantizers: dict[int, int]  # activation types the shim quantizes itself (byte for byte ggml's), to the function
     dequantizers: dict[int, int]  # weight types the shim expands to float32 itself (ggml's is scalar), to the function
     split_kinds: dict[int, ggml_cpu.BlockType]  # types whose rows split_rows rearranges, to their kernels
-    gemm_kernels: frozenset[int]  # types whose prompt chunks the shim's own GEMM multiplies (quant_rows.c)
+    gemm_kernels: frozenset[int]  # types whose prompt chunks the shim's own GEMM multiplies (mlxcel_gemm_kernel)
 
     def block_type(self, ggml_type: int) -> ggml_cpu.BlockType:
         """ggml's kernels of the type, with the shim's own rows kernel and activation quantizer
@@ -278,7 +279,7 @@ class BlockWeight:
 def in_output_order(weight: BlockWeight, mapped: np.ndarray | None = None, offset: int = 0) -> bool:
     """Copy a weight whose rows are read permuted (llama's query and key projections) into
     output order where the shim's own kernels multiply its type (``own_kernels``, ``split_kinds``):
-    they take a band of rows in one call only when its rows are stored in order (``block_matmul.c``
+    they take a band of rows in one call only when its rows are stored in order (``mlxcel_block_matmul``
     calls them once a row otherwise, and a split row's kernel then copies the activations out for
     every row). The file's pages of the weight (``mapped``, at ``offset``) are dropped
     (``BlockWeight.reorder``). Whether it was copied."""
@@ -294,7 +295,7 @@ def split_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: in
     """Rearrange each row of ``weight`` (a linear layer's or embedding's blocks of a type in
     ``SPLIT_TYPES``, where the library has the kernels) into a copy: the blocks in groups of 16,
     each group as its blocks' factors, minimums, fifth bits, then nibbles (``SPLIT_FIELDS``),
-    the same bytes (``quant_rows.c``: 16 blocks' factors are then one load, and a row is read
+    the same bytes (the split rows' kernels: 16 blocks' factors are then one load, and a row is read
     front to back). The file's pages of the weight (``mapped``, at ``offset``) are dropped, as a
     repacked weight's are: the weight still takes the file's size. Whether it was split."""
     if (int(weight.ggml_type) not in weight.lib.split_kinds or weight.split or weight.group_bias is not None

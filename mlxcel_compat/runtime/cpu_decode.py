@@ -3,9 +3,9 @@
 Why: on the CPU, MLX runs a decode step as ~900 scheduled operations, kept in lockstep with the
 engine thread that queues them (docs/benchmarks/cpu.md, issue 15: ``MAX_ACTIVE_TASKS``), and its
 exponential is a scalar loop. The weight matrix-vector products, which are the step's real work,
-already run at the machine's streaming speed in the BLAS shim's kernel (``blas_shim.c``); what
+already run at the machine's streaming speed in the BLAS shim's few-row kernel; what
 kept the step at 1.6-1.8x that speed was everything around them. Here the same step is one call
-into the shim's library (``decode_pass.c``, made by the engine thread itself), whose loop runs
+into the shim's library (``mlxcel_decode_pass``, made by the engine thread itself), whose loop runs
 per layer one RMS norm, the projections (the shim's matrix-vector kernel, or ggml's ``vec_dot``
 for a weight kept in a GGUF file's blocks; residuals added by the kernel's ``beta``), one RoPE
 call each for queries and keys, one attention call for every head (the new key and value written
@@ -14,18 +14,11 @@ call (SiLU, or Gemma's GELU with the tanh approximation). Made from Python, thos
 layer cost a fifth of a small model's step in interpreter work; ``runtime/native/decode_pass.py``
 describes the model to the C loop once. NumPy holds the buffers; nothing is allocated per step.
 
-The KV cache stays mlx-lm's (``KVCache``, and ``RotatingKVCache`` for a sliding-window layer):
-the step writes the new position into the cache's own MLX buffers (NumPy views of them) at the
-slot mlx-lm's own update would use, and advances ``offset`` (and a ring's ``_idx``), so prefill,
-batching, the prompt cache and slot files see the cache exactly as MLX's step would have left it.
-MLX arrays are immutable to everything else, so the step writes only into buffers it made itself
-for this sequence (:class:`OwnedCache`): at its first step, and whenever someone else replaced a
-layer's arrays (a merged MLX batch, MLX's own step), it copies the layer into a fresh buffer
-first; the arrays others hold (prompt-cache entries, a sibling completion's prefix) are never
-written. One exception to the copy: the first step on a cache the decoder does not own (a
-prompt-cache hit's) reads the shared arrays in place and keeps its new key and value apart
-(:class:`_Apart`), so a hit's first token costs no copy of the adopted KV; the copy is made at
-the next step, after that token has gone out (a hit's first token is its time to first token).
+The KV cache stays mlx-lm's (``KVCache``, and ``RotatingKVCache`` for a sliding-window layer): the
+step writes into buffers it made for the sequence, or reads a prompt-cache hit's shared arrays in
+place, and leaves the cache as MLX's step would have (``decode_kv.py``). The model is held as its
+layers' weights (``decode_layers.py``), its RoPE angles as tables made by its own RoPE modules
+(``rope_angles.py``).
 
 Several sequences decoding together (a batch) are stepped at once (:meth:`CpuDecoder.step_rows`),
 each on its own cache: the projections take every row in one pass over the weights.
@@ -55,30 +48,26 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxcel_compat.runtime.native.blas_shim import SMALL_M_MAX
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
-from mlxcel_compat.runtime.native import decode_pass
 from mlxcel_compat.runtime.block_weight import BlockWeight
-from mlxcel_compat.runtime.lora_rows import Factor, factors_of
+from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, ring_plan
+from mlxcel_compat.runtime.decode_layers import (LinearWeights, LoraFactors, PassBuffers, float32_array, gemma_mlp,
+                                                 gemma_norm, head_dim, layer_weights, norm_weights)
+from mlxcel_compat.runtime.lora_rows import factors_of
+from mlxcel_compat.runtime.native import decode_pass
+from mlxcel_compat.runtime.native.blas_shim import SMALL_M_MAX
+from mlxcel_compat.runtime.rope_angles import RopeAngles
 
 LOG2E = 1.4426950408889634
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, sliding windows
-ANGLE_BLOCK = 256  # RoPE angles are computed by MLX for this many positions at a time
-ANGLE_BLOCKS_KEPT = 64  # blocks of angles kept (a batch's rows sit at different positions)
-# Positions the decoder's own KV buffers are allocated in (``_capacity``): mlx-lm's caches grow by
-# 256, which left a short sequence's buffers up to 255 positions too long (24 KiB a position on
-# the small llama: four streams of ~160 tokens held 24 MiB where 16 are used).
-KV_STEP = 16
-KV_HEADROOM = 64  # positions allocated beyond the one needed where the request sets no bound
-# A prompt chunk this long or longer takes the prompt products (``decode_pass.c``: ggml's tiled
+# A prompt chunk this long or longer takes the prompt products (``mlxcel_decode_pass``: ggml's tiled
 # kernels); a shorter one the decode rows' kernels (a graph of ggml's for a handful of rows cost
 # ~0.2 ms a weight in set-up). Chunks of the two kinds never share a pass.
 PROMPT_ROWS_MIN = 17
@@ -90,169 +79,6 @@ EXACT_ROWS = SMALL_M_MAX
 def enabled() -> bool:
     """``MLXCEL_CPU_DECODE=0`` keeps MLX's decode step (for comparison, or as a fallback)."""
     return os.environ.get("MLXCEL_CPU_DECODE", "1").strip().lower() not in ("0", "off", "false", "no")
-
-
-def _f32(a: Any) -> np.ndarray:
-    """A float32 NumPy view of an evaluated MLX array (its buffer), or a contiguous copy."""
-    return np.ascontiguousarray(np.asarray(a), dtype=np.float32)
-
-
-def _ptr(a: np.ndarray) -> int:
-    return a.ctypes.data
-
-
-@dataclass
-class _Lora:
-    """One adapter on one projection (``lora_rows.Factor``) with its factors' addresses."""
-
-    factor: Factor
-    a_ptr: int = field(init=False)  # (r, K)
-    b_ptr: int = field(init=False)  # (N, r)
-
-    def __post_init__(self) -> None:
-        self.a_ptr, self.b_ptr = _ptr(self.factor.a), _ptr(self.factor.b)
-
-    @property
-    def rank(self) -> int:
-        return self.factor.a.shape[0]
-
-
-@dataclass
-class _Linear:
-    weight: np.ndarray | BlockWeight  # (N, K): the module's own float32 buffer, or its blocks
-    bias: np.ndarray | None
-    lora: list[_Lora] = field(default_factory=list)  # adapters served unfused (lora/layers.py)
-    ptr: int = field(init=False)  # the weight's address, taken once (``ndarray.ctypes`` costs ~1 us a call)
-    block: BlockWeight | None = field(init=False)  # quantized (ggml's kernels), else None
-
-    def __post_init__(self) -> None:
-        self.block = self.weight if isinstance(self.weight, BlockWeight) else None
-        self.ptr = 0 if self.block is not None else _ptr(self.weight)
-
-
-@dataclass
-class _Norm:
-    weight: np.ndarray
-    eps: float
-    ptr: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.ptr = _ptr(self.weight)
-
-
-@dataclass
-class _Layer:
-    n1: _Norm  # before attention
-    n2: _Norm  # before the MLP
-    q: _Linear
-    k: _Linear
-    v: _Linear
-    o: _Linear
-    gate: _Linear
-    up: _Linear
-    down: _Linear
-    q_norm: _Norm | None  # qwen3's and gemma3's per-head norms
-    k_norm: _Norm | None
-    attn_out: _Norm | None = None  # gemma3: the attention's output is normed before the residual sum
-    mlp_out: _Norm | None = None  # and the MLP's
-    sliding: bool = False  # gemma3: a sliding-window layer (its cache a RotatingKVCache ring)
-    rope: int = 0  # which of the decoder's RoPE modules (gemma3: sliding layers have their own base)
-
-
-@dataclass
-class _Buffers:
-    """One pass's activations for ``rows`` rows, allocated once per row count, and the C
-    structure that points at them."""
-
-    x: np.ndarray  # (rows, hidden): the residual stream
-    h: np.ndarray  # (rows, hidden): normed
-    branch: np.ndarray  # (rows, hidden): gemma3's attention or MLP output, before its norm
-    q: np.ndarray  # (rows, heads * head_dim)
-    k_new: np.ndarray  # (rows, kv_heads * head_dim): the new keys
-    v_new: np.ndarray  # and values
-    att: np.ndarray  # (rows, heads * head_dim)
-    gate: np.ndarray  # (rows, intermediate)
-    up: np.ndarray
-    logits: np.ndarray  # (rows, vocabulary)
-    native: decode_pass.NativeBuffers = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.native = decode_pass.buffers({name: a for name, a in vars(self).items() if isinstance(a, np.ndarray)})
-
-
-@dataclass
-class _Apart:
-    """A step taken on shared arrays (``CpuDecoder._borrow``): per layer, NumPy views of the
-    shared keys and values (read, never written), the step's new key and value ((kv_heads, d)
-    each), and the lazy MLX concatenations of the two that the cache holds now. The next step
-    builds its own buffers from the views and rows directly; anyone else evaluating the
-    concatenations gets the same values (MLX arrays, immutable like their inputs)."""
-
-    pos: int  # the first new row's position
-    shared: list[tuple[np.ndarray, np.ndarray]]
-    rows: list[tuple[np.ndarray, np.ndarray]]  # per layer: keys, values (kv_heads, n, d)
-    arrays: list[tuple[Any, Any]]
-
-    def holds(self, cache: list[Any]) -> bool:
-        n = self.rows[0][0].shape[1]
-        return len(self.arrays) == len(cache) and all(
-            c.keys is a and c.values is b and c.offset == self.pos + n for c, (a, b) in zip(cache, self.arrays))
-
-
-@dataclass
-class _Borrowed:
-    """One row's step on shared arrays, before it runs: the kernels' views (with the two rows'
-    addresses last) and what :meth:`keep_apart` turns into the cache's arrays after it."""
-
-    pos: int
-    shared: list[tuple[np.ndarray, np.ndarray]]
-    rows: list[tuple[np.ndarray, np.ndarray]]
-    views: list[tuple[int, int, int, int, int]]
-
-    def keep_apart(self, cache: list[Any]) -> _Apart:
-        """After the step: every layer holds its shared positions and the new one (lazily)."""
-        arrays = []
-        for c, (k_row, v_row) in zip(cache, self.rows):
-            c.keys, c.values = (mx.concatenate([a[:, :, : self.pos], mx.array(row)[None]], axis=2)
-                                for a, row in ((c.keys, k_row), (c.values, v_row)))
-            arrays.append((c.keys, c.values))
-        return _Apart(self.pos, self.shared, self.rows, arrays)
-
-
-@dataclass
-class OwnedCache:
-    """The MLX arrays (keys, values per layer) the decoder made for one sequence: the only
-    buffers it may write. A new sequence starts with none."""
-
-    arrays: list[tuple[Any, Any]] = field(default_factory=list)
-    views: list[tuple[int, int, int]] = field(default_factory=list)  # per layer: keys, values, capacity
-    apart: _Apart | None = None  # the last step's rows, kept apart from shared arrays
-    reserve: int = 0  # positions the sequence may fill (prompt + n_predict): allocated at once
-
-    def holds(self, cache: list[Any]) -> bool:
-        """Whether every layer of ``cache`` still holds the arrays made for it."""
-        return len(self.arrays) == len(cache) and all(
-            c.keys is a and c.values is b for c, (a, b) in zip(cache, self.arrays))
-
-
-def _head_dim(attn: Any) -> int:
-    block = block_weight_of(attn.q_proj)
-    rows = block.n if block is not None else attn.q_proj.weight.shape[0]
-    return rows // attn.n_heads
-
-
-def _gemma_norm() -> type:
-    """mlx-lm's Gemma RMS norm (it scales by ``1 + w``; nn.RMSNorm by ``w``)."""
-    from mlx_lm.models.gemma3_text import RMSNorm
-
-    return RMSNorm
-
-
-def _gemma_mlp() -> type:
-    """mlx-lm's Gemma 3 MLP: ``down(gelu_approx(gate(x)) * up(x))``."""
-    from mlx_lm.models.gemma3_text import MLP
-
-    return MLP
 
 
 def head_module(model: Any) -> Any:
@@ -278,7 +104,7 @@ def unsupported(model: Any) -> str | None:
     if not gemma and getattr(model.args, "sliding_window", None) and any(
             t != "full_attention" for t in getattr(model.args, "layer_types", None) or ()):
         return "sliding-window layers"
-    norm_type = _gemma_norm() if gemma else nn.RMSNorm
+    norm_type = gemma_norm() if gemma else nn.RMSNorm
     norm_names = ("input_layernorm", "post_attention_layernorm")
     if gemma:
         norm_names += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
@@ -288,7 +114,7 @@ def unsupported(model: Any) -> str | None:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if attn is None or mlp is None or not any(c.__name__ == "MLP" for c in type(mlp).__mro__):
             return "unexpected layer layout"
-        if gemma and not isinstance(mlp, _gemma_mlp()):
+        if gemma and not isinstance(mlp, gemma_mlp()):
             return "unexpected layer layout"
         projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
@@ -298,7 +124,7 @@ def unsupported(model: Any) -> str | None:
         norms += [getattr(attn, n, None) for n in ("q_norm", "k_norm") if gemma or hasattr(attn, n)]
         if not all(isinstance(n, norm_type) for n in norms):
             return "norms other than Gemma's RMSNorm" if gemma else "norms other than RMSNorm"
-        if getattr(getattr(attn, "rope", None), "dims", None) != _head_dim(attn):
+        if getattr(getattr(attn, "rope", None), "dims", None) != head_dim(attn):
             return "partial or unknown rotary embedding"
         weights += [m.weight for m in projections if block_weight_of(m) is None]
     if any(w.dtype != mx.float32 for w in weights):
@@ -320,43 +146,6 @@ def build(model: Any, shim: Any) -> "CpuDecoder | str":
     return CpuDecoder(model, shim.lib)
 
 
-def _capacity(last: int, current: int = 0, reserve: int = 0) -> int:
-    """Positions for a layer's own KV buffer that must hold position ``last``: what the sequence
-    may fill (``reserve``: its prompt and n_predict) if that is more, so that a bounded request
-    allocates once; beyond that (no bound, or past it) ``KV_HEADROOM`` more and at least an
-    eighth more than the ``current`` capacity it outgrows (each growth copies the cache, and
-    the freed buffer stays in MLX's cache: growing by a fraction keeps both proportional to the
-    length); a whole number of ``KV_STEP``."""
-    need = max(last + 1, reserve)
-    if need > reserve:
-        need = max(need + KV_HEADROOM, current + current // 8)
-    return -(-need // KV_STEP) * KV_STEP
-
-
-def _ring_plan(c: Any) -> tuple[int, int, int] | None:
-    """What mlx-lm's ``RotatingKVCache._update_in_place`` does to the ring before it writes one
-    token: ``(capacity, first slot kept, _idx)`` after it grows the buffer (by at most its
-    ``step``, up to ``max_size``, with ``_idx`` set to ``offset``) or trims one that a prompt
-    left longer than ``max_size`` (to its newest ``max_size`` slots, ``_idx = max_size``), or
-    None for a state it could not write one token into (``keep`` other than 0, a slot outside
-    the buffer)."""
-    if c.keys is None or c.keep != 0:
-        return None
-    cap, prev, idx, size = c.keys.shape[2], c.offset, c._idx, c.max_size
-    start, capacity = 0, cap
-    if prev >= cap and cap < size:
-        grow = min(c.step, size - prev)
-        if grow <= 0:
-            return None
-        capacity, idx = cap + grow, prev
-    elif cap > size:
-        start, capacity, idx = cap - size, size, size
-    write = 0 if idx == size else idx  # the ring wraps to its first slot (keep = 0)
-    if not 0 <= write < capacity:
-        return None
-    return capacity, start, idx
-
-
 class CpuDecoder:
     """Decode steps of one sequence or several, for a model :func:`unsupported` accepts.
 
@@ -369,7 +158,7 @@ class CpuDecoder:
         attn0 = inner.layers[0].self_attn
         self.gemma = model.args.model_type in GEMMA_TYPES
         self.n_heads, self.n_kv_heads = attn0.n_heads, attn0.n_kv_heads
-        self.head_dim = _head_dim(attn0)
+        self.head_dim = head_dim(attn0)
         self.scale = float(attn0.scale) * LOG2E
         # RoPE modules by layer kind: mlx-lm builds every layer of a kind from the same arguments
         # (gemma3: sliding layers with rope_local_base_freq, the others with rope_theta and its
@@ -377,54 +166,28 @@ class CpuDecoder:
         kinds = [bool(getattr(layer.self_attn, "is_sliding", False)) for layer in inner.layers]
         firsts = {kind: i for i, kind in reversed(list(enumerate(kinds)))}
         order = sorted(firsts, key=firsts.get)
-        self.ropes = [inner.layers[firsts[kind]].self_attn.rope for kind in order]
-        self.traditional = [bool(getattr(rope, "traditional", False)) for rope in self.ropes]
-        self.embed = block_weight_of(inner.embed_tokens) or _f32(inner.embed_tokens.weight)
+        self.angles = RopeAngles([inner.layers[firsts[kind]].self_attn.rope for kind in order], self.head_dim)
+        self.embed = block_weight_of(inner.embed_tokens) or float32_array(inner.embed_tokens.weight)
         # gemma3 scales the embedding by sqrt(hidden) rounded to bfloat16 (its own expression)
         hidden = self.embed.shape[1]
         self.embed_scale = np.float32(mx.array(hidden ** 0.5, mx.bfloat16).astype(mx.float32).item()) if self.gemma else None
         self.window = int(model.args.sliding_window) if self.gemma else None
-        self.norm = self._norm(inner.norm)
+        self.norm = norm_weights(inner.norm)
         head = head_module(model)
-        self.head = _Linear(block_weight_of(head) or _f32(head.weight), None,
-                            [_Lora(f) for f in factors_of(head)] if isinstance(head, (nn.Linear, BlockLinear)) else [])
-        self.layers = [self._layer(layer, order.index(kind)) for layer, kind in zip(inner.layers, kinds)]
-        self._rings = [i for i, layer in enumerate(self.layers) if layer.sliding]  # RotatingKVCache layers
-        self._plain = [i for i, layer in enumerate(self.layers) if not layer.sliding]  # KVCache layers
-        self._buffers: dict[int, _Buffers] = {}  # by row count
-        self._chunk_buffers: _Buffers | None = None  # a prompt chunk's (prefill): the largest so far
-        self._angle_blocks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (kind, first position) -> (cos, sin)
+        self.head = LinearWeights(block_weight_of(head) or float32_array(head.weight), None,
+                                  [LoraFactors(f) for f in factors_of(head)]
+                                  if isinstance(head, (nn.Linear, BlockLinear)) else [])
+        self.layers = [layer_weights(layer, order.index(kind), self.gemma) for layer, kind in zip(inner.layers, kinds)]
+        self.kv = KvLayout(self.n_kv_heads, self.head_dim, self.window,
+                           rings=[i for i, layer in enumerate(self.layers) if layer.sliding],  # RotatingKVCache layers
+                           plain=[i for i, layer in enumerate(self.layers) if not layer.sliding])  # KVCache layers
+        self._buffers: dict[int, PassBuffers] = {}  # by row count
+        self._chunk_buffers: PassBuffers | None = None  # a prompt chunk's (prefill): the largest so far
         self.steps = 0  # steps run so far (tests and benchmarks check that it ran)
         self.prefilled = 0  # prompt tokens fed by prefill so far
         self.prompt_rows_min = PROMPT_ROWS_MIN
         self.native = decode_pass.describe(self, lib)  # the C loop's view of all of the above
         self._kv_bases: dict[int, tuple[list[tuple[int, ...]], np.ndarray]] = {}  # by id of a views list
-
-    @staticmethod
-    def _linear(module: Any) -> _Linear:
-        bias = module.bias if "bias" in module else None
-        return _Linear(block_weight_of(module) or _f32(module.weight), _f32(bias) if bias is not None else None,
-                       [_Lora(f) for f in factors_of(module)])
-
-    @staticmethod
-    def _norm(module: Any) -> _Norm | None:
-        """The norm's gain as the model applies it: ``w``, or Gemma's ``1 + w`` (computed by MLX
-        in float32, as the module computes it on every call)."""
-        if module is None:
-            return None
-        gain = 1.0 + module.weight if isinstance(module, _gemma_norm()) else module.weight
-        return _Norm(_f32(gain), float(module.eps))
-
-    def _layer(self, layer: Any, rope: int) -> _Layer:
-        a, m, lin, norm = layer.self_attn, layer.mlp, self._linear, self._norm
-        common = dict(q=lin(a.q_proj), k=lin(a.k_proj), v=lin(a.v_proj), o=lin(a.o_proj),
-                      gate=lin(m.gate_proj), up=lin(m.up_proj), down=lin(m.down_proj),
-                      q_norm=norm(getattr(a, "q_norm", None)), k_norm=norm(getattr(a, "k_norm", None)), rope=rope)
-        if self.gemma:  # post_attention_layernorm norms the attention's output; pre_feedforward the MLP's input
-            return _Layer(n1=norm(layer.input_layernorm), n2=norm(layer.pre_feedforward_layernorm),
-                          attn_out=norm(layer.post_attention_layernorm), mlp_out=norm(layer.post_feedforward_layernorm),
-                          sliding=bool(a.is_sliding), **common)
-        return _Layer(n1=norm(layer.input_layernorm), n2=norm(layer.post_attention_layernorm), **common)
 
     # ------------------------------------------------------------------ eligibility
 
@@ -433,7 +196,7 @@ class CpuDecoder:
         ``make_cache`` gives it: the buffers this decoder made for it (the common case, checked
         by identity), or mlx-lm ``KVCache`` layers (``RotatingKVCache`` rings of the model's
         window for sliding layers) holding one row of float32 keys and values. A ring must be in
-        a state mlx-lm's update can write one token into (:func:`_ring_plan`)."""
+        a state mlx-lm's update can write one token into (:func:`decode_kv.ring_plan`)."""
         from mlx_lm.models.cache import KVCache, RotatingKVCache
 
         if len(cache) != len(self.layers):
@@ -445,7 +208,7 @@ class CpuDecoder:
             for c, layer in zip(cache, self.layers)
         ):
             return False
-        return all(cache[i].max_size == self.window and _ring_plan(cache[i]) is not None for i in self._rings)
+        return all(cache[i].max_size == self.window and ring_plan(cache[i]) is not None for i in self.kv.rings)
 
     # ------------------------------------------------------------------ the step
 
@@ -467,8 +230,8 @@ class CpuDecoder:
         no cache has advanced (a position written past ``offset`` is unused)."""
         self._check_tokens(tokens)
         positions = [cache[0].offset for cache in caches]
-        borrowed = [self._borrow(cache, o, pos) for cache, o, pos in zip(caches, owned, positions)]
-        views = [b.views if b is not None else self._own(cache, o, pos)
+        borrowed = [self.kv.borrow(cache, o, pos) for cache, o, pos in zip(caches, owned, positions)]
+        views = [b.views if b is not None else self.kv.own(cache, o, pos)
                  for b, cache, o, pos in zip(borrowed, caches, owned, positions)]
         logits = self._run(tokens, caches, positions, views, scales)
         for b, cache, o in zip(borrowed, caches, owned):
@@ -489,11 +252,11 @@ class CpuDecoder:
         token for token). Plain KV caches only (no sliding-window ring: :meth:`can_step_tokens`).
         The cache advances by ``len(tokens)`` positions; drop rejected ones with ``trim``.
         Returns a new array (not a reused buffer)."""
-        if self._rings:
+        if self.kv.rings:
             raise RuntimeError("a model with sliding-window layers feeds one token per step here")
         self._check_tokens(tokens)
         start = cache[0].offset
-        views = self._own(cache, owned, start, last=start + len(tokens) - 1)
+        views = self.kv.own(cache, owned, start, last=start + len(tokens) - 1)
         out = np.empty((len(tokens), self.head.weight.shape[0]), np.float32)
         for first in range(0, len(tokens), EXACT_ROWS):
             part = tokens[first:first + EXACT_ROWS]
@@ -505,14 +268,14 @@ class CpuDecoder:
     def can_step_tokens(self, cache: list[Any], owned: OwnedCache) -> bool:
         """Whether :meth:`step_tokens` and :meth:`prefill` take this cache (a plain-attention
         model's, see can_run)."""
-        return not self._rings and self.can_run(cache, owned)
+        return not self.kv.rings and self.can_run(cache, owned)
 
     def can_prefill(self, cache: list[Any], owned: OwnedCache) -> bool:
         """Whether :meth:`prefill` takes this cache: as :meth:`can_step_tokens`, or an empty
         mlx-lm ``KVCache`` per layer (a cold prompt's first chunk)."""
         from mlx_lm.models.cache import KVCache
 
-        if self._rings or len(cache) != len(self.layers):
+        if self.kv.rings or len(cache) != len(self.layers):
             return False
         if all(type(c) is KVCache and c.keys is None and c.offset == 0 for c in cache):
             return True
@@ -526,7 +289,7 @@ class CpuDecoder:
         advances by ``len(tokens)`` positions; an empty cache (:meth:`can_prefill`) gets this
         sequence's own buffers. On a hit's adopted arrays
         (which it may not write) it reads them in place and keeps the rows' keys and values apart,
-        as a step on shared arrays does (:meth:`_borrow`): the copy into this sequence's own
+        as a step on shared arrays does (:meth:`KvLayout.borrow`): the copy into this sequence's own
         buffers is made once, at the next step, after the first token has gone out.
 
         Why it exists: a prompt-cache hit leaves a rest of tens of tokens over a long cache, and
@@ -555,7 +318,7 @@ class CpuDecoder:
         runtime copy each into its own buffers at the first step: three copies of every row's KV
         at once (the peak memory of a four-stream server). Here each chunk is written into its
         sequence's own buffers once, and the products still take all rows in one pass."""
-        if self._rings:
+        if self.kv.rings:
             raise RuntimeError("a model with sliding-window layers prefills through MLX")
         if logits and len(chunks) != 1:
             raise ValueError("logits are for a single sequence's chunk")
@@ -571,8 +334,8 @@ class CpuDecoder:
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("each chunk needs its own sequence's cache")
         starts = [cache[0].offset for cache in caches]
-        borrowed = [self._borrow(cache, o, start, len(tokens)) for cache, o, start, tokens in zip(caches, owned, starts, chunks)]
-        views = [b.views if b is not None else self._own(cache, o, start, last=start + len(tokens) - 1)
+        borrowed = [self.kv.borrow(cache, o, start, len(tokens)) for cache, o, start, tokens in zip(caches, owned, starts, chunks)]
+        views = [b.views if b is not None else self.kv.own(cache, o, start, last=start + len(tokens) - 1)
                  for b, cache, o, start, tokens in zip(borrowed, caches, owned, starts, chunks)]
         rows = [len(tokens) for tokens in chunks]
         row_scales = None if scales is None or all(s is None for s in scales) else [
@@ -593,24 +356,23 @@ class CpuDecoder:
     def _run(self, tokens: list[int], caches: list[list[Any]], positions: list[int],
              views: list[list[tuple[int, ...]]], scales: Any, segments: list[int] | None = None,
              head: bool = True) -> np.ndarray:
-        """The pass itself (``decode_pass.c``): row r is ``tokens[r]`` at ``positions[r]`` on
+        """The pass itself (``mlxcel_decode_pass``): row r is ``tokens[r]`` at ``positions[r]`` on
         ``caches[r]`` (the same cache on several rows for consecutive positions of one sequence,
         a speculative draft's). ``segments``: prompt chunks instead, ``segments[j]`` rows of
         sequence j from ``positions[j]`` on ``caches[j]`` (``views[j]``), attended in one call a
         layer and sequence; only the last row's logits are computed (one chunk; :meth:`prefill`),
         and the result then has one row. ``scales``: per row."""
         rows = len(tokens)
-        if len(self._angle_blocks) > ANGLE_BLOCKS_KEPT * len(self.ropes):
-            self._angle_blocks.clear()  # between passes: no address handed out below is freed
+        self.angles.forget_if_many()  # between passes: no address handed out below is freed
         if segments is not None:
             b = self._chunk_buffers_for(rows)
-            spans = [[self._angle_span(pos, n, kind) for kind in range(len(self.ropes))]
+            spans = [[self.angles.span(pos, n, kind) for kind in range(len(self.angles.ropes))]
                      for pos, n in zip(positions, segments)]  # kept alive for the call
-            angles = np.array([[_ptr(a) for span in row for a in span] for row in spans], np.int64)
+            angles = np.array([[a.ctypes.data for span in row for a in span] for row in spans], np.int64)
             offsets = np.cumsum([0, *segments], dtype=np.int32)
         else:
             b = self._buffers_for(rows)
-            angles = np.array([[self._angle_row(pos, kind) for kind in range(len(self.ropes))] for pos in positions],
+            angles = np.array([[self.angles.row(pos, kind) for kind in range(len(self.angles.ropes))] for pos in positions],
                               np.int64)
             offsets = None
         kv = self._kv(views, positions, caches)
@@ -627,7 +389,7 @@ class CpuDecoder:
             raise RuntimeError(f"layer {failed - 1}: positions from {min(positions)} do not fit the layer's KV cache")
         advance = segments if segments is not None else [1] * rows
         for cache, n in zip(caches, advance):
-            for i in self._rings:  # as mlx-lm's update leaves a ring: the slot after the one written
+            for i in self.kv.rings:  # as mlx-lm's update leaves a ring: the slot after the one written
                 ring = cache[i]
                 ring._idx = (0 if ring._idx == ring.max_size else ring._idx) + n
             for c in cache:
@@ -642,12 +404,12 @@ class CpuDecoder:
         """``struct mlxcel_kv`` of every row and layer: its keys, values and capacity (``views``),
         where the row writes and how many slots it sees (a growing cache: its position, and
         everything up to it; a ring: mlx-lm's slot and at most its capacity), and for shared
-        arrays (a view of 5: :meth:`_borrow`) the buffers its new keys and values go to instead."""
+        arrays (a view of 5: :meth:`KvLayout.borrow`) the buffers its new keys and values go to instead."""
         kv = np.empty((len(views), len(self.layers), decode_pass.KV_FIELDS), np.int64)
         for r, (row_views, pos) in enumerate(zip(views, positions)):
             kv[r] = self._kv_base(row_views)
             kv[r, :, 5], kv[r, :, 6] = pos, pos + 1
-            for i in self._rings:  # the ring's slot (_ring_plan left _idx where mlx-lm's update has it)
+            for i in self.kv.rings:  # the ring's slot (ring_plan left _idx where mlx-lm's update has it)
                 ring = caches[r][i]
                 kv[r, i, 5] = 0 if ring._idx == ring.max_size else ring._idx
                 kv[r, i, 6] = min(pos + 1, int(kv[r, i, 4]))  # what mlx-lm's keys_and_values hands its attention
@@ -669,13 +431,13 @@ class CpuDecoder:
         self._kv_bases[id(row_views)] = (row_views, base)
         return base
 
-    def _buffers_for(self, rows: int) -> _Buffers:
+    def _buffers_for(self, rows: int) -> PassBuffers:
         b = self._buffers.get(rows)
         if b is None:
             b = self._buffers[rows] = self._new_buffers(rows, rows)
         return b
 
-    def _chunk_buffers_for(self, rows: int) -> _Buffers:
+    def _chunk_buffers_for(self, rows: int) -> PassBuffers:
         """A prompt chunk's buffers: one set, grown in steps of 64 rows, its first ``rows`` used
         (rows are contiguous, so the addresses hold for any count), logits for one row."""
         b = self._chunk_buffers
@@ -683,176 +445,17 @@ class CpuDecoder:
             b = self._chunk_buffers = self._new_buffers(-(-rows // 64) * 64, 1)
         return b
 
-    def _new_buffers(self, rows: int, logit_rows: int) -> _Buffers:
+    def _new_buffers(self, rows: int, logit_rows: int) -> PassBuffers:
         hidden, inter = self.embed.shape[1], self.layers[0].gate.weight.shape[0]
         hq, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
 
         def buf(n: int, r: int = rows) -> np.ndarray:
             return np.empty((r, n), np.float32)
 
-        return _Buffers(x=buf(hidden), h=buf(hidden), branch=buf(hidden), q=buf(hq * d), k_new=buf(hk * d),
+        return PassBuffers(x=buf(hidden), h=buf(hidden), branch=buf(hidden), q=buf(hq * d), k_new=buf(hk * d),
                         v_new=buf(hk * d), att=buf(hq * d), gate=buf(inter), up=buf(inter),
                         logits=buf(self.head.weight.shape[0], logit_rows))
 
-    # ------------------------------------------------------------------ the cache
-
-    def _own(self, cache: list[Any], owned: OwnedCache, pos: int, last: int | None = None) -> list[tuple[int, int, int]]:
-        """Addresses of every layer's keys and values, and their capacity, with room for
-        positions ``pos`` to ``last`` (default ``pos``): the buffers made for this sequence,
-        copied first (their first ``pos`` positions) if the cache holds others now (or they are
-        full, or a ring is due to grow or be trimmed). Raises, before anything is replaced, for
-        a ring that mlx-lm's update could not write into either."""
-        last = pos if last is None else last
-        plans = []
-        for i in self._rings:
-            c = cache[i]
-            plan = _ring_plan(c) if c.max_size == self.window else None
-            if plan is None:
-                raise RuntimeError(f"layer {i}: a sliding-window cache the decoder cannot write into")
-            plans.append(plan)
-        apart, owned.apart = owned.apart, None
-        if apart is not None and apart.holds(cache) and not self._rings:
-            return self._own_apart(cache, owned, apart, last)
-        if owned.holds(cache) and all(last < owned.views[i][2] for i in self._plain) and all(
-                plan[:2] == (owned.views[i][2], 0) for i, plan in zip(self._rings, plans)):
-            return owned.views
-        mx.eval([(c.keys, c.values) for c in cache if c.keys is not None])
-        owned.arrays, owned.views = [], []
-        ring_plans = dict(zip(self._rings, plans))
-        for i, c in enumerate(cache):
-            if i in ring_plans:
-                capacity, start, c._idx = ring_plans[i]
-                keys, values = (self._fresh_ring(a, start, capacity) for a in (c.keys, c.values))
-            elif c.keys is None:  # an empty cache (can_prefill): buffers for positions 0 .. last
-                shape = (1, self.n_kv_heads, _capacity(last, reserve=owned.reserve), self.head_dim)
-                keys, values = (self._writable(shape)[0] for _ in range(2))
-            else:
-                keys, values = (self._fresh(a, pos, last, owned.reserve) for a in (c.keys, c.values))
-            c.keys, c.values = keys, values
-            owned.arrays.append((keys, values))
-            owned.views.append((_ptr(np.asarray(keys)), _ptr(np.asarray(values)), keys.shape[2]))
-        return owned.views
-
-    def _own_apart(self, cache: list[Any], owned: OwnedCache, apart: _Apart, last: int) -> list[tuple[int, int, int]]:
-        """:meth:`_own` after a step kept apart: the buffers made from the shared views and the
-        kept rows (no evaluation of the cache's concatenations, which would copy once more)."""
-        owned.arrays, owned.views = [], []
-        pos = apart.pos
-        for c, (keys_view, values_view), (k_row, v_row) in zip(cache, apart.shared, apart.rows):
-            made = []
-            n = k_row.shape[1]
-            for view, row in ((keys_view, k_row), (values_view, v_row)):
-                b, h, _, d = view.shape
-                fresh, out = self._writable((b, h, _capacity(max(pos + n - 1, last), reserve=owned.reserve), d))
-                out[:, :, :pos] = view[:, :, :pos]
-                out[0, :, pos:pos + n] = row
-                made.append(fresh)
-            c.keys, c.values = made
-            owned.arrays.append((c.keys, c.values))
-            owned.views.append((_ptr(np.asarray(c.keys)), _ptr(np.asarray(c.values)), c.keys.shape[2]))
-        return owned.views
-
-    def _borrow(self, cache: list[Any], owned: OwnedCache, pos: int, n: int = 1) -> "_Borrowed | None":
-        """Views for a step (or a prefill of ``n`` rows) that reads ``cache``'s arrays in place,
-        when they are not this sequence's (a prompt-cache hit, a sibling's prefix) and the step
-        can leave them unwritten: plain KV layers only (no ring), each layer's float32 keys and
-        values laid out by head, then position, then dimension (an entry's slice of a larger
-        buffer is), ``pos`` of them valid. None: the step copies them into its own buffers first
-        (:meth:`_own`)."""
-        from mlx_lm.models.cache import KVCache
-
-        if self._rings or pos < 1 or owned.holds(cache) or owned.apart is not None:
-            return None
-        if not all(type(c) is KVCache and c.keys is not None and c.offset == pos for c in cache):
-            return None
-        mx.eval([(c.keys, c.values) for c in cache])
-        d, item = self.head_dim, 4
-        shared, views, rows = [], [], []
-        for c in cache:
-            pair = []
-            for a in (c.keys, c.values):
-                if a.dtype != mx.float32 or a.ndim != 4 or a.shape[0] != 1 or a.shape[3] != d or a.shape[2] < pos:
-                    return None
-                view = np.asarray(a)
-                strides = view.strides
-                if strides[3] != item or strides[2] != d * item or strides[1] % (d * item) or strides[1] < a.shape[2] * d * item:
-                    return None
-                pair.append(view)
-            if pair[0].strides != pair[1].strides:
-                return None
-            shared.append((pair[0], pair[1]))
-            k_row = np.empty((self.n_kv_heads, n, d), np.float32)
-            v_row = np.empty((self.n_kv_heads, n, d), np.float32)
-            rows.append((k_row, v_row))
-            views.append((_ptr(pair[0]), _ptr(pair[1]), pair[0].strides[1] // (d * item), _ptr(k_row), _ptr(v_row)))
-        return _Borrowed(pos, shared, rows, views)
-
-    @staticmethod
-    def _writable(shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
-        """A new zero MLX array of ``shape`` (float32) and a writable NumPy view of its buffer."""
-        fresh = mx.zeros(shape, dtype=mx.float32)
-        mx.eval(fresh)
-        view = np.asarray(fresh)
-        if not (view.flags.c_contiguous and view.flags.writeable):  # e.g. a broadcast constant: not ours to write
-            raise RuntimeError("MLX gave no writable buffer of its own for the KV cache")
-        return fresh, view
-
-    @classmethod
-    def _fresh(cls, a: Any, pos: int, last: int | None = None, reserve: int = 0) -> Any:
-        """A new MLX array with ``a``'s first ``pos`` positions and room up to position ``last``
-        (default ``pos``) and the ``reserve`` (``_capacity``; at least ``a``'s capacity): one
-        buffer of MLX's, filled through a NumPy view of it."""
-        b, h, cap, d = a.shape
-        last = pos if last is None else last
-        fresh, view = cls._writable((b, h, max(cap, _capacity(last, cap, reserve)), d))
-        view[:, :, :pos] = np.asarray(a)[:, :, :pos]
-        return fresh
-
-    @classmethod
-    def _fresh_ring(cls, a: Any, start: int, capacity: int) -> Any:
-        """A ring's new buffer of ``capacity`` slots, as mlx-lm's update makes it: ``a``'s slots
-        from ``start`` on (a trimmed ring keeps its newest ``capacity``), then zeros (a grown one)."""
-        b, h, cap, d = a.shape
-        fresh, view = cls._writable((b, h, capacity, d))
-        kept = min(cap - start, capacity)
-        view[:, :, :kept] = np.asarray(a)[:, :, start:start + kept]
-        return fresh
-
-    def _angle_span(self, first: int, rows: int, kind: int) -> tuple[np.ndarray, np.ndarray]:
-        """cos and sin of positions ``first`` .. ``first + rows - 1`` (rows, head_dim / 2) each,
-        contiguous: a prompt chunk's angles for one ``rope_rows`` call."""
-        parts = []
-        for pos in range(first - first % ANGLE_BLOCK, first + rows, ANGLE_BLOCK):
-            self._angle_row(pos, kind)  # makes the block
-            cos, sin = self._angle_blocks[(kind, pos)]
-            lo, hi = max(first - pos, 0), min(first + rows - pos, ANGLE_BLOCK)
-            parts.append((cos[lo:hi], sin[lo:hi]))
-        return np.concatenate([c for c, _ in parts]), np.concatenate([s for _, s in parts])
-
-    def _angle_row(self, pos: int, kind: int = 0) -> tuple[int, int]:
-        """Addresses of cos and sin of position ``pos``'s RoPE angles, as the model's RoPE module
-        of this ``kind`` (an index into ``self.ropes``) computes them: it is applied to unit
-        vectors (rotating (1, 0) gives (cos, sin)) for a block of positions at a time, so every
-        scaling variant mlx-lm implements is taken as it is. The blocks stay until there are
-        more than ``ANGLE_BLOCKS_KEPT`` a kind (rows of a batch sit at different positions)."""
-        first = pos - pos % ANGLE_BLOCK
-        block = self._angle_blocks.get((kind, first))
-        if block is None:
-            d, half, traditional = self.head_dim, self.head_dim // 2, self.traditional[kind]
-            unit = np.zeros((1, 1, ANGLE_BLOCK, d), np.float32)
-            if traditional:
-                unit[..., 0::2] = 1.0
-            else:
-                unit[..., :half] = 1.0
-            probe = np.array(self.ropes[kind](mx.array(unit), offset=first))[0, 0]
-            if traditional:
-                cos, sin = probe[:, 0::2], probe[:, 1::2]
-            else:
-                cos, sin = probe[:, :half], probe[:, half:]
-            block = self._angle_blocks[(kind, first)] = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))
-        cos, sin = block
-        row = (pos - first) * cos.strides[0]
-        return _ptr(cos) + row, _ptr(sin) + row
 
 
-__all__ = ["CpuDecoder", "OwnedCache", "build", "enabled", "unsupported"]
+__all__ = ["CpuDecoder", "build", "enabled", "head_module", "unsupported"]

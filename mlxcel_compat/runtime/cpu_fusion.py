@@ -19,7 +19,7 @@ an element, ``power`` about a third of that). Three levers, each measured by
   there MLX's separate kernels are as fast or faster.
 - **RoPE angles shared across layers.** With an integer offset (one sequence's cache), a step's
   RoPE angles are computed once, by ``mx.fast.rope`` itself, and every layer's queries and keys
-  are rotated with them by one compiled function (:func:`_angles`), bit-identical to
+  are rotated with them by one compiled function (:func:`shared_angles`), bit-identical to
   ``mx.fast.rope``: in decode steps and in prompt chunks.
 
   ``mx.compile`` keeps one trace per input shape for the life of the process (~0.15 MiB each on
@@ -52,7 +52,7 @@ SMALL_ELEMENTS = 16384
 MAX_SPECIALIZED_SHAPES = 16
 # SiLU gating of at least this many elements (prompt chunks) runs in NumPy (see :func:`swiglu`).
 NUMPY_MIN = 1 << 16
-# A step's RoPE computes its positions' angles once for every layer (see :func:`_angles`).
+# A step's RoPE computes its positions' angles once for every layer (see :func:`shared_angles`).
 SHARED_ROPE_ANGLES = True
 
 
@@ -217,7 +217,7 @@ _rotate_halves = mx.compile(_rotation, shapeless=True)
 _rope_angles: dict[tuple[Any, ...], tuple[int, int, Any, Any]] = {}
 
 
-def _angles(rope: Any, offset: int, length: int = 1) -> tuple[Any, Any]:
+def shared_angles(rope: Any, offset: int, length: int = 1) -> tuple[Any, Any]:
     """cos and sin of the RoPE angles of positions ``offset`` .. ``offset + length - 1``,
     computed once for every layer of a step, each (1, 1, length, dims / 2).
 
@@ -244,11 +244,11 @@ def _unit(dims: int) -> Any:
     return mx.concatenate([mx.ones((1, 1, 1, dims // 2)), mx.zeros((1, 1, 1, dims - dims // 2))], axis=-1)
 
 
-def _fused_rope_call(self: Any, x: Any, offset: Any = 0) -> Any:
+def fused_rope_call(self: Any, x: Any, offset: Any = 0) -> Any:
     """RoPE with the angles shared by every layer, and a compiled rotation.
 
     With an integer offset (one sequence's cache), a step's angles are computed once and shared
-    by every layer (:func:`_angles`): about 200 fewer operations a decode step of the small
+    by every layer (:func:`shared_angles`): about 200 fewer operations a decode step of the small
     llama (2-5 % of its time), and on a 512-token chunk the rotation of a layer's queries and
     keys in 1.6 ms instead of 2.8. With an array offset (a batch's), a decode step takes one
     compiled function with the offset as an input, which serves every position; a batch's
@@ -256,7 +256,7 @@ def _fused_rope_call(self: Any, x: Any, offset: Any = 0) -> Any:
     plain = super(type(self), self).__call__
     if (SHARED_ROPE_ANGLES and isinstance(offset, int) and not self.traditional and x.ndim == 4
             and self.dims == x.shape[-1] and x.dtype == mx.float32):
-        cos, sin = _angles(self, offset, x.shape[-2])
+        cos, sin = shared_angles(self, offset, x.shape[-2])
         if rope_compiles(x):
             return _rotate(x, cos, sin)
         half = self.dims // 2
@@ -273,7 +273,7 @@ def _fused_rope_call(self: Any, x: Any, offset: Any = 0) -> Any:
 _FUSED_CLASSES: dict[type, type] = {}
 
 
-def _fuse(module: Any, call: Any) -> int:
+def fuse(module: Any, call: Any) -> int:
     """Give ``module`` a subclass whose ``__call__`` is ``call``; 1 if switched now, else 0."""
     cls = type(module)
     if cls in _FUSED_CLASSES.values():
@@ -315,12 +315,13 @@ def install(model: Any) -> dict[str, int]:
             counts["swiglu"] += 1
     for name, module in model.named_modules():
         if type(module) is nn.RoPE:
-            counts["rope"] += _fuse(module, _fused_rope_call)
+            counts["rope"] += fuse(module, fused_rope_call)
         elif _is_norm(module):
-            counts["norm"] += _fuse(module, _fused_call)
+            counts["norm"] += fuse(module, _fused_call)
         elif _is_mlp(name, module):
-            counts["mlp"] += _fuse(module, _fused_call)
+            counts["mlp"] += fuse(module, _fused_call)
     return counts
 
 
-__all__ = ["MAX_SPECIALIZED_SHAPES", "SMALL_ELEMENTS", "evaluated_numpy", "install", "rope_compiles", "swiglu"]
+__all__ = ["MAX_SPECIALIZED_SHAPES", "SMALL_ELEMENTS", "evaluated_numpy", "fuse", "fused_rope_call", "install",
+           "rope_compiles", "shared_angles", "swiglu"]

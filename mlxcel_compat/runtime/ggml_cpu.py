@@ -9,9 +9,9 @@ a greedy continuation here follows llama-server's arithmetic, not a float32 refe
 differ only where the reference's top two candidates are near a tie (tests/e2e/test_real_model.py).
 
 This module only finds and loads the two libraries (``libggml-base``, ``libggml-cpu``), calls
-``ggml_cpu_init`` once, and turns a type's traits into the :class:`BlockType` that
-``block_matmul.c`` (compiled into the BLAS shim's library, whose threads call the kernels) takes.
-Nothing here imports MLX. Without the wheel (another platform), or with ``MLXCEL_GGML=0``,
+``ggml_cpu_init`` once, and turns a type's traits into the :class:`BlockType` that the native
+layer's block products (compiled into the BLAS shim's library, whose threads call the kernels)
+take. Nothing here imports MLX. Without the wheel (another platform), or with ``MLXCEL_GGML=0``,
 :func:`kernels` says why and the loader expands quantized weights to float32 as before.
 """
 
@@ -49,11 +49,11 @@ class _CpuTraits(ctypes.Structure):
 
 
 class BlockType(ctypes.Structure):
-    """``struct mlxcel_block_type`` (block_matmul.c): one type's kernels."""
+    """``struct mlxcel_block_type`` (the native layer's block products): one type's kernels."""
 
     _fields_ = [("vec_dot", _FN), ("quantize", _FN), ("to_float", _FN),
                 ("act_block", ctypes.c_long), ("act_block_bytes", ctypes.c_long),
-                ("own_kernel", ctypes.c_int)]  # set by block_weight.library(): quant_rows.c's kernel, or -1
+                ("own_kernel", ctypes.c_int)]  # set by block_weight.library(): mlxcel_rows_kernel's type, or -1
 
 
 # What the start-up log and the benchmark report of a build (ggml-cpu.h's ggml_cpu_has_*).
@@ -115,7 +115,7 @@ class GGMLKernels:
         return int(self.cpu.ggml_get_type_traits_cpu(int(ggml_type)).contents.vec_dot_type)
 
     def block_type(self, ggml_type: int) -> BlockType:
-        """The kernels of ``ggml_type`` (kept alive here: block_matmul.c holds their address)."""
+        """The kernels of ``ggml_type`` (kept alive here: the native layer holds their address)."""
         found = self._types.get(int(ggml_type))
         if found is None:
             if ggml_type not in BLOCK_TYPES:

@@ -1,9 +1,9 @@
-"""Weights repacked by ggml into its interleaved layouts, and their products (``ggml_repack.c``).
+"""Weights repacked by ggml into its interleaved layouts, and their products (``mlxcel_repack_matmul``).
 
 ggml's CPU backend keeps some types in a second, interleaved layout (its ``CPU_REPACK`` buffer
 type: on x86 Q4_0 and Q4_K, plus Q2_K and IQ4_NL with AVX-512, as 8 rows whose blocks
 alternate), with GEMV and GEMM kernels that multiply them faster than the row-by-row ``vec_dot``
-of ``block_matmul.c``: llama-server uses them by default. This module compiles the small C library
+of the native layer's block products: llama-server uses them by default. This module compiles the small C library
 that reaches them through ggml's public API (linked to the ggml libraries ``ggml_cpu.py`` loads,
 built like the BLAS shim on the machine that runs it) and repacks a weight when ggml has a layout
 for its type on this CPU; :class:`~mlxcel_compat.runtime.block_weight.BlockWeight` then sends its
@@ -54,7 +54,7 @@ REPACKED_TYPES = frozenset({T.Q4_0, T.Q4_K, T.IQ4_NL})
 # llama-server's). The rest keep the tiles and the BLAS: ggml's path (llamafile's GEMM for
 # Q5_0, vec_dot for Q4_1) measured 0.44-1.0x of them (scripts/bench_prompt_products.py,
 # docs/benchmarks/quantized.md). Q8_0 takes the shim's own GEMM instead where it has one
-# (quant_rows.c, AVX-512 VNNI; prompt_product).
+# (``mlxcel_gemm_kernel``, AVX-512 VNNI; prompt_product).
 PROMPT_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0})
 PROMPT_GGML_MIN = (0, 25)  # the first ggml with the tiled kernels
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float

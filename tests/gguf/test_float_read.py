@@ -3,7 +3,8 @@
 The reference is gguf-py's reader on the same file: an independent parser of the header and the
 tensor bytes. The file mixes F32, F16 and BF16 tensors of several ranks with a quantized tensor
 between them, so a wrong offset or a mis-sized tensor cannot go unnoticed. The MLX-side undoing
-of the converter's changes (``_load_float``) must equal the NumPy path (``_decode``) bit for bit.
+of the converter's changes (``load_float_tensor``) must equal the NumPy path (``decode_tensor``)
+bit for bit.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from gguf import GGMLQuantizationType as T
 from mlxcel_compat.gguf import architectures as gguf_arch
 from mlxcel_compat.gguf import precision
 from mlxcel_compat.gguf.reader import GGUFError, open_gguf, read_float_tensor, read_tensor
-from mlxcel_compat.gguf.load import _decode, _load_float
+from mlxcel_compat.gguf.load import decode_tensor, load_float_tensor
 
 SHAPES = {"a": (7,), "b": (6, 64), "c": (2, 3, 32)}
 
@@ -82,11 +83,11 @@ def test_mlx_path_equals_the_numpy_path(float_file: tuple[Path, dict[str, np.nda
         (llama, "model.layers.0.mlp.up_proj.weight", (6, 64, 1)),  # reshaped
     ]
     for spec, mlx_name, target in cases:
-        fast = _load_float(info, mlx_name, spec, config, dtype, target)
-        slow = _decode(info, read_tensor(info), mlx_name, spec, config, dtype, target)
+        fast = load_float_tensor(info, mlx_name, spec, config, dtype, target)
+        slow = decode_tensor(info, read_tensor(info), mlx_name, spec, config, dtype, target)
         assert fast.dtype == slow.dtype and fast.shape == slow.shape, mlx_name
         assert mx.array_equal(fast, slow).item(), mlx_name
-    permuted = _load_float(info, cases[0][1], llama, config, precision.FLOAT32, (6, 64))
+    permuted = load_float_tensor(info, cases[0][1], llama, config, precision.FLOAT32, (6, 64))
     assert not mx.array_equal(permuted, read_float_tensor(info).astype(mx.float32)).item()
 
 

@@ -22,6 +22,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel_compat.runtime import backend
 from mlxcel_compat.runtime import cpu_decode
+from mlxcel_compat.runtime.decode_kv import OwnedCache
 from mlxcel_compat.runtime import lora_rows
 from mlxcel_compat.runtime.block_layers import module_at
 from mlxcel_compat.model.loader import load_model
@@ -68,7 +69,7 @@ def decode(model, decoder, tokens: list[int], steps: int, scales=None) -> tuple[
     with lora_rows.applied(None if scales is None else [scales]):
         model(mx.array([tokens[:-1]]), cache=cache)
     mx.eval([c.state for c in cache])
-    owned, token, out, logits = cpu_decode.OwnedCache(), tokens[-1], [], []
+    owned, token, out, logits = OwnedCache(), tokens[-1], [], []
     for _ in range(steps):
         row = decoder.step(token, cache, owned, scales).copy()
         token = int(np.argmax(row))
@@ -166,15 +167,15 @@ def test_two_adapters_and_per_row_scales_in_one_batch() -> None:
     import copy
 
     alone_caches = [copy.deepcopy(c) for c in caches]
-    owned = [cpu_decode.OwnedCache() for _ in rows]
+    owned = [OwnedCache() for _ in rows]
     together = loaded.decoder.step_rows([PROMPT[-1]] * 3, caches, owned, rows).copy()
     for i, row in enumerate(rows):
-        alone = loaded.decoder.step(PROMPT[-1], alone_caches[i], cpu_decode.OwnedCache(), row)
+        alone = loaded.decoder.step(PROMPT[-1], alone_caches[i], OwnedCache(), row)
         assert np.array_equal(together[i], alone), i
     base_only = load_model(str(base), [])
     base_cache = make_prompt_cache(base_only.model)
     base_only.model(mx.array([PROMPT[:-1]]), cache=base_cache)
-    assert np.array_equal(together[0], base_only.decoder.step(PROMPT[-1], base_cache, cpu_decode.OwnedCache()))
+    assert np.array_equal(together[0], base_only.decoder.step(PROMPT[-1], base_cache, OwnedCache()))
 
 
 def test_an_adapter_that_does_not_fit_is_refused_naming_the_tensor(tmp_path: Path) -> None:
@@ -245,5 +246,5 @@ def test_a_prefill_chunk_through_the_runtime_applies_the_adapter(family: str) ->
     cache = make_prompt_cache(loaded.model)
     with lora_rows.applied([(0.75,)]):
         mx.eval(loaded.model(mx.array([head]), cache=cache))
-    ours = loaded.decoder.prefill(rest, cache, cpu_decode.OwnedCache(), (0.75,)).copy()
+    ours = loaded.decoder.prefill(rest, cache, OwnedCache(), (0.75,)).copy()
     assert_close(ours, prefill_logits(ref_model, head + rest)[-1])

@@ -81,10 +81,10 @@ def test_numpy_path_matches_the_mlx_path(kind) -> None:
     q, kbuf, vbuf = qkv(B, Hq, Hk, L, S + 70, seed=3)
     k, v = kbuf[:, :, :S], vbuf[:, :, :S]
     mask = masks(B, Hq, L, S)[kind]
-    ours = attention._attend_numpy(q, k, v, 0.125, mask if mask is None or isinstance(mask, str)
-                                   else attention._group_mask(mask, B, Hq, Hk, L, S))
+    ours = attention.attend_numpy(q, k, v, 0.125, mask if mask is None or isinstance(mask, str)
+                                  else attention.group_mask(mask, B, Hq, Hk, L, S))
     assert ours is not None
-    reference = attention._attend(q, k, v, 0.125, attention._group_mask(mask, B, Hq, Hk, L, S))
+    reference = attention.attend_mlx(q, k, v, 0.125, attention.group_mask(mask, B, Hq, Hk, L, S))
     assert close(ours, reference)
     assert close(ours, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask))
 
@@ -106,7 +106,7 @@ def test_numpy_softmax_outside_the_unshifted_range_is_computed_shifted(monkeypat
         causal = mx.arange(L)[:, None] >= mx.arange(S)[None]
         mask = mx.broadcast_to(mx.where(causal, bias, -mx.inf), (B, 1, L, S))
     fallbacks = []
-    weigh = attention._weigh
+    weigh = attention.weigh
 
     def spy(scores, values, weighted, hidden, shifted):
         safe = weigh(scores, values, weighted, hidden, shifted)
@@ -114,9 +114,9 @@ def test_numpy_softmax_outside_the_unshifted_range_is_computed_shifted(monkeypat
             fallbacks.append(not safe)
         return safe
 
-    monkeypatch.setattr(attention, "_weigh", spy)
-    ours = attention._attend_numpy(q, k, v, 0.125, mask if isinstance(mask, str)
-                                   else attention._group_mask(mask, B, Hq, Hk, L, S))
+    monkeypatch.setattr(attention, "weigh", spy)
+    ours = attention.attend_numpy(q, k, v, 0.125, mask if isinstance(mask, str)
+                                  else attention.group_mask(mask, B, Hq, Hk, L, S))
     assert any(fallbacks) and not all(fallbacks)  # some blocks fell back, others did not
     reference = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
     assert not mx.isnan(ours).any().item()
@@ -130,9 +130,9 @@ def test_numpy_path_without_a_loaded_blas_uses_numpy_matmul(monkeypatch) -> None
     mx.random.seed(5)
     q = mx.random.normal((1, 12, 96, 64))
     k, v = (mx.random.normal((1, 96, 4, 64)).swapaxes(1, 2) for _ in range(2))
-    with_blas = attention._attend_numpy(q, k, v, 0.125, "causal")
+    with_blas = attention.attend_numpy(q, k, v, 0.125, "causal")
     monkeypatch.setattr(attention.backend, "cblas_sgemm", lambda: None)
-    without = attention._attend_numpy(q, k, v, 0.125, "causal")
+    without = attention.attend_numpy(q, k, v, 0.125, "causal")
     assert close(with_blas, without)
     assert close(without, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal"))
 
@@ -191,21 +191,21 @@ def test_a_short_chunk_multiplies_on_one_blas_thread_to_the_same_result(monkeypa
     lib.openblas_get_num_threads.restype = ctypes.c_int
     threads = lib.openblas_get_num_threads()
     seen: list[int] = []
-    real = attention._matmul
+    real = attention.matmul
 
     def counting(*args, **kwargs):
         seen.append(lib.openblas_get_num_threads())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "_matmul", counting)
+    monkeypatch.setattr(attention, "matmul", counting)
     q, kbuf, vbuf = qkv(1, 12, 4, 70, 1100, seed=7)
     k, v = kbuf[:, :, :1076], vbuf[:, :, :1076]
-    alone = attention._attend_numpy(q, k, v, 0.125, "causal")
+    alone = attention.attend_numpy(q, k, v, 0.125, "causal")
     assert seen and set(seen) == {1}
     assert lib.openblas_get_num_threads() == threads
     seen.clear()
     monkeypatch.setattr(attention, "SINGLE_THREAD_MAX_QUERIES", 0)
-    split = attention._attend_numpy(q, k, v, 0.125, "causal")
+    split = attention.attend_numpy(q, k, v, 0.125, "causal")
     assert set(seen) == {threads}
     assert close(alone, split)
     assert close(alone, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal"))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mlxcel_compat.runtime.backend import OPENBLAS_SPIN_EXPONENT, _cpu_flags, load_optimized_blas, openblas_kernels_for_cpu
+from mlxcel_compat.runtime.backend import OPENBLAS_SPIN_EXPONENT, cpu_flags, load_optimized_blas, openblas_kernels_for_cpu
 
 AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}
 
@@ -40,7 +40,7 @@ def blas_in_fresh_process(env: dict[str, str]) -> dict:
 
 
 needs_openblas = pytest.mark.skipif(
-    load_optimized_blas().name != "openblas" or openblas_kernels_for_cpu(_cpu_flags()) is None,
+    load_optimized_blas().name != "openblas" or openblas_kernels_for_cpu(cpu_flags()) is None,
     reason="needs OpenBLAS (scripts/setup.sh installs it) on an x86-64 CPU with AVX2 or AVX-512",
 )
 
@@ -49,7 +49,7 @@ needs_openblas = pytest.mark.skipif(
 def test_openblas_runs_the_kernels_the_cpu_supports() -> None:
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
     info = blas_in_fresh_process(env)
-    expected = openblas_kernels_for_cpu(_cpu_flags())
+    expected = openblas_kernels_for_cpu(cpu_flags())
     assert info == {"name": "openblas", "kernels": expected, "forced": True, "env": expected}
 
 

@@ -242,8 +242,8 @@ def test_own_q8_k_quantizer_writes_ggml_s_bytes() -> None:
 @pytest.mark.skipif(isinstance(LIB, str) or not LIB.dequantizers, reason="the shim has no own dequantizers on this CPU")
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1], ids=lambda t: t.name)
 def test_own_dequantizers_write_ggml_s_floats(qtype: T) -> None:
-    """quant_rows.c's expansion of 32-value blocks to float32 (a prompt chunk's tiles, an
-    embedding row): bit for bit ggml's to_float (its scalar reference code), on random valid
+    """The shim's expansion of 32-value blocks to float32 (``mlxcel_dequantizer``; a prompt
+    chunk's tiles, an embedding row): bit for bit ggml's to_float (its scalar reference code), on random valid
     blocks and on blocks at the ends of their ranges (every bit of qh set, factors of both signs,
     subnormal and largest half-precision factors)."""
     import ctypes
@@ -297,7 +297,7 @@ def test_split_rows_give_ggml_s_products(qtype: T, n: int, k: int) -> None:
 @pytest.mark.skipif(isinstance(LIB, str) or T.Q8_0 not in LIB.gemm_kernels, reason="the shim has no own GEMM on this CPU (AVX-512 VNNI)")
 @pytest.mark.parametrize("n,k", [(301, 768), (8, 96), (1024, 2048)])
 def test_own_q8_0_gemm_agrees_with_ggml_s_vec_dot(n: int, k: int) -> None:
-    """Prompt chunks of a Q8_0 weight take quant_rows.c's GEMM: the activations quantized by
+    """Prompt chunks of a Q8_0 weight take the shim's own GEMM (mlxcel_gemm_kernel): the activations quantized by
     ggml's from_float as vec_dot's are, the same integer products as ggml's vec_dot, added in
     another order (agreeing to float32 rounding of the sum). Weight-row counts that leave a short
     last panel of 8, a row of three blocks (a lone last block), an odd number of activation rows

@@ -1,4 +1,4 @@
-"""The CPU decode runtime (runtime/cpu_decode.py) and its kernels in blas_shim.c.
+"""The CPU decode runtime (runtime/cpu_decode.py) and its kernels in the shim's library.
 
 - Each kernel against a float64 NumPy reference (RMS norm, Gemma's norm of a branch added to the
   residual, RoPE in both layouts against ``mx.fast.rope``, SiLU and GELU-tanh gating with the
@@ -31,7 +31,8 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlxcel_compat.runtime import backend
 from mlxcel_compat.runtime.native import blas_shim
 from mlxcel_compat.engine.request import TokenEvent
-from mlxcel_compat.runtime import cpu_decode
+from mlxcel_compat.runtime import cpu_decode, decode_kv
+from mlxcel_compat.runtime.rope_angles import RopeAngles
 from mlxcel_compat.model.loader import load_model
 from mlxcel_compat.testing.gguf_writer import ensure_gguf
 from tests.conftest import MODEL_CACHE, tiny_model
@@ -106,11 +107,10 @@ def test_rope_matches_mx_fast_rope(traditional: bool) -> None:
     """Rotating by the (cos, sin) the decoder takes from the RoPE module itself gives exactly
     what the module gives."""
     rope = nn.RoPE(64, traditional=traditional, base=500000.0)
-    dec = cpu_decode.CpuDecoder.__new__(cpu_decode.CpuDecoder)
-    dec.ropes, dec.traditional, dec.head_dim, dec._angle_blocks = [rope], [traditional], 64, {}
+    angles = RopeAngles([rope], 64)
     x = np.random.default_rng(1).standard_normal((1, 6, 1, 64)).astype(np.float32)
     for pos in (0, 5, 255, 256, 1000):
-        cos, sin = dec._angle_row(pos)  # addresses
+        cos, sin = angles.row(pos)  # addresses
         ours = x.copy()
         _kernels().rope(_p(ours), 6, 64, cos, sin, traditional)
         theirs = np.array(rope(mx.array(x), offset=pos))
@@ -286,7 +286,7 @@ def test_decoder_follows_mlx_step_for_step(family: str) -> None:
     assert isinstance(decoder, cpu_decode.CpuDecoder)
     ours = _prefill(model, 230)
     theirs = copy.deepcopy(ours)
-    owned = cpu_decode.OwnedCache()
+    owned = decode_kv.OwnedCache()
     token = 11
     for step in range(40):
         assert decoder.can_run(ours, owned)
@@ -326,7 +326,7 @@ def test_gemma3_rings_are_left_as_mlx_leaves_them(prompt: int, chunk: int | None
     ours = _prefill(model, prompt, chunk)
     assert any(type(c) is RotatingKVCache for c in ours) and any(type(c) is KVCache for c in ours)
     theirs = copy.deepcopy(ours)
-    owned = cpu_decode.OwnedCache()
+    owned = decode_kv.OwnedCache()
     token = 11
     for step in range(70):
         if prompt + step == 30:  # a trim, while the ring has not wrapped (is_trimmable): both sides
@@ -376,7 +376,7 @@ def _follow_blocks(model: nn.Module, decoder: cpu_decode.CpuDecoder, prompts: li
     for n, seed in prompts:
         ours = _prefill(model, n, seed=seed)
         theirs = copy.deepcopy(ours)
-        owned = cpu_decode.OwnedCache()
+        owned = decode_kv.OwnedCache()
         token = 11
         for step in range(steps):
             assert decoder.can_run(ours, owned)
@@ -435,8 +435,8 @@ def test_rows_stepped_together_are_bit_identical_to_rows_alone(family: str, gguf
         model, decoder = _block_model(family, gguf_type)
     together = [_prefill(model, n) for n in (20, 250, 300)]
     alone = [copy.deepcopy(c) for c in together]
-    owned_t = [cpu_decode.OwnedCache() for _ in together]
-    owned_a = [cpu_decode.OwnedCache() for _ in alone]
+    owned_t = [decode_kv.OwnedCache() for _ in together]
+    owned_a = [decode_kv.OwnedCache() for _ in alone]
     tokens = [11, 12, 13]
     for _ in range(6):
         rows = decoder.step_rows(tokens, together, owned_t).copy()
@@ -459,8 +459,8 @@ def test_a_step_on_shared_arrays_is_bit_identical_and_writes_nothing_shared(fami
     before = [(np.array(c.keys), np.array(c.values)) for c in shared]
     hit = [copy.copy(c) for c in shared]  # what adoption does: new cache objects, the same arrays
     own = copy.deepcopy(shared)
-    owned_hit, owned_own = cpu_decode.OwnedCache(), cpu_decode.OwnedCache()
-    decoder._own(own, owned_own, prompt)  # the usual path: the decoder's own copy first
+    owned_hit, owned_own = decode_kv.OwnedCache(), decode_kv.OwnedCache()
+    decoder.kv.own(own, owned_own, prompt)  # the usual path: the decoder's own copy first
     got, want = decoder.step(11, hit, owned_hit).copy(), decoder.step(11, own, owned_own).copy()
     assert np.array_equal(got, want)
     assert owned_hit.apart is not None and owned_hit.arrays == []  # nothing was copied
@@ -485,7 +485,7 @@ def test_a_step_on_shared_arrays_then_someone_elses_step_stays_right() -> None:
     model, decoder = loaded.model, loaded.decoder
     shared = _prefill(model, 40)
     hit, theirs = [copy.copy(c) for c in shared], copy.deepcopy(shared)
-    owned = cpu_decode.OwnedCache()
+    owned = decode_kv.OwnedCache()
     decoder.step(11, hit, owned)
     _mlx_logits(model, 11, theirs)
     got, want = _mlx_logits(model, 12, hit), _mlx_logits(model, 12, theirs)
@@ -497,7 +497,7 @@ def test_a_step_on_shared_arrays_then_someone_elses_step_stays_right() -> None:
 def test_a_failed_step_advances_no_cache() -> None:
     loaded = load_model(str(tiny_model("llama")), [])
     caches = [_prefill(loaded.model, n) for n in (10, 12)]
-    owned = [cpu_decode.OwnedCache() for _ in caches]
+    owned = [decode_kv.OwnedCache() for _ in caches]
     with pytest.raises(ValueError):
         loaded.decoder.step_rows([5, 10**9], caches, owned)
     assert [c[0].offset for c in caches] == [10, 12]
@@ -510,7 +510,7 @@ def test_arrays_held_elsewhere_are_never_written() -> None:
     cache = _prefill(loaded.model, 64)
     held = [(c.keys, c.values, c.keys[..., :64, :]) for c in cache]
     saved = [tuple(np.array(a) for a in arrays) for arrays in held]
-    owned = cpu_decode.OwnedCache()
+    owned = decode_kv.OwnedCache()
     for token in (5, 6, 7):
         loaded.decoder.step(token, cache, owned)
     for c, arrays, copies in zip(cache, held, saved):
@@ -530,7 +530,7 @@ def test_arrays_held_elsewhere_are_never_written() -> None:
 def test_a_token_outside_the_vocabulary_is_an_error_and_changes_nothing() -> None:
     loaded = load_model(str(tiny_model("llama")), [])
     cache = _prefill(loaded.model, 16)
-    owned = cpu_decode.OwnedCache()
+    owned = decode_kv.OwnedCache()
     for bad in (-1, loaded.decoder.embed.shape[0]):
         with pytest.raises(ValueError, match="outside the vocabulary"):
             loaded.decoder.step(bad, cache, owned)
@@ -539,7 +539,7 @@ def test_a_token_outside_the_vocabulary_is_an_error_and_changes_nothing() -> Non
 
 def test_caches_it_does_not_take() -> None:
     loaded = load_model(str(tiny_model("llama")), [])
-    owned = cpu_decode.OwnedCache()
+    owned = decode_kv.OwnedCache()
     assert not loaded.decoder.can_run([RotatingKVCache(max_size=64) for _ in loaded.model.layers], owned)
     batch = _prefill(loaded.model, 8)
     for c in batch:
@@ -554,7 +554,7 @@ def test_gemma3_caches_it_does_not_take() -> None:
     sequence keeps MLX's step, and a step asked anyway raises before changing anything."""
     loaded = load_model(str(tiny_model("gemma3_text")), [])
     model, decoder = loaded.model, loaded.decoder
-    owned = cpu_decode.OwnedCache()
+    owned = decode_kv.OwnedCache()
     good = _prefill(model, 30)
     _mlx_logits(model, 5, good)  # a step: the rings grow to the window (64 slots, 31 used, _idx 31)
     assert decoder.can_run(good, owned)
@@ -586,7 +586,7 @@ def test_gemma3_caches_it_does_not_take() -> None:
     cache = changed(lost)
     offsets = [c.offset for c in cache]
     with pytest.raises(RuntimeError, match="sliding-window cache"):
-        decoder.step(5, cache, cpu_decode.OwnedCache())
+        decoder.step(5, cache, decode_kv.OwnedCache())
     assert [c.offset for c in cache] == offsets and cache[sliding[0]]._idx == -2
 
 
@@ -853,7 +853,7 @@ def test_prefill_of_a_hits_rest_matches_mlx_and_writes_nothing_shared(family: st
     before = [(np.array(c.keys), np.array(c.values)) for c in shared]
     hit, theirs = [copy.copy(c) for c in shared], copy.deepcopy(shared)
     ids = _ids(rest, seed=3)
-    owned = cpu_decode.OwnedCache()
+    owned = decode_kv.OwnedCache()
     steps, fed = decoder.steps, decoder.prefilled
     got = first = decoder.prefill(ids, hit, owned).copy()
     assert decoder.steps == steps and decoder.prefilled == fed + rest
@@ -872,8 +872,8 @@ def test_prefill_of_a_hits_rest_matches_mlx_and_writes_nothing_shared(family: st
     # The same rest on the decoder's own copy of the cache: bit-identical logits (the kernel
     # reads the rows apart in the same order as from its own buffers).
     own = copy.deepcopy(shared)
-    owned_own = cpu_decode.OwnedCache()
-    decoder._own(own, owned_own, prompt)
+    owned_own = decode_kv.OwnedCache()
+    decoder.kv.own(own, owned_own, prompt)
     again = decoder.prefill(ids, own, owned_own).copy()
     assert owned_own.apart is None and np.array_equal(again, first)
     for c, (keys, values) in zip(shared, before):
@@ -901,11 +901,11 @@ def test_steps_hold_the_gil_and_prompt_chunks_release_it() -> None:
         return call
 
     native.run_held, native.run_released = counted("held", native.run_held), counted("released", native.run_released)
-    cache, owned = _prefill(model, 40), cpu_decode.OwnedCache()
+    cache, owned = _prefill(model, 40), decode_kv.OwnedCache()
     decoder.prefill(_ids(blas_shim.GIL_HELD_ROWS_MAX + 1, seed=5), cache, owned)
     decoder.step(7, cache, owned)
     decoder.prefill(_ids(2, seed=6), cache, owned)
-    decoder.step_rows([8, 9], [cache, _prefill(model, 12)], [owned, cpu_decode.OwnedCache()])
+    decoder.step_rows([8, 9], [cache, _prefill(model, 12)], [owned, decode_kv.OwnedCache()])
     assert calls == ["released", "held", "released", "held"]
     blas_shim.StreamedConsumers.started()  # a streamed response: the event loop runs between tokens
     try:
@@ -935,7 +935,7 @@ def test_a_cold_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(family: str, gguf_ty
     model(mx.array([ids]), cache=theirs)
     mx.eval([c.state for c in theirs])
     for split in (70, 40):
-        ours, owned = make_prompt_cache(model), cpu_decode.OwnedCache()
+        ours, owned = make_prompt_cache(model), decode_kv.OwnedCache()
         assert decoder.can_prefill(ours, owned) and not decoder.can_step_tokens(ours, owned)
         fed = decoder.prefilled
         assert decoder.prefill(ids[:split], ours, owned, logits=False) is None
@@ -946,7 +946,7 @@ def test_a_cold_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(family: str, gguf_ty
         got, want = decoder.step(5, ours, owned).copy(), _mlx_logits(model, 5, copy.deepcopy(theirs))
         assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
     gemma = load_model(str(tiny_model("gemma3_text")), [])  # sliding-window rings: MLX's chunks
-    assert not gemma.decoder.can_prefill(make_prompt_cache(gemma.model), cpu_decode.OwnedCache())
+    assert not gemma.decoder.can_prefill(make_prompt_cache(gemma.model), decode_kv.OwnedCache())
 
 
 @pytest.mark.parametrize("family,gguf_type", [("llama", None), ("llama", "q4_k_m")])
@@ -964,10 +964,10 @@ def test_prompt_chunks_of_several_sequences_in_one_pass_equal_each_alone(family:
         model, decoder = _block_model(family, gguf_type, size="small")
     exact = gguf_type is not None
 
-    def start() -> tuple[list[list], list[cpu_decode.OwnedCache]]:
+    def start() -> tuple[list[list], list[decode_kv.OwnedCache]]:
         caches, owned = [make_prompt_cache(model), make_prompt_cache(model), _prefill(model, 20, seed=41)], []
         for _ in range(3):
-            owned.append(cpu_decode.OwnedCache())
+            owned.append(decode_kv.OwnedCache())
         decoder.prefill(_ids(12, seed=42), caches[1], owned[1], logits=False)  # its own buffers now
         return caches, owned
 
@@ -1009,13 +1009,13 @@ def test_a_bounded_sequence_s_buffers_are_allocated_once_and_unbounded_ones_grow
     than needed, and outgrown, at least an eighth more than before."""
     loaded = load_model(str(tiny_model("llama")), [])
     model, decoder = loaded.model, loaded.decoder
-    cache, owned = make_prompt_cache(model), cpu_decode.OwnedCache(reserve=45)
+    cache, owned = make_prompt_cache(model), decode_kv.OwnedCache(reserve=45)
     decoder.prefill(_ids(20, seed=51), cache, owned, logits=False)
     buffers = [a for a, _ in owned.arrays]
     assert all(a.shape[2] == 48 for a in buffers)
     for token in range(25):  # positions 20 .. 44: the reserve
         decoder.step(token + 10, cache, owned)
     assert all(c.keys is a for c, a in zip(cache, buffers)) and cache[0].offset == 45
-    assert cpu_decode._capacity(19) == 96  # 20 + 64 headroom, to 16s
-    assert cpu_decode._capacity(999, current=960) == 1088  # 960 + 960 / 8 = 1080, to 16s
-    assert cpu_decode._capacity(999, current=64) == 1072  # 1000 + 64 headroom, to 16s
+    assert decode_kv.buffer_capacity(19) == 96  # 20 + 64 headroom, to 16s
+    assert decode_kv.buffer_capacity(999, current=960) == 1088  # 960 + 960 / 8 = 1080, to 16s
+    assert decode_kv.buffer_capacity(999, current=64) == 1072  # 1000 + 64 headroom, to 16s

@@ -125,13 +125,13 @@ def test_decode_rope_with_shared_angles_is_bit_identical(dims: int, base: float,
     """A decode step's RoPE takes its angles from one mx.fast.rope call per position and rotates
     every layer's queries and keys with them: bit-identical to mx.fast.rope, angles computed once."""
     rope = nn.RoPE(dims, traditional=False, base=base, scale=scale)
-    cpu_fusion._fuse(rope, cpu_fusion._fused_rope_call)
+    cpu_fusion.fuse(rope, cpu_fusion.fused_rope_call)
     for offset in (0, 1, 777, 31999):
         for heads in (12, 4):
             x = mx.random.normal((1, heads, 1, dims)) * 3
             assert mx.array_equal(rope(x, offset=offset), mx.fast.rope(x, dims, traditional=False, base=base, scale=scale, offset=offset))
-        first = cpu_fusion._angles(rope, offset)
-        assert all(a is b for a, b in zip(first, cpu_fusion._angles(rope, offset)))  # once per position
+        first = cpu_fusion.shared_angles(rope, offset)
+        assert all(a is b for a, b in zip(first, cpu_fusion.shared_angles(rope, offset)))  # once per position
 
 
 @pytest.mark.parametrize("dims,base,scale", [(64, 500000.0, 1.0), (16, 10000.0, 1.0), (128, 1000000.0, 0.25)])
@@ -140,14 +140,14 @@ def test_prompt_chunk_rope_with_shared_angles_is_bit_identical(dims: int, base: 
     by queries and keys of every layer, and rotates in one shapeless trace: bit-identical to
     mx.fast.rope for every chunk length and offset."""
     rope = nn.RoPE(dims, traditional=False, base=base, scale=scale)
-    cpu_fusion._fuse(rope, cpu_fusion._fused_rope_call)
+    cpu_fusion.fuse(rope, cpu_fusion.fused_rope_call)
     for length, offset in ((2, 0), (7, 900), (100, 37), (512, 512), (1000, 31000)):
         for heads in (12, 4):
             x = mx.random.normal((1, heads, length, dims)) * 3
             assert mx.array_equal(rope(x, offset=offset), mx.fast.rope(x, dims, traditional=False, base=base, scale=scale, offset=offset))
-        first = cpu_fusion._angles(rope, offset, length)
+        first = cpu_fusion.shared_angles(rope, offset, length)
         assert first[0].shape == (1, 1, length, dims // 2)
-        assert all(a is b for a, b in zip(first, cpu_fusion._angles(rope, offset, length)))  # once per chunk
+        assert all(a is b for a, b in zip(first, cpu_fusion.shared_angles(rope, offset, length)))  # once per chunk
 
 
 def test_install_is_idempotent() -> None:

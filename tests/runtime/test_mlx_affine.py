@@ -43,7 +43,7 @@ from mlx_lm.utils import load
 from mlxcel_compat.runtime import mlx_affine
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.block_weight import BlockWeight, library
-from mlxcel_compat.runtime.cpu_decode import OwnedCache
+from mlxcel_compat.runtime.decode_kv import OwnedCache
 from mlxcel_compat.model.loader import load_model, model_fingerprint
 from mlxcel_compat.testing import model_directory, models
 from mlxcel_compat.testing.model_directory import Quantization, ensure_model

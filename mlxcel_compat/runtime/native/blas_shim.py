@@ -30,11 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("blas_shim.c")
-# Every file the library is built from: the shim, the block-format products (``block_matmul.c``,
-# ggml's kernels called from the shim's threads, and this project's own for K-quant decode rows,
-# ``quant_rows.c``), the decode runtime's layer loop (``decode_pass.c``) and the header they share.
-SOURCES = (SOURCE, SOURCE.with_name("block_matmul.c"), SOURCE.with_name("quant_rows.c"), SOURCE.with_name("decode_pass.c"))
-HEADERS = (SOURCE.with_name("blas_shim.h"),)
+# Every file the library is built from: the shim (the interposed ``cblas_sgemm``, its thread pool in
+# ``thread_pool.c``), the decode runtime's kernels (``elementwise.c``, ``attention.c``), the
+# block-format products (``block_matmul.c``, ggml's kernels called from the shim's threads, and this
+# project's own: ``quant_rows.c`` for K-quant and Q8_0 decode rows, ``split_rows.c`` for the split
+# Q4_1/Q5_x rows, ``q8_0_gemm.c`` for Q8_0 prompt chunks, ``dequantize.c``), the decode runtime's
+# layer loop (``decode_pass.c``), and the headers they share.
+SOURCES = tuple(SOURCE.with_name(name) for name in (
+    "blas_shim.c", "thread_pool.c", "elementwise.c", "attention.c", "block_matmul.c", "quant_rows.c", "split_rows.c",
+    "q8_0_gemm.c", "dequantize.c", "decode_pass.c"))
+HEADERS = tuple(SOURCE.with_name(name) for name in (
+    "blas_shim.h", "thread_pool.h", "vector_math.h", "small_m_kernel.h", "decode_kernels.h", "quant_blocks.h"))
 CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
 LIBS = ("-ldl",)
 

@@ -13,7 +13,7 @@
  *   - many rows (prompt chunks): the weight is expanded TILE_VALUES values at a time into one
  *     reused float32 buffer (to_float, rows spread over the pool) and multiplied by the BLAS's
  *     own sgemm, so a prompt chunk runs at the BLAS's float32 speed with no float32 copy of the
- *     weight kept; where quant_rows.c has a GEMM for the type (Q8_0 with AVX-512 VNNI), the
+ *     weight kept; where q8_0_gemm.c has a GEMM for the type (Q8_0 with AVX-512 VNNI), the
  *     chunk's rows are quantized to vec_dot_type instead (as llama.cpp's prompts are) and
  *     multiplied by it, no float32 tile at all.
  *
@@ -31,6 +31,7 @@
 #include <stdlib.h>
 
 #include "blas_shim.h"
+#include "thread_pool.h"
 
 enum { RowMajor = 101, NoTrans = 111, Trans = 112 };
 
@@ -38,13 +39,13 @@ typedef void (*vec_dot_fn)(int n, float *s, size_t bs, const void *x, size_t bx,
 typedef void (*to_float_fn)(const void *x, float *y, int64_t k);
 typedef void (*from_float_fn)(const float *x, void *y, int64_t k);
 
-/* Rows of weights times rows of activations by this library's own kernels (quant_rows.c). */
+/* Rows of weights times rows of activations by this library's own kernels (quant_rows.c, split_rows.c). */
 typedef void (*rows_fn)(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
                         float *out, size_t ldo);
 rows_fn mlxcel_rows_kernel(int ggml_type);
 
-/* A prompt chunk times weight rows [r0, r1) by this library's own GEMM (quant_rows.c), the
- * activations in the weight type's vec_dot_type. */
+/* A prompt chunk times weight rows [r0, r1) by this library's own GEMM (q8_0_gemm.c, handed out by
+ * quant_rows.c), the activations in the weight type's vec_dot_type. */
 typedef void (*gemm_fn)(int k, const unsigned char *data, size_t row_bytes, const int32_t *rows, int r0, int r1,
                         const void *act, size_t act_bytes, int m, float *c, size_t ldc, float beta);
 gemm_fn mlxcel_gemm_kernel(int ggml_type);

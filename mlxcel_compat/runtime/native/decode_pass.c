@@ -12,7 +12,7 @@
  * the shim's routed cblas_sgemm (its small-M kernel for up to small_m_max rows, the BLAS beyond),
  * weights in ggml's blocks to mlxcel_block_matmul (vec_dot rows for steps, float32 tiles for
  * prompt chunks), or to ggml's repacked copy or its own mul_mat (ggml_repack.c, reached through the
- * function pointers Python hands over). LoRA adapters served unfused (lora_layers.py) add
+ * function pointers Python hands over). LoRA adapters served unfused (lora/layers.py) add
  * scale * multiplier * B (A x) per row after their layer's product.
  *
  * The embedding lookup and the caches' bookkeeping (offsets, ring indices) stay in Python.
@@ -22,6 +22,8 @@
 #include <string.h>
 
 #include "blas_shim.h"
+#include "decode_kernels.h"
+#include "thread_pool.h"
 
 typedef void (*repacked_fn)(const void *handle, int m, const float *x, long ldx, float *c, long ldc, float beta,
                             int per_row);

@@ -1,11 +1,11 @@
 """The C description of a model for ``decode_pass.c``, which runs the CPU decode runtime's forward
 passes in one call each.
 
-``cpu_decode.CpuDecoder`` holds the model as NumPy buffers and block weights; this module mirrors
-that as the C structures once (``struct mlxcel_model``: per layer its projections, norms and
-RoPE set), keeps every buffer they point to alive, and turns a pass's per-call state (the rows'
-KV slots, their RoPE angles, the LoRA scales) into the arrays the C loop reads. Nothing here
-imports MLX.
+``cpu_decode.CpuDecoder`` holds the model as NumPy buffers and block weights (``decode_layers``);
+this module mirrors that as the C structures once (``struct mlxcel_model``: per layer its
+projections, norms and RoPE set), keeps every buffer they point to alive, and turns a pass's
+per-call state (the rows' KV slots, their RoPE angles, the LoRA scales) into the arrays the C loop
+reads. Nothing here imports MLX.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def buffers(arrays: dict[str, np.ndarray]) -> NativeBuffers:
 
 
 def _linear(lin: Any, keep: list[Any]) -> LinearStruct:
-    """``lin``: a ``cpu_decode._Linear``."""
+    """``lin``: a ``decode_layers.LinearWeights``."""
     s = LinearStruct(n=lin.weight.shape[0], k=lin.weight.shape[1])
     block = lin.block
     if block is None:
@@ -140,11 +140,12 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
             setattr(s, name, _norm(getattr(layer, name)))
         s.rope = layer.rope
     keep.append(layers)
-    traditional = (_I * 2)(*[int(t) for t in decoder.traditional] + [0] * (2 - len(decoder.traditional)))
+    rope_traditional = decoder.angles.traditional
+    traditional = (_I * 2)(*[int(t) for t in rope_traditional] + [0] * (2 - len(rope_traditional)))
     struct = ModelStruct(
         n_layers=len(decoder.layers), hidden=decoder.embed.shape[1], heads=decoder.n_heads,
         kv_heads=decoder.n_kv_heads, head_dim=decoder.head_dim, inter=decoder.layers[0].gate.weight.shape[0],
-        gelu=int(decoder.gemma), scale=decoder.scale, angle_sets=len(decoder.ropes),
+        gelu=int(decoder.gemma), scale=decoder.scale, angle_sets=len(decoder.angles.ropes),
         prompt_rows_min=decoder.prompt_rows_min, traditional=traditional,
         layers=ctypes.addressof(layers), norm=_norm(decoder.norm), head=_linear(decoder.head, keep))
     held_lib = blas_shim.holding_the_gil(lib)

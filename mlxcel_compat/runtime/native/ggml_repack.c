@@ -30,7 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "blas_shim.h"
+#include "thread_pool.h"
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "ggml.h"

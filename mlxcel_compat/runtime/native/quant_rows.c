@@ -21,34 +21,21 @@
  * scale per 32 or 16 values: there the shared unpacking is most of the saving; and Q8_0, whose
  * products are one vpdpbusd per 64 values (AVX-512 VNNI) where ggml's AVX2 code takes four
  * instructions per 32 (scripts/bench_quant_rows.py, docs/benchmarks/quantized.md). Q4_1 over
- * ggml's own layout measured 0.75-1.07x (one row): its kernel here reads rows rearranged at load
- * (factors ahead of nibbles: see "rows split" below), 1.5-2.5x; Q5_0 and Q5_1 likewise. ggml's vec_dot serves the other
- * types, and every type on a CPU without AVX-512 BW (mlxcel_rows_kernel returns NULL). This file
- * also expands Q4_0-Q5_1 blocks to float32 (mlxcel_dequantizer), ggml's being scalar code, and
- * multiplies Q8_0 prompt chunks by its own int8 GEMM (mlxcel_gemm_kernel, "Q8_0 prompt chunks").
+ * ggml's own layout measured 0.75-1.07x (one row): its kernel reads rows rearranged at load
+ * (factors ahead of nibbles: split_rows.c), 1.5-2.5x; Q5_0 and Q5_1 likewise. ggml's vec_dot serves the other
+ * types, and every type on a CPU without AVX-512 BW (mlxcel_rows_kernel returns NULL). The library
+ * also expands Q4_0-Q5_1 blocks to float32 (mlxcel_dequantizer: dequantize.c, split_rows.c),
+ * ggml's being scalar code, and multiplies Q8_0 prompt chunks by its own int8 GEMM
+ * (mlxcel_gemm_kernel: q8_0_gemm.c). This file holds the K-quant and Q8_0 decode kernels, the Q8_K
+ * quantizer of their activations, and the look-ups that hand out every kernel of these files.
  */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
-#include "blas_shim.h"
-
-typedef void (*mlxcel_rows_fn)(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
-                               float *out, size_t ldo);
-
-typedef void (*mlxcel_quantize_fn)(const float *x, void *y, int64_t k);
-
-typedef void (*mlxcel_gemm_fn)(int k, const unsigned char *data, size_t row_bytes, const int32_t *rows, int r0, int r1,
-                               const void *act, size_t act_bytes, int m, float *c, size_t ldc, float beta);
-
-typedef void (*mlxcel_dequantize_fn)(const void *x, float *y, int64_t k);
-
-enum { SPLIT_TYPE_BASE = 1000 }; /* + a ggml type: that type with its rows split (rows_q4_1_split) */
-enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q6_K = 14,
-       TYPE_Q8_K = 15 }; /* enum ggml_type */
+#include "quant_blocks.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
-#include <immintrin.h>
 
 #define QK_K 256
 #define MAX_ROWS 4 /* activation rows per pass over a weight row (their sums stay in registers) */
@@ -64,8 +51,6 @@ struct q8_K_block { /* block_q8_K */
     int8_t qs[QK_K];
     int16_t bsums[QK_K / 16];
 };
-
-static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
 /* acc + the int16 pairs of p times those of s, summed to int32: one vpdpwssd with AVX-512 VNNI,
  * vpmaddwd and an add without (the same integers either way). */
@@ -330,22 +315,6 @@ void mlxcel_quantize_q8_K(const float *x, void *out, int64_t k) {
  * VNNI) as |w| x (a with w's sign). A row's last block, when the count is odd, takes the same
  * operations on a vector whose upper half is zero. */
 
-struct q8_0_block {
-    uint16_t d;
-    int8_t qs[32];
-};
-
-static inline __m512i two_blocks_q8_0(const struct q8_0_block *x, int pair) {
-    __m256i lo = _mm256_loadu_si256((const __m256i *)x[0].qs);
-    __m256i hi = pair ? _mm256_loadu_si256((const __m256i *)x[1].qs) : _mm256_setzero_si256();
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-}
-
-/* a in lanes 0-7, b in lanes 8-15. */
-static inline __m512 two_factors(float a, float b) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(a)), _mm256_set1_ps(b), 1);
-}
-
 static inline __attribute__((always_inline)) void q8_0_tile(int k, const void *w, size_t w_bytes, int nw, const void *act,
                                                               size_t act_bytes, int m, float *out) {
     const int nb = k / 32;
@@ -380,332 +349,7 @@ static inline __attribute__((always_inline)) void q8_0_tile(int k, const void *w
 }
 
 ROWS_DRIVER(q8_0)
-
-#if defined(__AVX512VL__)
-/* ------------------------------------------------------------------ Q8_0 prompt chunks (GEMM)
- * A prompt chunk (many activation rows, quantized to Q8_0 by ggml's from_float as llama.cpp's
- * prompts are) times weight rows [r0, r1). GEMM_ROWS weight rows at a time are copied into a
- * panel, per pair of blocks the values as u8 (w + 128: vpdpbusd takes u8 x s8) and the two
- * factors as one vector; the panel then meets every activation row, two at a time, with 16 sums
- * in registers. (w + 128) a = w a + 128 a: each pair's integer sum starts at -128 times the
- * activations' sums (per 4 values: their own vpdpbusd), so it ends at the plain w a. Per pair of
- * blocks and (weight row, activation row): one vpdpbusd, one conversion, the two factors' product
- * and one fused multiply-add, where the decode kernel above spends four more on the signs and
- * the factors (llamafile's GEMM, which ggml runs for a Q8_0 prompt on x86, takes 256 bits at a
- * time). A pair's sum and its final reduction take the same steps whatever rows, band or panel it
- * falls in, so a row's result does not depend on the others. */
-#define GEMM_ROWS 8
-
-static __thread struct mlxcel_scratch panel_scratch;
-
-/* The sums of v[0] .. v[7]'s lanes, in order. */
-static inline __m256 sums_of_eight(const __m512 v[GEMM_ROWS]) {
-    __m512 t[4], u[2];
-    for (int i = 0; i < 4; i++) /* v[2i]'s 256-bit halves added, then v[2i + 1]'s */
-        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
-    for (int i = 0; i < 2; i++) /* four partial sums for each of four rows, a 128-bit lane each */
-        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xdd));
-    __m512 p = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
-    p = _mm512_add_ps(p, _mm512_shuffle_ps(p, p, 0x4e)); /* lane 4L: row L, lane 4L + 1: row L + 4 */
-    return _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), p));
-}
-
-/* `count` (1 or 2) activation rows from i0 times the panel's `rows` weight rows, into out[i * ldo + j]. */
-static inline __attribute__((always_inline)) void q8_0_panel_times(int nb, const __m512i *wu, const __m512 *ws,
-                                                                     const char *act, size_t act_bytes, int i0,
-                                                                     int count, int rows, float *out, size_t ldo,
-                                                                     float beta) {
-    const __m512i k128 = _mm512_set1_epi8((char)0x80);
-    __m512 acc[2][GEMM_ROWS];
-    for (int c = 0; c < count; c++)
-        for (int j = 0; j < GEMM_ROWS; j++) acc[c][j] = _mm512_setzero_ps();
-    for (int b = 0, p = 0; b < nb; b += 2, p++) {
-        int pair = b + 1 < nb;
-        __m512i a[2], start[2];
-        __m512 e[2];
-        for (int c = 0; c < count; c++) {
-            const struct q8_0_block *y = (const struct q8_0_block *)(act + (size_t)(i0 + c) * act_bytes) + b;
-            a[c] = two_blocks_q8_0(y, pair);
-            /* 128 x (-a): a is within -127 .. 127 (ggml's Q8_0), so -a is an int8 too */
-            start[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k128, _mm512_sub_epi8(_mm512_setzero_si512(), a[c]));
-            e[c] = two_factors(half_to_float(y[0].d), pair ? half_to_float(y[1].d) : 0.0f);
-        }
-        for (int j = 0; j < GEMM_ROWS; j++) {
-            __m512i w = _mm512_loadu_si512(wu + (size_t)p * GEMM_ROWS + j);
-            __m512 d = _mm512_loadu_ps((const float *)(ws + (size_t)p * GEMM_ROWS + j));
-            for (int c = 0; c < count; c++) {
-                __m512i q = _mm512_dpbusd_epi32(start[c], w, a[c]);
-                acc[c][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(d, e[c]), acc[c][j]);
-            }
-        }
-    }
-    const __mmask8 keep = (__mmask8)((1u << rows) - 1);
-    for (int c = 0; c < count; c++) {
-        float *o = out + (size_t)(i0 + c) * ldo;
-        __m256 v = sums_of_eight(acc[c]);
-        if (beta != 0.0f) v = _mm256_fmadd_ps(_mm256_set1_ps(beta), _mm256_maskz_loadu_ps(keep, o), v);
-        _mm256_mask_storeu_ps(o, keep, v);
-    }
-}
-
-/* c[i * ldc + r] = (weight row r) . (activation row i) (+ beta c[i * ldc + r]) for r0 <= r < r1,
- * i < m; weight row r is stored row rows[r] (NULL: r), row_bytes apart from data. */
-static void gemm_q8_0(int k, const unsigned char *data, size_t row_bytes, const int32_t *rows, int r0, int r1,
-                      const void *act, size_t act_bytes, int m, float *c, size_t ldc, float beta) {
-    const int nb = k / 32, pairs = (nb + 1) / 2;
-    __m512i *wu = mlxcel_scratch(&panel_scratch, (size_t)pairs * GEMM_ROWS * (sizeof(__m512i) + sizeof(__m512)));
-    __m512 *ws = (__m512 *)(wu + (size_t)pairs * GEMM_ROWS);
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    for (int p0 = r0; p0 < r1; p0 += GEMM_ROWS) {
-        int count = r1 - p0 < GEMM_ROWS ? r1 - p0 : GEMM_ROWS;
-        for (int j = 0; j < GEMM_ROWS; j++) {
-            const struct q8_0_block *x =
-                j < count ? (const struct q8_0_block *)(data + (size_t)(rows ? rows[p0 + j] : p0 + j) * row_bytes) : NULL;
-            for (int b = 0, p = 0; b < nb; b += 2, p++) {
-                int pair = b + 1 < nb;
-                __m512i *u = wu + (size_t)p * GEMM_ROWS + j; /* a missing row: w = 0, factors 0 */
-                _mm512_storeu_si512(u, x ? _mm512_xor_si512(two_blocks_q8_0(x + b, pair), flip) : flip);
-                _mm512_storeu_ps((float *)(ws + (size_t)p * GEMM_ROWS + j),
-                                 x ? two_factors(half_to_float(x[b].d), pair ? half_to_float(x[b + 1].d) : 0.0f)
-                                   : _mm512_setzero_ps());
-            }
-        }
-        int i = 0;
-        for (; i + 2 <= m; i += 2) q8_0_panel_times(nb, wu, ws, act, act_bytes, i, 2, count, c + p0, ldc, beta);
-        if (i < m) q8_0_panel_times(nb, wu, ws, act, act_bytes, i, 1, count, c + p0, ldc, beta);
-    }
-}
-
-static inline void nibble_halves(const uint8_t *qs, uint32_t qh, int five_bits, __m512i *first, __m512i *second);
-static inline void store_block(float *y, __m512i first, __m512i second, int offset, float d, int with_min, float m);
-
-/* --------------------------------------------------- Q4_1, Q5_0 and Q5_1, rows split
- * A weight of one of these types whose rows were rearranged at load (block_weight.split_rows):
- * a row's blocks in groups of 16 (the last one shorter), each group as its blocks' factors d
- * (half floats), then their minimums m (Q4_1, Q5_1), then their fifth bits (4 bytes a block,
- * the Q5 types), then their nibbles (16 bytes a block): the same bytes as ggml's row in another
- * order, read front to back, so that 16 blocks' factors are one load, two blocks' nibbles
- * another and their fifth bits a mask. ggml's vec_dot for these
- * types on x86 (AVX2) converts each block's factors one at a time and takes 32 values an
- * instruction; this takes 64 (vpdpbusd: the values as u8 times the activations' s8).
- *
- * The activations are ggml's own blocks, Q8_1 (d and s = d x the sum of the values) for the
- * types with a minimum, Q8_0 (d) for Q5_0, copied per row into arrays of values, d and s (for
- * Q8_0: d x the sum, computed here). A block's term is d_w d_a x sum(q a) plus m_w s_a, or for
- * Q5_0 (values q - 16) minus 16 d_w s_a: ggml's integer sums, added in another order (float32
- * rounding). */
-#define SPLIT_TYPE(type) (SPLIT_TYPE_BASE + (type))
-
-struct split_form {
-    int five_bits; /* a fifth bit a value (qh) */
-    int minimum;   /* a minimum a block (else values are offset by 16) */
-};
-
-static const struct split_form Q4_1_SPLIT = {0, 1}, Q5_0_SPLIT = {1, 0}, Q5_1_SPLIT = {1, 1};
-
-struct q8_1_block {
-    uint16_t d, s;
-    int8_t qs[32];
-};
-
-/* nw (1 or 2) split rows (w, w + w_bytes) of nb blocks times one activation row (q: its values,
- * d and s: per block): out[j]. Each row takes the same operations whatever nw is. */
-static inline __attribute__((always_inline)) void split_tile(int nb, const uint8_t *w, size_t w_bytes, int nw,
-                                                              const int8_t *q, const float *d, const float *s,
-                                                              float *out, struct split_form form) {
-    const __m512i shift = _mm512_set_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0, 0, 0x0004000400040004LL,
-                                           0x0004000400040004LL, 0, 0); /* high nibbles in 128-bit lanes 1 and 3 */
-    const __m512i low = _mm512_set1_epi8(0x0f), twice = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);
-    const __m512i fifth = _mm512_set1_epi8(0x10);
-    const int block_bytes = 18 + 2 * form.minimum + 4 * form.five_bits;
-    __m512 acc[2], mins[2];
-    for (int j = 0; j < nw; j++) acc[j] = mins[j] = _mm512_setzero_ps();
-    for (int b0 = 0; b0 < nb; b0 += 16) {
-        const int count = nb - b0 < 16 ? nb - b0 : 16;
-        const __mmask16 in = (__mmask16)((1u << count) - 1);
-        const __m512 ad = _mm512_maskz_loadu_ps(in, d + b0), as = _mm512_maskz_loadu_ps(in, s + b0);
-        /* the group's parts: d, m, qh, nibbles (block_weight.SPLIT_FIELDS) */
-        const size_t group = (size_t)b0 * block_bytes, at_qh = (size_t)count * (2 + 2 * form.minimum),
-                     at_nibbles = at_qh + (size_t)count * 4 * form.five_bits;
-        __m512 f[2];
-        for (int j = 0; j < nw; j++) {
-            const uint16_t *factors = (const uint16_t *)(w + j * w_bytes + group);
-            __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, factors));
-            f[j] = _mm512_mul_ps(dw, ad);
-            __m512 m = form.minimum ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, factors + count))
-                                    : _mm512_mul_ps(dw, _mm512_set1_ps(-16.0f));
-            mins[j] = _mm512_fmadd_ps(m, as, mins[j]);
-        }
-        for (int p = 0; p < count; p += 2) {
-            const int b = b0 + p, pair = p + 1 < count;
-            /* blocks b and b + 1: activations in the halves, factors in lanes 0-7 and 8-15 */
-            __m512i a = pair ? _mm512_loadu_si512(q + (size_t)b * 32)
-                             : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q + (size_t)b * 32)));
-            __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(p), _mm256_set1_epi32(p + pair), 1);
-            for (int j = 0; j < nw; j++) {
-                const uint8_t *part = w + j * w_bytes + group, *nibbles = part + at_nibbles + (size_t)p * 16;
-                __m512i raw = pair ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)nibbles))
-                                   : _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)nibbles));
-                __m512i v = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi64(twice, raw), shift), low);
-                if (form.five_bits) { /* bit i of the two blocks' qh is value i's fifth bit: byte i of v */
-                    const uint8_t *qh = part + at_qh + (size_t)p * 4;
-                    uint64_t word;
-                    uint32_t one;
-                    if (pair) memcpy(&word, qh, 8);
-                    else memcpy(&one, qh, 4), word = one;
-                    __mmask64 bits = _cvtu64_mask64(word);
-                    v = _mm512_mask_add_epi8(v, bits, v, fifth);
-                }
-                if (!pair) v = _mm512_maskz_mov_epi32(0x00ff, v);
-                __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, a);
-                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_permutexvar_ps(pick, f[j]), acc[j]);
-            }
-        }
-    }
-    for (int j = 0; j < nw; j++) out[j] = _mm512_reduce_add_ps(acc[j]) + _mm512_reduce_add_ps(mins[j]);
-}
-
-static __thread struct mlxcel_scratch split_scratch;
-
-/* rows_fn over split rows: for each activation row, its values, d and s copied out, then weight
- * rows r and r + n/2 together (as ROWS_DRIVER's single row). */
-static inline __attribute__((always_inline)) void split_rows_driver(int k, const void *w, size_t row_bytes, int n,
-                                                                     const void *act, size_t act_bytes, int m,
-                                                                     float *out, size_t ldo, struct split_form form) {
-    const int nb = k / 32;
-    float *d = mlxcel_scratch(&split_scratch, (size_t)nb * (32 + 2 * sizeof(float))), *s = d + nb;
-    int8_t *q = (int8_t *)(s + nb);
-    const uint8_t *wr = w;
-    for (int i = 0; i < m; i++) {
-        const char *y = (const char *)act + (size_t)i * act_bytes;
-        for (int b = 0; b < nb; b++) {
-            if (form.minimum) { /* Q8_1 */
-                const struct q8_1_block *block = (const struct q8_1_block *)y + b;
-                memcpy(q + (size_t)b * 32, block->qs, 32);
-                d[b] = half_to_float(block->d);
-                s[b] = half_to_float(block->s);
-            } else { /* Q8_0: 2 bytes of d, 32 values */
-                const uint8_t *block = (const uint8_t *)y + (size_t)b * 34;
-                uint16_t h;
-                memcpy(&h, block, 2);
-                memcpy(q + (size_t)b * 32, block + 2, 32);
-                __m256i v = _mm256_loadu_si256((const __m256i *)(block + 2));
-                __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
-                __m128i t = _mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
-                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-                d[b] = half_to_float(h);
-                s[b] = d[b] * (float)_mm_cvtsi128_si32(t);
-            }
-        }
-        float *o = out + (size_t)i * ldo, t[2];
-        const int half = n / 2;
-        for (int r = 0; r < half; r++) {
-            split_tile(nb, wr + (size_t)r * row_bytes, (size_t)half * row_bytes, 2, q, d, s, t, form);
-            o[r] = t[0], o[r + half] = t[1];
-        }
-        if (n % 2) split_tile(nb, wr + (size_t)(n - 1) * row_bytes, row_bytes, 1, q, d, s, o + n - 1, form);
-    }
-}
-
-/* A split row expanded to float32: the same values as ggml's to_float of the original row. */
-static inline __attribute__((always_inline)) void split_dequantize(const void *vx, float *y, int64_t k,
-                                                                    struct split_form form) {
-    const int64_t nb = k / 32;
-    const int block_bytes = 18 + 2 * form.minimum + 4 * form.five_bits;
-    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
-        const int64_t count = nb - b0 < 16 ? nb - b0 : 16;
-        const uint8_t *part = (const uint8_t *)vx + b0 * block_bytes;
-        const uint16_t *factors = (const uint16_t *)part;
-        const uint8_t *qh = part + count * (2 + 2 * form.minimum), *nibbles = qh + count * 4 * form.five_bits;
-        for (int64_t p = 0; p < count; p++, y += 32) {
-            uint32_t bits = 0;
-            if (form.five_bits) memcpy(&bits, qh + p * 4, 4);
-            __m512i first, second;
-            nibble_halves(nibbles + p * 16, bits, form.five_bits, &first, &second);
-            store_block(y, first, second, form.minimum ? 0 : 16, half_to_float(factors[p]), form.minimum,
-                        form.minimum ? half_to_float(factors[count + p]) : 0.0f);
-        }
-    }
-}
-
-#define SPLIT_KERNELS(NAME, FORM)                                                                                  \
-    static void rows_##NAME##_split(int k, const void *w, size_t row_bytes, int n, const void *act,               \
-                                    size_t act_bytes, int m, float *out, size_t ldo) {                            \
-        split_rows_driver(k, w, row_bytes, n, act, act_bytes, m, out, ldo, FORM);                                 \
-    }                                                                                                             \
-    static void dequantize_##NAME##_split(const void *x, float *y, int64_t k) { split_dequantize(x, y, k, FORM); }
-
-SPLIT_KERNELS(q4_1, Q4_1_SPLIT)
-SPLIT_KERNELS(q5_0, Q5_0_SPLIT)
-SPLIT_KERNELS(q5_1, Q5_1_SPLIT)
-#endif /* AVX512VL */
-
 #endif /* AVX512VNNI */
-
-/* ------------------------------------------------------------- 32-value blocks to float32
- * Weight rows of Q4_0, Q4_1, Q5_0 and Q5_1 expanded to float32 (a prompt chunk's tiles,
- * block_matmul.c; an embedding row), 16 values an instruction: ggml's to_float for these types
- * is its scalar reference code (~0.8 ns a value here, ~40 ms of a 32-token prompt on SmolLM2's
- * Q4_1 file; this takes ~0.1 ns). The same values as ggml's, bit for bit: the integer value
- * (less its offset) converted to float, times d, plus m for the types with a minimum (the
- * product of a 5-bit integer and a half-precision d is exact in float32, so a fused
- * multiply-add rounds once where ggml's x*d + m does). A 32-value block: value j of the first
- * half is the low nibble of qs[j], of the second half its high nibble; the Q5 types' fifth bits
- * are bits j and 16 + j of qh. (Q8_0's to_float, vectorized by the compiler, is as fast.) */
-
-/* Where a 32-value type keeps its parts: bytes a block, offsets of the minimum m (-1: none),
- * the fifth bits qh (-1: none) and the 16 bytes of nibbles (d at 0), and the offset taken from
- * every integer value. */
-struct nibble_layout {
-    int bytes, m, qh, qs, offset;
-};
-
-static const struct nibble_layout Q4_0_LAYOUT = {18, -1, -1, 2, 8}, Q4_1_LAYOUT = {20, 2, -1, 4, 0},
-                                  Q5_0_LAYOUT = {22, -1, 2, 6, 16}, Q5_1_LAYOUT = {24, 2, 4, 8, 0};
-
-/* The block's 16 bytes of nibbles as two vectors of 16 int32 values: the low nibbles (values
- * 0-15) and the high ones (values 16-31), each with its fifth bit from qh where there is one. */
-static inline void nibble_halves(const uint8_t *qs, uint32_t qh, int five_bits, __m512i *first, __m512i *second) {
-    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
-    *first = _mm512_and_si512(q, _mm512_set1_epi32(0x0f));
-    *second = _mm512_srli_epi32(q, 4);
-    if (five_bits) {
-        const __m512i bit = _mm512_set1_epi32(0x10);
-        *first = _mm512_mask_or_epi32(*first, (__mmask16)qh, *first, bit);
-        *second = _mm512_mask_or_epi32(*second, (__mmask16)(qh >> 16), *second, bit);
-    }
-}
-
-/* 32 values: (q - offset) * d, or q * d + m (with_min). */
-static inline void store_block(float *y, __m512i first, __m512i second, int offset, float d, int with_min, float m) {
-    const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
-    const __m512i off = _mm512_set1_epi32(offset);
-    __m512 a = _mm512_cvtepi32_ps(_mm512_sub_epi32(first, off)), b = _mm512_cvtepi32_ps(_mm512_sub_epi32(second, off));
-    _mm512_storeu_ps(y, with_min ? _mm512_fmadd_ps(a, vd, vm) : _mm512_mul_ps(a, vd));
-    _mm512_storeu_ps(y + 16, with_min ? _mm512_fmadd_ps(b, vd, vm) : _mm512_mul_ps(b, vd));
-}
-
-static inline __attribute__((always_inline)) void dequantize_nibbles(const uint8_t *x, float *y, int64_t k,
-                                                                      struct nibble_layout L) {
-    for (int64_t b = 0; b < k / 32; b++, x += L.bytes, y += 32) {
-        uint16_t d, m = 0;
-        uint32_t qh = 0;
-        memcpy(&d, x, 2);
-        if (L.m >= 0) memcpy(&m, x + L.m, 2);
-        if (L.qh >= 0) memcpy(&qh, x + L.qh, 4);
-        __m512i first, second;
-        nibble_halves(x + L.qs, qh, L.qh >= 0, &first, &second);
-        store_block(y, first, second, L.offset, half_to_float(d), L.m >= 0, half_to_float(m));
-    }
-}
-
-static void dequantize_q4_0(const void *x, float *y, int64_t k) { dequantize_nibbles(x, y, k, Q4_0_LAYOUT); }
-static void dequantize_q4_1(const void *x, float *y, int64_t k) { dequantize_nibbles(x, y, k, Q4_1_LAYOUT); }
-static void dequantize_q5_0(const void *x, float *y, int64_t k) { dequantize_nibbles(x, y, k, Q5_0_LAYOUT); }
-static void dequantize_q5_1(const void *x, float *y, int64_t k) { dequantize_nibbles(x, y, k, Q5_1_LAYOUT); }
 
 /* This library's quantizer of activations into a vec_dot_type, or NULL (ggml's then). */
 mlxcel_quantize_fn mlxcel_quantizer(int ggml_type) { return ggml_type == TYPE_Q8_K ? mlxcel_quantize_q8_K : NULL; }

@@ -1,0 +1,260 @@
+"""The KV buffers of the CPU decode runtime (``cpu_decode.CpuDecoder``): which MLX arrays a
+sequence's step may write, how they are made and grown, and how a step reads shared ones in place.
+
+The KV cache stays mlx-lm's (``KVCache``, and ``RotatingKVCache`` for a sliding-window layer):
+the step writes the new position into the cache's own MLX buffers (NumPy views of them) at the
+slot mlx-lm's own update would use, and advances ``offset`` (and a ring's ``_idx``), so prefill,
+batching, the prompt cache and slot files see the cache exactly as MLX's step would have left it.
+MLX arrays are immutable to everything else, so the step writes only into buffers it made itself
+for this sequence (:class:`OwnedCache`): at its first step, and whenever someone else replaced a
+layer's arrays (a merged MLX batch, MLX's own step), it copies the layer into a fresh buffer
+first; the arrays others hold (prompt-cache entries, a sibling completion's prefix) are never
+written. One exception to the copy: the first step on a cache the decoder does not own (a
+prompt-cache hit's) reads the shared arrays in place and keeps its new key and value apart
+(:class:`KeptApart`), so a hit's first token costs no copy of the adopted KV; the copy is made at
+the next step, after that token has gone out (a hit's first token is its time to first token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+# Positions the decoder's own KV buffers are allocated in (:func:`buffer_capacity`): mlx-lm's caches
+# grow by 256, which left a short sequence's buffers up to 255 positions too long (24 KiB a position on
+# the small llama: four streams of ~160 tokens held 24 MiB where 16 are used).
+KV_STEP = 16
+KV_HEADROOM = 64  # positions allocated beyond the one needed where the request sets no bound
+
+
+@dataclass
+class KeptApart:
+    """A step taken on shared arrays (:meth:`KvLayout.borrow`): per layer, NumPy views of the
+    shared keys and values (read, never written), the step's new key and value ((kv_heads, d)
+    each), and the lazy MLX concatenations of the two that the cache holds now. The next step
+    builds its own buffers from the views and rows directly; anyone else evaluating the
+    concatenations gets the same values (MLX arrays, immutable like their inputs)."""
+
+    pos: int  # the first new row's position
+    shared: list[tuple[np.ndarray, np.ndarray]]
+    rows: list[tuple[np.ndarray, np.ndarray]]  # per layer: keys, values (kv_heads, n, d)
+    arrays: list[tuple[Any, Any]]
+
+    def holds(self, cache: list[Any]) -> bool:
+        n = self.rows[0][0].shape[1]
+        return len(self.arrays) == len(cache) and all(
+            c.keys is a and c.values is b and c.offset == self.pos + n for c, (a, b) in zip(cache, self.arrays))
+
+
+@dataclass
+class Borrowed:
+    """One row's step on shared arrays, before it runs: the kernels' views (with the two rows'
+    addresses last) and what :meth:`keep_apart` turns into the cache's arrays after it."""
+
+    pos: int
+    shared: list[tuple[np.ndarray, np.ndarray]]
+    rows: list[tuple[np.ndarray, np.ndarray]]
+    views: list[tuple[int, int, int, int, int]]
+
+    def keep_apart(self, cache: list[Any]) -> KeptApart:
+        """After the step: every layer holds its shared positions and the new one (lazily)."""
+        arrays = []
+        for c, (k_row, v_row) in zip(cache, self.rows):
+            c.keys, c.values = (mx.concatenate([a[:, :, : self.pos], mx.array(row)[None]], axis=2)
+                                for a, row in ((c.keys, k_row), (c.values, v_row)))
+            arrays.append((c.keys, c.values))
+        return KeptApart(self.pos, self.shared, self.rows, arrays)
+
+
+@dataclass
+class OwnedCache:
+    """The MLX arrays (keys, values per layer) the decoder made for one sequence: the only
+    buffers it may write. A new sequence starts with none."""
+
+    arrays: list[tuple[Any, Any]] = field(default_factory=list)
+    views: list[tuple[int, int, int]] = field(default_factory=list)  # per layer: keys, values, capacity
+    apart: KeptApart | None = None  # the last step's rows, kept apart from shared arrays
+    reserve: int = 0  # positions the sequence may fill (prompt + n_predict): allocated at once
+
+    def holds(self, cache: list[Any]) -> bool:
+        """Whether every layer of ``cache`` still holds the arrays made for it."""
+        return len(self.arrays) == len(cache) and all(
+            c.keys is a and c.values is b for c, (a, b) in zip(cache, self.arrays))
+
+
+def buffer_capacity(last: int, current: int = 0, reserve: int = 0) -> int:
+    """Positions for a layer's own KV buffer that must hold position ``last``: what the sequence
+    may fill (``reserve``: its prompt and n_predict) if that is more, so that a bounded request
+    allocates once; beyond that (no bound, or past it) ``KV_HEADROOM`` more and at least an
+    eighth more than the ``current`` capacity it outgrows (each growth copies the cache, and
+    the freed buffer stays in MLX's cache: growing by a fraction keeps both proportional to the
+    length); a whole number of ``KV_STEP``."""
+    need = max(last + 1, reserve)
+    if need > reserve:
+        need = max(need + KV_HEADROOM, current + current // 8)
+    return -(-need // KV_STEP) * KV_STEP
+
+
+def ring_plan(c: Any) -> tuple[int, int, int] | None:
+    """What mlx-lm's ``RotatingKVCache._update_in_place`` does to the ring before it writes one
+    token: ``(capacity, first slot kept, _idx)`` after it grows the buffer (by at most its
+    ``step``, up to ``max_size``, with ``_idx`` set to ``offset``) or trims one that a prompt
+    left longer than ``max_size`` (to its newest ``max_size`` slots, ``_idx = max_size``), or
+    None for a state it could not write one token into (``keep`` other than 0, a slot outside
+    the buffer)."""
+    if c.keys is None or c.keep != 0:
+        return None
+    cap, prev, idx, size = c.keys.shape[2], c.offset, c._idx, c.max_size
+    start, capacity = 0, cap
+    if prev >= cap and cap < size:
+        grow = min(c.step, size - prev)
+        if grow <= 0:
+            return None
+        capacity, idx = cap + grow, prev
+    elif cap > size:
+        start, capacity, idx = cap - size, size, size
+    write = 0 if idx == size else idx  # the ring wraps to its first slot (keep = 0)
+    if not 0 <= write < capacity:
+        return None
+    return capacity, start, idx
+
+
+@dataclass
+class KvLayout:
+    """The layout of a decoder's KV buffers and the two ways a pass gets a sequence's: its own,
+    copied or grown first when needed (:meth:`own`), or the shared ones read in place (:meth:`borrow`)."""
+
+    n_kv_heads: int
+    head_dim: int
+    window: int | None  # gemma3: a sliding layer's ring size, else None
+    rings: list[int]  # RotatingKVCache layers
+    plain: list[int]  # KVCache layers
+
+    def own(self, cache: list[Any], owned: OwnedCache, pos: int, last: int | None = None) -> list[tuple[int, int, int]]:
+        """Addresses of every layer's keys and values, and their capacity, with room for
+        positions ``pos`` to ``last`` (default ``pos``): the buffers made for this sequence,
+        copied first (their first ``pos`` positions) if the cache holds others now (or they are
+        full, or a ring is due to grow or be trimmed). Raises, before anything is replaced, for
+        a ring that mlx-lm's update could not write into either."""
+        last = pos if last is None else last
+        plans = []
+        for i in self.rings:
+            c = cache[i]
+            plan = ring_plan(c) if c.max_size == self.window else None
+            if plan is None:
+                raise RuntimeError(f"layer {i}: a sliding-window cache the decoder cannot write into")
+            plans.append(plan)
+        apart, owned.apart = owned.apart, None
+        if apart is not None and apart.holds(cache) and not self.rings:
+            return self._own_apart(cache, owned, apart, last)
+        if owned.holds(cache) and all(last < owned.views[i][2] for i in self.plain) and all(
+                plan[:2] == (owned.views[i][2], 0) for i, plan in zip(self.rings, plans)):
+            return owned.views
+        mx.eval([(c.keys, c.values) for c in cache if c.keys is not None])
+        owned.arrays, owned.views = [], []
+        ring_plans = dict(zip(self.rings, plans))
+        for i, c in enumerate(cache):
+            if i in ring_plans:
+                capacity, start, c._idx = ring_plans[i]
+                keys, values = (_fresh_ring(a, start, capacity) for a in (c.keys, c.values))
+            elif c.keys is None:  # an empty cache (can_prefill): buffers for positions 0 .. last
+                shape = (1, self.n_kv_heads, buffer_capacity(last, reserve=owned.reserve), self.head_dim)
+                keys, values = (_writable(shape)[0] for _ in range(2))
+            else:
+                keys, values = (_fresh(a, pos, last, owned.reserve) for a in (c.keys, c.values))
+            c.keys, c.values = keys, values
+            owned.arrays.append((keys, values))
+            owned.views.append((np.asarray(keys).ctypes.data, np.asarray(values).ctypes.data, keys.shape[2]))
+        return owned.views
+
+    def _own_apart(self, cache: list[Any], owned: OwnedCache, apart: KeptApart, last: int) -> list[tuple[int, int, int]]:
+        """:meth:`own` after a step kept apart: the buffers made from the shared views and the
+        kept rows (no evaluation of the cache's concatenations, which would copy once more)."""
+        owned.arrays, owned.views = [], []
+        pos = apart.pos
+        for c, (keys_view, values_view), (k_row, v_row) in zip(cache, apart.shared, apart.rows):
+            made = []
+            n = k_row.shape[1]
+            for view, row in ((keys_view, k_row), (values_view, v_row)):
+                b, h, _, d = view.shape
+                fresh, out = _writable((b, h, buffer_capacity(max(pos + n - 1, last), reserve=owned.reserve), d))
+                out[:, :, :pos] = view[:, :, :pos]
+                out[0, :, pos:pos + n] = row
+                made.append(fresh)
+            c.keys, c.values = made
+            owned.arrays.append((c.keys, c.values))
+            owned.views.append((np.asarray(c.keys).ctypes.data, np.asarray(c.values).ctypes.data, c.keys.shape[2]))
+        return owned.views
+
+    def borrow(self, cache: list[Any], owned: OwnedCache, pos: int, n: int = 1) -> Borrowed | None:
+        """Views for a step (or a prefill of ``n`` rows) that reads ``cache``'s arrays in place,
+        when they are not this sequence's (a prompt-cache hit, a sibling's prefix) and the step
+        can leave them unwritten: plain KV layers only (no ring), each layer's float32 keys and
+        values laid out by head, then position, then dimension (an entry's slice of a larger
+        buffer is), ``pos`` of them valid. None: the step copies them into its own buffers first
+        (:meth:`own`)."""
+        from mlx_lm.models.cache import KVCache
+
+        if self.rings or pos < 1 or owned.holds(cache) or owned.apart is not None:
+            return None
+        if not all(type(c) is KVCache and c.keys is not None and c.offset == pos for c in cache):
+            return None
+        mx.eval([(c.keys, c.values) for c in cache])
+        d, item = self.head_dim, 4
+        shared, views, rows = [], [], []
+        for c in cache:
+            pair = []
+            for a in (c.keys, c.values):
+                if a.dtype != mx.float32 or a.ndim != 4 or a.shape[0] != 1 or a.shape[3] != d or a.shape[2] < pos:
+                    return None
+                view = np.asarray(a)
+                strides = view.strides
+                if strides[3] != item or strides[2] != d * item or strides[1] % (d * item) or strides[1] < a.shape[2] * d * item:
+                    return None
+                pair.append(view)
+            if pair[0].strides != pair[1].strides:
+                return None
+            shared.append((pair[0], pair[1]))
+            k_row = np.empty((self.n_kv_heads, n, d), np.float32)
+            v_row = np.empty((self.n_kv_heads, n, d), np.float32)
+            rows.append((k_row, v_row))
+            views.append((pair[0].ctypes.data, pair[1].ctypes.data, pair[0].strides[1] // (d * item),
+                          k_row.ctypes.data, v_row.ctypes.data))
+        return Borrowed(pos, shared, rows, views)
+
+
+def _writable(shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
+    """A new zero MLX array of ``shape`` (float32) and a writable NumPy view of its buffer."""
+    fresh = mx.zeros(shape, dtype=mx.float32)
+    mx.eval(fresh)
+    view = np.asarray(fresh)
+    if not (view.flags.c_contiguous and view.flags.writeable):  # e.g. a broadcast constant: not ours to write
+        raise RuntimeError("MLX gave no writable buffer of its own for the KV cache")
+    return fresh, view
+
+
+def _fresh(a: Any, pos: int, last: int | None = None, reserve: int = 0) -> Any:
+    """A new MLX array with ``a``'s first ``pos`` positions and room up to position ``last``
+    (default ``pos``) and the ``reserve`` (:func:`buffer_capacity`; at least ``a``'s capacity): one
+    buffer of MLX's, filled through a NumPy view of it."""
+    b, h, cap, d = a.shape
+    last = pos if last is None else last
+    fresh, view = _writable((b, h, max(cap, buffer_capacity(last, cap, reserve)), d))
+    view[:, :, :pos] = np.asarray(a)[:, :, :pos]
+    return fresh
+
+
+def _fresh_ring(a: Any, start: int, capacity: int) -> Any:
+    """A ring's new buffer of ``capacity`` slots, as mlx-lm's update makes it: ``a``'s slots
+    from ``start`` on (a trimmed ring keeps its newest ``capacity``), then zeros (a grown one)."""
+    b, h, cap, d = a.shape
+    fresh, view = _writable((b, h, capacity, d))
+    kept = min(cap - start, capacity)
+    view[:, :, :kept] = np.asarray(a)[:, :, start:start + kept]
+    return fresh
+
+
+__all__ = ["KV_HEADROOM", "KV_STEP", "Borrowed", "KeptApart", "KvLayout", "OwnedCache", "buffer_capacity", "ring_plan"]

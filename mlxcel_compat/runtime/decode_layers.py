@@ -1,0 +1,167 @@
+"""What the CPU decode runtime (``cpu_decode.CpuDecoder``) holds of a model: each layer's weights as
+NumPy buffers or ggml blocks, with their addresses taken once, as each family applies them, and
+the activation buffers of a pass.
+
+Why: the C loop (``native/decode_pass.py`` describes these to it once) reads the weights in place,
+so they are taken from the modules as they are (float32 buffers, ``BlockWeight``s, the LoRA
+adapters served unfused) and only the families' differences are resolved here: Gemma 3's four
+norms a layer, each ``1 + w``, its attention's and MLP's outputs normed before the residual sum,
+its sliding-window layers; qwen3's and gemma3's per-head query and key norms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mlxcel_compat.runtime.block_layers import block_weight_of
+from mlxcel_compat.runtime.block_weight import BlockWeight
+from mlxcel_compat.runtime.lora_rows import Factor, factors_of
+from mlxcel_compat.runtime.native import decode_pass
+
+
+def float32_array(a: Any) -> np.ndarray:
+    """A float32 NumPy view of an evaluated MLX array (its buffer), or a contiguous copy."""
+    return np.ascontiguousarray(np.asarray(a), dtype=np.float32)
+
+
+@dataclass
+class LoraFactors:
+    """One adapter on one projection (``lora_rows.Factor``) with its factors' addresses."""
+
+    factor: Factor
+    a_ptr: int = field(init=False)  # (r, K)
+    b_ptr: int = field(init=False)  # (N, r)
+
+    def __post_init__(self) -> None:
+        self.a_ptr, self.b_ptr = self.factor.a.ctypes.data, self.factor.b.ctypes.data
+
+    @property
+    def rank(self) -> int:
+        return self.factor.a.shape[0]
+
+
+@dataclass
+class LinearWeights:
+    """A projection's weight, bias and unfused adapters, as the C loop reads them."""
+
+    weight: np.ndarray | BlockWeight  # (N, K): the module's own float32 buffer, or its blocks
+    bias: np.ndarray | None
+    lora: list[LoraFactors] = field(default_factory=list)  # adapters served unfused (lora/layers.py)
+    ptr: int = field(init=False)  # the weight's address, taken once (``ndarray.ctypes`` costs ~1 us a call)
+    block: BlockWeight | None = field(init=False)  # quantized (ggml's kernels), else None
+
+    def __post_init__(self) -> None:
+        self.block = self.weight if isinstance(self.weight, BlockWeight) else None
+        self.ptr = 0 if self.block is not None else self.weight.ctypes.data
+
+
+@dataclass
+class NormWeights:
+    """An RMS norm's gain as the model applies it, and its epsilon."""
+
+    weight: np.ndarray
+    eps: float
+    ptr: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ptr = self.weight.ctypes.data
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer: its norms and projections, and which RoPE module and cache kind it takes."""
+
+    n1: NormWeights  # before attention
+    n2: NormWeights  # before the MLP
+    q: LinearWeights
+    k: LinearWeights
+    v: LinearWeights
+    o: LinearWeights
+    gate: LinearWeights
+    up: LinearWeights
+    down: LinearWeights
+    q_norm: NormWeights | None  # qwen3's and gemma3's per-head norms
+    k_norm: NormWeights | None
+    attn_out: NormWeights | None = None  # gemma3: the attention's output is normed before the residual sum
+    mlp_out: NormWeights | None = None  # and the MLP's
+    sliding: bool = False  # gemma3: a sliding-window layer (its cache a RotatingKVCache ring)
+    rope: int = 0  # which of the decoder's RoPE modules (gemma3: sliding layers have their own base)
+
+
+@dataclass
+class PassBuffers:
+    """One pass's activations for ``rows`` rows, allocated once per row count, and the C
+    structure that points at them."""
+
+    x: np.ndarray  # (rows, hidden): the residual stream
+    h: np.ndarray  # (rows, hidden): normed
+    branch: np.ndarray  # (rows, hidden): gemma3's attention or MLP output, before its norm
+    q: np.ndarray  # (rows, heads * head_dim)
+    k_new: np.ndarray  # (rows, kv_heads * head_dim): the new keys
+    v_new: np.ndarray  # and values
+    att: np.ndarray  # (rows, heads * head_dim)
+    gate: np.ndarray  # (rows, intermediate)
+    up: np.ndarray
+    logits: np.ndarray  # (rows, vocabulary)
+    native: decode_pass.NativeBuffers = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.native = decode_pass.buffers({name: a for name, a in vars(self).items() if isinstance(a, np.ndarray)})
+
+
+def head_dim(attn: Any) -> int:
+    """The head size of an attention module: its query projection's rows over its heads."""
+    block = block_weight_of(attn.q_proj)
+    rows = block.n if block is not None else attn.q_proj.weight.shape[0]
+    return rows // attn.n_heads
+
+
+def gemma_norm() -> type:
+    """mlx-lm's Gemma RMS norm (it scales by ``1 + w``; nn.RMSNorm by ``w``)."""
+    from mlx_lm.models.gemma3_text import RMSNorm
+
+    return RMSNorm
+
+
+def gemma_mlp() -> type:
+    """mlx-lm's Gemma 3 MLP: ``down(gelu_approx(gate(x)) * up(x))``."""
+    from mlx_lm.models.gemma3_text import MLP
+
+    return MLP
+
+
+def linear_weights(module: Any) -> LinearWeights:
+    """A linear (or block) layer's weight, bias and adapters."""
+    bias = module.bias if "bias" in module else None
+    return LinearWeights(block_weight_of(module) or float32_array(module.weight),
+                         float32_array(bias) if bias is not None else None,
+                         [LoraFactors(f) for f in factors_of(module)])
+
+
+def norm_weights(module: Any) -> NormWeights | None:
+    """The norm's gain as the model applies it: ``w``, or Gemma's ``1 + w`` (computed by MLX
+    in float32, as the module computes it on every call)."""
+    if module is None:
+        return None
+    gain = 1.0 + module.weight if isinstance(module, gemma_norm()) else module.weight
+    return NormWeights(float32_array(gain), float(module.eps))
+
+
+def layer_weights(layer: Any, rope: int, gemma: bool) -> LayerWeights:
+    """One of the model's layers, ``rope`` the index of its RoPE module, ``gemma`` for Gemma 3's layer."""
+    a, m, lin, norm = layer.self_attn, layer.mlp, linear_weights, norm_weights
+    common = dict(q=lin(a.q_proj), k=lin(a.k_proj), v=lin(a.v_proj), o=lin(a.o_proj),
+                  gate=lin(m.gate_proj), up=lin(m.up_proj), down=lin(m.down_proj),
+                  q_norm=norm(getattr(a, "q_norm", None)), k_norm=norm(getattr(a, "k_norm", None)), rope=rope)
+    if gemma:  # post_attention_layernorm norms the attention's output; pre_feedforward the MLP's input
+        return LayerWeights(n1=norm(layer.input_layernorm), n2=norm(layer.pre_feedforward_layernorm),
+                            attn_out=norm(layer.post_attention_layernorm), mlp_out=norm(layer.post_feedforward_layernorm),
+                            sliding=bool(a.is_sliding), **common)
+    return LayerWeights(n1=norm(layer.input_layernorm), n2=norm(layer.post_attention_layernorm), **common)
+
+
+__all__ = ["LayerWeights", "LinearWeights", "LoraFactors", "NormWeights", "PassBuffers", "float32_array",
+           "gemma_mlp", "gemma_norm", "head_dim", "layer_weights", "linear_weights", "norm_weights"]

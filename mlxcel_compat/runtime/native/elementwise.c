@@ -1,0 +1,97 @@
+/* The element-wise kernels of a decode step: RMS norms (Gemma's on a residual branch too), RoPE
+ * and SiLU or GELU-tanh gating.
+ *
+ * The element-wise parts and the attention (attention.c) of a decode step, for the CPU decode
+ * runtime (mlxcel_compat/runtime/cpu_decode.py, through decode_pass.c's layer loop), between the
+ * matrix-vector products of the interposed cblas_sgemm (blas_shim.c). Each is one call per layer
+ * where MLX runs a chain of small operations, and each uses vectors where MLX's CPU loops are
+ * scalar (its exponential).
+ */
+#include <stddef.h>
+#include <string.h>
+
+#include "decode_kernels.h"
+#include "vector_math.h"
+
+/* out[r, :] = x[r, :] / sqrt(mean(x[r, :] ** 2) + eps) * w for `rows` rows of n (RMSNorm; per head
+ * for a model's query and key norms). out may be x. */
+static inline float rms_scale(const float *x, int n, float eps) {
+    vf acc = {0};
+    int i = 0;
+    for (; i + VL <= n; i += VL) acc += loadv(x + i) * loadv(x + i);
+    float ss = hsum(acc);
+    for (; i < n; i++) ss += x[i] * x[i];
+    return 1.0f / __builtin_sqrtf(ss / (float)n + eps);
+}
+
+void mlxcel_rms_norm(const float *x, const float *w, float *out, int rows, int n, float eps) {
+    for (int r = 0; r < rows; r++, x += n, out += n) {
+        float scale = rms_scale(x, n, eps);
+        for (int i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
+    }
+}
+
+/* x[r, :] += RMSNorm(b[r, :]) * w for `rows` rows of n: Gemma's norm of a branch's output (the
+ * attention's, the MLP's) before it joins the residual stream, in one pass instead of a norm into
+ * a buffer and a sum. */
+void mlxcel_rms_norm_add(const float *b, const float *w, float *x, int rows, int n, float eps) {
+    for (int r = 0; r < rows; r++, b += n, x += n) {
+        float scale = rms_scale(b, n, eps);
+        for (int i = 0; i < n; i++) x[i] += b[i] * scale * w[i];
+    }
+}
+
+/* RoPE of `heads` rows of d in place, with the angles' cosines and sines (d / 2 each) of one
+ * position: rotating halves (x[i], x[i + d/2]), or neighbours (x[2i], x[2i + 1]) if
+ * `traditional`, as mx.fast.rope computes them. */
+void mlxcel_rope(float *x, int heads, int d, const float *cos, const float *sin, int traditional) {
+    int half = d / 2;
+    for (int h = 0; h < heads; h++, x += d)
+        for (int i = 0; i < half; i++) {
+            int a = traditional ? 2 * i : i, b = traditional ? 2 * i + 1 : i + half;
+            float x1 = x[a], x2 = x[b];
+            x[a] = x1 * cos[i] - x2 * sin[i];
+            x[b] = x1 * sin[i] + x2 * cos[i];
+        }
+}
+
+/* RoPE of `rows` rows of `heads` heads of d (rows contiguous), row r with the angles at cos and sin
+ * + r * d / 2 (consecutive positions). */
+void mlxcel_rope_rows(float *x, int rows, int heads, int d, const float *cos, const float *sin, int traditional) {
+    for (int r = 0; r < rows; r++)
+        mlxcel_rope(x + (size_t)r * heads * d, heads, d, cos + (size_t)r * (d / 2), sin + (size_t)r * (d / 2),
+                    traditional);
+}
+
+/* gate = silu(gate) * up = gate * up / (1 + 2 ** (-gate log2 e)), in place: the same formula as
+ * the MLX lever (runtime/cpu_fusion.py). */
+void mlxcel_swiglu(float *gate, const float *up, int n) {
+    const float m = -1.4426950408889634f;
+    int i = 0;
+    for (; i + VL <= n; i += VL) {
+        vf g = loadv(gate + i);
+        vf r = g * loadv(up + i) / (splat(1.0f) + exp2v(g * splat(m)));
+        memcpy(gate + i, &r, sizeof r);
+    }
+    for (; i < n; i++) gate[i] = gate[i] * up[i] / (1.0f + exp2s(gate[i] * m));
+}
+
+/* gate = gelu_tanh(gate) * up in place, gelu_tanh(x) = 0.5 x (1 + tanh(u)) with
+ * u = sqrt(2 / pi) (x + 0.044715 x^3) (mlx's nn.gelu_approx, Gemma's "gelu_pytorch_tanh"),
+ * computed as x / (1 + e^(-2u)), the same value (0.5 (1 + tanh u) = 1 / (1 + e^(-2u))), with the
+ * power of 2 of the gating kernel above: no tanh, and no cancellation in 1 + tanh(u) where tanh is
+ * near -1 (mlx's form rounds there to a multiple of 2^-24, which this one does not). */
+void mlxcel_gelu_tanh_gate(float *gate, const float *up, int n) {
+    const float c = 0.7978845608028654f * -2.0f * 1.4426950408889634f; /* -2 sqrt(2 / pi) log2 e */
+    const float cubic = 0.044715f;
+    int i = 0;
+    for (; i + VL <= n; i += VL) {
+        vf x = loadv(gate + i);
+        vf r = x * loadv(up + i) / (splat(1.0f) + exp2v((x + splat(cubic) * x * x * x) * splat(c)));
+        memcpy(gate + i, &r, sizeof r);
+    }
+    for (; i < n; i++) {
+        float x = gate[i];
+        gate[i] = x * up[i] / (1.0f + exp2s((x + cubic * x * x * x) * c));
+    }
+}

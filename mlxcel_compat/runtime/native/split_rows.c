@@ -1,0 +1,173 @@
+/* Q4_1, Q5_0 and Q5_1 weights whose rows were split at load: their decode rows and their expansion
+ * to float32, which quant_rows.c's mlxcel_rows_kernel and mlxcel_dequantizer hand out for the
+ * split types (SPLIT_TYPE) on a CPU with AVX-512 VNNI and VL.
+ *
+ * A weight of one of these types whose rows were rearranged at load (block_weight.split_rows):
+ * a row's blocks in groups of 16 (the last one shorter), each group as its blocks' factors d
+ * (half floats), then their minimums m (Q4_1, Q5_1), then their fifth bits (4 bytes a block,
+ * the Q5 types), then their nibbles (16 bytes a block): the same bytes as ggml's row in another
+ * order, read front to back, so that 16 blocks' factors are one load, two blocks' nibbles
+ * another and their fifth bits a mask. ggml's vec_dot for these
+ * types on x86 (AVX2) converts each block's factors one at a time and takes 32 values an
+ * instruction; this takes 64 (vpdpbusd: the values as u8 times the activations' s8).
+ *
+ * The activations are ggml's own blocks, Q8_1 (d and s = d x the sum of the values) for the
+ * types with a minimum, Q8_0 (d) for Q5_0, copied per row into arrays of values, d and s (for
+ * Q8_0: d x the sum, computed here). A block's term is d_w d_a x sum(q a) plus m_w s_a, or for
+ * Q5_0 (values q - 16) minus 16 d_w s_a: ggml's integer sums, added in another order (float32
+ * rounding).
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "quant_blocks.h"
+#include "thread_pool.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512VL__)
+
+struct split_form {
+    int five_bits; /* a fifth bit a value (qh) */
+    int minimum;   /* a minimum a block (else values are offset by 16) */
+};
+
+static const struct split_form Q4_1_SPLIT = {0, 1}, Q5_0_SPLIT = {1, 0}, Q5_1_SPLIT = {1, 1};
+
+struct q8_1_block {
+    uint16_t d, s;
+    int8_t qs[32];
+};
+
+/* nw (1 or 2) split rows (w, w + w_bytes) of nb blocks times one activation row (q: its values,
+ * d and s: per block): out[j]. Each row takes the same operations whatever nw is. */
+static inline __attribute__((always_inline)) void split_tile(int nb, const uint8_t *w, size_t w_bytes, int nw,
+                                                              const int8_t *q, const float *d, const float *s,
+                                                              float *out, struct split_form form) {
+    const __m512i shift = _mm512_set_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0, 0, 0x0004000400040004LL,
+                                           0x0004000400040004LL, 0, 0); /* high nibbles in 128-bit lanes 1 and 3 */
+    const __m512i low = _mm512_set1_epi8(0x0f), twice = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);
+    const __m512i fifth = _mm512_set1_epi8(0x10);
+    const int block_bytes = 18 + 2 * form.minimum + 4 * form.five_bits;
+    __m512 acc[2], mins[2];
+    for (int j = 0; j < nw; j++) acc[j] = mins[j] = _mm512_setzero_ps();
+    for (int b0 = 0; b0 < nb; b0 += 16) {
+        const int count = nb - b0 < 16 ? nb - b0 : 16;
+        const __mmask16 in = (__mmask16)((1u << count) - 1);
+        const __m512 ad = _mm512_maskz_loadu_ps(in, d + b0), as = _mm512_maskz_loadu_ps(in, s + b0);
+        /* the group's parts: d, m, qh, nibbles (block_weight.SPLIT_FIELDS) */
+        const size_t group = (size_t)b0 * block_bytes, at_qh = (size_t)count * (2 + 2 * form.minimum),
+                     at_nibbles = at_qh + (size_t)count * 4 * form.five_bits;
+        __m512 f[2];
+        for (int j = 0; j < nw; j++) {
+            const uint16_t *factors = (const uint16_t *)(w + j * w_bytes + group);
+            __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, factors));
+            f[j] = _mm512_mul_ps(dw, ad);
+            __m512 m = form.minimum ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, factors + count))
+                                    : _mm512_mul_ps(dw, _mm512_set1_ps(-16.0f));
+            mins[j] = _mm512_fmadd_ps(m, as, mins[j]);
+        }
+        for (int p = 0; p < count; p += 2) {
+            const int b = b0 + p, pair = p + 1 < count;
+            /* blocks b and b + 1: activations in the halves, factors in lanes 0-7 and 8-15 */
+            __m512i a = pair ? _mm512_loadu_si512(q + (size_t)b * 32)
+                             : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q + (size_t)b * 32)));
+            __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(p), _mm256_set1_epi32(p + pair), 1);
+            for (int j = 0; j < nw; j++) {
+                const uint8_t *part = w + j * w_bytes + group, *nibbles = part + at_nibbles + (size_t)p * 16;
+                __m512i raw = pair ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)nibbles))
+                                   : _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)nibbles));
+                __m512i v = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi64(twice, raw), shift), low);
+                if (form.five_bits) { /* bit i of the two blocks' qh is value i's fifth bit: byte i of v */
+                    const uint8_t *qh = part + at_qh + (size_t)p * 4;
+                    uint64_t word;
+                    uint32_t one;
+                    if (pair) memcpy(&word, qh, 8);
+                    else memcpy(&one, qh, 4), word = one;
+                    __mmask64 bits = _cvtu64_mask64(word);
+                    v = _mm512_mask_add_epi8(v, bits, v, fifth);
+                }
+                if (!pair) v = _mm512_maskz_mov_epi32(0x00ff, v);
+                __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, a);
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_permutexvar_ps(pick, f[j]), acc[j]);
+            }
+        }
+    }
+    for (int j = 0; j < nw; j++) out[j] = _mm512_reduce_add_ps(acc[j]) + _mm512_reduce_add_ps(mins[j]);
+}
+
+static __thread struct mlxcel_scratch split_scratch;
+
+/* rows_fn over split rows: for each activation row, its values, d and s copied out, then weight
+ * rows r and r + n/2 together (as ROWS_DRIVER's single row). */
+static inline __attribute__((always_inline)) void split_rows_driver(int k, const void *w, size_t row_bytes, int n,
+                                                                     const void *act, size_t act_bytes, int m,
+                                                                     float *out, size_t ldo, struct split_form form) {
+    const int nb = k / 32;
+    float *d = mlxcel_scratch(&split_scratch, (size_t)nb * (32 + 2 * sizeof(float))), *s = d + nb;
+    int8_t *q = (int8_t *)(s + nb);
+    const uint8_t *wr = w;
+    for (int i = 0; i < m; i++) {
+        const char *y = (const char *)act + (size_t)i * act_bytes;
+        for (int b = 0; b < nb; b++) {
+            if (form.minimum) { /* Q8_1 */
+                const struct q8_1_block *block = (const struct q8_1_block *)y + b;
+                memcpy(q + (size_t)b * 32, block->qs, 32);
+                d[b] = half_to_float(block->d);
+                s[b] = half_to_float(block->s);
+            } else { /* Q8_0: 2 bytes of d, 32 values */
+                const uint8_t *block = (const uint8_t *)y + (size_t)b * 34;
+                uint16_t h;
+                memcpy(&h, block, 2);
+                memcpy(q + (size_t)b * 32, block + 2, 32);
+                __m256i v = _mm256_loadu_si256((const __m256i *)(block + 2));
+                __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
+                __m128i t = _mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+                d[b] = half_to_float(h);
+                s[b] = d[b] * (float)_mm_cvtsi128_si32(t);
+            }
+        }
+        float *o = out + (size_t)i * ldo, t[2];
+        const int half = n / 2;
+        for (int r = 0; r < half; r++) {
+            split_tile(nb, wr + (size_t)r * row_bytes, (size_t)half * row_bytes, 2, q, d, s, t, form);
+            o[r] = t[0], o[r + half] = t[1];
+        }
+        if (n % 2) split_tile(nb, wr + (size_t)(n - 1) * row_bytes, row_bytes, 1, q, d, s, o + n - 1, form);
+    }
+}
+
+/* A split row expanded to float32: the same values as ggml's to_float of the original row. */
+static inline __attribute__((always_inline)) void split_dequantize(const void *vx, float *y, int64_t k,
+                                                                    struct split_form form) {
+    const int64_t nb = k / 32;
+    const int block_bytes = 18 + 2 * form.minimum + 4 * form.five_bits;
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        const int64_t count = nb - b0 < 16 ? nb - b0 : 16;
+        const uint8_t *part = (const uint8_t *)vx + b0 * block_bytes;
+        const uint16_t *factors = (const uint16_t *)part;
+        const uint8_t *qh = part + count * (2 + 2 * form.minimum), *nibbles = qh + count * 4 * form.five_bits;
+        for (int64_t p = 0; p < count; p++, y += 32) {
+            uint32_t bits = 0;
+            if (form.five_bits) memcpy(&bits, qh + p * 4, 4);
+            __m512i first, second;
+            nibble_halves(nibbles + p * 16, bits, form.five_bits, &first, &second);
+            store_block(y, first, second, form.minimum ? 0 : 16, half_to_float(factors[p]), form.minimum,
+                        form.minimum ? half_to_float(factors[count + p]) : 0.0f);
+        }
+    }
+}
+
+#define SPLIT_KERNELS(NAME, FORM)                                                                                  \
+    void rows_##NAME##_split(int k, const void *w, size_t row_bytes, int n, const void *act,               \
+                                    size_t act_bytes, int m, float *out, size_t ldo) {                            \
+        split_rows_driver(k, w, row_bytes, n, act, act_bytes, m, out, ldo, FORM);                                 \
+    }                                                                                                             \
+    void dequantize_##NAME##_split(const void *x, float *y, int64_t k) { split_dequantize(x, y, k, FORM); }
+
+SPLIT_KERNELS(q4_1, Q4_1_SPLIT)
+SPLIT_KERNELS(q5_0, Q5_0_SPLIT)
+SPLIT_KERNELS(q5_1, Q5_1_SPLIT)
+#endif
