@@ -54,7 +54,7 @@ def vocabulary_parts(args: argparse.Namespace) -> None:
     import tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from mlxcel_compat.engine import sampling
+    from mlxcel_compat.engine.sampling import chain as sampling
     from mlxcel_compat.engine.textstream import derived, vocab_table
     from mlxcel_compat.testing.tokenizer import large_tokenizer_json
 

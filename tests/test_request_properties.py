@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlxcel_compat.engine.core import Engine, EngineConfig
-from mlxcel_compat.engine.sampling import SamplerChain
+from mlxcel_compat.engine.sampling.chain import SamplerChain
 from mlxcel_compat.request_fields import REQUEST_FIELDS
 from mlxcel_compat.server.api_openai import check_logprobs
 from mlxcel_compat.server.app import model_info

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel_compat.engine.sampling import (
+from mlxcel_compat.engine.sampling.chain import (
     DEFAULT_SAMPLERS,
     DEFAULT_SEED,
     SamplerChain,
@@ -618,7 +618,7 @@ def test_infill_prefix_merge_visits_the_pairs_in_llama_cpps_order(seed):
     prefixes of prefixes, equal pieces of different tokens, empty (special) pieces, equal
     probabilities (the tie keeps i0), candidates that are a shuffled part of the vocabulary (so
     candidate order is not id order) and ids of a padded vocabulary beyond the tokenizer's."""
-    from mlxcel_compat.engine.sampling import PieceIndex, _merge_prefix_pieces
+    from mlxcel_compat.engine.sampling.chain import PieceIndex, _merge_prefix_pieces
 
     rng = np.random.default_rng(seed)
     vocab = [bytes(rng.choice(list(b"ab\xc3"), size=int(rng.integers(0, 4))).tolist()) for _ in range(int(rng.integers(1, 80)))]
@@ -638,7 +638,7 @@ def test_infill_prefix_merge_visits_the_pairs_in_llama_cpps_order(seed):
 
 def test_infill_over_a_whole_vocabulary_keeps_the_same_candidates(bpe_tokenizer):
     """Without a top-k before it, infill sees the whole vocabulary; the result is llama.cpp's."""
-    from mlxcel_compat.engine.sampling import _merge_prefix_pieces, piece_index
+    from mlxcel_compat.engine.sampling.chain import _merge_prefix_pieces, piece_index
     from mlxcel_compat.engine.textstream import token_bytes
 
     vocab = len(bpe_tokenizer)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel_compat.engine.request import GenerationRequest
-from mlxcel_compat.engine.sampling import SamplerChain
+from mlxcel_compat.engine.sampling.chain import SamplerChain
 from mlxcel_compat.engine.sequence import Sequence
 from mlxcel_compat.engine.textstream import TextStream
 

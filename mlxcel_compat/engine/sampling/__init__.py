@@ -1,0 +1,1 @@
+"""llama.cpp-compatible token sampling on MLX (being split into modules: see ``chain.py``)."""
