@@ -11,7 +11,7 @@ from typing import Any, Literal, Union
 
 from mlxcel_compat.engine.grammar import Constraint
 from mlxcel_compat.engine.reasoning_budget import ReasoningBudgetSpec
-from mlxcel_compat.engine.sampling.chain import SamplingParams
+from mlxcel_compat.engine.sampling.params import SamplingParams
 from mlxcel_compat.vision.inputs import MediaInput
 
 _task_ids = itertools.count()

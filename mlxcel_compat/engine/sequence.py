@@ -37,7 +37,8 @@ from mlxcel_compat.engine.request import (
 )
 from mlxcel_compat.engine.grammar import GrammarState, compute_masks
 from mlxcel_compat.engine.reasoning_budget import ReasoningBudget
-from mlxcel_compat.engine.sampling.chain import SamplerChain, top_logprobs, top_probs
+from mlxcel_compat.engine.sampling.chain import SamplerChain
+from mlxcel_compat.engine.sampling.results import top_logprobs, top_probs
 from mlxcel_compat.engine.speculative import verify_draft
 from mlxcel_compat.engine.textstream import TextStream, token_is_complete_utf8
 from mlxcel_compat.runtime.block_layers import logits_unused
