@@ -28,15 +28,16 @@ from typing import Any, Callable
 from mlxcel_compat.runtime import backend
 from mlxcel_compat.engine.batch import (DecodeBatch, ForwardFailed, batch_caches_work, prefill_groups, prefill_together,
                                          probe_cache)
+from mlxcel_compat.engine.factory import make_sequence
 from mlxcel_compat.engine.grammar import GrammarCompiler
+from mlxcel_compat.engine.kept_state import keep_state
 from mlxcel_compat.engine.metrics import EngineMetrics
-from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest
+from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest, Sink
 from mlxcel_compat.engine.sequence import Sequence
 from mlxcel_compat.engine.slots import Slot, slot_context
 
 log = logging.getLogger(__name__)
 
-Sink = Callable[[EngineEvent], None]
 WARMUP_QUEUE = 8  # pending background warm-ups (one per session)
 SHUTTING_DOWN = "Server is shutting down"
 NO_LOGITS = "the current context does not support logits computation. skipping"  # an encoder cannot generate
@@ -554,8 +555,6 @@ class Engine:
         return min(free, key=lambda s: s.t_last_used) if free else None
 
     def _start(self, slot: Slot, sub: _Submit) -> None:
-        from mlxcel_compat.engine.factory import make_sequence
-
         seq = make_sequence(self, sub.request, sub.sink, slot.id)
 
         def emit_counted(event: EngineEvent) -> None:
@@ -825,9 +824,7 @@ class Engine:
             except Exception:  # a failed donation must never take the engine down
                 log.exception("prompt cache donation failed")
         if self.config.keep_slot_state:
-            from mlxcel_compat.engine.slot_files import keep_state
-
-            slot.kept = keep_state(self, seq) if donate and fin is not None else None
+            slot.kept = keep_state(self.loaded.model_id, seq) if donate and fin is not None else None
         slot.end()
 
     def _count(self, fin: FinishEvent) -> None:

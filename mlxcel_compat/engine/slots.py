@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mlxcel_compat.engine.kept_state import KeptState
+
 if TYPE_CHECKING:
     from mlxcel_compat.engine.sequence import Sequence
 
@@ -48,20 +50,6 @@ class SlotTask:
     has_next_token: bool = False
     # Image tokens in the task's prompt (a vision model); /slots shows them only when there are some.
     n_media_tokens: int = 0
-
-
-@dataclass
-class KeptState:
-    """The state a slot keeps after its task, as llama-server's slots do (``--slot-save-path``).
-
-    ``cache`` is the finished sequence's list of mlx-lm cache objects (engine thread only); it is
-    what ``POST /slots/{id}?action=save`` writes and ``restore`` puts back.
-    """
-
-    tokens: list[int]
-    cache: list[Any]
-    bucket: Any  # cache.key.Bucket of the task that produced it
-    session_key: str
 
 
 @dataclass
