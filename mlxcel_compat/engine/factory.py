@@ -12,6 +12,7 @@ from mlxcel_compat.engine.request import GenerationRequest, Sink
 from mlxcel_compat.engine.sampling.chain import SamplerChain
 from mlxcel_compat.engine.sequence import Sequence
 from mlxcel_compat.engine.slots import Slot
+from mlxcel_compat.engine.speculative_sequence import SpeculativeSequence
 from mlxcel_compat.engine.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,9 @@ def make_sequence(engine: SequenceHost, request: GenerationRequest, sink: Sink, 
     constraint = request.constraint
     grammar = engine.grammars.new_state(constraint, tokenizer) if constraint is not None else None
     preserved = constraint.preserved_tokens if constraint is not None else ()
-    seq = Sequence(
+    # A sequence of an engine that speculates can take the draft steps (speculator_for below).
+    sequence_class = SpeculativeSequence if engine.speculative is not None else Sequence
+    seq = sequence_class(
         request=request,
         # A vision model gets a view bound to this request's images (vision/model.py).
         model=loaded.model.bind(request.media, request.prompt_tokens) if loaded.vision is not None else loaded.model,

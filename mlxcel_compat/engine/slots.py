@@ -105,7 +105,7 @@ class Slot:
             n_decoded = len(seq.generated)
             in_slot, processed, cached = len(seq.cache_tokens), seq.stats.n_prompt_processed, seq.stats.n_cached
             n_remain = -1 if task.n_predict < 0 else max(task.n_predict - n_decoded, 0)
-            has_next, has_new_line = True, seq.has_new_line
+            has_next, has_new_line = True, seq.lines.has_new_line
         else:
             in_slot = len(seq.cache_tokens) if seq is not None else task.n_tokens_in_slot
             n_decoded = processed = cached = 0
