@@ -29,11 +29,11 @@ from typing import Any, Callable, Sequence as Seq
 import mlx.core as mx
 
 from mlxcel_compat.engine.forward import forward_logits, prefill_chunk
-from mlxcel_compat.engine.request import EngineEvent, FinishEvent, GenerationRequest, ProgressEvent
 from mlxcel_compat.engine.grammar import GrammarState, compute_masks
 from mlxcel_compat.engine.line_rules import LineRules
 from mlxcel_compat.engine.prompt_chunks import next_chunk, prompt_tail
 from mlxcel_compat.engine.reasoning_budget import ReasoningBudget
+from mlxcel_compat.engine.request import EngineEvent, FinishEvent, GenerationRequest, ProgressEvent
 from mlxcel_compat.engine.sampling.chain import SamplerChain
 from mlxcel_compat.engine.sequence_stats import SequenceStats, fill_probs
 from mlxcel_compat.engine.textstream import TextStream, token_is_complete_utf8
