@@ -149,7 +149,8 @@ def build_server(settings: object, model_arg: str, api_keys: list[str], model_na
                  adapters: object = None, speculative: object = None) -> object:
     from mlxcel_compat.engine.core import Engine, EngineConfig
     from mlxcel_compat.engine.speculative import SpecConfig
-    from mlxcel_compat.engine.prefix_cache import PrefixCache, PrefixCacheConfig
+    from mlxcel_compat.engine.prefix_cache import PrefixCache
+    from mlxcel_compat.engine.prefix_cache_config import PrefixCacheConfig
     from mlxcel_compat.lora.adapters import AdapterSet
     from mlxcel_compat.server.app import build_app
     from mlxcel_compat.server.context import ServerContext

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from mlxcel_compat.engine.sampling import SAMPLER_ALIASES, SAMPLER_CHARS
+from mlxcel_compat.engine.sampling.parsing import SAMPLER_ALIASES, SAMPLER_CHARS
 
 SCOPES: dict[str, str] = {
     "all": "native routes; the OpenAI routes pass these through too",

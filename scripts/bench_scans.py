@@ -54,7 +54,9 @@ def vocabulary_parts(args: argparse.Namespace) -> None:
     import tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from mlxcel_compat.engine import sampling
+    from mlxcel_compat.engine.sampling import dry
+    from mlxcel_compat.engine.sampling.candidates import softmax_np
+    from mlxcel_compat.engine.sampling.infill_pieces import merge_prefix_pieces, piece_index
     from mlxcel_compat.engine.textstream import derived, vocab_table
     from mlxcel_compat.testing.tokenizer import large_tokenizer_json
 
@@ -63,20 +65,20 @@ def vocabulary_parts(args: argparse.Namespace) -> None:
     if "dry" in args.parts:
         rng = random.Random(1)
         hostile = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz ,.:\n\"*é→") for _ in range(40)) for _ in range(32)]
-        print(f"dry: byte search table (once per tokenizer) {once_ms(lambda: derived(tok, 'vocab text', sampling.VocabText.of)):.0f} ms")
+        print(f"dry: byte search table (once per tokenizer) {once_ms(lambda: derived(tok, 'vocab text', dry.VocabText.of)):.0f} ms")
         for label, breakers in (("llama.cpp's default 4", ["\n", ":", '"', "*"]), ("32 random, 40 characters", hostile)):
             def run(breakers=breakers) -> None:
-                sampling._dry_cache.clear()  # time the mapping, not the cache
-                sampling.dry_sequence_breakers(tok, breakers)
+                dry.breakers_by_tokenizer.clear()  # time the mapping, not the cache
+                dry.dry_sequence_breakers(tok, breakers)
             print(f"dry: {label}: {median_ms(run, args.reps):.0f} ms")
     if "infill" in args.parts:
-        print(f"infill: piece index (once per tokenizer) {once_ms(lambda: sampling.piece_index(tok)):.0f} ms")
-        index = sampling.piece_index(tok)
+        print(f"infill: piece index (once per tokenizer) {once_ms(lambda: piece_index(tok)):.0f} ms")
+        index = piece_index(tok)
         rng = np.random.default_rng(0)
         ids = np.argsort(-rng.normal(size=len(tok)), kind="stable")
-        probs = np.sort(sampling._softmax_np(rng.normal(size=len(tok)) * 3))[::-1].copy()
+        probs = np.sort(softmax_np(rng.normal(size=len(tok)) * 3))[::-1].copy()
         logits = np.log(probs)
-        ms = median_ms(lambda: sampling._merge_prefix_pieces(index, ids, logits.copy(), probs.copy()), args.reps)
+        ms = median_ms(lambda: merge_prefix_pieces(index, ids, logits.copy(), probs.copy()), args.reps)
         print(f"infill: prefix merge over the whole vocabulary, a step: {ms:.0f} ms")
 
 

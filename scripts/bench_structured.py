@@ -89,7 +89,7 @@ def run_batch(engine: Any, lark: str | None, seeds: list[int], n_predict: list[i
     """Run len(seeds) sequences at once; return their token counts and the aggregate decode rate."""
     from mlxcel_compat.engine.grammar import Constraint
     from mlxcel_compat.engine.request import CacheContext, ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
-    from mlxcel_compat.engine.sampling import SamplingParams
+    from mlxcel_compat.engine.sampling.params import SamplingParams
 
     prompt = list(engine.loaded.tokenizer.encode(PROMPT))
     sinks: list[queue.Queue] = []

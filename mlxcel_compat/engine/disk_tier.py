@@ -17,7 +17,7 @@ drops the arrays) through a results queue, and ``wake`` asks the engine to colle
 writer runs at a lower CPU priority, hashes and writes in 8 MiB steps (releasing the GIL), and
 the queue is bounded in bytes: when it is full, an evicted entry is dropped (counted) rather than
 making decode wait. The files are written with ``O_DIRECT`` where the filesystem takes it
-(``cache/disk.py``), and while the engine has work (``busy``) the writer paces itself to
+(``cache/disk_write.py``), and while the engine has work (``busy``) the writer paces itself to
 ``BUSY_WRITE_BYTES_PER_S``, at full speed again once it is idle: on a machine whose cores decode
 already uses in full, writing evicted entries through the page cache at full speed (~100 MB/s when
 a 2K-token entry is evicted twice a second) cost decode up to 17 % even at the lowest CPU

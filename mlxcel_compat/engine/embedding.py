@@ -51,7 +51,7 @@ def embed(model: Any, job: EmbeddingJob) -> list[np.ndarray]:
         return _embed_encoder(model, job)
     inner = hidden_module(model)
     out: list[np.ndarray | None] = [None] * len(job.prompts)
-    for group in _groups([len(p) for p in job.prompts], job.max_batch_tokens):
+    for group in length_groups([len(p) for p in job.prompts], job.max_batch_tokens):
         if len(group) == 1 and len(job.prompts[group[0]]) > job.max_batch_tokens:
             i = group[0]
             out[i] = _pool(_hidden_chunked(model, inner, job.prompts[i], job.max_batch_tokens), job.pooling)
@@ -90,7 +90,7 @@ def _embed_encoder(model: Any, job: EmbeddingJob) -> list[np.ndarray]:
     import mlx.core as mx
 
     out: list[np.ndarray | None] = [None] * len(job.prompts)
-    for group in _groups([len(p) for p in job.prompts], job.max_batch_tokens):
+    for group in length_groups([len(p) for p in job.prompts], job.max_batch_tokens):
         lengths = [len(job.prompts[i]) for i in group]
         width = max(lengths)
         ids = [job.prompts[i] + [PAD_TOKEN] * (width - n) for i, n in zip(group, lengths)]
@@ -108,8 +108,11 @@ def _embed_encoder(model: Any, job: EmbeddingJob) -> list[np.ndarray]:
     return [v for v in out if v is not None]
 
 
-def _groups(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
-    """Indices in groups of similar length whose padded size fits one pass (one input at least)."""
+def length_groups(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
+    """Indices in groups of similar length whose padded size fits one pass (one input at least).
+
+    Sorting by length first keeps the padding of each batched pass small; a prompt longer than
+    ``max_batch_tokens`` gets a group of its own (``embed`` runs a decoder's in chunks)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     groups: list[list[int]] = []
     current: list[int] = []

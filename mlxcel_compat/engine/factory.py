@@ -3,19 +3,35 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxcel_compat.engine.request import GenerationRequest
-from mlxcel_compat.engine.sampling import SamplerChain
+from mlxcel_compat.engine.kept_state import adopt_kept
+from mlxcel_compat.engine.request import GenerationRequest, Sink
+from mlxcel_compat.engine.sampling.chain import SamplerChain
 from mlxcel_compat.engine.sequence import Sequence
+from mlxcel_compat.engine.slots import Slot
+from mlxcel_compat.engine.speculative_sequence import SpeculativeSequence
 from mlxcel_compat.engine.textstream import TextStream
 
-if TYPE_CHECKING:
-    from mlxcel_compat.engine.core import Engine, Sink
-
 log = logging.getLogger(__name__)
+
+
+class SequenceHost(Protocol):
+    """What building a sequence reads of the engine (``core.Engine`` is one); a protocol, so that
+    this module, which the engine imports, does not import it back."""
+
+    loaded: Any  # model.loader.LoadedModel
+    n_ctx: int  # per slot
+    config: Any  # core.EngineConfig: batch_size is the prefill chunk
+    grammars: Any  # engine.grammar.GrammarCompiler
+    speculative: Any  # engine.speculative.SpecConfig in force (None: off)
+    draft: Any  # engine.speculative.DraftModel (-md) or None
+    ngram_table: Any  # engine.speculative.NgramModTable or None
+    prefix_cache: Any  # engine.prefix_cache.PrefixCache or None
+    slots: list[Slot]
+
 
 def rows_match_chunks(loaded: Any) -> bool:
     """Whether the CPU decode runtime's rows compute a prompt tail as a prefill chunk would, to
@@ -34,7 +50,7 @@ def rows_match_chunks(loaded: Any) -> bool:
     return known
 
 
-def make_sequence(engine: "Engine", request: GenerationRequest, sink: "Sink", slot_id: int) -> Sequence:
+def make_sequence(engine: SequenceHost, request: GenerationRequest, sink: Sink, slot_id: int) -> Sequence:
     loaded = engine.loaded
     tokenizer = loaded.tokenizer
     vocab_size = int(loaded.config.get("vocab_size") or loaded.config.get("text_config", {}).get("vocab_size"))
@@ -43,7 +59,9 @@ def make_sequence(engine: "Engine", request: GenerationRequest, sink: "Sink", sl
     constraint = request.constraint
     grammar = engine.grammars.new_state(constraint, tokenizer) if constraint is not None else None
     preserved = constraint.preserved_tokens if constraint is not None else ()
-    seq = Sequence(
+    # A sequence of an engine that speculates can take the draft steps (speculator_for below).
+    sequence_class = SpeculativeSequence if engine.speculative is not None else Sequence
+    seq = sequence_class(
         request=request,
         # A vision model gets a view bound to this request's images (vision/model.py).
         model=loaded.model.bind(request.media, request.prompt_tokens) if loaded.vision is not None else loaded.model,
@@ -77,13 +95,11 @@ def make_sequence(engine: "Engine", request: GenerationRequest, sink: "Sink", sl
             seq.on_pin = cache.pin
             seq.pin_reached()  # breakpoints inside the adopted prefix are (re-)pinned right away
     elif request.cache.cache_prompt and engine.slots[slot_id].kept is not None:
-        from mlxcel_compat.engine.slot_files import adopt_kept
-
         adopt_kept(seq, engine.slots[slot_id].kept)
     return seq
 
 
-def speculator_for(engine: "Engine", seq: Sequence) -> Any:
+def speculator_for(engine: SequenceHost, seq: Sequence) -> Any:
     """This sequence's drafting, or None where speculation cannot verify exactly: a grammar's
     mask and a thinking budget's forced tokens depend on every accepted token (the log says so)."""
     from mlxcel_compat.engine.speculative import Speculator

@@ -5,7 +5,7 @@ is compiled once per distinct text by :class:`GrammarCompiler` and cached; each 
 own copy of the compiled matcher (:class:`GrammarState`), fed every token the sequence generates.
 Before a token is drawn, the sequence's mask (one bit per vocabulary entry) removes every token the
 grammar cannot take next; the end-of-generation tokens are allowed only where the grammar accepts.
-The sampler chain applies the mask right after the logit bias (``engine/sampling.py``), which is
+The sampler chain applies the mask right after the logit bias (``engine/sampling/chain.py``), which is
 llama.cpp's "grammar first" order.
 
 Lazy grammars (llama-server's ``grammar_lazy``) leave the text free until a trigger appears: a token,

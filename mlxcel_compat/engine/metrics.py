@@ -21,6 +21,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from mlxcel_compat.engine.request import FinishEvent
+    from mlxcel_compat.engine.sequence import Sequence as EngineSequence
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,35 @@ class EngineMetrics:
         self.n_tokens_max = max(self.n_tokens_max, n_tokens_max)
         if n_prompt > 0:
             self.prompt = self.prompt.plus(n_prompt, n_prompt, seconds)
+
+    def add_iteration(self, sequences: Sequence["EngineSequence"], before: Sequence[tuple[int, int]], seconds: float,
+                      batch_size: int) -> None:
+        """llama-server's per-decode metrics for an iteration that ran forward passes.
+
+        llama-server puts an iteration's tokens (one per decoding slot, then prompt tokens) into
+        batches of at most ``--batch-size`` tokens, one ``llama_decode`` each; the iteration is
+        counted as that many calls. A first token is sampled from a row that fed a prompt token,
+        so that row is not counted twice. ``before``: each sequence's (prompt tokens processed,
+        tokens generated) when the iteration began.
+        """
+        n_prompt = n_fed_generated = 0
+        for seq, (processed, generated) in zip(sequences, before):
+            n_prompt += seq.stats.n_prompt_processed - processed
+            new_tokens = len(seq.generated) - generated
+            n_fed_generated += new_tokens - (1 if generated == 0 and new_tokens > 0 else 0)
+        n_tokens = n_prompt + n_fed_generated
+        if n_tokens > 0:
+            longest = max(len(seq.cache_tokens) for seq in sequences)
+            n_calls = -(-n_tokens // max(1, batch_size))
+            self.add_pass(len(sequences), longest, n_prompt, seconds, n_calls)
+
+    def add_finish(self, fin: "FinishEvent") -> None:
+        """A generation's tokens and time, once it ends (prompt counts move per pass instead),
+        and its speculative drafts (llama-server adds a slot's draft counts when it is released)."""
+        if fin.n_decoded > 0:
+            self.add_prediction(fin.n_decoded, fin.predicted_ms / 1000.0)
+        if fin.n_draft_rounds > 0:
+            self.add_drafts(fin.n_draft, fin.n_draft_accepted, fin.n_draft_rounds, fin.accepted_per_pos)
 
     def add_drafts(self, n_draft: int, n_accepted: int, n_rounds: int, per_pos: tuple[int, ...]) -> None:
         """A finished generation's speculative drafts."""

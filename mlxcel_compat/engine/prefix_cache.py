@@ -8,18 +8,18 @@ Runs on the engine thread only (it owns the store). The store is pure bookkeepin
                 logits of exactly this prompt, ``_final_logits``)
     finish  ──► donate(seq): snapshot the sequence's KV with exactly the tokens it holds
 
-APC (partial reuse) is decided once, at start-up, by ``apc_decision``: off when the cache is off,
-by flag, for the spec's recurrent/hybrid families, or when the model's cache holds a layer that
-cannot be cut at every length. ``MLXCEL_APC_TRACE=1`` logs one ``trace_line`` per lookup.
+APC (partial reuse) is decided once, at start-up, by ``apc.apc_decision``: off when the cache is
+off, by flag, for the spec's recurrent/hybrid families, or when the model's cache holds a layer
+that cannot be cut at every length. ``MLXCEL_APC_TRACE=1`` logs one ``apc.trace_line`` per lookup.
+The settings and budget defaults are ``prefix_cache_config.py``'s, the admin replies'
+``tiers`` and reset bodies ``cache_stats.py``'s.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import os
-import shutil
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,16 +28,18 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxcel_compat.runtime.backend import release_free_memory
 from mlxcel_compat.cache import kv, kv_io
 from mlxcel_compat.cache.block_hash import ApcConfig
-from mlxcel_compat.cache.disk_directory import list_entry_files
 from mlxcel_compat.cache.disk_format import Compat
-from mlxcel_compat.cache.families import recurrent_family
 from mlxcel_compat.cache.key import PIN_SESSION, TEXT_ONLY_MM_DIGEST, Bucket
 from mlxcel_compat.cache.media import first_media_token
 from mlxcel_compat.cache.prompt_store import PromptCacheStore
 from mlxcel_compat.cache.records import LookupResult
 from mlxcel_compat.cache.snapshot import SnapshotStore, is_snapshot_family, snapshot_capacity_default
 from mlxcel_compat.cache.store import EntryStore
+from mlxcel_compat.engine.apc import apc_decision, trace_line
+from mlxcel_compat.engine.cache_stats import RESET_TIERS, reset_result, tiers_stats
 from mlxcel_compat.engine.disk_tier import DiskTier
+from mlxcel_compat.engine.prefix_cache_config import (PrefixCacheConfig, disk_capacity_default, model_aware_capacity,
+                                                      physical_memory_bytes)
 from mlxcel_compat.engine.request import WarmupJob
 from mlxcel_compat.engine.snapshots import SessionSnapshots
 
@@ -47,103 +49,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-GIB = 1 << 30
-KV_FLOOR_BYTES = 2 * GIB
-DISK_DEFAULT_CEILING = 16 * GIB
 FLUSH_TIMEOUT_SECONDS = 20.0  # a clean shutdown writes RAM entries to the disk tier for at most this long
-RESET_TIERS = ("ram", "disk", "all")
 # An entry keeps its donor's logits at the prompt's last position (a prompt sent again then
 # needs no forward pass, ``PrefixCache._final_logits``) when they cost at most this share of its
 # KV bytes: 32 KiB of logits against 25 MiB of KV for a 1K-token prompt of the small llama.
 FINAL_LOGITS_MAX_SHARE = 1 / 16
-
-
-@dataclass
-class PrefixCacheConfig:
-    """The prompt-cache settings the engine needs (resolved from the settings table)."""
-
-    enabled: bool = True
-    capacity_bytes: int | None = None  # None: model-aware default
-    max_entries: int = 1024
-    ttl_seconds: float = 3600.0
-    min_prefix: int = 32
-    apc_enabled: bool = True
-    apc_block_size: int = 16
-    apc_num_blocks: int | None = None
-    apc_hash: str = "sha256"
-    apc_trace: bool = False
-    snapshot_capacity_bytes: int | None = None  # None: model-aware default
-    snapshot_max_entries: int = 4096
-    snapshot_ttl_seconds: float = 7200.0
-    boundary_snapshots: bool = True  # MLXCEL_DISABLE_BOUNDARY_SNAPSHOT=1 turns it off
-    warmup: bool = True  # MLXCEL_DISABLE_CACHE_WARMUP=1 turns it off
-    pin_max_entries: int = 64  # explicit cache breakpoints kept pinned at once (0: none)
-    pin_capacity_bytes: int | None = None  # None: a quarter of the KV budget
-    disk_dir: str | None = None  # --prompt-cache-dir: the disk tier (off when None)
-    disk_capacity_bytes: int | None = None  # None: disk_capacity_default
-    disk_write_through: bool = False  # --prompt-cache-write-through: write entries when stored
-
-    @classmethod
-    def from_settings(cls, s: Any) -> "PrefixCacheConfig":
-        return cls(
-            enabled=bool(s.prompt_cache_enabled),
-            capacity_bytes=s.prompt_cache_capacity_bytes,
-            max_entries=s.prompt_cache_max_entries,
-            ttl_seconds=float(s.prompt_cache_ttl),
-            min_prefix=s.prompt_cache_min_prefix,
-            apc_enabled=bool(s.apc_enabled),
-            apc_block_size=s.apc_block_size,
-            apc_num_blocks=s.apc_num_blocks,
-            apc_hash=s.apc_hash,
-            apc_trace=bool(s.apc_trace),
-            snapshot_capacity_bytes=s.prompt_cache_snapshot_capacity_bytes,
-            snapshot_max_entries=s.prompt_cache_snapshot_max_entries,
-            snapshot_ttl_seconds=float(s.prompt_cache_snapshot_ttl),
-            boundary_snapshots=not s.disable_boundary_snapshot,
-            warmup=not s.disable_cache_warmup,
-            pin_max_entries=s.prompt_cache_pin_max_entries,
-            pin_capacity_bytes=s.prompt_cache_pin_capacity_bytes,
-            disk_dir=s.prompt_cache_dir,
-            disk_capacity_bytes=s.prompt_cache_disk_capacity_bytes,
-            disk_write_through=bool(s.prompt_cache_write_through),
-        )
-
-
-def physical_memory_bytes() -> int:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 16 * GIB
-
-
-def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 4) -> int:
-    """KV bytes one token costs across all layers, from ``config.json`` (text_config aware)."""
-    cfg = {**config.get("text_config", {}), **{k: v for k, v in config.items() if k != "text_config"}}
-    layers = int(cfg.get("num_hidden_layers") or 0)
-    heads = int(cfg.get("num_attention_heads") or 1)
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or 0) // heads))
-    return 2 * layers * kv_heads * head_dim * dtype_bytes
-
-
-def model_aware_capacity(config: dict[str, Any], ctx_size: int, model_bytes: int, total_memory: int) -> tuple[int, int]:
-    """The spec's default KV budget: ``max(2 GiB, min(6 * entry, left / 4))`` + one-entry floor.
-
-    Returns (capacity_bytes, entry_bytes).
-    """
-    entry = kv_bytes_per_token(config) * min(ctx_size, 8192)
-    left = max(total_memory - model_bytes, 0)
-    capacity = max(KV_FLOOR_BYTES, min(6 * entry, left // 4))
-    if entry > capacity and entry <= left // 2:
-        capacity = entry
-    return capacity, entry
-
-
-def disk_capacity_default(root: Path) -> int:
-    """Half of what the cache directory could use (free space plus the cache's own files), at
-    most 16 GiB. The cache's files count in so that a restart does not shrink the budget."""
-    ours = sum(f.size for f in list_entry_files(root))
-    return min(DISK_DEFAULT_CEILING, (shutil.disk_usage(root).free + ours) // 2)
 
 
 class PrefixCache:
@@ -614,79 +524,3 @@ class PrefixCache:
             log.info("apc-trace: %s", trace_line(seq.request.task_id, seq.n_prompt, result, failed))
 
 
-def tiers_stats(out: dict[str, Any], disk: dict[str, Any]) -> dict[str, Any]:
-    """``tiers.ram`` (both RAM stores) and ``tiers.disk`` of ``GET /v1/cache/stats``."""
-    ram_hits = out["hits"] + out["snapshot_hits"] - disk["hits"]
-    return {
-        "ram": {
-            "entries": out["entries"] + out["snapshot_entries"],
-            "bytes": out["bytes"] + out["snapshot_bytes"],
-            "capacity_bytes": out["capacity_bytes"] + out["snapshot_capacity_bytes"],
-            "hits": max(ram_hits, 0),
-        },
-        "disk": disk,
-    }
-
-
-def reset_result(tier: str, ram: tuple[int, int], disk: tuple[int, int]) -> dict[str, Any]:
-    """The body of ``POST /v1/cache/reset``: totals plus what each tier dropped."""
-    return {
-        "success": True,
-        "tier": tier,
-        "cleared_entries": ram[0] + disk[0],
-        "cleared_bytes": ram[1] + disk[1],
-        "tiers": {
-            "ram": {"cleared_entries": ram[0], "cleared_bytes": ram[1]},
-            "disk": {"cleared_entries": disk[0], "cleared_bytes": disk[1]},
-        },
-    }
-
-
-def apc_decision(config: PrefixCacheConfig, model_config: dict[str, Any], probe: list[Any]) -> tuple[str | None, str]:
-    """Whether APC runs for this model: ``(None, detail)`` if so, else ``(reason, detail)``.
-
-    Reasons, first that applies: "cache_off" (the prompt cache is off, so APC has nothing to
-    work on), "flag" (``--apc-enabled=false``), "recurrent_family" (the spec's model_type list),
-    "non_trimmable_cache" (a layer of the model's mlx-lm cache cannot be cut at every length).
-    """
-    if not config.enabled:
-        return "cache_off", "the prompt cache is off"
-    if not config.apc_enabled:
-        return "flag", "--apc-enabled=false / APC_ENABLED"
-    family = recurrent_family(model_config)
-    if family is not None:
-        return "recurrent_family", family.describe()
-    blockers = kv.untruncatable_layers(probe)
-    if blockers:
-        return "non_trimmable_cache", "the model cache holds " + ", ".join(blockers)
-    return None, "token-granular KV cache"
-
-
-def trace_line(task_id: int, n_prompt: int, result: LookupResult, failed: bool = False) -> str:
-    """One lookup decision: candidate, common prefix, verified lengths, adopted length and why.
-
-    ``block_verified`` is what agreeing full blocks vouch for, ``verified`` adds the token-by-token
-    extension, ``adopted`` is after the ``len(prompt) - 1`` clamp.
-    """
-    hit = result.hit
-    if hit is None:
-        decision, reason, why = "miss", result.reason, result.detail
-        candidate, common, block, verified, adopted = result.candidate_id, result.common_len, "-", result.best_len, 0
-    else:
-        candidate, common, block, verified = hit.entry.id, hit.common_len, hit.block_len, hit.verified_len
-        if not hit.partial:
-            why = "whole_entry_prefix"
-        elif hit.verified_len > hit.block_len:
-            why = "apc_blocks_then_tokens"
-        else:
-            why = "apc_blocks"
-        if hit.matched_len < hit.verified_len:
-            why += ",clamped_to_prompt_minus_1"
-        if failed:
-            decision, reason, adopted = "miss", "adoption_failed", 0
-        else:
-            decision, reason, adopted = "hit", hit.stage, hit.matched_len
-    return (
-        f"{decision} task={task_id} prompt={n_prompt} candidate={'-' if candidate is None else candidate} "
-        f"common={common} block_verified={block} verified={verified} adopted={adopted} reason={reason} why={why}"
-    )

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Callable, Literal, Union
 
 from mlxcel_compat.engine.grammar import Constraint
 from mlxcel_compat.engine.reasoning_budget import ReasoningBudgetSpec
-from mlxcel_compat.engine.sampling import SamplingParams
+from mlxcel_compat.engine.sampling.params import SamplingParams
 from mlxcel_compat.vision.inputs import MediaInput
 
 _task_ids = itertools.count()
@@ -158,6 +158,8 @@ class ErrorEvent:
 
 
 EngineEvent = Union[TokenEvent, ProgressEvent, FinishEvent, ErrorEvent]
+# Where the engine thread sends one request's events (the client's queue filler, or a test's).
+Sink = Callable[[EngineEvent], None]
 
 
 @dataclass

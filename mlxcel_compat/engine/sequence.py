@@ -5,65 +5,44 @@ prefill chunk, or one decode step. Decode is pipelined like mlx-lm's ``generate_
 for token n+1 is built and handed to ``mx.async_eval`` before token n is read back, so the CPU
 never waits idle between steps.
 
-Prefill chunks are aligned on absolute multiples of the chunk size (``--batch-size``). A sequence
-that adopted a cached prefix therefore splits the rest of its prompt exactly where a cold run
-would, which makes a cache hit reproduce the cold run bit for bit when the adopted length is
-itself on such a boundary.
+Prefill chunks are aligned on absolute multiples of the chunk size (``--batch-size``), so that a
+cache hit reproduces the cold run bit for bit when the adopted length is itself on such a
+boundary (``prompt_chunks.py``).
 
 A sequence with a grammar (``engine/grammar.py``) cannot build token n+1's draw before token n is
 known: the mask depends on it. It still queues the forward pass for n+1 first, then reads token n
 back, feeds it to its grammar and computes the mask while that pass runs, and only then adds the
 masked draw to the graph (:meth:`Sequence.draw_pending`). The model never waits for the grammar.
+
+The passes themselves (CPU decode runtime or MLX) are ``forward.py``'s, the counters and the
+events reporting them ``sequence_stats.py``'s, llama-server's newline rules ``line_rules.py``'s,
+and speculative decoding's steps ``speculative_sequence.py``'s.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Sequence as Seq
 
 import mlx.core as mx
-import numpy as np
 
-from mlxcel_compat.engine.request import (
-    EngineEvent,
-    FinishEvent,
-    GenerationRequest,
-    ProgressEvent,
-    TokenEvent,
-    TokenProb,
-)
+from mlxcel_compat.engine.forward import forward_logits, prefill_chunk
 from mlxcel_compat.engine.grammar import GrammarState, compute_masks
+from mlxcel_compat.engine.line_rules import LineRules
+from mlxcel_compat.engine.prompt_chunks import next_chunk, prompt_tail
 from mlxcel_compat.engine.reasoning_budget import ReasoningBudget
-from mlxcel_compat.engine.sampling import SamplerChain, top_logprobs, top_probs
-from mlxcel_compat.engine.speculative import verify_draft
+from mlxcel_compat.engine.request import EngineEvent, FinishEvent, GenerationRequest, ProgressEvent
+from mlxcel_compat.engine.sampling.chain import SamplerChain
+from mlxcel_compat.engine.sequence_stats import SequenceStats, fill_probs
 from mlxcel_compat.engine.textstream import TextStream, token_is_complete_utf8
-from mlxcel_compat.runtime.block_layers import logits_unused
-from mlxcel_compat.runtime.lora_rows import applied
-from mlxcel_compat.runtime.cpu_decode import EXACT_ROWS, head_module
 from mlxcel_compat.runtime.decode_kv import OwnedCache
 
 log = logging.getLogger(__name__)
 
 # Release MLX's buffer cache every so many decode steps (as mlx-lm does) to bound memory.
-_CLEAR_EVERY = 256
-
-
-@dataclass
-class SequenceStats:
-    n_cached: int = 0  # prompt tokens adopted from the prompt cache (or a sibling, see shared)
-    n_cache_written: int = 0  # prompt tokens newly pinned at cache breakpoints, beyond n_cached
-    shared: bool = False  # n_cached came from a sibling completion (n_cmpl), not the prompt cache
-    n_prompt_processed: int = 0  # prompt tokens run through the model (cached ones excluded)
-    n_draft: int = 0  # speculative decoding: draft tokens proposed (llama-server's draft_n)
-    n_draft_accepted: int = 0  # ... and accepted by the model (draft_n_accepted)
-    n_draft_rounds: int = 0  # verification passes
-    accepted_per_pos: list[int] = field(default_factory=list)  # rounds accepting draft position i
-    t_start: float = field(default_factory=time.perf_counter)
-    t_prompt_done: float | None = None
-    t_end: float | None = None
+CLEAR_EVERY = 256
 
 
 class Sequence:
@@ -131,10 +110,7 @@ class Sequence:
         self._history: list[int] = list(self.prompt)
         # llama-server's newline rules: the text sent so far (kept for n_indent only), whether a
         # newline was sent (t_max_predict_ms, /slots has_new_line) and where the last line starts.
-        self.text_sent = ""
-        self.has_new_line = False
-        self._last_nl_pos = 0
-        self._content_cut = -1
+        self.lines = LineRules(request.n_indent, request.t_max_predict_ms)
         # engine.speculative.Speculator: this sequence's drafting (None: plain decoding).
         self.speculator: Any = None
         spec = request.reasoning_budget
@@ -263,11 +239,6 @@ class Sequence:
         if self.finished is None and self._context_full():
             self._finish("limit", "", truncated=True)
 
-    @property
-    def lora_rows(self) -> list[tuple[float, ...]] | None:
-        """The LoRA scales of this sequence's forward passes (``lora_rows.applied``)."""
-        return [self.request.lora] if any(self.request.lora) else None
-
     # ------------------------------------------------------------------ prefill
 
     def prefill_step(self, rows_tail: bool = False) -> int:
@@ -281,15 +252,7 @@ class Sequence:
         tail = self.prompt_tail() if rows_tail else None
         if tail is None and len(self.cache_tokens) < last:
             chunk = self.next_chunk()
-            if self.decoder is not None and len(chunk) > 1 and self.decoder.can_prefill(self.cache, self.owned):
-                # The CPU decode runtime's chunk (CpuDecoder.prefill, no output head): the same
-                # products with none of MLX's eager evaluations around them, and its causal
-                # attention kernel. Chunked like MLX's, so an aligned hit still equals a cold run.
-                self.decoder.prefill(chunk, self.cache, self.owned, self.request.lora or None, logits=False)
-            else:
-                with logits_unused(), applied(self.lora_rows):  # only the cache is wanted
-                    self.model(mx.array(chunk)[None], cache=self.cache)
-                mx.eval([c.state for c in self.cache])
+            prefill_chunk(self.model, self.decoder, self.cache, self.owned, self.request.lora, chunk)
             self.chunk_done(chunk)
             return len(chunk)
         # The final prompt token (or the short tail that ends with it) produces the logits of
@@ -311,61 +274,23 @@ class Sequence:
 
     def prompt_tail(self) -> list[int] | None:
         """The rest of the prompt, its last token included, when one pass feeds it and its last
-        row samples the first token, instead of a prefill chunk and then a step of its own (two
-        reads of every weight where one does); None otherwise. Two kinds:
-
-        - **Decode rows**: a rest of 2 to ``EXACT_ROWS`` tokens as the rows of one decode step
-          (``CpuDecoder.step_tokens``). The rule depends only on how many prompt tokens are
-          left, so a cold run takes the same path from the same chunk boundary and an aligned
-          hit stays bit-exact (each row is computed exactly as a single step at its position).
-          Only on caches the runtime steps (an empty one, a ring or MLX's batch cache keep the
-          chunks).
-        - **A hit's rest in one chunk**: after a hit off the chunk grid, the rest goes in one pass
-          when it fits in a chunk (:meth:`next_chunk`), and that pass takes the last token along,
-          its logits from the last row only: ``CpuDecoder.prefill`` where the runtime takes the
-          cache (more than ``EXACT_ROWS`` tokens; fewer go as decode rows, above), else MLX's
-          chunk (:meth:`_last_row_logits`). No cold run and no
-          aligned hit starts off the grid, so neither changes: their last token stays a decode
-          step, and a full hit's first token still equals the cold run's bit for bit. (A hit
-          off the grid is not bit-exact with the cold run whatever the split.) On the families
-          the CPU decode runtime takes, whose output head is known.
-
-        Both kinds with float32 weights only (``factory.rows_match_chunks``): with weights in
-        ggml's blocks a decode step quantizes its activations (as llama.cpp's decode does) and a
-        chunk does not, so the first token's log-probabilities would move by ~1e-2 against a cold
-        run's, and a tail fed as rows would leave KV that a cold prefill does not reproduce.
+        row samples the first token (``prompt_chunks.prompt_tail``: decode rows, or a hit's rest
+        in one chunk); None otherwise. Only where this sequence's decode rows compute as a prefill
+        chunk would (``tail_rows``, set by the factory), before its first token.
 
         The engine takes it only for a sequence that prefills alone: with others, the tail's
-        chunk shares one batched pass with theirs. Not when the tail would pass a snapshot
-        boundary or a cache breakpoint (those are taken between prefill chunks), nor for a
-        completion whose siblings copy its prompt's KV (``n_cmpl``: they take it one token short).
+        chunk shares one batched pass with theirs. Not for a completion whose siblings copy its
+        prompt's KV (``n_cmpl``: they take it one token short).
         """
-        start, n = len(self.cache_tokens), self.n_prompt
-        if (not self.tail_rows or self.decoder is None or self._pending is not None or n - start < 2
-                or self.request.share_group >= 0):
+        if not self.tail_rows or self.decoder is None or self._pending is not None or self.request.share_group >= 0:
             return None
-        if self.boundary is not None and start < self.boundary < n:
-            return None
-        if any(start < position < n for position, _ in self.pins):
-            return None
-        if n - start <= EXACT_ROWS and self.decoder.can_step_tokens(self.cache, self.owned):
-            return self.prompt[start:]
-        if start % self.chunk_size and n - start <= self.chunk_size:
-            return self.prompt[start:]
-        return None
+        return prompt_tail(self.prompt, len(self.cache_tokens), self.chunk_size, self.boundary, self.pins,
+                           lambda: self.decoder.can_step_tokens(self.cache, self.owned))
 
     def next_chunk(self) -> list[int]:
-        """The prompt tokens of the next prefill chunk: up to the next multiple of the chunk size,
-        the snapshot boundary or the last prompt token (exclusive), whichever comes first."""
-        start, last = len(self.cache_tokens), self.n_prompt - 1
-        boundary = self.boundary
-        limit = boundary if boundary is not None and start < boundary <= last else last
-        if start % self.chunk_size and limit - start <= self.chunk_size:
-            # An unaligned start (a hit that adopted a prefix off the chunk grid) is not bit-exact
-            # with the cold run whatever the split, so the rest goes in one pass when it fits in
-            # one chunk, not in two split at the grid (each pass costs a read of every weight).
-            return self.prompt[start:limit]
-        return self.prompt[start : min(limit, (start // self.chunk_size + 1) * self.chunk_size)]
+        """The prompt tokens of the next prefill chunk (``prompt_chunks.next_chunk``): up to the
+        next multiple of the chunk size, the snapshot boundary or the last prompt token."""
+        return next_chunk(self.prompt, len(self.cache_tokens), self.chunk_size, self.boundary)
 
     def chunk_done(self, chunk: list[int]) -> None:
         """The cache now holds ``chunk`` too (computed alone or in a batched prefill pass)."""
@@ -404,37 +329,8 @@ class Sequence:
     # ------------------------------------------------------------------ decode
 
     def _forward_logits(self, tokens: list[int] | mx.array) -> Any:
-        if self.decoder is not None and (isinstance(tokens, mx.array) or len(tokens) == 1) and self.decoder.can_run(self.cache, self.owned):
-            # The CPU decode runtime takes the token's value: no step is queued ahead of it,
-            # and none needs to be (it never waits on MLX's scheduler).
-            token = int(tokens.item()) if isinstance(tokens, mx.array) else tokens[0]
-            logits = mx.array(self.decoder.step(token, self.cache, self.owned, self.request.lora or None))
-            self.cache_tokens.append(token)
-            return logits
-        if (self.decoder is not None and isinstance(tokens, list) and len(tokens) > 1
-                and self.decoder.can_step_tokens(self.cache, self.owned)):
-            if len(tokens) <= EXACT_ROWS:
-                # A short prompt tail (prompt_tail): one step whose rows are its tokens; the last
-                # row's logits sample the first token.
-                rows = self.decoder.step_tokens(tokens, self.cache, self.owned, self.request.lora or None)
-                self.cache_tokens.extend(tokens)
-                return mx.array(rows[-1])
-            # A hit's longer rest off the chunk grid (prompt_tail): one prompt chunk through the
-            # CPU decode runtime, the head on its last row. Not bit-exact with any other split
-            # (as MLX's chunk was not), so the runtime's GEMM and chunk attention serve it.
-            logits = self.decoder.prefill(tokens, self.cache, self.owned, self.request.lora or None)
-            self.cache_tokens.extend(tokens)
-            return mx.array(logits)
-        inputs = tokens.reshape(1, 1) if isinstance(tokens, mx.array) else mx.array(tokens)[None]
-        with applied(self.lora_rows):
-            if self.decoder is not None and inputs.shape[1] > 1:  # a hit's rest in one chunk (prompt_tail)
-                logits = _last_row_logits(self.model, inputs, self.cache)
-            else:
-                logits = self.model(inputs, cache=self.cache)[0, -1, :]
-        if isinstance(tokens, mx.array):
-            self.cache_tokens.append(-1)  # placeholder; filled in when the token is read back
-        else:
-            self.cache_tokens.extend(tokens)
+        logits, fed = forward_logits(self.model, self.decoder, self.cache, self.owned, self.request.lora, tokens)
+        self.cache_tokens.extend(fed)
         return logits
 
     def _forward(self, tokens: list[int] | mx.array) -> tuple[Any, Any, Any]:
@@ -476,7 +372,7 @@ class Sequence:
             self._decode_step_constrained(token_arr, logprobs, probs)
         else:
             self._decode_step_pipelined(token_arr, logprobs, probs)
-        if len(self.generated) % _CLEAR_EVERY == 0:
+        if len(self.generated) % CLEAR_EVERY == 0:
             mx.clear_cache()
 
     def _decode_step_pipelined(self, token_arr: Any, logprobs: Any, probs: Any) -> None:
@@ -550,118 +446,11 @@ class Sequence:
             else:
                 self._finish("limit", "", truncated=self._context_full())
 
-    # ------------------------------------------------------------------ speculative decoding
-    # engine/speculative.py: the draft is proposed before the step, verified in one pass here.
-
-    def draft_tokens(self) -> list[int]:
-        """The draft to verify with the pending token in this step, or [] for a plain step.
-
-        At most as many tokens as may still be generated after the pending one with room for the
-        token sampled after the last of them (so every fed token had room, as in a plain step)."""
-        spec = self.speculator
-        if spec is None or self.finished is not None or self._pending is None or self.cancelled or not self._room_for_more():
-            return []
-        from mlx_lm.models.cache import can_trim_prompt_cache
-
-        n_max = self.n_ctx - (self.n_prompt + len(self.generated)) - 2
-        if self.request.n_predict >= 0:
-            n_max = min(n_max, max(self.request.n_predict, 1) - len(self.generated) - 2)
-        if n_max < max(1, spec.n_min) or not can_trim_prompt_cache(self.cache):
-            return []
-        token = int(self._pending[0].item())
-        draft = spec.propose(self.cache_tokens, token, n_max)
-        if draft:
-            self.stats.n_draft += len(draft)
-            self.stats.n_draft_rounds += 1
-        return draft
-
-    def speculate_step(self, draft: list[int]) -> None:
-        """Feed the pending token and ``draft`` in one pass, then accept tokens in order: each
-        position is sampled with this request's chain (the history so far included), a draft
-        token is kept while the sample equals it, and the first sample that differs (or the one
-        after a fully accepted draft) becomes the pending token. The cache gives back the
-        rejected positions. See engine/speculative.py for why the output is plain decoding's."""
-        from mlx_lm.models.cache import trim_prompt_cache
-
-        token_arr, logprobs, probs = self._pending
-        token = int(token_arr.item())
-        if self.stats.t_prompt_done is None:
-            self.stats.t_prompt_done = time.perf_counter()
-        fed = [token] + draft
-        rows = self._verify_logits(fed)
-        self._pending = None
-        self._history.append(token)
-        self.cache_tokens.append(token)
-        n_before = len(self.generated)
-        self._accept(token, logprobs, probs)
-        greedy = self.chain.is_plain_argmax and self.request.n_probs <= 0
-        picks = [self.chain.argmax_of(row) for row in rows] if greedy else None
-
-        def sample_at(i: int) -> tuple[int, Any]:
-            if greedy:  # no probabilities were asked for: the token is all a step keeps
-                return int(picks[i]), (mx.array(int(picks[i]), dtype=mx.int32), None, None)
-            result = self.chain.sample(mx.array(rows[i]), self._history)
-            return int(result.token.item()), (result.token, result.logprobs, result.probs)
-
-        per_pos = self.stats.accepted_per_pos
-        kept: list[int] = []  # this round's accepted draft tokens
-
-        def accept(value: int, sampled: Any) -> bool:
-            # Counted before the token is emitted: a finish it causes reports this round too.
-            if len(kept) == len(per_pos):
-                per_pos.append(0)
-            per_pos[len(kept)] += 1
-            kept.append(value)
-            self.stats.n_draft_accepted += 1
-            self._history.append(value)
-            self.cache_tokens.append(value)
-            self._accept(value, sampled[1], sampled[2])
-            return self.finished is None
-
-        n_kept = 0
-        if self.finished is None:
-            n_kept, self._pending = verify_draft(draft, sample_at, accept)
-        rejected = len(draft) - n_kept
-        if rejected:  # the cache holds every fed position; cache_tokens only the accepted ones
-            trim_prompt_cache(self.cache, rejected)
-        self.speculator.verified(len(draft), n_kept)
-        if self.finished is None and self._context_full():
-            self._finish("limit", "", truncated=True)
-        if len(self.generated) // _CLEAR_EVERY != n_before // _CLEAR_EVERY:
-            mx.clear_cache()
-
-    def _verify_logits(self, fed: list[int]) -> np.ndarray:
-        """(len(fed), vocabulary) logits of feeding ``fed`` after the cache: the CPU decode
-        runtime's rows (bit-identical to single steps) where it runs, else one MLX pass. The
-        caller records in ``cache_tokens`` the fed tokens it keeps, and trims the others."""
-        dec = self.decoder
-        if dec is not None and dec.can_step_tokens(self.cache, self.owned):
-            rows = dec.step_tokens(fed, self.cache, self.owned, self.request.lora or None)
-        else:
-            with applied(self.lora_rows):
-                logits = self.model(mx.array(fed)[None], cache=self.cache)[0]
-            rows = np.array(logits.astype(mx.float32))
-        return rows
-
     def _accept(self, token: int, logprobs: Any, probs: Any) -> None:
         self.generated.append(token)
-        now = time.perf_counter()
-        t_prompt = self.stats.t_prompt_done or now
-        event = TokenEvent(
-            token=token,
-            text="",
-            n_decoded=len(self.generated),
-            id_slot=self.slot_id,
-            n_prompt=self.n_prompt,
-            n_cached=self.stats.n_cached,
-            prompt_ms=(t_prompt - self.stats.t_start) * 1000.0,
-            predicted_ms=(now - t_prompt) * 1000.0,
-            n_cache_written=self.stats.n_cache_written,
-            n_draft=self.stats.n_draft,
-            n_draft_accepted=self.stats.n_draft_accepted,
-        )
+        event = self.stats.token_event(token, len(self.generated), self.slot_id, self.n_prompt)
         if self.request.n_probs > 0:
-            self._fill_probs(event, token, logprobs, probs)
+            fill_probs(event, token, logprobs, probs, self.request.n_probs, self.request.post_sampling_probs)
         piece = self.text.push(token)  # an end-of-generation token flushes held-back text
         eog = token in self.eog_ids and not self.request.sampling.ignore_eos
         grammar = self.grammar
@@ -673,8 +462,7 @@ class Sequence:
             complete = grammar.complete
         event.text = piece.text + (self.text.finish() if complete else "")
         self.emit(event)
-        if self.request.n_indent > 0:  # only n_indent needs the text itself
-            self.text_sent += event.text
+        self.lines.add_text(event.text)
         if eog:
             self._finish("eos", "")
         elif piece.stopped:
@@ -683,7 +471,8 @@ class Sequence:
             self._finish("eos", "")
         elif grammar is not None and grammar.error is not None:
             self._grammar_failed()
-        elif not self._budget_left() or self._under_indented() or self._out_of_time(piece.text):
+        elif (not self._budget_left() or self.lines.under_indented()
+              or self.lines.out_of_time(piece.text, self.stats.t_prompt_done)):
             self._finish("limit", "")
 
     def _grammar_failed(self) -> None:
@@ -691,43 +480,6 @@ class Sequence:
         assert self.grammar is not None
         log.warning("task %d: grammar stopped the generation: %s", self.request.task_id, self.grammar.error)
         self._finish("limit", "")
-
-    def _under_indented(self) -> bool:
-        """``n_indent``: once a line has started, it must be indented by at least n_indent spaces
-        or tabs; a shallower line ends generation and is cut from the reply (llama-server)."""
-        n_indent = self.request.n_indent
-        if n_indent <= 0 or not self.has_new_line:
-            return False
-        text = self.text_sent
-        if self._last_nl_pos > 0:
-            pos = self._last_nl_pos
-            while pos < len(text) and text[pos] in " \t":
-                pos += 1
-            if pos < len(text) and pos - self._last_nl_pos < n_indent:
-                self._content_cut = pos
-                return True
-        nl = text.find("\n", self._last_nl_pos)
-        if nl >= 0:
-            self._last_nl_pos = nl + 1
-        return False
-
-    def _out_of_time(self, piece: str) -> bool:
-        """``t_max_predict_ms``: checked only when a newline is sent, so lines stay whole."""
-        if "\n" not in piece:
-            return False
-        self.has_new_line = True
-        limit = self.request.t_max_predict_ms
-        started = self.stats.t_prompt_done
-        return limit > 0 and started is not None and (time.perf_counter() - started) * 1000.0 > limit
-
-    def _fill_probs(self, event: TokenEvent, token: int, logprobs: Any, probs: Any) -> None:
-        n = self.request.n_probs
-        if self.request.post_sampling_probs and probs is not None:
-            event.top = [TokenProb(i, p) for i, p in top_probs(probs, n)]
-            event.logprob = float(probs[token].item())
-        else:
-            event.top = [TokenProb(i, lp) for i, lp in top_logprobs(logprobs, n)]
-            event.logprob = float(logprobs[token].item())
 
     def _budget_left(self) -> bool:
         n_predict = self.request.n_predict
@@ -755,30 +507,11 @@ class Sequence:
         if self._undrawn is not None:
             mx.eval(self._undrawn)
             self._undrawn = None
-        now = time.perf_counter()
-        self.stats.t_end = now
-        t_prompt = self.stats.t_prompt_done or now
         tail = "" if stop_type in ("word", "eos") or cancelled else self.text.finish()
-        self.finished = FinishEvent(
-            stop_type=stop_type,  # type: ignore[arg-type]
-            stopping_word=stopping_word,
-            text=tail,
-            n_prompt=self.n_prompt,
-            n_cached=self.stats.n_cached,
-            n_decoded=len(self.generated),
-            tokens_cached=len(self.cache_tokens),
-            prompt_ms=(t_prompt - self.stats.t_start) * 1000.0,
-            predicted_ms=(now - t_prompt) * 1000.0,
-            truncated=truncated,
-            id_slot=self.slot_id,
-            seed=self.chain.seed,
-            cancelled=cancelled,
-            content_cut=self._content_cut,
-            n_cache_written=self.stats.n_cache_written,
-            n_draft=self.stats.n_draft,
-            n_draft_accepted=self.stats.n_draft_accepted,
-            n_draft_rounds=self.stats.n_draft_rounds,
-            accepted_per_pos=tuple(self.stats.accepted_per_pos),
+        self.finished = self.stats.finish_event(
+            stop_type, stopping_word, tail, n_prompt=self.n_prompt, n_decoded=len(self.generated),
+            tokens_cached=len(self.cache_tokens), truncated=truncated, id_slot=self.slot_id, seed=self.chain.seed,
+            cancelled=cancelled, content_cut=self.lines.content_cut,
         )
         self.emit(self.finished)
 
@@ -788,18 +521,6 @@ class Sequence:
         failed = draw_pending([self])
         if failed:
             raise failed[0][1]
-
-
-def _last_row_logits(model: Any, inputs: Any, cache: Any) -> Any:
-    """``model(inputs, cache)[0, -1]`` with the output head applied to the last row only: mlx-lm's
-    models compute the head on every position (a prompt chunk's 70 rows of a 49K-token vocabulary
-    cost a fifth of a small model's pass), and slicing the logits afterwards does not spare it.
-    For the CPU decode runtime's families (``cpu_decode.MODEL_TYPES``), whose ``__call__`` is the
-    head over ``model.model``'s normed hidden states, and nothing after it."""
-    hidden = model.model(inputs, cache)[:, -1:, :]
-    head = head_module(model)
-    logits = head.as_linear(hidden) if head is model.model.embed_tokens else head(hidden)
-    return logits[0, -1, :]
 
 
 def draw_pending(seqs: Seq[Sequence]) -> list[tuple[Sequence, Exception]]:

@@ -1,15 +1,15 @@
 """llama-server's slot files: ``POST /slots/{id}?action=save|restore|erase``, on the engine thread.
 
 While ``--slot-save-path`` is set, every slot keeps the state of its last task (tokens and mlx-lm
-cache, ``slots.KeptState``), as llama-server's slots keep their KV cells:
+cache, ``kept_state.KeptState``), as llama-server's slots keep their KV cells:
 
-- **save** writes it in the disk tier's file format (``cache/disk.py``, kind ``slot``): a
+- **save** writes it in the disk tier's file format (``cache/disk_format.py``, kind ``slot``): a
   safetensors file whose checksummed header carries the model fingerprint, the runtime, the key
   parts, the tokens and the chat template's digest;
 - **restore** checks a file (format, model, runtime, chat template, checksums, context size,
   token ids) and puts its state back into the slot, and into the prompt cache, so the next request
   that starts with those tokens adopts them whichever slot it lands on; with the prompt cache off,
-  a request that lands on the slot reuses the common prefix directly (``adopt_kept``);
+  a request that lands on the slot reuses the common prefix directly (``kept_state.adopt_kept``);
 - **erase** forgets the slot's state (the prompt cache is cleared with ``POST /v1/cache/reset``).
 
 The engine runs these only while the slot is idle (``Engine.call_on_slot``). Writing and reading
@@ -26,11 +26,11 @@ from mlxcel_compat.cache import kv, kv_io
 from mlxcel_compat.cache.disk_format import DiskReject, EntryHeader, read_header
 from mlxcel_compat.cache.disk_write import commit, write_temp
 from mlxcel_compat.cache.key import ANON_SESSION, RAW_PROMPT_TEMPLATE_SIG, TEXT_ONLY_MM_DIGEST, Bucket
-from mlxcel_compat.engine.slots import KeptState, Slot
+from mlxcel_compat.engine.kept_state import KeptState
+from mlxcel_compat.engine.slots import Slot
 
 if TYPE_CHECKING:
     from mlxcel_compat.engine.core import Engine
-    from mlxcel_compat.engine.sequence import Sequence
 
 # How each rejection reads in "Unable to restore slot: ...".
 _REASONS = {
@@ -63,23 +63,6 @@ def _refuse_media(slot: Slot) -> None:
     kept = slot.kept
     if kept is not None and kept.bucket.mm_digest != TEXT_ONLY_MM_DIGEST:
         raise SlotHoldsMedia()
-
-
-def request_bucket(engine: "Engine", cache: Any) -> Bucket:
-    """The bucket of a request's ``CacheContext`` (the prompt cache's key minus session and tokens)."""
-    return Bucket(
-        model_id=engine.loaded.model_id,
-        lora_id=cache.lora_id,
-        template_sig=cache.template_sig or RAW_PROMPT_TEMPLATE_SIG,
-        rope_regime=None,
-        mm_digest=cache.mm_digest or TEXT_ONLY_MM_DIGEST,
-    )
-
-
-def keep_state(engine: "Engine", seq: "Sequence") -> KeptState:
-    """What a slot keeps when its task ends consistently."""
-    req = seq.request
-    return KeptState(list(seq.cache_tokens), seq.cache, request_bucket(engine, req.cache), req.cache.session_key)
 
 
 def save(engine: "Engine", slot: Slot, path: Path, filename: str, template_digest: str) -> dict[str, Any]:
@@ -152,46 +135,6 @@ def erase(slot: Slot) -> dict[str, Any]:
     n = len(slot.kept.tokens) if slot.kept is not None else 0
     slot.kept = None
     return {"id_slot": slot.id, "n_erased": n}
-
-
-def adopt_kept(seq: "Sequence", kept: KeptState) -> int:
-    """With the prompt cache off: reuse the common prefix of the slot's state, as llama-server does.
-
-    The whole state is reused when it is a prefix of the prompt; a shorter common prefix only when
-    every layer can be cut. At least one prompt token is always left to prefill. State computed
-    under other LoRA scales is not reused (llama-server clears the slot when they change).
-    """
-    if kept.bucket.mm_digest != (seq.request.cache.mm_digest or TEXT_ONLY_MM_DIGEST) or not kept.tokens:
-        return 0
-    if kept.bucket.lora_id != seq.request.cache.lora_id:
-        return 0
-    common = 0
-    for a, b in zip(kept.tokens, seq.prompt):
-        if a != b:
-            break
-        common += 1
-    limit = seq.n_prompt - 1
-    if common == len(kept.tokens) and common <= limit:
-        usable = common
-    elif kv.can_truncate(kept.cache):
-        usable = min(common, limit)
-    else:
-        return 0
-    media = seq.request.media
-    if media is not None:  # never split the prompt inside an image (cache/media.py)
-        from mlxcel_compat.cache.media import clip_to_media
-
-        usable = clip_to_media(usable, media.spans)
-        if usable < len(kept.tokens) and not kv.can_truncate(kept.cache):
-            return 0
-    if usable <= 0:
-        return 0
-    cache = kv.copy_cache(kept.cache)
-    if usable < len(kept.tokens):
-        kv.truncate(cache, usable)
-    seq.cache = cache
-    seq.adopt(usable)
-    return usable
 
 
 def _consistent_copy(kept: KeptState) -> list[Any]:

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mlxcel_compat.engine.kept_state import KeptState
+
 if TYPE_CHECKING:
     from mlxcel_compat.engine.sequence import Sequence
 
@@ -48,20 +50,6 @@ class SlotTask:
     has_next_token: bool = False
     # Image tokens in the task's prompt (a vision model); /slots shows them only when there are some.
     n_media_tokens: int = 0
-
-
-@dataclass
-class KeptState:
-    """The state a slot keeps after its task, as llama-server's slots do (``--slot-save-path``).
-
-    ``cache`` is the finished sequence's list of mlx-lm cache objects (engine thread only); it is
-    what ``POST /slots/{id}?action=save`` writes and ``restore`` puts back.
-    """
-
-    tokens: list[int]
-    cache: list[Any]
-    bucket: Any  # cache.key.Bucket of the task that produced it
-    session_key: str
 
 
 @dataclass
@@ -117,7 +105,7 @@ class Slot:
             n_decoded = len(seq.generated)
             in_slot, processed, cached = len(seq.cache_tokens), seq.stats.n_prompt_processed, seq.stats.n_cached
             n_remain = -1 if task.n_predict < 0 else max(task.n_predict - n_decoded, 0)
-            has_next, has_new_line = True, seq.has_new_line
+            has_next, has_new_line = True, seq.lines.has_new_line
         else:
             in_slot = len(seq.cache_tokens) if seq is not None else task.n_tokens_in_slot
             n_decoded = processed = cached = 0

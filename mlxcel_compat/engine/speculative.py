@@ -16,9 +16,10 @@ every guess the model agrees with is a token won. Two kinds of guess, as llama-s
 - ``draft-simple``: a small model with the same vocabulary (``-md``) proposes up to ``n_max``
   tokens greedily, stopping early when its top probability falls below ``p_min``.
 
-Verification (``Sequence.speculate_step``) samples the target at every drafted position with the
-request's own sampler chain, in order, and keeps each draft token the sample equals; the first
-sample that differs is kept instead and ends the round. Drafts are deterministic (a draft model's
+Verification (``SpeculativeSequence.speculate_step``, engine/speculative_sequence.py) samples
+the target at every drafted position with the request's own sampler chain, in order, and keeps
+each draft token the sample equals; the first sample that differs is kept instead and ends the
+round. Drafts are deterministic (a draft model's
 top token, an n-gram's continuation), so this *is* the standard rejection rule for a one-point
 draft distribution: a draft token is accepted with the target's probability of it, and a
 rejection leaves the target's distribution without it. The output is distributed exactly as

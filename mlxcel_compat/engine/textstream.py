@@ -98,7 +98,9 @@ class VocabBytes:
         return value
 
 
-_derived: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
+# What ``derived`` built, per (unwrapped) tokenizer and name: public so that a test can tell
+# which thread built what.
+derived_values: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
 _derived_lock = threading.Lock()
 T = TypeVar("T")
 
@@ -112,11 +114,11 @@ def derived(tokenizer: Any, name: str, build: Callable[[Any], T]) -> T:
     """
     hf = unwrap_tokenizer(tokenizer)
     with _derived_lock:
-        value = _derived.setdefault(hf, {}).get(name)
+        value = derived_values.setdefault(hf, {}).get(name)
     if value is None:
         value = build(hf)
         with _derived_lock:
-            value = _derived[hf].setdefault(name, value)
+            value = derived_values[hf].setdefault(name, value)
     return value
 
 

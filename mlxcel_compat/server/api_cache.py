@@ -17,8 +17,8 @@ from starlette.routing import Route
 
 from mlxcel_compat.cache.prompt_store import PromptCacheStore
 from mlxcel_compat.cache.snapshot import SnapshotStore
+from mlxcel_compat.engine.cache_stats import RESET_TIERS, reset_result, tiers_stats
 from mlxcel_compat.engine.disk_tier import DiskTier
-from mlxcel_compat.engine.prefix_cache import RESET_TIERS, reset_result, tiers_stats
 from mlxcel_compat.server.errors import InvalidRequest, json_response
 from mlxcel_compat.server.openapi import Operation
 from mlxcel_compat.server.pipeline import ctx_of, read_json

@@ -382,7 +382,7 @@ def build_app(ctx: ServerContext) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        if ctx.engine.state == "loading" and not ctx.engine._thread.is_alive():
+        if ctx.engine.state == "loading" and not ctx.engine.running:
             ctx.engine.start()
         waiter = asyncio.create_task(_wait_for_model(ctx))
         if mcp is not None:  # spawn each MCP server once to list its tools, as llama-server does at start-up

@@ -14,7 +14,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from mlxcel_compat.engine.reasoning_budget import ReasoningBudgetSpec
 from mlxcel_compat.engine.request import CacheContext, GenerationRequest
-from mlxcel_compat.engine.sampling import SamplingParams, parse_logit_bias, parse_samplers
+from mlxcel_compat.engine.sampling.params import SamplingParams
+from mlxcel_compat.engine.sampling.parsing import parse_logit_bias, parse_samplers
 from mlxcel_compat.lora.adapters import AdapterSet
 from mlxcel_compat.server.errors import InvalidRequest
 

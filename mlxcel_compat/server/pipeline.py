@@ -35,7 +35,8 @@ from mlxcel_compat.chat.tool_calls import parse_tool_calls
 from mlxcel_compat.engine.reasoning_budget import opens_block
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent, next_task_id
 from mlxcel_compat.vision.inputs import MediaInput
-from mlxcel_compat.engine.sampling import dry_sequence_breakers, piece_index
+from mlxcel_compat.engine.sampling.dry import dry_sequence_breakers
+from mlxcel_compat.engine.sampling.infill_pieces import piece_index
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.cache_hooks import find_breakpoints

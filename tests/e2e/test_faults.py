@@ -53,9 +53,9 @@ def in_process(llama_dir) -> Iterator[tuple[str, object]]:
     engine = app.state.ctx.engine
     real = engine.loaded.model
     faulty = Faulty(real, lambda inputs: any(POISON in row for row in inputs.tolist()))
-    engine.call(lambda: setattr(engine.loaded, "model", faulty) or setattr(engine.batch, "model", faulty)
+    engine.call(lambda: setattr(engine.loaded, "model", faulty) or setattr(engine.scheduler.batch, "model", faulty)
                 or setattr(engine.loaded, "decoder", faulty.wrap(engine.loaded.decoder))
-                or setattr(engine.batch, "decoder", engine.loaded.decoder)).result(30)
+                or setattr(engine.scheduler.batch, "decoder", engine.loaded.decoder)).result(30)
     yield base_url, engine
     loop.call_soon_threadsafe(stop.set)
     thread.join(30)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlxcel_compat.engine.embedding import EmbeddingJob, _groups, embed
+from mlxcel_compat.engine.embedding import EmbeddingJob, embed, length_groups
 from mlxcel_compat.encoders.pooling import model_pooling
 from mlxcel_compat.server.api_embeddings import normalize
 from tests.conftest import tiny_model
@@ -84,11 +84,11 @@ def test_chunked_long_input_equals_one_pass(loaded) -> None:
 
 def test_groups_bound_the_padded_tokens_of_a_pass() -> None:
     lengths = [5, 1, 9, 3, 9, 2]
-    groups = _groups(lengths, 18)
+    groups = length_groups(lengths, 18)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
     for g in groups:
         assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 18
-    assert _groups([30, 40], 10) == [[0], [1]]  # too long alone: one group each (run in chunks)
+    assert length_groups([30, 40], 10) == [[0], [1]]  # too long alone: one group each (run in chunks)
 
 
 @pytest.mark.parametrize("mode", [-1, 0, 1, 2, 3, 5])

@@ -9,9 +9,10 @@ from typing import Any
 
 from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG, TEXT_ONLY_MM_DIGEST
 from mlxcel_compat.engine.core import Engine, EngineConfig
-from mlxcel_compat.engine.prefix_cache import PrefixCache, PrefixCacheConfig
+from mlxcel_compat.engine.prefix_cache import PrefixCache
+from mlxcel_compat.engine.prefix_cache_config import PrefixCacheConfig
 from mlxcel_compat.engine.request import CacheContext, ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
-from mlxcel_compat.engine.sampling import SamplingParams
+from mlxcel_compat.engine.sampling.params import SamplingParams
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from mlxcel_compat.engine.prefix_cache import trace_line
+from mlxcel_compat.engine.apc import trace_line
 from tests.conftest import tiny_model
 from tests.engine.harness import EngineHarness, Run
 

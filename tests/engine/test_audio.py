@@ -18,7 +18,7 @@ from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG
 from mlxcel_compat.cache.media import first_media_token, split_ok
 from mlxcel_compat.chat.request import AudioSource
 from mlxcel_compat.engine.request import CacheContext, GenerationRequest
-from mlxcel_compat.engine.sampling import SamplingParams
+from mlxcel_compat.engine.sampling.params import SamplingParams
 from mlxcel_compat.server.errors import InvalidRequest
 from mlxcel_compat.server.media import ImageInput, MediaLimits, is_audio
 from mlxcel_compat.testing import vision

@@ -173,9 +173,9 @@ def run_with_model(h: EngineHarness, wrapper, requests: list, sinks: list) -> li
     real, real_decoder = engine.loaded.model, engine.loaded.decoder
 
     def install_and_submit() -> None:  # on the engine thread
-        engine.loaded.model = engine.batch.model = wrapper
+        engine.loaded.model = engine.scheduler.batch.model = wrapper
         if hasattr(wrapper, "wrap"):  # the CPU decode runtime steps rows alone and together
-            engine.loaded.decoder = engine.batch.decoder = wrapper.wrap(real_decoder)
+            engine.loaded.decoder = engine.scheduler.batch.decoder = wrapper.wrap(real_decoder)
         for request, sink in zip(requests, sinks):
             engine.submit(request, sink.put)
 
@@ -188,8 +188,8 @@ def run_with_model(h: EngineHarness, wrapper, requests: list, sinks: list) -> li
                 seen.append(sink.get(timeout=120))
             events.append(seen)
     finally:
-        h.on_engine(lambda: setattr(engine.loaded, "model", real) or setattr(engine.batch, "model", real)
-                    or setattr(engine.loaded, "decoder", real_decoder) or setattr(engine.batch, "decoder", real_decoder))
+        h.on_engine(lambda: setattr(engine.loaded, "model", real) or setattr(engine.scheduler.batch, "model", real)
+                    or setattr(engine.loaded, "decoder", real_decoder) or setattr(engine.scheduler.batch, "decoder", real_decoder))
     return events
 
 
@@ -320,15 +320,15 @@ def test_a_model_that_cannot_batch_prefill_falls_back_to_one_at_a_time(harness: 
     refusing_decoder = None if real_decoder is None else RefusingDecoder(real_decoder)
 
     def install(model, decoder) -> None:
-        engine.loaded.model = engine.batch.model = model
-        engine.loaded.decoder = engine.batch.decoder = decoder
+        engine.loaded.model = engine.scheduler.batch.model = model
+        engine.loaded.decoder = engine.scheduler.batch.decoder = decoder
 
     harness.on_engine(lambda: install(refusing, refusing_decoder))
     try:
         log, events = run_logged(harness, requests, sinks)
-        still_batching = harness.on_engine(lambda: engine.batched_prefill)
+        still_batching = harness.on_engine(lambda: engine.scheduler.batched_prefill)
     finally:
-        harness.on_engine(lambda: install(real, real_decoder) or setattr(engine, "batched_prefill", True))
+        harness.on_engine(lambda: install(real, real_decoder) or setattr(engine.scheduler, "batched_prefill", True))
     chunks = [s for s in log.shapes if s[1] > 1]
     if batches_prompts:  # the refused pass, then each chunk alone, and no batched prefill after
         assert chunks[:4] == [(3, 9), (1, 9), (1, 9), (1, 9)] and not still_batching
@@ -359,7 +359,7 @@ def test_a_model_without_batch_caches_serves_concurrent_requests_one_pass_each(h
     refusing = NoBatchCaches(real)
 
     def install_and_probe() -> bool:
-        engine.loaded.model = engine.batch.model = refusing
+        engine.loaded.model = engine.scheduler.batch.model = refusing
         return engine.probe_batching()
 
     prompts = [random_tokens(n, seed=700 + n) for n in (12, 20, 9)]
@@ -371,8 +371,8 @@ def test_a_model_without_batch_caches_serves_concurrent_requests_one_pass_each(h
         _, events = run_logged(harness, requests, sinks)
     finally:
         def restore() -> None:
-            engine.loaded.model = engine.batch.model = real
-            engine.batched_decode = engine.batched_prefill = True
+            engine.loaded.model = engine.scheduler.batch.model = real
+            engine.scheduler.batched_decode = engine.scheduler.batched_prefill = True
 
         harness.on_engine(restore)
     # Lone prompt chunks and steps run on the CPU decode runtime where it takes the model (the

@@ -115,7 +115,7 @@ def test_a_fault_in_one_rows_forward_pass_fails_that_request_only(harness: Engin
     assert not tokens_of(events[3])
     assert_like_lone_runs(harness, prompts, events[:3])
     engine = harness.engine
-    assert harness.on_engine(lambda: (engine.batched_decode, engine.n_processing)) == (True, 0)
+    assert harness.on_engine(lambda: (engine.scheduler.batched_decode, engine.n_processing)) == (True, 0)
     # Nothing of the failed sequence was donated; the others' states were (prompt + generated,
     # a prefix of the next turn: dense KV and whole-state snapshots alike can serve it).
     again = harness.run(poisoned + [1, 2, 3], n_predict=2, ignore_eos=True)
@@ -143,7 +143,7 @@ def test_a_one_off_fault_in_a_batched_pass_is_retried_alone(harness: EngineHarne
     events = run_with_model(harness, wrapper, requests, sinks)
     assert wrapper.raised == 1 and len(batched_passes) > 3  # batching resumed after the failure
     assert_like_lone_runs(harness, prompts, events)
-    assert harness.on_engine(lambda: harness.engine.batched_decode)
+    assert harness.on_engine(lambda: harness.engine.scheduler.batched_decode)
 
 
 def test_a_sampling_fault_in_one_row_leaves_the_batch_running(harness: EngineHarness) -> None:
@@ -204,7 +204,7 @@ def test_a_fault_in_one_rows_prefill_chunk(harness: EngineHarness) -> None:
     events = run_with_model(harness, wrapper, requests, sinks)
     assert isinstance(events[2][-1], ErrorEvent) and "injected fault" in events[2][-1].message
     assert_like_lone_runs(harness, prompts, events[:2])
-    assert harness.on_engine(lambda: harness.engine.batched_prefill)
+    assert harness.on_engine(lambda: harness.engine.scheduler.batched_prefill)
 
 
 def test_an_unexpected_error_in_the_engine_loop_keeps_the_engine_serving(harness: EngineHarness) -> None:
@@ -212,17 +212,17 @@ def test_an_unexpected_error_in_the_engine_loop_keeps_the_engine_serving(harness
     running sequences with an error event instead of killing the engine thread."""
     engine = harness.engine
     sink: queue.Queue = queue.Queue()
-    real_prefill = engine._prefill
+    real_prefill = engine.scheduler.prefill
     state = {"raised": False}
 
-    def broken_prefill(busy):
+    def broken_prefill(busy, model):
         if not state["raised"]:
             state["raised"] = True
             raise RuntimeError("scheduler bug")
-        return real_prefill(busy)
+        return real_prefill(busy, model)
 
     def install_and_submit() -> None:
-        engine._prefill = broken_prefill
+        engine.scheduler.prefill = broken_prefill
         harness.submit(random_tokens(12, seed=1300), sink.put, n_predict=3, ignore_eos=True)
 
     harness.on_engine(install_and_submit)
@@ -232,5 +232,5 @@ def test_an_unexpected_error_in_the_engine_loop_keeps_the_engine_serving(harness
             event = sink.get(timeout=60)
         assert isinstance(event, ErrorEvent) and "scheduler bug" in event.message
     finally:
-        harness.on_engine(lambda: setattr(engine, "_prefill", real_prefill))
+        harness.on_engine(lambda: setattr(engine.scheduler, "prefill", real_prefill))
     assert len(harness.run(random_tokens(12, seed=1301), n_predict=3, ignore_eos=True).tokens) == 3

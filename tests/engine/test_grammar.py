@@ -17,7 +17,7 @@ import pytest
 
 from mlxcel_compat.engine.grammar import Constraint, GrammarTrigger, lark_from_gbnf, lark_from_json_schema
 from mlxcel_compat.engine.request import GenerationRequest
-from mlxcel_compat.engine.sampling import SamplingParams
+from mlxcel_compat.engine.sampling.params import SamplingParams
 from tests.conftest import tiny_model
 from tests.engine.harness import EngineHarness, Run, collect
 

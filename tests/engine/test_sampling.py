@@ -16,19 +16,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel_compat.engine.sampling import (
-    DEFAULT_SAMPLERS,
-    DEFAULT_SEED,
-    SamplerChain,
-    SamplingParams,
-    _Cands,
-    dry_penalties,
-    dry_sequence_breakers,
-    parse_logit_bias,
-    parse_samplers,
-    top_logprobs,
-    top_probs,
-)
+from mlxcel_compat.engine.sampling.candidates import Candidates
+from mlxcel_compat.engine.sampling.chain import SamplerChain
+from mlxcel_compat.engine.sampling.dry import dry_penalties, dry_sequence_breakers
+from mlxcel_compat.engine.sampling.params import DEFAULT_SAMPLERS, DEFAULT_SEED, SamplingParams
+from mlxcel_compat.engine.sampling.parsing import parse_logit_bias, parse_samplers
+from mlxcel_compat.engine.sampling.results import top_logprobs, top_probs
+from mlxcel_compat.engine.sampling.samplers import infill
 
 LOGITS = np.array([3.0, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0, -3.0], dtype=np.float32)
 VOCAB = len(LOGITS)
@@ -451,7 +445,7 @@ def test_mirostat_and_adaptive_p_draw_valid_tokens():
             probs = np.array(result.probs)
             assert probs[result.token.item()] > 0
             assert math.isclose(probs.sum(), 1.0, rel_tol=1e-5)
-        assert chain._mirostat_mu != 2.0 * params.mirostat_tau
+        assert chain.mirostat.mu != 2.0 * params.mirostat_tau
     params = SamplingParams(
         samplers=["top_k", "adaptive_p"],
         top_k=3,
@@ -576,7 +570,7 @@ def test_infill_with_overflowed_logits_keeps_the_infinite_ones(bpe_tokenizer):
     chain = SamplerChain(SamplingParams(samplers=["infill"], seed=2), vocab, [eos], tokenizer=bpe_tokenizer)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an inf - inf in the sampler warns
-        kept = chain._apply_infill(_Cands(mx.array(logits), None))
+        kept = infill(Candidates(mx.array(logits), None), chain.state)
     kept_ids = set(np.flatnonzero(np.array(kept.logits) > -np.inf).tolist())
     assert hello in kept_ids and bpe_tokenizer.convert_tokens_to_ids("Ġworld") not in kept_ids
 
@@ -618,7 +612,7 @@ def test_infill_prefix_merge_visits_the_pairs_in_llama_cpps_order(seed):
     prefixes of prefixes, equal pieces of different tokens, empty (special) pieces, equal
     probabilities (the tie keeps i0), candidates that are a shuffled part of the vocabulary (so
     candidate order is not id order) and ids of a padded vocabulary beyond the tokenizer's."""
-    from mlxcel_compat.engine.sampling import PieceIndex, _merge_prefix_pieces
+    from mlxcel_compat.engine.sampling.infill_pieces import PieceIndex, merge_prefix_pieces
 
     rng = np.random.default_rng(seed)
     vocab = [bytes(rng.choice(list(b"ab\xc3"), size=int(rng.integers(0, 4))).tolist()) for _ in range(int(rng.integers(1, 80)))]
@@ -631,14 +625,14 @@ def test_infill_prefix_merge_visits_the_pairs_in_llama_cpps_order(seed):
     pieces = [vocab[t] if t < len(vocab) else b"" for t in ids]
     expected_logits, expected_probs = logits.copy(), probs.copy()
     _merge_pairwise(pieces, expected_logits, expected_probs)
-    _merge_prefix_pieces(PieceIndex.from_pieces(vocab), ids, logits, probs)
+    merge_prefix_pieces(PieceIndex.from_pieces(vocab), ids, logits, probs)
     assert np.array_equal(logits, expected_logits)
     assert np.array_equal(probs, expected_probs)
 
 
 def test_infill_over_a_whole_vocabulary_keeps_the_same_candidates(bpe_tokenizer):
     """Without a top-k before it, infill sees the whole vocabulary; the result is llama.cpp's."""
-    from mlxcel_compat.engine.sampling import _merge_prefix_pieces, piece_index
+    from mlxcel_compat.engine.sampling.infill_pieces import merge_prefix_pieces, piece_index
     from mlxcel_compat.engine.textstream import token_bytes
 
     vocab = len(bpe_tokenizer)
@@ -649,7 +643,7 @@ def test_infill_over_a_whole_vocabulary_keeps_the_same_candidates(bpe_tokenizer)
     pieces = [token_bytes(bpe_tokenizer, int(t), special=False) for t in ids]
     expected_logits, expected_probs = logits.copy(), probs.copy()
     _merge_pairwise(pieces, expected_logits, expected_probs)
-    _merge_prefix_pieces(piece_index(bpe_tokenizer), ids, logits, probs)
+    merge_prefix_pieces(piece_index(bpe_tokenizer), ids, logits, probs)
     assert np.array_equal(logits, expected_logits) and np.array_equal(probs, expected_probs)
     assert np.isinf(logits).sum() >= 10  # merges happened: "H" into "Hello", and others
 
@@ -664,5 +658,5 @@ def test_infill_with_no_confident_text_collapses_to_the_end_token(bpe_tokenizer)
     logits[text] = 1.0
     logits[eos] = -4.0
     chain = SamplerChain(SamplingParams(samplers=["infill"], seed=2), vocab, [eos], tokenizer=bpe_tokenizer)
-    kept = np.array(chain._apply_infill(_Cands(mx.array(logits), None)).logits)
+    kept = np.array(infill(Candidates(mx.array(logits), None), chain.state).logits)
     assert np.flatnonzero(kept > -np.inf).tolist() == [eos]

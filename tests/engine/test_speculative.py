@@ -15,7 +15,8 @@ import pytest
 from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG, TEXT_ONLY_MM_DIGEST
 from mlxcel_compat.engine.metrics import EngineMetrics
 from mlxcel_compat.engine.request import CacheContext, GenerationRequest
-from mlxcel_compat.engine.sampling import SamplerChain, SamplingParams
+from mlxcel_compat.engine.sampling.chain import SamplerChain
+from mlxcel_compat.engine.sampling.params import SamplingParams
 from mlxcel_compat.engine.speculative import (NgramModState, NgramModTable, SpecConfig, SpecError, Speculator, ngram_mod_draft,
                                               ngram_simple_draft, parse_types, resolve, verify_draft)
 from mlxcel_compat.settings import SettingsError, resolve_settings

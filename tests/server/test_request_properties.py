@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlxcel_compat.engine.core import Engine, EngineConfig
-from mlxcel_compat.engine.sampling import SamplerChain
+from mlxcel_compat.engine.sampling.chain import SamplerChain
 from mlxcel_compat.request_fields import REQUEST_FIELDS
 from mlxcel_compat.server.api_openai import check_logprobs
 from mlxcel_compat.server.app import model_info
@@ -171,10 +171,10 @@ def test_sampler_parameters_in_combination(ctx, values: dict[str, Any], samplers
 def test_preparation_builds_the_infill_piece_index_off_the_engine_thread(ctx) -> None:
     """The infill sampler's piece index sorts the whole vocabulary (a second for 150k tokens): the
     request's worker thread builds it, so the engine thread's first infill step does not."""
-    from mlxcel_compat.engine.textstream import _derived
+    from mlxcel_compat.engine.textstream import derived_values
     from mlxcel_compat.tokenizer.served import unwrap_tokenizer
 
-    per_tokenizer = _derived[unwrap_tokenizer(ctx.model.tokenizer)]
+    per_tokenizer = derived_values[unwrap_tokenizer(ctx.model.tokenizer)]
     per_tokenizer.pop("infill piece index", None)
     prepare(ctx, "completion", {"prompt": "Hi", "n_predict": 1, "samplers": ["top_k", "temperature"]})
     assert "infill piece index" not in per_tokenizer  # only a chain with infill needs it
