@@ -75,6 +75,14 @@ fi
 # PyPI when the system has none); redone when the CPU's flags or the source change.
 # MLXCEL_GGML_BUILD=0 keeps the wheel's.
 ggml_source="llama-cpp-python==0.3.36"
+# The sdist itself is kept in $venv/sdist: besides ggml's source it holds llama.cpp's 71 real chat
+# templates (vendor/llama.cpp/models/templates), which the chat tests extract at test time
+# (tests/chat/conftest.py); they are read from it, never committed.
+sdist_dir="$venv/sdist"
+if ! ls "$sdist_dir"/llama_cpp_python-0.3.36.tar.gz >/dev/null 2>&1; then
+  setup_step "downloading the $ggml_source sdist (ggml's source, llama.cpp's chat templates for the tests)" \
+    "$venv/bin/python" -m pip download -q --no-deps --no-binary :all: -d "$sdist_dir" "$ggml_source"
+fi
 if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && [ "${MLXCEL_GGML_BUILD:-1}" != "0" ]; then
   if command -v c++ >/dev/null 2>&1 && command -v cc >/dev/null 2>&1; then
     flags="$(grep -m 1 '^flags' /proc/cpuinfo)"
@@ -89,8 +97,7 @@ if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && [ "${MLXCEL_GGML_BUILD:-1}"
           "$venv/bin/python" -m pip install -q cmake || return 1
           cmake="$venv/bin/cmake"
         fi
-        "$venv/bin/python" -m pip download -q --no-deps --no-binary :all: -d "$work" "$ggml_source" || return 1
-        tar -xzf "$work"/llama_cpp_python-*.tar.gz -C "$work" || return 1
+        tar -xzf "$sdist_dir"/llama_cpp_python-0.3.36.tar.gz -C "$work" || return 1
         src="$(ls -d "$work"/llama_cpp_python-*/vendor/llama.cpp)" || return 1
         has() { case " $flags " in *" $1 "*) echo ON;; *) echo OFF;; esac; }
         "$cmake" -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
