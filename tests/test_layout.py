@@ -245,10 +245,22 @@ def answer_path(question: str) -> Path:
 def test_where_a_gguf_architecture_goes() -> None:
     from mlxcel_compat.gguf.architectures import ARCHITECTURES
 
+    import importlib
+
     path = answer_path("Where does a GGUF architecture go?")
     assert path.name == "architectures.py" and "ARCHITECTURES" in path.read_text()
     # Every served architecture is a row of that table, the ones the loader names included.
     assert {"llama", "qwen2", "qwen3", "gemma3", "lfm2"} <= set(ARCHITECTURES)
+    # The modules the answer names hold the rows, and every one of their rows is in the table.
+    kinds = re.findall(r"`gguf/(arch_\w+)\.py`", newcomer_answers()["Where does a GGUF architecture go?"])
+    assert {"arch_core", "arch_dense", "arch_moe", "arch_hybrid"} <= set(kinds)
+    for kind in kinds:
+        if kind == "arch_spec":
+            continue
+        rows = importlib.import_module(f"mlxcel_compat.gguf.{kind}").SPECS
+        assert all(ARCHITECTURES[row.gguf_arch] is row for row in rows), kind
+    on_disk = {path.stem for path in (PACKAGE / "gguf").glob("arch_*.py")} - {"arch_spec"}
+    assert on_disk <= set(kinds), f"row modules the answer does not name: {sorted(on_disk - set(kinds))}"
 
 
 def test_where_the_q4_k_decode_kernel_is() -> None:

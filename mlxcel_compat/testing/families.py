@@ -8,33 +8,17 @@ directories ``model_directory.py``'s.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from . import families_dense, families_hybrid, families_moe
 from . import tokenizer as tok
+from .family import Family
 
 SIZES: tuple[str, ...] = ("tiny", "small")
 MAX_POSITION_EMBEDDINGS = 32768
 
 # Every family's end-of-generation ids (config.json and generation_config.json): <|im_end|>, <|endoftext|>.
 EOS_IDS = [tok.token_id(tok.IM_END), tok.token_id(tok.ENDOFTEXT)]
-
-
-@dataclass(frozen=True)
-class Family:
-    """What differs between families besides the config numbers."""
-
-    name: str
-    architecture: str
-    thinking: bool  # the chat template handles <think> (Qwen3 style)
-    add_bos: bool  # the tokenizer prepends <|begin_of_text|> (Llama 3 style)
-    norm_one: float  # stored RMSNorm weight meaning a gain of 1 (Gemma uses 1 + w)
-    model_type: str = ""  # mlx-lm's model_type when it is not the name
-    fim: bool = False  # the tokenizer has fill-in-the-middle tokens (tokenizer.FIM_TOKENS)
-
-    @property
-    def kind(self) -> str:
-        return self.model_type or self.name
 
 
 # Family name -> its spec, in the order the command line lists them.
@@ -56,6 +40,12 @@ FAMILY_SPECS: dict[str, Family] = {
 # The families every family-wide test runs on; the FIM ones are served by /infill's tests.
 FIM_FAMILIES: tuple[str, ...] = tuple(name for name, f in FAMILY_SPECS.items() if f.fim)
 FAMILIES: tuple[str, ...] = tuple(name for name in FAMILY_SPECS if name not in FIM_FAMILIES)
+# The architectures served from GGUF beyond the families above (dense, MoE, hybrid), one family
+# each: tested by tests/gguf/test_architectures_*.py, not by every family-wide test.
+ARCHITECTURE_FAMILIES: tuple[str, ...] = tuple(
+    f.name for f in (*families_dense.FAMILIES, *families_moe.FAMILIES, *families_hybrid.FAMILIES))
+FAMILY_SPECS.update({f.name: f for f in (*families_dense.FAMILIES, *families_moe.FAMILIES,
+                                        *families_hybrid.FAMILIES)})
 
 
 def _llama_config(size: str) -> dict[str, Any]:
@@ -170,6 +160,9 @@ _CONFIGS = {
     "mistral": _mistral_config,
     "lfm2": _lfm2_config,
 }
+_CONFIGS.update(families_dense.CONFIGS)
+_CONFIGS.update(families_moe.CONFIGS)
+_CONFIGS.update(families_hybrid.CONFIGS)
 
 
 def family_spec(family: str, size: str) -> Family:

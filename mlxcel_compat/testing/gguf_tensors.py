@@ -10,26 +10,18 @@ type, with llama-quantize's mixes and row-length fallbacks (:func:`stored_type`,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from . import families_dense, families_hybrid, families_moe
+from .gguf_target import GgufTarget
 
 GGUF_TYPES: tuple[str, ...] = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k",
                                "q5_k", "q6_k", "q4_k_m", "q5_k_m")
 # llama-quantize's fallbacks for K-quants of rows that are not whole 256-value blocks (Q2_K and
 # Q3_K fall back to IQ4_NL there, which this server does not load: Q4_0 here).
 _K_FALLBACK = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
-
-
-@dataclass(frozen=True)
-class GgufTarget:
-    """What llama.cpp's converter does differently for one factory family."""
-
-    arch: str  # general.architecture
-    permute_qk: bool  # llama-family Q/K row permutation
-    norm_shift: float  # added to every *norm.weight
-    pre: str = "gpt-2"  # tokenizer.ggml.pre: the split regex transformers applies to this family
 
 
 GGUF_TARGETS: dict[str, GgufTarget] = {
@@ -45,6 +37,8 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
 }
 # The families the family-wide GGUF tests run on (the FIM family has its own tests).
 GGUF_FAMILIES: tuple[str, ...] = tuple(f for f in GGUF_TARGETS if f != "qwen2_coder")
+# Each kind of architecture's families, converted as llama.cpp's converter converts them.
+GGUF_TARGETS.update({**families_dense.GGUF_TARGETS, **families_moe.GGUF_TARGETS, **families_hybrid.GGUF_TARGETS})
 
 
 def permute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:

@@ -1,0 +1,93 @@
+"""What a GGUF architecture row says, and the metadata readers every row's config builder shares.
+
+A row (:class:`ArchSpec`) names the ``general.architecture``, the mlx-lm model that serves it and
+how to build that model's ``config.json`` from the ``{arch}.*`` metadata; its fields also say
+what llama.cpp's converter changed in the tensors, which the loader (``gguf/load.py``) undoes.
+The rows themselves live in the ``gguf/arch_*.py`` module of their kind; ``gguf/architectures.py``
+assembles the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from mlxcel_compat.gguf.reader import GGUFModelFile
+
+
+class UnsupportedArchitecture(ValueError):
+    """The GGUF's architecture has no mlx-lm model with a mechanical mapping."""
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    gguf_arch: str  # general.architecture
+    model_type: str  # mlx-lm's model_type
+    hf_architecture: str  # the "architectures" entry of the equivalent config.json
+    build_config: Callable[[GGUFModelFile], dict[str, Any]]
+    permute_qk: bool = False
+    norm_shift: float = 0.0  # the converter added this to every *norm.weight
+
+
+def uniform(file: GGUFModelFile, key: str, default: Any = None) -> Any:
+    """A per-model hyper-parameter that GGUF may store per layer; it must be the same for all."""
+    value = file.arch_value(key, default)
+    if isinstance(value, list):
+        values = set(value)
+        if len(values) != 1:
+            raise UnsupportedArchitecture(f"{file.architecture}.{key} differs between layers ({value}); "
+                                          "mlx-lm models need one value")
+        return values.pop()
+    return value
+
+
+def required(file: GGUFModelFile, key: str) -> Any:
+    value = uniform(file, key)
+    if value is None:
+        raise UnsupportedArchitecture(f"'{file.path}' lacks {file.architecture}.{key}")
+    return value
+
+
+def rope_scaling_config(file: GGUFModelFile) -> dict[str, Any] | None:
+    kind = file.arch_value("rope.scaling.type")
+    factor = file.arch_value("rope.scaling.factor")
+    if kind in (None, "none") or not factor or float(factor) == 1.0:
+        return None
+    if kind == "linear":
+        return {"type": "linear", "rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        original = file.arch_value("rope.scaling.original_context_length")
+        scaling = {"type": "yarn", "rope_type": "yarn", "factor": float(factor),
+                   "original_max_position_embeddings": int(original or file.arch_value("context_length", 4096))}
+        for key in ("beta_fast", "beta_slow"):  # mlx-lm's defaults (32, 1) are the usual values
+            if (value := file.arch_value(f"rope.scaling.yarn_{key}")) is not None:
+                scaling[key] = float(value)
+        return scaling
+    raise UnsupportedArchitecture(f"RoPE scaling type '{kind}' is not supported for GGUF models")
+
+
+def common_config(file: GGUFModelFile) -> dict[str, Any]:
+    hidden = int(required(file, "embedding_length"))
+    heads = int(required(file, "attention.head_count"))
+    kv = uniform(file, "attention.head_count_kv", heads)
+    config: dict[str, Any] = {
+        "hidden_size": hidden,
+        "num_hidden_layers": int(required(file, "block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv),
+        "intermediate_size": int(required(file, "feed_forward_length")),
+        "rms_norm_eps": float(file.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(file.arch_value("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+    }
+    key_length = file.arch_value("attention.key_length")
+    value_length = file.arch_value("attention.value_length", key_length)
+    head_dim = int(key_length) if key_length else hidden // heads
+    if value_length is not None and int(value_length) != head_dim:
+        raise UnsupportedArchitecture(f"key_length {head_dim} != value_length {value_length} is not supported")
+    config["head_dim"] = head_dim
+    if (theta := file.arch_value("rope.freq_base")) is not None:
+        config["rope_theta"] = float(theta)
+    if (scaling := rope_scaling_config(file)) is not None:
+        config["rope_scaling"] = scaling
+    return config
