@@ -21,6 +21,12 @@ MAX_POSITION_EMBEDDINGS = 32768
 EOS_IDS = [tok.token_id(tok.IM_END), tok.token_id(tok.ENDOFTEXT)]
 
 
+def _lfm2_hf_layout(weights: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's depthwise convolutions as PyTorch stores them: (C, 1, K), where MLX keeps (C, K, 1)."""
+    return {name: value.transpose(0, 2, 1) if name.endswith("conv.conv.weight") else value
+            for name, value in weights.items()}
+
+
 # Family name -> its spec, in the order the command line lists them.
 FAMILY_SPECS: dict[str, Family] = {
     f.name: f
@@ -31,7 +37,7 @@ FAMILY_SPECS: dict[str, Family] = {
         Family("qwen3_next", "Qwen3NextForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
         Family("qwen2", "Qwen2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
         Family("mistral", "MistralForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
-        Family("lfm2", "Lfm2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
+        Family("lfm2", "Lfm2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0, hf_layout=_lfm2_hf_layout),
         # Qwen2.5-Coder's shape: qwen2 with the FIM tokens (<|fim_prefix|>, ..., <|file_sep|>) added.
         Family("qwen2_coder", "Qwen2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0, model_type="qwen2", fim=True),
     )
@@ -73,6 +79,8 @@ def _qwen3_config(size: str) -> dict[str, Any]:
 def _gemma3_text_config(size: str) -> dict[str, Any]:
     # The tiny sliding window is small so tests can make the RotatingKVCache wrap.
     if size == "tiny":
+        # Every other layer global, so four layers hold both kinds; the real models' period of 6
+        # (which llama.cpp assumes when a file names none) is the small size's.
         dims = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, intermediate_size=192,
                     sliding_window=64, sliding_window_pattern=2)

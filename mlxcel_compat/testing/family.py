@@ -7,6 +7,7 @@ architecture) is one :class:`Family`; its config builder sits beside it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,9 @@ class Family:
     norm_one: float  # stored RMSNorm weight meaning a gain of 1 (Gemma uses 1 + w)
     model_type: str = ""  # mlx-lm's model_type when it is not the name
     fim: bool = False  # the tokenizer has fill-in-the-middle tokens (tokenizer.FIM_TOKENS)
+    # mlx-lm parameters -> the Hugging Face checkpoint's tensors, where they differ (a directory is
+    # what transformers and llama.cpp's converter read; mlx-lm's ``sanitize`` maps it back)
+    hf_layout: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
     @property
     def kind(self) -> str:

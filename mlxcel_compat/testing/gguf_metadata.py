@@ -47,7 +47,8 @@ def add_hparams(writer: Any, family: str, config: dict[str, Any]) -> None:
     writer.add_block_count(c["num_hidden_layers"])
     writer.add_head_count(c["num_attention_heads"])
     writer.add_rope_freq_base(c["rope_theta"])
-    writer.add_vocab_size(c["vocab_size"])
+    if family not in ("qwen2", "qwen2_coder", "qwen3", "gemma3_text"):  # their converters write none
+        writer.add_vocab_size(c["vocab_size"])
     if family == "lfm2":
         writer.add_feed_forward_length(c["block_ff_dim"])
         writer.add_head_count_kv([c["num_key_value_heads"] if t == "full_attention" else 0
@@ -59,13 +60,15 @@ def add_hparams(writer: Any, family: str, config: dict[str, Any]) -> None:
     writer.add_head_count_kv(c["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if family not in ("qwen2", "qwen2_coder"):  # Qwen2's converter leaves them to hidden / heads
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     if family in ("llama", "mistral"):
         writer.add_rope_dimension_count(head_dim)
     if family == "gemma3_text":
         writer.add_sliding_window(c["sliding_window"])
-        writer.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
+        if c["sliding_window_pattern"] != 6:  # llama.cpp's default, all the converter's files rely on
+            writer.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
         writer.add_rope_freq_base_swa(c["rope_local_base_freq"])
 
 

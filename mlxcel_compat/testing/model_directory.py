@@ -27,7 +27,7 @@ from .families import EOS_IDS, MAX_POSITION_EMBEDDINGS, Family, family_spec
 from .weights import random_weights
 
 # Bump when the bytes of any output change, so cached directories are rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "mlxcel_testing.json"
 
 
@@ -95,7 +95,8 @@ def write_model_directory(directory: Path, family: str, size: str, weights: dict
     import mlx.core as mx
 
     spec = family_spec(family, size)
-    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    stored = spec.hf_layout(weights) if spec.hf_layout is not None else weights
+    mx.save_safetensors(str(directory / "model.safetensors"), stored, metadata={"format": "mlx"})
     texts = _tokenizer_files(spec)
     texts["config.json"] = _json_text(config)
     generation_config = {
