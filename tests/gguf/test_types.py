@@ -203,3 +203,16 @@ def test_the_gpu_policy_keeps_each_type_quantized(gguf_type: str, float_logits: 
 
 def _rms(x: mx.array) -> float:
     return mx.sqrt(mx.mean(x * x)).item()
+
+
+@pytest.mark.skipif(isinstance(LIB, str), reason=f"no block kernels here: {LIB}")
+def test_a_type_the_ggml_build_lacks_is_expanded_and_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ggml builds this project loads have every type's kernels (tests/runtime/
+    test_block_weight.py); were one to lack a type, its tensors would be expanded to float32
+    (by gguf-py where ggml cannot) and the start-up warning would name the type."""
+    iq2_xxs = gguf.GGMLQuantizationType.IQ2_XXS
+    monkeypatch.setattr(LIB.ggml, "supports", lambda t, real=LIB.ggml.supports: t != iq2_xxs and real(t))
+    model, _, _, summary = load_gguf(str(ensure_type_gguf("iq2_xxs")), on_cpu=True)
+    assert summary.precision == {"blocks iq4_nl": 14, "float32": 7}
+    assert summary.blocks_unavailable.endswith("lacks IQ2_XXS") and LIB.ggml.version in summary.blocks_unavailable
+    assert type(model.model.layers[1].mlp.down_proj) is nn.Linear
