@@ -33,14 +33,18 @@
                                                  its 32-value group, plus rounding (below)
   MXFP4     MLX mxfp4, group 32    1.00x         none: MLX's mxfp4 mode is the same format
             (4.25)                               (an E8M0 exponent, E2M1 codes reordered)
+  IQ3_S     4-bit, group 32 (5)    1.45x         its grid is the odd integers g in [-15, 15]
+                                                 times db = d (1 + 2 s) per 32 values: u = (g +
+                                                 15) / 2, scale 2 db, bias -15 db, rounded once
+  IQ1_S     2-bit, group 32 (3)    1.92x         g in {-1, 0, 1} plus delta (+-1/8) times dl
+                                                 per 32 values: u = g + 1, scale dl, bias
+                                                 dl (delta - 1), rounded once (Q4_K's bound)
   IQ4_NL    6-bit, group 32 (7)    1.56x         requantized, as Q6_K and Q2_K: at most
   IQ4_XS    6-bit, group 64 (6.5)  1.53x         (max - min) / (2 (2^bits - 1)) over the
   IQ3_XXS   5-bit, group 64 (5.5)  1.80x         group, plus rounding (below)
-  IQ3_S     5-bit, group 32 (6)    1.75x
   IQ2_XXS   4-bit, group 64 (4.5)  2.18x
   IQ2_XS    4-bit, group 32 (5)    2.16x
   IQ2_S     4-bit, group 32 (5)    1.95x
-  IQ1_S     4-bit, group 64 (4.5)  2.88x
   IQ1_M     4-bit, group 64 (4.5)  2.57x
   ========  =====================  ============  =============================================
 
@@ -61,14 +65,20 @@
   moved them from the F32 file: Q8_0 and Q3_K 0 (float32 sums), Q4_K_M 0.05, Q5_K_M 0.10, Q6_K
   0.32, Q2_K 0.31 (tests/gguf/test_gpu_policy.py).
 
-  The i-quants' values lie on non-uniform codes (IQ4_NL, IQ4_XS) or lattice grids (IQ3, IQ2,
-  IQ1) that no affine grid holds in fewer than 8 bits, so they are requantized too, each to the
+  Two i-quants keep their own integers: IQ3_S's grid points are the odd numbers 1..15 and IQ1_S's
+  -1, 0, 1 (plus a shift shared by 32 values), evenly spaced, with one factor per 32 values; the
+  integers are read from the decoded values (exact multiples of the step), so ggml's grid
+  tables stay ggml's. The others' values lie on non-uniform codes (IQ4_NL, IQ4_XS: -127..113),
+  on grids with uneven steps (IQ3_XXS: 4..52 by 8, then 62; IQ2_*: 8, 25, 43) or under a factor
+  per 16 values (IQ1_M), which an affine grid holds exactly only in 6-8 bits (IQ4_NL 8-bit g32
+  exact would be 2.0x its file; IQ3_XXS 6-bit 2.29x), so they are requantized, each to the
   smallest form that adds at most 0.3x the file's own RMS error, as Q6_K's and Q2_K's do
   (measured on the same weights, 32 x 2048, quantized by ggml with a uniform importance
-  matrix): IQ4_NL 0.23x, IQ4_XS 0.29x, IQ3_XXS 0.29x, IQ3_S 0.30x, IQ2_XXS 0.26x, IQ2_XS 0.26x,
-  IQ2_S 0.29x, IQ1_S 0.21x, IQ1_M 0.22x; the next smaller form of each adds 0.33-0.45x.
-  (IQ4_NL keeps groups of 32, its block: a row need not be whole 64-value groups.) The low-bit
-  types cost 2-2.9x their file, still 3.5-5.5x less than float16. MXFP4 (gpt-oss's experts)
+  matrix): IQ4_NL 0.23x, IQ4_XS 0.29x, IQ3_XXS 0.29x, IQ2_XXS 0.26x, IQ2_XS 0.26x, IQ2_S 0.29x,
+  IQ1_M 0.22x (IQ3_S's and IQ1_S's own forms: 0.006x, 0.001x, their rounded factors); the next
+  smaller form of each adds 0.33-0.45x. (IQ4_NL keeps groups of 32, its block: a row need not
+  be whole 64-value groups.) The low-bit types cost 2-2.6x their file, still 3.5-5.5x less than
+  float16. MXFP4 (gpt-oss's experts)
   needs no such choice: where MLX has the ``mxfp4`` mode (``mlx_has_mxfp4``) its layers hold
   the file's exponents and codes, every value exact (an exponent of 255, E8M0's NaN, which ggml
   reads as 2^128 and never writes, leaves the tensor to be dequantized); elsewhere MXFP4
@@ -100,14 +110,15 @@ FLOAT32, FLOAT16, BFLOAT16, AFFINE, BLOCKS = "float32", "float16", "bfloat16", "
 EXACT, ROUNDED, REQUANTIZED = "exact", "rounded", "requantized"
 MXFP4 = "mxfp4"  # MLX's quantization mode of the same name (an AffineForm's ``mode``)
 
-# (bits, group size) of the MLX affine form of each quantized type on Metal / CUDA. The
-# i-quants' values lie on non-uniform codes and grids: each is requantized to the smallest form
-# that adds at most 0.3x the file's own RMS error (Q6_K's and Q2_K's share; measured below).
+# (bits, group size) of the MLX affine form of each quantized type on Metal / CUDA. IQ3_S and
+# IQ1_S keep their own integers; the other i-quants' values lie on uneven codes and grids: each
+# is requantized to the smallest form that adds at most 0.3x the file's own RMS error (Q6_K's
+# and Q2_K's share; measured above).
 GPU_FORMS: dict[int, tuple[int, int]] = {
     T.Q8_0: (8, 32), T.Q4_0: (4, 32), T.Q4_1: (4, 32), T.Q5_0: (5, 32), T.Q5_1: (5, 32),
     T.Q4_K: (4, 32), T.Q5_K: (5, 32), T.Q3_K: (8, 128), T.Q6_K: (8, 64), T.Q2_K: (4, 32),
-    T.IQ4_XS: (6, 64), T.IQ4_NL: (6, 32), T.IQ3_XXS: (5, 64), T.IQ3_S: (5, 32), T.IQ2_XXS: (4, 64),
-    T.IQ2_XS: (4, 32), T.IQ2_S: (4, 32), T.IQ1_S: (4, 64), T.IQ1_M: (4, 64),
+    T.IQ4_XS: (6, 64), T.IQ4_NL: (6, 32), T.IQ3_XXS: (5, 64), T.IQ3_S: (4, 32), T.IQ2_XXS: (4, 64),
+    T.IQ2_XS: (4, 32), T.IQ2_S: (4, 32), T.IQ1_S: (2, 32), T.IQ1_M: (4, 64),
 }
 
 

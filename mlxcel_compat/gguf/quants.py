@@ -346,6 +346,35 @@ def _split_q3_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return (128 - sc * signed).astype(np.uint8).reshape(n, 256), -d, d * 128
 
 
+def _grid_ints(b: np.ndarray, ggml_type: int, step: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """The integers ``u = values / step + offset`` of a grid type, per 32-value sub-block (``step``
+    and ``offset`` (n, 8)): read from the decoded values, which are exact multiples of the step,
+    so the grids' tables stay ggml's and gguf-py's."""
+    values = DECODERS[ggml_type](b).reshape(len(b), 8, 32)
+    safe = np.where(step != 0, step, np.float32(1))[:, :, None]  # a zero factor: zero values, u = offset
+    return np.rint(values / safe + offset[:, :, None]).astype(np.uint8).reshape(len(b), 256)
+
+
+def _split_iq3_s(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """IQ3_S's values are ``db * g`` per 32-value sub-block, ``db = d (1 + 2 s)`` with its 4-bit
+    scale s (two to a byte of ``scales``, at byte 106) and g an odd integer in [-15, 15] (its grid
+    points, 1..15, times a sign): ``u = (g + 15) / 2`` fits 4 bits, scale ``2 db``, bias ``-15 db``."""
+    s = b[:, 106:110]
+    db = _f16(b, 0) * (1 + 2 * np.stack([s & 0x0F, s >> 4], axis=2).reshape(len(b), 8).astype(np.float32))
+    return _grid_ints(b, T.IQ3_S, 2 * db, np.full_like(db, 7.5)), 2 * db, -15 * db
+
+
+def _split_iq1_s(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """IQ1_S's values are ``dl (g + delta)`` per 32-value sub-block: ``dl = d (2 s + 1)`` with the
+    3-bit scale s in bits 12-14 of the sub-block's ``qh`` word (at byte 34), ``delta`` -1/8 or
+    1/8 by its bit 15, g in {-1, 0, 1} (the grid's points): ``u = g + 1`` fits 2 bits, scale
+    ``dl``, bias ``dl (delta - 1)``."""
+    qh = np.ascontiguousarray(b[:, 34:50]).view("<u2")  # (n, 8)
+    dl = _f16(b, 0) * (2 * ((qh >> 12) & 7).astype(np.float32) + 1)
+    delta = np.where(qh & 0x8000, np.float32(-0.125), np.float32(0.125))
+    return _grid_ints(b, T.IQ1_S, dl, 1 - delta), dl, dl * (delta - 1)
+
+
 INTEGER_FORMS: dict[int, IntegerForm] = {
     T.Q8_0: IntegerForm(8, 32, 11, _split_q8_0),
     T.Q4_0: IntegerForm(4, 32, 11, _split_q4_0),
@@ -355,6 +384,8 @@ INTEGER_FORMS: dict[int, IntegerForm] = {
     T.Q4_K: IntegerForm(4, 32, 17, _split_q4_k),
     T.Q5_K: IntegerForm(5, 32, 17, _split_q5_k),
     T.Q3_K: IntegerForm(8, 256, 11, _split_q3_k),
+    T.IQ3_S: IntegerForm(4, 32, 20, _split_iq3_s),  # 2 d (1 + 2 s): 16 bits; 15 d (1 + 2 s): 20
+    T.IQ1_S: IntegerForm(2, 32, 19, _split_iq1_s),  # d (2 s + 1): 15 bits; times 7/8 or 9/8: 19
 }
 # Significant bits of each dtype scales and biases can be kept in (MLX wants the activations' dtype).
 DTYPE_BITS = {"float16": 11, "bfloat16": 8, "float32": 24}

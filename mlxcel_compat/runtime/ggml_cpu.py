@@ -28,10 +28,10 @@ from pathlib import Path
 from gguf import GGMLQuantizationType as T
 
 # The types served from their blocks: every quantized type the loader reads, and the half floats.
-# MXFP4 (gpt-oss's experts) and the i-quants are in ggml's CPU library since well before 0.20:
-# both builds this project loads (scripts/setup.sh's ggml 0.25, the libggml-python wheel's 0.20)
-# have vec_dot and to_float for each, and the from_float of its vec_dot_type (Q8_0 for MXFP4
-# and IQ4_NL, Q8_K for the others); ``GGMLKernels.supports`` checks a build before a type is served.
+# MXFP4 (gpt-oss's experts) and the i-quants: both builds this project loads (scripts/setup.sh's
+# ggml 0.25, the libggml-python wheel's 0.20) have vec_dot and to_float for each, and the
+# from_float of its vec_dot_type (Q8_0 for MXFP4 and IQ4_NL, Q8_K for the others);
+# ``GGMLKernels.supports`` checks the loaded build before a type is served.
 I_QUANTS = frozenset({T.IQ4_XS, T.IQ4_NL, T.IQ3_XXS, T.IQ3_S, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M})
 BLOCK_TYPES = frozenset({T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
                          T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4, *I_QUANTS})
@@ -123,9 +123,10 @@ class GGMLKernels:
 
     def supports(self, ggml_type: int) -> bool:
         """Whether this build has the kernels of ``ggml_type``: its type traits name the type with
-        gguf-py's block sizes (a build older than the type has no traits for it: its table is
-        shorter, or the slot is a removed type's), a ``vec_dot`` and ``to_float``, and the
-        ``from_float`` of its ``vec_dot_type``. Checked once per type."""
+        gguf-py's block sizes, a ``vec_dot`` and ``to_float``, and the ``from_float`` of its
+        ``vec_dot_type``. (ggml does not say how long its type table is: a build older than a
+        type answers with a removed type's slot, or with what lies past its table, and the name
+        and sizes are what tell.) Checked once per type."""
         known = self._supported.get(int(ggml_type))
         if known is None:
             known = self._check(int(ggml_type))

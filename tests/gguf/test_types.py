@@ -160,11 +160,11 @@ def float_logits() -> mx.array:
 def test_the_gpu_policy_keeps_each_type_quantized(gguf_type: str, float_logits: mx.array) -> None:
     """On Metal / CUDA: MXFP4 matrices of linear layers become MLX mxfp4 layers holding the file's
     exponents and codes (the embedding, whose MLX form would give bfloat16 rows, float16); the
-    i-quants become affine layers in their requantized forms (precision.GPU_FORMS). In float32
-    math (float16 scales, biases and norms widened, exactly) the MXFP4 model is the file's
-    float32 expansion up to summation order, and the i-quants' forms move the logits by at most
-    half what the file's own quantization moved them (tests/gpu_policy.py's MAPPING_SHARE); as
-    loaded, in float16, every model runs."""
+    i-quants become affine layers in their forms (precision.GPU_FORMS: IQ3_S and IQ1_S their own
+    integers, the others requantized). In float32 math (float16 scales, biases and norms
+    widened, exactly) the MXFP4 model is the file's float32 expansion up to summation order, and
+    the i-quants' forms move the logits by at most half what the file's own quantization moved
+    them (tests/gguf/test_gpu_policy.py's MAPPING_SHARE); as loaded, in float16, every model runs."""
     path = ensure_type_gguf(gguf_type)
     model, _, _, summary = load_gguf(str(path), on_cpu=False)
     reference, *_ = load_gguf(str(path), on_cpu=True, blocks=False)
@@ -186,7 +186,7 @@ def test_the_gpu_policy_keeps_each_type_quantized(gguf_type: str, float_logits: 
         bits, group = precision.GPU_FORMS[qtype]
         assert (down.bits, down.group_size, down.mode) == (bits, group, "affine")
         assert summary.precision[f"affine {gguf_type}"] == (16 if gguf_type == "iq4_nl" else 2)
-        assert summary.kernels[f"affine {gguf_type}"] == f"MLX affine {bits}-bit, group {group} (requantized)"
+        assert summary.kernels[f"affine {gguf_type}"] == precision.affine_form(qtype, "float16").describe()
     as_loaded = model(mx.array(IDS))
     assert as_loaded.dtype == mx.float16 and mx.all(mx.isfinite(as_loaded)).item()
 
