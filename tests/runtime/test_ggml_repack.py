@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(isinstance(LIB, str) or isinstance(REPACK, str),
 
 def _weight(ggml_type: int, n: int, k: int, seed: int = 0, rows: np.ndarray | None = None):
     """An (n, k) weight of ``ggml_type``: ggml's quantization of random values, or for MXFP4 and
-    the i-quants random valid blocks (their quantizers take up to 20 us a value)."""
+    the i-quants random valid blocks (some of their quantizers take 5-25 s to set up)."""
     if ggml_type in (T.MXFP4, *ggml_cpu.I_QUANTS):
         blocks = random_blocks(ggml_type, n * k // GGML_QUANT_SIZES[ggml_type][0], seed=seed).reshape(n, -1)
     else:
