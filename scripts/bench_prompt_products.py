@@ -34,7 +34,8 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from mlxcel_compat.runtime import block_weight, ggml_cpu, ggml_repack  # noqa: E402
 
-TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "Q4_1")
+TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "Q4_1", "MXFP4", "IQ4_NL", "IQ4_XS",
+         "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
 
 
 def main() -> int:
@@ -58,7 +59,9 @@ def main() -> int:
     print(f"{'type':6s} {'tiles':>8s} {'ggml':>8s} {'repacked':>9s} {'own':>8s} {'tiles/ggml':>11s} {'ggml/own':>9s}")
     for name in args.types.split(","):
         ggml_type = int(T[name])
-        blocks = kernels.quantize(ggml_type, values)
+        # A uniform importance matrix where ggml's quantizer needs one (as the test factory's files)
+        importance = np.ones(args.k, dtype=np.float32) if kernels.needs_importance(ggml_type) else None
+        blocks = kernels.quantize(ggml_type, values, importance)
         weights = {"tiles": block_weight.BlockWeight(blocks, ggml_type, args.n, args.k, lib),
                    "ggml": block_weight.BlockWeight(blocks, ggml_type, args.n, args.k, lib)}
         weights["ggml"].prompt = ggml_repack.PromptProduct(

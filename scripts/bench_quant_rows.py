@@ -11,7 +11,9 @@ kernel is faster). Where ggml has a repacked layout for the type (Q4_K: llama-se
 path, its 8-row GEMV), that runs too, one product per activation row as the runtime would call
 it, and its ratio to the own kernel is printed. Q4_1, Q5_0 and Q5_1 have own kernels over rows
 the loader rearranges (``block_weight.split_rows``): those run over a split copy, against ggml's
-vec_dot over the blocks as stored. Every shape runs on all of the shim's threads, as in a server.
+vec_dot over the blocks as stored. MXFP4 and IQ4_NL have no own kernel but ggml repacks them
+(llama-server's decode path too): their repacked GEMV runs against vec_dot. Every shape runs
+on all of the shim's threads, as in a server.
 
     .venv/bin/python scripts/bench_quant_rows.py
     .venv/bin/python scripts/bench_quant_rows.py --shapes 4096x11008,11008x4096 --rows 1,4 --reps 20
@@ -43,7 +45,7 @@ SHAPES = "768x768,768x2048,2048x768,4096x4096,4096x11008,11008x4096"
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_1,Q5_0,Q5_1")
+    parser.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_1,Q5_0,Q5_1,MXFP4,IQ4_NL")
     parser.add_argument("--shapes", default=SHAPES, help="comma list of KxN (inputs x outputs)")
     parser.add_argument("--rows", default="1,4", help="activation rows (sequences decoding together)")
     parser.add_argument("--reps", type=int, default=30)
@@ -63,7 +65,10 @@ def main() -> int:
             split_rows_against_ggml(lib, kernels, name, ggml_type, args, rng)
             continue
         if ggml_type not in lib.own_kernels:
-            print(f"{name}: no own kernel on this CPU")
+            if ggml_type in ggml_repack.REPACKED_TYPES:
+                repacked_against_ggml(lib, kernels, name, ggml_type, args, rng)
+            else:
+                print(f"{name}: no own kernel on this CPU")
             continue
         kind = lib.block_type(ggml_type)
         for shape in args.shapes.split(","):
@@ -91,6 +96,37 @@ def main() -> int:
                 print(f"{name:6s} {shape:>12s} {rows:4d} {us[-1]:9.1f} {us[ggml_type]:9.1f} {us[-1] / us[ggml_type]:8.2f}x "
                       f"{rep_text}")
     return 0
+
+
+def repacked_against_ggml(lib, kernels, name: str, ggml_type: int, args: argparse.Namespace,
+                          rng: np.random.Generator) -> None:
+    """A type with no own kernel that ggml repacks (MXFP4, IQ4_NL): ggml's repacked GEMV, one
+    product per activation row as the runtime calls it, against its vec_dot over the blocks as
+    stored, rounds alternating; the ratio is vec_dot / repacked (above 1: repacking pays)."""
+    for shape in args.shapes.split(","):
+        k, n = (int(v) for v in shape.split("x"))
+        values = rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)
+        importance = np.ones(k, dtype=np.float32) if kernels.needs_importance(ggml_type) else None
+        blocks = kernels.quantize(ggml_type, values, importance)
+        plain = block_weight.BlockWeight(blocks, ggml_type, n, k, lib)
+        repacked = block_weight.BlockWeight(blocks, ggml_type, n, k, lib, repacked=ggml_repack.repack(blocks, ggml_type, n, k))
+        if repacked.repacked is None:
+            print(f"{name}: ggml has no repacked layout for {shape} here")
+            continue
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = rng.standard_normal((rows, k), dtype=np.float32)
+            out = np.empty((rows, n), np.float32)
+            times: dict[str, list[float]] = {"ggml": [], "repacked": []}
+            for rep in range(args.reps + 1):
+                pairs = (("ggml", plain), ("repacked", repacked))
+                for key, weight in (pairs if rep % 2 else pairs[::-1]):
+                    start = time.perf_counter()
+                    weight.matmul(x, out=out, tiles=False)
+                    if rep:
+                        times[key].append(time.perf_counter() - start)
+            us = {key: statistics.median(t) * 1e6 for key, t in times.items()}
+            print(f"{name:6s} {shape:>12s} {rows:4d} {us['ggml']:9.1f} {'-':>9s} {'-':>9s} {us['repacked']:9.1f} "
+                  f"{us['ggml'] / us['repacked']:7.2f}x (ggml / repacked)")
 
 
 def split_rows_against_ggml(lib, kernels, name: str, ggml_type: int, args: argparse.Namespace,

@@ -69,17 +69,20 @@ class GGUFSummary:
     affine_fallbacks: list[str] = field(default_factory=list)  # tensors whose affine scales overflow the dtype
 
 
-def _quantizable(model: Any, mlx_name: str, shape: tuple[int, ...]) -> bool:
+def _layer_kind(model: Any, mlx_name: str, shape: tuple[int, ...]) -> str:
+    """``linear`` or ``embedding`` for the weight of a Linear or Embedding whose rows are whole
+    32-value groups (what ``nn.QuantizedLinear`` can hold, and what a block layer replaces),
+    else ``""``."""
     import mlx.nn as nn
 
     if not mlx_name.endswith(".weight") or len(shape) != 2 or shape[-1] % 32:
-        return False
+        return ""
     module = model
     for part in mlx_name.rsplit(".", 1)[0].split("."):
         module = module[int(part)] if isinstance(module, list) else getattr(module, part, None)
         if module is None:
-            return False
-    return isinstance(module, (nn.Linear, nn.Embedding))
+            return ""
+    return "linear" if isinstance(module, nn.Linear) else "embedding" if isinstance(module, nn.Embedding) else ""
 
 
 def decode_tensor(info: TensorInfo, raw: np.ndarray, mlx_name: str, spec: gguf_arch.ArchSpec,
@@ -125,8 +128,9 @@ def load_float_tensor(info: TensorInfo, mlx_name: str, spec: gguf_arch.ArchSpec,
 
 def _affine(info: TensorInfo, raw: np.ndarray, mlx_name: str, spec: gguf_arch.ArchSpec, config: dict[str, Any],
             form: precision.AffineForm, dtype: str, target_shape: tuple[int, ...]) -> list[tuple[str, Any]] | None:
-    """A quantized matrix as MLX affine ``weight``, ``scales`` and ``biases`` in ``form``, or None
-    when its scales or biases overflow ``dtype`` (the caller dequantizes that tensor instead)."""
+    """A quantized matrix as MLX affine ``weight``, ``scales`` and ``biases`` in ``form`` (or
+    MLX mxfp4 ``weight`` and ``scales``), or None when its scales or biases overflow ``dtype``
+    (or an MXFP4 exponent is E8M0's NaN): the caller dequantizes that tensor instead."""
     import mlx.core as mx
 
     if tuple(info.shape) != tuple(target_shape):
@@ -136,6 +140,10 @@ def _affine(info: TensorInfo, raw: np.ndarray, mlx_name: str, spec: gguf_arch.Ar
     rows = raw.reshape(info.shape[0], -1)
     if heads is not None:
         rows = gguf_arch.unpermute_rows(rows, heads)
+    prefix = mlx_name[: -len("weight")]
+    if form.mode == precision.MXFP4:
+        fp4 = gguf_quants.to_mxfp4(np.ascontiguousarray(rows).reshape(-1), info.shape)
+        return None if fp4 is None else [(mlx_name, mx.array(fp4.weight)), (prefix + "scales", mx.array(fp4.scales))]
     blocks = gguf_quants.to_affine(np.ascontiguousarray(rows).reshape(-1), info.ggml_type, info.shape,
                                    form.bits, form.group_size, dtype)
     if blocks is None:
@@ -143,7 +151,6 @@ def _affine(info: TensorInfo, raw: np.ndarray, mlx_name: str, spec: gguf_arch.Ar
     if form.method == precision.EXACT and not blocks.exact:  # the policy's promise, checked on the data
         raise RuntimeError(f"tensor '{info.name}': {form.describe()} changed a value")
     target = {precision.FLOAT16: mx.float16, precision.BFLOAT16: mx.bfloat16, precision.FLOAT32: mx.float32}[dtype]
-    prefix = mlx_name[: -len("weight")]
     # The scales hold dtype values already (gguf_quants rounds them), so the cast is exact.
     return [(mlx_name, mx.array(blocks.weight)), (prefix + "scales", mx.array(blocks.scales).astype(target)),
             (prefix + "biases", mx.array(blocks.biases).astype(target))]
@@ -232,10 +239,11 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
 
     dtype = precision.compute_dtype(on_cpu, {t.ggml_type for t in file.tensors.values()})
     lib = block_weight.library() if on_cpu and blocks else "not on the CPU" if not on_cpu else "blocks=False"
+    kinds = {g: _layer_kind(model, m, file.tensors[g].shape) for g, m in names.items()}
     plans = {
-        g: precision.tensor_precision(file.tensors[g].ggml_type, on_cpu,
-                                      _quantizable(model, m, file.tensors[g].shape), dtype,
-                                      blocks=not isinstance(lib, str))
+        g: precision.tensor_precision(file.tensors[g].ggml_type, on_cpu, bool(kinds[g]), dtype,
+                                      blocks=not isinstance(lib, str) and lib.serves(file.tensors[g].ggml_type),
+                                      embedding=kinds[g] == "embedding")
         for g, m in names.items()
     }
     quantized: dict[str, precision.AffineForm] = {}  # module path -> the form its weight took
@@ -247,6 +255,11 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     )
     if on_cpu and isinstance(lib, str) and any(file.tensors[g].ggml_type not in FLOAT_TYPES for g in names):
         summary.blocks_unavailable = lib
+    elif on_cpu and not isinstance(lib, str):  # a build of ggml older than a type (ggml_cpu.GGMLKernels.supports)
+        lacking = sorted({gguf_quants.type_name(file.tensors[g].ggml_type) for g in names
+                          if file.tensors[g].ggml_type not in FLOAT_TYPES and not lib.serves(file.tensors[g].ggml_type)})
+        if lacking:
+            summary.blocks_unavailable = f"ggml {lib.ggml.version} ({lib.ggml.directory}) lacks {', '.join(lacking)}"
     maps = {part: map_file(part) for part in file.parts} if precision.BLOCKS in plans.values() else {}
     total = sum(file.tensors[g].n_bytes for g in names)
     decoded = [file.tensors[g].n_bytes for g in names
@@ -284,13 +297,15 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
             weights = _affine(info, read_tensor(info, scratch), mlx_name, spec, config, form, dtype,
                               shapes[mlx_name])
             if weights is None:
-                log.warning("tensor '%s' (%s): its affine scales or biases overflow %s; dequantized to %s instead",
-                            info.name, gguf_quants.type_name(info.ggml_type), dtype, dtype)
+                log.warning("tensor '%s' (%s) has no %s here (its scales or biases overflow %s, or an MXFP4 "
+                            "exponent is E8M0's NaN); dequantized to %s instead",
+                            info.name, gguf_quants.type_name(info.ggml_type), form.describe(), dtype, dtype)
                 summary.affine_fallbacks.append(info.name)
                 plan = label = dtype
             else:
                 quantized[mlx_name[: -len(".weight")]] = form
-                label = f"affine {gguf_quants.type_name(info.ggml_type).lower()}"
+                kind = "mlx" if form.mode == precision.MXFP4 else "affine"
+                label = f"{kind} {gguf_quants.type_name(info.ggml_type).lower()}"
                 summary.kernels.setdefault(label, form.describe())
         if weights is None and info.ggml_type in FLOAT_TYPES:
             weights = [(mlx_name, load_float_tensor(info, mlx_name, spec, config, plan, shapes[mlx_name]))]
@@ -306,7 +321,7 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
             progress(done, total)
     if quantized:  # each layer with its weight's bits and group size; the rest stay float
         nn.quantize(model, class_predicate=lambda p, m: {"group_size": quantized[p].group_size,
-                                                         "bits": quantized[p].bits, "mode": "affine"}
+                                                         "bits": quantized[p].bits, "mode": quantized[p].mode}
                     if p in quantized else False)
     model.eval()
     model.load_weights(loaded, strict=False)  # the model's own initial values were never evaluated

@@ -1,14 +1,18 @@
-"""GGML tensor types: decode the raw blocks of a GGUF tensor into floats, or into MLX's affine form.
+"""GGML tensor types: decode the raw blocks of a GGUF tensor into floats, or into MLX's forms.
 
-Every type the loader accepts is decoded here, with NumPy, straight from the block layouts of
-ggml (``ggml-common.h``, ``dequantize_row_*`` in ``ggml-quants.c``). MLX's GGUF reader (``mx.load``
-on the file) is deliberately not used: in mlx 0.32 it gives Q4_K wrong scales on odd sub-blocks,
-raises on Q5_0, Q5_1, Q5_K, Q3_K and the IQ types, and silently drops MXFP4/TQ tensors and
-everything after them. (Float tensors skip NumPy: ``gguf.read_float_tensor``.)
-gguf-py's own dequantizer is the reference the tests compare against, so the two are
-independent implementations of the same layouts.
+The float types, Q4_0-Q8_0 and the K-quants are decoded here, with NumPy, straight from the
+block layouts of ggml (``ggml-common.h``, ``dequantize_row_*`` in ``ggml-quants.c``); gguf-py's
+own dequantizer is the reference the tests compare against, so the two are independent
+implementations of the same layouts. MXFP4 and the i-quants (``TABLE_TYPES``: values looked up
+in ggml's grids and code tables) are decoded by ggml's own ``to_float`` where its CPU library is
+loaded (what the CPU's block weights expand with, 5-30x faster than NumPy), else by gguf-py's
+``dequantize``, the reference again: the two agree bit for bit (tests/gguf/test_quants.py), and
+neither copies ggml's tables into this project. MLX's GGUF reader (``mx.load`` on the file) is
+deliberately not used: in mlx 0.32 it gives Q4_K wrong scales on odd sub-blocks, raises on Q5_0,
+Q5_1, Q5_K, Q3_K and the IQ types, and silently drops MXFP4/TQ tensors and everything after
+them. (Float tensors skip NumPy: ``gguf.read_float_tensor``.)
 
-A type not listed in ``DECODERS`` (IQ*, TQ*, MXFP4, NVFP4, Q8_1, Q8_K, integer types) raises
+A type not listed in ``DECODERS`` (TQ*, NVFP4, Q8_1, Q8_K, integer types) raises
 ``UnsupportedTensorType`` naming the tensor and the type: never silently wrong weights.
 
 Decoding runs over slices of at most ``CHUNK_BLOCKS`` blocks, so the temporaries stay small next
@@ -22,6 +26,8 @@ from typing import Callable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from mlxcel_compat.runtime import ggml_cpu
 
 T = GGMLQuantizationType
 CHUNK_BLOCKS = 1 << 15  # 32K blocks: 1-8M values per slice
@@ -189,6 +195,25 @@ def _f32(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view("<f4")
 
 
+def _table_decoder(ggml_type: int) -> Callable[[np.ndarray], np.ndarray]:
+    """A decoder of a ``TABLE_TYPES`` type: ggml's ``to_float`` where its library is loaded and
+    has the type, else gguf-py's ``dequantize`` (the same values, bit for bit)."""
+
+    def decode(b: np.ndarray) -> np.ndarray:
+        kernels = ggml_cpu.kernels()
+        if not isinstance(kernels, str) and kernels.supports(ggml_type):
+            return kernels.dequantize(ggml_type, b)
+        import gguf.quants
+
+        return gguf.quants.dequantize(np.ascontiguousarray(b), T(ggml_type)).reshape(len(b), -1)
+
+    return decode
+
+
+# MXFP4 (an E8M0 exponent per 32 E2M1 values) and the i-quants (IQ4_NL/IQ4_XS: a 16-value
+# non-linear code; IQ3/IQ2/IQ1: lattice grids with signs), as ggml stores them.
+TABLE_TYPES = (T.MXFP4, T.IQ4_XS, T.IQ4_NL, T.IQ3_XXS, T.IQ3_S, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M)
+
 DECODERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     T.F32: _f32,
     T.F16: _f16_values,
@@ -203,6 +228,7 @@ DECODERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     T.Q4_K: _q4_k,
     T.Q5_K: _q5_k,
     T.Q6_K: _q6_k,
+    **{t: _table_decoder(t) for t in TABLE_TYPES},
 }
 SUPPORTED_TYPES: tuple[str, ...] = tuple(type_name(t) for t in DECODERS)
 FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
@@ -320,6 +346,35 @@ def _split_q3_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return (128 - sc * signed).astype(np.uint8).reshape(n, 256), -d, d * 128
 
 
+def _grid_ints(b: np.ndarray, ggml_type: int, step: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """The integers ``u = values / step + offset`` of a grid type, per 32-value sub-block (``step``
+    and ``offset`` (n, 8)): read from the decoded values, which are exact multiples of the step,
+    so the grids' tables stay ggml's and gguf-py's."""
+    values = DECODERS[ggml_type](b).reshape(len(b), 8, 32)
+    safe = np.where(step != 0, step, np.float32(1))[:, :, None]  # a zero factor: zero values, u = offset
+    return np.rint(values / safe + offset[:, :, None]).astype(np.uint8).reshape(len(b), 256)
+
+
+def _split_iq3_s(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """IQ3_S's values are ``db * g`` per 32-value sub-block, ``db = d (1 + 2 s)`` with its 4-bit
+    scale s (two to a byte of ``scales``, at byte 106) and g an odd integer in [-15, 15] (its grid
+    points, 1..15, times a sign): ``u = (g + 15) / 2`` fits 4 bits, scale ``2 db``, bias ``-15 db``."""
+    s = b[:, 106:110]
+    db = _f16(b, 0) * (1 + 2 * np.stack([s & 0x0F, s >> 4], axis=2).reshape(len(b), 8).astype(np.float32))
+    return _grid_ints(b, T.IQ3_S, 2 * db, np.full_like(db, 7.5)), 2 * db, -15 * db
+
+
+def _split_iq1_s(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """IQ1_S's values are ``dl (g + delta)`` per 32-value sub-block: ``dl = d (2 s + 1)`` with the
+    3-bit scale s in bits 12-14 of the sub-block's ``qh`` word (at byte 34), ``delta`` -1/8 or
+    1/8 by its bit 15, g in {-1, 0, 1} (the grid's points): ``u = g + 1`` fits 2 bits, scale
+    ``dl``, bias ``dl (delta - 1)``."""
+    qh = np.ascontiguousarray(b[:, 34:50]).view("<u2")  # (n, 8)
+    dl = _f16(b, 0) * (2 * ((qh >> 12) & 7).astype(np.float32) + 1)
+    delta = np.where(qh & 0x8000, np.float32(-0.125), np.float32(0.125))
+    return _grid_ints(b, T.IQ1_S, dl, 1 - delta), dl, dl * (delta - 1)
+
+
 INTEGER_FORMS: dict[int, IntegerForm] = {
     T.Q8_0: IntegerForm(8, 32, 11, _split_q8_0),
     T.Q4_0: IntegerForm(4, 32, 11, _split_q4_0),
@@ -329,6 +384,8 @@ INTEGER_FORMS: dict[int, IntegerForm] = {
     T.Q4_K: IntegerForm(4, 32, 17, _split_q4_k),
     T.Q5_K: IntegerForm(5, 32, 17, _split_q5_k),
     T.Q3_K: IntegerForm(8, 256, 11, _split_q3_k),
+    T.IQ3_S: IntegerForm(4, 32, 20, _split_iq3_s),  # 2 d (1 + 2 s): 16 bits; 15 d (1 + 2 s): 20
+    T.IQ1_S: IntegerForm(2, 32, 19, _split_iq1_s),  # d (2 s + 1): 15 bits; times 7/8 or 9/8: 19
 }
 # Significant bits of each dtype scales and biases can be kept in (MLX wants the activations' dtype).
 DTYPE_BITS = {"float16": 11, "bfloat16": 8, "float32": 24}
@@ -454,3 +511,41 @@ def to_affine(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...], bits: int
         biases[g0:g0 + bias.size] = bias.reshape(-1)
     return AffineBlocks(weight.reshape(rows, -1), scales.reshape(rows, -1), biases.reshape(rows, -1),
                         bits, group_size, exact)
+
+
+# --------------------------------------------------------------------------- MLX mxfp4 form
+#
+# MLX's ``mxfp4`` quantization mode is the format of ggml's MXFP4 (OCP Microscaling FP4): per
+# 32 values one E8M0 exponent (the value 2^(e - 127)) and 4-bit E2M1 codes (sign, 2 exponent
+# bits, 1 mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6). Only the order of the codes differs: a
+# ggml block holds value j in the low nibble of byte j and value j + 16 in its high nibble, MLX
+# packs a row's codes in order, two to a byte, low nibble first.
+
+
+@dataclass
+class Mxfp4Blocks:
+    """A GGML MXFP4 matrix in MLX's mxfp4 mode: ``weight`` (uint32, (rows, cols / 8)) and
+    ``scales`` (uint8 exponents, (rows, cols / 32)), the file's own codes and exponents."""
+
+    weight: np.ndarray
+    scales: np.ndarray
+
+
+def to_mxfp4(raw: np.ndarray, shape: tuple[int, ...]) -> Mxfp4Blocks | None:
+    """The MLX mxfp4 form of an MXFP4 matrix (``raw``: its bytes), exact: every value equals
+    ggml's. None when an exponent is 255, E8M0's NaN, which ggml reads as 2^128 and MLX as NaN
+    (ggml's quantizer never writes it: float32 weights need at most 253)."""
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    block_size, type_size = GGML_QUANT_SIZES[T.MXFP4]
+    if cols % block_size:
+        raise ValueError(f"MXFP4 rows of {cols} values do not fill whole blocks of {block_size}")
+    blocks = raw.reshape(-1, type_size)
+    if (blocks[:, 0] == 255).any():
+        return None
+    packed = np.empty((len(blocks), block_size // 2), dtype=np.uint8)
+    step = max(1, AFFINE_CHUNK_VALUES // block_size)
+    for start in range(0, len(blocks), step):
+        codes = _nibbles(blocks[start:start + step, 1:])  # (n, 32) in value order
+        packed[start:start + step] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return Mxfp4Blocks(packed.reshape(-1).view("<u4").reshape(rows, -1),
+                       np.ascontiguousarray(blocks[:, 0]).reshape(rows, -1))

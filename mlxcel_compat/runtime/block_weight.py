@@ -71,6 +71,11 @@ class BlockLibrary:
     split_kinds: dict[int, ggml_cpu.BlockType]  # types whose rows split_rows rearranges, to their kernels
     gemm_kernels: frozenset[int]  # types whose prompt chunks the shim's own GEMM multiplies (mlxcel_gemm_kernel)
 
+    def serves(self, ggml_type: int) -> bool:
+        """Whether weights of this type are served from their blocks: a block type whose kernels
+        this build of ggml has (``GGMLKernels.supports``)."""
+        return ggml_type in ggml_cpu.BLOCK_TYPES and self.ggml.supports(ggml_type)
+
     def block_type(self, ggml_type: int) -> ggml_cpu.BlockType:
         """ggml's kernels of the type, with the shim's own rows kernel and activation quantizer
         where it has them."""
@@ -127,10 +132,11 @@ def library() -> BlockLibrary | str:
     quantizers: dict[int, int] = {}
     dequantizers: dict[int, int] = {}
     if own_kernels_enabled():
-        own_kernels = frozenset(int(t) for t in ggml_cpu.BLOCK_TYPES if own(int(t)))
-        acts = {ggml.activation_type(t) for t in ggml_cpu.BLOCK_TYPES}
+        served = [int(t) for t in ggml_cpu.BLOCK_TYPES if ggml.supports(t)]
+        own_kernels = frozenset(t for t in served if own(t))
+        acts = {ggml.activation_type(t) for t in served}
         quantizers = {a: quantizer(a) for a in acts if quantizer(a)}
-        dequantizers = {int(t): dequantizer(int(t)) for t in ggml_cpu.BLOCK_TYPES if dequantizer(int(t))}
+        dequantizers = {t: dequantizer(t) for t in served if dequantizer(t)}
     split_kinds: dict[int, ggml_cpu.BlockType] = {}
     for ggml_type in SPLIT_TYPES if own_kernels_enabled() else ():
         code = SPLIT_TYPE_BASE + int(ggml_type)

@@ -28,10 +28,16 @@ from pathlib import Path
 from gguf import GGMLQuantizationType as T
 
 # The types served from their blocks: every quantized type the loader reads, and the half floats.
+# MXFP4 (gpt-oss's experts) and the i-quants: both builds this project loads (scripts/setup.sh's
+# ggml 0.25, the libggml-python wheel's 0.20) have vec_dot and to_float for each, and the
+# from_float of its vec_dot_type (Q8_0 for MXFP4 and IQ4_NL, Q8_K for the others);
+# ``GGMLKernels.supports`` checks the loaded build before a type is served.
+I_QUANTS = frozenset({T.IQ4_XS, T.IQ4_NL, T.IQ3_XXS, T.IQ3_S, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M})
 BLOCK_TYPES = frozenset({T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
-                         T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
+                         T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4, *I_QUANTS})
 
 _FN = ctypes.c_void_p  # function pointers travel as plain addresses
+_TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)  # ggml_to_float_t
 
 
 class _TypeTraits(ctypes.Structure):
@@ -95,6 +101,7 @@ class GGMLKernels:
     directory: Path
     version: str
     _types: dict[int, BlockType] = field(default_factory=dict)
+    _supported: dict[int, bool] = field(default_factory=dict)
 
     @property
     def features(self) -> list[str]:
@@ -114,12 +121,42 @@ class GGMLKernels:
         """The type ggml quantizes activations to for this weight type's products (vec_dot_type)."""
         return int(self.cpu.ggml_get_type_traits_cpu(int(ggml_type)).contents.vec_dot_type)
 
+    def supports(self, ggml_type: int) -> bool:
+        """Whether this build has the kernels of ``ggml_type``: its type traits name the type with
+        gguf-py's block sizes, a ``vec_dot`` and ``to_float``, and the ``from_float`` of its
+        ``vec_dot_type``. (ggml does not say how long its type table is: a build older than a
+        type answers with a removed type's slot, or with what lies past its table, and the name
+        and sizes are what tell.) Checked once per type."""
+        known = self._supported.get(int(ggml_type))
+        if known is None:
+            known = self._check(int(ggml_type))
+            self._supported[int(ggml_type)] = known
+        return known
+
+    def _check(self, ggml_type: int) -> bool:
+        from gguf import GGML_QUANT_SIZES
+
+        try:
+            name, (block, size) = T(ggml_type).name, GGML_QUANT_SIZES[T(ggml_type)]
+        except (ValueError, KeyError):
+            return False
+        traits = self.base.ggml_get_type_traits(ggml_type).contents
+        if (traits.type_name or b"").decode(errors="replace").lower() != name.lower() or (
+                traits.blck_size, traits.type_size) != (block, size):
+            return False
+        cpu = self.cpu.ggml_get_type_traits_cpu(ggml_type).contents
+        if not (cpu.vec_dot and traits.to_float):
+            return False
+        return bool(self.cpu.ggml_get_type_traits_cpu(cpu.vec_dot_type).contents.from_float)
+
     def block_type(self, ggml_type: int) -> BlockType:
         """The kernels of ``ggml_type`` (kept alive here: the native layer holds their address)."""
         found = self._types.get(int(ggml_type))
         if found is None:
             if ggml_type not in BLOCK_TYPES:
                 raise ValueError(f"GGML type {ggml_type} is not served from its blocks")
+            if not self.supports(ggml_type):
+                raise ValueError(f"ggml {self.version} ({self.directory}) has no CPU kernels for {T(ggml_type).name}")
             cpu = self.cpu.ggml_get_type_traits_cpu(int(ggml_type)).contents
             traits = self.base.ggml_get_type_traits(int(ggml_type)).contents
             act = self.base.ggml_get_type_traits(cpu.vec_dot_type).contents
@@ -130,9 +167,12 @@ class GGMLKernels:
             self._types[int(ggml_type)] = found
         return found
 
-    def quantize(self, ggml_type: int, values: "np.ndarray") -> "np.ndarray":
+    def quantize(self, ggml_type: int, values: "np.ndarray", importance: "np.ndarray | None" = None) -> "np.ndarray":
         """``values`` (rows, k) float32 in ``ggml_type``'s blocks, by ggml's own quantizer (what
-        llama-quantize runs, without an importance matrix): uint8 (rows, row bytes). For the
+        llama-quantize runs): uint8 (rows, row bytes). ``importance``: an importance matrix, one
+        weight per column (llama-quantize's ``--imatrix``: the mean squared activation of each
+        input), which ggml requires for IQ2_XXS, IQ2_XS and IQ1_S (``needs_importance``: an
+        error here, where ggml would abort the process) and the others use where given. For the
         test factory's files; serving never quantizes."""
         import numpy as np
 
@@ -141,11 +181,35 @@ class GGMLKernels:
         block = self.base.ggml_get_type_traits(int(ggml_type)).contents.blck_size
         if k % block:  # ggml's quantizers would write past the rows' end
             raise ValueError(f"rows of {k} values do not fill whole blocks of {block}")
+        if importance is not None:
+            importance = np.ascontiguousarray(importance, dtype=np.float32)
+            if importance.shape != (k,):
+                raise ValueError(f"an importance matrix holds one weight per column ({k}), not {importance.shape}")
+        elif self.needs_importance(ggml_type):
+            raise ValueError(f"ggml quantizes {T(ggml_type).name} only with an importance matrix")
         row_size = self.base.ggml_row_size(int(ggml_type), k)
         out = np.empty((rows, row_size), dtype=np.uint8)
-        done = self.base.ggml_quantize_chunk(int(ggml_type), values.ctypes.data, out.ctypes.data, 0, rows, k, None)
+        done = self.base.ggml_quantize_chunk(int(ggml_type), values.ctypes.data, out.ctypes.data, 0, rows, k,
+                                             None if importance is None else importance.ctypes.data)
         if done != out.nbytes:
             raise ValueError(f"ggml quantized {done} bytes, expected {out.nbytes}")
+        return out
+
+    def needs_importance(self, ggml_type: int) -> bool:
+        """ggml's ``ggml_quantize_requires_imatrix``: its quantizer asserts an importance matrix."""
+        return bool(self.base.ggml_quantize_requires_imatrix(int(ggml_type)))
+
+    def dequantize(self, ggml_type: int, blocks: "np.ndarray") -> "np.ndarray":
+        """``blocks`` (uint8, whole blocks of ``ggml_type``) expanded by ggml's ``to_float``:
+        float32 (blocks, values per block). The loader's float path for the types whose
+        NumPy decoding is gguf-py's (``gguf/quants.py``), 5-30x faster than it."""
+        import numpy as np
+
+        traits = self.base.ggml_get_type_traits(int(ggml_type)).contents
+        blocks = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, traits.type_size)
+        out = np.empty((len(blocks), traits.blck_size), dtype=np.float32)
+        if len(blocks):
+            _TO_FLOAT(traits.to_float)(blocks.ctypes.data, out.ctypes.data, out.size)
         return out
 
     def describe(self, ggml_type: int) -> str:
@@ -174,6 +238,8 @@ def kernels() -> GGMLKernels | str:
         base.ggml_row_size.restype = ctypes.c_size_t
         base.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
         base.ggml_quantize_chunk.restype = ctypes.c_size_t
+        base.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
+        base.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
         base.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                              ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_CpuTraits)
@@ -190,4 +256,4 @@ def kernels() -> GGMLKernels | str:
     return GGMLKernels(base, cpu, directory, ggml_version)
 
 
-__all__ = ["BLOCK_TYPES", "BlockType", "GGMLKernels", "enabled", "kernels", "library_dir"]
+__all__ = ["BLOCK_TYPES", "I_QUANTS", "BlockType", "GGMLKernels", "enabled", "kernels", "library_dir"]

@@ -1,7 +1,7 @@
 """Weights repacked by ggml into its interleaved layouts, and their products (``mlxcel_repack_matmul``).
 
 ggml's CPU backend keeps some types in a second, interleaved layout (its ``CPU_REPACK`` buffer
-type: on x86 Q4_0 and Q4_K, plus Q2_K and IQ4_NL with AVX-512, as 8 rows whose blocks
+type: on x86 Q4_0, Q4_K, IQ4_NL and MXFP4, plus Q2_K with AVX-512, as 8 rows whose blocks
 alternate), with GEMV and GEMM kernels that multiply them faster than the row-by-row ``vec_dot``
 of the native layer's block products: llama-server uses them by default. This module compiles the small C library
 that reaches them through ggml's public API (linked to the ggml libraries ``ggml_cpu.py`` loads,
@@ -17,8 +17,8 @@ a mapped one takes. ``--no-repack`` (the ``repack`` setting, ``load_gguf(repack=
 every weight in the file's blocks.
 
 Prompt products (:func:`prompt_product`): with ggml 0.25 or later (what ``scripts/setup.sh``
-builds), a K-quant weight (``PROMPT_TYPES``) is not repacked but multiplies prompt chunks as
-stored, by ggml's own ``mul_mat`` (one graph on ggml's threads, ``mlxcel_plain_matmul``), whose
+builds), a K-quant or 256-value i-quant weight (``PROMPT_TYPES``) is not repacked but multiplies
+prompt chunks as stored, by ggml's own ``mul_mat`` (one graph on ggml's threads, ``mlxcel_plain_matmul``), whose
 tiled int8 kernels beat both the float32 tiles (2-4x) and, for Q4_K, the repacked GEMM (1.8x);
 its decode rows stay ``vec_dot``, about as fast as the repacked GEMV.
 """
@@ -39,23 +39,29 @@ from gguf import GGMLQuantizationType as T
 from mlxcel_compat.runtime.native import blas_shim
 from mlxcel_compat.runtime import ggml_cpu
 
-# The types repacked (ggml's layouts on x86: Q4_0 and Q4_K 8x8, IQ4_NL; measured on this
-# project's AVX-512 machines, docs/benchmarks/quantized.md): a prompt chunk of Q4_K by ggml's
-# int8 GEMM 1.4-2.1x faster than float32 tiles, Q4_0 2.2-5.7x; a decode step by its GEMV about
-# as fast as vec_dot on a Llama-7B layer (0.88x on 11008 x 4096, 1.30x on 4096 x 11008: 4 % in
-# all) and 1.1-1.4x on small matrices. Q2_K's GEMM is slower than the float32 tiles: not repacked.
-REPACKED_TYPES = frozenset({T.Q4_0, T.Q4_K, T.IQ4_NL})
+# The types repacked (ggml's layouts on x86: Q4_0 and Q4_K 8x8, IQ4_NL and MXFP4 8x8 with AVX2;
+# measured on this project's AVX-512 machines, docs/benchmarks/quantized.md): a prompt chunk of
+# Q4_K by ggml's int8 GEMM 1.4-2.1x faster than float32 tiles, Q4_0 2.2-5.7x; a decode step by
+# its GEMV about as fast as vec_dot on a Llama-7B layer (0.88x on 11008 x 4096, 1.30x on 4096 x
+# 11008: 4 % in all) and 1.1-1.4x on small matrices. MXFP4 (gpt-oss's experts) and IQ4_NL:
+# prompt chunks 1.6-1.8x the tiles' speed (2048 x 768, 1024 rows; ggml's mul_mat on the stored
+# blocks 0.5-0.9x), decode rows 1.2-1.7x vec_dot's (768 x 2048 to 2880 x 2880, 1 and 4 rows):
+# llama-server repacks both too. Q2_K's GEMM is slower than the float32 tiles: not repacked.
+REPACKED_TYPES = frozenset({T.Q4_0, T.Q4_K, T.IQ4_NL, T.MXFP4})
 # The types whose prompt chunks go through ggml's own mul_mat on the stored blocks: ggml 0.25's
 # tiled K-quant kernels (AVX-512 VNNI int8, Q8_K activations), what llama.cpp runs for prompts,
 # 1.9-2.6x faster than float32 tiles on a 2048 x 768 weight and 1024 rows, and Q8_0 through
 # llamafile's GEMM (8-bit activations, as llama.cpp's prompts), 1.06-1.09x the tiles and no
 # float32 tile or BLAS buffers (a 1K prompt on the small llama's Q8_0: 0.84x -> 0.96x
 # llama-server's, its greedy continuations still closer to the float32 reference than
-# llama-server's). The rest keep the tiles and the BLAS: ggml's path (llamafile's GEMM for
-# Q5_0, vec_dot for Q4_1) measured 0.44-1.0x of them (scripts/bench_prompt_products.py,
+# llama-server's). The i-quants of 256-value blocks (IQ4_XS, IQ3_*, IQ2_*, IQ1_*) too: ggml
+# multiplies them by their vec_dot over Q8_K rows, 1.8-2.7x the tiles (whose expansion is
+# ggml's scalar to_float). The rest keep the tiles and the BLAS: ggml's path (llamafile's GEMM
+# for Q5_0, vec_dot for Q4_1) measured 0.44-1.0x of them (scripts/bench_prompt_products.py,
 # docs/benchmarks/quantized.md). Q8_0 takes the shim's own GEMM instead where it has one
 # (``mlxcel_gemm_kernel``, AVX-512 VNNI; prompt_product).
-PROMPT_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0})
+PROMPT_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0,
+                          T.IQ4_XS, T.IQ3_S, T.IQ3_XXS, T.IQ2_S, T.IQ2_XS, T.IQ2_XXS, T.IQ1_M, T.IQ1_S})
 PROMPT_GGML_MIN = (0, 25)  # the first ggml with the tiled kernels
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 

@@ -29,14 +29,43 @@ RANDOM_SEED = 20251201
 # Byte offsets of the float16 scale fields in one block: (d, the min/dmin field or None). The
 # values are y = d * A + m * B with A and B set by the block's other bytes (Q4_1/Q5_1 add m,
 # the K-quants subtract dmin times a sub-block min), so a block is linear in these two fields.
+# The i-quants are d times their codes or grid points (IQ1_M keeps d's 16 bits in the top
+# nibbles of its four scale words, at byte 48); MXFP4 is 2^(e - 127) times its codes, its
+# exponent byte e at 0 (d rounded to a power of two there).
 _SCALE_FIELDS: dict[str, tuple[int, int | None]] = {
     "q4_0": (0, None), "q4_1": (0, 2), "q5_0": (0, None), "q5_1": (0, 2), "q8_0": (0, None),
     "q2_k": (80, 82), "q3_k": (108, None), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208, None),
+    **{t: (0, None) for t in ("iq4_nl", "iq4_xs", "iq3_xxs", "iq3_s", "iq2_xxs", "iq2_xs", "iq2_s", "iq1_s")},
+    "iq1_m": (48, None), "mxfp4": (0, None),
 }
 
 
-def _set_f16(blocks: np.ndarray, offset: int, values: np.ndarray) -> None:
-    blocks[:, offset:offset + 2] = values.astype("<f2").view(np.uint8).reshape(-1, 2)
+def _set_f16(blocks: np.ndarray, offset: int, values: np.ndarray, kind: str = "") -> None:
+    """Set each block's scale field at ``offset`` to ``values`` (float16, or the field's form)."""
+    if kind == "mxfp4":  # the nearest power of two, as an E8M0 exponent; 0 the smallest one
+        magnitude = np.abs(values.astype(np.float64))
+        exponent = np.rint(np.log2(np.where(magnitude > 0, magnitude, 2.0**-127))) + 127
+        blocks[:, offset] = np.clip(exponent, 0, 254).astype(np.uint8)
+        return
+    bits = values.astype("<f2").view(np.uint16).reshape(-1)
+    if kind == "iq1_m":  # bits 4i..4i+3 of d in the top nibble of scale word i
+        words = np.ascontiguousarray(blocks[:, offset:offset + 8]).view("<u2")
+        for i in range(4):
+            words[:, i] = (words[:, i] & 0x0FFF) | (((bits >> (4 * i)) & 0xF) << 12)
+        blocks[:, offset:offset + 8] = words.view(np.uint8)
+        return
+    blocks[:, offset:offset + 2] = bits.view(np.uint8).reshape(-1, 2)
+
+
+def _scale_of(blocks: np.ndarray, offset: int, kind: str) -> np.ndarray:
+    """Each block's scale field at ``offset`` as float32 (the inverse of ``_set_f16``)."""
+    if kind == "mxfp4":
+        return np.ldexp(np.float32(1), blocks[:, offset].astype(np.int32) - 127).astype(np.float32)
+    if kind == "iq1_m":
+        words = np.ascontiguousarray(blocks[:, offset:offset + 8]).view("<u2")
+        bits = sum(((words[:, i] >> 12) & 0xF) << (4 * i) for i in range(4)).astype(np.uint16)
+        return bits.view("<f2").astype(np.float32)
+    return blocks[:, offset:offset + 2].copy().view("<f2").astype(np.float32).reshape(-1)
 
 
 def _random_blocks(rng: np.random.Generator, kind: str, n_blocks: int, d: float, min_ratio: float) -> np.ndarray:
@@ -48,7 +77,7 @@ def _random_blocks(rng: np.random.Generator, kind: str, n_blocks: int, d: float,
     blocks = np.frombuffer(bytearray(rng.bytes(n_blocks * size)), dtype=np.uint8).reshape(n_blocks, size)
     d_at, m_at = _SCALE_FIELDS[kind]
     scale = (np.float32(d) * (np.float32(0.5) + rng.random(n_blocks, dtype=np.float32))).astype(np.float16)
-    _set_f16(blocks, d_at, scale)
+    _set_f16(blocks, d_at, scale, kind)
     if m_at is not None:
         _set_f16(blocks, m_at, scale.astype(np.float32) * np.float32(min_ratio))
     return blocks
@@ -68,17 +97,17 @@ def _block_calibration(kind: str) -> tuple[float, float]:
     d_at, m_at = _SCALE_FIELDS[kind]
     rng = np.random.default_rng(RANDOM_SEED)
     base = _random_blocks(rng, kind, 512, 1.0, 0.0)
-    factors = base[:, d_at:d_at + 2].copy().view("<f2").astype(np.float32).reshape(-1, 1)
+    factors = _scale_of(base, d_at, kind).reshape(-1, 1)
     block_values = GGML_QUANT_SIZES[qtype][0]
 
     def values(d_on: bool, m_on: bool) -> np.ndarray:
         blocks = base.copy()
-        _set_f16(blocks, d_at, factors[:, 0] if d_on else np.zeros(len(blocks), np.float32))
+        _set_f16(blocks, d_at, factors[:, 0] if d_on else np.zeros(len(blocks), np.float32), kind)
         if m_at is not None:
             _set_f16(blocks, m_at, factors[:, 0] if m_on else np.zeros(len(blocks), np.float32))
         return quants.dequantize(blocks, qtype).reshape(len(blocks), block_values).astype(np.float64)
 
-    if np.any(values(False, False)):
+    if np.abs(values(False, False)).max() > 1e-30:  # MXFP4's smallest exponent: 2^-127 times its codes
         raise AssertionError(f"{kind}: the scale fields are not at {_SCALE_FIELDS[kind]}")
     a = values(True, False)
     ratio = 0.0

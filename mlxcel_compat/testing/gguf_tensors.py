@@ -18,10 +18,16 @@ from . import families_dense, families_hybrid, families_moe
 from .gguf_target import GgufTarget
 
 GGUF_TYPES: tuple[str, ...] = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k",
-                               "q5_k", "q6_k", "q4_k_m", "q5_k_m")
-# llama-quantize's fallbacks for K-quants of rows that are not whole 256-value blocks (Q2_K and
-# Q3_K fall back to IQ4_NL there, which this server does not load: Q4_0 here).
-_K_FALLBACK = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+                               "q5_k", "q6_k", "q4_k_m", "q5_k_m", "mxfp4", "iq4_nl", "iq4_xs", "iq3_s",
+                               "iq3_xxs", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_m", "iq1_s")
+# llama-quantize's fallbacks for types of 256-value blocks, for rows that are not whole blocks
+# (``tensor_type_fallback`` in llama.cpp's src/llama-quant.cpp).
+_FALLBACK = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0",
+             **{t: "iq4_nl" for t in ("iq4_xs", "iq3_s", "iq3_xxs", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_m", "iq1_s")}}
+# The types llama-quantize quantizes only with an importance matrix (its tensor_requires_imatrix;
+# ggml's quantizer asserts one for IQ2_XXS, IQ2_XS and IQ1_S). The factory has no activations
+# to measure one from: it gives them a uniform one (every input column weighs 1).
+IMPORTANCE_TYPES = frozenset({"iq3_xxs", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_m", "iq1_s"})
 
 
 GGUF_TARGETS: dict[str, GgufTarget] = {
@@ -51,10 +57,15 @@ def file_type(gguf_type: str) -> int:
     """The ``general.file_type`` (llama.cpp's ``LlamaFileType``) of a file of ``gguf_type``."""
     from gguf import LlamaFileType as F
 
+    # Each i-quant type is its own file type's main type (IQ2_S is IQ2_M's: llama.cpp's IQ2_S
+    # files are mostly IQ2_XS); MXFP4's is MXFP4_MOE (gpt-oss: the experts MXFP4).
     return {"f32": F.ALL_F32, "f16": F.MOSTLY_F16, "q8_0": F.MOSTLY_Q8_0, "q4_0": F.MOSTLY_Q4_0,
             "q4_1": F.MOSTLY_Q4_1, "q5_0": F.MOSTLY_Q5_0, "q5_1": F.MOSTLY_Q5_1, "q2_k": F.MOSTLY_Q2_K,
             "q3_k": F.MOSTLY_Q3_K_M, "q4_k": F.MOSTLY_Q4_K_S, "q5_k": F.MOSTLY_Q5_K_S, "q6_k": F.MOSTLY_Q6_K,
-            "q4_k_m": F.MOSTLY_Q4_K_M, "q5_k_m": F.MOSTLY_Q5_K_M}[gguf_type]
+            "q4_k_m": F.MOSTLY_Q4_K_M, "q5_k_m": F.MOSTLY_Q5_K_M, "mxfp4": F.MOSTLY_MXFP4_MOE,
+            "iq4_nl": F.MOSTLY_IQ4_NL, "iq4_xs": F.MOSTLY_IQ4_XS, "iq3_s": F.MOSTLY_IQ3_S,
+            "iq3_xxs": F.MOSTLY_IQ3_XXS, "iq2_s": F.MOSTLY_IQ2_M, "iq2_xs": F.MOSTLY_IQ2_XS,
+            "iq2_xxs": F.MOSTLY_IQ2_XXS, "iq1_m": F.MOSTLY_IQ1_M, "iq1_s": F.MOSTLY_IQ1_S}[gguf_type]
 
 
 def use_more_bits(layer: int, n_layers: int) -> bool:
@@ -78,14 +89,15 @@ def tensor_type(name: str, gguf_type: str, n_layers: int) -> str:
 def stored_type(name: str, shape: tuple[int, ...], gguf_type: str, n_layers: int = 1) -> str:
     """The type one tensor of ``shape`` is stored as in a file of ``gguf_type``, the row-length
     fallbacks included: ``f32`` for 1-D tensors and the convolution, ``f16`` for rows that are not
-    whole 32-value blocks, the K-quants' fallbacks for rows that are not whole 256-value blocks."""
+    whole 32-value blocks, llama-quantize's fallbacks for rows that are not whole 256-value blocks
+    (the K-quants' to Q4_0-Q8_0, the i-quants' to IQ4_NL)."""
     if len(shape) < 2 or gguf_type == "f32" or name.endswith("shortconv.conv.weight"):
         return "f32"
     if gguf_type == "f16" or shape[-1] % 32:
         return "f16"
     kind = tensor_type(name, gguf_type, n_layers)
-    if kind in _K_FALLBACK and shape[-1] % 256:
-        kind = _K_FALLBACK[kind]
+    if kind in _FALLBACK and shape[-1] % 256:
+        kind = _FALLBACK[kind]
     return kind
 
 
@@ -108,7 +120,8 @@ def encode_tensor(name: str, data: np.ndarray, gguf_type: str, n_layers: int = 1
         raise RuntimeError(f"writing {kind.upper()} tensors needs ggml's quantizer: {kernels}")
     qtype = GGMLQuantizationType[kind.upper()]
     rows = data.astype(np.float32).reshape(-1, data.shape[-1])
-    return kernels.quantize(qtype, rows).reshape(*data.shape[:-1], -1), qtype
+    importance = np.ones(rows.shape[1], dtype=np.float32) if kind in IMPORTANCE_TYPES else None
+    return kernels.quantize(qtype, rows, importance).reshape(*data.shape[:-1], -1), qtype
 
 
 def converted_tensors(family: str, config: dict[str, Any], weights: dict[str, Any]) -> dict[str, np.ndarray]:

@@ -17,9 +17,10 @@ conventions are applied here, independently of the loader that undoes them:
 - 1-D tensors (norms, biases) and the convolution stay F32; matrices take the requested type,
   falling back to F16 when a row does not fill whole 32-value blocks (as the converter does);
   the types past F16/Q8_0/Q4_0 are quantized by ggml's own quantizer (``ggml_cpu``, what
-  llama-quantize runs, without an importance matrix), K-quants of rows that do not fill whole
-  256-value blocks fall back as llama-quantize's do (Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to
-  Q8_0; Q2_K and Q3_K to Q4_0, where llama-quantize takes IQ4_NL), and ``q4_k_m`` / ``q5_k_m``
+  llama-quantize runs; the i-quants llama-quantize needs an importance matrix for get a uniform
+  one, the others none), types of 256-value blocks of rows that do not fill whole blocks fall
+  back as llama-quantize's do (Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0, Q2_K and Q3_K to
+  Q4_0, the i-quants to IQ4_NL), and ``q4_k_m`` / ``q5_k_m``
   follow llama-quantize's mix: Q6_K for the output and for ``attn_v`` and ``ffn_down`` of the
   layers its ``use_more_bits`` picks;
 - the tokenizer as ``gpt2`` BPE; the pre-tokenizer is named after how transformers splits text

@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="hf: a Hugging Face directory (default); gguf: one GGUF file")
     parser.add_argument("--gguf-type", default="f32",
                         help="matrix type of a GGUF (default f32): f32, f16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, "
-                             "q3_k, q4_k, q5_k, q6_k, or llama-quantize's q4_k_m / q5_k_m mixes")
+                             "q3_k, q4_k, q5_k, q6_k, mxfp4, iq4_nl, iq4_xs, iq3_s, iq3_xxs, iq2_s, iq2_xs, "
+                             "iq2_xxs, iq1_m, iq1_s, or llama-quantize's q4_k_m / q5_k_m mixes")
     parser.add_argument("--quantize", type=int, metavar="BITS",
                         help="write the directory's MLX quantized conversion (mlx_lm.convert -q) with BITS-bit "
                              "integers: 4 or 8 (also 2, 3, 5, 6)")

@@ -241,9 +241,9 @@ def test_unsupported_architecture_names_it_and_lists_the_supported(tmp_path: Pat
 
 
 def test_unsupported_tensor_type_names_tensor_and_type(tmp_path: Path) -> None:
-    path = _rewrite(ensure_gguf("llama", "tiny", "f32", cache_dir=MODEL_CACHE), tmp_path / "iq.gguf",
-                    retype={"blk.1.ffn_down.weight": gguf.GGMLQuantizationType.IQ4_NL})
-    with pytest.raises(UnsupportedTensorType, match=r"tensor 'blk\.1\.ffn_down\.weight' is stored as IQ4_NL"):
+    path = _rewrite(ensure_gguf("llama", "tiny", "f32", cache_dir=MODEL_CACHE), tmp_path / "nvfp4.gguf",
+                    retype={"blk.1.ffn_down.weight": gguf.GGMLQuantizationType.NVFP4})
+    with pytest.raises(UnsupportedTensorType, match=r"tensor 'blk\.1\.ffn_down\.weight' is stored as NVFP4"):
         load_gguf(str(path), on_cpu=True)
 
 

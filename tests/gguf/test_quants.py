@@ -15,41 +15,85 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from mlxcel_compat.gguf import quants as gguf_quants
 from mlxcel_compat.gguf import precision
+from tests.conftest import slow_but
 
 # Byte offsets of the float16 fields (d, dmin/m) inside one block of each type.
 F16_FIELDS = {
     T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2],
     T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
+    T.IQ4_NL: [0], T.IQ4_XS: [0], T.IQ3_XXS: [0], T.IQ3_S: [0], T.IQ2_XXS: [0], T.IQ2_XS: [0],
+    T.IQ2_S: [0], T.IQ1_S: [0],
 }
 K_QUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+I_QUANTS = [T.IQ4_NL, T.IQ4_XS, T.IQ3_XXS, T.IQ3_S, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M]
+# Every quantized type the loader reads: IQ1_M keeps its float16 factor in the top nibbles of its
+# four 16-bit sub-block scale words, MXFP4 an 8-bit exponent per block (random_blocks sets both).
+QUANTIZED_TYPES = [*F16_FIELDS, T.IQ1_M, T.MXFP4]
+IQ1_M_SCALES = 48  # byte offset of block_iq1_m's scales: qs[32], qh[16], then scales[8]
+# MXFP4's exponents in random blocks: 2^(e - 127) from 2^-17 to 2^7, values up to 6 * 2^7.
+MXFP4_EXPONENTS = (110, 135)
 
 
 def random_blocks(qtype: T, n_blocks: int, seed: int = 0) -> np.ndarray:
+    """Random but valid blocks: random bytes (every bit pattern of the codes, grid indices and
+    signs is a valid value), the factors finite, up to 0.1 in size."""
     rng = np.random.default_rng(seed + int(qtype))
     _, type_size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
-    for offset in F16_FIELDS[qtype]:
+    for offset in F16_FIELDS.get(qtype, []):
         scales = rng.uniform(-0.1, 0.1, size=n_blocks).astype(np.float16)
         raw[:, offset:offset + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
+    if qtype == T.IQ1_M:  # bits 4i..4i+3 of the factor are the top nibble of scale word i
+        factor = rng.uniform(-0.1, 0.1, size=n_blocks).astype(np.float16).view(np.uint16).astype(np.uint16)
+        words = np.ascontiguousarray(raw[:, IQ1_M_SCALES:IQ1_M_SCALES + 8]).view("<u2")
+        for i in range(4):
+            words[:, i] = (words[:, i] & 0x0FFF) | (((factor >> (4 * i)) & 0xF) << 12)
+        raw[:, IQ1_M_SCALES:IQ1_M_SCALES + 8] = words.view(np.uint8)
+    if qtype == T.MXFP4:
+        raw[:, 0] = rng.integers(*MXFP4_EXPONENTS, size=n_blocks)
     return raw.reshape(-1)
 
 
-@pytest.mark.parametrize("qtype", list(F16_FIELDS), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", QUANTIZED_TYPES, ids=lambda t: t.name)
 def test_every_quantized_type_equals_gguf_py(qtype: T) -> None:
+    """Bit for bit, MXFP4 and the i-quants included (ggml's to_float there, where it is loaded)."""
     block_size, _ = GGML_QUANT_SIZES[qtype]
     raw = random_blocks(qtype, 300)
     reference = gguf.quants.dequantize(raw, qtype).reshape(-1)
     ours = gguf_quants.dequantize(raw, qtype, 300 * block_size)
     assert ours.dtype == np.float32
+    assert np.isfinite(reference).all() and np.abs(reference).max() > 0  # the blocks hold real values
     np.testing.assert_array_equal(ours, reference)
 
 
-@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
-def test_k_quants_decode_across_chunk_boundaries(qtype: T, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("qtype", [*K_QUANTS, T.MXFP4, T.IQ4_NL, T.IQ2_XXS], ids=lambda t: t.name)
+def test_decoding_across_chunk_boundaries(qtype: T, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gguf_quants, "CHUNK_BLOCKS", 7)  # 50 blocks -> 8 slices, the last partial
     raw = random_blocks(qtype, 50, seed=1)
-    ours = gguf_quants.dequantize(raw, qtype, 50 * 256)
+    ours = gguf_quants.dequantize(raw, qtype, 50 * GGML_QUANT_SIZES[qtype][0])
     np.testing.assert_array_equal(ours, gguf.quants.dequantize(raw, qtype).reshape(-1))
+
+
+def test_table_types_decode_without_ggml(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where ggml's library is not loaded (another platform, MLXCEL_GGML=0) MXFP4 and the
+    i-quants are decoded by gguf-py: the same values; where it is, by ggml's to_float, which
+    agrees bit for bit (test_every_quantized_type_equals_gguf_py)."""
+    from mlxcel_compat.runtime import ggml_cpu
+
+    calls: list[int] = []
+    kernels = ggml_cpu.kernels()
+    if not isinstance(kernels, str):
+        monkeypatch.setattr(kernels, "dequantize", lambda t, b: calls.append(t) or type(kernels).dequantize(kernels, t, b))
+        gguf_quants.dequantize(random_blocks(T.IQ3_S, 4), T.IQ3_S, 4 * 256)
+        assert calls == [T.IQ3_S]  # ggml's to_float served it
+    served = len(calls)
+    monkeypatch.setattr(ggml_cpu, "kernels", lambda: "off (MLXCEL_GGML=0)")
+    for qtype in gguf_quants.TABLE_TYPES:
+        raw = random_blocks(qtype, 20, seed=2)
+        n = 20 * GGML_QUANT_SIZES[qtype][0]
+        np.testing.assert_array_equal(gguf_quants.dequantize(raw, qtype, n),
+                                      gguf.quants.dequantize(raw, qtype).reshape(-1))
+    assert len(calls) == served  # gguf-py's, not ggml's
 
 
 def test_hand_built_blocks_decode_to_known_values() -> None:
@@ -76,7 +120,7 @@ def test_float16_output_is_the_rounded_float32() -> None:
     np.testing.assert_array_equal(half, full.astype(np.float16))
 
 
-@pytest.mark.parametrize("qtype", [T.IQ4_XS, T.IQ2_XXS, T.MXFP4, T.TQ1_0, T.Q8_1])
+@pytest.mark.parametrize("qtype", [T.TQ1_0, T.TQ2_0, T.NVFP4, T.Q8_1, T.Q8_K])
 def test_unsupported_types_are_refused_by_name(qtype: T) -> None:
     with pytest.raises(gguf_quants.UnsupportedTensorType) as info:
         gguf_quants.check_supported("blk.3.ffn_down.weight", qtype)
@@ -92,7 +136,8 @@ def test_a_truncated_tensor_is_an_error() -> None:
 
 # --------------------------------------------------------------------------- MLX affine forms
 
-QUANTIZED = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+# The types with an MLX affine form (MXFP4's is MLX's mxfp4 mode: test_mxfp4_form_is_the_file_s_values).
+QUANTIZED = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, *I_QUANTS]
 # Unit roundoff (nearest) and one ulp's relative size (directed rounding) of each scale dtype, and
 # its smallest subnormal: the terms of the bounds precision.py states.
 NEAREST = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24}
@@ -182,29 +227,44 @@ def test_affine_quantized_matmul_within_the_bound(qtype: T) -> None:
     assert (np.abs(np.array(got) - expected) <= limit).all()
 
 
-@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+# Measured: Q3_K, Q8_0 0 (exact); Q4_K 0.009, Q5_K 0.018 (scales rounded); Q2_K 0.23 and Q6_K 0.30
+# (requantized); the i-quants (on 32 rows): IQ3_S 0.006 and IQ1_S
+# 0.0012 (their own integers, scales rounded), the requantized IQ4_NL 0.23, IQ4_XS 0.29, IQ3_XXS
+# 0.29, IQ2_XXS 0.26, IQ2_XS 0.26, IQ2_S 0.29, IQ1_M 0.22; limits with 1.15x headroom.
+AFFINE_ERROR_LIMIT = {T.Q2_K: 0.27, T.Q3_K: 0.0, T.Q4_K: 0.011, T.Q5_K: 0.021, T.Q6_K: 0.35, T.Q8_0: 0.0,
+                      T.IQ4_NL: 0.27, T.IQ4_XS: 0.34, T.IQ3_XXS: 0.33, T.IQ3_S: 0.007, T.IQ2_XXS: 0.30,
+                      T.IQ2_XS: 0.30, T.IQ2_S: 0.34, T.IQ1_S: 0.0014, T.IQ1_M: 0.25}
+
+# ggml's quantizers of these set up their grids' neighbour tables first, once a process: 24 s
+# (IQ1_S, IQ1_M), 13 s (IQ2_S), 5 s (IQ2_XS) here. Their measurements run with --slow; their forms'
+# bounds run by default (test_affine_form_matches_gguf_py, tests/gguf/test_types.py).
+SLOW_QUANTIZERS = (T.IQ1_S, T.IQ1_M, T.IQ2_S, T.IQ2_XS)
+
+
+@pytest.mark.parametrize("qtype", slow_but(list(AFFINE_ERROR_LIMIT), [t for t in AFFINE_ERROR_LIMIT
+                                                                       if t not in SLOW_QUANTIZERS]),
+                         ids=lambda t: t.name)
 def test_affine_error_on_ggml_quantized_weights(qtype: T) -> None:
     """The measurements behind the choice of forms (precision.py): heavy-tailed weights quantized by
-    ggml, the RMS error each form adds to the file's values, against the file's own error."""
+    ggml (the i-quants with a uniform importance matrix, as the test factory's), the RMS error
+    each form adds to the file's values, against the file's own error."""
     from mlxcel_compat.runtime import ggml_cpu
 
     kernels = ggml_cpu.kernels()
     if isinstance(kernels, str):
         pytest.skip(f"ggml's quantizer is needed to write {qtype.name} blocks: {kernels}")
     rng = np.random.default_rng(0)
-    rows, cols = 256, 2048
+    rows, cols = (32 if qtype in I_QUANTS else 256), 2048
     weights = rng.standard_t(5, size=(rows, cols)) * 0.02 * np.exp(rng.normal(0, 0.3, size=(rows, 1)))
     weights = weights.astype(np.float32)
-    raw = kernels.quantize(qtype, weights).reshape(-1)
+    importance = np.ones(cols, np.float32) if qtype in I_QUANTS else None
+    raw = kernels.quantize(qtype, weights, importance).reshape(-1)
     values = gguf.quants.dequantize(raw, qtype).reshape(rows, cols).astype(np.float64)
     _, _, restored = _affine(raw, qtype, (rows, cols), "float16")
     file_error = np.sqrt(np.mean((values - weights) ** 2))
     added = np.sqrt(np.mean((restored - values) ** 2)) / file_error
-    print(f"{qtype.name}: the affine form adds {added:.3f}x the file's RMS error")
-    # Measured: Q3_K, Q8_0 0 (exact); Q4_K 0.009, Q5_K 0.018 (scales rounded); Q2_K 0.23 and
-    # Q6_K 0.30 (requantized), with 1.15x headroom.
-    limit = {T.Q2_K: 0.27, T.Q3_K: 0.0, T.Q4_K: 0.011, T.Q5_K: 0.021, T.Q6_K: 0.35, T.Q8_0: 0.0}[qtype]
-    assert added <= limit
+    print(f"{qtype.name}: the affine form adds {added:.4f}x the file's RMS error")
+    assert added <= AFFINE_ERROR_LIMIT[qtype]
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
@@ -272,7 +332,20 @@ def test_precision_policy() -> None:
         "Q5_0": (5, 32, "exact"), "Q5_1": (5, 32, "exact"), "Q3_K": (8, 128, "exact"),
         "Q4_K": (4, 32, "rounded"), "Q5_K": (5, 32, "rounded"),
         "Q6_K": (8, 64, "requantized"), "Q2_K": (4, 32, "requantized"),
+        "IQ4_NL": (6, 32, "requantized"), "IQ4_XS": (6, 64, "requantized"), "IQ3_XXS": (5, 64, "requantized"),
+        "IQ3_S": (4, 32, "rounded"), "IQ2_XXS": (4, 64, "requantized"), "IQ2_XS": (4, 32, "requantized"),
+        "IQ2_S": (4, 32, "requantized"), "IQ1_S": (2, 32, "rounded"), "IQ1_M": (4, 64, "requantized"),
     }
+    # IQ3_S's and IQ1_S's grids are evenly spaced: their integers fit, exact in float32.
+    assert precision.affine_form(T.IQ3_S, "float32").method == precision.affine_form(T.IQ1_S, "float32").method == "exact"
+    # MXFP4 is MLX's own mxfp4 mode (this MLX has it), exact, 4.25 bits a weight as in the file;
+    # an embedding's rows would come out in bfloat16, so MXFP4 embeddings are expanded instead.
+    mxfp4 = precision.affine_form(T.MXFP4, "float16")
+    assert (mxfp4.bits, mxfp4.group_size, mxfp4.method, mxfp4.mode) == (4, 32, "exact", "mxfp4")
+    assert mxfp4.bits_per_weight == GGML_QUANT_SIZES[T.MXFP4][1] * 8 / 32 and mxfp4.describe() == "MLX mxfp4, group 32 (exact)"
+    assert precision.tensor_precision(T.MXFP4, False, True, "bfloat16") == "affine"
+    assert precision.tensor_precision(T.MXFP4, False, True, "float16", embedding=True) == "float16"
+    assert precision.tensor_precision(T.MXFP4, True, True, "float32", blocks=True) == "blocks"
     # bfloat16 scales cannot hold float16 ones; float32 holds d * sc exactly.
     assert precision.affine_form(T.Q8_0, "bfloat16").method == "rounded"
     assert precision.affine_form(T.Q4_K, "float32").method == "exact"
@@ -281,3 +354,42 @@ def test_precision_policy() -> None:
     for qtype, limit in ((T.Q8_0, 1.06), (T.Q4_K, 1.12), (T.Q5_K, 1.1), (T.Q6_K, 1.3)):
         block_size, type_size = GGML_QUANT_SIZES[qtype]
         assert forms[qtype].bits_per_weight / (type_size * 8 / block_size) <= limit
+
+
+# --------------------------------------------------------------------------- MLX mxfp4 form
+
+
+def test_mxfp4_form_is_the_file_s_values() -> None:
+    """ggml's MXFP4 blocks as MLX mxfp4 weights: every value gguf-py reads, bit for bit, through
+    mx.dequantize, for every exponent ggml can write (0..254, subnormal scales included); a
+    product by mx.quantized_matmul is the file's product to float32 rounding."""
+    rows, cols = 8, 1024
+    raw = random_blocks(T.MXFP4, rows * cols // 32, seed=7).reshape(-1, 17)
+    raw[:255, 0] = np.arange(255)  # every exponent but E8M0's NaN
+    with np.errstate(over="ignore"):  # 6 * 2^127 is inf, in MLX as in gguf-py
+        reference = gguf.quants.dequantize(raw.reshape(-1), T.MXFP4).reshape(rows, cols)
+    fp4 = gguf_quants.to_mxfp4(raw.reshape(-1), (rows, cols))
+    assert fp4.weight.shape == (rows, cols // 8) and fp4.weight.dtype == np.uint32
+    assert fp4.scales.shape == (rows, cols // 32) and fp4.scales.dtype == np.uint8
+    weight, scales = mx.array(fp4.weight), mx.array(fp4.scales)
+    restored = mx.dequantize(weight, scales, group_size=32, bits=4, mode="mxfp4", dtype=mx.float32)
+    np.testing.assert_array_equal(np.array(restored), reference)
+
+    sane = raw.copy()
+    sane[:, 0] = random_blocks(T.MXFP4, rows * cols // 32, seed=8).reshape(-1, 17)[:, 0]  # no overflowing products
+    values = gguf.quants.dequantize(sane.reshape(-1), T.MXFP4).reshape(rows, cols).astype(np.float64)
+    fp4 = gguf_quants.to_mxfp4(sane.reshape(-1), (rows, cols))
+    x = np.random.default_rng(9).standard_normal((3, cols)).astype(np.float32)
+    got = mx.quantized_matmul(mx.array(x), mx.array(fp4.weight), mx.array(fp4.scales), transpose=True,
+                              group_size=32, bits=4, mode="mxfp4")
+    limit = cols * 2.0**-24 * (np.abs(x) @ np.abs(values).T)
+    assert (np.abs(np.array(got) - x.astype(np.float64) @ values.T) <= limit).all()
+
+
+def test_mxfp4_exponent_255_has_no_mlx_form() -> None:
+    """E8M0's 255 is NaN to MLX and 2^128 to ggml: such a tensor is dequantized instead (None)."""
+    raw = random_blocks(T.MXFP4, 4).reshape(4, 17)
+    raw[2, 0] = 255
+    assert gguf_quants.to_mxfp4(raw.reshape(-1), (2, 64)) is None
+    with pytest.raises(ValueError, match="whole blocks"):
+        gguf_quants.to_mxfp4(raw.reshape(-1)[:34], (1, 48))

@@ -24,22 +24,24 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from mlxcel_compat.runtime import ggml_cpu
 from mlxcel_compat.runtime.block_weight import BlockWeight, library
-from tests.gguf.test_quants import F16_FIELDS, random_blocks
+from tests.gguf.test_quants import I_QUANTS, QUANTIZED_TYPES, random_blocks
 
 LIB = library()
 pytestmark = pytest.mark.skipif(isinstance(LIB, str), reason=f"no block kernels here: {LIB}")
 
-TYPES = [*F16_FIELDS, T.F16, T.BF16]
-# The activations' type of each weight type, and values per block: what vec_dot quantizes x to.
-ACTIVATION_BLOCK = {T.Q8_0: 32, T.Q4_0: 32, T.Q5_0: 32, T.Q4_1: 32, T.Q5_1: 32,
-                    T.Q2_K: 256, T.Q3_K: 256, T.Q4_K: 256, T.Q5_K: 256, T.Q6_K: 256}
+TYPES = [*QUANTIZED_TYPES, T.F16, T.BF16]
+# The activations' type of each weight type, and values per block: what vec_dot quantizes x to
+# (Q8_0 for the 32-value types, MXFP4 and IQ4_NL; Q8_K for the others).
+ACTIVATION_BLOCK = {T.Q8_0: 32, T.Q4_0: 32, T.Q5_0: 32, T.Q4_1: 32, T.Q5_1: 32, T.MXFP4: 32, T.IQ4_NL: 32,
+                    T.Q2_K: 256, T.Q3_K: 256, T.Q4_K: 256, T.Q5_K: 256, T.Q6_K: 256,
+                    **{t: 256 for t in I_QUANTS if t != T.IQ4_NL}}
 
 
 def raw_weight(qtype: T, n: int, k: int, seed: int = 0) -> np.ndarray:
     """Random but valid stored bytes of an (n, k) weight: uint8 (n, row bytes)."""
     block, _ = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
-    if qtype in F16_FIELDS:
+    if qtype in QUANTIZED_TYPES:
         raw = random_blocks(qtype, n * k // block, seed=seed)
     elif qtype == T.F16:
         raw = rng.standard_normal(n * k).astype(np.float16).view(np.uint8)
@@ -172,6 +174,59 @@ def test_ggml_quantizer_round_trips_through_the_kernels() -> None:
         weight = BlockWeight(raw, qtype, 8, 512, LIB)
         np.testing.assert_array_equal(weight.dequantize(), reference(qtype, raw))
         assert np.abs(weight.dequantize() - values).max() < tolerance, qtype.name
+
+
+def test_ggml_quantizer_writes_the_new_types() -> None:
+    """MXFP4 and the i-quants from ggml's quantizer (the factory's files): close to the input
+    (within each type's step), read alike by ggml and gguf-py; the types whose quantizer
+    asserts an importance matrix get an error here, not an aborted process."""
+    kernels = ggml_cpu.kernels()
+    values = np.random.default_rng(13).standard_normal((4, 512)).astype(np.float32)
+    uniform = np.ones(512, np.float32)
+    # (largest, mean) error on unit normal values; measured 0.60/0.086, 0.20/0.063, 0.21/0.063,
+    # 0.55/0.11, 1.23/0.27 (a value left at 0 would be 0.8 off on average). Not IQ1_* / IQ2_S /
+    # IQ2_XS here: their quantizers' set-up takes 5-25 s a process (tests/gguf/test_quants.py).
+    for qtype, largest, mean in ((T.MXFP4, 0.75, 0.11), (T.IQ4_NL, 0.25, 0.08), (T.IQ4_XS, 0.27, 0.08),
+                                 (T.IQ3_S, 0.7, 0.14), (T.IQ2_XXS, 1.5, 0.35)):
+        raw = kernels.quantize(qtype, values, uniform)
+        weight = BlockWeight(raw, qtype, 4, 512, LIB)
+        np.testing.assert_array_equal(weight.dequantize(), reference(qtype, raw))
+        error = np.abs(weight.dequantize() - values)
+        assert error.max() < largest and error.mean() < mean, qtype.name
+    for qtype in (T.IQ2_XXS, T.IQ2_XS, T.IQ1_S):
+        assert kernels.needs_importance(qtype)
+        with pytest.raises(ValueError, match="importance matrix"):
+            kernels.quantize(qtype, values)
+    assert not kernels.needs_importance(T.IQ4_XS)
+    with pytest.raises(ValueError, match="one weight per column"):
+        kernels.quantize(T.IQ2_XXS, values, uniform[:256])
+
+
+def test_each_ggml_build_has_the_kernels_of_every_block_type() -> None:
+    """This build of ggml and the libggml-python wheel's (ggml 0.20, the fallback where
+    scripts/setup.sh could not build) both serve every block type, MXFP4 and the i-quants
+    included; a type the build lacks would be expanded to float32, not served."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    assert all(LIB.serves(t) for t in ggml_cpu.BLOCK_TYPES)
+    assert not LIB.serves(T.TQ1_0) and not LIB.serves(T.Q8_K)  # in ggml, but not a block type here
+    wheel = importlib.util.find_spec("libggml")
+    if wheel is None or not wheel.submodule_search_locations:
+        pytest.skip("the libggml-python wheel is not installed")
+    lib64 = next((d for root in wheel.submodule_search_locations for d in (f"{root}/lib64", f"{root}/lib")
+                  if os.path.exists(f"{d}/libggml-cpu.so")), None)
+    if lib64 is None:
+        pytest.skip("the libggml-python wheel has no CPU library here")
+    probe = ("from mlxcel_compat.runtime import ggml_cpu; k = ggml_cpu.kernels(); "
+             "print(k.version, sorted(t.name for t in ggml_cpu.BLOCK_TYPES if not k.supports(t)))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "MLXCEL_GGML_LIB": lib64})
+    assert done.returncode == 0, done.stderr
+    version, missing = done.stdout.split(" ", 1)
+    assert version.startswith("0.20") and missing.strip() == "[]"
 
 
 OWN = sorted(LIB.own_kernels) if not isinstance(LIB, str) else []

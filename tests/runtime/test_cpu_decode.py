@@ -397,7 +397,7 @@ def _follow_blocks(model: nn.Module, decoder: cpu_decode.CpuDecoder, prompts: li
 @pytest.mark.parametrize("family,gguf_type", [
     ("llama", "q4_0"), ("mistral", "q4_1"), ("qwen2", "q5_1"), ("qwen2", "q8_0"), ("qwen3", "q8_0"),
     ("qwen3", "q4_k_m"), ("gemma3_text", "q8_0"), ("gemma3_text", "q4_0"), ("gemma3_text", "q4_k_m"),
-    ("gemma3_text", "f16"),
+    ("gemma3_text", "f16"), ("llama", "mxfp4"), ("qwen3", "iq4_nl"),
 ])
 def test_block_models_follow_mlx_step_for_step(family: str, gguf_type: str) -> None:
     """Weights in ggml's blocks (tiny files: K-quant types fall back to Q5_0/Q8_0 mixes, as

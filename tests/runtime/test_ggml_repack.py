@@ -8,12 +8,13 @@ import mmap
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from mlxcel_compat.runtime import backend
 from mlxcel_compat.runtime import block_weight
 from mlxcel_compat.runtime import ggml_cpu
 from mlxcel_compat.runtime import ggml_repack
+from tests.gguf.test_quants import random_blocks
 
 backend.load_optimized_blas()
 LIB = block_weight.library()
@@ -23,9 +24,13 @@ pytestmark = pytest.mark.skipif(isinstance(LIB, str) or isinstance(REPACK, str),
 
 
 def _weight(ggml_type: int, n: int, k: int, seed: int = 0, rows: np.ndarray | None = None):
-    kernels = ggml_cpu.kernels()
-    values = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32) / np.sqrt(k)
-    blocks = kernels.quantize(ggml_type, values)
+    """An (n, k) weight of ``ggml_type``: ggml's quantization of random values, or for MXFP4 and
+    the i-quants random valid blocks (some of their quantizers take 5-25 s to set up)."""
+    if ggml_type in (T.MXFP4, *ggml_cpu.I_QUANTS):
+        blocks = random_blocks(ggml_type, n * k // GGML_QUANT_SIZES[ggml_type][0], seed=seed).reshape(n, -1)
+    else:
+        values = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32) / np.sqrt(k)
+        blocks = ggml_cpu.kernels().quantize(ggml_type, values)
     return blocks, block_weight.BlockWeight(blocks, ggml_type, n, k, LIB, rows=rows)
 
 
@@ -37,7 +42,7 @@ def _product(repacked, x: np.ndarray, n: int, per_row: bool, out: np.ndarray | N
     return out
 
 
-@pytest.mark.parametrize("ggml_type", sorted(ggml_repack.REPACKED_TYPES - {T.IQ4_NL}))
+@pytest.mark.parametrize("ggml_type", sorted(ggml_repack.REPACKED_TYPES))
 @pytest.mark.parametrize("n,k", [(64, 256), (2048, 768), (776, 512)])
 def test_repacked_products_equal_the_blocks_within_rounding(ggml_type: int, n: int, k: int) -> None:
     """Both compute llama.cpp's products (8-bit activations, the same blocks): they differ only in
@@ -53,7 +58,7 @@ def test_repacked_products_equal_the_blocks_within_rounding(ggml_type: int, n: i
         assert np.abs(got - reference).max() <= 1e-5 * scale, per_row
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K])
+@pytest.mark.parametrize("ggml_type", sorted(ggml_repack.REPACKED_TYPES))
 def test_per_row_products_do_not_depend_on_the_rows_sharing_the_call(ggml_type: int) -> None:
     """Decode steps: a sequence's logits must be the same alone or in a batch, so each row of a
     per-row product is bit-identical to that row multiplied on its own, for every row count."""
@@ -166,7 +171,7 @@ def test_no_repack_keeps_the_file_blocks_only() -> None:
     assert model.layers[0].self_attn.q_proj.block.repacked is None
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K])
+@pytest.mark.parametrize("ggml_type", sorted(ggml_repack.REPACKED_TYPES))
 def test_prompt_rows_do_not_depend_on_the_rows_sharing_the_call(ggml_type: int) -> None:
     """Prompt chunks: a token's product is bit-identical whatever the chunk's length and where
     the token sits in it (ggml's GEMM for every row: calls are padded to a multiple of 4 rows),

@@ -406,6 +406,11 @@ RANDOM_DIMS = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, 
     ("q4_k_m", {**RANDOM_DIMS, "intermediate_size": 320}),
     ("q8_0", RANDOM_DIMS),
     ("q4_1", RANDOM_DIMS),
+    # gpt-oss's experts' type (its exponent a power of two: d rounded) and two i-quants (IQ1_M's d
+    # split over its scale words)
+    ("mxfp4", RANDOM_DIMS),
+    ("iq2_xxs", RANDOM_DIMS),
+    ("iq1_m", RANDOM_DIMS),
 ])
 def test_random_gguf_has_the_mix_and_loads(gguf_type: str, dims: dict, tmp_path: Path) -> None:
     import numpy as np
