@@ -27,6 +27,10 @@ class ArchSpec:
     build_config: Callable[[GGUFModelFile], dict[str, Any]]
     permute_qk: bool = False
     norm_shift: float = 0.0  # the converter added this to every *norm.weight
+    # (mlx-lm name fragment, Hugging Face fragment): mlx-lm's ``sanitize`` renamed the checkpoint's
+    # tensors, so a parameter is looked up in gguf-py's ``TensorNameMap`` under the name the
+    # converter read (``.mlp.switch_mlp.`` -> ``.mlp.experts.``: a stack of experts, ``ffn_*_exps``).
+    renames: tuple[tuple[str, str], ...] = ()
 
 
 def uniform(file: GGUFModelFile, key: str, default: Any = None) -> Any:

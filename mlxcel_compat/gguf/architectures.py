@@ -25,6 +25,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     spec.gguf_arch: spec for spec in (*arch_core.SPECS, *arch_dense.SPECS, *arch_moe.SPECS, *arch_hybrid.SPECS)
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
+# gguf-py's names of the stacked expert tensors (MODEL_TENSOR.FFN_*_EXP), as a GGUF name ends.
+EXPERT_STACK_SUFFIXES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps")
 
 
 def arch_spec(file: GGUFModelFile) -> ArchSpec:
@@ -59,11 +61,26 @@ def gguf_names(spec: ArchSpec, parameter_names: list[str], n_layers: int) -> dic
     table = gguf.get_tensor_name_map(arch, n_layers)
     mapping: dict[str, str] = {}
     for name in parameter_names:
-        gguf_name = table.get_name(name, try_suffixes=(".weight", ".bias"))
+        gguf_name = table.get_name(checkpoint_name(spec, name), try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise UnsupportedArchitecture(f"{spec.gguf_arch}: no GGUF tensor corresponds to mlx-lm's '{name}'")
         mapping[gguf_name] = name
     return mapping
+
+
+def checkpoint_name(spec: ArchSpec, parameter_name: str) -> str:
+    """The Hugging Face checkpoint's name of an mlx-lm parameter: the name llama.cpp's converter
+    mapped to a GGUF tensor (the row's ``renames`` undo mlx-lm's ``sanitize``)."""
+    for mlx_part, checkpoint_part in spec.renames:
+        parameter_name = parameter_name.replace(mlx_part, checkpoint_part)
+    return parameter_name
+
+
+def is_expert_stack(gguf_name: str) -> bool:
+    """Whether a GGUF tensor holds every expert of an MoE layer, ``[n_expert, rows, cols]``
+    (``blk.N.ffn_{gate,up,down,gate_up}_exps``): not one linear layer's weight, so the CPU's block
+    layers do not take it (the loader expands a quantized one to float for MLX's gather matmul)."""
+    return gguf_name.rsplit(".", 1)[0].endswith(EXPERT_STACK_SUFFIXES)
 
 
 def unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:

@@ -67,6 +67,9 @@ class GGUFSummary:
     prompt_products: dict[str, int] = field(default_factory=dict)  # -> how many take ggml's mul_mat for prompts
     blocks_unavailable: str = ""  # on the CPU: why quantized weights were expanded to float32
     affine_fallbacks: list[str] = field(default_factory=list)  # tensors whose affine scales overflow the dtype
+    # Quantized expert stacks (gguf_arch.is_expert_stack) expanded to float for MLX's gather
+    # matmul, by type: correct, not fast; the CPU runtime does not take experts from blocks yet.
+    expanded_experts: dict[str, int] = field(default_factory=dict)
 
 
 def _quantizable(model: Any, mlx_name: str, shape: tuple[int, ...]) -> bool:
@@ -292,6 +295,10 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
                 quantized[mlx_name[: -len(".weight")]] = form
                 label = f"affine {gguf_quants.type_name(info.ggml_type).lower()}"
                 summary.kernels.setdefault(label, form.describe())
+        if gguf_arch.is_expert_stack(gguf_name) and info.ggml_type not in FLOAT_TYPES and plan != precision.AFFINE:
+            kind = gguf_quants.type_name(info.ggml_type).lower()
+            label = f"{plan} (experts expanded from {kind})"
+            summary.expanded_experts[kind] = summary.expanded_experts.get(kind, 0) + 1
         if weights is None and info.ggml_type in FLOAT_TYPES:
             weights = [(mlx_name, load_float_tensor(info, mlx_name, spec, config, plan, shapes[mlx_name]))]
         elif weights is None:

@@ -2,6 +2,16 @@
 
 Each family is named by its mlx-lm ``model_type`` and built at small sizes with its real model's
 config structure; :data:`GGUF_TARGETS` says what llama.cpp's converter does to it.
+
+The factory stores a family's weights under mlx-lm's names (what its ``sanitize`` leaves), so a
+stacked expert tensor is already one ``[n_expert, rows, cols]`` array (``...switch_mlp.gate_proj``),
+as the converter's stack of the checkpoint's per-expert matrices is. A target's ``renames`` read
+those names back as the Hugging Face names gguf-py's ``TensorNameMap`` knows (the "merged" expert
+names, ``...mlp.experts.gate_proj``), which is how the converter names what it stacked.
+
+Tiny sizes keep each real model's structure at hidden 64 (expert count to top-k, shared experts,
+layer pattern, head layout); small sizes are for benchmarks. Expert widths are multiples of 32,
+so their rows fill whole Q8_0 / Q4_0 blocks as the real ones do.
 """
 
 from __future__ import annotations
@@ -11,6 +21,40 @@ from typing import Any, Callable
 from .family import Family
 from .gguf_target import GgufTarget
 
-FAMILIES: tuple[Family, ...] = ()
-CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {}
-GGUF_TARGETS: dict[str, GgufTarget] = {}
+# mlx-lm's SwitchGLU parameters (stacked experts) under the name the converter gives its stack.
+SWITCH_MLP = (".mlp.switch_mlp.", ".mlp.experts.")
+
+
+def _qwen3_moe_config(size: str) -> dict[str, Any]:
+    # Qwen3-30B-A3B: 128 experts, top-8, every layer sparse, normalised softmax gating, q/k norms,
+    # GQA 32:4 with head_dim 128. Tiny: 16 experts, top-4; small: 64 experts, top-8.
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, intermediate_size=192, num_experts=16, num_experts_per_tok=4,
+                    moe_intermediate_size=32)
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=2,
+                    head_dim=64, intermediate_size=2048, num_experts=64, num_experts_per_tok=8,
+                    moe_intermediate_size=128)
+    return dict(dims, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, rms_norm_eps=1e-6,
+                rope_theta=1000000.0, tie_word_embeddings=False, attention_bias=False, hidden_act="silu")
+
+
+def _expert_keys(writer: Any, config: dict[str, Any]) -> None:
+    """What the converter writes for every MoE checkpoint (``TextModel``: the expert count and
+    top-k) and for Qwen's (``Qwen2MoeModel``: the experts' width)."""
+    writer.add_expert_count(config["num_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
+)
+CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
+    "qwen3_moe": _qwen3_moe_config,
+}
+GGUF_TARGETS: dict[str, GgufTarget] = {
+    "qwen3_moe": GgufTarget("qwen3moe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,),
+                            hparams=_expert_keys),
+}

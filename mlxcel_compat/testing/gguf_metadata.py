@@ -67,6 +67,10 @@ def add_hparams(writer: Any, family: str, config: dict[str, Any]) -> None:
         writer.add_sliding_window(c["sliding_window"])
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
         writer.add_rope_freq_base_swa(c["rope_local_base_freq"])
+    from .gguf_tensors import GGUF_TARGETS
+
+    if (family_keys := GGUF_TARGETS[family].hparams) is not None:
+        family_keys(writer, c)
 
 
 def add_tokenizer(writer: Any, model_dir: Path, pre: str) -> None:

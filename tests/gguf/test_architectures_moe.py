@@ -1,0 +1,139 @@
+"""The mixture-of-experts architectures served from GGUF (``gguf/arch_moe.py``) load as the same
+model as the factory's directory of their family (``testing/families_moe.py``).
+
+For every MoE family, on the factory's own GGUF writer (which writes what llama.cpp's converter
+writes; the converter itself is run against it by a script, not here):
+
+- F32: the same token ids and rendered chat prompt as the directory, logits bit-exact against
+  mlx-lm on the directory (the same float32 weights through the same mlx-lm class: nothing may
+  differ) and the same greedy tokens;
+- Q8_0: attention and dense matrices stay in the file's blocks, the stacked expert tensors are
+  expanded to float32 for MLX's gather matmul (counted as such); the file's float32 expansion
+  (``blocks=False``) equals the directory with its matrices passed through the same Q8_0
+  encoding (to 1e-4: float32 sums over identical weights), and the block layers' 8-bit
+  activations stay within ``BLOCKS_TOLERANCE`` of it;
+- a greedy generation through the engine on the F32 file gives the directory's greedy tokens,
+  with MLX's decode step (the CPU decode runtime names the MoE layers as the reason).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load
+
+from mlxcel_compat.chat.template import ChatTemplate
+from mlxcel_compat.gguf import architectures as gguf_arch
+from mlxcel_compat.gguf.load import load_gguf
+from mlxcel_compat.gguf.reader import open_gguf
+from mlxcel_compat.runtime import cpu_decode
+from mlxcel_compat.testing import families_moe
+from mlxcel_compat.testing.gguf_tensors import GGUF_TARGETS, stored_type
+from mlxcel_compat.testing.gguf_writer import ensure_gguf
+from tests.conftest import MODEL_CACHE, tiny_model
+from tests.engine.harness import EngineHarness
+
+pytestmark = pytest.mark.engine
+
+MOE_FAMILIES = tuple(f.name for f in families_moe.FAMILIES)
+PROMPT = "The quick brown fox jumps over the lazy dog. def f(x: int) -> str:\n    return 'café 你好'"
+TEXTS = [PROMPT, "  two spaces\n\ttab <|im_start|>user\nhi<|im_end|>", "<think>\nx\n</think>\n\n🚀 ✅"]
+# Block layers multiply by 8-bit activations (llama.cpp's arithmetic) where the float32 expansion
+# multiplies by float32 ones; on the tiny MoE models, whose logits span about +-5, that moves the
+# prompt's logits by 0.05-0.1 (measured), and by more only where it moves a token's router across
+# an expert choice. Twice the worst measured, so a wrong tensor (tens of percent) still fails.
+BLOCKS_TOLERANCE = 0.3
+
+
+@cache
+def directory(family: str) -> tuple[Any, Any]:
+    return load(str(tiny_model(family)))
+
+
+def greedy(model: Any, prompt: list[int], n: int = 8) -> list[int]:
+    cache_ = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache_)
+    out = []
+    for _ in range(n):
+        out.append(int(mx.argmax(logits[0, -1]).item()))
+        logits = model(mx.array([[out[-1]]]), cache=cache_)
+    return out
+
+
+def round_trip(weight: mx.array, gguf_name: str) -> mx.array:
+    """A directory weight as the Q8_0 file holds it (the writer's stored type for its GGUF name)."""
+    data = np.array(weight, dtype=np.float32)
+    kind = stored_type(gguf_name, data.shape, "q8_0")
+    if kind == "f32":
+        return weight
+    if kind == "f16":
+        return mx.array(data.astype(np.float16).astype(np.float32))
+    q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+    return mx.array(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).reshape(data.shape))
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_f32_gguf_is_the_directory_model(family: str) -> None:
+    hf_model, hf_tok = directory(family)
+    model, tokenizer, config, summary = load_gguf(str(tiny_model(f"{family}:f32")), on_cpu=True)
+    assert summary.architecture == GGUF_TARGETS[family].arch
+    assert config["model_type"] == hf_model.args.model_type
+    assert summary.precision == {"float32": len(open_gguf(tiny_model(f"{family}:f32")).tensors)}
+
+    for text in TEXTS:
+        for special in (True, False):
+            assert tokenizer.encode(text, add_special_tokens=special) == hf_tok.encode(text, add_special_tokens=special)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    ours, theirs = ChatTemplate.from_tokenizer(tokenizer), ChatTemplate.from_tokenizer(hf_tok)
+    assert ours.render(messages, add_generation_prompt=True) == theirs.render(messages, add_generation_prompt=True)
+
+    ids = hf_tok.encode(PROMPT)
+    assert mx.array_equal(model(mx.array([ids])), hf_model(mx.array([ids]))).item()
+    assert greedy(model, ids) == greedy(hf_model, ids)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_q8_0_gguf_keeps_matrices_in_blocks_and_expands_the_experts(family: str) -> None:
+    path = tiny_model(f"{family}:q8_0")
+    file = open_gguf(path)
+    stacks = [n for n, t in file.tensors.items() if gguf_arch.is_expert_stack(n)]
+    assert stacks and all(file.tensors[n].ggml_type == gguf.GGMLQuantizationType.Q8_0 for n in stacks)
+    model, _, config, summary = load_gguf(str(path), on_cpu=True)
+    assert summary.precision["float32 (experts expanded from q8_0)"] == len(stacks)
+    assert summary.expanded_experts == {"q8_0": len(stacks)}
+    assert summary.precision["blocks q8_0"] > 0
+
+    expanded, *_ = load_gguf(str(path), on_cpu=True, blocks=False)
+    hf_model, hf_tok = directory(family)
+    names = {m: g for g, m in gguf_arch.gguf_names(gguf_arch.ARCHITECTURES[summary.architecture],
+                                                   [n for n, _ in tree_flatten(hf_model.parameters())],
+                                                   config["num_hidden_layers"]).items()}
+    reference, _ = load(str(tiny_model(family)))
+    reference.load_weights([(n, round_trip(w, names[n])) for n, w in tree_flatten(hf_model.parameters())])
+    ids = hf_tok.encode(PROMPT)
+    want = reference(mx.array([ids]))
+    assert mx.abs(expanded(mx.array([ids])) - want).max().item() <= 1e-4
+    diff = mx.abs(model(mx.array([ids])) - want).max().item()
+    print(f"{family} q8_0: block layers' prompt logits within {diff:.3g} of float32 math")
+    assert diff <= BLOCKS_TOLERANCE
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_engine_generates_the_directory_greedy_tokens(family: str) -> None:
+    hf_model, hf_tok = directory(family)
+    prompt = hf_tok.encode(PROMPT)
+    h = EngineHarness(tiny_model(f"{family}:f32"))
+    try:
+        reason = cpu_decode.unsupported(h.engine.loaded.model)
+        assert reason is not None and reason.startswith("mixture-of-experts layers")
+        run = h.run(prompt, n_predict=8, ignore_eos=True, cache=False)
+        assert run.tokens == greedy(hf_model, prompt)
+    finally:
+        h.close()
