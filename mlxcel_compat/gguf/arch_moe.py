@@ -55,6 +55,39 @@ def _qwen3moe(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
+def sliding_layers(file: GGUFModelFile, n_layers: int, period: int) -> list[bool]:
+    """Which layers attend through a sliding window, as llama.cpp's ``load_swa_pattern`` reads
+    it: a per-layer ``attention.sliding_window_pattern`` array, else a period (the key's value or
+    the architecture's own) whose last layer is the full one."""
+    pattern = file.arch_value("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise UnsupportedArchitecture(f"{file.architecture}: sliding_window_pattern has {len(pattern)} "
+                                          f"entries for {n_layers} layers")
+        return [bool(x) for x in pattern]
+    period = int(pattern) if pattern else period
+    return [period == 0 or i % period < period - 1 for i in range(n_layers)]
+
+
+def _gpt_oss(file: GGUFModelFile) -> dict[str, Any]:
+    # llama.cpp's openai-moe: softmax over the chosen experts' logits, biases everywhere, sinks,
+    # SwiGLU clamped with alpha 1.702 and limit 7 (mlx-lm's SwigluOAI constants), a window on
+    # every other layer (period 2, the first sliding).
+    config = common_config(file)
+    experts = expert_config(file)
+    sliding = sliding_layers(file, config["num_hidden_layers"], 2)
+    if all(sliding) or not any(sliding):
+        raise UnsupportedArchitecture(f"gpt-oss needs sliding and full layers both (pattern {sliding})")
+    config.update(num_local_experts=experts["n_expert"], num_experts_per_tok=experts["n_used"],
+                  intermediate_size=experts["width"], sliding_window=int(required(file, "attention.sliding_window")),
+                  layer_types=["sliding_attention" if s else "full_attention" for s in sliding])
+    config.setdefault("rope_theta", 150000.0)
+    return config
+
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", _qwen3moe, renames=(SWITCH_MLP,)),
+    # mlx-lm's expert stacks keep the checkpoint's names (mlp.experts.*); the sinks gain ".weight".
+    ArchSpec("gpt-oss", "gpt_oss", "GptOssForCausalLM", _gpt_oss,
+             renames=((".self_attn.sinks", ".self_attn.sinks.weight"),)),
 )

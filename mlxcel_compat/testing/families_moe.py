@@ -40,6 +40,25 @@ def _qwen3_moe_config(size: str) -> dict[str, Any]:
                 rope_theta=1000000.0, tie_word_embeddings=False, attention_bias=False, hidden_act="silu")
 
 
+def _gpt_oss_config(size: str) -> dict[str, Any]:
+    # gpt-oss-20b: 32 experts, top-4 (softmax over the chosen four), biases on every projection and
+    # expert, attention sinks, sliding (128) and full layers alternating, YaRN x32 from 4096 (here x8: the factory's 32K context), GQA
+    # 64:8 at head_dim 64 (queries wider than the hidden size). Tiny: 8 experts, top-2, window 16.
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                    head_dim=16, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
+                    sliding_window=16)
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=2,
+                    head_dim=64, intermediate_size=768, num_local_experts=32, num_experts_per_tok=4,
+                    sliding_window=128)
+    layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(dims["num_hidden_layers"])]
+    return dict(dims, layer_types=layer_types, rms_norm_eps=1e-5, rope_theta=150000.0,
+                rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096,
+                              "beta_fast": 32.0, "beta_slow": 1.0},
+                tie_word_embeddings=False, attention_bias=True, hidden_act="silu")
+
+
 def _expert_keys(writer: Any, config: dict[str, Any]) -> None:
     """What the converter writes for every MoE checkpoint (``TextModel``: the expert count and
     top-k) and for Qwen's (``Qwen2MoeModel``: the experts' width)."""
@@ -48,13 +67,26 @@ def _expert_keys(writer: Any, config: dict[str, Any]) -> None:
     writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
 
 
+def _gpt_oss_keys(writer: Any, config: dict[str, Any]) -> None:
+    """``GptOssModel``: the expert counts (``TextModel``), the window, the experts' width."""
+    writer.add_expert_count(config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+
+
 FAMILIES: tuple[Family, ...] = (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
+    Family("gpt_oss", "GptOssForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "qwen3_moe": _qwen3_moe_config,
+    "gpt_oss": _gpt_oss_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "qwen3_moe": GgufTarget("qwen3moe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,),
                             hparams=_expert_keys),
+    # The checkpoint's attention sinks have no ".weight"; the converter appends one.
+    "gpt_oss": GgufTarget("gpt-oss", permute_qk=False, norm_shift=0.0,
+                          renames=((".self_attn.sinks", ".self_attn.sinks.weight"),), hparams=_gpt_oss_keys),
 }

@@ -57,6 +57,9 @@ def init_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...],
             return np.ones(shape, dtype=np.float32)
         if leaf == "bias":
             return np.zeros(shape, dtype=np.float32)
+        if leaf == "sinks":
+            # gpt-oss's attention sinks: one logit per head, of the scale of the scores.
+            return rng.standard_normal(shape, dtype=np.float32)
         if "norm" in name:
             return np.full(shape, spec.norm_one, dtype=np.float32)
         raise ValueError(f"no initializer for the 1-D parameter {name}")
