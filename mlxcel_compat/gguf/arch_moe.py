@@ -18,6 +18,9 @@ from mlxcel_compat.gguf.reader import GGUFModelFile
 
 # mlx-lm's stacked experts, under the name the converter gave its stack of the checkpoint's experts.
 SWITCH_MLP = (".mlp.switch_mlp.", ".mlp.experts.")
+# The experts' selection bias (``exp_probs_b``): every converter reads it as ``e_score_correction.bias``.
+SCORE_BIAS = ("e_score_correction_bias", "e_score_correction.bias")
+SOFTMAX, SIGMOID = 1, 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*
 
 
 def expert_config(file: GGUFModelFile) -> dict[str, int]:
@@ -85,9 +88,51 @@ def _gpt_oss(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
+def routed_config(file: GGUFModelFile, default_norm: bool = False) -> dict[str, Any]:
+    """The DeepSeek-V3-style router's settings mlx-lm names (``glm4_moe``, ``deepseek_v3``): the
+    sum of the chosen experts scaled by ``expert_weights_scale``, renormalised when
+    ``expert_weights_norm``, the groups of ``expert_group_count`` of which the best
+    ``expert_group_used_count`` are searched, the shared experts, the leading dense layers."""
+    experts = expert_config(file)
+    shared = int(file.arch_value("expert_shared_count", 0))
+    return {
+        "n_routed_experts": experts["n_expert"], "num_experts_per_tok": experts["n_used"],
+        "moe_intermediate_size": experts["width"], "n_shared_experts": shared or None,
+        "first_k_dense_replace": int(file.arch_value("leading_dense_block_count", 0)),
+        "routed_scaling_factor": float(file.arch_value("expert_weights_scale", 1.0) or 1.0),
+        "norm_topk_prob": bool(file.arch_value("expert_weights_norm", default_norm)),
+        "n_group": int(file.arch_value("expert_group_count", 1) or 1),
+        "topk_group": int(file.arch_value("expert_group_used_count", 1) or 1),
+    }
+
+
+def gating(file: GGUFModelFile, default: int) -> int:
+    """llama.cpp's ``expert_gating_func`` (1 softmax, 2 sigmoid), the architecture's when absent."""
+    return int(file.arch_value("expert_gating_func", 0) or default)
+
+
+def _glm4moe(file: GGUFModelFile) -> dict[str, Any]:
+    # llama.cpp's glm4moe: sigmoid scores, the selection bias exp_probs_b added for the choice only,
+    # the chosen scores renormalised if expert_weights_norm and scaled by expert_weights_scale,
+    # a shared expert, NeoX RoPE on rope.dimension_count of each head. block_count includes the
+    # NextN layers (nextn_predict_layers), which mlx-lm's model does not run.
+    config = common_config(file)
+    if gating(file, SIGMOID) != SIGMOID:
+        raise UnsupportedArchitecture("glm4moe with softmax gating has no mlx-lm equivalent (glm4_moe is sigmoid)")
+    config["num_hidden_layers"] -= int(file.arch_value("nextn_predict_layers", 0))
+    rotary = int(file.arch_value("rope.dimension_count", config["head_dim"]))
+    config.update(routed_config(file), partial_rotary_factor=rotary / config["head_dim"],
+                  use_qk_norm="blk.0.attn_q_norm.weight" in file.tensors,
+                  attention_bias="blk.0.attn_q.bias" in file.tensors,
+                  scoring_func="sigmoid", topk_method="noaux_tc", rope_scaling=config.get("rope_scaling"))
+    config.setdefault("rope_theta", 1000000.0)
+    return config
+
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", _qwen3moe, renames=(SWITCH_MLP,)),
     # mlx-lm's expert stacks keep the checkpoint's names (mlp.experts.*); the sinks gain ".weight".
     ArchSpec("gpt-oss", "gpt_oss", "GptOssForCausalLM", _gpt_oss,
              renames=((".self_attn.sinks", ".self_attn.sinks.weight"),)),
+    ArchSpec("glm4moe", "glm4_moe", "Glm4MoeForCausalLM", _glm4moe, renames=(SWITCH_MLP, SCORE_BIAS)),
 )

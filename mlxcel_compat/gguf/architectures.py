@@ -83,6 +83,12 @@ def is_expert_stack(gguf_name: str) -> bool:
     return gguf_name.rsplit(".", 1)[0].endswith(EXPERT_STACK_SUFFIXES)
 
 
+def layer_index(gguf_name: str) -> int | None:
+    """N of a ``blk.N.*`` tensor, else None."""
+    parts = gguf_name.split(".")
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "blk" and parts[1].isdecimal() else None
+
+
 def unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
     """Reverse llama.cpp's ``permute``: rows (or raw block rows) of a Q or K projection."""
     shape = rows.shape

@@ -230,6 +230,12 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     if missing:
         raise ValueError(f"'{file.path}' lacks tensors the {spec.gguf_arch} model needs: {', '.join(missing[:8])}")
     ignored = sorted(set(file.tensors) - set(names) - {"rope_freqs.weight"})
+    past_layers = [n for n in ignored if gguf_arch.layer_index(n) is not None
+                   and gguf_arch.layer_index(n) >= config["num_hidden_layers"]]
+    if past_layers:
+        log.info("%d tensors of the layers past the model's %d (NextN / multi-token prediction layers, which "
+                 "mlx-lm's model does not run) are not loaded", len(past_layers), config["num_hidden_layers"])
+        ignored = sorted(set(ignored) - set(past_layers))
     if ignored:
         log.warning("GGUF tensors without a counterpart in the mlx-lm model are ignored: %s", ", ".join(ignored[:8]))
 

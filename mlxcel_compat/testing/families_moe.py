@@ -23,6 +23,8 @@ from .gguf_target import GgufTarget
 
 # mlx-lm's SwitchGLU parameters (stacked experts) under the name the converter gives its stack.
 SWITCH_MLP = (".mlp.switch_mlp.", ".mlp.experts.")
+# The experts' selection bias: every converter reads ``e_score_correction_bias`` as a ``.bias``.
+SCORE_BIAS = ("e_score_correction_bias", "e_score_correction.bias")
 
 
 def _qwen3_moe_config(size: str) -> dict[str, Any]:
@@ -59,6 +61,25 @@ def _gpt_oss_config(size: str) -> dict[str, Any]:
                 tie_word_embeddings=False, attention_bias=True, hidden_act="silu")
 
 
+def _glm4_moe_config(size: str) -> dict[str, Any]:
+    # GLM-4.5-Air: 128 routed experts, top-8, one shared expert, sigmoid gating with a selection
+    # bias, the first layer dense, half the head rotary, q/k/v biases, one NextN (multi-token
+    # prediction) layer the converter counts in block_count; GLM-4.6 scales the routed sum by 2.5.
+    # Tiny: 16 experts, top-4, the first of 3 layers dense.
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+                    head_dim=16, intermediate_size=192, n_routed_experts=16, num_experts_per_tok=4,
+                    moe_intermediate_size=32)
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=2,
+                    head_dim=64, intermediate_size=2048, n_routed_experts=64, num_experts_per_tok=8,
+                    moe_intermediate_size=128)
+    return dict(dims, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                n_group=1, topk_group=1, scoring_func="sigmoid", topk_method="noaux_tc", partial_rotary_factor=0.5,
+                use_qk_norm=False, attention_bias=True, num_nextn_predict_layers=1, rms_norm_eps=1e-5,
+                rope_theta=1000000.0, rope_scaling=None, tie_word_embeddings=False, hidden_act="silu")
+
+
 def _expert_keys(writer: Any, config: dict[str, Any]) -> None:
     """What the converter writes for every MoE checkpoint (``TextModel``: the expert count and
     top-k) and for Qwen's (``Qwen2MoeModel``: the experts' width)."""
@@ -75,13 +96,35 @@ def _gpt_oss_keys(writer: Any, config: dict[str, Any]) -> None:
     writer.add_expert_feed_forward_length(config["intermediate_size"])
 
 
+def _glm4_moe_keys(writer: Any, config: dict[str, Any]) -> None:
+    """``Glm4MoeModel``: the rotary width, routed and shared experts, the leading dense layers,
+    sigmoid gating, the routed scale and normalisation, the NextN layers (counted in
+    ``block_count`` too: ``gguf_metadata.add_hparams``); ``TextModel``'s top-k and groups."""
+    import gguf
+
+    writer.add_rope_dimension_count(int(config["head_dim"] * config["partial_rotary_factor"]))
+    writer.add_expert_count(config["n_routed_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_group_count(config["n_group"])
+    writer.add_expert_group_used_count(config["topk_group"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    writer.add_expert_weights_norm(config["norm_topk_prob"])
+    writer.add_nextn_predict_layers(config["num_nextn_predict_layers"])
+
+
 FAMILIES: tuple[Family, ...] = (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
     Family("gpt_oss", "GptOssForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
+    Family("glm4_moe", "Glm4MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "qwen3_moe": _qwen3_moe_config,
     "gpt_oss": _gpt_oss_config,
+    "glm4_moe": _glm4_moe_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "qwen3_moe": GgufTarget("qwen3moe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,),
@@ -89,4 +132,6 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
     # The checkpoint's attention sinks have no ".weight"; the converter appends one.
     "gpt_oss": GgufTarget("gpt-oss", permute_qk=False, norm_shift=0.0,
                           renames=((".self_attn.sinks", ".self_attn.sinks.weight"),), hparams=_gpt_oss_keys),
+    "glm4_moe": GgufTarget("glm4moe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP, SCORE_BIAS),
+                           hparams=_glm4_moe_keys),
 }

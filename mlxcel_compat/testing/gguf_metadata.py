@@ -44,7 +44,9 @@ def add_hparams(writer: Any, family: str, config: dict[str, Any]) -> None:
     add_rope_scaling(writer, c)
     writer.add_context_length(c["max_position_embeddings"])
     writer.add_embedding_length(c["hidden_size"])
-    writer.add_block_count(c["num_hidden_layers"])
+    # The converter counts a model's NextN (multi-token prediction) layers as blocks where it exports
+    # them (glm4moe); only such families' factory configs carry num_nextn_predict_layers.
+    writer.add_block_count(c["num_hidden_layers"] + c.get("num_nextn_predict_layers", 0))
     writer.add_head_count(c["num_attention_heads"])
     writer.add_rope_freq_base(c["rope_theta"])
     writer.add_vocab_size(c["vocab_size"])

@@ -140,3 +140,42 @@ def test_engine_generates_the_directory_greedy_tokens(family: str) -> None:
         assert run.tokens == greedy(hf_model, prompt)
     finally:
         h.close()
+
+
+def test_glm4moe_nextn_layers_are_left_out(tmp_path, caplog) -> None:
+    """A GLM-4.5 file counts its NextN (multi-token prediction) layer in block_count and carries
+    its tensors (blk.N.nextn.*, and a decoder layer's under N): the model is the first
+    block_count - nextn_predict_layers layers, and the extra tensors are named as left out."""
+    import logging
+
+    source = tiny_model("glm4_moe:f32")
+    reader = gguf.GGUFReader(source)
+    n_layers = int(reader.fields["glm4moe.block_count"].contents()) - 1
+    assert int(reader.fields["glm4moe.nextn_predict_layers"].contents()) == 1
+    writer = gguf.GGUFWriter(str(tmp_path / "nextn.gguf"), "glm4moe")
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    last = f"blk.{n_layers - 1}."
+    extra = {t.name.replace(last, f"blk.{n_layers}."): t for t in reader.tensors if t.name.startswith(last)}
+    hidden = int(reader.fields["glm4moe.embedding_length"].contents())
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    for name, tensor in extra.items():
+        writer.add_tensor(name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.add_tensor(f"blk.{n_layers}.nextn.eh_proj.weight", np.ones((hidden, 2 * hidden), np.float32))
+    writer.add_tensor(f"blk.{n_layers}.nextn.enorm.weight", np.ones(hidden, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    with caplog.at_level(logging.INFO, logger="mlxcel_compat.gguf.load"):
+        model, _, config, _ = load_gguf(str(tmp_path / "nextn.gguf"), on_cpu=True)
+    assert config["num_hidden_layers"] == n_layers == len(model.layers)
+    assert f"{len(extra) + 2} tensors of the layers past the model's {n_layers}" in caplog.text
+    assert "without a counterpart" not in caplog.text
+    plain, *_ = load_gguf(str(source), on_cpu=True)
+    ids = [5, 6, 7, 8, 9]
+    assert mx.array_equal(model(mx.array([ids])), plain(mx.array([ids]))).item()
