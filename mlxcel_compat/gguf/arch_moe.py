@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxcel_compat.gguf.arch_spec import ArchSpec, UnsupportedArchitecture, common_config, required
+from mlxcel_compat.gguf.arch_spec import (ArchSpec, UnsupportedArchitecture, common_config, required,
+                                          rope_scaling_config)
 from mlxcel_compat.gguf.reader import GGUFModelFile
 
 # mlx-lm's stacked experts, under the name the converter gave its stack of the checkpoint's experts.
@@ -129,10 +130,60 @@ def _glm4moe(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
+def _deepseek2(file: GGUFModelFile) -> dict[str, Any]:
+    # llama.cpp's deepseek2 stores MLA as MQA: one KV head whose key is the latent plus the rotary
+    # key (key_length = kv_lora_rank + rope width), the real head sizes in key_length_mla /
+    # value_length_mla, kv_b split into k_b (transposed) and v_b, which are mlx-lm deepseek_v3's
+    # embed_q and unembed_out as they are. Sigmoid gating is deepseek_v3's router; softmax
+    # (DeepSeek-V2 files) has only deepseek_v2's, whose kv_b_proj is the two halves joined.
+    if gating(file, SOFTMAX) != SIGMOID:
+        raise UnsupportedArchitecture("deepseek2 with softmax gating (DeepSeek-V2 / V2-Lite) is not served yet: mlx-lm's "
+                                      "deepseek_v2 takes kv_b_proj whole, which the file holds split in two")
+    if "blk.0.attn_kv_b.weight" in file.tensors:
+        raise UnsupportedArchitecture("this deepseek2 file predates llama.cpp's MLA split of attn_kv_b into "
+                                      "attn_k_b / attn_v_b; llama.cpp asks for it to be converted again too")
+    heads = int(required(file, "attention.head_count"))
+    rope = int(required(file, "rope.dimension_count"))
+    kv_lora = int(required(file, "attention.kv_lora_rank"))
+    key_mla = int(required(file, "attention.key_length_mla"))
+    config: dict[str, Any] = {
+        "hidden_size": int(required(file, "embedding_length")),
+        "num_hidden_layers": int(required(file, "block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "intermediate_size": int(required(file, "feed_forward_length")),
+        "q_lora_rank": int(file.arch_value("attention.q_lora_rank", 0)) or None,
+        "kv_lora_rank": kv_lora,
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": key_mla - rope,
+        "v_head_dim": int(required(file, "attention.value_length_mla")),
+        "rms_norm_eps": float(file.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(file.arch_value("context_length", 4096)),
+        "rope_theta": float(file.arch_value("rope.freq_base", 10000.0)),
+        "moe_layer_freq": 1,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "attention_bias": "blk.0.attn_q_a.bias" in file.tensors,
+    }
+    config.update(routed_config(file))
+    if (scaling := rope_scaling_config(file)) is not None:
+        if scaling["type"] == "yarn":
+            # llama.cpp scales the attention by (1 + 0.1 mscale_all_dim ln factor)^2, from the
+            # converter's yarn_log_multiplier (0.1 mscale_all_dim), and leaves the rotation
+            # itself unscaled: mlx-lm's YaRN with mscale = mscale_all_dim.
+            mscale = float(file.arch_value("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+            scaling.update(mscale=mscale, mscale_all_dim=mscale)
+        config["rope_scaling"] = scaling
+    return config
+
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", _qwen3moe, renames=(SWITCH_MLP,)),
     # mlx-lm's expert stacks keep the checkpoint's names (mlp.experts.*); the sinks gain ".weight".
     ArchSpec("gpt-oss", "gpt_oss", "GptOssForCausalLM", _gpt_oss,
              renames=((".self_attn.sinks", ".self_attn.sinks.weight"),)),
     ArchSpec("glm4moe", "glm4_moe", "Glm4MoeForCausalLM", _glm4moe, renames=(SWITCH_MLP, SCORE_BIAS)),
+    ArchSpec("deepseek2", "deepseek_v3", "DeepseekV3ForCausalLM", _deepseek2,
+             renames=(SWITCH_MLP, SCORE_BIAS, (".self_attn.embed_q.", ".self_attn.k_b_proj."),
+                      (".self_attn.unembed_out.", ".self_attn.v_b_proj."))),
 )

@@ -80,6 +80,31 @@ def _glm4_moe_config(size: str) -> dict[str, Any]:
                 rope_theta=1000000.0, rope_scaling=None, tie_word_embeddings=False, hidden_act="silu")
 
 
+def _deepseek_v3_config(size: str) -> dict[str, Any]:
+    # DeepSeek-V3 / R1: MLA attention (queries through a rank-1536 LoRA pair with a norm between,
+    # keys and values from one rank-512 latent and a shared 64-wide rotary key, nope 128 + rope 64,
+    # v 128, as many KV heads as heads), 256 routed experts in 8 groups of which the best 4 are
+    # searched, top-8, one shared expert, sigmoid gating with its selection bias, routed scale
+    # 2.5, the first 3 layers dense, YaRN x40 from 4096 with mscale 1. Tiny: 16 experts in 4
+    # groups, best 2, top-4, the first of 3 layers dense.
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                    q_lora_rank=32, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                    intermediate_size=192, n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+                    n_group=4, topk_group=2)
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=12,
+                    q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                    intermediate_size=2048, n_routed_experts=64, num_experts_per_tok=8, moe_intermediate_size=128,
+                    n_group=8, topk_group=4)
+    return dict(dims, n_shared_experts=1, first_k_dense_replace=1, moe_layer_freq=1, routed_scaling_factor=2.5,
+                norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc", attention_bias=False,
+                rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
+                rope_scaling={"type": "yarn", "rope_type": "yarn", "factor": 8.0,
+                              "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "mscale": 1.0, "mscale_all_dim": 1.0})
+
+
 def _expert_keys(writer: Any, config: dict[str, Any]) -> None:
     """What the converter writes for every MoE checkpoint (``TextModel``: the expert count and
     top-k) and for Qwen's (``Qwen2MoeModel``: the experts' width)."""
@@ -116,15 +141,49 @@ def _glm4_moe_keys(writer: Any, config: dict[str, Any]) -> None:
     writer.add_nextn_predict_layers(config["num_nextn_predict_layers"])
 
 
+def _deepseek_v3_keys(writer: Any, config: dict[str, Any]) -> None:
+    """``DeepseekV2Model``: MLA as MQA with one KV head whose key is the latent and the rotary key
+    (``key_length``, ``value_length``; the real head sizes as ``*_mla``), the LoRA ranks, the
+    experts, the gating and routed scale, the rotary width, YaRN's attention factor as
+    ``yarn_log_multiplier`` (0.1 x mscale_all_dim); ``TextModel``'s top-k and groups."""
+    import gguf
+
+    c = config
+    for key in ("attention.head_count_kv", "attention.key_length", "attention.value_length"):
+        writer.kv_data[0].pop(f"{writer.arch}.{key}")  # the common keys' values, replaced below
+    writer.add_head_count_kv(1)
+    writer.add_key_length(c["kv_lora_rank"] + c["qk_rope_head_dim"])
+    writer.add_value_length(c["kv_lora_rank"])
+    writer.add_key_length_mla(c["qk_nope_head_dim"] + c["qk_rope_head_dim"])
+    writer.add_value_length_mla(c["v_head_dim"])
+    writer.add_q_lora_rank(c["q_lora_rank"])
+    writer.add_kv_lora_rank(c["kv_lora_rank"])
+    writer.add_leading_dense_block_count(c["first_k_dense_replace"])
+    writer.add_expert_count(c["n_routed_experts"])
+    writer.add_expert_used_count(c["num_experts_per_tok"])
+    writer.add_expert_group_count(c["n_group"])
+    writer.add_expert_group_used_count(c["topk_group"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    writer.add_expert_shared_count(c["n_shared_experts"])
+    writer.add_expert_weights_scale(c["routed_scaling_factor"])
+    if c["norm_topk_prob"]:
+        writer.add_expert_weights_norm(True)
+    writer.add_rope_dimension_count(c["qk_rope_head_dim"])
+    writer.add_rope_scaling_yarn_log_mul(0.1 * c["rope_scaling"]["mscale_all_dim"])
+
+
 FAMILIES: tuple[Family, ...] = (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
     Family("gpt_oss", "GptOssForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("glm4_moe", "Glm4MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "qwen3_moe": _qwen3_moe_config,
     "gpt_oss": _gpt_oss_config,
     "glm4_moe": _glm4_moe_config,
+    "deepseek_v3": _deepseek_v3_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "qwen3_moe": GgufTarget("qwen3moe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,),
@@ -134,4 +193,10 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
                           renames=((".self_attn.sinks", ".self_attn.sinks.weight"),), hparams=_gpt_oss_keys),
     "glm4_moe": GgufTarget("glm4moe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP, SCORE_BIAS),
                            hparams=_glm4_moe_keys),
+    # mlx-lm keeps MLA's kv_b_proj split as the converter does, but names the halves embed_q (the
+    # key half, transposed: the converter's k_b_proj) and unembed_out (v_b_proj).
+    "deepseek_v3": GgufTarget("deepseek2", permute_qk=False, norm_shift=0.0,
+                              renames=(SWITCH_MLP, SCORE_BIAS, (".self_attn.embed_q.", ".self_attn.k_b_proj."),
+                                       (".self_attn.unembed_out.", ".self_attn.v_b_proj.")),
+                              hparams=_deepseek_v3_keys),
 }

@@ -142,6 +142,41 @@ def test_engine_generates_the_directory_greedy_tokens(family: str) -> None:
         h.close()
 
 
+def rewritten(source: Any, target: Any, keys: dict[str, Any] | None = None,
+              extra: dict[str, np.ndarray] | None = None) -> Any:
+    """A copy of a GGUF with some ``{arch}.*`` keys replaced (same value type) and tensors added."""
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(target), arch)
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            value = (keys or {}).get(key.removeprefix(f"{arch}."), field.contents())
+            writer.add_key_value(key, value, field.types[0], sub_type=sub)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    for name, data in (extra or {}).items():
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+def test_deepseek2_files_mlx_lm_cannot_serve_are_refused_by_name(tmp_path) -> None:
+    """DeepSeek-V2's softmax router is only in mlx-lm's deepseek_v2, which takes MLA's kv_b whole;
+    files converted before llama.cpp split kv_b are refused as llama.cpp refuses them."""
+    source = tiny_model("deepseek_v3:f32")
+    softmax = rewritten(source, tmp_path / "v2.gguf", keys={"expert_gating_func": 1})
+    with pytest.raises(gguf_arch.UnsupportedArchitecture, match=r"deepseek2 with softmax gating \(DeepSeek-V2"):
+        load_gguf(str(softmax), on_cpu=True)
+    legacy = rewritten(source, tmp_path / "legacy.gguf",
+                       extra={"blk.0.attn_kv_b.weight": np.zeros((4 * 64, 64), np.float32)})
+    with pytest.raises(gguf_arch.UnsupportedArchitecture, match="predates llama.cpp's MLA split"):
+        load_gguf(str(legacy), on_cpu=True)
+
+
 def test_glm4moe_nextn_layers_are_left_out(tmp_path, caplog) -> None:
     """A GLM-4.5 file counts its NextN (multi-token prediction) layer in block_count and carries
     its tensors (blk.N.nextn.*, and a decoder layer's under N): the model is the first
@@ -152,29 +187,18 @@ def test_glm4moe_nextn_layers_are_left_out(tmp_path, caplog) -> None:
     reader = gguf.GGUFReader(source)
     n_layers = int(reader.fields["glm4moe.block_count"].contents()) - 1
     assert int(reader.fields["glm4moe.nextn_predict_layers"].contents()) == 1
-    writer = gguf.GGUFWriter(str(tmp_path / "nextn.gguf"), "glm4moe")
-    for key, field in reader.fields.items():
-        if not key.startswith("GGUF.") and key != "general.architecture":
-            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
-    last = f"blk.{n_layers - 1}."
-    extra = {t.name.replace(last, f"blk.{n_layers}."): t for t in reader.tensors if t.name.startswith(last)}
     hidden = int(reader.fields["glm4moe.embedding_length"].contents())
-    for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
-    for name, tensor in extra.items():
-        writer.add_tensor(name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
-    writer.add_tensor(f"blk.{n_layers}.nextn.eh_proj.weight", np.ones((hidden, 2 * hidden), np.float32))
-    writer.add_tensor(f"blk.{n_layers}.nextn.enorm.weight", np.ones(hidden, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    last = f"blk.{n_layers - 1}."
+    extra = {t.name.replace(last, f"blk.{n_layers}."): np.array(t.data) for t in reader.tensors
+             if t.name.startswith(last)}
+    extra[f"blk.{n_layers}.nextn.eh_proj.weight"] = np.ones((hidden, 2 * hidden), np.float32)
+    extra[f"blk.{n_layers}.nextn.enorm.weight"] = np.ones(hidden, np.float32)
+    rewritten(source, tmp_path / "nextn.gguf", extra=extra)
 
     with caplog.at_level(logging.INFO, logger="mlxcel_compat.gguf.load"):
         model, _, config, _ = load_gguf(str(tmp_path / "nextn.gguf"), on_cpu=True)
     assert config["num_hidden_layers"] == n_layers == len(model.layers)
-    assert f"{len(extra) + 2} tensors of the layers past the model's {n_layers}" in caplog.text
+    assert f"{len(extra)} tensors of the layers past the model's {n_layers}" in caplog.text
     assert "without a counterpart" not in caplog.text
     plain, *_ = load_gguf(str(source), on_cpu=True)
     ids = [5, 6, 7, 8, 9]
