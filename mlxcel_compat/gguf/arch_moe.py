@@ -59,6 +59,22 @@ def _qwen3moe(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
+def _qwen2moe(file: GGUFModelFile) -> dict[str, Any]:
+    # llama.cpp's qwen2moe: softmax top-k not renormalised, a shared expert gated by
+    # sigmoid(ffn_gate_inp_shexp x) (expert_shared_feed_forward_length wide, else
+    # feed_forward_length), every layer sparse; mlx-lm's head_dim is hidden / heads.
+    config = common_config(file)
+    if config["head_dim"] != config["hidden_size"] // config["num_attention_heads"]:
+        raise UnsupportedArchitecture("qwen2moe with head_dim != hidden / heads has no mlx-lm equivalent")
+    experts = expert_config(file)
+    config.update(num_experts=experts["n_expert"], num_experts_per_tok=experts["n_used"],
+                  moe_intermediate_size=experts["width"],
+                  shared_expert_intermediate_size=int(file.arch_value("expert_shared_feed_forward_length", 0)
+                                                      or config["intermediate_size"]))
+    config.setdefault("rope_theta", 1000000.0)
+    return config
+
+
 def sliding_layers(file: GGUFModelFile, n_layers: int, period: int) -> list[bool]:
     """Which layers attend through a sliding window, as llama.cpp's ``load_swa_pattern`` reads
     it: a per-layer ``attention.sliding_window_pattern`` array, else a period (the key's value or
@@ -179,6 +195,7 @@ def _deepseek2(file: GGUFModelFile) -> dict[str, Any]:
 
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", _qwen3moe, renames=(SWITCH_MLP,)),
+    ArchSpec("qwen2moe", "qwen2_moe", "Qwen2MoeForCausalLM", _qwen2moe, renames=(SWITCH_MLP,)),
     # mlx-lm's expert stacks keep the checkpoint's names (mlp.experts.*); the sinks gain ".weight".
     ArchSpec("gpt-oss", "gpt_oss", "GptOssForCausalLM", _gpt_oss,
              renames=((".self_attn.sinks", ".self_attn.sinks.weight"),)),

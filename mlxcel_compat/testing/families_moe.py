@@ -105,6 +105,22 @@ def _deepseek_v3_config(size: str) -> dict[str, Any]:
                               "mscale": 1.0, "mscale_all_dim": 1.0})
 
 
+def _qwen2_moe_config(size: str) -> dict[str, Any]:
+    # Qwen1.5-MoE-A2.7B: 60 experts, top-4 (softmax, not renormalised), a shared expert four
+    # experts wide behind its own sigmoid gate, every layer sparse, q/k/v biases, MHA with
+    # head_dim = hidden / heads. Tiny: 16 experts, top-4.
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                    intermediate_size=128, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=128)
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=12,
+                    intermediate_size=1536, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=384,
+                    shared_expert_intermediate_size=1536)
+    return dict(dims, decoder_sparse_step=1, norm_topk_prob=False, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                tie_word_embeddings=False, hidden_act="silu")
+
+
 def _expert_keys(writer: Any, config: dict[str, Any]) -> None:
     """What the converter writes for every MoE checkpoint (``TextModel``: the expert count and
     top-k) and for Qwen's (``Qwen2MoeModel``: the experts' width)."""
@@ -173,17 +189,25 @@ def _deepseek_v3_keys(writer: Any, config: dict[str, Any]) -> None:
     writer.add_rope_scaling_yarn_log_mul(0.1 * c["rope_scaling"]["mscale_all_dim"])
 
 
+def _qwen2_moe_keys(writer: Any, config: dict[str, Any]) -> None:
+    """``Qwen2MoeModel``: the experts' and the shared expert's widths, ``TextModel``'s counts."""
+    _expert_keys(writer, config)
+    writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+
+
 FAMILIES: tuple[Family, ...] = (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
     Family("gpt_oss", "GptOssForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("glm4_moe", "Glm4MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "qwen3_moe": _qwen3_moe_config,
     "gpt_oss": _gpt_oss_config,
     "glm4_moe": _glm4_moe_config,
     "deepseek_v3": _deepseek_v3_config,
+    "qwen2_moe": _qwen2_moe_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "qwen3_moe": GgufTarget("qwen3moe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,),
@@ -199,4 +223,6 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
                               renames=(SWITCH_MLP, SCORE_BIAS, (".self_attn.embed_q.", ".self_attn.k_b_proj."),
                                        (".self_attn.unembed_out.", ".self_attn.v_b_proj.")),
                               hparams=_deepseek_v3_keys),
+    "qwen2_moe": GgufTarget("qwen2moe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,),
+                            hparams=_qwen2_moe_keys),
 }
