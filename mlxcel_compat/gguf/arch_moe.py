@@ -24,10 +24,11 @@ SCORE_BIAS = ("e_score_correction_bias", "e_score_correction.bias")
 SOFTMAX, SIGMOID = 1, 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*
 
 
-def expert_config(file: GGUFModelFile) -> dict[str, int]:
+def expert_config(file: GGUFModelFile, width_is_ff: bool = False) -> dict[str, int]:
     """The expert count, the experts used per token and one expert's width, as llama.cpp reads
     them (``expert_count``, ``expert_used_count``, ``expert_feed_forward_length``; without the
-    last, llama.cpp takes ``feed_forward_length / expert_used_count``)."""
+    last, llama.cpp takes ``feed_forward_length / expert_used_count``, or ``feed_forward_length``
+    itself for the architectures whose experts are ``width_is_ff``: olmoe, granitemoe)."""
     n_expert = int(required(file, "expert_count"))
     n_used = int(required(file, "expert_used_count"))
     if not 0 < n_used <= n_expert:
@@ -36,7 +37,7 @@ def expert_config(file: GGUFModelFile) -> dict[str, int]:
     if isinstance(width, list):  # per layer in some files; mlx-lm's models take one width
         width = _one(file, "expert_feed_forward_length", [w for w in width if w])
     if not width:
-        width = int(required(file, "feed_forward_length")) // n_used
+        width = int(required(file, "feed_forward_length")) // (1 if width_is_ff else n_used)
     return {"n_expert": n_expert, "n_used": n_used, "width": int(width)}
 
 
@@ -72,6 +73,18 @@ def _qwen2moe(file: GGUFModelFile) -> dict[str, Any]:
                   shared_expert_intermediate_size=int(file.arch_value("expert_shared_feed_forward_length", 0)
                                                       or config["intermediate_size"]))
     config.setdefault("rope_theta", 1000000.0)
+    return config
+
+
+def _olmoe(file: GGUFModelFile) -> dict[str, Any]:
+    # llama.cpp's olmoe: softmax top-k not renormalised, experts feed_forward_length wide, q/k norms
+    # over the whole projection (every head at once), as mlx-lm's olmoe.
+    config = common_config(file)
+    experts = expert_config(file, width_is_ff=True)
+    config.update(num_experts=experts["n_expert"], num_experts_per_tok=experts["n_used"],
+                  intermediate_size=experts["width"], norm_topk_prob=False,
+                  attention_bias="blk.0.attn_q.bias" in file.tensors)
+    config.setdefault("rope_theta", 10000.0)
     return config
 
 
@@ -196,6 +209,7 @@ def _deepseek2(file: GGUFModelFile) -> dict[str, Any]:
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", _qwen3moe, renames=(SWITCH_MLP,)),
     ArchSpec("qwen2moe", "qwen2_moe", "Qwen2MoeForCausalLM", _qwen2moe, renames=(SWITCH_MLP,)),
+    ArchSpec("olmoe", "olmoe", "OlmoeForCausalLM", _olmoe, renames=(SWITCH_MLP,)),
     # mlx-lm's expert stacks keep the checkpoint's names (mlp.experts.*); the sinks gain ".weight".
     ArchSpec("gpt-oss", "gpt_oss", "GptOssForCausalLM", _gpt_oss,
              renames=((".self_attn.sinks", ".self_attn.sinks.weight"),)),

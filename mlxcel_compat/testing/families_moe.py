@@ -121,6 +121,19 @@ def _qwen2_moe_config(size: str) -> dict[str, Any]:
                 tie_word_embeddings=False, hidden_act="silu")
 
 
+def _olmoe_config(size: str) -> dict[str, Any]:
+    # OLMoE-1B-7B: 64 experts, top-8 (softmax, not renormalised), every layer sparse, the experts
+    # intermediate_size wide, q/k RMS norms over the whole projection, MHA. Tiny: 16 experts, top-4.
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                    intermediate_size=32, num_experts=16, num_experts_per_tok=4)
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=12,
+                    intermediate_size=384, num_experts=64, num_experts_per_tok=8)
+    return dict(dims, norm_topk_prob=False, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                attention_bias=False, hidden_act="silu")
+
+
 def _expert_keys(writer: Any, config: dict[str, Any]) -> None:
     """What the converter writes for every MoE checkpoint (``TextModel``: the expert count and
     top-k) and for Qwen's (``Qwen2MoeModel``: the experts' width)."""
@@ -195,12 +208,19 @@ def _qwen2_moe_keys(writer: Any, config: dict[str, Any]) -> None:
     writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
+def _counts(writer: Any, config: dict[str, Any]) -> None:
+    """``TextModel``'s expert keys alone (``num_experts``, ``num_experts_per_tok``): OlmoeModel's."""
+    writer.add_expert_count(config["num_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+
+
 FAMILIES: tuple[Family, ...] = (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
     Family("gpt_oss", "GptOssForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("glm4_moe", "Glm4MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
     Family("qwen2_moe", "Qwen2MoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
+    Family("olmoe", "OlmoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "qwen3_moe": _qwen3_moe_config,
@@ -208,6 +228,7 @@ CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "glm4_moe": _glm4_moe_config,
     "deepseek_v3": _deepseek_v3_config,
     "qwen2_moe": _qwen2_moe_config,
+    "olmoe": _olmoe_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "qwen3_moe": GgufTarget("qwen3moe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,),
@@ -225,4 +246,5 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
                               hparams=_deepseek_v3_keys),
     "qwen2_moe": GgufTarget("qwen2moe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,),
                             hparams=_qwen2_moe_keys),
+    "olmoe": GgufTarget("olmoe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,), hparams=_counts),
 }
