@@ -88,6 +88,28 @@ def _olmoe(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
+def _granitemoe(file: GGUFModelFile) -> dict[str, Any]:
+    # llama.cpp's granitemoe (a llama: Q/K rows permuted): softmax top-k renormalised, i.e. a
+    # softmax over the chosen logits (mlx-lm's router); experts feed_forward_length wide; the
+    # multipliers from the *_scale keys (llama.cpp's defaults where absent: attention
+    # 1/sqrt(head_dim), the others 1). The shared-expert variant has no mlx-lm model.
+    config = common_config(file)
+    if file.arch_value("expert_shared_feed_forward_length"):
+        raise UnsupportedArchitecture("granitemoe with a shared expert (GraniteMoeShared) has no mlx-lm model")
+    if config["head_dim"] != config["hidden_size"] // config["num_attention_heads"]:
+        raise UnsupportedArchitecture("granitemoe with head_dim != hidden / heads has no mlx-lm equivalent")
+    experts = expert_config(file, width_is_ff=True)
+    config.update(num_local_experts=experts["n_expert"], num_experts_per_tok=experts["n_used"],
+                  intermediate_size=experts["width"],
+                  attention_multiplier=float(file.arch_value("attention.scale", 0) or config["head_dim"] ** -0.5),
+                  embedding_multiplier=float(file.arch_value("embedding_scale", 0) or 1.0),
+                  residual_multiplier=float(file.arch_value("residual_scale", 0) or 1.0),
+                  logits_scaling=float(file.arch_value("logit_scale", 0) or 1.0),
+                  attention_bias="blk.0.attn_q.bias" in file.tensors)
+    config.setdefault("rope_theta", 10000.0)
+    return config
+
+
 def sliding_layers(file: GGUFModelFile, n_layers: int, period: int) -> list[bool]:
     """Which layers attend through a sliding window, as llama.cpp's ``load_swa_pattern`` reads
     it: a per-layer ``attention.sliding_window_pattern`` array, else a period (the key's value or
@@ -210,6 +232,8 @@ SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", _qwen3moe, renames=(SWITCH_MLP,)),
     ArchSpec("qwen2moe", "qwen2_moe", "Qwen2MoeForCausalLM", _qwen2moe, renames=(SWITCH_MLP,)),
     ArchSpec("olmoe", "olmoe", "OlmoeForCausalLM", _olmoe, renames=(SWITCH_MLP,)),
+    ArchSpec("granitemoe", "granitemoe", "GraniteMoeForCausalLM", _granitemoe, permute_qk=True,
+             renames=((".block_sparse_moe.switch_mlp.", ".mlp.experts."),)),
     # mlx-lm's expert stacks keep the checkpoint's names (mlp.experts.*); the sinks gain ".weight".
     ArchSpec("gpt-oss", "gpt_oss", "GptOssForCausalLM", _gpt_oss,
              renames=((".self_attn.sinks", ".self_attn.sinks.weight"),)),

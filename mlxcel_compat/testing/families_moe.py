@@ -23,6 +23,8 @@ from .gguf_target import GgufTarget
 
 # mlx-lm's SwitchGLU parameters (stacked experts) under the name the converter gives its stack.
 SWITCH_MLP = (".mlp.switch_mlp.", ".mlp.experts.")
+# Granite's experts (block_sparse_moe), under gguf-py's names for stacked experts.
+GRANITE_EXPERTS = (".block_sparse_moe.switch_mlp.", ".mlp.experts.")
 # The experts' selection bias: every converter reads ``e_score_correction_bias`` as a ``.bias``.
 SCORE_BIAS = ("e_score_correction_bias", "e_score_correction.bias")
 
@@ -134,6 +136,21 @@ def _olmoe_config(size: str) -> dict[str, Any]:
                 attention_bias=False, hidden_act="silu")
 
 
+def _granitemoe_config(size: str) -> dict[str, Any]:
+    # Granite-3.1-1B-A400M: 32 experts, top-8 (softmax over the chosen logits), experts
+    # intermediate_size wide, tied embeddings, Granite's multipliers (embedding x12, residual
+    # x0.22, attention scale 1/64, logits / 6), GQA 16:8. Tiny: 16 experts, top-4.
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=32, num_local_experts=16, num_experts_per_tok=4)
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=6,
+                    intermediate_size=384, num_local_experts=32, num_experts_per_tok=8)
+    return dict(dims, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
+                logits_scaling=6.0, attention_bias=False, rms_norm_eps=1e-6, rope_theta=10000.0,
+                tie_word_embeddings=True, hidden_act="silu")
+
+
 def _expert_keys(writer: Any, config: dict[str, Any]) -> None:
     """What the converter writes for every MoE checkpoint (``TextModel``: the expert count and
     top-k) and for Qwen's (``Qwen2MoeModel``: the experts' width)."""
@@ -214,6 +231,20 @@ def _counts(writer: Any, config: dict[str, Any]) -> None:
     writer.add_expert_used_count(config["num_experts_per_tok"])
 
 
+def _granitemoe_keys(writer: Any, config: dict[str, Any]) -> None:
+    """``GraniteMoeModel`` (a ``LlamaModel``): the rotary width, Granite's multipliers as
+    ``*_scale`` keys, ``TextModel``'s expert counts; Granite writes no head_dim (key_length)."""
+    for key in ("attention.key_length", "attention.value_length"):
+        writer.kv_data[0].pop(f"{writer.arch}.{key}")
+    writer.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
+    writer.add_expert_count(config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_attention_scale(config["attention_multiplier"])
+    writer.add_embedding_scale(config["embedding_multiplier"])
+    writer.add_residual_scale(config["residual_multiplier"])
+    writer.add_logit_scale(config["logits_scaling"])
+
+
 FAMILIES: tuple[Family, ...] = (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
     Family("gpt_oss", "GptOssForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
@@ -221,6 +252,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("deepseek_v3", "DeepseekV3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
     Family("qwen2_moe", "Qwen2MoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("olmoe", "OlmoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
+    Family("granitemoe", "GraniteMoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "qwen3_moe": _qwen3_moe_config,
@@ -229,6 +261,7 @@ CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "deepseek_v3": _deepseek_v3_config,
     "qwen2_moe": _qwen2_moe_config,
     "olmoe": _olmoe_config,
+    "granitemoe": _granitemoe_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "qwen3_moe": GgufTarget("qwen3moe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,),
@@ -247,4 +280,8 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
     "qwen2_moe": GgufTarget("qwen2moe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,),
                             hparams=_qwen2_moe_keys),
     "olmoe": GgufTarget("olmoe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,), hparams=_counts),
+    # A LlamaModel: Q/K rows permuted. The checkpoint's input_linear (gate and up stacked) has no
+    # gguf-py name of its own; the converter names its halves ffn_{gate,up}_exps directly.
+    "granitemoe": GgufTarget("granitemoe", permute_qk=True, norm_shift=0.0, renames=(GRANITE_EXPERTS,),
+                             hparams=_granitemoe_keys),
 }
