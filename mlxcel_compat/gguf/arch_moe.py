@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+from gguf import GGMLQuantizationType
+
 from mlxcel_compat.gguf.arch_spec import (ArchSpec, UnsupportedArchitecture, common_config, required,
                                           rope_scaling_config)
-from mlxcel_compat.gguf.reader import GGUFModelFile
+from mlxcel_compat.gguf.reader import GGUFModelFile, read_tensor
 
 # mlx-lm's stacked experts, under the name the converter gave its stack of the checkpoint's experts.
 SWITCH_MLP = (".mlp.switch_mlp.", ".mlp.experts.")
@@ -108,6 +111,43 @@ def _granitemoe(file: GGUFModelFile) -> dict[str, Any]:
                   attention_bias="blk.0.attn_q.bias" in file.tensors)
     config.setdefault("rope_theta", 10000.0)
     return config
+
+
+def _ernie4_5_moe(file: GGUFModelFile) -> dict[str, Any]:
+    # llama.cpp's ernie4_5-moe: softmax top-k renormalised, MoE layers from
+    # leading_dense_block_count on, every interleave_moe_layer_step-th; shared experts
+    # expert_shared_feed_forward_length wide in all (mlx-lm: moe_intermediate_size x their count);
+    # GPT-J RoPE (mlx-lm's traditional). llama.cpp adds the optional selection bias exp_probs_b to
+    # the softmax scores to choose the experts, as ERNIE's own code does; mlx-lm's ernie4_5_moe
+    # drops it (its sanitize removes e_score_correction_bias), so a file whose bias is not zero
+    # would choose other experts than llama.cpp: refused.
+    if biased := [n for n in file.tensors if n.endswith("exp_probs_b.bias") and nonzero(file, n)]:
+        raise UnsupportedArchitecture(f"ernie4_5-moe with an expert selection bias ({biased[0]}, ...): mlx-lm's "
+                                      "ernie4_5_moe has no selection bias, so it would choose other experts than "
+                                      "llama.cpp")
+    config = common_config(file)
+    experts = expert_config(file)
+    n_shared = int(file.arch_value("expert_shared_count", 0))
+    shared_width = int(file.arch_value("expert_shared_feed_forward_length", 0))
+    if n_shared and shared_width != n_shared * experts["width"]:
+        raise UnsupportedArchitecture(f"ernie4_5-moe shared experts {shared_width} wide for {n_shared} of width "
+                                      f"{experts['width']}: mlx-lm's are the product")
+    config.update(moe_num_experts=experts["n_expert"], moe_k=experts["n_used"],
+                  moe_intermediate_size=experts["width"], moe_num_shared_experts=n_shared,
+                  moe_layer_start_index=int(file.arch_value("leading_dense_block_count", 0)),
+                  moe_layer_interval=int(required(file, "interleave_moe_layer_step")),
+                  moe_layer_end_index=None, moe_gate_act="softmax", moe_use_aux_free=False,
+                  use_bias="blk.0.attn_q.bias" in file.tensors)
+    config.setdefault("rope_theta", 500000.0)
+    return config
+
+
+def nonzero(file: GGUFModelFile, name: str) -> bool:
+    """Whether a small F32 tensor of the file holds any value other than zero."""
+    info = file.tensors[name]
+    if info.ggml_type != GGMLQuantizationType.F32:
+        return True
+    return bool(np.any(np.frombuffer(read_tensor(info), dtype=np.float32)))
 
 
 def sliding_layers(file: GGUFModelFile, n_layers: int, period: int) -> list[bool]:
@@ -232,6 +272,7 @@ SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", _qwen3moe, renames=(SWITCH_MLP,)),
     ArchSpec("qwen2moe", "qwen2_moe", "Qwen2MoeForCausalLM", _qwen2moe, renames=(SWITCH_MLP,)),
     ArchSpec("olmoe", "olmoe", "OlmoeForCausalLM", _olmoe, renames=(SWITCH_MLP,)),
+    ArchSpec("ernie4_5-moe", "ernie4_5_moe", "Ernie4_5_MoeForCausalLM", _ernie4_5_moe, renames=(SWITCH_MLP,)),
     ArchSpec("granitemoe", "granitemoe", "GraniteMoeForCausalLM", _granitemoe, permute_qk=True,
              renames=((".block_sparse_moe.switch_mlp.", ".mlp.experts."),)),
     # mlx-lm's expert stacks keep the checkpoint's names (mlp.experts.*); the sinks gain ".weight".

@@ -151,6 +151,23 @@ def _granitemoe_config(size: str) -> dict[str, Any]:
                 tie_word_embeddings=True, hidden_act="silu")
 
 
+def _ernie4_5_moe_config(size: str) -> dict[str, Any]:
+    # ERNIE-4.5-21B-A3B: 64 experts, top-6 (softmax, renormalised), two shared experts, the first
+    # layer dense, GQA 20:4 at head_dim 128, GPT-J RoPE, tied embeddings. Tiny: 16 experts, top-4.
+    # (Without its expert selection bias: mlx-lm's model has none; files with one are refused.)
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, intermediate_size=128, moe_num_experts=16, moe_k=4, moe_intermediate_size=32)
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
+                    head_dim=64, intermediate_size=1024, moe_num_experts=64, moe_k=6, moe_intermediate_size=128)
+    # The converter writes the shared experts' width as intermediate_size / num_key_value_heads,
+    # which is ERNIE's 2 x moe_intermediate_size; the configs keep that identity.
+    return dict(dims, moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_interval=1,
+                moe_gate_act="softmax", moe_use_aux_free=False, use_bias=False, rms_norm_eps=1e-5,
+                rope_theta=500000.0, tie_word_embeddings=True, hidden_act="silu")
+
+
 def _expert_keys(writer: Any, config: dict[str, Any]) -> None:
     """What the converter writes for every MoE checkpoint (``TextModel``: the expert count and
     top-k) and for Qwen's (``Qwen2MoeModel``: the experts' width)."""
@@ -245,6 +262,19 @@ def _granitemoe_keys(writer: Any, config: dict[str, Any]) -> None:
     writer.add_logit_scale(config["logits_scaling"])
 
 
+def _ernie4_5_moe_keys(writer: Any, config: dict[str, Any]) -> None:
+    """``Ernie4_5MoeModel``: the expert counts, the MoE layer step and the leading dense
+    layers, the experts' width, the shared experts' count and width (as the converter computes it)."""
+    c = config
+    writer.add_expert_count(c["moe_num_experts"])
+    writer.add_expert_used_count(c["moe_k"])
+    writer.add_interleave_moe_layer_step(c["moe_layer_interval"])
+    writer.add_leading_dense_block_count(c["moe_layer_start_index"])
+    writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    writer.add_expert_shared_count(c["moe_num_shared_experts"])
+    writer.add_expert_shared_feed_forward_length(c["intermediate_size"] // c["num_key_value_heads"])
+
+
 FAMILIES: tuple[Family, ...] = (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
     Family("gpt_oss", "GptOssForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
@@ -253,6 +283,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen2_moe", "Qwen2MoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("olmoe", "OlmoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("granitemoe", "GraniteMoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
+    Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "qwen3_moe": _qwen3_moe_config,
@@ -262,6 +293,7 @@ CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "qwen2_moe": _qwen2_moe_config,
     "olmoe": _olmoe_config,
     "granitemoe": _granitemoe_config,
+    "ernie4_5_moe": _ernie4_5_moe_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "qwen3_moe": GgufTarget("qwen3moe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,),
@@ -284,4 +316,6 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
     # gguf-py name of its own; the converter names its halves ffn_{gate,up}_exps directly.
     "granitemoe": GgufTarget("granitemoe", permute_qk=True, norm_shift=0.0, renames=(GRANITE_EXPERTS,),
                              hparams=_granitemoe_keys),
+    "ernie4_5_moe": GgufTarget("ernie4_5-moe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,),
+                               hparams=_ernie4_5_moe_keys),
 }

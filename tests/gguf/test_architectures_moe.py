@@ -177,6 +177,22 @@ def test_deepseek2_files_mlx_lm_cannot_serve_are_refused_by_name(tmp_path) -> No
         load_gguf(str(legacy), on_cpu=True)
 
 
+def test_ernie4_5_moe_with_a_selection_bias_is_refused_without_one_served(tmp_path) -> None:
+    """llama.cpp chooses ERNIE's experts with the optional selection bias exp_probs_b; mlx-lm's
+    ernie4_5_moe has none. A zero bias changes nothing (the same logits); any other is refused."""
+    source = tiny_model("ernie4_5_moe:f32")
+    n_expert = int(gguf.GGUFReader(source).fields["ernie4_5-moe.expert_count"].contents())
+    zero = rewritten(source, tmp_path / "zero.gguf", extra={"blk.1.exp_probs_b.bias": np.zeros(n_expert, np.float32)})
+    model, *_ = load_gguf(str(zero), on_cpu=True)
+    plain, *_ = load_gguf(str(source), on_cpu=True)
+    ids = [5, 6, 7, 8, 9]
+    assert mx.array_equal(model(mx.array([ids])), plain(mx.array([ids]))).item()
+    biased = rewritten(source, tmp_path / "biased.gguf",
+                       extra={"blk.1.exp_probs_b.bias": np.full(n_expert, 0.01, np.float32)})
+    with pytest.raises(gguf_arch.UnsupportedArchitecture, match=r"expert selection bias \(blk.1.exp_probs_b.bias"):
+        load_gguf(str(biased), on_cpu=True)
+
+
 def test_glm4moe_nextn_layers_are_left_out(tmp_path, caplog) -> None:
     """A GLM-4.5 file counts its NextN (multi-token prediction) layer in block_count and carries
     its tensors (blk.N.nextn.*, and a decoder layer's under N): the model is the first
