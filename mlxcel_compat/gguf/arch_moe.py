@@ -150,6 +150,43 @@ def nonzero(file: GGUFModelFile, name: str) -> bool:
     return bool(np.any(np.frombuffer(read_tensor(info), dtype=np.float32)))
 
 
+def _lfm2moe(file: GGUFModelFile) -> dict[str, Any]:
+    # llama.cpp's lfm2moe: LFM2's layers (attention where head_count_kv is not 0, short
+    # convolutions elsewhere), the first leading_dense_block_count dense, then sigmoid gating with
+    # the selection bias exp_probs_b, renormalised (always, as llama.cpp's build_moe_ffn is called),
+    # scaled by expert_weights_scale where present.
+    n_layers = int(required(file, "block_count"))
+    kv = file.arch_value("attention.head_count_kv")
+    kv_per_layer = kv if isinstance(kv, list) else [kv] * n_layers
+    attention = {int(k) for k in kv_per_layer if k}
+    if len(attention) != 1:
+        raise UnsupportedArchitecture(f"lfm2moe head_count_kv per layer {kv_per_layer} is not supported")
+    if gating(file, SIGMOID) != SIGMOID:
+        raise UnsupportedArchitecture("lfm2moe with softmax gating has no mlx-lm equivalent (lfm2_moe is sigmoid)")
+    experts = expert_config(file)
+    return {
+        "hidden_size": int(required(file, "embedding_length")),
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": int(required(file, "attention.head_count")),
+        "num_key_value_heads": attention.pop(),
+        "layer_types": ["full_attention" if k else "conv" for k in kv_per_layer],
+        "intermediate_size": int(required(file, "feed_forward_length")),
+        "moe_intermediate_size": experts["width"],
+        "num_experts": experts["n_expert"],
+        "num_experts_per_tok": experts["n_used"],
+        "num_dense_layers": int(file.arch_value("leading_dense_block_count", 0)),
+        "use_expert_bias": any(name.endswith("exp_probs_b.bias") for name in file.tensors),
+        "norm_topk_prob": True,
+        "routed_scaling_factor": float(file.arch_value("expert_weights_scale", 0) or 1.0),
+        "conv_L_cache": int(required(file, "shortconv.l_cache")),
+        "conv_bias": "blk.0.shortconv.in_proj.bias" in file.tensors,
+        "norm_eps": float(file.arch_value("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(file.arch_value("rope.freq_base", 1000000.0)),
+        "max_position_embeddings": int(file.arch_value("context_length", 128000)),
+        "tie_word_embeddings": True,
+    }
+
+
 def sliding_layers(file: GGUFModelFile, n_layers: int, period: int) -> list[bool]:
     """Which layers attend through a sliding window, as llama.cpp's ``load_swa_pattern`` reads
     it: a per-layer ``attention.sliding_window_pattern`` array, else a period (the key's value or
@@ -273,6 +310,9 @@ SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("qwen2moe", "qwen2_moe", "Qwen2MoeForCausalLM", _qwen2moe, renames=(SWITCH_MLP,)),
     ArchSpec("olmoe", "olmoe", "OlmoeForCausalLM", _olmoe, renames=(SWITCH_MLP,)),
     ArchSpec("ernie4_5-moe", "ernie4_5_moe", "Ernie4_5_MoeForCausalLM", _ernie4_5_moe, renames=(SWITCH_MLP,)),
+    ArchSpec("lfm2moe", "lfm2_moe", "Lfm2MoeForCausalLM", _lfm2moe,
+             renames=((".feed_forward.switch_mlp.", ".feed_forward.experts."),
+                      (".feed_forward.expert_bias", ".feed_forward.expert_bias.bias"))),
     ArchSpec("granitemoe", "granitemoe", "GraniteMoeForCausalLM", _granitemoe, permute_qk=True,
              renames=((".block_sparse_moe.switch_mlp.", ".mlp.experts."),)),
     # mlx-lm's expert stacks keep the checkpoint's names (mlp.experts.*); the sinks gain ".weight".

@@ -25,6 +25,10 @@ from .gguf_target import GgufTarget
 SWITCH_MLP = (".mlp.switch_mlp.", ".mlp.experts.")
 # Granite's experts (block_sparse_moe), under gguf-py's names for stacked experts.
 GRANITE_EXPERTS = (".block_sparse_moe.switch_mlp.", ".mlp.experts.")
+# LFM2-MoE's experts (feed_forward) and selection bias, under gguf-py's names (its dense MLPs
+# keep mlx-lm's gate/up/down_proj names, which gguf-py knows from llama4).
+LFM2_MOE_RENAMES = ((".feed_forward.switch_mlp.", ".feed_forward.experts."),
+                    (".feed_forward.expert_bias", ".feed_forward.expert_bias.bias"))
 # The experts' selection bias: every converter reads ``e_score_correction_bias`` as a ``.bias``.
 SCORE_BIAS = ("e_score_correction_bias", "e_score_correction.bias")
 
@@ -168,6 +172,25 @@ def _ernie4_5_moe_config(size: str) -> dict[str, Any]:
                 rope_theta=500000.0, tie_word_embeddings=True, hidden_act="silu")
 
 
+def _lfm2_moe_config(size: str) -> dict[str, Any]:
+    # LFM2-8B-A1B: LFM2's short convolutions with a few attention layers (q/k norms), 32 experts,
+    # top-4, sigmoid gating with a selection bias, renormalised, the first two layers dense, tied
+    # embeddings. Tiny: 4 layers (attention at 2), the first dense, 16 experts, top-2.
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=192, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=2,
+                    num_dense_layers=1)
+        attention = (2,)
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                    intermediate_size=2048, moe_intermediate_size=256, num_experts=32, num_experts_per_tok=4,
+                    num_dense_layers=2)
+        attention = (2, 6, 9)
+    layer_types = ["full_attention" if i in attention else "conv" for i in range(dims["num_hidden_layers"])]
+    return dict(dims, layer_types=layer_types, use_expert_bias=True, norm_topk_prob=True, routed_scaling_factor=1.0,
+                conv_L_cache=3, conv_bias=False, norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=True)
+
+
 def _expert_keys(writer: Any, config: dict[str, Any]) -> None:
     """What the converter writes for every MoE checkpoint (``TextModel``: the expert count and
     top-k) and for Qwen's (``Qwen2MoeModel``: the experts' width)."""
@@ -275,6 +298,18 @@ def _ernie4_5_moe_keys(writer: Any, config: dict[str, Any]) -> None:
     writer.add_expert_shared_feed_forward_length(c["intermediate_size"] // c["num_key_value_heads"])
 
 
+def _lfm2_moe_keys(writer: Any, config: dict[str, Any]) -> None:
+    """``LFM2MoeModel`` (after LFM2's keys, ``gguf_metadata.add_hparams``): the expert counts,
+    width, leading dense layers and sigmoid gating."""
+    import gguf
+
+    writer.add_expert_count(config["num_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_leading_dense_block_count(config["num_dense_layers"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+
+
 FAMILIES: tuple[Family, ...] = (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
     Family("gpt_oss", "GptOssForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
@@ -284,6 +319,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("olmoe", "OlmoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("granitemoe", "GraniteMoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
+    Family("lfm2_moe", "Lfm2MoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "qwen3_moe": _qwen3_moe_config,
@@ -294,6 +330,7 @@ CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "olmoe": _olmoe_config,
     "granitemoe": _granitemoe_config,
     "ernie4_5_moe": _ernie4_5_moe_config,
+    "lfm2_moe": _lfm2_moe_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "qwen3_moe": GgufTarget("qwen3moe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,),
@@ -318,4 +355,5 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
                              hparams=_granitemoe_keys),
     "ernie4_5_moe": GgufTarget("ernie4_5-moe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,),
                                hparams=_ernie4_5_moe_keys),
+    "lfm2_moe": GgufTarget("lfm2moe", permute_qk=False, norm_shift=0.0, renames=LFM2_MOE_RENAMES, hparams=_lfm2_moe_keys),
 }

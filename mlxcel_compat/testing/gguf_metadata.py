@@ -50,12 +50,17 @@ def add_hparams(writer: Any, family: str, config: dict[str, Any]) -> None:
     writer.add_head_count(c["num_attention_heads"])
     writer.add_rope_freq_base(c["rope_theta"])
     writer.add_vocab_size(c["vocab_size"])
-    if family == "lfm2":
-        writer.add_feed_forward_length(c["block_ff_dim"])
+    from .gguf_tensors import GGUF_TARGETS
+
+    family_keys = GGUF_TARGETS[family].hparams
+    if family in ("lfm2", "lfm2_moe"):
+        writer.add_feed_forward_length(c.get("block_ff_dim", c["intermediate_size"]))
         writer.add_head_count_kv([c["num_key_value_heads"] if t == "full_attention" else 0
                                   for t in c["layer_types"]])
         writer.add_layer_norm_rms_eps(c["norm_eps"])
         writer.add_shortconv_l_cache(c["conv_L_cache"])
+        if family_keys is not None:
+            family_keys(writer, c)
         return
     writer.add_feed_forward_length(c["intermediate_size"])
     writer.add_head_count_kv(c["num_key_value_heads"])
@@ -69,9 +74,7 @@ def add_hparams(writer: Any, family: str, config: dict[str, Any]) -> None:
         writer.add_sliding_window(c["sliding_window"])
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
         writer.add_rope_freq_base_swa(c["rope_local_base_freq"])
-    from .gguf_tensors import GGUF_TARGETS
-
-    if (family_keys := GGUF_TARGETS[family].hparams) is not None:
+    if family_keys is not None:
         family_keys(writer, c)
 
 

@@ -57,8 +57,8 @@ def init_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...],
             return np.ones(shape, dtype=np.float32)
         if leaf == "bias":
             return np.zeros(shape, dtype=np.float32)
-        if leaf == "e_score_correction_bias":
-            # DeepSeek-V3 / GLM-4.5's expert selection bias, added to sigmoid scores in (0, 1).
+        if leaf in ("e_score_correction_bias", "expert_bias"):
+            # DeepSeek-V3 / GLM-4.5 / LFM2-MoE's expert selection bias, added to sigmoid scores in (0, 1).
             return rng.random(shape, dtype=np.float32) * np.float32(0.1)
         if leaf == "sinks":
             # gpt-oss's attention sinks: one logit per head, of the scale of the scores.
