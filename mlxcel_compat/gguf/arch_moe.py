@@ -1,4 +1,4 @@
-"""Mixture-of-experts architectures: qwen3moe, qwen2moe, olmoe, granitemoe, glm4moe, ernie4_5-moe, gpt-oss, deepseek2 (MLA), lfm2moe.
+"""Mixture-of-experts architectures: qwen3moe, gpt-oss, glm4moe, deepseek2 (MLA), qwen2moe, olmoe, granitemoe, ernie4_5-moe, lfm2moe.
 
 Each row (:data:`SPECS`) names the mlx-lm model that serves the architecture; its config builder
 and the undo steps for what llama.cpp's converter changed sit beside it in this module.
@@ -7,6 +7,8 @@ What every MoE row shares: the converter stacks a layer's per-expert matrices in
 ``[n_expert, rows, cols]`` tensor (``blk.N.ffn_{gate,up,down}_exps``), which is exactly the
 weight of mlx-lm's ``SwitchGLU`` projections (``...switch_mlp.{gate,up,down}_proj``): no values
 change, only the name (``SWITCH_MLP``). The router (``ffn_gate_inp``) stays F32 in every file.
+The readers every row shares come first (experts, DeepSeek-style routing, gating, window layout),
+then the rows' config builders, most used first.
 """
 
 from __future__ import annotations
@@ -51,6 +53,51 @@ def _one(file: GGUFModelFile, key: str, values: list[Any]) -> Any:
     return values[0]
 
 
+def routed_config(file: GGUFModelFile) -> dict[str, Any]:
+    """The DeepSeek-V3-style router's settings mlx-lm names (``glm4_moe``, ``deepseek_v3``): the
+    sum of the chosen experts scaled by ``expert_weights_scale``, renormalised when
+    ``expert_weights_norm``, the groups of ``expert_group_count`` of which the best
+    ``expert_group_used_count`` are searched, the shared experts, the leading dense layers."""
+    experts = expert_config(file)
+    shared = int(file.arch_value("expert_shared_count", 0))
+    return {
+        "n_routed_experts": experts["n_expert"], "num_experts_per_tok": experts["n_used"],
+        "moe_intermediate_size": experts["width"], "n_shared_experts": shared or None,
+        "first_k_dense_replace": int(file.arch_value("leading_dense_block_count", 0)),
+        "routed_scaling_factor": float(file.arch_value("expert_weights_scale", 1.0) or 1.0),
+        "norm_topk_prob": bool(file.arch_value("expert_weights_norm", False)),
+        "n_group": int(file.arch_value("expert_group_count", 1) or 1),
+        "topk_group": int(file.arch_value("expert_group_used_count", 1) or 1),
+    }
+
+
+def gating(file: GGUFModelFile, default: int) -> int:
+    """llama.cpp's ``expert_gating_func`` (1 softmax, 2 sigmoid), the architecture's when absent."""
+    return int(file.arch_value("expert_gating_func", 0) or default)
+
+
+def sliding_layers(file: GGUFModelFile, n_layers: int, period: int) -> list[bool]:
+    """Which layers attend through a sliding window, as llama.cpp's ``load_swa_pattern`` reads
+    it: a per-layer ``attention.sliding_window_pattern`` array, else a period (the key's value or
+    the architecture's own) whose last layer is the full one."""
+    pattern = file.arch_value("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise UnsupportedArchitecture(f"{file.architecture}: sliding_window_pattern has {len(pattern)} "
+                                          f"entries for {n_layers} layers")
+        return [bool(x) for x in pattern]
+    period = int(pattern) if pattern else period
+    return [period == 0 or i % period < period - 1 for i in range(n_layers)]
+
+
+def nonzero(file: GGUFModelFile, name: str) -> bool:
+    """Whether a small F32 tensor of the file holds any value other than zero."""
+    info = file.tensors[name]
+    if info.ggml_type != GGMLQuantizationType.F32:
+        return True
+    return bool(np.any(np.frombuffer(read_tensor(info), dtype=np.float32)))
+
+
 def _qwen3moe(file: GGUFModelFile) -> dict[str, Any]:
     # llama.cpp's qwen3moe makes every layer sparse and always renormalises the top-k weights
     # (build_moe_ffn with norm_w = true): mlx-lm's decoder_sparse_step 1, norm_topk_prob.
@@ -60,6 +107,87 @@ def _qwen3moe(file: GGUFModelFile) -> dict[str, Any]:
                   moe_intermediate_size=experts["width"], decoder_sparse_step=1, mlp_only_layers=[],
                   norm_topk_prob=True)
     config.setdefault("rope_theta", 1000000.0)
+    return config
+
+
+def _gpt_oss(file: GGUFModelFile) -> dict[str, Any]:
+    # llama.cpp's openai-moe: softmax over the chosen experts' logits, biases everywhere, sinks,
+    # SwiGLU clamped with alpha 1.702 and limit 7 (mlx-lm's SwigluOAI constants), a window on
+    # every other layer (period 2, the first sliding).
+    config = common_config(file)
+    experts = expert_config(file)
+    sliding = sliding_layers(file, config["num_hidden_layers"], 2)
+    if all(sliding) or not any(sliding):
+        raise UnsupportedArchitecture(f"gpt-oss needs sliding and full layers both (pattern {sliding})")
+    config.update(num_local_experts=experts["n_expert"], num_experts_per_tok=experts["n_used"],
+                  intermediate_size=experts["width"], sliding_window=int(required(file, "attention.sliding_window")),
+                  layer_types=["sliding_attention" if s else "full_attention" for s in sliding])
+    config.setdefault("rope_theta", 150000.0)
+    return config
+
+
+def _glm4moe(file: GGUFModelFile) -> dict[str, Any]:
+    # llama.cpp's glm4moe: sigmoid scores, the selection bias exp_probs_b added for the choice only,
+    # the chosen scores renormalised if expert_weights_norm and scaled by expert_weights_scale,
+    # a shared expert, NeoX RoPE on rope.dimension_count of each head. block_count includes the
+    # NextN layers (nextn_predict_layers), which mlx-lm's model does not run.
+    config = common_config(file)
+    if gating(file, SIGMOID) != SIGMOID:
+        raise UnsupportedArchitecture("glm4moe with softmax gating has no mlx-lm equivalent (glm4_moe is sigmoid)")
+    config["num_hidden_layers"] -= int(file.arch_value("nextn_predict_layers", 0))
+    rotary = int(file.arch_value("rope.dimension_count", config["head_dim"]))
+    config.update(routed_config(file), partial_rotary_factor=rotary / config["head_dim"],
+                  use_qk_norm="blk.0.attn_q_norm.weight" in file.tensors,
+                  attention_bias="blk.0.attn_q.bias" in file.tensors,
+                  scoring_func="sigmoid", topk_method="noaux_tc", rope_scaling=config.get("rope_scaling"))
+    config.setdefault("rope_theta", 1000000.0)
+    return config
+
+
+def _deepseek2(file: GGUFModelFile) -> dict[str, Any]:
+    # llama.cpp's deepseek2 stores MLA as MQA: one KV head whose key is the latent plus the rotary
+    # key (key_length = kv_lora_rank + rope width), the real head sizes in key_length_mla /
+    # value_length_mla, kv_b split into k_b (transposed) and v_b, which are mlx-lm deepseek_v3's
+    # embed_q and unembed_out as they are. Sigmoid gating is deepseek_v3's router; softmax
+    # (DeepSeek-V2 files) has only deepseek_v2's, whose kv_b_proj is the two halves joined.
+    if gating(file, SOFTMAX) != SIGMOID:
+        raise UnsupportedArchitecture("deepseek2 with softmax gating (DeepSeek-V2 / V2-Lite) is not served yet: mlx-lm's "
+                                      "deepseek_v2 takes kv_b_proj whole, which the file holds split in two")
+    if "blk.0.attn_kv_b.weight" in file.tensors:
+        raise UnsupportedArchitecture("this deepseek2 file predates llama.cpp's MLA split of attn_kv_b into "
+                                      "attn_k_b / attn_v_b; llama.cpp asks for it to be converted again too")
+    heads = int(required(file, "attention.head_count"))
+    rope = int(required(file, "rope.dimension_count"))
+    kv_lora = int(required(file, "attention.kv_lora_rank"))
+    key_mla = int(required(file, "attention.key_length_mla"))
+    config: dict[str, Any] = {
+        "hidden_size": int(required(file, "embedding_length")),
+        "num_hidden_layers": int(required(file, "block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "intermediate_size": int(required(file, "feed_forward_length")),
+        "q_lora_rank": int(file.arch_value("attention.q_lora_rank", 0)) or None,
+        "kv_lora_rank": kv_lora,
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": key_mla - rope,
+        "v_head_dim": int(required(file, "attention.value_length_mla")),
+        "rms_norm_eps": float(file.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(file.arch_value("context_length", 4096)),
+        "rope_theta": float(file.arch_value("rope.freq_base", 10000.0)),
+        "moe_layer_freq": 1,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "attention_bias": "blk.0.attn_q_a.bias" in file.tensors,
+    }
+    config.update(routed_config(file))
+    if (scaling := rope_scaling_config(file)) is not None:
+        if scaling["type"] == "yarn":
+            # llama.cpp scales the attention by (1 + 0.1 mscale_all_dim ln factor)^2, from the
+            # converter's yarn_log_multiplier (0.1 mscale_all_dim), and leaves the rotation
+            # itself unscaled: mlx-lm's YaRN with mscale = mscale_all_dim.
+            mscale = float(file.arch_value("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+            scaling.update(mscale=mscale, mscale_all_dim=mscale)
+        config["rope_scaling"] = scaling
     return config
 
 
@@ -142,14 +270,6 @@ def _ernie4_5_moe(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
-def nonzero(file: GGUFModelFile, name: str) -> bool:
-    """Whether a small F32 tensor of the file holds any value other than zero."""
-    info = file.tensors[name]
-    if info.ggml_type != GGMLQuantizationType.F32:
-        return True
-    return bool(np.any(np.frombuffer(read_tensor(info), dtype=np.float32)))
-
-
 def _lfm2moe(file: GGUFModelFile) -> dict[str, Any]:
     # llama.cpp's lfm2moe: LFM2's layers (attention where head_count_kv is not 0, short
     # convolutions elsewhere), the first leading_dense_block_count dense, then sigmoid gating with
@@ -187,134 +307,8 @@ def _lfm2moe(file: GGUFModelFile) -> dict[str, Any]:
     }
 
 
-def sliding_layers(file: GGUFModelFile, n_layers: int, period: int) -> list[bool]:
-    """Which layers attend through a sliding window, as llama.cpp's ``load_swa_pattern`` reads
-    it: a per-layer ``attention.sliding_window_pattern`` array, else a period (the key's value or
-    the architecture's own) whose last layer is the full one."""
-    pattern = file.arch_value("attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        if len(pattern) != n_layers:
-            raise UnsupportedArchitecture(f"{file.architecture}: sliding_window_pattern has {len(pattern)} "
-                                          f"entries for {n_layers} layers")
-        return [bool(x) for x in pattern]
-    period = int(pattern) if pattern else period
-    return [period == 0 or i % period < period - 1 for i in range(n_layers)]
-
-
-def _gpt_oss(file: GGUFModelFile) -> dict[str, Any]:
-    # llama.cpp's openai-moe: softmax over the chosen experts' logits, biases everywhere, sinks,
-    # SwiGLU clamped with alpha 1.702 and limit 7 (mlx-lm's SwigluOAI constants), a window on
-    # every other layer (period 2, the first sliding).
-    config = common_config(file)
-    experts = expert_config(file)
-    sliding = sliding_layers(file, config["num_hidden_layers"], 2)
-    if all(sliding) or not any(sliding):
-        raise UnsupportedArchitecture(f"gpt-oss needs sliding and full layers both (pattern {sliding})")
-    config.update(num_local_experts=experts["n_expert"], num_experts_per_tok=experts["n_used"],
-                  intermediate_size=experts["width"], sliding_window=int(required(file, "attention.sliding_window")),
-                  layer_types=["sliding_attention" if s else "full_attention" for s in sliding])
-    config.setdefault("rope_theta", 150000.0)
-    return config
-
-
-def routed_config(file: GGUFModelFile, default_norm: bool = False) -> dict[str, Any]:
-    """The DeepSeek-V3-style router's settings mlx-lm names (``glm4_moe``, ``deepseek_v3``): the
-    sum of the chosen experts scaled by ``expert_weights_scale``, renormalised when
-    ``expert_weights_norm``, the groups of ``expert_group_count`` of which the best
-    ``expert_group_used_count`` are searched, the shared experts, the leading dense layers."""
-    experts = expert_config(file)
-    shared = int(file.arch_value("expert_shared_count", 0))
-    return {
-        "n_routed_experts": experts["n_expert"], "num_experts_per_tok": experts["n_used"],
-        "moe_intermediate_size": experts["width"], "n_shared_experts": shared or None,
-        "first_k_dense_replace": int(file.arch_value("leading_dense_block_count", 0)),
-        "routed_scaling_factor": float(file.arch_value("expert_weights_scale", 1.0) or 1.0),
-        "norm_topk_prob": bool(file.arch_value("expert_weights_norm", default_norm)),
-        "n_group": int(file.arch_value("expert_group_count", 1) or 1),
-        "topk_group": int(file.arch_value("expert_group_used_count", 1) or 1),
-    }
-
-
-def gating(file: GGUFModelFile, default: int) -> int:
-    """llama.cpp's ``expert_gating_func`` (1 softmax, 2 sigmoid), the architecture's when absent."""
-    return int(file.arch_value("expert_gating_func", 0) or default)
-
-
-def _glm4moe(file: GGUFModelFile) -> dict[str, Any]:
-    # llama.cpp's glm4moe: sigmoid scores, the selection bias exp_probs_b added for the choice only,
-    # the chosen scores renormalised if expert_weights_norm and scaled by expert_weights_scale,
-    # a shared expert, NeoX RoPE on rope.dimension_count of each head. block_count includes the
-    # NextN layers (nextn_predict_layers), which mlx-lm's model does not run.
-    config = common_config(file)
-    if gating(file, SIGMOID) != SIGMOID:
-        raise UnsupportedArchitecture("glm4moe with softmax gating has no mlx-lm equivalent (glm4_moe is sigmoid)")
-    config["num_hidden_layers"] -= int(file.arch_value("nextn_predict_layers", 0))
-    rotary = int(file.arch_value("rope.dimension_count", config["head_dim"]))
-    config.update(routed_config(file), partial_rotary_factor=rotary / config["head_dim"],
-                  use_qk_norm="blk.0.attn_q_norm.weight" in file.tensors,
-                  attention_bias="blk.0.attn_q.bias" in file.tensors,
-                  scoring_func="sigmoid", topk_method="noaux_tc", rope_scaling=config.get("rope_scaling"))
-    config.setdefault("rope_theta", 1000000.0)
-    return config
-
-
-def _deepseek2(file: GGUFModelFile) -> dict[str, Any]:
-    # llama.cpp's deepseek2 stores MLA as MQA: one KV head whose key is the latent plus the rotary
-    # key (key_length = kv_lora_rank + rope width), the real head sizes in key_length_mla /
-    # value_length_mla, kv_b split into k_b (transposed) and v_b, which are mlx-lm deepseek_v3's
-    # embed_q and unembed_out as they are. Sigmoid gating is deepseek_v3's router; softmax
-    # (DeepSeek-V2 files) has only deepseek_v2's, whose kv_b_proj is the two halves joined.
-    if gating(file, SOFTMAX) != SIGMOID:
-        raise UnsupportedArchitecture("deepseek2 with softmax gating (DeepSeek-V2 / V2-Lite) is not served yet: mlx-lm's "
-                                      "deepseek_v2 takes kv_b_proj whole, which the file holds split in two")
-    if "blk.0.attn_kv_b.weight" in file.tensors:
-        raise UnsupportedArchitecture("this deepseek2 file predates llama.cpp's MLA split of attn_kv_b into "
-                                      "attn_k_b / attn_v_b; llama.cpp asks for it to be converted again too")
-    heads = int(required(file, "attention.head_count"))
-    rope = int(required(file, "rope.dimension_count"))
-    kv_lora = int(required(file, "attention.kv_lora_rank"))
-    key_mla = int(required(file, "attention.key_length_mla"))
-    config: dict[str, Any] = {
-        "hidden_size": int(required(file, "embedding_length")),
-        "num_hidden_layers": int(required(file, "block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": heads,
-        "intermediate_size": int(required(file, "feed_forward_length")),
-        "q_lora_rank": int(file.arch_value("attention.q_lora_rank", 0)) or None,
-        "kv_lora_rank": kv_lora,
-        "qk_rope_head_dim": rope,
-        "qk_nope_head_dim": key_mla - rope,
-        "v_head_dim": int(required(file, "attention.value_length_mla")),
-        "rms_norm_eps": float(file.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": int(file.arch_value("context_length", 4096)),
-        "rope_theta": float(file.arch_value("rope.freq_base", 10000.0)),
-        "moe_layer_freq": 1,
-        "scoring_func": "sigmoid",
-        "topk_method": "noaux_tc",
-        "attention_bias": "blk.0.attn_q_a.bias" in file.tensors,
-    }
-    config.update(routed_config(file))
-    if (scaling := rope_scaling_config(file)) is not None:
-        if scaling["type"] == "yarn":
-            # llama.cpp scales the attention by (1 + 0.1 mscale_all_dim ln factor)^2, from the
-            # converter's yarn_log_multiplier (0.1 mscale_all_dim), and leaves the rotation
-            # itself unscaled: mlx-lm's YaRN with mscale = mscale_all_dim.
-            mscale = float(file.arch_value("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
-            scaling.update(mscale=mscale, mscale_all_dim=mscale)
-        config["rope_scaling"] = scaling
-    return config
-
-
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", _qwen3moe, renames=(SWITCH_MLP,)),
-    ArchSpec("qwen2moe", "qwen2_moe", "Qwen2MoeForCausalLM", _qwen2moe, renames=(SWITCH_MLP,)),
-    ArchSpec("olmoe", "olmoe", "OlmoeForCausalLM", _olmoe, renames=(SWITCH_MLP,)),
-    ArchSpec("ernie4_5-moe", "ernie4_5_moe", "Ernie4_5_MoeForCausalLM", _ernie4_5_moe, renames=(SWITCH_MLP,)),
-    ArchSpec("lfm2moe", "lfm2_moe", "Lfm2MoeForCausalLM", _lfm2moe,
-             renames=((".feed_forward.switch_mlp.", ".feed_forward.experts."),
-                      (".feed_forward.expert_bias", ".feed_forward.expert_bias.bias"))),
-    ArchSpec("granitemoe", "granitemoe", "GraniteMoeForCausalLM", _granitemoe, permute_qk=True,
-             renames=((".block_sparse_moe.switch_mlp.", ".mlp.experts."),)),
     # mlx-lm's expert stacks keep the checkpoint's names (mlp.experts.*); the sinks gain ".weight".
     ArchSpec("gpt-oss", "gpt_oss", "GptOssForCausalLM", _gpt_oss,
              renames=((".self_attn.sinks", ".self_attn.sinks.weight"),)),
@@ -322,4 +316,14 @@ SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("deepseek2", "deepseek_v3", "DeepseekV3ForCausalLM", _deepseek2,
              renames=(SWITCH_MLP, SCORE_BIAS, (".self_attn.embed_q.", ".self_attn.k_b_proj."),
                       (".self_attn.unembed_out.", ".self_attn.v_b_proj."))),
+    ArchSpec("qwen2moe", "qwen2_moe", "Qwen2MoeForCausalLM", _qwen2moe, renames=(SWITCH_MLP,)),
+    ArchSpec("olmoe", "olmoe", "OlmoeForCausalLM", _olmoe, renames=(SWITCH_MLP,)),
+    # A llama to the converter (Q/K rows permuted); its experts have no checkpoint name of their
+    # own in gguf-py (the converter splits input_linear and names the halves itself).
+    ArchSpec("granitemoe", "granitemoe", "GraniteMoeForCausalLM", _granitemoe, permute_qk=True,
+             renames=((".block_sparse_moe.switch_mlp.", ".mlp.experts."),)),
+    ArchSpec("ernie4_5-moe", "ernie4_5_moe", "Ernie4_5_MoeForCausalLM", _ernie4_5_moe, renames=(SWITCH_MLP,)),
+    ArchSpec("lfm2moe", "lfm2_moe", "Lfm2MoeForCausalLM", _lfm2moe,
+             renames=((".feed_forward.switch_mlp.", ".feed_forward.experts."),
+                      (".feed_forward.expert_bias", ".feed_forward.expert_bias.bias"))),
 )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
