@@ -10,8 +10,8 @@ those names back as the Hugging Face names gguf-py's ``TensorNameMap`` knows (th
 names, ``...mlp.experts.gate_proj``), which is how the converter names what it stacked.
 
 Tiny sizes keep each real model's structure at hidden 64 (expert count to top-k, shared experts,
-layer pattern, head layout); small sizes are for benchmarks. Expert widths are multiples of 32,
-so their rows fill whole Q8_0 / Q4_0 blocks as the real ones do.
+layer pattern, head layout); small sizes, for benchmarks, at hidden 768 with 150-250M parameters.
+Expert widths are multiples of 32, so their rows fill whole Q8_0 / Q4_0 blocks as the real ones do.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _gpt_oss_config(size: str) -> dict[str, Any]:
                     sliding_window=16)
     else:
         dims = dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=2,
-                    head_dim=64, intermediate_size=768, num_local_experts=32, num_experts_per_tok=4,
+                    head_dim=64, intermediate_size=384, num_local_experts=32, num_experts_per_tok=4,
                     sliding_window=128)
     layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(dims["num_hidden_layers"])]
     return dict(dims, layer_types=layer_types, rms_norm_eps=1e-5, rope_theta=150000.0,
@@ -121,8 +121,8 @@ def _qwen2_moe_config(size: str) -> dict[str, Any]:
                     shared_expert_intermediate_size=128)
     else:
         dims = dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=12,
-                    intermediate_size=1536, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=384,
-                    shared_expert_intermediate_size=1536)
+                    intermediate_size=768, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=192,
+                    shared_expert_intermediate_size=768)
     return dict(dims, decoder_sparse_step=1, norm_topk_prob=False, rms_norm_eps=1e-6, rope_theta=1000000.0,
                 tie_word_embeddings=False, hidden_act="silu")
 
@@ -135,7 +135,7 @@ def _olmoe_config(size: str) -> dict[str, Any]:
                     intermediate_size=32, num_experts=16, num_experts_per_tok=4)
     else:
         dims = dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=12,
-                    intermediate_size=384, num_experts=64, num_experts_per_tok=8)
+                    intermediate_size=192, num_experts=64, num_experts_per_tok=8)
     return dict(dims, norm_topk_prob=False, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
                 attention_bias=False, hidden_act="silu")
 

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .gguf_tensors import GGUF_TARGETS
+
 # llama.cpp's metadata keys for the FIM tokens (what convert_hf_to_gguf writes for Qwen2.5-Coder).
 FIM_KEYS = {"<|fim_prefix|>": "fim_pre", "<|fim_suffix|>": "fim_suf", "<|fim_middle|>": "fim_mid",
             "<|fim_pad|>": "fim_pad", "<|repo_name|>": "fim_rep", "<|file_sep|>": "fim_sep"}
@@ -50,8 +52,6 @@ def add_hparams(writer: Any, family: str, config: dict[str, Any]) -> None:
     writer.add_head_count(c["num_attention_heads"])
     writer.add_rope_freq_base(c["rope_theta"])
     writer.add_vocab_size(c["vocab_size"])
-    from .gguf_tensors import GGUF_TARGETS
-
     family_keys = GGUF_TARGETS[family].hparams
     if family in ("lfm2", "lfm2_moe"):
         writer.add_feed_forward_length(c.get("block_ff_dim", c["intermediate_size"]))

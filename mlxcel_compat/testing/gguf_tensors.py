@@ -82,10 +82,10 @@ def tensor_type(name: str, gguf_type: str, n_layers: int) -> str:
 
 def stored_type(name: str, shape: tuple[int, ...], gguf_type: str, n_layers: int = 1) -> str:
     """The type one tensor of ``shape`` is stored as in a file of ``gguf_type``, the row-length
-    fallbacks included: ``f32`` for 1-D tensors, the convolution and the MoE routers, ``f16`` for
-    rows that are not whole 32-value blocks, the K-quants' fallbacks for rows that are not whole
-    256-value blocks."""
-    if len(shape) < 2 or gguf_type == "f32" or name.endswith(F32_MATRICES):
+    fallbacks included: ``f32`` for 1-D tensors, biases (gpt-oss's experts' are 2-D), the
+    convolution and the MoE routers, ``f16`` for rows that are not whole 32-value blocks, the
+    K-quants' fallbacks for rows that are not whole 256-value blocks."""
+    if len(shape) < 2 or gguf_type == "f32" or not name.endswith(".weight") or name.endswith(F32_MATRICES):
         return "f32"
     if gguf_type == "f16" or shape[-1] % 32:
         return "f16"
