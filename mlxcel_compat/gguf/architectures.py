@@ -77,10 +77,12 @@ def checkpoint_name(spec: ArchSpec, parameter_name: str) -> str:
 
 
 def is_expert_stack(gguf_name: str) -> bool:
-    """Whether a GGUF tensor holds every expert of an MoE layer, ``[n_expert, rows, cols]``
-    (``blk.N.ffn_{gate,up,down,gate_up}_exps``): not one linear layer's weight, so the CPU's block
-    layers do not take it (the loader expands a quantized one to float for MLX's gather matmul)."""
-    return gguf_name.rsplit(".", 1)[0].endswith(EXPERT_STACK_SUFFIXES)
+    """Whether a GGUF tensor holds the weights of every expert of an MoE layer, ``[n_expert, rows,
+    cols]`` (``blk.N.ffn_{gate,up,down,gate_up}_exps.weight``): not one linear layer's weight, so
+    the CPU's block layers do not take it (the loader expands a quantized one to float for MLX's
+    gather matmul). Their biases (gpt-oss) are F32 in every file."""
+    stem, suffix = gguf_name.rsplit(".", 1)
+    return suffix == "weight" and stem.endswith(EXPERT_STACK_SUFFIXES)
 
 
 def layer_index(gguf_name: str) -> int | None:
