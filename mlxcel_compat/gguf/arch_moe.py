@@ -1,4 +1,5 @@
-"""Mixture-of-experts architectures: qwen3moe, gpt-oss, glm4moe, deepseek2 (MLA), qwen2moe, olmoe, granitemoe, ernie4_5-moe, lfm2moe.
+"""Mixture-of-experts architectures: qwen3moe, gpt-oss, glm4moe, deepseek2 (MLA), qwen2moe, olmoe,
+granitemoe, ernie4_5-moe, lfm2moe.
 
 Each row (:data:`SPECS`) names the mlx-lm model that serves the architecture; its config builder
 and the undo steps for what llama.cpp's converter changed sit beside it in this module.
@@ -151,8 +152,8 @@ def _deepseek2(file: GGUFModelFile) -> dict[str, Any]:
     # embed_q and unembed_out as they are. Sigmoid gating is deepseek_v3's router; softmax
     # (DeepSeek-V2 files) has only deepseek_v2's, whose kv_b_proj is the two halves joined.
     if gating(file, SOFTMAX) != SIGMOID:
-        raise UnsupportedArchitecture("deepseek2 with softmax gating (DeepSeek-V2 / V2-Lite) is not served yet: mlx-lm's "
-                                      "deepseek_v2 takes kv_b_proj whole, which the file holds split in two")
+        raise UnsupportedArchitecture("deepseek2 with softmax gating (DeepSeek-V2 / V2-Lite) is not served yet: "
+                                      "mlx-lm's deepseek_v2 takes kv_b_proj whole, which the file holds split in two")
     if "blk.0.attn_kv_b.weight" in file.tensors:
         raise UnsupportedArchitecture("this deepseek2 file predates llama.cpp's MLA split of attn_kv_b into "
                                       "attn_k_b / attn_v_b; llama.cpp asks for it to be converted again too")

@@ -50,8 +50,9 @@ def _qwen3_moe_config(size: str) -> dict[str, Any]:
 
 def _gpt_oss_config(size: str) -> dict[str, Any]:
     # gpt-oss-20b: 32 experts, top-4 (softmax over the chosen four), biases on every projection and
-    # expert, attention sinks, sliding (128) and full layers alternating, YaRN x32 from 4096 (here x8: the factory's 32K context), GQA
-    # 64:8 at head_dim 64 (queries wider than the hidden size). Tiny: 8 experts, top-2, window 16.
+    # expert, attention sinks, sliding (128) and full layers alternating, YaRN x32 from 4096 (here
+    # x8: the factory's 32K context), GQA 64:8 at head_dim 64 (queries wider than the hidden size).
+    # Tiny: 8 experts, top-2, window 16.
     if size == "tiny":
         dims = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                     head_dim=16, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
@@ -199,6 +200,13 @@ def _expert_keys(writer: Any, config: dict[str, Any]) -> None:
     writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
 
 
+def _drop_common_keys(writer: Any, *keys: str) -> None:
+    """Take back ``{arch}.KEY`` values ``gguf_metadata.add_hparams`` wrote for every family, where
+    this family's converter writes others or none (gguf-py's writer would warn on a rewrite)."""
+    for key in keys:
+        del writer.kv_data[0][f"{writer.arch}.{key}"]
+
+
 def _gpt_oss_keys(writer: Any, config: dict[str, Any]) -> None:
     """``GptOssModel``: the expert counts (``TextModel``), the window, the experts' width."""
     writer.add_expert_count(config["num_local_experts"])
@@ -235,8 +243,7 @@ def _deepseek_v3_keys(writer: Any, config: dict[str, Any]) -> None:
     import gguf
 
     c = config
-    for key in ("attention.head_count_kv", "attention.key_length", "attention.value_length"):
-        writer.kv_data[0].pop(f"{writer.arch}.{key}")  # the common keys' values, replaced below
+    _drop_common_keys(writer, "attention.head_count_kv", "attention.key_length", "attention.value_length")
     writer.add_head_count_kv(1)
     writer.add_key_length(c["kv_lora_rank"] + c["qk_rope_head_dim"])
     writer.add_value_length(c["kv_lora_rank"])
@@ -274,8 +281,7 @@ def _counts(writer: Any, config: dict[str, Any]) -> None:
 def _granitemoe_keys(writer: Any, config: dict[str, Any]) -> None:
     """``GraniteMoeModel`` (a ``LlamaModel``): the rotary width, Granite's multipliers as
     ``*_scale`` keys, ``TextModel``'s expert counts; Granite writes no head_dim (key_length)."""
-    for key in ("attention.key_length", "attention.value_length"):
-        writer.kv_data[0].pop(f"{writer.arch}.{key}")
+    _drop_common_keys(writer, "attention.key_length", "attention.value_length")
     writer.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
     writer.add_expert_count(config["num_local_experts"])
     writer.add_expert_used_count(config["num_experts_per_tok"])
@@ -355,5 +361,6 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
                              hparams=_granitemoe_keys),
     "ernie4_5_moe": GgufTarget("ernie4_5-moe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,),
                                hparams=_ernie4_5_moe_keys),
-    "lfm2_moe": GgufTarget("lfm2moe", permute_qk=False, norm_shift=0.0, renames=LFM2_MOE_RENAMES, hparams=_lfm2_moe_keys),
+    "lfm2_moe": GgufTarget("lfm2moe", permute_qk=False, norm_shift=0.0, renames=LFM2_MOE_RENAMES,
+                           hparams=_lfm2_moe_keys),
 }
