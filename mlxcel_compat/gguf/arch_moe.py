@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from mlxcel_compat.gguf.arch_spec import (ArchSpec, UnsupportedArchitecture, common_config, required,
+from mlxcel_compat.gguf.arch_spec import (ArchSpec, Join, UnsupportedArchitecture, common_config, required,
                                           rope_scaling_config)
 from mlxcel_compat.gguf.reader import GGUFModelFile, read_tensor
 
@@ -149,11 +149,47 @@ def _deepseek2(file: GGUFModelFile) -> dict[str, Any]:
     # llama.cpp's deepseek2 stores MLA as MQA: one KV head whose key is the latent plus the rotary
     # key (key_length = kv_lora_rank + rope width), the real head sizes in key_length_mla /
     # value_length_mla, kv_b split into k_b (transposed) and v_b, which are mlx-lm deepseek_v3's
-    # embed_q and unembed_out as they are. Sigmoid gating is deepseek_v3's router; softmax
-    # (DeepSeek-V2 files) has only deepseek_v2's, whose kv_b_proj is the two halves joined.
-    if gating(file, SOFTMAX) != SIGMOID:
-        raise UnsupportedArchitecture("deepseek2 with softmax gating (DeepSeek-V2 / V2-Lite) is not served yet: "
-                                      "mlx-lm's deepseek_v2 takes kv_b_proj whole, which the file holds split in two")
+    # embed_q and unembed_out as they are. Sigmoid gating is deepseek_v3's router (this row);
+    # softmax (DeepSeek-V2 files) is deepseek_v2's (_deepseek2_v2).
+    config = _mla_config(file)
+    config.update(scoring_func="sigmoid", topk_method="noaux_tc")
+    return config
+
+
+def _deepseek2_v2(file: GGUFModelFile) -> dict[str, Any]:
+    # DeepSeek-V2 / V2-Lite / Coder-V2-Lite: softmax over all experts, top-k, scaled by
+    # expert_weights_scale and never renormalised (mlx-lm's deepseek_v2 has no normalisation, and
+    # these models set none); its kv_b_proj is the converter's k_b (transposed back) and v_b
+    # joined head by head (KV_B). Groups are refused: llama.cpp ranks a group by its top two
+    # scores (DeepSeek-V3's rule), mlx-lm's group_limited_greedy by its best one (V2's).
+    config = _mla_config(file)
+    if config["norm_topk_prob"]:
+        raise UnsupportedArchitecture("deepseek2 with softmax gating and expert_weights_norm has no mlx-lm "
+                                      "equivalent (deepseek_v2 never renormalises)")
+    if config["n_group"] > 1:
+        raise UnsupportedArchitecture(f"deepseek2 with softmax gating and {config['n_group']} expert groups: "
+                                      "llama.cpp ranks groups by their top two scores, mlx-lm's deepseek_v2 by "
+                                      "their best one")
+    config.update(topk_method="greedy", n_group=None, topk_group=None)
+    # mlx-lm's deepseek_v2 builds YaRN RoPE whatever the file says: factor 1 is plain RoPE.
+    config.setdefault("rope_scaling", {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096})
+    return config
+
+
+def _kv_b(parts: list[Any], config: dict[str, Any]) -> Any:
+    """MLA's kv_b_proj from the converter's halves: per head the key rows (k_b, stored
+    [heads, kv_lora_rank, nope], transposed back) then the value rows (v_b, [heads, v, kv_lora_rank])."""
+    import mlx.core as mx
+
+    k_b, v_b = parts
+    return mx.concatenate([k_b.swapaxes(1, 2), v_b], axis=1).reshape(-1, config["kv_lora_rank"])
+
+
+KV_B = Join(".self_attn.kv_b_proj.weight", ("attn_k_b.weight", "attn_v_b.weight"), _kv_b)
+
+
+def _mla_config(file: GGUFModelFile) -> dict[str, Any]:
+    """DeepSeek's MLA attention and router, read from the MQA form llama.cpp's converter writes."""
     if "blk.0.attn_kv_b.weight" in file.tensors:
         raise UnsupportedArchitecture("this deepseek2 file predates llama.cpp's MLA split of attn_kv_b into "
                                       "attn_k_b / attn_v_b; llama.cpp asks for it to be converted again too")
@@ -176,8 +212,6 @@ def _deepseek2(file: GGUFModelFile) -> dict[str, Any]:
         "max_position_embeddings": int(file.arch_value("context_length", 4096)),
         "rope_theta": float(file.arch_value("rope.freq_base", 10000.0)),
         "moe_layer_freq": 1,
-        "scoring_func": "sigmoid",
-        "topk_method": "noaux_tc",
         "attention_bias": "blk.0.attn_q_a.bias" in file.tensors,
     }
     config.update(routed_config(file))
@@ -308,6 +342,14 @@ def _lfm2moe(file: GGUFModelFile) -> dict[str, Any]:
     }
 
 
+def _deepseek2_variant(file: GGUFModelFile) -> ArchSpec | None:
+    """A softmax-gated deepseek2 file (llama.cpp's default for files without the key) is DeepSeek-V2's."""
+    return DEEPSEEK_V2 if gating(file, SOFTMAX) == SOFTMAX else None
+
+
+DEEPSEEK_V2 = ArchSpec("deepseek2", "deepseek_v2", "DeepseekV2ForCausalLM", _deepseek2_v2, renames=(SWITCH_MLP,),
+                       joins=(KV_B,))
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", _qwen3moe, renames=(SWITCH_MLP,)),
     # mlx-lm's expert stacks keep the checkpoint's names (mlp.experts.*); the sinks gain ".weight".
@@ -316,7 +358,7 @@ SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("glm4moe", "glm4_moe", "Glm4MoeForCausalLM", _glm4moe, renames=(SWITCH_MLP, SCORE_BIAS)),
     ArchSpec("deepseek2", "deepseek_v3", "DeepseekV3ForCausalLM", _deepseek2,
              renames=(SWITCH_MLP, SCORE_BIAS, (".self_attn.embed_q.", ".self_attn.k_b_proj."),
-                      (".self_attn.unembed_out.", ".self_attn.v_b_proj."))),
+                      (".self_attn.unembed_out.", ".self_attn.v_b_proj.")), variant=_deepseek2_variant),
     ArchSpec("qwen2moe", "qwen2_moe", "Qwen2MoeForCausalLM", _qwen2moe, renames=(SWITCH_MLP,)),
     ArchSpec("olmoe", "olmoe", "OlmoeForCausalLM", _olmoe, renames=(SWITCH_MLP,)),
     # A llama to the converter (Q/K rows permuted); its experts have no checkpoint name of their

@@ -13,12 +13,13 @@ Any other architecture is refused at start-up with the list of supported ones.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
 
 from mlxcel_compat.gguf import arch_core, arch_dense, arch_hybrid, arch_moe
-from mlxcel_compat.gguf.arch_spec import ArchSpec, UnsupportedArchitecture
+from mlxcel_compat.gguf.arch_spec import ArchSpec, Join, UnsupportedArchitecture
 from mlxcel_compat.gguf.reader import GGUFModelFile
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -36,6 +37,8 @@ def arch_spec(file: GGUFModelFile) -> ArchSpec:
             f"GGUF architecture '{file.architecture}' is not supported by mlxcel_compat "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    if spec.variant is not None and (variant := spec.variant(file)) is not None:
+        return variant
     return spec
 
 
@@ -61,11 +64,24 @@ def gguf_names(spec: ArchSpec, parameter_names: list[str], n_layers: int) -> dic
     table = gguf.get_tensor_name_map(arch, n_layers)
     mapping: dict[str, str] = {}
     for name in parameter_names:
+        if any(name.endswith(join.parameter) for join in spec.joins):
+            continue  # read from its parts (joined_parameters)
         gguf_name = table.get_name(checkpoint_name(spec, name), try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise UnsupportedArchitecture(f"{spec.gguf_arch}: no GGUF tensor corresponds to mlx-lm's '{name}'")
         mapping[gguf_name] = name
     return mapping
+
+
+def joined_parameters(spec: ArchSpec, parameter_names: list[str]) -> dict[str, tuple[Join, tuple[str, ...]]]:
+    """mlx-lm parameter name -> (its :class:`Join`, the GGUF tensors it is joined from), for the
+    parameters the converter split (``ArchSpec.joins``); each is a layer's (``model.layers.N.``)."""
+    joined: dict[str, tuple[Join, tuple[str, ...]]] = {}
+    for name in parameter_names:
+        for join in spec.joins:
+            if name.endswith(join.parameter) and (layer := re.search(r"\.layers\.(\d+)\.", name)):
+                joined[name] = (join, tuple(f"blk.{layer.group(1)}.{part}" for part in join.parts))
+    return joined
 
 
 def checkpoint_name(spec: ArchSpec, parameter_name: str) -> str:

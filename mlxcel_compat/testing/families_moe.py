@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 from .family import Family
 from .gguf_target import GgufTarget
 
@@ -192,6 +194,34 @@ def _lfm2_moe_config(size: str) -> dict[str, Any]:
                 conv_L_cache=3, conv_bias=False, norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=True)
 
 
+def _deepseek_v2_config(size: str) -> dict[str, Any]:
+    # DeepSeek-V2 (and V2-Lite, Coder-V2-Lite): MLA as in V3 with kv_b_proj whole, softmax gating
+    # over all experts, top-6, not renormalised, scaled (V2: x16), two shared experts, the first
+    # layer dense, YaRN x40 with mscale 0.707. Tiny: 16 experts, top-4, no groups (llama.cpp
+    # ranks groups by V3's rule), with V2's query LoRA: llama.cpp takes a model without one only
+    # at V2-Lite's depths (26 or 27 layers).
+    config = _deepseek_v3_config(size)
+    for key in ("scoring_func", "norm_topk_prob", "n_group", "topk_group"):
+        del config[key]
+    config.update(topk_method="greedy", n_shared_experts=2, routed_scaling_factor=2.0,
+                  rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096,
+                                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})
+    if size == "small":
+        config.update(n_routed_experts=64, num_experts_per_tok=6)
+    return config
+
+
+def _split_kv_b(name: str, data: Any, config: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``DeepseekV2Model.modify_tensors``: MLA's kv_b_proj split per head into the key rows,
+    transposed ([heads, kv_lora_rank, nope]: ``k_b_proj``), and the value rows (``v_b_proj``)."""
+    if not name.endswith(".self_attn.kv_b_proj.weight"):
+        return [(name, data)]
+    nope, heads = config["qk_nope_head_dim"], config["num_attention_heads"]
+    kv_b = data.reshape(heads, nope + config["v_head_dim"], data.shape[-1])
+    return [(name.replace("kv_b_proj", "k_b_proj"), np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1))),
+            (name.replace("kv_b_proj", "v_b_proj"), np.ascontiguousarray(kv_b[:, nope:]))]
+
+
 def _expert_keys(writer: Any, config: dict[str, Any]) -> None:
     """What the converter writes for every MoE checkpoint (``TextModel``: the expert count and
     top-k) and for Qwen's (``Qwen2MoeModel``: the experts' width)."""
@@ -235,11 +265,12 @@ def _glm4_moe_keys(writer: Any, config: dict[str, Any]) -> None:
     writer.add_nextn_predict_layers(config["num_nextn_predict_layers"])
 
 
-def _deepseek_v3_keys(writer: Any, config: dict[str, Any]) -> None:
-    """``DeepseekV2Model``: MLA as MQA with one KV head whose key is the latent and the rotary key
-    (``key_length``, ``value_length``; the real head sizes as ``*_mla``), the LoRA ranks, the
-    experts, the gating and routed scale, the rotary width, YaRN's attention factor as
-    ``yarn_log_multiplier`` (0.1 x mscale_all_dim); ``TextModel``'s top-k and groups."""
+def _deepseek_keys(writer: Any, config: dict[str, Any]) -> None:
+    """``DeepseekV2Model`` (V2 and V3): MLA as MQA with one KV head whose key is the latent and
+    the rotary key (``key_length``, ``value_length``; the real head sizes as ``*_mla``), the LoRA
+    ranks, the experts, the gating (``scoring_func``: sigmoid for V3, none written for V2) and
+    routed scale, the rotary width, YaRN's attention factor as ``yarn_log_multiplier`` (0.1 x
+    mscale_all_dim); ``TextModel``'s top-k and groups (V3's)."""
     import gguf
 
     c = config
@@ -254,13 +285,15 @@ def _deepseek_v3_keys(writer: Any, config: dict[str, Any]) -> None:
     writer.add_leading_dense_block_count(c["first_k_dense_replace"])
     writer.add_expert_count(c["n_routed_experts"])
     writer.add_expert_used_count(c["num_experts_per_tok"])
-    writer.add_expert_group_count(c["n_group"])
-    writer.add_expert_group_used_count(c["topk_group"])
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if "n_group" in c:
+        writer.add_expert_group_count(c["n_group"])
+        writer.add_expert_group_used_count(c["topk_group"])
+    if c.get("scoring_func") == "sigmoid":
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
     writer.add_expert_shared_count(c["n_shared_experts"])
     writer.add_expert_weights_scale(c["routed_scaling_factor"])
-    if c["norm_topk_prob"]:
+    if c.get("norm_topk_prob"):
         writer.add_expert_weights_norm(True)
     writer.add_rope_dimension_count(c["qk_rope_head_dim"])
     writer.add_rope_scaling_yarn_log_mul(0.1 * c["rope_scaling"]["mscale_all_dim"])
@@ -321,6 +354,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("gpt_oss", "GptOssForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("glm4_moe", "Glm4MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
+    Family("deepseek_v2", "DeepseekV2ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
     Family("qwen2_moe", "Qwen2MoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("olmoe", "OlmoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("granitemoe", "GraniteMoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
@@ -332,6 +366,7 @@ CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "gpt_oss": _gpt_oss_config,
     "glm4_moe": _glm4_moe_config,
     "deepseek_v3": _deepseek_v3_config,
+    "deepseek_v2": _deepseek_v2_config,
     "qwen2_moe": _qwen2_moe_config,
     "olmoe": _olmoe_config,
     "granitemoe": _granitemoe_config,
@@ -351,7 +386,9 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
     "deepseek_v3": GgufTarget("deepseek2", permute_qk=False, norm_shift=0.0,
                               renames=(SWITCH_MLP, SCORE_BIAS, (".self_attn.embed_q.", ".self_attn.k_b_proj."),
                                        (".self_attn.unembed_out.", ".self_attn.v_b_proj.")),
-                              hparams=_deepseek_v3_keys),
+                              hparams=_deepseek_keys),
+    "deepseek_v2": GgufTarget("deepseek2", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,),
+                              hparams=_deepseek_keys, split=_split_kv_b),
     "qwen2_moe": GgufTarget("qwen2moe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,),
                             hparams=_qwen2_moe_keys),
     "olmoe": GgufTarget("olmoe", permute_qk=False, norm_shift=0.0, renames=(SWITCH_MLP,), hparams=_counts),

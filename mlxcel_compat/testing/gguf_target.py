@@ -24,3 +24,6 @@ class GgufTarget:
     renames: tuple[tuple[str, str], ...] = ()
     # The family's own ``{arch}.*`` keys (expert counts, gating), written after the common ones.
     hparams: Callable[[Any, dict[str, Any]], None] | None = None
+    # The converter's own split of a tensor: (name, float32 array, config) -> [(name, array), ...]
+    # under names it then maps (DeepSeek-V2's kv_b_proj into k_b_proj and v_b_proj).
+    split: Callable[[str, Any, dict[str, Any]], list[tuple[str, Any]]] | None = None

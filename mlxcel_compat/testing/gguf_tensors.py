@@ -125,6 +125,9 @@ def converted_tensors(family: str, config: dict[str, Any], weights: dict[str, An
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == target.arch)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     out: dict[str, np.ndarray] = {}
+    if target.split is not None:  # the converter's own splits of a tensor (DeepSeek-V2's kv_b_proj)
+        weights = {piece: data for name in weights
+                   for piece, data in target.split(name, np.array(weights[name], dtype=np.float32), config)}
     for hf_name in sorted(weights):
         data = np.array(weights[hf_name], dtype=np.float32)
         checkpoint_name = hf_name

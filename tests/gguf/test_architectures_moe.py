@@ -87,7 +87,9 @@ def test_f32_gguf_is_the_directory_model(family: str) -> None:
     model, tokenizer, config, summary = load_gguf(str(tiny_model(f"{family}:f32")), on_cpu=True)
     assert summary.architecture == GGUF_TARGETS[family].arch
     assert config["model_type"] == hf_model.args.model_type
-    assert summary.precision == {"float32": len(open_gguf(tiny_model(f"{family}:f32")).tensors)}
+    n_tensors = len(open_gguf(tiny_model(f"{family}:f32")).tensors)
+    joined = summary.precision.pop("float32 (joined from 2 tensors)", 0)  # DeepSeek-V2's kv_b_proj
+    assert summary.precision == {"float32": n_tensors - 2 * joined}
 
     for text in TEXTS:
         for special in (True, False):
@@ -114,11 +116,19 @@ def test_q8_0_gguf_keeps_matrices_in_blocks_and_expands_the_experts(family: str)
 
     expanded, *_ = load_gguf(str(path), on_cpu=True, blocks=False)
     hf_model, hf_tok = directory(family)
-    names = {m: g for g, m in gguf_arch.gguf_names(gguf_arch.ARCHITECTURES[summary.architecture],
-                                                   [n for n, _ in tree_flatten(hf_model.parameters())],
-                                                   config["num_hidden_layers"]).items()}
+    spec, params = gguf_arch.arch_spec(file), tree_flatten(hf_model.parameters())
+    names = {m: g for g, m in gguf_arch.gguf_names(spec, [n for n, _ in params], config["num_hidden_layers"]).items()}
+    joins = gguf_arch.joined_parameters(spec, [n for n, _ in params])
+
+    def as_stored(name: str, weight: mx.array) -> mx.array:
+        if name not in joins:
+            return round_trip(weight, names[name])
+        join, parts = joins[name]  # split as the converter splits it, each part through Q8_0
+        pieces = GGUF_TARGETS[family].split(name, np.array(weight), config)
+        return join.join([round_trip(mx.array(data), part) for (_, data), part in zip(pieces, parts)], config)
+
     reference, _ = load(str(tiny_model(family)))
-    reference.load_weights([(n, round_trip(w, names[n])) for n, w in tree_flatten(hf_model.parameters())])
+    reference.load_weights([(n, as_stored(n, w)) for n, w in params])
     ids = hf_tok.encode(PROMPT)
     want = reference(mx.array([ids]))
     assert mx.abs(expanded(mx.array([ids])) - want).max().item() <= 1e-4
@@ -149,8 +159,9 @@ def test_engine_generates_the_directory_greedy_tokens(family: str) -> None:
 
 
 def rewritten(source: Any, target: Any, keys: dict[str, Any] | None = None,
-              extra: dict[str, np.ndarray] | None = None) -> Any:
-    """A copy of a GGUF with some ``{arch}.*`` keys replaced (same value type) and tensors added."""
+              extra: dict[str, np.ndarray] | None = None, extra_keys: dict[str, bool] | None = None) -> Any:
+    """A copy of a GGUF with some ``{arch}.*`` keys replaced (same value type), boolean keys
+    added (``extra_keys``) and tensors added."""
     reader = gguf.GGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(target), arch)
@@ -159,6 +170,8 @@ def rewritten(source: Any, target: Any, keys: dict[str, Any] | None = None,
             sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
             value = (keys or {}).get(key.removeprefix(f"{arch}."), field.contents())
             writer.add_key_value(key, value, field.types[0], sub_type=sub)
+    for key, flag in (extra_keys or {}).items():
+        writer.add_bool(f"{arch}.{key}", flag)
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
     for name, data in (extra or {}).items():
@@ -170,14 +183,23 @@ def rewritten(source: Any, target: Any, keys: dict[str, Any] | None = None,
     return target
 
 
-def test_deepseek2_files_mlx_lm_cannot_serve_are_refused_by_name(tmp_path) -> None:
-    """DeepSeek-V2's softmax router is only in mlx-lm's deepseek_v2, which takes MLA's kv_b whole;
-    files converted before llama.cpp split kv_b are refused as llama.cpp refuses them."""
-    source = tiny_model("deepseek_v3:f32")
-    softmax = rewritten(source, tmp_path / "v2.gguf", keys={"expert_gating_func": 1})
-    with pytest.raises(gguf_arch.UnsupportedArchitecture, match=r"deepseek2 with softmax gating \(DeepSeek-V2"):
-        load_gguf(str(softmax), on_cpu=True)
-    legacy = rewritten(source, tmp_path / "legacy.gguf",
+def test_deepseek2_files_are_served_by_their_router_or_refused_by_name(tmp_path) -> None:
+    """A deepseek2 file is DeepSeek-V3's (sigmoid router: mlx-lm's deepseek_v3) or V2's (softmax:
+    deepseek_v2, MLA's kv_b joined back from the converter's halves). A V2 router mlx-lm's class
+    would run otherwise than llama.cpp (renormalised, or in groups, which llama.cpp ranks by V3's
+    rule), and files from before llama.cpp split kv_b, are refused with the reason."""
+    v3, v2 = tiny_model("deepseek_v3:f32"), tiny_model("deepseek_v2:f32")
+    assert load_gguf(str(v3), on_cpu=True)[2]["model_type"] == "deepseek_v3"
+    model, _, config, summary = load_gguf(str(v2), on_cpu=True)
+    assert config["model_type"] == "deepseek_v2" and "expert_gating_func" not in str(gguf.GGUFReader(v2).fields)
+    assert summary.precision["float32 (joined from 2 tensors)"] == config["num_hidden_layers"]
+    normalised = rewritten(v2, tmp_path / "norm.gguf", extra_keys={"expert_weights_norm": True})
+    with pytest.raises(gguf_arch.UnsupportedArchitecture, match="expert_weights_norm has no mlx-lm equivalent"):
+        load_gguf(str(normalised), on_cpu=True)
+    grouped = rewritten(v3, tmp_path / "groups.gguf", keys={"expert_gating_func": 1, "expert_weights_norm": False})
+    with pytest.raises(gguf_arch.UnsupportedArchitecture, match="4 expert groups: llama.cpp ranks groups"):
+        load_gguf(str(grouped), on_cpu=True)
+    legacy = rewritten(v3, tmp_path / "legacy.gguf",
                        extra={"blk.0.attn_kv_b.weight": np.zeros((4 * 64, 64), np.float32)})
     with pytest.raises(gguf_arch.UnsupportedArchitecture, match="predates llama.cpp's MLA split"):
         load_gguf(str(legacy), on_cpu=True)
