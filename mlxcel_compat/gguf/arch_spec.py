@@ -20,6 +20,15 @@ class UnsupportedArchitecture(ValueError):
 
 
 @dataclass(frozen=True)
+class Join:
+    """An mlx-lm parameter llama.cpp's converter wrote as several tensors of its layer."""
+
+    parameter: str  # how the mlx-lm parameter's name ends, e.g. ".self_attn.kv_b_proj.weight"
+    parts: tuple[str, ...]  # its layer's GGUF tensors, e.g. ("attn_k_b.weight", "attn_v_b.weight")
+    join: Callable[[list[Any], dict[str, Any]], Any]  # (the parts as MLX arrays, the config) -> the parameter
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     gguf_arch: str  # general.architecture
     model_type: str  # mlx-lm's model_type
@@ -27,6 +36,14 @@ class ArchSpec:
     build_config: Callable[[GGUFModelFile], dict[str, Any]]
     permute_qk: bool = False
     norm_shift: float = 0.0  # the converter added this to every *norm.weight
+    # (mlx-lm name fragment, Hugging Face fragment): mlx-lm's ``sanitize`` renamed the checkpoint's
+    # tensors, so a parameter is looked up in gguf-py's ``TensorNameMap`` under the name the
+    # converter read (``.mlp.switch_mlp.`` -> ``.mlp.experts.``: a stack of experts, ``ffn_*_exps``).
+    renames: tuple[tuple[str, str], ...] = ()
+    joins: tuple[Join, ...] = ()  # parameters the converter split into several tensors
+    # Another row for some files of this architecture (a DeepSeek-V2 deepseek2 file is served by
+    # mlx-lm's deepseek_v2, a V3 one by deepseek_v3), or None to keep this one.
+    variant: Callable[[GGUFModelFile], ArchSpec | None] | None = None
 
 
 def uniform(file: GGUFModelFile, key: str, default: Any = None) -> Any:

@@ -13,18 +13,21 @@ Any other architecture is refused at start-up with the list of supported ones.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
 
 from mlxcel_compat.gguf import arch_core, arch_dense, arch_hybrid, arch_moe
-from mlxcel_compat.gguf.arch_spec import ArchSpec, UnsupportedArchitecture
+from mlxcel_compat.gguf.arch_spec import ArchSpec, Join, UnsupportedArchitecture
 from mlxcel_compat.gguf.reader import GGUFModelFile
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     spec.gguf_arch: spec for spec in (*arch_core.SPECS, *arch_dense.SPECS, *arch_moe.SPECS, *arch_hybrid.SPECS)
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
+# gguf-py's names of the stacked expert tensors (MODEL_TENSOR.FFN_*_EXP), as a GGUF name ends.
+EXPERT_STACK_SUFFIXES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps")
 
 
 def arch_spec(file: GGUFModelFile) -> ArchSpec:
@@ -34,6 +37,8 @@ def arch_spec(file: GGUFModelFile) -> ArchSpec:
             f"GGUF architecture '{file.architecture}' is not supported by mlxcel_compat "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    if spec.variant is not None and (variant := spec.variant(file)) is not None:
+        return variant
     return spec
 
 
@@ -59,11 +64,47 @@ def gguf_names(spec: ArchSpec, parameter_names: list[str], n_layers: int) -> dic
     table = gguf.get_tensor_name_map(arch, n_layers)
     mapping: dict[str, str] = {}
     for name in parameter_names:
-        gguf_name = table.get_name(name, try_suffixes=(".weight", ".bias"))
+        if any(name.endswith(join.parameter) for join in spec.joins):
+            continue  # read from its parts (joined_parameters)
+        gguf_name = table.get_name(checkpoint_name(spec, name), try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise UnsupportedArchitecture(f"{spec.gguf_arch}: no GGUF tensor corresponds to mlx-lm's '{name}'")
         mapping[gguf_name] = name
     return mapping
+
+
+def joined_parameters(spec: ArchSpec, parameter_names: list[str]) -> dict[str, tuple[Join, tuple[str, ...]]]:
+    """mlx-lm parameter name -> (its :class:`Join`, the GGUF tensors it is joined from), for the
+    parameters the converter split (``ArchSpec.joins``); each is a layer's (``model.layers.N.``)."""
+    joined: dict[str, tuple[Join, tuple[str, ...]]] = {}
+    for name in parameter_names:
+        for join in spec.joins:
+            if name.endswith(join.parameter) and (layer := re.search(r"\.layers\.(\d+)\.", name)):
+                joined[name] = (join, tuple(f"blk.{layer.group(1)}.{part}" for part in join.parts))
+    return joined
+
+
+def checkpoint_name(spec: ArchSpec, parameter_name: str) -> str:
+    """The Hugging Face checkpoint's name of an mlx-lm parameter: the name llama.cpp's converter
+    mapped to a GGUF tensor (the row's ``renames`` undo mlx-lm's ``sanitize``)."""
+    for mlx_part, checkpoint_part in spec.renames:
+        parameter_name = parameter_name.replace(mlx_part, checkpoint_part)
+    return parameter_name
+
+
+def is_expert_stack(gguf_name: str) -> bool:
+    """Whether a GGUF tensor holds the weights of every expert of an MoE layer, ``[n_expert, rows,
+    cols]`` (``blk.N.ffn_{gate,up,down,gate_up}_exps.weight``): not one linear layer's weight, so
+    the CPU's block layers do not take it (the loader expands a quantized one to float for MLX's
+    gather matmul). Their biases (gpt-oss) are F32 in every file."""
+    stem, suffix = gguf_name.rsplit(".", 1)
+    return suffix == "weight" and stem.endswith(EXPERT_STACK_SUFFIXES)
+
+
+def layer_index(gguf_name: str) -> int | None:
+    """N of a ``blk.N.*`` tensor, else None."""
+    parts = gguf_name.split(".")
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "blk" and parts[1].isdecimal() else None
 
 
 def unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:

@@ -67,6 +67,9 @@ class GGUFSummary:
     prompt_products: dict[str, int] = field(default_factory=dict)  # -> how many take ggml's mul_mat for prompts
     blocks_unavailable: str = ""  # on the CPU: why quantized weights were expanded to float32
     affine_fallbacks: list[str] = field(default_factory=list)  # tensors whose affine scales overflow the dtype
+    # Quantized expert stacks (gguf_arch.is_expert_stack) expanded to float for MLX's gather
+    # matmul, by type: correct, not fast; the CPU runtime does not take experts from blocks yet.
+    expanded_experts: dict[str, int] = field(default_factory=dict)
 
 
 def _layer_kind(model: Any, mlx_name: str, shape: tuple[int, ...]) -> str:
@@ -168,6 +171,30 @@ def _blocks(info: TensorInfo, mapped: np.ndarray, mlx_name: str, spec: gguf_arch
     return block_weight.BlockWeight(data, info.ggml_type, n, k, lib, rows=rows)
 
 
+def _joined(file: GGUFModelFile, joins: dict[str, tuple[Any, tuple[str, ...]]], spec: gguf_arch.ArchSpec,
+            config: dict[str, Any], dtype: str, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, Any]]:
+    """The parameters the converter split into several tensors (``ArchSpec.joins``): each part
+    read as ``dtype`` floats, then joined by the row's function, one parameter at a time."""
+    import mlx.core as mx
+
+    out = []
+    for mlx_name, (join, part_names) in joins.items():
+        arrays = []
+        for name in part_names:
+            info = file.tensors[name]
+            if info.ggml_type in FLOAT_TYPES:
+                arrays.append(load_float_tensor(info, mlx_name, spec, config, dtype, info.shape))
+            else:
+                arrays.append(decode_tensor(info, read_tensor(info), mlx_name, spec, config, dtype, info.shape))
+        array = join.join(arrays, config)
+        if tuple(array.shape) != shapes[mlx_name]:
+            raise ValueError(f"tensors {', '.join(part_names)} join into {tuple(array.shape)}; the model expects "
+                             f"{shapes[mlx_name]} for {mlx_name}")
+        mx.eval(array)
+        out.append((mlx_name, array))
+    return out
+
+
 def _install_rope_freqs(model: Any, file: GGUFModelFile, config: dict[str, Any]) -> None:
     """Llama 3 files carry the RoPE frequency factors as a tensor (``rope_freqs.weight``)."""
     import mlx.core as mx
@@ -230,10 +257,18 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     model = _build_model(config, file)
     shapes = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
     names = gguf_arch.gguf_names(spec, list(shapes), config["num_hidden_layers"])
-    missing = sorted(set(names) - set(file.tensors))
+    joins = gguf_arch.joined_parameters(spec, list(shapes))
+    parts = {g for _, tensors in joins.values() for g in tensors}
+    missing = sorted((set(names) | parts) - set(file.tensors))
     if missing:
         raise ValueError(f"'{file.path}' lacks tensors the {spec.gguf_arch} model needs: {', '.join(missing[:8])}")
-    ignored = sorted(set(file.tensors) - set(names) - {"rope_freqs.weight"})
+    ignored = sorted(set(file.tensors) - set(names) - parts - {"rope_freqs.weight"})
+    past_layers = [n for n in ignored if gguf_arch.layer_index(n) is not None
+                   and gguf_arch.layer_index(n) >= config["num_hidden_layers"]]
+    if past_layers:
+        log.info("%d tensors of the layers past the model's %d (NextN / multi-token prediction layers, which "
+                 "mlx-lm's model does not run) are not loaded", len(past_layers), config["num_hidden_layers"])
+        ignored = sorted(set(ignored) - set(past_layers))
     if ignored:
         log.warning("GGUF tensors without a counterpart in the mlx-lm model are ignored: %s", ", ".join(ignored[:8]))
 
@@ -307,6 +342,10 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
                 kind = "mlx" if form.mode == precision.MXFP4 else "affine"
                 label = f"{kind} {gguf_quants.type_name(info.ggml_type).lower()}"
                 summary.kernels.setdefault(label, form.describe())
+        if gguf_arch.is_expert_stack(gguf_name) and info.ggml_type not in FLOAT_TYPES and plan != precision.AFFINE:
+            kind = gguf_quants.type_name(info.ggml_type).lower()
+            label = f"{plan} (experts expanded from {kind})"
+            summary.expanded_experts[kind] = summary.expanded_experts.get(kind, 0) + 1
         if weights is None and info.ggml_type in FLOAT_TYPES:
             weights = [(mlx_name, load_float_tensor(info, mlx_name, spec, config, plan, shapes[mlx_name]))]
         elif weights is None:
@@ -319,6 +358,11 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         done += info.n_bytes
         if progress is not None:
             progress(done, total)
+    for mlx_name, array in _joined(file, joins, spec, config, dtype, shapes):
+        loaded.append((mlx_name, array))
+        label = f"{dtype} (joined from {len(joins[mlx_name][1])} tensors)"
+        summary.precision[label] = summary.precision.get(label, 0) + 1
+        summary.weight_bytes[label] = summary.weight_bytes.get(label, 0) + array.nbytes
     if quantized:  # each layer with its weight's bits and group size; the rest stay float
         nn.quantize(model, class_predicate=lambda p, m: {"group_size": quantized[p].group_size,
                                                          "bits": quantized[p].bits, "mode": quantized[p].mode}

@@ -66,6 +66,8 @@ from mlxcel_compat.runtime.rope_angles import RopeAngles
 
 LOG2E = 1.4426950408889634
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# mlx-lm's stacked-expert modules (switch_layers.py): an MoE layer the decode pass has no kernel for.
+EXPERT_MODULES = ("SwitchGLU", "SwitchMLP")
 GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, sliding windows
 # A prompt chunk this long or longer takes the prompt products (``mlxcel_decode_pass``: ggml's tiled
 # kernels); a shorter one the decode rows' kernels (a graph of ggml's for a handful of rows cost
@@ -92,6 +94,8 @@ def head_module(model: Any) -> Any:
 def unsupported(model: Any) -> str | None:
     """Why this model's decode steps stay in MLX, or None if :class:`CpuDecoder` runs them."""
     model_type = getattr(getattr(model, "args", None), "model_type", None)
+    if any(type(m).__name__ in EXPERT_MODULES for _, m in model.named_modules()):
+        return f"mixture-of-experts layers ({model_type}): their experts run in MLX for now"
     if model_type not in MODEL_TYPES:
         return f"model type {model_type!r} (supported: {', '.join(MODEL_TYPES)})"
     if any(type(m).__name__.startswith("Quantized") for _, m in model.named_modules()):

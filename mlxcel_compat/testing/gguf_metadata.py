@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .gguf_tensors import GGUF_TARGETS
+
 # llama.cpp's metadata keys for the FIM tokens (what convert_hf_to_gguf writes for Qwen2.5-Coder).
 FIM_KEYS = {"<|fim_prefix|>": "fim_pre", "<|fim_suffix|>": "fim_suf", "<|fim_middle|>": "fim_mid",
             "<|fim_pad|>": "fim_pad", "<|repo_name|>": "fim_rep", "<|file_sep|>": "fim_sep"}
@@ -44,17 +46,22 @@ def add_hparams(writer: Any, family: str, config: dict[str, Any]) -> None:
     add_rope_scaling(writer, c)
     writer.add_context_length(c["max_position_embeddings"])
     writer.add_embedding_length(c["hidden_size"])
-    writer.add_block_count(c["num_hidden_layers"])
+    # The converter counts a model's NextN (multi-token prediction) layers as blocks where it exports
+    # them (glm4moe); only such families' factory configs carry num_nextn_predict_layers.
+    writer.add_block_count(c["num_hidden_layers"] + c.get("num_nextn_predict_layers", 0))
     writer.add_head_count(c["num_attention_heads"])
     writer.add_rope_freq_base(c["rope_theta"])
     if family not in ("qwen2", "qwen2_coder", "qwen3", "gemma3_text"):  # their converters write none
         writer.add_vocab_size(c["vocab_size"])
-    if family == "lfm2":
-        writer.add_feed_forward_length(c["block_ff_dim"])
+    family_keys = GGUF_TARGETS[family].hparams
+    if family in ("lfm2", "lfm2_moe"):
+        writer.add_feed_forward_length(c.get("block_ff_dim", c["intermediate_size"]))
         writer.add_head_count_kv([c["num_key_value_heads"] if t == "full_attention" else 0
                                   for t in c["layer_types"]])
         writer.add_layer_norm_rms_eps(c["norm_eps"])
         writer.add_shortconv_l_cache(c["conv_L_cache"])
+        if family_keys is not None:
+            family_keys(writer, c)
         return
     writer.add_feed_forward_length(c["intermediate_size"])
     writer.add_head_count_kv(c["num_key_value_heads"])
@@ -70,6 +77,8 @@ def add_hparams(writer: Any, family: str, config: dict[str, Any]) -> None:
         if c["sliding_window_pattern"] != 6:  # llama.cpp's default, all the converter's files rely on
             writer.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
         writer.add_rope_freq_base_swa(c["rope_local_base_freq"])
+    if family_keys is not None:
+        family_keys(writer, c)
 
 
 def add_tokenizer(writer: Any, model_dir: Path, pre: str) -> None:

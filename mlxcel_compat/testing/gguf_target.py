@@ -7,6 +7,7 @@ each kind of architecture, beside the family they convert.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -17,3 +18,12 @@ class GgufTarget:
     permute_qk: bool  # llama-family Q/K row permutation
     norm_shift: float  # added to every *norm.weight
     pre: str = "gpt-2"  # tokenizer.ggml.pre: the split regex transformers applies to this family
+    # (factory name fragment, Hugging Face fragment): how the factory's mlx-lm names read as the
+    # checkpoint names the converter maps (``.mlp.switch_mlp.`` -> ``.mlp.experts.``: a stack of
+    # experts, which gguf-py names ``ffn_*_exps``).
+    renames: tuple[tuple[str, str], ...] = ()
+    # The family's own ``{arch}.*`` keys (expert counts, gating), written after the common ones.
+    hparams: Callable[[Any, dict[str, Any]], None] | None = None
+    # The converter's own split of a tensor: (name, float32 array, config) -> [(name, array), ...]
+    # under names it then maps (DeepSeek-V2's kv_b_proj into k_b_proj and v_b_proj).
+    split: Callable[[str, Any, dict[str, Any]], list[tuple[str, Any]]] | None = None

@@ -47,6 +47,11 @@ GGUF_FAMILIES: tuple[str, ...] = tuple(f for f in GGUF_TARGETS if f != "qwen2_co
 GGUF_TARGETS.update({**families_dense.GGUF_TARGETS, **families_moe.GGUF_TARGETS, **families_hybrid.GGUF_TARGETS})
 
 
+# Matrices the converter and llama-quantize keep in F32 whatever the file's type: the
+# convolution, and the MoE routers (``ffn_gate_inp``, the shared expert's gate).
+F32_MATRICES = ("shortconv.conv.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+
+
 def permute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's ``LlamaModel.permute``: within each head, interleave the two rotary halves."""
     return (weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
@@ -88,10 +93,11 @@ def tensor_type(name: str, gguf_type: str, n_layers: int) -> str:
 
 def stored_type(name: str, shape: tuple[int, ...], gguf_type: str, n_layers: int = 1) -> str:
     """The type one tensor of ``shape`` is stored as in a file of ``gguf_type``, the row-length
-    fallbacks included: ``f32`` for 1-D tensors and the convolution, ``f16`` for rows that are not
-    whole 32-value blocks, llama-quantize's fallbacks for rows that are not whole 256-value blocks
-    (the K-quants' to Q4_0-Q8_0, the i-quants' to IQ4_NL)."""
-    if len(shape) < 2 or gguf_type == "f32" or name.endswith("shortconv.conv.weight"):
+    fallbacks included: ``f32`` for 1-D tensors, biases (gpt-oss's experts' are 2-D), the
+    convolution and the MoE routers, ``f16`` for rows that are not whole 32-value blocks,
+    llama-quantize's fallbacks for rows that are not whole 256-value blocks (the K-quants' to
+    Q4_0-Q8_0, the i-quants' to IQ4_NL)."""
+    if len(shape) < 2 or gguf_type == "f32" or not name.endswith(".weight") or name.endswith(F32_MATRICES):
         return "f32"
     if gguf_type == "f16" or shape[-1] % 32:
         return "f16"
@@ -132,9 +138,15 @@ def converted_tensors(family: str, config: dict[str, Any], weights: dict[str, An
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == target.arch)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     out: dict[str, np.ndarray] = {}
+    if target.split is not None:  # the converter's own splits of a tensor (DeepSeek-V2's kv_b_proj)
+        weights = {piece: data for name in weights
+                   for piece, data in target.split(name, np.array(weights[name], dtype=np.float32), config)}
     for hf_name in sorted(weights):
         data = np.array(weights[hf_name], dtype=np.float32)
-        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        checkpoint_name = hf_name
+        for factory_part, checkpoint_part in target.renames:
+            checkpoint_name = checkpoint_name.replace(factory_part, checkpoint_part)
+        gguf_name = names.get_name(checkpoint_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {hf_name} in {target.arch}")
         if target.permute_qk and ".self_attn.q_proj." in hf_name:

@@ -57,6 +57,12 @@ def init_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...],
             return np.ones(shape, dtype=np.float32)
         if leaf == "bias":
             return np.zeros(shape, dtype=np.float32)
+        if leaf in ("e_score_correction_bias", "expert_bias"):
+            # DeepSeek-V3 / GLM-4.5 / LFM2-MoE's expert selection bias, added to sigmoid scores in (0, 1).
+            return rng.random(shape, dtype=np.float32) * np.float32(0.1)
+        if leaf == "sinks":
+            # gpt-oss's attention sinks: one logit per head, of the scale of the scores.
+            return rng.standard_normal(shape, dtype=np.float32)
         if "norm" in name:
             return np.full(shape, spec.norm_one, dtype=np.float32)
         raise ValueError(f"no initializer for the 1-D parameter {name}")

@@ -1,0 +1,249 @@
+"""The mixture-of-experts architectures served from GGUF (``gguf/arch_moe.py``) load as the same
+model as the factory's directory of their family (``testing/families_moe.py``).
+
+For every MoE family, on the factory's own GGUF writer (which writes what llama.cpp's converter
+writes; the converter itself is run against it by a script, not here):
+
+- F32: the same token ids and rendered chat prompt as the directory, logits bit-exact against
+  mlx-lm on the directory (the same float32 weights through the same mlx-lm class: nothing may
+  differ) and the same greedy tokens;
+- Q8_0: attention and dense matrices stay in the file's blocks, the stacked expert tensors are
+  expanded to float32 for MLX's gather matmul (counted as such); the file's float32 expansion
+  (``blocks=False``) equals the directory with its matrices passed through the same Q8_0
+  encoding (to 1e-4: float32 sums over identical weights), and the block layers' 8-bit
+  activations stay within ``BLOCKS_RELATIVE_RMS`` of it;
+- a greedy generation through the engine on the F32 file gives the directory's greedy tokens,
+  with MLX's decode step (the CPU decode runtime names the MoE layers as the reason);
+- files mlx-lm's classes cannot serve as llama.cpp does are refused with the reason, and a
+  GLM file's NextN layer is left out.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load
+
+from mlxcel_compat.chat.template import ChatTemplate
+from mlxcel_compat.gguf import architectures as gguf_arch
+from mlxcel_compat.gguf.load import load_gguf
+from mlxcel_compat.gguf.reader import open_gguf
+from mlxcel_compat.runtime import cpu_decode
+from mlxcel_compat.testing import families_moe
+from mlxcel_compat.testing.gguf_tensors import GGUF_TARGETS, stored_type
+from tests.conftest import slow_but, tiny_model
+from tests.engine.harness import EngineHarness
+
+pytestmark = pytest.mark.engine
+
+MOE_FAMILIES = tuple(f.name for f in families_moe.FAMILIES)
+PROMPT = "The quick brown fox jumps over the lazy dog. def f(x: int) -> str:\n    return 'café 你好'"
+TEXTS = [PROMPT, "  two spaces\n\ttab <|im_start|>user\nhi<|im_end|>", "<think>\nx\n</think>\n\n🚀 ✅"]
+# Block layers multiply by 8-bit activations (llama.cpp's arithmetic) where the float32 expansion
+# multiplies by float32 ones. On the tiny MoE models (logits within about +-5) that moves the
+# prompt's logits by 0.05-0.1 at most, or up to 0.3 at a position where it moves a router across
+# an expert choice, so the bound is on all the prompt's logits together: their RMS difference
+# relative to their RMS, measured 0.009-0.013 (Q8_0); a wrong or misplaced tensor makes it order 1.
+BLOCKS_RELATIVE_RMS = 0.05
+
+
+@cache
+def directory(family: str) -> tuple[Any, Any]:
+    return load(str(tiny_model(family)))
+
+
+def greedy(model: Any, prompt: list[int], n: int = 8) -> list[int]:
+    cache_ = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache_)
+    out = []
+    for _ in range(n):
+        out.append(int(mx.argmax(logits[0, -1]).item()))
+        logits = model(mx.array([[out[-1]]]), cache=cache_)
+    return out
+
+
+def round_trip(weight: mx.array, gguf_name: str) -> mx.array:
+    """A directory weight as the Q8_0 file holds it (the writer's stored type for its GGUF name)."""
+    data = np.array(weight, dtype=np.float32)
+    kind = stored_type(gguf_name, data.shape, "q8_0")
+    if kind == "f32":
+        return weight
+    if kind == "f16":
+        return mx.array(data.astype(np.float16).astype(np.float32))
+    q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+    return mx.array(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).reshape(data.shape))
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_f32_gguf_is_the_directory_model(family: str) -> None:
+    hf_model, hf_tok = directory(family)
+    model, tokenizer, config, summary = load_gguf(str(tiny_model(f"{family}:f32")), on_cpu=True)
+    assert summary.architecture == GGUF_TARGETS[family].arch
+    assert config["model_type"] == hf_model.args.model_type
+    n_tensors = len(open_gguf(tiny_model(f"{family}:f32")).tensors)
+    joined = summary.precision.pop("float32 (joined from 2 tensors)", 0)  # DeepSeek-V2's kv_b_proj
+    assert summary.precision == {"float32": n_tensors - 2 * joined}
+
+    for text in TEXTS:
+        for special in (True, False):
+            assert tokenizer.encode(text, add_special_tokens=special) == hf_tok.encode(text, add_special_tokens=special)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    ours, theirs = ChatTemplate.from_tokenizer(tokenizer), ChatTemplate.from_tokenizer(hf_tok)
+    assert ours.render(messages, add_generation_prompt=True) == theirs.render(messages, add_generation_prompt=True)
+
+    ids = hf_tok.encode(PROMPT)
+    assert mx.array_equal(model(mx.array([ids])), hf_model(mx.array([ids]))).item()
+    assert greedy(model, ids) == greedy(hf_model, ids)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_q8_0_gguf_keeps_matrices_in_blocks_and_expands_the_experts(family: str) -> None:
+    path = tiny_model(f"{family}:q8_0")
+    file = open_gguf(path)
+    stacks = [n for n, t in file.tensors.items() if gguf_arch.is_expert_stack(n)]
+    assert stacks and all(file.tensors[n].ggml_type == gguf.GGMLQuantizationType.Q8_0 for n in stacks)
+    model, _, config, summary = load_gguf(str(path), on_cpu=True)
+    assert summary.precision["float32 (experts expanded from q8_0)"] == len(stacks)
+    assert summary.expanded_experts == {"q8_0": len(stacks)}
+    assert summary.precision["blocks q8_0"] > 0
+
+    expanded, *_ = load_gguf(str(path), on_cpu=True, blocks=False)
+    hf_model, hf_tok = directory(family)
+    spec, params = gguf_arch.arch_spec(file), tree_flatten(hf_model.parameters())
+    names = {m: g for g, m in gguf_arch.gguf_names(spec, [n for n, _ in params], config["num_hidden_layers"]).items()}
+    joins = gguf_arch.joined_parameters(spec, [n for n, _ in params])
+
+    def as_stored(name: str, weight: mx.array) -> mx.array:
+        if name not in joins:
+            return round_trip(weight, names[name])
+        join, parts = joins[name]  # split as the converter splits it, each part through Q8_0
+        pieces = GGUF_TARGETS[family].split(name, np.array(weight), config)
+        return join.join([round_trip(mx.array(data), part) for (_, data), part in zip(pieces, parts)], config)
+
+    reference, _ = load(str(tiny_model(family)))
+    reference.load_weights([(n, as_stored(n, w)) for n, w in params])
+    ids = hf_tok.encode(PROMPT)
+    want = reference(mx.array([ids]))
+    assert mx.abs(expanded(mx.array([ids])) - want).max().item() <= 1e-4
+    got = model(mx.array([ids]))
+    relative = (mx.sqrt(((got - want) ** 2).sum()) / mx.sqrt((want ** 2).sum())).item()
+    print(f"{family} q8_0: block layers' prompt logits within {mx.abs(got - want).max().item():.3g} of float32 "
+          f"math, relative RMS {relative:.3g}")
+    assert relative <= BLOCKS_RELATIVE_RMS
+
+
+# The engine test starts an engine per family: by default on the families whose caches differ
+# (plain KV, gpt-oss's rotating windows, MLA's latent, LFM2's convolutions); the rest with --slow.
+ENGINE_FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3", "lfm2_moe")
+
+
+@pytest.mark.parametrize("family", slow_but(MOE_FAMILIES, ENGINE_FAMILIES))
+def test_engine_generates_the_directory_greedy_tokens(family: str) -> None:
+    hf_model, hf_tok = directory(family)
+    prompt = hf_tok.encode(PROMPT)
+    h = EngineHarness(tiny_model(f"{family}:f32"))
+    try:
+        reason = cpu_decode.unsupported(h.engine.loaded.model)
+        assert reason is not None and reason.startswith("mixture-of-experts layers")
+        run = h.run(prompt, n_predict=8, ignore_eos=True, cache=False)
+        assert run.tokens == greedy(hf_model, prompt)
+    finally:
+        h.close()
+
+
+def rewritten(source: Any, target: Any, keys: dict[str, Any] | None = None,
+              extra: dict[str, np.ndarray] | None = None, extra_keys: dict[str, bool] | None = None) -> Any:
+    """A copy of a GGUF with some ``{arch}.*`` keys replaced (same value type), boolean keys
+    added (``extra_keys``) and tensors added."""
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(target), arch)
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            value = (keys or {}).get(key.removeprefix(f"{arch}."), field.contents())
+            writer.add_key_value(key, value, field.types[0], sub_type=sub)
+    for key, flag in (extra_keys or {}).items():
+        writer.add_bool(f"{arch}.{key}", flag)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    for name, data in (extra or {}).items():
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+def test_deepseek2_files_are_served_by_their_router_or_refused_by_name(tmp_path) -> None:
+    """A deepseek2 file is DeepSeek-V3's (sigmoid router: mlx-lm's deepseek_v3) or V2's (softmax:
+    deepseek_v2, MLA's kv_b joined back from the converter's halves). A V2 router mlx-lm's class
+    would run otherwise than llama.cpp (renormalised, or in groups, which llama.cpp ranks by V3's
+    rule), and files from before llama.cpp split kv_b, are refused with the reason."""
+    v3, v2 = tiny_model("deepseek_v3:f32"), tiny_model("deepseek_v2:f32")
+    assert load_gguf(str(v3), on_cpu=True)[2]["model_type"] == "deepseek_v3"
+    model, _, config, summary = load_gguf(str(v2), on_cpu=True)
+    assert config["model_type"] == "deepseek_v2" and "expert_gating_func" not in str(gguf.GGUFReader(v2).fields)
+    assert summary.precision["float32 (joined from 2 tensors)"] == config["num_hidden_layers"]
+    normalised = rewritten(v2, tmp_path / "norm.gguf", extra_keys={"expert_weights_norm": True})
+    with pytest.raises(gguf_arch.UnsupportedArchitecture, match="expert_weights_norm has no mlx-lm equivalent"):
+        load_gguf(str(normalised), on_cpu=True)
+    grouped = rewritten(v3, tmp_path / "groups.gguf", keys={"expert_gating_func": 1, "expert_weights_norm": False})
+    with pytest.raises(gguf_arch.UnsupportedArchitecture, match="4 expert groups: llama.cpp ranks groups"):
+        load_gguf(str(grouped), on_cpu=True)
+    legacy = rewritten(v3, tmp_path / "legacy.gguf",
+                       extra={"blk.0.attn_kv_b.weight": np.zeros((4 * 64, 64), np.float32)})
+    with pytest.raises(gguf_arch.UnsupportedArchitecture, match="predates llama.cpp's MLA split"):
+        load_gguf(str(legacy), on_cpu=True)
+
+
+def test_ernie4_5_moe_with_a_selection_bias_is_refused_without_one_served(tmp_path) -> None:
+    """llama.cpp chooses ERNIE's experts with the optional selection bias exp_probs_b; mlx-lm's
+    ernie4_5_moe has none. A zero bias changes nothing (the same logits); any other is refused."""
+    source = tiny_model("ernie4_5_moe:f32")
+    n_expert = int(gguf.GGUFReader(source).fields["ernie4_5-moe.expert_count"].contents())
+    zero = rewritten(source, tmp_path / "zero.gguf", extra={"blk.1.exp_probs_b.bias": np.zeros(n_expert, np.float32)})
+    model, *_ = load_gguf(str(zero), on_cpu=True)
+    plain, *_ = load_gguf(str(source), on_cpu=True)
+    ids = [5, 6, 7, 8, 9]
+    assert mx.array_equal(model(mx.array([ids])), plain(mx.array([ids]))).item()
+    biased = rewritten(source, tmp_path / "biased.gguf",
+                       extra={"blk.1.exp_probs_b.bias": np.full(n_expert, 0.01, np.float32)})
+    with pytest.raises(gguf_arch.UnsupportedArchitecture, match=r"expert selection bias \(blk.1.exp_probs_b.bias"):
+        load_gguf(str(biased), on_cpu=True)
+
+
+def test_glm4moe_nextn_layers_are_left_out(tmp_path, caplog) -> None:
+    """A GLM-4.5 file counts its NextN (multi-token prediction) layer in block_count and carries
+    its tensors (blk.N.nextn.*, and a decoder layer's under N): the model is the first
+    block_count - nextn_predict_layers layers, and the extra tensors are named as left out."""
+    import logging
+
+    source = tiny_model("glm4_moe:f32")
+    reader = gguf.GGUFReader(source)
+    n_layers = int(reader.fields["glm4moe.block_count"].contents()) - 1
+    assert int(reader.fields["glm4moe.nextn_predict_layers"].contents()) == 1
+    hidden = int(reader.fields["glm4moe.embedding_length"].contents())
+    last = f"blk.{n_layers - 1}."
+    extra = {t.name.replace(last, f"blk.{n_layers}."): np.array(t.data) for t in reader.tensors
+             if t.name.startswith(last)}
+    extra[f"blk.{n_layers}.nextn.eh_proj.weight"] = np.ones((hidden, 2 * hidden), np.float32)
+    extra[f"blk.{n_layers}.nextn.enorm.weight"] = np.ones(hidden, np.float32)
+    rewritten(source, tmp_path / "nextn.gguf", extra=extra)
+
+    with caplog.at_level(logging.INFO, logger="mlxcel_compat.gguf.load"):
+        model, _, config, _ = load_gguf(str(tmp_path / "nextn.gguf"), on_cpu=True)
+    assert config["num_hidden_layers"] == n_layers == len(model.layers)
+    assert f"{len(extra)} tensors of the layers past the model's {n_layers}" in caplog.text
+    assert "without a counterpart" not in caplog.text
+    plain, *_ = load_gguf(str(source), on_cpu=True)
+    ids = [5, 6, 7, 8, 9]
+    assert mx.array_equal(model(mx.array([ids])), plain(mx.array([ids]))).item()
