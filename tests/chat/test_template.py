@@ -278,11 +278,21 @@ def test_template_is_compiled_once(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_raise_exception_becomes_template_error_with_message() -> None:
-    tpl = make_template(PLAIN)
+    tpl = make_template("{{ raise_exception('Conversation roles must alternate') }}")
     with pytest.raises(TemplateError) as info:
-        tpl.render([{"role": "system", "content": "x"}])
-    assert info.value.message == "System role not supported"
+        tpl.render([{"role": "user", "content": "x"}])
+    assert info.value.message == "Conversation roles must alternate"
     assert info.value.status_code == 400
+
+
+def test_system_prompt_goes_into_the_next_message_where_the_template_has_no_system_role() -> None:
+    # PLAIN raises on a system message; llama-server merges it into the next message instead
+    # (and drops it when nothing follows), so the template never sees one.
+    tpl = make_template(PLAIN)
+    assert tpl.caps()["supports_system_role"] is False
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert tpl.render(messages, add_generation_prompt=False) == "user: Be brief.\nHi\n"
+    assert tpl.render(messages[:1], add_generation_prompt=False) == ""
 
 
 def test_undefined_attribute_access_is_template_error() -> None:
@@ -311,9 +321,18 @@ def test_sandbox_blocks_dunder_access() -> None:
     assert make_template("{{ raise_exception.__globals__ }}").render([]) == ""
 
 
-def test_sandbox_is_immutable_and_namespace_refuses_private_names() -> None:
+def test_sandbox_lets_templates_change_their_own_copies_and_namespace_refuses_private_names() -> None:
+    # llama.cpp's engine runs Kimi K2's queue of call ids (.append, .pop); what a template gets
+    # is copied for each render, so the change never reaches the caller or the next render.
+    tpl = make_template("{% set l = [1] %}{% do l.append(2) %}{{ l }}{% do messages.append(3) %}"
+                        "{% do extra.append(4) %}{{ extra }}")
+    messages = [{"role": "user", "content": "x"}]
+    extra = [0]
+    assert tpl.render(messages, extra=extra) == "[1, 2][0, 4]"
+    assert tpl.render(messages, extra=extra) == "[1, 2][0, 4]"
+    assert messages == [{"role": "user", "content": "x"}] and extra == [0]
     with pytest.raises(TemplateError, match="unsafe"):
-        make_template("{% set l = [1] %}{% do l.append(2) %}{{ l }}").render([])
+        make_template("{% do ''.__class__.__subclasses__() %}").render([])
     with pytest.raises(TemplateError, match="underscore"):
         make_template("{% set ns = namespace(_x=1) %}{{ ns._x }}").render([])
     # Namespaces themselves still work, and so does dict().
