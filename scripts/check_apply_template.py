@@ -25,9 +25,10 @@ The bodies, grouped into the table's columns:
   loop in progress (a reasoned call and its result);
 - ``prefill`` (informative: not counted in the verdict): a trailing assistant message to continue.
 
-A cell reads ``same`` when every body of its column gave the same prompt on both servers, and says
-how many both servers refused (the template raised: e.g. Llama 3.x and two calls in one turn);
-``different`` when one did not. The script exits 0 when every template is ``same`` in the four
+The ``caps`` column compares ``/props`` ``chat_template_caps`` (they decide how the messages are
+shaped for the template). A cell reads ``same`` when every body of its column gave the same prompt
+on both servers, and says how many both servers refused (the template raised: e.g. Llama 3.x and
+two calls in one turn); ``different`` when one did not. The script exits 0 when every template is ``same`` in the five
 counted columns. ``--save FILE`` keeps both servers' answers as JSON; ``--pin FILE`` writes
 llama-server's prompts of the cases ``tests/chat/test_render_pins.py`` pins.
 
@@ -85,6 +86,8 @@ class TemplateResult:
     name: str
     cases: dict[str, dict[str, Answer]] = field(default_factory=dict)
     failure: str | None = None  # a server refused the template at start-up
+    # /props chat_template_caps where the two servers disagree: name -> (llama-server, ours)
+    caps_differ: dict[str, tuple[Any, Any]] = field(default_factory=dict)
 
 
 def post(client: httpx.Client, url: str, body: dict[str, Any]) -> Answer:
@@ -145,6 +148,10 @@ def run_template(name: str, source: str, model: Path, workdir: Path, python: str
                 result.failure = f"{server.name} did not start: {str(exc).splitlines()[-1]}"
                 return result
         with httpx.Client(timeout=60) as client:
+            theirs, mine = (client.get(url + "/props").json().get("chat_template_caps", {})
+                            for url in (peer.base_url, ours.base_url))
+            result.caps_differ = {k: (theirs.get(k), mine.get(k)) for k in sorted(set(theirs) | set(mine))
+                                  if theirs.get(k) != mine.get(k)}
             for case, body in cases():
                 result.cases[case] = {"peer": post(client, peer.base_url, body), "ours": post(client, ours.base_url, body)}
     finally:
@@ -257,19 +264,21 @@ def main() -> int:
                 results[result.name] = result
                 print(f"checked {result.name}", file=sys.stderr, flush=True)
 
-    print("| template | plain | tools | tool history | reasoning | prefill (informative) |")
-    print("|---|---|---|---|---|---|")
+    print("| template | caps | plain | tools | tool history | reasoning | prefill (informative) |")
+    print("|---|---|---|---|---|---|---|")
     n_same = 0
     for name in sorted(results):
         result = results[name]
         if result.failure:
-            print(f"| {name} | {result.failure} | | | | |")
+            print(f"| {name} | {result.failure} | | | | | |")
             continue
         cells = column_verdicts(templates[name], result)
-        n_same += all(cells[c] != "different" for c in COLUMNS)
-        print(f"| {name} | " + " | ".join(cells[c] for c in COLUMNS + INFORMATIVE_COLUMNS) + " |")
-    print(f"\n{n_same} of {len(results)} templates render the same on both servers (plain, tools, tool history, "
-          "reasoning).")
+        caps = "same" if not result.caps_differ else "different: " + ", ".join(
+            f"{k} {a} (ours {b})" for k, (a, b) in result.caps_differ.items())
+        n_same += all(cells[c] != "different" for c in COLUMNS) and not result.caps_differ
+        print(f"| {name} | {caps} | " + " | ".join(cells[c] for c in COLUMNS + INFORMATIVE_COLUMNS) + " |")
+    print(f"\n{n_same} of {len(results)} templates render the same on both servers (caps, plain, tools, tool "
+          "history, reasoning).")
     if args.diff:
         for name in sorted(results):
             show_diff(templates[name], results[name])
