@@ -592,9 +592,11 @@ _MODEL: tuple[Setting, ...] = (
     Setting("reasoning_budget_message", ("--reasoning-budget-message",), ("LLAMA_ARG_THINK_BUDGET_MESSAGE",),
             default="", group="model", metavar="MESSAGE",
             help="Default reasoning_budget_message: text forced before the end tag when the budget runs out."),
-    _noop("reasoning_preserve", ("--reasoning-preserve",), "Keep reasoning in the whole chat history.",
-          R_TEMPLATE_KW, env=("LLAMA_ARG_REASONING_PRESERVE",), negative_flags=("--no-reasoning-preserve",),
-          group="model"),
+    Setting("reasoning_preserve", ("--reasoning-preserve",), ("LLAMA_ARG_REASONING_PRESERVE",), type="bool",
+            default=True, group="model", negative_flags=("--no-reasoning-preserve",),
+            help="Keep reasoning in the whole chat history, not only after the last user turn: the template "
+                 "variable preserve_reasoning (and preserve_thinking, clear_thinking, ... that it sets), as "
+                 "llama-server; given, it wins over --chat-template-kwargs."),
     _noop("skip_chat_parsing", ("--skip-chat-parsing",), "Leave reasoning and tool calls in content.",
           "chat output is always parsed", env=("LLAMA_ARG_SKIP_CHAT_PARSING",),
           negative_flags=("--no-skip-chat-parsing",), group="model"),
@@ -1445,10 +1447,13 @@ def require_model(settings: Settings) -> None:
 
 
 def default_template_kwargs(settings: Settings) -> dict[str, Any]:
-    """Server-wide chat template variables: --chat-template-kwargs, then --reasoning on/off."""
+    """Server-wide chat template variables: --chat-template-kwargs, then --reasoning on/off and
+    --[no-]reasoning-preserve when given (``preserve_reasoning`` is on by default: chat/render.py)."""
     kwargs = dict(settings.chat_template_kwargs)
     if settings.reasoning in ("on", "off"):
         kwargs["enable_thinking"] = settings.reasoning == "on"
+    if settings.is_set("reasoning_preserve"):
+        kwargs["preserve_reasoning"] = bool(settings.reasoning_preserve)
     return kwargs
 
 

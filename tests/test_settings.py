@@ -235,6 +235,12 @@ def test_chat_template_kwargs_and_reasoning_give_template_defaults() -> None:
     assert default_template_kwargs(s) == {"enable_thinking": False, "x": [1]}
     assert resolve(["--reasoning", "enabled"]).reasoning == "on"
     assert default_template_kwargs(resolve()) == {}
+    # preserve_reasoning is on by default (chat/render.py); the flag, when given, wins over the kwargs.
+    kwargs = '{"preserve_reasoning": true}'
+    assert default_template_kwargs(resolve(["--no-reasoning-preserve"])) == {"preserve_reasoning": False}
+    assert default_template_kwargs(resolve(["--chat-template-kwargs", kwargs])) == {"preserve_reasoning": True}
+    assert default_template_kwargs(resolve(["--chat-template-kwargs", kwargs, "--no-reasoning-preserve"])) == {"preserve_reasoning": False}
+    assert default_template_kwargs(resolve(LLAMA_ARG_REASONING_PRESERVE="0")) == {"preserve_reasoning": False}
 
 
 def test_default_json_is_not_shared_between_instances() -> None:

@@ -31,7 +31,7 @@ from blake3 import blake3
 
 DOMAIN = b"mlxcel:prompt-cache:v4"
 MULTIMODAL_DOMAIN = b"mlxcel:prompt-cache:multimodal:v1"
-TEMPLATE_DOMAIN = b"mlxcel:prompt-cache:template:v1"
+TEMPLATE_DOMAIN = b"mlxcel:prompt-cache:template:v2"
 TOOLS_DOMAIN = b"mlxcel:prompt-cache:tools:v1"
 RAW_PROMPT_DOMAIN = b"mlxcel:prompt-cache:raw-prompt:v1"
 NAMESPACE_DOMAIN = b"mlxcel:prompt-cache:namespace:v1"
@@ -54,7 +54,6 @@ ANON_SESSION = "__mlxcel_anon__"
 PIN_SESSION = "__mlxcel_breakpoint__"
 
 _U64 = struct.Struct("<Q")
-_TOOL_CHOICE_MODES = frozenset({"auto", "none", "required"})
 
 
 @dataclass(frozen=True)
@@ -221,30 +220,6 @@ def canonical_json(value: object) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def effective_tool_choice(tool_choice: object, tools: Sequence[Mapping[str, object]] | None) -> str:
-    """The tool-choice mode the template actually sees.
-
-    OpenAI semantics: an absent choice means "auto" when tools are given and "none"
-    otherwise. A forced function (``{"type": "function", "function": {"name": n}}`` or
-    the flat ``{"type": "function", "name": n}``) becomes ``"function:" + n``; the
-    prefix keeps a function literally named "auto" apart from the "auto" mode.
-    """
-    if tool_choice is None:
-        return "auto" if tools else "none"
-    if isinstance(tool_choice, str):
-        return tool_choice
-    if isinstance(tool_choice, Mapping):
-        function = tool_choice.get("function")
-        name = function.get("name") if isinstance(function, Mapping) else tool_choice.get("name")
-        if isinstance(name, str):
-            return "function:" + name
-        mode = tool_choice.get("type")
-        if isinstance(mode, str) and mode in _TOOL_CHOICE_MODES:
-            return mode
-    # Unknown shape: still deterministic, still distinct from every mode string.
-    return "other:" + canonical_json(tool_choice)
-
-
 def tools_digest(tools: Sequence[Mapping[str, object]] | None) -> bytes:
     """Order-preserving digest of the tools a template renders.
 
@@ -271,19 +246,21 @@ def tools_digest(tools: Sequence[Mapping[str, object]] | None) -> bytes:
 def template_signature(
     template_source: str,
     chat_template_kwargs: Mapping[str, object],
-    tool_choice: object,
     tools: Sequence[Mapping[str, object]] | None,
 ) -> str:
-    """64-hex BLAKE3 signature of everything that shapes the rendered prompt.
+    """64-hex BLAKE3 signature of everything that shapes the rendered prompt, and nothing else.
 
     The template source is hashed verbatim (a whitespace change invalidates); the
     kwargs are hashed as canonical JSON, so key order at any depth does not matter.
+    Sampling constraints are left out: ``tool_choice``, a grammar or a response format
+    change what is generated, not the prompt (the template renders the same tools
+    whatever ``tool_choice`` says), so a request that forces a call and the next one
+    that does not share their prompt's KV.
 
     Args:
         template_source: the Jinja chat template as loaded.
         chat_template_kwargs: server defaults already overlaid by the request's kwargs.
-        tool_choice: the request's ``tool_choice`` (``None`` when absent).
-        tools: the request's ``tools`` (``None`` when absent).
+        tools: the tools the template renders (``None`` when none).
 
     Returns:
         64 lowercase hex characters.
@@ -291,7 +268,6 @@ def template_signature(
     h = blake3(TEMPLATE_DOMAIN)
     h.update(_length_prefixed(template_source))
     h.update(_length_prefixed(canonical_json(dict(chat_template_kwargs))))
-    h.update(_length_prefixed(effective_tool_choice(tool_choice, tools)))
     h.update(tools_digest(tools))
     return h.hexdigest()
 

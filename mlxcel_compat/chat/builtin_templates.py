@@ -477,6 +477,9 @@ class BuiltinTemplate:
     def supports_kwarg(self, name: str) -> bool:
         return False  # no template variables: enable_thinking and friends do not apply
 
+    def supports_thinking(self) -> bool:
+        return False  # llama.cpp's C++ formats have no reasoning switch
+
     def caps(self) -> dict[str, bool]:
         probe = render(self._name, [{"role": "system", "content": _PROBE}, {"role": "user", "content": "u"}])
         return {

@@ -48,11 +48,19 @@ def date_context(now: datetime | None = None) -> dict[str, str]:
     return {"datetime": now.strftime("%b %d %Y"), "date_string": now.strftime("%d %b %Y")}
 
 
-def _render_kwargs(chat: ChatRequest) -> dict[str, Any]:
-    kwargs = date_context()
+def _render_kwargs(template: ChatTemplate, chat: ChatRequest) -> dict[str, Any]:
+    """The template variables of a request, as llama-server gives them.
+
+    Today's date; ``preserve_reasoning: true`` (llama-server's default, off with
+    ``--no-reasoning-preserve``: past reasoning stays in the history, so the prompt of the next
+    turn starts with this one's and the prompt cache keeps hitting); the request's kwargs over
+    those; and ``enable_thinking``, true where llama-server finds reasoning in the template
+    (``ChatTemplate.supports_thinking``), unless the kwargs say.
+    """
+    kwargs: dict[str, Any] = {**date_context(), "preserve_reasoning": True}
     kwargs.update((k, v) for k, v in chat.template_kwargs.items() if k not in _RENDER_ARGUMENTS)
-    # llama.cpp always gives templates an enable_thinking value (true unless turned off).
-    kwargs.setdefault("enable_thinking", True)
+    if "enable_thinking" not in kwargs:
+        kwargs["enable_thinking"] = template.supports_thinking()
     return kwargs
 
 
@@ -68,7 +76,7 @@ def render_chat(template: ChatTemplate, chat: ChatRequest) -> str:
         TemplateError: the template failed or refused the conversation.
     """
     template = template.for_tools(chat.render_tools)
-    kwargs = _render_kwargs(chat)
+    kwargs = _render_kwargs(template, chat)
     if chat.prefill:
         head, last = chat.messages[:-1], chat.messages[-1]
         prompt = template.render(
@@ -105,9 +113,8 @@ def render_history_boundary(template: ChatTemplate, chat: ChatRequest, prompt: s
         end -= 1
     if end == 0:
         return ""
-    history = template.for_tools(chat.render_tools).render_history(
-        chat.messages[:end], tools=chat.render_tools, **_render_kwargs(chat)
-    )
+    template = template.for_tools(chat.render_tools)
+    history = template.render_history(chat.messages[:end], tools=chat.render_tools, **_render_kwargs(template, chat))
     return os.path.commonprefix([history, prompt])
 
 
@@ -124,7 +131,7 @@ def render_prefix(template: ChatTemplate, chat: ChatRequest, n_messages: int, n_
     if messages and n_parts is not None and isinstance(messages[-1].get("content"), list):
         messages[-1]["content"] = messages[-1]["content"][:n_parts]
     template = template.for_tools(chat.render_tools)
-    text = template.render_history(messages, tools=chat.render_tools, **_render_kwargs(chat))
+    text = template.render_history(messages, tools=chat.render_tools, **_render_kwargs(template, chat))
     return os.path.commonprefix([text, prompt])
 
 
@@ -135,4 +142,4 @@ def render_next_history(template: ChatTemplate, chat: ChatRequest, reply: Mappin
     """
     messages = [*chat.messages, dict(reply)]
     template = template.for_tools(chat.render_tools)
-    return template.render_history(messages, tools=chat.render_tools, **_render_kwargs(chat))
+    return template.render_history(messages, tools=chat.render_tools, **_render_kwargs(template, chat))

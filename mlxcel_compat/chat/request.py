@@ -81,7 +81,13 @@ class ChatRequest:
 
     @property
     def render_tools(self) -> list[dict[str, Any]] | None:
-        """The tools the template sees: none when tool_choice is "none" or the list is empty."""
+        """The tools the template sees: all of them whatever ``tool_choice`` says (it changes what
+        is generated, not the prompt, as in llama-server); none when the list is empty."""
+        return self.tools or None
+
+    @property
+    def callable_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the model may call: none when ``tool_choice`` is "none" or the list is empty."""
         if not self.tools or self.tool_choice == "none":
             return None
         return self.tools
@@ -361,14 +367,20 @@ def _merge_template_kwargs(
     body: Mapping[str, Any], defaults: Mapping[str, Any] | None
 ) -> dict[str, Any]:
     merged: dict[str, Any] = dict(defaults or {})
-    # reasoning_effort "none" turns thinking off; other efforts are left to the template.
-    if body.get("reasoning_effort") == "none":
+    effort = body.get("reasoning_effort")
+    # reasoning_effort "none" turns thinking off (unless the kwargs say otherwise) ...
+    if effort == "none":
         merged["enable_thinking"] = False
     requested = body.get("chat_template_kwargs")
     if requested is not None:
         if not isinstance(requested, Mapping):
             raise ChatRequestError("'chat_template_kwargs' must be an object")
         merged.update(requested)
+    # ... and any other effort reaches the template as ``reasoning_effort``, as in llama-server.
+    if effort == "none":
+        merged.pop("reasoning_effort", None)
+    elif isinstance(effort, str) and effort:
+        merged["reasoning_effort"] = effort
     if merged.get("enable_thinking", False) is None:
         del merged["enable_thinking"]
     thinking = merged.get("enable_thinking", False)

@@ -1,17 +1,27 @@
 """The sandboxed Jinja environment every chat template compiles in, and ``TemplateError``.
 
 Chat templates ship with model repositories and are untrusted code, so they run in Jinja's
-``ImmutableSandboxedEnvironment``. The environment offers what transformers'
-``apply_chat_template`` offers (``raise_exception``, an HF-flavoured ``tojson``, ``strftime_now``,
-a no-op ``{% generation %}`` tag, ``loopcontrols``), because templates are written against that
-runtime, plus llama.cpp's rule for ``+`` with a missing operand. One environment
-(:data:`ENVIRONMENT`) is shared by every template (``chat/template.py``).
+``SandboxedEnvironment``. The environment offers what transformers' ``apply_chat_template``
+offers (``raise_exception``, an HF-flavoured ``tojson``, ``strftime_now``, a no-op
+``{% generation %}`` tag, ``loopcontrols``), because templates are written against that runtime,
+plus what llama.cpp's own Jinja engine does differently where real templates depend on it
+(llama-server renders them that way, and this server must render what it renders):
+
+- ``+`` with a missing or null operand next to a string counts as ``""``;
+- lists and dicts may be changed in place (Kimi K2 queues tool-call ids with ``.append`` and
+  ``.pop``); everything a template is given is a copy made for that render, so nothing it
+  changes outlives the render;
+- ``safe`` gives the plain string back: autoescaping is off, and a ``Markup`` would escape what is
+  added to it (Functionary v3.1 writes ``"..."|safe + name``);
+- ``tojson`` takes the lazy sequences filters return (``map``, ``select``) as lists.
+
+One environment (:data:`ENVIRONMENT`) is shared by every template (``chat/template.py``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from typing import Any, NoReturn
 
@@ -19,7 +29,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import SandboxedEnvironment
 
 __all__ = ["ENVIRONMENT", "TemplateError"]
 
@@ -58,12 +68,39 @@ def _tojson(
     if separators is not None:
         separators = tuple(separators)
     return json.dumps(
-        value,
+        _listed(value),
         ensure_ascii=ensure_ascii,
         indent=indent,
         separators=separators,
         sort_keys=sort_keys,
     )
+
+
+def _listed(value: Any) -> Any:
+    """``value`` with the lazy sequences in it (generators, ``map`` objects) made lists, at any depth."""
+    if isinstance(value, dict):
+        return {k: _listed(v) for k, v in value.items()}
+    if isinstance(value, list):  # list.__iter__: a list subclass's own iteration is not called
+        return [_listed(v) for v in list.__iter__(value)]
+    if isinstance(value, tuple):
+        return [_listed(v) for v in tuple.__iter__(value)]
+    if isinstance(value, Iterator):
+        return [_listed(v) for v in value]
+    return value
+
+
+def _safe(value: Any) -> str:
+    """llama.cpp's ``safe``: the value as a plain string (no ``Markup``, which escapes what it is added to)."""
+    return str.__str__(value) if isinstance(value, str) else str(value)
+
+
+def _is_string(value: Any) -> bool:
+    """Jinja's ``string`` test, telling a watched value that it was asked (``template_caps``
+    learns from it whether a template takes content as a string or a list)."""
+    noted = getattr(type(value), "string_tested", None)
+    if callable(noted):
+        noted()
+    return isinstance(value, str)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -125,7 +162,7 @@ def _is_nothing(value: Any) -> bool:
     return value is None or isinstance(value, jinja2.Undefined)
 
 
-class _ChatEnvironment(ImmutableSandboxedEnvironment):
+class _ChatEnvironment(SandboxedEnvironment):
     """The sandbox, plus llama.cpp's Jinja rule for ``+``: a missing or null operand next to a
     string counts as ``""``.
 
@@ -145,13 +182,15 @@ class _ChatEnvironment(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
-def _make_environment() -> ImmutableSandboxedEnvironment:
+def _make_environment() -> SandboxedEnvironment:
     env = _ChatEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols, jinja2.ext.do],
     )
     env.filters["tojson"] = _tojson
+    env.filters["safe"] = _safe
+    env.tests["string"] = _is_string
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()

@@ -23,8 +23,9 @@ import jinja2
 import jinja2.meta
 
 from mlxcel_compat.chat.builtin_templates import BUILTIN_TEMPLATE_NAMES, BuiltinTemplate
+from mlxcel_compat.chat.message_fixes import fix_messages, fix_rendered, trims_content
 from mlxcel_compat.chat.sandbox import ENVIRONMENT, TemplateError
-from mlxcel_compat.chat.template_caps import detect_caps
+from mlxcel_compat.chat.template_caps import detect_caps, detect_thinking
 from mlxcel_compat.chat.template_inputs import (
     adapt_messages,
     cut_final_message,
@@ -77,6 +78,7 @@ class ChatTemplate:
         special_tokens: Mapping[str, Any] | None = None,
         name: str | None = None,
         tool_use_source: str | None = None,
+        add_bos: bool = False,
     ) -> None:
         """Compile ``source``.
 
@@ -88,6 +90,8 @@ class ChatTemplate:
             name: built-in or named-template name, for logs and ``/props``.
             tool_use_source: the model's separate ``tool_use`` template: requests with tools
                 render with it (``for_tools``) and ``/props`` reports it, as in llama-server.
+            add_bos: the tokenizer adds ``bos_token`` itself: a rendered text that starts with it
+                loses it, as llama-server's does (the prompt is tokenized with the BOS added).
 
         Raises:
             TemplateError: the source does not compile.
@@ -96,9 +100,10 @@ class ChatTemplate:
         self._name = name
         self._tool_use_source = tool_use_source
         self._tool_use: ChatTemplate | None = None
+        self._add_bos = add_bos
         if tool_use_source is not None and tool_use_source != source:
             self._tool_use = ChatTemplate(tool_use_source, bos_token=bos_token, eos_token=eos_token,
-                                          special_tokens=special_tokens, name="tool_use")
+                                          special_tokens=special_tokens, name="tool_use", add_bos=add_bos)
         self._globals: dict[str, Any] = dict(special_tokens or {})
         self._globals["bos_token"] = bos_token
         self._globals["eos_token"] = eos_token
@@ -109,6 +114,7 @@ class ChatTemplate:
             raise TemplateError(f"invalid chat template: {exc}") from exc
         self._variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
         self._caps: dict[str, bool] | None = None
+        self._thinking: bool | None = None
 
     # --- construction ---------------------------------------------------------------------
 
@@ -158,6 +164,7 @@ class ChatTemplate:
             special_tokens=special,
             name=name,
             tool_use_source=tool_use,
+            add_bos=_adds_bos(hf),
         )
 
     @classmethod
@@ -232,8 +239,10 @@ class ChatTemplate:
         Raises:
             TemplateError: the template failed or refused the conversation.
         """
-        prepared = adapt_messages(prepare_messages(messages), self.caps())
-        return self._render_prepared(
+        caps = self.caps()
+        prepared = adapt_messages(prepare_messages(messages, trim=trims_content(self._source)), caps)
+        prepared = fix_messages(prepared, self._source, caps)
+        text = self._render_prepared(
             prepared,
             tools=tools,
             documents=documents,
@@ -241,6 +250,10 @@ class ChatTemplate:
             continue_final_message=continue_final_message,
             kwargs=kwargs,
         )
+        bos = self._globals["bos_token"]
+        if self._add_bos and bos and text.startswith(bos):
+            text = text[len(bos):]
+        return fix_rendered(text, self._source, add_generation_prompt)
 
     def render_history(
         self,
@@ -282,8 +295,21 @@ class ChatTemplate:
         llama.cpp reports them.
         """
         if self._caps is None:
-            self._caps = detect_caps(self._probe, reads_reasoning_effort=self.supports_kwarg("reasoning_effort"))
+            effort = self.supports_kwarg("reasoning_effort") or self.supports_kwarg("reasoning_strength")
+            self._caps = detect_caps(self._probe, reads_reasoning_effort=effort)
         return dict(self._caps)
+
+    def supports_thinking(self) -> bool:
+        """Whether llama-server would turn thinking on for this template by default (cached).
+
+        llama-server hands templates ``enable_thinking: true`` only when its analysis of the
+        template finds reasoning in it (``chat_template_caps`` do not say); otherwise ``false``.
+        Only a template that reads ``enable_thinking`` can tell the two apart, so the others are
+        not probed (``template_caps.detect_thinking`` says what is looked at).
+        """
+        if self._thinking is None:
+            self._thinking = not self.supports_kwarg("enable_thinking") or detect_thinking(self._probe)
+        return self._thinking
 
     # --- internals --------------------------------------------------------------------------
 
@@ -306,14 +332,20 @@ class ChatTemplate:
             field = "content" if continue_final_message is True else str(continue_final_message)
             mark_final_message(messages, field)
 
-        context = dict(self._globals)
-        context.update(expand_switches(kwargs))
+        # As llama-server's: what is absent stays undefined (a template's ``tools is defined``
+        # and ``add_generation_prompt is defined`` see that), and every value is a copy the
+        # template may change.
+        context = copy.deepcopy(self._globals)
+        context.update(copy.deepcopy(expand_switches(kwargs)))
         for reserved in _RESERVED_NAMES:
             context.pop(reserved, None)
         context["messages"] = messages
-        context["tools"] = copy.deepcopy(list(tools)) if tools else None
-        context["documents"] = copy.deepcopy(list(documents)) if documents else None
-        context["add_generation_prompt"] = add_generation_prompt
+        if tools is not None:
+            context["tools"] = copy.deepcopy(list(tools))
+        if documents:
+            context["documents"] = copy.deepcopy(list(documents))
+        if add_generation_prompt:
+            context["add_generation_prompt"] = True
 
         try:
             text = self._compiled.render(context)
@@ -335,11 +367,12 @@ class ChatTemplate:
         tools: list[dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> str | None:
-        """Render a probe conversation as-is; ``None`` when the template raises."""
+        """Render a probe conversation as-is (llama.cpp's probes give ``tools`` as an empty list
+        when they have none); ``None`` when the template raises."""
         try:
             return self._render_prepared(
                 prepare_messages(messages),
-                tools=tools,
+                tools=tools if tools is not None else [],
                 documents=None,
                 add_generation_prompt=True,
                 continue_final_message=False,
@@ -365,6 +398,16 @@ def _named_templates(raw: Any) -> dict[str, str]:
                 named[str(item.get("name", "default"))] = item["template"]
         return named
     return {}
+
+
+def _adds_bos(hf: Any) -> bool:
+    """The tokenizer puts a BOS before the text it encodes (``add_bos_token``)."""
+    try:
+        plain = list(hf.encode("a", add_special_tokens=False))
+        special = list(hf.encode("a", add_special_tokens=True))
+    except Exception:  # a tokenizer that cannot say: keep whatever the template renders
+        return False
+    return len(special) > len(plain) and special[:1] != plain[:1]
 
 
 def _token_text(token: Any) -> str:

@@ -1,16 +1,17 @@
-"""What a chat template is given: the messages and variables, shaped for that template.
+"""What a chat template is given: the messages and variables, shaped as llama-server shapes them.
 
-Messages are deep-copied (never the caller's) with reasoning under both names templates read;
-their content and tool-call arguments take the shapes the template's capabilities ask for
-(``adapt_messages``); llama.cpp's ``preserve_reasoning`` switch is spelled out into the variables
-templates test (``expand_switches``); and ``continue_final_message`` marks the end of the final
-message so the rendered text can be cut there (``mark_final_message``, ``cut_final_message``).
+Messages are deep-copied (never the caller's) into llama-server's JSON shape
+(``prepare_messages``); their content takes the shape the template's capabilities ask for
+(``adapt_messages``; the other changes llama-server makes are in ``chat/message_fixes.py``);
+llama.cpp's ``preserve_reasoning`` and ``reasoning_effort`` switches are spelled out into the
+variables templates test (``expand_switches``); and ``continue_final_message`` marks the end of
+the final message so the rendered text can be cut there (``mark_final_message``,
+``cut_final_message``).
 """
 
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,26 +21,71 @@ __all__ = ["adapt_messages", "cut_final_message", "expand_switches", "mark_final
 
 # Marks the end of the final message when continuing it; the rendered text is cut there.
 _CONTINUE_MARKER = "<<mlxcel-continue-final-message-7c1e>>"
+_C_SPACE = " \t\n\v\f\r"
 
 
-def prepare_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Deep-copy messages (never mutate the caller's) and alias reasoning for templates.
+def prepare_messages(messages: Sequence[Mapping[str, Any]], *, trim: bool = False) -> list[dict[str, Any]]:
+    """Copies of ``messages`` (never the caller's) in the shape llama-server gives templates.
 
-    Templates read an assistant's reasoning as ``reasoning_content`` or, for gpt-oss, as
-    ``thinking``; transformers fills both, so do we.
+    llama.cpp rebuilds each message from what it parsed (``common_chat_msg::to_json_oaicompat``),
+    in this key order: ``role``, ``content`` (``""`` when absent or null), ``reasoning_content``,
+    ``name`` and ``tool_call_id`` (each only when not empty), then ``tool_calls`` (each call:
+    ``type``, ``function`` with ``name`` and ``arguments``, then its ``id``). Templates that walk
+    a message's items see that order; keys llama.cpp does not know come last. ``trim`` strips
+    the text of surrounding whitespace first (``message_fixes.trims_content``).
     """
     prepared: list[dict[str, Any]] = []
     for message in messages:
-        copied = copy.deepcopy(dict(message))
-        reasoning = copied.get("reasoning_content")
-        if reasoning is not None and "thinking" not in copied:
-            copied["thinking"] = reasoning
-        prepared.append(copied)
+        source = copy.deepcopy(dict(message))
+        if trim:
+            _trim_text(source)
+        shaped: dict[str, Any] = {"role": source.pop("role", None)}
+        content = source.pop("content", None)
+        shaped["content"] = "" if content is None else content
+        for key in ("reasoning_content", "name", "tool_call_id"):
+            value = source.pop(key, None)
+            if value is not None and value != "":
+                shaped[key] = value
+        calls = source.pop("tool_calls", None)
+        shaped.update(source)
+        if calls:
+            shaped["tool_calls"] = [_shape_call(call) for call in calls]
+        prepared.append(shaped)
     return prepared
 
 
+def _shape_call(call: Any) -> Any:
+    if not isinstance(call, dict):
+        return call
+    call = dict(call)
+    shaped: dict[str, Any] = {"type": call.pop("type", "function")}
+    if "function" in call:
+        shaped["function"] = call.pop("function")
+    call_id = call.pop("id", None)
+    shaped.update(call)
+    if call_id:
+        shaped["id"] = call_id
+    return shaped
+
+
+def _trim_text(message: dict[str, Any]) -> None:
+    # C's isspace(), as llama.cpp's trim_whitespace.
+    for key in ("content", "reasoning_content"):
+        if isinstance(message.get(key), str):
+            message[key] = message[key].strip(_C_SPACE)
+    if isinstance(message.get("content"), list):
+        for part in message["content"]:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                part["text"] = part["text"].strip(_C_SPACE)
+
+
 def expand_switches(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """Apply llama.cpp's ``preserve_reasoning`` switch; explicit kwargs still win."""
+    """Apply llama.cpp's switches; explicit kwargs still win.
+
+    ``preserve_reasoning`` (a boolean) sets ``preserve_thinking``, ``clear_thinking``,
+    ``truncate_history_thinking`` and ``drop_thinking``, the names templates test;
+    ``reasoning_effort`` (a non-empty string) is also ``reasoning_strength``.
+    """
     expanded = dict(kwargs)
     switch = kwargs.get("preserve_reasoning")
     if isinstance(switch, bool):
@@ -51,13 +97,15 @@ def expand_switches(kwargs: Mapping[str, Any]) -> dict[str, Any]:
         }
         for key, value in derived.items():
             expanded.setdefault(key, value)
+    effort = kwargs.get("reasoning_effort")
+    if isinstance(effort, str) and effort:
+        expanded.setdefault("reasoning_strength", effort)
     return expanded
 
 
 def adapt_messages(messages: list[dict[str, Any]], caps: Mapping[str, bool]) -> list[dict[str, Any]]:
     """Shape prepared ``messages`` in place for a template with ``caps``: typed text parts joined
-    when it only takes strings, strings wrapped in a text part when it only takes typed content,
-    JSON-string tool-call arguments as objects when it wants objects."""
+    when it only takes strings, strings wrapped in a text part when it only takes typed content."""
     only_string = caps["supports_string_content"] and not caps["supports_typed_content"]
     only_typed = caps["supports_typed_content"] and not caps["supports_string_content"]
     for message in messages:
@@ -66,8 +114,6 @@ def adapt_messages(messages: list[dict[str, Any]], caps: Mapping[str, bool]) -> 
             message["content"] = _join_text_parts(content)
         elif only_typed and isinstance(content, str):
             message["content"] = [{"type": "text", "text": content}]
-        if caps["supports_object_arguments"]:
-            _arguments_to_objects(message)
     return messages
 
 
@@ -81,21 +127,6 @@ def _join_text_parts(parts: list[Any]) -> str:
     return "\n".join(str(t) for t in texts)
 
 
-def _arguments_to_objects(message: dict[str, Any]) -> None:
-    for call in message.get("tool_calls") or []:
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict):
-            continue
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                parsed = json.loads(arguments)
-            except ValueError:
-                continue
-            if isinstance(parsed, dict):
-                function["arguments"] = parsed
-
-
 def mark_final_message(messages: list[dict[str, Any]], field: str) -> None:
     """Append the continue marker to ``field`` of the final message (last text part for lists)."""
     if not messages:
@@ -106,6 +137,10 @@ def mark_final_message(messages: list[dict[str, Any]], field: str) -> None:
         final[field] = value + _CONTINUE_MARKER
         if field == "reasoning_content" and final.get("thinking") == value:
             final["thinking"] = value + _CONTINUE_MARKER
+        if field == "reasoning_content" and isinstance(final.get("content"), list):
+            for block in final["content"]:  # Ministral 3's thinking block (message_fixes)
+                if isinstance(block, dict) and block.get("thinking") == value:
+                    block["thinking"] = value + _CONTINUE_MARKER
         return
     if isinstance(value, list):
         for part in reversed(value):

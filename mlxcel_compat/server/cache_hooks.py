@@ -1,8 +1,8 @@
 """What the routes compute for the prompt cache before a request reaches the engine.
 
 The cache key needs facts only the HTTP side has: the session (``prompt_cache_key``, a router's
-session header, ``user``), the template signature (template source, merged kwargs, tools,
-tool_choice), the per-request opt-out (``cache_prompt: false``), the tenant namespace
+session header, ``user``), the template signature (template source, merged kwargs, the tools it
+renders: what shapes the prompt, never ``tool_choice`` or a grammar), the per-request opt-out (``cache_prompt: false``), the tenant namespace
 (``--prompt-cache-isolation``: the API key that authenticated the request, the ``cache_salt``
 field) and the explicit cache breakpoints (``cache_control`` on a content part, a message or a
 tool). Pure Python; no MLX.
@@ -92,25 +92,6 @@ class CacheHooks:
         self.pins = enabled and pins and tokenize is not None
         self.pin_max_ttl = pin_max_ttl
 
-    def template_defaults(self, data: Mapping[str, Any], server_kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        """Server template kwargs, plus ``preserve_thinking: true`` while the cache is on.
-
-        Thinking-preserving templates otherwise drop past reasoning from the history, which
-        rewrites the prefix every turn and defeats the cache. A request's own
-        ``chat_template_kwargs`` still wins.
-        """
-        merged = dict(server_kwargs)
-        requested = data.get("chat_template_kwargs")
-        if (
-            self.enabled
-            and self.template is not None
-            and self.template.supports_kwarg("preserve_thinking")
-            and "preserve_thinking" not in merged
-            and not (isinstance(requested, Mapping) and "preserve_thinking" in requested)
-        ):
-            merged["preserve_thinking"] = True
-        return merged
-
     def prepare_raw(
         self, data: Mapping[str, Any], requests: list[GenerationRequest], session: str | None = None, api_key_id: str | None = None
     ) -> None:
@@ -128,7 +109,7 @@ class CacheHooks:
         api_key_id: str | None = None,
     ) -> None:
         source = self.template.for_tools(chat.render_tools).source  # the template the prompt was rendered with
-        sig = template_signature(source, chat.template_kwargs, chat.tool_choice, chat.tools)
+        sig = template_signature(source, chat.template_kwargs, chat.render_tools)
         self._apply(data, requests, sig, session, api_key_id)
         if not requests or not requests[0].cache.enabled:
             return

@@ -246,8 +246,6 @@ def render_prompt(ctx: ServerContext, data: Mapping[str, Any]) -> tuple[str, Cha
         raise InvalidRequest("this model has no chat template; pass --chat-template")
     try:
         defaults = default_template_kwargs(ctx.settings)
-        if ctx.cache_hooks is not None:
-            defaults = ctx.cache_hooks.template_defaults(data, defaults)
         facts = ctx.media.facts if ctx.media is not None else None
         chat = parse_chat_request(data, default_template_kwargs=defaults, images=facts is not None and facts.images,
                                   audio=facts is not None and facts.audio is not None)

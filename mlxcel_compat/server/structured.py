@@ -83,7 +83,7 @@ class StructuredOutput:
             if grammar:
                 raise InvalidRequest('Either "json_schema" or "grammar" can be specified, but not both')
             schema = response
-        tools = chat.render_tools
+        tools = chat.callable_tools
         if not tools:
             return self._finish(data, grammar, schema)
         if data.get("grammar") is not None:

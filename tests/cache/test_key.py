@@ -15,7 +15,6 @@ from mlxcel_compat.cache.key import (
     Bucket,
     api_key_id,
     cache_namespace,
-    effective_tool_choice,
     multimodal_digest,
     pack_tokens,
     prompt_digest,
@@ -141,11 +140,12 @@ def test_multimodal_digest_order_and_framing() -> None:
 
 TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
 TOOL_A = {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+PINNED_TOOLS_SIG = "b519802e344f353e292cf8f1dd574e971b3f49a6c4e50c7a340e410c956ce87f"
 TOOL_B = {"type": "function", "function": {"name": "search", "description": "Search", "parameters": {"type": "object"}}}
 
 
-def sig(template: str = TEMPLATE, kwargs: dict[str, object] | None = None, tool_choice: object = None, tools: list[dict[str, object]] | None = None) -> str:
-    return template_signature(template, kwargs if kwargs is not None else {"enable_thinking": True}, tool_choice, tools)
+def sig(template: str = TEMPLATE, kwargs: dict[str, object] | None = None, tools: list[dict[str, object]] | None = None) -> str:
+    return template_signature(template, kwargs if kwargs is not None else {"enable_thinking": True}, tools)
 
 
 def test_signature_shape() -> None:
@@ -157,7 +157,7 @@ def test_signature_shape() -> None:
 def test_raw_prompt_sentinel_is_fixed() -> None:
     assert RAW_PROMPT_TEMPLATE_SIG == "b663b55f4cd4d4a6e6ce83a9adda6cef4512e10c3d17e0b5501dbf4c2a3e158e"
     assert len(RAW_PROMPT_TEMPLATE_SIG) == 64
-    assert RAW_PROMPT_TEMPLATE_SIG != template_signature("", {}, None, None)
+    assert RAW_PROMPT_TEMPLATE_SIG != template_signature("", {}, None)
 
 
 def test_template_whitespace_invalidates() -> None:
@@ -173,16 +173,9 @@ def test_kwargs_values_matter_but_key_order_does_not() -> None:
     assert sig(kwargs={**nested_a, "opts": {"x": [2, 1], "y": {}}}) != sig(kwargs=nested_a)
 
 
-def test_tool_choice_is_normalised() -> None:
-    assert effective_tool_choice(None, None) == "none"
-    assert effective_tool_choice(None, [TOOL_A]) == "auto"
-    assert effective_tool_choice({"type": "function", "function": {"name": "f"}}, [TOOL_A]) == "function:f"
-    assert effective_tool_choice({"type": "function", "name": "f"}, [TOOL_A]) == "function:f"
-    # Absent and explicit defaults render the same prompt, so they share a signature.
-    assert sig(tool_choice=None, tools=[TOOL_A]) == sig(tool_choice="auto", tools=[TOOL_A])
-    assert sig(tool_choice=None) == sig(tool_choice="none")
-    choices = ["auto", "none", "required", {"type": "function", "function": {"name": "get_weather"}}, {"type": "function", "function": {"name": "auto"}}]
-    assert len({sig(tool_choice=c, tools=[TOOL_A]) for c in choices}) == len(choices)
+def test_signature_is_pinned() -> None:
+    # The layout is part of the contract (entries on disk carry it): a change must bump TEMPLATE_DOMAIN.
+    assert sig(tools=[TOOL_A]) == PINNED_TOOLS_SIG
 
 
 def test_tools_order_and_content_matter() -> None:
@@ -197,7 +190,7 @@ def test_tools_order_and_content_matter() -> None:
 
 def test_tool_parameters_key_order_does_not_matter() -> None:
     reordered = {"function": {"parameters": {"properties": {"city": {"type": "string"}}, "type": "object"}, "description": "Weather", "name": "get_weather"}, "type": "function"}
-    assert sig(tools=[reordered], tool_choice="auto") == sig(tools=[TOOL_A], tool_choice="auto")
+    assert sig(tools=[reordered]) == sig(tools=[TOOL_A])
     flat = {"type": "function", "name": "get_weather", "description": "Weather", "parameters": TOOL_A["function"]["parameters"]}  # type: ignore[index]
     assert sig(tools=[flat]) == sig(tools=[TOOL_A])
 

@@ -252,15 +252,18 @@ def test_tool_choice_effective_string(choice: Any, effective: str) -> None:
     assert parse_chat_request(body).tool_choice == effective
 
 
-def test_tool_choice_none_hides_tools_from_the_prompt() -> None:
+def test_tool_choice_changes_what_may_be_called_not_the_prompt() -> None:
+    # llama-server renders the tools whatever tool_choice says ("none" included): tool_choice
+    # constrains what is generated, so the prompt (and the prompt cache's key) stays the same.
     template = ChatTemplate(TEMPLATE)
-    shown = render_chat(template, parse_chat_request(make_body(tools=[TOOL])))
-    hidden_chat = parse_chat_request(make_body(tools=[TOOL], tool_choice="none"))
-    hidden = render_chat(template, hidden_chat)
-    assert "<tools>" in shown and '"name": "lookup"' in shown
-    assert "<tools>" not in hidden
-    assert hidden_chat.render_tools is None
-    assert hidden_chat.tools  # still part of the request (template_sig covers it)
+    prompts = {}
+    for choice in ("auto", "none", "required", {"type": "function", "function": {"name": "lookup"}}):
+        chat = parse_chat_request(make_body(tools=[TOOL], tool_choice=choice))
+        prompts[str(choice)] = render_chat(template, chat)
+        assert chat.render_tools == chat.tools
+        assert (chat.callable_tools is None) == (choice == "none")
+    assert len(set(prompts.values())) == 1
+    assert "<tools>" in prompts["auto"] and '"name": "lookup"' in prompts["auto"]
 
 
 def test_template_kwargs_merge_over_server_defaults() -> None:

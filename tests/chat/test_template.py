@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 
 from mlxcel_compat.chat import sandbox
+from mlxcel_compat.chat.render import render_chat
+from mlxcel_compat.chat.request import parse_chat_request
 from mlxcel_compat.chat.sandbox import TemplateError
 from mlxcel_compat.chat.template import BUILTIN_TEMPLATES, ChatTemplate
 
@@ -278,11 +280,21 @@ def test_template_is_compiled_once(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_raise_exception_becomes_template_error_with_message() -> None:
-    tpl = make_template(PLAIN)
+    tpl = make_template("{{ raise_exception('Conversation roles must alternate') }}")
     with pytest.raises(TemplateError) as info:
-        tpl.render([{"role": "system", "content": "x"}])
-    assert info.value.message == "System role not supported"
+        tpl.render([{"role": "user", "content": "x"}])
+    assert info.value.message == "Conversation roles must alternate"
     assert info.value.status_code == 400
+
+
+def test_system_prompt_goes_into_the_next_message_where_the_template_has_no_system_role() -> None:
+    # PLAIN raises on a system message; llama-server merges it into the next message instead
+    # (and drops it when nothing follows), so the template never sees one.
+    tpl = make_template(PLAIN)
+    assert tpl.caps()["supports_system_role"] is False
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert tpl.render(messages, add_generation_prompt=False) == "user: Be brief.\nHi\n"
+    assert tpl.render(messages[:1], add_generation_prompt=False) == ""
 
 
 def test_undefined_attribute_access_is_template_error() -> None:
@@ -311,9 +323,18 @@ def test_sandbox_blocks_dunder_access() -> None:
     assert make_template("{{ raise_exception.__globals__ }}").render([]) == ""
 
 
-def test_sandbox_is_immutable_and_namespace_refuses_private_names() -> None:
+def test_sandbox_lets_templates_change_their_own_copies_and_namespace_refuses_private_names() -> None:
+    # llama.cpp's engine runs Kimi K2's queue of call ids (.append, .pop); what a template gets
+    # is copied for each render, so the change never reaches the caller or the next render.
+    tpl = make_template("{% set l = [1] %}{% do l.append(2) %}{{ l }}{% do messages.append(3) %}"
+                        "{% do extra.append(4) %}{{ extra }}")
+    messages = [{"role": "user", "content": "x"}]
+    extra = [0]
+    assert tpl.render(messages, extra=extra) == "[1, 2][0, 4]"
+    assert tpl.render(messages, extra=extra) == "[1, 2][0, 4]"
+    assert messages == [{"role": "user", "content": "x"}] and extra == [0]
     with pytest.raises(TemplateError, match="unsafe"):
-        make_template("{% set l = [1] %}{% do l.append(2) %}{{ l }}").render([])
+        make_template("{% do ''.__class__.__subclasses__() %}").render([])
     with pytest.raises(TemplateError, match="underscore"):
         make_template("{% set ns = namespace(_x=1) %}{{ ns._x }}").render([])
     # Namespaces themselves still work, and so does dict().
@@ -498,3 +519,78 @@ def test_builtin_names_render_as_llama_cpp() -> None:
         "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\n"
     )
+
+# --- what llama-server gives a template (docs/chat-templates.md) ----------------------------
+
+
+def test_absent_tools_and_generation_prompt_stay_undefined() -> None:
+    # llama-server leaves them out of the context (Hermes 2/3 iterate ``tools`` without a test).
+    tpl = make_template("{{ tools is defined }}|{{ add_generation_prompt is defined }}|{% for t in tools %}{{ t.function.name }}{% endfor %}")
+    assert tpl.render([], add_generation_prompt=False) == "False|False|"
+    assert tpl.render([], tools=[WEATHER_TOOL], add_generation_prompt=True) == "True|True|get_weather"
+
+
+class FakeBosTokenizer(FakeHFTokenizer):
+    """Encodes every character as one id, with 1 (the BOS) in front when asked for special tokens."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+
+
+def test_bos_is_left_out_where_the_tokenizer_adds_it() -> None:
+    source = "{{ bos_token }}{{ messages[0].content }}{{ bos_token }}"
+    messages = [{"role": "user", "content": "x"}]
+    assert ChatTemplate(source, bos_token="<s>", add_bos=True).render(messages) == "x<s>"
+    assert ChatTemplate(source, bos_token="<s>").render(messages) == "<s>x<s>"
+    assert ChatTemplate.from_tokenizer(FakeBosTokenizer(source)).render(messages) == "x<s>"
+    assert ChatTemplate.from_tokenizer(FakeHFTokenizer(source)).render(messages) == "<s>x<s>"
+
+
+@pytest.mark.parametrize(
+    ("source", "thinking"),
+    [
+        # The switch only changes the system prompt (Apertus): no reasoning, as llama-server finds.
+        ("{{ 'Deliberation: ' + ('on' if enable_thinking else 'off') }}{% for m in messages %}{{ m.content }}{% endfor %}"
+         "{% if add_generation_prompt %}<a>{% endif %}", False),
+        # The switch changes the generation prompt (Qwen3's empty think block).
+        ("{% for m in messages %}{{ m.content }}{% endfor %}"
+         "{% if add_generation_prompt %}<a>{% if not enable_thinking %}<think></think>{% endif %}{% endif %}", True),
+        # A past turn's reasoning shows.
+        ("{{ enable_thinking }}{% for m in messages %}{{ m.reasoning_content or '' }}{{ m.content }}{% endfor %}", True),
+        # enable_thinking is never read: the value cannot matter.
+        ("{% for m in messages %}{{ m.content }}{% endfor %}", True),
+    ],
+)
+def test_enable_thinking_defaults_to_whether_the_template_has_reasoning(source: str, thinking: bool) -> None:
+    tpl = make_template(source)
+    assert tpl.supports_thinking() is thinking
+    if not tpl.supports_kwarg("enable_thinking"):
+        return
+    # What the template is given (printed first, where it changes no generation prompt).
+    shown = make_template("{{ enable_thinking }}|" + source)
+    assert shown.supports_thinking() is thinking
+    rendered = render_chat(shown, parse_chat_request({"messages": [{"role": "user", "content": "q"}]}))
+    assert rendered.startswith(f"{thinking}|")
+    told = parse_chat_request({"messages": [{"role": "user", "content": "q"}], "chat_template_kwargs": {"enable_thinking": True}})
+    assert render_chat(shown, told).startswith("True|")
+
+
+def test_preserve_reasoning_and_reasoning_effort_reach_the_template() -> None:
+    tpl = make_template("{{ preserve_reasoning }} {{ preserve_thinking }} {{ clear_thinking }} "
+                        "{{ reasoning_effort is defined }} {{ reasoning_strength | default('-') }}")
+    body = {"messages": [{"role": "user", "content": "q"}]}
+    assert render_chat(tpl, parse_chat_request(body)) == "True True False False -"
+    off = parse_chat_request({**body, "chat_template_kwargs": {"preserve_reasoning": False}, "reasoning_effort": "low"})
+    assert render_chat(tpl, off) == "False False True True low"
+
+
+def test_arguments_that_are_not_json_are_refused_where_the_template_takes_objects() -> None:
+    # llama-server parses string arguments for such templates and refuses what does not parse.
+    tpl = make_template()
+    assert tpl.caps()["supports_object_arguments"] is True
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris"}}
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    with pytest.raises(TemplateError, match="Failed to parse tool call arguments as JSON"):
+        tpl.render(messages)
+    call["function"]["arguments"] = '{"city": "Paris"}'
+    assert '"city": "Paris"' in tpl.render(messages)

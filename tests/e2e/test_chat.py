@@ -125,8 +125,12 @@ def test_chat_shape(http):
 
 
 def test_chat_prompt_tokens_match_the_rendered_template(http):
+    # As llama-server: the rendered prompt leaves out the BOS the tokenizer adds (the factory's
+    # template writes it), and the chat prompt is tokenized with the special tokens added.
     rendered = post(http, "/apply-template", messages=MESSAGES)["prompt"]
-    tokens = http.post("/tokenize", json={"content": rendered}).json()["tokens"]
+    bos = http.get("/props").json()["bos_token"]
+    assert bos and not rendered.startswith(bos)
+    tokens = http.post("/tokenize", json={"content": rendered, "add_special": True}).json()["tokens"]
     body = post(http, "/v1/chat/completions", messages=MESSAGES, max_tokens=1)
     assert body["usage"]["prompt_tokens"] == len(tokens)
 
@@ -248,7 +252,7 @@ def test_chat_tools_are_rendered_into_the_prompt(http):
     assert "get_current_weather" in with_tools
     assert "get_current_weather" not in plain
     body = post(http, "/v1/chat/completions", messages=MESSAGES, tools=[WEATHER_TOOL], max_tokens=1)
-    tokens = http.post("/tokenize", json={"content": with_tools}).json()["tokens"]
+    tokens = http.post("/tokenize", json={"content": with_tools, "add_special": True}).json()["tokens"]
     assert body["usage"]["prompt_tokens"] == len(tokens)
 
 

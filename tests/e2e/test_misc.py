@@ -272,8 +272,9 @@ def test_apply_template_renders_chatml(http):
     ]
     response = http.post("/apply-template", json={"messages": messages})
     assert response.status_code == 200
+    # The template writes the BOS; the tokenizer adds it, so the text leaves it out (llama-server).
     assert response.json() == {
-        "prompt": "<|begin_of_text|><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "prompt": "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
     }
 

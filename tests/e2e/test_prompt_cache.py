@@ -117,6 +117,66 @@ def test_tool_schema_change_is_a_miss(client, raw) -> None:
     assert cached(other) == 0
 
 
+def test_tool_choice_is_not_part_of_the_key(client, raw) -> None:
+    # tool_choice (and the grammar it brings) changes what is generated, not the prompt: the same
+    # messages and tools sent with tool_choice "required" and then "auto" (and "none") reuse the
+    # prompt. Measured 12-06 before the fix: 0 tokens reused (no_candidate).
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[2]}]
+    forced = client.chat.completions.create(model="x", messages=messages, tools=[TOOL], tool_choice="required",
+                                            max_tokens=24, temperature=0)
+    assert cached(forced) == 0
+    for choice in ("auto", "none"):
+        again = client.chat.completions.create(model="x", messages=messages, tools=[TOOL], tool_choice=choice,
+                                               max_tokens=4, temperature=0)
+        assert again.usage.prompt_tokens == forced.usage.prompt_tokens
+        assert cached(again) == forced.usage.prompt_tokens - 1, choice
+
+
+@pytest.mark.parametrize(("name", "reasoning", "slack"), [("Qwen-Qwen3-0.6B", False, 0), ("GLM-4.7-Flash", True, 1)])
+def test_agent_turns_with_tool_calls_reuse_the_previous_prompt(server_factory, qwen3_dir, tmp_path, name, reasoning, slack) -> None:
+    # An agent's loop under a real template (llama.cpp's, on the factory's qwen3 model): each turn
+    # sends the history back with the assistant's tool call and the tool's result, and each turn's
+    # prompt is reused whole by the next one: the history renders as it did when it was the
+    # prompt. With reasoning sent back, GLM 4.7 keeps it because preserve_reasoning is on (as in
+    # llama-server); Qwen3's own template drops a past turn's reasoning whatever it is told, so
+    # there the turns carry none. GLM's prompt ends with "<think>", which the factory's vocabulary
+    # has no token for: its ">" and the reasoning's first letter become one token in the next
+    # prompt, so the reuse may stop one token short of the previous prompt (``slack``).
+    from tests.chat.conftest import read_llama_cpp_templates
+
+    template = tmp_path / f"{name}.jinja"
+    template.write_text(read_llama_cpp_templates()[name], encoding="utf-8")
+    server = server_factory(["-m", str(qwen3_dir), "-np", "1", "-c", "4096", "-b", "64",
+                             "--chat-template-file", str(template), "--prompt-cache-min-prefix", "16"])
+    agent = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    call = {"id": "call00001", "type": "function",
+            "function": {"name": "get_opening_hours", "arguments": '{"branch": "central"}'}}
+    calling: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": [call]}
+    answer: dict[str, Any] = {"role": "assistant", "content": "It opens at 09:00 on Saturday."}
+    if reasoning:
+        calling["reasoning_content"] = "The tool knows the hours."
+        answer["reasoning_content"] = "The tool answered."
+    turns = [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}],
+        [calling, {"role": "tool", "tool_call_id": "call00001", "content": '{"saturday": "09:00-13:00"}'}],
+        [answer, {"role": "user", "content": QUESTIONS[1]}],
+    ]
+    messages: list[dict[str, Any]] = []
+    previous, previous_text = 0, ""
+    for turn in turns:
+        messages += turn
+        text = httpx.post(server.base_url + "/apply-template", json={"messages": messages, "tools": [TOOL]}, timeout=30).json()["prompt"]
+        assert text.startswith(previous_text)
+        reply = agent.chat.completions.create(model="x", messages=messages, tools=[TOOL], max_tokens=4, temperature=0,
+                                              extra_body={"prompt_cache_key": "agent-1"})
+        assert reply.usage.prompt_tokens > previous
+        assert cached(reply) >= previous - slack, (cached(reply), previous)
+        assert reply.model_extra["timings"]["cache_n"] == cached(reply)
+        previous, previous_text = reply.usage.prompt_tokens, text
+    if reasoning:
+        assert "The tool knows the hours." in previous_text and "The tool answered." in previous_text
+
+
 def test_template_kwargs_change_is_a_miss(client, raw) -> None:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[3]}]
     chat(client, messages, chat_template_kwargs={"enable_thinking": True})
@@ -193,7 +253,10 @@ def test_stats_reset_and_metrics_agree_with_responses(client, raw) -> None:
     assert empty["hits"] == stats["hits"]  # counters survive a reset
 
 
-def test_preserve_thinking_defaults_on_while_the_cache_is_on(raw, server_factory, qwen3_dir) -> None:
+def test_past_reasoning_stays_in_the_history_as_in_llama_server(raw, server_factory, qwen3_dir) -> None:
+    # llama-server renders with preserve_reasoning on (--reasoning-preserve, its default): a past
+    # turn's reasoning stays in the history, so the next turn's prompt starts with this one's and
+    # the prompt cache keeps hitting. A request or --no-reasoning-preserve turns it off.
     history = [
         {"role": "user", "content": "First question"},
         {"role": "assistant", "content": "First answer", "reasoning_content": "SECRET-REASONING"},
@@ -201,12 +264,13 @@ def test_preserve_thinking_defaults_on_while_the_cache_is_on(raw, server_factory
     ]
     rendered = raw.post("/apply-template", json={"messages": history}).json()["prompt"]
     assert "SECRET-REASONING" in rendered
-    opted_out = raw.post("/apply-template", json={"messages": history, "chat_template_kwargs": {"preserve_thinking": False}}).json()["prompt"]
-    assert "SECRET-REASONING" not in opted_out
-    no_cache = server_factory(["-m", str(qwen3_dir), "--no-cache-prompt"])
-    plain = httpx.post(no_cache.base_url + "/apply-template", json={"messages": history}, timeout=30).json()["prompt"]
+    for kwargs in ({"preserve_reasoning": False}, {"preserve_thinking": False}):
+        opted_out = raw.post("/apply-template", json={"messages": history, "chat_template_kwargs": kwargs}).json()["prompt"]
+        assert "SECRET-REASONING" not in opted_out
+    off = server_factory(["-m", str(qwen3_dir), "--no-reasoning-preserve", "--no-cache-prompt"])
+    plain = httpx.post(off.base_url + "/apply-template", json={"messages": history}, timeout=30).json()["prompt"]
     assert "SECRET-REASONING" not in plain
-    disabled = httpx.get(no_cache.base_url + "/v1/cache/stats", timeout=30).json()
+    disabled = httpx.get(off.base_url + "/v1/cache/stats", timeout=30).json()
     assert disabled["enabled"] is False and disabled["entries"] == 0 and "hits" in disabled
 
 

@@ -85,7 +85,8 @@ def test_sentencepiece_gguf_tokenizes_like_the_directory(spm: tuple[Path, Path],
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     rendered = ChatTemplate.from_tokenizer(ours).render(messages, add_generation_prompt=True)
     assert rendered == ChatTemplate.from_tokenizer(theirs).render(messages, add_generation_prompt=True)
-    assert rendered.startswith("<s><<SYS>>\nBe brief.")
+    # The template writes "<s>"; the tokenizer adds it itself, so the text leaves it out (llama-server).
+    assert rendered.startswith("<<SYS>>\nBe brief.")
     assert ours.encode(rendered, add_special_tokens=False) == theirs.encode(rendered, add_special_tokens=False)
 
 
@@ -199,7 +200,8 @@ def test_named_templates_are_used_as_llama_server_uses_them(tmp_path: Path) -> N
         plain = render_chat(template, parse_chat_request({"messages": messages}))
         with_tools = render_chat(template, parse_chat_request({"messages": messages, "tools": TOOLS}))
         refused = render_chat(template, parse_chat_request({"messages": messages, "tools": TOOLS, "tool_choice": "none"}))
-        assert "<|im_start|>tools" not in plain and plain == refused  # the template sees no tools
+        assert "<|im_start|>tools" not in plain
+        assert refused == with_tools  # tool_choice "none" changes what is generated, not the prompt
         assert with_tools == "<|im_start|>tools\nget_weather\n<|im_end|>\n<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"
         rag = ChatTemplate.from_tokenizer(tokenizer, override="rag")
         assert rag.render(messages) == "RAG Weather in Paris?\n" and rag.tool_use_source is None
