@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 from mlxcel_compat.gguf.reader import GGUFModelFile
 
 
@@ -27,6 +29,11 @@ class ArchSpec:
     build_config: Callable[[GGUFModelFile], dict[str, Any]]
     permute_qk: bool = False
     norm_shift: float = 0.0  # the converter added this to every *norm.weight
+    # Parameters the converter moved out of the tensors into metadata (Apertus's per-layer xIELU
+    # constants): mlx-lm name -> value, rebuilt from the file; no GGUF tensor is looked up for them.
+    metadata_weights: Callable[[GGUFModelFile, dict[str, Any]], dict[str, np.ndarray]] | None = None
+    # Tensors the config builder reads (Phi-3's LongRoPE factors), which the model has no parameter for.
+    config_tensors: tuple[str, ...] = ()
 
 
 def uniform(file: GGUFModelFile, key: str, default: Any = None) -> Any:

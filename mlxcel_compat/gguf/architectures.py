@@ -42,7 +42,7 @@ def model_config(file: GGUFModelFile, spec: ArchSpec, vocab_size: int, eos_ids: 
     """The config.json an mlx-lm checkpoint of this model would have."""
     config = spec.build_config(file)
     config.update(
-        model_type=spec.model_type,
+        model_type=config.get("model_type", spec.model_type),  # a builder may pick the class from the metadata
         architectures=[spec.hf_architecture],
         vocab_size=int(file.arch_value("vocab_size", vocab_size)),
         eos_token_id=eos_ids,

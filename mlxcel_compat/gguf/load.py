@@ -222,11 +222,12 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     spec, tokenizer, specials, config = _prepare(file)
     model = _build_model(config, file)
     shapes = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
-    names = gguf_arch.gguf_names(spec, list(shapes), config["num_hidden_layers"])
+    from_metadata = spec.metadata_weights(file, config) if spec.metadata_weights is not None else {}
+    names = gguf_arch.gguf_names(spec, [n for n in shapes if n not in from_metadata], config["num_hidden_layers"])
     missing = sorted(set(names) - set(file.tensors))
     if missing:
         raise ValueError(f"'{file.path}' lacks tensors the {spec.gguf_arch} model needs: {', '.join(missing[:8])}")
-    ignored = sorted(set(file.tensors) - set(names) - {"rope_freqs.weight"})
+    ignored = sorted(set(file.tensors) - set(names) - {"rope_freqs.weight", *spec.config_tensors})
     if ignored:
         log.warning("GGUF tensors without a counterpart in the mlx-lm model are ignored: %s", ", ".join(ignored[:8]))
 
@@ -308,6 +309,7 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         nn.quantize(model, class_predicate=lambda p, m: {"group_size": quantized[p].group_size,
                                                          "bits": quantized[p].bits, "mode": "affine"}
                     if p in quantized else False)
+    loaded.extend((name, mx.array(value).reshape(shapes[name])) for name, value in from_metadata.items())
     model.eval()
     model.load_weights(loaded, strict=False)  # the model's own initial values were never evaluated
     if "rope_freqs.weight" in file.tensors and spec.permute_qk:

@@ -120,6 +120,8 @@ def converted_tensors(family: str, config: dict[str, Any], weights: dict[str, An
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     out: dict[str, np.ndarray] = {}
     for hf_name in sorted(weights):
+        if target.dropped and hf_name.endswith(target.dropped):
+            continue
         data = np.array(weights[hf_name], dtype=np.float32)
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
@@ -136,6 +138,8 @@ def converted_tensors(family: str, config: dict[str, Any], weights: dict[str, An
     scaling = config.get("rope_scaling") or {}
     if scaling.get("rope_type", scaling.get("type")) == "llama3":
         out["rope_freqs.weight"] = llama3_rope_factors(config)
+    if target.extra_tensors is not None:
+        out.update(target.extra_tensors(config))
     return out
 
 

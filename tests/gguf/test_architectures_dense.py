@@ -1,0 +1,136 @@
+"""The dense architectures served from GGUF (``gguf/arch_dense.py``) load as their mlx-lm directories.
+
+For every dense factory family (``testing/families_dense.py``), the factory's GGUF, written as
+llama.cpp's converter writes that architecture:
+
+- F32: the same token ids and rendered chat prompt as the directory, logits over a prompt within
+  ``F32_TOLERANCE`` of mlx-lm's on the directory (the same float32 weights through the same
+  mlx-lm class, so only metadata values rounded to float32, e.g. an epsilon, may differ; measured
+  0 for every family), and the same greedy tokens through the engine;
+- Q8_0: the CPU serves the matrices from the file's blocks (ggml's kernels); the prompt's logits
+  within ``Q8_0_TOLERANCE`` of the same file expanded to float32 (``load_gguf(..., blocks=False)``).
+
+The unknown-architecture path (``architectures.generic_spec``) is tested at the end: a file whose
+architecture no row serves loads through mlx-lm's class of that name when it fits, and otherwise
+stops with a message naming the architecture and the served ones.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load
+
+from mlxcel_compat.chat.template import ChatTemplate
+from mlxcel_compat.gguf.load import load_gguf
+from mlxcel_compat.runtime import cpu_decode
+from mlxcel_compat.testing import families_dense
+from mlxcel_compat.testing.gguf_writer import ensure_gguf
+from tests.conftest import MODEL_CACHE, tiny_model
+from tests.engine.harness import EngineHarness
+
+pytestmark = pytest.mark.engine
+
+DENSE_FAMILIES = tuple(f.name for f in families_dense.FAMILIES)
+PROMPT = ("The quick brown fox jumps over the lazy dog. def f(x: int) -> str:\n    return 'café 你好' "
+          "and a few more words, so that the prompt runs past the tiny models' sliding windows")
+TEXTS = [PROMPT, "  two spaces\n\ttab <|im_start|>user\nhi<|im_end|>", "🚀 ✅"]
+F32_TOLERANCE = 1e-5
+# Prompt products of Q8_0 blocks quantize the activations to 8 bits, as llama.cpp does (ggml's
+# mul_mat, or the shim's own GEMM): the tiny models' logits (spread about +-2) move by up to ~0.1
+# against float32 math on the same weights; decode rows by as much.
+Q8_0_TOLERANCE = 0.4
+N_GREEDY = 8
+
+
+def greedy(model, prompt: list[int], n: int = N_GREEDY) -> tuple[list[int], list[float]]:
+    """``n`` greedy tokens after ``prompt``, and the gap between the top two logits at each step."""
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)
+    tokens, gaps = [], []
+    for _ in range(n):
+        row = np.array(logits[0, -1], dtype=np.float32)
+        top = np.sort(row)[-2:]
+        tokens.append(int(row.argmax()))
+        gaps.append(float(top[1] - top[0]))
+        logits = model(mx.array([[tokens[-1]]]), cache=cache)
+    return tokens, gaps
+
+
+def agree_where_clear(ours: list[int], theirs: list[int], gaps: list[float], margin: float) -> None:
+    """The same tokens up to the first step whose top two are within ``margin`` (after a near-tie
+    either continuation is right, and the sequences may part)."""
+    for got, expected, gap in zip(ours, theirs, gaps):
+        if gap <= margin:
+            return
+        assert got == expected, (ours, theirs, gaps)
+
+
+class Directories(dict):
+    """mlx-lm's model and tokenizer of each family's directory, loaded on first use."""
+
+    def __missing__(self, family: str) -> tuple:
+        self[family] = load(str(tiny_model(family)))
+        return self[family]
+
+
+@pytest.fixture(scope="module")
+def directories() -> Directories:
+    return Directories()
+
+
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
+def test_f32_gguf_equals_the_directory(family: str, directories: dict[str, tuple]) -> None:
+    reference, hf_tok = directories[family]
+    path = ensure_gguf(family, "tiny", "f32", cache_dir=MODEL_CACHE)
+    model, tokenizer, config, summary = load_gguf(str(path), on_cpu=True)
+    assert summary.architecture == families_dense.GGUF_TARGETS[family].arch
+    assert set(summary.precision) == {"float32"}
+
+    for text in TEXTS:
+        for special in (True, False):
+            assert tokenizer.encode(text, add_special_tokens=special) == hf_tok.encode(text, add_special_tokens=special)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    ours, theirs = ChatTemplate.from_tokenizer(tokenizer), ChatTemplate.from_tokenizer(hf_tok)
+    assert ours.render(messages, add_generation_prompt=True) == theirs.render(messages, add_generation_prompt=True)
+
+    ids = hf_tok.encode(PROMPT)
+    expected = reference(mx.array([ids]))
+    diff = mx.abs(model(mx.array([ids])) - expected).max().item()
+    assert diff <= F32_TOLERANCE, (family, diff)
+    theirs_tokens, gaps = greedy(reference, ids)
+    agree_where_clear(greedy(model, ids)[0], theirs_tokens, gaps, 10 * F32_TOLERANCE)
+
+
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
+def test_q8_0_blocks_equal_their_float32_expansion(family: str, directories: dict[str, tuple]) -> None:
+    path = ensure_gguf(family, "tiny", "q8_0", cache_dir=MODEL_CACHE)
+    model, _, _, summary = load_gguf(str(path), on_cpu=True)
+    expanded, *_ = load_gguf(str(path), on_cpu=True, blocks=False)
+    assert "blocks q8_0" in summary.precision, summary.precision
+    ids = directories[family][1].encode(PROMPT)
+    diff = mx.abs(model(mx.array([ids])) - expanded(mx.array([ids]))).max().item()
+    assert diff <= Q8_0_TOLERANCE, (family, diff)
+    tokens, gaps = greedy(expanded, ids)
+    agree_where_clear(greedy(model, ids)[0], tokens, gaps, 2 * Q8_0_TOLERANCE)
+
+
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
+def test_engine_generates_greedily_from_the_gguf(family: str, directories: dict[str, tuple]) -> None:
+    """Through the engine (prefill, decode steps, the attention and fusion levers): the directory's
+    greedy tokens; where the CPU decode runtime cannot take the family, it says why."""
+    reference, hf_tok = directories[family]
+    ids = hf_tok.encode(PROMPT)
+    expected, gaps = greedy(reference, ids)
+    harness = EngineHarness(ensure_gguf(family, "tiny", "f32", cache_dir=MODEL_CACHE), n_parallel=1)
+    try:
+        run = harness.run(ids, n_predict=N_GREEDY, ignore_eos=True, cache=False)
+        loaded = harness.engine.loaded
+        reason = cpu_decode.unsupported(loaded.model)  # what the start-up log says (model/loader.py)
+    finally:
+        harness.close()
+    assert run.finish is not None and len(run.tokens) == N_GREEDY
+    agree_where_clear(run.tokens, expected, gaps, 1e-3)
+    assert (loaded.decoder is None) == bool(reason), reason
