@@ -9,10 +9,20 @@ metadata (SmolLM3's NoPE period, Cohere 2's sliding-window period).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from mlxcel_compat.gguf.arch_spec import ArchSpec, common_config
-from mlxcel_compat.gguf.reader import GGUFModelFile
+import numpy as np
+
+from mlxcel_compat.gguf import quants
+from mlxcel_compat.gguf.arch_spec import ArchSpec, UnsupportedArchitecture, common_config, required
+from mlxcel_compat.gguf.reader import GGUFModelFile, read_tensor
+
+
+def tensor_values(file: GGUFModelFile, name: str) -> np.ndarray:
+    """A small tensor's values as float32 (rope factors read into the config)."""
+    info = file.tensors[name]
+    return quants.dequantize(read_tensor(info), info.ggml_type, info.n_values).astype(np.float32)
 
 
 def _mistral3(file: GGUFModelFile) -> dict[str, Any]:
@@ -33,6 +43,39 @@ def _mistral3(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
+
+PHI3_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _phi3(file: GGUFModelFile) -> dict[str, Any]:
+    """Phi-3 / Phi-4: fused ``attn_qkv`` and ``ffn_up`` (gate and up) as mlx-lm's ``qkv_proj`` and
+    ``gate_up_proj``; the rotated share of a head from ``rope.dimension_count``; LongRoPE's factor
+    tensors into the config. mlx-lm's ``SuScaledRoPE`` always applies the long factors, scaled by
+    ``sqrt(1 + ln(max / original) / ln(original))``, which is the ``rope.scaling.attn_factor`` the
+    converter writes; llama.cpp switches to the short factors while a sequence's context is at most
+    the original one. The sliding window is ignored, as llama.cpp ignores it for Phi-3."""
+    config = common_config(file)
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    if config.pop("head_dim") != head_dim:
+        raise UnsupportedArchitecture("phi3 with head_dim != hidden / heads has no mlx-lm equivalent")
+    rotated = int(file.arch_value("rope.dimension_count", head_dim))
+    config["partial_rotary_factor"] = rotated / head_dim
+    original = int(file.arch_value("rope.scaling.original_context_length", config["max_position_embeddings"]))
+    config["original_max_position_embeddings"] = original
+    config.setdefault("rope_theta", 10000.0)
+    if all(name in file.tensors for name in PHI3_ROPE_FACTORS):
+        long, short = (tensor_values(file, name).tolist() for name in PHI3_ROPE_FACTORS)
+        config["rope_scaling"] = {"type": "longrope", "long_factor": long, "short_factor": short}
+        factor = config["max_position_embeddings"] / original
+        expected = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        stored = float(file.arch_value("rope.scaling.attn_factor", expected))
+        if abs(stored - expected) > 1e-6 * expected:
+            raise UnsupportedArchitecture(f"phi3 rope.scaling.attn_factor {stored} is not LongRoPE's scale {expected} "
+                                          "(mlx-lm's SuScaledRoPE computes its own)")
+    return config
+
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("mistral3", "ministral3", "Ministral3ForCausalLM", _mistral3, permute_qk=True),
+    ArchSpec("phi3", "phi3", "Phi3ForCausalLM", _phi3, config_tensors=PHI3_ROPE_FACTORS),
 )

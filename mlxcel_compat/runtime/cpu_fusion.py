@@ -294,10 +294,13 @@ def _is_mlp(name: str, module: Any) -> bool:
     """A dense gated MLP of an mlx-lm model (``layers.N.mlp``, class ``MLP``), of float weights:
     one with block-format weights evaluates inside its call, which ``mx.compile`` cannot trace.
     One with a LoRA adapter is compiled too, but its trace serves only passes with no adapter
-    active (its layers read their scales at call time, which a trace would bake in)."""
+    active (its layers read their scales at call time, which a trace would bake in). One whose gate
+    and up projections are fused (Phi-3's and GLM-4's ``gate_up_proj``) splits its output, which a
+    shapeless trace cannot infer, and is left alone."""
     from mlxcel_compat.runtime.block_layers import holds_blocks
 
-    return name.endswith(".mlp") and type(module).__name__ == "MLP" and not holds_blocks(module)
+    return (name.endswith(".mlp") and type(module).__name__ == "MLP" and not holds_blocks(module)
+            and not hasattr(module, "gate_up_proj"))
 
 
 def install(model: Any) -> dict[str, int]:

@@ -90,12 +90,69 @@ def _ministral3_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any])
     writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
 
 
+
+# --- phi3: Phi-3.5-mini, Phi-4, Phi-4-mini
+
+
+def _phi3_config(size: str) -> dict[str, Any]:
+    # Phi-4-mini's shape: fused qkv_proj and gate_up_proj, GQA 3:1, three quarters of each head
+    # rotated, LongRoPE (per-frequency long and short factors), tied embeddings.
+    dims = _dims(size, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=192),
+                 dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                      intermediate_size=2048))
+    rotated = int(0.75 * dims["hidden_size"]) // dims["num_attention_heads"]
+    n = rotated // 2
+    scaling = {"type": "longrope", "long_factor": [1.0 + 0.5 * i for i in range(n)],
+               "short_factor": [1.0 + 0.125 * i for i in range(n)]}
+    return dict(dims, partial_rotary_factor=0.75, rope_scaling=scaling, rope_theta=10000.0,
+                original_max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+
+def _phi3_rotated(c: dict[str, Any]) -> int:
+    return int(c.get("partial_rotary_factor", 1.0) * c["hidden_size"]) // c["num_attention_heads"]
+
+
+def _phi3_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) -> None:
+    # Phi3MiniModel.set_gguf_parameters and generate_extra_tensors: no head_dim or vocab size keys.
+    import math
+
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_rope_scaling_orig_ctx_len(c["original_max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_rope_dimension_count(_phi3_rotated(c))
+    writer.add_rope_freq_base(c["rope_theta"])
+    writer.add_sliding_window(c.get("sliding_window") or 0)
+    if (c.get("rope_scaling") or {}).get("long_factor"):
+        scale = c["max_position_embeddings"] / c["original_max_position_embeddings"]
+        original = c["original_max_position_embeddings"]
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+
+
+def _phi3_rope_factors(c: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+
+    scaling = c.get("rope_scaling") or {}
+    if not scaling.get("long_factor"):
+        return {}
+    return {"rope_factors_long.weight": np.array(scaling["long_factor"], dtype=np.float32),
+            "rope_factors_short.weight": np.array(scaling["short_factor"], dtype=np.float32)}
+
 FAMILIES: tuple[Family, ...] = (
     Family("ministral3", "Ministral3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
+    Family("phi3", "Phi3ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "ministral3": _ministral3_config,
+    "phi3": _phi3_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "ministral3": GgufTarget("mistral3", permute_qk=True, norm_shift=0.0, hparams=_ministral3_hparams),
+    "phi3": GgufTarget("phi3", permute_qk=False, norm_shift=0.0, hparams=_phi3_hparams,
+                       extra_tensors=_phi3_rope_factors),
 }
