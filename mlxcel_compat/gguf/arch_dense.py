@@ -9,6 +9,7 @@ metadata (SmolLM3's NoPE period, Cohere 2's sliding-window period).
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -17,6 +18,8 @@ import numpy as np
 from mlxcel_compat.gguf import quants
 from mlxcel_compat.gguf.arch_spec import ArchSpec, UnsupportedArchitecture, common_config, required
 from mlxcel_compat.gguf.reader import GGUFModelFile, read_tensor
+
+log = logging.getLogger(__name__)
 
 
 def tensor_values(file: GGUFModelFile, name: str) -> np.ndarray:
@@ -75,7 +78,30 @@ def _phi3(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
+
+def _gemma2(file: GGUFModelFile) -> dict[str, Any]:
+    """Gemma 2: norms stored as ``1 + w`` (the row's ``norm_shift``), attention and final logit
+    soft-capping, the query scale llama.cpp fixes by size (hidden / heads for the 27B's 46 layers,
+    head_dim otherwise: Gemma's ``query_pre_attn_scalar``, which the file does not carry).
+
+    mlx-lm's ``gemma2`` attends to the whole context in every layer; llama.cpp (as transformers)
+    limits every other layer to ``attention.sliding_window`` (4096 in the released models). Up to
+    that many tokens the two agree; past it they differ, and the start-up log says so."""
+    config = common_config(file)
+    config.setdefault("rope_theta", 10000.0)
+    config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"]
+                                       if config["num_hidden_layers"] == 46 else config["head_dim"])
+    config["attn_logit_softcapping"] = float(file.arch_value("attn_logit_softcapping", 50.0))
+    config["final_logit_softcapping"] = float(file.arch_value("final_logit_softcapping", 30.0))
+    window = int(file.arch_value("attention.sliding_window", 4096))
+    if window < config["max_position_embeddings"]:
+        log.warning("gemma2: mlx-lm's model attends globally in every layer; llama.cpp limits every other "
+                    "layer to %d tokens, so contexts longer than that differ from llama-server's", window)
+    return config
+
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("mistral3", "ministral3", "Ministral3ForCausalLM", _mistral3, permute_qk=True),
     ArchSpec("phi3", "phi3", "Phi3ForCausalLM", _phi3, config_tensors=PHI3_ROPE_FACTORS),
+    ArchSpec("gemma2", "gemma2", "Gemma2ForCausalLM", _gemma2, norm_shift=1.0),
 )

@@ -143,16 +143,53 @@ def _phi3_rope_factors(c: dict[str, Any]) -> dict[str, Any]:
     return {"rope_factors_long.weight": np.array(scaling["long_factor"], dtype=np.float32),
             "rope_factors_short.weight": np.array(scaling["short_factor"], dtype=np.float32)}
 
+
+# --- gemma2: Gemma 2
+
+
+def _gemma2_config(size: str) -> dict[str, Any]:
+    # Gemma-2-2B's shape: head_dim 256 for 2304 wide (heads x head_dim != hidden), GQA 2:1,
+    # sandwich norms stored as w (gain 1 + w), GELU-tanh gating, tied embeddings, every other layer
+    # sliding. The tiny model's soft caps are small (the real 50 and 30 barely touch its small
+    # scores), so the file's values are load-bearing in the tests.
+    dims = _dims(size, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=32, intermediate_size=192, attn_logit_softcapping=2.0,
+                            final_logit_softcapping=1.5),
+                 dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=128, intermediate_size=2304, attn_logit_softcapping=50.0,
+                      final_logit_softcapping=30.0))
+    return dict(dims, query_pre_attn_scalar=dims["head_dim"], sliding_window=4096, rms_norm_eps=1e-6,
+                rope_theta=10000.0, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
+
+
+def _gemma2_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) -> None:
+    # Gemma2Model.set_gguf_parameters writes its own short list: no RoPE base, no vocabulary size.
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_key_length(c["head_dim"])
+    writer.add_value_length(c["head_dim"])
+    writer.add_attn_logit_softcapping(c["attn_logit_softcapping"])
+    writer.add_final_logit_softcapping(c["final_logit_softcapping"])
+    writer.add_sliding_window(c["sliding_window"])
+
 FAMILIES: tuple[Family, ...] = (
     Family("ministral3", "Ministral3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
     Family("phi3", "Phi3ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
+    Family("gemma2", "Gemma2ForCausalLM", thinking=False, add_bos=True, norm_one=0.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "ministral3": _ministral3_config,
     "phi3": _phi3_config,
+    "gemma2": _gemma2_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "ministral3": GgufTarget("mistral3", permute_qk=True, norm_shift=0.0, hparams=_ministral3_hparams),
     "phi3": GgufTarget("phi3", permute_qk=False, norm_shift=0.0, hparams=_phi3_hparams,
                        extra_tensors=_phi3_rope_factors),
+    "gemma2": GgufTarget("gemma2", permute_qk=False, norm_shift=1.0, hparams=_gemma2_hparams),
 }
