@@ -100,8 +100,21 @@ def _gemma2(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
+
+def _smollm3(file: GGUFModelFile) -> dict[str, Any]:
+    """SmolLM3: llama (Q/K rows permuted) whose every fourth layer has no RoPE. The file does not
+    say which: llama.cpp fixes the period at 4 (``n_no_rope_layer_step``), and so does this."""
+    config = common_config(file)
+    config.setdefault("rope_theta", 10000.0)
+    config["attention_bias"] = "blk.0.attn_q.bias" in file.tensors
+    config["mlp_bias"] = "blk.0.ffn_up.bias" in file.tensors
+    config["no_rope_layer_interval"] = 4
+    return config
+
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("mistral3", "ministral3", "Ministral3ForCausalLM", _mistral3, permute_qk=True),
     ArchSpec("phi3", "phi3", "Phi3ForCausalLM", _phi3, config_tensors=PHI3_ROPE_FACTORS),
     ArchSpec("gemma2", "gemma2", "Gemma2ForCausalLM", _gemma2, norm_shift=1.0),
+    ArchSpec("smollm3", "smollm3", "SmolLM3ForCausalLM", _smollm3, permute_qk=True),
 )

@@ -177,19 +177,42 @@ def _gemma2_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) -> 
     writer.add_final_logit_softcapping(c["final_logit_softcapping"])
     writer.add_sliding_window(c["sliding_window"])
 
+
+# --- smollm3: SmolLM3
+
+
+def _smollm3_config(size: str) -> dict[str, Any]:
+    # SmolLM3-3B's shape: llama with every fourth layer's RoPE left out (NoPE), GQA 4:1, tied
+    # embeddings.
+    dims = _dims(size, dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=192),
+                 dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                      intermediate_size=2048))
+    n = dims["num_hidden_layers"]
+    return dict(dims, no_rope_layers=[int((i + 1) % 4 != 0) for i in range(n)], no_rope_layer_interval=4,
+                rope_theta=5000000.0, rms_norm_eps=1e-6, attention_bias=False, mlp_bias=False,
+                tie_word_embeddings=True)
+
+
+def _smollm3_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) -> None:
+    llama_hparams(writer, c)
+
 FAMILIES: tuple[Family, ...] = (
     Family("ministral3", "Ministral3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
     Family("phi3", "Phi3ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("gemma2", "Gemma2ForCausalLM", thinking=False, add_bos=True, norm_one=0.0),
+    Family("smollm3", "SmolLM3ForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "ministral3": _ministral3_config,
     "phi3": _phi3_config,
     "gemma2": _gemma2_config,
+    "smollm3": _smollm3_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "ministral3": GgufTarget("mistral3", permute_qk=True, norm_shift=0.0, hparams=_ministral3_hparams),
     "phi3": GgufTarget("phi3", permute_qk=False, norm_shift=0.0, hparams=_phi3_hparams,
                        extra_tensors=_phi3_rope_factors),
     "gemma2": GgufTarget("gemma2", permute_qk=False, norm_shift=1.0, hparams=_gemma2_hparams),
+    "smollm3": GgufTarget("smollm3", permute_qk=True, norm_shift=0.0, hparams=_smollm3_hparams),
 }
