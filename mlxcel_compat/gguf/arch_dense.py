@@ -112,9 +112,30 @@ def _smollm3(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
+
+def _olmo2(file: GGUFModelFile) -> dict[str, Any]:
+    """OLMo 2 (post-norms, RMS norms over all the heads' queries and keys): mlx-lm's ``olmo2``.
+    Olmo 3 files are ``olmo2`` too, with ``attention.sliding_window`` and its per-layer pattern:
+    mlx-lm's ``olmo3`` (its sliding layers take plain RoPE, as llama.cpp's, and the global ones the
+    file's scaling)."""
+    config = common_config(file)
+    config.setdefault("rope_theta", 10000.0)
+    config["attention_bias"] = "blk.0.attn_q.bias" in file.tensors
+    if (window := file.arch_value("attention.sliding_window")) is not None:
+        pattern = file.arch_value("attention.sliding_window_pattern")
+        if not isinstance(pattern, list) or len(pattern) != config["num_hidden_layers"]:
+            raise UnsupportedArchitecture(f"olmo2 with a sliding window needs a per-layer pattern, not {pattern!r}")
+        if float(file.arch_value("rope.freq_base_swa", config["rope_theta"])) != config["rope_theta"]:
+            raise UnsupportedArchitecture("olmo2: mlx-lm's olmo3 gives sliding layers the global RoPE base")
+        config.update(model_type="olmo3", sliding_window=int(window),
+                      layer_types=["sliding_attention" if sliding else "full_attention" for sliding in pattern])
+    return config
+
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("mistral3", "ministral3", "Ministral3ForCausalLM", _mistral3, permute_qk=True),
     ArchSpec("phi3", "phi3", "Phi3ForCausalLM", _phi3, config_tensors=PHI3_ROPE_FACTORS),
     ArchSpec("gemma2", "gemma2", "Gemma2ForCausalLM", _gemma2, norm_shift=1.0),
     ArchSpec("smollm3", "smollm3", "SmolLM3ForCausalLM", _smollm3, permute_qk=True),
+    ArchSpec("olmo2", "olmo2", "Olmo2ForCausalLM", _olmo2),
 )

@@ -197,17 +197,52 @@ def _smollm3_config(size: str) -> dict[str, Any]:
 def _smollm3_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) -> None:
     llama_hparams(writer, c)
 
+
+# --- olmo2 (GGUF olmo2): OLMo 2; olmo3 (GGUF olmo2 with sliding windows): Olmo 3
+
+
+def _olmo2_config(size: str) -> dict[str, Any]:
+    # OLMo-2-0325-32B's shape: norms after the attention and the MLP (not before), RMS norms over
+    # all the heads' queries and keys, GQA, untied embeddings.
+    dims = _dims(size, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=192),
+                 dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                      intermediate_size=2048))
+    return dict(dims, rope_theta=500000.0, rms_norm_eps=1e-6, attention_bias=False, tie_word_embeddings=False)
+
+
+def _olmo3_config(size: str) -> dict[str, Any]:
+    # Olmo-3-7B's shape: OLMo 2's layer, three sliding-window layers to one global. The tiny
+    # window is small so a test prompt runs past it.
+    config = _olmo2_config(size)
+    n = config["num_hidden_layers"] = 4 if size == "tiny" else 12
+    config.update(sliding_window=16 if size == "tiny" else 4096,
+                  layer_types=["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)])
+    return config
+
+
+def _olmo2_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) -> None:
+    text_hparams(writer, c)
+    if "sliding_window" in c:  # transformers gives Olmo 3's sliding layers a RoPE base of their own
+        writer.add_rope_freq_base_swa(c["rope_theta"])
+        writer.add_sliding_window(c["sliding_window"])
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
+
 FAMILIES: tuple[Family, ...] = (
     Family("ministral3", "Ministral3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
     Family("phi3", "Phi3ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("gemma2", "Gemma2ForCausalLM", thinking=False, add_bos=True, norm_one=0.0),
     Family("smollm3", "SmolLM3ForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
+    Family("olmo2", "Olmo2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
+    Family("olmo3", "Olmo3ForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "ministral3": _ministral3_config,
     "phi3": _phi3_config,
     "gemma2": _gemma2_config,
     "smollm3": _smollm3_config,
+    "olmo2": _olmo2_config,
+    "olmo3": _olmo3_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "ministral3": GgufTarget("mistral3", permute_qk=True, norm_shift=0.0, hparams=_ministral3_hparams),
@@ -215,4 +250,6 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
                        extra_tensors=_phi3_rope_factors),
     "gemma2": GgufTarget("gemma2", permute_qk=False, norm_shift=1.0, hparams=_gemma2_hparams),
     "smollm3": GgufTarget("smollm3", permute_qk=True, norm_shift=0.0, hparams=_smollm3_hparams),
+    "olmo2": GgufTarget("olmo2", permute_qk=False, norm_shift=0.0, hparams=_olmo2_hparams),
+    "olmo3": GgufTarget("olmo2", permute_qk=False, norm_shift=0.0, hparams=_olmo2_hparams),
 }
