@@ -132,10 +132,32 @@ def _olmo2(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
+
+def _granite(file: GGUFModelFile) -> dict[str, Any]:
+    """Granite 3.x: llama (Q/K rows permuted) with the four multipliers as llama.cpp reads them
+    (``attention.scale``, ``embedding_scale``, ``residual_scale``, ``logit_scale``, the logits'
+    divisor); an absent one means no scaling, the attention's then ``1 / sqrt(head_dim)``."""
+    config = common_config(file)
+    if config.pop("head_dim") != config["hidden_size"] // config["num_attention_heads"]:
+        raise UnsupportedArchitecture("granite with head_dim != hidden / heads has no mlx-lm equivalent")
+    config.setdefault("rope_theta", 10000.0)
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    config.update(
+        attention_bias="blk.0.attn_q.bias" in file.tensors,
+        mlp_bias="blk.0.ffn_up.bias" in file.tensors,
+        attention_multiplier=float(file.arch_value("attention.scale", 0.0) or head_dim ** -0.5),
+        embedding_multiplier=float(file.arch_value("embedding_scale", 0.0) or 1.0),
+        residual_multiplier=float(file.arch_value("residual_scale", 0.0) or 1.0),
+        logits_scaling=float(required(file, "logit_scale")),
+    )
+    return config
+
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("mistral3", "ministral3", "Ministral3ForCausalLM", _mistral3, permute_qk=True),
     ArchSpec("phi3", "phi3", "Phi3ForCausalLM", _phi3, config_tensors=PHI3_ROPE_FACTORS),
     ArchSpec("gemma2", "gemma2", "Gemma2ForCausalLM", _gemma2, norm_shift=1.0),
     ArchSpec("smollm3", "smollm3", "SmolLM3ForCausalLM", _smollm3, permute_qk=True),
     ArchSpec("olmo2", "olmo2", "Olmo2ForCausalLM", _olmo2),
+    ArchSpec("granite", "granite", "GraniteForCausalLM", _granite, permute_qk=True),
 )

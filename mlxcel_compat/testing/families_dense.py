@@ -228,6 +228,29 @@ def _olmo2_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) -> N
         writer.add_sliding_window(c["sliding_window"])
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
 
+
+# --- granite: Granite 3.x (dense)
+
+
+def _granite_config(size: str) -> dict[str, Any]:
+    # granite-3.3-2b's shape: llama with four multipliers (embedding, residual branches, attention
+    # scale, logits divisor), GQA 4:1, tied embeddings. The tiny logits divisor is 2 (the real 8
+    # would flatten the tiny model's logits).
+    dims = _dims(size, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=192, logits_scaling=2.0, attention_multiplier=0.125),
+                 dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                      intermediate_size=2048, logits_scaling=8.0, attention_multiplier=0.015625))
+    return dict(dims, embedding_multiplier=12.0, residual_multiplier=0.22, rope_theta=10000000.0,
+                rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False, tie_word_embeddings=True)
+
+
+def _granite_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) -> None:
+    llama_hparams(writer, c)
+    writer.add_attention_scale(c["attention_multiplier"])
+    writer.add_embedding_scale(c["embedding_multiplier"])
+    writer.add_residual_scale(c["residual_multiplier"])
+    writer.add_logit_scale(c["logits_scaling"])
+
 FAMILIES: tuple[Family, ...] = (
     Family("ministral3", "Ministral3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
     Family("phi3", "Phi3ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
@@ -235,6 +258,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("smollm3", "SmolLM3ForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
     Family("olmo2", "Olmo2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("olmo3", "Olmo3ForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
+    Family("granite", "GraniteForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "ministral3": _ministral3_config,
@@ -243,6 +267,7 @@ CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "smollm3": _smollm3_config,
     "olmo2": _olmo2_config,
     "olmo3": _olmo3_config,
+    "granite": _granite_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "ministral3": GgufTarget("mistral3", permute_qk=True, norm_shift=0.0, hparams=_ministral3_hparams),
@@ -252,4 +277,5 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
     "smollm3": GgufTarget("smollm3", permute_qk=True, norm_shift=0.0, hparams=_smollm3_hparams),
     "olmo2": GgufTarget("olmo2", permute_qk=False, norm_shift=0.0, hparams=_olmo2_hparams),
     "olmo3": GgufTarget("olmo2", permute_qk=False, norm_shift=0.0, hparams=_olmo2_hparams),
+    "granite": GgufTarget("granite", permute_qk=True, norm_shift=0.0, hparams=_granite_hparams),
 }
