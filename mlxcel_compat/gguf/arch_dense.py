@@ -153,6 +153,21 @@ def _granite(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
+
+def _glm4(file: GGUFModelFile) -> dict[str, Any]:
+    """GLM-4-0414: fused ``ffn_up`` (gate and up) as mlx-lm's ``gate_up_proj``, sandwich norms,
+    interleaved RoPE over the ``rope.dimension_count`` first dimensions of a head (llama.cpp's
+    NORM RoPE, mlx-lm's ``rope_traditional``; the converter permutes nothing unless it writes
+    M-RoPE sections, which mlx-lm's ``glm4`` does not take). mlx-lm's head is never tied."""
+    if file.arch_value("rope.dimension_sections") is not None:
+        raise UnsupportedArchitecture("glm4 with M-RoPE sections (GLM-4V) has no mlx-lm text model")
+    config = common_config(file)
+    config.setdefault("rope_theta", 10000.0)
+    config["partial_rotary_factor"] = int(file.arch_value("rope.dimension_count", config["head_dim"])) / config["head_dim"]
+    config["attention_bias"] = "blk.0.attn_q.bias" in file.tensors or "blk.0.attn_qkv.bias" in file.tensors
+    return config
+
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("mistral3", "ministral3", "Ministral3ForCausalLM", _mistral3, permute_qk=True),
     ArchSpec("phi3", "phi3", "Phi3ForCausalLM", _phi3, config_tensors=PHI3_ROPE_FACTORS),
@@ -160,4 +175,5 @@ SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("smollm3", "smollm3", "SmolLM3ForCausalLM", _smollm3, permute_qk=True),
     ArchSpec("olmo2", "olmo2", "Olmo2ForCausalLM", _olmo2),
     ArchSpec("granite", "granite", "GraniteForCausalLM", _granite, permute_qk=True),
+    ArchSpec("glm4", "glm4", "Glm4ForCausalLM", _glm4),
 )

@@ -251,6 +251,25 @@ def _granite_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) ->
     writer.add_residual_scale(c["residual_multiplier"])
     writer.add_logit_scale(c["logits_scaling"])
 
+
+# --- glm4: GLM-4-0414
+
+
+def _glm4_config(size: str) -> dict[str, Any]:
+    # GLM-4-9B-0414's shape: fused gate_up_proj, biases on the Q/K/V projections, half of each head
+    # rotated (interleaved RoPE), four norms a layer (sandwich), GQA, untied head.
+    dims = _dims(size, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, intermediate_size=192),
+                 dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=2,
+                      head_dim=64, intermediate_size=2048))
+    return dict(dims, partial_rotary_factor=0.5, attention_bias=True, rope_theta=10000.0, rms_norm_eps=1e-5,
+                tie_word_embeddings=False)
+
+
+def _glm4_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) -> None:
+    text_hparams(writer, c)
+    writer.add_rope_dimension_count(int(c["head_dim"] * c["partial_rotary_factor"]))
+
 FAMILIES: tuple[Family, ...] = (
     Family("ministral3", "Ministral3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
     Family("phi3", "Phi3ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
@@ -259,6 +278,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("olmo2", "Olmo2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("olmo3", "Olmo3ForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
     Family("granite", "GraniteForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
+    Family("glm4", "Glm4ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "ministral3": _ministral3_config,
@@ -268,6 +288,7 @@ CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "olmo2": _olmo2_config,
     "olmo3": _olmo3_config,
     "granite": _granite_config,
+    "glm4": _glm4_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "ministral3": GgufTarget("mistral3", permute_qk=True, norm_shift=0.0, hparams=_ministral3_hparams),
@@ -278,4 +299,5 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
     "olmo2": GgufTarget("olmo2", permute_qk=False, norm_shift=0.0, hparams=_olmo2_hparams),
     "olmo3": GgufTarget("olmo2", permute_qk=False, norm_shift=0.0, hparams=_olmo2_hparams),
     "granite": GgufTarget("granite", permute_qk=True, norm_shift=0.0, hparams=_granite_hparams),
+    "glm4": GgufTarget("glm4", permute_qk=False, norm_shift=0.0, hparams=_glm4_hparams),
 }
