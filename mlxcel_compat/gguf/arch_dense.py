@@ -168,6 +168,28 @@ def _glm4(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
+
+def _exaone4(file: GGUFModelFile) -> dict[str, Any]:
+    """EXAONE 4.0: post-norms, per-head Q/K norms, Llama 3 RoPE factors as the ``rope_freqs``
+    tensor (the row's ``llama3_rope_freqs``). llama.cpp takes sliding windows only for the 32B's
+    64 layers (its local layers with RoPE, the global ones without), so only then does the
+    per-layer pattern become mlx-lm's ``sliding_window_pattern``; otherwise every layer is global
+    with RoPE, as llama.cpp runs it."""
+    config = common_config(file)
+    config.setdefault("rope_theta", 10000.0)
+    config.update(rope_scaling=config.get("rope_scaling"), sliding_window=None, sliding_window_pattern=None)
+    pattern = file.arch_value("attention.sliding_window_pattern")
+    if config["num_hidden_layers"] == 64:
+        if not isinstance(pattern, list):
+            period = int(pattern or 4)  # llama.cpp's default for EXAONE 4: three local layers, one global
+            pattern = [(i + 1) % period != 0 for i in range(64)]
+        if float(file.arch_value("rope.freq_base_swa", config["rope_theta"])) != config["rope_theta"]:
+            raise UnsupportedArchitecture("exaone4: mlx-lm gives sliding layers the global RoPE base")
+        config["sliding_window"] = int(file.arch_value("attention.sliding_window", 4096))
+        config["sliding_window_pattern"] = "".join("L" if sliding else "G" for sliding in pattern)
+    return config
+
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("mistral3", "ministral3", "Ministral3ForCausalLM", _mistral3, permute_qk=True),
     ArchSpec("phi3", "phi3", "Phi3ForCausalLM", _phi3, config_tensors=PHI3_ROPE_FACTORS),
@@ -176,4 +198,5 @@ SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("olmo2", "olmo2", "Olmo2ForCausalLM", _olmo2),
     ArchSpec("granite", "granite", "GraniteForCausalLM", _granite, permute_qk=True),
     ArchSpec("glm4", "glm4", "Glm4ForCausalLM", _glm4),
+    ArchSpec("exaone4", "exaone4", "Exaone4ForCausalLM", _exaone4, llama3_rope_freqs=True),
 )

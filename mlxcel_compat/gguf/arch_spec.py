@@ -34,6 +34,9 @@ class ArchSpec:
     metadata_weights: Callable[[GGUFModelFile, dict[str, Any]], dict[str, np.ndarray]] | None = None
     # Tensors the config builder reads (Phi-3's LongRoPE factors), which the model has no parameter for.
     config_tensors: tuple[str, ...] = ()
+    # The file's ``rope_freqs`` tensor holds Llama 3 RoPE factors for a row without the Q/K
+    # permutation (EXAONE 4); the llama-permuted rows take them anyway.
+    llama3_rope_freqs: bool = False
 
 
 def uniform(file: GGUFModelFile, key: str, default: Any = None) -> Any:

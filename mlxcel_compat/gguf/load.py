@@ -172,7 +172,8 @@ def _install_rope_freqs(model: Any, file: GGUFModelFile, config: dict[str, Any])
     periods = config.get("rope_theta", 10000.0) ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
     freqs = mx.array(periods.astype(np.float32) * factors)
     for layer in model.layers:
-        layer.self_attn.rope._freqs = freqs
+        if hasattr(layer.self_attn, "rope"):  # (EXAONE 4's global layers have none)
+            layer.self_attn.rope._freqs = freqs
 
 
 def _prepare(file: GGUFModelFile) -> tuple[gguf_arch.ArchSpec, Any, SpecialTokens, dict[str, Any]]:
@@ -182,7 +183,7 @@ def _prepare(file: GGUFModelFile) -> tuple[gguf_arch.ArchSpec, Any, SpecialToken
     tokenizer, specials = load_tokenizer(file)
     n_vocab = len(file.metadata.get("tokenizer.ggml.tokens") or [])
     config = gguf_arch.model_config(file, spec, n_vocab, specials.eog, specials.bos if specials.add_bos else None)
-    if spec.permute_qk and "rope_freqs.weight" in file.tensors:
+    if (spec.permute_qk or spec.llama3_rope_freqs) and "rope_freqs.weight" in file.tensors:
         # Llama3RoPE is built from a placeholder and its frequencies replaced by the file's.
         config["rope_scaling"] = {"rope_type": "llama3", "factor": 1.0}
     return spec, tokenizer, specials, config
@@ -312,7 +313,7 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     loaded.extend((name, mx.array(value).reshape(shapes[name])) for name, value in from_metadata.items())
     model.eval()
     model.load_weights(loaded, strict=False)  # the model's own initial values were never evaluated
-    if "rope_freqs.weight" in file.tensors and spec.permute_qk:
+    if "rope_freqs.weight" in file.tensors and (spec.permute_qk or spec.llama3_rope_freqs):
         _install_rope_freqs(model, file, config)
     summary.load_seconds = time.perf_counter() - t0
     return model, tokenizer, config, summary

@@ -270,6 +270,32 @@ def _glm4_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) -> No
     text_hparams(writer, c)
     writer.add_rope_dimension_count(int(c["head_dim"] * c["partial_rotary_factor"]))
 
+
+# --- exaone4: EXAONE 4.0
+
+
+def _exaone4_config(size: str) -> dict[str, Any]:
+    # EXAONE-4.0-1.2B's shape: norms after the attention and the MLP, per-head Q/K norms, GQA 4:1,
+    # Llama 3 RoPE scaling, tied embeddings, every layer global (llama.cpp takes the 32B's
+    # sliding windows only at its 64 layers).
+    dims = _dims(size, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, intermediate_size=192),
+                 dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                      head_dim=64, intermediate_size=2048))
+    scaling = {"rope_type": "llama3", "factor": 16.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+               "original_max_position_embeddings": 8192}
+    return dict(dims, rope_scaling=scaling, rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None,
+                sliding_window_pattern=None, layer_types=["full_attention"] * dims["num_hidden_layers"],
+                tie_word_embeddings=True)
+
+
+def _exaone4_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) -> None:
+    text_hparams(writer, c)
+    writer.add_vocab_size(c["vocab_size"])
+    if c.get("sliding_window") is not None:  # the 32B's layout
+        writer.add_sliding_window(c["sliding_window"])
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
+
 FAMILIES: tuple[Family, ...] = (
     Family("ministral3", "Ministral3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
     Family("phi3", "Phi3ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
@@ -279,6 +305,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("olmo3", "Olmo3ForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
     Family("granite", "GraniteForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("glm4", "Glm4ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
+    Family("exaone4", "Exaone4ForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "ministral3": _ministral3_config,
@@ -289,6 +316,7 @@ CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "olmo3": _olmo3_config,
     "granite": _granite_config,
     "glm4": _glm4_config,
+    "exaone4": _exaone4_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "ministral3": GgufTarget("mistral3", permute_qk=True, norm_shift=0.0, hparams=_ministral3_hparams),
@@ -300,4 +328,5 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
     "olmo3": GgufTarget("olmo2", permute_qk=False, norm_shift=0.0, hparams=_olmo2_hparams),
     "granite": GgufTarget("granite", permute_qk=True, norm_shift=0.0, hparams=_granite_hparams),
     "glm4": GgufTarget("glm4", permute_qk=False, norm_shift=0.0, hparams=_glm4_hparams),
+    "exaone4": GgufTarget("exaone4", permute_qk=False, norm_shift=0.0, hparams=_exaone4_hparams),
 }

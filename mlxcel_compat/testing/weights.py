@@ -70,10 +70,16 @@ def init_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...],
 
 def random_weights(family: str, size: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The config and its weights as MLX arrays, generated in sorted name order."""
+    config = model_config(family, size)
+    return seeded_weights(family, size, config), config
+
+
+def seeded_weights(family: str, size: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Seeded weights of the family for ``config`` (the pair's own, or a variant of it a test
+    builds: another layer count or layout), as MLX arrays, generated in sorted name order."""
     import mlx.core as mx
 
     spec = family_spec(family, size)
-    config = model_config(family, size)
     model = instantiate(config)
     shapes = stored_shapes(model, config)
     rng = np.random.default_rng(WEIGHT_SEED)
@@ -81,7 +87,7 @@ def random_weights(family: str, size: str) -> tuple[dict[str, Any], dict[str, An
         name: mx.array(init_tensor(rng, name, shapes[name], spec)) for name in sorted(shapes)
     }
     _check_loadable(model, weights)
-    return weights, config
+    return weights
 
 
 def _check_loadable(model: Any, arrays: dict[str, Any]) -> None:

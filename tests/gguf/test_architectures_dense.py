@@ -134,3 +134,28 @@ def test_engine_generates_greedily_from_the_gguf(family: str, directories: dict[
     assert run.finish is not None and len(run.tokens) == N_GREEDY
     agree_where_clear(run.tokens, expected, gaps, 1e-3)
     assert (loaded.decoder is None) == bool(reason), reason
+
+
+def test_exaone4_takes_sliding_windows_only_at_the_32b_layer_count(tmp_path) -> None:
+    """llama.cpp runs EXAONE 4's sliding windows (three local layers with RoPE, one global without)
+    only for the 32B's 64 layers; a 64-layer file with them loads as mlx-lm's model of that layout."""
+    from mlxcel_compat.testing.families import model_config
+    from mlxcel_compat.testing.gguf_writer import write_gguf
+    from mlxcel_compat.testing.model_directory import write_model_directory
+    from mlxcel_compat.testing.weights import seeded_weights
+
+    config = model_config("exaone4", "tiny")
+    n = 64
+    config.update(num_hidden_layers=n, sliding_window=8, sliding_window_pattern="LLLG",
+                  layer_types=["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)])
+    weights = seeded_weights("exaone4", "tiny", config)
+    directory = tmp_path / "exaone4-64"
+    directory.mkdir()
+    write_model_directory(directory, "exaone4", "tiny", weights, config)
+    path = write_gguf("exaone4", "tiny", tmp_path / "exaone4-64.gguf", model_dir=directory, weights=weights,
+                      config=config)[0]
+    model, _, loaded_config, _ = load_gguf(str(path), on_cpu=True)
+    assert loaded_config["sliding_window"] == 8 and loaded_config["sliding_window_pattern"] == "LLLG" * 16
+    reference, tok = load(str(directory))
+    ids = tok.encode(PROMPT)  # past the window of 8
+    assert mx.abs(model(mx.array([ids])) - reference(mx.array([ids]))).max().item() <= F32_TOLERANCE
