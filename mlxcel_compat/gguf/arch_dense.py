@@ -190,6 +190,42 @@ def _exaone4(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
+
+def sliding_period(file: GGUFModelFile, n_layers: int, default: int) -> int:
+    """mlx-lm's ``sliding_window_pattern`` period p (every p-th layer global, the others sliding)
+    from ``attention.sliding_window_pattern``: llama.cpp's per-layer flags, a period, or absent
+    (llama.cpp's built-in ``default`` for the architecture)."""
+    pattern = file.arch_value("attention.sliding_window_pattern")
+    if not isinstance(pattern, list):
+        return int(pattern or default)
+    period = next((i + 1 for i, sliding in enumerate(pattern) if not sliding), n_layers)
+    if [bool(x) for x in pattern] != [(i + 1) % period != 0 for i in range(n_layers)]:
+        raise UnsupportedArchitecture(f"{file.architecture} sliding-window layout {pattern} is not periodic")
+    return period
+
+
+def _cohere2(file: GGUFModelFile) -> dict[str, Any]:
+    """Command R7B / Command A: parallel attention and MLP after one bias-free LayerNorm,
+    interleaved RoPE only in the sliding-window layers (three of four: llama.cpp's default
+    period), logits times ``logit_scale``, tied embeddings; the converter drops the zero biases."""
+    config = common_config(file)
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    if config["head_dim"] != head_dim or int(file.arch_value("rope.dimension_count", head_dim)) != head_dim:
+        raise UnsupportedArchitecture("cohere2 with head_dim != hidden / heads or partial RoPE has no mlx-lm equivalent")
+    config.setdefault("rope_theta", 10000.0)
+    if float(file.arch_value("rope.freq_base_swa", config["rope_theta"])) != config["rope_theta"]:
+        raise UnsupportedArchitecture("cohere2: mlx-lm gives sliding layers the global RoPE base")
+    config.update(
+        layer_norm_eps=float(file.arch_value("attention.layer_norm_epsilon", 1e-5)),
+        logit_scale=float(required(file, "logit_scale")),
+        sliding_window=int(required(file, "attention.sliding_window")),
+        sliding_window_pattern=sliding_period(file, config["num_hidden_layers"], 4),
+        attention_bias="blk.0.attn_q.bias" in file.tensors,
+        layer_norm_bias=False,
+    )
+    return config
+
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("mistral3", "ministral3", "Ministral3ForCausalLM", _mistral3, permute_qk=True),
     ArchSpec("phi3", "phi3", "Phi3ForCausalLM", _phi3, config_tensors=PHI3_ROPE_FACTORS),
@@ -199,4 +235,5 @@ SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("granite", "granite", "GraniteForCausalLM", _granite, permute_qk=True),
     ArchSpec("glm4", "glm4", "Glm4ForCausalLM", _glm4),
     ArchSpec("exaone4", "exaone4", "Exaone4ForCausalLM", _exaone4, llama3_rope_freqs=True),
+    ArchSpec("cohere2", "cohere2", "Cohere2ForCausalLM", _cohere2),
 )

@@ -296,6 +296,32 @@ def _exaone4_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) ->
         writer.add_sliding_window(c["sliding_window"])
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
 
+
+# --- cohere2: Command R7B, Command A
+
+
+def _cohere2_config(size: str) -> dict[str, Any]:
+    # c4ai-command-r7b's shape: one LayerNorm (no bias) feeding attention and MLP in parallel,
+    # interleaved RoPE only in the sliding-window layers (three of every four), a logit scale,
+    # tied embeddings. The tiny window is small so a test prompt runs past it.
+    dims = _dims(size, dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, intermediate_size=192, sliding_window=16),
+                 dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                      head_dim=64, intermediate_size=2048, sliding_window=4096))
+    return dict(dims, sliding_window_pattern=4, logit_scale=0.25, layer_norm_eps=1e-5, rope_theta=50000.0,
+                rotary_pct=1.0, attention_bias=False, tie_word_embeddings=True)
+
+
+def _cohere2_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) -> None:
+    import gguf
+
+    text_hparams(writer, c)
+    writer.add_logit_scale(c["logit_scale"])
+    writer.add_sliding_window(c["sliding_window"])
+    writer.add_vocab_size(c["vocab_size"])
+    writer.add_rope_dimension_count(int(c["rotary_pct"] * (c["hidden_size"] // c["num_attention_heads"])))
+    writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
 FAMILIES: tuple[Family, ...] = (
     Family("ministral3", "Ministral3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
     Family("phi3", "Phi3ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
@@ -306,6 +332,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("granite", "GraniteForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("glm4", "Glm4ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("exaone4", "Exaone4ForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
+    Family("cohere2", "Cohere2ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "ministral3": _ministral3_config,
@@ -317,6 +344,7 @@ CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "granite": _granite_config,
     "glm4": _glm4_config,
     "exaone4": _exaone4_config,
+    "cohere2": _cohere2_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "ministral3": GgufTarget("mistral3", permute_qk=True, norm_shift=0.0, hparams=_ministral3_hparams),
@@ -329,4 +357,5 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
     "granite": GgufTarget("granite", permute_qk=True, norm_shift=0.0, hparams=_granite_hparams),
     "glm4": GgufTarget("glm4", permute_qk=False, norm_shift=0.0, hparams=_glm4_hparams),
     "exaone4": GgufTarget("exaone4", permute_qk=False, norm_shift=0.0, hparams=_exaone4_hparams),
+    "cohere2": GgufTarget("cohere2", permute_qk=False, norm_shift=0.0, hparams=_cohere2_hparams),
 }
