@@ -226,6 +226,19 @@ def _cohere2(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
+
+def _starcoder2(file: GGUFModelFile) -> dict[str, Any]:
+    """StarCoder2: LayerNorms and projections with biases, a GELU MLP (``ffn_up``/``ffn_down`` as
+    mlx-lm's ``c_fc``/``c_proj``). mlx-lm's MLP takes the exact (erf) GELU; llama.cpp's ``ggml_gelu``
+    (as transformers' ``gelu_pytorch_tanh``) the tanh form: logits differ by about 1e-4."""
+    config = common_config(file)
+    if config.pop("head_dim") != config["hidden_size"] // config["num_attention_heads"]:
+        raise UnsupportedArchitecture("starcoder2 with head_dim != hidden / heads has no mlx-lm equivalent")
+    config.setdefault("rope_theta", 10000.0)
+    config["norm_epsilon"] = float(file.arch_value("attention.layer_norm_epsilon", 1e-5))
+    return config
+
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("mistral3", "ministral3", "Ministral3ForCausalLM", _mistral3, permute_qk=True),
     ArchSpec("phi3", "phi3", "Phi3ForCausalLM", _phi3, config_tensors=PHI3_ROPE_FACTORS),
@@ -236,4 +249,5 @@ SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("glm4", "glm4", "Glm4ForCausalLM", _glm4),
     ArchSpec("exaone4", "exaone4", "Exaone4ForCausalLM", _exaone4, llama3_rope_freqs=True),
     ArchSpec("cohere2", "cohere2", "Cohere2ForCausalLM", _cohere2),
+    ArchSpec("starcoder2", "starcoder2", "Starcoder2ForCausalLM", _starcoder2),
 )

@@ -48,10 +48,12 @@ def text_hparams(writer: Any, c: dict[str, Any], rope: dict[str, Any] | None = N
         writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
     if rope.get("rope_theta") is not None:
         writer.add_rope_freq_base(rope["rope_theta"])
-    if c.get("rms_norm_eps") is not None:
-        writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    if c.get("layer_norm_eps") is not None:
-        writer.add_layer_norm_eps(c["layer_norm_eps"])
+    rms_eps = next((c[k] for k in ("rms_norm_eps", "norm_eps") if c.get(k) is not None), None)
+    if rms_eps is not None:
+        writer.add_layer_norm_rms_eps(rms_eps)
+    norm_eps = next((c[k] for k in ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon") if c.get(k) is not None), None)
+    if norm_eps is not None:
+        writer.add_layer_norm_eps(norm_eps)
     if c.get("head_dim") is not None:
         writer.add_key_length(c["head_dim"])
         writer.add_value_length(c["head_dim"])
@@ -322,6 +324,24 @@ def _cohere2_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) ->
     writer.add_rope_dimension_count(int(c["rotary_pct"] * (c["hidden_size"] // c["num_attention_heads"])))
     writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
 
+
+# --- starcoder2: StarCoder2
+
+
+def _starcoder2_config(size: str) -> dict[str, Any]:
+    # starcoder2-3b's shape: LayerNorms with biases, biases on every projection, a plain GELU MLP
+    # (c_fc, c_proj), GQA, tied embeddings.
+    dims = _dims(size, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=256),
+                 dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=2,
+                      intermediate_size=3072))
+    return dict(dims, norm_epsilon=1e-5, rope_theta=999999.4, use_bias=True, hidden_act="gelu_pytorch_tanh",
+                sliding_window=4096, tie_word_embeddings=True)
+
+
+def _text_only_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) -> None:
+    text_hparams(writer, c)
+
 FAMILIES: tuple[Family, ...] = (
     Family("ministral3", "Ministral3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
     Family("phi3", "Phi3ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
@@ -333,6 +353,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("glm4", "Glm4ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("exaone4", "Exaone4ForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
     Family("cohere2", "Cohere2ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
+    Family("starcoder2", "Starcoder2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "ministral3": _ministral3_config,
@@ -345,6 +366,7 @@ CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "glm4": _glm4_config,
     "exaone4": _exaone4_config,
     "cohere2": _cohere2_config,
+    "starcoder2": _starcoder2_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "ministral3": GgufTarget("mistral3", permute_qk=True, norm_shift=0.0, hparams=_ministral3_hparams),
@@ -358,4 +380,5 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
     "glm4": GgufTarget("glm4", permute_qk=False, norm_shift=0.0, hparams=_glm4_hparams),
     "exaone4": GgufTarget("exaone4", permute_qk=False, norm_shift=0.0, hparams=_exaone4_hparams),
     "cohere2": GgufTarget("cohere2", permute_qk=False, norm_shift=0.0, hparams=_cohere2_hparams),
+    "starcoder2": GgufTarget("starcoder2", permute_qk=False, norm_shift=0.0, hparams=_text_only_hparams),
 }
