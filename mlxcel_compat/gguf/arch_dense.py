@@ -239,6 +239,18 @@ def _starcoder2(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
+
+def _seed_oss(file: GGUFModelFile) -> dict[str, Any]:
+    """Seed-OSS: llama's layer without the Q/K permutation, biases where the file has them (Q/K/V in
+    the released models; the pre-MLP norm is gguf-py's ``post_attention_norm``)."""
+    config = common_config(file)
+    config.setdefault("rope_theta", 10000.0)
+    config.update(attention_bias="blk.0.attn_q.bias" in file.tensors,
+                  attention_out_bias="blk.0.attn_output.bias" in file.tensors,
+                  mlp_bias="blk.0.ffn_up.bias" in file.tensors)
+    return config
+
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("mistral3", "ministral3", "Ministral3ForCausalLM", _mistral3, permute_qk=True),
     ArchSpec("phi3", "phi3", "Phi3ForCausalLM", _phi3, config_tensors=PHI3_ROPE_FACTORS),
@@ -250,4 +262,5 @@ SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("exaone4", "exaone4", "Exaone4ForCausalLM", _exaone4, llama3_rope_freqs=True),
     ArchSpec("cohere2", "cohere2", "Cohere2ForCausalLM", _cohere2),
     ArchSpec("starcoder2", "starcoder2", "Starcoder2ForCausalLM", _starcoder2),
+    ArchSpec("seed_oss", "seed_oss", "SeedOssForCausalLM", _seed_oss),
 )

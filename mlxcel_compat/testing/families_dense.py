@@ -342,6 +342,20 @@ def _starcoder2_config(size: str) -> dict[str, Any]:
 def _text_only_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) -> None:
     text_hparams(writer, c)
 
+
+# --- seed_oss: Seed-OSS
+
+
+def _seed_oss_config(size: str) -> dict[str, Any]:
+    # Seed-OSS-36B's shape: biases on the Q/K/V projections, head_dim 128 for 5120 wide (heads x
+    # head_dim != hidden), GQA 10:1 (2:1 here), untied head.
+    dims = _dims(size, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=32, intermediate_size=192),
+                 dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2,
+                      head_dim=128, intermediate_size=2048))
+    return dict(dims, attention_bias=True, attention_out_bias=False, mlp_bias=False, rope_theta=10000000.0,
+                rms_norm_eps=1e-6, tie_word_embeddings=False)
+
 FAMILIES: tuple[Family, ...] = (
     Family("ministral3", "Ministral3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
     Family("phi3", "Phi3ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
@@ -354,6 +368,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("exaone4", "Exaone4ForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
     Family("cohere2", "Cohere2ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
     Family("starcoder2", "Starcoder2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
+    Family("seed_oss", "SeedOssForCausalLM", thinking=True, add_bos=True, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "ministral3": _ministral3_config,
@@ -367,6 +382,7 @@ CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "exaone4": _exaone4_config,
     "cohere2": _cohere2_config,
     "starcoder2": _starcoder2_config,
+    "seed_oss": _seed_oss_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "ministral3": GgufTarget("mistral3", permute_qk=True, norm_shift=0.0, hparams=_ministral3_hparams),
@@ -381,4 +397,5 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
     "exaone4": GgufTarget("exaone4", permute_qk=False, norm_shift=0.0, hparams=_exaone4_hparams),
     "cohere2": GgufTarget("cohere2", permute_qk=False, norm_shift=0.0, hparams=_cohere2_hparams),
     "starcoder2": GgufTarget("starcoder2", permute_qk=False, norm_shift=0.0, hparams=_text_only_hparams),
+    "seed_oss": GgufTarget("seed_oss", permute_qk=False, norm_shift=0.0, hparams=_text_only_hparams),
 }
