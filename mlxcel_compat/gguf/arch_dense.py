@@ -251,6 +251,17 @@ def _seed_oss(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
+
+def _ernie4_5(file: GGUFModelFile) -> dict[str, Any]:
+    """ERNIE 4.5 (dense): llama's layer with interleaved RoPE (llama.cpp's NORM type, mlx-lm's
+    traditional one; nothing permuted); the converter splits a fused ``qkv_proj`` into Q, K and V,
+    which is mlx-lm's layout. One bias flag for every projection, as mlx-lm's ``use_bias``."""
+    config = common_config(file)
+    config.setdefault("rope_theta", 10000.0)
+    config["use_bias"] = "blk.0.attn_q.bias" in file.tensors
+    return config
+
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("mistral3", "ministral3", "Ministral3ForCausalLM", _mistral3, permute_qk=True),
     ArchSpec("phi3", "phi3", "Phi3ForCausalLM", _phi3, config_tensors=PHI3_ROPE_FACTORS),
@@ -263,4 +274,5 @@ SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("cohere2", "cohere2", "Cohere2ForCausalLM", _cohere2),
     ArchSpec("starcoder2", "starcoder2", "Starcoder2ForCausalLM", _starcoder2),
     ArchSpec("seed_oss", "seed_oss", "SeedOssForCausalLM", _seed_oss),
+    ArchSpec("ernie4_5", "ernie4_5", "Ernie4_5ForCausalLM", _ernie4_5),
 )

@@ -356,6 +356,19 @@ def _seed_oss_config(size: str) -> dict[str, Any]:
     return dict(dims, attention_bias=True, attention_out_bias=False, mlp_bias=False, rope_theta=10000000.0,
                 rms_norm_eps=1e-6, tie_word_embeddings=False)
 
+
+# --- ernie4_5: ERNIE 4.5 (dense)
+
+
+def _ernie4_5_config(size: str) -> dict[str, Any]:
+    # ERNIE-4.5-0.3B's shape: llama's layer with interleaved RoPE, head_dim 128 for 1024 wide
+    # (heads x head_dim != hidden), GQA 8:1 (2:1 here), tied embeddings.
+    dims = _dims(size, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=32, intermediate_size=192),
+                 dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2,
+                      head_dim=128, intermediate_size=2048))
+    return dict(dims, use_bias=False, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+
 FAMILIES: tuple[Family, ...] = (
     Family("ministral3", "Ministral3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
     Family("phi3", "Phi3ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
@@ -369,6 +382,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("cohere2", "Cohere2ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
     Family("starcoder2", "Starcoder2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("seed_oss", "SeedOssForCausalLM", thinking=True, add_bos=True, norm_one=1.0),
+    Family("ernie4_5", "Ernie4_5ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "ministral3": _ministral3_config,
@@ -383,6 +397,7 @@ CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "cohere2": _cohere2_config,
     "starcoder2": _starcoder2_config,
     "seed_oss": _seed_oss_config,
+    "ernie4_5": _ernie4_5_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "ministral3": GgufTarget("mistral3", permute_qk=True, norm_shift=0.0, hparams=_ministral3_hparams),
@@ -398,4 +413,5 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
     "cohere2": GgufTarget("cohere2", permute_qk=False, norm_shift=0.0, hparams=_cohere2_hparams),
     "starcoder2": GgufTarget("starcoder2", permute_qk=False, norm_shift=0.0, hparams=_text_only_hparams),
     "seed_oss": GgufTarget("seed_oss", permute_qk=False, norm_shift=0.0, hparams=_text_only_hparams),
+    "ernie4_5": GgufTarget("ernie4_5", permute_qk=False, norm_shift=0.0, hparams=_text_only_hparams),
 }
