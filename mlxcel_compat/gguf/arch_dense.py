@@ -262,6 +262,34 @@ def _ernie4_5(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
+
+def _apertus(file: GGUFModelFile) -> dict[str, Any]:
+    """Apertus: per-head Q/K norms, an ungated MLP with xIELU (its constants are metadata, see
+    :func:`_apertus_xielu`), Llama 3 RoPE factors as ``rope_freqs`` (nothing permuted)."""
+    config = common_config(file)
+    if config["head_dim"] != config["hidden_size"] // config["num_attention_heads"]:
+        raise UnsupportedArchitecture("apertus with head_dim != hidden / heads has no mlx-lm equivalent")
+    config.setdefault("rope_theta", 10000.0)
+    config.update(rope_scaling=config.get("rope_scaling"), post_norm=False, qk_norm=True,
+                  attention_bias="blk.0.attn_q.bias" in file.tensors, mlp_bias="blk.0.ffn_up.bias" in file.tensors)
+    return config
+
+
+def _apertus_xielu(file: GGUFModelFile, config: dict[str, Any]) -> dict[str, np.ndarray]:
+    """xIELU's four constants per layer, which the converter moved from the tensors into the
+    ``xielu.*`` arrays (raw values: both sides apply the softplus to ``alpha_p`` and ``alpha_n``)."""
+    n_layers = config["num_hidden_layers"]
+    weights = {}
+    for key in ("alpha_n", "alpha_p", "beta", "eps"):
+        values = file.metadata.get(f"xielu.{key}")
+        values = values if isinstance(values, list) else [values] * n_layers
+        if len(values) != n_layers or any(v is None for v in values):
+            raise UnsupportedArchitecture(f"apertus: xielu.{key} has no value for each of the {n_layers} layers")
+        for i, value in enumerate(values):
+            weights[f"model.layers.{i}.mlp.act_fn.{key}"] = np.array(value, dtype=np.float32)
+    return weights
+
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("mistral3", "ministral3", "Ministral3ForCausalLM", _mistral3, permute_qk=True),
     ArchSpec("phi3", "phi3", "Phi3ForCausalLM", _phi3, config_tensors=PHI3_ROPE_FACTORS),
@@ -275,4 +303,6 @@ SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("starcoder2", "starcoder2", "Starcoder2ForCausalLM", _starcoder2),
     ArchSpec("seed_oss", "seed_oss", "SeedOssForCausalLM", _seed_oss),
     ArchSpec("ernie4_5", "ernie4_5", "Ernie4_5ForCausalLM", _ernie4_5),
+    ArchSpec("apertus", "apertus", "ApertusForCausalLM", _apertus, llama3_rope_freqs=True,
+             metadata_weights=_apertus_xielu),
 )

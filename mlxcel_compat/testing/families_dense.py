@@ -369,6 +369,33 @@ def _ernie4_5_config(size: str) -> dict[str, Any]:
                       head_dim=128, intermediate_size=2048))
     return dict(dims, use_bias=False, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
 
+
+# --- apertus: Apertus
+
+
+XIELU = ("alpha_n", "alpha_p", "beta", "eps")
+
+
+def _apertus_config(size: str) -> dict[str, Any]:
+    # Apertus-8B's shape: an ungated MLP with the xIELU activation (four constants a layer), per-head
+    # Q/K norms, GQA 4:1, Llama 3 RoPE scaling, untied head.
+    dims = _dims(size, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=256),
+                 dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                      intermediate_size=3072))
+    scaling = {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+               "original_max_position_embeddings": 8192}
+    return dict(dims, hidden_act="xielu", post_norm=False, qk_norm=True, mlp_bias=False, attention_bias=False,
+                rope_scaling=scaling, rope_theta=12000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def _apertus_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) -> None:
+    # ApertusModel.modify_tensors moves each layer's xIELU constants into per-layer metadata arrays.
+    llama_hparams(writer, c)
+    for key in XIELU:
+        values = [float(weights[f"model.layers.{i}.mlp.act_fn.{key}"].item()) for i in range(c["num_hidden_layers"])]
+        getattr(writer, f"add_xielu_{key}")(values)
+
 FAMILIES: tuple[Family, ...] = (
     Family("ministral3", "Ministral3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
     Family("phi3", "Phi3ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
@@ -383,6 +410,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("starcoder2", "Starcoder2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
     Family("seed_oss", "SeedOssForCausalLM", thinking=True, add_bos=True, norm_one=1.0),
     Family("ernie4_5", "Ernie4_5ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
+    Family("apertus", "ApertusForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "ministral3": _ministral3_config,
@@ -398,6 +426,7 @@ CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "starcoder2": _starcoder2_config,
     "seed_oss": _seed_oss_config,
     "ernie4_5": _ernie4_5_config,
+    "apertus": _apertus_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "ministral3": GgufTarget("mistral3", permute_qk=True, norm_shift=0.0, hparams=_ministral3_hparams),
@@ -414,4 +443,6 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
     "starcoder2": GgufTarget("starcoder2", permute_qk=False, norm_shift=0.0, hparams=_text_only_hparams),
     "seed_oss": GgufTarget("seed_oss", permute_qk=False, norm_shift=0.0, hparams=_text_only_hparams),
     "ernie4_5": GgufTarget("ernie4_5", permute_qk=False, norm_shift=0.0, hparams=_text_only_hparams),
+    "apertus": GgufTarget("apertus", permute_qk=False, norm_shift=0.0, hparams=_apertus_hparams,
+                          dropped=tuple(f".act_fn.{key}" for key in XIELU)),
 }
