@@ -37,6 +37,9 @@ class ArchSpec:
     # The file's ``rope_freqs`` tensor holds Llama 3 RoPE factors for a row without the Q/K
     # permutation (EXAONE 4); the llama-permuted rows take them anyway.
     llama3_rope_freqs: bool = False
+    # No row serves the architecture: tried through mlx-lm's class of its name (generic_path.py),
+    # strictly; a misfit stops loading with the architecture's name and the served ones.
+    generic: bool = False
 
 
 def uniform(file: GGUFModelFile, key: str, default: Any = None) -> Any:

@@ -396,6 +396,30 @@ def _apertus_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) ->
         values = [float(weights[f"model.layers.{i}.mlp.act_fn.{key}"].item()) for i in range(c["num_hidden_layers"])]
         getattr(writer, f"add_xielu_{key}")(values)
 
+
+# --- exaone: EXAONE 3.5, served by no row (the generic path: gguf/generic_path.py)
+
+
+def _exaone_config(size: str) -> dict[str, Any]:
+    # EXAONE-3.5-2.4B's shape under its own names (transformer.h.N.attn.attention.*, ln_1, c_fc_0):
+    # llama's layer, GQA 4:1, Llama 3 RoPE scaling, tied embeddings.
+    dims = _dims(size, dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=192),
+                 dict(hidden_size=768, num_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                      intermediate_size=2048))
+    scaling = {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+               "original_max_position_embeddings": 8192}
+    # (num_hidden_layers too, which transformers' ExaoneConfig maps num_layers to, for the writer)
+    return dict(dims, num_hidden_layers=dims["num_layers"], rope_scaling=scaling, rope_theta=1000000.0,
+                layer_norm_epsilon=1e-5, activation_function="silu", tie_word_embeddings=True)
+
+
+def _exaone_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) -> None:
+    # ExaoneModel.set_gguf_parameters: the text keys (transformers' config names the layer count
+    # num_hidden_layers and the epsilon rms_norm_eps) and the rotary dimensions.
+    text_hparams(writer, dict(c, rms_norm_eps=c["layer_norm_epsilon"], layer_norm_epsilon=None))
+    writer.add_rope_dimension_count(c["hidden_size"] // c["num_attention_heads"])
+
 FAMILIES: tuple[Family, ...] = (
     Family("ministral3", "Ministral3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
     Family("phi3", "Phi3ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
@@ -411,6 +435,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("seed_oss", "SeedOssForCausalLM", thinking=True, add_bos=True, norm_one=1.0),
     Family("ernie4_5", "Ernie4_5ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
     Family("apertus", "ApertusForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
+    Family("exaone", "ExaoneForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "ministral3": _ministral3_config,
@@ -427,6 +452,7 @@ CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "seed_oss": _seed_oss_config,
     "ernie4_5": _ernie4_5_config,
     "apertus": _apertus_config,
+    "exaone": _exaone_config,
 }
 GGUF_TARGETS: dict[str, GgufTarget] = {
     "ministral3": GgufTarget("mistral3", permute_qk=True, norm_shift=0.0, hparams=_ministral3_hparams),
@@ -445,4 +471,5 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
     "ernie4_5": GgufTarget("ernie4_5", permute_qk=False, norm_shift=0.0, hparams=_text_only_hparams),
     "apertus": GgufTarget("apertus", permute_qk=False, norm_shift=0.0, hparams=_apertus_hparams,
                           dropped=tuple(f".act_fn.{key}" for key in XIELU)),
+    "exaone": GgufTarget("exaone", permute_qk=False, norm_shift=0.0, hparams=_exaone_hparams),
 }

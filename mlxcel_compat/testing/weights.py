@@ -59,7 +59,7 @@ def init_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...],
             return np.ones(shape, dtype=np.float32)
         if leaf == "bias":
             return np.zeros(shape, dtype=np.float32)
-        if "norm" in name:
+        if "norm" in name or name.rsplit(".", 2)[-2].startswith("ln_"):  # (GPT-2-style names: ln_1, ln_f)
             return np.full(shape, spec.norm_one, dtype=np.float32)
         raise ValueError(f"no initializer for the 1-D parameter {name}")
     if name.endswith("embed_tokens.weight"):

@@ -10,12 +10,14 @@ llama.cpp's converter writes that architecture:
 - Q8_0: the CPU serves the matrices from the file's blocks (ggml's kernels); the prompt's logits
   within ``Q8_0_TOLERANCE`` of the same file expanded to float32 (``load_gguf(..., blocks=False)``).
 
-The unknown-architecture path (``architectures.generic_spec``) is tested at the end: a file whose
+The generic path (``gguf/generic_path.py``) is tested at the end: a file whose
 architecture no row serves loads through mlx-lm's class of that name when it fits, and otherwise
 stops with a message naming the architecture and the served ones.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -24,6 +26,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
 from mlxcel_compat.chat.template import ChatTemplate
+from mlxcel_compat.gguf import architectures as gguf_arch
+from mlxcel_compat.gguf.arch_spec import UnsupportedArchitecture
 from mlxcel_compat.gguf.load import load_gguf
 from mlxcel_compat.runtime import cpu_decode
 from mlxcel_compat.testing import families_dense
@@ -161,3 +165,53 @@ def test_exaone4_takes_sliding_windows_only_at_the_32b_layer_count(tmp_path) -> 
     reference, tok = load(str(directory))
     ids = tok.encode(PROMPT)  # past the window of 8
     assert mx.abs(model(mx.array([ids])) - reference(mx.array([ids]))).max().item() <= F32_TOLERANCE
+
+
+def relabel(source: Path, out: Path, architecture: str) -> Path:
+    """A copy of an F32 GGUF whose ``general.architecture`` (and ``{arch}.*`` keys) name another
+    architecture: a file of an architecture no row serves."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    old = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), architecture)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        key = architecture + name[len(old):] if name.startswith(f"{old}.") else name
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_an_architecture_without_a_row_is_served_by_mlx_lms_class_of_its_name(caplog) -> None:
+    """EXAONE 3.5 (``exaone``) has no row: its mlx-lm class of that name takes the shared config,
+    gguf-py's tensor names and the file's Llama 3 RoPE factors (the family's tests above compare
+    its logits with the directory's); the log says it was served generically."""
+    assert "exaone" not in gguf_arch.ARCHITECTURES
+    with caplog.at_level("WARNING"):
+        _, _, config, summary = load_gguf(str(ensure_gguf("exaone", "tiny", "f32", cache_dir=MODEL_CACHE)),
+                                          on_cpu=True)
+    assert summary.architecture == "exaone" and config["model_type"] == "exaone"
+    assert "served generically by mlx-lm's 'exaone' model" in caplog.text
+
+
+@pytest.mark.parametrize("architecture, reason", [
+    ("internlm2", "mlx-lm's 'internlm2' model does not fit it through the generic path"),
+    ("made-up-arch", "no row serves it and mlx-lm has no model class of that name"),
+])
+def test_an_architecture_that_does_not_fit_is_refused_by_name(architecture: str, reason: str, tmp_path: Path) -> None:
+    """mlx-lm's internlm2 wants a fused ``attn_qkv`` the file lacks; no mlx-lm module is called
+    ``made-up-arch``. Either way start-up stops naming the architecture and the served ones."""
+    path = relabel(ensure_gguf("exaone", "tiny", "f32", cache_dir=MODEL_CACHE), tmp_path / "x.gguf", architecture)
+    with pytest.raises(UnsupportedArchitecture) as error:
+        load_gguf(str(path), on_cpu=True)
+    message = str(error.value)
+    assert f"GGUF architecture '{architecture}' is not supported" in message and reason in message
+    assert f"(supported: {', '.join(gguf_arch.SUPPORTED_ARCHITECTURES)})" in message
