@@ -46,7 +46,6 @@ def _mistral3(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
-
 PHI3_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
@@ -78,7 +77,6 @@ def _phi3(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
-
 def _gemma2(file: GGUFModelFile) -> dict[str, Any]:
     """Gemma 2: norms stored as ``1 + w`` (the row's ``norm_shift``), attention and final logit
     soft-capping, the query scale llama.cpp fixes by size (hidden / heads for the 27B's 46 layers,
@@ -100,7 +98,6 @@ def _gemma2(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
-
 def _smollm3(file: GGUFModelFile) -> dict[str, Any]:
     """SmolLM3: llama (Q/K rows permuted) whose every fourth layer has no RoPE. The file does not
     say which: llama.cpp fixes the period at 4 (``n_no_rope_layer_step``), and so does this."""
@@ -110,7 +107,6 @@ def _smollm3(file: GGUFModelFile) -> dict[str, Any]:
     config["mlp_bias"] = "blk.0.ffn_up.bias" in file.tensors
     config["no_rope_layer_interval"] = 4
     return config
-
 
 
 def _olmo2(file: GGUFModelFile) -> dict[str, Any]:
@@ -130,7 +126,6 @@ def _olmo2(file: GGUFModelFile) -> dict[str, Any]:
         config.update(model_type="olmo3", sliding_window=int(window),
                       layer_types=["sliding_attention" if sliding else "full_attention" for sliding in pattern])
     return config
-
 
 
 def _granite(file: GGUFModelFile) -> dict[str, Any]:
@@ -153,7 +148,6 @@ def _granite(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
-
 def _glm4(file: GGUFModelFile) -> dict[str, Any]:
     """GLM-4-0414: fused ``ffn_up`` (gate and up) as mlx-lm's ``gate_up_proj``, sandwich norms,
     interleaved RoPE over the ``rope.dimension_count`` first dimensions of a head (llama.cpp's
@@ -163,10 +157,10 @@ def _glm4(file: GGUFModelFile) -> dict[str, Any]:
         raise UnsupportedArchitecture("glm4 with M-RoPE sections (GLM-4V) has no mlx-lm text model")
     config = common_config(file)
     config.setdefault("rope_theta", 10000.0)
-    config["partial_rotary_factor"] = int(file.arch_value("rope.dimension_count", config["head_dim"])) / config["head_dim"]
+    rotated = int(file.arch_value("rope.dimension_count", config["head_dim"]))
+    config["partial_rotary_factor"] = rotated / config["head_dim"]
     config["attention_bias"] = "blk.0.attn_q.bias" in file.tensors or "blk.0.attn_qkv.bias" in file.tensors
     return config
-
 
 
 def _exaone4(file: GGUFModelFile) -> dict[str, Any]:
@@ -190,7 +184,6 @@ def _exaone4(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
-
 def sliding_period(file: GGUFModelFile, n_layers: int, default: int) -> int:
     """mlx-lm's ``sliding_window_pattern`` period p (every p-th layer global, the others sliding)
     from ``attention.sliding_window_pattern``: llama.cpp's per-layer flags, a period, or absent
@@ -211,7 +204,8 @@ def _cohere2(file: GGUFModelFile) -> dict[str, Any]:
     config = common_config(file)
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     if config["head_dim"] != head_dim or int(file.arch_value("rope.dimension_count", head_dim)) != head_dim:
-        raise UnsupportedArchitecture("cohere2 with head_dim != hidden / heads or partial RoPE has no mlx-lm equivalent")
+        raise UnsupportedArchitecture("cohere2 with head_dim != hidden / heads or partial RoPE "
+                                      "has no mlx-lm equivalent")
     config.setdefault("rope_theta", 10000.0)
     if float(file.arch_value("rope.freq_base_swa", config["rope_theta"])) != config["rope_theta"]:
         raise UnsupportedArchitecture("cohere2: mlx-lm gives sliding layers the global RoPE base")
@@ -226,7 +220,6 @@ def _cohere2(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
-
 def _starcoder2(file: GGUFModelFile) -> dict[str, Any]:
     """StarCoder2: LayerNorms and projections with biases, a GELU MLP (``ffn_up``/``ffn_down`` as
     mlx-lm's ``c_fc``/``c_proj``). mlx-lm's MLP takes the exact (erf) GELU; llama.cpp's ``ggml_gelu``
@@ -237,7 +230,6 @@ def _starcoder2(file: GGUFModelFile) -> dict[str, Any]:
     config.setdefault("rope_theta", 10000.0)
     config["norm_epsilon"] = float(file.arch_value("attention.layer_norm_epsilon", 1e-5))
     return config
-
 
 
 def _seed_oss(file: GGUFModelFile) -> dict[str, Any]:
@@ -251,7 +243,6 @@ def _seed_oss(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
-
 def _ernie4_5(file: GGUFModelFile) -> dict[str, Any]:
     """ERNIE 4.5 (dense): llama's layer with interleaved RoPE (llama.cpp's NORM type, mlx-lm's
     traditional one; nothing permuted); the converter splits a fused ``qkv_proj`` into Q, K and V,
@@ -260,7 +251,6 @@ def _ernie4_5(file: GGUFModelFile) -> dict[str, Any]:
     config.setdefault("rope_theta", 10000.0)
     config["use_bias"] = "blk.0.attn_q.bias" in file.tensors
     return config
-
 
 
 def _apertus(file: GGUFModelFile) -> dict[str, Any]:

@@ -51,7 +51,8 @@ def text_hparams(writer: Any, c: dict[str, Any], rope: dict[str, Any] | None = N
     rms_eps = next((c[k] for k in ("rms_norm_eps", "norm_eps") if c.get(k) is not None), None)
     if rms_eps is not None:
         writer.add_layer_norm_rms_eps(rms_eps)
-    norm_eps = next((c[k] for k in ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon") if c.get(k) is not None), None)
+    norm_eps = next((c[k] for k in ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon") if c.get(k) is not None),
+                    None)
     if norm_eps is not None:
         writer.add_layer_norm_eps(norm_eps)
     if c.get("head_dim") is not None:
@@ -90,7 +91,6 @@ def _ministral3_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any])
     llama_hparams(writer, c, rope)
     writer.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
     writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
-
 
 
 # --- phi3: Phi-3.5-mini, Phi-4, Phi-4-mini
