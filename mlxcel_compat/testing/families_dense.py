@@ -87,10 +87,13 @@ def _ministral3_config(size: str) -> dict[str, Any]:
 
 
 def _ministral3_hparams(writer: Any, c: dict[str, Any], weights: dict[str, Any]) -> None:
+    # Ministral3Model adds the YaRN multiplier and the temperature for a ministral3 text config
+    # (always YaRN); a Mistral Small 3.x one (mistral's, no YaRN) gets llama's keys only.
     rope = c["rope_parameters"]
     llama_hparams(writer, c, rope)
-    writer.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
-    writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
 
 
 # --- phi3: Phi-3.5-mini, Phi-4, Phi-4-mini

@@ -215,3 +215,28 @@ def test_an_architecture_that_does_not_fit_is_refused_by_name(architecture: str,
     message = str(error.value)
     assert f"GGUF architecture '{architecture}' is not supported" in message and reason in message
     assert f"(supported: {', '.join(gguf_arch.SUPPORTED_ARCHITECTURES)})" in message
+
+
+def test_mistral3_without_the_temperature_is_plain_llama(tmp_path: Path) -> None:
+    """A ``mistral3`` file as the converter writes Mistral Small 3.x (no YaRN, no
+    ``attention.temperature_scale``) loads with the temperature's beta at 0: llama's logits."""
+    from mlxcel_compat.testing.families import model_config
+    from mlxcel_compat.testing.gguf_writer import write_gguf
+    from mlxcel_compat.testing.model_directory import write_model_directory
+    from mlxcel_compat.testing.weights import seeded_weights
+
+    config = model_config("ministral3", "tiny")
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0, "llama_4_scaling_beta": 0.0,
+                                 "original_max_position_embeddings": config["max_position_embeddings"]}
+    weights = seeded_weights("ministral3", "tiny", config)
+    directory = tmp_path / "mistral-small"
+    directory.mkdir()
+    write_model_directory(directory, "ministral3", "tiny", weights, config)
+    path = write_gguf("ministral3", "tiny", tmp_path / "mistral-small.gguf", model_dir=directory, weights=weights,
+                      config=config)[0]
+    model, _, loaded_config, _ = load_gguf(str(path), on_cpu=True)
+    assert loaded_config["rope_parameters"]["llama_4_scaling_beta"] == 0.0
+    assert "factor" not in loaded_config["rope_parameters"]
+    reference, tok = load(str(directory))
+    ids = tok.encode(PROMPT)
+    assert mx.abs(model(mx.array([ids])) - reference(mx.array([ids]))).max().item() <= F32_TOLERANCE
