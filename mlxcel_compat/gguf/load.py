@@ -341,7 +341,8 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         nn.quantize(model, class_predicate=lambda p, m: {"group_size": quantized[p].group_size,
                                                          "bits": quantized[p].bits, "mode": "affine"}
                     if p in quantized else False)
-    loaded.extend((name, mx.array(value).reshape(shapes[name])) for name, value in from_metadata.items())
+    loaded.extend((name, mx.array(value).reshape(shapes[name]).astype(getattr(mx, dtype)))  # float32/16, bfloat16
+                  for name, value in from_metadata.items())
     model.eval()
     model.load_weights(loaded, strict=False)  # the model's own initial values were never evaluated
     if "rope_freqs.weight" in file.tensors and (spec.permute_qk or spec.llama3_rope_freqs):

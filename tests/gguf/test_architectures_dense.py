@@ -8,7 +8,8 @@ llama.cpp's converter writes that architecture:
   mlx-lm class, so only metadata values rounded to float32, e.g. an epsilon, may differ; measured
   0 for every family), and the same greedy tokens through the engine;
 - Q8_0: the CPU serves the matrices from the file's blocks (ggml's kernels); the prompt's logits
-  within ``Q8_0_TOLERANCE`` of the same file expanded to float32 (``load_gguf(..., blocks=False)``).
+  within ``Q8_0_TOLERANCE`` of the same file expanded to float32 (``load_gguf(..., blocks=False)``);
+  Metal/CUDA's policy on the same file (affine layers, float16) within ``GPU_POLICY_TOLERANCE``.
 
 The generic path (``gguf/generic_path.py``) is tested at the end: a file whose
 architecture no row serves loads through mlx-lm's class of that name when it fits, and otherwise
@@ -32,7 +33,7 @@ from mlxcel_compat.gguf.load import load_gguf
 from mlxcel_compat.runtime import cpu_decode
 from mlxcel_compat.testing import families_dense
 from mlxcel_compat.testing.gguf_writer import ensure_gguf
-from tests.conftest import MODEL_CACHE, tiny_model
+from tests.conftest import MODEL_CACHE, slow_but, tiny_model
 from tests.engine.harness import EngineHarness
 
 pytestmark = pytest.mark.engine
@@ -121,6 +122,23 @@ def test_q8_0_blocks_equal_their_float32_expansion(family: str, directories: dic
     assert diff <= Q8_0_TOLERANCE, (family, diff)
     tokens, gaps = greedy(expanded, ids)
     agree_where_clear(greedy(model, ids)[0], tokens, gaps, 2 * Q8_0_TOLERANCE)
+
+
+# Float16 activations against float32 ones on the same Q8_0 values (tests/gguf/test_models.py's bound).
+GPU_POLICY_TOLERANCE = 0.1
+
+
+@pytest.mark.parametrize("family", slow_but(DENSE_FAMILIES, ("phi3", "gemma2", "apertus")))
+def test_gpu_policy_serves_the_q8_0_file_as_affine_weights(family: str) -> None:
+    """Metal/CUDA's policy (exercised on the CPU): the matrices become MLX affine layers, the rest
+    float16, Gemma 2's norm shift and Apertus's metadata constants included."""
+    path = ensure_gguf(family, "tiny", "q8_0", cache_dir=MODEL_CACHE)
+    model, _, _, summary = load_gguf(str(path), on_cpu=False)
+    expanded, *_ = load_gguf(str(path), on_cpu=True, blocks=False)
+    assert summary.compute_dtype == "float16" and set(summary.precision) == {"affine q8_0", "float16"}
+    ids = [5, 17, 300, 42, 1000, 7, 8, 9, 10, 11, 12, 13]
+    diff = mx.abs(model(mx.array([ids])).astype(mx.float32) - expanded(mx.array([ids]))).max().item()
+    assert diff <= GPU_POLICY_TOLERANCE, (family, diff)
 
 
 @pytest.mark.parametrize("family", DENSE_FAMILIES)
