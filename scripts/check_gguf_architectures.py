@@ -59,6 +59,9 @@ N_PREDICT = 16
 # writes no sliding-window pattern (every real Gemma 3 has a global layer every 6th, which
 # llama.cpp assumes); the tiny one alternates so that four layers hold both kinds.
 CHECK_SIZE = {"gemma3_text": "small"}
+# Families whose checkpoint form the converter reads is not one mlx-lm loads (so the factory's
+# directory cannot be it): the converter gets a copy of the directory in that form.
+CONVERTER_INPUT = {"gpt_oss": "gpt_oss_bf16"}
 
 # The child process: llama.cpp's converter with one question answered (see the module docstring).
 CONVERTER_CHILD = """
@@ -101,6 +104,26 @@ def convert(directory: Path, out: Path, pre: str) -> None:
     if done.returncode != 0 or not out.is_file():
         tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
         raise RuntimeError(f"the converter failed: {tail}")
+
+
+def converter_input(family: str, directory: Path, work: Path) -> Path:
+    """The directory the converter reads: the factory's, or a copy in ``CONVERTER_INPUT``'s form."""
+    if family not in CONVERTER_INPUT:
+        return directory
+    import shutil
+
+    import mlx.core as mx
+
+    from mlxcel_compat.testing import hf_layouts
+
+    copy = work / f"{family}-checkpoint"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(directory, copy)
+    config = json.loads((directory / "config.json").read_text())
+    weights = {name: np.array(value) for name, value in mx.load(str(directory / "model.safetensors")).items()}
+    form = getattr(hf_layouts, CONVERTER_INPUT[family])(weights, config)
+    mx.save_safetensors(str(copy / "model.safetensors"), {name: mx.array(value) for name, value in form.items()})
+    return copy
 
 
 def compare_layout(theirs: Path, ours: Path) -> list[str]:
@@ -242,7 +265,7 @@ def check(family: str, work: Path, margin: float, tolerance: float, gelu_toleran
     directory = ensure_model(family, size, cache_dir=work / "models")
     converted = work / f"{family}-converted.gguf"
     try:
-        convert(directory, converted, target.pre)
+        convert(converter_input(family, directory, work), converted, target.pre)
     except Exception as exc:  # noqa: BLE001 - the row says why
         row.fail(str(exc)[:300])
         row.layout = row.logits = row.peer = "-"

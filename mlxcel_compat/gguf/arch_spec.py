@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 from mlxcel_compat.gguf.reader import GGUFModelFile
 
 
@@ -44,6 +46,17 @@ class ArchSpec:
     # Another row for some files of this architecture (a DeepSeek-V2 deepseek2 file is served by
     # mlx-lm's deepseek_v2, a V3 one by deepseek_v3), or None to keep this one.
     variant: Callable[[GGUFModelFile], ArchSpec | None] | None = None
+    # Parameters the converter moved out of the tensors into metadata (Apertus's per-layer xIELU
+    # constants): mlx-lm name -> value, rebuilt from the file; no GGUF tensor is looked up for them.
+    metadata_weights: Callable[[GGUFModelFile, dict[str, Any]], dict[str, np.ndarray]] | None = None
+    # Tensors the config builder reads (Phi-3's LongRoPE factors), which the model has no parameter for.
+    config_tensors: tuple[str, ...] = ()
+    # The file's ``rope_freqs`` tensor holds Llama 3 RoPE factors for a row without the Q/K
+    # permutation (EXAONE 4); the llama-permuted rows take them anyway.
+    llama3_rope_freqs: bool = False
+    # No row serves the architecture: tried through mlx-lm's class of its name (generic_path.py),
+    # strictly; a misfit stops loading with the architecture's name and the served ones.
+    generic: bool = False
 
 
 def uniform(file: GGUFModelFile, key: str, default: Any = None) -> Any:

@@ -8,7 +8,9 @@ gemma3, lfm2; ``arch_dense.py``, ``arch_moe.py``, ``arch_hybrid.py``) and are as
 ``TensorNameMap`` (the table llama.cpp's converter writes with), so no name table is written by
 hand; each row says what the converter changed in the values, which the loader undoes.
 
-Any other architecture is refused at start-up with the list of supported ones.
+Any other architecture for which mlx-lm has a class is tried through the generic path
+(``generic_path.py``); one that has none, or does not fit, is refused at start-up with a message
+naming it and the served ones (:func:`unsupported`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mlxcel_compat.gguf import arch_core, arch_dense, arch_hybrid, arch_moe
+from mlxcel_compat.gguf import arch_core, arch_dense, arch_hybrid, arch_moe, generic_path
 from mlxcel_compat.gguf.arch_spec import ArchSpec, Join, UnsupportedArchitecture
 from mlxcel_compat.gguf.reader import GGUFModelFile
 
@@ -30,13 +32,17 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
 EXPERT_STACK_SUFFIXES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps")
 
 
+def unsupported(architecture: str, reason: str) -> UnsupportedArchitecture:
+    """The start-up error for an architecture this server cannot serve: its name, why, the served ones."""
+    return UnsupportedArchitecture(f"GGUF architecture '{architecture}' is not supported by mlxcel_compat: {reason} "
+                                   f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+
 def arch_spec(file: GGUFModelFile) -> ArchSpec:
-    spec = ARCHITECTURES.get(file.architecture)
+    """The architecture's row, or the generic one when mlx-lm has a class of its name."""
+    spec = ARCHITECTURES.get(file.architecture) or generic_path.generic_spec(file.architecture)
     if spec is None:
-        raise UnsupportedArchitecture(
-            f"GGUF architecture '{file.architecture}' is not supported by mlxcel_compat "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+        raise unsupported(file.architecture, "no row serves it and mlx-lm has no model class of that name")
     if spec.variant is not None and (variant := spec.variant(file)) is not None:
         return variant
     return spec
@@ -47,7 +53,7 @@ def model_config(file: GGUFModelFile, spec: ArchSpec, vocab_size: int, eos_ids: 
     """The config.json an mlx-lm checkpoint of this model would have."""
     config = spec.build_config(file)
     config.update(
-        model_type=spec.model_type,
+        model_type=config.get("model_type", spec.model_type),  # a builder may pick the class from the metadata
         architectures=[spec.hf_architecture],
         vocab_size=int(file.arch_value("vocab_size", vocab_size)),
         eos_token_id=eos_ids,
@@ -60,7 +66,9 @@ def gguf_names(spec: ArchSpec, parameter_names: list[str], n_layers: int) -> dic
     """GGUF tensor name -> mlx-lm parameter name, for every parameter of the model."""
     import gguf
 
-    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == spec.gguf_arch)
+    arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == spec.gguf_arch), None)
+    if arch is None:
+        raise UnsupportedArchitecture(f"gguf-py has no tensor names for '{spec.gguf_arch}'")
     table = gguf.get_tensor_name_map(arch, n_layers)
     mapping: dict[str, str] = {}
     for name in parameter_names:

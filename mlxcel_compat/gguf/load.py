@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -198,6 +199,7 @@ def _joined(file: GGUFModelFile, joins: dict[str, tuple[Any, tuple[str, ...]]], 
 def _install_rope_freqs(model: Any, file: GGUFModelFile, config: dict[str, Any]) -> None:
     """Llama 3 files carry the RoPE frequency factors as a tensor (``rope_freqs.weight``)."""
     import mlx.core as mx
+    from mlx_lm.models.rope_utils import Llama3RoPE
 
     factors = gguf_quants.dequantize(read_tensor(file.tensors["rope_freqs.weight"]),
                                      file.tensors["rope_freqs.weight"].ggml_type,
@@ -205,8 +207,9 @@ def _install_rope_freqs(model: Any, file: GGUFModelFile, config: dict[str, Any])
     head_dim = config["head_dim"]
     periods = config.get("rope_theta", 10000.0) ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
     freqs = mx.array(periods.astype(np.float32) * factors)
-    for layer in model.layers:
-        layer.self_attn.rope._freqs = freqs
+    for _, module in model.named_modules():  # every layer's (EXAONE 4's global layers have none)
+        if isinstance(module, Llama3RoPE):
+            module._freqs = freqs
 
 
 def _prepare(file: GGUFModelFile) -> tuple[gguf_arch.ArchSpec, Any, SpecialTokens, dict[str, Any]]:
@@ -215,11 +218,59 @@ def _prepare(file: GGUFModelFile) -> tuple[gguf_arch.ArchSpec, Any, SpecialToken
         gguf_quants.check_supported(info.name, info.ggml_type)
     tokenizer, specials = load_tokenizer(file)
     n_vocab = len(file.metadata.get("tokenizer.ggml.tokens") or [])
-    config = gguf_arch.model_config(file, spec, n_vocab, specials.eog, specials.bos if specials.add_bos else None)
-    if spec.permute_qk and "rope_freqs.weight" in file.tensors:
+    with _generic_misfit(spec):
+        config = gguf_arch.model_config(file, spec, n_vocab, specials.eog, specials.bos if specials.add_bos else None)
+    if (spec.permute_qk or spec.llama3_rope_freqs) and "rope_freqs.weight" in file.tensors:
         # Llama3RoPE is built from a placeholder and its frequencies replaced by the file's.
         config["rope_scaling"] = {"rope_type": "llama3", "factor": 1.0}
     return spec, tokenizer, specials, config
+
+
+@contextmanager
+def _generic_misfit(spec: gguf_arch.ArchSpec) -> Iterator[None]:
+    """On the generic path, any failure to build the model or place its tensors means mlx-lm's
+    class does not fit the architecture: say so, naming it and the served ones."""
+    try:
+        yield
+    except Exception as exc:
+        if not spec.generic:
+            raise
+        raise gguf_arch.unsupported(spec.gguf_arch, f"no row serves it, and mlx-lm's '{spec.model_type}' model "
+                                                    f"does not fit it through the generic path ({exc})") from exc
+
+
+def _model_and_names(file: GGUFModelFile, spec: gguf_arch.ArchSpec, config: dict[str, Any]
+                     ) -> tuple[Any, dict[str, tuple[int, ...]], dict[str, Any], dict[str, str], dict[str, Any]]:
+    """The mlx-lm model, its parameters' shapes, those rebuilt from metadata, GGUF name ->
+    parameter name for those read from one tensor each (every one present in the file), and the
+    parameters joined from several tensors (``ArchSpec.joins``)."""
+    from mlx.utils import tree_flatten
+
+    model = _build_model(config, file)
+    shapes = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+    from_metadata = spec.metadata_weights(file, config) if spec.metadata_weights is not None else {}
+    from_tensors = [n for n in shapes if n not in from_metadata]
+    names = gguf_arch.gguf_names(spec, from_tensors, config["num_hidden_layers"])
+    joins = gguf_arch.joined_parameters(spec, from_tensors)
+    parts = {g for _, tensors in joins.values() for g in tensors}
+    missing = sorted((set(names) | parts) - set(file.tensors))
+    if missing:
+        raise ValueError(f"'{file.path}' lacks tensors the {spec.gguf_arch} model needs: {', '.join(missing[:8])}")
+    ignored = sorted(set(file.tensors) - set(names) - parts - {"rope_freqs.weight", *spec.config_tensors})
+    past_layers = [n for n in ignored if gguf_arch.layer_index(n) is not None
+                   and gguf_arch.layer_index(n) >= config["num_hidden_layers"]]
+    if past_layers:
+        log.info("%d tensors of the layers past the model's %d (NextN / multi-token prediction layers, which "
+                 "mlx-lm's model does not run) are not loaded", len(past_layers), config["num_hidden_layers"])
+        ignored = sorted(set(ignored) - set(past_layers))
+    if ignored and spec.generic:
+        raise ValueError(f"tensors without a counterpart in the model: {', '.join(ignored[:8])}")
+    if ignored:
+        log.warning("GGUF tensors without a counterpart in the mlx-lm model are ignored: %s", ", ".join(ignored[:8]))
+    if spec.generic:
+        log.warning("GGUF architecture '%s' has no row: served generically by mlx-lm's '%s' model, with no undo "
+                    "steps for what llama.cpp's converter may have changed", spec.gguf_arch, spec.model_type)
+    return model, shapes, from_metadata, names, joins
 
 
 def _build_model(config: dict[str, Any], file: GGUFModelFile) -> Any:
@@ -245,7 +296,6 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     """
     import mlx.core as mx
     import mlx.nn as nn
-    from mlx.utils import tree_flatten
 
     from mlxcel_compat.runtime import block_layers
 
@@ -254,23 +304,8 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         on_cpu = mx.default_device() == mx.cpu
     file = open_gguf(path)
     spec, tokenizer, specials, config = _prepare(file)
-    model = _build_model(config, file)
-    shapes = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
-    names = gguf_arch.gguf_names(spec, list(shapes), config["num_hidden_layers"])
-    joins = gguf_arch.joined_parameters(spec, list(shapes))
-    parts = {g for _, tensors in joins.values() for g in tensors}
-    missing = sorted((set(names) | parts) - set(file.tensors))
-    if missing:
-        raise ValueError(f"'{file.path}' lacks tensors the {spec.gguf_arch} model needs: {', '.join(missing[:8])}")
-    ignored = sorted(set(file.tensors) - set(names) - parts - {"rope_freqs.weight"})
-    past_layers = [n for n in ignored if gguf_arch.layer_index(n) is not None
-                   and gguf_arch.layer_index(n) >= config["num_hidden_layers"]]
-    if past_layers:
-        log.info("%d tensors of the layers past the model's %d (NextN / multi-token prediction layers, which "
-                 "mlx-lm's model does not run) are not loaded", len(past_layers), config["num_hidden_layers"])
-        ignored = sorted(set(ignored) - set(past_layers))
-    if ignored:
-        log.warning("GGUF tensors without a counterpart in the mlx-lm model are ignored: %s", ", ".join(ignored[:8]))
+    with _generic_misfit(spec):
+        model, shapes, from_metadata, names, joins = _model_and_names(file, spec, config)
 
     dtype = precision.compute_dtype(on_cpu, {t.ggml_type for t in file.tensors.values()})
     lib = block_weight.library() if on_cpu and blocks else "not on the CPU" if not on_cpu else "blocks=False"
@@ -367,9 +402,11 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         nn.quantize(model, class_predicate=lambda p, m: {"group_size": quantized[p].group_size,
                                                          "bits": quantized[p].bits, "mode": quantized[p].mode}
                     if p in quantized else False)
+    loaded.extend((name, mx.array(value).reshape(shapes[name]).astype(getattr(mx, dtype)))  # float32/16, bfloat16
+                  for name, value in from_metadata.items())
     model.eval()
     model.load_weights(loaded, strict=False)  # the model's own initial values were never evaluated
-    if "rope_freqs.weight" in file.tensors and spec.permute_qk:
+    if "rope_freqs.weight" in file.tensors and (spec.permute_qk or spec.llama3_rope_freqs):
         _install_rope_freqs(model, file, config)
     summary.load_seconds = time.perf_counter() - t0
     return model, tokenizer, config, summary

@@ -294,10 +294,17 @@ def _is_mlp(name: str, module: Any) -> bool:
     """A dense gated MLP of an mlx-lm model (``layers.N.mlp``, class ``MLP``), of float weights:
     one with block-format weights evaluates inside its call, which ``mx.compile`` cannot trace.
     One with a LoRA adapter is compiled too, but its trace serves only passes with no adapter
-    active (its layers read their scales at call time, which a trace would bake in)."""
+    active (its layers read their scales at call time, which a trace would bake in). Two kinds are
+    left alone, since a shapeless trace cannot take them: one whose gate and up projections are
+    fused (Phi-3's and GLM-4's ``gate_up_proj``: its output is split), and one with biases
+    (StarCoder2's: ``nn.Linear`` then calls ``addmm``, which flattens a 3-D input to the traced
+    shape)."""
     from mlxcel_compat.runtime.block_layers import holds_blocks
 
-    return name.endswith(".mlp") and type(module).__name__ == "MLP" and not holds_blocks(module)
+    if not (name.endswith(".mlp") and type(module).__name__ == "MLP") or holds_blocks(module):
+        return False
+    linears = [m for _, m in module.named_modules() if isinstance(m, nn.Linear)]
+    return not hasattr(module, "gate_up_proj") and all("bias" not in m for m in linears)
 
 
 def install(model: Any) -> dict[str, int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import families_dense, families_hybrid, families_moe
+from . import families_dense, families_hybrid, families_moe, hf_layouts
 from . import tokenizer as tok
 from .family import Family
 
@@ -19,12 +19,6 @@ MAX_POSITION_EMBEDDINGS = 32768
 
 # Every family's end-of-generation ids (config.json and generation_config.json): <|im_end|>, <|endoftext|>.
 EOS_IDS = [tok.token_id(tok.IM_END), tok.token_id(tok.ENDOFTEXT)]
-
-
-def _lfm2_hf_layout(weights: dict[str, Any]) -> dict[str, Any]:
-    """LFM2's depthwise convolutions as PyTorch stores them: (C, 1, K), where MLX keeps (C, K, 1)."""
-    return {name: value.transpose(0, 2, 1) if name.endswith("conv.conv.weight") else value
-            for name, value in weights.items()}
 
 
 # Family name -> its spec, in the order the command line lists them.
@@ -37,7 +31,7 @@ FAMILY_SPECS: dict[str, Family] = {
         Family("qwen3_next", "Qwen3NextForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
         Family("qwen2", "Qwen2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
         Family("mistral", "MistralForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
-        Family("lfm2", "Lfm2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0, hf_layout=_lfm2_hf_layout),
+        Family("lfm2", "Lfm2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0, hf_layout=hf_layouts.lfm2),
         # Qwen2.5-Coder's shape: qwen2 with the FIM tokens (<|fim_prefix|>, ..., <|file_sep|>) added.
         Family("qwen2_coder", "Qwen2ForCausalLM", thinking=False, add_bos=False, norm_one=1.0, model_type="qwen2", fim=True),
     )

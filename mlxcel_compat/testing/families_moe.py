@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import hf_layouts
 from .family import Family
 from .gguf_target import GgufTarget
 
@@ -350,16 +351,16 @@ def _lfm2_moe_keys(writer: Any, config: dict[str, Any]) -> None:
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("qwen3_moe", "Qwen3MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0, hf_layout=hf_layouts.experts_one_by_one),
     Family("gpt_oss", "GptOssForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
-    Family("glm4_moe", "Glm4MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
-    Family("deepseek_v3", "DeepseekV3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
-    Family("deepseek_v2", "DeepseekV2ForCausalLM", thinking=False, add_bos=True, norm_one=1.0),
-    Family("qwen2_moe", "Qwen2MoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
-    Family("olmoe", "OlmoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
-    Family("granitemoe", "GraniteMoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
-    Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
-    Family("lfm2_moe", "Lfm2MoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
+    Family("glm4_moe", "Glm4MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0, hf_layout=hf_layouts.glm4_moe),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", thinking=False, add_bos=True, norm_one=1.0, hf_layout=hf_layouts.deepseek_v3),
+    Family("deepseek_v2", "DeepseekV2ForCausalLM", thinking=False, add_bos=True, norm_one=1.0, hf_layout=hf_layouts.experts_one_by_one),
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0, hf_layout=hf_layouts.experts_one_by_one),
+    Family("olmoe", "OlmoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0, hf_layout=hf_layouts.experts_one_by_one),
+    Family("granitemoe", "GraniteMoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0, hf_layout=hf_layouts.granitemoe),
+    Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0, hf_layout=hf_layouts.experts_one_by_one),
+    Family("lfm2_moe", "Lfm2MoeForCausalLM", thinking=False, add_bos=False, norm_one=1.0, hf_layout=hf_layouts.lfm2_moe),
 )
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "qwen3_moe": _qwen3_moe_config,

@@ -23,7 +23,8 @@ class Family:
     fim: bool = False  # the tokenizer has fill-in-the-middle tokens (tokenizer.FIM_TOKENS)
     # mlx-lm parameters -> the Hugging Face checkpoint's tensors, where they differ (a directory is
     # what transformers and llama.cpp's converter read; mlx-lm's ``sanitize`` maps it back)
-    hf_layout: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # (``hf_layouts.py``; the config says how many layers, for a NextN layer a checkpoint adds)
+    hf_layout: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None
 
     @property
     def kind(self) -> str:

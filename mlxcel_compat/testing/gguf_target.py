@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class GgufTarget:
@@ -27,3 +29,10 @@ class GgufTarget:
     # The converter's own split of a tensor: (name, float32 array, config) -> [(name, array), ...]
     # under names it then maps (DeepSeek-V2's kv_b_proj into k_b_proj and v_b_proj).
     split: Callable[[str, Any, dict[str, Any]], list[tuple[str, Any]]] | None = None
+    # Writes every ``{arch}.*`` key the converter writes for the family, from (writer, config,
+    # weights), instead of ``gguf_metadata.add_hparams``'s shared ones (families_dense.py).
+    all_hparams: Callable[[Any, dict[str, Any], dict[str, Any]], None] | None = None
+    # Name suffixes of weights the converter does not store as tensors (it moves them into metadata).
+    dropped: tuple[str, ...] = ()
+    # Tensors the converter adds from the config (Phi-3's LongRoPE factors): GGUF name -> values.
+    extra_tensors: Callable[[dict[str, Any]], dict[str, np.ndarray]] | None = None

@@ -142,6 +142,8 @@ def converted_tensors(family: str, config: dict[str, Any], weights: dict[str, An
         weights = {piece: data for name in weights
                    for piece, data in target.split(name, np.array(weights[name], dtype=np.float32), config)}
     for hf_name in sorted(weights):
+        if target.dropped and hf_name.endswith(target.dropped):
+            continue
         data = np.array(weights[hf_name], dtype=np.float32)
         checkpoint_name = hf_name
         for factory_part, checkpoint_part in target.renames:
@@ -161,6 +163,8 @@ def converted_tensors(family: str, config: dict[str, Any], weights: dict[str, An
     scaling = config.get("rope_scaling") or {}
     if scaling.get("rope_type", scaling.get("type")) == "llama3":
         out["rope_freqs.weight"] = llama3_rope_factors(config)
+    if target.extra_tensors is not None:
+        out.update(target.extra_tensors(config))
     return out
 
 

@@ -136,7 +136,7 @@ def write_gguf(family: str, size: str, out: str | Path, gguf_type: str = "f32",
     writer.add_name(f"mlxcel-{family}-{size}")
     writer.add_file_type(file_type(gguf_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    add_hparams(writer, family, config)
+    add_hparams(writer, family, config, weights)
     if pooling is not None or reranker:
         writer.add_pooling_type(gguf.PoolingType[(pooling or "rank").upper()])
     add_tokenizer(writer, source, GGUF_TARGETS[family].pre)

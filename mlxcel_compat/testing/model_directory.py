@@ -18,6 +18,8 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 from typing import Any
 
 from . import chatml
@@ -27,7 +29,7 @@ from .families import EOS_IDS, MAX_POSITION_EMBEDDINGS, Family, family_spec
 from .weights import random_weights
 
 # Bump when the bytes of any output change, so cached directories are rebuilt.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST_NAME = "mlxcel_testing.json"
 
 
@@ -95,7 +97,11 @@ def write_model_directory(directory: Path, family: str, size: str, weights: dict
     import mlx.core as mx
 
     spec = family_spec(family, size)
-    stored = spec.hf_layout(weights) if spec.hf_layout is not None else weights
+    if spec.hf_layout is None:
+        stored = weights
+    else:  # the layouts work on NumPy arrays
+        numpy_weights = {name: np.array(value) for name, value in weights.items()}
+        stored = {name: mx.array(value) for name, value in spec.hf_layout(numpy_weights, config).items()}
     mx.save_safetensors(str(directory / "model.safetensors"), stored, metadata={"format": "mlx"})
     texts = _tokenizer_files(spec)
     texts["config.json"] = _json_text(config)

@@ -49,6 +49,8 @@ def init_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...],
     on the machine's math library.
     """
     leaf = name.rsplit(".", 1)[-1]
+    if len(shape) == 0:
+        return _scalar(rng, name, leaf)
     if len(shape) == 1:
         if leaf == "A_log":
             # Decay rates of the gated delta net: like log(U(1, 16)).
@@ -63,7 +65,7 @@ def init_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...],
         if leaf == "sinks":
             # gpt-oss's attention sinks: one logit per head, of the scale of the scores.
             return rng.standard_normal(shape, dtype=np.float32)
-        if "norm" in name:
+        if "norm" in name or name.rsplit(".", 2)[-2].startswith("ln_"):  # (GPT-2-style names: ln_1, ln_f)
             return np.full(shape, spec.norm_one, dtype=np.float32)
         raise ValueError(f"no initializer for the 1-D parameter {name}")
     if name.endswith("embed_tokens.weight"):
@@ -74,12 +76,30 @@ def init_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...],
     return rng.standard_normal(shape, dtype=np.float32) * std
 
 
+def _scalar(rng: np.random.Generator, name: str, leaf: str) -> np.ndarray:
+    """A 0-d parameter: Apertus's xIELU constants (``alpha_p`` and ``alpha_n`` before their
+    softplus, near the 0.8 the model starts from; ``beta`` 0.5; ``eps`` -1e-6)."""
+    if leaf in ("alpha_p", "alpha_n"):
+        return np.array(0.25 + 0.5 * rng.random(dtype=np.float32), dtype=np.float32)
+    if leaf == "beta":
+        return np.array(0.5, dtype=np.float32)
+    if leaf == "eps":
+        return np.array(-1e-6, dtype=np.float32)
+    raise ValueError(f"no initializer for the 0-d parameter {name}")
+
+
 def random_weights(family: str, size: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The config and its weights as MLX arrays, generated in sorted name order."""
+    config = model_config(family, size)
+    return seeded_weights(family, size, config), config
+
+
+def seeded_weights(family: str, size: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Seeded weights of the family for ``config`` (the pair's own, or a variant of it a test
+    builds: another layer count or layout), as MLX arrays, generated in sorted name order."""
     import mlx.core as mx
 
     spec = family_spec(family, size)
-    config = model_config(family, size)
     model = instantiate(config)
     shapes = stored_shapes(model, config)
     rng = np.random.default_rng(WEIGHT_SEED)
@@ -87,16 +107,20 @@ def random_weights(family: str, size: str) -> tuple[dict[str, Any], dict[str, An
         name: mx.array(init_tensor(rng, name, shapes[name], spec)) for name in sorted(shapes)
     }
     _check_loadable(model, weights)
-    return weights, config
+    return weights
 
 
 def _check_loadable(model: Any, arrays: dict[str, Any]) -> None:
     """Fail the build, not the later load, if mlx-lm would reject these weights."""
+    import mlx.core as mx
     from mlx.utils import tree_flatten
 
     if hasattr(model, "sanitize"):
         sanitized = model.sanitize(dict(arrays))
-        changed = [k for k in arrays if sanitized.get(k) is not arrays[k]]
+        # (a sanitize that returns an equal copy, as Apertus's squeeze of a 0-d array, changes nothing)
+        changed = [k for k in arrays if sanitized.get(k) is not arrays[k]
+                   and (k not in sanitized or sanitized[k].shape != arrays[k].shape
+                        or not mx.array_equal(sanitized[k], arrays[k]).item())]
         if changed or len(sanitized) != len(arrays):
             raise RuntimeError(f"sanitize would rewrite stored tensors: {changed[:5]}")
     expected = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}

@@ -236,7 +236,8 @@ def test_unsupported_architecture_names_it_and_lists_the_supported(tmp_path: Pat
     path = _rewrite(ensure_gguf("llama", "tiny", "f32", cache_dir=MODEL_CACHE), tmp_path / "x.gguf", arch="falcon")
     with pytest.raises(gguf_arch.UnsupportedArchitecture) as info:
         load_gguf(str(path), on_cpu=True)
-    assert str(info.value) == ("GGUF architecture 'falcon' is not supported by mlxcel_compat "
+    assert str(info.value) == ("GGUF architecture 'falcon' is not supported by mlxcel_compat: no row serves it and "
+                               "mlx-lm has no model class of that name "
                                f"(supported: {', '.join(gguf_arch.SUPPORTED_ARCHITECTURES)})")
     assert gguf_arch.SUPPORTED_ARCHITECTURES[:5] == ("llama", "qwen2", "qwen3", "gemma3", "lfm2")
 
