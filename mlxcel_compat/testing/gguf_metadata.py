@@ -43,8 +43,6 @@ def add_rope_scaling(writer: Any, config: dict[str, Any]) -> None:
 def add_hparams(writer: Any, family: str, config: dict[str, Any], weights: dict[str, Any] | None = None) -> None:
     """The architecture's hyperparameter keys, from ``config`` as the converter reads it for ``family``
     (and from ``weights``, for a family whose converter moves some into metadata)."""
-    from .gguf_tensors import GGUF_TARGETS
-
     if (own := GGUF_TARGETS[family].all_hparams) is not None:
         own(writer, config, weights or {})
         return
