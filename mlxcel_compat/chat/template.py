@@ -24,6 +24,8 @@ import jinja2.meta
 
 from mlxcel_compat.chat.builtin_templates import BUILTIN_TEMPLATE_NAMES, BuiltinTemplate
 from mlxcel_compat.chat.sandbox import ENVIRONMENT, TemplateError
+from mlxcel_compat.chat.syntax import ChatSyntax
+from mlxcel_compat.chat.syntax_formats import template_syntax
 from mlxcel_compat.chat.template_caps import detect_caps
 from mlxcel_compat.chat.template_inputs import (
     adapt_messages,
@@ -109,6 +111,7 @@ class ChatTemplate:
             raise TemplateError(f"invalid chat template: {exc}") from exc
         self._variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
         self._caps: dict[str, bool] | None = None
+        self._syntax: ChatSyntax | None = None
 
     # --- construction ---------------------------------------------------------------------
 
@@ -284,6 +287,13 @@ class ChatTemplate:
         if self._caps is None:
             self._caps = detect_caps(self._probe, reads_reasoning_effort=self.supports_kwarg("reasoning_effort"))
         return dict(self._caps)
+
+    def syntax(self) -> ChatSyntax:
+        """The syntax of this template's replies: reasoning, content and tool calls (learned from
+        renders of the template once, then cached; ``chat/syntax_formats.py``)."""
+        if self._syntax is None:
+            self._syntax = template_syntax(self._source, self.render, self.caps())
+        return self._syntax
 
     # --- internals --------------------------------------------------------------------------
 

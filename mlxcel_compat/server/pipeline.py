@@ -26,12 +26,13 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from mlxcel_compat.chat.reasoning import prompt_opens_thinking, split_reasoning
 from mlxcel_compat.chat.render import render_chat
+from mlxcel_compat.chat.reply_parser import collect_arg_types
 from mlxcel_compat.chat.request import ChatRequest, ChatRequestError, parse_chat_request
 from mlxcel_compat.chat.sandbox import TemplateError
-from mlxcel_compat.chat.stream_splitter import StreamSplitter
-from mlxcel_compat.chat.tool_calls import parse_tool_calls
+from mlxcel_compat.chat.stream_splitter import ReplyStream
+from mlxcel_compat.chat.syntax import ChatSyntax
+from mlxcel_compat.chat.tool_calls import ReplyOptions, parse_reply as parse_reply_text
 from mlxcel_compat.engine.reasoning_budget import opens_block
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent, next_task_id
 from mlxcel_compat.vision.inputs import MediaInput
@@ -351,19 +352,23 @@ def reasoning_on(ctx: ServerContext, data: Mapping[str, Any]) -> bool:
     return (requested if isinstance(requested, str) else ctx.settings.reasoning_format) != "none"
 
 
-def split_reply(ctx: ServerContext, text: str, data: Mapping[str, Any]) -> tuple[str | None, str]:
-    """``(reasoning, content)`` of a finished reply; reasoning is None when it stays in content."""
-    if not reasoning_on(ctx, data):
-        return None, text
-    return split_reasoning(text)
+def reply_syntax(ctx: ServerContext, job: ChatJob) -> ChatSyntax:
+    """The syntax the request's reply is written in: that of the template it was rendered with
+    (the model's ``tool_use`` template when the request passes tools), learned once per template."""
+    return ctx.model.chat_template.for_tools(job.chat.render_tools).syntax()
 
 
-def extract_tool_calls(content: str, data: Mapping[str, Any]) -> tuple[str, list[dict[str, Any]]]:
-    """Parsed tool calls (OpenAI shape); ``parallel_tool_calls: false`` keeps only the first."""
-    content, calls = parse_tool_calls(content)
-    if data.get("parallel_tool_calls") is False:
-        calls = calls[:1]
-    return content, calls
+def reply_options(ctx: ServerContext, job: ChatJob, syntax: ChatSyntax) -> ReplyOptions:
+    """How the request's reply is taken apart: ``reasoning_format``, whether the prompt opened the
+    reasoning block, the offered tools and ``parallel_tool_calls``."""
+    separate = reasoning_on(ctx, job.data)
+    return ReplyOptions(
+        reasoning=separate,
+        in_reasoning=separate and syntax.reply_starts_in_reasoning(job.prompt),
+        tools=job.with_tools,
+        parallel=job.data.get("parallel_tool_calls") is not False,
+        arg_types=collect_arg_types(job.chat.tools) if job.with_tools else {},
+    )
 
 
 @dataclass
@@ -376,25 +381,25 @@ class Reply:
 
 
 def parse_reply(ctx: ServerContext, job: ChatJob, text: str) -> Reply:
-    reasoning, content = split_reply(ctx, text, job.data)
-    calls: list[dict[str, Any]] = []
-    if job.with_tools:
-        content, calls = extract_tool_calls(content, job.data)
-    return Reply(reasoning, content, calls)
+    """A finished reply in its template's syntax; ``parallel_tool_calls: false`` keeps the first call."""
+    syntax = reply_syntax(ctx, job)
+    parsed = parse_reply_text(syntax, text, reply_options(ctx, job, syntax))
+    return Reply(parsed.reasoning, parsed.content, parsed.tool_calls)
 
 
-def reply_splitter(ctx: ServerContext, job: ChatJob) -> StreamSplitter:
-    """Splits a streamed reply into reasoning and content deltas, withholding tool calls."""
-    return StreamSplitter(reasoning=reasoning_on(ctx, job.data), in_reasoning=prompt_opens_thinking(job.prompt), tools=job.with_tools)
+def reply_splitter(ctx: ServerContext, job: ChatJob) -> ReplyStream:
+    """Takes a streamed reply apart: reasoning and content deltas, and tool-call deltas."""
+    syntax = reply_syntax(ctx, job)
+    return ReplyStream(syntax, reply_options(ctx, job, syntax))
 
 
-def stream_deltas(ctx: ServerContext, splitter: StreamSplitter, result: fmt.Result, event: TokenEvent | FinishEvent) -> list[tuple[str, str]]:
-    """Add a token or finish event to ``result``; return the ``(field, text)`` deltas to send."""
+def stream_deltas(ctx: ServerContext, splitter: ReplyStream, result: fmt.Result, event: TokenEvent | FinishEvent) -> list[tuple[str, Any]]:
+    """Add a token or finish event to ``result``; return the ``(field, value)`` deltas to send."""
     if isinstance(event, TokenEvent):
         result.add(event, ctx.model.tokenizer)
-        return splitter.push(event.text) if event.text else []
+        return splitter.push(event.text)
     result.close(event)
-    return splitter.push(event.text) + splitter.flush()
+    return splitter.push(event.text) + splitter.finish()
 
 
 def warm_up(ctx: ServerContext, job: ChatJob, message: Mapping[str, Any]) -> None:

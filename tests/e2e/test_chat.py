@@ -311,8 +311,13 @@ def test_verbose_adds_the_native_result(http):
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
-    from mlxcel_compat.server.pipeline import extract_tool_calls as _tool_calls
+    from mlxcel_compat.chat.syntax_formats import FALLBACK_TOOLS
+    from mlxcel_compat.chat.syntax import ChatSyntax
+    from mlxcel_compat.chat.tool_calls import ReplyOptions, parse_reply
 
+    syntax = ChatSyntax("JSON call", tools=(FALLBACK_TOOLS,))
     text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
-    assert [c["function"]["name"] for c in _tool_calls(text, {})[1]] == ["a", "b"]
-    assert [c["function"]["name"] for c in _tool_calls(text, {"parallel_tool_calls": False})[1]] == ["a"]
+    calls = parse_reply(syntax, text, ReplyOptions(tools=True)).tool_calls
+    assert [c["function"]["name"] for c in calls] == ["a", "b"]
+    first = parse_reply(syntax, text, ReplyOptions(tools=True, parallel=False)).tool_calls
+    assert [c["function"]["name"] for c in first] == ["a"]
