@@ -5,6 +5,7 @@ Expected values follow llama-server (docs/llama-server-api.md §6).
 
 from __future__ import annotations
 
+import json
 from typing import Iterator
 
 import httpx
@@ -321,3 +322,30 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     assert [c["function"]["name"] for c in calls] == ["a", "b"]
     first = parse_reply(syntax, text, ReplyOptions(tools=True, parallel=False)).tool_calls
     assert [c["function"]["name"] for c in first] == ["a"]
+
+
+def test_openai_sdk_streams_a_call_name_first_then_arguments_in_pieces(server):
+    """The OpenAI SDK's own stream accumulator rebuilds the call from our deltas: its name arrives
+    first, its arguments in several pieces. The forced call's grammar keeps them valid; an enum keeps
+    a random-weight model's call short."""
+    import openai
+
+    unit_tool = {"type": "function", "function": {
+        "name": "get_current_weather", "description": "Weather in Paris",
+        "parameters": {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+                       "required": ["unit"], "additionalProperties": False}}}
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with client.chat.completions.stream(model="x", messages=question, tools=[unit_tool], tool_choice="required",
+                                        parallel_tool_calls=False, max_tokens=200, seed=0) as stream:
+        events = list(stream)
+        final = stream.get_final_completion()
+    pieces = [e for e in events if e.type == "tool_calls.function.arguments.delta"]
+    assert len(pieces) > 1 and all(e.name == "get_current_weather" and e.index == 0 for e in pieces)
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_current_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments)["unit"] in ("celsius", "fahrenheit")
+    assert "".join(e.arguments_delta for e in pieces) == call.function.arguments
+    assert not (choice.message.content or "").strip()
