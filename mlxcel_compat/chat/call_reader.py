@@ -95,7 +95,6 @@ class CallReader:
         self.call_index: int | None = None
         self.announced = False
         self.args_sent = False  # some argument text was sent
-        self.args_open = ""  # text that would close the arguments sent so far
         self._state: Any = None  # the current part's reading state
 
     # --- driving -----------------------------------------------------------------------------
@@ -119,12 +118,11 @@ class CallReader:
         part = self.parts[self.part] if self.part < len(self.parts) else None
         if isinstance(part, (JsonArgs, JsonCall)) and isinstance(self._state, _JsonState) and self._state.start is not None:
             state = self._state
-            text = state.pending_text(buf)
-            if text:
-                self.send(text, out)
-            closed = close_json(state.sent) if state.sent else None
-            if closed is not None and closed.startswith(state.sent.rstrip()):
-                self.send(closed[len(state.sent.rstrip()):] if closed != state.sent else "", out)
+            if not state.as_string:
+                self.send(state.pending_text(buf, state.scanner.pos), out)
+            tail = state.closing()
+            if tail:
+                self.send(tail, out)
             elif not self.args_sent:
                 self.send("{}", out)
             return
@@ -134,6 +132,21 @@ class CallReader:
             return
         if not self.args_sent:
             self.send("{}", out)
+
+    def keep_from(self) -> int:
+        """The earliest reply position this reader may still look at."""
+        state = self._state
+        if isinstance(state, _JsonState):  # a JSON part reads from its scanner, not from pos
+            return state.keep_from()
+        if isinstance(state, TaggedReader):
+            return state.keep_from(self.pos)
+        return self.pos
+
+    def rebase(self, delta: int) -> None:
+        """The parser dropped ``delta`` characters from the start of the reply buffer."""
+        self.pos -= delta
+        if isinstance(self._state, (_JsonState, TaggedReader)):
+            self._state.rebase(delta)
 
     # --- announcing and sending ----------------------------------------------------------------
 
@@ -211,7 +224,7 @@ class CallReader:
                 return FAIL
             self._announce(out)
             state = self._state = _JsonState(JsonScanner(start))
-            state.start = start
+            state.begin(start, 0, False)
         scanner = state.scanner
         scanner.feed(buf, final)
         if scanner.failed:
@@ -249,9 +262,9 @@ class CallReader:
         if part.id_path is not None and part.id_path in scanner.strings:
             self.id = scanner.strings[part.id_path]
         if state.start is None and args_path in scanner.starts:
-            state.start = scanner.starts[args_path]
-            state.as_string = buf[state.start] == '"'  # arguments written as a JSON string
-            state.start += state.as_string
+            start = scanner.starts[args_path]
+            as_string = buf[start] == '"'  # arguments written as a JSON string
+            state.begin(start + as_string, len(args_path), as_string)
         may_announce = self.name is not None and (not part.id_after_args or scanner.done)
         if may_announce and (state.start is not None or scanner.done):
             self._announce(out)
@@ -299,30 +312,33 @@ class CallReader:
         return DONE
 
 
-
-
 class _JsonState:
-    """A JSON value being read: the scanner and how much of the arguments' text was sent."""
+    """A JSON value being read: its scanner, where the arguments' text starts, how much was sent.
+
+    Positions are absolute in the reply buffer (``rebase`` moves them when the parser drops the
+    buffer's consumed start). Arguments written as a JSON string are sent decoded.
+    """
 
     def __init__(self, scanner: JsonScanner) -> None:
         self.scanner = scanner
         self.start: int | None = None  # where the arguments' text starts in the reply
+        self.depth = 0  # the containers around the arguments (a call object's key path)
         self.as_string = False  # the arguments are a JSON string holding their text
-        self.sent = ""  # the arguments' text sent so far
+        self.sent_to = 0  # the reply position up to which the arguments were sent
+        self.decoded: list[str] = []  # string arguments: the decoded pieces sent
 
-    def pending_text(self, buf: str, limit: int | None = None) -> str:
-        if self.start is None:
-            return ""
-        end = self.scanner.pos if limit is None else limit
-        text = buf[self.start + len(self.sent): end]
-        self.sent += text
+    def begin(self, start: int, depth: int, as_string: bool) -> None:
+        self.start, self.depth, self.as_string = start, depth, as_string
+        self.sent_to = start
+
+    def pending_text(self, buf: str, limit: int) -> str:
+        text = buf[self.sent_to: limit]
+        self.sent_to = max(self.sent_to, limit)
         return text
 
     def pending_string(self, buf: str, limit: int, final: bool) -> str:
         """Arguments held in a JSON string: the newly decoded characters (escapes kept whole)."""
-        assert self.start is not None
-        raw_done = getattr(self, "_raw_done", 0)
-        raw = buf[self.start + raw_done: limit]
+        raw = buf[self.sent_to: limit]
         if not final:
             cut = raw.rfind("\\", max(0, len(raw) - 12))
             if cut >= 0:
@@ -331,48 +347,23 @@ class _JsonState:
             text = json.loads('"' + raw + '"')
         except ValueError:
             return ""
-        self._raw_done = raw_done + len(raw)
-        self.sent += text
+        self.sent_to += len(raw)
+        self.decoded.append(text)
         return text
 
+    def closing(self) -> str | None:
+        """What completes the arguments sent so far into JSON (``None`` when nothing can)."""
+        if self.as_string:
+            sent = "".join(self.decoded)
+            closed = close_json(sent.rstrip()) if sent.strip() else None
+            return closed[len(sent.rstrip()):] if closed is not None else None
+        return self.scanner.closing(self.depth)
 
-def _lit_regex(text: str) -> regex.Pattern[str]:
-    pattern = _LIT_CACHE.get(text)
-    if pattern is None:
-        pattern = _LIT_CACHE[text] = marker_regex(text)
-    return pattern
+    def keep_from(self) -> int:
+        return min(self.sent_to if self.start is not None else self.scanner.pos, self.scanner.token_start())
 
-
-class _JsonState:
-    """A JSON value being read: the scanner and how much of the arguments' text was sent."""
-
-    def __init__(self, scanner: JsonScanner) -> None:
-        self.scanner = scanner
-        self.start: int | None = None  # where the arguments' text starts in the reply
-        self.as_string = False  # the arguments are a JSON string holding their text
-        self.sent = ""  # the arguments' text sent so far
-
-    def pending_text(self, buf: str, limit: int | None = None) -> str:
-        if self.start is None:
-            return ""
-        end = self.scanner.pos if limit is None else limit
-        text = buf[self.start + len(self.sent): end]
-        self.sent += text
-        return text
-
-    def pending_string(self, buf: str, limit: int, final: bool) -> str:
-        """Arguments held in a JSON string: the newly decoded characters (escapes kept whole)."""
-        assert self.start is not None
-        raw_done = getattr(self, "_raw_done", 0)
-        raw = buf[self.start + raw_done: limit]
-        if not final:
-            cut = raw.rfind("\\", max(0, len(raw) - 12))
-            if cut >= 0:
-                raw = raw[:cut]
-        try:
-            text = json.loads('"' + raw + '"')
-        except ValueError:
-            return ""
-        self._raw_done = raw_done + len(raw)
-        self.sent += text
-        return text
+    def rebase(self, delta: int) -> None:
+        self.scanner.rebase(delta)
+        if self.start is not None:
+            self.start -= delta
+            self.sent_to -= delta

@@ -54,7 +54,6 @@ class JsonScanner:
         self._string_start = 0
         self._string_is_key = False
         self._literal = ""
-        self._value_starts: list[int] = []  # start of each open container, for watched ends
 
     def _path(self) -> tuple[str, ...] | None:
         """The key path of the value about to start, ``None`` inside an array."""
@@ -161,13 +160,11 @@ class JsonScanner:
                 if ch == "{":
                     self.stack.append("{")
                     self.keys.append("")
-                    self._value_starts.append(pos)
                     self.state = _OBJ_FIRST
                     pos += 1
                 elif ch == "[":
                     self.stack.append("[")
                     self.keys.append(None)
-                    self._value_starts.append(pos)
                     self.state = _ARR_FIRST
                     pos += 1
                 elif ch == '"':
@@ -210,19 +207,38 @@ class JsonScanner:
     def _close(self, at: int) -> None:
         self.stack.pop()
         self.keys.pop()
-        self._value_starts.pop()
         self._value_ended(at)
 
-    def closing(self) -> str | None:
-        """Text that would end the value here (``None`` when no text can: a key without its value)."""
-        if self.done:
+    def closing(self, keep: int = 0) -> str | None:
+        """Text that would end the value here, closing the containers deeper than ``keep`` (the
+        outer ones stay open); ``None`` when no text can (a key cut in its middle)."""
+        if self.done or len(self.stack) <= keep and self.state == _AFTER:
             return ""
-        if self.state == _STRING and self._string_is_key:
+        state = self.state
+        if state == _STRING and self._string_is_key or state in (_OBJ_KEY, _LITERAL):
             return None
-        if self.state not in (_STRING, _AFTER, _OBJ_FIRST, _ARR_FIRST, _NUMBER_S):
-            return None
-        closers = "".join("}" if kind == "{" else "]" for kind in reversed(self.stack))
-        return ('"' if self.state == _STRING else "") + closers
+        head = {_STRING: '"', _COLON: ": null", _VALUE: "null"}.get(state, "")
+        if state == _VALUE and not (self.stack and self.stack[-1] == "{"):
+            return None  # an array's next item or the value itself: nothing to close with
+        closers = "".join("}" if kind == "{" else "]" for kind in reversed(self.stack[keep:]))
+        return head + closers
+
+    def token_start(self) -> int:
+        """Where the token being read started, when the scanner will look back to it (a key, a
+        watched string, a number or literal), else ``pos``."""
+        if self.state == _STRING and not self._string_is_key and not self._watched(self._path()):
+            return self.pos  # an unwatched string's text is not decoded
+        if self.state in (_STRING, _NUMBER_S, _LITERAL):
+            return max(0, self._string_start - 1)
+        return self.pos
+
+    def rebase(self, delta: int) -> None:
+        """The text lost its first ``delta`` characters: positions move back by that much."""
+        self.pos -= delta
+        self.start -= delta
+        self._string_start -= delta
+        self.starts = {k: v - delta for k, v in self.starts.items()}
+        self.ends = {k: v - delta for k, v in self.ends.items()}
 
 
 def _decode(body: str) -> str | None:

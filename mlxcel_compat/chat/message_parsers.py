@@ -28,6 +28,7 @@ from mlxcel_compat.chat.reply_parser import Event, TextField
 
 __all__ = ["FunctionaryV32Parser", "HarmonyParser"]
 
+_COMPACT_AT = 1 << 10
 _HEADER_END = regex.compile(r"<\|message\|>")
 _HARMONY_STOP = regex.compile(r"<\|end\|>|<\|call\|>|<\|return\|>|<\|start\|>|<\|channel\|>")
 _CHANNEL = regex.compile(r"<\|channel\|>\s*([\w-]+)")
@@ -47,12 +48,14 @@ class _MessageParser:
         self.reasoning = reasoning
         self.tools = tools
         self.calls = 0
-        self.call_text: str | None = None  # arguments sent for the open call (None: no call open)
+        self.call_text: list[str] | None = None  # argument pieces sent for the open call (None: none open)
 
     def push(self, text: str) -> list[Event]:
         self.buf += text
         while self._step(final=False):
             pass
+        if self.pos > _COMPACT_AT:  # what was read is not looked at again
+            self.buf, self.pos = self.buf[self.pos:], 0
         return self._take()
 
     def finish(self) -> list[Event]:
@@ -76,19 +79,19 @@ class _MessageParser:
     def _open_call(self, name: str) -> None:
         self.out.append(CallStart(self.calls, new_call_id(), name))
         self.calls += 1
-        self.call_text = ""
+        self.call_text = []
         self.content.block()
 
     def _args(self, text: str) -> None:
         if text and self.call_text is not None:
-            self.call_text += text
+            self.call_text.append(text)
             self.out.append(CallArgs(self.calls - 1, text))
 
     def _close_call(self) -> None:
         """The open call's arguments end here: completed into JSON when they were cut short."""
         if self.call_text is None:
             return
-        text, self.call_text = self.call_text, None
+        text, self.call_text = "".join(self.call_text), None
         if not text.strip():
             self.out.append(CallArgs(self.calls - 1, "{}"))
             return

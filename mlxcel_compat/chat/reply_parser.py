@@ -44,7 +44,7 @@ class TextDelta:
 
 Event = Union[TextDelta, CallStart, CallArgs]
 
-_COMPACT_AT = 1 << 14  # drop the consumed start of the buffer once it is this long
+_COMPACT_AT = 1 << 10  # drop the consumed start of the buffer once it is this long
 _JSON_OPEN = regex.compile(r"\s*\{")
 
 
@@ -138,8 +138,9 @@ class MarkersParser:
             self.mode = "reasoning" if in_reasoning else "start"
             self.start_marker = marker_regex(self.reasoning.start) if core(self.reasoning.start) else None
             self.end_marker = regex.compile(marker_pattern(self.reasoning.end))
+            self.end_opener = core(self.reasoning.end)[:1]
             self.bare_end = marker_regex(self.reasoning.end)
-        self.triggers, self.extensions = _content_markers(syntax, self.formats)
+        self.triggers, self.extensions, self.openers = _content_markers(syntax, self.formats)
 
     # --- feeding ---------------------------------------------------------------------------------
 
@@ -171,10 +172,23 @@ class MarkersParser:
     def _run(self, final: bool) -> None:
         while getattr(self, "_" + self.mode)(final):
             pass
-        if self.mode in ("content", "reasoning") and self.pos > _COMPACT_AT:
-            self.buf = self.buf[self.pos:]
-            self.skip_trigger_at = -1
-            self.pos = 0
+        self._compact()
+
+    def _compact(self) -> None:
+        """Drop the start of the buffer nothing will look at again, so appending stays cheap."""
+        reader = self.reader
+        if reader is not None:
+            keep = reader.keep_from() if reader.announced else self.mark
+        else:
+            keep = self.pos
+        if keep < _COMPACT_AT:
+            return
+        self.buf = self.buf[keep:]
+        self.pos -= keep
+        self.mark -= keep
+        self.skip_trigger_at = self.skip_trigger_at - keep if self.skip_trigger_at >= keep else -1
+        if reader is not None:
+            reader.rebase(keep)
 
     # --- modes: each returns True when it made progress ------------------------------------------
 
@@ -196,7 +210,7 @@ class MarkersParser:
         return True
 
     def _reasoning(self, final: bool) -> bool:
-        m = self.end_marker.search(self.buf, self.pos, partial=not final)
+        m = self.end_marker.search(self.buf, self.pos, partial=not final) if _holds_any(self.buf, self.pos, self.end_opener) else None
         if m is None:
             self.thinking.add(self.buf[self.pos:], self.out)
             self.pos = len(self.buf)
@@ -215,7 +229,10 @@ class MarkersParser:
             self.content.add(self.buf[self.pos:], self.out)
             self.pos = len(self.buf)
             return False
-        m = self.triggers.search(self.buf, self.pos, partial=not final)
+        if not _holds_any(self.buf, self.pos, self.openers):  # no marker can start in the new text
+            m = None
+        else:
+            m = self.triggers.search(self.buf, self.pos, partial=not final)
         if m is not None and not m.partial and not final and self._may_grow(m):
             m = _Held(m.start())
         if m is None:
@@ -343,9 +360,15 @@ class _Held:
 
 
 
-def _content_markers(syntax: ChatSyntax, formats: tuple[ToolSyntax, ...]) -> tuple[regex.Pattern[str] | None, dict[str, list[regex.Pattern[str]]]]:
+def _holds_any(buf: str, pos: int, chars: str) -> bool:
+    """Whether ``buf[pos:]`` holds one of ``chars`` (a marker can only start at one of them)."""
+    return any(buf.find(ch, pos) >= 0 for ch in chars)
+
+
+def _content_markers(syntax: ChatSyntax, formats: tuple[ToolSyntax, ...]) -> tuple[regex.Pattern[str] | None, dict[str, list[regex.Pattern[str]]], str]:
     """The markers searched for in content, as one pattern (a group each: ``tools0``, ``tools1``,
-    ``content_start``, ``content_end``), and the longer markers each may grow into."""
+    ``content_start``, ``content_end``), the longer markers each may grow into, and the characters
+    they start with (text without them needs no search)."""
     markers: dict[str, tuple[str, str]] = {}  # group -> (pattern, the marker's core)
     for i, tools in enumerate(formats):
         trigger = tool_trigger(tools)
@@ -356,7 +379,7 @@ def _content_markers(syntax: ChatSyntax, formats: tuple[ToolSyntax, ...]) -> tup
     if core(syntax.content_end):
         markers["content_end"] = (marker_pattern(syntax.content_end), core(syntax.content_end))
     if not markers:
-        return None, {}
+        return None, {}, ""
     ordered = sorted(markers.items(), key=lambda item: -len(item[1][1]))
     pattern = regex.compile("|".join(f"(?P<{name}>{body})" for name, (body, _) in ordered))
     extensions: dict[str, list[regex.Pattern[str]]] = {}
@@ -364,7 +387,7 @@ def _content_markers(syntax: ChatSyntax, formats: tuple[ToolSyntax, ...]) -> tup
         for other, (body, other_text) in markers.items():
             if other != name and text and other_text.startswith(text) and len(other_text) > len(text):
                 extensions.setdefault(name, []).append(regex.compile(body))
-    return pattern, extensions
+    return pattern, extensions, "".join(sorted({text[0] for _, text in markers.values() if text}))
 
 
 def tool_trigger(tools: ToolSyntax) -> tuple[str, str] | None:

@@ -51,7 +51,8 @@ class TaggedReader:
         self.value_start = 0
         self.offset: int | None = None  # where the value's text starts (past marker whitespace, CDATA)
         self.cdata = False  # the value is wrapped in an XML CDATA section
-        self.sent = 0  # characters of the value sent (string values stream)
+        self.sent_to = 0  # the reply position up to which a string value was sent
+        self.scan_from = 0  # where the search for the value's end marker goes on
         self.prefix = marker_regex(part.key_prefix)
         self.separator = marker_regex(part.separator) if core(part.separator) else None
         self.closer = marker_regex(closer) if closer else None
@@ -122,9 +123,11 @@ class TaggedReader:
                 self.kind = "string"
             elif declared is not None:
                 self.kind = "json"
-        reader.pos = self.value_start = m.end()
-        self.offset, self.sent, self.cdata = None, 0, False
-        self.value_end = regex.compile(marker_pattern(self.part.value_suffix.replace("{key}", key)))
+        reader.pos = self.value_start = self.sent_to = self.scan_from = m.end()
+        self.offset, self.cdata = None, False
+        closing = self.part.value_suffix.replace("{key}", key)
+        self.value_end = regex.compile(marker_pattern(closing))
+        self.end_opener = core(closing)[:1]  # the end marker can only start at this character
         self.phase = "value"
         reader.send(("{" if self.count == 0 else ", ") + json.dumps(key, ensure_ascii=False) + ": ", out)
         if self.kind == "string":
@@ -133,49 +136,97 @@ class TaggedReader:
 
     def _value(self, buf: str, final: bool, reader: Cursor, out: list[Any]) -> str:
         assert self.value_end is not None
-        m = self.value_end.search(buf, self.value_start, partial=not final)
+        m = self.value_end.search(buf, self.scan_from, partial=not final) if buf.find(self.end_opener, self.scan_from) >= 0 else None
         if m is not None and not m.partial:
-            self._finish(buf[self.value_start: m.start()], reader, out)
+            self._finish(buf, m.start(), reader, out)
             reader.pos = m.end()
             self.phase = "next"
             self.count += 1
             return DONE
         if final:
             return FAIL
-        if self.kind == "string":  # string values stream; their end marker's whitespace is held back
-            raw = buf[self.value_start: m.start() if m is not None else len(buf)]
-            if self.offset is None:
-                start = _value_start(raw, self.lead_ws)
-                if start is None:
-                    return WAIT
-                self.offset, self.cdata = start
-            body = raw[self.offset:].rstrip()
-            if self.cdata:  # the closing ]]> may be coming
-                body = body[: max(0, len(body) - len(_CDATA_CLOSE))]
-            if len(body) > self.sent:
-                reader.send(_escaped(body[self.sent:]), out)
-                self.sent = len(body)
+        limit = m.start() if m is not None else len(buf)
+        self.scan_from = limit  # no end marker can start before here
+        if self.kind == "schema" and self._decide_start(buf, limit) and not self._may_be_json(buf, limit):
+            self.kind = "string"  # text no JSON value starts with: a string, streamed from here
+            reader.send('"', out)
+        if self.kind == "string":  # string values stream; what may end the value is held back
+            if not self._decide_start(buf, limit):
+                return WAIT
+            end = limit
+            while end > self.sent_to and buf[end - 1].isspace():
+                end -= 1  # whitespace may belong to the end marker
+            if self.cdata:
+                end = max(self.sent_to, end - len(_CDATA_CLOSE))  # ]]> may be coming
+            if end > self.sent_to:
+                reader.send(_escaped(buf[self.sent_to: end]), out)
+                self.sent_to = end
         return WAIT
 
-    def _finish(self, raw: str, reader: Cursor, out: list[Any]) -> None:
+    def _may_be_json(self, buf: str, limit: int) -> bool:
+        """Whether the value's text so far may still be JSON other than a bare string."""
+        head = buf[self.sent_to: min(limit, self.sent_to + 8)].lstrip()
+        if not head:
+            return True
+        if head[0] in "{[-0123456789":
+            return True
+        return any(word.startswith(head[: len(word)]) for word in ("true", "false", "null"))
+
+    def _decide_start(self, buf: str, limit: int) -> bool:
+        """Where the value's own text starts (past the key marker's whitespace and a CDATA opening)."""
         if self.offset is None:
-            self.offset, self.cdata = _value_start(raw, self.lead_ws) or (0, False)
-        value = raw[self.offset:]
-        if self.trail_ws and value.endswith(self.trail_ws):
-            value = value[: len(value) - len(self.trail_ws)]
-        if self.cdata and value.rstrip().endswith(_CDATA_CLOSE):
-            value = value.rstrip()[: -len(_CDATA_CLOSE)]
+            window = buf[self.value_start: min(limit, self.value_start + 64)]
+            start = _value_start(window, self.lead_ws)
+            if start is None:
+                if limit - self.value_start < 64:
+                    return False
+                start = (0, False)
+            self.offset, self.cdata = start
+            self.sent_to = self.value_start + self.offset
+        return True
+
+    def _finish(self, buf: str, stop: int, reader: Cursor, out: list[Any]) -> None:
+        """The value ends at ``stop``: send what is left of it."""
+        if self.offset is None:
+            self.offset, self.cdata = _value_start(buf[self.value_start: stop], self.lead_ws) or (0, False)
+            self.sent_to = self.value_start + self.offset
+        start, end = self.value_start + self.offset, stop
+        if self.trail_ws and end - len(self.trail_ws) >= start and buf.startswith(self.trail_ws, end - len(self.trail_ws)):
+            end -= len(self.trail_ws)
+        if self.cdata:
+            tight = end
+            while tight > start and buf[tight - 1].isspace():
+                tight -= 1
+            if buf.startswith(_CDATA_CLOSE, tight - len(_CDATA_CLOSE)) and tight - len(_CDATA_CLOSE) >= start:
+                end = tight - len(_CDATA_CLOSE)
         if self.kind == "string":
-            reader.send(_escaped(value[self.sent:]) + '"', out)
+            reader.send(_escaped(buf[self.sent_to: end]) + '"', out)
         else:
-            reader.send(json.dumps(_tagged_value(value, self.kind, self.part), ensure_ascii=False), out)
+            reader.send(json.dumps(_tagged_value(buf[start:end], self.kind, self.part), ensure_ascii=False), out)
 
     def finish_value(self, buf: str, reader: Cursor, out: list[Any]) -> None:
         """The reply ended inside a value: the value ends there."""
         if self.phase == "value":
-            self._finish(buf[self.value_start:].rstrip(), reader, out)
+            end = len(buf)
+            while end > self.value_start and buf[end - 1].isspace():
+                end -= 1
+            self._finish(buf, end, reader, out)
             self.count += 1
             self.phase = "next"
+
+    def keep_from(self, pos: int) -> int:
+        """The earliest reply position still needed: in a value, its start or where sending stands;
+        elsewhere, where reading stands (``pos``)."""
+        if self.phase != "value":
+            return pos
+        if self.kind == "string" and self.offset is not None:
+            return self.sent_to
+        return self.value_start
+
+    def rebase(self, delta: int) -> None:
+        self.value_start -= delta
+        self.sent_to -= delta
+        self.scan_from -= delta
 
 
 _CDATA_OPEN, _CDATA_CLOSE = "<![CDATA[", "]]>"

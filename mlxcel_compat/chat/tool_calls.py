@@ -74,7 +74,13 @@ class CallCollector:
 
     def __init__(self, parallel: bool = True) -> None:
         self.parallel = parallel
-        self.calls: list[dict[str, Any]] = []
+        self._starts: list[CallStart] = []
+        self._pieces: list[list[str]] = []  # each call's argument pieces (joined when asked)
+
+    @property
+    def calls(self) -> list[dict[str, Any]]:
+        return [{"type": "function", "id": start.id, "function": {"name": start.name, "arguments": "".join(pieces)}}
+                for start, pieces in zip(self._starts, self._pieces)]
 
     def keep(self, event: Event) -> bool:
         """Whether ``event`` belongs to a kept call (text events always do)."""
@@ -86,9 +92,10 @@ class CallCollector:
         if not self.keep(event):
             return
         if isinstance(event, CallStart):
-            self.calls.append({"type": "function", "id": event.id, "function": {"name": event.name, "arguments": ""}})
+            self._starts.append(event)
+            self._pieces.append([])
         elif isinstance(event, CallArgs):
-            self.calls[event.index]["function"]["arguments"] += event.text
+            self._pieces[event.index].append(event.text)
 
 
 @dataclass
