@@ -311,6 +311,7 @@ def build_chat_job(ctx: ServerContext, data: Mapping[str, Any], session: str | N
     constraint = ctx.structured.for_chat(data, chat, prompt)
     opts = _parse_options(ctx, data)
     opts.request.constraint = constraint
+    _budget_in_template_syntax(ctx, data, chat, opts)
     tokens = ctx.tokenize_rendered(prompt)
     media = digest = None
     if chat.images:
@@ -323,6 +324,23 @@ def build_chat_job(ctx: ServerContext, data: Mapping[str, Any], session: str | N
     if media is not None:
         attach_media(requests, media, digest)
     return ChatJob(data=data, chat=chat, prompt=prompt, opts=opts, requests=requests)
+
+
+def _budget_in_template_syntax(ctx: ServerContext, data: Mapping[str, Any], chat: ChatRequest, opts: CompletionOptions) -> None:
+    """A reasoning budget counts the block of the template's own syntax (``[THINK]``,
+    ``<seed:think>``, ...) unless the request names its tags (``reasoning_budget_*_tag``)."""
+    budget = opts.request.reasoning_budget
+    if budget is None or "reasoning_budget_start_tag" in data or "reasoning_budget_end_tag" in data:
+        return
+    reasoning = ctx.model.chat_template.for_tools(chat.render_tools).syntax().reasoning
+    if reasoning is None or (reasoning.start, reasoning.end) == ("<think>", "</think>"):
+        return
+    message = data.get("reasoning_budget_message", ctx.settings.reasoning_budget_message or "")
+    tokenize = ctx.tokenize
+    start = reasoning.start or reasoning.opener
+    opts.request.reasoning_budget = dataclasses.replace(
+        budget, start=tuple(tokenize(start)) if start else (), end=tuple(tokenize(reasoning.end)),
+        forced=tuple(tokenize(str(message) + reasoning.end)))
 
 
 def attach_media(requests: list[GenerationRequest], media: MediaInput, digest: bytes) -> None:

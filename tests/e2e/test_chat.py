@@ -349,3 +349,43 @@ def test_openai_sdk_streams_a_call_name_first_then_arguments_in_pieces(server):
     assert json.loads(call.function.arguments)["unit"] in ("celsius", "fahrenheit")
     assert "".join(e.arguments_delta for e in pieces) == call.function.arguments
     assert not (choice.message.content or "").strip()
+
+
+# ---------------------------------------------------------------------- reasoning in the template's own syntax
+
+THINK_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}[INST]{{ m.content }}[/INST]"
+    "{%- else -%}{%- if m.reasoning_content -%}[THINK]{{ m.reasoning_content }}[/THINK]{%- endif -%}{{ m.content }}</s>{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}[THINK]{%- endif -%}"
+)
+
+
+@pytest.fixture(scope="module")
+def think_http(server_factory, llama_dir, tmp_path_factory) -> Iterator[httpx.Client]:
+    """A server whose template writes reasoning between [THINK] and [/THINK] and opens the block
+    in its generation prompt (Mistral's reasoning models do)."""
+    path = tmp_path_factory.mktemp("think") / "think.jinja"
+    path.write_text(THINK_TEMPLATE)
+    server = server_factory(["-m", str(llama_dir), "-np", "1", "-c", "1024", "--chat-template-file", str(path)])
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        yield client
+    server.stop()
+
+
+def test_reasoning_is_read_in_the_template_syntax_and_the_budget_counts_its_block(think_http):
+    body = {"messages": MESSAGES, "max_tokens": 16, "temperature": 0, "verbose": True}  # [/THINK] is several tokens here
+    # The prompt opened [THINK]; a reply that never closes it is all reasoning.
+    opened = post(think_http, "/v1/chat/completions", **body)
+    raw = opened["__verbose"]["content"]
+    assert opened["choices"][0]["message"]["reasoning_content"] == raw.strip() and opened["choices"][0]["message"]["content"] == ""
+    # A budget of 0 forces the template's own end marker at once; what follows is the answer.
+    closed = post(think_http, "/v1/chat/completions", **body, reasoning_budget_tokens=0)
+    raw = closed["__verbose"]["content"]
+    assert raw.startswith("[/THINK]")
+    message = closed["choices"][0]["message"]
+    assert "reasoning_content" not in message and message["content"] == raw[len("[/THINK]"):].lstrip()
+    # reasoning_format none: the reply as written.
+    kept = post(think_http, "/v1/chat/completions", **body, reasoning_budget_tokens=0, reasoning_format="none")
+    assert kept["choices"][0]["message"]["content"] == kept["__verbose"]["content"]
