@@ -26,7 +26,7 @@ from mlxcel_compat.chat.call_reader import CallArgs, CallStart, new_call_id
 from mlxcel_compat.chat.json_scan import close_json
 from mlxcel_compat.chat.reply_parser import Event, TextField
 
-__all__ = ["FunctionaryV32Parser", "HarmonyParser"]
+__all__ = ["FunctionaryV32Parser", "HarmonyParser", "make_message_parser"]
 
 _COMPACT_AT = 1 << 10
 _HEADER_END = regex.compile(r"<\|message\|>")

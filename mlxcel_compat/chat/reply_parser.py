@@ -31,7 +31,14 @@ from mlxcel_compat.chat.call_reader import CallArgs, CallReader, CallStart
 from mlxcel_compat.chat.markers import DONE, WAIT, cached_marker_regex, marker_pattern, marker_regex, match_marker
 from mlxcel_compat.chat.syntax import ChatSyntax, JsonCall, Lit, ToolSyntax, core
 
-__all__ = ["Event", "MarkersParser", "TextDelta", "TextField"]
+__all__ = [
+    "Event",
+    "MarkersParser",
+    "TextDelta",
+    "TextField",
+    "collect_arg_types",
+    "tool_trigger",
+]
 
 
 @dataclass(frozen=True)

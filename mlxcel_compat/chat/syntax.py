@@ -17,16 +17,19 @@ from dataclasses import dataclass, field
 from typing import Literal, Union
 
 __all__ = [
-    "ChatSyntax",
     "ArgsKind",
     "CallId",
     "CallIndex",
+    "ChatSyntax",
+    "Dialect",
+    "GemmaArgs",
     "JsonArgs",
     "JsonCall",
     "KeySuffix",
     "Lit",
     "Name",
     "Part",
+    "PythonArgs",
     "ReasoningSyntax",
     "TaggedArgs",
     "ToolSyntax",

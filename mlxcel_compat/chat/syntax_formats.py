@@ -30,7 +30,19 @@ from mlxcel_compat.chat.syntax import ChatSyntax, JsonCall, Lit, Name, PythonArg
 from mlxcel_compat.chat.syntax_learn import learn_syntax
 from mlxcel_compat.chat.syntax_probe import Renderer
 
-__all__ = ["DESCRIBED", "FALLBACK_REASONING", "FALLBACK_TOOLS", "HANDWRITTEN", "template_syntax", "with_fallbacks"]
+__all__ = [
+    "ANALYSIS_KWARGS",
+    "DESCRIBED",
+    "FALLBACK_REASONING",
+    "FALLBACK_TOOLS",
+    "FUNCTIONARY_V3_2",
+    "GRANITE_3_TOOLS",
+    "HANDWRITTEN",
+    "HARMONY",
+    "LFM2_TOOLS",
+    "template_syntax",
+    "with_fallbacks",
+]
 
 # The variables a request renders with that matter to the analysis (llama-server always passes
 # enable_thinking; the date variables keep Llama's templates off their fallback text).

@@ -157,25 +157,28 @@ def _learn_reasoning(probes: TemplateProbes, source: str, caps: Mapping[str, boo
 
 
 def _reasoning(start: str, end: str, prompt: str, probes: TemplateProbes, opener: str = "") -> ReasoningSyntax | None:
+    """The block between ``start`` and ``end``; with no ``start`` the reply starts inside it, opened by
+    the generation prompt (``opener``, found in ``prompt`` when not given)."""
     start, end = core(start), core(end)
     if not end:
         return None
     if start:
         return ReasoningSyntax(start, end, start)
-    # The reply starts inside the block: the generation prompt opened it.
-    closed = probes.generation_prompt(enable_thinking=False)
-    if opener:
-        pass
-    elif closed is not None and prompt.startswith(closed) and core(prompt[len(closed):]):
-        opener = core(prompt[len(closed):])
-    else:
-        stripped = prompt.rstrip()
-        if stripped.endswith((">", "]")):
-            opener = _mirror(stripped, end)
-        else:
-            opener = stripped.rsplit("\n", 1)[-1].strip()
+    opener = opener or _opener(prompt, end, probes)
     is_marker = opener.startswith(("<", "[")) and opener.endswith((">", "]"))
     return ReasoningSyntax(opener if is_marker else "", end, opener)
+
+
+def _opener(prompt: str, end: str, probes: TemplateProbes) -> str:
+    """How the generation prompt opens the block: what it adds when thinking is on, else the marker
+    at its end that mirrors ``end``, else its last line (a lead-in like Apriel's)."""
+    closed = probes.generation_prompt(enable_thinking=False)
+    if closed is not None and prompt.startswith(closed) and core(prompt[len(closed):]):
+        return core(prompt[len(closed):])
+    stripped = prompt.rstrip()
+    if stripped.endswith((">", "]")):
+        return _mirror(stripped, end)
+    return stripped.rsplit("\n", 1)[-1].strip()
 
 
 def _mirror(prompt: str, end: str) -> str:

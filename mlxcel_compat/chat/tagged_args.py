@@ -21,7 +21,7 @@ import regex
 from mlxcel_compat.chat.markers import DONE, FAIL, WAIT, marker_pattern, marker_regex, match_marker
 from mlxcel_compat.chat.syntax import TaggedArgs, core
 
-__all__ = ["TaggedReader"]
+__all__ = ["Cursor", "TaggedReader"]
 
 
 class Cursor(Protocol):
@@ -31,8 +31,8 @@ class Cursor(Protocol):
 
     def send(self, text: str, out: list[Any]) -> None: ...
 
-_WS = regex.compile(r"\s*")
-_MAX_KEY = 256
+
+_MAX_KEY = 256  # a key longer than this is no key: the text is not a call
 
 
 class TaggedReader:

@@ -282,6 +282,7 @@ class ChatJob:
     prompt: str
     opts: CompletionOptions
     requests: list[GenerationRequest]
+    syntax: ChatSyntax  # how the reply is written: the rendering template's (learned on a worker)
 
     @property
     def with_tools(self) -> bool:
@@ -323,7 +324,8 @@ def build_chat_job(ctx: ServerContext, data: Mapping[str, Any], session: str | N
         ctx.cache_hooks.prepare_chat(data, chat, requests, prompt, session, breakpoints, key_id)
     if media is not None:
         attach_media(requests, media, digest)
-    return ChatJob(data=data, chat=chat, prompt=prompt, opts=opts, requests=requests)
+    syntax = ctx.model.chat_template.for_tools(chat.render_tools).syntax()  # learned once per template
+    return ChatJob(data=data, chat=chat, prompt=prompt, opts=opts, requests=requests, syntax=syntax)
 
 
 def _budget_in_template_syntax(ctx: ServerContext, data: Mapping[str, Any], chat: ChatRequest, opts: CompletionOptions) -> None:
@@ -370,12 +372,6 @@ def reasoning_on(ctx: ServerContext, data: Mapping[str, Any]) -> bool:
     return (requested if isinstance(requested, str) else ctx.settings.reasoning_format) != "none"
 
 
-def reply_syntax(ctx: ServerContext, job: ChatJob) -> ChatSyntax:
-    """The syntax the request's reply is written in: that of the template it was rendered with
-    (the model's ``tool_use`` template when the request passes tools), learned once per template."""
-    return ctx.model.chat_template.for_tools(job.chat.render_tools).syntax()
-
-
 def reply_options(ctx: ServerContext, job: ChatJob, syntax: ChatSyntax) -> ReplyOptions:
     """How the request's reply is taken apart: ``reasoning_format``, whether the prompt opened the
     reasoning block, the offered tools and ``parallel_tool_calls``."""
@@ -400,15 +396,13 @@ class Reply:
 
 def parse_reply(ctx: ServerContext, job: ChatJob, text: str) -> Reply:
     """A finished reply in its template's syntax; ``parallel_tool_calls: false`` keeps the first call."""
-    syntax = reply_syntax(ctx, job)
-    parsed = parse_reply_text(syntax, text, reply_options(ctx, job, syntax))
+    parsed = parse_reply_text(job.syntax, text, reply_options(ctx, job, job.syntax))
     return Reply(parsed.reasoning, parsed.content, parsed.tool_calls)
 
 
 def reply_splitter(ctx: ServerContext, job: ChatJob) -> ReplyStream:
     """Takes a streamed reply apart: reasoning and content deltas, and tool-call deltas."""
-    syntax = reply_syntax(ctx, job)
-    return ReplyStream(syntax, reply_options(ctx, job, syntax))
+    return ReplyStream(job.syntax, reply_options(ctx, job, job.syntax))
 
 
 def stream_deltas(ctx: ServerContext, splitter: ReplyStream, result: fmt.Result, event: TokenEvent | FinishEvent) -> list[tuple[str, Any]]:
