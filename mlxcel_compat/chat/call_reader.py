@@ -48,6 +48,7 @@ _NAME = regex.compile(r"\s*([\w\-]+)")  # OpenAI and Anthropic names: letters, d
 _ID = regex.compile(r"\s*([^\s<>\[\]{}\"'|,]+)")
 _INDEX = regex.compile(r"\s*(\d+)")
 _WS = regex.compile(r"\s*")
+_HIGH_SURROGATE = regex.compile(r"(?<!\\)(?:\\\\)*\\u[dD][89abAB][0-9a-fA-F]{2}\Z")
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,8 @@ class CallReader:
         self.announced = False
         self.args_sent = False  # some argument text was sent
         self._state: Any = None  # the current part's reading state
+        # A call written as a bare JSON object (Llama 3.x): only its keys tell it from prose.
+        self.bare = not core(tools.section_start) and not any(isinstance(p, Lit) and core(p.text) for p in tools.call)
 
     # --- driving -----------------------------------------------------------------------------
 
@@ -140,6 +143,12 @@ class CallReader:
             return state.keep_from()
         if isinstance(state, TaggedReader):
             return state.keep_from(self.pos)
+        return self.pos
+
+    def resume_at(self) -> int:
+        """Where reading stopped: the reply's text goes on from here when the call ends early."""
+        if isinstance(self._state, _JsonState):
+            return max(self.pos, self._state.scanner.pos)
         return self.pos
 
     def rebase(self, delta: int) -> None:
@@ -250,8 +259,20 @@ class CallReader:
             scanner.watch_first_key = part.name_is_key
             state = self._state = _JsonState(scanner)
         scanner = state.scanner
-        scanner.feed(buf, final)
+        while True:  # event by event, so the call is announced at the same place however text comes
+            scanner.feed(buf, final)
+            status = self._json_call_event(part, state, buf, out)
+            if status is not None or not scanner.paused:
+                return status if status is not None else (FAIL if final else WAIT)
+
+    def _json_call_event(self, part: JsonCall, state: _JsonState, buf: str, out: list[Any]) -> str | None:
+        """What the call object read so far gives: the name, id, where the arguments start; the
+        announcement and the arguments' next piece. ``None`` while the object goes on."""
+        scanner = state.scanner
         if scanner.failed:
+            if self.announced and state.start is not None:  # what streamed before the fault, whole too
+                limit = max(state.sent_to, scanner.pos)
+                self.send(state.pending_string(buf, limit, final=False) if state.as_string else state.pending_text(buf, limit), out)
             return FAIL
         if part.name_is_key:
             name, args_path = scanner.first_key, (scanner.first_key,)
@@ -265,6 +286,8 @@ class CallReader:
             start = scanner.starts[args_path]
             as_string = buf[start] == '"'  # arguments written as a JSON string
             state.begin(start + as_string, len(args_path), as_string)
+        if scanner.done and (self.name is None or (self.bare and args_path not in scanner.starts)):
+            return FAIL  # no name; or, without markers around it, an object that only names something
         may_announce = self.name is not None and (not part.id_after_args or scanner.done)
         if may_announce and (state.start is not None or scanner.done):
             self._announce(out)
@@ -278,11 +301,9 @@ class CallReader:
             else:
                 self.send(state.pending_text(buf, limit), out)
         if scanner.done:
-            if self.name is None:
-                return FAIL
             self.pos = scanner.pos
             return DONE
-        return FAIL if final else WAIT
+        return None
 
     def _tagged(self, part: TaggedArgs, buf: str, final: bool, out: list[Any]) -> str:
         if self._state is None:
@@ -339,12 +360,14 @@ class _JsonState:
     def pending_string(self, buf: str, limit: int, final: bool) -> str:
         """Arguments held in a JSON string: the newly decoded characters (escapes kept whole)."""
         raw = buf[self.sent_to: limit]
-        if not final:
+        if not final:  # an escape may be incomplete, or the first half of a surrogate pair
             cut = raw.rfind("\\", max(0, len(raw) - 12))
             if cut >= 0:
                 raw = raw[:cut]
+            if _HIGH_SURROGATE.search(raw):
+                raw = raw[:-6]
         try:
-            text = json.loads('"' + raw + '"')
+            text = json.loads('"' + raw + '"', strict=False)
         except ValueError:
             return ""
         self.sent_to += len(raw)

@@ -51,6 +51,7 @@ class JsonScanner:
         self.strings: dict[tuple[str, ...], str] = {}
         self.first_key: str | None = None
         self.watch_first_key = False  # also record the value under the outer object's first key
+        self.paused = False  # feed stopped after a watched event, so the caller sees each in turn
         self._string_start = 0
         self._string_is_key = False
         self._literal = ""
@@ -69,6 +70,7 @@ class JsonScanner:
     def _value_started(self, at: int) -> None:
         if self._watched(self._path()):
             self.starts[self._path()] = at  # type: ignore[index]
+            self.paused = True
 
     def _value_ended(self, at: int, string: str | None = None) -> None:
         path = self._path()
@@ -76,14 +78,19 @@ class JsonScanner:
             self.ends[path] = at
             if string is not None:
                 self.strings[path] = string
+            self.paused = True
         self.state = _AFTER
         if not self.stack:
             self.done = True
 
     def feed(self, text: str, final: bool = False) -> None:
-        """Scan as far as ``text`` allows. ``final``: no more text will come (a trailing number ends)."""
+        """Scan as far as ``text`` allows, or up to the next watched event (``paused``: a watched value
+        started or ended, the outer object's first key was read), so that what a caller does at each
+        event happens at the same place of the text however it arrives. ``final``: no more text will
+        come (a trailing number ends)."""
         pos, n = self.pos, len(text)
-        while not self.done and not self.failed:
+        self.paused = False
+        while not self.done and not self.failed and not self.paused:
             state = self.state
             if state == _STRING:
                 match = _STRING_BODY.match(text, pos)
@@ -118,6 +125,7 @@ class JsonScanner:
                     self.keys[-1] = key
                     if len(self.stack) == 1 and self.first_key is None:
                         self.first_key = key
+                        self.paused = self.watch_first_key
                     self.state = _COLON
                 else:
                     value = _decode(body) if self._watched(self._path()) else None
@@ -127,8 +135,7 @@ class JsonScanner:
                 match = _NUMBER.match(text, pos)
                 end = match.end()
                 if end >= n and not final:
-                    pos = end
-                    break
+                    break  # the number may go on: pos stays at its start (read whole, once complete)
                 if not _NUMBER_FULL.match(text[self._string_start : end]):
                     self.failed = True
                     break
@@ -142,8 +149,7 @@ class JsonScanner:
                     self.failed = True
                     break
                 if len(have) < len(want):
-                    pos = n
-                    break
+                    break  # pos stays at the literal's start until it is complete
                 pos = self._string_start + len(want)
                 self._value_ended(pos)
                 continue
@@ -243,7 +249,7 @@ class JsonScanner:
 
 def _decode(body: str) -> str | None:
     try:
-        return json.loads('"' + body + '"')
+        return json.loads('"' + body + '"', strict=False)  # models write raw newlines in strings
     except ValueError:
         return None
 

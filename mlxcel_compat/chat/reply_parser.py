@@ -297,7 +297,9 @@ class MarkersParser:
             return False
         if reader.announced:  # the call is over where its text stopped making sense
             reader.abandon(self.buf, self.out)
-            self.pos = reader.pos
+            self.pos = reader.resume_at()
+            if self.pos <= self.mark:
+                self.pos, self.skip_trigger_at = self.mark, self.mark
         else:  # it was no call: its text is content
             self.pos, self.skip_trigger_at = self.mark, self.mark
         self.reader, self.mode = None, "content"

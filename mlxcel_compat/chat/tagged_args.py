@@ -62,6 +62,7 @@ class TaggedReader:
         self.suffixes = regex.compile("|".join(f"(?P<s{i}>{marker_pattern(s.text)})" for i, s in enumerate(suffixes)))
         self.lead_ws = ""  # the whitespace ending the key marker just read (not part of the value)
         self.trail_ws = _leading_ws(part.value_suffix)
+        self.nested_openers = core(part.key_prefix)[:1] + core(part.value_suffix)[:1]
         self.value_end: regex.Pattern[str] | None = None
 
     def step(self, buf: str, final: bool, reader: Cursor, out: list[Any]) -> str:
@@ -109,9 +110,9 @@ class TaggedReader:
     def _key(self, buf: str, final: bool, reader: Cursor, out: list[Any]) -> str:
         m = self.suffixes.search(buf, reader.pos, partial=not final)
         if m is None or m.partial:
-            if final or len(buf) - reader.pos > _MAX_KEY:
-                return FAIL
-            return WAIT
+            # (a key that cannot end within the bound fails, however the text arrives)
+            reach = (m.start() if m is not None else len(buf)) - reader.pos
+            return FAIL if final or reach > _MAX_KEY else WAIT
         key = buf[reader.pos: m.start()].strip()
         if not key or m.start() - reader.pos > _MAX_KEY:
             return FAIL
@@ -164,11 +165,12 @@ class TaggedReader:
         return WAIT
 
     def _may_be_json(self, buf: str, limit: int) -> bool:
-        """Whether the value's text so far may still be JSON other than a bare string."""
+        """Whether the value's text so far may still be something other than a bare string: JSON,
+        a Python literal, or elements nested in the argument markers (which start like them)."""
         head = buf[self.sent_to: min(limit, self.sent_to + 8)].lstrip()
         if not head:
             return True
-        if head[0] in "{[-0123456789":
+        if head[0] in "{[-0123456789" + self.nested_openers:
             return True
         return any(word.startswith(head[: len(word)]) for word in ("true", "false", "null"))
 

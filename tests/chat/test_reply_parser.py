@@ -84,6 +84,8 @@ def test_json_scanner_finds_the_end_in_any_pieces_and_fails_at_the_first_bad_cha
         for i in range(0, len(doc), size):
             text += doc[i: i + size]
             scanner.feed(text)
+            while scanner.paused:  # it stops at each watched value's start and end
+                scanner.feed(text)
         assert scanner.done and text[: scanner.pos] == doc[: doc.index(" tail")]
         assert scanner.strings[("name",)] == "f"
         args = text[scanner.starts[("arguments",)]: scanner.ends[("arguments",)]]
@@ -292,3 +294,15 @@ def test_a_syntax_that_does_not_read_back_is_dropped_with_a_note() -> None:
     template = ChatTemplate(prose)
     learned = learn_syntax(template.render, prose, {**template.caps(), "supports_tool_calls": True}, {})
     assert learned.tools == () and any(note.startswith("tool calls:") for note in learned.notes)
+
+
+def test_a_bare_json_call_needs_its_arguments_key() -> None:
+    """Llama 3.x writes calls as bare objects: an object that only has a "name" is prose."""
+    llama = ChatSyntax("JSON call", None, (ToolSyntax((JsonCall(("name",), ("parameters",)),), parallel=False),))
+    prose = 'The record is {"name": "John", "age": 3}.'
+    assert parse_reply(llama, prose, ReplyOptions(tools=True)).tool_calls == []
+    assert parse_reply(llama, prose, ReplyOptions(tools=True)).content == prose
+    call = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    (parsed,) = parse_reply(llama, call, ReplyOptions(tools=True)).tool_calls
+    assert parsed["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+

@@ -12,7 +12,8 @@ import pytest
 from mlxcel_compat.chat.syntax import CallIndex, JsonCall, KeySuffix, Lit, Name, TaggedArgs
 from mlxcel_compat.chat.template import ChatTemplate
 from tests.chat.conftest import read_llama_cpp_templates
-from tests.chat.tool_round_trip import RoundTrip, round_trip, table
+from mlxcel_compat.chat.tool_calls import ReplyOptions
+from tests.chat.tool_round_trip import RoundTrip, damaged_replies, parses_alike, round_trip, table
 from tests.conftest import REPO_ROOT
 
 TOOL_CALLS_MD = REPO_ROOT / "docs" / "tool-calls.md"
@@ -39,6 +40,19 @@ def test_calls_round_trip_whole_and_streamed(stem: str, llama_cpp_templates: dic
     row = _row(stem, llama_cpp_templates)
     assert not row.problems, "\n".join(row.problems)
     assert bool(row.without_calls) == (stem in WITHOUT_CALLS), row.without_calls or "the template renders calls"
+
+
+@pytest.mark.parametrize("stem", sorted(set(read_llama_cpp_templates()) - WITHOUT_CALLS))
+def test_damaged_replies_parse_the_same_whole_and_streamed(stem: str, llama_cpp_templates: dict[str, str]) -> None:
+    """A call broken anywhere (markers, JSON and text spliced into it) gives the same content,
+    reasoning and calls whole and streamed: what streaming has announced, a whole parse announces
+    too, and the rest is content."""
+    template = ChatTemplate(llama_cpp_templates[stem])
+    syntax = template.syntax()
+    problems = []
+    for i, text in enumerate(damaged_replies(template, syntax, seed=sum(map(ord, stem)))):
+        problems += parses_alike(syntax, text, ReplyOptions(tools=True, in_reasoning=bool(i % 2)))
+    assert not problems, "\n".join(problems[:3])
 
 
 def test_the_docs_table_is_the_round_trip(llama_cpp_templates: dict[str, str]) -> None:

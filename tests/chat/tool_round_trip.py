@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxcel_compat.chat.reply_parser import TextDelta, collect_arg_types
+from mlxcel_compat.chat.syntax import ChatSyntax, Lit, TaggedArgs
 from mlxcel_compat.chat.syntax_probe import common_prefix, common_suffix
 from mlxcel_compat.chat.template import ChatTemplate
 from mlxcel_compat.chat.tool_calls import CallCollector, ReplyOptions, open_parser, parse_reply
@@ -180,3 +181,41 @@ def table(rows: list[RoundTrip]) -> str:
         reasoning = "round trip" if row.reasoning else "not rendered"
         lines.append(f"| {row.stem} | {row.format} | {calls}: {status} | {reasoning} | characters, tokens, random: {status} | {row.origin} |\n")
     return "".join(lines)
+
+
+def damaged_replies(template: ChatTemplate, syntax: ChatSyntax, seed: int, count: int = 12) -> list[str]:
+    """Replies a model might write by mistake: the template's own call render cut at a random
+    place, with the syntax's markers, pieces of JSON and stray text spliced in."""
+    rng = random.Random(seed)
+    pieces = ['{"name": "f", "arguments": {"a": 1}}', "{", "}", '"', "\\", "f", "true", "hello ", "\n", " ", "[", "]", "<", ">",
+              "get_weather", '{"a": "b"}', "(x=1)", '<|"|>']
+    for format_ in syntax.tools:
+        pieces += [format_.section_start, format_.section_end, format_.separator]
+        for part in format_.call:
+            if isinstance(part, Lit):
+                pieces.append(part.text)
+            elif isinstance(part, TaggedArgs):
+                pieces += [part.key_prefix, part.value_suffix.replace("{key}", "city"), *(s.text for s in part.key_suffixes)]
+    if syntax.reasoning is not None:
+        pieces += [syntax.reasoning.start, syntax.reasoning.end]
+    pieces = [p for p in pieces if p]
+    rendered, _ = emission(template, _message(2 if template.caps()["supports_parallel_tool_calls"] else 1))
+    replies = []
+    for _ in range(count):
+        junk = [rng.choice(pieces) for _ in range(rng.randint(1, 10))]
+        cut = rng.randint(0, len(rendered))
+        replies.append(rendered[:cut] + "".join(junk) + rendered[cut:])
+    return replies
+
+
+def parses_alike(syntax: ChatSyntax, text: str, options: ReplyOptions) -> list[str]:
+    """Where ``text`` parses differently whole, one character at a time and in random pieces."""
+    whole = parse_reply(syntax, text, options)
+    expected = (whole.reasoning, whole.content, [c["function"] for c in whole.tool_calls])
+    problems = []
+    for name, pieces in chunkings(text).items():
+        reasoning, content, calls = _streamed(syntax, options, pieces)
+        if (reasoning, content, [c["function"] for c in calls]) != expected:
+            problems.append(f"{text!r} streamed in {name} reads {reasoning!r} {content!r} {calls}, whole {expected}")
+    return problems
+
