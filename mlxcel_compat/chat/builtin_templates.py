@@ -18,6 +18,9 @@ import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from mlxcel_compat.chat.syntax import ChatSyntax
+from mlxcel_compat.chat.syntax_formats import with_fallbacks
+
 __all__ = ["BUILTIN_TEMPLATE_NAMES", "BuiltinTemplate", "detect", "render"]
 
 Message = tuple[str, str]  # (role, content)
@@ -493,6 +496,11 @@ class BuiltinTemplate:
             "supports_tools": False,
             "supports_typed_content": False,
         }
+
+    def syntax(self) -> ChatSyntax:
+        """The syntax of replies in this format: none of them shows calls, so Hermes calls and
+        ``<think>`` blocks are read (``chat/syntax_formats.py: with_fallbacks``)."""
+        return with_fallbacks(ChatSyntax(format="content only", origin=f"llama.cpp built-in format {self._name}"))
 
     def render(
         self,

@@ -1,84 +1,71 @@
-"""The streaming counterpart of reasoning and tool-call parsing: one reply, piece by piece.
+"""One streamed reply taken apart as it is generated: text deltas and OpenAI tool-call deltas.
 
-A streamed reply is sent as ``content`` and ``reasoning_content`` deltas as it is generated, so
-the markers that ``split_reasoning`` (``chat/reasoning.py``) and ``parse_tool_calls``
-(``chat/tool_calls.py``) look for in a finished text have to be found across pieces here.
+The streaming counterpart of ``chat/tool_calls.py: parse_reply``, over the same parser: a reply
+streamed and a reply parsed whole give the same reasoning, content and calls. Deltas are
+``(field, value)`` pairs in the order they happen:
+
+- ``("reasoning_content", text)`` and ``("content", text)``;
+- ``("tool_calls", [delta, ...])`` in OpenAI's stream shape: a call's first delta carries its
+  ``index``, ``id``, ``type`` and ``function.name`` (with the arguments read so far), later ones
+  ``index`` and the next ``function.arguments`` piece.
+
+Text that may still turn out to be a marker or a call is held back only as long as it may
+(``chat/reply_parser.py``); :meth:`ReplyStream.finish` releases the rest.
 """
 
 from __future__ import annotations
 
-from mlxcel_compat.chat.reasoning import THINK_END, THINK_START
-from mlxcel_compat.chat.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from typing import Any
 
-__all__ = ["StreamSplitter"]
+from mlxcel_compat.chat.call_reader import CallArgs, CallStart
+from mlxcel_compat.chat.reply_parser import Event, TextDelta
+from mlxcel_compat.chat.syntax import ChatSyntax
+from mlxcel_compat.chat.tool_calls import CallCollector, ReplyOptions, open_parser
+
+__all__ = ["ReplyStream"]
 
 
-class StreamSplitter:
-    """Splits streamed generated text into ``content`` and ``reasoning_content`` deltas.
+class ReplyStream:
+    """Feeds one reply's pieces to its syntax's parser and returns the deltas to send."""
 
-    The streaming counterpart of :func:`split_reasoning` and :func:`parse_tool_calls`: text inside
-    ``<think>...</think>`` (or before ``</think>`` when the prompt opened the block) goes to
-    ``reasoning_content``; with tools, ``<tool_call>...</tool_call>`` blocks are withheld (the
-    route sends them as ``tool_calls`` at the end). A suffix that may be the start of a marker is
-    held back until the next piece decides it.
-    """
+    def __init__(self, syntax: ChatSyntax, options: ReplyOptions) -> None:
+        self.parser = open_parser(syntax, options)
+        self.collector = CallCollector(options.parallel)
 
-    def __init__(self, *, reasoning: bool = True, in_reasoning: bool = False, tools: bool = False) -> None:
-        self.mode = "reasoning_content" if reasoning and in_reasoning else "content"
-        self.markers = ((THINK_START, THINK_END) if reasoning else ()) + ((TOOL_CALL_OPEN, TOOL_CALL_CLOSE) if tools else ())
-        self.buffer = ""
-        self.tool_text = ""  # an unfinished tool-call block, given back as content if never closed
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        """The calls read so far, whole (OpenAI ``tool_calls``)."""
+        return self.collector.calls
 
-    def push(self, text: str) -> list[tuple[str, str]]:
-        """Feed generated text; return ``(field, text)`` deltas that can be sent now."""
-        self.buffer += text
-        out: list[tuple[str, str]] = []
-        while True:
-            hits = [(self.buffer.find(m), m) for m in self.markers if m in self.buffer]
-            if not hits:
-                keep = self._partial_marker_len()
-                self._emit(out, self.buffer[: len(self.buffer) - keep])
-                self.buffer = self.buffer[len(self.buffer) - keep :]
-                return out
-            index, marker = min(hits)
-            self._emit(out, self.buffer[:index])
-            self.buffer = self.buffer[index + len(marker) :]
-            self._switch(marker)
+    def push(self, text: str) -> list[tuple[str, Any]]:
+        """The next piece of generated text; returns the deltas it completes."""
+        return self._deltas(self.parser.push(text)) if text else []
 
-    def flush(self) -> list[tuple[str, str]]:
-        """The end of generation: release what was held back."""
-        out: list[tuple[str, str]] = []
-        self._emit(out, self.buffer)
-        self.buffer = ""
-        if self.mode == "tool":
-            out.append(("content", TOOL_CALL_OPEN + self.tool_text))
-            self.tool_text = ""
+    def finish(self) -> list[tuple[str, Any]]:
+        """The end of the reply: what was held back."""
+        return self._deltas(self.parser.finish())
+
+    def _deltas(self, events: list[Event]) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        for event in events:
+            if isinstance(event, TextDelta):
+                if out and out[-1][0] == event.field:
+                    out[-1] = (event.field, out[-1][1] + event.text)
+                else:
+                    out.append((event.field, event.text))
+                continue
+            if not self.collector.keep(event):
+                continue
+            self.collector.add(event)
+            if not out or out[-1][0] != "tool_calls":
+                out.append(("tool_calls", []))
+            calls: list[dict[str, Any]] = out[-1][1]
+            if isinstance(event, CallStart):
+                calls.append({"index": event.index, "id": event.id, "type": "function",
+                              "function": {"name": event.name, "arguments": ""}})
+            elif isinstance(event, CallArgs):
+                if calls and calls[-1]["index"] == event.index:
+                    calls[-1]["function"]["arguments"] += event.text
+                else:
+                    calls.append({"index": event.index, "function": {"arguments": event.text}})
         return out
-
-    def _switch(self, marker: str) -> None:
-        if marker == THINK_START:
-            self.mode = "reasoning_content"
-        elif marker == THINK_END or marker == TOOL_CALL_CLOSE:
-            self.mode = "content"
-            self.tool_text = ""
-        elif marker == TOOL_CALL_OPEN:
-            self.mode = "tool"
-
-    def _emit(self, out: list[tuple[str, str]], text: str) -> None:
-        if not text:
-            return
-        if self.mode == "tool":
-            self.tool_text += text
-        elif out and out[-1][0] == self.mode:
-            out[-1] = (self.mode, out[-1][1] + text)
-        else:
-            out.append((self.mode, text))
-
-    def _partial_marker_len(self) -> int:
-        longest = 0
-        for marker in self.markers:
-            for n in range(min(len(marker) - 1, len(self.buffer)), 0, -1):
-                if self.buffer.endswith(marker[:n]):
-                    longest = max(longest, n)
-                    break
-        return longest

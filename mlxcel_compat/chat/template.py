@@ -25,6 +25,8 @@ import jinja2.meta
 from mlxcel_compat.chat.builtin_templates import BUILTIN_TEMPLATE_NAMES, BuiltinTemplate
 from mlxcel_compat.chat.message_fixes import fix_messages, fix_rendered, trims_content
 from mlxcel_compat.chat.sandbox import ENVIRONMENT, TemplateError
+from mlxcel_compat.chat.syntax import ChatSyntax
+from mlxcel_compat.chat.syntax_formats import template_syntax
 from mlxcel_compat.chat.template_caps import detect_caps, detect_thinking
 from mlxcel_compat.chat.template_inputs import (
     adapt_messages,
@@ -115,6 +117,7 @@ class ChatTemplate:
         self._variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
         self._caps: dict[str, bool] | None = None
         self._thinking: bool | None = None
+        self._syntax: ChatSyntax | None = None
 
     # --- construction ---------------------------------------------------------------------
 
@@ -310,6 +313,13 @@ class ChatTemplate:
         if self._thinking is None:
             self._thinking = not self.supports_kwarg("enable_thinking") or detect_thinking(self._probe)
         return self._thinking
+
+    def syntax(self) -> ChatSyntax:
+        """The syntax of this template's replies: reasoning, content and tool calls (learned from
+        renders of the template once, then cached; ``chat/syntax_formats.py``)."""
+        if self._syntax is None:
+            self._syntax = template_syntax(self._source, self.render, self.caps())
+        return self._syntax
 
     # --- internals --------------------------------------------------------------------------
 

@@ -427,11 +427,13 @@ async def _stream(ctx: ServerContext, job: ChatJob) -> AsyncIterator[bytes]:
             yield sse_event({"type": "message_start", "message": message_body(mid, m.model_id, [], None, None, usage)})
             yield sse_event({"type": "ping"})
         for field, text in stream_deltas(ctx, splitter, res, event):
+            if field == "tool_calls":  # sent as tool_use blocks at the end
+                continue
             rebuilt[field] += text
             for chunk in blocks.delta(field, text):
                 yield chunk
         if isinstance(event, FinishEvent):
-            calls = parse_reply(ctx, job, res.content).tool_calls
+            calls = splitter.tool_calls
             for chunk in blocks.close():
                 yield chunk
             uses = [tool_use_block(call) for call in calls]

@@ -12,8 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mlxcel_compat.chat.reasoning import prompt_opens_thinking
-from mlxcel_compat.chat.stream_splitter import StreamSplitter
+from mlxcel_compat.chat.stream_splitter import ReplyStream
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, ProgressEvent, TokenEvent
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
@@ -25,14 +24,13 @@ from mlxcel_compat.server.pipeline import (
     collect,
     count_prompt_tokens,
     ctx_of,
-    extract_tool_calls,
+    parse_reply,
     prepare_chat,
     prepare_completion,
     prompt_text,
     read_json,
-    reasoning_on,
+    reply_splitter,
     respond,
-    split_reply,
     sse_response,
     warm_up,
 )
@@ -233,10 +231,7 @@ async def chat_completions(request: Request) -> Response:
     data = await read_json(request)
     job = await prepare_chat(ctx, request, check_logprobs(data))
     if job.opts.stream:
-        splitters = [
-            StreamSplitter(reasoning=reasoning_on(ctx, data), in_reasoning=prompt_opens_thinking(job.prompt), tools=job.with_tools)
-            for _ in job.requests
-        ]
+        splitters = [reply_splitter(ctx, job) for _ in job.requests]
         on_reply = lambda msg: warm_up(ctx, job, msg)  # noqa: E731
         return sse_response(_stream_chat(ctx, job, splitters, on_reply), job.opts)
     results = await collect(ctx, request, job.requests)
@@ -245,14 +240,11 @@ async def chat_completions(request: Request) -> Response:
     def build() -> dict[str, Any]:
         choices = []
         for i, res in enumerate(results):
-            reasoning, content = split_reply(ctx, res.content, data)
-            tool_calls: list[dict[str, Any]] = []
-            if job.with_tools:
-                content, tool_calls = extract_tool_calls(content, data)
+            reply = parse_reply(ctx, job, res.content)
             choice: dict[str, Any] = {
-                "finish_reason": finish_reason(res.finish, bool(tool_calls)),
+                "finish_reason": finish_reason(res.finish, bool(reply.tool_calls)),
                 "index": i,
-                "message": chat_message(content, reasoning, tool_calls),
+                "message": chat_message(reply.content, reply.reasoning, reply.tool_calls),
             }
             if res.request.n_probs > 0:
                 choice["logprobs"] = {"content": res.probs}
@@ -266,12 +258,13 @@ async def chat_completions(request: Request) -> Response:
 async def _stream_chat(
     ctx: ServerContext,
     job: ChatJob,
-    splitters: list[StreamSplitter],
+    splitters: list[ReplyStream],
     on_reply: Callable[[dict[str, Any]], None],
 ) -> AsyncIterator[bytes]:
-    """OpenAI chat chunks: reasoning and content deltas split as they stream, tool calls at the end."""
+    """OpenAI chat chunks: reasoning, content and tool-call deltas as the reply streams (a call's name
+    first, then its arguments in pieces)."""
     m = ctx.model
-    data, requests = job.data, job.requests
+    requests = job.requests
     rebuilt = [{"content": "", "reasoning_content": ""} for _ in requests]  # what the client will hold
     cid, created = completion_id(), fmt.now()
     results = [fmt.Result(index=r.index, request=r) for r in requests]
@@ -291,7 +284,8 @@ async def _stream_chat(
             if not deltas and logprobs is not None:
                 deltas = [("content", "")]  # the token's text is held back; its logprobs are not
             for k, (field, text) in enumerate(deltas):
-                rebuilt[i][field] += text
+                if field != "tool_calls":
+                    rebuilt[i][field] += text
                 is_last = k == len(deltas) - 1
                 chunk = chat_chunk({field: text}, i, m.model_id, cid, created, None, logprobs if is_last else None)
                 if is_last and job.opts.timings_per_token:  # on the token's last chunk, as llama-server
@@ -304,22 +298,18 @@ async def _stream_chat(
             res.close(event)
             remaining -= 1
             last_finish = event
-            for field, text in splitters[i].push(event.text) + splitters[i].flush():
-                rebuilt[i][field] += text
+            for field, text in splitters[i].push(event.text) + splitters[i].finish():
+                if field != "tool_calls":
+                    rebuilt[i][field] += text
                 chunk = chat_chunk({field: text}, i, m.model_id, cid, created)
                 if job.opts.timings_per_token:  # held-back text is a token's too
                     chunk["timings"] = fmt.timings_json(event)
                 yield fmt.sse(chunk)
-            tool_calls: list[dict[str, Any]] = []
-            if job.with_tools:
-                _, tool_calls = extract_tool_calls(split_reply(ctx, res.content, data)[1], data)
+            tool_calls = splitters[i].tool_calls
             if i == 0:
                 # The message as the client rebuilds it from the deltas it received.
                 reasoning = rebuilt[0]["reasoning_content"] or None
                 on_reply(chat_message(rebuilt[0]["content"], reasoning, tool_calls))
-            if tool_calls:
-                deltas = [dict(tc, index=k) for k, tc in enumerate(tool_calls)]
-                yield fmt.sse(chat_chunk({"tool_calls": deltas}, i, m.model_id, cid, created))
             final = chat_chunk({}, i, m.model_id, cid, created, finish_reason(event, bool(tool_calls)))
             if remaining == 0 and not job.opts.include_usage:
                 final["timings"] = fmt.timings_json(event)

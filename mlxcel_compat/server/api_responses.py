@@ -403,6 +403,7 @@ async def _stream(ctx: ServerContext, job: ChatJob, body: Mapping[str, Any]) -> 
     events = ResponseEvents()
     splitter = reply_splitter(ctx, job)
     res = fmt.Result(index=0, request=job.requests[0])
+    rebuilt = {"content": "", "reasoning_content": ""}
     per_token = job.opts.timings_per_token
     progress = PromptProgress.for_request(ctx, per_token) if job.requests[0].return_progress else None
     start = response_body(rid, created, ctx, body, "in_progress", [], None)
@@ -419,13 +420,14 @@ async def _stream(ctx: ServerContext, job: ChatJob, body: Mapping[str, Any]) -> 
             continue
         if not isinstance(event, (TokenEvent, FinishEvent)):
             continue
-        deltas = stream_deltas(ctx, splitter, res, event)
+        deltas = [d for d in stream_deltas(ctx, splitter, res, event) if d[0] != "tool_calls"]  # calls: at the end
         timings = fmt.timings_json(event) if per_token else None  # text held back to the finish has them too
         for k, (field, text) in enumerate(deltas):
+            rebuilt[field] += text
             for chunk in events.delta(field, text, timings if k == len(deltas) - 1 else None):
                 yield chunk
         if isinstance(event, FinishEvent):
-            reply = parse_reply(ctx, job, res.content)
+            reply = Reply(rebuilt["reasoning_content"] or None, rebuilt["content"], splitter.tool_calls)
             for chunk in events.close():
                 yield chunk
             if not events.output and not reply.tool_calls:

@@ -26,12 +26,13 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from mlxcel_compat.chat.reasoning import prompt_opens_thinking, split_reasoning
 from mlxcel_compat.chat.render import render_chat
+from mlxcel_compat.chat.reply_parser import collect_arg_types
 from mlxcel_compat.chat.request import ChatRequest, ChatRequestError, parse_chat_request
 from mlxcel_compat.chat.sandbox import TemplateError
-from mlxcel_compat.chat.stream_splitter import StreamSplitter
-from mlxcel_compat.chat.tool_calls import parse_tool_calls
+from mlxcel_compat.chat.stream_splitter import ReplyStream
+from mlxcel_compat.chat.syntax import ChatSyntax
+from mlxcel_compat.chat.tool_calls import ReplyOptions, parse_reply as parse_reply_text
 from mlxcel_compat.engine.reasoning_budget import opens_block
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent, next_task_id
 from mlxcel_compat.vision.inputs import MediaInput
@@ -279,6 +280,7 @@ class ChatJob:
     prompt: str
     opts: CompletionOptions
     requests: list[GenerationRequest]
+    syntax: ChatSyntax  # how the reply is written: the rendering template's (learned on a worker)
 
     @property
     def with_tools(self) -> bool:
@@ -308,6 +310,7 @@ def build_chat_job(ctx: ServerContext, data: Mapping[str, Any], session: str | N
     constraint = ctx.structured.for_chat(data, chat, prompt)
     opts = _parse_options(ctx, data)
     opts.request.constraint = constraint
+    _budget_in_template_syntax(ctx, data, chat, opts)
     tokens = ctx.tokenize_rendered(prompt)
     media = digest = None
     if chat.images:
@@ -319,7 +322,25 @@ def build_chat_job(ctx: ServerContext, data: Mapping[str, Any], session: str | N
         ctx.cache_hooks.prepare_chat(data, chat, requests, prompt, session, breakpoints, key_id)
     if media is not None:
         attach_media(requests, media, digest)
-    return ChatJob(data=data, chat=chat, prompt=prompt, opts=opts, requests=requests)
+    syntax = ctx.model.chat_template.for_tools(chat.render_tools).syntax()  # learned once per template
+    return ChatJob(data=data, chat=chat, prompt=prompt, opts=opts, requests=requests, syntax=syntax)
+
+
+def _budget_in_template_syntax(ctx: ServerContext, data: Mapping[str, Any], chat: ChatRequest, opts: CompletionOptions) -> None:
+    """A reasoning budget counts the block of the template's own syntax (``[THINK]``,
+    ``<seed:think>``, ...) unless the request names its tags (``reasoning_budget_*_tag``)."""
+    budget = opts.request.reasoning_budget
+    if budget is None or "reasoning_budget_start_tag" in data or "reasoning_budget_end_tag" in data:
+        return
+    reasoning = ctx.model.chat_template.for_tools(chat.render_tools).syntax().reasoning
+    if reasoning is None or (reasoning.start, reasoning.end) == ("<think>", "</think>"):
+        return
+    message = data.get("reasoning_budget_message", ctx.settings.reasoning_budget_message or "")
+    tokenize = ctx.tokenize
+    start = reasoning.start or reasoning.opener
+    opts.request.reasoning_budget = dataclasses.replace(
+        budget, start=tuple(tokenize(start)) if start else (), end=tuple(tokenize(reasoning.end)),
+        forced=tuple(tokenize(str(message) + reasoning.end)))
 
 
 def attach_media(requests: list[GenerationRequest], media: MediaInput, digest: bytes) -> None:
@@ -349,19 +370,17 @@ def reasoning_on(ctx: ServerContext, data: Mapping[str, Any]) -> bool:
     return (requested if isinstance(requested, str) else ctx.settings.reasoning_format) != "none"
 
 
-def split_reply(ctx: ServerContext, text: str, data: Mapping[str, Any]) -> tuple[str | None, str]:
-    """``(reasoning, content)`` of a finished reply; reasoning is None when it stays in content."""
-    if not reasoning_on(ctx, data):
-        return None, text
-    return split_reasoning(text)
-
-
-def extract_tool_calls(content: str, data: Mapping[str, Any]) -> tuple[str, list[dict[str, Any]]]:
-    """Parsed tool calls (OpenAI shape); ``parallel_tool_calls: false`` keeps only the first."""
-    content, calls = parse_tool_calls(content)
-    if data.get("parallel_tool_calls") is False:
-        calls = calls[:1]
-    return content, calls
+def reply_options(ctx: ServerContext, job: ChatJob, syntax: ChatSyntax) -> ReplyOptions:
+    """How the request's reply is taken apart: ``reasoning_format``, whether the prompt opened the
+    reasoning block, the offered tools and ``parallel_tool_calls``."""
+    separate = reasoning_on(ctx, job.data)
+    return ReplyOptions(
+        reasoning=separate,
+        in_reasoning=separate and syntax.reply_starts_in_reasoning(job.prompt),
+        tools=job.with_tools,
+        parallel=job.data.get("parallel_tool_calls") is not False,
+        arg_types=collect_arg_types(job.chat.tools) if job.with_tools else {},
+    )
 
 
 @dataclass
@@ -374,25 +393,23 @@ class Reply:
 
 
 def parse_reply(ctx: ServerContext, job: ChatJob, text: str) -> Reply:
-    reasoning, content = split_reply(ctx, text, job.data)
-    calls: list[dict[str, Any]] = []
-    if job.with_tools:
-        content, calls = extract_tool_calls(content, job.data)
-    return Reply(reasoning, content, calls)
+    """A finished reply in its template's syntax; ``parallel_tool_calls: false`` keeps the first call."""
+    parsed = parse_reply_text(job.syntax, text, reply_options(ctx, job, job.syntax))
+    return Reply(parsed.reasoning, parsed.content, parsed.tool_calls)
 
 
-def reply_splitter(ctx: ServerContext, job: ChatJob) -> StreamSplitter:
-    """Splits a streamed reply into reasoning and content deltas, withholding tool calls."""
-    return StreamSplitter(reasoning=reasoning_on(ctx, job.data), in_reasoning=prompt_opens_thinking(job.prompt), tools=job.with_tools)
+def reply_splitter(ctx: ServerContext, job: ChatJob) -> ReplyStream:
+    """Takes a streamed reply apart: reasoning and content deltas, and tool-call deltas."""
+    return ReplyStream(job.syntax, reply_options(ctx, job, job.syntax))
 
 
-def stream_deltas(ctx: ServerContext, splitter: StreamSplitter, result: fmt.Result, event: TokenEvent | FinishEvent) -> list[tuple[str, str]]:
-    """Add a token or finish event to ``result``; return the ``(field, text)`` deltas to send."""
+def stream_deltas(ctx: ServerContext, splitter: ReplyStream, result: fmt.Result, event: TokenEvent | FinishEvent) -> list[tuple[str, Any]]:
+    """Add a token or finish event to ``result``; return the ``(field, value)`` deltas to send."""
     if isinstance(event, TokenEvent):
         result.add(event, ctx.model.tokenizer)
-        return splitter.push(event.text) if event.text else []
+        return splitter.push(event.text)
     result.close(event)
-    return splitter.push(event.text) + splitter.flush()
+    return splitter.push(event.text) + splitter.finish()
 
 
 def warm_up(ctx: ServerContext, job: ChatJob, message: Mapping[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""Tests for mlxcel_compat.chat.request, .render, .reasoning, .tool_calls and .stream_splitter: request validation, prompt rendering, output parsing."""
+"""Tests for mlxcel_compat.chat.request, .render, .reasoning, .tool_calls and .stream_splitter: request validation, prompt rendering, output parsing (in the Hermes/``<think>`` syntax; every family's syntax: tests/chat/test_tool_syntax.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,14 @@ from typing import Any
 
 import pytest
 
-from mlxcel_compat.chat.reasoning import prompt_opens_thinking, split_reasoning
+from mlxcel_compat.chat.reasoning import prompt_opens_thinking
 from mlxcel_compat.chat.render import render_chat, render_history_boundary
 from mlxcel_compat.chat.request import ChatRequestError, parse_chat_request
 from mlxcel_compat.chat.template import ChatTemplate
-from mlxcel_compat.chat.tool_calls import parse_tool_calls
+from mlxcel_compat.chat.stream_splitter import ReplyStream
+from mlxcel_compat.chat.syntax import ChatSyntax
+from mlxcel_compat.chat.syntax_formats import FALLBACK_REASONING, FALLBACK_TOOLS
+from mlxcel_compat.chat.tool_calls import ReplyOptions, parse_reply, parse_tool_calls
 
 # A ChatML template in the style of Qwen3, written for these tests (tools in the system prompt,
 # Hermes tool calls, tool responses, enable_thinking). Independent of the tiny-model factory.
@@ -448,16 +451,27 @@ def test_parse_tool_calls_leaves_malformed_blocks_as_content() -> None:
     assert parse_tool_calls(text) == (text, [])
     missing_name = '<tool_call>{"arguments": {}}</tool_call>'
     assert parse_tool_calls(missing_name) == (missing_name, [])
-    unclosed = 'x <tool_call>{"name": "f", "arguments": {}}'
-    assert parse_tool_calls(unclosed) == (unclosed, [])
+    not_a_call = "x <tool_call>{unfinished"
+    assert parse_tool_calls(not_a_call) == (not_a_call, [])
     mixed = '<tool_call>{bad}</tool_call>\n<tool_call>{"name": "f"}</tool_call>'
     content, calls = parse_tool_calls(mixed)
     assert content == "<tool_call>{bad}</tool_call>"
     assert calls[0]["function"] == {"name": "f", "arguments": "{}"}
 
 
+def test_a_call_cut_short_after_its_name_is_still_a_call() -> None:
+    # A streamed call is announced once its name is read, so a reply that stops before the call's
+    # closing marker keeps the call (its arguments completed into JSON where they were cut).
+    content, calls = parse_tool_calls('x <tool_call>{"name": "f", "arguments": {"a": [1, "t')
+    assert content == "x"
+    assert calls[0]["function"] == {"name": "f", "arguments": '{"a": [1, "t"]}'}
+
+
 def test_parse_tool_calls_without_calls_returns_text_unchanged() -> None:
     assert parse_tool_calls("  plain answer \n") == ("  plain answer \n", [])
+
+
+HERMES = ChatSyntax("JSON call", reasoning=FALLBACK_REASONING, tools=(FALLBACK_TOOLS,))
 
 
 @pytest.mark.parametrize(
@@ -468,36 +482,39 @@ def test_parse_tool_calls_without_calls_returns_text_unchanged() -> None:
         ("Answer only", {}, (None, "Answer only")),
         ("<think>\n\n</think>\n\nAnswer", {}, (None, "Answer")),
         # The template already wrote <think>: the generation starts inside the block.
-        ("plan\n</think>\n\nAnswer", {}, ("plan", "Answer")),
+        ("plan\n</think>\n\nAnswer", {"in_reasoning": True}, ("plan", "Answer")),
+        # A reply that starts by closing a block it never opened: the marker is dropped.
+        ("</think>\nAnswer", {}, (None, "Answer")),
         # Cut short while thinking.
         ("<think>still going", {}, ("still going", "")),
-        ("still going", {"thinking_forced_open": True}, ("still going", "")),
-        ("Answer", {"thinking_forced_open": False}, (None, "Answer")),
+        ("still going", {"in_reasoning": True}, ("still going", "")),
+        ("Answer", {"in_reasoning": False}, (None, "Answer")),
         # A think tag later in the text is content, not reasoning.
         ("Use <think> tags like <think>x</think>", {}, (None, "Use <think> tags like <think>x</think>")),
+        # reasoning_format "none": the block stays in the content.
+        ("<think>a</think>b", {"reasoning": False}, (None, "<think>a</think>b")),
     ],
 )
-def test_split_reasoning(text: str, kwargs: dict[str, Any], expected: tuple[Any, str]) -> None:
-    assert split_reasoning(text, **kwargs) == expected
+def test_reasoning_is_taken_out(text: str, kwargs: dict[str, Any], expected: tuple[Any, str]) -> None:
+    reply = parse_reply(HERMES, text, ReplyOptions(**kwargs))
+    assert (reply.reasoning, reply.content) == expected
 
 
 def test_prompt_opens_thinking() -> None:
     assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
     assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not prompt_opens_thinking("<|im_start|>assistant\n")
+    assert HERMES.reply_starts_in_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not HERMES.reply_starts_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-def _split_stream(pieces: list[str], **kwargs) -> tuple[str, str]:
-    from mlxcel_compat.chat.stream_splitter import StreamSplitter
-
-    splitter = StreamSplitter(**kwargs)
-    fields = {"content": "", "reasoning_content": ""}
-    for piece in pieces:
-        for field, text in splitter.push(piece):
-            fields[field] += text
-    for field, text in splitter.flush():
-        fields[field] += text
-    return fields["reasoning_content"], fields["content"]
+def _split_stream(pieces: list[str], **kwargs) -> tuple[str, str, list[dict[str, Any]]]:
+    stream = ReplyStream(HERMES, ReplyOptions(**kwargs))
+    fields: dict[str, Any] = {"content": "", "reasoning_content": "", "tool_calls": []}
+    for delta in [d for piece in pieces for d in stream.push(piece)] + stream.finish():
+        field, value = delta
+        fields[field] += value
+    return fields["reasoning_content"], fields["content"], fields["tool_calls"]
 
 
 @pytest.mark.parametrize(
@@ -512,4 +529,20 @@ def _split_stream(pieces: list[str], **kwargs) -> tuple[str, str]:
     ],
 )
 def test_stream_splitter(pieces, kwargs, expected) -> None:
-    assert _split_stream(pieces, **kwargs) == expected
+    assert _split_stream(pieces, **kwargs)[:2] == expected
+
+
+def test_stream_sends_the_name_first_then_the_arguments_in_pieces() -> None:
+    text = 'ok<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}</tool_call>'
+    stream = ReplyStream(HERMES, ReplyOptions(tools=True))
+    deltas = [d for ch in text for d in stream.push(ch)] + stream.finish()
+    calls = [value for field, value in deltas if field == "tool_calls"]
+    first = calls[0][0]
+    assert first["index"] == 0 and first["type"] == "function" and first["function"]["name"] == "get_weather"
+    assert first["id"].startswith("call_")
+    pieces = [first["function"]["arguments"]] + [c["function"]["arguments"] for delta in calls[1:] for c in delta]
+    assert len(pieces) > 5 and all("name" not in c.get("function", {}) for delta in calls[1:] for c in delta)
+    assert json.loads("".join(pieces)) == {"city": "Paris", "days": 3}
+    assert "".join(v for f, v in deltas if f == "content") == "ok"
+    assert stream.tool_calls == [{"type": "function", "id": first["id"],
+                                  "function": {"name": "get_weather", "arguments": "".join(pieces)}}]

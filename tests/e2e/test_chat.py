@@ -5,6 +5,7 @@ Expected values follow llama-server (docs/llama-server-api.md §6).
 
 from __future__ import annotations
 
+import json
 from typing import Iterator
 
 import httpx
@@ -315,8 +316,80 @@ def test_verbose_adds_the_native_result(http):
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
-    from mlxcel_compat.server.pipeline import extract_tool_calls as _tool_calls
+    from mlxcel_compat.chat.syntax_formats import FALLBACK_TOOLS
+    from mlxcel_compat.chat.syntax import ChatSyntax
+    from mlxcel_compat.chat.tool_calls import ReplyOptions, parse_reply
 
+    syntax = ChatSyntax("JSON call", tools=(FALLBACK_TOOLS,))
     text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
-    assert [c["function"]["name"] for c in _tool_calls(text, {})[1]] == ["a", "b"]
-    assert [c["function"]["name"] for c in _tool_calls(text, {"parallel_tool_calls": False})[1]] == ["a"]
+    calls = parse_reply(syntax, text, ReplyOptions(tools=True)).tool_calls
+    assert [c["function"]["name"] for c in calls] == ["a", "b"]
+    first = parse_reply(syntax, text, ReplyOptions(tools=True, parallel=False)).tool_calls
+    assert [c["function"]["name"] for c in first] == ["a"]
+
+
+def test_openai_sdk_streams_a_call_name_first_then_arguments_in_pieces(server):
+    """The OpenAI SDK's own stream accumulator rebuilds the call from our deltas: its name arrives
+    first, its arguments in several pieces. The forced call's grammar keeps them valid; an enum keeps
+    a random-weight model's call short."""
+    import openai
+
+    unit_tool = {"type": "function", "function": {
+        "name": "get_current_weather", "description": "Weather in Paris",
+        "parameters": {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+                       "required": ["unit"], "additionalProperties": False}}}
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with client.chat.completions.stream(model="x", messages=question, tools=[unit_tool], tool_choice="required",
+                                        parallel_tool_calls=False, max_tokens=200, seed=0) as stream:
+        events = list(stream)
+        final = stream.get_final_completion()
+    pieces = [e for e in events if e.type == "tool_calls.function.arguments.delta"]
+    assert len(pieces) > 1 and all(e.name == "get_current_weather" and e.index == 0 for e in pieces)
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_current_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments)["unit"] in ("celsius", "fahrenheit")
+    assert "".join(e.arguments_delta for e in pieces) == call.function.arguments
+    assert not (choice.message.content or "").strip()
+
+
+# ---------------------------------------------------------------------- reasoning in the template's own syntax
+
+THINK_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}[INST]{{ m.content }}[/INST]"
+    "{%- else -%}{%- if m.reasoning_content -%}[THINK]{{ m.reasoning_content }}[/THINK]{%- endif -%}{{ m.content }}</s>{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}[THINK]{%- endif -%}"
+)
+
+
+@pytest.fixture(scope="module")
+def think_http(server_factory, llama_dir, tmp_path_factory) -> Iterator[httpx.Client]:
+    """A server whose template writes reasoning between [THINK] and [/THINK] and opens the block
+    in its generation prompt (Mistral's reasoning models do)."""
+    path = tmp_path_factory.mktemp("think") / "think.jinja"
+    path.write_text(THINK_TEMPLATE)
+    server = server_factory(["-m", str(llama_dir), "-np", "1", "-c", "1024", "--chat-template-file", str(path)])
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        yield client
+    server.stop()
+
+
+def test_reasoning_is_read_in_the_template_syntax_and_the_budget_counts_its_block(think_http):
+    body = {"messages": MESSAGES, "max_tokens": 16, "temperature": 0, "verbose": True}  # [/THINK] is several tokens here
+    # The prompt opened [THINK]; a reply that never closes it is all reasoning.
+    opened = post(think_http, "/v1/chat/completions", **body)
+    raw = opened["__verbose"]["content"]
+    assert opened["choices"][0]["message"]["reasoning_content"] == raw.strip() and opened["choices"][0]["message"]["content"] == ""
+    # A budget of 0 forces the template's own end marker at once; what follows is the answer.
+    closed = post(think_http, "/v1/chat/completions", **body, reasoning_budget_tokens=0)
+    raw = closed["__verbose"]["content"]
+    assert raw.startswith("[/THINK]")
+    message = closed["choices"][0]["message"]
+    assert "reasoning_content" not in message and message["content"] == raw[len("[/THINK]"):].lstrip()
+    # reasoning_format none: the reply as written.
+    kept = post(think_http, "/v1/chat/completions", **body, reasoning_budget_tokens=0, reasoning_format="none")
+    assert kept["choices"][0]["message"]["content"] == kept["__verbose"]["content"]

@@ -310,8 +310,18 @@ def test_required_tool_call_streams_as_tool_call_deltas(http):
         {"messages": MESSAGES, "tools": [WEATHER_TOOL, TIME_TOOL], "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 400, "seed": 11},
     )
     deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
-    calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
-    assert_valid_calls(calls, set(TOOLS))
+    pieces = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    # OpenAI's stream shape: a call's first delta names it, the next ones carry its arguments.
+    calls: dict[int, dict] = {}
+    for piece in pieces:
+        if piece["index"] not in calls:
+            assert piece["id"] and piece["type"] == "function" and piece["function"]["name"]
+            calls[piece["index"]] = {"id": piece["id"], "type": "function", "function": dict(piece["function"])}
+        else:
+            assert set(piece) == {"index", "function"} and set(piece["function"]) == {"arguments"}
+            calls[piece["index"]]["function"]["arguments"] += piece["function"]["arguments"]
+    assert len(pieces) > len(calls)  # the arguments came in increments
+    assert_valid_calls(list(calls.values()), set(TOOLS))
     assert not "".join(d.get("content") or "" for d in deltas).strip()
     assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
 

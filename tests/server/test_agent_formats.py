@@ -14,12 +14,14 @@ import pytest
 
 from mlxcel_compat.chat.render import render_prefix
 from mlxcel_compat.chat.request import parse_chat_request
-from mlxcel_compat.chat.stream_splitter import StreamSplitter
+from mlxcel_compat.chat.stream_splitter import ReplyStream
+from mlxcel_compat.chat.syntax import ChatSyntax
+from mlxcel_compat.chat.syntax_formats import FALLBACK_REASONING, FALLBACK_TOOLS
 from mlxcel_compat.chat.template import ChatTemplate
 from mlxcel_compat.server import api_anthropic, api_responses
 from mlxcel_compat.server.cache_hooks import Breakpoint, find_breakpoints
 from mlxcel_compat.server.errors import InvalidRequest
-from mlxcel_compat.server.pipeline import extract_tool_calls
+from mlxcel_compat.chat.tool_calls import ReplyOptions
 
 REPLY = '<think>Check the tool.</think>Looking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 
@@ -34,21 +36,25 @@ def sse_payloads(chunks: list[bytes]) -> list[dict]:
     return out
 
 
-def stream_through(writer, text: str) -> list[bytes]:
-    splitter = StreamSplitter(reasoning=True, tools=True)
+HERMES = ChatSyntax("JSON call", reasoning=FALLBACK_REASONING, tools=(FALLBACK_TOOLS,))
+
+
+def stream_through(writer, text: str) -> tuple[list[bytes], list[dict]]:
+    """The reply streamed through ``writer`` in three pieces (calls left out, as the routes do);
+    returns the chunks and the calls the stream read."""
+    splitter = ReplyStream(HERMES, ReplyOptions(tools=True))
     chunks = []
-    for piece in (text[:7], text[7:20], text[20:]):
-        for field, delta in splitter.push(piece):
+    deltas = [d for piece in (text[:7], text[7:20], text[20:]) for d in splitter.push(piece)] + splitter.finish()
+    for field, delta in deltas:
+        if field != "tool_calls":
             chunks += writer.delta(field, delta)
-    for field, delta in splitter.flush():
-        chunks += writer.delta(field, delta)
-    return chunks
+    return chunks, splitter.tool_calls
 
 
 def test_anthropic_stream_blocks_are_numbered_in_order() -> None:
     blocks = api_anthropic.ContentBlocks()
-    chunks = stream_through(blocks, REPLY) + blocks.close()
-    _, calls = extract_tool_calls("Looking." + REPLY.split("Looking.")[1], {})
+    chunks, calls = stream_through(blocks, REPLY)
+    chunks += blocks.close()
     for call in calls:
         chunks += blocks.tool_use(api_anthropic.tool_use_block(call))
     events = sse_payloads(chunks)
@@ -67,8 +73,8 @@ def test_anthropic_stream_blocks_are_numbered_in_order() -> None:
 
 def test_responses_stream_items_and_sequence() -> None:
     events_writer = api_responses.ResponseEvents()
-    chunks = stream_through(events_writer, REPLY) + events_writer.close()
-    _, calls = extract_tool_calls("Looking." + REPLY.split("Looking.")[1], {})
+    chunks, calls = stream_through(events_writer, REPLY)
+    chunks += events_writer.close()
     chunks += events_writer.function_call(calls[0])
     events = sse_payloads(chunks)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
