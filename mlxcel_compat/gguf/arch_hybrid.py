@@ -2,10 +2,85 @@
 
 Each row (:data:`SPECS`) names the mlx-lm model that serves the architecture; its config builder
 and the undo steps for what llama.cpp's converter changed sit beside it in this module.
+
+Qwen3.5 (``qwen35``): attention layers every ``full_attention_interval`` layers, gated delta-net
+layers between them. The converter stores ``A_log`` as ``-exp(A_log)``, renames ``dt_bias`` to
+``ssm_dt.bias``, squeezes the convolution to 2-D and, where there are more value heads than key
+heads, reorders the value heads from grouped by key head to tiled (ggml broadcasts that way):
+the rows of ``in_proj_qkv``'s value part, ``in_proj_z``, ``in_proj_a/b``, ``A_log``, ``dt_bias``,
+the convolution's value channels, and the columns of ``out_proj``. Its norms it stores as
+``1 + w`` from a checkpoint that holds ``w``, which is what mlx-lm's ``sanitize`` computes too,
+so they load as they are.
 """
 
 from __future__ import annotations
 
-from mlxcel_compat.gguf.arch_spec import ArchSpec
+from typing import Any
 
-SPECS: tuple[ArchSpec, ...] = ()
+from mlxcel_compat.gguf.arch_spec import ArchSpec, UnsupportedArchitecture, common_config, required
+from mlxcel_compat.gguf.reader import GGUFModelFile
+from mlxcel_compat.gguf.tensor_undo import TensorUndo, grouped_from_tiled, with_offset
+
+
+def _layer_interval(file: GGUFModelFile, n_layers: int) -> int:
+    """mlx-lm's ``full_attention_interval`` from the file's per-layer recurrent flags (newer
+    converters) or its own key; the flags must follow that period."""
+    interval = int(file.arch_value("full_attention_interval", 4))
+    flags = file.arch_value("attention.recurrent_layers")
+    if isinstance(flags, list):
+        flags = [bool(f) for f in flags[:n_layers]]
+        attention = [i for i, recurrent in enumerate(flags) if not recurrent]
+        interval = attention[0] + 1 if attention else n_layers + 1
+        if flags != [(i + 1) % interval != 0 for i in range(n_layers)]:
+            raise UnsupportedArchitecture(f"{file.architecture}: recurrent layers {flags} are not periodic")
+    return interval
+
+
+def _qwen35(file: GGUFModelFile) -> dict[str, Any]:
+    config = common_config(file)
+    # Multi-token-prediction layers (nextn) come after the trunk; mlx-lm has none, so they are not loaded.
+    n_layers = config["num_hidden_layers"] - int(file.arch_value("nextn_predict_layers", 0))
+    k_heads, v_heads = int(required(file, "ssm.group_count")), int(required(file, "ssm.time_step_rank"))
+    rotated = int(file.arch_value("rope.dimension_count", config["head_dim"] // 4))
+    config.update(
+        num_hidden_layers=n_layers,
+        linear_num_key_heads=k_heads,
+        linear_num_value_heads=v_heads,
+        linear_key_head_dim=int(required(file, "ssm.state_size")),
+        linear_value_head_dim=int(required(file, "ssm.inner_size")) // v_heads,
+        linear_conv_kernel_dim=int(required(file, "ssm.conv_kernel")),
+        full_attention_interval=_layer_interval(file, n_layers),
+        rope_parameters={"type": "default", "rope_theta": float(config.pop("rope_theta", 10000000.0)),
+                         "partial_rotary_factor": rotated / config["head_dim"]},
+    )
+    config.pop("rope_scaling", None)  # text positions: llama.cpp's sections rotate as plain RoPE
+    return config
+
+
+def _qwen35_name(mlx_name: str) -> str:
+    name = mlx_name.removeprefix("language_model.")
+    return name.replace(".linear_attn.dt_bias", ".linear_attn.dt_proj.bias")
+
+
+def _qwen35_undo(config: dict[str, Any], mlx_name: str) -> TensorUndo | None:
+    """Un-tile the delta-net's value heads; ``A_log`` back from ``-exp(A_log)``."""
+    values = (lambda a, xp: xp.log(-a)) if mlx_name.endswith(".A_log") else None
+    n_k, n_v = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    if ".linear_attn." not in mlx_name or n_k == n_v:
+        return TensorUndo(values=values) if values else None
+    per_k, v_dim = n_v // n_k, config["linear_value_head_dim"]
+    heads = grouped_from_tiled(n_k, per_k, v_dim)
+    if ".in_proj_qkv." in mlx_name or ".conv1d." in mlx_name:
+        return TensorUndo(rows=with_offset(heads, 2 * n_k * config["linear_key_head_dim"]))
+    if ".in_proj_z." in mlx_name:
+        return TensorUndo(rows=heads)
+    if mlx_name.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log", ".dt_bias")):
+        return TensorUndo(rows=grouped_from_tiled(n_k, per_k), values=values)
+    if ".out_proj." in mlx_name:
+        return TensorUndo(columns=heads)
+    return None
+
+
+SPECS: tuple[ArchSpec, ...] = (
+    ArchSpec("qwen35", "qwen3_5", "Qwen3_5ForCausalLM", _qwen35, hf_name=_qwen35_name, undo=_qwen35_undo),
+)

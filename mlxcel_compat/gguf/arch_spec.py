@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from mlxcel_compat.gguf.reader import GGUFModelFile
+from mlxcel_compat.gguf.tensor_undo import TensorUndo
 
 
 class UnsupportedArchitecture(ValueError):
@@ -27,6 +28,12 @@ class ArchSpec:
     build_config: Callable[[GGUFModelFile], dict[str, Any]]
     permute_qk: bool = False
     norm_shift: float = 0.0  # the converter added this to every *norm.weight
+    # mlx-lm parameter name -> the checkpoint name gguf-py's TensorNameMap maps (where they differ:
+    # a wrapper's prefix, mlx-lm's own module names); None: the same name
+    hf_name: Callable[[str], str] | None = None
+    # (config, mlx-lm parameter name) -> what turns the stored tensor back into the parameter's
+    # values (``tensor_undo.py``: row and column orders, element-wise maps), or None
+    undo: Callable[[dict[str, Any], str], TensorUndo | None] | None = None
 
 
 def uniform(file: GGUFModelFile, key: str, default: Any = None) -> Any:

@@ -2,15 +2,130 @@
 
 Each family is named by its mlx-lm ``model_type`` and built at small sizes with its real model's
 config structure; :data:`GGUF_TARGETS` says what llama.cpp's converter does to it.
+
+The directories hold mlx-lm's layout (what ``sanitize`` leaves: convolutions as ``(C, K, 1)``,
+Qwen3.5's norms as plain gains). The GGUF conversions here start from that layout, take it back
+to the checkpoint's (the names, ``1 + w`` norms) and apply what ``convert_hf_to_gguf.py`` applies
+to the checkpoint, step by step, so the loader's undo steps are checked against an independent
+writing of the converter's rules (and against the converter itself: ``docs/gguf.md``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 from .family import Family
 from .gguf_target import GgufTarget
 
-FAMILIES: tuple[Family, ...] = ()
-CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {}
-GGUF_TARGETS: dict[str, GgufTarget] = {}
+FAMILIES: tuple[Family, ...] = (
+    # Qwen3.5 (dense): gated delta-net layers, every fourth layer full attention with a gated query.
+    Family("qwen3_5", "Qwen3_5ForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
+)
+
+
+def _qwen3_5_config(size: str) -> dict[str, Any]:
+    # Qwen3.5-9B's structure: 3 delta-net layers to 1 attention layer, twice as many value heads
+    # as key heads in the delta-net (so the converter's value-head reorder is exercised), GQA,
+    # a quarter of each head rotated, an untied output head.
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, intermediate_size=192, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=16, linear_value_head_dim=16)
+        sections = [1, 1, 0]  # half of the 4 rotated dimensions
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=6, num_key_value_heads=2,
+                    head_dim=128, intermediate_size=2048, linear_num_key_heads=6, linear_num_value_heads=12,
+                    linear_key_head_dim=64, linear_value_head_dim=64)
+        sections = [6, 5, 5]
+    interval = 4
+    layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                   for i in range(dims["num_hidden_layers"])]
+    return dict(dims, full_attention_interval=interval, layer_types=layer_types, linear_conv_kernel_dim=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": sections, "mrope_interleaved": True},
+                rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False, hidden_act="silu")
+
+
+CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
+    "qwen3_5": _qwen3_5_config,
+}
+
+
+# --- Qwen3.5: what convert_hf_to_gguf.py's Qwen3_5TextModel (Qwen3NextModel, _LinearAttentionVReorderBase) does
+
+# Norms that Qwen3.5's checkpoint stores as w - 1 (mlx-lm's sanitize adds the 1), and the converter
+# stores as w + 1: every norm but the delta-net's gated one.
+_QWEN35_SHIFTED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+                         ".q_norm.weight", ".k_norm.weight")
+
+
+def _qwen3_5_name(mlx_name: str) -> str:
+    """mlx-lm's name -> the converter's: the checkpoint has no ``language_model.`` wrapper, and the
+    converter renames ``dt_bias`` to ``dt_proj.bias``."""
+    name = mlx_name.removeprefix("language_model.")
+    return name.replace(".linear_attn.dt_bias", ".linear_attn.dt_proj.bias")
+
+
+def _tiled(data: np.ndarray, axis: int, n_k: int, per_k: int, width: int) -> np.ndarray:
+    """The converter's ``_reorder_v_heads``: value heads grouped by key head -> tiled."""
+    shape = list(data.shape)
+    grouped = data.reshape(*shape[:axis], n_k, per_k, width, *shape[axis + 1:])
+    return np.ascontiguousarray(np.swapaxes(grouped, axis, axis + 1).reshape(shape))
+
+
+def _qwen3_5_convert(config: dict[str, Any], name: str, data: np.ndarray) -> np.ndarray:
+    if name.endswith(_QWEN35_SHIFTED_NORMS):
+        data = (data - np.float32(1.0)) + np.float32(1.0)  # the checkpoint's w - 1, then the converter's + 1
+    if name.endswith(".A_log"):
+        data = -np.exp(data)
+    if "conv1d" in name:
+        data = data.reshape(data.shape[0], data.shape[1])  # the checkpoint's (C, 1, K), squeezed
+    n_k, n_v = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    if n_k == n_v or ".linear_attn." not in name:
+        return data
+    per_k, k_dim, v_dim = n_v // n_k, config["linear_key_head_dim"], config["linear_value_head_dim"]
+    qk = 2 * n_k * k_dim
+    if ".in_proj_qkv." in name or ".conv1d." in name:  # only the value rows (channels)
+        return np.concatenate([data[:qk], _tiled(data[qk:], 0, n_k, per_k, v_dim)])
+    if ".in_proj_z." in name:
+        return _tiled(data, 0, n_k, per_k, v_dim)
+    if ".in_proj_b." in name or ".in_proj_a." in name or ".A_log" in name or ".dt_proj." in name:
+        return _tiled(data, 0, n_k, per_k, 1)
+    if ".out_proj." in name:
+        return _tiled(data, 1, n_k, per_k, v_dim)
+    return data
+
+
+def _qwen3_5_hparams(writer: Any, c: dict[str, Any]) -> None:
+    """TextModel's keys, then Qwen3NextModel's (the delta-net's sizes, the layer pattern, the rotated
+    dimensions) and Qwen3.5's rope sections, in the converter's order."""
+    rope = c["rope_parameters"]
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    writer.add_rope_dimension_sections([*rope["mrope_section"], 0, 0, 0][:4])
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_key_length(c["head_dim"])
+    writer.add_value_length(c["head_dim"])
+    writer.add_ssm_conv_kernel(c["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(c["linear_key_head_dim"])
+    writer.add_ssm_group_count(c["linear_num_key_heads"])
+    writer.add_ssm_time_step_rank(c["linear_num_value_heads"])
+    writer.add_ssm_inner_size(c["linear_value_head_dim"] * c["linear_num_value_heads"])
+    # add_recurrent_layers is newer than the gguf-py installed here: the same key, written by hand
+    writer.add_array(f"{writer.arch}.attention.recurrent_layers", [t == "linear_attention" for t in c["layer_types"]])
+    writer.add_full_attention_interval(c["full_attention_interval"])
+    writer.add_rope_dimension_count(int(c["head_dim"] * rope["partial_rotary_factor"]))
+
+
+GGUF_TARGETS: dict[str, GgufTarget] = {
+    # transformers tokenizes model_type qwen3_5 with Qwen3.5's own split regex (Qwen3_5Tokenizer).
+    "qwen3_5": GgufTarget("qwen35", permute_qk=False, norm_shift=0.0, pre="qwen35", hf_name=_qwen3_5_name,
+                          convert=_qwen3_5_convert, hparams=_qwen3_5_hparams),
+}

@@ -7,6 +7,7 @@ each kind of architecture, beside the family they convert.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -17,3 +18,11 @@ class GgufTarget:
     permute_qk: bool  # llama-family Q/K row permutation
     norm_shift: float  # added to every *norm.weight
     pre: str = "gpt-2"  # tokenizer.ggml.pre: the split regex transformers applies to this family
+    # mlx-lm parameter name -> the checkpoint name the converter hands gguf-py's TensorNameMap
+    # (after its own renames); None: the same name
+    hf_name: Callable[[str], str] | None = None
+    # (config, checkpoint name, float32 values in mlx-lm's layout) -> the values as the converter
+    # stores them (its reorders, reshapes and maps); None: as they are
+    convert: Callable[[dict[str, Any], str, Any], Any] | None = None
+    # (gguf writer, config): the {arch}.* keys, written instead of gguf_metadata.add_hparams's
+    hparams: Callable[[Any, dict[str, Any]], None] | None = None

@@ -19,6 +19,9 @@ from .gguf_target import GgufTarget
 
 GGUF_TYPES: tuple[str, ...] = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k",
                                "q5_k", "q6_k", "q4_k_m", "q5_k_m")
+# Matrices the converter (and llama-quantize) always keeps in F32: convolutions, routers, norms.
+F32_TENSORS: tuple[str, ...] = ("shortconv.conv.weight", "ssm_conv1d.weight", "ffn_gate_inp.weight",
+                                "ffn_gate_inp_shexp.weight", "_norm.weight")
 # llama-quantize's fallbacks for K-quants of rows that are not whole 256-value blocks (Q2_K and
 # Q3_K fall back to IQ4_NL there, which this server does not load: Q4_0 here).
 _K_FALLBACK = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
@@ -79,7 +82,7 @@ def stored_type(name: str, shape: tuple[int, ...], gguf_type: str, n_layers: int
     """The type one tensor of ``shape`` is stored as in a file of ``gguf_type``, the row-length
     fallbacks included: ``f32`` for 1-D tensors and the convolution, ``f16`` for rows that are not
     whole 32-value blocks, the K-quants' fallbacks for rows that are not whole 256-value blocks."""
-    if len(shape) < 2 or gguf_type == "f32" or name.endswith("shortconv.conv.weight"):
+    if len(shape) < 2 or gguf_type == "f32" or name.endswith(F32_TENSORS):
         return "f32"
     if gguf_type == "f16" or shape[-1] % 32:
         return "f16"
@@ -119,8 +122,11 @@ def converted_tensors(family: str, config: dict[str, Any], weights: dict[str, An
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == target.arch)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     out: dict[str, np.ndarray] = {}
-    for hf_name in sorted(weights):
-        data = np.array(weights[hf_name], dtype=np.float32)
+    for mlx_name in sorted(weights):
+        data = np.array(weights[mlx_name], dtype=np.float32)
+        hf_name = target.hf_name(mlx_name) if target.hf_name else mlx_name
+        if target.convert is not None:
+            data = target.convert(config, hf_name, data)
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {hf_name} in {target.arch}")

@@ -135,7 +135,11 @@ def write_gguf(family: str, size: str, out: str | Path, gguf_type: str = "f32",
     writer.add_name(f"mlxcel-{family}-{size}")
     writer.add_file_type(file_type(gguf_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    add_hparams(writer, family, config)
+    target = GGUF_TARGETS[family]
+    if target.hparams is not None:
+        target.hparams(writer, config)
+    else:
+        add_hparams(writer, family, config)
     if pooling is not None or reranker:
         writer.add_pooling_type(gguf.PoolingType[(pooling or "rank").upper()])
     add_tokenizer(writer, source, GGUF_TARGETS[family].pre)

