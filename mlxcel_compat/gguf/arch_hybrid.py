@@ -37,7 +37,7 @@ def _layer_interval(file: GGUFModelFile, n_layers: int) -> int:
 
 
 def _qwen35(file: GGUFModelFile) -> dict[str, Any]:
-    config = common_config(file)
+    config = common_config(file, dense_ffn=False)
     # Multi-token-prediction layers (nextn) come after the trunk; mlx-lm has none, so they are not loaded.
     n_layers = config["num_hidden_layers"] - int(file.arch_value("nextn_predict_layers", 0))
     k_heads, v_heads = int(required(file, "ssm.group_count")), int(required(file, "ssm.time_step_rank"))
@@ -57,8 +57,26 @@ def _qwen35(file: GGUFModelFile) -> dict[str, Any]:
     return config
 
 
+def _qwen35moe(file: GGUFModelFile) -> dict[str, Any]:
+    """Qwen3.5's config with every layer's MLP a mixture: a softmax router whose top-k weights are
+    renormalised (llama.cpp's qwen35moe graph, mlx-lm's ``norm_topk_prob``) and a shared expert."""
+    config = _qwen35(file)
+    expert_ff = int(required(file, "expert_feed_forward_length"))
+    config.update(
+        num_experts=int(required(file, "expert_count")),
+        num_experts_per_tok=int(required(file, "expert_used_count")),
+        moe_intermediate_size=expert_ff,
+        shared_expert_intermediate_size=int(file.arch_value("expert_shared_feed_forward_length", expert_ff)),
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+    )
+    config.setdefault("intermediate_size", expert_ff)  # unused: no layer is dense
+    return config
+
+
 def _qwen35_name(mlx_name: str) -> str:
     name = mlx_name.removeprefix("language_model.")
+    name = name.replace(".mlp.switch_mlp.", ".mlp.experts.")  # stacked experts: ffn_*_exps
     return name.replace(".linear_attn.dt_bias", ".linear_attn.dt_proj.bias")
 
 
@@ -83,4 +101,6 @@ def _qwen35_undo(config: dict[str, Any], mlx_name: str) -> TensorUndo | None:
 
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("qwen35", "qwen3_5", "Qwen3_5ForCausalLM", _qwen35, hf_name=_qwen35_name, undo=_qwen35_undo),
+    ArchSpec("qwen35moe", "qwen3_5_moe", "Qwen3_5MoeForCausalLM", _qwen35moe, hf_name=_qwen35_name,
+             undo=_qwen35_undo),
 )

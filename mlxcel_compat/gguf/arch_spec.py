@@ -73,7 +73,9 @@ def rope_scaling_config(file: GGUFModelFile) -> dict[str, Any] | None:
     raise UnsupportedArchitecture(f"RoPE scaling type '{kind}' is not supported for GGUF models")
 
 
-def common_config(file: GGUFModelFile) -> dict[str, Any]:
+def common_config(file: GGUFModelFile, dense_ffn: bool = True) -> dict[str, Any]:
+    """The keys every attention model shares. ``dense_ffn=False``: a mixture-of-experts model
+    whose config may lack ``feed_forward_length`` (then ``intermediate_size`` is left out)."""
     hidden = int(required(file, "embedding_length"))
     heads = int(required(file, "attention.head_count"))
     kv = uniform(file, "attention.head_count_kv", heads)
@@ -82,11 +84,12 @@ def common_config(file: GGUFModelFile) -> dict[str, Any]:
         "num_hidden_layers": int(required(file, "block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv),
-        "intermediate_size": int(required(file, "feed_forward_length")),
         "rms_norm_eps": float(file.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(file.arch_value("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in file.tensors,
     }
+    if dense_ffn or file.arch_value("feed_forward_length") is not None:
+        config["intermediate_size"] = int(required(file, "feed_forward_length"))
     key_length = file.arch_value("attention.key_length")
     value_length = file.arch_value("attention.value_length", key_length)
     head_dim = int(key_length) if key_length else hidden // heads

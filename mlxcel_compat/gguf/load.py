@@ -68,6 +68,8 @@ class GGUFSummary:
     prompt_products: dict[str, int] = field(default_factory=dict)  # -> how many take ggml's mul_mat for prompts
     blocks_unavailable: str = ""  # on the CPU: why quantized weights were expanded to float32
     affine_fallbacks: list[str] = field(default_factory=list)  # tensors whose affine scales overflow the dtype
+    # stacked expert tensors (3-D, ffn_*_exps) of a block type expanded for MLX's expert layers: type -> count
+    expanded_experts: dict[str, int] = field(default_factory=dict)
 
 
 def _quantizable(model: Any, mlx_name: str, shape: tuple[int, ...]) -> bool:
@@ -333,6 +335,9 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         elif weights is None:
             weights = [(mlx_name, decode_tensor(info, read_tensor(info, scratch), mlx_name, spec, config, plan,
                                                 shapes[mlx_name]))]
+            if len(info.shape) == 3:
+                kind = gguf_quants.type_name(info.ggml_type).lower()
+                summary.expanded_experts[kind] = summary.expanded_experts.get(kind, 0) + 1
         mx.eval([w for _, w in weights])  # one tensor in flight: its temporaries go now
         loaded.extend(weights)
         summary.precision[label] = summary.precision.get(label, 0) + 1
@@ -348,5 +353,8 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     model.load_weights(loaded, strict=False)  # the model's own initial values were never evaluated
     if "rope_freqs.weight" in file.tensors and spec.permute_qk:
         _install_rope_freqs(model, file, config)
+    if summary.expanded_experts:
+        log.info("stacked expert tensors expanded to %s for MLX's expert layers (SwitchGLU), not kept in "
+                 "ggml's blocks: %s", dtype, ", ".join(f"{n} {k}" for k, n in sorted(summary.expanded_experts.items())))
     summary.load_seconds = time.perf_counter() - t0
     return model, tokenizer, config, summary

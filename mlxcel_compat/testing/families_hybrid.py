@@ -22,6 +22,8 @@ from .gguf_target import GgufTarget
 FAMILIES: tuple[Family, ...] = (
     # Qwen3.5 (dense): gated delta-net layers, every fourth layer full attention with a gated query.
     Family("qwen3_5", "Qwen3_5ForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
+    # Qwen3.5 MoE: the same layers with a routed mixture of experts and a gated shared expert.
+    Family("qwen3_5_moe", "Qwen3_5MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
 )
 
 
@@ -48,8 +50,22 @@ def _qwen3_5_config(size: str) -> dict[str, Any]:
                 rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False, hidden_act="silu")
 
 
+def _qwen3_5_moe_config(size: str) -> dict[str, Any]:
+    # Qwen3.5-35B-A3B's structure: every layer's MLP a mixture (softmax router, top-k renormalised)
+    # plus a shared expert behind a sigmoid gate; no dense intermediate_size in its config.
+    config = _qwen3_5_config(size)
+    del config["intermediate_size"]
+    if size == "tiny":
+        config.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    else:
+        config.update(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256,
+                      shared_expert_intermediate_size=256)
+    return config
+
+
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "qwen3_5": _qwen3_5_config,
+    "qwen3_5_moe": _qwen3_5_moe_config,
 }
 
 
@@ -65,6 +81,7 @@ def _qwen3_5_name(mlx_name: str) -> str:
     """mlx-lm's name -> the converter's: the checkpoint has no ``language_model.`` wrapper, and the
     converter renames ``dt_bias`` to ``dt_proj.bias``."""
     name = mlx_name.removeprefix("language_model.")
+    name = name.replace(".mlp.switch_mlp.", ".mlp.experts.")  # the converter's merged expert names
     return name.replace(".linear_attn.dt_bias", ".linear_attn.dt_proj.bias")
 
 
@@ -105,14 +122,21 @@ def _qwen3_5_hparams(writer: Any, c: dict[str, Any]) -> None:
     writer.add_block_count(c["num_hidden_layers"])
     writer.add_context_length(c["max_position_embeddings"])
     writer.add_embedding_length(c["hidden_size"])
-    writer.add_feed_forward_length(c["intermediate_size"])
+    if "intermediate_size" in c:  # the MoE's config has none
+        writer.add_feed_forward_length(c["intermediate_size"])
     writer.add_head_count(c["num_attention_heads"])
     writer.add_head_count_kv(c["num_key_value_heads"])
     writer.add_rope_dimension_sections([*rope["mrope_section"], 0, 0, 0][:4])
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    if "num_experts" in c:
+        writer.add_expert_count(c["num_experts"])
+        writer.add_expert_used_count(c["num_experts_per_tok"])
     writer.add_key_length(c["head_dim"])
     writer.add_value_length(c["head_dim"])
+    if "moe_intermediate_size" in c:  # Qwen2MoeModel's keys
+        writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
     writer.add_ssm_conv_kernel(c["linear_conv_kernel_dim"])
     writer.add_ssm_state_size(c["linear_key_head_dim"])
     writer.add_ssm_group_count(c["linear_num_key_heads"])
@@ -128,4 +152,6 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
     # transformers tokenizes model_type qwen3_5 with Qwen3.5's own split regex (Qwen3_5Tokenizer).
     "qwen3_5": GgufTarget("qwen35", permute_qk=False, norm_shift=0.0, pre="qwen35", hf_name=_qwen3_5_name,
                           convert=_qwen3_5_convert, hparams=_qwen3_5_hparams),
+    "qwen3_5_moe": GgufTarget("qwen35moe", permute_qk=False, norm_shift=0.0, pre="qwen35", hf_name=_qwen3_5_name,
+                              convert=_qwen3_5_convert, hparams=_qwen3_5_hparams),
 }

@@ -11,6 +11,8 @@ For every family of ``testing/families_hybrid.py`` (tiny sizes):
   a wrong row or column order would break by the size of the weights themselves; the model
   served from the blocks agrees with that expansion within ``PROMPT_8BIT`` (a prompt with
   8-bit activations, as llama.cpp computes it) and ``DECODE_8BIT`` (teacher-forced decode steps);
+- stacked expert tensors (``ffn_*_exps``) are expanded to float32 for MLX's expert layers, and
+  counted (``GGUFSummary.expanded_experts``, logged at start-up);
 - a greedy generation through the engine on the F32 file gives mlx-lm's greedy tokens, and on
   the Q8_0 file runs to its length.
 
@@ -39,11 +41,11 @@ FAMILIES = tuple(families_hybrid.GGUF_TARGETS)
 PROMPT = "The quick brown fox jumps over the lazy dog. def f(x: int) -> str:\n    return 'café 你好'"
 TEXTS = [PROMPT, "  two spaces\n\ttab <|im_start|>user\nhi<|im_end|>", "<think>\nx\n</think>\n\n🚀 ✅"]
 # F32 logits against mlx-lm on the directory (logits of the tiny models span about +-4).
-F32_TOLERANCE = {"qwen3_5": 1e-5}
+F32_TOLERANCE = {"qwen3_5": 1e-5, "qwen3_5_moe": 1e-5}
 # Blocks against their float32 expansion, measured on the tiny models (qwen3_5: prompt 0.58,
 # decode 0.4): 8-bit activations, and a delta-net whose state sums every token's rounding.
-PROMPT_8BIT = {"qwen3_5": 1.0}
-DECODE_8BIT = {"qwen3_5": 1.0}
+PROMPT_8BIT = {"qwen3_5": 1.0, "qwen3_5_moe": 1.0}
+DECODE_8BIT = {"qwen3_5": 1.0, "qwen3_5_moe": 1.0}
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +96,11 @@ def test_q8_0_gguf_holds_the_directory_weights_in_order(family: str, directories
         step = float(mx.abs(w).max().item()) * (1 / 254 + 1 / 2048) + 1e-6
         assert mx.abs(got[name] - w).max().item() <= step, name
 
-    model, _, _, summary = load_gguf(path, on_cpu=True)
+    model, _, config, summary = load_gguf(path, on_cpu=True)
     assert "blocks q8_0" in summary.precision  # the matrices are served from the file's blocks
+    # Stacked experts (ffn_*_exps) go to MLX's expert layers expanded, and the summary counts them.
+    moe_layers = config["num_hidden_layers"] if config.get("num_experts") else 0
+    assert summary.expanded_experts == ({"q8_0": 3 * moe_layers} if moe_layers else {})
     ids = hf_tok.encode(PROMPT)
     diff = mx.abs(model(mx.array([ids])) - expanded(mx.array([ids]))).max().item()
     assert diff <= PROMPT_8BIT[family], diff
