@@ -11,14 +11,22 @@ the rows of ``in_proj_qkv``'s value part, ``in_proj_z``, ``in_proj_a/b``, ``A_lo
 the convolution's value channels, and the columns of ``out_proj``. Its norms it stores as
 ``1 + w`` from a checkpoint that holds ``w``, which is what mlx-lm's ``sanitize`` computes too,
 so they load as they are.
+
+Qwen3.5 MoE (``qwen35moe``): the same, with mlx-lm's stacked experts under gguf-py's merged
+expert names. Qwen3-Next (``qwen3next``): Qwen3.5 MoE's layers without the value-head reorder,
+whose fused ``in_proj_qkvz`` the converter splits into ``attn_qkv`` and ``attn_gate``: the model
+gets a two-matrix layer in its place (``stored_parts.py``) before the weights load.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from mlxcel_compat.gguf.arch_spec import ArchSpec, UnsupportedArchitecture, common_config, required
 from mlxcel_compat.gguf.reader import GGUFModelFile
+from mlxcel_compat.gguf.stored_parts import StoredPartsLinear
 from mlxcel_compat.gguf.tensor_undo import TensorUndo, grouped_from_tiled, with_offset
 
 
@@ -99,8 +107,52 @@ def _qwen35_undo(config: dict[str, Any], mlx_name: str) -> TensorUndo | None:
     return None
 
 
+def _qwen3next(file: GGUFModelFile) -> dict[str, Any]:
+    """mlx-lm's flat qwen3_next config: Qwen3.5's layers (without the value-head reorder, which
+    the converter applies to Qwen3.5 only), every MLP a mixture with a shared expert."""
+    config = _qwen35moe(file)
+    rope = config.pop("rope_parameters")
+    config.update(rope_theta=rope["rope_theta"], partial_rotary_factor=rope["partial_rotary_factor"],
+                  mlp_only_layers=[])
+    return config
+
+
+def _qwen3next_name(mlx_name: str) -> str:
+    """The two matrices the converter split ``in_proj_qkvz`` into (``_qwen3next_model``) are named
+    like Qwen3.5's separate projections, which gguf-py maps to ``attn_qkv`` and ``attn_gate``."""
+    name = _qwen35_name(mlx_name)
+    return name.replace(".in_proj_qkvz.parts.0.", ".in_proj_qkv.").replace(".in_proj_qkvz.parts.1.", ".in_proj_z.")
+
+
+def _qwen3next_undo(config: dict[str, Any], mlx_name: str) -> TensorUndo | None:
+    return TensorUndo(values=lambda a, xp: xp.log(-a)) if mlx_name.endswith(".A_log") else None
+
+
+def qkvz_order(n_k: int, k_dim: int, per_k: int, v_dim: int) -> np.ndarray:
+    """Row r of Qwen3-Next's fused ``in_proj_qkvz`` (per key head: its q, k, v heads, z heads) as
+    a row of ``[attn_qkv; attn_gate]`` (every q, every k, every v; then every z)."""
+    v = per_k * v_dim
+    q_rows, k_rows = np.arange(n_k * k_dim).reshape(n_k, k_dim), n_k * k_dim + np.arange(n_k * k_dim).reshape(n_k, k_dim)
+    v_rows = 2 * n_k * k_dim + np.arange(n_k * v).reshape(n_k, v)
+    z_rows = 2 * n_k * k_dim + n_k * v + np.arange(n_k * v).reshape(n_k, v)
+    return np.concatenate([q_rows, k_rows, v_rows, z_rows], axis=1).reshape(-1).astype(np.int32)
+
+
+def _qwen3next_model(model: Any, config: dict[str, Any]) -> None:
+    """Each delta-net layer's ``in_proj_qkvz`` as the two matrices the file stores."""
+    n_k, k_dim = config["linear_num_key_heads"], config["linear_key_head_dim"]
+    n_v, v_dim = config["linear_num_value_heads"], config["linear_value_head_dim"]
+    order = qkvz_order(n_k, k_dim, n_v // n_k, v_dim)
+    for layer in model.layers:
+        if hasattr(layer, "linear_attn"):
+            layer.linear_attn.in_proj_qkvz = StoredPartsLinear(
+                config["hidden_size"], [2 * n_k * k_dim + n_v * v_dim, n_v * v_dim], order)
+
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("qwen35", "qwen3_5", "Qwen3_5ForCausalLM", _qwen35, hf_name=_qwen35_name, undo=_qwen35_undo),
     ArchSpec("qwen35moe", "qwen3_5_moe", "Qwen3_5MoeForCausalLM", _qwen35moe, hf_name=_qwen35_name,
              undo=_qwen35_undo),
+    ArchSpec("qwen3next", "qwen3_next", "Qwen3NextForCausalLM", _qwen3next, hf_name=_qwen3next_name,
+             undo=_qwen3next_undo, prepare_model=_qwen3next_model),
 )

@@ -34,6 +34,9 @@ class ArchSpec:
     # (config, mlx-lm parameter name) -> what turns the stored tensor back into the parameter's
     # values (``tensor_undo.py``: row and column orders, element-wise maps), or None
     undo: Callable[[dict[str, Any], str], TensorUndo | None] | None = None
+    # (model, config): reshape mlx-lm's freshly built model into the layout the file stores, before
+    # its parameters are named (``stored_parts.py``: a fused layer the converter split); None: nothing
+    prepare_model: Callable[[Any, dict[str, Any]], None] | None = None
 
 
 def uniform(file: GGUFModelFile, key: str, default: Any = None) -> Any:

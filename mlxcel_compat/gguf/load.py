@@ -256,6 +256,8 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     file = open_gguf(path)
     spec, tokenizer, specials, config = _prepare(file)
     model = _build_model(config, file)
+    if spec.prepare_model is not None:
+        spec.prepare_model(model, config)
     shapes = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
     names = gguf_arch.gguf_names(spec, list(shapes), config["num_hidden_layers"])
     missing = sorted(set(names) - set(file.tensors))

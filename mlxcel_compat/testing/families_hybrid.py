@@ -58,8 +58,8 @@ def _qwen3_5_moe_config(size: str) -> dict[str, Any]:
     if size == "tiny":
         config.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
     else:
-        config.update(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256,
-                      shared_expert_intermediate_size=256)
+        config.update(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
+                      shared_expert_intermediate_size=64)
     return config
 
 
@@ -92,33 +92,54 @@ def _tiled(data: np.ndarray, axis: int, n_k: int, per_k: int, width: int) -> np.
     return np.ascontiguousarray(np.swapaxes(grouped, axis, axis + 1).reshape(shape))
 
 
-def _qwen3_5_convert(config: dict[str, Any], name: str, data: np.ndarray) -> np.ndarray:
+def _qwen3_next_convert(config: dict[str, Any], name: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """Qwen3NextModel.modify_tensors: norms, ``A_log``, the convolution, and ``in_proj_qkvz`` split
+    into every head's q, k, v (``attn_qkv``) and every z (``attn_gate``)."""
     if name.endswith(_QWEN35_SHIFTED_NORMS):
         data = (data - np.float32(1.0)) + np.float32(1.0)  # the checkpoint's w - 1, then the converter's + 1
     if name.endswith(".A_log"):
         data = -np.exp(data)
     if "conv1d" in name:
         data = data.reshape(data.shape[0], data.shape[1])  # the checkpoint's (C, 1, K), squeezed
+    if ".in_proj_qkvz." in name:
+        n_k, k_dim = config["linear_num_key_heads"], config["linear_key_head_dim"]
+        v = config["linear_num_value_heads"] // n_k * config["linear_value_head_dim"]
+        heads = data.reshape(n_k, 2 * k_dim + 2 * v, -1)  # rows per key head: q, k, v, z
+        q, k, vv, z = np.split(heads, [k_dim, 2 * k_dim, 2 * k_dim + v], axis=1)
+        qkv = np.concatenate([part.reshape(-1, data.shape[1]) for part in (q, k, vv)])
+        stem = name.replace(".in_proj_qkvz.", ".")
+        return [(stem.replace(".linear_attn.", ".linear_attn.in_proj_qkv."), qkv),
+                (stem.replace(".linear_attn.", ".linear_attn.in_proj_z."), z.reshape(-1, data.shape[1]))]
+    return [(name, data)]
+
+
+def _qwen3_5_convert(config: dict[str, Any], name: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """_LinearAttentionVReorderBase.modify_tensors (value heads tiled), then Qwen3NextModel's."""
     n_k, n_v = config["linear_num_key_heads"], config["linear_num_value_heads"]
-    if n_k == n_v or ".linear_attn." not in name:
-        return data
-    per_k, k_dim, v_dim = n_v // n_k, config["linear_key_head_dim"], config["linear_value_head_dim"]
-    qk = 2 * n_k * k_dim
-    if ".in_proj_qkv." in name or ".conv1d." in name:  # only the value rows (channels)
-        return np.concatenate([data[:qk], _tiled(data[qk:], 0, n_k, per_k, v_dim)])
-    if ".in_proj_z." in name:
-        return _tiled(data, 0, n_k, per_k, v_dim)
-    if ".in_proj_b." in name or ".in_proj_a." in name or ".A_log" in name or ".dt_proj." in name:
-        return _tiled(data, 0, n_k, per_k, 1)
-    if ".out_proj." in name:
-        return _tiled(data, 1, n_k, per_k, v_dim)
-    return data
+    if n_k != n_v and ".linear_attn." in name:
+        per_k, k_dim, v_dim = n_v // n_k, config["linear_key_head_dim"], config["linear_value_head_dim"]
+        qk = 2 * n_k * k_dim
+        if "conv1d" in name:
+            data = data.reshape(data.shape[0], data.shape[1])
+        if ".in_proj_qkv." in name or ".conv1d." in name:  # only the value rows (channels)
+            data = np.concatenate([data[:qk], _tiled(data[qk:], 0, n_k, per_k, v_dim)])
+        elif ".in_proj_z." in name:
+            data = _tiled(data, 0, n_k, per_k, v_dim)
+        elif ".in_proj_b." in name or ".in_proj_a." in name or ".A_log" in name or ".dt_proj." in name:
+            data = _tiled(data, 0, n_k, per_k, 1)
+        elif ".out_proj." in name:
+            data = _tiled(data, 1, n_k, per_k, v_dim)
+    return _qwen3_next_convert(config, name, data)
 
 
 def _qwen3_5_hparams(writer: Any, c: dict[str, Any]) -> None:
     """TextModel's keys, then Qwen3NextModel's (the delta-net's sizes, the layer pattern, the rotated
-    dimensions) and Qwen3.5's rope sections, in the converter's order."""
-    rope = c["rope_parameters"]
+    dimensions) and Qwen3.5's rope sections, in the converter's order (Qwen3-Next: its flat rope
+    keys, no sections)."""
+    rope = c.get("rope_parameters") or {"rope_theta": c["rope_theta"], "partial_rotary_factor": c["partial_rotary_factor"]}
+    interval = c["full_attention_interval"]
+    layer_types = c.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                           for i in range(c["num_hidden_layers"])]  # transformers' default
     writer.add_block_count(c["num_hidden_layers"])
     writer.add_context_length(c["max_position_embeddings"])
     writer.add_embedding_length(c["hidden_size"])
@@ -126,7 +147,8 @@ def _qwen3_5_hparams(writer: Any, c: dict[str, Any]) -> None:
         writer.add_feed_forward_length(c["intermediate_size"])
     writer.add_head_count(c["num_attention_heads"])
     writer.add_head_count_kv(c["num_key_value_heads"])
-    writer.add_rope_dimension_sections([*rope["mrope_section"], 0, 0, 0][:4])
+    if "mrope_section" in rope:
+        writer.add_rope_dimension_sections([*rope["mrope_section"], 0, 0, 0][:4])
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     if "num_experts" in c:
@@ -143,12 +165,15 @@ def _qwen3_5_hparams(writer: Any, c: dict[str, Any]) -> None:
     writer.add_ssm_time_step_rank(c["linear_num_value_heads"])
     writer.add_ssm_inner_size(c["linear_value_head_dim"] * c["linear_num_value_heads"])
     # add_recurrent_layers is newer than the gguf-py installed here: the same key, written by hand
-    writer.add_array(f"{writer.arch}.attention.recurrent_layers", [t == "linear_attention" for t in c["layer_types"]])
-    writer.add_full_attention_interval(c["full_attention_interval"])
+    writer.add_array(f"{writer.arch}.attention.recurrent_layers", [t == "linear_attention" for t in layer_types])
+    writer.add_full_attention_interval(interval)
     writer.add_rope_dimension_count(int(c["head_dim"] * rope["partial_rotary_factor"]))
 
 
 GGUF_TARGETS: dict[str, GgufTarget] = {
+    # transformers keeps the tokenizer.json's split regex for model_type qwen3_next (gpt-2's here).
+    "qwen3_next": GgufTarget("qwen3next", permute_qk=False, norm_shift=0.0, hf_name=_qwen3_5_name,
+                             convert=_qwen3_next_convert, hparams=_qwen3_5_hparams),
     # transformers tokenizes model_type qwen3_5 with Qwen3.5's own split regex (Qwen3_5Tokenizer).
     "qwen3_5": GgufTarget("qwen35", permute_qk=False, norm_shift=0.0, pre="qwen35", hf_name=_qwen3_5_name,
                           convert=_qwen3_5_convert, hparams=_qwen3_5_hparams),

@@ -21,8 +21,8 @@ class GgufTarget:
     # mlx-lm parameter name -> the checkpoint name the converter hands gguf-py's TensorNameMap
     # (after its own renames); None: the same name
     hf_name: Callable[[str], str] | None = None
-    # (config, checkpoint name, float32 values in mlx-lm's layout) -> the values as the converter
-    # stores them (its reorders, reshapes and maps); None: as they are
-    convert: Callable[[dict[str, Any], str, Any], Any] | None = None
+    # (config, checkpoint name, float32 values in mlx-lm's layout) -> [(checkpoint name, values as
+    # the converter stores them)]: its reorders, reshapes, maps and splits; None: as they are
+    convert: Callable[[dict[str, Any], str, Any], list[tuple[str, Any]]] | None = None
     # (gguf writer, config): the {arch}.* keys, written instead of gguf_metadata.add_hparams's
     hparams: Callable[[Any, dict[str, Any]], None] | None = None

@@ -122,11 +122,12 @@ def converted_tensors(family: str, config: dict[str, Any], weights: dict[str, An
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == target.arch)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     out: dict[str, np.ndarray] = {}
+    stored: list[tuple[str, np.ndarray]] = []
     for mlx_name in sorted(weights):
         data = np.array(weights[mlx_name], dtype=np.float32)
         hf_name = target.hf_name(mlx_name) if target.hf_name else mlx_name
-        if target.convert is not None:
-            data = target.convert(config, hf_name, data)
+        stored += target.convert(config, hf_name, data) if target.convert is not None else [(hf_name, data)]
+    for hf_name, data in stored:
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {hf_name} in {target.arch}")
