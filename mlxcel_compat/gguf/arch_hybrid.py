@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from mlxcel_compat.gguf.arch_spec import ArchSpec, UnsupportedArchitecture, common_config, required
-from mlxcel_compat.gguf.reader import GGUFModelFile
-from mlxcel_compat.gguf.stored_parts import StoredPartsLinear
+from mlxcel_compat.gguf.reader import GGUFModelFile, read_tensor
+from mlxcel_compat.gguf.stored_parts import FusedGateUpSwitchGLU, StoredPartsLinear
 from mlxcel_compat.gguf.tensor_undo import TensorUndo, grouped_from_tiled, with_offset
 
 
@@ -149,10 +149,97 @@ def _qwen3next_model(model: Any, config: dict[str, Any]) -> None:
                 config["hidden_size"], [2 * n_k * k_dim + n_v * v_dim, n_v * v_dim], order)
 
 
+def _per_layer(file: GGUFModelFile, key: str, n_layers: int) -> list[Any]:
+    """A key that may hold one value per layer, as that list."""
+    value = file.arch_value(key)
+    if value is None:
+        raise UnsupportedArchitecture(f"'{file.path}' lacks {file.architecture}.{key}")
+    return list(value) if isinstance(value, list) else [value] * n_layers
+
+
+def _gemma4(file: GGUFModelFile) -> dict[str, Any]:
+    """mlx-lm's gemma4_text config. Sliding layers have their own head size, KV heads and RoPE
+    (``*_swa`` keys); full-attention layers rotate a share of their dimensions ("proportional"
+    RoPE), which the converter stores as ``rope_freqs`` (1 for a rotated pair, 1e30 for the rest).
+    Full layers without ``attn_v`` use their keys as values (``attention_k_eq_v``)."""
+    n_layers = int(required(file, "block_count"))
+    sliding = [bool(s) for s in _per_layer(file, "attention.sliding_window_pattern", n_layers)]
+    layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    full = [i for i, s in enumerate(sliding) if not s]
+    kv = _per_layer(file, "attention.head_count_kv", n_layers)
+    kv_swa = {int(kv[i]) for i in range(n_layers) if sliding[i]}
+    kv_full = {int(kv[i]) for i in full}
+    ff = [int(f) for f in _per_layer(file, "feed_forward_length", n_layers)]
+    shared = int(file.arch_value("attention.shared_kv_layers", 0))
+    if len(kv_swa) > 1 or len(kv_full) > 1 or len(set(ff[: n_layers - shared])) > 1:
+        raise UnsupportedArchitecture(f"gemma4: per-layer sizes {kv} / {ff} are not mlx-lm's layout")
+    head_full, head_swa = int(required(file, "attention.key_length")), int(required(file, "attention.key_length_swa"))
+    freqs = file.tensors.get("rope_freqs.weight")
+    rotated = head_full // 2
+    if freqs is not None:  # proportional RoPE: the pairs whose frequency factor is 1 rotate
+        from mlxcel_compat.gguf import quants
+
+        factors = quants.dequantize(read_tensor(freqs), freqs.ggml_type, freqs.n_values)
+        rotated = int(np.count_nonzero(factors < 1e20))
+    per_layer = int(file.arch_value("embedding_length_per_layer_input", 0))
+    config: dict[str, Any] = {
+        "hidden_size": int(required(file, "embedding_length")),
+        "num_hidden_layers": n_layers,
+        "intermediate_size": ff[0],
+        "use_double_wide_mlp": any(f == 2 * ff[0] for f in ff[n_layers - shared:]) if shared else False,
+        "num_attention_heads": int(required(file, "attention.head_count")),
+        "num_key_value_heads": kv_swa.pop() if kv_swa else int(kv[0]),
+        "num_global_key_value_heads": kv_full.pop() if kv_full else None,
+        "head_dim": head_swa,
+        "global_head_dim": head_full,
+        "num_kv_shared_layers": shared,
+        "hidden_size_per_layer_input": per_layer,
+        "rms_norm_eps": float(file.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
+        "sliding_window": int(required(file, "attention.sliding_window")),
+        "layer_types": layer_types,
+        "max_position_embeddings": int(file.arch_value("context_length", 131072)),
+        "final_logit_softcapping": file.arch_value("final_logit_softcapping"),
+        "attention_k_eq_v": bool(full) and all(f"blk.{i}.attn_v.weight" not in file.tensors for i in full),
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 2 * rotated / head_full,
+                               "rope_theta": float(file.arch_value("rope.freq_base", 1000000.0))},
+            "sliding_attention": {"rope_type": "default",
+                                  "partial_rotary_factor": int(file.arch_value("rope.dimension_count_swa", head_swa)) / head_swa,
+                                  "rope_theta": float(file.arch_value("rope.freq_base_swa", 10000.0))},
+        },
+    }
+    if per_layer:
+        config["vocab_size_per_layer_input"] = int(file.tensors["per_layer_token_embd.weight"].shape[0])
+    if file.arch_value("expert_count"):
+        config.update(enable_moe_block=True, num_experts=int(required(file, "expert_count")),
+                      top_k_experts=int(required(file, "expert_used_count")),
+                      moe_intermediate_size=int(required(file, "expert_feed_forward_length")))
+    return config
+
+
+def _gemma4_name(mlx_name: str) -> str:
+    """The converter's names: the fused expert matrices under the checkpoint's names, the router's
+    scales as ``ffn_gate_inp.scale`` and ``ffn_down_exps.scale``, ``layer_scalar`` with a suffix."""
+    name = mlx_name.replace(".experts.switch_glu.", ".experts.")
+    name = name.replace(".router.scale", ".router.proj.scale").replace(".router.per_expert_scale", ".experts.down_proj.scale")
+    return name + ".weight" if name.endswith(".layer_scalar") else name
+
+
+def _gemma4_model(model: Any, config: dict[str, Any]) -> None:
+    """Each expert layer with its gate and up projections as the one matrix the file stores."""
+    for layer in model.layers:
+        if getattr(layer, "enable_moe", False):
+            glu = layer.experts.switch_glu
+            layer.experts.switch_glu = FusedGateUpSwitchGLU(config["hidden_size"], config["moe_intermediate_size"],
+                                                            config["num_experts"], glu.activation)
+
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("qwen35", "qwen3_5", "Qwen3_5ForCausalLM", _qwen35, hf_name=_qwen35_name, undo=_qwen35_undo),
     ArchSpec("qwen35moe", "qwen3_5_moe", "Qwen3_5MoeForCausalLM", _qwen35moe, hf_name=_qwen35_name,
              undo=_qwen35_undo),
     ArchSpec("qwen3next", "qwen3_next", "Qwen3NextForCausalLM", _qwen3next, hf_name=_qwen3next_name,
              undo=_qwen3next_undo, prepare_model=_qwen3next_model),
+    ArchSpec("gemma4", "gemma4_text", "Gemma4ForCausalLM", _gemma4, hf_name=_gemma4_name, prepare_model=_gemma4_model),
 )

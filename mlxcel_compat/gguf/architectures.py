@@ -59,7 +59,8 @@ def gguf_names(spec: ArchSpec, parameter_names: list[str], n_layers: int) -> dic
     table = gguf.get_tensor_name_map(arch, n_layers)
     mapping: dict[str, str] = {}
     for name in parameter_names:
-        gguf_name = table.get_name(spec.hf_name(name) if spec.hf_name else name, try_suffixes=(".weight", ".bias"))
+        gguf_name = table.get_name(spec.hf_name(name) if spec.hf_name else name,
+                                   try_suffixes=(".weight", ".bias", ".scale"))
         if gguf_name is None:
             raise UnsupportedArchitecture(f"{spec.gguf_arch}: no GGUF tensor corresponds to mlx-lm's '{name}'")
         mapping[gguf_name] = name

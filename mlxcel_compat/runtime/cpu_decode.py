@@ -75,6 +75,7 @@ MLX_LAYERS = {
     "qwen3_5_moe": "gated delta-net (recurrent) and mixture-of-experts layers",
     "granitemoehybrid": "Mamba-2 (recurrent) and mixture-of-experts layers",
     "nemotron_h": "Mamba-2 (recurrent) layers",
+    "gemma4_text": "Gemma 4 layers (per-layer embeddings, shared KV, experts, proportional RoPE)",
 }
 # A prompt chunk this long or longer takes the prompt products (``mlxcel_decode_pass``: ggml's tiled
 # kernels); a shorter one the decode rows' kernels (a graph of ggml's for a handful of rows cost

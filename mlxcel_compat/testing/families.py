@@ -182,7 +182,7 @@ def family_spec(family: str, size: str) -> Family:
 def model_config(family: str, size: str) -> dict[str, Any]:
     """The ``config.json`` content for a pair (keys sorted when written)."""
     spec = family_spec(family, size)
-    config = _CONFIGS[spec.kind](size)
+    config = _CONFIGS.get(spec.name, _CONFIGS[spec.kind])(size)  # a family's own config, else its model type's
     config.update(
         model_type=spec.kind,
         architectures=[spec.architecture],

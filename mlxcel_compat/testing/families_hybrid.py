@@ -24,6 +24,13 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3_5", "Qwen3_5ForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
     # Qwen3.5 MoE: the same layers with a routed mixture of experts and a gated shared expert.
     Family("qwen3_5_moe", "Qwen3_5MoeForCausalLM", thinking=True, add_bos=False, norm_one=1.0),
+    # Gemma 4 E2B's layer kinds: per-layer embeddings, layers that share earlier layers' KV (with
+    # double-wide MLPs), sliding layers with a smaller head than the full ones, logit soft-capping.
+    Family("gemma4_text", "Gemma4ForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
+    # Gemma 4 26B-A4B's: a dense MLP beside routed experts in every layer, full layers whose keys
+    # are their values and with fewer KV heads.
+    Family("gemma4_text_moe", "Gemma4ForCausalLM", thinking=False, add_bos=False, norm_one=1.0,
+           model_type="gemma4_text"),
 )
 
 
@@ -63,9 +70,53 @@ def _qwen3_5_moe_config(size: str) -> dict[str, Any]:
     return config
 
 
+def _gemma4_layers(n_layers: int, period: int) -> list[str]:
+    return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers)]
+
+
+def _gemma4_text_config(size: str) -> dict[str, Any]:
+    from . import tokenizer as tok
+
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
+                    head_dim=16, global_head_dim=32, intermediate_size=128, hidden_size_per_layer_input=16,
+                    num_kv_shared_layers=3, sliding_window=64, layer_types=_gemma4_layers(6, 3))
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=15, num_attention_heads=8, num_key_value_heads=1,
+                    head_dim=64, global_head_dim=128, intermediate_size=2048, hidden_size_per_layer_input=64,
+                    num_kv_shared_layers=5, sliding_window=512, layer_types=_gemma4_layers(15, 5))
+    return dict(dims, vocab_size_per_layer_input=tok.VOCAB_SIZE, use_double_wide_mlp=True, attention_k_eq_v=False,
+                num_global_key_value_heads=None, enable_moe_block=False, num_experts=None, top_k_experts=None,
+                moe_intermediate_size=None, **_GEMMA4_COMMON)
+
+
+def _gemma4_text_moe_config(size: str) -> dict[str, Any]:
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    num_global_key_value_heads=1, head_dim=16, global_head_dim=32, intermediate_size=64,
+                    num_experts=8, top_k_experts=2, moe_intermediate_size=32, sliding_window=64,
+                    layer_types=_gemma4_layers(4, 4))
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4,
+                    num_global_key_value_heads=2, head_dim=64, global_head_dim=128, intermediate_size=512,
+                    num_experts=16, top_k_experts=4, moe_intermediate_size=256, sliding_window=512,
+                    layer_types=_gemma4_layers(12, 6))
+    return dict(dims, hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False,
+                attention_k_eq_v=True, enable_moe_block=True, **_GEMMA4_COMMON)
+
+
+_GEMMA4_COMMON: dict[str, Any] = dict(
+    rms_norm_eps=1e-6, final_logit_softcapping=30.0, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+    rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                        "rope_theta": 1000000.0},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "qwen3_5": _qwen3_5_config,
     "qwen3_5_moe": _qwen3_5_moe_config,
+    "gemma4_text": _gemma4_text_config,
+    "gemma4_text_moe": _gemma4_text_moe_config,
 }
 
 
@@ -170,6 +221,73 @@ def _qwen3_5_hparams(writer: Any, c: dict[str, Any]) -> None:
     writer.add_rope_dimension_count(int(c["head_dim"] * rope["partial_rotary_factor"]))
 
 
+# --- Gemma 4: what convert_hf_to_gguf.py's Gemma4Model (a Gemma3Model without the norm shift) does
+
+
+def _gemma4_checkpoint(config: dict[str, Any], weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The checkpoint keeps each expert layer's gate and up projections fused (``gate_up_proj``,
+    gate rows first), which mlx-lm's sanitize splits."""
+    out = dict(weights)
+    for name in [n for n in weights if n.endswith(".experts.switch_glu.gate_proj.weight")]:
+        stem = name.removesuffix(".switch_glu.gate_proj.weight")
+        up = out.pop(f"{stem}.switch_glu.up_proj.weight")
+        out[f"{stem}.switch_glu.gate_up_proj.weight"] = np.concatenate([out.pop(name), up], axis=1)
+    return out
+
+
+def _gemma4_name(mlx_name: str) -> str:
+    """The converter's names: experts under the checkpoint's ``experts.*``; the router's scale as
+    ``ffn_gate_inp.scale`` and its per-expert scale as ``ffn_down_exps.scale`` (its modify_tensors);
+    ``layer_scalar`` with a ``.weight`` suffix (its filter_tensors)."""
+    name = mlx_name.replace(".experts.switch_glu.", ".experts.")
+    name = name.replace(".router.scale", ".router.proj.scale").replace(".router.per_expert_scale", ".experts.down_proj.scale")
+    return name + ".weight" if name.endswith(".layer_scalar") else name
+
+
+def _gemma4_rope_freqs(config: dict[str, Any]) -> dict[str, np.ndarray]:
+    """generate_extra_tensors: proportional RoPE for the full layers as frequency factors, 1 for a
+    rotated pair and 1e30 (no rotation) for the rest."""
+    full = config["rope_parameters"]["full_attention"]
+    half = config["global_head_dim"] // 2
+    rotated = int(config["global_head_dim"] * full["partial_rotary_factor"] / 2)
+    return {"rope_freqs.weight": np.array([1.0] * rotated + [1e30] * (half - rotated), dtype=np.float32)}
+
+
+def _gemma4_hparams(writer: Any, c: dict[str, Any]) -> None:
+    """TextModel's, Gemma3Model's and Gemma4Model's keys, each at its final value."""
+    n_layers, shared = c["num_hidden_layers"], c["num_kv_shared_layers"]
+    rope = c["rope_parameters"]
+    sliding = [t == "sliding_attention" for t in c["layer_types"]]
+    writer.add_block_count(n_layers)
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    ff = c["intermediate_size"]
+    writer.add_feed_forward_length([ff if i < n_layers - shared else 2 * ff for i in range(n_layers)]
+                                   if c["use_double_wide_mlp"] else ff)
+    writer.add_head_count(c["num_attention_heads"])
+    kv, kv_full = c["num_key_value_heads"], c.get("num_global_key_value_heads")
+    writer.add_head_count_kv([kv if s else kv_full for s in sliding] if kv_full is not None else kv)
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    if c.get("num_experts"):
+        writer.add_expert_count(c["num_experts"])
+        writer.add_expert_used_count(c["top_k_experts"])
+    writer.add_key_length(c["global_head_dim"])
+    writer.add_value_length(c["global_head_dim"])
+    writer.add_final_logit_softcapping(c["final_logit_softcapping"])
+    writer.add_sliding_window(c["sliding_window"])
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(c["hidden_size_per_layer_input"] or 0)
+    writer.add_sliding_window_pattern(sliding)
+    writer.add_key_length_swa(c["head_dim"])
+    writer.add_value_length_swa(c["head_dim"])
+    if c.get("moe_intermediate_size") is not None:
+        writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    writer.add_rope_dimension_count(c["global_head_dim"])
+    writer.add_rope_dimension_count_swa(c["head_dim"])
+
+
 GGUF_TARGETS: dict[str, GgufTarget] = {
     # transformers keeps the tokenizer.json's split regex for model_type qwen3_next (gpt-2's here).
     "qwen3_next": GgufTarget("qwen3next", permute_qk=False, norm_shift=0.0, hf_name=_qwen3_5_name,
@@ -177,6 +295,11 @@ GGUF_TARGETS: dict[str, GgufTarget] = {
     # transformers tokenizes model_type qwen3_5 with Qwen3.5's own split regex (Qwen3_5Tokenizer).
     "qwen3_5": GgufTarget("qwen35", permute_qk=False, norm_shift=0.0, pre="qwen35", hf_name=_qwen3_5_name,
                           convert=_qwen3_5_convert, hparams=_qwen3_5_hparams),
+    "gemma4_text": GgufTarget("gemma4", permute_qk=False, norm_shift=0.0, hf_name=_gemma4_name,
+                              checkpoint=_gemma4_checkpoint, extra_tensors=_gemma4_rope_freqs, hparams=_gemma4_hparams),
+    "gemma4_text_moe": GgufTarget("gemma4", permute_qk=False, norm_shift=0.0, hf_name=_gemma4_name,
+                                  checkpoint=_gemma4_checkpoint, extra_tensors=_gemma4_rope_freqs,
+                                  hparams=_gemma4_hparams),
     "qwen3_5_moe": GgufTarget("qwen35moe", permute_qk=False, norm_shift=0.0, pre="qwen35", hf_name=_qwen3_5_name,
                               convert=_qwen3_5_convert, hparams=_qwen3_5_hparams),
 }

@@ -24,5 +24,10 @@ class GgufTarget:
     # (config, checkpoint name, float32 values in mlx-lm's layout) -> [(checkpoint name, values as
     # the converter stores them)]: its reorders, reshapes, maps and splits; None: as they are
     convert: Callable[[dict[str, Any], str, Any], list[tuple[str, Any]]] | None = None
+    # (config, float32 weights in mlx-lm's layout) -> the weights under the checkpoint's split,
+    # where mlx-lm's sanitize split or fused tensors (Gemma 4's fused expert gate_up_proj); None: as they are
+    checkpoint: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None
+    # config -> {GGUF name: values}: tensors the converter generates (its generate_extra_tensors)
+    extra_tensors: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     # (gguf writer, config): the {arch}.* keys, written instead of gguf_metadata.add_hparams's
     hparams: Callable[[Any, dict[str, Any]], None] | None = None

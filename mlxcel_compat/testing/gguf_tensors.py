@@ -123,12 +123,15 @@ def converted_tensors(family: str, config: dict[str, Any], weights: dict[str, An
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     out: dict[str, np.ndarray] = {}
     stored: list[tuple[str, np.ndarray]] = []
-    for mlx_name in sorted(weights):
-        data = np.array(weights[mlx_name], dtype=np.float32)
+    arrays = {name: np.array(w, dtype=np.float32) for name, w in weights.items()}
+    if target.checkpoint is not None:
+        arrays = target.checkpoint(config, arrays)
+    for mlx_name in sorted(arrays):
+        data = arrays[mlx_name]
         hf_name = target.hf_name(mlx_name) if target.hf_name else mlx_name
         stored += target.convert(config, hf_name, data) if target.convert is not None else [(hf_name, data)]
     for hf_name, data in stored:
-        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias", ".scale"))
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {hf_name} in {target.arch}")
         if target.permute_qk and ".self_attn.q_proj." in hf_name:
@@ -143,6 +146,8 @@ def converted_tensors(family: str, config: dict[str, Any], weights: dict[str, An
     scaling = config.get("rope_scaling") or {}
     if scaling.get("rope_type", scaling.get("type")) == "llama3":
         out["rope_freqs.weight"] = llama3_rope_factors(config)
+    if target.extra_tensors is not None:
+        out.update(target.extra_tensors(config))
     return out
 
 

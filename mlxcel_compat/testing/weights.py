@@ -59,6 +59,10 @@ def init_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...],
             return rng.random(shape, dtype=np.float32) * np.float32(4.5) - np.float32(4.5)
         if leaf == "dt_bias":
             return np.ones(shape, dtype=np.float32)
+        if leaf in ("layer_scalar", "scale", "per_expert_scale", "D"):
+            # Gains that multiply (Gemma 4's layer and router scales, Mamba-2's skip): about 1,
+            # and distinct, so a tensor read into the wrong place shows.
+            return rng.random(shape, dtype=np.float32) * np.float32(0.5) + np.float32(0.75)
         if leaf == "bias":
             return np.zeros(shape, dtype=np.float32)
         if "norm" in name:

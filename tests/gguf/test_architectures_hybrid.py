@@ -30,7 +30,8 @@ from mlx_lm.utils import load
 
 from mlxcel_compat.chat.template import ChatTemplate
 from mlxcel_compat.gguf.load import load_gguf
-from mlxcel_compat.gguf.stored_parts import StoredPartsLinear
+from mlxcel_compat.gguf.reader import open_gguf
+from mlxcel_compat.gguf.stored_parts import FusedGateUpSwitchGLU, StoredPartsLinear
 from mlxcel_compat.testing import families_hybrid
 from mlxcel_compat.testing.gguf_writer import ensure_gguf
 from tests.conftest import MODEL_CACHE, tiny_model
@@ -42,11 +43,13 @@ FAMILIES = tuple(families_hybrid.GGUF_TARGETS)
 PROMPT = "The quick brown fox jumps over the lazy dog. def f(x: int) -> str:\n    return 'café 你好'"
 TEXTS = [PROMPT, "  two spaces\n\ttab <|im_start|>user\nhi<|im_end|>", "<think>\nx\n</think>\n\n🚀 ✅"]
 # F32 logits against mlx-lm on the directory (logits of the tiny models span about +-4).
-F32_TOLERANCE = {"qwen3_next": 1e-5, "qwen3_5": 1e-5, "qwen3_5_moe": 1e-5}
-# Blocks against their float32 expansion, measured on the tiny models (qwen3_5: prompt 0.58,
-# decode 0.4): 8-bit activations, and a delta-net whose state sums every token's rounding.
-PROMPT_8BIT = {"qwen3_next": 1.0, "qwen3_5": 1.0, "qwen3_5_moe": 1.0}
-DECODE_8BIT = {"qwen3_next": 1.0, "qwen3_5": 1.0, "qwen3_5_moe": 1.0}
+F32_TOLERANCE = {"qwen3_next": 1e-5, "qwen3_5": 1e-5, "qwen3_5_moe": 1e-5, "gemma4_text": 1e-5,
+                 "gemma4_text_moe": 1e-5}
+# Blocks against their float32 expansion, measured on the tiny models (prompt: qwen3_5 0.58,
+# qwen3_next 0.42, qwen3_5_moe 0.62, gemma4_text 0.48, gemma4_text_moe 0.17): 8-bit activations,
+# and a delta-net whose state sums every token's rounding.
+PROMPT_8BIT = {"qwen3_next": 1.0, "qwen3_5": 1.0, "qwen3_5_moe": 1.0, "gemma4_text": 1.0, "gemma4_text_moe": 1.0}
+DECODE_8BIT = {"qwen3_next": 1.0, "qwen3_5": 1.0, "qwen3_5_moe": 1.0, "gemma4_text": 1.0, "gemma4_text_moe": 1.0}
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +98,9 @@ def test_q8_0_gguf_holds_the_directory_weights_in_order(family: str, directories
         if isinstance(module, StoredPartsLinear):
             got = {k: v for k, v in got.items() if not k.startswith(f"{where}.parts.")}
             got[f"{where}.weight"] = module.fused_weight()
+        if isinstance(module, FusedGateUpSwitchGLU):  # the file's fused expert gate_up (gate rows first)
+            got[f"{where}.gate_proj.weight"], got[f"{where}.up_proj.weight"] = mx.split(
+                got.pop(f"{where}.gate_up_proj.weight"), 2, axis=1)
     assert set(got) == set(want)
     for name, w in want.items():
         # Half a Q8_0 step of the largest block, plus its float16 scale's rounding (2^-11 of 127 steps).
@@ -104,8 +110,9 @@ def test_q8_0_gguf_holds_the_directory_weights_in_order(family: str, directories
     model, _, config, summary = load_gguf(path, on_cpu=True)
     assert "blocks q8_0" in summary.precision  # the matrices are served from the file's blocks
     # Stacked experts (ffn_*_exps) go to MLX's expert layers expanded, and the summary counts them.
-    moe_layers = config["num_hidden_layers"] if config.get("num_experts") else 0
-    assert summary.expanded_experts == ({"q8_0": 3 * moe_layers} if moe_layers else {})
+    stacked = sum(len(t.shape) == 3 for t in open_gguf(path).tensors.values())
+    assert stacked == (0 if not config.get("num_experts") else stacked) and (stacked > 0) == bool(config.get("num_experts"))
+    assert summary.expanded_experts == ({"q8_0": stacked} if stacked else {})
     ids = hf_tok.encode(PROMPT)
     diff = mx.abs(model(mx.array([ids])) - expanded(mx.array([ids]))).max().item()
     assert diff <= PROMPT_8BIT[family], diff
