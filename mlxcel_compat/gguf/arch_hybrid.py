@@ -235,6 +235,80 @@ def _gemma4_model(model: Any, config: dict[str, Any]) -> None:
                                                             config["num_experts"], glu.activation)
 
 
+def _granitehybrid(file: GGUFModelFile) -> dict[str, Any]:
+    """mlx-lm's granitemoehybrid config: layer kinds from the per-layer KV heads (0: Mamba-2),
+    Granite's multipliers, RoPE only where ``rope.scaling.finetuned`` says so (llama.cpp's switch),
+    the Mamba-2 sizes; experts when the file has them (else the dense MLP)."""
+    n_layers = int(required(file, "block_count"))
+    kv = [int(k) for k in _per_layer(file, "attention.head_count_kv", n_layers)]
+    attention = {k for k in kv if k}
+    if len(attention) > 1:
+        raise UnsupportedArchitecture(f"granitehybrid: KV heads per layer {kv} differ between attention layers")
+    groups = int(required(file, "ssm.group_count"))
+    if groups != 1:  # mlx-lm's gated norm spans the whole inner size
+        raise UnsupportedArchitecture(f"granitehybrid with {groups} SSM groups has no mlx-lm equivalent")
+    heads, hidden = int(required(file, "ssm.time_step_rank")), int(required(file, "embedding_length"))
+    mamba = next((i for i, k in enumerate(kv) if not k), None)
+    n_heads = int(required(file, "attention.head_count"))
+    scale = float(file.arch_value("attention.scale", 0.0))
+    config: dict[str, Any] = {
+        "hidden_size": hidden,
+        "num_hidden_layers": n_layers,
+        "intermediate_size": int(required(file, "feed_forward_length")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": attention.pop() if attention else n_heads,
+        "layer_types": ["attention" if k else "mamba" for k in kv],
+        "attention_bias": any(f"blk.{i}.attn_q.bias" in file.tensors for i, k in enumerate(kv) if k),
+        "mlp_bias": False,
+        "embedding_multiplier": float(file.arch_value("embedding_scale", 1.0)),
+        "attention_multiplier": scale or (hidden // n_heads) ** -0.5,
+        "residual_multiplier": float(file.arch_value("residual_scale", 1.0)),
+        "logits_scaling": float(file.arch_value("logit_scale", 1.0)),
+        "rms_norm_eps": float(file.arch_value("attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": int(file.arch_value("context_length", 4096)),
+        "position_embedding_type": "rope" if file.arch_value("rope.scaling.finetuned", True) else "nope",
+        "rope_theta": float(file.arch_value("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+        "mamba_n_heads": heads,
+        "mamba_d_head": int(required(file, "ssm.inner_size")) // heads,
+        "mamba_d_state": int(required(file, "ssm.state_size")),
+        "mamba_d_conv": int(required(file, "ssm.conv_kernel")),
+        "mamba_n_groups": groups,
+        "mamba_conv_bias": mamba is not None and f"blk.{mamba}.ssm_conv1d.bias" in file.tensors,
+        "mamba_proj_bias": mamba is not None and f"blk.{mamba}.ssm_in.bias" in file.tensors,
+    }
+    if file.arch_value("expert_count"):
+        config.update(num_local_experts=int(required(file, "expert_count")),
+                      num_experts_per_tok=int(required(file, "expert_used_count")),
+                      shared_intermediate_size=int(required(file, "expert_shared_feed_forward_length")))
+    return config
+
+
+def _granitehybrid_name(mlx_name: str) -> str:
+    """gguf-py's names for mlx-lm's: the experts and the shared MLP (split in the file: see
+    ``_granitehybrid_model``) under the names of the tensors the converter writes."""
+    name = mlx_name.replace(".block_sparse_moe.switch_mlp.gate_proj.", ".mlp.experts.gate_proj.")
+    name = name.replace(".block_sparse_moe.switch_mlp.up_proj.", ".mlp.experts.up_proj.")
+    name = name.replace(".block_sparse_moe.switch_mlp.down_proj.", ".block_sparse_moe.output_linear.")
+    name = name.replace(".shared_mlp.input_linear.parts.0.", ".mlp.shared_expert.gate_proj.")
+    name = name.replace(".shared_mlp.input_linear.parts.1.", ".mlp.shared_expert.up_proj.")
+    return name.replace(".mamba.dt_bias", ".mamba.dt_proj.bias")
+
+
+def _granitehybrid_undo(config: dict[str, Any], mlx_name: str) -> TensorUndo | None:
+    return TensorUndo(values=lambda a, xp: xp.log(-a)) if mlx_name.endswith(".A_log") else None
+
+
+def _granitehybrid_model(model: Any, config: dict[str, Any]) -> None:
+    """The shared MLP's fused ``input_linear`` (gate rows, then up rows) as the two matrices the
+    file stores (``ffn_gate_shexp``, ``ffn_up_shexp``)."""
+    width = config.get("shared_intermediate_size")
+    for layer in model.layers:
+        if hasattr(layer, "shared_mlp"):
+            layer.shared_mlp.input_linear = StoredPartsLinear(config["hidden_size"], [width, width],
+                                                              np.arange(2 * width))
+
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("qwen35", "qwen3_5", "Qwen3_5ForCausalLM", _qwen35, hf_name=_qwen35_name, undo=_qwen35_undo),
     ArchSpec("qwen35moe", "qwen3_5_moe", "Qwen3_5MoeForCausalLM", _qwen35moe, hf_name=_qwen35_name,
@@ -242,4 +316,6 @@ SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("qwen3next", "qwen3_next", "Qwen3NextForCausalLM", _qwen3next, hf_name=_qwen3next_name,
              undo=_qwen3next_undo, prepare_model=_qwen3next_model),
     ArchSpec("gemma4", "gemma4_text", "Gemma4ForCausalLM", _gemma4, hf_name=_gemma4_name, prepare_model=_gemma4_model),
+    ArchSpec("granitehybrid", "granitemoehybrid", "GraniteMoeHybridForCausalLM", _granitehybrid, permute_qk=True,
+             hf_name=_granitehybrid_name, undo=_granitehybrid_undo, prepare_model=_granitehybrid_model),
 )

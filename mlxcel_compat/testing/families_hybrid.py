@@ -31,6 +31,9 @@ FAMILIES: tuple[Family, ...] = (
     # are their values and with fewer KV heads.
     Family("gemma4_text_moe", "Gemma4ForCausalLM", thinking=False, add_bos=False, norm_one=1.0,
            model_type="gemma4_text"),
+    # Granite 4.0-H (Tiny's structure): Mamba-2 layers with a few attention layers without RoPE,
+    # every MLP a mixture of experts beside a shared MLP, Granite's multipliers.
+    Family("granitemoehybrid", "GraniteMoeHybridForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
 )
 
 
@@ -112,7 +115,25 @@ _GEMMA4_COMMON: dict[str, Any] = dict(
                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
 
 
+def _granitemoehybrid_config(size: str) -> dict[str, Any]:
+    if size == "tiny":
+        dims = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    layer_types=["mamba", "mamba", "attention", "mamba"], mamba_n_heads=8, mamba_d_head=16,
+                    mamba_d_state=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                    shared_intermediate_size=64, attention_multiplier=0.0625)
+    else:
+        dims = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                    layer_types=["attention" if i % 6 == 5 else "mamba" for i in range(12)], mamba_n_heads=24,
+                    mamba_d_head=64, mamba_d_state=64, num_local_experts=16, num_experts_per_tok=4,
+                    intermediate_size=256, shared_intermediate_size=512, attention_multiplier=0.015625)
+    return dict(dims, mamba_expand=2, mamba_n_groups=1, mamba_d_conv=4, mamba_conv_bias=True, mamba_proj_bias=False,
+                position_embedding_type="nope", embedding_multiplier=12.0, residual_multiplier=0.22,
+                logits_scaling=6.0, rms_norm_eps=1e-5, rope_theta=10000.0, attention_bias=False, mlp_bias=False,
+                tie_word_embeddings=True, hidden_act="silu")
+
+
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
+    "granitemoehybrid": _granitemoehybrid_config,
     "qwen3_5": _qwen3_5_config,
     "qwen3_5_moe": _qwen3_5_moe_config,
     "gemma4_text": _gemma4_text_config,
@@ -288,7 +309,73 @@ def _gemma4_hparams(writer: Any, c: dict[str, Any]) -> None:
     writer.add_rope_dimension_count_swa(c["head_dim"])
 
 
+# --- Granite 4.0-H: what convert_hf_to_gguf.py's GraniteHybridModel (Mamba2Model, GraniteMoeModel) does
+
+
+def _granite_name(mlx_name: str) -> str:
+    """mlx-lm's names -> names gguf-py maps as the converter's tensors: the experts (the checkpoint's
+    ``input_linear`` split into gate and up), the shared MLP's split ``input_linear`` (below),
+    ``dt_bias`` as ``dt_proj.bias``."""
+    name = mlx_name.replace(".block_sparse_moe.switch_mlp.gate_proj.", ".mlp.experts.gate_proj.")
+    name = name.replace(".block_sparse_moe.switch_mlp.up_proj.", ".mlp.experts.up_proj.")
+    name = name.replace(".block_sparse_moe.switch_mlp.down_proj.", ".block_sparse_moe.output_linear.")
+    return name.replace(".mamba.dt_bias", ".mamba.dt_proj.bias")
+
+
+def _granite_convert(config: dict[str, Any], name: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """Mamba2Model.modify_tensors on the Mamba layers (the convolution squeezed, ``A`` from ``A_log``
+    and ``D`` as (heads, 1), the gated norm as (groups, inner / groups)); GraniteMoeModel's split of
+    the shared MLP's ``input_linear`` into gate and up."""
+    if "conv1d.weight" in name:
+        data = data.reshape(data.shape[0], data.shape[1])
+    elif name.endswith(".A_log"):
+        data = (-np.exp(data)).reshape(-1, 1)
+    elif name.endswith(".mamba.D"):
+        data = data.reshape(-1, 1)
+    elif name.endswith(".mamba.norm.weight"):
+        data = data.reshape(config["mamba_n_groups"], -1)
+    elif name.endswith(".shared_mlp.input_linear.weight"):
+        gate, up = np.split(data, 2)
+        stem = name.removesuffix(".shared_mlp.input_linear.weight")
+        return [(f"{stem}.mlp.shared_expert.gate_proj.weight", gate), (f"{stem}.mlp.shared_expert.up_proj.weight", up)]
+    return [(name, data)]
+
+
+def _granite_hparams(writer: Any, c: dict[str, Any]) -> None:
+    """TextModel's and LlamaModel's keys, Granite's multipliers, the shared MLP, the Mamba-2 sizes,
+    KV heads per layer (0: a Mamba layer) and RoPE's switch (Granite 4.0-H's attention has none)."""
+    d_inner = c["mamba_expand"] * c["hidden_size"]
+    use_rope = c["position_embedding_type"] != "nope"
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_context_length(c["max_position_embeddings"] if use_rope else 2**20)
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv([c["num_key_value_heads"] if t == "attention" else 0 for t in c["layer_types"]])
+    writer.add_rope_freq_base(c["rope_theta"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    if c.get("num_local_experts"):
+        writer.add_expert_count(c["num_local_experts"])
+        writer.add_expert_used_count(c["num_experts_per_tok"])
+    writer.add_vocab_size(c["vocab_size"])
+    writer.add_rope_dimension_count(c["hidden_size"] // c["num_attention_heads"])
+    writer.add_attention_scale(c["attention_multiplier"])
+    writer.add_embedding_scale(c["embedding_multiplier"])
+    writer.add_residual_scale(c["residual_multiplier"])
+    writer.add_logit_scale(c["logits_scaling"])
+    if c.get("shared_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(c["shared_intermediate_size"])
+    writer.add_ssm_conv_kernel(c["mamba_d_conv"])
+    writer.add_ssm_state_size(c["mamba_d_state"])
+    writer.add_ssm_group_count(c["mamba_n_groups"])
+    writer.add_ssm_inner_size(d_inner)
+    writer.add_ssm_time_step_rank(c["mamba_n_heads"])
+    writer.add_rope_scaling_finetuned(use_rope)
+
+
 GGUF_TARGETS: dict[str, GgufTarget] = {
+    "granitemoehybrid": GgufTarget("granitehybrid", permute_qk=True, norm_shift=0.0, hf_name=_granite_name,
+                                   convert=_granite_convert, hparams=_granite_hparams),
     # transformers keeps the tokenizer.json's split regex for model_type qwen3_next (gpt-2's here).
     "qwen3_next": GgufTarget("qwen3next", permute_qk=False, norm_shift=0.0, hf_name=_qwen3_5_name,
                              convert=_qwen3_next_convert, hparams=_qwen3_5_hparams),
