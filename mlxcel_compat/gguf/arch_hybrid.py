@@ -27,7 +27,7 @@ import numpy as np
 from mlxcel_compat.gguf.arch_spec import ArchSpec, UnsupportedArchitecture, common_config, required
 from mlxcel_compat.gguf.reader import GGUFModelFile, read_tensor
 from mlxcel_compat.gguf.stored_parts import FusedGateUpSwitchGLU, StoredPartsLinear
-from mlxcel_compat.gguf.tensor_undo import TensorUndo, grouped_from_tiled, with_offset
+from mlxcel_compat.gguf.tensor_undo import TensorUndo, grouped_from_tiled, llama_rows, with_offset
 
 
 def _layer_interval(file: GGUFModelFile, n_layers: int) -> int:
@@ -309,6 +309,60 @@ def _granitehybrid_model(model: Any, config: dict[str, Any]) -> None:
                                                               np.arange(2 * width))
 
 
+def _nemotron_h(file: GGUFModelFile) -> dict[str, Any]:
+    """mlx-lm's nemotron_h config: each layer one block, told apart as llama.cpp does: KV heads
+    (attention), else an MLP width (squared-ReLU MLP), else Mamba-2."""
+    n_layers = int(required(file, "block_count"))
+    kv = [int(k) for k in _per_layer(file, "attention.head_count_kv", n_layers)]
+    ff = [int(f) for f in _per_layer(file, "feed_forward_length", n_layers)]
+    pattern = "".join("*" if k else "-" if f else "M" for k, f in zip(kv, ff))
+    if file.arch_value("expert_count") or len({k for k in kv if k}) > 1 or len({f for f in ff if f}) > 1:
+        raise UnsupportedArchitecture("nemotron_h: experts or per-layer sizes beyond one attention and one MLP "
+                                      "shape have no mlx-lm equivalent here")
+    heads, mamba = int(required(file, "ssm.time_step_rank")), pattern.find("M")
+    n_heads = int(required(file, "attention.head_count"))
+    return {
+        "hidden_size": int(required(file, "embedding_length")),
+        "num_hidden_layers": n_layers,
+        "hybrid_override_pattern": list(pattern),
+        "intermediate_size": max(ff),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": max(kv) or n_heads,
+        "head_dim": int(file.arch_value("attention.key_length", int(required(file, "embedding_length")) // n_heads)),
+        "attention_bias": any(f"blk.{i}.attn_q.bias" in file.tensors for i, k in enumerate(kv) if k),
+        "mlp_bias": any(f"blk.{i}.ffn_up.bias" in file.tensors for i, f in enumerate(ff) if f),
+        "use_bias": False,
+        "mamba_num_heads": heads,
+        "mamba_head_dim": int(required(file, "ssm.inner_size")) // heads,
+        "ssm_state_size": int(required(file, "ssm.state_size")),
+        "conv_kernel": int(required(file, "ssm.conv_kernel")),
+        "n_groups": int(required(file, "ssm.group_count")),
+        "use_conv_bias": mamba >= 0 and f"blk.{mamba}.ssm_conv1d.bias" in file.tensors,
+        "mamba_proj_bias": mamba >= 0 and f"blk.{mamba}.ssm_in.bias" in file.tensors,
+        "layer_norm_epsilon": float(file.arch_value("attention.layer_norm_rms_epsilon",
+                                                    file.arch_value("attention.layer_norm_epsilon", 1e-5))),
+        "max_position_embeddings": int(file.arch_value("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+    }
+
+
+def _nemotron_h_name(mlx_name: str) -> str:
+    return mlx_name.replace(".mixer.dt_bias", ".mixer.dt_proj.bias")
+
+
+def _nemotron_h_undo(config: dict[str, Any], mlx_name: str) -> TensorUndo | None:
+    """``A_log`` back from ``-exp``; the attention's Q/K rows back from llama's permutation
+    (GraniteHybridModel's ``undo_permute``, which the converter keeps for Nemotron-H)."""
+    if mlx_name.endswith(".A_log"):
+        return TensorUndo(values=lambda a, xp: xp.log(-a))
+    head_dim = config["head_dim"]
+    if mlx_name.endswith(".mixer.q_proj.weight"):
+        return TensorUndo(rows=llama_rows(config["num_attention_heads"] * head_dim, config["num_attention_heads"]))
+    if mlx_name.endswith(".mixer.k_proj.weight"):
+        return TensorUndo(rows=llama_rows(config["num_key_value_heads"] * head_dim, config["num_key_value_heads"]))
+    return None
+
+
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("qwen35", "qwen3_5", "Qwen3_5ForCausalLM", _qwen35, hf_name=_qwen35_name, undo=_qwen35_undo),
     ArchSpec("qwen35moe", "qwen3_5_moe", "Qwen3_5MoeForCausalLM", _qwen35moe, hf_name=_qwen35_name,
@@ -318,4 +372,6 @@ SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("gemma4", "gemma4_text", "Gemma4ForCausalLM", _gemma4, hf_name=_gemma4_name, prepare_model=_gemma4_model),
     ArchSpec("granitehybrid", "granitemoehybrid", "GraniteMoeHybridForCausalLM", _granitehybrid, permute_qk=True,
              hf_name=_granitehybrid_name, undo=_granitehybrid_undo, prepare_model=_granitehybrid_model),
+    ArchSpec("nemotron_h", "nemotron_h", "NemotronHForCausalLM", _nemotron_h, hf_name=_nemotron_h_name,
+             undo=_nemotron_h_undo),
 )

@@ -49,6 +49,12 @@ def grouped_from_tiled(n_groups: int, per_group: int, width: int = 1) -> np.ndar
     return np.ascontiguousarray(stored.transpose(1, 0, 2).reshape(-1))
 
 
+def llama_rows(n: int, heads: int) -> np.ndarray:
+    """The order that undoes llama.cpp's ``permute`` of a query or key projection's ``n`` rows
+    (within each head, the two rotary halves interleaved)."""
+    return np.ascontiguousarray(np.arange(n, dtype=np.int32).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(-1))
+
+
 def with_offset(order: np.ndarray, before: int) -> np.ndarray:
     """``order`` applied to the entries after the first ``before`` ones, which stay in place."""
     return np.concatenate([np.arange(before, dtype=np.int32), order.astype(np.int32) + before])

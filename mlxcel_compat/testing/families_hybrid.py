@@ -34,6 +34,9 @@ FAMILIES: tuple[Family, ...] = (
     # Granite 4.0-H (Tiny's structure): Mamba-2 layers with a few attention layers without RoPE,
     # every MLP a mixture of experts beside a shared MLP, Granite's multipliers.
     Family("granitemoehybrid", "GraniteMoeHybridForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
+    # Nemotron-H (8B's structure): Mamba-2 layers (grouped gated norm), attention layers without
+    # RoPE and squared-ReLU MLP layers, each its own block.
+    Family("nemotron_h", "NemotronHForCausalLM", thinking=False, add_bos=False, norm_one=1.0),
 )
 
 
@@ -132,8 +135,23 @@ def _granitemoehybrid_config(size: str) -> dict[str, Any]:
                 tie_word_embeddings=True, hidden_act="silu")
 
 
+def _nemotron_h_config(size: str) -> dict[str, Any]:
+    if size == "tiny":
+        dims = dict(hidden_size=64, hybrid_override_pattern="M-M*-M-", num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
+                    intermediate_size=128)
+    else:
+        dims = dict(hidden_size=768, hybrid_override_pattern="M-M-M*-M-M-M*-", num_attention_heads=8,
+                    num_key_value_heads=2, head_dim=96, mamba_num_heads=24, mamba_head_dim=64, ssm_state_size=64,
+                    n_groups=4, intermediate_size=3072)
+    return dict(dims, num_hidden_layers=len(dims["hybrid_override_pattern"]), conv_kernel=4, layer_norm_epsilon=1e-5,
+                attention_bias=False, mlp_bias=False, use_bias=False, use_conv_bias=True, mamba_proj_bias=False,
+                mlp_hidden_act="relu2", tie_word_embeddings=False)
+
+
 CONFIGS: dict[str, Callable[[str], dict[str, Any]]] = {
     "granitemoehybrid": _granitemoehybrid_config,
+    "nemotron_h": _nemotron_h_config,
     "qwen3_5": _qwen3_5_config,
     "qwen3_5_moe": _qwen3_5_moe_config,
     "gemma4_text": _gemma4_text_config,
@@ -330,9 +348,9 @@ def _granite_convert(config: dict[str, Any], name: str, data: np.ndarray) -> lis
         data = data.reshape(data.shape[0], data.shape[1])
     elif name.endswith(".A_log"):
         data = (-np.exp(data)).reshape(-1, 1)
-    elif name.endswith(".mamba.D"):
+    elif name.endswith((".mamba.D", ".mixer.D")):
         data = data.reshape(-1, 1)
-    elif name.endswith(".mamba.norm.weight"):
+    elif name.endswith((".mamba.norm.weight", ".mixer.norm.weight")):
         data = data.reshape(config["mamba_n_groups"], -1)
     elif name.endswith(".shared_mlp.input_linear.weight"):
         gate, up = np.split(data, 2)
@@ -373,7 +391,51 @@ def _granite_hparams(writer: Any, c: dict[str, Any]) -> None:
     writer.add_rope_scaling_finetuned(use_rope)
 
 
+# --- Nemotron-H: what convert_hf_to_gguf.py's NemotronHModel (a GraniteHybridModel) does
+
+
+def _nemotron_h_convert(config: dict[str, Any], name: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """Mamba2Model.modify_tensors on the Mamba layers (as Granite's, with its groups), and LlamaModel's
+    Q/K permutation on the attention layers, which GraniteHybridModel's ``undo_permute`` keeps
+    (llama.cpp does not rotate these heads: the order of a head's dimensions cancels in q.k)."""
+    for suffix, heads in ((".mixer.q_proj.weight", config["num_attention_heads"]),
+                          (".mixer.k_proj.weight", config["num_key_value_heads"])):
+        if name.endswith(suffix):  # LlamaModel.permute: within each head, the two halves interleaved
+            return [(name, data.reshape(heads, 2, data.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(data.shape))]
+    return _granite_convert({**config, "mamba_n_groups": config["n_groups"]}, name, data)
+
+
+def _nemotron_h_name(mlx_name: str) -> str:
+    return mlx_name.replace(".mixer.dt_bias", ".mixer.dt_proj.bias")
+
+
+def _nemotron_h_hparams(writer: Any, c: dict[str, Any]) -> None:
+    """GraniteHybridModel's keys (a LlamaModel's, the Mamba-2 sizes, RoPE off), then NemotronHModel's:
+    the attention head size and the MLP width per layer (0: not an MLP layer)."""
+    pattern = c["hybrid_override_pattern"]
+    n_heads = c["num_attention_heads"]
+    writer.add_block_count(len(pattern))
+    writer.add_context_length(2**20)
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_feed_forward_length([c["intermediate_size"] if b == "-" else 0 for b in pattern])
+    writer.add_head_count(n_heads)
+    writer.add_head_count_kv([c["num_key_value_heads"] if b == "*" else 0 for b in pattern])
+    writer.add_layer_norm_eps(c["layer_norm_epsilon"])
+    writer.add_vocab_size(c["vocab_size"])
+    writer.add_rope_dimension_count(c["hidden_size"] // n_heads)
+    writer.add_ssm_conv_kernel(c["conv_kernel"])
+    writer.add_ssm_state_size(c["ssm_state_size"])
+    writer.add_ssm_group_count(c["n_groups"])
+    writer.add_ssm_inner_size(c["mamba_num_heads"] * c["mamba_head_dim"])
+    writer.add_ssm_time_step_rank(c["mamba_num_heads"])
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_key_length(c["head_dim"])
+    writer.add_value_length(c["head_dim"])
+
+
 GGUF_TARGETS: dict[str, GgufTarget] = {
+    "nemotron_h": GgufTarget("nemotron_h", permute_qk=False, norm_shift=0.0, hf_name=_nemotron_h_name,
+                             convert=_nemotron_h_convert, hparams=_nemotron_h_hparams),
     "granitemoehybrid": GgufTarget("granitehybrid", permute_qk=True, norm_shift=0.0, hf_name=_granite_name,
                                    convert=_granite_convert, hparams=_granite_hparams),
     # transformers keeps the tokenizer.json's split regex for model_type qwen3_next (gpt-2's here).

@@ -44,14 +44,14 @@ PROMPT = "The quick brown fox jumps over the lazy dog. def f(x: int) -> str:\n  
 TEXTS = [PROMPT, "  two spaces\n\ttab <|im_start|>user\nhi<|im_end|>", "<think>\nx\n</think>\n\n🚀 ✅"]
 # F32 logits against mlx-lm on the directory (logits of the tiny models span about +-4).
 F32_TOLERANCE = {"qwen3_next": 1e-5, "qwen3_5": 1e-5, "qwen3_5_moe": 1e-5, "gemma4_text": 1e-5,
-                 "gemma4_text_moe": 1e-5, "granitemoehybrid": 1e-5}
+                 "gemma4_text_moe": 1e-5, "granitemoehybrid": 1e-5, "nemotron_h": 1e-5}
 # Blocks against their float32 expansion, measured on the tiny models (prompt: qwen3_5 0.58,
-# qwen3_next 0.42, qwen3_5_moe 0.62, gemma4_text 0.48, gemma4_text_moe 0.17, granitemoehybrid 0.006:
+# qwen3_next 0.42, qwen3_5_moe 0.62, gemma4_text 0.48, gemma4_text_moe 0.17, nemotron_h 0.21, granitemoehybrid 0.006:
 # its logits are divided by 6): 8-bit activations, and a recurrent state that sums every token's rounding.
 PROMPT_8BIT = {"qwen3_next": 1.0, "qwen3_5": 1.0, "qwen3_5_moe": 1.0, "gemma4_text": 1.0, "gemma4_text_moe": 1.0,
-               "granitemoehybrid": 0.1}
+               "granitemoehybrid": 0.1, "nemotron_h": 1.0}
 DECODE_8BIT = {"qwen3_next": 1.0, "qwen3_5": 1.0, "qwen3_5_moe": 1.0, "gemma4_text": 1.0, "gemma4_text_moe": 1.0,
-               "granitemoehybrid": 0.1}
+               "granitemoehybrid": 0.1, "nemotron_h": 1.0}
 
 
 @pytest.fixture(scope="module")
