@@ -89,7 +89,7 @@ def _gemma4_text_config(size: str) -> dict[str, Any]:
                     num_kv_shared_layers=3, sliding_window=64, layer_types=_gemma4_layers(6, 3))
     else:
         dims = dict(hidden_size=768, num_hidden_layers=15, num_attention_heads=8, num_key_value_heads=1,
-                    head_dim=64, global_head_dim=128, intermediate_size=2048, hidden_size_per_layer_input=64,
+                    head_dim=64, global_head_dim=128, intermediate_size=1408, hidden_size_per_layer_input=64,
                     num_kv_shared_layers=5, sliding_window=512, layer_types=_gemma4_layers(15, 5))
     return dict(dims, vocab_size_per_layer_input=tok.VOCAB_SIZE, use_double_wide_mlp=True, attention_k_eq_v=False,
                 num_global_key_value_heads=None, enable_moe_block=False, num_experts=None, top_k_experts=None,
@@ -105,7 +105,7 @@ def _gemma4_text_moe_config(size: str) -> dict[str, Any]:
     else:
         dims = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4,
                     num_global_key_value_heads=2, head_dim=64, global_head_dim=128, intermediate_size=512,
-                    num_experts=16, top_k_experts=4, moe_intermediate_size=256, sliding_window=512,
+                    num_experts=8, top_k_experts=2, moe_intermediate_size=256, sliding_window=512,
                     layer_types=_gemma4_layers(12, 6))
     return dict(dims, hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False,
                 attention_k_eq_v=True, enable_moe_block=True, **_GEMMA4_COMMON)
@@ -127,8 +127,8 @@ def _granitemoehybrid_config(size: str) -> dict[str, Any]:
     else:
         dims = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                     layer_types=["attention" if i % 6 == 5 else "mamba" for i in range(12)], mamba_n_heads=24,
-                    mamba_d_head=64, mamba_d_state=64, num_local_experts=16, num_experts_per_tok=4,
-                    intermediate_size=256, shared_intermediate_size=512, attention_multiplier=0.015625)
+                    mamba_d_head=64, mamba_d_state=64, num_local_experts=8, num_experts_per_tok=2,
+                    intermediate_size=160, shared_intermediate_size=512, attention_multiplier=0.015625)
     return dict(dims, mamba_expand=2, mamba_n_groups=1, mamba_d_conv=4, mamba_conv_bias=True, mamba_proj_bias=False,
                 position_embedding_type="nope", embedding_multiplier=12.0, residual_multiplier=0.22,
                 logits_scaling=6.0, rms_norm_eps=1e-5, rope_theta=10000.0, attention_bias=False, mlp_bias=False,
@@ -143,7 +143,7 @@ def _nemotron_h_config(size: str) -> dict[str, Any]:
     else:
         dims = dict(hidden_size=768, hybrid_override_pattern="M-M-M*-M-M-M*-", num_attention_heads=8,
                     num_key_value_heads=2, head_dim=96, mamba_num_heads=24, mamba_head_dim=64, ssm_state_size=64,
-                    n_groups=4, intermediate_size=3072)
+                    n_groups=4, intermediate_size=5632)
     return dict(dims, num_hidden_layers=len(dims["hybrid_override_pattern"]), conv_kernel=4, layer_norm_epsilon=1e-5,
                 attention_bias=False, mlp_bias=False, use_bias=False, use_conv_bias=True, mamba_proj_bias=False,
                 mlp_hidden_act="relu2", tie_word_embeddings=False)

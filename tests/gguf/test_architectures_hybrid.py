@@ -133,6 +133,8 @@ def test_engine_generates_from_the_gguf(family: str, directories: dict[str, tupl
     for gguf_type in ("f32", "q8_0"):
         harness = EngineHarness(ensure_gguf(family, "tiny", gguf_type, cache_dir=MODEL_CACHE))
         try:
+            # Recurrent or sliding-window state cannot be cut to a prefix: the session-snapshot store.
+            assert harness.stats()["snapshot_family"] is True
             run = harness.run(ids, n_predict=8, ignore_eos=True)
         finally:
             harness.close()
@@ -158,3 +160,12 @@ def test_the_gpu_policy_keeps_the_undo_steps(family: str) -> None:
     ids = [1, 5, 9, 200, 33, 7, 8, 100, 42, 17, 256, 3]
     diff = mx.abs(model(mx.array([ids])).astype(mx.float32) - reference(mx.array([ids]))).max().item()
     assert diff < 0.25, diff
+
+
+def test_the_small_sizes_are_benchmark_sized() -> None:
+    """As the first families' (tests/testing/test_models.py): about 90M parameters, for benchmarks."""
+    from mlxcel_compat.testing import models
+
+    for family in (f.name for f in families_hybrid.FAMILIES):
+        count = models.describe(family, "small")["num_parameters"]
+        assert 88_000_000 <= count <= 100_000_000, (family, count)
