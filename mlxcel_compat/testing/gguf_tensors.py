@@ -82,8 +82,9 @@ def stored_type(name: str, shape: tuple[int, ...], gguf_type: str, n_layers: int
     """The type one tensor of ``shape`` is stored as in a file of ``gguf_type``, the row-length
     fallbacks included: ``f32`` for 1-D tensors and the convolution, ``f16`` for rows that are not
     whole 32-value blocks, the K-quants' fallbacks for rows that are not whole 256-value blocks."""
-    if len(shape) < 2 or gguf_type == "f32" or name.endswith(F32_TENSORS) or not name.endswith(".weight"):
-        return "f32"  # (the converter keeps every tensor not named *.weight in F32: Mamba-2's ssm_a, ssm_d)
+    if (len(shape) < 2 or gguf_type == "f32" or name.endswith(F32_TENSORS)
+            or not name.endswith((".weight", ".lora_a", ".lora_b"))):
+        return "f32"  # (the converter keeps tensors named otherwise in F32: Mamba-2's ssm_a, ssm_d)
     if gguf_type == "f16" or shape[-1] % 32:
         return "f16"
     kind = tensor_type(name, gguf_type, n_layers)
