@@ -15,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from mlxcel_compat.gguf.reader import GGUFModelFile
+from mlxcel_compat.gguf.tensor_undo import TensorUndo
 
 
 class UnsupportedArchitecture(ValueError):
@@ -57,6 +58,15 @@ class ArchSpec:
     # No row serves the architecture: tried through mlx-lm's class of its name (generic_path.py),
     # strictly; a misfit stops loading with the architecture's name and the served ones.
     generic: bool = False
+    # mlx-lm parameter name -> the checkpoint name gguf-py's TensorNameMap maps (where they differ:
+    # a wrapper's prefix, mlx-lm's own module names); None: the same name
+    hf_name: Callable[[str], str] | None = None
+    # (config, mlx-lm parameter name) -> what turns the stored tensor back into the parameter's
+    # values (``tensor_undo.py``: row and column orders, element-wise maps), or None
+    undo: Callable[[dict[str, Any], str], TensorUndo | None] | None = None
+    # (model, config): reshape mlx-lm's freshly built model into the layout the file stores, before
+    # its parameters are named (``stored_parts.py``: a fused layer the converter split); None: nothing
+    prepare_model: Callable[[Any, dict[str, Any]], None] | None = None
 
 
 def uniform(file: GGUFModelFile, key: str, default: Any = None) -> Any:
@@ -96,7 +106,9 @@ def rope_scaling_config(file: GGUFModelFile) -> dict[str, Any] | None:
     raise UnsupportedArchitecture(f"RoPE scaling type '{kind}' is not supported for GGUF models")
 
 
-def common_config(file: GGUFModelFile) -> dict[str, Any]:
+def common_config(file: GGUFModelFile, dense_ffn: bool = True) -> dict[str, Any]:
+    """The keys every attention model shares. ``dense_ffn=False``: a mixture-of-experts model
+    whose config may lack ``feed_forward_length`` (then ``intermediate_size`` is left out)."""
     hidden = int(required(file, "embedding_length"))
     heads = int(required(file, "attention.head_count"))
     kv = uniform(file, "attention.head_count_kv", heads)
@@ -105,11 +117,12 @@ def common_config(file: GGUFModelFile) -> dict[str, Any]:
         "num_hidden_layers": int(required(file, "block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv),
-        "intermediate_size": int(required(file, "feed_forward_length")),
         "rms_norm_eps": float(file.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(file.arch_value("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in file.tensors,
     }
+    if dense_ffn or file.arch_value("feed_forward_length") is not None:
+        config["intermediate_size"] = int(required(file, "feed_forward_length"))
     key_length = file.arch_value("attention.key_length")
     value_length = file.arch_value("attention.value_length", key_length)
     head_dim = int(key_length) if key_length else hidden // heads

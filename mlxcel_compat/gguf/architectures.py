@@ -74,7 +74,7 @@ def gguf_names(spec: ArchSpec, parameter_names: list[str], n_layers: int) -> dic
     for name in parameter_names:
         if any(name.endswith(join.parameter) for join in spec.joins):
             continue  # read from its parts (joined_parameters)
-        gguf_name = table.get_name(checkpoint_name(spec, name), try_suffixes=(".weight", ".bias"))
+        gguf_name = table.get_name(checkpoint_name(spec, name), try_suffixes=(".weight", ".bias", ".scale"))
         if gguf_name is None:
             raise UnsupportedArchitecture(f"{spec.gguf_arch}: no GGUF tensor corresponds to mlx-lm's '{name}'")
         mapping[gguf_name] = name
@@ -94,7 +94,9 @@ def joined_parameters(spec: ArchSpec, parameter_names: list[str]) -> dict[str, t
 
 def checkpoint_name(spec: ArchSpec, parameter_name: str) -> str:
     """The Hugging Face checkpoint's name of an mlx-lm parameter: the name llama.cpp's converter
-    mapped to a GGUF tensor (the row's ``renames`` undo mlx-lm's ``sanitize``)."""
+    mapped to a GGUF tensor (the row's ``hf_name`` and ``renames`` undo mlx-lm's ``sanitize``)."""
+    if spec.hf_name is not None:
+        parameter_name = spec.hf_name(parameter_name)
     for mlx_part, checkpoint_part in spec.renames:
         parameter_name = parameter_name.replace(mlx_part, checkpoint_part)
     return parameter_name

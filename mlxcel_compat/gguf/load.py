@@ -36,6 +36,7 @@ import numpy as np
 from mlxcel_compat.runtime import block_weight
 from mlxcel_compat.runtime import ggml_repack
 from mlxcel_compat.gguf import architectures as gguf_arch
+from mlxcel_compat.gguf import input_order, tensor_undo
 from mlxcel_compat.gguf import quants as gguf_quants
 from mlxcel_compat.gguf import precision
 from mlxcel_compat.gguf.reader import (FLOAT_TYPES, GGUFModelFile, TensorInfo, map_file, open_gguf, read_float_tensor,
@@ -99,11 +100,18 @@ def decode_tensor(info: TensorInfo, raw: np.ndarray, mlx_name: str, spec: gguf_a
     rows = raw.reshape(info.shape[0], -1) if len(info.shape) > 1 else raw
     if heads is not None:
         rows = gguf_arch.unpermute_rows(rows, heads)
+    undo = row_undo(spec, config, mlx_name)
+    if undo is not None and undo.rows is not None and len(info.shape) > 1:
+        rows = rows[undo.rows]  # whole block rows, before they are expanded
     np_dtype = np.float16 if dtype == precision.FLOAT16 else np.float32
     values = gguf_quants.dequantize(np.ascontiguousarray(rows).reshape(-1), info.ggml_type, info.n_values,
                                     dtype=np_dtype, name=info.name)
     if spec.norm_shift and mlx_name.endswith("norm.weight"):
         values = values - np_dtype(spec.norm_shift)
+    if undo is not None:
+        done = undo.rows is not None and len(info.shape) > 1
+        values = tensor_undo.apply(tensor_undo.TensorUndo(None if done else undo.rows, undo.columns, undo.values),
+                                   values.reshape(info.shape[0], -1) if len(info.shape) > 1 else values, np)
     if int(np.prod(target_shape)) != values.size:
         raise ValueError(f"tensor '{info.name}' has shape {info.shape}; the model expects {target_shape} for {mlx_name}")
     array = mx.array(values.reshape(target_shape))
@@ -123,6 +131,9 @@ def load_float_tensor(info: TensorInfo, mlx_name: str, spec: gguf_arch.ArchSpec,
     work = mx.float16 if target == mx.float16 else mx.float32
     if spec.norm_shift and mlx_name.endswith("norm.weight"):
         array = array.astype(work) - mx.array(spec.norm_shift, dtype=work)
+    if (undo := row_undo(spec, config, mlx_name)) is not None:
+        rows_first = array.reshape(info.shape[0], -1) if len(info.shape) > 1 else array
+        array = tensor_undo.apply(undo, rows_first.astype(work) if undo.values else rows_first, mx)
     if array.dtype != target:
         array = array.astype(target)
     if array.size != int(np.prod(target_shape)):
@@ -144,6 +155,8 @@ def _affine(info: TensorInfo, raw: np.ndarray, mlx_name: str, spec: gguf_arch.Ar
     rows = raw.reshape(info.shape[0], -1)
     if heads is not None:
         rows = gguf_arch.unpermute_rows(rows, heads)
+    if (undo := row_undo(spec, config, mlx_name)) is not None and undo.rows is not None:
+        rows = rows[undo.rows]  # columns and element-wise maps never reach here (undo_plan)
     prefix = mlx_name[: -len("weight")]
     if form.mode == precision.MXFP4:
         fp4 = gguf_quants.to_mxfp4(np.ascontiguousarray(rows).reshape(-1), info.shape)
@@ -168,6 +181,8 @@ def _blocks(info: TensorInfo, mapped: np.ndarray, mlx_name: str, spec: gguf_arch
     n, k = info.shape
     heads = gguf_arch.qk_heads(spec, config, mlx_name)
     rows = gguf_arch.unpermute_rows(np.arange(n, dtype=np.int32), heads) if heads is not None else None
+    if (undo := row_undo(spec, config, mlx_name)) is not None and undo.rows is not None:
+        rows = undo.rows if rows is None else rows[undo.rows]  # columns: input_order.order_inputs
     data = tensor_view(info, mapped).reshape(n, -1)
     return block_weight.BlockWeight(data, info.ggml_type, n, k, lib, rows=rows)
 
@@ -194,6 +209,24 @@ def _joined(file: GGUFModelFile, joins: dict[str, tuple[Any, tuple[str, ...]]], 
         mx.eval(array)
         out.append((mlx_name, array))
     return out
+
+
+def row_undo(spec: gguf_arch.ArchSpec, config: dict[str, Any], mlx_name: str) -> tensor_undo.TensorUndo | None:
+    """The undo steps the architecture's row declares for ``mlx_name`` (``tensor_undo.py``), if any."""
+    return spec.undo(config, mlx_name) if spec.undo is not None else None
+
+
+def undo_plan(plan: str, undo: tensor_undo.TensorUndo | None, dtype: str) -> str:
+    """``plan`` for a tensor with undo steps: an element-wise map needs float values, and so does
+    a column order in MLX affine form (its groups run along the columns); blocks take a column
+    order in their layer (``input_order.py``)."""
+    if undo is None:
+        return plan
+    if undo.float_only and plan in (precision.BLOCKS, precision.AFFINE):
+        return dtype
+    if undo.columns is not None and plan == precision.AFFINE:
+        return dtype
+    return plan
 
 
 def _install_rope_freqs(model: Any, file: GGUFModelFile, config: dict[str, Any]) -> None:
@@ -247,6 +280,8 @@ def _model_and_names(file: GGUFModelFile, spec: gguf_arch.ArchSpec, config: dict
     from mlx.utils import tree_flatten
 
     model = _build_model(config, file)
+    if spec.prepare_model is not None:  # a layout the file stores that mlx-lm's model does not (stored_parts.py)
+        spec.prepare_model(model, config)
     shapes = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
     from_metadata = spec.metadata_weights(file, config) if spec.metadata_weights is not None else {}
     from_tensors = [n for n in shapes if n not in from_metadata]
@@ -311,9 +346,10 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     lib = block_weight.library() if on_cpu and blocks else "not on the CPU" if not on_cpu else "blocks=False"
     kinds = {g: _layer_kind(model, m, file.tensors[g].shape) for g, m in names.items()}
     plans = {
-        g: precision.tensor_precision(file.tensors[g].ggml_type, on_cpu, bool(kinds[g]), dtype,
-                                      blocks=not isinstance(lib, str) and lib.serves(file.tensors[g].ggml_type),
-                                      embedding=kinds[g] == "embedding")
+        g: undo_plan(precision.tensor_precision(file.tensors[g].ggml_type, on_cpu, bool(kinds[g]), dtype,
+                                                blocks=not isinstance(lib, str) and lib.serves(file.tensors[g].ggml_type),
+                                                embedding=kinds[g] == "embedding"),
+                     row_undo(spec, config, m), dtype)
         for g, m in names.items()
     }
     quantized: dict[str, precision.AffineForm] = {}  # module path -> the form its weight took
@@ -354,6 +390,8 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
             else:
                 block_weight.in_output_order(weight, maps[info.path], info.offset)
                 block_weight.split_rows(weight, maps[info.path], info.offset)
+            if (undo := row_undo(spec, config, mlx_name)) is not None and undo.columns is not None:
+                input_order.order_inputs(model, mlx_name[: -len(".weight")], undo.columns)
             summary.precision[label] = summary.precision.get(label, 0) + 1
             summary.weight_bytes[label] = summary.weight_bytes.get(label, 0) + weight.nbytes
             summary.kernels.setdefault(label, lib.describe(info.ggml_type, weight.split))
@@ -386,6 +424,9 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         elif weights is None:
             weights = [(mlx_name, decode_tensor(info, read_tensor(info, scratch), mlx_name, spec, config, plan,
                                                 shapes[mlx_name]))]
+            if len(info.shape) == 3:
+                kind = gguf_quants.type_name(info.ggml_type).lower()
+                summary.expanded_experts[kind] = summary.expanded_experts.get(kind, 0) + 1
         mx.eval([w for _, w in weights])  # one tensor in flight: its temporaries go now
         loaded.extend(weights)
         summary.precision[label] = summary.precision.get(label, 0) + 1
@@ -408,5 +449,8 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     model.load_weights(loaded, strict=False)  # the model's own initial values were never evaluated
     if "rope_freqs.weight" in file.tensors and (spec.permute_qk or spec.llama3_rope_freqs):
         _install_rope_freqs(model, file, config)
+    if summary.expanded_experts:
+        log.info("stacked expert tensors expanded to %s for MLX's expert layers (SwitchGLU), not kept in "
+                 "ggml's blocks: %s", dtype, ", ".join(f"{n} {k}" for k, n in sorted(summary.expanded_experts.items())))
     summary.load_seconds = time.perf_counter() - t0
     return model, tokenizer, config, summary

@@ -115,7 +115,8 @@ def _gguf_targets(model: Any, config: dict[str, Any], adapter: AdapterFile, mode
     names = {}
     for path, module in model.named_modules():
         if linear_dims(module) is not None:
-            gguf_name = table.get_name(path + ".weight", try_suffixes=(".weight",))
+            checkpoint_name = spec.hf_name(path + ".weight") if spec.hf_name else path + ".weight"
+            gguf_name = table.get_name(checkpoint_name, try_suffixes=(".weight",))
             if gguf_name is not None:
                 names[gguf_name] = path
     return names, spec

@@ -69,6 +69,16 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 # mlx-lm's stacked-expert modules (switch_layers.py): an MoE layer the decode pass has no kernel for.
 EXPERT_MODULES = ("SwitchGLU", "SwitchMLP")
 GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, sliding windows
+# Hybrid and recurrent families: the layers the runtime does not run yet, named in the start-up
+# log's reason (a later task moves recurrent state and experts onto the runtime).
+MLX_LAYERS = {
+    "qwen3_next": "gated delta-net (recurrent) and mixture-of-experts layers",
+    "qwen3_5": "gated delta-net (recurrent) layers",
+    "qwen3_5_moe": "gated delta-net (recurrent) and mixture-of-experts layers",
+    "granitemoehybrid": "Mamba-2 (recurrent) and mixture-of-experts layers",
+    "nemotron_h": "Mamba-2 (recurrent) layers",
+    "gemma4_text": "Gemma 4 layers (per-layer embeddings, shared KV, experts, proportional RoPE)",
+}
 # A prompt chunk this long or longer takes the prompt products (``mlxcel_decode_pass``: ggml's tiled
 # kernels); a shorter one the decode rows' kernels (a graph of ggml's for a handful of rows cost
 # ~0.2 ms a weight in set-up). Chunks of the two kinds never share a pass.
@@ -94,6 +104,8 @@ def head_module(model: Any) -> Any:
 def unsupported(model: Any) -> str | None:
     """Why this model's decode steps stay in MLX, or None if :class:`CpuDecoder` runs them."""
     model_type = getattr(getattr(model, "args", None), "model_type", None)
+    if model_type in MLX_LAYERS:
+        return f"model type {model_type!r}: its {MLX_LAYERS[model_type]} run in MLX's step"
     if any(type(m).__name__ in EXPERT_MODULES for _, m in model.named_modules()):
         return f"mixture-of-experts layers ({model_type}): their experts run in MLX for now"
     if model_type not in MODEL_TYPES:

@@ -94,7 +94,8 @@ def write_gguf_adapter(family: str, out: str | Path, size: str = "tiny", rank: i
     writer.add_string("adapter.type", "lora")
     writer.add_float32("adapter.lora.alpha", float(alpha))
     for path, (a, b) in factors.items():
-        weight = names.get_name(path + ".weight", try_suffixes=(".weight",))
+        checkpoint_name = target.hf_name(path + ".weight") if target.hf_name else path + ".weight"
+        weight = names.get_name(checkpoint_name, try_suffixes=(".weight",))
         if target.permute_qk and path.endswith("self_attn.q_proj"):
             b = permute_rows(b, config["num_attention_heads"])
         elif target.permute_qk and path.endswith("self_attn.k_proj"):

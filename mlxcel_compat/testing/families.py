@@ -93,21 +93,25 @@ def _gemma3_text_config(size: str) -> dict[str, Any]:
 
 
 def _qwen3_next_config(size: str) -> dict[str, Any]:
-    # Dense MLPs (num_experts = 0): the point is the hybrid cache, not the MoE.
+    # Qwen3-Next-80B-A3B's structure: 3 gated delta-net layers to 1 attention layer, and every
+    # layer's MLP a mixture of experts (softmax router, top-k renormalised) with a gated shared
+    # expert, as llama.cpp's qwen3next requires.
     if size == "tiny":
         dims = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, intermediate_size=192,
                     linear_num_key_heads=2, linear_num_value_heads=4,
-                    linear_key_head_dim=16, linear_value_head_dim=16)
+                    linear_key_head_dim=16, linear_value_head_dim=16,
+                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=32)
     else:
         dims = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                     num_key_value_heads=4, head_dim=64, intermediate_size=2048,
                     linear_num_key_heads=4, linear_num_value_heads=8,
-                    linear_key_head_dim=64, linear_value_head_dim=64)
+                    linear_key_head_dim=64, linear_value_head_dim=64,
+                    num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
+                    shared_expert_intermediate_size=128)
     return dict(dims, full_attention_interval=4, linear_conv_kernel_dim=4,
-                partial_rotary_factor=0.25, num_experts=0, num_experts_per_tok=0,
-                decoder_sparse_step=1, moe_intermediate_size=0,
-                shared_expert_intermediate_size=0, mlp_only_layers=[], norm_topk_prob=True,
+                partial_rotary_factor=0.25, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
                 rms_norm_eps=1e-6, rope_theta=10000000.0, tie_word_embeddings=False,
                 attention_bias=False, hidden_act="silu")
 
@@ -180,7 +184,7 @@ def family_spec(family: str, size: str) -> Family:
 def model_config(family: str, size: str) -> dict[str, Any]:
     """The ``config.json`` content for a pair (keys sorted when written)."""
     spec = family_spec(family, size)
-    config = _CONFIGS[spec.kind](size)
+    config = _CONFIGS.get(spec.name, _CONFIGS[spec.kind])(size)  # a family's own config, else its model type's
     config.update(
         model_type=spec.kind,
         architectures=[spec.architecture],

@@ -168,8 +168,10 @@ def write_random_gguf(out: str | Path, family: str = "llama", dims: dict[str, An
     """
     import gguf
 
-    if family not in GGUF_TARGETS:
-        raise ValueError(f"family {family!r} has no GGUF writer; choose one of: {', '.join(GGUF_FAMILIES)}")
+    if family not in GGUF_TARGETS or GGUF_TARGETS[family].hparams is not None:
+        # (a family with keys of its own, GgufTarget.hparams, is written by write_gguf only)
+        raise ValueError(f"family {family!r} has no GGUF writer for random weights; "
+                         f"choose one of: {', '.join(GGUF_FAMILIES)}")
     if gguf_type not in GGUF_TYPES:
         raise ValueError(f"unknown GGUF type {gguf_type!r}; choose one of: {', '.join(GGUF_TYPES)}")
     config = random_config(family, dims)

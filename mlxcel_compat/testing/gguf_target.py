@@ -36,3 +36,12 @@ class GgufTarget:
     dropped: tuple[str, ...] = ()
     # Tensors the converter adds from the config (Phi-3's LongRoPE factors): GGUF name -> values.
     extra_tensors: Callable[[dict[str, Any]], dict[str, np.ndarray]] | None = None
+    # mlx-lm parameter name -> the checkpoint name the converter hands gguf-py's TensorNameMap
+    # (after its own renames); None: the same name
+    hf_name: Callable[[str], str] | None = None
+    # (config, checkpoint name, float32 values in mlx-lm's layout) -> [(checkpoint name, values as
+    # the converter stores them)]: its reorders, reshapes, maps and splits; None: as they are
+    convert: Callable[[dict[str, Any], str, Any], list[tuple[str, Any]]] | None = None
+    # (config, float32 weights in mlx-lm's layout) -> the weights under the checkpoint's split,
+    # where mlx-lm's sanitize split or fused tensors (Gemma 4's fused expert gate_up_proj); None: as they are
+    checkpoint: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None

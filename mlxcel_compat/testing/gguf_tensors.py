@@ -28,6 +28,10 @@ _FALLBACK = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6
 # ggml's quantizer asserts one for IQ2_XXS, IQ2_XS and IQ1_S). The factory has no activations
 # to measure one from: it gives them a uniform one (every input column weighs 1).
 IMPORTANCE_TYPES = frozenset({"iq3_xxs", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_m", "iq1_s"})
+# Tensors the converter (and llama-quantize) always keeps in F32 whatever the file's type:
+# convolutions, routers, norms.
+F32_TENSORS: tuple[str, ...] = ("shortconv.conv.weight", "ssm_conv1d.weight", "ffn_gate_inp.weight",
+                                "ffn_gate_inp_shexp.weight", "_norm.weight")
 
 
 GGUF_TARGETS: dict[str, GgufTarget] = {
@@ -49,7 +53,6 @@ GGUF_TARGETS.update({**families_dense.GGUF_TARGETS, **families_moe.GGUF_TARGETS,
 
 # Matrices the converter and llama-quantize keep in F32 whatever the file's type: the
 # convolution, and the MoE routers (``ffn_gate_inp``, the shared expert's gate).
-F32_MATRICES = ("shortconv.conv.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 
 
 def permute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -93,11 +96,12 @@ def tensor_type(name: str, gguf_type: str, n_layers: int) -> str:
 
 def stored_type(name: str, shape: tuple[int, ...], gguf_type: str, n_layers: int = 1) -> str:
     """The type one tensor of ``shape`` is stored as in a file of ``gguf_type``, the row-length
-    fallbacks included: ``f32`` for 1-D tensors, biases (gpt-oss's experts' are 2-D), the
-    convolution and the MoE routers, ``f16`` for rows that are not whole 32-value blocks,
-    llama-quantize's fallbacks for rows that are not whole 256-value blocks (the K-quants' to
-    Q4_0-Q8_0, the i-quants' to IQ4_NL)."""
-    if len(shape) < 2 or gguf_type == "f32" or not name.endswith(".weight") or name.endswith(F32_MATRICES):
+    fallbacks included: ``f32`` for 1-D tensors, tensors not named ``*.weight`` (biases, gpt-oss's
+    2-D expert biases, Mamba-2's ``ssm_a``/``ssm_d``; LoRA factors aside), convolutions, routers and
+    norms, ``f16`` for rows that are not whole 32-value blocks, llama-quantize's fallbacks for rows
+    that are not whole 256-value blocks (the K-quants' to Q4_0-Q8_0, the i-quants' to IQ4_NL)."""
+    if (len(shape) < 2 or gguf_type == "f32" or name.endswith(F32_TENSORS)
+            or not name.endswith((".weight", ".lora_a", ".lora_b"))):
         return "f32"
     if gguf_type == "f16" or shape[-1] % 32:
         return "f16"
@@ -138,17 +142,22 @@ def converted_tensors(family: str, config: dict[str, Any], weights: dict[str, An
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == target.arch)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     out: dict[str, np.ndarray] = {}
+    arrays = {name: np.array(w, dtype=np.float32) for name, w in weights.items()}
+    if target.checkpoint is not None:  # the checkpoint's own split or fusion of tensors (Gemma 4)
+        arrays = target.checkpoint(config, arrays)
     if target.split is not None:  # the converter's own splits of a tensor (DeepSeek-V2's kv_b_proj)
-        weights = {piece: data for name in weights
-                   for piece, data in target.split(name, np.array(weights[name], dtype=np.float32), config)}
-    for hf_name in sorted(weights):
-        if target.dropped and hf_name.endswith(target.dropped):
+        arrays = {piece: data for name in arrays for piece, data in target.split(name, arrays[name], config)}
+    stored: list[tuple[str, np.ndarray]] = []
+    for mlx_name in sorted(arrays):
+        if target.dropped and mlx_name.endswith(target.dropped):
             continue
-        data = np.array(weights[hf_name], dtype=np.float32)
-        checkpoint_name = hf_name
+        hf_name = target.hf_name(mlx_name) if target.hf_name else mlx_name
         for factory_part, checkpoint_part in target.renames:
-            checkpoint_name = checkpoint_name.replace(factory_part, checkpoint_part)
-        gguf_name = names.get_name(checkpoint_name, try_suffixes=(".weight", ".bias"))
+            hf_name = hf_name.replace(factory_part, checkpoint_part)
+        data = arrays[mlx_name]
+        stored += target.convert(config, hf_name, data) if target.convert is not None else [(hf_name, data)]
+    for hf_name, data in stored:
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias", ".scale"))
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {hf_name} in {target.arch}")
         if target.permute_qk and ".self_attn.q_proj." in hf_name:

@@ -29,7 +29,7 @@ from .families import EOS_IDS, MAX_POSITION_EMBEDDINGS, Family, family_spec
 from .weights import random_weights
 
 # Bump when the bytes of any output change, so cached directories are rebuilt.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 MANIFEST_NAME = "mlxcel_testing.json"
 
 

@@ -53,10 +53,18 @@ def init_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...],
         return _scalar(rng, name, leaf)
     if len(shape) == 1:
         if leaf == "A_log":
-            # Decay rates of the gated delta net: like log(U(1, 16)).
-            return rng.random(shape, dtype=np.float32) * np.float32(2.75)
+            # Decay rates of the gated delta net (and Mamba-2): A = exp(A_log) in [0.01, 1], so the
+            # state keeps tens of tokens. With the checkpoints' initial U(1, 16) it keeps about one,
+            # and a head's output is then one token's value times its small, random q.k: its sign,
+            # and with it the logits, flip under quantization noise (measured: Q8_0 weights moved
+            # a tiny Qwen3.5's logits by 3.6 of their 4.4, by 0.6 with these decays).
+            return rng.random(shape, dtype=np.float32) * np.float32(4.5) - np.float32(4.5)
         if leaf == "dt_bias":
             return np.ones(shape, dtype=np.float32)
+        if leaf in ("layer_scalar", "scale", "per_expert_scale", "D"):
+            # Gains that multiply (Gemma 4's layer and router scales, Mamba-2's skip): about 1,
+            # and distinct, so a tensor read into the wrong place shows.
+            return rng.random(shape, dtype=np.float32) * np.float32(0.5) + np.float32(0.75)
         if leaf == "bias":
             return np.zeros(shape, dtype=np.float32)
         if leaf in ("e_score_correction_bias", "expert_bias"):
