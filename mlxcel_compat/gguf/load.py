@@ -424,9 +424,6 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         elif weights is None:
             weights = [(mlx_name, decode_tensor(info, read_tensor(info, scratch), mlx_name, spec, config, plan,
                                                 shapes[mlx_name]))]
-            if len(info.shape) == 3:
-                kind = gguf_quants.type_name(info.ggml_type).lower()
-                summary.expanded_experts[kind] = summary.expanded_experts.get(kind, 0) + 1
         mx.eval([w for _, w in weights])  # one tensor in flight: its temporaries go now
         loaded.extend(weights)
         summary.precision[label] = summary.precision.get(label, 0) + 1

@@ -168,8 +168,8 @@ def write_random_gguf(out: str | Path, family: str = "llama", dims: dict[str, An
     """
     import gguf
 
-    if family not in GGUF_TARGETS or GGUF_TARGETS[family].hparams is not None:
-        # (a family with keys of its own, GgufTarget.hparams, is written by write_gguf only)
+    if family not in GGUF_TARGETS or GGUF_TARGETS[family].all_hparams is not None:
+        # (a family whose keys are all its own, GgufTarget.all_hparams, is written by write_gguf only)
         raise ValueError(f"family {family!r} has no GGUF writer for random weights; "
                          f"choose one of: {', '.join(GGUF_FAMILIES)}")
     if gguf_type not in GGUF_TYPES:
