@@ -5,7 +5,7 @@
 
 import { renderMarkdown } from "./render.js";
 import { saveConversation } from "./store.js";
-import { MAX_ROUNDS, mergeToolCalls } from "./tools.js";
+import { MAX_ROUNDS, mergeToolCalls, parseArguments } from "./tools.js";
 
 // The figures line under an answer. `stats` comes from the stream's usage and timings.
 export function statsText(stats) {
@@ -103,8 +103,9 @@ export class ChatView {
     }
     renderMarkdown(article.querySelector(".content"), message.content);
     const calls = article.querySelector(".tool-calls");
-    calls.replaceChildren(...(message.tool_calls || []).map((call) =>
-      element("li", "", `Calls ${this.tools?.displayName(call.function.name) || call.function.name} (${call.function.name}) with ${call.function.arguments || "{}"}`)));
+    const unrun = message.unrun_calls ? " (not run)" : "";
+    calls.replaceChildren(...(message.tool_calls || message.unrun_calls || []).map((call) =>
+      element("li", "", `Calls ${this.tools?.displayName(call.function.name) || call.function.name} (${call.function.name}) with ${call.function.arguments || "{}"}${unrun}`)));
     const stats = article.querySelector(".stats");
     stats.textContent = message.error ? `Error: ${message.error}` : statsText(message.stats);
     stats.classList.toggle("error", Boolean(message.error));
@@ -179,6 +180,14 @@ export class ChatView {
       for (let round = 0; ; round++) {
         const answer = await this.streamAnswer(c);
         if (!answer.tool_calls?.length || answer.error || this.abort.signal.aborted) break;
+        if (!answer.tool_calls.every((call) => parseArguments(call) !== undefined)) {
+          // A call cut off at max_tokens (or otherwise not JSON) cannot run, and a history holding it is
+          // refused with a 400, as llama-server refuses it: it stays on the page, out of the history.
+          answer.unrun_calls = answer.tool_calls;
+          delete answer.tool_calls;
+          answer.stats = { ...(answer.stats || {}), note: "tool calls not run: their arguments are not complete JSON" };
+          break;
+        }
         if (round >= MAX_ROUNDS) {
           answer.stats = { ...(answer.stats || {}), note: `tool calls not run: ${MAX_ROUNDS} rounds per answer at most` };
           break;

@@ -57,12 +57,8 @@ export class Tools {
 
   // Run one call ({id, function: {name, arguments}}); the text the model gets back.
   async run(call) {
-    let params;
-    try {
-      params = call.function.arguments ? JSON.parse(call.function.arguments) : {};
-    } catch {
-      return JSON.stringify({ error: "the tool call's arguments are not valid JSON" });
-    }
+    const params = parseArguments(call);
+    if (params === undefined) return JSON.stringify({ error: "the tool call's arguments are not valid JSON" });
     const mcp = this.list.find((t) => t.tool === call.function.name)?.mcp;
     if (mcp) {
       try {
@@ -78,6 +74,15 @@ export class Tools {
       return JSON.stringify({ error: error.message });
     }
     return typeof result?.plain_text_response === "string" ? result.plain_text_response : JSON.stringify(result);
+  }
+}
+
+// A call's arguments as an object (an empty string is no arguments); undefined where they are not JSON.
+export function parseArguments(call) {
+  try {
+    return call.function.arguments ? JSON.parse(call.function.arguments) : {};
+  } catch {
+    return undefined;
   }
 }
 
