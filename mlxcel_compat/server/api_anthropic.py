@@ -367,13 +367,21 @@ async def messages(request: Request) -> Response:
 
 
 class ContentBlocks:
-    """Numbers the content blocks of a streamed message and opens/closes them in order."""
+    """Numbers the content blocks of a streamed message and opens/closes them in order.
+
+    Text and thinking arrive as ``(field, text)`` deltas, tool calls as the splitter's OpenAI
+    ``tool_calls`` deltas; each becomes the block Anthropic streams for it, as soon as it is read:
+    ``content_block_start`` (a ``tool_use`` block with its ``toolu_`` id, its name and an empty
+    ``input``), then ``text_delta`` / ``thinking_delta`` / ``input_json_delta`` increments (a
+    thinking block ends with its ``signature_delta``), then ``content_block_stop``.
+    """
 
     KINDS = {"reasoning_content": ("thinking", "thinking_delta", "thinking"), "content": ("text", "text_delta", "text")}
 
     def __init__(self) -> None:
         self.index = -1
-        self.open: str | None = None  # the splitter field of the open block
+        self.open: str | None = None  # the splitter field of the open block, or "tool_calls"
+        self.uses: list[dict[str, Any]] = []  # the tool_use blocks started: id, name, arguments read
 
     def delta(self, field: str, text: str) -> list[bytes]:
         out = []
@@ -390,24 +398,45 @@ class ContentBlocks:
         out.append(sse_event({"type": "content_block_delta", "index": self.index, "delta": {"type": delta_type, key: text}}))
         return out
 
+    def tool_calls(self, deltas: list[dict[str, Any]]) -> list[bytes]:
+        """The events of OpenAI ``tool_calls`` deltas: a delta with a name starts a ``tool_use``
+        block, the arguments pieces become its ``input_json_delta`` increments."""
+        out = []
+        for delta in deltas:
+            function = delta.get("function") or {}
+            if "name" in function:
+                out += self.close()
+                self.index += 1
+                self.open = "tool_calls"
+                use = {"id": tool_use_id(), "name": function["name"], "arguments": ""}
+                self.uses.append(use)
+                block = {"type": "tool_use", "id": use["id"], "name": use["name"], "input": {}}
+                out.append(sse_event({"type": "content_block_start", "index": self.index, "content_block": block}))
+            piece = function.get("arguments") or ""
+            if piece and self.open == "tool_calls":
+                self.uses[-1]["arguments"] += piece
+                delta_json = {"type": "input_json_delta", "partial_json": piece}
+                out.append(sse_event({"type": "content_block_delta", "index": self.index, "delta": delta_json}))
+        return out
+
     def close(self) -> list[bytes]:
         if self.open is None:
             return []
+        out = []
+        if self.open == "reasoning_content":  # Anthropic closes a thinking block with its signature
+            out.append(sse_event({"type": "content_block_delta", "index": self.index, "delta": {"type": "signature_delta", "signature": ""}}))
         self.open = None
-        return [sse_event({"type": "content_block_stop", "index": self.index})]
-
-    def tool_use(self, block: dict[str, Any]) -> list[bytes]:
-        out = self.close()
-        self.index += 1
-        arguments = json.dumps(block["input"], ensure_ascii=False)
-        out.append(sse_event({"type": "content_block_start", "index": self.index, "content_block": {**block, "input": {}}}))
-        out.append(sse_event({"type": "content_block_delta", "index": self.index, "delta": {"type": "input_json_delta", "partial_json": arguments}}))
         out.append(sse_event({"type": "content_block_stop", "index": self.index}))
         return out
 
+    def calls(self) -> list[dict[str, Any]]:
+        """The tool calls streamed, in OpenAI form under their ``toolu_`` ids (for the warm-up)."""
+        return [{"type": "function", "id": u["id"], "function": {"name": u["name"], "arguments": u["arguments"]}} for u in self.uses]
+
 
 async def _stream(ctx: ServerContext, job: ChatJob) -> AsyncIterator[bytes]:
-    """message_start, ping, the content blocks in order, message_delta (stop, usage), message_stop."""
+    """message_start, ping, the content blocks in the order they are read, message_delta (stop,
+    usage), message_stop."""
     m = ctx.model
     splitter = reply_splitter(ctx, job)
     blocks = ContentBlocks()
@@ -426,21 +455,19 @@ async def _stream(ctx: ServerContext, job: ChatJob) -> AsyncIterator[bytes]:
             usage = usage_json(event.n_prompt, event.n_cached, event.n_cache_written, 0)
             yield sse_event({"type": "message_start", "message": message_body(mid, m.model_id, [], None, None, usage)})
             yield sse_event({"type": "ping"})
-        for field, text in stream_deltas(ctx, splitter, res, event):
-            if field == "tool_calls":  # sent as tool_use blocks at the end
-                continue
-            rebuilt[field] += text
-            for chunk in blocks.delta(field, text):
+        for field, value in stream_deltas(ctx, splitter, res, event):
+            if field == "tool_calls":
+                chunks = blocks.tool_calls(value)
+            else:
+                rebuilt[field] += value
+                chunks = blocks.delta(field, value)
+            for chunk in chunks:
                 yield chunk
         if isinstance(event, FinishEvent):
-            calls = splitter.tool_calls
             for chunk in blocks.close():
                 yield chunk
-            uses = [tool_use_block(call) for call in calls]
-            for use in uses:
-                for chunk in blocks.tool_use(use):
-                    yield chunk
-            warm_up(ctx, job, assistant_message(rebuilt["content"], rebuilt["reasoning_content"] or None, with_ids(calls, uses)))
+            calls = blocks.calls()
+            warm_up(ctx, job, assistant_message(rebuilt["content"], rebuilt["reasoning_content"] or None, calls))
             reason, stop_sequence = stop_reason(event, bool(calls))
             usage = usage_json(event.n_prompt, event.n_cached, event.n_cache_written, event.n_decoded)
             yield sse_event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_sequence}, "usage": usage})

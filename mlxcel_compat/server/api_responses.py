@@ -318,18 +318,31 @@ def _reply_message(reply: Reply) -> dict[str, Any]:
 
 
 class ResponseEvents:
-    """Responses SSE events, numbered, and the output items they build."""
+    """Responses SSE events, numbered, and the output items they build.
+
+    Each item is streamed as soon as it is read, as OpenAI streams it: ``response.output_item.added``,
+    then its increments (``response.reasoning_text.delta`` in a ``reasoning_text`` part,
+    ``response.output_text.delta`` in an ``output_text`` part, ``response.function_call_arguments.delta``
+    for a ``function_call`` item, which the splitter's OpenAI ``tool_calls`` deltas open with its
+    name and ``call_id``), then the matching ``.done`` events and ``response.output_item.done``.
+    """
 
     def __init__(self) -> None:
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
-        self.open: str | None = None  # splitter field of the open item
-        self.text = ""
+        self.open: str | None = None  # splitter field of the open item ("tool_calls": a function call)
+        self.text = ""  # the open item's text or arguments so far
 
     def event(self, kind: str, **data: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.sequence, **data}
         self.sequence += 1
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+    @property
+    def calls(self) -> list[dict[str, Any]]:
+        """The function calls streamed so far, in OpenAI ``tool_calls`` form."""
+        return [{"type": "function", "id": i["call_id"], "function": {"name": i["name"], "arguments": i["arguments"]}}
+                for i in self.output if i["type"] == "function_call"]
 
     def delta(self, field: str, text: str, timings: dict[str, Any] | None = None) -> list[bytes]:
         """The events of one text delta; ``timings`` (``timings_per_token``) go on the delta event."""
@@ -344,6 +357,26 @@ class ResponseEvents:
         if timings is not None:
             extra["timings"] = timings
         out.append(self.event(kind, item_id=item["id"], output_index=len(self.output) - 1, content_index=0, delta=text, **extra))
+        return out
+
+    def tool_calls(self, deltas: list[dict[str, Any]], timings: dict[str, Any] | None = None) -> list[bytes]:
+        """The events of OpenAI ``tool_calls`` deltas: a delta with a name adds a ``function_call``
+        item, the arguments pieces are its ``response.function_call_arguments.delta`` events."""
+        out = []
+        for delta in deltas:
+            function = delta.get("function") or {}
+            if "name" in function:
+                out += self.close()
+                self.open, self.text = "tool_calls", ""
+                item = function_call_item({"id": delta["id"], "function": function}, status="in_progress")
+                self.output.append(item)
+                out.append(self.event("response.output_item.added", output_index=len(self.output) - 1, item=item))
+            piece = function.get("arguments") or ""
+            if piece and self.open == "tool_calls":
+                self.text += piece
+                item = self.output[-1]
+                extra = {"timings": timings} if timings is not None else {}
+                out.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=len(self.output) - 1, delta=piece, **extra))
         return out
 
     def open_item(self, field: str) -> list[bytes]:
@@ -365,6 +398,14 @@ class ResponseEvents:
         if self.open is None:
             return []
         index, old = len(self.output) - 1, self.output[-1]
+        if self.open == "tool_calls":
+            item = {**old, "arguments": self.text, "status": "completed"}
+            self.output[-1] = item
+            self.open = None
+            return [
+                self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index, name=item["name"], arguments=self.text),
+                self.event("response.output_item.done", output_index=index, item=item),
+            ]
         if self.open == "reasoning_content":
             item = reasoning_item(old["id"], self.text)
             done = self.event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=self.text)
@@ -380,25 +421,13 @@ class ResponseEvents:
             self.event("response.output_item.done", output_index=index, item=item),
         ]
 
-    def function_call(self, call: Mapping[str, Any]) -> list[bytes]:
-        out = self.close()
-        item = function_call_item(call, status="in_progress")
-        self.output.append(item)
-        index = len(self.output) - 1
-        arguments = call["function"]["arguments"]
-        out.append(self.event("response.output_item.added", output_index=index, item=item))
-        out.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=arguments))
-        out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index, name=item["name"], arguments=arguments))
-        self.output[-1] = item = {**item, "arguments": arguments, "status": "completed"}
-        out.append(self.event("response.output_item.done", output_index=index, item=item))
-        return out
-
 
 async def _stream(ctx: ServerContext, job: ChatJob, body: Mapping[str, Any]) -> AsyncIterator[bytes]:
-    """The Responses events, with llama-server's telemetry: ``return_progress`` sends a
-    ``response.in_progress`` per progress report (``prompt_progress``, and ``timings`` with
-    ``timings_per_token``), ``timings_per_token`` puts ``timings`` on each token's last delta, and
-    ``response.completed`` (also after ``max_output_tokens``) carries ``timings`` beside ``response``."""
+    """The Responses events, items streamed as they are read, with llama-server's telemetry:
+    ``return_progress`` sends a ``response.in_progress`` per progress report (``prompt_progress``,
+    and ``timings`` with ``timings_per_token``), ``timings_per_token`` puts ``timings`` on each
+    token's last delta, and ``response.completed`` (also after ``max_output_tokens``) carries
+    ``timings`` beside ``response``."""
     rid, created = response_id(), fmt.now()
     events = ResponseEvents()
     splitter = reply_splitter(ctx, job)
@@ -420,21 +449,23 @@ async def _stream(ctx: ServerContext, job: ChatJob, body: Mapping[str, Any]) -> 
             continue
         if not isinstance(event, (TokenEvent, FinishEvent)):
             continue
-        deltas = [d for d in stream_deltas(ctx, splitter, res, event) if d[0] != "tool_calls"]  # calls: at the end
+        deltas = stream_deltas(ctx, splitter, res, event)
         timings = fmt.timings_json(event) if per_token else None  # text held back to the finish has them too
-        for k, (field, text) in enumerate(deltas):
-            rebuilt[field] += text
-            for chunk in events.delta(field, text, timings if k == len(deltas) - 1 else None):
+        for k, (field, value) in enumerate(deltas):
+            last = timings if k == len(deltas) - 1 else None
+            if field == "tool_calls":
+                chunks = events.tool_calls(value, last)
+            else:
+                rebuilt[field] += value
+                chunks = events.delta(field, value, last)
+            for chunk in chunks:
                 yield chunk
         if isinstance(event, FinishEvent):
-            reply = Reply(rebuilt["reasoning_content"] or None, rebuilt["content"], splitter.tool_calls)
             for chunk in events.close():
                 yield chunk
-            if not events.output and not reply.tool_calls:
+            reply = Reply(rebuilt["reasoning_content"] or None, rebuilt["content"], events.calls)
+            if not events.output:
                 for chunk in events.open_item("content") + events.close():  # an empty reply is an empty message
-                    yield chunk
-            for call in reply.tool_calls:
-                for chunk in events.function_call(call):
                     yield chunk
             warm_up(ctx, job, _reply_message(reply))
             final = response_body(rid, created, ctx, body, "completed", events.output, usage_json(ctx, event, reply.reasoning))

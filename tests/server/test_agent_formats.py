@@ -1,15 +1,18 @@
 """The Anthropic and Responses translations and event formatting, as plain functions.
 
 The tiny random models never emit a tool call or a thinking block on their own, so the shapes a
-generated ``<tool_call>`` / ``<think>`` reply takes are checked here on the real formatters; the
-end-to-end tests cover everything the models do produce.
+generated ``<tool_call>`` / ``<think>`` reply takes are checked here on the real formatters, and the
+SDKs' own stream accumulators must rebuild from the events what the whole reply parses to; the
+end-to-end tests (``tests/e2e/test_agent_streams.py``) cover forced calls on real servers.
 """
 
 from __future__ import annotations
 
 import json
 
+import openai
 import orjson
+import pydantic
 import pytest
 
 from mlxcel_compat.chat.render import render_prefix
@@ -21,7 +24,7 @@ from mlxcel_compat.chat.template import ChatTemplate
 from mlxcel_compat.server import api_anthropic, api_responses
 from mlxcel_compat.server.cache_hooks import Breakpoint, find_breakpoints
 from mlxcel_compat.server.errors import InvalidRequest
-from mlxcel_compat.chat.tool_calls import ReplyOptions
+from mlxcel_compat.chat.tool_calls import ReplyOptions, parse_reply
 
 REPLY = '<think>Check the tool.</think>Looking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 
@@ -37,57 +40,109 @@ def sse_payloads(chunks: list[bytes]) -> list[dict]:
 
 
 HERMES = ChatSyntax("JSON call", reasoning=FALLBACK_REASONING, tools=(FALLBACK_TOOLS,))
+TWO_CALLS = REPLY + ' <tool_call>{"name": "get_time", "arguments": {"zone": "CET", "exact": true}}</tool_call>'
 
 
-def stream_through(writer, text: str) -> tuple[list[bytes], list[dict]]:
-    """The reply streamed through ``writer`` in three pieces (calls left out, as the routes do);
-    returns the chunks and the calls the stream read."""
+def stream_through(writer, text: str, size: int = 5) -> list[bytes]:
+    """The reply streamed through ``writer`` in pieces of ``size`` characters, as the routes feed
+    it: text deltas to ``delta``, call deltas to ``tool_calls``, then the last item closed."""
     splitter = ReplyStream(HERMES, ReplyOptions(tools=True))
+    pieces = [text[i: i + size] for i in range(0, len(text), size)]
     chunks = []
-    deltas = [d for piece in (text[:7], text[7:20], text[20:]) for d in splitter.push(piece)] + splitter.finish()
-    for field, delta in deltas:
-        if field != "tool_calls":
-            chunks += writer.delta(field, delta)
-    return chunks, splitter.tool_calls
+    for field, value in [d for piece in pieces for d in splitter.push(piece)] + splitter.finish():
+        chunks += writer.tool_calls(value) if field == "tool_calls" else writer.delta(field, value)
+    return chunks + writer.close()
 
 
-def test_anthropic_stream_blocks_are_numbered_in_order() -> None:
+def whole(text: str):
+    return parse_reply(HERMES, text, ReplyOptions(tools=True))
+
+
+def anthropic_message(chunks: list[bytes]):
+    """What the anthropic SDK's stream accumulator builds from the events."""
+    from anthropic.lib.streaming._messages import accumulate_event
+
+    start = {"type": "message_start", "message": api_anthropic.message_body("msg_1", "m", [], None, None, api_anthropic.usage_json(1, 0, 0, 0))}
+    snapshot, bufs = None, {}
+    for event in [start, *sse_payloads(chunks)]:
+        snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=bufs)
+    return snapshot
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_anthropic_stream_blocks_in_order_as_they_are_read(size: int) -> None:
     blocks = api_anthropic.ContentBlocks()
-    chunks, calls = stream_through(blocks, REPLY)
-    chunks += blocks.close()
-    for call in calls:
-        chunks += blocks.tool_use(api_anthropic.tool_use_block(call))
+    chunks = stream_through(blocks, TWO_CALLS, size)
     events = sse_payloads(chunks)
     starts = [(e["index"], e["content_block"]["type"]) for e in events if e["type"] == "content_block_start"]
-    assert starts == [(0, "thinking"), (1, "text"), (2, "tool_use")]
-    stops = [e["index"] for e in events if e["type"] == "content_block_stop"]
-    assert stops == [0, 1, 2]
-    thinking = "".join(e["delta"]["thinking"] for e in events if e["type"] == "content_block_delta" and e["delta"]["type"] == "thinking_delta")
-    text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta")
-    arguments = [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta"]
-    assert (thinking, text) == ("Check the tool.", "Looking.")
-    assert [json.loads(a) for a in arguments] == [{"city": "Paris"}]
+    assert starts == [(0, "thinking"), (1, "text"), (2, "tool_use"), (3, "tool_use")]
+    assert [e["index"] for e in events if e["type"] == "content_block_stop"] == [0, 1, 2, 3]
+    kinds = [e["type"] + ":" + e.get("delta", {}).get("type", "") for e in events]
+    # the thinking block ends with its signature; each block opens before its deltas, closes after
+    assert kinds.index("content_block_delta:signature_delta") + 1 == kinds.index("content_block_stop:")
     tool = next(e for e in events if e["type"] == "content_block_start" and e["index"] == 2)["content_block"]
     assert tool["id"].startswith("toolu_") and tool["name"] == "get_weather" and tool["input"] == {}
+    if size == 1:  # the arguments arrive in increments, before the call's end marker is read
+        assert sum(1 for e in events if e.get("delta", {}).get("type") == "input_json_delta" and e["index"] == 2) > 5
+    # the SDK's accumulator rebuilds what the whole reply parses to
+    message = anthropic_message(chunks)
+    parsed = whole(TWO_CALLS)
+    assert [b.type for b in message.content] == ["thinking", "text", "tool_use", "tool_use"]
+    assert (message.content[0].thinking, message.content[1].text) == (parsed.reasoning, parsed.content) == ("Check the tool.", "Looking.")
+    assert [(b.name, b.input) for b in message.content[2:]] == [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls]
+    assert [c["id"] for c in blocks.calls()] == [b.id for b in message.content[2:]]
 
 
-def test_responses_stream_items_and_sequence() -> None:
-    events_writer = api_responses.ResponseEvents()
-    chunks, calls = stream_through(events_writer, REPLY)
-    chunks += events_writer.close()
-    chunks += events_writer.function_call(calls[0])
+def test_anthropic_stream_sends_the_call_before_the_reply_ends() -> None:
+    blocks = api_anthropic.ContentBlocks()
+    splitter = ReplyStream(HERMES, ReplyOptions(tools=True))
+    cut = TWO_CALLS.index("Paris") + 3  # inside the first call's arguments
+    chunks = []
+    for field, value in splitter.push(TWO_CALLS[:cut]):
+        chunks += blocks.tool_calls(value) if field == "tool_calls" else blocks.delta(field, value)
+    events = sse_payloads(chunks)
+    assert events[-2]["content_block"]["name"] == "get_weather"
+    assert events[-1]["delta"] == {"type": "input_json_delta", "partial_json": '{"city": "Par'}
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_responses_stream_items_as_they_are_read(size: int) -> None:
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+
+    writer = api_responses.ResponseEvents()
+    chunks = stream_through(writer, TWO_CALLS, size)
     events = sse_payloads(chunks)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     kinds = [e["type"] for e in events]
     assert kinds[:3] == ["response.output_item.added", "response.content_part.added", "response.reasoning_text.delta"]
-    assert kinds[-4:] == ["response.output_item.added", "response.function_call_arguments.delta", "response.function_call_arguments.done", "response.output_item.done"]
-    out = events_writer.output
-    assert [i["type"] for i in out] == ["reasoning", "message", "function_call"]
-    assert out[0]["content"][0]["text"] == "Check the tool." and out[1]["content"][0]["text"] == "Looking."
-    assert out[2]["call_id"].startswith("call_") and json.loads(out[2]["arguments"]) == {"city": "Paris"}
+    first_call = [i for i, k in enumerate(kinds) if k == "response.output_item.added"][2]
+    assert events[first_call]["item"]["type"] == "function_call" and events[first_call]["item"]["arguments"] == ""
+    assert kinds[first_call + 1] == "response.function_call_arguments.delta"
+    assert kinds[-3:] == ["response.function_call_arguments.delta", "response.function_call_arguments.done", "response.output_item.done"]
+    out = writer.output
+    assert [i["type"] for i in out] == ["reasoning", "message", "function_call", "function_call"]
     assert out[0]["id"].startswith("rs_") and out[1]["id"].startswith("msg_") and out[2]["id"].startswith("fc_")
-    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
-    assert done == out
+    assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == out
+    # the SDK's accumulator: each call's last arguments snapshot is the whole reply's arguments
+    state = ResponseStreamState(input_tools=[], text_format=openai.omit)
+    created = api_responses.response_body("resp_1", 0, _Ctx(), {}, "in_progress", [], None)
+    snapshots: dict[str, str] = {}
+    adapter = pydantic.TypeAdapter(ResponseStreamEvent)
+    for raw in [{"type": "response.created", "sequence_number": -1, "response": created}, *events]:
+        for event in state.handle_event(adapter.validate_python(raw)):
+            if event.type == "response.function_call_arguments.delta":
+                snapshots[event.item_id] = event.snapshot
+    parsed = whole(TWO_CALLS)
+    calls = [(i["name"], snapshots[i["id"]]) for i in out[2:]]
+    assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in parsed.tool_calls]
+    assert [c["id"] for c in writer.calls] == [i["call_id"] for i in out[2:]] and all(i["call_id"].startswith("call_") for i in out[2:])
+    assert (out[0]["content"][0]["text"], out[1]["content"][0]["text"]) == (parsed.reasoning, parsed.content)
+
+
+class _Ctx:
+    class model:
+        model_id = "m"
 
 
 def test_anthropic_translation() -> None:
