@@ -581,6 +581,12 @@ _MODEL: tuple[Setting, ...] = (
             choices=("on", "off", "auto"), default="auto", group="model", parse=_parse_tristate,
             accepts="one of on, off, auto (or a boolean word)",
             help="Thinking in chats: on/off sets the template's enable_thinking; auto leaves it to the template."),
+    Setting("lenient_tool_calls", ("--lenient-tool-calls",), ("LLAMA_ARG_LENIENT_TOOL_CALLS",), type="bool",
+            default=True, group="model", upstream=False, negative_flags=("--no-lenient-tool-calls",),
+            help="When tools are offered and tool_choice is not none, an answer that is only a call object "
+                 "written without the template's markers ({\"name\": ..., \"arguments\": {...}}, bare or in a "
+                 "json code fence) is returned as the call, as Ollama does, if it names an offered tool and its "
+                 "arguments validate against that tool's schema (docs/tool-calls.md). Beyond llama-server."),
     Setting("tags", ("--tags",), ("LLAMA_ARG_TAGS",), type="list", default=(), group="model", metavar="TAGS",
             help="Informational model tags, comma-separated; GET /models lists them (sorted)."),
     _noop("reasoning_effort", ("--reasoning-effort",), "Default reasoning_effort template variable.",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mlxcel_compat.chat.call_reader import CallArgs, CallStart
+from mlxcel_compat.chat.lenient_calls import LenientCalls
 from mlxcel_compat.chat.message_parsers import make_message_parser
 from mlxcel_compat.chat.reply_parser import Event, MarkersParser, TextDelta
 from mlxcel_compat.chat.syntax import ChatSyntax, JsonCall, Lit, ToolSyntax
@@ -51,7 +52,9 @@ class ReplyOptions:
     ``reasoning``: reasoning is taken out of the content (``reasoning_format`` other than
     ``none``); ``in_reasoning``: the prompt opened the reasoning block; ``tools``: the request offers
     tools (else calls stay content); ``parallel``: more than one call is kept
-    (``parallel_tool_calls``); ``arg_types``: function -> parameter -> JSON type, from the tools.
+    (``parallel_tool_calls``); ``arg_types``: function -> parameter -> JSON type, from the tools;
+    ``lenient_schemas``: function -> parameters schema of the offered tools when an answer that is
+    only a loosely written call object is read as the call (``chat/lenient_calls.py``; empty: off).
     """
 
     reasoning: bool = True
@@ -59,14 +62,20 @@ class ReplyOptions:
     tools: bool = False
     parallel: bool = True
     arg_types: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    lenient_schemas: Mapping[str, Any] = field(default_factory=dict)
 
 
 def open_parser(syntax: ChatSyntax, options: ReplyOptions) -> ReplyParser:
-    """A fresh parser for one reply in ``syntax``."""
+    """A fresh parser for one reply in ``syntax`` (recovering loosely written calls where the options ask)."""
+    parser: ReplyParser
     if syntax.dialect != "markers":
-        return make_message_parser(syntax.dialect, reasoning=options.reasoning, tools=options.tools)
-    return MarkersParser(syntax, reasoning=options.reasoning, in_reasoning=options.in_reasoning, tools=options.tools,
-                         arg_types=options.arg_types)
+        parser = make_message_parser(syntax.dialect, reasoning=options.reasoning, tools=options.tools)
+    else:
+        parser = MarkersParser(syntax, reasoning=options.reasoning, in_reasoning=options.in_reasoning, tools=options.tools,
+                               arg_types=options.arg_types)
+    if options.tools and options.lenient_schemas:
+        parser = LenientCalls(parser, options.lenient_schemas, syntax.tools[0].id_style if syntax.tools else "call")
+    return parser
 
 
 class CallCollector:

@@ -26,6 +26,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from mlxcel_compat.chat.lenient_calls import collect_schemas
 from mlxcel_compat.chat.render import render_chat
 from mlxcel_compat.chat.reply_parser import collect_arg_types
 from mlxcel_compat.chat.request import ChatRequest, ChatRequestError, parse_chat_request
@@ -372,7 +373,8 @@ def reasoning_on(ctx: ServerContext, data: Mapping[str, Any]) -> bool:
 
 def reply_options(ctx: ServerContext, job: ChatJob, syntax: ChatSyntax) -> ReplyOptions:
     """How the request's reply is taken apart: ``reasoning_format``, whether the prompt opened the
-    reasoning block, the offered tools and ``parallel_tool_calls``."""
+    reasoning block, the offered tools and ``parallel_tool_calls``, and whether a call written
+    loosely is recovered (``--lenient-tool-calls``, with tools offered and ``tool_choice`` not ``none``)."""
     separate = reasoning_on(ctx, job.data)
     return ReplyOptions(
         reasoning=separate,
@@ -380,7 +382,18 @@ def reply_options(ctx: ServerContext, job: ChatJob, syntax: ChatSyntax) -> Reply
         tools=job.with_tools,
         parallel=job.data.get("parallel_tool_calls") is not False,
         arg_types=collect_arg_types(job.chat.tools) if job.with_tools else {},
+        lenient_schemas=lenient_schemas(ctx, job),
     )
+
+
+def lenient_schemas(ctx: ServerContext, job: ChatJob) -> dict[str, Any]:
+    """The tools a loosely written call may name, with their schemas: the offered ones (only the
+    named one under a named ``tool_choice``); none with ``--no-lenient-tool-calls`` or without tools."""
+    if not job.with_tools or not ctx.settings.lenient_tool_calls:
+        return {}
+    schemas = collect_schemas(job.chat.tools)
+    choice = job.chat.tool_choice
+    return schemas if choice in ("auto", "required") else {k: v for k, v in schemas.items() if k == choice}
 
 
 @dataclass
