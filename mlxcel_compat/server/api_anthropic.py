@@ -31,9 +31,9 @@ from mlxcel_compat.server.pipeline import (
     collect,
     count_prompt_tokens,
     ctx_of,
-    parse_reply,
     prepare_chat,
     read_json,
+    reply_deltas,
     reply_splitter,
     sse_response,
     stream_deltas,
@@ -299,19 +299,6 @@ def stop_reason(fin: FinishEvent, tool_calls: bool) -> tuple[str, str | None]:
     return reason, fin.stopping_word if reason == "stop_sequence" else None
 
 
-def tool_use_block(call: Mapping[str, Any]) -> dict[str, Any]:
-    try:
-        arguments = json.loads(call["function"]["arguments"] or "{}")
-    except ValueError:
-        arguments = {}
-    return {"type": "tool_use", "id": tool_use_id(), "name": call["function"]["name"], "input": arguments if isinstance(arguments, dict) else {}}
-
-
-def with_ids(calls: list[dict[str, Any]], uses: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The tool calls under the ``toolu_`` ids the client got (and will send back)."""
-    return [dict(call, id=use["id"]) for call, use in zip(calls, uses)]
-
-
 def assistant_message(content: str, reasoning: str | None, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
     """The reply as the client will send it back, in OpenAI form (for the session warm-up)."""
     msg: dict[str, Any] = {"role": "assistant", "content": content}
@@ -352,49 +339,57 @@ async def messages(request: Request) -> Response:
     res = (await collect(ctx, request, job.requests))[0]
     fin = res.finish
     assert fin is not None
-    reply = parse_reply(ctx, job, res.content)
-    content: list[dict[str, Any]] = []
-    if reply.reasoning:
-        content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
-    if reply.content:
-        content.append({"type": "text", "text": reply.content})
-    uses = [tool_use_block(c) for c in reply.tool_calls]
-    content += uses
-    warm_up(ctx, job, assistant_message(reply.content, reply.reasoning, with_ids(reply.tool_calls, uses)))
-    reason, stop_sequence = stop_reason(fin, bool(uses))
+    blocks = ContentBlocks()  # the blocks a stream of the reply would send, in the order they were written
+    for field, value in reply_deltas(ctx, job, res.content):
+        blocks.feed(field, value)
+    blocks.close()
+    warm_up(ctx, job, blocks.assistant_message())
+    reason, stop_sequence = stop_reason(fin, bool(blocks.calls()))
     usage = usage_json(fin.n_prompt, fin.n_cached, fin.n_cache_written, fin.n_decoded)
-    return json_response(message_body(message_id(), ctx.model.model_id, content, reason, stop_sequence, usage))
+    return json_response(message_body(message_id(), ctx.model.model_id, blocks.content, reason, stop_sequence, usage))
 
 
 class ContentBlocks:
-    """Numbers the content blocks of a streamed message and opens/closes them in order.
+    """The content blocks of a message, numbered and opened/closed in the order they are read.
 
     Text and thinking arrive as ``(field, text)`` deltas, tool calls as the splitter's OpenAI
-    ``tool_calls`` deltas; each becomes the block Anthropic streams for it, as soon as it is read:
-    ``content_block_start`` (a ``tool_use`` block with its ``toolu_`` id, its name and an empty
-    ``input``), then ``text_delta`` / ``thinking_delta`` / ``input_json_delta`` increments (a
-    thinking block ends with its ``signature_delta``), then ``content_block_stop``.
+    ``tool_calls`` deltas (:meth:`feed` takes either); each becomes the events Anthropic streams
+    for its block as soon as it is read: ``content_block_start`` (a ``tool_use`` block with its
+    ``toolu_`` id, its name and an empty ``input``), then ``text_delta`` / ``thinking_delta`` /
+    ``input_json_delta`` increments (a thinking block ends with its ``signature_delta``), then
+    ``content_block_stop``. ``content`` holds the blocks themselves: a whole response is the same
+    writer fed the whole reply, so both list the same blocks.
     """
 
     KINDS = {"reasoning_content": ("thinking", "thinking_delta", "thinking"), "content": ("text", "text_delta", "text")}
 
     def __init__(self) -> None:
-        self.index = -1
         self.open: str | None = None  # the splitter field of the open block, or "tool_calls"
-        self.uses: list[dict[str, Any]] = []  # the tool_use blocks started: id, name, arguments read
+        self.content: list[dict[str, Any]] = []
+        self.arguments: dict[int, str] = {}  # block index -> a tool_use block's arguments read so far
+        self.texts = {"content": "", "reasoning_content": ""}
+
+    @property
+    def index(self) -> int:
+        return len(self.content) - 1
+
+    def feed(self, field: str, value: Any) -> list[bytes]:
+        """The events of one splitter delta."""
+        return self.tool_calls(value) if field == "tool_calls" else self.delta(field, value)
 
     def delta(self, field: str, text: str) -> list[bytes]:
         out = []
+        kind, delta_type, key = self.KINDS[field]
         if self.open != field:
             out += self.close()
-            self.index += 1
             self.open = field
-            kind, _, key = self.KINDS[field]
             block: dict[str, Any] = {"type": kind, key: ""}
             if kind == "thinking":
                 block["signature"] = ""
-            out.append(sse_event({"type": "content_block_start", "index": self.index, "content_block": block}))
-        _, delta_type, key = self.KINDS[field]
+            self.content.append(block)
+            out.append(sse_event({"type": "content_block_start", "index": self.index, "content_block": dict(block)}))
+        self.content[-1][key] += text
+        self.texts[field] += text
         out.append(sse_event({"type": "content_block_delta", "index": self.index, "delta": {"type": delta_type, key: text}}))
         return out
 
@@ -406,15 +401,14 @@ class ContentBlocks:
             function = delta.get("function") or {}
             if "name" in function:
                 out += self.close()
-                self.index += 1
                 self.open = "tool_calls"
-                use = {"id": tool_use_id(), "name": function["name"], "arguments": ""}
-                self.uses.append(use)
-                block = {"type": "tool_use", "id": use["id"], "name": use["name"], "input": {}}
-                out.append(sse_event({"type": "content_block_start", "index": self.index, "content_block": block}))
+                block = {"type": "tool_use", "id": tool_use_id(), "name": function["name"], "input": {}}
+                self.content.append(block)
+                self.arguments[self.index] = ""
+                out.append(sse_event({"type": "content_block_start", "index": self.index, "content_block": dict(block)}))
             piece = function.get("arguments") or ""
             if piece and self.open == "tool_calls":
-                self.uses[-1]["arguments"] += piece
+                self.arguments[self.index] += piece
                 delta_json = {"type": "input_json_delta", "partial_json": piece}
                 out.append(sse_event({"type": "content_block_delta", "index": self.index, "delta": delta_json}))
         return out
@@ -425,13 +419,29 @@ class ContentBlocks:
         out = []
         if self.open == "reasoning_content":  # Anthropic closes a thinking block with its signature
             out.append(sse_event({"type": "content_block_delta", "index": self.index, "delta": {"type": "signature_delta", "signature": ""}}))
+        elif self.open == "tool_calls":
+            self.content[-1]["input"] = _tool_input(self.arguments[self.index])
         self.open = None
         out.append(sse_event({"type": "content_block_stop", "index": self.index}))
         return out
 
     def calls(self) -> list[dict[str, Any]]:
-        """The tool calls streamed, in OpenAI form under their ``toolu_`` ids (for the warm-up)."""
-        return [{"type": "function", "id": u["id"], "function": {"name": u["name"], "arguments": u["arguments"]}} for u in self.uses]
+        """The tool calls read, in OpenAI form under their ``toolu_`` ids (the client sends them back so)."""
+        return [{"type": "function", "id": b["id"], "function": {"name": b["name"], "arguments": self.arguments[i]}}
+                for i, b in enumerate(self.content) if b["type"] == "tool_use"]
+
+    def assistant_message(self) -> dict[str, Any]:
+        """The reply as the client will send it back, in OpenAI form (for the session warm-up)."""
+        return assistant_message(self.texts["content"], self.texts["reasoning_content"] or None, self.calls())
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as a ``tool_use`` block's ``input`` (``{}`` where they are no JSON object)."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 async def _stream(ctx: ServerContext, job: ChatJob) -> AsyncIterator[bytes]:
@@ -441,7 +451,6 @@ async def _stream(ctx: ServerContext, job: ChatJob) -> AsyncIterator[bytes]:
     splitter = reply_splitter(ctx, job)
     blocks = ContentBlocks()
     res = fmt.Result(index=0, request=job.requests[0])
-    rebuilt = {"content": "", "reasoning_content": ""}
     mid = message_id()
     started = False
     async for _, event in ctx.run(job.requests):
@@ -456,19 +465,13 @@ async def _stream(ctx: ServerContext, job: ChatJob) -> AsyncIterator[bytes]:
             yield sse_event({"type": "message_start", "message": message_body(mid, m.model_id, [], None, None, usage)})
             yield sse_event({"type": "ping"})
         for field, value in stream_deltas(ctx, splitter, res, event):
-            if field == "tool_calls":
-                chunks = blocks.tool_calls(value)
-            else:
-                rebuilt[field] += value
-                chunks = blocks.delta(field, value)
-            for chunk in chunks:
+            for chunk in blocks.feed(field, value):
                 yield chunk
         if isinstance(event, FinishEvent):
             for chunk in blocks.close():
                 yield chunk
-            calls = blocks.calls()
-            warm_up(ctx, job, assistant_message(rebuilt["content"], rebuilt["reasoning_content"] or None, calls))
-            reason, stop_sequence = stop_reason(event, bool(calls))
+            warm_up(ctx, job, blocks.assistant_message())
+            reason, stop_sequence = stop_reason(event, bool(blocks.calls()))
             usage = usage_json(event.n_prompt, event.n_cached, event.n_cache_written, event.n_decoded)
             yield sse_event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_sequence}, "usage": usage})
             yield sse_event({"type": "message_stop"})

@@ -33,9 +33,9 @@ from mlxcel_compat.server.pipeline import (
     count_prompt_tokens,
     Reply,
     ctx_of,
-    parse_reply,
     prepare_chat,
     read_json,
+    reply_deltas,
     reply_splitter,
     sse_response,
     stream_deltas,
@@ -293,17 +293,18 @@ async def responses(request: Request) -> Response:
     res = (await collect(ctx, request, job.requests))[0]
     fin = res.finish
     assert fin is not None
-    reply = parse_reply(ctx, job, res.content)
-    output: list[dict[str, Any]] = []
-    if reply.reasoning:
-        output.append(reasoning_item(item_id("rs_"), reply.reasoning))
-    if reply.content or not reply.tool_calls:
-        output.append(message_item(item_id("msg_"), reply.content))
-    output += [function_call_item(c) for c in reply.tool_calls]
+    events = ResponseEvents()  # the items a stream of the reply would send, in the order they were written
+    for field, value in reply_deltas(ctx, job, res.content):
+        events.feed(field, value)
+    events.close()
+    if not events.output:
+        events.open_item("content")  # an empty reply is an empty message
+        events.close()
+    reply = events.reply()
     warm_up(ctx, job, _reply_message(reply))
     # "completed" even when max_output_tokens cut the reply: llama-server's status, which its
     # clients (and llama.cpp's own tests) expect; OpenAI would say "incomplete".
-    out = response_body(response_id(), fmt.now(), ctx, body, "completed", output, usage_json(ctx, fin, reply.reasoning))
+    out = response_body(response_id(), fmt.now(), ctx, body, "completed", events.output, usage_json(ctx, fin, reply.reasoning))
     return json_response(out)
 
 
@@ -338,11 +339,19 @@ class ResponseEvents:
         self.sequence += 1
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
-    @property
-    def calls(self) -> list[dict[str, Any]]:
-        """The function calls streamed so far, in OpenAI ``tool_calls`` form."""
-        return [{"type": "function", "id": i["call_id"], "function": {"name": i["name"], "arguments": i["arguments"]}}
-                for i in self.output if i["type"] == "function_call"]
+    def reply(self) -> Reply:
+        """The items written so far as one reply: its reasoning, its text, its calls (OpenAI form)."""
+        texts = {"reasoning": "", "message": ""}
+        for item in self.output:
+            if item["type"] in texts and item["content"]:
+                texts[item["type"]] += item["content"][0]["text"]
+        calls = [{"type": "function", "id": i["call_id"], "function": {"name": i["name"], "arguments": i["arguments"]}}
+                 for i in self.output if i["type"] == "function_call"]
+        return Reply(texts["reasoning"] or None, texts["message"], calls)
+
+    def feed(self, field: str, value: Any, timings: dict[str, Any] | None = None) -> list[bytes]:
+        """The events of one splitter delta."""
+        return self.tool_calls(value, timings) if field == "tool_calls" else self.delta(field, value, timings)
 
     def delta(self, field: str, text: str, timings: dict[str, Any] | None = None) -> list[bytes]:
         """The events of one text delta; ``timings`` (``timings_per_token``) go on the delta event."""
@@ -432,7 +441,6 @@ async def _stream(ctx: ServerContext, job: ChatJob, body: Mapping[str, Any]) -> 
     events = ResponseEvents()
     splitter = reply_splitter(ctx, job)
     res = fmt.Result(index=0, request=job.requests[0])
-    rebuilt = {"content": "", "reasoning_content": ""}
     per_token = job.opts.timings_per_token
     progress = PromptProgress.for_request(ctx, per_token) if job.requests[0].return_progress else None
     start = response_body(rid, created, ctx, body, "in_progress", [], None)
@@ -452,21 +460,15 @@ async def _stream(ctx: ServerContext, job: ChatJob, body: Mapping[str, Any]) -> 
         deltas = stream_deltas(ctx, splitter, res, event)
         timings = fmt.timings_json(event) if per_token else None  # text held back to the finish has them too
         for k, (field, value) in enumerate(deltas):
-            last = timings if k == len(deltas) - 1 else None
-            if field == "tool_calls":
-                chunks = events.tool_calls(value, last)
-            else:
-                rebuilt[field] += value
-                chunks = events.delta(field, value, last)
-            for chunk in chunks:
+            for chunk in events.feed(field, value, timings if k == len(deltas) - 1 else None):
                 yield chunk
         if isinstance(event, FinishEvent):
             for chunk in events.close():
                 yield chunk
-            reply = Reply(rebuilt["reasoning_content"] or None, rebuilt["content"], events.calls)
             if not events.output:
                 for chunk in events.open_item("content") + events.close():  # an empty reply is an empty message
                     yield chunk
+            reply = events.reply()
             warm_up(ctx, job, _reply_message(reply))
             final = response_body(rid, created, ctx, body, "completed", events.output, usage_json(ctx, event, reply.reasoning))
             yield events.event("response.completed", response=final, timings=fmt.timings_json(event))

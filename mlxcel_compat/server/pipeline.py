@@ -416,6 +416,14 @@ def reply_splitter(ctx: ServerContext, job: ChatJob) -> ReplyStream:
     return ReplyStream(job.syntax, reply_options(ctx, job, job.syntax))
 
 
+def reply_deltas(ctx: ServerContext, job: ChatJob, text: str) -> list[tuple[str, Any]]:
+    """A finished reply as the deltas its stream sends, in one piece: the Anthropic and Responses
+    routes build a whole response with their stream's writer, so it lists the blocks or items in
+    the order they were written, as the stream does."""
+    splitter = reply_splitter(ctx, job)
+    return splitter.push(text) + splitter.finish()
+
+
 def stream_deltas(ctx: ServerContext, splitter: ReplyStream, result: fmt.Result, event: TokenEvent | FinishEvent) -> list[tuple[str, Any]]:
     """Add a token or finish event to ``result``; return the ``(field, value)`` deltas to send."""
     if isinstance(event, TokenEvent):

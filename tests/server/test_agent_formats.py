@@ -50,7 +50,7 @@ def stream_through(writer, text: str, size: int = 5) -> list[bytes]:
     pieces = [text[i: i + size] for i in range(0, len(text), size)]
     chunks = []
     for field, value in [d for piece in pieces for d in splitter.push(piece)] + splitter.finish():
-        chunks += writer.tool_calls(value) if field == "tool_calls" else writer.delta(field, value)
+        chunks += writer.feed(field, value)
     return chunks + writer.close()
 
 
@@ -91,6 +91,7 @@ def test_anthropic_stream_blocks_in_order_as_they_are_read(size: int) -> None:
     assert (message.content[0].thinking, message.content[1].text) == (parsed.reasoning, parsed.content) == ("Check the tool.", "Looking.")
     assert [(b.name, b.input) for b in message.content[2:]] == [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls]
     assert [c["id"] for c in blocks.calls()] == [b.id for b in message.content[2:]]
+    assert [b.model_dump(exclude_none=True) for b in message.content] == blocks.content  # what a whole response lists
 
 
 def test_anthropic_stream_sends_the_call_before_the_reply_ends() -> None:
@@ -99,7 +100,7 @@ def test_anthropic_stream_sends_the_call_before_the_reply_ends() -> None:
     cut = TWO_CALLS.index("Paris") + 3  # inside the first call's arguments
     chunks = []
     for field, value in splitter.push(TWO_CALLS[:cut]):
-        chunks += blocks.tool_calls(value) if field == "tool_calls" else blocks.delta(field, value)
+        chunks += blocks.feed(field, value)
     events = sse_payloads(chunks)
     assert events[-2]["content_block"]["name"] == "get_weather"
     assert events[-1]["delta"] == {"type": "input_json_delta", "partial_json": '{"city": "Par'}
@@ -136,7 +137,7 @@ def test_responses_stream_items_as_they_are_read(size: int) -> None:
     parsed = whole(TWO_CALLS)
     calls = [(i["name"], snapshots[i["id"]]) for i in out[2:]]
     assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in parsed.tool_calls]
-    assert [c["id"] for c in writer.calls] == [i["call_id"] for i in out[2:]] and all(i["call_id"].startswith("call_") for i in out[2:])
+    assert [c["id"] for c in writer.reply().tool_calls] == [i["call_id"] for i in out[2:]] and all(i["call_id"].startswith("call_") for i in out[2:])
     assert (out[0]["content"][0]["text"], out[1]["content"][0]["text"]) == (parsed.reasoning, parsed.content)
 
 
