@@ -168,6 +168,7 @@ def loose_request(server: ServerProcess, tool_choice: str) -> dict[str, Any]:
     """The openai SDK's arguments of a request whose answer can only be a bare call object."""
     with httpx.Client(base_url=server.base_url) as http:
         marker = http.post("/tokenize", json={"content": "<tool_call>", "parse_special": True}).json()["tokens"]
+    assert len(marker) == 1  # banning it closes the grammar's call branch and nothing else
     extra = {"logit_bias": [[marker[0], False]], "chat_template_kwargs": {"enable_thinking": False}, **SAMPLING}
     return dict(model="tiny", messages=[{"role": "user", "content": QUESTION}], tools=chat_tools(), tool_choice=tool_choice,
                 response_format={"type": "json_schema", "json_schema": {"name": "call", "schema": BARE_CALL}},
