@@ -10,7 +10,8 @@ streamed and a reply parsed whole give the same reasoning, content and calls. De
   ``index`` and the next ``function.arguments`` piece.
 
 Text that may still turn out to be a marker or a call is held back only as long as it may
-(``chat/reply_parser.py``); :meth:`ReplyStream.finish` releases the rest.
+(``chat/reply_parser.py``; and content that may still be a loosely written call object,
+``chat/lenient_calls.py``); :meth:`ReplyStream.finish` releases the rest.
 """
 
 from __future__ import annotations

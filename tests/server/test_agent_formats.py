@@ -230,3 +230,23 @@ def test_render_prefix_ends_at_the_marked_block() -> None:
     assert prompt.startswith(whole) and whole.endswith("second part<|im_end|>\n")
     assert system_end.endswith("S.<|im_end|>\n") and first_part.endswith("first part")
     assert len(system_end) < len(first_part) < len(whole) < len(prompt)
+
+
+def test_a_loosely_written_call_is_a_tool_use_block_and_a_function_call_item() -> None:
+    from mlxcel_compat.chat.lenient_calls import collect_schemas
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    options = ReplyOptions(tools=True, lenient_schemas=collect_schemas(tools))
+    reply = '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
+    for writer in (api_anthropic.ContentBlocks(), api_responses.ResponseEvents()):
+        splitter = ReplyStream(HERMES, options)
+        chunks = [c for piece in reply for field, value in splitter.push(piece) for c in writer.feed(field, value)]
+        assert chunks == []  # held while it may be the call
+        chunks = [c for field, value in splitter.finish() for c in writer.feed(field, value)] + writer.close()
+        events = sse_payloads(chunks)
+        if isinstance(writer, api_anthropic.ContentBlocks):
+            assert writer.content == [{"type": "tool_use", "id": writer.content[0]["id"], "name": "get_weather", "input": {"city": "Paris"}}]
+            assert anthropic_message(chunks).content[0].input == {"city": "Paris"}
+        else:
+            assert [(i["type"], i["name"], i["arguments"]) for i in writer.output] == [("function_call", "get_weather", '{"city": "Paris"}')]
+            assert not any(e["type"] == "response.output_text.delta" for e in events)
