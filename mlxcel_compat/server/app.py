@@ -49,6 +49,7 @@ from mlxcel_compat.server.context import ModelInfo, ServerContext
 from mlxcel_compat.server.cors import CorsMiddleware, CorsPolicy
 from mlxcel_compat.server.errors import ApiError, AuthenticationError, ErrorShape, PayloadTooLarge, ServerError, Unavailable, error_response, raw_error_response
 from mlxcel_compat.server.prompts import max_chars_per_token
+from mlxcel_compat.server.static_files import StaticDirectoryMiddleware
 from mlxcel_compat.server import agent_tools
 from mlxcel_compat.server.mcp_client import McpManager, load_configs
 from mlxcel_compat.server.structured import StructuredOutput, server_default
@@ -413,6 +414,8 @@ def build_app(ctx: ServerContext) -> Starlette:
             Middleware(ServerHeaderMiddleware),
             Middleware(CorsMiddleware, policy=cors_policy),
             Middleware(GateMiddleware, ctx=ctx, prefix=prefix),
+            *([Middleware(StaticDirectoryMiddleware, root=settings.static_path, prefix=prefix)]
+              if settings.static_path and settings.ui else []),
             Middleware(ErrorMiddleware, prefix=prefix),
             Middleware(LimitsMiddleware, ctx=ctx, write_timeout=settings.timeout, prefix=prefix),
         ],
