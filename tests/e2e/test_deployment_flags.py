@@ -4,7 +4,9 @@ Three servers for the module: ``deployed``, a Q8_0 GGUF behind most flags at onc
 others may share, a static directory, llama.cpp's log format into a file, a 1 MiB prompt cache,
 metadata overrides, the weights read into memory and locked); ``overridden``, the tiny llama
 directory with RoPE flags and one thread; ``configured``, a copy of that directory whose
-config.json makes the same RoPE change, with two threads.
+config.json makes the same RoPE change, with two threads (slow: its config.json is new, so its
+tokenizer is built afresh, 10-30 s on a busy machine). The session's default ``server`` (the
+same directory, no flags) is the baseline of the default run.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import MODEL_CACHE, ServerProcess
+from tests.conftest import MODEL_CACHE, SLOW, ServerProcess
 
 ROPE_FLAGS = ["--rope-freq-base", "5000", "--rope-scale", "2"]
 ROPE_CONFIG = {"rope_theta": 5000.0, "rope_scaling": {"type": "linear", "factor": 2.0}}
@@ -106,18 +108,31 @@ def first_token_probs(base_url: str, **client: object) -> list:
     return reply["completion_probabilities"][0]["top_logprobs"]
 
 
-def test_rope_flags_change_the_logits_exactly_as_the_config_change(overridden, configured, server) -> None:
+def test_rope_flags_change_the_logits(overridden, server) -> None:
+    assert first_token_probs(server.base_url) != first_token_probs(overridden.base_url)
+    assert "RoPE overrides: scale=2.0, freq_base=5000.0" in overridden.log()
+
+
+@SLOW
+def test_rope_flags_change_the_logits_exactly_as_the_config_change(overridden, configured) -> None:
     by_flags = first_token_probs(overridden.base_url)
     by_config = first_token_probs(configured.base_url)
     assert by_flags == by_config  # same ids, same log-probabilities to the last bit
-    assert first_token_probs(server.base_url) != by_flags  # and the change is a change
-    assert "RoPE overrides: scale=2.0, freq_base=5000.0" in overridden.log()
 
 
 def thread_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
 
+def test_threads_bound_the_runtime(overridden, server) -> None:
+    for each in (overridden, server):  # a prefill and decode steps on each
+        httpx.post(each.base_url + "/completion", json={"prompt": PROMPT * 6, "n_predict": 8}, timeout=60)
+    assert "1 threads)" in overridden.log()
+    if len(os.sched_getaffinity(server.proc.pid)) > 1:
+        assert thread_count(overridden.proc.pid) < thread_count(server.proc.pid)
+
+
+@SLOW
 def test_threads_bound_the_runtime_and_leave_results_alone(overridden, configured) -> None:
     long_prompt = PROMPT * 6  # prefill in large products (OpenBLAS), then decode steps (the shim's pool)
     outputs = []
@@ -144,14 +159,14 @@ def test_openai_sdk_over_tls_with_a_self_signed_certificate(deployed) -> None:
     assert f"server is listening on https://127.0.0.1:{server.port}" in server.log()
 
 
-def test_reuse_port_lets_another_socket_bind_the_port(deployed, configured) -> None:
+def test_reuse_port_lets_another_socket_bind_the_port(deployed, overridden) -> None:
     server = deployed[0]
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(("127.0.0.1", server.port))  # shares the port: the server's socket allows it
     with socket.socket() as sock, pytest.raises(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(("127.0.0.1", configured.port))  # a server without --reuse-port does not
+        sock.bind(("127.0.0.1", overridden.port))  # a server without --reuse-port does not
 
 
 def test_path_serves_the_directory_ahead_of_the_routes(deployed) -> None:
@@ -182,16 +197,16 @@ def test_cache_ram_sets_the_prompt_cache_budget(deployed) -> None:
     assert stats["capacity_bytes"] == 1 << 20
 
 
-def test_override_kv_eos_stops_generation_and_add_bos_changes_tokenization(deployed, configured) -> None:
+def test_override_kv_eos_stops_generation_and_add_bos_changes_tokenization(deployed, server) -> None:
     _, url, cert, _ = deployed
     forced = {"prompt": "Hello", "n_predict": 6, "temperature": 0, "logit_bias": [[EOS_OVERRIDE, 100]]}
     reply = httpx.post(url + "/completion", json=forced, verify=str(cert), timeout=60).json()
     assert reply["stop_type"] == "eos" and reply["tokens_predicted"] <= 1
-    plain = httpx.post(configured.base_url + "/completion", json=forced, timeout=60).json()  # same vocabulary
+    plain = httpx.post(server.base_url + "/completion", json=forced, timeout=60).json()  # same vocabulary
     assert plain["stop_type"] == "limit" and plain["tokens_predicted"] == 6
     body = {"content": "Hello", "add_special": True}
     ours = httpx.post(url + "/tokenize", json=body, verify=str(cert), timeout=30).json()["tokens"]
-    theirs = httpx.post(configured.base_url + "/tokenize", json=body, timeout=30).json()["tokens"]
+    theirs = httpx.post(server.base_url + "/tokenize", json=body, timeout=30).json()["tokens"]
     assert theirs[1:] == ours and len(theirs) == len(ours) + 1  # the BOS is gone
 
 
