@@ -24,7 +24,7 @@ def setup_logging(settings: object) -> None:
     if getattr(settings, "log_disable", False):
         logging.disable(logging.CRITICAL)
         return
-    from mlxcel_compat.logs import configure
+    from mlxcel_compat.server.log_format import configure
 
     verbose = getattr(settings, "verbose", False) or getattr(settings, "log_verbosity", 3) > 3
     configure(logging.DEBUG if verbose else logging.INFO, prefix=bool(getattr(settings, "log_prefix", False)),

@@ -220,16 +220,16 @@ def _parse_directory(raw: str) -> str:
 
 
 def _parse_existing_directory(raw: str) -> str:
-    """A directory that exists now (``--path``: llama-server stops start-up without it)."""
-    if not raw or not os.path.isdir(os.path.expanduser(raw)):
+    """A directory that exists now (``--path``: llama-server stops start-up without it); empty: none."""
+    if raw and not os.path.isdir(os.path.expanduser(raw)):
         raise ValueError(raw)
     return raw
 
 
 def _parse_readable_file(raw: str) -> str:
-    """A file this process can read now (kept as given): the TLS key and certificate."""
+    """A file this process can read now (kept as given): the TLS key and certificate; empty: none."""
     path = os.path.expanduser(raw)
-    if not raw or not os.path.isfile(path) or not os.access(path, os.R_OK):
+    if raw and (not os.path.isfile(path) or not os.access(path, os.R_OK)):
         raise ValueError(raw)
     return raw
 

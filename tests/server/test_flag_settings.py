@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from mlxcel_compat import logs
+from mlxcel_compat.server import log_format as logs
 from mlxcel_compat.runtime.backend import ThreadCounts
 from mlxcel_compat.settings import CACHE_RAM_UNLIMITED, SettingsError, resolve_settings
 
