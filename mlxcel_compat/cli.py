@@ -15,7 +15,7 @@ import signal
 import sys
 from typing import Sequence
 
-from mlxcel_compat.runtime.backend import exit_now, load_optimized_blas, log_blas, map_big_allocations
+from mlxcel_compat.runtime.backend import ThreadCounts, exit_now, load_optimized_blas, log_blas, map_big_allocations
 
 log = logging.getLogger("mlxcel_compat")
 
@@ -88,6 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     map_big_allocations()
     log_blas(load_optimized_blas(threads=settings.threads, threads_batch=settings.threads_batch))
+    counts = ThreadCounts.from_flags(settings.threads, settings.threads_batch)
+    if counts.decode is not None:
+        log.info("CPU threads: %d for decode steps (-t), %d for prompt chunks (-tb: OpenBLAS, ggml's prompt products)",
+                 counts.decode, counts.batch)
     for name, reason in settings.ignored:
         log.info("ignored option %s: %s", name, reason)
     try:

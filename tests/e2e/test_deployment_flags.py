@@ -127,7 +127,7 @@ def thread_count(pid: int) -> int:
 def test_threads_bound_the_runtime(overridden, server) -> None:
     for each in (overridden, server):  # a prefill and decode steps on each
         httpx.post(each.base_url + "/completion", json={"prompt": PROMPT * 6, "n_predict": 8}, timeout=60)
-    assert "1 threads)" in overridden.log()
+    assert "1 threads)" in overridden.log() and "CPU threads: 1 for decode steps (-t), 1 for prompt chunks" in overridden.log()
     if len(os.sched_getaffinity(server.proc.pid)) > 1:
         assert thread_count(overridden.proc.pid) < thread_count(server.proc.pid)
 
