@@ -414,9 +414,9 @@ def build_app(ctx: ServerContext) -> Starlette:
             Middleware(ServerHeaderMiddleware),
             Middleware(CorsMiddleware, policy=cors_policy),
             Middleware(GateMiddleware, ctx=ctx, prefix=prefix),
+            Middleware(ErrorMiddleware, prefix=prefix),
             *([Middleware(StaticDirectoryMiddleware, root=settings.static_path, prefix=prefix)]
               if settings.static_path and settings.ui else []),
-            Middleware(ErrorMiddleware, prefix=prefix),
             Middleware(LimitsMiddleware, ctx=ctx, write_timeout=settings.timeout, prefix=prefix),
         ],
         exception_handlers={404: not_found, 405: not_found},
