@@ -229,6 +229,7 @@ def hypercorn_config(settings: object) -> object:
     if tls:  # hypercorn wraps every bound socket (its "secure" binds) in this key and certificate
         config.certfile = os.path.expanduser(settings.ssl_cert_file)
         config.keyfile = os.path.expanduser(settings.ssl_key_file)
+        config.alpn_protocols = ["http/1.1"]  # llama-server (cpp-httplib) speaks HTTP/1.1 only, over TLS too
         check_tls(config)
     listeners = open_listeners(parse_hosts(settings.host), port, reuse_port=bool(settings.reuse_port), tls=tls)
     config.listening = listeners.urls
