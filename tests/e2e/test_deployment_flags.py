@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import MODEL_CACHE, SLOW, ServerProcess
+from tests.conftest import LLAMA_SERVER, MODEL_CACHE, SLOW, ServerProcess, start_llama_server
 
 ROPE_FLAGS = ["--rope-freq-base", "5000", "--rope-scale", "2"]
 ROPE_CONFIG = {"rope_theta": 5000.0, "rope_scaling": {"type": "linear", "factor": 2.0}}
@@ -218,3 +218,25 @@ def test_no_mmap_and_mlock_keep_the_weights_in_locked_process_memory(deployed) -
     status = Path(f"/proc/{server.proc.pid}/status").read_text()
     locked_kb = int(re.search(r"VmLck:\s+(\d+) kB", status).group(1))
     assert locked_kb * 1024 >= os.path.getsize(model) - 4096, (locked_kb, server.log()[-2000:])
+
+
+@SLOW
+@pytest.mark.skipif(not os.access(LLAMA_SERVER, os.X_OK), reason="the llama-server binary (b11312) is not built on this machine")
+@pytest.mark.parametrize("flags", [ROPE_FLAGS, ["--rope-scaling", "yarn", "--rope-scale", "4", "--yarn-orig-ctx", "64"]],
+                         ids=["linear", "yarn"])
+def test_rope_flags_mean_what_they_mean_to_llama_server(flags: list[str], server_factory) -> None:
+    """The same flags on the same f32 GGUF: llama-server's first-token distribution, to float32
+    rounding (the factor is not inverted, YaRN's original context is taken, ...)."""
+    from mlxcel_compat.testing.gguf_writer import ensure_gguf
+
+    model = ensure_gguf("llama", "tiny", "f32", cache_dir=MODEL_CACHE)
+    args = ["-m", str(model), "-np", "1", "-c", "256", *flags]
+    proc, url = start_llama_server(args)
+    try:
+        theirs = first_token_probs(url)
+    finally:
+        proc.kill()
+        proc.wait()
+    ours = first_token_probs(server_factory(args).base_url)
+    assert [t["id"] for t in ours] == [t["id"] for t in theirs]
+    assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(ours, theirs)) < 5e-3
