@@ -240,3 +240,28 @@ def test_rope_flags_mean_what_they_mean_to_llama_server(flags: list[str], server
     ours = first_token_probs(server_factory(args).base_url)
     assert [t["id"] for t in ours] == [t["id"] for t in theirs]
     assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(ours, theirs)) < 5e-3
+
+
+@SLOW
+@pytest.mark.skipif(not os.access(LLAMA_SERVER, os.X_OK), reason="the llama-server binary (b11312) is not built on this machine")
+def test_override_kv_means_what_it_means_to_llama_server(server_factory) -> None:
+    """The same overrides on the same GGUF: llama-server tokenizes without the BOS and stops at the
+    overridden EOS where this server does."""
+    from mlxcel_compat.testing.gguf_writer import ensure_gguf
+
+    model = ensure_gguf("llama", "tiny", "q8_0", cache_dir=MODEL_CACHE)
+    args = ["-m", str(model), "-np", "1", "-c", "256", "--override-kv",
+            f"tokenizer.ggml.eos_token_id=int:{EOS_OVERRIDE},tokenizer.ggml.add_bos_token=bool:false"]
+    forced = {"prompt": "Hello", "n_predict": 6, "temperature": 0, "logit_bias": [[EOS_OVERRIDE, 100]]}
+    tokenize = {"content": "Hello world", "add_special": True}
+    proc, url = start_llama_server(args)
+    try:
+        theirs = (httpx.post(url + "/tokenize", json=tokenize, timeout=30).json()["tokens"],
+                  httpx.post(url + "/completion", json=forced, timeout=60).json()["stop_type"])
+    finally:
+        proc.kill()
+        proc.wait()
+    base = server_factory(args).base_url
+    ours = (httpx.post(base + "/tokenize", json=tokenize, timeout=30).json()["tokens"],
+            httpx.post(base + "/completion", json=forced, timeout=60).json()["stop_type"])
+    assert ours == theirs and theirs[1] == "eos"
