@@ -8,7 +8,9 @@ What llama-server does with it (cpp-httplib's mount point at ``/``), done the sa
 - anything else goes to the routes as usual; the built-in chat page (``/``, ``/index.html``,
   ``/ui/*``) is not served at all, so a directory without ``index.html`` answers 404 at ``/``;
 - the API key and the "Loading model" gate apply as to any path (llama-server checks them
-  before it routes): ``/`` and ``/index.html`` stay public, other files need the key when one is set;
+  before it routes): of the directory's files only ``/`` stays public (not ``/index.html``, nor
+  ``/ui/...``, which the built-in page makes public), the others need the key when one is set;
+- a path naming a directory without the final ``/`` is redirected there (301), as httplib does;
 - with ``--no-ui`` the directory is not served (llama-server registers it only with the UI on).
 
 Paths are resolved and must stay inside ``DIR`` (``..`` and symbolic links out of it answer as
@@ -22,24 +24,31 @@ import os
 from pathlib import Path
 from urllib.parse import unquote
 
-from starlette.responses import FileResponse
+from starlette.responses import FileResponse, RedirectResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 INDEX = "index.html"
 
 
-def resolve_static(root: Path, url_path: str) -> Path | None:
-    """The file ``url_path`` names under ``root`` (a directory's ``index.html``), or None when
-    there is none or it would lie outside ``root``."""
+def static_is_public(path: str) -> bool:
+    """With ``--path``, whether a path the built-in page would make public stays so (``/`` only;
+    llama-server b11312 asks for the key at ``/index.html``)."""
+    return path != "/index.html" and not path.startswith("/ui/")
+
+
+def resolve_static(root: Path, url_path: str) -> tuple[Path, bool] | None:
+    """The file ``url_path`` names under ``root`` (a directory's ``index.html``) and whether the
+    path named a directory, or None when there is none or it would lie outside ``root``."""
     relative = unquote(url_path).lstrip("/")
     if "\0" in relative:
         return None
     candidate = (root / relative).resolve()
     if candidate != root and root not in candidate.parents:
         return None
-    if candidate.is_dir():
+    directory = candidate.is_dir()
+    if directory:
         candidate = candidate / INDEX
-    return candidate if candidate.is_file() else None
+    return (candidate, directory) if candidate.is_file() else None
 
 
 class StaticDirectoryMiddleware:
@@ -54,10 +63,14 @@ class StaticDirectoryMiddleware:
         if scope["type"] == "http" and scope["method"] in ("GET", "HEAD"):
             path = scope["path"]
             if not self.prefix or path == self.prefix or path.startswith(self.prefix + "/"):
-                found = resolve_static(self.root, path[len(self.prefix):])
+                relative = path[len(self.prefix):]
+                found = resolve_static(self.root, relative)
+                if found is not None and found[1] and not relative.endswith("/"):
+                    await RedirectResponse(path + "/", status_code=301)(scope, receive, send)
+                    return
                 if found is not None:
-                    media = mimetypes.guess_type(found.name)[0] or "application/octet-stream"
-                    await FileResponse(found, media_type=media)(scope, receive, send)  # HEAD: headers only
+                    media = mimetypes.guess_type(found[0].name)[0] or "application/octet-stream"
+                    await FileResponse(found[0], media_type=media)(scope, receive, send)  # HEAD: headers only
                     return
         await self.app(scope, receive, send)
 

@@ -177,6 +177,7 @@ def test_path_serves_the_directory_ahead_of_the_routes(deployed) -> None:
         hello = http.get("/hello.txt")
         assert hello.text == "hello from --path" and hello.headers["content-type"].startswith("text/plain")
         assert http.get("/docs/").text == "<p>docs index</p>"
+        assert http.get("/docs", follow_redirects=False).status_code == 301  # as httplib redirects a directory
         assert http.get("/props").text == "a file named like a route"  # files first, as httplib's mount point
         assert http.get("/ui/main.js").status_code == 404  # the built-in page is not served
         assert http.get("/%2e%2e/%2e%2e/etc/hostname").status_code == 404
