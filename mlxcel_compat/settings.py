@@ -445,6 +445,7 @@ _SERVER: tuple[Setting, ...] = (
              R_TOOLS_RUNTIME, metavar="OPTION", env=("LLAMA_ARG_TOOLS_RUNTIME",), group="server"),
     Setting("ssl_key_file", ("--ssl-key-file",), ("LLAMA_ARG_SSL_KEY_FILE",), metavar="FNAME",
             parse=_parse_readable_file, accepts="a readable file",
+            reason="one of the two files without the other stops start-up (llama-server then serves plain HTTP)",
             help="PEM private key: with --ssl-cert-file, every listener serves HTTPS (hypercorn's TLS)."),
     Setting("ssl_cert_file", ("--ssl-cert-file",), ("LLAMA_ARG_SSL_CERT_FILE",), metavar="FNAME",
             parse=_parse_readable_file, accepts="a readable file",
@@ -834,7 +835,8 @@ _CACHE: tuple[Setting, ...] = (
     Setting("apc_trace", type="bool", default=False, group="cache", upstream=False,
             help="Log one line per prompt-cache decision (environment only)."),
     Setting("cache_ram", ("-cram", "--cache-ram"), ("LLAMA_ARG_CACHE_RAM",), type="int", minimum=-1, group="cache",
-            metavar="N", default_doc="unset: the model-aware budget of --prompt-cache-capacity-bytes",
+            metavar="N", reason="unset, the budget is this cache's model-aware one, not llama-server's 8192 MiB; "
+                                "--prompt-cache-capacity-bytes wins over it", default_doc="unset: the model-aware budget of --prompt-cache-capacity-bytes",
             help="RAM budget of the prompt cache in MiB (-1 no limit, 0 turns the cache off), as llama-server's. "
                  "--prompt-cache-capacity-bytes wins where both are given; --prompt-cache-enabled given on "
                  "the command line wins over -cram 0."),
@@ -877,6 +879,7 @@ _LOGGING: tuple[Setting, ...] = (
     Setting("log_file", ("--log-file",), ("LLAMA_ARG_LOG_FILE",), metavar="FNAME", group="logging",
             help="Also write the log to this file (appended to; stderr keeps it too)."),
     Setting("log_colors", ("--log-colors",), ("LLAMA_ARG_LOG_COLORS",), type="choice", choices=("on", "off", "auto"),
+            reason="the --log-file copy is never coloured",
             default="auto", metavar="[on|off|auto]",
             arity="optional", parse=_parse_tristate, accepts="on, off or auto (or a true/false word)",
             group="logging",
@@ -907,6 +910,8 @@ _COMPAT: tuple[Setting, ...] = (
     _refused("completion_bash", ("--completion-bash",), "Print a bash completion script and exit.", R_COMMAND),
     _refused("list_devices", ("--list-devices",), "List devices and exit.", R_COMMAND),
     Setting("threads", ("-t", "--threads"), ("LLAMA_ARG_THREADS",), type="int", default=-1, metavar="N",
+            reason="unset, every CPU the process may use (llama-server: its count of physical cores); MLX's own "
+                   "threads are not counted",
             parse=_parse_threads, accepts="an integer (<= 0: every CPU)", group="model",
             help="CPU threads of the CPU runtime: the decode kernels' thread pool and, unless -tb says "
                  "otherwise, OpenBLAS and ggml's prompt products (-1 = every CPU the process may use)."),
@@ -948,6 +953,7 @@ _COMPAT: tuple[Setting, ...] = (
     _noop("fit_ctx", ("-fitc", "--fit-ctx"), "Smallest context --fit may choose.", R_FIT, metavar="N",
           env=("LLAMA_ARG_FIT_CTX",)),
     Setting("mlock", ("--mlock",), ("LLAMA_ARG_MLOCK",), type="bool", default=False, group="model",
+            reason="locks the GGUF blocks served from the file; float weights live in MLX arrays and are not locked",
             help="Lock a GGUF's mapped weight blocks in RAM (mlock), so they are never swapped or dropped; a "
                  "warning where RLIMIT_MEMLOCK forbids it. Float weights, which MLX holds, are not locked."),
     Setting("mmap", ("--mmap",), ("LLAMA_ARG_MMAP",), type="bool", default=True, negative_flags=("--no-mmap",),
