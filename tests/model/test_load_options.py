@@ -44,3 +44,9 @@ def test_from_settings_reads_every_flag_and_changes_the_fingerprint() -> None:
     assert options.rope == RopeOverrides(scaling="yarn", yarn_orig_ctx=512)
     assert [o.key for o in options.kv_overrides] == ["a"] and not options.use_mmap and options.mlock
     assert options.mark("f" * 64) != "f" * 64 and LoadOptions().mark("f" * 64) == "f" * 64
+
+
+def test_a_malformed_override_is_refused_before_loading() -> None:
+    settings = resolve_settings(["--override-kv", "tokenizer.ggml.eos_token_id=int:two"], {})
+    with pytest.raises(ValueError, match="invalid int value for KV override 'tokenizer.ggml.eos_token_id=int:two'"):
+        LoadOptions.from_settings(settings)
