@@ -15,7 +15,7 @@ import signal
 import sys
 from typing import Sequence
 
-from mlxcel_compat.runtime.backend import exit_now, load_optimized_blas, log_blas, map_big_allocations
+from mlxcel_compat.runtime.backend import ThreadCounts, exit_now, load_optimized_blas, log_blas, map_big_allocations
 
 log = logging.getLogger("mlxcel_compat")
 
@@ -24,12 +24,13 @@ def setup_logging(settings: object) -> None:
     if getattr(settings, "log_disable", False):
         logging.disable(logging.CRITICAL)
         return
+    from mlxcel_compat.server.log_format import configure
+
     verbose = getattr(settings, "verbose", False) or getattr(settings, "log_verbosity", 3) > 3
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure(logging.DEBUG if verbose else logging.INFO, prefix=bool(getattr(settings, "log_prefix", False)),
+              timestamps=bool(getattr(settings, "log_timestamps", False)),
+              colours=getattr(settings, "log_colors", "auto") or "auto",
+              log_file=getattr(settings, "log_file", None) or None, stream=sys.stderr)
     if not verbose:
         for noisy in ("hypercorn.access", "httpx", "httpcore", "huggingface_hub"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -80,9 +81,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    setup_logging(settings)
+    try:
+        setup_logging(settings)
+    except OSError as exc:
+        print(f"error: cannot open --log-file {settings.log_file}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     map_big_allocations()
-    log_blas(load_optimized_blas())
+    log_blas(load_optimized_blas(threads=settings.threads, threads_batch=settings.threads_batch))
+    counts = ThreadCounts.from_flags(settings.threads, settings.threads_batch)
+    if counts.decode is not None:
+        log.info("CPU threads: %d for decode steps (-t), %d for prompt chunks (-tb: OpenBLAS, ggml's prompt products)",
+                 counts.decode, counts.batch)
     for name, reason in settings.ignored:
         log.info("ignored option %s: %s", name, reason)
     try:
@@ -125,8 +134,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (SpecError, ModelNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    from mlxcel_compat.model.load_options import LoadOptions
+
+    try:
+        load_options = LoadOptions.from_settings(settings)  # --override-kv items are checked before listening
+    except ValueError as exc:
+        print(f"error: --override-kv: {exc}", file=sys.stderr)
+        return 2
     app = build_server(settings, str(model_path), api_keys, model_name=model_arg, adapters=adapters,
-                       speculative=speculative)
+                       speculative=speculative, load_options=load_options)
     from mlxcel_compat.listen import ListenError
 
     try:
@@ -146,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_server(settings: object, model_arg: str, api_keys: list[str], model_name: str | None = None,
-                 adapters: object = None, speculative: object = None) -> object:
+                 adapters: object = None, speculative: object = None, load_options: object = None) -> object:
     from mlxcel_compat.engine.core import Engine, EngineConfig
     from mlxcel_compat.engine.speculative import SpecConfig
     from mlxcel_compat.engine.prefix_cache import PrefixCache
@@ -176,6 +192,7 @@ def build_server(settings: object, model_arg: str, api_keys: list[str], model_na
             keep_slot_state=bool(settings.slot_save_path),
             adapters=list(adapters.adapters),
             speculative=speculative if speculative is not None else SpecConfig.from_settings(settings),
+            load_options=load_options,
         ),
         prefix_cache_factory=lambda engine: PrefixCache(engine, PrefixCacheConfig.from_settings(settings)),
     )
@@ -208,7 +225,13 @@ def hypercorn_config(settings: object) -> object:
             log.warning("Vertex AI prediction mode: listening on AIP_HTTP_PORT %d instead of %d", vertex.port, port)
         port = vertex.port
         log.info("Vertex AI prediction mode: predict route %s, health route %s", vertex.predict_route, vertex.health_route or "/health")
-    listeners = open_listeners(parse_hosts(settings.host), port)
+    tls = bool(settings.ssl_cert_file and settings.ssl_key_file)
+    if tls:  # hypercorn wraps every bound socket (its "secure" binds) in this key and certificate
+        config.certfile = os.path.expanduser(settings.ssl_cert_file)
+        config.keyfile = os.path.expanduser(settings.ssl_key_file)
+        config.alpn_protocols = ["http/1.1"]  # llama-server (cpp-httplib) speaks HTTP/1.1 only, over TLS too
+        check_tls(config)
+    listeners = open_listeners(parse_hosts(settings.host), port, reuse_port=bool(settings.reuse_port), tls=tls)
     config.listening = listeners.urls
     config.bind = listeners.hand_over()
     config.read_timeout = settings.timeout if settings.timeout > 0 else None
@@ -218,6 +241,20 @@ def hypercorn_config(settings: object) -> object:
     config.include_server_header = False  # the app sends llama-server's "Server: llama.cpp" itself
     config.errorlog = logging.getLogger("hypercorn.error")
     return config
+
+
+def check_tls(config: object) -> None:
+    """Load the key and certificate now, so that a bad pair stops start-up before the model loads
+    (hypercorn would only fail once it serves); ``ListenError`` says why."""
+    import ssl
+
+    from mlxcel_compat.listen import ListenError
+
+    try:
+        config.create_ssl_context()  # type: ignore[attr-defined]
+    except (ssl.SSLError, OSError) as exc:
+        raise ListenError(f"cannot use --ssl-cert-file {config.certfile} with --ssl-key-file "  # type: ignore[attr-defined]
+                          f"{config.keyfile}: {exc}") from exc
 
 
 async def serve(app: object, settings: object) -> int:

@@ -219,6 +219,27 @@ def _parse_directory(raw: str) -> str:
     return raw
 
 
+def _parse_existing_directory(raw: str) -> str:
+    """A directory that exists now (``--path``: llama-server stops start-up without it); empty: none."""
+    if raw and not os.path.isdir(os.path.expanduser(raw)):
+        raise ValueError(raw)
+    return raw
+
+
+def _parse_readable_file(raw: str) -> str:
+    """A file this process can read now (kept as given): the TLS key and certificate; empty: none."""
+    path = os.path.expanduser(raw)
+    if raw and (not os.path.isfile(path) or not os.access(path, os.R_OK)):
+        raise ValueError(raw)
+    return raw
+
+
+def _parse_threads(raw: str) -> int:
+    """llama.cpp's thread counts: N >= 1, or 0 / a negative number for every CPU (kept as -1)."""
+    value = _parse_int(raw)
+    return value if value > 0 else -1
+
+
 def _parse_cache_reuse(raw: str) -> int:
     """llama.cpp's chunk size (an integer >= 0); a true/false word counts as 1/0."""
     text = raw.strip()
@@ -300,12 +321,15 @@ def _refused(
     )
 
 
-R_THREADS = "MLX manages its own threads"
+R_THREADS = ("thread placement is left to the OS: -t and -tb bound the CPU runtime's thread counts; affinity, "
+             "priority, polling and NUMA placement are not set")
 R_DEVICE = "MLX runs the whole model on its default device (Metal, CUDA or CPU); there is no layer offload"
-R_LOADING = "the weights live in MLX arrays (GGUF tensors are decoded into them); llama.cpp's buffer and placement options do not apply"
+R_LOADING = ("a GGUF's quantized weights are served from the file's blocks on the CPU and float weights from MLX "
+             "arrays; llama.cpp's buffer, device and placement options have nothing to place")
 R_FIT = "no automatic memory fitting; set --ctx-size and the --prompt-cache-* budgets instead"
 R_KV_TYPE = "the KV cache uses the model's dtype; KV cache quantization is not implemented"
-R_ROPE = "RoPE scaling comes from the model's config.json"
+R_ROPE = ("mlx-lm's YaRN RoPE has no such parameter (it mixes extrapolation fully and takes its attention "
+          "factor from the model's mscale); --rope-scaling, --rope-scale, --rope-freq-* and --yarn-orig-ctx/beta-* apply")
 R_SPEC = "the draft model runs on the engine thread beside the model, with its settings"
 R_SPEC_NGRAM = "that n-gram drafting kind is not served here (--spec-type refuses it); ngram-simple and ngram-mod are"
 R_SPEC_REMOVED = ("removed from llama-server (it refuses the option now); accepted and ignored for older "
@@ -316,12 +340,9 @@ R_MMPROJ_FILE = (
     "(a Hugging Face Qwen2-VL, Qwen2.5-VL, Gemma 3 or LLaVA directory, whose config.json has vision_config) with -m instead"
 )
 R_SLOTS = "mlxcel_compat keeps a radix prompt cache instead of llama.cpp's slot caches; see --prompt-cache-*"
-R_LOG_FORMAT = "logs use Python's logging format"
-R_UI = "the built-in chat page is served from the package; other static files are not served"
 R_ROUTER = "router (multi-model) mode is not supported; serve one model per process"
 R_LORA_ENV = "llama-server reads no environment variable for it (MLXCEL_* only)"
 R_CVEC = "control vectors are not supported"
-R_TLS = "TLS is not supported; terminate TLS in a reverse proxy"
 R_TOOLS_RUNTIME = ("the built-in tools run on the host only; llama-server's container (docker:, podman:) and "
                    "ssh: runtimes are not implemented, so leave --tools-runtime unset")
 R_MCP = "stdio servers only, as llama-server b11312; one JSON message per line"
@@ -389,10 +410,14 @@ _SERVER: tuple[Setting, ...] = (
             metavar="SECONDS",
             help="After SIGTERM or SIGINT: seconds running requests may still finish while new ones get 503; "
                  "then they end with a final error event and the server exits. A second signal ends them at once."),
-    _noop("reuse_port", ("--reuse-port",), "Let several sockets bind the same port.",
-          "not implemented", env=("LLAMA_ARG_REUSE_PORT",), group="server"),
-    _noop("static_path", ("--path",), "Directory of static files to serve.", R_UI, metavar="PATH",
-          env=("LLAMA_ARG_STATIC_PATH",), group="server"),
+    Setting("reuse_port", ("--reuse-port",), ("LLAMA_ARG_REUSE_PORT",), type="bool", default=False,
+            help="Set SO_REUSEPORT on the listening sockets, so that several servers may bind the same port "
+                 "(the kernel spreads connections over them)."),
+    Setting("static_path", ("--path",), ("LLAMA_ARG_STATIC_PATH",), default="", metavar="PATH",
+            parse=_parse_existing_directory, accepts="an existing directory",
+            help="Serve the static files of this directory at / in place of the built-in chat page, as "
+                 "llama-server does: GET /FILE reads PATH/FILE (a directory's index.html for / and for "
+                 "directory paths), API routes first; ignored with --no-ui."),
     Setting("ui", ("--ui", "--webui"), ("LLAMA_ARG_UI",), type="bool", default=True,
             negative_flags=("--no-ui", "--no-webui"), group="server",
             reason="the chat page is mlxcel_compat's own (static files in the package), not llama-server's Svelte UI",
@@ -418,10 +443,13 @@ _SERVER: tuple[Setting, ...] = (
           env=("LLAMA_ARG_MODELS_AUTOLOAD",), negative_flags=("--no-models-autoload",), group="server"),
     _refused("tools_runtime", ("--tools-runtime",), "Where built-in tools run (docker:IMAGE, ssh:TARGET, ...).",
              R_TOOLS_RUNTIME, metavar="OPTION", env=("LLAMA_ARG_TOOLS_RUNTIME",), group="server"),
-    _refused("ssl_key_file", ("--ssl-key-file",), "PEM private key for HTTPS.", R_TLS, metavar="FNAME",
-             env=("LLAMA_ARG_SSL_KEY_FILE",), group="server"),
-    _refused("ssl_cert_file", ("--ssl-cert-file",), "PEM certificate for HTTPS.", R_TLS, metavar="FNAME",
-             env=("LLAMA_ARG_SSL_CERT_FILE",), group="server"),
+    Setting("ssl_key_file", ("--ssl-key-file",), ("LLAMA_ARG_SSL_KEY_FILE",), metavar="FNAME",
+            parse=_parse_readable_file, accepts="a readable file",
+            reason="one of the two files without the other stops start-up (llama-server then serves plain HTTP)",
+            help="PEM private key: with --ssl-cert-file, every listener serves HTTPS (hypercorn's TLS)."),
+    Setting("ssl_cert_file", ("--ssl-cert-file",), ("LLAMA_ARG_SSL_CERT_FILE",), metavar="FNAME",
+            parse=_parse_readable_file, accepts="a readable file",
+            help="PEM certificate (chain) for HTTPS; needs --ssl-key-file."),
     _refused("models_dir", ("--models-dir",), "Router mode: directory of models.", R_ROUTER, metavar="PATH",
              env=("LLAMA_ARG_MODELS_DIR",), group="server"),
     _refused("models_preset", ("--models-preset",), "Router mode: INI file of model presets.", R_ROUTER,
@@ -613,8 +641,12 @@ _MODEL: tuple[Setting, ...] = (
              metavar="URL", env=("LLAMA_ARG_MODEL_URL",), group="model"),
     _refused("docker_repo", ("-dr", "--docker-repo"), "Docker Hub model repository.", R_GGUF, metavar="REPO",
              env=("LLAMA_ARG_DOCKER_REPO",), group="model"),
-    _refused("override_kv", ("--override-kv",), "Override GGUF metadata.",
-             "GGUF metadata overrides are not implemented", metavar="KEY=TYPE:VALUE", group="model"),
+    Setting("override_kv", ("--override-kv",), type="list", default=(), group="model", metavar="KEY=TYPE:VALUE,...",
+            reason="llama-server reads no environment variable for it (MLXCEL_* only)",
+            help="Override GGUF metadata before the model's config and tokenizer are read (types int, float, "
+                 "bool, str; comma-separated, the flag may repeat), e.g. tokenizer.ggml.eos_token_id=int:2 or "
+                 "tokenizer.ggml.add_bos_token=bool:false. GGUF models only (a directory's config.json is "
+                 "edited instead)."),
     _refused("model_preset",
              ("--embd-gemma-default", "--fim-qwen-1.5b-default", "--fim-qwen-3b-default", "--fim-qwen-7b-default",
               "--fim-qwen-7b-spec", "--fim-qwen-14b-spec", "--fim-qwen-30b-default", "--gpt-oss-20b-default",
@@ -808,9 +840,12 @@ _CACHE: tuple[Setting, ...] = (
             help="Turn off the background warm-up of a session's next turn (environment only)."),
     Setting("apc_trace", type="bool", default=False, group="cache", upstream=False,
             help="Log one line per prompt-cache decision (environment only)."),
-    _noop("cache_ram", ("-cram", "--cache-ram"), "Host-RAM prompt cache size in MiB.",
-          "size the prompt cache with --prompt-cache-capacity-bytes", metavar="N", env=("LLAMA_ARG_CACHE_RAM",),
-          group="cache", type="int"),
+    Setting("cache_ram", ("-cram", "--cache-ram"), ("LLAMA_ARG_CACHE_RAM",), type="int", minimum=-1, group="cache",
+            metavar="N", reason="unset, the budget is this cache's model-aware one, not llama-server's 8192 MiB; "
+                                "--prompt-cache-capacity-bytes wins over it", default_doc="unset: the model-aware budget of --prompt-cache-capacity-bytes",
+            help="RAM budget of the prompt cache in MiB (-1 no limit, 0 turns the cache off), as llama-server's. "
+                 "--prompt-cache-capacity-bytes wins where both are given; --prompt-cache-enabled given on "
+                 "the command line wins over -cram 0."),
     _noop("cache_idle_slots", ("--cache-idle-slots",), "Save idle slots to the RAM cache.", R_SLOTS,
           env=("LLAMA_ARG_CACHE_IDLE_SLOTS",), negative_flags=("--no-cache-idle-slots",), group="cache"),
     Setting("kv_unified", ("-kvu", "--kv-unified"), ("LLAMA_ARG_KV_UNIFIED",), type="bool", default=False,
@@ -847,14 +882,23 @@ _LOGGING: tuple[Setting, ...] = (
             help="Log threshold: 0 output, 1 error, 2 warning, 3 info, 4 trace, 5 debug."),
     Setting("log_disable", ("--log-disable",), type="bool", default=False, group="logging",
             help="Turn logging off."),
-    _noop("log_file", ("--log-file",), "Also log to a file.", "logs go to stderr; redirect them",
-          metavar="FNAME", env=("LLAMA_ARG_LOG_FILE",), group="logging"),
-    _noop("log_colors", ("--log-colors",), "Coloured logs (on/off/auto).", R_LOG_FORMAT, metavar="[on|off|auto]",
-          arity="optional", env=("LLAMA_ARG_LOG_COLORS",), group="logging"),
-    _noop("log_prefix", ("--log-prefix",), "Prefix log lines.", R_LOG_FORMAT, env=("LLAMA_ARG_LOG_PREFIX",),
-          negative_flags=("--no-log-prefix",), group="logging"),
-    _noop("log_timestamps", ("--log-timestamps",), "Timestamp log lines.", R_LOG_FORMAT,
-          env=("LLAMA_ARG_LOG_TIMESTAMPS",), negative_flags=("--no-log-timestamps",), group="logging"),
+    Setting("log_file", ("--log-file",), ("LLAMA_ARG_LOG_FILE",), metavar="FNAME", group="logging",
+            help="Also write the log to this file (appended to; stderr keeps it too)."),
+    Setting("log_colors", ("--log-colors",), ("LLAMA_ARG_LOG_COLORS",), type="choice", choices=("on", "off", "auto"),
+            reason="the --log-file copy is never coloured",
+            default="auto", metavar="[on|off|auto]",
+            arity="optional", parse=_parse_tristate, accepts="on, off or auto (or a true/false word)",
+            group="logging",
+            help="Colour the level marks (ANSI codes): auto = only where stderr is a terminal. The log file "
+                 "never gets colours."),
+    Setting("log_prefix", ("--log-prefix",), ("LLAMA_ARG_LOG_PREFIX",), type="bool", default=False,
+            negative_flags=("--no-log-prefix",), group="logging",
+            help="Start each log line with llama.cpp's level mark (I, W, E, D) instead of Python's "
+                 "'LEVEL logger:' words."),
+    Setting("log_timestamps", ("--log-timestamps",), ("LLAMA_ARG_LOG_TIMESTAMPS",), type="bool", default=False,
+            negative_flags=("--no-log-timestamps",), group="logging",
+            help="With --log-prefix: the time since start-up before the level mark, as llama.cpp writes it "
+                 "(minutes.seconds.milliseconds.microseconds)."),
     _noop("log_prompts_dir", ("--log-prompts-dir",), "Write prompts to a directory (debugging).",
           "prompts are never logged", metavar="PATH", group="logging"),
     _noop("perf", ("--perf",), "libllama performance timings.", "timings are always reported in responses",
@@ -871,10 +915,17 @@ _COMPAT: tuple[Setting, ...] = (
     _refused("cache_list", ("-cl", "--cache-list"), "List cached GGUF models and exit.", R_COMMAND),
     _refused("completion_bash", ("--completion-bash",), "Print a bash completion script and exit.", R_COMMAND),
     _refused("list_devices", ("--list-devices",), "List devices and exit.", R_COMMAND),
-    _noop("threads", ("-t", "--threads"), "CPU threads for generation.", R_THREADS, metavar="N",
-          env=("LLAMA_ARG_THREADS",), type="int"),
-    _noop("threads_batch", ("-tb", "--threads-batch"), "CPU threads for prompt processing.", R_THREADS,
-          metavar="N", type="int"),
+    Setting("threads", ("-t", "--threads"), ("LLAMA_ARG_THREADS",), type="int", default=-1, metavar="N",
+            reason="unset, every CPU the process may use (llama-server: its count of physical cores); MLX's own "
+                   "threads are not counted",
+            parse=_parse_threads, accepts="an integer (<= 0: every CPU)", group="model",
+            help="CPU threads of the CPU runtime: the decode kernels' thread pool and, unless -tb says "
+                 "otherwise, OpenBLAS and ggml's prompt products (-1 = every CPU the process may use)."),
+    Setting("threads_batch", ("-tb", "--threads-batch"), type="int", metavar="N",
+            parse=_parse_threads, accepts="an integer (<= 0: every CPU)", group="model",
+            default_doc="same as --threads",
+            help="CPU threads for prompt chunks: ggml's thread pool for prompt products and OpenBLAS (which "
+                 "computes prefill's float32 products); <= 0: every CPU."),
     _noop("cpu_mask", ("-C", "--cpu-mask"), "CPU affinity mask.", R_THREADS, metavar="M"),
     _noop("cpu_range", ("-Cr", "--cpu-range"), "CPU affinity range.", R_THREADS, metavar="lo-hi"),
     _noop("cpu_strict", ("--cpu-strict",), "Strict CPU placement.", R_THREADS, metavar="<0|1>"),
@@ -907,9 +958,14 @@ _COMPAT: tuple[Setting, ...] = (
           metavar="MiB0,MiB1,...", env=("LLAMA_ARG_FIT_TARGET",)),
     _noop("fit_ctx", ("-fitc", "--fit-ctx"), "Smallest context --fit may choose.", R_FIT, metavar="N",
           env=("LLAMA_ARG_FIT_CTX",)),
-    _noop("mlock", ("--mlock",), "Keep the model in RAM.", R_LOADING, env=("LLAMA_ARG_MLOCK",)),
-    _noop("mmap", ("--mmap",), "Memory-map the model.", R_LOADING, env=("LLAMA_ARG_MMAP",),
-          negative_flags=("--no-mmap",)),
+    Setting("mlock", ("--mlock",), ("LLAMA_ARG_MLOCK",), type="bool", default=False, group="model",
+            reason="locks the GGUF blocks served from the file; float weights live in MLX arrays and are not locked",
+            help="Lock a GGUF's mapped weight blocks in RAM (mlock), so they are never swapped or dropped; a "
+                 "warning where RLIMIT_MEMLOCK forbids it. Float weights, which MLX holds, are not locked."),
+    Setting("mmap", ("--mmap",), ("LLAMA_ARG_MMAP",), type="bool", default=True, negative_flags=("--no-mmap",),
+            group="model",
+            help="Serve a GGUF's quantized weight blocks from a map of the file (pages shared with the page "
+                 "cache). --no-mmap: read them into the process's own memory instead."),
     _noop("direct_io", ("-dio", "--direct-io"), "Load with direct I/O.", R_LOADING, env=("LLAMA_ARG_DIO",),
           negative_flags=("-ndio", "--no-direct-io")),
     _noop("load_mode", ("-lm", "--load-mode"), "Model loading mode.", R_LOADING, metavar="MODE",
@@ -934,24 +990,27 @@ _COMPAT: tuple[Setting, ...] = (
           env=("LLAMA_ARG_PIPELINE_GROUPS",)),
     _noop("warmup", ("--warmup",), "Warm up with an empty run.", "the engine always warms the model up",
           negative_flags=("--no-warmup",)),
-    _noop("rope_scaling", ("--rope-scaling",), "RoPE scaling method.", R_ROPE, metavar="{none,linear,yarn}",
-          env=("LLAMA_ARG_ROPE_SCALING_TYPE",)),
-    _noop("rope_scale", ("--rope-scale",), "RoPE context scaling factor.", R_ROPE, metavar="N",
-          env=("LLAMA_ARG_ROPE_SCALE",)),
-    _noop("rope_freq_base", ("--rope-freq-base",), "RoPE base frequency.", R_ROPE, metavar="N",
-          env=("LLAMA_ARG_ROPE_FREQ_BASE",)),
-    _noop("rope_freq_scale", ("--rope-freq-scale",), "RoPE frequency scaling factor.", R_ROPE, metavar="N",
-          env=("LLAMA_ARG_ROPE_FREQ_SCALE",)),
-    _noop("yarn_orig_ctx", ("--yarn-orig-ctx",), "YaRN original context.", R_ROPE, metavar="N",
-          env=("LLAMA_ARG_YARN_ORIG_CTX",)),
+    Setting("rope_scaling", ("--rope-scaling",), ("LLAMA_ARG_ROPE_SCALING_TYPE",), type="choice",
+            choices=("none", "linear", "yarn"), group="model", metavar="{none,linear,yarn}",
+            default_doc="the model's", help="RoPE scaling type (none drops the model's scaling)."),
+    Setting("rope_scale", ("--rope-scale",), ("LLAMA_ARG_ROPE_SCALE",), type="float", minimum=0, group="model",
+            metavar="N", default_doc="the model's", help="RoPE context scaling factor: expands the context N times."),
+    Setting("rope_freq_base", ("--rope-freq-base",), ("LLAMA_ARG_ROPE_FREQ_BASE",), type="float", minimum=0,
+            group="model", metavar="N", default_doc="the model's", help="RoPE base frequency (rope_theta)."),
+    Setting("rope_freq_scale", ("--rope-freq-scale",), ("LLAMA_ARG_ROPE_FREQ_SCALE",), type="float", minimum=0,
+            group="model", metavar="N", default_doc="the model's",
+            help="RoPE frequency scaling factor: expands the context 1/N times (wins over --rope-scale)."),
+    Setting("yarn_orig_ctx", ("--yarn-orig-ctx",), ("LLAMA_ARG_YARN_ORIG_CTX",), type="int", minimum=0,
+            group="model", metavar="N", default_doc="the model's training context",
+            help="YaRN: the model's original context size."),
     _noop("yarn_ext_factor", ("--yarn-ext-factor",), "YaRN extrapolation mix.", R_ROPE, metavar="N",
           env=("LLAMA_ARG_YARN_EXT_FACTOR",)),
     _noop("yarn_attn_factor", ("--yarn-attn-factor",), "YaRN attention factor.", R_ROPE, metavar="N",
           env=("LLAMA_ARG_YARN_ATTN_FACTOR",)),
-    _noop("yarn_beta_slow", ("--yarn-beta-slow",), "YaRN beta slow.", R_ROPE, metavar="N",
-          env=("LLAMA_ARG_YARN_BETA_SLOW",)),
-    _noop("yarn_beta_fast", ("--yarn-beta-fast",), "YaRN beta fast.", R_ROPE, metavar="N",
-          env=("LLAMA_ARG_YARN_BETA_FAST",)),
+    Setting("yarn_beta_slow", ("--yarn-beta-slow",), ("LLAMA_ARG_YARN_BETA_SLOW",), type="float", group="model",
+            metavar="N", default_doc="the model's, else 1", help="YaRN: high correction dimension (alpha)."),
+    Setting("yarn_beta_fast", ("--yarn-beta-fast",), ("LLAMA_ARG_YARN_BETA_FAST",), type="float", group="model",
+            metavar="N", default_doc="the model's, else 32", help="YaRN: low correction dimension (beta)."),
     _noop("lookup_cache_static", ("-lcs", "--lookup-cache-static"), "Static lookup-decoding cache.",
           "lookup decoding is not implemented", metavar="FNAME"),
     _noop("lookup_cache_dynamic", ("-lcd", "--lookup-cache-dynamic"), "Dynamic lookup-decoding cache.",
@@ -1269,8 +1328,8 @@ def _from_cli(setting: Setting, occurrences: list[CliValue]) -> Any:
             items.extend(_list_items(setting, str(occ.value)))
         return _finish_list(setting, items)
     last = occurrences[-1]  # llama.cpp: a repeated scalar flag keeps its last value
-    if isinstance(last.value, bool):
-        return last.value
+    if isinstance(last.value, bool):  # a bare optional flag: "on" where the setting is on/off/auto
+        return "on" if last.value and setting.type == "choice" and "on" in setting.choices else last.value
     if isinstance(last.value, tuple):
         return last.value
     return _convert(setting, last.value, last.spelling)
@@ -1322,6 +1381,36 @@ def _apply_cache_switch(resolved: dict[str, _Resolved]) -> None:
         resolved["prompt_cache_enabled"] = _Resolved(reuse.value > 0, reuse.source, reuse.spelling)
 
 
+CACHE_RAM_UNLIMITED = 1 << 62  # -cram -1: a byte budget no machine reaches (entries and TTL still bound it)
+
+
+def _apply_cache_ram(resolved: dict[str, _Resolved]) -> None:
+    """``-cram N`` (llama-server's prompt-cache budget in MiB) as this cache's byte budget.
+
+    ``--prompt-cache-capacity-bytes`` (this server's own, finer option) wins from any source;
+    otherwise N > 0 is N MiB, -1 no limit, and 0 turns the cache off, unless
+    ``--prompt-cache-enabled`` was given on the command line. Unset, the model-aware default stays.
+    """
+    ram = resolved["cache_ram"]
+    if ram.source == "default" or ram.value is None:
+        return
+    if ram.value == 0:
+        if resolved["prompt_cache_enabled"].source != "cli":
+            resolved["prompt_cache_enabled"] = _Resolved(False, ram.source, ram.spelling)
+        return
+    if resolved["prompt_cache_capacity_bytes"].source == "default":
+        budget = CACHE_RAM_UNLIMITED if ram.value < 0 else ram.value << 20
+        resolved["prompt_cache_capacity_bytes"] = _Resolved(budget, ram.source, ram.spelling)
+
+
+def _check_tls(resolved: Mapping[str, _Resolved]) -> None:
+    """llama-server serves HTTPS only with both files; one alone is a mistake worth stopping for."""
+    key, cert = resolved["ssl_key_file"], resolved["ssl_cert_file"]
+    if bool(key.value) != bool(cert.value):
+        given, missing = (key, "--ssl-cert-file") if key.value else (cert, "--ssl-key-file")
+        raise SettingsError(f"{given.spelling} needs {missing} too (HTTPS takes a key and a certificate)")
+
+
 def _apply_escapes(resolved: dict[str, _Resolved]) -> None:
     if not resolved["escape"].value:
         return
@@ -1368,6 +1457,8 @@ def resolve_settings(argv: Sequence[str] | None = None, environ: Mapping[str, st
     skip_env = _cache_reuse_skip(cli, env)
     resolved = {s.name: _resolve_one(s, cli.get(s.name), env, skip_env) for s in SETTINGS}
     _apply_cache_switch(resolved)
+    _apply_cache_ram(resolved)
+    _check_tls(resolved)
     _apply_escapes(resolved)
     _check_refused(resolved)
     _check_lora_scaled(resolved)

@@ -104,8 +104,9 @@ def module_classes(module: str) -> tuple[Any, Any]:
     return arch.Model, arch.ModelArgs
 
 
-def load_model(path: Any, lazy: bool = False) -> tuple[Any, dict[str, Any]]:
-    """mlx-lm's ``load_model``: the weights and config of a model directory, no tokenizer."""
+def load_model(path: Any, lazy: bool = False, model_config: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    """mlx-lm's ``load_model``: the weights and config of a model directory, no tokenizer.
+    ``model_config``: keys that replace ``config.json``'s before the model is built."""
     from pathlib import Path
 
-    return utils().load_model(Path(path), lazy=lazy)
+    return utils().load_model(Path(path), lazy=lazy, model_config=model_config)

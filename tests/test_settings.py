@@ -311,22 +311,22 @@ def test_build_parser_is_generated_from_the_table() -> None:
 
 
 def test_noop_flags_with_and_without_values_are_ignored_and_listed() -> None:
-    argv = ["-ngl", "99", "-fa", "-m", "model", "--mlock", "-t", "8", "--control-vector-layer-range", "0", "3",
-            "--flash-attn", "on", "--no-mmap", "--spec-draft-threads", "4", "-c", "64"]
+    argv = ["-ngl", "99", "-fa", "-m", "model", "--check-tensors", "--prio", "2", "--control-vector-layer-range", "0",
+            "3", "--flash-attn", "on", "--no-direct-io", "--spec-draft-threads", "4", "-c", "64"]
     s = resolve(argv, LLAMA_ARG_CACHE_TYPE_K="q8_0")
     assert s.model == "model" and s.ctx_size == 64  # parsing continued correctly after every noop
     ignored = dict(s.ignored)
-    assert set(ignored) == {"-ngl", "--flash-attn", "--mlock", "-t", "--control-vector-layer-range", "--no-mmap",
-                            "--spec-draft-threads", "LLAMA_ARG_CACHE_TYPE_K"}
+    assert set(ignored) == {"-ngl", "--flash-attn", "--check-tensors", "--prio", "--control-vector-layer-range",
+                            "--no-direct-io", "--spec-draft-threads", "LLAMA_ARG_CACHE_TYPE_K"}
     assert all(reason for reason in ignored.values())
     assert s.flash_attn == "on" and s.n_gpu_layers == "99" and s.control_vector_layer_range == ("0", "3")
-    assert s.mmap is False and s.is_set("mlock")
+    assert s.direct_io is False and s.is_set("check_tensors")
 
 
 def test_optional_value_flag_does_not_eat_the_next_flag() -> None:
     assert resolve(["-fa", "-m", "x"]).flash_attn is True
     assert resolve(["-fa", "-1"]).flash_attn == "-1"
-    assert resolve(["--log-colors"]).log_colors is True
+    assert resolve(["--log-colors"]).log_colors == "on"
 
 
 @pytest.mark.parametrize(
@@ -334,7 +334,7 @@ def test_optional_value_flag_does_not_eat_the_next_flag() -> None:
     [
         (["--mmproj", "p.gguf"], {}, "--mmproj"),
         (["--fim-qwen-7b-default"], {}, "--fim-qwen-7b-default"),
-        ([], {"LLAMA_ARG_SSL_KEY_FILE": "/k.pem"}, "LLAMA_ARG_SSL_KEY_FILE"),
+        ([], {"LLAMA_ARG_TOOLS_RUNTIME": "docker:img"}, "LLAMA_ARG_TOOLS_RUNTIME"),
         ([], {"LLAMA_ARG_MODELS_DIR": "/models"}, "LLAMA_ARG_MODELS_DIR"),
     ],
 )

@@ -73,6 +73,7 @@ class EngineConfig:
     keep_slot_state: bool = False  # slots keep their last state for slot files (--slot-save-path)
     adapters: list[Any] = field(default_factory=list)  # lora.AdapterFile: LoRA adapters, installed unfused
     speculative: Any = None  # engine.speculative.SpecConfig (None: plain decoding)
+    load_options: Any = None  # model.load_options.LoadOptions: RoPE, --override-kv, --no-mmap, --mlock
 
 
 class Engine:
@@ -250,7 +251,8 @@ class Engine:
         t0 = time.perf_counter()
         try:
             reloaded = load_model(self.config.model, self.config.aliases, offline=self.config.offline,
-                                  adapters=self.config.adapters, repack=self.config.repack)
+                                  adapters=self.config.adapters, repack=self.config.repack,
+                                  options=self.config.load_options)
             self.loaded.model, self.loaded.decoder = reloaded.model, reloaded.decoder
         except Exception as exc:
             log.exception("could not reload the model after sleep")
@@ -267,7 +269,8 @@ class Engine:
 
         t0 = time.perf_counter()
         self.loaded = load_model(self.config.model, self.config.aliases, offline=self.config.offline,
-                                 name=self.config.model_name, adapters=self.config.adapters, repack=self.config.repack)
+                                 name=self.config.model_name, adapters=self.config.adapters, repack=self.config.repack,
+                                 options=self.config.load_options)
         n_ctx_train = int(config_value(self.loaded.config, "max_position_embeddings", 4096))
         self.n_ctx_total, self.n_ctx = slot_context(self.config.ctx_size, len(self.slots), self.config.kv_unified, n_ctx_train)
         for slot in self.slots:

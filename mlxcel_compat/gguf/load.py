@@ -29,7 +29,7 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -41,7 +41,7 @@ from mlxcel_compat.gguf import quants as gguf_quants
 from mlxcel_compat.gguf import precision
 from mlxcel_compat.gguf.reader import (FLOAT_TYPES, GGUFModelFile, TensorInfo, map_file, open_gguf, read_float_tensor,
                                       read_tensor, tensor_view)
-from mlxcel_compat.gguf.tokenizer import SpecialTokens, load_tokenizer
+from mlxcel_compat.gguf.tokenizer import SpecialTokens, load_tokenizer, with_overrides
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +319,9 @@ def _build_model(config: dict[str, Any], file: GGUFModelFile) -> Any:
 
 
 def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None = None, blocks: bool = True,
-              repack: bool = True) -> tuple[Any, Any, dict[str, Any], GGUFSummary]:
+              repack: bool = True, kv_overrides: Sequence[Any] = (), use_mmap: bool = True, mlock: bool = False,
+              adjust_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+              ) -> tuple[Any, Any, dict[str, Any], GGUFSummary]:
     """Load ``path`` (a .gguf, or the first part of a split model).
 
     Returns ``(model, tokenizer, config, summary)``: an mlx-lm model, an mlx-lm
@@ -328,6 +330,11 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     ``blocks=False`` expands every quantized weight to float32 on the CPU: the float32 reference
     of the file (its dequantized weights in float32 math) that tests and benchmarks compare with.
     ``repack=False`` keeps every weight in the file's blocks only (``ggml_repack.py``; --no-repack).
+    ``kv_overrides`` (``gguf/overrides.py``: --override-kv) replace metadata values before anything
+    reads them; ``use_mmap=False`` (--no-mmap) reads the blocks into the process's memory instead of
+    mapping the file, ``mlock`` (--mlock) locks them in RAM (``reader.map_file``);
+    ``adjust_config`` (the RoPE flags, ``model/rope_overrides.py``) changes the synthesised config
+    before the model is built.
     """
     import mlx.core as mx
     import mlx.nn as nn
@@ -337,8 +344,10 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     t0 = time.perf_counter()
     if on_cpu is None:
         on_cpu = mx.default_device() == mx.cpu
-    file = open_gguf(path)
+    file = with_overrides(open_gguf(path), kv_overrides)
     spec, tokenizer, specials, config = _prepare(file)
+    if adjust_config is not None:
+        config = adjust_config(config)
     with _generic_misfit(spec):
         model, shapes, from_metadata, names, joins = _model_and_names(file, spec, config)
 
@@ -366,7 +375,8 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
                           if file.tensors[g].ggml_type not in FLOAT_TYPES and not lib.serves(file.tensors[g].ggml_type)})
         if lacking:
             summary.blocks_unavailable = f"ggml {lib.ggml.version} ({lib.ggml.directory}) lacks {', '.join(lacking)}"
-    maps = {part: map_file(part) for part in file.parts} if precision.BLOCKS in plans.values() else {}
+    maps = ({part: map_file(part, use_mmap, mlock) for part in file.parts}
+            if precision.BLOCKS in plans.values() else {})
     total = sum(file.tensors[g].n_bytes for g in names)
     decoded = [file.tensors[g].n_bytes for g in names
                if file.tensors[g].ggml_type not in FLOAT_TYPES and plans[g] != precision.BLOCKS]

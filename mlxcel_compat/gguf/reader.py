@@ -14,6 +14,7 @@ opened from its first part; the other parts are found beside it, as llama.cpp do
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import re
@@ -26,6 +27,8 @@ from typing import Any
 import numpy as np
 
 from mlxcel_compat.gguf.quants import T, byte_size, type_name
+
+log = logging.getLogger(__name__)
 
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -75,6 +78,7 @@ class GGUFModelFile:
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     header_bytes: int = 0  # where the first part's tensor data starts (metadata + tensor table before it)
+    overrides_json: str = ""  # --override-kv applied to ``metadata`` (gguf/overrides.py), "" for none
 
     @property
     def architecture(self) -> str:
@@ -279,18 +283,68 @@ def read_tensor(info: TensorInfo, scratch: np.ndarray | None = None) -> np.ndarr
     return buffer
 
 
-def map_file(path: Path) -> np.ndarray:
+def map_file(path: Path, use_mmap: bool = True, mlock: bool = False) -> np.ndarray:
     """The whole of ``path`` as a read-only uint8 array over a shared memory map.
 
     Tensors served from their blocks are views of it: loading copies nothing, the pages are the
     page cache's (shared with every process that maps the file, kept across restarts), and the
     map is populated up front, as llama.cpp maps its models, so the first request does not
     fault them in one by one.
+
+    llama-server's loading flags act on it as on llama.cpp's mapping: ``use_mmap=False``
+    (``--no-mmap``) reads the file into anonymous memory of the process instead (nothing of the
+    file stays mapped; its pages are never dropped back to the page cache); ``mlock=True``
+    (``--mlock``) locks the bytes in RAM (``mlock(2)``), so the kernel never swaps or drops
+    them; where the limit forbids it (``RLIMIT_MEMLOCK``), a warning says so and loading goes on,
+    as in llama.cpp.
     """
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
-    return np.frombuffer(mapped, dtype=np.uint8)
+    if use_mmap:
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        with open(path, "rb") as f:
+            mapped = np.frombuffer(mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ), dtype=np.uint8)
+    else:
+        mapped = _read_whole(path)
+    if mlock:
+        lock_memory(mapped, path)
+    return mapped
+
+
+def _read_whole(path: Path) -> np.ndarray:
+    """``path`` read into the process's own memory (``--no-mmap``), made read-only like a map."""
+    size = os.path.getsize(path)
+    buffer = np.empty(size, dtype=np.uint8)
+    view = memoryview(buffer)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < size:
+            n = os.preadv(fd, [view[done:]], done)
+            if n <= 0:
+                raise GGUFError(f"'{path}' changed size while it was read")
+            done += n
+    finally:
+        os.close(fd)
+    buffer.flags.writeable = False
+    return buffer
+
+
+def lock_memory(array: np.ndarray, path: Path) -> bool:
+    """``mlock(2)`` the bytes of ``array``; False (and a warning) where the system refuses."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.mlock.argtypes, libc.mlock.restype = [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
+    except (OSError, AttributeError) as exc:
+        log.warning("--mlock: cannot lock '%s' in memory here (%s)", path, exc)
+        return False
+    if array.size and libc.mlock(array.ctypes.data, array.nbytes) != 0:
+        err = ctypes.get_errno()
+        log.warning("--mlock: failed to lock %d bytes of '%s' (%s); try increasing RLIMIT_MEMLOCK ('ulimit -l')",
+                    array.nbytes, path, os.strerror(err))
+        return False
+    return True
 
 
 def tensor_view(info: TensorInfo, mapped: np.ndarray) -> np.ndarray:

@@ -173,6 +173,7 @@ def cache_key(file: GGUFModelFile) -> str:
 
     digest = blake3(Path(__file__).read_bytes())
     digest.update(tokenizer_cache.library_versions().encode())
+    digest.update(file.overrides_json.encode())  # --override-kv changes what the header says
     with open(file.path, "rb") as f:
         remaining = file.header_bytes
         while remaining > 0 and (chunk := f.read(min(remaining, 1 << 22))):
@@ -230,26 +231,43 @@ def load_tokenizer(file: GGUFModelFile, cache_dir: Path | None = None) -> tuple[
     def convert(out: Path) -> None:
         log.info("converting the GGUF vocabulary (%d tokens) with transformers' converter, in a child process",
                  len(file.metadata["tokenizer.ggml.tokens"]))
-        tokenizer_cache.convert_in_child("mlxcel_compat.gguf.tokenizer", Path(file.path), out)
+        tokenizer_cache.convert_in_child("mlxcel_compat.gguf.tokenizer", Path(file.path), out,
+                                         extra_args=(file.overrides_json,) if file.overrides_json else ())
 
     cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
     return tokenizer_cache.load_converted(cache_key(file), cache_dir, convert, specials.eog), specials
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mlxcel_compat.gguf.tokenizer FILE.gguf OUT``: the child process of
+    """``python -m mlxcel_compat.gguf.tokenizer FILE.gguf OUT [OVERRIDES_JSON]``: the child process of
     :func:`load_tokenizer` (``tokenizer/cache.py: convert_in_child``), which imports transformers
-    so the serving process does not."""
+    so the serving process does not. ``OVERRIDES_JSON``: the ``--override-kv`` items the server
+    applied to the metadata (``gguf/overrides.py``), applied here the same way."""
     import sys
 
+    from mlxcel_compat.gguf.overrides import overrides_from_json
     from mlxcel_compat.gguf.reader import open_gguf
 
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print("usage: python -m mlxcel_compat.gguf.tokenizer FILE.gguf OUT", file=sys.stderr)
+    if len(args) not in (2, 3):
+        print("usage: python -m mlxcel_compat.gguf.tokenizer FILE.gguf OUT [OVERRIDES_JSON]", file=sys.stderr)
         return 2
-    convert(open_gguf(args[0]), Path(args[1]))
+    file = open_gguf(args[0])
+    if len(args) == 3:
+        file = with_overrides(file, overrides_from_json(args[2]))
+    convert(file, Path(args[1]))
     return 0
+
+
+def with_overrides(file: GGUFModelFile, overrides: Any) -> GGUFModelFile:
+    """``file`` with ``--override-kv`` applied to its metadata (``gguf/overrides.py``), in place."""
+    from mlxcel_compat.gguf.overrides import apply_kv_overrides, overrides_json
+
+    overrides = tuple(overrides)
+    if overrides:
+        file.metadata = apply_kv_overrides(file.metadata, overrides)
+        file.overrides_json = overrides_json(overrides)
+    return file
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 from mlxcel_compat.model import hub
 from mlxcel_compat.tokenizer.fim import FimTokens, model_fim_tokens
 from mlxcel_compat.gguf.reader import is_gguf_path
+from mlxcel_compat.model.load_options import LoadOptions
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +224,7 @@ def _block_weights(model: Any) -> list[Any]:
 
 
 def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: str | None = None,
-               adapters: Sequence[Any] = (), repack: bool = True) -> LoadedModel:
+               adapters: Sequence[Any] = (), repack: bool = True, options: LoadOptions | None = None) -> LoadedModel:
     """Load weights and tokenizer. Must run on the engine thread (it creates MLX state).
 
     ``model_arg`` is a local directory or GGUF file (or a hub id, resolved here); ``name`` is what
@@ -231,6 +232,8 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
     ``adapters`` (``lora.AdapterFile``) are checked against the model and installed unfused
     (``lora_layers.py``); one that does not fit raises ``lora.AdapterError`` naming the tensor.
     ``repack``: a GGUF's Q4_0/Q4_K weights also take ggml's repacked layout (``ggml_repack.py``).
+    ``options``: the loading flags (``load_options.py``: RoPE/YaRN overrides on any source,
+    ``--override-kv``, ``--no-mmap`` and ``--mlock`` on a GGUF).
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -248,13 +251,20 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
         if adapters:
             raise ValueError("LoRA adapters are not served on vision-language models yet")
         return _load_vision(path, model_arg, aliases, name)
+    options = options if options is not None else LoadOptions()
+    if options.rope:
+        log.info("RoPE overrides: %s", options.rope.describe())
     on_cpu = mx.default_device() == mx.cpu
     summary = None
     affine = None  # mlx_affine.AffineLoad for a quantized directory on the CPU
     if path.is_file():
         from mlxcel_compat.gguf.load import load_gguf
 
-        model, tokenizer, config, summary = load_gguf(str(path), progress=_ProgressLog(path.name), repack=repack)
+        if options.kv_overrides:
+            log.info("metadata overrides: %s", ", ".join(o.spelled() for o in options.kv_overrides))
+        model, tokenizer, config, summary = load_gguf(
+            str(path), progress=_ProgressLog(path.name), repack=repack, kv_overrides=options.kv_overrides,
+            use_mmap=options.use_mmap, mlock=options.mlock, adjust_config=options.rope.apply if options.rope else None)
         _log_gguf(summary)
     else:
         from mlxcel_compat.tokenizer.cache import load_directory
@@ -263,10 +273,13 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
 
         raw = read_config(path)
         quantized = on_cpu and ("quantization" in raw or "quantization_config" in raw)
+        if options.kv_overrides:
+            log.warning("--override-kv applies to GGUF metadata; '%s' is a directory, whose config.json is "
+                        "read as it is", path)
         # A quantized directory is read lazily: each layer is evaluated, repacked and dropped in
         # turn (mlx_affine.serve), so its MLX copy and its blocks are never all in memory.
         # mlx-lm loads the weights only; the tokenizer is ours (no transformers: zoo.py).
-        model, config = zoo.load_model(path, lazy=quantized)
+        model, config = zoo.load_model(path, lazy=quantized, model_config=options.rope.apply(raw) if options.rope else None)
         tokenizer = load_directory(path, config_eos_ids(config.get("eos_token_id")))
         if on_cpu and config.get("quantization") is not None:
             affine = _serve_affine(model)
@@ -310,7 +323,7 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
         n_params=n_params,
         size_bytes=size_bytes,
         gguf=summary,
-        fingerprint=model_fingerprint(path, summary, affine.fingerprint if affine is not None else None),
+        fingerprint=options.mark(model_fingerprint(path, summary, affine.fingerprint if affine is not None else None)),
         decoder=decoder,
         n_adapted=n_adapted,
         fim=fim,

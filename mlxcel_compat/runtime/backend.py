@@ -200,7 +200,34 @@ def _blas_threads(lib: ctypes.CDLL) -> int:
     return max(1, fn())
 
 
-def _load_shim_before(lib: ctypes.CDLL) -> tuple[blas_shim.Shim | None, str]:
+@dataclass(frozen=True)
+class ThreadCounts:
+    """llama-server's ``-t`` and ``-tb`` as the CPU runtime applies them.
+
+    ``decode``: the shim's pool (decode steps' products, the CPU decode runtime's kernels);
+    ``batch``: ggml's threadpool for prompt chunks' products and OpenBLAS, which computes the
+    float32 products of prefill (decode steps' products go through the shim). ``None``: not set,
+    each library keeps its own choice (every CPU the process may use).
+    """
+
+    decode: int | None = None
+    batch: int | None = None
+
+    @classmethod
+    def from_flags(cls, threads: int | None, threads_batch: int | None) -> "ThreadCounts":
+        """``-t N`` / ``-tb N`` (N <= 0 or -1: every CPU); ``-tb`` unset follows ``-t``, as in llama.cpp."""
+        every = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        decode = None if threads is None else (threads if threads > 0 else every)
+        if threads_batch is None:
+            batch = decode
+        else:
+            batch = threads_batch if threads_batch > 0 else every
+        if threads is not None and threads <= 0 and threads_batch is None:
+            decode = batch = None  # the defaults: nothing to bound
+        return cls(decode, batch)
+
+
+def _load_shim_before(lib: ctypes.CDLL, counts: ThreadCounts) -> tuple[blas_shim.Shim | None, str]:
     """Build/load the shim globally and point it at ``lib`` (loaded locally so far); the shim, or
     None and why."""
     if blas_shim.disabled():
@@ -211,10 +238,12 @@ def _load_shim_before(lib: ctypes.CDLL) -> tuple[blas_shim.Shim | None, str]:
     shim = blas_shim.load(built)
     if isinstance(shim, str):
         return None, f"the BLAS's cblas_sgemm (matrix-vector shim not loaded: {shim})"
-    problem = blas_shim.attach(shim, lib, _blas_threads(lib))
+    problem = blas_shim.attach(shim, lib, counts.decode or _blas_threads(lib))
     if problem is not None:
         shim.configure(blas_shim.ROUTE_SGEMM)  # loaded globally already: make it a pass-through
         return None, f"the BLAS's cblas_sgemm (matrix-vector shim unused: {problem})"
+    if counts.batch is not None:
+        shim.set_batch_threads(counts.batch)
     return shim, shim.describe() + (" (compiled now)" if built.built_now else "")
 
 
@@ -227,14 +256,20 @@ def blas_candidates() -> list[str]:
     return found
 
 
-def load_optimized_blas() -> BlasInfo:
+def load_optimized_blas(threads: int | None = None, threads_batch: int | None = None) -> BlasInfo:
     """Load an optimized BLAS globally, once; return what is active.
 
-    Safe to call many times. On macOS MLX uses Accelerate/Metal and nothing is needed.
+    Safe to call many times (the thread counts of the first call count). On macOS MLX uses
+    Accelerate/Metal and nothing is needed. ``threads``/``threads_batch``: ``-t``/``-tb``
+    (:class:`ThreadCounts`); OpenBLAS reads its count when it loads, so it is set in its
+    variables first (NumPy's bundled OpenBLAS, loaded later, reads the same ones).
     """
     global _loaded, _shim
     if _loaded is not None:
         return _loaded
+    counts = ThreadCounts.from_flags(threads, threads_batch)
+    if counts.batch is not None:
+        os.environ["OPENBLAS_NUM_THREADS"] = str(counts.batch)
     if platform.system() != "Linux":
         _loaded = BlasInfo("accelerate", None, True)
         return _loaded
@@ -257,7 +292,7 @@ def load_optimized_blas() -> BlasInfo:
             if forced:
                 del os.environ["OPENBLAS_CORETYPE"]
             continue
-        _shim, route = _load_shim_before(lib)
+        _shim, route = _load_shim_before(lib, counts)
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # now global, after the shim
         corename = openblas_corename(lib) if name == "openblas" else None
         _loaded = BlasInfo(name, path, True, corename, forced, route)

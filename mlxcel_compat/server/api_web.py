@@ -4,7 +4,7 @@ The page is static files shipped in the package (``mlxcel_compat/webui``: plain 
 JavaScript modules, two vendored libraries; no build step and nothing fetched from elsewhere, so
 it works offline). ``/`` and ``/index.html`` serve the page, ``/ui/{file}`` and
 ``/ui/vendor/{file}`` its assets. With ``--no-ui`` every one of them answers 404, as llama-server
-does. The page itself talks to the API (``/props``, ``/v1/chat/completions``) like any client.
+does; so do they with ``--path DIR``, whose files are served instead (``static_files.py``). The page itself talks to the API (``/props``, ``/v1/chat/completions``) like any client.
 
 Every UI response carries a content-security policy that allows scripts from this origin only
 (no inline script, no ``eval``, no remote fetches), and ``Cache-Control: no-cache`` with an
@@ -77,7 +77,8 @@ def _not_found() -> Response:
 
 
 def _serve(request: Request, name: str) -> Response:
-    file = ui_files().get(name) if ctx_of(request).settings.ui else None
+    settings = ctx_of(request).settings
+    file = ui_files().get(name) if settings.ui and not settings.static_path else None
     if file is None:
         return _not_found()
     headers = {

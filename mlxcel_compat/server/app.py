@@ -49,6 +49,7 @@ from mlxcel_compat.server.context import ModelInfo, ServerContext
 from mlxcel_compat.server.cors import CorsMiddleware, CorsPolicy
 from mlxcel_compat.server.errors import ApiError, AuthenticationError, ErrorShape, PayloadTooLarge, ServerError, Unavailable, error_response, raw_error_response
 from mlxcel_compat.server.prompts import max_chars_per_token
+from mlxcel_compat.server.static_files import StaticDirectoryMiddleware, static_is_public
 from mlxcel_compat.server import agent_tools
 from mlxcel_compat.server.mcp_client import McpManager, load_configs
 from mlxcel_compat.server.structured import StructuredOutput, server_default
@@ -122,7 +123,7 @@ class GateMiddleware:
             key = self._matching_key(scope)
             if key is not None:
                 scope.setdefault("state", {})["api_key_id"] = self.key_ids[key]
-            elif not is_public(path):
+            elif not is_public(path) or (self.ctx.settings.static_path and not static_is_public(path)):
                 if shape is not None:
                     await error_response(AuthenticationError("Invalid API Key"), shape)(scope, receive, send)
                     return
@@ -414,6 +415,8 @@ def build_app(ctx: ServerContext) -> Starlette:
             Middleware(CorsMiddleware, policy=cors_policy),
             Middleware(GateMiddleware, ctx=ctx, prefix=prefix),
             Middleware(ErrorMiddleware, prefix=prefix),
+            *([Middleware(StaticDirectoryMiddleware, root=settings.static_path, prefix=prefix)]
+              if settings.static_path and settings.ui else []),
             Middleware(LimitsMiddleware, ctx=ctx, write_timeout=settings.timeout, prefix=prefix),
         ],
         exception_handlers={404: not_found, 405: not_found},

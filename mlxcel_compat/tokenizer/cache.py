@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from mlxcel_compat.tokenizer.served import ServedTokenizer, from_files
 
@@ -102,14 +102,14 @@ def _keep(directory: Path, entry: Path, cache_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def convert_in_child(program: str, source: Path, out: Path) -> None:
-    """Run ``python -m PROGRAM SOURCE OUT``: a child that builds the tokenizer of ``source`` with
+def convert_in_child(program: str, source: Path, out: Path, extra_args: Sequence[str] = ()) -> None:
+    """Run ``python -m PROGRAM SOURCE OUT [EXTRA...]``: a child that builds the tokenizer of ``source`` with
     transformers and saves it into ``out`` (``tokenizer/convert.py`` for a directory,
     ``gguf/tokenizer.py`` for a GGUF file; each source's room owns its conversion)."""
     root = str(Path(__file__).resolve().parents[2])  # the directory holding the mlxcel_compat package
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
-    done = subprocess.run([sys.executable, "-m", program, str(source), str(out)],
+    done = subprocess.run([sys.executable, "-m", program, str(source), str(out), *extra_args],
                           env=env, capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S)
     if done.returncode != 0 or not (out / "tokenizer.json").is_file():
         tail = (done.stderr or done.stdout).strip().splitlines()[-5:]

@@ -108,6 +108,10 @@ class Shim:
             self.threads = threads
         self.vector_width = self.lib.mlxcel_shim_configure(self.route, self.small_m_max, self.threads)
 
+    def set_batch_threads(self, threads: int) -> None:
+        """ggml's thread count for prompt chunks' products (``--threads-batch``; <= 0: the pool's)."""
+        self.lib.mlxcel_set_batch_threads(threads)
+
     def calls(self) -> dict[str, int]:
         """How many cblas_sgemm calls each route took so far in this process."""
         out = (ctypes.c_long * 3)()
@@ -253,6 +257,7 @@ def load(build_result: ShimBuild) -> Shim | str:
         lib.mlxcel_shim_configure.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
         lib.mlxcel_shim_configure.restype = ctypes.c_int
         lib.mlxcel_shim_calls.argtypes = [ctypes.POINTER(ctypes.c_long)]
+        lib.mlxcel_set_batch_threads.argtypes = [ctypes.c_int]
     except (OSError, AttributeError) as exc:
         return f"loading {build_result.path} failed: {exc}"
     return Shim(lib, build_result.path, threads=1)

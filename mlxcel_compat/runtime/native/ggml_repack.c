@@ -287,7 +287,7 @@ void mlxcel_plain_matmul(const struct mlxcel_repacked *r, int m, const float *x,
     }
     int direct = rows == m && beta == 0.0f;
     float *out = direct ? c : mlxcel_scratch(&pad_scratch, sizeof(float) * (size_t)rows * (size_t)r->n);
-    run_graph(r, 0, r->n, 1, rows, x, ldx, out, direct ? ldc : r->n, mlxcel_threads());
+    run_graph(r, 0, r->n, 1, rows, x, ldx, out, direct ? ldc : r->n, mlxcel_batch_threads());
     if (direct) return;
     for (int i = 0; i < m; i++)
         for (int t = 0; t < r->n; t++) {

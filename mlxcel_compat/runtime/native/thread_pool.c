@@ -53,6 +53,7 @@ static atomic_uint job_number; /* futex word: bumped once per job */
 static atomic_int sleepers;
 static int n_workers; /* started */
 static int n_threads = 1;
+static int n_batch_threads; /* ggml's threads for prompt chunks (-tb); 0: as many as the pool */
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static inline void cpu_relax(void) {
@@ -193,6 +194,10 @@ void mlxcel_parallel(int parts, mlxcel_task_fn fn, const void *ctx) {
 }
 
 int mlxcel_threads(void) { return n_threads; }
+
+int mlxcel_batch_threads(void) { return n_batch_threads > 0 ? n_batch_threads : n_threads; }
+
+void mlxcel_set_batch_threads(int threads) { n_batch_threads = threads > 0 ? (threads < MAX_THREADS ? threads : MAX_THREADS) : 0; }
 
 void *mlxcel_scratch(struct mlxcel_scratch *s, size_t size) {
     if (s->size < size) {

@@ -16,6 +16,12 @@ void mlxcel_parallel(int parts, mlxcel_task_fn fn, const void *ctx);
 /* How many threads the pool runs tasks on. */
 int mlxcel_threads(void);
 
+/* How many threads a prompt chunk's ggml graph runs on (--threads-batch; the pool's count unless set). */
+int mlxcel_batch_threads(void);
+
+/* Sets that count (threads <= 0: back to the pool's). Read when a graph starts, so set it before serving. */
+void mlxcel_set_batch_threads(int threads);
+
 /* A buffer kept per thread (declare it __thread) and grown as needed, for the products' scratch. */
 struct mlxcel_scratch {
     void *p;
