@@ -223,7 +223,8 @@ def _block_weights(model: Any) -> list[Any]:
 
 
 def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: str | None = None,
-               adapters: Sequence[Any] = (), repack: bool = True) -> LoadedModel:
+               adapters: Sequence[Any] = (), repack: bool = True, mmproj: str | None = None,
+               image_min_tokens: int = 0, image_max_tokens: int = 0) -> LoadedModel:
     """Load weights and tokenizer. Must run on the engine thread (it creates MLX state).
 
     ``model_arg`` is a local directory or GGUF file (or a hub id, resolved here); ``name`` is what
@@ -231,6 +232,9 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
     ``adapters`` (``lora.AdapterFile``) are checked against the model and installed unfused
     (``lora_layers.py``); one that does not fit raises ``lora.AdapterError`` naming the tensor.
     ``repack``: a GGUF's Q4_0/Q4_K weights also take ggml's repacked layout (``ggml_repack.py``).
+    ``mmproj``: llama.cpp's projector GGUF served with a GGUF text model (``model/mmproj.py``);
+    ``image_min_tokens`` / ``image_max_tokens`` bound its images' tokens where the projector's
+    preprocessing has such bounds (0: the projector's own).
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -248,6 +252,12 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
         if adapters:
             raise ValueError("LoRA adapters are not served on vision-language models yet")
         return _load_vision(path, model_arg, aliases, name)
+    if mmproj:
+        if not path.is_file():
+            raise ValueError(f"--mmproj is a GGUF projector for a GGUF text model; '{model_arg}' is a directory")
+        if adapters:
+            raise ValueError("LoRA adapters are not served on vision-language models yet")
+        return _load_gguf_vision(path, model_arg, aliases, name, mmproj, repack, image_min_tokens, image_max_tokens)
     on_cpu = mx.default_device() == mx.cpu
     summary = None
     affine = None  # mlx_affine.AffineLoad for a quantized directory on the CPU
@@ -376,6 +386,28 @@ def _load_vision(path: Path, model_arg: str, aliases: list[str], name: str | Non
                  facts.model_type, facts.audio.audio_token_id, facts.audio.tokens_per_clip,
                  facts.audio.max_samples / facts.audio.sampling_rate)
     return _plain_loaded(path, model_arg, aliases, name, model, tokenizer, config, vision=facts)
+
+
+def _load_gguf_vision(path: Path, model_arg: str, aliases: list[str], name: str | None, mmproj: str, repack: bool,
+                      image_min_tokens: int, image_max_tokens: int) -> LoadedModel:
+    """A text GGUF with its projector GGUF (``model/mmproj.py``): the text model's weights in the
+    file's blocks as alone, the tower's in float32; MLX's own steps (as ``_load_vision``)."""
+    from mlxcel_compat.model import mmproj as projector
+
+    model, tokenizer, config, summary, facts = projector.load_pair(
+        path, mmproj, progress=_ProgressLog(path.name), repack=repack, image_min_tokens=image_min_tokens,
+        image_max_tokens=image_max_tokens)
+    _log_gguf(summary)
+    model.warm_up()
+    log.info("vision-language model %s (GGUF + projector %s): image token %d, %s", facts.model_type, mmproj,
+             facts.image_token_id,
+             f"{facts.tokens_per_image} tokens an image" if facts.tokens_per_image else "tokens from each image's size")
+    loaded = _plain_loaded(path, model_arg, aliases, name, model, tokenizer, config, summary, vision=facts)
+    from blake3 import blake3
+
+    both = f"{model_fingerprint(path, summary)}+mmproj:{model_fingerprint(Path(mmproj))}"
+    loaded.fingerprint = blake3(both.encode()).hexdigest()  # KV computed with the projector's features
+    return loaded
 
 
 def _install_adapters(model: Any, config: dict[str, Any], summary: Any, adapters: Sequence[Any]) -> int:
