@@ -164,6 +164,9 @@ def build_server(settings: object, model_arg: str, api_keys: list[str], model_na
         EngineConfig(
             model=model_arg,
             model_name=model_name,
+            mmproj=settings.mmproj or None,
+            image_min_tokens=settings.image_min_tokens,
+            image_max_tokens=settings.image_max_tokens,
             aliases=list(settings.alias or []),
             offline=bool(settings.offline),
             repack=settings.repack is not False,

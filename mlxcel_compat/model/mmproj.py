@@ -24,6 +24,8 @@ def read_projector(path: str | Path) -> Any:
     from mlxcel_compat.gguf.reader import open_gguf, read_tensor
     from mlxcel_compat.vision.gguf_projector import ProjectorFile
 
+    if not Path(path).expanduser().is_file():
+        raise ValueError(f"--mmproj {path}: no such file")
     file = open_gguf(path)
     for info in file.tensors.values():
         gguf_quants.check_supported(info.name, info.ggml_type)

@@ -1,0 +1,162 @@
+"""GGUF pairs (``--mmproj``): the factory's tiny Gemma 3 and Qwen2.5-VL written as llama.cpp's
+converter writes them (``testing/vision_gguf.py``), loaded back (``model/mmproj.py``,
+``vision/gguf_projector.py``, ``vision/gguf_model.py``) and compared with the mlx-vlm directory
+they came from: the tower's weights are the directory's, bit for bit; a prompt with an image gives
+the directory model's logits (the text model's layers from the GGUF, the tower from the
+projector). A quantized text GGUF keeps its weights in ggml's blocks inside mlx-vlm's model. An
+unknown projector type, a file that is not a projector and a projector missing a tensor are
+refused with a message that names what is wrong."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlxcel_compat.testing import vision
+from mlxcel_compat.vision.inputs import MediaImage, MediaInput
+
+PROMPT_TEXT = [5, 6, 7, 8, 9, 10, 11]
+
+
+@pytest.fixture(scope="module")
+def model_cache() -> Path:
+    from tests.conftest import MODEL_CACHE
+
+    return MODEL_CACHE
+
+
+# Gemma 3's text GGUF in Q8_0 (its weights stay in ggml's blocks inside mlx-vlm's model), Qwen2.5-VL's
+# in F32 (the logits then equal the directory model's to float32 rounding).
+PAIRS = [("gemma3", "q8_0"), ("qwen2_5_vl", "f32")]
+TOLERANCE = {"f32": 1e-4, "q8_0": 0.3}
+
+
+@pytest.fixture(scope="module", params=PAIRS, ids=[f"{f}-{t}" for f, t in PAIRS])
+def pair(request: pytest.FixtureRequest, model_cache: Path):
+    """(family, text GGUF type, GGUF-loaded model, directory-loaded model, directory)."""
+    from mlxcel_compat.model.loader import load_model
+
+    family, gguf_type = request.param
+    directory = vision.ensure_vision_model(model_cache, family)
+    text, mmproj = vision.ensure_vision_gguf(model_cache, family, gguf_type=gguf_type)
+    assert "mmproj" in mmproj.name and mmproj.parent == text.parent
+    return family, gguf_type, load_model(str(text), [], mmproj=str(mmproj)), load_model(str(directory), []), directory
+
+
+def _image(loaded, seed: int = 0) -> MediaImage:
+    """Random pixels of the tower's input shape (a real image's span is set by the caller)."""
+    blank = loaded.model.family.blank_image(loaded.model.vlm)
+    pixels = np.random.default_rng(seed).standard_normal(blank.pixel_values.shape).astype(np.float32)
+    return MediaImage(pixels, blank.grid_thw, blank.span)
+
+
+def test_the_tower_and_projector_are_the_directory_weights(pair) -> None:
+    family, gguf_type, gguf, hf, directory = pair
+    ours = {k: v for k, v in tree_flatten(gguf.model.vlm.parameters()) if not k.startswith("language_model.")}
+    theirs = {k: v for k, v in mx.load(str(directory / "model.safetensors")).items() if not k.startswith("language_model.")}
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        assert ours[name].shape == value.shape and bool(mx.array_equal(ours[name], value)), name
+    assert gguf.vision is not None and gguf.vision.model_type == hf.vision.model_type
+    assert gguf.vision.processor_config is not None  # from the projector's metadata, no preprocessor_config.json
+
+
+def test_a_prompt_with_an_image_gives_the_directory_models_logits(pair) -> None:
+    family, gguf_type, gguf, hf, _ = pair
+    image = _image(gguf, seed=3)
+    n_image = gguf.vision.image_token_count({"pixel_values": image.pixel_values,
+                                             **({"image_grid_thw": np.asarray([image.grid_thw])}
+                                                if family == "qwen2_5_vl" else {})})[0]
+    facts = gguf.vision
+    prompt = PROMPT_TEXT + list(facts.before) + [facts.image_token_id] * n_image + list(facts.after) + PROMPT_TEXT
+    start = len(PROMPT_TEXT) + len(facts.before)
+    media = MediaInput(images=[MediaImage(image.pixel_values, image.grid_thw, (start, start + n_image))])
+    logits = []
+    for loaded in (gguf, hf):
+        bound = loaded.model.bind(media, prompt)
+        cache = loaded.model.make_cache()
+        logits.append(bound(mx.array([prompt]), cache=cache))
+    assert logits[0].shape == logits[1].shape
+    error = mx.abs(logits[0] - logits[1])
+    # F32: float32 rounding; Q8_0: ggml's kernels round the weights and the activations to 8 bits.
+    assert float(error.max()) < TOLERANCE[gguf_type] and float(error.mean()) < TOLERANCE[gguf_type] / 5
+
+
+def test_a_quantized_text_gguf_keeps_its_blocks_inside_the_vision_model(pair) -> None:
+    from mlxcel_compat.runtime.block_layers import BlockLinear
+
+    family, gguf_type, gguf, _, _ = pair
+    layer = gguf.model.vlm.language_model.model.layers[0]
+    if gguf_type == "f32":
+        assert not isinstance(layer.self_attn.q_proj, BlockLinear)
+        return
+    assert any(f"blocks {gguf_type}" in label for label in gguf.gguf.precision)
+    assert isinstance(layer.self_attn.q_proj, BlockLinear) and isinstance(layer.mlp.down_proj, BlockLinear)
+
+
+def _write_projector(path: Path, projector_type: str, drop: str = "") -> Path:
+    """A copy of the tiny Gemma 3 projector with another type, or without one tensor."""
+    import gguf
+
+    from mlxcel_compat.testing.vision_gguf import write_mmproj_gguf
+
+    directory = vision.ensure_vision_model(_cache(), "gemma3")
+    weights = {k: np.array(v) for k, v in mx.load(str(directory / "model.safetensors")).items()}
+    write_mmproj_gguf("gemma3", directory, weights, path)
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(path) + ".new", "clip")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = projector_type if field.name == "clip.projector_type" else field.contents()
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(field.name, value, kind, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(field.name, value, kind)
+    for tensor in reader.tensors:
+        if tensor.name != drop:
+            writer.add_tensor(tensor.name, np.array(tensor.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    Path(str(path) + ".new").replace(path)
+    return path
+
+
+def _cache() -> Path:
+    from tests.conftest import MODEL_CACHE
+
+    return MODEL_CACHE
+
+
+def test_an_unknown_projector_type_is_refused_naming_it(tmp_path: Path) -> None:
+    from mlxcel_compat.model.mmproj import check_projector
+
+    path = _write_projector(tmp_path / "mmproj-other.gguf", "llama4")
+    with pytest.raises(ValueError, match="projector type 'llama4' .* is not served; served: gemma3, qwen2.5vl_merger"):
+        check_projector(path)
+
+
+def test_a_projector_missing_a_tensor_is_refused_naming_it(tmp_path: Path, model_cache: Path) -> None:
+    from mlxcel_compat.model.loader import load_model
+
+    text, _ = vision.ensure_vision_gguf(model_cache, "gemma3")
+    path = _write_projector(tmp_path / "mmproj-short.gguf", "gemma3", drop="v.blk.1.attn_q.weight")
+    with pytest.raises(ValueError, match=r"lacks tensor v\.blk\.1\.attn_q\.weight"):
+        load_model(str(text), [], mmproj=str(path))
+
+
+def test_a_file_that_is_not_a_projector_is_refused(model_cache: Path, tmp_path: Path) -> None:
+    from mlxcel_compat.model.mmproj import check_projector
+
+    text, _ = vision.ensure_vision_gguf(model_cache, "gemma3")
+    with pytest.raises(ValueError, match="not a multimodal projector .*'gemma3', not 'clip'"):
+        check_projector(text)
+    with pytest.raises(ValueError, match="no such file"):
+        check_projector(tmp_path / "missing.gguf")
