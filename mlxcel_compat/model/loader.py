@@ -240,6 +240,9 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
     from mlx.utils import tree_flatten
 
     path = resolve_model_path(model_arg, offline=offline)
+    if mmproj and not path.is_file():
+        raise ValueError(f"--mmproj is a GGUF projector for a GGUF text model; '{model_arg}' is a directory "
+                         "(a vision-language directory is served with -m alone)")
     from mlxcel_compat.encoders import load as encoder_load
 
     if encoder_load.is_encoder_path(path):
@@ -253,8 +256,6 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
             raise ValueError("LoRA adapters are not served on vision-language models yet")
         return _load_vision(path, model_arg, aliases, name)
     if mmproj:
-        if not path.is_file():
-            raise ValueError(f"--mmproj is a GGUF projector for a GGUF text model; '{model_arg}' is a directory")
         if adapters:
             raise ValueError("LoRA adapters are not served on vision-language models yet")
         return _load_gguf_vision(path, model_arg, aliases, name, mmproj, repack, image_min_tokens, image_max_tokens)

@@ -160,3 +160,36 @@ def test_a_file_that_is_not_a_projector_is_refused(model_cache: Path, tmp_path: 
         check_projector(text)
     with pytest.raises(ValueError, match="no such file"):
         check_projector(tmp_path / "missing.gguf")
+
+
+def test_mmproj_with_a_model_directory_is_refused_saying_why(model_cache: Path) -> None:
+    from mlxcel_compat.model.loader import load_model
+
+    directory = vision.ensure_vision_model(model_cache, "qwen2_5_vl")
+    _, mmproj = vision.ensure_vision_gguf(model_cache, "qwen2_5_vl")
+    with pytest.raises(ValueError, match="--mmproj is a GGUF projector for a GGUF text model"):
+        load_model(str(directory), [], mmproj=str(mmproj))
+
+
+def test_image_token_bounds_come_from_llama_cpp_unless_set(model_cache: Path) -> None:
+    """Qwen-VL images take 8 to 4096 tokens as in clip.cpp; --image-min-tokens / --image-max-tokens
+    replace either bound; the processor then gives a large image no more tokens than the bound."""
+    from PIL import Image
+
+    from mlxcel_compat.model.mmproj import read_projector
+    from mlxcel_compat.vision.gguf_projector import projector_kind
+
+    _, mmproj = vision.ensure_vision_gguf(model_cache, "qwen2_5_vl")
+    projector = read_projector(mmproj)
+    kind = projector_kind(projector)
+    area = 28 * 28  # 14-pixel patches merged 2x2
+    assert kind.processor(projector, 0, 0).config["size"] == {"shortest_edge": 8 * area, "longest_edge": 4096 * area}
+    bounded = kind.processor(projector, 4, 16)
+    assert bounded.config["size"] == {"shortest_edge": 4 * area, "longest_edge": 16 * area}
+    module, _, name = bounded.name.partition(":")
+    import importlib
+
+    processor = getattr(importlib.import_module(module), name)(**bounded.config)
+    out = processor(images=[Image.new("RGB", (448, 448))], return_tensors="np")
+    t, h, w = out["image_grid_thw"][0]
+    assert t * h * w // 4 <= 16
