@@ -312,7 +312,6 @@ R_SPEC_REMOVED = ("removed from llama-server (it refuses the option now); accept
                   "deployments: use --spec-draft-n-max, --spec-draft-n-min, --spec-ngram-simple-size-n/m")
 R_MMPROJ = ("the projector (--mmproj) runs with the model on MLX's default device, one request's images at a time; "
             "llama.cpp's placement and batching options for it have nothing to act on")
-R_MMPROJ_AUTO = "-hf does not fetch a repository's projector yet: download its mmproj GGUF and pass --mmproj FILE"
 R_MMPROJ_FILE = (
     "projectors are not downloaded from a URL: download the mmproj GGUF and pass --mmproj FILE, or serve a "
     "vision-language model directory that mlx-vlm loads with -m"
@@ -968,8 +967,10 @@ _COMPAT: tuple[Setting, ...] = (
                  "text model: images through its vision tower. Projector types: gemma3, qwen2.5vl_merger; "
                  "another is refused at start-up, naming it."),
     _refused("mmproj_url", ("-mmu", "--mmproj-url"), "Multimodal projector URL.", R_MMPROJ_FILE, metavar="URL", env=("LLAMA_ARG_MMPROJ_URL",)),
-    _noop("mmproj_auto", ("--mmproj-auto",), "Use the repository's projector with -hf.", R_MMPROJ_AUTO,
-          env=("LLAMA_ARG_MMPROJ_AUTO",), negative_flags=("--no-mmproj", "--no-mmproj-auto")),
+    Setting("mmproj_auto", ("--mmproj-auto",), ("LLAMA_ARG_MMPROJ_AUTO",), type="bool", default=True, group="model",
+            negative_flags=("--no-mmproj", "--no-mmproj-auto"),
+            help="With -hf, also fetch and serve the repository's projector (mmproj-*.gguf), picked as "
+                 "llama-server picks it; --no-mmproj serves the text model alone."),
     _noop("mmproj_offload", ("--mmproj-offload",), "GPU offload of the projector.", R_MMPROJ,
           env=("LLAMA_ARG_MMPROJ_OFFLOAD",), negative_flags=("--no-mmproj-offload",)),
     _noop("mmproj_device", ("-mmdev", "--mmproj-device"), "Device of the projector.", R_MMPROJ, metavar="DEVICE",

@@ -12,6 +12,10 @@ The choice follows llama-server's rules, so a deployment's ``-hf`` line picks th
 A repository without any GGUF (an MLX or safetensors repository) is fetched as a model
 directory instead, so ``-hf mlx-community/…`` works as well.
 
+The repository's projector (``mmproj``) comes with the model unless ``--no-mmproj`` or
+``--mmproj FILE`` says otherwise, picked as llama-server's ``find_best_mmproj`` picks it
+(:func:`choose_mmproj`).
+
 Files go to the standard hub cache layout through huggingface-hub (``$LLAMA_CACHE`` when set,
 else the hub's own cache, ``$HF_HUB_CACHE``). ``--offline`` (or ``HF_HUB_OFFLINE=1``) only
 looks in that cache; what is missing there is a clear error, never a network call.
@@ -89,6 +93,40 @@ def choose_gguf(files: list[str], tag: str | None) -> str | None:
     return candidates[0]
 
 
+_QUANT_TAG = re.compile(r"[-.]([A-Z0-9_]+)$", re.IGNORECASE)
+_SPLIT_STEM = re.compile(r"^(.+)-([0-9]{5})-of-([0-9]{5})$", re.IGNORECASE)
+
+
+def quant_bits(name: str) -> int:
+    """llama.cpp's bits of a file's type tag (``x-Q4_K_M.gguf`` -> 4, ``mmproj-x-f16.gguf`` -> 16; 0: none)."""
+    stem = name.removesuffix(".gguf")
+    if (split := _SPLIT_STEM.match(stem)) is not None:
+        stem = split.group(1)
+    tag = _QUANT_TAG.search(stem)
+    digits = re.search(r"[0-9]+", tag.group(1)) if tag else None
+    return int(digits.group(0)) if digits else 0
+
+
+def choose_mmproj(files: list[str], model: str) -> str | None:
+    """The projector llama-server takes with ``model`` (its ``find_best_mmproj``): a ``.gguf``
+    whose name contains ``mmproj``, in the model's folder or one above it, the deepest such folder
+    first, then the type closest in bits to the model's (the first file on a tie); None if none."""
+    model_dir = model.split("/")[:-1]
+    model_bits = quant_bits(model)
+    best: tuple[int, int] | None = None
+    chosen = None
+    for name in files:
+        if not name.endswith(".gguf") or "mmproj" not in name:
+            continue
+        directory = name.split("/")[:-1]
+        if model_dir[: len(directory)] != directory:
+            continue  # not the model's folder nor one above it
+        rank = (-len(directory), abs(quant_bits(name) - model_bits))
+        if best is None or rank < best:
+            best, chosen = rank, name
+    return chosen
+
+
 def split_siblings(name: str, files: list[str]) -> list[str]:
     """Every part of a split file, in order (just ``[name]`` when it is not split)."""
     directory, _, base = name.rpartition("/")
@@ -151,6 +189,15 @@ def _download_directory(request: HubRequest) -> Path:
                                       token=request.token, local_files_only=_offline(request)))
     except Exception as exc:
         raise HubError(f"cannot get the model directory of '{request.repo}': {type(exc).__name__}: {exc}") from exc
+
+
+def fetch_mmproj(request: HubRequest) -> Path | None:
+    """The repository's projector for the model :func:`fetch` picks (``--mmproj-auto``, on by
+    default as in llama-server), downloaded; None when it has none or serves a directory."""
+    files = list_files(request)
+    chosen = request.file if request.file else choose_gguf(files, request.tag)
+    projector = choose_mmproj(files, chosen) if chosen else None
+    return _download(request, projector) if projector else None
 
 
 def fetch(request: HubRequest) -> Path:

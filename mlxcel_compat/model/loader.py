@@ -85,6 +85,20 @@ def resolve_model_path(model: str, offline: bool = False, hf_file: str | None = 
         raise ModelNotFoundError(f"model '{model}': {exc}.{hint}") from exc
 
 
+def resolve_mmproj_path(model: str, offline: bool = False, hf_file: str | None = None, token: str | None = None,
+                        cache_dir: str | Path | None = None) -> Path | None:
+    """The hub repository's projector for ``model`` (``-hf``: downloaded, as llama-server's
+    ``--mmproj-auto``), or None for a local model or a repository without one."""
+    if Path(model).expanduser().exists():
+        return None
+    try:
+        repo, tag = hub.parse_repo(model)
+        request = hub.HubRequest(repo, tag, hf_file, token, offline, Path(cache_dir).expanduser() if cache_dir else None)
+        return hub.fetch_mmproj(request)
+    except hub.HubError as exc:
+        raise ModelNotFoundError(f"the projector of '{model}': {exc}") from exc
+
+
 def model_display_id(model_arg: str, aliases: list[str]) -> str:
     """llama-server picks the alphabetically first alias; else the directory or file name, or the hub id."""
     if aliases:

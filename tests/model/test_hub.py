@@ -52,6 +52,21 @@ def test_tag_picks_the_first_matching_file(tag: str | None, expected: str | None
         assert hub.choose_gguf(LISTING, tag) == expected
 
 
+def test_the_projector_is_picked_as_llama_servers_find_best_mmproj() -> None:
+    """A ``.gguf`` with ``mmproj`` in its name, in the model's folder or above it, the deepest
+    first, then the type closest in bits to the model's (``extract_quant_bits``), first on a tie."""
+    assert hub.quant_bits("model-Q4_K_M.gguf") == 4 and hub.quant_bits("mmproj-model-f16.gguf") == 16
+    assert hub.quant_bits("split/model-Q6_K-00001-of-00002.gguf") == 6 and hub.quant_bits("mmproj.gguf") == 0
+    assert hub.choose_mmproj(LISTING, "model-Q4_K_M.gguf") == "mmproj-model-f16.gguf"
+    both = ["mmproj-m-F16.gguf", "mmproj-m-Q8_0.gguf", "m-Q4_K_M.gguf", "m-BF16.gguf"]
+    assert hub.choose_mmproj(both, "m-Q4_K_M.gguf") == "mmproj-m-Q8_0.gguf"  # 8 bits is closer to 4 than 16
+    assert hub.choose_mmproj(both, "m-BF16.gguf") == "mmproj-m-F16.gguf"
+    nested = ["mmproj-top-f16.gguf", "v2/mmproj-v2-f32.gguf", "v2/m-Q8_0.gguf", "other/mmproj-o-q8_0.gguf"]
+    assert hub.choose_mmproj(nested, "v2/m-Q8_0.gguf") == "v2/mmproj-v2-f32.gguf"  # its own folder first
+    assert hub.choose_mmproj(nested, "m-Q8_0.gguf") == "mmproj-top-f16.gguf"  # never a folder below the model's
+    assert hub.choose_mmproj(["m-Q8_0.gguf", "mmproj.bin"], "m-Q8_0.gguf") is None
+
+
 def test_defaults_fall_back_to_q8_0_then_the_first_file() -> None:
     assert hub.choose_gguf(["a-Q5_K_M.gguf", "a-Q8_0.gguf"], None) == "a-Q8_0.gguf"
     assert hub.choose_gguf(["a-Q5_K_M.gguf", "a-Q6_K.gguf", "mmproj-a.gguf"], None) == "a-Q5_K_M.gguf"
