@@ -391,15 +391,15 @@ def ensure_vision_model(cache_dir: str | Path | None = None, family: str = "qwen
 def ensure_vision_gguf(cache_dir: str | Path | None = None, family: str = "qwen2_5_vl", size: str = "tiny",
                        gguf_type: str = "f32", mmproj_type: str = "f32") -> tuple[Path, Path]:
     """``(text GGUF, mmproj GGUF)`` of the (family, size) directory, as llama.cpp's converter
-    names them (``testing/vision_gguf.py``), in ``<cache>/<family>-<size>-v<N>-gguf-<types>/``,
+    names them (``testing/vision_gguf.py``), in ``<cache>/<family>-<size>-v<N>-gguf<M>-<types>/``,
     written on first use (whole, like the directory)."""
     from .cache_dir import build_directory, default_cache_dir
-    from .vision_gguf import GGUF_VISION_FAMILIES, gguf_names, write_vision_gguf_pair
+    from .vision_gguf import GGUF_VISION_FAMILIES, PAIR_VERSION, gguf_names, write_vision_gguf_pair
 
     if family not in GGUF_VISION_FAMILIES:
         raise ValueError(f"vision family {family!r} has no GGUF form; choose one of: {', '.join(GGUF_VISION_FAMILIES)}")
     source = ensure_vision_model(cache_dir, family, size)
-    target = source.parent / f"{source.name}-gguf-{gguf_type}-{mmproj_type}"
+    target = source.parent / f"{source.name}-gguf{PAIR_VERSION}-{gguf_type}-{mmproj_type}"
     text, mmproj = gguf_names(family, size, gguf_type, mmproj_type)
 
     def write(tmp: Path) -> None:

@@ -24,8 +24,8 @@ converter's conventions are applied here, independently of the loader that undoe
 
 File names follow the converter's: ``<Name>-<TYPE>.gguf`` and ``mmproj-<Name>-<TYPE>.gguf``,
 side by side. Matrices of the text model take the requested type (``gguf_tensors.encode_tensor``);
-the projector is F32 or F16 (its 1-D tensors and position embeddings stay F32, as the
-converter's ``tensor_force_quant`` keeps them).
+the projector is F32 or F16, with the converter's ``tensor_force_quant`` exceptions: Gemma 3's
+input projection is always F16, its embeddings and any position embedding F32, vectors F32.
 
 Command line: ``python -m mlxcel_compat.testing.vision --format gguf --family gemma3 --out DIR``.
 """
@@ -49,6 +49,7 @@ GGUF_VISION: dict[str, tuple[str, str, str, str]] = {
 }
 GGUF_VISION_FAMILIES: tuple[str, ...] = tuple(GGUF_VISION)
 MMPROJ_TYPES = ("f32", "f16")
+PAIR_VERSION = 1  # bumped when the pair's bytes change: cached pairs are rebuilt
 LLAMA_CPP_QWEN_WINDOW = 112  # the window clip.cpp takes for Qwen2.5-VL
 
 
@@ -197,10 +198,20 @@ def write_mmproj_gguf(family: str, directory: Path, weights: dict[str, Any], out
             writer.add_uint32("clip.vision.window_size", int(vision["window_size"]))
     arrays = {name: np.array(value, dtype=np.float32) for name, value in weights.items()}
     for name, data in _converted_projector(family, arrays, n_blocks).items():
-        keep_f32 = mmproj_type == "f32" or data.ndim < 2 or ".position_embd." in name or "patch_embd" in name
-        writer.add_tensor(name, data if keep_f32 else data.astype(np.float16))
+        writer.add_tensor(name, data.astype(np.float16) if _stored_f16(family, name, data, mmproj_type) else data)
     _write(writer, out)
     return out
+
+
+def _stored_f16(family: str, name: str, data: np.ndarray, mmproj_type: str) -> bool:
+    """Whether the converter stores this projector tensor as F16 (its ``tensor_force_quant``):
+    Gemma 3's input projection always (llama.cpp issue 13025), its embeddings never; a position
+    embedding never; otherwise matrices in the file's type, vectors F32."""
+    if family == "gemma3" and "input_projection" in name:
+        return True
+    if (family == "gemma3" and name.startswith(("v.patch_embd", "v.position_embd"))) or ".position_embd." in name:
+        return False
+    return mmproj_type == "f16" and data.ndim >= 2
 
 
 def _write(writer: Any, out: Path) -> None:
