@@ -964,7 +964,8 @@ _COMPAT: tuple[Setting, ...] = (
              metavar="SERVERS", env=("LLAMA_ARG_RPC",)),
     Setting("mmproj", ("-mm", "--mmproj"), ("LLAMA_ARG_MMPROJ",), group="model", metavar="FILE",
             help="Multimodal projector GGUF (llama.cpp's clip file: mmproj-*.gguf) served with the -m GGUF "
-                 "text model: images through its vision tower. Projector types: gemma3, qwen2.5vl_merger; "
+                 "text model: images through its vision tower. Projector types: gemma3, qwen2.5vl_merger, "
+                 "qwen2vl_merger; "
                  "another is refused at start-up, naming it."),
     _refused("mmproj_url", ("-mmu", "--mmproj-url"), "Multimodal projector URL.", R_MMPROJ_FILE, metavar="URL", env=("LLAMA_ARG_MMPROJ_URL",)),
     Setting("mmproj_auto", ("--mmproj-auto",), ("LLAMA_ARG_MMPROJ_AUTO",), type="bool", default=True, group="model",

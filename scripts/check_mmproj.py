@@ -68,9 +68,9 @@ gguf.get_tensor_name_map = lambda arch, n: name_map(arch, max(n, 3) if arch == g
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[3:]]
 convert_hf_to_gguf.main()
 """
-PRE = {"gemma3": "gpt-2", "qwen2_5_vl": "qwen2"}
+PRE = {"gemma3": "gpt-2", "qwen2_5_vl": "qwen2", "qwen2_vl": "qwen2"}
 # What each side's prompt holds around the media marker (see the module docstring).
-WRAP = {"gemma3": ("\n\n", "\n\n"), "qwen2_5_vl": ("", "")}
+WRAP = {"gemma3": ("\n\n", "\n\n"), "qwen2_5_vl": ("", ""), "qwen2_vl": ("", "")}
 
 
 def checkpoint_copy(family: str, directory: Path, work: Path) -> Path:
@@ -85,7 +85,7 @@ def checkpoint_copy(family: str, directory: Path, work: Path) -> Path:
         array = np.array(value)
         if name.endswith(("patch_embedding.weight", "patch_embed.proj.weight")):
             array = np.moveaxis(array, -1, 1)  # MLX channels-last -> PyTorch (out, in, ...)
-        if family == "qwen2_5_vl" and name.startswith("vision_tower."):
+        if family in ("qwen2_5_vl", "qwen2_vl") and name.startswith("vision_tower."):
             name = "visual." + name.removeprefix("vision_tower.")
         out[name] = mx.array(np.ascontiguousarray(array))
     mx.save_safetensors(str(copy / "model.safetensors"), out, metadata={"format": "pt"})
@@ -214,7 +214,7 @@ def stop(proc: subprocess.Popen) -> None:
 def image_for(family: str) -> bytes:
     from PIL import Image
 
-    size = {"gemma3": (56, 56), "qwen2_5_vl": (112, 112)}[family]
+    size = {"gemma3": (56, 56), "qwen2_5_vl": (112, 112), "qwen2_vl": (112, 112)}[family]
     pixels = np.random.default_rng(7).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format="PNG")

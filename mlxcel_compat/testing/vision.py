@@ -31,7 +31,7 @@ becomes 256 image tokens): for benchmarks whose ratios need a first turn that co
 one's vision tower and image prefill cost (``scripts/bench_vision_ttft.py``), not for tests.
 
 Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|gemma3|llava|gemma3n] [--size small]``;
-with ``--format gguf`` (Gemma 3, Qwen2.5-VL) the directory's GGUF pair instead, the text model and
+with ``--format gguf`` (Gemma 3, Qwen2.5-VL, Qwen2-VL) the directory's GGUF pair instead, the text model and
 its ``mmproj-*.gguf`` projector as llama.cpp's converter writes them (``testing/vision_gguf.py``).
 """
 

@@ -16,7 +16,8 @@ converter's conventions are applied here, independently of the loader that undoe
   as ``1 + w`` and writes ``projector.scale_factor`` when it is not 4; Qwen2.5-VL
   (``Qwen2VLVisionModel``) splits the fused ``qkv`` into ``attn_q/k/v`` and the 3-D patch
   convolution into two 2-D ones (``v.patch_embd.weight`` and ``.weight.1``), and writes
-  ``n_wa_pattern`` from ``fullatt_block_indexes``.
+  ``n_wa_pattern`` from ``fullatt_block_indexes``; Qwen2-VL the same splits, its ``embed_dim`` as
+  the width and its ``hidden_size`` (the merger's output) as ``feed_forward_length``.
 - One key the converter does not write: ``clip.vision.window_size`` for a Qwen2.5-VL whose
   window is not llama.cpp's fixed 112 pixels (the tiny model's is 56), so that this file computes
   what the directory computes (llama.cpp reads the key for other projectors; for Qwen2.5-VL it
@@ -46,6 +47,7 @@ from .gguf_tensors import converted_tensors, encode_tensor, file_type
 GGUF_VISION: dict[str, tuple[str, str, str, str]] = {
     "gemma3": ("gemma3_text", "gemma3", "gpt-2", "gemma3"),
     "qwen2_5_vl": ("qwen2", "qwen2vl", "qwen2", "qwen2.5vl"),
+    "qwen2_vl": ("qwen2", "qwen2vl", "qwen2", "qwen2vl_merger"),
 }
 GGUF_VISION_FAMILIES: tuple[str, ...] = tuple(GGUF_VISION)
 MMPROJ_TYPES = ("f32", "f16")
@@ -92,7 +94,7 @@ def write_text_gguf(family: str, directory: Path, weights: dict[str, Any], out: 
     writer.add_file_type(file_type(gguf_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_hparams(writer, text_family, text_config, text_weights)
-    if family == "qwen2_5_vl":  # the TextModel base writes the M-RoPE sections, padded to four
+    if family in ("qwen2_5_vl", "qwen2_vl"):  # the TextModel base writes the M-RoPE sections, padded to four
         writer.add_rope_dimension_sections([*config["rope_scaling"]["mrope_section"], 0, 0, 0][:4])
     add_tokenizer(writer, directory, pre)
     for name, data in converted_tensors(text_family, text_config, text_weights).items():
@@ -109,7 +111,7 @@ def _checkpoint_tensors(family: str, weights: dict[str, np.ndarray]) -> list[tup
     for name, value in sorted(weights.items()):
         if name.startswith("language_model."):
             continue
-        if family == "qwen2_5_vl":
+        if family in ("qwen2_5_vl", "qwen2_vl"):
             name = "visual." + name.removeprefix("vision_tower.")
             if name.endswith("patch_embed.proj.weight"):  # mlx (O, T, H, W, I) -> torch (O, I, T, H, W)
                 value = value.transpose(0, 4, 1, 2, 3)
@@ -182,6 +184,15 @@ def write_mmproj_gguf(family: str, directory: Path, weights: dict[str, Any], out
         scale = (int(vision["image_size"]) // int(vision["patch_size"])) // per_side
         if scale > 0 and scale != 4:
             writer.add_vision_projector_scale_factor(scale)
+    elif family == "qwen2_vl":  # the converter's renames: embed_dim is the width, hidden_size the "FFN"
+        n_blocks = int(vision["depth"])
+        writer.add_vision_image_size(int(vision.get("image_size", 560)))
+        writer.add_vision_embedding_length(int(vision["embed_dim"]))
+        writer.add_vision_feed_forward_length(int(vision["hidden_size"]))
+        writer.add_vision_block_count(n_blocks)
+        writer.add_vision_head_count(int(vision["num_heads"]))
+        writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN2VL)
+        writer.add_vision_attention_layernorm_eps(float(config.get("rms_norm_eps", 1e-6)))
     else:  # Qwen2.5-VL: depth / num_heads renamed as the converter does; image_size defaults to 560
         n_blocks = int(vision["depth"])
         writer.add_vision_image_size(int(vision.get("image_size", 560)))

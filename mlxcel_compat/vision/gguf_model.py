@@ -36,6 +36,7 @@ from mlxcel_compat.vision.model import VisionLM
 MARKER_TOKENS: dict[str, tuple[str, ...]] = {
     "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
     "qwen2_5_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+    "qwen2_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
 }
 OPTIONAL_TOKENS = ("<|video_pad|>",)
 

@@ -25,6 +25,7 @@ function that returns one tensor's float32 values in NumPy order, so it holds no
 |---|---|---|---|
 | ``gemma3`` | ``gemma3`` | SigLIP | average pool (``projector.scale_factor``, default 4), RMS norm, linear |
 | ``qwen2.5vl_merger`` | ``qwen2_5_vl`` | windowed ViT (``n_wa_pattern``; window ``clip.vision.window_size``, else 112) | 2x2 patch merger MLP |
+| ``qwen2vl_merger`` | ``qwen2_vl`` | ViT (LayerNorm, GELU MLP) | the same merger |
 """
 
 from __future__ import annotations
@@ -181,23 +182,25 @@ class Qwen25VLProjector(ProjectorKind):
     model_type = "qwen2_5_vl"
     LLAMA_CPP_WINDOW = 112  # clip.cpp's window for Qwen2.5-VL (pixels)
 
-    def vlm_config(self, projector: ProjectorFile, text: dict[str, Any], token_ids: dict[str, int]) -> dict[str, Any]:
+    def vision_config(self, projector: ProjectorFile) -> dict[str, Any]:
         depth = int(projector.vision("block_count"))
         pattern = int(projector.vision("n_wa_pattern"))
         patch = int(projector.vision("patch_size"))
-        vision = dict(model_type="qwen2_5_vl", depth=depth, hidden_size=int(projector.vision("embedding_length")),
-                      intermediate_size=int(projector.vision("feed_forward_length")),
-                      out_hidden_size=int(projector.vision("projection_dim")),
-                      num_heads=int(projector.vision("attention.head_count")), patch_size=patch,
-                      spatial_patch_size=patch, spatial_merge_size=int(projector.vision("spatial_merge_size", 2)),
-                      temporal_patch_size=2, in_channels=3, in_chans=3, tokens_per_second=2,
-                      window_size=int(projector.vision("window_size", self.LLAMA_CPP_WINDOW)),
-                      fullatt_block_indexes=[i for i in range(depth) if (i + 1) % pattern == 0],
-                      layer_norm_eps=float(projector.vision("attention.layer_norm_epsilon", 1e-6)))
+        return dict(model_type="qwen2_5_vl", depth=depth, hidden_size=int(projector.vision("embedding_length")),
+                    intermediate_size=int(projector.vision("feed_forward_length")),
+                    out_hidden_size=int(projector.vision("projection_dim")),
+                    num_heads=int(projector.vision("attention.head_count")), patch_size=patch,
+                    spatial_patch_size=patch, spatial_merge_size=int(projector.vision("spatial_merge_size", 2)),
+                    temporal_patch_size=2, in_channels=3, in_chans=3, tokens_per_second=2,
+                    window_size=int(projector.vision("window_size", self.LLAMA_CPP_WINDOW)),
+                    fullatt_block_indexes=[i for i in range(depth) if (i + 1) % pattern == 0],
+                    layer_norm_eps=float(projector.vision("attention.layer_norm_epsilon", 1e-6)))
+
+    def vlm_config(self, projector: ProjectorFile, text: dict[str, Any], token_ids: dict[str, int]) -> dict[str, Any]:
         sections = list(text.get("mrope_section") or [])
         if len(sections) != 3:
-            raise ValueError("the text GGUF of a Qwen2.5-VL projector needs qwen2vl's rope.dimension_sections")
-        return dict(text, model_type="qwen2_5_vl", vision_config=vision,
+            raise ValueError(f"the text GGUF of a {self.types[0]} projector needs qwen2vl's rope.dimension_sections")
+        return dict(text, model_type=self.model_type, vision_config=self.vision_config(projector),
                     rope_scaling={"type": "mrope", "mrope_section": sections},
                     image_token_id=token_ids["<|image_pad|>"], video_token_id=token_ids.get("<|video_pad|>", -1),
                     vision_start_token_id=token_ids["<|vision_start|>"],
@@ -233,7 +236,30 @@ class Qwen25VLProjector(ProjectorKind):
         return projector.read(gguf_name)
 
 
-KINDS: dict[str, ProjectorKind] = {t: k for k in (Gemma3Projector(), Qwen25VLProjector()) for t in k.types}
+class Qwen2VLProjector(Qwen25VLProjector):
+    """Qwen2-VL: a plain ViT (LayerNorm, GELU MLP; no windows) over the same patches, the same
+    merger. The converter writes the checkpoint's ``hidden_size`` (the merger's output width) as
+    ``feed_forward_length``, so the MLP's width is read from ``v.blk.0.ffn_up.weight``."""
+
+    types = ("qwen2vl_merger",)
+    model_type = "qwen2_vl"
+
+    def vision_config(self, projector: ProjectorFile) -> dict[str, Any]:
+        embed = int(projector.vision("embedding_length"))
+        if "v.blk.0.ffn_up.weight" not in projector.names:
+            raise ValueError(f"projector {projector.path} lacks tensor v.blk.0.ffn_up.weight")
+        width = int(projector.read("v.blk.0.ffn_up.weight").shape[0])
+        patch = int(projector.vision("patch_size"))
+        return dict(model_type="qwen2_vl", depth=int(projector.vision("block_count")), embed_dim=embed,
+                    hidden_size=int(projector.vision("projection_dim")), mlp_ratio=width / embed,
+                    num_heads=int(projector.vision("attention.head_count")), patch_size=patch,
+                    spatial_patch_size=patch, spatial_merge_size=int(projector.vision("spatial_merge_size", 2)),
+                    temporal_patch_size=2, in_channels=3, in_chans=3,
+                    layer_norm_eps=float(projector.vision("attention.layer_norm_epsilon", 1e-6)))
+
+
+KINDS: dict[str, ProjectorKind] = {t: k for k in (Gemma3Projector(), Qwen25VLProjector(), Qwen2VLProjector())
+                                   for t in k.types}
 SERVED_PROJECTOR_TYPES: tuple[str, ...] = tuple(KINDS)
 
 

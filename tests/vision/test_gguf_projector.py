@@ -1,4 +1,4 @@
-"""GGUF pairs (``--mmproj``): the factory's tiny Gemma 3 and Qwen2.5-VL written as llama.cpp's
+"""GGUF pairs (``--mmproj``): the factory's tiny Gemma 3, Qwen2.5-VL and Qwen2-VL (``slow``) written as llama.cpp's
 converter writes them (``testing/vision_gguf.py``), loaded back (``model/mmproj.py``,
 ``vision/gguf_projector.py``, ``vision/gguf_model.py``) and compared with the mlx-vlm directory
 they came from: the tower's weights are the directory's, bit for bit (Gemma 3's input projection:
@@ -32,11 +32,14 @@ def model_cache() -> Path:
 
 # Gemma 3's text GGUF in Q8_0 (its weights stay in ggml's blocks inside mlx-vlm's model), Qwen2.5-VL's
 # in F32 (the logits then equal the directory model's to float32 rounding).
-PAIRS = [("gemma3", "q8_0"), ("qwen2_5_vl", "f32")]
+PAIRS = [("gemma3", "q8_0"), ("qwen2_5_vl", "f32"), ("qwen2_vl", "f32")]
+SLOW_PAIRS = {("qwen2_vl", "f32")}  # the same merger and text as Qwen2.5-VL's: its own tower only
 TOLERANCE = {"f32": 1e-4, "q8_0": 0.3}
 
 
-@pytest.fixture(scope="module", params=PAIRS, ids=[f"{f}-{t}" for f, t in PAIRS])
+@pytest.fixture(scope="module", params=[pytest.param(p, id=f"{p[0]}-{p[1]}",
+                                                    marks=[pytest.mark.slow] if p in SLOW_PAIRS else [])
+                                       for p in PAIRS])
 def pair(request: pytest.FixtureRequest, model_cache: Path):
     """(family, text GGUF type, GGUF-loaded model, directory-loaded model, directory)."""
     from mlxcel_compat.model.loader import load_model
@@ -73,7 +76,7 @@ def test_a_prompt_with_an_image_gives_the_directory_models_logits(pair) -> None:
     image = _image(gguf, seed=3)
     n_image = gguf.vision.image_token_count({"pixel_values": image.pixel_values,
                                              **({"image_grid_thw": np.asarray([image.grid_thw])}
-                                                if family == "qwen2_5_vl" else {})})[0]
+                                                if family.startswith("qwen") else {})})[0]
     facts = gguf.vision
     prompt = PROMPT_TEXT + list(facts.before) + [facts.image_token_id] * n_image + list(facts.after) + PROMPT_TEXT
     start = len(PROMPT_TEXT) + len(facts.before)
@@ -142,7 +145,7 @@ def test_an_unknown_projector_type_is_refused_naming_it(tmp_path: Path) -> None:
     from mlxcel_compat.model.mmproj import check_projector
 
     path = _write_projector(tmp_path / "mmproj-other.gguf", "llama4")
-    with pytest.raises(ValueError, match="projector type 'llama4' .* is not served; served: gemma3, qwen2.5vl_merger"):
+    with pytest.raises(ValueError, match="projector type 'llama4' .* is not served; served: gemma3, qwen2.5vl_merger, qwen2vl_merger"):
         check_projector(path)
 
 
