@@ -107,8 +107,8 @@ def _lfm2(file: GGUFModelFile) -> dict[str, Any]:
 SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("llama", "llama", "LlamaForCausalLM", _llama, permute_qk=True),
     ArchSpec("qwen2", "qwen2", "Qwen2ForCausalLM", _qwen2),
-    ArchSpec("qwen2vl", "qwen2", "Qwen2VLForConditionalGeneration", _qwen2vl),
     ArchSpec("qwen3", "qwen3", "Qwen3ForCausalLM", _qwen3),
     ArchSpec("gemma3", "gemma3_text", "Gemma3ForCausalLM", _gemma3, norm_shift=1.0),
     ArchSpec("lfm2", "lfm2", "Lfm2ForCausalLM", _lfm2),
+    ArchSpec("qwen2vl", "qwen2", "Qwen2VLForConditionalGeneration", _qwen2vl),
 )

@@ -199,3 +199,19 @@ def test_image_token_bounds_come_from_llama_cpp_unless_set(model_cache: Path) ->
     out = processor(images=[Image.new("RGB", (448, 448))], return_tensors="np")
     t, h, w = out["image_grid_thw"][0]
     assert t * h * w // 4 <= 16
+
+
+def test_the_text_gguf_alone_serves_text_as_it_does_with_its_projector(pair) -> None:
+    """Without ``--mmproj`` the text GGUF is mlx-lm's model (``qwen2vl``: mlx-lm's qwen2, plain
+    RoPE, which is M-RoPE with one position per token on its three axes; Gemma 3: its rotating
+    window, longer than this prompt): the logits the pair gives a text-only prompt."""
+    from mlxcel_compat.gguf.load import load_gguf
+
+    family, gguf_type, gguf, _, _ = pair
+    model, _, config, summary = load_gguf(str(gguf.path))
+    if family.startswith("qwen"):
+        assert summary.architecture == "qwen2vl" and config["model_type"] == "qwen2" and len(config["mrope_section"]) == 3
+    prompt = mx.array([PROMPT_TEXT * 3])
+    alone = model(prompt)
+    paired = gguf.model(prompt, cache=gguf.model.make_cache())
+    assert float(mx.abs(alone - paired).max()) < 1e-3
