@@ -17,7 +17,8 @@ For each factory family with a served projector type:
    tower's input size, so neither side resizes it), greedy, ``n_probs`` 2: the greedy tokens
    must agree where our top-2 gap exceeds ``--margin``, and the top log-probabilities within
    ``--tolerance`` (ggml's CPU GELU rounds through float16, ``GGML_GELU_FP16``; both the SigLIP
-   tower and Gemma's MLP use GELU).
+   tower and Gemma's MLP use GELU). Each server's resident memory after the request is shown
+   (informational: a tiny model's is the runtime's, not its weights').
 
 llama.cpp wraps a Gemma 3 image as ``<start_of_image>`` ... ``<end_of_image>``; Gemma3Processor
 (and this server) as ``\\n\\n<start_of_image>`` ... ``<end_of_image>\\n\\n``: llama-server's prompt
@@ -211,6 +212,14 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+def rss_mib(pid: int) -> float:
+    """A process's resident memory (``VmRSS``), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def image_for(family: str) -> bytes:
     from PIL import Image
 
@@ -240,6 +249,7 @@ def check(family: str, work: Path, margin: float, tolerance: float, n_predict: i
                             env={**os.environ, "LLAMA_MEDIA_MARKER": marker})
     try:
         theirs = complete(peer_base, f"Picture:{before}{marker}{after}Caption:", image, n_predict)
+        peer_rss = rss_mib(peer.pid)
     finally:
         stop(peer)
     mine, my_base = serve([sys.executable, "-m", "mlxcel_compat", "-m", str(text), "--mmproj", str(mmproj), "-c", "1024",
@@ -247,6 +257,7 @@ def check(family: str, work: Path, margin: float, tolerance: float, n_predict: i
     try:
         marker_ours = json.loads(urllib.request.urlopen(my_base + "/props").read())["media_marker"]
         ours_steps = complete(my_base, f"Picture:{marker_ours}Caption:", image, n_predict)
+        my_rss = rss_mib(mine.pid)
     finally:
         stop(mine)
     worst, agree, compared, problems = 0.0, 0, 0, list(layout)
@@ -267,7 +278,8 @@ def check(family: str, work: Path, margin: float, tolerance: float, n_predict: i
     if worst > tolerance:
         problems.append(f"top log-probability differs by {worst:.4f} > {tolerance}")
     summary = (f"| {family} | {'same tensors and keys' if not layout else '; '.join(layout)[:120]} | "
-               f"{agree}/{compared} greedy tokens agree | {worst:.4f} | {'pass' if not problems else 'FAIL: ' + '; '.join(problems)[:200]} |")
+               f"{agree}/{compared} greedy tokens agree | {worst:.4f} | {my_rss:.0f} / {peer_rss:.0f} MiB | "
+               f"{'pass' if not problems else 'FAIL: ' + '; '.join(problems)[:200]} |")
     return not problems, summary
 
 
@@ -281,14 +293,15 @@ def main() -> int:
     args = parser.parse_args()
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="check-mmproj-"))
     work.mkdir(parents=True, exist_ok=True)
-    print("| family | the converter's projector against the factory's | greedy path | largest top log-prob difference | verdict |")
-    print("|---|---|---|---|---|")
+    print("| family | the converter's projector against the factory's | greedy path | largest top log-prob difference "
+          "| RSS, ours / llama-server's | verdict |")
+    print("|---|---|---|---|---|---|")
     ok = True
     for family in args.families.split(","):
         try:
             passed, row = check(family, work, args.margin, args.tolerance, args.n_predict)
         except Exception as exc:  # one family's failure is its row, not the end of the check
-            passed, row = False, f"| {family} | | | | FAIL: {str(exc)[:300]} |"
+            passed, row = False, f"| {family} | | | | | FAIL: {str(exc)[:300]} |"
         ok &= passed
         print(row, flush=True)
     return 0 if ok else 1

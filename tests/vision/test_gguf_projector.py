@@ -149,13 +149,19 @@ def test_an_unknown_projector_type_is_refused_naming_it(tmp_path: Path) -> None:
         check_projector(path)
 
 
-def test_a_projector_missing_a_tensor_is_refused_naming_it(tmp_path: Path, model_cache: Path) -> None:
-    from mlxcel_compat.model.loader import load_model
+def test_a_projector_missing_a_tensor_is_refused_naming_it(tmp_path: Path) -> None:
+    from mlxcel_compat.model.mmproj import read_projector
+    from mlxcel_compat.vision.gguf_projector import projector_kind
 
-    text, _ = vision.ensure_vision_gguf(model_cache, "gemma3")
-    path = _write_projector(tmp_path / "mmproj-short.gguf", "gemma3", drop="v.blk.1.attn_q.weight")
+    projector = read_projector(_write_projector(tmp_path / "mmproj-short.gguf", "gemma3", drop="v.blk.1.attn_q.weight"))
+    shapes = {"vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight": (32, 32),
+              "vision_tower.vision_model.encoder.layers.1.self_attn.q_proj.weight": (32, 32)}
     with pytest.raises(ValueError, match=r"lacks tensor v\.blk\.1\.attn_q\.weight"):
-        load_model(str(text), [], mmproj=str(path))
+        projector_kind(projector).weights(projector, shapes)
+    del shapes["vision_tower.vision_model.encoder.layers.1.self_attn.q_proj.weight"]
+    assert projector_kind(projector).weights(projector, shapes)["vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight"].shape == (32, 32)
+    with pytest.raises(ValueError, match=r"has shape \(32, 32\); mlx-vlm's .* is \(16, 32\)"):
+        projector_kind(projector).weights(projector, {name: (16, 32) for name in shapes})
 
 
 def test_a_file_that_is_not_a_projector_is_refused(model_cache: Path, tmp_path: Path) -> None:
