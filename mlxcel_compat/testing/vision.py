@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", default="hf", choices=("hf", "gguf"),
                         help="hf: the mlx-vlm directory; gguf: the text GGUF and its mmproj-*.gguf beside it")
     parser.add_argument("--gguf-type", default="f32", help="the text GGUF's type (f32, f16, q8_0, q4_k_m, ...)")
-    parser.add_argument("--mmproj-type", default="f32", choices=("f32", "f16"))
+    parser.add_argument("--mmproj-type", default="f32", choices=("f32", "f16", "q8_0"))
     args = parser.parse_args(argv)
     if args.format == "gguf":
         text, mmproj = ensure_vision_gguf(args.out, args.family, args.size, args.gguf_type, args.mmproj_type)

@@ -25,8 +25,9 @@ converter's conventions are applied here, independently of the loader that undoe
 
 File names follow the converter's: ``<Name>-<TYPE>.gguf`` and ``mmproj-<Name>-<TYPE>.gguf``,
 side by side. Matrices of the text model take the requested type (``gguf_tensors.encode_tensor``);
-the projector is F32 or F16, with the converter's ``tensor_force_quant`` exceptions: Gemma 3's
-input projection is always F16, its embeddings and any position embedding F32, vectors F32.
+the projector is F32, F16 or Q8_0 (``--outtype`` of the converter's ``--mmproj`` run), with the
+converter's ``tensor_force_quant`` exceptions: Gemma 3's input projection is always F16, its
+embeddings and any position embedding F32, a patch embedding F16 only in an F16 file, vectors F32.
 
 Command line: ``python -m mlxcel_compat.testing.vision --format gguf --family gemma3 --out DIR``.
 """
@@ -50,7 +51,7 @@ GGUF_VISION: dict[str, tuple[str, str, str, str]] = {
     "qwen2_vl": ("qwen2", "qwen2vl", "qwen2", "qwen2vl_merger"),
 }
 GGUF_VISION_FAMILIES: tuple[str, ...] = tuple(GGUF_VISION)
-MMPROJ_TYPES = ("f32", "f16")
+MMPROJ_TYPES = ("f32", "f16", "q8_0")
 PAIR_VERSION = 1  # bumped when the pair's bytes change: cached pairs are rebuilt
 LLAMA_CPP_QWEN_WINDOW = 112  # the window clip.cpp takes for Qwen2.5-VL
 
@@ -209,20 +210,32 @@ def write_mmproj_gguf(family: str, directory: Path, weights: dict[str, Any], out
             writer.add_uint32("clip.vision.window_size", int(vision["window_size"]))
     arrays = {name: np.array(value, dtype=np.float32) for name, value in weights.items()}
     for name, data in _converted_projector(family, arrays, n_blocks).items():
-        writer.add_tensor(name, data.astype(np.float16) if _stored_f16(family, name, data, mmproj_type) else data)
+        kind = _stored_type(family, name, data, mmproj_type)
+        if kind == "q8_0":
+            writer.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, data.astype(np.float16) if kind == "f16" else data)
     _write(writer, out)
     return out
 
 
-def _stored_f16(family: str, name: str, data: np.ndarray, mmproj_type: str) -> bool:
-    """Whether the converter stores this projector tensor as F16 (its ``tensor_force_quant``):
-    Gemma 3's input projection always (llama.cpp issue 13025), its embeddings never; a position
-    embedding never; otherwise matrices in the file's type, vectors F32."""
+def _stored_type(family: str, name: str, data: np.ndarray, mmproj_type: str) -> str:
+    """How the converter stores this projector tensor (its ``tensor_force_quant``): Gemma 3's
+    input projection F16 always (llama.cpp issue 13025), its embeddings and any position embedding
+    F32, a patch embedding F16 in an F16 file and F32 otherwise, vectors F32; other matrices in the
+    file's type (Q8_0 where rows are whole 32-value blocks, else F16)."""
     if family == "gemma3" and "input_projection" in name:
-        return True
+        return "f16"
     if (family == "gemma3" and name.startswith(("v.patch_embd", "v.position_embd"))) or ".position_embd." in name:
-        return False
-    return mmproj_type == "f16" and data.ndim >= 2
+        return "f32"
+    if data.ndim < 2 or mmproj_type == "f32":
+        return "f32"
+    if "patch_embd" in name:
+        return "f16" if mmproj_type == "f16" else "f32"
+    if mmproj_type == "q8_0" and data.shape[-1] % 32 == 0:
+        return "q8_0"
+    return "f16"
 
 
 def _write(writer: Any, out: Path) -> None:

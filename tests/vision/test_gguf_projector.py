@@ -221,3 +221,28 @@ def test_the_text_gguf_alone_serves_text_as_it_does_with_its_projector(pair) -> 
     alone = model(prompt)
     paired = gguf.model(prompt, cache=gguf.model.make_cache())
     assert float(mx.abs(alone - paired).max()) < 1e-3
+
+
+@pytest.mark.parametrize("mmproj_type", ["f16", "q8_0"])
+def test_half_and_q8_0_projectors_read_within_their_rounding(mmproj_type: str, model_cache: Path) -> None:
+    """Projectors are often shipped in F16 or Q8_0 (``mmproj-*-f16.gguf``): read through the same
+    dequantizer as text GGUFs, each matrix is the F32 file's within its type's rounding, vectors
+    exact (they stay F32)."""
+    import gguf
+
+    from mlxcel_compat.model.mmproj import read_projector
+    from mlxcel_compat.vision.gguf_projector import projector_kind
+
+    _, exact = vision.ensure_vision_gguf(model_cache, "qwen2_5_vl")
+    _, rounded = vision.ensure_vision_gguf(model_cache, "qwen2_5_vl", mmproj_type=mmproj_type)
+    stored = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(rounded)).tensors}
+    assert mmproj_type.upper() in rounded.name and stored["mm.0.weight"] == mmproj_type.upper()
+    assert stored["v.blk.0.ln1.weight"] == "F32"
+    a, b = read_projector(exact), read_projector(rounded)
+    kind = projector_kind(b)
+    shapes = {"vision_tower.blocks.0.attn.qkv.weight": (96, 32), "vision_tower.merger.mlp.0.weight": (128, 128),
+              "vision_tower.blocks.0.norm1.weight": (32,)}
+    reference, got = kind.weights(a, shapes), kind.weights(b, shapes)
+    for name, value in reference.items():
+        bound = float(np.abs(value).max()) * (1e-3 if mmproj_type == "f16" else 1e-2) if value.ndim > 1 else 0.0
+        assert float(np.abs(got[name] - value).max()) <= bound, name
