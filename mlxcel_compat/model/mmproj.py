@@ -56,10 +56,9 @@ def load_pair(text_path: Path, mmproj: str | Path, progress: Any = None, repack:
 
     from mlxcel_compat.gguf.load import load_gguf
     from mlxcel_compat.vision.gguf_model import load_gguf_vision
-
-    projector = read_projector(mmproj)
     from mlxcel_compat.vision.gguf_projector import projector_kind
 
+    projector = read_projector(mmproj)
     projector_kind(projector)  # an unknown type fails before the text model loads
     text_model, tokenizer, text_config, summary = load_gguf(str(text_path), progress=progress, repack=repack)
     model, config, facts = load_gguf_vision(text_model, text_config, tokenizer, projector,

@@ -51,11 +51,6 @@ def hub(tmp_path_factory: pytest.TempPathFactory):
                                "README.md": b"# mlx\n", "original/consolidated.bin": b"\0" * 64})
     fake.add("acme/q8-GGUF", {"x-IQ4_XS.gguf": b"iq4", "x-Q8_0.gguf": b"q8"})
     fake.add("acme/first-GGUF", {"mmproj-x-f16.gguf": b"m", "x-Q5_K_M.gguf": b"q5", "x-Q6_K.gguf": b"q6"})
-    from mlxcel_compat.testing.vision import ensure_vision_gguf
-
-    text, mmproj = ensure_vision_gguf(MODEL_CACHE, "qwen2_5_vl", gguf_type="q8_0")
-    # A projector in another folder is not the model's, however close its type (find_best_mmproj).
-    fake.add("acme/tiny-vl-GGUF", {text.name: text, mmproj.name: mmproj, "other/mmproj-other-Q8_0.gguf": b"not it"})
     fake.start()
     yield fake
     fake.stop()
@@ -169,6 +164,11 @@ def test_without_a_tag_q4_k_m_then_q8_0_then_the_first_file(hub: FakeHub, tmp_pa
 def test_hf_fetches_the_projector_too(server_factory, hub: FakeHub, tmp_path: Path) -> None:
     """As llama-server's ``--mmproj-auto`` (on by default): the model's projector is fetched beside
     it (not the one of another folder) and served: the server takes images."""
+    from mlxcel_compat.testing.vision import ensure_vision_gguf
+
+    text, mmproj = ensure_vision_gguf(MODEL_CACHE, "qwen2_5_vl", gguf_type="q8_0")
+    # A projector in another folder is not the model's, however close its type (find_best_mmproj).
+    hub.add("acme/tiny-vl-GGUF", {text.name: text, mmproj.name: mmproj, "other/mmproj-other-Q8_0.gguf": b"not it"})
     hub.requests.clear()
     server = server_factory(["-hf", "acme/tiny-vl-GGUF:Q8_0"], env=_env(hub, tmp_path))
     downloads = sorted(hub.downloads("acme/tiny-vl-GGUF"))
