@@ -152,12 +152,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def projector_path(settings: object, model_arg: str) -> str | None:
     """The projector to serve, checked before listening: ``--mmproj FILE`` (its type must be
-    served), else with ``-hf`` the repository's own unless ``--no-mmproj`` (as llama-server)."""
+    served), ``--mmproj-url`` downloaded, else with ``-hf`` the repository's own unless
+    ``--no-mmproj`` (as llama-server)."""
     from mlxcel_compat.model.loader import resolve_mmproj_path
     from mlxcel_compat.model.mmproj import check_projector
 
     mmproj = getattr(settings, "mmproj", None) or None
-    if mmproj is None and getattr(settings, "mmproj_auto", True):
+    if url := getattr(settings, "mmproj_url", None):
+        from pathlib import Path
+
+        from mlxcel_compat.model import hub
+
+        target = Path(mmproj) if mmproj else hub.url_cache_path(url, settings.llama_cache)
+        try:
+            mmproj = str(hub.fetch_url(url, target, offline=bool(settings.offline), token=settings.hf_token))
+        except hub.HubError as exc:
+            raise ValueError(f"--mmproj-url: {exc}") from exc
+    elif mmproj is None and getattr(settings, "mmproj_auto", True):
         found = resolve_mmproj_path(model_arg, offline=bool(settings.offline), hf_file=settings.hf_file,
                                     token=settings.hf_token, cache_dir=settings.llama_cache)
         mmproj = str(found) if found is not None else None

@@ -312,10 +312,6 @@ R_SPEC_REMOVED = ("removed from llama-server (it refuses the option now); accept
                   "deployments: use --spec-draft-n-max, --spec-draft-n-min, --spec-ngram-simple-size-n/m")
 R_MMPROJ = ("the projector (--mmproj) runs with the model on MLX's default device, one request's images at a time; "
             "llama.cpp's placement and batching options for it have nothing to act on")
-R_MMPROJ_FILE = (
-    "projectors are not downloaded from a URL: download the mmproj GGUF and pass --mmproj FILE, or serve a "
-    "vision-language model directory that mlx-vlm loads with -m"
-)
 R_SLOTS = "mlxcel_compat keeps a radix prompt cache instead of llama.cpp's slot caches; see --prompt-cache-*"
 R_LOG_FORMAT = "logs use Python's logging format"
 R_UI = "the built-in chat page is served from the package; other static files are not served"
@@ -967,7 +963,9 @@ _COMPAT: tuple[Setting, ...] = (
                  "text model: images through its vision tower. Projector types: gemma3, qwen2.5vl_merger, "
                  "qwen2vl_merger; "
                  "another is refused at start-up, naming it."),
-    _refused("mmproj_url", ("-mmu", "--mmproj-url"), "Multimodal projector URL.", R_MMPROJ_FILE, metavar="URL", env=("LLAMA_ARG_MMPROJ_URL",)),
+    Setting("mmproj_url", ("-mmu", "--mmproj-url"), ("LLAMA_ARG_MMPROJ_URL",), group="model", metavar="URL",
+            help="Download the projector GGUF from URL (into --mmproj FILE when given, else the URL's file name "
+                 "in $LLAMA_CACHE, else ~/.cache/llama.cpp; a file already there is used) and serve it as --mmproj."),
     Setting("mmproj_auto", ("--mmproj-auto",), ("LLAMA_ARG_MMPROJ_AUTO",), type="bool", default=True, group="model",
             negative_flags=("--no-mmproj", "--no-mmproj-auto"),
             help="With -hf, also fetch and serve the repository's projector (mmproj-*.gguf), picked as "

@@ -14,7 +14,8 @@ directory instead, so ``-hf mlx-community/…`` works as well.
 
 The repository's projector (``mmproj``) comes with the model unless ``--no-mmproj`` or
 ``--mmproj FILE`` says otherwise, picked as llama-server's ``find_best_mmproj`` picks it
-(:func:`choose_mmproj`).
+(:func:`choose_mmproj`). ``--mmproj-url URL`` downloads a projector as llama.cpp does
+(:func:`fetch_url`, into :func:`url_cache_path`).
 
 Files go to the standard hub cache layout through huggingface-hub (``$LLAMA_CACHE`` when set,
 else the hub's own cache, ``$HF_HUB_CACHE``). ``--offline`` (or ``HF_HUB_OFFLINE=1``) only
@@ -198,6 +199,46 @@ def fetch_mmproj(request: HubRequest) -> Path | None:
     chosen = request.file if request.file else choose_gguf(files, request.tag)
     projector = choose_mmproj(files, chosen) if chosen else None
     return _download(request, projector) if projector else None
+
+
+def url_cache_path(url: str, cache_dir: str | Path | None = None) -> Path:
+    """Where llama.cpp keeps a file downloaded from ``url`` (``--mmproj-url``): the URL's last path
+    segment (query and fragment dropped) in ``$LLAMA_CACHE``, else ``$XDG_CACHE_HOME/llama.cpp``,
+    else ``~/.cache/llama.cpp``."""
+    name = url.split("#")[0].split("?")[0].rstrip("/").rsplit("/", 1)[-1]
+    if not name:
+        raise HubError(f"'{url}' names no file")
+    if cache_dir is None:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        cache_dir = Path(xdg) / "llama.cpp" if xdg else Path.home() / ".cache" / "llama.cpp"
+    return Path(cache_dir).expanduser() / name
+
+
+def fetch_url(url: str, target: Path, offline: bool = False, token: str | None = None) -> Path:
+    """``url`` downloaded to ``target`` (written whole, then renamed into place); a file already
+    there is used as it is; ``offline`` never downloads."""
+    import httpx
+
+    if target.is_file():
+        return target
+    if offline or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise HubError(f"'{target}' is not there and --offline forbids downloading {url}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".downloadInProgress")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        with httpx.stream("GET", url, headers=headers, follow_redirects=True, timeout=60) as response:
+            if response.status_code != 200:
+                raise HubError(f"cannot download {url}: HTTP {response.status_code}")
+            with open(partial, "wb") as out:
+                for chunk in response.iter_bytes():
+                    out.write(chunk)
+        os.replace(partial, target)
+    except httpx.HTTPError as exc:
+        raise HubError(f"cannot download {url}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        partial.unlink(missing_ok=True)  # a failed download leaves nothing behind
+    return target
 
 
 def fetch(request: HubRequest) -> Path:

@@ -161,3 +161,39 @@ def test_local_paths_are_checked_before_the_hub(tmp_path: Path) -> None:
     other.write_text("x")
     with pytest.raises(ModelNotFoundError, match="not a .gguf model"):
         resolve_model_path(str(other))
+
+
+def test_mmproj_url_downloads_once_into_llama_cpps_cache_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--mmproj-url``: the URL's file name (no query) in ``$LLAMA_CACHE``; written whole, used
+    again without a request; a 404, or ``--offline`` without the file, is an error saying so."""
+    import functools
+    import http.server
+    import threading
+
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "mmproj-x-f16.gguf").write_bytes(b"GGUF projector bytes")
+    requests: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            requests.append(self.path)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(served)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        url = f"{base}/mmproj-x-f16.gguf?download=true"
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+        assert hub.url_cache_path(url) == Path.home() / ".cache" / "llama.cpp" / "mmproj-x-f16.gguf"
+        target = hub.url_cache_path(url, tmp_path / "cache")
+        assert target == tmp_path / "cache" / "mmproj-x-f16.gguf"
+        assert hub.fetch_url(url, target).read_bytes() == b"GGUF projector bytes"
+        assert hub.fetch_url(url, target, offline=True) == target and len(requests) == 1  # no second request
+        with pytest.raises(hub.HubError, match="HTTP 404"):
+            hub.fetch_url(f"{base}/missing.gguf", tmp_path / "cache" / "missing.gguf")
+        assert not list((tmp_path / "cache").glob("missing*"))
+        with pytest.raises(hub.HubError, match="--offline forbids downloading"):
+            hub.fetch_url(url, tmp_path / "other.gguf", offline=True)
+    finally:
+        server.shutdown()
