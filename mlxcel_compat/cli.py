@@ -116,6 +116,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModelNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    try:
+        mmproj = projector_path(settings, model_arg)
+    except (ModelNotFoundError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     from mlxcel_compat.lora.adapters import AdapterError, AdapterSet, adapter_specs
 
     try:
@@ -142,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: --override-kv: {exc}", file=sys.stderr)
         return 2
     app = build_server(settings, str(model_path), api_keys, model_name=model_arg, adapters=adapters,
-                       speculative=speculative, load_options=load_options)
+                       speculative=speculative, load_options=load_options, mmproj=mmproj)
     from mlxcel_compat.listen import ListenError
 
     try:
@@ -161,8 +166,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit_now(code)
 
 
+def projector_path(settings: object, model_arg: str) -> str | None:
+    """The projector to serve, checked before listening: ``--mmproj FILE`` (its type must be
+    served), ``--mmproj-url`` downloaded, else with ``-hf`` the repository's own unless
+    ``--no-mmproj`` (as llama-server)."""
+    from mlxcel_compat.model.loader import resolve_mmproj_path
+    from mlxcel_compat.model.mmproj import check_projector
+
+    mmproj = getattr(settings, "mmproj", None) or None
+    if url := getattr(settings, "mmproj_url", None):
+        from pathlib import Path
+
+        from mlxcel_compat.model import hub
+
+        target = Path(mmproj) if mmproj else hub.url_cache_path(url, settings.llama_cache)
+        try:
+            mmproj = str(hub.fetch_url(url, target, offline=bool(settings.offline), token=settings.hf_token))
+        except hub.HubError as exc:
+            raise ValueError(f"--mmproj-url: {exc}") from exc
+    elif mmproj is None and getattr(settings, "mmproj_auto", True):
+        found = resolve_mmproj_path(model_arg, offline=bool(settings.offline), hf_file=settings.hf_file,
+                                    token=settings.hf_token, cache_dir=settings.llama_cache)
+        mmproj = str(found) if found is not None else None
+    if mmproj is not None:
+        check_projector(mmproj)
+    return mmproj
+
+
 def build_server(settings: object, model_arg: str, api_keys: list[str], model_name: str | None = None,
-                 adapters: object = None, speculative: object = None, load_options: object = None) -> object:
+                 adapters: object = None, speculative: object = None, load_options: object = None,
+                 mmproj: str | None = None) -> object:
     from mlxcel_compat.engine.core import Engine, EngineConfig
     from mlxcel_compat.engine.speculative import SpecConfig
     from mlxcel_compat.engine.prefix_cache import PrefixCache
@@ -180,6 +213,9 @@ def build_server(settings: object, model_arg: str, api_keys: list[str], model_na
         EngineConfig(
             model=model_arg,
             model_name=model_name,
+            mmproj=mmproj if mmproj is not None else (getattr(settings, "mmproj", None) or None),
+            image_min_tokens=settings.image_min_tokens,
+            image_max_tokens=settings.image_max_tokens,
             aliases=list(settings.alias or []),
             offline=bool(settings.offline),
             repack=settings.repack is not False,

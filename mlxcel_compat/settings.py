@@ -334,11 +334,8 @@ R_SPEC = "the draft model runs on the engine thread beside the model, with its s
 R_SPEC_NGRAM = "that n-gram drafting kind is not served here (--spec-type refuses it); ngram-simple and ngram-mod are"
 R_SPEC_REMOVED = ("removed from llama-server (it refuses the option now); accepted and ignored for older "
                   "deployments: use --spec-draft-n-max, --spec-draft-n-min, --spec-ngram-simple-size-n/m")
-R_MMPROJ = "GGUF multimodal projectors are not loaded (vision models are served from their mlx-vlm directory), so this option has nothing to act on"
-R_MMPROJ_FILE = (
-    "GGUF multimodal projectors are not loaded: serve a vision-language model directory that mlx-vlm loads "
-    "(a Hugging Face Qwen2-VL, Qwen2.5-VL, Gemma 3 or LLaVA directory, whose config.json has vision_config) with -m instead"
-)
+R_MMPROJ = ("the projector (--mmproj) runs with the model on MLX's default device, one request's images at a time; "
+            "llama.cpp's placement and batching options for it have nothing to act on")
 R_SLOTS = "mlxcel_compat keeps a radix prompt cache instead of llama.cpp's slot caches; see --prompt-cache-*"
 R_ROUTER = "router (multi-model) mode is not supported; serve one model per process"
 R_LORA_ENV = "llama-server reads no environment variable for it (MLXCEL_* only)"
@@ -1026,19 +1023,30 @@ _COMPAT: tuple[Setting, ...] = (
                  "absolute scaled to int16, 1 taxicab, 2 euclidean, >2 p-norm."),
     _refused("rpc", ("--rpc",), "RPC servers to offload to.", "RPC backends are not supported",
              metavar="SERVERS", env=("LLAMA_ARG_RPC",)),
-    _refused("mmproj", ("-mm", "--mmproj"), "Multimodal projector file.", R_MMPROJ_FILE,
-             metavar="FILE", env=("LLAMA_ARG_MMPROJ",)),
-    _refused("mmproj_url", ("-mmu", "--mmproj-url"), "Multimodal projector URL.", R_MMPROJ_FILE, metavar="URL", env=("LLAMA_ARG_MMPROJ_URL",)),
-    _noop("mmproj_auto", ("--mmproj-auto",), "Use the repository's projector with -hf.", R_MMPROJ,
-          env=("LLAMA_ARG_MMPROJ_AUTO",), negative_flags=("--no-mmproj", "--no-mmproj-auto")),
+    Setting("mmproj", ("-mm", "--mmproj"), ("LLAMA_ARG_MMPROJ",), group="model", metavar="FILE",
+            help="Multimodal projector GGUF (llama.cpp's clip file: mmproj-*.gguf) served with the -m GGUF "
+                 "text model: images through its vision tower. Projector types: gemma3, qwen2.5vl_merger, "
+                 "qwen2vl_merger; "
+                 "another is refused at start-up, naming it."),
+    Setting("mmproj_url", ("-mmu", "--mmproj-url"), ("LLAMA_ARG_MMPROJ_URL",), group="model", metavar="URL",
+            help="Download the projector GGUF from URL (into --mmproj FILE when given, else the URL's file name "
+                 "in $LLAMA_CACHE, else ~/.cache/llama.cpp; a file already there is used) and serve it as --mmproj."),
+    Setting("mmproj_auto", ("--mmproj-auto",), ("LLAMA_ARG_MMPROJ_AUTO",), type="bool", default=True, group="model",
+            negative_flags=("--no-mmproj", "--no-mmproj-auto"),
+            help="With -hf, also fetch and serve the repository's projector (mmproj-*.gguf), picked as "
+                 "llama-server picks it; --no-mmproj serves the text model alone."),
     _noop("mmproj_offload", ("--mmproj-offload",), "GPU offload of the projector.", R_MMPROJ,
           env=("LLAMA_ARG_MMPROJ_OFFLOAD",), negative_flags=("--no-mmproj-offload",)),
     _noop("mmproj_device", ("-mmdev", "--mmproj-device"), "Device of the projector.", R_MMPROJ, metavar="DEVICE",
           env=("MTMD_BACKEND_DEVICE",)),
-    _noop("image_min_tokens", ("--image-min-tokens",), "Minimum tokens per image.", R_MMPROJ, metavar="N",
-          env=("LLAMA_ARG_IMAGE_MIN_TOKENS",)),
-    _noop("image_max_tokens", ("--image-max-tokens",), "Maximum tokens per image.", R_MMPROJ, metavar="N",
-          env=("LLAMA_ARG_IMAGE_MAX_TOKENS",)),
+    Setting("image_min_tokens", ("--image-min-tokens",), ("LLAMA_ARG_IMAGE_MIN_TOKENS",), type="int", default=0,
+            group="model", metavar="N",
+            help="Minimum tokens per image for a --mmproj projector of dynamic resolution (Qwen-VL: 8 by "
+                 "default, as llama.cpp's); 0: the projector's own."),
+    Setting("image_max_tokens", ("--image-max-tokens",), ("LLAMA_ARG_IMAGE_MAX_TOKENS",), type="int", default=0,
+            group="model", metavar="N",
+            help="Maximum tokens per image for a --mmproj projector of dynamic resolution (Qwen-VL: 4096 by "
+                 "default, as llama.cpp's); 0: the projector's own."),
     _noop("mtmd_batch_max_tokens", ("--mtmd-batch-max-tokens",), "Image tokens per batch.", R_MMPROJ,
           metavar="N", env=("LLAMA_ARG_MTMD_BATCH_MAX_TOKENS",)),
     _noop("media_path", ("--media-path",), "Directory for file:// media.",

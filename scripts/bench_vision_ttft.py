@@ -16,6 +16,8 @@ Examples::
 
     python scripts/bench_vision_ttft.py                          # small factory VLM, 10 pairs, 448x448 images
     python scripts/bench_vision_ttft.py --model ~/models/Qwen2.5-VL-3B-Instruct --pairs 5 --size 672
+    python scripts/bench_vision_ttft.py --gguf q8_0                # the small factory VLM as a GGUF pair (--mmproj)
+    python scripts/bench_vision_ttft.py --model text.gguf --mmproj mmproj-text-f16.gguf
 """
 
 from __future__ import annotations
@@ -71,11 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--factory-size", default="small", choices=("tiny", "small"), help="the factory model's size (default small)")
     ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--size", type=int, default=448, help="image side in pixels (default 448)")
+    ap.add_argument("--mmproj", help="a projector GGUF served with --model (a text GGUF): llama-server's pair")
+    ap.add_argument("--gguf", metavar="TYPE", help="serve the factory model's GGUF pair instead of its directory "
+                    "(the text GGUF in TYPE: f32, q8_0, q4_k_m, ...; the projector F32)")
     args = ap.parse_args(argv)
-    from mlxcel_compat.testing.vision import ensure_vision_model
+    from mlxcel_compat.testing.vision import ensure_vision_gguf, ensure_vision_model
 
-    model = args.model or str(ensure_vision_model(family="qwen2_5_vl", size=args.factory_size))
-    server = benchlib.ServerProcess.mlxcel(model, ["-np", "1", "--prompt-cache-min-prefix", "8"], name="vision")
+    extra = ["--mmproj", args.mmproj] if args.mmproj else []
+    if args.gguf and not args.model:
+        text, mmproj = ensure_vision_gguf(family="qwen2_5_vl", size=args.factory_size, gguf_type=args.gguf)
+        model, extra = str(text), ["--mmproj", str(mmproj)]
+    else:
+        model = args.model or str(ensure_vision_model(family="qwen2_5_vl", size=args.factory_size))
+    server = benchlib.ServerProcess.mlxcel(model, ["-np", "1", "--prompt-cache-min-prefix", "8", *extra], name="vision")
     server.start()
     try:
         server.wait_healthy(180)
@@ -92,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 firsts.append(t1)
                 seconds.append(t2)
         f, s = statistics.median(firsts), statistics.median(seconds)
-        print(f"model {model}, {args.pairs} pairs, {args.size}x{args.size} images")
+        print(f"model {model}{' + ' + extra[1] if extra else ''}, {args.pairs} pairs, {args.size}x{args.size} images")
         print(f"TTFT first turn  median {f * 1000:.1f} ms")
         print(f"TTFT second turn median {s * 1000:.1f} ms")
         print(f"ratio {s / f:.3f} (goal <= 0.2): {'met' if s <= 0.2 * f else 'not met'}")

@@ -332,7 +332,7 @@ def test_optional_value_flag_does_not_eat_the_next_flag() -> None:
 @pytest.mark.parametrize(
     ("argv", "env", "spelling"),
     [
-        (["--mmproj", "p.gguf"], {}, "--mmproj"),
+        (["--model-url", "http://h/m.gguf"], {}, "--model-url"),
         (["--fim-qwen-7b-default"], {}, "--fim-qwen-7b-default"),
         ([], {"LLAMA_ARG_TOOLS_RUNTIME": "docker:img"}, "LLAMA_ARG_TOOLS_RUNTIME"),
         ([], {"LLAMA_ARG_MODELS_DIR": "/models"}, "LLAMA_ARG_MODELS_DIR"),

@@ -62,6 +62,9 @@ class EngineConfig:
     model: str  # a local directory or .gguf file (or a hub id, resolved at load)
     aliases: list[str] = field(default_factory=list)
     model_name: str | None = None  # what the user asked for (-hf user/repo:quant), for the display id
+    mmproj: str | None = None  # llama.cpp's projector GGUF beside a GGUF text model (--mmproj)
+    image_min_tokens: int = 0  # --image-min-tokens / --image-max-tokens (0: the projector's own)
+    image_max_tokens: int = 0
     offline: bool = False
     repack: bool = True  # ggml's repacked layouts for quantized GGUF weights (llama.cpp's --repack)
     ctx_size: int = 0  # 0: the model's training context
@@ -252,7 +255,7 @@ class Engine:
         try:
             reloaded = load_model(self.config.model, self.config.aliases, offline=self.config.offline,
                                   adapters=self.config.adapters, repack=self.config.repack,
-                                  options=self.config.load_options)
+                                  options=self.config.load_options, **self._vision_args())
             self.loaded.model, self.loaded.decoder = reloaded.model, reloaded.decoder
         except Exception as exc:
             log.exception("could not reload the model after sleep")
@@ -264,13 +267,18 @@ class Engine:
         self.sleeping = False
         log.info("woke up: model '%s' reloaded in %.1f s for a new request", self.loaded.model_id, time.perf_counter() - t0)
 
+    def _vision_args(self) -> dict[str, Any]:
+        """The projector arguments of ``load_model`` (``--mmproj`` and its image token bounds)."""
+        return {"mmproj": self.config.mmproj, "image_min_tokens": self.config.image_min_tokens,
+                "image_max_tokens": self.config.image_max_tokens}
+
     def _load(self) -> None:
         from mlxcel_compat.model.loader import load_model
 
         t0 = time.perf_counter()
         self.loaded = load_model(self.config.model, self.config.aliases, offline=self.config.offline,
                                  name=self.config.model_name, adapters=self.config.adapters, repack=self.config.repack,
-                                 options=self.config.load_options)
+                                 options=self.config.load_options, **self._vision_args())
         n_ctx_train = int(config_value(self.loaded.config, "max_position_embeddings", 4096))
         self.n_ctx_total, self.n_ctx = slot_context(self.config.ctx_size, len(self.slots), self.config.kv_unified, n_ctx_train)
         for slot in self.slots:

@@ -1,4 +1,4 @@
-"""The first architectures served from GGUF: llama (and Mistral files), qwen2, qwen3, gemma3, lfm2.
+"""The first architectures served from GGUF: llama (and Mistral files), qwen2 (and qwen2vl), qwen3, gemma3, lfm2.
 
 Each builder reads the ``{arch}.*`` metadata into the ``config.json`` mlx-lm would read; the
 rows (:data:`SPECS`) say what the converter changed: llama's Q/K rows were permuted for ggml's
@@ -28,6 +28,17 @@ def _qwen2(file: GGUFModelFile) -> dict[str, Any]:
     if config["head_dim"] != config["hidden_size"] // config["num_attention_heads"]:
         raise UnsupportedArchitecture("qwen2 with head_dim != hidden / heads has no mlx-lm equivalent")
     config.setdefault("rope_theta", 1000000.0)
+    return config
+
+
+def _qwen2vl(file: GGUFModelFile) -> dict[str, Any]:
+    """Qwen2-VL / Qwen2.5-VL's text model: qwen2 with M-RoPE. Text alone takes one position per
+    token on all three axes, which is plain RoPE (mlx-lm's qwen2); the sections are kept for a
+    projector (``--mmproj``, ``vision/gguf_model.py``), whose images need the three axes."""
+    config = _qwen2(file)
+    sections = file.arch_value("rope.dimension_sections")
+    if sections is not None:
+        config["mrope_section"] = [int(s) for s in list(sections)[:3]]
     return config
 
 
@@ -99,4 +110,5 @@ SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("qwen3", "qwen3", "Qwen3ForCausalLM", _qwen3),
     ArchSpec("gemma3", "gemma3_text", "Gemma3ForCausalLM", _gemma3, norm_shift=1.0),
     ArchSpec("lfm2", "lfm2", "Lfm2ForCausalLM", _lfm2),
+    ArchSpec("qwen2vl", "qwen2", "Qwen2VLForConditionalGeneration", _qwen2vl),
 )

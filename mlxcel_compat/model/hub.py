@@ -12,6 +12,11 @@ The choice follows llama-server's rules, so a deployment's ``-hf`` line picks th
 A repository without any GGUF (an MLX or safetensors repository) is fetched as a model
 directory instead, so ``-hf mlx-community/…`` works as well.
 
+The repository's projector (``mmproj``) comes with the model unless ``--no-mmproj`` or
+``--mmproj FILE`` says otherwise, picked as llama-server's ``find_best_mmproj`` picks it
+(:func:`choose_mmproj`). ``--mmproj-url URL`` downloads a projector as llama.cpp does
+(:func:`fetch_url`, into :func:`url_cache_path`).
+
 Files go to the standard hub cache layout through huggingface-hub (``$LLAMA_CACHE`` when set,
 else the hub's own cache, ``$HF_HUB_CACHE``). ``--offline`` (or ``HF_HUB_OFFLINE=1``) only
 looks in that cache; what is missing there is a clear error, never a network call.
@@ -89,6 +94,40 @@ def choose_gguf(files: list[str], tag: str | None) -> str | None:
     return candidates[0]
 
 
+_QUANT_TAG = re.compile(r"[-.]([A-Z0-9_]+)$", re.IGNORECASE)
+_SPLIT_STEM = re.compile(r"^(.+)-([0-9]{5})-of-([0-9]{5})$", re.IGNORECASE)
+
+
+def quant_bits(name: str) -> int:
+    """llama.cpp's bits of a file's type tag (``x-Q4_K_M.gguf`` -> 4, ``mmproj-x-f16.gguf`` -> 16; 0: none)."""
+    stem = name.removesuffix(".gguf")
+    if (split := _SPLIT_STEM.match(stem)) is not None:
+        stem = split.group(1)
+    tag = _QUANT_TAG.search(stem)
+    digits = re.search(r"[0-9]+", tag.group(1)) if tag else None
+    return int(digits.group(0)) if digits else 0
+
+
+def choose_mmproj(files: list[str], model: str) -> str | None:
+    """The projector llama-server takes with ``model`` (its ``find_best_mmproj``): a ``.gguf``
+    whose name contains ``mmproj``, in the model's folder or one above it, the deepest such folder
+    first, then the type closest in bits to the model's (the first file on a tie); None if none."""
+    model_dir = model.split("/")[:-1]
+    model_bits = quant_bits(model)
+    best: tuple[int, int] | None = None
+    chosen = None
+    for name in files:
+        if not name.endswith(".gguf") or "mmproj" not in name:
+            continue
+        directory = name.split("/")[:-1]
+        if model_dir[: len(directory)] != directory:
+            continue  # not the model's folder nor one above it
+        rank = (-len(directory), abs(quant_bits(name) - model_bits))
+        if best is None or rank < best:
+            best, chosen = rank, name
+    return chosen
+
+
 def split_siblings(name: str, files: list[str]) -> list[str]:
     """Every part of a split file, in order (just ``[name]`` when it is not split)."""
     directory, _, base = name.rpartition("/")
@@ -151,6 +190,55 @@ def _download_directory(request: HubRequest) -> Path:
                                       token=request.token, local_files_only=_offline(request)))
     except Exception as exc:
         raise HubError(f"cannot get the model directory of '{request.repo}': {type(exc).__name__}: {exc}") from exc
+
+
+def fetch_mmproj(request: HubRequest) -> Path | None:
+    """The repository's projector for the model :func:`fetch` picks (``--mmproj-auto``, on by
+    default as in llama-server), downloaded; None when it has none or serves a directory."""
+    files = list_files(request)
+    chosen = request.file if request.file else choose_gguf(files, request.tag)
+    projector = choose_mmproj(files, chosen) if chosen else None
+    return _download(request, projector) if projector else None
+
+
+def url_cache_path(url: str, cache_dir: str | Path | None = None) -> Path:
+    """Where llama.cpp keeps a file downloaded from ``url`` (``--mmproj-url``): the URL's last path
+    segment (query and fragment dropped) in ``$LLAMA_CACHE``, else ``$XDG_CACHE_HOME/llama.cpp``,
+    else ``~/.cache/llama.cpp``."""
+    name = url.split("#")[0].split("?")[0].rstrip("/").rsplit("/", 1)[-1]
+    if not name:
+        raise HubError(f"'{url}' names no file")
+    if cache_dir is None:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        cache_dir = Path(xdg) / "llama.cpp" if xdg else Path.home() / ".cache" / "llama.cpp"
+    return Path(cache_dir).expanduser() / name
+
+
+def fetch_url(url: str, target: Path, offline: bool = False, token: str | None = None) -> Path:
+    """``url`` downloaded to ``target`` (written whole, then renamed into place); a file already
+    there is used as it is; ``offline`` never downloads."""
+    import httpx
+
+    if target.is_file():
+        return target
+    if offline or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise HubError(f"'{target}' is not there and --offline forbids downloading {url}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".downloadInProgress")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        with httpx.stream("GET", url, headers=headers, follow_redirects=True, timeout=60) as response:
+            if response.status_code != 200:
+                raise HubError(f"cannot download {url}: HTTP {response.status_code}")
+            with open(partial, "wb") as out:
+                for chunk in response.iter_bytes():
+                    out.write(chunk)
+        os.replace(partial, target)
+    except httpx.HTTPError as exc:
+        raise HubError(f"cannot download {url}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        partial.unlink(missing_ok=True)  # a failed download leaves nothing behind
+    return target
 
 
 def fetch(request: HubRequest) -> Path:

@@ -86,6 +86,20 @@ def resolve_model_path(model: str, offline: bool = False, hf_file: str | None = 
         raise ModelNotFoundError(f"model '{model}': {exc}.{hint}") from exc
 
 
+def resolve_mmproj_path(model: str, offline: bool = False, hf_file: str | None = None, token: str | None = None,
+                        cache_dir: str | Path | None = None) -> Path | None:
+    """The hub repository's projector for ``model`` (``-hf``: downloaded, as llama-server's
+    ``--mmproj-auto``), or None for a local model or a repository without one."""
+    if Path(model).expanduser().exists():
+        return None
+    try:
+        repo, tag = hub.parse_repo(model)
+        request = hub.HubRequest(repo, tag, hf_file, token, offline, Path(cache_dir).expanduser() if cache_dir else None)
+        return hub.fetch_mmproj(request)
+    except hub.HubError as exc:
+        raise ModelNotFoundError(f"the projector of '{model}': {exc}") from exc
+
+
 def model_display_id(model_arg: str, aliases: list[str]) -> str:
     """llama-server picks the alphabetically first alias; else the directory or file name, or the hub id."""
     if aliases:
@@ -224,7 +238,8 @@ def _block_weights(model: Any) -> list[Any]:
 
 
 def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: str | None = None,
-               adapters: Sequence[Any] = (), repack: bool = True, options: LoadOptions | None = None) -> LoadedModel:
+               adapters: Sequence[Any] = (), repack: bool = True, options: LoadOptions | None = None,
+               mmproj: str | None = None, image_min_tokens: int = 0, image_max_tokens: int = 0) -> LoadedModel:
     """Load weights and tokenizer. Must run on the engine thread (it creates MLX state).
 
     ``model_arg`` is a local directory or GGUF file (or a hub id, resolved here); ``name`` is what
@@ -234,11 +249,17 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
     ``repack``: a GGUF's Q4_0/Q4_K weights also take ggml's repacked layout (``ggml_repack.py``).
     ``options``: the loading flags (``load_options.py``: RoPE/YaRN overrides on any source,
     ``--override-kv``, ``--no-mmap`` and ``--mlock`` on a GGUF).
+    ``mmproj``: llama.cpp's projector GGUF served with a GGUF text model (``model/mmproj.py``);
+    ``image_min_tokens`` / ``image_max_tokens`` bound its images' tokens where the projector's
+    preprocessing has such bounds (0: the projector's own).
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     path = resolve_model_path(model_arg, offline=offline)
+    if mmproj and not path.is_file():
+        raise ValueError(f"--mmproj is a GGUF projector for a GGUF text model; '{model_arg}' is a directory "
+                         "(a vision-language directory is served with -m alone)")
     from mlxcel_compat.encoders import load as encoder_load
 
     if encoder_load.is_encoder_path(path):
@@ -254,6 +275,10 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
     options = options if options is not None else LoadOptions()
     if options.rope:
         log.info("RoPE overrides: %s", options.rope.describe())
+    if mmproj:
+        if adapters:
+            raise ValueError("LoRA adapters are not served on vision-language models yet")
+        return _load_gguf_vision(path, model_arg, aliases, name, mmproj, repack, image_min_tokens, image_max_tokens)
     on_cpu = mx.default_device() == mx.cpu
     summary = None
     affine = None  # mlx_affine.AffineLoad for a quantized directory on the CPU
@@ -389,6 +414,28 @@ def _load_vision(path: Path, model_arg: str, aliases: list[str], name: str | Non
                  facts.model_type, facts.audio.audio_token_id, facts.audio.tokens_per_clip,
                  facts.audio.max_samples / facts.audio.sampling_rate)
     return _plain_loaded(path, model_arg, aliases, name, model, tokenizer, config, vision=facts)
+
+
+def _load_gguf_vision(path: Path, model_arg: str, aliases: list[str], name: str | None, mmproj: str, repack: bool,
+                      image_min_tokens: int, image_max_tokens: int) -> LoadedModel:
+    """A text GGUF with its projector GGUF (``model/mmproj.py``): the text model's weights in the
+    file's blocks as alone, the tower's in float32; MLX's own steps (as ``_load_vision``)."""
+    from mlxcel_compat.model import mmproj as projector
+
+    model, tokenizer, config, summary, facts = projector.load_pair(
+        path, mmproj, progress=_ProgressLog(path.name), repack=repack, image_min_tokens=image_min_tokens,
+        image_max_tokens=image_max_tokens)
+    _log_gguf(summary)
+    model.warm_up()
+    log.info("vision-language model %s (GGUF + projector %s): image token %d, %s", facts.model_type, mmproj,
+             facts.image_token_id,
+             f"{facts.tokens_per_image} tokens an image" if facts.tokens_per_image else "tokens from each image's size")
+    loaded = _plain_loaded(path, model_arg, aliases, name, model, tokenizer, config, summary, vision=facts)
+    from blake3 import blake3
+
+    both = f"{model_fingerprint(path, summary)}+mmproj:{model_fingerprint(Path(mmproj))}"
+    loaded.fingerprint = blake3(both.encode()).hexdigest()  # KV computed with the projector's features
+    return loaded
 
 
 def _install_adapters(model: Any, config: dict[str, Any], summary: Any, adapters: Sequence[Any]) -> int:

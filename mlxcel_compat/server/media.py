@@ -328,7 +328,8 @@ class ImageInput:
 
                 module, _, name = self.facts.processor.partition(":")
                 cls = getattr(importlib.import_module(module), name)
-                self._processor = cls.from_pretrained(str(self.facts.processor_dir))
+                config = self.facts.processor_config  # a GGUF projector's settings, else the directory's file
+                self._processor = cls(**config) if config is not None else cls.from_pretrained(str(self.facts.processor_dir))
             return self._processor
 
     def extractor(self) -> Any:

@@ -30,7 +30,9 @@ model of width 512 (~45M parameters), and the real processor's image sizes (a 44
 becomes 256 image tokens): for benchmarks whose ratios need a first turn that costs what a real
 one's vision tower and image prefill cost (``scripts/bench_vision_ttft.py``), not for tests.
 
-Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|gemma3|llava|gemma3n] [--size small]``.
+Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|gemma3|llava|gemma3n] [--size small]``;
+with ``--format gguf`` (Gemma 3, Qwen2.5-VL, Qwen2-VL) the directory's GGUF pair instead, the text model and
+its ``mmproj-*.gguf`` projector as llama.cpp's converter writes them (``testing/vision_gguf.py``).
 """
 
 from __future__ import annotations
@@ -386,13 +388,46 @@ def ensure_vision_model(cache_dir: str | Path | None = None, family: str = "qwen
                            lambda tmp: _write_files(tmp, family, size))
 
 
+def ensure_vision_gguf(cache_dir: str | Path | None = None, family: str = "qwen2_5_vl", size: str = "tiny",
+                       gguf_type: str = "f32", mmproj_type: str = "f32") -> tuple[Path, Path]:
+    """``(text GGUF, mmproj GGUF)`` of the (family, size) directory, as llama.cpp's converter
+    names them (``testing/vision_gguf.py``), in ``<cache>/<family>-<size>-v<N>-gguf<M>-<types>/``,
+    written on first use (whole, like the directory)."""
+    from .cache_dir import build_directory, default_cache_dir
+    from .vision_gguf import GGUF_VISION_FAMILIES, PAIR_VERSION, gguf_names, write_vision_gguf_pair
+
+    if family not in GGUF_VISION_FAMILIES:
+        raise ValueError(f"vision family {family!r} has no GGUF form; choose one of: {', '.join(GGUF_VISION_FAMILIES)}")
+    source = ensure_vision_model(cache_dir, family, size)
+    target = source.parent / f"{source.name}-gguf{PAIR_VERSION}-{gguf_type}-{mmproj_type}"
+    text, mmproj = gguf_names(family, size, gguf_type, mmproj_type)
+
+    def write(tmp: Path) -> None:
+        write_vision_gguf_pair(family, source, tmp, size, gguf_type, mmproj_type)
+        (tmp / MANIFEST_NAME).write_text(json.dumps({"family": family, "text": text, "mmproj": mmproj}) + "\n",
+                                         encoding="utf-8")  # last
+
+    directory = build_directory(target, MANIFEST_NAME, write)
+    return directory / text, directory / mmproj
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlxcel_compat.testing.vision",
-                                     description="Write a random-weight vision-language directory (tiny: for tests).")
+                                     description="Write a random-weight vision-language directory (tiny: for tests), "
+                                                 "or with --format gguf its GGUF pair (text model + mmproj projector).")
     parser.add_argument("--out", required=True, help="the cache directory to build it in")
     parser.add_argument("--family", default="qwen2_5_vl", choices=ALL_FAMILIES)
     parser.add_argument("--size", default="tiny", choices=SIZES, help="small: Qwen2.5-VL only, for benchmarks")
+    parser.add_argument("--format", default="hf", choices=("hf", "gguf"),
+                        help="hf: the mlx-vlm directory; gguf: the text GGUF and its mmproj-*.gguf beside it")
+    parser.add_argument("--gguf-type", default="f32", help="the text GGUF's type (f32, f16, q8_0, q4_k_m, ...)")
+    parser.add_argument("--mmproj-type", default="f32", choices=("f32", "f16", "q8_0"))
     args = parser.parse_args(argv)
+    if args.format == "gguf":
+        text, mmproj = ensure_vision_gguf(args.out, args.family, args.size, args.gguf_type, args.mmproj_type)
+        print(text)
+        print(mmproj)
+        return 0
     print(ensure_vision_model(args.out, args.family, args.size))
     return 0
 

@@ -74,6 +74,9 @@ class VisionFacts:
     processor: str = ""  # "module:Class" of the image processor (Hugging Face, PIL backend)
     processor_kwargs: dict[str, Any] = field(default_factory=dict)
     processor_dir: Path = Path(".")  # holds preprocessor_config.json
+    # The processor's settings when no preprocessor_config.json holds them (a GGUF projector's
+    # metadata, vision/gguf_projector.py): the processor is built from these instead.
+    processor_config: dict[str, Any] | None = None
     images: bool = True  # the family's images are served (Gemma 3n: not yet, its audio is)
     audio: AudioFacts | None = None  # the family's audio input, when it has an audio tower
 
@@ -104,6 +107,12 @@ class VisionFamily:
     # ----- prompt side -----
 
     def facts(self, path: Path, config: dict[str, Any], tokenizer: Any) -> VisionFacts:
+        return self.facts_from(config, tokenizer, self.processor_name(path), None, path)
+
+    def facts_from(self, config: dict[str, Any], tokenizer: Any, processor: str,
+                   processor_config: dict[str, Any] | None, processor_dir: Path = Path(".")) -> VisionFacts:
+        """The facts of ``config`` with its image processor: ``processor`` ("module:Class"),
+        configured from ``processor_dir``'s ``preprocessor_config.json`` or by ``processor_config``."""
         raise NotImplementedError
 
     def processor_name(self, path: Path) -> str:
@@ -174,14 +183,15 @@ class Qwen2VL(VisionFamily):
     processors = {"Qwen2VLImageProcessor": "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl:Qwen2VLImageProcessorPil"}
     mrope = True
 
-    def facts(self, path: Path, config: dict[str, Any], tokenizer: Any) -> VisionFacts:
+    def facts_from(self, config: dict[str, Any], tokenizer: Any, processor: str,
+                   processor_config: dict[str, Any] | None, processor_dir: Path = Path(".")) -> VisionFacts:
         pad = int(config["image_token_id"])
         start, end = int(config.get("vision_start_token_id", -1)), int(config.get("vision_end_token_id", -1))
         return VisionFacts(
             model_type=str(config["model_type"]), image_token_id=pad,
             marker=tuple(t for t in (start, pad, end) if t >= 0), expand_token=pad,
             merge_size=int((config.get("vision_config") or {}).get("spatial_merge_size", 2)),
-            processor=self.processor_name(path), processor_dir=path,
+            processor=processor, processor_dir=processor_dir, processor_config=processor_config,
         )
 
     def features(self, vlm: Any, images: list[Any]) -> mx.array:
@@ -243,7 +253,8 @@ class Gemma3(_FixedSize):
     model_types = ("gemma3",)
     processors = {"Gemma3ImageProcessor": "transformers.models.gemma3.image_processing_pil_gemma3:Gemma3ImageProcessorPil"}
 
-    def facts(self, path: Path, config: dict[str, Any], tokenizer: Any) -> VisionFacts:
+    def facts_from(self, config: dict[str, Any], tokenizer: Any, processor: str,
+                   processor_config: dict[str, Any] | None, processor_dir: Path = Path(".")) -> VisionFacts:
         text = _text_config(config)
         boi, eoi = int(config.get("boi_token_index", 255999)), int(config.get("eoi_token_index", 256000))
         # Gemma3Processor writes "\n\n" around the image's tokens.
@@ -252,7 +263,8 @@ class Gemma3(_FixedSize):
             model_type="gemma3", image_token_id=int(config.get("image_token_index", 262144)),
             marker=(boi,), expand_token=boi, before=gap + (boi,), after=(eoi,) + gap,
             tokens_per_image=int(text.get("mm_tokens_per_image", config.get("mm_tokens_per_image", 256))),
-            processor=self.processor_name(path), processor_kwargs={"do_pan_and_scan": False}, processor_dir=path,
+            processor=processor, processor_kwargs={"do_pan_and_scan": False}, processor_dir=processor_dir,
+            processor_config=processor_config,
         )
 
     def features(self, vlm: Any, images: list[Any]) -> mx.array:
@@ -274,14 +286,15 @@ class Llava(_FixedSize):
         "LlavaImageProcessor": "transformers.models.llava.image_processing_pil_llava:LlavaImageProcessorPil",
     }
 
-    def facts(self, path: Path, config: dict[str, Any], tokenizer: Any) -> VisionFacts:
+    def facts_from(self, config: dict[str, Any], tokenizer: Any, processor: str,
+                   processor_config: dict[str, Any] | None, processor_dir: Path = Path(".")) -> VisionFacts:
         image = int(config.get("image_token_index", 32000))
         strategy = config.get("vision_feature_select_strategy", "default")
         return VisionFacts(
             model_type="llava", image_token_id=image, marker=(image,), expand_token=image,
             patch_size=int((config.get("vision_config") or {}).get("patch_size", 14)),
             extra_tokens=0 if strategy == "default" else 1,
-            processor=self.processor_name(path), processor_dir=path,
+            processor=processor, processor_dir=processor_dir, processor_config=processor_config,
         )
 
     def features(self, vlm: Any, images: list[Any]) -> mx.array:

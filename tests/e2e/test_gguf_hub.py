@@ -79,7 +79,8 @@ def _complete(base_url: str) -> dict:
 
 def test_tag_downloads_only_the_chosen_file_with_the_token(server_factory, hub: FakeHub, tmp_path: Path) -> None:
     hub.requests.clear()
-    server = server_factory(["-hf", "acme/tiny-GGUF:Q8_0", "-hft", TOKEN], env=_env(hub, tmp_path))
+    # --no-mmproj: the repository's (placeholder) projector is not fetched (test_hf_fetches_the_projector_too)
+    server = server_factory(["-hf", "acme/tiny-GGUF:Q8_0", "-hft", TOKEN, "--no-mmproj"], env=_env(hub, tmp_path))
     snapshot = _snapshot(tmp_path / "llama-cache", "acme/tiny-GGUF")
     assert sorted(p.name for p in snapshot.iterdir()) == ["tiny-Q8_0.gguf"]
     assert (snapshot / "tiny-Q8_0.gguf").read_bytes() == hub.repos["acme/tiny-GGUF"].files["tiny-Q8_0.gguf"]
@@ -96,7 +97,7 @@ def test_tag_downloads_only_the_chosen_file_with_the_token(server_factory, hub: 
 
 def test_hf_token_env_and_every_part_of_a_split_file(server_factory, hub: FakeHub, tmp_path: Path) -> None:
     hub.requests.clear()
-    server = server_factory(["-hf", "acme/tiny-GGUF:Q6_K"], env=_env(hub, tmp_path, HF_TOKEN=TOKEN))
+    server = server_factory(["-hf", "acme/tiny-GGUF:Q6_K", "--no-mmproj"], env=_env(hub, tmp_path, HF_TOKEN=TOKEN))
     snapshot = _snapshot(tmp_path / "llama-cache", "acme/tiny-GGUF")
     parts = ["split/tiny-Q6_K-00001-of-00002.gguf", "split/tiny-Q6_K-00002-of-00002.gguf"]
     assert sorted(hub.downloads("acme/tiny-GGUF")) == parts
@@ -157,3 +158,20 @@ def test_without_a_tag_q4_k_m_then_q8_0_then_the_first_file(hub: FakeHub, tmp_pa
                       "acme/first-GGUF": "x-Q5_K_M.gguf"}
     for repo, name in chosen.items():
         assert hub.downloads(repo) == [name]  # nothing else of the repository is fetched
+
+
+@pytest.mark.slow
+def test_hf_fetches_the_projector_too(server_factory, hub: FakeHub, tmp_path: Path) -> None:
+    """As llama-server's ``--mmproj-auto`` (on by default): the model's projector is fetched beside
+    it (not the one of another folder) and served: the server takes images."""
+    from mlxcel_compat.testing.vision import ensure_vision_gguf
+
+    text, mmproj = ensure_vision_gguf(MODEL_CACHE, "qwen2_5_vl", gguf_type="q8_0")
+    # A projector in another folder is not the model's, however close its type (find_best_mmproj).
+    hub.add("acme/tiny-vl-GGUF", {text.name: text, mmproj.name: mmproj, "other/mmproj-other-Q8_0.gguf": b"not it"})
+    hub.requests.clear()
+    server = server_factory(["-hf", "acme/tiny-vl-GGUF:Q8_0"], env=_env(hub, tmp_path))
+    downloads = sorted(hub.downloads("acme/tiny-vl-GGUF"))
+    assert downloads == ["mlxcel-qwen2-5-vl-tiny-Q8_0.gguf", "mmproj-mlxcel-qwen2-5-vl-tiny-F32.gguf"]
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        assert http.get("/props").json()["modalities"]["vision"] is True

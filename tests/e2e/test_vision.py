@@ -8,16 +8,14 @@ embeddings, multimodal RoPE for Qwen, plain positions for the other two).
   included (``cached_tokens``), and answers as a cold run does; the same text with another image
   adopts exactly the tokens before the first image token, and answers as a cold run does.
 - Bad media is a 400 with a message that says what is wrong, and the server stays healthy.
-- A slot holding image tokens cannot be saved (llama-server's 501); ``--mmproj`` is refused at
-  start-up with the directory to use instead.
+- A slot holding image tokens cannot be saved (llama-server's 501). GGUF pairs (``--mmproj``):
+  ``test_vision_gguf.py``.
 """
 
 from __future__ import annotations
 
 import base64
 import io
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -254,12 +252,3 @@ def test_audio_parts_keep_llama_servers_refusal_on_a_vision_model(oai: openai.Op
         oai.chat.completions.create(model="tiny-vl", max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}])
     assert "audio input is not supported" in str(info.value.body)
-
-
-def test_mmproj_is_refused_at_start_up_naming_what_to_use(vlm_dir: Path, tmp_path: Path) -> None:
-    projector = tmp_path / "mmproj.gguf"
-    projector.write_bytes(b"GGUF")
-    run = subprocess.run([sys.executable, "-m", "mlxcel_compat", "-m", str(vlm_dir), "--mmproj", str(projector), "--port", "0"],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode != 0
-    assert "vision-language model directory that mlx-vlm loads" in run.stderr + run.stdout

@@ -52,6 +52,21 @@ def test_tag_picks_the_first_matching_file(tag: str | None, expected: str | None
         assert hub.choose_gguf(LISTING, tag) == expected
 
 
+def test_the_projector_is_picked_as_llama_servers_find_best_mmproj() -> None:
+    """A ``.gguf`` with ``mmproj`` in its name, in the model's folder or above it, the deepest
+    first, then the type closest in bits to the model's (``extract_quant_bits``), first on a tie."""
+    assert hub.quant_bits("model-Q4_K_M.gguf") == 4 and hub.quant_bits("mmproj-model-f16.gguf") == 16
+    assert hub.quant_bits("split/model-Q6_K-00001-of-00002.gguf") == 6 and hub.quant_bits("mmproj.gguf") == 0
+    assert hub.choose_mmproj(LISTING, "model-Q4_K_M.gguf") == "mmproj-model-f16.gguf"
+    both = ["mmproj-m-F16.gguf", "mmproj-m-Q8_0.gguf", "m-Q4_K_M.gguf", "m-BF16.gguf"]
+    assert hub.choose_mmproj(both, "m-Q4_K_M.gguf") == "mmproj-m-Q8_0.gguf"  # 8 bits is closer to 4 than 16
+    assert hub.choose_mmproj(both, "m-BF16.gguf") == "mmproj-m-F16.gguf"
+    nested = ["mmproj-top-f16.gguf", "v2/mmproj-v2-f32.gguf", "v2/m-Q8_0.gguf", "other/mmproj-o-q8_0.gguf"]
+    assert hub.choose_mmproj(nested, "v2/m-Q8_0.gguf") == "v2/mmproj-v2-f32.gguf"  # its own folder first
+    assert hub.choose_mmproj(nested, "m-Q8_0.gguf") == "mmproj-top-f16.gguf"  # never a folder below the model's
+    assert hub.choose_mmproj(["m-Q8_0.gguf", "mmproj.bin"], "m-Q8_0.gguf") is None
+
+
 def test_defaults_fall_back_to_q8_0_then_the_first_file() -> None:
     assert hub.choose_gguf(["a-Q5_K_M.gguf", "a-Q8_0.gguf"], None) == "a-Q8_0.gguf"
     assert hub.choose_gguf(["a-Q5_K_M.gguf", "a-Q6_K.gguf", "mmproj-a.gguf"], None) == "a-Q5_K_M.gguf"
@@ -146,3 +161,39 @@ def test_local_paths_are_checked_before_the_hub(tmp_path: Path) -> None:
     other.write_text("x")
     with pytest.raises(ModelNotFoundError, match="not a .gguf model"):
         resolve_model_path(str(other))
+
+
+def test_mmproj_url_downloads_once_into_llama_cpps_cache_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--mmproj-url``: the URL's file name (no query) in ``$LLAMA_CACHE``; written whole, used
+    again without a request; a 404, or ``--offline`` without the file, is an error saying so."""
+    import functools
+    import http.server
+    import threading
+
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "mmproj-x-f16.gguf").write_bytes(b"GGUF projector bytes")
+    requests: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            requests.append(self.path)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(served)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        url = f"{base}/mmproj-x-f16.gguf?download=true"
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+        assert hub.url_cache_path(url) == Path.home() / ".cache" / "llama.cpp" / "mmproj-x-f16.gguf"
+        target = hub.url_cache_path(url, tmp_path / "cache")
+        assert target == tmp_path / "cache" / "mmproj-x-f16.gguf"
+        assert hub.fetch_url(url, target).read_bytes() == b"GGUF projector bytes"
+        assert hub.fetch_url(url, target, offline=True) == target and len(requests) == 1  # no second request
+        with pytest.raises(hub.HubError, match="HTTP 404"):
+            hub.fetch_url(f"{base}/missing.gguf", tmp_path / "cache" / "missing.gguf")
+        assert not list((tmp_path / "cache").glob("missing*"))
+        with pytest.raises(hub.HubError, match="--offline forbids downloading"):
+            hub.fetch_url(url, tmp_path / "other.gguf", offline=True)
+    finally:
+        server.shutdown()

@@ -1,0 +1,71 @@
+"""``--mmproj FILE``: a text GGUF served with llama.cpp's multimodal projector beside it.
+
+This module reads the files (the ``gguf/`` room's reader and dequantizer); what the projector's
+tensors and keys mean, and how the pair becomes one mlx-vlm model, is ``vision/gguf_projector.py``
+and ``vision/gguf_model.py``. The text model loads exactly as it does alone (``gguf/load.py``:
+on the CPU its quantized weights stay in the file's blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+def read_projector(path: str | Path) -> Any:
+    """The projector file as ``vision.gguf_projector.ProjectorFile``: its metadata, tensor names
+    and a reader that gives one tensor's float32 values (any stored type) in NumPy order."""
+    from mlxcel_compat.gguf import quants as gguf_quants
+    from mlxcel_compat.gguf.reader import open_gguf, read_tensor
+    from mlxcel_compat.vision.gguf_projector import ProjectorFile
+
+    if not Path(path).expanduser().is_file():
+        raise ValueError(f"--mmproj {path}: no such file")
+    file = open_gguf(path)
+    for info in file.tensors.values():
+        gguf_quants.check_supported(info.name, info.ggml_type)
+
+    def read(name: str) -> np.ndarray:
+        info = file.tensors[name]
+        values = gguf_quants.dequantize(read_tensor(info), info.ggml_type, info.n_values, name=info.name)
+        return values.reshape(info.shape)
+
+    return ProjectorFile(str(file.path), dict(file.metadata), frozenset(file.tensors), read)
+
+
+def check_projector(path: str | Path) -> str:
+    """The projector's type, or ``ValueError`` (not a projector, an unknown type): start-up
+    checks this before the text model loads."""
+    from mlxcel_compat.vision.gguf_projector import projector_kind
+
+    projector = read_projector(path)
+    projector_kind(projector)
+    return projector.projector_type
+
+
+def load_pair(text_path: Path, mmproj: str | Path, progress: Any = None, repack: bool = True,
+              image_min_tokens: int = 0, image_max_tokens: int = 0) -> tuple[Any, Any, dict[str, Any], Any, Any]:
+    """``(model, tokenizer, config, summary, facts)`` of the pair (engine thread): the text GGUF's
+    model joined with the projector's tower (``vision.gguf_model``), float32 on the CPU."""
+    import mlx.core as mx
+
+    from mlxcel_compat.gguf.load import load_gguf
+    from mlxcel_compat.vision.gguf_model import load_gguf_vision
+    from mlxcel_compat.vision.gguf_projector import projector_kind
+
+    projector = read_projector(mmproj)
+    projector_kind(projector)  # an unknown type fails before the text model loads
+    text_model, tokenizer, text_config, summary = load_gguf(str(text_path), progress=progress, repack=repack)
+    model, config, facts = load_gguf_vision(text_model, text_config, tokenizer, projector,
+                                            image_min_tokens, image_max_tokens)
+    if mx.default_device() == mx.cpu:
+        model.set_dtype(mx.float32, predicate=lambda dt: dt in (mx.float16, mx.bfloat16))
+    mx.eval(model.parameters())
+    log.info("projector %s: %s (%d tensors), served through mlx-vlm's %s tower", projector.path,
+             projector.projector_type, len(projector.names), config["model_type"])
+    return model, tokenizer, config, summary, facts

@@ -1,0 +1,277 @@
+"""llama.cpp's ``clip`` projector GGUFs (``--mmproj``) mapped back onto mlx-vlm's vision towers.
+
+A projector file holds a vision tower and its projector under gguf-py's ``MMPROJ`` tensor names
+(``v.blk.N.attn_q.weight``, ``mm.0.weight``, ...) and its hyperparameters as ``clip.vision.*``
+keys; ``clip.projector_type`` says which model it came from (``tools/mtmd/clip-impl.h``). Each
+served type is one :class:`ProjectorKind` here, which says:
+
+- the mlx-vlm ``config.json`` of the pair (:meth:`ProjectorKind.vlm_config`): the text part from
+  the text GGUF's config, the vision part from the ``clip.vision.*`` keys;
+- the tower's and projector's weights under mlx-vlm's names (:meth:`ProjectorKind.weights`):
+  each mlx-vlm parameter's Hugging Face checkpoint name goes through gguf-py's own
+  ``TensorNameMap`` (the table the converter writes with), and what the converter changed is
+  undone: PyTorch's ``(out, in, kh, kw)`` convolutions back to MLX's channels-last layout,
+  Gemma 3's soft-embedding norm stored as ``1 + w``, Qwen2.5-VL's fused ``qkv`` split in three
+  and its 3-D patch convolution split into two 2-D ones (``v.patch_embd.weight`` and ``.weight.1``);
+- the image preprocessing (:meth:`ProjectorKind.processor`): Hugging Face's processor of the
+  family, configured from the metadata (size, mean and std, patch and merge sizes) and from
+  llama.cpp's own rules where the file says nothing (Qwen-VL's 8 to 4096 image tokens, which
+  ``--image-min-tokens`` / ``--image-max-tokens`` replace, as in ``clip.cpp``).
+
+The file is read by ``model/loader.py`` (the ``gguf/`` room); this module sees plain metadata and a
+function that returns one tensor's float32 values in NumPy order, so it holds no file format.
+
+| ``clip.projector_type`` | mlx-vlm model | tower | projector |
+|---|---|---|---|
+| ``gemma3`` | ``gemma3`` | SigLIP | average pool (``projector.scale_factor``, default 4), RMS norm, linear |
+| ``qwen2.5vl_merger`` | ``qwen2_5_vl`` | windowed ViT (``n_wa_pattern``; window ``clip.vision.window_size``, else 112) | 2x2 patch merger MLP |
+| ``qwen2vl_merger`` | ``qwen2_vl`` | ViT (LayerNorm, GELU MLP) | the same merger |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+ReadTensor = Callable[[str], np.ndarray]  # GGUF tensor name -> float32 values in NumPy order
+
+GEMMA3_PROCESSOR = "transformers.models.gemma3.image_processing_pil_gemma3:Gemma3ImageProcessorPil"
+QWEN2VL_PROCESSOR = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl:Qwen2VLImageProcessorPil"
+
+
+@dataclass(frozen=True)
+class ProjectorFile:
+    """One projector GGUF as this module sees it: its metadata, tensor names and a reader."""
+
+    path: str
+    metadata: dict[str, Any]
+    names: frozenset[str]
+    read: ReadTensor
+
+    @property
+    def projector_type(self) -> str:
+        return str(self.metadata.get("clip.vision.projector_type") or self.metadata.get("clip.projector_type") or "")
+
+    def vision(self, key: str, default: Any = None) -> Any:
+        """``clip.vision.<key>``; a required one (no default) missing is a clear error."""
+        value = self.metadata.get(f"clip.vision.{key}", default)
+        if value is None:
+            raise ValueError(f"projector {self.path} lacks clip.vision.{key}")
+        return value
+
+
+@dataclass(frozen=True)
+class Processor:
+    """The Hugging Face image processor of a projector: ``"module:Class"`` and its constructor's
+    arguments (what a ``preprocessor_config.json`` would hold)."""
+
+    name: str
+    config: dict[str, Any]
+
+
+def _mmproj_names(n_blocks: int) -> Any:
+    import gguf
+
+    # gguf-py maps the projector's layers (mm.N) through block-indexed rows: at least 3 blocks.
+    return gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(n_blocks, 3))
+
+
+class ProjectorKind:
+    """The rules of one ``clip.projector_type`` (the base: one tensor per parameter)."""
+
+    types: tuple[str, ...] = ()
+    model_type = ""
+
+    def vlm_config(self, projector: ProjectorFile, text: dict[str, Any], token_ids: dict[str, int]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def processor(self, projector: ProjectorFile, min_tokens: int, max_tokens: int) -> Processor:
+        raise NotImplementedError
+
+    def checkpoint_name(self, mlx_name: str) -> str:
+        """The Hugging Face checkpoint's name of an mlx-vlm parameter (the converter's input)."""
+        return mlx_name
+
+    def read(self, projector: ProjectorFile, mlx_name: str, gguf_name: str) -> np.ndarray:
+        """One parameter's values from the file, in mlx-vlm's layout (the converter undone)."""
+        return projector.read(gguf_name)
+
+    def weights(self, projector: ProjectorFile, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+        """mlx-vlm name -> values, for every parameter of the tower and projector (``shapes``);
+        a parameter without its tensor, or a tensor of another shape, is an error naming it."""
+        names = _mmproj_names(int(projector.vision("block_count")))
+        out: dict[str, np.ndarray] = {}
+        for mlx_name, shape in shapes.items():
+            hf_name = self.checkpoint_name(mlx_name)
+            gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if gguf_name is None:
+                raise ValueError(f"projector {projector.path}: no GGUF tensor corresponds to {mlx_name}")
+            if not self.present(projector, gguf_name):
+                raise ValueError(f"projector {projector.path} lacks tensor {gguf_name} ({mlx_name})")
+            value = self.read(projector, mlx_name, gguf_name)
+            if tuple(value.shape) != tuple(shape):
+                raise ValueError(f"projector {projector.path}: tensor {gguf_name} has shape {value.shape}; "
+                                 f"mlx-vlm's {mlx_name} is {shape}")
+            out[mlx_name] = value
+        return out
+
+    def present(self, projector: ProjectorFile, gguf_name: str) -> bool:
+        return gguf_name in projector.names
+
+
+def _channels_last(value: np.ndarray) -> np.ndarray:
+    """PyTorch's convolution ``(out, in, *kernel)`` as MLX's ``(out, *kernel, in)``."""
+    return np.ascontiguousarray(np.moveaxis(value, 1, -1))
+
+
+class Gemma3Projector(ProjectorKind):
+    """Gemma 3: SigLIP, then the projector's average pool to ``(patches per side / scale)²``
+    tokens, RMS norm (``1 + w``; the converter stores ``1 + w``) and linear projection."""
+
+    types = ("gemma3",)
+    model_type = "gemma3"
+
+    @staticmethod
+    def tokens_per_image(projector: ProjectorFile) -> int:
+        side = int(projector.vision("image_size")) // int(projector.vision("patch_size"))
+        scale = int(projector.metadata.get("clip.vision.projector.scale_factor") or 4)  # clip.cpp's default
+        return (side // scale) ** 2
+
+    def vlm_config(self, projector: ProjectorFile, text: dict[str, Any], token_ids: dict[str, int]) -> dict[str, Any]:
+        tokens = self.tokens_per_image(projector)
+        vision = dict(model_type="siglip_vision_model", num_hidden_layers=int(projector.vision("block_count")),
+                      hidden_size=int(projector.vision("embedding_length")),
+                      intermediate_size=int(projector.vision("feed_forward_length")),
+                      num_attention_heads=int(projector.vision("attention.head_count")),
+                      patch_size=int(projector.vision("patch_size")), image_size=int(projector.vision("image_size")),
+                      num_channels=3, layer_norm_eps=float(projector.vision("attention.layer_norm_epsilon", 1e-6)))
+        text_config = dict(text, model_type="gemma3_text", rope_global_base_freq=float(text.get("rope_theta", 1e6)),
+                           mm_tokens_per_image=tokens)
+        return dict(model_type="gemma3", text_config=text_config, vision_config=vision,
+                    hidden_size=int(text["hidden_size"]), vocab_size=int(text["vocab_size"]), mm_tokens_per_image=tokens,
+                    boi_token_index=token_ids["<start_of_image>"], eoi_token_index=token_ids["<end_of_image>"],
+                    image_token_index=token_ids["<image_soft_token>"], eos_token_id=text.get("eos_token_id"))
+
+    def processor(self, projector: ProjectorFile, min_tokens: int, max_tokens: int) -> Processor:
+        size = int(projector.vision("image_size"))
+        config = dict(do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True, rescale_factor=1 / 255,
+                      resample=2, size={"height": size, "width": size}, do_pan_and_scan=False,
+                      image_mean=[float(x) for x in projector.vision("image_mean")],
+                      image_std=[float(x) for x in projector.vision("image_std")])
+        return Processor(GEMMA3_PROCESSOR, config)
+
+    def checkpoint_name(self, mlx_name: str) -> str:
+        return mlx_name.replace("mm_input_projection_weight", "mm_input_projection.weight")
+
+    def read(self, projector: ProjectorFile, mlx_name: str, gguf_name: str) -> np.ndarray:
+        value = projector.read(gguf_name)
+        if mlx_name.endswith("patch_embedding.weight"):
+            return _channels_last(value)
+        if mlx_name.endswith("mm_soft_emb_norm.weight"):
+            return value - np.float32(1.0)
+        return value
+
+
+class Qwen25VLProjector(ProjectorKind):
+    """Qwen2.5-VL: a ViT with windowed attention (every ``n_wa_pattern``-th block full) over
+    14-pixel patches of two frames, then the 2x2 patch merger (RMS norm, 2-layer MLP)."""
+
+    types = ("qwen2.5vl_merger",)
+    model_type = "qwen2_5_vl"
+    LLAMA_CPP_WINDOW = 112  # clip.cpp's window for Qwen2.5-VL (pixels)
+
+    def vision_config(self, projector: ProjectorFile) -> dict[str, Any]:
+        depth = int(projector.vision("block_count"))
+        pattern = int(projector.vision("n_wa_pattern"))
+        patch = int(projector.vision("patch_size"))
+        return dict(model_type="qwen2_5_vl", depth=depth, hidden_size=int(projector.vision("embedding_length")),
+                    intermediate_size=int(projector.vision("feed_forward_length")),
+                    out_hidden_size=int(projector.vision("projection_dim")),
+                    num_heads=int(projector.vision("attention.head_count")), patch_size=patch,
+                    spatial_patch_size=patch, spatial_merge_size=int(projector.vision("spatial_merge_size", 2)),
+                    temporal_patch_size=2, in_channels=3, in_chans=3, tokens_per_second=2,
+                    window_size=int(projector.vision("window_size", self.LLAMA_CPP_WINDOW)),
+                    fullatt_block_indexes=[i for i in range(depth) if (i + 1) % pattern == 0],
+                    layer_norm_eps=float(projector.vision("attention.layer_norm_epsilon", 1e-6)))
+
+    def vlm_config(self, projector: ProjectorFile, text: dict[str, Any], token_ids: dict[str, int]) -> dict[str, Any]:
+        sections = list(text.get("mrope_section") or [])
+        if len(sections) != 3:
+            raise ValueError(f"the text GGUF of a {self.types[0]} projector needs qwen2vl's rope.dimension_sections")
+        return dict(text, model_type=self.model_type, vision_config=self.vision_config(projector),
+                    rope_scaling={"type": "mrope", "mrope_section": sections},
+                    image_token_id=token_ids["<|image_pad|>"], video_token_id=token_ids.get("<|video_pad|>", -1),
+                    vision_start_token_id=token_ids["<|vision_start|>"],
+                    vision_end_token_id=token_ids["<|vision_end|>"], vision_token_id=token_ids["<|vision_start|>"])
+
+    def processor(self, projector: ProjectorFile, min_tokens: int, max_tokens: int) -> Processor:
+        patch = int(projector.vision("patch_size"))
+        merge = int(projector.vision("spatial_merge_size", 2))
+        area = (patch * merge) ** 2
+        least, most = (min_tokens if min_tokens > 0 else 8) * area, (max_tokens if max_tokens > 0 else 4096) * area
+        config = dict(do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True, rescale_factor=1 / 255,
+                      image_mean=[float(x) for x in projector.vision("image_mean")],
+                      image_std=[float(x) for x in projector.vision("image_std")], patch_size=patch,
+                      merge_size=merge, temporal_patch_size=2, size={"shortest_edge": least, "longest_edge": most})
+        return Processor(QWEN2VL_PROCESSOR, config)
+
+    def checkpoint_name(self, mlx_name: str) -> str:
+        return "visual." + mlx_name.removeprefix("vision_tower.")
+
+    def present(self, projector: ProjectorFile, gguf_name: str) -> bool:
+        parts = [gguf_name.replace("attn_qkv", f"attn_{x}") for x in "qkv"] if "attn_qkv" in gguf_name else [gguf_name]
+        if gguf_name == "v.patch_embd.weight":
+            parts.append(gguf_name + ".1")
+        return all(p in projector.names for p in parts)
+
+    def read(self, projector: ProjectorFile, mlx_name: str, gguf_name: str) -> np.ndarray:
+        if "attn_qkv" in gguf_name:  # the converter split the fused projection
+            return np.concatenate([projector.read(gguf_name.replace("attn_qkv", f"attn_{x}")) for x in "qkv"])
+        if mlx_name.endswith("patch_embed.proj.weight"):  # two 2-D convolutions, one per frame
+            second = projector.read(gguf_name + ".1")
+            stacked = np.stack([projector.read(gguf_name), second], axis=2)  # (out, in, frames, kh, kw)
+            return _channels_last(stacked)
+        return projector.read(gguf_name)
+
+
+class Qwen2VLProjector(Qwen25VLProjector):
+    """Qwen2-VL: a plain ViT (LayerNorm, GELU MLP; no windows) over the same patches, the same
+    merger. The converter writes the checkpoint's ``hidden_size`` (the merger's output width) as
+    ``feed_forward_length``, so the MLP's width is read from ``v.blk.0.ffn_up.weight``."""
+
+    types = ("qwen2vl_merger",)
+    model_type = "qwen2_vl"
+
+    def vision_config(self, projector: ProjectorFile) -> dict[str, Any]:
+        embed = int(projector.vision("embedding_length"))
+        if "v.blk.0.ffn_up.weight" not in projector.names:
+            raise ValueError(f"projector {projector.path} lacks tensor v.blk.0.ffn_up.weight")
+        width = int(projector.read("v.blk.0.ffn_up.weight").shape[0])
+        patch = int(projector.vision("patch_size"))
+        return dict(model_type="qwen2_vl", depth=int(projector.vision("block_count")), embed_dim=embed,
+                    hidden_size=int(projector.vision("projection_dim")), mlp_ratio=width / embed,
+                    num_heads=int(projector.vision("attention.head_count")), patch_size=patch,
+                    spatial_patch_size=patch, spatial_merge_size=int(projector.vision("spatial_merge_size", 2)),
+                    temporal_patch_size=2, in_channels=3, in_chans=3,
+                    layer_norm_eps=float(projector.vision("attention.layer_norm_epsilon", 1e-6)))
+
+
+KINDS: dict[str, ProjectorKind] = {t: k for k in (Gemma3Projector(), Qwen25VLProjector(), Qwen2VLProjector())
+                                   for t in k.types}
+SERVED_PROJECTOR_TYPES: tuple[str, ...] = tuple(KINDS)
+
+
+def projector_kind(projector: ProjectorFile) -> ProjectorKind:
+    """The projector's rules; an unknown type is refused with its name and the served ones."""
+    kind = projector.projector_type
+    if projector.metadata.get("general.architecture") != "clip":
+        raise ValueError(f"{projector.path} is not a multimodal projector (general.architecture is "
+                         f"'{projector.metadata.get('general.architecture')}', not 'clip')")
+    if not projector.metadata.get("clip.has_vision_encoder", False):
+        raise ValueError(f"projector {projector.path} has no vision encoder (audio projectors are not served)")
+    if kind not in KINDS:
+        raise ValueError(f"projector type '{kind}' of {projector.path} is not served; served: "
+                         f"{', '.join(SERVED_PROJECTOR_TYPES)}")
+    return KINDS[kind]

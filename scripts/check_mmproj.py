@@ -1,0 +1,311 @@
+"""llama-server's mtmd and this server on the same GGUF pair, for the same image.
+
+For each factory family with a served projector type:
+
+1. the factory writes the tiny vision-language directory (mlx-vlm's names and layouts); a copy in
+   the Hugging Face checkpoint's layouts (PyTorch's ``(out, in, kh, kw)`` convolutions, Qwen's
+   ``visual.`` names) is what llama.cpp's converter reads;
+2. llama.cpp's own converter (``convert_hf_to_gguf.py`` of the peer tree, in a child process
+   whose ``get_vocab_base_pre`` answers the factory's pre-tokenizer, as
+   ``scripts/check_gguf_architectures.py`` runs it) writes the text GGUF and, with ``--mmproj``,
+   the projector (F32 both); gguf-py's projector map is built for at least 3 blocks there (the
+   2-block tiny tower's map lacks Qwen's ``mm.2``: the converter would stop on it);
+3. the converter's projector is compared with the factory writer's (``testing/vision_gguf.py``):
+   tensor names, shapes and values, and the ``clip.*`` keys;
+4. llama-server (``-m text --mmproj mmproj``, F32 KV, no flash attention) and this server serve the
+   converter's pair; one ``/completion`` with the image in ``multimodal_data`` (an image of the
+   tower's input size, so neither side resizes it), greedy, ``n_probs`` 2: the greedy tokens
+   must agree where our top-2 gap exceeds ``--margin``, and the top log-probabilities within
+   ``--tolerance`` (ggml's CPU GELU rounds through float16, ``GGML_GELU_FP16``; both the SigLIP
+   tower and Gemma's MLP use GELU). Each server's resident memory after the request is shown
+   (informational: a tiny model's is the runtime's, not its weights').
+
+llama.cpp wraps a Gemma 3 image as ``<start_of_image>`` ... ``<end_of_image>``; Gemma3Processor
+(and this server) as ``\\n\\n<start_of_image>`` ... ``<end_of_image>\\n\\n``: llama-server's prompt
+carries the two ``\\n\\n`` as text, so both sides see the same tokens. The tiny Gemma 3's layers
+alternate sliding and global; the converter writes no pattern, so the check adds
+``gemma3.attention.sliding_window_pattern`` to the converter's text file, which both servers read.
+
+Prints one Markdown row per family (docs/vision.md's table); exits non-zero if any fails.
+
+    .venv/bin/python scripts/check_mmproj.py [--families gemma3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+PEER = Path(os.environ.get("LLAMA_PEER", Path.home() / ".cache/llama-peer/llama.cpp"))
+CONVERTER_CHILD = """
+import sys
+peer, pre = sys.argv[1], sys.argv[2]
+sys.path.insert(0, peer + "/gguf-py")
+sys.path.insert(0, peer)
+import convert_hf_to_gguf
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+import gguf
+name_map = gguf.get_tensor_name_map
+# gguf-py maps the projector's layers (mm.N) through block-indexed rows: a 2-block tower's map
+# lacks Qwen's mm.2. Real towers have dozens of blocks; the tiny one gets a map of 3.
+gguf.get_tensor_name_map = lambda arch, n: name_map(arch, max(n, 3) if arch == gguf.MODEL_ARCH.MMPROJ else n)
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[3:]]
+convert_hf_to_gguf.main()
+"""
+PRE = {"gemma3": "gpt-2", "qwen2_5_vl": "qwen2", "qwen2_vl": "qwen2"}
+# What each side's prompt holds around the media marker (see the module docstring).
+WRAP = {"gemma3": ("\n\n", "\n\n"), "qwen2_5_vl": ("", ""), "qwen2_vl": ("", "")}
+
+
+def checkpoint_copy(family: str, directory: Path, work: Path) -> Path:
+    """The factory directory in the checkpoint's layouts, which the converter reads."""
+    import mlx.core as mx
+
+    copy = work / f"{family}-checkpoint"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(directory, copy)
+    out = {}
+    for name, value in mx.load(str(directory / "model.safetensors")).items():
+        array = np.array(value)
+        if name.endswith(("patch_embedding.weight", "patch_embed.proj.weight")):
+            array = np.moveaxis(array, -1, 1)  # MLX channels-last -> PyTorch (out, in, ...)
+        if family in ("qwen2_5_vl", "qwen2_vl") and name.startswith("vision_tower."):
+            name = "visual." + name.removeprefix("vision_tower.")
+        out[name] = mx.array(np.ascontiguousarray(array))
+    mx.save_safetensors(str(copy / "model.safetensors"), out, metadata={"format": "pt"})
+    return copy
+
+
+def convert(directory: Path, out: Path, pre: str, mmproj: bool) -> Path:
+    args = [sys.executable, "-c", CONVERTER_CHILD, str(PEER), pre, str(directory), "--outfile", str(out),
+            "--outtype", "f32", *(["--mmproj"] if mmproj else [])]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0 or not out.is_file():
+        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+        raise RuntimeError(f"the converter{' (--mmproj)' if mmproj else ''} failed: {tail}")
+    return out
+
+
+def add_swa_pattern(path: Path, config: dict) -> None:
+    """The tiny Gemma 3's per-layer sliding flags as ``gemma3.attention.sliding_window_pattern``
+    (llama.cpp reads it; the converter writes none, leaving llama.cpp's every-6th-layer-global,
+    which a 2-layer model has no global layer of, and mlx-lm's Gemma 3 cannot build)."""
+    import gguf
+
+    text = config["text_config"]
+    period = int(text["sliding_window_pattern"])
+    flags = [(i + 1) % period != 0 for i in range(int(text["num_hidden_layers"]))]
+    reader = gguf.GGUFReader(str(path))
+    arch = str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(str(path) + ".tmp", arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(field.name, field.contents(), kind, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(field.name, field.contents(), kind)
+    writer.add_sliding_window_pattern(flags)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data), raw_shape=None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(str(path) + ".tmp", path)
+
+
+def compare_projectors(theirs: Path, ours: Path) -> list[str]:
+    """Where the factory's projector differs from the converter's (empty: none)."""
+    import gguf
+
+    a, b = gguf.GGUFReader(str(theirs)), gguf.GGUFReader(str(ours))
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    problems = []
+    if set(ta) != set(tb):
+        problems.append(f"tensors only the converter writes: {sorted(set(ta) - set(tb))[:4]}; "
+                        f"only ours: {sorted(set(tb) - set(ta))[:4]}")
+    for name in sorted(set(ta) & set(tb)):
+        x, y = np.array(ta[name].data, dtype=np.float32), np.array(tb[name].data, dtype=np.float32)
+        if x.shape != y.shape or not np.array_equal(x, y):
+            problems.append(f"{name} differs")
+    ka = {k: f.contents() for k, f in a.fields.items() if k.startswith("clip.")}
+    kb = {k: f.contents() for k, f in b.fields.items() if k.startswith("clip.")}
+    # The factory writes the tiny Qwen2.5-VL's 56-pixel window, which the converter does not
+    # (testing/vision_gguf.py; clip.cpp takes 112 for Qwen2.5-VL whatever the file says).
+    only = (set(ka) ^ set(kb)) - {"clip.vision.window_size"}
+    if only:
+        problems.append(f"clip keys in one file only: {sorted(only)}")
+    problems += [f"{k}: {ka[k]} vs ours {kb[k]}" for k in sorted(set(ka) & set(kb)) if not same_value(ka[k], kb[k])]
+    return problems
+
+
+def same_value(a: object, b: object) -> bool:
+    """Equal metadata values (floats to float32 rounding: the files store them as float32)."""
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
+    return np.allclose(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64), rtol=1e-6, atol=0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {(proc.stderr.read() if proc.stderr else '')[-400:]}")
+            time.sleep(0.2)
+    raise RuntimeError("server did not become healthy")
+
+
+def complete(base: str, prompt: str, image: bytes, n_predict: int) -> list[dict]:
+    body = {"prompt": {"prompt_string": prompt, "multimodal_data": [base64.b64encode(image).decode()]},
+            "n_predict": n_predict, "temperature": 0, "n_probs": 2, "samplers": ["top_k"], "top_k": 1,
+            "cache_prompt": False}
+    request = urllib.request.Request(base + "/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as r:
+        return json.loads(r.read())["completion_probabilities"]
+
+
+def serve(command: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([*command, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    base = f"http://127.0.0.1:{port}"
+    wait_healthy(base, proc)
+    return proc, base
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def rss_mib(pid: int) -> float:
+    """A process's resident memory (``VmRSS``), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def image_for(family: str) -> bytes:
+    from PIL import Image
+
+    size = {"gemma3": (56, 56), "qwen2_5_vl": (112, 112), "qwen2_vl": (112, 112)}[family]
+    pixels = np.random.default_rng(7).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def check(family: str, work: Path, margin: float, tolerance: float, n_predict: int) -> tuple[bool, str]:
+    from mlxcel_compat.testing import vision
+
+    directory = vision.ensure_vision_model(work / "models", family)
+    copy = checkpoint_copy(family, directory, work)
+    text = convert(copy, work / f"{family}-text-F32.gguf", PRE[family], mmproj=False)
+    mmproj = convert(copy, work / f"mmproj-{family}-F32.gguf", PRE[family], mmproj=True)
+    if family == "gemma3":
+        add_swa_pattern(text, json.loads((directory / "config.json").read_text()))
+    _, ours = vision.ensure_vision_gguf(work / "models", family)
+    layout = compare_projectors(mmproj, ours)
+    image = image_for(family)
+    before, after = WRAP[family]
+    marker = "<__media__>"
+    peer, peer_base = serve([str(PEER / "build/bin/llama-server"), "-m", str(text), "--mmproj", str(mmproj), "-c", "1024",
+                             "-np", "1", "--no-warmup", "-ctk", "f32", "-ctv", "f32", "-fa", "off"],
+                            env={**os.environ, "LLAMA_MEDIA_MARKER": marker})
+    try:
+        theirs = complete(peer_base, f"Picture:{before}{marker}{after}Caption:", image, n_predict)
+        peer_rss = rss_mib(peer.pid)
+    finally:
+        stop(peer)
+    mine, my_base = serve([sys.executable, "-m", "mlxcel_compat", "-m", str(text), "--mmproj", str(mmproj), "-c", "1024",
+                           "-np", "1"])
+    try:
+        marker_ours = json.loads(urllib.request.urlopen(my_base + "/props").read())["media_marker"]
+        ours_steps = complete(my_base, f"Picture:{marker_ours}Caption:", image, n_predict)
+        my_rss = rss_mib(mine.pid)
+    finally:
+        stop(mine)
+    worst, agree, compared, problems = 0.0, 0, 0, list(layout)
+    for step, (a, b) in enumerate(zip(theirs, ours_steps)):
+        top_a, top_b = a.get("top_logprobs") or [], b.get("top_logprobs") or []
+        if len(top_a) < 2 or len(top_b) < 2:
+            continue
+        compared += 1
+        gap = top_b[0]["logprob"] - top_b[1]["logprob"]
+        if a["id"] == b["id"]:
+            agree += 1
+        elif gap > margin:
+            problems.append(f"step {step}: llama-server {a['id']} vs ours {b['id']} (gap {gap:.3f})")
+            break
+        if a["id"] != b["id"]:
+            break  # the paths part: later steps condition on other tokens
+        worst = max(worst, abs(a["logprob"] - b["logprob"]))
+    if worst > tolerance:
+        problems.append(f"top log-probability differs by {worst:.4f} > {tolerance}")
+    summary = (f"| {family} | {'same tensors and keys' if not layout else '; '.join(layout)[:120]} | "
+               f"{agree}/{compared} greedy tokens agree | {worst:.4f} | {my_rss:.0f} / {peer_rss:.0f} MiB | "
+               f"{'pass' if not problems else 'FAIL: ' + '; '.join(problems)[:200]} |")
+    return not problems, summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--families", default="gemma3")
+    parser.add_argument("--margin", type=float, default=0.1, help="top-2 log-probability gap past which tokens must agree")
+    parser.add_argument("--tolerance", type=float, default=0.05, help="largest top log-probability difference")
+    parser.add_argument("--n-predict", type=int, default=8)
+    parser.add_argument("--work", default="", help="keep the files here (default: a temporary directory)")
+    args = parser.parse_args()
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="check-mmproj-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print("| family | the converter's projector against the factory's | greedy path | largest top log-prob difference "
+          "| RSS, ours / llama-server's | verdict |")
+    print("|---|---|---|---|---|---|")
+    ok = True
+    for family in args.families.split(","):
+        try:
+            passed, row = check(family, work, args.margin, args.tolerance, args.n_predict)
+        except Exception as exc:  # one family's failure is its row, not the end of the check
+            passed, row = False, f"| {family} | | | | | FAIL: {str(exc)[:300]} |"
+        ok &= passed
+        print(row, flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
