@@ -393,7 +393,7 @@ def ensure_vision_gguf(cache_dir: str | Path | None = None, family: str = "qwen2
     """``(text GGUF, mmproj GGUF)`` of the (family, size) directory, as llama.cpp's converter
     names them (``testing/vision_gguf.py``), in ``<cache>/<family>-<size>-v<N>-gguf<M>-<types>/``,
     written on first use (whole, like the directory)."""
-    from .cache_dir import build_directory, default_cache_dir
+    from .cache_dir import build_directory
     from .vision_gguf import GGUF_VISION_FAMILIES, PAIR_VERSION, gguf_names, write_vision_gguf_pair
 
     if family not in GGUF_VISION_FAMILIES:

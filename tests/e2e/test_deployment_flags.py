@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import socket
-import ssl
 import subprocess
 import time
 from pathlib import Path
