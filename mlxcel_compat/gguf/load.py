@@ -187,6 +187,37 @@ def _blocks(info: TensorInfo, mapped: np.ndarray, mlx_name: str, spec: gguf_arch
     return block_weight.BlockWeight(data, info.ggml_type, n, k, lib, rows=rows)
 
 
+def _expert_blocks(model: Any, gguf_name: str, mlx_name: str, info: TensorInfo, lib: Any, spec: gguf_arch.ArchSpec,
+                   config: dict[str, Any]) -> bool:
+    """Whether a stack of experts stays in the file's blocks (``block_experts.py``): a block type
+    ggml's kernels serve, read as stored (no undo step), the weight of an mlx-lm ``SwitchLinear``."""
+    from mlxcel_compat.runtime import block_experts
+
+    if (not gguf_arch.is_expert_stack(gguf_name) or isinstance(lib, str) or len(info.shape) != 3
+            or not lib.serves(info.ggml_type) or row_undo(spec, config, mlx_name) is not None
+            or not block_experts.available()):
+        return False
+    module = model
+    for part in mlx_name.rsplit(".", 1)[0].split("."):
+        module = module[int(part)] if isinstance(module, list) else getattr(module, part, None)
+        if module is None:
+            return False
+    return type(module).__name__ == "SwitchLinear"
+
+
+def _expert_stack(info: TensorInfo, mapped: np.ndarray, mlx_name: str, target_shape: tuple[int, ...],
+                  lib: block_weight.BlockLibrary) -> Any:
+    """A stack of experts served from its blocks in the mapped file (``block_experts.ExpertStack``):
+    nothing is read or copied."""
+    from mlxcel_compat.runtime import block_experts
+
+    if tuple(info.shape) != tuple(target_shape):
+        raise ValueError(f"tensor '{info.name}' has shape {info.shape}; the model expects {target_shape} for {mlx_name}")
+    n_expert, rows, k = info.shape
+    data = tensor_view(info, mapped).reshape(n_expert * rows, -1)
+    return block_experts.ExpertStack(block_weight.BlockWeight(data, info.ggml_type, n_expert * rows, k, lib), n_expert)
+
+
 def _joined(file: GGUFModelFile, joins: dict[str, tuple[Any, tuple[str, ...]]], spec: gguf_arch.ArchSpec,
             config: dict[str, Any], dtype: str, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, Any]]:
     """The parameters the converter split into several tensors (``ArchSpec.joins``): each part
@@ -332,7 +363,7 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mlxcel_compat.runtime import block_layers
+    from mlxcel_compat.runtime import block_experts, block_layers
 
     t0 = time.perf_counter()
     if on_cpu is None:
@@ -352,6 +383,8 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
                      row_undo(spec, config, m), dtype)
         for g, m in names.items()
     }
+    experts = {g for g, m in names.items() if _expert_blocks(model, g, m, file.tensors[g], lib, spec, config)}
+    plans.update({g: precision.BLOCKS for g in experts})
     quantized: dict[str, precision.AffineForm] = {}  # module path -> the form its weight took
 
     summary = GGUFSummary(
@@ -377,6 +410,17 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         if gguf_name not in names:
             continue
         mlx_name, plan = names[gguf_name], plans[gguf_name]
+        if gguf_name in experts:  # a stack of experts: one block weight, the chosen experts' rows read
+            stack = _expert_stack(info, maps[info.path], mlx_name, shapes[mlx_name], lib)
+            block_experts.install(model, mlx_name[: -len(".weight")], stack)
+            label = f"experts in blocks {gguf_quants.type_name(info.ggml_type).lower()}"
+            summary.precision[label] = summary.precision.get(label, 0) + 1
+            summary.weight_bytes[label] = summary.weight_bytes.get(label, 0) + stack.nbytes
+            summary.kernels.setdefault(label, block_experts.describe(lib, info.ggml_type))
+            done += info.n_bytes
+            if progress is not None:
+                progress(done, total)
+            continue
         if plan == precision.BLOCKS:
             weight = _blocks(info, maps[info.path], mlx_name, spec, config, shapes[mlx_name], lib)
             module = block_layers.install(model, mlx_name[: -len(".weight")], weight)
