@@ -11,7 +11,9 @@ read, so an unsupported type fails fast. Three paths (``precision.tensor_precisi
 - on the CPU, the weights of linear layers and the embedding in a block type (every quantized
   type, F16, BF16) are not read at all: they stay in the memory-mapped file
   (``gguf.map_file``), served by ggml's kernels through block layers (``block_layers.py``); the
-  query and key rows llama.cpp permuted are read in the model's order (``BlockWeight.rows``);
+  query and key rows llama.cpp permuted are read in the model's order (``BlockWeight.rows``); a
+  stack of experts (``ffn_*_exps``) too, as one block weight whose chosen experts' rows alone are
+  computed (``block_experts.py``);
 - float tensors (F32, F16, BF16) are read straight into MLX memory (``gguf.read_float_tensor``)
   and the converter's changes are undone with MLX operations: the one copy a safetensors
   checkpoint costs, which keeps a GGUF load as fast as the same model's directory;
@@ -70,7 +72,8 @@ class GGUFSummary:
     blocks_unavailable: str = ""  # on the CPU: why quantized weights were expanded to float32
     affine_fallbacks: list[str] = field(default_factory=list)  # tensors whose affine scales overflow the dtype
     # Quantized expert stacks (gguf_arch.is_expert_stack) expanded to float for MLX's gather
-    # matmul, by type: correct, not fast; the CPU runtime does not take experts from blocks yet.
+    # matmul, by type: where ggml's kernels do not serve them (blocks=False, off the CPU, a type
+    # the build lacks); elsewhere they stay in their blocks ("experts in blocks <type>").
     expanded_experts: dict[str, int] = field(default_factory=dict)
 
 

@@ -7,11 +7,14 @@ writes; the converter itself is run against it by a script, not here):
 - F32: the same token ids and rendered chat prompt as the directory, logits bit-exact against
   mlx-lm on the directory (the same float32 weights through the same mlx-lm class: nothing may
   differ) and the same greedy tokens;
-- Q8_0: attention and dense matrices stay in the file's blocks, the stacked expert tensors are
-  expanded to float32 for MLX's gather matmul (counted as such); the file's float32 expansion
-  (``blocks=False``) equals the directory with its matrices passed through the same Q8_0
-  encoding (to 1e-4: float32 sums over identical weights), and the block layers' 8-bit
-  activations stay within ``BLOCKS_RELATIVE_RMS`` of it;
+- Q8_0: attention and dense matrices and the stacked expert tensors stay in the file's blocks
+  (the experts as one block weight per stack, only the chosen experts' rows computed:
+  ``runtime/block_experts.py``), none copied; the file's float32 expansion (``blocks=False``)
+  equals the directory with its matrices passed through the same Q8_0 encoding (to 1e-4:
+  float32 sums over identical weights), and the block layers' 8-bit activations stay within
+  ``BLOCKS_RELATIVE_RMS`` of it;
+- Q4_K_M (the tiny rows take llama-quantize's fallback types) likewise, and a prompt split in two
+  chunks gives the logits of the whole prompt;
 - a greedy generation through the engine on the F32 file gives the directory's greedy tokens,
   with MLX's decode step (the CPU decode runtime names the MoE layers as the reason);
 - files mlx-lm's classes cannot serve as llama.cpp does are refused with the reason, and a
@@ -51,7 +54,8 @@ TEXTS = [PROMPT, "  two spaces\n\ttab <|im_start|>user\nhi<|im_end|>", "<think>\
 # multiplies by float32 ones. On the tiny MoE models (logits within about +-5) that moves the
 # prompt's logits by 0.05-0.1 at most, or up to 0.3 at a position where it moves a router across
 # an expert choice, so the bound is on all the prompt's logits together: their RMS difference
-# relative to their RMS, measured 0.009-0.013 (Q8_0); a wrong or misplaced tensor makes it order 1.
+# relative to their RMS, measured 0.005-0.025 (Q8_0; gpt-oss 0.041, its experts' clamped SwiGLU
+# after 8-bit products); a wrong or misplaced tensor makes it order 1.
 BLOCKS_RELATIVE_RMS = 0.05
 
 
