@@ -139,6 +139,17 @@ def _block_calibration(kind: str) -> tuple[float, float]:
     return ratio, float(a.std())
 
 
+def random_blocks(rng: np.random.Generator, kind: str, n_rows: int, k: int) -> np.ndarray:
+    """An (n_rows, k) matrix of ``kind`` as valid random blocks scaled like the factory's weights
+    (what :func:`write_random_gguf` writes for it): uint8 (n_rows, row bytes)."""
+    import gguf
+
+    block_values = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind.upper()]][0]
+    ratio, unit_std = _block_calibration(kind)
+    blocks = _random_blocks(rng, kind, n_rows * k // block_values, 1.0 / math.sqrt(k) / unit_std, ratio)
+    return np.ascontiguousarray(blocks).reshape(n_rows, -1)
+
+
 def random_tensor_shapes(family: str, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """GGUF name -> NumPy shape of every tensor a converted ``family`` model of ``config`` holds,
     in the order ``write_gguf`` writes them (HF names sorted)."""
