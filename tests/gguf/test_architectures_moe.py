@@ -175,13 +175,15 @@ def test_q4_k_m_gguf_experts_in_blocks_agree_with_the_float32_expansion(family: 
     relative = relative_rms(got, want)
     print(f"{family} q4_k_m ({', '.join(in_blocks)}): relative RMS {relative:.3g} against float32 math")
     assert relative <= BLOCKS_RELATIVE_RMS
-    # The same tokens split into two chunks give the same logits at every position: with a
-    # prompt cache, the first chunk's KV feeds the second (the MoE layers' rows are per token).
+    # The same tokens split into two chunks give the same logits at every position, to float32
+    # rounding: with a prompt cache, the first chunk's KV feeds the second, and the MoE layers'
+    # rows are per token whatever else shares their group (bit for bit: test_block_experts.py).
+    # Measured 0 on qwen3_moe and gpt_oss; up to 4e-6 where the dense parts' float32 sums round
+    # by the chunk's row count (the engine splits cold runs and hits on one grid for that).
     cache_ = make_prompt_cache(model)
-    first = model(mx.array([ids[:9]]), cache=cache_)
-    second = model(mx.array([ids[9:]]), cache=cache_)
-    assert mx.array_equal(mx.concatenate([first, second], axis=1), got).item() or relative_rms(
-        mx.concatenate([first, second], axis=1), got) < 1e-5
+    split = mx.concatenate([model(mx.array([ids[:9]]), cache=cache_), model(mx.array([ids[9:]]), cache=cache_)],
+                           axis=1)
+    assert mx.abs(split - got).max().item() <= 1e-4
 
 
 def test_expert_stacks_are_views_of_the_mapped_file() -> None:
