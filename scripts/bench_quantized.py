@@ -57,7 +57,10 @@ The files (``--files``; made on first use under ``--cache-dir``):
   written as an F32 GGUF (``python -m mlxcel_compat.testing.models ... --format gguf``) and
   quantized by ``llama-quantize``;
 - ``7b-q4_k_m``: a Llama-2-7B-shaped Q4_K_M file of valid random blocks
-  (``mlxcel_compat.testing.gguf_random.write_random_gguf``, 3.7 GiB).
+  (``mlxcel_compat.testing.gguf_random.write_random_gguf``, 3.7 GiB);
+- ``qwen3-30b-a3b-q4_k_m``, ``gpt-oss-20b-mxfp4``: MoE files of valid random blocks with the real
+  models' layers, fewer of them (``gguf_random.moe_dims``, ``MOE_LAYERS``; 2.6 GiB each): a
+  decode step reads only the chosen experts' share of each stack (docs/benchmarks/moe.md).
 
 Servers are stopped on every exit (errors and Ctrl-C included). Logs: ``<cache-dir>/logs``.
 
