@@ -182,7 +182,7 @@ def install(model: Any, path: str, stack: ExpertStack) -> BlockSwitchLinear:
     for part in parents:
         parent = parent[int(part)] if isinstance(parent, list) else getattr(parent, part)
     old = parent[int(last)] if isinstance(parent, list) else getattr(parent, last)
-    if type(old).__name__ not in ("SwitchLinear", "QuantizedSwitchLinear"):
+    if type(old).__name__ != "SwitchLinear":
         raise TypeError(f"{path} is a {type(old).__name__}, not a stacked-expert linear layer")
     if tuple(old.weight.shape[:2]) != (stack.n_expert, stack.rows) or old.input_dims != stack.weight.k:
         raise ValueError(f"{path} holds {tuple(old.weight.shape)} experts; the stack is {stack.shape}")
