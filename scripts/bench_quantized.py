@@ -57,7 +57,10 @@ The files (``--files``; made on first use under ``--cache-dir``):
   written as an F32 GGUF (``python -m mlxcel_compat.testing.models ... --format gguf``) and
   quantized by ``llama-quantize``;
 - ``7b-q4_k_m``: a Llama-2-7B-shaped Q4_K_M file of valid random blocks
-  (``mlxcel_compat.testing.gguf_random.write_random_gguf``, 3.7 GiB).
+  (``mlxcel_compat.testing.gguf_random.write_random_gguf``, 3.7 GiB);
+- ``qwen3-30b-a3b-q4_k_m``, ``gpt-oss-20b-mxfp4``: MoE files of valid random blocks with the real
+  models' layers, fewer of them (``gguf_random.moe_dims``, ``MOE_LAYERS``; 2.6 GiB each): a
+  decode step reads only the chosen experts' share of each stack (docs/benchmarks/moe.md).
 
 Servers are stopped on every exit (errors and Ctrl-C included). Logs: ``<cache-dir>/logs``.
 
@@ -232,12 +235,40 @@ def random_7b(args: argparse.Namespace) -> Path:
     return _make_atomically(target, build)
 
 
+# Layers kept of the MoE-shaped files (the real models have 48 and 24): about 2.8 GiB each, which
+# both servers map from one page cache on a 24 GiB machine.
+MOE_LAYERS = {"qwen3_moe": 8, "gpt_oss": 6}
+
+
+def random_moe(family: str, gguf_type: str, expert_type: str | None = None) -> Callable[[argparse.Namespace], Path]:
+    """A file of random blocks with the real MoE model's layers (``gguf_random.moe_dims``), fewer of them."""
+
+    def make(args: argparse.Namespace) -> Path:
+        name = f"{family}-{MOE_LAYERS[family]}l-shaped-v1-{gguf_type}{'-' + expert_type if expert_type else ''}.gguf"
+        target = Path(args.cache_dir) / name
+
+        def build(tmp: Path) -> None:
+            code = ("import sys; from mlxcel_compat.testing.gguf_random import moe_dims, write_random_gguf; "
+                    f"write_random_gguf(sys.argv[1], {family!r}, moe_dims({family!r}, {MOE_LAYERS[family]}), "
+                    f"{gguf_type!r}, expert_type={expert_type!r})")
+            subprocess.run([args.python, "-c", code, str(tmp)], check=True, env=_child_env(), cwd=ROOT,
+                           stdout=subprocess.DEVNULL)
+
+        return _make_atomically(target, build)
+
+    return make
+
+
 FILES: dict[str, FileSpec] = {f.key: f for f in (
     FileSpec("smollm2-q4_1", "SmolLM2-135M-Instruct Q4_1 (real trained model)", smollm2),
     FileSpec("small-q4_k_m", "factory small llama, llama-quantize Q4_K_M", small_quantized("Q4_K_M")),
     FileSpec("small-q6_k", "factory small llama, llama-quantize Q6_K", small_quantized("Q6_K")),
     FileSpec("small-q8_0", "factory small llama, llama-quantize Q8_0", small_quantized("Q8_0")),
     FileSpec("7b-q4_k_m", "Llama-2-7B-shaped Q4_K_M, random blocks", random_7b),
+    FileSpec("qwen3-30b-a3b-q4_k_m", f"Qwen3-30B-A3B-shaped Q4_K_M ({MOE_LAYERS['qwen3_moe']} of 48 layers), "
+             "random blocks", random_moe("qwen3_moe", "q4_k_m")),
+    FileSpec("gpt-oss-20b-mxfp4", f"gpt-oss-20b-shaped, MXFP4 experts and Q8_0 elsewhere ({MOE_LAYERS['gpt_oss']} "
+             "of 24 layers), random blocks", random_moe("gpt_oss", "q8_0", "mxfp4")),
 )}
 
 
@@ -604,12 +635,17 @@ def _fmt(value: float | None, spec: str, values: Sequence[float] | None = None) 
 
 def bytes_per_token(path: Path) -> int:
     """Weight bytes a decode step reads: every tensor but the token embedding (one row of it),
-    which the output head reads whole where it is tied (no ``output.weight``)."""
+    which the output head reads whole where it is tied (no ``output.weight``), and of a stack of
+    experts only the share one token chooses (``expert_used_count`` of ``expert_count``)."""
+    from mlxcel_compat.gguf.architectures import is_expert_stack
     from mlxcel_compat.gguf.reader import open_gguf
 
-    tensors = open_gguf(path).tensors
+    file = open_gguf(path)
+    tensors = file.tensors
     embedding = tensors.get("token_embd.weight")
-    total = sum(t.n_bytes for t in tensors.values())
+    used = file.arch_value("expert_used_count", 0) or 0
+    share = used / file.arch_value("expert_count") if used else 1.0
+    total = int(sum(t.n_bytes * (share if is_expert_stack(n) else 1.0) for n, t in tensors.items()))
     return total if embedding is None or "output.weight" not in tensors else total - embedding.n_bytes
 
 

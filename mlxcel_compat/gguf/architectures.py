@@ -104,9 +104,10 @@ def checkpoint_name(spec: ArchSpec, parameter_name: str) -> str:
 
 def is_expert_stack(gguf_name: str) -> bool:
     """Whether a GGUF tensor holds the weights of every expert of an MoE layer, ``[n_expert, rows,
-    cols]`` (``blk.N.ffn_{gate,up,down,gate_up}_exps.weight``): not one linear layer's weight, so
-    the CPU's block layers do not take it (the loader expands a quantized one to float for MLX's
-    gather matmul). Their biases (gpt-oss) are F32 in every file."""
+    cols]`` (``blk.N.ffn_{gate,up,down,gate_up}_exps.weight``): not one linear layer's weight; on
+    the CPU a quantized one stays in its blocks as one weight of ``n_expert * rows`` rows, and
+    only the chosen experts' rows are computed (``runtime/block_experts.py``). Their biases
+    (gpt-oss) are F32 in every file."""
     stem, suffix = gguf_name.rsplit(".", 1)
     return suffix == "weight" and stem.endswith(EXPERT_STACK_SUFFIXES)
 

@@ -11,7 +11,9 @@ read, so an unsupported type fails fast. Three paths (``precision.tensor_precisi
 - on the CPU, the weights of linear layers and the embedding in a block type (every quantized
   type, F16, BF16) are not read at all: they stay in the memory-mapped file
   (``gguf.map_file``), served by ggml's kernels through block layers (``block_layers.py``); the
-  query and key rows llama.cpp permuted are read in the model's order (``BlockWeight.rows``);
+  query and key rows llama.cpp permuted are read in the model's order (``BlockWeight.rows``); a
+  stack of experts (``ffn_*_exps``) too, as one block weight whose chosen experts' rows alone are
+  computed (``block_experts.py``);
 - float tensors (F32, F16, BF16) are read straight into MLX memory (``gguf.read_float_tensor``)
   and the converter's changes are undone with MLX operations: the one copy a safetensors
   checkpoint costs, which keeps a GGUF load as fast as the same model's directory;
@@ -70,7 +72,8 @@ class GGUFSummary:
     blocks_unavailable: str = ""  # on the CPU: why quantized weights were expanded to float32
     affine_fallbacks: list[str] = field(default_factory=list)  # tensors whose affine scales overflow the dtype
     # Quantized expert stacks (gguf_arch.is_expert_stack) expanded to float for MLX's gather
-    # matmul, by type: correct, not fast; the CPU runtime does not take experts from blocks yet.
+    # matmul, by type: where ggml's kernels do not serve them (blocks=False, off the CPU, a type
+    # the build lacks); elsewhere they stay in their blocks ("experts in blocks <type>").
     expanded_experts: dict[str, int] = field(default_factory=dict)
 
 
@@ -185,6 +188,37 @@ def _blocks(info: TensorInfo, mapped: np.ndarray, mlx_name: str, spec: gguf_arch
         rows = undo.rows if rows is None else rows[undo.rows]  # columns: input_order.order_inputs
     data = tensor_view(info, mapped).reshape(n, -1)
     return block_weight.BlockWeight(data, info.ggml_type, n, k, lib, rows=rows)
+
+
+def _expert_blocks(model: Any, gguf_name: str, mlx_name: str, info: TensorInfo, lib: Any, spec: gguf_arch.ArchSpec,
+                   config: dict[str, Any]) -> bool:
+    """Whether a stack of experts stays in the file's blocks (``block_experts.py``): a block type
+    ggml's kernels serve, read as stored (no undo step), the weight of an mlx-lm ``SwitchLinear``."""
+    from mlxcel_compat.runtime import block_experts
+
+    if (not gguf_arch.is_expert_stack(gguf_name) or isinstance(lib, str) or len(info.shape) != 3
+            or not lib.serves(info.ggml_type) or row_undo(spec, config, mlx_name) is not None
+            or not block_experts.available()):
+        return False
+    module = model
+    for part in mlx_name.rsplit(".", 1)[0].split("."):
+        module = module[int(part)] if isinstance(module, list) else getattr(module, part, None)
+        if module is None:
+            return False
+    return type(module).__name__ == "SwitchLinear"
+
+
+def _expert_stack(info: TensorInfo, mapped: np.ndarray, mlx_name: str, target_shape: tuple[int, ...],
+                  lib: block_weight.BlockLibrary) -> Any:
+    """A stack of experts served from its blocks in the mapped file (``block_experts.ExpertStack``):
+    nothing is read or copied."""
+    from mlxcel_compat.runtime import block_experts
+
+    if tuple(info.shape) != tuple(target_shape):
+        raise ValueError(f"tensor '{info.name}' has shape {info.shape}; the model expects {target_shape} for {mlx_name}")
+    n_expert, rows, k = info.shape
+    data = tensor_view(info, mapped).reshape(n_expert * rows, -1)
+    return block_experts.ExpertStack(block_weight.BlockWeight(data, info.ggml_type, n_expert * rows, k, lib), n_expert)
 
 
 def _joined(file: GGUFModelFile, joins: dict[str, tuple[Any, tuple[str, ...]]], spec: gguf_arch.ArchSpec,
@@ -339,7 +373,7 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mlxcel_compat.runtime import block_layers
+    from mlxcel_compat.runtime import block_experts, block_layers
 
     t0 = time.perf_counter()
     if on_cpu is None:
@@ -361,6 +395,8 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
                      row_undo(spec, config, m), dtype)
         for g, m in names.items()
     }
+    experts = {g for g, m in names.items() if _expert_blocks(model, g, m, file.tensors[g], lib, spec, config)}
+    plans.update({g: precision.BLOCKS for g in experts})
     quantized: dict[str, precision.AffineForm] = {}  # module path -> the form its weight took
 
     summary = GGUFSummary(
@@ -387,6 +423,17 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         if gguf_name not in names:
             continue
         mlx_name, plan = names[gguf_name], plans[gguf_name]
+        if gguf_name in experts:  # a stack of experts: one block weight, the chosen experts' rows read
+            stack = _expert_stack(info, maps[info.path], mlx_name, shapes[mlx_name], lib)
+            block_experts.install(model, mlx_name[: -len(".weight")], stack)
+            label = f"experts in blocks {gguf_quants.type_name(info.ggml_type).lower()}"
+            summary.precision[label] = summary.precision.get(label, 0) + 1
+            summary.weight_bytes[label] = summary.weight_bytes.get(label, 0) + stack.nbytes
+            summary.kernels.setdefault(label, block_experts.describe(lib, info.ggml_type))
+            done += info.n_bytes
+            if progress is not None:
+                progress(done, total)
+            continue
         if plan == precision.BLOCKS:
             weight = _blocks(info, maps[info.path], mlx_name, spec, config, shapes[mlx_name], lib)
             module = block_layers.install(model, mlx_name[: -len(".weight")], weight)

@@ -1,7 +1,8 @@
 """What each GGUF tensor becomes in memory, by device: the precision policy.
 
-- **CPU**: the weights of linear layers and of the token embedding stay in the file's blocks
-  (``blocks``): every quantized type (MXFP4 and the i-quants included), F16 and BF16,
+- **CPU**: the weights of linear layers, of the token embedding and the stacked experts of MoE
+  layers (``ffn_*_exps``: one block weight per stack, ``runtime/block_experts.py``) stay in the
+  file's blocks (``blocks``): every quantized type (MXFP4 and the i-quants included), F16 and BF16,
   memory-mapped and multiplied by ggml's kernels (``block_weight.py``); a type the loaded build
   of ggml lacks (``BlockLibrary.serves``) is dequantized to float32, and the log says so. Everything else (norms, F32 tensors, tensors of other layers)
   is float32, as MLX's CPU matmuls are fastest there. Without ggml's kernels (another

@@ -137,8 +137,8 @@ def _log_gguf(summary: Any) -> None:
         log.warning("quantized weights expanded to float32 (4 bytes a weight): ggml's kernels are not available: %s",
                     summary.blocks_unavailable)
     if summary.expanded_experts:
-        log.warning("MoE expert stacks expanded to %s for MLX's gather matmul (correct, not fast: experts do not "
-                    "run on ggml's blocks yet): %s", summary.compute_dtype,
+        log.warning("MoE expert stacks expanded to %s for MLX's gather matmul (correct, not fast: ggml's kernels "
+                    "do not serve them here): %s", summary.compute_dtype,
                     ", ".join(f"{n} {kind}" for kind, n in sorted(summary.expanded_experts.items())))
 
 

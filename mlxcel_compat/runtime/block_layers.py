@@ -37,6 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlxcel_compat.runtime.block_experts import BlockSwitchLinear
 from mlxcel_compat.runtime.block_weight import BlockWeight
 
 
@@ -149,14 +150,17 @@ def install(model: Any, path: str, weight: BlockWeight) -> Any:
     return new
 
 
+BLOCK_MODULES = (BlockLinear, BlockEmbedding, BlockSwitchLinear)  # a stack of experts too (block_experts.py)
+
+
 def block_weight_of(module: Any) -> BlockWeight | None:
-    """The block weight a layer holds, or None for any other module."""
-    return module.block if isinstance(module, (BlockLinear, BlockEmbedding)) else None
+    """The block weight a layer holds (a stack of experts' whole stack), or None for any other module."""
+    return module.block if isinstance(module, BLOCK_MODULES) else None
 
 
 def holds_blocks(module: Any) -> bool:
     """Whether ``module`` or any module inside it holds a block weight."""
-    return any(isinstance(m, (BlockLinear, BlockEmbedding)) for _, m in module.named_modules())
+    return any(isinstance(m, BLOCK_MODULES) for _, m in module.named_modules())
 
 
 __all__ = ["BlockEmbedding", "BlockLinear", "block_weight_of", "holds_blocks", "install", "logits_unused", "module_at"]

@@ -107,7 +107,8 @@ def unsupported(model: Any) -> str | None:
     if model_type in MLX_LAYERS:
         return f"model type {model_type!r}: its {MLX_LAYERS[model_type]} run in MLX's step"
     if any(type(m).__name__ in EXPERT_MODULES for _, m in model.named_modules()):
-        return f"mixture-of-experts layers ({model_type}): their experts run in MLX for now"
+        return (f"mixture-of-experts layers ({model_type}): their steps run in MLX, the experts' products on "
+                f"ggml's blocks where the file's are quantized")
     if model_type not in MODEL_TYPES:
         return f"model type {model_type!r} (supported: {', '.join(MODEL_TYPES)})"
     if any(type(m).__name__.startswith("Quantized") for _, m in model.named_modules()):

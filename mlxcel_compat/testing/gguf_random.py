@@ -24,7 +24,28 @@ from .weights import instantiate, stored_shapes
 # Llama-2-7B's dimensions (the vocabulary stays the factory tokenizer's).
 LLAMA2_7B_DIMS: dict[str, int] = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                                       num_key_value_heads=32, head_dim=128, intermediate_size=11008)
+# Qwen3-30B-A3B's layer (48 of them in the real model): 128 experts of 768, top-8, GQA 32:4 at
+# head_dim 128 (queries wider than the hidden size), every layer sparse.
+QWEN3_30B_A3B_DIMS: dict[str, int] = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
+                                          head_dim=128, intermediate_size=6144, num_experts=128,
+                                          num_experts_per_tok=8, moe_intermediate_size=768)
+# gpt-oss-20b's layer (24 in the real model): 32 experts of 2880, top-4, GQA 64:8 at head_dim 64,
+# attention sinks, 128-token sliding windows on every other layer.
+GPT_OSS_20B_DIMS: dict[str, int] = dict(hidden_size=2880, num_attention_heads=64, num_key_value_heads=8,
+                                        head_dim=64, intermediate_size=2880, num_local_experts=32,
+                                        num_experts_per_tok=4, sliding_window=128)
 RANDOM_SEED = 20251201
+
+
+def moe_dims(family: str, n_layers: int) -> dict[str, Any]:
+    """The real MoE model's layer (``QWEN3_30B_A3B_DIMS`` for ``qwen3_moe``, ``GPT_OSS_20B_DIMS``
+    for ``gpt_oss``) with ``n_layers`` of them: the layers dropped so that a file fits a small
+    machine (gpt-oss's sliding and full layers alternate, as in the real one)."""
+    dims: dict[str, Any] = {"qwen3_moe": QWEN3_30B_A3B_DIMS, "gpt_oss": GPT_OSS_20B_DIMS}[family] | {
+        "num_hidden_layers": n_layers}
+    if family == "gpt_oss":
+        dims["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+    return dims
 
 # Byte offsets of the float16 scale fields in one block: (d, the min/dmin field or None). The
 # values are y = d * A + m * B with A and B set by the block's other bytes (Q4_1/Q5_1 add m,
@@ -118,6 +139,17 @@ def _block_calibration(kind: str) -> tuple[float, float]:
     return ratio, float(a.std())
 
 
+def random_blocks(rng: np.random.Generator, kind: str, n_rows: int, k: int) -> np.ndarray:
+    """An (n_rows, k) matrix of ``kind`` as valid random blocks scaled like the factory's weights
+    (what :func:`write_random_gguf` writes for it): uint8 (n_rows, row bytes)."""
+    import gguf
+
+    block_values = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind.upper()]][0]
+    ratio, unit_std = _block_calibration(kind)
+    blocks = _random_blocks(rng, kind, n_rows * k // block_values, 1.0 / math.sqrt(k) / unit_std, ratio)
+    return np.ascontiguousarray(blocks).reshape(n_rows, -1)
+
+
 def random_tensor_shapes(family: str, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """GGUF name -> NumPy shape of every tensor a converted ``family`` model of ``config`` holds,
     in the order ``write_gguf`` writes them (HF names sorted)."""
@@ -128,11 +160,14 @@ def random_tensor_shapes(family: str, config: dict[str, Any]) -> dict[str, tuple
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     shapes = stored_shapes(instantiate(config), config)  # lazy arrays: no memory
     out: dict[str, tuple[int, ...]] = {}
-    for hf_name in sorted(shapes):
-        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    for mlx_name in sorted(shapes):
+        hf_name = target.hf_name(mlx_name) if target.hf_name else mlx_name
+        for factory_part, checkpoint_part in target.renames:  # stacked experts, gpt-oss's sinks, ...
+            hf_name = hf_name.replace(factory_part, checkpoint_part)
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias", ".scale"))
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {hf_name} in {target.arch}")
-        shape = shapes[hf_name]
+        shape = shapes[mlx_name]
         out[gguf_name] = shape[:2] if gguf_name.endswith("shortconv.conv.weight") else shape
     return out
 
@@ -153,7 +188,7 @@ def random_config(family: str, dims: dict[str, Any] | None) -> dict[str, Any]:
 
 def write_random_gguf(out: str | Path, family: str = "llama", dims: dict[str, Any] | None = None,
                       gguf_type: str = "q4_k_m", seed: int = RANDOM_SEED,
-                      model_dir: str | Path | None = None) -> Path:
+                      model_dir: str | Path | None = None, expert_type: str | None = None) -> Path:
     """Write a random-weight GGUF of any size, one tensor at a time, without a float32 source.
 
     The file is what ``write_gguf`` would write for the factory's ``family`` with its dimensions
@@ -165,11 +200,17 @@ def write_random_gguf(out: str | Path, family: str = "llama", dims: dict[str, An
     Float tensors are normal with that deviation; norm weights are 1. The bytes depend only on
     the arguments. The memory used is one tensor's blocks. ``model_dir`` is a factory directory
     of ``family`` to take the tokenizer from (the tiny one is built on demand otherwise).
+    ``expert_type``: the type of the stacked experts (``ffn_*_exps``) where it differs from the
+    rest, as in gpt-oss's files (MXFP4 experts, Q8_0 elsewhere: ``gguf_type="q8_0", expert_type="mxfp4"``).
     """
+    from mlxcel_compat.gguf.architectures import is_expert_stack
+
     import gguf
 
-    if family not in GGUF_TARGETS or GGUF_TARGETS[family].all_hparams is not None:
-        # (a family whose keys are all its own, GgufTarget.all_hparams, is written by write_gguf only)
+    target = GGUF_TARGETS.get(family)
+    if target is None or target.all_hparams is not None or target.split or target.convert or target.checkpoint:
+        # (a family whose keys are all its own, GgufTarget.all_hparams, or whose converter splits,
+        # reshapes or fuses tensors, is written by write_gguf only)
         raise ValueError(f"family {family!r} has no GGUF writer for random weights; "
                          f"choose one of: {', '.join(GGUF_FAMILIES)}")
     if gguf_type not in GGUF_TYPES:
@@ -177,7 +218,10 @@ def write_random_gguf(out: str | Path, family: str = "llama", dims: dict[str, An
     config = random_config(family, dims)
     n_layers = config["num_hidden_layers"]
     shapes = random_tensor_shapes(family, config)
-    kinds = {name: stored_type(name, shape, gguf_type, n_layers) for name, shape in shapes.items()}
+    if expert_type is not None and expert_type not in GGUF_TYPES:
+        raise ValueError(f"unknown GGUF type {expert_type!r}; choose one of: {', '.join(GGUF_TYPES)}")
+    kinds = {name: stored_type(name, shape, expert_type if expert_type and is_expert_stack(name) else gguf_type,
+                               n_layers) for name, shape in shapes.items()}
     calibration = {k: _block_calibration(k) for k in sorted(set(kinds.values())) if k in _SCALE_FIELDS}
     out = Path(out).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -51,10 +51,11 @@ def complete(c: httpx.Client, prompt: str, **extra: Any) -> dict[str, Any]:
     return r.json()
 
 
-def test_the_start_up_log_names_the_expanded_experts_and_mlx_steps(moe_server: ServerProcess) -> None:
+def test_the_start_up_log_names_the_experts_in_blocks_and_mlx_steps(moe_server: ServerProcess) -> None:
     log = moe_server.log()
     assert "arch qwen3moe" in log
-    assert "float32 (experts expanded from q8_0)" in log and "MoE expert stacks expanded to float32" in log
+    assert "experts in blocks q8_0" in log and "only the chosen experts' rows" in log
+    assert "expanded" not in log
     assert "CPU decode runtime not used: mixture-of-experts layers (qwen3_moe)" in log
 
 

@@ -1,5 +1,5 @@
 """The engine's features on a mixture-of-experts model: the factory's qwen3_moe as a Q8_0 GGUF
-(attention in the file's blocks, the experts expanded for MLX's gather matmul), stepped by MLX.
+(attention and the stacked experts in the file's blocks), stepped by MLX.
 
 The same rules as on the dense families: a prompt-cache hit whose adopted prefix ends on a prefill
 chunk boundary the cold run also uses reproduces the cold run exactly (tokens and log-probabilities

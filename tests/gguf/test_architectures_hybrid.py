@@ -11,8 +11,8 @@ For every family of ``testing/families_hybrid.py`` (tiny sizes):
   a wrong row or column order would break by the size of the weights themselves; the model
   served from the blocks agrees with that expansion within ``PROMPT_8BIT`` (a prompt with
   8-bit activations, as llama.cpp computes it) and ``DECODE_8BIT`` (teacher-forced decode steps);
-- stacked expert tensors (``ffn_*_exps``) are expanded to float32 for MLX's expert layers, and
-  counted (``GGUFSummary.expanded_experts``, logged at start-up);
+- stacked expert tensors (``ffn_*_exps``) stay in the file's blocks (``runtime/block_experts.py``:
+  only the chosen experts' rows are computed), none expanded (``GGUFSummary.expanded_experts``);
 - a greedy generation through the engine on the F32 file gives mlx-lm's greedy tokens, and on
   the Q8_0 file runs to its length.
 
@@ -111,10 +111,10 @@ def test_q8_0_gguf_holds_the_directory_weights_in_order(family: str, directories
 
     model, _, config, summary = load_gguf(path, on_cpu=True)
     assert "blocks q8_0" in summary.precision  # the matrices are served from the file's blocks
-    # Stacked experts (ffn_*_exps) go to MLX's expert layers expanded, and the summary counts them.
+    # Stacked experts (ffn_*_exps) stay in the file's blocks too (block_experts.py), none expanded.
     stacked = sum(len(t.shape) == 3 for t in open_gguf(path).tensors.values())
     assert (stacked > 0) == bool(config.get("num_experts") or config.get("num_local_experts"))
-    assert summary.expanded_experts == ({"q8_0": stacked} if stacked else {})
+    assert summary.precision.get("experts in blocks q8_0", 0) == stacked and summary.expanded_experts == {}
     ids = hf_tok.encode(PROMPT)
     diff = mx.abs(model(mx.array([ids])) - expanded(mx.array([ids]))).max().item()
     assert diff <= PROMPT_8BIT[family], diff

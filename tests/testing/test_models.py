@@ -479,3 +479,55 @@ def test_random_gguf_rejects_unknown_types(tmp_path: Path) -> None:
         gguf_random.write_random_gguf(tmp_path / "x.gguf", "llama", RANDOM_DIMS, "q7_k")
     with pytest.raises(ValueError, match="no GGUF writer"):
         gguf_random.write_random_gguf(tmp_path / "x.gguf", "qwen3_next", RANDOM_DIMS, "q8_0")
+
+
+@pytest.mark.parametrize(("family", "gguf_type", "expert_type"), [("qwen3_moe", "q4_k_m", None),
+                                                                  ("gpt_oss", "q8_0", "mxfp4")])
+def test_random_moe_gguf_keeps_its_experts_in_blocks(family: str, gguf_type: str, expert_type: str | None,
+                                                     tmp_path: Path) -> None:
+    """The MoE-shaped benchmark files (``scripts/bench_quantized.py``: Qwen3-30B-A3B's and
+    gpt-oss-20b's layers) at small sizes: the experts' own type, served from their blocks, and
+    logits within the 8-bit-activation bound of the file's float32 expansion."""
+    from mlxcel_compat.gguf.architectures import is_expert_stack
+    from mlxcel_compat.gguf.load import load_gguf
+    from mlxcel_compat.gguf.quants import type_name
+    from mlxcel_compat.gguf.reader import open_gguf
+    from mlxcel_compat.runtime import block_weight
+    from mlxcel_compat.testing import gguf_random
+
+    from tests.conftest import tiny_model
+
+    dims = gguf_random.moe_dims(family, 2) | dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                                  head_dim=64, intermediate_size=256)
+    dims |= {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256),
+             "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16)}[family]
+    path = gguf_random.write_random_gguf(tmp_path / "moe.gguf", family, dims, gguf_type, seed=3,
+                                         model_dir=tiny_model(family), expert_type=expert_type)
+    file = open_gguf(path)
+    stacks = {n: type_name(i.ggml_type).lower() for n, i in file.tensors.items() if is_expert_stack(n)}
+    assert len(stacks) == 6
+    if expert_type:
+        assert set(stacks.values()) == {expert_type} and type_name(file.tensors["blk.0.attn_q.weight"].ggml_type) == "Q8_0"
+    else:
+        assert set(stacks.values()) <= {"q4_k", "q6_k"}
+    if isinstance(block_weight.library(), str):
+        pytest.skip("no ggml kernels here")
+    model, tokenizer, _, summary = load_gguf(str(path), on_cpu=True)
+    assert sum(n for label, n in summary.precision.items() if label.startswith("experts in blocks")) == 6
+    expanded, *_ = load_gguf(str(path), on_cpu=True, blocks=False)
+    ids = mx.array([tokenizer.encode("The quick brown fox jumps over the lazy dog.")])
+    logits = model(ids)
+    assert mx.all(mx.isfinite(logits)).item() and 0.1 < logits[0, -1].std().item() < 10.0
+    # Each layer's experts on the same inputs and choices (random routers sit near ties, so the
+    # whole model's logits move wherever an 8-bit activation moves a choice): within 8-bit products
+    # (two of them in a row; measured 0.01-0.025).
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    ours = [m for _, m in model.named_modules() if isinstance(m, SwitchGLU)]
+    reference = [m for _, m in expanded.named_modules() if isinstance(m, SwitchGLU)]
+    assert len(ours) == len(reference) == 2
+    x = mx.random.normal((1, 5, dims["hidden_size"]), key=mx.random.key(0))
+    chosen = mx.random.randint(0, 4, (1, 5, 2), key=mx.random.key(1))
+    for layer, float_layer in zip(ours, reference):
+        got, want = layer(x, chosen), float_layer(x, chosen)
+        assert (mx.sqrt(((got - want) ** 2).sum()) / mx.sqrt((want ** 2).sum())).item() < 0.05

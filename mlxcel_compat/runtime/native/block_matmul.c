@@ -336,3 +336,96 @@ void mlxcel_block_rows(const struct mlxcel_block_weight *w, const int32_t *ids, 
         }
     }
 }
+
+/* ------------------------------------------------------------------------- expert stacks */
+
+/* An MoE layer's stacked experts (ggml's `[n_expert, rows, k]`, a `_exps` tensor) are one weight
+ * of n_expert * rows rows: expert e's matrix is the contiguous run of rows e * rows .. (e + 1) *
+ * rows - 1. A call multiplies groups of activation rows, each by one expert's rows (what ggml's
+ * mul_mat_id does): the caller has sorted the (token, chosen expert) pairs by expert, so group g
+ * is the activation rows start[g] .. start[g + 1] - 1, all for expert[g], and each chosen
+ * expert's weight is read once for every token that chose it. Only the chosen experts are read.
+ *
+ * Every row takes the decode path of mlxcel_block_matmul (activations quantized to vec_dot_type,
+ * this library's rows kernel or ggml's vec_dot), whose result for a row does not depend on the
+ * other rows of its group: a token's expert outputs are the same whatever else shares the chunk,
+ * a prompt's tokens and a decode step's alike. */
+struct expert_job {
+    const struct mlxcel_block_weight *w;
+    int rows;                   /* per expert */
+    const int32_t *expert;      /* per group */
+    const int32_t *start;       /* groups + 1 */
+    const unsigned char *act;   /* start[groups] activation rows in vec_dot_type */
+    size_t act_bytes;
+    const float *x;
+    long ldx;
+    float *c;
+    long ldc;
+    int groups, band, bands, parts;
+};
+
+static void expert_quantize_part(const void *ctx, int p) {
+    const struct expert_job *j = ctx;
+    int m = j->start[j->groups], per = (m + j->parts - 1) / j->parts;
+    for (int i = p * per; i < m && i < (p + 1) * per; i++)
+        j->w->type->quantize(j->x + (size_t)i * j->ldx, (unsigned char *)j->act + (size_t)i * j->act_bytes, j->w->k);
+}
+
+/* Band b of group g: expert[g]'s rows [b * band, (b + 1) * band) times the group's activation rows. */
+static void expert_unit(const struct expert_job *j, int g, int b) {
+    const struct mlxcel_block_weight *w = j->w;
+    int r0 = b * j->band, r1 = r0 + j->band < j->rows ? r0 + j->band : j->rows;
+    int i0 = j->start[g], m = j->start[g + 1] - i0;
+    if (r0 >= r1 || m <= 0) return;
+    const unsigned char *first = w->data + ((size_t)j->expert[g] * j->rows + r0) * (size_t)w->row_bytes;
+    const unsigned char *act = j->act + (size_t)i0 * j->act_bytes;
+    float *c = j->c + (size_t)i0 * j->ldc + r0;
+    rows_fn own = w->type->own_kernel >= 0 ? mlxcel_rows_kernel(w->type->own_kernel) : NULL;
+    if (own) {
+        own(w->k, first, (size_t)w->row_bytes, r1 - r0, act, j->act_bytes, m, c, (size_t)j->ldc);
+        return;
+    }
+    for (int r = 0; r < r1 - r0; r++)
+        for (int i = 0; i < m; i++)
+            w->type->vec_dot(w->k, c + (size_t)i * j->ldc + r, 0, first + (size_t)r * w->row_bytes, 0,
+                             act + (size_t)i * j->act_bytes, 0, 1);
+}
+
+static void expert_part(const void *ctx, int p) {
+    const struct expert_job *j = ctx;
+    int units = j->groups * j->bands, per = (units + j->parts - 1) / j->parts;
+    for (int u = p * per; u < units && u < (p + 1) * per; u++) expert_unit(j, u / j->bands, u % j->bands);
+}
+
+static __thread struct mlxcel_scratch expert_act_scratch;
+
+/* c[i, :] = x[i, :] . W_{expert[g]}^T for the rows i of each group g (start[g] <= i < start[g + 1]),
+ * W_e being rows e * rows .. (e + 1) * rows - 1 of the stack w; x and c row-major (ldx, ldc).
+ * Returns -1 (and computes nothing) for a weight this path does not take (permuted rows, group
+ * biases, an expert out of the stack). */
+int mlxcel_expert_matmul(const struct mlxcel_block_weight *w, int rows, int groups, const int32_t *expert,
+                         const int32_t *start, const float *x, long ldx, float *c, long ldc) {
+    if (w->rows || w->group_bias || rows <= 0 || w->n % rows) return -1;
+    for (int g = 0; g < groups; g++)
+        if (expert[g] < 0 || expert[g] >= w->n / rows || start[g + 1] < start[g]) return -1;
+    if (groups <= 0) return 0;
+    if (start[0] != 0) return -1;
+    int m = start[groups];
+    if (m <= 0) return 0;
+    struct expert_job j = {w, rows, expert, start, NULL, 0, x, ldx, c, ldc, groups, rows, 1, 1};
+    j.act_bytes = (size_t)(w->k / w->type->act_block) * (size_t)w->type->act_block_bytes;
+    j.act = mlxcel_scratch(&expert_act_scratch, j.act_bytes * (size_t)start[groups]);
+    long values = (long)m * w->k;
+    j.parts = values >= PARALLEL_MIN_VALUES ? parts_for(m) : 1;
+    mlxcel_parallel(j.parts, expert_quantize_part, &j);
+    /* Enough units for the pool: each group's rows cut into bands of whole 16-row runs. */
+    int want = mlxcel_threads() * PARTS_PER_THREAD;
+    j.bands = groups >= want ? 1 : (want + groups - 1) / groups;
+    j.band = (rows + j.bands - 1) / j.bands;
+    j.band = (j.band + 15) / 16 * 16;
+    j.bands = (rows + j.band - 1) / j.band;
+    long macs = (long)m * rows * w->k;
+    j.parts = macs >= PARALLEL_MIN_VALUES ? parts_for(groups * j.bands) : 1;
+    mlxcel_parallel(j.parts, expert_part, &j);
+    return 0;
+}

@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""An MoE layer's expert products on ggml's blocks, by path (issue 56).
+
+One stack of experts of valid random blocks (default: Qwen3-30B-A3B's gate projection, 128
+experts of 768 x 2048 Q4_K), the chosen experts of ``--tokens`` tokens (top-``--top-k``, random),
+multiplied:
+
+- ``grouped``: ``ExpertStack.grouped_matmul`` (``mlxcel_expert_matmul``): the pairs sorted by
+  expert, one native call, each chosen expert's rows once for its group of rows (what
+  ``BlockSwitchLinear`` does, without its NumPy sort and gather, timed apart as ``sort+gather``);
+- ``per-expert``: one ``BlockWeight.matmul`` call per chosen expert on its group's rows (the
+  same decode kernels, one pool start per expert);
+- ``tiles``: the same per-expert calls by the prompt path of dense layers (float32 tiles and the
+  BLAS's sgemm).
+
+Reported: milliseconds (best of ``--reps``) and GMAC/s; the paths run in turn, so a machine's
+drift falls on all of them. On a shared machine only the best of several short runs means much.
+
+Examples::
+
+    python scripts/bench_expert_products.py
+    python scripts/bench_expert_products.py --tokens 1,8,512 --type mxfp4 --experts 32 --rows 2880 --k 2880 --top-k 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mlxcel_compat.runtime import backend  # noqa: E402
+
+backend.load_optimized_blas()  # before NumPy's first product and MLX
+
+import numpy as np  # noqa: E402
+from gguf import GGMLQuantizationType  # noqa: E402
+
+from mlxcel_compat.runtime.block_experts import ExpertStack  # noqa: E402
+from mlxcel_compat.runtime.block_weight import BlockWeight, library  # noqa: E402
+from mlxcel_compat.testing.gguf_random import random_blocks  # noqa: E402
+
+
+def best_ms(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--type", default="q4_k", help="block type (gguf_random's names: q4_k, q8_0, mxfp4, ...)")
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--rows", type=int, default=768, help="rows of one expert's matrix")
+    parser.add_argument("--k", type=int, default=2048, help="inputs of one expert's matrix")
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--tokens", default="1,4,64,512", help="comma list of token counts")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+
+    lib = library()
+    if isinstance(lib, str):
+        print(f"no block kernels here: {lib}")
+        return 1
+    qtype = GGMLQuantizationType[args.type.upper()]
+    rng = np.random.default_rng(0)
+    raw = random_blocks(rng, args.type, args.experts * args.rows, args.k)
+    stack = ExpertStack(BlockWeight(raw, qtype, args.experts * args.rows, args.k, lib), args.experts)
+    print(f"{args.experts} experts of {args.rows} x {args.k} {args.type.upper()}, top-{args.top_k}")
+    print(f"{'tokens':>6} {'groups':>6} {'path':>12} {'ms':>9} {'GMAC/s':>7}")
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        x = rng.standard_normal((tokens, args.k)).astype(np.float32)
+        chosen = np.stack([rng.choice(args.experts, args.top_k, replace=False) for _ in range(tokens)])
+        flat = chosen.reshape(-1).astype(np.int32)
+        order = np.argsort(flat, kind="stable")
+        experts, counts = np.unique(flat[order], return_counts=True)
+        starts = np.zeros(experts.size + 1, dtype=np.int32)
+        np.cumsum(counts, out=starts[1:])
+        rows = np.ascontiguousarray(x[order // args.top_k])
+        alone = [BlockWeight(raw[e * args.rows:(e + 1) * args.rows], qtype, args.rows, args.k, lib) for e in experts]
+
+        def per_expert(tiles: bool) -> None:
+            for i, weight in enumerate(alone):
+                weight.matmul(rows[starts[i]:starts[i + 1]], tiles=tiles)
+
+        paths = {
+            "sort+gather": lambda: np.ascontiguousarray(x[np.argsort(flat, kind="stable") // args.top_k]),
+            "grouped": lambda: stack.grouped_matmul(rows, experts, starts),
+            "per-expert": lambda: per_expert(False),
+            "tiles": lambda: per_expert(True),
+        }
+        macs = tokens * args.top_k * args.rows * args.k
+        for name, fn in paths.items():
+            ms = best_ms(fn, args.reps)
+            rate = "" if name == "sort+gather" else f"{macs / ms / 1e6:7.1f}"
+            print(f"{tokens:>6} {experts.size:>6} {name:>12} {ms:9.2f} {rate:>7}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Stacked experts kept in ggml's blocks (runtime/block_experts.py, ``mlxcel_expert_matmul``).
+
+For every type the CPU serves from its blocks:
+
+- the grouped product of the chosen experts equals, bit for bit, each expert's matrix taken
+  alone as a block weight and multiplied by the decode path (``BlockWeight.matmul``, vec_dot);
+- a row's result does not depend on which other rows share its group or the call (a token's
+  expert outputs are the same whatever else is in the chunk or the batch);
+- the layer that replaces mlx-lm's ``SwitchLinear`` gives ``mx.gather_mm``'s shapes for the
+  calls ``SwitchGLU`` makes (unsorted, with the leading broadcast, and sorted), and its values
+  within the 8-bit-activation bound of float32 math on the dequantized stack, biases included;
+- bad expert ids are an error, not a crash.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from mlxcel_compat.runtime import block_experts
+from mlxcel_compat.runtime.block_experts import BlockSwitchLinear, ExpertStack, gather_product
+from mlxcel_compat.runtime.block_weight import BlockWeight, library
+from tests.runtime.test_block_weight import TYPES, activation_error, raw_weight, reference
+
+LIB = library()
+pytestmark = pytest.mark.skipif(isinstance(LIB, str) or not block_experts.available(),
+                                reason=f"no block kernels here: {LIB}")
+
+N_EXPERT, ROWS, K = 6, 40, 512
+
+
+def stack_of(qtype: T, seed: int = 0) -> tuple[ExpertStack, np.ndarray]:
+    raw = raw_weight(qtype, N_EXPERT * ROWS, K, seed=seed)
+    return ExpertStack(BlockWeight(raw, qtype, N_EXPERT * ROWS, K, LIB), N_EXPERT), raw
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_grouped_product_is_each_experts_decode_product(qtype: T) -> None:
+    stack, raw = stack_of(qtype)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((7, K)).astype(np.float32)
+    chosen = rng.integers(0, N_EXPERT, (7, 3))
+    got = gather_product(stack, x[:, None, None, :], chosen)  # SwitchGLU's first call: (7, 3, 1, ROWS)
+    assert got.shape == (7, 3, 1, ROWS)
+    for t in range(7):
+        for j in range(3):
+            e = chosen[t, j]
+            alone = BlockWeight(np.ascontiguousarray(raw[e * ROWS:(e + 1) * ROWS]), qtype, ROWS, K, LIB)
+            np.testing.assert_array_equal(got[t, j, 0], alone.matmul(x[t:t + 1], tiles=False)[0])
+    # Each token by itself: the same rows, bit for bit.
+    for t in range(7):
+        np.testing.assert_array_equal(gather_product(stack, x[t:t + 1, None, None, :], chosen[t:t + 1])[0], got[t])
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q6_K, T.MXFP4, T.IQ4_XS], ids=lambda t: t.name)
+def test_values_within_the_activation_bound_of_float32_math(qtype: T) -> None:
+    stack, raw = stack_of(qtype, seed=3)
+    weights = reference(qtype, raw).reshape(N_EXPERT, ROWS, K)
+    np.testing.assert_array_equal(stack.dequantize(), weights)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((9, K)).astype(np.float32)
+    chosen = rng.integers(0, N_EXPERT, (9, 2))
+    got = gather_product(stack, x[:, None, None, :], chosen)[:, :, 0]
+    want = np.einsum("tk,tjrk->tjr", x, weights[chosen])
+    bound = np.einsum("tk,tjrk->tjr", activation_error(qtype, x), np.abs(weights[chosen]))
+    assert np.all(np.abs(got - want) <= bound * 1.01 + 1e-3)
+
+
+def test_the_layer_takes_switch_glus_calls_with_biases() -> None:
+    """A ``SwitchGLU`` whose three projections are block stacks (with gpt-oss-style biases)
+    against the same module over the dequantized stacks: the unsorted path (few tokens) and the
+    sorted one (``indices.size >= 64``), shapes equal and values within 8-bit activations."""
+    hidden = 128
+    stacks = [ExpertStack(BlockWeight(raw_weight(T.Q8_0, N_EXPERT * hidden, K, seed=s), T.Q8_0, N_EXPERT * hidden,
+                                      K, LIB), N_EXPERT) for s in (5, 6)]
+    down_raw = raw_weight(T.Q8_0, N_EXPERT * K, hidden, seed=7)
+    stacks.append(ExpertStack(BlockWeight(down_raw, T.Q8_0, N_EXPERT * K, hidden, LIB), N_EXPERT))
+    rng = np.random.default_rng(8)
+    float_glu = SwitchGLU(K, hidden, N_EXPERT, bias=True)
+    block_glu = SwitchGLU(K, hidden, N_EXPERT, bias=True)
+    for name, stack in zip(("gate_proj", "up_proj", "down_proj"), stacks):
+        bias = mx.array(rng.standard_normal((N_EXPERT, stack.rows)).astype(np.float32))
+        getattr(float_glu, name).weight = mx.array(stack.dequantize())
+        getattr(float_glu, name).bias = bias
+        block_experts.install(block_glu, name, stack)
+        layer = getattr(block_glu, name)
+        assert isinstance(layer, BlockSwitchLinear) and "bias" in layer  # the old layer's bias kept
+        layer.bias = bias
+    for tokens in (3, 40):  # 3 x 2 pairs: unsorted; 40 x 2 = 80 >= 64: sorted
+        x = mx.array(rng.standard_normal((1, tokens, K)).astype(np.float32) * 0.01)
+        chosen = mx.array(rng.integers(0, N_EXPERT, (1, tokens, 2)).astype(np.int32))
+        want, got = float_glu(x, chosen), block_glu(x, chosen)
+        assert got.shape == want.shape == (1, tokens, 2, K)
+        relative = (mx.sqrt(((got - want) ** 2).sum()) / mx.sqrt((want ** 2).sum())).item()
+        assert relative < 0.02, relative
+
+
+def test_bad_expert_ids_are_an_error() -> None:
+    stack, _ = stack_of(T.Q8_0)
+    x = np.ones((2, K), np.float32)
+    with pytest.raises(ValueError, match="expert ids must be in 0..5"):
+        gather_product(stack, x[:, None, None, :], np.array([[0, 6], [1, 2]]))
+    with pytest.raises(ValueError, match="do not split into 7 experts"):
+        ExpertStack(stack.weight, 7)
