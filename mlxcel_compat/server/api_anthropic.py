@@ -348,7 +348,7 @@ async def messages(request: Request) -> Response:
     body = await read_json(request)
     job = await prepare_chat(ctx, request, to_chat_body(body))
     if job.opts.stream:
-        return sse_response(_stream(ctx, job), job.opts)
+        return sse_response(_stream(ctx, job), job.opts, request)
     res = (await collect(ctx, request, job.requests))[0]
     fin = res.finish
     assert fin is not None

@@ -48,7 +48,7 @@ async def completion(request: Request) -> Response:
 async def _answer(ctx: ServerContext, request: Request, job: CompletionJob) -> Response:
     opts = job.opts
     if opts.stream:
-        return sse_response(_stream(ctx, job.requests, opts), opts)
+        return sse_response(_stream(ctx, job.requests, opts), opts, request)
     results = await collect(ctx, request, job.requests)
     m = ctx.model
 

@@ -179,7 +179,7 @@ async def completions(request: Request) -> Response:
     data = await read_json(request)
     job = await prepare_completion(ctx, request, data, response_format=True)
     if job.opts.stream:
-        return sse_response(_stream_completion(ctx, job.requests, job.opts), job.opts)
+        return sse_response(_stream_completion(ctx, job.requests, job.opts), job.opts, request)
     results = await collect(ctx, request, job.requests)
     cid, created = completion_id(), fmt.now()
     return await respond(ctx, lambda: add_verbose(ctx, data, completion_body(results, ctx.model.model_id, cid, created), results[0]))
@@ -233,7 +233,7 @@ async def chat_completions(request: Request) -> Response:
     if job.opts.stream:
         splitters = [reply_splitter(ctx, job) for _ in job.requests]
         on_reply = lambda msg: warm_up(ctx, job, msg)  # noqa: E731
-        return sse_response(_stream_chat(ctx, job, splitters, on_reply), job.opts)
+        return sse_response(_stream_chat(ctx, job, splitters, on_reply), job.opts, request)
     results = await collect(ctx, request, job.requests)
     cid, created = completion_id(), fmt.now()
 
@@ -262,11 +262,25 @@ async def _stream_chat(
     on_reply: Callable[[dict[str, Any]], None],
 ) -> AsyncIterator[bytes]:
     """OpenAI chat chunks: reasoning, content and tool-call deltas as the reply streams (a call's name
-    first, then its arguments in pieces)."""
+    first, then its arguments in pieces). While it runs, ``POST /v1/chat/completions/control``
+    finds its sequences by the id its chunks carry."""
+    cid, created = completion_id(), fmt.now()
+    with ctx.completions.register(cid, job.requests):
+        async for chunk in _chat_chunks(ctx, job, splitters, on_reply, cid, created):
+            yield chunk
+
+
+async def _chat_chunks(
+    ctx: ServerContext,
+    job: ChatJob,
+    splitters: list[ReplyStream],
+    on_reply: Callable[[dict[str, Any]], None],
+    cid: str,
+    created: int,
+) -> AsyncIterator[bytes]:
     m = ctx.model
     requests = job.requests
     rebuilt = [{"content": "", "reasoning_content": ""} for _ in requests]  # what the client will hold
-    cid, created = completion_id(), fmt.now()
     results = [fmt.Result(index=r.index, request=r) for r in requests]
     started: set[int] = set()
     last_finish: FinishEvent | None = None

@@ -44,6 +44,7 @@ from mlxcel_compat.server.cache_hooks import find_breakpoints
 from mlxcel_compat.server.errors import ContextExceeded, InvalidRequest, ServerError, event_error, json_response
 from mlxcel_compat.server.params import CompletionOptions, parse_completion_options
 from mlxcel_compat.server.prompts import tokenize_prompts
+from mlxcel_compat.server.streams import CONVERSATION_HEADER
 from mlxcel_compat.settings import default_template_kwargs
 
 SSE_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
@@ -498,6 +499,16 @@ async def with_keepalive(chunks: AsyncIterator[bytes], interval: int) -> AsyncIt
         await source.aclose()
 
 
-def sse_response(chunks: AsyncIterator[bytes], opts: CompletionOptions) -> StreamingResponse:
-    """An SSE stream with llama-server's headers and the request's keep-alive interval."""
-    return StreamingResponse(with_keepalive(chunks, opts.sse_ping_interval), media_type="text/event-stream", headers=SSE_HEADERS)
+def sse_response(chunks: AsyncIterator[bytes], opts: CompletionOptions, request: Request | None = None) -> StreamingResponse:
+    """An SSE stream with llama-server's headers and the request's keep-alive interval.
+
+    A request with an ``X-Conversation-Id`` header gets a resumable stream (``server/streams.py``):
+    its bytes are produced into the conversation's buffer whether or not the client stays, and
+    the client reads them from there as a later ``GET /v1/stream`` would."""
+    chunks = with_keepalive(chunks, opts.sse_ping_interval)
+    conversation = request.headers.get(CONVERSATION_HEADER, "").strip() if request is not None else ""
+    if conversation:
+        session = ctx_of(request).streams.create_or_replace(conversation)
+        session.produce(chunks)
+        chunks = session.read_from(0)
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
