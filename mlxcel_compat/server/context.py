@@ -74,6 +74,7 @@ class ServerContext:
     completions: RunningCompletions = field(default_factory=RunningCompletions)  # streamed chats, for /control
 
     def __post_init__(self) -> None:
+        self.streams.max_bytes = getattr(self.settings, "stream_buffer_bytes", self.streams.max_bytes)
         self.client = EngineClient(self.engine)
         self.workers = WorkerPool(pool_size(self.settings.threads_http))
 
