@@ -62,6 +62,8 @@ export class ChatView {
     }
     conversation.messages.forEach((message, i) => this.root.append(this.messageElement(message, i)));
     this.scroll(true);
+    const last = conversation.messages[conversation.messages.length - 1];
+    if (!this.busy && last.role === "assistant" && last.streaming) this.resume(conversation, last);
   }
 
   messageElement(message, index) {
@@ -125,7 +127,9 @@ export class ChatView {
   }
 
   stop() {
-    this.abort?.abort();
+    if (!this.abort) return;
+    this.abort.abort();
+    if (this.conversation) this.api.stopStream(this.conversation.id); // the server would finish it otherwise
   }
 
   clicked(event) {
@@ -211,11 +215,43 @@ export class ChatView {
   async streamAnswer(c) {
     const offer = this.toolsOn() && this.tools?.available ? { tools: this.tools.definitions() } : {};
     const body = { messages: this.requestMessages(), ...offer, ...this.settings().requestFields() };
-    const answer = { role: "assistant", content: "", reasoning: "" };
+    const answer = { role: "assistant", content: "", reasoning: "", streaming: true };
     c.messages.push(answer);
     saveConversation(c);
     this.onChange();
     this.show(c);
+    await this.follow(c, answer, this.api.streamChat(body, this.abort.signal, c.id));
+    return answer;
+  }
+
+  // An answer that was still being written when the page went away (a reload): the server kept
+  // generating it (a resumable stream), so read it again from its first byte and follow it live.
+  async resume(c, answer) {
+    this.abort = new AbortController();
+    this.onBusy(true);
+    try {
+      if (await this.api.hasStream(c.id)) {
+        Object.assign(answer, { content: "", reasoning: "" });
+        delete answer.tool_calls;
+        await this.follow(c, answer, this.api.replayStream(c.id, this.abort.signal));
+      } else {
+        delete answer.streaming;
+        answer.error = "the answer was interrupted and the server no longer holds it";
+        if (this.conversation === c) this.fill(this.root.lastElementChild, answer);
+      }
+    } catch (error) {
+      delete answer.streaming;
+      answer.error = error.message;
+    } finally {
+      this.abort = null;
+      this.onBusy(false);
+      saveConversation(c);
+      this.onChange();
+    }
+  }
+
+  // Read an answer's chunks into it, painting once an animation frame.
+  async follow(c, answer, chunks) {
     const article = this.root.lastElementChild;
     let pending = false;
     const repaint = () => {
@@ -224,7 +260,7 @@ export class ChatView {
       requestAnimationFrame(() => { pending = false; if (this.conversation === c) { this.fill(article, answer); this.scroll(); } });
     };
     try {
-      for await (const chunk of this.api.streamChat(body, this.abort.signal)) {
+      for await (const chunk of chunks) {
         const delta = chunk.choices?.[0]?.delta || {};
         if (delta.reasoning_content) { answer.reasoning += delta.reasoning_content; answer.thinking = true; }
         if (delta.content) { answer.content += delta.content; answer.thinking = false; }
@@ -237,10 +273,10 @@ export class ChatView {
       else answer.error = error.message;
     } finally {
       answer.thinking = false;
+      delete answer.streaming;
       saveConversation(c);
       if (this.conversation === c) { this.fill(article, answer); this.scroll(); }
     }
-    return answer;
   }
 
   stats(chunk) {
