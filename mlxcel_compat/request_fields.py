@@ -227,6 +227,10 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _noop("generation_prompt", STRING, _CHAT_INTERNAL),
     _noop("parse_tool_calls", BOOL, _CHAT_INTERNAL),
     _noop("message_delimiters", OBJECT, "llama.cpp-internal chat field"),
+    _f("cache_explain", BOOL, origin="mlxcel",
+       note="the response (and a stream's final chunk) gets cache_explain: tokens reused, the best candidate entry and why it "
+            "was or was not adopted, the first diverging token and the text around it; also the header X-Cache-Explain: 1 "
+            "(docs/prompt-cache.md)"),
     _f("reasoning_control", BOOL, note="arms POST /v1/chat/completions/control's reasoning_end for this completion: the "
        "reasoning block (the template's own tags) is closed on request and the model goes on to its answer"),
     _f("reasoning_budget_tokens", int_range(-1), aliases=("thinking_budget_tokens",),
@@ -321,6 +325,8 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _f("messages", {"type": "array", "items": ANTHROPIC_MESSAGE}, scope="messages", required=True,
        note="user and assistant turns, string or block content"),
     _f("system", {"anyOf": [STRING, {"type": "array", "items": TEXT_PART}]}, scope="messages", note="string or text blocks"),
+    _f("cache_explain", BOOL, scope="messages", origin="mlxcel",
+       note="cache_explain in the message (and in the stream's message_delta): why the prompt cache reused what it did"),
     RequestField("messages[].content[].type", scope="messages",
        note="text, tool_use, tool_result (string, text or image blocks, is_error), thinking; image blocks (base64) are "
             "served by a vision-language model (docs/vision.md), a text model's 500 'image input is not supported'; document blocks are a 400"),

@@ -71,7 +71,7 @@ SUPPORTED_ROUTES = [
     ("GET", "/models"), ("GET", "/v1/models"), ("POST", "/completion"), ("POST", "/completions"), ("POST", "/infill"),
     ("POST", "/v1/completions"), ("POST", "/chat/completions"), ("POST", "/v1/chat/completions"),
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template"), ("GET", "/slots"),
-    ("POST", "/v1/cache/reset"), ("GET", "/v1/cache/stats"), ("GET", "/openapi.json"), ("GET", "/"), ("GET", "/index.html"),
+    ("POST", "/v1/cache/reset"), ("GET", "/v1/cache/stats"), ("GET", "/v1/cache/misses"), ("GET", "/openapi.json"), ("GET", "/"), ("GET", "/index.html"),
     ("GET", "/ui/{file}"), ("GET", "/ui/vendor/{file}"),
     ("POST", "/slots/{id_slot}"), ("GET", "/lora-adapters"), ("POST", "/lora-adapters"),
     ("GET", "/tools"), ("POST", "/tools"), ("GET", "/cors-proxy"), ("POST", "/cors-proxy"), ("POST", "/predict"),

@@ -14,6 +14,7 @@ from starlette.routing import Route
 
 from mlxcel_compat.chat.stream_splitter import ReplyStream
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, ProgressEvent, TokenEvent
+from mlxcel_compat.server import cache_explain
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.errors import InvalidRequest, event_error, json_response
@@ -70,6 +71,14 @@ def add_verbose(ctx: ServerContext, data: dict[str, Any], body: dict[str, Any], 
     if data.get("verbose") is True or (data.get("verbose") is None and ctx.settings.verbose):
         m = ctx.model
         body["__verbose"] = fmt.native_final(result, m.model_id, prompt_text(ctx, result.request.prompt_tokens), False, False, 0, True, m.eog_ids)
+    return body
+
+
+def with_explain(ctx: ServerContext, body: dict[str, Any], results: list[fmt.Result]) -> dict[str, Any]:
+    """``cache_explain`` asked for: why the prompt cache reused what it did, in the body."""
+    explained = cache_explain.of_results(results, ctx.model.tokenizer)
+    if explained is not None:
+        body["cache_explain"] = explained
     return body
 
 
@@ -182,7 +191,7 @@ async def completions(request: Request) -> Response:
         return sse_response(_stream_completion(ctx, job.requests, job.opts), job.opts, request)
     results = await collect(ctx, request, job.requests)
     cid, created = completion_id(), fmt.now()
-    return await respond(ctx, lambda: add_verbose(ctx, data, completion_body(results, ctx.model.model_id, cid, created), results[0]))
+    return await respond(ctx, lambda: add_verbose(ctx, data, with_explain(ctx, completion_body(results, ctx.model.model_id, cid, created), results), results[0]))
 
 
 async def _stream_completion(ctx: ServerContext, requests: list[GenerationRequest], opts: CompletionOptions) -> AsyncIterator[bytes]:
@@ -216,6 +225,7 @@ async def _stream_completion(ctx: ServerContext, requests: list[GenerationReques
             if remaining == 0:
                 final["usage"] = usage_json(results)
                 final["timings"] = fmt.timings_json(event)
+                with_explain(ctx, final, results)
             yield fmt.sse(final)
         elif isinstance(event, ErrorEvent):
             yield fmt.sse(event_error(event).to_json())
@@ -250,7 +260,7 @@ async def chat_completions(request: Request) -> Response:
                 choice["logprobs"] = {"content": res.probs}
             choices.append(choice)
         warm_up(ctx, job, choices[0]["message"])
-        return add_verbose(ctx, data, chat_body(choices, results, ctx.model.model_id, cid, created), results[0])
+        return add_verbose(ctx, data, with_explain(ctx, chat_body(choices, results, ctx.model.model_id, cid, created), results), results[0])
 
     return await respond(ctx, build)
 
@@ -327,6 +337,8 @@ async def _chat_chunks(
             final = chat_chunk({}, i, m.model_id, cid, created, finish_reason(event, bool(tool_calls)))
             if remaining == 0 and not job.opts.include_usage:
                 final["timings"] = fmt.timings_json(event)
+            if remaining == 0:
+                with_explain(ctx, final, results)
             yield fmt.sse(final)
         elif isinstance(event, ErrorEvent):
             yield fmt.sse(event_error(event).to_json())

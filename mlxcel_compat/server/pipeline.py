@@ -38,6 +38,7 @@ from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequ
 from mlxcel_compat.vision.inputs import MediaInput
 from mlxcel_compat.engine.sampling.dry import dry_sequence_breakers
 from mlxcel_compat.engine.sampling.infill_pieces import piece_index
+from mlxcel_compat.server import cache_explain
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.cache_hooks import find_breakpoints
@@ -189,7 +190,9 @@ async def prepare_completion(
 ) -> CompletionJob:
     """``prompt`` (llama-server's shapes) and the options, tokenized on a worker thread;
     ``response_format`` is read on ``/v1/completions`` only."""
-    return await ctx.workers.run(build_completion_job, ctx, data, header_session(request), api_key_id(request), response_format)
+    job = await ctx.workers.run(build_completion_job, ctx, data, header_session(request), api_key_id(request), response_format)
+    explain_on_header(request, job.requests)
+    return job
 
 
 def build_completion_job(
@@ -299,7 +302,16 @@ async def prepare_chat(ctx: ServerContext, request: Request, data: Mapping[str, 
     ``response_format``, ``tool_choice`` with ``tools``, ``parallel_tool_calls``) become the
     requests' constraint (``server/structured.py``).
     """
-    return await ctx.workers.run(build_chat_job, ctx, data, header_session(request), api_key_id(request))
+    job = await ctx.workers.run(build_chat_job, ctx, data, header_session(request), api_key_id(request))
+    explain_on_header(request, job.requests)
+    return job
+
+
+def explain_on_header(request: Request, requests: list[GenerationRequest]) -> None:
+    """``X-Cache-Explain: 1`` asks for ``cache_explain`` as the body field does."""
+    if cache_explain.wanted(request):
+        for req in requests:
+            req.cache.explain = True
 
 
 def build_chat_job(ctx: ServerContext, data: Mapping[str, Any], session: str | None, key_id: str | None) -> ChatJob:
