@@ -11,7 +11,9 @@ store let go recently (:class:`Departure`), to name the cause:
   (other tenants' entries are never considered, so the reason is the same whatever they hold);
 - ``model_changed``, ``lora_changed``, ``template_changed``, ``media_changed``: the entry that
   shares the longest prefix with the request is in another bucket, and that is the first field
-  of the bucket that differs (``differs`` lists them all);
+  of the bucket that differs (``differs`` lists them all); for media the first diverging
+  position is the first image token (images' tokens are placeholders, equal for any image). The
+  outcome is then ``partial_hit`` where the text before the image was reused;
 - ``below_min_prefix``: the best match is shorter than ``--prompt-cache-min-prefix``;
 - ``not_trimmable``: the entry's state cannot be cut back to the shared prefix (recurrent
   state, a wrapped sliding window), ``apc_off``: only part of it matches and APC is off;
@@ -103,6 +105,7 @@ def _explain(
     min_prefix: int,
     *,
     sessions_shared: bool = True,
+    media_start: int | None = None,
     now: float | None = None,
 ) -> dict[str, Any]:
     now = time.time() if now is None else now
@@ -121,7 +124,7 @@ def _explain(
         out["candidate"] = _describe(hit.entry, hit.common_len, bucket, session_key, now)
         out.update(divergence(hit.entry.tokens, toks, hit.common_len))
         return out
-    out["outcome"] = "miss"
+    out["outcome"] = "partial_hit" if adopted else "miss"  # e.g. the text before a changed image was reused
     if best is None or best_common == 0:
         gone = _departed_match(bucket, toks, departures, min_prefix)
         if gone is not None:
@@ -131,7 +134,10 @@ def _explain(
     out["candidate"] = _describe(best, best_common, bucket, session_key, now)
     out.update(divergence(best.tokens, toks, best_common))
     if best.bucket != bucket:
-        out["reason"] = differing_fields(best.bucket, bucket)[0] + "_changed"
+        differs = differing_fields(best.bucket, bucket)
+        out["reason"] = differs[0] + "_changed"
+        if "media" in differs and media_start is not None:  # image tokens are placeholders: the image is where it differs
+            out.update(divergence(best.tokens, toks, min(best_common, media_start)))
         return out
     gone = _departed_match(bucket, toks, departures, max(min_prefix, best_common + 1))
     if gone is not None:  # a longer match was evicted

@@ -539,8 +539,9 @@ class PrefixCache:
         result = self.store.lookup(bucket, session, seq.prompt, record=False, spans=media.spans if media is not None else ())
         if adopted == 0:
             result.hit = None  # an adoption that failed is a miss whatever the store holds
+        spans = media.spans if media is not None else ()
         out = explain_lookup(bucket, session, seq.prompt, result, adopted, self.store.entries(), self.store.departed,
-                             self.store.min_prefix)
+                             self.store.min_prefix, media_start=spans[0][0] if spans else None)
         if out["outcome"] == "miss" and self.misses and self.misses[-1]["task_id"] == seq.request.task_id:
             self.misses[-1]["explained"] = out["reason"]
         return out
