@@ -531,10 +531,13 @@ class PrefixCache:
         :meth:`adopt`. The lookup is asked again without counting it; the explained reason of a
         miss is added to its record in :attr:`misses`."""
         adopted = seq.stats.n_cached
-        if self.snapshots is not None:  # session snapshots: a restore is by session, not by prefix
-            return {"tokens_reused": adopted, "prompt_tokens": seq.n_prompt, "outcome": "hit" if adopted else "miss",
-                    "reason": "hit" if adopted else "session_snapshot_miss"}
         bucket, session = self.bucket(seq), seq.request.cache.session_key
+        if self.snapshots is not None:  # session snapshots: restored by session, never across sessions
+            if adopted:
+                return {"outcome": "hit", "reason": "hit", "tokens_reused": adopted, "prompt_tokens": seq.n_prompt}
+            snap = self.snapshots.store
+            return explain_lookup(bucket, session, seq.prompt, LookupResult(hit=None, reason="no_candidate"), 0, snap.entries(),
+                                  snap.departed, snap.min_prefix, sessions_shared=False)
         media = seq.request.media
         result = self.store.lookup(bucket, session, seq.prompt, record=False, spans=media.spans if media is not None else ())
         if adopted == 0:
