@@ -337,7 +337,6 @@ async def _chat_chunks(
             final = chat_chunk({}, i, m.model_id, cid, created, finish_reason(event, bool(tool_calls)))
             if remaining == 0 and not job.opts.include_usage:
                 final["timings"] = fmt.timings_json(event)
-            if remaining == 0:
                 with_explain(ctx, final, results)
             yield fmt.sse(final)
         elif isinstance(event, ErrorEvent):
@@ -355,7 +354,7 @@ async def _chat_chunks(
         }
         if last_finish is not None:
             usage_chunk["timings"] = fmt.timings_json(last_finish)
-        yield fmt.sse(usage_chunk)
+        yield fmt.sse(with_explain(ctx, usage_chunk, results))  # cache_explain beside the usage it explains
     yield fmt.SSE_DONE
 
 

@@ -218,8 +218,10 @@ def test_answer_streams_and_the_second_turn_comes_from_the_cache(browser, ui_ser
     assert "400 tokens" in first.text and "tokens/s" in first.text
     _, prompt1 = cache_figure(first)
     send(browser, "Tell me more.")
-    cached, prompt2 = cache_figure(wait_answer(browser, 2))
+    second = wait_answer(browser, 2)
+    cached, prompt2 = cache_figure(second)
     assert prompt2 > prompt1 and prompt1 <= cached < prompt2, (cached, prompt1, prompt2)
+    assert "prompt tokens from cache (hit)" in second.text  # the reason beside the figure (cache_explain)
     assert console_errors(browser) == []
 
 

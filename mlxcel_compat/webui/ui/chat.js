@@ -13,11 +13,18 @@ export function statsText(stats) {
   const parts = [];
   if (stats.completion !== undefined) parts.push(`${stats.completion} tokens`);
   if (stats.tps) parts.push(`${stats.tps.toFixed(1)} tokens/s`);
-  if (stats.prompt !== undefined) parts.push(`${stats.cached || 0} of ${stats.prompt} prompt tokens from cache`);
+  if (stats.prompt !== undefined) parts.push(`${stats.cached || 0} of ${stats.prompt} prompt tokens from cache${cacheReason(stats.cache)}`);
   if (stats.nCtx && stats.prompt !== undefined) parts.push(`context ${stats.prompt + (stats.completion || 0)}/${stats.nCtx}`);
   if (stats.stopped) parts.push("stopped");
   if (stats.note) parts.push(stats.note);
   return parts.join(" · ");
+}
+
+// Why the prompt cache reused what it did (the server's cache_explain): "(hit)", "(miss: template changed)".
+function cacheReason(explained) {
+  if (!explained?.reason) return "";
+  if (explained.reason === "hit") return " (hit)";
+  return ` (${explained.outcome === "partial_hit" ? "partly" : "miss"}: ${explained.reason.replaceAll("_", " ")})`;
 }
 
 function element(tag, className, text) {
@@ -214,7 +221,8 @@ export class ChatView {
 
   async streamAnswer(c) {
     const offer = this.toolsOn() && this.tools?.available ? { tools: this.tools.definitions() } : {};
-    const body = { messages: this.requestMessages(), ...offer, ...this.settings().requestFields() };
+    // cache_explain: the figures line says why the prompt cache reused what it did.
+    const body = { messages: this.requestMessages(), ...offer, cache_explain: true, ...this.settings().requestFields() };
     const answer = { role: "assistant", content: "", reasoning: "", streaming: true };
     c.messages.push(answer);
     saveConversation(c);
@@ -287,6 +295,7 @@ export class ChatView {
       completion: usage.completion_tokens,
       tps: chunk.timings?.predicted_per_second,
       nCtx: this.nCtx,
+      cache: chunk.cache_explain ? { outcome: chunk.cache_explain.outcome, reason: chunk.cache_explain.reason } : undefined,
     };
   }
 }
