@@ -18,6 +18,9 @@ pytestmark = pytest.mark.e2e
 
 BODY = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
 VOLATILE = ("id", "created", "timings")  # per-run values: the answer's id, its second, its timings
+# A generation that runs until its 1024-token slot is full, for the tests that act while it runs:
+# log-probabilities take it off the plain greedy fast path (~0.2 s for the slot), to ~0.6 s.
+LONG = {"max_tokens": 100000, "n_probs": 10}
 
 
 def events(raw: bytes) -> list[Any]:
@@ -76,7 +79,7 @@ def test_a_dropped_stream_runs_to_its_end_and_resumes_byte_for_byte(http):
 def test_a_reader_follows_a_live_stream(http):
     wait_idle(http)
     conv = f"conv-{uuid.uuid4()}"
-    body = {**BODY, "max_tokens": 400}
+    body = {**BODY, **LONG}
     with httpx.Client(base_url=str(http.base_url), timeout=30) as dropping:
         read_some(dropping, conv, 2, body)
     # Attached while it still runs: replayed from 0, then followed live to its end.
@@ -120,7 +123,7 @@ def test_bad_reads_get_clear_errors(http):
 
 def test_delete_stops_the_generation_and_a_newer_request_replaces_the_older(http):
     wait_idle(http)
-    endless = {**BODY, "max_tokens": 100000}
+    endless = {**BODY, **LONG}
     before = metric(http.get("/metrics").text, "llamacpp:tokens_predicted_total")
     conv = f"conv-{uuid.uuid4()}"
     with httpx.Client(base_url=str(http.base_url), timeout=30) as client:
@@ -143,7 +146,7 @@ def test_delete_stops_the_generation_and_a_newer_request_replaces_the_older(http
 def test_a_stream_without_the_header_still_stops_with_its_client(http):
     wait_idle(http)
     with httpx.Client(base_url=str(http.base_url), timeout=30) as client:
-        with client.stream("POST", "/v1/chat/completions", json={**BODY, "max_tokens": 100000}) as response:
+        with client.stream("POST", "/v1/chat/completions", json={**BODY, **LONG}) as response:
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     break
