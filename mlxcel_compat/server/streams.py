@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 CONVERSATION_HEADER = "x-conversation-id"
 SESSION_TTL_S = 300.0  # a finished session is kept this long for a late reader (llama-server's)
 SESSION_MAX_BYTES = 4 * 1024 * 1024  # each session's buffer keeps at most this many bytes
+# Finished sessions kept at most (the oldest go first): live ones are bounded by the requests the
+# server runs, finished ones would otherwise be bounded only by the TTL and how fast ids come.
+MAX_FINISHED_SESSIONS = 256
 
 
 class OffsetLost(Exception):
@@ -162,12 +165,16 @@ class StreamSession:
 class StreamSessions:
     """Every live and recently finished session, one per conversation id.
 
-    Finished sessions older than ``ttl`` are dropped whenever a session is created or looked up
-    (no timer task: a server nobody calls holds at most what it held at the last call)."""
+    Finished sessions older than ``ttl``, and beyond the newest ``max_finished``, are dropped
+    whenever a session is created or looked up (no timer task: a server nobody calls holds at
+    most what it held at the last call). So the buffers hold at most ``max_bytes`` times the
+    running streams plus ``max_finished``."""
 
-    def __init__(self, max_bytes: int = SESSION_MAX_BYTES, ttl: float = SESSION_TTL_S) -> None:
+    def __init__(self, max_bytes: int = SESSION_MAX_BYTES, ttl: float = SESSION_TTL_S,
+                 max_finished: int = MAX_FINISHED_SESSIONS) -> None:
         self.max_bytes = max_bytes
         self.ttl = ttl
+        self.max_finished = max_finished
         self.sessions: dict[str, StreamSession] = {}
 
     def create_or_replace(self, conversation_id: str) -> StreamSession:
@@ -208,6 +215,9 @@ class StreamSessions:
     def prune(self) -> None:
         cutoff = time.time() - self.ttl
         for conv in [c for c, s in self.sessions.items() if s.done and s.completed_at <= cutoff]:
+            del self.sessions[conv]
+        finished = sorted((s.completed_at, c) for c, s in self.sessions.items() if s.done)
+        for _, conv in finished[: max(0, len(finished) - self.max_finished)]:
             del self.sessions[conv]
 
     def close_all(self) -> None:

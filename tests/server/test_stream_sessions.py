@@ -96,3 +96,15 @@ def test_finished_sessions_expire_after_their_ttl():
         assert sessions.get("done") is None and sessions.get("live") is not None
 
     asyncio.run(run())
+
+
+def test_only_the_newest_finished_sessions_are_kept():
+    async def run() -> None:
+        sessions = StreamSessions(max_finished=2)
+        for i in range(4):
+            sessions.create_or_replace(f"done-{i}").finalize()
+            await asyncio.sleep(0.01)  # completion times in order
+        live = sessions.create_or_replace("live")
+        assert sorted(sessions.sessions) == ["done-2", "done-3", "live"] and sessions.get("live") is live
+
+    asyncio.run(run())
