@@ -529,7 +529,8 @@ class PrefixCache:
     def explain(self, seq: "Sequence") -> dict[str, Any]:
         """``cache_explain``: why ``seq`` reused what it did (``cache/explain.py``), after
         :meth:`adopt`. The lookup is asked again without counting it; the explained reason of a
-        miss is added to its record in :attr:`misses`."""
+        miss is added to its record in :attr:`misses`. It reads every entry of the request's
+        namespace (the lookup reads one bucket's trie), which is why it is asked for, not always."""
         adopted = seq.stats.n_cached
         bucket, session = self.bucket(seq), seq.request.cache.session_key
         if self.snapshots is not None:  # session snapshots: restored by session, never across sessions
@@ -538,11 +539,10 @@ class PrefixCache:
             snap = self.snapshots.store
             return explain_lookup(bucket, session, seq.prompt, LookupResult(hit=None, reason="no_candidate"), 0, snap.entries(),
                                   snap.departed, snap.min_prefix, sessions_shared=False)
-        media = seq.request.media
-        result = self.store.lookup(bucket, session, seq.prompt, record=False, spans=media.spans if media is not None else ())
+        spans = seq.request.media.spans if seq.request.media is not None else ()
+        result = self.store.lookup(bucket, session, seq.prompt, record=False, spans=spans)
         if adopted == 0:
             result.hit = None  # an adoption that failed is a miss whatever the store holds
-        spans = media.spans if media is not None else ()
         out = explain_lookup(bucket, session, seq.prompt, result, adopted, self.store.entries(), self.store.departed,
                              self.store.min_prefix, media_start=spans[0][0] if spans else None)
         if out["outcome"] == "miss" and self.misses and self.misses[-1]["task_id"] == seq.request.task_id:
