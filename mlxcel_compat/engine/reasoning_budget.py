@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 IDLE, COUNTING, WAITING_UTF8, FORCING, DONE = "idle", "counting", "waiting_utf8", "forcing", "done"
+IN_FLIGHT_STEPS = 2  # decode steps sampled ahead of the engine's commands at most (pipelining, a batch)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class ReasoningBudget:
         self.state = IDLE
         self.remaining = spec.budget
         self._force_pos = 0
+        self._in_flight = 0  # tokens a force() on request may still see sampled before it
         if spec.open_at_start:
             self._open()
 
@@ -118,12 +120,15 @@ class ReasoningBudget:
                         self.state = WAITING_UTF8
                         self._end.reset()
         elif state == FORCING:
-            # Only the forced token advances: a token sampled before a force() on request (a
-            # pipelined step already in flight) is not part of the forced sequence.
-            if token == self.spec.forced[self._force_pos]:
-                self._force_pos += 1
-                if self._force_pos >= len(self.spec.forced):
-                    self.state = DONE
+            if self._in_flight and token != self.spec.forced[self._force_pos]:
+                # Sampled before a force() on request took effect (a pipelined step already in
+                # flight): not part of the forced sequence.
+                self._in_flight -= 1
+                return
+            self._in_flight = 0
+            self._force_pos += 1
+            if self._force_pos >= len(self.spec.forced):
+                self.state = DONE
 
     def force(self) -> bool:
         """End the open block now (llama.cpp's ``common_reasoning_budget_force``): only a block
@@ -131,6 +136,7 @@ class ReasoningBudget:
         if self.state != COUNTING:
             return False
         self._force()
+        self._in_flight = IN_FLIGHT_STEPS
         return True
 
     def _open(self) -> None:
