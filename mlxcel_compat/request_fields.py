@@ -41,6 +41,8 @@ SCOPES: dict[str, str] = {
     "cache_reset": "/v1/cache/reset, /flush_cache",
     "embeddings": "/embedding, /embeddings, /v1/embeddings (needs --embeddings)",
     "rerank": "/rerank, /reranking, /v1/rerank, /v1/reranking (needs --rerank)",
+    "streams_lookup": "/v1/streams/lookup (resumable streams)",
+    "control": "/v1/chat/completions/control",
 }
 INT32_MAX = 2**31 - 1
 INT32_MIN = -(2**31)
@@ -225,7 +227,12 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _noop("generation_prompt", STRING, _CHAT_INTERNAL),
     _noop("parse_tool_calls", BOOL, _CHAT_INTERNAL),
     _noop("message_delimiters", OBJECT, "llama.cpp-internal chat field"),
-    _noop("reasoning_control", OBJECT, "mid-stream reasoning control is not implemented"),
+    _f("cache_explain", BOOL, origin="mlxcel",
+       note="the response (and a stream's final chunk) gets cache_explain: tokens reused, the best candidate entry and why it "
+            "was or was not adopted, the first diverging token and the text around it; also the header X-Cache-Explain: 1 "
+            "(docs/prompt-cache.md)"),
+    _f("reasoning_control", BOOL, note="arms POST /v1/chat/completions/control's reasoning_end for this completion: the "
+       "reasoning block (the template's own tags) is closed on request and the model goes on to its answer"),
     _f("reasoning_budget_tokens", int_range(-1), aliases=("thinking_budget_tokens",),
        note="alias thinking_budget_tokens; default --reasoning-budget; after N tokens inside a thinking block the end tag "
             "(after reasoning_budget_message) is forced token by token; a prompt that opens the block starts the count"),
@@ -318,6 +325,8 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _f("messages", {"type": "array", "items": ANTHROPIC_MESSAGE}, scope="messages", required=True,
        note="user and assistant turns, string or block content"),
     _f("system", {"anyOf": [STRING, {"type": "array", "items": TEXT_PART}]}, scope="messages", note="string or text blocks"),
+    _f("cache_explain", BOOL, scope="messages", origin="mlxcel",
+       note="cache_explain in the message (and in the stream's message_delta): why the prompt cache reused what it did"),
     RequestField("messages[].content[].type", scope="messages",
        note="text, tool_use, tool_result (string, text or image blocks, is_error), thinking; image blocks (base64) are "
             "served by a vision-language model (docs/vision.md), a text model's 500 'image input is not supported'; document blocks are a 400"),
@@ -356,6 +365,13 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _f("reasoning.effort", STRING, scope="responses", note="as reasoning_effort on chat: none turns thinking off"),
     _f("text.format", OBJECT, scope="responses", note="json_schema / json_object, constrained through response_format (docs/structured-output.md)"),
     _f("tier", {"enum": ["ram", "disk", "all"]}, scope="cache_reset", origin="mlxcel", note="which tier to clear; all when absent"),
+    _f("conversation_ids", {"type": "array", "items": STRING}, scope="streams_lookup",
+       note="the X-Conversation-Id values whose resumable streams to describe; an id also matches its id::model variants; "
+            "ids that are not non-empty strings are skipped"),
+    _f("id", STRING, scope="control", required=True, note="the id streamed back by /v1/chat/completions (chatcmpl-...)"),
+    _f("action", {"enum": ["reasoning_end"]}, scope="control", required=True,
+       note="reasoning_end: close the reasoning block now (needs reasoning_control: true on the completion)"),
+    _f("model", STRING, scope="control", note="router mode only in llama-server; ignored here (one model)"),
     _f("filename", STRING, scope="slots", note="save and restore: a file name inside --slot-save-path (no path separator, no ..)"),
     RequestField("previous_response_id", STRING, scope="responses", status="unsupported", note="400: nothing is stored (llama-server does the same)"),
 )

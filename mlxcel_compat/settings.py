@@ -380,6 +380,10 @@ _SERVER: tuple[Setting, ...] = (
             help="Continuous batching: admit new requests while others are decoding."),
     Setting("sse_ping_interval", ("--sse-ping-interval",), ("LLAMA_ARG_SSE_PING_INTERVAL",), type="int",
             default=30, minimum=-1, help="Seconds of silence before an SSE keep-alive comment (-1 = never)."),
+    Setting("stream_buffer_bytes", ("--stream-buffer-bytes",), type="int", default=4 * 1024 * 1024, minimum=1024,
+            upstream=False, metavar="BYTES",
+            help="Bytes each resumable stream (X-Conversation-Id) keeps for a reader that reconnects; "
+                 "older bytes are dropped first (llama-server's fixed 4 MiB)."),
     Setting("metrics", ("--metrics",), ("LLAMA_ARG_ENDPOINT_METRICS",), type="bool", default=False,
             help="Enable the Prometheus /metrics endpoint."),
     Setting("slots", ("--slots",), ("LLAMA_ARG_ENDPOINT_SLOTS",), type="bool", default=True,

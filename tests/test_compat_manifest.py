@@ -75,7 +75,7 @@ SUPPORTED_ROUTES = [
     ("GET", "/models"), ("GET", "/v1/models"), ("POST", "/completion"), ("POST", "/completions"), ("POST", "/infill"),
     ("POST", "/v1/completions"), ("POST", "/chat/completions"), ("POST", "/v1/chat/completions"),
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template"), ("GET", "/slots"),
-    ("POST", "/v1/cache/reset"), ("GET", "/v1/cache/stats"), ("GET", "/openapi.json"), ("GET", "/"), ("GET", "/index.html"),
+    ("POST", "/v1/cache/reset"), ("GET", "/v1/cache/stats"), ("GET", "/v1/cache/misses"), ("GET", "/openapi.json"), ("GET", "/"), ("GET", "/index.html"),
     ("GET", "/ui/{file}"), ("GET", "/ui/vendor/{file}"),
     ("POST", "/slots/{id_slot}"), ("GET", "/lora-adapters"), ("POST", "/lora-adapters"),
     ("GET", "/tools"), ("POST", "/tools"), ("GET", "/cors-proxy"), ("POST", "/cors-proxy"), ("POST", "/predict"),
@@ -85,13 +85,13 @@ SUPPORTED_ROUTES = [
     ("GET", "/get_load"), ("GET", "/get_server_info"), ("GET", "/get_model_info"), ("POST", "/flush_cache"),
     ("POST", "/embedding"), ("POST", "/embeddings"), ("POST", "/v1/embeddings"),
     ("POST", "/rerank"), ("POST", "/reranking"), ("POST", "/v1/rerank"), ("POST", "/v1/reranking"),
+    ("POST", "/v1/chat/completions/control"), ("GET", "/v1/stream"), ("DELETE", "/v1/stream"), ("POST", "/v1/streams/lookup"),
 ]
 
 # Every other route of llama-server-api.md §2 (single-model and router mode).
 UPSTREAM_ROUTES = [
-    ("POST", "/v1/chat/completions/control"),
     ("POST", "/v1/audio/transcriptions"), ("POST", "/audio/transcriptions"),
-    ("GET", "/v1/stream"), ("DELETE", "/v1/stream"), ("POST", "/v1/streams/lookup"), ("POST", "/models"), ("POST", "/models/load"), ("POST", "/models/unload"),
+    ("POST", "/models"), ("POST", "/models/load"), ("POST", "/models/unload"),
     ("GET", "/models/sse"), ("DELETE", "/models"),
 ]
 
@@ -124,14 +124,14 @@ message_delimiters
 """.split()
 
 NOT_SUPPORTED = """
-backend_sampling reasoning_control
+backend_sampling
 """.split()
 
 # Accepted-and-ignored (or refused) before issues 12 and 13; now acted on as llama-server does.
 NOW_SUPPORTED = """
 mirostat mirostat_tau mirostat_eta n_indent t_max_predict_ms reasoning_budget_tokens reasoning_budget_start_tag
 reasoning_budget_end_tag reasoning_budget_message grammar json_schema grammar_lazy grammar_triggers preserved_tokens
-adaptive_target adaptive_decay
+adaptive_target adaptive_decay reasoning_control
 """.split()
 
 

@@ -46,6 +46,7 @@ The store is not thread-safe: the engine thread owns it.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -53,9 +54,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
+from mlxcel_compat.cache.explain import Departure
 from mlxcel_compat.cache.key import Bucket, prompt_digest
 from mlxcel_compat.cache.radix import RadixTrie
 from mlxcel_compat.cache.records import CacheEntry, CacheHit, InsertResult, LookupResult, StoreCounters, Turndown
+
+DEPARTURES_KEPT = 64  # evicted or expired entries remembered to explain a miss
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +115,9 @@ class EntryStore:
         # Called with each newly stored entry, once the caps hold: with --prompt-cache-write-through
         # the disk tier writes it at once, so that other servers sharing the directory can use it.
         self.on_insert: Callable[[CacheEntry], None] | None = None
+        # The last entries evicted or expired, kept (tokens, bucket, when, why) so that a miss
+        # they would have served can say so (``cache_explain``, ``cache/explain.py``).
+        self.departed: collections.deque[Departure] = collections.deque(maxlen=DEPARTURES_KEPT)
 
     # --- public API ---
 
@@ -345,6 +352,7 @@ class EntryStore:
         for entry in gone:
             self._remove_entry(entry)
             self.counters.evictions["ttl"] += 1
+            self.departed.append(Departure(entry.bucket, entry.session_key, entry.tokens, time.time(), "ttl"))
             expired.append(entry.id)
         return expired
 
@@ -363,6 +371,7 @@ class EntryStore:
                 oldest = next((e for e in others if not e.pinned), others[0])
             self._remove_entry(oldest)
             self.counters.evictions["lru"] += 1  # byte-budget evictions fold into lru
+            self.departed.append(Departure(oldest.bucket, oldest.session_key, oldest.tokens, time.time(), "lru"))
             evicted.append(oldest.id)
             if self.on_evict is not None:
                 self.on_evict(oldest)

@@ -82,10 +82,14 @@ def make_sequence(engine: SequenceHost, request: GenerationRequest, sink: Sink, 
     cache = engine.prefix_cache
     if request.is_child:
         return seq
+    if request.cache.explain:  # cache_explain: filled in below where the prompt cache is looked up
+        seq.stats.cache_explain = {"tokens_reused": 0, "prompt_tokens": seq.n_prompt, "outcome": "miss", "reason": "cache_off"}
     if cache is not None and cache.config.enabled:
         if not request.cache.enabled:
             return seq
         cache.adopt(seq)
+        if request.cache.explain:
+            seq.stats.cache_explain = cache.explain(seq)
         boundary = request.cache.history_boundary
         if cache.boundary_snapshots and boundary is not None and len(seq.cache_tokens) < boundary <= seq.n_prompt - 1:
             seq.boundary = boundary

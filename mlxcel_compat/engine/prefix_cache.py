@@ -17,8 +17,10 @@ The settings and budget defaults are ``prefix_cache_config.py``'s, the admin rep
 
 from __future__ import annotations
 
+import collections
 import gc
 import logging
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +31,7 @@ from mlxcel_compat.runtime.backend import release_free_memory
 from mlxcel_compat.cache import kv, kv_io
 from mlxcel_compat.cache.block_hash import ApcConfig
 from mlxcel_compat.cache.disk_format import Compat
+from mlxcel_compat.cache.explain import explain_lookup
 from mlxcel_compat.cache.key import PIN_SESSION, TEXT_ONLY_MM_DIGEST, Bucket
 from mlxcel_compat.cache.media import first_media_token
 from mlxcel_compat.cache.prompt_store import PromptCacheStore
@@ -54,6 +57,7 @@ FLUSH_TIMEOUT_SECONDS = 20.0  # a clean shutdown writes RAM entries to the disk 
 # needs no forward pass, ``PrefixCache._final_logits``) when they cost at most this share of its
 # KV bytes: 32 KiB of logits against 25 MiB of KV for a 1K-token prompt of the small llama.
 FINAL_LOGITS_MAX_SHARE = 1 / 16
+RECENT_MISSES = 256  # misses GET /v1/cache/misses lists (reasons and sizes only)
 
 
 class PrefixCache:
@@ -109,6 +113,8 @@ class PrefixCache:
         if config.disk_write_through and self.disk is None:
             log.warning("--prompt-cache-write-through is ignored: there is no disk tier (--prompt-cache-dir)")
         self.last_stats: dict[str, Any] = self.stats()
+        # The latest misses, newest last: reasons and sizes, never tokens (GET /v1/cache/misses).
+        self.misses: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_MISSES)
 
     def _make_disk(self, engine: "Engine", config: PrefixCacheConfig, apc: ApcConfig | None) -> DiskTier:
         """The disk tier: entries the RAM stores evict are written there and read back on a miss."""
@@ -259,6 +265,8 @@ class PrefixCache:
         result = self._lookup(seq)
         hit = result.hit
         if hit is None:
+            self.misses.append({"at": round(time.time(), 3), "task_id": seq.request.task_id, "reason": result.reason,
+                                "why": result.detail, "prompt_tokens": seq.n_prompt})
             self._trace_lookup(seq, result)
             self._refresh()
             return 0
@@ -517,6 +525,35 @@ class PrefixCache:
     def _refresh(self) -> None:
         # A snapshot for readers on other threads (/metrics): replaced whole, never mutated.
         self.last_stats = self.stats()
+
+    def explain(self, seq: "Sequence") -> dict[str, Any]:
+        """``cache_explain``: why ``seq`` reused what it did (``cache/explain.py``), after
+        :meth:`adopt`. The lookup is asked again without counting it; the explained reason of a
+        miss is added to its record in :attr:`misses`. It reads every entry of the request's
+        namespace (the lookup reads one bucket's trie), which is why it is asked for, not always."""
+        adopted = seq.stats.n_cached
+        bucket, session = self.bucket(seq), seq.request.cache.session_key
+        if self.snapshots is not None:  # session snapshots: restored by session, never across sessions
+            if adopted:
+                return {"outcome": "hit", "reason": "hit", "tokens_reused": adopted, "prompt_tokens": seq.n_prompt}
+            snap = self.snapshots.store
+            return explain_lookup(bucket, session, seq.prompt, LookupResult(hit=None, reason="no_candidate"), 0, snap.entries(),
+                                  snap.departed, snap.min_prefix, sessions_shared=False)
+        spans = seq.request.media.spans if seq.request.media is not None else ()
+        result = self.store.lookup(bucket, session, seq.prompt, record=False, spans=spans)
+        if adopted == 0:
+            result.hit = None  # an adoption that failed is a miss whatever the store holds
+        out = explain_lookup(bucket, session, seq.prompt, result, adopted, self.store.entries(), self.store.departed,
+                             self.store.min_prefix, media_start=spans[0][0] if spans else None)
+        if out["outcome"] == "miss" and self.misses and self.misses[-1]["task_id"] == seq.request.task_id:
+            self.misses[-1]["explained"] = out["reason"]
+        return out
+
+    def recent_misses(self) -> dict[str, Any]:
+        """``GET /v1/cache/misses``: the latest misses, newest first, and their count by reason."""
+        listed = [{k: v for k, v in m.items() if k != "task_id"} for m in reversed(self.misses)]
+        by_reason = collections.Counter(m.get("explained") or m["reason"] for m in self.misses)
+        return {"misses": listed, "by_reason": dict(by_reason)}
 
     def _trace_lookup(self, seq: "Sequence", result: LookupResult, failed: bool = False) -> None:
         """``MLXCEL_APC_TRACE=1``: one INFO line per lookup decision (no tokens, no session)."""

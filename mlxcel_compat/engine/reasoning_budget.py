@@ -7,11 +7,16 @@ it, token by token:
                            |  \\--budget spent mid UTF-8 character--> WAITING_UTF8 --> FORCING
                            \\--end tag (the model closed the block itself)--> DONE
     DONE --start tag--> COUNTING (a new block gets a fresh budget)
+    COUNTING --force() (POST /v1/chat/completions/control, reasoning_end)--> FORCING
 
 While FORCING, the only token allowed is the next one of ``forced`` (the optional
 ``reasoning_budget_message`` followed by the end tag): the sequence masks every other logit to
 -inf before its sampler chain runs. A prompt that already opens the block (a template that
 starts thinking for the model) starts in COUNTING. Pure Python: the engine applies the mask.
+
+``reasoning_control: true`` arms the same machine with no budget (``control``): the block runs
+until the model closes it, or until :meth:`ReasoningBudget.force` ends it on request, as
+llama.cpp's ``common_reasoning_budget_force`` does.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 IDLE, COUNTING, WAITING_UTF8, FORCING, DONE = "idle", "counting", "waiting_utf8", "forcing", "done"
+IN_FLIGHT_STEPS = 2  # decode steps sampled ahead of the engine's commands at most (pipelining, a batch)
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class ReasoningBudgetSpec:
     end: tuple[int, ...]  # the end tag's tokens ("</think>")
     forced: tuple[int, ...]  # reasoning_budget_message + end tag, forced when the budget is spent
     open_at_start: bool = False  # the prompt ends inside an open thinking block
+    control: bool = False  # reasoning_control: the block may be ended on request (force)
 
 
 def opens_block(prompt: Sequence[int], start: Sequence[int], end: Sequence[int]) -> bool:
@@ -81,6 +88,7 @@ class ReasoningBudget:
         self.state = IDLE
         self.remaining = spec.budget
         self._force_pos = 0
+        self._in_flight = 0  # tokens a force() on request may still see sampled before it
         if spec.open_at_start:
             self._open()
 
@@ -112,9 +120,24 @@ class ReasoningBudget:
                         self.state = WAITING_UTF8
                         self._end.reset()
         elif state == FORCING:
+            if self._in_flight and token != self.spec.forced[self._force_pos]:
+                # Sampled before a force() on request took effect (a pipelined step already in
+                # flight): not part of the forced sequence.
+                self._in_flight -= 1
+                return
+            self._in_flight = 0
             self._force_pos += 1
             if self._force_pos >= len(self.spec.forced):
                 self.state = DONE
+
+    def force(self) -> bool:
+        """End the open block now (llama.cpp's ``common_reasoning_budget_force``): only a block
+        being counted is forced; in any other state nothing changes. Whether it was forced."""
+        if self.state != COUNTING:
+            return False
+        self._force()
+        self._in_flight = IN_FLIGHT_STEPS
+        return True
 
     def _open(self) -> None:
         self.state = COUNTING
@@ -126,3 +149,17 @@ class ReasoningBudget:
         self.state = FORCING if self.spec.forced else DONE
         self._force_pos = 0
         self._end.reset()
+
+
+def end_reasoning(slots: Sequence[object], task_ids: Sequence[int]) -> int:
+    """On the engine thread: force the end of the reasoning block of the running sequences of
+    ``task_ids`` that armed ``reasoning_control``; how many were forced. A sequence still waiting
+    for a slot has no block to end (llama-server answers the same)."""
+    forced = 0
+    wanted = set(task_ids)
+    for slot in slots:
+        seq = getattr(slot, "sequence", None)
+        budget = getattr(seq, "budget", None)
+        if seq is not None and seq.request.task_id in wanted and budget is not None and budget.spec.control:
+            forced += budget.force()
+    return forced

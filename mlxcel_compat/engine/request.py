@@ -39,6 +39,8 @@ class CacheContext:
     history_boundary: int | None = None
     # Explicit cache breakpoints (``cache_control``): (token position, pin seconds), ascending.
     breakpoints: list[tuple[int, float]] = field(default_factory=list)
+    # cache_explain (or X-Cache-Explain: 1): the finish event says why the cache reused what it did.
+    explain: bool = False
 
 
 @dataclass
@@ -145,6 +147,8 @@ class FinishEvent:
     n_draft_accepted: int = 0  # ... accepted by the model (timings draft_n_accepted)
     n_draft_rounds: int = 0  # ... verification passes
     accepted_per_pos: tuple[int, ...] = ()  # rounds whose draft was accepted at least up to position i
+    # cache_explain: why the prompt cache reused what it did (cache/explain.py; token ids in its windows)
+    cache_explain: dict[str, Any] | None = None
 
 
 @dataclass

@@ -27,6 +27,7 @@ class SequenceStats:
     t_start: float = field(default_factory=time.perf_counter)
     t_prompt_done: float | None = None
     t_end: float | None = None
+    cache_explain: dict[str, Any] | None = None  # cache_explain: why the prompt cache reused what it did
 
     def token_event(self, token: int, n_decoded: int, id_slot: int, n_prompt: int) -> TokenEvent:
         """The event of a generated token, as of now; its text is the text stream's to fill in."""
@@ -73,6 +74,7 @@ class SequenceStats:
             n_draft_accepted=self.n_draft_accepted,
             n_draft_rounds=self.n_draft_rounds,
             accepted_per_pos=tuple(self.accepted_per_pos),
+            cache_explain=self.cache_explain,
         )
 
 

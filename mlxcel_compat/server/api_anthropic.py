@@ -22,6 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, TokenEvent
+from mlxcel_compat.server import cache_explain
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.errors import ApiError, InvalidRequest, ServerError, json_response
@@ -42,7 +43,7 @@ from mlxcel_compat.server.pipeline import (
 
 DEFAULT_MAX_TOKENS = 4096  # max_tokens is required by Anthropic; llama-server defaults it to this
 # Request fields that mean the same in both APIs, plus llama-server extras it passes through.
-PASSTHROUGH = ("temperature", "top_p", "top_k", "stream", "chat_template_kwargs", "cache_prompt")
+PASSTHROUGH = ("temperature", "top_p", "top_k", "stream", "chat_template_kwargs", "cache_prompt", "cache_explain")
 STOP_REASONS = {"eos": "end_turn", "word": "stop_sequence", "limit": "max_tokens", "none": "end_turn"}
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -335,7 +336,7 @@ async def messages(request: Request) -> Response:
     body = await read_json(request)
     job = await prepare_chat(ctx, request, to_chat_body(body))
     if job.opts.stream:
-        return sse_response(_stream(ctx, job), job.opts)
+        return sse_response(_stream(ctx, job), job.opts, request)
     res = (await collect(ctx, request, job.requests))[0]
     fin = res.finish
     assert fin is not None
@@ -346,7 +347,11 @@ async def messages(request: Request) -> Response:
     warm_up(ctx, job, blocks.assistant_message())
     reason, stop_sequence = stop_reason(fin, bool(blocks.calls()))
     usage = usage_json(fin.n_prompt, fin.n_cached, fin.n_cache_written, fin.n_decoded)
-    return json_response(message_body(message_id(), ctx.model.model_id, blocks.content, reason, stop_sequence, usage))
+    body = message_body(message_id(), ctx.model.model_id, blocks.content, reason, stop_sequence, usage)
+    explained = cache_explain.render(fin.cache_explain, ctx.model.tokenizer)
+    if explained is not None:  # "cache_explain": true (or X-Cache-Explain: 1)
+        body["cache_explain"] = explained
+    return json_response(body)
 
 
 class ContentBlocks:
@@ -473,7 +478,11 @@ async def _stream(ctx: ServerContext, job: ChatJob) -> AsyncIterator[bytes]:
             warm_up(ctx, job, blocks.assistant_message())
             reason, stop_sequence = stop_reason(event, bool(blocks.calls()))
             usage = usage_json(event.n_prompt, event.n_cached, event.n_cache_written, event.n_decoded)
-            yield sse_event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_sequence}, "usage": usage})
+            delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_sequence}, "usage": usage}
+            explained = cache_explain.render(event.cache_explain, m.tokenizer)
+            if explained is not None:
+                delta["cache_explain"] = explained
+            yield sse_event(delta)
             yield sse_event({"type": "message_stop"})
 
 

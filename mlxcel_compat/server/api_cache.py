@@ -47,7 +47,18 @@ async def cache_reset(request: Request) -> Response:
     return json_response(await ctx.client.call(functools.partial(cache.reset, tier)))
 
 
+async def cache_misses(request: Request) -> Response:
+    """The latest prompt-cache misses, newest first (reasons and sizes; never tokens or text),
+    and their count by reason: the store's reason, or the explained one where the request asked
+    for ``cache_explain``."""
+    cache = ctx_of(request).engine.prefix_cache
+    if cache is None:
+        return json_response({"enabled": False, "misses": [], "by_reason": {}})
+    return json_response({"enabled": cache.config.enabled, **await ctx_of(request).client.call(cache.recent_misses)})
+
+
 ROUTES = [
+    Route("/v1/cache/misses", cache_misses, methods=["GET"]),
     Route("/v1/cache/stats", cache_stats, methods=["GET"]),
     Route("/v1/cache/reset", cache_reset, methods=["POST"]),
     Route("/flush_cache", cache_reset, methods=["POST"]),
@@ -69,6 +80,15 @@ OPERATIONS = {
             "type": "object",
             "properties": {"enabled": {"type": "boolean"}, "entries": {"type": "integer"}, "bytes": {"type": "integer"}, "capacity_bytes": {"type": "integer"}, "isolation": {"enum": ["none", "salt", "api-key"]}},
             "required": ["enabled", "entries", "bytes", "capacity_bytes", "isolation"],
+        },
+    ),
+    ("GET", "/v1/cache/misses"): Operation(
+        "The latest prompt-cache misses and their count by reason (docs/prompt-cache.md, \"Why did my request miss?\")",
+        ok={
+            "type": "object",
+            "properties": {"enabled": {"type": "boolean"}, "misses": {"type": "array", "items": {"type": "object"}},
+                           "by_reason": {"type": "object", "additionalProperties": {"type": "integer"}}},
+            "required": ["enabled", "misses", "by_reason"],
         },
     ),
     ("POST", "/v1/cache/reset"): RESET,

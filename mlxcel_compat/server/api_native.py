@@ -15,6 +15,7 @@ from starlette.routing import Route
 
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, ProgressEvent, TokenEvent
 from mlxcel_compat.engine.textstream import token_bytes
+from mlxcel_compat.server import cache_explain
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.errors import ApiError, InvalidRequest, NotSupported, event_error, json_response
@@ -48,7 +49,7 @@ async def completion(request: Request) -> Response:
 async def _answer(ctx: ServerContext, request: Request, job: CompletionJob) -> Response:
     opts = job.opts
     if opts.stream:
-        return sse_response(_stream(ctx, job.requests, opts), opts)
+        return sse_response(_stream(ctx, job.requests, opts), opts, request)
     results = await collect(ctx, request, job.requests)
     m = ctx.model
 
@@ -58,10 +59,17 @@ async def _answer(ctx: ServerContext, request: Request, job: CompletionJob) -> R
             body = fmt.native_final(
                 res, m.model_id, prompt_text(ctx, res.request.prompt_tokens), False, opts.return_tokens, opts.n_keep, True, m.eog_ids, timings_per_token=opts.timings_per_token
             )
+            _add_explain(body, res, m.tokenizer)
             bodies.append(fmt.filter_fields(body, opts.response_fields) if opts.response_fields else body)
         return bodies if (job.multi or len(bodies) > 1) else bodies[0]
 
     return await respond(ctx, build)
+
+
+def _add_explain(body: dict[str, Any], res: fmt.Result, tokenizer: Any) -> None:
+    explained = cache_explain.render(res.finish.cache_explain if res.finish else None, tokenizer)
+    if explained is not None:
+        body["cache_explain"] = explained
 
 
 async def _stream(ctx: ServerContext, requests: list[GenerationRequest], opts: CompletionOptions) -> AsyncIterator[bytes]:
@@ -83,6 +91,7 @@ async def _stream(ctx: ServerContext, requests: list[GenerationRequest], opts: C
                 body = fmt.native_final(
                     res, m.model_id, prompt_text(ctx, res.request.prompt_tokens), True, False, opts.n_keep, False, m.eog_ids, timings_per_token=opts.timings_per_token
                 )
+                _add_explain(body, res, m.tokenizer)
                 # As in llama-server, text still held back at the end (a partial stop string, an
                 # unfinished character) is not streamed; non-streamed responses include it.
                 yield fmt.sse(fmt.filter_fields(body, opts.response_fields) if opts.response_fields else body)

@@ -14,6 +14,7 @@ from starlette.routing import Route
 
 from mlxcel_compat.chat.stream_splitter import ReplyStream
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequest, ProgressEvent, TokenEvent
+from mlxcel_compat.server import cache_explain
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.errors import InvalidRequest, event_error, json_response
@@ -70,6 +71,14 @@ def add_verbose(ctx: ServerContext, data: dict[str, Any], body: dict[str, Any], 
     if data.get("verbose") is True or (data.get("verbose") is None and ctx.settings.verbose):
         m = ctx.model
         body["__verbose"] = fmt.native_final(result, m.model_id, prompt_text(ctx, result.request.prompt_tokens), False, False, 0, True, m.eog_ids)
+    return body
+
+
+def with_explain(ctx: ServerContext, body: dict[str, Any], results: list[fmt.Result]) -> dict[str, Any]:
+    """``cache_explain`` asked for: why the prompt cache reused what it did, in the body."""
+    explained = cache_explain.of_results(results, ctx.model.tokenizer)
+    if explained is not None:
+        body["cache_explain"] = explained
     return body
 
 
@@ -179,10 +188,10 @@ async def completions(request: Request) -> Response:
     data = await read_json(request)
     job = await prepare_completion(ctx, request, data, response_format=True)
     if job.opts.stream:
-        return sse_response(_stream_completion(ctx, job.requests, job.opts), job.opts)
+        return sse_response(_stream_completion(ctx, job.requests, job.opts), job.opts, request)
     results = await collect(ctx, request, job.requests)
     cid, created = completion_id(), fmt.now()
-    return await respond(ctx, lambda: add_verbose(ctx, data, completion_body(results, ctx.model.model_id, cid, created), results[0]))
+    return await respond(ctx, lambda: add_verbose(ctx, data, with_explain(ctx, completion_body(results, ctx.model.model_id, cid, created), results), results[0]))
 
 
 async def _stream_completion(ctx: ServerContext, requests: list[GenerationRequest], opts: CompletionOptions) -> AsyncIterator[bytes]:
@@ -216,6 +225,7 @@ async def _stream_completion(ctx: ServerContext, requests: list[GenerationReques
             if remaining == 0:
                 final["usage"] = usage_json(results)
                 final["timings"] = fmt.timings_json(event)
+                with_explain(ctx, final, results)
             yield fmt.sse(final)
         elif isinstance(event, ErrorEvent):
             yield fmt.sse(event_error(event).to_json())
@@ -233,7 +243,7 @@ async def chat_completions(request: Request) -> Response:
     if job.opts.stream:
         splitters = [reply_splitter(ctx, job) for _ in job.requests]
         on_reply = lambda msg: warm_up(ctx, job, msg)  # noqa: E731
-        return sse_response(_stream_chat(ctx, job, splitters, on_reply), job.opts)
+        return sse_response(_stream_chat(ctx, job, splitters, on_reply), job.opts, request)
     results = await collect(ctx, request, job.requests)
     cid, created = completion_id(), fmt.now()
 
@@ -250,7 +260,7 @@ async def chat_completions(request: Request) -> Response:
                 choice["logprobs"] = {"content": res.probs}
             choices.append(choice)
         warm_up(ctx, job, choices[0]["message"])
-        return add_verbose(ctx, data, chat_body(choices, results, ctx.model.model_id, cid, created), results[0])
+        return add_verbose(ctx, data, with_explain(ctx, chat_body(choices, results, ctx.model.model_id, cid, created), results), results[0])
 
     return await respond(ctx, build)
 
@@ -262,11 +272,25 @@ async def _stream_chat(
     on_reply: Callable[[dict[str, Any]], None],
 ) -> AsyncIterator[bytes]:
     """OpenAI chat chunks: reasoning, content and tool-call deltas as the reply streams (a call's name
-    first, then its arguments in pieces)."""
+    first, then its arguments in pieces). While it runs, ``POST /v1/chat/completions/control``
+    finds its sequences by the id its chunks carry."""
+    cid, created = completion_id(), fmt.now()
+    with ctx.completions.register(cid, job.requests):
+        async for chunk in _chat_chunks(ctx, job, splitters, on_reply, cid, created):
+            yield chunk
+
+
+async def _chat_chunks(
+    ctx: ServerContext,
+    job: ChatJob,
+    splitters: list[ReplyStream],
+    on_reply: Callable[[dict[str, Any]], None],
+    cid: str,
+    created: int,
+) -> AsyncIterator[bytes]:
     m = ctx.model
     requests = job.requests
     rebuilt = [{"content": "", "reasoning_content": ""} for _ in requests]  # what the client will hold
-    cid, created = completion_id(), fmt.now()
     results = [fmt.Result(index=r.index, request=r) for r in requests]
     started: set[int] = set()
     last_finish: FinishEvent | None = None
@@ -313,6 +337,7 @@ async def _stream_chat(
             final = chat_chunk({}, i, m.model_id, cid, created, finish_reason(event, bool(tool_calls)))
             if remaining == 0 and not job.opts.include_usage:
                 final["timings"] = fmt.timings_json(event)
+                with_explain(ctx, final, results)
             yield fmt.sse(final)
         elif isinstance(event, ErrorEvent):
             yield fmt.sse(event_error(event).to_json())
@@ -329,7 +354,7 @@ async def _stream_chat(
         }
         if last_finish is not None:
             usage_chunk["timings"] = fmt.timings_json(last_finish)
-        yield fmt.sse(usage_chunk)
+        yield fmt.sse(with_explain(ctx, usage_chunk, results))  # cache_explain beside the usage it explains
     yield fmt.SSE_DONE
 
 

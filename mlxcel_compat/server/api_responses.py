@@ -289,7 +289,7 @@ async def responses(request: Request) -> Response:
     body = await read_json(request)
     job = await prepare_chat(ctx, request, to_chat_body(body))
     if job.opts.stream:
-        return sse_response(_stream(ctx, job, body), job.opts)
+        return sse_response(_stream(ctx, job, body), job.opts, request)
     res = (await collect(ctx, request, job.requests))[0]
     fin = res.finish
     assert fin is not None

@@ -29,6 +29,7 @@ from mlxcel_compat.engine.core import Engine
 from mlxcel_compat.server import (
     api_anthropic,
     api_cache,
+    api_control,
     api_embeddings,
     api_lora,
     api_native,
@@ -38,6 +39,7 @@ from mlxcel_compat.server import (
     api_router,
     api_slots,
     api_status,
+    api_streams,
     api_vertex,
     api_tools,
     api_web,
@@ -66,7 +68,7 @@ def is_public(path: str) -> bool:
     return path in PUBLIC_PATHS or path.startswith(api_web.PUBLIC_PREFIXES)
 
 
-API_MODULES = (api_status, api_router, api_native, api_openai, api_embeddings, api_rerank, api_anthropic, api_responses, api_cache, api_slots, api_lora, api_web, api_tools, openapi)
+API_MODULES = (api_status, api_router, api_native, api_openai, api_embeddings, api_rerank, api_anthropic, api_responses, api_cache, api_slots, api_lora, api_web, api_tools, api_streams, api_control, openapi)
 ERROR_SHAPES: dict[str, ErrorShape] = {path: shape for m in API_MODULES for path, shape in getattr(m, "ERROR_SHAPES", {}).items()}
 
 
@@ -395,6 +397,7 @@ def build_app(ctx: ServerContext) -> Starlette:
             if mcp is not None:
                 await asyncio.to_thread(mcp.close)
             waiter.cancel()
+            ctx.streams.close_all()  # resumable streams' generations stop, their readers end
             ctx.engine.stop()
             ctx.workers.close()
 

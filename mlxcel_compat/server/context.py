@@ -19,7 +19,9 @@ from mlxcel_compat.engine.core import Engine
 from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest
 from mlxcel_compat.tokenizer.fim import FimTokens
 from mlxcel_compat.lora.adapters import AdapterSet
+from mlxcel_compat.server.controls import RunningCompletions
 from mlxcel_compat.server.prompts import PromptBound
+from mlxcel_compat.server.streams import StreamSessions
 from mlxcel_compat.server.workers import WorkerPool, pool_size
 
 
@@ -68,8 +70,11 @@ class ServerContext:
     structured: Any = None  # server.structured.StructuredOutput: grammars, schemas, tool calls
     adapters: AdapterSet = field(default_factory=AdapterSet)  # LoRA adapters and their global scales
     media: Any = None  # server.media.ImageInput when the served model takes images or audio, else None
+    streams: StreamSessions = field(default_factory=StreamSessions)  # resumable streams (X-Conversation-Id)
+    completions: RunningCompletions = field(default_factory=RunningCompletions)  # streamed chats, for /control
 
     def __post_init__(self) -> None:
+        self.streams.max_bytes = getattr(self.settings, "stream_buffer_bytes", self.streams.max_bytes)
         self.client = EngineClient(self.engine)
         self.workers = WorkerPool(pool_size(self.settings.threads_http))
 

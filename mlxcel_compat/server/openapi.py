@@ -77,6 +77,7 @@ class Operation:
     query: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # query parameters and their schemas
     path: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # path parameters and their schemas
     error: Mapping[str, Any] = field(default_factory=lambda: ERROR_REF)  # schema of its error bodies
+    ok_status: int = 200  # the success status (204: no body)
 
 
 def served_routes(routes: Iterable[Any], prefix: str = "") -> list[tuple[str, str]]:
@@ -147,7 +148,7 @@ def build_document(
                 ok_content[media] = {"schema": dict(op.ok or {})}
             else:
                 ok_content[media] = {"schema": SSE_EVENT if media == SSE else {"type": "string"}}
-        responses: dict[str, Any] = {"200": _response("success", ok_content)}
+        responses: dict[str, Any] = {str(op.ok_status): _response("success", ok_content)}
         for status in sorted(statuses):
             responses[str(status)] = _response(STATUS_TEXT[status], {JSON: {"schema": dict(op.error)}})
         entry: dict[str, Any] = {

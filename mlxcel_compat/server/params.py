@@ -210,7 +210,8 @@ def parse_completion_options(
         return_progress=b.bool("return_progress", False),
         id_slot=id_slot if isinstance(id_slot, int) and not isinstance(id_slot, bool) else -1,
         cache=CacheContext(enabled=cache_prompt_flag(data, settings.cache_prompt),
-                           lora_id=adapters.lora_id(lora) if adapters is not None else ""),
+                           lora_id=adapters.lora_id(lora) if adapters is not None else "",
+                           explain=b.bool("cache_explain", False)),
         lora=lora,
         t_max_predict_ms=b.int("t_max_predict_ms", -1, -1, None),
         n_indent=b.int("n_indent", 0, 0, None),
@@ -234,6 +235,7 @@ def parse_completion_options(
 
 
 THINK_START_TAG = "<think>"
+UNLIMITED_BUDGET = 2**31 - 1  # reasoning_control without a budget: the block ends by the model or on request
 THINK_END_TAG = "</think>"
 
 
@@ -251,16 +253,19 @@ def parse_reasoning_budget(b: Body, settings: Any, tokenize: Callable[[str], lis
 
     The tags default to ``<think>``/``</think>``; the forced text is ``reasoning_budget_message``
     (default ``--reasoning-budget-message``) followed by the end tag. Whether the prompt already
-    opens a block is decided per prompt (``pipeline.expand``).
+    opens a block is decided per prompt (``pipeline.expand``). ``reasoning_control: true`` arms
+    the budget without a limit, so that ``/v1/chat/completions/control`` can end the block.
     """
     budget = b.int(("reasoning_budget_tokens", "thinking_budget_tokens"), settings.reasoning_budget, -1, None)
     start = _str_field(b, "reasoning_budget_start_tag", THINK_START_TAG)
     end = _str_field(b, "reasoning_budget_end_tag", THINK_END_TAG)
     message = _str_field(b, "reasoning_budget_message", settings.reasoning_budget_message or "")
-    if budget < 0 or not end:
+    control = b.bool("reasoning_control", False)
+    if (budget < 0 and not control) or not end:
         return None
     return ReasoningBudgetSpec(
-        budget=budget, start=tuple(tokenize(start)) if start else (), end=tuple(tokenize(end)), forced=tuple(tokenize(message + end))
+        budget=budget if budget >= 0 else UNLIMITED_BUDGET, start=tuple(tokenize(start)) if start else (),
+        end=tuple(tokenize(end)), forced=tuple(tokenize(message + end)), control=control,
     )
 
 

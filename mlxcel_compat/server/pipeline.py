@@ -39,12 +39,14 @@ from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, GenerationRequ
 from mlxcel_compat.vision.inputs import MediaInput
 from mlxcel_compat.engine.sampling.dry import dry_sequence_breakers
 from mlxcel_compat.engine.sampling.infill_pieces import piece_index
+from mlxcel_compat.server import cache_explain
 from mlxcel_compat.server import formats as fmt
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.cache_hooks import find_breakpoints
 from mlxcel_compat.server.errors import ContextExceeded, InvalidRequest, ServerError, event_error, json_response
 from mlxcel_compat.server.params import CompletionOptions, parse_completion_options
 from mlxcel_compat.server.prompts import tokenize_prompts
+from mlxcel_compat.server.streams import CONVERSATION_HEADER
 from mlxcel_compat.settings import default_template_kwargs
 
 SSE_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
@@ -189,7 +191,9 @@ async def prepare_completion(
 ) -> CompletionJob:
     """``prompt`` (llama-server's shapes) and the options, tokenized on a worker thread;
     ``response_format`` is read on ``/v1/completions`` only."""
-    return await ctx.workers.run(build_completion_job, ctx, data, header_session(request), api_key_id(request), response_format)
+    job = await ctx.workers.run(build_completion_job, ctx, data, header_session(request), api_key_id(request), response_format)
+    explain_on_header(request, job.requests)
+    return job
 
 
 def build_completion_job(
@@ -299,7 +303,16 @@ async def prepare_chat(ctx: ServerContext, request: Request, data: Mapping[str, 
     ``response_format``, ``tool_choice`` with ``tools``, ``parallel_tool_calls``) become the
     requests' constraint (``server/structured.py``).
     """
-    return await ctx.workers.run(build_chat_job, ctx, data, header_session(request), api_key_id(request))
+    job = await ctx.workers.run(build_chat_job, ctx, data, header_session(request), api_key_id(request))
+    explain_on_header(request, job.requests)
+    return job
+
+
+def explain_on_header(request: Request, requests: list[GenerationRequest]) -> None:
+    """``X-Cache-Explain: 1`` asks for ``cache_explain`` as the body field does."""
+    if cache_explain.wanted(request):
+        for req in requests:
+            req.cache.explain = True
 
 
 def build_chat_job(ctx: ServerContext, data: Mapping[str, Any], session: str | None, key_id: str | None) -> ChatJob:
@@ -519,6 +532,16 @@ async def with_keepalive(chunks: AsyncIterator[bytes], interval: int) -> AsyncIt
         await source.aclose()
 
 
-def sse_response(chunks: AsyncIterator[bytes], opts: CompletionOptions) -> StreamingResponse:
-    """An SSE stream with llama-server's headers and the request's keep-alive interval."""
-    return StreamingResponse(with_keepalive(chunks, opts.sse_ping_interval), media_type="text/event-stream", headers=SSE_HEADERS)
+def sse_response(chunks: AsyncIterator[bytes], opts: CompletionOptions, request: Request | None = None) -> StreamingResponse:
+    """An SSE stream with llama-server's headers and the request's keep-alive interval.
+
+    A request with an ``X-Conversation-Id`` header gets a resumable stream (``server/streams.py``):
+    its bytes are produced into the conversation's buffer whether or not the client stays, and
+    the client reads them from there as a later ``GET /v1/stream`` would."""
+    chunks = with_keepalive(chunks, opts.sse_ping_interval)
+    conversation = request.headers.get(CONVERSATION_HEADER, "").strip() if request is not None else ""
+    if conversation:
+        session = ctx_of(request).streams.create_or_replace(conversation)
+        session.produce(chunks)
+        chunks = session.read_from(0)
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)

@@ -268,8 +268,10 @@ def test_chat_system_message_is_rendered(http):
 
 @pytest.fixture(scope="module")
 def qwen3_http(server_factory, qwen3_dir) -> Iterator[httpx.Client]:
-    """A Qwen3 server: its template switches thinking with ``enable_thinking``."""
-    qwen = server_factory(["-m", str(qwen3_dir), "-np", "1", "-c", "1024"])
+    """A Qwen3 server: its template switches thinking with ``enable_thinking``. Its context is
+    long enough that a stream the reasoning-control tests leave running lasts for seconds (a
+    1024-token slot is full in about half a second) while they act on it."""
+    qwen = server_factory(["-m", str(qwen3_dir), "-np", "1", "-c", "16384"])
     with httpx.Client(base_url=qwen.base_url, timeout=60) as client:
         yield client
     qwen.stop()
@@ -294,6 +296,64 @@ def test_chat_template_kwargs_enable_thinking_must_be_boolean(qwen3_http):
 def test_reasoning_effort_none_disables_thinking(qwen3_http):
     prompt = post(qwen3_http, "/apply-template", messages=MESSAGES, reasoning_effort="none")["prompt"]
     assert prompt.endswith("<think>\n\n</think>\n\n")
+
+
+# A prefilled assistant turn that opens the block: the random-weight model would rarely open it itself.
+THINKING = [*MESSAGES, {"role": "assistant", "content": "<think>\n"}]
+
+
+def _stream_until(lines, want) -> tuple[str, list[tuple[str, str]]]:
+    """Read chat chunks from the ``lines`` iterator until ``want(deltas)``; the completion id and the
+    (field, text) deltas. The iterator is kept by the caller: closing it would close the connection."""
+    cid, deltas = "", []
+    for line in lines:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[len("data: "):])
+        cid = chunk["id"]
+        for field, text in chunk["choices"][0]["delta"].items():
+            if field in ("content", "reasoning_content") and text:
+                deltas.append((field, text))
+        if want(deltas):
+            break
+    return cid, deltas
+
+
+def test_reasoning_end_closes_the_block_and_the_model_answers(qwen3_http):
+    body = {"messages": THINKING, "max_tokens": 100000, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=str(qwen3_http.base_url), timeout=60) as client:
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True, "reasoning_control": True}) as response:
+            lines = response.iter_lines()
+            cid, before = _stream_until(lines, lambda d: len(d) >= 3)
+            assert cid.startswith("chatcmpl-") and [f for f, _ in before] == ["reasoning_content"] * 3
+            ended = qwen3_http.post("/v1/chat/completions/control", json={"id": cid, "action": "reasoning_end"})
+            assert ended.json() == {"success": True}
+            _, after = _stream_until(lines, lambda d: sum(f == "content" for f, _ in d) >= 3)
+    fields = [f for f, _ in before + after]
+    first_content = fields.index("content")
+    # The forced </think> follows the tokens already generated when the control came; then only the answer.
+    assert set(fields[first_content:]) == {"content"}
+    # Without the control the same greedy reply is still thinking at that point: the control cut
+    # that very reasoning short.
+    thought = "".join(t for f, t in before + after if f == "reasoning_content")
+    alone = post(qwen3_http, "/v1/chat/completions", **{**body, "max_tokens": len(fields) + 8})["choices"][0]["message"]
+    assert alone["content"] == "" and alone["reasoning_content"].startswith(thought.strip())
+    assert len(alone["reasoning_content"]) > len(thought)
+
+
+def test_reasoning_control_answers_like_llama_server(qwen3_http):
+    assert qwen3_http.post("/v1/chat/completions/control", json={"action": "reasoning_end"}).status_code == 400
+    bad = qwen3_http.post("/v1/chat/completions/control", json={"id": "chatcmpl-x", "action": "think_harder"})
+    assert bad.status_code == 400 and bad.json()["error"]["message"] == "unknown control action"
+    unknown = qwen3_http.post("/v1/chat/completions/control", json={"id": "chatcmpl-x", "action": "reasoning_end"})
+    assert unknown.json() == {"success": False, "message": "no active completion for this id"}
+    body = {"messages": THINKING, "max_tokens": 100000, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=str(qwen3_http.base_url), timeout=60) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            lines = response.iter_lines()
+            cid, _ = _stream_until(lines, lambda d: len(d) >= 1)
+            unarmed = qwen3_http.post("/v1/chat/completions/control", json={"id": cid, "action": "reasoning_end"})
+    assert unarmed.json() == {"success": False, "message": "reasoning control not enabled for this completion"}
 
 
 def test_reasoning_format_none_keeps_thinking_in_content(http):

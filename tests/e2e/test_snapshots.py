@@ -141,3 +141,9 @@ def test_metrics_and_reset_cover_snapshots(family: str, server_factory) -> None:
         assert cleared["cleared_bytes"] == stats["snapshot_bytes"] + stats["bytes"]
         after = client.get("/v1/cache/stats").json()
         assert after["snapshot_entries"] == 0 and after["snapshot_bytes"] == 0
+        # cache_explain: a snapshot serves its own session only, so another session's request names it.
+        body = {"messages": messages, "max_tokens": 4, "temperature": 0}
+        client.post("/v1/chat/completions", json=body).raise_for_status()
+        explained = client.post("/v1/chat/completions", json={**body, "prompt_cache_key": "someone-else", "cache_explain": True}).json()["cache_explain"]
+        assert explained["reason"] == "session" and explained["tokens_reused"] == 0
+        assert explained["candidate"]["same_bucket"] and not explained["candidate"]["same_session"]

@@ -134,6 +134,19 @@ def test_the_same_text_with_another_image_reuses_only_the_text_before_it(oai: op
     assert warm == cold
 
 
+def test_cache_explain_names_the_changed_image_at_its_first_token(http: httpx.Client, vlm_dir: Path) -> None:
+    body = {"max_tokens": 2, "temperature": 0}
+    http.post("/v1/chat/completions", json={**body, "messages": [SYSTEM, user(data_uri(png(21)))]}).raise_for_status()
+    other = [SYSTEM, user(data_uri(png(22)))]
+    reply = http.post("/v1/chat/completions", json={**body, "messages": other, "cache_explain": True}).json()
+    explained = reply["cache_explain"]
+    assert explained["reason"] == "media_changed" and explained["candidate"]["differs"] == ["media"]
+    assert explained["first_divergence"] == first_image_token(http, vlm_dir, other)
+    # The text before the image came from the text-only bucket: a partial hit, as the usage says.
+    assert explained["tokens_reused"] == reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert explained["outcome"] == "partial_hit"
+
+
 def test_streaming_and_token_counting_with_an_image(oai: openai.OpenAI, http: httpx.Client) -> None:
     messages = [SYSTEM, user(data_uri(png(12)))]
     chunks = list(oai.chat.completions.create(model="tiny-vl", messages=messages, max_tokens=6, temperature=0, stream=True,

@@ -218,8 +218,10 @@ def test_answer_streams_and_the_second_turn_comes_from_the_cache(browser, ui_ser
     assert "400 tokens" in first.text and "tokens/s" in first.text
     _, prompt1 = cache_figure(first)
     send(browser, "Tell me more.")
-    cached, prompt2 = cache_figure(wait_answer(browser, 2))
+    second = wait_answer(browser, 2)
+    cached, prompt2 = cache_figure(second)
     assert prompt2 > prompt1 and prompt1 <= cached < prompt2, (cached, prompt1, prompt2)
+    assert "prompt tokens from cache (hit)" in second.text  # the reason beside the figure (cache_explain)
     assert console_errors(browser) == []
 
 
@@ -244,6 +246,28 @@ def test_stop_cancels_the_request(browser, ui_server) -> None:
     assert by_css(browser, "#send")[0].is_displayed()
     stored = json.loads(browser.execute_script("return localStorage.getItem('mlxcel.conversations.v1')"))
     assert stored[0]["messages"][1]["content"] and stored[0]["messages"][1]["stats"]["stopped"] is True
+
+
+def test_a_reload_mid_answer_resumes_it_from_the_server(browser, ui_server) -> None:
+    """The page sends its conversation id (X-Conversation-Id): the server goes on generating when
+    the page reloads, and the reloaded page reads the whole answer again and follows it to its end."""
+    # Log-probabilities take the answer off the plain greedy fast path: about a second, long enough to reload in.
+    open_page(browser, ui_server.base_url, {"max_tokens": "2000", "custom": '{"ignore_eos": true, "n_probs": 10}'})
+    send(browser, "Tell me a long story.")
+    with httpx.Client(base_url=ui_server.base_url) as http:
+        until(browser, lambda d: answers(d) and len(answers(d)[0].find_element("css selector", ".content").text) > 20)
+        browser.refresh()
+        assert http.get("/slots").json()[0]["is_processing"] is True  # the answer goes on without the page
+        answer = wait_answer(browser, 1)
+        assert "2000 tokens" in answer.text
+        (conversation,) = json.loads(browser.execute_script("return localStorage.getItem('mlxcel.conversations.v1')"))
+        stored = conversation["messages"][1]
+        assert "streaming" not in stored and "error" not in stored
+        replay = http.get("/v1/stream", params={"conv_id": conversation["id"]}).text
+    deltas = [json.loads(line[6:]) for line in replay.split("\n") if line.startswith("data: {")]
+    whole = "".join(d["choices"][0]["delta"].get("content") or "" for d in deltas if d["choices"])
+    assert stored["content"] == whole and len(whole) > 100
+    assert console_errors(browser) == []
 
 
 def test_reload_keeps_the_conversation_and_the_list_manages_it(browser, ui_server) -> None:

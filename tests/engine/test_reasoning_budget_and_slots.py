@@ -70,3 +70,31 @@ def test_opens_block() -> None:
     assert opens_block([4, 1, 2, 6, 6], START, END)
     assert not opens_block([1, 2, 6, 3], START, END)
     assert not opens_block([4, 5], START, END)
+
+
+def test_force_ends_an_open_block_on_request_and_a_token_in_flight_does_not_count() -> None:
+    b = budget(2**31 - 1)
+    assert not b.force()  # no block open: nothing to end (llama.cpp's force answers the same)
+    b.accept(1)
+    b.accept(2)
+    b.accept(7)
+    assert b.force() and b.state == FORCING and b.forced_token() == 9
+    b.accept(8)  # sampled before the force took effect (a pipelined step): still forcing 9
+    assert b.forced_token() == 9
+    b.accept(9)
+    b.accept(3)
+    assert b.state == DONE and not b.force()
+
+
+def test_end_reasoning_forces_only_the_armed_sequences_of_the_task() -> None:
+    from types import SimpleNamespace
+
+    from mlxcel_compat.engine.reasoning_budget import end_reasoning
+
+    def slot(task_id: int, control: bool) -> SimpleNamespace:
+        spec = ReasoningBudgetSpec(budget=100, start=START, end=END, forced=FORCED, open_at_start=True, control=control)
+        return SimpleNamespace(sequence=SimpleNamespace(request=SimpleNamespace(task_id=task_id), budget=ReasoningBudget(spec)))
+
+    slots = [slot(1, True), slot(2, True), slot(3, False), SimpleNamespace(sequence=None)]
+    assert end_reasoning(slots, [1, 3]) == 1
+    assert [s.sequence.budget.state for s in slots[:3]] == [FORCING, COUNTING, COUNTING]

@@ -68,20 +68,47 @@ export class Api {
     return response.json();
   }
 
-  // Yields {delta, chunk} for each chat chunk; the last chunks carry usage and timings.
-  async *streamChat(body, signal) {
+  // Yields each chat chunk; the last chunks carry usage and timings. With a conversation id the
+  // stream is resumable: the server finishes the answer even if this page goes away, and
+  // replayStream reads it again (X-Conversation-Id, llama-server's resumable streams).
+  async *streamChat(body, signal, conversationId) {
+    const headers = this.headers(true);
+    if (conversationId) headers["X-Conversation-Id"] = conversationId;
     const response = await fetch(new URL("v1/chat/completions", this.base), {
       method: "POST",
-      headers: this.headers(true),
+      headers,
       body: JSON.stringify({ ...body, stream: true, stream_options: { include_usage: true } }),
       signal,
     });
     if (!response.ok) throw await errorOf(response);
-    for await (const data of sseEvents(response.body)) {
-      if (data === "[DONE]") return;
-      const chunk = JSON.parse(data);
-      if (chunk.error) throw new ApiError(chunk.error.code || 500, chunk.error.message);
-      yield chunk;
-    }
+    yield* chatChunks(response);
+  }
+
+  // A conversation's resumable stream from its first byte (the whole answer so far, then live).
+  async *replayStream(conversationId, signal) {
+    const response = await fetch(new URL(`v1/stream?conv_id=${encodeURIComponent(conversationId)}&from=0`, this.base),
+      { headers: this.headers(), signal });
+    if (!response.ok) throw await errorOf(response);
+    yield* chatChunks(response);
+  }
+
+  // Whether the server still holds the conversation's stream (it answers only for the ids asked).
+  async hasStream(conversationId) {
+    const found = await this.post("v1/streams/lookup", { conversation_ids: [conversationId] });
+    return found.some((s) => s.conversation_id === conversationId);
+  }
+
+  // Stop the conversation's generation on the server (closing the connection no longer does).
+  stopStream(conversationId) {
+    return this.fetch(`v1/stream?conv_id=${encodeURIComponent(conversationId)}`, { method: "DELETE" }).catch(() => {});
+  }
+}
+
+async function* chatChunks(response) {
+  for await (const data of sseEvents(response.body)) {
+    if (data === "[DONE]") return;
+    const chunk = JSON.parse(data);
+    if (chunk.error) throw new ApiError(chunk.error.code || 500, chunk.error.message);
+    yield chunk;
   }
 }

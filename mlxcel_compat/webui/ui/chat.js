@@ -13,11 +13,18 @@ export function statsText(stats) {
   const parts = [];
   if (stats.completion !== undefined) parts.push(`${stats.completion} tokens`);
   if (stats.tps) parts.push(`${stats.tps.toFixed(1)} tokens/s`);
-  if (stats.prompt !== undefined) parts.push(`${stats.cached || 0} of ${stats.prompt} prompt tokens from cache`);
+  if (stats.prompt !== undefined) parts.push(`${stats.cached || 0} of ${stats.prompt} prompt tokens from cache${cacheReason(stats.cache)}`);
   if (stats.nCtx && stats.prompt !== undefined) parts.push(`context ${stats.prompt + (stats.completion || 0)}/${stats.nCtx}`);
   if (stats.stopped) parts.push("stopped");
   if (stats.note) parts.push(stats.note);
   return parts.join(" · ");
+}
+
+// Why the prompt cache reused what it did (the server's cache_explain): "(hit)", "(miss: template changed)".
+function cacheReason(explained) {
+  if (!explained?.reason) return "";
+  if (explained.reason === "hit") return " (hit)";
+  return ` (${explained.outcome === "partial_hit" ? "partly" : "miss"}: ${explained.reason.replaceAll("_", " ")})`;
 }
 
 function element(tag, className, text) {
@@ -62,6 +69,8 @@ export class ChatView {
     }
     conversation.messages.forEach((message, i) => this.root.append(this.messageElement(message, i)));
     this.scroll(true);
+    const last = conversation.messages[conversation.messages.length - 1];
+    if (!this.busy && last.role === "assistant" && last.streaming) this.resume(conversation, last);
   }
 
   messageElement(message, index) {
@@ -125,7 +134,9 @@ export class ChatView {
   }
 
   stop() {
-    this.abort?.abort();
+    if (!this.abort) return;
+    this.abort.abort();
+    if (this.conversation) this.api.stopStream(this.conversation.id); // the server would finish it otherwise
   }
 
   clicked(event) {
@@ -210,12 +221,45 @@ export class ChatView {
 
   async streamAnswer(c) {
     const offer = this.toolsOn() && this.tools?.available ? { tools: this.tools.definitions() } : {};
-    const body = { messages: this.requestMessages(), ...offer, ...this.settings().requestFields() };
-    const answer = { role: "assistant", content: "", reasoning: "" };
+    // cache_explain: the figures line says why the prompt cache reused what it did.
+    const body = { messages: this.requestMessages(), ...offer, cache_explain: true, ...this.settings().requestFields() };
+    const answer = { role: "assistant", content: "", reasoning: "", streaming: true };
     c.messages.push(answer);
     saveConversation(c);
     this.onChange();
     this.show(c);
+    await this.follow(c, answer, this.api.streamChat(body, this.abort.signal, c.id));
+    return answer;
+  }
+
+  // An answer that was still being written when the page went away (a reload): the server kept
+  // generating it (a resumable stream), so read it again from its first byte and follow it live.
+  async resume(c, answer) {
+    this.abort = new AbortController();
+    this.onBusy(true);
+    try {
+      if (await this.api.hasStream(c.id)) {
+        Object.assign(answer, { content: "", reasoning: "" });
+        delete answer.tool_calls;
+        await this.follow(c, answer, this.api.replayStream(c.id, this.abort.signal));
+      } else {
+        delete answer.streaming;
+        answer.error = "the answer was interrupted and the server no longer holds it";
+        if (this.conversation === c) this.fill(this.root.lastElementChild, answer);
+      }
+    } catch (error) {
+      delete answer.streaming;
+      answer.error = error.message;
+    } finally {
+      this.abort = null;
+      this.onBusy(false);
+      saveConversation(c);
+      this.onChange();
+    }
+  }
+
+  // Read an answer's chunks into it, painting once an animation frame.
+  async follow(c, answer, chunks) {
     const article = this.root.lastElementChild;
     let pending = false;
     const repaint = () => {
@@ -224,7 +268,7 @@ export class ChatView {
       requestAnimationFrame(() => { pending = false; if (this.conversation === c) { this.fill(article, answer); this.scroll(); } });
     };
     try {
-      for await (const chunk of this.api.streamChat(body, this.abort.signal)) {
+      for await (const chunk of chunks) {
         const delta = chunk.choices?.[0]?.delta || {};
         if (delta.reasoning_content) { answer.reasoning += delta.reasoning_content; answer.thinking = true; }
         if (delta.content) { answer.content += delta.content; answer.thinking = false; }
@@ -237,10 +281,10 @@ export class ChatView {
       else answer.error = error.message;
     } finally {
       answer.thinking = false;
+      delete answer.streaming;
       saveConversation(c);
       if (this.conversation === c) { this.fill(article, answer); this.scroll(); }
     }
-    return answer;
   }
 
   stats(chunk) {
@@ -251,6 +295,7 @@ export class ChatView {
       completion: usage.completion_tokens,
       tps: chunk.timings?.predicted_per_second,
       nCtx: this.nCtx,
+      cache: chunk.cache_explain ? { outcome: chunk.cache_explain.outcome, reason: chunk.cache_explain.reason } : undefined,
     };
   }
 }
