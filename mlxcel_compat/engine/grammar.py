@@ -118,6 +118,28 @@ def lark_from_json_schema(schema: Any) -> str:
     return "%llguidance {}\nstart: " + json_rule(schema) + "\n"
 
 
+def lark_string(text: str) -> str:
+    """A Lark string literal for ``text`` (JSON escapes, which llguidance's Lark reads)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def lark_literal(text: str, special_tokens: dict[str, int] | None = None) -> str:
+    """``text`` as a Lark expression; the special tokens in it (text -> id, longest first) as
+    llguidance's ``<[id]>``. An empty text is the empty string literal."""
+    if not special_tokens or not text:
+        return lark_string(text)
+    pattern = re.compile("|".join(re.escape(t) for t in special_tokens))
+    parts, at = [], 0
+    for match in pattern.finditer(text):
+        if match.start() > at:
+            parts.append(lark_string(text[at:match.start()]))
+        parts.append(f"<[{special_tokens[match.group()]}]>")
+        at = match.end()
+    if at < len(text):
+        parts.append(lark_string(text[at:]))
+    return " ".join(parts) or lark_string("")
+
+
 def compile_trigger_pattern(trigger: GrammarTrigger) -> re.Pattern[str] | None:
     """The regex a word or pattern trigger is searched with (None for token triggers).
 
@@ -182,6 +204,7 @@ class GrammarCompiler:
         self._build_error: BaseException | None = None
         self._built = threading.Event()
         self._compiled: collections.OrderedDict[str, llguidance.LLMatcher | GrammarError] = collections.OrderedDict()
+        self._special_texts: dict[str, int] | None = None
         self.n_compiled = 0  # grammars compiled (cache misses)
         self.n_reused = 0  # cache hits
 
@@ -212,6 +235,23 @@ class GrammarCompiler:
         if self._ll_tokenizer is None:
             raise GrammarError(f"constrained decoding is unavailable for this tokenizer: {self._build_error}")
         return self._ll_tokenizer
+
+    def special_tokens(self) -> dict[str, int]:
+        """The text of each special (control) token and its id, longest first.
+
+        llguidance reaches a special token only through its token syntax (``<[id]>``): a grammar
+        literal holding ``<|tool_call_begin|>`` as text would be spelled byte by byte, which the
+        model was never trained to write and which tokenizes back to the one special token.
+        """
+        if self._special_texts is None:
+            table = vocab_table(self._source)
+            found = {table.added[i]: i for i in table.special_ids if i in table.added and 0 <= i < self.vocab_size}
+            self._special_texts = dict(sorted(found.items(), key=lambda item: -len(item[0])))
+        return self._special_texts
+
+    def lark_literal(self, text: str) -> str:
+        """``text`` as a Lark expression: quoted strings, with the special tokens in it as ``<[id]>``."""
+        return lark_literal(text, self.special_tokens())
 
     @property
     def mask_words(self) -> int:

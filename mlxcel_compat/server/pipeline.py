@@ -307,7 +307,7 @@ def build_chat_job(ctx: ServerContext, data: Mapping[str, Any], session: str | N
     breakpoints = find_breakpoints(data)
     prompt, chat = render_prompt(ctx, data)
     ctx.prompt_bound.check(len(prompt))  # the rendered prompt cannot fit: no need to tokenize it
-    constraint = ctx.structured.for_chat(data, chat, prompt)
+    constraint = ctx.structured.for_chat(data, chat, prompt, ctx.model.chat_template.for_tools(chat.render_tools))
     opts = _parse_options(ctx, data)
     opts.request.constraint = constraint
     _budget_in_template_syntax(ctx, data, chat, opts)
