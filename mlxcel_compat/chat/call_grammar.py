@@ -79,6 +79,9 @@ class RuleWriter:
     style: JsonStyle = field(default_factory=JsonStyle)
     before_call: str = ""  # whitespace the template writes before a call (chat/call_layout.py)
     after_name: str = ""  # and between a name and its tagged arguments
+    python_values: bool = False  # tagged values other than strings and numbers written as Python literals
+    index_key: str = ""  # a JSON call's first key, holding the call's position as a string
+    python_bools: bool = False  # tagged booleans written as True/False
     rules: list[str] = field(default_factory=list)
     _count: int = 0
     named: dict[str, str] = field(default_factory=dict)  # shared rules: their key -> name
@@ -106,16 +109,22 @@ class RuleWriter:
             self.named[text] = self.add("%json " + text, "json")
         return self.named[text]
 
-    def text_until(self, closing: str) -> str:
-        """Free text (a string value) that ends at ``closing``, the closing included.
+    def text_until(self, closing: str, schema: Any = None) -> str:
+        """Free text (a string value) that ends at ``closing``, the closing included; the length
+        bounds of a string ``schema`` apply (characters, as JSON Schema counts them).
 
         A lazy lexeme ends at the first ``closing``, as the parser reads it; a closing that holds
         a special token ends the text where the model writes that token.
         """
+        bounds = schema if isinstance(schema, dict) else {}
+        low, high = bounds.get("minLength"), bounds.get("maxLength")
+        low = low if isinstance(low, int) and not isinstance(low, bool) and low >= 0 else 0
+        high = high if isinstance(high, int) and not isinstance(high, bool) and high >= low else None
+        text = f"/(?s:.{{{low},{high}}})/" if high is not None else f"/(?s:.{{{low},}})/" if low else "/(?s:.*)/"
         spelled = self.lit(closing)
         if "<[" in spelled or not closing:
-            return f"/(?s:.*)/ {spelled}".strip()
-        return self.add(f"/(?s:.*)/ {lark_string(closing)}", "text", "[lazy]")
+            return f"{text} {spelled}".strip()
+        return self.add(f"{text} {lark_string(closing)}", "text", "[lazy]")
 
     def lines(self) -> list[str]:
         return list(self.rules)
@@ -182,6 +191,8 @@ def _json_call(w: RuleWriter, part: JsonCall, name: str, parameters: dict[str, A
     if part.name_is_key:
         return seq(w.lit("{" + quoted_name + w.style.key_separator), args, w.lit("}"))
     entries: list[tuple[tuple[str, ...], str]] = []
+    if w.index_key:
+        entries.append(((w.index_key,), f'"\\"" {CALL_INDEX} "\\""'))
     if part.id_path and not part.id_after_args:
         entries.append((part.id_path, f'"\\"" {CALL_ID} "\\""'))
     entries.append((part.name_path, w.lit(quoted_name)))
@@ -248,44 +259,90 @@ def _tagged_value(w: RuleWriter, schema: Any, suffix: KeySuffix, closing: str) -
         options = schema.get("enum") if isinstance(schema, dict) else None
         if isinstance(options, list) and options and all(isinstance(v, str) for v in options):
             return "(" + " | ".join(seq(w.lit(v), w.lit(closing)) for v in options) + ")"
-        return w.text_until(closing)
+        return w.text_until(closing, schema)
+    if kind == "boolean" and w.python_bools:
+        return seq(_python_value(w, kind), w.lit(closing))
+    if w.python_values and kind not in ("integer", "number", "boolean"):
+        return seq(_python_value(w, kind), w.lit(closing))
     return seq(w.json(schema if isinstance(schema, dict) else {}), w.lit(closing))
+
+
+def _python_value(w: RuleWriter, kind: str | None) -> str:
+    """A Python literal (``{'max': 20}``, ``True``) of JSON type ``kind`` (any when None): how
+    Seed-OSS and MiniCPM 5 render object values. Its contents are free: Python literals have no
+    schema notation."""
+    if "py_value" not in w.named:
+        w.rules.append('py_value: PY_STRING | NUMBER | "True" | "False" | "None" | py_dict | py_list')
+        w.rules.append('py_dict: "{" (py_value ": " py_value (", " py_value ": " py_value)*)? "}"')
+        w.rules.append('py_list: "[" (py_value (", " py_value)*)? "]"')
+        w.rules.append(f"PY_STRING: {PY_STRING}")
+        w.rules.append(f"NUMBER: {NUMBER}")
+        w.named["py_value"] = "py_value"
+    return {"object": "py_dict", "array": "py_list", "boolean": '("True" | "False")', "null": '"None"'}.get(kind or "", "py_value")
 
 
 def _tagged_args(w: RuleWriter, part: TaggedArgs, parameters: dict[str, Any]) -> str:
     properties, required = _properties(parameters)
-    pieces = []
-    for i, (key, schema) in enumerate(properties.items()):
+    fields = []
+    for key, schema in properties.items():
         suffix = _suffix_for(part.key_suffixes, _type_of(schema))
         closing = part.value_suffix.replace("{key}", key)
-        piece = seq(w.lit(part.separator) if i else "", w.lit(part.key_prefix + key + suffix.text),
-                    _tagged_value(w, schema, suffix, closing))
-        pieces.append(piece if key in required else f"({piece})?")
+        fields.append((seq(w.lit(part.key_prefix + key + suffix.text), _tagged_value(w, schema, suffix, closing)), key in required))
     if not properties and parameters.get("additionalProperties", True) is not False:
         key = r"/[A-Za-z_][A-Za-z0-9_.-]*/"
         suffix = _suffix_for(part.key_suffixes, "string")
         closing_marker = part.value_suffix.replace("{key}", "")
         one = seq(w.lit(part.key_prefix), key, w.lit(suffix.text), w.text_until(closing_marker))
         return f"({w.add(one, 'arg')})*"
-    return seq(*pieces)
+    return join_fields(w, fields, part.separator)
+
+
+def join_fields(w: RuleWriter, fields: list[tuple[str, bool]], separator: str) -> str:
+    """Fields in order (``(expression, required)``), ``separator`` only between those written:
+    one alternative per field that may come first (the optional ones before the first required
+    one, and that one)."""
+    alternatives = []
+    for k, (first, required) in enumerate(fields):
+        rest = []
+        for expression, needed in fields[k + 1:]:
+            piece = seq(w.lit(separator), expression)
+            rest.append(piece if needed else f"({piece})?")
+        alternatives.append(seq(first, *rest))
+        if required:
+            break
+    else:
+        alternatives.append('""')  # every field optional: none at all
+    return alternatives[0] if len(alternatives) == 1 else "(" + " | ".join(alternatives) + ")"
 
 
 # ---------------------------------------------------------------------- other notations
 
 
 def _python_args(w: RuleWriter, parameters: dict[str, Any]) -> str:
-    """``(key='text', n=3)``: strings as Python literals, other values as JSON."""
+    """``(key='text', n=3, on=True)``: Python literals, as LFM2's template writes them (``repr`` of
+    a string, ``str`` of the rest), except objects and numbers, which it writes as JSON (and
+    whose schema then applies)."""
     properties, required = _properties(parameters)
-    pieces = []
-    for i, (key, schema) in enumerate(properties.items()):
-        if _type_of(schema) == "string":
+    fields = []
+    for key, schema in properties.items():
+        kind = _type_of(schema)
+        if kind == "string":
             options = schema.get("enum") if isinstance(schema, dict) else None
-            value = ("(" + " | ".join(w.lit(repr(v)) for v in options) + ")") if isinstance(options, list) and options else PY_STRING
-        else:
+            value = ("(" + " | ".join(w.lit(repr(v)) for v in options) + ")") if isinstance(options, list) and options else _py_string(schema)
+        elif kind in ("object", "integer", "number"):
             value = w.json(schema if isinstance(schema, dict) else {})
-        piece = seq(w.lit((", " if i else "") + key + "="), value)
-        pieces.append(piece if key in required else f"({piece})?")
-    return seq(w.lit("("), *pieces, w.lit(")"))
+        else:
+            value = _python_value(w, kind)
+        fields.append((seq(w.lit(key + "="), value), key in required))
+    return seq(w.lit("("), join_fields(w, fields, ", ") if fields else "", w.lit(")"))
+
+
+def _py_string(schema: Any) -> str:
+    """A Python string literal, at most ``maxLength`` characters (an escape counts as one)."""
+    high = schema.get("maxLength") if isinstance(schema, dict) else None
+    if not isinstance(high, int) or isinstance(high, bool) or high < 0:
+        return PY_STRING
+    return r"/'(?:[^'\\\n]|\\.){0," + str(high) + "}'/"
 
 
 def _gemma_args(w: RuleWriter, parameters: dict[str, Any]) -> str:
@@ -293,24 +350,24 @@ def _gemma_args(w: RuleWriter, parameters: dict[str, Any]) -> str:
     properties, required = _properties(parameters)
     value = _gemma_value_rule(w)
     quote = w.lit(GEMMA_QUOTE)
-    pieces = []
-    for i, key in enumerate(sorted(properties)):
+    fields = []
+    for key in sorted(properties):
         kind = _type_of(properties[key])
-        if kind == "string":
-            item = seq(quote, _gemma_text(w))
-        elif kind in ("integer", "number"):
-            item = NUMBER
-        elif kind == "boolean":
-            item = '("true" | "false")'
+        options = properties[key].get("enum") if isinstance(properties[key], dict) else None
+        if kind == "string" and isinstance(options, list) and options and all(isinstance(v, str) for v in options):
+            item = "(" + " | ".join(w.lit(GEMMA_QUOTE + v + GEMMA_QUOTE) for v in options) + ")"
+        elif kind == "string":
+            item = seq(quote, _gemma_text(w, properties[key]))
+        elif kind in ("integer", "number", "boolean"):
+            item = w.json(properties[key])  # the same text as JSON (no whitespace in Gemma's style)
         else:
             item = value
-        piece = seq(w.lit(("," if i else "") + key + ":"), item)
-        pieces.append(piece if key in required else f"({piece})?")
-    return seq(w.lit("{"), *pieces, w.lit("}"))
+        fields.append((seq(w.lit(key + ":"), item), key in required))
+    return seq(w.lit("{"), join_fields(w, fields, ",") if fields else "", w.lit("}"))
 
 
-def _gemma_text(w: RuleWriter) -> str:
-    return w.text_until(GEMMA_QUOTE)
+def _gemma_text(w: RuleWriter, schema: Any = None) -> str:
+    return w.text_until(GEMMA_QUOTE, schema)
 
 
 def _gemma_value_rule(w: RuleWriter) -> str:

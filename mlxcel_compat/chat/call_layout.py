@@ -11,7 +11,13 @@ probe call through the template and reads it off the text:
   ``"n":"v"``), or indentation (then llama.cpp's bounded whitespace is allowed instead);
 - ``before_call``: whitespace between the section's opening marker (or the separator) and a call
   that starts with its name or its JSON object;
-- ``after_name``: whitespace between the name and tagged arguments that open without any.
+- ``after_name``: whitespace between the name and tagged arguments that open without any;
+- ``index_key``: a key a JSON call starts with, holding the call's position (Command R7B's
+  ``tool_call_id``);
+- ``python_values``: tagged argument values that are objects or lists are written as Python
+  literals (``{'max': 20}``: Seed-OSS, MiniCPM 5);
+- ``python_bools``: tagged booleans are written as Python's ``True``/``False`` (templates that
+  print a value with ``| string``: Qwen3-Coder, Nemotron 3).
 
 The layout is computed once per template source (a probe render, a millisecond or so) and cached.
 """
@@ -32,9 +38,9 @@ __all__ = ["CallLayout", "call_layout"]
 
 _PROBE_NAME = "probe_fn"
 _PROBE_TOOL = {"type": "function", "function": {"name": _PROBE_NAME, "description": "", "parameters": {
-    "type": "object", "properties": {"k": {"type": "array"}, "m": {"type": "object"}}}}}
+    "type": "object", "properties": {"k": {"type": "array"}, "m": {"type": "object"}, "flag_b": {"type": "boolean"}}}}}
 _PROBE_CALL = {"role": "assistant", "content": "", "tool_calls": [
-    {"id": "K7p2Rq9Zx", "type": "function", "function": {"name": _PROBE_NAME, "arguments": json.dumps({"k": [1, 2], "m": {"n": "v"}})}}]}
+    {"id": "K7p2Rq9Zx", "type": "function", "function": {"name": _PROBE_NAME, "arguments": json.dumps({"k": [1, 2], "m": {"n": "v"}, "flag_b": True})}}]}
 _CACHE_SIZE = 64
 
 
@@ -45,6 +51,9 @@ class CallLayout:
     style: JsonStyle = field(default_factory=JsonStyle)
     before_call: str = ""
     after_name: str = ""
+    python_values: bool = False
+    index_key: str = ""
+    python_bools: bool = False
 
 
 _LAYOUTS: OrderedDict[str, CallLayout] = OrderedDict()
@@ -83,7 +92,9 @@ def read_layout(text: str, calls: ToolSyntax | None) -> CallLayout:
         style = JsonStyle("," if "[1,2]" in text else ", ", ":" if '"n":"v"' in text else ": ")
     if calls is None or not text:
         return CallLayout(style)
-    return CallLayout(style, _before_call(text, calls), _after_name(text, calls))
+    boolean = re.search(r"flag_b[^A-Za-z]{0,40}(True|true)", text)
+    return CallLayout(style, _before_call(text, calls), _after_name(text, calls), "{'n': 'v'}" in text,
+                      _index_key(text, calls, style), boolean is not None and boolean.group(1) == "True")
 
 
 def _before_call(text: str, calls: ToolSyntax) -> str:
@@ -93,6 +104,17 @@ def _before_call(text: str, calls: ToolSyntax) -> str:
         return ""
     first = r"\{" if isinstance(head, JsonCall) else re.escape(_PROBE_NAME)
     match = re.search(re.escape(opening) + r"([ \t\n]*)" + first, text)
+    return match.group(1) if match else ""
+
+
+def _index_key(text: str, calls: ToolSyntax, style: JsonStyle) -> str:
+    """A key the template writes first in a JSON call with the call's position (Command R7B's
+    ``{"tool_call_id": "0", "tool_name": ...}``)."""
+    head = calls.call[0] if calls.call else None
+    if not isinstance(head, JsonCall) or head.name_is_key or not head.name_path:
+        return ""
+    name_key = json.dumps(head.name_path[0])
+    match = re.search(r'\{\s*"([A-Za-z_]+)"' + re.escape(style.key_separator) + '"0"' + re.escape(style.item_separator) + re.escape(name_key), text)
     return match.group(1) if match else ""
 
 

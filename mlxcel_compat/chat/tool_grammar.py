@@ -82,7 +82,9 @@ def tool_call_grammar(
     calls = forced_calls(syntax)
     parallel = parallel and calls.parallel
     layout = layout or CallLayout()
-    writer = RuleWriter(spell=spell, style=layout.style, before_call=layout.before_call, after_name=layout.after_name)
+    writer = RuleWriter(spell=spell, style=layout.style, before_call=layout.before_call, after_name=layout.after_name,
+                        python_values=layout.python_values, index_key=layout.index_key,
+                        python_bools=layout.python_bools)
     first = lstrip_call(calls) if lazy else calls
     alternatives = " | ".join(call_rule(writer, first, tool) for tool in tools)
     body = f"({alternatives})"
@@ -105,13 +107,15 @@ def tool_call_grammar(
 
 
 def _reasoning_close(writer: RuleWriter, syntax: ChatSyntax, thinking_open: bool) -> str:
-    """What may come before forced calls: the end of the reasoning block the prompt opened, or an
-    empty block (``<think></think>``, which several templates render before a call)."""
+    """What comes before forced calls: the end of the reasoning block the prompt opened, else
+    maybe an empty block (``<think></think>``, which several templates render before a call)."""
     reasoning = syntax.reasoning
     if reasoning is None or not core(reasoning.end) or syntax.dialect != "markers":
         return ""
     space = "/[ \\n]{0,2}/"
-    opening = "" if thinking_open or not core(reasoning.start) else f"({writer.lit(core(reasoning.start))} {space})?"
+    if thinking_open:  # the calls must come after the block, where the parser looks for them
+        return seq(space, writer.lit(core(reasoning.end)), space)
+    opening = f"({writer.lit(core(reasoning.start))} {space})?" if core(reasoning.start) else ""
     return f"({seq(space, opening, writer.lit(core(reasoning.end)), space)})?"
 
 
