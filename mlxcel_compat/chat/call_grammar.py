@@ -5,8 +5,12 @@ between them. The rules here write exactly that, so a forced call is the text th
 render for it, and a call sent back as history re-renders to the tokens that were generated:
 
 - literal parts (:class:`Lit`, the section's start, end and separator) are the template's text,
-  whitespace included; special tokens in them are written as llguidance token references
-  (``<[id]>``, through ``spell``), since the model writes those as one token;
+  whitespace included, through ``spell`` (special tokens as llguidance token references,
+  ``<[id]>``: they are reachable no other way); the marker that opens a reply's calls is written
+  as the tokens the tokenizer makes of it (``mark``), so a generated call starts with the same
+  tokens as its re-rendering. Only that one: llguidance reads a token reference and text that
+  starts with the same token as two exclusive paths, so a marker where the grammar branches
+  (an optional argument or the call's end) must stay text;
 - the name is one of the allowed functions, each with its own arguments rule;
 - JSON (arguments, a whole-call object, JSON argument values) has the separators the template's
   ``tojson`` writes (:class:`JsonStyle`: ``", "`` and ``": "`` for most) and no other whitespace;
@@ -76,6 +80,7 @@ class RuleWriter:
     """Collects named Lark rules; ``spell`` writes a literal (special tokens as ``<[id]>``)."""
 
     spell: Spell = lark_string
+    mark: Spell = lark_string  # writes a marker (as the tokenizer's tokens, see GrammarCompiler.lark_marker)
     style: JsonStyle = field(default_factory=JsonStyle)
     before_call: str = ""  # whitespace the template writes before a call (chat/call_layout.py)
     after_name: str = ""  # and between a name and its tagged arguments
@@ -96,6 +101,10 @@ class RuleWriter:
     def lit(self, text: str) -> str:
         """``text`` as a Lark expression (nothing when empty)."""
         return self.spell(text) if text else ""
+
+    def marker(self, text: str) -> str:
+        """A marker of the syntax as a Lark expression (nothing when empty)."""
+        return self.mark(text) if text else ""
 
     def json(self, schema: Any) -> str:
         """A rule for a JSON value valid against ``schema``, in the template's JSON style."""
@@ -136,12 +145,16 @@ def seq(*items: str) -> str:
     return " ".join(kept) if kept else '""'
 
 
-def call_rule(w: RuleWriter, syntax: ToolSyntax, tool: dict[str, Any]) -> str:
-    """The rule of one call to ``tool`` in ``syntax``: its parts in order."""
+def call_rule(w: RuleWriter, syntax: ToolSyntax, tool: dict[str, Any], opening: bool = False) -> str:
+    """The rule of one call to ``tool`` in ``syntax``: its parts in order. ``opening``: the call's
+    first literal opens the reply's calls, and is written as a marker (its tokens)."""
     function = tool["function"]
     name, parameters = function["name"], function.get("parameters") or {"type": "object"}
     items = []
     for i, part in enumerate(syntax.call):
+        if i == 0 and opening and isinstance(part, Lit):
+            items.append(w.marker(part.text))
+            continue
         items.append(_part(w, part, name, parameters))
         if isinstance(part, Name) and isinstance(syntax.call[i + 1:i + 2] and syntax.call[i + 1], TaggedArgs):
             items.append(w.lit(w.after_name))

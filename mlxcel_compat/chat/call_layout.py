@@ -16,6 +16,8 @@ probe call through the template and reads it off the text:
   ``tool_call_id``);
 - ``python_values``: tagged argument values that are objects or lists are written as Python
   literals (``{'max': 20}``: Seed-OSS, MiniCPM 5);
+- ``lead``: what the template renders between the generation prompt and the first call, when it
+  is whitespace and reasoning markers only (an empty ``<think></think>`` block);
 - ``python_bools``: tagged booleans are written as Python's ``True``/``False`` (templates that
   print a value with ``| string``: Qwen3-Coder, Nemotron 3).
 
@@ -24,7 +26,9 @@ The layout is computed once per template source (a probe render, a millisecond o
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -32,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxcel_compat.chat.call_grammar import JsonStyle
-from mlxcel_compat.chat.syntax import JsonCall, Name, TaggedArgs, ToolSyntax, core
+from mlxcel_compat.chat.syntax import ChatSyntax, JsonCall, Lit, Name, TaggedArgs, ToolSyntax, core
 
 __all__ = ["CallLayout", "call_layout"]
 
@@ -54,6 +58,7 @@ class CallLayout:
     python_values: bool = False
     index_key: str = ""
     python_bools: bool = False
+    lead: str = ""
 
 
 _LAYOUTS: OrderedDict[str, CallLayout] = OrderedDict()
@@ -67,7 +72,11 @@ def call_layout(template: Any, calls: ToolSyntax | None = None) -> CallLayout:
     with _LOCK:
         if key in _LAYOUTS:
             return _LAYOUTS[key]
-    layout = read_layout(_probe_render(template), calls)
+    text = _probe_render(template, [_PROBE_CALL], False)
+    layout = read_layout(text, calls)
+    if calls is not None and text:
+        lead = _lead(_probe_render(template, [], True), text, calls, template.syntax())
+        layout = dataclasses.replace(layout, lead=lead)
     with _LOCK:
         _LAYOUTS[key] = layout
         while len(_LAYOUTS) > _CACHE_SIZE:
@@ -75,12 +84,39 @@ def call_layout(template: Any, calls: ToolSyntax | None = None) -> CallLayout:
     return layout
 
 
-def _probe_render(template: Any) -> str:
+def _probe_render(template: Any, reply: list[dict[str, Any]], generation_prompt: bool) -> str:
     try:
-        return template.render([{"role": "user", "content": "probe"}, _PROBE_CALL], tools=[_PROBE_TOOL],
-                               add_generation_prompt=False, enable_thinking=True)
+        return template.render([{"role": "user", "content": "probe"}, *reply], tools=[_PROBE_TOOL],
+                               add_generation_prompt=generation_prompt, enable_thinking=True)
     except Exception:  # a template that cannot render the probe keeps the plain layout
         return ""
+
+
+def _lead(prompt: str, text: str, calls: ToolSyntax, syntax: ChatSyntax) -> str:
+    """What the template renders between the generation prompt and a reply's first call, when it
+    is only whitespace and reasoning markers (Qwen3's ``<think>\n\n</think>\n\n``, GLM 4.6's
+    ``\n<think></think>\n``, the ``</think>`` that closes the block a prompt opened)."""
+    at = len(prompt) if text.startswith(prompt) else len(os.path.commonprefix([prompt, text]))
+    head = calls.call[0] if calls.call else None
+    written = calls.section_start  # what the grammar writes up to the opening marker's core
+    if core(calls.section_start):
+        opening = core(calls.section_start)
+    elif isinstance(head, Lit) and core(head.text):
+        opening, written = core(head.text), calls.section_start + head.text
+    else:
+        opening = "{" if isinstance(head, JsonCall) else _PROBE_NAME
+    found = text.find(opening, at)
+    if found < 0:
+        return ""
+    lead = text[at:found]
+    before = written[: written.index(opening)] if opening in written else ""
+    if before and lead.endswith(before):
+        lead = lead[: len(lead) - len(before)]
+    rest = lead
+    for marker in (core(syntax.reasoning.start), core(syntax.reasoning.end)) if syntax.reasoning else ():
+        if marker:
+            rest = rest.replace(marker, "")
+    return lead if not rest.strip() else ""
 
 
 def read_layout(text: str, calls: ToolSyntax | None) -> CallLayout:

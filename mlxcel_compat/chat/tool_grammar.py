@@ -69,6 +69,7 @@ def tool_call_grammar(
     thinking_open: bool = False,
     response_rule: str | None = None,
     spell: Spell = lark_string,
+    mark: Spell = lark_string,
     layout: CallLayout | None = None,
 ) -> str:
     """A Lark grammar whose text is calls to ``tools`` in ``syntax``.
@@ -76,28 +77,28 @@ def tool_call_grammar(
     ``lazy``: the grammar starts where :func:`lazy_trigger` hands over (the opening marker's first
     visible character). ``thinking_open``: the prompt ends inside a reasoning block, which the
     reply may close first. ``response_rule``: a JSON-schema rule (``response_format``) the reply
-    may match instead. ``spell`` writes literals (special tokens as ``<[id]>``); ``layout`` is how
+    may match instead. ``spell`` writes literals (special tokens as ``<[id]>``), ``mark`` the
+    syntax's markers (as the tokenizer's tokens: ``GrammarCompiler.lark_marker``); ``layout`` is how
     the template writes JSON and the whitespace its syntax leaves out (``chat/call_layout.py``).
     """
     calls = forced_calls(syntax)
     parallel = parallel and calls.parallel
     layout = layout or CallLayout()
-    writer = RuleWriter(spell=spell, style=layout.style, before_call=layout.before_call, after_name=layout.after_name,
+    writer = RuleWriter(spell=spell, mark=mark, style=layout.style, before_call=layout.before_call, after_name=layout.after_name,
                         python_values=layout.python_values, index_key=layout.index_key,
                         python_bools=layout.python_bools)
     first = lstrip_call(calls) if lazy else calls
-    alternatives = " | ".join(call_rule(writer, first, tool) for tool in tools)
+    opens_section = bool(core(calls.section_start))  # else the first call's first literal opens
+    alternatives = " | ".join(call_rule(writer, first, tool, opening=not opens_section) for tool in tools)
     body = f"({alternatives})"
     if parallel:
-        if first is not calls and first.call != calls.call:  # the first call's marker was stripped
-            later = " | ".join(call_rule(writer, calls, tool) for tool in tools)
-        else:
-            later = alternatives
+        later = " | ".join(call_rule(writer, calls, tool) for tool in tools)
         separator = writer.lit(calls.separator)
         body += f" ({separator} ({later}))*" if separator else f" ({later})*"
-    start = " ".join(x for x in (writer.lit(first.section_start), body, writer.lit(calls.section_end)) if x)
+    section_start = writer.marker(first.section_start) if opens_section else writer.lit(first.section_start)
+    start = " ".join(x for x in (section_start, body, writer.lit(calls.section_end)) if x)
     if not lazy:
-        start = seq(_reasoning_close(writer, syntax, thinking_open), start)
+        start = seq(_lead(writer, syntax, thinking_open, layout.lead), start)
     if response_rule is not None:
         start = f"({start}) | response"
     lines = ["%llguidance {}", f"start: {start}", *writer.lines()]
@@ -106,17 +107,16 @@ def tool_call_grammar(
     return "\n".join(lines) + "\n"
 
 
-def _reasoning_close(writer: RuleWriter, syntax: ChatSyntax, thinking_open: bool) -> str:
-    """What comes before forced calls: the end of the reasoning block the prompt opened, else
-    maybe an empty block (``<think></think>``, which several templates render before a call)."""
+def _lead(writer: RuleWriter, syntax: ChatSyntax, thinking_open: bool, lead: str) -> str:
+    """What comes before forced calls: what the template renders there (``lead``: an empty
+    ``<think></think>`` block, the end of the block the prompt opened), and at least the end of
+    the reasoning block the prompt opened, where the parser looks for calls."""
     reasoning = syntax.reasoning
-    if reasoning is None or not core(reasoning.end) or syntax.dialect != "markers":
-        return ""
+    end = core(reasoning.end) if reasoning is not None and syntax.dialect == "markers" else ""
+    if not thinking_open or not end or end in lead:
+        return writer.lit(lead)
     space = "/[ \\n]{0,2}/"
-    if thinking_open:  # the calls must come after the block, where the parser looks for them
-        return seq(space, writer.lit(core(reasoning.end)), space)
-    opening = f"({writer.lit(core(reasoning.start))} {space})?" if core(reasoning.start) else ""
-    return f"({seq(space, opening, writer.lit(core(reasoning.end)), space)})?"
+    return seq(space, writer.lit(end), space)
 
 
 def _opening(calls: ToolSyntax, tools: list[dict[str, Any]]) -> str:

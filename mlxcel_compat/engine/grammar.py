@@ -253,6 +253,35 @@ class GrammarCompiler:
         """``text`` as a Lark expression: quoted strings, with the special tokens in it as ``<[id]>``."""
         return lark_literal(text, self.special_tokens())
 
+    def lark_marker(self, text: str) -> str:
+        """A marker (``[TOOL_CALLS]``, ``<tool_call>\n<function=``) as the tokens the tokenizer
+        makes of it, ``<[a]> <[b]> ...``.
+
+        llguidance lets a model write a literal in any tokenization; a random or uncertain model
+        then writes ``[TOOL_CALLS]`` as ``[``, ``TO``, ``OL``, ... while the same text, rendered
+        back as history, tokenizes to other tokens, and the prompt cache stops reusing there.
+        Forcing the tokenizer's own tokens keeps a generated marker equal to its re-rendering. A
+        text whose tokens do not decode back to it exactly (a SentencePiece prefix space) stays text.
+        Whitespace around the marker stays text: it joins with what comes before or after it into
+        other tokens than its own (``\n\n`` before a word is two ``\n`` tokens in GPT-2's rules).
+        """
+        core = text.strip()
+        if not core:
+            return lark_string(text)
+        start = text.index(core)
+        lead, tail = text[:start], text[start + len(core):]
+        if lead.endswith(" "):  # a space before a word or a bracket is part of its token
+            lead, core = lead[:-1], " " + core
+        ids = self._encode(core)
+        if ids and b"".join(vocab_table(self._source).raw(i) for i in ids) == core.encode("utf-8"):
+            tokens = " ".join(f"<[{i}]>" for i in ids)
+        else:
+            tokens = self.lark_literal(core)
+        return " ".join(x for x in (lark_string(lead) if lead else "", tokens, lark_string(tail) if tail else "") if x)
+
+    def _encode(self, text: str) -> list[int]:
+        return [int(i) for i in unwrap_tokenizer(self._source).encode(text, add_special_tokens=False)]
+
     @property
     def mask_words(self) -> int:
         return (self.vocab_size + 31) // 32

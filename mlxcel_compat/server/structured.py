@@ -115,7 +115,7 @@ class StructuredOutput:
             tools = [t for t in tools if t["function"]["name"] == choice]
             if not tools:
                 raise InvalidRequest(f"tool_choice names the function '{choice}', which is not among the tools")
-        grammar = {"syntax": form.syntax, "spell": self.compiler.lark_literal, "layout": form.layout}
+        grammar = {"syntax": form.syntax, "spell": self.compiler.lark_literal, "mark": self.compiler.lark_marker, "layout": form.layout}
         if choice == "auto" and schema is _NO_SCHEMA:
             # llama-server's "auto": free text until the model opens a call, then a valid call.
             lark = tool_call_grammar(tools, parallel=parallel, lazy=True, **grammar)

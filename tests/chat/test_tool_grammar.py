@@ -93,7 +93,17 @@ def assistant(n: int) -> dict[str, Any]:
 def grammar_for(template: ChatTemplate, compiler: GrammarCompiler, thinking_open: bool, parallel: bool = True, **extra: Any) -> str:
     syntax = template.syntax()
     return tool_call_grammar(TOOLS, parallel=parallel, syntax=syntax, thinking_open=thinking_open, spell=compiler.lark_literal,
-                             layout=call_layout(template, forced_calls(syntax)), **extra)
+                             mark=compiler.lark_marker, layout=call_layout(template, forced_calls(syntax)), **extra)
+
+
+def after_the_prompt(syntax: Any, text: str, prompts: list[str]) -> str:
+    """What the model writes after the generation prompt for ``text`` (the history turn's part):
+    where the prompt opened a reasoning block that the history turn leaves out (QwQ drops past
+    reasoning), the block's end first."""
+    end = syntax.reasoning.end.strip() if syntax.reasoning else ""
+    if len(prompts) > 1 and end and syntax.reply_starts_in_reasoning(prompts[0]) and end not in text:
+        return end + text
+    return text
 
 
 def feed(compiler: GrammarCompiler, tokenizer: Any, constraint: Constraint, text: str):
@@ -109,8 +119,8 @@ def test_the_grammar_writes_what_the_template_renders(stem: str, llama_cpp_templ
     counts = (1, 2) if template.caps()["supports_parallel_tool_calls"] and forced_calls(template.syntax()).parallel else (1,)
     for n in counts:
         text, prompts = emission(template, assistant(n))
-        # the prompt the emitted text follows (the history turn may drop the block the prompt opens)
-        lark = grammar_for(template, compiler, template.syntax().reply_starts_in_reasoning(prompts[-1]))
+        lark = grammar_for(template, compiler, template.syntax().reply_starts_in_reasoning(prompts[0]))
+        text = after_the_prompt(template.syntax(), text, prompts)
         state = feed(compiler, tokenizer, Constraint(lark=lark), text)
         assert state.error is None and state.matcher.is_accepting(), f"{n} call(s): {text!r}: {state.error}"
 
@@ -121,7 +131,8 @@ def test_templates_the_grammar_does_not_write_yet(stem: str, llama_cpp_templates
     (a fix moves the template out of the list)."""
     template = template_of(stem, llama_cpp_templates)
     text, prompts = emission(template, assistant(1))
-    lark = grammar_for(template, compiler, template.syntax().reply_starts_in_reasoning(prompts[-1]))
+    lark = grammar_for(template, compiler, template.syntax().reply_starts_in_reasoning(prompts[0]))
+    text = after_the_prompt(template.syntax(), text, prompts)
     state = feed(compiler, tokenizer, Constraint(lark=lark), text)
     assert state.error is not None or not state.matcher.is_accepting()
 
