@@ -114,7 +114,7 @@ def _lead(writer: RuleWriter, syntax: ChatSyntax, thinking_open: bool, lead: str
     reasoning = syntax.reasoning
     end = core(reasoning.end) if reasoning is not None and syntax.dialect == "markers" else ""
     if not thinking_open or not end or end in lead:
-        return writer.lit(lead)
+        return writer.marker(lead)
     space = "/[ \\n]{0,2}/"
     return seq(space, writer.lit(end), space)
 

@@ -25,6 +25,7 @@ from mlxcel_compat.chat.tool_calls import ReplyOptions, parse_reply
 from mlxcel_compat.chat.tool_grammar import forced_calls, lazy_trigger, tool_call_grammar
 from mlxcel_compat.engine.grammar import Constraint, GrammarCompiler, compute_masks
 from tests.chat.conftest import read_llama_cpp_templates
+from tests.chat.test_tool_syntax import WITHOUT_CALLS
 from tests.chat.tool_round_trip import emission
 from tests.conftest import SLOW, tiny_model
 
@@ -45,24 +46,16 @@ NOT_WRITTEN = {
                                                 "which the reply never starts with, and indents its JSON",
     "muse-glimmer": "the space before each call's to= is not in the learned syntax",
 }
-# One template of each call format the default run checks (every template runs with --slow).
-DEFAULT_RUN = {
-    "Qwen-Qwen2.5-7B-Instruct", "Qwen3-Coder", "GLM-4.6", "mistralai-Mistral-Nemo-Instruct-2407",
-    "unsloth-mistral-Devstral-Small-2507", "moonshotai-Kimi-K2", "deepseek-ai-DeepSeek-V3.2", "LFM2.5-8B-A1B",
-    "google-gemma-4-31B-it", "meta-llama-Llama-3.2-3B-Instruct", "openai-gpt-oss-120b", "meetkai-functionary-medium-v3.2",
-    "CohereForAI-c4ai-command-r7b-12-2024-tool_use", "ByteDance-Seed-OSS", "upstage-Solar-Open-100B",
-}
+# The default run: a few formats (JSON call, XML tags, GLM tags, name + JSON arguments, Kimi's
+# sections, Harmony) written, and random walks in one; scripts/test.sh --slow runs every template.
+DEFAULT_WRITES = {"Qwen-Qwen2.5-7B-Instruct", "Qwen3-Coder", "GLM-4.6", "unsloth-mistral-Devstral-Small-2507",
+                  "moonshotai-Kimi-K2", "openai-gpt-oss-120b"}
+DEFAULT_WALKS = {"Qwen3-Coder"}
 
 
-def _with_calls() -> list[str]:
-    out = []
-    for stem, source in read_llama_cpp_templates().items():
-        if ChatTemplate(source).caps()["supports_tool_calls"] and stem not in NOT_WRITTEN:
-            out.append(stem)
-    return out
-
-
-STEMS = [pytest.param(s, marks=() if s in DEFAULT_RUN else SLOW) for s in _with_calls()]
+WITH_CALLS = sorted(set(read_llama_cpp_templates()) - WITHOUT_CALLS - set(NOT_WRITTEN))
+WRITES = [pytest.param(s, marks=() if s in DEFAULT_WRITES else SLOW) for s in WITH_CALLS]
+WALKS = [pytest.param(s, marks=() if s in DEFAULT_WALKS else SLOW) for s in WITH_CALLS]
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +106,7 @@ def feed(compiler: GrammarCompiler, tokenizer: Any, constraint: Constraint, text
     return state
 
 
-@pytest.mark.parametrize("stem", STEMS)
+@pytest.mark.parametrize("stem", WRITES)
 def test_the_grammar_writes_what_the_template_renders(stem: str, llama_cpp_templates, compiler, tokenizer) -> None:
     template = template_of(stem, llama_cpp_templates)
     counts = (1, 2) if template.caps()["supports_parallel_tool_calls"] and forced_calls(template.syntax()).parallel else (1,)
@@ -125,7 +118,7 @@ def test_the_grammar_writes_what_the_template_renders(stem: str, llama_cpp_templ
         assert state.error is None and state.matcher.is_accepting(), f"{n} call(s): {text!r}: {state.error}"
 
 
-@pytest.mark.parametrize("stem", sorted(NOT_WRITTEN))
+@pytest.mark.parametrize("stem", [pytest.param(s, marks=SLOW) for s in sorted(NOT_WRITTEN)])
 def test_templates_the_grammar_does_not_write_yet(stem: str, llama_cpp_templates, compiler, tokenizer) -> None:
     """The gaps named in NOT_WRITTEN are real: the template's render is not what the grammar writes
     (a fix moves the template out of the list)."""
@@ -173,7 +166,7 @@ def assert_valid_calls(syntax: Any, text: str, thinking_open: bool, parallel: bo
     return parsed.tool_calls
 
 
-@pytest.mark.parametrize("stem", STEMS)
+@pytest.mark.parametrize("stem", WALKS)
 def test_random_walks_through_the_grammar_are_valid_calls(stem: str, llama_cpp_templates, compiler, tokenizer) -> None:
     template = template_of(stem, llama_cpp_templates)
     syntax = template.syntax()
@@ -181,8 +174,8 @@ def test_random_walks_through_the_grammar_are_valid_calls(stem: str, llama_cpp_t
     thinking_open = syntax.reply_starts_in_reasoning(prompt)
     constraint = Constraint(lark=grammar_for(template, compiler, thinking_open))
     rng = random.Random(stem)
-    finished = [t for t in (random_walk(compiler, tokenizer, constraint, rng) for _ in range(6)) if t is not None]
-    assert len(finished) >= 3
+    finished = [t for t in (random_walk(compiler, tokenizer, constraint, rng) for _ in range(4)) if t is not None]
+    assert len(finished) >= 2
     for text in finished:
         assert_valid_calls(syntax, text, thinking_open, parallel=True)
 
@@ -205,7 +198,7 @@ def test_calls_must_name_an_offered_tool_with_valid_arguments(llama_cpp_template
 
 
 @pytest.mark.parametrize("stem", ["Qwen3-Coder", "unsloth-mistral-Devstral-Small-2507", "meta-llama-Llama-3.2-3B-Instruct",
-                                  "moonshotai-Kimi-K2", "google-gemma-4-31B-it"])
+                                  *(pytest.param(s, marks=SLOW) for s in ("moonshotai-Kimi-K2", "google-gemma-4-31B-it"))])
 def test_lazy_grammar_starts_at_the_formats_opening_marker(stem: str, llama_cpp_templates, compiler, tokenizer) -> None:
     """"auto": free text, then the call from its opening marker on; nothing inside reasoning."""
     template = template_of(stem, llama_cpp_templates)

@@ -7,7 +7,8 @@ back as history is reused from the prompt cache past its opening marker on the n
 template re-renders the generated call to the tokens that were generated.
 
 The templates are ones whose markers the factory's vocabulary can write as text: Qwen3-Coder's
-XML (its ``<tool_call>`` is one token there), GLM 4.7's ``<arg_key>`` tags, Hermes JSON, Mistral's
+XML (its ``<tool_call>`` is one token there), GLM 4.6's ``<arg_key>`` tags (after the empty
+``<think></think>`` block its history turns show), Hermes JSON, Mistral's
 ``[TOOL_CALLS]NAME[ARGS]{...}`` and Kimi K2's section markers (spelled byte by byte: the factory's
 tokenizer has no such tokens, so they are text to it, as they are to the grammar).
 """
@@ -41,7 +42,7 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 # template -> the opening marker of its calls (what the next turn must reuse past)
 TEMPLATES = {
     "Qwen3-Coder": "<tool_call>",
-    "GLM-4.7-Flash": "<tool_call>",
+    "GLM-4.6": "<tool_call>",
     "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use": "<tool_call>",
     "unsloth-mistral-Devstral-Small-2507": "[TOOL_CALLS]",
     "moonshotai-Kimi-K2": "<|tool_calls_section_begin|>",
