@@ -76,7 +76,7 @@ def tool_call_grammar(
 
     ``lazy``: the grammar starts where :func:`lazy_trigger` hands over (the opening marker's first
     visible character). ``thinking_open``: the prompt ends inside a reasoning block, which the
-    reply may close first. ``response_rule``: a JSON-schema rule (``response_format``) the reply
+    reply closes first (the parser reads calls after it). ``response_rule``: a JSON-schema rule (``response_format``) the reply
     may match instead. ``spell`` writes literals (special tokens as ``<[id]>``), ``mark`` the
     syntax's markers (as the tokenizer's tokens: ``GrammarCompiler.lark_marker``); ``layout`` is how
     the template writes JSON and the whitespace its syntax leaves out (``chat/call_layout.py``).

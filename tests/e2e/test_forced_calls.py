@@ -16,7 +16,6 @@ tokenizer has no such tokens, so they are text to it, as they are to the grammar
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import httpx
