@@ -14,7 +14,8 @@ render for it, and a call sent back as history re-renders to the tokens that wer
 - the name is one of the allowed functions, each with its own arguments rule;
 - JSON (arguments, a whole-call object, JSON argument values) has the separators the template's
   ``tojson`` writes (:class:`JsonStyle`: ``", "`` and ``": "`` for most) and no other whitespace;
-  a template that indents its JSON gets llama.cpp's bounded whitespace instead;
+  a template that indents its JSON gets llama.cpp's bounded whitespace instead; an object that
+  lists its properties takes no others unless it says so, as in llama.cpp (:func:`closed_objects`);
 - tagged arguments (``<parameter=KEY>VALUE</parameter>``) follow the schema's property order,
   required ones always, optional ones maybe; a string value is any text up to the value's closing
   marker (the closing marker ends it, as in the parser);
@@ -113,7 +114,7 @@ class RuleWriter:
         if not isinstance(schema, dict):
             schema = {}
         options = {**self.style.options(), **(schema.get("x-guidance") or {})}
-        text = json.dumps({**schema, "x-guidance": options}, ensure_ascii=False, sort_keys=False)
+        text = json.dumps({**closed_objects(schema), "x-guidance": options}, ensure_ascii=False, sort_keys=False)
         if text not in self.named:
             self.named[text] = self.add("%json " + text, "json")
         return self.named[text]
@@ -137,6 +138,22 @@ class RuleWriter:
 
     def lines(self) -> list[str]:
         return list(self.rules)
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with llama.cpp's reading of objects: one that lists ``properties`` and says
+    nothing of ``additionalProperties`` takes no others (``common/json-schema.cpp``; JSON Schema
+    would take any). A tool with ``"properties": {}`` is called with ``{}``, not with whatever keys
+    a model makes up until ``max_tokens`` cuts the call."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in ("enum", "const", "default", "examples", "x-guidance") else closed_objects(v)) for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict):
+        out["properties"] = {k: closed_objects(v) for k, v in schema["properties"].items()}
+        out.setdefault("additionalProperties", False)
+    return out
 
 
 def seq(*items: str) -> str:

@@ -220,3 +220,22 @@ def test_special_tokens_are_written_as_token_references(compiler, tokenizer) -> 
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert compiler.lark_literal("a<|im_end|>b") == f'"a" <[{end}]> "b"'
     assert compiler.lark_literal("<tool_call>\n") == '"<tool_call>\\n"'  # an added token that is not special: text
+
+
+def test_listed_properties_take_no_others_as_in_llama_cpp(llama_cpp_templates, compiler, tokenizer) -> None:
+    """A tool with ``"properties": {}`` is called with ``{}`` (llama.cpp's reading: an object that
+    lists its properties takes no others unless ``additionalProperties`` says so)."""
+    template = template_of("Qwen-Qwen2.5-7B-Instruct", llama_cpp_templates)
+    syntax = template.syntax()
+    layout = call_layout(template, forced_calls(syntax))
+
+    def state_after(parameters: dict[str, Any], arguments: str):
+        tool = {"type": "function", "function": {"name": "where_am_i", "parameters": parameters}}
+        lark = tool_call_grammar([tool], parallel=False, syntax=syntax, spell=compiler.lark_literal, mark=compiler.lark_marker, layout=layout)
+        text = '<tool_call>\n{"name": "where_am_i", "arguments": ' + arguments + "}\n</tool_call>"
+        return feed(compiler, tokenizer, Constraint(lark=lark), text)
+
+    assert state_after({"type": "object", "properties": {}}, "{}").complete
+    assert state_after({"type": "object", "properties": {}}, '{"x": 1}').error is not None
+    assert state_after({"type": "object", "properties": {}, "additionalProperties": True}, '{"x": 1}').error is None
+    assert state_after({"type": "object"}, '{"x": 1}').error is None
