@@ -130,7 +130,7 @@ def test_templates_the_grammar_does_not_write_yet(stem: str, llama_cpp_templates
     assert state.error is not None or not state.matcher.is_accepting()
 
 
-def random_walk(compiler: GrammarCompiler, tokenizer: Any, constraint: Constraint, rng: random.Random, limit: int = 400) -> str | None:
+def random_walk(compiler: GrammarCompiler, tokenizer: Any, constraint: Constraint, rng: random.Random, limit: int = 1000) -> str | None:
     """Text a model could write under ``constraint``: random allowed tokens, leaning towards
     closing characters in free text so that strings end; None when ``limit`` tokens did not end it."""
     state = compiler.new_state(constraint, tokenizer)
@@ -142,7 +142,7 @@ def random_walk(compiler: GrammarCompiler, tokenizer: Any, constraint: Constrain
         allowed = np.flatnonzero(compute_masks([state], compiler.vocab_size)[0])
         assert state.error is None and allowed.size, state.error
         ends = [t for t in allowed if t in eos]
-        if ends and rng.random() < 0.3:
+        if ends and rng.random() < 0.5:
             return tokenizer.decode(pieces)
         choices = [t for t in allowed if t not in eos] or ends
         if len(choices) > 40 and rng.random() < 0.6:
