@@ -86,3 +86,18 @@ def test_required_always_yields_a_valid_call_that_the_next_turn_reuses(served) -
         reused = nxt.usage.prompt_tokens_details.cached_tokens
         generated_from = reply.usage.prompt_tokens
         assert reused >= generated_from + len(marker_tokens), (name, seed, reused, generated_from, call)
+
+
+def test_a_forced_call_cut_short_is_never_content(served) -> None:
+    """``max_tokens`` cuts a forced call before its name is read: no call, and no fragment of
+    one returned as content, whole or streamed (measured 12-06 before: the cut call's text came
+    back as content)."""
+    _, server = served
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    body = {"model": "x", "messages": QUESTION, "tools": TOOLS, "tool_choice": "required", "max_tokens": 3, "temperature": 0}
+    whole = client.chat.completions.create(**body)
+    assert whole.choices[0].finish_reason == "length"
+    assert not whole.choices[0].message.content and not whole.choices[0].message.tool_calls
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(**body, stream=True)
+                       if chunk.choices)
+    assert streamed == ""
