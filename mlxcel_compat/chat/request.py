@@ -9,8 +9,8 @@ survive, a missing or null ``content`` becomes ``""``, and tool-call arguments a
 
 ``render_chat`` (``chat/render.py``) turns a parsed request into prompt text, including
 llama.cpp's assistant prefill. A finished generation is taken apart for the response by
-``split_reasoning`` (``chat/reasoning.py``) and ``parse_tool_calls`` (``chat/tool_calls.py``), a
-streamed one by ``StreamSplitter`` (``chat/stream_splitter.py``).
+``parse_reply`` (``chat/tool_calls.py``), a streamed one by ``ReplyStream``
+(``chat/stream_splitter.py``).
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ class TaggedReader:
             return True
         if head[0] in "{[-0123456789" + self.nested_openers:
             return True
-        return any(word.startswith(head[: len(word)]) for word in ("true", "false", "null"))
+        return any(word.startswith(head[: len(word)]) for word in ("true", "false", "null", "True", "False", "None"))
 
     def _decide_start(self, buf: str, limit: int) -> bool:
         """Where the value's own text starts (past the key marker's whitespace and a CDATA opening)."""
@@ -270,6 +270,8 @@ def _tagged_value(raw: str, kind: str, part: TaggedArgs) -> Any:
         if kind != "schema" or not isinstance(value, str):
             return value
         return raw
+    if text in ("True", "False", "None"):  # a Python literal printed with |string (Qwen3-Coder)
+        return {"True": True, "False": False, "None": None}[text]
     if text[:1] in "{[":
         try:
             value = ast.literal_eval(text)

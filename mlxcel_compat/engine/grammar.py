@@ -118,6 +118,28 @@ def lark_from_json_schema(schema: Any) -> str:
     return "%llguidance {}\nstart: " + json_rule(schema) + "\n"
 
 
+def lark_string(text: str) -> str:
+    """A Lark string literal for ``text`` (JSON escapes, which llguidance's Lark reads)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def lark_literal(text: str, special_tokens: dict[str, int] | None = None) -> str:
+    """``text`` as a Lark expression; the special tokens in it (text -> id, longest first) as
+    llguidance's ``<[id]>``. An empty text is the empty string literal."""
+    if not special_tokens or not text:
+        return lark_string(text)
+    pattern = re.compile("|".join(re.escape(t) for t in special_tokens))
+    parts, at = [], 0
+    for match in pattern.finditer(text):
+        if match.start() > at:
+            parts.append(lark_string(text[at:match.start()]))
+        parts.append(f"<[{special_tokens[match.group()]}]>")
+        at = match.end()
+    if at < len(text):
+        parts.append(lark_string(text[at:]))
+    return " ".join(parts) or lark_string("")
+
+
 def compile_trigger_pattern(trigger: GrammarTrigger) -> re.Pattern[str] | None:
     """The regex a word or pattern trigger is searched with (None for token triggers).
 
@@ -182,6 +204,7 @@ class GrammarCompiler:
         self._build_error: BaseException | None = None
         self._built = threading.Event()
         self._compiled: collections.OrderedDict[str, llguidance.LLMatcher | GrammarError] = collections.OrderedDict()
+        self._special_texts: dict[str, int] | None = None
         self.n_compiled = 0  # grammars compiled (cache misses)
         self.n_reused = 0  # cache hits
 
@@ -212,6 +235,52 @@ class GrammarCompiler:
         if self._ll_tokenizer is None:
             raise GrammarError(f"constrained decoding is unavailable for this tokenizer: {self._build_error}")
         return self._ll_tokenizer
+
+    def special_tokens(self) -> dict[str, int]:
+        """The text of each special (control) token and its id, longest first.
+
+        llguidance reaches a special token only through its token syntax (``<[id]>``): a grammar
+        literal holding ``<|tool_call_begin|>`` as text would be spelled byte by byte, which the
+        model was never trained to write and which tokenizes back to the one special token.
+        """
+        if self._special_texts is None:
+            table = vocab_table(self._source)
+            found = {table.added[i]: i for i in table.special_ids if i in table.added and 0 <= i < self.vocab_size}
+            self._special_texts = dict(sorted(found.items(), key=lambda item: -len(item[0])))
+        return self._special_texts
+
+    def lark_literal(self, text: str) -> str:
+        """``text`` as a Lark expression: quoted strings, with the special tokens in it as ``<[id]>``."""
+        return lark_literal(text, self.special_tokens())
+
+    def lark_marker(self, text: str) -> str:
+        """A marker (``[TOOL_CALLS]``, ``<tool_call>\n<function=``) as the tokens the tokenizer
+        makes of it, ``<[a]> <[b]> ...``.
+
+        llguidance lets a model write a literal in any tokenization; a random or uncertain model
+        then writes ``[TOOL_CALLS]`` as ``[``, ``TO``, ``OL``, ... while the same text, rendered
+        back as history, tokenizes to other tokens, and the prompt cache stops reusing there.
+        Forcing the tokenizer's own tokens keeps a generated marker equal to its re-rendering. A
+        text whose tokens do not decode back to it exactly (a SentencePiece prefix space) stays text.
+        Whitespace around the marker stays text: it joins with what comes before or after it into
+        other tokens than its own (``\n\n`` before a word is two ``\n`` tokens in GPT-2's rules).
+        """
+        core = text.strip()
+        if not core:
+            return lark_string(text)
+        start = text.index(core)
+        lead, tail = text[:start], text[start + len(core):]
+        if lead.endswith(" "):  # a space before a word or a bracket is part of its token
+            lead, core = lead[:-1], " " + core
+        ids = self._encode(core)
+        if ids and b"".join(vocab_table(self._source).raw(i) for i in ids) == core.encode("utf-8"):
+            tokens = " ".join(f"<[{i}]>" for i in ids)
+        else:
+            tokens = self.lark_literal(core)
+        return " ".join(x for x in (lark_string(lead) if lead else "", tokens, lark_string(tail) if tail else "") if x)
+
+    def _encode(self, text: str) -> list[int]:
+        return [int(i) for i in unwrap_tokenizer(self._source).encode(text, add_special_tokens=False)]
 
     @property
     def mask_words(self) -> int:

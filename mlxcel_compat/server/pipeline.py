@@ -291,6 +291,12 @@ class ChatJob:
     def with_tools(self) -> bool:
         return bool(self.chat.tools) and self.chat.tool_choice != "none"
 
+    @property
+    def calls_forced(self) -> bool:
+        """``tool_choice`` "required" or a named function: the grammar lets the reply hold calls
+        only (``server/structured.py``), so any content is a call cut short (``max_tokens``)."""
+        return bool(self.chat.callable_tools) and self.chat.tool_choice != "auto"
+
 
 async def prepare_chat(ctx: ServerContext, request: Request, data: Mapping[str, Any]) -> ChatJob:
     """Render, tokenize, check the context and attach the prompt-cache facts, on a worker thread.
@@ -321,7 +327,7 @@ def build_chat_job(ctx: ServerContext, data: Mapping[str, Any], session: str | N
     breakpoints = find_breakpoints(data)
     prompt, chat = render_prompt(ctx, data)
     ctx.prompt_bound.check(len(prompt))  # the rendered prompt cannot fit: no need to tokenize it
-    constraint = ctx.structured.for_chat(data, chat, prompt)
+    constraint = ctx.structured.for_chat(data, chat, prompt, ctx.model.chat_template.for_tools(chat.render_tools))
     opts = _parse_options(ctx, data)
     opts.request.constraint = constraint
     _budget_in_template_syntax(ctx, data, chat, opts)
@@ -421,12 +427,30 @@ class Reply:
 def parse_reply(ctx: ServerContext, job: ChatJob, text: str) -> Reply:
     """A finished reply in its template's syntax; ``parallel_tool_calls: false`` keeps the first call."""
     parsed = parse_reply_text(job.syntax, text, reply_options(ctx, job, job.syntax))
-    return Reply(parsed.reasoning, parsed.content, parsed.tool_calls)
+    content = "" if _calls_only(ctx, job) else parsed.content
+    return Reply(parsed.reasoning, content, parsed.tool_calls)
+
+
+def _calls_only(ctx: ServerContext, job: ChatJob) -> bool:
+    """A reply whose content is dropped: forced calls with the reasoning taken out (with
+    ``reasoning_format: none`` the content holds the reasoning the client asked to keep)."""
+    return job.calls_forced and reasoning_on(ctx, job.data)
+
+
+class CallsOnlyStream(ReplyStream):
+    """A stream of forced calls: a call cut short is never sent as content."""
+
+    def push(self, text: str) -> list[tuple[str, Any]]:
+        return [d for d in super().push(text) if d[0] != "content"]
+
+    def finish(self) -> list[tuple[str, Any]]:
+        return [d for d in super().finish() if d[0] != "content"]
 
 
 def reply_splitter(ctx: ServerContext, job: ChatJob) -> ReplyStream:
     """Takes a streamed reply apart: reasoning and content deltas, and tool-call deltas."""
-    return ReplyStream(job.syntax, reply_options(ctx, job, job.syntax))
+    stream = CallsOnlyStream if _calls_only(ctx, job) else ReplyStream
+    return stream(job.syntax, reply_options(ctx, job, job.syntax))
 
 
 def reply_deltas(ctx: ServerContext, job: ChatJob, text: str) -> list[tuple[str, Any]]:

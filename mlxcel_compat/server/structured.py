@@ -12,8 +12,9 @@ The fields, with llama-server's rules:
 - ``grammar_lazy`` with ``grammar_triggers`` (token, word, pattern, full pattern) and
   ``preserved_tokens``; a lazy grammar without a trigger is a 400.
 - Chat tools (``tools``, ``tool_choice``, ``parallel_tool_calls``): "required" or a named function
-  force a well-formed call (``chat/tool_grammar.py``); "auto" constrains a call once the model opens
-  one; a custom ``grammar`` with active tools is a 400.
+  force a well-formed call in the served template's own syntax (``chat/tool_grammar.py``); "auto"
+  constrains a call once the model writes the format's opening marker; a custom ``grammar`` with
+  active tools is a 400.
 - ``--grammar`` / ``--grammar-file`` / ``-j`` / ``-jf``: the constraint of every request that
   brings none of its own.
 
@@ -28,9 +29,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from mlxcel_compat.chat.reasoning import prompt_opens_thinking
+from mlxcel_compat.chat.call_layout import CallLayout, call_layout
 from mlxcel_compat.chat.request import ChatRequest
-from mlxcel_compat.chat.tool_grammar import lazy_trigger, tool_call_grammar
+from mlxcel_compat.chat.syntax import ChatSyntax
+from mlxcel_compat.chat.tool_grammar import HERMES, forced_calls, lazy_trigger, tool_call_grammar
 from mlxcel_compat.engine.grammar import (
     TRIGGER_PATTERN,
     TRIGGER_PATTERN_FULL,
@@ -50,6 +52,14 @@ from mlxcel_compat.server.errors import InvalidRequest
 from mlxcel_compat.server.params import Body
 
 _NO_SCHEMA = object()
+
+
+@dataclass(frozen=True)
+class _ToolFormat:
+    """How the served template writes calls: its syntax and the layout its renders show."""
+
+    syntax: ChatSyntax
+    layout: CallLayout
 
 
 @dataclass
@@ -72,8 +82,12 @@ class StructuredOutput:
                 schema = _response_format_schema(data)
         return self._finish(data, grammar, schema)
 
-    def for_chat(self, data: Mapping[str, Any], chat: ChatRequest, prompt: str) -> Constraint | None:
-        """The chat routes: grammar, json_schema, response_format and the tools' calls."""
+    def for_chat(self, data: Mapping[str, Any], chat: ChatRequest, prompt: str, template: Any = None) -> Constraint | None:
+        """The chat routes: grammar, json_schema, response_format and the tools' calls.
+
+        ``template`` is the ``ChatTemplate`` the prompt was rendered with: calls are forced in its
+        syntax and layout (Hermes ``<tool_call>`` calls without one).
+        """
         grammar = _grammar_text(data)
         schema = _json_schema(data)
         if schema is not _NO_SCHEMA and grammar:
@@ -88,37 +102,41 @@ class StructuredOutput:
             return self._finish(data, grammar, schema)
         if data.get("grammar") is not None:
             raise InvalidRequest("Cannot use custom grammar constraints with tools.")
-        return self._tool_constraint(data, chat, tools, prompt, schema)
+        syntax = template.syntax() if template is not None else HERMES
+        layout = call_layout(template, forced_calls(syntax)) if template is not None else CallLayout()
+        return self._tool_constraint(data, chat, tools, prompt, schema, _ToolFormat(syntax, layout))
 
-    def _tool_constraint(self, data: Mapping[str, Any], chat: ChatRequest, tools: list[dict[str, Any]], prompt: str, schema: Any) -> Constraint:
+    def _tool_constraint(self, data: Mapping[str, Any], chat: ChatRequest, tools: list[dict[str, Any]], prompt: str, schema: Any,
+                         form: _ToolFormat) -> Constraint:
         parallel = data.get("parallel_tool_calls") is not False
-        thinking_open = prompt_opens_thinking(prompt)
+        thinking_open = form.syntax.reply_starts_in_reasoning(prompt)
         choice = chat.tool_choice
         if choice not in ("auto", "required"):
             tools = [t for t in tools if t["function"]["name"] == choice]
             if not tools:
                 raise InvalidRequest(f"tool_choice names the function '{choice}', which is not among the tools")
+        grammar = {"syntax": form.syntax, "spell": self.compiler.lark_literal, "mark": self.compiler.lark_marker, "layout": form.layout}
         if choice == "auto" and schema is _NO_SCHEMA:
             # llama-server's "auto": free text until the model opens a call, then a valid call.
-            lark = tool_call_grammar(tools, parallel=parallel)
-            self._compile_tools(lark, tools)
-            return Constraint(lark=lark, lazy=True, triggers=(lazy_trigger(thinking_open),))
+            lark = tool_call_grammar(tools, parallel=parallel, lazy=True, **grammar)
+            self._compile_tools(lark, tools, grammar)
+            return Constraint(lark=lark, lazy=True, triggers=(lazy_trigger(tools, form.syntax, thinking_open),))
         response = None
         if choice == "auto":  # a reply in the response format, or calls
             self._compile(lark_from_json_schema(_object_schema(schema)), '"json_schema": ')
             response = json_rule(_object_schema(schema))
-        lark = tool_call_grammar(tools, parallel=parallel, thinking_open=thinking_open, response_rule=response)
-        self._compile_tools(lark, tools)
+        lark = tool_call_grammar(tools, parallel=parallel, thinking_open=thinking_open, response_rule=response, **grammar)
+        self._compile_tools(lark, tools, grammar)
         return Constraint(lark=lark)
 
-    def _compile_tools(self, lark: str, tools: list[dict[str, Any]]) -> None:
+    def _compile_tools(self, lark: str, tools: list[dict[str, Any]], grammar: dict[str, Any]) -> None:
         """Compile a tool-call grammar; a failure names the tool whose parameters are at fault."""
         try:
             self.compiler.compile(lark)
         except GrammarError as exc:
             for tool in tools:
                 name = tool["function"]["name"]
-                self._compile(tool_call_grammar([tool], parallel=False), f"\"tools\": function '{name}': ")
+                self._compile(tool_call_grammar([tool], parallel=False, **grammar), f"\"tools\": function '{name}': ")
             raise InvalidRequest(f'"tools": {exc}') from None
 
     # ------------------------------------------------------------------ shared

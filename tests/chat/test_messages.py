@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from mlxcel_compat.chat.reasoning import prompt_opens_thinking
 from mlxcel_compat.chat.render import render_chat, render_history_boundary
 from mlxcel_compat.chat.request import ChatRequestError, parse_chat_request
 from mlxcel_compat.chat.template import ChatTemplate
@@ -500,12 +499,10 @@ def test_reasoning_is_taken_out(text: str, kwargs: dict[str, Any], expected: tup
     assert (reply.reasoning, reply.content) == expected
 
 
-def test_prompt_opens_thinking() -> None:
-    assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
-    assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert not prompt_opens_thinking("<|im_start|>assistant\n")
+def test_the_prompt_may_open_the_reasoning_block() -> None:
     assert HERMES.reply_starts_in_reasoning("<|im_start|>assistant\n<think>\n")
     assert not HERMES.reply_starts_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not HERMES.reply_starts_in_reasoning("<|im_start|>assistant\n")
 
 
 def _split_stream(pieces: list[str], **kwargs) -> tuple[str, str, list[dict[str, Any]]]:

@@ -178,12 +178,12 @@ def test_full_pattern_trigger_must_match_all_the_text(compiler, tokenizer):
 
 
 def test_auto_tool_trigger_ignores_calls_inside_thinking(compiler, tokenizer):
-    lark = tool_call_grammar([WEATHER], parallel=False)
-    constraint = Constraint(lark=lark, lazy=True, triggers=(lazy_trigger(False),))
+    lark = tool_call_grammar([WEATHER], parallel=False, lazy=True)
+    constraint = Constraint(lark=lark, lazy=True, triggers=(lazy_trigger([WEATHER], thinking_open=False),))
     assert feed(compiler, tokenizer, constraint, "<think>maybe <tool_call> later").awaiting_trigger
     state = feed(compiler, tokenizer, constraint, '<think>ok</think>Sure. <tool_call>\n{"name": "get_weather"')
     assert state.active and state.error is None
-    in_thinking = Constraint(lark=lark, lazy=True, triggers=(lazy_trigger(True),))
+    in_thinking = Constraint(lark=lark, lazy=True, triggers=(lazy_trigger([WEATHER], thinking_open=True),))
     assert feed(compiler, tokenizer, in_thinking, "<tool_call> still thinking").awaiting_trigger
     assert feed(compiler, tokenizer, in_thinking, "done</think><tool_call>").active
 
@@ -290,10 +290,10 @@ def test_tool_choices(structured):
     assert auto.lazy and auto.triggers[0].type == 3
     body, parsed = chat(tools=[WEATHER, ADD], tool_choice="required")
     required = structured.for_chat(body, parsed, "")
-    assert not required.lazy and "get_weather" in required.lark and '"add"' in required.lark
+    assert not required.lazy and "get_weather" in required.lark and '\\"add\\"' in required.lark
     body, parsed = chat(tools=[WEATHER, ADD], tool_choice={"type": "function", "function": {"name": "add"}})
     named = structured.for_chat(body, parsed, "")
-    assert '"add"' in named.lark and "get_weather" not in named.lark
+    assert '\\"add\\"' in named.lark and "get_weather" not in named.lark
     body, parsed = chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
     assert "not among the tools" in error_of(structured.for_chat, body, parsed, "")
 
