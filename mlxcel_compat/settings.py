@@ -318,7 +318,6 @@ R_MMPROJ_FILE = (
 R_SLOTS = "mlxcel_compat keeps a radix prompt cache instead of llama.cpp's slot caches; see --prompt-cache-*"
 R_LOG_FORMAT = "logs use Python's logging format"
 R_UI = "the built-in chat page is served from the package; other static files are not served"
-R_ROUTER = "router (multi-model) mode is not supported; serve one model per process"
 R_LORA_ENV = "llama-server reads no environment variable for it (MLXCEL_* only)"
 R_CVEC = "control vectors are not supported"
 R_TLS = "TLS is not supported; terminate TLS in a reverse proxy"
@@ -412,20 +411,33 @@ _SERVER: tuple[Setting, ...] = (
                  "tokenizer stays loaded, so /tokenize, /detokenize, /apply-template, token counting, /slots "
                  "and /metrics leave the server asleep (llama-server b11312 reloads its model for all but "
                  "/metrics). The /metrics throughput gauges still cover the window since the previous scrape."),
-    _noop("models_max", ("--models-max",), "Router mode: models loaded at once.", R_ROUTER, metavar="N",
-          env=("LLAMA_ARG_MODELS_MAX",), group="server", type="int"),
-    _noop("models_autoload", ("--models-autoload",), "Router mode: load models on demand.", R_ROUTER,
-          env=("LLAMA_ARG_MODELS_AUTOLOAD",), negative_flags=("--no-models-autoload",), group="server"),
+    Setting("models_max", ("--models-max",), ("LLAMA_ARG_MODELS_MAX",), type="int", default=4, minimum=0,
+            metavar="N", group="server",
+            help="Router mode: the most models loaded at once; loading another unloads the least recently used "
+                 "one that is not pinned and serves no request (0 = unlimited)."),
+    Setting("models_autoload", ("--models-autoload",), ("LLAMA_ARG_MODELS_AUTOLOAD",), type="bool", default=True,
+            negative_flags=("--no-models-autoload",), group="server",
+            help="Router mode: load a model on the first request that names it (a request may say "
+                 "?autoload=true|false); off, such a request gets 400 'model is not loaded'."),
+    Setting("models_memory", ("--models-memory",), type="int", default=0, minimum=0, metavar="BYTES",
+            group="server", upstream=False,
+            help="Router mode: the most bytes of model files loaded at once (0 = no limit); loading another "
+                 "unloads the least recently used models that are not pinned first."),
     _refused("tools_runtime", ("--tools-runtime",), "Where built-in tools run (docker:IMAGE, ssh:TARGET, ...).",
              R_TOOLS_RUNTIME, metavar="OPTION", env=("LLAMA_ARG_TOOLS_RUNTIME",), group="server"),
     _refused("ssl_key_file", ("--ssl-key-file",), "PEM private key for HTTPS.", R_TLS, metavar="FNAME",
              env=("LLAMA_ARG_SSL_KEY_FILE",), group="server"),
     _refused("ssl_cert_file", ("--ssl-cert-file",), "PEM certificate for HTTPS.", R_TLS, metavar="FNAME",
              env=("LLAMA_ARG_SSL_CERT_FILE",), group="server"),
-    _refused("models_dir", ("--models-dir",), "Router mode: directory of models.", R_ROUTER, metavar="PATH",
-             env=("LLAMA_ARG_MODELS_DIR",), group="server"),
-    _refused("models_preset", ("--models-preset",), "Router mode: INI file of model presets.", R_ROUTER,
-             metavar="PATH", env=("LLAMA_ARG_MODELS_PRESET",), group="server"),
+    Setting("models_dir", ("--models-dir",), ("LLAMA_ARG_MODELS_DIR",), metavar="PATH", group="server",
+            reason="beyond llama-server: a Hugging Face / MLX model directory (with config.json) is a model too, "
+                   "and a split GGUF lying in the directory itself is one model",
+            help="Router mode (no -m): serve the models of this directory, each GGUF file and each "
+                 "subdirectory (split GGUF parts, or a model directory) named after itself; docs/router.md."),
+    Setting("models_preset", ("--models-preset",), ("LLAMA_ARG_MODELS_PRESET",), metavar="PATH", group="server",
+            reason="beyond llama-server: 'pin = true' keeps a model loaded (never evicted)",
+            help="Router mode (no -m): an INI file with a section of arguments per model ([*]: defaults for "
+                 "all), 'model = PATH' for models not in --models-dir; docs/router.md."),
     Setting("ui_mcp_proxy", ("--ui-mcp-proxy", "--webui-mcp-proxy"), ("LLAMA_ARG_UI_MCP_PROXY",), type="bool",
             default=False, negative_flags=("--no-ui-mcp-proxy", "--no-webui-mcp-proxy"), group="server",
             reason="forwarded header names go out in canonical casing (X-Custom): the ASGI server lowercases "

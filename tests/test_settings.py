@@ -335,7 +335,7 @@ def test_optional_value_flag_does_not_eat_the_next_flag() -> None:
         (["--mmproj", "p.gguf"], {}, "--mmproj"),
         (["--fim-qwen-7b-default"], {}, "--fim-qwen-7b-default"),
         ([], {"LLAMA_ARG_SSL_KEY_FILE": "/k.pem"}, "LLAMA_ARG_SSL_KEY_FILE"),
-        ([], {"LLAMA_ARG_MODELS_DIR": "/models"}, "LLAMA_ARG_MODELS_DIR"),
+        ([], {"LLAMA_ARG_MMPROJ_URL": "http://x/p.gguf"}, "LLAMA_ARG_MMPROJ_URL"),
     ],
 )
 def test_refused_options_stop_start_up_with_a_reason(argv, env, spelling) -> None:
