@@ -138,10 +138,18 @@ def build_server(settings: object, model_arg: str, api_keys: list[str], model_na
 
 def is_router(settings: object) -> bool:
     """llama-server's router mode: no ``-m`` / ``-hf``, and a model source to route to
-    (``--models-dir``, ``--models-preset``)."""
+    (``--models-dir``, ``--models-preset``, or GGUF models in ``$LLAMA_CACHE`` when it is set;
+    without any, no ``-m`` serves the demo model instead)."""
     if getattr(settings, "model", None) or getattr(settings, "hf_repo", None):
         return False
-    return bool(getattr(settings, "models_dir", None) or getattr(settings, "models_preset", None))
+    if getattr(settings, "models_dir", None) or getattr(settings, "models_preset", None):
+        return True
+    cache = getattr(settings, "llama_cache", None)
+    if not cache:
+        return False
+    from mlxcel_compat.server.router_sources import scan_hub_cache
+
+    return bool(scan_hub_cache(cache))
 
 
 def serve_router(settings: object, argv: list[str], api_keys: list[str]) -> int:

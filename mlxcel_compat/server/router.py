@@ -1,6 +1,7 @@
 """llama-server's router mode in one process: several models behind one listener.
 
-Started without ``-m`` but with ``--models-dir`` and/or ``--models-preset``, the server answers
+Started without ``-m`` but with ``--models-dir``, ``--models-preset`` or GGUF models in
+``$LLAMA_CACHE`` (``server/router_sources.py``), the server answers
 the router's own routes itself (``/health``, ``/models``, ``/v1/models``, ``/models/load``,
 ``/models/unload``, ``/props`` without ``?model=``, the chat page) and hands every other request
 to the app of the model it names, unchanged: POST routes name it in the body's ``model`` field,
@@ -70,7 +71,7 @@ class RouterState:
 def build_models(settings: Any, argv: list[str]) -> list[RouterModel]:
     """Every model of the sources, with its settings resolved (a bad preset stops start-up)."""
     models = []
-    for source in collect_sources(settings.models_dir, settings.models_preset):
+    for source in collect_sources(settings.models_dir, settings.models_preset, settings.llama_cache):
         args = model_argv(source, argv)
         try:
             model_settings = resolve_settings(args, os.environ)
@@ -311,7 +312,7 @@ class RouterApp:
 
 
 def build_router(settings: Any, argv: list[str], api_keys: list[str]) -> RouterApp:
-    """The router's app over the models of ``--models-dir`` / ``--models-preset``."""
+    """The router's app over the models of ``$LLAMA_CACHE``, ``--models-dir`` and ``--models-preset``."""
     models = build_models(settings, argv)
     if not models:
         log.warning("router: no models found in --models-dir / --models-preset")

@@ -1,8 +1,9 @@
 """The router's model list: where models come from and the arguments each one is served with.
 
 Sources, as llama-server's router reads them (``common/preset.cpp: load_from_models_dir``,
-``tools/server/README.md`` "Model presets"):
+``common/download.cpp: common_list_cached_models``, ``tools/server/README.md`` "Model presets"):
 
+- ``$LLAMA_CACHE``, the hub cache ``-hf`` fills: each GGUF model there is named ``user/repo:TAG``.
 - ``--models-dir DIR``: each ``*.gguf`` file is a model named after the file (``.gguf`` dropped;
   ``mmproj*`` and draft files, ``mtp-``/``dspark-``/``dflash-``, are companions, not models); each
   subdirectory is a model named after the directory: its first split part
@@ -96,6 +97,49 @@ def scan_models_dir(root: str) -> list[ModelSource]:
     return found
 
 
+SPLIT_PART = re.compile(r"^(?P<prefix>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})$", re.IGNORECASE)
+QUANT_TAG = re.compile(r"[-.](?P<tag>[A-Z0-9_]+)$", re.IGNORECASE)
+CACHE_COMPANIONS = ("mmproj", "mtp-", "eagle3-", "dflash-", "dspark-")
+
+
+def _snapshot(repo_dir: Path) -> Path | None:
+    """The snapshot ``refs/main`` points at (the only one when there is no ref)."""
+    ref = repo_dir / "refs" / "main"
+    if ref.is_file():
+        path = repo_dir / "snapshots" / ref.read_text().strip()
+        return path if path.is_dir() else None
+    snapshots = sorted(p for p in (repo_dir / "snapshots").iterdir() if p.is_dir())
+    return snapshots[0] if len(snapshots) == 1 else None
+
+
+def scan_hub_cache(cache_dir: str) -> list[ModelSource]:
+    """The GGUF models of a Hugging Face hub cache (``$LLAMA_CACHE`` as ``-hf`` fills it), named
+    as llama-server names them: ``user/repo:TAG``, the tag being the quantization suffix of the
+    file (its first part for a split model); companion files (mmproj, drafts) are left out."""
+    root = Path(cache_dir).expanduser()
+    if not root.is_dir():
+        return []
+    found: dict[str, ModelSource] = {}
+    for repo_dir in sorted(root.glob("models--*--*")):
+        repo = repo_dir.name[len("models--"):].replace("--", "/")
+        snapshot = _snapshot(repo_dir) if (repo_dir / "snapshots").is_dir() else None
+        if snapshot is None or repo.count("/") != 1:
+            continue
+        for file in sorted(p for p in snapshot.rglob("*.gguf")):
+            prefix = file.name[: -len(".gguf")]
+            split = SPLIT_PART.match(prefix)
+            if split:
+                if int(split["index"]) != 1:
+                    continue
+                prefix = split["prefix"]
+            tag = QUANT_TAG.search(prefix)
+            if tag is None or any(c in prefix for c in CACHE_COMPANIONS):
+                continue
+            name = f"{repo}:{tag['tag'].upper()}"
+            found.setdefault(name, ModelSource(name, str(file), "cache"))
+    return list(found.values())
+
+
 def read_preset(path: str) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
     """``(defaults, sections)`` of an INI preset file; keys keep their case (variable names)."""
     parser = configparser.ConfigParser(interpolation=None, strict=False, comment_prefixes=(";", "#"),
@@ -133,9 +177,11 @@ def _model_keys(options: dict[str, str]) -> tuple[str | None, dict[str, str]]:
     return model, keys
 
 
-def collect_sources(models_dir: str | None, preset: str | None) -> list[ModelSource]:
-    """Every model the router serves, from the directory and the preset (names unique)."""
-    models = {m.name: m for m in (scan_models_dir(models_dir) if models_dir else [])}
+def collect_sources(models_dir: str | None, preset: str | None, cache_dir: str | None = None) -> list[ModelSource]:
+    """Every model the router serves, from the hub cache, the directory and the preset (names
+    unique; a directory's model hides a cached one of the same name, a preset section sets either)."""
+    models = {m.name: m for m in (scan_hub_cache(cache_dir) if cache_dir else [])}
+    models.update({m.name: m for m in (scan_models_dir(models_dir) if models_dir else [])})
     defaults, sections = read_preset(preset) if preset else ({}, {})
     _, common = _model_keys(defaults)
     own: dict[str, dict[str, str]] = {}
@@ -242,4 +288,4 @@ def model_argv(source: ModelSource, router_argv: list[str]) -> list[str]:
             "--model", source.model, "--alias", source.name]
 
 
-__all__ = ["ModelSource", "SourceError", "collect_sources", "model_argv", "read_preset", "scan_models_dir"]
+__all__ = ["ModelSource", "SourceError", "collect_sources", "model_argv", "read_preset", "scan_hub_cache", "scan_models_dir"]

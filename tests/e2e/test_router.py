@@ -52,9 +52,14 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def router(server_factory, models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
+    from tests.model.test_hub import populate_cache
+
     preset = tmp_path_factory.mktemp("router-preset") / "models.ini"
     preset.write_text(PRESET.format(llama=models_dir / "llama"))
-    return server_factory(["--models-dir", str(models_dir), "--models-preset", str(preset), "--models-max", "2"])
+    cache = tmp_path_factory.mktemp("router-llama-cache")  # as -hf acme/tiny-GGUF:F32 would have filled it
+    populate_cache(cache, "acme/tiny-GGUF", {"tiny-F32.gguf": tiny_model("qwen3:f32")})
+    return server_factory(["--models-dir", str(models_dir), "--models-preset", str(preset), "--models-max", "2"],
+                          env={"LLAMA_CACHE": str(cache)})
 
 
 @pytest.fixture()
@@ -106,7 +111,8 @@ def test_props_and_model_list(http: httpx.Client) -> None:
     assert props["role"] == "router"
     assert props["max_instances"] == 2 and props["models_autoload"] is True
     data = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
-    assert sorted(data) == ["bert", "broken", "llama", "llama-256", "qwen3"]  # no mmproj companion
+    assert sorted(data) == ["acme/tiny-GGUF:F32", "bert", "broken", "llama", "llama-256", "qwen3"]  # no mmproj
+    assert data["acme/tiny-GGUF:F32"]["source"] == "cache" and data["qwen3"]["source"] == "models_dir"
     assert data["bert"]["status"]["args"][:4] == ["mlxcel-server", "-c=2048", "-np=2", "--embedding=true"]
     assert "-c=512" in data["llama-256"]["status"]["args"]  # LLAMA_ARG_CTX_SIZE, after [*]'s -c=2048
     assert data["llama"]["pinned"] is True and data["qwen3"]["pinned"] is False
@@ -118,9 +124,11 @@ def test_openai_sdk_routes_by_model(http: httpx.Client, client: openai.OpenAI) -
     unload_all(http)
     answer = client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert answer.model == "llama" and answer.usage.completion_tokens == 3
-    text = client.completions.create(model="qwen3", prompt="once upon", max_tokens=3)
+    text = client.completions.create(model="qwen3", prompt="once upon", max_tokens=3, temperature=0)
     assert text.model == "qwen3" and text.usage.completion_tokens == 3
     assert loaded(http) == {"llama", "qwen3"}
+    cached = client.completions.create(model="acme/tiny-GGUF:F32", prompt="once upon", max_tokens=3, temperature=0)
+    assert cached.model == "acme/tiny-GGUF:F32" and cached.choices[0].text == text.choices[0].text  # the same file
     embedding = client.embeddings.create(model="bert", input="hello")
     assert len(embedding.data[0].embedding) > 0
     ids = {m.id for m in client.models.list()}

@@ -79,3 +79,16 @@ def test_bad_presets_are_refused(tmp_path: Path, text: str, message: str) -> Non
     with pytest.raises(SourceError, match=message):
         for source in collect_sources(None, str(preset)):
             model_argv(source, [])
+
+
+def test_hub_cache_models_are_named_as_llama_server_names_them(tmp_path: Path) -> None:
+    from tests.model.test_hub import populate_cache
+
+    populate_cache(tmp_path, "acme/tiny-GGUF", {"tiny-Q8_0.gguf": b"GGUF", "tiny-q4_k_m.gguf": b"GGUF",
+                                                 "mmproj-tiny-F16.gguf": b"GGUF", "README.md": b"x"})
+    populate_cache(tmp_path, "acme/big-GGUF", {"Q2_K/big-Q2_K-00001-of-00002.gguf": b"GGUF",
+                                                "Q2_K/big-Q2_K-00002-of-00002.gguf": b"GGUF", "notag.gguf": b"GGUF"})
+    found = {m.name: Path(m.model).name for m in collect_sources(None, None, str(tmp_path))}
+    assert found == {"acme/tiny-GGUF:Q8_0": "tiny-Q8_0.gguf", "acme/tiny-GGUF:Q4_K_M": "tiny-q4_k_m.gguf",
+                     "acme/big-GGUF:Q2_K": "big-Q2_K-00001-of-00002.gguf"}
+    assert all(m.source == "cache" for m in collect_sources(None, None, str(tmp_path)))
