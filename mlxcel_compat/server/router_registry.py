@@ -166,7 +166,7 @@ class ModelRegistry:
     async def _load(self, model: RouterModel) -> None:
         t0 = time.perf_counter()
         try:
-            await self._make_room(model)
+            await self.make_room(model)
             app = await asyncio.to_thread(self._build, model)
             model.app = app
             app.state.ctx.engine.start()
@@ -233,7 +233,7 @@ class ModelRegistry:
         ctx = app.state.ctx
         await asyncio.to_thread(_stop, ctx)
 
-    async def _make_room(self, model: RouterModel) -> None:
+    async def make_room(self, model: RouterModel) -> None:
         """Unload least recently used models until ``model`` fits ``--models-max`` and
         ``--models-memory``; wait (up to ``--timeout``) for busy ones."""
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
