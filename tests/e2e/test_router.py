@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from tests.conftest import ServerProcess, tiny_encoder, tiny_model
+from tests.e2e.test_webui import browser  # noqa: F401  (the chat page's test uses the same headless browser)
 
 PRESET = """\
 version = 1
@@ -138,22 +139,18 @@ def test_openai_sdk_routes_by_model(http: httpx.Client, client: openai.OpenAI) -
     assert http.get("/props", params={"model": "llama"}).json()["default_generation_settings"]["n_ctx"] == 1024
 
 
-def test_lru_unload_at_models_max(http: httpx.Client) -> None:
-    unload_all(http)
-    assert chat(http, "qwen3").status_code == 200
-    assert http.post("/v1/embeddings", json={"model": "bert", "input": "hi"}).status_code == 200
-    assert loaded(http) == {"qwen3", "bert"}
-    assert chat(http, "llama-256").status_code == 200  # a third model: the least recently used goes
-    assert loaded(http) == {"bert", "llama-256"}
-    assert statuses(http)["qwen3"]["value"] == "unloaded"
-
-
-def test_pinned_model_is_never_evicted(http: httpx.Client) -> None:
+def test_lru_unload_at_models_max_and_pinning(http: httpx.Client) -> None:
     unload_all(http)
     assert chat(http, "llama").status_code == 200  # pinned, and the least recently used from now on
     assert chat(http, "qwen3").status_code == 200
     assert http.post("/v1/embeddings", json={"model": "bert", "input": "hi"}).status_code == 200
-    assert loaded(http) == {"llama", "bert"}
+    assert loaded(http) == {"llama", "bert"}  # qwen3 went: llama is older but pinned
+    assert http.post("/models/unload", json={"model": "llama"}).json() == {"success": True}  # a pin yields to this
+    wait_for(http, "llama", "unloaded")
+    assert chat(http, "qwen3").status_code == 200
+    assert loaded(http) == {"bert", "qwen3"}
+    assert chat(http, "llama-256").status_code == 200  # a third model: the least recently used goes
+    assert loaded(http) == {"qwen3", "llama-256"}
 
 
 def test_failed_load_beside_healthy_models(http: httpx.Client) -> None:
@@ -204,7 +201,7 @@ def test_load_does_not_stall_other_streams(http: httpx.Client, router: ServerPro
     arrivals: list[float] = []
 
     def stream() -> None:
-        body = {"model": "llama", "prompt": "a", "n_predict": 900, "ignore_eos": True, "stream": True}
+        body = {"model": "llama", "prompt": "a", "n_predict": 500, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=router.base_url, timeout=60) as c, c.stream("POST", "/completion", json=body) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -219,8 +216,34 @@ def test_load_does_not_stall_other_streams(http: httpx.Client, router: ServerPro
     wait_for(http, "qwen3", "loaded")
     done = time.monotonic()
     streaming.join(60)
-    assert len(arrivals) >= 900
+    assert len(arrivals) >= 500
     assert arrivals[-1] > done, "the stream ended before the load did: nothing was measured"
     during = [t for t in arrivals if started <= t <= done]
     gaps = [b - a for a, b in zip([started, *during], [*during, done])]
     assert max(gaps) < 1.0, f"the stream stalled {max(gaps):.2f} s while the model loaded ({done - started:.2f} s)"
+
+
+@pytest.mark.slow  # a browser of its own: ~5 s (tests/e2e/test_webui.py covers the page itself by default)
+def test_chat_page_picks_a_model(http: httpx.Client, router: ServerProcess, browser: Any) -> None:  # noqa: F811
+    """The chat page behind the router lists the models with their status, and the one picked
+    answers (the request names it; the pick survives a reload)."""
+    from selenium.webdriver.support.ui import Select
+
+    from tests.e2e.test_webui import by_css, open_page, send, until, wait_answer
+
+    unload_all(http)
+    driver = browser
+    open_page(driver, router.base_url, settings={"max_tokens": 4})
+    until(driver, lambda d: by_css(d, "#model-pick option"), message="the picker never listed the models")
+    pick = Select(by_css(driver, "#model-pick")[0])
+    labels = [option.text for option in pick.options]
+    assert "qwen3 (unloaded)" in labels and "llama-256 (unloaded)" in labels and len(labels) == 6
+    pick.select_by_value("qwen3")
+    send(driver, "hello")
+    wait_answer(driver, 1)
+    assert loaded(http) == {"qwen3"}
+    until(driver, lambda d: "qwen3" in [o.text for o in Select(by_css(d, "#model-pick")[0]).options],
+          message="the picker never showed qwen3 loaded")
+    driver.refresh()
+    until(driver, lambda d: d.execute_script("return document.body.dataset.ready === '1'"))
+    assert Select(by_css(driver, "#model-pick")[0]).first_selected_option.get_attribute("value") == "qwen3"

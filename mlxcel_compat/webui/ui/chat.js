@@ -35,8 +35,9 @@ function button(label, action) {
 }
 
 export class ChatView {
-  constructor({ root, api, settings, onChange, onBusy, tools, toolsOn }) {
+  constructor({ root, api, settings, onChange, onBusy, tools, toolsOn, model }) {
     this.root = root;
+    this.model = model || (() => ""); // () => the model the request names (a router's pick), "" for none
     this.api = api;
     this.tools = tools; // Tools (tools.js)
     this.toolsOn = toolsOn || (() => false); // () => whether to offer the tools to the model
@@ -210,7 +211,8 @@ export class ChatView {
 
   async streamAnswer(c) {
     const offer = this.toolsOn() && this.tools?.available ? { tools: this.tools.definitions() } : {};
-    const body = { messages: this.requestMessages(), ...offer, ...this.settings().requestFields() };
+    const picked = this.model() ? { model: this.model() } : {};
+    const body = { ...picked, messages: this.requestMessages(), ...offer, ...this.settings().requestFields() };
     const answer = { role: "assistant", content: "", reasoning: "" };
     c.messages.push(answer);
     saveConversation(c);
