@@ -31,6 +31,7 @@ from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlxcel_compat.server import api_web
+from mlxcel_compat.server.api_tools import feature_disabled
 from mlxcel_compat.server.app import ErrorMiddleware, GateMiddleware, ServerHeaderMiddleware
 from mlxcel_compat.server.cors import CorsMiddleware, CorsPolicy
 from mlxcel_compat.server.errors import InvalidRequest, NotFound, PayloadTooLarge, json_response
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 # The routes the router answers itself; any other path goes to the model the request names.
 OWN_PATHS = {"/health", "/v1/health", "/models", "/v1/models", "/models/load", "/models/unload", "/", "/index.html"}
+# GET routes the router answers itself when no ?model= names a model (the chat page reads both).
+MODEL_OPTIONAL = {"/props", "/tools"}
 ROUTER_BODY_BYTES = 64 << 20  # the most body the router reads to find "model" without --max-body-bytes
 INLINE_JSON_BYTES = 64 << 10  # bodies above this are parsed on a thread, off the event loop
 
@@ -162,10 +165,20 @@ async def unload_model(request: Request) -> Response:
     return json_response({"success": True})
 
 
+async def router_tools(request: Request) -> Response:
+    """The chat page's tool list: the router offers no built-in tools of its own (a model's
+    ``--tools`` are reached with ``?model=``), so it answers as a server without tools."""
+    return feature_disabled()
+
+
 async def router_props(request: Request) -> Response:
     state = _state(request)
     settings = state.settings
-    ui_settings: dict[str, Any] = dict(settings.ui_config or {})
+    ui_settings: dict[str, Any] = {}
+    if settings.ui_config_file:  # as ServerContext.ui_settings: the file, then --ui-config over it
+        with open(os.path.expanduser(settings.ui_config_file), encoding="utf-8") as f:
+            ui_settings.update(orjson.loads(f.read()))
+    ui_settings.update(settings.ui_config or {})
     return json_response({
         "role": "router",
         "max_instances": settings.models_max,
@@ -187,6 +200,7 @@ ROUTES = [
     Route("/models/load", load_model, methods=["POST"]),
     Route("/models/unload", unload_model, methods=["POST"]),
     Route("/props", router_props, methods=["GET"]),
+    Route("/tools", router_tools, methods=["GET"]),
     *api_web.ROUTES,
 ]
 
@@ -308,7 +322,7 @@ class RouterApp:
             path = path[len(self.prefix):]
         if path in OWN_PATHS or path.startswith(api_web.PUBLIC_PREFIXES) or scope["method"] == "OPTIONS":
             return True
-        return path == "/props" and scope["method"] == "GET" and not _query(scope).get("model")
+        return path in MODEL_OPTIONAL and scope["method"] == "GET" and not _query(scope).get("model")
 
 
 def build_router(settings: Any, argv: list[str], api_keys: list[str]) -> RouterApp:

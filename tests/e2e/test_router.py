@@ -111,6 +111,7 @@ def test_props_and_model_list(http: httpx.Client) -> None:
     props = http.get("/props").json()
     assert props["role"] == "router"
     assert props["max_instances"] == 2 and props["models_autoload"] is True
+    assert http.get("/tools").status_code == 403  # the chat page's tool list: the router has none of its own
     data = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
     assert sorted(data) == ["acme/tiny-GGUF:F32", "bert", "broken", "llama", "llama-256", "qwen3"]  # no mmproj
     assert data["acme/tiny-GGUF:F32"]["source"] == "cache" and data["qwen3"]["source"] == "models_dir"
