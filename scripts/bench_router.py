@@ -11,7 +11,9 @@ measured the same way, one after the other:
    sent again. Reported: both first-token times, their ratio, and ``timings.cache_n`` of the
    second (llama-server's router loses a model's cache with its child process).
 3. **Memory after an unload**: the server's resident memory (the router process and its
-   children) with no model loaded, with one loaded, and after unloading it.
+   children) at start, with no model loaded (after the runs above), with one loaded and used
+   (one short request reads every weight: mapped GGUF pages count once touched), and after
+   unloading it.
 
 Usage (the factory's small GGUFs by default; llama-server from the peer tree when present):
 
@@ -122,6 +124,7 @@ def measure(label: str, cmd: list[str], port: int, names: list[str], prompt: lis
     try:
         server.wait_healthy(timeout)
         assert server.proc is not None
+        rss_start = rss_bytes(server.proc.pid)
         with httpx.Client(base_url=server.base_url, timeout=600) as c:
             a, b = names[0], names[1]
             cold = []
@@ -134,6 +137,7 @@ def measure(label: str, cmd: list[str], port: int, names: list[str], prompt: lis
             time.sleep(1.0)
             rss_before = rss_bytes(server.proc.pid)
             load(c, a)
+            first_token(c, a, "Hello", n_predict=8)  # every weight read once (mapped files count when touched)
             time.sleep(1.0)
             rss_loaded = rss_bytes(server.proc.pid)
             unload(c, a)
@@ -156,6 +160,7 @@ def measure(label: str, cmd: list[str], port: int, names: list[str], prompt: lis
         "prompt_after_reload_ttft_s": again,
         "after_reload_over_cold": again / fresh if fresh else None,
         "after_reload_cache_n": cache_n,
+        "rss_at_start_mib": rss_start / 2**20,
         "rss_no_model_mib": rss_before / 2**20,
         "rss_loaded_mib": rss_loaded / 2**20,
         "rss_after_unload_mib": rss_after / 2**20,
@@ -199,7 +204,8 @@ def main() -> int:
               f"({', '.join(f'{t:.2f}' for t in run['cold_ttft_s'])}); "
               f"{run['prompt_tokens']}-token prompt after unload+reload {run['prompt_after_reload_ttft_s']:.3f} s "
               f"vs cold {run['prompt_cold_ttft_s']:.3f} s ({run['after_reload_over_cold']:.2f}x, cache_n "
-              f"{run['after_reload_cache_n']}); RSS {run['rss_no_model_mib']:.0f} MiB -> loaded "
+              f"{run['after_reload_cache_n']}); RSS at start {run['rss_at_start_mib']:.0f} MiB, before a load "
+              f"{run['rss_no_model_mib']:.0f} MiB -> loaded and used "
               f"{run['rss_loaded_mib']:.0f} -> unloaded {run['rss_after_unload_mib']:.0f} "
               f"({run['rss_after_unload_over_before']:.2f}x of before)")
     if len(runs) == 2:

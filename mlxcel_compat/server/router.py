@@ -14,6 +14,7 @@ docs/router.md.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -36,7 +37,7 @@ from mlxcel_compat.server.app import ErrorMiddleware, GateMiddleware, ServerHead
 from mlxcel_compat.server.cors import CorsMiddleware, CorsPolicy
 from mlxcel_compat.server.errors import InvalidRequest, NotFound, PayloadTooLarge, json_response
 from mlxcel_compat.server.formats import BUILD_INFO
-from mlxcel_compat.server.router_registry import ModelRegistry, RouterModel, disk_size
+from mlxcel_compat.server.router_registry import ModelRegistry, RouterModel, disk_size, release_memory
 from mlxcel_compat.server.router_sources import SourceError, collect_sources, model_argv
 from mlxcel_compat.settings import SettingsError, mcp_proxy_enabled, resolve_settings
 
@@ -240,9 +241,16 @@ class Forwarder:
             raise InvalidRequest(f"model '{name}' not found")
         app = await self.registry.acquire(model, _autoload(scope, bool(self.settings.models_autoload)))
         try:
-            await app(scope, _replay(body, receive) if body is not None else receive, send)
+            # A scope of its own: Starlette records its app (and the route's endpoint) in the scope,
+            # which the HTTP server keeps until the connection goes; the model's must not outlive
+            # the request there, or an unloaded model's memory would wait for that connection.
+            own = {**scope, "state": dict(scope.get("state") or {})}
+            await app(own, _replay(body, receive) if body is not None else receive, send)
         finally:
+            del app, own
             self.registry.release(model)
+            if model.app is None:  # unloaded while this request ran: its memory goes now, not at the next gc
+                await asyncio.to_thread(release_memory)
 
     async def _read_body(self, receive: Receive) -> bytes:
         chunks: list[bytes] = []
@@ -266,8 +274,6 @@ class Forwarder:
         if not body:
             return ""
         if len(body) > INLINE_JSON_BYTES:
-            import asyncio
-
             data = await asyncio.to_thread(_loads, body)
         else:
             data = _loads(body)

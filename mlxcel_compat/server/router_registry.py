@@ -167,10 +167,11 @@ class ModelRegistry:
         t0 = time.perf_counter()
         try:
             await self.make_room(model)
-            app = await asyncio.to_thread(self._build, model)
-            model.app = app
-            app.state.ctx.engine.start()
-            failure = await open_model(app.state.ctx)
+            # No local keeps the app: a reference left in this frame while it is unloaded would
+            # hold the model's memory until the collector's next full pass (see release_memory).
+            model.app = await asyncio.to_thread(self._build, model)
+            model.ctx.engine.start()
+            failure = await open_model(model.ctx)
             if failure is not None:
                 raise InstanceError(failure.removeprefix("model failed to load: "))
         except (InstanceError, Unavailable) as exc:
@@ -209,29 +210,33 @@ class ModelRegistry:
     async def _unload(self, model: RouterModel, why: str) -> None:
         """Stop ``model``'s engine (running requests get ``stop-timeout`` seconds) and free it."""
         model.status = "unloading"
-        engine = model.ctx.engine if model.ctx is not None else None
-        if engine is not None and model.in_flight:
-            engine.shutdown(running_too=False)  # new requests end with a 503; running ones go on
-            deadline = time.monotonic() + model.source.stop_timeout
-            while model.in_flight and time.monotonic() < deadline:
-                await asyncio.sleep(POLL_SECONDS)
-            engine.shutdown(running_too=True)
-            deadline = time.monotonic() + FLUSH_SECONDS
-            while model.in_flight and time.monotonic() < deadline:
-                await asyncio.sleep(POLL_SECONDS)
-        cache = engine.prefix_cache if engine is not None else None
-        if cache is not None and cache.disk is None and engine.compat is not None:
-            model.kept = KeptCache(engine.compat.model, cache.store)
+        await self._drain(model)
+        model.kept = kept_cache(model.ctx)
         await self._stop_app(model)
         model.status = "unloaded"
         log.info("router: model '%s' unloaded (%s)", model.name, why)
+
+    async def _drain(self, model: RouterModel) -> None:
+        """Let running requests finish within ``stop-timeout`` (new ones get a 503), then end them."""
+        if model.ctx is None or not model.in_flight:
+            return
+        model.ctx.engine.shutdown(running_too=False)
+        deadline = time.monotonic() + model.source.stop_timeout
+        while model.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_SECONDS)
+        if model.ctx is not None:
+            model.ctx.engine.shutdown(running_too=True)
+        deadline = time.monotonic() + FLUSH_SECONDS
+        while model.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_SECONDS)
 
     async def _stop_app(self, model: RouterModel) -> None:
         app, model.app = model.app, None
         if app is None:
             return
-        ctx = app.state.ctx
-        await asyncio.to_thread(_stop, ctx)
+        await asyncio.to_thread(_stop, app.state.ctx)
+        del app  # the last reference: the model's objects are garbage from here on
+        await asyncio.to_thread(release_memory)
 
     async def make_room(self, model: RouterModel) -> None:
         """Unload least recently used models until ``model`` fits ``--models-max`` and
@@ -267,12 +272,29 @@ class ModelRegistry:
             model.status = "unloaded"
 
 
+def kept_cache(ctx: Any) -> KeptCache | None:
+    """What an unloading model's prompt cache leaves for its next load: its RAM store, unless a
+    disk tier takes the entries (written there as the engine stops)."""
+    engine = ctx.engine if ctx is not None else None
+    cache = engine.prefix_cache if engine is not None else None
+    if cache is None or cache.disk is not None or engine.compat is None:
+        return None
+    return KeptCache(engine.compat.model, cache.store)
+
+
 def _stop(ctx: Any) -> None:
     """Stop a model's engine thread (its prompt cache flushed to the disk tier first) and its
-    worker pool, and give its memory back."""
+    worker pool."""
     ctx.engine.stop()
     ctx.workers.close()
     ctx.engine.loaded = None
+
+
+def release_memory() -> None:
+    """Give an unloaded model's memory back now. Its objects hold reference cycles (the engine
+    and its scheduler, sequences and their sinks), which only a full collection frees: without
+    one, the weights (and the memory-mapped GGUF pages) stayed resident until the collector
+    happened to run. Callers keep no reference to the model's objects in their frames."""
     gc.collect()
     try:
         import mlx.core as mx
@@ -282,4 +304,4 @@ def _stop(ctx: Any) -> None:
         pass
 
 
-__all__ = ["ModelRegistry", "RouterModel", "disk_size"]
+__all__ = ["ModelRegistry", "RouterModel", "disk_size", "kept_cache", "release_memory"]

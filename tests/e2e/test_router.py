@@ -46,6 +46,7 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "llama").symlink_to(tiny_model("llama"))
     (root / "qwen3.gguf").symlink_to(tiny_model("qwen3:f32"))
     (root / "bert").symlink_to(tiny_encoder("bert"))
+    (root / "llama-q8.gguf").symlink_to(tiny_model("llama:q8_0"))  # weights kept in the file's mapped blocks
     (root / "broken.gguf").write_bytes(b"GGUF" + bytes(60))  # a header no reader takes
     (root / "mmproj-qwen3.gguf").write_bytes(b"GGUF")  # a companion file, never a model
     return root
@@ -113,7 +114,7 @@ def test_props_and_model_list(http: httpx.Client) -> None:
     assert props["max_instances"] == 2 and props["models_autoload"] is True
     assert http.get("/tools").status_code == 403  # the chat page's tool list: the router has none of its own
     data = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
-    assert sorted(data) == ["acme/tiny-GGUF:F32", "bert", "broken", "llama", "llama-256", "qwen3"]  # no mmproj
+    assert sorted(data) == ["acme/tiny-GGUF:F32", "bert", "broken", "llama", "llama-256", "llama-q8", "qwen3"]  # no mmproj
     assert data["acme/tiny-GGUF:F32"]["source"] == "cache" and data["qwen3"]["source"] == "models_dir"
     assert data["bert"]["status"]["args"][:4] == ["mlxcel-server", "-c=2048", "-np=2", "--embedding=true"]
     assert "-c=512" in data["llama-256"]["status"]["args"]  # LLAMA_ARG_CTX_SIZE, after [*]'s -c=2048
@@ -195,6 +196,23 @@ def test_prompt_cache_survives_unload(http: httpx.Client) -> None:
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
 
 
+def test_unload_gives_the_memory_back(http: httpx.Client, router: ServerProcess) -> None:
+    """An unloaded model's objects are freed at once: its memory-mapped GGUF leaves the process
+    (it stayed mapped while a reference cycle, or the HTTP server's copy of the request scope,
+    held the model until the collector's next pass)."""
+    path = str(Path(tiny_model("llama:q8_0")).resolve())
+
+    def mapped() -> bool:
+        return any(path in line for line in Path(f"/proc/{router.proc.pid}/maps").read_text().splitlines())
+
+    assert not mapped()
+    assert chat(http, "llama-q8").status_code == 200
+    assert mapped()
+    assert http.post("/models/unload", json={"model": "llama-q8"}).json() == {"success": True}
+    wait_for(http, "llama-q8", "unloaded")
+    assert not mapped()
+
+
 def test_load_does_not_stall_other_streams(http: httpx.Client, router: ServerProcess) -> None:
     """A model loading beside a stream: the stream's tokens keep coming while it loads."""
     unload_all(http)
@@ -238,7 +256,7 @@ def test_chat_page_picks_a_model(http: httpx.Client, router: ServerProcess, brow
     until(driver, lambda d: by_css(d, "#model-pick option"), message="the picker never listed the models")
     pick = Select(by_css(driver, "#model-pick")[0])
     labels = [option.text for option in pick.options]
-    assert "qwen3 (unloaded)" in labels and "llama-256 (unloaded)" in labels and len(labels) == 6
+    assert "qwen3 (unloaded)" in labels and "llama-256 (unloaded)" in labels and len(labels) == 7
     pick.select_by_value("qwen3")
     send(driver, "hello")
     wait_answer(driver, 1)
