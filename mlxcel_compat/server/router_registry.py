@@ -11,8 +11,8 @@ weights load on the model's own engine thread, and ``server.app.open_model`` wai
 Room is made before a load, under one lock so two loads cannot both take the last place: while
 more than ``--models-max`` models (0: no limit) would be loaded, or their files would take more than
 ``--models-memory`` bytes, the least recently used model that is not pinned (``pin = true``)
-and serves no request is unloaded. A model busy with requests is waited for (up to
-``--timeout``), never cut off.
+and serves no request is unloaded. A model busy with requests, or loaded for requests that have
+not reached it yet, is waited for (up to ``--timeout``), never cut off.
 
 A model's prompt cache outlives its unload (docs/router.md): with no disk tier, its RAM store of
 KV entries is kept by the router and handed to the next load of the same weights (the same
@@ -77,6 +77,8 @@ class RouterModel:
     error: str | None = None  # why the last load failed (None: it did not)
     app: Any = None  # the model's app while loaded (server/instance.py, edge=False)
     in_flight: int = 0  # requests being served
+    waiting: int = 0  # requests waiting for it to load (it is not evicted before they are served)
+    placed: bool = False  # it has its place under the limits (a "loading" model may still wait for one)
     last_used: float = 0.0
     kept: KeptCache | None = None
     tasks: set[asyncio.Task] = field(default_factory=set)
@@ -124,21 +126,25 @@ class ModelRegistry:
         until :meth:`release`. Waits at most ``--timeout`` seconds for a load."""
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
         started = False
-        while True:
-            if model.status == "loaded" and model.app is not None:
-                model.in_flight += 1
-                model.last_used = time.monotonic()
-                return model.app
-            if model.status == "unloaded":
-                if started and model.error is not None:
-                    raise ServerError(f"model name={model.name} failed to load: {model.error}")
-                if not autoload:
-                    raise InvalidRequest("model is not loaded")
-                self.start_load(model)
-                started = True
-            if deadline is not None and time.monotonic() > deadline:
-                raise Unavailable(f"model '{model.name}' is still {model.status} after {self.timeout:g} s (--timeout)")
-            await asyncio.sleep(POLL_SECONDS)
+        model.waiting += 1
+        try:
+            while True:
+                if model.status == "loaded" and model.app is not None:
+                    model.in_flight += 1
+                    model.last_used = time.monotonic()
+                    return model.app
+                if model.status == "unloaded":
+                    if started and model.error is not None:
+                        raise ServerError(f"model name={model.name} failed to load: {model.error}")
+                    if not autoload:
+                        raise InvalidRequest("model is not loaded")
+                    self.start_load(model)
+                    started = True
+                if deadline is not None and time.monotonic() > deadline:
+                    raise Unavailable(f"model '{model.name}' is still {model.status} after {self.timeout:g} s (--timeout)")
+                await asyncio.sleep(POLL_SECONDS)
+        finally:
+            model.waiting -= 1
 
     def release(self, model: RouterModel) -> None:
         model.in_flight -= 1
@@ -167,6 +173,7 @@ class ModelRegistry:
         t0 = time.perf_counter()
         try:
             await self.make_room(model)
+            model.placed = True
             # No local keeps the app: a reference left in this frame while it is unloaded would
             # hold the model's memory until the collector's next full pass (see release_memory).
             model.app = await asyncio.to_thread(self._build, model)
@@ -204,6 +211,7 @@ class ModelRegistry:
     async def _fail(self, model: RouterModel, reason: str) -> None:
         log.error("router: model '%s' failed to load: %s", model.name, reason)
         await self._stop_app(model)
+        model.placed = False
         model.error = reason
         model.status = "unloaded"
 
@@ -213,6 +221,7 @@ class ModelRegistry:
         await self._drain(model)
         model.kept = kept_cache(model.ctx)
         await self._stop_app(model)
+        model.placed = False
         model.status = "unloaded"
         log.info("router: model '%s' unloaded (%s)", model.name, why)
 
@@ -244,13 +253,17 @@ class ModelRegistry:
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else None
         async with self.room:
             while True:
-                others = [m for m in self.models.values() if m is not model and m.status != "unloaded"]
+                # Models that hold a place: loaded, unloading, or loading past this step (a model
+                # still waiting here for a place holds none, or two waiters would block each other).
+                others = [m for m in self.models.values()
+                          if m is not model and m.status != "unloaded" and (m.status != "loading" or m.placed)]
                 over_count = self.models_max > 0 and len(others) >= self.models_max
                 over_memory = self.models_memory > 0 and sum(m.size_bytes for m in others) + model.size_bytes > self.models_memory
                 if not (over_count or over_memory):
                     return
                 movable = sorted((m for m in others if not m.source.pin), key=lambda m: m.last_used)
-                idle = [m for m in movable if m.status == "loaded" and m.in_flight == 0]
+                # A model loaded for requests still waiting for it serves them before it may go.
+                idle = [m for m in movable if m.status == "loaded" and m.in_flight == 0 and m.waiting == 0]
                 if idle:
                     await self._unload(idle[0], "least recently used: " + ("--models-max" if over_count else "--models-memory"))
                     continue
@@ -269,6 +282,7 @@ class ModelRegistry:
             for task in list(model.tasks):
                 task.cancel()
             await self._stop_app(model)
+            model.placed = False
             model.status = "unloaded"
 
 

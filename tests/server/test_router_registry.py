@@ -60,3 +60,27 @@ def test_pins_alone_over_the_limits() -> None:
         make_room(pinned, model("new"), models_max=2)
     # Over the memory budget with nothing to unload: the load goes ahead (and the log says so).
     assert make_room(pinned, model("new", 100), memory=150) == {"a": "loaded", "b": "loaded"}
+
+
+def test_a_model_loaded_for_waiting_requests_serves_them_first() -> None:
+    """llama.cpp's test_router_queue_two_waiters_share_one_eviction: two requests for two other
+    models at --models-max 1 are both served; the model loaded for the first is not evicted for
+    the second before the first request has had it."""
+    waiting = model("b", loaded_at=2.0)
+    waiting.waiting = 1
+    with pytest.raises(Unavailable):
+        make_room([waiting], model("c"), models_max=1, timeout=0.1)
+    assert waiting.status == "loaded"
+    waiting.waiting = 0
+    assert make_room([waiting], model("c"), models_max=1) == {"b": "unloaded"}
+
+
+def test_a_model_still_waiting_for_a_place_holds_none() -> None:
+    """Two loads queued at --models-max 1: the one waiting behind the lock does not count against
+    the one making room (they would wait for each other until --timeout)."""
+    queued = model("b")
+    queued.status = "loading"  # asked for, no place yet
+    assert make_room([queued, model("a", loaded_at=1.0)], model("c"), models_max=1) == {"b": "loading", "a": "unloaded"}
+    queued.placed = True  # past make_room: it counts
+    with pytest.raises(Unavailable):
+        make_room([queued], model("c"), models_max=1, timeout=0.1)
