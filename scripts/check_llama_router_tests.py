@@ -13,7 +13,7 @@ Nothing is downloaded: the harness's session fixture, which starts every preset 
 fill the cache from the hub, is left out (the run uses a copy of the tests directory whose
 ``conftest.py`` keeps the rest), and its ``wget`` import is satisfied by a stub that refuses to
 download. Tests of routes this router does not implement (``?reload``, ``dedup-cache-models``,
-remote presets, downloads, ``DELETE /models``, ``/models/sse``, streams) are deselected by default,
+remote presets, downloads with ``/models/sse``, ``DELETE /models``) are deselected by default,
 as is the one test that needs llama-server's ``LLAMA_SERVER_DEBUG_FAKE_TIMING`` to keep a model
 busy; ``--all`` runs them too.
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_TREE = Path("~/.cache/llama-peer/llama.cpp").expanduser()
-NOT_IMPLEMENTED = ["reload", "dedup", "remote_preset", "download", "delete", "sse", "stream_"]
+NOT_IMPLEMENTED = ["reload", "dedup", "remote_preset", "download", "delete"]
 # Needs llama-server's LLAMA_SERVER_DEBUG_FAKE_TIMING (a child that sleeps through each request), to
 # keep a model busy while a second client gives up: here the first request is over at once.
 FAKE_TIMING = ["client_disconnect"]
