@@ -8,7 +8,6 @@ llama-server does.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import signal
@@ -105,49 +104,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as exc:
             print(f"error: cannot create --slot-save-path {settings.slot_save_path}: {exc.strerror or exc}", file=sys.stderr)
             return 2
+    if is_router(settings):
+        return serve_router(settings, list(sys.argv[1:] if argv is None else argv), api_keys)
     model_arg = resolve_model_arg(settings)
-    from mlxcel_compat.model.loader import ModelNotFoundError, resolve_model_path
+    from mlxcel_compat.server.instance import InstanceError, prepare_model
 
     try:
-        # Fail fast, before listening: find the model, downloading it first if it comes from the hub
-        # (llama-server downloads before it listens too). No MLX is needed for this.
-        model_path = resolve_model_path(model_arg, offline=bool(settings.offline), hf_file=settings.hf_file,
-                                        token=settings.hf_token, cache_dir=settings.llama_cache)
-    except ModelNotFoundError as exc:
+        # Fail fast, before listening: find the model (downloading it first if it comes from the
+        # hub, as llama-server does before it listens), check the adapter and draft files.
+        prepared = prepare_model(settings, model_arg)
+    except InstanceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    try:
-        mmproj = projector_path(settings, model_arg)
-    except (ModelNotFoundError, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    from mlxcel_compat.lora.adapters import AdapterError, AdapterSet, adapter_specs
-
-    try:
-        # Adapter files are checked before listening too (their shapes once the model is loaded).
-        adapters = AdapterSet.from_specs(adapter_specs(settings), bool(settings.lora_init_without_apply))
-    except (AdapterError, OSError) as exc:
-        print(f"error: failed to load LoRA adapter: {exc}", file=sys.stderr)
-        return 1
-    from mlxcel_compat.engine.speculative import SpecConfig, SpecError
-
-    try:
-        speculative = SpecConfig.from_settings(settings)
-        if speculative.draft_model:  # the draft is found before listening too
-            speculative = dataclasses.replace(speculative, draft_model=str(resolve_model_path(
-                speculative.draft_model, offline=True, cache_dir=settings.llama_cache)))
-    except (SpecError, ModelNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    from mlxcel_compat.model.load_options import LoadOptions
-
-    try:
-        load_options = LoadOptions.from_settings(settings)  # --override-kv items are checked before listening
-    except ValueError as exc:
-        print(f"error: --override-kv: {exc}", file=sys.stderr)
-        return 2
-    app = build_server(settings, str(model_path), api_keys, model_name=model_arg, adapters=adapters,
-                       speculative=speculative, load_options=load_options, mmproj=mmproj)
+    app = build_server(settings, prepared.path, api_keys, model_name=model_arg, adapters=prepared.adapters,
+                       speculative=prepared.speculative, load_options=prepared.load_options,
+                       mmproj=prepared.mmproj)
     from mlxcel_compat.listen import ListenError
 
     try:
@@ -166,76 +137,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit_now(code)
 
 
-def projector_path(settings: object, model_arg: str) -> str | None:
-    """The projector to serve, checked before listening: ``--mmproj FILE`` (its type must be
-    served), ``--mmproj-url`` downloaded, else with ``-hf`` the repository's own unless
-    ``--no-mmproj`` (as llama-server)."""
-    from mlxcel_compat.model.loader import resolve_mmproj_path
-    from mlxcel_compat.model.mmproj import check_projector
-
-    mmproj = getattr(settings, "mmproj", None) or None
-    if url := getattr(settings, "mmproj_url", None):
-        from pathlib import Path
-
-        from mlxcel_compat.model import hub
-
-        target = Path(mmproj) if mmproj else hub.url_cache_path(url, settings.llama_cache)
-        try:
-            mmproj = str(hub.fetch_url(url, target, offline=bool(settings.offline), token=settings.hf_token))
-        except hub.HubError as exc:
-            raise ValueError(f"--mmproj-url: {exc}") from exc
-    elif mmproj is None and getattr(settings, "mmproj_auto", True):
-        found = resolve_mmproj_path(model_arg, offline=bool(settings.offline), hf_file=settings.hf_file,
-                                    token=settings.hf_token, cache_dir=settings.llama_cache)
-        mmproj = str(found) if found is not None else None
-    if mmproj is not None:
-        check_projector(mmproj)
-    return mmproj
-
 
 def build_server(settings: object, model_arg: str, api_keys: list[str], model_name: str | None = None,
                  adapters: object = None, speculative: object = None, load_options: object = None,
                  mmproj: str | None = None) -> object:
-    from mlxcel_compat.engine.core import Engine, EngineConfig
-    from mlxcel_compat.engine.speculative import SpecConfig
-    from mlxcel_compat.engine.prefix_cache import PrefixCache
-    from mlxcel_compat.engine.prefix_cache_config import PrefixCacheConfig
-    from mlxcel_compat.lora.adapters import AdapterSet
-    from mlxcel_compat.server.app import build_app
-    from mlxcel_compat.server.context import ServerContext
-    from mlxcel_compat.server.metrics import Metrics, prompt_cache_metrics
+    """The single-model server's app (``server/instance.py``)."""
+    from mlxcel_compat.server.instance import build_server as build_instance
 
-    # llama-server's auto slot count: 4 slots sharing one unified KV buffer (each may use all of -c).
-    adapters = adapters if adapters is not None else AdapterSet()
-    auto_parallel = settings.n_parallel <= 0
-    n_parallel = 4 if auto_parallel else settings.n_parallel
-    engine = Engine(
-        EngineConfig(
-            model=model_arg,
-            model_name=model_name,
-            mmproj=mmproj if mmproj is not None else (getattr(settings, "mmproj", None) or None),
-            image_min_tokens=settings.image_min_tokens,
-            image_max_tokens=settings.image_max_tokens,
-            aliases=list(settings.alias or []),
-            offline=bool(settings.offline),
-            repack=settings.repack is not False,
-            ctx_size=settings.ctx_size,
-            n_parallel=n_parallel,
-            kv_unified=auto_parallel or bool(settings.kv_unified),
-            batch_size=min(settings.batch_size, settings.ubatch_size),  # the prefill chunk
-            cont_batching=bool(settings.cont_batching),
-            sleep_idle_seconds=settings.sleep_idle_seconds,
-            keep_slot_state=bool(settings.slot_save_path),
-            adapters=list(adapters.adapters),
-            speculative=speculative if speculative is not None else SpecConfig.from_settings(settings),
-            load_options=load_options,
-        ),
-        prefix_cache_factory=lambda engine: PrefixCache(engine, PrefixCacheConfig.from_settings(settings)),
-    )
-    ctx = ServerContext(settings=settings, engine=engine, api_keys=api_keys, adapters=adapters)
-    ctx.metrics = Metrics(engine)
-    ctx.metrics.add_collector(lambda: prompt_cache_metrics(engine))
-    return build_app(ctx)
+    return build_instance(settings, model_arg, api_keys, model_name=model_name, adapters=adapters,
+                          speculative=speculative, load_options=load_options, mmproj=mmproj)
+
+
+def is_router(settings: object) -> bool:
+    """llama-server's router mode: no ``-m`` / ``-hf``, and a model source to route to
+    (``--models-dir``, ``--models-preset``, or GGUF models in ``$LLAMA_CACHE`` when it is set;
+    without any, no ``-m`` serves the demo model instead)."""
+    if getattr(settings, "model", None) or getattr(settings, "hf_repo", None):
+        return False
+    if getattr(settings, "models_dir", None) or getattr(settings, "models_preset", None):
+        return True
+    cache = getattr(settings, "llama_cache", None)
+    if not cache:
+        return False
+    from mlxcel_compat.server.router_sources import scan_hub_cache
+
+    return bool(scan_hub_cache(cache))
+
+
+def serve_router(settings: object, argv: list[str], api_keys: list[str]) -> int:
+    """Serve several models from one process (``server/router.py``; docs/router.md)."""
+    from mlxcel_compat.listen import ListenError
+    from mlxcel_compat.server.router import build_router
+    from mlxcel_compat.server.router_sources import SourceError
+
+    try:
+        app = build_router(settings, argv, api_keys)
+    except SourceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        code = asyncio.run(serve(app, settings))
+    except ListenError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    exit_now(code)
 
 
 KEEP_ALIVE_SECONDS = 5  # idle keep-alive connections close after this (cpp-httplib's default, as llama-server)
@@ -312,7 +257,8 @@ async def serve(app: object, settings: object) -> int:
             drain = loop.create_task(drain_then_stop(ctx, settings.shutdown_grace, stopped))
         else:
             log.info("%s again: ending running requests now", sig.name)
-            ctx.engine.shutdown(running_too=True)
+            for engine in engines_of(ctx):
+                engine.shutdown(running_too=True)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
@@ -322,17 +268,25 @@ async def serve(app: object, settings: object) -> int:
     return 0
 
 
+def engines_of(ctx: object) -> list:
+    """The engines a shutdown drains: the model's, or each loaded model's behind the router."""
+    engines = getattr(ctx, "engines", None)
+    return list(engines) if engines is not None else [ctx.engine]  # type: ignore[attr-defined]
+
+
 async def drain_then_stop(ctx: object, grace: float, stopped: asyncio.Event) -> None:
     """Stop admissions, give running requests ``grace`` seconds, end the rest, then stop serving."""
-    engine = ctx.engine  # type: ignore[attr-defined]
     ctx.draining = True  # type: ignore[attr-defined]
-    if engine.state == "ready":
-        engine.shutdown(running_too=False)
+    engines = [engine for engine in engines_of(ctx) if engine.state == "ready"]
+    if engines:
+        for engine in engines:
+            engine.shutdown(running_too=False)
         deadline = loop_time() + grace
-        while engine.n_processing and loop_time() < deadline:
+        while any(e.n_processing for e in engines) and loop_time() < deadline:
             await asyncio.sleep(0.05)
-        engine.shutdown(running_too=True)
-        while engine.n_processing and loop_time() < deadline + SHUTDOWN_FLUSH_SECONDS:
+        for engine in engines:
+            engine.shutdown(running_too=True)
+        while any(e.n_processing for e in engines) and loop_time() < deadline + SHUTDOWN_FLUSH_SECONDS:
             await asyncio.sleep(0.05)
     await asyncio.sleep(0.1)  # the last events reach their streams before the listener closes
     stopped.set()

@@ -337,7 +337,6 @@ R_SPEC_REMOVED = ("removed from llama-server (it refuses the option now); accept
 R_MMPROJ = ("the projector (--mmproj) runs with the model on MLX's default device, one request's images at a time; "
             "llama.cpp's placement and batching options for it have nothing to act on")
 R_SLOTS = "mlxcel_compat keeps a radix prompt cache instead of llama.cpp's slot caches; see --prompt-cache-*"
-R_ROUTER = "router (multi-model) mode is not supported; serve one model per process"
 R_LORA_ENV = "llama-server reads no environment variable for it (MLXCEL_* only)"
 R_CVEC = "control vectors are not supported"
 R_TOOLS_RUNTIME = ("the built-in tools run on the host only; llama-server's container (docker:, podman:) and "
@@ -438,23 +437,20 @@ _SERVER: tuple[Setting, ...] = (
                  "tokenizer stays loaded, so /tokenize, /detokenize, /apply-template, token counting, /slots "
                  "and /metrics leave the server asleep (llama-server b11312 reloads its model for all but "
                  "/metrics). The /metrics throughput gauges still cover the window since the previous scrape."),
-    _noop("models_max", ("--models-max",), "Router mode: models loaded at once.", R_ROUTER, metavar="N",
-          env=("LLAMA_ARG_MODELS_MAX",), group="server", type="int"),
-    _noop("models_autoload", ("--models-autoload",), "Router mode: load models on demand.", R_ROUTER,
-          env=("LLAMA_ARG_MODELS_AUTOLOAD",), negative_flags=("--no-models-autoload",), group="server"),
+    Setting("models_max", ("--models-max",), ("LLAMA_ARG_MODELS_MAX",), type="int", default=4, minimum=0,
+            metavar="N", group="server",
+            help="Router mode: the most models loaded at once; loading another unloads the least recently used "
+                 "one that is not pinned and serves no request (0 = unlimited)."),
+    Setting("models_autoload", ("--models-autoload",), ("LLAMA_ARG_MODELS_AUTOLOAD",), type="bool", default=True,
+            negative_flags=("--no-models-autoload",), group="server",
+            help="Router mode: load a model on the first request that names it (a request may say "
+                 "?autoload=true|false); off, such a request gets 400 'model is not loaded'."),
+    Setting("models_memory", ("--models-memory",), type="int", default=0, minimum=0, metavar="BYTES",
+            group="server", upstream=False,
+            help="Router mode: the most bytes of model files loaded at once (0 = no limit); loading another "
+                 "unloads the least recently used models that are not pinned first."),
     _refused("tools_runtime", ("--tools-runtime",), "Where built-in tools run (docker:IMAGE, ssh:TARGET, ...).",
              R_TOOLS_RUNTIME, metavar="OPTION", env=("LLAMA_ARG_TOOLS_RUNTIME",), group="server"),
-    Setting("ssl_key_file", ("--ssl-key-file",), ("LLAMA_ARG_SSL_KEY_FILE",), metavar="FNAME",
-            parse=_parse_readable_file, accepts="a readable file",
-            reason="one of the two files without the other stops start-up (llama-server then serves plain HTTP)",
-            help="PEM private key: with --ssl-cert-file, every listener serves HTTPS (hypercorn's TLS)."),
-    Setting("ssl_cert_file", ("--ssl-cert-file",), ("LLAMA_ARG_SSL_CERT_FILE",), metavar="FNAME",
-            parse=_parse_readable_file, accepts="a readable file",
-            help="PEM certificate (chain) for HTTPS; needs --ssl-key-file."),
-    _refused("models_dir", ("--models-dir",), "Router mode: directory of models.", R_ROUTER, metavar="PATH",
-             env=("LLAMA_ARG_MODELS_DIR",), group="server"),
-    _refused("models_preset", ("--models-preset",), "Router mode: INI file of model presets.", R_ROUTER,
-             metavar="PATH", env=("LLAMA_ARG_MODELS_PRESET",), group="server"),
     Setting("ui_mcp_proxy", ("--ui-mcp-proxy", "--webui-mcp-proxy"), ("LLAMA_ARG_UI_MCP_PROXY",), type="bool",
             default=False, negative_flags=("--no-ui-mcp-proxy", "--no-webui-mcp-proxy"), group="server",
             reason="forwarded header names go out in canonical casing (X-Custom): the ASGI server lowercases "

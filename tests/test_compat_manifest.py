@@ -58,7 +58,7 @@ def test_manifest_flag_statuses_and_notes(manifest) -> None:
         if entry["status"] != "supported":
             assert entry["note"], entry["setting"]
     names = {e["setting"] for e in manifest_flags(status="refused", manifest=manifest)}
-    assert {"model_url", "models_dir"} <= names
+    assert {"model_url", "tools_runtime"} <= names
     supported = {e["setting"] for e in manifest_flags(status="supported", manifest=manifest)}
     assert {"lora", "lora_scaled", "lora_init_without_apply"} <= supported  # issue 30
     assert {"embeddings", "rerank", "pooling", "embd_normalize"} <= supported  # issue 32

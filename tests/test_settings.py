@@ -335,7 +335,6 @@ def test_optional_value_flag_does_not_eat_the_next_flag() -> None:
         (["--model-url", "http://h/m.gguf"], {}, "--model-url"),
         (["--fim-qwen-7b-default"], {}, "--fim-qwen-7b-default"),
         ([], {"LLAMA_ARG_TOOLS_RUNTIME": "docker:img"}, "LLAMA_ARG_TOOLS_RUNTIME"),
-        ([], {"LLAMA_ARG_MODELS_DIR": "/models"}, "LLAMA_ARG_MODELS_DIR"),
     ],
 )
 def test_refused_options_stop_start_up_with_a_reason(argv, env, spelling) -> None:

@@ -380,7 +380,10 @@ def served_pooling(settings: Any, path: Any) -> str:
     return model_pooling(path)
 
 
-def build_app(ctx: ServerContext) -> Starlette:
+def build_app(ctx: ServerContext, edge: bool = True) -> Starlette:
+    """The app serving ``ctx``'s model. ``edge=False`` builds a model's app behind the router
+    (``server/router.py``), which faces the clients itself: no ``Server`` header or CORS of its
+    own (the router's apply), and no lifespan (the router starts and stops its engine)."""
     settings = ctx.settings
 
     @contextlib.asynccontextmanager
@@ -411,11 +414,11 @@ def build_app(ctx: ServerContext) -> Starlette:
     route_list: list[Any] = routes(vertex)
     if prefix:
         route_list = [Mount(prefix, routes=route_list)]
+    outer = [Middleware(ServerHeaderMiddleware), Middleware(CorsMiddleware, policy=cors_policy)] if edge else []
     app = Starlette(
         routes=route_list,
         middleware=[
-            Middleware(ServerHeaderMiddleware),
-            Middleware(CorsMiddleware, policy=cors_policy),
+            *outer,
             Middleware(GateMiddleware, ctx=ctx, prefix=prefix),
             Middleware(ErrorMiddleware, prefix=prefix),
             *([Middleware(StaticDirectoryMiddleware, root=settings.static_path, prefix=prefix)]
@@ -423,7 +426,7 @@ def build_app(ctx: ServerContext) -> Starlette:
             Middleware(LimitsMiddleware, ctx=ctx, write_timeout=settings.timeout, prefix=prefix),
         ],
         exception_handlers={404: not_found, 405: not_found},
-        lifespan=lifespan,
+        lifespan=lifespan if edge else None,
     )
     app.state.ctx = ctx
     app.state.cors_policy = cors_policy
@@ -451,21 +454,27 @@ def warn_agent_features(settings: Any) -> None:
 
 
 async def _wait_for_model(ctx: ServerContext) -> None:
+    failure = await open_model(ctx)
+    if failure is not None:
+        # llama-server exits when the model cannot be loaded; ask our own process to stop.
+        log.error("%s", failure)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+async def open_model(ctx: ServerContext) -> str | None:
+    """Wait for the engine to load (off the event loop), then fill in the model-derived parts of
+    ``ctx``, which opens its gate. Returns why the model cannot be served, or None once it is
+    ready. The router calls it for each model it loads (``server/router_registry.py``)."""
     while ctx.engine.state == "loading":
         await asyncio.sleep(0.05)
     if ctx.engine.state == "failed":
-        # llama-server exits when the model cannot be loaded; ask our own process to stop.
-        log.error("model failed to load: %s", ctx.engine.load_error)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return
+        return f"model failed to load: {ctx.engine.load_error}"
     if ctx.engine.state == "ready":
         model = await asyncio.to_thread(model_info, ctx.engine, ctx.settings)
         try:
             default = await asyncio.to_thread(server_default, ctx.settings, ctx.engine.grammars)
         except ValueError as exc:  # llama-server refuses a bad --grammar/--json-schema at start-up
-            log.error("%s", exc)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
+            return str(exc)
         ctx.structured = StructuredOutput(ctx.engine.grammars, ctx.tokenize, default)
         cache = ctx.engine.prefix_cache
         ctx.cache_hooks = CacheHooks(
@@ -500,6 +509,7 @@ async def _wait_for_model(ctx: ServerContext) -> None:
             ctx.workers.threads,
             ctx.cache_isolation,
         )
+    return None
 
 
-__all__ = ["build_app"]
+__all__ = ["build_app", "open_model"]

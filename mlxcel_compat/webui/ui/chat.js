@@ -42,8 +42,9 @@ function button(label, action) {
 }
 
 export class ChatView {
-  constructor({ root, api, settings, onChange, onBusy, tools, toolsOn }) {
+  constructor({ root, api, settings, onChange, onBusy, tools, toolsOn, model }) {
     this.root = root;
+    this.model = model || (() => ""); // () => the model the request names (a router's pick), "" for none
     this.api = api;
     this.tools = tools; // Tools (tools.js)
     this.toolsOn = toolsOn || (() => false); // () => whether to offer the tools to the model
@@ -222,7 +223,8 @@ export class ChatView {
   async streamAnswer(c) {
     const offer = this.toolsOn() && this.tools?.available ? { tools: this.tools.definitions() } : {};
     // cache_explain: the figures line says why the prompt cache reused what it did.
-    const body = { messages: this.requestMessages(), ...offer, cache_explain: true, ...this.settings().requestFields() };
+    const picked = this.model() ? { model: this.model() } : {};
+    const body = { ...picked, messages: this.requestMessages(), ...offer, cache_explain: true, ...this.settings().requestFields() };
     const answer = { role: "assistant", content: "", reasoning: "", streaming: true };
     c.messages.push(answer);
     saveConversation(c);

@@ -3,6 +3,8 @@
 // When the server lists built-in tools (GET /tools, --tools) or Settings names MCP servers
 // (reached through --ui-mcp-proxy), the composer's "Tools" box offers them to the model
 // (tools.js runs the calls).
+// Behind a router (/props says role "router"), the header's model picker lists the models of
+// /v1/models with their status; the pick is kept in this browser and named by each request.
 
 import { Api, ApiError } from "./api.js";
 import { ChatView } from "./chat.js";
@@ -18,6 +20,9 @@ const api = new Api(base, () => apiKey);
 const tools = new Tools(api);
 let props = {};
 let settings = new Settings(store.loadSettings(), props);
+let models = []; // router mode: /v1/models' entries
+let picked = ""; // router mode: the model chosen in the header
+const PICK_KEY = "mlxcel.model";
 
 const view = new ChatView({
   root: $("messages"),
@@ -25,11 +30,13 @@ const view = new ChatView({
   settings: () => settings,
   tools,
   toolsOn: () => $("tools-on").checked,
+  model: () => picked,
   onChange: () => renderList(),
   onBusy: (busy) => {
     $("send").hidden = busy;
     $("stop").hidden = !busy;
     document.body.classList.toggle("busy", busy);
+    if (!busy && props.role === "router") loadModels().catch(() => {}); // the answer may have loaded a model
   },
 });
 
@@ -62,7 +69,49 @@ async function loadProps() {
   }
 }
 
+// ---------------------------------------------------------------- router mode: the model picker
+
+async function loadModels() {
+  models = (await api.get("v1/models")).data || [];
+  const pick = $("model-pick");
+  const known = models.map((m) => m.id);
+  const saved = localStorage.getItem(PICK_KEY);
+  const firstLoaded = models.find((m) => m.status?.value === "loaded")?.id;
+  picked = known.includes(picked) ? picked : known.includes(saved) ? saved : firstLoaded || known[0] || "";
+  pick.replaceChildren(...models.map((m) => {
+    const option = document.createElement("option");
+    option.value = m.id;
+    const state = m.status?.failed ? "failed" : m.status?.value || "";
+    option.textContent = state === "loaded" ? m.id : `${m.id} (${state})`;
+    option.selected = m.id === picked;
+    return option;
+  }));
+  pick.hidden = false;
+  $("model-name").hidden = true;
+  showModel();
+}
+
+$("model-pick").addEventListener("change", () => {
+  picked = $("model-pick").value;
+  localStorage.setItem(PICK_KEY, picked);
+  showModel();
+});
+$("model-pick").addEventListener("focus", () => loadModels().catch(() => {})); // fresh statuses
+
+function pickedFacts() {
+  const entry = models.find((m) => m.id === picked);
+  const state = entry?.status?.failed ? `failed: ${entry.status.error || ""}` : entry?.status?.value;
+  return { name: picked || "mlxcel-server", nCtx: entry?.meta?.n_ctx, state };
+}
+
 function showModel() {
+  if (props.role === "router") {
+    const facts = pickedFacts();
+    document.title = facts.name;
+    view.nCtx = facts.nCtx || 0;
+    $("model-facts").textContent = [facts.nCtx ? `context ${facts.nCtx} tokens` : "", facts.state || ""].filter(Boolean).join(" · ");
+    return;
+  }
   const name = props.model_alias || (props.model_path || "").split("/").pop() || "mlxcel-server";
   document.title = name;
   $("model-name").textContent = name;
@@ -242,6 +291,13 @@ async function start() {
   }
   settings = new Settings(store.loadSettings(), props);
   showModel();
+  if (props.role === "router") {
+    try {
+      await loadModels();
+    } catch (error) {
+      status(`Cannot list the models: ${error.message}`, true);
+    }
+  }
   status("");
   await loadTools();
   open(store.listConversations()[0] || store.newConversation());

@@ -1,0 +1,99 @@
+"""Run llama.cpp's own router tests (``tools/server/tests/unit/test_router.py``) against this server.
+
+llama.cpp's test harness (``tools/server/tests/utils.py``) starts ``$LLAMA_SERVER_BIN_PATH`` with
+llama-server's flags; here that is a small wrapper script that runs ``python -m mlxcel_compat``.
+The hub repositories the tests name are laid out in a fresh ``$LLAMA_CACHE`` as ``-hf`` would have
+downloaded them, with the factory's tiny models standing in for the real files:
+
+- ``ggml-org/tinygemma3-GGUF`` (``tinygemma3-Q8_0.gguf``): the factory's tiny Gemma 3 text model, Q8_0;
+- ``ggml-org/test-model-stories260K`` (``stories260K-F32.gguf``): the tiny llama, F32;
+- ``ggml-org/test-model-stories260K-infill`` (``stories260K-infill-F32.gguf``): the tiny qwen3, F32.
+
+Nothing is downloaded: the harness's session fixture, which starts every preset server once to
+fill the cache from the hub, is left out (the run uses a copy of the tests directory whose
+``conftest.py`` keeps the rest), and its ``wget`` import is satisfied by a stub that refuses to
+download. Tests of routes this router does not implement (``?reload``, ``dedup-cache-models``,
+remote presets, downloads with ``/models/sse``, ``DELETE /models``) are deselected by default,
+as is the one test that needs llama-server's ``LLAMA_SERVER_DEBUG_FAKE_TIMING`` to keep a model
+busy; ``--all`` runs them too.
+
+    python scripts/check_llama_router_tests.py            # the implemented part
+    python scripts/check_llama_router_tests.py --all      # everything (the rest fails)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_TREE = Path("~/.cache/llama-peer/llama.cpp").expanduser()
+NOT_IMPLEMENTED = ["reload", "dedup", "remote_preset", "download", "delete"]
+# Needs llama-server's LLAMA_SERVER_DEBUG_FAKE_TIMING (a child that sleeps through each request), to
+# keep a model busy while a second client gives up: here the first request is over at once.
+FAKE_TIMING = ["client_disconnect"]
+STANDINS = {
+    "ggml-org/tinygemma3-GGUF": ("tinygemma3-Q8_0.gguf", "gemma3_text", "q8_0"),
+    "ggml-org/test-model-stories260K": ("stories260K-F32.gguf", "llama", "f32"),
+    "ggml-org/test-model-stories260K-infill": ("stories260K-infill-F32.gguf", "qwen3", "f32"),
+}
+
+
+def populate_cache(cache: Path) -> None:
+    """The hub cache layout huggingface-hub writes: blobs by hash, a snapshot of links, refs/main."""
+    sys.path.insert(0, str(ROOT))
+    from mlxcel_compat.testing.gguf_writer import ensure_gguf
+
+    for repo, (name, family, kind) in STANDINS.items():
+        data = ensure_gguf(family, "tiny", kind).read_bytes()
+        base = cache / ("models--" + repo.replace("/", "--"))
+        commit = hashlib.sha1(repo.encode()).hexdigest()
+        (base / "refs").mkdir(parents=True, exist_ok=True)
+        (base / "refs" / "main").write_text(commit)
+        blob = base / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = base / "snapshots" / commit / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-tree", default=str(LLAMA_TREE))
+    parser.add_argument("--all", action="store_true", help="also run the tests of routes not implemented here")
+    parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
+    args = parser.parse_args()
+    source = Path(args.llama_tree) / "tools" / "server" / "tests"
+    work = Path(tempfile.mkdtemp(prefix="llama_router_tests_"))
+    tests = work / "tests"
+    shutil.copytree(source, tests, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    conftest = (tests / "conftest.py").read_text()
+    start = conftest.index('@pytest.fixture(scope="session", autouse=True)\ndef load_server_presets')
+    (tests / "conftest.py").write_text(conftest[:start])  # no hub downloads; the rest kept as it is
+    stubs = work / "stubs"
+    stubs.mkdir()
+    (stubs / "wget.py").write_text("def download(*args, **kwargs):\n    raise RuntimeError('no downloads here')\n")
+    wrapper = work / "llama-server"
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} -m mlxcel_compat \"$@\"\n")
+    wrapper.chmod(0o755)
+    cache = work / "llama-cache"
+    populate_cache(cache)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_", "MLXCEL_"))}
+    env.update(LLAMA_SERVER_BIN_PATH=str(wrapper), LLAMA_CACHE=str(cache), HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(stubs)]))
+    select = [] if args.all else ["-k", " and ".join(f"not {name}" for name in NOT_IMPLEMENTED + FAKE_TIMING)]
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "unit/test_router.py", *select,
+               *args.pytest_args]
+    print("running", " ".join(command), "in", tests, flush=True)
+    return subprocess.call(command, cwd=tests, env=env)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,268 @@
+"""End to end: router mode (several models behind one server), as llama-server's router serves them.
+
+One router serves, from a ``--models-dir`` and a ``--models-preset``: a tiny llama model directory
+(pinned by the preset), a qwen3 GGUF file, a BERT embedder (``embeddings = true`` in its section),
+a second name for the llama directory with its own context (a preset-only section) and a corrupt
+GGUF file, with ``--models-max 2``. The tests bring the models they need into the state they need
+through the router's own routes, so they do not depend on one another's order.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ServerProcess, tiny_encoder, tiny_model
+from tests.e2e.test_webui import browser  # noqa: F401  (the chat page's test uses the same headless browser)
+
+PRESET = """\
+version = 1
+; defaults for every model
+[*]
+c = 2048
+np = 2
+
+[bert]
+embeddings = true
+
+[llama]
+pin = true
+
+[llama-256]
+model = {llama}
+LLAMA_ARG_CTX_SIZE = 512
+"""
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("router-models")
+    (root / "llama").symlink_to(tiny_model("llama"))
+    (root / "qwen3.gguf").symlink_to(tiny_model("qwen3:f32"))
+    (root / "bert").symlink_to(tiny_encoder("bert"))
+    (root / "llama-q8.gguf").symlink_to(tiny_model("llama:q8_0"))  # weights kept in the file's mapped blocks
+    (root / "broken.gguf").write_bytes(b"GGUF" + bytes(60))  # a header no reader takes
+    (root / "mmproj-qwen3.gguf").write_bytes(b"GGUF")  # a companion file, never a model
+    return root
+
+
+@pytest.fixture(scope="module")
+def router(server_factory, models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
+    from tests.model.test_hub import populate_cache
+
+    preset = tmp_path_factory.mktemp("router-preset") / "models.ini"
+    preset.write_text(PRESET.format(llama=models_dir / "llama"))
+    cache = tmp_path_factory.mktemp("router-llama-cache")  # as -hf acme/tiny-GGUF:F32 would have filled it
+    populate_cache(cache, "acme/tiny-GGUF", {"tiny-F32.gguf": tiny_model("qwen3:f32")})
+    return server_factory(["--models-dir", str(models_dir), "--models-preset", str(preset), "--models-max", "2"],
+                          env={"LLAMA_CACHE": str(cache)})
+
+
+@pytest.fixture()
+def http(router: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=router.base_url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture()
+def client(router: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=router.base_url + "/v1", api_key="sk-no-key-required", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def statuses(http: httpx.Client) -> dict[str, dict[str, Any]]:
+    response = http.get("/models")
+    assert response.status_code == 200
+    return {m["id"]: m["status"] for m in response.json()["data"]}
+
+
+def wait_for(http: httpx.Client, name: str, value: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if statuses(http)[name]["value"] == value:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{name} never became {value}: {statuses(http)[name]}")
+
+
+def unload_all(http: httpx.Client) -> None:
+    for name, status in statuses(http).items():
+        if status["value"] == "loaded":
+            assert http.post("/models/unload", json={"model": name}).json() == {"success": True}
+    for name in statuses(http):
+        wait_for(http, name, "unloaded")
+
+
+def chat(http: httpx.Client, model: str, content: str = "hello", **extra: Any) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
+    return http.post("/v1/chat/completions", json=body)
+
+
+def loaded(http: httpx.Client) -> set[str]:
+    return {name for name, status in statuses(http).items() if status["value"] == "loaded"}
+
+
+def test_props_and_model_list(http: httpx.Client) -> None:
+    props = http.get("/props").json()
+    assert props["role"] == "router"
+    assert props["max_instances"] == 2 and props["models_autoload"] is True
+    assert http.get("/tools").status_code == 403  # the chat page's tool list: the router has none of its own
+    data = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+    assert sorted(data) == ["acme/tiny-GGUF:F32", "bert", "broken", "llama", "llama-256", "llama-q8", "qwen3"]  # no mmproj
+    assert data["acme/tiny-GGUF:F32"]["source"] == "cache" and data["qwen3"]["source"] == "models_dir"
+    assert data["bert"]["status"]["args"][:4] == ["mlxcel-server", "-c=2048", "-np=2", "--embedding=true"]
+    assert "-c=512" in data["llama-256"]["status"]["args"]  # LLAMA_ARG_CTX_SIZE, after [*]'s -c=2048
+    assert data["llama"]["pinned"] is True and data["qwen3"]["pinned"] is False
+    assert all(m["object"] == "model" and m["owned_by"] == "llamacpp" for m in data.values())
+
+
+def test_openai_sdk_routes_by_model(http: httpx.Client, client: openai.OpenAI) -> None:
+    """Each model answers under its own name, with its own settings (context, embeddings)."""
+    unload_all(http)
+    answer = client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert answer.model == "llama" and answer.usage.completion_tokens == 3
+    text = client.completions.create(model="qwen3", prompt="once upon", max_tokens=3, temperature=0)
+    assert text.model == "qwen3" and text.usage.completion_tokens == 3
+    assert loaded(http) == {"llama", "qwen3"}
+    cached = client.completions.create(model="acme/tiny-GGUF:F32", prompt="once upon", max_tokens=3, temperature=0)
+    assert cached.model == "acme/tiny-GGUF:F32" and cached.choices[0].text == text.choices[0].text  # the same file
+    embedding = client.embeddings.create(model="bert", input="hello")
+    assert len(embedding.data[0].embedding) > 0
+    ids = {m.id for m in client.models.list()}
+    assert {"llama", "qwen3", "bert"} <= ids
+    # GET routes route by ?model=: each model's own props (a slot's context: -c over -np slots).
+    assert http.get("/props", params={"model": "llama-256"}).json()["default_generation_settings"]["n_ctx"] == 256
+    assert http.get("/props", params={"model": "llama"}).json()["default_generation_settings"]["n_ctx"] == 1024
+
+
+def test_lru_unload_at_models_max_and_pinning(http: httpx.Client) -> None:
+    unload_all(http)
+    assert chat(http, "llama").status_code == 200  # pinned, and the least recently used from now on
+    assert chat(http, "qwen3").status_code == 200
+    assert http.post("/v1/embeddings", json={"model": "bert", "input": "hi"}).status_code == 200
+    assert loaded(http) == {"llama", "bert"}  # qwen3 went: llama is older but pinned
+    assert http.post("/models/unload", json={"model": "llama"}).json() == {"success": True}  # a pin yields to this
+    wait_for(http, "llama", "unloaded")
+    assert chat(http, "qwen3").status_code == 200
+    assert loaded(http) == {"bert", "qwen3"}
+    assert chat(http, "llama-256").status_code == 200  # a third model: the least recently used goes
+    assert loaded(http) == {"qwen3", "llama-256"}
+
+
+def test_failed_load_beside_healthy_models(http: httpx.Client) -> None:
+    response = chat(http, "broken")
+    assert response.status_code == 500
+    assert "model name=broken failed to load" in response.json()["error"]["message"]
+    status = statuses(http)["broken"]
+    assert status["value"] == "unloaded" and status["failed"] is True and "GGUF version" in status["error"]
+    assert chat(http, "llama").status_code == 200
+    assert http.get("/health").status_code == 200
+
+
+def test_llama_server_errors(http: httpx.Client) -> None:
+    def error(response: httpx.Response) -> tuple[int, str]:
+        return response.status_code, response.json()["error"]["message"]
+
+    assert error(http.post("/v1/chat/completions", json={"messages": []})) == (400, "model name is missing from the request")
+    assert error(chat(http, "no-such-model")) == (400, "model 'no-such-model' not found")
+    assert error(http.get("/slots")) == (400, "model name is missing from the request")
+    assert error(http.post("/models/load", json={"model": "no-such-model"})) == (404, "model is not found")
+    assert error(http.post("/models/unload", json={"model": "no-such-model"})) == (400, "model is not found")
+    unload_all(http)
+    assert error(http.post("/models/unload", json={"model": "qwen3"})) == (400, "model is not running")
+    not_loaded = http.post("/v1/chat/completions?autoload=false", json={"model": "qwen3", "messages": [{"role": "user", "content": "x"}]})
+    assert error(not_loaded) == (400, "model is not loaded")
+    assert http.post("/models/load", json={"model": "qwen3"}).json() == {"success": True}
+    wait_for(http, "qwen3", "loaded")
+    assert error(http.post("/models/load", json={"model": "qwen3"})) == (400, "model is already running")
+
+
+def test_prompt_cache_survives_unload(http: httpx.Client) -> None:
+    """The model's prompt-cache entries outlive its unload: after a reload the same prompt is a hit."""
+    prompt = "the router keeps this prompt's KV while the model is away " * 6
+    first = chat(http, "qwen3", prompt, temperature=0).json()
+    assert first["timings"]["cache_n"] == 0 or first["usage"]["prompt_tokens"] > first["timings"]["cache_n"]
+    assert http.post("/models/unload", json={"model": "qwen3"}).json() == {"success": True}
+    wait_for(http, "qwen3", "unloaded")
+    again = chat(http, "qwen3", prompt, temperature=0).json()
+    assert again["timings"]["cache_n"] > 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["timings"]["cache_n"]
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+
+def test_unload_gives_the_memory_back(http: httpx.Client, router: ServerProcess) -> None:
+    """An unloaded model's objects are freed at once: its memory-mapped GGUF leaves the process
+    (it stayed mapped while a reference cycle, or the HTTP server's copy of the request scope,
+    held the model until the collector's next pass)."""
+    path = str(Path(tiny_model("llama:q8_0")).resolve())
+
+    def mapped() -> bool:
+        return any(path in line for line in Path(f"/proc/{router.proc.pid}/maps").read_text().splitlines())
+
+    assert not mapped()
+    assert chat(http, "llama-q8").status_code == 200
+    assert mapped()
+    assert http.post("/models/unload", json={"model": "llama-q8"}).json() == {"success": True}
+    wait_for(http, "llama-q8", "unloaded")
+    assert not mapped()
+
+
+def test_load_does_not_stall_other_streams(http: httpx.Client, router: ServerProcess) -> None:
+    """A model loading beside a stream: the stream's tokens keep coming while it loads."""
+    unload_all(http)
+    assert chat(http, "llama").status_code == 200
+    arrivals: list[float] = []
+
+    def stream() -> None:
+        body = {"model": "llama", "prompt": "a", "n_predict": 500, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=router.base_url, timeout=60) as c, c.stream("POST", "/completion", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.monotonic())
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    while not arrivals:
+        time.sleep(0.005)
+    started = time.monotonic()
+    assert http.post("/models/load", json={"model": "qwen3"}).json() == {"success": True}
+    wait_for(http, "qwen3", "loaded")
+    done = time.monotonic()
+    streaming.join(60)
+    assert len(arrivals) >= 500
+    assert arrivals[-1] > done, "the stream ended before the load did: nothing was measured"
+    during = [t for t in arrivals if started <= t <= done]
+    gaps = [b - a for a, b in zip([started, *during], [*during, done])]
+    assert max(gaps) < 1.0, f"the stream stalled {max(gaps):.2f} s while the model loaded ({done - started:.2f} s)"
+
+
+@pytest.mark.slow  # a browser of its own: ~5 s (tests/e2e/test_webui.py covers the page itself by default)
+def test_chat_page_picks_a_model(http: httpx.Client, router: ServerProcess, browser: Any) -> None:  # noqa: F811
+    """The chat page behind the router lists the models with their status, and the one picked
+    answers (the request names it; the pick survives a reload)."""
+    from selenium.webdriver.support.ui import Select
+
+    from tests.e2e.test_webui import by_css, open_page, send, until, wait_answer
+
+    unload_all(http)
+    driver = browser
+    open_page(driver, router.base_url, settings={"max_tokens": 4})
+    until(driver, lambda d: by_css(d, "#model-pick option"), message="the picker never listed the models")
+    pick = Select(by_css(driver, "#model-pick")[0])
+    labels = [option.text for option in pick.options]
+    assert "qwen3 (unloaded)" in labels and "llama-256 (unloaded)" in labels and len(labels) == 7
+    pick.select_by_value("qwen3")
+    send(driver, "hello")
+    wait_answer(driver, 1)
+    assert loaded(http) == {"qwen3"}
+    until(driver, lambda d: "qwen3" in [o.text for o in Select(by_css(d, "#model-pick")[0]).options],
+          message="the picker never showed qwen3 loaded")
+    driver.refresh()
+    until(driver, lambda d: d.execute_script("return document.body.dataset.ready === '1'"))
+    assert Select(by_css(driver, "#model-pick")[0]).first_selected_option.get_attribute("value") == "qwen3"
