@@ -451,6 +451,22 @@ _SERVER: tuple[Setting, ...] = (
                  "unloads the least recently used models that are not pinned first."),
     _refused("tools_runtime", ("--tools-runtime",), "Where built-in tools run (docker:IMAGE, ssh:TARGET, ...).",
              R_TOOLS_RUNTIME, metavar="OPTION", env=("LLAMA_ARG_TOOLS_RUNTIME",), group="server"),
+    Setting("ssl_key_file", ("--ssl-key-file",), ("LLAMA_ARG_SSL_KEY_FILE",), metavar="FNAME",
+            parse=_parse_readable_file, accepts="a readable file",
+            reason="one of the two files without the other stops start-up (llama-server then serves plain HTTP)",
+            help="PEM private key: with --ssl-cert-file, every listener serves HTTPS (hypercorn's TLS)."),
+    Setting("ssl_cert_file", ("--ssl-cert-file",), ("LLAMA_ARG_SSL_CERT_FILE",), metavar="FNAME",
+            parse=_parse_readable_file, accepts="a readable file",
+            help="PEM certificate (chain) for HTTPS; needs --ssl-key-file."),
+    Setting("models_dir", ("--models-dir",), ("LLAMA_ARG_MODELS_DIR",), metavar="PATH", group="server",
+            reason="beyond llama-server: a Hugging Face / MLX model directory (with config.json) is a model too, "
+                   "and a split GGUF lying in the directory itself is one model",
+            help="Router mode (no -m): serve the models of this directory, each GGUF file and each "
+                 "subdirectory (split GGUF parts, or a model directory) named after itself; docs/router.md."),
+    Setting("models_preset", ("--models-preset",), ("LLAMA_ARG_MODELS_PRESET",), metavar="PATH", group="server",
+            reason="beyond llama-server: 'pin = true' keeps a model loaded (never evicted)",
+            help="Router mode (no -m): an INI file with a section of arguments per model ([*]: defaults for "
+                 "all), 'model = PATH' for models not in --models-dir; docs/router.md."),
     Setting("ui_mcp_proxy", ("--ui-mcp-proxy", "--webui-mcp-proxy"), ("LLAMA_ARG_UI_MCP_PROXY",), type="bool",
             default=False, negative_flags=("--no-ui-mcp-proxy", "--no-webui-mcp-proxy"), group="server",
             reason="forwarded header names go out in canonical casing (X-Custom): the ASGI server lowercases "
