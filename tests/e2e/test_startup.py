@@ -116,7 +116,7 @@ def test_deployment_flags_are_accepted_as_documented_no_ops(server_factory, llam
     assert httpx.get(server.base_url + "/health", timeout=10).json() == {"status": "ok"}
 
 
-@pytest.mark.parametrize("flag", [["--model-url", "http://h/m.gguf"], ["--models-dir", "/models"]])
+@pytest.mark.parametrize("flag", [["--model-url", "http://h/m.gguf"], ["--tools-runtime", "docker:img"]])
 def test_unsupported_features_are_refused_with_a_reason(flag, llama_dir) -> None:
     out = run_cli(["-m", str(llama_dir), *flag])
     assert out.returncode == 2
