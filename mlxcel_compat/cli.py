@@ -176,6 +176,7 @@ def build_server(settings: object, model_arg: str, api_keys: list[str], model_na
             keep_slot_state=bool(settings.slot_save_path),
             adapters=list(adapters.adapters),
             speculative=speculative if speculative is not None else SpecConfig.from_settings(settings),
+            context_shift=bool(settings.context_shift),
         ),
         prefix_cache_factory=lambda engine: PrefixCache(engine, PrefixCacheConfig.from_settings(settings)),
     )

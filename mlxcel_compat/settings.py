@@ -822,9 +822,11 @@ _CACHE: tuple[Setting, ...] = (
     _noop("swa_full", ("--swa-full",), "Full-size sliding-window cache.",
           "sliding-window models keep mlx-lm's rotating cache; prefix reuse goes through snapshots",
           env=("LLAMA_ARG_SWA_FULL",), group="cache"),
-    _noop("context_shift", ("--context-shift",), "Shift the context when it fills up.",
-          "context shift is not implemented; generation stops at the context limit (llama-server's default)",
-          env=("LLAMA_ARG_CONTEXT_SHIFT",), negative_flags=("--no-context-shift",), group="cache"),
+    Setting("context_shift", ("--context-shift",), ("LLAMA_ARG_CONTEXT_SHIFT",), type="bool", default=False,
+            negative_flags=("--no-context-shift",), group="cache",
+            help="Context shift on infinite text generation: when a generation fills its slot's context, keep the "
+                 "first n_keep tokens (--keep), drop half of the rest (n_discard) and go on. Off by default, as in "
+                 "llama-server; models with recurrent state or sliding windows cannot shift (docs/configuration.md)."),
     _noop("cache_type_k", ("-ctk", "--cache-type-k"), "KV cache type for K.", R_KV_TYPE, metavar="TYPE",
           env=("LLAMA_ARG_CACHE_TYPE_K",), group="cache"),
     _noop("cache_type_v", ("-ctv", "--cache-type-v"), "KV cache type for V.", R_KV_TYPE, metavar="TYPE",

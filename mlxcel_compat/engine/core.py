@@ -73,6 +73,7 @@ class EngineConfig:
     keep_slot_state: bool = False  # slots keep their last state for slot files (--slot-save-path)
     adapters: list[Any] = field(default_factory=list)  # lora.AdapterFile: LoRA adapters, installed unfused
     speculative: Any = None  # engine.speculative.SpecConfig (None: plain decoding)
+    context_shift: bool = False  # --context-shift: a full context drops its middle instead of stopping
 
 
 class Engine:
@@ -97,6 +98,7 @@ class Engine:
         self.ngram_table: Any = None  # engine.speculative.NgramModTable (ngram-mod: shared by all sequences)
         self.speculative: Any = None  # engine.speculative.SpecConfig in force (None: off)
         self.grammars: Any = None  # engine.grammar.GrammarCompiler once the model is loaded
+        self.key_rotation: Any = None  # engine.context_shift.KeyRotation when the context shifts
         self.compat: Any = None  # cache.disk_format.Compat: what saved state must match (set at load)
         # The forward passes of each iteration: it owns the decode batch and whether batching works.
         self.scheduler = Scheduler(self.slots, config.batch_size, config.cont_batching, self._fail, self._release)
@@ -286,6 +288,7 @@ class Engine:
         from mlxcel_compat.cache.kv_io import runtime_tag
 
         self._load_speculative()
+        self._load_context_shift()
         fingerprint = self.loaded.fingerprint
         if self.draft is not None:  # prompt-cache entries then hold the draft's tensors too
             fingerprint = f"{fingerprint}+draft:{self.draft.loaded.fingerprint}"
@@ -304,6 +307,26 @@ class Engine:
             self.n_ctx,
             ", unified KV" if self.config.kv_unified else "",
         )
+
+    def _load_context_shift(self) -> None:
+        """The key rotation a context shift needs, where ``--context-shift`` is on and the model can
+        shift (``context_shift.key_rotation``); otherwise off, with the reason in the log."""
+        self.key_rotation = None
+        if not self.config.context_shift:
+            return
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from mlxcel_compat.engine.context_shift import key_rotation
+
+        if self.loaded.vision is not None:
+            log.warning("context shift is not supported by multimodal models; it is disabled")
+            return
+        tokenizer = self.loaded.tokenizer
+        adds_bos = tokenizer.bos_token_id is not None and tokenizer.encode("a")[:1] == [tokenizer.bos_token_id]
+        rotation, reason = key_rotation(self.loaded.model, make_prompt_cache(self.loaded.model), adds_bos)
+        if rotation is None:
+            log.warning("context shift is not supported by this model (%s); it is disabled", reason)
+        self.key_rotation = rotation
 
     def _load_speculative(self) -> None:
         """Speculative decoding, if configured and the model can take it (``loading.load_speculation``)."""
