@@ -329,14 +329,30 @@ def test_an_input_over_the_context_is_llama_servers_400(none_server) -> None:
     }
 
 
-def test_rerank_on_a_model_without_a_head_is_501_not_a_crash(server_factory) -> None:
+def test_rerank_on_a_plain_decoder_pools_as_llama_server(server_factory, hidden) -> None:
+    """llama-server pools ``rank`` on any model: a decoder without a reranking head scores each
+    pair (BOS, query, EOS, document, EOS, with the special tokens the vocabulary adds) by the
+    first component of its last token's final hidden state. Checked against transformers."""
     server = server_factory(["-m", str(tiny_model("llama")), "--rerank", "-np", "1", "-c", "512"])
+    docs = TEXTS[1:4]
     with client_for(server) as c:
-        for path, body in (("/v1/rerank", {"query": "q", "documents": ["d"]}), ("/v1/embeddings", {"input": "x"})):
-            r = c.post(path, json=body)
-            assert r.status_code == 501, r.text
-            assert r.json()["error"]["message"].startswith("This model has no reranking head")
+        r = c.post("/v1/rerank", json={"query": TEXTS[0], "documents": docs})
+        assert r.status_code == 200, r.text
+        bare = c.post("/tokenize", json={"content": "a", "add_special": False}).json()["tokens"]
+        full = c.post("/tokenize", json={"content": "a", "add_special": True}).json()["tokens"]
+        start, end = full[: full.index(bare[0])], full[full.index(bare[-1]) + 1:]
+        pairs = [start + tokens_of_plain(c, TEXTS[0]) + end + tokens_of_plain(c, d) + end for d in docs]
         assert c.post("/completion", json={"prompt": "hi", "n_predict": 2}).status_code == 200
+    expected = [float(hidden("llama", tokens)[-1, 0]) for tokens in pairs]
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == sorted(range(len(docs)), key=lambda i: -expected[i])
+    assert r.json()["usage"]["prompt_tokens"] == sum(len(p) for p in pairs)
+    for x in results:
+        assert x["relevance_score"] == pytest.approx(expected[x["index"]], abs=1e-4)
+
+
+def tokens_of_plain(c: httpx.Client, text: str) -> list[int]:
+    return c.post("/tokenize", json={"content": text, "add_special": False}).json()["tokens"]
 
 
 def test_an_embedding_request_wakes_a_sleeping_model(server_factory) -> None:
