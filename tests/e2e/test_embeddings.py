@@ -132,6 +132,19 @@ def test_embd_normalize_options(last_server, hidden, mode) -> None:
     np.testing.assert_allclose(vec, raw / total, rtol=2e-3, atol=1e-4 * np.abs(raw / total).max())
 
 
+def test_content_text_parts_equal_the_same_string(last_server) -> None:
+    """An OpenAI content array's text parts are joined into one input (llama-server's
+    tokenize_oai_content_array), alone or among other inputs."""
+    parts = {"content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}
+    with client_for(last_server) as c:
+        r = c.post("/v1/embeddings", json={"input": ["hello world", parts, "a"]})
+        single = c.post("/v1/embeddings", json={"input": parts})
+    assert r.status_code == 200 and single.status_code == 200, (r.text, single.text)
+    data = r.json()["data"]
+    assert data[0]["embedding"] == data[1]["embedding"] != data[2]["embedding"]
+    assert single.json()["data"][0]["embedding"] == data[0]["embedding"]
+
+
 def test_native_shapes_and_content_forcing_them(last_server) -> None:
     with client_for(last_server) as c:
         native = c.post("/embeddings", json={"content": ["hello world", "a"]}).json()
@@ -151,6 +164,10 @@ def test_native_shapes_and_content_forcing_them(last_server) -> None:
     ({"input": []}, '"input" must not be empty'),
     ({"input": [10**9]}, "Prompt contains invalid tokens"),
     ({"input": "x", "embd_normalize": "2"}, "embd_normalize must be an integer"),
+    ({"input": {"content": "string"}}, '"content" must be an array'),
+    ({"input": {"content": [{"type": "unknown"}]}}, "unsupported content[].type"),
+    ({"input": {"content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}},
+     "image input is not supported - hint: if this is unexpected, you may need to provide the mmproj"),
 ])
 def test_bad_input_is_a_400(last_server, body, message) -> None:
     with client_for(last_server) as c:
