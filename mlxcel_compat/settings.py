@@ -408,10 +408,10 @@ _SERVER: tuple[Setting, ...] = (
     Setting("sleep_idle_seconds", ("--sleep-idle-seconds",), type="int", default=-1, minimum=-1, group="server",
             metavar="SECONDS",
             help="Unload the model after this many seconds without requests and return its memory; the next "
-                 "generation reloads it (-1 = never). /health stays 200 and /props reports is_sleeping. The "
-                 "tokenizer stays loaded, so /tokenize, /detokenize, /apply-template, token counting, /slots "
-                 "and /metrics leave the server asleep (llama-server b11312 reloads its model for all but "
-                 "/metrics). The /metrics throughput gauges still cover the window since the previous scrape."),
+                 "generation reloads it (-1 = never). /health, /metrics, GET /props and /models answer without "
+                 "waking it (/props reports is_sleeping); /tokenize, /detokenize, /apply-template, token counting, "
+                 "/slots and /lora-adapters wake it, as llama-server b11312's do. The /metrics throughput gauges "
+                 "still cover the window since the previous scrape."),
     _noop("models_max", ("--models-max",), "Router mode: models loaded at once.", R_ROUTER, metavar="N",
           env=("LLAMA_ARG_MODELS_MAX",), group="server", type="int"),
     _noop("models_autoload", ("--models-autoload",), "Router mode: load models on demand.", R_ROUTER,

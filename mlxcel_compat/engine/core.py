@@ -261,6 +261,7 @@ class Engine:
                 sub.sink(ErrorEvent(f"could not reload the model: {exc}"))
             return
         self.scheduler.batch = DecodeBatch(self.loaded.model, self.loaded.decoder)
+        self._load_context_shift()  # the key rotation reads the reloaded model's RoPE
         self.sleeping = False
         log.info("woke up: model '%s' reloaded in %.1f s for a new request", self.loaded.model_id, time.perf_counter() - t0)
 
