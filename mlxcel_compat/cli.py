@@ -254,6 +254,8 @@ async def drain_then_stop(ctx: object, grace: float, stopped: asyncio.Event) -> 
     """Stop admissions, give running requests ``grace`` seconds, end the rest, then stop serving."""
     engine = ctx.engine  # type: ignore[attr-defined]
     ctx.draining = True  # type: ignore[attr-defined]
+    for hook in ctx.on_drain:  # type: ignore[attr-defined]
+        await asyncio.to_thread(hook)
     if engine.state == "ready":
         engine.shutdown(running_too=False)
         deadline = loop_time() + grace

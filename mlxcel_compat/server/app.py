@@ -420,6 +420,8 @@ def build_app(ctx: ServerContext) -> Starlette:
     builtin_tools = agent_tools.select_tools(server_tools(settings))
     configs = load_configs(settings.mcp_servers_config, settings.mcp_servers_json)
     mcp = McpManager(configs) if configs else None
+    if mcp is not None:  # a shutdown ends running tool calls at once (their sessions close)
+        ctx.on_drain.append(mcp.close)
     prefix = settings.api_prefix.rstrip("/") if settings.api_prefix else ""
     vertex = VertexConfig.from_env()
     route_list: list[Any] = routes(vertex)

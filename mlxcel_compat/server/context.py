@@ -68,6 +68,9 @@ class ServerContext:
     structured: Any = None  # server.structured.StructuredOutput: grammars, schemas, tool calls
     adapters: AdapterSet = field(default_factory=AdapterSet)  # LoRA adapters and their global scales
     media: Any = None  # server.media.ImageInput when the served model takes images or audio, else None
+    # Called (on a thread) when a shutdown begins: what would hold a running request past it, such as
+    # an MCP tool call, is ended at once, as llama-server's shutdown ends them.
+    on_drain: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.client = EngineClient(self.engine)
