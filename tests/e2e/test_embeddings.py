@@ -56,7 +56,7 @@ def gguf_server(server_factory, tmp_path_factory) -> ServerProcess:
 
     out = tmp_path_factory.mktemp("embed-gguf") / "qwen3-mean.gguf"
     write_gguf("qwen3", "tiny", out, "f32", model_dir=tiny_model("qwen3"), pooling="mean")
-    return server_factory(["-m", str(out), "--embeddings", "-ub", "16", "-np", "1", "-c", "512"])
+    return server_factory(["-m", str(out), "--embeddings", "-ub", "16", "-np", "1", "-c", "512", "--metrics"])
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +195,26 @@ def test_gguf_pools_as_its_metadata_says(gguf_server, hidden) -> None:
     assert r.status_code == 200, r.text
     for t, item in zip(tokens, r.json()["data"]):
         assert cosine(item["embedding"], hidden("qwen3", t).mean(axis=0)) > 1 - 1e-4
+
+
+def _llamacpp_counters(c: httpx.Client) -> dict[str, float]:
+    lines = c.get("/metrics").text.splitlines()
+    return {line.split()[0][len("llamacpp:"):]: float(line.split()[1]) for line in lines if line.startswith("llamacpp:")}
+
+
+def test_embedding_prompts_are_counted_in_metrics(gguf_server) -> None:
+    """An embedding job's prompt costs decode calls as a prefill does (llama-server runs it through
+    its slots): its tokens count in prompt_tokens_total, in batches of the 16-token physical batch,
+    and nothing is predicted."""
+    with client_for(gguf_server) as c:
+        before = _llamacpp_counters(c)
+        r = c.post("/v1/embeddings", json={"input": ["hello world", "goodbye world, and the rest of it"]})
+        after = _llamacpp_counters(c)
+    n_tokens = r.json()["usage"]["prompt_tokens"]
+    assert n_tokens > 16
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == n_tokens
+    assert after["n_decode_total"] - before["n_decode_total"] == -(-n_tokens // 16)
+    assert after["tokens_predicted_total"] == before["tokens_predicted_total"] == 0
 
 
 def test_an_input_over_the_physical_batch_is_llama_servers_500(gguf_server) -> None:
