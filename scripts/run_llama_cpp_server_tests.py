@@ -217,6 +217,19 @@ def read_junit(report: Path) -> dict[str, str]:
     return outcomes
 
 
+def merged(previous: dict[str, dict[str, str]], fresh: dict[str, dict[str, str]], files: list[str]) -> dict[str, dict[str, str]]:
+    """``previous`` with the outcomes of the files run now (all of them when ``files`` is empty)
+    replaced by ``fresh``'s, per server; servers not run now keep their previous outcomes."""
+    rerun = {f"unit/{f}" for f in files}
+    out = {}
+    for name in dict.fromkeys([*previous, *fresh]):
+        old = previous.get(name, {})
+        if name in fresh:
+            old = {t: v for t, v in old.items() if files and t.split("::")[0] not in rerun}
+        out[name] = {**old, **fresh.get(name, {})}
+    return out
+
+
 def print_table(results: dict[str, dict[str, str]]) -> int:
     """Per file: tests, passes on each server, passes on both; then what passes only on llama-server."""
     names = list(results)
@@ -256,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, help="working directory (default: a temporary one)")
     parser.add_argument("--model-cache", type=Path, help="factory model cache (default: the factory's)")
     parser.add_argument("--json", type=Path, help="save every test's outcome per server here")
+    parser.add_argument("--reuse", type=Path, help="a previous --json file: its outcomes stand for the files "
+                        "not run now (a rerun of a few files then prints the whole table)")
     args = parser.parse_args(argv)
 
     work = args.work or Path(tempfile.mkdtemp(prefix="lcpp-server-tests-"))
@@ -270,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     servers = {"llama-server": args.llama_server.resolve(), "mlxcel": write_wrapper(work)}
     chosen = list(servers) if args.server == "both" else [args.server]
     results = {name: run_suite(name, servers[name], tests, work, llama_cache, args.files) for name in chosen}
+    if args.reuse:
+        results = merged(json.loads(args.reuse.read_text()), results, args.files)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, sort_keys=True))
     return print_table(results)
