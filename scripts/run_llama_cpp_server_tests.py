@@ -16,8 +16,10 @@ that matters is the per-file comparison. ``STAND_INS`` lists them:
 
 - ``ggml-org/test-model-stories260K`` (``tinyllama2``): the factory's tiny llama, F32 GGUF;
 - ``ggml-org/test-model-stories260K-infill``: the factory's tiny Qwen2.5-Coder (FIM tokens);
-- ``ggml-org/models``: ``bert-bge-small/ggml-model-f16.gguf`` the factory's BERT embedder and
-  ``jina-reranker-v1-tiny-en/ggml-model-f16.gguf`` its BERT cross-encoder;
+- ``ggml-org/models``: ``bert-bge-small/ggml-model-f16.gguf`` the factory's BERT of bge-small's
+  shape (512 positions), and ``jina-reranker-v1-tiny-en/ggml-model-f16.gguf`` the tiny llama: a
+  plain decoder, which both servers rerank with (llama-server pools ``rank`` on any model; the
+  factory's cross-encoders hold 64 positions, fewer than the tests' documents);
 - ``ggml-org/stories15M_MOE``: the factory's tiny Qwen3-MoE;
 - ``ggml-org/tinygemma3-GGUF``: the factory's tiny Gemma 3 text model, without a projector (the
   vision tests fail on both servers).
@@ -97,8 +99,8 @@ def _encoder(kind: str) -> Callable[[Path], Path]:
 STAND_INS = (
     StandIn("ggml-org/test-model-stories260K", "stories260K-f32.gguf", _gguf("llama")),
     StandIn("ggml-org/test-model-stories260K-infill", "stories260K-infill-f32.gguf", _gguf("qwen2_coder")),
-    StandIn("ggml-org/models", "bert-bge-small/ggml-model-f16.gguf", _encoder("bert")),
-    StandIn("ggml-org/models", "jina-reranker-v1-tiny-en/ggml-model-f16.gguf", _encoder("bert-reranker")),
+    StandIn("ggml-org/models", "bert-bge-small/ggml-model-f16.gguf", _encoder("bert-small")),
+    StandIn("ggml-org/models", "jina-reranker-v1-tiny-en/ggml-model-f16.gguf", _gguf("llama")),
     StandIn("ggml-org/stories15M_MOE", "stories15M_MOE-F16.gguf", _gguf("qwen3_moe")),
     StandIn("ggml-org/tinygemma3-GGUF", "tinygemma3-Q8_0.gguf", _gguf("gemma3_text", "q8_0")),
 )
