@@ -179,6 +179,24 @@ def write_wrapper(work: Path) -> Path:
     return wrapper
 
 
+def free_port_block(size: int = 10) -> int:
+    """A loopback port whose next ``size`` ports are free too: the suite's servers listen on
+    ``$PORT`` (llama.cpp's default 8080 is shared by anyone else running these tests here)."""
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randrange(20000, 60000 - size)
+        try:
+            for port in range(base, base + size):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise SystemExit("no free block of loopback ports")
+
+
 def run_suite(name: str, binary: Path, tests: Path, work: Path, llama_cache: Path,
               files: list[str]) -> dict[str, str]:
     """pytest over ``files`` (all ``unit/`` when empty) against ``binary``: test id -> outcome."""
@@ -193,6 +211,7 @@ def run_suite(name: str, binary: Path, tests: Path, work: Path, llama_cache: Pat
         "LLAMA_ARG_OFFLINE": "1",
         "HF_HUB_OFFLINE": "1",
         "PYTHONPATH": os.pathsep.join([str(plugin_dir), str(tests), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "PORT": os.environ.get("PORT") or str(free_port_block()),
     }
     targets = [f"unit/{f}" for f in files] or ["unit"]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "lcpp_runner_plugin",

@@ -133,6 +133,23 @@ def key_rotation(model: Any, cache: list[Any], add_bos: bool) -> tuple[KeyRotati
     return rotation, ""
 
 
+def rotation_for(loaded: Any) -> KeyRotation | None:
+    """A loaded model's key rotation for ``--context-shift``, or None (the reason in the log):
+    multimodal models (an image's tokens cannot be cut apart, as in llama-server), models whose
+    cache cannot shift, RoPEs the rotation cannot undo."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if loaded.vision is not None:
+        log.warning("context shift is not supported by multimodal models; it is disabled")
+        return None
+    tokenizer = loaded.tokenizer
+    adds_bos = tokenizer.bos_token_id is not None and tokenizer.encode("a")[:1] == [tokenizer.bos_token_id]
+    rotation, reason = key_rotation(loaded.model, make_prompt_cache(loaded.model), adds_bos)
+    if rotation is None:
+        log.warning("context shift is not supported by this model (%s); it is disabled", reason)
+    return rotation
+
+
 def _head_dim(model: Any, layer: Any) -> int | None:
     attention = getattr(layer, "self_attn", None)
     for owner in (attention, getattr(model, "args", None)):

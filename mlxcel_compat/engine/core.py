@@ -310,24 +310,9 @@ class Engine:
         )
 
     def _load_context_shift(self) -> None:
-        """The key rotation a context shift needs, where ``--context-shift`` is on and the model can
-        shift (``context_shift.key_rotation``); otherwise off, with the reason in the log."""
-        self.key_rotation = None
-        if not self.config.context_shift:
-            return
-        from mlx_lm.models.cache import make_prompt_cache
+        from mlxcel_compat.engine.context_shift import rotation_for
 
-        from mlxcel_compat.engine.context_shift import key_rotation
-
-        if self.loaded.vision is not None:
-            log.warning("context shift is not supported by multimodal models; it is disabled")
-            return
-        tokenizer = self.loaded.tokenizer
-        adds_bos = tokenizer.bos_token_id is not None and tokenizer.encode("a")[:1] == [tokenizer.bos_token_id]
-        rotation, reason = key_rotation(self.loaded.model, make_prompt_cache(self.loaded.model), adds_bos)
-        if rotation is None:
-            log.warning("context shift is not supported by this model (%s); it is disabled", reason)
-        self.key_rotation = rotation
+        self.key_rotation = rotation_for(self.loaded) if self.config.context_shift else None
 
     def _load_speculative(self) -> None:
         """Speculative decoding, if configured and the model can take it (``loading.load_speculation``)."""
