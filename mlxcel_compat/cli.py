@@ -137,7 +137,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit_now(code)
 
 
-
 def build_server(settings: object, model_arg: str, api_keys: list[str], model_name: str | None = None,
                  adapters: object = None, speculative: object = None, load_options: object = None,
                  mmproj: str | None = None) -> object:
@@ -277,6 +276,8 @@ def engines_of(ctx: object) -> list:
 async def drain_then_stop(ctx: object, grace: float, stopped: asyncio.Event) -> None:
     """Stop admissions, give running requests ``grace`` seconds, end the rest, then stop serving."""
     ctx.draining = True  # type: ignore[attr-defined]
+    for hook in getattr(ctx, "on_drain", ()):  # what would hold a running request past the shutdown (MCP calls)
+        await asyncio.to_thread(hook)
     engines = [engine for engine in engines_of(ctx) if engine.state == "ready"]
     if engines:
         for engine in engines:

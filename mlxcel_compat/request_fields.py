@@ -149,10 +149,9 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
        "llama-server computes the last token again: n - 1 and 1)"),
     _f("n_predict", int_range(-1, INT32_MAX), aliases=("max_completion_tokens", "max_tokens"),
        note="lowered to --n-predict-max when that is set"),
-    RequestField("n_keep", int_range(-1), status="partial",
-                 note="validated and echoed in generation_settings; no context shift happens here, so it has no effect on generation"),
-    RequestField("n_discard", int_range(0), status="partial",
-                 note="validated and echoed in generation_settings; no context shift happens here, so it has no effect on generation"),
+    _f("n_keep", int_range(-1), note="tokens kept on a context shift (--context-shift; -1: the whole prompt; the BOS "
+       "token is kept on top); default --keep"),
+    _f("n_discard", int_range(0), note="tokens dropped after n_keep on a context shift (0: half of the rest)"),
     _f("n_indent", int_range(0), note="a new line indented by fewer than n_indent spaces/tabs stops generation (stop_type 'limit') and is cut from the reply"),
     _f("n_cmpl", int_range(1, "$n_parallel"), aliases=("n",), note="limited to --parallel"),
     _noop("n_cache_reuse", int_range(0), "KV-shift chunk reuse is not implemented; the prompt cache reuses prefixes by itself"),

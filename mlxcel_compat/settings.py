@@ -433,10 +433,10 @@ _SERVER: tuple[Setting, ...] = (
     Setting("sleep_idle_seconds", ("--sleep-idle-seconds",), type="int", default=-1, minimum=-1, group="server",
             metavar="SECONDS",
             help="Unload the model after this many seconds without requests and return its memory; the next "
-                 "generation reloads it (-1 = never). /health stays 200 and /props reports is_sleeping. The "
-                 "tokenizer stays loaded, so /tokenize, /detokenize, /apply-template, token counting, /slots "
-                 "and /metrics leave the server asleep (llama-server b11312 reloads its model for all but "
-                 "/metrics). The /metrics throughput gauges still cover the window since the previous scrape."),
+                 "generation reloads it (-1 = never). /health, /metrics, GET /props and /models answer without "
+                 "waking it (/props reports is_sleeping); /tokenize, /detokenize, /apply-template, token counting, "
+                 "/slots and /lora-adapters wake it, as llama-server b11312's do. The /metrics throughput gauges "
+                 "still cover the window since the previous scrape."),
     Setting("models_max", ("--models-max",), ("LLAMA_ARG_MODELS_MAX",), type="int", default=4, minimum=0,
             metavar="N", group="server",
             help="Router mode: the most models loaded at once; loading another unloads the least recently used "
@@ -876,9 +876,11 @@ _CACHE: tuple[Setting, ...] = (
     _noop("swa_full", ("--swa-full",), "Full-size sliding-window cache.",
           "sliding-window models keep mlx-lm's rotating cache; prefix reuse goes through snapshots",
           env=("LLAMA_ARG_SWA_FULL",), group="cache"),
-    _noop("context_shift", ("--context-shift",), "Shift the context when it fills up.",
-          "context shift is not implemented; generation stops at the context limit (llama-server's default)",
-          env=("LLAMA_ARG_CONTEXT_SHIFT",), negative_flags=("--no-context-shift",), group="cache"),
+    Setting("context_shift", ("--context-shift",), ("LLAMA_ARG_CONTEXT_SHIFT",), type="bool", default=False,
+            negative_flags=("--no-context-shift",), group="cache",
+            help="Context shift on infinite text generation: when a generation fills its slot's context, keep the "
+                 "first n_keep tokens (--keep), drop half of the rest (n_discard) and go on. Off by default, as in "
+                 "llama-server; models with recurrent state or sliding windows cannot shift (docs/configuration.md)."),
     _noop("cache_type_k", ("-ctk", "--cache-type-k"), "KV cache type for K.", R_KV_TYPE, metavar="TYPE",
           env=("LLAMA_ARG_CACHE_TYPE_K",), group="cache"),
     _noop("cache_type_v", ("-ctv", "--cache-type-v"), "KV cache type for V.", R_KV_TYPE, metavar="TYPE",

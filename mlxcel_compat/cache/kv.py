@@ -12,7 +12,7 @@ no data moves until one side writes, and a write never reaches the other side.
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
@@ -172,6 +172,33 @@ def state_bytes_at(one_token_cache: Sequence[Any], n_tokens: int) -> int:
         return int(exact.nbytes)
 
     return sum(layer_bytes(layer) for layer in one_token_cache)
+
+
+# ---------------------------------------------------------------------- context shift
+
+
+def can_shift(cache: Sequence[Any]) -> bool:
+    """Whether every layer is a plain KV table whose positions can be dropped from the middle
+    (llama.cpp's ``seq_rm`` + ``seq_add``): no recurrent state, no sliding-window ring."""
+    return all(type(layer) is KVCache for layer in cache)
+
+
+def shift(cache: Sequence[Any], n_keep: int, n_discard: int, rotate: Callable[[int, Any, int], Any]) -> None:
+    """Drop positions ``n_keep .. n_keep + n_discard`` of every layer and move the rest down.
+
+    Keys are stored rotated by their position (RoPE), so the moved keys are rotated back by
+    ``n_discard`` positions: ``rotate(layer_index, keys, -n_discard)`` returns them as a key
+    computed at its new position would be. Values move as they are. Every layer gets new arrays
+    (never written in place): a prompt-cache entry or a sibling sharing the old ones keeps them.
+    """
+    for i, layer in enumerate(cache):
+        n = layer.offset
+        start = min(n_keep + n_discard, n)
+        moved_keys = rotate(i, layer.keys[..., start:n, :], -n_discard)
+        layer.keys = mx.concatenate([layer.keys[..., :n_keep, :], moved_keys], axis=2)
+        layer.values = mx.concatenate([layer.values[..., :n_keep, :], layer.values[..., start:n, :]], axis=2)
+        layer.offset = n_keep + (n - start)
+    mx.eval([(layer.keys, layer.values) for layer in cache])
 
 
 # ---------------------------------------------------------------------- undoing a failed forward pass

@@ -46,6 +46,10 @@ class RankHead:
     token_ids: tuple[int, ...] = ()  # or these rows of the model's own output head
     softmax: bool = True  # llama.cpp applies it for qwen3 rerankers
     pair: bool = False  # a cross-encoder: the tokenizer's pair encoding, the model's own head scores it
+    # A decoder without any reranking head (llama-server pools ``rank`` on any model): the pair is
+    # BOS, query, EOS, document, EOS (each special token where the vocabulary adds it) and the
+    # score is the first component of the last token's final hidden state, llama-server's embd[0].
+    plain: bool = False
 
     def prompt(self, tokenizer: Any, query: str, document: str) -> list[int]:
         """The pair's tokens: the template filled in, special tokens parsed, none added."""
@@ -57,25 +61,42 @@ class RankHead:
             from mlxcel_compat.encoders.bert import pair_encoding
 
             return pair_encoding(tokenizer, query, document)
+        if self.plain:
+            return plain_pair(tokenizer, query, document), None
         text = self.template.replace("{query}", query).replace("{document}", document)
         return list(tokenizer.encode(text, add_special_tokens=False)), None
 
 
 CROSS_ENCODER = RankHead(template="", softmax=False, pair=True)
+PLAIN_DECODER = RankHead(template="", softmax=False, plain=True)
+
+
+def plain_pair(tokenizer: Any, query: str, document: str) -> list[int]:
+    """llama-server's rerank prompt for a model without a rerank template (``format_prompt_rerank``):
+    ``[BOS] query [EOS] document [EOS]``, with BOS and EOS where the tokenizer adds them itself."""
+    bare = list(tokenizer.encode("a", add_special_tokens=False))
+    full = list(tokenizer.encode("a", add_special_tokens=True))
+    at = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), None)
+    start, end = (full[:at], full[at + len(bare):]) if bare and at is not None else ([], [])
+    ids = list(start)
+    for text in (query, document):
+        ids += list(tokenizer.encode(text, add_special_tokens=False)) + list(end)
+    return ids
 
 
 def rank_head(path: str | Path, tokenizer: Any) -> RankHead | None:
-    """The model's reranking head, or None when it is no decoder reranker this server knows."""
+    """The model's reranking head: a reranker's own, else (a plain decoder) llama-server's
+    fallback, :data:`PLAIN_DECODER`; None for an encoder without a classification head."""
     path = Path(path)
     from mlxcel_compat.encoders import load as encoder_load
 
     if encoder_load.is_encoder_path(path):
         return CROSS_ENCODER if encoder_load.has_classifier(path) else None
     if path.is_file():
-        return _gguf_head(path)
+        return _gguf_head(path) or PLAIN_DECODER
     config = _read_json(path / "config.json") or {}
     if not _is_qwen3_reranker(path, config):
-        return None
+        return PLAIN_DECODER
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     ids = tuple(vocab.get(label) for label in LABELS)
     if any(i is None for i in ids):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from typing import Any, AsyncIterator, Callable
 
 from mlxcel_compat.runtime.native.blas_shim import StreamedConsumers
@@ -80,7 +81,14 @@ class EngineClient:
     async def embed(self, job: EmbeddingJob) -> list[Any]:
         """The job's embeddings (NumPy arrays), computed on the engine thread between steps."""
         engine = self.engine
-        return await asyncio.wrap_future(engine.call(lambda: embed(engine.loaded.model, job), wake=True))
+
+        def run() -> list[Any]:
+            t0 = time.perf_counter()
+            vectors = embed(engine.loaded.model, job)
+            engine.metrics.add_embedding([len(p) for p in job.prompts], time.perf_counter() - t0, engine.config.batch_size)
+            return vectors
+
+        return await asyncio.wrap_future(engine.call(run, wake=True))
 
     async def call_on_slot(self, slot_id: int, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(slot)`` on the engine thread once the slot is idle, and await its result."""

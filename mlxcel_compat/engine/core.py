@@ -77,6 +77,7 @@ class EngineConfig:
     adapters: list[Any] = field(default_factory=list)  # lora.AdapterFile: LoRA adapters, installed unfused
     speculative: Any = None  # engine.speculative.SpecConfig (None: plain decoding)
     load_options: Any = None  # model.load_options.LoadOptions: RoPE, --override-kv, --no-mmap, --mlock
+    context_shift: bool = False  # --context-shift: a full context drops its middle instead of stopping
 
 
 class Engine:
@@ -101,6 +102,7 @@ class Engine:
         self.ngram_table: Any = None  # engine.speculative.NgramModTable (ngram-mod: shared by all sequences)
         self.speculative: Any = None  # engine.speculative.SpecConfig in force (None: off)
         self.grammars: Any = None  # engine.grammar.GrammarCompiler once the model is loaded
+        self.key_rotation: Any = None  # engine.context_shift.KeyRotation when the context shifts
         self.compat: Any = None  # cache.disk_format.Compat: what saved state must match (set at load)
         # The forward passes of each iteration: it owns the decode batch and whether batching works.
         self.scheduler = Scheduler(self.slots, config.batch_size, config.cont_batching, self._fail, self._release)
@@ -264,6 +266,7 @@ class Engine:
                 sub.sink(ErrorEvent(f"could not reload the model: {exc}"))
             return
         self.scheduler.batch = DecodeBatch(self.loaded.model, self.loaded.decoder)
+        self._load_context_shift()  # the key rotation reads the reloaded model's RoPE
         self.sleeping = False
         log.info("woke up: model '%s' reloaded in %.1f s for a new request", self.loaded.model_id, time.perf_counter() - t0)
 
@@ -297,6 +300,7 @@ class Engine:
         from mlxcel_compat.cache.kv_io import runtime_tag
 
         self._load_speculative()
+        self._load_context_shift()
         fingerprint = self.loaded.fingerprint
         if self.draft is not None:  # prompt-cache entries then hold the draft's tensors too
             fingerprint = f"{fingerprint}+draft:{self.draft.loaded.fingerprint}"
@@ -315,6 +319,11 @@ class Engine:
             self.n_ctx,
             ", unified KV" if self.config.kv_unified else "",
         )
+
+    def _load_context_shift(self) -> None:
+        from mlxcel_compat.engine.context_shift import rotation_for
+
+        self.key_rotation = rotation_for(self.loaded) if self.config.context_shift else None
 
     def _load_speculative(self) -> None:
         """Speculative decoding, if configured and the model can take it (``loading.load_speculation``)."""

@@ -71,6 +71,8 @@ def rank_scores(model: Any, last_hidden: np.ndarray, head: Any) -> np.ndarray:
     ``cls.output``, or the output head's rows of the label tokens), softmax-ed for Qwen3 kinds."""
     if head is None:
         raise ValueError("pooling rank needs a reranking head")
+    if head.plain:  # no head at all: llama-server scores with the hidden state's first component
+        return np.ascontiguousarray(last_hidden[:, :1], dtype=np.float32)
     if head.matrix is not None:
         logits = last_hidden.astype(np.float64) @ head.matrix.astype(np.float64).T
     else:

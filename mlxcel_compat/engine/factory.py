@@ -30,6 +30,7 @@ class SequenceHost(Protocol):
     draft: Any  # engine.speculative.DraftModel (-md) or None
     ngram_table: Any  # engine.speculative.NgramModTable or None
     prefix_cache: Any  # engine.prefix_cache.PrefixCache or None
+    key_rotation: Any  # engine.context_shift.KeyRotation where the context shifts, else None
     slots: list[Slot]
 
 
@@ -79,6 +80,10 @@ def make_sequence(engine: SequenceHost, request: GenerationRequest, sink: Sink, 
     seq.tail_rows = rows_match_chunks(loaded)
     if engine.speculative is not None:
         seq.speculator = speculator_for(engine, seq)
+    # Context shift: not for completions sharing one prompt's KV (llama-server refuses those too)
+    # nor for a sequence that drafts (its draft model's cache would have to shift with it).
+    if engine.key_rotation is not None and request.share_group < 0 and seq.speculator is None:
+        seq.rotation = engine.key_rotation
     cache = engine.prefix_cache
     if request.is_child:
         return seq

@@ -42,6 +42,10 @@ def request_bucket(model_id: str, cache: Any) -> Bucket:
 def keep_state(model_id: str, seq: "Sequence") -> KeptState:
     """What a slot keeps when its task ends consistently."""
     req = seq.request
+    if seq.exact_tokens is not None:  # after a context shift, only the kept prefix is reusable
+        n = seq.exact_tokens
+        return KeptState(list(seq.cache_tokens[:n]), kv.detached_prefix(seq.cache, n),
+                         request_bucket(model_id, req.cache), req.cache.session_key)
     return KeptState(list(seq.cache_tokens), seq.cache, request_bucket(model_id, req.cache), req.cache.session_key)
 
 

@@ -8,6 +8,7 @@ and so does the engine:
   ``n_decode`` calls (as many as llama-server's batches of ``--batch-size`` tokens would take), the
   busy slots, the longest sequence held, and the prompt tokens computed in it with the
   iteration's time (``prompt_tokens_total``, ``prompt_seconds_total``);
+- **an embedding or rerank job**: its prompt tokens and decode calls, as a prefill's;
 - **the end of a generation**: its tokens, its decode steps and its time
   (``tokens_predicted_total``, ``tokens_predicted_seconds_total``). The first generated token
   comes from the prompt's last pass and costs no decode step, so a generation of ``n`` tokens
@@ -95,6 +96,13 @@ class EngineMetrics:
             longest = max(len(seq.cache_tokens) for seq in sequences)
             n_calls = -(-n_tokens // max(1, batch_size))
             self.add_pass(len(sequences), longest, n_prompt, seconds, n_calls)
+
+    def add_embedding(self, lengths: Sequence[int], seconds: float, batch_size: int) -> None:
+        """An embedding or rerank job: its prompts are computed like any prompt (llama-server runs
+        them through its slots), in batches of at most ``--batch-size`` tokens; nothing is predicted."""
+        n_tokens = sum(lengths)
+        if n_tokens > 0:
+            self.add_pass(len(lengths), max(lengths), n_tokens, seconds, -(-n_tokens // max(1, batch_size)))
 
     def add_finish(self, fin: "FinishEvent") -> None:
         """A generation's tokens and time, once it ends (prompt counts move per pass instead),

@@ -369,12 +369,16 @@ class PrefixCache:
             self.snapshots.donate(seq)
             self._refresh()
             return
-        tokens = seq.cache_tokens
-        held = max((kv.layer_tokens(layer) for layer in seq.cache), default=0)
+        tokens, cache = seq.cache_tokens, seq.cache
+        if seq.exact_tokens is not None:
+            # A context shift happened: past its kept tokens the KV is not what a cold prefill of
+            # the tokens computes (engine/context_shift.py), so only the kept prefix is stored.
+            tokens, cache = tokens[:seq.exact_tokens], kv.detached_prefix(cache, seq.exact_tokens) if seq.exact_tokens else []
+        held = max((kv.layer_tokens(layer) for layer in cache), default=0)
         if not tokens or (self.token_granular and held != len(tokens)):
             log.debug("prompt cache: not donating task %d: cache holds %d tokens, %d recorded", seq.request.task_id, held, len(tokens))
             return
-        payload = kv.snapshot(seq.cache + self._draft_layers(seq))
+        payload = kv.snapshot(cache + self._draft_layers(seq))
         payload_bytes = kv.nbytes(payload)
         final = self._keep_final_logits(seq, tokens, payload_bytes)
         result = self.store.insert(

@@ -77,6 +77,10 @@ class GenerationRequest:
     lora: tuple[float, ...] = ()
     # What generation_settings shows as "speculative.types" (the server's --spec-type, resolved).
     spec_types: str = "none"
+    # Context shift (--context-shift): prompt tokens kept (-1: all of them) and tokens dropped
+    # after them (0: half of the rest) when the context fills.
+    n_keep: int = 0
+    n_discard: int = 0
 
     @property
     def is_child(self) -> bool:

@@ -113,6 +113,7 @@ class Scheduler:
         last prompt token. Several rows go through one batched pass; a lone sequence steps on its
         own cache (faster than a batch of one). A sequence with a speculative draft this step
         verifies it alone, in one pass of its own (``_speculate``)."""
+        self._shift_contexts()
         speculated = self._speculate() if speculative else set()
         joining = [
             s
@@ -128,6 +129,23 @@ class Scheduler:
             return
         for slot in joining:
             self._step_alone(slot)
+
+    def _shift_contexts(self) -> None:
+        """Shift the context of every sequence whose next token would fill it (``--context-shift``):
+        a batch row leaves the batch for it (its cache is its own again) and joins again below."""
+        for slot in self.slots:
+            seq = slot.sequence
+            if seq is None or not seq.needs_shift:
+                continue
+            try:
+                if seq in self._batched:
+                    self.batch.remove([self.batch.sequences.index(seq)])
+                seq.shift_context()
+            except Exception as exc:
+                self._fail(slot, exc)
+                continue
+            if seq.finished is not None:
+                self._release(slot, True)
 
     def _speculate(self) -> set[int]:
         """Draft for every decoding sequence that speculates, and verify each non-empty draft:

@@ -119,6 +119,13 @@ class Sequence:
         # the runtime's logits in NumPy (_decode_step_eager). Decided once: none of it changes.
         self._runtime_argmax = (decoder is not None and self.budget is None and request.n_probs <= 0
                                 and grammar is None and chain.is_plain_argmax)
+        # Context shift (engine/context_shift.py): the model's key rotation where the server
+        # shifts and this sequence may (set by the factory); None stops at the context limit.
+        self.rotation: Any = None
+        self.n_shifts = 0
+        # The leading tokens whose KV a cold prefill reproduces: all of them until a shift, the
+        # kept ones after it. Only these are ever reused (donated, kept by the slot).
+        self.exact_tokens: int | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -171,6 +178,31 @@ class Sequence:
             self.prefill_step()
         else:
             self.decode_step()
+
+    # ------------------------------------------------------------------ context shift
+
+    @property
+    def needs_shift(self) -> bool:
+        """The next token fed would fill the context, and this sequence shifts instead of stopping."""
+        return (self.rotation is not None and self.finished is None and self._pending is not None
+                and len(self.cache_tokens) + 1 >= self.n_ctx)
+
+    def shift_context(self) -> None:
+        """Drop the middle of the cache as llama-server's context shift does (``context_shift.py``).
+        The sequence must own its cache (not be a row of a decode batch)."""
+        from mlxcel_compat.engine.context_shift import plan_shift, shift_cache
+
+        plan = plan_shift(len(self.cache_tokens), self.n_ctx, self.n_prompt, self.request.n_keep,
+                          self.request.n_discard, self.rotation.add_bos)
+        log.warning("task %d: context shift, n_keep = %d, n_left = %d, n_discard = %d", self.request.task_id,
+                    plan.n_keep, len(self.cache_tokens) - plan.n_keep, plan.n_discard)
+        if plan.n_discard <= 0:
+            self._finish("limit", "", truncated=True)
+            return
+        shift_cache(self.cache, self.rotation, plan)
+        del self.cache_tokens[plan.n_keep:plan.n_keep + plan.n_discard]
+        self.exact_tokens = min(plan.n_keep, self.exact_tokens if self.exact_tokens is not None else plan.n_keep)
+        self.n_shifts += 1
 
     # ------------------------------------------------------------------ batched decode
     # A DecodeBatch owns the cache while the sequence is in it; per step it feeds every row's
@@ -487,11 +519,13 @@ class Sequence:
         return n_predict < 0 or len(self.generated) < max(n_predict, 1)
 
     def _context_full(self) -> bool:
-        return len(self.prompt) + len(self.generated) >= self.n_ctx
+        return self.rotation is None and len(self.prompt) + len(self.generated) >= self.n_ctx
 
     def _room_for_more(self) -> bool:
-        """Before reading the token in flight: may it be fed back for one more step?"""
-        return self._budget_left_after_next() and len(self.prompt) + len(self.generated) + 1 < self.n_ctx
+        """Before reading the token in flight: may it be fed back for one more step? (With a
+        context shift, the scheduler makes room before the step: ``needs_shift``.)"""
+        room = self.rotation is not None or len(self.prompt) + len(self.generated) + 1 < self.n_ctx
+        return self._budget_left_after_next() and room
 
     def _budget_left_after_next(self) -> bool:
         n_predict = self.request.n_predict
@@ -510,7 +544,7 @@ class Sequence:
         tail = "" if stop_type in ("word", "eos") or cancelled else self.text.finish()
         self.finished = self.stats.finish_event(
             stop_type, stopping_word, tail, n_prompt=self.n_prompt, n_decoded=len(self.generated),
-            tokens_cached=len(self.cache_tokens), truncated=truncated, id_slot=self.slot_id, seed=self.chain.seed,
+            tokens_cached=len(self.cache_tokens), truncated=truncated or self.n_shifts > 0, id_slot=self.slot_id, seed=self.chain.seed,
             cancelled=cancelled, content_cut=self.lines.content_cut,
         )
         self.emit(self.finished)

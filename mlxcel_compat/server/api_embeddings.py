@@ -100,14 +100,49 @@ def _tokenize(ctx: ServerContext, prompt: Any) -> list[list[int]]:
         limit = ctx.settings.max_prompts
         if len(prompt) > limit:
             raise InvalidRequest(f"Field 'input': at most {limit} inputs are allowed in one request (--max-prompts), but got {len(prompt)}")
-        prompts = [tokenize_one(m.tokenizer, p, m.vocab_size, ctx.prompt_bound) for p in prompt]
+        prompts = [_tokenize_entry(ctx, p) for p in prompt]
     else:
-        prompts = [tokenize_one(m.tokenizer, prompt, m.vocab_size, ctx.prompt_bound)]
+        prompts = [_tokenize_entry(ctx, prompt)]
     if not prompts:
         raise InvalidRequest('"input" must not be empty')
     if any(not tokens for tokens in prompts):
         raise InvalidRequest("Input content cannot be empty")
     return prompts
+
+
+# llama-server's words for a media part on a model without a projector (oaicompat_content_load_media).
+MEDIA_PARTS = {"image_url": "image", "input_audio": "audio", "input_video": "video", "video_url": "video"}
+
+
+def _tokenize_entry(ctx: ServerContext, entry: Any) -> list[int]:
+    """One input: ``/completion``'s prompt shapes, or an OpenAI content array
+    ``{"content": [{"type": "text", "text": ...}, ...]}`` whose text parts are joined into one
+    string, as llama-server's ``tokenize_oai_content_array`` joins them."""
+    m = ctx.model
+    assert m is not None
+    if isinstance(entry, dict) and "content" in entry:
+        entry = content_parts_text(entry["content"])
+    return tokenize_one(m.tokenizer, entry, m.vocab_size, ctx.prompt_bound)
+
+
+def content_parts_text(parts: Any) -> str:
+    """The text of an OpenAI content array; a media part is refused (no model here embeds one),
+    as is any other part type."""
+    if not isinstance(parts, list):
+        raise InvalidRequest('"content" must be an array')
+    text = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in MEDIA_PARTS:
+            raise InvalidRequest(f"{MEDIA_PARTS[kind]} input is not supported - hint: if this is unexpected, "
+                                 "you may need to provide the mmproj")
+        if kind != "text":
+            raise InvalidRequest("unsupported content[].type")
+        value = part.get("text", "")
+        if not isinstance(value, str):
+            raise InvalidRequest("content[].text must be a string")
+        text.append(value)
+    return "".join(text)
 
 
 def format_response(ctx: ServerContext, req: EmbeddingRequest, vectors: list[np.ndarray]) -> Any:

@@ -148,7 +148,11 @@ async def metrics(request: Request) -> Response:
     # Scrapers compare it between scrapes to notice a restart (llama-server's value and clock).
     start = str(ctx.engine.metrics.t_start_us)
     # The content type exactly as llama-server sends it (Starlette would add a charset).
-    return Response(body, headers={"Content-Type": "text/plain; version=0.0.4", "Process-Start-Time-Unix": start})
+    response = Response(body, headers={"Content-Type": "text/plain; version=0.0.4"})
+    # The header's name with llama-server's capitals (Starlette lowercases the names it is given):
+    # clients that read headers into a plain dict (llama.cpp's own tests do) look it up so.
+    response.raw_headers.append((b"Process-Start-Time-Unix", start.encode("latin-1")))
+    return response
 
 
 ROUTES = [

@@ -63,6 +63,22 @@ log = logging.getLogger(__name__)
 PUBLIC_PATHS = {"/health", "/v1/health", "/get_load", "/models", "/v1/models", "/", "/index.html"}
 
 
+# llama-server's routes that read its model or vocabulary outside a generation: each wakes a
+# sleeping server (--sleep-idle-seconds) before it answers, as llama-server's do. Generations and
+# embeddings wake the engine themselves; /health, /metrics, GET /props and /models never wake it.
+WAKING_PATHS = {"/tokenize", "/detokenize", "/apply-template", "/chat/completions/input_tokens",
+                "/v1/chat/completions/input_tokens", "/responses/input_tokens", "/v1/responses/input_tokens",
+                "/v1/messages/count_tokens", "/lora-adapters", "/slots"}
+
+
+def wakes_model(method: str, path: str) -> bool:
+    return path in WAKING_PATHS or path.startswith("/slots/") or (method == "POST" and path == "/props")
+
+
+def _nothing() -> None:
+    return None
+
+
 def is_public(path: str) -> bool:
     """Paths that never need the API key: health, the model list and the chat page's files."""
     return path in PUBLIC_PATHS or path.startswith(api_web.PUBLIC_PREFIXES)
@@ -132,6 +148,8 @@ class GateMiddleware:
                 body = {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}
                 await raw_error_response(401, body)(scope, receive, send)
                 return
+        if self.ctx.engine.sleeping and wakes_model(scope["method"], path):
+            await asyncio.wrap_future(self.ctx.engine.call(_nothing, wake=True))
         await self.app(scope, receive, send)
 
     def _matching_key(self, scope: Scope) -> str | None:
@@ -409,6 +427,8 @@ def build_app(ctx: ServerContext, edge: bool = True) -> Starlette:
     builtin_tools = agent_tools.select_tools(server_tools(settings))
     configs = load_configs(settings.mcp_servers_config, settings.mcp_servers_json)
     mcp = McpManager(configs) if configs else None
+    if mcp is not None:  # a shutdown ends running tool calls at once (their sessions close)
+        ctx.on_drain.append(mcp.close)
     prefix = settings.api_prefix.rstrip("/") if settings.api_prefix else ""
     vertex = VertexConfig.from_env()
     route_list: list[Any] = routes(vertex)

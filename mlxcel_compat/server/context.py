@@ -72,6 +72,9 @@ class ServerContext:
     media: Any = None  # server.media.ImageInput when the served model takes images or audio, else None
     streams: StreamSessions = field(default_factory=StreamSessions)  # resumable streams (X-Conversation-Id)
     completions: RunningCompletions = field(default_factory=RunningCompletions)  # streamed chats, for /control
+    # Called (on a thread) when a shutdown begins: what would hold a running request past it, such as
+    # an MCP tool call, is ended at once, as llama-server's shutdown ends them.
+    on_drain: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.streams.max_bytes = getattr(self.settings, "stream_buffer_bytes", self.streams.max_bytes)

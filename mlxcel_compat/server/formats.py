@@ -134,12 +134,13 @@ def generation_settings(
     request: GenerationRequest,
     stream: bool,
     seed: int,
-    n_keep: int = 0,
-    n_discard: int = 0,
+    n_keep: int | None = None,
+    n_discard: int | None = None,
     eog_ids: Sequence[int] = (),
     timings_per_token: bool = False,
 ) -> dict[str, Any]:
-    """llama-server's ``generation_settings`` (task_params::to_json), in its key order.
+    """llama-server's ``generation_settings`` (task_params::to_json), in its key order
+    (``n_keep``/``n_discard``: the request's context-shift fields unless given).
 
     With ``ignore_eos``, the end-of-generation bans follow the request's biases as
     ``{"bias": null, "token": id}`` entries, as llama-server appends them.
@@ -158,8 +159,8 @@ def generation_settings(
         stop=list(request.stop),
         max_tokens=request.n_predict,
         n_predict=request.n_predict,
-        n_keep=n_keep,
-        n_discard=n_discard,
+        n_keep=request.n_keep if n_keep is None else n_keep,
+        n_discard=request.n_discard if n_discard is None else n_discard,
         ignore_eos=s.ignore_eos,
         stream=stream,
         logit_bias=[{"bias": (b if b != float("-inf") else None), "token": t} for t, b in sorted(s.logit_bias.items())]

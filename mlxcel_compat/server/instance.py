@@ -142,6 +142,7 @@ def build_server(settings: Any, model_arg: str, api_keys: list[str], model_name:
             adapters=list(adapters.adapters),
             speculative=speculative if speculative is not None else SpecConfig.from_settings(settings),
             load_options=load_options,
+            context_shift=bool(settings.context_shift),
         ),
         prefix_cache_factory=prefix_cache,
     )

@@ -217,6 +217,8 @@ def parse_completion_options(
         n_indent=b.int("n_indent", 0, 0, None),
         reasoning_budget=parse_reasoning_budget(b, settings, tokenize),
         spec_types=spec_type_names(settings),
+        n_keep=b.int("n_keep", settings.n_keep, -1, None),
+        n_discard=b.int("n_discard", 0, 0, None),
     )
     sampling.n_probs = n_probs
     sampling.post_sampling_probs = request.post_sampling_probs
@@ -228,8 +230,8 @@ def parse_completion_options(
         return_tokens=b.bool("return_tokens", False),
         timings_per_token=b.bool("timings_per_token", False),
         response_fields=response_fields,
-        n_keep=b.int("n_keep", settings.n_keep, -1, None),
-        n_discard=b.int("n_discard", 0, 0, None),
+        n_keep=request.n_keep,
+        n_discard=request.n_discard,
         sse_ping_interval=b.int("sse_ping_interval", settings.sse_ping_interval, -1, None),
     )
 

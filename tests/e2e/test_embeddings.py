@@ -56,7 +56,7 @@ def gguf_server(server_factory, tmp_path_factory) -> ServerProcess:
 
     out = tmp_path_factory.mktemp("embed-gguf") / "qwen3-mean.gguf"
     write_gguf("qwen3", "tiny", out, "f32", model_dir=tiny_model("qwen3"), pooling="mean")
-    return server_factory(["-m", str(out), "--embeddings", "-ub", "16", "-np", "1", "-c", "512"])
+    return server_factory(["-m", str(out), "--embeddings", "-ub", "16", "-np", "1", "-c", "512", "--metrics"])
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +132,19 @@ def test_embd_normalize_options(last_server, hidden, mode) -> None:
     np.testing.assert_allclose(vec, raw / total, rtol=2e-3, atol=1e-4 * np.abs(raw / total).max())
 
 
+def test_content_text_parts_equal_the_same_string(last_server) -> None:
+    """An OpenAI content array's text parts are joined into one input (llama-server's
+    tokenize_oai_content_array), alone or among other inputs."""
+    parts = {"content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}
+    with client_for(last_server) as c:
+        r = c.post("/v1/embeddings", json={"input": ["hello world", parts, "a"]})
+        single = c.post("/v1/embeddings", json={"input": parts})
+    assert r.status_code == 200 and single.status_code == 200, (r.text, single.text)
+    data = r.json()["data"]
+    assert data[0]["embedding"] == data[1]["embedding"] != data[2]["embedding"]
+    assert single.json()["data"][0]["embedding"] == data[0]["embedding"]
+
+
 def test_native_shapes_and_content_forcing_them(last_server) -> None:
     with client_for(last_server) as c:
         native = c.post("/embeddings", json={"content": ["hello world", "a"]}).json()
@@ -151,6 +164,10 @@ def test_native_shapes_and_content_forcing_them(last_server) -> None:
     ({"input": []}, '"input" must not be empty'),
     ({"input": [10**9]}, "Prompt contains invalid tokens"),
     ({"input": "x", "embd_normalize": "2"}, "embd_normalize must be an integer"),
+    ({"input": {"content": "string"}}, '"content" must be an array'),
+    ({"input": {"content": [{"type": "unknown"}]}}, "unsupported content[].type"),
+    ({"input": {"content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}},
+     "image input is not supported - hint: if this is unexpected, you may need to provide the mmproj"),
 ])
 def test_bad_input_is_a_400(last_server, body, message) -> None:
     with client_for(last_server) as c:
@@ -178,6 +195,26 @@ def test_gguf_pools_as_its_metadata_says(gguf_server, hidden) -> None:
     assert r.status_code == 200, r.text
     for t, item in zip(tokens, r.json()["data"]):
         assert cosine(item["embedding"], hidden("qwen3", t).mean(axis=0)) > 1 - 1e-4
+
+
+def _llamacpp_counters(c: httpx.Client) -> dict[str, float]:
+    lines = c.get("/metrics").text.splitlines()
+    return {line.split()[0][len("llamacpp:"):]: float(line.split()[1]) for line in lines if line.startswith("llamacpp:")}
+
+
+def test_embedding_prompts_are_counted_in_metrics(gguf_server) -> None:
+    """An embedding job's prompt costs decode calls as a prefill does (llama-server runs it through
+    its slots): its tokens count in prompt_tokens_total, in batches of the 16-token physical batch,
+    and nothing is predicted."""
+    with client_for(gguf_server) as c:
+        before = _llamacpp_counters(c)
+        r = c.post("/v1/embeddings", json={"input": ["hello world", "goodbye world, and the rest of it"]})
+        after = _llamacpp_counters(c)
+    n_tokens = r.json()["usage"]["prompt_tokens"]
+    assert n_tokens > 16
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == n_tokens
+    assert after["n_decode_total"] - before["n_decode_total"] == -(-n_tokens // 16)
+    assert after["tokens_predicted_total"] == before["tokens_predicted_total"] == 0
 
 
 def test_an_input_over_the_physical_batch_is_llama_servers_500(gguf_server) -> None:
@@ -329,14 +366,30 @@ def test_an_input_over_the_context_is_llama_servers_400(none_server) -> None:
     }
 
 
-def test_rerank_on_a_model_without_a_head_is_501_not_a_crash(server_factory) -> None:
+def test_rerank_on_a_plain_decoder_pools_as_llama_server(server_factory, hidden) -> None:
+    """llama-server pools ``rank`` on any model: a decoder without a reranking head scores each
+    pair (BOS, query, EOS, document, EOS, with the special tokens the vocabulary adds) by the
+    first component of its last token's final hidden state. Checked against transformers."""
     server = server_factory(["-m", str(tiny_model("llama")), "--rerank", "-np", "1", "-c", "512"])
+    docs = TEXTS[1:4]
     with client_for(server) as c:
-        for path, body in (("/v1/rerank", {"query": "q", "documents": ["d"]}), ("/v1/embeddings", {"input": "x"})):
-            r = c.post(path, json=body)
-            assert r.status_code == 501, r.text
-            assert r.json()["error"]["message"].startswith("This model has no reranking head")
+        r = c.post("/v1/rerank", json={"query": TEXTS[0], "documents": docs})
+        assert r.status_code == 200, r.text
+        bare = c.post("/tokenize", json={"content": "a", "add_special": False}).json()["tokens"]
+        full = c.post("/tokenize", json={"content": "a", "add_special": True}).json()["tokens"]
+        start, end = full[: full.index(bare[0])], full[full.index(bare[-1]) + 1:]
+        pairs = [start + tokens_of_plain(c, TEXTS[0]) + end + tokens_of_plain(c, d) + end for d in docs]
         assert c.post("/completion", json={"prompt": "hi", "n_predict": 2}).status_code == 200
+    expected = [float(hidden("llama", tokens)[-1, 0]) for tokens in pairs]
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == sorted(range(len(docs)), key=lambda i: -expected[i])
+    assert r.json()["usage"]["prompt_tokens"] == sum(len(p) for p in pairs)
+    for x in results:
+        assert x["relevance_score"] == pytest.approx(expected[x["index"]], abs=1e-4)
+
+
+def tokens_of_plain(c: httpx.Client, text: str) -> list[int]:
+    return c.post("/tokenize", json={"content": text, "add_special": False}).json()["tokens"]
 
 
 def test_an_embedding_request_wakes_a_sleeping_model(server_factory) -> None:

@@ -437,3 +437,58 @@ def test_other_sites_cannot_run_tools_or_use_the_proxy(client: httpx.Client, too
     rebound = {"Origin": "http://box.example:8080", "Host": "box.example:8080"}
     assert client.post("/tools", content=body, headers=rebound).status_code == 403
     assert marker.exists()
+
+
+SLOW_MCP_SERVER = r'''
+import json, sys, time
+for line in sys.stdin:
+    msg = json.loads(line)
+    if "id" not in msg:
+        continue
+    if msg["method"] == "initialize":
+        result = {"protocolVersion": msg["params"]["protocolVersion"], "capabilities": {"tools": {}},
+                  "serverInfo": {"name": "slow", "version": "1"}}
+    elif msg["method"] == "tools/list":
+        result = {"tools": [{"name": "sleep", "description": "Sleep a while", "inputSchema": {"type": "object"}}]}
+    else:
+        open(sys.argv[1], "w").close()  # the call has started
+        time.sleep(msg["params"]["arguments"]["seconds"])
+        result = {"content": [{"type": "text", "text": "slept"}]}
+    sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": result}) + "\n")
+    sys.stdout.flush()
+'''
+
+
+def test_a_slow_mcp_call_does_not_hold_the_shutdown(server_factory, llama_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM during a 20 s MCP tool call: the call's session is closed at once (llama-server's
+    shutdown ends running MCP calls), the call answers with an error and the server exits in a
+    moment, not when the tool or the HTTP server's graceful wait would have ended."""
+    import sys
+    import time
+
+    script, started = tmp_path / "slow_mcp.py", tmp_path / "started"
+    script.write_text(SLOW_MCP_SERVER)
+    config = {"mcpServers": {"slow": {"command": sys.executable, "args": [str(script), str(started)], "timeout_ms": 60000}}}
+    server = server_factory(["-m", str(llama_dir), "-c", "512", "-np", "1", "--mcp-servers-json", json.dumps(config)])
+    answers: list[Any] = []
+
+    def slow_call() -> None:
+        try:
+            with httpx.Client(base_url=server.base_url, timeout=60) as c:
+                answers.append(c.post("/tools", json={"tool": "slow_sleep", "params": {"seconds": 20}}))
+        except httpx.HTTPError as exc:
+            answers.append(exc)
+
+    caller = threading.Thread(target=slow_call)
+    caller.start()
+    deadline = time.monotonic() + 30
+    while not started.exists():
+        assert time.monotonic() < deadline, "the tool call never started"
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    server.terminate()
+    server.proc.wait(15)
+    elapsed = time.monotonic() - t0
+    caller.join(15)
+    assert elapsed < 2.5, f"shutdown took {elapsed:.1f} s"
+    assert answers and (isinstance(answers[0], httpx.HTTPError) or answers[0].json() == {"error": "transport closed"})

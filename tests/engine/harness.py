@@ -24,11 +24,11 @@ class Run:
 
 class EngineHarness:
     def __init__(self, model_dir: Path, batch_size: int = 16, n_parallel: int = 2, speculative: Any = None,
-                 **cache_config: Any) -> None:
+                 ctx_size: int = 4096, context_shift: bool = False, **cache_config: Any) -> None:
         config = PrefixCacheConfig(**{"min_prefix": 8, "capacity_bytes": 1 << 30, **cache_config})
         self.engine = Engine(
-            EngineConfig(model=str(model_dir), ctx_size=4096, n_parallel=n_parallel, batch_size=batch_size,
-                         speculative=speculative),
+            EngineConfig(model=str(model_dir), ctx_size=ctx_size, n_parallel=n_parallel, batch_size=batch_size,
+                         speculative=speculative, context_shift=context_shift),
             prefix_cache_factory=lambda engine: PrefixCache(engine, config),
         )
         self.engine.start()
@@ -47,12 +47,16 @@ class EngineHarness:
         n_probs: int = 0,
         ignore_eos: bool = False,
         boundary: int | None = None,
+        n_keep: int = 0,
+        n_discard: int = 0,
     ) -> GenerationRequest:
         return GenerationRequest(
             prompt_tokens=list(prompt),
             sampling=SamplingParams(temperature=0.0, seed=1234, ignore_eos=ignore_eos),
             n_predict=n_predict,
             n_probs=n_probs,
+            n_keep=n_keep,
+            n_discard=n_discard,
             cache=CacheContext(
                 enabled=cache, session_key=session, template_sig=RAW_PROMPT_TEMPLATE_SIG, mm_digest=TEXT_ONLY_MM_DIGEST, history_boundary=boundary
             ),
