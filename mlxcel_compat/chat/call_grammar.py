@@ -18,7 +18,8 @@ render for it, and a call sent back as history re-renders to the tokens that wer
   lists its properties takes no others unless it says so, as in llama.cpp (:func:`closed_objects`);
 - tagged arguments (``<parameter=KEY>VALUE</parameter>``) follow the schema's property order,
   required ones always, optional ones maybe; a string value is any text up to the value's closing
-  marker (the closing marker ends it, as in the parser);
+  marker (the closing marker ends it, as in the parser); where the template nests objects and
+  lists in elements (MiniMax M3), their listed properties and items are written that way;
 - Python keyword arguments (LFM2) and Gemma 4's argument objects in their own notations.
 
 Nothing here compiles or imports llguidance: :class:`RuleWriter` only collects the rule texts.
@@ -88,6 +89,7 @@ class RuleWriter:
     python_values: bool = False  # tagged values other than strings and numbers written as Python literals
     index_key: str = ""  # a JSON call's first key, holding the call's position as a string
     python_bools: bool = False  # tagged booleans written as True/False
+    element_marker: str | None = None  # tagged objects and lists written as nested elements after this marker
     rules: list[str] = field(default_factory=list)
     _count: int = 0
     named: dict[str, str] = field(default_factory=dict)  # shared rules: their key -> name
@@ -237,12 +239,16 @@ def _object(w: RuleWriter, entries: list[tuple[tuple[str, ...], str]]) -> str:
     groups: dict[str, list[tuple[tuple[str, ...], str]]] = {}
     for path, value in entries:
         groups.setdefault(path[0], []).append((path[1:], value))
+    # An indented template (Command R+ writes its call object by hand, a line per key) gets
+    # llama.cpp's bounded whitespace around the object's items, as its JSON arguments do.
+    space = f"(/{JSON_WHITESPACE.removeprefix('(?:').removesuffix(')?')}/)?" if w.style.indented else ""
     items = []
     for key, rest in groups.items():
         value = rest[0][1] if rest[0][0] == () else _object(w, rest)
-        items.append(seq(w.lit(json.dumps(key, ensure_ascii=False) + w.style.key_separator), value))
-    body = f" {w.lit(w.style.item_separator)} ".join(items)
-    return seq(w.lit("{"), body, w.lit("}"))
+        items.append(seq(space, w.lit(json.dumps(key, ensure_ascii=False) + w.style.key_separator), value))
+    separator = w.lit(w.style.item_separator.strip() if w.style.indented else w.style.item_separator)
+    body = f" {separator} ".join(items)
+    return seq(w.lit("{"), body, space, w.lit("}"))
 
 
 # ---------------------------------------------------------------------- tagged arguments
@@ -290,11 +296,50 @@ def _tagged_value(w: RuleWriter, schema: Any, suffix: KeySuffix, closing: str) -
         if isinstance(options, list) and options and all(isinstance(v, str) for v in options):
             return "(" + " | ".join(seq(w.lit(v), w.lit(closing)) for v in options) + ")"
         return w.text_until(closing, schema)
+    if kind in ("object", "array") and w.element_marker is not None:
+        elements = _elements(w, schema, kind)
+        if elements:
+            return seq(elements, w.lit(closing))
     if kind == "boolean" and w.python_bools:
         return seq(_python_value(w, kind), w.lit(closing))
     if w.python_values and kind not in ("integer", "number", "boolean"):
         return seq(_python_value(w, kind), w.lit(closing))
     return seq(w.json(schema if isinstance(schema, dict) else {}), w.lit(closing))
+
+
+def _elements(w: RuleWriter, schema: dict[str, Any], kind: str) -> str:
+    """An object's listed properties, or a list's items, as elements nested in the argument's tags
+    (MiniMax M3's ``NS<max>20NS</max>``, ``NS<item>aNS</item>``): at least one, since the template
+    renders an empty object or list as nothing, which reads back as an empty string. An object
+    without listed properties gives ``""`` (its value is then JSON): a context-free grammar cannot
+    write a free key's closing tag."""
+    marker = w.element_marker or ""
+    if kind == "array":
+        items = schema.get("items") if isinstance(schema.get("items"), dict) else {}
+        item = seq(w.lit(f"{marker}<item>"), _element_value(w, items, f"{marker}</item>"))
+        return f"{w.add(item, 'item')}+"
+    properties, required = _properties(schema)
+    fields = [(seq(w.lit(f"{marker}<{key}>"), _element_value(w, sub, f"{marker}</{key}>")), key in required)
+              for key, sub in properties.items()]
+    return join_fields(w, fields, "", allow_none=False) if fields else ""
+
+
+def _element_value(w: RuleWriter, schema: Any, closing: str) -> str:
+    """A nested element's value up to ``closing``, as MiniMax M3's ``to_xml`` writes it: elements
+    again, ``true``/``false``, a number, or raw text."""
+    kind = _type_of(schema)
+    if kind in ("object", "array"):
+        elements = _elements(w, schema, kind)
+        if elements:
+            return seq(elements, w.lit(closing))
+    if kind in ("integer", "number", "boolean"):
+        return seq(w.json(schema), w.lit(closing))
+    options = schema.get("enum") if isinstance(schema, dict) else None
+    if isinstance(options, list) and options and all(isinstance(v, str) for v in options):
+        return "(" + " | ".join(seq(w.lit(v), w.lit(closing)) for v in options) + ")"
+    if kind == "object":  # no listed properties: JSON, which the parser reads
+        return seq(w.json(schema), w.lit(closing))
+    return w.text_until(closing, schema)
 
 
 def _python_value(w: RuleWriter, kind: str | None) -> str:
@@ -327,10 +372,10 @@ def _tagged_args(w: RuleWriter, part: TaggedArgs, parameters: dict[str, Any]) ->
     return join_fields(w, fields, part.separator)
 
 
-def join_fields(w: RuleWriter, fields: list[tuple[str, bool]], separator: str) -> str:
+def join_fields(w: RuleWriter, fields: list[tuple[str, bool]], separator: str, allow_none: bool = True) -> str:
     """Fields in order (``(expression, required)``), ``separator`` only between those written:
     one alternative per field that may come first (the optional ones before the first required
-    one, and that one)."""
+    one, and that one); ``allow_none``: no field at all when every one is optional."""
     alternatives = []
     for k, (first, required) in enumerate(fields):
         rest = []
@@ -341,7 +386,8 @@ def join_fields(w: RuleWriter, fields: list[tuple[str, bool]], separator: str) -
         if required:
             break
     else:
-        alternatives.append('""')  # every field optional: none at all
+        if allow_none:
+            alternatives.append('""')  # every field optional: none at all
     return alternatives[0] if len(alternatives) == 1 else "(" + " | ".join(alternatives) + ")"
 
 

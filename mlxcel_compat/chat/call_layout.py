@@ -19,7 +19,10 @@ probe call through the template and reads it off the text:
 - ``lead``: what the template renders between the generation prompt and the first call, when it
   is whitespace and reasoning markers only (an empty ``<think></think>`` block);
 - ``python_bools``: tagged booleans are written as Python's ``True``/``False`` (templates that
-  print a value with ``| string``: Qwen3-Coder, Nemotron 3).
+  print a value with ``| string``: Qwen3-Coder, Nemotron 3);
+- ``element_marker``: tagged object and list values are written as elements nested in the
+  argument's tags (MiniMax M3: ``<m>NS<n>vNS</n>NS</m>``, lists as ``<item>``), each opening and
+  closing tag after this marker (M3's namespace token ``NS``); None when values are not nested.
 
 The layout is computed once per template source (a probe render, a millisecond or so) and cached.
 """
@@ -42,7 +45,9 @@ __all__ = ["CallLayout", "call_layout"]
 
 _PROBE_NAME = "probe_fn"
 _PROBE_TOOL = {"type": "function", "function": {"name": _PROBE_NAME, "description": "", "parameters": {
-    "type": "object", "properties": {"k": {"type": "array"}, "m": {"type": "object"}, "flag_b": {"type": "boolean"}}}}}
+    "type": "object", "properties": {"k": {"type": "array", "items": {"type": "integer"}},
+                                     "m": {"type": "object", "additionalProperties": {"type": "string"}},
+                                     "flag_b": {"type": "boolean"}}}}}  # items and additionalProperties: Command R+ reads them
 _PROBE_CALL = {"role": "assistant", "content": "", "tool_calls": [
     {"id": "K7p2Rq9Zx", "type": "function", "function": {"name": _PROBE_NAME, "arguments": json.dumps({"k": [1, 2], "m": {"n": "v"}, "flag_b": True})}}]}
 _CACHE_SIZE = 64
@@ -59,6 +64,7 @@ class CallLayout:
     index_key: str = ""
     python_bools: bool = False
     lead: str = ""
+    element_marker: str | None = None
 
 
 _LAYOUTS: OrderedDict[str, CallLayout] = OrderedDict()
@@ -129,8 +135,11 @@ def read_layout(text: str, calls: ToolSyntax | None) -> CallLayout:
     if calls is None or not text:
         return CallLayout(style)
     boolean = re.search(r"flag_b[^A-Za-z]{0,40}(True|true)", text)
+    nested = re.search(r"<k>(.{0,40}?)<item>1(.{0,40}?)</item>", text, re.DOTALL)
+    element_marker = nested.group(1) if nested and nested.group(1) == nested.group(2) else None
     return CallLayout(style, _before_call(text, calls), _after_name(text, calls), "{'n': 'v'}" in text,
-                      _index_key(text, calls, style), boolean is not None and boolean.group(1) == "True")
+                      _index_key(text, calls, style), boolean is not None and boolean.group(1) == "True",
+                      element_marker=element_marker)
 
 
 def _before_call(text: str, calls: ToolSyntax) -> str:

@@ -19,6 +19,7 @@ well formed (:func:`lazy_trigger`).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -86,9 +87,12 @@ def tool_call_grammar(
     layout = layout or CallLayout()
     writer = RuleWriter(spell=spell, mark=mark, style=layout.style, before_call=layout.before_call, after_name=layout.after_name,
                         python_values=layout.python_values, index_key=layout.index_key,
-                        python_bools=layout.python_bools)
+                        python_bools=layout.python_bools, element_marker=layout.element_marker)
     first = lstrip_call(calls) if lazy else calls
     opens_section = bool(core(calls.section_start))  # else the first call's first literal opens
+    lead = layout.lead
+    if not lazy and not opens_section:
+        lead, first = _fold_lead(lead, first)
     alternatives = " | ".join(call_rule(writer, first, tool, opening=not opens_section) for tool in tools)
     body = f"({alternatives})"
     if parallel:
@@ -98,7 +102,7 @@ def tool_call_grammar(
     section_start = writer.marker(first.section_start) if opens_section else writer.lit(first.section_start)
     start = " ".join(x for x in (section_start, body, writer.lit(calls.section_end)) if x)
     if not lazy:
-        start = seq(_lead(writer, syntax, thinking_open, layout.lead), start)
+        start = seq(_lead(writer, syntax, thinking_open, lead, layout.lead), start)
     if response_rule is not None:
         start = f"({start}) | response"
     lines = ["%llguidance {}", f"start: {start}", *writer.lines()]
@@ -107,13 +111,27 @@ def tool_call_grammar(
     return "\n".join(lines) + "\n"
 
 
-def _lead(writer: RuleWriter, syntax: ChatSyntax, thinking_open: bool, lead: str) -> str:
+def _fold_lead(lead: str, calls: ToolSyntax) -> tuple[str, ToolSyntax]:
+    """``(lead, calls)`` with the spaces that end ``lead`` moved into the first call's opening
+    literal when it starts with a word: the opening marker is written as the tokens the tokenizer
+    makes of it, and a BPE pre-tokenizer glues a space to the word after it (muse-glimmer's
+    `` to=`` is ``" to"``, ``"="``, never ``" "``, ``"to"``). Newlines stay in the lead: they are
+    their own pre-token, and a marker made of them splits differently (``</think>\n\n<tool_call>``)."""
+    head = calls.call[0] if calls.call else None
+    space = lead[len(lead.rstrip(" ")):]
+    if not space or not isinstance(head, Lit) or not head.text[:1].isalnum():
+        return lead, calls
+    return lead[: len(lead) - len(space)], dataclasses.replace(calls, call=(Lit(space + head.text), *calls.call[1:]))
+
+
+def _lead(writer: RuleWriter, syntax: ChatSyntax, thinking_open: bool, lead: str, rendered: str) -> str:
     """What comes before forced calls: what the template renders there (``lead``: an empty
-    ``<think></think>`` block, the end of the block the prompt opened), and at least the end of
-    the reasoning block the prompt opened, where the parser looks for calls."""
+    ``<think></think>`` block, the end of the block the prompt opened; ``rendered``: all of it, with
+    whitespace the first call's marker took), and at least the end of the reasoning block the
+    prompt opened, where the parser looks for calls."""
     reasoning = syntax.reasoning
     end = core(reasoning.end) if reasoning is not None and syntax.dialect == "markers" else ""
-    if not thinking_open or not end or end in lead:
+    if not thinking_open or not end or end in rendered:
         return writer.marker(lead)
     space = "/[ \\n]{0,2}/"
     return seq(space, writer.lit(end), space)
