@@ -39,10 +39,9 @@ TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 CALLS = [("get_weather", {"city": "Paris", "unit": "celsius"}, "K7p2Rq9Zx"), ("get_time", {"zone": 2, "dst": True}, "M3n8Vb1Ty")]
 
-# Templates whose own render of a call the grammar does not write, and why. Everything else that
-# renders calls must be accepted (none left: MiniMax M3's nested object and list values, the last
-# gap within a template, have test_minimax_m3_writes_objects_and_lists_as_elements).
-NOT_WRITTEN: dict[str, str] = {}
+# Every template that renders calls is written (MiniMax M3's nested object and list values have
+# their own test: test_minimax_m3_writes_objects_and_lists_as_elements).
+
 # The default run: a few formats (JSON call, XML tags, GLM tags, name + JSON arguments, Kimi's
 # sections, Harmony) written, and random walks in one; scripts/test.sh --slow runs every template.
 DEFAULT_WRITES = {"Qwen-Qwen2.5-7B-Instruct", "Qwen3-Coder", "GLM-4.6", "unsloth-mistral-Devstral-Small-2507",
@@ -50,7 +49,7 @@ DEFAULT_WRITES = {"Qwen-Qwen2.5-7B-Instruct", "Qwen3-Coder", "GLM-4.6", "unsloth
 DEFAULT_WALKS = {"Qwen3-Coder"}
 
 
-WITH_CALLS = sorted(set(read_llama_cpp_templates()) - WITHOUT_CALLS - set(NOT_WRITTEN))
+WITH_CALLS = sorted(set(read_llama_cpp_templates()) - WITHOUT_CALLS)
 WRITES = [pytest.param(s, marks=() if s in DEFAULT_WRITES else SLOW) for s in WITH_CALLS]
 WALKS = [pytest.param(s, marks=() if s in DEFAULT_WALKS else SLOW) for s in WITH_CALLS]
 
