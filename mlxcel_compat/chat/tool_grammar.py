@@ -116,7 +116,7 @@ def _fold_lead(lead: str, calls: ToolSyntax) -> tuple[str, ToolSyntax]:
     literal when it starts with a word: the opening marker is written as the tokens the tokenizer
     makes of it, and a BPE pre-tokenizer glues a space to the word after it (muse-glimmer's
     `` to=`` is ``" to"``, ``"="``, never ``" "``, ``"to"``). Newlines stay in the lead: they are
-    their own pre-token, and a marker made of them splits differently (``</think>\n\n<tool_call>``)."""
+    their own pre-token, and a marker made of them splits differently (``</think>\\n\\n<tool_call>``)."""
     head = calls.call[0] if calls.call else None
     space = lead[len(lead.rstrip(" ")):]
     if not space or not isinstance(head, Lit) or not head.text[:1].isalnum():
