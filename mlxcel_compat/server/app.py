@@ -148,8 +148,9 @@ class GateMiddleware:
                 body = {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}
                 await raw_error_response(401, body)(scope, receive, send)
                 return
-        if self.ctx.engine.sleeping and wakes_model(scope["method"], path):
-            await asyncio.wrap_future(self.ctx.engine.call(_nothing, wake=True))
+        engine = getattr(self.ctx, "engine", None)  # the router's own routes have no engine of their own
+        if engine is not None and engine.sleeping and wakes_model(scope["method"], path):
+            await asyncio.wrap_future(engine.call(_nothing, wake=True))
         await self.app(scope, receive, send)
 
     def _matching_key(self, scope: Scope) -> str | None:
