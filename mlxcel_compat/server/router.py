@@ -37,6 +37,8 @@ from mlxcel_compat.server.app import ErrorMiddleware, GateMiddleware, ServerHead
 from mlxcel_compat.server.cors import CorsMiddleware, CorsPolicy
 from mlxcel_compat.server.errors import InvalidRequest, NotFound, PayloadTooLarge, json_response
 from mlxcel_compat.server.formats import BUILD_INFO
+from mlxcel_compat.server.router_downloads import Downloads, remove_cached
+from mlxcel_compat.server.router_events import event_stream
 from mlxcel_compat.server.router_registry import ModelRegistry, RouterModel, disk_size, release_memory
 from mlxcel_compat.server.router_sources import SourceError, collect_sources, model_argv
 from mlxcel_compat.settings import SettingsError, mcp_proxy_enabled, resolve_settings
@@ -44,11 +46,22 @@ from mlxcel_compat.settings import SettingsError, mcp_proxy_enabled, resolve_set
 log = logging.getLogger(__name__)
 
 # The routes the router answers itself; any other path goes to the model the request names.
-OWN_PATHS = {"/health", "/v1/health", "/models", "/v1/models", "/models/load", "/models/unload", "/", "/index.html"}
+OWN_PATHS = {"/health", "/v1/health", "/models", "/v1/models", "/models/load", "/models/unload", "/models/sse",
+             "/", "/index.html"}
 # GET routes the router answers itself when no ?model= names a model (the chat page reads both).
 MODEL_OPTIONAL = {"/props", "/tools"}
 ROUTER_BODY_BYTES = 64 << 20  # the most body the router reads to find "model" without --max-body-bytes
 INLINE_JSON_BYTES = 64 << 10  # bodies above this are parsed on a thread, off the event loop
+
+
+@dataclass(frozen=True)
+class RouterEngine:
+    """What the gate (``server/app.py: GateMiddleware``) reads of ``ctx.engine``: the router has
+    no model of its own, so it never sleeps (each model's app wakes its own engine) nor fails."""
+
+    sleeping: bool = False
+    state: str = "ready"
+    load_error: str | None = None
 
 
 @dataclass
@@ -58,10 +71,13 @@ class RouterState:
 
     settings: Any
     registry: ModelRegistry
+    downloads: Downloads
+    argv: list[str]
     api_keys: list[str] = field(default_factory=list)
     draining: bool = False
     started: float = field(default_factory=time.time)
     ready: bool = True
+    engine: RouterEngine = field(default_factory=RouterEngine)
 
     @property
     def engines(self) -> list[Any]:
@@ -105,7 +121,7 @@ def model_json(model: RouterModel, created: int) -> dict[str, Any]:
         "status": status_json(model),
         "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
         "source": model.source.source,
-        "can_remove": False,
+        "can_remove": model.source.source == "cache",
         "path": model.source.model,
         "pinned": model.source.pin,
     }
@@ -131,9 +147,56 @@ async def health(request: Request) -> Response:
 
 
 async def list_models(request: Request) -> Response:
+    """The model list; ``?reload=1`` first re-reads the sources (a preset edited, a file added)."""
     state = _state(request)
+    if request.query_params.get("reload"):
+        await reload_sources(state)
     created = int(time.time())
-    return json_response({"data": [model_json(m, created) for m in state.registry.models.values()], "object": "list"})
+    models = [model_json(m, created) for m in state.registry.models.values() if not m.source.hidden]
+    return json_response({"data": models, "object": "list"})
+
+
+async def reload_sources(state: RouterState) -> None:
+    try:
+        fresh = await asyncio.to_thread(build_models, state.settings, state.argv)
+    except SourceError as exc:
+        raise InvalidRequest(f"cannot reload the model sources: {exc}") from None
+    await state.registry.replace(fresh)
+
+
+async def models_sse(request: Request) -> Response:
+    return event_stream(_state(request).registry.events, request)
+
+
+async def add_model(request: Request) -> Response:
+    """``POST /models``: download ``{"model": "user/repo[:TAG]"}`` into the hub cache."""
+    raw = await request.body()
+    try:
+        body = orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError:
+        raise InvalidRequest("request body is not valid JSON") from None
+    name = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest("model must be a non-empty string")
+    _state(request).downloads.start(name)
+    return json_response({"success": True})
+
+
+async def delete_model(request: Request) -> Response:
+    """``DELETE /models?model=NAME``: stop a cache model and delete its files from the cache."""
+    name = request.query_params.get("model", "")
+    if not name:
+        raise InvalidRequest("model must be a non-empty string")
+    registry = _state(request).registry
+    model = registry.models.get(name)
+    if model is None:
+        raise InvalidRequest(f"model name={name} is not found")
+    if model.source.source != "cache":
+        raise InvalidRequest(f"model name={name} is not removable (not from cache)")
+    await registry.remove(model)
+    await asyncio.to_thread(remove_cached, model)
+    registry.events.notify("model_remove", name)
+    return json_response({"success": True})
 
 
 async def _named(request: Request) -> RouterModel | None:
@@ -197,6 +260,9 @@ ROUTES = [
     Route("/health", health, methods=["GET"]),
     Route("/v1/health", health, methods=["GET"]),
     Route("/models", list_models, methods=["GET"]),
+    Route("/models", add_model, methods=["POST"]),
+    Route("/models", delete_model, methods=["DELETE"]),
+    Route("/models/sse", models_sse, methods=["GET"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/models/load", load_model, methods=["POST"]),
     Route("/models/unload", unload_model, methods=["POST"]),
@@ -338,7 +404,8 @@ def build_router(settings: Any, argv: list[str], api_keys: list[str]) -> RouterA
         log.warning("router: no models found in --models-dir / --models-preset")
     registry = ModelRegistry(models, api_keys, int(settings.models_max), int(settings.models_memory or 0),
                              float(settings.timeout))
-    state = RouterState(settings, registry, api_keys)
+    state = RouterState(settings, registry, Downloads(registry, settings.llama_cache, settings.hf_token,
+                                                      lambda: reload_sources(state)), argv, api_keys)
     prefix = settings.api_prefix.rstrip("/") if settings.api_prefix else ""
     policy = CorsPolicy.from_settings(settings)
 
@@ -352,6 +419,7 @@ def build_router(settings: Any, argv: list[str], api_keys: list[str]) -> RouterA
         try:
             yield
         finally:
+            await state.downloads.close()
             await registry.close()
 
     edge = [Middleware(ServerHeaderMiddleware), Middleware(CorsMiddleware, policy=policy),
