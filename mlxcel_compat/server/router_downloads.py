@@ -125,21 +125,26 @@ def _progress_class(url: str, report: Callable[[str, int, int], None]) -> Any:
 
 
 def remove_cached(model: RouterModel) -> None:
-    """Delete a cache model's files: its snapshot links and the blobs they point at (every split
-    part), and the repository's folder when no other model is left in it."""
+    """Delete a cache model's files: its snapshot links (every split part) and the blobs no other
+    link of the repository still points at, and the repository's folder when no model is left in it."""
     first = Path(model.source.model)
     snapshot = first.parent
     stem = first.name.split("-00001-of-")[0] if "-00001-of-" in first.name else None
     parts = sorted(snapshot.glob(f"{stem}-*-of-*.gguf")) if stem else [first]
+    blobs = {part.resolve() for part in parts if part.is_symlink()}
     for part in parts:
-        blob = part.resolve()
         part.unlink(missing_ok=True)
-        if blob != part:
-            blob.unlink(missing_ok=True)
     repo_dir = snapshot
-    while repo_dir.parent.name == "snapshots" or repo_dir.name == "snapshots":
+    while repo_dir.name != "snapshots" and repo_dir.parent != repo_dir:
         repo_dir = repo_dir.parent
-    if repo_dir.name.startswith("models--") and not any(p.suffix == ".gguf" for p in repo_dir.rglob("*.gguf")):
+    repo_dir = repo_dir.parent  # models--user--repo
+    if not repo_dir.name.startswith("models--"):
+        return
+    links = [p for p in (repo_dir / "snapshots").rglob("*") if p.is_symlink()]
+    still_used = {p.resolve() for p in links}
+    for blob in blobs - still_used:  # identical files share a blob (the hub cache stores by hash)
+        blob.unlink(missing_ok=True)
+    if not any(p.name.endswith(".gguf") for p in links):
         shutil.rmtree(repo_dir, ignore_errors=True)
 
 

@@ -198,7 +198,9 @@ def collect_sources(models_dir: str | None, preset: str | None, cache_dir: str |
         merged = {**common, **own.get(name, {})}
         if entry.source == "preset" and _option_bool(merged, "dedup-cache-models", name):
             drafts = [merged.get(k) for k in ("spec-draft-hf", "hfd", "hfrd", "hf-repo-draft")]
-            backing.update(v for v in [entry.model, *drafts] if v)
+            for value in (v for v in [entry.model, *drafts] if v):
+                repo, _, tag = value.partition(":")
+                backing.add(f"{repo}:{tag.upper()}" if tag else repo)
         entry.pin = _option_bool(merged, "pin", name)
         entry.load_on_startup = _option_bool(merged, "load-on-startup", name)
         try:
