@@ -142,7 +142,8 @@ class ModelRegistry:
         kept = []
         for name, entry in new.items():
             old = self.models.get(name)
-            if old is not None and old.status != "unloaded":
+            if old is not None and (old.status != "unloaded" or old.waiting or old.in_flight):
+                # running, or requests hold it: it stays (its new arguments apply from its next reload)
                 old.source.hidden = entry.source.hidden
                 kept.append(old)
                 continue
