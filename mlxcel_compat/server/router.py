@@ -305,7 +305,13 @@ class Forwarder:
         model = self.registry.find(name)
         if model is None:
             raise InvalidRequest(f"model '{name}' not found")
-        app = await self.registry.acquire(model, _autoload(scope, bool(self.settings.models_autoload)))
+        autoload = _autoload(scope, bool(self.settings.models_autoload))
+        if model.status == "loaded" or body is None:
+            app = await self.registry.acquire(model, autoload)
+        else:
+            app, receive = await self._acquire_unless_gone(model, autoload, receive)
+            if app is None:
+                return  # the client left while its model was waiting for a place: no one to answer
         try:
             # A scope of its own: Starlette records its app (and the route's endpoint) in the scope,
             # which the HTTP server keeps until the connection goes; the model's must not outlive
@@ -313,10 +319,36 @@ class Forwarder:
             own = {**scope, "state": dict(scope.get("state") or {})}
             await app(own, _replay(body, receive) if body is not None else receive, send)
         finally:
+            if isinstance(receive, PendingReceive):
+                receive.close()
             del app, own
             self.registry.release(model)
             if model.app is None:  # unloaded while this request ran: its memory goes now, not at the next gc
                 await asyncio.to_thread(release_memory)
+
+    async def _acquire_unless_gone(self, model: RouterModel, autoload: bool, receive: Receive) -> tuple[Any, Receive]:
+        """:meth:`ModelRegistry.acquire`, given up when the client disconnects first (its body is
+        read, so the next message it can send is ``http.disconnect``). Returns the app (None if the
+        client left) and the ``receive`` to hand on, which gives back a message read meanwhile."""
+        acquiring = asyncio.ensure_future(self.registry.acquire(model, autoload))
+        listening = asyncio.ensure_future(receive())
+        try:
+            await asyncio.wait({acquiring, listening}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            acquiring.cancel()
+            listening.cancel()
+            raise
+        if not acquiring.done() and listening.result()["type"] == "http.disconnect":
+            acquiring.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await acquiring
+            return None, receive
+        try:
+            app = await acquiring  # a load's error reaches the client as before
+        except BaseException:
+            listening.cancel()
+            raise
+        return app, PendingReceive(listening, receive)
 
     async def _read_body(self, receive: Receive) -> bytes:
         chunks: list[bytes] = []
@@ -352,6 +384,26 @@ def _loads(body: bytes) -> Any:
         return orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
+
+
+class PendingReceive:
+    """A ``receive`` that first answers with the message ``pending`` brings (a ``receive()`` started
+    while the model was awaited), then with the client's own; :meth:`close` ends ``pending`` if
+    the model's app never asked."""
+
+    def __init__(self, pending: asyncio.Future, receive: Receive) -> None:
+        self.pending: asyncio.Future | None = pending
+        self.receive = receive
+
+    async def __call__(self) -> Any:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            return await pending
+        return await self.receive()
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending.cancel()
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -58,6 +58,10 @@ def disk_size(model: str) -> int:
     return path.stat().st_size
 
 
+class Abandoned(Exception):
+    """A load for requests that all left while it waited for a place."""
+
+
 @dataclass
 class KeptCache:
     """A model's prompt-cache RAM store kept across its unload, with the weights it belongs to."""
@@ -80,6 +84,7 @@ class RouterModel:
     in_flight: int = 0  # requests being served
     waiting: int = 0  # requests waiting for it to load (it is not evicted before they are served)
     placed: bool = False  # it has its place under the limits (a "loading" model may still wait for one)
+    on_demand: bool = False  # loading for requests (not /models/load): given up if they all leave first
     last_used: float = 0.0
     kept: KeptCache | None = None
     tasks: set[asyncio.Task] = field(default_factory=set)
@@ -191,7 +196,7 @@ class ModelRegistry:
                         raise ServerError(f"model name={model.name} failed to load: {model.error}")
                     if not autoload:
                         raise InvalidRequest("model is not loaded")
-                    self.start_load(model)
+                    self.start_load(model, on_demand=True)
                     started = True
                 if deadline is not None and time.monotonic() > deadline:
                     raise Unavailable(f"model '{model.name}' is still {model.status} after {self.timeout:g} s (--timeout)")
@@ -205,10 +210,15 @@ class ModelRegistry:
 
     # ------------------------------------------------------------------ load and unload
 
-    def start_load(self, model: RouterModel) -> None:
-        """Begin loading ``model`` in the background (its status says how it goes)."""
+    def start_load(self, model: RouterModel, on_demand: bool = False) -> None:
+        """Begin loading ``model`` in the background (its status says how it goes). A load
+        ``on_demand`` (for requests) is given up while it waits for a place if every request
+        waiting for it has left (llama-server's queue drops a client that disconnects), so a
+        client that gave up does not cost a busy model its place."""
         if model.status != "unloaded":
+            model.on_demand = model.on_demand and on_demand
             return
+        model.on_demand = on_demand
         self._set_status(model, "loading")
         self._spawn(model, self._load(model))
 
@@ -234,6 +244,10 @@ class ModelRegistry:
             failure = await open_model(model.ctx)
             if failure is not None:
                 raise InstanceError(failure.removeprefix("model failed to load: "))
+        except Abandoned:
+            log.info("router: load of '%s' given up: the requests waiting for it left", model.name)
+            self._set_status(model, "unloaded")
+            return
         except (InstanceError, Unavailable) as exc:
             await self._fail(model, str(exc.message if isinstance(exc, Unavailable) else exc))
             return
@@ -327,6 +341,8 @@ class ModelRegistry:
                         raise Unavailable(f"model limit reached: {len(others)} pinned models are loaded (--models-max {self.models_max})")
                     log.warning("router: loading '%s' past --models-memory: every loaded model is pinned", model.name)
                     return
+                if model.on_demand and model.waiting == 0:
+                    raise Abandoned(model.name)
                 if deadline is not None and time.monotonic() > deadline:
                     raise Unavailable("model limit reached, try again later")
                 await asyncio.sleep(POLL_SECONDS)

@@ -417,3 +417,35 @@ def test_reload_rereads_the_preset_and_dedups_cache_models(http: httpx.Client, p
         preset_file.write_text(original)
         ids = {m["id"] for m in http.get("/models", params={"reload": "1"}).json()["data"]}
     assert "extra" not in ids and "tiny-hub" not in ids and "acme/tiny-GGUF:F32" in ids
+
+
+@pytest.mark.slow  # two loads and a 1000-token stream: ~10 s here (the rule itself: tests/server/test_router_registry.py)
+def test_a_client_that_leaves_while_queued_costs_no_model_its_place(http: httpx.Client, router: ServerProcess) -> None:
+    """llama.cpp's test_router_queue_client_disconnect_keeps_model, with a real stream for its
+    fake timing: both places are taken (llama pinned, qwen3 streaming), a request for bert waits;
+    its client gives up, so when qwen3 goes idle nothing takes its place."""
+    unload_all(http)
+    for name in ("llama", "qwen3"):
+        http.post("/models/load", json={"model": name})
+        wait_for(http, name, "loaded")
+    arrivals: list[float] = []
+
+    def stream() -> None:
+        body = {"model": "qwen3", "prompt": "a", "n_predict": 1000, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=router.base_url, timeout=60) as c, c.stream("POST", "/completion", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.monotonic())
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    while not arrivals:
+        time.sleep(0.005)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(router.base_url + "/embeddings", json={"model": "bert", "content": "hello"}, timeout=0.3)
+    assert statuses(http)["qwen3"]["value"] == "loaded", "the stream ended before the client left: nothing was measured"
+    streaming.join(60)
+    time.sleep(0.3)  # time for a load that was still going to take qwen3's place
+    assert statuses(http)["qwen3"]["value"] == "loaded"
+    assert statuses(http)["bert"]["value"] == "unloaded"
+    assert "failed" not in statuses(http)["bert"]
