@@ -2,8 +2,10 @@
 
 Started without ``-m`` but with ``--models-dir``, ``--models-preset`` or GGUF models in
 ``$LLAMA_CACHE`` (``server/router_sources.py``), the server answers
-the router's own routes itself (``/health``, ``/models``, ``/v1/models``, ``/models/load``,
-``/models/unload``, ``/props`` without ``?model=``, the chat page) and hands every other request
+the router's own routes itself (``/health``, ``/models`` (``?reload=1``; ``POST`` downloads a
+model, ``DELETE`` removes one: ``server/router_downloads.py``), ``/v1/models``, ``/models/sse``
+(``server/router_events.py``), ``/models/load``, ``/models/unload``, ``/props`` without
+``?model=``, the chat page) and hands every other request
 to the app of the model it names, unchanged: POST routes name it in the body's ``model`` field,
 GET routes in ``?model=``. That app is the single-model server's (``server/instance.py``), so a
 model behind the router answers exactly as it would served alone. Errors are llama-server's
@@ -165,7 +167,7 @@ async def reload_sources(state: RouterState) -> None:
 
 
 async def models_sse(request: Request) -> Response:
-    return event_stream(_state(request).registry.events, request)
+    return event_stream(_state(request).registry.events)
 
 
 async def add_model(request: Request) -> Response:

@@ -15,7 +15,6 @@ import asyncio
 from typing import Any, AsyncIterator
 
 import orjson
-from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 QUEUE_EVENTS = 1024  # a client this far behind loses the oldest events rather than growing memory
@@ -45,7 +44,7 @@ class RouterEvents:
         self.subscribers.discard(queue)
 
 
-def event_stream(events: RouterEvents, request: Request) -> StreamingResponse:
+def event_stream(events: RouterEvents) -> StreamingResponse:
     """The ``/models/sse`` response. The client is subscribed before the response starts, so an
     event caused after its headers arrive reaches it (llama.cpp's tests rely on that)."""
     queue = events.subscribe()
