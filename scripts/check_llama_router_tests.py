@@ -9,13 +9,18 @@ downloaded them, with the factory's tiny models standing in for the real files:
 - ``ggml-org/test-model-stories260K`` (``stories260K-F32.gguf``): the tiny llama, F32;
 - ``ggml-org/test-model-stories260K-infill`` (``stories260K-infill-F32.gguf``): the tiny qwen3, F32.
 
-Nothing is downloaded: the harness's session fixture, which starts every preset server once to
-fill the cache from the hub, is left out (the run uses a copy of the tests directory whose
-``conftest.py`` keeps the rest), and its ``wget`` import is satisfied by a stub that refuses to
-download. Tests of routes this router does not implement (``?reload``, ``dedup-cache-models``,
-remote presets, downloads with ``/models/sse``, ``DELETE /models``) are deselected by default,
-as is the one test that needs llama-server's ``LLAMA_SERVER_DEBUG_FAKE_TIMING`` to keep a model
-busy; ``--all`` runs them too.
+The hub itself is ``tests/fake_hub.py`` on loopback (``HF_ENDPOINT``), holding the one repository
+the download tests add with ``POST /models``: ``ggml-org/test-model-router-download``
+(``test-model-router-download-F16.gguf``: the tiny llama, F16). The harness's session fixture,
+which starts every preset server once to fill the cache from the real hub, is left out (the run
+uses a copy of the tests directory whose ``conftest.py`` keeps the rest), and its ``wget`` import
+is satisfied by a stub that refuses to download. Deselected by default, with ``--all`` to run them:
+``test_router_remote_preset`` (a preset kept in a hub repository, ``-hf ggml-org/test-preset-ci``,
+which this server does not read) and ``test_router_queue_client_disconnect_keeps_model``, which
+needs llama-server's ``LLAMA_SERVER_DEBUG_FAKE_TIMING`` (a child that sleeps through each request)
+to keep a model busy while a second client gives up: here the first request is over at once, and a
+hook that slows every request down only to make a test pass would be behaviour of its own, not
+llama-server's, so there is none.
 
     python scripts/check_llama_router_tests.py            # the implemented part
     python scripts/check_llama_router_tests.py --all      # everything (the rest fails)
@@ -34,10 +39,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_TREE = Path("~/.cache/llama-peer/llama.cpp").expanduser()
-NOT_IMPLEMENTED = ["reload", "dedup", "remote_preset", "download", "delete"]
+NOT_IMPLEMENTED = ["remote_preset"]  # presets kept in a hub repository
 # Needs llama-server's LLAMA_SERVER_DEBUG_FAKE_TIMING (a child that sleeps through each request), to
 # keep a model busy while a second client gives up: here the first request is over at once.
 FAKE_TIMING = ["client_disconnect"]
+# What POST /models downloads from the loopback hub: (repository, file, family, kind).
+HUB_DOWNLOAD = ("ggml-org/test-model-router-download", "test-model-router-download-F16.gguf", "llama", "f16")
 STANDINS = {
     "ggml-org/tinygemma3-GGUF": ("tinygemma3-Q8_0.gguf", "gemma3_text", "q8_0"),
     "ggml-org/test-model-stories260K": ("stories260K-F32.gguf", "llama", "f32"),
@@ -77,6 +84,7 @@ def main() -> int:
     conftest = (tests / "conftest.py").read_text()
     start = conftest.index('@pytest.fixture(scope="session", autouse=True)\ndef load_server_presets')
     (tests / "conftest.py").write_text(conftest[:start])  # no hub downloads; the rest kept as it is
+    (tests / "tmp").mkdir(exist_ok=True)  # utils.TMP_DIR, where the reload tests write their presets
     stubs = work / "stubs"
     stubs.mkdir()
     (stubs / "wget.py").write_text("def download(*args, **kwargs):\n    raise RuntimeError('no downloads here')\n")
@@ -85,14 +93,24 @@ def main() -> int:
     wrapper.chmod(0o755)
     cache = work / "llama-cache"
     populate_cache(cache)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_", "MLXCEL_"))}
-    env.update(LLAMA_SERVER_BIN_PATH=str(wrapper), LLAMA_CACHE=str(cache), HF_HUB_OFFLINE="1",
+    from mlxcel_compat.testing.gguf_writer import ensure_gguf
+    from tests.fake_hub import FakeHub
+
+    repo, name, family, kind = HUB_DOWNLOAD
+    hub = FakeHub()
+    hub.add(repo, {name: ensure_gguf(family, "tiny", kind)})
+    hub.start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_", "MLXCEL_", "HF_"))}
+    env.update(LLAMA_SERVER_BIN_PATH=str(wrapper), LLAMA_CACHE=str(cache), HF_ENDPOINT=hub.url,
                PYTHONPATH=os.pathsep.join([str(ROOT), str(stubs)]))
     select = [] if args.all else ["-k", " and ".join(f"not {name}" for name in NOT_IMPLEMENTED + FAKE_TIMING)]
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "unit/test_router.py", *select,
                *args.pytest_args]
     print("running", " ".join(command), "in", tests, flush=True)
-    return subprocess.call(command, cwd=tests, env=env)
+    try:
+        return subprocess.call(command, cwd=tests, env=env)
+    finally:
+        hub.stop()
 
 
 if __name__ == "__main__":

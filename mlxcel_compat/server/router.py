@@ -2,8 +2,10 @@
 
 Started without ``-m`` but with ``--models-dir``, ``--models-preset`` or GGUF models in
 ``$LLAMA_CACHE`` (``server/router_sources.py``), the server answers
-the router's own routes itself (``/health``, ``/models``, ``/v1/models``, ``/models/load``,
-``/models/unload``, ``/props`` without ``?model=``, the chat page) and hands every other request
+the router's own routes itself (``/health``, ``/models`` (``?reload=1``; ``POST`` downloads a
+model, ``DELETE`` removes one: ``server/router_downloads.py``), ``/v1/models``, ``/models/sse``
+(``server/router_events.py``), ``/models/load``, ``/models/unload``, ``/props`` without
+``?model=``, the chat page) and hands every other request
 to the app of the model it names, unchanged: POST routes name it in the body's ``model`` field,
 GET routes in ``?model=``. That app is the single-model server's (``server/instance.py``), so a
 model behind the router answers exactly as it would served alone. Errors are llama-server's
@@ -37,6 +39,8 @@ from mlxcel_compat.server.app import ErrorMiddleware, GateMiddleware, ServerHead
 from mlxcel_compat.server.cors import CorsMiddleware, CorsPolicy
 from mlxcel_compat.server.errors import InvalidRequest, NotFound, PayloadTooLarge, json_response
 from mlxcel_compat.server.formats import BUILD_INFO
+from mlxcel_compat.server.router_downloads import Downloads, remove_cached
+from mlxcel_compat.server.router_events import event_stream
 from mlxcel_compat.server.router_registry import ModelRegistry, RouterModel, disk_size, release_memory
 from mlxcel_compat.server.router_sources import SourceError, collect_sources, model_argv
 from mlxcel_compat.settings import SettingsError, mcp_proxy_enabled, resolve_settings
@@ -44,11 +48,22 @@ from mlxcel_compat.settings import SettingsError, mcp_proxy_enabled, resolve_set
 log = logging.getLogger(__name__)
 
 # The routes the router answers itself; any other path goes to the model the request names.
-OWN_PATHS = {"/health", "/v1/health", "/models", "/v1/models", "/models/load", "/models/unload", "/", "/index.html"}
+OWN_PATHS = {"/health", "/v1/health", "/models", "/v1/models", "/models/load", "/models/unload", "/models/sse",
+             "/", "/index.html"}
 # GET routes the router answers itself when no ?model= names a model (the chat page reads both).
 MODEL_OPTIONAL = {"/props", "/tools"}
 ROUTER_BODY_BYTES = 64 << 20  # the most body the router reads to find "model" without --max-body-bytes
 INLINE_JSON_BYTES = 64 << 10  # bodies above this are parsed on a thread, off the event loop
+
+
+@dataclass(frozen=True)
+class RouterEngine:
+    """What the gate (``server/app.py: GateMiddleware``) reads of ``ctx.engine``: the router has
+    no model of its own, so it never sleeps (each model's app wakes its own engine) nor fails."""
+
+    sleeping: bool = False
+    state: str = "ready"
+    load_error: str | None = None
 
 
 @dataclass
@@ -58,10 +73,13 @@ class RouterState:
 
     settings: Any
     registry: ModelRegistry
+    downloads: Downloads
+    argv: list[str]
     api_keys: list[str] = field(default_factory=list)
     draining: bool = False
     started: float = field(default_factory=time.time)
     ready: bool = True
+    engine: RouterEngine = field(default_factory=RouterEngine)
 
     @property
     def engines(self) -> list[Any]:
@@ -105,7 +123,7 @@ def model_json(model: RouterModel, created: int) -> dict[str, Any]:
         "status": status_json(model),
         "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
         "source": model.source.source,
-        "can_remove": False,
+        "can_remove": model.source.source == "cache",
         "path": model.source.model,
         "pinned": model.source.pin,
     }
@@ -131,9 +149,56 @@ async def health(request: Request) -> Response:
 
 
 async def list_models(request: Request) -> Response:
+    """The model list; ``?reload=1`` first re-reads the sources (a preset edited, a file added)."""
     state = _state(request)
+    if request.query_params.get("reload"):
+        await reload_sources(state)
     created = int(time.time())
-    return json_response({"data": [model_json(m, created) for m in state.registry.models.values()], "object": "list"})
+    models = [model_json(m, created) for m in state.registry.models.values() if not m.source.hidden]
+    return json_response({"data": models, "object": "list"})
+
+
+async def reload_sources(state: RouterState) -> None:
+    try:
+        fresh = await asyncio.to_thread(build_models, state.settings, state.argv)
+    except SourceError as exc:
+        raise InvalidRequest(f"cannot reload the model sources: {exc}") from None
+    await state.registry.replace(fresh)
+
+
+async def models_sse(request: Request) -> Response:
+    return event_stream(_state(request).registry.events)
+
+
+async def add_model(request: Request) -> Response:
+    """``POST /models``: download ``{"model": "user/repo[:TAG]"}`` into the hub cache."""
+    raw = await request.body()
+    try:
+        body = orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError:
+        raise InvalidRequest("request body is not valid JSON") from None
+    name = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest("model must be a non-empty string")
+    _state(request).downloads.start(name)
+    return json_response({"success": True})
+
+
+async def delete_model(request: Request) -> Response:
+    """``DELETE /models?model=NAME``: stop a cache model and delete its files from the cache."""
+    name = request.query_params.get("model", "")
+    if not name:
+        raise InvalidRequest("model must be a non-empty string")
+    registry = _state(request).registry
+    model = registry.models.get(name)
+    if model is None:
+        raise InvalidRequest(f"model name={name} is not found")
+    if model.source.source != "cache":
+        raise InvalidRequest(f"model name={name} is not removable (not from cache)")
+    await registry.remove(model)
+    await asyncio.to_thread(remove_cached, model)
+    registry.events.notify("model_remove", name)
+    return json_response({"success": True})
 
 
 async def _named(request: Request) -> RouterModel | None:
@@ -197,6 +262,9 @@ ROUTES = [
     Route("/health", health, methods=["GET"]),
     Route("/v1/health", health, methods=["GET"]),
     Route("/models", list_models, methods=["GET"]),
+    Route("/models", add_model, methods=["POST"]),
+    Route("/models", delete_model, methods=["DELETE"]),
+    Route("/models/sse", models_sse, methods=["GET"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/models/load", load_model, methods=["POST"]),
     Route("/models/unload", unload_model, methods=["POST"]),
@@ -239,7 +307,13 @@ class Forwarder:
         model = self.registry.find(name)
         if model is None:
             raise InvalidRequest(f"model '{name}' not found")
-        app = await self.registry.acquire(model, _autoload(scope, bool(self.settings.models_autoload)))
+        autoload = _autoload(scope, bool(self.settings.models_autoload))
+        if model.status == "loaded" or body is None:
+            app = await self.registry.acquire(model, autoload)
+        else:
+            app, receive = await self._acquire_unless_gone(model, autoload, receive)
+            if app is None:
+                return  # the client left while its model was waiting for a place: no one to answer
         try:
             # A scope of its own: Starlette records its app (and the route's endpoint) in the scope,
             # which the HTTP server keeps until the connection goes; the model's must not outlive
@@ -247,10 +321,36 @@ class Forwarder:
             own = {**scope, "state": dict(scope.get("state") or {})}
             await app(own, _replay(body, receive) if body is not None else receive, send)
         finally:
+            if isinstance(receive, PendingReceive):
+                receive.close()
             del app, own
             self.registry.release(model)
             if model.app is None:  # unloaded while this request ran: its memory goes now, not at the next gc
                 await asyncio.to_thread(release_memory)
+
+    async def _acquire_unless_gone(self, model: RouterModel, autoload: bool, receive: Receive) -> tuple[Any, Receive]:
+        """:meth:`ModelRegistry.acquire`, given up when the client disconnects first (its body is
+        read, so the next message it can send is ``http.disconnect``). Returns the app (None if the
+        client left) and the ``receive`` to hand on, which gives back a message read meanwhile."""
+        acquiring = asyncio.ensure_future(self.registry.acquire(model, autoload))
+        listening = asyncio.ensure_future(receive())
+        try:
+            await asyncio.wait({acquiring, listening}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            acquiring.cancel()
+            listening.cancel()
+            raise
+        if not acquiring.done() and listening.result()["type"] == "http.disconnect":
+            acquiring.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await acquiring
+            return None, receive
+        try:
+            app = await acquiring  # a load's error reaches the client as before
+        except BaseException:
+            listening.cancel()
+            raise
+        return app, PendingReceive(listening, receive)
 
     async def _read_body(self, receive: Receive) -> bytes:
         chunks: list[bytes] = []
@@ -286,6 +386,26 @@ def _loads(body: bytes) -> Any:
         return orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
+
+
+class PendingReceive:
+    """A ``receive`` that first answers with the message ``pending`` brings (a ``receive()`` started
+    while the model was awaited), then with the client's own; :meth:`close` ends ``pending`` if
+    the model's app never asked."""
+
+    def __init__(self, pending: asyncio.Future, receive: Receive) -> None:
+        self.pending: asyncio.Future | None = pending
+        self.receive = receive
+
+    async def __call__(self) -> Any:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            return await pending
+        return await self.receive()
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending.cancel()
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -338,7 +458,8 @@ def build_router(settings: Any, argv: list[str], api_keys: list[str]) -> RouterA
         log.warning("router: no models found in --models-dir / --models-preset")
     registry = ModelRegistry(models, api_keys, int(settings.models_max), int(settings.models_memory or 0),
                              float(settings.timeout))
-    state = RouterState(settings, registry, api_keys)
+    state = RouterState(settings, registry, Downloads(registry, settings.llama_cache, settings.hf_token,
+                                                      lambda: reload_sources(state)), argv, api_keys)
     prefix = settings.api_prefix.rstrip("/") if settings.api_prefix else ""
     policy = CorsPolicy.from_settings(settings)
 
@@ -352,6 +473,7 @@ def build_router(settings: Any, argv: list[str], api_keys: list[str]) -> RouterA
         try:
             yield
         finally:
+            await state.downloads.close()
             await registry.close()
 
     edge = [Middleware(ServerHeaderMiddleware), Middleware(CorsMiddleware, policy=policy),

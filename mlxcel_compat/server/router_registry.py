@@ -33,6 +33,7 @@ from typing import Any
 from mlxcel_compat.server.app import open_model
 from mlxcel_compat.server.errors import InvalidRequest, ServerError, Unavailable
 from mlxcel_compat.server.instance import InstanceError, build_server, prepare_model
+from mlxcel_compat.server.router_events import RouterEvents
 from mlxcel_compat.server.router_sources import ModelSource
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,10 @@ def disk_size(model: str) -> int:
     return path.stat().st_size
 
 
+class Abandoned(Exception):
+    """A load for requests that all left while it waited for a place."""
+
+
 @dataclass
 class KeptCache:
     """A model's prompt-cache RAM store kept across its unload, with the weights it belongs to."""
@@ -79,6 +84,7 @@ class RouterModel:
     in_flight: int = 0  # requests being served
     waiting: int = 0  # requests waiting for it to load (it is not evicted before they are served)
     placed: bool = False  # it has its place under the limits (a "loading" model may still wait for one)
+    on_demand: bool = False  # loading for requests (not /models/load): given up if they all leave first
     last_used: float = 0.0
     kept: KeptCache | None = None
     tasks: set[asyncio.Task] = field(default_factory=set)
@@ -103,13 +109,65 @@ class RouterModel:
 class ModelRegistry:
     def __init__(self, models: list[RouterModel], api_keys: list[str], models_max: int, models_memory: int,
                  timeout: float) -> None:
-        self.models = {m.name: m for m in models}
-        self.labels = {label: m for m in models for label in [m.name, *m.source.aliases]}
+        self.models: dict[str, RouterModel] = {}
+        self.labels: dict[str, RouterModel] = {}
+        self._index(models)
+        self.events = RouterEvents()
         self.api_keys = api_keys
         self.models_max = models_max
         self.models_memory = models_memory
         self.timeout = timeout
         self.room = asyncio.Lock()
+
+    def _index(self, models: list[RouterModel]) -> None:
+        self.models = {m.name: m for m in models}
+        self.labels = {label: m for m in models for label in [m.name, *m.source.aliases]}
+
+    def _set_status(self, model: RouterModel, status: str) -> None:
+        """Change a model's status and tell ``/models/sse`` (llama-server's ``status_change``)."""
+        model.status = status
+        data: dict[str, Any] = {"status": status}
+        if status == "unloaded":
+            data["exit_code"] = 1 if model.error is not None else 0
+        self.events.notify("status_change", model.name, data)
+
+    async def replace(self, fresh: list[RouterModel]) -> None:
+        """``GET /models?reload=1``: take the sources' new model list, as llama-server's reload
+        does: a running model whose source is gone or whose arguments changed is unloaded, a model
+        no longer in any source is dropped, the others take their new settings (a failed load's
+        error is cleared), new ones are added unloaded (``load-on-startup`` is not honoured)."""
+        new = {m.name: m for m in fresh}
+        for model in list(self.models.values()):
+            changed = model.name not in new or new[model.name].argv != model.argv
+            if changed and model.status in ("loading", "loaded"):
+                while model.status == "loading":
+                    await asyncio.sleep(POLL_SECONDS)
+                if model.status == "loaded":
+                    await self._unload(model, "its source changed (reload)")
+        kept = []
+        for name, entry in new.items():
+            old = self.models.get(name)
+            if old is not None and (old.status != "unloaded" or old.waiting or old.in_flight):
+                # running, or requests hold it: it stays (its new arguments apply from its next reload)
+                old.source.hidden = entry.source.hidden
+                kept.append(old)
+                continue
+            if old is not None:
+                entry.kept = old.kept  # its prompt cache still serves the same weights
+            kept.append(entry)
+        self._index(kept)
+        self.events.notify("models_reload", "*")
+
+    async def remove(self, model: RouterModel) -> None:
+        """Stop ``model`` if it runs and drop it from the list (``DELETE /models``)."""
+        while model.status == "loading":
+            await asyncio.sleep(POLL_SECONDS)
+        if model.status == "loaded":
+            await self._unload(model, "removed")
+        self._index([m for m in self.models.values() if m is not model])
+
+    def add(self, model: RouterModel) -> None:
+        self._index([*self.models.values(), model])
 
     def find(self, label: str) -> RouterModel | None:
         """The model of a name or alias."""
@@ -138,7 +196,7 @@ class ModelRegistry:
                         raise ServerError(f"model name={model.name} failed to load: {model.error}")
                     if not autoload:
                         raise InvalidRequest("model is not loaded")
-                    self.start_load(model)
+                    self.start_load(model, on_demand=True)
                     started = True
                 if deadline is not None and time.monotonic() > deadline:
                     raise Unavailable(f"model '{model.name}' is still {model.status} after {self.timeout:g} s (--timeout)")
@@ -152,16 +210,21 @@ class ModelRegistry:
 
     # ------------------------------------------------------------------ load and unload
 
-    def start_load(self, model: RouterModel) -> None:
-        """Begin loading ``model`` in the background (its status says how it goes)."""
+    def start_load(self, model: RouterModel, on_demand: bool = False) -> None:
+        """Begin loading ``model`` in the background (its status says how it goes). A load
+        ``on_demand`` (for requests) is given up while it waits for a place if every request
+        waiting for it has left (llama-server's queue drops a client that disconnects), so a
+        client that gave up does not cost a busy model its place."""
         if model.status != "unloaded":
+            model.on_demand = model.on_demand and on_demand
             return
-        model.status = "loading"
+        model.on_demand = on_demand
+        self._set_status(model, "loading")
         self._spawn(model, self._load(model))
 
     def start_unload(self, model: RouterModel) -> None:
         if model.status == "loaded":
-            model.status = "unloading"
+            self._set_status(model, "unloading")
             self._spawn(model, self._unload(model, "requested"))
 
     def _spawn(self, model: RouterModel, work: Any) -> None:
@@ -181,6 +244,10 @@ class ModelRegistry:
             failure = await open_model(model.ctx)
             if failure is not None:
                 raise InstanceError(failure.removeprefix("model failed to load: "))
+        except Abandoned:
+            log.info("router: load of '%s' given up: the requests waiting for it left", model.name)
+            self._set_status(model, "unloaded")
+            return
         except (InstanceError, Unavailable) as exc:
             await self._fail(model, str(exc.message if isinstance(exc, Unavailable) else exc))
             return
@@ -189,7 +256,7 @@ class ModelRegistry:
             await self._fail(model, f"{type(exc).__name__}: {exc}")
             return
         model.error = None
-        model.status = "loaded"
+        self._set_status(model, "loaded")
         model.last_used = time.monotonic()
         log.info("router: model '%s' loaded in %.2f s", model.name, time.perf_counter() - t0)
 
@@ -214,16 +281,17 @@ class ModelRegistry:
         await self._stop_app(model)
         model.placed = False
         model.error = reason
-        model.status = "unloaded"
+        self._set_status(model, "unloaded")
 
     async def _unload(self, model: RouterModel, why: str) -> None:
         """Stop ``model``'s engine (running requests get ``stop-timeout`` seconds) and free it."""
-        model.status = "unloading"
+        if model.status != "unloading":
+            self._set_status(model, "unloading")
         await self._drain(model)
         model.kept = kept_cache(model.ctx)
         await self._stop_app(model)
         model.placed = False
-        model.status = "unloaded"
+        self._set_status(model, "unloaded")
         log.info("router: model '%s' unloaded (%s)", model.name, why)
 
     async def _drain(self, model: RouterModel) -> None:
@@ -273,6 +341,8 @@ class ModelRegistry:
                         raise Unavailable(f"model limit reached: {len(others)} pinned models are loaded (--models-max {self.models_max})")
                     log.warning("router: loading '%s' past --models-memory: every loaded model is pinned", model.name)
                     return
+                if model.on_demand and model.waiting == 0:
+                    raise Abandoned(model.name)
                 if deadline is not None and time.monotonic() > deadline:
                     raise Unavailable("model limit reached, try again later")
                 await asyncio.sleep(POLL_SECONDS)

@@ -59,6 +59,7 @@ class ModelSource:
     pin: bool = False
     load_on_startup: bool = False
     stop_timeout: float = DEFAULT_STOP_TIMEOUT
+    hidden: bool = False  # a cache entry a preset's ``dedup-cache-models`` leaves out of /models
 
 
 def _is_companion(name: str) -> bool:
@@ -192,8 +193,14 @@ def collect_sources(models_dir: str | None, preset: str | None, cache_dir: str |
             models[name] = ModelSource(name, target, source)
         elif name not in models:
             raise SourceError(f"preset [{name}] names no model of --models-dir: give it 'model = PATH' or 'hf-repo = user/repo'")
+    backing: set[str] = set()  # hub repositories ([:TAG]) that dedup-cache-models presets stand for
     for name, entry in models.items():
         merged = {**common, **own.get(name, {})}
+        if entry.source == "preset" and _option_bool(merged, "dedup-cache-models", name):
+            drafts = [merged.get(k) for k in ("spec-draft-hf", "hfd", "hfrd", "hf-repo-draft")]
+            for value in (v for v in [entry.model, *drafts] if v):
+                repo, _, tag = value.partition(":")
+                backing.add(f"{repo}:{tag.upper()}" if tag else repo)
         entry.pin = _option_bool(merged, "pin", name)
         entry.load_on_startup = _option_bool(merged, "load-on-startup", name)
         try:
@@ -203,6 +210,8 @@ def collect_sources(models_dir: str | None, preset: str | None, cache_dir: str |
         aliases = merged.pop("alias", None) or merged.pop("a", None) or merged.pop("LLAMA_ARG_ALIAS", None)
         entry.aliases = [a.strip() for a in (aliases or "").split(",") if a.strip()]
         entry.options = {k: v for k, v in merged.items() if k not in PRESET_ONLY}
+    for entry in models.values():
+        entry.hidden = entry.source == "cache" and (entry.name in backing or entry.name.split(":")[0] in backing)
     _check_names(models.values())
     return sorted(models.values(), key=lambda m: m.name)
 

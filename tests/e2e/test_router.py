@@ -9,6 +9,7 @@ through the router's own routes, so they do not depend on one another's order.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ import openai
 import pytest
 
 from tests.conftest import ServerProcess, tiny_encoder, tiny_model
+from tests.fake_hub import FakeHub
 from tests.e2e.test_webui import browser  # noqa: F401  (the chat page's test uses the same headless browser)
 
 PRESET = """\
@@ -53,15 +55,35 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def router(server_factory, models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
-    from tests.model.test_hub import populate_cache
+def hub(models_dir: Path) -> Iterator[FakeHub]:
+    """The hub ``POST /models`` downloads from: one GGUF repository."""
+    fake = FakeHub()
+    fake.add("acme/fresh-GGUF", {"README.md": b"# fresh\n", "fresh-F32.gguf": (models_dir / "qwen3.gguf").resolve()})
+    fake.start()
+    yield fake
+    fake.stop()
 
+
+@pytest.fixture(scope="module")
+def preset_file(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     preset = tmp_path_factory.mktemp("router-preset") / "models.ini"
     preset.write_text(PRESET.format(llama=models_dir / "llama"))
+    return preset
+
+
+@pytest.fixture(scope="module")
+def llama_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.model.test_hub import populate_cache
+
     cache = tmp_path_factory.mktemp("router-llama-cache")  # as -hf acme/tiny-GGUF:F32 would have filled it
     populate_cache(cache, "acme/tiny-GGUF", {"tiny-F32.gguf": tiny_model("qwen3:f32")})
-    return server_factory(["--models-dir", str(models_dir), "--models-preset", str(preset), "--models-max", "2"],
-                          env={"LLAMA_CACHE": str(cache)})
+    return cache
+
+
+@pytest.fixture(scope="module")
+def router(server_factory, models_dir: Path, preset_file: Path, llama_cache: Path, hub: FakeHub) -> ServerProcess:
+    return server_factory(["--models-dir", str(models_dir), "--models-preset", str(preset_file), "--models-max", "2"],
+                          env={"LLAMA_CACHE": str(llama_cache), "HF_ENDPOINT": hub.url})
 
 
 @pytest.fixture()
@@ -266,3 +288,164 @@ def test_chat_page_picks_a_model(http: httpx.Client, router: ServerProcess, brow
     driver.refresh()
     until(driver, lambda d: d.execute_script("return document.body.dataset.ready === '1'"))
     assert Select(by_css(driver, "#model-pick")[0]).first_selected_option.get_attribute("value") == "qwen3"
+
+
+class EventListener:
+    """A ``/models/sse`` client on a thread: the events it hears, in order."""
+
+    def __init__(self, router: ServerProcess) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.ready = threading.Event()
+        self.content_type = ""
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._listen, args=(router.base_url,), daemon=True)
+        self.thread.start()
+        assert self.ready.wait(10), "the /models/sse stream did not open"
+        assert self.content_type.startswith("text/event-stream")
+
+    def _listen(self, base_url: str) -> None:
+        try:
+            with httpx.Client(base_url=base_url, timeout=None) as client, client.stream("GET", "/models/sse") as response:
+                self.content_type = response.headers["content-type"]
+                self.ready.set()
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(json.loads(line[len("data: "):]))
+                    if self.stop.is_set():
+                        return
+        except httpx.HTTPError:  # the server stopped at the module's end, with this stream still open
+            pass
+
+    def wait(self, event: str, model: str, timeout: float = 60.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for e in list(self.events):
+                if e["event"] == event and e["model"] == model:
+                    return e
+            time.sleep(0.02)
+        raise AssertionError(f"no {event} event for {model}; heard {self.events}")
+
+    def statuses(self, model: str) -> list[str]:
+        return [e["data"]["status"] for e in self.events if e["event"] == "status_change" and e["model"] == model]
+
+
+def test_models_sse_reports_status_changes(http: httpx.Client, router: ServerProcess) -> None:
+    listener = EventListener(router)
+    unload_all(http)
+    listener.events.clear()
+    assert http.post("/models/load", json={"model": "qwen3"}).json() == {"success": True}
+    wait_for(http, "qwen3", "loaded")
+    assert http.post("/models/unload", json={"model": "qwen3"}).json() == {"success": True}
+    wait_for(http, "qwen3", "unloaded")
+    listener.wait("status_change", "qwen3")
+    deadline = time.monotonic() + 10
+    while len(listener.statuses("qwen3")) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    listener.stop.set()
+    assert listener.statuses("qwen3") == ["loading", "loaded", "unloading", "unloaded"]
+    unloaded = [e for e in listener.events if e["model"] == "qwen3" and e["data"]["status"] == "unloaded"]
+    assert unloaded[0]["data"]["exit_code"] == 0
+    # a failed load ends unloaded with a non-zero exit code, as a crashed child does there
+    listener = EventListener(router)
+    http.post("/models/load", json={"model": "broken"})
+    wait_for(http, "broken", "unloaded")
+    deadline = time.monotonic() + 10
+    while "unloaded" not in listener.statuses("broken") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    listener.stop.set()
+    assert [e["data"].get("exit_code") for e in listener.events if e["model"] == "broken"][-1] == 1
+
+
+def test_download_and_delete_a_cache_model(http: httpx.Client, router: ServerProcess, hub: FakeHub,
+                                           llama_cache: Path) -> None:
+    name = "acme/fresh-GGUF:F32"
+    listener = EventListener(router)
+    assert http.post("/models", json={"model": name}).json() == {"success": True}
+    listener.wait("download_finished", name)
+    listener.stop.set()
+    progress = [e["data"]["progress"] for e in listener.events if e["event"] == "download_progress"]
+    assert progress, "no download_progress events"
+    done = progress[-1]["acme/fresh-GGUF/fresh-F32.gguf"]
+    assert done["done"] == done["total"] > 0
+    assert hub.downloads("acme/fresh-GGUF") == ["fresh-F32.gguf"]
+    listed = {m["id"]: m for m in http.get("/models").json()["data"]}
+    assert listed[name]["can_remove"] is True and listed[name]["status"]["value"] == "unloaded"
+    assert listed[name]["source"] == "cache" and listed["qwen3"]["can_remove"] is False
+    # it serves like any cached model
+    tokens = http.post("/tokenize", json={"model": name, "content": "hello world"})
+    assert tokens.status_code == 200 and tokens.json()["tokens"]
+    # adding it again, or a name that is no repository, is refused
+    again = http.post("/models", json={"model": name})
+    assert again.status_code == 400 and "already exists" in again.json()["error"]["message"]
+    assert http.post("/models", json={}).status_code == 400
+    assert http.post("/models", json={"model": "not-a-repo"}).status_code == 400
+    # a missing repository: the download fails, reported on the stream, and nothing is listed
+    listener = EventListener(router)
+    assert http.post("/models", json={"model": "acme/missing-GGUF:F32"}).status_code == 200
+    listener.wait("download_failed", "acme/missing-GGUF:F32")
+    listener.stop.set()
+    assert "acme/missing-GGUF:F32" not in statuses(http)
+    # delete: the model stops, leaves the list and the cache
+    listener = EventListener(router)
+    deleted = http.delete("/models", params={"model": name})
+    assert deleted.status_code == 200 and deleted.json() == {"success": True}
+    listener.wait("model_remove", name)
+    listener.stop.set()
+    assert name not in statuses(http)
+    assert not (llama_cache / "models--acme--fresh-GGUF").exists()
+    assert (llama_cache / "models--acme--tiny-GGUF").exists()
+    assert http.delete("/models", params={"model": name}).status_code == 400
+    not_removable = http.delete("/models", params={"model": "qwen3"})
+    assert not_removable.status_code == 400 and "not removable" in not_removable.json()["error"]["message"]
+    assert http.get("/health").json() == {"status": "ok"}
+
+
+def test_reload_rereads_the_preset_and_dedups_cache_models(http: httpx.Client, preset_file: Path,
+                                                           models_dir: Path) -> None:
+    original = preset_file.read_text()
+    extra = f"\n[extra]\nmodel = {models_dir / 'qwen3.gguf'}\n\n[tiny-hub]\nhf-repo = acme/tiny-GGUF\ndedup-cache-models = 1\n"
+    try:
+        assert "extra" not in statuses(http)
+        preset_file.write_text(original + extra)
+        assert "extra" not in statuses(http)  # read again only on ?reload=1
+        ids = {m["id"] for m in http.get("/models", params={"reload": "1"}).json()["data"]}
+        assert {"extra", "tiny-hub", "qwen3", "llama"} <= ids
+        assert "acme/tiny-GGUF:F32" not in ids  # the cache entry the preset stands for is hidden...
+        tokens = http.post("/tokenize", json={"model": "acme/tiny-GGUF:F32", "content": "hi"})
+        assert tokens.status_code == 200  # ...and still served
+    finally:
+        preset_file.write_text(original)
+        ids = {m["id"] for m in http.get("/models", params={"reload": "1"}).json()["data"]}
+    assert "extra" not in ids and "tiny-hub" not in ids and "acme/tiny-GGUF:F32" in ids
+
+
+@pytest.mark.slow  # two loads and a 1000-token stream: ~10 s here (the rule itself: tests/server/test_router_registry.py)
+def test_a_client_that_leaves_while_queued_costs_no_model_its_place(http: httpx.Client, router: ServerProcess) -> None:
+    """llama.cpp's test_router_queue_client_disconnect_keeps_model, with a real stream for its
+    fake timing: both places are taken (llama pinned, qwen3 streaming), a request for bert waits;
+    its client gives up, so when qwen3 goes idle nothing takes its place."""
+    unload_all(http)
+    for name in ("llama", "qwen3"):
+        http.post("/models/load", json={"model": name})
+        wait_for(http, name, "loaded")
+    arrivals: list[float] = []
+
+    def stream() -> None:
+        body = {"model": "qwen3", "prompt": "a", "n_predict": 1000, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=router.base_url, timeout=60) as c, c.stream("POST", "/completion", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.monotonic())
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    while not arrivals:
+        time.sleep(0.005)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(router.base_url + "/embeddings", json={"model": "bert", "content": "hello"}, timeout=0.3)
+    assert statuses(http)["qwen3"]["value"] == "loaded", "the stream ended before the client left: nothing was measured"
+    streaming.join(60)
+    time.sleep(0.3)  # time for a load that was still going to take qwen3's place
+    assert statuses(http)["qwen3"]["value"] == "loaded"
+    assert statuses(http)["bert"]["value"] == "unloaded"
+    assert "failed" not in statuses(http)["bert"]

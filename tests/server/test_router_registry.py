@@ -84,3 +84,23 @@ def test_a_model_still_waiting_for_a_place_holds_none() -> None:
     queued.placed = True  # past make_room: it counts
     with pytest.raises(Unavailable):
         make_room([queued], model("c"), models_max=1, timeout=0.1)
+
+
+def test_a_load_for_requests_that_all_left_is_given_up() -> None:
+    """llama.cpp's test_router_queue_client_disconnect_keeps_model: a load started for requests
+    waits for a busy model's place; once every request waiting for it has left it gives up, and
+    the busy model keeps its place. A load asked for with /models/load keeps waiting."""
+    from mlxcel_compat.server.router_registry import Abandoned
+
+    busy = model("a", loaded_at=1.0, busy=1)
+    wanted = model("b")
+    wanted.on_demand = True
+    with pytest.raises(Abandoned):
+        make_room([busy], wanted, models_max=1, timeout=5.0)
+    assert busy.status == "loaded"
+    wanted.waiting = 1  # a request still waits: the load waits too, until --timeout
+    with pytest.raises(Unavailable):
+        make_room([busy], wanted, models_max=1, timeout=0.1)
+    wanted.on_demand, wanted.waiting = False, 0
+    with pytest.raises(Unavailable):
+        make_room([busy], wanted, models_max=1, timeout=0.1)

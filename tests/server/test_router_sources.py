@@ -92,3 +92,25 @@ def test_hub_cache_models_are_named_as_llama_server_names_them(tmp_path: Path) -
     assert found == {"acme/tiny-GGUF:Q8_0": "tiny-Q8_0.gguf", "acme/tiny-GGUF:Q4_K_M": "tiny-q4_k_m.gguf",
                      "acme/big-GGUF:Q2_K": "big-Q2_K-00001-of-00002.gguf"}
     assert all(m.source == "cache" for m in collect_sources(None, None, str(tmp_path)))
+
+
+def test_dedup_cache_models_hides_the_cache_entries_a_preset_stands_for(tmp_path: Path) -> None:
+    """``dedup-cache-models`` (in a section or in ``[*]``): the cache entries of the preset's
+    ``hf-repo`` and ``spec-draft-hf`` leave the list; other cache entries stay."""
+    from tests.model.test_hub import populate_cache
+
+    cache = tmp_path / "cache"
+    populate_cache(cache, "acme/main-GGUF", {"main-F32.gguf": b"GGUF1"})
+    populate_cache(cache, "acme/draft-GGUF", {"draft-F32.gguf": b"GGUF2"})
+    populate_cache(cache, "acme/other-GGUF", {"other-Q8_0.gguf": b"GGUF3"})
+    section = "[dedup]\nhf-repo = acme/main-GGUF\nspec-draft-hf = acme/draft-GGUF\n"
+
+    def hidden(text: str) -> set[str]:
+        preset = tmp_path / "models.ini"
+        preset.write_text(text)
+        return {m.name for m in collect_sources(None, str(preset), str(cache)) if m.hidden}
+
+    assert hidden(section + "dedup-cache-models = 1\n") == {"acme/main-GGUF:F32", "acme/draft-GGUF:F32"}
+    assert hidden("[*]\ndedup-cache-models = true\n" + section) == {"acme/main-GGUF:F32", "acme/draft-GGUF:F32"}
+    assert hidden(section) == set()
+    assert hidden("[dedup]\nhf-repo = acme/main-GGUF:Q8_0\ndedup-cache-models = 1\n") == set()  # another tag
