@@ -166,6 +166,7 @@ def tests_tree(llama_cpp: Path, work: Path) -> Path:
         source = unpacked / SDIST_TESTS
     shutil.copytree(source / TESTS_SUBDIR, tree / TESTS_SUBDIR,
                     ignore=shutil.ignore_patterns("tmp", "__pycache__", ".pytest_cache"))
+    (tree / TESTS_SUBDIR / "tmp").mkdir(exist_ok=True)  # utils.TMP_DIR: the router tests write presets there
     (tree / "models").mkdir(parents=True)
     (tree / "models" / "templates").symlink_to((source / "models" / "templates").resolve())
     return tree / TESTS_SUBDIR

@@ -57,15 +57,6 @@ INLINE_JSON_BYTES = 64 << 10  # bodies above this are parsed on a thread, off th
 
 
 @dataclass(frozen=True)
-class RouterEngine:
-    """What the gate (``server/app.py: GateMiddleware``) reads of ``ctx.engine``: the router has
-    no model of its own, so it never sleeps (each model's app wakes its own engine) nor fails."""
-
-    sleeping: bool = False
-    state: str = "ready"
-    load_error: str | None = None
-
-
 @dataclass
 class RouterState:
     """What the router's gate and the chat page read (``request.app.state.ctx``); the shape of
@@ -79,7 +70,6 @@ class RouterState:
     draining: bool = False
     started: float = field(default_factory=time.time)
     ready: bool = True
-    engine: RouterEngine = field(default_factory=RouterEngine)
 
     @property
     def engines(self) -> list[Any]:
