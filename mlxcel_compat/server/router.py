@@ -56,7 +56,6 @@ ROUTER_BODY_BYTES = 64 << 20  # the most body the router reads to find "model" w
 INLINE_JSON_BYTES = 64 << 10  # bodies above this are parsed on a thread, off the event loop
 
 
-@dataclass(frozen=True)
 @dataclass
 class RouterState:
     """What the router's gate and the chat page read (``request.app.state.ctx``); the shape of
