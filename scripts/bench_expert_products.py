@@ -5,9 +5,15 @@ One stack of experts of valid random blocks (default: Qwen3-30B-A3B's gate proje
 experts of 768 x 2048 Q4_K), the chosen experts of ``--tokens`` tokens (top-``--top-k``, random),
 multiplied:
 
-- ``grouped``: ``ExpertStack.grouped_matmul`` (``mlxcel_expert_matmul``): the pairs sorted by
-  expert, one native call, each chosen expert's rows once for its group of rows (what
-  ``BlockSwitchLinear`` does, without its NumPy sort and gather, timed apart as ``sort+gather``);
+- ``grouped``: ``ExpertStack.grouped_matmul`` (``mlxcel_expert_matmul_shared``) on rows gathered
+  beforehand, one per (token, expert) pair: the pairs sorted by expert, one native call, each
+  chosen expert's rows once for its group of rows, each pair's row quantized (the path before
+  issue 56's steps; the NumPy sort and gather timed apart as ``sort+gather``);
+- ``by-source``: the same call on the tokens' own rows, each pair pointing at its token's row, so
+  each token's row is quantized once for all its experts (what ``BlockSwitchLinear`` does now);
+- ``gate+up x2``: two ``by-source`` calls, as a ``SwitchGLU``'s gate and up took before;
+- ``gate+up``: both stacks in one call (``grouped_matmuls``: one sort, one quantization, one pool
+  job; what ``BlockSwitchGLU`` does); its GMAC/s count both products;
 - ``per-expert``: one ``BlockWeight.matmul`` call per chosen expert on its group's rows (the
   same decode kernels, one pool start per expert);
 - ``tiles``: the same per-expert calls by the prompt path of dense layers (float32 tiles and the
@@ -39,7 +45,7 @@ backend.load_optimized_blas()  # before NumPy's first product and MLX
 import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType  # noqa: E402
 
-from mlxcel_compat.runtime.block_experts import ExpertStack  # noqa: E402
+from mlxcel_compat.runtime.block_experts import ExpertStack, grouped_matmuls  # noqa: E402
 from mlxcel_compat.runtime.block_weight import BlockWeight, library  # noqa: E402
 from mlxcel_compat.testing.gguf_random import random_blocks  # noqa: E402
 
@@ -73,6 +79,8 @@ def main() -> int:
     rng = np.random.default_rng(0)
     raw = random_blocks(rng, args.type, args.experts * args.rows, args.k)
     stack = ExpertStack(BlockWeight(raw, qtype, args.experts * args.rows, args.k, lib), args.experts)
+    up_raw = random_blocks(rng, args.type, args.experts * args.rows, args.k)
+    up = ExpertStack(BlockWeight(up_raw, qtype, args.experts * args.rows, args.k, lib), args.experts)
     print(f"{args.experts} experts of {args.rows} x {args.k} {args.type.upper()}, top-{args.top_k}")
     print(f"{'tokens':>6} {'groups':>6} {'path':>12} {'ms':>9} {'GMAC/s':>7}")
     for tokens in (int(t) for t in args.tokens.split(",")):
@@ -83,7 +91,8 @@ def main() -> int:
         experts, counts = np.unique(flat[order], return_counts=True)
         starts = np.zeros(experts.size + 1, dtype=np.int32)
         np.cumsum(counts, out=starts[1:])
-        rows = np.ascontiguousarray(x[order // args.top_k])
+        source = (order // args.top_k).astype(np.int32)
+        rows = np.ascontiguousarray(x[source])
         alone = [BlockWeight(raw[e * args.rows:(e + 1) * args.rows], qtype, args.rows, args.k, lib) for e in experts]
 
         def per_expert(tiles: bool) -> None:
@@ -93,13 +102,17 @@ def main() -> int:
         paths = {
             "sort+gather": lambda: np.ascontiguousarray(x[np.argsort(flat, kind="stable") // args.top_k]),
             "grouped": lambda: stack.grouped_matmul(rows, experts, starts),
+            "by-source": lambda: stack.grouped_matmul(x, experts, starts, source),
+            "gate+up x2": lambda: [s.grouped_matmul(x, experts, starts, source) for s in (stack, up)],
+            "gate+up": lambda: grouped_matmuls([stack, up], x, experts, starts, source),
             "per-expert": lambda: per_expert(False),
             "tiles": lambda: per_expert(True),
         }
         macs = tokens * args.top_k * args.rows * args.k
         for name, fn in paths.items():
             ms = best_ms(fn, args.reps)
-            rate = "" if name == "sort+gather" else f"{macs / ms / 1e6:7.1f}"
+            pair = 2 if name.startswith("gate+up") else 1
+            rate = "" if name == "sort+gather" else f"{pair * macs / ms / 1e6:7.1f}"
             print(f"{tokens:>6} {experts.size:>6} {name:>12} {ms:9.2f} {rate:>7}", flush=True)
     return 0
 

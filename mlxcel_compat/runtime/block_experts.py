@@ -32,6 +32,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.switch_layers import SwitchGLU
 
 from mlxcel_compat.runtime.block_weight import BlockLibrary, BlockWeight
 
@@ -40,14 +41,14 @@ _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 
 @lru_cache(maxsize=1)
 def _expert_matmul() -> Any:
-    """The shim's ``mlxcel_expert_matmul``, or None when the loaded shim lacks it."""
+    """The shim's ``mlxcel_expert_matmul_shared``, or None when the loaded shim lacks it."""
     from mlxcel_compat.runtime import backend
 
     shim = backend.matmul_shim()
-    fn = getattr(shim.lib, "mlxcel_expert_matmul", None) if shim is not None else None
+    fn = getattr(shim.lib, "mlxcel_expert_matmul_shared", None) if shim is not None else None
     if fn is not None:
         fn.restype = _I
-        fn.argtypes = [_P, _I, _I, _P, _P, _P, _L, _P, _L]
+        fn.argtypes = [_I, _P, _I, _I, _P, _P, _P, _I, _P, _L, _P, _L]
     return fn
 
 
@@ -55,7 +56,7 @@ def describe(lib: BlockLibrary, ggml_type: int) -> str:
     """What the start-up log says computes a stack of experts of this type."""
     own = "mlxcel's AVX-512 kernel" if int(ggml_type) in lib.own_kernels else "ggml's vec_dot"
     return (f"{lib.ggml.describe(ggml_type)}; only the chosen experts' rows, grouped by expert as ggml's mul_mat_id "
-            f"(mlxcel_expert_matmul: activations quantized as for decode, rows by {own}), prompts and decode alike")
+            f"(mlxcel_expert_matmul_shared: each token's activations quantized once as for decode, gate and up in one pass, rows by {own}), prompts and decode alike")
 
 
 def available() -> bool:
@@ -89,33 +90,54 @@ class ExpertStack:
     def nbytes(self) -> int:
         return self.weight.nbytes
 
-    def grouped_matmul(self, x: np.ndarray, experts: np.ndarray, starts: np.ndarray) -> np.ndarray:
-        """``x`` (m, k) float32 rows grouped by expert: rows ``starts[g]`` .. ``starts[g + 1] - 1``
-        times expert ``experts[g]``'s matrix transposed; (m, rows) float32."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        experts = np.ascontiguousarray(experts, dtype=np.int32)
-        starts = np.ascontiguousarray(starts, dtype=np.int32)
-        if x.ndim != 2 or x.shape[1] != self.weight.k:
-            raise ValueError(f"activations of shape {x.shape} do not have {self.weight.k} columns")
-        if starts.shape != (experts.size + 1,) or starts[0] != 0 or starts[-1] != x.shape[0]:
-            raise ValueError("group starts must run from 0 to the row count")
-        out = np.empty((x.shape[0], self.rows), dtype=np.float32)
-        status = _expert_matmul()(self.weight.address, self.rows, experts.size, experts.ctypes.data,
-                                  starts.ctypes.data, x.ctypes.data, self.weight.k, out.ctypes.data, self.rows)
-        if status:
-            raise ValueError(f"expert ids must be in 0..{self.n_expert - 1}")
-        return out
+    def grouped_matmul(self, x: np.ndarray, experts: np.ndarray, starts: np.ndarray,
+                       source: np.ndarray | None = None) -> np.ndarray:
+        """Pairs grouped by expert: pairs ``starts[g]`` .. ``starts[g + 1] - 1`` times expert
+        ``experts[g]``'s matrix transposed, pair ``i`` reading row ``source[i]`` of the (n, k)
+        float32 ``x`` (row ``i`` without ``source``); (pairs, rows) float32."""
+        return grouped_matmuls([self], x, experts, starts, source)[0]
 
     def dequantize(self) -> np.ndarray:
         """The whole stack as float32 (n_expert, rows, k): for tests and references only."""
         return self.weight.dequantize().reshape(self.shape)
 
 
-def gather_product(stack: ExpertStack, x: np.ndarray, indices: np.ndarray, bias: np.ndarray | None = None
-                   ) -> np.ndarray:
-    """``mx.gather_mm(x, W.swapaxes(-1, -2), rhs_indices=indices)`` (+ ``bias[indices]``) over the
-    stack: ``x`` (*bx, M, k), ``indices`` (*bi) broadcast together to the batch (*S), each
-    batch entry's M rows times its expert's matrix: (*S, M, rows)."""
+def grouped_matmuls(stacks: list[ExpertStack], x: np.ndarray, experts: np.ndarray, starts: np.ndarray,
+                    source: np.ndarray | None = None) -> list[np.ndarray]:
+    """:meth:`ExpertStack.grouped_matmul` for one or two stacks of the same shape over the same
+    pairs (a ``SwitchGLU``'s gate and up): one native call, each source row quantized once."""
+    if not 1 <= len(stacks) <= 2 or any(s.shape != stacks[0].shape for s in stacks):
+        raise ValueError("one or two expert stacks of one shape")
+    k, rows = stacks[0].weight.k, stacks[0].rows
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    experts = np.ascontiguousarray(experts, dtype=np.int32)
+    starts = np.ascontiguousarray(starts, dtype=np.int32)
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"activations of shape {x.shape} do not have {k} columns")
+    pairs = x.shape[0] if source is None else source.size
+    if starts.shape != (experts.size + 1,) or starts[0] != 0 or starts[-1] != pairs:
+        raise ValueError("group starts must run from 0 to the pair count")
+    if source is not None:
+        source = np.ascontiguousarray(source, dtype=np.int32)
+    outs = [np.empty((pairs, rows), dtype=np.float32) for _ in stacks]
+    weights = (_P * len(stacks))(*(s.weight.address for s in stacks))
+    targets = (_P * len(stacks))(*(o.ctypes.data for o in outs))
+    status = _expert_matmul()(len(stacks), weights, rows, experts.size, experts.ctypes.data, starts.ctypes.data,
+                              None if source is None else source.ctypes.data, x.shape[0], x.ctypes.data, k,
+                              targets, rows)
+    if status:
+        raise ValueError(f"expert ids must be in 0..{stacks[0].n_expert - 1}")
+    return outs
+
+
+def gather_products(stacks: list[ExpertStack], x: np.ndarray, indices: np.ndarray,
+                    biases: list[np.ndarray | None] | None = None) -> list[np.ndarray]:
+    """``mx.gather_mm(x, W.swapaxes(-1, -2), rhs_indices=indices)`` (+ ``bias[indices]``) over
+    each stack (one or two, the same pairs): ``x`` (*bx, M, k), ``indices`` (*bi) broadcast
+    together to the batch (*S), each batch entry's M rows times its expert's matrix: (*S, M, rows).
+
+    The pairs are sorted by expert once (ggml's ``mul_mat_id``) and point into ``x``'s own rows,
+    so a token that chose eight experts is quantized once, not copied eight times."""
     *bx, m, k = x.shape
     batch = np.broadcast_shapes(tuple(bx), indices.shape)
     source = np.broadcast_to(np.arange(int(np.prod(bx, dtype=np.int64))).reshape(bx), batch).reshape(-1)
@@ -125,12 +147,21 @@ def gather_product(stack: ExpertStack, x: np.ndarray, indices: np.ndarray, bias:
     starts = np.zeros(experts.size + 1, dtype=np.int32)
     np.cumsum(counts * m, out=starts[1:])
     rows = (source[order][:, None] * m + np.arange(m)).reshape(-1)
-    sorted_out = stack.grouped_matmul(x.reshape(-1, k)[rows], experts, starts)
-    if bias is not None:
-        sorted_out += np.repeat(bias[chosen[order]], m, axis=0)
-    out = np.empty((chosen.size, m, stack.rows), dtype=np.float32)
-    out[order] = sorted_out.reshape(-1, m, stack.rows)
-    return out.reshape(*batch, m, stack.rows)
+    sorted_outs = grouped_matmuls(stacks, x.reshape(-1, k), experts, starts, rows)
+    results = []
+    for stack, sorted_out, bias in zip(stacks, sorted_outs, biases or [None] * len(stacks)):
+        if bias is not None:
+            sorted_out += np.repeat(bias[chosen[order]], m, axis=0)
+        out = np.empty((chosen.size, m, stack.rows), dtype=np.float32)
+        out[order] = sorted_out.reshape(-1, m, stack.rows)
+        results.append(out.reshape(*batch, m, stack.rows))
+    return results
+
+
+def gather_product(stack: ExpertStack, x: np.ndarray, indices: np.ndarray, bias: np.ndarray | None = None
+                   ) -> np.ndarray:
+    """:func:`gather_products` for one stack."""
+    return gather_products([stack], x, indices, [bias])[0]
 
 
 class BlockSwitchLinear(nn.Module):
@@ -156,22 +187,51 @@ class BlockSwitchLinear(nn.Module):
     def num_experts(self) -> int:
         return self.stack.n_expert
 
+    def float_bias(self) -> Any:
+        """The bias as a float32 MLX array (lazy), or None."""
+        if "bias" not in self:
+            return None
+        return self.bias if self.bias.dtype == mx.float32 else self.bias.astype(mx.float32)
+
     def __call__(self, x: Any, indices: Any, sorted_indices: bool = False) -> Any:
-        try:
-            mx.eval(x, indices)
-        except ValueError as exc:  # inside an mx.compile trace
-            raise RuntimeError("a block-format weight cannot be used inside mx.compile") from exc
-        values = np.asarray(x.astype(mx.float32) if x.dtype != mx.float32 else x)
-        bias = None
-        if "bias" in self:
-            bias = self.bias.astype(mx.float32) if self.bias.dtype != mx.float32 else self.bias
-            mx.eval(bias)
-            bias = np.asarray(bias)
-        return mx.array(gather_product(self.stack, values, np.asarray(indices), bias))
+        values, chosen, (bias,) = to_numpy(x, indices, [self.float_bias()])
+        return mx.array(gather_product(self.stack, values, chosen, bias))
 
     def _extra_repr(self) -> str:
         return (f"input_dims={self.input_dims}, output_dims={self.output_dims}, num_experts={self.num_experts}, "
                 f"type={self.block.ggml_type}")
+
+
+def to_numpy(x: Any, indices: Any, biases: list[Any]) -> tuple[np.ndarray, np.ndarray, list[np.ndarray | None]]:
+    """``x`` as float32, the indices and the biases as NumPy arrays, from one ``mx.eval``: each
+    evaluation waits for MLX's graph, and a decode step's MoE layer should wait as few times as it
+    can (the float32 conversion is part of the same graph, not an evaluation of its own)."""
+    x32 = x if x.dtype == mx.float32 else x.astype(mx.float32)
+    try:
+        mx.eval(x32, indices, *(b for b in biases if b is not None))
+    except ValueError as exc:  # inside an mx.compile trace
+        raise RuntimeError("a block-format weight cannot be used inside mx.compile") from exc
+    return np.asarray(x32), np.asarray(indices), [None if b is None else np.asarray(b) for b in biases]
+
+
+class BlockSwitchGLU(SwitchGLU):
+    """mlx-lm's ``SwitchGLU`` whose gate and up projections are block stacks of one shape: both
+    products in one native call (one sort of the pairs, each token's row quantized once for both
+    and for all its experts), and no MLX sort of the pairs (``_gather_sort`` would copy each token's
+    row once per chosen expert, which the grouped product does not need: it sorts by expert
+    itself). Its parameters, activation and down projection are the ``SwitchGLU``'s own; a layer
+    whose gate and up are not both block stacks takes mlx-lm's call."""
+
+    def __call__(self, x: Any, indices: Any) -> Any:
+        gate, up = self.gate_proj, self.up_proj
+        if not (isinstance(gate, BlockSwitchLinear) and isinstance(up, BlockSwitchLinear)
+                and gate.stack.shape == up.stack.shape):
+            return super().__call__(x, indices)
+        x = mx.expand_dims(x, (-2, -3))
+        values, chosen, biases = to_numpy(x, indices, [gate.float_bias(), up.float_bias()])
+        gate_out, up_out = gather_products([gate.stack, up.stack], values, chosen, biases)
+        hidden = self.activation(mx.array(up_out), mx.array(gate_out))
+        return self.down_proj(hidden, indices).squeeze(-2)
 
 
 def install(model: Any, path: str, stack: ExpertStack) -> BlockSwitchLinear:
@@ -191,7 +251,10 @@ def install(model: Any, path: str, stack: ExpertStack) -> BlockSwitchLinear:
         parent[int(last)] = new
     else:
         setattr(parent, last, new)
+    if type(parent) is SwitchGLU:  # gate and up then run as one product (BlockSwitchGLU)
+        parent.__class__ = BlockSwitchGLU
     return new
 
 
-__all__ = ["BlockSwitchLinear", "ExpertStack", "available", "describe", "gather_product", "install"]
+__all__ = ["BlockSwitchGLU", "BlockSwitchLinear", "ExpertStack", "available", "describe", "gather_product",
+           "gather_products", "grouped_matmuls", "install", "to_numpy"]
