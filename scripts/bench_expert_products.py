@@ -14,6 +14,11 @@ multiplied:
 - ``gate+up x2``: two ``by-source`` calls, as a ``SwitchGLU``'s gate and up took before;
 - ``gate+up``: both stacks in one call (``grouped_matmuls``: one sort, one quantization, one pool
   job; what ``BlockSwitchGLU`` does); its GMAC/s count both products;
+- ``layer (mlx-lm)`` and ``layer``: a whole expert MLP (gate, up and down stacks of the type,
+  SwiGLU) on MLX input, by mlx-lm's ``SwitchGLU`` call over ``BlockSwitchLinear`` projections
+  (each projection evaluates its input and sorts its pairs; 64 pairs or more sorted by MLX first:
+  the path before issue 56's steps) and by ``BlockSwitchGLU`` (one sort, gate and up in one call,
+  down on the sorted rows, two MLX evaluations); the glue around the products counts here;
 - ``per-expert``: one ``BlockWeight.matmul`` call per chosen expert on its group's rows (the
   same decode kernels, one pool start per expert);
 - ``tiles``: the same per-expert calls by the prompt path of dense layers (float32 tiles and the
@@ -42,9 +47,12 @@ from mlxcel_compat.runtime import backend  # noqa: E402
 
 backend.load_optimized_blas()  # before NumPy's first product and MLX
 
+import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from mlx_lm.models.switch_layers import SwitchGLU  # noqa: E402
 from gguf import GGMLQuantizationType  # noqa: E402
 
+from mlxcel_compat.runtime import block_experts  # noqa: E402
 from mlxcel_compat.runtime.block_experts import ExpertStack, grouped_matmuls  # noqa: E402
 from mlxcel_compat.runtime.block_weight import BlockWeight, library  # noqa: E402
 from mlxcel_compat.testing.gguf_random import random_blocks  # noqa: E402
@@ -81,8 +89,13 @@ def main() -> int:
     stack = ExpertStack(BlockWeight(raw, qtype, args.experts * args.rows, args.k, lib), args.experts)
     up_raw = random_blocks(rng, args.type, args.experts * args.rows, args.k)
     up = ExpertStack(BlockWeight(up_raw, qtype, args.experts * args.rows, args.k, lib), args.experts)
+    down_raw = random_blocks(rng, args.type, args.experts * args.k, args.rows)
+    down = ExpertStack(BlockWeight(down_raw, qtype, args.experts * args.k, args.rows, lib), args.experts)
+    glu = SwitchGLU(args.k, args.rows, args.experts)
+    for name, layer_stack in (("gate_proj", stack), ("up_proj", up), ("down_proj", down)):
+        block_experts.install(glu, name, layer_stack)
     print(f"{args.experts} experts of {args.rows} x {args.k} {args.type.upper()}, top-{args.top_k}")
-    print(f"{'tokens':>6} {'groups':>6} {'path':>12} {'ms':>9} {'GMAC/s':>7}")
+    print(f"{'tokens':>6} {'groups':>6} {'path':>14} {'ms':>9} {'GMAC/s':>7}")
     for tokens in (int(t) for t in args.tokens.split(",")):
         x = rng.standard_normal((tokens, args.k)).astype(np.float32)
         chosen = np.stack([rng.choice(args.experts, args.top_k, replace=False) for _ in range(tokens)])
@@ -99,21 +112,28 @@ def main() -> int:
             for i, weight in enumerate(alone):
                 weight.matmul(rows[starts[i]:starts[i + 1]], tiles=tiles)
 
+        x_mx, chosen_mx = mx.array(x[None]), mx.array(chosen[None].astype(np.int32))
+
+        def layer(call) -> None:
+            mx.eval(call(glu, x_mx, chosen_mx))
+
         paths = {
             "sort+gather": lambda: np.ascontiguousarray(x[np.argsort(flat, kind="stable") // args.top_k]),
             "grouped": lambda: stack.grouped_matmul(rows, experts, starts),
             "by-source": lambda: stack.grouped_matmul(x, experts, starts, source),
             "gate+up x2": lambda: [s.grouped_matmul(x, experts, starts, source) for s in (stack, up)],
             "gate+up": lambda: grouped_matmuls([stack, up], x, experts, starts, source),
+            "layer (mlx-lm)": lambda: layer(SwitchGLU.__call__),
+            "layer": lambda: layer(block_experts.BlockSwitchGLU.__call__),
             "per-expert": lambda: per_expert(False),
             "tiles": lambda: per_expert(True),
         }
         macs = tokens * args.top_k * args.rows * args.k
         for name, fn in paths.items():
             ms = best_ms(fn, args.reps)
-            pair = 2 if name.startswith("gate+up") else 1
+            pair = 2 if name.startswith("gate+up") else 3 if name.startswith("layer") else 1
             rate = "" if name == "sort+gather" else f"{pair * macs / ms / 1e6:7.1f}"
-            print(f"{tokens:>6} {experts.size:>6} {name:>12} {ms:9.2f} {rate:>7}", flush=True)
+            print(f"{tokens:>6} {experts.size:>6} {name:>14} {ms:9.2f} {rate:>7}", flush=True)
     return 0
 
 

@@ -130,32 +130,62 @@ def grouped_matmuls(stacks: list[ExpertStack], x: np.ndarray, experts: np.ndarra
     return outs
 
 
+@dataclass(eq=False)
+class PairOrder:
+    """A ``gather_mm`` call's (batch entry, expert) pairs sorted by expert (ggml's ``mul_mat_id``):
+    ``x`` (*bx, M, k) and ``indices`` (*bi) broadcast to the batch (*S); sorted row ``i`` is row
+    ``rows[i]`` of ``x`` as (-1, k), and sorted rows ``starts[g]`` .. ``starts[g + 1] - 1`` go to
+    expert ``experts[g]``. The rows point into ``x``'s own rows, so a token that chose eight
+    experts is quantized once, not copied eight times; and an expert MLP's three products can
+    share one order, its activation being applied to the sorted rows."""
+
+    batch: tuple[int, ...]
+    m: int
+    chosen: np.ndarray  # per batch entry, its expert
+    order: np.ndarray  # sorted pair -> batch entry
+    experts: np.ndarray
+    starts: np.ndarray
+    rows: np.ndarray
+
+    @classmethod
+    def of(cls, x_shape: tuple[int, ...], indices: np.ndarray) -> PairOrder:
+        *bx, m, _ = x_shape
+        batch = np.broadcast_shapes(tuple(bx), indices.shape)
+        source = np.broadcast_to(np.arange(int(np.prod(bx, dtype=np.int64))).reshape(bx), batch).reshape(-1)
+        chosen = np.broadcast_to(indices, batch).reshape(-1).astype(np.int32)
+        order = np.argsort(chosen, kind="stable")
+        experts, counts = np.unique(chosen[order], return_counts=True)
+        starts = np.zeros(experts.size + 1, dtype=np.int32)
+        np.cumsum(counts * m, out=starts[1:])
+        rows = (source[order][:, None] * m + np.arange(m)).reshape(-1).astype(np.int32)
+        return cls(tuple(batch), m, chosen, order, experts, starts, rows)
+
+    def products(self, stacks: list[ExpertStack], x: np.ndarray, biases: list[np.ndarray | None],
+                 presorted: bool = False) -> list[np.ndarray]:
+        """Each stack's product in sorted order, (sorted rows, stack rows), biases added: ``x`` is
+        the call's (*bx, M, k) input, or with ``presorted`` already one row per sorted row."""
+        k = stacks[0].weight.k
+        outs = grouped_matmuls(stacks, x.reshape(-1, k), self.experts, self.starts, None if presorted else self.rows)
+        for out, bias in zip(outs, biases):
+            if bias is not None:
+                out += np.repeat(bias[self.chosen[self.order]], self.m, axis=0)
+        return outs
+
+    def unsort(self, sorted_out: np.ndarray) -> np.ndarray:
+        """Sorted rows back in the call's order: (*S, M, columns)."""
+        out = np.empty((self.chosen.size, self.m, sorted_out.shape[-1]), dtype=sorted_out.dtype)
+        out[self.order] = sorted_out.reshape(-1, self.m, sorted_out.shape[-1])
+        return out.reshape(*self.batch, self.m, sorted_out.shape[-1])
+
+
 def gather_products(stacks: list[ExpertStack], x: np.ndarray, indices: np.ndarray,
                     biases: list[np.ndarray | None] | None = None) -> list[np.ndarray]:
     """``mx.gather_mm(x, W.swapaxes(-1, -2), rhs_indices=indices)`` (+ ``bias[indices]``) over
     each stack (one or two, the same pairs): ``x`` (*bx, M, k), ``indices`` (*bi) broadcast
-    together to the batch (*S), each batch entry's M rows times its expert's matrix: (*S, M, rows).
-
-    The pairs are sorted by expert once (ggml's ``mul_mat_id``) and point into ``x``'s own rows,
-    so a token that chose eight experts is quantized once, not copied eight times."""
-    *bx, m, k = x.shape
-    batch = np.broadcast_shapes(tuple(bx), indices.shape)
-    source = np.broadcast_to(np.arange(int(np.prod(bx, dtype=np.int64))).reshape(bx), batch).reshape(-1)
-    chosen = np.broadcast_to(indices, batch).reshape(-1).astype(np.int32)
-    order = np.argsort(chosen, kind="stable")  # each expert's pairs together, as ggml's mul_mat_id
-    experts, counts = np.unique(chosen[order], return_counts=True)
-    starts = np.zeros(experts.size + 1, dtype=np.int32)
-    np.cumsum(counts * m, out=starts[1:])
-    rows = (source[order][:, None] * m + np.arange(m)).reshape(-1)
-    sorted_outs = grouped_matmuls(stacks, x.reshape(-1, k), experts, starts, rows)
-    results = []
-    for stack, sorted_out, bias in zip(stacks, sorted_outs, biases or [None] * len(stacks)):
-        if bias is not None:
-            sorted_out += np.repeat(bias[chosen[order]], m, axis=0)
-        out = np.empty((chosen.size, m, stack.rows), dtype=np.float32)
-        out[order] = sorted_out.reshape(-1, m, stack.rows)
-        results.append(out.reshape(*batch, m, stack.rows))
-    return results
+    together to the batch (*S), each batch entry's M rows times its expert's matrix: (*S, M, rows),
+    the pairs sorted once (:class:`PairOrder`)."""
+    pairs = PairOrder.of(x.shape, indices)
+    return [pairs.unsort(out) for out in pairs.products(stacks, x, biases or [None] * len(stacks))]
 
 
 def gather_product(stack: ExpertStack, x: np.ndarray, indices: np.ndarray, bias: np.ndarray | None = None
@@ -191,10 +221,10 @@ class BlockSwitchLinear(nn.Module):
         """The bias as a float32 MLX array (lazy), or None."""
         if "bias" not in self:
             return None
-        return self.bias if self.bias.dtype == mx.float32 else self.bias.astype(mx.float32)
+        return float32(self.bias)
 
     def __call__(self, x: Any, indices: Any, sorted_indices: bool = False) -> Any:
-        values, chosen, (bias,) = to_numpy(x, indices, [self.float_bias()])
+        values, chosen, bias = evaluate(float32(x), indices, self.float_bias())
         return mx.array(gather_product(self.stack, values, chosen, bias))
 
     def _extra_repr(self) -> str:
@@ -202,36 +232,47 @@ class BlockSwitchLinear(nn.Module):
                 f"type={self.block.ggml_type}")
 
 
-def to_numpy(x: Any, indices: Any, biases: list[Any]) -> tuple[np.ndarray, np.ndarray, list[np.ndarray | None]]:
-    """``x`` as float32, the indices and the biases as NumPy arrays, from one ``mx.eval``: each
-    evaluation waits for MLX's graph, and a decode step's MoE layer should wait as few times as it
-    can (the float32 conversion is part of the same graph, not an evaluation of its own)."""
-    x32 = x if x.dtype == mx.float32 else x.astype(mx.float32)
+def float32(x: Any) -> Any:
+    """``x`` as float32, lazily (None stays None)."""
+    return x if x is None or x.dtype == mx.float32 else x.astype(mx.float32)
+
+
+def evaluate(*arrays: Any) -> list[np.ndarray | None]:
+    """The MLX arrays as NumPy arrays (None stays None), from one ``mx.eval``: each evaluation
+    waits for MLX's graph, and a decode step's MoE layer should wait as few times as it can."""
     try:
-        mx.eval(x32, indices, *(b for b in biases if b is not None))
+        mx.eval(*(a for a in arrays if a is not None))
     except ValueError as exc:  # inside an mx.compile trace
         raise RuntimeError("a block-format weight cannot be used inside mx.compile") from exc
-    return np.asarray(x32), np.asarray(indices), [None if b is None else np.asarray(b) for b in biases]
+    return [None if a is None else np.asarray(a) for a in arrays]
 
 
 class BlockSwitchGLU(SwitchGLU):
-    """mlx-lm's ``SwitchGLU`` whose gate and up projections are block stacks of one shape: both
-    products in one native call (one sort of the pairs, each token's row quantized once for both
-    and for all its experts), and no MLX sort of the pairs (``_gather_sort`` would copy each token's
-    row once per chosen expert, which the grouped product does not need: it sorts by expert
-    itself). Its parameters, activation and down projection are the ``SwitchGLU``'s own; a layer
-    whose gate and up are not both block stacks takes mlx-lm's call."""
+    """mlx-lm's ``SwitchGLU`` whose gate and up projections are block stacks of one shape: the
+    pairs sorted once for the layer (:class:`PairOrder`), gate and up in one native call (each
+    token's row quantized once for both and for all its experts), the activation applied to the
+    sorted rows and, where the down projection is a block stack too, its product on them in the
+    same order, unsorted once at the end. No MLX sort of the pairs (``_gather_sort`` would copy
+    each token's row once per chosen expert), and two MLX evaluations a layer (its input, the
+    activation). Its parameters, activation and down projection are the ``SwitchGLU``'s own; a
+    layer whose gate and up are not both block stacks takes mlx-lm's call."""
 
     def __call__(self, x: Any, indices: Any) -> Any:
-        gate, up = self.gate_proj, self.up_proj
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
         if not (isinstance(gate, BlockSwitchLinear) and isinstance(up, BlockSwitchLinear)
                 and gate.stack.shape == up.stack.shape):
             return super().__call__(x, indices)
         x = mx.expand_dims(x, (-2, -3))
-        values, chosen, biases = to_numpy(x, indices, [gate.float_bias(), up.float_bias()])
-        gate_out, up_out = gather_products([gate.stack, up.stack], values, chosen, biases)
-        hidden = self.activation(mx.array(up_out), mx.array(gate_out))
-        return self.down_proj(hidden, indices).squeeze(-2)
+        values, chosen, gate_bias, up_bias = evaluate(float32(x), indices, gate.float_bias(), up.float_bias())
+        pairs = PairOrder.of(values.shape, chosen)
+        gate_out, up_out = pairs.products([gate.stack, up.stack], values, [gate_bias, up_bias])
+        if not isinstance(down, BlockSwitchLinear):
+            hidden = self.activation(mx.array(pairs.unsort(up_out)), mx.array(pairs.unsort(gate_out)))
+            return down(hidden, indices).squeeze(-2)
+        hidden, down_bias = evaluate(float32(self.activation(mx.array(up_out), mx.array(gate_out))),
+                                     down.float_bias())
+        (out,) = pairs.products([down.stack], hidden, [down_bias], presorted=True)
+        return mx.array(pairs.unsort(out)).squeeze(-2)
 
 
 def install(model: Any, path: str, stack: ExpertStack) -> BlockSwitchLinear:
@@ -257,4 +298,4 @@ def install(model: Any, path: str, stack: ExpertStack) -> BlockSwitchLinear:
 
 
 __all__ = ["BlockSwitchGLU", "BlockSwitchLinear", "ExpertStack", "available", "describe", "gather_product",
-           "gather_products", "grouped_matmuls", "install", "to_numpy"]
+           "gather_products", "grouped_matmuls", "install", "PairOrder", "evaluate", "float32"]
