@@ -12,9 +12,11 @@ experts expanded to float32 for MLX's gather matmul would take ~120 GB.
 routers, top-k, gating, activations (SwiGLU, gpt-oss's clamped SwiGLU, GeGLU, ReLU²) and the
 weighted sum stay mlx-lm's code: only ``mx.gather_mm``'s product changes. A call evaluates its
 input and the chosen indices, sorts the (token, expert) pairs by expert (ggml's ``mul_mat_id``)
-and hands the native layer's ``mlxcel_expert_matmul`` one group of activation rows per chosen
-expert: each chosen expert's rows are read once for all the tokens that chose it, and no other
-expert's are read.
+and hands the native layer's ``mlxcel_expert_matmul_shared`` one group of pairs per chosen
+expert, each pair pointing at its token's row (quantized once for all that token's experts):
+each chosen expert's rows are read once for all the tokens that chose it, and no other expert's
+are read. A ``SwitchGLU`` whose gate and up are block stacks becomes a :class:`BlockSwitchGLU`:
+one sort for the layer's three products, gate and up in one native call, two MLX evaluations.
 
 Every row takes the decode path of the block products (activations quantized to the type's
 ``vec_dot_type``, llama.cpp's arithmetic), in a prompt chunk as in a decode step, and a row's
@@ -297,5 +299,5 @@ def install(model: Any, path: str, stack: ExpertStack) -> BlockSwitchLinear:
     return new
 
 
-__all__ = ["BlockSwitchGLU", "BlockSwitchLinear", "ExpertStack", "available", "describe", "gather_product",
-           "gather_products", "grouped_matmuls", "install", "PairOrder", "evaluate", "float32"]
+__all__ = ["BlockSwitchGLU", "BlockSwitchLinear", "ExpertStack", "PairOrder", "available", "describe", "evaluate",
+           "float32", "gather_product", "gather_products", "grouped_matmuls", "install"]
