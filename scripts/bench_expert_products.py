@@ -24,12 +24,17 @@ multiplied:
 - ``tiles``: the same per-expert calls by the prompt path of dense layers (float32 tiles and the
   BLAS's sgemm).
 
+With ``--gguf FILE``, instead: decode steps of that MoE file's model (``load_model``, one token a
+step after a 4-token prompt, ``--steps`` of them), their median and best milliseconds and the
+``mx.eval`` calls a step makes (run it from two checkouts, one after the other, to compare).
+
 Reported: milliseconds (best of ``--reps``) and GMAC/s; the paths run in turn, so a machine's
 drift falls on all of them. On a shared machine only the best of several short runs means much.
 
 Examples::
 
     python scripts/bench_expert_products.py
+    python scripts/bench_expert_products.py --gguf /tmp/bench-moe/qwen3_moe-8l-shaped-v1-q4_k_m.gguf --steps 100
     python scripts/bench_expert_products.py --tokens 1,8,512 --type mxfp4 --experts 32 --rows 2880 --k 2880 --top-k 4
 """
 
@@ -68,6 +73,33 @@ def best_ms(fn, reps: int) -> float:
     return best * 1e3
 
 
+def decode_steps(path: str, steps: int) -> None:
+    """Median and best decode step of a GGUF file's model, and its ``mx.eval`` calls a step."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxcel_compat.model.loader import load_model
+
+    model = load_model(path, []).model
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[5, 6, 7, 8]]), cache=cache))
+    evaluate, calls = mx.eval, [0]
+
+    def counted(*arrays) -> None:
+        calls[0] += 1
+        evaluate(*arrays)
+
+    mx.eval = counted
+    times = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        evaluate(model(mx.array([[10 + step % 100]]), cache=cache))
+        times.append(time.perf_counter() - t0)
+    mx.eval = evaluate
+    times.sort()
+    print(f"{path}: {steps} decode steps, median {times[steps // 2] * 1e3:.1f} ms, best {times[0] * 1e3:.1f} ms, "
+          f"{calls[0] / steps:.1f} mx.eval calls a step")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--type", default="q4_k", help="block type (gguf_random's names: q4_k, q8_0, mxfp4, ...)")
@@ -77,7 +109,12 @@ def main() -> int:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--tokens", default="1,4,64,512", help="comma list of token counts")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--gguf", help="time decode steps of this MoE GGUF file's model instead")
+    parser.add_argument("--steps", type=int, default=100, help="decode steps with --gguf")
     args = parser.parse_args()
+    if args.gguf:
+        decode_steps(args.gguf, args.steps)
+        return 0
 
     lib = library()
     if isinstance(lib, str):
