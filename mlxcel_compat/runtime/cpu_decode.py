@@ -67,7 +67,7 @@ from mlxcel_compat.runtime.rope_angles import RopeAngles
 LOG2E = 1.4426950408889634
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 # mlx-lm's stacked-expert modules (switch_layers.py): an MoE layer the decode pass has no kernel for.
-EXPERT_MODULES = ("SwitchGLU", "SwitchMLP")
+EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU")  # BlockSwitchGLU: block_experts.py
 GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, sliding windows
 # Hybrid and recurrent families: the layers the runtime does not run yet, named in the start-up
 # log's reason (a later task moves recurrent state and experts onto the runtime).

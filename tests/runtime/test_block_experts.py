@@ -105,3 +105,42 @@ def test_bad_expert_ids_are_an_error() -> None:
         gather_product(stack, x[:, None, None, :], np.array([[0, 6], [1, 2]]))
     with pytest.raises(ValueError, match="do not split into 7 experts"):
         ExpertStack(stack.weight, 7)
+
+
+@pytest.mark.parametrize("types", [(T.Q4_K, T.Q4_K), (T.Q4_K, T.Q8_0)], ids=lambda t: f"{t[0].name}+{t[1].name}")
+def test_gate_and_up_in_one_call_are_each_stacks_product(types: tuple[T, T]) -> None:
+    """Two stacks over the same pairs in one call (each token's row quantized once, per
+    activation type) equal each stack's call on rows gathered one per pair, bit for bit."""
+    stacks = [stack_of(qtype, seed=10 + i)[0] for i, qtype in enumerate(types)]
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((5, K)).astype(np.float32)
+    chosen = rng.integers(0, N_EXPERT, (5, 3)).reshape(-1).astype(np.int32)
+    order = np.argsort(chosen, kind="stable")
+    experts, counts = np.unique(chosen[order], return_counts=True)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    source = (order // 3).astype(np.int32)
+    both = block_experts.grouped_matmuls(stacks, x, experts, starts, source)
+    for stack, got in zip(stacks, both):
+        np.testing.assert_array_equal(got, stack.grouped_matmul(x[source], experts, starts))
+    with pytest.raises(ValueError, match="expert ids"):  # a source row outside x
+        block_experts.grouped_matmuls(stacks, x, experts, starts, np.full_like(source, 5))
+
+
+def test_switch_glu_over_block_stacks_runs_gate_and_up_together() -> None:
+    """Installing block gate and up stacks makes the ``SwitchGLU`` a ``BlockSwitchGLU``, whose one
+    fused call gives mlx-lm's own ``SwitchGLU`` call over the same layers bit for bit (its MLX sort
+    for 64 pairs or more included), and a token's output whatever else shares the chunk."""
+    hidden = 256
+    glu = SwitchGLU(K, hidden, N_EXPERT)
+    for seed, name, (rows, k) in ((20, "gate_proj", (hidden, K)), (21, "up_proj", (hidden, K)),
+                                  (22, "down_proj", (K, hidden))):
+        raw = raw_weight(T.Q4_K, N_EXPERT * rows, k, seed=seed)
+        block_experts.install(glu, name, ExpertStack(BlockWeight(raw, T.Q4_K, N_EXPERT * rows, k, LIB), N_EXPERT))
+    assert type(glu) is block_experts.BlockSwitchGLU
+    rng = np.random.default_rng(23)
+    x = mx.array(rng.standard_normal((1, 40, K)).astype(np.float32))
+    chosen = mx.array(rng.integers(0, N_EXPERT, (1, 40, 2)).astype(np.int32))
+    got = glu(x, chosen)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(SwitchGLU.__call__(glu, x, chosen)))
+    for t in (0, 17, 39):
+        np.testing.assert_array_equal(np.asarray(glu(x[:, t:t + 1], chosen[:, t:t + 1]))[0, 0], np.asarray(got)[0, t])

@@ -29,6 +29,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "blas_shim.h"
 #include "thread_pool.h"
@@ -343,89 +344,162 @@ void mlxcel_block_rows(const struct mlxcel_block_weight *w, const int32_t *ids, 
  * of n_expert * rows rows: expert e's matrix is the contiguous run of rows e * rows .. (e + 1) *
  * rows - 1. A call multiplies groups of activation rows, each by one expert's rows (what ggml's
  * mul_mat_id does): the caller has sorted the (token, chosen expert) pairs by expert, so group g
- * is the activation rows start[g] .. start[g + 1] - 1, all for expert[g], and each chosen
- * expert's weight is read once for every token that chose it. Only the chosen experts are read.
+ * is the pairs start[g] .. start[g + 1] - 1, all for expert[g], and each chosen expert's weight is
+ * read once for every token that chose it. Only the chosen experts are read.
+ *
+ * Pair i reads activation row source[i] of x (row i where source is NULL): a token that chose
+ * eight experts is quantized to vec_dot_type once, not eight times, and its quantized row is
+ * copied to each of its pairs. Up to EXPERT_SHARED_MAX stacks over the same pairs (a SwitchGLU's
+ * gate and up) share that one sort and quantization and run in one pool job.
  *
  * Every row takes the decode path of mlxcel_block_matmul (activations quantized to vec_dot_type,
  * this library's rows kernel or ggml's vec_dot), whose result for a row does not depend on the
  * other rows of its group: a token's expert outputs are the same whatever else shares the chunk,
  * a prompt's tokens and a decode step's alike. */
-struct expert_job {
+#define EXPERT_SHARED_MAX 2
+
+struct expert_target {
     const struct mlxcel_block_weight *w;
+    const unsigned char *act; /* one activation row per pair in w's vec_dot_type */
+    size_t act_bytes;
+    float *c;
+};
+
+struct expert_job {
+    struct expert_target t[EXPERT_SHARED_MAX];
+    int count;
     int rows;                   /* per expert */
     const int32_t *expert;      /* per group */
     const int32_t *start;       /* groups + 1 */
-    const unsigned char *act;   /* start[groups] activation rows in vec_dot_type */
-    size_t act_bytes;
+    const int32_t *source;      /* per pair: its row of x; NULL: row i */
     const float *x;
     long ldx;
-    float *c;
+    int n_x;                    /* rows of x */
+    unsigned char *unique_act;  /* n_x rows in vec_dot_type, before they are copied to the pairs */
     long ldc;
     int groups, band, bands, parts;
 };
 
 static void expert_quantize_part(const void *ctx, int p) {
     const struct expert_job *j = ctx;
-    int m = j->start[j->groups], per = (m + j->parts - 1) / j->parts;
-    for (int i = p * per; i < m && i < (p + 1) * per; i++)
-        j->w->type->quantize(j->x + (size_t)i * j->ldx, (unsigned char *)j->act + (size_t)i * j->act_bytes, j->w->k);
+    for (int t = 0; t < j->count; t++) {
+        const struct expert_target *target = &j->t[t];
+        if (t > 0 && target->act == j->t[0].act) continue; /* the same activation type: the same rows */
+        unsigned char *dest = j->source ? j->unique_act : (unsigned char *)target->act;
+        int per = (j->n_x + j->parts - 1) / j->parts;
+        for (int i = p * per; i < j->n_x && i < (p + 1) * per; i++)
+            target->w->type->quantize(j->x + (size_t)i * j->ldx, dest + (size_t)i * target->act_bytes, target->w->k);
+    }
 }
 
-/* Band b of group g: expert[g]'s rows [b * band, (b + 1) * band) times the group's activation rows. */
-static void expert_unit(const struct expert_job *j, int g, int b) {
-    const struct mlxcel_block_weight *w = j->w;
+/* Band b of group g of target t: expert[g]'s rows [b * band, (b + 1) * band) times the group's rows. */
+static void expert_unit(const struct expert_job *j, const struct expert_target *t, int g, int b) {
+    const struct mlxcel_block_weight *w = t->w;
     int r0 = b * j->band, r1 = r0 + j->band < j->rows ? r0 + j->band : j->rows;
     int i0 = j->start[g], m = j->start[g + 1] - i0;
     if (r0 >= r1 || m <= 0) return;
     const unsigned char *first = w->data + ((size_t)j->expert[g] * j->rows + r0) * (size_t)w->row_bytes;
-    const unsigned char *act = j->act + (size_t)i0 * j->act_bytes;
-    float *c = j->c + (size_t)i0 * j->ldc + r0;
+    const unsigned char *act = t->act + (size_t)i0 * t->act_bytes;
+    float *c = t->c + (size_t)i0 * j->ldc + r0;
     rows_fn own = w->type->own_kernel >= 0 ? mlxcel_rows_kernel(w->type->own_kernel) : NULL;
     if (own) {
-        own(w->k, first, (size_t)w->row_bytes, r1 - r0, act, j->act_bytes, m, c, (size_t)j->ldc);
+        own(w->k, first, (size_t)w->row_bytes, r1 - r0, act, t->act_bytes, m, c, (size_t)j->ldc);
         return;
     }
     for (int r = 0; r < r1 - r0; r++)
         for (int i = 0; i < m; i++)
             w->type->vec_dot(w->k, c + (size_t)i * j->ldc + r, 0, first + (size_t)r * w->row_bytes, 0,
-                             act + (size_t)i * j->act_bytes, 0, 1);
+                             act + (size_t)i * t->act_bytes, 0, 1);
 }
 
 static void expert_part(const void *ctx, int p) {
     const struct expert_job *j = ctx;
-    int units = j->groups * j->bands, per = (units + j->parts - 1) / j->parts;
-    for (int u = p * per; u < units && u < (p + 1) * per; u++) expert_unit(j, u / j->bands, u % j->bands);
+    int per_target = j->groups * j->bands, units = j->count * per_target, per = (units + j->parts - 1) / j->parts;
+    for (int u = p * per; u < units && u < (p + 1) * per; u++) {
+        int v = u % per_target;
+        expert_unit(j, &j->t[u / per_target], v / j->bands, v % j->bands);
+    }
 }
 
-static __thread struct mlxcel_scratch expert_act_scratch;
+static __thread struct mlxcel_scratch expert_act_scratch[EXPERT_SHARED_MAX], expert_unique_scratch;
 
-/* c[i, :] = x[i, :] . W_{expert[g]}^T for the rows i of each group g (start[g] <= i < start[g + 1]),
- * W_e being rows e * rows .. (e + 1) * rows - 1 of the stack w; x and c row-major (ldx, ldc).
- * Returns -1 (and computes nothing) for a weight this path does not take (permuted rows, group
- * biases, an expert out of the stack). */
-int mlxcel_expert_matmul(const struct mlxcel_block_weight *w, int rows, int groups, const int32_t *expert,
-                         const int32_t *start, const float *x, long ldx, float *c, long ldc) {
-    if (w->rows || w->group_bias || rows <= 0 || w->n % rows) return -1;
+/* c_t[i, :] = x[source[i], :] . W_t,{expert[g]}^T for each stack t < count and the pairs i of each
+ * group g (start[g] <= i < start[g + 1]), W_t,e being rows e * rows .. (e + 1) * rows - 1 of the
+ * stack ws[t]; the stacks share rows and k. x is n_x rows (ldx apart); each c_t is start[groups]
+ * rows, ldc apart. Returns -1 (and computes nothing) for weights this path does not take
+ * (permuted rows, group biases, unequal shapes, an expert out of the stack, a source out of x). */
+int mlxcel_expert_matmul_shared(int count, const struct mlxcel_block_weight *const *ws, int rows, int groups,
+                                const int32_t *expert, const int32_t *start, const int32_t *source, int n_x,
+                                const float *x, long ldx, float *const *cs, long ldc) {
+    if (count <= 0 || count > EXPERT_SHARED_MAX || rows <= 0) return -1;
+    for (int t = 0; t < count; t++) {
+        const struct mlxcel_block_weight *w = ws[t];
+        if (w->rows || w->group_bias || w->n % rows || w->n != ws[0]->n || w->k != ws[0]->k) return -1;
+    }
     for (int g = 0; g < groups; g++)
-        if (expert[g] < 0 || expert[g] >= w->n / rows || start[g + 1] < start[g]) return -1;
+        if (expert[g] < 0 || expert[g] >= ws[0]->n / rows || start[g + 1] < start[g]) return -1;
     if (groups <= 0) return 0;
     if (start[0] != 0) return -1;
     int m = start[groups];
     if (m <= 0) return 0;
-    struct expert_job j = {w, rows, expert, start, NULL, 0, x, ldx, c, ldc, groups, rows, 1, 1};
-    j.act_bytes = (size_t)(w->k / w->type->act_block) * (size_t)w->type->act_block_bytes;
-    j.act = mlxcel_scratch(&expert_act_scratch, j.act_bytes * (size_t)start[groups]);
-    long values = (long)m * w->k;
-    j.parts = values >= PARALLEL_MIN_VALUES ? parts_for(m) : 1;
-    mlxcel_parallel(j.parts, expert_quantize_part, &j);
+    if (source) {
+        for (int i = 0; i < m; i++)
+            if (source[i] < 0 || source[i] >= n_x) return -1;
+    } else if (n_x != m) {
+        return -1;
+    }
+    struct expert_job j = {0};
+    j.count = count;
+    j.rows = rows;
+    j.expert = expert;
+    j.start = start;
+    j.source = source;
+    j.x = x;
+    j.ldx = ldx;
+    j.n_x = n_x;
+    j.ldc = ldc;
+    j.groups = groups;
+    size_t unique_bytes = 0;
+    for (int t = 0; t < count; t++) {
+        struct expert_target *target = &j.t[t];
+        const struct mlxcel_block_weight *w = ws[t];
+        target->w = w;
+        target->c = cs[t];
+        target->act_bytes = (size_t)(w->k / w->type->act_block) * (size_t)w->type->act_block_bytes;
+        if (t > 0 && w->type->quantize == ws[0]->type->quantize) {
+            target->act = j.t[0].act;
+            continue;
+        }
+        target->act = mlxcel_scratch(&expert_act_scratch[t], target->act_bytes * (size_t)m);
+        if (target->act_bytes * (size_t)n_x > unique_bytes) unique_bytes = target->act_bytes * (size_t)n_x;
+    }
+    long values = (long)n_x * ws[0]->k;
+    j.parts = values >= PARALLEL_MIN_VALUES ? parts_for(n_x) : 1;
+    if (source) {
+        /* Each distinct activation type: its rows quantized once, then copied to their pairs. */
+        j.unique_act = mlxcel_scratch(&expert_unique_scratch, unique_bytes);
+        for (int t = 0; t < count; t++) {
+            if (t > 0 && j.t[t].act == j.t[0].act) continue;
+            struct expert_job one = j;
+            one.count = 1;
+            one.t[0] = j.t[t];
+            mlxcel_parallel(one.parts, expert_quantize_part, &one);
+            for (int i = 0; i < m; i++)
+                memcpy((unsigned char *)j.t[t].act + (size_t)i * j.t[t].act_bytes,
+                       j.unique_act + (size_t)source[i] * j.t[t].act_bytes, j.t[t].act_bytes);
+        }
+    } else {
+        mlxcel_parallel(j.parts, expert_quantize_part, &j);
+    }
     /* Enough units for the pool: each group's rows cut into bands of whole 16-row runs. */
     int want = mlxcel_threads() * PARTS_PER_THREAD;
-    j.bands = groups >= want ? 1 : (want + groups - 1) / groups;
+    int units = groups * count;
+    j.bands = units >= want ? 1 : (want + units - 1) / units;
     j.band = (rows + j.bands - 1) / j.bands;
     j.band = (j.band + 15) / 16 * 16;
     j.bands = (rows + j.band - 1) / j.band;
-    long macs = (long)m * rows * w->k;
-    j.parts = macs >= PARALLEL_MIN_VALUES ? parts_for(groups * j.bands) : 1;
+    long macs = (long)count * m * rows * ws[0]->k;
+    j.parts = macs >= PARALLEL_MIN_VALUES ? parts_for(count * groups * j.bands) : 1;
     mlxcel_parallel(j.parts, expert_part, &j);
     return 0;
 }
