@@ -46,6 +46,16 @@ if [ "$(uname -s)" = "Linux" ] && ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/
   fi
 fi
 
+# The openssl command makes the TLS test's self-signed certificate (tests/e2e/test_deployment_flags.py).
+if [ "$(uname -s)" = "Linux" ] && ! command -v openssl >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1 && [ "${MLXCEL_NO_APT:-0}" != "1" ]; then
+    setup_step "installing openssl (the TLS test's certificate)" \
+      env DEBIAN_FRONTEND=noninteractive sh -c 'apt-get update -qq && apt-get install -y -qq openssl'
+  else
+    echo "setup: WARNING: no openssl command and cannot install it; the TLS test will fail" >&2
+  fi
+fi
+
 stamp="$venv/.mlxcel-installed"
 if [ ! -x "$venv/bin/python" ]; then
   setup_step "creating the virtualenv $venv" "$python" -m venv "$venv"
