@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if is_router(settings):
         return serve_router(settings, list(sys.argv[1:] if argv is None else argv), api_keys)
     model_arg = resolve_model_arg(settings)
-    from mlxcel_compat.server.instance import InstanceError, prepare_model
+    from mlxcel_compat.server.instance import InstanceError, build_server, prepare_model
 
     try:
         # Fail fast, before listening: find the model (downloading it first if it comes from the
@@ -136,15 +136,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The engine has stopped and its disk tier is flushed: nothing else must outlive the process.
     exit_now(code)
 
-
-def build_server(settings: object, model_arg: str, api_keys: list[str], model_name: str | None = None,
-                 adapters: object = None, speculative: object = None, load_options: object = None,
-                 mmproj: str | None = None) -> object:
-    """The single-model server's app (``server/instance.py``)."""
-    from mlxcel_compat.server.instance import build_server as build_instance
-
-    return build_instance(settings, model_arg, api_keys, model_name=model_name, adapters=adapters,
-                          speculative=speculative, load_options=load_options, mmproj=mmproj)
 
 
 def is_router(settings: object) -> bool:

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.e2e
 def in_process(llama_dir) -> Iterator[tuple[str, object]]:
     from hypercorn.asyncio import serve
 
-    from mlxcel_compat.cli import build_server, hypercorn_config
+    from mlxcel_compat.cli import hypercorn_config
+    from mlxcel_compat.server.instance import build_server
     from mlxcel_compat.settings import resolve_settings
 
     port = free_port()

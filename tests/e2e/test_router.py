@@ -104,6 +104,25 @@ def statuses(http: httpx.Client) -> dict[str, dict[str, Any]]:
     return {m["id"]: m["status"] for m in response.json()["data"]}
 
 
+def stream_in_background(router: ServerProcess, model: str, n_predict: int) -> tuple[threading.Thread, list[float]]:
+    """A streamed /completion on a thread of its own, the arrival time of each event appended as it
+    comes; returns once the first event has arrived."""
+    arrivals: list[float] = []
+
+    def stream() -> None:
+        body = {"model": model, "prompt": "a", "n_predict": n_predict, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=router.base_url, timeout=60) as c, c.stream("POST", "/completion", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.monotonic())
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    while not arrivals:
+        time.sleep(0.005)
+    return streaming, arrivals
+
+
 def wait_for(http: httpx.Client, name: str, value: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -239,19 +258,7 @@ def test_load_does_not_stall_other_streams(http: httpx.Client, router: ServerPro
     """A model loading beside a stream: the stream's tokens keep coming while it loads."""
     unload_all(http)
     assert chat(http, "llama").status_code == 200
-    arrivals: list[float] = []
-
-    def stream() -> None:
-        body = {"model": "llama", "prompt": "a", "n_predict": 500, "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=router.base_url, timeout=60) as c, c.stream("POST", "/completion", json=body) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    arrivals.append(time.monotonic())
-
-    streaming = threading.Thread(target=stream)
-    streaming.start()
-    while not arrivals:
-        time.sleep(0.005)
+    streaming, arrivals = stream_in_background(router, "llama", 500)
     started = time.monotonic()
     assert http.post("/models/load", json={"model": "qwen3"}).json() == {"success": True}
     wait_for(http, "qwen3", "loaded")
@@ -428,19 +435,7 @@ def test_a_client_that_leaves_while_queued_costs_no_model_its_place(http: httpx.
     for name in ("llama", "qwen3"):
         http.post("/models/load", json={"model": name})
         wait_for(http, name, "loaded")
-    arrivals: list[float] = []
-
-    def stream() -> None:
-        body = {"model": "qwen3", "prompt": "a", "n_predict": 1000, "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=router.base_url, timeout=60) as c, c.stream("POST", "/completion", json=body) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    arrivals.append(time.monotonic())
-
-    streaming = threading.Thread(target=stream)
-    streaming.start()
-    while not arrivals:
-        time.sleep(0.005)
+    streaming, arrivals = stream_in_background(router, "qwen3", 1000)
     with pytest.raises(httpx.TimeoutException):
         httpx.post(router.base_url + "/embeddings", json={"model": "bert", "content": "hello"}, timeout=0.3)
     assert statuses(http)["qwen3"]["value"] == "loaded", "the stream ended before the client left: nothing was measured"

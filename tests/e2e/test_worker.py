@@ -188,7 +188,7 @@ def test_health_is_503_once_the_engine_thread_stops(llama_dir) -> None:
     """In process: the same app and engine the server runs; stopping the engine fails /health."""
     from starlette.testclient import TestClient
 
-    from mlxcel_compat.cli import build_server
+    from mlxcel_compat.server.instance import build_server
     from mlxcel_compat.server.app import model_info
     from mlxcel_compat.settings import resolve_settings
 
