@@ -26,7 +26,6 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
-from mlxcel_compat.chat.template import ChatTemplate
 from mlxcel_compat.gguf import architectures as gguf_arch
 from mlxcel_compat.gguf.arch_spec import UnsupportedArchitecture
 from mlxcel_compat.gguf.load import load_gguf
@@ -35,6 +34,7 @@ from mlxcel_compat.testing import families_dense
 from mlxcel_compat.testing.gguf_writer import ensure_gguf
 from tests.conftest import MODEL_CACHE, slow_but, tiny_model
 from tests.engine.harness import EngineHarness
+from tests.gguf.reference_checks import assert_tokenizer_and_template_match
 
 pytestmark = pytest.mark.engine
 
@@ -96,12 +96,7 @@ def test_f32_gguf_equals_the_directory(family: str, directories: dict[str, tuple
     assert summary.architecture == families_dense.GGUF_TARGETS[family].arch
     assert set(summary.precision) == {"float32"}
 
-    for text in TEXTS:
-        for special in (True, False):
-            assert tokenizer.encode(text, add_special_tokens=special) == hf_tok.encode(text, add_special_tokens=special)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-    ours, theirs = ChatTemplate.from_tokenizer(tokenizer), ChatTemplate.from_tokenizer(hf_tok)
-    assert ours.render(messages, add_generation_prompt=True) == theirs.render(messages, add_generation_prompt=True)
+    assert_tokenizer_and_template_match(tokenizer, hf_tok, TEXTS)
 
     ids = hf_tok.encode(PROMPT)
     expected = reference(mx.array([ids]))

@@ -28,7 +28,6 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
-from mlxcel_compat.chat.template import ChatTemplate
 from mlxcel_compat.gguf.load import load_gguf
 from mlxcel_compat.gguf.reader import open_gguf
 from mlxcel_compat.gguf.stored_parts import FusedGateUpSwitchGLU, StoredPartsLinear
@@ -36,6 +35,7 @@ from mlxcel_compat.testing import families_hybrid
 from mlxcel_compat.testing.gguf_writer import ensure_gguf
 from tests.conftest import MODEL_CACHE, tiny_model
 from tests.engine.harness import EngineHarness
+from tests.gguf.reference_checks import assert_tokenizer_and_template_match
 
 pytestmark = pytest.mark.engine
 
@@ -76,12 +76,7 @@ def test_f32_gguf_equals_the_directory(family: str, directories: dict[str, tuple
                                                   on_cpu=True)
     assert summary.architecture == families_hybrid.GGUF_TARGETS[family].arch
     assert config["model_type"] == reference.model_type
-    for text in TEXTS:
-        for special in (True, False):
-            assert tokenizer.encode(text, add_special_tokens=special) == hf_tok.encode(text, add_special_tokens=special)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-    ours, theirs = ChatTemplate.from_tokenizer(tokenizer), ChatTemplate.from_tokenizer(hf_tok)
-    assert ours.render(messages, add_generation_prompt=True) == theirs.render(messages, add_generation_prompt=True)
+    assert_tokenizer_and_template_match(tokenizer, hf_tok, TEXTS)
 
     ids = hf_tok.encode(PROMPT)
     diff = mx.abs(model(mx.array([ids])) - reference(mx.array([ids]))).max().item()

@@ -35,7 +35,6 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
-from mlxcel_compat.chat.template import ChatTemplate
 from mlxcel_compat.gguf import architectures as gguf_arch
 from mlxcel_compat.gguf.load import load_gguf
 from mlxcel_compat.gguf.reader import open_gguf
@@ -44,6 +43,7 @@ from mlxcel_compat.testing import families_moe
 from mlxcel_compat.testing.gguf_tensors import GGUF_TARGETS, stored_type
 from tests.conftest import slow_but, tiny_model
 from tests.engine.harness import EngineHarness
+from tests.gguf.reference_checks import assert_tokenizer_and_template_match
 
 pytestmark = pytest.mark.engine
 
@@ -96,12 +96,7 @@ def test_f32_gguf_is_the_directory_model(family: str) -> None:
     joined = summary.precision.pop("float32 (joined from 2 tensors)", 0)  # DeepSeek-V2's kv_b_proj
     assert summary.precision == {"float32": n_tensors - 2 * joined}
 
-    for text in TEXTS:
-        for special in (True, False):
-            assert tokenizer.encode(text, add_special_tokens=special) == hf_tok.encode(text, add_special_tokens=special)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-    ours, theirs = ChatTemplate.from_tokenizer(tokenizer), ChatTemplate.from_tokenizer(hf_tok)
-    assert ours.render(messages, add_generation_prompt=True) == theirs.render(messages, add_generation_prompt=True)
+    assert_tokenizer_and_template_match(tokenizer, hf_tok, TEXTS)
 
     ids = hf_tok.encode(PROMPT)
     assert mx.array_equal(model(mx.array([ids])), hf_model(mx.array([ids]))).item()
