@@ -7,6 +7,11 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/setup.sh"
 cd "$root"
 "$venv/bin/python" -m mlxcel_compat.testing.real_model >/dev/null || echo "setup: the real model is unavailable; its tests will be skipped" >&2
+# Bytecode: a run starts ~100 server processes, and each would compile the package's ~220 modules
+# again where the environment sets PYTHONDONTWRITEBYTECODE (1-2 s a start on this 2-core machine).
+# Compiled files go to a cache directory, never into the tree.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-${XDG_CACHE_HOME:-$HOME/.cache}/mlxcel-compat/pycache}"
 report="$(mktemp)"
 trap 'rm -f "$report"' EXIT
 status=0
