@@ -59,8 +59,10 @@ from mlxcel_compat.settings import mcp_proxy_enabled, server_tools
 
 log = logging.getLogger(__name__)
 
-# /get_load is public like /health: routers poll it without the client's API key.
-PUBLIC_PATHS = {"/health", "/v1/health", "/get_load", "/models", "/v1/models", "/", "/index.html"}
+# /get_load is public like /health: routers poll it without the client's API key. /models and
+# /v1/models need the key, as in llama-server b11312 (its public endpoints are /health, /v1/health
+# and the chat page's files).
+PUBLIC_PATHS = {"/health", "/v1/health", "/get_load", "/", "/index.html"}
 
 
 # llama-server's routes that read its model or vocabulary outside a generation: each wakes a

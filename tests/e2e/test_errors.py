@@ -244,7 +244,7 @@ def key_server(server_factory, llama_dir) -> Iterator:
     srv.stop()
 
 
-@pytest.mark.parametrize("path", ["/props", "/slots", "/metrics"])
+@pytest.mark.parametrize("path", ["/props", "/slots", "/metrics", "/models", "/v1/models"])
 def test_no_key_is_401(key_server, path):
     response = httpx.get(key_server.base_url + path)
     assert response.status_code == 401
@@ -268,7 +268,7 @@ def test_valid_key_forms(key_server, headers):
     assert response.json()["tokens_predicted"] == 1
 
 
-@pytest.mark.parametrize("path", ["/props", "/slots", "/metrics"])
+@pytest.mark.parametrize("path", ["/props", "/slots", "/metrics", "/models", "/v1/models"])
 def test_protected_paths_open_with_a_key(key_server, path):
     assert httpx.get(key_server.base_url + path, headers={"Authorization": "Bearer k1"}).status_code == 200
 
@@ -282,7 +282,7 @@ def test_cache_admin_routes_need_the_key(key_server):
     assert httpx.post(base + "/v1/cache/reset", headers=auth).json()["success"] is True
 
 
-@pytest.mark.parametrize("path", ["/health", "/v1/health", "/models", "/v1/models", "/", "/index.html", "/ui/main.js", "/ui/vendor/marked.esm.js"])
+@pytest.mark.parametrize("path", ["/health", "/v1/health", "/", "/index.html", "/ui/main.js", "/ui/vendor/marked.esm.js"])
 def test_public_paths_need_no_key(key_server, path):
     assert httpx.get(key_server.base_url + path).status_code == 200
 
