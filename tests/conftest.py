@@ -66,9 +66,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``XDG_CACHE_HOME`` for the session (and the servers it starts): converted GGUF tokenizers
-    are cached there, so each session converts afresh and never reads the user's cache."""
-    path = tmp_path_factory.mktemp("xdg-cache")
+    """``XDG_CACHE_HOME`` for the run (and the servers it starts): converted tokenizers and the
+    compiled native library are cached there, so each run converts and compiles afresh and never
+    reads the user's cache. The run's xdist workers share it (their base directories' parent):
+    each entry is written atomically, and a second worker would only convert the same tokenizers
+    again (a child process with transformers, 2-8 s each)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        path = tmp_path_factory.getbasetemp().parent / "xdg-cache"
+        path.mkdir(exist_ok=True)
+    else:
+        path = tmp_path_factory.mktemp("xdg-cache")
     os.environ["XDG_CACHE_HOME"] = str(path)
     return path
 

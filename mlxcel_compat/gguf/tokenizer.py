@@ -25,10 +25,11 @@ What llama.cpp derives from the metadata is derived the same way here:
   are reported in ``SpecialTokens``; the FIM pad, repo and file-separator tokens end generation.
 
 The converted directory is cached (``$XDG_CACHE_HOME/mlxcel_compat/gguf-tokenizers``, else
-``~/.cache/...``), keyed by a hash of the GGUF's header (all its metadata), this module's source
-and the transformers/tokenizers versions (read from the installed distributions, not imported):
-a restart of the same model then loads ``tokenizer.json`` straight into ``tokenizers``, with no
-child process. An unusable cache directory only means converting every time; a cached entry
+``~/.cache/...``), keyed by a hash of what the conversion reads (the architecture and every
+``tokenizer.*`` metadata key, after ``--override-kv``), the converting modules' source and the
+transformers/tokenizers versions (read from the installed distributions, not imported): a restart
+of the same model, or another quantization of it (its Q4_K_M and Q8_0 files hold the same
+vocabulary), then loads ``tokenizer.json`` straight into ``tokenizers``, with no child process. An unusable cache directory only means converting every time; a cached entry
 that fails to load is rebuilt.
 """
 
@@ -167,18 +168,20 @@ def default_cache_dir() -> Path:
 
 
 def cache_key(file: GGUFModelFile) -> str:
-    """Changes whenever the converted tokenizer could: the header bytes (every metadata key), the
-    code converting it (this module) and the libraries it uses."""
+    """Changes whenever the converted tokenizer could: the metadata the conversion reads (the
+    architecture and every ``tokenizer.*`` key, ``--override-kv`` applied), the code converting
+    it (this module and ``encoder_vocab``) and the libraries it uses. Not the rest of the header:
+    the quantizations of one model share one entry."""
+    import orjson
     from blake3 import blake3
 
+    from mlxcel_compat.gguf import encoder_vocab
+
     digest = blake3(Path(__file__).read_bytes())
+    digest.update(Path(encoder_vocab.__file__).read_bytes())
     digest.update(tokenizer_cache.library_versions().encode())
-    digest.update(file.overrides_json.encode())  # --override-kv changes what the header says
-    with open(file.path, "rb") as f:
-        remaining = file.header_bytes
-        while remaining > 0 and (chunk := f.read(min(remaining, 1 << 22))):
-            digest.update(chunk)
-            remaining -= len(chunk)
+    read = {key: value for key, value in file.metadata.items() if key.startswith("tokenizer.")}
+    digest.update(orjson.dumps([file.architecture, read], option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY))
     return digest.hexdigest()[:32]
 
 

@@ -33,7 +33,7 @@ from mlxcel_compat.tokenizer.served import ServedTokenizer, from_files
 
 log = logging.getLogger(__name__)
 
-MAX_CACHED = 16  # converted tokenizers kept per cache directory
+MAX_CACHED = 64  # converted tokenizers kept per cache directory (a few MB each; more than a router's models)
 CONVERT_TIMEOUT_S = 600
 
 

@@ -127,7 +127,12 @@ def test_converted_tokenizer_is_cached_and_reused_without_converting(tmp_path: P
     assert second.encode(text) == first.encode(text) and second.eos_token_ids == first.eos_token_ids
     assert second.chat_template == first.chat_template and specials.eog == sorted(first.eos_token_ids)
 
-    # Another file (another header) is another entry, and converting it again is needed.
+    # Another quantization of the same model holds the same vocabulary: the same entry.
+    same_vocabulary = open_gguf(ensure_gguf("qwen3", "tiny", "f32", cache_dir=MODEL_CACHE))
+    assert same_vocabulary.header_bytes != file.header_bytes or same_vocabulary.file_type != file.file_type
+    assert load_tokenizer(same_vocabulary, cache_dir=tmp_path)[0].encode(text) == first.encode(text)
+
+    # Another vocabulary (another family's template) is another entry, and converting it is needed.
     other = open_gguf(ensure_gguf("llama", "tiny", "f32", cache_dir=MODEL_CACHE))
     assert cache_key(other) != cache_key(file)
     with pytest.raises(AssertionError, match="converted again"):
