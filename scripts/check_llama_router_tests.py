@@ -14,13 +14,11 @@ the download tests add with ``POST /models``: ``ggml-org/test-model-router-downl
 (``test-model-router-download-F16.gguf``: the tiny llama, F16). The harness's session fixture,
 which starts every preset server once to fill the cache from the real hub, is left out (the run
 uses a copy of the tests directory whose ``conftest.py`` keeps the rest), and its ``wget`` import
-is satisfied by a stub that refuses to download. Deselected by default, with ``--all`` to run them:
+is satisfied by a stub that refuses to download. The harness sets llama-server's debug variable
+``LLAMA_SERVER_DEBUG_FAKE_TIMING`` for every server it starts; this server honours it as
+llama-server does (docs/router.md). Deselected by default, with ``--all`` to run them:
 ``test_router_remote_preset`` (a preset kept in a hub repository, ``-hf ggml-org/test-preset-ci``,
-which this server does not read) and ``test_router_queue_client_disconnect_keeps_model``, which
-needs llama-server's ``LLAMA_SERVER_DEBUG_FAKE_TIMING`` (a child that sleeps through each request)
-to keep a model busy while a second client gives up: here the first request is over at once, and a
-hook that slows every request down only to make a test pass would be behaviour of its own, not
-llama-server's, so there is none.
+which this server does not read).
 
     python scripts/check_llama_router_tests.py            # the implemented part
     python scripts/check_llama_router_tests.py --all      # everything (the rest fails)
@@ -40,9 +38,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_TREE = Path("~/.cache/llama-peer/llama.cpp").expanduser()
 NOT_IMPLEMENTED = ["remote_preset"]  # presets kept in a hub repository
-# Needs llama-server's LLAMA_SERVER_DEBUG_FAKE_TIMING (a child that sleeps through each request), to
-# keep a model busy while a second client gives up: here the first request is over at once.
-FAKE_TIMING = ["client_disconnect"]
 # What POST /models downloads from the loopback hub: (repository, file, family, kind).
 HUB_DOWNLOAD = ("ggml-org/test-model-router-download", "test-model-router-download-F16.gguf", "llama", "f16")
 STANDINS = {
@@ -103,7 +98,7 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_", "MLXCEL_", "HF_"))}
     env.update(LLAMA_SERVER_BIN_PATH=str(wrapper), LLAMA_CACHE=str(cache), HF_ENDPOINT=hub.url,
                PYTHONPATH=os.pathsep.join([str(ROOT), str(stubs)]))
-    select = [] if args.all else ["-k", " and ".join(f"not {name}" for name in NOT_IMPLEMENTED + FAKE_TIMING)]
+    select = [] if args.all else ["-k", " and ".join(f"not {name}" for name in NOT_IMPLEMENTED)]
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "unit/test_router.py", *select,
                *args.pytest_args]
     print("running", " ".join(command), "in", tests, flush=True)

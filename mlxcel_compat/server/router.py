@@ -41,7 +41,8 @@ from mlxcel_compat.server.errors import InvalidRequest, NotFound, PayloadTooLarg
 from mlxcel_compat.server.formats import BUILD_INFO
 from mlxcel_compat.server.router_downloads import Downloads, remove_cached
 from mlxcel_compat.server.router_events import event_stream
-from mlxcel_compat.server.router_registry import ModelRegistry, RouterModel, disk_size, release_memory
+from mlxcel_compat.server.router_registry import (FAKE_TIMING_SECONDS, ModelRegistry, RouterModel, disk_size,
+                                                  release_memory)
 from mlxcel_compat.server.router_sources import SourceError, collect_sources, model_argv
 from mlxcel_compat.settings import SettingsError, mcp_proxy_enabled, resolve_settings
 
@@ -54,6 +55,10 @@ OWN_PATHS = {"/health", "/v1/health", "/models", "/v1/models", "/models/load", "
 MODEL_OPTIONAL = {"/props", "/tools"}
 ROUTER_BODY_BYTES = 64 << 20  # the most body the router reads to find "model" without --max-body-bytes
 INLINE_JSON_BYTES = 64 << 10  # bodies above this are parsed on a thread, off the event loop
+# llama-server's own debug hook, mirrored for its test suite (unit/test_router.py's queue tests set
+# it): when set (non-empty), every model load starts, and every forwarded request reaches its
+# model, 2 seconds late, so a test can keep a model busy. Unset, it costs nothing.
+FAKE_TIMING_VARIABLE = "LLAMA_SERVER_DEBUG_FAKE_TIMING"
 
 
 @dataclass
@@ -282,6 +287,7 @@ class Forwarder:
     def __init__(self, registry: ModelRegistry, settings: Any) -> None:
         self.registry = registry
         self.settings = settings
+        self.fake_timing = registry.fake_timing
         self.body_limit = settings.max_body_bytes or ROUTER_BODY_BYTES
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -304,6 +310,8 @@ class Forwarder:
             if app is None:
                 return  # the client left while its model was waiting for a place: no one to answer
         try:
+            if self.fake_timing:  # after the model counts the request as busy, as llama-server sleeps
+                await asyncio.sleep(FAKE_TIMING_SECONDS)
             # A scope of its own: Starlette records its app (and the route's endpoint) in the scope,
             # which the HTTP server keeps until the connection goes; the model's must not outlive
             # the request there, or an unloaded model's memory would wait for that connection.
@@ -446,7 +454,7 @@ def build_router(settings: Any, argv: list[str], api_keys: list[str]) -> RouterA
     if not models:
         log.warning("router: no models found in --models-dir / --models-preset")
     registry = ModelRegistry(models, api_keys, int(settings.models_max), int(settings.models_memory or 0),
-                             float(settings.timeout))
+                             float(settings.timeout), fake_timing=bool(os.environ.get(FAKE_TIMING_VARIABLE)))
     state = RouterState(settings, registry, Downloads(registry, settings.llama_cache, settings.hf_token,
                                                       lambda: reload_sources(state)), argv, api_keys)
     prefix = settings.api_prefix.rstrip("/") if settings.api_prefix else ""
