@@ -40,6 +40,17 @@ LLAMA_TREE = Path("~/.cache/llama-peer/llama.cpp").expanduser()
 NOT_IMPLEMENTED = ["remote_preset"]  # presets kept in a hub repository
 # What POST /models downloads from the loopback hub: (repository, file, family, kind).
 HUB_DOWNLOAD = ("ggml-org/test-model-router-download", "test-model-router-download-F16.gguf", "llama", "f16")
+# The preset repository test_router_remote_preset starts from (-hf with no -m): its preset.ini names
+# two models of the stand-in repositories below, which the hub serves too (the test runs online).
+PRESET_REPO = "ggml-org/test-preset-ci"
+PRESET_INI = """version = 1
+
+[tinygemma3-preset]
+hf-repo = ggml-org/tinygemma3-GGUF:Q8_0
+
+[stories260K-test]
+hf-repo = ggml-org/test-model-stories260K:F32
+"""
 STANDINS = {
     "ggml-org/tinygemma3-GGUF": ("tinygemma3-Q8_0.gguf", "gemma3_text", "q8_0"),
     "ggml-org/test-model-stories260K": ("stories260K-F32.gguf", "llama", "f32"),
@@ -94,6 +105,9 @@ def main() -> int:
     repo, name, family, kind = HUB_DOWNLOAD
     hub = FakeHub()
     hub.add(repo, {name: ensure_gguf(family, "tiny", kind)})
+    hub.add(PRESET_REPO, {"preset.ini": PRESET_INI.encode(), "README.md": b"a preset repository\n"})
+    for standin_repo, (standin_name, standin_family, standin_kind) in STANDINS.items():
+        hub.add(standin_repo, {standin_name: ensure_gguf(standin_family, "tiny", standin_kind)})
     hub.start()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_", "MLXCEL_", "HF_"))}
     env.update(LLAMA_SERVER_BIN_PATH=str(wrapper), LLAMA_CACHE=str(cache), HF_ENDPOINT=hub.url,

@@ -44,13 +44,15 @@ from mlxcel_compat.server.router_events import event_stream
 from mlxcel_compat.server.router_registry import (FAKE_TIMING_SECONDS, ModelRegistry, RouterModel, disk_size,
                                                   release_memory)
 from mlxcel_compat.server.router_sources import SourceError, collect_sources, model_argv
+from mlxcel_compat.server.router_streams import (LOOKUP_PATH, STREAM_PATH, ConversationOwners, conversation_header,
+                                                 stream_owner, streams_lookup)
 from mlxcel_compat.settings import SettingsError, mcp_proxy_enabled, resolve_settings
 
 log = logging.getLogger(__name__)
 
 # The routes the router answers itself; any other path goes to the model the request names.
 OWN_PATHS = {"/health", "/v1/health", "/models", "/v1/models", "/models/load", "/models/unload", "/models/sse",
-             "/", "/index.html"}
+             "/", "/index.html", LOOKUP_PATH}
 # GET routes the router answers itself when no ?model= names a model (the chat page reads both).
 MODEL_OPTIONAL = {"/props", "/tools"}
 ROUTER_BODY_BYTES = 64 << 20  # the most body the router reads to find "model" without --max-body-bytes
@@ -71,6 +73,7 @@ class RouterState:
     downloads: Downloads
     argv: list[str]
     api_keys: list[str] = field(default_factory=list)
+    owners: ConversationOwners = field(default_factory=ConversationOwners)  # whose resumable stream is whose
     draining: bool = False
     started: float = field(default_factory=time.time)
     ready: bool = True
@@ -183,7 +186,11 @@ async def delete_model(request: Request) -> Response:
     name = request.query_params.get("model", "")
     if not name:
         raise InvalidRequest("model must be a non-empty string")
-    registry = _state(request).registry
+    state = _state(request)
+    if await state.downloads.cancel(name):  # a download under way: stopped, its files deleted
+        state.registry.events.notify("model_remove", name)
+        return json_response({"success": True})
+    registry = state.registry
     model = registry.models.get(name)
     if model is None:
         raise InvalidRequest(f"model name={name} is not found")
@@ -195,14 +202,20 @@ async def delete_model(request: Request) -> Response:
     return json_response({"success": True})
 
 
-async def _named(request: Request) -> RouterModel | None:
+async def _body_name(request: Request) -> str | None:
+    """The body's ``model`` field (None when it is not a string)."""
     raw = await request.body()
     try:
         body = orjson.loads(raw) if raw else {}
     except orjson.JSONDecodeError:
         raise InvalidRequest("request body is not valid JSON") from None
     name = body.get("model") if isinstance(body, dict) else None
-    return _state(request).registry.find(name) if isinstance(name, str) else None
+    return name if isinstance(name, str) else None
+
+
+async def _named(request: Request) -> RouterModel | None:
+    name = await _body_name(request)
+    return _state(request).registry.find(name) if name is not None else None
 
 
 async def load_model(request: Request) -> Response:
@@ -216,6 +229,10 @@ async def load_model(request: Request) -> Response:
 
 
 async def unload_model(request: Request) -> Response:
+    """Unload a model, or (as llama-server does) cancel the download of a model under way."""
+    name = await _body_name(request)
+    if name is not None and await _state(request).downloads.cancel(name):
+        return json_response({"success": True})
     model = await _named(request)
     if model is None:
         raise InvalidRequest("model is not found")
@@ -264,6 +281,7 @@ ROUTES = [
     Route("/models/unload", unload_model, methods=["POST"]),
     Route("/props", router_props, methods=["GET"]),
     Route("/tools", router_tools, methods=["GET"]),
+    Route(LOOKUP_PATH, streams_lookup, methods=["POST"]),
     *api_web.ROUTES,
 ]
 
@@ -284,9 +302,11 @@ def _autoload(scope: Scope, default: bool) -> bool:
 class Forwarder:
     """The ASGI app of every non-router path: find the model, wait for it, hand the request over."""
 
-    def __init__(self, registry: ModelRegistry, settings: Any) -> None:
+    def __init__(self, registry: ModelRegistry, settings: Any, owners: ConversationOwners, prefix: str = "") -> None:
         self.registry = registry
         self.settings = settings
+        self.owners = owners
+        self.prefix = prefix
         self.fake_timing = registry.fake_timing
         self.body_limit = settings.max_body_bytes or ROUTER_BODY_BYTES
 
@@ -294,6 +314,17 @@ class Forwarder:
         body: bytes | None = None
         if scope["method"] in ("GET", "HEAD", "DELETE"):
             name = (_query(scope).get("model") or [""])[-1]
+            if not name and scope["path"].removeprefix(self.prefix) == STREAM_PATH:
+                # a resumable stream's routes name the conversation: its owner answers
+                conversation = (_query(scope).get("conv_id") or [""])[-1]
+                deleting = scope["method"] == "DELETE"
+                owner = stream_owner(self.registry, self.owners, conversation, deleting)
+                if deleting:
+                    self.owners.forget(conversation)
+                if owner is None:  # a DELETE no loaded model answers for: llama-server's 204 all the same
+                    await Response(status_code=204)(scope, receive, send)
+                    return
+                name = owner.name
         else:
             body = await self._read_body(receive)
             name = await self._body_model(body)
@@ -303,6 +334,8 @@ class Forwarder:
         if model is None:
             raise InvalidRequest(f"model '{name}' not found")
         autoload = _autoload(scope, bool(self.settings.models_autoload))
+        if body is not None and (conversation := conversation_header(scope)):
+            self.owners.remember(conversation, model.name)
         if model.status == "loaded" or body is None:
             app = await self.registry.acquire(model, autoload)
         else:
@@ -478,7 +511,7 @@ def build_router(settings: Any, argv: list[str], api_keys: list[str]) -> RouterA
     own = Starlette(routes=[Mount(prefix, routes=ROUTES)] if prefix else ROUTES, middleware=edge, lifespan=lifespan,
                     exception_handlers={404: _not_found, 405: _not_found})
     own.state.ctx = state
-    forward: ASGIApp = Forwarder(registry, settings)
+    forward: ASGIApp = Forwarder(registry, settings, state.owners, prefix)
     forward = ErrorMiddleware(forward, prefix=prefix)
     forward = GateMiddleware(forward, ctx=state, prefix=prefix)  # type: ignore[arg-type]
     forward = CorsMiddleware(forward, policy=policy)
