@@ -26,3 +26,24 @@ def test_remove_cached_keeps_what_other_models_use(tmp_path: Path) -> None:
     assert len(list((repo / "blobs").iterdir())) == 1  # part 2's blob went
     remove_cached(cached(tmp_path)["acme/tiny-GGUF:Q8_0"])
     assert not repo.exists() and cached(tmp_path) == {}
+
+
+def test_a_cancelled_download_leaves_nothing_but_the_other_models(tmp_path: Path) -> None:
+    """What ``remove_partial`` deletes after a cancel: unfinished blobs, the parts already finished,
+    and the repository's folder only when no other model of it is cached."""
+    from mlxcel_compat.server.router_downloads import remove_partial
+    from tests.model.test_hub import populate_cache
+
+    populate_cache(tmp_path, "acme/tiny-GGUF", {"tiny-Q8_0.gguf": b"GGUF-q8", "big-Q2_K-00001-of-00002.gguf": b"GGUF-a"})
+    repo = tmp_path / "models--acme--tiny-GGUF"
+    (repo / "blobs" / "0123abcd.incomplete").write_bytes(b"GGUF-b, half of it")  # part 2, under way
+    finished = list((repo / "snapshots").rglob("big-Q2_K-00001-of-00002.gguf"))
+    remove_partial(repo, finished)
+    assert set(cached(tmp_path)) == {"acme/tiny-GGUF:Q8_0"}  # the other model, whole
+    assert not list(repo.rglob("*.incomplete")) and not list(repo.rglob("big-*"))
+    assert sorted(p.read_bytes() for p in (repo / "blobs").iterdir()) == [b"GGUF-q8"]
+    (repo / "blobs" / "4567.incomplete").write_bytes(b"x")
+    remove_cached(cached(tmp_path)["acme/tiny-GGUF:Q8_0"])  # the last model of the repository goes...
+    remove_partial(repo, [])  # ...and a cancel afterwards finds nothing to do
+    assert not repo.exists()
+    remove_partial(tmp_path / "models--acme--never-GGUF", [])  # a download cancelled before it wrote anything
