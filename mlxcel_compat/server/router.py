@@ -5,9 +5,10 @@ Started without ``-m`` but with ``--models-dir``, ``--models-preset`` or GGUF mo
 the router's own routes itself (``/health``, ``/models`` (``?reload=1``; ``POST`` downloads a
 model, ``DELETE`` removes one: ``server/router_downloads.py``), ``/v1/models``, ``/models/sse``
 (``server/router_events.py``), ``/models/load``, ``/models/unload``, ``/props`` without
-``?model=``, the chat page) and hands every other request
+``?model=``, the chat page, ``POST /v1/streams/lookup``) and hands every other request
 to the app of the model it names, unchanged: POST routes name it in the body's ``model`` field,
-GET routes in ``?model=``. That app is the single-model server's (``server/instance.py``), so a
+GET routes in ``?model=``, a resumable stream's routes (``/v1/stream``) by the model that ran the
+conversation (``server/router_streams.py``). That app is the single-model server's (``server/instance.py``), so a
 model behind the router answers exactly as it would served alone. Errors are llama-server's
 (``tools/server/server-models.cpp``): a missing name, an unknown model, a model not loaded with
 autoload off, a model that failed to load. Why one process and not a child per model:

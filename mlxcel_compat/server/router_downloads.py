@@ -50,6 +50,7 @@ class Download:
     task: asyncio.Task
     cancelled: threading.Event = field(default_factory=threading.Event)
     finished: list[Path] = field(default_factory=list)
+    stopped: bool = False  # it ended because it was cancelled (not finished, not failed)
 
 
 class Downloads:
@@ -77,15 +78,16 @@ class Downloads:
         download.task.add_done_callback(lambda _: self.running.pop(name, None))
 
     async def cancel(self, name: str) -> bool:
-        """Stop the download of ``name`` and delete what it left; False if none is under way.
-        Returns once it has stopped and ``download_failed`` has been sent."""
+        """Stop the download of ``name`` and delete what it left, returning once it has stopped
+        and ``download_failed`` has been sent. False if none is under way, or if it ended some
+        other way first (its files all arrived: the model is listed, and removed as any other)."""
         download = self.running.get(name)
         if download is None:
             return False
         log.info("router: cancelling the download of '%s'", name)
         download.cancelled.set()
-        await asyncio.shield(download.task)
-        return True
+        await asyncio.wait({download.task})
+        return download.stopped
 
     async def _download(self, name: str, request: HubRequest) -> None:
         events = self.registry.events
@@ -101,6 +103,7 @@ class Downloads:
         try:
             await asyncio.to_thread(fetch_with_progress, request, report, download.cancelled, download.finished)
         except DownloadCancelled:
+            download.stopped = True
             await asyncio.to_thread(remove_partial, self._repo_dir(request.repo), download.finished)
             log.info("router: download of '%s' cancelled", name)
             events.notify("download_failed", name, {"error": "cancelled"})
