@@ -16,12 +16,13 @@ which starts every preset server once to fill the cache from the real hub, is le
 uses a copy of the tests directory whose ``conftest.py`` keeps the rest), and its ``wget`` import
 is satisfied by a stub that refuses to download. The harness sets llama-server's debug variable
 ``LLAMA_SERVER_DEBUG_FAKE_TIMING`` for every server it starts; this server honours it as
-llama-server does (docs/router.md). Deselected by default, with ``--all`` to run them:
-``test_router_remote_preset`` (a preset kept in a hub repository, ``-hf ggml-org/test-preset-ci``,
-which this server does not read).
+llama-server does (docs/router.md). ``test_router_remote_preset`` starts the server with
+``-hf ggml-org/test-preset-ci`` and no ``-m``: the loopback hub holds that repository with a
+``preset.ini`` standing in for the real one (two sections naming the stand-in repositories above,
+which the hub serves too, since that test runs online). All 17 tests run.
 
-    python scripts/check_llama_router_tests.py            # the implemented part
-    python scripts/check_llama_router_tests.py --all      # everything (the rest fails)
+    python scripts/check_llama_router_tests.py            # all of unit/test_router.py
+    python scripts/check_llama_router_tests.py -- -k queue  # some of it (pytest arguments after --)
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_TREE = Path("~/.cache/llama-peer/llama.cpp").expanduser()
-NOT_IMPLEMENTED = ["remote_preset"]  # presets kept in a hub repository
 # What POST /models downloads from the loopback hub: (repository, file, family, kind).
 HUB_DOWNLOAD = ("ggml-org/test-model-router-download", "test-model-router-download-F16.gguf", "llama", "f16")
 # The preset repository test_router_remote_preset starts from (-hf with no -m): its preset.ini names
@@ -80,7 +80,7 @@ def populate_cache(cache: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-tree", default=str(LLAMA_TREE))
-    parser.add_argument("--all", action="store_true", help="also run the tests of routes not implemented here")
+    parser.add_argument("--all", action="store_true", help="kept for older commands: every test runs anyway")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args()
     source = Path(args.llama_tree) / "tools" / "server" / "tests"
@@ -112,8 +112,7 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_", "MLXCEL_", "HF_"))}
     env.update(LLAMA_SERVER_BIN_PATH=str(wrapper), LLAMA_CACHE=str(cache), HF_ENDPOINT=hub.url,
                PYTHONPATH=os.pathsep.join([str(ROOT), str(stubs)]))
-    select = [] if args.all else ["-k", " and ".join(f"not {name}" for name in NOT_IMPLEMENTED)]
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "unit/test_router.py", *select,
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "unit/test_router.py",
                *args.pytest_args]
     print("running", " ".join(command), "in", tests, flush=True)
     try:

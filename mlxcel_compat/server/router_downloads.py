@@ -205,14 +205,13 @@ def remove_cached(model: RouterModel) -> None:
 
 
 def remove_partial(repo_dir: Path, finished: list[Path]) -> None:
-    """What a cancelled download leaves in the cache: huggingface-hub's unfinished blobs
-    (``*.incomplete``, kept there to resume), the parts it finished, and the repository's folder
-    when no model is left in it (llama-server's ``common_download_remove``, best-effort)."""
-    if not repo_dir.is_dir():
-        return
-    for blob in (repo_dir / "blobs").glob("*.incomplete"):
-        blob.unlink(missing_ok=True)
-    _remove_links(repo_dir, finished)
+    """What a cancelled download leaves in the cache: the parts it finished, and the repository's
+    folder when no model is left in it (llama-server's ``common_download_remove``, best-effort).
+    The part it was writing needs nothing: huggingface-hub writes it to a temporary file of its
+    own (``<etag>.<random>.incomplete``) and deletes that file when the download raises, so a
+    download of another tag of the same repository running beside it is left alone."""
+    if repo_dir.is_dir():
+        _remove_links(repo_dir, finished)
 
 
 def _remove_links(repo_dir: Path, parts: list[Path]) -> None:
