@@ -335,14 +335,20 @@ class Forwarder:
         if model is None:
             raise InvalidRequest(f"model '{name}' not found")
         autoload = _autoload(scope, bool(self.settings.models_autoload))
-        if body is not None and (conversation := conversation_header(scope)):
-            self.owners.remember(conversation, model.name)
-        if model.status == "loaded" or body is None:
+        session = conversation_header(scope) if body is not None else ""
+        ticket = self.owners.remember(session, model.name) if session else 0
+        if model.status == "loaded" or body is None or session:
+            # A resumable stream's request waits for its model whatever its client does: the
+            # generation goes to the stream's buffer for a later resume (llama-server detaches it).
             app = await self.registry.acquire(model, autoload)
         else:
             app, receive = await self._acquire_unless_gone(model, autoload, receive)
             if app is None:
                 return  # the client left while its model was waiting for a place: no one to answer
+        if session and not self.owners.alive(session, ticket):
+            del app
+            self.registry.release(model)
+            raise InvalidRequest("request cancelled by a stop while the model was loading")
         try:
             if self.fake_timing:  # after the model counts the request as busy, as llama-server sleeps
                 await asyncio.sleep(FAKE_TIMING_SECONDS)

@@ -12,10 +12,16 @@ does (``conv_models`` in ``tools/server/server-models.cpp``), and answers as it 
   conversation is forgotten;
 - ``POST /v1/streams/lookup``: each id asked for is looked up in its owner's sessions (only loaded
   owners; ids no model owns are left out), the answers joined in one list.
+
+A request of a conversation that waits for its model to load is not given up when its client
+leaves (its generation goes to the stream's buffer, for a later resume), and a ``DELETE`` while
+it waits, or a newer request of the same conversation, cancels it before it reaches the model
+(llama-server's ``conv_models.alive`` ticket).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import Any
 
@@ -33,20 +39,31 @@ MAX_CONVERSATIONS = 4096  # owners remembered at most (the oldest are forgotten 
 
 
 class ConversationOwners:
-    """Conversation id -> the name of the model whose stream it is (the most recent request wins)."""
+    """Conversation id -> the name of the model whose stream it is (the most recent request wins),
+    with the ticket of that request."""
 
     def __init__(self, limit: int = MAX_CONVERSATIONS) -> None:
         self.limit = limit
-        self.owners: OrderedDict[str, str] = OrderedDict()
+        self.owners: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self.tickets = itertools.count(1)
 
-    def remember(self, conversation: str, model: str) -> None:
-        self.owners[conversation] = model
+    def remember(self, conversation: str, model: str) -> int:
+        """Record the request's model as the owner; returns the request's ticket."""
+        ticket = next(self.tickets)
+        self.owners[conversation] = (model, ticket)
         self.owners.move_to_end(conversation)
         while len(self.owners) > self.limit:
             self.owners.popitem(last=False)
+        return ticket
 
     def lookup(self, conversation: str) -> str | None:
-        return self.owners.get(conversation)
+        entry = self.owners.get(conversation)
+        return entry[0] if entry is not None else None
+
+    def alive(self, conversation: str, ticket: int) -> bool:
+        """Whether the request of ``ticket`` is still the conversation's (no stop, no newer request)."""
+        entry = self.owners.get(conversation)
+        return entry is not None and entry[1] == ticket
 
     def forget(self, conversation: str) -> None:
         self.owners.pop(conversation, None)

@@ -125,12 +125,12 @@ def stream_in_background(router: ServerProcess, model: str, n_predict: int) -> t
     return streaming, arrivals
 
 
-def wait_for(http: httpx.Client, name: str, value: str, timeout: float = 60.0) -> None:
+def wait_for(http: httpx.Client, name: str, value: str, timeout: float = 60.0, poll: float = 0.02) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if statuses(http)[name]["value"] == value:
             return
-        time.sleep(0.02)
+        time.sleep(poll)
     raise AssertionError(f"{name} never became {value}: {statuses(http)[name]}")
 
 
@@ -467,6 +467,17 @@ def test_resumable_streams_find_their_model(http: httpx.Client) -> None:
     wait_for(http, "qwen3", "unloaded")  # its streams went with it
     assert http.get("/v1/stream", params={"conv_id": "conv-qwen3"}).status_code == 404
     assert http.post("/v1/streams/lookup", json={"conversation_ids": ["conv-qwen3"]}).json() == []
+    # a stop while the conversation's model loads cancels the request waiting for it
+    waiting: list[httpx.Response] = []
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    late = threading.Thread(target=lambda: waiting.append(httpx.post(
+        http.base_url.join("/v1/chat/completions"), json=body, headers={"X-Conversation-Id": "conv-late"}, timeout=60)))
+    late.start()
+    wait_for(http, "qwen3", "loading", poll=0.002)
+    assert http.delete("/v1/stream", params={"conv_id": "conv-late"}).status_code == 204
+    late.join(60)
+    assert waiting[0].status_code == 400
+    assert waiting[0].json()["error"]["message"] == "request cancelled by a stop while the model was loading"
 
 
 def test_reload_rereads_the_preset_and_dedups_cache_models(http: httpx.Client, preset_file: Path,

@@ -19,6 +19,12 @@ def test_owners_keep_the_latest_model_and_a_bounded_number_of_ids() -> None:
     assert (owners.lookup("a"), owners.lookup("b"), owners.lookup("c")) == (None, "llama", "llama")
     owners.forget("b")
     assert owners.lookup("b") is None
+    first = owners.remember("d", "llama")
+    assert owners.alive("d", first)
+    second = owners.remember("d", "llama")  # a newer request of the conversation: the first is cancelled
+    assert not owners.alive("d", first) and owners.alive("d", second)
+    owners.forget("d")  # a stop (DELETE /v1/stream)
+    assert not owners.alive("d", second)
 
 
 def test_conversation_header_and_stream_owner() -> None:
