@@ -135,6 +135,15 @@ def model_json(model: RouterModel, created: int) -> dict[str, Any]:
     return entry
 
 
+def download_json(name: str, created: int) -> dict[str, Any]:
+    """A model whose download (``POST /models``) is under way, as llama-server lists it: status
+    ``downloading``, removable (``DELETE /models`` cancels it)."""
+    return {"id": name, "aliases": [], "tags": [], "object": "model", "owned_by": "llamacpp", "created": created,
+            "status": {"value": "downloading", "args": []},
+            "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+            "source": "cache", "can_remove": True, "path": None, "pinned": False}
+
+
 # --------------------------------------------------------------------------- the router's own routes
 
 
@@ -153,6 +162,7 @@ async def list_models(request: Request) -> Response:
         await reload_sources(state)
     created = int(time.time())
     models = [model_json(m, created) for m in state.registry.models.values() if not m.source.hidden]
+    models += [download_json(name, created) for name in state.downloads.running if name not in state.registry.models]
     return json_response({"data": models, "object": "list"})
 
 

@@ -418,6 +418,8 @@ def test_a_download_under_way_is_cancelled(http: httpx.Client, router: ServerPro
         listener = EventListener(router)
         assert http.post("/models", json={"model": name}).json() == {"success": True}
         listener.wait("download_progress", name)
+        listed = {m["id"]: m for m in http.get("/models").json()["data"]}[name]  # listed while it runs
+        assert listed["status"]["value"] == "downloading" and listed["can_remove"] is True
         return listener
 
     listener = start()
