@@ -8,11 +8,13 @@ llama-server does.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 from mlxcel_compat.runtime.backend import ThreadCounts, exit_now, load_optimized_blas, log_blas, map_big_allocations
 
@@ -104,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as exc:
             print(f"error: cannot create --slot-save-path {settings.slot_save_path}: {exc.strerror or exc}", file=sys.stderr)
             return 2
+    settings = use_remote_preset(settings)
     if is_router(settings):
         return serve_router(settings, list(sys.argv[1:] if argv is None else argv), api_keys)
     model_arg = resolve_model_arg(settings)
@@ -136,6 +139,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The engine has stopped and its disk tier is flushed: nothing else must outlive the process.
     exit_now(code)
 
+
+
+def use_remote_preset(settings: Any) -> Any:
+    """``-hf user/repo`` (no ``-m``, no ``-hff``) naming a repository with a ``preset.ini`` at its
+    root: the settings of a router over that preset (``--models-preset``, ``-hf`` cleared), as
+    llama-server's ``common_models_handler_apply`` does; otherwise the settings unchanged. A
+    repository that cannot be listed is left to the model's own download, which says why."""
+    if not settings.hf_repo or settings.model or settings.hf_file:
+        return settings
+    from mlxcel_compat.model import hub
+
+    try:
+        repo, tag = hub.parse_repo(settings.hf_repo)
+        cache = Path(settings.llama_cache).expanduser() if settings.llama_cache else None
+        preset = hub.fetch_preset(hub.HubRequest(repo, tag, token=settings.hf_token, offline=bool(settings.offline),
+                                                 cache_dir=cache))
+    except hub.HubError:
+        return settings
+    if preset is None:
+        return settings
+    log.warning("using preset.ini from HF repo '%s': please only use presets that you can trust! "
+                "Unknown presets may be unsafe", settings.hf_repo)
+    return dataclasses.replace(settings, models_preset=str(preset), hf_repo=None)
 
 
 def is_router(settings: object) -> bool:

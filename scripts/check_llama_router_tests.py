@@ -14,16 +14,15 @@ the download tests add with ``POST /models``: ``ggml-org/test-model-router-downl
 (``test-model-router-download-F16.gguf``: the tiny llama, F16). The harness's session fixture,
 which starts every preset server once to fill the cache from the real hub, is left out (the run
 uses a copy of the tests directory whose ``conftest.py`` keeps the rest), and its ``wget`` import
-is satisfied by a stub that refuses to download. Deselected by default, with ``--all`` to run them:
-``test_router_remote_preset`` (a preset kept in a hub repository, ``-hf ggml-org/test-preset-ci``,
-which this server does not read) and ``test_router_queue_client_disconnect_keeps_model``, which
-needs llama-server's ``LLAMA_SERVER_DEBUG_FAKE_TIMING`` (a child that sleeps through each request)
-to keep a model busy while a second client gives up: here the first request is over at once, and a
-hook that slows every request down only to make a test pass would be behaviour of its own, not
-llama-server's, so there is none.
+is satisfied by a stub that refuses to download. The harness sets llama-server's debug variable
+``LLAMA_SERVER_DEBUG_FAKE_TIMING`` for every server it starts; this server honours it as
+llama-server does (docs/router.md). ``test_router_remote_preset`` starts the server with
+``-hf ggml-org/test-preset-ci`` and no ``-m``: the loopback hub holds that repository with a
+``preset.ini`` standing in for the real one (two sections naming the stand-in repositories above,
+which the hub serves too, since that test runs online). All 17 tests run.
 
-    python scripts/check_llama_router_tests.py            # the implemented part
-    python scripts/check_llama_router_tests.py --all      # everything (the rest fails)
+    python scripts/check_llama_router_tests.py            # all of unit/test_router.py
+    python scripts/check_llama_router_tests.py -- -k queue  # some of it (pytest arguments after --)
 """
 
 from __future__ import annotations
@@ -39,12 +38,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_TREE = Path("~/.cache/llama-peer/llama.cpp").expanduser()
-NOT_IMPLEMENTED = ["remote_preset"]  # presets kept in a hub repository
-# Needs llama-server's LLAMA_SERVER_DEBUG_FAKE_TIMING (a child that sleeps through each request), to
-# keep a model busy while a second client gives up: here the first request is over at once.
-FAKE_TIMING = ["client_disconnect"]
 # What POST /models downloads from the loopback hub: (repository, file, family, kind).
 HUB_DOWNLOAD = ("ggml-org/test-model-router-download", "test-model-router-download-F16.gguf", "llama", "f16")
+# The preset repository test_router_remote_preset starts from (-hf with no -m): its preset.ini names
+# two models of the stand-in repositories below, which the hub serves too (the test runs online).
+PRESET_REPO = "ggml-org/test-preset-ci"
+PRESET_INI = """version = 1
+
+[tinygemma3-preset]
+hf-repo = ggml-org/tinygemma3-GGUF:Q8_0
+
+[stories260K-test]
+hf-repo = ggml-org/test-model-stories260K:F32
+"""
 STANDINS = {
     "ggml-org/tinygemma3-GGUF": ("tinygemma3-Q8_0.gguf", "gemma3_text", "q8_0"),
     "ggml-org/test-model-stories260K": ("stories260K-F32.gguf", "llama", "f32"),
@@ -74,7 +80,7 @@ def populate_cache(cache: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-tree", default=str(LLAMA_TREE))
-    parser.add_argument("--all", action="store_true", help="also run the tests of routes not implemented here")
+    parser.add_argument("--all", action="store_true", help="kept for older commands: every test runs anyway")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args()
     source = Path(args.llama_tree) / "tools" / "server" / "tests"
@@ -99,12 +105,14 @@ def main() -> int:
     repo, name, family, kind = HUB_DOWNLOAD
     hub = FakeHub()
     hub.add(repo, {name: ensure_gguf(family, "tiny", kind)})
+    hub.add(PRESET_REPO, {"preset.ini": PRESET_INI.encode(), "README.md": b"a preset repository\n"})
+    for standin_repo, (standin_name, standin_family, standin_kind) in STANDINS.items():
+        hub.add(standin_repo, {standin_name: ensure_gguf(standin_family, "tiny", standin_kind)})
     hub.start()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_", "MLXCEL_", "HF_"))}
     env.update(LLAMA_SERVER_BIN_PATH=str(wrapper), LLAMA_CACHE=str(cache), HF_ENDPOINT=hub.url,
                PYTHONPATH=os.pathsep.join([str(ROOT), str(stubs)]))
-    select = [] if args.all else ["-k", " and ".join(f"not {name}" for name in NOT_IMPLEMENTED + FAKE_TIMING)]
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "unit/test_router.py", *select,
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "unit/test_router.py",
                *args.pytest_args]
     print("running", " ".join(command), "in", tests, flush=True)
     try:

@@ -13,6 +13,7 @@ It answers only what huggingface-hub (2.x) calls to list and download model repo
 A repository may require a token: requests without ``Authorization: Bearer <token>`` get 401,
 as a private repository does. Unknown repositories and files get 404 with the hub's
 ``X-Error-Code``. Every request is recorded (method, path, authorization) for assertions.
+A repository may be slow (``seconds_per_chunk``), so a test can act while a download runs.
 """
 
 from __future__ import annotations
@@ -21,18 +22,21 @@ import hashlib
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 LFS_SUFFIXES = (".gguf", ".safetensors", ".bin")
+CHUNK_BYTES = 64 << 10  # what a slow repository sends at a time
 
 
 @dataclass
 class FakeRepo:
     files: dict[str, bytes]
     token: str | None = None  # required bearer token (a private repository)
+    seconds_per_chunk: float = 0.0  # a slow hub: files are sent in 64 KiB chunks this far apart
 
     @property
     def commit(self) -> str:
@@ -55,9 +59,10 @@ class FakeHub:
     requests: list[Request] = field(default_factory=list)
     _server: ThreadingHTTPServer | None = None
 
-    def add(self, repo_id: str, files: dict[str, bytes | Path], token: str | None = None) -> FakeRepo:
+    def add(self, repo_id: str, files: dict[str, bytes | Path], token: str | None = None,
+            seconds_per_chunk: float = 0.0) -> FakeRepo:
         content = {name: data.read_bytes() if isinstance(data, Path) else data for name, data in files.items()}
-        self.repos[repo_id] = FakeRepo(content, token)
+        self.repos[repo_id] = FakeRepo(content, token, seconds_per_chunk)
         return self.repos[repo_id]
 
     @property
@@ -118,14 +123,22 @@ class _Handler(BaseHTTPRequestHandler):
     # ------------------------------------------------------------------ helpers
 
     def _send(self, status: int, payload: bytes = b"", headers: dict[str, str] | None = None, body: bool = True,
-              content_type: str = "application/json") -> None:
+              content_type: str = "application/json", seconds_per_chunk: float = 0.0) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         for key, value in (headers or {}).items():
             self.send_header(key, value)
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
-        if body:
+        if body and seconds_per_chunk:
+            try:
+                for start in range(0, len(payload), CHUNK_BYTES):
+                    self.wfile.write(payload[start:start + CHUNK_BYTES])
+                    self.wfile.flush()
+                    time.sleep(seconds_per_chunk)
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up (a cancelled download)
+                pass
+        elif body:
             self.wfile.write(payload)
 
     def _error(self, status: int, code: str, message: str, body: bool) -> None:
@@ -200,4 +213,5 @@ class _Handler(BaseHTTPRequestHandler):
             end = int(match[2]) if match[2] else len(data) - 1
             status, payload = 206, data[start:end + 1]
             headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
-        self._send(status, payload, headers, body=body, content_type="application/octet-stream")
+        self._send(status, payload, headers, body=body, content_type="application/octet-stream",
+                   seconds_per_chunk=repo.seconds_per_chunk)

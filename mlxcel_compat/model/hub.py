@@ -201,6 +201,19 @@ def fetch_mmproj(request: HubRequest) -> Path | None:
     return _download(request, projector) if projector else None
 
 
+PRESET_FILE = "preset.ini"  # a repository holding this at its root is a preset, not a model
+
+
+def fetch_preset(request: HubRequest) -> Path | None:
+    """The repository's ``preset.ini``, downloaded, when it has one at its root; None otherwise.
+
+    llama-server (``common_download_get_hf_plan``) treats ``-hf user/repo`` naming such a
+    repository as ``--models-preset`` with that file: the server starts as a router over the
+    preset's models instead of serving one model.
+    """
+    return _download(request, PRESET_FILE) if PRESET_FILE in list_files(request) else None
+
+
 def url_cache_path(url: str, cache_dir: str | Path | None = None) -> Path:
     """Where llama.cpp keeps a file downloaded from ``url`` (``--mmproj-url``): the URL's last path
     segment (query and fragment dropped) in ``$LLAMA_CACHE``, else ``$XDG_CACHE_HOME/llama.cpp``,

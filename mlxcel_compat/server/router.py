@@ -5,9 +5,10 @@ Started without ``-m`` but with ``--models-dir``, ``--models-preset`` or GGUF mo
 the router's own routes itself (``/health``, ``/models`` (``?reload=1``; ``POST`` downloads a
 model, ``DELETE`` removes one: ``server/router_downloads.py``), ``/v1/models``, ``/models/sse``
 (``server/router_events.py``), ``/models/load``, ``/models/unload``, ``/props`` without
-``?model=``, the chat page) and hands every other request
+``?model=``, the chat page, ``POST /v1/streams/lookup``) and hands every other request
 to the app of the model it names, unchanged: POST routes name it in the body's ``model`` field,
-GET routes in ``?model=``. That app is the single-model server's (``server/instance.py``), so a
+GET routes in ``?model=``, a resumable stream's routes (``/v1/stream``) by the model that ran the
+conversation (``server/router_streams.py``). That app is the single-model server's (``server/instance.py``), so a
 model behind the router answers exactly as it would served alone. Errors are llama-server's
 (``tools/server/server-models.cpp``): a missing name, an unknown model, a model not loaded with
 autoload off, a model that failed to load. Why one process and not a child per model:
@@ -41,19 +42,26 @@ from mlxcel_compat.server.errors import InvalidRequest, NotFound, PayloadTooLarg
 from mlxcel_compat.server.formats import BUILD_INFO
 from mlxcel_compat.server.router_downloads import Downloads, remove_cached
 from mlxcel_compat.server.router_events import event_stream
-from mlxcel_compat.server.router_registry import ModelRegistry, RouterModel, disk_size, release_memory
+from mlxcel_compat.server.router_registry import (FAKE_TIMING_SECONDS, ModelRegistry, RouterModel, disk_size,
+                                                  release_memory)
 from mlxcel_compat.server.router_sources import SourceError, collect_sources, model_argv
+from mlxcel_compat.server.router_streams import (LOOKUP_PATH, STREAM_PATH, ConversationOwners, conversation_header,
+                                                 stream_owner, streams_lookup)
 from mlxcel_compat.settings import SettingsError, mcp_proxy_enabled, resolve_settings
 
 log = logging.getLogger(__name__)
 
 # The routes the router answers itself; any other path goes to the model the request names.
 OWN_PATHS = {"/health", "/v1/health", "/models", "/v1/models", "/models/load", "/models/unload", "/models/sse",
-             "/", "/index.html"}
+             "/", "/index.html", LOOKUP_PATH}
 # GET routes the router answers itself when no ?model= names a model (the chat page reads both).
 MODEL_OPTIONAL = {"/props", "/tools"}
 ROUTER_BODY_BYTES = 64 << 20  # the most body the router reads to find "model" without --max-body-bytes
 INLINE_JSON_BYTES = 64 << 10  # bodies above this are parsed on a thread, off the event loop
+# llama-server's own debug hook, mirrored for its test suite (unit/test_router.py's queue tests set
+# it): when set (non-empty), every model load starts, and every forwarded request reaches its
+# model, 2 seconds late, so a test can keep a model busy. Unset, it costs nothing.
+FAKE_TIMING_VARIABLE = "LLAMA_SERVER_DEBUG_FAKE_TIMING"
 
 
 @dataclass
@@ -66,6 +74,7 @@ class RouterState:
     downloads: Downloads
     argv: list[str]
     api_keys: list[str] = field(default_factory=list)
+    owners: ConversationOwners = field(default_factory=ConversationOwners)  # whose resumable stream is whose
     draining: bool = False
     started: float = field(default_factory=time.time)
     ready: bool = True
@@ -126,6 +135,15 @@ def model_json(model: RouterModel, created: int) -> dict[str, Any]:
     return entry
 
 
+def download_json(name: str, created: int) -> dict[str, Any]:
+    """A model whose download (``POST /models``) is under way, as llama-server lists it: status
+    ``downloading``, removable (``DELETE /models`` cancels it)."""
+    return {"id": name, "aliases": [], "tags": [], "object": "model", "owned_by": "llamacpp", "created": created,
+            "status": {"value": "downloading", "args": []},
+            "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+            "source": "cache", "can_remove": True, "path": None, "pinned": False}
+
+
 # --------------------------------------------------------------------------- the router's own routes
 
 
@@ -144,6 +162,7 @@ async def list_models(request: Request) -> Response:
         await reload_sources(state)
     created = int(time.time())
     models = [model_json(m, created) for m in state.registry.models.values() if not m.source.hidden]
+    models += [download_json(name, created) for name in state.downloads.running if name not in state.registry.models]
     return json_response({"data": models, "object": "list"})
 
 
@@ -178,7 +197,11 @@ async def delete_model(request: Request) -> Response:
     name = request.query_params.get("model", "")
     if not name:
         raise InvalidRequest("model must be a non-empty string")
-    registry = _state(request).registry
+    state = _state(request)
+    if await state.downloads.cancel(name):  # a download under way: stopped, its files deleted
+        state.registry.events.notify("model_remove", name)
+        return json_response({"success": True})
+    registry = state.registry
     model = registry.models.get(name)
     if model is None:
         raise InvalidRequest(f"model name={name} is not found")
@@ -190,14 +213,20 @@ async def delete_model(request: Request) -> Response:
     return json_response({"success": True})
 
 
-async def _named(request: Request) -> RouterModel | None:
+async def _body_name(request: Request) -> str | None:
+    """The body's ``model`` field (None when it is not a string)."""
     raw = await request.body()
     try:
         body = orjson.loads(raw) if raw else {}
     except orjson.JSONDecodeError:
         raise InvalidRequest("request body is not valid JSON") from None
     name = body.get("model") if isinstance(body, dict) else None
-    return _state(request).registry.find(name) if isinstance(name, str) else None
+    return name if isinstance(name, str) else None
+
+
+async def _named(request: Request) -> RouterModel | None:
+    name = await _body_name(request)
+    return _state(request).registry.find(name) if name is not None else None
 
 
 async def load_model(request: Request) -> Response:
@@ -211,6 +240,10 @@ async def load_model(request: Request) -> Response:
 
 
 async def unload_model(request: Request) -> Response:
+    """Unload a model, or (as llama-server does) cancel the download of a model under way."""
+    name = await _body_name(request)
+    if name is not None and await _state(request).downloads.cancel(name):
+        return json_response({"success": True})
     model = await _named(request)
     if model is None:
         raise InvalidRequest("model is not found")
@@ -259,6 +292,7 @@ ROUTES = [
     Route("/models/unload", unload_model, methods=["POST"]),
     Route("/props", router_props, methods=["GET"]),
     Route("/tools", router_tools, methods=["GET"]),
+    Route(LOOKUP_PATH, streams_lookup, methods=["POST"]),
     *api_web.ROUTES,
 ]
 
@@ -279,15 +313,29 @@ def _autoload(scope: Scope, default: bool) -> bool:
 class Forwarder:
     """The ASGI app of every non-router path: find the model, wait for it, hand the request over."""
 
-    def __init__(self, registry: ModelRegistry, settings: Any) -> None:
+    def __init__(self, registry: ModelRegistry, settings: Any, owners: ConversationOwners, prefix: str = "") -> None:
         self.registry = registry
         self.settings = settings
+        self.owners = owners
+        self.prefix = prefix
+        self.fake_timing = registry.fake_timing
         self.body_limit = settings.max_body_bytes or ROUTER_BODY_BYTES
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body: bytes | None = None
         if scope["method"] in ("GET", "HEAD", "DELETE"):
             name = (_query(scope).get("model") or [""])[-1]
+            if not name and scope["path"].removeprefix(self.prefix) == STREAM_PATH:
+                # a resumable stream's routes name the conversation: its owner answers
+                conversation = (_query(scope).get("conv_id") or [""])[-1]
+                deleting = scope["method"] == "DELETE"
+                owner = stream_owner(self.registry, self.owners, conversation, deleting)
+                if deleting:
+                    self.owners.forget(conversation)
+                if owner is None:  # a DELETE no loaded model answers for: llama-server's 204 all the same
+                    await Response(status_code=204)(scope, receive, send)
+                    return
+                name = owner.name
         else:
             body = await self._read_body(receive)
             name = await self._body_model(body)
@@ -297,13 +345,23 @@ class Forwarder:
         if model is None:
             raise InvalidRequest(f"model '{name}' not found")
         autoload = _autoload(scope, bool(self.settings.models_autoload))
-        if model.status == "loaded" or body is None:
+        session = conversation_header(scope) if body is not None else ""
+        ticket = self.owners.remember(session, model.name) if session else 0
+        if model.status == "loaded" or body is None or session:
+            # A resumable stream's request waits for its model whatever its client does: the
+            # generation goes to the stream's buffer for a later resume (llama-server detaches it).
             app = await self.registry.acquire(model, autoload)
         else:
             app, receive = await self._acquire_unless_gone(model, autoload, receive)
             if app is None:
                 return  # the client left while its model was waiting for a place: no one to answer
+        if session and not self.owners.alive(session, ticket):
+            del app
+            self.registry.release(model)
+            raise InvalidRequest("request cancelled by a stop while the model was loading")
         try:
+            if self.fake_timing:  # after the model counts the request as busy, as llama-server sleeps
+                await asyncio.sleep(FAKE_TIMING_SECONDS)
             # A scope of its own: Starlette records its app (and the route's endpoint) in the scope,
             # which the HTTP server keeps until the connection goes; the model's must not outlive
             # the request there, or an unloaded model's memory would wait for that connection.
@@ -446,7 +504,7 @@ def build_router(settings: Any, argv: list[str], api_keys: list[str]) -> RouterA
     if not models:
         log.warning("router: no models found in --models-dir / --models-preset")
     registry = ModelRegistry(models, api_keys, int(settings.models_max), int(settings.models_memory or 0),
-                             float(settings.timeout))
+                             float(settings.timeout), fake_timing=bool(os.environ.get(FAKE_TIMING_VARIABLE)))
     state = RouterState(settings, registry, Downloads(registry, settings.llama_cache, settings.hf_token,
                                                       lambda: reload_sources(state)), argv, api_keys)
     prefix = settings.api_prefix.rstrip("/") if settings.api_prefix else ""
@@ -470,7 +528,7 @@ def build_router(settings: Any, argv: list[str], api_keys: list[str]) -> RouterA
     own = Starlette(routes=[Mount(prefix, routes=ROUTES)] if prefix else ROUTES, middleware=edge, lifespan=lifespan,
                     exception_handlers={404: _not_found, 405: _not_found})
     own.state.ctx = state
-    forward: ASGIApp = Forwarder(registry, settings)
+    forward: ASGIApp = Forwarder(registry, settings, state.owners, prefix)
     forward = ErrorMiddleware(forward, prefix=prefix)
     forward = GateMiddleware(forward, ctx=state, prefix=prefix)  # type: ignore[arg-type]
     forward = CorsMiddleware(forward, policy=policy)

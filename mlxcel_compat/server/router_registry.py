@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.02  # how often a waiting request looks at a model's state
 FLUSH_SECONDS = 5.0  # after a stop's grace: time for ended sequences to leave their engine
+FAKE_TIMING_SECONDS = 2.0  # llama-server's LLAMA_SERVER_DEBUG_FAKE_TIMING delay (server_models::load, proxy_request)
 
 
 def disk_size(model: str) -> int:
@@ -108,7 +109,7 @@ class RouterModel:
 
 class ModelRegistry:
     def __init__(self, models: list[RouterModel], api_keys: list[str], models_max: int, models_memory: int,
-                 timeout: float) -> None:
+                 timeout: float, fake_timing: bool = False) -> None:
         self.models: dict[str, RouterModel] = {}
         self.labels: dict[str, RouterModel] = {}
         self._index(models)
@@ -117,6 +118,7 @@ class ModelRegistry:
         self.models_max = models_max
         self.models_memory = models_memory
         self.timeout = timeout
+        self.fake_timing = fake_timing  # LLAMA_SERVER_DEBUG_FAKE_TIMING (server/router.py)
         self.room = asyncio.Lock()
 
     def _index(self, models: list[RouterModel]) -> None:
@@ -235,6 +237,8 @@ class ModelRegistry:
     async def _load(self, model: RouterModel) -> None:
         t0 = time.perf_counter()
         try:
+            if self.fake_timing:  # llama-server's debug hook: every load starts 2 s late
+                await asyncio.sleep(FAKE_TIMING_SECONDS)
             await self.make_room(model)
             model.placed = True
             # No local keeps the app: a reference left in this frame while it is unloaded would
@@ -330,6 +334,9 @@ class ModelRegistry:
                 over_memory = self.models_memory > 0 and sum(m.size_bytes for m in others) + model.size_bytes > self.models_memory
                 if not (over_count or over_memory):
                     return
+                if model.on_demand and model.waiting == 0:
+                    # Checked before any eviction: a model that went idle meanwhile keeps its place.
+                    raise Abandoned(model.name)
                 movable = sorted((m for m in others if not m.source.pin), key=lambda m: m.last_used)
                 # A model loaded for requests still waiting for it serves them before it may go.
                 idle = [m for m in movable if m.status == "loaded" and m.in_flight == 0 and m.waiting == 0]
@@ -341,8 +348,6 @@ class ModelRegistry:
                         raise Unavailable(f"model limit reached: {len(others)} pinned models are loaded (--models-max {self.models_max})")
                     log.warning("router: loading '%s' past --models-memory: every loaded model is pinned", model.name)
                     return
-                if model.on_demand and model.waiting == 0:
-                    raise Abandoned(model.name)
                 if deadline is not None and time.monotonic() > deadline:
                     raise Unavailable("model limit reached, try again later")
                 await asyncio.sleep(POLL_SECONDS)

@@ -87,7 +87,8 @@ def test_tag_downloads_only_the_chosen_file_with_the_token(server_factory, hub: 
     assert not (tmp_path / "hub-cache").exists()  # $LLAMA_CACHE wins over the hub's own cache
     assert hub.downloads("acme/tiny-GGUF") == ["tiny-Q8_0.gguf"]
     calls = _repo_requests(hub, "acme/tiny-GGUF")
-    assert [c.method for c in calls] == ["GET", "HEAD", "GET"]  # listing, metadata, download
+    # listing (is it a preset repository? cli.use_remote_preset), listing, metadata, download
+    assert [c.method for c in calls] == ["GET", "GET", "HEAD", "GET"]
     assert all(c.authorization == f"Bearer {TOKEN}" for c in calls)
     with httpx.Client(base_url=server.base_url, timeout=60) as http:
         assert http.get("/props").json()["model_path"] == str(snapshot / "tiny-Q8_0.gguf")

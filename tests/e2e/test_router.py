@@ -56,9 +56,11 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hub(models_dir: Path) -> Iterator[FakeHub]:
-    """The hub ``POST /models`` downloads from: one GGUF repository."""
+    """The hub ``POST /models`` downloads from: a GGUF repository, and a slow one (64 KiB chunks
+    50 ms apart) whose download a test cancels while it runs."""
     fake = FakeHub()
     fake.add("acme/fresh-GGUF", {"README.md": b"# fresh\n", "fresh-F32.gguf": (models_dir / "qwen3.gguf").resolve()})
+    fake.add("acme/slow-GGUF", {"slow-F32.gguf": (models_dir / "qwen3.gguf").resolve()}, seconds_per_chunk=0.05)
     fake.start()
     yield fake
     fake.stop()
@@ -123,12 +125,12 @@ def stream_in_background(router: ServerProcess, model: str, n_predict: int) -> t
     return streaming, arrivals
 
 
-def wait_for(http: httpx.Client, name: str, value: str, timeout: float = 60.0) -> None:
+def wait_for(http: httpx.Client, name: str, value: str, timeout: float = 60.0, poll: float = 0.02) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if statuses(http)[name]["value"] == value:
             return
-        time.sleep(0.02)
+        time.sleep(poll)
     raise AssertionError(f"{name} never became {value}: {statuses(http)[name]}")
 
 
@@ -405,6 +407,79 @@ def test_download_and_delete_a_cache_model(http: httpx.Client, router: ServerPro
     not_removable = http.delete("/models", params={"model": "qwen3"})
     assert not_removable.status_code == 400 and "not removable" in not_removable.json()["error"]["message"]
     assert http.get("/health").json() == {"status": "ok"}
+
+
+def test_a_download_under_way_is_cancelled(http: httpx.Client, router: ServerProcess, llama_cache: Path) -> None:
+    """As llama-server cancels one: ``DELETE /models`` (then ``model_remove``) or ``/models/unload``
+    naming it; ``download_failed`` says so, and nothing of it is left in the cache."""
+    name, repo_dir = "acme/slow-GGUF:F32", llama_cache / "models--acme--slow-GGUF"
+
+    def start() -> EventListener:
+        listener = EventListener(router)
+        assert http.post("/models", json={"model": name}).json() == {"success": True}
+        listener.wait("download_progress", name)
+        listed = {m["id"]: m for m in http.get("/models").json()["data"]}[name]  # listed while it runs
+        assert listed["status"]["value"] == "downloading" and listed["can_remove"] is True
+        return listener
+
+    listener = start()
+    deleted = http.delete("/models", params={"model": name})
+    assert deleted.status_code == 200 and deleted.json() == {"success": True}
+    listener.wait("model_remove", name)
+    listener.stop.set()
+    events = [e for e in listener.events if e["model"] == name]
+    kinds = [e["event"] for e in events]
+    assert "download_finished" not in kinds and kinds.index("download_failed") < kinds.index("model_remove")
+    assert next(e for e in events if e["event"] == "download_failed")["data"]["error"] == "cancelled"
+    assert not repo_dir.exists()  # its unfinished blob, and the folder that held nothing else
+    assert name not in statuses(http)
+    listener = start()
+    assert http.post("/models/unload", json={"model": name}).json() == {"success": True}
+    listener.wait("download_failed", name)
+    listener.stop.set()
+    assert not repo_dir.exists() and name not in statuses(http)
+    assert http.delete("/models", params={"model": name}).status_code == 400  # nothing downloads it now
+
+
+def test_resumable_streams_find_their_model(http: httpx.Client) -> None:
+    """``/v1/stream`` and ``/v1/streams/lookup`` name a conversation, not a model: the router
+    remembers which model ran each one (llama-server's ``conv_models``) and asks that model."""
+    def stream(model: str, conversation: str) -> bytes:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+        with http.stream("POST", "/v1/chat/completions", json=body, headers={"X-Conversation-Id": conversation}) as r:
+            assert r.status_code == 200
+            return r.read()
+
+    first, second = stream("llama", "conv-llama"), stream("qwen3", "conv-qwen3")
+    assert first.rstrip().endswith(b"data: [DONE]") and second.rstrip().endswith(b"data: [DONE]")
+    replay = http.get("/v1/stream", params={"conv_id": "conv-llama"})  # from the model that ran it, byte for byte
+    assert replay.status_code == 200 and replay.headers["content-type"].startswith("text/event-stream")
+    assert replay.content == first
+    assert http.get("/v1/stream", params={"conv_id": "conv-qwen3", "from": 0}).content == second
+    found = http.post("/v1/streams/lookup", json={"conversation_ids": ["conv-llama", "conv-qwen3", "nobody"]})
+    assert sorted((s["conversation_id"], s["is_done"]) for s in found.json()) == [("conv-llama", True), ("conv-qwen3", True)]
+    missing = http.get("/v1/stream")
+    assert missing.status_code == 400 and missing.json()["error"]["message"] == "Missing conversation id in path"
+    unknown = http.get("/v1/stream", params={"conv_id": "nobody"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["message"] == "Stream not found or expired"
+    assert http.delete("/v1/stream", params={"conv_id": "conv-llama"}).status_code == 204  # to its owner; forgotten
+    assert http.get("/v1/stream", params={"conv_id": "conv-llama"}).status_code == 404
+    assert http.delete("/v1/stream", params={"conv_id": "nobody"}).status_code == 204  # llama-server's, all the same
+    assert http.post("/models/unload", json={"model": "qwen3"}).json() == {"success": True}
+    wait_for(http, "qwen3", "unloaded")  # its streams went with it
+    assert http.get("/v1/stream", params={"conv_id": "conv-qwen3"}).status_code == 404
+    assert http.post("/v1/streams/lookup", json={"conversation_ids": ["conv-qwen3"]}).json() == []
+    # a stop while the conversation's model loads cancels the request waiting for it
+    waiting: list[httpx.Response] = []
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    late = threading.Thread(target=lambda: waiting.append(httpx.post(
+        http.base_url.join("/v1/chat/completions"), json=body, headers={"X-Conversation-Id": "conv-late"}, timeout=60)))
+    late.start()
+    wait_for(http, "qwen3", "loading", poll=0.002)
+    assert http.delete("/v1/stream", params={"conv_id": "conv-late"}).status_code == 204
+    late.join(60)
+    assert waiting[0].status_code == 400
+    assert waiting[0].json()["error"]["message"] == "request cancelled by a stop while the model was loading"
 
 
 def test_reload_rereads_the_preset_and_dedups_cache_models(http: httpx.Client, preset_file: Path,

@@ -104,3 +104,16 @@ def test_a_load_for_requests_that_all_left_is_given_up() -> None:
     wanted.on_demand, wanted.waiting = False, 0
     with pytest.raises(Unavailable):
         make_room([busy], wanted, models_max=1, timeout=0.1)
+
+
+def test_a_load_nobody_waits_for_evicts_nothing() -> None:
+    """The check comes before any eviction: a load whose requests left while it waited (under
+    LLAMA_SERVER_DEBUG_FAKE_TIMING, 2 s) must not unload a model that went idle meanwhile."""
+    from mlxcel_compat.server.router_registry import Abandoned
+
+    idle = model("a", loaded_at=1.0)
+    wanted = model("b")
+    wanted.on_demand = True
+    with pytest.raises(Abandoned):
+        make_room([idle], wanted, models_max=1)
+    assert idle.status == "loaded"
