@@ -53,6 +53,34 @@ class AudioFacts:
 
 
 @dataclass(frozen=True)
+class TileLayout:
+    """How an image cut into tiles is written in the prompt (Idefics3 / SmolVLM; plain data):
+    each tile of the grid as ``tile_prefix[row][col] + tokens_per_tile x <image>``, ``row_end``
+    between rows, then the whole image as ``gap + global_start + tokens_per_tile x <image> +
+    global_end`` (``gap`` only after a grid), as Idefics3Processor and llama.cpp's mtmd write it."""
+
+    tokens_per_tile: int
+    tile_prefix: tuple[tuple[tuple[int, ...], ...], ...]  # [row][col]: <fake_token_around_image><row_r_col_c>
+    row_end: tuple[int, ...]  # "\n"
+    gap: tuple[int, ...]  # "\n\n"
+    global_start: tuple[int, ...]  # <fake_token_around_image><global-img>
+    global_end: tuple[int, ...]  # <fake_token_around_image>
+
+    def tokens(self, image_token: int, rows: int, cols: int) -> list[int]:
+        tile = [image_token] * self.tokens_per_tile
+        out: list[int] = []
+        for r in range(rows):
+            if r:
+                out += self.row_end
+            for c in range(cols):
+                if r >= len(self.tile_prefix) or c >= len(self.tile_prefix[r]):
+                    raise ValueError(f"an image of {rows}x{cols} tiles is over the {len(self.tile_prefix)}-tile grid "
+                                     "the prompt side knows")
+                out += list(self.tile_prefix[r][c]) + tile
+        return out + list(self.gap if rows else ()) + list(self.global_start) + tile + list(self.global_end)
+
+
+@dataclass(frozen=True)
 class VisionFacts:
     """What the HTTP layer needs to know about the served model's image input (plain data, no MLX).
 
@@ -77,12 +105,17 @@ class VisionFacts:
     # The processor's settings when no preprocessor_config.json holds them (a GGUF projector's
     # metadata, vision/gguf_projector.py): the processor is built from these instead.
     processor_config: dict[str, Any] | None = None
+    tiles: TileLayout | None = None  # an image cut into tiles (Idefics3): its tokens interleave text
     images: bool = True  # the family's images are served (Gemma 3n: not yet, its audio is)
     audio: AudioFacts | None = None  # the family's audio input, when it has an audio tower
 
     def image_token_count(self, processed: Any) -> tuple[int, tuple[int, int, int]]:
         """``(tokens, grid_thw)`` of one image from its processor output; ``grid_thw`` is
         Qwen's patch grid, ``(1, 1, 1)`` for a family whose images have a fixed size."""
+        if self.tiles is not None:  # (1, tiles, 3, H, W); the grid from return_row_col_info (absent: one tile)
+            tiles = int(np.asarray(processed["pixel_values"]).shape[1])
+            rows, cols = (int(np.asarray(processed[k]).reshape(-1)[0]) if k in processed else 0 for k in ("rows", "cols"))
+            return tiles * self.tiles.tokens_per_tile, (1, rows, cols)
         if "image_grid_thw" in processed:
             grid = tuple(int(x) for x in processed["image_grid_thw"][0])
             return grid[0] * grid[1] * grid[2] // (self.merge_size ** 2), grid  # type: ignore[return-value]
@@ -90,6 +123,12 @@ class VisionFacts:
             return self.tokens_per_image, (1, 1, 1)
         height, width = processed["pixel_values"].shape[-2:]
         return (height // self.patch_size) * (width // self.patch_size) + self.extra_tokens, (1, 1, 1)
+
+    def image_tokens(self, count: int, grid: tuple[int, int, int]) -> list[int]:
+        """The tokens one image of ``count`` image tokens becomes (between ``before`` and ``after``)."""
+        if self.tiles is not None:
+            return self.tiles.tokens(self.image_token_id, grid[1], grid[2])
+        return [self.image_token_id] * count
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -310,6 +349,82 @@ class Llava(_FixedSize):
         return projected.reshape(-1, projected.shape[-1])
 
 
+class Idefics3(VisionFamily):
+    """Idefics3 and SmolVLM: the image resized to ``size.longest_edge``, cut into tiles of the
+    tower's size plus the whole image shrunk to one tile (Idefics3ImageProcessor), each tile through
+    SigLIP, pixel-shuffled by ``scale_factor`` and projected (the connector); the tiles' tokens
+    interleave ``<fake_token_around_image><row_r_col_c>`` markers (:class:`TileLayout`).
+
+    The language model is mlx-lm's Llama holding the checkpoint's text weights, in place of
+    mlx-vlm's own copy of it (the same layers, RoPE and norms): a GGUF pair's text model, loaded
+    by ``gguf/load.py`` on the block kernels, then takes that place whole (``vision/gguf_model.py``)."""
+
+    model_types = ("idefics3", "smolvlm")
+    processors = {
+        "SmolVLMImageProcessor": "transformers.models.smolvlm.image_processing_pil_smolvlm:SmolVLMImageProcessorPil",
+        "Idefics3ImageProcessor": "transformers.models.idefics3.image_processing_pil_idefics3:Idefics3ImageProcessorPil",
+    }
+    MAX_GRID = 8  # rows and columns whose <row_r_col_c> markers the prompt side tokenizes
+
+    def facts_from(self, config: dict[str, Any], tokenizer: Any, processor: str,
+                   processor_config: dict[str, Any] | None, processor_dir: Path = Path(".")) -> VisionFacts:
+        vision = config.get("vision_config") or {}
+        side = int(vision.get("image_size", 384)) // int(vision.get("patch_size", 14))
+        image = int(config.get("image_token_id", config.get("image_token_index", 49153)))
+
+        def ids(text: str) -> tuple[int, ...]:
+            return tuple(int(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+        prefixes = tuple(tuple(ids(f"<fake_token_around_image><row_{r}_col_{c}>") for c in range(1, self.MAX_GRID + 1))
+                         for r in range(1, self.MAX_GRID + 1))
+        layout = TileLayout(tokens_per_tile=(side // int(config.get("scale_factor", 2))) ** 2, tile_prefix=prefixes,
+                            row_end=ids("\n"), gap=ids("\n\n"), global_start=ids("<fake_token_around_image><global-img>"),
+                            global_end=ids("<fake_token_around_image>"))
+        return VisionFacts(model_type=str(config["model_type"]), image_token_id=image, marker=(image,), expand_token=image,
+                           tiles=layout, processor=processor, processor_kwargs={"return_row_col_info": True},
+                           processor_dir=processor_dir, processor_config=processor_config)
+
+    def features(self, vlm: Any, images: list[Any]) -> mx.array:
+        tiles = np.concatenate([np.asarray(img.pixel_values).reshape(-1, *img.pixel_values.shape[-3:]) for img in images])
+        tower = vlm.vision_model
+        pixels = mx.array(tiles).transpose(0, 2, 3, 1).astype(tower.embeddings.patch_embedding.weight.dtype)
+        hidden, *_ = tower(pixels)
+        projected = vlm.connector(hidden)
+        return projected.reshape(-1, projected.shape[-1])
+
+    def blank_image(self, vlm: Any) -> Any:
+        from mlxcel_compat.vision.inputs import MediaImage
+
+        size = int(vlm.config.vision_config.image_size)
+        return MediaImage(np.zeros((1, 1, 3, size, size), np.float32), (1, 0, 0), (0, 1))
+
+    def load(self, path: Path) -> Any:
+        import json
+
+        vlm = super().load(path)
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        vlm.language_model = llama_language_model(config["text_config"], vlm.language_model)
+        return vlm
+
+    def hidden(self, language: Any, inputs: mx.array, cache: Any, embeds: mx.array | None,
+               positions: mx.array | None) -> mx.array:
+        return language.model(inputs, cache=cache, input_embeddings=embeds)
+
+
+def llama_language_model(text_config: dict[str, Any], mlx_vlm_language: Any) -> Any:
+    """mlx-lm's Llama with the weights of mlx-vlm's Idefics3 ``LanguageModel`` (which names its
+    layers without the ``model.`` prefix)."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    model = llama.Model(llama.ModelArgs.from_dict(dict(text_config, model_type="llama")))
+    weights = [(name if name.startswith("lm_head.") else f"model.{name}", value)
+               for name, value in tree_flatten(mlx_vlm_language.parameters())]
+    model.load_weights(weights, strict=True)
+    model.eval()
+    return model
+
+
 class _SharedKV:
     """One KV layer for one forward pass, as Gemma 3n's KV-sharing layers need it: ``state`` is the
     keys and values held so far, this chunk's included (mlx-lm's cache, which the engine keeps,
@@ -464,7 +579,8 @@ class Gemma3n(VisionFamily):
         return language.model(inputs, inputs_embeds=embeds, cache=layers, per_layer_inputs=per_layer)
 
 
-FAMILIES: dict[str, VisionFamily] = {t: f for f in (Qwen2VL(), Gemma3(), Llava(), Gemma3n()) for t in f.model_types}
+FAMILIES: dict[str, VisionFamily] = {t: f for f in (Qwen2VL(), Gemma3(), Llava(), Idefics3(), Gemma3n())
+                                     for t in f.model_types}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 

@@ -74,6 +74,11 @@ def test_the_image_processor_keeps_images_within_the_configured_size(vlm_dir: Pa
     if family(vlm_dir).startswith("qwen"):
         assert t == 1 and h * w * 14 * 14 <= vision.MAX_PIXELS and count == h * w // 4
         assert out["pixel_values"].shape == (h * w, 3 * 2 * 14 * 14)
+    elif family(vlm_dir) == "smolvlm":  # 1200x900 -> 112x84 -> 112x112: a 2x2 grid of 56-pixel tiles, and the whole
+        assert out["pixel_values"].shape == (1, 5, 3, vision.IMAGE_SIZE, vision.IMAGE_SIZE) and (h, w) == (2, 2)
+        assert count == 5 * 4  # 4 tokens a tile; then 2 markers a tile, newline, blank line, 2 + 1 around the whole
+        tokens = facts.image_tokens(count, (t, h, w))
+        assert tokens.count(facts.image_token_id) == count and len(tokens) == count + 4 * 2 + 1 + 1 + 2 + 1
     else:  # a fixed-size image: 4x4 patches of 14 pixels
         assert out["pixel_values"].shape == (1, 3, vision.IMAGE_SIZE, vision.IMAGE_SIZE)
         assert count == (vision.GEMMA_TOKENS_PER_IMAGE if family(vlm_dir) == "gemma3" else 16)
