@@ -372,13 +372,23 @@ class Idefics3(VisionFamily):
         side = int(vision.get("image_size", 384)) // int(vision.get("patch_size", 14))
         image = int(config.get("image_token_id", config.get("image_token_index", 49153)))
 
+        vocab = tokenizer.get_vocab()
+
         def ids(text: str) -> tuple[int, ...]:
             return tuple(int(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+        def piece(text: str) -> tuple[int, ...]:
+            # One vocabulary entry that is this text, as llama.cpp's mtmd looks it up (spelled as is, or in
+            # byte-level BPE's letters: a GGUF's tokenizer lists an added "\n\n" as "ĊĊ"); else the text's tokens.
+            for spelling in (text, text.replace("\n", "\u010a")):
+                if spelling in vocab:
+                    return (int(vocab[spelling]),)
+            return ids(text)
 
         prefixes = tuple(tuple(ids(f"<fake_token_around_image><row_{r}_col_{c}>") for c in range(1, self.MAX_GRID + 1))
                          for r in range(1, self.MAX_GRID + 1))
         layout = TileLayout(tokens_per_tile=(side // int(config.get("scale_factor", 2))) ** 2, tile_prefix=prefixes,
-                            row_end=ids("\n"), gap=ids("\n\n"), global_start=ids("<fake_token_around_image><global-img>"),
+                            row_end=piece("\n"), gap=piece("\n\n"), global_start=ids("<fake_token_around_image><global-img>"),
                             global_end=ids("<fake_token_around_image>"))
         return VisionFacts(model_type=str(config["model_type"]), image_token_id=image, marker=(image,), expand_token=image,
                            tiles=layout, processor=processor, processor_kwargs={"return_row_col_info": True},

@@ -1,4 +1,4 @@
-"""GGUF pairs (``--mmproj``): the factory's tiny Gemma 3, Qwen2.5-VL and Qwen2-VL (``slow``) written as llama.cpp's
+"""GGUF pairs (``--mmproj``): the factory's tiny Gemma 3, Qwen2.5-VL, SmolVLM and Qwen2-VL (``slow``) written as llama.cpp's
 converter writes them (``testing/vision_gguf.py``), loaded back (``model/mmproj.py``,
 ``vision/gguf_projector.py``, ``vision/gguf_model.py``) and compared with the mlx-vlm directory
 they came from: the tower's weights are the directory's, bit for bit (Gemma 3's input projection:
@@ -32,7 +32,7 @@ def model_cache() -> Path:
 
 # Gemma 3's text GGUF in Q8_0 (its weights stay in ggml's blocks inside mlx-vlm's model), Qwen2.5-VL's
 # in F32 (the logits then equal the directory model's to float32 rounding).
-PAIRS = [("gemma3", "q8_0"), ("qwen2_5_vl", "f32"), ("qwen2_vl", "f32")]
+PAIRS = [("gemma3", "q8_0"), ("qwen2_5_vl", "f32"), ("qwen2_vl", "f32"), ("smolvlm", "f32")]
 SLOW_PAIRS = {("qwen2_vl", "f32")}  # the same merger and text as Qwen2.5-VL's: its own tower only
 TOLERANCE = {"f32": 1e-4, "q8_0": 0.3}
 
@@ -67,7 +67,8 @@ def test_the_tower_and_projector_are_the_directory_weights(pair) -> None:
         if family == "gemma3" and "mm_input_projection" in name:  # stored F16, as the converter stores it
             value = value.astype(mx.float16).astype(mx.float32)
         assert ours[name].shape == value.shape and bool(mx.array_equal(ours[name], value)), name
-    assert gguf.vision is not None and gguf.vision.model_type == hf.vision.model_type
+    assert gguf.vision is not None and gguf.vision.model_type == hf.vision.model_type.replace("smolvlm", "idefics3")
+    assert gguf.vision.tiles == hf.vision.tiles  # SmolVLM: the same tile markers from the GGUF's vocabulary
     assert gguf.vision.processor_config is not None  # from the projector's metadata, no preprocessor_config.json
 
 
@@ -78,9 +79,10 @@ def test_a_prompt_with_an_image_gives_the_directory_models_logits(pair) -> None:
                                              **({"image_grid_thw": np.asarray([image.grid_thw])}
                                                 if family.startswith("qwen") else {})})[0]
     facts = gguf.vision
-    prompt = PROMPT_TEXT + list(facts.before) + [facts.image_token_id] * n_image + list(facts.after) + PROMPT_TEXT
+    body = facts.image_tokens(n_image, image.grid_thw)  # SmolVLM: its tile markers around the image tokens
+    prompt = PROMPT_TEXT + list(facts.before) + body + list(facts.after) + PROMPT_TEXT
     start = len(PROMPT_TEXT) + len(facts.before)
-    media = MediaInput(images=[MediaImage(image.pixel_values, image.grid_thw, (start, start + n_image))])
+    media = MediaInput(images=[MediaImage(image.pixel_values, image.grid_thw, (start, start + len(body)))])
     logits = []
     for loaded in (gguf, hf):
         bound = loaded.model.bind(media, prompt)
