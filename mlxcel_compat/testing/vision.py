@@ -175,7 +175,8 @@ def _smolvlm_config() -> dict[str, Any]:
     tile). LayerNorm epsilon 1e-5 everywhere (mlx-vlm's post-layernorm takes MLX's default)."""
     text = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=192, num_attention_heads=4,
                 num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab_size("smolvlm"), rope_theta=100000.0,
-                max_position_embeddings=32768, tie_word_embeddings=False)
+                max_position_embeddings=32768, tie_word_embeddings=False,
+                architectures=["VLlama3ForCausalLM"])  # as SmolVLM's: llama.cpp's converter takes its text by it
     vision_config = dict(model_type="smolvlm_vision", num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                          num_attention_heads=2, patch_size=PATCH_SIZE, image_size=IMAGE_SIZE, num_channels=3,
                          layer_norm_eps=1e-5)
