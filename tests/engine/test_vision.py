@@ -27,7 +27,10 @@ from mlxcel_compat.testing import vision
 from tests.engine.harness import EngineHarness, Run, collect, disk_tier_harness
 
 
-@pytest.fixture(scope="module", params=vision.FAMILIES)
+# SmolVLM's engine rows run with --slow (the suite's budget); tests/testing/test_vision_factory.py checks its
+# logits against mlx-vlm's by default, tests/vision/test_gguf_projector.py its GGUF pair.
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=[pytest.mark.slow] if f == "smolvlm" else [])
+                                        for f in vision.FAMILIES])
 def vlm_dir(request: pytest.FixtureRequest) -> Path:
     from tests.conftest import MODEL_CACHE
 

@@ -99,3 +99,39 @@ def test_the_small_qwen_is_a_consistent_config_for_benchmarks_and_only_qwen_has_
     for family in ("gemma3", "llava", "qwen2_vl"):
         with pytest.raises(ValueError, match="small for qwen2_5_vl"):
             vision.ensure_vision_model("/nonexistent", family, "small")
+
+
+def test_smolvlm_tiles_give_mlx_vlms_own_logits() -> None:
+    """SmolVLM served (its tiles' markers expanded by the prompt side, mlx-lm's Llama as the text
+    model, 5-token chunks) against mlx-vlm's own model on the same prompt, two images of 2x2 tiles."""
+    import base64
+    import io
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_vlm.utils import load_model
+    from PIL import Image
+
+    from mlxcel_compat.server.media import ImageInput, MediaLimits
+    from mlxcel_compat.vision.model import load_vision_directory
+    from tests.conftest import MODEL_CACHE
+
+    directory = vision.ensure_vision_model(MODEL_CACHE, "smolvlm")
+    model, tokenizer, _, _ = load_vision_directory(directory)
+    images = ImageInput(model.facts, MediaLimits())
+    encoded = []
+    for seed in (1, 2):
+        out = io.BytesIO()
+        Image.fromarray(np.random.default_rng(seed).integers(0, 255, (40, 60, 3), dtype=np.uint8)).save(out, "PNG")
+        encoded.append(base64.b64encode(out.getvalue()).decode())
+    marker = list(model.facts.marker)
+    text = [list(tokenizer.encode(t, add_special_tokens=False)) for t in ("Two:", " and", " ok?")]
+    tokens, media, _ = images.prepare(encoded, text[0] + marker + text[1] + marker + text[2])
+    assert len(media.images) == 2 and all(img.grid_thw == (1, 2, 2) for img in media.images)
+    bound, cache = model.bind(media, tokens), make_prompt_cache(model)
+    ours = mx.concatenate([bound(mx.array(tokens[i : i + 5])[None], cache=cache) for i in range(0, len(tokens), 5)], axis=1)
+    reference, ids = load_model(directory), mx.array(tokens)[None]
+    pixels = mx.array(np.concatenate([img.pixel_values for img in media.images]))
+    embeds = reference.get_input_embeddings(ids, pixels).inputs_embeds
+    theirs = reference.language_model(ids, inputs_embeds=embeds, cache=make_prompt_cache(reference.language_model)).logits
+    assert float(mx.abs(ours - theirs).max()) < 1e-4
