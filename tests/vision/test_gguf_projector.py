@@ -248,3 +248,27 @@ def test_half_and_q8_0_projectors_read_within_their_rounding(mmproj_type: str, m
     for name, value in reference.items():
         bound = float(np.abs(value).max()) * (1e-3 if mmproj_type == "f16" else 1e-2) if value.ndim > 1 else 0.0
         assert float(np.abs(got[name] - value).max()) <= bound, name
+
+
+def test_load_options_reach_the_pairs_text_model(model_cache: Path) -> None:
+    """``--override-kv`` and the RoPE flags load the pair's text GGUF as they load it alone: the
+    layers the text model runs inside mlx-vlm's model take them, the logits change, and so does the
+    fingerprint the prompt cache keys on; RoPE scaling on Qwen-VL's multimodal RoPE is refused."""
+    from mlxcel_compat.gguf.overrides import parse_kv_overrides
+    from mlxcel_compat.model.load_options import LoadOptions, RopeOverrides
+    from mlxcel_compat.model.loader import load_model
+
+    text, mmproj = vision.ensure_vision_gguf(model_cache, "smolvlm")
+    plain = load_model(str(text), [], mmproj=str(mmproj))
+    options = LoadOptions(rope=RopeOverrides(freq_base=7000.0),
+                          kv_overrides=parse_kv_overrides(["llama.attention.layer_norm_rms_epsilon=float:0.25"]))
+    changed = load_model(str(text), [], mmproj=str(mmproj), options=options)
+    layers = [loaded.model.vlm.language_model.model.layers[0] for loaded in (plain, changed)]
+    assert [(float(x.self_attn.rope.base), float(x.input_layernorm.eps)) for x in layers] == [
+        (1e5, pytest.approx(1e-5)), (7000.0, 0.25)]
+    prompt = mx.array([PROMPT_TEXT * 4])
+    first, second = (loaded.model(prompt, cache=loaded.model.make_cache()) for loaded in (plain, changed))
+    assert float(mx.abs(first - second).max()) > 1e-3 and plain.fingerprint != changed.fingerprint
+    qwen_text, qwen_mmproj = vision.ensure_vision_gguf(model_cache, "qwen2_5_vl")
+    with pytest.raises(ValueError, match="multimodal RoPE"):  # refused before the text model loads
+        load_model(str(qwen_text), [], mmproj=str(qwen_mmproj), options=LoadOptions(rope=RopeOverrides(scale=2.0)))
