@@ -1,5 +1,5 @@
 """Tiny random-weight vision-language directories for tests (Qwen2.5-VL, Qwen2-VL, Gemma 3,
-LLaVA): a real vision tower, a real image processor; and Gemma 3n (``--family gemma3n``): a real
+LLaVA, SmolVLM): a real vision tower, a real image processor; and Gemma 3n (``--family gemma3n``): a real
 audio tower, a real audio feature extractor.
 
 Each model is mlx-vlm's own classes for its ``model_type`` at tiny sizes (2-block vision towers of
@@ -20,7 +20,10 @@ that a real checkpoint of the family runs, in milliseconds.
   14-pixel patches, 2x2 merge, temporal patch 2, CLIP mean/std, and a small ``max_pixels``
   (28*28*16: at most 16 image tokens an image). Gemma 3: 56-pixel images (SigLIP, 4x4 patches
   pooled to 4 tokens), a sliding window of 24 tokens on its local layers (shorter than the tests'
-  prompts). LLaVA: 56-pixel center crops (CLIP, 16 tokens, a Llama text model).
+  prompts). LLaVA: 56-pixel center crops (CLIP, 16 tokens, a Llama text model). SmolVLM: images
+  resized to 112 pixels on the longest edge and cut into 56-pixel tiles (at most 2x2) plus the
+  whole image, 4 tokens a tile (SigLIP-like tower, pixel shuffle by 2), a Llama text model; its
+  vocabulary holds ``\n\n`` as one token, as SmolLM2's does (llama.cpp's mtmd looks it up as one).
 - Gemma 3n: a 4-layer text model (sliding and full attention, the last 2 layers sharing KV, AltUp,
   per-layer inputs) with a 2-block conformer audio tower of width 32 over 16 mel bins; 8 tokens a
   clip (1.28 s at 16 kHz). Its vision tower is not written (see ``_gemma3n_config``).
@@ -30,8 +33,8 @@ model of width 512 (~45M parameters), and the real processor's image sizes (a 44
 becomes 256 image tokens): for benchmarks whose ratios need a first turn that costs what a real
 one's vision tower and image prefill cost (``scripts/bench_vision_ttft.py``), not for tests.
 
-Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|gemma3|llava|gemma3n] [--size small]``;
-with ``--format gguf`` (Gemma 3, Qwen2.5-VL, Qwen2-VL) the directory's GGUF pair instead, the text model and
+Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|gemma3|llava|smolvlm|gemma3n] [--size small]``;
+with ``--format gguf`` (Gemma 3, Qwen2.5-VL, Qwen2-VL, SmolVLM) the directory's GGUF pair instead, the text model and
 its ``mmproj-*.gguf`` projector as llama.cpp's converter writes them (``testing/vision_gguf.py``).
 """
 

@@ -17,7 +17,11 @@ converter's conventions are applied here, independently of the loader that undoe
   (``Qwen2VLVisionModel``) splits the fused ``qkv`` into ``attn_q/k/v`` and the 3-D patch
   convolution into two 2-D ones (``v.patch_embd.weight`` and ``.weight.1``), and writes
   ``n_wa_pattern`` from ``fullatt_block_indexes``; Qwen2-VL the same splits, its ``embed_dim`` as
-  the width and its ``hidden_size`` (the merger's output) as ``feed_forward_length``.
+  the width and its ``hidden_size`` (the merger's output) as ``feed_forward_length``; SmolVLM
+  (``SmolVLMModel``, type ``idefics3``) its checkpoint's ``model.vision_model.*`` and
+  ``model.connector.*`` as they are, ``projector.scale_factor`` and the processor's longest edge as
+  ``preproc_image_size``, its embeddings F32 in every file; its text is ``llama`` (the
+  checkpoint's ``model.text_model.*``).
 - One key the converter does not write: ``clip.vision.window_size`` for a Qwen2.5-VL whose
   window is not llama.cpp's fixed 112 pixels (the tiny model's is 56), so that this file computes
   what the directory computes (llama.cpp reads the key for other projectors; for Qwen2.5-VL it

@@ -21,6 +21,7 @@ Each model side does what mlx-vlm's own ``generate`` path does for that family (
 | Qwen2-VL, Qwen2.5-VL | ``<|vision_start|><|image_pad|><|vision_end|>`` | the pad repeated ``t*h*w/merge**2`` | the tower over the patches | mrope (``get_rope_index``) |
 | Gemma 3 | ``<start_of_image>`` | ``\\n\\n<start_of_image>`` + ``mm_tokens_per_image`` x ``<image_soft_token>`` + ``<end_of_image>\\n\\n`` | SigLIP, pooled, normed, projected, divided by ``sqrt(hidden_size)`` (the text model multiplies every embedding by it) | plain |
 | LLaVA | ``<image>`` | ``<image>`` repeated once per patch (plus one with the ``full`` strategy) | CLIP's hidden states at ``vision_feature_layer``, class token dropped (``default``), projected | plain |
+| Idefics3, SmolVLM | ``<image>`` | each tile's ``<fake_token_around_image><row_r_col_c>`` + its tokens, then the whole image's (:class:`TileLayout`) | SigLIP per tile, pixel shuffle, linear | plain |
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+
+from mlxcel_compat.vision.tiles import TileLayout, llama_language_model
 
 
 @dataclass(frozen=True)
@@ -50,34 +53,6 @@ class AudioFacts:
     max_samples: int  # the longest clip the tokens hold (longer: 400, never cut)
     extractor: str  # "module:Class" of the feature extractor
     extractor_dir: Path = Path(".")
-
-
-@dataclass(frozen=True)
-class TileLayout:
-    """How an image cut into tiles is written in the prompt (Idefics3 / SmolVLM; plain data):
-    each tile of the grid as ``tile_prefix[row][col] + tokens_per_tile x <image>``, ``row_end``
-    between rows, then the whole image as ``gap + global_start + tokens_per_tile x <image> +
-    global_end`` (``gap`` only after a grid), as Idefics3Processor and llama.cpp's mtmd write it."""
-
-    tokens_per_tile: int
-    tile_prefix: tuple[tuple[tuple[int, ...], ...], ...]  # [row][col]: <fake_token_around_image><row_r_col_c>
-    row_end: tuple[int, ...]  # "\n"
-    gap: tuple[int, ...]  # "\n\n"
-    global_start: tuple[int, ...]  # <fake_token_around_image><global-img>
-    global_end: tuple[int, ...]  # <fake_token_around_image>
-
-    def tokens(self, image_token: int, rows: int, cols: int) -> list[int]:
-        tile = [image_token] * self.tokens_per_tile
-        out: list[int] = []
-        for r in range(rows):
-            if r:
-                out += self.row_end
-            for c in range(cols):
-                if r >= len(self.tile_prefix) or c >= len(self.tile_prefix[r]):
-                    raise ValueError(f"an image of {rows}x{cols} tiles is over the {len(self.tile_prefix)}-tile grid "
-                                     "the prompt side knows")
-                out += list(self.tile_prefix[r][c]) + tile
-        return out + list(self.gap if rows else ()) + list(self.global_start) + tile + list(self.global_end)
 
 
 @dataclass(frozen=True)
@@ -419,20 +394,6 @@ class Idefics3(VisionFamily):
     def hidden(self, language: Any, inputs: mx.array, cache: Any, embeds: mx.array | None,
                positions: mx.array | None) -> mx.array:
         return language.model(inputs, cache=cache, input_embeddings=embeds)
-
-
-def llama_language_model(text_config: dict[str, Any], mlx_vlm_language: Any) -> Any:
-    """mlx-lm's Llama with the weights of mlx-vlm's Idefics3 ``LanguageModel`` (which names its
-    layers without the ``model.`` prefix)."""
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
-
-    model = llama.Model(llama.ModelArgs.from_dict(dict(text_config, model_type="llama")))
-    weights = [(name if name.startswith("lm_head.") else f"model.{name}", value)
-               for name, value in tree_flatten(mlx_vlm_language.parameters())]
-    model.load_weights(weights, strict=True)
-    model.eval()
-    return model
 
 
 class _SharedKV:
