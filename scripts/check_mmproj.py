@@ -4,7 +4,8 @@ For each factory family with a served projector type:
 
 1. the factory writes the tiny vision-language directory (mlx-vlm's names and layouts); a copy in
    the Hugging Face checkpoint's layouts (PyTorch's ``(out, in, kh, kw)`` convolutions, Qwen's
-   ``visual.`` names) is what llama.cpp's converter reads;
+   ``visual.`` names, SmolVLM's ``model.vision_model.`` / ``model.connector.`` /
+   ``model.text_model.``) is what llama.cpp's converter reads;
 2. llama.cpp's own converter (``convert_hf_to_gguf.py`` of the peer tree, in a child process
    whose ``get_vocab_base_pre`` answers the factory's pre-tokenizer, as
    ``scripts/check_gguf_architectures.py`` runs it) writes the text GGUF and, with ``--mmproj``,
@@ -28,7 +29,7 @@ alternate sliding and global; the converter writes no pattern, so the check adds
 
 Prints one Markdown row per family (docs/vision.md's table); exits non-zero if any fails.
 
-    .venv/bin/python scripts/check_mmproj.py [--families gemma3]
+    .venv/bin/python scripts/check_mmproj.py [--families gemma3,qwen2_5_vl,qwen2_vl,smolvlm]
 """
 
 from __future__ import annotations

@@ -39,13 +39,15 @@ class TileLayout:
 
 def llama_language_model(text_config: dict[str, Any], mlx_vlm_language: Any) -> Any:
     """mlx-lm's Llama with the weights of mlx-vlm's Idefics3 ``LanguageModel`` (which names its
-    layers without the ``model.`` prefix)."""
+    layers without the ``model.`` prefix and always has a head; a tied text model uses its embeddings)."""
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
     model = llama.Model(llama.ModelArgs.from_dict(dict(text_config, model_type="llama")))
+    tied = not hasattr(model, "lm_head")  # tie_word_embeddings: mlx-vlm's head is a copy of the embeddings
     weights = [(name if name.startswith("lm_head.") else f"model.{name}", value)
-               for name, value in tree_flatten(mlx_vlm_language.parameters())]
+               for name, value in tree_flatten(mlx_vlm_language.parameters())
+               if not (tied and name.startswith("lm_head."))]
     model.load_weights(weights, strict=True)
     model.eval()
     return model
