@@ -135,3 +135,21 @@ def test_smolvlm_tiles_give_mlx_vlms_own_logits() -> None:
     embeds = reference.get_input_embeddings(ids, pixels).inputs_embeds
     theirs = reference.language_model(ids, inputs_embeds=embeds, cache=make_prompt_cache(reference.language_model)).logits
     assert float(mx.abs(ours - theirs).max()) < 1e-4
+
+
+@pytest.mark.parametrize("rows, cols", [(0, 0), (1, 2), (2, 2)])
+def test_smolvlm_tiles_are_written_as_hugging_faces_processor_writes_them(rows: int, cols: int) -> None:
+    """The prompt side's expansion of one image (``TileLayout``) against SmolVLMProcessor's own
+    prompt string for the same grid, tokenized by the model's tokenizer."""
+    from transformers import AutoTokenizer
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    from mlxcel_compat.vision.model import vision_facts
+    from tests.conftest import MODEL_CACHE
+
+    directory = vision.ensure_vision_model(MODEL_CACHE, "smolvlm")
+    facts = vision_facts(directory, json.loads((directory / "config.json").read_text()))
+    per_tile = facts.tiles.tokens_per_tile
+    text = get_image_prompt_string(rows, cols, per_tile, "<fake_token_around_image>", "<image>", "<global-img>")
+    expected = AutoTokenizer.from_pretrained(str(directory)).encode(text, add_special_tokens=False)
+    assert facts.image_tokens((rows * cols + 1) * per_tile, (1, rows, cols)) == expected
