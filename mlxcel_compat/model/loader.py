@@ -278,7 +278,8 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
     if mmproj:
         if adapters:
             raise ValueError("LoRA adapters are not served on vision-language models yet")
-        return _load_gguf_vision(path, model_arg, aliases, name, mmproj, repack, image_min_tokens, image_max_tokens)
+        return _load_gguf_vision(path, model_arg, aliases, name, mmproj, repack, image_min_tokens, image_max_tokens,
+                                 options)
     on_cpu = mx.default_device() == mx.cpu
     summary = None
     affine = None  # mlx_affine.AffineLoad for a quantized directory on the CPU
@@ -417,14 +418,16 @@ def _load_vision(path: Path, model_arg: str, aliases: list[str], name: str | Non
 
 
 def _load_gguf_vision(path: Path, model_arg: str, aliases: list[str], name: str | None, mmproj: str, repack: bool,
-                      image_min_tokens: int, image_max_tokens: int) -> LoadedModel:
+                      image_min_tokens: int, image_max_tokens: int, options: LoadOptions) -> LoadedModel:
     """A text GGUF with its projector GGUF (``model/mmproj.py``): the text model's weights in the
-    file's blocks as alone, the tower's in float32; MLX's own steps (as ``_load_vision``)."""
+    file's blocks as alone (the loading flags too), the tower's in float32; MLX's own steps (as ``_load_vision``)."""
     from mlxcel_compat.model import mmproj as projector
 
+    if options.kv_overrides:
+        log.info("metadata overrides: %s", ", ".join(o.spelled() for o in options.kv_overrides))
     model, tokenizer, config, summary, facts = projector.load_pair(
         path, mmproj, progress=_ProgressLog(path.name), repack=repack, image_min_tokens=image_min_tokens,
-        image_max_tokens=image_max_tokens)
+        image_max_tokens=image_max_tokens, options=options)
     _log_gguf(summary)
     model.warm_up()
     log.info("vision-language model %s (GGUF + projector %s): image token %d, %s", facts.model_type, mmproj,
@@ -434,7 +437,7 @@ def _load_gguf_vision(path: Path, model_arg: str, aliases: list[str], name: str 
     from blake3 import blake3
 
     both = f"{model_fingerprint(path, summary)}+mmproj:{model_fingerprint(Path(mmproj))}"
-    loaded.fingerprint = blake3(both.encode()).hexdigest()  # KV computed with the projector's features
+    loaded.fingerprint = options.mark(blake3(both.encode()).hexdigest())  # KV computed with the projector's features
     return loaded
 
 

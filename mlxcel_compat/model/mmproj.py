@@ -49,18 +49,33 @@ def check_projector(path: str | Path) -> str:
 
 
 def load_pair(text_path: Path, mmproj: str | Path, progress: Any = None, repack: bool = True,
-              image_min_tokens: int = 0, image_max_tokens: int = 0) -> tuple[Any, Any, dict[str, Any], Any, Any]:
+              image_min_tokens: int = 0, image_max_tokens: int = 0,
+              options: Any = None) -> tuple[Any, Any, dict[str, Any], Any, Any]:
     """``(model, tokenizer, config, summary, facts)`` of the pair (engine thread): the text GGUF's
-    model joined with the projector's tower (``vision.gguf_model``), float32 on the CPU."""
+    model joined with the projector's tower (``vision.gguf_model``), float32 on the CPU.
+
+    ``options`` (``model/load_options.py``) load the text GGUF as they load it alone:
+    ``--override-kv``, ``--no-mmap``/``--mlock`` and the RoPE flags. The text model's RoPE
+    modules run inside mlx-vlm's model (Gemma 3's move in with its layers; SmolVLM's text model is
+    the GGUF's whole) and its ``rope_theta`` configures Qwen-VL's multimodal RoPE; that one has
+    no linear or YaRN scaling, so those flags on a Qwen-VL pair are refused rather than ignored."""
     import mlx.core as mx
 
     from mlxcel_compat.gguf.load import load_gguf
+    from mlxcel_compat.vision.families import family_of
     from mlxcel_compat.vision.gguf_model import load_gguf_vision
     from mlxcel_compat.vision.gguf_projector import projector_kind
 
     projector = read_projector(mmproj)
-    projector_kind(projector)  # an unknown type fails before the text model loads
-    text_model, tokenizer, text_config, summary = load_gguf(str(text_path), progress=progress, repack=repack)
+    kind = projector_kind(projector)  # an unknown type fails before the text model loads
+    rope = getattr(options, "rope", None)
+    if rope and family_of({"model_type": kind.model_type}).mrope and any(
+            (rope.scaling, rope.scale, rope.freq_scale, rope.yarn_orig_ctx, rope.yarn_beta_fast, rope.yarn_beta_slow)):
+        raise ValueError(f"the RoPE scaling flags do not apply to {projector.projector_type}'s multimodal RoPE "
+                         "(--rope-freq-base does)")
+    loading = {} if options is None else dict(kv_overrides=options.kv_overrides, use_mmap=options.use_mmap,
+                                               mlock=options.mlock, adjust_config=rope.apply if rope else None)
+    text_model, tokenizer, text_config, summary = load_gguf(str(text_path), progress=progress, repack=repack, **loading)
     model, config, facts = load_gguf_vision(text_model, text_config, tokenizer, projector,
                                             image_min_tokens, image_max_tokens)
     if mx.default_device() == mx.cpu:

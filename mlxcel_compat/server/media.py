@@ -398,9 +398,9 @@ class ImageInput:
                 items.append(image.digest_item)
                 expanded.extend(facts.before)
                 start = len(expanded)
-                expanded.extend([facts.image_token_id] * image.count)
+                expanded.extend(facts.image_tokens(image.count, image.grid))  # Idefics3: text between its tiles
+                media.images.append(MediaImage(image.pixel_values, image.grid, (start, len(expanded))))
                 expanded.extend(facts.after)
-                media.images.append(MediaImage(image.pixel_values, image.grid, (start, start + image.count)))
             last = at + 1
         expanded.extend(tokens[last:])
         return expanded, media, multimodal_digest(items)

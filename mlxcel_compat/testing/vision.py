@@ -1,5 +1,5 @@
 """Tiny random-weight vision-language directories for tests (Qwen2.5-VL, Qwen2-VL, Gemma 3,
-LLaVA): a real vision tower, a real image processor; and Gemma 3n (``--family gemma3n``): a real
+LLaVA, SmolVLM): a real vision tower, a real image processor; and Gemma 3n (``--family gemma3n``): a real
 audio tower, a real audio feature extractor.
 
 Each model is mlx-vlm's own classes for its ``model_type`` at tiny sizes (2-block vision towers of
@@ -20,7 +20,10 @@ that a real checkpoint of the family runs, in milliseconds.
   14-pixel patches, 2x2 merge, temporal patch 2, CLIP mean/std, and a small ``max_pixels``
   (28*28*16: at most 16 image tokens an image). Gemma 3: 56-pixel images (SigLIP, 4x4 patches
   pooled to 4 tokens), a sliding window of 24 tokens on its local layers (shorter than the tests'
-  prompts). LLaVA: 56-pixel center crops (CLIP, 16 tokens, a Llama text model).
+  prompts). LLaVA: 56-pixel center crops (CLIP, 16 tokens, a Llama text model). SmolVLM: images
+  resized to 112 pixels on the longest edge and cut into 56-pixel tiles (at most 2x2) plus the
+  whole image, 4 tokens a tile (SigLIP-like tower, pixel shuffle by 2), a Llama text model; its
+  vocabulary holds ``\n\n`` as one token, as SmolLM2's does (llama.cpp's mtmd looks it up as one).
 - Gemma 3n: a 4-layer text model (sliding and full attention, the last 2 layers sharing KV, AltUp,
   per-layer inputs) with a 2-block conformer audio tower of width 32 over 16 mel bins; 8 tokens a
   clip (1.28 s at 16 kHz). Its vision tower is not written (see ``_gemma3n_config``).
@@ -30,8 +33,8 @@ model of width 512 (~45M parameters), and the real processor's image sizes (a 44
 becomes 256 image tokens): for benchmarks whose ratios need a first turn that costs what a real
 one's vision tower and image prefill cost (``scripts/bench_vision_ttft.py``), not for tests.
 
-Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|gemma3|llava|gemma3n] [--size small]``;
-with ``--format gguf`` (Gemma 3, Qwen2.5-VL, Qwen2-VL) the directory's GGUF pair instead, the text model and
+Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|gemma3|llava|smolvlm|gemma3n] [--size small]``;
+with ``--format gguf`` (Gemma 3, Qwen2.5-VL, Qwen2-VL, SmolVLM) the directory's GGUF pair instead, the text model and
 its ``mmproj-*.gguf`` projector as llama.cpp's converter writes them (``testing/vision_gguf.py``).
 """
 
@@ -57,6 +60,10 @@ FAMILY_TOKENS: dict[str, tuple[str, ...]] = {
     "qwen2_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
     "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
     "llava": ("<image>",),
+    # SmolVLM (Idefics3's layout): "\n\n" is one token in SmolLM2's vocabulary (llama.cpp's mtmd looks it up
+    # as one), the row/column tokens of a 2x2 grid, the most the tiny processor cuts an image into.
+    "smolvlm": ("<fake_token_around_image>", "<image>", "<global-img>", "\n\n", "<row_1_col_1>", "<row_1_col_2>",
+                "<row_2_col_1>", "<row_2_col_2>"),
     # Gemma 3n's layout at tiny size: two text-range markers, then the vision vocabulary (its first id
     # the vision offset, <end_of_image> at it), then the audio vocabulary (<end_of_audio> at its offset).
     "gemma3n": ("<start_of_image>", "<start_of_audio>", "<end_of_image>", "<image_soft_token>", "<vision_2>",
@@ -68,7 +75,8 @@ FAMILIES: tuple[str, ...] = tuple(f for f in ALL_FAMILIES if f not in AUDIO_FAMI
 # What each family's chat template writes for one image part (the server expands it).
 TEMPLATE_IMAGE = {"qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                   "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-                  "gemma3": "<start_of_image>", "llava": "<image>", "gemma3n": "<image_soft_token>"}
+                  "gemma3": "<start_of_image>", "llava": "<image>", "gemma3n": "<image_soft_token>",
+                  "smolvlm": "<image>"}
 # What the template writes for one audio part (families with an audio tower): Gemma 3n's soft token.
 TEMPLATE_AUDIO = {"gemma3n": "<audio_soft_token>"}
 PATCH_SIZE = 14
@@ -78,6 +86,8 @@ MAX_PIXELS = 28 * 28 * 16  # at most 16 merged tokens an image: tests stay fast
 # Gemma 3 and LLaVA: fixed-size images of 4x4 patches (SigLIP / CLIP towers at 56 pixels).
 IMAGE_SIZE = 56
 GEMMA_TOKENS_PER_IMAGE = 4  # the 4x4 patches average-pooled 2x2
+SMOLVLM_SCALE = 2  # SmolVLM's pixel shuffle: 4x4 patches a tile become 2x2 = 4 tokens
+SMOLVLM_LONGEST_EDGE = 2 * IMAGE_SIZE  # at most a 2x2 grid of tiles, plus the whole image as one more
 SLIDING_WINDOW = 24  # Gemma 3's local layers: shorter than the tests' prompts, so the window matters
 # CLIP's normalisation, as Qwen2-VL's and LLaVA's processor configs have it; Gemma 3's is 0.5.
 IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -109,7 +119,7 @@ def vocab_size(family: str) -> int:
 
 _ARCHITECTURES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
                   "gemma3": "Gemma3ForConditionalGeneration", "llava": "LlavaForConditionalGeneration",
-                  "gemma3n": "Gemma3nForConditionalGeneration"}
+                  "gemma3n": "Gemma3nForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration"}
 
 
 def _vision_config(family: str) -> dict[str, Any]:
@@ -158,6 +168,24 @@ def _llava_config() -> dict[str, Any]:
         vision_config=_vision_config("llava"), vocab_size=vocab_size("llava"),
         image_token_index=vision_token_id("<image>", "llava"), vision_feature_layer=-2,
         vision_feature_select_strategy="default", projector_hidden_act="gelu",
+        bos_token_id=None, eos_token_id=EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT), torch_dtype="float32",
+    )
+
+
+def _smolvlm_config() -> dict[str, Any]:
+    """SmolVLM's layout (Idefics3's): a Llama ``text_config``, a SigLIP-like ``vision_config`` of
+    56-pixel tiles (4x4 patches), the connector's pixel shuffle by ``scale_factor`` 2 (4 tokens a
+    tile). LayerNorm epsilon 1e-5 everywhere (mlx-vlm's post-layernorm takes MLX's default)."""
+    text = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=192, num_attention_heads=4,
+                num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab_size("smolvlm"), rope_theta=100000.0,
+                max_position_embeddings=32768, tie_word_embeddings=False,
+                architectures=["VLlama3ForCausalLM"])  # as SmolVLM's: llama.cpp's converter takes its text by it
+    vision_config = dict(model_type="smolvlm_vision", num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                         num_attention_heads=2, patch_size=PATCH_SIZE, image_size=IMAGE_SIZE, num_channels=3,
+                         layer_norm_eps=1e-5)
+    return dict(
+        model_type="smolvlm", architectures=[_ARCHITECTURES["smolvlm"]], text_config=text, vision_config=vision_config,
+        vocab_size=vocab_size("smolvlm"), scale_factor=SMOLVLM_SCALE, image_token_id=vision_token_id("<image>", "smolvlm"),
         bos_token_id=None, eos_token_id=EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT), torch_dtype="float32",
     )
 
@@ -216,6 +244,8 @@ def model_config(family: str = "qwen2_5_vl", size: str = "tiny") -> dict[str, An
         return _gemma3n_config()
     if family == "llava":
         return _llava_config()
+    if family == "smolvlm":
+        return _smolvlm_config()
     vision = _vision_config(family)
     return dict(
         model_type=family, architectures=[_ARCHITECTURES[family]],
@@ -257,6 +287,14 @@ def preprocessor_config(family: str = "qwen2_5_vl", size: str = "tiny") -> dict[
             "do_pan_and_scan": None, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2,
             "rescale_factor": 1 / 255, "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
             "image_seq_length": GEMMA_TOKENS_PER_IMAGE,
+        }
+    if family == "smolvlm":  # images resized to 112 on the longest edge, cut into 56-pixel tiles plus the whole
+        return {
+            "image_processor_type": "SmolVLMImageProcessor", "processor_class": "SmolVLMProcessor",
+            "do_convert_rgb": True, "do_resize": True, "do_rescale": True, "do_normalize": True,
+            "do_image_splitting": True, "do_pad": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+            "resample": 1, "rescale_factor": 1 / 255, "size": {"longest_edge": SMOLVLM_LONGEST_EDGE},
+            "max_image_size": {"longest_edge": IMAGE_SIZE},
         }
     if family == "llava":  # llava-hf's checkpoints name CLIP's processor
         return {

@@ -17,7 +17,11 @@ converter's conventions are applied here, independently of the loader that undoe
   (``Qwen2VLVisionModel``) splits the fused ``qkv`` into ``attn_q/k/v`` and the 3-D patch
   convolution into two 2-D ones (``v.patch_embd.weight`` and ``.weight.1``), and writes
   ``n_wa_pattern`` from ``fullatt_block_indexes``; Qwen2-VL the same splits, its ``embed_dim`` as
-  the width and its ``hidden_size`` (the merger's output) as ``feed_forward_length``.
+  the width and its ``hidden_size`` (the merger's output) as ``feed_forward_length``; SmolVLM
+  (``SmolVLMModel``, type ``idefics3``) its checkpoint's ``model.vision_model.*`` and
+  ``model.connector.*`` as they are, ``projector.scale_factor`` and the processor's longest edge as
+  ``preproc_image_size``, its embeddings F32 in every file; its text is ``llama`` (the
+  checkpoint's ``model.text_model.*``).
 - One key the converter does not write: ``clip.vision.window_size`` for a Qwen2.5-VL whose
   window is not llama.cpp's fixed 112 pixels (the tiny model's is 56), so that this file computes
   what the directory computes (llama.cpp reads the key for other projectors; for Qwen2.5-VL it
@@ -49,6 +53,7 @@ GGUF_VISION: dict[str, tuple[str, str, str, str]] = {
     "gemma3": ("gemma3_text", "gemma3", "gpt-2", "gemma3"),
     "qwen2_5_vl": ("qwen2", "qwen2vl", "qwen2", "qwen2.5vl"),
     "qwen2_vl": ("qwen2", "qwen2vl", "qwen2", "qwen2vl_merger"),
+    "smolvlm": ("llama", "llama", "gpt-2", "idefics3"),
 }
 GGUF_VISION_FAMILIES: tuple[str, ...] = tuple(GGUF_VISION)
 MMPROJ_TYPES = ("f32", "f16", "q8_0")
@@ -73,6 +78,8 @@ def _text_config(family: str, config: dict[str, Any]) -> dict[str, Any]:
         n, period = text["num_hidden_layers"], text["sliding_window_pattern"]
         return dict(text, rope_theta=text["rope_global_base_freq"],
                     layer_types=["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)])
+    if family == "smolvlm":
+        return dict(config["text_config"])
     return {k: v for k, v in config.items() if k != "rope_scaling"}  # M-RoPE: its sections, written apart
 
 
@@ -85,6 +92,8 @@ def write_text_gguf(family: str, directory: Path, weights: dict[str, Any], out: 
     text_config = _text_config(family, config)
     text_weights = {name.removeprefix("language_model."): value for name, value in weights.items()
                     if name.startswith("language_model.")}
+    if family == "smolvlm":  # mlx-vlm's Idefics3 language model names its layers without "model."
+        text_weights = {k if k.startswith("lm_head.") else f"model.{k}": v for k, v in text_weights.items()}
     if family == "gemma3":
         # Gemma 3 ties its head to the embeddings (its checkpoints hold no lm_head, so the converter
         # writes no output.weight); mlx-vlm ties it whatever a directory holds, so the factory's
@@ -118,6 +127,8 @@ def _checkpoint_tensors(family: str, weights: dict[str, np.ndarray]) -> list[tup
                 value = value.transpose(0, 4, 1, 2, 3)
         elif name.endswith("patch_embedding.weight"):  # mlx (O, H, W, I) -> torch (O, I, H, W)
             value = value.transpose(0, 3, 1, 2)
+        if family == "smolvlm":  # SmolVLM's checkpoint: model.vision_model.*, model.connector.*
+            name = "model." + name
         out.append((name, value))
     return out
 
@@ -185,6 +196,18 @@ def write_mmproj_gguf(family: str, directory: Path, weights: dict[str, Any], out
         scale = (int(vision["image_size"]) // int(vision["patch_size"])) // per_side
         if scale > 0 and scale != 4:
             writer.add_vision_projector_scale_factor(scale)
+    elif family == "smolvlm":  # the converter's SmolVLMModel
+        n_blocks = int(vision["num_hidden_layers"])
+        writer.add_vision_image_size(int(vision["image_size"]))
+        writer.add_vision_embedding_length(int(vision["hidden_size"]))
+        writer.add_vision_feed_forward_length(int(vision["intermediate_size"]))
+        writer.add_vision_block_count(n_blocks)
+        writer.add_vision_head_count(int(vision["num_attention_heads"]))
+        writer.add_clip_projector_type(gguf.VisionProjectorType.IDEFICS3)
+        writer.add_vision_attention_layernorm_eps(float(vision.get("layer_norm_eps", 1e-5)))
+        writer.add_vision_projector_scale_factor(int(config.get("scale_factor", 2)))
+        writer.add_vision_use_gelu(True)
+        writer.add_vision_preproc_image_size(int(processor["size"]["longest_edge"]))
     elif family == "qwen2_vl":  # the converter's renames: embed_dim is the width, hidden_size the "FFN"
         n_blocks = int(vision["depth"])
         writer.add_vision_image_size(int(vision.get("image_size", 560)))
@@ -227,7 +250,7 @@ def _stored_type(family: str, name: str, data: np.ndarray, mmproj_type: str) -> 
     file's type (Q8_0 where rows are whole 32-value blocks, else F16)."""
     if family == "gemma3" and "input_projection" in name:
         return "f16"
-    if (family == "gemma3" and name.startswith(("v.patch_embd", "v.position_embd"))) or ".position_embd." in name:
+    if (family in ("gemma3", "smolvlm") and name.startswith(("v.patch_embd", "v.position_embd"))) or ".position_embd." in name:
         return "f32"
     if data.ndim < 2 or mmproj_type == "f32":
         return "f32"

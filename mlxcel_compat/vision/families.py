@@ -21,6 +21,7 @@ Each model side does what mlx-vlm's own ``generate`` path does for that family (
 | Qwen2-VL, Qwen2.5-VL | ``<|vision_start|><|image_pad|><|vision_end|>`` | the pad repeated ``t*h*w/merge**2`` | the tower over the patches | mrope (``get_rope_index``) |
 | Gemma 3 | ``<start_of_image>`` | ``\\n\\n<start_of_image>`` + ``mm_tokens_per_image`` x ``<image_soft_token>`` + ``<end_of_image>\\n\\n`` | SigLIP, pooled, normed, projected, divided by ``sqrt(hidden_size)`` (the text model multiplies every embedding by it) | plain |
 | LLaVA | ``<image>`` | ``<image>`` repeated once per patch (plus one with the ``full`` strategy) | CLIP's hidden states at ``vision_feature_layer``, class token dropped (``default``), projected | plain |
+| Idefics3, SmolVLM | ``<image>`` | each tile's ``<fake_token_around_image><row_r_col_c>`` + its tokens, then the whole image's (:class:`TileLayout`) | SigLIP per tile, pixel shuffle, linear | plain |
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+
+from mlxcel_compat.vision.tiles import TileLayout, llama_language_model
 
 
 @dataclass(frozen=True)
@@ -77,12 +80,17 @@ class VisionFacts:
     # The processor's settings when no preprocessor_config.json holds them (a GGUF projector's
     # metadata, vision/gguf_projector.py): the processor is built from these instead.
     processor_config: dict[str, Any] | None = None
+    tiles: TileLayout | None = None  # an image cut into tiles (Idefics3): its tokens interleave text
     images: bool = True  # the family's images are served (Gemma 3n: not yet, its audio is)
     audio: AudioFacts | None = None  # the family's audio input, when it has an audio tower
 
     def image_token_count(self, processed: Any) -> tuple[int, tuple[int, int, int]]:
         """``(tokens, grid_thw)`` of one image from its processor output; ``grid_thw`` is
         Qwen's patch grid, ``(1, 1, 1)`` for a family whose images have a fixed size."""
+        if self.tiles is not None:  # (1, tiles, 3, H, W); the grid from return_row_col_info (absent: one tile)
+            tiles = int(np.asarray(processed["pixel_values"]).shape[1])
+            rows, cols = (int(np.asarray(processed[k]).reshape(-1)[0]) if k in processed else 0 for k in ("rows", "cols"))
+            return tiles * self.tiles.tokens_per_tile, (1, rows, cols)
         if "image_grid_thw" in processed:
             grid = tuple(int(x) for x in processed["image_grid_thw"][0])
             return grid[0] * grid[1] * grid[2] // (self.merge_size ** 2), grid  # type: ignore[return-value]
@@ -90,6 +98,12 @@ class VisionFacts:
             return self.tokens_per_image, (1, 1, 1)
         height, width = processed["pixel_values"].shape[-2:]
         return (height // self.patch_size) * (width // self.patch_size) + self.extra_tokens, (1, 1, 1)
+
+    def image_tokens(self, count: int, grid: tuple[int, int, int]) -> list[int]:
+        """The tokens one image of ``count`` image tokens becomes (between ``before`` and ``after``)."""
+        if self.tiles is not None:
+            return self.tiles.tokens(self.image_token_id, grid[1], grid[2])
+        return [self.image_token_id] * count
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -310,6 +324,78 @@ class Llava(_FixedSize):
         return projected.reshape(-1, projected.shape[-1])
 
 
+class Idefics3(VisionFamily):
+    """Idefics3 and SmolVLM: the image resized to ``size.longest_edge``, cut into tiles of the
+    tower's size plus the whole image shrunk to one tile (Idefics3ImageProcessor), each tile through
+    SigLIP, pixel-shuffled by ``scale_factor`` and projected (the connector); the tiles' tokens
+    interleave ``<fake_token_around_image><row_r_col_c>`` markers (:class:`TileLayout`).
+
+    The language model is mlx-lm's Llama holding the checkpoint's text weights, in place of
+    mlx-vlm's own copy of it (the same layers, RoPE and norms): a GGUF pair's text model, loaded
+    by ``gguf/load.py`` on the block kernels, then takes that place whole (``vision/gguf_model.py``)."""
+
+    model_types = ("idefics3", "smolvlm")
+    processors = {
+        "SmolVLMImageProcessor": "transformers.models.smolvlm.image_processing_pil_smolvlm:SmolVLMImageProcessorPil",
+        "Idefics3ImageProcessor": "transformers.models.idefics3.image_processing_pil_idefics3:Idefics3ImageProcessorPil",
+    }
+    MAX_GRID = 8  # rows and columns whose <row_r_col_c> markers the prompt side tokenizes
+
+    def facts_from(self, config: dict[str, Any], tokenizer: Any, processor: str,
+                   processor_config: dict[str, Any] | None, processor_dir: Path = Path(".")) -> VisionFacts:
+        vision = config.get("vision_config") or {}
+        side = int(vision.get("image_size", 384)) // int(vision.get("patch_size", 14))
+        image = int(config.get("image_token_id", config.get("image_token_index", 49153)))
+
+        vocab = tokenizer.get_vocab()
+
+        def ids(text: str) -> tuple[int, ...]:
+            return tuple(int(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+        def piece(text: str) -> tuple[int, ...]:
+            # One vocabulary entry that is this text, as llama.cpp's mtmd looks it up (spelled as is, or in
+            # byte-level BPE's letters: a GGUF's tokenizer lists an added "\n\n" as "ĊĊ"); else the text's tokens.
+            for spelling in (text, text.replace("\n", "\u010a")):
+                if spelling in vocab:
+                    return (int(vocab[spelling]),)
+            return ids(text)
+
+        prefixes = tuple(tuple(ids(f"<fake_token_around_image><row_{r}_col_{c}>") for c in range(1, self.MAX_GRID + 1))
+                         for r in range(1, self.MAX_GRID + 1))
+        layout = TileLayout(tokens_per_tile=(side // int(config.get("scale_factor", 2))) ** 2, tile_prefix=prefixes,
+                            row_end=piece("\n"), gap=piece("\n\n"), global_start=ids("<fake_token_around_image><global-img>"),
+                            global_end=ids("<fake_token_around_image>"))
+        return VisionFacts(model_type=str(config["model_type"]), image_token_id=image, marker=(image,), expand_token=image,
+                           tiles=layout, processor=processor, processor_kwargs={"return_row_col_info": True},
+                           processor_dir=processor_dir, processor_config=processor_config)
+
+    def features(self, vlm: Any, images: list[Any]) -> mx.array:
+        tiles = np.concatenate([np.asarray(img.pixel_values).reshape(-1, *img.pixel_values.shape[-3:]) for img in images])
+        tower = vlm.vision_model
+        pixels = mx.array(tiles).transpose(0, 2, 3, 1).astype(tower.embeddings.patch_embedding.weight.dtype)
+        hidden, *_ = tower(pixels)
+        projected = vlm.connector(hidden)
+        return projected.reshape(-1, projected.shape[-1])
+
+    def blank_image(self, vlm: Any) -> Any:
+        from mlxcel_compat.vision.inputs import MediaImage
+
+        size = int(vlm.config.vision_config.image_size)
+        return MediaImage(np.zeros((1, 1, 3, size, size), np.float32), (1, 0, 0), (0, 1))
+
+    def load(self, path: Path) -> Any:
+        import json
+
+        vlm = super().load(path)
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        vlm.language_model = llama_language_model(config["text_config"], vlm.language_model)
+        return vlm
+
+    def hidden(self, language: Any, inputs: mx.array, cache: Any, embeds: mx.array | None,
+               positions: mx.array | None) -> mx.array:
+        return language.model(inputs, cache=cache, input_embeddings=embeds)
+
+
 class _SharedKV:
     """One KV layer for one forward pass, as Gemma 3n's KV-sharing layers need it: ``state`` is the
     keys and values held so far, this chunk's included (mlx-lm's cache, which the engine keeps,
@@ -464,7 +550,8 @@ class Gemma3n(VisionFamily):
         return language.model(inputs, inputs_embeds=embeds, cache=layers, per_layer_inputs=per_layer)
 
 
-FAMILIES: dict[str, VisionFamily] = {t: f for f in (Qwen2VL(), Gemma3(), Llava(), Gemma3n()) for t in f.model_types}
+FAMILIES: dict[str, VisionFamily] = {t: f for f in (Qwen2VL(), Gemma3(), Llava(), Idefics3(), Gemma3n())
+                                     for t in f.model_types}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 

@@ -37,6 +37,7 @@ MARKER_TOKENS: dict[str, tuple[str, ...]] = {
     "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
     "qwen2_5_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
     "qwen2_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+    "idefics3": ("<fake_token_around_image>", "<image>", "<global-img>"),
 }
 OPTIONAL_TOKENS = ("<|video_pad|>",)
 
@@ -115,7 +116,10 @@ def load_gguf_vision(text_model: nn.Module, text_config: dict[str, Any], tokeniz
     kind = projector_kind(projector)
     config = kind.vlm_config(projector, text_config, _token_ids(tokenizer, kind.model_type, projector.path))
     vlm = _vlm(config)
-    transplant(text_model, vlm.language_model)
+    if kind.whole_text_model:
+        vlm.language_model = text_model
+    else:
+        transplant(text_model, vlm.language_model)
     shapes = {name: tuple(p.shape) for name, p in tree_flatten(vlm.parameters()) if not name.startswith("language_model.")}
     import mlx.core as mx
 

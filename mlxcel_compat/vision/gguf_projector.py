@@ -26,6 +26,7 @@ function that returns one tensor's float32 values in NumPy order, so it holds no
 | ``gemma3`` | ``gemma3`` | SigLIP | average pool (``projector.scale_factor``, default 4), RMS norm, linear |
 | ``qwen2.5vl_merger`` | ``qwen2_5_vl`` | windowed ViT (``n_wa_pattern``; window ``clip.vision.window_size``, else 112) | 2x2 patch merger MLP |
 | ``qwen2vl_merger`` | ``qwen2_vl`` | ViT (LayerNorm, GELU MLP) | the same merger |
+| ``idefics3`` | ``idefics3`` (mlx-lm's Llama as its text model) | SigLIP over tiles | pixel shuffle, linear |
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import numpy as np
 ReadTensor = Callable[[str], np.ndarray]  # GGUF tensor name -> float32 values in NumPy order
 
 GEMMA3_PROCESSOR = "transformers.models.gemma3.image_processing_pil_gemma3:Gemma3ImageProcessorPil"
+IDEFICS3_PROCESSOR = "transformers.models.idefics3.image_processing_pil_idefics3:Idefics3ImageProcessorPil"
 QWEN2VL_PROCESSOR = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl:Qwen2VLImageProcessorPil"
 
 
@@ -83,6 +85,9 @@ class ProjectorKind:
 
     types: tuple[str, ...] = ()
     model_type = ""
+    # The text GGUF's model replaces mlx-vlm's language model whole (its family runs mlx-lm's model),
+    # rather than lending it its layers path by path (vision/gguf_model.py: transplant).
+    whole_text_model = False
 
     def vlm_config(self, projector: ProjectorFile, text: dict[str, Any], token_ids: dict[str, int]) -> dict[str, Any]:
         raise NotImplementedError
@@ -258,7 +263,49 @@ class Qwen2VLProjector(Qwen25VLProjector):
                     layer_norm_eps=float(projector.vision("attention.layer_norm_epsilon", 1e-6)))
 
 
-KINDS: dict[str, ProjectorKind] = {t: k for k in (Gemma3Projector(), Qwen25VLProjector(), Qwen2VLProjector())
+class Idefics3Projector(ProjectorKind):
+    """Idefics3 / SmolVLM: SigLIP over tiles of ``image_size``, then the connector's pixel shuffle
+    (``projector.scale_factor``) and one linear projection (``mm.model.fc``). Images are resized to
+    ``preproc_image_size`` on their longest edge and cut into tiles plus the whole image, as
+    Idefics3ImageProcessor does (llama.cpp's mtmd too, except that it also cuts an image of one
+    tile, encoding it twice: as the whole and as a 1x1 grid)."""
+
+    types = ("idefics3",)
+    model_type = "idefics3"
+    whole_text_model = True
+
+    def vlm_config(self, projector: ProjectorFile, text: dict[str, Any], token_ids: dict[str, int]) -> dict[str, Any]:
+        vision = dict(model_type="idefics3_vision", num_hidden_layers=int(projector.vision("block_count")),
+                      hidden_size=int(projector.vision("embedding_length")),
+                      intermediate_size=int(projector.vision("feed_forward_length")),
+                      num_attention_heads=int(projector.vision("attention.head_count")),
+                      patch_size=int(projector.vision("patch_size")), image_size=int(projector.vision("image_size")),
+                      num_channels=3, layer_norm_eps=float(projector.vision("attention.layer_norm_epsilon", 1e-5)))
+        scale = int(projector.metadata.get("clip.vision.projector.scale_factor") or 2)
+        return dict(model_type="idefics3", text_config=dict(text, model_type="llama"), vision_config=vision,
+                    vocab_size=int(text["vocab_size"]), scale_factor=scale, image_token_id=token_ids["<image>"],
+                    eos_token_id=text.get("eos_token_id"))
+
+    def processor(self, projector: ProjectorFile, min_tokens: int, max_tokens: int) -> Processor:
+        tile = int(projector.vision("image_size"))
+        longest = int(projector.metadata.get("clip.vision.preproc_image_size") or tile)
+        config = dict(do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True, rescale_factor=1 / 255,
+                      resample=1, do_image_splitting=True, do_pad=True, size={"longest_edge": longest},
+                      max_image_size={"longest_edge": tile},
+                      image_mean=[float(x) for x in projector.vision("image_mean")],
+                      image_std=[float(x) for x in projector.vision("image_std")])
+        return Processor(IDEFICS3_PROCESSOR, config)
+
+    def checkpoint_name(self, mlx_name: str) -> str:
+        return "model." + mlx_name  # model.vision_model.*, model.connector.*
+
+    def read(self, projector: ProjectorFile, mlx_name: str, gguf_name: str) -> np.ndarray:
+        value = projector.read(gguf_name)
+        return _channels_last(value) if mlx_name.endswith("patch_embedding.weight") else value
+
+
+KINDS: dict[str, ProjectorKind] = {t: k for k in (Gemma3Projector(), Qwen25VLProjector(), Qwen2VLProjector(),
+                                                  Idefics3Projector())
                                    for t in k.types}
 SERVED_PROJECTOR_TYPES: tuple[str, ...] = tuple(KINDS)
 

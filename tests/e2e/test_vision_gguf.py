@@ -24,7 +24,8 @@ from tests.e2e.test_vision import SYSTEM, data_uri, png, user
 
 pytestmark = pytest.mark.e2e
 
-FAMILIES = [pytest.param("qwen2_5_vl"), pytest.param("gemma3", marks=pytest.mark.slow)]
+FAMILIES = [pytest.param("qwen2_5_vl"), pytest.param("gemma3", marks=pytest.mark.slow),
+            pytest.param("smolvlm", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -57,12 +58,12 @@ def ask(oai: openai.OpenAI, messages: list[dict[str, Any]], cold: bool = False) 
 
 def first_image_token(served, pair, messages: list[dict[str, Any]]) -> int:
     """The text before the image marker, tokenized by the server, plus the marker's tokens before
-    the one the server expands (Qwen: ``<|vision_start|>``; Gemma 3: ``\\n\\n<start_of_image>``)."""
+    the one the server expands (Qwen: ``<|vision_start|>``; Gemma 3: ``\\n\\n<start_of_image>``; SmolVLM: none)."""
     family = pair[0]
     prompt = httpx.post(served.base_url + "/apply-template", json={"messages": messages}).json()["prompt"]
     head = prompt[: prompt.index(vision.TEMPLATE_IMAGE[family])]
     tokens = httpx.post(served.base_url + "/tokenize", json={"content": head}).json()["tokens"]
-    return len(tokens) + (1 if family == "qwen2_5_vl" else 3)
+    return len(tokens) + {"qwen2_5_vl": 1, "gemma3": 3, "smolvlm": 0}[family]  # SmolVLM: <image> is expanded whole
 
 
 def test_props_say_vision_and_an_image_is_answered(served, oai: openai.OpenAI) -> None:

@@ -1,4 +1,4 @@
-"""The factory's tiny vision-language models (Qwen2.5-VL, Qwen2-VL, Gemma 3, LLaVA) on the engine: images
+"""The factory's tiny vision-language models (Qwen2.5-VL, Qwen2-VL, Gemma 3, LLaVA, SmolVLM) on the engine: images
 through the vision tower, logits equal to mlx-vlm's own forward pass, and the prompt cache's
 whole-image rule in RAM, on disk and in a slot's kept state.
 
@@ -27,7 +27,10 @@ from mlxcel_compat.testing import vision
 from tests.engine.harness import EngineHarness, Run, collect, disk_tier_harness
 
 
-@pytest.fixture(scope="module", params=vision.FAMILIES)
+# SmolVLM's engine rows run with --slow (the suite's budget); tests/testing/test_vision_factory.py checks its
+# logits against mlx-vlm's by default, tests/vision/test_gguf_projector.py its GGUF pair.
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=[pytest.mark.slow] if f == "smolvlm" else [])
+                                        for f in vision.FAMILIES])
 def vlm_dir(request: pytest.FixtureRequest) -> Path:
     from tests.conftest import MODEL_CACHE
 
@@ -116,7 +119,10 @@ def test_chunked_prefill_with_images_gives_mlx_vlms_own_logits(vlm_dir: Path, im
     tokens = request.prompt_tokens
     bound, cache = model.bind(request.media, tokens), make_prompt_cache(model)
     ours = mx.concatenate([bound(mx.array(tokens[i : i + 5])[None], cache=cache) for i in range(0, len(tokens), 5)], axis=1)
-    vlm, ids = model.vlm, mx.array(tokens)[None]
+    # mlx-vlm's own model, as its loader builds it (Idefics3's text model is swapped for mlx-lm's Llama here)
+    from mlx_vlm.utils import load_model
+
+    vlm, ids = load_model(vlm_dir), mx.array(tokens)[None]
     pixels = mx.array(np.concatenate([img.pixel_values for img in request.media.images]))
     extra: dict[str, Any] = {}
     if model.family.mrope:
@@ -126,6 +132,7 @@ def test_chunked_prefill_with_images_gives_mlx_vlms_own_logits(vlm_dir: Path, im
     own_cache = language.make_cache() if hasattr(language, "make_cache") else make_prompt_cache(language)
     theirs = language(ids, inputs_embeds=embeds, cache=own_cache, **extra).logits
     assert float(mx.abs(ours - theirs).max()) < 1e-4
+    language = model.vlm.language_model
     text = list(tokenizer.encode("Only words, no picture.", add_special_tokens=False))
     plain = model(mx.array(text)[None], cache=make_prompt_cache(model))
     language_alone = language.model(mx.array(text)[None], cache=make_prompt_cache(model), **(

@@ -74,6 +74,11 @@ def test_the_image_processor_keeps_images_within_the_configured_size(vlm_dir: Pa
     if family(vlm_dir).startswith("qwen"):
         assert t == 1 and h * w * 14 * 14 <= vision.MAX_PIXELS and count == h * w // 4
         assert out["pixel_values"].shape == (h * w, 3 * 2 * 14 * 14)
+    elif family(vlm_dir) == "smolvlm":  # 1200x900 -> 112x84 -> 112x112: a 2x2 grid of 56-pixel tiles, and the whole
+        assert out["pixel_values"].shape == (1, 5, 3, vision.IMAGE_SIZE, vision.IMAGE_SIZE) and (h, w) == (2, 2)
+        assert count == 5 * 4  # 4 tokens a tile; then 2 markers a tile, newline, blank line, 2 + 1 around the whole
+        tokens = facts.image_tokens(count, (t, h, w))
+        assert tokens.count(facts.image_token_id) == count and len(tokens) == count + 4 * 2 + 1 + 1 + 2 + 1
     else:  # a fixed-size image: 4x4 patches of 14 pixels
         assert out["pixel_values"].shape == (1, 3, vision.IMAGE_SIZE, vision.IMAGE_SIZE)
         assert count == (vision.GEMMA_TOKENS_PER_IMAGE if family(vlm_dir) == "gemma3" else 16)
@@ -94,3 +99,57 @@ def test_the_small_qwen_is_a_consistent_config_for_benchmarks_and_only_qwen_has_
     for family in ("gemma3", "llava", "qwen2_vl"):
         with pytest.raises(ValueError, match="small for qwen2_5_vl"):
             vision.ensure_vision_model("/nonexistent", family, "small")
+
+
+def test_smolvlm_tiles_give_mlx_vlms_own_logits() -> None:
+    """SmolVLM served (its tiles' markers expanded by the prompt side, mlx-lm's Llama as the text
+    model, 5-token chunks) against mlx-vlm's own model on the same prompt, two images of 2x2 tiles."""
+    import base64
+    import io
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_vlm.utils import load_model
+    from PIL import Image
+
+    from mlxcel_compat.server.media import ImageInput, MediaLimits
+    from mlxcel_compat.vision.model import load_vision_directory
+    from tests.conftest import MODEL_CACHE
+
+    directory = vision.ensure_vision_model(MODEL_CACHE, "smolvlm")
+    model, tokenizer, _, _ = load_vision_directory(directory)
+    images = ImageInput(model.facts, MediaLimits())
+    encoded = []
+    for seed in (1, 2):
+        out = io.BytesIO()
+        Image.fromarray(np.random.default_rng(seed).integers(0, 255, (40, 60, 3), dtype=np.uint8)).save(out, "PNG")
+        encoded.append(base64.b64encode(out.getvalue()).decode())
+    marker = list(model.facts.marker)
+    text = [list(tokenizer.encode(t, add_special_tokens=False)) for t in ("Two:", " and", " ok?")]
+    tokens, media, _ = images.prepare(encoded, text[0] + marker + text[1] + marker + text[2])
+    assert len(media.images) == 2 and all(img.grid_thw == (1, 2, 2) for img in media.images)
+    bound, cache = model.bind(media, tokens), make_prompt_cache(model)
+    ours = mx.concatenate([bound(mx.array(tokens[i : i + 5])[None], cache=cache) for i in range(0, len(tokens), 5)], axis=1)
+    reference, ids = load_model(directory), mx.array(tokens)[None]
+    pixels = mx.array(np.concatenate([img.pixel_values for img in media.images]))
+    embeds = reference.get_input_embeddings(ids, pixels).inputs_embeds
+    theirs = reference.language_model(ids, inputs_embeds=embeds, cache=make_prompt_cache(reference.language_model)).logits
+    assert float(mx.abs(ours - theirs).max()) < 1e-4
+
+
+@pytest.mark.parametrize("rows, cols", [(0, 0), (1, 2), (2, 2)])
+def test_smolvlm_tiles_are_written_as_hugging_faces_processor_writes_them(rows: int, cols: int) -> None:
+    """The prompt side's expansion of one image (``TileLayout``) against SmolVLMProcessor's own
+    prompt string for the same grid, tokenized by the model's tokenizer."""
+    from transformers import AutoTokenizer
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    from mlxcel_compat.vision.model import vision_facts
+    from tests.conftest import MODEL_CACHE
+
+    directory = vision.ensure_vision_model(MODEL_CACHE, "smolvlm")
+    facts = vision_facts(directory, json.loads((directory / "config.json").read_text()))
+    per_tile = facts.tiles.tokens_per_tile
+    text = get_image_prompt_string(rows, cols, per_tile, "<fake_token_around_image>", "<image>", "<global-img>")
+    expected = AutoTokenizer.from_pretrained(str(directory)).encode(text, add_special_tokens=False)
+    assert facts.image_tokens((rows * cols + 1) * per_tile, (1, rows, cols)) == expected

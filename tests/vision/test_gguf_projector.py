@@ -1,4 +1,4 @@
-"""GGUF pairs (``--mmproj``): the factory's tiny Gemma 3, Qwen2.5-VL and Qwen2-VL (``slow``) written as llama.cpp's
+"""GGUF pairs (``--mmproj``): the factory's tiny Gemma 3, Qwen2.5-VL, SmolVLM and Qwen2-VL (``slow``) written as llama.cpp's
 converter writes them (``testing/vision_gguf.py``), loaded back (``model/mmproj.py``,
 ``vision/gguf_projector.py``, ``vision/gguf_model.py``) and compared with the mlx-vlm directory
 they came from: the tower's weights are the directory's, bit for bit (Gemma 3's input projection:
@@ -32,7 +32,7 @@ def model_cache() -> Path:
 
 # Gemma 3's text GGUF in Q8_0 (its weights stay in ggml's blocks inside mlx-vlm's model), Qwen2.5-VL's
 # in F32 (the logits then equal the directory model's to float32 rounding).
-PAIRS = [("gemma3", "q8_0"), ("qwen2_5_vl", "f32"), ("qwen2_vl", "f32")]
+PAIRS = [("gemma3", "q8_0"), ("qwen2_5_vl", "f32"), ("qwen2_vl", "f32"), ("smolvlm", "f32")]
 SLOW_PAIRS = {("qwen2_vl", "f32")}  # the same merger and text as Qwen2.5-VL's: its own tower only
 TOLERANCE = {"f32": 1e-4, "q8_0": 0.3}
 
@@ -67,7 +67,8 @@ def test_the_tower_and_projector_are_the_directory_weights(pair) -> None:
         if family == "gemma3" and "mm_input_projection" in name:  # stored F16, as the converter stores it
             value = value.astype(mx.float16).astype(mx.float32)
         assert ours[name].shape == value.shape and bool(mx.array_equal(ours[name], value)), name
-    assert gguf.vision is not None and gguf.vision.model_type == hf.vision.model_type
+    assert gguf.vision is not None and gguf.vision.model_type == hf.vision.model_type.replace("smolvlm", "idefics3")
+    assert gguf.vision.tiles == hf.vision.tiles  # SmolVLM: the same tile markers from the GGUF's vocabulary
     assert gguf.vision.processor_config is not None  # from the projector's metadata, no preprocessor_config.json
 
 
@@ -78,9 +79,10 @@ def test_a_prompt_with_an_image_gives_the_directory_models_logits(pair) -> None:
                                              **({"image_grid_thw": np.asarray([image.grid_thw])}
                                                 if family.startswith("qwen") else {})})[0]
     facts = gguf.vision
-    prompt = PROMPT_TEXT + list(facts.before) + [facts.image_token_id] * n_image + list(facts.after) + PROMPT_TEXT
+    body = facts.image_tokens(n_image, image.grid_thw)  # SmolVLM: its tile markers around the image tokens
+    prompt = PROMPT_TEXT + list(facts.before) + body + list(facts.after) + PROMPT_TEXT
     start = len(PROMPT_TEXT) + len(facts.before)
-    media = MediaInput(images=[MediaImage(image.pixel_values, image.grid_thw, (start, start + n_image))])
+    media = MediaInput(images=[MediaImage(image.pixel_values, image.grid_thw, (start, start + len(body)))])
     logits = []
     for loaded in (gguf, hf):
         bound = loaded.model.bind(media, prompt)
@@ -246,3 +248,27 @@ def test_half_and_q8_0_projectors_read_within_their_rounding(mmproj_type: str, m
     for name, value in reference.items():
         bound = float(np.abs(value).max()) * (1e-3 if mmproj_type == "f16" else 1e-2) if value.ndim > 1 else 0.0
         assert float(np.abs(got[name] - value).max()) <= bound, name
+
+
+def test_load_options_reach_the_pairs_text_model(model_cache: Path) -> None:
+    """``--override-kv`` and the RoPE flags load the pair's text GGUF as they load it alone: the
+    layers the text model runs inside mlx-vlm's model take them, the logits change, and so does the
+    fingerprint the prompt cache keys on; RoPE scaling on Qwen-VL's multimodal RoPE is refused."""
+    from mlxcel_compat.gguf.overrides import parse_kv_overrides
+    from mlxcel_compat.model.load_options import LoadOptions, RopeOverrides
+    from mlxcel_compat.model.loader import load_model
+
+    text, mmproj = vision.ensure_vision_gguf(model_cache, "smolvlm")
+    plain = load_model(str(text), [], mmproj=str(mmproj))
+    options = LoadOptions(rope=RopeOverrides(freq_base=7000.0),
+                          kv_overrides=parse_kv_overrides(["llama.attention.layer_norm_rms_epsilon=float:0.25"]))
+    changed = load_model(str(text), [], mmproj=str(mmproj), options=options)
+    layers = [loaded.model.vlm.language_model.model.layers[0] for loaded in (plain, changed)]
+    assert [(float(x.self_attn.rope.base), float(x.input_layernorm.eps)) for x in layers] == [
+        (1e5, pytest.approx(1e-5)), (7000.0, 0.25)]
+    prompt = mx.array([PROMPT_TEXT * 4])
+    first, second = (loaded.model(prompt, cache=loaded.model.make_cache()) for loaded in (plain, changed))
+    assert float(mx.abs(first - second).max()) > 1e-3 and plain.fingerprint != changed.fingerprint
+    qwen_text, qwen_mmproj = vision.ensure_vision_gguf(model_cache, "qwen2_5_vl")
+    with pytest.raises(ValueError, match="multimodal RoPE"):  # refused before the text model loads
+        load_model(str(qwen_text), [], mmproj=str(qwen_mmproj), options=LoadOptions(rope=RopeOverrides(scale=2.0)))
