@@ -111,6 +111,12 @@ def _explain(
     now = time.time() if now is None else now
     toks = tuple(tokens)
     out: dict[str, Any] = {"tokens_reused": adopted, "prompt_tokens": len(toks)}
+    if result.hit is not None:  # a hit names itself: no scan of the namespace (the chat page asks on every answer)
+        hit = result.hit
+        out.update(outcome="hit", reason="hit", stage=hit.stage)
+        out["candidate"] = _describe(hit.entry, hit.common_len, bucket, session_key, now)
+        out.update(divergence(hit.entry.tokens, toks, hit.common_len))
+        return out
     own_ns = [e for e in entries if e.bucket.namespace == bucket.namespace]  # never another tenant's
     best, best_common = None, -1
     for entry in own_ns:
@@ -118,12 +124,6 @@ def _explain(
         key = (c, entry.bucket == bucket, entry.session_key == session_key, entry.use_tick)
         if best is None or key > (best_common, best.bucket == bucket, best.session_key == session_key, best.use_tick):
             best, best_common = entry, c
-    if result.hit is not None:
-        hit = result.hit
-        out.update(outcome="hit", reason="hit", stage=hit.stage)
-        out["candidate"] = _describe(hit.entry, hit.common_len, bucket, session_key, now)
-        out.update(divergence(hit.entry.tokens, toks, hit.common_len))
-        return out
     out["outcome"] = "partial_hit" if adopted else "miss"  # e.g. the text before a changed image was reused
     if best is None or best_common == 0:
         gone = _departed_match(bucket, toks, departures, min_prefix)
