@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from mlxcel_compat.chat.call_grammar import closed_objects
 from mlxcel_compat.chat.call_layout import CallLayout, call_layout
 from mlxcel_compat.chat.request import ChatRequest
 from mlxcel_compat.chat.syntax import ChatSyntax
@@ -310,9 +311,11 @@ def _response_format_schema(data: Mapping[str, Any]) -> Any:
 
 
 def _object_schema(schema: Any) -> Any:
-    """A schema as ``json_rule`` takes it (an empty one or ``true`` means any JSON object there)."""
+    """A schema as ``json_rule`` takes it (an empty one or ``true`` means any JSON object there),
+    its objects read as llama.cpp reads them: one that lists its properties and says nothing of
+    ``additionalProperties`` takes no others (``closed_objects``)."""
     if schema is True:
         return schema
     if not isinstance(schema, Mapping):
         raise InvalidRequest('"json_schema": the schema must be a JSON object')
-    return dict(schema)
+    return closed_objects(dict(schema))

@@ -331,3 +331,21 @@ def test_auto_with_a_response_format_is_a_response_or_calls(structured, compiler
     assert feed(compiler, tokenizer, constraint, '{"ok": true}').complete
     assert feed(compiler, tokenizer, constraint, call_text("add", {"a": 1})).error is None
     assert feed(compiler, tokenizer, constraint, "free text").error is not None
+
+
+@pytest.mark.parametrize("field", ["json_schema", "response_format"])
+def test_listed_properties_take_no_others_in_json_schemas_as_in_llama_cpp(structured, compiler, tokenizer, field):
+    """``json_schema`` and ``response_format`` read objects as llama.cpp's json-schema-to-grammar
+    does: one that lists its properties and says nothing of ``additionalProperties`` takes no
+    others; ``"additionalProperties": true`` opens it again."""
+    def constraint(schema):
+        if field == "json_schema":
+            return structured.for_completion({"json_schema": schema}, response_format=False)
+        body, parsed = chat(response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+        return structured.for_chat(body, parsed, "")
+
+    listed = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    assert feed(compiler, tokenizer, constraint(listed), '{"ok": true}').complete
+    assert feed(compiler, tokenizer, constraint(listed), '{"ok": true, "extra": 1}').error is not None
+    assert feed(compiler, tokenizer, constraint({**listed, "additionalProperties": True}), '{"ok": true, "extra": 1}').error is None
+    assert feed(compiler, tokenizer, constraint({"type": "object"}), '{"extra": 1}').error is None
