@@ -142,7 +142,7 @@ class Walk:
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
         self.pool = BlockPool(BLOCK)
-        self.store = PromptCacheStore(capacity_bytes=60 * BYTES_PER_TOKEN, max_entries=8, ttl_seconds=0, min_prefix=1,
+        self.store = PromptCacheStore(capacity_bytes=30 * BYTES_PER_TOKEN, max_entries=5, ttl_seconds=0, min_prefix=1,
                                       pool=self.pool, apc=ApcConfig(block_size=2, hash_name="sha256", num_blocks=None))
         self.bucket = make_bucket()
         self.running: dict[int, tuple[list[int], tuple[int, ...]]] = {}  # seq id -> (tokens, lease)
@@ -150,7 +150,7 @@ class Walk:
         self.prefixes = [[self.rng.randrange(50) for _ in range(self.rng.randrange(3, 14))] for _ in range(3)]
 
     def step(self) -> str:
-        action = self.rng.choice(["adopt", "adopt", "donate", "donate", "cancel", "fault", "failed_donation", "remove", "reset"])
+        action = self.rng.choice(["adopt"] * 4 + ["donate"] * 4 + ["cancel", "fault", "failed_donation", "remove", "reset"])
         getattr(self, action)()
         self.check()
         return action
@@ -221,7 +221,7 @@ class Walk:
             self.store.remove(self.rng.choice(entries).id)
 
     def reset(self) -> None:
-        if self.rng.random() < 0.3:
+        if self.rng.random() < 0.1:
             self.store.reset()
 
     def check(self) -> None:
@@ -248,6 +248,7 @@ def test_random_walk_keeps_the_accounting_exact(seed: int) -> None:
     done = collections.Counter(walk.step() for _ in range(400))
     assert done["donate"] > 50 and done["adopt"] > 50
     assert walk.pool.counters.shared > 0  # leases were really shared into stored tables
+    assert walk.store.counters.evictions["lru"] > 10  # and the budget evicted entries that shared them
     for _, lease in walk.running.values():
         walk.pool.release(lease)
     walk.running.clear()
