@@ -108,7 +108,7 @@ def test_a_prompt_sent_again_samples_from_the_entrys_logits(harness: EngineHarne
 def _entry_arrays(harness: EngineHarness, entry_id: int) -> list[np.ndarray]:
     def grab() -> list[np.ndarray]:
         entry = harness.engine.prefix_cache.store.get(entry_id)
-        return [np.array(a) for layer in entry.payload for a in (layer.keys, layer.values)]
+        return [np.array(a) for layer in kv.materialize(entry.payload) for a in (layer.keys, layer.values)]
 
     return harness.on_engine(grab)
 
@@ -147,7 +147,8 @@ def test_donated_entry_holds_exactly_its_tokens(harness: EngineHarness) -> None:
 
     def inspect() -> tuple[tuple[int, ...], list[int], int, int]:
         (entry,) = harness.engine.prefix_cache.store.entries()
-        return entry.tokens, [kv.layer_tokens(layer) for layer in entry.payload], entry.nbytes, kv.nbytes(entry.payload)
+        layers = kv.materialize(entry.payload)  # a block table's blocks gathered
+        return entry.tokens, [kv.layer_tokens(layer) for layer in layers], entry.nbytes, kv.nbytes(layers)
 
     tokens, held, nbytes, measured = harness.on_engine(inspect)
     # prompt + generated tokens that were fed back (the last sampled token never is).
