@@ -52,12 +52,13 @@ class SharedBlocks:
 
     def state(self, seq: "Sequence", layers: Seq[Any], n_tokens: int) -> Any:
         """What ``seq`` stores for its first ``n_tokens`` positions of ``layers``: a block table
-        sharing its lease (the caller holds one reference per block: pass it to ``done``), or,
-        when the layers cannot be cut into blocks, a whole evaluated copy as before."""
+        sharing its lease (the caller holds one reference per block: pass it to ``donor_done``),
+        or, when the layers cannot be cut into blocks, a whole copy as before: the evaluated views
+        of a finished sequence's buffers, or a prefix cut into buffers of its own (a pin, a text
+        prefix), so that it never keeps the longer buffer alive."""
         if not kv.blockable(layers, n_tokens):
-            cache = kv.copy_cache(layers)
-            kv.truncate(cache, n_tokens)
-            return kv.snapshot(cache)
+            held = max((kv.layer_tokens(layer) for layer in layers), default=0)
+            return kv.snapshot(layers) if held == n_tokens else kv.detached_prefix(layers, n_tokens)
         lease = self._leases.get(id(seq))
         shared = lease.block_ids if lease is not None and lease.layout == len(layers) else ()
         return kv.to_blocks(self.pool, layers, n_tokens, shared)

@@ -361,12 +361,12 @@ class PrefixCache:
         first = first_media_token(media.spans) if media is not None else None
         if first is None or first < max(1, self.config.min_prefix) or not self.token_granular:
             return
+        if not kv.can_truncate(seq.cache[: self.n_layers]):
+            return
         if self.blocks is not None:
             payload = self.blocks.state(seq, seq.cache[: self.n_layers], first)
         else:
             payload = kv.copy_cache(seq.cache[: self.n_layers])
-            if not kv.can_truncate(payload):
-                return
             kv.truncate(payload, first)
         bucket = replace(self.bucket(seq), mm_digest=TEXT_ONLY_MM_DIGEST)
         try:
