@@ -133,12 +133,16 @@ def mode(model_dir: str, block_tokens: int, capacity: int | None, args: argparse
         stats = bench.stats()
         out: dict[str, Any] = {
             "kv_block_tokens": block_tokens, "first_turns_s": round(time.perf_counter() - t0, 1),
-            "bytes": stats["bytes"], "logical_bytes": stats["logical_bytes"], "logical_tokens": stats["logical_tokens"],
+            "bytes": stats["bytes"], "kv_block_bytes": stats["kv_block_bytes"], "logical_bytes": stats["logical_bytes"], "logical_tokens": stats["logical_tokens"],
             "entries": stats["entries"], "sharing_ratio": stats["sharing_ratio"],
-            "bytes_per_token": stats["logical_bytes"] / stats["logical_tokens"],
         }
+        # entries keep their prompt's final logits (engine/prefix_cache.py: FINAL_LOGITS_MAX_SHARE), outside the KV
+        out["logits_bytes"] = bench.engine.call(
+            lambda: sum(e.nbytes - e.payload_nbytes for e in bench.engine.prefix_cache.store.entries())).result(timeout=60)
+        out["bytes_per_token"] = (stats["logical_bytes"] - out["logits_bytes"]) / stats["logical_tokens"]
         if capacity is None:
             capacity = int(args.budget_factor * stats["bytes"])
+        print(f"  [kv_block_tokens {block_tokens}] first turns: {out['first_turns_s']} s, {out['bytes']} bytes", file=sys.stderr, flush=True)
         bench.engine.call(lambda: bench.engine.prefix_cache.reset()).result(timeout=60)
         bench.set_capacity(capacity)
         turns = first_turns(bench, args)
@@ -182,7 +186,9 @@ def main() -> int:
     print(f"  KV of (system + sessions x own) tokens: {result['unique_kv_bytes'] / 2**20:9.1f} MiB")
     for name, m in (("shared blocks", shared), ("whole entries", whole)):
         ratio = m["bytes"] / result["unique_kv_bytes"]
-        print(f"  {name:14s} store bytes {m['bytes'] / 2**20:9.1f} MiB = {ratio:5.2f}x unique, sharing ratio "
+        kv_bytes = m["kv_block_bytes"] if m["kv_block_tokens"] else m["bytes"] - m["logits_bytes"]
+        print(f"  {name:14s} store bytes {m['bytes'] / 2**20:9.1f} MiB = {ratio:5.2f}x unique (KV alone "
+              f"{kv_bytes / result['unique_kv_bytes']:5.2f}x; the rest: kept final logits), sharing ratio "
               f"{m['sharing_ratio']:.2f}; budget {budget / 2**20:.1f} MiB: second-turn hit fraction "
               f"{m['hit_fraction']:.4f} (ideal {m['ideal_hit_fraction']:.4f}, all sessions whole: "
               f"{m['sessions_fully_hit']}), {m['evictions_lru']} LRU evictions")
