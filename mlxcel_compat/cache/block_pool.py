@@ -15,7 +15,7 @@ when ``refs`` reaches zero; ids are never reused, so a stale id can never name a
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 KV_BLOCK_TOKENS = 256  # positions per block: mlx-lm's KVCache growth step (docs/prompt-cache.md)
@@ -95,11 +95,6 @@ class BlockPool:
     def stored_blocks(self) -> int:
         return self._stored_blocks
 
-    @property
-    def n_tokens(self) -> int:
-        """Positions held by live blocks (each counted once)."""
-        return sum(b.n_tokens for b in self._blocks.values())
-
     def allocate(self, data: object, n_tokens: int, nbytes: int) -> int:
         """A new block holding ``data``, with one reference, the caller's."""
         if not 0 < n_tokens <= self.block_tokens:
@@ -164,24 +159,11 @@ class BlockPool:
         """``{block id: (refs, stored)}`` of every live block (for checks and tests)."""
         return {b.id: (b.refs, b.stored) for b in self._blocks.values()}
 
-    def clear_check(self) -> list[int]:
-        """Ids of blocks still alive (an empty store with no running sequence must have none)."""
-        return sorted(self._blocks)
-
     def _block(self, block_id: int) -> Block:
         block = self._blocks.get(block_id)
         if block is None:
             raise KeyError(f"block {block_id} is not in the pool (freed, or never allocated)")
         return block
-
-
-@dataclass(slots=True)
-class Lease:
-    """The full blocks a running sequence holds (it adopted or pinned them), from position 0.
-
-    Its donation starts its table with these ids instead of storing them again."""
-
-    block_ids: tuple[int, ...] = field(default_factory=tuple)
 
 
 def build_table(
