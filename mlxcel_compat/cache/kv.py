@@ -1,7 +1,9 @@
 """The one module of ``cache/`` that knows mlx-lm cache objects (and imports MLX).
 
 The bookkeeping stores opaque payloads; for the prompt cache a payload is a list of mlx-lm
-per-layer cache objects. This adapter copies, truncates and measures them.
+per-layer cache objects, or, for dense KV, a ``BlockTable`` of shared blocks
+(``cache/block_pool.py``) whose data this adapter makes (``to_blocks``) and gathers back into
+``KVCache`` objects (``gather``). This adapter copies, truncates and measures them.
 
 Why copies are cheap and safe: MLX arrays are immutable values, but ``a[i] = x`` rebinds the
 *Python object* ``a`` to a new value, so two caches must never share array objects. A copy
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import copy
 from typing import Any, Callable, Sequence
+
+from mlxcel_compat.cache.block_pool import BlockPool, BlockTable, build_table
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
@@ -172,6 +176,73 @@ def state_bytes_at(one_token_cache: Sequence[Any], n_tokens: int) -> int:
         return int(exact.nbytes)
 
     return sum(layer_bytes(layer) for layer in one_token_cache)
+
+
+# ---------------------------------------------------------------------- shared KV blocks
+
+
+def blockable(cache: Sequence[Any], n_tokens: int) -> bool:
+    """Whether a state can be stored as shared blocks: every layer a plain ``KVCache`` holding
+    at least ``n_tokens`` positions (recurrent state, sliding-window rings, cache lists and
+    quantized caches stay whole: docs/prompt-cache.md, "Shared KV blocks")."""
+    return n_tokens > 0 and bool(cache) and all(
+        type(layer) is KVCache and layer.keys is not None and layer.offset >= n_tokens for layer in cache
+    )
+
+
+def to_blocks(pool: BlockPool, cache: Sequence[Any], n_tokens: int, lease: tuple[int, ...] = ()) -> BlockTable:
+    """The first ``n_tokens`` positions of ``cache`` as a block table: the ``lease``'s blocks
+    (the same positions, already in the pool) shared, the rest copied into new blocks that own
+    their buffers (evaluated here, so they never keep the sequence's buffer alive). Blocks hold
+    the arrays' own dtype. The caller holds one reference on each block (``build_table``)."""
+
+    def make(start: int, stop: int) -> tuple[object, int]:
+        data = tuple(
+            (mx.contiguous(layer.keys[..., start:stop, :]), mx.contiguous(layer.values[..., start:stop, :]))
+            for layer in cache
+        )
+        mx.eval(data)
+        return data, sum(k.nbytes + v.nbytes for k, v in data)
+
+    return build_table(pool, n_tokens, lease, make, layout=len(cache))
+
+
+def gather(table: BlockTable, n_tokens: int) -> Payload:
+    """Fresh ``KVCache`` layers holding the table's first ``n_tokens`` positions, bit for bit.
+
+    The MLX path's attention reads one buffer per layer, so the blocks are concatenated (one copy
+    of the adopted positions; the partly used last block is cut first, so its tail is never read).
+    Every array is a new object: a write into the sequence's cache never reaches a block."""
+    size = table.pool.block_tokens
+    n_tokens = min(n_tokens, table.n_tokens)
+    n_blocks = -(-n_tokens // size)
+    blocks = [table.pool.data(i) for i in table.block_ids[:n_blocks]]
+    tail = n_tokens - (n_blocks - 1) * size
+    layers: Payload = []
+    for i in range(int(table.layout)):  # type: ignore[call-overload]
+        keys = [b[i][0] for b in blocks]  # type: ignore[index]
+        values = [b[i][1] for b in blocks]  # type: ignore[index]
+        keys[-1], values[-1] = keys[-1][..., :tail, :], values[-1][..., :tail, :]
+        layer = KVCache()
+        layer.keys = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0][...]
+        layer.values = mx.concatenate(values, axis=2) if len(values) > 1 else values[0][...]
+        layer.offset = n_tokens
+        layers.append(layer)
+    return layers
+
+
+def materialize(payload: Any) -> Payload:
+    """A payload as mlx-lm cache objects (a table's blocks gathered; a list as it is)."""
+    if isinstance(payload, BlockTable):
+        return gather(payload, payload.n_tokens)
+    return payload
+
+
+def payload_nbytes(payload: Any) -> int:
+    """Logical bytes of a payload: a table's blocks as if it held them alone."""
+    if isinstance(payload, BlockTable):
+        return sum(payload.pool.block(i).nbytes for i in payload.block_ids)
+    return nbytes(payload)
 
 
 # ---------------------------------------------------------------------- context shift

@@ -39,6 +39,7 @@ from mlxcel_compat.cache.block_hash import (
     block_chain,
     extend_token_granular,
 )
+from mlxcel_compat.cache.block_pool import BlockPool
 from mlxcel_compat.cache.key import Bucket
 from mlxcel_compat.cache.media import clip_to_media
 from mlxcel_compat.cache.records import (
@@ -88,11 +89,12 @@ class PromptCacheStore(EntryStore):
         apc_disabled_reason: str | None = None,
         pin_max_entries: int = 0,
         pin_capacity_bytes: int = 0,
+        pool: BlockPool | None = None,
     ) -> None:
         super().__init__(
             capacity_bytes=capacity_bytes, max_entries=max_entries, ttl_seconds=ttl_seconds,
             min_prefix=min_prefix, clock=clock, enabled=enabled,
-            pin_max_entries=pin_max_entries, pin_capacity_bytes=pin_capacity_bytes,
+            pin_max_entries=pin_max_entries, pin_capacity_bytes=pin_capacity_bytes, pool=pool,
         )
         # APC works on the entries of this store: with the store off it is inactive too.
         self.apc = apc if enabled else None
@@ -183,8 +185,23 @@ class PromptCacheStore(EntryStore):
             pin_refreshes=self.counters.pin_refreshes,
             pin_hits=self.counters.pin_hits,
             unpins=dict(self.counters.unpins),
+            **self.sharing_stats(),
         )
         return out
+
+    def sharing_stats(self) -> dict[str, object]:
+        """Shared KV blocks: what the entries would hold as whole copies against what the store
+        holds (``bytes``), and the pool (blocks of entries and of running sequences)."""
+        logical = self.logical_bytes
+        pool = self.pool
+        return {
+            "logical_bytes": logical,
+            "logical_tokens": self.logical_tokens,
+            "sharing_ratio": round(logical / self.nbytes, 4) if self.nbytes else 0.0,
+            "kv_block_tokens": pool.block_tokens if pool is not None else 0,
+            "kv_blocks": len(pool) if pool is not None else 0,
+            "kv_block_bytes": pool.nbytes if pool is not None else 0,
+        }
 
     @staticmethod
     def disabled_stats() -> dict[str, object]:

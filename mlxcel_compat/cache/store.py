@@ -40,6 +40,11 @@ Readings of the spec recorded here:
   pin over a bound or past its TTL is *demoted*, oldest first: it becomes an ordinary
   entry again (still usable, evictable by LRU), so pins can never hold the budget.
   Pinned entries are never superseded; a duplicate insert keeps the pin.
+- Shared KV blocks (``cache/block_pool.py``): an entry whose payload is a ``BlockTable`` holds
+  one stored reference on each of its blocks while it is stored; the store's bytes are those
+  blocks counted once (``pool.stored_bytes``) plus what entries hold outside the pool (whole
+  payloads, final logits). An entry evicted to the caps keeps its blocks alive until
+  ``on_evict`` (the disk tier's spill) has read them.
 
 The store is not thread-safe: the engine thread owns it.
 """
@@ -54,6 +59,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
+from mlxcel_compat.cache.block_pool import BlockPool, BlockTable
 from mlxcel_compat.cache.explain import Departure
 from mlxcel_compat.cache.key import Bucket, prompt_digest
 from mlxcel_compat.cache.radix import RadixTrie
@@ -81,6 +87,7 @@ class EntryStore:
         enabled: bool = True,
         pin_max_entries: int = 0,
         pin_capacity_bytes: int = 0,
+        pool: BlockPool | None = None,
     ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
@@ -100,7 +107,8 @@ class EntryStore:
         self._entries: OrderedDict[int, CacheEntry] = OrderedDict()  # least recently used first
         self._tries: dict[Bucket, RadixTrie] = {}
         self._by_digest: dict[bytes, int] = {}
-        self._nbytes = 0
+        self._nbytes = 0  # bytes entries hold outside the block pool
+        self.pool = pool  # shared KV blocks of entries whose payload is a BlockTable
         self._ids = itertools.count(1)
         self._ticks = itertools.count(1)
         self._warned_oversized = False
@@ -126,8 +134,17 @@ class EntryStore:
 
     @property
     def nbytes(self) -> int:
-        """Logical bytes of all live entries."""
-        return self._nbytes
+        """Bytes the store holds: every shared block once, plus what entries hold whole."""
+        return self._nbytes + (self.pool.stored_bytes if self.pool is not None else 0)
+
+    @property
+    def logical_bytes(self) -> int:
+        """Bytes the entries would hold as whole copies of their state (no sharing)."""
+        return sum(e.nbytes for e in self._entries.values())
+
+    @property
+    def logical_tokens(self) -> int:
+        return sum(len(e.tokens) for e in self._entries.values())
 
     def get(self, entry_id: int) -> CacheEntry | None:
         """The live entry with this id, without touching its recency."""
@@ -249,7 +266,9 @@ class EntryStore:
         Returns:
             ``(entries_cleared, bytes_cleared)``; ``(0, 0)`` when already empty.
         """
-        cleared = (len(self._entries), self._nbytes)
+        cleared = (len(self._entries), self.nbytes)
+        for entry in self._entries.values():
+            self._release_blocks(entry)
         self._entries.clear()
         self._tries.clear()
         self._by_digest.clear()
@@ -295,7 +314,9 @@ class EntryStore:
     def _add_entry(self, entry: CacheEntry) -> None:
         self._entries[entry.id] = entry
         self._by_digest[entry.digest] = entry.id
-        self._nbytes += entry.nbytes
+        self._nbytes += self._own_bytes(entry)
+        if isinstance(entry.payload, BlockTable):
+            entry.payload.pool.retain(entry.payload.block_ids, stored=True)
         trie = self._tries.get(entry.bucket)
         if trie is None:
             trie = self._tries[entry.bucket] = RadixTrie()
@@ -305,12 +326,25 @@ class EntryStore:
         self._pins.pop(entry.id, None)
         del self._entries[entry.id]
         del self._by_digest[entry.digest]
-        self._nbytes -= entry.nbytes
+        self._nbytes -= self._own_bytes(entry)
+        self._release_blocks(entry)
         trie = self._tries[entry.bucket]
         trie.remove(entry.tokens, entry.id)
         if not len(trie):
             del self._tries[entry.bucket]  # stale buckets (old templates) leave nothing behind
         self._on_entry_removed(entry)
+
+    @staticmethod
+    def _own_bytes(entry: CacheEntry) -> int:
+        """What an entry holds outside the block pool: all of it, or a table's final logits."""
+        if isinstance(entry.payload, BlockTable):
+            return entry.nbytes - entry.payload_nbytes
+        return entry.nbytes
+
+    @staticmethod
+    def _release_blocks(entry: CacheEntry) -> None:
+        if isinstance(entry.payload, BlockTable):
+            entry.payload.pool.release(entry.payload.block_ids, stored=True)
 
     def _touch(self, entry: CacheEntry, now: float) -> None:
         """Mark a successful use: most recent in LRU order, TTL restarts."""
@@ -363,18 +397,25 @@ class EntryStore:
         just inserted) never goes.
         """
         evicted: list[int] = []
-        while len(self._entries) > self.max_entries or self._nbytes > self.capacity_bytes:
+        while len(self._entries) > self.max_entries or self.nbytes > self.capacity_bytes:
             others = [e for e in self._entries.values() if e.id != keep] if self._pins else None
             if others is None:
                 oldest = next(iter(self._entries.values()))
             else:
                 oldest = next((e for e in others if not e.pinned), others[0])
+            table = oldest.payload if isinstance(oldest.payload, BlockTable) else None
+            if table is not None:  # its blocks outlive the entry until the disk tier has read them
+                table.pool.retain(table.block_ids)
             self._remove_entry(oldest)
             self.counters.evictions["lru"] += 1  # byte-budget evictions fold into lru
             self.departed.append(Departure(oldest.bucket, oldest.session_key, oldest.tokens, time.time(), "lru"))
             evicted.append(oldest.id)
-            if self.on_evict is not None:
-                self.on_evict(oldest)
+            try:
+                if self.on_evict is not None:
+                    self.on_evict(oldest)
+            finally:
+                if table is not None:
+                    table.pool.release(table.block_ids)
         return evicted
 
     def _reject_helper(self, reason: str, **details: object) -> InsertResult:
@@ -438,7 +479,7 @@ class EntryStore:
             "entries_by_lora_id": self.entries_by_lora_id(),
             # entries of requests with images (their bucket's mm_digest is not the text-only one)
             "multimodal_entries": sum(1 for e in self._entries.values() if not e.bucket.text_only),
-            "bytes": self._nbytes,
+            "bytes": self.nbytes,
             "capacity_bytes": self.capacity_bytes,
             "max_entries": self.max_entries,
             "ttl_seconds": self.ttl_seconds,

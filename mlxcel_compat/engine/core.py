@@ -563,6 +563,8 @@ class Engine:
                 self.prefix_cache.donate(seq)
             except Exception:  # a failed donation must never take the engine down
                 log.exception("prompt cache donation failed")
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(seq)  # its shared KV blocks' lease, whatever the ending
         if self.config.keep_slot_state:
             slot.kept = keep_state(self.loaded.model_id, seq) if donate and fin is not None else None
         slot.end()

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from mlxcel_compat.cache import kv_io
+from mlxcel_compat.cache import kv, kv_io
 from mlxcel_compat.cache.block_hash import ApcConfig
 from mlxcel_compat.cache.disk_directory import directory_lock, enforce_budget, entry_name, touch
 from mlxcel_compat.cache.disk_format import REJECT_REASONS, Compat, DiskReject, EntryHeader, Tensor, read_header
@@ -159,7 +159,7 @@ class DiskTier:
         if not force and self._pending_bytes + entry.nbytes > MAX_PENDING_BYTES:
             self.counters.writes_dropped += 1
             return False
-        header.layout, tensors = kv_io.encode(entry.payload)
+        header.layout, tensors = kv_io.encode(kv.materialize(entry.payload))  # a table's blocks gathered
         job = _Job(path, header, tensors, sum(t.nbytes for t in tensors), self.generation)
         self._queued[path] = job
         self._pending_bytes += job.nbytes

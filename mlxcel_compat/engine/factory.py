@@ -93,16 +93,20 @@ def make_sequence(engine: SequenceHost, request: GenerationRequest, sink: Sink, 
         if not request.cache.enabled:
             return seq
         cache.adopt(seq)
-        if request.cache.explain:
-            seq.stats.cache_explain = cache.explain(seq)
-        boundary = request.cache.history_boundary
-        if cache.boundary_snapshots and boundary is not None and len(seq.cache_tokens) < boundary <= seq.n_prompt - 1:
-            seq.boundary = boundary
-            seq.on_boundary = cache.on_boundary
-        if cache.pins_enabled and request.cache.breakpoints:
-            seq.pins = [(b, ttl) for b, ttl in request.cache.breakpoints if 0 < b <= seq.n_prompt - 1]
-            seq.on_pin = cache.pin
-            seq.pin_reached()  # breakpoints inside the adopted prefix are (re-)pinned right away
+        try:
+            if request.cache.explain:
+                seq.stats.cache_explain = cache.explain(seq)
+            boundary = request.cache.history_boundary
+            if cache.boundary_snapshots and boundary is not None and len(seq.cache_tokens) < boundary <= seq.n_prompt - 1:
+                seq.boundary = boundary
+                seq.on_boundary = cache.on_boundary
+            if cache.pins_enabled and request.cache.breakpoints:
+                seq.pins = [(b, ttl) for b, ttl in request.cache.breakpoints if 0 < b <= seq.n_prompt - 1]
+                seq.on_pin = cache.pin
+                seq.pin_reached()  # breakpoints inside the adopted prefix are (re-)pinned right away
+        except BaseException:
+            cache.release(seq)  # the lease on shared KV blocks the adoption took
+            raise
     elif request.cache.cache_prompt and engine.slots[slot_id].kept is not None:
         adopt_kept(seq, engine.slots[slot_id].kept)
     return seq

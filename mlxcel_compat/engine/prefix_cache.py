@@ -30,6 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxcel_compat.runtime.backend import release_free_memory
 from mlxcel_compat.cache import kv, kv_io
 from mlxcel_compat.cache.block_hash import ApcConfig
+from mlxcel_compat.cache.block_pool import BlockTable
 from mlxcel_compat.cache.disk_format import Compat
 from mlxcel_compat.cache.explain import explain_lookup
 from mlxcel_compat.cache.key import PIN_SESSION, TEXT_ONLY_MM_DIGEST, Bucket
@@ -41,6 +42,7 @@ from mlxcel_compat.cache.store import EntryStore
 from mlxcel_compat.engine.apc import apc_decision, trace_line
 from mlxcel_compat.engine.cache_stats import RESET_TIERS, reset_result, tiers_stats
 from mlxcel_compat.engine.disk_tier import DiskTier
+from mlxcel_compat.engine.kv_blocks import SharedBlocks, donor_done
 from mlxcel_compat.engine.prefix_cache_config import (PrefixCacheConfig, disk_capacity_default, model_aware_capacity,
                                                       physical_memory_bytes)
 from mlxcel_compat.engine.request import WarmupJob
@@ -84,6 +86,8 @@ class PrefixCache:
                 min(engine.n_ctx, 8192),
                 config.max_entries,
             )
+        # Dense KV is stored as shared blocks (engine/kv_blocks.py); kv_block_tokens 0: whole entries.
+        self.blocks = SharedBlocks(config.kv_block_tokens) if config.kv_block_tokens > 0 and self.token_granular else None
         apc = None
         if self.apc_disabled_reason is None:
             apc = ApcConfig(block_size=config.apc_block_size, hash_name=config.apc_hash, num_blocks=config.apc_num_blocks)
@@ -97,6 +101,7 @@ class PrefixCache:
             apc_disabled_reason=self.apc_disabled_reason,
             pin_max_entries=config.pin_max_entries,
             pin_capacity_bytes=capacity // 4 if config.pin_capacity_bytes is None else min(config.pin_capacity_bytes, capacity),
+            pool=self.blocks.pool if self.blocks is not None else None,
         )
         if apc is not None:
             log.info(
@@ -226,14 +231,19 @@ class PrefixCache:
             self._refresh()
             return
         try:
-            payload = kv.detached_prefix(seq.cache, position)
+            payload = self.blocks.state(seq, seq.cache, position) if self.blocks is not None else kv.detached_prefix(seq.cache, position)
         except Exception as exc:  # a breakpoint is an optimisation: never fail the request
             log.debug("prompt cache: pinning %d tokens failed for task %d: %s", position, seq.request.task_id, exc)
             return
-        result = self.store.insert(
-            bucket, PIN_SESSION, tokens, payload, kv.nbytes(payload), kv.can_truncate(payload) and self.token_granular,
-            origin="breakpoint", pin_ttl=ttl,
-        )
+        try:
+            result = self.store.insert(
+                bucket, PIN_SESSION, tokens, payload, kv.payload_nbytes(payload), self._trimmable(payload),
+                origin="breakpoint", pin_ttl=ttl,
+            )
+            if result.inserted and isinstance(payload, BlockTable) and self.blocks is not None:
+                self.blocks.keep(seq, payload)  # the entry this sequence donates shares the pin's blocks
+        finally:
+            donor_done(payload)
         if result.inserted:
             seq.stats.n_cache_written = max(seq.stats.n_cache_written, position - seq.stats.n_cached)
         self._refresh()
@@ -273,9 +283,13 @@ class PrefixCache:
         final = self._final_logits(seq, hit)
         matched = seq.n_prompt if final is not None else hit.matched_len
         try:
-            cache = kv.copy_cache(hit.entry.payload)
-            if hit.needs_trim or final is not None:
-                kv.truncate(cache, matched)
+            payload = hit.entry.payload
+            if isinstance(payload, BlockTable) and self.blocks is not None:
+                cache = self.blocks.adopt(seq, payload, matched)  # gathered; a lease on its full blocks
+            else:
+                cache = kv.copy_cache(payload)
+                if hit.needs_trim or final is not None:
+                    kv.truncate(cache, matched)
         except Exception as exc:  # a broken entry must not fail the request: prefill cold
             log.debug("prompt cache: adoption failed for task %d: %s", seq.request.task_id, exc)
             self._trace_lookup(seq, result, failed=True)
@@ -283,15 +297,8 @@ class PrefixCache:
             return 0
         seq.cache = self._split_draft(seq, cache, matched)
         seq.adopt(matched, final_logits=final)
-        log.debug(
-            "prompt cache hit: task=%d matched=%d/%d entry=%s stage=%s%s",
-            seq.request.task_id,
-            matched,
-            seq.n_prompt,
-            hit.entry.anon_repr(),
-            hit.stage,
-            " (with the entry's final logits)" if final is not None else "",
-        )
+        log.debug("prompt cache hit: task=%d matched=%d/%d entry=%s stage=%s%s", seq.request.task_id, matched, seq.n_prompt,
+                  hit.entry.anon_repr(), hit.stage, " (with the entry's final logits)" if final is not None else "")
         self._trace_lookup(seq, result)
         self._refresh()
         return matched
@@ -354,12 +361,18 @@ class PrefixCache:
         first = first_media_token(media.spans) if media is not None else None
         if first is None or first < max(1, self.config.min_prefix) or not self.token_granular:
             return
-        payload = kv.copy_cache(seq.cache[: self.n_layers])
-        if not kv.can_truncate(payload):
+        if not kv.can_truncate(seq.cache[: self.n_layers]):
             return
-        kv.truncate(payload, first)
+        if self.blocks is not None:
+            payload = self.blocks.state(seq, seq.cache[: self.n_layers], first)
+        else:
+            payload = kv.copy_cache(seq.cache[: self.n_layers])
+            kv.truncate(payload, first)
         bucket = replace(self.bucket(seq), mm_digest=TEXT_ONLY_MM_DIGEST)
-        self.store.insert(bucket, seq.request.cache.session_key, seq.cache_tokens[:first], payload, kv.nbytes(payload), True)
+        try:
+            self.store.insert(bucket, seq.request.cache.session_key, seq.cache_tokens[:first], payload, kv.payload_nbytes(payload), True)
+        finally:
+            donor_done(payload)
 
     def donate(self, seq: "Sequence") -> None:
         """Store ``seq``'s KV with exactly the tokens it holds (called after a consistent finish)."""
@@ -378,22 +391,35 @@ class PrefixCache:
         if not tokens or (self.token_granular and held != len(tokens)):
             log.debug("prompt cache: not donating task %d: cache holds %d tokens, %d recorded", seq.request.task_id, held, len(tokens))
             return
-        payload = kv.snapshot(cache + self._draft_layers(seq))
-        payload_bytes = kv.nbytes(payload)
-        final = self._keep_final_logits(seq, tokens, payload_bytes)
-        result = self.store.insert(
-            self.bucket(seq),
-            seq.request.cache.session_key,
-            tokens,
-            payload,
-            payload_bytes + (final[2] if final is not None else 0),
-            kv.can_truncate(payload) and self.token_granular,
-            final_logits=final,
-        )
+        layers = cache + self._draft_layers(seq)
+        payload = self.blocks.state(seq, layers, len(tokens)) if self.blocks is not None else kv.snapshot(layers)
+        try:
+            payload_bytes = kv.payload_nbytes(payload)
+            final = self._keep_final_logits(seq, tokens, payload_bytes)
+            result = self.store.insert(
+                self.bucket(seq),
+                seq.request.cache.session_key,
+                tokens,
+                payload,
+                payload_bytes + (final[2] if final is not None else 0),
+                self._trimmable(payload),
+                final_logits=final,
+            )
+        finally:
+            donor_done(payload)
         if not result.inserted:
             log.debug("prompt cache: task %d not stored (%s)", seq.request.task_id, result.reason)
         self._donate_text_prefix(seq)
         self._refresh()
+
+    def _trimmable(self, payload: Any) -> bool:
+        """A block table is dense KV, cut at any length; a whole payload says for itself."""
+        return isinstance(payload, BlockTable) or (kv.can_truncate(payload) and self.token_granular)
+
+    def release(self, seq: "Sequence") -> None:
+        """``seq`` ended (finished, cancelled, failed, or never started): its lease goes."""
+        if self.blocks is not None:
+            self.blocks.release(seq)
 
     def _keep_final_logits(self, seq: "Sequence", tokens: list[int], payload_bytes: int) -> tuple[int, Any, int] | None:
         """(n_prompt, logits, their bytes) for the entry ``seq`` donates, when it computed the
@@ -469,7 +495,11 @@ class PrefixCache:
         trimmable = kv.can_truncate(payload) and (self.token_granular or kind == "snapshot")
         if kind == "snapshot" and origin not in ("boundary", "completion"):
             origin = "completion"
-        return store.insert(bucket, session_key, tokens, payload, kv.nbytes(payload), trimmable, origin).inserted
+        state = self.blocks.from_file(payload, len(tokens)) if kind == "kv" and self.blocks is not None else payload
+        try:
+            return store.insert(bucket, session_key, tokens, state, kv.payload_nbytes(state), trimmable, origin).inserted
+        finally:
+            donor_done(state)
 
     def close(self) -> None:
         """Clean shutdown: write what RAM holds to the disk tier (bounded in time), stop the writer."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlxcel_compat.cache.block_pool import KV_BLOCK_TOKENS
 from mlxcel_compat.cache.disk_directory import list_entry_files
 
 GIB = 1 << 30
@@ -40,6 +41,9 @@ class PrefixCacheConfig:
     disk_dir: str | None = None  # --prompt-cache-dir: the disk tier (off when None)
     disk_capacity_bytes: int | None = None  # None: disk_capacity_default
     disk_write_through: bool = False  # --prompt-cache-write-through: write entries when stored
+    # Positions per shared KV block (docs/prompt-cache.md, "Shared KV blocks"); 0 stores every
+    # entry whole, as before (scripts/bench_kv_sharing.py measures one against the other).
+    kv_block_tokens: int = KV_BLOCK_TOKENS
 
     @classmethod
     def from_settings(cls, s: Any) -> "PrefixCacheConfig":

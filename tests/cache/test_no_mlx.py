@@ -9,7 +9,7 @@ import sys
 def test_bookkeeping_modules_do_not_import_mlx() -> None:
     modules = [
         "key", "radix", "records", "store", "prompt_store", "block_hash", "snapshot", "families",
-        "disk_format", "disk_write", "disk_directory", "disk_index",
+        "disk_format", "disk_write", "disk_directory", "disk_index", "block_pool",
     ]
     code = (
         "import sys\n"

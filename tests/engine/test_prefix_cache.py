@@ -4,18 +4,26 @@ Exactness, as the spec states it: a hit whose adopted prefix ends on a prefill-c
 that the cold run also uses reproduces the cold run exactly (same greedy tokens, bit-identical
 log-probabilities). Elsewhere the split changes the summation order: first-token log-probabilities
 must agree within LOGPROB_TOL.
+
+The engine stores dense KV as shared blocks of BLOCK positions here (16, not the default 256,
+so that these short prompts span several and every test runs through multi-block tables):
+sessions that share a system prompt store it once, the stats count it once, a hit on shared
+blocks equals a cold run, and a reset leaves no referenced block (the pool's own bookkeeping:
+tests/cache/test_block_pool.py).
 """
 
 from __future__ import annotations
 
+import queue
 import random
 
 import numpy as np
 import pytest
 
 from mlxcel_compat.cache import kv
+from mlxcel_compat.cache.block_pool import BlockTable
 from tests.conftest import tiny_model
-from tests.engine.harness import EngineHarness
+from tests.engine.harness import EngineHarness, collect
 
 CHUNK = 16
 LOGPROB_TOL = 1e-4
@@ -23,6 +31,8 @@ N_PROBS = 8
 # Long enough that the tiny models' logits (vocabulary 8192: 32 KiB) cost less than
 # FINAL_LOGITS_MAX_SHARE of the entry's KV (the tiny llama's: 512 bytes a token).
 LONG_PROMPT = 1100
+BLOCK = 16  # positions per shared KV block
+SYSTEM = 4 * BLOCK  # a system prompt of four whole blocks (and four prefill chunks)
 
 
 def random_tokens(n: int, seed: int) -> list[int]:
@@ -32,7 +42,7 @@ def random_tokens(n: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "llama:q4_0"])
 def harness(request: pytest.FixtureRequest):
-    h = EngineHarness(tiny_model(request.param), batch_size=CHUNK)
+    h = EngineHarness(tiny_model(request.param), batch_size=CHUNK, kv_block_tokens=BLOCK)
     yield h
     h.close()
 
@@ -108,7 +118,7 @@ def test_a_prompt_sent_again_samples_from_the_entrys_logits(harness: EngineHarne
 def _entry_arrays(harness: EngineHarness, entry_id: int) -> list[np.ndarray]:
     def grab() -> list[np.ndarray]:
         entry = harness.engine.prefix_cache.store.get(entry_id)
-        return [np.array(a) for layer in entry.payload for a in (layer.keys, layer.values)]
+        return [np.array(a) for layer in kv.materialize(entry.payload) for a in (layer.keys, layer.values)]
 
     return harness.on_engine(grab)
 
@@ -147,7 +157,8 @@ def test_donated_entry_holds_exactly_its_tokens(harness: EngineHarness) -> None:
 
     def inspect() -> tuple[tuple[int, ...], list[int], int, int]:
         (entry,) = harness.engine.prefix_cache.store.entries()
-        return entry.tokens, [kv.layer_tokens(layer) for layer in entry.payload], entry.nbytes, kv.nbytes(entry.payload)
+        layers = kv.materialize(entry.payload)  # a block table's blocks gathered
+        return entry.tokens, [kv.layer_tokens(layer) for layer in layers], entry.nbytes, kv.nbytes(layers)
 
     tokens, held, nbytes, measured = harness.on_engine(inspect)
     # prompt + generated tokens that were fed back (the last sampled token never is).
@@ -253,3 +264,73 @@ def test_a_hit_off_the_grid_takes_the_last_prompt_token_into_its_one_pass(family
         assert set(warm.logprobs[0]) & set(cold.logprobs[0])
     finally:
         harness.close()
+
+
+# ---------------------------------------------------------------------- shared KV blocks
+
+
+def tables(h: EngineHarness) -> list[tuple[tuple[int, ...], BlockTable]]:
+    return h.on_engine(lambda: [(e.tokens, e.payload) for e in h.engine.prefix_cache.store.entries()])
+
+
+def test_sessions_share_their_system_prompt_once(harness: EngineHarness) -> None:
+    harness.reset()
+    system = random_tokens(SYSTEM, seed=1)
+    runs = [harness.run(system + random_tokens(20, seed=10 + s), n_predict=3, session=f"s{s}") for s in range(3)]
+    assert [r.finish.n_cached for r in runs] == [0, SYSTEM, SYSTEM]
+    held = tables(harness)
+    assert len(held) == 3 and all(isinstance(t, BlockTable) for _, t in held)
+    shared = {t.block_ids[: SYSTEM // BLOCK] for _, t in held}
+    assert len(shared) == 1  # the very same blocks, not equal copies
+    tails = [set(t.block_ids[SYSTEM // BLOCK :]) for _, t in held]
+    assert not (tails[0] & tails[1]) and not (tails[1] & tails[2])
+    stats = harness.stats()
+    per_token = stats["logical_bytes"] // stats["logical_tokens"]
+    unique = SYSTEM + sum(len(toks) - SYSTEM for toks, _ in held)
+    assert stats["bytes"] == unique * per_token  # shared blocks counted once
+    assert stats["logical_tokens"] == sum(len(toks) for toks, _ in held)
+    assert stats["sharing_ratio"] == round(stats["logical_bytes"] / stats["bytes"], 4) > 1.5
+    tail_blocks = sum(-(-(len(toks) - SYSTEM) // BLOCK) for toks, _ in held)
+    assert stats["kv_block_tokens"] == BLOCK and stats["kv_blocks"] == SYSTEM // BLOCK + tail_blocks
+
+
+def test_a_hit_on_shared_blocks_equals_a_cold_run(harness: EngineHarness) -> None:
+    harness.reset()
+    system = random_tokens(SYSTEM, seed=2)
+    for s in range(2):
+        harness.run(system + random_tokens(9, seed=20 + s), n_predict=2, session=f"s{s}")
+    prompt = system + random_tokens(23, seed=29)
+    warm = harness.run(prompt, n_predict=8, n_probs=4, session="new")
+    cold = harness.run(prompt, n_predict=8, n_probs=4, cache=False)
+    assert warm.finish.n_cached == SYSTEM  # on a chunk boundary the cold run also uses
+    assert warm.tokens == cold.tokens and warm.logprobs == cold.logprobs  # bit-identical
+
+
+def test_adoption_gathers_without_touching_the_pool_and_a_reset_frees_every_block(harness: EngineHarness) -> None:
+    harness.reset()
+    system = random_tokens(SYSTEM + 5, seed=3)
+    harness.run(system + random_tokens(7, seed=30), n_predict=2, session="a")
+    ((_, table),) = tables(harness)
+
+    def adopt_by_hand() -> tuple[int, int, int]:
+        pool = table.pool
+        before = (len(pool), pool.nbytes)
+        layers = kv.gather(table, SYSTEM + 5)
+        assert (len(pool), pool.nbytes) == before  # gathering allocates no block
+        return kv.layer_tokens(layers[0]), kv.nbytes(layers), pool.block(table.block_ids[0]).refs
+
+    held, nbytes, refs = harness.on_engine(adopt_by_hand)
+    assert held == SYSTEM + 5 and refs == 1  # one entry holds the block; gathering took nothing
+    # A running sequence holds a lease on the full blocks it adopted, until it ends.
+    events: queue.Queue = queue.Queue()
+    request = harness.submit(system + random_tokens(40, seed=31), events.put, n_predict=64, session="b", ignore_eos=True)
+    first = events.get(timeout=60)
+    assert first is not None
+    leased = harness.on_engine(lambda: harness.engine.prefix_cache.blocks.leased_blocks)
+    assert leased == SYSTEM // BLOCK
+    harness.engine.cancel(request.task_id)
+    collect(events)
+    assert harness.on_engine(lambda: harness.engine.prefix_cache.blocks.leased_blocks) == 0
+    harness.reset()
+    assert harness.on_engine(lambda: len(table.pool)) == 0  # no entry, no sequence: no block left
+    assert harness.stats()["kv_blocks"] == 0

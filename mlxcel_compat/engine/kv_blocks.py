@@ -1,0 +1,94 @@
+"""Shared KV blocks as the engine uses them: the pool, running sequences' leases, and the
+payloads the prompt cache stores (docs/prompt-cache.md, "Shared KV blocks").
+
+The pool's bookkeeping is ``cache/block_pool.py`` (pure Python), the arrays ``cache/kv.py``.
+This module decides, on the engine thread, which blocks a running sequence holds (its *lease*:
+the full blocks it adopted or pinned, from position 0) and builds what a sequence stores: a
+block table that starts with its lease, or a whole payload where the state cannot be cut into
+blocks. Every sequence ends through ``release`` (``Engine._release``, or its construction
+failing), so a cancelled or failed sequence leaves no reference behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence as Seq
+
+from mlxcel_compat.cache import kv
+from mlxcel_compat.cache.block_pool import BlockPool, BlockTable
+
+if TYPE_CHECKING:
+    from mlxcel_compat.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class _Lease:
+    seq: "Sequence"  # kept so that id(seq) cannot be reused while the lease lives
+    block_ids: tuple[int, ...]
+    layout: int  # layers the blocks hold: a table of other layers cannot share them
+
+
+class SharedBlocks:
+    """The block pool and the leases of the running sequences (engine thread only)."""
+
+    def __init__(self, block_tokens: int) -> None:
+        self.pool = BlockPool(block_tokens)
+        self._leases: dict[int, _Lease] = {}
+
+    @property
+    def leased_blocks(self) -> int:
+        """Blocks held by running sequences (each lease's blocks counted once per lease)."""
+        return sum(len(lease.block_ids) for lease in self._leases.values())
+
+    def adopt(self, seq: "Sequence", table: BlockTable, n_tokens: int) -> list[Any]:
+        """The sequence's cache gathered from ``table``'s first ``n_tokens`` positions; the full
+        blocks among them become the sequence's lease (the partly used last one is copied)."""
+        cache = kv.gather(table, n_tokens)
+        self.release(seq)
+        ids = table.full_blocks(n_tokens)
+        self.pool.retain(ids)
+        self._leases[id(seq)] = _Lease(seq, ids, int(table.layout))  # type: ignore[call-overload]
+        return cache
+
+    def state(self, seq: "Sequence", layers: Seq[Any], n_tokens: int) -> Any:
+        """What ``seq`` stores for its first ``n_tokens`` positions of ``layers``: a block table
+        sharing its lease (the caller holds one reference per block: pass it to ``donor_done``),
+        or, when the layers cannot be cut into blocks, a whole copy as before: the evaluated views
+        of a finished sequence's buffers, or a prefix cut into buffers of its own (a pin, a text
+        prefix), so that it never keeps the longer buffer alive."""
+        if not kv.blockable(layers, n_tokens):
+            held = max((kv.layer_tokens(layer) for layer in layers), default=0)
+            return kv.snapshot(layers) if held == n_tokens else kv.detached_prefix(layers, n_tokens)
+        lease = self._leases.get(id(seq))
+        shared = lease.block_ids if lease is not None and lease.layout == len(layers) else ()
+        return kv.to_blocks(self.pool, layers, n_tokens, shared)
+
+    def keep(self, seq: "Sequence", table: BlockTable) -> None:
+        """Extend ``seq``'s lease to ``table``'s full blocks (a pin it just stored), so the entry
+        it donates later shares them too."""
+        lease = self._leases.get(id(seq))
+        ids = table.full_blocks(table.n_tokens)
+        if lease is not None and (lease.layout != table.layout or len(lease.block_ids) >= len(ids)):
+            return
+        self.pool.retain(ids)
+        self.release(seq)
+        self._leases[id(seq)] = _Lease(seq, ids, int(table.layout))  # type: ignore[call-overload]
+
+    def from_file(self, payload: list[Any], n_tokens: int) -> Any:
+        """A state read back from disk or a slot file, as new blocks where it can be cut."""
+        if not kv.blockable(payload, n_tokens):
+            return payload
+        return kv.to_blocks(self.pool, payload, n_tokens)
+
+    def release(self, seq: "Sequence") -> None:
+        """The sequence ended (or adopts anew): its lease goes."""
+        lease = self._leases.pop(id(seq), None)
+        if lease is not None:
+            self.pool.release(lease.block_ids)
+
+
+def donor_done(payload: Any) -> None:
+    """Drop the references ``SharedBlocks.state`` gave its caller, once the table is stored (the
+    store holds its own) or refused; a whole payload holds none."""
+    if isinstance(payload, BlockTable):
+        payload.pool.release(payload.block_ids)
