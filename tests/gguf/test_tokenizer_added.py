@@ -18,8 +18,9 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
 
 from mlxcel_compat.gguf.reader import open_gguf
-from mlxcel_compat.gguf.tokenizer import CONTROL, USER_DEFINED, hf_tokenizer, load_tokenizer
+from mlxcel_compat.gguf.tokenizer import CONTROL, USER_DEFINED, convert, hf_tokenizer, special_tokens
 from mlxcel_compat.testing import vision
+from mlxcel_compat.tokenizer.cache import from_files
 from mlxcel_compat.testing.gguf_writer import write_bpe_tokenizer_gguf
 from tests.conftest import MODEL_CACHE
 
@@ -58,7 +59,8 @@ def test_whitespace_control_token_is_one_token(smolvlm: tuple[Path, Path], tmp_p
     newlines = vision.vision_token_id("\n\n", "smolvlm")
     assert (tokens[newlines], types[newlines]) == ("\n\n", CONTROL)  # stored as its text, as the converter does
 
-    ours, _ = load_tokenizer(file, cache_dir=tmp_path)  # the served path: converted in a child, cached
+    convert(file, tmp_path)  # what the child process of load_tokenizer does, here (no second interpreter)
+    ours = from_files(tmp_path, special_tokens(file).eog)  # the served tokenizer, read back as the server reads it
     theirs = load_hf_tokenizer(directory)
     assert ours.encode("\n\n", add_special_tokens=False) == [newlines]
     assert ours.encode("a\n\n\nb", add_special_tokens=False) == [ours.encode("a", add_special_tokens=False)[0], newlines,
