@@ -24,13 +24,14 @@ from mlxcel_compat.tokenizer.cache import from_files
 from mlxcel_compat.testing.gguf_writer import write_bpe_tokenizer_gguf
 from tests.conftest import MODEL_CACHE
 
+SENTENCE_END = "<｜end▁of▁sentence｜>"
 TEXTS = [
     "\n\n", "\n", "\n\n\n", "\n\n\n\n\n", "a\n\nb", " \n\n ", "\r\n\r\n", "\t\n\n\t",
     "  ", "   ", "x  y", "x   y", "    indented\n\n        more\n",
     "def f(x):\n    return x\n\n\nclass A:\n\tpass\n",
     "<image>\n\n<row_1_col_1>", "<fake_token_around_image><global-img><image>\n\n",
     "<|im_start|>user\nhi\n\nthere<|im_end|>\n<|im_start|>assistant\n",
-    "emoji 🚀\n\n🙂👍🏽 café 你好", "", " ",
+    "emoji 🚀\n\n🙂👍🏽 café 你好", "", " ", "end<｜end▁of▁sentence｜>\n\nnext",
 ]
 
 
@@ -69,7 +70,8 @@ def test_whitespace_control_token_is_one_token(smolvlm: tuple[Path, Path], tmp_p
 
 
 def test_user_defined_token_spelled_like_an_ordinary_one(smolvlm: tuple[Path, Path], tmp_path: Path) -> None:
-    """A USER_DEFINED ``"  "`` whose byte spelling ``"ĠĠ"`` is also an ordinary token: both keep their ids."""
+    """A USER_DEFINED ``"  "`` whose byte spelling ``"ĠĠ"`` is also an ordinary token: both keep their ids.
+    And a CONTROL token outside the byte alphabet (DeepSeek's ``<｜end▁of▁sentence｜>``) is one token."""
     from tokenizers import AddedToken, Tokenizer
 
     directory, _ = smolvlm
@@ -79,18 +81,24 @@ def test_user_defined_token_spelled_like_an_ordinary_one(smolvlm: tuple[Path, Pa
         shutil.copy(directory / name, copy / name)
     reference = Tokenizer.from_file(str(directory / "tokenizer.json"))
     reference.add_tokens([AddedToken("  ", special=False, normalized=False)])
+    reference.add_special_tokens([AddedToken(SENTENCE_END, special=True, normalized=False)])
     reference.save(str(copy / "tokenizer.json"))
     spaces, ordinary = reference.token_to_id("  "), reference.token_to_id("ĠĠ")
-    assert spaces == reference.get_vocab_size() - 1 and ordinary is not None
+    sentence_end = reference.token_to_id(SENTENCE_END)
+    assert (spaces, sentence_end) == (reference.get_vocab_size() - 2, reference.get_vocab_size() - 1)
+    assert ordinary is not None
     config = json.loads((copy / "tokenizer_config.json").read_text(encoding="utf-8"))
     config["added_tokens_decoder"][str(spaces)] = {"content": "  ", "lstrip": False, "normalized": False,
                                                    "rstrip": False, "single_word": False, "special": False}
+    config["added_tokens_decoder"][str(sentence_end)] = {"content": SENTENCE_END, "lstrip": False, "normalized": False,
+                                                         "rstrip": False, "single_word": False, "special": True}
     (copy / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
     file = open_gguf(write_bpe_tokenizer_gguf(tmp_path / "vocab.gguf", copy))
-    assert file.metadata["tokenizer.ggml.token_type"][spaces] == USER_DEFINED
+    assert [file.metadata["tokenizer.ggml.token_type"][i] for i in (spaces, sentence_end)] == [USER_DEFINED, CONTROL]
 
     ours = hf_tokenizer(file)  # the conversion itself, in this process
     theirs = load_hf_tokenizer(copy)
     assert ours.encode("  ", add_special_tokens=False) == [spaces]
     assert ours.decode([ordinary]) == "  "
+    assert ours.encode(f"a{SENTENCE_END}", add_special_tokens=False) == [*ours.encode("a", add_special_tokens=False), sentence_end]
     _same_tokenizer(ours, theirs, len(file.metadata["tokenizer.ggml.tokens"]))
