@@ -135,7 +135,50 @@ def _convert(architecture: str, tokenizer_dict: dict[str, Any]) -> Any:
     backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
     if tokenizer_dict.get("tokenizer_type") == "llama":
         _space_prefix_like_llama_cpp(backend, bool(tokenizer_dict.get("add_prefix_space", True)))
+    if tokenizer_dict.get("tokenizer_type") == "gpt2":
+        backend = _added_tokens_as_text(backend, tokenizer_dict)
     return backend
+
+
+def _added_tokens_as_text(backend: Any, tokenizer_dict: dict[str, Any]) -> Any:
+    """Byte-level BPE: match CONTROL and USER_DEFINED tokens by their text, as llama.cpp does.
+
+    llama.cpp (``llama-vocab.cpp``) finds every control / user-defined token in the input by the
+    exact text the file stores, before byte-level BPE runs, and llama.cpp's converter stores added
+    tokens as their text (``"\\n\\n"``), not in the byte alphabet (``"ĊĊ"``). transformers' converter
+    respells such a token in the byte alphabet and then leaves it out of the added tokens (it
+    takes text outside the alphabet for a mislabel), so ``"\\n\\n"`` was encoded as two ``"\\n"``
+    and, where the respelling equals an ordinary token's, that token lost its vocabulary entry.
+    Here such tokens get their text back as their vocabulary entry and become added tokens
+    (special when CONTROL) at their own ids; ordinary tokens keep theirs. ``tokenizers`` gives an
+    added token the id its text has in the vocabulary, hence the edit of the serialized form.
+    """
+    import json
+
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    tokens: list[str] = tokenizer_dict["tokens"]
+    types: list[int] = tokenizer_dict.get("token_type") or []
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    as_text = {index: kind for index, (text, kind) in enumerate(zip(tokens, types))
+               if kind in (CONTROL, USER_DEFINED) and not set(text) <= alphabet}
+    if not as_text:
+        return backend
+    data = json.loads(backend.to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    for spelling in [spelling for spelling, index in vocab.items() if index in as_text]:
+        del vocab[spelling]
+    for index, text in enumerate(tokens):  # an ordinary token whose entry a respelling took
+        if index not in as_text and text not in vocab and set(text) <= alphabet:
+            vocab[text] = index
+    taken = {added["id"] for added in data["added_tokens"]}
+    for index, kind in as_text.items():
+        vocab[tokens[index]] = index
+        if index not in taken:
+            data["added_tokens"].append({"id": index, "content": tokens[index], "single_word": False, "lstrip": False,
+                                         "rstrip": False, "normalized": False, "special": kind == CONTROL})
+    data["added_tokens"].sort(key=lambda added: added["id"])
+    return Tokenizer.from_str(json.dumps(data, ensure_ascii=False))
 
 
 def _space_prefix_like_llama_cpp(backend: Any, add_space_prefix: bool) -> None:

@@ -104,6 +104,25 @@ def write_spm_tokenizer_gguf(out: str | Path, tokenizer_dir: str | Path, arch: s
     return out
 
 
+def write_bpe_tokenizer_gguf(out: str | Path, tokenizer_dir: str | Path, pre: str = "gpt-2", arch: str = "llama") -> Path:
+    """A GGUF holding only the byte-level BPE vocabulary of ``tokenizer_dir`` (``tokenizer.ggml.model = gpt2``).
+
+    The keys are the ones a factory GGUF gets (``gguf_metadata.add_tokenizer``: added tokens stored
+    as their text, CONTROL when special, USER_DEFINED otherwise). No tensors: it is for tokenizer tests.
+    """
+    import gguf
+
+    out = Path(out).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(out), arch)
+    add_tokenizer(writer, Path(tokenizer_dir), pre)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def write_gguf(family: str, size: str, out: str | Path, gguf_type: str = "f32",
                split_max_tensors: int = 0, model_dir: str | Path | None = None, pooling: str | None = None,
                reranker: bool = False, weights: dict[str, Any] | None = None,
