@@ -54,6 +54,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlxcel_compat.runtime import decode_moe
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, ring_plan
@@ -65,8 +66,10 @@ from mlxcel_compat.runtime.native.blas_shim import SMALL_M_MAX
 from mlxcel_compat.runtime.rope_angles import RopeAngles
 
 LOG2E = 1.4426950408889634
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-# mlx-lm's stacked-expert modules (switch_layers.py): an MoE layer the decode pass has no kernel for.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe")
+# Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's.
+MOE_TYPES = ("qwen3_moe", "qwen2_moe")
+# mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
 EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU")  # BlockSwitchGLU: block_experts.py
 GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, sliding windows
 # Hybrid and recurrent families: the layers the runtime does not run yet, named in the start-up
@@ -106,7 +109,7 @@ def unsupported(model: Any) -> str | None:
     model_type = getattr(getattr(model, "args", None), "model_type", None)
     if model_type in MLX_LAYERS:
         return f"model type {model_type!r}: its {MLX_LAYERS[model_type]} run in MLX's step"
-    if any(type(m).__name__ in EXPERT_MODULES for _, m in model.named_modules()):
+    if model_type not in MOE_TYPES and any(type(m).__name__ in EXPERT_MODULES for _, m in model.named_modules()):
         return (f"mixture-of-experts layers ({model_type}): their steps run in MLX, the experts' products on "
                 f"ggml's blocks where the file's are quantized")
     if model_type not in MODEL_TYPES:
@@ -129,12 +132,21 @@ def unsupported(model: Any) -> str | None:
     weights = [m.weight for m in (inner.embed_tokens, head) if block_weight_of(m) is None]
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attn is None or mlp is None or not any(c.__name__ == "MLP" for c in type(mlp).__mro__):
+        if model_type in MOE_TYPES and decode_moe.is_moe(mlp):
+            reason = decode_moe.unsupported(mlp)
+            if reason is not None:
+                return f"mixture-of-experts layers ({model_type}): {reason}"
+            moe_linears = decode_moe.shared_modules(mlp)  # router, shared expert: checked as the projections
+            mlp = None  # the MLP's checks below do not apply
+        elif attn is None or mlp is None or not any(c.__name__ == "MLP" for c in type(mlp).__mro__):
             return "unexpected layer layout"
         if gemma and not isinstance(mlp, gemma_mlp()):
             return "unexpected layer layout"
         projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if mlp is None:
+            projections += moe_linears
+        else:
+            projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         if not all(isinstance(m, (nn.Linear, BlockLinear)) for m in projections) or not hasattr(attn, "n_heads"):
             return "unexpected attention layout"
         norms = [getattr(layer, n, None) for n in norm_names]
@@ -194,7 +206,10 @@ class CpuDecoder:
         self.head = LinearWeights(block_weight_of(head) or float32_array(head.weight), None,
                                   [LoraFactors(f) for f in factors_of(head)]
                                   if isinstance(head, (nn.Linear, BlockLinear)) else [])
-        self.layers = [layer_weights(layer, order.index(kind), self.gemma) for layer, kind in zip(inner.layers, kinds)]
+        self.layers = [layer_weights(layer, order.index(kind), self.gemma,
+                                     decode_moe.moe_weights(layer.mlp) if decode_moe.is_moe(layer.mlp) else None)
+                       for layer, kind in zip(inner.layers, kinds)]
+        self.ffn_width = decode_moe.ffn_width(self.layers)  # the pass's gate and up buffers' width
         self.kv = KvLayout(self.n_kv_heads, self.head_dim, self.window,
                            rings=[i for i, layer in enumerate(self.layers) if layer.sliding],  # RotatingKVCache layers
                            plain=[i for i, layer in enumerate(self.layers) if not layer.sliding])  # KVCache layers
@@ -463,7 +478,7 @@ class CpuDecoder:
         return b
 
     def _new_buffers(self, rows: int, logit_rows: int) -> PassBuffers:
-        hidden, inter = self.embed.shape[1], self.layers[0].gate.weight.shape[0]
+        hidden, inter = self.embed.shape[1], self.ffn_width
         hq, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
 
         def buf(n: int, r: int = rows) -> np.ndarray:
