@@ -71,15 +71,15 @@ struct mlxcel_norm {
 /* A mixture-of-experts layer in place of the MLP (runtime/decode_moe.py): the router's logits,
  * the family's gating, then only the chosen experts' rows of the stacked block tensors
  * (ffn_{gate,up,down}_exps, expert e being rows e * rows .. (e + 1) * rows - 1), SwiGLU between,
- * the outputs summed by the gates' weights; a shared expert (qwen2_moe) behind its sigmoid gate. */
+ * the outputs summed by the gates' weights; a shared expert (qwen2_moe) behind its sigmoid gate.
+ * The gating is the softmax-then-top-k of mlx-lm's qwen3_moe and qwen2_moe blocks. */
 struct mlxcel_moe {
     struct mlxcel_linear router;                        /* hidden -> n_expert logits */
     const struct mlxcel_block_weight *gate, *up, *down; /* the stacks */
     struct mlxcel_linear shared_gate, shared_up, shared_down; /* n == 0: no shared expert */
     struct mlxcel_linear shared_scale;                  /* hidden -> 1, its sigmoid scales the shared expert; n == 0: none */
     int n_expert, top_k, rows;                          /* rows: an expert's intermediate width */
-    int softmax_after_topk; /* 0: softmax over every expert, then the top k; 1: the top k logits, softmax over them */
-    int norm_topk;          /* the chosen k weights divided by their sum (norm_topk_prob) */
+    int norm_topk; /* the chosen k weights divided by their sum (norm_topk_prob) */
 };
 
 struct mlxcel_layer {
@@ -182,18 +182,16 @@ static __thread struct mlxcel_scratch moe_scratch[10];
 
 static void *moe_buffer(int i, size_t bytes) { return mlxcel_scratch(&moe_scratch[i], bytes ? bytes : 1); }
 
-/* Row r's chosen experts and their weights from its router logits `l` (n_expert of them): as
- * mlx-lm's blocks compute them (softmax in float32, the k largest; or the k largest logits and a
- * softmax over those), in descending order of weight (ties: the lower expert first). */
+/* Row r's chosen experts and their weights from its router logits `l` (n_expert of them), as
+ * mlx-lm's qwen3_moe and qwen2_moe blocks compute them: a softmax over every expert in float32,
+ * the k largest (ties: the lower expert first), renormalised to sum 1 where norm_topk says so. */
 static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, float *weight) {
     int n = e->n_expert, k = e->top_k;
-    if (!e->softmax_after_topk) {
-        float top = l[0], sum = 0.0f;
-        for (int i = 1; i < n; i++) top = l[i] > top ? l[i] : top;
-        for (int i = 0; i < n; i++) sum += l[i] = expf(l[i] - top);
-        for (int i = 0; i < n; i++) l[i] /= sum;
-    }
-    for (int j = 0; j < k; j++) { /* k passes of an arg-max over the experts not chosen yet (k <= a few) */
+    float top = l[0], sum = 0.0f;
+    for (int i = 1; i < n; i++) top = l[i] > top ? l[i] : top;
+    for (int i = 0; i < n; i++) sum += l[i] = expf(l[i] - top);
+    for (int i = 0; i < n; i++) l[i] /= sum;
+    for (int j = 0; j < k; j++) { /* k passes of an arg-max over the experts not chosen yet (k is a few) */
         int best = -1;
         for (int i = 0; i < n; i++) {
             int taken = 0;
@@ -203,14 +201,10 @@ static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, flo
         chosen[j] = best;
         weight[j] = l[best];
     }
-    if (e->softmax_after_topk) {
-        float top = weight[0], sum = 0.0f;
-        for (int j = 0; j < k; j++) sum += weight[j] = expf(weight[j] - top);
-        for (int j = 0; j < k; j++) weight[j] /= sum;
-    } else if (e->norm_topk) {
-        float sum = 0.0f;
-        for (int j = 0; j < k; j++) sum += weight[j];
-        for (int j = 0; j < k; j++) weight[j] /= sum;
+    if (e->norm_topk) {
+        float total = 0.0f;
+        for (int j = 0; j < k; j++) total += weight[j];
+        for (int j = 0; j < k; j++) weight[j] /= total;
     }
 }
 

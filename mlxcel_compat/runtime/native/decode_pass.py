@@ -44,7 +44,7 @@ class NormStruct(ctypes.Structure):
 class MoeStruct(ctypes.Structure):
     _fields_ = [("router", LinearStruct), ("gate", _P), ("up", _P), ("down", _P),
                 *((name, LinearStruct) for name in ("shared_gate", "shared_up", "shared_down", "shared_scale")),
-                ("n_expert", _I), ("top_k", _I), ("rows", _I), ("softmax_after_topk", _I), ("norm_topk", _I)]
+                ("n_expert", _I), ("top_k", _I), ("rows", _I), ("norm_topk", _I)]
 
 
 class LayerStruct(ctypes.Structure):
@@ -139,8 +139,7 @@ def _moe(moe: Any, keep: list[Any]) -> int:
     if moe is None:
         return 0
     s = MoeStruct(router=_linear(moe.router, keep), gate=moe.gate.address, up=moe.up.address, down=moe.down.address,
-                  n_expert=moe.n_expert, top_k=moe.top_k, rows=moe.rows, softmax_after_topk=0,
-                  norm_topk=int(moe.norm_topk))
+                  n_expert=moe.n_expert, top_k=moe.top_k, rows=moe.rows, norm_topk=int(moe.norm_topk))
     for name in ("shared_gate", "shared_up", "shared_down", "shared_scale"):
         setattr(s, name, _linear(getattr(moe, name), keep))
     keep.append(s)
