@@ -31,7 +31,11 @@ spent as long around its products as in them.
 
 Which models: mlx-lm's ``llama`` (and ``mistral``, which mlx-lm runs as llama), ``qwen2``,
 ``qwen3`` and ``gemma3_text`` modules, with float32 weights or weights in ggml's blocks
-(``block_layers.py``), every layer the cache mlx-lm's ``make_cache`` gives it. Gemma 3 brings
+(``block_layers.py``), every layer the cache mlx-lm's ``make_cache`` gives it; and the
+mixture-of-experts ``qwen3_moe`` and ``qwen2_moe`` (attention as qwen3's and qwen2's) where the
+GGUF loader keeps the expert stacks in the file's blocks: each MoE layer runs in the same C loop
+(router, softmax top-k, only the chosen experts' rows of the stacks grouped by expert, the
+weighted sum, qwen2_moe's gated shared expert; ``decode_moe.py``). Gemma 3 brings
 the sliding-window layers (a ring of ``sliding_window`` positions, their own RoPE base), the
 GELU-gated MLP, four norms a layer plus per-head query and key norms (each ``1 + w``), the
 embedding scaled by ``sqrt(hidden)`` (rounded through bfloat16, as mlx-lm does) and
@@ -70,7 +74,8 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe",
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's.
 MOE_TYPES = ("qwen3_moe", "qwen2_moe")
 # mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
-EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU")  # BlockSwitchGLU: block_experts.py
+EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU",  # BlockSwitchGLU: block_experts.py
+                  "FusedGateUpSwitchGLU")  # Gemma 4's fused gate-up experts (gguf/stored_parts.py)
 GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, sliding windows
 # Hybrid and recurrent families: the layers the runtime does not run yet, named in the start-up
 # log's reason (a later task moves recurrent state and experts onto the runtime).

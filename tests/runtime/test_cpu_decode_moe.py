@@ -16,6 +16,7 @@ runtime/native/decode_pass.c).
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -55,16 +56,26 @@ def close(got: np.ndarray, want: np.ndarray, rtol: float = BLOCK_RTOL) -> bool:
     return bool(np.abs(got - want).max() <= rtol * np.abs(want).max())
 
 
-def moe_decoder(spec: str) -> tuple[nn.Module, cpu_decode.CpuDecoder]:
-    loaded = load_model(str(tiny_model(spec)), [])
-    decoder = loaded.decoder
-    assert isinstance(decoder, cpu_decode.CpuDecoder), cpu_decode.unsupported(loaded.model)
-    assert all(layer.moe is not None and layer.gate is None for layer in decoder.layers)
-    return loaded.model, decoder
+@pytest.fixture(scope="module")
+def moe_decoder() -> Callable[[str], tuple[nn.Module, cpu_decode.CpuDecoder]]:
+    """The tiny GGUF's model of a spec and its decoder, every layer an MoE layer on the runtime,
+    each loaded once for the module (every test makes its own caches)."""
+    loaded: dict[str, tuple[nn.Module, cpu_decode.CpuDecoder]] = {}
+
+    def get(spec: str) -> tuple[nn.Module, cpu_decode.CpuDecoder]:
+        if spec not in loaded:
+            model = load_model(str(tiny_model(spec)), [])
+            decoder = model.decoder
+            assert isinstance(decoder, cpu_decode.CpuDecoder), cpu_decode.unsupported(model.model)
+            assert all(layer.moe is not None and layer.gate is None for layer in decoder.layers)
+            loaded[spec] = model.model, decoder
+        return loaded[spec]
+
+    return get
 
 
 @pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "qwen2_moe:q8_0"])
-def test_moe_models_follow_mlx_step_for_step(spec: str) -> None:
+def test_moe_models_follow_mlx_step_for_step(moe_decoder: Callable, spec: str) -> None:
     """20 teacher-forced steps from each of two prompts: within BLOCK_RTOL of MLX's step, the
     same token where MLX's top two are further apart than either side may move, the KV cache
     as MLX's; at least a few steps bit-identical."""
@@ -102,7 +113,7 @@ def test_moe_models_follow_mlx_step_for_step(spec: str) -> None:
 
 
 @pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "qwen2_moe:q8_0"])
-def test_moe_rows_stepped_together_are_bit_identical_to_rows_alone(spec: str) -> None:
+def test_moe_rows_stepped_together_are_bit_identical_to_rows_alone(moe_decoder: Callable, spec: str) -> None:
     """Three sequences stepped together (their (row, expert) pairs grouped by expert in one
     product) give exactly the logits each gives alone, step after step."""
     model, decoder = moe_decoder(spec)
@@ -119,7 +130,7 @@ def test_moe_rows_stepped_together_are_bit_identical_to_rows_alone(spec: str) ->
     assert [c[0].offset for c in together] == [25, 75, 135]
 
 
-def test_a_moe_prompt_chunk_on_the_runtime_leaves_mlx_s_kv() -> None:
+def test_a_moe_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(moe_decoder: Callable) -> None:
     """A cold 70-token prompt fed by ``prefill`` (every row's experts grouped, as MLX's
     ``BlockSwitchGLU`` groups them) leaves the keys and values MLX's chunk leaves, and the
     following step agrees with MLX's on its cache."""
