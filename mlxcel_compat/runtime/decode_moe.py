@@ -3,8 +3,8 @@
 Why: an MoE model's step in MLX runs its layers' routers, top-k, gathers and weighted sums as
 many small MLX operations, each evaluated between the experts' block products
 (``block_experts.BlockSwitchGLU``); on a Qwen3-30B-A3B-shaped file that glue, not the products,
-kept decode at half llama-server's speed. The C loop (``native/decode_pass.c``: ``moe_layer``)
-runs the whole layer instead: the router's product, the family's gating, a counting sort of the
+kept decode at half llama-server's speed. The decode pass's C loop (``native/decode_pass.py``
+describes the model to it) runs the whole layer instead: the router's product, the family's gating, a counting sort of the
 (row, expert) pairs by expert, gate and up of every pair in one grouped call on the stacked
 blocks (``mlxcel_expert_matmul_shared``, only the chosen experts' rows read), SwiGLU, down,
 the weighted sum and the shared expert. This module says which layers it can describe that way
