@@ -32,7 +32,8 @@ spent as long around its products as in them.
 Which models: mlx-lm's ``llama`` (and ``mistral``, which mlx-lm runs as llama), ``qwen2``,
 ``qwen3`` and ``gemma3_text`` modules, with float32 weights or weights in ggml's blocks
 (``block_layers.py``), every layer the cache mlx-lm's ``make_cache`` gives it; and the
-mixture-of-experts ``qwen3_moe`` and ``qwen2_moe`` (attention as qwen3's and qwen2's) where the
+mixture-of-experts ``qwen3_moe``, ``qwen2_moe`` and ``olmoe`` (attention as qwen3's and qwen2's;
+olmoe's q and k norms over the whole projection) where the
 GGUF loader keeps the expert stacks in the file's blocks: each MoE layer runs in the same C loop
 (router, softmax top-k, only the chosen experts' rows of the stacks grouped by expert, the
 weighted sum, qwen2_moe's gated shared expert; ``decode_moe.py``). Gemma 3 brings
@@ -70,9 +71,10 @@ from mlxcel_compat.runtime.native.blas_shim import SMALL_M_MAX
 from mlxcel_compat.runtime.rope_angles import RopeAngles
 
 LOG2E = 1.4426950408889634
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe")
-# Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's.
-MOE_TYPES = ("qwen3_moe", "qwen2_moe")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe")
+# Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
+# (olmoe's q/k norms over the whole projection).
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe")
 # mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
 EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU",  # BlockSwitchGLU: block_experts.py
                   "FusedGateUpSwitchGLU")  # Gemma 4's fused gate-up experts (gguf/stored_parts.py)
@@ -215,6 +217,10 @@ class CpuDecoder:
                                      decode_moe.moe_weights(layer.mlp) if decode_moe.is_moe(layer.mlp) else None)
                        for layer, kind in zip(inner.layers, kinds)]
         self.ffn_width = decode_moe.ffn_width(self.layers)  # the pass's gate and up buffers' width
+        # olmoe's q and k norms span the whole projection (a gain per head and channel), qwen3's and
+        # gemma3's one head (a gain per channel)
+        q_norm = self.layers[0].q_norm
+        self.qk_norm_whole = q_norm is not None and self.n_heads > 1 and q_norm.weight.size == self.n_heads * self.head_dim
         self.kv = KvLayout(self.n_kv_heads, self.head_dim, self.window,
                            rings=[i for i, layer in enumerate(self.layers) if layer.sliding],  # RotatingKVCache layers
                            plain=[i for i, layer in enumerate(self.layers) if not layer.sliding])  # KVCache layers

@@ -30,6 +30,7 @@ from mlxcel_compat.runtime.decode_layers import LinearWeights, linear_weights
 GATING = {
     "Qwen3MoeSparseMoeBlock": "softmax",  # qwen3_moe: norm_topk_prob from the config
     "Qwen2MoeSparseMoeBlock": "softmax",  # qwen2_moe: never renormalised; a gated shared expert
+    "OlmoeSparseMoeBlock": "softmax",  # olmoe: norm_topk_prob from the config
 }
 
 

@@ -2,7 +2,7 @@
 runtime/native/decode_pass.c).
 
 - Per family it takes (qwen3_moe: normalised top-k; qwen2_moe: not renormalised, a shared expert
-  behind its sigmoid gate), on the factory's GGUF (attention and expert stacks in ggml's blocks):
+  behind its sigmoid gate; olmoe: not renormalised, q/k norms over the whole projection), on the factory's GGUF (attention and expert stacks in ggml's blocks):
   teacher-forced steps within BLOCK_RTOL of MLX's step on the same model (whose experts run
   through ``BlockSwitchGLU``), the same greedy token wherever MLX's choice is decided, the cache
   as MLX's update leaves it; some steps bit-identical (the same ggml products on the same
@@ -74,16 +74,16 @@ def moe_decoder() -> Callable[[str], tuple[nn.Module, cpu_decode.CpuDecoder]]:
     return get
 
 
-@pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "qwen2_moe:q8_0"])
+@pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "qwen2_moe:q8_0", "olmoe:q8_0"])
 def test_moe_models_follow_mlx_step_for_step(moe_decoder: Callable, spec: str) -> None:
     """12 teacher-forced steps from each of two prompts: within BLOCK_RTOL of MLX's step, the
     same token where MLX's top two are further apart than either side may move, the KV cache
     as MLX's; at least a few steps bit-identical."""
     model, decoder = moe_decoder(spec)
-    if spec.startswith("qwen2_moe"):
-        assert all(layer.moe.shared_gate is not None and not layer.moe.norm_topk for layer in decoder.layers)
-    else:
-        assert all(layer.moe.shared_gate is None and layer.moe.norm_topk for layer in decoder.layers)
+    shared, renormalised = {"qwen3_moe": (False, True), "qwen2_moe": (True, False), "olmoe": (False, False)}[spec.split(":")[0]]
+    assert all((layer.moe.shared_gate is not None) == shared and layer.moe.norm_topk == renormalised
+               for layer in decoder.layers)
+    assert decoder.qk_norm_whole == spec.startswith("olmoe")  # olmoe's q/k norms span the projection
     exact = total = 0
     for n, seed in [(40, 0), (150, 1)]:
         ours = prefilled(model, n, seed)
@@ -152,7 +152,7 @@ def test_a_moe_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(moe_decoder: Callable
 
 @pytest.mark.parametrize("spec,reason", [
     ("qwen3_moe", "mixture-of-experts layers (qwen3_moe): experts not in ggml's blocks"),
-    ("olmoe:q8_0", "mixture-of-experts layers (olmoe): their steps run in MLX"),
+    ("granitemoe:q8_0", "mixture-of-experts layers (granitemoe): their steps run in MLX"),
 ])
 def test_moe_layers_it_does_not_take_keep_mlx_and_say_why(spec: str, reason: str) -> None:
     """Float32 experts (a directory: mlx-lm's ``SwitchGLU``, no blocks to group) and a family

@@ -72,7 +72,7 @@ struct mlxcel_norm {
  * the family's gating, then only the chosen experts' rows of the stacked block tensors
  * (ffn_{gate,up,down}_exps, expert e being rows e * rows .. (e + 1) * rows - 1), SwiGLU between,
  * the outputs summed by the gates' weights; a shared expert (qwen2_moe) behind its sigmoid gate.
- * The gating is the softmax-then-top-k of mlx-lm's qwen3_moe and qwen2_moe blocks. */
+ * The gating is the softmax-then-top-k of mlx-lm's qwen3_moe, qwen2_moe and olmoe blocks. */
 struct mlxcel_moe {
     struct mlxcel_linear router;                        /* hidden -> n_expert logits */
     const struct mlxcel_block_weight *gate, *up, *down; /* the stacks */
@@ -101,6 +101,7 @@ struct mlxcel_model {
     const struct mlxcel_layer *layers;
     struct mlxcel_norm norm;
     struct mlxcel_linear head;
+    int qk_norm_whole; /* q_norm and k_norm over the whole projection (olmoe), not per head */
 };
 
 /* A pass's activations, rows contiguous (row widths: hidden, heads * d, kv_heads * d, inter, vocab). */
@@ -183,7 +184,7 @@ static __thread struct mlxcel_scratch moe_scratch[10];
 static void *moe_buffer(int i, size_t bytes) { return mlxcel_scratch(&moe_scratch[i], bytes ? bytes : 1); }
 
 /* Row r's chosen experts and their weights from its router logits `l` (n_expert of them), as
- * mlx-lm's qwen3_moe and qwen2_moe blocks compute them: a softmax over every expert in float32,
+ * mlx-lm's qwen3_moe, qwen2_moe and olmoe blocks compute them: a softmax over every expert in float32,
  * the k largest (ties: the lower expert first), renormalised to sum 1 where norm_topk says so. */
 static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, float *weight) {
     int n = e->n_expert, k = e->top_k;
@@ -317,7 +318,10 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         const struct mlxcel_linear *qkv[3] = {&L->q, &L->k, &L->v};
         float *qkv_out[3] = {b->q, b->k_new, b->v_new};
         products(3, qkv, rows, b->h, qkv_out, tiles, scales, n_adapters);
-        if (L->q_norm.w) {
+        if (L->q_norm.w && m->qk_norm_whole) {
+            mlxcel_rms_norm(b->q, L->q_norm.w, b->q, rows, hq * d, L->q_norm.eps);
+            mlxcel_rms_norm(b->k_new, L->k_norm.w, b->k_new, rows, hk * d, L->k_norm.eps);
+        } else if (L->q_norm.w) {
             mlxcel_rms_norm(b->q, L->q_norm.w, b->q, rows * hq, d, L->q_norm.eps);
             mlxcel_rms_norm(b->k_new, L->k_norm.w, b->k_new, rows * hk, d, L->k_norm.eps);
         }

@@ -57,7 +57,7 @@ class ModelStruct(ctypes.Structure):
     _fields_ = [("n_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
                 ("gelu", _I), ("scale", _F), ("angle_sets", _I), ("prompt_rows_min", _I), ("traditional", _I * 2),
                 ("layers", _P),
-                ("norm", NormStruct), ("head", LinearStruct)]
+                ("norm", NormStruct), ("head", LinearStruct), ("qk_norm_whole", _I)]
 
 
 BUFFER_NAMES = ("x", "h", "branch", "q", "k_new", "v_new", "att", "gate", "up", "logits")
@@ -169,7 +169,8 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
         kv_heads=decoder.n_kv_heads, head_dim=decoder.head_dim, inter=decoder.ffn_width,
         gelu=int(decoder.gemma), scale=decoder.scale, angle_sets=len(decoder.angles.ropes),
         prompt_rows_min=decoder.prompt_rows_min, traditional=traditional,
-        layers=ctypes.addressof(layers), norm=_norm(decoder.norm), head=_linear(decoder.head, keep))
+        layers=ctypes.addressof(layers), norm=_norm(decoder.norm), head=_linear(decoder.head, keep),
+        qk_norm_whole=int(decoder.qk_norm_whole))
     held_lib = blas_shim.holding_the_gil(lib)
     fns = [lib.mlxcel_decode_pass, held_lib.mlxcel_decode_pass]
     for fn in fns:
