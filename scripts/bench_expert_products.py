@@ -25,8 +25,8 @@ multiplied:
   BLAS's sgemm).
 
 With ``--gguf FILE``, instead: decode steps of that MoE file's model (``load_model``, one token a
-step after a 4-token prompt, ``--steps`` of them), their median and best milliseconds and the
-``mx.eval`` calls a step makes (run it from two checkouts, one after the other, to compare).
+step after a 4-token prompt, ``--steps`` of them), their median and best milliseconds by MLX's
+step (and the ``mx.eval`` calls it makes) and by the CPU decode runtime, alternating.
 
 Reported: milliseconds (best of ``--reps``) and GMAC/s; the paths run in turn, so a machine's
 drift falls on all of them. On a shared machine only the best of several short runs means much.
@@ -74,30 +74,47 @@ def best_ms(fn, reps: int) -> float:
 
 
 def decode_steps(path: str, steps: int) -> None:
-    """Median and best decode step of a GGUF file's model, and its ``mx.eval`` calls a step."""
+    """Median and best decode step of a GGUF file's model by MLX's step (with its ``mx.eval``
+    calls a step) and by the CPU decode runtime (``loaded.decoder``, MoE layers in
+    ``decode_pass.c``), the two alternating step by step on their own caches, so the machine's
+    drift falls on both."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlxcel_compat.model.loader import load_model
+    from mlxcel_compat.runtime import decode_kv
 
-    model = load_model(path, []).model
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.array([[5, 6, 7, 8]]), cache=cache))
+    loaded = load_model(path, [])
+    model, decoder = loaded.model, loaded.decoder
+    caches = [make_prompt_cache(model), make_prompt_cache(model)]
+    for cache in caches:
+        mx.eval(model(mx.array([[5, 6, 7, 8]]), cache=cache))
+    owned = decode_kv.OwnedCache()
     evaluate, calls = mx.eval, [0]
 
     def counted(*arrays) -> None:
         calls[0] += 1
         evaluate(*arrays)
 
-    mx.eval = counted
-    times = []
+    times: dict[str, list[float]] = {"MLX step": [], "CPU decode runtime": []}
     for step in range(steps):
+        token = 10 + step % 100
+        mx.eval = counted
         t0 = time.perf_counter()
-        evaluate(model(mx.array([[10 + step % 100]]), cache=cache))
-        times.append(time.perf_counter() - t0)
-    mx.eval = evaluate
-    times.sort()
-    print(f"{path}: {steps} decode steps, median {times[steps // 2] * 1e3:.1f} ms, best {times[0] * 1e3:.1f} ms, "
-          f"{calls[0] / steps:.1f} mx.eval calls a step")
+        evaluate(model(mx.array([[token]]), cache=caches[0]))
+        times["MLX step"].append(time.perf_counter() - t0)
+        mx.eval = evaluate
+        if decoder is not None:
+            t0 = time.perf_counter()
+            decoder.step(token, caches[1], owned)
+            times["CPU decode runtime"].append(time.perf_counter() - t0)
+    print(f"{path}: {steps} decode steps ({calls[0] / steps:.1f} mx.eval calls an MLX step)")
+    for name, ts in times.items():
+        if ts:
+            ts.sort()
+            print(f"  {name}: median {ts[len(ts) // 2] * 1e3:.1f} ms ({1 / ts[len(ts) // 2]:.1f} tok/s), "
+                  f"best {ts[0] * 1e3:.1f} ms")
+    if decoder is None:
+        print("  no CPU decode runtime for this model")
 
 
 def main() -> int:

@@ -31,7 +31,12 @@ spent as long around its products as in them.
 
 Which models: mlx-lm's ``llama`` (and ``mistral``, which mlx-lm runs as llama), ``qwen2``,
 ``qwen3`` and ``gemma3_text`` modules, with float32 weights or weights in ggml's blocks
-(``block_layers.py``), every layer the cache mlx-lm's ``make_cache`` gives it. Gemma 3 brings
+(``block_layers.py``), every layer the cache mlx-lm's ``make_cache`` gives it; and the
+mixture-of-experts ``qwen3_moe``, ``qwen2_moe`` and ``olmoe`` (attention as qwen3's and qwen2's;
+olmoe's q and k norms over the whole projection) where the
+GGUF loader keeps the expert stacks in the file's blocks: each MoE layer runs in the same C loop
+(router, softmax top-k, only the chosen experts' rows of the stacks grouped by expert, the
+weighted sum, qwen2_moe's gated shared expert; ``decode_moe.py``). Gemma 3 brings
 the sliding-window layers (a ring of ``sliding_window`` positions, their own RoPE base), the
 GELU-gated MLP, four norms a layer plus per-head query and key norms (each ``1 + w``), the
 embedding scaled by ``sqrt(hidden)`` (rounded through bfloat16, as mlx-lm does) and
@@ -54,6 +59,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlxcel_compat.runtime import decode_moe
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, ring_plan
@@ -65,9 +71,13 @@ from mlxcel_compat.runtime.native.blas_shim import SMALL_M_MAX
 from mlxcel_compat.runtime.rope_angles import RopeAngles
 
 LOG2E = 1.4426950408889634
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-# mlx-lm's stacked-expert modules (switch_layers.py): an MoE layer the decode pass has no kernel for.
-EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU")  # BlockSwitchGLU: block_experts.py
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe")
+# Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
+# (olmoe's q/k norms over the whole projection).
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe")
+# mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
+EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU",  # BlockSwitchGLU: block_experts.py
+                  "FusedGateUpSwitchGLU")  # Gemma 4's fused gate-up experts (gguf/stored_parts.py)
 GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, sliding windows
 # Hybrid and recurrent families: the layers the runtime does not run yet, named in the start-up
 # log's reason (a later task moves recurrent state and experts onto the runtime).
@@ -106,7 +116,7 @@ def unsupported(model: Any) -> str | None:
     model_type = getattr(getattr(model, "args", None), "model_type", None)
     if model_type in MLX_LAYERS:
         return f"model type {model_type!r}: its {MLX_LAYERS[model_type]} run in MLX's step"
-    if any(type(m).__name__ in EXPERT_MODULES for _, m in model.named_modules()):
+    if model_type not in MOE_TYPES and any(type(m).__name__ in EXPERT_MODULES for _, m in model.named_modules()):
         return (f"mixture-of-experts layers ({model_type}): their steps run in MLX, the experts' products on "
                 f"ggml's blocks where the file's are quantized")
     if model_type not in MODEL_TYPES:
@@ -129,12 +139,21 @@ def unsupported(model: Any) -> str | None:
     weights = [m.weight for m in (inner.embed_tokens, head) if block_weight_of(m) is None]
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attn is None or mlp is None or not any(c.__name__ == "MLP" for c in type(mlp).__mro__):
+        if model_type in MOE_TYPES and decode_moe.is_moe(mlp):
+            reason = decode_moe.unsupported(mlp)
+            if reason is not None:
+                return f"mixture-of-experts layers ({model_type}): {reason}"
+            moe_linears = decode_moe.shared_modules(mlp)  # router, shared expert: checked as the projections
+            mlp = None  # the MLP's checks below do not apply
+        elif attn is None or mlp is None or not any(c.__name__ == "MLP" for c in type(mlp).__mro__):
             return "unexpected layer layout"
         if gemma and not isinstance(mlp, gemma_mlp()):
             return "unexpected layer layout"
         projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if mlp is None:
+            projections += moe_linears
+        else:
+            projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         if not all(isinstance(m, (nn.Linear, BlockLinear)) for m in projections) or not hasattr(attn, "n_heads"):
             return "unexpected attention layout"
         norms = [getattr(layer, n, None) for n in norm_names]
@@ -194,7 +213,14 @@ class CpuDecoder:
         self.head = LinearWeights(block_weight_of(head) or float32_array(head.weight), None,
                                   [LoraFactors(f) for f in factors_of(head)]
                                   if isinstance(head, (nn.Linear, BlockLinear)) else [])
-        self.layers = [layer_weights(layer, order.index(kind), self.gemma) for layer, kind in zip(inner.layers, kinds)]
+        self.layers = [layer_weights(layer, order.index(kind), self.gemma,
+                                     decode_moe.moe_weights(layer.mlp) if decode_moe.is_moe(layer.mlp) else None)
+                       for layer, kind in zip(inner.layers, kinds)]
+        self.ffn_width = decode_moe.ffn_width(self.layers)  # the pass's gate and up buffers' width
+        # olmoe's q and k norms span the whole projection (a gain per head and channel), qwen3's and
+        # gemma3's one head (a gain per channel)
+        q_norm = self.layers[0].q_norm
+        self.qk_norm_whole = q_norm is not None and self.n_heads > 1 and q_norm.weight.size == self.n_heads * self.head_dim
         self.kv = KvLayout(self.n_kv_heads, self.head_dim, self.window,
                            rings=[i for i, layer in enumerate(self.layers) if layer.sliding],  # RotatingKVCache layers
                            plain=[i for i, layer in enumerate(self.layers) if not layer.sliding])  # KVCache layers
@@ -463,7 +489,7 @@ class CpuDecoder:
         return b
 
     def _new_buffers(self, rows: int, logit_rows: int) -> PassBuffers:
-        hidden, inter = self.embed.shape[1], self.layers[0].gate.weight.shape[0]
+        hidden, inter = self.embed.shape[1], self.ffn_width
         hq, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
 
         def buf(n: int, r: int = rows) -> np.ndarray:

@@ -80,15 +80,16 @@ class LayerWeights:
     k: LinearWeights
     v: LinearWeights
     o: LinearWeights
-    gate: LinearWeights
-    up: LinearWeights
-    down: LinearWeights
+    gate: LinearWeights | None  # None in a mixture-of-experts layer (``moe``)
+    up: LinearWeights | None
+    down: LinearWeights | None
     q_norm: NormWeights | None  # qwen3's and gemma3's per-head norms
     k_norm: NormWeights | None
     attn_out: NormWeights | None = None  # gemma3: the attention's output is normed before the residual sum
     mlp_out: NormWeights | None = None  # and the MLP's
     sliding: bool = False  # gemma3: a sliding-window layer (its cache a RotatingKVCache ring)
     rope: int = 0  # which of the decoder's RoPE modules (gemma3: sliding layers have their own base)
+    moe: Any = None  # a mixture-of-experts layer in place of the MLP (decode_moe.MoeWeights), or None
 
 
 @dataclass
@@ -150,11 +151,13 @@ def norm_weights(module: Any) -> NormWeights | None:
     return NormWeights(float32_array(gain), float(module.eps))
 
 
-def layer_weights(layer: Any, rope: int, gemma: bool) -> LayerWeights:
-    """One of the model's layers, ``rope`` the index of its RoPE module, ``gemma`` for Gemma 3's layer."""
+def layer_weights(layer: Any, rope: int, gemma: bool, moe: Any = None) -> LayerWeights:
+    """One of the model's layers, ``rope`` the index of its RoPE module, ``gemma`` for Gemma 3's
+    layer, ``moe`` its mixture-of-experts block's weights (``decode_moe.moe_weights``) in place of an MLP."""
     a, m, lin, norm = layer.self_attn, layer.mlp, linear_weights, norm_weights
-    common = dict(q=lin(a.q_proj), k=lin(a.k_proj), v=lin(a.v_proj), o=lin(a.o_proj),
-                  gate=lin(m.gate_proj), up=lin(m.up_proj), down=lin(m.down_proj),
+    mlp = dict(gate=None, up=None, down=None, moe=moe) if moe is not None else dict(
+        gate=lin(m.gate_proj), up=lin(m.up_proj), down=lin(m.down_proj))
+    common = dict(q=lin(a.q_proj), k=lin(a.k_proj), v=lin(a.v_proj), o=lin(a.o_proj), **mlp,
                   q_norm=norm(getattr(a, "q_norm", None)), k_norm=norm(getattr(a, "k_norm", None)), rope=rope)
     if gemma:  # post_attention_layernorm norms the attention's output; pre_feedforward the MLP's input
         return LayerWeights(n1=norm(layer.input_layernorm), n2=norm(layer.pre_feedforward_layernorm),

@@ -4,7 +4,8 @@ slots decoding together.
 
 Cache hits (RAM and disk) and restored slots are compared with cold runs of the same request:
 on the tiny model greedy outputs agree (tests/engine/test_moe_engine.py holds the bit-exact
-comparisons). The start-up log says what runs the experts and why the decode step stays in MLX.
+comparisons). The start-up log says what runs the experts, and that the CPU decode runtime
+runs the steps (MoE layers included: runtime/decode_moe.py).
 """
 
 from __future__ import annotations
@@ -51,12 +52,12 @@ def complete(c: httpx.Client, prompt: str, **extra: Any) -> dict[str, Any]:
     return r.json()
 
 
-def test_the_start_up_log_names_the_experts_in_blocks_and_mlx_steps(moe_server: ServerProcess) -> None:
+def test_the_start_up_log_names_the_experts_in_blocks_and_the_runtime_s_steps(moe_server: ServerProcess) -> None:
     log = moe_server.log()
     assert "arch qwen3moe" in log
     assert "experts in blocks q8_0" in log and "only the chosen experts' rows" in log
     assert "expanded" not in log
-    assert "CPU decode runtime not used: mixture-of-experts layers (qwen3_moe)" in log
+    assert "decode step: CPU decode runtime" in log and "CPU decode runtime not used" not in log
 
 
 def test_prompt_cache_hits_from_ram_and_disk_equal_the_cold_run(http: httpx.Client) -> None:

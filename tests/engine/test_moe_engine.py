@@ -1,5 +1,6 @@
 """The engine's features on a mixture-of-experts model: the factory's qwen3_moe as a Q8_0 GGUF
-(attention and the stacked experts in the file's blocks), stepped by MLX.
+(attention and the stacked experts in the file's blocks), stepped by the CPU decode runtime
+(``runtime/decode_moe.py``; the harness's model has a decoder, checked below).
 
 The same rules as on the dense families: a prompt-cache hit whose adopted prefix ends on a prefill
 chunk boundary the cold run also uses reproduces the cold run exactly (tokens and log-probabilities
@@ -48,11 +49,14 @@ def harness():
 
 def test_an_aligned_prompt_cache_hit_is_the_cold_run(harness: EngineHarness) -> None:
     harness.reset()
+    decoder = harness.engine.loaded.decoder
+    steps = decoder.steps
     shared = tokens(2 * CHUNK, seed=1)
     second = shared + tokens(27, seed=3)
     harness.run(shared + tokens(9, seed=2), n_predict=4)  # donates its prompt and tokens
     warm = harness.run(second, n_predict=12, n_probs=N_PROBS, ignore_eos=True)
     cold = harness.run(second, n_predict=12, n_probs=N_PROBS, ignore_eos=True, cache=False)
+    assert decoder.steps >= steps + 2 * 11  # the runtime's steps, MoE layers included
     assert warm.finish.n_cached == 2 * CHUNK and cold.finish.n_cached == 0
     assert warm.tokens == cold.tokens
     assert warm.logprobs == cold.logprobs

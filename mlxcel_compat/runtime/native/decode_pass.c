@@ -17,6 +17,7 @@
  *
  * The embedding lookup and the caches' bookkeeping (offsets, ring indices) stay in Python.
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -34,6 +35,9 @@ void mlxcel_block_matmul(const struct mlxcel_block_weight *w, int m, const float
                          float beta, int tiles);
 void mlxcel_block_matmul_shared(int count, const struct mlxcel_block_weight *const *ws, int m, const float *x,
                                 long ldx, float *const *cs, const long *ldcs, float beta);
+int mlxcel_expert_matmul_shared(int count, const struct mlxcel_block_weight *const *ws, int rows, int groups,
+                                const int32_t *expert, const int32_t *start, const int32_t *source, int n_x,
+                                const float *x, long ldx, float *const *cs, long ldc);
 
 /* One adapter on one projection: out += scale * multiplier * B (A x), scale per row and adapter. */
 struct mlxcel_lora {
@@ -64,12 +68,27 @@ struct mlxcel_norm {
     float eps;
 };
 
+/* A mixture-of-experts layer in place of the MLP (runtime/decode_moe.py): the router's logits,
+ * the family's gating, then only the chosen experts' rows of the stacked block tensors
+ * (ffn_{gate,up,down}_exps, expert e being rows e * rows .. (e + 1) * rows - 1), SwiGLU between,
+ * the outputs summed by the gates' weights; a shared expert (qwen2_moe) behind its sigmoid gate.
+ * The gating is the softmax-then-top-k of mlx-lm's qwen3_moe, qwen2_moe and olmoe blocks. */
+struct mlxcel_moe {
+    struct mlxcel_linear router;                        /* hidden -> n_expert logits */
+    const struct mlxcel_block_weight *gate, *up, *down; /* the stacks */
+    struct mlxcel_linear shared_gate, shared_up, shared_down; /* n == 0: no shared expert */
+    struct mlxcel_linear shared_scale;                  /* hidden -> 1, its sigmoid scales the shared expert; n == 0: none */
+    int n_expert, top_k, rows;                          /* rows: an expert's intermediate width */
+    int norm_topk; /* the chosen k weights divided by their sum (norm_topk_prob) */
+};
+
 struct mlxcel_layer {
-    struct mlxcel_linear q, k, v, o, gate, up, down;
+    struct mlxcel_linear q, k, v, o, gate, up, down; /* gate, up, down: n == 0 in an MoE layer */
     struct mlxcel_norm n1, n2;                /* before attention, before the MLP */
     struct mlxcel_norm q_norm, k_norm;        /* per head (qwen3, gemma3) */
     struct mlxcel_norm attn_out, mlp_out;     /* gemma3: each branch's output normed before its sum */
     int rope;                                 /* which angle set (gemma3: sliding layers have their own) */
+    const struct mlxcel_moe *moe;             /* the MoE layer in place of the MLP, or NULL */
 };
 
 struct mlxcel_model {
@@ -82,6 +101,7 @@ struct mlxcel_model {
     const struct mlxcel_layer *layers;
     struct mlxcel_norm norm;
     struct mlxcel_linear head;
+    int qk_norm_whole; /* q_norm and k_norm over the whole projection (olmoe), not per head */
 };
 
 /* A pass's activations, rows contiguous (row widths: hidden, heads * d, kv_heads * d, inter, vocab). */
@@ -156,6 +176,119 @@ static void products(int count, const struct mlxcel_linear *const *ls, int m, co
     for (int t = 0; t < count; t++) extras(ls[t], m, x, outs[t], scales, n_adapters);
 }
 
+/* ------------------------------------------------------------------------- MoE layers */
+
+/* Per-thread scratch of the MoE layer (the engine thread runs the passes). */
+static __thread struct mlxcel_scratch moe_scratch[10];
+
+static void *moe_buffer(int i, size_t bytes) { return mlxcel_scratch(&moe_scratch[i], bytes ? bytes : 1); }
+
+/* Row r's chosen experts and their weights from its router logits `l` (n_expert of them), as
+ * mlx-lm's qwen3_moe, qwen2_moe and olmoe blocks compute them: a softmax over every expert in float32,
+ * the k largest (ties: the lower expert first), renormalised to sum 1 where norm_topk says so. */
+static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, float *weight) {
+    int n = e->n_expert, k = e->top_k;
+    float top = l[0], sum = 0.0f;
+    for (int i = 1; i < n; i++) top = l[i] > top ? l[i] : top;
+    for (int i = 0; i < n; i++) sum += l[i] = expf(l[i] - top);
+    for (int i = 0; i < n; i++) l[i] /= sum;
+    for (int j = 0; j < k; j++) { /* k passes of an arg-max over the experts not chosen yet (k is a few) */
+        int best = -1;
+        for (int i = 0; i < n; i++) {
+            int taken = 0;
+            for (int t = 0; t < j && !taken; t++) taken = chosen[t] == i;
+            if (!taken && (best < 0 || l[i] > l[best])) best = i;
+        }
+        chosen[j] = best;
+        weight[j] = l[best];
+    }
+    if (e->norm_topk) {
+        float total = 0.0f;
+        for (int j = 0; j < k; j++) total += weight[j];
+        for (int j = 0; j < k; j++) weight[j] /= total;
+    }
+}
+
+/* x += the MoE layer of h (rows x hidden): route every row, sort the (row, expert) pairs by
+ * expert (a counting sort: ggml's mul_mat_id's grouping), gate and up of every pair in one
+ * grouped call (each row quantized once), SwiGLU, down, then each row's weighted sum of its
+ * experts' outputs, plus the shared expert. Every product of a pair takes the decode path of the
+ * block kernels, whose result for a row does not depend on the other rows: a row's output is
+ * the same alone, batched or in a prompt chunk. `gate`, `up` and `branch` are the pass's
+ * buffers (the shared expert's). Returns 0, or -1 where the grouped product refused the stacks. */
+static int moe_layer(const struct mlxcel_moe *e, int rows, int hidden, const float *h, float *x, float *gate,
+                     float *up, float *branch, int tiles, const double *scales, int n_adapters) {
+    int n = e->n_expert, k = e->top_k, inter = e->rows, pairs = rows * k;
+    float *logits = moe_buffer(0, sizeof(float) * (size_t)rows * n);
+    int32_t *chosen = moe_buffer(1, sizeof(int32_t) * (size_t)pairs);
+    float *weight = moe_buffer(2, sizeof(float) * (size_t)pairs);
+    int32_t *count = moe_buffer(3, sizeof(int32_t) * (size_t)(2 * n + 1));
+    int32_t *experts = moe_buffer(4, sizeof(int32_t) * (size_t)n);
+    int32_t *source = moe_buffer(5, sizeof(int32_t) * (size_t)pairs);
+    int32_t *slot = moe_buffer(6, sizeof(int32_t) * (size_t)pairs);
+    float *g = moe_buffer(7, sizeof(float) * (size_t)pairs * inter);
+    float *u = moe_buffer(8, sizeof(float) * (size_t)pairs * inter);
+    float *down = moe_buffer(9, sizeof(float) * (size_t)pairs * hidden);
+    int32_t *start = count + n; /* n + 1 group starts */
+    product(&e->router, rows, h, logits, 0.0f, tiles, scales, n_adapters);
+    for (int r = 0; r < rows; r++) moe_route(e, logits + (size_t)r * n, chosen + (size_t)r * k, weight + (size_t)r * k);
+    memset(count, 0, sizeof(int32_t) * (size_t)n);
+    for (int p = 0; p < pairs; p++) count[chosen[p]]++;
+    int groups = 0;
+    start[0] = 0;
+    for (int i = 0; i < n; i++) {
+        if (!count[i]) continue;
+        experts[groups] = i;
+        start[groups + 1] = start[groups] + count[i];
+        count[i] = start[groups]; /* from here: the expert's next free sorted slot */
+        groups++;
+    }
+    for (int p = 0; p < pairs; p++) { /* rows in order within each expert's group */
+        int s = count[chosen[p]]++;
+        slot[p] = s;
+        source[s] = p / k;
+    }
+    const struct mlxcel_block_weight *gate_up[2] = {e->gate, e->up};
+    float *gate_up_out[2] = {g, u};
+    if (mlxcel_expert_matmul_shared(2, gate_up, inter, groups, experts, start, source, rows, h, hidden, gate_up_out,
+                                    inter))
+        return -1;
+    mlxcel_swiglu(g, u, pairs * inter);
+    float *down_out[1] = {down};
+    if (mlxcel_expert_matmul_shared(1, &e->down, hidden, groups, experts, start, NULL, pairs, g, inter, down_out,
+                                    hidden))
+        return -1;
+    float *out = moe_buffer(0, sizeof(float) * (size_t)rows * (hidden > n ? hidden : n)); /* the logits are spent */
+    for (int r = 0; r < rows; r++) {
+        float *o = out + (size_t)r * hidden;
+        const float *d0 = down + (size_t)slot[(size_t)r * k] * hidden;
+        float w0 = weight[(size_t)r * k];
+        for (int c = 0; c < hidden; c++) o[c] = w0 * d0[c];
+        for (int j = 1; j < k; j++) {
+            const float *d = down + (size_t)slot[(size_t)r * k + j] * hidden;
+            float w = weight[(size_t)r * k + j];
+            for (int c = 0; c < hidden; c++) o[c] += w * d[c];
+        }
+    }
+    if (e->shared_gate.n) {
+        const struct mlxcel_linear *shared[2] = {&e->shared_gate, &e->shared_up};
+        float *shared_out[2] = {gate, up};
+        products(2, shared, rows, h, shared_out, tiles, scales, n_adapters);
+        mlxcel_swiglu(gate, up, rows * e->shared_gate.n);
+        product(&e->shared_down, rows, gate, branch, 0.0f, tiles, scales, n_adapters);
+        float *s = up; /* the shared expert's gate logit, one per row */
+        if (e->shared_scale.n) product(&e->shared_scale, rows, h, s, 0.0f, tiles, scales, n_adapters);
+        for (int r = 0; r < rows; r++) {
+            float scale = e->shared_scale.n ? 1.0f / (1.0f + expf(-s[r])) : 1.0f;
+            float *o = out + (size_t)r * hidden;
+            const float *b = branch + (size_t)r * hidden;
+            for (int c = 0; c < hidden; c++) o[c] += scale * b[c];
+        }
+    }
+    for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += out[i];
+    return 0;
+}
+
 /* One forward pass of `rows` rows: each its own position (and cache: kv is rows x layers, angles
  * rows x angle sets x (cos, sin)), or, given `segments`, prompt chunks: segment j is rows
  * segments[j] .. segments[j + 1] - 1, consecutive positions of one sequence (kv is
@@ -163,7 +296,8 @@ static void products(int count, const struct mlxcel_linear *const *ls, int m, co
  * attention one call a layer, and the logits are the last row's only (one segment). The residual
  * stream b->x holds the rows' embeddings on entry. `head`: compute the logits. `scales`:
  * rows x n_adapters LoRA scales, or NULL. Returns 0, or 1 + the layer whose attention did not fit
- * its cache (nothing of that layer's KV written, for that row or segment and the ones after). */
+ * its cache (nothing of that layer's KV written, for that row or segment and the ones after), or
+ * -(1 + the layer) whose expert stacks the grouped product refused. */
 int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers *b, int rows, const int *segments,
                        int n_segments, int head, const struct mlxcel_kv *kv, const float *const *angles,
                        const double *scales, int n_adapters) {
@@ -184,7 +318,10 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         const struct mlxcel_linear *qkv[3] = {&L->q, &L->k, &L->v};
         float *qkv_out[3] = {b->q, b->k_new, b->v_new};
         products(3, qkv, rows, b->h, qkv_out, tiles, scales, n_adapters);
-        if (L->q_norm.w) {
+        if (L->q_norm.w && m->qk_norm_whole) {
+            mlxcel_rms_norm(b->q, L->q_norm.w, b->q, rows, hq * d, L->q_norm.eps);
+            mlxcel_rms_norm(b->k_new, L->k_norm.w, b->k_new, rows, hk * d, L->k_norm.eps);
+        } else if (L->q_norm.w) {
             mlxcel_rms_norm(b->q, L->q_norm.w, b->q, rows * hq, d, L->q_norm.eps);
             mlxcel_rms_norm(b->k_new, L->k_norm.w, b->k_new, rows * hk, d, L->k_norm.eps);
         }
@@ -229,11 +366,16 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
             product(&L->o, rows, b->att, b->x, 1.0f, tiles, scales, n_adapters);
         }
         mlxcel_rms_norm(b->x, L->n2.w, b->h, rows, hidden, L->n2.eps);
+        if (L->moe) {
+            if (moe_layer(L->moe, rows, hidden, b->h, b->x, b->gate, b->up, b->branch, tiles, scales, n_adapters))
+                return -(i + 1);
+            continue;
+        }
         const struct mlxcel_linear *gate_up[2] = {&L->gate, &L->up};
         float *gate_up_out[2] = {b->gate, b->up};
         products(2, gate_up, rows, b->h, gate_up_out, tiles, scales, n_adapters);
-        if (m->gelu) mlxcel_gelu_tanh_gate(b->gate, b->up, rows * m->inter);
-        else mlxcel_swiglu(b->gate, b->up, rows * m->inter);
+        if (m->gelu) mlxcel_gelu_tanh_gate(b->gate, b->up, rows * L->gate.n);
+        else mlxcel_swiglu(b->gate, b->up, rows * L->gate.n);
         if (L->mlp_out.w) {
             product(&L->down, rows, b->gate, b->branch, 0.0f, tiles, scales, n_adapters);
             mlxcel_rms_norm_add(b->branch, L->mlp_out.w, b->x, rows, hidden, L->mlp_out.eps);

@@ -41,17 +41,23 @@ class NormStruct(ctypes.Structure):
     _fields_ = [("w", _P), ("eps", _F)]
 
 
+class MoeStruct(ctypes.Structure):
+    _fields_ = [("router", LinearStruct), ("gate", _P), ("up", _P), ("down", _P),
+                *((name, LinearStruct) for name in ("shared_gate", "shared_up", "shared_down", "shared_scale")),
+                ("n_expert", _I), ("top_k", _I), ("rows", _I), ("norm_topk", _I)]
+
+
 class LayerStruct(ctypes.Structure):
     _fields_ = [*((name, LinearStruct) for name in ("q", "k", "v", "o", "gate", "up", "down")),
                 *((name, NormStruct) for name in ("n1", "n2", "q_norm", "k_norm", "attn_out", "mlp_out")),
-                ("rope", _I)]
+                ("rope", _I), ("moe", _P)]
 
 
 class ModelStruct(ctypes.Structure):
     _fields_ = [("n_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
                 ("gelu", _I), ("scale", _F), ("angle_sets", _I), ("prompt_rows_min", _I), ("traditional", _I * 2),
                 ("layers", _P),
-                ("norm", NormStruct), ("head", LinearStruct)]
+                ("norm", NormStruct), ("head", LinearStruct), ("qk_norm_whole", _I)]
 
 
 BUFFER_NAMES = ("x", "h", "branch", "q", "k_new", "v_new", "att", "gate", "up", "logits")
@@ -103,7 +109,9 @@ def buffers(arrays: dict[str, np.ndarray]) -> NativeBuffers:
 
 
 def _linear(lin: Any, keep: list[Any]) -> LinearStruct:
-    """``lin``: a ``decode_layers.LinearWeights``."""
+    """``lin``: a ``decode_layers.LinearWeights``, or None (an absent layer: n = 0)."""
+    if lin is None:
+        return LinearStruct()
     s = LinearStruct(n=lin.weight.shape[0], k=lin.weight.shape[1])
     block = lin.block
     if block is None:
@@ -125,6 +133,19 @@ def _linear(lin: Any, keep: list[Any]) -> LinearStruct:
     return s
 
 
+def _moe(moe: Any, keep: list[Any]) -> int:
+    """``struct mlxcel_moe`` of a ``decode_moe.MoeWeights`` (kept alive in ``keep``), its address;
+    0 for None."""
+    if moe is None:
+        return 0
+    s = MoeStruct(router=_linear(moe.router, keep), gate=moe.gate.address, up=moe.up.address, down=moe.down.address,
+                  n_expert=moe.n_expert, top_k=moe.top_k, rows=moe.rows, norm_topk=int(moe.norm_topk))
+    for name in ("shared_gate", "shared_up", "shared_down", "shared_scale"):
+        setattr(s, name, _linear(getattr(moe, name), keep))
+    keep.append(s)
+    return ctypes.addressof(s)
+
+
 def _norm(norm: Any) -> NormStruct:
     return NormStruct() if norm is None else NormStruct(norm.ptr, norm.eps)
 
@@ -139,22 +160,27 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
         for name in ("n1", "n2", "q_norm", "k_norm", "attn_out", "mlp_out"):
             setattr(s, name, _norm(getattr(layer, name)))
         s.rope = layer.rope
+        s.moe = _moe(layer.moe, keep)
     keep.append(layers)
     rope_traditional = decoder.angles.traditional
     traditional = (_I * 2)(*[int(t) for t in rope_traditional] + [0] * (2 - len(rope_traditional)))
     struct = ModelStruct(
         n_layers=len(decoder.layers), hidden=decoder.embed.shape[1], heads=decoder.n_heads,
-        kv_heads=decoder.n_kv_heads, head_dim=decoder.head_dim, inter=decoder.layers[0].gate.weight.shape[0],
+        kv_heads=decoder.n_kv_heads, head_dim=decoder.head_dim, inter=decoder.ffn_width,
         gelu=int(decoder.gemma), scale=decoder.scale, angle_sets=len(decoder.angles.ropes),
         prompt_rows_min=decoder.prompt_rows_min, traditional=traditional,
-        layers=ctypes.addressof(layers), norm=_norm(decoder.norm), head=_linear(decoder.head, keep))
+        layers=ctypes.addressof(layers), norm=_norm(decoder.norm), head=_linear(decoder.head, keep),
+        qk_norm_whole=int(decoder.qk_norm_whole))
     held_lib = blas_shim.holding_the_gil(lib)
     fns = [lib.mlxcel_decode_pass, held_lib.mlxcel_decode_pass]
     for fn in fns:
         fn.restype = _I
         fn.argtypes = [_P, _P, _I, _P, _I, _I, _P, _P, _P, _I]
     weight_bytes = sum(_weight_bytes(lin) for layer in decoder.layers
-                       for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down))
+                       for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)
+                       if lin is not None)
+    weight_bytes += sum(layer.moe.nbytes + sum(_weight_bytes(lin) for lin in layer.moe.linears)
+                        for layer in decoder.layers if layer.moe is not None)
     weight_bytes += _weight_bytes(decoder.head)
     return NativeModel(struct, keep, fns[0], fns[1], weight_bytes <= GIL_HELD_WEIGHT_BYTES_MAX)
 

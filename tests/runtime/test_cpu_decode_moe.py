@@ -1,0 +1,162 @@
+"""The CPU decode runtime on mixture-of-experts layers (runtime/decode_moe.py, ``moe_layer`` in
+runtime/native/decode_pass.c).
+
+- Per family it takes (qwen3_moe: normalised top-k; qwen2_moe: not renormalised, a shared expert
+  behind its sigmoid gate; olmoe: not renormalised, q/k norms over the whole projection), on the factory's GGUF (attention and expert stacks in ggml's blocks):
+  teacher-forced steps within BLOCK_RTOL of MLX's step on the same model (whose experts run
+  through ``BlockSwitchGLU``), the same greedy token wherever MLX's choice is decided, the cache
+  as MLX's update leaves it; some steps bit-identical (the same ggml products on the same
+  activations: a runtime that routed, weighted or multiplied differently would have none).
+- Rows stepped together (pairs grouped by expert across the rows) are bit-identical to each row
+  stepped alone; a prompt chunk on the runtime leaves the KV MLX's chunk leaves, and the next
+  step agrees.
+- The MoE layers it does not take keep MLX's step and say why.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxcel_compat.model.loader import load_model
+from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
+from tests.conftest import tiny_model
+
+# As tests/runtime/test_cpu_decode.py's BLOCK_RTOL: both steps quantize activations to the
+# blocks' vec_dot_type, so a ~1e-7 difference elsewhere can move one activation by a quantum.
+BLOCK_RTOL = 0.06
+
+pytestmark = pytest.mark.skipif(backend.matmul_shim() is None, reason="the BLAS shim is not built on this machine")
+
+
+def ids(n: int, seed: int = 0) -> list[int]:
+    return [(7 * i + 3 + 13 * seed) % 500 + 10 for i in range(n)]
+
+
+def prefilled(model: nn.Module, n: int, seed: int = 0) -> list:
+    cache = make_prompt_cache(model)
+    model(mx.array([ids(n, seed)]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def mlx_logits(model: nn.Module, token: int, cache: list) -> np.ndarray:
+    out = model(mx.array([[token]]), cache=cache)[0, -1]
+    mx.eval(out)
+    return np.array(out)
+
+
+def close(got: np.ndarray, want: np.ndarray, rtol: float = BLOCK_RTOL) -> bool:
+    return bool(np.abs(got - want).max() <= rtol * np.abs(want).max())
+
+
+@pytest.fixture(scope="module")
+def moe_decoder() -> Callable[[str], tuple[nn.Module, cpu_decode.CpuDecoder]]:
+    """The tiny GGUF's model of a spec and its decoder, every layer an MoE layer on the runtime,
+    each loaded once for the module (every test makes its own caches)."""
+    loaded: dict[str, tuple[nn.Module, cpu_decode.CpuDecoder]] = {}
+
+    def get(spec: str) -> tuple[nn.Module, cpu_decode.CpuDecoder]:
+        if spec not in loaded:
+            model = load_model(str(tiny_model(spec)), [])
+            decoder = model.decoder
+            assert isinstance(decoder, cpu_decode.CpuDecoder), cpu_decode.unsupported(model.model)
+            assert all(layer.moe is not None and layer.gate is None for layer in decoder.layers)
+            loaded[spec] = model.model, decoder
+        return loaded[spec]
+
+    return get
+
+
+@pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "qwen2_moe:q8_0", "olmoe:q8_0"])
+def test_moe_models_follow_mlx_step_for_step(moe_decoder: Callable, spec: str) -> None:
+    """12 teacher-forced steps from each of two prompts: within BLOCK_RTOL of MLX's step, the
+    same token where MLX's top two are further apart than either side may move, the KV cache
+    as MLX's; at least a few steps bit-identical."""
+    model, decoder = moe_decoder(spec)
+    shared, renormalised = {"qwen3_moe": (False, True), "qwen2_moe": (True, False), "olmoe": (False, False)}[spec.split(":")[0]]
+    assert all((layer.moe.shared_gate is not None) == shared and layer.moe.norm_topk == renormalised
+               for layer in decoder.layers)
+    assert decoder.qk_norm_whole == spec.startswith("olmoe")  # olmoe's q/k norms span the projection
+    exact = total = 0
+    for n, seed in [(40, 0), (150, 1)]:
+        ours = prefilled(model, n, seed)
+        theirs = copy.deepcopy(ours)
+        owned = decode_kv.OwnedCache()
+        token = 11
+        for step in range(12):
+            assert decoder.can_run(ours, owned)
+            steps = decoder.steps
+            got = decoder.step(token, ours, owned).copy()
+            assert decoder.steps == steps + 1
+            want = mlx_logits(model, token, theirs)
+            top = np.abs(want).max()
+            assert close(got, want), (n, step, np.abs(got - want).max() / top)
+            first, second = np.sort(want)[-2:][::-1]
+            if first - second > 2 * BLOCK_RTOL * top:
+                assert int(got.argmax()) == int(want.argmax()), (n, step)
+            for a, b in zip(ours, theirs):
+                assert a.offset == b.offset
+                ka, kb = np.array(a.keys[..., :a.offset, :]), np.array(b.keys[..., :b.offset, :])
+                assert close(ka, kb)
+            exact += bool(np.array_equal(got, want))
+            total += 1
+            token = int(want.argmax())
+    print(f"{spec}: {exact} of {total} steps bit-identical to MLX's")
+    assert exact >= 3
+
+
+@pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "qwen2_moe:q8_0"])
+def test_moe_rows_stepped_together_are_bit_identical_to_rows_alone(moe_decoder: Callable, spec: str) -> None:
+    """Three sequences stepped together (their (row, expert) pairs grouped by expert in one
+    product) give exactly the logits each gives alone, step after step."""
+    model, decoder = moe_decoder(spec)
+    together = [prefilled(model, n, seed) for n, seed in ((20, 0), (70, 1), (130, 2))]
+    alone = [copy.deepcopy(c) for c in together]
+    owned_t = [decode_kv.OwnedCache() for _ in together]
+    owned_a = [decode_kv.OwnedCache() for _ in alone]
+    tokens = [11, 12, 13]
+    for _ in range(5):
+        rows = decoder.step_rows(tokens, together, owned_t).copy()
+        for r, (cache, owned) in enumerate(zip(alone, owned_a)):
+            assert np.array_equal(rows[r], decoder.step(tokens[r], cache, owned))
+        tokens = [int(t) for t in rows.argmax(axis=1)]
+    assert [c[0].offset for c in together] == [25, 75, 135]
+
+
+def test_a_moe_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(moe_decoder: Callable) -> None:
+    """A cold 70-token prompt fed by ``prefill`` (every row's experts grouped, as MLX's
+    ``BlockSwitchGLU`` groups them) leaves the keys and values MLX's chunk leaves, and the
+    following step agrees with MLX's on its cache."""
+    model, decoder = moe_decoder("qwen3_moe:q8_0")
+    prompt = ids(70, seed=31)
+    theirs = make_prompt_cache(model)
+    model(mx.array([prompt]), cache=theirs)
+    mx.eval([c.state for c in theirs])
+    ours, owned = make_prompt_cache(model), decode_kv.OwnedCache()
+    assert decoder.can_prefill(ours, owned)
+    assert decoder.prefill(prompt, ours, owned, logits=False) is None
+    for a, b in zip(ours, theirs):
+        assert a.offset == b.offset == 70
+        assert close(np.array(a.keys[..., :70, :]), np.array(b.keys[..., :70, :]))
+        assert close(np.array(a.values[..., :70, :]), np.array(b.values[..., :70, :]))
+    got, want = decoder.step(5, ours, owned).copy(), mlx_logits(model, 5, theirs)
+    assert close(got, want)
+
+
+@pytest.mark.parametrize("spec,reason", [
+    ("qwen3_moe", "mixture-of-experts layers (qwen3_moe): experts not in ggml's blocks"),
+    ("granitemoe:q8_0", "mixture-of-experts layers (granitemoe): their steps run in MLX"),
+])
+def test_moe_layers_it_does_not_take_keep_mlx_and_say_why(spec: str, reason: str) -> None:
+    """Float32 experts (a directory: mlx-lm's ``SwitchGLU``, no blocks to group) and a family
+    whose layers the runtime has no description of keep MLX's step, with the reason."""
+    loaded = load_model(str(tiny_model(spec)), [])
+    assert loaded.decoder is None
+    assert (cpu_decode.unsupported(loaded.model) or "").startswith(reason)
