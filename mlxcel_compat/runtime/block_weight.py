@@ -70,7 +70,7 @@ class BlockLibrary:
     dequantizers: dict[int, int]  # weight types the shim expands to float32 itself (ggml's is scalar), to the function
     split_kinds: dict[int, ggml_cpu.BlockType]  # types whose rows split_rows rearranges, to their kernels
     gemm_kernels: frozenset[int]  # types whose prompt chunks the shim's own GEMM multiplies (mlxcel_gemm_kernel)
-    # split types whose prompt chunks take 8-bit activations (split_gemm.c: mlxcel_split_gemm_kernel)
+    # split types whose prompt chunks take 8-bit activations (the native mlxcel_split_gemm_kernel)
     split_gemm_kernels: frozenset[int] = frozenset()
 
     def serves(self, ggml_type: int) -> bool:
