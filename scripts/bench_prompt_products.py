@@ -6,7 +6,8 @@ float32 tiles expanded by ggml's ``to_float`` and multiplied by the BLAS's sgemm
 ggml's own ``mul_mat`` on the stored blocks (``ggml``: ``ggml_repack.PromptProduct``, ggml 0.25's
 tiled int8 kernels for the K-quants), or ggml's repacked copy and its GEMM (``repacked``, where
 ggml has a layout for the type), and for Q8_0 on a CPU with AVX-512 VNNI the shim's own GEMM
-(``own``: ``mlxcel_gemm_kernel``'s, what the server runs there). This runs them on one weight per type,
+(``own``: ``mlxcel_gemm_kernel``'s, what the server runs there; for Q4_1, Q5_0 and Q5_1 the GEMM
+over the rows split at load, ``split_gemm.c``). This runs them on one weight per type,
 side by side, ``--reps`` rounds in rotating order, and prints medians, the ratio tiles / ggml
 (above 1: ggml's mul_mat is faster), which is how ``ggml_repack.PROMPT_TYPES`` was chosen, and
 ggml / own.
@@ -71,6 +72,9 @@ def main() -> int:
             weights["repacked"] = block_weight.BlockWeight(blocks, ggml_type, args.n, args.k, lib, repacked=repacked)
         if ggml_type in lib.gemm_kernels:  # the plain weight's prompt path; "tiles" is forced below
             weights["own"] = block_weight.BlockWeight(blocks, ggml_type, args.n, args.k, lib)
+        elif ggml_type in lib.split_gemm_kernels:  # Q4_1/Q5_x: the rows split at load, their GEMM (split_gemm.c)
+            weights["own"] = block_weight.BlockWeight(blocks.copy(), ggml_type, args.n, args.k, lib)
+            block_weight.split_rows(weights["own"])
         kind = lib.block_type(ggml_type)
         times: dict[str, list[float]] = {key: [] for key in weights}
         order = list(weights)

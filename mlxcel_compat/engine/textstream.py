@@ -48,13 +48,17 @@ def _decoder_kind(decoder: Any) -> str:
 
 
 class VocabBytes:
-    """Raw bytes of every token, computed lazily and cached per tokenizer; the special ids."""
+    """Raw bytes of every token, computed lazily and cached per tokenizer; the special ids.
+
+    Only what a token needs is read, when it is needed: the decoder's own JSON (never the whole
+    tokenizer's, whose merges are 500K pairs for a 262K vocabulary: a few hundred MiB of Python
+    objects for a moment), and one token's string at a time (no table of every token's)."""
 
     def __init__(self, hf: Any) -> None:
         self._hf = hf
         self.size = len(hf)
         try:
-            decoder = json.loads(hf.backend_tokenizer.to_str()).get("decoder")
+            decoder = json.loads(hf.backend_tokenizer.decoder.__getstate__())
         except Exception:
             decoder = None
         self.kind = _decoder_kind(decoder)
@@ -64,17 +68,10 @@ class VocabBytes:
             self.added[int(token_id)] = str(added.content)
             if getattr(added, "special", False):
                 self.special_ids.add(int(token_id))
-        self._strings: list[str] | None = None
         self._cache: dict[int, bytes] = {}
-        self._lock = threading.Lock()
 
-    def _token_strings(self) -> list[str]:
-        if self._strings is None:
-            with self._lock:
-                if self._strings is None:
-                    strings = self._hf.convert_ids_to_tokens(list(range(self.size)))
-                    self._strings = [s if s is not None else "" for s in strings]
-        return self._strings
+    def _token_string(self, token_id: int) -> str:
+        return self._hf.convert_ids_to_tokens(token_id) or ""
 
     def raw(self, token_id: int) -> bytes:
         cached = self._cache.get(token_id)
@@ -85,9 +82,9 @@ class VocabBytes:
         elif token_id in self.added:
             value = self.added[token_id].encode("utf-8")
         elif self.kind == "byte_level":
-            value = byte_level_bytes(self._token_strings()[token_id])
+            value = byte_level_bytes(self._token_string(token_id))
         elif self.kind == "spm":
-            text = self._token_strings()[token_id]
+            text = self._token_string(token_id)
             if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
                 value = bytes([int(text[3:5], 16)])
             else:

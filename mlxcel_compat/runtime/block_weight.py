@@ -70,6 +70,8 @@ class BlockLibrary:
     dequantizers: dict[int, int]  # weight types the shim expands to float32 itself (ggml's is scalar), to the function
     split_kinds: dict[int, ggml_cpu.BlockType]  # types whose rows split_rows rearranges, to their kernels
     gemm_kernels: frozenset[int]  # types whose prompt chunks the shim's own GEMM multiplies (mlxcel_gemm_kernel)
+    # split types whose prompt chunks take 8-bit activations (the native mlxcel_split_gemm_kernel)
+    split_gemm_kernels: frozenset[int] = frozenset()
 
     def serves(self, ggml_type: int) -> bool:
         """Whether weights of this type are served from their blocks: a block type whose kernels
@@ -97,7 +99,10 @@ class BlockLibrary:
             text += "; decode rows by mlxcel's AVX-512 kernel"
         if int(ggml_type) in self.gemm_kernels:
             text += "; prompt chunks by mlxcel's AVX-512 VNNI GEMM"
-        if split:
+        if split and int(ggml_type) in self.split_gemm_kernels:
+            text += ("; rows split at load (factors ahead of nibbles): decode rows by mlxcel's AVX-512 VNNI kernel, "
+                     "prompt chunks by mlxcel's AVX-512 VNNI GEMM (8-bit activations, as llama.cpp's)")
+        elif split:
             text += ("; rows split at load (factors ahead of nibbles): decode rows by mlxcel's AVX-512 VNNI kernel, "
                      "float32 tiles expanded by mlxcel's AVX-512 code")
         elif int(ggml_type) in self.dequantizers:
@@ -120,14 +125,14 @@ def library() -> BlockLibrary | str:
         matmul, rows = shim.lib.mlxcel_block_matmul, shim.lib.mlxcel_block_rows
         matmul_held = blas_shim.holding_the_gil(shim.lib).mlxcel_block_matmul
         own, quantizer, dequantizer = shim.lib.mlxcel_rows_kernel, shim.lib.mlxcel_quantizer, shim.lib.mlxcel_dequantizer
-        gemm = shim.lib.mlxcel_gemm_kernel
+        gemm, split_gemm = shim.lib.mlxcel_gemm_kernel, shim.lib.mlxcel_split_gemm_kernel
     except AttributeError:
         return "the loaded BLAS shim has no block products (built from an older source)"
     matmul.restype = rows.restype = matmul_held.restype = None
     matmul.argtypes = matmul_held.argtypes = [_P, _I, _P, _L, _P, _L, _F, _I]
     rows.argtypes = [_P, _P, _I, _P]
-    own.restype = quantizer.restype = dequantizer.restype = gemm.restype = _P
-    own.argtypes = quantizer.argtypes = dequantizer.argtypes = gemm.argtypes = [_I]
+    own.restype = quantizer.restype = dequantizer.restype = gemm.restype = split_gemm.restype = _P
+    own.argtypes = quantizer.argtypes = dequantizer.argtypes = gemm.argtypes = split_gemm.argtypes = [_I]
     own_kernels: frozenset[int] = frozenset()
     quantizers: dict[int, int] = {}
     dequantizers: dict[int, int] = {}
@@ -145,7 +150,9 @@ def library() -> BlockLibrary | str:
             split_kinds[int(ggml_type)] = ggml_cpu.BlockType(plain.vec_dot, plain.quantize, dequantizer(code),
                                                              plain.act_block, plain.act_block_bytes, code)
     gemm_kernels = frozenset(t for t in own_kernels if gemm(t))  # the C side picks it by the type's own_kernel
-    return BlockLibrary(matmul, rows, ggml, matmul_held, own_kernels, quantizers, dequantizers, split_kinds, gemm_kernels)
+    split_gemm_kernels = frozenset(t for t in split_kinds if split_gemm(SPLIT_TYPE_BASE + t))
+    return BlockLibrary(matmul, rows, ggml, matmul_held, own_kernels, quantizers, dequantizers, split_kinds, gemm_kernels,
+                        split_gemm_kernels)
 
 
 def row_bytes(ggml_type: int, k: int) -> int:

@@ -61,15 +61,22 @@ def max_chars_per_token(tokenizer: Any) -> int | None:
         backend = getattr(getattr(tokenizer, "_tokenizer", None), "backend_tokenizer", None)
     if backend is None:
         return None
-    spec = json.loads(backend.to_str())
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE" or model.get("fuse_unk"):
+    # The parts are read one by one: the whole definition's JSON (backend.to_str()) holds every
+    # merge, a few hundred MiB of Python objects for a moment with a 262K vocabulary.
+    model = backend.model
+    if type(model).__name__ != "BPE" or model.fuse_unk:
         return None
-    factor = _normalizer_factor(spec.get("normalizer"))
-    if factor is None or not _keeps_characters(spec.get("pre_tokenizer")):
+    factor = _normalizer_factor(_part_spec(backend.normalizer))
+    if factor is None or not _keeps_characters(_part_spec(backend.pre_tokenizer)):
         return None
-    longest = max((len(token) for token in backend.get_vocab(with_added_tokens=True)), default=0)
+    longest = max((len(backend.id_to_token(i) or "") for i in range(backend.get_vocab_size(with_added_tokens=True))),
+                  default=0)
     return longest * factor if longest else None
+
+
+def _part_spec(part: Any) -> dict[str, Any] | None:
+    """A tokenizer part's (normalizer, pre-tokenizer) JSON definition, as tokenizer.json has it."""
+    return None if part is None else json.loads(part.__getstate__())
 
 
 def _normalizer_factor(spec: dict[str, Any] | None) -> int | None:

@@ -148,8 +148,9 @@ def test_the_readme_serve_and_curl_lines_work_as_written(readme_servers, smollm2
                 assert done.returncode == 0, (line, done.stderr)
                 reply = json.loads(done.stdout)
                 assert not (isinstance(reply, dict) and "error" in reply), (line, reply)
-                if "capital of France?" in line:
-                    assert reply["choices"][0]["message"]["content"] == "The capital of France is Paris."
+                if "Name the capital of France" in line:  # a question whose answer is no near-tie (README)
+                    assert "Paris" in reply["choices"][0]["message"]["content"]
+                    assert reply["choices"][0]["finish_reason"] == "stop"
                 if "action=save" in line:
                     assert reply["n_saved"] > 0
                 if line.endswith("/lora-adapters"):

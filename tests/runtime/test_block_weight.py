@@ -330,8 +330,10 @@ def test_split_rows_give_ggml_s_products(qtype: T, n: int, k: int) -> None:
     minimums and fifth bits ahead of the nibbles: the same bytes) expands to exactly the values of its blocks (gguf-py's), and its
     decode rows agree with ggml's vec_dot over the original blocks to float32 rounding (the same
     integer sums, the block terms added in another order), each row whatever rows share its
-    call; its prompt tiles are bit for bit the original's. Row lengths of 3, 16, 28 and 128
-    blocks: a lone last block, whole groups of 16 and a group's remainder."""
+    call; its prompt chunks (tiles=True) are bit for bit the original's float32 tiles, or, where
+    the shim has the split rows' GEMM, ``test_split_gemm_agrees_with_ggml_s_vec_dot``'s. Row
+    lengths of 3, 16, 28 and 128 blocks: a lone last block, whole groups of 16 and a group's
+    remainder."""
     from mlxcel_compat.runtime.block_weight import split_rows
 
     raw = raw_weight(qtype, n, k, seed=21)
@@ -346,7 +348,44 @@ def test_split_rows_give_ggml_s_products(qtype: T, n: int, k: int) -> None:
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     for i in (0, 5, 10):
         np.testing.assert_array_equal(split.matmul(x[i:i + 1], tiles=False)[0], got[i])
-    np.testing.assert_array_equal(split.matmul(x, tiles=True), plain.matmul(x, tiles=True))
+    if qtype not in LIB.split_gemm_kernels:
+        np.testing.assert_array_equal(split.matmul(x, tiles=True), plain.matmul(x, tiles=True))
+
+
+@pytest.mark.skipif(isinstance(LIB, str) or not LIB.split_gemm_kernels,
+                    reason="the shim has no split rows' GEMM on this CPU (AVX-512 VNNI)")
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_0, T.Q5_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", [(301, 896), (7, 96), (64, 640)])
+def test_split_gemm_agrees_with_ggml_s_vec_dot(qtype: T, n: int, k: int) -> None:
+    """Prompt chunks of a split Q4_1/Q5_0/Q5_1 weight take the shim's 8-bit-activation GEMM
+    (split_gemm.c), as llama-server's prompts do: the activations quantized by ggml's from_float
+    (Q8_0 or Q8_1), the same integer sums as ggml's vec_dot over the original blocks, the block
+    terms added in another order (agreeing to float32 rounding of the sum), so it is checked
+    against ggml's vec_dot and not against float32 math (which differs by the activations'
+    rounding). Weight-row counts that leave a short last panel of 8, rows of 3 blocks (a lone last
+    block), 20 and 28 (a group's remainder), an odd number of activation rows and accumulation
+    (beta); each row's result is bit for bit the same whatever rows share the call."""
+    from mlxcel_compat.runtime.block_weight import split_rows
+
+    raw = raw_weight(qtype, n, k, seed=31)
+    plain = BlockWeight(raw, qtype, n, k, LIB)
+    split = BlockWeight(raw.copy(), qtype, n, k, LIB)
+    assert split_rows(split)
+    x = np.random.default_rng(32).standard_normal((37, k)).astype(np.float32)
+    gemm = split.matmul(x, tiles=True)
+    want = plain.matmul(x, tiles=False)  # ggml's vec_dot on the original blocks
+    scale = np.abs(x).astype(np.float64) @ np.abs(reference(qtype, raw)).T.astype(np.float64)
+    assert np.all(np.abs(gemm - want) <= 2e-6 * scale)
+    float32 = x @ reference(qtype, raw).T  # the float32 tiles' math: further off, by the activations' rounding
+    bound = np.abs(reference(qtype, raw)).astype(np.float64) @ activation_error(qtype, x).T.astype(np.float64)
+    assert np.all(np.abs(gemm - float32) <= bound.T + 1e-5 * scale)
+    assert np.abs(gemm - float32).max() > 10 * np.abs(gemm - want).max()  # really 8-bit activations
+    for rows in ([0], [1, 2], [36], [3, 4, 5], list(range(10, 37))):
+        np.testing.assert_array_equal(split.matmul(x[rows], tiles=True), gemm[rows])
+    start = np.random.default_rng(33).standard_normal((37, n)).astype(np.float32)
+    out = start.copy()
+    split.matmul(x, out=out, beta=1.0, tiles=True)
+    np.testing.assert_allclose(out, start + gemm, rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.skipif(isinstance(LIB, str) or T.Q8_0 not in LIB.gemm_kernels, reason="the shim has no own GEMM on this CPU (AVX-512 VNNI)")

@@ -13,7 +13,8 @@
  *   - many rows (prompt chunks): the weight is expanded TILE_VALUES values at a time into one
  *     reused float32 buffer (to_float, rows spread over the pool) and multiplied by the BLAS's
  *     own sgemm, so a prompt chunk runs at the BLAS's float32 speed with no float32 copy of the
- *     weight kept; where q8_0_gemm.c has a GEMM for the type (Q8_0 with AVX-512 VNNI), the
+ *     weight kept; where q8_0_gemm.c or split_gemm.c has a GEMM for the type (Q8_0, and Q4_1,
+ *     Q5_0 and Q5_1 rows split at load, with AVX-512 VNNI), the
  *     chunk's rows are quantized to vec_dot_type instead (as llama.cpp's prompts are) and
  *     multiplied by it, no float32 tile at all.
  *
@@ -50,6 +51,7 @@ rows_fn mlxcel_rows_kernel(int ggml_type);
 typedef void (*gemm_fn)(int k, const unsigned char *data, size_t row_bytes, const int32_t *rows, int r0, int r1,
                         const void *act, size_t act_bytes, int m, float *c, size_t ldc, float beta);
 gemm_fn mlxcel_gemm_kernel(int ggml_type);
+gemm_fn mlxcel_split_gemm_kernel(int split_type); /* split_gemm.c: Q4_1, Q5_0, Q5_1 rows split at load */
 #define GEMM_BAND 8 /* weight rows: a part's band is a multiple of the GEMM's panel (GEMM_ROWS) */
 
 /* One block type's kernels (filled by ggml_cpu.py from ggml's type traits). */
@@ -312,6 +314,7 @@ void mlxcel_block_matmul(const struct mlxcel_block_weight *w, int m, const float
                          float beta, int tiles) {
     if (m <= 0) return;
     gemm_fn gemm = tiles && w->type->own_kernel >= 0 && !w->group_bias ? mlxcel_gemm_kernel(w->type->own_kernel) : NULL;
+    if (tiles && !gemm && w->type->own_kernel >= 0 && !w->group_bias) gemm = mlxcel_split_gemm_kernel(w->type->own_kernel);
     if (gemm) by_gemm(w, gemm, m, x, ldx, c, ldc, beta);
     else if (tiles) by_tiles(w, m, x, ldx, c, ldc, beta);
     else by_vec_dot(1, &w, m, x, ldx, &c, &ldc, beta);
