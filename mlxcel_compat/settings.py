@@ -327,7 +327,9 @@ R_DEVICE = "MLX runs the whole model on its default device (Metal, CUDA or CPU);
 R_LOADING = ("a GGUF's quantized weights are served from the file's blocks on the CPU and float weights from MLX "
              "arrays; llama.cpp's buffer, device and placement options have nothing to place")
 R_FIT = "no automatic memory fitting; set --ctx-size and the --prompt-cache-* budgets instead"
-R_KV_TYPE = "the KV cache uses the model's dtype; KV cache quantization is not implemented"
+# -ctk/-ctv: llama-server's names this server stores KV in (runtime/kv_precision.py: DTYPES).
+KV_CACHE_TYPES = ("f32", "f16", "bf16")
+KV_CACHE_TYPES_ACCEPT = "one of f32, f16, bf16 (llama-server's q8_0, q4_0, q4_1, iq4_nl, q5_0 and q5_1 are not implemented)"
 R_ROPE = ("mlx-lm's YaRN RoPE has no such parameter (it mixes extrapolation fully and takes its attention "
           "factor from the model's mscale); --rope-scaling, --rope-scale, --rope-freq-* and --yarn-orig-ctx/beta-* apply")
 R_SPEC = "the draft model runs on the engine thread beside the model, with its settings"
@@ -881,10 +883,13 @@ _CACHE: tuple[Setting, ...] = (
             help="Context shift on infinite text generation: when a generation fills its slot's context, keep the "
                  "first n_keep tokens (--keep), drop half of the rest (n_discard) and go on. Off by default, as in "
                  "llama-server; models with recurrent state or sliding windows cannot shift (docs/configuration.md)."),
-    _noop("cache_type_k", ("-ctk", "--cache-type-k"), "KV cache type for K.", R_KV_TYPE, metavar="TYPE",
-          env=("LLAMA_ARG_CACHE_TYPE_K",), group="cache"),
-    _noop("cache_type_v", ("-ctv", "--cache-type-v"), "KV cache type for V.", R_KV_TYPE, metavar="TYPE",
-          env=("LLAMA_ARG_CACHE_TYPE_V",), group="cache"),
+    Setting("cache_type_k", ("-ctk", "--cache-type-k"), ("LLAMA_ARG_CACHE_TYPE_K",), type="choice",
+            choices=KV_CACHE_TYPES, default="f32", group="cache", metavar="TYPE", accepts=KV_CACHE_TYPES_ACCEPT,
+            help="KV cache type for K: the keys are stored in this type, and attention reads them as stored "
+                 "(docs/prompt-cache.md, KV precision). f32 keeps the computed values exactly."),
+    Setting("cache_type_v", ("-ctv", "--cache-type-v"), ("LLAMA_ARG_CACHE_TYPE_V",), type="choice",
+            choices=KV_CACHE_TYPES, default="f32", group="cache", metavar="TYPE", accepts=KV_CACHE_TYPES_ACCEPT,
+            help="KV cache type for V (as -ctk for the values)."),
     _noop("defrag_thold", ("-dt", "--defrag-thold"), "KV defragmentation threshold (deprecated upstream).",
           "there is no KV defragmentation", metavar="N", env=("LLAMA_ARG_DEFRAG_THOLD",), group="cache"),
 )

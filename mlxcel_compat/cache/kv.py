@@ -35,6 +35,7 @@ def _copy_layer(layer: Any, exact: bool) -> Any:
         return CacheList(*(_copy_layer(c, exact) for c in layer.caches))
     if type(layer) is KVCache:
         new = KVCache()
+        new.__dict__.update((k, v) for k, v in vars(layer).items() if k not in vars(new))  # a storage-type stamp
         if layer.keys is not None:
             n = layer.offset
             # Exact copies drop the preallocated slack so the entry holds only its logical bytes.
