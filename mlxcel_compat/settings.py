@@ -1442,6 +1442,15 @@ def _check_tls(resolved: Mapping[str, _Resolved]) -> None:
         raise SettingsError(f"{given.spelling} needs {missing} too (HTTPS takes a key and a certificate)")
 
 
+def _check_kv_types(resolved: Mapping[str, _Resolved]) -> None:
+    """-ctk and -ctv must agree here: a batch of sequences merges its caches into mlx-lm's batch
+    cache, which holds values in the keys' type, so a value type of its own would not hold."""
+    k, v = resolved["cache_type_k"], resolved["cache_type_v"]
+    if k.value != v.value:
+        raise SettingsError(f"{k.spelling or '-ctk'} {k.value} and {v.spelling or '-ctv'} {v.value} differ: this server "
+                            "stores keys and values in one type (give both the same)")
+
+
 def _apply_escapes(resolved: dict[str, _Resolved]) -> None:
     if not resolved["escape"].value:
         return
@@ -1490,6 +1499,7 @@ def resolve_settings(argv: Sequence[str] | None = None, environ: Mapping[str, st
     _apply_cache_switch(resolved)
     _apply_cache_ram(resolved)
     _check_tls(resolved)
+    _check_kv_types(resolved)
     _apply_escapes(resolved)
     _check_refused(resolved)
     _check_lora_scaled(resolved)

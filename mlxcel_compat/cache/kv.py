@@ -195,7 +195,7 @@ def shift(cache: Sequence[Any], n_keep: int, n_discard: int, rotate: Callable[[i
     for i, layer in enumerate(cache):
         n = layer.offset
         start = min(n_keep + n_discard, n)
-        moved_keys = rotate(i, layer.keys[..., start:n, :], -n_discard)
+        moved_keys = rotate(i, layer.keys[..., start:n, :], -n_discard).astype(layer.keys.dtype)  # the stored type
         layer.keys = mx.concatenate([layer.keys[..., :n_keep, :], moved_keys], axis=2)
         layer.values = mx.concatenate([layer.values[..., :n_keep, :], layer.values[..., start:n, :]], axis=2)
         layer.offset = n_keep + (n - start)

@@ -78,7 +78,7 @@ def test_runtime_tag_names_versions_device_dtype_and_kv_types() -> None:
     assert kv_io.runtime_tag(model, "f16/bf16").endswith("; float32; kv f16/bf16")
 
 
-@pytest.mark.parametrize("name", ["f16", "bf16"])
+@pytest.mark.parametrize("name", ["f16", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_a_cache_stored_at_a_precision_comes_back_bit_identical_in_half_the_bytes(tmp_path, name) -> None:
     """-ctk/-ctv: a disk entry holds the KV in its storage type (half float32's bytes at 16 bits)
     and comes back as it was; a server storing another type refuses it, saying why."""

@@ -19,7 +19,7 @@ from tests.engine.test_prefix_cache import CHUNK, N_PROBS, random_tokens
 DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16}
 
 
-@pytest.fixture(scope="module", params=["f16", "bf16"])
+@pytest.fixture(scope="module", params=["f16", pytest.param("bf16", marks=pytest.mark.slow)])
 def harness(request: pytest.FixtureRequest):
     h = EngineHarness(tiny_model("llama"), batch_size=CHUNK,
                       load_options=LoadOptions(kv_types=KvTypes(request.param, request.param)))
