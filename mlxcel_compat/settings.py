@@ -886,7 +886,9 @@ _CACHE: tuple[Setting, ...] = (
     Setting("cache_type_k", ("-ctk", "--cache-type-k"), ("LLAMA_ARG_CACHE_TYPE_K",), type="choice",
             choices=KV_CACHE_TYPES, default="f32", group="cache", metavar="TYPE", accepts=KV_CACHE_TYPES_ACCEPT,
             help="KV cache type for K: the keys are stored in this type, and attention reads them as stored "
-                 "(docs/prompt-cache.md, KV precision). f32 keeps the computed values exactly."),
+                 "(docs/prompt-cache.md, KV precision). f32 (llama-server's default is f16) keeps the computed "
+                 "values exactly and is the type the CPU decode runtime reads (f16, bf16: MLX's decode steps). "
+                 "Must equal -ctv."),
     Setting("cache_type_v", ("-ctv", "--cache-type-v"), ("LLAMA_ARG_CACHE_TYPE_V",), type="choice",
             choices=KV_CACHE_TYPES, default="f32", group="cache", metavar="TYPE", accepts=KV_CACHE_TYPES_ACCEPT,
             help="KV cache type for V (as -ctk for the values)."),
