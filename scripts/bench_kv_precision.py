@@ -99,11 +99,25 @@ def agreement(a: list[list[int]], b: list[list[int]], n: int) -> tuple[int, floa
     return sum(f == n for f in firsts), sum(firsts) / max(len(firsts), 1)
 
 
+def report_agreement(results: dict[str, dict[str, Any]], n_prompts: int, n_tokens: int) -> dict[str, Any]:
+    """Print and return the agreement of each pair of servers that ran (q8_0 against f16 of the
+    same program, our f16 against our f32 and against llama-server's f16)."""
+    pairs = [("llama:q8_0", "llama:f16"), ("mlxcel:q8_0", "mlxcel:f16"), ("mlxcel:f16", "mlxcel:f32"),
+             ("mlxcel:f16", "llama:f16")]
+    out = {}
+    for a, b in pairs:
+        if a in results and b in results:
+            same, first = agreement(results[a]["continuations"], results[b]["continuations"], n_tokens)
+            out[f"{a} vs {b}"] = {"identical": same, "mean_first_difference": first}
+            print(f"agreement {a} vs {b}: {same}/{n_prompts} identical, mean first difference at {first:.1f}", flush=True)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="llama:f16,llama:q8_0,mlxcel:f16,mlxcel:f32",
                         help="comma list of PROGRAM:TYPE (PROGRAM: llama or mlxcel)")
-    parser.add_argument("--depth", type=int, default=16384, help="tokens in the slot")
+    parser.add_argument("--depth", type=int, default=16384, help="tokens in the slot (0: agreement and RSS at /health only)")
     parser.add_argument("--ctx", type=int, default=32768)
     parser.add_argument("--n-predict", type=int, default=32)
     parser.add_argument("--accuracy-prompts", type=int, default=10)
@@ -123,7 +137,7 @@ def main() -> int:
 
     path = bq.small_quantized("Q4_K_M")(args)
     prep = bq.prepare(str(path), args.depth, 1, args.accuracy_prompts, args.accuracy_tokens, reference=False)
-    long_prompt, prompts = prep["prefill"][0], prep["prompts"][: args.accuracy_prompts]
+    long_prompt, prompts = prep["prefill"][0] if args.depth else [], prep["prompts"][: args.accuracy_prompts]
     print(f"file {path.name}; depth {len(long_prompt)} tokens; -c {args.ctx}; {len(configs)} servers up at once",
           flush=True)
 
@@ -140,7 +154,9 @@ def main() -> int:
             for label in labels:  # agreement first (short prompts, the slot's cache off)
                 results[label]["continuations"] = [
                     complete(client, procs[label], p, args.accuracy_tokens, False)["tokens"] for p in prompts]
-            for step, (what, n_predict) in enumerate((("prefill", 1), ("decode", args.n_predict))):
+            agreements = report_agreement(results, len(prompts), args.accuracy_tokens)
+            phases = (("prefill", 1), ("decode", args.n_predict)) if args.depth else ()
+            for step, (what, n_predict) in enumerate(phases):
                 for label in labels[step % len(labels):] + labels[: step % len(labels)]:
                     answer = complete(client, procs[label], long_prompt, n_predict, True)
                     t = answer["timings"]
@@ -162,16 +178,8 @@ def main() -> int:
 
     print(f"\n{'server':14s} {'RSS /health':>12s} {'RSS at depth':>13s} {'peak':>8s} {'prefill t/s':>12s} {'decode t/s':>11s}")
     for label, r in results.items():
-        print(f"{label:14s} {r['rss_health_mib']:10.0f} M {r['rss_depth_mib']:11.0f} M {r['peak_rss_mib']:6.0f} M "
-              f"{r['prefill_tps']:12.1f} {r['decode_tps']:11.2f}")
-    pairs = [("llama:q8_0", "llama:f16"), ("mlxcel:q8_0", "mlxcel:f16"), ("mlxcel:f16", "mlxcel:f32"),
-             ("mlxcel:f16", "llama:f16")]
-    agreements = {}
-    for a, b in pairs:
-        if a in results and b in results:
-            same, first = agreement(results[a]["continuations"], results[b]["continuations"], args.accuracy_tokens)
-            agreements[f"{a} vs {b}"] = {"identical": same, "mean_first_difference": first}
-            print(f"agreement {a} vs {b}: {same}/{len(prompts)} identical, mean first difference at {first:.1f}")
+        print(f"{label:14s} {r['rss_health_mib']:10.0f} M {r.get('rss_depth_mib', 0):11.0f} M {r['peak_rss_mib']:6.0f} M "
+              f"{r.get('prefill_tps', 0):12.1f} {r.get('decode_tps', 0):11.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "agreement": agreements, "depth": len(long_prompt),
                                                "ctx": args.ctx}, indent=1))
