@@ -107,8 +107,7 @@ def cpu_attention(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
             and keys.dtype in STORED_TYPES and values.dtype in STORED_TYPES):
         # 16-bit KV (-ctk/-ctv, runtime/kv_precision.py) is widened exactly to float32 for the
         # BLAS: a copy of the span's keys and values per layer, small beside the products.
-        out = attend_numpy(queries, keys.astype(mx.float32), values.astype(mx.float32), scale,
-                           "causal" if causal else grouped)
+        out = attend_numpy(queries, widened(keys), widened(values), scale, "causal" if causal else grouped)
         if out is not None:
             return out
     if causal and L > QUERY_BLOCK:
@@ -120,6 +119,11 @@ def cpu_attention(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
             blocks.append(attend_mlx(q, keys[:, :, :seen], values[:, :, :seen], scale, group_mask(mask, B, Hq, Hk, end - start, seen)))
         return mx.concatenate(blocks, axis=2)
     return attend_mlx(queries, keys, values, scale, group_mask(mask, B, Hq, Hk, L, S) if causal else grouped)
+
+
+def widened(a: Any) -> Any:
+    """``a`` as float32: itself when it is (a cache's strided view stays a view), else a copy."""
+    return a if a.dtype == mx.float32 else a.astype(mx.float32)
 
 
 def attend_mlx(queries: Any, keys: Any, values: Any, scale: float, grouped: Any) -> Any:
@@ -300,4 +304,4 @@ def install() -> int:
 
 
 __all__ = ["attend_mlx", "attend_numpy", "cpu_attention", "exp2_shifted", "group_mask", "install", "make_attention",
-           "matmul", "weigh"]
+           "matmul", "weigh", "widened"]
