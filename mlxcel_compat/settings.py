@@ -327,7 +327,9 @@ R_DEVICE = "MLX runs the whole model on its default device (Metal, CUDA or CPU);
 R_LOADING = ("a GGUF's quantized weights are served from the file's blocks on the CPU and float weights from MLX "
              "arrays; llama.cpp's buffer, device and placement options have nothing to place")
 R_FIT = "no automatic memory fitting; set --ctx-size and the --prompt-cache-* budgets instead"
-R_KV_TYPE = "the KV cache uses the model's dtype; KV cache quantization is not implemented"
+# -ctk/-ctv: llama-server's names this server stores KV in (runtime/kv_precision.py: DTYPES).
+KV_CACHE_TYPES = ("f32", "f16", "bf16")
+KV_CACHE_TYPES_ACCEPT = "one of f32, f16, bf16 (llama-server's q8_0, q4_0, q4_1, iq4_nl, q5_0 and q5_1 are not implemented)"
 R_ROPE = ("mlx-lm's YaRN RoPE has no such parameter (it mixes extrapolation fully and takes its attention "
           "factor from the model's mscale); --rope-scaling, --rope-scale, --rope-freq-* and --yarn-orig-ctx/beta-* apply")
 R_SPEC = "the draft model runs on the engine thread beside the model, with its settings"
@@ -881,10 +883,15 @@ _CACHE: tuple[Setting, ...] = (
             help="Context shift on infinite text generation: when a generation fills its slot's context, keep the "
                  "first n_keep tokens (--keep), drop half of the rest (n_discard) and go on. Off by default, as in "
                  "llama-server; models with recurrent state or sliding windows cannot shift (docs/configuration.md)."),
-    _noop("cache_type_k", ("-ctk", "--cache-type-k"), "KV cache type for K.", R_KV_TYPE, metavar="TYPE",
-          env=("LLAMA_ARG_CACHE_TYPE_K",), group="cache"),
-    _noop("cache_type_v", ("-ctv", "--cache-type-v"), "KV cache type for V.", R_KV_TYPE, metavar="TYPE",
-          env=("LLAMA_ARG_CACHE_TYPE_V",), group="cache"),
+    Setting("cache_type_k", ("-ctk", "--cache-type-k"), ("LLAMA_ARG_CACHE_TYPE_K",), type="choice",
+            choices=KV_CACHE_TYPES, default="f32", group="cache", metavar="TYPE", accepts=KV_CACHE_TYPES_ACCEPT,
+            help="KV cache type for K: the keys are stored in this type, and attention reads them as stored "
+                 "(docs/prompt-cache.md, KV precision). f32 (llama-server's default is f16) keeps the computed "
+                 "values exactly and is the type the CPU decode runtime reads (f16, bf16: MLX's decode steps). "
+                 "Must equal -ctv."),
+    Setting("cache_type_v", ("-ctv", "--cache-type-v"), ("LLAMA_ARG_CACHE_TYPE_V",), type="choice",
+            choices=KV_CACHE_TYPES, default="f32", group="cache", metavar="TYPE", accepts=KV_CACHE_TYPES_ACCEPT,
+            help="KV cache type for V (as -ctk for the values)."),
     _noop("defrag_thold", ("-dt", "--defrag-thold"), "KV defragmentation threshold (deprecated upstream).",
           "there is no KV defragmentation", metavar="N", env=("LLAMA_ARG_DEFRAG_THOLD",), group="cache"),
 )
@@ -1437,6 +1444,15 @@ def _check_tls(resolved: Mapping[str, _Resolved]) -> None:
         raise SettingsError(f"{given.spelling} needs {missing} too (HTTPS takes a key and a certificate)")
 
 
+def _check_kv_types(resolved: Mapping[str, _Resolved]) -> None:
+    """-ctk and -ctv must agree here: a batch of sequences merges its caches into mlx-lm's batch
+    cache, which holds values in the keys' type, so a value type of its own would not hold."""
+    k, v = resolved["cache_type_k"], resolved["cache_type_v"]
+    if k.value != v.value:
+        raise SettingsError(f"{k.spelling or '-ctk'} {k.value} and {v.spelling or '-ctv'} {v.value} differ: this server "
+                            "stores keys and values in one type (give both the same)")
+
+
 def _apply_escapes(resolved: dict[str, _Resolved]) -> None:
     if not resolved["escape"].value:
         return
@@ -1485,6 +1501,7 @@ def resolve_settings(argv: Sequence[str] | None = None, environ: Mapping[str, st
     _apply_cache_switch(resolved)
     _apply_cache_ram(resolved)
     _check_tls(resolved)
+    _check_kv_types(resolved)
     _apply_escapes(resolved)
     _check_refused(resolved)
     _check_lora_scaled(resolved)

@@ -63,11 +63,12 @@ def test_manifest_flag_statuses_and_notes(manifest) -> None:
     assert {"lora", "lora_scaled", "lora_init_without_apply"} <= supported  # issue 30
     assert {"embeddings", "rerank", "pooling", "embd_normalize"} <= supported  # issue 32
     noop = {e["setting"] for e in manifest_flags(status="noop", manifest=manifest)}
-    assert {"n_gpu_layers", "flash_attn", "cache_type_k", "yarn_ext_factor"} <= noop
+    assert {"n_gpu_layers", "flash_attn", "yarn_ext_factor"} <= noop
     assert {"threads", "threads_batch", "cache_ram", "ssl_key_file", "ssl_cert_file", "rope_scaling", "rope_scale",
             "rope_freq_base", "rope_freq_scale", "yarn_orig_ctx", "yarn_beta_slow", "yarn_beta_fast", "override_kv",
             "mlock", "mmap", "log_file", "log_timestamps", "log_prefix", "log_colors", "reuse_port",
             "static_path"} <= supported  # issue 55
+    assert {"cache_type_k", "cache_type_v"} <= supported  # issue 54
 
 
 SUPPORTED_ROUTES = [

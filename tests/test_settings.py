@@ -216,6 +216,8 @@ def test_bool_flags_accept_inline_values_and_negative_forms() -> None:
         ([], {"LLAMA_ARG_CHAT_TEMPLATE_KWARGS": "[1, 2]"}, ["LLAMA_ARG_CHAT_TEMPLATE_KWARGS", "JSON object"]),
         (["--apc-hash", "md5"], {}, ["--apc-hash", "sha256", "blake3"]),
         ([], {"LLAMA_ARG_REASONING": "maybe"}, ["LLAMA_ARG_REASONING", "auto"]),
+        (["-ctk", "q5_1"], {}, ["-ctk", "f32, f16, bf16", "not implemented"]),
+        ([], {"LLAMA_ARG_CACHE_TYPE_V": "f8"}, ["LLAMA_ARG_CACHE_TYPE_V", "f32, f16, bf16"]),
     ],
 )
 def test_malformed_values_name_the_variable_and_the_accepted_values(argv, env, names) -> None:
@@ -224,6 +226,14 @@ def test_malformed_values_name_the_variable_and_the_accepted_values(argv, env, n
     assert isinstance(info.value, ValueError)
     for name in names:
         assert name in str(info.value)
+
+
+def test_kv_cache_types_from_flags_and_llama_variables() -> None:
+    settings = resolve_settings(["-ctk", "bf16"], {"LLAMA_ARG_CACHE_TYPE_V": "bf16"})
+    assert (settings.cache_type_k, settings.cache_type_v) == ("bf16", "bf16")
+    assert (resolve_settings([], {}).cache_type_k, resolve_settings([], {}).cache_type_v) == ("f32", "f32")
+    with pytest.raises(SettingsError, match="-ctk f16 and LLAMA_ARG_CACHE_TYPE_V bf16 differ"):
+        resolve_settings(["-ctk", "f16"], {"LLAMA_ARG_CACHE_TYPE_V": "bf16"})
 
 
 # --------------------------------------------------------------------------- JSON, lists, escapes
@@ -313,11 +323,11 @@ def test_build_parser_is_generated_from_the_table() -> None:
 def test_noop_flags_with_and_without_values_are_ignored_and_listed() -> None:
     argv = ["-ngl", "99", "-fa", "-m", "model", "--check-tensors", "--prio", "2", "--control-vector-layer-range", "0",
             "3", "--flash-attn", "on", "--no-direct-io", "--spec-draft-threads", "4", "-c", "64"]
-    s = resolve(argv, LLAMA_ARG_CACHE_TYPE_K="q8_0")
+    s = resolve(argv, LLAMA_ARG_DEFRAG_THOLD="0.1")
     assert s.model == "model" and s.ctx_size == 64  # parsing continued correctly after every noop
     ignored = dict(s.ignored)
     assert set(ignored) == {"-ngl", "--flash-attn", "--check-tensors", "--prio", "--control-vector-layer-range",
-                            "--no-direct-io", "--spec-draft-threads", "LLAMA_ARG_CACHE_TYPE_K"}
+                            "--no-direct-io", "--spec-draft-threads", "LLAMA_ARG_DEFRAG_THOLD"}
     assert all(reason for reason in ignored.values())
     assert s.flash_attn == "on" and s.n_gpu_layers == "99" and s.control_vector_layer_range == ("0", "3")
     assert s.direct_io is False and s.is_set("check_tensors")

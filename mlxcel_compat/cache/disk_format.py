@@ -55,6 +55,7 @@ from mlxcel_compat.cache.key import (
 FORMAT = "mlxcel-prompt-cache"
 FORMAT_VERSION = 1
 KINDS = ("kv", "snapshot", "slot")
+KV_TAG = "; kv "  # the runtime tag's last part: the KV storage types, "f16/f16" (kv_io.runtime_tag)
 TIER_KINDS = ("kv", "snapshot")  # what the disk tier stores; "slot" files live in --slot-save-path
 
 # Why a file was not used, in the order checks run. Counted in stats and Prometheus.
@@ -64,6 +65,7 @@ REJECT_REASONS = (
     "size_mismatch",  # longer than its header says
     "corrupt_header",  # the header's checksum or structure does not hold
     "incompatible_version",  # another format version, key layout or mlx / mlx-lm runtime
+    "kv_precision",  # the KV was stored in another type (-ctk/-ctv)
     "foreign_model",  # written for another model
     "payload_checksum",  # the tensor bytes do not match their checksum
     "token_mismatch",  # the tokens are not the ones the index or the request expects
@@ -244,6 +246,11 @@ def check_compat(header: EntryHeader, expect: Compat) -> None:
     if header.compat.model != expect.model:
         raise DiskReject("foreign_model", f"written for model {header.compat.model[:16]}, this server runs {expect.model[:16]}")
     if header.compat.runtime != expect.runtime:
+        theirs, _, their_kv = header.compat.runtime.partition(KV_TAG)
+        ours, _, our_kv = expect.runtime.partition(KV_TAG)
+        if theirs == ours and their_kv != our_kv:
+            raise DiskReject("kv_precision", f"the KV was stored as {their_kv or '?'} (K/V), this server stores "
+                                             f"{our_kv or '?'} (-ctk/-ctv)")
         raise DiskReject("incompatible_version", f"written by {header.compat.runtime!r}, this server is {expect.runtime!r}")
 
 

@@ -39,6 +39,7 @@ def _copy_layer(layer: Any, exact: bool) -> Any:
         return CacheList(*(_copy_layer(c, exact) for c in layer.caches))
     if type(layer) is KVCache:
         new = KVCache()
+        new.__dict__.update((k, v) for k, v in vars(layer).items() if k not in vars(new))  # a storage-type stamp
         if layer.keys is not None:
             n = layer.offset
             # Exact copies drop the preallocated slack so the entry holds only its logical bytes.
@@ -265,7 +266,7 @@ def shift(cache: Sequence[Any], n_keep: int, n_discard: int, rotate: Callable[[i
     for i, layer in enumerate(cache):
         n = layer.offset
         start = min(n_keep + n_discard, n)
-        moved_keys = rotate(i, layer.keys[..., start:n, :], -n_discard)
+        moved_keys = rotate(i, layer.keys[..., start:n, :], -n_discard).astype(layer.keys.dtype)  # the stored type
         layer.keys = mx.concatenate([layer.keys[..., :n_keep, :], moved_keys], axis=2)
         layer.values = mx.concatenate([layer.values[..., :n_keep, :], layer.values[..., start:n, :]], axis=2)
         layer.offset = n_keep + (n - start)

@@ -21,7 +21,7 @@ import mlx_lm
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from mlxcel_compat.cache.disk_format import DiskReject, EntryHeader, Tensor, payload_checksum
+from mlxcel_compat.cache.disk_format import KV_TAG, DiskReject, EntryHeader, Tensor, payload_checksum
 
 LAYOUT_VERSION = 1
 
@@ -32,8 +32,9 @@ _CODES: dict[Any, str] = {
 }
 
 
-def runtime_tag(model: Any) -> str:
-    """What produced a state: mlx and mlx-lm versions, device and the model's compute dtype.
+def runtime_tag(model: Any, kv_types: str = "f32/f32") -> str:
+    """What produced a state: mlx and mlx-lm versions, device, the model's compute dtype and the
+    KV cache's storage types (-ctk/-ctv, ``runtime/kv_precision.py: KvTypes.tag``).
 
     A file is adopted only by the same runtime: another version may compute KV differently, and
     KV of another dtype would silently mix precisions.
@@ -43,7 +44,7 @@ def runtime_tag(model: Any) -> str:
     floats = (mx.float16, mx.bfloat16, mx.float32, mx.float64)
     dtype = next((v.dtype for _, v in tree_flatten(model.parameters()) if v.dtype in floats), None)
     device = "gpu" if mx.default_device() == mx.gpu else "cpu"
-    return f"mlx {mx.__version__}; mlx-lm {mlx_lm.__version__}; {device}; {str(dtype).replace('mlx.core.', '')}"
+    return f"mlx {mx.__version__}; mlx-lm {mlx_lm.__version__}; {device}; {str(dtype).replace('mlx.core.', '')}{KV_TAG}{kv_types}"
 
 
 def encode(cache: Sequence[Any]) -> tuple[dict[str, Any], list[Tensor]]:

@@ -298,13 +298,14 @@ class Engine:
         self.grammars = GrammarCompiler(tokenizer, vocab_size, sorted(tokenizer.eos_token_ids or []))
         from mlxcel_compat.cache.disk_format import Compat
         from mlxcel_compat.cache.kv_io import runtime_tag
+        from mlxcel_compat.runtime.kv_precision import of_model
 
         self._load_speculative()
         self._load_context_shift()
         fingerprint = self.loaded.fingerprint
         if self.draft is not None:  # prompt-cache entries then hold the draft's tensors too
             fingerprint = f"{fingerprint}+draft:{self.draft.loaded.fingerprint}"
-        self.compat = Compat(model=fingerprint, runtime=runtime_tag(self.loaded.model))
+        self.compat = Compat(model=fingerprint, runtime=runtime_tag(self.loaded.model, of_model(self.loaded.model).tag))
         if self._prefix_cache_factory is not None:
             self.prefix_cache = self._prefix_cache_factory(self)
         warm_up(self.loaded.model, self.probe_batching)

@@ -43,8 +43,8 @@ from mlxcel_compat.engine.apc import apc_decision, trace_line
 from mlxcel_compat.engine.cache_stats import RESET_TIERS, reset_result, tiers_stats
 from mlxcel_compat.engine.disk_tier import DiskTier
 from mlxcel_compat.engine.kv_blocks import SharedBlocks, donor_done
-from mlxcel_compat.engine.prefix_cache_config import (PrefixCacheConfig, disk_capacity_default, model_aware_capacity,
-                                                      physical_memory_bytes)
+from mlxcel_compat.engine.prefix_cache_config import (PrefixCacheConfig, disk_capacity_default, kv_accounting,
+                                                      model_aware_capacity, physical_memory_bytes)
 from mlxcel_compat.engine.request import WarmupJob
 from mlxcel_compat.engine.snapshots import SessionSnapshots
 
@@ -75,6 +75,7 @@ class PrefixCache:
         # Entries of caches without recurrent state may be cut (each entry still says whether
         # its own state can, e.g. a sliding window that has not wrapped yet).
         self.token_granular = kv.can_truncate(probe) and not kv.has_recurrent_state(probe)
+        self.kv_accounting = kv_accounting(loaded)
         self.apc_disabled_reason, why = apc_decision(config, loaded.config, probe)
         capacity = config.capacity_bytes
         if capacity is None:
@@ -134,7 +135,7 @@ class PrefixCache:
             capacity = disk_capacity_default(root)
             log.info("Applied prompt-cache disk capacity default: %d bytes (half of what %s could use, at most 16 GiB)", capacity, root)
         loaded = engine.loaded
-        compat = Compat(model=loaded.fingerprint, runtime=kv_io.runtime_tag(loaded.model))
+        compat = Compat(model=loaded.fingerprint, runtime=kv_io.runtime_tag(loaded.model, of_model(loaded.model).tag))
         disk = DiskTier(root, capacity, compat, config.min_prefix, apc, wake=lambda: engine.call(self._refresh),
                         busy=lambda: engine.busy)
         for kind, store in self._stores.items():
@@ -518,11 +519,11 @@ class PrefixCache:
         from there, so it counts as a hit); ``tiers`` splits what RAM and disk hold and served.
         """
         if not self.config.enabled:
-            out = {**PromptCacheStore.disabled_stats(), **SnapshotStore.disabled_stats()}
+            out = {**PromptCacheStore.disabled_stats(), **SnapshotStore.disabled_stats(), **self.kv_accounting}
             out["tiers"] = tiers_stats(out, DiskTier.disabled_stats())
             return out
         self.store.sweep()
-        out = self.store.stats()
+        out = {**self.store.stats(), **self.kv_accounting}
         if self.snapshots is not None:
             self.snapshots.store.sweep()
             out.update(self.snapshots.store.stats())

@@ -11,6 +11,7 @@ from typing import Any
 
 from mlxcel_compat.cache.block_pool import KV_BLOCK_TOKENS
 from mlxcel_compat.cache.disk_directory import list_entry_files
+from mlxcel_compat.runtime.kv_precision import of_model
 
 GIB = 1 << 30
 KV_FLOOR_BYTES = 2 * GIB
@@ -106,3 +107,12 @@ def disk_capacity_default(root: Path) -> int:
     most 16 GiB. The cache's files count in so that a restart does not shrink the budget."""
     ours = sum(f.size for f in list_entry_files(root))
     return min(DISK_DEFAULT_CEILING, (shutil.disk_usage(root).free + ours) // 2)
+
+
+def kv_accounting(loaded: Any) -> dict[str, Any]:
+    """The stats' KV precision fields: the storage types (-ctk/-ctv) and what one token's keys and
+    values take in them across the layers (from the model's config, as the default budget is)."""
+    types = of_model(loaded.model)
+    k_bytes, v_bytes = types.bytes_per_value()
+    return {"kv_cache_type_k": types.k, "kv_cache_type_v": types.v,
+            "kv_bytes_per_token": kv_bytes_per_token(loaded.config, 1) * (k_bytes + v_bytes) // 2}

@@ -40,6 +40,7 @@ _REASONS = {
     "corrupt_header": "the file is corrupted",
     "payload_checksum": "the file is corrupted",
     "incompatible_version": "the file was written by an incompatible version",
+    "kv_precision": "the file's KV cache type differs from this server's",
     "foreign_model": "the file was saved from another model",
     "bad_payload": "the file's state does not fit this model",
     "token_mismatch": "the file's state does not fit this model",

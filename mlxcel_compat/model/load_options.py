@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxcel_compat.gguf.overrides import KvOverride, overrides_json, parse_kv_overrides
+from mlxcel_compat.runtime.kv_precision import KvTypes
 
 SCALING_TYPES = ("none", "linear", "yarn")
 
@@ -96,6 +97,7 @@ class LoadOptions:
     kv_overrides: tuple[KvOverride, ...] = ()
     use_mmap: bool = True
     mlock: bool = False
+    kv_types: KvTypes = field(default_factory=KvTypes)  # -ctk/-ctv: what the KV cache stores
 
     def mark(self, fingerprint: str) -> str:
         """The model fingerprint as these options change it: KV computed under other RoPE
@@ -116,7 +118,8 @@ class LoadOptions:
             yarn_beta_slow=s.yarn_beta_slow,
         )
         return cls(rope=rope, kv_overrides=parse_kv_overrides(s.override_kv or ()),
-                   use_mmap=s.mmap is not False, mlock=bool(s.mlock))
+                   use_mmap=s.mmap is not False, mlock=bool(s.mlock),
+                   kv_types=KvTypes(s.cache_type_k or "f32", s.cache_type_v or "f32"))
 
 
 __all__ = ["LoadOptions", "RopeOverrides", "SCALING_TYPES"]

@@ -62,6 +62,8 @@ UNSHIFTED_SOFTMAX = True
 # quiet), so they keep it. Measured in docs/benchmarks/prompt-cache.md (issue 29).
 SINGLE_THREAD_MAX_QUERIES = 128
 _SUM_MIN, _SUM_MAX = np.float32(2.0**-64), np.float32(2.0**64)
+# KV dtypes a prompt chunk's NumPy attention takes (16-bit ones widened to float32 first).
+STORED_TYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enums
 
@@ -101,9 +103,11 @@ def cpu_attention(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
     grouped = None if causal else group_mask(mask, B, Hq, Hk, L, S)
     if grouped is False:
         return None
-    if (L > 1 and B * Hq * L * S >= NUMPY_ATTENTION_MIN
-            and queries.dtype == keys.dtype == values.dtype == mx.float32):
-        out = attend_numpy(queries, keys, values, scale, "causal" if causal else grouped)
+    if (L > 1 and B * Hq * L * S >= NUMPY_ATTENTION_MIN and queries.dtype == mx.float32
+            and keys.dtype in STORED_TYPES and values.dtype in STORED_TYPES):
+        # 16-bit KV (-ctk/-ctv, runtime/kv_precision.py) is widened exactly to float32 for the
+        # BLAS: a copy of the span's keys and values per layer, small beside the products.
+        out = attend_numpy(queries, widened(keys), widened(values), scale, "causal" if causal else grouped)
         if out is not None:
             return out
     if causal and L > QUERY_BLOCK:
@@ -115,6 +119,11 @@ def cpu_attention(queries: Any, keys: Any, values: Any, scale: float, mask: Any)
             blocks.append(attend_mlx(q, keys[:, :, :seen], values[:, :, :seen], scale, group_mask(mask, B, Hq, Hk, end - start, seen)))
         return mx.concatenate(blocks, axis=2)
     return attend_mlx(queries, keys, values, scale, group_mask(mask, B, Hq, Hk, L, S) if causal else grouped)
+
+
+def widened(a: Any) -> Any:
+    """``a`` as float32: itself when it is (a cache's strided view stays a view), else a copy."""
+    return a if a.dtype == mx.float32 else a.astype(mx.float32)
 
 
 def attend_mlx(queries: Any, keys: Any, values: Any, scale: float, grouped: Any) -> Any:
@@ -295,4 +304,4 @@ def install() -> int:
 
 
 __all__ = ["attend_mlx", "attend_numpy", "cpu_attention", "exp2_shifted", "group_mask", "install", "make_attention",
-           "matmul", "weigh"]
+           "matmul", "weigh", "widened"]

@@ -152,6 +152,8 @@ def prompt_cache_metrics(engine: Engine) -> Iterable[Metric]:
         _gauge("mlxcel_prompt_cache_kv_block_bytes", "Bytes of the shared KV blocks alive.", s["kv_block_bytes"]),
         _gauge("mlxcel_prompt_cache_entries", "Entries held by the prompt cache.", s["entries"]),
         _gauge("mlxcel_prompt_cache_capacity_bytes", "Byte budget of the prompt cache.", s["capacity_bytes"]),
+        _gauge("mlxcel_prompt_cache_kv_bytes_per_token",
+               "KV bytes one token takes across the layers in the cache's storage types (-ctk/-ctv).", s["kv_bytes_per_token"]),
         _counter("mlxcel_prompt_cache_partial_hits_total", "Hits that adopted less than the whole entry.", s["partial_hits"]),
         *_apc_metrics(s),
         *_pin_metrics(s),

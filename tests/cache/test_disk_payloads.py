@@ -20,6 +20,8 @@ from mlxcel_compat.cache.disk_directory import entry_name
 from mlxcel_compat.cache.disk_format import Compat, DiskReject, EntryHeader, read_header
 from mlxcel_compat.cache.disk_write import commit, write_temp
 from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG, TEXT_ONLY_MM_DIGEST, Bucket
+from mlxcel_compat.runtime import kv_precision
+from mlxcel_compat.runtime.kv_precision import KvTypes
 from tests.conftest import tiny_model
 
 pytestmark = pytest.mark.engine
@@ -32,7 +34,7 @@ def write_cache(directory: Path, model: object, n_tokens: int) -> tuple[Path, li
     tokens = list(range(7, 7 + n_tokens))
     model(mx.array(tokens)[None], cache=cache)
     payload = kv.snapshot(cache)
-    compat = Compat("fp", kv_io.runtime_tag(model))
+    compat = Compat("fp", kv_io.runtime_tag(model, kv_precision.of_model(model).tag))
     layout, tensors = kv_io.encode(payload)
     header = EntryHeader("kv", compat, BUCKET, "s", tuple(tokens), "completion", kv.can_truncate(payload), kv.nbytes(payload), layout)
     path = directory / entry_name("kv", header.digest)
@@ -69,10 +71,37 @@ def test_a_file_of_another_model_is_refused(tmp_path) -> None:
     assert info.value.reason == "foreign_model"
 
 
-def test_runtime_tag_names_versions_device_and_dtype() -> None:
+def test_runtime_tag_names_versions_device_dtype_and_kv_types() -> None:
     model, _ = load(str(tiny_model("llama")))
     tag = kv_io.runtime_tag(model)
-    assert tag.startswith(f"mlx {mx.__version__}; mlx-lm ") and tag.endswith(("float32", "bfloat16", "float16"))
+    assert tag.startswith(f"mlx {mx.__version__}; mlx-lm ") and tag.endswith("; float32; kv f32/f32")
+    assert kv_io.runtime_tag(model, "f16/bf16").endswith("; float32; kv f16/bf16")
+
+
+@pytest.mark.parametrize("name", ["f16", pytest.param("bf16", marks=pytest.mark.slow)])
+def test_a_cache_stored_at_a_precision_comes_back_bit_identical_in_half_the_bytes(tmp_path, name) -> None:
+    """-ctk/-ctv: a disk entry holds the KV in its storage type (half float32's bytes at 16 bits)
+    and comes back as it was; a server storing another type refuses it, saying why."""
+    model, _ = load(str(tiny_model("llama")))
+    (tmp_path / "f32").mkdir()
+    f32_path, f32_payload, f32_compat = write_cache(tmp_path / "f32", model, 64)
+    kv_precision.install(model, KvTypes(name, name))
+    path, payload, compat = write_cache(tmp_path, model, 64)
+    assert compat.runtime.endswith(f"; kv {name}/{name}")
+    header, _ = read_header(path, compat)
+    restored = kv_io.decode(header.layout, kv_io.load_arrays(path, header))
+    assert {c.keys.dtype for c in restored} == {c.values.dtype for c in restored} == {kv_precision.DTYPES[name]}
+    assert all(mx.array_equal(a.keys, b.keys).item() and mx.array_equal(a.values, b.values).item()
+               for a, b in zip(restored, payload))
+    assert kv.nbytes(restored) == kv.nbytes(f32_payload) // 2
+    assert path.stat().st_size < 0.6 * f32_path.stat().st_size
+    step = mx.array([[11, 12]])
+    assert mx.array_equal(model(step, cache=kv.copy_cache(payload)), model(step, cache=restored)).item()
+    for theirs, ours in ((path, f32_compat), (f32_path, compat)):
+        with pytest.raises(DiskReject) as info:
+            read_header(theirs, ours)
+        assert info.value.reason == "kv_precision"
+        assert "-ctk/-ctv" in str(info.value) and f"{name}/{name}" in str(info.value)
 
 
 def test_a_layout_naming_anything_but_an_mlx_lm_cache_class_is_refused() -> None:

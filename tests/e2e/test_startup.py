@@ -105,10 +105,10 @@ def test_a_broken_model_directory_stops_the_server(server_factory, tmp_path) -> 
 
 
 def test_deployment_flags_are_accepted_as_documented_no_ops(server_factory, llama_dir) -> None:
-    flags = ["-ngl", "99", "-fa", "on", "--threads", "4", "--mlock", "--no-mmap", "--cont-batching", "-ctk", "f16"]
+    flags = ["-ngl", "99", "-fa", "on", "--threads", "4", "--mlock", "--no-mmap", "--cont-batching", "-dt", "0.1"]
     server = server_factory(["-m", str(llama_dir), *flags])
     log = server.log()
-    for flag in ("-ngl", "-fa", "-ctk"):
+    for flag in ("-ngl", "-fa", "-dt"):
         assert f"ignored option {flag}" in log, flag
     for flag in ("--threads", "--mlock", "--no-mmap"):  # these act (issue 55: tests/e2e/test_deployment_flags.py)
         assert f"ignored option {flag}" not in log, flag

@@ -24,11 +24,12 @@ class Run:
 
 class EngineHarness:
     def __init__(self, model_dir: Path, batch_size: int = 16, n_parallel: int = 2, speculative: Any = None,
-                 ctx_size: int = 4096, context_shift: bool = False, **cache_config: Any) -> None:
+                 ctx_size: int = 4096, context_shift: bool = False, load_options: Any = None,
+                 **cache_config: Any) -> None:
         config = PrefixCacheConfig(**{"min_prefix": 8, "capacity_bytes": 1 << 30, **cache_config})
         self.engine = Engine(
             EngineConfig(model=str(model_dir), ctx_size=ctx_size, n_parallel=n_parallel, batch_size=batch_size,
-                         speculative=speculative, context_shift=context_shift),
+                         speculative=speculative, context_shift=context_shift, load_options=load_options),
             prefix_cache_factory=lambda engine: PrefixCache(engine, config),
         )
         self.engine.start()

@@ -209,3 +209,18 @@ def test_a_short_chunk_multiplies_on_one_blas_thread_to_the_same_result(monkeypa
     assert set(seen) == {threads}
     assert close(alone, split)
     assert close(alone, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal"))
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_a_prompt_chunk_over_16_bit_kv_takes_the_numpy_path(monkeypatch, dtype) -> None:
+    """-ctk/-ctv f16 or bf16: the chunk's keys and values are widened exactly to float32 for the
+    NumPy path, which then agrees with MLX's attention over the same stored values."""
+    calls = []
+    real = attention.attend_numpy
+    monkeypatch.setattr(attention, "attend_numpy", lambda *a: calls.append(a[1].dtype) or real(*a))
+    q, k, v = qkv(1, 12, 4, 128, 300, seed=5)
+    k, v = k.astype(dtype), v.astype(dtype)
+    ours = attention.cpu_attention(q, k, v, 0.125, "causal")
+    assert calls == [mx.float32] and ours.dtype == mx.float32
+    wide = k.astype(mx.float32), v.astype(mx.float32)
+    assert close(ours, mx.fast.scaled_dot_product_attention(q, *wide, scale=0.125, mask="causal"))
