@@ -38,7 +38,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 
 #define QK_K 256
-#define MAX_ROWS 4 /* activation rows per pass over a weight row (their sums stay in registers) */
+#define MAX_ROWS 8 /* activation rows per pass over a weight row (ROWS_DRIVER's cases go to 8) */
 
 struct q4_K_block { /* block_q4_K */
     uint16_t d, dmin;
@@ -75,9 +75,11 @@ static inline void q4_K_scales(const uint8_t *s, uint64_t *scales, uint64_t *min
     *mins = (uint64_t)m_lo | (uint64_t)m_hi << 32;
 }
 
-/* One Q4_K block's weights, unpacked: the four 64-byte vectors of 4-bit values (sub-blocks
- * (0, 2), (1, 3), (4, 6), (5, 7)), their scales as 16-bit lanes matching them, the mins as 16-bit
- * pairs matching the activations' 16-value sums, and the block's two factors. */
+/* One Q4_K block's weights, unpacked in the activations' order: vector v holds values 64v to
+ * 64v + 63 (sub-blocks 2v and 2v + 1: the low and then the high nibbles of bytes 32v to 32v + 31),
+ * their scales as 16-bit lanes matching them, the mins as 16-bit pairs matching the activations'
+ * 16-value sums, and the block's two factors. In that order an activation block is four plain
+ * loads, with nothing to rearrange per activation row. */
 struct q4_K_unpacked {
     __m512i q[4], s[4];
     __m256i mins;
@@ -85,33 +87,25 @@ struct q4_K_unpacked {
 };
 
 static inline __attribute__((always_inline)) void q4_K_unpack(const struct q4_K_block *x, struct q4_K_unpacked *u) {
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    const __m512i pick = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i low = _mm512_set1_epi8(0x0f), high_half = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+    const __m512i pick = _mm512_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m128i pair = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     uint64_t sc, mn;
     q4_K_scales(x->scales, &sc, &mn);
     __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
-    static const short first[4] = {0, 1, 4, 5}; /* sub-blocks (first, first + 2) in each vector */
-    for (int v = 0; v < 4; v++) u->s[v] = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, _mm512_set1_epi16(first[v])), sc16);
+    for (int v = 0; v < 4; v++) {
+        __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->qs + 32 * v)));
+        u->q[v] = _mm512_and_si512(_mm512_srlv_epi64(bytes, high_half), low);
+        u->s[v] = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, _mm512_set1_epi16((short)(2 * v))), sc16);
+    }
     u->mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)mn), pair));
-    __m512i q0 = _mm512_loadu_si512(x->qs), q1 = _mm512_loadu_si512(x->qs + 64);
-    u->q[0] = _mm512_and_si512(q0, low);
-    u->q[1] = _mm512_and_si512(_mm512_srli_epi16(q0, 4), low);
-    u->q[2] = _mm512_and_si512(q1, low);
-    u->q[3] = _mm512_and_si512(_mm512_srli_epi16(q1, 4), low);
     u->d = half_to_float(x->d);
     u->dmin = half_to_float(x->dmin);
 }
 
-/* The activations of one Q8_K block paired with the unpacked vectors: the first and third
- * 32-value quarters of each half together, then the second and fourth. */
+/* The activations of one Q8_K block in the unpacked vectors' order: as stored. */
 static inline __attribute__((always_inline)) void q4_K_activations(const struct q8_K_block *y, __m512i a[4]) {
-    __m512i a0 = _mm512_loadu_si512(y->qs), a1 = _mm512_loadu_si512(y->qs + 64);
-    __m512i a2 = _mm512_loadu_si512(y->qs + 128), a3 = _mm512_loadu_si512(y->qs + 192);
-    a[0] = _mm512_shuffle_i64x2(a0, a1, 0x44);
-    a[1] = _mm512_shuffle_i64x2(a0, a1, 0xee);
-    a[2] = _mm512_shuffle_i64x2(a2, a3, 0x44);
-    a[3] = _mm512_shuffle_i64x2(a2, a3, 0xee);
+    for (int v = 0; v < 4; v++) a[v] = _mm512_loadu_si512(y->qs + 64 * v);
 }
 
 /* One weight block times one activation block, added to the row's sums: u8 x s8 pairs summed
@@ -171,7 +165,10 @@ K_QUANT_TILE(q4_K)
  * tile (NAME##_tile). A lone activation row takes two weight rows at a time (sharing its loads),
  * rows r and r + n/2 so that each stream of blocks stays sequential (adjacent rows measured 2.5x
  * slower on weights out of the caches: the prefetchers lost the streams); several activation
- * rows take one weight row at a time for up to MAX_ROWS of them (sharing its unpacking). */
+ * rows take one weight row at a time, MAX_ROWS of them a pass (each weight block unpacked once
+ * for all of them), the tile's row count a constant of each case so that its loops unroll. */
+#define TILE_CASE(NAME, M)                                                                                         \
+    case M: NAME##_tile(k, row, row_bytes, 1, ar + (size_t)i * act_bytes, act_bytes, M, t); break;
 #define ROWS_DRIVER(NAME)                                                                                          \
     static void rows_##NAME(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes,     \
                             int m, float *out, size_t ldo) {                                                      \
@@ -188,17 +185,14 @@ K_QUANT_TILE(q4_K)
         }                                                                                                         \
         for (int r = 0; r < n; r++) {                                                                             \
             const char *row = wr + r * row_bytes;                                                                 \
-            int i = 0;                                                                                            \
-            for (; i + 4 <= m; i += 4) {                                                                          \
-                NAME##_tile(k, row, row_bytes, 1, ar + i * act_bytes, act_bytes, 4, t);                           \
-                for (int x = 0; x < 4; x++) out[(i + x) * ldo + r] = t[x];                                        \
+            for (int i = 0; i < m; i += MAX_ROWS) {                                                               \
+                int rows = m - i < MAX_ROWS ? m - i : MAX_ROWS;                                                   \
+                switch (rows) {                                                                                   \
+                    TILE_CASE(NAME, 1) TILE_CASE(NAME, 2) TILE_CASE(NAME, 3) TILE_CASE(NAME, 4)                   \
+                    TILE_CASE(NAME, 5) TILE_CASE(NAME, 6) TILE_CASE(NAME, 7) TILE_CASE(NAME, 8)                   \
+                }                                                                                                 \
+                for (int x = 0; x < rows; x++) out[(size_t)(i + x) * ldo + r] = t[x];                             \
             }                                                                                                     \
-            switch (m - i) {                                                                                      \
-            case 3: NAME##_tile(k, row, row_bytes, 1, ar + i * act_bytes, act_bytes, 3, t); break;                \
-            case 2: NAME##_tile(k, row, row_bytes, 1, ar + i * act_bytes, act_bytes, 2, t); break;                \
-            case 1: NAME##_tile(k, row, row_bytes, 1, ar + i * act_bytes, act_bytes, 1, t); break;                \
-            }                                                                                                     \
-            for (int x = 0; x < m - i; x++) out[(i + x) * ldo + r] = t[x];                                        \
         }                                                                                                         \
     }
 
