@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "quant_blocks.h"
+#include "thread_pool.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 
@@ -161,6 +162,15 @@ static inline float k_quant_total(__m512 acc, __m256 acc_m) {
 
 K_QUANT_TILE(q4_K)
 
+/* The activation rows as the type's tile reads them: ggml's as they are for the K-quants
+ * (q8_0_prepare rewrites Q8_0's). */
+static inline const void *k_quant_prepare(int k, const void *act, size_t *act_bytes, int m) {
+    (void)k, (void)act_bytes, (void)m;
+    return act;
+}
+#define q4_K_prepare k_quant_prepare
+#define q6_K_prepare k_quant_prepare
+
 /* Weight rows [0, n) (row_bytes apart) times m activation rows: out[i * ldo + r], by the type's
  * tile (NAME##_tile). A lone activation row takes two weight rows at a time (sharing its loads),
  * rows r and r + n/2 so that each stream of blocks stays sequential (adjacent rows measured 2.5x
@@ -173,6 +183,7 @@ K_QUANT_TILE(q4_K)
     static void rows_##NAME(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes,     \
                             int m, float *out, size_t ldo) {                                                      \
         float t[2 * MAX_ROWS] = {0};                                                                              \
+        act = NAME##_prepare(k, act, &act_bytes, m);                                                              \
         const char *wr = w, *ar = act;                                                                            \
         if (m == 1) {                                                                                             \
             int half = n / 2;                                                                                     \
@@ -309,37 +320,65 @@ void mlxcel_quantize_q8_K(const float *x, void *out, int64_t k) {
  * VNNI) as |w| x (a with w's sign). A row's last block, when the count is odd, takes the same
  * operations on a vector whose upper half is zero. */
 
+/* An activation row as q8_0_tile reads it (q8_0_prepare): its nb x 32 values, then the blocks'
+ * factors as floats (and one 0 after them), so that a pair of blocks is one load of values and
+ * one of factors. */
 static inline __attribute__((always_inline)) void q8_0_tile(int k, const void *w, size_t w_bytes, int nw, const void *act,
                                                               size_t act_bytes, int m, float *out) {
     const int nb = k / 32;
+    const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     __m512 acc[2 * MAX_ROWS];
     for (int t = 0; t < nw * m; t++) acc[t] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b += 2) {
         int pair = b + 1 < nb;
         __m512i mag[2];
         __mmask64 negative[2];
-        float d0[2], d1[2];
+        __m512 dw[2];
         for (int j = 0; j < nw; j++) {
             const struct q8_0_block *x = (const struct q8_0_block *)((const char *)w + j * w_bytes) + b;
             __m512i q = two_blocks_q8_0(x, pair);
             mag[j] = _mm512_abs_epi8(q);
             negative[j] = _mm512_movepi8_mask(q);
-            d0[j] = half_to_float(x[0].d);
-            d1[j] = pair ? half_to_float(x[1].d) : 0.0f;
+            dw[j] = two_factors(half_to_float(x[0].d), pair ? half_to_float(x[1].d) : 0.0f);
         }
         for (int i = 0; i < m; i++) {
-            const struct q8_0_block *y = (const struct q8_0_block *)((const char *)act + (size_t)i * act_bytes) + b;
-            __m512i a = two_blocks_q8_0(y, pair);
-            float e0 = half_to_float(y[0].d), e1 = pair ? half_to_float(y[1].d) : 0.0f;
+            const int8_t *y = (const int8_t *)act + (size_t)i * act_bytes + (size_t)b * 32;
+            const float *e = (const float *)((const int8_t *)act + (size_t)i * act_bytes + (size_t)nb * 32) + b;
+            __m512i a = pair ? _mm512_loadu_si512(y) : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y));
+            double two;
+            memcpy(&two, e, sizeof two); /* the pair's two factors (the second 0 past the last block) */
+            __m512 da = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_castpd_ps(_mm_set_sd(two))));
             for (int j = 0; j < nw; j++) {
                 /* a with the weights' signs (|w| times that is w times a; where w is 0, so is |w|) */
                 __m512i signed_a = _mm512_mask_sub_epi8(a, negative[j], _mm512_setzero_si512(), a);
                 __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), mag[j], signed_a);
-                acc[i * nw + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), two_factors(d0[j] * e0, d1[j] * e1), acc[i * nw + j]);
+                acc[i * nw + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw[j], da), acc[i * nw + j]);
             }
         }
     }
     for (int t = 0; t < nw * m; t++) out[t] = hsum512(acc[t]);
+}
+
+static __thread struct mlxcel_scratch q8_0_scratch;
+
+/* The activation rows (ggml's Q8_0 blocks: a float16 factor, 32 values) as q8_0_tile reads
+ * them, into a buffer of this thread; *act_bytes becomes a row's bytes there. */
+static const void *q8_0_prepare(int k, const void *act, size_t *act_bytes, int m) {
+    const int nb = k / 32;
+    const size_t row = (size_t)nb * 32 + ((size_t)nb + 1) * sizeof(float);
+    int8_t *copy = mlxcel_scratch(&q8_0_scratch, row * (size_t)m);
+    for (int i = 0; i < m; i++) {
+        const struct q8_0_block *y = (const struct q8_0_block *)((const char *)act + (size_t)i * *act_bytes);
+        int8_t *q = copy + (size_t)i * row;
+        float *d = (float *)(q + (size_t)nb * 32);
+        for (int b = 0; b < nb; b++) {
+            memcpy(q + (size_t)b * 32, y[b].qs, 32);
+            d[b] = half_to_float(y[b].d);
+        }
+        d[nb] = 0.0f;
+    }
+    *act_bytes = row;
+    return copy;
 }
 
 ROWS_DRIVER(q8_0)
