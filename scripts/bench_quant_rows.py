@@ -13,10 +13,18 @@ it, and its ratio to the own kernel is printed. Q4_1, Q5_0 and Q5_1 have own ker
 the loader rearranges (``block_weight.split_rows``): those run over a split copy, against ggml's
 vec_dot over the blocks as stored. MXFP4 and IQ4_NL have no own kernel but ggml repacks them
 (llama-server's decode path too): their repacked GEMV runs against vec_dot. Every shape runs
-on all of the shim's threads, as in a server.
+on all of the shim's threads, as in a server (``--threads`` sets their count).
+
+The last column, ``own/1``, is the own kernel's time at this row count over its time for one
+row of the same shape: what several sequences (batched decode, speculative drafts) pay for
+sharing one read and one unpacking of the weight. On a machine busy with other work, wall-clock
+medians swing with the neighbours; ``--clock cpu --threads 1`` times the CPU seconds of the
+process instead (minimum over the rounds), which the neighbours disturb far less.
 
     .venv/bin/python scripts/bench_quant_rows.py
     .venv/bin/python scripts/bench_quant_rows.py --shapes 4096x11008,11008x4096 --rows 1,4 --reps 20
+    .venv/bin/python scripts/bench_quant_rows.py --types Q4_K,Q6_K,Q8_0,Q4_1,Q5_0,Q5_1 \
+        --shapes 4096x11008,11008x4096 --rows 1,2,4,8,16 --reps 10 --clock cpu --threads 1
 """
 
 from __future__ import annotations
@@ -31,7 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlxcel_compat.runtime import backend  # noqa: E402
 
-backend.load_optimized_blas()  # before NumPy's first product and MLX
+
+def early_flag(name: str) -> str | None:
+    """A flag's value read before argparse runs: the BLAS loads before NumPy's first product."""
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv[:-1] else None
+
+
+backend.load_optimized_blas(threads=int(early_flag("--threads") or 0) or None)  # before NumPy and MLX
 
 import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
@@ -49,7 +63,12 @@ def main() -> int:
     parser.add_argument("--shapes", default=SHAPES, help="comma list of KxN (inputs x outputs)")
     parser.add_argument("--rows", default="1,4", help="activation rows (sequences decoding together)")
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=0, help="the shim's threads (default: as a server)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: medians of wall-clock time; cpu: minimums of the process's CPU time")
     args = parser.parse_args()
+    global clock, summary
+    clock, summary = (time.perf_counter, statistics.median) if args.clock == "wall" else (time.process_time, min)
     lib, kernels = block_weight.library(), ggml_cpu.kernels()
     for missing in (lib, kernels):
         if isinstance(missing, str):
@@ -57,8 +76,9 @@ def main() -> int:
             return 1
     rng = np.random.default_rng(0)
     print(f"ggml {kernels.version}; own kernels for {', '.join(T(t).name for t in sorted(lib.own_kernels)) or 'none'}; "
-          f"{args.reps} rounds, medians in microseconds a product")
-    print(f"{'type':6s} {'k x n':>12s} {'rows':>4s} {'ggml':>9s} {'own':>9s} {'ggml/own':>9s} {'repacked':>9s} {'rep/own':>8s}")
+          f"{args.reps} rounds, {'medians of wall' if args.clock == 'wall' else 'minimums of CPU'} "
+          f"microseconds a product")
+    print(f"{'type':6s} {'k x n':>12s} {'rows':>4s} {'ggml':>9s} {'own':>9s} {'ggml/own':>9s} {'repacked':>9s} {'rep/own':>8s} {'own/1':>6s}")
     for name in args.types.split(","):
         ggml_type = int(T[name])
         if ggml_type in lib.split_kinds:
@@ -78,6 +98,7 @@ def main() -> int:
             weight = block_weight.BlockWeight(blocks, ggml_type, n, k, lib)
             packed = ggml_repack.repack(blocks, ggml_type, n, k) if ggml_type in ggml_repack.REPACKED_TYPES else None
             repacked = block_weight.BlockWeight(blocks, ggml_type, n, k, lib, repacked=packed) if packed else None
+            one_row = None
             for rows in (int(r) for r in args.rows.split(",")):
                 x = rng.standard_normal((rows, k), dtype=np.float32)
                 out = np.empty((rows, n), np.float32)
@@ -86,16 +107,25 @@ def main() -> int:
                 for rep in range(args.reps + 1):  # the first round warms up, unrecorded
                     for way in ways[rep % len(ways):] + ways[:rep % len(ways)]:
                         kind.own_kernel = ggml_type if way == -2 else way
-                        start = time.perf_counter()
+                        start = clock()
                         (repacked if way == -2 else weight).matmul(x, out=out, tiles=False)
                         if rep:
-                            times[way].append(time.perf_counter() - start)
+                            times[way].append(clock() - start)
                 kind.own_kernel = ggml_type
-                us = {key: statistics.median(t) * 1e6 for key, t in times.items() if t}
+                us = {key: summary(t) * 1e6 for key, t in times.items() if t}
                 rep_text = f"{us[-2]:9.1f} {us[-2] / us[ggml_type]:7.2f}x" if -2 in us else f"{'-':>9s} {'-':>8s}"
+                one_row = us[ggml_type] if rows == 1 else one_row
                 print(f"{name:6s} {shape:>12s} {rows:4d} {us[-1]:9.1f} {us[ggml_type]:9.1f} {us[-1] / us[ggml_type]:8.2f}x "
-                      f"{rep_text}")
+                      f"{rep_text} {per_row(us[ggml_type], one_row)}")
     return 0
+
+
+clock, summary = time.perf_counter, statistics.median  # --clock
+
+
+def per_row(us: float, one_row: float | None) -> str:
+    """The own kernel's time over its one-row time (the own/1 column), where one row was timed."""
+    return f"{us / one_row:5.2f}x" if one_row else f"{'-':>6s}"
 
 
 def repacked_against_ggml(lib, kernels, name: str, ggml_type: int, args: argparse.Namespace,
@@ -120,11 +150,11 @@ def repacked_against_ggml(lib, kernels, name: str, ggml_type: int, args: argpars
             for rep in range(args.reps + 1):
                 pairs = (("ggml", plain), ("repacked", repacked))
                 for key, weight in (pairs if rep % 2 else pairs[::-1]):
-                    start = time.perf_counter()
+                    start = clock()
                     weight.matmul(x, out=out, tiles=False)
                     if rep:
-                        times[key].append(time.perf_counter() - start)
-            us = {key: statistics.median(t) * 1e6 for key, t in times.items()}
+                        times[key].append(clock() - start)
+            us = {key: summary(t) * 1e6 for key, t in times.items()}
             print(f"{name:6s} {shape:>12s} {rows:4d} {us['ggml']:9.1f} {'-':>9s} {'-':>9s} {us['repacked']:9.1f} "
                   f"{us['ggml'] / us['repacked']:7.2f}x (ggml / repacked)")
 
@@ -140,19 +170,21 @@ def split_rows_against_ggml(lib, kernels, name: str, ggml_type: int, args: argpa
         plain = block_weight.BlockWeight(blocks, ggml_type, n, k, lib)
         split = block_weight.BlockWeight(blocks.copy(), ggml_type, n, k, lib)
         block_weight.split_rows(split)
+        one_row = None
         for rows in (int(r) for r in args.rows.split(",")):
             x = rng.standard_normal((rows, k), dtype=np.float32)
             out = np.empty((rows, n), np.float32)
             times: dict[str, list[float]] = {"ggml": [], "own": []}
             for rep in range(args.reps + 1):
                 for key, weight in ((("ggml", plain), ("own", split)) if rep % 2 else (("own", split), ("ggml", plain))):
-                    start = time.perf_counter()
+                    start = clock()
                     weight.matmul(x, out=out, tiles=False)
                     if rep:
-                        times[key].append(time.perf_counter() - start)
-            us = {key: statistics.median(t) * 1e6 for key, t in times.items()}
+                        times[key].append(clock() - start)
+            us = {key: summary(t) * 1e6 for key, t in times.items()}
+            one_row = us["own"] if rows == 1 else one_row
             print(f"{name:6s} {shape:>12s} {rows:4d} {us['ggml']:9.1f} {us['own']:9.1f} {us['ggml'] / us['own']:8.2f}x "
-                  f"{'(split rows)':>18s}")
+                  f"{'(split rows)':>18s} {per_row(us['own'], one_row)}")
 
 
 if __name__ == "__main__":

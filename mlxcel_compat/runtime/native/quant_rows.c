@@ -34,11 +34,12 @@
 #include <string.h>
 
 #include "quant_blocks.h"
+#include "thread_pool.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 
 #define QK_K 256
-#define MAX_ROWS 4 /* activation rows per pass over a weight row (their sums stay in registers) */
+#define MAX_ROWS 8 /* activation rows per pass over a weight row (ROWS_DRIVER's cases go to 8) */
 
 struct q4_K_block { /* block_q4_K */
     uint16_t d, dmin;
@@ -75,9 +76,11 @@ static inline void q4_K_scales(const uint8_t *s, uint64_t *scales, uint64_t *min
     *mins = (uint64_t)m_lo | (uint64_t)m_hi << 32;
 }
 
-/* One Q4_K block's weights, unpacked: the four 64-byte vectors of 4-bit values (sub-blocks
- * (0, 2), (1, 3), (4, 6), (5, 7)), their scales as 16-bit lanes matching them, the mins as 16-bit
- * pairs matching the activations' 16-value sums, and the block's two factors. */
+/* One Q4_K block's weights, unpacked in the activations' order: vector v holds values 64v to
+ * 64v + 63 (sub-blocks 2v and 2v + 1: the low and then the high nibbles of bytes 32v to 32v + 31),
+ * their scales as 16-bit lanes matching them, the mins as 16-bit pairs matching the activations'
+ * 16-value sums, and the block's two factors. In that order an activation block is four plain
+ * loads, with nothing to rearrange per activation row. */
 struct q4_K_unpacked {
     __m512i q[4], s[4];
     __m256i mins;
@@ -85,33 +88,25 @@ struct q4_K_unpacked {
 };
 
 static inline __attribute__((always_inline)) void q4_K_unpack(const struct q4_K_block *x, struct q4_K_unpacked *u) {
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    const __m512i pick = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i low = _mm512_set1_epi8(0x0f), high_half = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+    const __m512i pick = _mm512_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m128i pair = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     uint64_t sc, mn;
     q4_K_scales(x->scales, &sc, &mn);
     __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
-    static const short first[4] = {0, 1, 4, 5}; /* sub-blocks (first, first + 2) in each vector */
-    for (int v = 0; v < 4; v++) u->s[v] = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, _mm512_set1_epi16(first[v])), sc16);
+    for (int v = 0; v < 4; v++) {
+        __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x->qs + 32 * v)));
+        u->q[v] = _mm512_and_si512(_mm512_srlv_epi64(bytes, high_half), low);
+        u->s[v] = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, _mm512_set1_epi16((short)(2 * v))), sc16);
+    }
     u->mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)mn), pair));
-    __m512i q0 = _mm512_loadu_si512(x->qs), q1 = _mm512_loadu_si512(x->qs + 64);
-    u->q[0] = _mm512_and_si512(q0, low);
-    u->q[1] = _mm512_and_si512(_mm512_srli_epi16(q0, 4), low);
-    u->q[2] = _mm512_and_si512(q1, low);
-    u->q[3] = _mm512_and_si512(_mm512_srli_epi16(q1, 4), low);
     u->d = half_to_float(x->d);
     u->dmin = half_to_float(x->dmin);
 }
 
-/* The activations of one Q8_K block paired with the unpacked vectors: the first and third
- * 32-value quarters of each half together, then the second and fourth. */
+/* The activations of one Q8_K block in the unpacked vectors' order: as stored. */
 static inline __attribute__((always_inline)) void q4_K_activations(const struct q8_K_block *y, __m512i a[4]) {
-    __m512i a0 = _mm512_loadu_si512(y->qs), a1 = _mm512_loadu_si512(y->qs + 64);
-    __m512i a2 = _mm512_loadu_si512(y->qs + 128), a3 = _mm512_loadu_si512(y->qs + 192);
-    a[0] = _mm512_shuffle_i64x2(a0, a1, 0x44);
-    a[1] = _mm512_shuffle_i64x2(a0, a1, 0xee);
-    a[2] = _mm512_shuffle_i64x2(a2, a3, 0x44);
-    a[3] = _mm512_shuffle_i64x2(a2, a3, 0xee);
+    for (int v = 0; v < 4; v++) a[v] = _mm512_loadu_si512(y->qs + 64 * v);
 }
 
 /* One weight block times one activation block, added to the row's sums: u8 x s8 pairs summed
@@ -167,15 +162,28 @@ static inline float k_quant_total(__m512 acc, __m256 acc_m) {
 
 K_QUANT_TILE(q4_K)
 
+/* The activation rows as the type's tile reads them: ggml's as they are for the K-quants
+ * (q8_0_prepare rewrites Q8_0's). */
+static inline const void *k_quant_prepare(int k, const void *act, size_t *act_bytes, int m) {
+    (void)k, (void)act_bytes, (void)m;
+    return act;
+}
+#define q4_K_prepare k_quant_prepare
+#define q6_K_prepare k_quant_prepare
+
 /* Weight rows [0, n) (row_bytes apart) times m activation rows: out[i * ldo + r], by the type's
  * tile (NAME##_tile). A lone activation row takes two weight rows at a time (sharing its loads),
  * rows r and r + n/2 so that each stream of blocks stays sequential (adjacent rows measured 2.5x
  * slower on weights out of the caches: the prefetchers lost the streams); several activation
- * rows take one weight row at a time for up to MAX_ROWS of them (sharing its unpacking). */
+ * rows take one weight row at a time, MAX_ROWS of them a pass (each weight block unpacked once
+ * for all of them), the tile's row count a constant of each case so that its loops unroll. */
+#define TILE_CASE(NAME, M)                                                                                         \
+    case M: NAME##_tile(k, row, row_bytes, 1, ar + (size_t)i * act_bytes, act_bytes, M, t); break;
 #define ROWS_DRIVER(NAME)                                                                                          \
     static void rows_##NAME(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes,     \
                             int m, float *out, size_t ldo) {                                                      \
         float t[2 * MAX_ROWS] = {0};                                                                              \
+        act = NAME##_prepare(k, act, &act_bytes, m);                                                              \
         const char *wr = w, *ar = act;                                                                            \
         if (m == 1) {                                                                                             \
             int half = n / 2;                                                                                     \
@@ -188,17 +196,14 @@ K_QUANT_TILE(q4_K)
         }                                                                                                         \
         for (int r = 0; r < n; r++) {                                                                             \
             const char *row = wr + r * row_bytes;                                                                 \
-            int i = 0;                                                                                            \
-            for (; i + 4 <= m; i += 4) {                                                                          \
-                NAME##_tile(k, row, row_bytes, 1, ar + i * act_bytes, act_bytes, 4, t);                           \
-                for (int x = 0; x < 4; x++) out[(i + x) * ldo + r] = t[x];                                        \
+            for (int i = 0; i < m; i += MAX_ROWS) {                                                               \
+                int rows = m - i < MAX_ROWS ? m - i : MAX_ROWS;                                                   \
+                switch (rows) {                                                                                   \
+                    TILE_CASE(NAME, 1) TILE_CASE(NAME, 2) TILE_CASE(NAME, 3) TILE_CASE(NAME, 4)                   \
+                    TILE_CASE(NAME, 5) TILE_CASE(NAME, 6) TILE_CASE(NAME, 7) TILE_CASE(NAME, 8)                   \
+                }                                                                                                 \
+                for (int x = 0; x < rows; x++) out[(size_t)(i + x) * ldo + r] = t[x];                             \
             }                                                                                                     \
-            switch (m - i) {                                                                                      \
-            case 3: NAME##_tile(k, row, row_bytes, 1, ar + i * act_bytes, act_bytes, 3, t); break;                \
-            case 2: NAME##_tile(k, row, row_bytes, 1, ar + i * act_bytes, act_bytes, 2, t); break;                \
-            case 1: NAME##_tile(k, row, row_bytes, 1, ar + i * act_bytes, act_bytes, 1, t); break;                \
-            }                                                                                                     \
-            for (int x = 0; x < m - i; x++) out[(i + x) * ldo + r] = t[x];                                        \
         }                                                                                                         \
     }
 
@@ -315,37 +320,65 @@ void mlxcel_quantize_q8_K(const float *x, void *out, int64_t k) {
  * VNNI) as |w| x (a with w's sign). A row's last block, when the count is odd, takes the same
  * operations on a vector whose upper half is zero. */
 
+/* An activation row as q8_0_tile reads it (q8_0_prepare): its nb x 32 values, then the blocks'
+ * factors as floats (and one 0 after them), so that a pair of blocks is one load of values and
+ * one of factors. */
 static inline __attribute__((always_inline)) void q8_0_tile(int k, const void *w, size_t w_bytes, int nw, const void *act,
                                                               size_t act_bytes, int m, float *out) {
     const int nb = k / 32;
+    const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     __m512 acc[2 * MAX_ROWS];
     for (int t = 0; t < nw * m; t++) acc[t] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b += 2) {
         int pair = b + 1 < nb;
         __m512i mag[2];
         __mmask64 negative[2];
-        float d0[2], d1[2];
+        __m512 dw[2];
         for (int j = 0; j < nw; j++) {
             const struct q8_0_block *x = (const struct q8_0_block *)((const char *)w + j * w_bytes) + b;
             __m512i q = two_blocks_q8_0(x, pair);
             mag[j] = _mm512_abs_epi8(q);
             negative[j] = _mm512_movepi8_mask(q);
-            d0[j] = half_to_float(x[0].d);
-            d1[j] = pair ? half_to_float(x[1].d) : 0.0f;
+            dw[j] = two_factors(half_to_float(x[0].d), pair ? half_to_float(x[1].d) : 0.0f);
         }
         for (int i = 0; i < m; i++) {
-            const struct q8_0_block *y = (const struct q8_0_block *)((const char *)act + (size_t)i * act_bytes) + b;
-            __m512i a = two_blocks_q8_0(y, pair);
-            float e0 = half_to_float(y[0].d), e1 = pair ? half_to_float(y[1].d) : 0.0f;
+            const int8_t *y = (const int8_t *)act + (size_t)i * act_bytes + (size_t)b * 32;
+            const float *e = (const float *)((const int8_t *)act + (size_t)i * act_bytes + (size_t)nb * 32) + b;
+            __m512i a = pair ? _mm512_loadu_si512(y) : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y));
+            double two;
+            memcpy(&two, e, sizeof two); /* the pair's two factors (the second 0 past the last block) */
+            __m512 da = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_castpd_ps(_mm_set_sd(two))));
             for (int j = 0; j < nw; j++) {
                 /* a with the weights' signs (|w| times that is w times a; where w is 0, so is |w|) */
                 __m512i signed_a = _mm512_mask_sub_epi8(a, negative[j], _mm512_setzero_si512(), a);
                 __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), mag[j], signed_a);
-                acc[i * nw + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), two_factors(d0[j] * e0, d1[j] * e1), acc[i * nw + j]);
+                acc[i * nw + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw[j], da), acc[i * nw + j]);
             }
         }
     }
     for (int t = 0; t < nw * m; t++) out[t] = hsum512(acc[t]);
+}
+
+static __thread struct mlxcel_scratch q8_0_scratch;
+
+/* The activation rows (ggml's Q8_0 blocks: a float16 factor, 32 values) as q8_0_tile reads
+ * them, into a buffer of this thread; *act_bytes becomes a row's bytes there. */
+static const void *q8_0_prepare(int k, const void *act, size_t *act_bytes, int m) {
+    const int nb = k / 32;
+    const size_t row = (size_t)nb * 32 + ((size_t)nb + 1) * sizeof(float);
+    int8_t *copy = mlxcel_scratch(&q8_0_scratch, row * (size_t)m);
+    for (int i = 0; i < m; i++) {
+        const struct q8_0_block *y = (const struct q8_0_block *)((const char *)act + (size_t)i * *act_bytes);
+        int8_t *q = copy + (size_t)i * row;
+        float *d = (float *)(q + (size_t)nb * 32);
+        for (int b = 0; b < nb; b++) {
+            memcpy(q + (size_t)b * 32, y[b].qs, 32);
+            d[b] = half_to_float(y[b].d);
+        }
+        d[nb] = 0.0f;
+    }
+    *act_bytes = row;
+    return copy;
 }
 
 ROWS_DRIVER(q8_0)

@@ -39,45 +39,55 @@ struct q8_1_block {
     int8_t qs[32];
 };
 
-/* nw (1 or 2) split rows (w, w + w_bytes) of nb blocks times one activation row (q: its values,
- * d and s: per block): out[j]. Each row takes the same operations whatever nw is. */
+#define SPLIT_MAX_ROWS 8 /* activation rows per pass over a weight row */
+
+/* One activation row as the split kernels read it: its values, and per block d and s. */
+struct split_act {
+    const int8_t *q;
+    const float *d, *s;
+};
+
+/* nw split rows (w, w + w_bytes: nw is 1 or 2) of nb blocks times m activation rows (m is 1 with
+ * nw 2, else at most SPLIT_MAX_ROWS): out[i * nw + j]. Each block's nibbles are unpacked once for
+ * all m rows; each (weight row, activation row) pair takes the same operations in the same order
+ * whatever nw and m are, so a row of a batch is bit for bit the row alone. */
 static inline __attribute__((always_inline)) void split_tile(int nb, const uint8_t *w, size_t w_bytes, int nw,
-                                                              const int8_t *q, const float *d, const float *s,
-                                                              float *out, struct split_form form) {
+                                                              const struct split_act *act, int m, float *out,
+                                                              struct split_form form) {
     const __m512i shift = _mm512_set_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0, 0, 0x0004000400040004LL,
                                            0x0004000400040004LL, 0, 0); /* high nibbles in 128-bit lanes 1 and 3 */
     const __m512i low = _mm512_set1_epi8(0x0f), twice = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);
     const __m512i fifth = _mm512_set1_epi8(0x10);
     const int block_bytes = 18 + 2 * form.minimum + 4 * form.five_bits;
-    __m512 acc[2], mins[2];
-    for (int j = 0; j < nw; j++) acc[j] = mins[j] = _mm512_setzero_ps();
+    __m512 acc[2 * SPLIT_MAX_ROWS], mins[2 * SPLIT_MAX_ROWS];
+    for (int t = 0; t < nw * m; t++) acc[t] = mins[t] = _mm512_setzero_ps();
     for (int b0 = 0; b0 < nb; b0 += 16) {
         const int count = nb - b0 < 16 ? nb - b0 : 16;
         const __mmask16 in = (__mmask16)((1u << count) - 1);
-        const __m512 ad = _mm512_maskz_loadu_ps(in, d + b0), as = _mm512_maskz_loadu_ps(in, s + b0);
         /* the group's parts: d, m, qh, nibbles (block_weight.SPLIT_FIELDS) */
         const size_t group = (size_t)b0 * block_bytes, at_qh = (size_t)count * (2 + 2 * form.minimum),
                      at_nibbles = at_qh + (size_t)count * 4 * form.five_bits;
-        __m512 f[2];
+        __m512 f[2 * SPLIT_MAX_ROWS];
         for (int j = 0; j < nw; j++) {
             const uint16_t *factors = (const uint16_t *)(w + j * w_bytes + group);
             __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, factors));
-            f[j] = _mm512_mul_ps(dw, ad);
-            __m512 m = form.minimum ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, factors + count))
-                                    : _mm512_mul_ps(dw, _mm512_set1_ps(-16.0f));
-            mins[j] = _mm512_fmadd_ps(m, as, mins[j]);
+            __m512 mw = form.minimum ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, factors + count))
+                                     : _mm512_mul_ps(dw, _mm512_set1_ps(-16.0f));
+            for (int i = 0; i < m; i++) {
+                f[i * nw + j] = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(in, act[i].d + b0));
+                mins[i * nw + j] = _mm512_fmadd_ps(mw, _mm512_maskz_loadu_ps(in, act[i].s + b0), mins[i * nw + j]);
+            }
         }
         for (int p = 0; p < count; p += 2) {
             const int b = b0 + p, pair = p + 1 < count;
             /* blocks b and b + 1: activations in the halves, factors in lanes 0-7 and 8-15 */
-            __m512i a = pair ? _mm512_loadu_si512(q + (size_t)b * 32)
-                             : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q + (size_t)b * 32)));
             __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(p), _mm256_set1_epi32(p + pair), 1);
+            __m512i v[2];
             for (int j = 0; j < nw; j++) {
                 const uint8_t *part = w + j * w_bytes + group, *nibbles = part + at_nibbles + (size_t)p * 16;
                 __m512i raw = pair ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)nibbles))
                                    : _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)nibbles));
-                __m512i v = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi64(twice, raw), shift), low);
+                v[j] = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi64(twice, raw), shift), low);
                 if (form.five_bits) { /* bit i of the two blocks' qh is value i's fifth bit: byte i of v */
                     const uint8_t *qh = part + at_qh + (size_t)p * 4;
                     uint64_t word;
@@ -85,29 +95,45 @@ static inline __attribute__((always_inline)) void split_tile(int nb, const uint8
                     if (pair) memcpy(&word, qh, 8);
                     else memcpy(&one, qh, 4), word = one;
                     __mmask64 bits = _cvtu64_mask64(word);
-                    v = _mm512_mask_add_epi8(v, bits, v, fifth);
+                    v[j] = _mm512_mask_add_epi8(v[j], bits, v[j], fifth);
                 }
-                if (!pair) v = _mm512_maskz_mov_epi32(0x00ff, v);
-                __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, a);
-                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_permutexvar_ps(pick, f[j]), acc[j]);
+                if (!pair) v[j] = _mm512_maskz_mov_epi32(0x00ff, v[j]);
+            }
+            for (int i = 0; i < m; i++) {
+                const int8_t *q = act[i].q + (size_t)b * 32;
+                __m512i a = pair ? _mm512_loadu_si512(q) : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)q));
+                for (int j = 0; j < nw; j++) {
+                    __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[j], a);
+                    acc[i * nw + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_permutexvar_ps(pick, f[i * nw + j]),
+                                                      acc[i * nw + j]);
+                }
             }
         }
     }
-    for (int j = 0; j < nw; j++) out[j] = _mm512_reduce_add_ps(acc[j]) + _mm512_reduce_add_ps(mins[j]);
+    for (int t = 0; t < nw * m; t++) out[t] = _mm512_reduce_add_ps(acc[t]) + _mm512_reduce_add_ps(mins[t]);
 }
 
 static __thread struct mlxcel_scratch split_scratch;
 
-/* rows_fn over split rows: for each activation row, its values, d and s copied out, then weight
- * rows r and r + n/2 together (as ROWS_DRIVER's single row). */
+#define SPLIT_CASE(M)                                                                                              \
+    case M: split_tile(nb, row, row_bytes, 1, rows + i, M, t, form); break;
+
+/* rows_fn over split rows: every activation row's values, d and s copied out first; then a lone
+ * activation row takes weight rows r and r + n/2 together (as ROWS_DRIVER's single row), several
+ * take one weight row at a time, SPLIT_MAX_ROWS of them a pass (each block unpacked once for
+ * all of them, the weight row read once). */
 static inline __attribute__((always_inline)) void split_rows_driver(int k, const void *w, size_t row_bytes, int n,
                                                                      const void *act, size_t act_bytes, int m,
                                                                      float *out, size_t ldo, struct split_form form) {
     const int nb = k / 32;
-    float *d = mlxcel_scratch(&split_scratch, (size_t)nb * (32 + 2 * sizeof(float))), *s = d + nb;
-    int8_t *q = (int8_t *)(s + nb);
+    const size_t per_row = (size_t)nb * (32 + 2 * sizeof(float));
+    char *space = mlxcel_scratch(&split_scratch, per_row * (size_t)m + sizeof(struct split_act) * (size_t)m);
+    struct split_act *rows = (struct split_act *)(space + per_row * (size_t)m);
     const uint8_t *wr = w;
     for (int i = 0; i < m; i++) {
+        float *d = (float *)(space + per_row * (size_t)i), *s = d + nb;
+        int8_t *q = (int8_t *)(s + nb);
+        rows[i] = (struct split_act){q, d, s};
         const char *y = (const char *)act + (size_t)i * act_bytes;
         for (int b = 0; b < nb; b++) {
             if (form.minimum) { /* Q8_1 */
@@ -129,13 +155,27 @@ static inline __attribute__((always_inline)) void split_rows_driver(int k, const
                 s[b] = d[b] * (float)_mm_cvtsi128_si32(t);
             }
         }
-        float *o = out + (size_t)i * ldo, t[2];
+    }
+    float t[2 * SPLIT_MAX_ROWS];
+    if (m == 1) {
         const int half = n / 2;
         for (int r = 0; r < half; r++) {
-            split_tile(nb, wr + (size_t)r * row_bytes, (size_t)half * row_bytes, 2, q, d, s, t, form);
-            o[r] = t[0], o[r + half] = t[1];
+            split_tile(nb, wr + (size_t)r * row_bytes, (size_t)half * row_bytes, 2, rows, 1, t, form);
+            out[r] = t[0], out[r + half] = t[1];
         }
-        if (n % 2) split_tile(nb, wr + (size_t)(n - 1) * row_bytes, row_bytes, 1, q, d, s, o + n - 1, form);
+        if (n % 2) split_tile(nb, wr + (size_t)(n - 1) * row_bytes, row_bytes, 1, rows, 1, out + n - 1, form);
+        return;
+    }
+    for (int r = 0; r < n; r++) {
+        const uint8_t *row = wr + (size_t)r * row_bytes;
+        for (int i = 0; i < m; i += SPLIT_MAX_ROWS) {
+            const int count = m - i < SPLIT_MAX_ROWS ? m - i : SPLIT_MAX_ROWS;
+            switch (count) {
+                SPLIT_CASE(1) SPLIT_CASE(2) SPLIT_CASE(3) SPLIT_CASE(4)
+                SPLIT_CASE(5) SPLIT_CASE(6) SPLIT_CASE(7) SPLIT_CASE(8)
+            }
+            for (int x = 0; x < count; x++) out[(size_t)(i + x) * ldo + r] = t[x];
+        }
     }
 }
 

@@ -1,0 +1,54 @@
+"""The shim's own multi-row decode kernels (quant_rows.c, split_rows.c) at every row count 1-16.
+
+Batched decode, speculative verification and MoE experts multiply a weight by 2-16 activation
+rows in one call; the kernels unpack each weight block once for up to 8 of them a pass. A row's
+result must not depend on the rows beside it (greedy output and cache-hit-equals-cold rest on
+it), so each row of every call here is compared bit for bit with the same row computed alone,
+at every row count from 1 to 16 and in every position of a pass, and the whole product with
+ggml's vec_dot over the same blocks (the same integer sums added in another order: float32
+rounding of the sum).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from mlxcel_compat.runtime.block_weight import BlockWeight, library, split_rows
+from tests.runtime.test_block_weight import raw_weight, reference
+
+LIB = library()
+OWN = set() if isinstance(LIB, str) else set(LIB.own_kernels) | set(LIB.split_kinds)
+ROWS = 16
+# (type, k): K-quants and Q8_0 over three 256-value super-blocks; the split types over 24 blocks
+# (a group of 16 and a shorter one) and over 3 (a lone last block).
+CASES = [(T.Q4_K, 768), (T.Q6_K, 768), (T.Q8_0, 768), (T.Q8_0, 96), (T.Q4_1, 768), (T.Q4_1, 96),
+         (T.Q5_0, 768), (T.Q5_0, 96), (T.Q5_1, 768), (T.Q5_1, 96)]
+
+
+@pytest.mark.parametrize("qtype,k", CASES, ids=lambda v: v.name if isinstance(v, T) else str(v))
+def test_every_row_count_gives_each_row_what_it_gets_alone(qtype: T, k: int) -> None:
+    if int(qtype) not in OWN:
+        pytest.skip(f"no own {qtype.name} kernel on this CPU")
+    n = 37  # odd: a lone row's pairs of weight rows leave one over
+    raw = raw_weight(qtype, n, k, seed=int(qtype) + k)
+    weight = BlockWeight(raw.copy(), qtype, n, k, LIB)
+    if int(qtype) in LIB.split_kinds:
+        assert split_rows(weight)
+    x = np.random.default_rng(k).standard_normal((ROWS, k)).astype(np.float32)
+    alone = np.stack([weight.matmul(x[i:i + 1], tiles=False)[0] for i in range(ROWS)])
+    for m in range(1, ROWS + 1):
+        rows = (np.arange(m) + 3 * m) % ROWS  # each row lands in several positions of a pass
+        np.testing.assert_array_equal(weight.matmul(x[rows], tiles=False), alone[rows], err_msg=f"{m} rows")
+
+    plain = BlockWeight(raw, qtype, n, k, LIB)
+    kind = LIB.block_type(qtype)
+    own_kernel, kind.own_kernel = kind.own_kernel, -1  # ggml's vec_dot, as MLXCEL_OWN_KERNELS=0 gives
+    try:
+        by_ggml = plain.matmul(x, tiles=False)
+    finally:
+        kind.own_kernel = own_kernel
+    scale = np.abs(x).astype(np.float64) @ np.abs(reference(qtype, raw)).T.astype(np.float64)
+    assert np.all(np.abs(alone - by_ggml) <= 1e-6 * scale)
+    assert not np.array_equal(alone, by_ggml)  # really another kernel
