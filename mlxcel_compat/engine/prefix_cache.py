@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel_compat.runtime.backend import release_free_memory
+from mlxcel_compat.runtime.kv_precision import of_model
 from mlxcel_compat.cache import kv, kv_io
 from mlxcel_compat.cache.block_hash import ApcConfig
 from mlxcel_compat.cache.block_pool import BlockTable
