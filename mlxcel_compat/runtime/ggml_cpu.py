@@ -24,8 +24,12 @@ import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gguf import GGMLQuantizationType as T
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # The types served from their blocks: every quantized type the loader reads, and the half floats.
 # MXFP4 (gpt-oss's experts) and the i-quants: both builds this project loads (scripts/setup.sh's
