@@ -321,9 +321,10 @@ def test_adoption_gathers_without_touching_the_pool_and_a_reset_frees_every_bloc
 
     held, nbytes, refs = harness.on_engine(adopt_by_hand)
     assert held == SYSTEM + 5 and refs == 1  # one entry holds the block; gathering took nothing
-    # A running sequence holds a lease on the full blocks it adopted, until it ends.
+    # A running sequence holds a lease on the full blocks it adopted, until it ends (1500 tokens to go:
+    # the check below never races its end; the sequence is cancelled right after).
     events: queue.Queue = queue.Queue()
-    request = harness.submit(system + random_tokens(40, seed=31), events.put, n_predict=64, session="b", ignore_eos=True)
+    request = harness.submit(system + random_tokens(40, seed=31), events.put, n_predict=1500, session="b", ignore_eos=True)
     first = events.get(timeout=60)
     assert first is not None
     leased = harness.on_engine(lambda: harness.engine.prefix_cache.blocks.leased_blocks)
