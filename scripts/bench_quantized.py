@@ -61,6 +61,10 @@ The files (``--files``; made on first use under ``--cache-dir``):
 - ``qwen3-30b-a3b-q4_k_m``, ``gpt-oss-20b-mxfp4``: MoE files of valid random blocks with the real
   models' layers, fewer of them (``gguf_random.moe_dims``, ``MOE_LAYERS``; 2.6 GiB each): a
   decode step reads only the chosen experts' share of each stack (docs/benchmarks/moe.md).
+- ``qwen35-0.8b-q4_k_m``: a Qwen3.5-0.8B-shaped hybrid (``QWEN35_0_8B_DIMS``, ``QWEN35_LAYERS`` of its
+  24 layers, 3 gated delta-net : 1 gated attention): the factory's ``qwen3_5`` weights at those
+  widths, written as F32 by the factory's converter in a child process, then ``llama-quantize``
+  Q4_K_M (issue 56's hybrid goals; docs/benchmarks/quantized.md).
 
 Servers are stopped on every exit (errors and Ctrl-C included). Logs: ``<cache-dir>/logs``.
 
