@@ -15,6 +15,8 @@ blocks), prefills a short prompt into mlx-lm's cache, then measures decode steps
   (``BlockWeight.matmul``, what ``BlockLinear`` runs after evaluating its input), summed by
   layer kind: step - products = MLX's glue (convolution, the recurrence, norms, gates, reshapes),
   its evaluations (one before every product: ``block_layers.py``) and Python;
+- **prefill memory**: the prompt's prefill (``--prompt-tokens``, one chunk) as MLX's peak and
+  the process's RSS before and after (``--prompt-tokens 512``: the server's chunk);
 - **cProfile** of ``--steps`` whole steps: the Python functions with the most own time (MLX's
   ``mx.eval`` is not a function cProfile sees: its time is counted in its caller's own time,
   ``block_layers._product``).
@@ -43,6 +45,12 @@ sys.path.insert(0, str(ROOT))
 def _state(cache: Any) -> list[Any]:
     """The arrays a cache entry holds now (a KV cache's keys/values, an ArraysCache's states)."""
     return [a for a in getattr(cache, "state", []) if a is not None]
+
+
+def _vm_rss() -> int:
+    """This process's resident bytes (``VmRSS``)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def timed(fn: Callable[[], Any], evaluate: Callable[[Any], list[Any]]) -> tuple[Any, float]:
@@ -76,7 +84,12 @@ def main() -> int:
     inner = model.language_model.model if hasattr(model, "language_model") else model.model
     head = getattr(model, "language_model", model)
     cache = make_prompt_cache(model)
+    rss_loaded = _vm_rss()
+    mx.reset_peak_memory()
     mx.eval(model(mx.array([list(range(3, 3 + args.prompt_tokens))]), cache=cache))
+    print(f"prefill of {args.prompt_tokens} tokens in one chunk: MLX peak {mx.get_peak_memory() / 2**20:.0f} MiB, "
+          f"RSS {rss_loaded / 2**20:.0f} -> {_vm_rss() / 2**20:.0f} MiB (MLX's buffer cache "
+          f"{mx.get_cache_memory() / 2**20:.0f} MiB)")
     token = mx.array([[7]])
 
     def states() -> list[Any]:
