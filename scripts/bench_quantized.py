@@ -62,6 +62,10 @@ The files (``--files``; made on first use under ``--cache-dir``):
 - ``qwen3-30b-a3b-q4_k_m``, ``gpt-oss-20b-mxfp4``: MoE files of valid random blocks with the real
   models' layers, fewer of them (``gguf_random.moe_dims``, ``MOE_LAYERS``; 2.6 GiB each): a
   decode step reads only the chosen experts' share of each stack (docs/benchmarks/moe.md).
+- ``qwen35-0.8b-q4_k_m``: a Qwen3.5-0.8B-shaped hybrid (``QWEN35_0_8B_DIMS``, ``QWEN35_LAYERS`` of its
+  24 layers, 3 gated delta-net : 1 gated attention): the factory's ``qwen3_5`` weights at those
+  widths, written as F32 by the factory's converter in a child process, then ``llama-quantize``
+  Q4_K_M (issue 56's hybrid goals; docs/benchmarks/quantized.md).
 
 Servers are stopped on every exit (errors and Ctrl-C included). Logs: ``<cache-dir>/logs``.
 
@@ -291,6 +295,61 @@ def random_moe(family: str, gguf_type: str, expert_type: str | None = None) -> C
     return make
 
 
+# Qwen3.5-0.8B's text model (24 layers in the real one, 6 x [3 gated delta-net, 1 gated
+# attention]): the widths of its config.json with QWEN35_LAYERS of the layers, the 3:1 pattern
+# kept. The vocabulary and output head stay the factory's (8192 rows, untied), as for the other
+# shaped files.
+QWEN35_LAYERS = 8
+QWEN35_0_8B_DIMS: dict[str, Any] = dict(
+    hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=256, intermediate_size=3584,
+    linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, full_attention_interval=4)
+
+
+def qwen35_config(n_layers: int) -> dict[str, Any]:
+    """The factory's ``qwen3_5`` config with Qwen3.5-0.8B's widths and ``n_layers`` layers (every
+    fourth full attention; 64 of the 256 head dimensions rotated in sections 11:11:10, as there)."""
+    from mlxcel_compat.testing.families import model_config
+
+    config = model_config("qwen3_5", "small") | QWEN35_0_8B_DIMS | {"num_hidden_layers": n_layers}
+    config["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n_layers)]
+    config["rope_parameters"] = dict(config["rope_parameters"], mrope_section=[11, 11, 10])
+    return config
+
+
+def write_qwen35_f32(out: str) -> None:
+    """Write the Qwen3.5-0.8B-shaped model (factory seeded weights) as an F32 GGUF at ``out``:
+    the factory's own converter (``write_gguf``), the tokenizer of its tiny ``qwen3_5`` pair."""
+    from mlxcel_compat.testing.gguf_writer import write_gguf
+    from mlxcel_compat.testing.model_directory import ensure_model
+    from mlxcel_compat.testing.weights import seeded_weights
+
+    config = qwen35_config(QWEN35_LAYERS)
+    weights = seeded_weights("qwen3_5", "small", config)
+    write_gguf("qwen3_5", "small", out, "f32", model_dir=ensure_model("qwen3_5", "tiny"), weights=weights,
+               config=config)
+
+
+def qwen35_q4_k_m(args: argparse.Namespace) -> Path:
+    """The Qwen3.5-0.8B-shaped model quantized to Q4_K_M by llama-quantize (from an F32 GGUF made in
+    a child process, deleted after)."""
+    stem = f"qwen35-0.8b-{QWEN35_LAYERS}l-shaped-v{_factory_version()}"
+    target = Path(args.cache_dir) / f"{stem}-q4_k_m.gguf"
+
+    def build(tmp: Path) -> None:
+        source = Path(args.cache_dir) / f"{stem}-f32.gguf"
+        try:
+            subprocess.run([args.python, __file__, "--write-qwen35-f32", str(source)], check=True,
+                           env=_child_env(), cwd=ROOT, stdout=subprocess.DEVNULL)
+            out = subprocess.run([args.llama_quantize, str(source), str(tmp), "Q4_K_M"], capture_output=True, text=True)
+            if out.returncode:
+                raise RuntimeError(f"llama-quantize failed ({out.returncode}):\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+        finally:
+            source.unlink(missing_ok=True)
+
+    return _make_atomically(target, build)
+
+
 FILES: dict[str, FileSpec] = {f.key: f for f in (
     FileSpec("smollm2-q4_1", "SmolLM2-135M-Instruct Q4_1 (real trained model)", smollm2),
     FileSpec("small-q4_k_m", "factory small llama, llama-quantize Q4_K_M", small_quantized("Q4_K_M")),
@@ -303,6 +362,8 @@ FILES: dict[str, FileSpec] = {f.key: f for f in (
              "random blocks", random_moe("qwen3_moe", "q4_k_m")),
     FileSpec("gpt-oss-20b-mxfp4", f"gpt-oss-20b-shaped, MXFP4 experts and Q8_0 elsewhere ({MOE_LAYERS['gpt_oss']} "
              "of 24 layers), random blocks", random_moe("gpt_oss", "q8_0", "mxfp4")),
+    FileSpec("qwen35-0.8b-q4_k_m", f"Qwen3.5-0.8B-shaped hybrid ({QWEN35_LAYERS} of 24 layers, 3 gated delta-net : "
+             "1 attention), factory weights, llama-quantize Q4_K_M", qwen35_q4_k_m),
 )}
 
 
@@ -848,10 +909,14 @@ def main() -> int:
     parser.add_argument("--load-timeout", type=float, default=600.0)
     parser.add_argument("--request-timeout", type=float, default=3600.0)
     parser.add_argument("--json", help="write every figure here")
+    parser.add_argument("--write-qwen35-f32", help=argparse.SUPPRESS)
     parser.add_argument("--prepare", help=argparse.SUPPRESS)
     parser.add_argument("--prepare-out", help=argparse.SUPPRESS)
     parser.add_argument("--prepare-reference", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.write_qwen35_f32:
+        write_qwen35_f32(args.write_qwen35_f32)
+        return 0
     if args.prepare:
         data = prepare(args.prepare, args.prefill_tokens, max(1, args.reps), args.accuracy_prompts, 32,
                        args.prepare_reference)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Session-snapshot benchmark: multi-turn chat on the hybrid and sliding-window families.
 
-Models whose state cannot be cut to a prefix (``qwen3_next``: recurrent hybrid, ``gemma3_text``:
-sliding window) reuse a session's previous turn only through session snapshots (see
+Models whose state cannot be cut to a prefix (``qwen3_next`` and ``qwen3_5``: recurrent
+hybrids, ``gemma3_text``: sliding window) reuse a session's previous turn only through session snapshots (see
 docs/prompt-cache.md and the spec, "Session snapshots"). This script measures what each mechanism
 contributes, in one run, with four servers per family started side by side (free ports, generated
 models from ``mlxcel_compat.testing.models``, never a download):
@@ -45,6 +45,11 @@ Usage::
     /work/venv/bin/python scripts/bench_snapshots.py --size tiny --sessions 2 --turns 3 \\
         --json /tmp/snapshots.json
     /work/venv/bin/python scripts/bench_snapshots.py --families qwen3_next --configs on,off,cold
+    /work/venv/bin/python scripts/bench_snapshots.py --families qwen3_5 --configs on,cold \
+        --model /tmp/q/qwen35-0.8b-8l-shaped-v4-q4_k_m.gguf     # a file instead of the factory's model
+
+``--model`` serves one file or directory (a GGUF such as ``bench_quantized.py``'s Qwen3.5-shaped
+Q4_K_M) in place of the factory's model; the one ``--families`` entry is then its label.
 
 ``--server-arg`` values starting with ``-`` need the ``=`` form (``--server-arg=--parallel=2``).
 """
@@ -69,7 +74,7 @@ from benchlib import ServerProcess, mean, pct, ratio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-FAMILIES = ("qwen3_next", "gemma3_text")
+FAMILIES = ("qwen3_next", "qwen3_5", "gemma3_text")
 
 # name -> (environment additions, extra server arguments, description)
 CONFIGS: dict[str, tuple[dict[str, str], list[str], str]] = {
@@ -483,7 +488,7 @@ def report_family(family: str, model_dir: str, configs: list[str], recs: list[Tu
 
 
 def run_family(family: str, args: argparse.Namespace, out_json: dict[str, Any]) -> str:
-    model_dir = str(benchlib.ensure_model(family, args.size))
+    model_dir = args.model or str(benchlib.ensure_model(family, args.size))
     servers = {c: make_server(family, c, model_dir, args) for c in args.configs}
     http = httpx.Client(timeout=httpx.Timeout(args.timeout, connect=10.0))
     recs: list[Turn] = []
@@ -574,6 +579,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", default=",".join(FAMILIES), help="comma list (default: %(default)s)")
     p.add_argument("--size", default="small", choices=("tiny", "small"))
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="serve this GGUF file or model directory instead of the factory's (one --families entry: "
+                        "its label)")
     p.add_argument("--sessions", type=int, default=10)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -599,6 +607,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--configs: unknown {bad}; choose from {','.join(CONFIGS)}")
     if len(set(args.configs)) != len(args.configs):
         p.error("--configs: duplicates")
+    if args.model and len(args.families) != 1:
+        p.error("--model: give exactly one --families entry (the model's label)")
     if args.sessions < 1 or args.turns < 1 or args.max_tokens < 1:
         p.error("--sessions, --turns and --max-tokens must be >= 1")
     return args

@@ -34,7 +34,9 @@ def run(main: Callable[[], int | None]) -> NoReturn:
     """
     try:
         code = main()
-    except SystemExit as exc:  # argparse's --help and usage errors
+    except SystemExit as exc:  # argparse's --help and usage errors, SystemExit("message")
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr, flush=True)  # what the interpreter would have printed
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
         traceback.print_exc()
