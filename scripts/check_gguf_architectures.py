@@ -8,7 +8,10 @@ For each factory family of a served GGUF architecture (docs/gguf.md's table):
    ``../shared/peers/build-llama-server.sh`` unpacks) turns the directory into an F32 GGUF. It
    refuses a tokenizer whose pre-tokenizer hash it does not know, which includes the factory's:
    the converter runs in a child process of this script in which ``get_vocab_base_pre`` answers
-   the pre-tokenizer the factory's own GGUF writer names for the family, and nothing else changes;
+   the pre-tokenizer the factory's own GGUF writer names for the family. The other questions a
+   factory directory asks and a real checkpoint does not are answered per family below
+   (``GPT2_VOCAB``, ``CONFIG_READ``, ``CONVERTER_FLAGS``, ``CONVERTER_INPUT``), each with its
+   reason; the tensor conversion is the converter's own;
 3. the converter's file is compared with the factory writer's (tensor names, shapes, metadata
    keys and the ``{arch}.*`` values), which is what the test suite loads instead (CI has neither
    torch nor llama-server);
@@ -59,9 +62,13 @@ N_PREDICT = 16
 # writes no sliding-window pattern (every real Gemma 3 has a global layer every 6th, which
 # llama.cpp assumes); the tiny one alternates so that four layers hold both kinds.
 CHECK_SIZE = {"gemma3_text": "small"}
-# Families whose checkpoint form the converter reads is not one mlx-lm loads (so the factory's
-# directory cannot be it): the converter gets a copy of the directory in that form.
-CONVERTER_INPUT = {"gpt_oss": "gpt_oss_bf16"}
+# Families whose factory directory holds mlx-lm's sanitized layout (stacked experts as
+# ``switch_mlp`` / ``switch_glu``, Qwen3.5's ``language_model.`` prefix, MLX's convolution layout,
+# norms after mlx-lm's ``1 + w``) or, for gpt-oss, a form the converter does not read: the converter
+# gets a copy of the directory in the checkpoint's form (``testing/hf_layouts.py``, the inverse of
+# mlx-lm's ``sanitize``). Without it: "Can not map tensor 'model.layers.0.mlp.switch_mlp...'".
+CONVERTER_INPUT = {"gpt_oss": "gpt_oss_bf16", "qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5",
+                   "gemma4_text_moe": "gemma4_moe", "granitemoehybrid": "granitemoehybrid"}
 
 # The converter's vocabulary step, answered per family. Each class below reads the vocabulary in a
 # form the factory's byte-level BPE (a ``tokenizer.json`` with GPT-2's byte alphabet) is not, though
@@ -74,14 +81,34 @@ CONVERTER_INPUT = {"gpt_oss": "gpt_oss_bf16"}
 # ``<|user|>``, ...) by name; Nemotron-H: ``AutoTokenizer`` with ``trust_remote_code``.
 GPT2_VOCAB = {"phi3", "gemma2", "ernie4_5", "ernie4_5_moe", "gemma4_text", "gemma4_text_moe", "glm4", "glm4_moe",
               "nemotron_h"}
-# Families whose ``config.json`` the converter must read as written, not through transformers'
-# ``AutoConfig`` (5.25 here), which changes it: it adds MoE defaults to a dense Nemotron-H config
-# (``n_routed_experts`` and others), after which the converter classifies it as ``nemotron_h_moe``
-# with zero MLP widths and llama-server refuses the file ("tensor 'blk.1.ssm_in.weight' not
-# found"); and its ``ExaoneConfig`` (EXAONE 3.5) renames ``activation_function`` to ``hidden_act``,
-# after which the converter's ``assert hparams["activation_function"] == "silu"`` raises KeyError.
-# Reading ``config.json`` is the converter's own fallback when ``AutoConfig`` fails.
-CONFIG_AS_WRITTEN = {"nemotron_h", "exaone"}
+# How the converter reads a family's config, where transformers' ``AutoConfig`` (5.25 here) changes
+# it. "as written": ``config.json`` alone, the converter's own fallback when ``AutoConfig`` fails;
+# ``AutoConfig`` adds MoE defaults to a dense Nemotron-H config (``n_routed_experts`` and others),
+# after which the converter classifies it as ``nemotron_h_moe`` with zero MLP widths and
+# llama-server refuses the file ("tensor 'blk.1.ssm_in.weight' not found"). "merged": ``AutoConfig``'s
+# dictionary with ``config.json``'s keys it dropped put back; its ``ExaoneConfig`` (EXAONE 3.5)
+# renames ``activation_function`` to ``hidden_act``, after which the converter's ``assert
+# hparams["activation_function"] == "silu"`` raises ``KeyError``, and read as written the converter
+# writes ``attention.layer_norm_epsilon``, which llama-server refuses ("key not found in model:
+# exaone.attention.layer_norm_rms_epsilon"): it needs ``AutoConfig``'s ``rms_norm_eps``.
+CONFIG_READ = {"nemotron_h": "as written", "exaone": "merged", "qwen3_5": "as written", "qwen3_5_moe": "as written"}
+
+# Converter options per family. Qwen3.5 and Qwen3-Next checkpoints carry multi-token-prediction
+# layers (``mtp.*``) and the converter exports them unless told not to; on a checkpoint without
+# them (the factory's: mlx-lm has no MTP layers) its ``__init__`` stops at ``assert
+# self.opt_num_mtp_layers != 0`` (``conversion/qwen.py``) unless ``--no-mtp`` says so.
+# llama.cpp's vocabulary loader keys on ``general.name``: one containing "phi3" or "phi-3" sets
+# attributes of ``</s>``, ``<unk>``, ``<s>`` and ``<|endoftext|>``, which Phi-3's vocabulary has and
+# the factory's does not, so llama-server stops with "error loading model vocabulary:
+# unordered_map::at"; the converter names the file after the directory (``phi3-tiny-v4``) unless
+# ``--model-name`` names it otherwise.
+CONVERTER_FLAGS = {"qwen3_5": ("--no-mtp",), "qwen3_5_moe": ("--no-mtp",), "qwen3_next": ("--no-mtp",),
+                   "phi3": ("--model-name", "factory tiny model")}
+
+# llama-server's context per family (default 512). Phi-3's LongRoPE: llama.cpp takes the short
+# factors while the context per sequence is at most the original one (``get_rope_factors``), mlx-lm
+# always the long ones (docs/gguf.md), so llama-server runs with more than the factory's 4096.
+PEER_CONTEXT = {"phi3": 8192}
 
 # The child process: llama.cpp's converter with the questions above answered (see the module
 # docstring); the tensor conversion is the converter's own.
@@ -101,9 +128,12 @@ if options["gpt2_vocab"]:
         found.set_vocab = base.TextModel._set_vocab_gpt2
         return found
     convert_hf_to_gguf.get_model_class = gpt2_vocab_class
-if options["config_as_written"]:
-    base.ModelBase.load_hparams = staticmethod(
-        lambda directory, is_mistral_format: json.loads((Path(directory) / "config.json").read_text()))
+if options["config"]:
+    read = base.ModelBase.load_hparams
+    def load_hparams(directory, is_mistral_format):
+        written = json.loads((Path(directory) / "config.json").read_text())
+        return written if options["config"] == "as written" else {**written, **read(directory, is_mistral_format)}
+    base.ModelBase.load_hparams = staticmethod(load_hparams)
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[3:]]
 convert_hf_to_gguf.main()
 """
@@ -131,9 +161,10 @@ class Row:
 
 def convert(family: str, directory: Path, out: Path, pre: str) -> None:
     """llama.cpp's converter on ``directory``, as an F32 GGUF at ``out``."""
-    options = json.dumps({"pre": pre, "gpt2_vocab": family in GPT2_VOCAB, "config_as_written": family in CONFIG_AS_WRITTEN})
+    options = json.dumps({"pre": pre, "gpt2_vocab": family in GPT2_VOCAB, "config": CONFIG_READ.get(family)})
     done = subprocess.run([sys.executable, "-c", CONVERTER_CHILD, str(PEER), options, str(directory), "--outfile", str(out),
-                           "--outtype", "f32"], capture_output=True, text=True, timeout=600)
+                           "--outtype", "f32", *CONVERTER_FLAGS.get(family, ())], capture_output=True, text=True,
+                          timeout=600)
     if done.returncode != 0 or not out.is_file():
         tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
         raise RuntimeError(f"the converter failed: {tail}")
@@ -225,7 +256,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def peer_next_logprobs(path: Path, prefixes: list[list[int]]) -> list[dict]:
+def peer_next_logprobs(path: Path, prefixes: list[list[int]], context: int = 512) -> list[dict]:
     """llama-server's greedy next token after each prefix, with its top-2 log-probabilities.
 
     One request a position (teacher forcing on our greedy path): llama-server groups the
@@ -235,7 +266,7 @@ def peer_next_logprobs(path: Path, prefixes: list[list[int]]) -> list[dict]:
     """
     port = free_port()
     server = PEER / "build/bin/llama-server"
-    proc = subprocess.Popen([str(server), "-m", str(path), "--port", str(port), "-c", "512", "-np", "1", "--no-warmup",
+    proc = subprocess.Popen([str(server), "-m", str(path), "--port", str(port), "-c", str(context), "-np", "1", "--no-warmup",
                              "-ctk", "f32", "-ctv", "f32", "-fa", "off"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -342,7 +373,7 @@ def check(family: str, work: Path, margin: float, tolerance: float, gelu_toleran
         prefixes.append(list(path))
         path.append(int(logits.argmax()))
     try:
-        steps = peer_next_logprobs(converted, prefixes)
+        steps = peer_next_logprobs(converted, prefixes, PEER_CONTEXT.get(family, 512))
     except Exception as exc:  # noqa: BLE001
         row.fail(f"llama-server: {exc}"[:300])
         row.peer = "-"
