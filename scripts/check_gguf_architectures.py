@@ -420,8 +420,11 @@ def main() -> int:
     parser.add_argument("--no-peer", action="store_true", help="skip llama-server (steps 1-4 only)")
     parser.add_argument("--work", default="", help="directory for models and files (default: a temporary one)")
     args = parser.parse_args()
-    families = [f for f in args.families.split(",") if f] or [*GGUF_FAMILIES, *(f for f in ARCHITECTURE_FAMILIES
-                                                                                 if f in GGUF_TARGETS)]
+    # Every family with a GGUF target (ARCHITECTURE_FAMILIES lists no qwen3_next, which the
+    # factory has from before); qwen2_coder is qwen2 with FIM tokens.
+    families = [f for f in args.families.split(",") if f] or [
+        *GGUF_FAMILIES, *(f for f in ARCHITECTURE_FAMILIES if f in GGUF_TARGETS),
+        *(f for f in GGUF_TARGETS if f not in (*GGUF_FAMILIES, *ARCHITECTURE_FAMILIES, "qwen2_coder"))]
     if not (PEER / "convert_hf_to_gguf.py").is_file():
         print(f"llama.cpp's tree is not at {PEER}: run ../shared/peers/build-llama-server.sh", file=sys.stderr)
         return 2
