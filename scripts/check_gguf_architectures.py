@@ -8,7 +8,10 @@ For each factory family of a served GGUF architecture (docs/gguf.md's table):
    ``../shared/peers/build-llama-server.sh`` unpacks) turns the directory into an F32 GGUF. It
    refuses a tokenizer whose pre-tokenizer hash it does not know, which includes the factory's:
    the converter runs in a child process of this script in which ``get_vocab_base_pre`` answers
-   the pre-tokenizer the factory's own GGUF writer names for the family, and nothing else changes;
+   the pre-tokenizer the factory's own GGUF writer names for the family. The other questions a
+   factory directory asks and a real checkpoint does not are answered per family below
+   (``GPT2_VOCAB``, ``CONFIG_READ``, ``CONVERTER_FLAGS``, ``CONVERTER_INPUT``), each with its
+   reason; the tensor conversion is the converter's own;
 3. the converter's file is compared with the factory writer's (tensor names, shapes, metadata
    keys and the ``{arch}.*`` values), which is what the test suite loads instead (CI has neither
    torch nor llama-server);
@@ -59,19 +62,78 @@ N_PREDICT = 16
 # writes no sliding-window pattern (every real Gemma 3 has a global layer every 6th, which
 # llama.cpp assumes); the tiny one alternates so that four layers hold both kinds.
 CHECK_SIZE = {"gemma3_text": "small"}
-# Families whose checkpoint form the converter reads is not one mlx-lm loads (so the factory's
-# directory cannot be it): the converter gets a copy of the directory in that form.
-CONVERTER_INPUT = {"gpt_oss": "gpt_oss_bf16"}
+# Families whose factory directory holds mlx-lm's sanitized layout (stacked experts as
+# ``switch_mlp`` / ``switch_glu``, Qwen3.5's ``language_model.`` prefix, MLX's convolution layout,
+# norms after mlx-lm's ``1 + w``) or, for gpt-oss, a form the converter does not read: the converter
+# gets a copy of the directory in the checkpoint's form (``testing/hf_layouts.py``, the inverse of
+# mlx-lm's ``sanitize``). Without it: "Can not map tensor 'model.layers.0.mlp.switch_mlp...'".
+CONVERTER_INPUT = {"gpt_oss": "gpt_oss_bf16", "qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5",
+                   "gemma4_text_moe": "gemma4_moe", "granitemoehybrid": "granitemoehybrid"}
 
-# The child process: llama.cpp's converter with one question answered (see the module docstring).
+# The converter's vocabulary step, answered per family. Each class below reads the vocabulary in a
+# form the factory's byte-level BPE (a ``tokenizer.json`` with GPT-2's byte alphabet) is not, though
+# the real models of the family ship one; the child then takes the converter's own GPT-2 path
+# (``TextModel._set_vocab_gpt2``, which Phi-4 and EXAONE take for real) for the token list and
+# touches nothing else. Phi-3: ``tokenizer.model`` (SentencePiece) unless ``tokenizer_config.json``
+# names ``GPT2Tokenizer``; Gemma 2, ERNIE 4.5 (dense and MoE): ``tokenizer.model`` always; Gemma 4:
+# ``LlamaHfVocab`` ("Cannot find Llama BPE tokenizer": a SentencePiece-style ``tokenizer.json``);
+# GLM-4 and GLM-4.5: ``_set_vocab_glm`` looks up GLM's own special tokens (``[gMASK]``,
+# ``<|user|>``, ...) by name; Nemotron-H: ``AutoTokenizer`` with ``trust_remote_code``.
+GPT2_VOCAB = {"phi3", "gemma2", "ernie4_5", "ernie4_5_moe", "gemma4_text", "gemma4_text_moe", "glm4", "glm4_moe",
+              "nemotron_h"}
+# How the converter reads a family's config, where transformers' ``AutoConfig`` (5.25 here) changes
+# it. "as written": ``config.json`` alone, the converter's own fallback when ``AutoConfig`` fails;
+# ``AutoConfig`` adds MoE defaults to a dense Nemotron-H config (``n_routed_experts`` and others),
+# after which the converter classifies it as ``nemotron_h_moe`` with zero MLP widths and
+# llama-server refuses the file ("tensor 'blk.1.ssm_in.weight' not found"). "merged": ``AutoConfig``'s
+# dictionary with ``config.json``'s keys it dropped put back; its ``ExaoneConfig`` (EXAONE 3.5)
+# renames ``activation_function`` to ``hidden_act``, after which the converter's ``assert
+# hparams["activation_function"] == "silu"`` raises ``KeyError``, and read as written the converter
+# writes ``attention.layer_norm_epsilon``, which llama-server refuses ("key not found in model:
+# exaone.attention.layer_norm_rms_epsilon"): it needs ``AutoConfig``'s ``rms_norm_eps``.
+CONFIG_READ = {"nemotron_h": "as written", "exaone": "merged", "qwen3_5": "as written", "qwen3_5_moe": "as written"}
+
+# Converter options per family. Qwen3.5 and Qwen3-Next checkpoints carry multi-token-prediction
+# layers (``mtp.*``) and the converter exports them unless told not to; on a checkpoint without
+# them (the factory's: mlx-lm has no MTP layers) its ``__init__`` stops at ``assert
+# self.opt_num_mtp_layers != 0`` (``conversion/qwen.py``) unless ``--no-mtp`` says so.
+# llama.cpp's vocabulary loader keys on ``general.name``: one containing "phi3" or "phi-3" sets
+# attributes of ``</s>``, ``<unk>``, ``<s>`` and ``<|endoftext|>``, which Phi-3's vocabulary has and
+# the factory's does not, so llama-server stops with "error loading model vocabulary:
+# unordered_map::at"; the converter names the file after the directory (``phi3-tiny-v4``) unless
+# ``--model-name`` names it otherwise.
+CONVERTER_FLAGS = {"qwen3_5": ("--no-mtp",), "qwen3_5_moe": ("--no-mtp",), "qwen3_next": ("--no-mtp",),
+                   "phi3": ("--model-name", "factory tiny model")}
+
+# llama-server's context per family (default 512). Phi-3's LongRoPE: llama.cpp takes the short
+# factors while the context per sequence is at most the original one (``get_rope_factors``), mlx-lm
+# always the long ones (docs/gguf.md), so llama-server runs with more than the factory's 4096.
+PEER_CONTEXT = {"phi3": 8192}
+
+# The child process: llama.cpp's converter with the questions above answered (see the module
+# docstring); the tensor conversion is the converter's own.
 CONVERTER_CHILD = """
-import sys
-peer, pre = sys.argv[1], sys.argv[2]
+import json, sys
+from pathlib import Path
+peer, options = sys.argv[1], json.loads(sys.argv[2])
 sys.path.insert(0, peer + "/gguf-py")
 sys.path.insert(0, peer)
 import convert_hf_to_gguf
 from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: options["pre"]
+if options["gpt2_vocab"]:
+    model_class = convert_hf_to_gguf.get_model_class
+    def gpt2_vocab_class(*args, **kwargs):
+        found = model_class(*args, **kwargs)
+        found.set_vocab = base.TextModel._set_vocab_gpt2
+        return found
+    convert_hf_to_gguf.get_model_class = gpt2_vocab_class
+if options["config"]:
+    read = base.ModelBase.load_hparams
+    def load_hparams(directory, is_mistral_format):
+        written = json.loads((Path(directory) / "config.json").read_text())
+        return written if options["config"] == "as written" else {**written, **read(directory, is_mistral_format)}
+    base.ModelBase.load_hparams = staticmethod(load_hparams)
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[3:]]
 convert_hf_to_gguf.main()
 """
@@ -97,10 +159,12 @@ class Row:
         return f"| `{self.arch}` | `{self.family}` | {self.layout} | {self.logits} | {self.peer} | {verdict}{': ' + notes if notes else ''} |"
 
 
-def convert(directory: Path, out: Path, pre: str) -> None:
+def convert(family: str, directory: Path, out: Path, pre: str) -> None:
     """llama.cpp's converter on ``directory``, as an F32 GGUF at ``out``."""
-    done = subprocess.run([sys.executable, "-c", CONVERTER_CHILD, str(PEER), pre, str(directory), "--outfile", str(out),
-                           "--outtype", "f32"], capture_output=True, text=True, timeout=600)
+    options = json.dumps({"pre": pre, "gpt2_vocab": family in GPT2_VOCAB, "config": CONFIG_READ.get(family)})
+    done = subprocess.run([sys.executable, "-c", CONVERTER_CHILD, str(PEER), options, str(directory), "--outfile", str(out),
+                           "--outtype", "f32", *CONVERTER_FLAGS.get(family, ())], capture_output=True, text=True,
+                          timeout=600)
     if done.returncode != 0 or not out.is_file():
         tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
         raise RuntimeError(f"the converter failed: {tail}")
@@ -135,6 +199,13 @@ def compare_layout(theirs: Path, ours: Path) -> list[str]:
     if a.architecture != b.architecture:
         problems.append(f"architecture {a.architecture} vs ours {b.architecture}")
     only_theirs, only_ours = sorted(set(a.tensors) - set(b.tensors)), sorted(set(b.tensors) - set(a.tensors))
+    # A NextN (multi-token prediction) layer's tensors: the converter exports them, the loader leaves
+    # them out (logged) and the factory's writer does not write them (the suite adds them where it
+    # tests that: test_glm4moe_nextn_layers_are_left_out).
+    prefix = f"{a.architecture}."
+    blocks, nextn = int(a.metadata.get(prefix + "block_count", 0)), int(a.metadata.get(prefix + "nextn_predict_layers", 0))
+    unserved = tuple(f"blk.{i}." for i in range(blocks - nextn, blocks)) if nextn else ()
+    only_theirs = [name for name in only_theirs if not name.startswith(unserved)] if unserved else only_theirs
     if only_theirs:
         problems.append(f"tensors only the converter writes: {', '.join(only_theirs[:6])}")
     if only_ours:
@@ -142,7 +213,6 @@ def compare_layout(theirs: Path, ours: Path) -> list[str]:
     for name in sorted(set(a.tensors) & set(b.tensors)):
         if tuple(a.tensors[name].shape) != tuple(b.tensors[name].shape):
             problems.append(f"{name} shape {a.tensors[name].shape} vs ours {b.tensors[name].shape}")
-    prefix = f"{a.architecture}."
     keys_a = {k for k in a.metadata if k.startswith(prefix)}
     keys_b = {k for k in b.metadata if k.startswith(prefix)}
     if keys_a - keys_b:
@@ -186,7 +256,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def peer_next_logprobs(path: Path, prefixes: list[list[int]]) -> list[dict]:
+def peer_next_logprobs(path: Path, prefixes: list[list[int]], context: int = 512) -> list[dict]:
     """llama-server's greedy next token after each prefix, with its top-2 log-probabilities.
 
     One request a position (teacher forcing on our greedy path): llama-server groups the
@@ -196,7 +266,7 @@ def peer_next_logprobs(path: Path, prefixes: list[list[int]]) -> list[dict]:
     """
     port = free_port()
     server = PEER / "build/bin/llama-server"
-    proc = subprocess.Popen([str(server), "-m", str(path), "--port", str(port), "-c", "512", "-np", "1", "--no-warmup",
+    proc = subprocess.Popen([str(server), "-m", str(path), "--port", str(port), "-c", str(context), "-np", "1", "--no-warmup",
                              "-ctk", "f32", "-ctv", "f32", "-fa", "off"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -265,7 +335,7 @@ def check(family: str, work: Path, margin: float, tolerance: float, gelu_toleran
     directory = ensure_model(family, size, cache_dir=work / "models")
     converted = work / f"{family}-converted.gguf"
     try:
-        convert(converter_input(family, directory, work), converted, target.pre)
+        convert(family, converter_input(family, directory, work), converted, target.pre)
     except Exception as exc:  # noqa: BLE001 - the row says why
         row.fail(str(exc)[:300])
         row.layout = row.logits = row.peer = "-"
@@ -303,7 +373,7 @@ def check(family: str, work: Path, margin: float, tolerance: float, gelu_toleran
         prefixes.append(list(path))
         path.append(int(logits.argmax()))
     try:
-        steps = peer_next_logprobs(converted, prefixes)
+        steps = peer_next_logprobs(converted, prefixes, PEER_CONTEXT.get(family, 512))
     except Exception as exc:  # noqa: BLE001
         row.fail(f"llama-server: {exc}"[:300])
         row.peer = "-"
@@ -350,8 +420,11 @@ def main() -> int:
     parser.add_argument("--no-peer", action="store_true", help="skip llama-server (steps 1-4 only)")
     parser.add_argument("--work", default="", help="directory for models and files (default: a temporary one)")
     args = parser.parse_args()
-    families = [f for f in args.families.split(",") if f] or [*GGUF_FAMILIES, *(f for f in ARCHITECTURE_FAMILIES
-                                                                                 if f in GGUF_TARGETS)]
+    # Every family with a GGUF target (ARCHITECTURE_FAMILIES lists no qwen3_next, which the
+    # factory has from before); qwen2_coder is qwen2 with FIM tokens.
+    families = [f for f in args.families.split(",") if f] or [
+        *GGUF_FAMILIES, *(f for f in ARCHITECTURE_FAMILIES if f in GGUF_TARGETS),
+        *(f for f in GGUF_TARGETS if f not in (*GGUF_FAMILIES, *ARCHITECTURE_FAMILIES, "qwen2_coder"))]
     if not (PEER / "convert_hf_to_gguf.py").is_file():
         print(f"llama.cpp's tree is not at {PEER}: run ../shared/peers/build-llama-server.sh", file=sys.stderr)
         return 2

@@ -18,6 +18,15 @@ FIM_KEYS = {"<|fim_prefix|>": "fim_pre", "<|fim_suffix|>": "fim_suf", "<|fim_mid
             "<|fim_pad|>": "fim_pad", "<|repo_name|>": "fim_rep", "<|file_sep|>": "fim_sep"}
 
 
+# Families whose converter class writes no ``{arch}.vocab_size`` (llama.cpp takes the count from
+# the token list); found by scripts/check_gguf_architectures.py, which compares the keys.
+NO_VOCAB_SIZE = ("qwen2", "qwen2_coder", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "gpt_oss", "glm4_moe",
+                 "olmoe", "ernie4_5_moe")
+# Families whose converter writes no ``attention.key_length`` / ``value_length`` (llama.cpp takes
+# hidden size / heads): Qwen2's and OLMoE's classes.
+NO_HEAD_LENGTHS = ("qwen2", "qwen2_coder", "qwen2_moe", "olmoe")
+
+
 def add_rope_scaling(writer: Any, config: dict[str, Any]) -> None:
     """``rope.scaling.*`` keys for a ``linear`` or ``yarn`` ``rope_scaling`` of ``config`` (Llama 3's
     is a tensor, ``gguf_tensors.llama3_rope_factors``); ``ValueError`` for other types."""
@@ -55,7 +64,7 @@ def add_hparams(writer: Any, family: str, config: dict[str, Any], weights: dict[
     writer.add_block_count(c["num_hidden_layers"] + c.get("num_nextn_predict_layers", 0))
     writer.add_head_count(c["num_attention_heads"])
     writer.add_rope_freq_base(c["rope_theta"])
-    if family not in ("qwen2", "qwen2_coder", "qwen3", "gemma3_text"):  # their converters write none
+    if family not in NO_VOCAB_SIZE:
         writer.add_vocab_size(c["vocab_size"])
     family_keys = GGUF_TARGETS[family].hparams
     if family in ("lfm2", "lfm2_moe"):
@@ -71,7 +80,7 @@ def add_hparams(writer: Any, family: str, config: dict[str, Any], weights: dict[
     writer.add_head_count_kv(c["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    if family not in ("qwen2", "qwen2_coder"):  # Qwen2's converter leaves them to hidden / heads
+    if family not in NO_HEAD_LENGTHS:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if family in ("llama", "mistral"):

@@ -133,3 +133,59 @@ def lfm2_moe(weights: Weights, config: dict[str, Any]) -> Weights:
     return out
 
 
+
+
+def qwen3_next(weights: Weights, config: dict[str, Any]) -> Weights:
+    """Qwen3-Next's checkpoint form, the inverse of mlx-lm's ``sanitize``: experts one by one, the
+    convolutions as (channels, 1, width) and the RMS norms without the 1 it adds. The factory's
+    directory keeps mlx-lm's layout; scripts/check_gguf_architectures.py gives the converter this."""
+    norms = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+             ".q_norm.weight", ".k_norm.weight")
+    out = {}
+    for k, v in unstack(weights).items():
+        if "conv1d.weight" in k:
+            v = v.transpose(0, 2, 1)
+        elif v.ndim == 1 and k.endswith(norms):
+            v = v - np.float32(1.0)
+        out[k] = v
+    return out
+
+
+def qwen3_5(weights: Weights, config: dict[str, Any]) -> Weights:
+    """Qwen3.5's (dense or MoE) checkpoint form, the inverse of mlx-lm's ``sanitize``: the text
+    model under ``model.language_model.``, the experts as the stacked ``experts.gate_up_proj`` and
+    ``experts.down_proj``, the convolutions and norms as for :func:`qwen3_next`."""
+    out = {}
+    for k, v in qwen3_next(weights, config).items():
+        if k.startswith("language_model.model."):
+            k = "model.language_model." + k[len("language_model.model."):]
+        elif k.startswith("language_model."):
+            k = k[len("language_model."):]
+        out[k] = v
+    for k in [k for k in out if k.endswith(".mlp.experts.0.gate_proj.weight")]:
+        prefix = k[: -len("0.gate_proj.weight")]
+        n = sum(1 for name in out if name.startswith(prefix) and name.endswith(".gate_proj.weight"))
+        gate = [out.pop(f"{prefix}{e}.gate_proj.weight") for e in range(n)]
+        up = [out.pop(f"{prefix}{e}.up_proj.weight") for e in range(n)]
+        down = [out.pop(f"{prefix}{e}.down_proj.weight") for e in range(n)]
+        out[prefix + "gate_up_proj"] = np.concatenate([np.stack(gate), np.stack(up)], axis=1)
+        out[prefix + "down_proj"] = np.stack(down)
+    return out
+
+
+def gemma4_moe(weights: Weights, config: dict[str, Any]) -> Weights:
+    """Gemma 4 MoE's checkpoint form, the inverse of mlx-lm's ``sanitize``: the experts as the
+    stacked ``experts.gate_up_proj`` (gate rows, then up rows) and ``experts.down_proj``."""
+    out = dict(weights)
+    for k in [k for k in weights if k.endswith(".experts.switch_glu.gate_proj.weight")]:
+        base = k[: -len(".switch_glu.gate_proj.weight")]
+        gate, up = out.pop(k), out.pop(f"{base}.switch_glu.up_proj.weight")
+        out[f"{base}.gate_up_proj"] = np.concatenate([gate, up], axis=-2)
+        out[f"{base}.down_proj"] = out.pop(f"{base}.switch_glu.down_proj.weight")
+    return out
+
+
+def granitemoehybrid(weights: Weights, config: dict[str, Any]) -> Weights:
+    """Granite 4.0-H's checkpoint form, the inverse of mlx-lm's ``sanitize``: the experts as for
+    :func:`granitemoe` and the Mamba-2 convolutions as (channels, 1, width)."""
+    return {k: v.transpose(0, 2, 1) if "conv1d.weight" in k else v for k, v in granitemoe(weights, config).items()}

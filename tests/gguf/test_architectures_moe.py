@@ -41,6 +41,8 @@ from mlxcel_compat.gguf.reader import open_gguf
 from mlxcel_compat.runtime import cpu_decode
 from mlxcel_compat.testing import families_moe
 from mlxcel_compat.testing.gguf_tensors import GGUF_TARGETS, stored_type
+from mlxcel_compat.testing.families import model_config
+from mlxcel_compat.testing.gguf_metadata import add_hparams
 from tests.conftest import slow_but, tiny_model
 from tests.engine.harness import EngineHarness
 from tests.gguf.reference_checks import assert_tokenizer_and_template_match
@@ -314,3 +316,28 @@ def test_glm4moe_nextn_layers_are_left_out(tmp_path, caplog) -> None:
     plain, *_ = load_gguf(str(source), on_cpu=True)
     ids = [5, 6, 7, 8, 9]
     assert mx.array_equal(model(mx.array([ids])), plain(mx.array([ids]))).item()
+
+
+# Keys llama.cpp's converter (b11312) does not write for these families, found by
+# scripts/check_gguf_architectures.py comparing its file with the factory writer's: llama.cpp takes
+# the vocabulary size from the token list and the head sizes from hidden size / heads.
+CONVERTER_OMITS = {
+    "qwen3_moe": ("vocab_size",),
+    "gpt_oss": ("vocab_size",),
+    "glm4_moe": ("vocab_size",),
+    "ernie4_5_moe": ("vocab_size",),
+    "qwen2_moe": ("vocab_size", "attention.key_length", "attention.value_length"),
+    "olmoe": ("vocab_size", "attention.key_length", "attention.value_length"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(CONVERTER_OMITS))
+def test_the_writer_leaves_out_what_the_converter_leaves_out(family: str) -> None:
+    """The factory's ``{arch}.*`` keys are the converter's: none of the ones it leaves out (the
+    loader builds the directory's model without them: test_f32_gguf_is_the_directory_model)."""
+    arch = GGUF_TARGETS[family].arch
+    writer = gguf.GGUFWriter(None, arch)
+    add_hparams(writer, family, model_config(family, "tiny"))
+    written = {key for shard in writer.kv_data for key in shard}
+    assert f"{arch}.block_count" in written
+    assert [key for key in CONVERTER_OMITS[family] if f"{arch}.{key}" in written] == []
