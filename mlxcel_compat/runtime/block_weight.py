@@ -48,7 +48,7 @@ class _WeightStruct(ctypes.Structure):
     """``struct mlxcel_block_weight`` (the native layer's block products)."""
 
     _fields_ = [("type", _P), ("data", _P), ("row_bytes", _L), ("rows", _P), ("group_bias", _P),
-                ("bias_group", _I), ("n", _I), ("k", _I)]
+                ("bias_group", _I), ("n", _I), ("k", _I), ("float_prompts", _I)]
 
 
 def own_kernels_enabled() -> bool:
@@ -189,6 +189,10 @@ class BlockWeight:
     prompt: Any = None
     # rows rearranged by ``split_rows`` (factors ahead of nibbles): only this library's kernels read them
     split: bool = False
+    # prompt chunks by float32 tiles, never by an 8-bit-activation GEMM: MLX affine weights
+    # (``mlx_affine.py``), whose prompts promise MLX's float32 result; a GGUF's blocks take
+    # llama.cpp's 8-bit activations
+    float_prompts: bool = False
     address: int = field(init=False)  # of the C struct, passed on every call
     _struct: _WeightStruct = field(init=False, repr=False)
 
@@ -212,7 +216,7 @@ class BlockWeight:
             ctypes.addressof(kind), self.data.ctypes.data, self.data.shape[1],
             self.rows.ctypes.data if self.rows is not None else None,
             self.group_bias.ctypes.data if self.group_bias is not None else None,
-            self.bias_group, self.n, self.k)
+            self.bias_group, self.n, self.k, int(self.float_prompts))
         self.address = ctypes.addressof(self._struct)
 
     def reorder(self, mapped: np.ndarray | None = None, offset: int = 0) -> None:

@@ -303,7 +303,7 @@ def serve(model: Any, lib: BlockLibrary) -> AffineLoad:
             continue
         n, k = module.weight.shape[0], module.weight.shape[1] * 32 // bits
         weight = BlockWeight(target.data, target.ggml_type, n, k, lib, group_bias=target.group_bias,
-                             bias_group=target.bias_group)
+                             bias_group=target.bias_group, float_prompts=True)
         split_rows(weight)  # a 4-bit weight's Q4_1 rows, for the shim's own kernel (block_weight.py)
         block_layers.install(model, path, weight)
         summary.inexact += not target.exact

@@ -102,6 +102,23 @@ def test_rms_norm_matches_numpy() -> None:
         assert np.abs(out - ref).max() <= KERNEL_RTOL * np.abs(ref).max()
 
 
+def test_rms_norm_is_mlx_s_bit_for_bit() -> None:
+    """The runtime's norms round as mx.fast.rms_norm does, bit for bit (widths a multiple of the
+    vector or not, a power of 2 or not): the products after them quantize the rows to 8 bits,
+    where an ulp across a rounding tie moves a result by a quantum (a prompt chunk's keys by
+    0.4 % on the q4_k_m model: test_a_cold_prompt_chunk_on_the_runtime_leaves_mlx_s_kv). Also on
+    a grid of ties: a coarse embedding's values under a gain of ones."""
+    rng = np.random.default_rng(5)
+    grid = (rng.integers(-15, 16, size=(8, 64)) * 0.1289005).astype(np.float32)
+    cases = [(rng.standard_normal((r, n)) * 3, rng.standard_normal(n)) for r, n in [(1, 768), (12, 64), (3, 37), (4, 2560)]]
+    for x, w in [*cases, (grid, np.ones(64))]:
+        x, w = x.astype(np.float32), w.astype(np.float32)
+        out = np.empty_like(x)
+        _kernels().rms_norm(_p(x), _p(w), _p(out), x.shape[0], x.shape[1], 1e-5)
+        want = np.array(mx.fast.rms_norm(mx.array(x), mx.array(w), 1e-5))
+        assert np.array_equal(out, want), (x.shape, np.abs(out - want).max())
+
+
 @pytest.mark.parametrize("traditional", [False, True])
 def test_rope_matches_mx_fast_rope(traditional: bool) -> None:
     """Rotating by the (cos, sin) the decoder takes from the RoPE module itself gives exactly

@@ -73,6 +73,8 @@ struct mlxcel_block_weight {
     const float *group_bias;  /* NULL, or n x (k / bias_group) biases, one per group of inputs */
     int bias_group;
     int n, k;
+    int float_prompts; /* prompt chunks by float32 tiles even where an 8-bit-activation GEMM has the
+                          type: MLX affine weights held as blocks promise MLX's float32 result */
 };
 
 /* Values of the weight expanded to float32 at a time for the BLAS (2 MiB). */
@@ -314,7 +316,8 @@ void mlxcel_block_matmul(const struct mlxcel_block_weight *w, int m, const float
                          float beta, int tiles) {
     if (m <= 0) return;
     gemm_fn gemm = tiles && w->type->own_kernel >= 0 && !w->group_bias ? mlxcel_gemm_kernel(w->type->own_kernel) : NULL;
-    if (tiles && !gemm && w->type->own_kernel >= 0 && !w->group_bias) gemm = mlxcel_split_gemm_kernel(w->type->own_kernel);
+    if (tiles && !gemm && w->type->own_kernel >= 0 && !w->group_bias && !w->float_prompts)
+        gemm = mlxcel_split_gemm_kernel(w->type->own_kernel);
     if (gemm) by_gemm(w, gemm, m, x, ldx, c, ldc, beta);
     else if (tiles) by_tiles(w, m, x, ldx, c, ldc, beta);
     else by_vec_dot(1, &w, m, x, ldx, &c, &ldc, beta);

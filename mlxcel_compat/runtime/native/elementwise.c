@@ -16,12 +16,27 @@
 /* out[r, :] = x[r, :] / sqrt(mean(x[r, :] ** 2) + eps) * w for `rows` rows of n (RMSNorm; per head
  * for a model's query and key norms). out may be x. */
 static inline float rms_scale(const float *x, int n, float eps) {
-    vf acc = {0};
+    /* MLX's own rounding, bit for bit (mx.fast.rms_norm on the CPU: mean(square(x)), then 1 /
+     * sqrt): each square rounded to float32, the squares added one after another from 0, the
+     * sum times 1 / n. The next products quantize these rows to 8 bits (ggml's Q8_0 for the
+     * split and Q8_0 GEMMs, every vec_dot), and on a coarse grid (a 4- or 5-bit embedding under
+     * a norm of ones) a value sits on a rounding tie: an ulp off MLX's norm there moved a
+     * prompt chunk's keys and values by 0.4 % (test_rms_norm_is_mlx_s_bit_for_bit). The squares
+     * stay vectors; KEEP_IN_REGISTER keeps the compiler from fusing them into the sum. The
+     * serial sum costs ~4 cycles a value (5 us on a 4096-wide row). */
+    float ss = 0.0f;
     int i = 0;
-    for (; i + VL <= n; i += VL) acc += loadv(x + i) * loadv(x + i);
-    float ss = hsum(acc);
-    for (; i < n; i++) ss += x[i] * x[i];
-    return 1.0f / __builtin_sqrtf(ss / (float)n + eps);
+    for (; i + VL <= n; i += VL) {
+        vf squares = loadv(x + i) * loadv(x + i);
+        KEEP_IN_REGISTER(squares);
+        for (int l = 0; l < VL; l++) ss += squares[l];
+    }
+    for (; i < n; i++) {
+        float square = x[i] * x[i];
+        KEEP_IN_REGISTER(square);
+        ss += square;
+    }
+    return 1.0f / __builtin_sqrtf(ss * (1.0f / (float)n) + eps);
 }
 
 void mlxcel_rms_norm(const float *x, const float *w, float *out, int rows, int n, float eps) {
