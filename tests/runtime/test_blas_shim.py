@@ -280,6 +280,7 @@ def test_without_a_compiler_the_blas_is_called_directly(tmp_path: Path) -> None:
     assert result["child_status"] == 0
 
 
+@pytest.mark.slow  # compiles the library twice (8-23 s); every start exercises the cached path
 def test_the_library_is_rebuilt_for_another_source_or_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cc = blas_shim.find_compiler()
     if cc is None:
