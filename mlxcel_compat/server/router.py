@@ -180,13 +180,8 @@ async def models_sse(request: Request) -> Response:
 
 async def add_model(request: Request) -> Response:
     """``POST /models``: download ``{"model": "user/repo[:TAG]"}`` into the hub cache."""
-    raw = await request.body()
-    try:
-        body = orjson.loads(raw) if raw else {}
-    except orjson.JSONDecodeError:
-        raise InvalidRequest("request body is not valid JSON") from None
-    name = body.get("model") if isinstance(body, dict) else None
-    if not isinstance(name, str) or not name:
+    name = await _body_name(request)
+    if not name:
         raise InvalidRequest("model must be a non-empty string")
     _state(request).downloads.start(name)
     return json_response({"success": True})

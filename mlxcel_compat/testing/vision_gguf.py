@@ -71,6 +71,18 @@ def gguf_names(family: str, size: str, gguf_type: str, mmproj_type: str = "f32")
     return f"{name}.gguf", f"mmproj-{projector}.gguf"
 
 
+def write_siglip_tower(writer: Any, vision: dict[str, Any]) -> int:
+    """A SigLIP-shaped tower's ``clip.vision.*`` keys (Gemma 3's, SmolVLM's), as the converter
+    writes them; returns its block count."""
+    n_blocks = int(vision["num_hidden_layers"])
+    writer.add_vision_image_size(int(vision["image_size"]))
+    writer.add_vision_embedding_length(int(vision["hidden_size"]))
+    writer.add_vision_feed_forward_length(int(vision["intermediate_size"]))
+    writer.add_vision_block_count(n_blocks)
+    writer.add_vision_head_count(int(vision["num_attention_heads"]))
+    return n_blocks
+
+
 def _text_config(family: str, config: dict[str, Any]) -> dict[str, Any]:
     """The language model's config as the text family's writer reads it."""
     if family == "gemma3":
@@ -183,12 +195,7 @@ def write_mmproj_gguf(family: str, directory: Path, weights: dict[str, Any], out
     writer.add_vision_image_mean([float(x) for x in processor["image_mean"]])
     writer.add_vision_image_std([float(x) for x in processor["image_std"]])
     if family == "gemma3":
-        n_blocks = int(vision["num_hidden_layers"])
-        writer.add_vision_image_size(int(vision["image_size"]))
-        writer.add_vision_embedding_length(int(vision["hidden_size"]))
-        writer.add_vision_feed_forward_length(int(vision["intermediate_size"]))
-        writer.add_vision_block_count(n_blocks)
-        writer.add_vision_head_count(int(vision["num_attention_heads"]))
+        n_blocks = write_siglip_tower(writer, vision)
         writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
         writer.add_vision_attention_layernorm_eps(float(vision.get("layer_norm_eps", 1e-6)))
         writer.add_vision_use_gelu(True)
@@ -197,12 +204,7 @@ def write_mmproj_gguf(family: str, directory: Path, weights: dict[str, Any], out
         if scale > 0 and scale != 4:
             writer.add_vision_projector_scale_factor(scale)
     elif family == "smolvlm":  # the converter's SmolVLMModel
-        n_blocks = int(vision["num_hidden_layers"])
-        writer.add_vision_image_size(int(vision["image_size"]))
-        writer.add_vision_embedding_length(int(vision["hidden_size"]))
-        writer.add_vision_feed_forward_length(int(vision["intermediate_size"]))
-        writer.add_vision_block_count(n_blocks)
-        writer.add_vision_head_count(int(vision["num_attention_heads"]))
+        n_blocks = write_siglip_tower(writer, vision)
         writer.add_clip_projector_type(gguf.VisionProjectorType.IDEFICS3)
         writer.add_vision_attention_layernorm_eps(float(vision.get("layer_norm_eps", 1e-5)))
         writer.add_vision_projector_scale_factor(int(config.get("scale_factor", 2)))

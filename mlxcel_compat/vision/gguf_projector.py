@@ -43,6 +43,17 @@ IDEFICS3_PROCESSOR = "transformers.models.idefics3.image_processing_pil_idefics3
 QWEN2VL_PROCESSOR = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl:Qwen2VLImageProcessorPil"
 
 
+def siglip_tower_config(projector: ProjectorFile, model_type: str, default_eps: float) -> dict[str, Any]:
+    """A SigLIP-shaped tower's config (Gemma 3's, Idefics3's) from the projector's ``clip.vision.*``
+    keys: mlx-vlm's ``vision_config`` of ``model_type``."""
+    return dict(model_type=model_type, num_hidden_layers=int(projector.vision("block_count")),
+                hidden_size=int(projector.vision("embedding_length")),
+                intermediate_size=int(projector.vision("feed_forward_length")),
+                num_attention_heads=int(projector.vision("attention.head_count")),
+                patch_size=int(projector.vision("patch_size")), image_size=int(projector.vision("image_size")),
+                num_channels=3, layer_norm_eps=float(projector.vision("attention.layer_norm_epsilon", default_eps)))
+
+
 @dataclass(frozen=True)
 class ProjectorFile:
     """One projector GGUF as this module sees it: its metadata, tensor names and a reader."""
@@ -146,12 +157,7 @@ class Gemma3Projector(ProjectorKind):
 
     def vlm_config(self, projector: ProjectorFile, text: dict[str, Any], token_ids: dict[str, int]) -> dict[str, Any]:
         tokens = self.tokens_per_image(projector)
-        vision = dict(model_type="siglip_vision_model", num_hidden_layers=int(projector.vision("block_count")),
-                      hidden_size=int(projector.vision("embedding_length")),
-                      intermediate_size=int(projector.vision("feed_forward_length")),
-                      num_attention_heads=int(projector.vision("attention.head_count")),
-                      patch_size=int(projector.vision("patch_size")), image_size=int(projector.vision("image_size")),
-                      num_channels=3, layer_norm_eps=float(projector.vision("attention.layer_norm_epsilon", 1e-6)))
+        vision = siglip_tower_config(projector, "siglip_vision_model", 1e-6)
         text_config = dict(text, model_type="gemma3_text", rope_global_base_freq=float(text.get("rope_theta", 1e6)),
                            mm_tokens_per_image=tokens)
         return dict(model_type="gemma3", text_config=text_config, vision_config=vision,
@@ -275,12 +281,7 @@ class Idefics3Projector(ProjectorKind):
     whole_text_model = True
 
     def vlm_config(self, projector: ProjectorFile, text: dict[str, Any], token_ids: dict[str, int]) -> dict[str, Any]:
-        vision = dict(model_type="idefics3_vision", num_hidden_layers=int(projector.vision("block_count")),
-                      hidden_size=int(projector.vision("embedding_length")),
-                      intermediate_size=int(projector.vision("feed_forward_length")),
-                      num_attention_heads=int(projector.vision("attention.head_count")),
-                      patch_size=int(projector.vision("patch_size")), image_size=int(projector.vision("image_size")),
-                      num_channels=3, layer_norm_eps=float(projector.vision("attention.layer_norm_epsilon", 1e-5)))
+        vision = siglip_tower_config(projector, "idefics3_vision", 1e-5)
         scale = int(projector.metadata.get("clip.vision.projector.scale_factor") or 2)
         return dict(model_type="idefics3", text_config=dict(text, model_type="llama"), vision_config=vision,
                     vocab_size=int(text["vocab_size"]), scale_factor=scale, image_token_id=token_ids["<image>"],

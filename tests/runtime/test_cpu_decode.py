@@ -28,15 +28,15 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from mlxcel_compat.runtime import backend
-from mlxcel_compat.runtime.native import blas_shim
 from mlxcel_compat.engine.request import TokenEvent
-from mlxcel_compat.runtime import cpu_decode, decode_kv
-from mlxcel_compat.runtime.rope_angles import RopeAngles
 from mlxcel_compat.model.loader import load_model
+from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
+from mlxcel_compat.runtime.native import blas_shim
+from mlxcel_compat.runtime.rope_angles import RopeAngles
 from mlxcel_compat.testing.gguf_writer import ensure_gguf
 from tests.conftest import MODEL_CACHE, tiny_model
 from tests.engine.harness import EngineHarness
+from tests.runtime.step_checks import assert_rows_together_equal_rows_alone
 
 LOGITS_RTOL = 1e-4  # of the largest logit: measured 1e-6 to 4e-6 (summation order, 2 ** x)
 KERNEL_RTOL = 2e-6
@@ -451,15 +451,7 @@ def test_rows_stepped_together_are_bit_identical_to_rows_alone(family: str, gguf
     else:
         model, decoder = _block_model(family, gguf_type)
     together = [_prefill(model, n) for n in (20, 250, 300)]
-    alone = [copy.deepcopy(c) for c in together]
-    owned_t = [decode_kv.OwnedCache() for _ in together]
-    owned_a = [decode_kv.OwnedCache() for _ in alone]
-    tokens = [11, 12, 13]
-    for _ in range(6):
-        rows = decoder.step_rows(tokens, together, owned_t).copy()
-        for r, (cache, owned) in enumerate(zip(alone, owned_a)):
-            assert np.array_equal(rows[r], decoder.step(tokens[r], cache, owned))
-        tokens = [int(t) for t in rows.argmax(axis=1)]
+    assert_rows_together_equal_rows_alone(decoder, together, 6)
     assert [c[0].offset for c in together] == [26, 256, 306]
 
 

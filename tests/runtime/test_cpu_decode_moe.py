@@ -27,6 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxcel_compat.model.loader import load_model
 from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
 from tests.conftest import tiny_model
+from tests.runtime.step_checks import assert_rows_together_equal_rows_alone
 
 # As tests/runtime/test_cpu_decode.py's BLOCK_RTOL: both steps quantize activations to the
 # blocks' vec_dot_type, so a ~1e-7 difference elsewhere can move one activation by a quantum.
@@ -118,15 +119,7 @@ def test_moe_rows_stepped_together_are_bit_identical_to_rows_alone(moe_decoder: 
     product) give exactly the logits each gives alone, step after step."""
     model, decoder = moe_decoder(spec)
     together = [prefilled(model, n, seed) for n, seed in ((20, 0), (70, 1), (130, 2))]
-    alone = [copy.deepcopy(c) for c in together]
-    owned_t = [decode_kv.OwnedCache() for _ in together]
-    owned_a = [decode_kv.OwnedCache() for _ in alone]
-    tokens = [11, 12, 13]
-    for _ in range(5):
-        rows = decoder.step_rows(tokens, together, owned_t).copy()
-        for r, (cache, owned) in enumerate(zip(alone, owned_a)):
-            assert np.array_equal(rows[r], decoder.step(tokens[r], cache, owned))
-        tokens = [int(t) for t in rows.argmax(axis=1)]
+    assert_rows_together_equal_rows_alone(decoder, together, 5)
     assert [c[0].offset for c in together] == [25, 75, 135]
 
 
