@@ -5,7 +5,8 @@ For each factory family with a served projector type:
 1. the factory writes the tiny vision-language directory (mlx-vlm's names and layouts); a copy in
    the Hugging Face checkpoint's layouts (PyTorch's ``(out, in, kh, kw)`` convolutions, Qwen's
    ``visual.`` names, SmolVLM's ``model.vision_model.`` / ``model.connector.`` /
-   ``model.text_model.``) is what llama.cpp's converter reads;
+   ``model.text_model.``, Qwen3-VL's ``model.visual.`` / ``model.language_model.``) is what
+   llama.cpp's converter reads;
 2. llama.cpp's own converter (``convert_hf_to_gguf.py`` of the peer tree, in a child process
    whose ``get_vocab_base_pre`` answers the factory's pre-tokenizer, as
    ``scripts/check_gguf_architectures.py`` runs it) writes the text GGUF and, with ``--mmproj``,
@@ -29,7 +30,7 @@ alternate sliding and global; the converter writes no pattern, so the check adds
 
 Prints one Markdown row per family (docs/vision.md's table); exits non-zero if any fails.
 
-    .venv/bin/python scripts/check_mmproj.py [--families gemma3,qwen2_5_vl,qwen2_vl,smolvlm]
+    .venv/bin/python scripts/check_mmproj.py [--families gemma3,qwen2_5_vl,qwen2_vl,smolvlm,qwen3_vl]
 """
 
 from __future__ import annotations
@@ -70,12 +71,16 @@ gguf.get_tensor_name_map = lambda arch, n: name_map(arch, max(n, 3) if arch == g
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[3:]]
 convert_hf_to_gguf.main()
 """
-PRE = {"gemma3": "gpt-2", "qwen2_5_vl": "qwen2", "qwen2_vl": "qwen2", "smolvlm": "gpt-2"}
+PRE = {"gemma3": "gpt-2", "qwen2_5_vl": "qwen2", "qwen2_vl": "qwen2", "smolvlm": "gpt-2", "qwen3_vl": "qwen2"}
 # What each side's prompt holds around the media marker (see the module docstring).
-WRAP = {"gemma3": ("\n\n", "\n\n"), "qwen2_5_vl": ("", ""), "qwen2_vl": ("", ""), "smolvlm": ("", "")}
+WRAP = {"gemma3": ("\n\n", "\n\n"), "qwen2_5_vl": ("", ""), "qwen2_vl": ("", ""), "smolvlm": ("", ""),
+        "qwen3_vl": ("", "")}
 # SmolVLM's checkpoint names, which the converter reads (mlx-vlm's sanitize strips them).
 SMOLVLM_NAMES = (("language_model.lm_head.", "lm_head."), ("language_model.", "model.text_model."),
                  ("vision_model.", "model.vision_model."), ("connector.", "model.connector."))
+# Qwen3-VL's checkpoint names (mlx-vlm's sanitize maps them to its own).
+QWEN3VL_NAMES = (("language_model.lm_head.", "lm_head."), ("language_model.model.", "model.language_model."),
+                 ("vision_tower.", "model.visual."))
 
 
 def checkpoint_copy(family: str, directory: Path, work: Path) -> Path:
@@ -92,8 +97,9 @@ def checkpoint_copy(family: str, directory: Path, work: Path) -> Path:
             array = np.moveaxis(array, -1, 1)  # MLX channels-last -> PyTorch (out, in, ...)
         if family in ("qwen2_5_vl", "qwen2_vl") and name.startswith("vision_tower."):
             name = "visual." + name.removeprefix("vision_tower.")
-        if family == "smolvlm":
-            mlx_prefix, checkpoint_prefix = next(p for p in SMOLVLM_NAMES if name.startswith(p[0]))
+        if family in ("smolvlm", "qwen3_vl"):
+            prefixes = SMOLVLM_NAMES if family == "smolvlm" else QWEN3VL_NAMES
+            mlx_prefix, checkpoint_prefix = next(p for p in prefixes if name.startswith(p[0]))
             name = checkpoint_prefix + name.removeprefix(mlx_prefix)
         out[name] = mx.array(np.ascontiguousarray(array))
     mx.save_safetensors(str(copy / "model.safetensors"), out, metadata={"format": "pt"})
@@ -232,7 +238,8 @@ def image_for(family: str) -> bytes:
 
     # SmolVLM: the processor's longest edge, so neither side resizes it before cutting its 2x2 tiles (the
     # whole image, shrunk to one tile, is each side's own Lanczos).
-    size = {"gemma3": (56, 56), "qwen2_5_vl": (112, 112), "qwen2_vl": (112, 112), "smolvlm": (112, 112)}[family]
+    size = {"gemma3": (56, 56), "qwen2_5_vl": (112, 112), "qwen2_vl": (112, 112), "smolvlm": (112, 112),
+            "qwen3_vl": (128, 128)}[family]
     pixels = np.random.default_rng(7).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format="PNG")

@@ -1,4 +1,4 @@
-"""The first architectures served from GGUF: llama (and Mistral files), qwen2 (and qwen2vl), qwen3, gemma3, lfm2.
+"""The first architectures served from GGUF: llama (and Mistral files), qwen2 (and qwen2vl), qwen3 (and qwen3vl), gemma3, lfm2.
 
 Each builder reads the ``{arch}.*`` metadata into the ``config.json`` mlx-lm would read; the
 rows (:data:`SPECS`) say what the converter changed: llama's Q/K rows were permuted for ggml's
@@ -45,6 +45,18 @@ def _qwen2vl(file: GGUFModelFile) -> dict[str, Any]:
 def _qwen3(file: GGUFModelFile) -> dict[str, Any]:
     config = common_config(file)
     config.setdefault("rope_theta", 1000000.0)
+    return config
+
+
+def _qwen3vl(file: GGUFModelFile) -> dict[str, Any]:
+    """Qwen3-VL's text model: qwen3 with interleaved M-RoPE (llama.cpp's ``IMROPE``). Text alone
+    takes one position per token on all three axes, which is plain RoPE (mlx-lm's qwen3); the
+    sections and the deepstack count are kept for a projector (``--mmproj``, ``vision/qwen3vl.py``)."""
+    config = _qwen3(file)
+    sections = file.arch_value("rope.dimension_sections")
+    if sections is not None:
+        config["mrope_section"] = [int(s) for s in list(sections)[:3]]
+    config["n_deepstack_layers"] = int(file.arch_value("n_deepstack_layers", 0))
     return config
 
 
@@ -111,4 +123,5 @@ SPECS: tuple[ArchSpec, ...] = (
     ArchSpec("gemma3", "gemma3_text", "Gemma3ForCausalLM", _gemma3, norm_shift=1.0),
     ArchSpec("lfm2", "lfm2", "Lfm2ForCausalLM", _lfm2),
     ArchSpec("qwen2vl", "qwen2", "Qwen2VLForConditionalGeneration", _qwen2vl),
+    ArchSpec("qwen3vl", "qwen3", "Qwen3VLForConditionalGeneration", _qwen3vl),
 )

@@ -41,7 +41,7 @@ def read_projector(path: str | Path) -> Any:
 def check_projector(path: str | Path) -> str:
     """The projector's type, or ``ValueError`` (not a projector, an unknown type): start-up
     checks this before the text model loads."""
-    from mlxcel_compat.vision.gguf_projector import projector_kind
+    from mlxcel_compat.vision.served import projector_kind
 
     projector = read_projector(path)
     projector_kind(projector)
@@ -62,9 +62,8 @@ def load_pair(text_path: Path, mmproj: str | Path, progress: Any = None, repack:
     import mlx.core as mx
 
     from mlxcel_compat.gguf.load import load_gguf
-    from mlxcel_compat.vision.families import family_of
     from mlxcel_compat.vision.gguf_model import load_gguf_vision
-    from mlxcel_compat.vision.gguf_projector import projector_kind
+    from mlxcel_compat.vision.served import family_of, projector_kind
 
     projector = read_projector(mmproj)
     kind = projector_kind(projector)  # an unknown type fails before the text model loads

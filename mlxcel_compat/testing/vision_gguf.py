@@ -21,7 +21,10 @@ converter's conventions are applied here, independently of the loader that undoe
   (``SmolVLMModel``, type ``idefics3``) its checkpoint's ``model.vision_model.*`` and
   ``model.connector.*`` as they are, ``projector.scale_factor`` and the processor's longest edge as
   ``preproc_image_size``, its embeddings F32 in every file; its text is ``llama`` (the
-  checkpoint's ``model.text_model.*``).
+  checkpoint's ``model.text_model.*``); Qwen3-VL (``Qwen3VLVisionModel``, type ``qwen3vl_merger``) keeps
+  ``qkv`` fused, splits the patch convolution as Qwen2.5-VL's, names its mergers by hand
+  (``v.post_ln``, ``mm.0``/``mm.2``, ``v.deepstack.N.*`` under the tower block's index) and flags
+  those blocks in ``is_deepstack_layers``; its text is ``qwen3vl`` (sections, ``n_deepstack_layers``).
 - One key the converter does not write: ``clip.vision.window_size`` for a Qwen2.5-VL whose
   window is not llama.cpp's fixed 112 pixels (the tiny model's is 56), so that this file computes
   what the directory computes (llama.cpp reads the key for other projectors; for Qwen2.5-VL it
@@ -54,6 +57,7 @@ GGUF_VISION: dict[str, tuple[str, str, str, str]] = {
     "qwen2_5_vl": ("qwen2", "qwen2vl", "qwen2", "qwen2.5vl"),
     "qwen2_vl": ("qwen2", "qwen2vl", "qwen2", "qwen2vl_merger"),
     "smolvlm": ("llama", "llama", "gpt-2", "idefics3"),
+    "qwen3_vl": ("qwen3", "qwen3vl", "qwen2", "qwen3vl_merger"),
 }
 GGUF_VISION_FAMILIES: tuple[str, ...] = tuple(GGUF_VISION)
 MMPROJ_TYPES = ("f32", "f16", "q8_0")
@@ -90,8 +94,8 @@ def _text_config(family: str, config: dict[str, Any]) -> dict[str, Any]:
         n, period = text["num_hidden_layers"], text["sliding_window_pattern"]
         return dict(text, rope_theta=text["rope_global_base_freq"],
                     layer_types=["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)])
-    if family == "smolvlm":
-        return dict(config["text_config"])
+    if family in ("smolvlm", "qwen3_vl"):  # Qwen3-VL's M-RoPE: its sections, written apart
+        return {k: v for k, v in config["text_config"].items() if k != "rope_scaling"}
     return {k: v for k, v in config.items() if k != "rope_scaling"}  # M-RoPE: its sections, written apart
 
 
@@ -118,6 +122,9 @@ def write_text_gguf(family: str, directory: Path, weights: dict[str, Any], out: 
     add_hparams(writer, text_family, text_config, text_weights)
     if family in ("qwen2_5_vl", "qwen2_vl"):  # the TextModel base writes the M-RoPE sections, padded to four
         writer.add_rope_dimension_sections([*config["rope_scaling"]["mrope_section"], 0, 0, 0][:4])
+    if family == "qwen3_vl":  # the converter's Qwen3VLTextModel: the sections, and how many deepstack mergers
+        writer.add_rope_dimension_sections([*config["text_config"]["rope_scaling"]["mrope_section"], 0, 0, 0][:4])
+        writer.add_num_deepstack_layers(len(config["vision_config"].get("deepstack_visual_indexes", [])))
     add_tokenizer(writer, directory, pre)
     for name, data in converted_tensors(text_family, text_config, text_weights).items():
         stored, raw_type = encode_tensor(name, data, gguf_type, text_config["num_hidden_layers"])
@@ -133,7 +140,7 @@ def _checkpoint_tensors(family: str, weights: dict[str, np.ndarray]) -> list[tup
     for name, value in sorted(weights.items()):
         if name.startswith("language_model."):
             continue
-        if family in ("qwen2_5_vl", "qwen2_vl"):
+        if family in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"):
             name = "visual." + name.removeprefix("vision_tower.")
             if name.endswith("patch_embed.proj.weight"):  # mlx (O, T, H, W, I) -> torch (O, I, T, H, W)
                 value = value.transpose(0, 4, 1, 2, 3)
@@ -145,8 +152,23 @@ def _checkpoint_tensors(family: str, weights: dict[str, np.ndarray]) -> list[tup
     return out
 
 
-def _converted_projector(family: str, weights: dict[str, np.ndarray], n_blocks: int) -> dict[str, np.ndarray]:
+def _qwen3vl_merger_name(name: str, deepstack: list[int]) -> str | None:
+    """Qwen3-VL's mergers as the converter's ``Qwen3VLVisionModel`` names them by hand: the
+    merger's norm ``v.post_ln``, its layers ``mm.0`` and ``mm.2``; each deepstack merger under its
+    tower block's index (``v.deepstack.N.{norm,fc1,fc2}``); ``None`` for other tensors."""
+    parts = name.split(".")
+    if parts[1] == "merger":
+        return {"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}[parts[2]] + "." + parts[3]
+    if parts[1] == "deepstack_merger_list":
+        layer = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}[parts[3]]
+        return f"v.deepstack.{deepstack[int(parts[2])]}.{layer}.{parts[4]}"
+    return None
+
+
+def _converted_projector(family: str, weights: dict[str, np.ndarray], n_blocks: int,
+                         deepstack: list[int] | None = None) -> dict[str, np.ndarray]:
     """GGUF name -> float32 array, as the family's ``MmprojModel`` class writes them."""
+    deepstack = deepstack or []
     import gguf
 
     # gguf-py maps the projector's layers (``mm.N``) through its block-indexed rows: a map of fewer
@@ -154,13 +176,16 @@ def _converted_projector(family: str, weights: dict[str, np.ndarray], n_blocks: 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(n_blocks, 3))
     out: dict[str, np.ndarray] = {}
     for name, value in _checkpoint_tensors(family, weights):
+        if family == "qwen3_vl" and (renamed := _qwen3vl_merger_name(name, deepstack)):
+            out[renamed] = np.ascontiguousarray(value, dtype=np.float32)
+            continue
         parts = [(name, value)]
         if family == "gemma3":
             name = name.replace("_weight", ".weight")  # mm_input_projection_weight
             if "soft_emb_norm.weight" in name:
                 value = value + np.float32(1.0)
             parts = [(name, value)]
-        elif ".qkv." in name:
+        elif ".qkv." in name and family != "qwen3_vl":  # Qwen3-VL's converter keeps it fused
             third = value.shape[0] // 3
             parts = [(name.replace("qkv", q), value[i * third:(i + 1) * third]) for i, q in enumerate("qkv")]
         elif name.endswith("patch_embed.proj.weight"):
@@ -210,6 +235,19 @@ def write_mmproj_gguf(family: str, directory: Path, weights: dict[str, Any], out
         writer.add_vision_projector_scale_factor(int(config.get("scale_factor", 2)))
         writer.add_vision_use_gelu(True)
         writer.add_vision_preproc_image_size(int(processor["size"]["longest_edge"]))
+    elif family == "qwen3_vl":  # the converter's Qwen3VLVisionModel: image_size from the position table
+        n_blocks = int(vision["depth"])
+        writer.add_vision_image_size(int(int(vision["num_position_embeddings"]) ** 0.5 * int(vision["patch_size"])))
+        writer.add_vision_embedding_length(int(vision["hidden_size"]))
+        writer.add_vision_feed_forward_length(int(vision["intermediate_size"]))
+        writer.add_vision_block_count(n_blocks)
+        writer.add_vision_head_count(int(vision["num_heads"]))
+        writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN3VL)
+        writer.add_vision_use_gelu(True)
+        writer.add_vision_spatial_merge_size(int(vision["spatial_merge_size"]))
+        writer.add_vision_attention_layernorm_eps(float(text.get("rms_norm_eps", 1e-6)))
+        deepstack = list(vision.get("deepstack_visual_indexes", []))
+        writer.add_vision_is_deepstack_layers([i in deepstack for i in range(n_blocks)])
     elif family == "qwen2_vl":  # the converter's renames: embed_dim is the width, hidden_size the "FFN"
         n_blocks = int(vision["depth"])
         writer.add_vision_image_size(int(vision.get("image_size", 560)))
@@ -234,7 +272,7 @@ def write_mmproj_gguf(family: str, directory: Path, weights: dict[str, Any], out
         if int(vision.get("window_size", LLAMA_CPP_QWEN_WINDOW)) != LLAMA_CPP_QWEN_WINDOW:
             writer.add_uint32("clip.vision.window_size", int(vision["window_size"]))
     arrays = {name: np.array(value, dtype=np.float32) for name, value in weights.items()}
-    for name, data in _converted_projector(family, arrays, n_blocks).items():
+    for name, data in _converted_projector(family, arrays, n_blocks, vision.get("deepstack_visual_indexes")).items():
         kind = _stored_type(family, name, data, mmproj_type)
         if kind == "q8_0":
             writer.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),

@@ -555,8 +555,10 @@ FAMILIES: dict[str, VisionFamily] = {t: f for f in (Qwen2VL(), Gemma3(), Llava()
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
-def family_of(config: dict[str, Any]) -> VisionFamily:
+def family_of(config: dict[str, Any], families: dict[str, VisionFamily] = FAMILIES) -> VisionFamily:
+    """The family of ``config``'s ``model_type`` in ``families`` (``vision/served.py`` passes every
+    served one, those of their own modules too); another type is refused with the list."""
     model_type = config.get("model_type")
-    if model_type not in FAMILIES:
-        raise ValueError(f"vision model type '{model_type}' is not served yet; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    return FAMILIES[model_type]
+    if model_type not in families:
+        raise ValueError(f"vision model type '{model_type}' is not served yet; supported: {', '.join(families)}")
+    return families[model_type]

@@ -28,15 +28,17 @@ from typing import Any
 
 import mlx.nn as nn
 
-from mlxcel_compat.vision.families import VisionFacts, family_of
-from mlxcel_compat.vision.gguf_projector import ProjectorFile, projector_kind
+from mlxcel_compat.vision.families import VisionFacts
+from mlxcel_compat.vision.gguf_projector import ProjectorFile
 from mlxcel_compat.vision.model import VisionLM
+from mlxcel_compat.vision.served import family_of, projector_kind
 
 # The tokens each projector kind's prompts use, looked up in the text GGUF's vocabulary.
 MARKER_TOKENS: dict[str, tuple[str, ...]] = {
     "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
     "qwen2_5_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
     "qwen2_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+    "qwen3_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
     "idefics3": ("<fake_token_around_image>", "<image>", "<global-img>"),
 }
 OPTIONAL_TOKENS = ("<|video_pad|>",)

@@ -27,6 +27,9 @@ function that returns one tensor's float32 values in NumPy order, so it holds no
 | ``qwen2.5vl_merger`` | ``qwen2_5_vl`` | windowed ViT (``n_wa_pattern``; window ``clip.vision.window_size``, else 112) | 2x2 patch merger MLP |
 | ``qwen2vl_merger`` | ``qwen2_vl`` | ViT (LayerNorm, GELU MLP) | the same merger |
 | ``idefics3`` | ``idefics3`` (mlx-lm's Llama as its text model) | SigLIP over tiles | pixel shuffle, linear |
+
+Types whose rules are a module of their own (``qwen3vl_merger``: ``vision/qwen3vl.py``) join these
+in ``vision/served.py``, which loading looks types up in.
 """
 
 from __future__ import annotations
@@ -311,15 +314,16 @@ KINDS: dict[str, ProjectorKind] = {t: k for k in (Gemma3Projector(), Qwen25VLPro
 SERVED_PROJECTOR_TYPES: tuple[str, ...] = tuple(KINDS)
 
 
-def projector_kind(projector: ProjectorFile) -> ProjectorKind:
-    """The projector's rules; an unknown type is refused with its name and the served ones."""
+def projector_kind(projector: ProjectorFile, kinds: dict[str, ProjectorKind] = KINDS) -> ProjectorKind:
+    """The projector's rules in ``kinds`` (``vision/served.py`` passes every served type, those of
+    their own modules too); an unknown type is refused with its name and the served ones."""
     kind = projector.projector_type
     if projector.metadata.get("general.architecture") != "clip":
         raise ValueError(f"{projector.path} is not a multimodal projector (general.architecture is "
                          f"'{projector.metadata.get('general.architecture')}', not 'clip')")
     if not projector.metadata.get("clip.has_vision_encoder", False):
         raise ValueError(f"projector {projector.path} has no vision encoder (audio projectors are not served)")
-    if kind not in KINDS:
+    if kind not in kinds:
         raise ValueError(f"projector type '{kind}' of {projector.path} is not served; served: "
-                         f"{', '.join(SERVED_PROJECTOR_TYPES)}")
-    return KINDS[kind]
+                         f"{', '.join(kinds)}")
+    return kinds[kind]

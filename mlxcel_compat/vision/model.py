@@ -34,7 +34,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxcel_compat.vision.families import SUPPORTED_MODEL_TYPES, VisionFacts, VisionFamily, family_of
+from mlxcel_compat.vision.families import VisionFacts, VisionFamily
+from mlxcel_compat.vision.served import SUPPORTED_MODEL_TYPES, family_of
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "VisionFacts", "VisionLM", "BoundVisionLM", "is_vision_directory",
            "load_vision_directory", "vision_facts"]

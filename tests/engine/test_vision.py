@@ -27,9 +27,13 @@ from mlxcel_compat.testing import vision
 from tests.engine.harness import EngineHarness, Run, collect, disk_tier_harness
 
 
-# SmolVLM's engine rows run with --slow (the suite's budget); tests/testing/test_vision_factory.py checks its
-# logits against mlx-vlm's by default, tests/vision/test_gguf_projector.py its GGUF pair.
-@pytest.fixture(scope="module", params=[pytest.param(f, marks=[pytest.mark.slow] if f == "smolvlm" else [])
+# SmolVLM's and Qwen3-VL's engine rows run with --slow (the suite's budget); tests/testing/test_vision_factory.py
+# checks SmolVLM's logits against mlx-vlm's by default, tests/vision/test_qwen3vl.py Qwen3-VL's, and
+# tests/vision/test_gguf_projector.py and test_qwen3vl.py their GGUF pairs.
+SLOW_ENGINE_ROWS = ("smolvlm", "qwen3_vl")
+
+
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=[pytest.mark.slow] if f in SLOW_ENGINE_ROWS else [])
                                         for f in vision.FAMILIES])
 def vlm_dir(request: pytest.FixtureRequest) -> Path:
     from tests.conftest import MODEL_CACHE
@@ -127,10 +131,13 @@ def test_chunked_prefill_with_images_gives_mlx_vlms_own_logits(vlm_dir: Path, im
     extra: dict[str, Any] = {}
     if model.family.mrope:
         extra["image_grid_thw"] = mx.array([list(img.grid_thw) for img in request.media.images])
-    embeds = vlm.get_input_embeddings(ids, pixels, mask=mx.ones(ids.shape), **extra).inputs_embeds
+    features = vlm.get_input_embeddings(ids, pixels, mask=mx.ones(ids.shape), **extra)
+    # Qwen3-VL's deepstack rows, added to the image tokens' hidden states after the first layers
+    deepstack = {k: getattr(features, k) for k in ("visual_pos_masks", "deepstack_visual_embeds")
+                 if getattr(features, k, None) is not None}
     language = vlm.language_model
     own_cache = language.make_cache() if hasattr(language, "make_cache") else make_prompt_cache(language)
-    theirs = language(ids, inputs_embeds=embeds, cache=own_cache, **extra).logits
+    theirs = language(ids, inputs_embeds=features.inputs_embeds, cache=own_cache, **extra, **deepstack).logits
     assert float(mx.abs(ours - theirs).max()) < 1e-4
     language = model.vlm.language_model
     text = list(tokenizer.encode("Only words, no picture.", add_special_tokens=False))
@@ -230,11 +237,11 @@ def test_two_slots_with_different_images_at_once_answer_as_each_alone(harness: E
 
 def test_families_not_served_are_refused_with_the_list(tmp_path: Path, vlm_dir: Path) -> None:
     from mlxcel_compat.vision.model import load_vision_directory
-    from mlxcel_compat.vision.families import SUPPORTED_MODEL_TYPES
+    from mlxcel_compat.vision.served import SUPPORTED_MODEL_TYPES
 
     assert set(vision.FAMILIES) <= set(SUPPORTED_MODEL_TYPES)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "vision_config": {}}))
-    with pytest.raises(ValueError, match="vision model type 'qwen3_vl' is not served yet; supported: .*gemma3.*llava"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava_next", "vision_config": {}}))
+    with pytest.raises(ValueError, match="vision model type 'llava_next' is not served yet; supported: .*gemma3.*llava.*qwen3_vl"):
         load_vision_directory(tmp_path)
     # A family's directory whose image processor is another family's is refused, naming it.
     other = tmp_path / "mixed"

@@ -1,5 +1,5 @@
-"""The tiny vision-language factory directories (``testing/vision.py``: Qwen2.5-VL, Qwen2-VL, Gemma 3,
-LLaVA): deterministic bytes, loadable by mlx-vlm, their vision tokens single ids, their templates
+"""The tiny vision-language factory directories (``testing/vision.py``: Qwen2.5-VL, Qwen2-VL, Qwen3-VL,
+Gemma 3, LLaVA, SmolVLM): deterministic bytes, loadable by mlx-vlm, their vision tokens single ids, their templates
 rendering image parts, their real image processors bounded by the configured size."""
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ def test_the_image_processor_keeps_images_within_the_configured_size(vlm_dir: Pa
     big = Image.fromarray(np.zeros((900, 1200, 3), np.uint8))
     out = processor(images=[big], return_tensors="np", **facts.processor_kwargs)
     count, (t, h, w) = facts.image_token_count(out)
-    if family(vlm_dir).startswith("qwen"):
-        assert t == 1 and h * w * 14 * 14 <= vision.MAX_PIXELS and count == h * w // 4
-        assert out["pixel_values"].shape == (h * w, 3 * 2 * 14 * 14)
+    if family(vlm_dir).startswith("qwen"):  # Qwen3-VL: 16-pixel patches, Qwen2-VL and Qwen2.5-VL: 14
+        patch, most = (vision.QWEN3_PATCH_SIZE, vision.QWEN3_MAX_PIXELS) if family(vlm_dir) == "qwen3_vl" else (14, vision.MAX_PIXELS)
+        assert t == 1 and h * w * patch * patch <= most and count == h * w // 4
+        assert out["pixel_values"].shape == (h * w, 3 * 2 * patch * patch)
     elif family(vlm_dir) == "smolvlm":  # 1200x900 -> 112x84 -> 112x112: a 2x2 grid of 56-pixel tiles, and the whole
         assert out["pixel_values"].shape == (1, 5, 3, vision.IMAGE_SIZE, vision.IMAGE_SIZE) and (h, w) == (2, 2)
         assert count == 5 * 4  # 4 tokens a tile; then 2 markers a tile, newline, blank line, 2 + 1 around the whole
