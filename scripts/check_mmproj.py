@@ -27,6 +27,10 @@ llama.cpp wraps a Gemma 3 image as ``<start_of_image>`` ... ``<end_of_image>``; 
 carries the two ``\\n\\n`` as text, so both sides see the same tokens. The tiny Gemma 3's layers
 alternate sliding and global; the converter writes no pattern, so the check adds
 ``gemma3.attention.sliding_window_pattern`` to the converter's text file, which both servers read.
+llama.cpp's InternVL graph gives each patch its predecessor's position embedding (the class token
+appended last, the table added in the checkpoint's order): llama-server gets a copy of the
+converter's projector with the class token's row moved last (:func:`class_position_last`), this
+server the converter's file itself.
 
 Prints one Markdown row per family (docs/vision.md's table); exits non-zero if any fails.
 
@@ -71,10 +75,11 @@ gguf.get_tensor_name_map = lambda arch, n: name_map(arch, max(n, 3) if arch == g
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[3:]]
 convert_hf_to_gguf.main()
 """
-PRE = {"gemma3": "gpt-2", "qwen2_5_vl": "qwen2", "qwen2_vl": "qwen2", "smolvlm": "gpt-2", "qwen3_vl": "qwen2"}
+PRE = {"gemma3": "gpt-2", "qwen2_5_vl": "qwen2", "qwen2_vl": "qwen2", "smolvlm": "gpt-2", "qwen3_vl": "qwen2",
+       "internvl_chat": "qwen2"}
 # What each side's prompt holds around the media marker (see the module docstring).
 WRAP = {"gemma3": ("\n\n", "\n\n"), "qwen2_5_vl": ("", ""), "qwen2_vl": ("", ""), "smolvlm": ("", ""),
-        "qwen3_vl": ("", "")}
+        "qwen3_vl": ("", ""), "internvl_chat": ("", "")}
 # SmolVLM's checkpoint names, which the converter reads (mlx-vlm's sanitize strips them).
 SMOLVLM_NAMES = (("language_model.lm_head.", "lm_head."), ("language_model.", "model.text_model."),
                  ("vision_model.", "model.vision_model."), ("connector.", "model.connector."))
@@ -144,6 +149,37 @@ def add_swa_pattern(path: Path, config: dict) -> None:
     writer.write_tensors_to_file()
     writer.close()
     os.replace(str(path) + ".tmp", path)
+
+
+def class_position_last(path: Path) -> Path:
+    """A copy of an InternVL projector whose position table has the class token's row last.
+    llama.cpp's InternVL graph appends the class token after the patches but adds the table in the
+    checkpoint's order (the class token's row first), so each patch takes its predecessor's
+    position; with the row moved, llama-server computes what the checkpoint (and mlx-vlm, and this
+    server, on the converter's own file) computes, and the rest of the pair is compared."""
+    import gguf
+
+    out = path.with_name(path.name.replace("mmproj-", "mmproj-class-last-"))
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(out), "clip")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(field.name, field.contents(), kind, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(field.name, field.contents(), kind)
+    for tensor in reader.tensors:
+        data = np.array(tensor.data)
+        if tensor.name == "v.position_embd.weight":  # (1, 1 + patches, width): the class token's row first
+            data = np.concatenate([data[:, 1:], data[:, :1]], axis=1)
+        writer.add_tensor(tensor.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
 
 
 def compare_projectors(theirs: Path, ours: Path) -> list[str]:
@@ -239,7 +275,7 @@ def image_for(family: str) -> bytes:
     # SmolVLM: the processor's longest edge, so neither side resizes it before cutting its 2x2 tiles (the
     # whole image, shrunk to one tile, is each side's own Lanczos).
     size = {"gemma3": (56, 56), "qwen2_5_vl": (112, 112), "qwen2_vl": (112, 112), "smolvlm": (112, 112),
-            "qwen3_vl": (128, 128)}[family]
+            "qwen3_vl": (128, 128), "internvl_chat": (56, 56)}[family]
     pixels = np.random.default_rng(7).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format="PNG")
@@ -260,7 +296,8 @@ def check(family: str, work: Path, margin: float, tolerance: float, n_predict: i
     image = image_for(family)
     before, after = WRAP[family]
     marker = "<__media__>"
-    peer, peer_base = serve([str(PEER / "build/bin/llama-server"), "-m", str(text), "--mmproj", str(mmproj), "-c", "1024",
+    peer_mmproj = class_position_last(mmproj) if family == "internvl_chat" else mmproj
+    peer, peer_base = serve([str(PEER / "build/bin/llama-server"), "-m", str(text), "--mmproj", str(peer_mmproj), "-c", "1024",
                              "-np", "1", "--no-warmup", "-ctk", "f32", "-ctv", "f32", "-fa", "off"],
                             env={**os.environ, "LLAMA_MEDIA_MARKER": marker})
     try:

@@ -35,10 +35,12 @@ one's vision tower and image prefill cost (``scripts/bench_vision_ttft.py``), no
 
 - Qwen3-VL (``--family qwen3_vl``): 16-pixel patches merged 2x2, a 4x4 table of learned position
   embeddings (interpolated to each image's grid), deepstack mergers on 2 of its 3 tower blocks, a
-  3-layer Qwen3 text model with interleaved M-RoPE (``_qwen3_vl_config``); at most 16 tokens an image.
+  3-layer Qwen3 text model with interleaved M-RoPE (``testing/vision_configs.py``); at most 16 tokens an image.
+- InternVL (``--family internvl_chat``): InternVL's own layout (``llm_config``), a 4-block InternViT over
+  56-pixel tiles (1 to 4 and a thumbnail, as GotOcr2ImageProcessor cuts them), 4 tokens a tile, Qwen2 text.
 
-Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|qwen3_vl|gemma3|llava|smolvlm|gemma3n] [--size small]``;
-with ``--format gguf`` (Gemma 3, Qwen2.5-VL, Qwen2-VL, SmolVLM, Qwen3-VL) the directory's GGUF pair instead, the text model and
+Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|qwen3_vl|internvl_chat|gemma3|llava|smolvlm|gemma3n] [--size small]``;
+with ``--format gguf`` (Gemma 3, Qwen2.5-VL, Qwen2-VL, SmolVLM, Qwen3-VL, InternVL) the directory's GGUF pair instead, the text model and
 its ``mmproj-*.gguf`` projector as llama.cpp's converter writes them (``testing/vision_gguf.py``).
 """
 
@@ -54,6 +56,7 @@ import numpy as np
 from . import chatml
 from . import tokenizer as tok
 from .families import EOS_IDS
+from .vision_configs import internvl_config, internvl_preprocessor, qwen3_vl_config, qwen3_vl_preprocessor
 
 FORMAT_VERSION = 1
 WEIGHT_SEED = 20261202
@@ -63,6 +66,7 @@ FAMILY_TOKENS: dict[str, tuple[str, ...]] = {
     "qwen2_5_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
     "qwen2_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
     "qwen3_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+    "internvl_chat": ("<img>", "</img>", "<IMG_CONTEXT>"),
     "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
     "llava": ("<image>",),
     # SmolVLM (Idefics3's layout): "\n\n" is one token in SmolLM2's vocabulary (llama.cpp's mtmd looks it up
@@ -81,6 +85,7 @@ FAMILIES: tuple[str, ...] = tuple(f for f in ALL_FAMILIES if f not in AUDIO_FAMI
 TEMPLATE_IMAGE = {"qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                   "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                   "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+                  "internvl_chat": "<img><IMG_CONTEXT></img>",
                   "gemma3": "<start_of_image>", "llava": "<image>", "gemma3n": "<image_soft_token>",
                   "smolvlm": "<image>"}
 # What the template writes for one audio part (families with an audio tower): Gemma 3n's soft token.
@@ -99,11 +104,6 @@ SLIDING_WINDOW = 24  # Gemma 3's local layers: shorter than the tests' prompts, 
 IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
 IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
 SIZES = ("tiny", "small")
-# Qwen3-VL: 16-pixel patches merged 2x2 (32 pixels a token), a 4x4 table of learned position
-# embeddings interpolated to each image's patch grid, deepstack features from two tower blocks.
-QWEN3_PATCH_SIZE = 16
-QWEN3_MIN_PIXELS = 32 * 32 * 4
-QWEN3_MAX_PIXELS = 32 * 32 * 16  # at most 16 merged tokens an image, as the tiny Qwen2.5-VL
 # The small Qwen2.5-VL: what differs from the tiny one (text model, tower, processor).
 SMALL = {
     "text": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1408, num_attention_heads=8,
@@ -129,7 +129,6 @@ def vocab_size(family: str) -> int:
 
 
 _ARCHITECTURES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
-                  "qwen3_vl": "Qwen3VLForConditionalGeneration",
                   "gemma3": "Gemma3ForConditionalGeneration", "llava": "LlavaForConditionalGeneration",
                   "gemma3n": "Gemma3nForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration"}
 
@@ -202,33 +201,6 @@ def _smolvlm_config() -> dict[str, Any]:
     )
 
 
-def _qwen3_vl_config() -> dict[str, Any]:
-    """Qwen3-VL's layout: ``text_config`` (a Qwen3 text model, interleaved M-RoPE: head_dim 32,
-    its 16 rotary frequencies split 6/5/5 over time, height and width, as 24/20/20 split 64) and
-    ``vision_config`` nested, the vision token ids at the top. Deepstack mergers on the first two
-    of three tower blocks feed the first two of three text layers: fewer than the text layers, as
-    in real checkpoints (3 of 36), which llama.cpp's ``qwen3vl`` graph needs (it adds them after
-    the last layer's rows are cut to the outputs otherwise)."""
-    text = dict(model_type="qwen3_vl_text", hidden_size=64, num_hidden_layers=3, intermediate_size=192,
-                num_attention_heads=2, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6, rope_theta=5000000.0,
-                rope_scaling={"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": True},
-                max_position_embeddings=32768, vocab_size=vocab_size("qwen3_vl"), tie_word_embeddings=True,
-                hidden_act="silu", attention_bias=False)
-    vision = dict(model_type="qwen3_vl", depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
-                  out_hidden_size=64, in_channels=3, patch_size=QWEN3_PATCH_SIZE, spatial_merge_size=MERGE_SIZE,
-                  temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0, 1],
-                  hidden_act="gelu_pytorch_tanh")
-    return dict(
-        model_type="qwen3_vl", architectures=[_ARCHITECTURES["qwen3_vl"]], text_config=text, vision_config=vision,
-        tie_word_embeddings=True, vocab_size=vocab_size("qwen3_vl"),
-        image_token_id=vision_token_id("<|image_pad|>", "qwen3_vl"),
-        video_token_id=vision_token_id("<|video_pad|>", "qwen3_vl"),
-        vision_start_token_id=vision_token_id("<|vision_start|>", "qwen3_vl"),
-        vision_end_token_id=vision_token_id("<|vision_end|>", "qwen3_vl"),
-        bos_token_id=None, eos_token_id=EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT), torch_dtype="float32",
-    )
-
-
 def _check(family: str, size: str) -> None:
     if family not in ALL_FAMILIES:
         raise ValueError(f"unknown vision family {family!r}; choose one of: {', '.join(ALL_FAMILIES)}")
@@ -285,8 +257,13 @@ def model_config(family: str = "qwen2_5_vl", size: str = "tiny") -> dict[str, An
         return _llava_config()
     if family == "smolvlm":
         return _smolvlm_config()
-    if family == "qwen3_vl":
-        return _qwen3_vl_config()
+    if family in ("qwen3_vl", "internvl_chat"):  # testing/vision_configs.py
+        common = dict(bos_token_id=None, eos_token_id=EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT),
+                      torch_dtype="float32")
+        vocab, token = vocab_size(family), lambda content: vision_token_id(content, family)
+        if family == "qwen3_vl":
+            return qwen3_vl_config(vocab, token, common)
+        return internvl_config(vocab, token, common, IMAGE_SIZE, PATCH_SIZE)
     vision = _vision_config(family)
     return dict(
         model_type=family, architectures=[_ARCHITECTURES[family]],
@@ -337,14 +314,10 @@ def preprocessor_config(family: str = "qwen2_5_vl", size: str = "tiny") -> dict[
             "resample": 1, "rescale_factor": 1 / 255, "size": {"longest_edge": SMOLVLM_LONGEST_EDGE},
             "max_image_size": {"longest_edge": IMAGE_SIZE},
         }
-    if family == "qwen3_vl":  # Qwen3-VL's checkpoints name Qwen2-VL's processor, at 16-pixel patches
-        return {
-            "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
-            "do_convert_rgb": True, "do_resize": True, "do_rescale": True, "do_normalize": True,
-            "rescale_factor": 1 / 255, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-            "patch_size": QWEN3_PATCH_SIZE, "merge_size": MERGE_SIZE, "temporal_patch_size": 2,
-            "size": {"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_MAX_PIXELS},
-        }
+    if family == "qwen3_vl":
+        return qwen3_vl_preprocessor()
+    if family == "internvl_chat":
+        return internvl_preprocessor(IMAGE_SIZE)
     if family == "llava":  # llava-hf's checkpoints name CLIP's processor
         return {
             "image_processor_type": "CLIPImageProcessor", "processor_class": "LlavaProcessor",
@@ -427,10 +400,13 @@ def random_weights(config: dict[str, Any]) -> dict[str, Any]:
     from mlx_vlm.utils import get_model_and_args
 
     module, _ = get_model_and_args(config)
-    model_config = module.ModelConfig.from_dict(json.loads(json.dumps(config)))
+    # InternVL names its text config llm_config (mlx-vlm's loader renames it); a copy: mlx-vlm's
+    # TextConfig rewrites its rope_scaling in place (Qwen3-VL's rope_type)
+    text = json.loads(json.dumps(config.get("text_config") or config.get("llm_config") or config))
+    model_config = module.ModelConfig.from_dict(json.loads(json.dumps(dict(config, text_config=text) if "llm_config" in config
+                                                                      else config)))
     model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
-    # A copy: mlx-vlm's TextConfig rewrites its rope_scaling in place (Qwen3-VL's rope_type)
-    model_config.text_config = module.TextConfig.from_dict(json.loads(json.dumps(config.get("text_config", config))))
+    model_config.text_config = module.TextConfig.from_dict(text)
     if "audio_config" in config:
         model_config.audio_config = module.AudioConfig.from_dict(config["audio_config"])
     model = module.Model(model_config)

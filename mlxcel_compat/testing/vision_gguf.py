@@ -24,7 +24,11 @@ converter's conventions are applied here, independently of the loader that undoe
   checkpoint's ``model.text_model.*``); Qwen3-VL (``Qwen3VLVisionModel``, type ``qwen3vl_merger``) keeps
   ``qkv`` fused, splits the patch convolution as Qwen2.5-VL's, names its mergers by hand
   (``v.post_ln``, ``mm.0``/``mm.2``, ``v.deepstack.N.*`` under the tower block's index) and flags
-  those blocks in ``is_deepstack_layers``; its text is ``qwen3vl`` (sections, ``n_deepstack_layers``).
+  those blocks in ``is_deepstack_layers``; its text is ``qwen3vl`` (sections, ``n_deepstack_layers``);
+  InternVL (``InternVisionModel``, type ``internvl``) its tower as ``vision_tower.vision_model.*`` with
+  ``qkv`` split into ``self_attn.{q,k,v}_proj``, ``.weight`` added to the layer scales and the position
+  table (not to the class embedding: ``v.class_embd``), the pixel shuffle's factor and the tiles'
+  bounds as keys; its text is ``qwen2`` (``llm_config``).
 - One key the converter does not write: ``clip.vision.window_size`` for a Qwen2.5-VL whose
   window is not llama.cpp's fixed 112 pixels (the tiny model's is 56), so that this file computes
   what the directory computes (llama.cpp reads the key for other projectors; for Qwen2.5-VL it
@@ -58,6 +62,7 @@ GGUF_VISION: dict[str, tuple[str, str, str, str]] = {
     "qwen2_vl": ("qwen2", "qwen2vl", "qwen2", "qwen2vl_merger"),
     "smolvlm": ("llama", "llama", "gpt-2", "idefics3"),
     "qwen3_vl": ("qwen3", "qwen3vl", "qwen2", "qwen3vl_merger"),
+    "internvl_chat": ("qwen2", "qwen2", "qwen2", "internvl"),
 }
 GGUF_VISION_FAMILIES: tuple[str, ...] = tuple(GGUF_VISION)
 MMPROJ_TYPES = ("f32", "f16", "q8_0")
@@ -96,6 +101,8 @@ def _text_config(family: str, config: dict[str, Any]) -> dict[str, Any]:
                     layer_types=["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)])
     if family in ("smolvlm", "qwen3_vl"):  # Qwen3-VL's M-RoPE: its sections, written apart
         return {k: v for k, v in config["text_config"].items() if k != "rope_scaling"}
+    if family == "internvl_chat":  # InternVL's own name for its text config
+        return dict(config["llm_config"])
     return {k: v for k, v in config.items() if k != "rope_scaling"}  # M-RoPE: its sections, written apart
 
 
@@ -146,6 +153,10 @@ def _checkpoint_tensors(family: str, weights: dict[str, np.ndarray]) -> list[tup
                 value = value.transpose(0, 4, 1, 2, 3)
         elif name.endswith("patch_embedding.weight"):  # mlx (O, H, W, I) -> torch (O, I, H, W)
             value = value.transpose(0, 3, 1, 2)
+        if family == "internvl_chat" and name.startswith("vision_model."):  # as the converter renames them
+            name = "vision_tower." + name
+            if name.endswith((".ls1", ".ls2", ".position_embedding")):  # v.class_embd: no .weight
+                name += ".weight"
         if family == "smolvlm":  # SmolVLM's checkpoint: model.vision_model.*, model.connector.*
             name = "model." + name
         out.append((name, value))
@@ -185,6 +196,10 @@ def _converted_projector(family: str, weights: dict[str, np.ndarray], n_blocks: 
             if "soft_emb_norm.weight" in name:
                 value = value + np.float32(1.0)
             parts = [(name, value)]
+        elif ".qkv." in name and family == "internvl_chat":  # InternVisionModel: three projections
+            third = value.shape[0] // 3
+            parts = [(name.replace("attn.qkv", f"self_attn.{q}_proj"), value[i * third:(i + 1) * third])
+                     for i, q in enumerate("qkv")]
         elif ".qkv." in name and family != "qwen3_vl":  # Qwen3-VL's converter keeps it fused
             third = value.shape[0] // 3
             parts = [(name.replace("qkv", q), value[i * third:(i + 1) * third]) for i, q in enumerate("qkv")]
@@ -209,7 +224,7 @@ def write_mmproj_gguf(family: str, directory: Path, weights: dict[str, Any], out
     config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     processor = json.loads((directory / "preprocessor_config.json").read_text(encoding="utf-8"))
     vision = config["vision_config"]
-    text = config.get("text_config") or config
+    text = config.get("text_config") or config.get("llm_config") or config
     writer = gguf.GGUFWriter(None, "clip")
     writer.add_type(gguf.GGUFType.MMPROJ)
     writer.add_name(out.stem)
@@ -248,6 +263,14 @@ def write_mmproj_gguf(family: str, directory: Path, weights: dict[str, Any], out
         writer.add_vision_attention_layernorm_eps(float(text.get("rms_norm_eps", 1e-6)))
         deepstack = list(vision.get("deepstack_visual_indexes", []))
         writer.add_vision_is_deepstack_layers([i in deepstack for i in range(n_blocks)])
+    elif family == "internvl_chat":  # the converter's InternVisionModel
+        n_blocks = write_siglip_tower(writer, vision)
+        writer.add_clip_projector_type(gguf.VisionProjectorType.INTERNVL)
+        writer.add_vision_attention_layernorm_eps(float(vision["layer_norm_eps"]))
+        writer.add_vision_use_gelu(True)
+        writer.add_vision_projector_scale_factor(int(1.0 / float(config["downsample_ratio"])))
+        writer.add_vision_preproc_min_tiles(int(config["min_dynamic_patch"]))
+        writer.add_vision_preproc_max_tiles(int(config["max_dynamic_patch"]))
     elif family == "qwen2_vl":  # the converter's renames: embed_dim is the width, hidden_size the "FFN"
         n_blocks = int(vision["depth"])
         writer.add_vision_image_size(int(vision.get("image_size", 560)))

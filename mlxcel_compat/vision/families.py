@@ -81,6 +81,7 @@ class VisionFacts:
     # metadata, vision/gguf_projector.py): the processor is built from these instead.
     processor_config: dict[str, Any] | None = None
     tiles: TileLayout | None = None  # an image cut into tiles (Idefics3): its tokens interleave text
+    tokens_per_tile: int = 0  # InternVL: an image's tiles (pixel_values' first axis) take this many tokens each
     images: bool = True  # the family's images are served (Gemma 3n: not yet, its audio is)
     audio: AudioFacts | None = None  # the family's audio input, when it has an audio tower
 
@@ -91,6 +92,8 @@ class VisionFacts:
             tiles = int(np.asarray(processed["pixel_values"]).shape[1])
             rows, cols = (int(np.asarray(processed[k]).reshape(-1)[0]) if k in processed else 0 for k in ("rows", "cols"))
             return tiles * self.tiles.tokens_per_tile, (1, rows, cols)
+        if self.tokens_per_tile:  # (tiles, 3, H, W): the tiles' tokens one after another
+            return int(np.asarray(processed["pixel_values"]).shape[0]) * self.tokens_per_tile, (1, 1, 1)
         if "image_grid_thw" in processed:
             grid = tuple(int(x) for x in processed["image_grid_thw"][0])
             return grid[0] * grid[1] * grid[2] // (self.merge_size ** 2), grid  # type: ignore[return-value]

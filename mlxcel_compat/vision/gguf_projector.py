@@ -28,7 +28,8 @@ function that returns one tensor's float32 values in NumPy order, so it holds no
 | ``qwen2vl_merger`` | ``qwen2_vl`` | ViT (LayerNorm, GELU MLP) | the same merger |
 | ``idefics3`` | ``idefics3`` (mlx-lm's Llama as its text model) | SigLIP over tiles | pixel shuffle, linear |
 
-Types whose rules are a module of their own (``qwen3vl_merger``: ``vision/qwen3vl.py``) join these
+Types whose rules are a module of their own (``qwen3vl_merger``: ``vision/qwen3vl.py``;
+``internvl``: ``vision/internvl.py``) join these
 in ``vision/served.py``, which loading looks types up in.
 """
 

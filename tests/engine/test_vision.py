@@ -27,10 +27,10 @@ from mlxcel_compat.testing import vision
 from tests.engine.harness import EngineHarness, Run, collect, disk_tier_harness
 
 
-# SmolVLM's and Qwen3-VL's engine rows run with --slow (the suite's budget); tests/testing/test_vision_factory.py
-# checks SmolVLM's logits against mlx-vlm's by default, tests/vision/test_qwen3vl.py Qwen3-VL's, and
-# tests/vision/test_gguf_projector.py and test_qwen3vl.py their GGUF pairs.
-SLOW_ENGINE_ROWS = ("smolvlm", "qwen3_vl")
+# SmolVLM's, Qwen3-VL's and InternVL's engine rows run with --slow (the suite's budget);
+# tests/testing/test_vision_factory.py checks SmolVLM's logits against mlx-vlm's by default,
+# tests/vision/test_qwen3vl.py and test_internvl.py the others', and their GGUF pairs.
+SLOW_ENGINE_ROWS = ("smolvlm", "qwen3_vl", "internvl_chat")
 
 
 @pytest.fixture(scope="module", params=[pytest.param(f, marks=[pytest.mark.slow] if f in SLOW_ENGINE_ROWS else [])

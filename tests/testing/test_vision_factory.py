@@ -1,5 +1,5 @@
 """The tiny vision-language factory directories (``testing/vision.py``: Qwen2.5-VL, Qwen2-VL, Qwen3-VL,
-Gemma 3, LLaVA, SmolVLM): deterministic bytes, loadable by mlx-vlm, their vision tokens single ids, their templates
+Gemma 3, LLaVA, SmolVLM, InternVL): deterministic bytes, loadable by mlx-vlm, their vision tokens single ids, their templates
 rendering image parts, their real image processors bounded by the configured size."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlxcel_compat.testing import vision
+from mlxcel_compat.testing import vision, vision_configs
 
 
 @pytest.fixture(scope="module", params=vision.FAMILIES)
@@ -72,7 +72,7 @@ def test_the_image_processor_keeps_images_within_the_configured_size(vlm_dir: Pa
     out = processor(images=[big], return_tensors="np", **facts.processor_kwargs)
     count, (t, h, w) = facts.image_token_count(out)
     if family(vlm_dir).startswith("qwen"):  # Qwen3-VL: 16-pixel patches, Qwen2-VL and Qwen2.5-VL: 14
-        patch, most = (vision.QWEN3_PATCH_SIZE, vision.QWEN3_MAX_PIXELS) if family(vlm_dir) == "qwen3_vl" else (14, vision.MAX_PIXELS)
+        patch, most = (vision_configs.QWEN3_PATCH_SIZE, vision_configs.QWEN3_MAX_PIXELS) if family(vlm_dir) == "qwen3_vl" else (14, vision.MAX_PIXELS)
         assert t == 1 and h * w * patch * patch <= most and count == h * w // 4
         assert out["pixel_values"].shape == (h * w, 3 * 2 * patch * patch)
     elif family(vlm_dir) == "smolvlm":  # 1200x900 -> 112x84 -> 112x112: a 2x2 grid of 56-pixel tiles, and the whole
@@ -80,6 +80,9 @@ def test_the_image_processor_keeps_images_within_the_configured_size(vlm_dir: Pa
         assert count == 5 * 4  # 4 tokens a tile; then 2 markers a tile, newline, blank line, 2 + 1 around the whole
         tokens = facts.image_tokens(count, (t, h, w))
         assert tokens.count(facts.image_token_id) == count and len(tokens) == count + 4 * 2 + 1 + 1 + 2 + 1
+    elif family(vlm_dir) == "internvl_chat":  # 1200x900: a 2x2 grid of 56-pixel tiles (at most 4), and a thumbnail
+        assert out["pixel_values"].shape == (5, 3, vision.IMAGE_SIZE, vision.IMAGE_SIZE) and count == 5 * 4
+        assert facts.image_tokens(count, (t, h, w)) == [facts.image_token_id] * count
     else:  # a fixed-size image: 4x4 patches of 14 pixels
         assert out["pixel_values"].shape == (1, 3, vision.IMAGE_SIZE, vision.IMAGE_SIZE)
         assert count == (vision.GEMMA_TOKENS_PER_IMAGE if family(vlm_dir) == "gemma3" else 16)

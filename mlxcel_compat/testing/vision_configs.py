@@ -1,0 +1,85 @@
+"""The factory's Qwen3-VL and InternVL configurations: their ``config.json`` (each family's own
+layout, at tiny sizes) and ``preprocessor_config.json``. ``testing/vision.py`` builds, writes and
+names them as it does its other families; they are kept here for that module's size.
+
+- **Qwen3-VL**: ``text_config`` (a 3-layer Qwen3 text model with interleaved M-RoPE: head_dim 32,
+  its 16 rotary frequencies split 6/5/5 over time, height and width, as 24/20/20 split 64) and
+  ``vision_config`` (16-pixel patches merged 2x2, a 4x4 table of learned position embeddings
+  interpolated to each image's grid, deepstack mergers on the first two of three blocks) nested;
+  Qwen2-VL's processor at 16-pixel patches, at most 16 tokens an image.
+- **InternVL**: InternVL's own layout (``InternVLChatModel``: ``llm_config``, a Qwen2 text model,
+  and ``vision_config``, InternViT: a class token, learned positions, layer scales; 4 blocks, as
+  gguf-py maps the projector's ``mlp1.3`` through a block-indexed row), the pixel shuffle's
+  ``downsample_ratio`` and the dynamic tiles' bounds at the top; GotOcr2ImageProcessor's tiles
+  (1 to 4 and a thumbnail) of 56 pixels, 4 tokens a tile, ImageNet's normalisation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+QWEN3_PATCH_SIZE = 16
+QWEN3_MIN_PIXELS = 32 * 32 * 4  # 16-pixel patches merged 2x2: 32 pixels a token
+QWEN3_MAX_PIXELS = 32 * 32 * 16  # at most 16 merged tokens an image, as the tiny Qwen2.5-VL
+INTERNVL_MAX_TILES = 4
+IMAGENET_MEAN = [0.485, 0.456, 0.406]
+IMAGENET_STD = [0.229, 0.224, 0.225]
+
+
+def qwen3_vl_config(vocab: int, token_id: Callable[[str], int], common: dict[str, Any]) -> dict[str, Any]:
+    """Deepstack mergers on 2 of 3 tower blocks feed the first 2 of 3 text layers: fewer than the
+    text layers, as in real checkpoints (3 of 36), which llama.cpp's ``qwen3vl`` graph needs (it
+    adds them after the last layer's rows are cut to the outputs otherwise)."""
+    text = dict(model_type="qwen3_vl_text", hidden_size=64, num_hidden_layers=3, intermediate_size=192,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6, rope_theta=5000000.0,
+                rope_scaling={"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": True},
+                max_position_embeddings=32768, vocab_size=vocab, tie_word_embeddings=True,
+                hidden_act="silu", attention_bias=False)
+    vision = dict(model_type="qwen3_vl", depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=64, in_channels=3, patch_size=QWEN3_PATCH_SIZE, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0, 1],
+                  hidden_act="gelu_pytorch_tanh")
+    return dict(model_type="qwen3_vl", architectures=["Qwen3VLForConditionalGeneration"], text_config=text,
+                vision_config=vision, tie_word_embeddings=True, vocab_size=vocab,
+                image_token_id=token_id("<|image_pad|>"), video_token_id=token_id("<|video_pad|>"),
+                vision_start_token_id=token_id("<|vision_start|>"), vision_end_token_id=token_id("<|vision_end|>"),
+                **common)
+
+
+def qwen3_vl_preprocessor() -> dict[str, Any]:
+    """Qwen3-VL's checkpoints name Qwen2-VL's processor, at 16-pixel patches and 0.5 mean and std."""
+    return {
+        "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
+        "do_convert_rgb": True, "do_resize": True, "do_rescale": True, "do_normalize": True,
+        "rescale_factor": 1 / 255, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "patch_size": QWEN3_PATCH_SIZE, "merge_size": 2, "temporal_patch_size": 2,
+        "size": {"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_MAX_PIXELS},
+    }
+
+
+def internvl_config(vocab: int, token_id: Callable[[str], int], common: dict[str, Any], image_size: int,
+                    patch_size: int) -> dict[str, Any]:
+    text = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, num_hidden_layers=2,
+                intermediate_size=192, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                rope_theta=1000000.0, max_position_embeddings=32768, vocab_size=vocab, tie_word_embeddings=False,
+                hidden_act="silu")
+    vision = dict(model_type="intern_vit_6b", architectures=["InternVisionModel"], hidden_size=32,
+                  num_attention_heads=2, intermediate_size=64, num_hidden_layers=4, image_size=image_size,
+                  patch_size=patch_size, num_channels=3, layer_norm_eps=1e-6, qkv_bias=True,
+                  qk_normalization=False, norm_type="layer_norm", hidden_act="gelu", drop_path_rate=0.0)
+    return dict(model_type="internvl_chat", architectures=["InternVLChatModel"], llm_config=text, vision_config=vision,
+                downsample_ratio=0.5, select_layer=-1, ps_version="v2", template="internvl2_5",
+                force_image_size=image_size, dynamic_image_size=True, use_thumbnail=True, min_dynamic_patch=1,
+                max_dynamic_patch=INTERNVL_MAX_TILES, vocab_size=vocab, image_token_index=token_id("<IMG_CONTEXT>"),
+                **common)
+
+
+def internvl_preprocessor(image_size: int) -> dict[str, Any]:
+    """InternVL's dynamic tiles and thumbnail, as GotOcr2ImageProcessor cuts them."""
+    return {
+        "image_processor_type": "GotOcr2ImageProcessor", "processor_class": "InternVLProcessor",
+        "do_convert_rgb": True, "do_resize": True, "do_rescale": True, "do_normalize": True,
+        "crop_to_patches": True, "min_patches": 1, "max_patches": INTERNVL_MAX_TILES, "resample": 3,
+        "rescale_factor": 1 / 255, "image_mean": IMAGENET_MEAN, "image_std": IMAGENET_STD,
+        "size": {"height": image_size, "width": image_size},
+    }
