@@ -104,6 +104,10 @@ class Qwen3VLProjector(ProjectorKind):
         sections = list(text.get("mrope_section") or [])
         if len(sections) != 3:
             raise ValueError("the text GGUF of a qwen3vl_merger projector needs qwen3vl's rope.dimension_sections")
+        deepstack, layers = len(self.deepstack_blocks(projector)), int(text.get("n_deepstack_layers", 0))
+        if deepstack != layers:  # llama.cpp's text model splits each image row by its own count
+            raise ValueError(f"projector {projector.path} has {deepstack} deepstack mergers; its text GGUF "
+                             f"takes {layers} (qwen3vl.n_deepstack_layers)")
         text_config = dict(text, model_type="qwen3_vl_text",
                            rope_scaling={"type": "default", "mrope_section": sections, "mrope_interleaved": True})
         return dict(model_type=self.model_type, text_config=text_config, vision_config=self.vision_config(projector),

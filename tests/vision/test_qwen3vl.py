@@ -7,7 +7,8 @@ interleaved M-RoPE) and its GGUF pair (``qwen3vl`` text, ``qwen3vl_merger`` proj
   not silently dropped);
 - the pair's tower weights are the directory's bit for bit, and a prompt with an image gives the
   directory's logits, chunked; the text GGUF alone serves text as the pair does;
-- an unknown projector type's refusal names ``qwen3vl_merger`` among the served ones.
+- an unknown projector type's refusal names ``qwen3vl_merger`` among the served ones, and a
+  projector whose deepstack mergers are not the text GGUF's count is refused.
 The comparison with llama-server's own mtmd on the converter's pair is ``scripts/check_mmproj.py
 --families qwen3_vl`` (docs/vision.md)."""
 
@@ -137,3 +138,16 @@ def _cache() -> Path:
     from tests.conftest import MODEL_CACHE
 
     return MODEL_CACHE
+
+
+def test_a_projector_whose_deepstack_count_differs_from_the_text_gguf_is_refused(loaded: dict[str, Any]) -> None:
+    from mlxcel_compat.model.mmproj import read_projector
+    from mlxcel_compat.vision.qwen3vl import Qwen3VLProjector
+
+    _, mmproj = vision.ensure_vision_gguf(_cache(), "qwen3_vl")
+    projector = read_projector(mmproj)
+    fewer = type(projector)(projector.path, {**projector.metadata, "clip.vision.is_deepstack_layers": [True, False, False]},
+                            projector.names, projector.read)
+    text = {"mrope_section": [6, 5, 5], "n_deepstack_layers": 2, "vocab_size": 8}
+    with pytest.raises(ValueError, match="has 1 deepstack mergers; its text GGUF takes 2"):
+        Qwen3VLProjector().vlm_config(fewer, text, {})
