@@ -16,7 +16,8 @@ For each factory family with a served projector type:
    tensor names, shapes and values, and the ``clip.*`` keys;
 4. llama-server (``-m text --mmproj mmproj``, F32 KV, no flash attention) and this server serve the
    converter's pair; one ``/completion`` with the image in ``multimodal_data`` (an image of the
-   tower's input size, so neither side resizes it), greedy, ``n_probs`` 2: the greedy tokens
+   tower's input size, so neither side resizes it; InternVL's: two tiles, and the thumbnail
+   each side shrinks itself), greedy, ``n_probs`` 2: the greedy tokens
    must agree where our top-2 gap exceeds ``--margin``, and the top log-probabilities within
    ``--tolerance`` (ggml's CPU GELU rounds through float16, ``GGML_GELU_FP16``; both the SigLIP
    tower and Gemma's MLP use GELU). Each server's resident memory after the request is shown
@@ -275,7 +276,7 @@ def image_for(family: str) -> bytes:
     # SmolVLM: the processor's longest edge, so neither side resizes it before cutting its 2x2 tiles (the
     # whole image, shrunk to one tile, is each side's own Lanczos).
     size = {"gemma3": (56, 56), "qwen2_5_vl": (112, 112), "qwen2_vl": (112, 112), "smolvlm": (112, 112),
-            "qwen3_vl": (128, 128), "internvl_chat": (56, 56)}[family]
+            "qwen3_vl": (128, 128), "internvl_chat": (112, 56)}[family]
     pixels = np.random.default_rng(7).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format="PNG")
