@@ -4,8 +4,8 @@ the recurrent state it updates.
 Why: in MLX's step a Qwen3.5 delta-net layer is a dozen small operations a token over a 1 MiB
 state (mlx-lm's ``gated_delta_ops`` on the CPU; a prompt a Python loop over its tokens); on a
 Qwen3.5-0.8B-shaped file those layers held the step at 0.42x llama-server's speed. The decode
-pass's C loop runs the layer instead (``native/delta_net.c``: the in-projections on the blocks,
-the causal conv over its rolling state, the q/k L2 norms, the gates, the delta rule's update and
+pass's C loop runs the layer instead (the native layer's delta-net mixer: the in-projections on
+the blocks, the causal conv over its rolling state, the q/k L2 norms, the gates, the delta rule's update and
 readout, the gated RMS norm, the out-projection). This module says which layers it can describe
 that way, takes their weights from the modules as they are, and keeps the state where mlx-lm's
 cache keeps it.
@@ -37,7 +37,8 @@ from mlxcel_compat.runtime.decode_layers import LayerWeights, LinearWeights, flo
 
 # mlx-lm's delta-net mixers the pass computes, by class name.
 DELTA_MIXERS = ("GatedDeltaNet",)  # qwen3_5 (and qwen3_5_moe)
-# The hybrids' attention, gated and with a partial RoPE (``gated_q`` and ``rope_dims`` in decode_pass.c).
+# The hybrids' attention, gated and with a partial RoPE (``gated_q`` and ``rope_dims`` of the pass's C
+# description, ``native/decode_pass.py``).
 GATED_ATTENTION = ("Qwen3NextAttention",)
 
 
