@@ -36,7 +36,11 @@ mixture-of-experts ``qwen3_moe``, ``qwen2_moe`` and ``olmoe`` (attention as qwen
 olmoe's q and k norms over the whole projection) where the
 GGUF loader keeps the expert stacks in the file's blocks: each MoE layer runs in the same C loop
 (router, softmax top-k, only the chosen experts' rows of the stacks grouped by expert, the
-weighted sum, qwen2_moe's gated shared expert; ``decode_moe.py``). Gemma 3 brings
+weighted sum, qwen2_moe's gated shared expert; ``decode_moe.py``); and the Qwen3.5 hybrids,
+``qwen3_5`` and ``qwen3_5_moe``: their gated delta-net layers in the same loop
+(``decode_delta.py``: the recurrent state stays in each layer's ``ArraysCache``, updated in place
+in arrays made for the sequence), their attention layers with a sigmoid output gate and a partial
+RoPE (no prompt-cache borrowing, no speculative drafts there: the state cannot be trimmed). Gemma 3 brings
 the sliding-window layers (a ring of ``sliding_window`` positions, their own RoPE base), the
 GELU-gated MLP, four norms a layer plus per-head query and key norms (each ``1 + w``), the
 embedding scaled by ``sqrt(hidden)`` (rounded through bfloat16, as mlx-lm does) and

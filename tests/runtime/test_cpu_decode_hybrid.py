@@ -7,7 +7,8 @@ gated delta-net layers between attention layers with an output gate and a partia
   wherever MLX's choice is decided, and the recurrent state (conv and delta state) and the KV
   cache as MLX's step leaves them.
 - Rows stepped together are bit-identical to each row alone (each row its own state).
-- A cold prompt fed as one chunk on the runtime (its tokens in a C loop) leaves MLX's state.
+- A cold prompt fed as one chunk on the runtime (its tokens in a C loop) leaves MLX's state, and
+  chunks of two sequences prefilled together leave what each leaves alone.
 - The state is updated in place only in the sequence's own arrays: a copy of the cache (what
   snapshots and prompt-cache entries take) keeps the state it was taken with.
 - Qwen3-Next's fused projections keep MLX's step and say why.
@@ -142,6 +143,21 @@ def test_a_hybrid_prompt_chunk_on_the_runtime_leaves_mlx_s_state(hybrid_decoder:
     assert_caches_close(decoder, ours, theirs, BLOCK_RTOL)
     got, want = decoder.step(5, ours, owned).copy(), mlx_logits(model, 5, theirs)
     assert close(got, want, BLOCK_RTOL)
+
+
+def test_hybrid_prompt_chunks_prefilled_together_equal_chunks_alone(hybrid_decoder: Callable) -> None:
+    """Two sequences' prompt chunks in one pass (``prefill_rows``: one product a weight for both,
+    each chunk's tokens through its own states) leave exactly the states each leaves alone."""
+    model, decoder = hybrid_decoder("qwen3_5:q8_0")
+    prompts = [ids(24, seed=5), ids(33, seed=6)]
+    together = [make_prompt_cache(model) for _ in prompts]
+    decoder.prefill_rows(prompts, together, [decode_kv.OwnedCache() for _ in prompts])
+    for prompt, ours in zip(prompts, together):
+        alone = make_prompt_cache(model)
+        decoder.prefill(prompt, alone, decode_kv.OwnedCache(), logits=False)
+        for i in decoder.delta_layers:
+            assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(ours[i].cache, alone[i].cache))
+        assert decoder.offset(ours) == len(prompt)
 
 
 def test_a_copy_of_the_cache_keeps_the_state_it_was_taken_with(hybrid_decoder: Callable) -> None:
