@@ -36,8 +36,8 @@ mixture-of-experts ``qwen3_moe``, ``qwen2_moe`` and ``olmoe`` (attention as qwen
 olmoe's q and k norms over the whole projection) where the
 GGUF loader keeps the expert stacks in the file's blocks: each MoE layer runs in the same C loop
 (router, softmax top-k, only the chosen experts' rows of the stacks grouped by expert, the
-weighted sum, qwen2_moe's gated shared expert; ``decode_moe.py``); and the Qwen3.5 hybrids,
-``qwen3_5`` and ``qwen3_5_moe``: their gated delta-net layers in the same loop
+weighted sum, qwen2_moe's gated shared expert; ``decode_moe.py``); and the hybrids ``qwen3_5``,
+``qwen3_5_moe`` and ``qwen3_next``: their gated delta-net layers in the same loop
 (``decode_delta.py``: the recurrent state stays in each layer's ``ArraysCache``, updated in place
 in arrays made for the sequence), their attention layers with a sigmoid output gate and a partial
 RoPE (no prompt-cache borrowing, no speculative drafts there: the state cannot be trimmed). Gemma 3 brings
@@ -76,13 +76,13 @@ from mlxcel_compat.runtime.rope_angles import RopeAngles
 
 LOG2E = 1.4426950408889634
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
-               "qwen3_5_moe")
+               "qwen3_5_moe", "qwen3_next")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection).
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe")
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next")
 # Hybrids: gated delta-net layers (decode_delta.py) between attention layers with an output gate and a
 # partial RoPE.
-HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe")
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 # mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
 EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU",  # BlockSwitchGLU: block_experts.py
                   "FusedGateUpSwitchGLU")  # Gemma 4's fused gate-up experts (gguf/stored_parts.py)
@@ -90,7 +90,6 @@ GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, s
 # Hybrid and recurrent families: the layers the runtime does not run yet, named in the start-up
 # log's reason (a later task moves recurrent state and experts onto the runtime).
 MLX_LAYERS = {
-    "qwen3_next": "gated delta-net layers (fused in-projections interleaved per key head)",
     "granitemoehybrid": "Mamba-2 (recurrent) and mixture-of-experts layers",
     "nemotron_h": "Mamba-2 (recurrent) layers",
     "gemma4_text": "Gemma 4 layers (per-layer embeddings, shared KV, experts, proportional RoPE)",

@@ -19,9 +19,10 @@ Copies of a cache (``cache/kv.py``: snapshots, prompt-cache entries, slot files)
 arrays for real, so the session-snapshot store keeps what the state was when it was taken.
 
 Which layers: mlx-lm's ``qwen3_5`` ``GatedDeltaNet`` (separate q/k/v, z, b and a projections;
-the GGUF loader's out-projection may read its input in the file's order, ``InputOrderLinear``),
-float32 or in ggml's blocks. Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` (their rows
-interleaved per key head) keep MLX's step.
+the GGUF loader's out-projection may read its input in the file's order, ``InputOrderLinear``)
+and ``qwen3_next``'s ``Qwen3NextGatedDeltaNet`` (fused ``in_proj_qkvz``, possibly stored as
+parts by the GGUF loader, and ``in_proj_ba``, their columns interleaved per key head: the C
+layer gathers them into its layout by ``in_order``), float32 or in ggml's blocks.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ import numpy as np
 from mlxcel_compat.runtime.block_layers import BlockLinear
 from mlxcel_compat.runtime.decode_layers import LayerWeights, LinearWeights, float32_array, linear_weights, norm_weights
 
-# mlx-lm's delta-net mixers the pass computes, by class name.
-DELTA_MIXERS = ("GatedDeltaNet",)  # qwen3_5 (and qwen3_5_moe)
+# mlx-lm's delta-net mixers the pass computes, by class name: qwen3_5's separate in-projections,
+# qwen3_next's fused ones (their columns interleaved per key head: ``in_order``).
+DELTA_MIXERS = ("GatedDeltaNet", "Qwen3NextGatedDeltaNet")
 # The hybrids' attention, gated and with a partial RoPE (``gated_q`` and ``rope_dims`` of the pass's C
 # description, ``native/decode_pass.py``).
 GATED_ATTENTION = ("Qwen3NextAttention",)
@@ -46,10 +48,8 @@ GATED_ATTENTION = ("Qwen3NextAttention",)
 class DeltaWeights:
     """One delta-net mixer as ``struct mlxcel_delta`` reads it."""
 
-    qkv: LinearWeights  # hidden -> 2 * key_dim + value_dim
-    z: LinearWeights  # hidden -> value_dim
-    b: LinearWeights  # hidden -> v_heads
-    a: LinearWeights  # hidden -> v_heads
+    inputs: list[LinearWeights]  # qwen3_5: in_proj_qkv, z, b, a; qwen3_next: in_proj_qkvz's parts, in_proj_ba
+    in_order: np.ndarray | None  # (2, layout width) int32: input and column of each of [q | k | v | z | b | a]
     out: LinearWeights  # value_dim -> hidden
     conv: np.ndarray  # (conv_dim, kernel)
     decay: np.ndarray  # (v_heads): -exp(A_log), as MLX computes it
@@ -65,7 +65,7 @@ class DeltaWeights:
 
     @property
     def linears(self) -> list[LinearWeights]:
-        return [self.qkv, self.z, self.b, self.a, self.out]
+        return [*self.inputs, self.out]
 
     @property
     def conv_dim(self) -> int:
@@ -81,7 +81,11 @@ def unsupported(mixer: Any) -> str | None:
     """Why this delta-net mixer stays in MLX's step, or None if the C loop runs it."""
     kind = type(mixer).__name__
     if kind not in DELTA_MIXERS:
-        return f"{kind} (its fused, per-key-head interleaved projections)" if hasattr(mixer, "in_proj_qkvz") else kind
+        return f"{kind}: not a delta-net mixer the runtime computes"
+    qkvz = getattr(mixer, "in_proj_qkvz", None)
+    if qkvz is not None and not isinstance(qkvz, (BlockLinear, *_float_linears())) and (
+            getattr(qkvz, "row_order", None) is None or len(qkvz.parts) > 2):
+        return "a fused delta-net projection of an unknown kind"
     linears = linear_modules(mixer)
     if not all(isinstance(m, (BlockLinear, *_float_linears())) for m in linears):
         return "delta-net projections neither float32 nor in ggml's blocks"
@@ -96,8 +100,40 @@ def unsupported(mixer: Any) -> str | None:
 
 
 def linear_modules(mixer: Any) -> list[Any]:
-    """The mixer's in- and out-projection modules (what the runtime's weight checks look at)."""
-    return [getattr(mixer, n, None) for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")]
+    """The mixer's in- and out-projection modules (a stored-parts projection's parts: the
+    GGUF loader's ``StoredPartsLinear``), what the runtime's weight checks look at and multiplies."""
+    names = ("in_proj_qkvz", "in_proj_ba", "out_proj") if hasattr(mixer, "in_proj_qkvz") else (
+        "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+    modules = [getattr(mixer, n, None) for n in names]
+    return [p for m in modules for p in (m.parts if getattr(m, "row_order", None) is not None else [m])]
+
+
+def _fused_order(mixer: Any) -> np.ndarray:
+    """qwen3_next's ``in_order``: for each column of the layout [q | k | v | z | b | a], the input
+    (in_proj_qkvz's parts, then in_proj_ba) and its column. mlx-lm's
+    ``fix_query_key_value_ordering``: per key head j, qkvz's columns are q_j, k_j, then the j-th
+    group of v heads and of z heads; ba's are the group's b, then its a."""
+    nk, nv, dk, dv = mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
+    r = nv // nk
+    group = 2 * dk + 2 * r * dv  # one key head's qkvz columns
+    heads = np.arange(nk)[:, None]
+    q = (heads * group + np.arange(dk)).ravel()
+    k = (heads * group + dk + np.arange(dk)).ravel()
+    v = (heads * group + 2 * dk + np.arange(r * dv)).ravel()
+    z = (heads * group + 2 * dk + r * dv + np.arange(r * dv)).ravel()
+    fused = mixer.in_proj_qkvz
+    order = getattr(fused, "row_order", None)
+    widths = [p.weight.shape[0] if not hasattr(p, "block") else p.block.n for p in linear_modules(mixer)[:-2]]
+    source = np.concatenate([q, k, v, z])
+    if order is not None:  # model column -> the parts' concatenated column
+        source = np.asarray(order)[source]
+    starts = np.cumsum([0, *widths])
+    part = np.searchsorted(starts, source, side="right") - 1
+    column = source - starts[part]
+    ba = (heads * 2 * r + np.arange(r)).ravel()
+    part = np.concatenate([part, np.full(2 * nv, len(widths)), ])
+    column = np.concatenate([column, ba, ba + r])
+    return np.ascontiguousarray(np.stack([part, column]), np.int32)
 
 
 def _float_linears() -> tuple[type, ...]:
@@ -111,9 +147,10 @@ def delta_weights(mixer: Any) -> DeltaWeights:
     gather = getattr(mixer.out_proj, "input_gather", None)  # InputOrderLinear: activations taken in the file's order
     decay = -mx.exp(mixer.A_log.astype(mx.float32))  # mlx-lm's compute_g, by MLX's own exp
     mx.eval(decay)
+    modules = linear_modules(mixer)
     return DeltaWeights(
-        qkv=linear_weights(mixer.in_proj_qkv), z=linear_weights(mixer.in_proj_z), b=linear_weights(mixer.in_proj_b),
-        a=linear_weights(mixer.in_proj_a), out=linear_weights(mixer.out_proj),
+        inputs=[linear_weights(m) for m in modules[:-1]], out=linear_weights(modules[-1]),
+        in_order=_fused_order(mixer) if hasattr(mixer, "in_proj_qkvz") else None,
         conv=float32_array(mixer.conv1d.weight[..., 0]), decay=float32_array(decay),
         dt_bias=float32_array(mixer.dt_bias), norm=float32_array(mixer.norm.weight),
         out_order=np.ascontiguousarray(np.asarray(gather), np.int32) if gather is not None else None,

@@ -2,7 +2,7 @@
 gated delta-net layers between attention layers with an output gate and a partial RoPE.
 
 - Per family (qwen3_5 float32 and Q8_0, qwen3_5_moe Q8_0 with its experts and shared expert on the
-  blocks): teacher-forced steps agree with MLX's step on the same model (float32: to float32
+  blocks, qwen3_next Q8_0 with its fused in-projections interleaved per key head): teacher-forced steps agree with MLX's step on the same model (float32: to float32
   rounding; blocks: within BLOCK_RTOL, as the other block families), the same greedy token
   wherever MLX's choice is decided, and the recurrent state (conv and delta state) and the KV
   cache as MLX's step leaves them.
@@ -11,7 +11,7 @@ gated delta-net layers between attention layers with an output gate and a partia
   chunks of two sequences prefilled together leave what each leaves alone.
 - The state is updated in place only in the sequence's own arrays: a copy of the cache (what
   snapshots and prompt-cache entries take) keeps the state it was taken with.
-- Qwen3-Next's fused projections keep MLX's step and say why.
+- A hybrid whose experts are float32 keeps MLX's step and says why.
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ def hybrid_decoder() -> Callable[[str], tuple[nn.Module, cpu_decode.CpuDecoder]]
 
 
 @pytest.mark.parametrize("spec", ["qwen3_5:q8_0", pytest.param("qwen3_5", marks=pytest.mark.slow),
-                                  pytest.param("qwen3_5_moe:q8_0", marks=pytest.mark.slow)])
+                                  pytest.param("qwen3_5_moe:q8_0", marks=pytest.mark.slow),
+                                  pytest.param("qwen3_next:q8_0", marks=pytest.mark.slow)])
 def test_hybrid_models_follow_mlx_step_for_step(hybrid_decoder: Callable, spec: str) -> None:
     """8 teacher-forced steps after an MLX prefill: logits within the tolerance of MLX's step, the
     same token where MLX's top two are further apart than either side may move, the delta-net
@@ -96,7 +97,9 @@ def test_hybrid_models_follow_mlx_step_for_step(hybrid_decoder: Callable, spec: 
     model, decoder = hybrid_decoder(spec)
     assert decoder.delta_layers == [0, 1, 2] and decoder.attn_layers == [3]  # 3 delta-net layers : 1 attention
     assert decoder.rope_dims == decoder.head_dim // 4 and decoder.layers[3].gated_q  # partial RoPE, gated queries
-    assert all((layer.moe is not None) == spec.startswith("qwen3_5_moe") for layer in decoder.layers)
+    assert all((layer.moe is not None) == (spec.split(":")[0] in ("qwen3_5_moe", "qwen3_next")) for layer in decoder.layers)
+    # qwen3_next's fused in-projections, their columns gathered into the mixer's layout
+    assert all((layer.delta.in_order is not None) == spec.startswith("qwen3_next") for layer in decoder.layers[:3])
     rtol = FLOAT_RTOL if ":" not in spec else BLOCK_RTOL
     ours = prefilled(model, 30)
     theirs = copy.deepcopy(ours)
@@ -179,8 +182,10 @@ def test_a_copy_of_the_cache_keeps_the_state_it_was_taken_with(hybrid_decoder: C
 
 
 @pytest.mark.slow
-def test_qwen3_next_keeps_mlx_s_step_and_says_why() -> None:
-    """Qwen3-Next's fused in-projections (rows interleaved per key head) have no description here."""
-    loaded = load_model(str(tiny_model("qwen3_next:q8_0")), [])
+def test_a_hybrid_with_float32_experts_keeps_mlx_s_step_and_says_why() -> None:
+    """Qwen3-Next's directory (float32 experts: mlx-lm's ``SwitchGLU``, no blocks to group) keeps
+    MLX's step, with the reason."""
+    loaded = load_model(str(tiny_model("qwen3_next")), [])
     assert loaded.decoder is None
-    assert (cpu_decode.unsupported(loaded.model) or "").startswith("model type 'qwen3_next'")
+    assert (cpu_decode.unsupported(loaded.model) or "").startswith(
+        "mixture-of-experts layers (qwen3_next): experts not in ggml's blocks")

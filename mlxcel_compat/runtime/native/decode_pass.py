@@ -48,7 +48,7 @@ class MoeStruct(ctypes.Structure):
 
 
 class DeltaStruct(ctypes.Structure):
-    _fields_ = [*((name, _P) for name in ("qkv", "z", "b", "a", "out")),
+    _fields_ = [("inputs", _P * 4), ("out", _P), ("in_order", _P), ("n_in", _I), ("in_width", _I * 4),
                 *((name, _P) for name in ("conv", "decay", "dt_bias", "norm", "out_order")),
                 ("eps", _F), *((name, _I) for name in ("k_heads", "v_heads", "k_dim", "v_dim", "kernel"))]
 
@@ -157,9 +157,13 @@ def _delta(delta: Any, keep: list[Any]) -> int:
     address; 0 for None. Its projections are ``struct mlxcel_linear``s of their own, pointed to."""
     if delta is None:
         return 0
-    linears = [_linear(lin, keep) for lin in (delta.qkv, delta.z, delta.b, delta.a, delta.out)]
-    keep.extend(linears)
-    s = DeltaStruct(*(ctypes.addressof(lin) for lin in linears),
+    inputs = [_linear(lin, keep) for lin in delta.inputs]
+    out = _linear(delta.out, keep)
+    keep.extend([*inputs, out])
+    n = len(inputs)
+    s = DeltaStruct((_P * 4)(*(ctypes.addressof(lin) for lin in inputs)), ctypes.addressof(out),
+                    delta.in_order.ctypes.data if delta.in_order is not None else None, n,
+                    (_I * 4)(*(lin.n for lin in inputs)),
                     *(a.ctypes.data for a in (delta.conv, delta.decay, delta.dt_bias, delta.norm)),
                     delta.out_order.ctypes.data if delta.out_order is not None else None,
                     delta.eps, delta.k_heads, delta.v_heads, delta.k_dim, delta.v_dim, delta.kernel)

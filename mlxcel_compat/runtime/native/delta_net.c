@@ -28,7 +28,7 @@
 #include "vector_math.h"
 
 /* Per-thread scratch (the engine thread runs the passes). */
-static __thread struct mlxcel_scratch delta_scratch[6];
+static __thread struct mlxcel_scratch delta_scratch[10];
 
 static void *buffer(int i, size_t bytes) { return mlxcel_scratch(&delta_scratch[i], bytes ? bytes : 1); }
 
@@ -102,6 +102,29 @@ static void delta_head(float *S, int dv, int dk, const float *q, const float *k,
     }
 }
 
+/* The in-projections of `rows` rows into the layout's four parts `dst` (widths `width`): directly
+ * (qwen3_5), or each projection into its own buffer, then every layout column gathered from the
+ * projection and column in_order names (qwen3_next). */
+static void in_projections(const struct mlxcel_delta *D, int rows, const float *h, float *const dst[4],
+                           const int width[4], int tiles, const double *scales, int n_adapters) {
+    if (!D->in_order) {
+        mlxcel_pass_products(2, D->in, rows, h, dst, tiles, scales, n_adapters);
+        mlxcel_pass_products(2, D->in + 2, rows, h, dst + 2, tiles, scales, n_adapters);
+        return;
+    }
+    float *parts[4];
+    for (int j = 0; j < D->n_in; j++) parts[j] = buffer(6 + j, sizeof(float) * (size_t)rows * D->in_width[j]);
+    mlxcel_pass_products(D->n_in, D->in, rows, h, parts, tiles, scales, n_adapters);
+    int total = width[0] + width[1] + width[2] + width[3];
+    const int32_t *part = D->in_order, *column = D->in_order + total;
+    for (int k = 0, d0 = 0; k < 4; d0 += width[k], k++)
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < width[k]; c++) {
+                int d = d0 + c, j = part[d];
+                dst[k][(size_t)r * width[k] + c] = parts[j][(size_t)r * D->in_width[j] + column[d]];
+            }
+}
+
 /* The recurrence of a pass: part p is value head p % v_heads of unit p / v_heads (a row, or a
  * prompt chunk whose tokens it takes in order), on that unit's state. */
 struct recurrence {
@@ -143,12 +166,8 @@ void mlxcel_delta_layer(const struct mlxcel_delta *D, int hidden, int rows, cons
     float *conv_out = buffer(4, sizeof(float) * (size_t)conv_dim);
     int *first = buffer(5, sizeof(int) * (size_t)(units + 1));
     float *b = gb, *a = gb + (size_t)rows * hv;
-    const struct mlxcel_linear *in2[2] = {D->qkv, D->z};
-    float *in2_out[2] = {mixed, z};
-    mlxcel_pass_products(2, in2, rows, h, in2_out, tiles, scales, n_adapters);
-    const struct mlxcel_linear *ba[2] = {D->b, D->a};
-    float *ba_out[2] = {b, a};
-    mlxcel_pass_products(2, ba, rows, h, ba_out, tiles, scales, n_adapters);
+    in_projections(D, rows, h, (float *[4]){mixed, z, b, a}, (int[4]){conv_dim, value_dim, hv, hv}, tiles, scales,
+                   n_adapters);
     for (int u = 0; u <= units; u++) first[u] = segments ? segments[u] : u;
     /* the conv, token by token in each unit's order (its state rolls), then the norms and gates */
     float inv_scale = 1.0f / sqrtf((float)dk), l2_eps = 1e-6f * inv_scale * inv_scale;

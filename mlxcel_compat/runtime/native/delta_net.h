@@ -7,12 +7,19 @@
 
 struct mlxcel_linear; /* decode_pass.c */
 
-/* A gated delta-net mixer (runtime/decode_delta.py describes it), as mlx-lm's qwen3_5
- * GatedDeltaNet computes it. Its state per sequence is where the row's struct mlxcel_kv points:
- * keys = the conv state ((kernel - 1) x conv_dim, the last inputs), values = the delta rule's
- * state (v_heads x v_dim x k_dim), both float32 and updated in place. */
+/* A gated delta-net mixer (runtime/decode_delta.py describes it), as mlx-lm's qwen3_5 and
+ * qwen3_next GatedDeltaNets compute it. Its state per sequence is where the row's struct
+ * mlxcel_kv points: keys = the conv state ((kernel - 1) x conv_dim, the last inputs), values =
+ * the delta rule's state (v_heads x v_dim x k_dim), both float32 and updated in place.
+ * The in-projections give, per row, the layout [q | k | v | z | b | a] (q and k: k_heads x k_dim,
+ * v and z: v_heads x v_dim, b and a: v_heads): qwen3_5's four (in_proj_qkv, z, b, a) are that
+ * layout as they are (in_order NULL); qwen3_next's fused ones (its qkvz stored as parts, its ba)
+ * interleave it per key head, and in_order says where each column of the layout comes from. */
 struct mlxcel_delta {
-    const struct mlxcel_linear *qkv, *z, *b, *a, *out; /* in-projections, out-projection */
+    const struct mlxcel_linear *in[4]; /* the in-projections (n_in of them) */
+    const struct mlxcel_linear *out;   /* the out-projection */
+    const int32_t *in_order;  /* (2, layout width): the input and its column of each layout column, or NULL */
+    int n_in, in_width[4];    /* the in-projections' output widths */
     const float *conv;        /* (conv_dim, kernel): the depthwise causal conv's taps, oldest first */
     const float *decay;       /* (v_heads): -exp(A_log) */
     const float *dt_bias;     /* (v_heads) */
