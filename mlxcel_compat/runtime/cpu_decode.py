@@ -484,6 +484,10 @@ class CpuDecoder:
                               np.int64)
             offsets = None
         kv = self._kv(views, positions, caches)
+        if self.delta_layers:  # the pass updates recurrent state in place: nothing may fail once it started
+            ends = kv[:, self.attn_layers, 5] + np.array(segments or [1] * rows)[:, None]
+            if (ends > kv[:, self.attn_layers, 4]).any():
+                raise RuntimeError(f"positions from {min(positions)} do not fit the attention layers' KV cache")
         x = b.x[:rows]
         if isinstance(self.embed, BlockWeight):  # the ids were checked (_check_tokens)
             ids = np.array(tokens, np.int32)
