@@ -246,7 +246,8 @@ class CpuDecoder:
                                   [LoraFactors(f) for f in factors_of(head)]
                                   if isinstance(head, (nn.Linear, BlockLinear)) else [])
         self.layers = [(decode_delta.delta_layer if i in self.delta_layers else layer_weights)(
-            layer, order.index(kind), self.gemma, decode_moe.moe_weights(layer.mlp) if decode_moe.is_moe(layer.mlp) else None)
+            layer, order.index(kind), self.gemma,
+            decode_moe.moe_weights(layer.mlp) if decode_moe.is_moe(layer.mlp) else None)
             for i, (layer, kind) in enumerate(zip(inner.layers, kinds))]
         for i in self.attn_layers:  # qwen3_next's attention: queries and gates from one projection
             self.layers[i].gated_q = type(inner.layers[i].self_attn).__name__ in decode_delta.GATED_ATTENTION
@@ -418,7 +419,8 @@ class CpuDecoder:
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("each chunk needs its own sequence's cache")
         starts = [self.offset(cache) for cache in caches]
-        borrowed = [self._borrow(cache, o, start, len(tokens)) for cache, o, start, tokens in zip(caches, owned, starts, chunks)]
+        borrowed = [self._borrow(cache, o, start, len(tokens))
+                    for cache, o, start, tokens in zip(caches, owned, starts, chunks)]
         views = [b.views if b is not None else self._own(cache, o, start, last=start + len(tokens) - 1)
                  for b, cache, o, start, tokens in zip(borrowed, caches, owned, starts, chunks)]
         rows = [len(tokens) for tokens in chunks]

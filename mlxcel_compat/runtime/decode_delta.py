@@ -192,8 +192,8 @@ def delta_layer(layer: Any, rope: int, gemma: bool, moe: Any = None) -> LayerWei
     mlp = dict(gate=None, up=None, down=None, moe=moe) if moe is not None else dict(
         gate=lin(m.gate_proj), up=lin(m.up_proj), down=lin(m.down_proj))
     return LayerWeights(n1=norm_weights(layer.input_layernorm), n2=norm_weights(layer.post_attention_layernorm),
-                        q=None, k=None, v=None, o=None, q_norm=None, k_norm=None, delta=delta_weights(layer.linear_attn),
-                        **mlp)
+                        q=None, k=None, v=None, o=None, q_norm=None, k_norm=None,
+                        delta=delta_weights(layer.linear_attn), **mlp)
 
 
 def is_fresh(layer: Any) -> bool:

@@ -2,8 +2,9 @@
 gated delta-net layers between attention layers with an output gate and a partial RoPE.
 
 - Per family (qwen3_5 float32 and Q8_0, qwen3_5_moe Q8_0 with its experts and shared expert on the
-  blocks, qwen3_next Q8_0 with its fused in-projections interleaved per key head): teacher-forced steps agree with MLX's step on the same model (float32: to float32
-  rounding; blocks: within BLOCK_RTOL, as the other block families), the same greedy token
+  blocks, qwen3_next Q8_0 with its fused in-projections interleaved per key head): teacher-forced
+  steps agree with MLX's step on the same model (float32: to float32 rounding; blocks: within
+  BLOCK_RTOL, as the other block families), the same greedy token
   wherever MLX's choice is decided, and the recurrent state (conv and delta state) and the KV
   cache as MLX's step leaves them.
 - Rows stepped together are bit-identical to each row alone (each row its own state).
@@ -11,7 +12,8 @@ gated delta-net layers between attention layers with an output gate and a partia
   chunks of two sequences prefilled together leave what each leaves alone.
 - The state is updated in place only in the sequence's own arrays: a copy of the cache (what
   snapshots and prompt-cache entries take) keeps the state it was taken with.
-- A hybrid whose experts are float32 keeps MLX's step and says why.
+(A hybrid whose experts are float32 keeps MLX's step and says why: test_cpu_decode.py's
+``test_other_families_keep_mlx_and_say_why``.)
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ def test_hybrid_models_follow_mlx_step_for_step(hybrid_decoder: Callable, spec: 
     model, decoder = hybrid_decoder(spec)
     assert decoder.delta_layers == [0, 1, 2] and decoder.attn_layers == [3]  # 3 delta-net layers : 1 attention
     assert decoder.rope_dims == decoder.head_dim // 4 and decoder.layers[3].gated_q  # partial RoPE, gated queries
-    assert all((layer.moe is not None) == (spec.split(":")[0] in ("qwen3_5_moe", "qwen3_next")) for layer in decoder.layers)
+    moe = spec.split(":")[0] in ("qwen3_5_moe", "qwen3_next")
+    assert all((layer.moe is not None) == moe for layer in decoder.layers)
     # qwen3_next's fused in-projections, their columns gathered into the mixer's layout
     assert all((layer.delta.in_order is not None) == spec.startswith("qwen3_next") for layer in decoder.layers[:3])
     rtol = FLOAT_RTOL if ":" not in spec else BLOCK_RTOL
@@ -179,13 +182,3 @@ def test_a_copy_of_the_cache_keeps_the_state_it_was_taken_with(hybrid_decoder: C
     assert not np.array_equal(np.array(cache[0].cache[1]), kept[1])  # the live state did move on
     again = decoder.step(12, taken, decode_kv.OwnedCache())
     assert np.array_equal(again, after)
-
-
-@pytest.mark.slow
-def test_a_hybrid_with_float32_experts_keeps_mlx_s_step_and_says_why() -> None:
-    """Qwen3-Next's directory (float32 experts: mlx-lm's ``SwitchGLU``, no blocks to group) keeps
-    MLX's step, with the reason."""
-    loaded = load_model(str(tiny_model("qwen3_next")), [])
-    assert loaded.decoder is None
-    assert (cpu_decode.unsupported(loaded.model) or "").startswith(
-        "mixture-of-experts layers (qwen3_next): experts not in ggml's blocks")
