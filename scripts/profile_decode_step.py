@@ -7,6 +7,8 @@ blocks), prefills a short prompt into mlx-lm's cache, then measures decode steps
 - **step**: ``model(token, cache)`` then ``mx.eval`` of the last row's logits and the cache's
   state (what the engine's step evaluates): the Python time that builds MLX's lazy graph
   ("build") and the time of the evaluation ("eval"), medians over ``--steps``;
+- **CPU decode runtime step**: ``CpuDecoder.step`` (one C pass: the server's step where the
+  runtime takes the model, the hybrids' delta-net layers included), median over ``--steps``;
 - **per module**: the same step taken apart, each part evaluated before the next (its output and
   any cache state it wrote), so each part's time is its own (plus one evaluation's overhead, which
   the difference "sum of parts - step" shows): every layer's mixer (gated delta-net or attention,
@@ -111,6 +113,26 @@ def main() -> int:
     print(f"file: {args.file}; layers: {len(inner.layers)}; steps: {args.steps}")
     print(f"step: {med(totals) * 1e3:.2f} ms ({1 / med(totals):.1f} tok/s): graph build (Python) "
           f"{med(builds) * 1e3:.2f} ms, eval {med(evals) * 1e3:.2f} ms")
+
+    # The CPU decode runtime's step (what the server runs where cpu_decode.build takes the model):
+    # one C pass a token, on a copy of the cache.
+    import copy
+
+    from mlxcel_compat.runtime import backend, cpu_decode
+    from mlxcel_compat.runtime.decode_kv import OwnedCache
+
+    decoder = cpu_decode.build(model, backend.matmul_shim())
+    if isinstance(decoder, str):
+        print(f"CPU decode runtime: not used ({decoder})")
+    else:
+        ours, owned, runtime = copy.deepcopy(cache), OwnedCache(), []
+        for _ in range(args.steps + 2):
+            t0 = time.perf_counter()
+            decoder.step(7, ours, owned)
+            runtime.append(time.perf_counter() - t0)
+        runtime = runtime[2:]
+        print(f"CPU decode runtime step (the server's): {med(runtime) * 1e3:.2f} ms ({1 / med(runtime):.1f} tok/s), "
+              f"{med(totals) / med(runtime):.2f}x MLX's step's speed")
 
     # Per module, each evaluated before the next.
     parts: dict[str, list[float]] = defaultdict(list)

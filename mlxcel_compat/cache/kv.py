@@ -47,6 +47,13 @@ def _copy_layer(layer: Any, exact: bool) -> Any:
             new.values = layer.values[..., :n, :] if exact else layer.values[...]
             new.offset = n
         return new
+    if isinstance(layer, ArraysCache):
+        # Recurrent state is copied for real: the CPU decode runtime updates a sequence's own
+        # state arrays in place (runtime/decode_delta.py), and a copy (a snapshot, an entry)
+        # must keep the state it was taken with.
+        new = copy.copy(layer)
+        new.cache = [mx.array(a) if isinstance(a, mx.array) else a for a in layer.cache]
+        return new
     new = copy.copy(layer)
     new.__dict__.update({k: _fresh(v) for k, v in layer.__dict__.items()})
     return new

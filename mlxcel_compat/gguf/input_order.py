@@ -27,6 +27,12 @@ class InputOrderLinear(BlockLinear):
         # Activation j of the stored order is the model's activation argsort(columns)[j]. "_": not a parameter.
         self._gather = mx.array(np.argsort(np.asarray(columns)).astype(np.int32))
 
+    @property
+    def input_gather(self) -> Any:
+        """Activation j of the stored order is the model's activation ``input_gather[j]`` (the CPU
+        decode runtime gathers them so: runtime/decode_delta.py)."""
+        return self._gather
+
     def __call__(self, x: Any) -> Any:
         import mlx.core as mx
 

@@ -33,6 +33,12 @@ class StoredPartsLinear(nn.Module):
         self.parts = [nn.Linear(input_dims, rows, bias=False) for rows in part_rows]
         self._order = mx.array(np.asarray(order, dtype=np.int32))  # "_": not a parameter
 
+    @property
+    def row_order(self) -> Any:
+        """Output row r of the model is row ``row_order[r]`` of the parts' concatenated outputs
+        (the CPU decode runtime gathers them so: runtime/decode_delta.py)."""
+        return self._order
+
     def __call__(self, x: Any) -> Any:
         return mx.take(mx.concatenate([part(x) for part in self.parts], axis=-1), self._order, axis=-1)
 

@@ -36,7 +36,11 @@ mixture-of-experts ``qwen3_moe``, ``qwen2_moe`` and ``olmoe`` (attention as qwen
 olmoe's q and k norms over the whole projection) where the
 GGUF loader keeps the expert stacks in the file's blocks: each MoE layer runs in the same C loop
 (router, softmax top-k, only the chosen experts' rows of the stacks grouped by expert, the
-weighted sum, qwen2_moe's gated shared expert; ``decode_moe.py``). Gemma 3 brings
+weighted sum, qwen2_moe's gated shared expert; ``decode_moe.py``); and the hybrids ``qwen3_5``,
+``qwen3_5_moe`` and ``qwen3_next``: their gated delta-net layers in the same loop
+(``decode_delta.py``: the recurrent state stays in each layer's ``ArraysCache``, updated in place
+in arrays made for the sequence), their attention layers with a sigmoid output gate and a partial
+RoPE (no prompt-cache borrowing, no speculative drafts there: the state cannot be trimmed). Gemma 3 brings
 the sliding-window layers (a ring of ``sliding_window`` positions, their own RoPE base), the
 GELU-gated MLP, four norms a layer plus per-head query and key norms (each ``1 + w``), the
 embedding scaled by ``sqrt(hidden)`` (rounded through bfloat16, as mlx-lm does) and
@@ -59,7 +63,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxcel_compat.runtime import decode_moe
+from mlxcel_compat.runtime import decode_delta, decode_moe
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, ring_plan
@@ -71,10 +75,14 @@ from mlxcel_compat.runtime.native.blas_shim import SMALL_M_MAX
 from mlxcel_compat.runtime.rope_angles import RopeAngles
 
 LOG2E = 1.4426950408889634
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
+               "qwen3_5_moe", "qwen3_next")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection).
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe")
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next")
+# Hybrids: gated delta-net layers (decode_delta.py) between attention layers with an output gate and a
+# partial RoPE.
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 # mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
 EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU",  # BlockSwitchGLU: block_experts.py
                   "FusedGateUpSwitchGLU")  # Gemma 4's fused gate-up experts (gguf/stored_parts.py)
@@ -82,9 +90,6 @@ GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, s
 # Hybrid and recurrent families: the layers the runtime does not run yet, named in the start-up
 # log's reason (a later task moves recurrent state and experts onto the runtime).
 MLX_LAYERS = {
-    "qwen3_next": "gated delta-net (recurrent) and mixture-of-experts layers",
-    "qwen3_5": "gated delta-net (recurrent) layers",
-    "qwen3_5_moe": "gated delta-net (recurrent) and mixture-of-experts layers",
     "granitemoehybrid": "Mamba-2 (recurrent) and mixture-of-experts layers",
     "nemotron_h": "Mamba-2 (recurrent) layers",
     "gemma4_text": "Gemma 4 layers (per-layer embeddings, shared KV, experts, proportional RoPE)",
@@ -105,7 +110,9 @@ def enabled() -> bool:
 
 def head_module(model: Any) -> Any:
     """The output projection's module: ``lm_head``, or the embedding when the head is tied
-    (mlx-lm drops ``lm_head`` then; gemma3 also says so by ``tie_word_embeddings``)."""
+    (mlx-lm drops ``lm_head`` then; gemma3 also says so by ``tie_word_embeddings``); qwen3_5's
+    is its ``language_model``'s."""
+    model = getattr(model, "language_model", model)
     if getattr(model, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
         return model.model.embed_tokens
     return model.lm_head
@@ -137,35 +144,56 @@ def unsupported(model: Any) -> str | None:
         norm_names += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
     head = head_module(model)
     weights = [m.weight for m in (inner.embed_tokens, head) if block_weight_of(m) is None]
+    hybrid = model_type in HYBRID_TYPES
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        delta = hybrid and decode_delta.is_delta(layer)
+        if delta:
+            reason = decode_delta.unsupported(layer.linear_attn)
+            if reason is not None:
+                return f"gated delta-net layers ({model_type}): {reason}"
         if model_type in MOE_TYPES and decode_moe.is_moe(mlp):
             reason = decode_moe.unsupported(mlp)
             if reason is not None:
                 return f"mixture-of-experts layers ({model_type}): {reason}"
             moe_linears = decode_moe.shared_modules(mlp)  # router, shared expert: checked as the projections
             mlp = None  # the MLP's checks below do not apply
-        elif attn is None or mlp is None or not any(c.__name__ == "MLP" for c in type(mlp).__mro__):
+        elif (attn is None and not delta) or mlp is None or not any(
+                c.__name__ in ("MLP", "Qwen3NextMLP") for c in type(mlp).__mro__):
             return "unexpected layer layout"
         if gemma and not isinstance(mlp, gemma_mlp()):
             return "unexpected layer layout"
-        projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        projections = (decode_delta.linear_modules(layer.linear_attn) if delta
+                       else [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")])
         if mlp is None:
             projections += moe_linears
         else:
             projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if not all(isinstance(m, (nn.Linear, BlockLinear)) for m in projections) or not hasattr(attn, "n_heads"):
+        if not all(isinstance(m, (nn.Linear, BlockLinear)) for m in projections) or (
+                not delta and attention_shape(attn) is None):
             return "unexpected attention layout"
         norms = [getattr(layer, n, None) for n in norm_names]
-        norms += [getattr(attn, n, None) for n in ("q_norm", "k_norm") if gemma or hasattr(attn, n)]
+        norms += [getattr(attn, n, None) for n in ("q_norm", "k_norm") if not delta and (gemma or hasattr(attn, n))]
         if not all(isinstance(n, norm_type) for n in norms):
             return "norms other than Gemma's RMSNorm" if gemma else "norms other than RMSNorm"
-        if getattr(getattr(attn, "rope", None), "dims", None) != head_dim(attn):
+        dims = None if delta else getattr(getattr(attn, "rope", None), "dims", None)
+        if not delta and dims != attention_shape(attn)[2] and not (
+                hybrid and isinstance(dims, int) and 0 < dims < attention_shape(attn)[2] and dims % 2 == 0):
             return "partial or unknown rotary embedding"
         weights += [m.weight for m in projections if block_weight_of(m) is None]
     if any(w.dtype != mx.float32 for w in weights):
         return "weights are neither float32 nor in ggml's blocks"
     return None
+
+
+def attention_shape(attn: Any) -> tuple[int, int, int] | None:
+    """(heads, KV heads, head size) of an attention module: mlx-lm's llama-style one, or the
+    hybrids' (qwen3_next's attention: its q projection twice as wide, queries and gates)."""
+    if type(attn).__name__ in decode_delta.GATED_ATTENTION:
+        return attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
+    if not hasattr(attn, "n_heads"):
+        return None
+    return attn.n_heads, attn.n_kv_heads, head_dim(attn)
 
 
 def build(model: Any, shim: Any) -> "CpuDecoder | str":
@@ -191,18 +219,22 @@ class CpuDecoder:
     def __init__(self, model: Any, lib: ctypes.CDLL) -> None:
         inner = model.model
         mx.eval(model.parameters())
-        attn0 = inner.layers[0].self_attn
+        # a hybrid's delta-net layers (decode_delta.py) and its attention layers, which hold the KV cache
+        self.delta_layers = [i for i, layer in enumerate(inner.layers) if decode_delta.is_delta(layer)]
+        self.attn_layers = [i for i in range(len(inner.layers)) if i not in self.delta_layers]
+        attn0 = inner.layers[self.attn_layers[0]].self_attn
         self.gemma = model.args.model_type in GEMMA_TYPES
-        self.n_heads, self.n_kv_heads = attn0.n_heads, attn0.n_kv_heads
-        self.head_dim = head_dim(attn0)
+        self.n_heads, self.n_kv_heads, self.head_dim = attention_shape(attn0)
         self.scale = float(attn0.scale) * LOG2E
+        self.rope_dims = attn0.rope.dims if attn0.rope.dims != self.head_dim else 0  # the hybrids' partial RoPE
         # RoPE modules by layer kind: mlx-lm builds every layer of a kind from the same arguments
         # (gemma3: sliding layers with rope_local_base_freq, the others with rope_theta and its
         # scaling), so one module per kind gives every layer's angles.
-        kinds = [bool(getattr(layer.self_attn, "is_sliding", False)) for layer in inner.layers]
-        firsts = {kind: i for i, kind in reversed(list(enumerate(kinds)))}
+        kinds = [bool(getattr(getattr(layer, "self_attn", None), "is_sliding", False)) for layer in inner.layers]
+        firsts = {kinds[i]: i for i in reversed(self.attn_layers)}
         order = sorted(firsts, key=firsts.get)
-        self.angles = RopeAngles([inner.layers[firsts[kind]].self_attn.rope for kind in order], self.head_dim)
+        self.angles = RopeAngles([inner.layers[firsts[kind]].self_attn.rope for kind in order],
+                                 self.rope_dims or self.head_dim)
         self.embed = block_weight_of(inner.embed_tokens) or float32_array(inner.embed_tokens.weight)
         # gemma3 scales the embedding by sqrt(hidden) rounded to bfloat16 (its own expression)
         hidden = self.embed.shape[1]
@@ -213,17 +245,21 @@ class CpuDecoder:
         self.head = LinearWeights(block_weight_of(head) or float32_array(head.weight), None,
                                   [LoraFactors(f) for f in factors_of(head)]
                                   if isinstance(head, (nn.Linear, BlockLinear)) else [])
-        self.layers = [layer_weights(layer, order.index(kind), self.gemma,
-                                     decode_moe.moe_weights(layer.mlp) if decode_moe.is_moe(layer.mlp) else None)
-                       for layer, kind in zip(inner.layers, kinds)]
+        self.layers = [(decode_delta.delta_layer if i in self.delta_layers else layer_weights)(
+            layer, order.index(kind), self.gemma,
+            decode_moe.moe_weights(layer.mlp) if decode_moe.is_moe(layer.mlp) else None)
+            for i, (layer, kind) in enumerate(zip(inner.layers, kinds))]
+        for i in self.attn_layers:  # qwen3_next's attention: queries and gates from one projection
+            self.layers[i].gated_q = type(inner.layers[i].self_attn).__name__ in decode_delta.GATED_ATTENTION
         self.ffn_width = decode_moe.ffn_width(self.layers)  # the pass's gate and up buffers' width
         # olmoe's q and k norms span the whole projection (a gain per head and channel), qwen3's and
         # gemma3's one head (a gain per channel)
-        q_norm = self.layers[0].q_norm
+        q_norm = self.layers[self.attn_layers[0]].q_norm
         self.qk_norm_whole = q_norm is not None and self.n_heads > 1 and q_norm.weight.size == self.n_heads * self.head_dim
+        attn = [self.layers[i] for i in self.attn_layers]  # the KV layout's layers (all but a hybrid's delta-net)
         self.kv = KvLayout(self.n_kv_heads, self.head_dim, self.window,
-                           rings=[i for i, layer in enumerate(self.layers) if layer.sliding],  # RotatingKVCache layers
-                           plain=[i for i, layer in enumerate(self.layers) if not layer.sliding])  # KVCache layers
+                           rings=[i for i, layer in enumerate(attn) if layer.sliding],  # RotatingKVCache layers
+                           plain=[i for i, layer in enumerate(attn) if not layer.sliding])  # KVCache layers
         self._buffers: dict[int, PassBuffers] = {}  # by row count
         self._chunk_buffers: PassBuffers | None = None  # a prompt chunk's (prefill): the largest so far
         self.steps = 0  # steps run so far (tests and benchmarks check that it ran)
@@ -244,11 +280,15 @@ class CpuDecoder:
 
         if len(cache) != len(self.layers):
             return False
+        if not all(decode_delta.can_take(cache[i], layer.delta) and not decode_delta.is_fresh(cache[i])
+                   for i, layer in zip(self.delta_layers, (self.layers[i] for i in self.delta_layers))):
+            return False
+        cache = self._attention(cache)
         if not owned.holds(cache) and not all(
-            type(c) is (RotatingKVCache if layer.sliding else KVCache)
+            type(c) is (RotatingKVCache if self.layers[i].sliding else KVCache)
             and c.keys is not None and c.keys.ndim == 4 and c.keys.shape[0] == 1
             and c.keys.dtype == mx.float32 and c.values.dtype == mx.float32
-            for c, layer in zip(cache, self.layers)
+            for c, i in zip(cache, self.attn_layers)
         ):
             return False
         return all(cache[i].max_size == self.window and ring_plan(cache[i]) is not None for i in self.kv.rings)
@@ -272,9 +312,9 @@ class CpuDecoder:
         Returns (rows, vocabulary) logits, a buffer reused by the next step. If anything raises,
         no cache has advanced (a position written past ``offset`` is unused)."""
         self._check_tokens(tokens)
-        positions = [cache[0].offset for cache in caches]
-        borrowed = [self.kv.borrow(cache, o, pos) for cache, o, pos in zip(caches, owned, positions)]
-        views = [b.views if b is not None else self.kv.own(cache, o, pos)
+        positions = [self.offset(cache) for cache in caches]
+        borrowed = [self._borrow(cache, o, pos) for cache, o, pos in zip(caches, owned, positions)]
+        views = [b.views if b is not None else self._own(cache, o, pos)
                  for b, cache, o, pos in zip(borrowed, caches, owned, positions)]
         logits = self._run(tokens, caches, positions, views, scales)
         for b, cache, o in zip(borrowed, caches, owned):
@@ -298,8 +338,8 @@ class CpuDecoder:
         if self.kv.rings:
             raise RuntimeError("a model with sliding-window layers feeds one token per step here")
         self._check_tokens(tokens)
-        start = cache[0].offset
-        views = self.kv.own(cache, owned, start, last=start + len(tokens) - 1)
+        start = self.offset(cache)
+        views = self._own(cache, owned, start, last=start + len(tokens) - 1)
         out = np.empty((len(tokens), self.head.weight.shape[0]), np.float32)
         for first in range(0, len(tokens), EXACT_ROWS):
             part = tokens[first:first + EXACT_ROWS]
@@ -311,7 +351,7 @@ class CpuDecoder:
     def can_step_tokens(self, cache: list[Any], owned: OwnedCache) -> bool:
         """Whether :meth:`step_tokens` and :meth:`prefill` take this cache (a plain-attention
         model's, see can_run)."""
-        return not self.kv.rings and self.can_run(cache, owned)
+        return not self.kv.rings and not self.delta_layers and self.can_run(cache, owned)
 
     def can_prefill(self, cache: list[Any], owned: OwnedCache) -> bool:
         """Whether :meth:`prefill` takes this cache: as :meth:`can_step_tokens`, or an empty
@@ -320,7 +360,9 @@ class CpuDecoder:
 
         if self.kv.rings or len(cache) != len(self.layers):
             return False
-        if all(type(c) is KVCache and c.keys is None and c.offset == 0 for c in cache):
+        if all(type(c) is KVCache and c.keys is None and c.offset == 0 for c in self._attention(cache)) and all(
+                decode_delta.can_take(cache[i], self.layers[i].delta) and decode_delta.is_fresh(cache[i])
+                for i in self.delta_layers):
             return True
         return self.can_run(cache, owned)
 
@@ -376,9 +418,10 @@ class CpuDecoder:
             self._check_tokens(tokens)
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("each chunk needs its own sequence's cache")
-        starts = [cache[0].offset for cache in caches]
-        borrowed = [self.kv.borrow(cache, o, start, len(tokens)) for cache, o, start, tokens in zip(caches, owned, starts, chunks)]
-        views = [b.views if b is not None else self.kv.own(cache, o, start, last=start + len(tokens) - 1)
+        starts = [self.offset(cache) for cache in caches]
+        borrowed = [self._borrow(cache, o, start, len(tokens))
+                    for cache, o, start, tokens in zip(caches, owned, starts, chunks)]
+        views = [b.views if b is not None else self._own(cache, o, start, last=start + len(tokens) - 1)
                  for b, cache, o, start, tokens in zip(borrowed, caches, owned, starts, chunks)]
         rows = [len(tokens) for tokens in chunks]
         row_scales = None if scales is None or all(s is None for s in scales) else [
@@ -389,6 +432,30 @@ class CpuDecoder:
             if b is not None:
                 o.apart = b.keep_apart(cache)
         return out if logits else None
+
+    def offset(self, cache: list[Any]) -> int:
+        """The sequence's position: its first attention layer's (a delta-net layer keeps none)."""
+        return cache[self.attn_layers[0]].offset
+
+    def _attention(self, cache: list[Any]) -> list[Any]:
+        """The attention layers' caches (the KV layout's), all of them but a hybrid's delta-net ones."""
+        return [cache[i] for i in self.attn_layers] if self.delta_layers else cache
+
+    def _borrow(self, cache: list[Any], owned: OwnedCache, pos: int, n: int = 1) -> Any:
+        """``KvLayout.borrow``; never for a hybrid, whose recurrent state a step updates in place."""
+        return None if self.delta_layers else self.kv.borrow(cache, owned, pos, n)
+
+    def _own(self, cache: list[Any], owned: OwnedCache, pos: int, last: int | None = None) -> list[tuple[int, ...]]:
+        """``KvLayout.own``, and a hybrid's delta-net states (conv, state, 0 for every delta-net layer
+        between the attention layers' views: ``struct mlxcel_kv``'s keys and values point at them)."""
+        views = self.kv.own(self._attention(cache), owned, pos, last)
+        if not self.delta_layers:
+            return views
+        if owned.recurrent is None:
+            owned.recurrent = decode_delta.OwnedStates()
+        states = decode_delta.own_states([cache[i] for i in self.delta_layers],
+                                         [self.layers[i].delta for i in self.delta_layers], owned.recurrent)
+        return owned.recurrent.merged(views, states, self.delta_layers)
 
     def _check_tokens(self, tokens: list[int]) -> None:
         vocab = self.embed.shape[0]
@@ -419,6 +486,10 @@ class CpuDecoder:
                               np.int64)
             offsets = None
         kv = self._kv(views, positions, caches)
+        if self.delta_layers:  # the pass updates recurrent state in place: nothing may fail once it started
+            ends = kv[:, self.attn_layers, 5] + np.array(segments or [1] * rows)[:, None]
+            if (ends > kv[:, self.attn_layers, 4]).any():
+                raise RuntimeError(f"positions from {min(positions)} do not fit the attention layers' KV cache")
         x = b.x[:rows]
         if isinstance(self.embed, BlockWeight):  # the ids were checked (_check_tokens)
             ids = np.array(tokens, np.int32)
@@ -435,8 +506,8 @@ class CpuDecoder:
             for i in self.kv.rings:  # as mlx-lm's update leaves a ring: the slot after the one written
                 ring = cache[i]
                 ring._idx = (0 if ring._idx == ring.max_size else ring._idx) + n
-            for c in cache:
-                c.offset += n
+            for i in self.attn_layers:  # a delta-net layer's ArraysCache has no position
+                cache[i].offset += n
         if segments is not None:
             self.prefilled += rows
         else:

@@ -78,6 +78,7 @@ class OwnedCache:
     views: list[tuple[int, int, int]] = field(default_factory=list)  # per layer: keys, values, capacity
     apart: KeptApart | None = None  # the last step's rows, kept apart from shared arrays
     reserve: int = 0  # positions the sequence may fill (prompt + n_predict): allocated at once
+    recurrent: Any = None  # a hybrid's delta-net states made for the sequence (decode_delta.OwnedStates)
 
     def holds(self, cache: list[Any]) -> bool:
         """Whether every layer of ``cache`` still holds the arrays made for it."""

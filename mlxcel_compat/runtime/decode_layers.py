@@ -76,10 +76,10 @@ class LayerWeights:
 
     n1: NormWeights  # before attention
     n2: NormWeights  # before the MLP
-    q: LinearWeights
-    k: LinearWeights
-    v: LinearWeights
-    o: LinearWeights
+    q: LinearWeights | None  # None in a delta-net layer (``delta``)
+    k: LinearWeights | None
+    v: LinearWeights | None
+    o: LinearWeights | None
     gate: LinearWeights | None  # None in a mixture-of-experts layer (``moe``)
     up: LinearWeights | None
     down: LinearWeights | None
@@ -90,6 +90,8 @@ class LayerWeights:
     sliding: bool = False  # gemma3: a sliding-window layer (its cache a RotatingKVCache ring)
     rope: int = 0  # which of the decoder's RoPE modules (gemma3: sliding layers have their own base)
     moe: Any = None  # a mixture-of-experts layer in place of the MLP (decode_moe.MoeWeights), or None
+    delta: Any = None  # a hybrid's gated delta-net in place of attention (decode_delta.DeltaWeights), or None
+    gated_q: bool = False  # the hybrids' attention: q's projection holds per head d queries and d gates
 
 
 @dataclass

@@ -31,6 +31,7 @@ GATING = {
     "Qwen3MoeSparseMoeBlock": "softmax",  # qwen3_moe: norm_topk_prob from the config
     "Qwen2MoeSparseMoeBlock": "softmax",  # qwen2_moe: never renormalised; a gated shared expert
     "OlmoeSparseMoeBlock": "softmax",  # olmoe: norm_topk_prob from the config
+    "Qwen3NextSparseMoeBlock": "softmax",  # qwen3_5_moe: norm_topk_prob; a shared expert behind its sigmoid gate
 }
 
 

@@ -24,6 +24,7 @@
 
 #include "blas_shim.h"
 #include "decode_kernels.h"
+#include "delta_net.h"
 #include "thread_pool.h"
 
 typedef void (*repacked_fn)(const void *handle, int m, const float *x, long ldx, float *c, long ldc, float beta,
@@ -89,6 +90,8 @@ struct mlxcel_layer {
     struct mlxcel_norm attn_out, mlp_out;     /* gemma3: each branch's output normed before its sum */
     int rope;                                 /* which angle set (gemma3: sliding layers have their own) */
     const struct mlxcel_moe *moe;             /* the MoE layer in place of the MLP, or NULL */
+    const struct mlxcel_delta *delta;         /* a hybrid's gated delta-net in place of attention (delta_net.c), or NULL */
+    int gated_q;                              /* qwen3_next's attention: q's projection holds per head d queries, d gates */
 };
 
 struct mlxcel_model {
@@ -102,6 +105,7 @@ struct mlxcel_model {
     struct mlxcel_norm norm;
     struct mlxcel_linear head;
     int qk_norm_whole; /* q_norm and k_norm over the whole projection (olmoe), not per head */
+    int rope_dims;     /* the rotated dimensions of a head (a partial RoPE: the hybrids'), 0: all of head_dim */
 };
 
 /* A pass's activations, rows contiguous (row widths: hidden, heads * d, kv_heads * d, inter, vocab). */
@@ -174,6 +178,35 @@ static void products(int count, const struct mlxcel_linear *const *ls, int m, co
     for (int t = 0; t < count; t++) ws[t] = ls[t]->blocks, ldcs[t] = ls[t]->n;
     mlxcel_block_matmul_shared(count, ws, m, x, ls[0]->k, outs, ldcs, 0.0f);
     for (int t = 0; t < count; t++) extras(ls[t], m, x, outs[t], scales, n_adapters);
+}
+
+/* The products for delta_net.c's mixer. */
+void mlxcel_pass_product(const struct mlxcel_linear *l, int m, const float *x, float *out, float beta, int tiles,
+                         const double *scales, int n_adapters) {
+    product(l, m, x, out, beta, tiles, scales, n_adapters);
+}
+
+void mlxcel_pass_products(int count, const struct mlxcel_linear *const *ls, int m, const float *x,
+                          float *const *outs, int tiles, const double *scales, int n_adapters) {
+    products(count, ls, m, x, outs, tiles, scales, n_adapters);
+}
+
+/* Per-thread scratch of the hybrids' layers: a gated query projection, its gates, the delta
+ * layers' state addresses. */
+static __thread struct mlxcel_scratch hybrid_scratch[3];
+
+/* x += the delta-net mixer of layer i (its states where the units' kv entries point). */
+static void delta_mixer(const struct mlxcel_model *m, int i, const struct mlxcel_buffers *b, int rows,
+                        const int *segments, int n_segments, const struct mlxcel_kv *kv, int tiles,
+                        const double *scales, int n_adapters) {
+    int units = segments ? n_segments : rows;
+    float **states = mlxcel_scratch(&hybrid_scratch[2], sizeof(float *) * 2 * (size_t)units);
+    for (int u = 0; u < units; u++) {
+        states[u] = kv[(size_t)u * m->n_layers + i].keys;
+        states[units + u] = kv[(size_t)u * m->n_layers + i].values;
+    }
+    mlxcel_delta_layer(m->layers[i].delta, m->hidden, rows, segments, n_segments, b->h, b->x, states, states + units,
+                       tiles, scales, n_adapters);
 }
 
 /* ------------------------------------------------------------------------- MoE layers */
@@ -315,9 +348,16 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
     for (int i = 0; i < m->n_layers; i++) {
         const struct mlxcel_layer *L = &m->layers[i];
         mlxcel_rms_norm(b->x, L->n1.w, b->h, rows, hidden, L->n1.eps);
+        if (L->delta) {
+            delta_mixer(m, i, b, rows, segments, n_segments, kv, tiles, scales, n_adapters);
+            goto mlp;
+        }
         const struct mlxcel_linear *qkv[3] = {&L->q, &L->k, &L->v};
-        float *qkv_out[3] = {b->q, b->k_new, b->v_new};
+        float *q_gated = L->gated_q ? mlxcel_scratch(&hybrid_scratch[0], sizeof(float) * (size_t)rows * 2 * hq * d) : NULL;
+        float *qkv_out[3] = {q_gated ? q_gated : b->q, b->k_new, b->v_new};
         products(3, qkv, rows, b->h, qkv_out, tiles, scales, n_adapters);
+        float *q_gate = q_gated ? mlxcel_scratch(&hybrid_scratch[1], sizeof(float) * (size_t)rows * hq * d) : NULL;
+        if (q_gated) mlxcel_split_gated_q(q_gated, b->q, q_gate, rows, hq, d);
         if (L->q_norm.w && m->qk_norm_whole) {
             mlxcel_rms_norm(b->q, L->q_norm.w, b->q, rows, hq * d, L->q_norm.eps);
             mlxcel_rms_norm(b->k_new, L->k_norm.w, b->k_new, rows, hk * d, L->k_norm.eps);
@@ -334,8 +374,16 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                 const struct mlxcel_kv *s = &kv[(size_t)j * m->n_layers + i];
                 float *q = b->q + (size_t)r0 * hq * d, *kn = b->k_new + (size_t)r0 * hk * d;
                 float *vn = b->v_new + (size_t)r0 * hk * d, *att = b->att + (size_t)r0 * hq * d;
-                mlxcel_rope_rows(q, n, hq, d, cos, sin, trad);
-                mlxcel_rope_rows(kn, n, hk, d, cos, sin, trad);
+                if (m->rope_dims) {
+                    for (int t = 0; t < n; t++) {
+                        size_t at = (size_t)t * (m->rope_dims / 2);
+                        mlxcel_rope_part(q + (size_t)t * hq * d, hq, d, m->rope_dims, cos + at, sin + at, trad);
+                        mlxcel_rope_part(kn + (size_t)t * hk * d, hk, d, m->rope_dims, cos + at, sin + at, trad);
+                    }
+                } else {
+                    mlxcel_rope_rows(q, n, hq, d, cos, sin, trad);
+                    mlxcel_rope_rows(kn, n, hk, d, cos, sin, trad);
+                }
                 int failed = s->k_out
                     ? mlxcel_chunk_attention_apart(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, n, hk, group,
                                                    d, (int)s->write, s->capacity, m->scale)
@@ -349,8 +397,13 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                 const float *const *a = angles + (size_t)r * kinds * 2;
                 float *q = b->q + (size_t)r * hq * d, *kn = b->k_new + (size_t)r * hk * d;
                 float *vn = b->v_new + (size_t)r * hk * d, *att = b->att + (size_t)r * hq * d;
-                mlxcel_rope(q, hq, d, a[2 * L->rope], a[2 * L->rope + 1], trad);
-                mlxcel_rope(kn, hk, d, a[2 * L->rope], a[2 * L->rope + 1], trad);
+                if (m->rope_dims) {
+                    mlxcel_rope_part(q, hq, d, m->rope_dims, a[2 * L->rope], a[2 * L->rope + 1], trad);
+                    mlxcel_rope_part(kn, hk, d, m->rope_dims, a[2 * L->rope], a[2 * L->rope + 1], trad);
+                } else {
+                    mlxcel_rope(q, hq, d, a[2 * L->rope], a[2 * L->rope + 1], trad);
+                    mlxcel_rope(kn, hk, d, a[2 * L->rope], a[2 * L->rope + 1], trad);
+                }
                 int failed = s->k_out
                     ? mlxcel_decode_attention_apart(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, hk, group,
                                                     d, (int)s->write, s->capacity, m->scale)
@@ -359,12 +412,14 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                 if (failed) return i + 1;
             }
         }
+        if (q_gate) mlxcel_sigmoid_gate(b->att, q_gate, rows * hq * d);
         if (L->attn_out.w) {
             product(&L->o, rows, b->att, b->branch, 0.0f, tiles, scales, n_adapters);
             mlxcel_rms_norm_add(b->branch, L->attn_out.w, b->x, rows, hidden, L->attn_out.eps);
         } else {
             product(&L->o, rows, b->att, b->x, 1.0f, tiles, scales, n_adapters);
         }
+    mlp:
         mlxcel_rms_norm(b->x, L->n2.w, b->h, rows, hidden, L->n2.eps);
         if (L->moe) {
             if (moe_layer(L->moe, rows, hidden, b->h, b->x, b->gate, b->up, b->branch, tiles, scales, n_adapters))

@@ -47,17 +47,23 @@ class MoeStruct(ctypes.Structure):
                 ("n_expert", _I), ("top_k", _I), ("rows", _I), ("norm_topk", _I)]
 
 
+class DeltaStruct(ctypes.Structure):
+    _fields_ = [("inputs", _P * 4), ("out", _P), ("in_order", _P), ("n_in", _I), ("in_width", _I * 4),
+                *((name, _P) for name in ("conv", "decay", "dt_bias", "norm", "out_order")),
+                ("eps", _F), *((name, _I) for name in ("k_heads", "v_heads", "k_dim", "v_dim", "kernel"))]
+
+
 class LayerStruct(ctypes.Structure):
     _fields_ = [*((name, LinearStruct) for name in ("q", "k", "v", "o", "gate", "up", "down")),
                 *((name, NormStruct) for name in ("n1", "n2", "q_norm", "k_norm", "attn_out", "mlp_out")),
-                ("rope", _I), ("moe", _P)]
+                ("rope", _I), ("moe", _P), ("delta", _P), ("gated_q", _I)]
 
 
 class ModelStruct(ctypes.Structure):
     _fields_ = [("n_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
                 ("gelu", _I), ("scale", _F), ("angle_sets", _I), ("prompt_rows_min", _I), ("traditional", _I * 2),
                 ("layers", _P),
-                ("norm", NormStruct), ("head", LinearStruct), ("qk_norm_whole", _I)]
+                ("norm", NormStruct), ("head", LinearStruct), ("qk_norm_whole", _I), ("rope_dims", _I)]
 
 
 BUFFER_NAMES = ("x", "h", "branch", "q", "k_new", "v_new", "att", "gate", "up", "logits")
@@ -146,6 +152,25 @@ def _moe(moe: Any, keep: list[Any]) -> int:
     return ctypes.addressof(s)
 
 
+def _delta(delta: Any, keep: list[Any]) -> int:
+    """``struct mlxcel_delta`` of a ``decode_delta.DeltaWeights`` (kept alive in ``keep``), its
+    address; 0 for None. Its projections are ``struct mlxcel_linear``s of their own, pointed to."""
+    if delta is None:
+        return 0
+    inputs = [_linear(lin, keep) for lin in delta.inputs]
+    out = _linear(delta.out, keep)
+    keep.extend([*inputs, out])
+    n = len(inputs)
+    s = DeltaStruct((_P * 4)(*(ctypes.addressof(lin) for lin in inputs)), ctypes.addressof(out),
+                    delta.in_order.ctypes.data if delta.in_order is not None else None, n,
+                    (_I * 4)(*(lin.n for lin in inputs)),
+                    *(a.ctypes.data for a in (delta.conv, delta.decay, delta.dt_bias, delta.norm)),
+                    delta.out_order.ctypes.data if delta.out_order is not None else None,
+                    delta.eps, delta.k_heads, delta.v_heads, delta.k_dim, delta.v_dim, delta.kernel)
+    keep.append(s)
+    return ctypes.addressof(s)
+
+
 def _norm(norm: Any) -> NormStruct:
     return NormStruct() if norm is None else NormStruct(norm.ptr, norm.eps)
 
@@ -161,6 +186,7 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
             setattr(s, name, _norm(getattr(layer, name)))
         s.rope = layer.rope
         s.moe = _moe(layer.moe, keep)
+        s.delta, s.gated_q = _delta(layer.delta, keep), int(layer.gated_q)
     keep.append(layers)
     rope_traditional = decoder.angles.traditional
     traditional = (_I * 2)(*[int(t) for t in rope_traditional] + [0] * (2 - len(rope_traditional)))
@@ -170,7 +196,7 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
         gelu=int(decoder.gemma), scale=decoder.scale, angle_sets=len(decoder.angles.ropes),
         prompt_rows_min=decoder.prompt_rows_min, traditional=traditional,
         layers=ctypes.addressof(layers), norm=_norm(decoder.norm), head=_linear(decoder.head, keep),
-        qk_norm_whole=int(decoder.qk_norm_whole))
+        qk_norm_whole=int(decoder.qk_norm_whole), rope_dims=decoder.rope_dims)
     held_lib = blas_shim.holding_the_gil(lib)
     fns = [lib.mlxcel_decode_pass, held_lib.mlxcel_decode_pass]
     for fn in fns:
@@ -181,6 +207,8 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
                        if lin is not None)
     weight_bytes += sum(layer.moe.nbytes + sum(_weight_bytes(lin) for lin in layer.moe.linears)
                         for layer in decoder.layers if layer.moe is not None)
+    weight_bytes += sum(_weight_bytes(lin) for layer in decoder.layers if layer.delta is not None
+                        for lin in layer.delta.linears)
     weight_bytes += _weight_bytes(decoder.head)
     return NativeModel(struct, keep, fns[0], fns[1], weight_bytes <= GIL_HELD_WEIGHT_BYTES_MAX)
 

@@ -1,0 +1,184 @@
+"""The CPU decode runtime on the Qwen3.5 hybrids (runtime/decode_delta.py, runtime/native/delta_net.c):
+gated delta-net layers between attention layers with an output gate and a partial RoPE.
+
+- Per family (qwen3_5 float32 and Q8_0, qwen3_5_moe Q8_0 with its experts and shared expert on the
+  blocks, qwen3_next Q8_0 with its fused in-projections interleaved per key head): teacher-forced
+  steps agree with MLX's step on the same model (float32: to float32 rounding; blocks: within
+  BLOCK_RTOL, as the other block families), the same greedy token
+  wherever MLX's choice is decided, and the recurrent state (conv and delta state) and the KV
+  cache as MLX's step leaves them.
+- Rows stepped together are bit-identical to each row alone (each row its own state).
+- A cold prompt fed as one chunk on the runtime (its tokens in a C loop) leaves MLX's state, and
+  chunks of two sequences prefilled together leave what each leaves alone.
+- The state is updated in place only in the sequence's own arrays: a copy of the cache (what
+  snapshots and prompt-cache entries take) keeps the state it was taken with.
+(A hybrid whose experts are float32 keeps MLX's step and says why: test_cpu_decode.py's
+``test_other_families_keep_mlx_and_say_why``.)
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxcel_compat.cache import kv
+from mlxcel_compat.model.loader import load_model
+from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
+from tests.conftest import tiny_model
+from tests.runtime.step_checks import assert_rows_together_equal_rows_alone
+
+BLOCK_RTOL = 0.06  # as test_cpu_decode_moe.py: activations quantized to the blocks' vec_dot_type
+FLOAT_RTOL = 1e-5  # float32 weights: another summation order only
+
+pytestmark = pytest.mark.skipif(backend.matmul_shim() is None, reason="the BLAS shim is not built on this machine")
+
+
+def ids(n: int, seed: int = 0) -> list[int]:
+    return [(7 * i + 3 + 13 * seed) % 500 + 10 for i in range(n)]
+
+
+def prefilled(model: nn.Module, n: int, seed: int = 0) -> list:
+    cache = make_prompt_cache(model)
+    model(mx.array([ids(n, seed)]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def mlx_logits(model: nn.Module, token: int, cache: list) -> np.ndarray:
+    out = model(mx.array([[token]]), cache=cache)[0, -1]
+    mx.eval(out)
+    return np.array(out)
+
+
+def close(got: np.ndarray, want: np.ndarray, rtol: float) -> bool:
+    return bool(np.abs(got - want).max() <= rtol * np.abs(want).max())
+
+
+def assert_caches_close(decoder: cpu_decode.CpuDecoder, ours: list, theirs: list, rtol: float) -> None:
+    """Every delta-net layer's conv and delta state, and every attention layer's keys and values."""
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if i in decoder.delta_layers:
+            for got, want in zip(a.cache, b.cache):
+                assert got.shape == want.shape and close(np.array(got), np.array(want), rtol), i
+        else:
+            assert a.offset == b.offset
+            n = a.offset
+            assert close(np.array(a.keys[..., :n, :]), np.array(b.keys[..., :n, :]), rtol), i
+            assert close(np.array(a.values[..., :n, :]), np.array(b.values[..., :n, :]), rtol), i
+
+
+@pytest.fixture(scope="module")
+def hybrid_decoder() -> Callable[[str], tuple[nn.Module, cpu_decode.CpuDecoder]]:
+    """The tiny model of a spec and its decoder (every layer on the runtime), loaded once for the module."""
+    loaded: dict[str, tuple[nn.Module, cpu_decode.CpuDecoder]] = {}
+
+    def get(spec: str) -> tuple[nn.Module, cpu_decode.CpuDecoder]:
+        if spec not in loaded:
+            model = load_model(str(tiny_model(spec)), [])
+            decoder = model.decoder
+            assert isinstance(decoder, cpu_decode.CpuDecoder), cpu_decode.unsupported(model.model)
+            loaded[spec] = model.model, decoder
+        return loaded[spec]
+
+    return get
+
+
+@pytest.mark.parametrize("spec", ["qwen3_5:q8_0", pytest.param("qwen3_5", marks=pytest.mark.slow),
+                                  pytest.param("qwen3_5_moe:q8_0", marks=pytest.mark.slow),
+                                  pytest.param("qwen3_next:q8_0", marks=pytest.mark.slow)])
+def test_hybrid_models_follow_mlx_step_for_step(hybrid_decoder: Callable, spec: str) -> None:
+    """8 teacher-forced steps after an MLX prefill: logits within the tolerance of MLX's step, the
+    same token where MLX's top two are further apart than either side may move, the delta-net
+    states and the KV cache as MLX's."""
+    model, decoder = hybrid_decoder(spec)
+    assert decoder.delta_layers == [0, 1, 2] and decoder.attn_layers == [3]  # 3 delta-net layers : 1 attention
+    assert decoder.rope_dims == decoder.head_dim // 4 and decoder.layers[3].gated_q  # partial RoPE, gated queries
+    moe = spec.split(":")[0] in ("qwen3_5_moe", "qwen3_next")
+    assert all((layer.moe is not None) == moe for layer in decoder.layers)
+    # qwen3_next's fused in-projections, their columns gathered into the mixer's layout
+    assert all((layer.delta.in_order is not None) == spec.startswith("qwen3_next") for layer in decoder.layers[:3])
+    rtol = FLOAT_RTOL if ":" not in spec else BLOCK_RTOL
+    ours = prefilled(model, 30)
+    theirs = copy.deepcopy(ours)
+    owned = decode_kv.OwnedCache()
+    token = 11
+    for step in range(8):
+        assert decoder.can_run(ours, owned)
+        steps = decoder.steps
+        got = decoder.step(token, ours, owned).copy()
+        assert decoder.steps == steps + 1
+        want = mlx_logits(model, token, theirs)
+        top = np.abs(want).max()
+        assert close(got, want, rtol), (step, np.abs(got - want).max() / top)
+        first, second = np.sort(want)[-2:][::-1]
+        if first - second > 2 * rtol * top:
+            assert int(got.argmax()) == int(want.argmax()), step
+        assert_caches_close(decoder, ours, theirs, rtol)
+        token = int(want.argmax())
+
+
+def test_hybrid_rows_stepped_together_are_bit_identical_to_rows_alone(hybrid_decoder: Callable) -> None:
+    """Three sequences stepped together, each on its own recurrent state, give exactly the logits
+    each gives alone, step after step."""
+    model, decoder = hybrid_decoder("qwen3_5:q8_0")
+    together = [prefilled(model, n, seed) for n, seed in ((12, 0), (30, 1), (45, 2))]
+    assert_rows_together_equal_rows_alone(decoder, together, 4)
+    assert [decoder.offset(c) for c in together] == [16, 34, 49]
+
+
+def test_a_hybrid_prompt_chunk_on_the_runtime_leaves_mlx_s_state(hybrid_decoder: Callable) -> None:
+    """A cold 40-token prompt fed by ``prefill`` (the conv and the delta rule token by token in C,
+    the products as prompt tiles) leaves the states and KV MLX's chunk leaves, and the next step
+    agrees with MLX's."""
+    model, decoder = hybrid_decoder("qwen3_5:q8_0")
+    prompt = ids(40, seed=31)
+    theirs = make_prompt_cache(model)
+    model(mx.array([prompt]), cache=theirs)
+    mx.eval([c.state for c in theirs])
+    ours, owned = make_prompt_cache(model), decode_kv.OwnedCache()
+    assert decoder.can_prefill(ours, owned) and not decoder.can_step_tokens(ours, owned)
+    prefilled_before = decoder.prefilled
+    assert decoder.prefill(prompt, ours, owned, logits=False) is None
+    assert decoder.prefilled == prefilled_before + 40
+    assert_caches_close(decoder, ours, theirs, BLOCK_RTOL)
+    got, want = decoder.step(5, ours, owned).copy(), mlx_logits(model, 5, theirs)
+    assert close(got, want, BLOCK_RTOL)
+
+
+def test_hybrid_prompt_chunks_prefilled_together_equal_chunks_alone(hybrid_decoder: Callable) -> None:
+    """Two sequences' prompt chunks in one pass (``prefill_rows``: one product a weight for both,
+    each chunk's tokens through its own states) leave exactly the states each leaves alone."""
+    model, decoder = hybrid_decoder("qwen3_5:q8_0")
+    prompts = [ids(24, seed=5), ids(33, seed=6)]
+    together = [make_prompt_cache(model) for _ in prompts]
+    decoder.prefill_rows(prompts, together, [decode_kv.OwnedCache() for _ in prompts])
+    for prompt, ours in zip(prompts, together):
+        alone = make_prompt_cache(model)
+        decoder.prefill(prompt, alone, decode_kv.OwnedCache(), logits=False)
+        for i in decoder.delta_layers:
+            assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(ours[i].cache, alone[i].cache))
+        assert decoder.offset(ours) == len(prompt)
+
+
+def test_a_copy_of_the_cache_keeps_the_state_it_was_taken_with(hybrid_decoder: Callable) -> None:
+    """The runtime updates its own state arrays in place; a snapshot's copy (``cache/kv.py``) taken
+    between steps still holds the state of its time after more steps, and continuing from it
+    gives what continuing from that point gave."""
+    model, decoder = hybrid_decoder("qwen3_5:q8_0")
+    cache, owned = prefilled(model, 20), decode_kv.OwnedCache()
+    decoder.step(11, cache, owned)
+    taken = kv.snapshot(cache)
+    kept = [np.array(a) for i in decoder.delta_layers for a in taken[i].cache]
+    after = decoder.step(12, cache, owned).copy()
+    decoder.step(13, cache, owned)
+    assert all(np.array_equal(np.array(a), b)
+               for a, b in zip((a for i in decoder.delta_layers for a in taken[i].cache), kept))
+    assert not np.array_equal(np.array(cache[0].cache[1]), kept[1])  # the live state did move on
+    again = decoder.step(12, taken, decode_kv.OwnedCache())
+    assert np.array_equal(again, after)
