@@ -74,6 +74,8 @@ class BlockPool:
         self._bytes = 0  # all live blocks
         self._stored_bytes = 0  # blocks with stored > 0
         self._stored_blocks = 0
+        self._refs = 0  # references on live blocks, all holders
+        self._stored_refs = 0  # the part of them held by stored entries
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -95,6 +97,16 @@ class BlockPool:
     def stored_blocks(self) -> int:
         return self._stored_blocks
 
+    @property
+    def refs(self) -> int:
+        """References on live blocks, every holder's (stored entries, leases, donations)."""
+        return self._refs
+
+    @property
+    def stored_refs(self) -> int:
+        """The part of :attr:`refs` held by stored entries."""
+        return self._stored_refs
+
     def allocate(self, data: object, n_tokens: int, nbytes: int) -> int:
         """A new block holding ``data``, with one reference, the caller's."""
         if not 0 < n_tokens <= self.block_tokens:
@@ -104,6 +116,7 @@ class BlockPool:
         block = Block(next(self._ids), data, n_tokens, nbytes, refs=1)
         self._blocks[block.id] = block
         self._bytes += nbytes
+        self._refs += 1
         self.counters.allocated += 1
         return block.id
 
@@ -119,11 +132,13 @@ class BlockPool:
         for block_id in block_ids:
             block = self._block(block_id)
             block.refs += 1
+            self._refs += 1
             if stored:
                 if block.stored == 0:
                     self._stored_bytes += block.nbytes
                     self._stored_blocks += 1
                 block.stored += 1
+                self._stored_refs += 1
 
     def release(self, block_ids: Iterable[int], stored: bool = False) -> int:
         """Drop one reference on each block; returns how many blocks were freed by it."""
@@ -134,10 +149,12 @@ class BlockPool:
                 if block.stored < 1:
                     raise ValueError(f"block {block_id} has no stored reference to release")
                 block.stored -= 1
+                self._stored_refs -= 1
                 if block.stored == 0:
                     self._stored_bytes -= block.nbytes
                     self._stored_blocks -= 1
             block.refs -= 1
+            self._refs -= 1
             if block.refs < block.stored:
                 raise ValueError(f"block {block_id}: more stored references than references")
             if block.refs == 0:

@@ -40,6 +40,27 @@ class SharedBlocks:
         """Blocks held by running sequences (each lease's blocks counted once per lease)."""
         return sum(len(lease.block_ids) for lease in self._leases.values())
 
+    def stats(self) -> dict[str, int]:
+        """Who holds the pool's blocks, for ``/v1/cache/stats``: the leak check of issue 54.
+
+        Between engine steps every reference on a live block belongs to a stored entry or to a
+        running sequence's lease (a donation's own references last only inside ``donate``), so
+        ``kv_block_stray_refs`` is 0 unless a path forgot a release; once the slots are idle and
+        the cache is reset, ``kv_blocks`` is 0 too."""
+        pool = self.pool
+        leased = self.leased_blocks
+        return {
+            "kv_blocks_stored": pool.stored_blocks,
+            "kv_block_leases": len(self._leases),
+            "kv_blocks_leased": leased,
+            "kv_block_stray_refs": pool.refs - pool.stored_refs - leased,
+        }
+
+    @staticmethod
+    def empty_stats() -> dict[str, int]:
+        """The same keys without a pool (blocks off, or the cache off)."""
+        return {"kv_blocks_stored": 0, "kv_block_leases": 0, "kv_blocks_leased": 0, "kv_block_stray_refs": 0}
+
     def adopt(self, seq: "Sequence", table: BlockTable, n_tokens: int) -> list[Any]:
         """The sequence's cache gathered from ``table``'s first ``n_tokens`` positions; the full
         blocks among them become the sequence's lease (the partly used last one is copied)."""

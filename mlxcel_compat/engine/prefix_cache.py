@@ -28,11 +28,9 @@ from typing import TYPE_CHECKING, Any
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel_compat.runtime.backend import release_free_memory
-from mlxcel_compat.runtime.kv_precision import of_model
-from mlxcel_compat.cache import kv, kv_io
+from mlxcel_compat.cache import kv
 from mlxcel_compat.cache.block_hash import ApcConfig
 from mlxcel_compat.cache.block_pool import BlockTable
-from mlxcel_compat.cache.disk_format import Compat
 from mlxcel_compat.cache.explain import explain_lookup
 from mlxcel_compat.cache.key import PIN_SESSION, TEXT_ONLY_MM_DIGEST, Bucket
 from mlxcel_compat.cache.media import first_media_token
@@ -135,9 +133,9 @@ class PrefixCache:
         if capacity is None:
             capacity = disk_capacity_default(root)
             log.info("Applied prompt-cache disk capacity default: %d bytes (half of what %s could use, at most 16 GiB)", capacity, root)
-        loaded = engine.loaded
-        compat = Compat(model=loaded.fingerprint, runtime=kv_io.runtime_tag(loaded.model, of_model(loaded.model).tag))
-        disk = DiskTier(root, capacity, compat, config.min_prefix, apc, wake=lambda: engine.call(self._refresh),
+        # engine.compat (Engine._load) is the one description of what saved state must match: the
+        # model's fingerprint with the draft model's, since entries then hold the draft's layers too.
+        disk = DiskTier(root, capacity, engine.compat, config.min_prefix, apc, wake=lambda: engine.call(self._refresh),
                         busy=lambda: engine.busy)
         for kind, store in self._stores.items():
             store.on_evict = lambda entry, kind=kind: disk.spill(kind, entry)
@@ -520,11 +518,13 @@ class PrefixCache:
         from there, so it counts as a hit); ``tiers`` splits what RAM and disk hold and served.
         """
         if not self.config.enabled:
-            out = {**PromptCacheStore.disabled_stats(), **SnapshotStore.disabled_stats(), **self.kv_accounting}
+            out = {**PromptCacheStore.disabled_stats(), **SnapshotStore.disabled_stats(), **self.kv_accounting,
+                   **SharedBlocks.empty_stats()}
             out["tiers"] = tiers_stats(out, DiskTier.disabled_stats())
             return out
         self.store.sweep()
-        out = {**self.store.stats(), **self.kv_accounting}
+        out = {**self.store.stats(), **self.kv_accounting,
+               **(self.blocks.stats() if self.blocks is not None else SharedBlocks.empty_stats())}
         if self.snapshots is not None:
             self.snapshots.store.sweep()
             out.update(self.snapshots.store.stats())

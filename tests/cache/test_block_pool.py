@@ -236,6 +236,7 @@ class Walk:
         for _, lease in self.running.values():
             refs.update(lease)
         assert self.pool.referenced() == {i: (refs[i], stored[i]) for i in refs}
+        assert (self.pool.refs, self.pool.stored_refs) == (sum(refs.values()), sum(stored.values()))  # the stats' running sums
         unique = sum(self.pool.block(i).nbytes for i in stored)
         assert self.pool.stored_bytes == unique == self.store.nbytes
         assert self.store.nbytes <= self.store.capacity_bytes
