@@ -207,6 +207,30 @@ def test_a_clean_shutdown_writes_ram_and_a_restart_indexes_it(tmp_path: Path) ->
         h.close()
 
 
+def test_the_shutdown_flush_makes_one_whole_copy_at_a_time(tmp_path: Path) -> None:
+    """Entries sharing blocks are each written whole; the flush gathers the next one only once the
+    previous file is written, so memory never holds more than one entry's copy."""
+    h = EngineHarness(tiny_model("llama"), batch_size=CHUNK, kv_block_tokens=CHUNK, disk_dir=str(tmp_path),
+                      disk_capacity_bytes=1 << 30)
+    system = tokens(8 * CHUNK, seed=20)
+    for s in range(4):
+        h.run(system + tokens(CHUNK + 3, seed=21 + s), n_predict=2, session=f"s{s}")
+    assert h.stats()["sharing_ratio"] > 2.0
+    disk = disk_of(h)
+    waiting: list[int] = []  # entries queued, not yet written, each time the flush makes a copy
+    spill = disk.spill
+
+    def counting_spill(kind: str, entry: Any, force: bool = False) -> bool:
+        waiting.append(disk.stats()["write_queue_entries"])
+        return spill(kind, entry, force)
+
+    disk.spill = counting_spill
+    directory = disk.index.directory
+    h.close()
+    assert waiting == [0, 0, 0, 0]
+    assert len(list(directory.glob("*.safetensors"))) == 4
+
+
 def test_recurrent_snapshots_spill_and_restore_like_a_ram_hit(tmp_path: Path) -> None:
     """qwen3_next: session snapshots that leave RAM come back from disk, bit for bit."""
     model = tiny_model("qwen3_next")
