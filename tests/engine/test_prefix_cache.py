@@ -371,3 +371,24 @@ def test_a_failure_right_after_a_sequence_takes_its_slot_ends_it_there(harness: 
     assert events.empty()  # nothing of the failed request ran on
     stats = harness.stats()
     assert stats["entries"] == 2 and stats["kv_block_leases"] == 0 and stats["kv_block_stray_refs"] == 0
+
+
+def test_a_failure_after_the_adoption_took_its_lease_releases_it(harness: EngineHarness, monkeypatch) -> None:
+    """The sequence's construction fails after ``PrefixCache.adopt`` leased the hit's blocks (here
+    in ``Sequence.adopt``): the request fails, and the lease goes with it."""
+    harness.reset()
+    system = random_tokens(SYSTEM, seed=5)
+    harness.run(system + random_tokens(9, seed=50), n_predict=2, session="a")
+
+    def broken(seq: Sequence, *args, **kwargs) -> None:
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(Sequence, "adopt", broken)
+    events: queue.Queue = queue.Queue()
+    harness.submit(system + random_tokens(30, seed=51), events.put, n_predict=4, session="b")
+    assert isinstance(events.get(timeout=60), ErrorEvent)
+    stats = harness.stats()
+    assert (stats["kv_block_leases"], stats["kv_blocks_leased"], stats["kv_block_stray_refs"]) == (0, 0, 0)
+    monkeypatch.undo()
+    harness.reset()
+    assert harness.stats()["kv_blocks"] == 0
