@@ -117,6 +117,25 @@ def test_store_counts_shared_blocks_once_and_frees_on_eviction() -> None:
     assert store.nbytes == 0 and pool.stored_bytes == 0
 
 
+def test_an_entry_larger_than_the_budget_is_refused_even_when_it_adds_less() -> None:
+    """The "oversized" bound is the entry's logical size, not the bytes it adds beside the entries
+    it shares blocks with: once those are evicted, it holds every one of its blocks alone, so a
+    store that took it would sit over its budget with nothing left to evict."""
+    pool = BlockPool(BLOCK)
+    store = PromptCacheStore(capacity_bytes=100, max_entries=10, ttl_seconds=0, min_prefix=1, pool=pool)
+    bucket = make_bucket()
+    base = list(range(100, 108))  # 80 bytes: fits
+    table = build_table(pool, len(base), (), fake_blocks(base))
+    assert store.insert(bucket, "a", base, table, 80, True).inserted
+    pool.release(table.block_ids)
+    longer = base + [1, 2, 3]  # 110 bytes logical, 30 of them new
+    grown = build_table(pool, len(longer), table.full_blocks(len(base)), fake_blocks(longer))
+    result = store.insert(bucket, "b", longer, grown, 110, True)
+    pool.release(grown.block_ids)
+    assert not result.inserted and result.reason == "oversized"
+    assert store.nbytes == 80 <= store.capacity_bytes
+
+
 def test_evicted_blocks_stay_readable_for_the_disk_tier() -> None:
     pool = BlockPool(BLOCK)
     store = PromptCacheStore(capacity_bytes=200, max_entries=1, ttl_seconds=0, min_prefix=1, pool=pool)
