@@ -231,7 +231,7 @@ class PrefixCache:
             self._refresh()
             return
         try:
-            payload = self.blocks.state(seq, seq.cache, position) if self.blocks is not None else kv.detached_prefix(seq.cache, position)
+            payload = self.blocks.state(seq, seq.cache, position, bucket) if self.blocks is not None else kv.detached_prefix(seq.cache, position)
         except Exception as exc:  # a breakpoint is an optimisation: never fail the request
             log.debug("prompt cache: pinning %d tokens failed for task %d: %s", position, seq.request.task_id, exc)
             return
@@ -363,12 +363,12 @@ class PrefixCache:
             return
         if not kv.can_truncate(seq.cache[: self.n_layers]):
             return
+        bucket = replace(self.bucket(seq), mm_digest=TEXT_ONLY_MM_DIGEST)
         if self.blocks is not None:
-            payload = self.blocks.state(seq, seq.cache[: self.n_layers], first)
+            payload = self.blocks.state(seq, seq.cache[: self.n_layers], first, bucket)
         else:
             payload = kv.copy_cache(seq.cache[: self.n_layers])
             kv.truncate(payload, first)
-        bucket = replace(self.bucket(seq), mm_digest=TEXT_ONLY_MM_DIGEST)
         try:
             self.store.insert(bucket, seq.request.cache.session_key, seq.cache_tokens[:first], payload, kv.payload_nbytes(payload), True)
         finally:
@@ -392,7 +392,7 @@ class PrefixCache:
             log.debug("prompt cache: not donating task %d: cache holds %d tokens, %d recorded", seq.request.task_id, held, len(tokens))
             return
         layers = cache + self._draft_layers(seq)
-        payload = self.blocks.state(seq, layers, len(tokens)) if self.blocks is not None else kv.snapshot(layers)
+        payload = self.blocks.state(seq, layers, len(tokens), self.bucket(seq)) if self.blocks is not None else kv.snapshot(layers)
         try:
             payload_bytes = kv.payload_nbytes(payload)
             final = self._keep_final_logits(seq, tokens, payload_bytes)
@@ -495,7 +495,7 @@ class PrefixCache:
         trimmable = kv.can_truncate(payload) and (self.token_granular or kind == "snapshot")
         if kind == "snapshot" and origin not in ("boundary", "completion"):
             origin = "completion"
-        state = self.blocks.from_file(payload, len(tokens)) if kind == "kv" and self.blocks is not None else payload
+        state = self.blocks.from_file(payload, bucket, tokens) if kind == "kv" and self.blocks is not None else payload
         try:
             return store.insert(bucket, session_key, tokens, state, kv.payload_nbytes(state), trimmable, origin).inserted
         finally:

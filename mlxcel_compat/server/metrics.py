@@ -150,6 +150,8 @@ def prompt_cache_metrics(engine: Engine) -> Iterable[Metric]:
         _gauge("mlxcel_prompt_cache_sharing_ratio", "logical_bytes / bytes: how many times shared blocks are reused.", s["sharing_ratio"]),
         _gauge("mlxcel_prompt_cache_kv_blocks", "Shared KV blocks alive (held by entries or running sequences).", s["kv_blocks"]),
         _gauge("mlxcel_prompt_cache_kv_block_bytes", "Bytes of the shared KV blocks alive.", s["kv_block_bytes"]),
+        _counter("mlxcel_prompt_cache_kv_blocks_merged_total",
+                 "Blocks computed again, found bit-identical to a live block and shared instead.", s["kv_blocks_merged"]),
         _gauge("mlxcel_prompt_cache_kv_blocks_stored", "Shared KV blocks held by stored entries.", s["kv_blocks_stored"]),
         _gauge("mlxcel_prompt_cache_kv_block_leases", "Running sequences holding shared KV blocks.", s["kv_block_leases"]),
         _gauge("mlxcel_prompt_cache_kv_blocks_leased", "Shared KV blocks held by running sequences (per lease).", s["kv_blocks_leased"]),

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from mlxcel_compat.cache.block_hash import ApcConfig
-from mlxcel_compat.cache.block_pool import BlockPool, BlockTable, build_table
+from mlxcel_compat.cache.block_pool import BlockIndex, BlockPool, BlockTable, block_keys, build_table
 from mlxcel_compat.cache.prompt_store import PromptCacheStore
 from tests.cache.fakes import make_bucket
 
@@ -134,6 +134,33 @@ def test_an_entry_larger_than_the_budget_is_refused_even_when_it_adds_less() -> 
     pool.release(grown.block_ids)
     assert not result.inserted and result.reason == "oversized"
     assert store.nbytes == 80 <= store.capacity_bytes
+
+
+def test_a_prefix_computed_again_folds_into_the_live_copy_only_when_its_bits_are_equal() -> None:
+    pool = BlockPool(BLOCK)
+    index = BlockIndex(pool)
+    tokens = list(range(100, 111))  # two full blocks and a part
+    keys = block_keys(b"bucket", tokens, BLOCK, 2)
+    assert len(keys) == 2 and keys != block_keys(b"other bucket", tokens, BLOCK, 2) != block_keys(b"bucket", tokens, BLOCK, 3)
+    assert block_keys(b"bucket", tokens[:8] + [0, 0, 0], BLOCK, 2) == keys  # a key covers its block's prefix only
+    first = index.merge(build_table(pool, 11, (), fake_blocks(tokens)), keys, lambda a, b: a == b)
+    assert len(index) == 2 and pool.counters.merged == 0  # the first copy is indexed
+    again = index.merge(build_table(pool, 11, (), fake_blocks(tokens)), keys, lambda a, b: a == b)
+    assert again.block_ids[:2] == first.block_ids[:2] and again.block_ids[2] != first.block_ids[2]
+    assert pool.counters.merged == 2 and len(pool) == 4  # the copies of the two full blocks are freed
+    assert pool.referenced()[first.block_ids[0]] == (2, 0)  # each caller holds its one reference
+    assert gathered(again, 11) == tokens
+    # The same tokens with other bits (another chunking's last bits): kept apart, nothing merged.
+    skewed = build_table(pool, 11, (), lambda start, stop: (("other", start), (stop - start) * BYTES_PER_TOKEN))
+    kept = index.merge(skewed, keys, lambda a, b: a == b)
+    assert kept is skewed and pool.counters.merged == 2
+    for table in (first, again, kept):
+        pool.release(table.block_ids)
+    assert len(pool) == 0
+    # A key whose block was freed names nothing: the next copy takes its place.
+    third = index.merge(build_table(pool, 11, (), fake_blocks(tokens)), keys, lambda a, b: a == b)
+    assert pool.counters.merged == 2 and len(pool) == 3
+    pool.release(third.block_ids)
 
 
 def test_evicted_blocks_stay_readable_for_the_disk_tier() -> None:
