@@ -53,8 +53,8 @@ def stats(base_url: str) -> dict:
 
 def test_a_storm_with_hang_ups_and_eviction_leaks_no_block(load_test: ModuleType, load_server: ServerProcess) -> None:
     base = load_server.base_url
-    storm = asyncio.run(load_test.storm(base, 24, 0.3, 8, seed=5))
-    steady = asyncio.run(load_test.steady(base, 3, 2.0, 0.3, 8, seed=6))
+    storm = asyncio.run(load_test.storm(base, 16, 0.3, 8, seed=5))
+    steady = asyncio.run(load_test.steady(base, 3, 1.5, 0.3, 8, seed=6))
     for tally in (storm, steady):
         assert tally.lost() == [], tally.summary()
     outcomes = storm.outcomes + steady.outcomes
