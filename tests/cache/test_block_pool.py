@@ -183,7 +183,9 @@ class Walk:
     blocks inside the match), donate (a table starting with the lease, stored, the donor's
     reference released), cancel and engine faults (the lease released, nothing donated), a
     donation that fails half-way, evictions under a small byte budget, TTL-less removes and
-    resets. After every step the pool's counts must equal what entries and leases reach."""
+    resets. A donation's blocks computed again fold into equal live blocks (``BlockIndex``; the
+    stand-in arrays are the tokens, so a block of the same prefix is always equal). After every
+    step the pool's counts must equal what entries and leases reach."""
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
@@ -191,6 +193,7 @@ class Walk:
         self.store = PromptCacheStore(capacity_bytes=30 * BYTES_PER_TOKEN, max_entries=5, ttl_seconds=0, min_prefix=1,
                                       pool=self.pool, apc=ApcConfig(block_size=2, hash_name="sha256", num_blocks=None))
         self.bucket = make_bucket()
+        self.index = BlockIndex(self.pool)
         self.running: dict[int, tuple[list[int], tuple[int, ...]]] = {}  # seq id -> (tokens, lease)
         self.ids = 0
         self.prefixes = [[self.rng.randrange(50) for _ in range(self.rng.randrange(3, 14))] for _ in range(3)]
@@ -232,6 +235,7 @@ class Walk:
         tokens = tokens + [self.rng.randrange(50) for _ in range(self.rng.randrange(0, 4))]  # generated
         try:
             table = build_table(self.pool, len(tokens), lease, fake_blocks(tokens))
+            table = self.index.merge(table, block_keys(b"walk", tokens, BLOCK, None), lambda a, b: a == b)
             try:
                 self.store.insert(self.bucket, f"s{self.rng.randrange(3)}", tokens, table, len(tokens) * BYTES_PER_TOKEN, True)
             finally:
@@ -296,6 +300,7 @@ def test_random_walk_keeps_the_accounting_exact(seed: int) -> None:
     assert done["donate"] > 50 and done["adopt"] > 50
     assert walk.pool.counters.shared > 0  # leases were really shared into stored tables
     assert walk.store.counters.evictions["lru"] > 10  # and the budget evicted entries that shared them
+    assert walk.pool.counters.merged > 0  # copies computed again were folded into live blocks
     for _, lease in walk.running.values():
         walk.pool.release(lease)
     walk.running.clear()
