@@ -252,7 +252,7 @@ class BlockIndex:
             new, old = ids[k], self._ids.get(key)
             if old is None or old not in self.pool:
                 self._ids[key] = new
-            elif old != new and equal(self.pool.data(old), self.pool.data(new)):
+            elif old != new and _same(equal, self.pool.data(old), self.pool.data(new)):
                 self.pool.retain((old,))
                 self.pool.release((new,))
                 ids[k] = old
@@ -260,4 +260,13 @@ class BlockIndex:
         if len(self._ids) > 2 * len(self.pool) + 64:
             self._ids = {key: i for key, i in self._ids.items() if i in self.pool}
         return table if tuple(ids) == table.block_ids else BlockTable(self.pool, tuple(ids), table.n_tokens, table.layout)
+
+
+def _same(equal: Callable[[object, object], bool], a: object, b: object) -> bool:
+    """``equal(a, b)``, where a comparison that fails keeps the copy (sharing is an optimisation:
+    it must never fail a donation, nor leave its references half moved)."""
+    try:
+        return bool(equal(a, b))
+    except Exception:
+        return False
 

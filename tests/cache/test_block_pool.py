@@ -154,6 +154,13 @@ def test_a_prefix_computed_again_folds_into_the_live_copy_only_when_its_bits_are
     skewed = build_table(pool, 11, (), lambda start, stop: (("other", start), (stop - start) * BYTES_PER_TOKEN))
     kept = index.merge(skewed, keys, lambda a, b: a == b)
     assert kept is skewed and pool.counters.merged == 2
+
+    def broken(a: object, b: object) -> bool:
+        raise RuntimeError("cannot compare")
+
+    again_broken = build_table(pool, 11, (), fake_blocks(tokens))
+    assert index.merge(again_broken, keys, broken) is again_broken  # a failing compare keeps the copy
+    pool.release(again_broken.block_ids)
     for table in (first, again, kept):
         pool.release(table.block_ids)
     assert len(pool) == 0
