@@ -35,6 +35,13 @@ import benchlib
 
 sys.path.insert(0, str(benchlib.ROOT))
 
+from mlxcel_compat.runtime.backend import load_optimized_blas  # noqa: E402
+
+# The server's BLAS, loaded before MLX is: without it the prompt chunks run on the reference BLAS
+# and NumPy's own, and a 1K-token chunk at 4K depth took ~5 s on a busy 2-core machine (the full
+# 64 x (4096 + 1024) run did not finish).
+load_optimized_blas()
+
 from mlxcel_compat.cache.block_pool import KV_BLOCK_TOKENS  # noqa: E402
 from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG, TEXT_ONLY_MM_DIGEST  # noqa: E402
 from mlxcel_compat.engine.core import Engine, EngineConfig  # noqa: E402

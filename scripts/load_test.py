@@ -7,21 +7,28 @@ prompt-cache budget so that eviction runs all the time. Then:
 1. warm-up: the same storm once (other prompts), a cache reset, then the RSS baseline;
 2. storm: ``--streams`` (200) streams at once, native ``/completion`` and OpenAI
    ``/v1/chat/completions`` mixed; ``--disconnect`` (30 %) of them hang up after a random number
-   of chunks; half the prompts start with one of a few shared prefixes (prompt-cache hits), half
+   of chunks; half the prompts start with one of a few shared system prompts (prompt-cache hits;
+   each spans more than two KV blocks, so the hits share blocks and hold leases on them), half
    are unique (misses);
 3. steady load: ``--clients`` closed-loop clients send the same mix back to back for
    ``--steady-seconds`` (the issue asks for 10 minutes: ``--steady-seconds 600``);
-4. ``POST /v1/cache/reset``, then the RSS again.
+4. ``POST /v1/cache/reset``, then the RSS and the block pool again.
 
 A separate process samples, every ``--sample-every`` seconds: ``/health`` latency, the prompt
-cache's bytes against its capacity (``/v1/cache/stats``), and the server's RSS. Reported:
+cache's bytes against its capacity and who holds the KV blocks (``/v1/cache/stats``), and the
+server's RSS. Reported, with issue 54's goals ("No block leaks"):
 
 * lost completions: streams not hung up on purpose that did not end with their final event
   (``stop: true`` / ``[DONE]``), or ended with an error (goal 0);
 * slots: all idle within a few seconds after each phase (goal: yes);
-* prompt-cache bytes <= capacity at every sample (goal: yes);
+* prompt-cache bytes <= capacity at every sample, and LRU evictions all along (goal: yes);
+* no stray block reference at any sample (``kv_block_stray_refs``: a reference on a shared KV
+  block held by no stored entry and no running sequence) (goal: yes);
+* after the reset, the pool holds no block and no lease (goal: yes);
 * RSS after the reset within 10 % of the post-warm-up baseline (goal: yes);
 * ``/health`` p50/p99/max during the run, and prompt-cache hits.
+
+``tests/e2e/test_load.py`` runs the same phases for a few seconds in the default suite.
 
 Usage::
 
@@ -44,7 +51,7 @@ import httpx
 
 import benchlib
 
-PREFIXES = [
+HEADS = [
     "You are a helpful assistant for a bicycle shop. Customers ask about repairs, parts and opening hours. "
     "Answer briefly and politely, and say so when you do not know. ",
     "System: you summarise support tickets for an internet provider. Each ticket has a customer, a product, "
@@ -55,6 +62,22 @@ PREFIXES = [
     "matching books with their shelf location and availability. ",
 ]
 WORDS = "apple river stone cloud garden lamp window silver road music table winter paper bridge candle forest".split()
+RULE_WORDS = 240  # a system prompt's rules: ~640 tokens with its head (the tiny llama's tokenizer), 2 KV blocks and a part
+
+
+def system_prompts() -> list[str]:
+    """The shared system prompts: each head, then numbered rules, long enough to span two whole
+    KV blocks (256 positions each): sessions that adopt one lease its blocks and share them."""
+    out = []
+    for i, head in enumerate(HEADS):
+        rng = random.Random(i)
+        words = [rng.choice(WORDS) for _ in range(RULE_WORDS)]
+        rules = " ".join(f"Rule {n + 1}: {' '.join(words[n * 8:(n + 1) * 8])}." for n in range(RULE_WORDS // 8))
+        out.append(head + rules + " ")
+    return out
+
+
+SYSTEM_PROMPTS = system_prompts()
 
 
 @dataclass
@@ -85,9 +108,10 @@ class Tally:
         }
 
 
-def make_prompt(rng: random.Random, shared: bool) -> str:
+def make_prompt(rng: random.Random, shared: bool) -> tuple[str, str]:
+    """(system prompt, user text): a shared system prompt, or a unique short one (a miss)."""
     tail = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40)))
-    return (rng.choice(PREFIXES) if shared else f"[{rng.random():.12f}] ") + tail
+    return (rng.choice(SYSTEM_PROMPTS) if shared else f"[{rng.random():.12f}] "), tail
 
 
 async def sse_lines(response: httpx.Response):
@@ -105,16 +129,17 @@ async def sse_lines(response: httpx.Response):
 
 async def one_stream(client: httpx.AsyncClient, rng: random.Random, disconnect: float, n_predict: int) -> Outcome:
     chat = rng.random() < 0.5
-    prompt = make_prompt(rng, shared=rng.random() < 0.5)
+    system, user = make_prompt(rng, shared=rng.random() < 0.5)
     hang_up_after = rng.randint(1, n_predict) if rng.random() < disconnect else None
     outcome = Outcome(kind="chat" if chat else "native")
     if chat:
         path = "/v1/chat/completions"
-        body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}], "max_tokens": n_predict, "stream": True,
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        body: dict[str, Any] = {"messages": messages, "max_tokens": n_predict, "stream": True,
                                 "stream_options": {"include_usage": True}}
     else:
         path = "/completion"
-        body = {"prompt": prompt, "n_predict": n_predict, "stream": True}
+        body = {"prompt": system + user, "n_predict": n_predict, "stream": True}
     try:
         async with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
@@ -178,7 +203,7 @@ def rss_bytes(pid: int) -> int:
 
 def sampler(base_url: str, pid: int, every: float, stop: Any, out: Any) -> None:
     """A process of its own: the load generator never delays a /health measurement."""
-    health, over, rss, cached, samples = [], [], [], [], 0
+    health, over, rss, cached, stray, samples = [], [], [], [], [], 0
     with httpx.Client(base_url=base_url, timeout=30) as client:
         while not stop.is_set():
             t = time.perf_counter()
@@ -192,9 +217,24 @@ def sampler(base_url: str, pid: int, every: float, stop: Any, out: Any) -> None:
             cached.append(stats["bytes"])
             if stats["bytes"] > stats["capacity_bytes"] or stats["snapshot_bytes"] > stats["snapshot_capacity_bytes"]:
                 over.append({"bytes": stats["bytes"], "capacity": stats["capacity_bytes"]})
+            if stats["kv_block_stray_refs"]:
+                stray.append(stats["kv_block_stray_refs"])
             rss.append(rss_bytes(pid))
             stop.wait(every)
-    out.put({"health_ms": health, "over_capacity": over, "rss": rss, "samples": samples, "peak_cache_bytes": max(cached, default=0)})
+    out.put({"health_ms": health, "over_capacity": over, "rss": rss, "samples": samples, "peak_cache_bytes": max(cached, default=0),
+             "stray_refs": stray})
+
+
+POOL_FIELDS = ("kv_blocks", "kv_block_bytes", "kv_blocks_stored", "kv_block_leases", "kv_blocks_leased", "kv_block_stray_refs")
+
+
+def pool_after_reset(base_url: str) -> dict[str, int]:
+    """``POST /v1/cache/reset`` (the slots idle), then who still holds KV blocks: all zero unless
+    a path leaked a reference (``/v1/cache/stats``, docs/prompt-cache.md)."""
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        client.post("/v1/cache/reset").raise_for_status()
+        stats = client.get("/v1/cache/stats").json()
+    return {k: stats[k] for k in POOL_FIELDS}
 
 
 def wait_idle(base_url: str, timeout: float = 30.0) -> float | None:
@@ -208,7 +248,7 @@ def wait_idle(base_url: str, timeout: float = 30.0) -> float | None:
     return None
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama:tiny", help="a model directory or family[:size] (generated)")
     parser.add_argument("--parallel", type=int, default=8, help="server slots (-np)")
@@ -224,7 +264,8 @@ def main() -> None:
     args = parser.parse_args()
 
     model = benchlib.resolve_model(args.model, "tiny")
-    extra = ["-np", str(args.parallel), "-c", "4096", "--prompt-cache-capacity-bytes", str(args.cache_bytes), "--metrics"]
+    # 2048 positions a slot: a shared system prompt (~640 tokens) and its tail fit
+    extra = ["-np", str(args.parallel), "-c", str(2048 * args.parallel), "--prompt-cache-capacity-bytes", str(args.cache_bytes), "--metrics"]
     server = benchlib.ServerProcess.mlxcel(model, extra, name="load")
     server.start()
     results: dict[str, Any] = {"args": vars(args)}
@@ -251,7 +292,8 @@ def main() -> None:
         watch = out.get(timeout=120)
         watcher.join(60)
         before_reset = rss_bytes(pid)
-        reset = httpx.post(base + "/v1/cache/reset", timeout=60).json()
+        evicting = httpx.get(base + "/v1/cache/stats").json()
+        pool = pool_after_reset(base)
         time.sleep(2.0)
         after_reset = rss_bytes(pid)
         stats = httpx.get(base + "/v1/cache/stats").json()
@@ -263,8 +305,10 @@ def main() -> None:
         rss={"baseline": baseline, "peak": max(watch["rss"]), "before_reset": before_reset, "after_reset": after_reset,
              "series_mib": [round(v / (1 << 20)) for v in watch["rss"][:: max(1, len(watch["rss"]) // 40)]],
              "after_reset_vs_baseline": after_reset / baseline},
-        cache={"samples": watch["samples"], "over_capacity": watch["over_capacity"], "reset": reset, "peak_bytes": watch["peak_cache_bytes"],
-               "capacity_bytes": stats["capacity_bytes"], "evictions": stats["evictions"], "hits": stats["hits"], "lookups": stats["lookups"]},
+        cache={"samples": watch["samples"], "over_capacity": watch["over_capacity"], "peak_bytes": watch["peak_cache_bytes"],
+               "capacity_bytes": stats["capacity_bytes"], "evictions": stats["evictions"], "hits": stats["hits"], "lookups": stats["lookups"],
+               "sharing_ratio_before_reset": evicting["sharing_ratio"], "kv_blocks_before_reset": evicting["kv_blocks"]},
+        pool={"after_reset": pool, "stray_ref_samples": watch["stray_refs"]},
         health={"n": len(health), "p50_ms": benchlib.pct(health, 50), "p99_ms": benchlib.pct(health, 99), "max_ms": max(health)},
     )
     mib = 1 << 20
@@ -277,7 +321,10 @@ def main() -> None:
               f"{'%.1f s' % r['idle_after_s'] if r['idle_after_s'] is not None else 'NOT within 30 s'}")
     c = results["cache"]
     print(f" cache: {c['samples']} samples, peak {c['peak_bytes'] / mib:.1f} MiB, over capacity {len(c['over_capacity'])} times (capacity {c['capacity_bytes'] / mib:.1f} MiB), "
-          f"{c['lookups']} lookups, {c['hits']} hits, evictions {c['evictions']}")
+          f"{c['lookups']} lookups, {c['hits']} hits, evictions {c['evictions']}; before the reset {c['kv_blocks_before_reset']} KV blocks, "
+          f"sharing ratio {c['sharing_ratio_before_reset']}")
+    p = results["pool"]
+    print(f"  pool: after the reset {p['after_reset']}; samples with stray block references: {len(p['stray_ref_samples'])}")
     r = results["rss"]
     print(f"   RSS: baseline {r['baseline'] / mib:.0f} MiB, peak {r['peak'] / mib:.0f} MiB, before reset {r['before_reset'] / mib:.0f} MiB, "
           f"after reset {r['after_reset'] / mib:.0f} MiB ({r['after_reset_vs_baseline']:.2f}x baseline)")
@@ -288,6 +335,9 @@ def main() -> None:
         "no lost completions": results["storm"]["lost"] == 0 and results["steady"]["lost"] == 0,
         "slots idle afterwards": results["storm"]["idle_after_s"] is not None and results["steady"]["idle_after_s"] is not None,
         "cache bytes <= capacity": not c["over_capacity"],
+        "the cache evicted all along": c["evictions"]["lru"] > 0,
+        "no stray block reference at any sample": not p["stray_ref_samples"],
+        "no block or lease left after the reset": not any(p["after_reset"].values()),
         "RSS after reset within 10% of baseline": r["after_reset_vs_baseline"] <= 1.10,
     }
     for goal, met in goals.items():
@@ -296,6 +346,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    return 0 if all(goals.values()) else 1
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ when ``refs`` reaches zero; ids are never reused, so a stale id can never name a
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+from array import array
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 KV_BLOCK_TOKENS = 256  # positions per block: mlx-lm's KVCache growth step (docs/prompt-cache.md)
 
@@ -59,6 +61,7 @@ class PoolCounters:
     allocated: int = 0  # blocks created
     freed: int = 0  # blocks whose last reference went
     shared: int = 0  # references taken on an existing block instead of storing it again
+    merged: int = 0  # blocks computed again, found bit-identical to a live block and dropped for it
 
 
 class BlockPool:
@@ -74,6 +77,8 @@ class BlockPool:
         self._bytes = 0  # all live blocks
         self._stored_bytes = 0  # blocks with stored > 0
         self._stored_blocks = 0
+        self._refs = 0  # references on live blocks, all holders
+        self._stored_refs = 0  # the part of them held by stored entries
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -95,6 +100,16 @@ class BlockPool:
     def stored_blocks(self) -> int:
         return self._stored_blocks
 
+    @property
+    def refs(self) -> int:
+        """References on live blocks, every holder's (stored entries, leases, donations)."""
+        return self._refs
+
+    @property
+    def stored_refs(self) -> int:
+        """The part of :attr:`refs` held by stored entries."""
+        return self._stored_refs
+
     def allocate(self, data: object, n_tokens: int, nbytes: int) -> int:
         """A new block holding ``data``, with one reference, the caller's."""
         if not 0 < n_tokens <= self.block_tokens:
@@ -104,6 +119,7 @@ class BlockPool:
         block = Block(next(self._ids), data, n_tokens, nbytes, refs=1)
         self._blocks[block.id] = block
         self._bytes += nbytes
+        self._refs += 1
         self.counters.allocated += 1
         return block.id
 
@@ -119,11 +135,13 @@ class BlockPool:
         for block_id in block_ids:
             block = self._block(block_id)
             block.refs += 1
+            self._refs += 1
             if stored:
                 if block.stored == 0:
                     self._stored_bytes += block.nbytes
                     self._stored_blocks += 1
                 block.stored += 1
+                self._stored_refs += 1
 
     def release(self, block_ids: Iterable[int], stored: bool = False) -> int:
         """Drop one reference on each block; returns how many blocks were freed by it."""
@@ -134,10 +152,12 @@ class BlockPool:
                 if block.stored < 1:
                     raise ValueError(f"block {block_id} has no stored reference to release")
                 block.stored -= 1
+                self._stored_refs -= 1
                 if block.stored == 0:
                     self._stored_bytes -= block.nbytes
                     self._stored_blocks -= 1
             block.refs -= 1
+            self._refs -= 1
             if block.refs < block.stored:
                 raise ValueError(f"block {block_id}: more stored references than references")
             if block.refs == 0:
@@ -191,3 +211,62 @@ def build_table(
         pool.release(ids)
         raise
     return BlockTable(pool, tuple(ids), n_tokens, layout)
+
+
+def block_keys(seed: bytes, tokens: Sequence[int], block_tokens: int, layout: object) -> list[bytes]:
+    """One content key per full block of a state of ``tokens``: a chain over the tokens of every
+    block up to it, seeded with the bucket (``seed``) and the layer layout, so equal keys mean the
+    same positions of the same token prefix, in the same bucket and layers."""
+    key = hashlib.blake2b(seed + repr(layout).encode(), digest_size=16).digest()
+    out = []
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        key = hashlib.blake2b(key + array("q", tokens[start : start + block_tokens]).tobytes(), digest_size=16).digest()
+        out.append(key)
+    return out
+
+
+class BlockIndex:
+    """Live full blocks by content key (:func:`block_keys`), to fold a block computed again into
+    the copy the pool already holds (docs/prompt-cache.md, "Shared KV blocks": merging copies).
+
+    Two sequences that prefill one prefix cold at the same time, or an entry read back from disk
+    whose prefix RAM still holds, make such copies. A key only says the tokens are the same; the
+    arrays are shared only when ``equal`` finds them bit-identical, so an entry never holds a bit
+    its donor did not compute, and a hit still equals a cold run exactly where it did before.
+    Stale keys (their block freed) are replaced when met and pruned as the index grows.
+    """
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self._ids: dict[bytes, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def merge(self, table: BlockTable, keys: Sequence[bytes], equal: Callable[[object, object], bool]) -> BlockTable:
+        """``table`` with each full block that is bit-identical to the live block its key names
+        replaced by that block; the others are indexed. The caller's one reference per block
+        moves with the swap (the dropped copy is freed unless someone else holds it)."""
+        ids = list(table.block_ids)
+        for k, key in enumerate(keys[: len(ids)]):
+            new, old = ids[k], self._ids.get(key)
+            if old is None or old not in self.pool:
+                self._ids[key] = new
+            elif old != new and _same(equal, self.pool.data(old), self.pool.data(new)):
+                self.pool.retain((old,))
+                self.pool.release((new,))
+                ids[k] = old
+                self.pool.counters.merged += 1
+        if len(self._ids) > 2 * len(self.pool) + 64:
+            self._ids = {key: i for key, i in self._ids.items() if i in self.pool}
+        return table if tuple(ids) == table.block_ids else BlockTable(self.pool, tuple(ids), table.n_tokens, table.layout)
+
+
+def _same(equal: Callable[[object, object], bool], a: object, b: object) -> bool:
+    """``equal(a, b)``, where a comparison that fails keeps the copy (sharing is an optimisation:
+    it must never fail a donation, nor leave its references half moved)."""
+    try:
+        return bool(equal(a, b))
+    except Exception:
+        return False
+

@@ -215,6 +215,21 @@ def to_blocks(pool: BlockPool, cache: Sequence[Any], n_tokens: int, lease: tuple
     return build_table(pool, n_tokens, lease, make, layout=len(cache))
 
 
+def blocks_equal(a: Any, b: Any) -> bool:
+    """Whether two blocks' arrays (``to_blocks``' data) hold the same bits: same layers, dtypes and
+    shapes, and equal as unsigned words (so -0.0 and 0.0 differ, and a NaN equals its own bits)."""
+    if len(a) != len(b):
+        return False
+    for (ka, va), (kb, vb) in zip(a, b):
+        for x, y in ((ka, kb), (va, vb)):
+            if x.dtype != y.dtype or x.shape != y.shape:
+                return False
+            word = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[x.dtype.size]
+            if not mx.array_equal(x.view(word), y.view(word)).item():
+                return False
+    return True
+
+
 def gather(table: BlockTable, n_tokens: int) -> Payload:
     """Fresh ``KVCache`` layers holding the table's first ``n_tokens`` positions, bit for bit.
 

@@ -201,6 +201,7 @@ class PromptCacheStore(EntryStore):
             "kv_block_tokens": pool.block_tokens if pool is not None else 0,
             "kv_blocks": len(pool) if pool is not None else 0,
             "kv_block_bytes": pool.nbytes if pool is not None else 0,
+            "kv_blocks_merged": pool.counters.merged if pool is not None else 0,
         }
 
     @staticmethod

@@ -514,11 +514,16 @@ class Engine:
             sub.sink(event)
 
         seq.emit = emit_counted
-        slot.begin(seq)
-        if sub.request.return_progress and not sub.request.is_child:
-            seq.report_progress()  # llama-server's first report: the prefix taken from the cache
-        if seq.stats.n_cached and not seq.stats.shared:
-            self.metrics.add_prompt_cached(seq.stats.n_cached)
+        slot.sequence = seq  # from here on, a failure ends the sequence where every other ending does
+        try:
+            slot.begin(seq)
+            if sub.request.return_progress and not sub.request.is_child:
+                seq.report_progress()  # llama-server's first report: the prefix taken from the cache
+            if seq.stats.n_cached and not seq.stats.shared:
+                self.metrics.add_prompt_cached(seq.stats.n_cached)
+        except BaseException:
+            self._release(slot, donate=False)  # the slot is free again, the lease on shared blocks goes
+            raise
 
     def _step_all(self) -> None:
         """One scheduler iteration: a bounded amount of prefill, then one decode step for all."""

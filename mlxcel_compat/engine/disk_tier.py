@@ -249,7 +249,10 @@ class DiskTier:
         """Write every RAM entry that is not on disk yet (clean shutdown); return how many.
 
         The most recently used entries that fit the budget are chosen, and written oldest first so
-        that the newest get the newest modification times (the budget evicts the oldest).
+        that the newest get the newest modification times (the budget evicts the oldest). One at a
+        time: a file holds an entry whole, so each one's shared blocks are gathered into a copy of
+        its own, and queueing them all at once would raise memory toward the entries' logical total
+        (64 sessions sharing a 4K-token prompt: 64 copies of it) just as the server exits.
         """
         chosen: list[tuple[str, CacheEntry]] = []
         room = self.capacity_bytes
@@ -259,8 +262,17 @@ class DiskTier:
                 chosen.append((kind, entry))
                 room -= entry.nbytes
         self._flushing = True
-        written = sum(self.spill(kind, entry, force=True) for kind, entry in reversed(chosen))
-        self.wait_written(timeout)
+        deadline = time.monotonic() + timeout
+        written = 0
+        for done, (kind, entry) in enumerate(reversed(chosen)):
+            if time.monotonic() >= deadline:
+                log.warning("prompt-cache disk tier: %d entries not written: the shutdown flush ran out of time",
+                            len(chosen) - done)
+                break
+            if self.spill(kind, entry, force=True):
+                written += 1
+                self.wait_written(deadline - time.monotonic())  # its copy is gone before the next is made
+        self.wait_written(max(0.0, deadline - time.monotonic()))
         if self._queued:
             log.warning("prompt-cache disk tier: %d entries were still being written at shutdown", len(self._queued))
         return written

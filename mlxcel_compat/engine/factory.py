@@ -92,8 +92,8 @@ def make_sequence(engine: SequenceHost, request: GenerationRequest, sink: Sink, 
     if cache is not None and cache.config.enabled:
         if not request.cache.enabled:
             return seq
-        cache.adopt(seq)
         try:
+            cache.adopt(seq)  # inside: a failure after the adoption took its lease releases it below
             if request.cache.explain:
                 seq.stats.cache_explain = cache.explain(seq)
             boundary = request.cache.history_boundary

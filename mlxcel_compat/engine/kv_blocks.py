@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence as Seq
 
 from mlxcel_compat.cache import kv
-from mlxcel_compat.cache.block_pool import BlockPool, BlockTable
+from mlxcel_compat.cache.block_pool import BlockIndex, BlockPool, BlockTable, block_keys
+from mlxcel_compat.cache.key import Bucket, prompt_digest
 
 if TYPE_CHECKING:
     from mlxcel_compat.engine.sequence import Sequence
@@ -33,12 +34,34 @@ class SharedBlocks:
 
     def __init__(self, block_tokens: int) -> None:
         self.pool = BlockPool(block_tokens)
+        self.index = BlockIndex(self.pool)  # full blocks by content: copies computed again fold into them
         self._leases: dict[int, _Lease] = {}
 
     @property
     def leased_blocks(self) -> int:
         """Blocks held by running sequences (each lease's blocks counted once per lease)."""
         return sum(len(lease.block_ids) for lease in self._leases.values())
+
+    def stats(self) -> dict[str, int]:
+        """Who holds the pool's blocks, for ``/v1/cache/stats``: the leak check of issue 54.
+
+        Between engine steps every reference on a live block belongs to a stored entry or to a
+        running sequence's lease (a donation's own references last only inside ``donate``), so
+        ``kv_block_stray_refs`` is 0 unless a path forgot a release; once the slots are idle and
+        the cache is reset, ``kv_blocks`` is 0 too."""
+        pool = self.pool
+        leased = self.leased_blocks
+        return {
+            "kv_blocks_stored": pool.stored_blocks,
+            "kv_block_leases": len(self._leases),
+            "kv_blocks_leased": leased,
+            "kv_block_stray_refs": pool.refs - pool.stored_refs - leased,
+        }
+
+    @staticmethod
+    def empty_stats() -> dict[str, int]:
+        """The same keys without a pool (blocks off, or the cache off)."""
+        return {"kv_blocks_stored": 0, "kv_block_leases": 0, "kv_blocks_leased": 0, "kv_block_stray_refs": 0}
 
     def adopt(self, seq: "Sequence", table: BlockTable, n_tokens: int) -> list[Any]:
         """The sequence's cache gathered from ``table``'s first ``n_tokens`` positions; the full
@@ -50,9 +73,10 @@ class SharedBlocks:
         self._leases[id(seq)] = _Lease(seq, ids, int(table.layout))  # type: ignore[call-overload]
         return cache
 
-    def state(self, seq: "Sequence", layers: Seq[Any], n_tokens: int) -> Any:
-        """What ``seq`` stores for its first ``n_tokens`` positions of ``layers``: a block table
-        sharing its lease (the caller holds one reference per block: pass it to ``donor_done``),
+    def state(self, seq: "Sequence", layers: Seq[Any], n_tokens: int, bucket: Bucket) -> Any:
+        """What ``seq`` stores in ``bucket`` for its first ``n_tokens`` positions of ``layers``: a
+        block table sharing its lease and any live block bit-identical to one it computed again
+        (:meth:`merged`; the caller holds one reference per block: pass it to ``donor_done``),
         or, when the layers cannot be cut into blocks, a whole copy as before: the evaluated views
         of a finished sequence's buffers, or a prefix cut into buffers of its own (a pin, a text
         prefix), so that it never keeps the longer buffer alive."""
@@ -61,7 +85,13 @@ class SharedBlocks:
             return kv.snapshot(layers) if held == n_tokens else kv.detached_prefix(layers, n_tokens)
         lease = self._leases.get(id(seq))
         shared = lease.block_ids if lease is not None and lease.layout == len(layers) else ()
-        return kv.to_blocks(self.pool, layers, n_tokens, shared)
+        return self.merged(kv.to_blocks(self.pool, layers, n_tokens, shared), bucket, seq.cache_tokens[:n_tokens])
+
+    def merged(self, table: BlockTable, bucket: Bucket, tokens: Seq[int]) -> BlockTable:
+        """``table`` with its full blocks folded into the live blocks of the same bucket, layers and
+        token prefix whose arrays are the very same bits (``cache/block_pool.py: BlockIndex``)."""
+        keys = block_keys(prompt_digest(bucket, "", ()), tokens, self.pool.block_tokens, table.layout)
+        return self.index.merge(table, keys, kv.blocks_equal)
 
     def keep(self, seq: "Sequence", table: BlockTable) -> None:
         """Extend ``seq``'s lease to ``table``'s full blocks (a pin it just stored), so the entry
@@ -74,11 +104,13 @@ class SharedBlocks:
         self.release(seq)
         self._leases[id(seq)] = _Lease(seq, ids, int(table.layout))  # type: ignore[call-overload]
 
-    def from_file(self, payload: list[Any], n_tokens: int) -> Any:
-        """A state read back from disk or a slot file, as new blocks where it can be cut."""
-        if not kv.blockable(payload, n_tokens):
+    def from_file(self, payload: list[Any], bucket: Bucket, tokens: Seq[int]) -> Any:
+        """A state of ``tokens`` read back from disk or a slot file, as blocks where it can be cut
+        (new ones, but for those RAM still holds the very bits of: an entry read back whose prefix
+        another entry kept shares it again)."""
+        if not kv.blockable(payload, len(tokens)):
             return payload
-        return kv.to_blocks(self.pool, payload, n_tokens)
+        return self.merged(kv.to_blocks(self.pool, payload, len(tokens)), bucket, tokens)
 
     def release(self, seq: "Sequence") -> None:
         """The sequence ended (or adopts anew): its lease goes."""

@@ -28,11 +28,9 @@ from typing import TYPE_CHECKING, Any
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel_compat.runtime.backend import release_free_memory
-from mlxcel_compat.runtime.kv_precision import of_model
-from mlxcel_compat.cache import kv, kv_io
+from mlxcel_compat.cache import kv
 from mlxcel_compat.cache.block_hash import ApcConfig
 from mlxcel_compat.cache.block_pool import BlockTable
-from mlxcel_compat.cache.disk_format import Compat
 from mlxcel_compat.cache.explain import explain_lookup
 from mlxcel_compat.cache.key import PIN_SESSION, TEXT_ONLY_MM_DIGEST, Bucket
 from mlxcel_compat.cache.media import first_media_token
@@ -135,9 +133,9 @@ class PrefixCache:
         if capacity is None:
             capacity = disk_capacity_default(root)
             log.info("Applied prompt-cache disk capacity default: %d bytes (half of what %s could use, at most 16 GiB)", capacity, root)
-        loaded = engine.loaded
-        compat = Compat(model=loaded.fingerprint, runtime=kv_io.runtime_tag(loaded.model, of_model(loaded.model).tag))
-        disk = DiskTier(root, capacity, compat, config.min_prefix, apc, wake=lambda: engine.call(self._refresh),
+        # engine.compat (Engine._load) is the one description of what saved state must match: the
+        # model's fingerprint with the draft model's, since entries then hold the draft's layers too.
+        disk = DiskTier(root, capacity, engine.compat, config.min_prefix, apc, wake=lambda: engine.call(self._refresh),
                         busy=lambda: engine.busy)
         for kind, store in self._stores.items():
             store.on_evict = lambda entry, kind=kind: disk.spill(kind, entry)
@@ -233,7 +231,7 @@ class PrefixCache:
             self._refresh()
             return
         try:
-            payload = self.blocks.state(seq, seq.cache, position) if self.blocks is not None else kv.detached_prefix(seq.cache, position)
+            payload = self.blocks.state(seq, seq.cache, position, bucket) if self.blocks is not None else kv.detached_prefix(seq.cache, position)
         except Exception as exc:  # a breakpoint is an optimisation: never fail the request
             log.debug("prompt cache: pinning %d tokens failed for task %d: %s", position, seq.request.task_id, exc)
             return
@@ -365,12 +363,12 @@ class PrefixCache:
             return
         if not kv.can_truncate(seq.cache[: self.n_layers]):
             return
+        bucket = replace(self.bucket(seq), mm_digest=TEXT_ONLY_MM_DIGEST)
         if self.blocks is not None:
-            payload = self.blocks.state(seq, seq.cache[: self.n_layers], first)
+            payload = self.blocks.state(seq, seq.cache[: self.n_layers], first, bucket)
         else:
             payload = kv.copy_cache(seq.cache[: self.n_layers])
             kv.truncate(payload, first)
-        bucket = replace(self.bucket(seq), mm_digest=TEXT_ONLY_MM_DIGEST)
         try:
             self.store.insert(bucket, seq.request.cache.session_key, seq.cache_tokens[:first], payload, kv.payload_nbytes(payload), True)
         finally:
@@ -394,7 +392,7 @@ class PrefixCache:
             log.debug("prompt cache: not donating task %d: cache holds %d tokens, %d recorded", seq.request.task_id, held, len(tokens))
             return
         layers = cache + self._draft_layers(seq)
-        payload = self.blocks.state(seq, layers, len(tokens)) if self.blocks is not None else kv.snapshot(layers)
+        payload = self.blocks.state(seq, layers, len(tokens), self.bucket(seq)) if self.blocks is not None else kv.snapshot(layers)
         try:
             payload_bytes = kv.payload_nbytes(payload)
             final = self._keep_final_logits(seq, tokens, payload_bytes)
@@ -497,7 +495,7 @@ class PrefixCache:
         trimmable = kv.can_truncate(payload) and (self.token_granular or kind == "snapshot")
         if kind == "snapshot" and origin not in ("boundary", "completion"):
             origin = "completion"
-        state = self.blocks.from_file(payload, len(tokens)) if kind == "kv" and self.blocks is not None else payload
+        state = self.blocks.from_file(payload, bucket, tokens) if kind == "kv" and self.blocks is not None else payload
         try:
             return store.insert(bucket, session_key, tokens, state, kv.payload_nbytes(state), trimmable, origin).inserted
         finally:
@@ -520,11 +518,13 @@ class PrefixCache:
         from there, so it counts as a hit); ``tiers`` splits what RAM and disk hold and served.
         """
         if not self.config.enabled:
-            out = {**PromptCacheStore.disabled_stats(), **SnapshotStore.disabled_stats(), **self.kv_accounting}
+            out = {**PromptCacheStore.disabled_stats(), **SnapshotStore.disabled_stats(), **self.kv_accounting,
+                   **SharedBlocks.empty_stats()}
             out["tiers"] = tiers_stats(out, DiskTier.disabled_stats())
             return out
         self.store.sweep()
-        out = {**self.store.stats(), **self.kv_accounting}
+        out = {**self.store.stats(), **self.kv_accounting,
+               **(self.blocks.stats() if self.blocks is not None else SharedBlocks.empty_stats())}
         if self.snapshots is not None:
             self.snapshots.store.sweep()
             out.update(self.snapshots.store.stats())

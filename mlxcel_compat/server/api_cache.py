@@ -19,6 +19,7 @@ from mlxcel_compat.cache.prompt_store import PromptCacheStore
 from mlxcel_compat.cache.snapshot import SnapshotStore
 from mlxcel_compat.engine.cache_stats import RESET_TIERS, reset_result, tiers_stats
 from mlxcel_compat.engine.disk_tier import DiskTier
+from mlxcel_compat.engine.kv_blocks import SharedBlocks
 from mlxcel_compat.server.errors import InvalidRequest, json_response
 from mlxcel_compat.server.openapi import Operation
 from mlxcel_compat.server.pipeline import ctx_of, read_json
@@ -29,7 +30,7 @@ async def cache_stats(request: Request) -> Response:
     cache = ctx.engine.prefix_cache
     isolation = {"isolation": ctx.cache_isolation}  # --prompt-cache-isolation as resolved
     if cache is None:
-        out = {**PromptCacheStore.disabled_stats(), **SnapshotStore.disabled_stats()}
+        out = {**PromptCacheStore.disabled_stats(), **SnapshotStore.disabled_stats(), **SharedBlocks.empty_stats()}
         out["tiers"] = tiers_stats(out, DiskTier.disabled_stats())
         return json_response({**out, **isolation})
     return json_response({**await ctx.client.call(cache.stats), **isolation})

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from mlxcel_compat.cache.block_hash import ApcConfig
-from mlxcel_compat.cache.block_pool import BlockPool, BlockTable, build_table
+from mlxcel_compat.cache.block_pool import BlockIndex, BlockPool, BlockTable, block_keys, build_table
 from mlxcel_compat.cache.prompt_store import PromptCacheStore
 from tests.cache.fakes import make_bucket
 
@@ -117,6 +117,59 @@ def test_store_counts_shared_blocks_once_and_frees_on_eviction() -> None:
     assert store.nbytes == 0 and pool.stored_bytes == 0
 
 
+def test_an_entry_larger_than_the_budget_is_refused_even_when_it_adds_less() -> None:
+    """The "oversized" bound is the entry's logical size, not the bytes it adds beside the entries
+    it shares blocks with: once those are evicted, it holds every one of its blocks alone, so a
+    store that took it would sit over its budget with nothing left to evict."""
+    pool = BlockPool(BLOCK)
+    store = PromptCacheStore(capacity_bytes=100, max_entries=10, ttl_seconds=0, min_prefix=1, pool=pool)
+    bucket = make_bucket()
+    base = list(range(100, 108))  # 80 bytes: fits
+    table = build_table(pool, len(base), (), fake_blocks(base))
+    assert store.insert(bucket, "a", base, table, 80, True).inserted
+    pool.release(table.block_ids)
+    longer = base + [1, 2, 3]  # 110 bytes logical, 30 of them new
+    grown = build_table(pool, len(longer), table.full_blocks(len(base)), fake_blocks(longer))
+    result = store.insert(bucket, "b", longer, grown, 110, True)
+    pool.release(grown.block_ids)
+    assert not result.inserted and result.reason == "oversized"
+    assert store.nbytes == 80 <= store.capacity_bytes
+
+
+def test_a_prefix_computed_again_folds_into_the_live_copy_only_when_its_bits_are_equal() -> None:
+    pool = BlockPool(BLOCK)
+    index = BlockIndex(pool)
+    tokens = list(range(100, 111))  # two full blocks and a part
+    keys = block_keys(b"bucket", tokens, BLOCK, 2)
+    assert len(keys) == 2 and keys != block_keys(b"other bucket", tokens, BLOCK, 2) != block_keys(b"bucket", tokens, BLOCK, 3)
+    assert block_keys(b"bucket", tokens[:8] + [0, 0, 0], BLOCK, 2) == keys  # a key covers its block's prefix only
+    first = index.merge(build_table(pool, 11, (), fake_blocks(tokens)), keys, lambda a, b: a == b)
+    assert len(index) == 2 and pool.counters.merged == 0  # the first copy is indexed
+    again = index.merge(build_table(pool, 11, (), fake_blocks(tokens)), keys, lambda a, b: a == b)
+    assert again.block_ids[:2] == first.block_ids[:2] and again.block_ids[2] != first.block_ids[2]
+    assert pool.counters.merged == 2 and len(pool) == 4  # the copies of the two full blocks are freed
+    assert pool.referenced()[first.block_ids[0]] == (2, 0)  # each caller holds its one reference
+    assert gathered(again, 11) == tokens
+    # The same tokens with other bits (another chunking's last bits): kept apart, nothing merged.
+    skewed = build_table(pool, 11, (), lambda start, stop: (("other", start), (stop - start) * BYTES_PER_TOKEN))
+    kept = index.merge(skewed, keys, lambda a, b: a == b)
+    assert kept is skewed and pool.counters.merged == 2
+
+    def broken(a: object, b: object) -> bool:
+        raise RuntimeError("cannot compare")
+
+    again_broken = build_table(pool, 11, (), fake_blocks(tokens))
+    assert index.merge(again_broken, keys, broken) is again_broken  # a failing compare keeps the copy
+    pool.release(again_broken.block_ids)
+    for table in (first, again, kept):
+        pool.release(table.block_ids)
+    assert len(pool) == 0
+    # A key whose block was freed names nothing: the next copy takes its place.
+    third = index.merge(build_table(pool, 11, (), fake_blocks(tokens)), keys, lambda a, b: a == b)
+    assert pool.counters.merged == 2 and len(pool) == 3
+    pool.release(third.block_ids)
+
+
 def test_evicted_blocks_stay_readable_for_the_disk_tier() -> None:
     pool = BlockPool(BLOCK)
     store = PromptCacheStore(capacity_bytes=200, max_entries=1, ttl_seconds=0, min_prefix=1, pool=pool)
@@ -137,7 +190,9 @@ class Walk:
     blocks inside the match), donate (a table starting with the lease, stored, the donor's
     reference released), cancel and engine faults (the lease released, nothing donated), a
     donation that fails half-way, evictions under a small byte budget, TTL-less removes and
-    resets. After every step the pool's counts must equal what entries and leases reach."""
+    resets. A donation's blocks computed again fold into equal live blocks (``BlockIndex``; the
+    stand-in arrays are the tokens, so a block of the same prefix is always equal). After every
+    step the pool's counts must equal what entries and leases reach."""
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
@@ -145,6 +200,7 @@ class Walk:
         self.store = PromptCacheStore(capacity_bytes=30 * BYTES_PER_TOKEN, max_entries=5, ttl_seconds=0, min_prefix=1,
                                       pool=self.pool, apc=ApcConfig(block_size=2, hash_name="sha256", num_blocks=None))
         self.bucket = make_bucket()
+        self.index = BlockIndex(self.pool)
         self.running: dict[int, tuple[list[int], tuple[int, ...]]] = {}  # seq id -> (tokens, lease)
         self.ids = 0
         self.prefixes = [[self.rng.randrange(50) for _ in range(self.rng.randrange(3, 14))] for _ in range(3)]
@@ -186,6 +242,7 @@ class Walk:
         tokens = tokens + [self.rng.randrange(50) for _ in range(self.rng.randrange(0, 4))]  # generated
         try:
             table = build_table(self.pool, len(tokens), lease, fake_blocks(tokens))
+            table = self.index.merge(table, block_keys(b"walk", tokens, BLOCK, None), lambda a, b: a == b)
             try:
                 self.store.insert(self.bucket, f"s{self.rng.randrange(3)}", tokens, table, len(tokens) * BYTES_PER_TOKEN, True)
             finally:
@@ -236,6 +293,7 @@ class Walk:
         for _, lease in self.running.values():
             refs.update(lease)
         assert self.pool.referenced() == {i: (refs[i], stored[i]) for i in refs}
+        assert (self.pool.refs, self.pool.stored_refs) == (sum(refs.values()), sum(stored.values()))  # the stats' running sums
         unique = sum(self.pool.block(i).nbytes for i in stored)
         assert self.pool.stored_bytes == unique == self.store.nbytes
         assert self.store.nbytes <= self.store.capacity_bytes
@@ -249,6 +307,7 @@ def test_random_walk_keeps_the_accounting_exact(seed: int) -> None:
     assert done["donate"] > 50 and done["adopt"] > 50
     assert walk.pool.counters.shared > 0  # leases were really shared into stored tables
     assert walk.store.counters.evictions["lru"] > 10  # and the budget evicted entries that shared them
+    assert walk.pool.counters.merged > 0  # copies computed again were folded into live blocks
     for _, lease in walk.running.values():
         walk.pool.release(lease)
     walk.running.clear()

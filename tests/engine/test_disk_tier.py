@@ -207,6 +207,60 @@ def test_a_clean_shutdown_writes_ram_and_a_restart_indexes_it(tmp_path: Path) ->
         h.close()
 
 
+def test_the_shutdown_flush_makes_one_whole_copy_at_a_time(tmp_path: Path) -> None:
+    """Entries sharing blocks are each written whole; the flush gathers the next one only once the
+    previous file is written, so memory never holds more than one entry's copy."""
+    h = EngineHarness(tiny_model("llama"), batch_size=CHUNK, kv_block_tokens=CHUNK, disk_dir=str(tmp_path),
+                      disk_capacity_bytes=1 << 30)
+    system = tokens(8 * CHUNK, seed=20)
+    for s in range(4):
+        h.run(system + tokens(CHUNK + 3, seed=21 + s), n_predict=2, session=f"s{s}")
+    assert h.stats()["sharing_ratio"] > 2.0
+    disk = disk_of(h)
+    waiting: list[int] = []  # entries queued, not yet written, each time the flush makes a copy
+    spill = disk.spill
+
+    def counting_spill(kind: str, entry: Any, force: bool = False) -> bool:
+        waiting.append(disk.stats()["write_queue_entries"])
+        return spill(kind, entry, force)
+
+    disk.spill = counting_spill
+    directory = disk.index.directory
+    h.close()
+    assert waiting == [0, 0, 0, 0]
+    assert len(list(directory.glob("*.safetensors"))) == 4
+
+
+def test_an_entry_read_back_shares_the_blocks_ram_still_holds(tmp_path: Path) -> None:
+    """Session b adopted a's system prompt, so both entries share its blocks. a's entry then
+    leaves RAM; read back from disk, its system prompt is the very same bits as b's blocks and is
+    folded into them instead of stored twice, and the hit still equals a cold run."""
+    h = EngineHarness(tiny_model("llama"), batch_size=CHUNK, kv_block_tokens=CHUNK, disk_dir=str(tmp_path),
+                      disk_capacity_bytes=1 << 30, disk_write_through=True)
+    try:
+        system = tokens(4 * CHUNK, seed=30)
+        a = system + tokens(CHUNK + 7, seed=31)
+        h.run(a, n_predict=2, session="a")
+        assert h.run(system + tokens(9, seed=32), n_predict=2, session="b").finish.n_cached == len(system)
+        settle(h)
+        store = h.engine.prefix_cache.store
+        h.on_engine(lambda: store.remove(next(e.id for e in store.entries() if e.session_key == "a")))
+        before = h.stats()
+        # a's first 80 tokens, where a's own prefill and a cold run of this prompt both ended a
+        # chunk (the hit is exact there), then a rest the two split alike
+        prompt = a[: 5 * CHUNK] + tokens(23, seed=33)
+        warm = h.run(prompt, n_predict=6, n_probs=4, session="a")
+        assert warm.finish.n_cached == 5 * CHUNK and h.stats()["tiers"]["disk"]["hits"] == 1  # a's entry, from disk
+        merged = h.stats()["kv_blocks_merged"] - before["kv_blocks_merged"]
+        assert merged == len(system) // CHUNK
+        held = {e.session_key: e.payload.block_ids for e in h.on_engine(store.entries)}
+        assert held["a"][:4] == held["b"][:4]
+        cold = h.run(prompt, n_predict=6, n_probs=4, cache=False)
+        assert warm.tokens == cold.tokens and warm.logprobs == cold.logprobs
+    finally:
+        h.close()
+
+
 def test_recurrent_snapshots_spill_and_restore_like_a_ram_hit(tmp_path: Path) -> None:
     """qwen3_next: session snapshots that leave RAM come back from disk, bit for bit."""
     model = tiny_model("qwen3_next")

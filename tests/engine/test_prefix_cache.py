@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import queue
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from mlxcel_compat.cache import kv
 from mlxcel_compat.cache.block_pool import BlockTable
+from mlxcel_compat.engine.request import ErrorEvent
+from mlxcel_compat.engine.sequence import Sequence
 from tests.conftest import tiny_model
 from tests.engine.harness import EngineHarness, collect
 
@@ -329,9 +332,63 @@ def test_adoption_gathers_without_touching_the_pool_and_a_reset_frees_every_bloc
     assert first is not None
     leased = harness.on_engine(lambda: harness.engine.prefix_cache.blocks.leased_blocks)
     assert leased == SYSTEM // BLOCK
+    running = harness.stats()  # who holds what, as /v1/cache/stats says it
+    assert (running["kv_block_leases"], running["kv_blocks_leased"], running["kv_block_stray_refs"]) == (1, leased, 0)
+    assert running["kv_blocks_stored"] == len(table.block_ids)
     harness.engine.cancel(request.task_id)
     collect(events)
     assert harness.on_engine(lambda: harness.engine.prefix_cache.blocks.leased_blocks) == 0
     harness.reset()
     assert harness.on_engine(lambda: len(table.pool)) == 0  # no entry, no sequence: no block left
+    after = harness.stats()
+    assert [after[k] for k in ("kv_blocks", "kv_blocks_stored", "kv_block_leases", "kv_blocks_leased", "kv_block_stray_refs")] == [0] * 5
+
+
+def test_a_failure_right_after_a_sequence_takes_its_slot_ends_it_there(harness: EngineHarness, monkeypatch) -> None:
+    """``Engine._start``: an exception after the slot took the sequence (here its first progress
+    report) fails the request and frees the slot and the lease; the sequence never runs on
+    behind the error, nor donates."""
+    harness.reset()
+    system = random_tokens(SYSTEM, seed=4)
+    harness.run(system + random_tokens(9, seed=40), n_predict=2, session="a")
+    calls = []
+    real = Sequence.report_progress
+
+    def fail_first(seq: Sequence) -> None:
+        calls.append(seq.request.task_id)
+        if len(calls) == 1:
+            raise RuntimeError("injected fault")
+        real(seq)
+
+    monkeypatch.setattr(Sequence, "report_progress", fail_first)
+    events: queue.Queue = queue.Queue()
+    request = replace(harness.request(system + random_tokens(30, seed=41), n_predict=6, session="b"), return_progress=True)
+    harness.engine.submit(request, events.put)
+    assert isinstance(events.get(timeout=60), ErrorEvent)
+    assert harness.on_engine(lambda: [s.sequence for s in harness.engine.slots]) == [None] * len(harness.engine.slots)
+    monkeypatch.undo()
+    assert harness.run(system + random_tokens(5, seed=42), n_predict=2, session="c").finish.n_cached == SYSTEM
+    assert events.empty()  # nothing of the failed request ran on
+    stats = harness.stats()
+    assert stats["entries"] == 2 and stats["kv_block_leases"] == 0 and stats["kv_block_stray_refs"] == 0
+
+
+def test_a_failure_after_the_adoption_took_its_lease_releases_it(harness: EngineHarness, monkeypatch) -> None:
+    """The sequence's construction fails after ``PrefixCache.adopt`` leased the hit's blocks (here
+    in ``Sequence.adopt``): the request fails, and the lease goes with it."""
+    harness.reset()
+    system = random_tokens(SYSTEM, seed=5)
+    harness.run(system + random_tokens(9, seed=50), n_predict=2, session="a")
+
+    def broken(seq: Sequence, *args, **kwargs) -> None:
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(Sequence, "adopt", broken)
+    events: queue.Queue = queue.Queue()
+    harness.submit(system + random_tokens(30, seed=51), events.put, n_predict=4, session="b")
+    assert isinstance(events.get(timeout=60), ErrorEvent)
+    stats = harness.stats()
+    assert (stats["kv_block_leases"], stats["kv_blocks_leased"], stats["kv_block_stray_refs"]) == (0, 0, 0)
+    monkeypatch.undo()
+    harness.reset()
     assert harness.stats()["kv_blocks"] == 0

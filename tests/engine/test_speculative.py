@@ -166,11 +166,12 @@ def pair() -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def engines(pair: tuple[Path, Path]):
+def engines(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
     target, draft = pair
     made = {
         "plain": EngineHarness(target, batch_size=32, n_parallel=3),
-        "draft": EngineHarness(target, batch_size=32, n_parallel=3, speculative=resolve(("draft-simple",), str(draft), draft_n_max=4)),
+        "draft": EngineHarness(target, batch_size=32, n_parallel=3, speculative=resolve(("draft-simple",), str(draft), draft_n_max=4),
+                               disk_dir=str(tmp_path_factory.mktemp("draft-disk"))),
         "ngram": EngineHarness(target, batch_size=32, n_parallel=3,
                                speculative=resolve(("ngram-simple",), None, ngram_size_n=1, ngram_size_m=6)),
         "mod": EngineHarness(target, batch_size=32, n_parallel=3,
@@ -277,6 +278,16 @@ def test_a_cache_hit_warms_the_draft_too_and_matches_a_cold_run(engines) -> None
     assert second.finish.n_cached >= len(prompt) - 16  # the target's prefix came from the cache ...
     assert draft.n_fed - fed_before < len(prompt) // 2  # ... and the draft's with it (same entry)
     assert second.finish.n_draft > 0
+
+
+@pytest.mark.engine
+def test_the_disk_tier_checks_files_against_the_draft_models_fingerprint_too(engines) -> None:
+    """Entries hold the draft model's layers after the model's, so a file written without the
+    draft (or with another one) must not match: the disk tier checks the engine's own ``compat``,
+    the one slot files use, which names both fingerprints."""
+    engine = engines["draft"].engine
+    assert "+draft:" in engine.compat.model and engine.draft.loaded.fingerprint in engine.compat.model
+    assert engine.prefix_cache.disk.index.compat == engine.compat
 
 
 @pytest.mark.engine
