@@ -328,6 +328,7 @@ void mlxcel_quantize_q8_K(const float *x, void *out, int64_t k) {
  * order whatever the other rows are (rows past the band's end compute on a copy of its last row
  * and are not stored): bit for bit the row alone. */
 #define Q8_0_LANES 16
+#define Q8_0_MAX_ROWS 16 /* activation rows a pass (as split_rows.c's LANE_MAX_ROWS) */
 
 /* The weight rows' bytes 4t .. 4t + 3 of a 16-byte half of their blocks' values, for the 16 rows
  * rowp[0..15] at byte offset at: v[t]'s dword r holds row r's (a 4 x 4 transpose of dwords within
@@ -346,7 +347,7 @@ static inline __attribute__((always_inline)) void q8_0_lanes_half(const uint8_t 
     v[2] = _mm512_unpacklo_epi64(t1, t3), v[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
-/* Weight rows [0, nrows) (nrows <= 16) times m activation rows (m <= MAX_ROWS, as
+/* Weight rows [0, nrows) (nrows <= 16) times m activation rows (m <= Q8_0_MAX_ROWS, as
  * q8_0_prepare left them): out[i * ldo + r]. */
 static inline __attribute__((always_inline)) void q8_0_lanes(int nb, const uint8_t *w, size_t row_bytes, int nrows,
                                                               const uint8_t *act, size_t act_row, int m, float *out,
@@ -359,7 +360,7 @@ static inline __attribute__((always_inline)) void q8_0_lanes(int nb, const uint8
         offsets[r] = (int32_t)at;
     }
     const __m512i row_at = _mm512_loadu_si512(offsets), ones = _mm512_set1_epi8(1);
-    __m512 acc[MAX_ROWS];
+    __m512 acc[Q8_0_MAX_ROWS];
     for (int i = 0; i < m; i++) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         /* the pass after next, into L2 (34 bytes a block and row: 544 a block of the 16), as
@@ -427,10 +428,11 @@ static void rows_q8_0(int k, const void *w, size_t row_bytes, int n, const void 
     const uint8_t *ar = q8_0_prepare(k, act, act_bytes, m, &act_row), *wr = w;
     for (int r = 0; r < n; r += Q8_0_LANES) {
         const int nrows = n - r < Q8_0_LANES ? n - r : Q8_0_LANES;
-        for (int i = 0; i < m; i += MAX_ROWS) {
-            switch (m - i < MAX_ROWS ? m - i : MAX_ROWS) {
-                Q8_0_CASE(1) Q8_0_CASE(2) Q8_0_CASE(3) Q8_0_CASE(4)
-                Q8_0_CASE(5) Q8_0_CASE(6) Q8_0_CASE(7) Q8_0_CASE(8)
+        for (int i = 0; i < m; i += Q8_0_MAX_ROWS) {
+            switch (m - i < Q8_0_MAX_ROWS ? m - i : Q8_0_MAX_ROWS) {
+                Q8_0_CASE(1) Q8_0_CASE(2) Q8_0_CASE(3) Q8_0_CASE(4) Q8_0_CASE(5) Q8_0_CASE(6)
+                Q8_0_CASE(7) Q8_0_CASE(8) Q8_0_CASE(9) Q8_0_CASE(10) Q8_0_CASE(11) Q8_0_CASE(12)
+                Q8_0_CASE(13) Q8_0_CASE(14) Q8_0_CASE(15) Q8_0_CASE(16)
             }
         }
     }

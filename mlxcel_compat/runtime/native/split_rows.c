@@ -217,6 +217,7 @@ static inline __attribute__((always_inline)) void split_dequantize(const void *v
  * copy of its last row and are not stored): bit for bit the row alone. Per block, the integer sum
  * of the 32 products (exact: ggml's) times d_w d_a, plus m_w s_a, added block after block. */
 #define LANE_ROWS 16
+#define LANE_MAX_ROWS 16 /* activation rows a pass: a verify of 15 draft tokens, or 16 streams, reads the weights once */
 
 /* r[i]'s lane j into r[j]'s lane i (16 x 16 floats): pairs of rows interleaved, then quadruples,
  * then 128-bit lanes exchanged among every fourth vector. */
@@ -236,14 +237,14 @@ static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
 }
 
 /* Weight rows [0, nrows) (nrows <= 16, row_bytes apart, split Q4_1 rows of nb blocks) times m
- * activation rows (m <= SPLIT_MAX_ROWS): out[i * ldo + r]. */
+ * activation rows (m <= LANE_MAX_ROWS): out[i * ldo + r]. */
 static inline __attribute__((always_inline)) void q4_1_lanes(int nb, const uint8_t *w, size_t row_bytes, int nrows,
                                                               const struct split_act *act, int m, float *out,
                                                               size_t ldo) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     const uint8_t *rowp[LANE_ROWS], *next = w + 2 * LANE_ROWS * row_bytes;
     for (int r = 0; r < LANE_ROWS; r++) rowp[r] = w + (size_t)(r < nrows ? r : nrows - 1) * row_bytes;
-    __m512 acc[SPLIT_MAX_ROWS], mins[SPLIT_MAX_ROWS];
+    __m512 acc[LANE_MAX_ROWS], mins[LANE_MAX_ROWS];
     for (int i = 0; i < m; i++) acc[i] = mins[i] = _mm512_setzero_ps();
     for (int b0 = 0; b0 < nb; b0 += 16) {
         const int count = nb - b0 < 16 ? nb - b0 : 16;
@@ -306,7 +307,7 @@ static inline __attribute__((always_inline)) void q4_1_lanes(int nb, const uint8
     case M: q4_1_lanes(nb, wr + (size_t)r * row_bytes, row_bytes, nrows, rows + i, M, out + (size_t)i * ldo + r, ldo); break;
 
 /* rows_fn over split Q4_1 rows: the activation rows copied out as split_rows_driver does, then
- * 16 weight rows a pass against SPLIT_MAX_ROWS activation rows (each constant, so loops unroll). */
+ * 16 weight rows a pass against LANE_MAX_ROWS activation rows (each constant, so loops unroll). */
 void rows_q4_1_split(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
                      float *out, size_t ldo) {
     const int nb = k / 32;
@@ -327,10 +328,11 @@ void rows_q4_1_split(int k, const void *w, size_t row_bytes, int n, const void *
     const uint8_t *wr = w;
     for (int r = 0; r < n; r += LANE_ROWS) {
         const int nrows = n - r < LANE_ROWS ? n - r : LANE_ROWS;
-        for (int i = 0; i < m; i += SPLIT_MAX_ROWS) {
-            switch (m - i < SPLIT_MAX_ROWS ? m - i : SPLIT_MAX_ROWS) {
-                LANES_CASE(1) LANES_CASE(2) LANES_CASE(3) LANES_CASE(4)
-                LANES_CASE(5) LANES_CASE(6) LANES_CASE(7) LANES_CASE(8)
+        for (int i = 0; i < m; i += LANE_MAX_ROWS) {
+            switch (m - i < LANE_MAX_ROWS ? m - i : LANE_MAX_ROWS) {
+                LANES_CASE(1) LANES_CASE(2) LANES_CASE(3) LANES_CASE(4) LANES_CASE(5) LANES_CASE(6)
+                LANES_CASE(7) LANES_CASE(8) LANES_CASE(9) LANES_CASE(10) LANES_CASE(11) LANES_CASE(12)
+                LANES_CASE(13) LANES_CASE(14) LANES_CASE(15) LANES_CASE(16)
             }
         }
     }
