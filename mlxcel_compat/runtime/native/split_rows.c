@@ -11,6 +11,10 @@
  * types on x86 (AVX2) converts each block's factors one at a time and takes 32 values an
  * instruction; this takes 64 (vpdpbusd: the values as u8 times the activations' s8).
  *
+ * Q4_1 takes q4_1_lanes below (a vector lane per weight row, 16 rows a pass); Q5_0 and Q5_1 take
+ * split_tile (a vector of one row's values), whose per-pair factors and horizontal sums cost
+ * each activation row several times its products.
+ *
  * The activations are ggml's own blocks, Q8_1 (d and s = d x the sum of the values) for the
  * types with a minimum, Q8_0 (d) for Q5_0, copied per row into arrays of values, d and s (for
  * Q8_0: d x the sum, computed here). A block's term is d_w d_a x sum(q a) plus m_w s_a, or for
