@@ -6,10 +6,12 @@
  * computes one weight row with one activation row per call, unpacking the row's blocks (4- or
  * 6-bit values, 6- or 8-bit sub-block scales) each time: a batch of m decode rows unpacks every
  * weight block m times, and a row as short as a small model's (768 values: 3 super-blocks) pays
- * the call's set-up and final reduction on few blocks. Here the blocks are unpacked once per
- * pass, 64 values per instruction, for two weight rows against one activation row (sharing its
+ * the call's set-up and final reduction on few blocks. Here the K-quants' blocks are unpacked once
+ * per pass, 64 values per instruction, for two weight rows against one activation row (sharing its
  * loads) or for one weight row against up to MAX_ROWS activation rows (sharing the unpacking),
- * and each pair's sums stay in vector registers until its row is done.
+ * and each pair's sums stay in vector registers until its row is done. Q8_0 turns the vector the
+ * other way (its section below: a lane per weight row, 16 rows a pass), as split_rows.c does for
+ * Q4_1.
  *
  * The arithmetic is ggml's: the same integer products of the same quantized values (the
  * activations are what ggml's from_float made), scaled by the same float16 block factors; only
