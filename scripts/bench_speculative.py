@@ -16,11 +16,13 @@ ratio is speculating over plain of the same server, measured in alternation:
 Both servers' greedy outputs with and without speculation are compared and reported.
 
     scripts/bench_speculative.py [--workload edit|draft|both] [--peer-llama-server BIN] [--reps 3]
+        [--baseline DIR]  (another checkout's package beside this one: e.g. main's, under the same load)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -59,17 +61,21 @@ def update_setting(path, key, value):
 EDIT_ASK = "Fix the typo 'retrun' in this file and output the complete corrected file.\n\n```python\n"
 
 
-def start(name: str, cmd: list[str], port: int) -> ServerProcess:
-    server = ServerProcess(cmd, port, name=name)
+def start(name: str, cmd: list[str], port: int, env: dict[str, str] | None = None) -> ServerProcess:
+    # ``python -m`` imports from its working directory first: a checkout's own (``--baseline``)
+    server = ServerProcess(cmd, port, name=name, env=env, cwd=(env or {}).get("PYTHONPATH"))
     server.start()
     server.wait_healthy(300)
     return server
 
 
+THREADS: list[str] = []  # -t/-tb for our servers (--threads)
+
+
 def ours(model: Path, extra: list[str]) -> tuple[list[str], int]:
     port = free_port()
     return [sys.executable, "-m", "mlxcel_compat", "-m", str(model), "--port", str(port), "-np", "1", "-c", "4096",
-            *extra], port
+            *THREADS, *extra], port
 
 
 def peer(binary: str, model: Path, extra: list[str]) -> tuple[list[str], int]:
@@ -90,19 +96,41 @@ def edit_prompt(server: ServerProcess) -> str:
         return http.post("/apply-template", json={"messages": messages}).json()["prompt"]
 
 
-def measure(servers: dict[str, ServerProcess], body: dict[str, Any], reps: int) -> dict[str, dict[str, Any]]:
-    """Each server answers ``body`` ``reps`` times, in alternation (noisy machines drift)."""
+def cpu_seconds(server: ServerProcess) -> float:
+    """The server process's CPU time so far (user + system, all its threads), from /proc."""
+    fields = Path(f"/proc/{server.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_completion(server: ServerProcess, body: dict[str, Any]) -> dict[str, Any]:
+    """``completion`` with the CPU seconds its decoding took: the server's CPU time over the
+    request less its CPU time over the same prompt with ``n_predict`` 1 (the prefill and the
+    request's own costs), as ``timings["decode_cpu_s"]``."""
+    t0 = cpu_seconds(server)
+    completion(server, dict(body, n_predict=1))
+    t1 = cpu_seconds(server)
+    out = completion(server, body)
+    out["timings"]["decode_cpu_s"] = max(cpu_seconds(server) - t1 - (t1 - t0), 1e-9)
+    return out
+
+
+def measure(servers: dict[str, ServerProcess], body: dict[str, Any], reps: int,
+            clock: str = "wall") -> dict[str, dict[str, Any]]:
+    """Each server answers ``body`` ``reps`` times, in alternation (noisy machines drift).
+    ``clock`` "cpu": tokens per CPU second of the server's decoding (best of the reps), which
+    other processes on a busy machine disturb far less than wall-clock time."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
     for name, server in servers.items():  # warm-up: first requests pay one-off costs
         completion(server, dict(body, n_predict=8))
     for _ in range(reps):
         for name, server in servers.items():
-            runs[name].append(completion(server, body))
+            runs[name].append(cpu_completion(server, body) if clock == "cpu" else completion(server, body))
     out = {}
     for name, answers in runs.items():
         t = [a["timings"] for a in answers]
         out[name] = {
-            "tok_s": mean(x["predicted_per_second"] for x in t),
+            "tok_s": (max(a["tokens_predicted"] / x["decode_cpu_s"] for a, x in zip(answers, t)) if clock == "cpu"
+                      else mean(x["predicted_per_second"] for x in t)),
             "n": answers[0]["tokens_predicted"],
             "draft_n": sum(x.get("draft_n", 0) for x in t) / reps,
             "accepted": sum(x.get("draft_n_accepted", 0) for x in t) / reps,
@@ -134,16 +162,22 @@ def run_edit(args: argparse.Namespace) -> list[str]:
     if args.peer_llama_server:
         cmds.update({"llama-server:plain": peer(args.peer_llama_server, model, []),
                      "llama-server:ngram": peer(args.peer_llama_server, model, ngram)})
-    servers = {name: start(name, cmd, port) for name, (cmd, port) in cmds.items()}
+    envs: dict[str, dict[str, str]] = {}
+    if args.baseline:  # another checkout's package, side by side under the same load
+        cmds.update({"baseline:plain": ours(model, []), "baseline:ngram": ours(model, ngram)})
+        envs = {name: {"PYTHONPATH": str(Path(args.baseline).resolve())} for name in ("baseline:plain", "baseline:ngram")}
+    servers = {name: start(name, cmd, port, envs.get(name)) for name, (cmd, port) in cmds.items()}
     try:
         prompt = edit_prompt(servers["mlxcel:plain"])
         body = {"prompt": prompt, "n_predict": args.n_predict, "temperature": 0, "cache_prompt": False}
-        results = measure(servers, body, args.reps)
+        results = measure(servers, body, args.reps, args.clock)
     finally:
         for server in servers.values():
             server.stop()
-    return report(f"edit: {model.name}, ngram-simple n={args.ngram_n} m={args.ngram_m}, {args.n_predict} tokens",
-                  results, [("mlxcel:plain", "mlxcel:ngram"), ("llama-server:plain", "llama-server:ngram")])
+    clock = ", tok/s per CPU second of decoding (best of the reps)" if args.clock == "cpu" else ""
+    return report(f"edit: {model.name}, ngram-simple n={args.ngram_n} m={args.ngram_m}, {args.n_predict} tokens{clock}",
+                  results, [("mlxcel:plain", "mlxcel:ngram"), ("baseline:plain", "baseline:ngram"),
+                            ("llama-server:plain", "llama-server:ngram")])
 
 
 def run_draft(args: argparse.Namespace) -> list[str]:
@@ -177,11 +211,19 @@ def main() -> int:
     parser.add_argument("--n-predict", type=int, default=256)
     parser.add_argument("--ngram-n", type=int, default=12, help="--spec-ngram-simple-size-n of both servers (default 12, llama-server's; 4 is fastest on the edit workload)")
     parser.add_argument("--ngram-m", type=int, default=48)
+    parser.add_argument("--baseline", metavar="DIR", help="edit workload: also serve the package of this checkout "
+                        "(PYTHONPATH=DIR), plain and speculating, in the same alternation (rows 'baseline')")
     parser.add_argument("--n-max", type=int, default=4)
     parser.add_argument("--draft-layers", type=int, default=2)
     parser.add_argument("--damping", type=float, default=0.02)
     parser.add_argument("--gguf-type", default="f32")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="edit workload: cpu measures tokens per CPU second of each server's decoding "
+                             "(use with --threads 1 on a busy machine)")
+    parser.add_argument("--threads", type=int, default=0, help="-t and -tb of our servers (default: theirs)")
     args = parser.parse_args()
+    if args.threads:
+        THREADS[:] = ["-t", str(args.threads), "-tb", str(args.threads)]
     lines = ["command: " + shlex.join(["scripts/bench_speculative.py", *sys.argv[1:]]), ""]
     if args.workload in ("edit", "both"):
         lines += run_edit(args)

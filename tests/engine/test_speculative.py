@@ -21,6 +21,7 @@ from mlxcel_compat.engine.speculative import (NgramModState, NgramModTable, Spec
                                               ngram_simple_draft, parse_types, resolve, verify_draft)
 from mlxcel_compat.settings import SettingsError, resolve_settings
 from mlxcel_compat.testing.draft_pair import ensure_pair
+from mlxcel_compat.testing.gguf_writer import ensure_gguf
 
 from tests.conftest import MODEL_CACHE
 from tests.engine.harness import EngineHarness, collect
@@ -219,6 +220,30 @@ def test_greedy_output_equals_plain_decoding_token_for_token(engines, kind: str)
         assert accepted > 0
     if kind == "draft":  # the derived pair agrees often: acceptance is measured, not assumed
         assert accepted / drafted > 0.5
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("gguf_type", ["q4_1", "q8_0"])
+def test_ngram_speculation_over_block_weights_equals_plain_decoding(gguf_type: str) -> None:
+    """Verify passes of up to 16 rows over Q4_1 (split rows) and Q8_0 weights go through the lane
+    kernels (a vector lane per weight row, runtime/native/split_rows.c and quant_rows.c): the
+    text is plain decoding's token for token, with drafts long enough to take passes of many rows."""
+    model = ensure_gguf("llama", "tiny", gguf_type, cache_dir=MODEL_CACHE)
+    plain = EngineHarness(model, batch_size=32, n_parallel=1)
+    spec = EngineHarness(model, batch_size=32, n_parallel=1,
+                         speculative=resolve(("ngram-simple",), None, ngram_size_n=1, ngram_size_m=15))
+    try:
+        assert spec.engine.loaded.decoder is not None  # the CPU decode runtime verifies the drafts
+        drafted = 0
+        for prompt in _prompts(2, seed=5):
+            expected = plain.run(prompt, n_predict=40, cache=False, ignore_eos=True)
+            got = spec.run(prompt, n_predict=40, cache=False, ignore_eos=True)
+            assert got.tokens == expected.tokens
+            drafted += got.finish.n_draft
+        assert drafted > 0
+    finally:
+        plain.close()
+        spec.close()
 
 
 @pytest.mark.engine

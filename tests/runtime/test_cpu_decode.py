@@ -440,7 +440,8 @@ def test_k_quant_gemma3_follows_mlx_step_for_step() -> None:
 
 
 @pytest.mark.parametrize("family,gguf_type", [("llama", None), ("qwen3", None), ("gemma3_text", None),
-                                               ("qwen2", "q5_1"), ("gemma3_text", "q4_0"), ("mistral", "q8_0")])
+                                               ("qwen2", "q5_1"), ("gemma3_text", "q4_0"), ("mistral", "q8_0"),
+                                               ("llama", "q4_1")])
 def test_rows_stepped_together_are_bit_identical_to_rows_alone(family: str, gguf_type: str | None) -> None:
     """Three sequences at different positions (one past a 256-position block of angles; gemma3's
     rings in different states), stepped together for 6 steps, give exactly the logits each gives

@@ -170,10 +170,14 @@ static void vec_dot_rows(const struct vec_dot_job *j, const struct vec_dot_targe
     }
 }
 
+/* Weight rows a part takes are a multiple of this: the lane kernels (quant_rows.c's Q8_0,
+ * split_rows.c's Q4_1) take 16 rows a pass, and a part ending mid-pass pays for a whole one. */
+#define PART_ROWS 16
+
 static void vec_dot_part(const void *ctx, int p) {
     const struct vec_dot_job *j = ctx;
     int total = j->first[SHARED_MAX];
-    int per = (total + j->parts - 1) / j->parts;
+    int per = ((total + j->parts - 1) / j->parts + PART_ROWS - 1) / PART_ROWS * PART_ROWS;
     int r0 = p * per, r1 = r0 + per < total ? r0 + per : total;
     for (int i = 0; i < SHARED_MAX && r0 < r1; i++) {
         int a = r0 > j->first[i] ? r0 : j->first[i], b = r1 < j->first[i + 1] ? r1 : j->first[i + 1];

@@ -6,10 +6,12 @@
  * computes one weight row with one activation row per call, unpacking the row's blocks (4- or
  * 6-bit values, 6- or 8-bit sub-block scales) each time: a batch of m decode rows unpacks every
  * weight block m times, and a row as short as a small model's (768 values: 3 super-blocks) pays
- * the call's set-up and final reduction on few blocks. Here the blocks are unpacked once per
- * pass, 64 values per instruction, for two weight rows against one activation row (sharing its
+ * the call's set-up and final reduction on few blocks. Here the K-quants' blocks are unpacked once
+ * per pass, 64 values per instruction, for two weight rows against one activation row (sharing its
  * loads) or for one weight row against up to MAX_ROWS activation rows (sharing the unpacking),
- * and each pair's sums stay in vector registers until its row is done.
+ * and each pair's sums stay in vector registers until its row is done. Q8_0 turns the vector the
+ * other way (its section below: a lane per weight row, 16 rows a pass), as split_rows.c does for
+ * Q4_1.
  *
  * The arithmetic is ggml's: the same integer products of the same quantized values (the
  * activations are what ggml's from_float made), scaled by the same float16 block factors; only
@@ -316,72 +318,127 @@ void mlxcel_quantize_q8_K(const float *x, void *out, int64_t k) {
 #if defined(__AVX512VNNI__)
 /* --------------------------------------------------------------------------------------- Q8_0
  * 32 int8 values and a float16 factor a block, on both sides (activations quantized to Q8_0 by
- * ggml). Two blocks a step (64 values in one vector): signed x signed through vpdpbusd (AVX-512
- * VNNI) as |w| x (a with w's sign). A row's last block, when the count is odd, takes the same
- * operations on a vector whose upper half is zero. */
+ * ggml), with a vector lane per weight row (as split_rows.c's Q4_1 kernel, and for the same
+ * reason: a (weight row, activation row) pair kept in a vector of its own values paid, per
+ * activation row, for the factors and a horizontal sum several times over the products; 8
+ * activation rows cost 4-6x one). 16 weight rows a pass: a block is 8 vpdpbusd, each taking 4
+ * values of every row against 4 activation values (a broadcast dword). vpdpbusd multiplies
+ * unsigned by signed bytes: the activations go in as a + 128 (copied so once per call), and
+ * 128 times the block's sum of weights (8 more vpdpbusd, once per pass for every activation row)
+ * is taken off: sum(w a) exactly, ggml's integer sum. Then times d_w d_a, added block after
+ * block. Each (weight row, activation row) pair is its lane of the same operations in the same
+ * order whatever the other rows are (rows past the band's end compute on a copy of its last row
+ * and are not stored): bit for bit the row alone. */
+#define Q8_0_LANES 16
+#define Q8_0_MAX_ROWS 16 /* activation rows a pass (as split_rows.c's LANE_MAX_ROWS) */
 
-/* An activation row as q8_0_tile reads it (q8_0_prepare): its nb x 32 values, then the blocks'
- * factors as floats (and one 0 after them), so that a pair of blocks is one load of values and
- * one of factors. */
-static inline __attribute__((always_inline)) void q8_0_tile(int k, const void *w, size_t w_bytes, int nw, const void *act,
-                                                              size_t act_bytes, int m, float *out) {
-    const int nb = k / 32;
-    const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    __m512 acc[2 * MAX_ROWS];
-    for (int t = 0; t < nw * m; t++) acc[t] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b += 2) {
-        int pair = b + 1 < nb;
-        __m512i mag[2];
-        __mmask64 negative[2];
-        __m512 dw[2];
-        for (int j = 0; j < nw; j++) {
-            const struct q8_0_block *x = (const struct q8_0_block *)((const char *)w + j * w_bytes) + b;
-            __m512i q = two_blocks_q8_0(x, pair);
-            mag[j] = _mm512_abs_epi8(q);
-            negative[j] = _mm512_movepi8_mask(q);
-            dw[j] = two_factors(half_to_float(x[0].d), pair ? half_to_float(x[1].d) : 0.0f);
-        }
+/* The weight rows' bytes 4t .. 4t + 3 of a 16-byte half of their blocks' values, for the 16 rows
+ * rowp[0..15] at byte offset at: v[t]'s dword r holds row r's (a 4 x 4 transpose of dwords within
+ * 128-bit lanes, the rows loaded so that lane j of z[a] is row 4j + a). */
+static inline __attribute__((always_inline)) void q8_0_lanes_half(const uint8_t *const rowp[16], size_t at, __m512i v[4]) {
+    __m512i z[4];
+    for (int a = 0; a < 4; a++) {
+        __m512i x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rowp[a] + at)));
+        x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(rowp[4 + a] + at)), 1);
+        x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(rowp[8 + a] + at)), 2);
+        z[a] = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(rowp[12 + a] + at)), 3);
+    }
+    __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    v[0] = _mm512_unpacklo_epi64(t0, t2), v[1] = _mm512_unpackhi_epi64(t0, t2);
+    v[2] = _mm512_unpacklo_epi64(t1, t3), v[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* Weight rows [0, nrows) (nrows <= 16) times m activation rows (m <= Q8_0_MAX_ROWS, as
+ * q8_0_prepare left them): out[i * ldo + r]. */
+static inline __attribute__((always_inline)) void q8_0_lanes(int nb, const uint8_t *w, size_t row_bytes, int nrows,
+                                                              const uint8_t *act, size_t act_row, int m, float *out,
+                                                              size_t ldo) {
+    const uint8_t *rowp[Q8_0_LANES], *next = w + 2 * Q8_0_LANES * row_bytes;
+    int32_t offsets[Q8_0_LANES];
+    for (int r = 0; r < Q8_0_LANES; r++) {
+        const size_t at = (size_t)(r < nrows ? r : nrows - 1) * row_bytes;
+        rowp[r] = w + at;
+        offsets[r] = (int32_t)at;
+    }
+    const __m512i row_at = _mm512_loadu_si512(offsets), ones = _mm512_set1_epi8(1);
+    __m512 acc[Q8_0_MAX_ROWS];
+    for (int i = 0; i < m; i++) acc[i] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        /* the pass after next, into L2 (34 bytes a block and row: 544 a block of the 16), as
+         * split_rows.c's Q4_1 kernel does: 16 rows side by side lose the hardware prefetchers */
+        for (int l = 0; l < 9; l++) _mm_prefetch((const char *)next + (size_t)b * 544 + (size_t)l * 64, _MM_HINT_T1);
+        const size_t at = (size_t)b * sizeof(struct q8_0_block);
+        /* the 16 rows' d: a dword gathered from each row, its low half */
+        const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(row_at, (const void *)(w + at), 1)));
+        __m512i v[8];
+        q8_0_lanes_half(rowp, at + 2, v);
+        q8_0_lanes_half(rowp, at + 18, v + 4);
+        __m512i wsum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, v[0]);
+        for (int t = 1; t < 8; t++) wsum = _mm512_dpbusd_epi32(wsum, ones, v[t]);
+        const __m512i offset = _mm512_slli_epi32(wsum, 7);
         for (int i = 0; i < m; i++) {
-            const int8_t *y = (const int8_t *)act + (size_t)i * act_bytes + (size_t)b * 32;
-            const float *e = (const float *)((const int8_t *)act + (size_t)i * act_bytes + (size_t)nb * 32) + b;
-            __m512i a = pair ? _mm512_loadu_si512(y) : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y));
-            double two;
-            memcpy(&two, e, sizeof two); /* the pair's two factors (the second 0 past the last block) */
-            __m512 da = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_castpd_ps(_mm_set_sd(two))));
-            for (int j = 0; j < nw; j++) {
-                /* a with the weights' signs (|w| times that is w times a; where w is 0, so is |w|) */
-                __m512i signed_a = _mm512_mask_sub_epi8(a, negative[j], _mm512_setzero_si512(), a);
-                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), mag[j], signed_a);
-                acc[i * nw + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw[j], da), acc[i * nw + j]);
+            const uint8_t *row = act + (size_t)i * act_row;
+            const int32_t *q = (const int32_t *)(row + (size_t)b * 32);
+            const float da = ((const float *)(row + (size_t)nb * 32))[b];
+            __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(q[0]), v[0]);
+            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(q[4]), v[4]);
+            for (int t = 1; t < 4; t++) {
+                s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(q[t]), v[t]);
+                s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(q[t + 4]), v[t + 4]);
             }
+            __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), offset);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc[i]);
         }
     }
-    for (int t = 0; t < nw * m; t++) out[t] = hsum512(acc[t]);
+    const __mmask16 stored = (__mmask16)((1u << nrows) - 1);
+    for (int i = 0; i < m; i++) _mm512_mask_storeu_ps(out + (size_t)i * ldo, stored, acc[i]);
 }
 
 static __thread struct mlxcel_scratch q8_0_scratch;
 
-/* The activation rows (ggml's Q8_0 blocks: a float16 factor, 32 values) as q8_0_tile reads
- * them, into a buffer of this thread; *act_bytes becomes a row's bytes there. */
-static const void *q8_0_prepare(int k, const void *act, size_t *act_bytes, int m) {
+/* The activation rows (ggml's Q8_0 blocks: a float16 factor, 32 values) as q8_0_lanes reads
+ * them, into a buffer of this thread: a row's nb x 32 values plus 128 (as unsigned bytes), then
+ * its blocks' factors as floats. Returns the buffer; *row_size is a row's bytes there. */
+static const uint8_t *q8_0_prepare(int k, const void *act, size_t act_bytes, int m, size_t *row_size) {
     const int nb = k / 32;
-    const size_t row = (size_t)nb * 32 + ((size_t)nb + 1) * sizeof(float);
-    int8_t *copy = mlxcel_scratch(&q8_0_scratch, row * (size_t)m);
+    const size_t row = (size_t)nb * 32 + (size_t)nb * sizeof(float);
+    uint8_t *copy = mlxcel_scratch(&q8_0_scratch, row * (size_t)m);
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
     for (int i = 0; i < m; i++) {
-        const struct q8_0_block *y = (const struct q8_0_block *)((const char *)act + (size_t)i * *act_bytes);
-        int8_t *q = copy + (size_t)i * row;
+        const struct q8_0_block *y = (const struct q8_0_block *)((const char *)act + (size_t)i * act_bytes);
+        uint8_t *q = copy + (size_t)i * row;
         float *d = (float *)(q + (size_t)nb * 32);
         for (int b = 0; b < nb; b++) {
-            memcpy(q + (size_t)b * 32, y[b].qs, 32);
+            _mm256_storeu_si256((__m256i *)(q + (size_t)b * 32),
+                                _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)y[b].qs), flip));
             d[b] = half_to_float(y[b].d);
         }
-        d[nb] = 0.0f;
     }
-    *act_bytes = row;
+    *row_size = row;
     return copy;
 }
 
-ROWS_DRIVER(q8_0)
+#define Q8_0_CASE(M)                                                                                               \
+    case M: q8_0_lanes(nb, wr + (size_t)r * row_bytes, row_bytes, nrows, ar + (size_t)i * act_row, act_row, M,     \
+                       out + (size_t)i * ldo + r, ldo); break;
+
+static void rows_q8_0(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
+                      float *out, size_t ldo) {
+    const int nb = k / 32;
+    size_t act_row;
+    const uint8_t *ar = q8_0_prepare(k, act, act_bytes, m, &act_row), *wr = w;
+    for (int r = 0; r < n; r += Q8_0_LANES) {
+        const int nrows = n - r < Q8_0_LANES ? n - r : Q8_0_LANES;
+        for (int i = 0; i < m; i += Q8_0_MAX_ROWS) {
+            switch (m - i < Q8_0_MAX_ROWS ? m - i : Q8_0_MAX_ROWS) {
+                Q8_0_CASE(1) Q8_0_CASE(2) Q8_0_CASE(3) Q8_0_CASE(4) Q8_0_CASE(5) Q8_0_CASE(6)
+                Q8_0_CASE(7) Q8_0_CASE(8) Q8_0_CASE(9) Q8_0_CASE(10) Q8_0_CASE(11) Q8_0_CASE(12)
+                Q8_0_CASE(13) Q8_0_CASE(14) Q8_0_CASE(15) Q8_0_CASE(16)
+            }
+        }
+    }
+}
 #endif /* AVX512VNNI */
 
 /* This library's quantizer of activations into a vec_dot_type, or NULL (ggml's then). */
