@@ -59,7 +59,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxcel_compat.runtime import decode_moe
+from mlxcel_compat.runtime import decode_moe, ring_chunks
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, ring_plan
@@ -315,11 +315,18 @@ class CpuDecoder:
 
     def can_prefill(self, cache: list[Any], owned: OwnedCache) -> bool:
         """Whether :meth:`prefill` takes this cache: as :meth:`can_step_tokens`, or an empty
-        mlx-lm ``KVCache`` per layer (a cold prompt's first chunk)."""
+        mlx-lm ``KVCache`` per layer (a cold prompt's first chunk); with sliding-window layers,
+        each layer in a state a chunk can start from (``ring_chunks``: rings of the model's
+        window, empty or holding the slots the chunk sees), at one offset."""
         from mlx_lm.models.cache import KVCache
 
-        if self.kv.rings or len(cache) != len(self.layers):
+        if len(cache) != len(self.layers):
             return False
+        if self.kv.rings:
+            d, hk = self.head_dim, self.n_kv_heads
+            return (len({c.offset for c in cache}) == 1
+                    and all(ring_chunks.ring_takes_chunk(cache[i], self.window, hk, d) for i in self.kv.rings)
+                    and all(ring_chunks.plain_takes_chunk(cache[i], hk, d) for i in self.kv.plain))
         if all(type(c) is KVCache and c.keys is None and c.offset == 0 for c in cache):
             return True
         return self.can_run(cache, owned)
@@ -344,7 +351,8 @@ class CpuDecoder:
         last row only. Unlike :meth:`step_tokens` the rows are not computed as single steps
         would compute them (the GEMM and the blocked attention sum in other orders): the logits
         agree with MLX's chunk to float32 rounding, as any two prompt splits do. Plain KV caches
-        only (:meth:`can_step_tokens`)."""
+        only (:meth:`can_step_tokens`), or with sliding-window layers as mlx-lm's chunk leaves
+        them (:meth:`can_prefill`, ``ring_chunks.py``)."""
         out = self.prefill_rows([tokens], [cache], [owned], [scales], logits=logits)
         return out[0] if logits else None
 
@@ -361,8 +369,6 @@ class CpuDecoder:
         runtime copy each into its own buffers at the first step: three copies of every row's KV
         at once (the peak memory of a four-stream server). Here each chunk is written into its
         sequence's own buffers once, and the products still take all rows in one pass."""
-        if self.kv.rings:
-            raise RuntimeError("a model with sliding-window layers prefills through MLX")
         if logits and len(chunks) != 1:
             raise ValueError("logits are for a single sequence's chunk")
         short = [len(c) < PROMPT_ROWS_MIN for c in chunks]
@@ -378,7 +384,7 @@ class CpuDecoder:
             raise ValueError("each chunk needs its own sequence's cache")
         starts = [cache[0].offset for cache in caches]
         borrowed = [self.kv.borrow(cache, o, start, len(tokens)) for cache, o, start, tokens in zip(caches, owned, starts, chunks)]
-        views = [b.views if b is not None else self.kv.own(cache, o, start, last=start + len(tokens) - 1)
+        views = [b.views if b is not None else self._chunk_views(cache, o, start, len(tokens))
                  for b, cache, o, start, tokens in zip(borrowed, caches, owned, starts, chunks)]
         rows = [len(tokens) for tokens in chunks]
         row_scales = None if scales is None or all(s is None for s in scales) else [
@@ -389,6 +395,13 @@ class CpuDecoder:
             if b is not None:
                 o.apart = b.keep_apart(cache)
         return out if logits else None
+
+    def _chunk_views(self, cache: list[Any], owned: OwnedCache, start: int, rows: int) -> list[tuple[int, ...]]:
+        """A prompt chunk's KV views: this sequence's own buffers with room for it, and with
+        sliding-window layers each ring laid out in order ahead of the chunk (``ring_chunks``)."""
+        if self.kv.rings:
+            return ring_chunks.chunk_views(self.kv, cache, owned, start, rows)
+        return self.kv.own(cache, owned, start, last=start + rows - 1)
 
     def _check_tokens(self, tokens: list[int]) -> None:
         vocab = self.embed.shape[0]
@@ -419,6 +432,8 @@ class CpuDecoder:
                               np.int64)
             offsets = None
         kv = self._kv(views, positions, caches)
+        if segments is not None and self.kv.rings:  # each ring's chunk: after its kept slots, windowed
+            kv[:, self.kv.rings, 7] = self.window
         x = b.x[:rows]
         if isinstance(self.embed, BlockWeight):  # the ids were checked (_check_tokens)
             ids = np.array(tokens, np.int32)

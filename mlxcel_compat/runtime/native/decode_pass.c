@@ -111,10 +111,12 @@ struct mlxcel_buffers {
 
 /* Where one row (a prompt chunk: the chunk) attends in one layer. A growing cache: write = the
  * position, n = write + 1; a sliding window's ring: its slot and how many slots it sees; a cache
- * the pass may not write (k_out set): n_base = write, the new rows go to k_out and v_out. */
+ * the pass may not write (k_out set): n_base = write, the new rows go to k_out and v_out. A
+ * prompt chunk of a sliding layer: the window's newest slots then the chunk's, in order
+ * (ring_chunks.py), write = where the chunk's start, `window` its length (0 elsewhere). */
 struct mlxcel_kv {
     float *keys, *values, *k_out, *v_out;
-    int64_t capacity, write, n, unused;
+    int64_t capacity, write, n, window;
 };
 
 /* Per-thread scratch for the adapters' A x. */
@@ -339,6 +341,9 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                 int failed = s->k_out
                     ? mlxcel_chunk_attention_apart(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, n, hk, group,
                                                    d, (int)s->write, s->capacity, m->scale)
+                    : s->window
+                    ? mlxcel_chunk_attention_window(q, kn, vn, s->keys, s->values, att, n, hk, group, d, (int)s->write,
+                                                    s->capacity, m->scale, (int)s->window)
                     : mlxcel_chunk_attention(q, kn, vn, s->keys, s->values, att, n, hk, group, d, (int)s->write,
                                              s->capacity, m->scale);
                 if (failed) return i + 1;
