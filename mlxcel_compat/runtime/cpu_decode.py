@@ -495,6 +495,12 @@ class CpuDecoder:
             b = self._buffers[rows] = self._new_buffers(rows, rows)
         return b
 
+    def forget_chunk_buffers(self) -> None:
+        """Drop a prompt chunk's buffers (made again by the next chunk): the engine calls this when
+        it goes idle, so a server waiting for requests does not hold a 512-row chunk's activations
+        (17 MiB on Gemma 3 270M, whose gate and up rows are 2048 wide)."""
+        self._chunk_buffers = None
+
     def _chunk_buffers_for(self, rows: int) -> PassBuffers:
         """A prompt chunk's buffers: one set, grown in steps of 64 rows, its first ``rows`` used
         (rows are contiguous, so the addresses hold for any count), logits for one row."""
