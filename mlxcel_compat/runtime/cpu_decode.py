@@ -432,7 +432,9 @@ class CpuDecoder:
                               np.int64)
             offsets = None
         kv = self._kv(views, positions, caches)
-        if segments is not None and self.kv.rings:  # each ring's chunk: after its kept slots, windowed
+        if segments is not None and self.kv.rings:  # a ring's chunk: its valid slots, windowed (ring_chunks.py)
+            for j, pos in enumerate(positions):
+                kv[j, self.kv.rings, 6] = min(pos, self.window)
             kv[:, self.kv.rings, 7] = self.window
         x = b.x[:rows]
         if isinstance(self.embed, BlockWeight):  # the ids were checked (_check_tokens)
@@ -449,7 +451,10 @@ class CpuDecoder:
         for cache, n in zip(caches, advance):
             for i in self.kv.rings:  # as mlx-lm's update leaves a ring: the slot after the one written
                 ring = cache[i]
-                ring._idx = (0 if ring._idx == ring.max_size else ring._idx) + n
+                if segments is not None:  # a chunk left the newest slots in order from slot 0
+                    ring._idx = min(ring.max_size, ring.offset + n)
+                else:
+                    ring._idx = (0 if ring._idx == ring.max_size else ring._idx) + n
             for c in cache:
                 c.offset += n
         if segments is not None:

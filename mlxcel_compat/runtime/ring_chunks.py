@@ -2,18 +2,22 @@
 decode runtime's prefill (``CpuDecoder.prefill_rows``).
 
 Why: a sliding layer's cache is mlx-lm's ``RotatingKVCache``, a ring of the window's size that a
-decode step writes one slot of. A prompt chunk cannot go through a ring that way (its first rows
-need keys the ring has already overwritten by its last ones), so MLX's chunk lays the ring's
-newest ``window - 1`` slots out in order and appends the chunk's keys (``_update_concat``), and
-masks each row to its window. Gemma's prompts went through MLX for that alone, at 0.56x
-llama-server's prefill on the 270M file, most of it MLX's work around the products (norms, RoPE,
-the evaluations between the block products). Here the runtime's pass does the same: each
-sliding layer gets a new buffer holding the ring's newest ``min(window - 1, offset)`` slots in
-order, then room for the chunk (written by the pass's windowed chunk attention,
-``mlxcel_chunk_attention_window``), and the cache is left exactly as mlx-lm's concatenating update
-leaves it (that buffer, ``_idx`` at its end), so the next step, MLX's pass, the prompt cache and
-slot files all find the state they know. The plain (global) layers take the runtime's own growing
-buffers (``KvLayout.own``). Arrays others hold (a prompt-cache entry's) are read, never written.
+decode step writes one slot of. A chunk's rows see up to ``window - 1`` positions before their
+own, so MLX's chunk lays the ring's newest ``window - 1`` slots out in order, appends the chunk's
+keys (``_update_concat``) and masks each row to its window. Gemma's prompts went through MLX for
+that alone, at 0.56x llama-server's prefill on the 270M file, most of it MLX's work around the
+products (norms, RoPE, the evaluations between the block products). Now the runtime's pass does
+it (``decode_pass.c: ring_chunk``): per sliding layer, the ring's newest slots and the chunk's
+rows laid out in order in one scratch buffer, the windowed chunk attention
+(``mlxcel_chunk_attention_window``) over it, and the newest ``window`` slots written back into
+the ring in order from slot 0. The ring stays a ring of ``window`` slots (MLX's chunk leaves
+``window - 1 + rows`` slots a layer: 30 MiB more at the peak of a 1K prompt on the 270M model),
+in a state mlx-lm's updates and the runtime's step take (``_idx`` after the newest slot,
+``window`` when full: the next write wraps to the oldest).
+
+Each chunk writes a new ring (the last one's newest slots copied in first), so arrays others hold
+(a prompt-cache entry's, a boundary snapshot's) are read, never written. The plain (global) layers take the runtime's own
+growing buffers (``KvLayout.own``).
 """
 
 from __future__ import annotations
@@ -38,11 +42,6 @@ def _ordered_spans(ring: Any) -> list[tuple[int, int]]:
     return [(0, idx)]
 
 
-def kept_slots(ring: Any, window: int) -> int:
-    """How many of the ring's newest slots a chunk's rows may see: ``min(window - 1, offset)``."""
-    return min(window - 1, ring.offset)
-
-
 def ring_takes_chunk(ring: Any, window: int, n_kv_heads: int, head_dim: int) -> bool:
     """Whether a chunk can start on ``ring`` here: mlx-lm's ``RotatingKVCache`` of the model's
     window (no kept prefix), empty, or float32 keys and values of one sequence holding at least
@@ -57,7 +56,7 @@ def ring_takes_chunk(ring: Any, window: int, n_kv_heads: int, head_dim: int) -> 
     if any(a.dtype != mx.float32 or a.shape != shape for a in (ring.keys, ring.values)):
         return False
     held = sum(b - a for a, b in _ordered_spans(ring))
-    return 0 <= ring._idx <= ring.keys.shape[2] and held >= kept_slots(ring, window)
+    return 0 <= ring._idx <= ring.keys.shape[2] and held >= min(window, ring.offset)
 
 
 def plain_takes_chunk(c: Any, n_kv_heads: int, head_dim: int) -> bool:
@@ -83,39 +82,40 @@ def _new_buffer(shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
     return fresh, view
 
 
-def _chunk_ring(ring: Any, window: int, rows: int, n_kv_heads: int, head_dim: int) -> tuple[Any, Any, int]:
-    """The ring's new buffers for a chunk of ``rows`` rows: its newest :func:`kept_slots` slots in
-    order, then the chunk's. Sets them as the ring's arrays, ``_idx`` at the kept slots (the pass
-    advances it by ``rows``, as mlx-lm's update leaves it). Returns keys, values, kept."""
-    kept = kept_slots(ring, window)
-    spans = _ordered_spans(ring) if kept else []
+def _own_ring(ring: Any, window: int, n_kv_heads: int, head_dim: int) -> tuple[Any, Any]:
+    """A new ring of ``window`` slots holding ``ring``'s newest ones (at most its offset) in order
+    from slot 0, set as the ring's arrays with ``_idx`` after them (``window`` when full)."""
+    spans = _ordered_spans(ring) if ring.keys is not None else []
+    held = sum(b - a for a, b in spans)
+    kept = min(held, ring.offset, window)
     made = []
     for source in (ring.keys, ring.values):
-        fresh, view = _new_buffer((1, n_kv_heads, kept + rows, head_dim))
-        src = np.asarray(source) if kept else None
-        skip = sum(b - a for a, b in spans) - kept  # the oldest slots fall out of the window
-        j = 0
+        fresh, view = _new_buffer((1, n_kv_heads, window, head_dim))
+        skip, j = held - kept, 0  # the oldest slots fall out of the window
         for a, b in spans:
             drop = min(skip, b - a)
             a, skip = a + drop, skip - drop
-            view[:, :, j:j + b - a] = src[:, :, a:b]
+            view[:, :, j:j + b - a] = np.asarray(source)[:, :, a:b]
             j += b - a
         made.append(fresh)
     ring.keys, ring.values = made
     ring._idx = kept
-    return made[0], made[1], kept
+    return made[0], made[1]
 
 
 def chunk_views(layout: KvLayout, cache: list[Any], owned: OwnedCache, pos: int,
                 rows: int) -> list[tuple[int, int, int]]:
     """Every layer's keys, values and capacity for a prompt chunk of ``rows`` rows from ``pos``:
     the plain layers' own buffers with room for the chunk (:meth:`KvLayout.own`), each sliding
-    layer a new buffer (:func:`_chunk_ring`) whose capacity is its kept slots plus the chunk; the
-    pass writes a sliding layer's chunk at slot ``ring._idx``. ``owned`` then holds every layer's
-    arrays. The caller checked every layer (:func:`ring_takes_chunk`, :func:`plain_takes_chunk`)."""
+    layer a new ring of ``window`` slots (:func:`_own_ring`): the pass writes a ring's slots over,
+    and a boundary snapshot taken between two chunks holds views of the last chunk's ring (a
+    growing cache's chunk only appends past what such a view sees).
+    ``owned`` then holds every layer's arrays. The caller checked every layer
+    (:func:`ring_takes_chunk`, :func:`plain_takes_chunk`) and fills in each ring's slot and
+    valid slots (``_idx``, ``offset``); the pass leaves the ring in order (``CpuDecoder._run``)."""
     mx.eval([(c.keys, c.values) for c in cache if c.keys is not None])
-    plain_layout = KvLayout(layout.n_kv_heads, layout.head_dim, None, rings=[], plain=list(range(len(layout.plain))))
     mine = len(owned.arrays) == len(cache)
+    plain_layout = KvLayout(layout.n_kv_heads, layout.head_dim, None, rings=[], plain=list(range(len(layout.plain))))
     plain_owned = OwnedCache(arrays=[owned.arrays[i] for i in layout.plain] if mine else [],
                              views=[owned.views[i] for i in layout.plain] if mine else [], reserve=owned.reserve)
     plain_views = plain_layout.own([cache[i] for i in layout.plain], plain_owned, pos, last=pos + rows - 1)
@@ -123,12 +123,12 @@ def chunk_views(layout: KvLayout, cache: list[Any], owned: OwnedCache, pos: int,
     views: list[Any] = [None] * len(cache)
     for j, i in enumerate(layout.plain):
         arrays[i], views[i] = plain_owned.arrays[j], plain_views[j]
-    for i in layout.rings:
-        keys, values, kept = _chunk_ring(cache[i], layout.window, rows, layout.n_kv_heads, layout.head_dim)
+    for i in layout.rings:  # a new ring every chunk: a snapshot taken between chunks may hold the last one
+        keys, values = _own_ring(cache[i], layout.window, layout.n_kv_heads, layout.head_dim)
         arrays[i] = (keys, values)
-        views[i] = (np.asarray(keys).ctypes.data, np.asarray(values).ctypes.data, kept + rows)
+        views[i] = (np.asarray(keys).ctypes.data, np.asarray(values).ctypes.data, layout.window)
     owned.arrays, owned.views, owned.apart = arrays, views, None
     return views
 
 
-__all__ = ["chunk_views", "kept_slots", "plain_takes_chunk", "ring_takes_chunk"]
+__all__ = ["chunk_views", "plain_takes_chunk", "ring_takes_chunk"]

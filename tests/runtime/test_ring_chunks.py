@@ -49,14 +49,26 @@ def _mlx_chunks(model: object, ids: list[int], splits: list[int], cache: list | 
     return cache
 
 
+def _newest(c: RotatingKVCache, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A ring's newest ``n`` slots in the order of their positions (mlx-lm's ``_temporal_order``)."""
+    keys, values = np.array(c.keys), np.array(c.values)
+    cap, idx = keys.shape[2], c._idx
+    order = (list(range(cap)) if idx == cap else list(range(idx, cap)) + list(range(idx))
+             if idx < c.offset else list(range(idx)))
+    return keys[:, :, order[-n:]], values[:, :, order[-n:]]
+
+
 def _assert_same_cache(ours: list, theirs: list) -> None:
-    """Every layer at the same offset; a ring the same buffer shape, ``_idx`` and slots (within
-    LOGITS_RTOL of the largest), a growing cache the same first ``offset`` positions."""
+    """Every layer at the same offset; a ring of the window's size (MLX's chunk leaves ``window
+    - 1 + rows`` slots, ours the window's: the same positions once its next step trims it) whose
+    newest ``min(offset, window)`` slots in order hold MLX's keys and values, a growing cache the
+    same first ``offset`` positions (within LOGITS_RTOL of the largest)."""
     for i, (a, b) in enumerate(zip(ours, theirs)):
         assert type(a) is type(b) and a.offset == b.offset, i
         if isinstance(b, RotatingKVCache):
-            assert a.keys.shape == b.keys.shape and a._idx == b._idx, (i, a.keys.shape, b.keys.shape, a._idx, b._idx)
-            pairs = [(a.keys, b.keys), (a.values, b.values)]
+            n = min(a.offset, a.max_size)
+            assert a.keys.shape[2] == a.max_size and a._idx == n, (i, a.keys.shape, a._idx)
+            pairs = list(zip(_newest(a, n), _newest(b, n)))
         else:
             pairs = [(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :]),
                      (a.values[..., :a.offset, :], b.values[..., :b.offset, :])]
@@ -109,7 +121,9 @@ def test_windowed_chunk_attention_matches_a_reference(pos: int, rows: int, windo
 def test_cold_chunks_leave_mlx_s_cache_and_steps_follow(gemma: tuple, splits: list[int]) -> None:
     """A cold prompt fed by ``prefill(..., logits=False)`` in chunks (the tiny model's window is
     64: chunks inside it, across it and longer than it) leaves each layer as MLX's chunks do,
-    then 20 steps (the rings wrap) each within LOGITS_RTOL of MLX's."""
+    then 20 steps (the rings wrap) each within LOGITS_RTOL of MLX's, then one more chunk on the
+    decoder's own wrapped rings (the next turn of a conversation) gives MLX's logits and cache, and
+    leaves the rings it held before (a snapshot may hold them) unwritten."""
     model, decoder = gemma
     ids = _ids(sum(splits), seed=len(splits))
     theirs = _mlx_chunks(model, ids, splits)
@@ -124,6 +138,13 @@ def test_cold_chunks_leave_mlx_s_cache_and_steps_follow(gemma: tuple, splits: li
     for t in range(20):
         got, want = decoder.step(3 + t, ours, owned).copy(), _step_logits(model, 3 + t, theirs)
         assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max(), t
+    more = _ids(37, seed=9)
+    held = [(ours[i].keys, np.array(ours[i].keys)) for i in decoder.kv.rings]  # as a snapshot would hold them
+    got = decoder.prefill(more, ours, owned).copy()
+    want = np.array(model(mx.array([more]), cache=theirs)[0, -1])
+    assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
+    _assert_same_cache(ours, theirs)
+    assert all(np.array_equal(np.array(a), saved) for a, saved in held)  # a new ring: the old one unwritten
 
 
 @pytest.mark.parametrize("prompt,steps,rest", [(50, 30, 40), (100, 3, 90), (20, 0, 25)])
