@@ -7,13 +7,14 @@ own, so MLX's chunk lays the ring's newest ``window - 1`` slots out in order, ap
 keys (``_update_concat``) and masks each row to its window. Gemma's prompts went through MLX for
 that alone, at 0.56x llama-server's prefill on the 270M file, most of it MLX's work around the
 products (norms, RoPE, the evaluations between the block products). Now the runtime's pass does
-it (``decode_pass.c: ring_chunk``): per sliding layer, the ring's newest slots and the chunk's
+it (the native pass's ``ring_chunk``): per sliding layer, the ring's newest slots and the chunk's
 rows laid out in order in one scratch buffer, the windowed chunk attention
 (``mlxcel_chunk_attention_window``) over it, and the newest ``window`` slots written back into
-the ring in order from slot 0. The ring stays a ring of ``window`` slots (MLX's chunk leaves
-``window - 1 + rows`` slots a layer: 30 MiB more at the peak of a 1K prompt on the 270M model),
-in a state mlx-lm's updates and the runtime's step take (``_idx`` after the newest slot,
-``window`` when full: the next write wraps to the oldest).
+the ring in order from slot 0. The ring stays a ring of at most ``window`` slots (MLX's chunk
+leaves ``window - 1 + rows`` slots a layer: 30 MiB more at the peak of a 1K prompt on the 270M
+model), in a state mlx-lm's updates and the runtime's step take (``_idx`` after the newest slot,
+``window`` when full: the next write wraps to the oldest; a shorter prompt's ring holds its
+positions only, as MLX's chunk leaves it, and grows as mlx-lm's steps grow it).
 
 Each chunk writes a new ring (the last one's newest slots copied in first), so arrays others hold
 (a prompt-cache entry's, a boundary snapshot's) are read, never written. The plain (global) layers take the runtime's own
@@ -82,15 +83,18 @@ def _new_buffer(shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
     return fresh, view
 
 
-def _own_ring(ring: Any, window: int, n_kv_heads: int, head_dim: int) -> tuple[Any, Any]:
-    """A new ring of ``window`` slots holding ``ring``'s newest ones (at most its offset) in order
-    from slot 0, set as the ring's arrays with ``_idx`` after them (``window`` when full)."""
+def _own_ring(ring: Any, window: int, rows: int, n_kv_heads: int, head_dim: int) -> tuple[Any, Any, int]:
+    """A new ring for a chunk of ``rows`` rows: ``min(window, offset + rows)`` slots (a short
+    prompt's ring holds its positions only, as MLX's does), ``ring``'s newest ones (at most its
+    offset) in order from slot 0, set as the ring's arrays with ``_idx`` after them (``window``
+    when full). Returns keys, values and the capacity."""
     spans = _ordered_spans(ring) if ring.keys is not None else []
     held = sum(b - a for a, b in spans)
     kept = min(held, ring.offset, window)
+    capacity = min(window, ring.offset + rows)
     made = []
     for source in (ring.keys, ring.values):
-        fresh, view = _new_buffer((1, n_kv_heads, window, head_dim))
+        fresh, view = _new_buffer((1, n_kv_heads, capacity, head_dim))
         skip, j = held - kept, 0  # the oldest slots fall out of the window
         for a, b in spans:
             drop = min(skip, b - a)
@@ -100,14 +104,14 @@ def _own_ring(ring: Any, window: int, n_kv_heads: int, head_dim: int) -> tuple[A
         made.append(fresh)
     ring.keys, ring.values = made
     ring._idx = kept
-    return made[0], made[1]
+    return made[0], made[1], capacity
 
 
 def chunk_views(layout: KvLayout, cache: list[Any], owned: OwnedCache, pos: int,
                 rows: int) -> list[tuple[int, int, int]]:
     """Every layer's keys, values and capacity for a prompt chunk of ``rows`` rows from ``pos``:
     the plain layers' own buffers with room for the chunk (:meth:`KvLayout.own`), each sliding
-    layer a new ring of ``window`` slots (:func:`_own_ring`): the pass writes a ring's slots over,
+    layer a new ring of at most ``window`` slots (:func:`_own_ring`): the pass writes a ring's slots over,
     and a boundary snapshot taken between two chunks holds views of the last chunk's ring (a
     growing cache's chunk only appends past what such a view sees).
     ``owned`` then holds every layer's arrays. The caller checked every layer
@@ -124,9 +128,9 @@ def chunk_views(layout: KvLayout, cache: list[Any], owned: OwnedCache, pos: int,
     for j, i in enumerate(layout.plain):
         arrays[i], views[i] = plain_owned.arrays[j], plain_views[j]
     for i in layout.rings:  # a new ring every chunk: a snapshot taken between chunks may hold the last one
-        keys, values = _own_ring(cache[i], layout.window, layout.n_kv_heads, layout.head_dim)
+        keys, values, capacity = _own_ring(cache[i], layout.window, rows, layout.n_kv_heads, layout.head_dim)
         arrays[i] = (keys, values)
-        views[i] = (np.asarray(keys).ctypes.data, np.asarray(values).ctypes.data, layout.window)
+        views[i] = (np.asarray(keys).ctypes.data, np.asarray(values).ctypes.data, capacity)
     owned.arrays, owned.views, owned.apart = arrays, views, None
     return views
 

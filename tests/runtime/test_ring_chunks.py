@@ -59,15 +59,15 @@ def _newest(c: RotatingKVCache, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _assert_same_cache(ours: list, theirs: list) -> None:
-    """Every layer at the same offset; a ring of the window's size (MLX's chunk leaves ``window
-    - 1 + rows`` slots, ours the window's: the same positions once its next step trims it) whose
-    newest ``min(offset, window)`` slots in order hold MLX's keys and values, a growing cache the
+    """Every layer at the same offset; a ring of ``min(offset, window)`` slots, ``_idx`` after
+    them (MLX's chunk leaves up to ``window - 1 + rows``: the same positions once its next step
+    trims it) whose newest ``min(offset, window)`` slots in order hold MLX's keys and values, a growing cache the
     same first ``offset`` positions (within LOGITS_RTOL of the largest)."""
     for i, (a, b) in enumerate(zip(ours, theirs)):
         assert type(a) is type(b) and a.offset == b.offset, i
         if isinstance(b, RotatingKVCache):
             n = min(a.offset, a.max_size)
-            assert a.keys.shape[2] == a.max_size and a._idx == n, (i, a.keys.shape, a._idx)
+            assert a.keys.shape[2] == n and a._idx == n, (i, a.keys.shape, a._idx)
             pairs = list(zip(_newest(a, n), _newest(b, n)))
         else:
             pairs = [(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :]),
