@@ -33,7 +33,8 @@ from mlxcel_compat.engine.commands import Call, Cancel, Shutdown, SlotCall, Subm
 from mlxcel_compat.engine.factory import make_sequence
 from mlxcel_compat.engine.grammar import GrammarCompiler
 from mlxcel_compat.engine.kept_state import keep_state
-from mlxcel_compat.engine.loading import config_value, load_speculation, warm_up, warm_up_encoder
+from mlxcel_compat.engine.loading import (config_value, load_speculation, release_idle_memory, warm_up,
+                                          warm_up_encoder)
 from mlxcel_compat.engine.metrics import EngineMetrics
 from mlxcel_compat.engine.request import EngineEvent, ErrorEvent, FinishEvent, GenerationRequest, Sink
 from mlxcel_compat.engine.scheduler import Scheduler
@@ -217,6 +218,8 @@ class Engine:
         if self._has_work():
             self._step_all()
             self._idle_since = time.monotonic()
+            if not self._has_work():  # the last sequence is done
+                release_idle_memory(self.loaded.decoder)
         elif self.warmups:
             self._run_warmup()
         elif self._time_to_sleep() == 0.0:

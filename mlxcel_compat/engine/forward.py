@@ -48,16 +48,18 @@ def forward_logits(model: Any, decoder: Any, cache: list[Any], owned: OwnedCache
         token = int(tokens.item()) if isinstance(tokens, mx.array) else tokens[0]
         logits = mx.array(decoder.step(token, cache, owned, lora or None))
         return logits, [token]
-    if (decoder is not None and isinstance(tokens, list) and len(tokens) > 1
+    if (decoder is not None and isinstance(tokens, list) and 1 < len(tokens) <= EXACT_ROWS
             and decoder.can_step_tokens(cache, owned)):
-        if len(tokens) <= EXACT_ROWS:
-            # A short prompt tail (prompt_tail): one step whose rows are its tokens; the last
-            # row's logits sample the first token.
-            rows = decoder.step_tokens(tokens, cache, owned, lora or None)
-            return mx.array(rows[-1]), tokens
+        # A short prompt tail (prompt_tail): one step whose rows are its tokens; the last
+        # row's logits sample the first token.
+        rows = decoder.step_tokens(tokens, cache, owned, lora or None)
+        return mx.array(rows[-1]), tokens
+    if (decoder is not None and isinstance(tokens, list) and len(tokens) > EXACT_ROWS
+            and decoder.can_prefill(cache, owned)):
         # A hit's longer rest off the chunk grid (prompt_tail): one prompt chunk through the
-        # CPU decode runtime, the head on its last row. Not bit-exact with any other split
-        # (as MLX's chunk was not), so the runtime's GEMM and chunk attention serve it.
+        # CPU decode runtime, the head on its last row (sliding-window rings too:
+        # ring_chunks.py). Not bit-exact with any other split (as MLX's chunk was not), so the
+        # runtime's GEMM and chunk attention serve it.
         logits = decoder.prefill(tokens, cache, owned, lora or None)
         return mx.array(logits), tokens
     inputs = tokens.reshape(1, 1) if isinstance(tokens, mx.array) else mx.array(tokens)[None]

@@ -66,6 +66,20 @@ def load_speculation(spec: Any, loaded: Any, offline: bool, repack: bool) -> Spe
     return Speculation(spec, draft, ngram_table)
 
 
+def release_idle_memory(decoder: Any) -> None:
+    """When the engine's last running sequence is done, hand back what its passes freed: the prompt
+    chunks' buffers (``CpuDecoder.forget_chunk_buffers``), MLX's buffer cache and the C heap's free
+    pages. Without it a 1K prompt left ~70 MiB of RSS held on Gemma 3 270M (a sliding window's
+    chunk buffers, the chunk's activations, freed KV) while the server waits for the next request,
+    which llama-server does not hold. A few milliseconds, once per busy spell."""
+    import mlx.core as mx
+
+    if decoder is not None:
+        decoder.forget_chunk_buffers()
+    mx.clear_cache()
+    backend.release_free_memory()
+
+
 def warm_up(model: Any, probe_batching: Callable[[], Any]) -> None:
     """Run one tiny forward pass: MLX's first call pays a one-off set-up cost. ``probe_batching``
     (``Engine.probe_batching``) runs while that pass's cache is still held."""

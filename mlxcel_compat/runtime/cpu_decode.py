@@ -63,7 +63,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxcel_compat.runtime import decode_delta, decode_moe
+from mlxcel_compat.runtime import decode_delta, decode_moe, ring_chunks
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, ring_plan
@@ -355,11 +355,18 @@ class CpuDecoder:
 
     def can_prefill(self, cache: list[Any], owned: OwnedCache) -> bool:
         """Whether :meth:`prefill` takes this cache: as :meth:`can_step_tokens`, or an empty
-        mlx-lm ``KVCache`` per layer (a cold prompt's first chunk)."""
+        mlx-lm ``KVCache`` per layer (a cold prompt's first chunk); with sliding-window layers,
+        each layer in a state a chunk can start from (``ring_chunks``: rings of the model's
+        window, empty or holding the slots the chunk sees), at one offset."""
         from mlx_lm.models.cache import KVCache
 
-        if self.kv.rings or len(cache) != len(self.layers):
+        if len(cache) != len(self.layers):
             return False
+        if self.kv.rings:
+            d, hk = self.head_dim, self.n_kv_heads
+            return (len({c.offset for c in cache}) == 1
+                    and all(ring_chunks.ring_takes_chunk(cache[i], self.window, hk, d) for i in self.kv.rings)
+                    and all(ring_chunks.plain_takes_chunk(cache[i], hk, d) for i in self.kv.plain))
         if all(type(c) is KVCache and c.keys is None and c.offset == 0 for c in self._attention(cache)) and all(
                 decode_delta.can_take(cache[i], self.layers[i].delta) and decode_delta.is_fresh(cache[i])
                 for i in self.delta_layers):
@@ -386,7 +393,8 @@ class CpuDecoder:
         last row only. Unlike :meth:`step_tokens` the rows are not computed as single steps
         would compute them (the GEMM and the blocked attention sum in other orders): the logits
         agree with MLX's chunk to float32 rounding, as any two prompt splits do. Plain KV caches
-        only (:meth:`can_step_tokens`)."""
+        only (:meth:`can_step_tokens`), or with sliding-window layers as mlx-lm's chunk leaves
+        them (:meth:`can_prefill`, ``ring_chunks.py``)."""
         out = self.prefill_rows([tokens], [cache], [owned], [scales], logits=logits)
         return out[0] if logits else None
 
@@ -403,8 +411,6 @@ class CpuDecoder:
         runtime copy each into its own buffers at the first step: three copies of every row's KV
         at once (the peak memory of a four-stream server). Here each chunk is written into its
         sequence's own buffers once, and the products still take all rows in one pass."""
-        if self.kv.rings:
-            raise RuntimeError("a model with sliding-window layers prefills through MLX")
         if logits and len(chunks) != 1:
             raise ValueError("logits are for a single sequence's chunk")
         short = [len(c) < PROMPT_ROWS_MIN for c in chunks]
@@ -421,7 +427,7 @@ class CpuDecoder:
         starts = [self.offset(cache) for cache in caches]
         borrowed = [self._borrow(cache, o, start, len(tokens))
                     for cache, o, start, tokens in zip(caches, owned, starts, chunks)]
-        views = [b.views if b is not None else self._own(cache, o, start, last=start + len(tokens) - 1)
+        views = [b.views if b is not None else self._chunk_views(cache, o, start, len(tokens))
                  for b, cache, o, start, tokens in zip(borrowed, caches, owned, starts, chunks)]
         rows = [len(tokens) for tokens in chunks]
         row_scales = None if scales is None or all(s is None for s in scales) else [
@@ -457,6 +463,13 @@ class CpuDecoder:
                                          [self.layers[i].delta for i in self.delta_layers], owned.recurrent)
         return owned.recurrent.merged(views, states, self.delta_layers)
 
+    def _chunk_views(self, cache: list[Any], owned: OwnedCache, start: int, rows: int) -> list[tuple[int, ...]]:
+        """A prompt chunk's KV views: this sequence's own buffers with room for it, and with
+        sliding-window layers each ring laid out in order ahead of the chunk (``ring_chunks``)."""
+        if self.kv.rings:
+            return ring_chunks.chunk_views(self.kv, cache, owned, start, rows)
+        return self._own(cache, owned, start, last=start + rows - 1)
+
     def _check_tokens(self, tokens: list[int]) -> None:
         vocab = self.embed.shape[0]
         for token in tokens:
@@ -490,6 +503,10 @@ class CpuDecoder:
             ends = kv[:, self.attn_layers, 5] + np.array(segments or [1] * rows)[:, None]
             if (ends > kv[:, self.attn_layers, 4]).any():
                 raise RuntimeError(f"positions from {min(positions)} do not fit the attention layers' KV cache")
+        if segments is not None and self.kv.rings:  # a ring's chunk: its valid slots, windowed (ring_chunks.py)
+            for j, pos in enumerate(positions):
+                kv[j, self.kv.rings, 6] = min(pos, self.window)
+            kv[:, self.kv.rings, 7] = self.window
         x = b.x[:rows]
         if isinstance(self.embed, BlockWeight):  # the ids were checked (_check_tokens)
             ids = np.array(tokens, np.int32)
@@ -505,7 +522,10 @@ class CpuDecoder:
         for cache, n in zip(caches, advance):
             for i in self.kv.rings:  # as mlx-lm's update leaves a ring: the slot after the one written
                 ring = cache[i]
-                ring._idx = (0 if ring._idx == ring.max_size else ring._idx) + n
+                if segments is not None:  # a chunk left the newest slots in order from slot 0
+                    ring._idx = min(ring.max_size, ring.offset + n)
+                else:
+                    ring._idx = (0 if ring._idx == ring.max_size else ring._idx) + n
             for i in self.attn_layers:  # a delta-net layer's ArraysCache has no position
                 cache[i].offset += n
         if segments is not None:
@@ -550,6 +570,12 @@ class CpuDecoder:
         if b is None:
             b = self._buffers[rows] = self._new_buffers(rows, rows)
         return b
+
+    def forget_chunk_buffers(self) -> None:
+        """Drop a prompt chunk's buffers (made again by the next chunk): the engine calls this when
+        it goes idle, so a server waiting for requests does not hold a 512-row chunk's activations
+        (17 MiB on Gemma 3 270M, whose gate and up rows are 2048 wide)."""
+        self._chunk_buffers = None
 
     def _chunk_buffers_for(self, rows: int) -> PassBuffers:
         """A prompt chunk's buffers: one set, grown in steps of 64 rows, its first ``rows`` used

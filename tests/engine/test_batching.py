@@ -15,6 +15,7 @@ import random
 import pytest
 
 from mlxcel_compat.engine.request import ErrorEvent, FinishEvent, ProgressEvent, TokenEvent
+from mlxcel_compat.runtime.decode_kv import OwnedCache
 from tests.conftest import tiny_model
 from tests.engine.harness import EngineHarness, Run, collect
 
@@ -150,11 +151,19 @@ def test_completions_of_one_prompt_share_its_prefill(harness: EngineHarness) -> 
         assert run.tokens[:3] == alone.tokens[:3]
 
 
-def plain_attention(h: EngineHarness) -> bool:
-    """The model's caches are all plain KV caches (the ones whose prompt chunks batch)."""
+def prompts_batch(h: EngineHarness) -> bool:
+    """Whether the model's prompt chunks batch: its caches are all plain KV caches, or the CPU
+    decode runtime takes its chunks (gemma3's sliding-window rings: runtime/ring_chunks.py)."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    return h.on_engine(lambda: all(type(c) is KVCache for c in make_prompt_cache(h.engine.loaded.model)))
+    def check() -> bool:
+        loaded = h.engine.loaded
+        cache = make_prompt_cache(loaded.model)
+        if loaded.decoder is not None and loaded.decoder.can_prefill(cache, OwnedCache()):
+            return True
+        return all(type(c) is KVCache for c in cache)
+
+    return h.on_engine(check)
 
 
 def run_logged(h: EngineHarness, requests: list, sinks: list) -> tuple["ForwardLog", list[list]]:
@@ -244,7 +253,7 @@ def test_new_sequences_get_their_first_tokens_from_one_batched_pass(harness: Eng
     for request in requests:
         request.return_progress = True
     log, events = run_logged(harness, requests, sinks)
-    if plain_attention(harness):  # the three prompt chunks went through one pass as well
+    if prompts_batch(harness):  # the three prompt chunks went through one pass as well
         assert log.shapes[:2] == [(3, 9), (3, 1)]
     else:
         assert log.shapes[:4] == [(1, 9), (1, 9), (1, 9), (3, 1)]
@@ -272,7 +281,7 @@ def test_prompt_chunks_of_similar_length_share_one_pass(harness: EngineHarness) 
     sinks = [queue.Queue() for _ in range(4)]
     requests = [harness.request(p, n_predict=4, n_probs=2, ignore_eos=True, cache=False) for p in prompts + [far]]
     log, events = run_logged(harness, requests, sinks)
-    if plain_attention(harness):  # the CPU decode runtime pads nothing: the far one joins them
+    if prompts_batch(harness):  # the CPU decode runtime pads nothing: the far one joins them
         assert log.shapes[:3] == [(1, 32), (4, 30), (4, 1)]
     else:
         assert log.shapes[:5] == [(1, 32), (1, 7), (1, 11), (1, 8), (1, 30)]
@@ -311,7 +320,7 @@ class RefusingDecoder:
 
 def test_a_model_that_cannot_batch_prefill_falls_back_to_one_at_a_time(harness: EngineHarness) -> None:
     engine = harness.engine
-    batches_prompts = plain_attention(harness)
+    batches_prompts = prompts_batch(harness)
     prompts = [random_tokens(10, seed=600 + i) for i in range(3)]
     sinks = [queue.Queue() for _ in prompts]
     requests = [harness.request(p, n_predict=3, n_probs=2, ignore_eos=True, cache=False) for p in prompts]
@@ -332,7 +341,7 @@ def test_a_model_that_cannot_batch_prefill_falls_back_to_one_at_a_time(harness: 
     chunks = [s for s in log.shapes if s[1] > 1]
     if batches_prompts:  # the refused pass, then each chunk alone, and no batched prefill after
         assert chunks[:4] == [(3, 9), (1, 9), (1, 9), (1, 9)] and not still_batching
-    else:  # recurrent / rotating caches never try a batched prefill
+    else:  # recurrent caches never try a batched prefill
         assert chunks[:3] == [(1, 9), (1, 9), (1, 9)] and still_batching
     # Either way every request completes like a lone run.
     for prompt, seen in zip(prompts, events):

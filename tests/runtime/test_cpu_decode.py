@@ -932,8 +932,8 @@ def test_steps_hold_the_gil_and_prompt_chunks_release_it() -> None:
 
 @pytest.mark.parametrize("family,gguf_type", [("llama", None), ("qwen3", None), ("llama", "q8_0"), ("llama", "q4_k_m")])
 def test_a_cold_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(family: str, gguf_type: str | None) -> None:
-    """``prefill(..., logits=False)`` on an empty cache (``can_prefill``; a ring cache is not
-    taken): its own buffers, the keys and values MLX's chunk leaves to LOGITS_RTOL (the same
+    """``prefill(..., logits=False)`` on an empty cache (``can_prefill``; gemma3's rings too):
+    its own buffers, the keys and values MLX's chunk leaves to LOGITS_RTOL (the same
     products: float32 GEMM, or for blocks the chunks' path, tiles or ggml's prompt products), in
     two chunks as in one, and the next step's logits too; no logits computed."""
     if gguf_type is None:
@@ -956,8 +956,8 @@ def test_a_cold_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(family: str, gguf_ty
         _assert_same_cache(ours, theirs, LOGITS_RTOL)
         got, want = decoder.step(5, ours, owned).copy(), _mlx_logits(model, 5, copy.deepcopy(theirs))
         assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
-    gemma = load_model(str(tiny_model("gemma3_text")), [])  # sliding-window rings: MLX's chunks
-    assert not gemma.decoder.can_prefill(make_prompt_cache(gemma.model), decode_kv.OwnedCache())
+    gemma = load_model(str(tiny_model("gemma3_text")), [])  # sliding-window rings: tests/runtime/test_ring_chunks.py
+    assert gemma.decoder.can_prefill(make_prompt_cache(gemma.model), decode_kv.OwnedCache())
 
 
 @pytest.mark.parametrize("family,gguf_type", [("llama", None), ("llama", "q4_k_m")])

@@ -154,6 +154,7 @@ struct chunk_attention_job {
     float *k_out, *v_out;  /* NULL, or (Hk, rows, d): the rows' keys and values go here, not into
                             * the cache (then read only, slots [0, pos) valid) */
     int rows, kv_heads, group, d, pos, blocks;
+    int window;            /* a sliding window's length (row r sees its last `window` positions), 0: none */
     size_t head_stride;    /* capacity * d */
     float scale;           /* the softmax scale times log2 e */
 };
@@ -180,14 +181,18 @@ static void chunk_write_head(const void *ctx, int h) {
 }
 
 /* Part p = (KV head, query block): the block's queries of the head's group against the keys up to
- * the block's last position, causally masked, softmax (shifted by the row's maximum), times the
- * values; the output normalised by each row's sum. */
+ * the block's last position, causally masked (and to the window's length: row r sees slots
+ * [pos + r + 1 - window, pos + r]), softmax (shifted by the row's maximum), times the values; the
+ * output normalised by each row's sum. Scores and products start at the block's first visible
+ * slot, rounded down to a whole vector: slots before it are never read. */
 static void chunk_attend_part(const void *ctx, int p) {
     static __thread struct mlxcel_scratch scratch;
     const struct chunk_attention_job *a = ctx;
     int h = p / a->blocks, j0 = (p % a->blocks) * CHUNK_QUERY_BLOCK;
     int nb = a->rows - j0 < CHUNK_QUERY_BLOCK ? a->rows - j0 : CHUNK_QUERY_BLOCK;
     int g = a->group, d = a->d, hq = a->kv_heads * g, seen = a->pos + j0 + nb;
+    int first = a->window && a->pos + j0 + 1 > a->window ? a->pos + j0 + 1 - a->window : 0;
+    first = first / VL * VL; /* the keys_t columns are aligned on whole vectors */
     int ls = (seen + VL - 1) / VL * VL; /* scores a row: whole vectors (the keys' zero padding) */
     int m = g * nb; /* block rows, query head major: row gi * nb + jj */
     float *qb = mlxcel_scratch(&scratch, ((size_t)m * d * 2 + (size_t)m * ls + m) * sizeof(float));
@@ -198,16 +203,22 @@ static void chunk_attend_part(const void *ctx, int p) {
             float *dst = qb + (size_t)(gi * nb + jj) * d;
             for (int i = 0; i < d; i++) dst[i] = src[i] * a->scale;
         }
-    rows_nn(m, 0, ls, d, qb, d, a->keys_t + (size_t)h * d * a->ldk, a->ldk, s, ls, 1.0f, 0.0f);
+    rows_nn(m, first, ls, d, qb, d, a->keys_t + (size_t)h * d * a->ldk, a->ldk, s, ls, 1.0f, 0.0f);
     for (int r = 0; r < m; r++) {
         float *row = s + (size_t)r * ls;
-        int visible = a->pos + j0 + r % nb + 1; /* keys [0, visible): causal */
-        inv[r] = 1.0f / exp2_shifted_row(row, visible);
+        int visible = a->pos + j0 + r % nb + 1; /* keys [lo, visible): causal, within the window */
+        int lo = a->window && visible > a->window ? visible - a->window : 0;
+        inv[r] = 1.0f / exp2_shifted_row(row + lo, visible - lo);
+        memset(row + first, 0, (size_t)(lo - first) * sizeof(float));
         memset(row + visible, 0, (size_t)(seen - visible) * sizeof(float));
     }
     const float *values = a->values + h * a->head_stride; /* slots from pos on: the rows, apart or not */
     const float *v_rows = a->v_out ? a->v_out + (size_t)h * a->rows * d : values + (size_t)a->pos * d;
-    rows_nn_split(m, 0, d, seen, s, ls, values, d, tmp, d, 1.0f, 0.0f, v_rows, a->pos);
+    if (first < a->pos)
+        rows_nn_split(m, 0, d, seen - first, s + first, ls, values + (size_t)first * d, d, tmp, d, 1.0f, 0.0f, v_rows,
+                      a->pos - first);
+    else
+        rows_nn(m, 0, d, seen - first, s + first, ls, v_rows + (size_t)(first - a->pos) * d, d, tmp, d, 1.0f, 0.0f);
     for (int gi = 0; gi < g; gi++)
         for (int jj = 0; jj < nb; jj++) {
             int r = gi * nb + jj;
@@ -218,14 +229,14 @@ static void chunk_attend_part(const void *ctx, int p) {
 
 static void chunk_attention(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
                             float *out, float *k_out, float *v_out, int rows, int kv_heads, int group, int d,
-                            int pos, long capacity, float scale) {
+                            int pos, long capacity, float scale, int window) {
     static __thread struct mlxcel_scratch keys_t;
     int blocks = (rows + CHUNK_QUERY_BLOCK - 1) / CHUNK_QUERY_BLOCK;
     int ldk = (pos + rows + VL - 1) / VL * VL;
     if (ldk % 1024 == 0) ldk += VL; /* rows 4 KiB apart share cache sets */
     float *kt = mlxcel_scratch(&keys_t, (size_t)kv_heads * d * ldk * sizeof(float));
     struct chunk_attention_job a = {q, k_new, v_new, keys, values, kt, ldk, out, k_out, v_out, rows, kv_heads,
-                                    group, d, pos, blocks, (size_t)capacity * d, scale};
+                                    group, d, pos, blocks, window, (size_t)capacity * d, scale};
     mlxcel_parallel(kv_heads, chunk_write_head, &a);
     mlxcel_parallel(kv_heads * blocks, chunk_attend_part, &a);
 }
@@ -237,7 +248,19 @@ int mlxcel_chunk_attention(const float *q, const float *k_new, const float *v_ne
                            float *out, int rows, int kv_heads, int group, int d, int pos, long capacity,
                            float scale) {
     if (rows < 1 || pos < 0 || pos + rows > capacity) return -1;
-    chunk_attention(q, k_new, v_new, keys, values, out, NULL, NULL, rows, kv_heads, group, d, pos, capacity, scale);
+    chunk_attention(q, k_new, v_new, keys, values, out, NULL, NULL, rows, kv_heads, group, d, pos, capacity, scale, 0);
+    return 0;
+}
+
+/* The same within a sliding window (gemma3's sliding layers, as mlx-lm's windowed causal mask
+ * has it): row r attends slots [max(0, pos + r + 1 - window), pos + r]. The slots are positions in
+ * order (the caller lays a ring's newest slots out before the chunk's: ring_chunks.py). */
+int mlxcel_chunk_attention_window(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
+                                  float *out, int rows, int kv_heads, int group, int d, int pos, long capacity,
+                                  float scale, int window) {
+    if (rows < 1 || pos < 0 || pos + rows > capacity || window < 1) return -1;
+    chunk_attention(q, k_new, v_new, keys, values, out, NULL, NULL, rows, kv_heads, group, d, pos, capacity, scale,
+                    window);
     return 0;
 }
 
@@ -250,6 +273,6 @@ int mlxcel_chunk_attention_apart(const float *q, const float *k_new, const float
                                  int kv_heads, int group, int d, int pos, long capacity, float scale) {
     if (rows < 1 || pos < 1 || pos > capacity) return -1;
     chunk_attention(q, k_new, v_new, (float *)keys, (float *)values, out, k_out, v_out, rows, kv_heads, group, d,
-                    pos, capacity, scale);
+                    pos, capacity, scale, 0);
     return 0;
 }

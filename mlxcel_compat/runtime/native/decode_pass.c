@@ -115,12 +115,16 @@ struct mlxcel_buffers {
 
 /* Where one row (a prompt chunk: the chunk) attends in one layer. A growing cache: write = the
  * position, n = write + 1; a sliding window's ring: its slot and how many slots it sees; a cache
- * the pass may not write (k_out set): n_base = write, the new rows go to k_out and v_out. */
+ * the pass may not write (k_out set): n_base = write, the new rows go to k_out and v_out. A
+ * prompt chunk on a sliding layer's ring (`window` set, 0 elsewhere): write = the ring's next
+ * slot, n = its valid slots (see ring_chunk). */
 struct mlxcel_kv {
     float *keys, *values, *k_out, *v_out;
-    int64_t capacity, write, n, unused;
+    int64_t capacity, write, n, window;
 };
 
+/* Per-thread scratch for the adapters' A x, and a sliding layer's chunk laid out in order. */
+static __thread struct mlxcel_scratch ring_scratch;
 /* Per-thread scratch for the adapters' A x. */
 static __thread struct mlxcel_scratch lora_scratch;
 
@@ -322,6 +326,32 @@ static int moe_layer(const struct mlxcel_moe *e, int rows, int hidden, const flo
     return 0;
 }
 
+/* A prompt chunk's attention on a sliding layer's ring (s->capacity slots, at most the window: a
+ * ring shorter than the window holds every position so far; s->n of them valid, the oldest at
+ * s->write once full): the ring's newest min(window - 1, n) slots in order, then the chunk's rows,
+ * in a scratch buffer, as mlx-lm's chunk lays them out (_update_concat); the windowed chunk
+ * attention over it; then the newest min(window, kept + rows) slots back into the ring in order
+ * from slot 0 (the caller sets _idx there, and made the ring that long). Returns 0, or -1. */
+static int ring_chunk(const struct mlxcel_kv *s, const float *q, const float *kn, const float *vn, float *att, int rows,
+                      int hk, int group, int d, float scale) {
+    int w = (int)s->window, cap = (int)s->capacity, n = (int)s->n, kept = n < w - 1 ? n : w - 1, total = kept + rows;
+    int back = total < w ? total : w;
+    if (cap > w || back > cap || n > cap || s->write < 0 || s->write >= cap) return -1;
+    float *k = mlxcel_scratch(&ring_scratch, sizeof(float) * 2 * (size_t)hk * total * d), *v = k + (size_t)hk * total * d;
+    for (int h = 0; h < hk; h++)
+        for (int t = 0; t < kept; t++) {
+            size_t slot = (size_t)((s->write - kept + t + cap) % cap);
+            memcpy(k + ((size_t)h * total + t) * d, s->keys + ((size_t)h * cap + slot) * d, sizeof(float) * d);
+            memcpy(v + ((size_t)h * total + t) * d, s->values + ((size_t)h * cap + slot) * d, sizeof(float) * d);
+        }
+    if (mlxcel_chunk_attention_window(q, kn, vn, k, v, att, rows, hk, group, d, kept, total, scale, w)) return -1;
+    for (int h = 0; h < hk; h++) {
+        memcpy(s->keys + (size_t)h * cap * d, k + ((size_t)h * total + total - back) * d, sizeof(float) * back * d);
+        memcpy(s->values + (size_t)h * cap * d, v + ((size_t)h * total + total - back) * d, sizeof(float) * back * d);
+    }
+    return 0;
+}
+
 /* One forward pass of `rows` rows: each its own position (and cache: kv is rows x layers, angles
  * rows x angle sets x (cos, sin)), or, given `segments`, prompt chunks: segment j is rows
  * segments[j] .. segments[j + 1] - 1, consecutive positions of one sequence (kv is
@@ -387,6 +417,8 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                 int failed = s->k_out
                     ? mlxcel_chunk_attention_apart(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, n, hk, group,
                                                    d, (int)s->write, s->capacity, m->scale)
+                    : s->window
+                    ? ring_chunk(s, q, kn, vn, att, n, hk, group, d, m->scale)
                     : mlxcel_chunk_attention(q, kn, vn, s->keys, s->values, att, n, hk, group, d, (int)s->write,
                                              s->capacity, m->scale);
                 if (failed) return i + 1;
