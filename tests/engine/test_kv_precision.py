@@ -2,7 +2,8 @@
 
 The KV is stored in the configured type and attention reads the stored values in the cold run
 as in a hit, so an aligned hit reproduces the cold run exactly (tokens and log-probabilities) at
-every precision; the entries hold half the bytes at f16 and bf16.
+every precision; the entries hold half the bytes at f16 and bf16. The CPU decode runtime runs
+the prompt and the steps over the 16-bit KV (tests/runtime/test_cpu_decode_kv16.py).
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ def test_entries_hold_kv_in_the_configured_type(harness: EngineHarness) -> None:
     assert stats["bytes"] == (3 * CHUNK + 2) * f32_per_token // 2  # the prompt and two generated tokens
 
 
-def test_the_engine_decodes_with_mlx_steps(harness: EngineHarness) -> None:
-    """The CPU decode runtime reads float32 KV only: at another precision it is left out."""
-    assert harness.engine.loaded.decoder is None
+def test_the_engine_decodes_with_the_cpu_runtime_at_16_bits(harness: EngineHarness) -> None:
+    """The CPU decode runtime reads and writes 16-bit KV: it runs the prompt and the steps, and
+    the entry it leaves holds the configured type."""
+    decoder = harness.engine.loaded.decoder
+    assert decoder is not None and decoder.kv.dtypes == (DTYPES[harness.precision],) * 2
+    steps, prefilled = decoder.steps, decoder.prefilled
+    harness.run(random_tokens(CHUNK + 5, seed=15), n_predict=6)
+    assert decoder.steps > steps and decoder.prefilled > prefilled
+

@@ -102,6 +102,7 @@ struct mlxcel_model {
     struct mlxcel_norm norm;
     struct mlxcel_linear head;
     int qk_norm_whole; /* q_norm and k_norm over the whole projection (olmoe), not per head */
+    int k_type, v_type; /* the KV cache's storage types (MLXCEL_KV_*: -ctk/-ctv) */
 };
 
 /* A pass's activations, rows contiguous (row widths: hidden, heads * d, kv_heads * d, inter, vocab). */
@@ -111,9 +112,10 @@ struct mlxcel_buffers {
 
 /* Where one row (a prompt chunk: the chunk) attends in one layer. A growing cache: write = the
  * position, n = write + 1; a sliding window's ring: its slot and how many slots it sees; a cache
- * the pass may not write (k_out set): n_base = write, the new rows go to k_out and v_out. */
+ * the pass may not write (k_out set): n_base = write, the new rows go to k_out and v_out. The
+ * buffers hold rows of the model's k_type and v_type. */
 struct mlxcel_kv {
-    float *keys, *values, *k_out, *v_out;
+    void *keys, *values, *k_out, *v_out;
     int64_t capacity, write, n, unused;
 };
 
@@ -338,9 +340,9 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                 mlxcel_rope_rows(kn, n, hk, d, cos, sin, trad);
                 int failed = s->k_out
                     ? mlxcel_chunk_attention_apart(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, n, hk, group,
-                                                   d, (int)s->write, s->capacity, m->scale)
+                                                   d, (int)s->write, s->capacity, m->scale, m->k_type, m->v_type)
                     : mlxcel_chunk_attention(q, kn, vn, s->keys, s->values, att, n, hk, group, d, (int)s->write,
-                                             s->capacity, m->scale);
+                                             s->capacity, m->scale, m->k_type, m->v_type);
                 if (failed) return i + 1;
             }
         } else {
@@ -353,9 +355,9 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                 mlxcel_rope(kn, hk, d, a[2 * L->rope], a[2 * L->rope + 1], trad);
                 int failed = s->k_out
                     ? mlxcel_decode_attention_apart(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, hk, group,
-                                                    d, (int)s->write, s->capacity, m->scale)
+                                                    d, (int)s->write, s->capacity, m->scale, m->k_type, m->v_type)
                     : mlxcel_decode_attention_at(q, kn, vn, s->keys, s->values, att, hk, group, d, (int)s->write,
-                                                 (int)s->n, s->capacity, m->scale);
+                                                 (int)s->n, s->capacity, m->scale, m->k_type, m->v_type);
                 if (failed) return i + 1;
             }
         }
