@@ -67,3 +67,13 @@ def test_the_engine_decodes_with_the_cpu_runtime_at_16_bits(harness: EngineHarne
     harness.run(random_tokens(CHUNK + 5, seed=15), n_predict=6)
     assert decoder.steps > steps and decoder.prefilled > prefilled
 
+
+def test_the_default_budget_sizes_entries_at_the_configured_precision() -> None:
+    """The model-aware prompt-cache budget (six entries of min(n_ctx, 8192) tokens) counts an
+    entry at the KV's storage type: at f16 an entry, and so the budget, is half of float32's."""
+    from mlxcel_compat.engine.prefix_cache_config import kv_bytes_per_token, model_aware_capacity
+
+    config = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
+    f32 = model_aware_capacity(config, 32768, 8 << 30, 128 << 30)
+    f16 = model_aware_capacity(config, 32768, 8 << 30, 128 << 30, kv_bytes_per_token(config, 2))
+    assert f32 == (6 * (2 << 30), 2 << 30) and f16 == (6 * (1 << 30), 1 << 30)
