@@ -884,13 +884,12 @@ _CACHE: tuple[Setting, ...] = (
                  "first n_keep tokens (--keep), drop half of the rest (n_discard) and go on. Off by default, as in "
                  "llama-server; models with recurrent state or sliding windows cannot shift (docs/configuration.md)."),
     Setting("cache_type_k", ("-ctk", "--cache-type-k"), ("LLAMA_ARG_CACHE_TYPE_K",), type="choice",
-            choices=KV_CACHE_TYPES, default="f32", group="cache", metavar="TYPE", accepts=KV_CACHE_TYPES_ACCEPT,
+            choices=KV_CACHE_TYPES, default="f16", group="cache", metavar="TYPE", accepts=KV_CACHE_TYPES_ACCEPT,
             help="KV cache type for K: the keys are stored in this type, and attention reads them as stored "
-                 "(docs/prompt-cache.md, KV precision). f32 (llama-server's default is f16) keeps the computed "
-                 "values exactly and is the type the CPU decode runtime reads (f16, bf16: MLX's decode steps). "
-                 "Must equal -ctv."),
+                 "(docs/prompt-cache.md, KV precision). f16 as llama-server; f32 keeps the float32 values the "
+                 "model computes (the exactness mode: -ctk f32 -ctv f32). Must equal -ctv."),
     Setting("cache_type_v", ("-ctv", "--cache-type-v"), ("LLAMA_ARG_CACHE_TYPE_V",), type="choice",
-            choices=KV_CACHE_TYPES, default="f32", group="cache", metavar="TYPE", accepts=KV_CACHE_TYPES_ACCEPT,
+            choices=KV_CACHE_TYPES, default="f16", group="cache", metavar="TYPE", accepts=KV_CACHE_TYPES_ACCEPT,
             help="KV cache type for V (as -ctk for the values)."),
     _noop("defrag_thold", ("-dt", "--defrag-thold"), "KV defragmentation threshold (deprecated upstream).",
           "there is no KV defragmentation", metavar="N", env=("LLAMA_ARG_DEFRAG_THOLD",), group="cache"),

@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """KV precision (-ctk/-ctv, issue 54) at long context: this server against llama-server, all up at once.
 
-The file is ``scripts/bench_quantized.py``'s ``small-q4_k_m`` (the factory's small llama, 88M
-parameters, quantized by ``llama-quantize``; made on first use under ``--cache-dir``). Every
+The file (``--model``) is ``scripts/bench_quantized.py``'s ``small-q4_k_m`` (the factory's small
+llama, 88M parameters, quantized by ``llama-quantize``; made on first use under ``--cache-dir``),
+or ``smollm2``: SmolLM2-135M-Instruct Q4_1 from the package registry (trained weights, so greedy
+continuations are not dominated by the near-ties of random weights;
+``mlxcel_compat/testing/real_model.py``). Every
 server is started from it with ``-np 1 -c CTX`` (``--ctx``, default 32768) and its own
 ``-ctk T -ctv T``; by default llama-server at ``f16`` and ``q8_0`` and this server at ``f16`` and
 ``f32`` (``--configs``; this server does not build ``q8_0`` yet: docs/prompt-cache.md, KV
@@ -117,6 +120,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="llama:f16,llama:q8_0,mlxcel:f16,mlxcel:f32",
                         help="comma list of PROGRAM:TYPE (PROGRAM: llama or mlxcel)")
+    parser.add_argument("--model", choices=("small-q4_k_m", "smollm2"), default="small-q4_k_m")
     parser.add_argument("--depth", type=int, default=16384, help="tokens in the slot (0: agreement and RSS at /health only)")
     parser.add_argument("--ctx", type=int, default=32768)
     parser.add_argument("--n-predict", type=int, default=32)
@@ -135,7 +139,12 @@ def main() -> int:
     if any(p not in PROGRAMS for p, _ in configs):
         raise SystemExit(f"--configs: programs are {', '.join(PROGRAMS)}")
 
-    path = bq.small_quantized("Q4_K_M")(args)
+    if args.model == "smollm2":
+        from mlxcel_compat.testing.real_model import ensure_real_model
+
+        path = ensure_real_model()
+    else:
+        path = bq.small_quantized("Q4_K_M")(args)
     prep = bq.prepare(str(path), args.depth, 1, args.accuracy_prompts, args.accuracy_tokens, reference=False)
     long_prompt, prompts = prep["prefill"][0] if args.depth else [], prep["prompts"][: args.accuracy_prompts]
     print(f"file {path.name}; depth {len(long_prompt)} tokens; -c {args.ctx}; {len(configs)} servers up at once",

@@ -231,7 +231,7 @@ def test_malformed_values_name_the_variable_and_the_accepted_values(argv, env, n
 def test_kv_cache_types_from_flags_and_llama_variables() -> None:
     settings = resolve_settings(["-ctk", "bf16"], {"LLAMA_ARG_CACHE_TYPE_V": "bf16"})
     assert (settings.cache_type_k, settings.cache_type_v) == ("bf16", "bf16")
-    assert (resolve_settings([], {}).cache_type_k, resolve_settings([], {}).cache_type_v) == ("f32", "f32")
+    assert (resolve_settings([], {}).cache_type_k, resolve_settings([], {}).cache_type_v) == ("f16", "f16")  # llama-server's
     with pytest.raises(SettingsError, match="-ctk f16 and LLAMA_ARG_CACHE_TYPE_V bf16 differ"):
         resolve_settings(["-ctk", "f16"], {"LLAMA_ARG_CACHE_TYPE_V": "bf16"})
 

@@ -56,8 +56,8 @@ log = logging.getLogger(__name__)
 FLUSH_TIMEOUT_SECONDS = 20.0  # a clean shutdown writes RAM entries to the disk tier for at most this long
 # An entry keeps its donor's logits at the prompt's last position (a prompt sent again then
 # needs no forward pass, ``PrefixCache._final_logits``) when they cost at most this share of its
-# KV bytes: 32 KiB of logits against 25 MiB of KV for a 1K-token prompt of the small llama.
-FINAL_LOGITS_MAX_SHARE = 1 / 16
+# KV bytes (1/16 of float32 KV before f16 became the default -ctk/-ctv: the same prompts).
+FINAL_LOGITS_MAX_SHARE = 1 / 8
 RECENT_MISSES = 256  # misses GET /v1/cache/misses lists (reasons and sizes only)
 
 
@@ -78,7 +78,8 @@ class PrefixCache:
         self.apc_disabled_reason, why = apc_decision(config, loaded.config, probe)
         capacity = config.capacity_bytes
         if capacity is None:
-            capacity, entry = model_aware_capacity(loaded.config, engine.n_ctx, loaded.size_bytes, physical_memory_bytes())
+            capacity, entry = model_aware_capacity(loaded.config, engine.n_ctx, loaded.size_bytes, physical_memory_bytes(),
+                                                   self.kv_accounting["kv_bytes_per_token"])
             log.info(
                 "Applied model-aware prompt-cache capacity default: old=unset new=%d bytes (entry %d bytes at %d tokens, max_entries %d)",
                 capacity,

@@ -89,12 +89,15 @@ def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 4) -> int:
     return 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
-def model_aware_capacity(config: dict[str, Any], ctx_size: int, model_bytes: int, total_memory: int) -> tuple[int, int]:
+def model_aware_capacity(config: dict[str, Any], ctx_size: int, model_bytes: int, total_memory: int,
+                         token_bytes: int | None = None) -> tuple[int, int]:
     """The spec's default KV budget: ``max(2 GiB, min(6 * entry, left / 4))`` + one-entry floor.
+    ``token_bytes``: one token's KV at the configured precision (:func:`kv_accounting`'s; default
+    float32's), so that an f16 cache's six entries are six entries at f16, not three.
 
     Returns (capacity_bytes, entry_bytes).
     """
-    entry = kv_bytes_per_token(config) * min(ctx_size, 8192)
+    entry = (token_bytes or kv_bytes_per_token(config)) * min(ctx_size, 8192)
     left = max(total_memory - model_bytes, 0)
     capacity = max(KV_FLOOR_BYTES, min(6 * entry, left // 4))
     if entry > capacity and entry <= left // 2:

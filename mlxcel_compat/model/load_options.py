@@ -119,7 +119,7 @@ class LoadOptions:
         )
         return cls(rope=rope, kv_overrides=parse_kv_overrides(s.override_kv or ()),
                    use_mmap=s.mmap is not False, mlock=bool(s.mlock),
-                   kv_types=KvTypes(s.cache_type_k or "f32", s.cache_type_v or "f32"))
+                   kv_types=KvTypes(s.cache_type_k or "f16", s.cache_type_v or "f16"))
 
 
 __all__ = ["LoadOptions", "RopeOverrides", "SCALING_TYPES"]

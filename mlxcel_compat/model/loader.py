@@ -334,7 +334,7 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
         directory_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         _log_affine(affine, sum(v.nbytes for _, v in params) + sum(b.nbytes for b in blocks), directory_bytes)
     kv_precision.install(model, options.kv_types)
-    decoder = _cpu_decoder(model, options.kv_types) if on_cpu else None
+    decoder = _cpu_decoder(model) if on_cpu else None
     # Block weights (not MLX parameters) count as their n x k values and their bytes in memory.
     n_params = (summary.n_params if summary is not None
                 else sum(v.size for _, v in params) + sum(b.n * b.k for b in blocks))
@@ -471,14 +471,12 @@ def _serve_affine(model: Any) -> Any:
     return affine
 
 
-def _cpu_decoder(model: Any, kv_types: Any) -> Any:
-    """The CPU decode runtime for this model, or None; which one is active is logged."""
+def _cpu_decoder(model: Any) -> Any:
+    """The CPU decode runtime for this model (its KV in the types ``kv_precision.install`` gave
+    it), or None; which one is active is logged."""
     from mlxcel_compat.runtime import backend
     from mlxcel_compat.runtime import cpu_decode
 
-    if not kv_types.exact:
-        log.info("decode step: MLX (the CPU decode runtime reads float32 KV; -ctk/-ctv store %s)", kv_types.tag)
-        return None
     built = cpu_decode.build(model, backend.matmul_shim())
     if isinstance(built, str):
         log.info("decode step: MLX (CPU decode runtime not used: %s)", built)

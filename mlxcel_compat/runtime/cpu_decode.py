@@ -63,7 +63,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxcel_compat.runtime import decode_delta, decode_moe, ring_chunks
+from mlxcel_compat.runtime import decode_delta, decode_moe, kv_precision, ring_chunks
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, ring_plan
@@ -259,7 +259,8 @@ class CpuDecoder:
         attn = [self.layers[i] for i in self.attn_layers]  # the KV layout's layers (all but a hybrid's delta-net)
         self.kv = KvLayout(self.n_kv_heads, self.head_dim, self.window,
                            rings=[i for i, layer in enumerate(attn) if layer.sliding],  # RotatingKVCache layers
-                           plain=[i for i, layer in enumerate(attn) if not layer.sliding])  # KVCache layers
+                           plain=[i for i, layer in enumerate(attn) if not layer.sliding],  # KVCache layers
+                           dtypes=kv_precision.of_model(model).dtypes())  # -ctk/-ctv
         self._buffers: dict[int, PassBuffers] = {}  # by row count
         self._chunk_buffers: PassBuffers | None = None  # a prompt chunk's (prefill): the largest so far
         self.steps = 0  # steps run so far (tests and benchmarks check that it ran)
@@ -271,10 +272,10 @@ class CpuDecoder:
     # ------------------------------------------------------------------ eligibility
 
     def can_run(self, cache: list[Any], owned: OwnedCache) -> bool:
-        """Whether ``cache`` is one sequence's float32 KV cache, each layer what mlx-lm's
-        ``make_cache`` gives it: the buffers this decoder made for it (the common case, checked
-        by identity), or mlx-lm ``KVCache`` layers (``RotatingKVCache`` rings of the model's
-        window for sliding layers) holding one row of float32 keys and values. A ring must be in
+        """Whether ``cache`` is one sequence's KV cache, each layer what mlx-lm's ``make_cache``
+        gives it: the buffers this decoder made for it (the common case, checked by identity), or
+        mlx-lm ``KVCache`` layers (``RotatingKVCache`` rings of the model's window for sliding
+        layers) holding one row of keys and values of the model's storage types (-ctk/-ctv). A ring must be in
         a state mlx-lm's update can write one token into (:func:`decode_kv.ring_plan`)."""
         from mlx_lm.models.cache import KVCache, RotatingKVCache
 
@@ -284,10 +285,11 @@ class CpuDecoder:
                    for i, layer in zip(self.delta_layers, (self.layers[i] for i in self.delta_layers))):
             return False
         cache = self._attention(cache)
+        k_dtype, v_dtype = self.kv.dtypes
         if not owned.holds(cache) and not all(
             type(c) is (RotatingKVCache if self.layers[i].sliding else KVCache)
             and c.keys is not None and c.keys.ndim == 4 and c.keys.shape[0] == 1
-            and c.keys.dtype == mx.float32 and c.values.dtype == mx.float32
+            and c.keys.dtype == k_dtype and c.values.dtype == v_dtype
             for c, i in zip(cache, self.attn_layers)
         ):
             return False

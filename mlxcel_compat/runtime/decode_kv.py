@@ -13,6 +13,11 @@ written. One exception to the copy: the first step on a cache the decoder does n
 prompt-cache hit's) reads the shared arrays in place and keeps its new key and value apart
 (:class:`KeptApart`), so a hit's first token costs no copy of the adopted KV; the copy is made at
 the next step, after that token has gone out (a hit's first token is its time to first token).
+
+The buffers hold the layer's storage type (``-ctk``/``-ctv``: ``runtime/kv_precision.py``):
+float32, float16 or bfloat16, the type the cache's arrays already have, or the model's stamp for
+an empty cache (:attr:`KvLayout.dtypes`). NumPy has no bfloat16: such a buffer is seen through
+a uint16 view of the same memory (:func:`host_view`), and the C kernels round and widen it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,20 @@ import numpy as np
 # the small llama: four streams of ~160 tokens held 24 MiB where 16 are used).
 KV_STEP = 16
 KV_HEADROOM = 64  # positions allocated beyond the one needed where the request sets no bound
+# The storage types the runtime's attention reads, by the code the native decode pass takes (MLXCEL_KV_*).
+KV_CODES = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
+
+
+def host_view(a: Any) -> np.ndarray:
+    """A NumPy view of an evaluated MLX array's own buffer (no copy): bfloat16 as its uint16 bits."""
+    return np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+
+
+def mlx_rows(rows: np.ndarray, dtype: Any) -> Any:
+    """An MLX array of ``rows`` (a :func:`host_view`'s type) as ``dtype``: a uint16 array's bits
+    reinterpreted as bfloat16."""
+    a = mx.array(rows)
+    return a.view(dtype) if dtype == mx.bfloat16 else a
 
 
 @dataclass
@@ -63,7 +82,7 @@ class Borrowed:
         """After the step: every layer holds its shared positions and the new one (lazily)."""
         arrays = []
         for c, (k_row, v_row) in zip(cache, self.rows):
-            c.keys, c.values = (mx.concatenate([a[:, :, : self.pos], mx.array(row)[None]], axis=2)
+            c.keys, c.values = (mx.concatenate([a[:, :, : self.pos], mlx_rows(row, a.dtype)[None]], axis=2)
                                 for a, row in ((c.keys, k_row), (c.values, v_row)))
             arrays.append((c.keys, c.values))
         return KeptApart(self.pos, self.shared, self.rows, arrays)
@@ -133,6 +152,12 @@ class KvLayout:
     window: int | None  # gemma3: a sliding layer's ring size, else None
     rings: list[int]  # RotatingKVCache layers
     plain: list[int]  # KVCache layers
+    dtypes: tuple[Any, Any] = (mx.float32, mx.float32)  # the keys' and values' storage types
+
+    @property
+    def codes(self) -> tuple[int, int]:
+        """The storage types as the native decode pass takes them (``KV_CODES``)."""
+        return KV_CODES[self.dtypes[0]], KV_CODES[self.dtypes[1]]
 
     def own(self, cache: list[Any], owned: OwnedCache, pos: int, last: int | None = None) -> list[tuple[int, int, int]]:
         """Addresses of every layer's keys and values, and their capacity, with room for
@@ -163,12 +188,12 @@ class KvLayout:
                 keys, values = (_fresh_ring(a, start, capacity) for a in (c.keys, c.values))
             elif c.keys is None:  # an empty cache (can_prefill): buffers for positions 0 .. last
                 shape = (1, self.n_kv_heads, buffer_capacity(last, reserve=owned.reserve), self.head_dim)
-                keys, values = (_writable(shape)[0] for _ in range(2))
+                keys, values = (_writable(shape, dtype)[0] for dtype in self.dtypes)
             else:
                 keys, values = (_fresh(a, pos, last, owned.reserve) for a in (c.keys, c.values))
             c.keys, c.values = keys, values
             owned.arrays.append((keys, values))
-            owned.views.append((np.asarray(keys).ctypes.data, np.asarray(values).ctypes.data, keys.shape[2]))
+            owned.views.append((host_view(keys).ctypes.data, host_view(values).ctypes.data, keys.shape[2]))
         return owned.views
 
     def _own_apart(self, cache: list[Any], owned: OwnedCache, apart: KeptApart, last: int) -> list[tuple[int, int, int]]:
@@ -179,22 +204,22 @@ class KvLayout:
         for c, (keys_view, values_view), (k_row, v_row) in zip(cache, apart.shared, apart.rows):
             made = []
             n = k_row.shape[1]
-            for view, row in ((keys_view, k_row), (values_view, v_row)):
+            for view, row, dtype in ((keys_view, k_row, self.dtypes[0]), (values_view, v_row, self.dtypes[1])):
                 b, h, _, d = view.shape
-                fresh, out = _writable((b, h, buffer_capacity(max(pos + n - 1, last), reserve=owned.reserve), d))
+                fresh, out = _writable((b, h, buffer_capacity(max(pos + n - 1, last), reserve=owned.reserve), d), dtype)
                 out[:, :, :pos] = view[:, :, :pos]
                 out[0, :, pos:pos + n] = row
                 made.append(fresh)
             c.keys, c.values = made
             owned.arrays.append((c.keys, c.values))
-            owned.views.append((np.asarray(c.keys).ctypes.data, np.asarray(c.values).ctypes.data, c.keys.shape[2]))
+            owned.views.append((host_view(c.keys).ctypes.data, host_view(c.values).ctypes.data, c.keys.shape[2]))
         return owned.views
 
     def borrow(self, cache: list[Any], owned: OwnedCache, pos: int, n: int = 1) -> Borrowed | None:
         """Views for a step (or a prefill of ``n`` rows) that reads ``cache``'s arrays in place,
         when they are not this sequence's (a prompt-cache hit, a sibling's prefix) and the step
-        can leave them unwritten: plain KV layers only (no ring), each layer's float32 keys and
-        values laid out by head, then position, then dimension (an entry's slice of a larger
+        can leave them unwritten: plain KV layers only (no ring), each layer's keys and values in
+        the layout's storage types, laid out by head, then position, then dimension (an entry's slice of a larger
         buffer is), ``pos`` of them valid. None: the step copies them into its own buffers first
         (:meth:`own`)."""
         from mlx_lm.models.cache import KVCache
@@ -204,34 +229,34 @@ class KvLayout:
         if not all(type(c) is KVCache and c.keys is not None and c.offset == pos for c in cache):
             return None
         mx.eval([(c.keys, c.values) for c in cache])
-        d, item = self.head_dim, 4
+        d = self.head_dim
         shared, views, rows = [], [], []
         for c in cache:
             pair = []
-            for a in (c.keys, c.values):
-                if a.dtype != mx.float32 or a.ndim != 4 or a.shape[0] != 1 or a.shape[3] != d or a.shape[2] < pos:
+            for a, dtype in zip((c.keys, c.values), self.dtypes):
+                if a.dtype != dtype or a.ndim != 4 or a.shape[0] != 1 or a.shape[3] != d or a.shape[2] < pos:
                     return None
-                view = np.asarray(a)
-                strides = view.strides
+                view = host_view(a)
+                strides, item = view.strides, view.itemsize
                 if strides[3] != item or strides[2] != d * item or strides[1] % (d * item) or strides[1] < a.shape[2] * d * item:
                     return None
                 pair.append(view)
-            if pair[0].strides != pair[1].strides:
+            capacities = [view.strides[1] // (d * view.itemsize) for view in pair]
+            if capacities[0] != capacities[1]:  # the kernels take one capacity for both
                 return None
             shared.append((pair[0], pair[1]))
-            k_row = np.empty((self.n_kv_heads, n, d), np.float32)
-            v_row = np.empty((self.n_kv_heads, n, d), np.float32)
+            k_row = np.empty((self.n_kv_heads, n, d), pair[0].dtype)
+            v_row = np.empty((self.n_kv_heads, n, d), pair[1].dtype)
             rows.append((k_row, v_row))
-            views.append((pair[0].ctypes.data, pair[1].ctypes.data, pair[0].strides[1] // (d * item),
-                          k_row.ctypes.data, v_row.ctypes.data))
+            views.append((pair[0].ctypes.data, pair[1].ctypes.data, capacities[0], k_row.ctypes.data, v_row.ctypes.data))
         return Borrowed(pos, shared, rows, views)
 
 
-def _writable(shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
-    """A new zero MLX array of ``shape`` (float32) and a writable NumPy view of its buffer."""
-    fresh = mx.zeros(shape, dtype=mx.float32)
+def _writable(shape: tuple[int, ...], dtype: Any) -> tuple[Any, np.ndarray]:
+    """A new zero MLX array of ``shape`` and ``dtype`` and a writable NumPy view of its buffer."""
+    fresh = mx.zeros(shape, dtype=dtype)
     mx.eval(fresh)
-    view = np.asarray(fresh)
+    view = host_view(fresh)
     if not (view.flags.c_contiguous and view.flags.writeable):  # e.g. a broadcast constant: not ours to write
         raise RuntimeError("MLX gave no writable buffer of its own for the KV cache")
     return fresh, view
@@ -243,8 +268,8 @@ def _fresh(a: Any, pos: int, last: int | None = None, reserve: int = 0) -> Any:
     buffer of MLX's, filled through a NumPy view of it."""
     b, h, cap, d = a.shape
     last = pos if last is None else last
-    fresh, view = _writable((b, h, max(cap, buffer_capacity(last, cap, reserve)), d))
-    view[:, :, :pos] = np.asarray(a)[:, :, :pos]
+    fresh, view = _writable((b, h, max(cap, buffer_capacity(last, cap, reserve)), d), a.dtype)
+    view[:, :, :pos] = host_view(a)[:, :, :pos]
     return fresh
 
 
@@ -252,10 +277,11 @@ def _fresh_ring(a: Any, start: int, capacity: int) -> Any:
     """A ring's new buffer of ``capacity`` slots, as mlx-lm's update makes it: ``a``'s slots
     from ``start`` on (a trimmed ring keeps its newest ``capacity``), then zeros (a grown one)."""
     b, h, cap, d = a.shape
-    fresh, view = _writable((b, h, capacity, d))
+    fresh, view = _writable((b, h, capacity, d), a.dtype)
     kept = min(cap - start, capacity)
-    view[:, :, :kept] = np.asarray(a)[:, :, start:start + kept]
+    view[:, :, :kept] = host_view(a)[:, :, start:start + kept]
     return fresh
 
 
-__all__ = ["KV_HEADROOM", "KV_STEP", "Borrowed", "KeptApart", "KvLayout", "OwnedCache", "buffer_capacity", "ring_plan"]
+__all__ = ["KV_CODES", "KV_HEADROOM", "KV_STEP", "Borrowed", "KeptApart", "KvLayout", "OwnedCache", "buffer_capacity",
+           "host_view", "mlx_rows", "ring_plan"]

@@ -21,8 +21,10 @@ them with a message that says so (settings.py).
 Why not a subclass of ``KVCache``: the prompt cache, the CPU decode runtime, batching and the
 disk format recognise mlx-lm's own classes by name; a subclass would be a new kind to each.
 
-The CPU decode runtime (``cpu_decode.py``) reads and writes float32 KV only: with another type
-the model decodes with MLX's steps (``model/loader.py`` leaves the runtime out and logs why).
+The CPU decode runtime (``cpu_decode.py``) keeps its own buffers in the same types
+(``decode_kv.py``): its C attention writes new rows rounded to f16 or bf16 and widens the stored
+rows as it reads them, so its steps and prompt chunks agree with MLX's over the same 16-bit cache
+to float32 rounding, and a hit read in place gives the bits of the cold run.
 """
 
 from __future__ import annotations

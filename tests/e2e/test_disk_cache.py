@@ -28,9 +28,9 @@ from tests.e2e.helpers import assert_serving
 pytestmark = pytest.mark.e2e
 
 WORDS = "harbour lantern gull tide anchor rope sail compass storm island keeper beacon reef current".split()
-# 512 KV bytes a token on the tiny llama: RAM keeps one 90-word (~240-token) entry, and every new one
-# pushes the previous one to disk.
-SMALL_RAM = "150000"
+# 256 KV bytes a token on the tiny llama at the default f16 (-ctk/-ctv): RAM keeps one 90-word
+# (~240-token) entry, and every new one pushes the previous one to disk.
+SMALL_RAM = "75000"
 
 
 def text(n_words: int, seed: int) -> str:

@@ -54,13 +54,16 @@ PARIS_QUESTION = "What is the capital of France? Answer with the city's name."
 
 @pytest.fixture(scope="module")
 def real_server(server_factory, smollm2_gguf: Path) -> ServerProcess:
-    return server_factory(["-m", str(smollm2_gguf), "-np", "2", "-c", "4096", "-b", str(CHUNK)])
+    # The exactness mode (float32 KV, as the reference's): the greedy comparisons below are with
+    # the float32 reference, and f16 KV rounds the two sides' near-identical keys apart (1 ulp
+    # of f16 is 2^-11, against float32 noise of 1e-7): test_cpu_decode_kv16.py checks f16.
+    return server_factory(["-m", str(smollm2_gguf), "-np", "2", "-c", "4096", "-b", str(CHUNK), "-ctk", "f32", "-ctv", "f32"])
 
 
 @pytest.fixture(scope="module")
 def reference_server(server_factory, smollm2_gguf: Path) -> ServerProcess:
     """The same file with every block expanded to float32 (the project's float32 reference)."""
-    return server_factory(["-m", str(smollm2_gguf), "-np", "1", "-c", "2048", "-b", str(CHUNK)],
+    return server_factory(["-m", str(smollm2_gguf), "-np", "1", "-c", "2048", "-b", str(CHUNK), "-ctk", "f32", "-ctv", "f32"],
                           env={"MLXCEL_GGML": "0"})
 
 

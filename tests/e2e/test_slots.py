@@ -235,35 +235,37 @@ def test_another_process_restores_with_the_prompt_cache_off(server_factory, llam
 
 
 def test_slot_files_round_trip_at_f16_and_another_kv_type_is_refused(server_factory, llama_dir, client, slot_dir) -> None:
-    """-ctk f16 -ctv f16: the slot file holds 16-bit KV (about half a float32 file's bytes), comes
-    back as it was (the same greedy output), and a file of another KV type is a 400 naming the
-    types, both ways; stats and /metrics report the bytes a token takes at f16."""
+    """The default -ctk f16 -ctv f16: the slot file holds 16-bit KV (about half the bytes of a
+    file saved in the exactness mode, -ctk f32 -ctv f32), comes back as it was (the same greedy
+    output), and a file of another KV type is a 400 naming the types, both ways; stats and
+    /metrics report the bytes a token takes in each type."""
     prompt = STORY + " In the morning"
-    complete(client, prompt, id_slot=0)
-    f32_saved = action(client, 0, "save", "f32.bin").json()
-
-    half = server_factory(["-m", str(llama_dir), "-np", "1", "-c", "2048", "-b", "64", "--slot-save-path",
-                           str(slot_dir), "-ctk", "f16", "-ctv", "f16", "--metrics"])
-    with httpx.Client(base_url=half.base_url, timeout=120) as c:
-        first = complete(c, prompt, id_slot=0)
-        saved = action(c, 0, "save", "f16.bin").json()
-        assert saved["n_saved"] == f32_saved["n_saved"]
-        assert saved["n_written"] < 0.6 * f32_saved["n_written"]
-        action(c, 0, "erase").raise_for_status()
-        c.post("/v1/cache/reset").raise_for_status()
-        r = action(c, 0, "restore", "f16.bin")
-        assert r.status_code == 200, r.text
-        again = complete(c, prompt, id_slot=0)
-        assert again["timings"]["cache_n"] == first["tokens_evaluated"] - 1
-        assert again["content"] == first["content"]
-        r = action(c, 0, "restore", "f32.bin")
-        assert r.status_code == 400
-        message = r.json()["error"]["message"]
-        assert message.startswith("Unable to restore slot: ") and "KV cache type" in message and "f32/f32" in message
-        stats = c.get("/v1/cache/stats").json()
-        assert (stats["kv_cache_type_k"], stats["kv_cache_type_v"]) == ("f16", "f16")
-        assert "mlxcel_prompt_cache_kv_bytes_per_token " + str(float(stats["kv_bytes_per_token"])) in c.get("/metrics").text
-        assert_serving(c)
+    exact = server_factory(["-m", str(llama_dir), "-np", "1", "-c", "2048", "-b", "64", "--slot-save-path",
+                            str(slot_dir), "-ctk", "f32", "-ctv", "f32", "--metrics"])
+    with httpx.Client(base_url=exact.base_url, timeout=120) as f:
+        complete(f, prompt, id_slot=0)
+        f32_saved = action(f, 0, "save", "f32.bin").json()
+    first = complete(client, prompt, id_slot=0)
+    saved = action(client, 0, "save", "f16.bin").json()
+    assert saved["n_saved"] == f32_saved["n_saved"]
+    assert saved["n_written"] < 0.6 * f32_saved["n_written"]
+    action(client, 0, "erase").raise_for_status()
+    client.post("/v1/cache/reset").raise_for_status()
     r = action(client, 0, "restore", "f16.bin")
-    assert r.status_code == 400 and "f16/f16" in r.json()["error"]["message"]
-    assert client.get("/v1/cache/stats").json()["kv_bytes_per_token"] == 2 * stats["kv_bytes_per_token"]
+    assert r.status_code == 200, r.text
+    again = complete(client, prompt, id_slot=0)
+    assert again["timings"]["cache_n"] == first["tokens_evaluated"] - 1
+    assert again["content"] == first["content"]
+    r = action(client, 0, "restore", "f32.bin")
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert message.startswith("Unable to restore slot: ") and "KV cache type" in message and "f32/f32" in message
+    stats = client.get("/v1/cache/stats").json()
+    assert (stats["kv_cache_type_k"], stats["kv_cache_type_v"]) == ("f16", "f16")
+    assert_serving(client)
+    with httpx.Client(base_url=exact.base_url, timeout=120) as f:
+        r = action(f, 0, "restore", "f16.bin")
+        assert r.status_code == 400 and "f16/f16" in r.json()["error"]["message"]
+        exact_stats = f.get("/v1/cache/stats").json()
+        assert exact_stats["kv_bytes_per_token"] == 2 * stats["kv_bytes_per_token"]
+        assert "mlxcel_prompt_cache_kv_bytes_per_token " + str(float(exact_stats["kv_bytes_per_token"])) in f.get("/metrics").text

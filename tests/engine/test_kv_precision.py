@@ -2,7 +2,8 @@
 
 The KV is stored in the configured type and attention reads the stored values in the cold run
 as in a hit, so an aligned hit reproduces the cold run exactly (tokens and log-probabilities) at
-every precision; the entries hold half the bytes at f16 and bf16.
+every precision; the entries hold half the bytes at f16 and bf16. The CPU decode runtime runs
+the prompt and the steps over the 16-bit KV (tests/runtime/test_cpu_decode_kv16.py).
 """
 
 from __future__ import annotations
@@ -57,6 +58,22 @@ def test_entries_hold_kv_in_the_configured_type(harness: EngineHarness) -> None:
     assert stats["bytes"] == (3 * CHUNK + 2) * f32_per_token // 2  # the prompt and two generated tokens
 
 
-def test_the_engine_decodes_with_mlx_steps(harness: EngineHarness) -> None:
-    """The CPU decode runtime reads float32 KV only: at another precision it is left out."""
-    assert harness.engine.loaded.decoder is None
+def test_the_engine_decodes_with_the_cpu_runtime_at_16_bits(harness: EngineHarness) -> None:
+    """The CPU decode runtime reads and writes 16-bit KV: it runs the prompt and the steps, and
+    the entry it leaves holds the configured type."""
+    decoder = harness.engine.loaded.decoder
+    assert decoder is not None and decoder.kv.dtypes == (DTYPES[harness.precision],) * 2
+    steps, prefilled = decoder.steps, decoder.prefilled
+    harness.run(random_tokens(CHUNK + 5, seed=15), n_predict=6)
+    assert decoder.steps > steps and decoder.prefilled > prefilled
+
+
+def test_the_default_budget_sizes_entries_at_the_configured_precision() -> None:
+    """The model-aware prompt-cache budget (six entries of min(n_ctx, 8192) tokens) counts an
+    entry at the KV's storage type: at f16 an entry, and so the budget, is half of float32's."""
+    from mlxcel_compat.engine.prefix_cache_config import kv_bytes_per_token, model_aware_capacity
+
+    config = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
+    f32 = model_aware_capacity(config, 32768, 8 << 30, 128 << 30)
+    f16 = model_aware_capacity(config, 32768, 8 << 30, 128 << 30, kv_bytes_per_token(config, 2))
+    assert f32 == (6 * (2 << 30), 2 << 30) and f16 == (6 * (1 << 30), 1 << 30)

@@ -66,13 +66,16 @@ class _Kernels:
         self.rms_norm_add = self._fn(lib.mlxcel_rms_norm_add, [p, p, p, i, i, f])
         self.swiglu = self._fn(lib.mlxcel_swiglu, [p, p, i])
         self.gelu_tanh_gate = self._fn(lib.mlxcel_gelu_tanh_gate, [p, p, i])
-        self.attention = self._fn(lib.mlxcel_decode_attention, [p, p, p, p, p, p, i, i, i, i, L, f])
-        self.attention_at = self._fn(lib.mlxcel_decode_attention_at, [p, p, p, p, p, p, i, i, i, i, i, L, f], ctypes.c_int)
-        self.attention_apart = self._fn(lib.mlxcel_decode_attention_apart, [p, p, p, p, p, p, p, p, i, i, i, i, L, f],
+        # the attention kernels end with the keys' and values' storage types (0: float32, 1: f16, 2: bf16)
+        self.attention = self._fn(lib.mlxcel_decode_attention, [p, p, p, p, p, p, i, i, i, i, L, f, i, i])
+        self.attention_at = self._fn(lib.mlxcel_decode_attention_at, [p, p, p, p, p, p, i, i, i, i, i, L, f, i, i],
+                                     ctypes.c_int)
+        self.attention_apart = self._fn(lib.mlxcel_decode_attention_apart,
+                                        [p, p, p, p, p, p, p, p, i, i, i, i, L, f, i, i], ctypes.c_int)
+        self.chunk_attention = self._fn(lib.mlxcel_chunk_attention, [p, p, p, p, p, p, i, i, i, i, i, L, f, i, i],
                                         ctypes.c_int)
-        self.chunk_attention = self._fn(lib.mlxcel_chunk_attention, [p, p, p, p, p, p, i, i, i, i, i, L, f], ctypes.c_int)
-        self.chunk_attention_apart = self._fn(lib.mlxcel_chunk_attention_apart, [p, p, p, p, p, p, p, p, i, i, i, i, i, L, f],
-                                              ctypes.c_int)
+        self.chunk_attention_apart = self._fn(lib.mlxcel_chunk_attention_apart,
+                                              [p, p, p, p, p, p, p, p, i, i, i, i, i, L, f, i, i], ctypes.c_int)
         self.rope_rows = self._fn(lib.mlxcel_rope_rows, [p, i, i, i, p, p, i])
 
     @staticmethod
@@ -209,7 +212,7 @@ def test_decode_attention_matches_a_reference(kv_heads: int, group: int, n: int,
     out = np.empty(kv_heads * group * d, np.float32)
     scale = d ** -0.5
     _kernels().attention(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(out), kv_heads, group, d, pos,
-                         capacity, scale * cpu_decode.LOG2E)
+                         capacity, scale * cpu_decode.LOG2E, 0, 0)
     assert np.array_equal(keys[:, pos], k_new.reshape(kv_heads, d)) and np.array_equal(values[:, pos], v_new.reshape(kv_heads, d))
     untouched = np.ones(capacity, bool)
     untouched[pos] = False
@@ -239,11 +242,11 @@ def test_decode_attention_at_a_ring_slot() -> None:
     before = keys.copy(), values.copy()
     for write, n in [(-1, 64), (64, 64), (3, 0), (3, 65)]:
         assert kernels.attention_at(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(out), kv_heads, group, d,
-                                    write, n, capacity, scale * cpu_decode.LOG2E) == -1
+                                    write, n, capacity, scale * cpu_decode.LOG2E, 0, 0) == -1
     assert np.array_equal(keys, before[0]) and np.array_equal(values, before[1])
     for write, n in [(17, 64), (0, 64), (63, 64), (5, 6)]:
         assert kernels.attention_at(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(out), kv_heads, group, d,
-                                    write, n, capacity, scale * cpu_decode.LOG2E) == 0
+                                    write, n, capacity, scale * cpu_decode.LOG2E, 0, 0) == 0
         assert np.array_equal(keys[:, write], k_new.reshape(kv_heads, d))
         assert np.array_equal(values[:, write], v_new.reshape(kv_heads, d))
         k64, v64 = keys[:, :n].astype(np.float64), values[:, :n].astype(np.float64)
@@ -831,7 +834,7 @@ def test_chunk_attention_matches_a_causal_reference(kv_heads: int, group: int, p
     out = np.empty((rows, kv_heads * group * d), np.float32)
     scale, k = d ** -0.5, _kernels()
     assert k.chunk_attention(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(out), rows, kv_heads, group, d,
-                             pos, capacity, scale * cpu_decode.LOG2E) == 0
+                             pos, capacity, scale * cpu_decode.LOG2E, 0, 0) == 0
     span = slice(pos, pos + rows)
     assert np.array_equal(keys[:, span], k_new.reshape(rows, kv_heads, d).transpose(1, 0, 2))
     assert np.array_equal(values[:, span], v_new.reshape(rows, kv_heads, d).transpose(1, 0, 2))
@@ -845,7 +848,7 @@ def test_chunk_attention_matches_a_causal_reference(kv_heads: int, group: int, p
     ref = np.einsum("rhgt,htd->rhgd", w / w.sum(axis=-1, keepdims=True), values[:, :n].astype(np.float64)).reshape(rows, -1)
     assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
     assert k.chunk_attention(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(out), rows, kv_heads, group, d,
-                             capacity - rows + 1, capacity, scale) == -1
+                             capacity - rows + 1, capacity, scale, 0, 0) == -1
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

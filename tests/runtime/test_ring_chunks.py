@@ -91,7 +91,7 @@ def test_windowed_chunk_attention_matches_a_reference(pos: int, rows: int, windo
     lib = backend.matmul_shim().lib
     fn = lib.mlxcel_chunk_attention_window
     p, i, f, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
-    fn.argtypes, fn.restype = [p, p, p, p, p, p, i, i, i, i, i, L, f, i], ctypes.c_int
+    fn.argtypes, fn.restype = [p, p, p, p, p, p, i, i, i, i, i, L, f, i, i, i], ctypes.c_int  # float32 KV
     rng = np.random.default_rng(pos + rows)
     for kv_heads, group in ((1, 4), (2, 1)):
         d, capacity = 64, pos + rows
@@ -103,7 +103,7 @@ def test_windowed_chunk_attention_matches_a_reference(pos: int, rows: int, windo
         out = np.empty((rows, kv_heads * group * d), np.float32)
         scale = d ** -0.5
         data = [a.ctypes.data for a in (q, k_new, v_new, keys, values, out)]
-        assert fn(*data, rows, kv_heads, group, d, pos, capacity, scale * cpu_decode.LOG2E, window) == 0
+        assert fn(*data, rows, kv_heads, group, d, pos, capacity, scale * cpu_decode.LOG2E, 0, 0, window) == 0
         assert np.array_equal(keys[:, pos:], k_new.reshape(rows, kv_heads, d).transpose(1, 0, 2))
         n = pos + rows
         s = np.einsum("rhgd,htd->rhgt", q.reshape(rows, kv_heads, group, d).astype(np.float64),

@@ -4,12 +4,16 @@
  * apart) and a prompt chunk's causal attention, the KV heads spread over the shim's thread pool.
  * The scores and the products by the values are the small-M kernel's (small_m_kernel.h); the
  * softmax is a vectorized power of 2 (vector_math.h), where MLX's CPU exponential is scalar.
+ * The cache's keys and values are float32, f16 or bf16 rows (-ctk/-ctv: kv_rows.h): new rows are
+ * rounded to the type when written; a step's products widen 16-bit rows in registers as they read
+ * them, a prompt chunk widens each head's rows once into its float32 scratch.
  */
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "decode_kernels.h"
+#include "kv_rows.h"
 #include "small_m_kernel.h"
 #include "thread_pool.h"
 #include "vector_math.h"
@@ -52,14 +56,15 @@ static float exp2_shifted_row(float *s, int n) {
 struct attention_job {
     const float *q;  /* (Hq, d) queries of one position */
     const float *k_new, *v_new; /* (Hk, d) its key and value, written at slot `write` first */
-    float *keys, *values; /* the layer's cache, (Hk, capacity, d) */
-    float *k_out, *v_out; /* NULL, or (Hk, d): the new key and value go here, not into the cache
+    void *keys, *values;  /* the layer's cache, (Hk, capacity, d) of k_type and v_type */
+    void *k_out, *v_out;  /* NULL, or (Hk, d): the new key and value go here, not into the cache
                            * (then read only), and are attended as slot n - 1 */
     float *out;           /* (Hq, d) */
     int group, d;         /* query heads per KV head, head size */
     int write, n;         /* the slot the new key and value go to; keys seen are slots [0, n) */
     size_t head_stride;   /* capacity * d */
     float scale;          /* the softmax scale times log2 e (the exponential is a power of 2) */
+    int k_type, v_type;   /* MLXCEL_KV_*: the cache's storage types */
 };
 
 /* KV head h of a decode step: write the new key and value, then for its `group` query heads
@@ -68,12 +73,12 @@ struct attention_job {
 static void attend_head(const void *ctx, int h) {
     const struct attention_job *a = ctx;
     int g = a->group, d = a->d, n = a->n;
-    float *keys = a->keys + h * a->head_stride, *values = a->values + h * a->head_stride;
+    float *keys = (float *)a->keys + h * a->head_stride, *values = (float *)a->values + h * a->head_stride;
     const float *k_new = a->k_new + (size_t)h * d, *v_new = a->v_new + (size_t)h * d;
     int apart = a->k_out != NULL;
     if (apart) {
-        memcpy(a->k_out + (size_t)h * d, k_new, d * sizeof(float));
-        memcpy(a->v_out + (size_t)h * d, v_new, d * sizeof(float));
+        memcpy((float *)a->k_out + (size_t)h * d, k_new, d * sizeof(float));
+        memcpy((float *)a->v_out + (size_t)h * d, v_new, d * sizeof(float));
     } else {
         memcpy(keys + (size_t)a->write * d, k_new, d * sizeof(float));
         memcpy(values + (size_t)a->write * d, v_new, d * sizeof(float));
@@ -98,18 +103,62 @@ static void attend_head(const void *ctx, int h) {
     free(q);
 }
 
+/* attend_head over 16-bit keys or values: the new key and value rounded to their types and written
+ * (into the cache, or apart), then the same scores, softmax and products, the 16-bit rows widened
+ * in registers as the products read them (kv_rows.h). A step on a cache it may not write reads its
+ * new rows apart and gives the same numbers as on its own (each score its own dot product; the
+ * values' rows summed in order, the last one from the row kept apart). */
+static void attend_head_kv(const void *ctx, int h) {
+    static __thread struct mlxcel_scratch scratch;
+    const struct attention_job *a = ctx;
+    int g = a->group, d = a->d, n = a->n, apart = a->k_out != NULL;
+    size_t k_row = kv_value_bytes(a->k_type) * d, v_row = kv_value_bytes(a->v_type) * d;
+    char *keys = (char *)a->keys + h * a->head_stride / d * k_row;
+    char *values = (char *)a->values + h * a->head_stride / d * v_row;
+    char *k_dst = apart ? (char *)a->k_out + h * k_row : keys + (size_t)a->write * k_row;
+    char *v_dst = apart ? (char *)a->v_out + h * v_row : values + (size_t)a->write * v_row;
+    kv_narrow(a->k_type, k_dst, a->k_new + (size_t)h * d, d);
+    kv_narrow(a->v_type, v_dst, a->v_new + (size_t)h * d, d);
+    float *q = mlxcel_scratch(&scratch, ((size_t)g * d + (size_t)g * n) * sizeof(float));
+    float *scores = q + (size_t)g * d;
+    for (int i = 0; i < g * d; i++) q[i] = a->q[(size_t)h * g * d + i] * a->scale;
+    int shared = apart ? n - 1 : n; /* slots read from the cache; the last one apart after them */
+    if (a->k_type == MLXCEL_KV_F32) rows_nt(g, 0, shared, d, q, d, (const float *)keys, d, scores, n, 1.0f, 0.0f);
+    else kv_scores(a->k_type, g, shared, d, q, (const uint16_t *)keys, scores, n);
+    if (apart) {
+        if (a->k_type == MLXCEL_KV_F32) rows_nt(g, 0, 1, d, q, d, (const float *)k_dst, d, scores + n - 1, n, 1.0f, 0.0f);
+        else kv_scores(a->k_type, g, 1, d, q, (const uint16_t *)k_dst, scores + n - 1, n);
+    }
+    for (int i = 0; i < g; i++) {
+        float *s = scores + (size_t)i * n;
+        float inv = 1.0f / exp2_shifted_row(s, n);
+        for (int t = 0; t < n; t++) s[t] *= inv;
+    }
+    float *out = a->out + (size_t)h * g * d;
+    if (a->v_type == MLXCEL_KV_F32)
+        rows_nn_split(g, 0, d, n, scores, n, (const float *)values, d, out, d, 1.0f, 0.0f, (const float *)v_dst, shared);
+    else
+        kv_weighted(a->v_type, g, d, n, scores, n, (const uint16_t *)values, (const uint16_t *)v_dst, shared, out);
+}
+
+static void attend_heads(struct attention_job *a, int kv_heads) {
+    int plain = a->k_type == MLXCEL_KV_F32 && a->v_type == MLXCEL_KV_F32;
+    mlxcel_parallel(kv_heads, plain ? attend_head : attend_head_kv, a);
+}
+
 /* A decode step's attention for every KV head of one layer, the heads spread over the pool: the
  * new key and value written at slot `write`, the queries attending slots [0, n) of the cache's
  * `capacity`. A growing cache writes at its position and sees everything before it (write = pos,
  * n = pos + 1); a sliding window's ring (mlx-lm's RotatingKVCache) writes over its oldest slot
  * once full and sees every slot, in the ring's order (the softmax does not depend on it).
  * Returns 0, or -1 (and touches nothing) if the slot or the length does not fit the capacity. */
-int mlxcel_decode_attention_at(const float *q, const float *k_new, const float *v_new, float *keys,
-                               float *values, float *out, int kv_heads, int group, int d, int write, int n,
-                               long capacity, float scale) {
+int mlxcel_decode_attention_at(const float *q, const float *k_new, const float *v_new, void *keys,
+                               void *values, float *out, int kv_heads, int group, int d, int write, int n,
+                               long capacity, float scale, int k_type, int v_type) {
     if (write < 0 || write >= capacity || n < 1 || n > capacity) return -1;
-    struct attention_job a = {q, k_new, v_new, keys, values, NULL, NULL, out, group, d, write, n, (size_t)capacity * d, scale};
-    mlxcel_parallel(kv_heads, attend_head, &a);
+    struct attention_job a = {q, k_new, v_new, keys, values, NULL, NULL, out, group, d, write, n, (size_t)capacity * d, scale,
+                              k_type, v_type};
+    attend_heads(&a, kv_heads);
     return 0;
 }
 
@@ -118,21 +167,23 @@ int mlxcel_decode_attention_at(const float *q, const float *k_new, const float *
  * v_out ((Hk, d) each) instead. The same numbers as mlxcel_decode_attention at pos = n_base on a
  * cache holding the same slots. Returns 0, or -1 (touching nothing) if n_base is not in
  * [1, capacity]. */
-int mlxcel_decode_attention_apart(const float *q, const float *k_new, const float *v_new, const float *keys,
-                                  const float *values, float *out, float *k_out, float *v_out, int kv_heads,
-                                  int group, int d, int n_base, long capacity, float scale) {
+int mlxcel_decode_attention_apart(const float *q, const float *k_new, const float *v_new, const void *keys,
+                                  const void *values, float *out, void *k_out, void *v_out, int kv_heads,
+                                  int group, int d, int n_base, long capacity, float scale, int k_type, int v_type) {
     if (n_base < 1 || n_base > capacity) return -1;
-    struct attention_job a = {q, k_new, v_new, (float *)keys, (float *)values, k_out, v_out, out, group, d,
-                              n_base, n_base + 1, (size_t)capacity * d, scale};
-    mlxcel_parallel(kv_heads, attend_head, &a);
+    struct attention_job a = {q, k_new, v_new, (void *)keys, (void *)values, k_out, v_out, out, group, d,
+                              n_base, n_base + 1, (size_t)capacity * d, scale, k_type, v_type};
+    attend_heads(&a, kv_heads);
     return 0;
 }
 
 /* The growing cache's case of the above: write at `pos`, attend [0, pos] (the caller keeps
  * pos < capacity). */
-void mlxcel_decode_attention(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
-                             float *out, int kv_heads, int group, int d, int pos, long capacity, float scale) {
-    mlxcel_decode_attention_at(q, k_new, v_new, keys, values, out, kv_heads, group, d, pos, pos + 1, capacity, scale);
+void mlxcel_decode_attention(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
+                             float *out, int kv_heads, int group, int d, int pos, long capacity, float scale,
+                             int k_type, int v_type) {
+    mlxcel_decode_attention_at(q, k_new, v_new, keys, values, out, kv_heads, group, d, pos, pos + 1, capacity, scale,
+                               k_type, v_type);
 }
 
 /* ------------------------------------------------------------------------- prompt-chunk attention
@@ -147,37 +198,50 @@ void mlxcel_decode_attention(const float *q, const float *k_new, const float *v_
 struct chunk_attention_job {
     const float *q;        /* (rows, Hq * d), RoPE applied */
     const float *k_new, *v_new; /* (rows, Hk * d) */
-    float *keys, *values;  /* the layer's cache, (Hk, capacity, d) */
+    void *keys, *values;   /* the layer's cache, (Hk, capacity, d) of k_type and v_type */
     float *keys_t;         /* scratch: (Hk, d, ldk), each head's keys transposed, zeros after pos + rows */
     int ldk;               /* pos + rows rounded up to whole vectors, off multiples of 4 KiB */
     float *out;            /* (rows, Hq * d) */
-    float *k_out, *v_out;  /* NULL, or (Hk, rows, d): the rows' keys and values go here, not into
+    void *k_out, *v_out;   /* NULL, or (Hk, rows, d): the rows' keys and values go here, not into
                             * the cache (then read only, slots [0, pos) valid) */
     int rows, kv_heads, group, d, pos, blocks;
     int window;            /* a sliding window's length (row r sees its last `window` positions), 0: none */
     size_t head_stride;    /* capacity * d */
     float scale;           /* the softmax scale times log2 e */
+    int k_type, v_type;    /* MLXCEL_KV_*: the cache's storage types */
+    float *values_f;       /* 16-bit values: scratch (Hk, pos + rows, d), each head's widened; else NULL */
 };
 
 /* KV head h: write the chunk's keys and values into the cache (or apart), then transpose the
  * head's keys. */
 static void chunk_write_head(const void *ctx, int h) {
+    static __thread struct mlxcel_scratch widened;
     const struct chunk_attention_job *a = ctx;
     int d = a->d, hk = a->kv_heads, n = a->pos + a->rows;
-    float *keys = a->keys + h * a->head_stride, *values = a->values + h * a->head_stride;
-    float *k_rows = a->k_out ? a->k_out + (size_t)h * a->rows * d : keys + (size_t)a->pos * d;
-    float *v_rows = a->v_out ? a->v_out + (size_t)h * a->rows * d : values + (size_t)a->pos * d;
+    size_t k_row = kv_value_bytes(a->k_type) * d, v_row = kv_value_bytes(a->v_type) * d;
+    char *keys = (char *)a->keys + h * a->head_stride / d * k_row;
+    char *values = (char *)a->values + h * a->head_stride / d * v_row;
+    char *k_rows = a->k_out ? (char *)a->k_out + (size_t)h * a->rows * k_row : keys + (size_t)a->pos * k_row;
+    char *v_rows = a->v_out ? (char *)a->v_out + (size_t)h * a->rows * v_row : values + (size_t)a->pos * v_row;
     for (int r = 0; r < a->rows; r++) {
-        memcpy(k_rows + (size_t)r * d, a->k_new + ((size_t)r * hk + h) * d, d * sizeof(float));
-        memcpy(v_rows + (size_t)r * d, a->v_new + ((size_t)r * hk + h) * d, d * sizeof(float));
+        kv_narrow(a->k_type, k_rows + (size_t)r * k_row, a->k_new + ((size_t)r * hk + h) * d, d);
+        kv_narrow(a->v_type, v_rows + (size_t)r * v_row, a->v_new + ((size_t)r * hk + h) * d, d);
     }
     int ldk = a->ldk;
     float *kt = a->keys_t + (size_t)h * d * ldk;
+    float *row = a->k_type == MLXCEL_KV_F32 ? NULL : mlxcel_scratch(&widened, (size_t)d * sizeof(float));
     for (int t = 0; t < n; t++) {
-        const float *key = t < a->pos ? keys + (size_t)t * d : k_rows + (size_t)(t - a->pos) * d;
+        const char *stored = t < a->pos ? keys + (size_t)t * k_row : k_rows + (size_t)(t - a->pos) * k_row;
+        const float *key = (const float *)stored;
+        if (row) kv_widen(a->k_type, stored, row, d), key = row;
         for (int i = 0; i < d; i++) kt[(size_t)i * ldk + t] = key[i];
     }
     for (int i = 0; i < d; i++) memset(kt + (size_t)i * ldk + n, 0, (size_t)(ldk - n) * sizeof(float));
+    if (a->values_f) {
+        float *vf = a->values_f + (size_t)h * n * d;
+        kv_widen(a->v_type, values, vf, a->pos * d);
+        kv_widen(a->v_type, v_rows, vf + (size_t)a->pos * d, a->rows * d);
+    }
 }
 
 /* Part p = (KV head, query block): the block's queries of the head's group against the keys up to
@@ -212,8 +276,14 @@ static void chunk_attend_part(const void *ctx, int p) {
         memset(row + first, 0, (size_t)(lo - first) * sizeof(float));
         memset(row + visible, 0, (size_t)(seen - visible) * sizeof(float));
     }
-    const float *values = a->values + h * a->head_stride; /* slots from pos on: the rows, apart or not */
-    const float *v_rows = a->v_out ? a->v_out + (size_t)h * a->rows * d : values + (size_t)a->pos * d;
+    const float *values, *v_rows; /* slots from pos on: the rows, apart or not */
+    if (a->values_f) {
+        values = v_rows = a->values_f + (size_t)h * (a->pos + a->rows) * d;
+        v_rows += (size_t)a->pos * d;
+    } else {
+        values = (const float *)a->values + h * a->head_stride;
+        v_rows = a->v_out ? (const float *)a->v_out + (size_t)h * a->rows * d : values + (size_t)a->pos * d;
+    }
     if (first < a->pos)
         rows_nn_split(m, 0, d, seen - first, s + first, ls, values + (size_t)first * d, d, tmp, d, 1.0f, 0.0f, v_rows,
                       a->pos - first);
@@ -227,16 +297,18 @@ static void chunk_attend_part(const void *ctx, int p) {
         }
 }
 
-static void chunk_attention(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
-                            float *out, float *k_out, float *v_out, int rows, int kv_heads, int group, int d,
-                            int pos, long capacity, float scale, int window) {
-    static __thread struct mlxcel_scratch keys_t;
+static void chunk_attention(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
+                            float *out, void *k_out, void *v_out, int rows, int kv_heads, int group, int d,
+                            int pos, long capacity, float scale, int k_type, int v_type, int window) {
+    static __thread struct mlxcel_scratch keys_t, values_f;
     int blocks = (rows + CHUNK_QUERY_BLOCK - 1) / CHUNK_QUERY_BLOCK;
     int ldk = (pos + rows + VL - 1) / VL * VL;
     if (ldk % 1024 == 0) ldk += VL; /* rows 4 KiB apart share cache sets */
     float *kt = mlxcel_scratch(&keys_t, (size_t)kv_heads * d * ldk * sizeof(float));
+    float *vf = v_type == MLXCEL_KV_F32 ? NULL
+        : mlxcel_scratch(&values_f, (size_t)kv_heads * (pos + rows) * d * sizeof(float));
     struct chunk_attention_job a = {q, k_new, v_new, keys, values, kt, ldk, out, k_out, v_out, rows, kv_heads,
-                                    group, d, pos, blocks, window, (size_t)capacity * d, scale};
+                                    group, d, pos, blocks, window, (size_t)capacity * d, scale, k_type, v_type, vf};
     mlxcel_parallel(kv_heads, chunk_write_head, &a);
     mlxcel_parallel(kv_heads * blocks, chunk_attend_part, &a);
 }
@@ -244,23 +316,24 @@ static void chunk_attention(const float *q, const float *k_new, const float *v_n
 /* Causal attention of `rows` consecutive positions from `pos` on: their keys and values written at
  * slots [pos, pos + rows) of the cache first, row r attending slots [0, pos + r]. Returns 0, or -1
  * (touching nothing) if the rows do not fit the capacity. */
-int mlxcel_chunk_attention(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
+int mlxcel_chunk_attention(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
                            float *out, int rows, int kv_heads, int group, int d, int pos, long capacity,
-                           float scale) {
+                           float scale, int k_type, int v_type) {
     if (rows < 1 || pos < 0 || pos + rows > capacity) return -1;
-    chunk_attention(q, k_new, v_new, keys, values, out, NULL, NULL, rows, kv_heads, group, d, pos, capacity, scale, 0);
+    chunk_attention(q, k_new, v_new, keys, values, out, NULL, NULL, rows, kv_heads, group, d, pos, capacity, scale,
+                    k_type, v_type, 0);
     return 0;
 }
 
 /* The same within a sliding window (gemma3's sliding layers, as mlx-lm's windowed causal mask
  * has it): row r attends slots [max(0, pos + r + 1 - window), pos + r]. The slots are positions in
  * order (the caller lays a ring's newest slots out before the chunk's: ring_chunks.py). */
-int mlxcel_chunk_attention_window(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
+int mlxcel_chunk_attention_window(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
                                   float *out, int rows, int kv_heads, int group, int d, int pos, long capacity,
-                                  float scale, int window) {
+                                  float scale, int k_type, int v_type, int window) {
     if (rows < 1 || pos < 0 || pos + rows > capacity || window < 1) return -1;
     chunk_attention(q, k_new, v_new, keys, values, out, NULL, NULL, rows, kv_heads, group, d, pos, capacity, scale,
-                    window);
+                    k_type, v_type, window);
     return 0;
 }
 
@@ -268,11 +341,12 @@ int mlxcel_chunk_attention_window(const float *q, const float *k_new, const floa
  * [0, pos) of the cache, then the rows, whose keys and values go to k_out and v_out ((Hk, rows, d)
  * each) instead. The same numbers as mlxcel_chunk_attention on a cache holding the same slots.
  * Returns 0, or -1 (touching nothing) if pos is not in [1, capacity]. */
-int mlxcel_chunk_attention_apart(const float *q, const float *k_new, const float *v_new, const float *keys,
-                                 const float *values, float *out, float *k_out, float *v_out, int rows,
-                                 int kv_heads, int group, int d, int pos, long capacity, float scale) {
+int mlxcel_chunk_attention_apart(const float *q, const float *k_new, const float *v_new, const void *keys,
+                                 const void *values, float *out, void *k_out, void *v_out, int rows,
+                                 int kv_heads, int group, int d, int pos, long capacity, float scale, int k_type,
+                                 int v_type) {
     if (rows < 1 || pos < 1 || pos > capacity) return -1;
-    chunk_attention(q, k_new, v_new, (float *)keys, (float *)values, out, k_out, v_out, rows, kv_heads, group, d,
-                    pos, capacity, scale, 0);
+    chunk_attention(q, k_new, v_new, (void *)keys, (void *)values, out, k_out, v_out, rows, kv_heads, group, d,
+                    pos, capacity, scale, k_type, v_type, 0);
     return 0;
 }

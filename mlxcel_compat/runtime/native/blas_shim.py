@@ -42,7 +42,8 @@ SOURCES = tuple(SOURCE.with_name(name) for name in (
     "blas_shim.c", "thread_pool.c", "elementwise.c", "attention.c", "block_matmul.c", "quant_rows.c", "split_rows.c",
     "q8_0_gemm.c", "split_gemm.c", "dequantize.c", "decode_pass.c", "delta_net.c"))
 HEADERS = tuple(SOURCE.with_name(name) for name in (
-    "blas_shim.h", "thread_pool.h", "vector_math.h", "small_m_kernel.h", "decode_kernels.h", "quant_blocks.h", "delta_net.h"))
+    "blas_shim.h", "thread_pool.h", "vector_math.h", "small_m_kernel.h", "decode_kernels.h", "quant_blocks.h",
+    "delta_net.h", "kv_rows.h"))
 CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
 LIBS = ("-ldl",)
 

@@ -2,25 +2,31 @@
 #ifndef MLXCEL_DECODE_KERNELS_H
 #define MLXCEL_DECODE_KERNELS_H
 
+/* The KV cache's storage types (runtime/kv_precision.py, -ctk/-ctv), as cpu_decode.py codes them:
+ * the attention kernels' k_type and v_type. Keys and values are passed as the cache's raw rows. */
+enum { MLXCEL_KV_F32 = 0, MLXCEL_KV_F16 = 1, MLXCEL_KV_BF16 = 2 };
+
 void mlxcel_rms_norm(const float *x, const float *w, float *out, int rows, int n, float eps);
 void mlxcel_rms_norm_add(const float *b, const float *w, float *x, int rows, int n, float eps);
 void mlxcel_rope(float *x, int heads, int d, const float *cos, const float *sin, int traditional);
 void mlxcel_rope_rows(float *x, int rows, int heads, int d, const float *cos, const float *sin, int traditional);
 void mlxcel_swiglu(float *gate, const float *up, int n);
 void mlxcel_gelu_tanh_gate(float *gate, const float *up, int n);
-int mlxcel_decode_attention_at(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
+int mlxcel_decode_attention_at(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
                                float *out, int kv_heads, int group, int d, int write, int n, long capacity,
-                               float scale);
-int mlxcel_decode_attention_apart(const float *q, const float *k_new, const float *v_new, const float *keys,
-                                  const float *values, float *out, float *k_out, float *v_out, int kv_heads,
-                                  int group, int d, int n_base, long capacity, float scale);
-int mlxcel_chunk_attention(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
-                           float *out, int rows, int kv_heads, int group, int d, int pos, long capacity, float scale);
-int mlxcel_chunk_attention_window(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
+                               float scale, int k_type, int v_type);
+int mlxcel_decode_attention_apart(const float *q, const float *k_new, const float *v_new, const void *keys,
+                                  const void *values, float *out, void *k_out, void *v_out, int kv_heads,
+                                  int group, int d, int n_base, long capacity, float scale, int k_type, int v_type);
+int mlxcel_chunk_attention(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
+                           float *out, int rows, int kv_heads, int group, int d, int pos, long capacity, float scale,
+                           int k_type, int v_type);
+int mlxcel_chunk_attention_window(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
                                   float *out, int rows, int kv_heads, int group, int d, int pos, long capacity,
-                                  float scale, int window);
-int mlxcel_chunk_attention_apart(const float *q, const float *k_new, const float *v_new, const float *keys,
-                                 const float *values, float *out, float *k_out, float *v_out, int rows,
-                                 int kv_heads, int group, int d, int pos, long capacity, float scale);
+                                  float scale, int k_type, int v_type, int window);
+int mlxcel_chunk_attention_apart(const float *q, const float *k_new, const float *v_new, const void *keys,
+                                 const void *values, float *out, void *k_out, void *v_out, int rows,
+                                 int kv_heads, int group, int d, int pos, long capacity, float scale, int k_type,
+                                 int v_type);
 
 #endif

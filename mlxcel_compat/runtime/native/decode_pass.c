@@ -25,6 +25,7 @@
 #include "blas_shim.h"
 #include "decode_kernels.h"
 #include "delta_net.h"
+#include "kv_rows.h"
 #include "thread_pool.h"
 
 typedef void (*repacked_fn)(const void *handle, int m, const float *x, long ldx, float *c, long ldc, float beta,
@@ -106,6 +107,7 @@ struct mlxcel_model {
     struct mlxcel_linear head;
     int qk_norm_whole; /* q_norm and k_norm over the whole projection (olmoe), not per head */
     int rope_dims;     /* the rotated dimensions of a head (a partial RoPE: the hybrids'), 0: all of head_dim */
+    int k_type, v_type; /* the KV cache's storage types (MLXCEL_KV_*: -ctk/-ctv) */
 };
 
 /* A pass's activations, rows contiguous (row widths: hidden, heads * d, kv_heads * d, inter, vocab). */
@@ -117,9 +119,10 @@ struct mlxcel_buffers {
  * position, n = write + 1; a sliding window's ring: its slot and how many slots it sees; a cache
  * the pass may not write (k_out set): n_base = write, the new rows go to k_out and v_out. A
  * prompt chunk on a sliding layer's ring (`window` set, 0 elsewhere): write = the ring's next
- * slot, n = its valid slots (see ring_chunk). */
+ * slot, n = its valid slots (see ring_chunk). The buffers hold rows of the model's k_type and
+ * v_type. */
 struct mlxcel_kv {
-    float *keys, *values, *k_out, *v_out;
+    void *keys, *values, *k_out, *v_out;
     int64_t capacity, write, n, window;
 };
 
@@ -333,21 +336,24 @@ static int moe_layer(const struct mlxcel_moe *e, int rows, int hidden, const flo
  * attention over it; then the newest min(window, kept + rows) slots back into the ring in order
  * from slot 0 (the caller sets _idx there, and made the ring that long). Returns 0, or -1. */
 static int ring_chunk(const struct mlxcel_kv *s, const float *q, const float *kn, const float *vn, float *att, int rows,
-                      int hk, int group, int d, float scale) {
+                      int hk, int group, int d, float scale, int k_type, int v_type) {
     int w = (int)s->window, cap = (int)s->capacity, n = (int)s->n, kept = n < w - 1 ? n : w - 1, total = kept + rows;
     int back = total < w ? total : w;
     if (cap > w || back > cap || n > cap || s->write < 0 || s->write >= cap) return -1;
-    float *k = mlxcel_scratch(&ring_scratch, sizeof(float) * 2 * (size_t)hk * total * d), *v = k + (size_t)hk * total * d;
+    size_t kb = kv_value_bytes(k_type) * d, vb = kv_value_bytes(v_type) * d; /* a row's bytes */
+    char *k = mlxcel_scratch(&ring_scratch, (kb + vb) * hk * total), *v = k + kb * hk * total;
+    const char *keys = s->keys, *values = s->values;
     for (int h = 0; h < hk; h++)
         for (int t = 0; t < kept; t++) {
             size_t slot = (size_t)((s->write - kept + t + cap) % cap);
-            memcpy(k + ((size_t)h * total + t) * d, s->keys + ((size_t)h * cap + slot) * d, sizeof(float) * d);
-            memcpy(v + ((size_t)h * total + t) * d, s->values + ((size_t)h * cap + slot) * d, sizeof(float) * d);
+            memcpy(k + ((size_t)h * total + t) * kb, keys + ((size_t)h * cap + slot) * kb, kb);
+            memcpy(v + ((size_t)h * total + t) * vb, values + ((size_t)h * cap + slot) * vb, vb);
         }
-    if (mlxcel_chunk_attention_window(q, kn, vn, k, v, att, rows, hk, group, d, kept, total, scale, w)) return -1;
+    if (mlxcel_chunk_attention_window(q, kn, vn, k, v, att, rows, hk, group, d, kept, total, scale, k_type, v_type, w))
+        return -1;
     for (int h = 0; h < hk; h++) {
-        memcpy(s->keys + (size_t)h * cap * d, k + ((size_t)h * total + total - back) * d, sizeof(float) * back * d);
-        memcpy(s->values + (size_t)h * cap * d, v + ((size_t)h * total + total - back) * d, sizeof(float) * back * d);
+        memcpy((char *)s->keys + (size_t)h * cap * kb, k + ((size_t)h * total + total - back) * kb, kb * back);
+        memcpy((char *)s->values + (size_t)h * cap * vb, v + ((size_t)h * total + total - back) * vb, vb * back);
     }
     return 0;
 }
@@ -416,11 +422,11 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                 }
                 int failed = s->k_out
                     ? mlxcel_chunk_attention_apart(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, n, hk, group,
-                                                   d, (int)s->write, s->capacity, m->scale)
+                                                   d, (int)s->write, s->capacity, m->scale, m->k_type, m->v_type)
                     : s->window
-                    ? ring_chunk(s, q, kn, vn, att, n, hk, group, d, m->scale)
+                    ? ring_chunk(s, q, kn, vn, att, n, hk, group, d, m->scale, m->k_type, m->v_type)
                     : mlxcel_chunk_attention(q, kn, vn, s->keys, s->values, att, n, hk, group, d, (int)s->write,
-                                             s->capacity, m->scale);
+                                             s->capacity, m->scale, m->k_type, m->v_type);
                 if (failed) return i + 1;
             }
         } else {
@@ -438,9 +444,9 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                 }
                 int failed = s->k_out
                     ? mlxcel_decode_attention_apart(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, hk, group,
-                                                    d, (int)s->write, s->capacity, m->scale)
+                                                    d, (int)s->write, s->capacity, m->scale, m->k_type, m->v_type)
                     : mlxcel_decode_attention_at(q, kn, vn, s->keys, s->values, att, hk, group, d, (int)s->write,
-                                                 (int)s->n, s->capacity, m->scale);
+                                                 (int)s->n, s->capacity, m->scale, m->k_type, m->v_type);
                 if (failed) return i + 1;
             }
         }

@@ -63,7 +63,8 @@ class ModelStruct(ctypes.Structure):
     _fields_ = [("n_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
                 ("gelu", _I), ("scale", _F), ("angle_sets", _I), ("prompt_rows_min", _I), ("traditional", _I * 2),
                 ("layers", _P),
-                ("norm", NormStruct), ("head", LinearStruct), ("qk_norm_whole", _I), ("rope_dims", _I)]
+                ("norm", NormStruct), ("head", LinearStruct), ("qk_norm_whole", _I), ("rope_dims", _I), ("k_type", _I),
+                ("v_type", _I)]
 
 
 BUFFER_NAMES = ("x", "h", "branch", "q", "k_new", "v_new", "att", "gate", "up", "logits")
@@ -196,7 +197,8 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
         gelu=int(decoder.gemma), scale=decoder.scale, angle_sets=len(decoder.angles.ropes),
         prompt_rows_min=decoder.prompt_rows_min, traditional=traditional,
         layers=ctypes.addressof(layers), norm=_norm(decoder.norm), head=_linear(decoder.head, keep),
-        qk_norm_whole=int(decoder.qk_norm_whole), rope_dims=decoder.rope_dims)
+        qk_norm_whole=int(decoder.qk_norm_whole), rope_dims=decoder.rope_dims, k_type=decoder.kv.codes[0],
+        v_type=decoder.kv.codes[1])
     held_lib = blas_shim.holding_the_gil(lib)
     fns = [lib.mlxcel_decode_pass, held_lib.mlxcel_decode_pass]
     for fn in fns:

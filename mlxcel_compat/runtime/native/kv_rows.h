@@ -1,0 +1,250 @@
+/* The KV cache's storage types in the CPU decode runtime's attention (attention.c): rows of keys
+ * and values stored as float32, IEEE half (f16) or bfloat16, as llama-server's -ctk/-ctv say
+ * (runtime/kv_precision.py). New rows are rounded to the type when written (round to nearest,
+ * ties to even: what MLX's astype and ggml's fp32-to-fp16 conversion do) and widened back to
+ * float32 as attention reads them (ggml's CPU flash attention also converts its f16 rows to
+ * float32 for its sums). F16C converts eight values an instruction where the CPU has it; the
+ * scalar conversions below give the same bits (tests/runtime/test_cpu_decode_kv16.py).
+ * Everything here is static: attention.c is the one includer. */
+#ifndef MLXCEL_KV_ROWS_H
+#define MLXCEL_KV_ROWS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "decode_kernels.h"
+#include "small_m_kernel.h"
+#include "vector_math.h"
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+static inline size_t kv_value_bytes(int type) { return type == MLXCEL_KV_F32 ? 4 : 2; }
+
+static inline float kv_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13); /* inf, nan */
+    } else if (exp) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (!man) {
+        bits = sign;
+    } else { /* a subnormal half is a normal float: shift the mantissa up to its leading one */
+        uint32_t e = 113;
+        while (!(man & 0x400u)) man <<= 1, e--;
+        bits = sign | (e << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t kv_f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu)); /* nan stays nan */
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* 65520 and above round to inf */
+    if (ax < 0x38800000u) { /* below 2^-14: a subnormal half, in units of 2^-24, ties to even */
+        float a;
+        memcpy(&a, &ax, sizeof a);
+        float units = a * 0x1p24f; /* exact: a power of 2 */
+        float whole = (units + 0x1p23f) - 0x1p23f; /* rounds to an integer, ties to even (units < 2^10) */
+        return (uint16_t)(sign | (uint32_t)whole);
+    }
+    uint32_t rounded = ax + 0xfffu + ((ax >> 13) & 1u); /* ties to even at the 13 bits dropped */
+    return (uint16_t)(sign | ((rounded - 0x38000000u) >> 13));
+}
+
+static inline float kv_bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t kv_f32_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u); /* nan stays nan */
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+/* dst (n values of `type`) = src rounded to the type. */
+static inline void kv_narrow(int type, void *dst, const float *src, int n) {
+    if (type == MLXCEL_KV_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *d = dst;
+    int i = 0;
+    if (type == MLXCEL_KV_BF16) {
+        for (; i < n; i++) d[i] = kv_f32_to_bf16(src[i]);
+        return;
+    }
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(d + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; i < n; i++) d[i] = kv_f32_to_f16(src[i]);
+}
+
+/* dst (n floats) = src (n values of `type`) widened, exactly. */
+static inline void kv_widen(int type, const void *src, float *dst, int n) {
+    if (type == MLXCEL_KV_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    const uint16_t *s = src;
+    int i = 0;
+    if (type == MLXCEL_KV_BF16) {
+        for (; i < n; i++) dst[i] = kv_bf16_to_f32(s[i]);
+        return;
+    }
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+#endif
+    for (; i < n; i++) dst[i] = kv_f16_to_f32(s[i]);
+}
+
+/* ------------------------------------------------------------------ products over 16-bit rows
+ * The decode step's two products with the stored rows read as they are: each vector of 16-bit
+ * keys or values widened in registers (F16C / AVX-512's conversions, or the scalar ones) right
+ * where small_m_kernel.h's kernels load a float32 vector, so the step reads half the bytes of a
+ * float32 cache and writes nothing back. Each output element is summed in the same order
+ * whatever the row counts (vector partial sums over k in order, hsum, the scalar tail), as in
+ * small_m_kernel.h. `T` is a constant at every call site (kv_scores, kv_weighted). */
+
+static inline __attribute__((always_inline)) vf kv_load16(const int T, const uint16_t *p) {
+#if VL == 16 && defined(__AVX512F__)
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (T == MLXCEL_KV_F16) return (vf)_mm512_cvtph_ps(h);
+    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#elif VL == 8 && defined(__AVX2__) && defined(__F16C__)
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (T == MLXCEL_KV_F16) return (vf)_mm256_cvtph_ps(h);
+    return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
+    float t[VL];
+    for (int l = 0; l < VL; l++) t[l] = T == MLXCEL_KV_F16 ? kv_f16_to_f32(p[l]) : kv_bf16_to_f32(p[l]);
+    vf v;
+    memcpy(&v, t, sizeof v);
+    return v;
+#endif
+}
+
+static inline float kv_load16s(const int T, uint16_t h) { return T == MLXCEL_KV_F16 ? kv_f16_to_f32(h) : kv_bf16_to_f32(h); }
+
+/* c[i, j] = dot(x[i, :], w[j, :]) for i < MB, j < NB: small_m_kernel.h's block over 16-bit rows of w. */
+static inline __attribute__((always_inline)) void kv_dot_block(const int T, const int MB, const int NB, int K,
+                                                               const float *x, size_t ldx, const uint16_t *w,
+                                                               size_t ldw, float *c, size_t ldc) {
+    vf acc[MB_MAX][NB_MAX];
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = (vf){0};
+    int k = 0;
+    for (; k + VL <= K; k += VL) {
+        vf wv[NB_MAX];
+        for (int j = 0; j < NB; j++) {
+            wv[j] = kv_load16(T, w + j * ldw + k);
+            KEEP_IN_REGISTER(wv[j]);
+        }
+        for (int i = 0; i < MB; i++) {
+            vf xv = loadv(x + i * ldx + k);
+            for (int j = 0; j < NB; j++) acc[i][j] += xv * wv[j];
+        }
+    }
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) {
+            float s = hsum(acc[i][j]);
+            for (int kk = k; kk < K; kk++) s += x[i * ldx + kk] * kv_load16s(T, w[j * ldw + kk]);
+            c[i * ldc + j] = s;
+        }
+}
+
+#define KV_DOT(mb, nb) kv_dot_block(T, mb, nb, K, x + (size_t)m * ldx, ldx, w + (size_t)n * ldw, ldw, c + (size_t)m * ldc + n, ldc)
+
+/* c (M, n1 - n0 columns from n0) = x (M, K) against 16-bit rows [n0, n1) of w. */
+static inline __attribute__((always_inline)) void kv_rows_nt(const int T, int M, int n0, int n1, int K, const float *x,
+                                                             size_t ldx, const uint16_t *w, size_t ldw, float *c,
+                                                             size_t ldc) {
+    int n = n0;
+    for (; n + NB_MAX <= n1; n += NB_MAX) {
+        int m = 0;
+        for (; m + MB_MAX <= M; m += MB_MAX) KV_DOT(MB_MAX, NB_MAX);
+        REMAINING_ROWS(KV_DOT, NB_MAX);
+    }
+    for (; n < n1; n++) {
+        int m = 0;
+        for (; m + MB_MAX <= M; m += MB_MAX) KV_DOT(MB_MAX, 1);
+        REMAINING_ROWS(KV_DOT, 1);
+    }
+}
+
+/* c[i, cols] = sum_k x[i, k] * w[k, cols] for i < MB and NV vectors of columns: small_m_kernel.h's
+ * block_nn over 16-bit rows of w, rows k >= K1 read from w2 (row k - K1) instead. */
+static inline __attribute__((always_inline)) void kv_nn_block(const int T, const int MB, const int NV, int K,
+                                                              const float *x, size_t ldx, const uint16_t *w,
+                                                              size_t ldw, float *c, size_t ldc, const uint16_t *w2,
+                                                              int K1) {
+    vf acc[MB_MAX][NB_MAX];
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NV; j++) acc[i][j] = (vf){0};
+    for (int k = 0; k < K; k++) {
+        const uint16_t *row = k < K1 ? w + k * ldw : w2 + (k - K1) * ldw;
+        vf wv[NB_MAX];
+        for (int j = 0; j < NV; j++) {
+            wv[j] = kv_load16(T, row + j * VL);
+            KEEP_IN_REGISTER(wv[j]);
+        }
+        for (int i = 0; i < MB; i++) {
+            vf xs = splat(x[i * ldx + k]);
+            for (int j = 0; j < NV; j++) acc[i][j] += xs * wv[j];
+        }
+    }
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NV; j++) memcpy(c + i * ldc + j * VL, &acc[i][j], sizeof acc[i][j]);
+}
+
+#define KV_NN(mb, nv) kv_nn_block(T, mb, nv, K, x + (size_t)m * ldx, ldx, w + n, ldw, c + (size_t)m * ldc + n, ldc, w2 + n, K1)
+
+static inline __attribute__((always_inline)) void kv_rows_nn(const int T, int M, int n1, int K, const float *x,
+                                                             size_t ldx, const uint16_t *w, size_t ldw, float *c,
+                                                             size_t ldc, const uint16_t *w2, int K1) {
+    int n = 0;
+    for (; n + NB_MAX * VL <= n1; n += NB_MAX * VL) {
+        int m = 0;
+        for (; m + MB_MAX <= M; m += MB_MAX) KV_NN(MB_MAX, NB_MAX);
+        REMAINING_ROWS(KV_NN, NB_MAX);
+    }
+    for (; n + VL <= n1; n += VL) {
+        int m = 0;
+        for (; m + MB_MAX <= M; m += MB_MAX) KV_NN(MB_MAX, 1);
+        REMAINING_ROWS(KV_NN, 1);
+    }
+    for (; n < n1; n++) /* the last columns, one at a time, in the same order */
+        for (int m = 0; m < M; m++) {
+            float s = 0.0f;
+            for (int k = 0; k < K; k++)
+                s += x[(size_t)m * ldx + k] * kv_load16s(T, k < K1 ? w[(size_t)k * ldw + n] : w2[(size_t)(k - K1) * ldw + n]);
+            c[(size_t)m * ldc + n] = s;
+        }
+}
+
+/* scores (M, ldc) columns [0, n1) = x (M, K) . 16-bit key rows [0, n1) of `keys` (type T: f16 or bf16). */
+static void kv_scores(int T, int M, int n1, int K, const float *x, const uint16_t *keys, float *c, size_t ldc) {
+    if (T == MLXCEL_KV_F16) kv_rows_nt(MLXCEL_KV_F16, M, 0, n1, K, x, K, keys, K, c, ldc);
+    else kv_rows_nt(MLXCEL_KV_BF16, M, 0, n1, K, x, K, keys, K, c, ldc);
+}
+
+/* out (M, d) = p (M, ldp) columns [0, n) times 16-bit value rows [0, n) (rows from K1 on: from v2). */
+static void kv_weighted(int T, int M, int d, int n, const float *p, size_t ldp, const uint16_t *values,
+                        const uint16_t *v2, int K1, float *out) {
+    if (T == MLXCEL_KV_F16) kv_rows_nn(MLXCEL_KV_F16, M, d, n, p, ldp, values, d, out, d, v2, K1);
+    else kv_rows_nn(MLXCEL_KV_BF16, M, d, n, p, ldp, values, d, out, d, v2, K1);
+}
+
+#endif
