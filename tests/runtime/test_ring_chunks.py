@@ -114,7 +114,7 @@ def test_windowed_chunk_attention_matches_a_reference(pos: int, rows: int, windo
         w = np.exp(s - s.max(axis=-1, keepdims=True))
         ref = np.einsum("rhgt,htd->rhgd", w / w.sum(axis=-1, keepdims=True), values.astype(np.float64)).reshape(rows, -1)
         assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
-        assert fn(*data, rows, kv_heads, group, d, pos + 1, capacity, scale, window) == -1  # past the capacity
+        assert fn(*data, rows, kv_heads, group, d, pos + 1, capacity, scale, 0, 0, window) == -1  # past the capacity
 
 
 @pytest.mark.parametrize("splits", [[70], [40, 30], [64, 64, 10], [200], [30, 100, 7, 90]])
