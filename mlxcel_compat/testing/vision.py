@@ -34,8 +34,9 @@ becomes 256 image tokens): for benchmarks whose ratios need a first turn that co
 one's vision tower and image prefill cost (``scripts/bench_vision_ttft.py``), not for tests.
 
 Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|gemma3|llava|smolvlm|gemma3n] [--size small]``;
-with ``--format gguf`` (Gemma 3, Qwen2.5-VL, Qwen2-VL, SmolVLM) the directory's GGUF pair instead, the text model and
-its ``mmproj-*.gguf`` projector as llama.cpp's converter writes them (``testing/vision_gguf.py``).
+with ``--format gguf`` (Gemma 3, Qwen2.5-VL, Qwen2-VL, SmolVLM, LLaVA) the directory's GGUF pair instead, the text model and
+its ``mmproj-*.gguf`` projector as llama.cpp's converter writes them (``testing/vision_gguf.py``; LLaVA's projector as
+its legacy tools write it, ``testing/vision_gguf_llava.py``).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ MARKER_TOKENS: dict[str, tuple[str, ...]] = {
     "qwen2_5_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
     "qwen2_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
     "idefics3": ("<fake_token_around_image>", "<image>", "<global-img>"),
+    "llava": ("<image>",),
 }
 OPTIONAL_TOKENS = ("<|video_pad|>",)
 

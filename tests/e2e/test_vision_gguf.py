@@ -25,7 +25,7 @@ from tests.e2e.test_vision import SYSTEM, data_uri, png, user
 pytestmark = pytest.mark.e2e
 
 FAMILIES = [pytest.param("qwen2_5_vl"), pytest.param("gemma3", marks=pytest.mark.slow),
-            pytest.param("smolvlm", marks=pytest.mark.slow)]
+            pytest.param("smolvlm", marks=pytest.mark.slow), pytest.param("llava", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -63,7 +63,7 @@ def first_image_token(served, pair, messages: list[dict[str, Any]]) -> int:
     prompt = httpx.post(served.base_url + "/apply-template", json={"messages": messages}).json()["prompt"]
     head = prompt[: prompt.index(vision.TEMPLATE_IMAGE[family])]
     tokens = httpx.post(served.base_url + "/tokenize", json={"content": head}).json()["tokens"]
-    return len(tokens) + {"qwen2_5_vl": 1, "gemma3": 3, "smolvlm": 0}[family]  # SmolVLM: <image> is expanded whole
+    return len(tokens) + {"qwen2_5_vl": 1, "gemma3": 3, "smolvlm": 0, "llava": 0}[family]  # SmolVLM: <image> is expanded whole
 
 
 def test_props_say_vision_and_an_image_is_answered(served, oai: openai.OpenAI) -> None:
