@@ -146,3 +146,28 @@ def test_a_feature_layer_past_the_blocks_is_refused_naming_it(files, tmp_path: P
     bad = _rewrite(mmproj, tmp_path / "mmproj-bad.gguf", fields={"clip.vision.feature_layer": [1, 0]})
     with pytest.raises(ValueError, match=r"clip.vision.feature_layer \[1, 0\] is not served"):
         load_model(str(text), [], mmproj=str(bad))
+
+
+def test_an_f16_projector_keeps_its_matrices_in_float16_and_computes_in_float32(files, loaded) -> None:
+    """A projector's F16 (or block-quantized) matrices stay float16 in memory, as llama.cpp holds
+    them (not doubled to float32: issue 52's RSS); MLX promotes them to the float32 activations, so
+    an image's logits are the F32 file's within the weights' float16 rounding."""
+    from mlxcel_compat.model.loader import load_model
+
+    _, text, _ = files
+    from tests.conftest import MODEL_CACHE
+
+    _, half_mmproj = vision.ensure_vision_gguf(MODEL_CACHE, "llava", mmproj_type="f16")
+    half = load_model(str(text), [], mmproj=str(half_mmproj))
+    exact, _ = loaded
+    tower = dict(tree_flatten(half.model.vlm.vision_tower.parameters()))
+    kinds = {name: value.dtype for name, value in tower.items()}
+    assert kinds["vision_model.encoder.layers.0.self_attn.q_proj.weight"] == mx.float16
+    assert kinds["vision_model.encoder.layers.0.self_attn.q_proj.bias"] == mx.float32  # vectors stay float32
+    assert kinds["vision_model.embeddings.patch_embedding.weight"] == mx.float32  # the pixels' dtype
+    blank = half.model.family.blank_image(half.model.vlm)
+    pixels = np.random.default_rng(5).standard_normal(blank.pixel_values.shape).astype(np.float32)
+    rows = [m.model.family.features(m.model.vlm, [MediaImage(pixels, (1, 1, 1), (0, 16))]) for m in (half, exact)]
+    assert rows[0].dtype == mx.float32
+    scale = float(mx.abs(rows[1]).max())
+    assert 0 < float(mx.abs(rows[0] - rows[1]).max()) < 1e-2 * scale
