@@ -11,7 +11,10 @@ For each factory family with a served projector type:
    whose ``get_vocab_base_pre`` answers the factory's pre-tokenizer, as
    ``scripts/check_gguf_architectures.py`` runs it) writes the text GGUF and, with ``--mmproj``,
    the projector (F32 both); gguf-py's projector map is built for at least 3 blocks there (the
-   2-block tiny tower's map lacks Qwen's ``mm.2``: the converter would stop on it);
+   2-block tiny tower's map lacks Qwen's ``mm.2``: the converter would stop on it); LLaVA 1.5's
+   projector, which the converter does not write, by llama.cpp's legacy tools instead
+   (:func:`convert_llava_legacy`), and our server for it reproduces mtmd's class-token order
+   (``MTMD_CLS_LAST``: llama.cpp issue 25814);
 3. the converter's projector is compared with the factory writer's (``testing/vision_gguf.py``):
    tensor names, shapes and values, and the ``clip.*`` keys;
 4. llama-server (``-m text --mmproj mmproj``, F32 KV, no flash attention) and this server serve the
@@ -35,7 +38,7 @@ server the converter's file itself.
 
 Prints one Markdown row per family (docs/vision.md's table); exits non-zero if any fails.
 
-    .venv/bin/python scripts/check_mmproj.py [--families gemma3,qwen2_5_vl,qwen2_vl,smolvlm,qwen3_vl]
+    .venv/bin/python scripts/check_mmproj.py [--families gemma3,qwen2_5_vl,qwen2_vl,smolvlm,qwen3_vl,internvl_chat,llava]
 """
 
 from __future__ import annotations
@@ -77,10 +80,10 @@ sys.argv = ["convert_hf_to_gguf.py", *sys.argv[3:]]
 convert_hf_to_gguf.main()
 """
 PRE = {"gemma3": "gpt-2", "qwen2_5_vl": "qwen2", "qwen2_vl": "qwen2", "smolvlm": "gpt-2", "qwen3_vl": "qwen2",
-       "internvl_chat": "qwen2"}
+       "internvl_chat": "qwen2", "llava": "gpt-2"}
 # What each side's prompt holds around the media marker (see the module docstring).
 WRAP = {"gemma3": ("\n\n", "\n\n"), "qwen2_5_vl": ("", ""), "qwen2_vl": ("", ""), "smolvlm": ("", ""),
-        "qwen3_vl": ("", ""), "internvl_chat": ("", "")}
+        "qwen3_vl": ("", ""), "internvl_chat": ("", ""), "llava": ("", "")}
 # SmolVLM's checkpoint names, which the converter reads (mlx-vlm's sanitize strips them).
 SMOLVLM_NAMES = (("language_model.lm_head.", "lm_head."), ("language_model.", "model.text_model."),
                  ("vision_model.", "model.vision_model."), ("connector.", "model.connector."))
@@ -120,6 +123,83 @@ def convert(directory: Path, out: Path, pre: str, mmproj: bool) -> Path:
         tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
         raise RuntimeError(f"the converter{' (--mmproj)' if mmproj else ''} failed: {tail}")
     return out
+
+
+LEGACY_CHILD = """
+import runpy, sys
+import torch, transformers
+peer = sys.argv[1]
+sys.path.insert(0, peer + "/gguf-py")
+# The legacy script was written for transformers 4, whose CLIPVisionModel held the tower as .vision_model;
+# transformers 5's is the tower itself. Loaded, it is put under that attribute, which gives the names it expects.
+class Holder(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.vision_model = inner
+load = transformers.CLIPVisionModel.from_pretrained
+transformers.CLIPVisionModel.from_pretrained = staticmethod(lambda path, *a, **k: Holder(load(path, *a, **k)))
+sys.argv = ["convert_image_encoder_to_gguf.py", *sys.argv[2:]]
+runpy.run_path(peer + "/tools/mtmd/legacy-models/convert_image_encoder_to_gguf.py", run_name="__main__")
+"""
+
+
+def convert_llava_legacy(checkpoint: Path, work: Path) -> Path:
+    """LLaVA 1.5's projector as llama.cpp's docs (``docs/multimodal/llava.md``) make it: the
+    checkpoint split into a CLIP vision model (``vit/``: its config, with the checkpoint's
+    ``vision_feature_layer``, and the tower's tensors) and the projector's tensors
+    (``llava.projector``, a PyTorch file), then ``convert_image_encoder_to_gguf.py
+    --clip-model-is-vision --llava-projector ... --use-f32`` (the legacy script)."""
+    import mlx.core as mx
+    import torch
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    vit = work / "llava-vit"
+    shutil.rmtree(vit, ignore_errors=True)
+    vit.mkdir(parents=True)
+    vision = dict(config["vision_config"], model_type="clip_vision_model", hidden_act="quick_gelu",
+                  vision_feature_layer=config["vision_feature_layer"], architectures=["CLIPVisionModel"])
+    (vit / "config.json").write_text(json.dumps(vision))
+    tensors = {name: np.array(value) for name, value in mx.load(str(checkpoint / "model.safetensors")).items()}
+    tower = {name.removeprefix("vision_tower.vision_model."): torch.from_numpy(value) for name, value in tensors.items()
+             if name.startswith("vision_tower.")}
+    from safetensors.torch import save_file
+
+    save_file(tower, str(vit / "model.safetensors"), metadata={"format": "pt"})
+    torch.save({name: torch.from_numpy(value) for name, value in tensors.items()
+                if name.startswith("multi_modal_projector.")}, str(vit / "llava.projector"))
+    out = work / "llava-mmproj"
+    args = [sys.executable, "-c", LEGACY_CHILD, str(PEER), "-m", str(vit), "--llava-projector", str(vit / "llava.projector"),
+            "--output-dir", str(out), "--clip-model-is-vision", "--use-f32"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    made = out / "mmproj-model-f32.gguf"
+    if done.returncode != 0 or not made.is_file():
+        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+        raise RuntimeError(f"the legacy LLaVA converter failed: {tail}")
+    return made
+
+
+# llama.cpp b11312's LLaVA graph (tools/mtmd/models/llava.cpp) concatenates CLIP's class embedding after
+# the patches while its inputs still assume it first (llama.cpp issue 25814, PR 25844 not merged): each
+# patch takes its neighbour's position embedding, the first patch's row is dropped and the class token's
+# row is fed as an image token. This server computes CLIP as transformers does; to compare everything
+# else with mtmd, the check's own server for the llava row runs with that order reproduced in
+# mlx-vlm's CLIP embeddings (class last, positions in order; the family then drops the first row).
+MTMD_CLS_LAST = """
+import runpy, sys
+import mlx.core as mx
+from mlx_vlm.models.llava import vision
+
+def embeddings_cls_last(self, x):
+    patches = self.patch_embedding(x)
+    patches = mx.flatten(patches, start_axis=1, end_axis=2)
+    cls = mx.broadcast_to(self.class_embedding, (patches.shape[0], 1, patches.shape[-1]))
+    joined = mx.concatenate((patches, cls), axis=1)
+    return joined + self.position_embedding(mx.arange(joined.shape[1])[None])
+
+vision.VisionEmbeddings.__call__ = embeddings_cls_last
+sys.argv = ["mlxcel_compat", *sys.argv[1:]]
+runpy.run_module("mlxcel_compat", run_name="__main__", alter_sys=True)
+"""
 
 
 def add_swa_pattern(path: Path, config: dict) -> None:
@@ -276,7 +356,7 @@ def image_for(family: str) -> bytes:
     # SmolVLM: the processor's longest edge, so neither side resizes it before cutting its 2x2 tiles (the
     # whole image, shrunk to one tile, is each side's own Lanczos).
     size = {"gemma3": (56, 56), "qwen2_5_vl": (112, 112), "qwen2_vl": (112, 112), "smolvlm": (112, 112),
-            "qwen3_vl": (128, 128), "internvl_chat": (112, 56)}[family]
+            "qwen3_vl": (128, 128), "internvl_chat": (112, 56), "llava": (56, 56)}[family]
     pixels = np.random.default_rng(7).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format="PNG")
@@ -289,7 +369,10 @@ def check(family: str, work: Path, margin: float, tolerance: float, n_predict: i
     directory = vision.ensure_vision_model(work / "models", family)
     copy = checkpoint_copy(family, directory, work)
     text = convert(copy, work / f"{family}-text-F32.gguf", PRE[family], mmproj=False)
-    mmproj = convert(copy, work / f"mmproj-{family}-F32.gguf", PRE[family], mmproj=True)
+    if family == "llava":  # the converter writes no CLIP LLaVA projector: llama.cpp's legacy tools do
+        mmproj = convert_llava_legacy(copy, work)
+    else:
+        mmproj = convert(copy, work / f"mmproj-{family}-F32.gguf", PRE[family], mmproj=True)
     if family == "gemma3":
         add_swa_pattern(text, json.loads((directory / "config.json").read_text()))
     _, ours = vision.ensure_vision_gguf(work / "models", family)
@@ -306,8 +389,8 @@ def check(family: str, work: Path, margin: float, tolerance: float, n_predict: i
         peer_rss = rss_mib(peer.pid)
     finally:
         stop(peer)
-    mine, my_base = serve([sys.executable, "-m", "mlxcel_compat", "-m", str(text), "--mmproj", str(mmproj), "-c", "1024",
-                           "-np", "1"])
+    ours_cmd = [sys.executable, "-c", MTMD_CLS_LAST] if family == "llava" else [sys.executable, "-m", "mlxcel_compat"]
+    mine, my_base = serve([*ours_cmd, "-m", str(text), "--mmproj", str(mmproj), "-c", "1024", "-np", "1"])
     try:
         marker_ours = json.loads(urllib.request.urlopen(my_base + "/props").read())["media_marker"]
         ours_steps = complete(my_base, f"Picture:{marker_ours}Caption:", image, n_predict)
@@ -315,7 +398,7 @@ def check(family: str, work: Path, margin: float, tolerance: float, n_predict: i
     finally:
         stop(mine)
     worst, agree, compared, problems = 0.0, 0, 0, list(layout)
-    for step, (a, b) in enumerate(zip(theirs, ours_steps)):
+    for step, (a, b) in enumerate(zip(theirs, held_back_dropped(theirs, ours_steps))):
         top_a, top_b = a.get("top_logprobs") or [], b.get("top_logprobs") or []
         if len(top_a) < 2 or len(top_b) < 2:
             continue
@@ -335,6 +418,29 @@ def check(family: str, work: Path, margin: float, tolerance: float, n_predict: i
                f"{agree}/{compared} greedy tokens agree | {worst:.4f} | {my_rss:.0f} / {peer_rss:.0f} MiB | "
                f"{'pass' if not problems else 'FAIL: ' + '; '.join(problems)[:200]} |")
     return not problems, summary
+
+
+def partial(step: dict) -> bool:
+    """A step whose token's bytes are not whole UTF-8 characters."""
+    try:
+        bytes(step.get("bytes") or []).decode("utf-8")
+        return not step.get("bytes")
+    except UnicodeDecodeError:
+        return True
+
+
+def held_back_dropped(theirs: list[dict], ours: list[dict]) -> list[dict]:
+    """Our steps without those llama-server leaves out: it sends no probabilities for a token that
+    ends inside a UTF-8 character (a byte of one), where this server sends every token's. Such a
+    step is dropped where ours runs one ahead of llama-server's and then agrees again."""
+    out, j = [], 0
+    for a in theirs:
+        if j + 1 < len(ours) and ours[j]["id"] != a["id"] and ours[j + 1]["id"] == a["id"] and partial(ours[j]):
+            j += 1
+        if j < len(ours):
+            out.append(ours[j])
+            j += 1
+    return out
 
 
 def main() -> int:

@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 
 def read_projector(path: str | Path) -> Any:
     """The projector file as ``vision.gguf_projector.ProjectorFile``: its metadata, tensor names
-    and a reader that gives one tensor's float32 values (any stored type) in NumPy order."""
+    and a reader that gives one tensor's values in NumPy order: float16 for a matrix stored in 16
+    bits or fewer (F16 and the block types; :func:`held_as_half`), float32 otherwise."""
     from mlxcel_compat.gguf import quants as gguf_quants
     from mlxcel_compat.gguf.reader import open_gguf, read_tensor
     from mlxcel_compat.vision.gguf_projector import ProjectorFile
@@ -32,10 +33,23 @@ def read_projector(path: str | Path) -> Any:
 
     def read(name: str) -> np.ndarray:
         info = file.tensors[name]
-        values = gguf_quants.dequantize(read_tensor(info), info.ggml_type, info.n_values, name=info.name)
+        dtype = np.float16 if held_as_half(info.name, info.ggml_type, info.shape) else np.float32
+        values = gguf_quants.dequantize(read_tensor(info), info.ggml_type, info.n_values, dtype=dtype, name=info.name)
         return values.reshape(info.shape)
 
     return ProjectorFile(str(file.path), dict(file.metadata), frozenset(file.tensors), read)
+
+
+def held_as_half(name: str, ggml_type: int, shape: tuple[int, ...]) -> bool:
+    """Whether a projector tensor is held in float16: a matrix stored as F16 or in blocks (Q8_0,
+    ...: values ``d * q`` with a float16 scale ``d``), as llama.cpp holds it, rather than doubled to
+    float32 (a 400M-parameter SigLIP tower: 0.8 GiB, not 1.6). MLX promotes a float16 weight to the
+    float32 activations in each product, so the tower still computes in float32. Kept float32:
+    vectors, F32 and BF16 tensors (BF16's range is float32's), and the patch embedding, whose dtype
+    the families cast the pixels to (the tower's activations would be float16 after it)."""
+    from mlxcel_compat.gguf.quants import T
+
+    return len(shape) >= 2 and ggml_type not in (T.F32, T.BF16) and "patch_embd" not in name
 
 
 def check_projector(path: str | Path) -> str:
@@ -77,8 +91,8 @@ def load_pair(text_path: Path, mmproj: str | Path, progress: Any = None, repack:
     text_model, tokenizer, text_config, summary = load_gguf(str(text_path), progress=progress, repack=repack, **loading)
     model, config, facts = load_gguf_vision(text_model, text_config, tokenizer, projector,
                                             image_min_tokens, image_max_tokens)
-    if mx.default_device() == mx.cpu:
-        model.set_dtype(mx.float32, predicate=lambda dt: dt in (mx.float16, mx.bfloat16))
+    if mx.default_device() == mx.cpu:  # the text model's (the tower keeps its float16 matrices: held_as_half)
+        model.vlm.language_model.set_dtype(mx.float32, predicate=lambda dt: dt in (mx.float16, mx.bfloat16))
     mx.eval(model.parameters())
     log.info("projector %s: %s (%d tensors), served through mlx-vlm's %s tower", projector.path,
              projector.projector_type, len(projector.names), config["model_type"])

@@ -40,8 +40,9 @@ one's vision tower and image prefill cost (``scripts/bench_vision_ttft.py``), no
   56-pixel tiles (1 to 4 and a thumbnail, as GotOcr2ImageProcessor cuts them), 4 tokens a tile, Qwen2 text.
 
 Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|qwen3_vl|internvl_chat|gemma3|llava|smolvlm|gemma3n] [--size small]``;
-with ``--format gguf`` (Gemma 3, Qwen2.5-VL, Qwen2-VL, SmolVLM, Qwen3-VL, InternVL) the directory's GGUF pair instead, the text model and
-its ``mmproj-*.gguf`` projector as llama.cpp's converter writes them (``testing/vision_gguf.py``).
+with ``--format gguf`` (Gemma 3, Qwen2.5-VL, Qwen2-VL, SmolVLM, Qwen3-VL, InternVL, LLaVA) the directory's GGUF pair instead, the text
+model and its ``mmproj-*.gguf`` projector as llama.cpp's converter writes them (``testing/vision_gguf.py``; LLaVA's projector as
+its legacy tools write it, ``testing/vision_gguf_llava.py``).
 """
 
 from __future__ import annotations

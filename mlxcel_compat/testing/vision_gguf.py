@@ -28,7 +28,8 @@ converter's conventions are applied here, independently of the loader that undoe
   InternVL (``InternVisionModel``, type ``internvl``) its tower as ``vision_tower.vision_model.*`` with
   ``qkv`` split into ``self_attn.{q,k,v}_proj``, ``.weight`` added to the layer scales and the position
   table (not to the class embedding: ``v.class_embd``), the pixel shuffle's factor and the tiles'
-  bounds as keys; its text is ``qwen2`` (``llm_config``).
+  bounds as keys; its text is ``qwen2`` (``llm_config``); LLaVA 1.5 (type ``mlp``) as llama.cpp's legacy
+  tools write it (``testing/vision_gguf_llava.py``), its text ``llama``.
 - One key the converter does not write: ``clip.vision.window_size`` for a Qwen2.5-VL whose
   window is not llama.cpp's fixed 112 pixels (the tiny model's is 56), so that this file computes
   what the directory computes (llama.cpp reads the key for other projectors; for Qwen2.5-VL it
@@ -63,6 +64,7 @@ GGUF_VISION: dict[str, tuple[str, str, str, str]] = {
     "smolvlm": ("llama", "llama", "gpt-2", "idefics3"),
     "qwen3_vl": ("qwen3", "qwen3vl", "qwen2", "qwen3vl_merger"),
     "internvl_chat": ("qwen2", "qwen2", "qwen2", "internvl"),
+    "llava": ("llama", "llama", "gpt-2", "mlp"),  # LLaVA 1.5: the legacy tools' projector (vision_gguf_llava.py)
 }
 GGUF_VISION_FAMILIES: tuple[str, ...] = tuple(GGUF_VISION)
 MMPROJ_TYPES = ("f32", "f16", "q8_0")
@@ -99,6 +101,8 @@ def _text_config(family: str, config: dict[str, Any]) -> dict[str, Any]:
         n, period = text["num_hidden_layers"], text["sliding_window_pattern"]
         return dict(text, rope_theta=text["rope_global_base_freq"],
                     layer_types=["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)])
+    if family == "llava":
+        return dict(config["text_config"])
     if family in ("smolvlm", "qwen3_vl"):  # Qwen3-VL's M-RoPE: its sections, written apart
         return {k: v for k, v in config["text_config"].items() if k != "rope_scaling"}
     if family == "internvl_chat":  # InternVL's own name for its text config
@@ -342,5 +346,10 @@ def write_vision_gguf_pair(family: str, directory: Path, out_dir: Path, size: st
     text_name, mmproj_name = gguf_names(family, size, gguf_type, mmproj_type)
     out_dir.mkdir(parents=True, exist_ok=True)
     text = write_text_gguf(family, directory, weights, out_dir / text_name, gguf_type)
-    mmproj = write_mmproj_gguf(family, directory, weights, out_dir / mmproj_name, mmproj_type)
+    if family == "llava":
+        from .vision_gguf_llava import write_llava_mmproj
+
+        mmproj = write_llava_mmproj(directory, weights, out_dir / mmproj_name, mmproj_type)
+    else:
+        mmproj = write_mmproj_gguf(family, directory, weights, out_dir / mmproj_name, mmproj_type)
     return text, mmproj

@@ -41,6 +41,7 @@ MARKER_TOKENS: dict[str, tuple[str, ...]] = {
     "qwen3_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
     "idefics3": ("<fake_token_around_image>", "<image>", "<global-img>"),
     "internvl_chat": ("<img>", "</img>", "<IMG_CONTEXT>"),
+    "llava": ("<image>",),
 }
 OPTIONAL_TOKENS = ("<|video_pad|>",)
 

@@ -27,6 +27,7 @@ function that returns one tensor's float32 values in NumPy order, so it holds no
 | ``qwen2.5vl_merger`` | ``qwen2_5_vl`` | windowed ViT (``n_wa_pattern``; window ``clip.vision.window_size``, else 112) | 2x2 patch merger MLP |
 | ``qwen2vl_merger`` | ``qwen2_vl`` | ViT (LayerNorm, GELU MLP) | the same merger |
 | ``idefics3`` | ``idefics3`` (mlx-lm's Llama as its text model) | SigLIP over tiles | pixel shuffle, linear |
+| ``mlp`` | ``llava`` (LLaVA 1.5) | CLIP up to ``feature_layer`` | 2-layer GELU MLP |
 
 Types whose rules are a module of their own (``qwen3vl_merger``: ``vision/qwen3vl.py``;
 ``internvl``: ``vision/internvl.py``) join these
@@ -125,7 +126,7 @@ class ProjectorKind:
         out: dict[str, np.ndarray] = {}
         for mlx_name, shape in shapes.items():
             hf_name = self.checkpoint_name(mlx_name)
-            gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            gguf_name = self.tensor_name(names, hf_name)
             if gguf_name is None:
                 raise ValueError(f"projector {projector.path}: no GGUF tensor corresponds to {mlx_name}")
             if not self.present(projector, gguf_name):
@@ -139,6 +140,10 @@ class ProjectorKind:
 
     def present(self, projector: ProjectorFile, gguf_name: str) -> bool:
         return gguf_name in projector.names
+
+    def tensor_name(self, names: Any, hf_name: str) -> str | None:
+        """The GGUF name of a checkpoint tensor: gguf-py's map (``names``), the converter's table."""
+        return names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
 
 
 def _channels_last(value: np.ndarray) -> np.ndarray:
@@ -309,8 +314,96 @@ class Idefics3Projector(ProjectorKind):
         return _channels_last(value) if mlx_name.endswith("patch_embedding.weight") else value
 
 
+LLAVA_PROCESSOR = "transformers.models.llava.image_processing_pil_llava:LlavaImageProcessorPil"
+
+
+class LlavaProjector(ProjectorKind):
+    """LLaVA 1.5 (``mlp``): CLIP (a class token, a pre-layernorm, quick GELU), its hidden states
+    after ``clip.vision.feature_layer`` blocks (absent: ``block_count - 1``, as clip.cpp runs it),
+    the class token dropped, then the 2-layer GELU MLP ``mm.0`` / ``mm.2`` (mlx-vlm's ``llava``).
+
+    These files come from llama.cpp's legacy ``convert_image_encoder_to_gguf.py`` (its
+    ``convert_hf_to_gguf.py`` writes no CLIP LLaVA projector), which keeps only the blocks up to
+    the feature layer, drops CLIP's post-layernorm and names ``fc1`` ``ffn_down`` and ``fc2``
+    ``ffn_up``; clip.cpp swaps them back when ``ffn_down``'s input width is the tower's, and so
+    does this (a file with gguf-py's names reads as is). Images are padded to a square of the
+    mean colour, then resized to ``image_size`` (mtmd's fixed-size preprocessing; LlavaImageProcessor
+    with ``do_pad``)."""
+
+    types = ("mlp",)
+    model_type = "llava"
+
+    @staticmethod
+    def feature_layer(projector: ProjectorFile) -> int:
+        blocks = int(projector.vision("block_count"))
+        layers = [int(x) for x in projector.metadata.get("clip.vision.feature_layer") or [blocks - 1]]
+        if len(layers) != 1 or not 0 <= layers[0] <= blocks:
+            raise ValueError(f"projector {projector.path}: clip.vision.feature_layer {layers} is not served "
+                             f"(one layer of the {blocks} blocks; mlx-vlm's LLaVA projector takes one)")
+        return layers[0]
+
+    def vlm_config(self, projector: ProjectorFile, text: dict[str, Any], token_ids: dict[str, int]) -> dict[str, Any]:
+        if projector.metadata.get("clip.use_gelu") or projector.metadata.get("clip.use_silu"):
+            raise ValueError(f"projector {projector.path}: a CLIP tower with exact GELU or SiLU is not served "
+                             "(mlx-vlm's CLIP uses quick GELU, clip.cpp's default)")
+        layer = self.feature_layer(projector)
+        vision = dict(model_type="clip_vision_model", num_hidden_layers=layer,
+                      hidden_size=int(projector.vision("embedding_length")),
+                      intermediate_size=int(projector.vision("feed_forward_length")),
+                      num_attention_heads=int(projector.vision("attention.head_count")),
+                      patch_size=int(projector.vision("patch_size")), image_size=int(projector.vision("image_size")),
+                      projection_dim=int(projector.vision("projection_dim", 768)), num_channels=3,
+                      layer_norm_eps=float(projector.vision("attention.layer_norm_epsilon", 1e-5)))
+        return dict(model_type="llava", text_config=dict(text), vision_config=vision,
+                    vocab_size=int(text["vocab_size"]), image_token_index=token_ids["<image>"],
+                    vision_feature_layer=layer, vision_feature_select_strategy="default",
+                    eos_token_id=text.get("eos_token_id"))
+
+    def processor(self, projector: ProjectorFile, min_tokens: int, max_tokens: int) -> Processor:
+        size = int(projector.vision("image_size"))
+        config = dict(do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True, rescale_factor=1 / 255,
+                      resample=3, do_pad=True, do_center_crop=True, size={"shortest_edge": size},
+                      crop_size={"height": size, "width": size},
+                      image_mean=[float(x) for x in projector.vision("image_mean")],
+                      image_std=[float(x) for x in projector.vision("image_std")])
+        return Processor(LLAVA_PROCESSOR, config)
+
+    def tensor_name(self, names: Any, hf_name: str) -> str | None:
+        if hf_name.startswith("multi_modal_projector.linear_"):  # the legacy converter's mm.0 and mm.2
+            index = {"1": 0, "2": 2}[hf_name.split(".")[1].removeprefix("linear_")]
+            return f"mm.{index}.{hf_name.rsplit('.', 1)[-1]}"
+        return super().tensor_name(names, hf_name)
+
+    def weights(self, projector: ProjectorFile, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+        # CLIP's post-layernorm only feeds its pooled output, which LLaVA never reads: not in the file.
+        wanted = {name: shape for name, shape in shapes.items() if ".post_layernorm." not in name}
+        return super().weights(self.ffn_in_order(projector), wanted)
+
+    @staticmethod
+    def ffn_in_order(projector: ProjectorFile) -> ProjectorFile:
+        """The projector read with ``ffn_up`` as CLIP's ``fc1`` (the legacy converter's swap undone)."""
+        down = "v.blk.0.ffn_down.weight"
+        if down not in projector.names:
+            return projector
+        if int(projector.read(down).shape[-1]) != int(projector.vision("embedding_length")):
+            return projector
+
+        def read(name: str) -> np.ndarray:
+            if ".ffn_up." in name:
+                return projector.read(name.replace(".ffn_up.", ".ffn_down."))
+            if ".ffn_down." in name:
+                return projector.read(name.replace(".ffn_down.", ".ffn_up."))
+            return projector.read(name)
+
+        return ProjectorFile(projector.path, projector.metadata, projector.names, read)
+
+    def read(self, projector: ProjectorFile, mlx_name: str, gguf_name: str) -> np.ndarray:
+        value = projector.read(gguf_name)
+        return _channels_last(value) if mlx_name.endswith("patch_embedding.weight") else value
+
+
 KINDS: dict[str, ProjectorKind] = {t: k for k in (Gemma3Projector(), Qwen25VLProjector(), Qwen2VLProjector(),
-                                                  Idefics3Projector())
+                                                  Idefics3Projector(), LlavaProjector())
                                    for t in k.types}
 SERVED_PROJECTOR_TYPES: tuple[str, ...] = tuple(KINDS)
 

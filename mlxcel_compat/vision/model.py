@@ -125,6 +125,7 @@ class VisionLM(nn.Module):
         blank = self.family.blank_image(self.vlm)
         rows = self.family.features(self.vlm, [blank])
         mx.eval(rows)
+        mx.clear_cache()  # the tower's temporaries (see BoundVisionLM._cached)
         processed = {"pixel_values": blank.pixel_values}
         if self.family.mrope:
             processed["image_grid_thw"] = np.asarray([blank.grid_thw])
@@ -185,6 +186,9 @@ class BoundVisionLM:
         if kind not in self._features:
             self._features[kind] = make()
             mx.eval(self._features[kind])
+            # The tower's temporaries go back to MLX's buffer cache, which keeps them: a 896-pixel
+            # SigLIP image's attention alone is 16 x 4096^2 floats (1 GiB) that would stay resident.
+            mx.clear_cache()
         return self._features[kind]
 
     def _image_features(self) -> mx.array:

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.e2e
 
 FAMILIES = [pytest.param("qwen2_5_vl"), pytest.param("gemma3", marks=pytest.mark.slow),
             pytest.param("smolvlm", marks=pytest.mark.slow), pytest.param("qwen3_vl", marks=pytest.mark.slow),
-            pytest.param("internvl_chat", marks=pytest.mark.slow)]
+            pytest.param("internvl_chat", marks=pytest.mark.slow), pytest.param("llava", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -64,7 +64,8 @@ def first_image_token(served, pair, messages: list[dict[str, Any]]) -> int:
     prompt = httpx.post(served.base_url + "/apply-template", json={"messages": messages}).json()["prompt"]
     head = prompt[: prompt.index(vision.TEMPLATE_IMAGE[family])]
     tokens = httpx.post(served.base_url + "/tokenize", json={"content": head}).json()["tokens"]
-    return len(tokens) + {"qwen2_5_vl": 1, "qwen3_vl": 1, "internvl_chat": 1, "gemma3": 3, "smolvlm": 0}[family]  # SmolVLM: <image> is expanded whole
+    return len(tokens) + {"qwen2_5_vl": 1, "qwen3_vl": 1, "internvl_chat": 1, "gemma3": 3, "smolvlm": 0,
+                          "llava": 0}[family]  # SmolVLM: <image> is expanded whole
 
 
 def test_props_say_vision_and_an_image_is_answered(served, oai: openai.OpenAI) -> None:
