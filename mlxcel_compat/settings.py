@@ -1050,7 +1050,7 @@ _COMPAT: tuple[Setting, ...] = (
     Setting("mmproj", ("-mm", "--mmproj"), ("LLAMA_ARG_MMPROJ",), group="model", metavar="FILE",
             help="Multimodal projector GGUF (llama.cpp's clip file: mmproj-*.gguf) served with the -m GGUF "
                  "text model: images through its vision tower. Projector types: gemma3, qwen2.5vl_merger, "
-                 "qwen2vl_merger; "
+                 "qwen2vl_merger, qwen3vl_merger, idefics3, internvl, mlp (LLaVA 1.5); "
                  "another is refused at start-up, naming it."),
     Setting("mmproj_url", ("-mmu", "--mmproj-url"), ("LLAMA_ARG_MMPROJ_URL",), group="model", metavar="URL",
             help="Download the projector GGUF from URL (into --mmproj FILE when given, else the URL's file name "
