@@ -63,18 +63,21 @@ from mlxcel_compat.runtime import decode_moe
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, ring_plan
-from mlxcel_compat.runtime.decode_layers import (LinearWeights, LoraFactors, PassBuffers, float32_array, gemma_mlp,
-                                                 gemma_norm, head_dim, layer_weights, norm_weights)
+from mlxcel_compat.runtime.decode_layers import (LinearWeights, LoraFactors, PassBuffers, attention_heads, float32_array,
+                                                 gemma_mlp, gemma_norm, head_dim, layer_weights, norm_weights)
 from mlxcel_compat.runtime.lora_rows import factors_of
 from mlxcel_compat.runtime.native import decode_pass
 from mlxcel_compat.runtime.native.blas_shim import SMALL_M_MAX
 from mlxcel_compat.runtime.rope_angles import RopeAngles
 
 LOG2E = 1.4426950408889634
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
-# (olmoe's q/k norms over the whole projection).
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe")
+# (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss")
+# Families other than Gemma 3 whose sliding-window layers (named by the model's ``layer_types``)
+# run on their RotatingKVCache rings here: gpt-oss's alternate with full ones.
+LAYER_TYPE_WINDOWS = ("gpt_oss",)
 # mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
 EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU",  # BlockSwitchGLU: block_experts.py
                   "FusedGateUpSwitchGLU")  # Gemma 4's fused gate-up experts (gguf/stored_parts.py)
@@ -128,7 +131,7 @@ def unsupported(model: Any) -> str | None:
     layers = getattr(inner, "layers", None)
     if not layers or not isinstance(getattr(inner, "embed_tokens", None), (nn.Embedding, BlockEmbedding)):
         return "unexpected module layout"
-    if not gemma and getattr(model.args, "sliding_window", None) and any(
+    if model_type not in LAYER_TYPE_WINDOWS and not gemma and getattr(model.args, "sliding_window", None) and any(
             t != "full_attention" for t in getattr(model.args, "layer_types", None) or ()):
         return "sliding-window layers"
     norm_type = gemma_norm() if gemma else nn.RMSNorm
@@ -154,7 +157,7 @@ def unsupported(model: Any) -> str | None:
             projections += moe_linears
         else:
             projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if not all(isinstance(m, (nn.Linear, BlockLinear)) for m in projections) or not hasattr(attn, "n_heads"):
+        if not all(isinstance(m, (nn.Linear, BlockLinear)) for m in projections) or attention_heads(attn) is None:
             return "unexpected attention layout"
         norms = [getattr(layer, n, None) for n in norm_names]
         norms += [getattr(attn, n, None) for n in ("q_norm", "k_norm") if gemma or hasattr(attn, n)]
@@ -166,6 +169,15 @@ def unsupported(model: Any) -> str | None:
     if any(w.dtype != mx.float32 for w in weights):
         return "weights are neither float32 nor in ggml's blocks"
     return None
+
+
+def sliding_layers(model: Any) -> list[bool]:
+    """Which layers attend over a sliding window (a ``RotatingKVCache`` ring of ``sliding_window``
+    slots): Gemma 3's say so (``is_sliding``), gpt-oss's model names them in ``layer_types``."""
+    inner = model.model
+    if model.args.model_type in LAYER_TYPE_WINDOWS:
+        return [t == "sliding_attention" for t in inner.layer_types]
+    return [bool(getattr(layer.self_attn, "is_sliding", False)) for layer in inner.layers]
 
 
 def build(model: Any, shim: Any) -> "CpuDecoder | str":
@@ -193,13 +205,13 @@ class CpuDecoder:
         mx.eval(model.parameters())
         attn0 = inner.layers[0].self_attn
         self.gemma = model.args.model_type in GEMMA_TYPES
-        self.n_heads, self.n_kv_heads = attn0.n_heads, attn0.n_kv_heads
+        self.n_heads, self.n_kv_heads, scale = attention_heads(attn0)
         self.head_dim = head_dim(attn0)
-        self.scale = float(attn0.scale) * LOG2E
+        self.scale = scale * LOG2E
         # RoPE modules by layer kind: mlx-lm builds every layer of a kind from the same arguments
         # (gemma3: sliding layers with rope_local_base_freq, the others with rope_theta and its
         # scaling), so one module per kind gives every layer's angles.
-        kinds = [bool(getattr(layer.self_attn, "is_sliding", False)) for layer in inner.layers]
+        kinds = sliding_layers(model)
         firsts = {kind: i for i, kind in reversed(list(enumerate(kinds)))}
         order = sorted(firsts, key=firsts.get)
         self.angles = RopeAngles([inner.layers[firsts[kind]].self_attn.rope for kind in order], self.head_dim)
@@ -207,14 +219,15 @@ class CpuDecoder:
         # gemma3 scales the embedding by sqrt(hidden) rounded to bfloat16 (its own expression)
         hidden = self.embed.shape[1]
         self.embed_scale = np.float32(mx.array(hidden ** 0.5, mx.bfloat16).astype(mx.float32).item()) if self.gemma else None
-        self.window = int(model.args.sliding_window) if self.gemma else None
+        self.window = int(model.args.sliding_window) if any(kinds) else None
         self.norm = norm_weights(inner.norm)
         head = head_module(model)
         self.head = LinearWeights(block_weight_of(head) or float32_array(head.weight), None,
                                   [LoraFactors(f) for f in factors_of(head)]
                                   if isinstance(head, (nn.Linear, BlockLinear)) else [])
         self.layers = [layer_weights(layer, order.index(kind), self.gemma,
-                                     decode_moe.moe_weights(layer.mlp) if decode_moe.is_moe(layer.mlp) else None)
+                                     decode_moe.moe_weights(layer.mlp) if decode_moe.is_moe(layer.mlp) else None,
+                                     sliding=kind)
                        for layer, kind in zip(inner.layers, kinds)]
         self.ffn_width = decode_moe.ffn_width(self.layers)  # the pass's gate and up buffers' width
         # olmoe's q and k norms span the whole projection (a gain per head and channel), qwen3's and

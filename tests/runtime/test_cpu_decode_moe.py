@@ -2,7 +2,9 @@
 runtime/native/decode_pass.c).
 
 - Per family it takes (qwen3_moe: normalised top-k; qwen2_moe: not renormalised, a shared expert
-  behind its sigmoid gate; olmoe: not renormalised, q/k norms over the whole projection), on the factory's GGUF (attention and expert stacks in ggml's blocks):
+  behind its sigmoid gate; olmoe: not renormalised, q/k norms over the whole projection; gpt_oss:
+  top-k then softmax, biased MXFP4 experts, clamped SwiGLU, attention sinks, sliding-window rings
+  alternating with full layers, q/k/v/o biases), on the factory's GGUF (attention and expert stacks in ggml's blocks):
   teacher-forced steps within BLOCK_RTOL of MLX's step on the same model (whose experts run
   through ``BlockSwitchGLU``), the same greedy token wherever MLX's choice is decided, the cache
   as MLX's update leaves it; some steps bit-identical (the same ggml products on the same
@@ -16,6 +18,7 @@ runtime/native/decode_pass.c).
 from __future__ import annotations
 
 import copy
+import ctypes
 from typing import Callable
 
 import mlx.core as mx
@@ -75,15 +78,22 @@ def moe_decoder() -> Callable[[str], tuple[nn.Module, cpu_decode.CpuDecoder]]:
     return get
 
 
-@pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "qwen2_moe:q8_0", "olmoe:q8_0"])
+@pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "qwen2_moe:q8_0", "olmoe:q8_0", "gpt_oss:mxfp4"])
 def test_moe_models_follow_mlx_step_for_step(moe_decoder: Callable, spec: str) -> None:
     """12 teacher-forced steps from each of two prompts: within BLOCK_RTOL of MLX's step, the
     same token where MLX's top two are further apart than either side may move, the KV cache
     as MLX's; at least a few steps bit-identical."""
     model, decoder = moe_decoder(spec)
-    shared, renormalised = {"qwen3_moe": (False, True), "qwen2_moe": (True, False), "olmoe": (False, False)}[spec.split(":")[0]]
+    family = spec.split(":")[0]
+    shared, renormalised = {"qwen3_moe": (False, True), "qwen2_moe": (True, False), "olmoe": (False, False),
+                            "gpt_oss": (False, False)}[family]
     assert all((layer.moe.shared_gate is not None) == shared and layer.moe.norm_topk == renormalised
                for layer in decoder.layers)
+    gpt_oss = family == "gpt_oss"  # its gating, biased experts, clamped SwiGLU, sinks and windows are taken
+    assert all((layer.moe.gating == "topk_softmax") == gpt_oss and (layer.moe.down_bias is not None) == gpt_oss
+               and (layer.moe.limit == 7.0 if gpt_oss else layer.moe.limit is None)
+               and (layer.sinks is not None) == gpt_oss for layer in decoder.layers)
+    assert [layer.sliding for layer in decoder.layers] == ([True, False] * 2 if gpt_oss else [False] * len(decoder.layers))
     assert decoder.qk_norm_whole == spec.startswith("olmoe")  # olmoe's q/k norms span the projection
     exact = total = 0
     for n, seed in [(40, 0), (150, 1)]:
@@ -113,7 +123,7 @@ def test_moe_models_follow_mlx_step_for_step(moe_decoder: Callable, spec: str) -
     assert exact >= 3
 
 
-@pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "qwen2_moe:q8_0"])
+@pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "qwen2_moe:q8_0", "gpt_oss:mxfp4"])
 def test_moe_rows_stepped_together_are_bit_identical_to_rows_alone(moe_decoder: Callable, spec: str) -> None:
     """Three sequences stepped together (their (row, expert) pairs grouped by expert in one
     product) give exactly the logits each gives alone, step after step."""
@@ -153,3 +163,63 @@ def test_moe_layers_it_does_not_take_keep_mlx_and_say_why(spec: str, reason: str
     loaded = load_model(str(tiny_model(spec)), [])
     assert loaded.decoder is None
     assert (cpu_decode.unsupported(loaded.model) or "").startswith(reason)
+
+
+def _native(name: str, argtypes: list, restype: object = None) -> Callable:
+    fn = getattr(backend.matmul_shim().lib, name)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+def test_clamped_swiglu_is_mlx_lm_s_over_the_clamp() -> None:
+    """gpt-oss's activation (``mlxcel_swiglu_oai``) is mlx-lm's ``swiglu_oai`` within float32
+    rounding, on values well past the limit on both sides (the tiny model's rarely reach it):
+    a kernel without the clamp, or clamping the gate from below, misses by far more."""
+    from mlx_lm.models.activations import swiglu_oai
+
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    kernel = _native("mlxcel_swiglu_oai", [p, p, i, f, f])
+    rng = np.random.default_rng(3)
+    gate = (rng.standard_normal(1003) * 9).astype(np.float32)  # an odd count: the scalar tail too
+    up = (rng.standard_normal(1003) * 9).astype(np.float32)
+    assert (gate > 7).any() and (gate < -7).any() and (up > 7).any() and (up < -7).any()
+    want = np.array(swiglu_oai(mx.array(gate), mx.array(up)))
+    ours = gate.copy()
+    kernel(ours.ctypes.data, up.ctypes.data, ours.size, 1.702, 7.0)
+    assert np.allclose(ours, want, rtol=2e-6, atol=1e-6), np.abs(ours - want).max()
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_decode_attention_with_sinks_is_mlx_s(apart: bool) -> None:
+    """``mlxcel_decode_attention_sinks``: each query head's sink logit one more term of its
+    softmax's denominator, as ``mx.fast.scaled_dot_product_attention(..., sinks=)``; large sinks
+    (most of the weight on them) and small ones; on a cache it writes and on one it may not."""
+    p, i, f, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+    kernel = _native("mlxcel_decode_attention_sinks", [p, p, p, p, p, p, p, p, i, i, i, i, i, L, f, p], ctypes.c_int)
+    rng = np.random.default_rng(5)
+    hk, group, d, pos, cap = 2, 4, 16, 37, 48
+    hq, scale = hk * group, d ** -0.5
+    q = rng.standard_normal((hq, d)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((hk, d)).astype(np.float32) for _ in range(2))
+    keys, values = (rng.standard_normal((hk, cap, d)).astype(np.float32) for _ in range(2))
+    sinks = np.array([4.0, -3.0, 0.5, 9.0, 0.0, 2.0, -1.0, 6.0], np.float32)
+    k_all, v_all = keys[:, :pos + 1].copy(), values[:, :pos + 1].copy()
+    k_all[:, pos], v_all[:, pos] = k_new, v_new
+    want = np.array(mx.fast.scaled_dot_product_attention(
+        mx.array(q[None, :, None]), mx.array(k_all[None]), mx.array(v_all[None]), scale=scale, sinks=mx.array(sinks)))[0, :, 0]
+    out = np.empty((hq, d), np.float32)
+    k_out, v_out = np.empty((hk, d), np.float32), np.empty((hk, d), np.float32)
+    sinks2 = (sinks * np.float32(cpu_decode.LOG2E)).astype(np.float32)
+    status = kernel(q.ctypes.data, k_new.ctypes.data, v_new.ctypes.data, keys.ctypes.data, values.ctypes.data,
+                    out.ctypes.data, k_out.ctypes.data if apart else None, v_out.ctypes.data if apart else None,
+                    hk, group, d, pos, pos + 1, cap, scale * cpu_decode.LOG2E, sinks2.ctypes.data)
+    assert status == 0
+    assert np.allclose(out, want, rtol=1e-5, atol=1e-6), np.abs(out - want).max()
+    without = np.array(mx.fast.scaled_dot_product_attention(
+        mx.array(q[None, :, None]), mx.array(k_all[None]), mx.array(v_all[None]), scale=scale))[0, :, 0]
+    assert np.abs(out - without).max() > 0.1  # the sinks took weight
+    if apart:  # the cache untouched, the new key and value kept apart
+        assert np.array_equal(k_out, k_new) and np.array_equal(v_out, v_new)
+        assert not np.array_equal(keys[:, pos], k_new)
+    else:
+        assert np.array_equal(keys[:, pos], k_new) and np.array_equal(values[:, pos], v_new)

@@ -21,9 +21,11 @@
 #define NEGLIGIBLE -64.0f
 
 /* s[t] = 2 ** (s[t] - max s) for t < n, in place (weights below 2 ** NEGLIGIBLE set to zero);
- * returns their sum. The caller normalises (the weights, or the output they give). */
-static float exp2_shifted_row(float *s, int n) {
-    float top = s[0];
+ * returns their sum. The caller normalises (the weights, or the output they give). `sink`:
+ * NULL, or one more logit (gpt-oss's learned per-head sink, times log2 e) that takes part in the
+ * maximum and the sum but has no value: the weights then sum to less than 1. */
+static float exp2_shifted_row_sink(float *s, int n, const float *sink) {
+    float top = sink && *sink > s[0] ? *sink : s[0];
     int t0 = 0;
     if (n >= VL) { /* the maximum a vector at a time (the scalar loop was a fifth of a chunk's attention) */
         vf m = loadv(s);
@@ -46,8 +48,11 @@ static float exp2_shifted_row(float *s, int n) {
     }
     float sum = hsum(acc);
     for (; t < n; t++) sum += s[t] = s[t] - top < NEGLIGIBLE ? 0.0f : exp2s(s[t] - top);
+    if (sink) sum += *sink - top < NEGLIGIBLE ? 0.0f : exp2s(*sink - top);
     return sum;
 }
+
+static float exp2_shifted_row(float *s, int n) { return exp2_shifted_row_sink(s, n, NULL); }
 
 struct attention_job {
     const float *q;  /* (Hq, d) queries of one position */
@@ -60,6 +65,7 @@ struct attention_job {
     int write, n;         /* the slot the new key and value go to; keys seen are slots [0, n) */
     size_t head_stride;   /* capacity * d */
     float scale;          /* the softmax scale times log2 e (the exponential is a power of 2) */
+    const float *sinks;   /* NULL, or (Hq): each query head's sink logit times log2 e (gpt-oss) */
 };
 
 /* KV head h of a decode step: write the new key and value, then for its `group` query heads
@@ -91,7 +97,7 @@ static void attend_head(const void *ctx, int h) {
     float *out = a->out + (size_t)h * g * d;
     for (int i = 0; i < g; i++) {
         float *s = scores + (size_t)i * n;
-        float inv = 1.0f / exp2_shifted_row(s, n);
+        float inv = 1.0f / exp2_shifted_row_sink(s, n, a->sinks ? a->sinks + (size_t)h * g + i : NULL);
         for (int t = 0; t < n; t++) s[t] *= inv;
     }
     rows_nn_split(g, 0, d, n, scores, n, values, d, out, d, 1.0f, 0.0f, apart ? v_new : values, apart ? n - 1 : n);
@@ -124,6 +130,19 @@ int mlxcel_decode_attention_apart(const float *q, const float *k_new, const floa
     if (n_base < 1 || n_base > capacity) return -1;
     struct attention_job a = {q, k_new, v_new, (float *)keys, (float *)values, k_out, v_out, out, group, d,
                               n_base, n_base + 1, (size_t)capacity * d, scale};
+    mlxcel_parallel(kv_heads, attend_head, &a);
+    return 0;
+}
+
+/* Either of the two above (k_out NULL: mlxcel_decode_attention_at, else _apart at n_base = write)
+ * with attention sinks (gpt-oss): `sinks` (Hq) are each query head's sink logit times log2 e,
+ * one more term of the softmax's denominator (mlx's scaled_dot_product_attention's `sinks`). */
+int mlxcel_decode_attention_sinks(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
+                                  float *out, float *k_out, float *v_out, int kv_heads, int group, int d, int write,
+                                  int n, long capacity, float scale, const float *sinks) {
+    if (k_out ? write < 1 || write > capacity : write < 0 || write >= capacity || n < 1 || n > capacity) return -1;
+    struct attention_job a = {q, k_new, v_new, keys, values, k_out, v_out, out, group, d, write,
+                              k_out ? write + 1 : n, (size_t)capacity * d, scale, sinks};
     mlxcel_parallel(kv_heads, attend_head, &a);
     return 0;
 }

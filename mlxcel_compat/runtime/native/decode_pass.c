@@ -72,7 +72,8 @@ struct mlxcel_norm {
  * the family's gating, then only the chosen experts' rows of the stacked block tensors
  * (ffn_{gate,up,down}_exps, expert e being rows e * rows .. (e + 1) * rows - 1), SwiGLU between,
  * the outputs summed by the gates' weights; a shared expert (qwen2_moe) behind its sigmoid gate.
- * The gating is the softmax-then-top-k of mlx-lm's qwen3_moe, qwen2_moe and olmoe blocks. */
+ * The gating is the softmax-then-top-k of mlx-lm's qwen3_moe, qwen2_moe and olmoe blocks, or
+ * gpt-oss's top-k-then-softmax over the chosen, with its experts' biases and clamped SwiGLU. */
 struct mlxcel_moe {
     struct mlxcel_linear router;                        /* hidden -> n_expert logits */
     const struct mlxcel_block_weight *gate, *up, *down; /* the stacks */
@@ -80,6 +81,12 @@ struct mlxcel_moe {
     struct mlxcel_linear shared_scale;                  /* hidden -> 1, its sigmoid scales the shared expert; n == 0: none */
     int n_expert, top_k, rows;                          /* rows: an expert's intermediate width */
     int norm_topk; /* the chosen k weights divided by their sum (norm_topk_prob) */
+    /* gpt-oss: each expert's biases ((n_expert, rows), (n_expert, rows), (n_expert, hidden)) or
+     * NULL; gating 1: the top k of the router's logits, then a softmax over them (else 0);
+     * clamped 1: the clamped SwiGLU (mlxcel_swiglu_oai) with its alpha and limit */
+    const float *gate_bias, *up_bias, *down_bias;
+    int gating, clamped;
+    float alpha, limit;
 };
 
 struct mlxcel_layer {
@@ -89,6 +96,7 @@ struct mlxcel_layer {
     struct mlxcel_norm attn_out, mlp_out;     /* gemma3: each branch's output normed before its sum */
     int rope;                                 /* which angle set (gemma3: sliding layers have their own) */
     const struct mlxcel_moe *moe;             /* the MoE layer in place of the MLP, or NULL */
+    const float *sinks;                       /* gpt-oss: (heads) sink logits times log2 e, or NULL */
 };
 
 struct mlxcel_model {
@@ -183,15 +191,8 @@ static __thread struct mlxcel_scratch moe_scratch[10];
 
 static void *moe_buffer(int i, size_t bytes) { return mlxcel_scratch(&moe_scratch[i], bytes ? bytes : 1); }
 
-/* Row r's chosen experts and their weights from its router logits `l` (n_expert of them), as
- * mlx-lm's qwen3_moe, qwen2_moe and olmoe blocks compute them: a softmax over every expert in float32,
- * the k largest (ties: the lower expert first), renormalised to sum 1 where norm_topk says so. */
-static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, float *weight) {
-    int n = e->n_expert, k = e->top_k;
-    float top = l[0], sum = 0.0f;
-    for (int i = 1; i < n; i++) top = l[i] > top ? l[i] : top;
-    for (int i = 0; i < n; i++) sum += l[i] = expf(l[i] - top);
-    for (int i = 0; i < n; i++) l[i] /= sum;
+/* The k largest of l[0 .. n), largest first (ties: the lower index first): their indices and values. */
+static void moe_top_k(const float *l, int n, int k, int32_t *chosen, float *value) {
     for (int j = 0; j < k; j++) { /* k passes of an arg-max over the experts not chosen yet (k is a few) */
         int best = -1;
         for (int i = 0; i < n; i++) {
@@ -200,8 +201,38 @@ static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, flo
             if (!taken && (best < 0 || l[i] > l[best])) best = i;
         }
         chosen[j] = best;
-        weight[j] = l[best];
+        value[j] = l[best];
     }
+}
+
+/* out[s] += bias[expert of s] for the sorted pairs s of each group (an expert's bias on its rows). */
+static void moe_bias(float *out, const float *bias, int width, int groups, const int32_t *experts,
+                     const int32_t *start) {
+    if (!bias) return;
+    for (int gi = 0; gi < groups; gi++) {
+        const float *b = bias + (size_t)experts[gi] * width;
+        for (int s = start[gi]; s < start[gi + 1]; s++)
+            for (int c = 0; c < width; c++) out[(size_t)s * width + c] += b[c];
+    }
+}
+
+/* Row r's chosen experts and their weights from its router logits `l` (n_expert of them), as
+ * mlx-lm's qwen3_moe, qwen2_moe and olmoe blocks compute them: a softmax over every expert in float32,
+ * the k largest (ties: the lower expert first), renormalised to sum 1 where norm_topk says so. */
+static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, float *weight) {
+    int n = e->n_expert, k = e->top_k;
+    if (e->gating == 1) { /* gpt-oss: the k largest logits, then a softmax over those k */
+        moe_top_k(l, n, k, chosen, weight);
+        float top = weight[0], sum = 0.0f; /* the largest comes first */
+        for (int j = 0; j < k; j++) sum += weight[j] = expf(weight[j] - top);
+        for (int j = 0; j < k; j++) weight[j] /= sum;
+        return;
+    }
+    float top = l[0], sum = 0.0f;
+    for (int i = 1; i < n; i++) top = l[i] > top ? l[i] : top;
+    for (int i = 0; i < n; i++) sum += l[i] = expf(l[i] - top);
+    for (int i = 0; i < n; i++) l[i] /= sum;
+    moe_top_k(l, n, k, chosen, weight);
     if (e->norm_topk) {
         float total = 0.0f;
         for (int j = 0; j < k; j++) total += weight[j];
@@ -253,11 +284,15 @@ static int moe_layer(const struct mlxcel_moe *e, int rows, int hidden, const flo
     if (mlxcel_expert_matmul_shared(2, gate_up, inter, groups, experts, start, source, rows, h, hidden, gate_up_out,
                                     inter))
         return -1;
-    mlxcel_swiglu(g, u, pairs * inter);
+    moe_bias(g, e->gate_bias, inter, groups, experts, start);
+    moe_bias(u, e->up_bias, inter, groups, experts, start);
+    if (e->clamped) mlxcel_swiglu_oai(g, u, pairs * inter, e->alpha, e->limit);
+    else mlxcel_swiglu(g, u, pairs * inter);
     float *down_out[1] = {down};
     if (mlxcel_expert_matmul_shared(1, &e->down, hidden, groups, experts, start, NULL, pairs, g, inter, down_out,
                                     hidden))
         return -1;
+    moe_bias(down, e->down_bias, hidden, groups, experts, start);
     float *out = moe_buffer(0, sizeof(float) * (size_t)rows * (hidden > n ? hidden : n)); /* the logits are spent */
     for (int r = 0; r < rows; r++) {
         float *o = out + (size_t)r * hidden;
@@ -351,7 +386,10 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                 float *vn = b->v_new + (size_t)r * hk * d, *att = b->att + (size_t)r * hq * d;
                 mlxcel_rope(q, hq, d, a[2 * L->rope], a[2 * L->rope + 1], trad);
                 mlxcel_rope(kn, hk, d, a[2 * L->rope], a[2 * L->rope + 1], trad);
-                int failed = s->k_out
+                int failed = L->sinks
+                    ? mlxcel_decode_attention_sinks(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, hk, group, d,
+                                                    (int)s->write, (int)s->n, s->capacity, m->scale, L->sinks)
+                    : s->k_out
                     ? mlxcel_decode_attention_apart(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, hk, group,
                                                     d, (int)s->write, s->capacity, m->scale)
                     : mlxcel_decode_attention_at(q, kn, vn, s->keys, s->values, att, hk, group, d, (int)s->write,

@@ -44,13 +44,18 @@ class NormStruct(ctypes.Structure):
 class MoeStruct(ctypes.Structure):
     _fields_ = [("router", LinearStruct), ("gate", _P), ("up", _P), ("down", _P),
                 *((name, LinearStruct) for name in ("shared_gate", "shared_up", "shared_down", "shared_scale")),
-                ("n_expert", _I), ("top_k", _I), ("rows", _I), ("norm_topk", _I)]
+                ("n_expert", _I), ("top_k", _I), ("rows", _I), ("norm_topk", _I),
+                ("gate_bias", _P), ("up_bias", _P), ("down_bias", _P), ("gating", _I), ("clamped", _I),
+                ("alpha", _F), ("limit", _F)]
+
+# struct mlxcel_moe's gating: the routers' weights as the families compute them (decode_moe.GATING).
+GATING_CODES = {"softmax": 0, "topk_softmax": 1}
 
 
 class LayerStruct(ctypes.Structure):
     _fields_ = [*((name, LinearStruct) for name in ("q", "k", "v", "o", "gate", "up", "down")),
                 *((name, NormStruct) for name in ("n1", "n2", "q_norm", "k_norm", "attn_out", "mlp_out")),
-                ("rope", _I), ("moe", _P)]
+                ("rope", _I), ("moe", _P), ("sinks", _P)]
 
 
 class ModelStruct(ctypes.Structure):
@@ -139,7 +144,13 @@ def _moe(moe: Any, keep: list[Any]) -> int:
     if moe is None:
         return 0
     s = MoeStruct(router=_linear(moe.router, keep), gate=moe.gate.address, up=moe.up.address, down=moe.down.address,
-                  n_expert=moe.n_expert, top_k=moe.top_k, rows=moe.rows, norm_topk=int(moe.norm_topk))
+                  n_expert=moe.n_expert, top_k=moe.top_k, rows=moe.rows, norm_topk=int(moe.norm_topk),
+                  gating=GATING_CODES[moe.gating], clamped=int(moe.limit is not None),
+                  alpha=moe.alpha or 0.0, limit=moe.limit or 0.0)
+    for name in ("gate_bias", "up_bias", "down_bias"):
+        bias = getattr(moe, name)
+        if bias is not None:
+            setattr(s, name, bias.ctypes.data)
     for name in ("shared_gate", "shared_up", "shared_down", "shared_scale"):
         setattr(s, name, _linear(getattr(moe, name), keep))
     keep.append(s)
@@ -161,6 +172,8 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
             setattr(s, name, _norm(getattr(layer, name)))
         s.rope = layer.rope
         s.moe = _moe(layer.moe, keep)
+        if layer.sinks is not None:
+            s.sinks = layer.sinks.ctypes.data
     keep.append(layers)
     rope_traditional = decoder.angles.traditional
     traditional = (_I * 2)(*[int(t) for t in rope_traditional] + [0] * (2 - len(rope_traditional)))
