@@ -59,7 +59,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxcel_compat.runtime import decode_moe
+from mlxcel_compat.runtime import decode_moe, window_chunks
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, ring_plan
@@ -229,6 +229,11 @@ class CpuDecoder:
                                      decode_moe.moe_weights(layer.mlp) if decode_moe.is_moe(layer.mlp) else None,
                                      sliding=kind)
                        for layer, kind in zip(inner.layers, kinds)]
+        # gpt-oss's prompt chunks run here, its sliding layers' rings as mlx-lm's multi-token update
+        # leaves them (window_chunks.py); Gemma 3's chunks keep MLX's pass
+        self.window_chunks = model.args.model_type in LAYER_TYPE_WINDOWS
+        for layer in self.layers:
+            layer.window = self.window if layer.sliding and self.window_chunks else 0
         self.ffn_width = decode_moe.ffn_width(self.layers)  # the pass's gate and up buffers' width
         # olmoe's q and k norms span the whole projection (a gain per head and channel), qwen3's and
         # gemma3's one head (a gain per channel)
@@ -328,12 +333,16 @@ class CpuDecoder:
 
     def can_prefill(self, cache: list[Any], owned: OwnedCache) -> bool:
         """Whether :meth:`prefill` takes this cache: as :meth:`can_step_tokens`, or an empty
-        mlx-lm ``KVCache`` per layer (a cold prompt's first chunk)."""
+        mlx-lm ``KVCache`` per layer (a cold prompt's first chunk); for gpt-oss also with its
+        sliding layers' ``RotatingKVCache`` rings (``window_chunks.py``), empty or not."""
         from mlx_lm.models.cache import KVCache
 
-        if self.kv.rings or len(cache) != len(self.layers):
+        if (self.kv.rings and not self.window_chunks) or len(cache) != len(self.layers):
             return False
-        if all(type(c) is KVCache and c.keys is None and c.offset == 0 for c in cache):
+        if any(not window_chunks.takes(cache[i], self.window) for i in self.kv.rings):
+            return False
+        if all(c.keys is None and c.offset == 0 and (layer.sliding or type(c) is KVCache)
+               for c, layer in zip(cache, self.layers)):
             return True
         return self.can_run(cache, owned)
 
@@ -374,10 +383,19 @@ class CpuDecoder:
         runtime copy each into its own buffers at the first step: three copies of every row's KV
         at once (the peak memory of a four-stream server). Here each chunk is written into its
         sequence's own buffers once, and the products still take all rows in one pass."""
-        if self.kv.rings:
+        if self.kv.rings and not self.window_chunks:
             raise RuntimeError("a model with sliding-window layers prefills through MLX")
         if logits and len(chunks) != 1:
             raise ValueError("logits are for a single sequence's chunk")
+        if self.kv.rings and any(len(c) == 1 for c in chunks):  # mlx-lm writes one token into a ring in place
+            ones = [i for i, c in enumerate(chunks) if len(c) == 1]
+            rest = [i for i, c in enumerate(chunks) if len(c) != 1]
+            if rest:
+                self.prefill_rows([chunks[i] for i in rest], [caches[i] for i in rest], [owned[i] for i in rest],
+                                  None if scales is None else [scales[i] for i in rest])
+            out = self.step_rows([chunks[i][0] for i in ones], [caches[i] for i in ones], [owned[i] for i in ones],
+                                 None if scales is None else [scales[i] for i in ones])
+            return out if logits else None
         short = [len(c) < PROMPT_ROWS_MIN for c in chunks]
         if len(chunks) > 1 and any(short) and not all(short):  # one pass for each kind of product
             for kind in (True, False):
@@ -391,7 +409,7 @@ class CpuDecoder:
             raise ValueError("each chunk needs its own sequence's cache")
         starts = [cache[0].offset for cache in caches]
         borrowed = [self.kv.borrow(cache, o, start, len(tokens)) for cache, o, start, tokens in zip(caches, owned, starts, chunks)]
-        views = [b.views if b is not None else self.kv.own(cache, o, start, last=start + len(tokens) - 1)
+        views = [b.views if b is not None else self._own_chunk(cache, o, start, len(tokens))
                  for b, cache, o, start, tokens in zip(borrowed, caches, owned, starts, chunks)]
         rows = [len(tokens) for tokens in chunks]
         row_scales = None if scales is None or all(s is None for s in scales) else [
@@ -402,6 +420,19 @@ class CpuDecoder:
             if b is not None:
                 o.apart = b.keep_apart(cache)
         return out if logits else None
+
+    def _own_chunk(self, cache: list[Any], owned: OwnedCache, start: int, rows: int) -> list[tuple[int, ...]]:
+        """This sequence's buffers for a chunk of ``rows`` from ``start``; a sliding layer's the
+        ring's newest ``window - 1`` positions then the rows' slots (``window_chunks.py``), its
+        ``_idx`` where the chunk's first row goes (``_run`` leaves it after the last, as mlx-lm's
+        multi-token update does)."""
+        views = self.kv.own(cache, owned, start, last=start + rows - 1, chunk_rings=bool(self.kv.rings))
+        for i in self.kv.rings:
+            keys, values, kept = window_chunks.chunk_buffers(cache[i], self.window, rows, self.n_kv_heads, self.head_dim)
+            self.kv.adopt(cache, owned, i, keys, values)
+            cache[i]._idx = kept
+            views = owned.views
+        return views
 
     def _check_tokens(self, tokens: list[int]) -> None:
         vocab = self.embed.shape[0]

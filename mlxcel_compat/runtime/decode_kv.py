@@ -133,15 +133,18 @@ class KvLayout:
     rings: list[int]  # RotatingKVCache layers
     plain: list[int]  # KVCache layers
 
-    def own(self, cache: list[Any], owned: OwnedCache, pos: int, last: int | None = None) -> list[tuple[int, int, int]]:
+    def own(self, cache: list[Any], owned: OwnedCache, pos: int, last: int | None = None,
+            chunk_rings: bool = False) -> list[tuple[int, int, int]]:
         """Addresses of every layer's keys and values, and their capacity, with room for
         positions ``pos`` to ``last`` (default ``pos``): the buffers made for this sequence,
         copied first (their first ``pos`` positions) if the cache holds others now (or they are
         full, or a ring is due to grow or be trimmed). Raises, before anything is replaced, for
-        a ring that mlx-lm's update could not write into either."""
+        a ring that mlx-lm's update could not write into either. ``chunk_rings``: a prompt chunk
+        whose caller makes the rings' buffers (``window_chunks.py``): the rings are left as they
+        are, their views zero until the caller sets them (:meth:`adopt`)."""
         last = pos if last is None else last
         plans = []
-        for i in self.rings:
+        for i in [] if chunk_rings else self.rings:
             c = cache[i]
             plan = ring_plan(c) if c.max_size == self.window else None
             if plan is None:
@@ -150,13 +153,17 @@ class KvLayout:
         apart, owned.apart = owned.apart, None
         if apart is not None and apart.holds(cache) and not self.rings:
             return self._own_apart(cache, owned, apart, last)
-        if owned.holds(cache) and all(last < owned.views[i][2] for i in self.plain) and all(
-                plan[:2] == (owned.views[i][2], 0) for i, plan in zip(self.rings, plans)):
+        if owned.holds(cache) and all(last < owned.views[i][2] for i in self.plain) and (chunk_rings or all(
+                plan[:2] == (owned.views[i][2], 0) for i, plan in zip(self.rings, plans))):
             return owned.views
         mx.eval([(c.keys, c.values) for c in cache if c.keys is not None])
         owned.arrays, owned.views = [], []
         ring_plans = dict(zip(self.rings, plans))
         for i, c in enumerate(cache):
+            if chunk_rings and i in self.rings:
+                owned.arrays.append((c.keys, c.values))
+                owned.views.append((0, 0, 0))
+                continue
             if i in ring_plans:
                 capacity, start, c._idx = ring_plans[i]
                 keys, values = (_fresh_ring(a, start, capacity) for a in (c.keys, c.values))
@@ -169,6 +176,14 @@ class KvLayout:
             owned.arrays.append((keys, values))
             owned.views.append((np.asarray(keys).ctypes.data, np.asarray(values).ctypes.data, keys.shape[2]))
         return owned.views
+
+    def adopt(self, cache: list[Any], owned: OwnedCache, i: int, keys: Any, values: Any) -> None:
+        """Layer ``i`` of this sequence's cache holds ``keys`` and ``values`` now, buffers made
+        for it (a prompt chunk's ring: ``window_chunks.chunk_buffers``) after :meth:`own`."""
+        cache[i].keys, cache[i].values = keys, values
+        owned.arrays[i] = (keys, values)
+        owned.views = list(owned.views)  # a new list: the decoder keeps a list's addresses by its identity
+        owned.views[i] = (np.asarray(keys).ctypes.data, np.asarray(values).ctypes.data, keys.shape[2])
 
     def _own_apart(self, cache: list[Any], owned: OwnedCache, apart: KeptApart, last: int) -> list[tuple[int, int, int]]:
         """:meth:`own` after a step kept apart: the buffers made from the shared views and the

@@ -93,6 +93,7 @@ class LayerWeights:
     rope: int = 0  # which of the decoder's RoPE modules (gemma3: sliding layers have their own base)
     moe: Any = None  # a mixture-of-experts layer in place of the MLP (decode_moe.MoeWeights), or None
     sinks: np.ndarray | None = None  # gpt-oss: (heads) attention sink logits times log2 e, float32
+    window: int = 0  # gpt-oss: a sliding layer's window, which its prompt chunks apply (window_chunks.py)
 
 
 @dataclass

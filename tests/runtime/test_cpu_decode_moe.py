@@ -153,6 +153,47 @@ def test_a_moe_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(moe_decoder: Callable
     assert close(got, want)
 
 
+def test_gpt_oss_prompt_chunks_leave_mlx_s_windows_and_kv(moe_decoder: Callable) -> None:
+    """gpt-oss's prompt chunks on the runtime (sinks in every layer; its sliding layers' rings
+    rebuilt as mlx-lm's multi-token update leaves them: window_chunks.py): a cold 70-token chunk
+    (rows far past the window of 16, which a chunk attention without the window would let see
+    everything), then chunks of 10, 30, 1 and 25 rows: after each, the logits within
+    BLOCK_RTOL of MLX's chunk on its own cache and the same token, every layer's offset, each
+    ring's slot index, buffer and keys and values as MLX's; then steps agree."""
+    model, decoder = moe_decoder("gpt_oss:mxfp4")
+    assert [layer.window for layer in decoder.layers] == [16, 0, 16, 0]
+    for chunks in ([70], [10, 30, 1, 25]):
+        prompt = ids(sum(chunks), seed=7)
+        theirs, ours, owned = make_prompt_cache(model), make_prompt_cache(model), decode_kv.OwnedCache()
+        fed = decoder.prefilled
+        at = 0
+        for n in chunks:
+            part, at = prompt[at:at + n], at + n
+            want = mlx_logits_of(model, part, theirs)
+            assert decoder.can_prefill(ours, owned)
+            got = decoder.prefill(part, ours, owned).copy()
+            assert close(got, want) and int(got.argmax()) == int(want.argmax()), (chunks, n)
+            for layer, a, b in zip(decoder.layers, ours, theirs):
+                assert a.offset == b.offset == at
+                if layer.sliding:
+                    assert a._idx == b._idx and a.keys.shape == b.keys.shape, (chunks, n)
+                    assert close(np.array(a.keys), np.array(b.keys)) and close(np.array(a.values), np.array(b.values))
+                else:
+                    assert close(np.array(a.keys[..., :at, :]), np.array(b.keys[..., :at, :]))
+        assert decoder.prefilled == fed + sum(n for n in chunks if n > 1)  # a one-row chunk is a step
+        token = 5
+        for _ in range(4):
+            got, want = decoder.step(token, ours, owned).copy(), mlx_logits(model, token, theirs)
+            assert close(got, want)
+            token = int(want.argmax())
+
+
+def mlx_logits_of(model: nn.Module, tokens: list[int], cache: list) -> np.ndarray:
+    out = model(mx.array([tokens]), cache=cache)[0, -1]
+    mx.eval(out)
+    return np.array(out)
+
+
 @pytest.mark.parametrize("spec,reason", [
     ("qwen3_moe", "mixture-of-experts layers (qwen3_moe): experts not in ggml's blocks"),
     ("granitemoe:q8_0", "mixture-of-experts layers (granitemoe): their steps run in MLX"),

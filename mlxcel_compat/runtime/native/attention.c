@@ -175,6 +175,8 @@ struct chunk_attention_job {
     int rows, kv_heads, group, d, pos, blocks;
     size_t head_stride;    /* capacity * d */
     float scale;           /* the softmax scale times log2 e */
+    int window;            /* 0, or a sliding window: row at slot p attends [p - window + 1, p] only */
+    const float *sinks;    /* NULL, or (Hq) sink logits times log2 e (gpt-oss) */
 };
 
 /* KV head h: write the chunk's keys and values into the cache (or apart), then transpose the
@@ -221,7 +223,10 @@ static void chunk_attend_part(const void *ctx, int p) {
     for (int r = 0; r < m; r++) {
         float *row = s + (size_t)r * ls;
         int visible = a->pos + j0 + r % nb + 1; /* keys [0, visible): causal */
-        inv[r] = 1.0f / exp2_shifted_row(row, visible);
+        int first = a->window && visible > a->window ? visible - a->window : 0; /* the window's start */
+        const float *sink = a->sinks ? a->sinks + (size_t)h * g + r / nb : NULL;
+        inv[r] = 1.0f / exp2_shifted_row_sink(row + first, visible - first, sink);
+        memset(row, 0, (size_t)first * sizeof(float));
         memset(row + visible, 0, (size_t)(seen - visible) * sizeof(float));
     }
     const float *values = a->values + h * a->head_stride; /* slots from pos on: the rows, apart or not */
@@ -237,14 +242,14 @@ static void chunk_attend_part(const void *ctx, int p) {
 
 static void chunk_attention(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
                             float *out, float *k_out, float *v_out, int rows, int kv_heads, int group, int d,
-                            int pos, long capacity, float scale) {
+                            int pos, long capacity, float scale, int window, const float *sinks) {
     static __thread struct mlxcel_scratch keys_t;
     int blocks = (rows + CHUNK_QUERY_BLOCK - 1) / CHUNK_QUERY_BLOCK;
     int ldk = (pos + rows + VL - 1) / VL * VL;
     if (ldk % 1024 == 0) ldk += VL; /* rows 4 KiB apart share cache sets */
     float *kt = mlxcel_scratch(&keys_t, (size_t)kv_heads * d * ldk * sizeof(float));
     struct chunk_attention_job a = {q, k_new, v_new, keys, values, kt, ldk, out, k_out, v_out, rows, kv_heads,
-                                    group, d, pos, blocks, (size_t)capacity * d, scale};
+                                    group, d, pos, blocks, (size_t)capacity * d, scale, window, sinks};
     mlxcel_parallel(kv_heads, chunk_write_head, &a);
     mlxcel_parallel(kv_heads * blocks, chunk_attend_part, &a);
 }
@@ -256,7 +261,22 @@ int mlxcel_chunk_attention(const float *q, const float *k_new, const float *v_ne
                            float *out, int rows, int kv_heads, int group, int d, int pos, long capacity,
                            float scale) {
     if (rows < 1 || pos < 0 || pos + rows > capacity) return -1;
-    chunk_attention(q, k_new, v_new, keys, values, out, NULL, NULL, rows, kv_heads, group, d, pos, capacity, scale);
+    chunk_attention(q, k_new, v_new, keys, values, out, NULL, NULL, rows, kv_heads, group, d, pos, capacity, scale, 0,
+                    NULL);
+    return 0;
+}
+
+/* mlxcel_chunk_attention with a sliding window and attention sinks (gpt-oss): row r, at slot
+ * pos + r, attends slots [pos + r - window + 1, pos + r] (all before it where window is 0), its
+ * query head's sink logit (`sinks`, times log2 e; NULL: none) one more term of the denominator.
+ * A window layer's buffer is mlx-lm's RotatingKVCache's after a multi-token update: the newest
+ * window - 1 positions in order (pos of them), then the rows (runtime/window_chunks.py). */
+int mlxcel_chunk_attention_window(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
+                                  float *out, int rows, int kv_heads, int group, int d, int pos, long capacity,
+                                  float scale, int window, const float *sinks) {
+    if (rows < 1 || pos < 0 || pos + rows > capacity || window < 0) return -1;
+    chunk_attention(q, k_new, v_new, keys, values, out, NULL, NULL, rows, kv_heads, group, d, pos, capacity, scale,
+                    window, sinks);
     return 0;
 }
 
@@ -269,6 +289,6 @@ int mlxcel_chunk_attention_apart(const float *q, const float *k_new, const float
                                  int kv_heads, int group, int d, int pos, long capacity, float scale) {
     if (rows < 1 || pos < 1 || pos > capacity) return -1;
     chunk_attention(q, k_new, v_new, (float *)keys, (float *)values, out, k_out, v_out, rows, kv_heads, group, d,
-                    pos, capacity, scale);
+                    pos, capacity, scale, 0, NULL);
     return 0;
 }

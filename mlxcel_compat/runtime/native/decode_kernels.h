@@ -20,6 +20,9 @@ int mlxcel_decode_attention_sinks(const float *q, const float *k_new, const floa
                                   int n, long capacity, float scale, const float *sinks);
 int mlxcel_chunk_attention(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
                            float *out, int rows, int kv_heads, int group, int d, int pos, long capacity, float scale);
+int mlxcel_chunk_attention_window(const float *q, const float *k_new, const float *v_new, float *keys, float *values,
+                                  float *out, int rows, int kv_heads, int group, int d, int pos, long capacity,
+                                  float scale, int window, const float *sinks);
 int mlxcel_chunk_attention_apart(const float *q, const float *k_new, const float *v_new, const float *keys,
                                  const float *values, float *out, float *k_out, float *v_out, int rows,
                                  int kv_heads, int group, int d, int pos, long capacity, float scale);

@@ -97,6 +97,7 @@ struct mlxcel_layer {
     int rope;                                 /* which angle set (gemma3: sliding layers have their own) */
     const struct mlxcel_moe *moe;             /* the MoE layer in place of the MLP, or NULL */
     const float *sinks;                       /* gpt-oss: (heads) sink logits times log2 e, or NULL */
+    int window;                               /* gpt-oss: a sliding layer's window (its prompt chunks), else 0 */
 };
 
 struct mlxcel_model {
@@ -371,7 +372,11 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                 float *vn = b->v_new + (size_t)r0 * hk * d, *att = b->att + (size_t)r0 * hq * d;
                 mlxcel_rope_rows(q, n, hq, d, cos, sin, trad);
                 mlxcel_rope_rows(kn, n, hk, d, cos, sin, trad);
-                int failed = s->k_out
+                int failed = L->sinks || L->window
+                    ? (s->k_out ? -1 /* never borrowed: CpuDecoder.prefill_rows */
+                                : mlxcel_chunk_attention_window(q, kn, vn, s->keys, s->values, att, n, hk, group, d,
+                                                                (int)s->write, s->capacity, m->scale, L->window, L->sinks))
+                    : s->k_out
                     ? mlxcel_chunk_attention_apart(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, n, hk, group,
                                                    d, (int)s->write, s->capacity, m->scale)
                     : mlxcel_chunk_attention(q, kn, vn, s->keys, s->values, att, n, hk, group, d, (int)s->write,

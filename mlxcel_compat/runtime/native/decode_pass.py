@@ -55,7 +55,7 @@ GATING_CODES = {"softmax": 0, "topk_softmax": 1}
 class LayerStruct(ctypes.Structure):
     _fields_ = [*((name, LinearStruct) for name in ("q", "k", "v", "o", "gate", "up", "down")),
                 *((name, NormStruct) for name in ("n1", "n2", "q_norm", "k_norm", "attn_out", "mlp_out")),
-                ("rope", _I), ("moe", _P), ("sinks", _P)]
+                ("rope", _I), ("moe", _P), ("sinks", _P), ("window", _I)]
 
 
 class ModelStruct(ctypes.Structure):
@@ -174,6 +174,7 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
         s.moe = _moe(layer.moe, keep)
         if layer.sinks is not None:
             s.sinks = layer.sinks.ctypes.data
+        s.window = layer.window
     keep.append(layers)
     rope_traditional = decoder.angles.traditional
     traditional = (_I * 2)(*[int(t) for t in rope_traditional] + [0] * (2 - len(rope_traditional)))
