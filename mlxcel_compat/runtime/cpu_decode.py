@@ -36,7 +36,10 @@ mixture-of-experts ``qwen3_moe``, ``qwen2_moe`` and ``olmoe`` (attention as qwen
 olmoe's q and k norms over the whole projection) where the
 GGUF loader keeps the expert stacks in the file's blocks: each MoE layer runs in the same C loop
 (router, softmax top-k, only the chosen experts' rows of the stacks grouped by expert, the
-weighted sum, qwen2_moe's gated shared expert; ``decode_moe.py``). Gemma 3 brings
+weighted sum, qwen2_moe's gated shared expert; ``decode_moe.py``), and ``gpt_oss`` (top-k then
+softmax, biased experts, clamped SwiGLU, attention sinks, sliding-window rings named by
+``layer_types`` beside full layers, its prompt chunks' rings as mlx-lm's multi-token update
+leaves them: ``window_chunks.py``). Gemma 3 brings
 the sliding-window layers (a ring of ``sliding_window`` positions, their own RoPE base), the
 GELU-gated MLP, four norms a layer plus per-head query and key norms (each ``1 + w``), the
 embedding scaled by ``sqrt(hidden)`` (rounded through bfloat16, as mlx-lm does) and
