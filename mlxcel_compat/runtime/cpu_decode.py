@@ -67,20 +67,23 @@ from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, bloc
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, ring_plan
 from mlxcel_compat.runtime.decode_layers import (LinearWeights, LoraFactors, PassBuffers, attention_heads, float32_array,
-                                                 gemma_mlp, gemma_norm, head_dim, layer_weights, norm_weights)
+                                                 gemma_mlp, gemma_norm, head_dim, layer_mlp, layer_weights, norm_weights)
 from mlxcel_compat.runtime.lora_rows import factors_of
 from mlxcel_compat.runtime.native import decode_pass
 from mlxcel_compat.runtime.native.blas_shim import SMALL_M_MAX
 from mlxcel_compat.runtime.rope_angles import RopeAngles
 
 LOG2E = 1.4426950408889634
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss",
+               "granitemoe")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss")
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe")
 # Families other than Gemma 3 whose sliding-window layers (named by the model's ``layer_types``)
 # run on their RotatingKVCache rings here: gpt-oss's alternate with full ones.
 LAYER_TYPE_WINDOWS = ("gpt_oss",)
+# Families with granite's multipliers (embedding, residual branches, logits).
+MULTIPLIER_TYPES = ("granitemoe",)
 # mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
 EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU",  # BlockSwitchGLU: block_experts.py
                   "FusedGateUpSwitchGLU")  # Gemma 4's fused gate-up experts (gguf/stored_parts.py)
@@ -144,7 +147,7 @@ def unsupported(model: Any) -> str | None:
     head = head_module(model)
     weights = [m.weight for m in (inner.embed_tokens, head) if block_weight_of(m) is None]
     for layer in layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        attn, mlp = getattr(layer, "self_attn", None), layer_mlp(layer)
         if model_type in MOE_TYPES and decode_moe.is_moe(mlp):
             reason = decode_moe.unsupported(mlp)
             if reason is not None:
@@ -222,6 +225,13 @@ class CpuDecoder:
         # gemma3 scales the embedding by sqrt(hidden) rounded to bfloat16 (its own expression)
         hidden = self.embed.shape[1]
         self.embed_scale = np.float32(mx.array(hidden ** 0.5, mx.bfloat16).astype(mx.float32).item()) if self.gemma else None
+        # granitemoe's multipliers: the embedding's, each branch's before its residual sum (the C
+        # loop's residual_scale; 0: none), and the logits divided by logits_scaling
+        granite = model.args.model_type in MULTIPLIER_TYPES
+        if granite:
+            self.embed_scale = np.float32(inner.embedding_multiplier)
+        self.residual_scale = float(model.args.residual_multiplier) if granite else 0.0
+        self.logits_scaling = np.float32(model.logits_scaling) if granite else None
         self.window = int(model.args.sliding_window) if any(kinds) else None
         self.norm = norm_weights(inner.norm)
         head = head_module(model)
@@ -229,7 +239,7 @@ class CpuDecoder:
                                   [LoraFactors(f) for f in factors_of(head)]
                                   if isinstance(head, (nn.Linear, BlockLinear)) else [])
         self.layers = [layer_weights(layer, order.index(kind), self.gemma,
-                                     decode_moe.moe_weights(layer.mlp) if decode_moe.is_moe(layer.mlp) else None,
+                                     decode_moe.moe_weights(layer_mlp(layer)) if decode_moe.is_moe(layer_mlp(layer)) else None,
                                      sliding=kind)
                        for layer, kind in zip(inner.layers, kinds)]
         # gpt-oss's prompt chunks run here, its sliding layers' rings as mlx-lm's multi-token update
@@ -477,6 +487,8 @@ class CpuDecoder:
         failed = self.native.run(b.native, rows, offsets, head, kv, angles, decode_pass.lora_scales(scales))
         if failed:
             raise RuntimeError(f"layer {failed - 1}: positions from {min(positions)} do not fit the layer's KV cache")
+        if head and self.logits_scaling is not None:
+            b.logits[:1 if segments is not None else rows] /= self.logits_scaling
         advance = segments if segments is not None else [1] * rows
         for cache, n in zip(caches, advance):
             for i in self.kv.rings:  # as mlx-lm's update leaves a ring: the slot after the one written

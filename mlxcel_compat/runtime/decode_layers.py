@@ -149,6 +149,11 @@ def gemma_mlp() -> type:
     return MLP
 
 
+def layer_mlp(layer: Any) -> Any:
+    """A decoder layer's MLP or MoE block: ``mlp``, granitemoe's ``block_sparse_moe``; None if neither."""
+    return layer.mlp if hasattr(layer, "mlp") else getattr(layer, "block_sparse_moe", None)
+
+
 def linear_weights(module: Any) -> LinearWeights:
     """A linear (or block) layer's weight, bias and adapters."""
     bias = module.bias if "bias" in module else None
@@ -170,7 +175,7 @@ def layer_weights(layer: Any, rope: int, gemma: bool, moe: Any = None, sliding: 
     """One of the model's layers, ``rope`` the index of its RoPE module, ``gemma`` for Gemma 3's
     layer, ``moe`` its mixture-of-experts block's weights (``decode_moe.moe_weights``) in place of an MLP,
     ``sliding`` for a sliding-window layer of another family (gpt-oss; Gemma 3's says so itself)."""
-    a, m, lin, norm = layer.self_attn, layer.mlp, linear_weights, norm_weights
+    a, m, lin, norm = layer.self_attn, layer_mlp(layer), linear_weights, norm_weights
     mlp = dict(gate=None, up=None, down=None, moe=moe) if moe is not None else dict(
         gate=lin(m.gate_proj), up=lin(m.up_proj), down=lin(m.down_proj))
     common = dict(q=lin(a.q_proj), k=lin(a.k_proj), v=lin(a.v_proj), o=lin(a.o_proj), **mlp,
@@ -197,4 +202,4 @@ def sink_logits(attn: Any) -> np.ndarray | None:
 
 
 __all__ = ["attention_heads", "LayerWeights", "LinearWeights", "LoraFactors", "NormWeights", "PassBuffers", "float32_array",
-           "gemma_mlp", "gemma_norm", "head_dim", "layer_weights", "linear_weights", "norm_weights", "sink_logits"]
+           "gemma_mlp", "gemma_norm", "head_dim", "layer_mlp", "layer_weights", "linear_weights", "norm_weights", "sink_logits"]

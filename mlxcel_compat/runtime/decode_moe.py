@@ -16,6 +16,7 @@ expert stacks in ggml's blocks (the GGUF loader's ``BlockSwitchLinear``; biases 
 gpt-oss's), the router a float32 or block linear layer and, for qwen2_moe, the shared expert a
 float32 or block MLP behind its one-output gate.
 
+granitemoe's block routes as gpt-oss's (its router's ``layer`` has no bias, its experts none).
 gpt-oss's block (``gpt_oss.MLPBlock``: ``router`` and ``experts`` where the others have ``gate``
 and ``switch_mlp``) routes the other way round: the k largest router logits (its router has a
 bias), then a softmax over those k; each expert's gate, up and down add its own bias, and the
@@ -43,6 +44,7 @@ GATING = {
     "Qwen2MoeSparseMoeBlock": "softmax",  # qwen2_moe: never renormalised; a gated shared expert
     "OlmoeSparseMoeBlock": "softmax",  # olmoe: norm_topk_prob from the config
     "gpt_oss.MLPBlock": "topk_softmax",  # gpt-oss: biases on the router and every expert, clamped SwiGLU
+    "GraniteMoeMoE": "topk_softmax",  # granitemoe: its router's ``layer``, no biases
 }
 ACTIVATIONS = ("SwiGLU", "SwigluOAI")  # mlx-lm's activations of a SwitchGLU the C loop computes
 
@@ -96,11 +98,15 @@ def block_name(mlp: Any) -> str:
 
 
 def _experts(mlp: Any) -> Any:
-    return mlp.experts if hasattr(mlp, "router") else mlp.switch_mlp
+    return mlp.switch_mlp if hasattr(mlp, "switch_mlp") else mlp.experts
 
 
 def _router(mlp: Any) -> Any:
-    return mlp.router if hasattr(mlp, "router") else mlp.gate
+    """The router's linear layer: ``gate`` (qwen3_moe, ...), gpt-oss's ``router``, granitemoe's
+    ``router.layer``."""
+    if not hasattr(mlp, "router"):
+        return mlp.gate
+    return getattr(mlp.router, "layer", mlp.router)
 
 
 def unsupported(mlp: Any) -> str | None:
@@ -112,7 +118,7 @@ def unsupported(mlp: Any) -> str | None:
     if type(switch).__name__ != "BlockSwitchGLU" or type(switch.activation).__name__ not in ACTIVATIONS:
         return "experts not in ggml's blocks (the GGUF loader's stacks) or not SwiGLU"
     stacks = [switch.gate_proj, switch.up_proj, switch.down_proj]
-    biased = GATING[kind] == "topk_softmax"  # only gpt-oss's experts have biases
+    biased = GATING[kind] == "topk_softmax"  # only gpt-oss's experts have biases (granitemoe's have none)
     if not all(isinstance(s, BlockSwitchLinear) and ("bias" in s) <= biased for s in stacks):
         return "experts not in ggml's blocks (the GGUF loader's stacks) or with biases"
     gate, up, down = (s.stack for s in stacks)
@@ -124,7 +130,9 @@ def unsupported(mlp: Any) -> str | None:
 
 
 def _top_k(mlp: Any) -> int:
-    return int(mlp.num_experts_per_tok if hasattr(mlp, "router") else mlp.top_k)
+    if hasattr(mlp, "top_k"):
+        return int(mlp.top_k)
+    return int(getattr(mlp, "num_experts_per_tok", None) or mlp.router.top_k)  # gpt-oss's, granitemoe's
 
 
 def _bias(linear: Any) -> np.ndarray | None:

@@ -4,7 +4,8 @@ runtime/native/decode_pass.c).
 - Per family it takes (qwen3_moe: normalised top-k; qwen2_moe: not renormalised, a shared expert
   behind its sigmoid gate; olmoe: not renormalised, q/k norms over the whole projection; gpt_oss:
   top-k then softmax, biased MXFP4 experts, clamped SwiGLU, attention sinks, sliding-window rings
-  alternating with full layers, q/k/v/o biases), on the factory's GGUF (attention and expert stacks in ggml's blocks):
+  alternating with full layers, q/k/v/o biases; granitemoe: top-k then softmax, its embedding,
+  residual and logits multipliers), on the factory's GGUF (attention and expert stacks in ggml's blocks):
   teacher-forced steps within BLOCK_RTOL of MLX's step on the same model (whose experts run
   through ``BlockSwitchGLU``), the same greedy token wherever MLX's choice is decided, the cache
   as MLX's update leaves it; some steps bit-identical (the same ggml products on the same
@@ -78,7 +79,7 @@ def moe_decoder() -> Callable[[str], tuple[nn.Module, cpu_decode.CpuDecoder]]:
     return get
 
 
-@pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "qwen2_moe:q8_0", "olmoe:q8_0", "gpt_oss:mxfp4"])
+@pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "qwen2_moe:q8_0", "olmoe:q8_0", "gpt_oss:mxfp4", "granitemoe:q8_0"])
 def test_moe_models_follow_mlx_step_for_step(moe_decoder: Callable, spec: str) -> None:
     """12 teacher-forced steps from each of two prompts: within BLOCK_RTOL of MLX's step, the
     same token where MLX's top two are further apart than either side may move, the KV cache
@@ -86,11 +87,13 @@ def test_moe_models_follow_mlx_step_for_step(moe_decoder: Callable, spec: str) -
     model, decoder = moe_decoder(spec)
     family = spec.split(":")[0]
     shared, renormalised = {"qwen3_moe": (False, True), "qwen2_moe": (True, False), "olmoe": (False, False),
-                            "gpt_oss": (False, False)}[family]
+                            "gpt_oss": (False, False), "granitemoe": (False, False)}[family]
     assert all((layer.moe.shared_gate is not None) == shared and layer.moe.norm_topk == renormalised
                for layer in decoder.layers)
     gpt_oss = family == "gpt_oss"  # its gating, biased experts, clamped SwiGLU, sinks and windows are taken
-    assert all((layer.moe.gating == "topk_softmax") == gpt_oss and (layer.moe.down_bias is not None) == gpt_oss
+    topk_first = family in ("gpt_oss", "granitemoe")  # top-k of the logits, then a softmax over those
+    assert decoder.residual_scale == pytest.approx(0.22 if family == "granitemoe" else 0.0)  # granite's multipliers
+    assert all((layer.moe.gating == "topk_softmax") == topk_first and (layer.moe.down_bias is not None) == gpt_oss
                and (layer.moe.limit == 7.0 if gpt_oss else layer.moe.limit is None)
                and (layer.sinks is not None) == gpt_oss for layer in decoder.layers)
     assert [layer.sliding for layer in decoder.layers] == ([True, False] * 2 if gpt_oss else [False] * len(decoder.layers))
@@ -123,7 +126,7 @@ def test_moe_models_follow_mlx_step_for_step(moe_decoder: Callable, spec: str) -
     assert exact >= 3
 
 
-@pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "qwen2_moe:q8_0", "gpt_oss:mxfp4"])
+@pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "qwen2_moe:q8_0", "gpt_oss:mxfp4", "granitemoe:q8_0"])
 def test_moe_rows_stepped_together_are_bit_identical_to_rows_alone(moe_decoder: Callable, spec: str) -> None:
     """Three sequences stepped together (their (row, expert) pairs grouped by expert in one
     product) give exactly the logits each gives alone, step after step."""
@@ -133,11 +136,12 @@ def test_moe_rows_stepped_together_are_bit_identical_to_rows_alone(moe_decoder: 
     assert [c[0].offset for c in together] == [25, 75, 135]
 
 
-def test_a_moe_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(moe_decoder: Callable) -> None:
+@pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "granitemoe:q8_0"])
+def test_a_moe_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(moe_decoder: Callable, spec: str) -> None:
     """A cold 70-token prompt fed by ``prefill`` (every row's experts grouped, as MLX's
-    ``BlockSwitchGLU`` groups them) leaves the keys and values MLX's chunk leaves, and the
-    following step agrees with MLX's on its cache."""
-    model, decoder = moe_decoder("qwen3_moe:q8_0")
+    ``BlockSwitchGLU`` groups them; granitemoe's multipliers) leaves the keys and values MLX's
+    chunk leaves, and the following step agrees with MLX's on its cache."""
+    model, decoder = moe_decoder(spec)
     prompt = ids(70, seed=31)
     theirs = make_prompt_cache(model)
     model(mx.array([prompt]), cache=theirs)
@@ -196,7 +200,7 @@ def mlx_logits_of(model: nn.Module, tokens: list[int], cache: list) -> np.ndarra
 
 @pytest.mark.parametrize("spec,reason", [
     ("qwen3_moe", "mixture-of-experts layers (qwen3_moe): experts not in ggml's blocks"),
-    ("granitemoe:q8_0", "mixture-of-experts layers (granitemoe): their steps run in MLX"),
+    ("glm4_moe:q8_0", "mixture-of-experts layers (glm4_moe): their steps run in MLX"),
 ])
 def test_moe_layers_it_does_not_take_keep_mlx_and_say_why(spec: str, reason: str) -> None:
     """Float32 experts (a directory: mlx-lm's ``SwitchGLU``, no blocks to group) and a family

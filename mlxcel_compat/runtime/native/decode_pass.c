@@ -111,6 +111,7 @@ struct mlxcel_model {
     struct mlxcel_norm norm;
     struct mlxcel_linear head;
     int qk_norm_whole; /* q_norm and k_norm over the whole projection (olmoe), not per head */
+    float residual_scale; /* granitemoe's residual_multiplier: x += scale * branch; 0: x += branch */
 };
 
 /* A pass's activations, rows contiguous (row widths: hidden, heads * d, kv_heads * d, inter, vocab). */
@@ -249,7 +250,7 @@ static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, flo
  * the same alone, batched or in a prompt chunk. `gate`, `up` and `branch` are the pass's
  * buffers (the shared expert's). Returns 0, or -1 where the grouped product refused the stacks. */
 static int moe_layer(const struct mlxcel_moe *e, int rows, int hidden, const float *h, float *x, float *gate,
-                     float *up, float *branch, int tiles, const double *scales, int n_adapters) {
+                     float *up, float *branch, int tiles, const double *scales, int n_adapters, float residual_scale) {
     int n = e->n_expert, k = e->top_k, inter = e->rows, pairs = rows * k;
     float *logits = moe_buffer(0, sizeof(float) * (size_t)rows * n);
     int32_t *chosen = moe_buffer(1, sizeof(int32_t) * (size_t)pairs);
@@ -321,7 +322,10 @@ static int moe_layer(const struct mlxcel_moe *e, int rows, int hidden, const flo
             for (int c = 0; c < hidden; c++) o[c] += scale * b[c];
         }
     }
-    for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += out[i];
+    if (residual_scale != 0.0f)
+        for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += out[i] * residual_scale;
+    else
+        for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += out[i];
     return 0;
 }
 
@@ -405,12 +409,16 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         if (L->attn_out.w) {
             product(&L->o, rows, b->att, b->branch, 0.0f, tiles, scales, n_adapters);
             mlxcel_rms_norm_add(b->branch, L->attn_out.w, b->x, rows, hidden, L->attn_out.eps);
+        } else if (m->residual_scale != 0.0f) { /* granitemoe: the branch scaled before its sum */
+            product(&L->o, rows, b->att, b->branch, 0.0f, tiles, scales, n_adapters);
+            for (size_t j = 0; j < (size_t)rows * hidden; j++) b->x[j] += b->branch[j] * m->residual_scale;
         } else {
             product(&L->o, rows, b->att, b->x, 1.0f, tiles, scales, n_adapters);
         }
         mlxcel_rms_norm(b->x, L->n2.w, b->h, rows, hidden, L->n2.eps);
         if (L->moe) {
-            if (moe_layer(L->moe, rows, hidden, b->h, b->x, b->gate, b->up, b->branch, tiles, scales, n_adapters))
+            if (moe_layer(L->moe, rows, hidden, b->h, b->x, b->gate, b->up, b->branch, tiles, scales, n_adapters,
+                          m->residual_scale))
                 return -(i + 1);
             continue;
         }
@@ -422,6 +430,9 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         if (L->mlp_out.w) {
             product(&L->down, rows, b->gate, b->branch, 0.0f, tiles, scales, n_adapters);
             mlxcel_rms_norm_add(b->branch, L->mlp_out.w, b->x, rows, hidden, L->mlp_out.eps);
+        } else if (m->residual_scale != 0.0f) {
+            product(&L->down, rows, b->gate, b->branch, 0.0f, tiles, scales, n_adapters);
+            for (size_t j = 0; j < (size_t)rows * hidden; j++) b->x[j] += b->branch[j] * m->residual_scale;
         } else {
             product(&L->down, rows, b->gate, b->x, 1.0f, tiles, scales, n_adapters);
         }

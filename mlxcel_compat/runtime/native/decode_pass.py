@@ -62,7 +62,7 @@ class ModelStruct(ctypes.Structure):
     _fields_ = [("n_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
                 ("gelu", _I), ("scale", _F), ("angle_sets", _I), ("prompt_rows_min", _I), ("traditional", _I * 2),
                 ("layers", _P),
-                ("norm", NormStruct), ("head", LinearStruct), ("qk_norm_whole", _I)]
+                ("norm", NormStruct), ("head", LinearStruct), ("qk_norm_whole", _I), ("residual_scale", _F)]
 
 
 BUFFER_NAMES = ("x", "h", "branch", "q", "k_new", "v_new", "att", "gate", "up", "logits")
@@ -184,7 +184,7 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
         gelu=int(decoder.gemma), scale=decoder.scale, angle_sets=len(decoder.angles.ropes),
         prompt_rows_min=decoder.prompt_rows_min, traditional=traditional,
         layers=ctypes.addressof(layers), norm=_norm(decoder.norm), head=_linear(decoder.head, keep),
-        qk_norm_whole=int(decoder.qk_norm_whole))
+        qk_norm_whole=int(decoder.qk_norm_whole), residual_scale=decoder.residual_scale)
     held_lib = blas_shim.holding_the_gil(lib)
     fns = [lib.mlxcel_decode_pass, held_lib.mlxcel_decode_pass]
     for fn in fns:
