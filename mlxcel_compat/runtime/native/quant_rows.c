@@ -382,6 +382,69 @@ static const void *q8_0_prepare(int k, const void *act, size_t *act_bytes, int m
 }
 
 ROWS_DRIVER(q8_0)
+
+/* MXFP4 (gpt-oss's experts): 32 4-bit codes a block (low nibbles values 0-15, high ones 16-31)
+ * through the FP4 table (ggml's kvalues_mxfp4, twice E2M1's values) and an E8M0 exponent, whose
+ * half is the factor; activations in Q8_0, as ggml's vec_dot_mxfp4_q8_0. Two blocks a vector:
+ * the codes looked up by one byte shuffle, then q8_0_tile's signed-magnitude dot products. */
+struct mxfp4_block {
+    uint8_t e;
+    uint8_t qs[16];
+};
+
+static inline float e8m0_half(uint8_t x) { /* 2 ** (x - 128), ggml's GGML_E8M0_TO_FP32_HALF */
+    uint32_t bits = x < 2 ? 0x00200000u << x : (uint32_t)(x - 1) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline __m256i mxfp4_codes(const struct mxfp4_block *x) {
+    __m128i q = _mm_loadu_si128((const __m128i *)x->qs);
+    __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0f)), hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0f));
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+static inline __attribute__((always_inline)) void mxfp4_tile(int k, const void *w, size_t w_bytes, int nw, const void *act,
+                                                               size_t act_bytes, int m, float *out) {
+    const int nb = k / 32;
+    const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
+    __m512 acc[2 * MAX_ROWS];
+    for (int t = 0; t < nw * m; t++) acc[t] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b += 2) {
+        int pair = b + 1 < nb;
+        __m512i mag[2];
+        __mmask64 negative[2];
+        __m512 dw[2];
+        for (int j = 0; j < nw; j++) {
+            const struct mxfp4_block *x = (const struct mxfp4_block *)((const char *)w + j * w_bytes) + b;
+            __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(mxfp4_codes(x)),
+                                               pair ? mxfp4_codes(x + 1) : _mm256_set1_epi8(0), 1);
+            __m512i q = _mm512_shuffle_epi8(table, codes);
+            mag[j] = _mm512_abs_epi8(q);
+            negative[j] = _mm512_movepi8_mask(q);
+            dw[j] = two_factors(e8m0_half(x[0].e), pair ? e8m0_half(x[1].e) : 0.0f);
+        }
+        for (int i = 0; i < m; i++) {
+            const int8_t *y = (const int8_t *)act + (size_t)i * act_bytes + (size_t)b * 32;
+            const float *e = (const float *)((const int8_t *)act + (size_t)i * act_bytes + (size_t)nb * 32) + b;
+            __m512i a = pair ? _mm512_loadu_si512(y) : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y));
+            double two;
+            memcpy(&two, e, sizeof two);
+            __m512 da = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_castpd_ps(_mm_set_sd(two))));
+            for (int j = 0; j < nw; j++) {
+                __m512i signed_a = _mm512_mask_sub_epi8(a, negative[j], _mm512_setzero_si512(), a);
+                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), mag[j], signed_a);
+                acc[i * nw + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw[j], da), acc[i * nw + j]);
+            }
+        }
+    }
+    for (int t = 0; t < nw * m; t++) out[t] = hsum512(acc[t]);
+}
+
+#define mxfp4_prepare q8_0_prepare
+ROWS_DRIVER(mxfp4)
 #endif /* AVX512VNNI */
 
 /* This library's quantizer of activations into a vec_dot_type, or NULL (ggml's then). */
@@ -419,6 +482,7 @@ mlxcel_rows_fn mlxcel_rows_kernel(int ggml_type) {
     case TYPE_Q6_K: return rows_q6_K;
 #if defined(__AVX512VNNI__)
     case TYPE_Q8_0: return rows_q8_0;
+    case TYPE_MXFP4: return rows_mxfp4;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     case SPLIT_TYPE(TYPE_Q4_1): return rows_q4_1_split;
