@@ -22,11 +22,14 @@
  * products are one vpdpbusd per 64 values (AVX-512 VNNI) where ggml's AVX2 code takes four
  * instructions per 32 (scripts/bench_quant_rows.py, docs/benchmarks/quantized.md). Q4_1 over
  * ggml's own layout measured 0.75-1.07x (one row): its kernel reads rows rearranged at load
- * (factors ahead of nibbles: split_rows.c), 1.5-2.5x; Q5_0 and Q5_1 likewise. ggml's vec_dot serves the other
+ * (factors ahead of nibbles: split_rows.c), 1.5-2.5x; Q5_0 and Q5_1 likewise. MXFP4 (gpt-oss's
+ * experts): 1.05x ggml's vec_dot at one row, 1.7-2.1x at 4-8 (a prompt's rows of an expert; a
+ * 1K prompt of the gpt-oss-20b-shaped file 1.42x llama-server's CPU per token), but 0.81x ggml's
+ * repacked GEMV at one row (docs/benchmarks/moe.md). ggml's vec_dot serves the other
  * types, and every type on a CPU without AVX-512 BW (mlxcel_rows_kernel returns NULL). The library
  * also expands Q4_0-Q5_1 blocks to float32 (mlxcel_dequantizer: dequantize.c, split_rows.c),
  * ggml's being scalar code, and multiplies Q8_0 prompt chunks by its own int8 GEMM
- * (mlxcel_gemm_kernel: q8_0_gemm.c). This file holds the K-quant and Q8_0 decode kernels, the Q8_K
+ * (mlxcel_gemm_kernel: q8_0_gemm.c). This file holds the K-quant, Q8_0 and MXFP4 decode kernels, the Q8_K
  * quantizer of their activations, and the look-ups that hand out every kernel of these files.
  */
 #include <stddef.h>
