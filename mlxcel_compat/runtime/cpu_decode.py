@@ -40,7 +40,10 @@ weighted sum, qwen2_moe's gated shared expert; ``decode_moe.py``); and the hybri
 ``qwen3_5_moe`` and ``qwen3_next``: their gated delta-net layers in the same loop
 (``decode_delta.py``: the recurrent state stays in each layer's ``ArraysCache``, updated in place
 in arrays made for the sequence), their attention layers with a sigmoid output gate and a partial
-RoPE (no prompt-cache borrowing, no speculative drafts there: the state cannot be trimmed). Gemma 3 brings
+RoPE (no prompt-cache borrowing, no speculative drafts there: the state cannot be trimmed);
+``gpt_oss`` (top-k then softmax, biased experts, clamped SwiGLU, attention sinks, sliding-window
+rings named by ``layer_types`` beside full layers, its prompt chunks' rings as Gemma 3's:
+``ring_chunks.py``) and ``granitemoe`` (granite's multipliers). Gemma 3 brings
 the sliding-window layers (a ring of ``sliding_window`` positions, their own RoPE base), the
 GELU-gated MLP, four norms a layer plus per-head query and key norms (each ``1 + w``), the
 embedding scaled by ``sqrt(hidden)`` (rounded through bfloat16, as mlx-lm does) and
@@ -67,8 +70,8 @@ from mlxcel_compat.runtime import decode_delta, decode_moe, kv_precision, ring_c
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, ring_plan
-from mlxcel_compat.runtime.decode_layers import (LinearWeights, LoraFactors, PassBuffers, float32_array, gemma_mlp,
-                                                 gemma_norm, head_dim, layer_weights, norm_weights)
+from mlxcel_compat.runtime.decode_layers import (LinearWeights, LoraFactors, PassBuffers, attention_heads, float32_array,
+                                                 gemma_mlp, gemma_norm, head_dim, layer_mlp, layer_weights, norm_weights)
 from mlxcel_compat.runtime.lora_rows import factors_of
 from mlxcel_compat.runtime.native import decode_pass
 from mlxcel_compat.runtime.native.blas_shim import SMALL_M_MAX
@@ -76,13 +79,18 @@ from mlxcel_compat.runtime.rope_angles import RopeAngles
 
 LOG2E = 1.4426950408889634
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
-               "qwen3_5_moe", "qwen3_next")
+               "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
-# (olmoe's q/k norms over the whole projection).
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next")
+# (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe")
 # Hybrids: gated delta-net layers (decode_delta.py) between attention layers with an output gate and a
 # partial RoPE.
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+# Families other than Gemma 3 whose sliding-window layers (named by the model's ``layer_types``)
+# run on their RotatingKVCache rings here: gpt-oss's alternate with full ones.
+LAYER_TYPE_WINDOWS = ("gpt_oss",)
+# Families with granite's multipliers (embedding, residual branches, logits).
+MULTIPLIER_TYPES = ("granitemoe",)
 # mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
 EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU",  # BlockSwitchGLU: block_experts.py
                   "FusedGateUpSwitchGLU")  # Gemma 4's fused gate-up experts (gguf/stored_parts.py)
@@ -135,7 +143,7 @@ def unsupported(model: Any) -> str | None:
     layers = getattr(inner, "layers", None)
     if not layers or not isinstance(getattr(inner, "embed_tokens", None), (nn.Embedding, BlockEmbedding)):
         return "unexpected module layout"
-    if not gemma and getattr(model.args, "sliding_window", None) and any(
+    if model_type not in LAYER_TYPE_WINDOWS and not gemma and getattr(model.args, "sliding_window", None) and any(
             t != "full_attention" for t in getattr(model.args, "layer_types", None) or ()):
         return "sliding-window layers"
     norm_type = gemma_norm() if gemma else nn.RMSNorm
@@ -146,7 +154,7 @@ def unsupported(model: Any) -> str | None:
     weights = [m.weight for m in (inner.embed_tokens, head) if block_weight_of(m) is None]
     hybrid = model_type in HYBRID_TYPES
     for layer in layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        attn, mlp = getattr(layer, "self_attn", None), layer_mlp(layer)
         delta = hybrid and decode_delta.is_delta(layer)
         if delta:
             reason = decode_delta.unsupported(layer.linear_attn)
@@ -187,13 +195,24 @@ def unsupported(model: Any) -> str | None:
 
 
 def attention_shape(attn: Any) -> tuple[int, int, int] | None:
-    """(heads, KV heads, head size) of an attention module: mlx-lm's llama-style one, or the
-    hybrids' (qwen3_next's attention: its q projection twice as wide, queries and gates)."""
+    """(heads, KV heads, head size) of an attention module: mlx-lm's llama-style one (gpt-oss's
+    names too: ``decode_layers.attention_heads``), or the hybrids' (qwen3_next's attention: its q
+    projection twice as wide, queries and gates)."""
     if type(attn).__name__ in decode_delta.GATED_ATTENTION:
         return attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
-    if not hasattr(attn, "n_heads"):
+    heads = attention_heads(attn)
+    if heads is None:
         return None
-    return attn.n_heads, attn.n_kv_heads, head_dim(attn)
+    return heads[0], heads[1], head_dim(attn)
+
+
+def sliding_layers(model: Any) -> list[bool]:
+    """Which layers attend over a sliding window (a ``RotatingKVCache`` ring of ``sliding_window``
+    slots): Gemma 3's say so (``is_sliding``), gpt-oss's model names them in ``layer_types``."""
+    inner = model.model
+    if model.args.model_type in LAYER_TYPE_WINDOWS:
+        return [t == "sliding_attention" for t in inner.layer_types]
+    return [bool(getattr(getattr(layer, "self_attn", None), "is_sliding", False)) for layer in inner.layers]
 
 
 def build(model: Any, shim: Any) -> "CpuDecoder | str":
@@ -225,12 +244,13 @@ class CpuDecoder:
         attn0 = inner.layers[self.attn_layers[0]].self_attn
         self.gemma = model.args.model_type in GEMMA_TYPES
         self.n_heads, self.n_kv_heads, self.head_dim = attention_shape(attn0)
-        self.scale = float(attn0.scale) * LOG2E
+        heads = attention_heads(attn0)  # gpt-oss's scale is its sm_scale
+        self.scale = (heads[2] if heads is not None else float(attn0.scale)) * LOG2E
         self.rope_dims = attn0.rope.dims if attn0.rope.dims != self.head_dim else 0  # the hybrids' partial RoPE
         # RoPE modules by layer kind: mlx-lm builds every layer of a kind from the same arguments
         # (gemma3: sliding layers with rope_local_base_freq, the others with rope_theta and its
         # scaling), so one module per kind gives every layer's angles.
-        kinds = [bool(getattr(getattr(layer, "self_attn", None), "is_sliding", False)) for layer in inner.layers]
+        kinds = sliding_layers(model)
         firsts = {kinds[i]: i for i in reversed(self.attn_layers)}
         order = sorted(firsts, key=firsts.get)
         self.angles = RopeAngles([inner.layers[firsts[kind]].self_attn.rope for kind in order],
@@ -239,16 +259,23 @@ class CpuDecoder:
         # gemma3 scales the embedding by sqrt(hidden) rounded to bfloat16 (its own expression)
         hidden = self.embed.shape[1]
         self.embed_scale = np.float32(mx.array(hidden ** 0.5, mx.bfloat16).astype(mx.float32).item()) if self.gemma else None
-        self.window = int(model.args.sliding_window) if self.gemma else None
+        # granitemoe's multipliers: the embedding's, each branch's before its residual sum (the C
+        # loop's residual_scale; 0: none), and the logits divided by logits_scaling
+        granite = model.args.model_type in MULTIPLIER_TYPES
+        if granite:
+            self.embed_scale = np.float32(inner.embedding_multiplier)
+        self.residual_scale = float(model.args.residual_multiplier) if granite else 0.0
+        self.logits_scaling = np.float32(model.logits_scaling) if granite else None
+        self.window = int(model.args.sliding_window) if any(kinds) else None
         self.norm = norm_weights(inner.norm)
         head = head_module(model)
         self.head = LinearWeights(block_weight_of(head) or float32_array(head.weight), None,
                                   [LoraFactors(f) for f in factors_of(head)]
                                   if isinstance(head, (nn.Linear, BlockLinear)) else [])
-        self.layers = [(decode_delta.delta_layer if i in self.delta_layers else layer_weights)(
-            layer, order.index(kind), self.gemma,
-            decode_moe.moe_weights(layer.mlp) if decode_moe.is_moe(layer.mlp) else None)
-            for i, (layer, kind) in enumerate(zip(inner.layers, kinds))]
+        self.layers = [decode_delta.delta_layer(layer, order.index(kind), self.gemma, moe) if i in self.delta_layers
+                       else layer_weights(layer, order.index(kind), self.gemma, moe, sliding=kind)
+                       for i, (layer, kind) in enumerate(zip(inner.layers, kinds))
+                       for moe in [decode_moe.moe_weights(layer_mlp(layer)) if decode_moe.is_moe(layer_mlp(layer)) else None]]
         for i in self.attn_layers:  # qwen3_next's attention: queries and gates from one projection
             self.layers[i].gated_q = type(inner.layers[i].self_attn).__name__ in decode_delta.GATED_ATTENTION
         self.ffn_width = decode_moe.ffn_width(self.layers)  # the pass's gate and up buffers' width
@@ -415,6 +442,15 @@ class CpuDecoder:
         sequence's own buffers once, and the products still take all rows in one pass."""
         if logits and len(chunks) != 1:
             raise ValueError("logits are for a single sequence's chunk")
+        if self.kv.rings and any(len(c) == 1 for c in chunks):  # mlx-lm writes one token into a ring in place
+            ones = [i for i, c in enumerate(chunks) if len(c) == 1]
+            rest = [i for i, c in enumerate(chunks) if len(c) != 1]
+            if rest:
+                self.prefill_rows([chunks[i] for i in rest], [caches[i] for i in rest], [owned[i] for i in rest],
+                                  None if scales is None else [scales[i] for i in rest])
+            out = self.step_rows([chunks[i][0] for i in ones], [caches[i] for i in ones], [owned[i] for i in ones],
+                                 None if scales is None else [scales[i] for i in ones])
+            return out if logits else None
         short = [len(c) < PROMPT_ROWS_MIN for c in chunks]
         if len(chunks) > 1 and any(short) and not all(short):  # one pass for each kind of product
             for kind in (True, False):
@@ -520,6 +556,8 @@ class CpuDecoder:
         failed = self.native.run(b.native, rows, offsets, head, kv, angles, decode_pass.lora_scales(scales))
         if failed:
             raise RuntimeError(f"layer {failed - 1}: positions from {min(positions)} do not fit the layer's KV cache")
+        if head and self.logits_scaling is not None:
+            b.logits[:1 if segments is not None else rows] /= self.logits_scaling
         advance = segments if segments is not None else [1] * rows
         for cache, n in zip(caches, advance):
             for i in self.kv.rings:  # as mlx-lm's update leaves a ring: the slot after the one written
