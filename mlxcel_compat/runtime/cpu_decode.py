@@ -394,8 +394,8 @@ class CpuDecoder:
         if self.kv.rings:
             d, hk = self.head_dim, self.n_kv_heads
             return (len({c.offset for c in cache}) == 1
-                    and all(ring_chunks.ring_takes_chunk(cache[i], self.window, hk, d) for i in self.kv.rings)
-                    and all(ring_chunks.plain_takes_chunk(cache[i], hk, d) for i in self.kv.plain))
+                    and all(ring_chunks.ring_takes_chunk(cache[i], self.window, hk, d, self.kv.dtypes) for i in self.kv.rings)
+                    and all(ring_chunks.plain_takes_chunk(cache[i], hk, d, self.kv.dtypes) for i in self.kv.plain))
         if all(type(c) is KVCache and c.keys is None and c.offset == 0 for c in self._attention(cache)) and all(
                 decode_delta.can_take(cache[i], self.layers[i].delta) and decode_delta.is_fresh(cache[i])
                 for i in self.delta_layers):
