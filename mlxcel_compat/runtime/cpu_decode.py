@@ -76,6 +76,7 @@ from mlxcel_compat.runtime.lora_rows import factors_of
 from mlxcel_compat.runtime.native import decode_pass
 from mlxcel_compat.runtime.native.blas_shim import SMALL_M_MAX
 from mlxcel_compat.runtime.rope_angles import RopeAngles
+from mlxcel_compat.runtime.sequence_kv import SequenceKv
 
 LOG2E = 1.4426950408889634
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
@@ -288,13 +289,15 @@ class CpuDecoder:
                            rings=[i for i, layer in enumerate(attn) if layer.sliding],  # RotatingKVCache layers
                            plain=[i for i, layer in enumerate(attn) if not layer.sliding],  # KVCache layers
                            dtypes=kv_precision.of_model(model).dtypes())  # -ctk/-ctv
+        # a sequence's KV as the pass reads it (sequence_kv.py): views, the struct mlxcel_kv table
+        self.seq = SequenceKv(self.kv, len(self.layers), self.attn_layers, self.delta_layers,
+                              [self.layers[i].delta for i in self.delta_layers])
         self._buffers: dict[int, PassBuffers] = {}  # by row count
         self._chunk_buffers: PassBuffers | None = None  # a prompt chunk's (prefill): the largest so far
         self.steps = 0  # steps run so far (tests and benchmarks check that it ran)
         self.prefilled = 0  # prompt tokens fed by prefill so far
         self.prompt_rows_min = PROMPT_ROWS_MIN
         self.native = decode_pass.describe(self, lib)  # the C loop's view of all of the above
-        self._kv_bases: dict[int, tuple[list[tuple[int, ...]], np.ndarray]] = {}  # by id of a views list
 
     # ------------------------------------------------------------------ eligibility
 
@@ -311,7 +314,7 @@ class CpuDecoder:
         if not all(decode_delta.can_take(cache[i], layer.delta) and not decode_delta.is_fresh(cache[i])
                    for i, layer in zip(self.delta_layers, (self.layers[i] for i in self.delta_layers))):
             return False
-        cache = self._attention(cache)
+        cache = self.seq.attention(cache)
         k_dtype, v_dtype = self.kv.dtypes
         if not owned.holds(cache) and not all(
             type(c) is (RotatingKVCache if self.layers[i].sliding else KVCache)
@@ -342,8 +345,8 @@ class CpuDecoder:
         no cache has advanced (a position written past ``offset`` is unused)."""
         self._check_tokens(tokens)
         positions = [self.offset(cache) for cache in caches]
-        borrowed = [self._borrow(cache, o, pos) for cache, o, pos in zip(caches, owned, positions)]
-        views = [b.views if b is not None else self._own(cache, o, pos)
+        borrowed = [self.seq.borrow(cache, o, pos) for cache, o, pos in zip(caches, owned, positions)]
+        views = [b.views if b is not None else self.seq.own(cache, o, pos)
                  for b, cache, o, pos in zip(borrowed, caches, owned, positions)]
         logits = self._run(tokens, caches, positions, views, scales)
         for b, cache, o in zip(borrowed, caches, owned):
@@ -368,7 +371,7 @@ class CpuDecoder:
             raise RuntimeError("a model with sliding-window layers feeds one token per step here")
         self._check_tokens(tokens)
         start = self.offset(cache)
-        views = self._own(cache, owned, start, last=start + len(tokens) - 1)
+        views = self.seq.own(cache, owned, start, last=start + len(tokens) - 1)
         out = np.empty((len(tokens), self.head.weight.shape[0]), np.float32)
         for first in range(0, len(tokens), EXACT_ROWS):
             part = tokens[first:first + EXACT_ROWS]
@@ -396,7 +399,7 @@ class CpuDecoder:
             return (len({c.offset for c in cache}) == 1
                     and all(ring_chunks.ring_takes_chunk(cache[i], self.window, hk, d, self.kv.dtypes) for i in self.kv.rings)
                     and all(ring_chunks.plain_takes_chunk(cache[i], hk, d, self.kv.dtypes) for i in self.kv.plain))
-        if all(type(c) is KVCache and c.keys is None and c.offset == 0 for c in self._attention(cache)) and all(
+        if all(type(c) is KVCache and c.keys is None and c.offset == 0 for c in self.seq.attention(cache)) and all(
                 decode_delta.can_take(cache[i], self.layers[i].delta) and decode_delta.is_fresh(cache[i])
                 for i in self.delta_layers):
             return True
@@ -463,9 +466,9 @@ class CpuDecoder:
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("each chunk needs its own sequence's cache")
         starts = [self.offset(cache) for cache in caches]
-        borrowed = [self._borrow(cache, o, start, len(tokens))
+        borrowed = [self.seq.borrow(cache, o, start, len(tokens))
                     for cache, o, start, tokens in zip(caches, owned, starts, chunks)]
-        views = [b.views if b is not None else self._chunk_views(cache, o, start, len(tokens))
+        views = [b.views if b is not None else self.seq.chunk_views(cache, o, start, len(tokens))
                  for b, cache, o, start, tokens in zip(borrowed, caches, owned, starts, chunks)]
         rows = [len(tokens) for tokens in chunks]
         row_scales = None if scales is None or all(s is None for s in scales) else [
@@ -479,34 +482,7 @@ class CpuDecoder:
 
     def offset(self, cache: list[Any]) -> int:
         """The sequence's position: its first attention layer's (a delta-net layer keeps none)."""
-        return cache[self.attn_layers[0]].offset
-
-    def _attention(self, cache: list[Any]) -> list[Any]:
-        """The attention layers' caches (the KV layout's), all of them but a hybrid's delta-net ones."""
-        return [cache[i] for i in self.attn_layers] if self.delta_layers else cache
-
-    def _borrow(self, cache: list[Any], owned: OwnedCache, pos: int, n: int = 1) -> Any:
-        """``KvLayout.borrow``; never for a hybrid, whose recurrent state a step updates in place."""
-        return None if self.delta_layers else self.kv.borrow(cache, owned, pos, n)
-
-    def _own(self, cache: list[Any], owned: OwnedCache, pos: int, last: int | None = None) -> list[tuple[int, ...]]:
-        """``KvLayout.own``, and a hybrid's delta-net states (conv, state, 0 for every delta-net layer
-        between the attention layers' views: ``struct mlxcel_kv``'s keys and values point at them)."""
-        views = self.kv.own(self._attention(cache), owned, pos, last)
-        if not self.delta_layers:
-            return views
-        if owned.recurrent is None:
-            owned.recurrent = decode_delta.OwnedStates()
-        states = decode_delta.own_states([cache[i] for i in self.delta_layers],
-                                         [self.layers[i].delta for i in self.delta_layers], owned.recurrent)
-        return owned.recurrent.merged(views, states, self.delta_layers)
-
-    def _chunk_views(self, cache: list[Any], owned: OwnedCache, start: int, rows: int) -> list[tuple[int, ...]]:
-        """A prompt chunk's KV views: this sequence's own buffers with room for it, and with
-        sliding-window layers each ring laid out in order ahead of the chunk (``ring_chunks``)."""
-        if self.kv.rings:
-            return ring_chunks.chunk_views(self.kv, cache, owned, start, rows)
-        return self._own(cache, owned, start, last=start + rows - 1)
+        return self.seq.offset(cache)
 
     def _check_tokens(self, tokens: list[int]) -> None:
         vocab = self.embed.shape[0]
@@ -536,15 +512,11 @@ class CpuDecoder:
             angles = np.array([[self.angles.row(pos, kind) for kind in range(len(self.angles.ropes))] for pos in positions],
                               np.int64)
             offsets = None
-        kv = self._kv(views, positions, caches)
+        kv = self.seq.table(views, positions, caches, segments)
         if self.delta_layers:  # the pass updates recurrent state in place: nothing may fail once it started
             ends = kv[:, self.attn_layers, 5] + np.array(segments or [1] * rows)[:, None]
             if (ends > kv[:, self.attn_layers, 4]).any():
                 raise RuntimeError(f"positions from {min(positions)} do not fit the attention layers' KV cache")
-        if segments is not None and self.kv.rings:  # a ring's chunk: its valid slots, windowed (ring_chunks.py)
-            for j, pos in enumerate(positions):
-                kv[j, self.kv.rings, 6] = min(pos, self.window)
-            kv[:, self.kv.rings, 7] = self.window
         x = b.x[:rows]
         if isinstance(self.embed, BlockWeight):  # the ids were checked (_check_tokens)
             ids = np.array(tokens, np.int32)
@@ -558,52 +530,12 @@ class CpuDecoder:
             raise RuntimeError(f"layer {failed - 1}: positions from {min(positions)} do not fit the layer's KV cache")
         if head and self.logits_scaling is not None:
             b.logits[:1 if segments is not None else rows] /= self.logits_scaling
-        advance = segments if segments is not None else [1] * rows
-        for cache, n in zip(caches, advance):
-            for i in self.kv.rings:  # as mlx-lm's update leaves a ring: the slot after the one written
-                ring = cache[i]
-                if segments is not None:  # a chunk left the newest slots in order from slot 0
-                    ring._idx = min(ring.max_size, ring.offset + n)
-                else:
-                    ring._idx = (0 if ring._idx == ring.max_size else ring._idx) + n
-            for i in self.attn_layers:  # a delta-net layer's ArraysCache has no position
-                cache[i].offset += n
+        self.seq.advance(caches, segments if segments is not None else [1] * rows, chunk=segments is not None)
         if segments is not None:
             self.prefilled += rows
         else:
             self.steps += rows
         return b.logits
-
-    def _kv(self, views: list[list[tuple[int, ...]]], positions: list[int], caches: list[list[Any]]) -> np.ndarray:
-        """``struct mlxcel_kv`` of every row and layer: its keys, values and capacity (``views``),
-        where the row writes and how many slots it sees (a growing cache: its position, and
-        everything up to it; a ring: mlx-lm's slot and at most its capacity), and for shared
-        arrays (a view of 5: :meth:`KvLayout.borrow`) the buffers its new keys and values go to instead."""
-        kv = np.empty((len(views), len(self.layers), decode_pass.KV_FIELDS), np.int64)
-        for r, (row_views, pos) in enumerate(zip(views, positions)):
-            kv[r] = self._kv_base(row_views)
-            kv[r, :, 5], kv[r, :, 6] = pos, pos + 1
-            for i in self.kv.rings:  # the ring's slot (ring_plan left _idx where mlx-lm's update has it)
-                ring = caches[r][i]
-                kv[r, i, 5] = 0 if ring._idx == ring.max_size else ring._idx
-                kv[r, i, 6] = min(pos + 1, int(kv[r, i, 4]))  # what mlx-lm's keys_and_values hands its attention
-        return kv
-
-    def _kv_base(self, row_views: list[tuple[int, ...]]) -> np.ndarray:
-        """The addresses and capacities of ``row_views`` as ``struct mlxcel_kv`` fields, made once
-        per views list (a sequence's own buffers keep theirs from step to step)."""
-        held = self._kv_bases.get(id(row_views))
-        if held is not None and held[0] is row_views:
-            return held[1]
-        a = np.array(row_views, np.int64)
-        base = np.zeros((len(self.layers), decode_pass.KV_FIELDS), np.int64)
-        base[:, 0:2], base[:, 4] = a[:, 0:2], a[:, 2]
-        if a.shape[1] == 5:
-            base[:, 2:4] = a[:, 3:5]
-        if len(self._kv_bases) >= 64:  # sequences come and go: forget the old ones
-            self._kv_bases.clear()
-        self._kv_bases[id(row_views)] = (row_views, base)
-        return base
 
     def _buffers_for(self, rows: int) -> PassBuffers:
         b = self._buffers.get(rows)
