@@ -11,8 +11,8 @@ kernel is faster). Where ggml has a repacked layout for the type (Q4_K: llama-se
 path, its 8-row GEMV), that runs too, one product per activation row as the runtime would call
 it, and its ratio to the own kernel is printed. Q4_1, Q5_0 and Q5_1 have own kernels over rows
 the loader rearranges (``block_weight.split_rows``): those run over a split copy, against ggml's
-vec_dot over the blocks as stored. MXFP4 and IQ4_NL have no own kernel but ggml repacks them
-(llama-server's decode path too): their repacked GEMV runs against vec_dot. Every shape runs
+vec_dot over the blocks as stored. MXFP4 has an own kernel and ggml repacks it (llama-server's
+decode path): both run; IQ4_NL has no own kernel: its repacked GEMV runs against vec_dot. Every shape runs
 on all of the shim's threads, as in a server (``--threads`` sets their count).
 
 The last column, ``own/1``, is the own kernel's time at this row count over its time for one

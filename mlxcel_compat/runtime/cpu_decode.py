@@ -40,7 +40,10 @@ weighted sum, qwen2_moe's gated shared expert; ``decode_moe.py``); and the hybri
 ``qwen3_5_moe`` and ``qwen3_next``: their gated delta-net layers in the same loop
 (``decode_delta.py``: the recurrent state stays in each layer's ``ArraysCache``, updated in place
 in arrays made for the sequence), their attention layers with a sigmoid output gate and a partial
-RoPE (no prompt-cache borrowing, no speculative drafts there: the state cannot be trimmed). Gemma 3 brings
+RoPE (no prompt-cache borrowing, no speculative drafts there: the state cannot be trimmed);
+``gpt_oss`` (top-k then softmax, biased experts, clamped SwiGLU, attention sinks, sliding-window
+rings named by ``layer_types`` beside full layers, its prompt chunks' rings as Gemma 3's:
+``ring_chunks.py``) and ``granitemoe`` (granite's multipliers). Gemma 3 brings
 the sliding-window layers (a ring of ``sliding_window`` positions, their own RoPE base), the
 GELU-gated MLP, four norms a layer plus per-head query and key norms (each ``1 + w``), the
 embedding scaled by ``sqrt(hidden)`` (rounded through bfloat16, as mlx-lm does) and
@@ -67,22 +70,28 @@ from mlxcel_compat.runtime import decode_delta, decode_moe, kv_precision, ring_c
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, ring_plan
-from mlxcel_compat.runtime.decode_layers import (LinearWeights, LoraFactors, PassBuffers, float32_array, gemma_mlp,
-                                                 gemma_norm, head_dim, layer_weights, norm_weights)
+from mlxcel_compat.runtime.decode_layers import (LinearWeights, LoraFactors, PassBuffers, attention_heads, float32_array,
+                                                 gemma_mlp, gemma_norm, head_dim, layer_mlp, layer_weights, norm_weights)
 from mlxcel_compat.runtime.lora_rows import factors_of
 from mlxcel_compat.runtime.native import decode_pass
 from mlxcel_compat.runtime.native.blas_shim import SMALL_M_MAX
 from mlxcel_compat.runtime.rope_angles import RopeAngles
+from mlxcel_compat.runtime.sequence_kv import SequenceKv
 
 LOG2E = 1.4426950408889634
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
-               "qwen3_5_moe", "qwen3_next")
+               "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
-# (olmoe's q/k norms over the whole projection).
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next")
+# (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe")
 # Hybrids: gated delta-net layers (decode_delta.py) between attention layers with an output gate and a
 # partial RoPE.
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+# Families other than Gemma 3 whose sliding-window layers (named by the model's ``layer_types``)
+# run on their RotatingKVCache rings here: gpt-oss's alternate with full ones.
+LAYER_TYPE_WINDOWS = ("gpt_oss",)
+# Families with granite's multipliers (embedding, residual branches, logits).
+MULTIPLIER_TYPES = ("granitemoe",)
 # mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
 EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU",  # BlockSwitchGLU: block_experts.py
                   "FusedGateUpSwitchGLU")  # Gemma 4's fused gate-up experts (gguf/stored_parts.py)
@@ -135,7 +144,7 @@ def unsupported(model: Any) -> str | None:
     layers = getattr(inner, "layers", None)
     if not layers or not isinstance(getattr(inner, "embed_tokens", None), (nn.Embedding, BlockEmbedding)):
         return "unexpected module layout"
-    if not gemma and getattr(model.args, "sliding_window", None) and any(
+    if model_type not in LAYER_TYPE_WINDOWS and not gemma and getattr(model.args, "sliding_window", None) and any(
             t != "full_attention" for t in getattr(model.args, "layer_types", None) or ()):
         return "sliding-window layers"
     norm_type = gemma_norm() if gemma else nn.RMSNorm
@@ -146,7 +155,7 @@ def unsupported(model: Any) -> str | None:
     weights = [m.weight for m in (inner.embed_tokens, head) if block_weight_of(m) is None]
     hybrid = model_type in HYBRID_TYPES
     for layer in layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        attn, mlp = getattr(layer, "self_attn", None), layer_mlp(layer)
         delta = hybrid and decode_delta.is_delta(layer)
         if delta:
             reason = decode_delta.unsupported(layer.linear_attn)
@@ -187,13 +196,24 @@ def unsupported(model: Any) -> str | None:
 
 
 def attention_shape(attn: Any) -> tuple[int, int, int] | None:
-    """(heads, KV heads, head size) of an attention module: mlx-lm's llama-style one, or the
-    hybrids' (qwen3_next's attention: its q projection twice as wide, queries and gates)."""
+    """(heads, KV heads, head size) of an attention module: mlx-lm's llama-style one (gpt-oss's
+    names too: ``decode_layers.attention_heads``), or the hybrids' (qwen3_next's attention: its q
+    projection twice as wide, queries and gates)."""
     if type(attn).__name__ in decode_delta.GATED_ATTENTION:
         return attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
-    if not hasattr(attn, "n_heads"):
+    heads = attention_heads(attn)
+    if heads is None:
         return None
-    return attn.n_heads, attn.n_kv_heads, head_dim(attn)
+    return heads[0], heads[1], head_dim(attn)
+
+
+def sliding_layers(model: Any) -> list[bool]:
+    """Which layers attend over a sliding window (a ``RotatingKVCache`` ring of ``sliding_window``
+    slots): Gemma 3's say so (``is_sliding``), gpt-oss's model names them in ``layer_types``."""
+    inner = model.model
+    if model.args.model_type in LAYER_TYPE_WINDOWS:
+        return [t == "sliding_attention" for t in inner.layer_types]
+    return [bool(getattr(getattr(layer, "self_attn", None), "is_sliding", False)) for layer in inner.layers]
 
 
 def build(model: Any, shim: Any) -> "CpuDecoder | str":
@@ -225,12 +245,13 @@ class CpuDecoder:
         attn0 = inner.layers[self.attn_layers[0]].self_attn
         self.gemma = model.args.model_type in GEMMA_TYPES
         self.n_heads, self.n_kv_heads, self.head_dim = attention_shape(attn0)
-        self.scale = float(attn0.scale) * LOG2E
+        heads = attention_heads(attn0)  # gpt-oss's scale is its sm_scale
+        self.scale = (heads[2] if heads is not None else float(attn0.scale)) * LOG2E
         self.rope_dims = attn0.rope.dims if attn0.rope.dims != self.head_dim else 0  # the hybrids' partial RoPE
         # RoPE modules by layer kind: mlx-lm builds every layer of a kind from the same arguments
         # (gemma3: sliding layers with rope_local_base_freq, the others with rope_theta and its
         # scaling), so one module per kind gives every layer's angles.
-        kinds = [bool(getattr(getattr(layer, "self_attn", None), "is_sliding", False)) for layer in inner.layers]
+        kinds = sliding_layers(model)
         firsts = {kinds[i]: i for i in reversed(self.attn_layers)}
         order = sorted(firsts, key=firsts.get)
         self.angles = RopeAngles([inner.layers[firsts[kind]].self_attn.rope for kind in order],
@@ -239,16 +260,23 @@ class CpuDecoder:
         # gemma3 scales the embedding by sqrt(hidden) rounded to bfloat16 (its own expression)
         hidden = self.embed.shape[1]
         self.embed_scale = np.float32(mx.array(hidden ** 0.5, mx.bfloat16).astype(mx.float32).item()) if self.gemma else None
-        self.window = int(model.args.sliding_window) if self.gemma else None
+        # granitemoe's multipliers: the embedding's, each branch's before its residual sum (the C
+        # loop's residual_scale; 0: none), and the logits divided by logits_scaling
+        granite = model.args.model_type in MULTIPLIER_TYPES
+        if granite:
+            self.embed_scale = np.float32(inner.embedding_multiplier)
+        self.residual_scale = float(model.args.residual_multiplier) if granite else 0.0
+        self.logits_scaling = np.float32(model.logits_scaling) if granite else None
+        self.window = int(model.args.sliding_window) if any(kinds) else None
         self.norm = norm_weights(inner.norm)
         head = head_module(model)
         self.head = LinearWeights(block_weight_of(head) or float32_array(head.weight), None,
                                   [LoraFactors(f) for f in factors_of(head)]
                                   if isinstance(head, (nn.Linear, BlockLinear)) else [])
-        self.layers = [(decode_delta.delta_layer if i in self.delta_layers else layer_weights)(
-            layer, order.index(kind), self.gemma,
-            decode_moe.moe_weights(layer.mlp) if decode_moe.is_moe(layer.mlp) else None)
-            for i, (layer, kind) in enumerate(zip(inner.layers, kinds))]
+        self.layers = [decode_delta.delta_layer(layer, order.index(kind), self.gemma, moe) if i in self.delta_layers
+                       else layer_weights(layer, order.index(kind), self.gemma, moe, sliding=kind)
+                       for i, (layer, kind) in enumerate(zip(inner.layers, kinds))
+                       for moe in [decode_moe.moe_weights(layer_mlp(layer)) if decode_moe.is_moe(layer_mlp(layer)) else None]]
         for i in self.attn_layers:  # qwen3_next's attention: queries and gates from one projection
             self.layers[i].gated_q = type(inner.layers[i].self_attn).__name__ in decode_delta.GATED_ATTENTION
         self.ffn_width = decode_moe.ffn_width(self.layers)  # the pass's gate and up buffers' width
@@ -261,13 +289,15 @@ class CpuDecoder:
                            rings=[i for i, layer in enumerate(attn) if layer.sliding],  # RotatingKVCache layers
                            plain=[i for i, layer in enumerate(attn) if not layer.sliding],  # KVCache layers
                            dtypes=kv_precision.of_model(model).dtypes())  # -ctk/-ctv
+        # a sequence's KV as the pass reads it (sequence_kv.py): views, the struct mlxcel_kv table
+        self.seq = SequenceKv(self.kv, len(self.layers), self.attn_layers, self.delta_layers,
+                              [self.layers[i].delta for i in self.delta_layers])
         self._buffers: dict[int, PassBuffers] = {}  # by row count
         self._chunk_buffers: PassBuffers | None = None  # a prompt chunk's (prefill): the largest so far
         self.steps = 0  # steps run so far (tests and benchmarks check that it ran)
         self.prefilled = 0  # prompt tokens fed by prefill so far
         self.prompt_rows_min = PROMPT_ROWS_MIN
         self.native = decode_pass.describe(self, lib)  # the C loop's view of all of the above
-        self._kv_bases: dict[int, tuple[list[tuple[int, ...]], np.ndarray]] = {}  # by id of a views list
 
     # ------------------------------------------------------------------ eligibility
 
@@ -284,7 +314,7 @@ class CpuDecoder:
         if not all(decode_delta.can_take(cache[i], layer.delta) and not decode_delta.is_fresh(cache[i])
                    for i, layer in zip(self.delta_layers, (self.layers[i] for i in self.delta_layers))):
             return False
-        cache = self._attention(cache)
+        cache = self.seq.attention(cache)
         k_dtype, v_dtype = self.kv.dtypes
         if not owned.holds(cache) and not all(
             type(c) is (RotatingKVCache if self.layers[i].sliding else KVCache)
@@ -315,8 +345,8 @@ class CpuDecoder:
         no cache has advanced (a position written past ``offset`` is unused)."""
         self._check_tokens(tokens)
         positions = [self.offset(cache) for cache in caches]
-        borrowed = [self._borrow(cache, o, pos) for cache, o, pos in zip(caches, owned, positions)]
-        views = [b.views if b is not None else self._own(cache, o, pos)
+        borrowed = [self.seq.borrow(cache, o, pos) for cache, o, pos in zip(caches, owned, positions)]
+        views = [b.views if b is not None else self.seq.own(cache, o, pos)
                  for b, cache, o, pos in zip(borrowed, caches, owned, positions)]
         logits = self._run(tokens, caches, positions, views, scales)
         for b, cache, o in zip(borrowed, caches, owned):
@@ -341,7 +371,7 @@ class CpuDecoder:
             raise RuntimeError("a model with sliding-window layers feeds one token per step here")
         self._check_tokens(tokens)
         start = self.offset(cache)
-        views = self._own(cache, owned, start, last=start + len(tokens) - 1)
+        views = self.seq.own(cache, owned, start, last=start + len(tokens) - 1)
         out = np.empty((len(tokens), self.head.weight.shape[0]), np.float32)
         for first in range(0, len(tokens), EXACT_ROWS):
             part = tokens[first:first + EXACT_ROWS]
@@ -367,9 +397,9 @@ class CpuDecoder:
         if self.kv.rings:
             d, hk = self.head_dim, self.n_kv_heads
             return (len({c.offset for c in cache}) == 1
-                    and all(ring_chunks.ring_takes_chunk(cache[i], self.window, hk, d) for i in self.kv.rings)
-                    and all(ring_chunks.plain_takes_chunk(cache[i], hk, d) for i in self.kv.plain))
-        if all(type(c) is KVCache and c.keys is None and c.offset == 0 for c in self._attention(cache)) and all(
+                    and all(ring_chunks.ring_takes_chunk(cache[i], self.window, hk, d, self.kv.dtypes) for i in self.kv.rings)
+                    and all(ring_chunks.plain_takes_chunk(cache[i], hk, d, self.kv.dtypes) for i in self.kv.plain))
+        if all(type(c) is KVCache and c.keys is None and c.offset == 0 for c in self.seq.attention(cache)) and all(
                 decode_delta.can_take(cache[i], self.layers[i].delta) and decode_delta.is_fresh(cache[i])
                 for i in self.delta_layers):
             return True
@@ -415,6 +445,15 @@ class CpuDecoder:
         sequence's own buffers once, and the products still take all rows in one pass."""
         if logits and len(chunks) != 1:
             raise ValueError("logits are for a single sequence's chunk")
+        if self.kv.rings and any(len(c) == 1 for c in chunks):  # mlx-lm writes one token into a ring in place
+            ones = [i for i, c in enumerate(chunks) if len(c) == 1]
+            rest = [i for i, c in enumerate(chunks) if len(c) != 1]
+            if rest:
+                self.prefill_rows([chunks[i] for i in rest], [caches[i] for i in rest], [owned[i] for i in rest],
+                                  None if scales is None else [scales[i] for i in rest])
+            out = self.step_rows([chunks[i][0] for i in ones], [caches[i] for i in ones], [owned[i] for i in ones],
+                                 None if scales is None else [scales[i] for i in ones])
+            return out if logits else None
         short = [len(c) < PROMPT_ROWS_MIN for c in chunks]
         if len(chunks) > 1 and any(short) and not all(short):  # one pass for each kind of product
             for kind in (True, False):
@@ -427,9 +466,9 @@ class CpuDecoder:
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("each chunk needs its own sequence's cache")
         starts = [self.offset(cache) for cache in caches]
-        borrowed = [self._borrow(cache, o, start, len(tokens))
+        borrowed = [self.seq.borrow(cache, o, start, len(tokens))
                     for cache, o, start, tokens in zip(caches, owned, starts, chunks)]
-        views = [b.views if b is not None else self._chunk_views(cache, o, start, len(tokens))
+        views = [b.views if b is not None else self.seq.chunk_views(cache, o, start, len(tokens))
                  for b, cache, o, start, tokens in zip(borrowed, caches, owned, starts, chunks)]
         rows = [len(tokens) for tokens in chunks]
         row_scales = None if scales is None or all(s is None for s in scales) else [
@@ -443,34 +482,7 @@ class CpuDecoder:
 
     def offset(self, cache: list[Any]) -> int:
         """The sequence's position: its first attention layer's (a delta-net layer keeps none)."""
-        return cache[self.attn_layers[0]].offset
-
-    def _attention(self, cache: list[Any]) -> list[Any]:
-        """The attention layers' caches (the KV layout's), all of them but a hybrid's delta-net ones."""
-        return [cache[i] for i in self.attn_layers] if self.delta_layers else cache
-
-    def _borrow(self, cache: list[Any], owned: OwnedCache, pos: int, n: int = 1) -> Any:
-        """``KvLayout.borrow``; never for a hybrid, whose recurrent state a step updates in place."""
-        return None if self.delta_layers else self.kv.borrow(cache, owned, pos, n)
-
-    def _own(self, cache: list[Any], owned: OwnedCache, pos: int, last: int | None = None) -> list[tuple[int, ...]]:
-        """``KvLayout.own``, and a hybrid's delta-net states (conv, state, 0 for every delta-net layer
-        between the attention layers' views: ``struct mlxcel_kv``'s keys and values point at them)."""
-        views = self.kv.own(self._attention(cache), owned, pos, last)
-        if not self.delta_layers:
-            return views
-        if owned.recurrent is None:
-            owned.recurrent = decode_delta.OwnedStates()
-        states = decode_delta.own_states([cache[i] for i in self.delta_layers],
-                                         [self.layers[i].delta for i in self.delta_layers], owned.recurrent)
-        return owned.recurrent.merged(views, states, self.delta_layers)
-
-    def _chunk_views(self, cache: list[Any], owned: OwnedCache, start: int, rows: int) -> list[tuple[int, ...]]:
-        """A prompt chunk's KV views: this sequence's own buffers with room for it, and with
-        sliding-window layers each ring laid out in order ahead of the chunk (``ring_chunks``)."""
-        if self.kv.rings:
-            return ring_chunks.chunk_views(self.kv, cache, owned, start, rows)
-        return self._own(cache, owned, start, last=start + rows - 1)
+        return self.seq.offset(cache)
 
     def _check_tokens(self, tokens: list[int]) -> None:
         vocab = self.embed.shape[0]
@@ -500,15 +512,11 @@ class CpuDecoder:
             angles = np.array([[self.angles.row(pos, kind) for kind in range(len(self.angles.ropes))] for pos in positions],
                               np.int64)
             offsets = None
-        kv = self._kv(views, positions, caches)
+        kv = self.seq.table(views, positions, caches, segments)
         if self.delta_layers:  # the pass updates recurrent state in place: nothing may fail once it started
             ends = kv[:, self.attn_layers, 5] + np.array(segments or [1] * rows)[:, None]
             if (ends > kv[:, self.attn_layers, 4]).any():
                 raise RuntimeError(f"positions from {min(positions)} do not fit the attention layers' KV cache")
-        if segments is not None and self.kv.rings:  # a ring's chunk: its valid slots, windowed (ring_chunks.py)
-            for j, pos in enumerate(positions):
-                kv[j, self.kv.rings, 6] = min(pos, self.window)
-            kv[:, self.kv.rings, 7] = self.window
         x = b.x[:rows]
         if isinstance(self.embed, BlockWeight):  # the ids were checked (_check_tokens)
             ids = np.array(tokens, np.int32)
@@ -520,52 +528,14 @@ class CpuDecoder:
         failed = self.native.run(b.native, rows, offsets, head, kv, angles, decode_pass.lora_scales(scales))
         if failed:
             raise RuntimeError(f"layer {failed - 1}: positions from {min(positions)} do not fit the layer's KV cache")
-        advance = segments if segments is not None else [1] * rows
-        for cache, n in zip(caches, advance):
-            for i in self.kv.rings:  # as mlx-lm's update leaves a ring: the slot after the one written
-                ring = cache[i]
-                if segments is not None:  # a chunk left the newest slots in order from slot 0
-                    ring._idx = min(ring.max_size, ring.offset + n)
-                else:
-                    ring._idx = (0 if ring._idx == ring.max_size else ring._idx) + n
-            for i in self.attn_layers:  # a delta-net layer's ArraysCache has no position
-                cache[i].offset += n
+        if head and self.logits_scaling is not None:
+            b.logits[:1 if segments is not None else rows] /= self.logits_scaling
+        self.seq.advance(caches, segments if segments is not None else [1] * rows, chunk=segments is not None)
         if segments is not None:
             self.prefilled += rows
         else:
             self.steps += rows
         return b.logits
-
-    def _kv(self, views: list[list[tuple[int, ...]]], positions: list[int], caches: list[list[Any]]) -> np.ndarray:
-        """``struct mlxcel_kv`` of every row and layer: its keys, values and capacity (``views``),
-        where the row writes and how many slots it sees (a growing cache: its position, and
-        everything up to it; a ring: mlx-lm's slot and at most its capacity), and for shared
-        arrays (a view of 5: :meth:`KvLayout.borrow`) the buffers its new keys and values go to instead."""
-        kv = np.empty((len(views), len(self.layers), decode_pass.KV_FIELDS), np.int64)
-        for r, (row_views, pos) in enumerate(zip(views, positions)):
-            kv[r] = self._kv_base(row_views)
-            kv[r, :, 5], kv[r, :, 6] = pos, pos + 1
-            for i in self.kv.rings:  # the ring's slot (ring_plan left _idx where mlx-lm's update has it)
-                ring = caches[r][i]
-                kv[r, i, 5] = 0 if ring._idx == ring.max_size else ring._idx
-                kv[r, i, 6] = min(pos + 1, int(kv[r, i, 4]))  # what mlx-lm's keys_and_values hands its attention
-        return kv
-
-    def _kv_base(self, row_views: list[tuple[int, ...]]) -> np.ndarray:
-        """The addresses and capacities of ``row_views`` as ``struct mlxcel_kv`` fields, made once
-        per views list (a sequence's own buffers keep theirs from step to step)."""
-        held = self._kv_bases.get(id(row_views))
-        if held is not None and held[0] is row_views:
-            return held[1]
-        a = np.array(row_views, np.int64)
-        base = np.zeros((len(self.layers), decode_pass.KV_FIELDS), np.int64)
-        base[:, 0:2], base[:, 4] = a[:, 0:2], a[:, 2]
-        if a.shape[1] == 5:
-            base[:, 2:4] = a[:, 3:5]
-        if len(self._kv_bases) >= 64:  # sequences come and go: forget the old ones
-            self._kv_bases.clear()
-        self._kv_bases[id(row_views)] = (row_views, base)
-        return base
 
     def _buffers_for(self, rows: int) -> PassBuffers:
         b = self._buffers.get(rows)

@@ -6,7 +6,9 @@ Why: the C loop (``native/decode_pass.py`` describes these to it once) reads the
 so they are taken from the modules as they are (float32 buffers, ``BlockWeight``s, the LoRA
 adapters served unfused) and only the families' differences are resolved here: Gemma 3's four
 norms a layer, each ``1 + w``, its attention's and MLP's outputs normed before the residual sum,
-its sliding-window layers; qwen3's and gemma3's per-head query and key norms.
+its sliding-window layers; qwen3's and gemma3's per-head query and key norms; gpt-oss's
+attention sinks (one logit per query head in the softmax's denominator, kept times log2 e as
+the C softmax is a power of 2) and its sliding layers (named by ``layer_types``).
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class LayerWeights:
     moe: Any = None  # a mixture-of-experts layer in place of the MLP (decode_moe.MoeWeights), or None
     delta: Any = None  # a hybrid's gated delta-net in place of attention (decode_delta.DeltaWeights), or None
     gated_q: bool = False  # the hybrids' attention: q's projection holds per head d queries and d gates
+    sinks: np.ndarray | None = None  # gpt-oss: (heads) attention sink logits times log2 e, float32
 
 
 @dataclass
@@ -115,11 +118,22 @@ class PassBuffers:
         self.native = decode_pass.buffers({name: a for name, a in vars(self).items() if isinstance(a, np.ndarray)})
 
 
+def attention_heads(attn: Any) -> tuple[int, int, float] | None:
+    """An attention module's query heads, KV heads and softmax scale, under mlx-lm's names
+    (``n_heads``, ``n_kv_heads``, ``scale``; gpt-oss's ``num_attention_heads``,
+    ``num_key_value_heads``, ``sm_scale``), or None where it has neither set."""
+    for names in (("n_heads", "n_kv_heads", "scale"), ("num_attention_heads", "num_key_value_heads", "sm_scale")):
+        if all(hasattr(attn, n) for n in names):
+            heads, kv_heads, scale = (getattr(attn, n) for n in names)
+            return int(heads), int(kv_heads), float(scale)
+    return None
+
+
 def head_dim(attn: Any) -> int:
     """The head size of an attention module: its query projection's rows over its heads."""
     block = block_weight_of(attn.q_proj)
     rows = block.n if block is not None else attn.q_proj.weight.shape[0]
-    return rows // attn.n_heads
+    return rows // attention_heads(attn)[0]
 
 
 def gemma_norm() -> type:
@@ -134,6 +148,11 @@ def gemma_mlp() -> type:
     from mlx_lm.models.gemma3_text import MLP
 
     return MLP
+
+
+def layer_mlp(layer: Any) -> Any:
+    """A decoder layer's MLP or MoE block: ``mlp``, granitemoe's ``block_sparse_moe``; None if neither."""
+    return layer.mlp if hasattr(layer, "mlp") else getattr(layer, "block_sparse_moe", None)
 
 
 def linear_weights(module: Any) -> LinearWeights:
@@ -153,20 +172,35 @@ def norm_weights(module: Any) -> NormWeights | None:
     return NormWeights(float32_array(gain), float(module.eps))
 
 
-def layer_weights(layer: Any, rope: int, gemma: bool, moe: Any = None) -> LayerWeights:
+def layer_weights(layer: Any, rope: int, gemma: bool, moe: Any = None, sliding: bool = False) -> LayerWeights:
     """One of the model's layers, ``rope`` the index of its RoPE module, ``gemma`` for Gemma 3's
-    layer, ``moe`` its mixture-of-experts block's weights (``decode_moe.moe_weights``) in place of an MLP."""
-    a, m, lin, norm = layer.self_attn, layer.mlp, linear_weights, norm_weights
+    layer, ``moe`` its mixture-of-experts block's weights (``decode_moe.moe_weights``) in place of an MLP,
+    ``sliding`` for a sliding-window layer of another family (gpt-oss; Gemma 3's says so itself)."""
+    a, m, lin, norm = layer.self_attn, layer_mlp(layer), linear_weights, norm_weights
     mlp = dict(gate=None, up=None, down=None, moe=moe) if moe is not None else dict(
         gate=lin(m.gate_proj), up=lin(m.up_proj), down=lin(m.down_proj))
     common = dict(q=lin(a.q_proj), k=lin(a.k_proj), v=lin(a.v_proj), o=lin(a.o_proj), **mlp,
-                  q_norm=norm(getattr(a, "q_norm", None)), k_norm=norm(getattr(a, "k_norm", None)), rope=rope)
+                  q_norm=norm(getattr(a, "q_norm", None)), k_norm=norm(getattr(a, "k_norm", None)), rope=rope,
+                  sinks=sink_logits(a))
     if gemma:  # post_attention_layernorm norms the attention's output; pre_feedforward the MLP's input
         return LayerWeights(n1=norm(layer.input_layernorm), n2=norm(layer.pre_feedforward_layernorm),
                             attn_out=norm(layer.post_attention_layernorm), mlp_out=norm(layer.post_feedforward_layernorm),
                             sliding=bool(a.is_sliding), **common)
-    return LayerWeights(n1=norm(layer.input_layernorm), n2=norm(layer.post_attention_layernorm), **common)
+    return LayerWeights(n1=norm(layer.input_layernorm), n2=norm(layer.post_attention_layernorm), sliding=sliding,
+                        **common)
 
 
-__all__ = ["LayerWeights", "LinearWeights", "LoraFactors", "NormWeights", "PassBuffers", "float32_array",
-           "gemma_mlp", "gemma_norm", "head_dim", "layer_weights", "linear_weights", "norm_weights"]
+LOG2E = 1.4426950408889634
+
+
+def sink_logits(attn: Any) -> np.ndarray | None:
+    """gpt-oss's attention sinks (``attn.sinks``, one logit per query head) times log2 e, as the
+    C softmax's powers of 2 take them; None for an attention without sinks."""
+    sinks = getattr(attn, "sinks", None)
+    if sinks is None:
+        return None
+    return (float32_array(sinks) * np.float32(LOG2E)).astype(np.float32)
+
+
+__all__ = ["attention_heads", "LayerWeights", "LinearWeights", "LoraFactors", "NormWeights", "PassBuffers", "float32_array",
+           "gemma_mlp", "gemma_norm", "head_dim", "layer_mlp", "layer_weights", "linear_weights", "norm_weights", "sink_logits"]

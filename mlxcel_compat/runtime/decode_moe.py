@@ -11,9 +11,17 @@ the weighted sum and the shared expert. This module says which layers it can des
 and takes their weights from the modules as they are.
 
 Which layers: mlx-lm's sparse MoE blocks whose gating is known here (:data:`GATING`), with
-a ``SwitchGLU`` (SwiGLU activation) whose three projections are expert stacks in ggml's blocks
-without biases (the GGUF loader's ``BlockSwitchLinear``), the router a float32 or block linear
-layer and, for qwen2_moe, the shared expert a float32 or block MLP behind its one-output gate.
+a ``SwitchGLU`` (SwiGLU activation, or gpt-oss's clamped one) whose three projections are
+expert stacks in ggml's blocks (the GGUF loader's ``BlockSwitchLinear``; biases only in
+gpt-oss's), the router a float32 or block linear layer and, for qwen2_moe, the shared expert a
+float32 or block MLP behind its one-output gate.
+
+granitemoe's block routes as gpt-oss's (its router's ``layer`` has no bias, its experts none).
+gpt-oss's block (``gpt_oss.MLPBlock``: ``router`` and ``experts`` where the others have ``gate``
+and ``switch_mlp``) routes the other way round: the k largest router logits (its router has a
+bias), then a softmax over those k; each expert's gate, up and down add its own bias, and the
+activation is ``SwigluOAI``: ``(clip(up, -limit, limit) + 1) * g sigmoid(alpha g)``,
+``g = min(gate, limit)``, alpha 1.702 and limit 7 as mlx-lm's module holds them.
 """
 
 from __future__ import annotations
@@ -21,18 +29,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from mlxcel_compat.runtime.block_experts import BlockSwitchLinear
 from mlxcel_compat.runtime.block_weight import BlockWeight
-from mlxcel_compat.runtime.decode_layers import LinearWeights, linear_weights
+from mlxcel_compat.runtime.decode_layers import LinearWeights, float32_array, linear_weights
 
 # mlx-lm's MoE block classes by the gating their ``__call__`` computes: "softmax" = softmax over
 # every expert in float32, then the k largest (renormalised where ``norm_topk_prob`` says so).
+# "topk_softmax" = the k largest logits, then a softmax over those k (gpt-oss). Keys: the class
+# name, qualified by its mlx-lm module where the name alone says little (``block_name``).
 GATING = {
     "Qwen3MoeSparseMoeBlock": "softmax",  # qwen3_moe: norm_topk_prob from the config
     "Qwen2MoeSparseMoeBlock": "softmax",  # qwen2_moe: never renormalised; a gated shared expert
     "OlmoeSparseMoeBlock": "softmax",  # olmoe: norm_topk_prob from the config
     "Qwen3NextSparseMoeBlock": "softmax",  # qwen3_5_moe: norm_topk_prob; a shared expert behind its sigmoid gate
+    "gpt_oss.MLPBlock": "topk_softmax",  # gpt-oss: biases on the router and every expert, clamped SwiGLU
+    "GraniteMoeMoE": "topk_softmax",  # granitemoe: its router's ``layer``, no biases
 }
+ACTIVATIONS = ("SwiGLU", "SwigluOAI")  # mlx-lm's activations of a SwitchGLU the C loop computes
 
 
 @dataclass
@@ -47,6 +62,12 @@ class MoeWeights:
     top_k: int
     rows: int  # an expert's intermediate width
     norm_topk: bool
+    gating: str = "softmax"  # GATING's value
+    gate_bias: np.ndarray | None = None  # gpt-oss: (n_expert, rows) float32
+    up_bias: np.ndarray | None = None
+    down_bias: np.ndarray | None = None  # (n_expert, hidden)
+    alpha: float | None = None  # gpt-oss's clamped SwiGLU (SwigluOAI), else None
+    limit: float | None = None
     shared_gate: LinearWeights | None = None  # qwen2_moe's shared expert
     shared_up: LinearWeights | None = None
     shared_down: LinearWeights | None = None
@@ -64,39 +85,75 @@ class MoeWeights:
 
 
 def is_moe(mlp: Any) -> bool:
-    """Whether ``mlp`` is a mixture-of-experts block (one with a ``switch_mlp``)."""
-    return hasattr(mlp, "switch_mlp")
+    """Whether ``mlp`` is a mixture-of-experts block (one with a ``switch_mlp``, or gpt-oss's
+    ``experts`` behind its ``router``)."""
+    return hasattr(mlp, "switch_mlp") or (hasattr(mlp, "experts") and hasattr(mlp, "router"))
+
+
+def block_name(mlp: Any) -> str:
+    """The block's key in :data:`GATING`: its class name, qualified by its mlx-lm module for
+    gpt-oss's plainly named ``MLPBlock``."""
+    name = type(mlp).__name__
+    module = type(mlp).__module__.rsplit(".", 1)[-1]
+    return f"{module}.{name}" if f"{module}.{name}" in GATING else name
+
+
+def _experts(mlp: Any) -> Any:
+    return mlp.switch_mlp if hasattr(mlp, "switch_mlp") else mlp.experts
+
+
+def _router(mlp: Any) -> Any:
+    """The router's linear layer: ``gate`` (qwen3_moe, ...), gpt-oss's ``router``, granitemoe's
+    ``router.layer``."""
+    if not hasattr(mlp, "router"):
+        return mlp.gate
+    return getattr(mlp.router, "layer", mlp.router)
 
 
 def unsupported(mlp: Any) -> str | None:
     """Why this MoE block stays in MLX's step, or None if the C loop runs it."""
-    kind = type(mlp).__name__
+    kind = block_name(mlp)
     if kind not in GATING:
         return f"{kind}'s gating is not one the runtime computes"
-    switch = mlp.switch_mlp
-    if type(switch).__name__ != "BlockSwitchGLU" or type(switch.activation).__name__ != "SwiGLU":
+    switch = _experts(mlp)
+    if type(switch).__name__ != "BlockSwitchGLU" or type(switch.activation).__name__ not in ACTIVATIONS:
         return "experts not in ggml's blocks (the GGUF loader's stacks) or not SwiGLU"
     stacks = [switch.gate_proj, switch.up_proj, switch.down_proj]
-    if not all(isinstance(s, BlockSwitchLinear) and "bias" not in s for s in stacks):
+    biased = GATING[kind] == "topk_softmax"  # only gpt-oss's experts have biases (granitemoe's have none)
+    if not all(isinstance(s, BlockSwitchLinear) and ("bias" in s) <= biased for s in stacks):
         return "experts not in ggml's blocks (the GGUF loader's stacks) or with biases"
     gate, up, down = (s.stack for s in stacks)
     if gate.shape != up.shape or down.shape != (gate.n_expert, gate.weight.k, gate.rows):
         return "expert stacks of unexpected shapes"
-    if mlp.top_k > gate.n_expert:
+    if _top_k(mlp) > gate.n_expert:
         return "more experts chosen than there are"
     return None
 
 
+def _top_k(mlp: Any) -> int:
+    if hasattr(mlp, "top_k"):
+        return int(mlp.top_k)
+    return int(getattr(mlp, "num_experts_per_tok", None) or mlp.router.top_k)  # gpt-oss's, granitemoe's
+
+
+def _bias(linear: Any) -> np.ndarray | None:
+    return float32_array(linear.bias) if "bias" in linear else None
+
+
 def moe_weights(mlp: Any) -> MoeWeights:
     """An MoE block :func:`unsupported` accepts, as the C loop reads it."""
-    switch = mlp.switch_mlp
+    switch = _experts(mlp)
     gate, up, down = (getattr(switch, n).stack for n in ("gate_proj", "up_proj", "down_proj"))
     shared = getattr(mlp, "shared_expert", None)
     scale = getattr(mlp, "shared_expert_gate", None)
+    clamped = type(switch.activation).__name__ == "SwigluOAI"
     return MoeWeights(
-        router=linear_weights(mlp.gate), gate=gate.weight, up=up.weight, down=down.weight,
-        n_expert=gate.n_expert, top_k=int(mlp.top_k), rows=gate.rows,
-        norm_topk=bool(getattr(mlp, "norm_topk_prob", False)),
+        router=linear_weights(_router(mlp)), gate=gate.weight, up=up.weight, down=down.weight,
+        n_expert=gate.n_expert, top_k=_top_k(mlp), rows=gate.rows,
+        norm_topk=bool(getattr(mlp, "norm_topk_prob", False)), gating=GATING[block_name(mlp)],
+        gate_bias=_bias(switch.gate_proj), up_bias=_bias(switch.up_proj), down_bias=_bias(switch.down_proj),
+        alpha=float(switch.activation._alpha) if clamped else None,
+        limit=float(switch.activation._limit) if clamped else None,
         shared_gate=linear_weights(shared.gate_proj) if shared is not None else None,
         shared_up=linear_weights(shared.up_proj) if shared is not None else None,
         shared_down=linear_weights(shared.down_proj) if shared is not None else None,
@@ -107,7 +164,7 @@ def shared_modules(mlp: Any) -> list[Any]:
     """The block's non-expert linear modules (router, shared expert and its gate): what the
     runtime's checks of weight types look at."""
     shared = getattr(mlp, "shared_expert", None)
-    modules = [mlp.gate, getattr(mlp, "shared_expert_gate", None)]
+    modules = [_router(mlp), getattr(mlp, "shared_expert_gate", None)]
     if shared is not None:
         modules += [shared.gate_proj, shared.up_proj, shared.down_proj]
     return [m for m in modules if m is not None]
@@ -122,4 +179,4 @@ def ffn_width(layers: list[Any]) -> int:
     return max(widths, default=1)
 
 
-__all__ = ["GATING", "MoeWeights", "ffn_width", "is_moe", "moe_weights", "shared_modules", "unsupported"]
+__all__ = ["ACTIVATIONS", "GATING", "block_name", "MoeWeights", "ffn_width", "is_moe", "moe_weights", "shared_modules", "unsupported"]

@@ -1,4 +1,4 @@
-"""A prompt chunk's KV buffers on a model with sliding-window layers (gemma3's), for the CPU
+"""A prompt chunk's KV buffers on a model with sliding-window layers (gemma3's, gpt-oss's), for the CPU
 decode runtime's prefill (``CpuDecoder.prefill_rows``).
 
 Why: a sliding layer's cache is mlx-lm's ``RotatingKVCache``, a ring of the window's size that a
@@ -16,6 +16,10 @@ model), in a state mlx-lm's updates and the runtime's step take (``_idx`` after 
 ``window`` when full: the next write wraps to the oldest; a shorter prompt's ring holds its
 positions only, as MLX's chunk leaves it, and grows as mlx-lm's steps grow it).
 
+gpt-oss's sliding layers alternate with full ones and add attention sinks: the same layout, the
+layer's sinks in the same windowed chunk attention. The buffers are of the layout's storage types
+(``KvLayout.dtypes``: -ctk/-ctv, f16 by default), as the pass writes and reads them.
+
 Each chunk writes a new ring (the last one's newest slots copied in first), so arrays others hold
 (a prompt-cache entry's, a boundary snapshot's) are read, never written. The plain (global) layers take the runtime's own
 growing buffers (``KvLayout.own``).
@@ -28,7 +32,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache
+from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, host_view
 
 
 def _ordered_spans(ring: Any) -> list[tuple[int, int]]:
@@ -43,10 +47,11 @@ def _ordered_spans(ring: Any) -> list[tuple[int, int]]:
     return [(0, idx)]
 
 
-def ring_takes_chunk(ring: Any, window: int, n_kv_heads: int, head_dim: int) -> bool:
+def ring_takes_chunk(ring: Any, window: int, n_kv_heads: int, head_dim: int,
+                     dtypes: tuple[Any, Any] = (mx.float32, mx.float32)) -> bool:
     """Whether a chunk can start on ``ring`` here: mlx-lm's ``RotatingKVCache`` of the model's
-    window (no kept prefix), empty, or float32 keys and values of one sequence holding at least
-    the slots the chunk's rows see."""
+    window (no kept prefix), empty, or keys and values of ``dtypes`` (the storage types) of one
+    sequence holding at least the slots the chunk's rows see."""
     from mlx_lm.models.cache import RotatingKVCache
 
     if type(ring) is not RotatingKVCache or ring.max_size != window or ring.keep != 0:
@@ -54,52 +59,55 @@ def ring_takes_chunk(ring: Any, window: int, n_kv_heads: int, head_dim: int) -> 
     if ring.keys is None:
         return ring.offset == 0
     shape = (1, n_kv_heads, ring.keys.shape[2], head_dim)
-    if any(a.dtype != mx.float32 or a.shape != shape for a in (ring.keys, ring.values)):
+    if any(a.dtype != t or a.shape != shape for a, t in zip((ring.keys, ring.values), dtypes)):
         return False
     held = sum(b - a for a, b in _ordered_spans(ring))
     return 0 <= ring._idx <= ring.keys.shape[2] and held >= min(window, ring.offset)
 
 
-def plain_takes_chunk(c: Any, n_kv_heads: int, head_dim: int) -> bool:
+def plain_takes_chunk(c: Any, n_kv_heads: int, head_dim: int,
+                      dtypes: tuple[Any, Any] = (mx.float32, mx.float32)) -> bool:
     """Whether a chunk can start on a plain layer's ``c``: an empty mlx-lm ``KVCache`` or one of
-    one sequence's float32 keys and values (the runtime copies it into its own buffers if needed)."""
+    one sequence's keys and values of ``dtypes`` (the runtime copies it into its own buffers if needed)."""
     from mlx_lm.models.cache import KVCache
 
     if type(c) is not KVCache:
         return False
     if c.keys is None:
         return c.offset == 0
-    return all(a.dtype == mx.float32 and a.ndim == 4 and a.shape[0] == 1 and a.shape[1] == n_kv_heads
-               and a.shape[3] == head_dim and a.shape[2] >= c.offset for a in (c.keys, c.values))
+    return all(a.dtype == t and a.ndim == 4 and a.shape[0] == 1 and a.shape[1] == n_kv_heads
+               and a.shape[3] == head_dim and a.shape[2] >= c.offset for a, t in zip((c.keys, c.values), dtypes))
 
 
-def _new_buffer(shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
-    """A new MLX float32 array of ``shape`` and a writable NumPy view of its buffer."""
-    fresh = mx.zeros(shape, dtype=mx.float32)
+def _new_buffer(shape: tuple[int, ...], dtype: Any) -> tuple[Any, np.ndarray]:
+    """A new MLX array of ``shape`` and ``dtype`` and a writable NumPy view of its buffer
+    (``host_view``: bfloat16 as its bits)."""
+    fresh = mx.zeros(shape, dtype=dtype)
     mx.eval(fresh)
-    view = np.asarray(fresh)
+    view = host_view(fresh)
     if not (view.flags.c_contiguous and view.flags.writeable):
         raise RuntimeError("MLX gave no writable buffer of its own for the KV cache")
     return fresh, view
 
 
-def _own_ring(ring: Any, window: int, rows: int, n_kv_heads: int, head_dim: int) -> tuple[Any, Any, int]:
+def _own_ring(ring: Any, window: int, rows: int, n_kv_heads: int, head_dim: int,
+              dtypes: tuple[Any, Any]) -> tuple[Any, Any, int]:
     """A new ring for a chunk of ``rows`` rows: ``min(window, offset + rows)`` slots (a short
     prompt's ring holds its positions only, as MLX's does), ``ring``'s newest ones (at most its
     offset) in order from slot 0, set as the ring's arrays with ``_idx`` after them (``window``
-    when full). Returns keys, values and the capacity."""
+    when full), of ``dtypes``. Returns keys, values and the capacity."""
     spans = _ordered_spans(ring) if ring.keys is not None else []
     held = sum(b - a for a, b in spans)
     kept = min(held, ring.offset, window)
     capacity = min(window, ring.offset + rows)
     made = []
-    for source in (ring.keys, ring.values):
-        fresh, view = _new_buffer((1, n_kv_heads, capacity, head_dim))
+    for source, dtype in zip((ring.keys, ring.values), dtypes):
+        fresh, view = _new_buffer((1, n_kv_heads, capacity, head_dim), dtype)
         skip, j = held - kept, 0  # the oldest slots fall out of the window
         for a, b in spans:
             drop = min(skip, b - a)
             a, skip = a + drop, skip - drop
-            view[:, :, j:j + b - a] = np.asarray(source)[:, :, a:b]
+            view[:, :, j:j + b - a] = host_view(source)[:, :, a:b]
             j += b - a
         made.append(fresh)
     ring.keys, ring.values = made
@@ -119,7 +127,8 @@ def chunk_views(layout: KvLayout, cache: list[Any], owned: OwnedCache, pos: int,
     valid slots (``_idx``, ``offset``); the pass leaves the ring in order (``CpuDecoder._run``)."""
     mx.eval([(c.keys, c.values) for c in cache if c.keys is not None])
     mine = len(owned.arrays) == len(cache)
-    plain_layout = KvLayout(layout.n_kv_heads, layout.head_dim, None, rings=[], plain=list(range(len(layout.plain))))
+    plain_layout = KvLayout(layout.n_kv_heads, layout.head_dim, None, rings=[], plain=list(range(len(layout.plain))),
+                            dtypes=layout.dtypes)
     plain_owned = OwnedCache(arrays=[owned.arrays[i] for i in layout.plain] if mine else [],
                              views=[owned.views[i] for i in layout.plain] if mine else [], reserve=owned.reserve)
     plain_views = plain_layout.own([cache[i] for i in layout.plain], plain_owned, pos, last=pos + rows - 1)
@@ -128,9 +137,10 @@ def chunk_views(layout: KvLayout, cache: list[Any], owned: OwnedCache, pos: int,
     for j, i in enumerate(layout.plain):
         arrays[i], views[i] = plain_owned.arrays[j], plain_views[j]
     for i in layout.rings:  # a new ring every chunk: a snapshot taken between chunks may hold the last one
-        keys, values, capacity = _own_ring(cache[i], layout.window, rows, layout.n_kv_heads, layout.head_dim)
+        keys, values, capacity = _own_ring(cache[i], layout.window, rows, layout.n_kv_heads, layout.head_dim,
+                                           layout.dtypes)
         arrays[i] = (keys, values)
-        views[i] = (np.asarray(keys).ctypes.data, np.asarray(values).ctypes.data, capacity)
+        views[i] = (host_view(keys).ctypes.data, host_view(values).ctypes.data, capacity)
     owned.arrays, owned.views, owned.apart = arrays, views, None
     return views
 

@@ -116,3 +116,33 @@ def test_lora_on_the_attention_projections_equals_the_fused_model() -> None:
     plain = logits(load_model(str(base), []).model)
     assert np.max(np.abs(plain - theirs)) > 0.5  # the adapter matters
     assert np.array_equal(logits(loaded.model, [(0.0,)]), plain)
+
+
+def test_gpt_oss_on_the_runtime_a_hit_is_the_cold_run_and_batches_agree() -> None:
+    """gpt-oss (MXFP4 experts with biases, sinks, sliding-window rings beside full layers) as
+    the engine serves it: prompt chunks and steps on the CPU decode runtime; its rings cannot be
+    cut to a prefix, so reuse is the session snapshot's, and a restored snapshot reproduces the
+    cold run split at the same boundary (tokens and log-probabilities); concurrent requests
+    agree with their lone runs where decided."""
+    h = EngineHarness(tiny_model("gpt_oss:mxfp4"), batch_size=CHUNK, n_parallel=3, min_prefix=8)
+    try:
+        decoder = h.engine.loaded.decoder
+        assert decoder is not None and decoder.kv.rings
+        assert h.stats()["snapshot_family"] is True
+        steps, fed = decoder.steps, decoder.prefilled
+        history = tokens(50, seed=1)  # past the window of 16, off the chunk grid (50 = 3 * 16 + 2)
+        second = history + tokens(15, seed=4)
+        h.run(history + tokens(12, seed=3), n_predict=4, boundary=len(history), session="x")
+        warm = h.run(second, n_predict=12, n_probs=N_PROBS, ignore_eos=True, boundary=len(history), session="x")
+        cold = h.run(second, n_predict=12, n_probs=N_PROBS, ignore_eos=True, boundary=len(history), session="fresh")
+        assert warm.finish.n_cached == len(history) and cold.finish.n_cached == 0
+        assert decoder.steps >= steps + 2 * 11 and decoder.prefilled >= fed + len(second)  # the runtime ran both
+        assert warm.tokens == cold.tokens
+        assert warm.logprobs == cold.logprobs
+        prompts = [tokens(n, seed=n) for n in (20, 45, 33)]
+        batched = run_concurrently(h, prompts, n_predict=8, n_probs=2, ignore_eos=True, cache=False)
+        alone = [h.run(p, n_predict=8, n_probs=2, ignore_eos=True, cache=False) for p in prompts]
+        for b, a in zip(batched, alone):
+            agree_where_decided(b, a)
+    finally:
+        h.close()

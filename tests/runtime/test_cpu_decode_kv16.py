@@ -9,6 +9,8 @@
   type, every step within float32 rounding of MLX's step over the same 16-bit cache with the
   same greedy token, a prompt chunk's KV as MLX's prefill leaves it, and a step on a hit's
   shared 16-bit arrays bit-identical to the step on its own copy.
+- Attention sinks (gpt-oss) over 16-bit KV: a decode step and a windowed chunk against float64
+  NumPy; gpt-oss at f16: prompt chunks on sliding rings leave f16 caches as MLX's, steps follow.
 """
 
 from __future__ import annotations
@@ -276,3 +278,105 @@ def test_a_step_on_a_hit_s_16_bit_arrays_equals_a_step_on_its_own_copy(kind: str
     for c, (keys, values) in zip(shared, before):
         assert np.array_equal(np.array(c.keys.astype(mx.float32)), keys)
         assert np.array_equal(np.array(c.values.astype(mx.float32)), values)
+
+
+def _sink_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, sinks: np.ndarray,
+                    visible: np.ndarray) -> np.ndarray:
+    """softmax over the visible keys and a sink logit per query head (one more term of the
+    denominator, no value), float64: q (Hk, g, d) per row, ``visible`` (n,) the mask."""
+    s = np.einsum("hgd,htd->hgt", q, keys) * scale
+    s = np.where(visible[None, None], s, -np.inf)
+    sink = sinks.reshape(q.shape[0], q.shape[1], 1).astype(np.float64)
+    top = np.maximum(s.max(axis=-1, keepdims=True), sink)
+    w = np.exp(s - top)
+    return np.einsum("hgt,htd->hgd", w / (w.sum(axis=-1, keepdims=True) + np.exp(sink - top)), values)
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+def test_attention_sinks_over_16_bit_kv(kind: str) -> None:
+    """gpt-oss's sinks on a 16-bit cache (the default): a decode step (written and apart) and a
+    windowed prompt chunk, each against float64 NumPy over the stored values widened with the sink
+    logit in the denominator; large sinks, so that a kernel dropping them misses by far."""
+    lib, code = backend.matmul_shim().lib, CODES[kind]
+    p, i, f, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+    step = lib.mlxcel_decode_attention_sinks
+    step.argtypes, step.restype = [p, p, p, p, p, p, p, p, i, i, i, i, i, L, f, p, i, i], ctypes.c_int
+    chunk = lib.mlxcel_chunk_attention_window
+    chunk.argtypes, chunk.restype = [p, p, p, p, p, p, i, i, i, i, i, L, f, i, i, i, p], ctypes.c_int
+    rng = np.random.default_rng(11)
+    hk, group, d, n, cap = 2, 4, 64, 40, 64
+    scale = d ** -0.5
+    sinks = np.array([4.0, -3.0, 0.5, 9.0, 0.0, 2.0, -1.0, 6.0], np.float32)
+    sinks2 = (sinks * np.float32(cpu_decode.LOG2E)).astype(np.float32)
+    for apart in (False, True):
+        keys = stored(rng.standard_normal((hk, cap, d)).astype(np.float32), kind)
+        values = stored(rng.standard_normal((hk, cap, d)).astype(np.float32), kind)
+        q = rng.standard_normal(hk * group * d).astype(np.float32)
+        k_new, v_new = (rng.standard_normal(hk * d).astype(np.float32) for _ in range(2))
+        k_out, v_out = np.empty((hk, d), np.uint16), np.empty((hk, d), np.uint16)
+        out = np.empty(hk * group * d, np.float32)
+        assert step(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(out), _p(k_out) if apart else None,
+                    _p(v_out) if apart else None, hk, group, d, n - 1, n, cap, scale * cpu_decode.LOG2E,
+                    _p(sinks2), code, code) == 0
+        if apart:
+            keys[:, n - 1], values[:, n - 1] = k_out, v_out
+        assert np.array_equal(keys[:, n - 1], stored(k_new, kind).reshape(hk, d))
+        ref = _sink_reference(q.reshape(hk, group, d).astype(np.float64), widened(keys[:, :n], kind),
+                              widened(values[:, :n], kind), scale, sinks, np.ones(n, bool)).reshape(-1)
+        assert np.abs(out - ref).max() <= KERNEL_RTOL * np.abs(ref).max(), apart
+    pos, rows, window = 10, 30, 16
+    keys = stored(rng.standard_normal((hk, pos + rows, d)).astype(np.float32), kind)
+    values = stored(rng.standard_normal((hk, pos + rows, d)).astype(np.float32), kind)
+    q = rng.standard_normal((rows, hk * group * d)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((rows, hk * d)).astype(np.float32) for _ in range(2))
+    out = np.empty((rows, hk * group * d), np.float32)
+    assert chunk(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(out), rows, hk, group, d, pos, pos + rows,
+                 scale * cpu_decode.LOG2E, code, code, window, _p(sinks2)) == 0
+    kw, vw = widened(keys, kind), widened(values, kind)
+    for r in range(rows):
+        at = np.arange(pos + rows)
+        visible = (at <= pos + r) & (at > pos + r - window)
+        ref = _sink_reference(q[r].reshape(hk, group, d).astype(np.float64), kw, vw, scale, sinks, visible).reshape(-1)
+        assert np.abs(out[r] - ref).max() <= KERNEL_RTOL * np.abs(ref).max(), r
+
+
+def test_gpt_oss_prompt_chunks_and_steps_at_f16() -> None:
+    """gpt-oss at f16 (sinks, alternating sliding rings): prompt chunks on the runtime (a cold
+    one, one after it, past the window of 16) leave every layer's cache f16, within a rounding step
+    of MLX's own chunks' (rings: their newest ``min(offset, window)`` slots in order), the last
+    row's logits within float32 rounding of MLX's; then greedy steps follow MLX's."""
+    model, decoder = _loaded("gpt_oss:mxfp4", "f16")
+    assert decoder.kv.rings
+    ours, theirs, owned = make_prompt_cache(model), make_prompt_cache(model), decode_kv.OwnedCache()
+    prompt, at, fed = _ids(70), 0, decoder.prefilled
+    for n in (40, 30):
+        part, at = prompt[at:at + n], at + n
+        assert decoder.can_prefill(ours, owned)
+        got = decoder.prefill(part, ours, owned).copy()
+        want = _mlx_logits(model, part, theirs)
+        assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max(), n
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            assert a.keys.dtype == a.values.dtype == b.keys.dtype == mx.float16 and a.offset == b.offset == at
+            held = min(at, decoder.window) if i in decoder.kv.rings else at
+            for x, y in zip(_newest(a, held), _newest(b, held)):
+                assert np.abs(x - y).max() <= 2 ** -7 * np.abs(y).max(), (n, i)
+    assert decoder.prefilled == fed + 70
+    token = 5
+    for step in range(8):
+        assert decoder.can_run(ours, owned)
+        got = decoder.step(token, ours, owned).copy()
+        want = _mlx_logits(model, [token], theirs)
+        assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max(), step
+        token = int(want.argmax())
+
+
+def _newest(c: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A cache's newest ``n`` positions in order as float32 (a ring: mlx-lm's ``_temporal_order``)."""
+    keys, values = (np.array(a.astype(mx.float32)) for a in (c.keys, c.values))
+    cap, idx = keys.shape[2], getattr(c, "_idx", None)
+    if idx is None:
+        order = list(range(c.offset))
+    else:
+        order = (list(range(cap)) if idx == cap else list(range(idx, cap)) + list(range(idx))
+                 if idx < c.offset else list(range(idx)))
+    return keys[:, :, order[-n:]], values[:, :, order[-n:]]

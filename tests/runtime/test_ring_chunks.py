@@ -91,7 +91,7 @@ def test_windowed_chunk_attention_matches_a_reference(pos: int, rows: int, windo
     lib = backend.matmul_shim().lib
     fn = lib.mlxcel_chunk_attention_window
     p, i, f, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
-    fn.argtypes, fn.restype = [p, p, p, p, p, p, i, i, i, i, i, L, f, i, i, i], ctypes.c_int  # float32 KV
+    fn.argtypes, fn.restype = [p, p, p, p, p, p, i, i, i, i, i, L, f, i, i, i, p], ctypes.c_int  # float32 KV, no sinks
     rng = np.random.default_rng(pos + rows)
     for kv_heads, group in ((1, 4), (2, 1)):
         d, capacity = 64, pos + rows
@@ -103,7 +103,7 @@ def test_windowed_chunk_attention_matches_a_reference(pos: int, rows: int, windo
         out = np.empty((rows, kv_heads * group * d), np.float32)
         scale = d ** -0.5
         data = [a.ctypes.data for a in (q, k_new, v_new, keys, values, out)]
-        assert fn(*data, rows, kv_heads, group, d, pos, capacity, scale * cpu_decode.LOG2E, 0, 0, window) == 0
+        assert fn(*data, rows, kv_heads, group, d, pos, capacity, scale * cpu_decode.LOG2E, 0, 0, window, None) == 0
         assert np.array_equal(keys[:, pos:], k_new.reshape(rows, kv_heads, d).transpose(1, 0, 2))
         n = pos + rows
         s = np.einsum("rhgd,htd->rhgt", q.reshape(rows, kv_heads, group, d).astype(np.float64),
@@ -114,7 +114,7 @@ def test_windowed_chunk_attention_matches_a_reference(pos: int, rows: int, windo
         w = np.exp(s - s.max(axis=-1, keepdims=True))
         ref = np.einsum("rhgt,htd->rhgd", w / w.sum(axis=-1, keepdims=True), values.astype(np.float64)).reshape(rows, -1)
         assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
-        assert fn(*data, rows, kv_heads, group, d, pos + 1, capacity, scale, 0, 0, window) == -1  # past the capacity
+        assert fn(*data, rows, kv_heads, group, d, pos + 1, capacity, scale, 0, 0, window, None) == -1  # past the capacity
 
 
 @pytest.mark.parametrize("splits", [[70], [40, 30], [64, 64, 10], [200], [30, 100, 7, 90]])

@@ -22,9 +22,10 @@ LIB = library()
 OWN = set() if isinstance(LIB, str) else set(LIB.own_kernels) | set(LIB.split_kinds)
 ROWS = 16
 # (type, k): K-quants and Q8_0 over three 256-value super-blocks; the split types over 24 blocks
-# (a group of 16 and a shorter one) and over 3 (a lone last block).
+# (a group of 16 and a shorter one) and over 3 (a lone last block); MXFP4 over 5 and 3 blocks (over more,
+# random E8M0 exponents let one block decide each sum, and ggml's order gives the same float).
 CASES = [(T.Q4_K, 768), (T.Q6_K, 768), (T.Q8_0, 768), (T.Q8_0, 96), (T.Q4_1, 768), (T.Q4_1, 96),
-         (T.Q5_0, 768), (T.Q5_0, 96), (T.Q5_1, 768), (T.Q5_1, 96)]
+         (T.Q5_0, 768), (T.Q5_0, 96), (T.Q5_1, 768), (T.Q5_1, 96), (T.MXFP4, 160), (T.MXFP4, 96)]
 
 
 @pytest.mark.parametrize("qtype,k", CASES, ids=lambda v: v.name if isinstance(v, T) else str(v))

@@ -25,9 +25,11 @@
 #define NEGLIGIBLE -64.0f
 
 /* s[t] = 2 ** (s[t] - max s) for t < n, in place (weights below 2 ** NEGLIGIBLE set to zero);
- * returns their sum. The caller normalises (the weights, or the output they give). */
-static float exp2_shifted_row(float *s, int n) {
-    float top = s[0];
+ * returns their sum. The caller normalises (the weights, or the output they give). `sink`:
+ * NULL, or one more logit (gpt-oss's learned per-head sink, times log2 e) that takes part in the
+ * maximum and the sum but has no value: the weights then sum to less than 1. */
+static float exp2_shifted_row_sink(float *s, int n, const float *sink) {
+    float top = sink && *sink > s[0] ? *sink : s[0];
     int t0 = 0;
     if (n >= VL) { /* the maximum a vector at a time (the scalar loop was a fifth of a chunk's attention) */
         vf m = loadv(s);
@@ -50,6 +52,7 @@ static float exp2_shifted_row(float *s, int n) {
     }
     float sum = hsum(acc);
     for (; t < n; t++) sum += s[t] = s[t] - top < NEGLIGIBLE ? 0.0f : exp2s(s[t] - top);
+    if (sink) sum += *sink - top < NEGLIGIBLE ? 0.0f : exp2s(*sink - top);
     return sum;
 }
 
@@ -65,6 +68,7 @@ struct attention_job {
     size_t head_stride;   /* capacity * d */
     float scale;          /* the softmax scale times log2 e (the exponential is a power of 2) */
     int k_type, v_type;   /* MLXCEL_KV_*: the cache's storage types */
+    const float *sinks;   /* NULL, or (Hq): each query head's sink logit times log2 e (gpt-oss) */
 };
 
 /* KV head h of a decode step: write the new key and value, then for its `group` query heads
@@ -96,7 +100,7 @@ static void attend_head(const void *ctx, int h) {
     float *out = a->out + (size_t)h * g * d;
     for (int i = 0; i < g; i++) {
         float *s = scores + (size_t)i * n;
-        float inv = 1.0f / exp2_shifted_row(s, n);
+        float inv = 1.0f / exp2_shifted_row_sink(s, n, a->sinks ? a->sinks + (size_t)h * g + i : NULL);
         for (int t = 0; t < n; t++) s[t] *= inv;
     }
     rows_nn_split(g, 0, d, n, scores, n, values, d, out, d, 1.0f, 0.0f, apart ? v_new : values, apart ? n - 1 : n);
@@ -131,7 +135,7 @@ static void attend_head_kv(const void *ctx, int h) {
     }
     for (int i = 0; i < g; i++) {
         float *s = scores + (size_t)i * n;
-        float inv = 1.0f / exp2_shifted_row(s, n);
+        float inv = 1.0f / exp2_shifted_row_sink(s, n, a->sinks ? a->sinks + (size_t)h * g + i : NULL);
         for (int t = 0; t < n; t++) s[t] *= inv;
     }
     float *out = a->out + (size_t)h * g * d;
@@ -177,6 +181,20 @@ int mlxcel_decode_attention_apart(const float *q, const float *k_new, const floa
     return 0;
 }
 
+/* Either of the two above (k_out NULL: mlxcel_decode_attention_at, else _apart at n_base = write)
+ * with attention sinks (gpt-oss): `sinks` (Hq) are each query head's sink logit times log2 e,
+ * one more term of the softmax's denominator (mlx's scaled_dot_product_attention's `sinks`); keys and
+ * values of k_type and v_type as the others'. */
+int mlxcel_decode_attention_sinks(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
+                                  float *out, void *k_out, void *v_out, int kv_heads, int group, int d, int write,
+                                  int n, long capacity, float scale, const float *sinks, int k_type, int v_type) {
+    if (k_out ? write < 1 || write > capacity : write < 0 || write >= capacity || n < 1 || n > capacity) return -1;
+    struct attention_job a = {q, k_new, v_new, keys, values, k_out, v_out, out, group, d, write,
+                              k_out ? write + 1 : n, (size_t)capacity * d, scale, k_type, v_type, sinks};
+    attend_heads(&a, kv_heads);
+    return 0;
+}
+
 /* The growing cache's case of the above: write at `pos`, attend [0, pos] (the caller keeps
  * pos < capacity). */
 void mlxcel_decode_attention(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
@@ -210,6 +228,7 @@ struct chunk_attention_job {
     float scale;           /* the softmax scale times log2 e */
     int k_type, v_type;    /* MLXCEL_KV_*: the cache's storage types */
     float *values_f;       /* 16-bit values: scratch (Hk, pos + rows, d), each head's widened; else NULL */
+    const float *sinks;    /* NULL, or (Hq) sink logits times log2 e (gpt-oss) */
 };
 
 /* KV head h: write the chunk's keys and values into the cache (or apart), then transpose the
@@ -272,7 +291,8 @@ static void chunk_attend_part(const void *ctx, int p) {
         float *row = s + (size_t)r * ls;
         int visible = a->pos + j0 + r % nb + 1; /* keys [lo, visible): causal, within the window */
         int lo = a->window && visible > a->window ? visible - a->window : 0;
-        inv[r] = 1.0f / exp2_shifted_row(row + lo, visible - lo);
+        const float *sink = a->sinks ? a->sinks + (size_t)h * g + r / nb : NULL; /* row r: query head r / nb */
+        inv[r] = 1.0f / exp2_shifted_row_sink(row + lo, visible - lo, sink);
         memset(row + first, 0, (size_t)(lo - first) * sizeof(float));
         memset(row + visible, 0, (size_t)(seen - visible) * sizeof(float));
     }
@@ -299,7 +319,8 @@ static void chunk_attend_part(const void *ctx, int p) {
 
 static void chunk_attention(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
                             float *out, void *k_out, void *v_out, int rows, int kv_heads, int group, int d,
-                            int pos, long capacity, float scale, int k_type, int v_type, int window) {
+                            int pos, long capacity, float scale, int k_type, int v_type, int window,
+                            const float *sinks) {
     static __thread struct mlxcel_scratch keys_t, values_f;
     int blocks = (rows + CHUNK_QUERY_BLOCK - 1) / CHUNK_QUERY_BLOCK;
     int ldk = (pos + rows + VL - 1) / VL * VL;
@@ -308,7 +329,7 @@ static void chunk_attention(const float *q, const float *k_new, const float *v_n
     float *vf = v_type == MLXCEL_KV_F32 ? NULL
         : mlxcel_scratch(&values_f, (size_t)kv_heads * (pos + rows) * d * sizeof(float));
     struct chunk_attention_job a = {q, k_new, v_new, keys, values, kt, ldk, out, k_out, v_out, rows, kv_heads,
-                                    group, d, pos, blocks, window, (size_t)capacity * d, scale, k_type, v_type, vf};
+                                    group, d, pos, blocks, window, (size_t)capacity * d, scale, k_type, v_type, vf, sinks};
     mlxcel_parallel(kv_heads, chunk_write_head, &a);
     mlxcel_parallel(kv_heads * blocks, chunk_attend_part, &a);
 }
@@ -321,19 +342,22 @@ int mlxcel_chunk_attention(const float *q, const float *k_new, const float *v_ne
                            float scale, int k_type, int v_type) {
     if (rows < 1 || pos < 0 || pos + rows > capacity) return -1;
     chunk_attention(q, k_new, v_new, keys, values, out, NULL, NULL, rows, kv_heads, group, d, pos, capacity, scale,
-                    k_type, v_type, 0);
+                    k_type, v_type, 0, NULL);
     return 0;
 }
 
-/* The same within a sliding window (gemma3's sliding layers, as mlx-lm's windowed causal mask
- * has it): row r attends slots [max(0, pos + r + 1 - window), pos + r]. The slots are positions in
- * order (the caller lays a ring's newest slots out before the chunk's: ring_chunks.py). */
+/* The same within a sliding window (gemma3's and gpt-oss's sliding layers, as mlx-lm's windowed
+ * causal mask has it) and with attention sinks (gpt-oss): row r attends slots
+ * [max(0, pos + r + 1 - window), pos + r] (window 0: all of [0, pos + r], a full layer with sinks),
+ * its query head's sink logit (`sinks`, times log2 e; NULL: none) one more term of the softmax's
+ * denominator. The slots are positions in order (the caller lays a ring's newest slots out before
+ * the chunk's: decode_pass.c's ring_chunk, ring_chunks.py). */
 int mlxcel_chunk_attention_window(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
                                   float *out, int rows, int kv_heads, int group, int d, int pos, long capacity,
-                                  float scale, int k_type, int v_type, int window) {
-    if (rows < 1 || pos < 0 || pos + rows > capacity || window < 1) return -1;
+                                  float scale, int k_type, int v_type, int window, const float *sinks) {
+    if (rows < 1 || pos < 0 || pos + rows > capacity || window < 0) return -1;
     chunk_attention(q, k_new, v_new, keys, values, out, NULL, NULL, rows, kv_heads, group, d, pos, capacity, scale,
-                    k_type, v_type, window);
+                    k_type, v_type, window, sinks);
     return 0;
 }
 
@@ -347,6 +371,6 @@ int mlxcel_chunk_attention_apart(const float *q, const float *k_new, const float
                                  int v_type) {
     if (rows < 1 || pos < 1 || pos > capacity) return -1;
     chunk_attention(q, k_new, v_new, (void *)keys, (void *)values, out, k_out, v_out, rows, kv_heads, group, d,
-                    pos, capacity, scale, k_type, v_type, 0);
+                    pos, capacity, scale, k_type, v_type, 0, NULL);
     return 0;
 }

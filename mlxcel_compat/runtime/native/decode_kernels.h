@@ -12,18 +12,22 @@ void mlxcel_rope(float *x, int heads, int d, const float *cos, const float *sin,
 void mlxcel_rope_rows(float *x, int rows, int heads, int d, const float *cos, const float *sin, int traditional);
 void mlxcel_swiglu(float *gate, const float *up, int n);
 void mlxcel_gelu_tanh_gate(float *gate, const float *up, int n);
+void mlxcel_swiglu_oai(float *gate, const float *up, int n, float alpha, float limit);
 int mlxcel_decode_attention_at(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
                                float *out, int kv_heads, int group, int d, int write, int n, long capacity,
                                float scale, int k_type, int v_type);
 int mlxcel_decode_attention_apart(const float *q, const float *k_new, const float *v_new, const void *keys,
                                   const void *values, float *out, void *k_out, void *v_out, int kv_heads,
                                   int group, int d, int n_base, long capacity, float scale, int k_type, int v_type);
+int mlxcel_decode_attention_sinks(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
+                                  float *out, void *k_out, void *v_out, int kv_heads, int group, int d, int write,
+                                  int n, long capacity, float scale, const float *sinks, int k_type, int v_type);
 int mlxcel_chunk_attention(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
                            float *out, int rows, int kv_heads, int group, int d, int pos, long capacity, float scale,
                            int k_type, int v_type);
 int mlxcel_chunk_attention_window(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
                                   float *out, int rows, int kv_heads, int group, int d, int pos, long capacity,
-                                  float scale, int k_type, int v_type, int window);
+                                  float scale, int k_type, int v_type, int window, const float *sinks);
 int mlxcel_chunk_attention_apart(const float *q, const float *k_new, const float *v_new, const void *keys,
                                  const void *values, float *out, void *k_out, void *v_out, int rows,
                                  int kv_heads, int group, int d, int pos, long capacity, float scale, int k_type,

@@ -74,7 +74,8 @@ struct mlxcel_norm {
  * the family's gating, then only the chosen experts' rows of the stacked block tensors
  * (ffn_{gate,up,down}_exps, expert e being rows e * rows .. (e + 1) * rows - 1), SwiGLU between,
  * the outputs summed by the gates' weights; a shared expert (qwen2_moe) behind its sigmoid gate.
- * The gating is the softmax-then-top-k of mlx-lm's qwen3_moe, qwen2_moe and olmoe blocks. */
+ * The gating is the softmax-then-top-k of mlx-lm's qwen3_moe, qwen2_moe and olmoe blocks, or
+ * gpt-oss's top-k-then-softmax over the chosen, with its experts' biases and clamped SwiGLU. */
 struct mlxcel_moe {
     struct mlxcel_linear router;                        /* hidden -> n_expert logits */
     const struct mlxcel_block_weight *gate, *up, *down; /* the stacks */
@@ -82,6 +83,12 @@ struct mlxcel_moe {
     struct mlxcel_linear shared_scale;                  /* hidden -> 1, its sigmoid scales the shared expert; n == 0: none */
     int n_expert, top_k, rows;                          /* rows: an expert's intermediate width */
     int norm_topk; /* the chosen k weights divided by their sum (norm_topk_prob) */
+    /* gpt-oss: each expert's biases ((n_expert, rows), (n_expert, rows), (n_expert, hidden)) or
+     * NULL; gating 1: the top k of the router's logits, then a softmax over them (else 0);
+     * clamped 1: the clamped SwiGLU (mlxcel_swiglu_oai) with its alpha and limit */
+    const float *gate_bias, *up_bias, *down_bias;
+    int gating, clamped;
+    float alpha, limit;
 };
 
 struct mlxcel_layer {
@@ -93,6 +100,7 @@ struct mlxcel_layer {
     const struct mlxcel_moe *moe;             /* the MoE layer in place of the MLP, or NULL */
     const struct mlxcel_delta *delta;         /* a hybrid's gated delta-net in place of attention (delta_net.c), or NULL */
     int gated_q;                              /* qwen3_next's attention: q's projection holds per head d queries, d gates */
+    const float *sinks;                       /* gpt-oss: (heads) sink logits times log2 e, or NULL */
 };
 
 struct mlxcel_model {
@@ -108,6 +116,7 @@ struct mlxcel_model {
     int qk_norm_whole; /* q_norm and k_norm over the whole projection (olmoe), not per head */
     int rope_dims;     /* the rotated dimensions of a head (a partial RoPE: the hybrids'), 0: all of head_dim */
     int k_type, v_type; /* the KV cache's storage types (MLXCEL_KV_*: -ctk/-ctv) */
+    float residual_scale; /* granitemoe's residual_multiplier: x += scale * branch; 0: x += branch */
 };
 
 /* A pass's activations, rows contiguous (row widths: hidden, heads * d, kv_heads * d, inter, vocab). */
@@ -223,15 +232,8 @@ static __thread struct mlxcel_scratch moe_scratch[10];
 
 static void *moe_buffer(int i, size_t bytes) { return mlxcel_scratch(&moe_scratch[i], bytes ? bytes : 1); }
 
-/* Row r's chosen experts and their weights from its router logits `l` (n_expert of them), as
- * mlx-lm's qwen3_moe, qwen2_moe and olmoe blocks compute them: a softmax over every expert in float32,
- * the k largest (ties: the lower expert first), renormalised to sum 1 where norm_topk says so. */
-static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, float *weight) {
-    int n = e->n_expert, k = e->top_k;
-    float top = l[0], sum = 0.0f;
-    for (int i = 1; i < n; i++) top = l[i] > top ? l[i] : top;
-    for (int i = 0; i < n; i++) sum += l[i] = expf(l[i] - top);
-    for (int i = 0; i < n; i++) l[i] /= sum;
+/* The k largest of l[0 .. n), largest first (ties: the lower index first): their indices and values. */
+static void moe_top_k(const float *l, int n, int k, int32_t *chosen, float *value) {
     for (int j = 0; j < k; j++) { /* k passes of an arg-max over the experts not chosen yet (k is a few) */
         int best = -1;
         for (int i = 0; i < n; i++) {
@@ -240,8 +242,38 @@ static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, flo
             if (!taken && (best < 0 || l[i] > l[best])) best = i;
         }
         chosen[j] = best;
-        weight[j] = l[best];
+        value[j] = l[best];
     }
+}
+
+/* out[s] += bias[expert of s] for the sorted pairs s of each group (an expert's bias on its rows). */
+static void moe_bias(float *out, const float *bias, int width, int groups, const int32_t *experts,
+                     const int32_t *start) {
+    if (!bias) return;
+    for (int gi = 0; gi < groups; gi++) {
+        const float *b = bias + (size_t)experts[gi] * width;
+        for (int s = start[gi]; s < start[gi + 1]; s++)
+            for (int c = 0; c < width; c++) out[(size_t)s * width + c] += b[c];
+    }
+}
+
+/* Row r's chosen experts and their weights from its router logits `l` (n_expert of them), as
+ * mlx-lm's qwen3_moe, qwen2_moe and olmoe blocks compute them: a softmax over every expert in float32,
+ * the k largest (ties: the lower expert first), renormalised to sum 1 where norm_topk says so. */
+static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, float *weight) {
+    int n = e->n_expert, k = e->top_k;
+    if (e->gating == 1) { /* gpt-oss: the k largest logits, then a softmax over those k */
+        moe_top_k(l, n, k, chosen, weight);
+        float top = weight[0], sum = 0.0f; /* the largest comes first */
+        for (int j = 0; j < k; j++) sum += weight[j] = expf(weight[j] - top);
+        for (int j = 0; j < k; j++) weight[j] /= sum;
+        return;
+    }
+    float top = l[0], sum = 0.0f;
+    for (int i = 1; i < n; i++) top = l[i] > top ? l[i] : top;
+    for (int i = 0; i < n; i++) sum += l[i] = expf(l[i] - top);
+    for (int i = 0; i < n; i++) l[i] /= sum;
+    moe_top_k(l, n, k, chosen, weight);
     if (e->norm_topk) {
         float total = 0.0f;
         for (int j = 0; j < k; j++) total += weight[j];
@@ -257,7 +289,7 @@ static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, flo
  * the same alone, batched or in a prompt chunk. `gate`, `up` and `branch` are the pass's
  * buffers (the shared expert's). Returns 0, or -1 where the grouped product refused the stacks. */
 static int moe_layer(const struct mlxcel_moe *e, int rows, int hidden, const float *h, float *x, float *gate,
-                     float *up, float *branch, int tiles, const double *scales, int n_adapters) {
+                     float *up, float *branch, int tiles, const double *scales, int n_adapters, float residual_scale) {
     int n = e->n_expert, k = e->top_k, inter = e->rows, pairs = rows * k;
     float *logits = moe_buffer(0, sizeof(float) * (size_t)rows * n);
     int32_t *chosen = moe_buffer(1, sizeof(int32_t) * (size_t)pairs);
@@ -293,11 +325,15 @@ static int moe_layer(const struct mlxcel_moe *e, int rows, int hidden, const flo
     if (mlxcel_expert_matmul_shared(2, gate_up, inter, groups, experts, start, source, rows, h, hidden, gate_up_out,
                                     inter))
         return -1;
-    mlxcel_swiglu(g, u, pairs * inter);
+    moe_bias(g, e->gate_bias, inter, groups, experts, start);
+    moe_bias(u, e->up_bias, inter, groups, experts, start);
+    if (e->clamped) mlxcel_swiglu_oai(g, u, pairs * inter, e->alpha, e->limit);
+    else mlxcel_swiglu(g, u, pairs * inter);
     float *down_out[1] = {down};
     if (mlxcel_expert_matmul_shared(1, &e->down, hidden, groups, experts, start, NULL, pairs, g, inter, down_out,
                                     hidden))
         return -1;
+    moe_bias(down, e->down_bias, hidden, groups, experts, start);
     float *out = moe_buffer(0, sizeof(float) * (size_t)rows * (hidden > n ? hidden : n)); /* the logits are spent */
     for (int r = 0; r < rows; r++) {
         float *o = out + (size_t)r * hidden;
@@ -325,7 +361,10 @@ static int moe_layer(const struct mlxcel_moe *e, int rows, int hidden, const flo
             for (int c = 0; c < hidden; c++) o[c] += scale * b[c];
         }
     }
-    for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += out[i];
+    if (residual_scale != 0.0f)
+        for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += out[i] * residual_scale;
+    else
+        for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += out[i];
     return 0;
 }
 
@@ -336,7 +375,7 @@ static int moe_layer(const struct mlxcel_moe *e, int rows, int hidden, const flo
  * attention over it; then the newest min(window, kept + rows) slots back into the ring in order
  * from slot 0 (the caller sets _idx there, and made the ring that long). Returns 0, or -1. */
 static int ring_chunk(const struct mlxcel_kv *s, const float *q, const float *kn, const float *vn, float *att, int rows,
-                      int hk, int group, int d, float scale, int k_type, int v_type) {
+                      int hk, int group, int d, float scale, int k_type, int v_type, const float *sinks) {
     int w = (int)s->window, cap = (int)s->capacity, n = (int)s->n, kept = n < w - 1 ? n : w - 1, total = kept + rows;
     int back = total < w ? total : w;
     if (cap > w || back > cap || n > cap || s->write < 0 || s->write >= cap) return -1;
@@ -349,7 +388,8 @@ static int ring_chunk(const struct mlxcel_kv *s, const float *q, const float *kn
             memcpy(k + ((size_t)h * total + t) * kb, keys + ((size_t)h * cap + slot) * kb, kb);
             memcpy(v + ((size_t)h * total + t) * vb, values + ((size_t)h * cap + slot) * vb, vb);
         }
-    if (mlxcel_chunk_attention_window(q, kn, vn, k, v, att, rows, hk, group, d, kept, total, scale, k_type, v_type, w))
+    if (mlxcel_chunk_attention_window(q, kn, vn, k, v, att, rows, hk, group, d, kept, total, scale, k_type, v_type, w,
+                                      sinks))
         return -1;
     for (int h = 0; h < hk; h++) {
         memcpy((char *)s->keys + (size_t)h * cap * kb, k + ((size_t)h * total + total - back) * kb, kb * back);
@@ -420,11 +460,16 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                     mlxcel_rope_rows(q, n, hq, d, cos, sin, trad);
                     mlxcel_rope_rows(kn, n, hk, d, cos, sin, trad);
                 }
-                int failed = s->k_out
+                int failed = L->sinks && !s->window
+                    ? (s->k_out ? -1 /* a full layer with sinks: never borrowed (KvLayout.borrow: a model with rings) */
+                                : mlxcel_chunk_attention_window(q, kn, vn, s->keys, s->values, att, n, hk, group, d,
+                                                                (int)s->write, s->capacity, m->scale, m->k_type,
+                                                                m->v_type, 0, L->sinks))
+                    : s->k_out
                     ? mlxcel_chunk_attention_apart(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, n, hk, group,
                                                    d, (int)s->write, s->capacity, m->scale, m->k_type, m->v_type)
                     : s->window
-                    ? ring_chunk(s, q, kn, vn, att, n, hk, group, d, m->scale, m->k_type, m->v_type)
+                    ? ring_chunk(s, q, kn, vn, att, n, hk, group, d, m->scale, m->k_type, m->v_type, L->sinks)
                     : mlxcel_chunk_attention(q, kn, vn, s->keys, s->values, att, n, hk, group, d, (int)s->write,
                                              s->capacity, m->scale, m->k_type, m->v_type);
                 if (failed) return i + 1;
@@ -442,7 +487,11 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                     mlxcel_rope(q, hq, d, a[2 * L->rope], a[2 * L->rope + 1], trad);
                     mlxcel_rope(kn, hk, d, a[2 * L->rope], a[2 * L->rope + 1], trad);
                 }
-                int failed = s->k_out
+                int failed = L->sinks
+                    ? mlxcel_decode_attention_sinks(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, hk, group, d,
+                                                    (int)s->write, (int)s->n, s->capacity, m->scale, L->sinks,
+                                                    m->k_type, m->v_type)
+                    : s->k_out
                     ? mlxcel_decode_attention_apart(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, hk, group,
                                                     d, (int)s->write, s->capacity, m->scale, m->k_type, m->v_type)
                     : mlxcel_decode_attention_at(q, kn, vn, s->keys, s->values, att, hk, group, d, (int)s->write,
@@ -454,13 +503,17 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         if (L->attn_out.w) {
             product(&L->o, rows, b->att, b->branch, 0.0f, tiles, scales, n_adapters);
             mlxcel_rms_norm_add(b->branch, L->attn_out.w, b->x, rows, hidden, L->attn_out.eps);
+        } else if (m->residual_scale != 0.0f) { /* granitemoe: the branch scaled before its sum */
+            product(&L->o, rows, b->att, b->branch, 0.0f, tiles, scales, n_adapters);
+            for (size_t j = 0; j < (size_t)rows * hidden; j++) b->x[j] += b->branch[j] * m->residual_scale;
         } else {
             product(&L->o, rows, b->att, b->x, 1.0f, tiles, scales, n_adapters);
         }
     mlp:
         mlxcel_rms_norm(b->x, L->n2.w, b->h, rows, hidden, L->n2.eps);
         if (L->moe) {
-            if (moe_layer(L->moe, rows, hidden, b->h, b->x, b->gate, b->up, b->branch, tiles, scales, n_adapters))
+            if (moe_layer(L->moe, rows, hidden, b->h, b->x, b->gate, b->up, b->branch, tiles, scales, n_adapters,
+                          m->residual_scale))
                 return -(i + 1);
             continue;
         }
@@ -472,6 +525,9 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         if (L->mlp_out.w) {
             product(&L->down, rows, b->gate, b->branch, 0.0f, tiles, scales, n_adapters);
             mlxcel_rms_norm_add(b->branch, L->mlp_out.w, b->x, rows, hidden, L->mlp_out.eps);
+        } else if (m->residual_scale != 0.0f) {
+            product(&L->down, rows, b->gate, b->branch, 0.0f, tiles, scales, n_adapters);
+            for (size_t j = 0; j < (size_t)rows * hidden; j++) b->x[j] += b->branch[j] * m->residual_scale;
         } else {
             product(&L->down, rows, b->gate, b->x, 1.0f, tiles, scales, n_adapters);
         }

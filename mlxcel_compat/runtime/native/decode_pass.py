@@ -44,7 +44,12 @@ class NormStruct(ctypes.Structure):
 class MoeStruct(ctypes.Structure):
     _fields_ = [("router", LinearStruct), ("gate", _P), ("up", _P), ("down", _P),
                 *((name, LinearStruct) for name in ("shared_gate", "shared_up", "shared_down", "shared_scale")),
-                ("n_expert", _I), ("top_k", _I), ("rows", _I), ("norm_topk", _I)]
+                ("n_expert", _I), ("top_k", _I), ("rows", _I), ("norm_topk", _I),
+                ("gate_bias", _P), ("up_bias", _P), ("down_bias", _P), ("gating", _I), ("clamped", _I),
+                ("alpha", _F), ("limit", _F)]
+
+# struct mlxcel_moe's gating: the routers' weights as the families compute them (decode_moe.GATING).
+GATING_CODES = {"softmax": 0, "topk_softmax": 1}
 
 
 class DeltaStruct(ctypes.Structure):
@@ -56,7 +61,7 @@ class DeltaStruct(ctypes.Structure):
 class LayerStruct(ctypes.Structure):
     _fields_ = [*((name, LinearStruct) for name in ("q", "k", "v", "o", "gate", "up", "down")),
                 *((name, NormStruct) for name in ("n1", "n2", "q_norm", "k_norm", "attn_out", "mlp_out")),
-                ("rope", _I), ("moe", _P), ("delta", _P), ("gated_q", _I)]
+                ("rope", _I), ("moe", _P), ("delta", _P), ("gated_q", _I), ("sinks", _P)]
 
 
 class ModelStruct(ctypes.Structure):
@@ -64,7 +69,7 @@ class ModelStruct(ctypes.Structure):
                 ("gelu", _I), ("scale", _F), ("angle_sets", _I), ("prompt_rows_min", _I), ("traditional", _I * 2),
                 ("layers", _P),
                 ("norm", NormStruct), ("head", LinearStruct), ("qk_norm_whole", _I), ("rope_dims", _I), ("k_type", _I),
-                ("v_type", _I)]
+                ("v_type", _I), ("residual_scale", _F)]
 
 
 BUFFER_NAMES = ("x", "h", "branch", "q", "k_new", "v_new", "att", "gate", "up", "logits")
@@ -146,7 +151,13 @@ def _moe(moe: Any, keep: list[Any]) -> int:
     if moe is None:
         return 0
     s = MoeStruct(router=_linear(moe.router, keep), gate=moe.gate.address, up=moe.up.address, down=moe.down.address,
-                  n_expert=moe.n_expert, top_k=moe.top_k, rows=moe.rows, norm_topk=int(moe.norm_topk))
+                  n_expert=moe.n_expert, top_k=moe.top_k, rows=moe.rows, norm_topk=int(moe.norm_topk),
+                  gating=GATING_CODES[moe.gating], clamped=int(moe.limit is not None),
+                  alpha=moe.alpha or 0.0, limit=moe.limit or 0.0)
+    for name in ("gate_bias", "up_bias", "down_bias"):
+        bias = getattr(moe, name)
+        if bias is not None:
+            setattr(s, name, bias.ctypes.data)
     for name in ("shared_gate", "shared_up", "shared_down", "shared_scale"):
         setattr(s, name, _linear(getattr(moe, name), keep))
     keep.append(s)
@@ -188,6 +199,8 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
         s.rope = layer.rope
         s.moe = _moe(layer.moe, keep)
         s.delta, s.gated_q = _delta(layer.delta, keep), int(layer.gated_q)
+        if layer.sinks is not None:
+            s.sinks = layer.sinks.ctypes.data
     keep.append(layers)
     rope_traditional = decoder.angles.traditional
     traditional = (_I * 2)(*[int(t) for t in rope_traditional] + [0] * (2 - len(rope_traditional)))
@@ -198,7 +211,7 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
         prompt_rows_min=decoder.prompt_rows_min, traditional=traditional,
         layers=ctypes.addressof(layers), norm=_norm(decoder.norm), head=_linear(decoder.head, keep),
         qk_norm_whole=int(decoder.qk_norm_whole), rope_dims=decoder.rope_dims, k_type=decoder.kv.codes[0],
-        v_type=decoder.kv.codes[1])
+        v_type=decoder.kv.codes[1], residual_scale=decoder.residual_scale)
     held_lib = blas_shim.holding_the_gil(lib)
     fns = [lib.mlxcel_decode_pass, held_lib.mlxcel_decode_pass]
     for fn in fns:

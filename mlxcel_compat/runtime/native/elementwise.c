@@ -110,3 +110,23 @@ void mlxcel_gelu_tanh_gate(float *gate, const float *up, int n) {
         gate[i] = x * up[i] / (1.0f + exp2s((x + cubic * x * x * x) * c));
     }
 }
+
+/* gpt-oss's clamped SwiGLU (mlx-lm's swiglu_oai), gate = (clip(up, -limit, limit) + 1) *
+ * g sigmoid(alpha g) with g = min(gate, limit), in place; the sigmoid by the power of 2 of
+ * mlxcel_swiglu. */
+void mlxcel_swiglu_oai(float *gate, const float *up, int n, float alpha, float limit) {
+    const float m = -1.4426950408889634f * alpha;
+    int i = 0;
+    for (; i + VL <= n; i += VL) {
+        vf g = loadv(gate + i), u = loadv(up + i);
+        g = vselect(g > splat(limit), splat(limit), g);
+        u = vselect(u > splat(limit), splat(limit), vselect(u < splat(-limit), splat(-limit), u));
+        vf r = (u + splat(1.0f)) * (g / (splat(1.0f) + exp2v(g * splat(m))));
+        memcpy(gate + i, &r, sizeof r);
+    }
+    for (; i < n; i++) {
+        float g = gate[i] > limit ? limit : gate[i];
+        float u = up[i] > limit ? limit : up[i] < -limit ? -limit : up[i];
+        gate[i] = (u + 1.0f) * (g / (1.0f + exp2s(g * m)));
+    }
+}

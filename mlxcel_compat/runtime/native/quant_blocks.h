@@ -22,7 +22,7 @@ typedef void (*mlxcel_dequantize_fn)(const void *x, float *y, int64_t k);
 
 enum { SPLIT_TYPE_BASE = 1000 }; /* + a ggml type: that type with its rows split (rows_q4_1_split) */
 enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q6_K = 14,
-       TYPE_Q8_K = 15 }; /* enum ggml_type */
+       TYPE_Q8_K = 15, TYPE_MXFP4 = 39 }; /* enum ggml_type */
 #define SPLIT_TYPE(type) (SPLIT_TYPE_BASE + (type))
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
