@@ -193,6 +193,20 @@ class Gemma3Projector(ProjectorKind):
             return value - np.float32(1.0)
         return value
 
+def qwen_vl_processor(projector: ProjectorFile, min_tokens: int, max_tokens: int) -> Processor:
+    """Qwen2VLImageProcessor as the projector's keys set it (Qwen2-VL, Qwen2.5-VL and Qwen3-VL alike):
+    the patch and merge sizes, the normalisation, and the pixel bounds from ``--image-min/max-tokens``
+    (8 and 4096 merged patches by default)."""
+    patch = int(projector.vision("patch_size"))
+    merge = int(projector.vision("spatial_merge_size", 2))
+    area = (patch * merge) ** 2
+    least, most = (min_tokens if min_tokens > 0 else 8) * area, (max_tokens if max_tokens > 0 else 4096) * area
+    config = dict(do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True, rescale_factor=1 / 255,
+                  image_mean=[float(x) for x in projector.vision("image_mean")],
+                  image_std=[float(x) for x in projector.vision("image_std")], patch_size=patch,
+                  merge_size=merge, temporal_patch_size=2, size={"shortest_edge": least, "longest_edge": most})
+    return Processor(QWEN2VL_PROCESSOR, config)
+
 
 class Qwen25VLProjector(ProjectorKind):
     """Qwen2.5-VL: a ViT with windowed attention (every ``n_wa_pattern``-th block full) over
@@ -227,15 +241,7 @@ class Qwen25VLProjector(ProjectorKind):
                     vision_end_token_id=token_ids["<|vision_end|>"], vision_token_id=token_ids["<|vision_start|>"])
 
     def processor(self, projector: ProjectorFile, min_tokens: int, max_tokens: int) -> Processor:
-        patch = int(projector.vision("patch_size"))
-        merge = int(projector.vision("spatial_merge_size", 2))
-        area = (patch * merge) ** 2
-        least, most = (min_tokens if min_tokens > 0 else 8) * area, (max_tokens if max_tokens > 0 else 4096) * area
-        config = dict(do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True, rescale_factor=1 / 255,
-                      image_mean=[float(x) for x in projector.vision("image_mean")],
-                      image_std=[float(x) for x in projector.vision("image_std")], patch_size=patch,
-                      merge_size=merge, temporal_patch_size=2, size={"shortest_edge": least, "longest_edge": most})
-        return Processor(QWEN2VL_PROCESSOR, config)
+        return qwen_vl_processor(projector, min_tokens, max_tokens)
 
     def checkpoint_name(self, mlx_name: str) -> str:
         return "visual." + mlx_name.removeprefix("vision_tower.")

@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcel_compat.vision.families import Qwen2VL
-from mlxcel_compat.vision.gguf_projector import (QWEN2VL_PROCESSOR, Processor, ProjectorFile, ProjectorKind)
+from mlxcel_compat.vision.gguf_projector import Processor, ProjectorFile, ProjectorKind, qwen_vl_processor
 
 
 def _deepstack_count(vlm: Any) -> int:
@@ -117,15 +117,7 @@ class Qwen3VLProjector(ProjectorKind):
                     vision_end_token_id=token_ids["<|vision_end|>"])
 
     def processor(self, projector: ProjectorFile, min_tokens: int, max_tokens: int) -> Processor:
-        patch = int(projector.vision("patch_size"))
-        merge = int(projector.vision("spatial_merge_size", 2))
-        area = (patch * merge) ** 2
-        least, most = (min_tokens if min_tokens > 0 else 8) * area, (max_tokens if max_tokens > 0 else 4096) * area
-        config = dict(do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True, rescale_factor=1 / 255,
-                      image_mean=[float(x) for x in projector.vision("image_mean")],
-                      image_std=[float(x) for x in projector.vision("image_std")], patch_size=patch,
-                      merge_size=merge, temporal_patch_size=2, size={"shortest_edge": least, "longest_edge": most})
-        return Processor(QWEN2VL_PROCESSOR, config)
+        return qwen_vl_processor(projector, min_tokens, max_tokens)
 
     def gguf_name(self, projector: ProjectorFile, mlx_name: str, names: Any) -> str | None:
         """The projector's tensor of an mlx-vlm parameter (the converter's hand-written names

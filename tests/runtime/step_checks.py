@@ -1,11 +1,15 @@
-"""Checks shared by the CPU decode runtime's tests (dense and MoE)."""
+"""Checks and helpers shared by the CPU decode runtime's tests (dense, MoE, hybrid): a prompt of
+ids, a cache prefilled by MLX, MLX's logits for one step."""
 
 from __future__ import annotations
 
 import copy
 from typing import Any
 
+import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel_compat.runtime import decode_kv
 
@@ -23,3 +27,20 @@ def assert_rows_together_equal_rows_alone(decoder: Any, together: list[Any], ste
         for r, (cache, owned) in enumerate(zip(alone, owned_a)):
             assert np.array_equal(rows[r], decoder.step(tokens[r], cache, owned))
         tokens = [int(t) for t in rows.argmax(axis=1)]
+
+
+def ids(n: int, seed: int = 0) -> list[int]:
+    return [(7 * i + 3 + 13 * seed) % 500 + 10 for i in range(n)]
+
+
+def prefilled(model: nn.Module, n: int, seed: int = 0) -> list:
+    cache = make_prompt_cache(model)
+    model(mx.array([ids(n, seed)]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def mlx_logits(model: nn.Module, token: int, cache: list) -> np.ndarray:
+    out = model(mx.array([[token]]), cache=cache)[0, -1]
+    mx.eval(out)
+    return np.array(out)

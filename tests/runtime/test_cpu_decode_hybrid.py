@@ -31,29 +31,12 @@ from mlxcel_compat.cache import kv
 from mlxcel_compat.model.loader import load_model
 from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
 from tests.conftest import tiny_model
-from tests.runtime.step_checks import assert_rows_together_equal_rows_alone
+from tests.runtime.step_checks import assert_rows_together_equal_rows_alone, ids, mlx_logits, prefilled
 
 BLOCK_RTOL = 0.06  # as test_cpu_decode_moe.py: activations quantized to the blocks' vec_dot_type
 FLOAT_RTOL = 1e-5  # float32 weights: another summation order only
 
 pytestmark = pytest.mark.skipif(backend.matmul_shim() is None, reason="the BLAS shim is not built on this machine")
-
-
-def ids(n: int, seed: int = 0) -> list[int]:
-    return [(7 * i + 3 + 13 * seed) % 500 + 10 for i in range(n)]
-
-
-def prefilled(model: nn.Module, n: int, seed: int = 0) -> list:
-    cache = make_prompt_cache(model)
-    model(mx.array([ids(n, seed)]), cache=cache)
-    mx.eval([c.state for c in cache])
-    return cache
-
-
-def mlx_logits(model: nn.Module, token: int, cache: list) -> np.ndarray:
-    out = model(mx.array([[token]]), cache=cache)[0, -1]
-    mx.eval(out)
-    return np.array(out)
 
 
 def close(got: np.ndarray, want: np.ndarray, rtol: float) -> bool:
