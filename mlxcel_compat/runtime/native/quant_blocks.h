@@ -53,6 +53,24 @@ static inline void store_block(float *y, __m512i first, __m512i second, int offs
     _mm512_storeu_ps(y + 16, with_min ? _mm512_fmadd_ps(b, vd, vm) : _mm512_mul_ps(b, vd));
 }
 
+/* 16 bytes at offset `at` of each of the 16 rows rowp[0..15], transposed so that v[t]'s dword r
+ * holds row r's bytes 4t .. 4t + 3: a 4 x 4 transpose of dwords within 128-bit lanes, the rows
+ * loaded so that lane j of z[a] is row 4j + a. The lane kernels' weight read (quant_rows.c's Q8_0,
+ * split_rows.c's Q4_1): one vector lane per weight row. */
+static inline __attribute__((always_inline)) void rows16_dwords(const uint8_t *const rowp[16], size_t at, __m512i v[4]) {
+    __m512i z[4];
+    for (int a = 0; a < 4; a++) {
+        __m512i x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rowp[a] + at)));
+        x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(rowp[4 + a] + at)), 1);
+        x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(rowp[8 + a] + at)), 2);
+        z[a] = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(rowp[12 + a] + at)), 3);
+    }
+    __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    v[0] = _mm512_unpacklo_epi64(t0, t2), v[1] = _mm512_unpackhi_epi64(t0, t2);
+    v[2] = _mm512_unpacklo_epi64(t1, t3), v[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
 #if defined(__AVX512VNNI__)
 /* A Q8_0 block: 32 int8 values and a float16 factor (quant_rows.c's decode rows, q8_0_gemm.c). */
 struct q8_0_block {

@@ -335,23 +335,6 @@ void mlxcel_quantize_q8_K(const float *x, void *out, int64_t k) {
 #define Q8_0_LANES 16
 #define Q8_0_MAX_ROWS 16 /* activation rows a pass (as split_rows.c's LANE_MAX_ROWS) */
 
-/* The weight rows' bytes 4t .. 4t + 3 of a 16-byte half of their blocks' values, for the 16 rows
- * rowp[0..15] at byte offset at: v[t]'s dword r holds row r's (a 4 x 4 transpose of dwords within
- * 128-bit lanes, the rows loaded so that lane j of z[a] is row 4j + a). */
-static inline __attribute__((always_inline)) void q8_0_lanes_half(const uint8_t *const rowp[16], size_t at, __m512i v[4]) {
-    __m512i z[4];
-    for (int a = 0; a < 4; a++) {
-        __m512i x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rowp[a] + at)));
-        x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(rowp[4 + a] + at)), 1);
-        x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(rowp[8 + a] + at)), 2);
-        z[a] = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(rowp[12 + a] + at)), 3);
-    }
-    __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-    __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-    v[0] = _mm512_unpacklo_epi64(t0, t2), v[1] = _mm512_unpackhi_epi64(t0, t2);
-    v[2] = _mm512_unpacklo_epi64(t1, t3), v[3] = _mm512_unpackhi_epi64(t1, t3);
-}
-
 /* Weight rows [0, nrows) (nrows <= 16) times m activation rows (m <= Q8_0_MAX_ROWS, as
  * q8_0_prepare left them): out[i * ldo + r]. */
 static inline __attribute__((always_inline)) void q8_0_lanes(int nb, const uint8_t *w, size_t row_bytes, int nrows,
@@ -375,8 +358,8 @@ static inline __attribute__((always_inline)) void q8_0_lanes(int nb, const uint8
         /* the 16 rows' d: a dword gathered from each row, its low half */
         const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(row_at, (const void *)(w + at), 1)));
         __m512i v[8];
-        q8_0_lanes_half(rowp, at + 2, v);
-        q8_0_lanes_half(rowp, at + 18, v + 4);
+        rows16_dwords(rowp, at + 2, v);
+        rows16_dwords(rowp, at + 18, v + 4);
         __m512i wsum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, v[0]);
         for (int t = 1; t < 8; t++) wsum = _mm512_dpbusd_epi32(wsum, ones, v[t]);
         const __m512i offset = _mm512_slli_epi32(wsum, 7);

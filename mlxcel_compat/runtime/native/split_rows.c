@@ -271,20 +271,9 @@ static inline __attribute__((always_inline)) void q4_1_lanes(int nb, const uint8
              * the prefetchers to follow: without this, one activation row ran 2-3x slower than the
              * two-row kernel on weights out of the caches; one pass ahead or into L1, 1.1-1.5x. */
             for (int l = 0; l < 5; l++) _mm_prefetch((const char *)next + ((size_t)b * 5 + l) * 64, _MM_HINT_T1);
-            /* z[a]'s 128-bit lane j: the 16 nibble bytes of row 4j + a; after the transpose u[t]'s
-             * dword 4j + a (= the row) holds that row's bytes 4t .. 4t + 3 */
-            __m512i z[4], u[4], v[8];
-            const size_t at = at_nibbles + (size_t)p * 16;
-            for (int a = 0; a < 4; a++) {
-                __m512i x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rowp[a] + at)));
-                x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(rowp[4 + a] + at)), 1);
-                x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(rowp[8 + a] + at)), 2);
-                z[a] = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(rowp[12 + a] + at)), 3);
-            }
-            __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-            __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-            u[0] = _mm512_unpacklo_epi64(t0, t2), u[1] = _mm512_unpackhi_epi64(t0, t2);
-            u[2] = _mm512_unpacklo_epi64(t1, t3), u[3] = _mm512_unpackhi_epi64(t1, t3);
+            /* u[t]'s dword r: row r's nibble bytes 4t .. 4t + 3 */
+            __m512i u[4], v[8];
+            rows16_dwords(rowp, at_nibbles + (size_t)p * 16, u);
             for (int t = 0; t < 4; t++) { /* values 4t .. 4t + 3 (low nibbles) and 16 + 4t .. (high) */
                 v[t] = _mm512_and_si512(u[t], low);
                 v[t + 4] = _mm512_and_si512(_mm512_srli_epi32(u[t], 4), low);
