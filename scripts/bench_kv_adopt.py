@@ -161,7 +161,8 @@ def main() -> int:
         print(json.dumps(one_mode(args)), flush=True)
         return 0
     runs: dict[str, list[dict[str, Any]]] = {"paged": [], "gathered": []}
-    child = [arg for arg in sys.argv[1:] if not arg.startswith("--json")]
+    child = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
+             if name not in ("json", "mode", "reps")]
     for rep in range(args.reps):
         for mode in ("paged", "gathered") if rep % 2 == 0 else ("gathered", "paged"):
             out = subprocess.run([sys.executable, __file__, *child, "--mode", mode], check=True, capture_output=True,

@@ -3,7 +3,8 @@
 The bookkeeping stores opaque payloads; for the prompt cache a payload is a list of mlx-lm
 per-layer cache objects, or, for dense KV, a ``BlockTable`` of shared blocks
 (``cache/block_pool.py``) whose data this adapter makes (``to_blocks``) and gathers back into
-``KVCache`` objects (``gather``). This adapter copies, truncates and measures them.
+``KVCache`` objects (``gather``), or hands a running sequence without a copy (``paged``:
+``PagedKVCache`` layers over the very block arrays). This adapter copies, truncates and measures them.
 
 Why copies are cheap and safe: MLX arrays are immutable values, but ``a[i] = x`` rebinds the
 *Python object* ``a`` to a new value, so two caches must never share array objects. A copy

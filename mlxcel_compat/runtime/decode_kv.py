@@ -13,6 +13,9 @@ written. One exception to the copy: the first step on a cache the decoder does n
 prompt-cache hit's) reads the shared arrays in place and keeps its new key and value apart
 (:class:`KeptApart`), so a hit's first token costs no copy of the adopted KV; the copy is made at
 the next step, after that token has gone out (a hit's first token is its time to first token).
+A hit on shared prompt-cache blocks copies nothing at all (:func:`paged`): its layers keep the
+blocks, which the kernels read in place through a table of their addresses, and the buffers the
+decoder makes hold only the positions past them.
 
 The buffers hold the layer's storage type (``-ctk``/``-ctv``: ``runtime/kv_precision.py``):
 float32, float16 or bfloat16, the type the cache's arrays already have, or the model's stamp for
