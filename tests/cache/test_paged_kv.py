@@ -107,3 +107,19 @@ def test_a_rolled_back_pass_leaves_the_layer_paged_and_a_trim_into_the_blocks_ga
     assert type(layers[0]) is kv.PagedKVCache and layers[0].offset == 2 * BLOCK + 1
     layers[1].trim(10)  # into the blocks: one buffer first
     assert type(layers[1]) is KVCache and layers[1].offset == 2 * BLOCK - 6
+
+
+def test_a_slot_save_or_snapshot_of_a_paged_cache_is_mlx_lms_kv_cache() -> None:
+    """A slot's kept state (``detached_prefix``) and a whole snapshot gather: what slot files and
+    the disk format write is mlx-lm's own class, with the same bits."""
+    _, table = _table(3 * BLOCK)
+    n = 2 * BLOCK + 6
+    want = kv.gather(table, n)
+    for cut in (n, BLOCK + 3):  # the whole state, and a prefix that ends inside the blocks
+        kept = kv.detached_prefix(kv.paged(table, n), cut)
+        assert all(type(layer) is KVCache and layer.offset == cut for layer in kept)
+        for layer, ref in zip(kept, want):
+            assert np.array_equal(_bits(layer.keys[..., :cut, :]), _bits(ref.keys[..., :cut, :]))
+    whole = kv.snapshot(kv.paged(table, n))
+    assert all(type(layer) is KVCache for layer in whole)
+    assert all(np.array_equal(_bits(a.values), _bits(b.values)) for a, b in zip(whole, want))
