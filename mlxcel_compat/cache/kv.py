@@ -3,7 +3,8 @@
 The bookkeeping stores opaque payloads; for the prompt cache a payload is a list of mlx-lm
 per-layer cache objects, or, for dense KV, a ``BlockTable`` of shared blocks
 (``cache/block_pool.py``) whose data this adapter makes (``to_blocks``) and gathers back into
-``KVCache`` objects (``gather``). This adapter copies, truncates and measures them.
+``KVCache`` objects (``gather``), or hands a running sequence without a copy (``paged``:
+``PagedKVCache`` layers over the very block arrays). This adapter copies, truncates and measures them.
 
 Why copies are cheap and safe: MLX arrays are immutable values, but ``a[i] = x`` rebinds the
 *Python object* ``a`` to a new value, so two caches must never share array objects. A copy
@@ -34,7 +35,103 @@ def _fresh(value: Any) -> Any:
     return value
 
 
+class PagedKVCache(KVCache):
+    """A running sequence's KV layer that starts with shared prompt-cache blocks, read in place:
+    positions ``[0, n_blocked)`` are the leased full blocks' own arrays (``blocks``: per block its
+    keys and values, ``(1, kv_heads, block_tokens, head_dim)`` each, never written), the positions
+    from ``n_blocked`` on are the sequence's own buffer (``own_keys``/``own_values``, row
+    ``t - n_blocked``; None while it holds none). Adopting so copies no tensor
+    (docs/prompt-cache.md, "The CPU decode runtime reads the blocks in place"): the CPU decode
+    runtime hands the kernels a pointer per block (``runtime/decode_kv.py``).
+
+    Everything else reads ``keys`` and ``values`` as mlx-lm's ``KVCache`` has them (the MLX path's
+    ``update_and_fetch``, a batch merge, a snapshot, a slot save, a context shift): the first such
+    read gathers the blocks and the own rows into one buffer per layer (bit for bit) and turns the
+    layer into a plain ``KVCache`` for good, so that every ``type(layer) is KVCache`` check and
+    the disk format see mlx-lm's own class. The sequence then pays the copy; the blocks are
+    untouched."""
+
+    def __init__(self, blocks: tuple[tuple[Any, Any], ...], block_tokens: int, own_keys: Any, own_values: Any,
+                 offset: int) -> None:
+        # not KVCache.__init__: it would assign ``keys``, which is this class's gathering property
+        self.blocks, self.block_tokens = blocks, block_tokens
+        self.own_keys, self.own_values = own_keys, own_values
+        self.offset = offset
+
+    @property
+    def n_blocked(self) -> int:
+        """Positions read from the shared blocks."""
+        return len(self.blocks) * self.block_tokens
+
+    @property
+    def keys(self) -> Any:  # type: ignore[override]
+        return self.gather().keys
+
+    @keys.setter
+    def keys(self, value: Any) -> None:
+        self.gather().keys = value
+
+    @property
+    def values(self) -> Any:  # type: ignore[override]
+        return self.gather().values
+
+    @values.setter
+    def values(self, value: Any) -> None:
+        self.gather().values = value
+
+    def rows(self, start: int, stop: int) -> tuple[Any, Any]:
+        """Keys and values of positions ``[start, stop)`` (``start >= n_blocked``: read from the own
+        buffer, no gather)."""
+        nb = self.n_blocked
+        if start < nb:
+            return self.gather().keys[..., start:stop, :], self.values[..., start:stop, :]
+        return self.own_keys[..., start - nb:stop - nb, :], self.own_values[..., start - nb:stop - nb, :]
+
+    def gather(self) -> KVCache:
+        """Become a plain ``KVCache`` holding the same positions in one buffer per layer."""
+        if type(self) is not PagedKVCache:  # gathered already (a reference kept across the change)
+            return self
+        own = max(self.offset - self.n_blocked, 0)
+        parts = [[b[0] for b in self.blocks], [b[1] for b in self.blocks]]
+        if own:
+            parts[0].append(self.own_keys[..., :own, :])
+            parts[1].append(self.own_values[..., :own, :])
+        keys, values = (mx.concatenate(p, axis=2) if len(p) > 1 else p[0][...] for p in parts)
+        if self.offset < self.n_blocked:
+            keys, values = keys[..., :self.offset, :], values[..., :self.offset, :]
+        offset = self.offset
+        extra = {k: v for k, v in vars(self).items() if k not in ("blocks", "block_tokens", "own_keys", "own_values")}
+        self.__dict__.clear()
+        self.__class__ = KVCache  # type: ignore[assignment]
+        self.__dict__.update(extra)  # a storage-type stamp (runtime/kv_precision.py)
+        self.keys, self.values, self.offset = keys, values, offset
+        return self
+
+    def copy(self) -> "PagedKVCache":
+        """A copy sharing the blocks (never written) and fresh views of the own buffer."""
+        new = PagedKVCache(self.blocks, self.block_tokens, _fresh(self.own_keys), _fresh(self.own_values), self.offset)
+        new.__dict__.update((k, v) for k, v in vars(self).items() if k not in vars(new))
+        return new
+
+    def empty(self) -> bool:
+        return False
+
+    @property
+    def nbytes(self) -> int:  # type: ignore[override]
+        own = sum(a.nbytes for a in (self.own_keys, self.own_values) if a is not None)
+        return sum(k.nbytes + v.nbytes for k, v in self.blocks) + own
+
+    def trim(self, n: int) -> int:
+        if self.offset - n < self.n_blocked:  # into the blocks: the layer becomes one buffer first
+            return self.gather().trim(n)
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+
 def _copy_layer(layer: Any, exact: bool) -> Any:
+    if type(layer) is PagedKVCache:
+        return layer.copy()
     if isinstance(layer, CacheList):
         return CacheList(*(_copy_layer(c, exact) for c in layer.caches))
     if type(layer) is KVCache:
@@ -194,7 +291,8 @@ def blockable(cache: Sequence[Any], n_tokens: int) -> bool:
     at least ``n_tokens`` positions (recurrent state, sliding-window rings, cache lists and
     quantized caches stay whole: docs/prompt-cache.md, "Shared KV blocks")."""
     return n_tokens > 0 and bool(cache) and all(
-        type(layer) is KVCache and layer.keys is not None and layer.offset >= n_tokens for layer in cache
+        (type(layer) is PagedKVCache or type(layer) is KVCache and layer.keys is not None) and layer.offset >= n_tokens
+        for layer in cache
     )
 
 
@@ -204,11 +302,13 @@ def to_blocks(pool: BlockPool, cache: Sequence[Any], n_tokens: int, lease: tuple
     their buffers (evaluated here, so they never keep the sequence's buffer alive). Blocks hold
     the arrays' own dtype. The caller holds one reference on each block (``build_table``)."""
 
+    def rows(layer: Any, start: int, stop: int) -> tuple[Any, Any]:
+        if type(layer) is PagedKVCache:  # past its blocks: from its own buffer, no gather
+            return layer.rows(start, stop)
+        return layer.keys[..., start:stop, :], layer.values[..., start:stop, :]
+
     def make(start: int, stop: int) -> tuple[object, int]:
-        data = tuple(
-            (mx.contiguous(layer.keys[..., start:stop, :]), mx.contiguous(layer.values[..., start:stop, :]))
-            for layer in cache
-        )
+        data = tuple((mx.contiguous(k), mx.contiguous(v)) for k, v in (rows(layer, start, stop) for layer in cache))
         mx.eval(data)
         return data, sum(k.nbytes + v.nbytes for k, v in data)
 
@@ -254,6 +354,28 @@ def gather(table: BlockTable, n_tokens: int) -> Payload:
     return layers
 
 
+def paged(table: BlockTable, n_tokens: int) -> Payload:
+    """``PagedKVCache`` layers holding the table's first ``n_tokens`` positions without a copy: the
+    full blocks among them by reference (the very arrays the pool holds), the adopted part of the
+    next block as a lazy slice (copied when the sequence first writes). Read ``keys``/``values``
+    and a layer gathers (:meth:`PagedKVCache.gather`), which is :func:`gather`'s result."""
+    size = table.pool.block_tokens
+    n_tokens = min(n_tokens, table.n_tokens)
+    full = n_tokens // size
+    ids = table.block_ids[: -(-n_tokens // size)]
+    blocks = [table.pool.data(i) for i in ids]
+    tail = n_tokens - full * size
+    layers: Payload = []
+    for i in range(int(table.layout)):  # type: ignore[call-overload]
+        own_keys = own_values = None
+        if tail:
+            own_keys = blocks[full][i][0][..., :tail, :]  # type: ignore[index]
+            own_values = blocks[full][i][1][..., :tail, :]  # type: ignore[index]
+        shared = tuple(b[i] for b in blocks[:full])  # type: ignore[index]
+        layers.append(PagedKVCache(shared, size, own_keys, own_values, n_tokens))
+    return layers
+
+
 def materialize(payload: Any) -> Payload:
     """A payload as mlx-lm cache objects (a table's blocks gathered; a list as it is)."""
     if isinstance(payload, BlockTable):
@@ -274,7 +396,7 @@ def payload_nbytes(payload: Any) -> int:
 def can_shift(cache: Sequence[Any]) -> bool:
     """Whether every layer is a plain KV table whose positions can be dropped from the middle
     (llama.cpp's ``seq_rm`` + ``seq_add``): no recurrent state, no sliding-window ring."""
-    return all(type(layer) is KVCache for layer in cache)
+    return all(type(layer) is KVCache or type(layer) is PagedKVCache for layer in cache)  # the latter gathers
 
 
 def shift(cache: Sequence[Any], n_keep: int, n_discard: int, rotate: Callable[[int, Any, int], Any]) -> None:
@@ -314,9 +436,9 @@ def checkpoint(cache: Sequence[Any]) -> list[Any]:
 def _mark(layer: Any) -> Any:
     if isinstance(layer, CacheList):
         return [_mark(c) for c in layer.caches]
-    saved: dict[str, Any] = {}
+    saved: dict[str, Any] = {"__class__": type(layer)}  # a PagedKVCache the pass gathered goes back to paged
     for name, value in vars(layer).items():
-        if isinstance(value, mx.array) and name not in ("keys", "values"):
+        if isinstance(value, mx.array) and name not in ("keys", "values", "own_keys", "own_values"):
             saved[name] = value[...]
         elif isinstance(value, list):
             saved[name] = list(value)  # recurrent states: entries are replaced, never written into
@@ -336,5 +458,7 @@ def _restore(layer: Any, mark: Any) -> bool:
         return all([_restore(c, m) for c, m in zip(layer.caches, mark)])
     exact = not (mark.get("rotated") or ("max_size" in mark and mark.get("_idx", 0) >= mark["max_size"]))
     layer.__dict__.clear()
-    layer.__dict__.update(mark)
+    if type(layer) is not mark["__class__"]:
+        layer.__class__ = mark["__class__"]
+    layer.__dict__.update((k, v) for k, v in mark.items() if k != "__class__")
     return exact

@@ -52,8 +52,10 @@ PREFILL_PREFIX_LIMIT = 2048  # cached tokens a row may bring along
 
 def can_prefill_together(seq: Sequence) -> bool:
     """Plain attention caches only: their batch form handles right-padded chunks exactly
-    (recurrent and rotating caches keep stepping through padding or drop what they rotate out)."""
-    return all(type(layer) is KVCache for layer in seq.cache) and len(seq.cache_tokens) <= PREFILL_PREFIX_LIMIT
+    (recurrent and rotating caches keep stepping through padding or drop what they rotate out); a
+    hit's paged layers gather when merged (``kv.PagedKVCache``)."""
+    return (all(type(layer) is KVCache or type(layer) is kv.PagedKVCache for layer in seq.cache)
+            and len(seq.cache_tokens) <= PREFILL_PREFIX_LIMIT)
 
 
 def on_runtime(seq: Sequence, chunk: list[int]) -> bool:

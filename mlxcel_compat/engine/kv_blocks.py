@@ -64,9 +64,11 @@ class SharedBlocks:
         return {"kv_blocks_stored": 0, "kv_block_leases": 0, "kv_blocks_leased": 0, "kv_block_stray_refs": 0}
 
     def adopt(self, seq: "Sequence", table: BlockTable, n_tokens: int) -> list[Any]:
-        """The sequence's cache gathered from ``table``'s first ``n_tokens`` positions; the full
-        blocks among them become the sequence's lease (the partly used last one is copied)."""
-        cache = kv.gather(table, n_tokens)
+        """The sequence's cache made from ``table``'s first ``n_tokens`` positions without a copy
+        (``kv.paged``: the blocks read in place by the CPU decode runtime, gathered on demand by
+        the MLX path); the full blocks among them become the sequence's lease (the partly used
+        last one is copied when the sequence first writes)."""
+        cache = kv.paged(table, n_tokens)
         self.release(seq)
         ids = table.full_blocks(n_tokens)
         self.pool.retain(ids)

@@ -69,7 +69,7 @@ import numpy as np
 from mlxcel_compat.runtime import decode_delta, decode_moe, kv_precision, ring_chunks
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.block_weight import BlockWeight
-from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, ring_plan
+from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, paged, paged_fits, ring_plan
 from mlxcel_compat.runtime.decode_layers import (LinearWeights, LoraFactors, PassBuffers, attention_heads, float32_array,
                                                  gemma_mlp, gemma_norm, head_dim, layer_mlp, layer_weights, norm_weights)
 from mlxcel_compat.runtime.lora_rows import factors_of
@@ -317,6 +317,7 @@ class CpuDecoder:
         cache = self.seq.attention(cache)
         k_dtype, v_dtype = self.kv.dtypes
         if not owned.holds(cache) and not all(
+            paged_fits(c, self.n_kv_heads, self.head_dim, self.kv.dtypes) if paged(c) else
             type(c) is (RotatingKVCache if self.layers[i].sliding else KVCache)
             and c.keys is not None and c.keys.ndim == 4 and c.keys.shape[0] == 1
             and c.keys.dtype == k_dtype and c.values.dtype == v_dtype

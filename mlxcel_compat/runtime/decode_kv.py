@@ -13,6 +13,9 @@ written. One exception to the copy: the first step on a cache the decoder does n
 prompt-cache hit's) reads the shared arrays in place and keeps its new key and value apart
 (:class:`KeptApart`), so a hit's first token costs no copy of the adopted KV; the copy is made at
 the next step, after that token has gone out (a hit's first token is its time to first token).
+A hit on shared prompt-cache blocks copies nothing at all (:func:`paged`): its layers keep the
+blocks, which the kernels read in place through a table of their addresses, and the buffers the
+decoder makes hold only the positions past them.
 
 The buffers hold the layer's storage type (``-ctk``/``-ctv``: ``runtime/kv_precision.py``):
 float32, float16 or bfloat16, the type the cache's arrays already have, or the model's stamp for
@@ -35,6 +38,40 @@ KV_STEP = 16
 KV_HEADROOM = 64  # positions allocated beyond the one needed where the request sets no bound
 # The storage types the runtime's attention reads, by the code the native decode pass takes (MLXCEL_KV_*).
 KV_CODES = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
+
+
+def paged(c: Any) -> bool:
+    """Whether a layer starts with shared prompt-cache blocks read in place (``cache/kv.py``'s
+    ``PagedKVCache``, known here by its ``blocks``: the runtime room does not import the cache
+    room). Its pass writes its own buffer (``own_keys``/``own_values``: positions from
+    ``n_blocked`` on); reading its ``keys`` would gather it into one buffer."""
+    return "blocks" in vars(c)
+
+
+def written(c: Any) -> tuple[Any, Any]:
+    """The arrays a pass writes into: a paged layer's own buffer, else its keys and values."""
+    return (c.own_keys, c.own_values) if paged(c) else (c.keys, c.values)
+
+
+def paged_fits(c: Any, n_kv_heads: int, head_dim: int, dtypes: tuple[Any, Any]) -> bool:
+    """Whether the kernels can read a paged layer as it is: every block ``(1, kv_heads,
+    block_tokens, head_dim)`` of the storage types (contiguous: the pool's blocks are), the own
+    buffer (if any) one row of those types."""
+    shape = (1, n_kv_heads, c.block_tokens, head_dim)
+    blocks_fit = all(a.shape == shape and a.dtype == t for pair in c.blocks for a, t in zip(pair, dtypes))
+    own = (c.own_keys, c.own_values)
+    return blocks_fit and c.offset >= c.n_blocked and (own[0] is None or all(
+        a.ndim == 4 and a.shape[:2] == (1, n_kv_heads) and a.shape[3] == head_dim and a.dtype == t
+        for a, t in zip(own, dtypes)))
+
+
+def block_table(c: Any) -> np.ndarray:
+    """A paged layer's block addresses as ``struct mlxcel_kv``'s ``blocks`` reads them: every
+    block's keys, then every block's values (the arrays themselves: nothing is copied)."""
+    views = [host_view(a) for a in [k for k, _ in c.blocks] + [v for _, v in c.blocks]]
+    if not all(v.flags.c_contiguous for v in views):
+        raise RuntimeError("a shared KV block is not one contiguous buffer")
+    return np.array([v.ctypes.data for v in views], np.int64)
 
 
 def host_view(a: Any) -> np.ndarray:
@@ -98,11 +135,12 @@ class OwnedCache:
     apart: KeptApart | None = None  # the last step's rows, kept apart from shared arrays
     reserve: int = 0  # positions the sequence may fill (prompt + n_predict): allocated at once
     recurrent: Any = None  # a hybrid's delta-net states made for the sequence (decode_delta.OwnedStates)
+    block_tables: list[np.ndarray] = field(default_factory=list)  # paged layers' block addresses, kept alive
 
     def holds(self, cache: list[Any]) -> bool:
         """Whether every layer of ``cache`` still holds the arrays made for it."""
         return len(self.arrays) == len(cache) and all(
-            c.keys is a and c.values is b for c, (a, b) in zip(cache, self.arrays))
+            w[0] is a and w[1] is b for w, (a, b) in zip(map(written, cache), self.arrays))
 
 
 def buffer_capacity(last: int, current: int = 0, reserve: int = 0) -> int:
@@ -176,13 +214,17 @@ class KvLayout:
         apart, owned.apart = owned.apart, None
         if apart is not None and apart.holds(cache) and not self.rings:
             return self._own_apart(cache, owned, apart, last)
-        if owned.holds(cache) and all(last < owned.views[i][2] for i in self.plain) and all(
+        if owned.holds(cache) and all(last < _first_own(owned.views[i]) + owned.views[i][2] for i in self.plain) and all(
                 plan[:2] == (owned.views[i][2], 0) for i, plan in zip(self.rings, plans)):
             return owned.views
-        mx.eval([(c.keys, c.values) for c in cache if c.keys is not None])
-        owned.arrays, owned.views = [], []
+        mx.eval([w for w in map(written, cache) if w[0] is not None])
+        owned.arrays, owned.views, owned.block_tables = [], [], []
         ring_plans = dict(zip(self.rings, plans))
         for i, c in enumerate(cache):
+            if paged(c):
+                owned.views.append(self._own_paged(c, owned, pos, last))
+                owned.arrays.append((c.own_keys, c.own_values))
+                continue
             if i in ring_plans:
                 capacity, start, c._idx = ring_plans[i]
                 keys, values = (_fresh_ring(a, start, capacity) for a in (c.keys, c.values))
@@ -195,6 +237,23 @@ class KvLayout:
             owned.arrays.append((keys, values))
             owned.views.append((host_view(keys).ctypes.data, host_view(values).ctypes.data, keys.shape[2]))
         return owned.views
+
+    def _own_paged(self, c: Any, owned: OwnedCache, pos: int, last: int) -> tuple[int, ...]:
+        """A paged layer's view (keys, values, capacity, 0, 0, block table, n_blocked,
+        block_tokens): its own buffer, made (the adopted partial block's rows copied) or grown
+        for positions up to ``last``; the blocks read in place."""
+        nb = c.n_blocked
+        reserve = max(owned.reserve - nb, 0)
+        if c.own_keys is None:
+            shape = (1, self.n_kv_heads, buffer_capacity(last - nb, reserve=reserve), self.head_dim)
+            keys, values = (_writable(shape, dtype)[0] for dtype in self.dtypes)
+        else:
+            keys, values = (_fresh(a, pos - nb, last - nb, reserve) for a in (c.own_keys, c.own_values))
+        c.own_keys, c.own_values = keys, values
+        table = block_table(c)
+        owned.block_tables.append(table)
+        return (host_view(keys).ctypes.data, host_view(values).ctypes.data, keys.shape[2], 0, 0,
+                table.ctypes.data if len(table) else 0, nb, c.block_tokens)
 
     def _own_apart(self, cache: list[Any], owned: OwnedCache, apart: KeptApart, last: int) -> list[tuple[int, int, int]]:
         """:meth:`own` after a step kept apart: the buffers made from the shared views and the
@@ -252,6 +311,11 @@ class KvLayout:
         return Borrowed(pos, shared, rows, views)
 
 
+def _first_own(view: tuple[int, ...]) -> int:
+    """The first position a layer's own buffer holds: a paged layer's ``n_blocked``, else 0."""
+    return view[6] if len(view) == 8 else 0
+
+
 def _writable(shape: tuple[int, ...], dtype: Any) -> tuple[Any, np.ndarray]:
     """A new zero MLX array of ``shape`` and ``dtype`` and a writable NumPy view of its buffer."""
     fresh = mx.zeros(shape, dtype=dtype)
@@ -283,5 +347,5 @@ def _fresh_ring(a: Any, start: int, capacity: int) -> Any:
     return fresh
 
 
-__all__ = ["KV_CODES", "KV_HEADROOM", "KV_STEP", "Borrowed", "KeptApart", "KvLayout", "OwnedCache", "buffer_capacity",
-           "host_view", "mlx_rows", "ring_plan"]
+__all__ = ["KV_CODES", "KV_HEADROOM", "KV_STEP", "Borrowed", "KeptApart", "KvLayout", "OwnedCache", "block_table",
+           "buffer_capacity", "host_view", "mlx_rows", "paged", "paged_fits", "ring_plan", "written"]

@@ -92,8 +92,10 @@ class SequenceKv:
         a = np.array(row_views, np.int64)
         base = np.zeros((self.n_layers, decode_pass.KV_FIELDS), np.int64)
         base[:, 0:2], base[:, 4] = a[:, 0:2], a[:, 2]
-        if a.shape[1] == 5:
+        if a.shape[1] >= 5:  # shared arrays read in place: the new rows' buffers (KvLayout.borrow)
             base[:, 2:4] = a[:, 3:5]
+        if a.shape[1] == 8:  # shared blocks read in place (KvLayout._own_paged): their table
+            base[:, 8:11] = a[:, 5:8]
         if len(self._bases) >= 64:  # sequences come and go: forget the old ones
             self._bases.clear()
         self._bases[id(row_views)] = (row_views, base)

@@ -25,6 +25,7 @@ from mlxcel_compat.cache import kv
 from mlxcel_compat.cache.block_pool import BlockTable
 from mlxcel_compat.engine.request import ErrorEvent
 from mlxcel_compat.engine.sequence import Sequence
+from mlxcel_compat.runtime import decode_kv
 from tests.conftest import tiny_model
 from tests.engine.harness import EngineHarness, collect
 
@@ -309,7 +310,7 @@ def test_a_hit_on_shared_blocks_equals_a_cold_run(harness: EngineHarness) -> Non
     assert warm.tokens == cold.tokens and warm.logprobs == cold.logprobs  # bit-identical
 
 
-def test_adoption_gathers_without_touching_the_pool_and_a_reset_frees_every_block(harness: EngineHarness) -> None:
+def test_adoption_copies_no_block_and_a_reset_frees_every_block(harness: EngineHarness) -> None:
     harness.reset()
     system = random_tokens(SYSTEM + 5, seed=3)
     harness.run(system + random_tokens(7, seed=30), n_predict=2, session="a")
@@ -330,6 +331,26 @@ def test_adoption_gathers_without_touching_the_pool_and_a_reset_frees_every_bloc
     request = harness.submit(system + random_tokens(40, seed=31), events.put, n_predict=1500, session="b", ignore_eos=True)
     first = events.get(timeout=60)
     assert first is not None
+
+    def read_in_place() -> tuple[bool, list[str], bool, bool, int]:
+        """The running sequence's layers after its prefill and first steps on the CPU decode
+        runtime: still paged, each the pool's very block arrays (no copy), the runtime writing
+        only the own buffer, which holds no position of the blocks."""
+        seq = next(s.sequence for s in harness.engine.slots if s.sequence is not None)
+        kinds = [type(layer).__name__ for layer in seq.cache]
+        if set(kinds) != {"PagedKVCache"}:
+            return seq.decoder is not None, kinds, False, False, 0
+        blocks = [table.pool.data(i) for i in table.block_ids[: SYSTEM // BLOCK]]
+        same = all(layer.n_blocked == SYSTEM and len(layer.blocks) == len(blocks) and all(
+            layer.blocks[b][j] is blocks[b][i][j] for b in range(len(blocks)) for j in (0, 1))
+            for i, layer in enumerate(seq.cache))
+        own = max(layer.own_keys.shape[2] for layer in seq.cache)
+        return seq.decoder is not None, kinds, same, seq.owned.holds(seq.cache), own - (seq.owned.reserve - SYSTEM)
+
+    on_runtime, kinds, same, owned, slack = harness.on_engine(read_in_place)
+    assert on_runtime and set(kinds) == {"PagedKVCache"}, kinds
+    assert same and owned
+    assert 0 <= slack < decode_kv.KV_STEP  # the own buffer: the positions past the blocks only
     leased = harness.on_engine(lambda: harness.engine.prefix_cache.blocks.leased_blocks)
     assert leased == SYSTEM // BLOCK
     running = harness.stats()  # who holds what, as /v1/cache/stats says it

@@ -69,6 +69,8 @@ struct attention_job {
     float scale;          /* the softmax scale times log2 e (the exponential is a power of 2) */
     int k_type, v_type;   /* MLXCEL_KV_*: the cache's storage types */
     const float *sinks;   /* NULL, or (Hq): each query head's sink logit times log2 e (gpt-oss) */
+    const struct kv_blocks *paged; /* NULL, or the shared blocks before the cache: then the cache
+                                    * holds positions from paged->n_blocked on (kv_rows.h) */
 };
 
 /* KV head h of a decode step: write the new key and value, then for its `group` query heads
@@ -145,9 +147,41 @@ static void attend_head_kv(const void *ctx, int h) {
         kv_weighted(a->v_type, g, d, n, scores, n, (const uint16_t *)values, (const uint16_t *)v_dst, shared, out);
 }
 
+/* attend_head over a span (kv_rows.h): the shared blocks read in place, then the cache's own rows
+ * (position t at row t - n_blocked), then the row kept apart; any storage type. The same scores,
+ * softmax and products, so the same numbers as over one buffer holding the same rows. */
+static void attend_head_span(const void *ctx, int h) {
+    static __thread struct mlxcel_scratch scratch;
+    const struct attention_job *a = ctx;
+    const struct kv_blocks *b = a->paged;
+    int g = a->group, d = a->d, n = a->n, nb = b->n_blocked, apart = a->k_out != NULL;
+    size_t k_row = kv_value_bytes(a->k_type) * d, v_row = kv_value_bytes(a->v_type) * d;
+    char *keys = (char *)a->keys + h * a->head_stride / d * k_row;
+    char *values = (char *)a->values + h * a->head_stride / d * v_row;
+    char *k_dst = apart ? (char *)a->k_out + h * k_row : keys + (size_t)(a->write - nb) * k_row;
+    char *v_dst = apart ? (char *)a->v_out + h * v_row : values + (size_t)(a->write - nb) * v_row;
+    kv_narrow(a->k_type, k_dst, a->k_new + (size_t)h * d, d);
+    kv_narrow(a->v_type, v_dst, a->v_new + (size_t)h * d, d);
+    size_t run_bytes = ((size_t)(nb / b->block_tokens + 2) * sizeof(struct kv_run) + 63) / 64 * 64;
+    char *mem = mlxcel_scratch(&scratch, run_bytes + ((size_t)g * d + (size_t)g * n) * sizeof(float));
+    struct kv_run *runs = (struct kv_run *)mem;
+    float *q = (float *)(mem + run_bytes), *scores = q + (size_t)g * d;
+    for (int i = 0; i < g * d; i++) q[i] = a->q[(size_t)h * g * d + i] * a->scale;
+    int own_n = (apart ? n - 1 : n) - nb;
+    int n_runs = kv_head_runs(runs, b, 0, k_row, h, keys, own_n, k_dst, apart);
+    kv_span_scores(a->k_type, g, d, runs, n_runs, q, scores, n);
+    for (int i = 0; i < g; i++) {
+        float *s = scores + (size_t)i * n;
+        float inv = 1.0f / exp2_shifted_row_sink(s, n, a->sinks ? a->sinks + (size_t)h * g + i : NULL);
+        for (int t = 0; t < n; t++) s[t] *= inv;
+    }
+    n_runs = kv_head_runs(runs, b, 1, v_row, h, values, own_n, v_dst, apart);
+    kv_span_weighted(a->v_type, g, d, runs, n_runs, scores, n, a->out + (size_t)h * g * d);
+}
+
 static void attend_heads(struct attention_job *a, int kv_heads) {
     int plain = a->k_type == MLXCEL_KV_F32 && a->v_type == MLXCEL_KV_F32;
-    mlxcel_parallel(kv_heads, plain ? attend_head : attend_head_kv, a);
+    mlxcel_parallel(kv_heads, a->paged ? attend_head_span : plain ? attend_head : attend_head_kv, a);
 }
 
 /* A decode step's attention for every KV head of one layer, the heads spread over the pool: the
@@ -204,6 +238,26 @@ void mlxcel_decode_attention(const float *q, const float *k_new, const float *v_
                                k_type, v_type);
 }
 
+/* A decode step's attention on a cache that starts with shared blocks (a prompt-cache hit read in
+ * place: kv_rows.h's struct kv_blocks): positions [0, n_blocked) from `blocks` (n_blocked /
+ * block_tokens blocks' keys, then as many blocks' values), the cache holding positions from
+ * n_blocked on; the new key and value written at position `pos` (row pos - n_blocked), attending
+ * [0, pos]. `sinks` as in mlxcel_decode_attention_sinks (NULL: none). Returns 0, or -1 (touching
+ * nothing) if the positions do not fit. */
+int mlxcel_decode_attention_paged(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
+                                  float *out, int kv_heads, int group, int d, int pos, long capacity, float scale,
+                                  int k_type, int v_type, const float *sinks, const void *const *blocks,
+                                  int n_blocked, int block_tokens) {
+    if (block_tokens < 1 || n_blocked < 0 || n_blocked % block_tokens || (n_blocked && !blocks) || pos < n_blocked ||
+        pos - n_blocked >= capacity)
+        return -1;
+    struct kv_blocks b = {blocks, n_blocked, block_tokens};
+    struct attention_job a = {q, k_new, v_new, keys, values, NULL, NULL, out, group, d, pos, pos + 1,
+                              (size_t)capacity * d, scale, k_type, v_type, sinks, &b};
+    attend_heads(&a, kv_heads);
+    return 0;
+}
+
 /* ------------------------------------------------------------------------- prompt-chunk attention
  * A short prompt chunk fed through the CPU decode runtime (a cache hit's rest, CpuDecoder.prefill):
  * `rows` consecutive positions of one sequence, from `pos` on. Row by row the decode kernel above
@@ -229,37 +283,42 @@ struct chunk_attention_job {
     int k_type, v_type;    /* MLXCEL_KV_*: the cache's storage types */
     float *values_f;       /* 16-bit values: scratch (Hk, pos + rows, d), each head's widened; else NULL */
     const float *sinks;    /* NULL, or (Hq) sink logits times log2 e (gpt-oss) */
+    const struct kv_blocks *paged; /* NULL, or the shared blocks before the cache (then values_f is set) */
 };
 
 /* KV head h: write the chunk's keys and values into the cache (or apart), then transpose the
  * head's keys. */
 static void chunk_write_head(const void *ctx, int h) {
-    static __thread struct mlxcel_scratch widened;
+    static __thread struct mlxcel_scratch widened, run_scratch;
     const struct chunk_attention_job *a = ctx;
-    int d = a->d, hk = a->kv_heads, n = a->pos + a->rows;
+    int d = a->d, hk = a->kv_heads, n = a->pos + a->rows, nb = a->paged ? a->paged->n_blocked : 0;
     size_t k_row = kv_value_bytes(a->k_type) * d, v_row = kv_value_bytes(a->v_type) * d;
     char *keys = (char *)a->keys + h * a->head_stride / d * k_row;
     char *values = (char *)a->values + h * a->head_stride / d * v_row;
-    char *k_rows = a->k_out ? (char *)a->k_out + (size_t)h * a->rows * k_row : keys + (size_t)a->pos * k_row;
-    char *v_rows = a->v_out ? (char *)a->v_out + (size_t)h * a->rows * v_row : values + (size_t)a->pos * v_row;
+    char *k_rows = a->k_out ? (char *)a->k_out + (size_t)h * a->rows * k_row : keys + (size_t)(a->pos - nb) * k_row;
+    char *v_rows = a->v_out ? (char *)a->v_out + (size_t)h * a->rows * v_row : values + (size_t)(a->pos - nb) * v_row;
     for (int r = 0; r < a->rows; r++) {
         kv_narrow(a->k_type, k_rows + (size_t)r * k_row, a->k_new + ((size_t)r * hk + h) * d, d);
         kv_narrow(a->v_type, v_rows + (size_t)r * v_row, a->v_new + ((size_t)r * hk + h) * d, d);
     }
+    /* slots [0, pos): the blocks and the own rows; then the chunk's rows, in the cache or apart */
+    int own_n = a->k_out ? a->pos - nb : n - nb, apart_n = a->k_out ? a->rows : 0;
+    struct kv_run *runs = mlxcel_scratch(&run_scratch, sizeof(struct kv_run) * (size_t)(nb / (a->paged ? a->paged->block_tokens : 1) + 2));
+    int n_runs = kv_head_runs(runs, a->paged, 0, k_row, h, keys, own_n, k_rows, apart_n);
     int ldk = a->ldk;
     float *kt = a->keys_t + (size_t)h * d * ldk;
     float *row = a->k_type == MLXCEL_KV_F32 ? NULL : mlxcel_scratch(&widened, (size_t)d * sizeof(float));
-    for (int t = 0; t < n; t++) {
-        const char *stored = t < a->pos ? keys + (size_t)t * k_row : k_rows + (size_t)(t - a->pos) * k_row;
-        const float *key = (const float *)stored;
-        if (row) kv_widen(a->k_type, stored, row, d), key = row;
-        for (int i = 0; i < d; i++) kt[(size_t)i * ldk + t] = key[i];
-    }
+    for (int r = 0, t = 0; r < n_runs; r++)
+        for (int j = 0; j < runs[r].n; j++, t++) {
+            const char *stored = runs[r].rows + (size_t)j * k_row;
+            const float *key = (const float *)stored;
+            if (row) kv_widen(a->k_type, stored, row, d), key = row;
+            for (int i = 0; i < d; i++) kt[(size_t)i * ldk + t] = key[i];
+        }
     for (int i = 0; i < d; i++) memset(kt + (size_t)i * ldk + n, 0, (size_t)(ldk - n) * sizeof(float));
     if (a->values_f) {
-        float *vf = a->values_f + (size_t)h * n * d;
-        kv_widen(a->v_type, values, vf, a->pos * d);
-        kv_widen(a->v_type, v_rows, vf + (size_t)a->pos * d, a->rows * d);
+        n_runs = kv_head_runs(runs, a->paged, 1, v_row, h, values, own_n, v_rows, apart_n);
+        kv_span_widen(a->v_type, runs, n_runs, d, a->values_f + (size_t)h * n * d);
     }
 }
 
@@ -320,16 +379,17 @@ static void chunk_attend_part(const void *ctx, int p) {
 static void chunk_attention(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
                             float *out, void *k_out, void *v_out, int rows, int kv_heads, int group, int d,
                             int pos, long capacity, float scale, int k_type, int v_type, int window,
-                            const float *sinks) {
+                            const float *sinks, const struct kv_blocks *paged) {
     static __thread struct mlxcel_scratch keys_t, values_f;
     int blocks = (rows + CHUNK_QUERY_BLOCK - 1) / CHUNK_QUERY_BLOCK;
     int ldk = (pos + rows + VL - 1) / VL * VL;
     if (ldk % 1024 == 0) ldk += VL; /* rows 4 KiB apart share cache sets */
     float *kt = mlxcel_scratch(&keys_t, (size_t)kv_heads * d * ldk * sizeof(float));
-    float *vf = v_type == MLXCEL_KV_F32 ? NULL
+    float *vf = v_type == MLXCEL_KV_F32 && !paged ? NULL /* a span's values: laid out in order once */
         : mlxcel_scratch(&values_f, (size_t)kv_heads * (pos + rows) * d * sizeof(float));
     struct chunk_attention_job a = {q, k_new, v_new, keys, values, kt, ldk, out, k_out, v_out, rows, kv_heads,
-                                    group, d, pos, blocks, window, (size_t)capacity * d, scale, k_type, v_type, vf, sinks};
+                                    group, d, pos, blocks, window, (size_t)capacity * d, scale, k_type, v_type, vf, sinks,
+                                    paged};
     mlxcel_parallel(kv_heads, chunk_write_head, &a);
     mlxcel_parallel(kv_heads * blocks, chunk_attend_part, &a);
 }
@@ -342,7 +402,7 @@ int mlxcel_chunk_attention(const float *q, const float *k_new, const float *v_ne
                            float scale, int k_type, int v_type) {
     if (rows < 1 || pos < 0 || pos + rows > capacity) return -1;
     chunk_attention(q, k_new, v_new, keys, values, out, NULL, NULL, rows, kv_heads, group, d, pos, capacity, scale,
-                    k_type, v_type, 0, NULL);
+                    k_type, v_type, 0, NULL, NULL);
     return 0;
 }
 
@@ -357,7 +417,7 @@ int mlxcel_chunk_attention_window(const float *q, const float *k_new, const floa
                                   float scale, int k_type, int v_type, int window, const float *sinks) {
     if (rows < 1 || pos < 0 || pos + rows > capacity || window < 0) return -1;
     chunk_attention(q, k_new, v_new, keys, values, out, NULL, NULL, rows, kv_heads, group, d, pos, capacity, scale,
-                    k_type, v_type, window, sinks);
+                    k_type, v_type, window, sinks, NULL);
     return 0;
 }
 
@@ -371,6 +431,23 @@ int mlxcel_chunk_attention_apart(const float *q, const float *k_new, const float
                                  int v_type) {
     if (rows < 1 || pos < 1 || pos > capacity) return -1;
     chunk_attention(q, k_new, v_new, (void *)keys, (void *)values, out, k_out, v_out, rows, kv_heads, group, d,
-                    pos, capacity, scale, k_type, v_type, 0, NULL);
+                    pos, capacity, scale, k_type, v_type, 0, NULL, NULL);
+    return 0;
+}
+
+/* Causal attention of `rows` positions from `pos` on, on a cache that starts with shared blocks
+ * (as mlxcel_decode_attention_paged): their keys and values written at rows pos - n_blocked on of
+ * the cache, row r attending [0, pos + r] (window and sinks as mlxcel_chunk_attention_window's;
+ * 0 and NULL: none). Returns 0, or -1 (touching nothing) if the rows do not fit. */
+int mlxcel_chunk_attention_paged(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
+                                 float *out, int rows, int kv_heads, int group, int d, int pos, long capacity,
+                                 float scale, int k_type, int v_type, int window, const float *sinks,
+                                 const void *const *blocks, int n_blocked, int block_tokens) {
+    if (rows < 1 || block_tokens < 1 || n_blocked < 0 || n_blocked % block_tokens || (n_blocked && !blocks) ||
+        pos < n_blocked || pos - n_blocked + rows > capacity || window < 0)
+        return -1;
+    struct kv_blocks b = {blocks, n_blocked, block_tokens};
+    chunk_attention(q, k_new, v_new, keys, values, out, NULL, NULL, rows, kv_heads, group, d, pos, capacity, scale,
+                    k_type, v_type, window, sinks, &b);
     return 0;
 }

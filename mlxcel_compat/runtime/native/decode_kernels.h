@@ -32,5 +32,13 @@ int mlxcel_chunk_attention_apart(const float *q, const float *k_new, const float
                                  const void *values, float *out, void *k_out, void *v_out, int rows,
                                  int kv_heads, int group, int d, int pos, long capacity, float scale, int k_type,
                                  int v_type);
+int mlxcel_decode_attention_paged(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
+                                  float *out, int kv_heads, int group, int d, int pos, long capacity, float scale,
+                                  int k_type, int v_type, const float *sinks, const void *const *blocks,
+                                  int n_blocked, int block_tokens);
+int mlxcel_chunk_attention_paged(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
+                                 float *out, int rows, int kv_heads, int group, int d, int pos, long capacity,
+                                 float scale, int k_type, int v_type, int window, const float *sinks,
+                                 const void *const *blocks, int n_blocked, int block_tokens);
 
 #endif

@@ -129,10 +129,15 @@ struct mlxcel_buffers {
  * the pass may not write (k_out set): n_base = write, the new rows go to k_out and v_out. A
  * prompt chunk on a sliding layer's ring (`window` set, 0 elsewhere): write = the ring's next
  * slot, n = its valid slots (see ring_chunk). The buffers hold rows of the model's k_type and
- * v_type. */
+ * v_type. A cache that starts with shared prompt-cache blocks read in place (n_blocked > 0:
+ * docs/prompt-cache.md, "The CPU decode runtime reads the blocks in place"): positions
+ * [0, n_blocked) are in `blocks` (n_blocked / block_tokens blocks' keys, then their values), the
+ * buffers hold the positions from n_blocked on; write and n stay positions. */
 struct mlxcel_kv {
     void *keys, *values, *k_out, *v_out;
     int64_t capacity, write, n, window;
+    const void *const *blocks;
+    int64_t n_blocked, block_tokens;
 };
 
 /* Per-thread scratch for the adapters' A x, and a sliding layer's chunk laid out in order. */
@@ -460,7 +465,11 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                     mlxcel_rope_rows(q, n, hq, d, cos, sin, trad);
                     mlxcel_rope_rows(kn, n, hk, d, cos, sin, trad);
                 }
-                int failed = L->sinks && !s->window
+                int failed = s->n_blocked
+                    ? mlxcel_chunk_attention_paged(q, kn, vn, s->keys, s->values, att, n, hk, group, d, (int)s->write,
+                                                   s->capacity, m->scale, m->k_type, m->v_type, 0, L->sinks,
+                                                   s->blocks, (int)s->n_blocked, (int)s->block_tokens)
+                    : L->sinks && !s->window
                     ? (s->k_out ? -1 /* a full layer with sinks: never borrowed (KvLayout.borrow: a model with rings) */
                                 : mlxcel_chunk_attention_window(q, kn, vn, s->keys, s->values, att, n, hk, group, d,
                                                                 (int)s->write, s->capacity, m->scale, m->k_type,
@@ -487,7 +496,11 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                     mlxcel_rope(q, hq, d, a[2 * L->rope], a[2 * L->rope + 1], trad);
                     mlxcel_rope(kn, hk, d, a[2 * L->rope], a[2 * L->rope + 1], trad);
                 }
-                int failed = L->sinks
+                int failed = s->n_blocked
+                    ? mlxcel_decode_attention_paged(q, kn, vn, s->keys, s->values, att, hk, group, d, (int)s->write,
+                                                    s->capacity, m->scale, m->k_type, m->v_type, L->sinks, s->blocks,
+                                                    (int)s->n_blocked, (int)s->block_tokens)
+                    : L->sinks
                     ? mlxcel_decode_attention_sinks(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, hk, group, d,
                                                     (int)s->write, (int)s->n, s->capacity, m->scale, L->sinks,
                                                     m->k_type, m->v_type)

@@ -25,7 +25,9 @@ _P, _I, _F, _D = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_double
 # (blas_shim.StreamedConsumers); a longer one releases it, so the HTTP side is not held up for a
 # whole step of a big model.
 GIL_HELD_WEIGHT_BYTES_MAX = 512 << 20
-KV_FIELDS = 8  # struct mlxcel_kv: keys, values, k_out, v_out, capacity, write, n, window (8 bytes each)
+# struct mlxcel_kv: keys, values, k_out, v_out, capacity, write, n, window, blocks, n_blocked, block_tokens
+# (8 bytes each)
+KV_FIELDS = 11
 
 
 class LoraStruct(ctypes.Structure):

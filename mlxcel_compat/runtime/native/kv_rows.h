@@ -247,4 +247,135 @@ static void kv_weighted(int T, int M, int d, int n, const float *p, size_t ldp, 
     else kv_rows_nn(MLXCEL_KV_BF16, M, d, n, p, ldp, values, d, out, d, v2, K1);
 }
 
+/* ------------------------------------------------------------------ where a head's rows are
+ * A sequence that adopted a prompt-cache entry's shared blocks (docs/prompt-cache.md, "The CPU
+ * decode runtime reads the blocks in place") reads its first n_blocked positions from the blocks
+ * themselves: block b holds positions [b * block_tokens, (b + 1) * block_tokens), laid out
+ * (Hk, block_tokens, d) like the own buffer, which holds the positions from n_blocked on (row
+ * t - n_blocked). The kernels below see a head's rows as a span: runs of consecutive rows (one
+ * per block, then the own buffer's, then a row kept apart), and go run by run, so the row readers
+ * are those of one buffer and no position takes a branch. The scores are each their own dot
+ * product and the products by the values sum the rows in position order across the runs, with
+ * the same operations as small_m_kernel.h's block_nn and kv_nn_block: a span gives the bits of
+ * the same rows in one buffer. */
+
+struct kv_run {
+    const char *rows; /* n rows of d values of the span's type, one after another */
+    int n;
+};
+
+/* The shared blocks a layer's cache starts with: blocks[b] and blocks[n_blocks + b] are block b's
+ * keys and values ((Hk, block_tokens, d) each), n_blocks = n_blocked / block_tokens; NULL: none. */
+struct kv_blocks {
+    const void *const *blocks;
+    int n_blocked, block_tokens;
+};
+
+/* Head h's runs in `runs` (room for n_blocked / block_tokens + 2): the blocks' rows (`which`: 0
+ * keys, 1 values; b NULL: none), then `own_n` rows from `own` (the head's first own row), then
+ * `apart_n` rows kept apart from `apart`. Returns the runs' count. */
+static inline int kv_head_runs(struct kv_run *runs, const struct kv_blocks *b, int which, size_t row_bytes, int h,
+                               const char *own, int own_n, const char *apart, int apart_n) {
+    int count = 0;
+    if (b && b->blocks) {
+        int n_blocks = b->n_blocked / b->block_tokens;
+        const void *const *base = b->blocks + (size_t)which * n_blocks;
+        for (int i = 0; i < n_blocks; i++)
+            runs[count++] = (struct kv_run){(const char *)base[i] + (size_t)h * b->block_tokens * row_bytes,
+                                            b->block_tokens};
+    }
+    if (own_n > 0) runs[count++] = (struct kv_run){own, own_n};
+    if (apart_n > 0) runs[count++] = (struct kv_run){apart, apart_n};
+    return count;
+}
+
+static inline __attribute__((always_inline)) vf kv_loadv_any(const int T, const char *p) {
+    return T == MLXCEL_KV_F32 ? loadv((const float *)p) : kv_load16(T, (const uint16_t *)p);
+}
+
+static inline float kv_loads_any(const int T, const char *p) {
+    return T == MLXCEL_KV_F32 ? *(const float *)p : kv_load16s(T, *(const uint16_t *)p);
+}
+
+/* c[i, cols] = sum over the span's rows k of x[i, k] * row_k[cols] for i < MB and NV vectors of
+ * columns from `col` (in values): block_nn / kv_nn_block run by run. */
+static inline __attribute__((always_inline)) void kv_span_nn_block(const int T, const int MB, const int NV,
+                                                                   const struct kv_run *runs, int n_runs,
+                                                                   size_t row_bytes, int col, const float *x,
+                                                                   size_t ldx, float *c, size_t ldc) {
+    vf acc[MB_MAX][NB_MAX];
+    size_t value = kv_value_bytes(T);
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NV; j++) acc[i][j] = (vf){0};
+    int k = 0;
+    for (int r = 0; r < n_runs; r++) {
+        const char *row = runs[r].rows + (size_t)col * value;
+        for (int t = 0; t < runs[r].n; t++, k++, row += row_bytes) {
+            vf wv[NB_MAX];
+            for (int j = 0; j < NV; j++) {
+                wv[j] = kv_loadv_any(T, row + (size_t)j * VL * value);
+                KEEP_IN_REGISTER(wv[j]);
+            }
+            for (int i = 0; i < MB; i++) {
+                vf xs = splat(x[i * ldx + k]);
+                for (int j = 0; j < NV; j++) acc[i][j] += xs * wv[j];
+            }
+        }
+    }
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NV; j++) memcpy(c + i * ldc + col + j * VL, &acc[i][j], sizeof acc[i][j]);
+}
+
+#define KV_SPAN_NN(mb, nv) kv_span_nn_block(T, mb, nv, runs, n_runs, row_bytes, n, x + (size_t)m * ldx, ldx, c + (size_t)m * ldc, ldc)
+
+static inline __attribute__((always_inline)) void kv_span_nn(const int T, int M, int d, const struct kv_run *runs,
+                                                             int n_runs, const float *x, size_t ldx, float *c,
+                                                             size_t ldc) {
+    size_t row_bytes = kv_value_bytes(T) * d;
+    int n = 0;
+    for (; n + NB_MAX * VL <= d; n += NB_MAX * VL) {
+        int m = 0;
+        for (; m + MB_MAX <= M; m += MB_MAX) KV_SPAN_NN(MB_MAX, NB_MAX);
+        REMAINING_ROWS(KV_SPAN_NN, NB_MAX);
+    }
+    for (; n + VL <= d; n += VL) {
+        int m = 0;
+        for (; m + MB_MAX <= M; m += MB_MAX) KV_SPAN_NN(MB_MAX, 1);
+        REMAINING_ROWS(KV_SPAN_NN, 1);
+    }
+    for (; n < d; n++) /* the last columns, one at a time, in the same order */
+        for (int m = 0; m < M; m++) {
+            float s = 0.0f;
+            int k = 0;
+            for (int r = 0; r < n_runs; r++)
+                for (int t = 0; t < runs[r].n; t++, k++)
+                    s += x[(size_t)m * ldx + k] * kv_loads_any(T, runs[r].rows + (size_t)t * row_bytes + (size_t)n * kv_value_bytes(T));
+            c[(size_t)m * ldc + n] = s;
+        }
+}
+
+/* out (M, d) = p (M, ldp) columns [0, the span's rows) times the span's value rows (type T). */
+static void kv_span_weighted(int T, int M, int d, const struct kv_run *runs, int n_runs, const float *p, size_t ldp,
+                             float *out) {
+    if (T == MLXCEL_KV_F32) kv_span_nn(MLXCEL_KV_F32, M, d, runs, n_runs, p, ldp, out, d);
+    else if (T == MLXCEL_KV_F16) kv_span_nn(MLXCEL_KV_F16, M, d, runs, n_runs, p, ldp, out, d);
+    else kv_span_nn(MLXCEL_KV_BF16, M, d, runs, n_runs, p, ldp, out, d);
+}
+
+/* scores (M, ldc) columns [0, the span's rows) = x (M, K) . the span's key rows (type T), each its
+ * own dot product (rows_nt, kv_scores: the same numbers as over one buffer). */
+static void kv_span_scores(int T, int M, int K, const struct kv_run *runs, int n_runs, const float *x, float *c,
+                           size_t ldc) {
+    int k0 = 0;
+    for (int r = 0; r < n_runs; k0 += runs[r++].n) {
+        if (T == MLXCEL_KV_F32) rows_nt(M, 0, runs[r].n, K, x, K, (const float *)runs[r].rows, K, c + k0, ldc, 1.0f, 0.0f);
+        else kv_scores(T, M, runs[r].n, K, x, (const uint16_t *)runs[r].rows, c + k0, ldc);
+    }
+}
+
+/* dst (the span's rows x d floats, in order) = the span's rows widened (float32: copied). */
+static inline void kv_span_widen(int T, const struct kv_run *runs, int n_runs, int d, float *dst) {
+    for (int r = 0; r < n_runs; dst += (size_t)runs[r++].n * d) kv_widen(T, runs[r].rows, dst, runs[r].n * d);
+}
+
 #endif
