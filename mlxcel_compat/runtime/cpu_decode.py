@@ -80,7 +80,8 @@ from mlxcel_compat.runtime.sequence_kv import SequenceKv
 
 LOG2E = 1.4426950408889634
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
-               "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe")
+               "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "granite", "seed_oss", "ernie4_5",
+               "smollm3")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe")
@@ -90,8 +91,10 @@ HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 # Families other than Gemma 3 whose sliding-window layers (named by the model's ``layer_types``)
 # run on their RotatingKVCache rings here: gpt-oss's alternate with full ones.
 LAYER_TYPE_WINDOWS = ("gpt_oss",)
+# RoPE modules that rotate nothing (smollm3's NoPE layers): their angles are 0, cos 1 and sin 0.
+NO_ROPE = ("NoPE",)
 # Families with granite's multipliers (embedding, residual branches, logits).
-MULTIPLIER_TYPES = ("granitemoe",)
+MULTIPLIER_TYPES = ("granitemoe", "granite")
 # mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
 EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU",  # BlockSwitchGLU: block_experts.py
                   "FusedGateUpSwitchGLU")  # Gemma 4's fused gate-up experts (gguf/stored_parts.py)
@@ -185,7 +188,8 @@ def unsupported(model: Any) -> str | None:
         norms += [getattr(attn, n, None) for n in ("q_norm", "k_norm") if not delta and (gemma or hasattr(attn, n))]
         if not all(isinstance(n, norm_type) for n in norms):
             return "norms other than Gemma's RMSNorm" if gemma else "norms other than RMSNorm"
-        dims = None if delta else getattr(getattr(attn, "rope", None), "dims", None)
+        rope = None if delta else getattr(attn, "rope", None)
+        dims = attention_shape(attn)[2] if type(rope).__name__ in NO_ROPE else getattr(rope, "dims", None)
         if not delta and dims != attention_shape(attn)[2] and not (
                 hybrid and isinstance(dims, int) and 0 < dims < attention_shape(attn)[2] and dims % 2 == 0):
             return "partial or unknown rotary embedding"
@@ -250,9 +254,12 @@ class CpuDecoder:
         self.rope_dims = attn0.rope.dims if attn0.rope.dims != self.head_dim else 0  # the hybrids' partial RoPE
         # RoPE modules by layer kind: mlx-lm builds every layer of a kind from the same arguments
         # (gemma3: sliding layers with rope_local_base_freq, the others with rope_theta and its
-        # scaling), so one module per kind gives every layer's angles.
+        # scaling; smollm3: every fourth layer's module is NoPE, the identity, whose angles are 0),
+        # so one module per kind gives every layer's angles.
         kinds = sliding_layers(model)
-        firsts = {kinds[i]: i for i in reversed(self.attn_layers)}
+        rope_kinds = [(kinds[i], type(getattr(getattr(layer, "self_attn", None), "rope", None)).__name__)
+                      for i, layer in enumerate(inner.layers)]
+        firsts = {rope_kinds[i]: i for i in reversed(self.attn_layers)}
         order = sorted(firsts, key=firsts.get)
         self.angles = RopeAngles([inner.layers[firsts[kind]].self_attn.rope for kind in order],
                                  self.rope_dims or self.head_dim)
@@ -273,8 +280,8 @@ class CpuDecoder:
         self.head = LinearWeights(block_weight_of(head) or float32_array(head.weight), None,
                                   [LoraFactors(f) for f in factors_of(head)]
                                   if isinstance(head, (nn.Linear, BlockLinear)) else [])
-        self.layers = [decode_delta.delta_layer(layer, order.index(kind), self.gemma, moe) if i in self.delta_layers
-                       else layer_weights(layer, order.index(kind), self.gemma, moe, sliding=kind)
+        self.layers = [decode_delta.delta_layer(layer, 0, self.gemma, moe) if i in self.delta_layers
+                       else layer_weights(layer, order.index(rope_kinds[i]), self.gemma, moe, sliding=kind)
                        for i, (layer, kind) in enumerate(zip(inner.layers, kinds))
                        for moe in [decode_moe.moe_weights(layer_mlp(layer)) if decode_moe.is_moe(layer_mlp(layer)) else None]]
         for i in self.attn_layers:  # qwen3_next's attention: queries and gates from one projection

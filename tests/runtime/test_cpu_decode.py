@@ -295,7 +295,8 @@ def _mlx_logits(model: nn.Module, token: int, cache: list[KVCache]) -> np.ndarra
     return np.array(out)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral", "gemma3_text", "granite", "seed_oss", "ernie4_5",
+                                    "smollm3"])
 def test_decoder_follows_mlx_step_for_step(family: str) -> None:
     """40 greedy steps from a 230-token prompt (the cache grows past 256 positions on the way;
     gemma3's sliding layers, a 64-position window, wrap): each step's logits within LOGITS_RTOL
@@ -417,7 +418,8 @@ def _follow_blocks(model: nn.Module, decoder: cpu_decode.CpuDecoder, prompts: li
 @pytest.mark.parametrize("family,gguf_type", [
     ("llama", "q4_0"), ("mistral", "q4_1"), ("qwen2", "q5_1"), ("qwen2", "q8_0"), ("qwen3", "q8_0"),
     ("qwen3", "q4_k_m"), ("gemma3_text", "q8_0"), ("gemma3_text", "q4_0"), ("gemma3_text", "q4_k_m"),
-    ("gemma3_text", "f16"), ("llama", "mxfp4"), ("qwen3", "iq4_nl"),
+    ("gemma3_text", "f16"), ("llama", "mxfp4"), ("qwen3", "iq4_nl"), ("granite", "q8_0"), ("seed_oss", "q4_0"),
+    ("ernie4_5", "q8_0"), ("smollm3", "q4_k_m"),
 ])
 def test_block_models_follow_mlx_step_for_step(family: str, gguf_type: str) -> None:
     """Weights in ggml's blocks (tiny files: K-quant types fall back to Q5_0/Q8_0 mixes, as
