@@ -81,7 +81,7 @@ from mlxcel_compat.runtime.sequence_kv import SequenceKv
 LOG2E = 1.4426950408889634
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
                "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "granite", "seed_oss", "ernie4_5",
-               "smollm3")
+               "smollm3", "olmo2", "olmo3")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe")
@@ -90,7 +90,9 @@ MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gp
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 # Families other than Gemma 3 whose sliding-window layers (named by the model's ``layer_types``)
 # run on their RotatingKVCache rings here: gpt-oss's alternate with full ones.
-LAYER_TYPE_WINDOWS = ("gpt_oss",)
+LAYER_TYPE_WINDOWS = ("gpt_oss", "olmo3")
+# Families whose layers norm each branch's output before its residual sum and not its input (OLMo 2, 3).
+POST_NORM_TYPES = ("olmo2", "olmo3")
 # RoPE modules that rotate nothing (smollm3's NoPE layers): their angles are 0, cos 1 and sin 0.
 NO_ROPE = ("NoPE",)
 # Families with granite's multipliers (embedding, residual branches, logits).
@@ -152,6 +154,8 @@ def unsupported(model: Any) -> str | None:
         return "sliding-window layers"
     norm_type = gemma_norm() if gemma else nn.RMSNorm
     norm_names = ("input_layernorm", "post_attention_layernorm")
+    if model_type in POST_NORM_TYPES:
+        norm_names = ("post_attention_layernorm", "post_feedforward_layernorm")
     if gemma:
         norm_names += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
     head = head_module(model)
@@ -171,7 +175,7 @@ def unsupported(model: Any) -> str | None:
             moe_linears = decode_moe.shared_modules(mlp)  # router, shared expert: checked as the projections
             mlp = None  # the MLP's checks below do not apply
         elif (attn is None and not delta) or mlp is None or not any(
-                c.__name__ in ("MLP", "Qwen3NextMLP") for c in type(mlp).__mro__):
+                c.__name__ in ("MLP", "Qwen3NextMLP", "Olmo3MLP") for c in type(mlp).__mro__):
             return "unexpected layer layout"
         if gemma and not isinstance(mlp, gemma_mlp()):
             return "unexpected layer layout"

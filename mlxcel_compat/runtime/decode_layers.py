@@ -76,8 +76,8 @@ class NormWeights:
 class LayerWeights:
     """One decoder layer: its norms and projections, and which RoPE module and cache kind it takes."""
 
-    n1: NormWeights  # before attention
-    n2: NormWeights  # before the MLP
+    n1: NormWeights | None  # before attention (None: OLMo 2, whose branches are normed after)
+    n2: NormWeights | None  # before the MLP
     q: LinearWeights | None  # None in a delta-net layer (``delta``)
     k: LinearWeights | None
     v: LinearWeights | None
@@ -121,8 +121,9 @@ class PassBuffers:
 def attention_heads(attn: Any) -> tuple[int, int, float] | None:
     """An attention module's query heads, KV heads and softmax scale, under mlx-lm's names
     (``n_heads``, ``n_kv_heads``, ``scale``; gpt-oss's ``num_attention_heads``,
-    ``num_key_value_heads``, ``sm_scale``), or None where it has neither set."""
-    for names in (("n_heads", "n_kv_heads", "scale"), ("num_attention_heads", "num_key_value_heads", "sm_scale")):
+    ``num_key_value_heads``, ``sm_scale``; OLMo 3's with ``scale``), or None where it has none of them set."""
+    for names in (("n_heads", "n_kv_heads", "scale"), ("num_attention_heads", "num_key_value_heads", "sm_scale"),
+                  ("num_attention_heads", "num_key_value_heads", "scale")):
         if all(hasattr(attn, n) for n in names):
             heads, kv_heads, scale = (getattr(attn, n) for n in names)
             return int(heads), int(kv_heads), float(scale)
@@ -186,6 +187,9 @@ def layer_weights(layer: Any, rope: int, gemma: bool, moe: Any = None, sliding: 
         return LayerWeights(n1=norm(layer.input_layernorm), n2=norm(layer.pre_feedforward_layernorm),
                             attn_out=norm(layer.post_attention_layernorm), mlp_out=norm(layer.post_feedforward_layernorm),
                             sliding=bool(a.is_sliding), **common)
+    if not hasattr(layer, "input_layernorm"):  # OLMo 2: each branch's output normed before its sum, no input norms
+        return LayerWeights(n1=None, n2=None, attn_out=norm(layer.post_attention_layernorm),
+                            mlp_out=norm(layer.post_feedforward_layernorm), sliding=sliding, **common)
     return LayerWeights(n1=norm(layer.input_layernorm), n2=norm(layer.post_attention_layernorm), sliding=sliding,
                         **common)
 

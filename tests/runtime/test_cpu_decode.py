@@ -296,7 +296,7 @@ def _mlx_logits(model: nn.Module, token: int, cache: list[KVCache]) -> np.ndarra
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral", "gemma3_text", "granite", "seed_oss", "ernie4_5",
-                                    "smollm3"])
+                                    "smollm3", "olmo2", "olmo3"])
 def test_decoder_follows_mlx_step_for_step(family: str) -> None:
     """40 greedy steps from a 230-token prompt (the cache grows past 256 positions on the way;
     gemma3's sliding layers, a 64-position window, wrap): each step's logits within LOGITS_RTOL
@@ -420,6 +420,7 @@ def _follow_blocks(model: nn.Module, decoder: cpu_decode.CpuDecoder, prompts: li
     ("qwen3", "q4_k_m"), ("gemma3_text", "q8_0"), ("gemma3_text", "q4_0"), ("gemma3_text", "q4_k_m"),
     ("gemma3_text", "f16"), ("llama", "mxfp4"), ("qwen3", "iq4_nl"), ("granite", "q8_0"), ("seed_oss", "q4_0"),
     ("ernie4_5", "q8_0"), ("smollm3", "q4_k_m"),
+    ("olmo2", "q8_0"), ("olmo3", "q4_0"),
 ])
 def test_block_models_follow_mlx_step_for_step(family: str, gguf_type: str) -> None:
     """Weights in ggml's blocks (tiny files: K-quant types fall back to Q5_0/Q8_0 mixes, as
@@ -446,7 +447,7 @@ def test_k_quant_gemma3_follows_mlx_step_for_step() -> None:
 
 @pytest.mark.parametrize("family,gguf_type", [("llama", None), ("qwen3", None), ("gemma3_text", None),
                                                ("qwen2", "q5_1"), ("gemma3_text", "q4_0"), ("mistral", "q8_0"),
-                                               ("llama", "q4_1")])
+                                               ("llama", "q4_1"), ("olmo3", None), ("smollm3", "q8_0")])
 def test_rows_stepped_together_are_bit_identical_to_rows_alone(family: str, gguf_type: str | None) -> None:
     """Three sequences at different positions (one past a 256-position block of angles; gemma3's
     rings in different states), stepped together for 6 steps, give exactly the logits each gives
@@ -935,7 +936,9 @@ def test_steps_hold_the_gil_and_prompt_chunks_release_it() -> None:
     assert calls[-1] == "released"
 
 
-@pytest.mark.parametrize("family,gguf_type", [("llama", None), ("qwen3", None), ("llama", "q8_0"), ("llama", "q4_k_m")])
+@pytest.mark.parametrize("family,gguf_type", [("llama", None), ("qwen3", None), ("llama", "q8_0"), ("llama", "q4_k_m"),
+                                               ("granite", None), ("smollm3", None), ("olmo2", None),
+                                               ("ernie4_5", "q8_0")])
 def test_a_cold_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(family: str, gguf_type: str | None) -> None:
     """``prefill(..., logits=False)`` on an empty cache (``can_prefill``; gemma3's rings too):
     its own buffers, the keys and values MLX's chunk leaves to LOGITS_RTOL (the same
@@ -961,7 +964,7 @@ def test_a_cold_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(family: str, gguf_ty
         _assert_same_cache(ours, theirs, LOGITS_RTOL)
         got, want = decoder.step(5, ours, owned).copy(), _mlx_logits(model, 5, copy.deepcopy(theirs))
         assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
-    gemma = load_model(str(tiny_model("gemma3_text")), [])  # sliding-window rings: tests/runtime/test_ring_chunks.py
+    gemma = load_model(str(tiny_model("gemma3_text")), [])  # sliding-window rings (and OLMo 3's): tests/runtime/test_ring_chunks.py
     assert gemma.decoder.can_prefill(make_prompt_cache(gemma.model), decode_kv.OwnedCache())
 
 

@@ -39,6 +39,15 @@ def gemma() -> tuple:
     return loaded.model, loaded.decoder
 
 
+@pytest.fixture(scope="module", params=["gemma3_text", "olmo3"])
+def windowed(request: pytest.FixtureRequest) -> tuple:
+    """A model with sliding-window layers on the runtime: Gemma 3's (``is_sliding``, a window of 64)
+    and OLMo 3's (named by ``layer_types``, three sliding layers to one global, a window of 16)."""
+    loaded = load_model(str(tiny_model(request.param)), [])
+    assert loaded.decoder is not None and loaded.decoder.kv.rings
+    return loaded.model, loaded.decoder
+
+
 def _mlx_chunks(model: object, ids: list[int], splits: list[int], cache: list | None = None) -> list:
     cache = make_prompt_cache(model) if cache is None else cache
     start = 0
@@ -118,13 +127,13 @@ def test_windowed_chunk_attention_matches_a_reference(pos: int, rows: int, windo
 
 
 @pytest.mark.parametrize("splits", [[70], [40, 30], [64, 64, 10], [200], [30, 100, 7, 90]])
-def test_cold_chunks_leave_mlx_s_cache_and_steps_follow(gemma: tuple, splits: list[int]) -> None:
-    """A cold prompt fed by ``prefill(..., logits=False)`` in chunks (the tiny model's window is
-    64: chunks inside it, across it and longer than it) leaves each layer as MLX's chunks do,
+def test_cold_chunks_leave_mlx_s_cache_and_steps_follow(windowed: tuple, splits: list[int]) -> None:
+    """A cold prompt fed by ``prefill(..., logits=False)`` in chunks (the tiny Gemma's window is
+    64, OLMo 3's 16: chunks inside it, across it and longer than it) leaves each layer as MLX's chunks do,
     then 20 steps (the rings wrap) each within LOGITS_RTOL of MLX's, then one more chunk on the
     decoder's own wrapped rings (the next turn of a conversation) gives MLX's logits and cache, and
     leaves the rings it held before (a snapshot may hold them) unwritten."""
-    model, decoder = gemma
+    model, decoder = windowed
     ids = _ids(sum(splits), seed=len(splits))
     theirs = _mlx_chunks(model, ids, splits)
     ours, owned = make_prompt_cache(model), decode_kv.OwnedCache()

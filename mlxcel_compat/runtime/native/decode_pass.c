@@ -142,6 +142,13 @@ static __thread struct mlxcel_scratch lora_scratch;
 
 enum { RowMajor = 101, NoTrans = 111, Trans = 112 };
 
+/* h = a branch's input: x normed by n, or x itself where the layer has no norm before the branch
+ * (OLMo 2 norms each branch's output instead: attn_out, mlp_out). */
+static void pre_norm(const struct mlxcel_norm *n, const float *x, float *h, int rows, int hidden) {
+    if (n->w) mlxcel_rms_norm(x, n->w, h, rows, hidden, n->eps);
+    else memcpy(h, x, sizeof(float) * (size_t)rows * hidden);
+}
+
 /* out += bias, and the adapters' scale * multiplier * B (A x): what follows a layer's product. */
 static void extras(const struct mlxcel_linear *l, int m, const float *x, float *out, const double *scales,
                    int n_adapters) {
@@ -423,7 +430,7 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
     for (int j = 0; chunk && j < n_segments; j++) tiles &= segments[j + 1] - segments[j] >= m->prompt_rows_min;
     for (int i = 0; i < m->n_layers; i++) {
         const struct mlxcel_layer *L = &m->layers[i];
-        mlxcel_rms_norm(b->x, L->n1.w, b->h, rows, hidden, L->n1.eps);
+        pre_norm(&L->n1, b->x, b->h, rows, hidden);
         if (L->delta) {
             delta_mixer(m, i, b, rows, segments, n_segments, kv, tiles, scales, n_adapters);
             goto mlp;
@@ -510,7 +517,7 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
             product(&L->o, rows, b->att, b->x, 1.0f, tiles, scales, n_adapters);
         }
     mlp:
-        mlxcel_rms_norm(b->x, L->n2.w, b->h, rows, hidden, L->n2.eps);
+        pre_norm(&L->n2, b->x, b->h, rows, hidden);
         if (L->moe) {
             if (moe_layer(L->moe, rows, hidden, b->h, b->x, b->gate, b->up, b->branch, tiles, scales, n_adapters,
                           m->residual_scale))
