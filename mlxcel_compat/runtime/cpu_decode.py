@@ -81,7 +81,7 @@ from mlxcel_compat.runtime.sequence_kv import SequenceKv
 LOG2E = 1.4426950408889634
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
                "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "granite", "seed_oss", "ernie4_5",
-               "smollm3", "olmo2", "olmo3")
+               "smollm3", "olmo2", "olmo3", "phi3", "glm4")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe")
@@ -156,6 +156,8 @@ def unsupported(model: Any) -> str | None:
     norm_names = ("input_layernorm", "post_attention_layernorm")
     if model_type in POST_NORM_TYPES:
         norm_names = ("post_attention_layernorm", "post_feedforward_layernorm")
+    elif model_type == "glm4":
+        norm_names += ("post_self_attn_layernorm", "post_mlp_layernorm")
     if gemma:
         norm_names += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
     head = head_module(model)
@@ -175,16 +177,19 @@ def unsupported(model: Any) -> str | None:
             moe_linears = decode_moe.shared_modules(mlp)  # router, shared expert: checked as the projections
             mlp = None  # the MLP's checks below do not apply
         elif (attn is None and not delta) or mlp is None or not any(
-                c.__name__ in ("MLP", "Qwen3NextMLP", "Olmo3MLP") for c in type(mlp).__mro__):
+                c.__name__ in ("MLP", "Qwen3NextMLP", "Olmo3MLP", "Glm4MLP") for c in type(mlp).__mro__):
             return "unexpected layer layout"
         if gemma and not isinstance(mlp, gemma_mlp()):
             return "unexpected layer layout"
+        fused_qkv = not delta and hasattr(attn, "qkv_proj")  # phi3
         projections = (decode_delta.linear_modules(layer.linear_attn) if delta
-                       else [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")])
+                       else [getattr(attn, n, None) for n in (("qkv_proj",) if fused_qkv else ("q_proj", "k_proj", "v_proj"))
+                             + ("o_proj",)])
         if mlp is None:
             projections += moe_linears
         else:
-            projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+            projections += [getattr(mlp, n, None) for n in (("gate_up_proj",) if hasattr(mlp, "gate_up_proj")
+                                                            else ("gate_proj", "up_proj")) + ("down_proj",)]
         if not all(isinstance(m, (nn.Linear, BlockLinear)) for m in projections) or (
                 not delta and attention_shape(attn) is None):
             return "unexpected attention layout"
@@ -192,15 +197,23 @@ def unsupported(model: Any) -> str | None:
         norms += [getattr(attn, n, None) for n in ("q_norm", "k_norm") if not delta and (gemma or hasattr(attn, n))]
         if not all(isinstance(n, norm_type) for n in norms):
             return "norms other than Gemma's RMSNorm" if gemma else "norms other than RMSNorm"
-        rope = None if delta else getattr(attn, "rope", None)
-        dims = attention_shape(attn)[2] if type(rope).__name__ in NO_ROPE else getattr(rope, "dims", None)
+        dims = None if delta else rotated_dims(attn.rope, attention_shape(attn)[2])
         if not delta and dims != attention_shape(attn)[2] and not (
-                hybrid and isinstance(dims, int) and 0 < dims < attention_shape(attn)[2] and dims % 2 == 0):
+                isinstance(dims, int) and 0 < dims < attention_shape(attn)[2] and dims % 2 == 0):
             return "partial or unknown rotary embedding"
         weights += [m.weight for m in projections if block_weight_of(m) is None]
     if any(w.dtype != mx.float32 for w in weights):
         return "weights are neither float32 nor in ggml's blocks"
     return None
+
+
+def rotated_dims(rope: Any, head_dim: int) -> int | None:
+    """How many of a head's dimensions a RoPE module rotates (``dims``; phi3's SuScaledRoPE:
+    ``dim``); all of them for a module that rotates none (NoPE: its angles are 0)."""
+    if type(rope).__name__ in NO_ROPE:
+        return head_dim
+    dims = getattr(rope, "dims", getattr(rope, "dim", None))
+    return dims if isinstance(dims, int) else None
 
 
 def attention_shape(attn: Any) -> tuple[int, int, int] | None:
@@ -255,7 +268,8 @@ class CpuDecoder:
         self.n_heads, self.n_kv_heads, self.head_dim = attention_shape(attn0)
         heads = attention_heads(attn0)  # gpt-oss's scale is its sm_scale
         self.scale = (heads[2] if heads is not None else float(attn0.scale)) * LOG2E
-        self.rope_dims = attn0.rope.dims if attn0.rope.dims != self.head_dim else 0  # the hybrids' partial RoPE
+        dims = rotated_dims(attn0.rope, self.head_dim)
+        self.rope_dims = dims if dims != self.head_dim else 0  # a partial RoPE (the hybrids', phi3's, glm4's)
         # RoPE modules by layer kind: mlx-lm builds every layer of a kind from the same arguments
         # (gemma3: sliding layers with rope_local_base_freq, the others with rope_theta and its
         # scaling; smollm3: every fourth layer's module is NoPE, the identity, whose angles are 0),

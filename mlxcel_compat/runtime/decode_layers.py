@@ -95,6 +95,8 @@ class LayerWeights:
     delta: Any = None  # a hybrid's gated delta-net in place of attention (decode_delta.DeltaWeights), or None
     gated_q: bool = False  # the hybrids' attention: q's projection holds per head d queries and d gates
     sinks: np.ndarray | None = None  # gpt-oss: (heads) attention sink logits times log2 e, float32
+    qkv: LinearWeights | None = None  # phi3: q, k and v in one projection (then q, k, v are None)
+    gate_up: LinearWeights | None = None  # phi3, glm4: gate and up in one projection (then gate, up are None)
 
 
 @dataclass
@@ -131,7 +133,10 @@ def attention_heads(attn: Any) -> tuple[int, int, float] | None:
 
 
 def head_dim(attn: Any) -> int:
-    """The head size of an attention module: its query projection's rows over its heads."""
+    """The head size of an attention module: its query projection's rows over its heads (phi3's
+    fused projection: its ``head_dim``)."""
+    if not hasattr(attn, "q_proj"):
+        return int(attn.head_dim)
     block = block_weight_of(attn.q_proj)
     rows = block.n if block is not None else attn.q_proj.weight.shape[0]
     return rows // attention_heads(attn)[0]
@@ -178,15 +183,25 @@ def layer_weights(layer: Any, rope: int, gemma: bool, moe: Any = None, sliding: 
     layer, ``moe`` its mixture-of-experts block's weights (``decode_moe.moe_weights``) in place of an MLP,
     ``sliding`` for a sliding-window layer of another family (gpt-oss; Gemma 3's says so itself)."""
     a, m, lin, norm = layer.self_attn, layer_mlp(layer), linear_weights, norm_weights
-    mlp = dict(gate=None, up=None, down=None, moe=moe) if moe is not None else dict(
-        gate=lin(m.gate_proj), up=lin(m.up_proj), down=lin(m.down_proj))
-    common = dict(q=lin(a.q_proj), k=lin(a.k_proj), v=lin(a.v_proj), o=lin(a.o_proj), **mlp,
+    if moe is not None:
+        mlp = dict(gate=None, up=None, down=None, moe=moe)
+    elif hasattr(m, "gate_up_proj"):  # phi3, glm4: fused, gate first (mlx-lm splits the output in halves)
+        mlp = dict(gate=None, up=None, gate_up=lin(m.gate_up_proj), down=lin(m.down_proj))
+    else:
+        mlp = dict(gate=lin(m.gate_proj), up=lin(m.up_proj), down=lin(m.down_proj))
+    qkv = dict(q=None, k=None, v=None, qkv=lin(a.qkv_proj)) if hasattr(a, "qkv_proj") else dict(
+        q=lin(a.q_proj), k=lin(a.k_proj), v=lin(a.v_proj))
+    common = dict(**qkv, o=lin(a.o_proj), **mlp,
                   q_norm=norm(getattr(a, "q_norm", None)), k_norm=norm(getattr(a, "k_norm", None)), rope=rope,
                   sinks=sink_logits(a))
     if gemma:  # post_attention_layernorm norms the attention's output; pre_feedforward the MLP's input
         return LayerWeights(n1=norm(layer.input_layernorm), n2=norm(layer.pre_feedforward_layernorm),
                             attn_out=norm(layer.post_attention_layernorm), mlp_out=norm(layer.post_feedforward_layernorm),
                             sliding=bool(a.is_sliding), **common)
+    if hasattr(layer, "post_self_attn_layernorm"):  # glm4: both branches' inputs and outputs normed
+        return LayerWeights(n1=norm(layer.input_layernorm), n2=norm(layer.post_attention_layernorm),
+                            attn_out=norm(layer.post_self_attn_layernorm), mlp_out=norm(layer.post_mlp_layernorm),
+                            sliding=sliding, **common)
     if not hasattr(layer, "input_layernorm"):  # OLMo 2: each branch's output normed before its sum, no input norms
         return LayerWeights(n1=None, n2=None, attn_out=norm(layer.post_attention_layernorm),
                             mlp_out=norm(layer.post_feedforward_layernorm), sliding=sliding, **common)

@@ -101,6 +101,9 @@ struct mlxcel_layer {
     const struct mlxcel_delta *delta;         /* a hybrid's gated delta-net in place of attention (delta_net.c), or NULL */
     int gated_q;                              /* qwen3_next's attention: q's projection holds per head d queries, d gates */
     const float *sinks;                       /* gpt-oss: (heads) sink logits times log2 e, or NULL */
+    /* phi3's q, k and v in one projection, and phi3's and glm4's gate and up in one (n == 0: none;
+     * then q, k, v or gate, up have n == 0) */
+    struct mlxcel_linear qkv, gate_up;
 };
 
 struct mlxcel_model {
@@ -201,6 +204,25 @@ static void products(int count, const struct mlxcel_linear *const *ls, int m, co
     for (int t = 0; t < count; t++) ws[t] = ls[t]->blocks, ldcs[t] = ls[t]->n;
     mlxcel_block_matmul_shared(count, ws, m, x, ls[0]->k, outs, ldcs, 0.0f);
     for (int t = 0; t < count; t++) extras(ls[t], m, x, outs[t], scales, n_adapters);
+}
+
+/* Per-thread scratch of a fused projection's output. */
+static __thread struct mlxcel_scratch fused_scratch;
+
+/* A fused projection (phi3's qkv_proj, gate_up_proj): its product into scratch, then each row's
+ * `parts` consecutive column ranges of `widths` copied into outs (the layouts separate
+ * projections leave), as mlx-lm splits the fused output. */
+static void fused_product(const struct mlxcel_linear *l, int m, const float *x, float *const *outs, const int *widths,
+                          int parts, int tiles, const double *scales, int n_adapters) {
+    float *all = mlxcel_scratch(&fused_scratch, sizeof(float) * (size_t)m * (size_t)l->n);
+    product(l, m, x, all, 0.0f, tiles, scales, n_adapters);
+    for (int r = 0; r < m; r++) {
+        const float *src = all + (size_t)r * l->n;
+        for (int p = 0; p < parts; p++) {
+            memcpy(outs[p] + (size_t)r * widths[p], src, sizeof(float) * (size_t)widths[p]);
+            src += widths[p];
+        }
+    }
 }
 
 /* The products for delta_net.c's mixer. */
@@ -438,7 +460,12 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         const struct mlxcel_linear *qkv[3] = {&L->q, &L->k, &L->v};
         float *q_gated = L->gated_q ? mlxcel_scratch(&hybrid_scratch[0], sizeof(float) * (size_t)rows * 2 * hq * d) : NULL;
         float *qkv_out[3] = {q_gated ? q_gated : b->q, b->k_new, b->v_new};
-        products(3, qkv, rows, b->h, qkv_out, tiles, scales, n_adapters);
+        if (L->qkv.n) {
+            const int widths[3] = {hq * d, hk * d, hk * d};
+            fused_product(&L->qkv, rows, b->h, qkv_out, widths, 3, tiles, scales, n_adapters);
+        } else {
+            products(3, qkv, rows, b->h, qkv_out, tiles, scales, n_adapters);
+        }
         float *q_gate = q_gated ? mlxcel_scratch(&hybrid_scratch[1], sizeof(float) * (size_t)rows * hq * d) : NULL;
         if (q_gated) mlxcel_split_gated_q(q_gated, b->q, q_gate, rows, hq, d);
         if (L->q_norm.w && m->qk_norm_whole) {
@@ -526,9 +553,15 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         }
         const struct mlxcel_linear *gate_up[2] = {&L->gate, &L->up};
         float *gate_up_out[2] = {b->gate, b->up};
-        products(2, gate_up, rows, b->h, gate_up_out, tiles, scales, n_adapters);
-        if (m->gelu) mlxcel_gelu_tanh_gate(b->gate, b->up, rows * L->gate.n);
-        else mlxcel_swiglu(b->gate, b->up, rows * L->gate.n);
+        int ffn = L->gate_up.n ? L->gate_up.n / 2 : L->gate.n;
+        if (L->gate_up.n) {
+            const int widths[2] = {ffn, ffn};
+            fused_product(&L->gate_up, rows, b->h, gate_up_out, widths, 2, tiles, scales, n_adapters);
+        } else {
+            products(2, gate_up, rows, b->h, gate_up_out, tiles, scales, n_adapters);
+        }
+        if (m->gelu) mlxcel_gelu_tanh_gate(b->gate, b->up, rows * ffn);
+        else mlxcel_swiglu(b->gate, b->up, rows * ffn);
         if (L->mlp_out.w) {
             product(&L->down, rows, b->gate, b->branch, 0.0f, tiles, scales, n_adapters);
             mlxcel_rms_norm_add(b->branch, L->mlp_out.w, b->x, rows, hidden, L->mlp_out.eps);

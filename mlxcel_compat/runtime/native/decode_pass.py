@@ -61,7 +61,8 @@ class DeltaStruct(ctypes.Structure):
 class LayerStruct(ctypes.Structure):
     _fields_ = [*((name, LinearStruct) for name in ("q", "k", "v", "o", "gate", "up", "down")),
                 *((name, NormStruct) for name in ("n1", "n2", "q_norm", "k_norm", "attn_out", "mlp_out")),
-                ("rope", _I), ("moe", _P), ("delta", _P), ("gated_q", _I), ("sinks", _P)]
+                ("rope", _I), ("moe", _P), ("delta", _P), ("gated_q", _I), ("sinks", _P),
+                ("qkv", LinearStruct), ("gate_up", LinearStruct)]
 
 
 class ModelStruct(ctypes.Structure):
@@ -192,7 +193,7 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
     keep: list[Any] = []
     layers = (LayerStruct * len(decoder.layers))()
     for s, layer in zip(layers, decoder.layers):
-        for name in ("q", "k", "v", "o", "gate", "up", "down"):
+        for name in ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up"):
             setattr(s, name, _linear(getattr(layer, name), keep))
         for name in ("n1", "n2", "q_norm", "k_norm", "attn_out", "mlp_out"):
             setattr(s, name, _norm(getattr(layer, name)))
@@ -218,7 +219,8 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
         fn.restype = _I
         fn.argtypes = [_P, _P, _I, _P, _I, _I, _P, _P, _P, _I]
     weight_bytes = sum(_weight_bytes(lin) for layer in decoder.layers
-                       for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)
+                       for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down, layer.qkv,
+                                   layer.gate_up)
                        if lin is not None)
     weight_bytes += sum(layer.moe.nbytes + sum(_weight_bytes(lin) for lin in layer.moe.linears)
                         for layer in decoder.layers if layer.moe is not None)
