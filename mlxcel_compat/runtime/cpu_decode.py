@@ -81,7 +81,7 @@ from mlxcel_compat.runtime.sequence_kv import SequenceKv
 LOG2E = 1.4426950408889634
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
                "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "granite", "seed_oss", "ernie4_5",
-               "smollm3", "olmo2", "olmo3", "phi3", "glm4")
+               "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe")
@@ -92,8 +92,9 @@ HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 # run on their RotatingKVCache rings here: gpt-oss's alternate with full ones.
 LAYER_TYPE_WINDOWS = ("gpt_oss", "olmo3")
 # Families whose layers norm each branch's output before its residual sum and not its input (OLMo 2, 3).
-POST_NORM_TYPES = ("olmo2", "olmo3")
-# RoPE modules that rotate nothing (smollm3's NoPE layers): their angles are 0, cos 1 and sin 0.
+POST_NORM_TYPES = ("olmo2", "olmo3", "exaone4")
+# RoPE modules that rotate nothing (smollm3's NoPE layers; EXAONE 4's global layers have none at all):
+# their angles are 0, cos 1 and sin 0.
 NO_ROPE = ("NoPE",)
 # Families with granite's multipliers (embedding, residual branches, logits).
 MULTIPLIER_TYPES = ("granitemoe", "granite")
@@ -197,7 +198,7 @@ def unsupported(model: Any) -> str | None:
         norms += [getattr(attn, n, None) for n in ("q_norm", "k_norm") if not delta and (gemma or hasattr(attn, n))]
         if not all(isinstance(n, norm_type) for n in norms):
             return "norms other than Gemma's RMSNorm" if gemma else "norms other than RMSNorm"
-        dims = None if delta else rotated_dims(attn.rope, attention_shape(attn)[2])
+        dims = None if delta else rotated_dims(getattr(attn, "rope", None), attention_shape(attn)[2])
         if not delta and dims != attention_shape(attn)[2] and not (
                 isinstance(dims, int) and 0 < dims < attention_shape(attn)[2] and dims % 2 == 0):
             return "partial or unknown rotary embedding"
@@ -210,7 +211,7 @@ def unsupported(model: Any) -> str | None:
 def rotated_dims(rope: Any, head_dim: int) -> int | None:
     """How many of a head's dimensions a RoPE module rotates (``dims``; phi3's SuScaledRoPE:
     ``dim``); all of them for a module that rotates none (NoPE: its angles are 0)."""
-    if type(rope).__name__ in NO_ROPE:
+    if rope is None or type(rope).__name__ in NO_ROPE:  # EXAONE 4's global layers have no module
         return head_dim
     dims = getattr(rope, "dims", getattr(rope, "dim", None))
     return dims if isinstance(dims, int) else None
@@ -234,7 +235,8 @@ def sliding_layers(model: Any) -> list[bool]:
     inner = model.model
     if model.args.model_type in LAYER_TYPE_WINDOWS:
         return [t == "sliding_attention" for t in inner.layer_types]
-    return [bool(getattr(getattr(layer, "self_attn", None), "is_sliding", False)) for layer in inner.layers]
+    attns = [getattr(layer, "self_attn", None) for layer in inner.layers]  # EXAONE 4 says is_local
+    return [bool(getattr(a, "is_sliding", getattr(a, "is_local", False))) for a in attns]
 
 
 def build(model: Any, shim: Any) -> "CpuDecoder | str":
@@ -268,7 +270,7 @@ class CpuDecoder:
         self.n_heads, self.n_kv_heads, self.head_dim = attention_shape(attn0)
         heads = attention_heads(attn0)  # gpt-oss's scale is its sm_scale
         self.scale = (heads[2] if heads is not None else float(attn0.scale)) * LOG2E
-        dims = rotated_dims(attn0.rope, self.head_dim)
+        dims = rotated_dims(getattr(attn0, "rope", None), self.head_dim)
         self.rope_dims = dims if dims != self.head_dim else 0  # a partial RoPE (the hybrids', phi3's, glm4's)
         # RoPE modules by layer kind: mlx-lm builds every layer of a kind from the same arguments
         # (gemma3: sliding layers with rope_local_base_freq, the others with rope_theta and its
@@ -279,7 +281,7 @@ class CpuDecoder:
                       for i, layer in enumerate(inner.layers)]
         firsts = {rope_kinds[i]: i for i in reversed(self.attn_layers)}
         order = sorted(firsts, key=firsts.get)
-        self.angles = RopeAngles([inner.layers[firsts[kind]].self_attn.rope for kind in order],
+        self.angles = RopeAngles([getattr(inner.layers[firsts[kind]].self_attn, "rope", None) for kind in order],
                                  self.rope_dims or self.head_dim)
         self.embed = block_weight_of(inner.embed_tokens) or float32_array(inner.embed_tokens.weight)
         # gemma3 scales the embedding by sqrt(hidden) rounded to bfloat16 (its own expression)

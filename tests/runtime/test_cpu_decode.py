@@ -296,7 +296,7 @@ def _mlx_logits(model: nn.Module, token: int, cache: list[KVCache]) -> np.ndarra
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral", "gemma3_text", "granite", "seed_oss", "ernie4_5",
-                                    "smollm3", "olmo2", "olmo3", "phi3", "glm4"])
+                                    "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4"])
 def test_decoder_follows_mlx_step_for_step(family: str) -> None:
     """40 greedy steps from a 230-token prompt (the cache grows past 256 positions on the way;
     gemma3's sliding layers, a 64-position window, wrap): each step's logits within LOGITS_RTOL
@@ -422,6 +422,7 @@ def _follow_blocks(model: nn.Module, decoder: cpu_decode.CpuDecoder, prompts: li
     ("gemma3_text", "f16"), ("llama", "mxfp4"), ("qwen3", "iq4_nl"), ("granite", "q8_0"), ("seed_oss", "q4_0"),
     ("ernie4_5", "q8_0"), ("smollm3", "q4_k_m"),
     ("olmo2", "q8_0"), ("olmo3", "q4_0"), ("phi3", "q8_0"), ("glm4", "q4_k_m"),
+    ("exaone4", "q8_0"),
 ])
 def test_block_models_follow_mlx_step_for_step(family: str, gguf_type: str) -> None:
     """Weights in ggml's blocks (tiny files: K-quant types fall back to Q5_0/Q8_0 mixes, as
