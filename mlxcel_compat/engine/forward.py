@@ -90,9 +90,10 @@ def last_row_logits(model: Any, inputs: Any, cache: Any) -> Any:
     """``model(inputs, cache)[0, -1]`` with the output head applied to the last row only: mlx-lm's
     models compute the head on every position (a prompt chunk's 70 rows of a 49K-token vocabulary
     cost a fifth of a small model's pass), and slicing the logits afterwards does not spare it.
-    For the CPU decode runtime's families (``cpu_decode.MODEL_TYPES``), whose ``__call__`` is the
-    head over ``model.model``'s normed hidden states, and nothing after it."""
+    For the CPU decode runtime's families (``decode_families.MODEL_TYPES``), whose ``__call__`` is the
+    head over ``model.model``'s normed hidden states, and nothing after it but granite's divisor."""
     hidden = model.model(inputs, cache)[:, -1:, :]
     head = head_module(model)
     logits = head.as_linear(hidden) if head is model.model.embed_tokens else head(hidden)
-    return logits[0, -1, :]
+    scaling = getattr(model, "logits_scaling", None)  # granite's and granitemoe's: out / logits_scaling
+    return logits[0, -1, :] if scaling is None else logits[0, -1, :] / scaling

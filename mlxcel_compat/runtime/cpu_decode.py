@@ -29,26 +29,7 @@ GEMM, one chunk-attention call a layer (the adopted KV read in place, the rows' 
 the next step copies both once), the head on the last row only; MLX's pass over the same rest
 spent as long around its products as in them.
 
-Which models: mlx-lm's ``llama`` (and ``mistral``, which mlx-lm runs as llama), ``qwen2``,
-``qwen3`` and ``gemma3_text`` modules, with float32 weights or weights in ggml's blocks
-(``block_layers.py``), every layer the cache mlx-lm's ``make_cache`` gives it; and the
-mixture-of-experts ``qwen3_moe``, ``qwen2_moe`` and ``olmoe`` (attention as qwen3's and qwen2's;
-olmoe's q and k norms over the whole projection) where the
-GGUF loader keeps the expert stacks in the file's blocks: each MoE layer runs in the same C loop
-(router, softmax top-k, only the chosen experts' rows of the stacks grouped by expert, the
-weighted sum, qwen2_moe's gated shared expert; ``decode_moe.py``); and the hybrids ``qwen3_5``,
-``qwen3_5_moe`` and ``qwen3_next``: their gated delta-net layers in the same loop
-(``decode_delta.py``: the recurrent state stays in each layer's ``ArraysCache``, updated in place
-in arrays made for the sequence), their attention layers with a sigmoid output gate and a partial
-RoPE (no prompt-cache borrowing, no speculative drafts there: the state cannot be trimmed);
-``gpt_oss`` (top-k then softmax, biased experts, clamped SwiGLU, attention sinks, sliding-window
-rings named by ``layer_types`` beside full layers, its prompt chunks' rings as Gemma 3's:
-``ring_chunks.py``) and ``granitemoe`` (granite's multipliers). Gemma 3 brings
-the sliding-window layers (a ring of ``sliding_window`` positions, their own RoPE base), the
-GELU-gated MLP, four norms a layer plus per-head query and key norms (each ``1 + w``), the
-embedding scaled by ``sqrt(hidden)`` (rounded through bfloat16, as mlx-lm does) and
-``query_pre_attn_scalar``. Anything else (MLX-quantized weights, other families, a llama with
-sliding layers) keeps MLX's step; :func:`build` says why.
+Which models: ``decode_families.py`` (the families, and why another model keeps MLX's step).
 
 Exactness: the logits match MLX's to float32 rounding (a different summation order and a
 polynomial ``2 ** x`` within 1e-7), tested per family against the MLX step, greedy tokens
@@ -67,11 +48,13 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxcel_compat.runtime import decode_delta, decode_moe, kv_precision, ring_chunks
-from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
+from mlxcel_compat.runtime.block_layers import BlockLinear, block_weight_of
+from mlxcel_compat.runtime.decode_families import (GEMMA_TYPES, MULTIPLIER_TYPES, attention_shape, head_module,
+                                                   rotated_dims, sliding_layers, unsupported)
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, ring_plan
 from mlxcel_compat.runtime.decode_layers import (LinearWeights, LoraFactors, PassBuffers, attention_heads, float32_array,
-                                                 gemma_mlp, gemma_norm, head_dim, layer_mlp, layer_weights, norm_weights)
+                                                 layer_mlp, layer_weights, norm_weights)
 from mlxcel_compat.runtime.lora_rows import factors_of
 from mlxcel_compat.runtime.native import decode_pass
 from mlxcel_compat.runtime.native.blas_shim import SMALL_M_MAX
@@ -79,36 +62,6 @@ from mlxcel_compat.runtime.rope_angles import RopeAngles
 from mlxcel_compat.runtime.sequence_kv import SequenceKv
 
 LOG2E = 1.4426950408889634
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
-               "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "granite", "seed_oss", "ernie4_5",
-               "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4")
-# Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
-# (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe")
-# Hybrids: gated delta-net layers (decode_delta.py) between attention layers with an output gate and a
-# partial RoPE.
-HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-# Families other than Gemma 3 whose sliding-window layers (named by the model's ``layer_types``)
-# run on their RotatingKVCache rings here: gpt-oss's alternate with full ones.
-LAYER_TYPE_WINDOWS = ("gpt_oss", "olmo3")
-# Families whose layers norm each branch's output before its residual sum and not its input (OLMo 2, 3).
-POST_NORM_TYPES = ("olmo2", "olmo3", "exaone4")
-# RoPE modules that rotate nothing (smollm3's NoPE layers; EXAONE 4's global layers have none at all):
-# their angles are 0, cos 1 and sin 0.
-NO_ROPE = ("NoPE",)
-# Families with granite's multipliers (embedding, residual branches, logits).
-MULTIPLIER_TYPES = ("granitemoe", "granite")
-# mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
-EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU",  # BlockSwitchGLU: block_experts.py
-                  "FusedGateUpSwitchGLU")  # Gemma 4's fused gate-up experts (gguf/stored_parts.py)
-GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, sliding windows
-# Hybrid and recurrent families: the layers the runtime does not run yet, named in the start-up
-# log's reason (a later task moves recurrent state and experts onto the runtime).
-MLX_LAYERS = {
-    "granitemoehybrid": "Mamba-2 (recurrent) and mixture-of-experts layers",
-    "nemotron_h": "Mamba-2 (recurrent) layers",
-    "gemma4_text": "Gemma 4 layers (per-layer embeddings, shared KV, experts, proportional RoPE)",
-}
 # A prompt chunk this long or longer takes the prompt products (``mlxcel_decode_pass``: ggml's tiled
 # kernels); a shorter one the decode rows' kernels (a graph of ggml's for a handful of rows cost
 # ~0.2 ms a weight in set-up). Chunks of the two kinds never share a pass.
@@ -121,122 +74,6 @@ EXACT_ROWS = SMALL_M_MAX
 def enabled() -> bool:
     """``MLXCEL_CPU_DECODE=0`` keeps MLX's decode step (for comparison, or as a fallback)."""
     return os.environ.get("MLXCEL_CPU_DECODE", "1").strip().lower() not in ("0", "off", "false", "no")
-
-
-def head_module(model: Any) -> Any:
-    """The output projection's module: ``lm_head``, or the embedding when the head is tied
-    (mlx-lm drops ``lm_head`` then; gemma3 also says so by ``tie_word_embeddings``); qwen3_5's
-    is its ``language_model``'s."""
-    model = getattr(model, "language_model", model)
-    if getattr(model, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
-        return model.model.embed_tokens
-    return model.lm_head
-
-
-def unsupported(model: Any) -> str | None:
-    """Why this model's decode steps stay in MLX, or None if :class:`CpuDecoder` runs them."""
-    model_type = getattr(getattr(model, "args", None), "model_type", None)
-    if model_type in MLX_LAYERS:
-        return f"model type {model_type!r}: its {MLX_LAYERS[model_type]} run in MLX's step"
-    if model_type not in MOE_TYPES and any(type(m).__name__ in EXPERT_MODULES for _, m in model.named_modules()):
-        return (f"mixture-of-experts layers ({model_type}): their steps run in MLX, the experts' products on "
-                f"ggml's blocks where the file's are quantized")
-    if model_type not in MODEL_TYPES:
-        return f"model type {model_type!r} (supported: {', '.join(MODEL_TYPES)})"
-    if any(type(m).__name__.startswith("Quantized") for _, m in model.named_modules()):
-        return "quantized weights"
-    gemma = model_type in GEMMA_TYPES
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not layers or not isinstance(getattr(inner, "embed_tokens", None), (nn.Embedding, BlockEmbedding)):
-        return "unexpected module layout"
-    if model_type not in LAYER_TYPE_WINDOWS and not gemma and getattr(model.args, "sliding_window", None) and any(
-            t != "full_attention" for t in getattr(model.args, "layer_types", None) or ()):
-        return "sliding-window layers"
-    norm_type = gemma_norm() if gemma else nn.RMSNorm
-    norm_names = ("input_layernorm", "post_attention_layernorm")
-    if model_type in POST_NORM_TYPES:
-        norm_names = ("post_attention_layernorm", "post_feedforward_layernorm")
-    elif model_type == "glm4":
-        norm_names += ("post_self_attn_layernorm", "post_mlp_layernorm")
-    if gemma:
-        norm_names += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-    head = head_module(model)
-    weights = [m.weight for m in (inner.embed_tokens, head) if block_weight_of(m) is None]
-    hybrid = model_type in HYBRID_TYPES
-    for layer in layers:
-        attn, mlp = getattr(layer, "self_attn", None), layer_mlp(layer)
-        delta = hybrid and decode_delta.is_delta(layer)
-        if delta:
-            reason = decode_delta.unsupported(layer.linear_attn)
-            if reason is not None:
-                return f"gated delta-net layers ({model_type}): {reason}"
-        if model_type in MOE_TYPES and decode_moe.is_moe(mlp):
-            reason = decode_moe.unsupported(mlp)
-            if reason is not None:
-                return f"mixture-of-experts layers ({model_type}): {reason}"
-            moe_linears = decode_moe.shared_modules(mlp)  # router, shared expert: checked as the projections
-            mlp = None  # the MLP's checks below do not apply
-        elif (attn is None and not delta) or mlp is None or not any(
-                c.__name__ in ("MLP", "Qwen3NextMLP", "Olmo3MLP", "Glm4MLP") for c in type(mlp).__mro__):
-            return "unexpected layer layout"
-        if gemma and not isinstance(mlp, gemma_mlp()):
-            return "unexpected layer layout"
-        fused_qkv = not delta and hasattr(attn, "qkv_proj")  # phi3
-        projections = (decode_delta.linear_modules(layer.linear_attn) if delta
-                       else [getattr(attn, n, None) for n in (("qkv_proj",) if fused_qkv else ("q_proj", "k_proj", "v_proj"))
-                             + ("o_proj",)])
-        if mlp is None:
-            projections += moe_linears
-        else:
-            projections += [getattr(mlp, n, None) for n in (("gate_up_proj",) if hasattr(mlp, "gate_up_proj")
-                                                            else ("gate_proj", "up_proj")) + ("down_proj",)]
-        if not all(isinstance(m, (nn.Linear, BlockLinear)) for m in projections) or (
-                not delta and attention_shape(attn) is None):
-            return "unexpected attention layout"
-        norms = [getattr(layer, n, None) for n in norm_names]
-        norms += [getattr(attn, n, None) for n in ("q_norm", "k_norm") if not delta and (gemma or hasattr(attn, n))]
-        if not all(isinstance(n, norm_type) for n in norms):
-            return "norms other than Gemma's RMSNorm" if gemma else "norms other than RMSNorm"
-        dims = None if delta else rotated_dims(getattr(attn, "rope", None), attention_shape(attn)[2])
-        if not delta and dims != attention_shape(attn)[2] and not (
-                isinstance(dims, int) and 0 < dims < attention_shape(attn)[2] and dims % 2 == 0):
-            return "partial or unknown rotary embedding"
-        weights += [m.weight for m in projections if block_weight_of(m) is None]
-    if any(w.dtype != mx.float32 for w in weights):
-        return "weights are neither float32 nor in ggml's blocks"
-    return None
-
-
-def rotated_dims(rope: Any, head_dim: int) -> int | None:
-    """How many of a head's dimensions a RoPE module rotates (``dims``; phi3's SuScaledRoPE:
-    ``dim``); all of them for a module that rotates none (NoPE: its angles are 0)."""
-    if rope is None or type(rope).__name__ in NO_ROPE:  # EXAONE 4's global layers have no module
-        return head_dim
-    dims = getattr(rope, "dims", getattr(rope, "dim", None))
-    return dims if isinstance(dims, int) else None
-
-
-def attention_shape(attn: Any) -> tuple[int, int, int] | None:
-    """(heads, KV heads, head size) of an attention module: mlx-lm's llama-style one (gpt-oss's
-    names too: ``decode_layers.attention_heads``), or the hybrids' (qwen3_next's attention: its q
-    projection twice as wide, queries and gates)."""
-    if type(attn).__name__ in decode_delta.GATED_ATTENTION:
-        return attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
-    heads = attention_heads(attn)
-    if heads is None:
-        return None
-    return heads[0], heads[1], head_dim(attn)
-
-
-def sliding_layers(model: Any) -> list[bool]:
-    """Which layers attend over a sliding window (a ``RotatingKVCache`` ring of ``sliding_window``
-    slots): Gemma 3's say so (``is_sliding``), gpt-oss's model names them in ``layer_types``."""
-    inner = model.model
-    if model.args.model_type in LAYER_TYPE_WINDOWS:
-        return [t == "sliding_attention" for t in inner.layer_types]
-    attns = [getattr(layer, "self_attn", None) for layer in inner.layers]  # EXAONE 4 says is_local
-    return [bool(getattr(a, "is_sliding", getattr(a, "is_local", False))) for a in attns]
 
 
 def build(model: Any, shim: Any) -> "CpuDecoder | str":

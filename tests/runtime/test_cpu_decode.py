@@ -1041,3 +1041,17 @@ def test_a_bounded_sequence_s_buffers_are_allocated_once_and_unbounded_ones_grow
     assert decode_kv.buffer_capacity(19) == 96  # 20 + 64 headroom, to 16s
     assert decode_kv.buffer_capacity(999, current=960) == 1088  # 960 + 960 / 8 = 1080, to 16s
     assert decode_kv.buffer_capacity(999, current=64) == 1072  # 1000 + 64 headroom, to 16s
+
+
+@pytest.mark.parametrize("family", ["granite", "phi3", "olmo2", "exaone4"])
+def test_a_rest_s_last_row_logits_are_the_model_s(family: str) -> None:
+    """``forward.last_row_logits`` (a hit's rest that MLX prefills for a family the runtime takes)
+    computes the head on the last row only: the model's own last row's logits, granite's
+    ``logits_scaling`` divisor included."""
+    from mlxcel_compat.engine.forward import last_row_logits
+
+    model = load_model(str(tiny_model(family)), []).model
+    ids = mx.array([_ids(20, seed=3)])
+    ours = last_row_logits(model, ids, make_prompt_cache(model))
+    want = model(ids, cache=make_prompt_cache(model))[0, -1]
+    assert np.abs(np.array(ours) - np.array(want)).max() <= LOGITS_RTOL * np.abs(np.array(want)).max()
