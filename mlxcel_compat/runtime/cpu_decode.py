@@ -49,7 +49,8 @@ import numpy as np
 
 from mlxcel_compat.runtime import decode_delta, decode_moe, kv_precision, ring_chunks
 from mlxcel_compat.runtime.block_layers import BlockLinear, block_weight_of
-from mlxcel_compat.runtime.decode_families import (GEMMA_TYPES, MULTIPLIER_TYPES, attention_shape, head_module,
+from mlxcel_compat.runtime.decode_families import (GEMMA_TYPES, MULTIPLIER_TYPES, Q_TEMPERATURE_TYPES, attention_shape,
+                                                   head_module,
                                                    rotated_dims, sliding_layers, unsupported)
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, ring_plan
@@ -131,6 +132,10 @@ class CpuDecoder:
             self.embed_scale = np.float32(inner.embedding_multiplier)
         self.residual_scale = float(model.args.residual_multiplier) if granite else 0.0
         self.logits_scaling = np.float32(model.logits_scaling) if granite else None
+        # ministral3: Llama 4's attention temperature, queries times 1 + beta log(1 + floor(pos / original))
+        rope = getattr(model.args, "rope_parameters", None) or {}
+        self.q_temperature = ((float(rope["llama_4_scaling_beta"]), int(rope["original_max_position_embeddings"]))
+                              if model.args.model_type in Q_TEMPERATURE_TYPES else None)
         self.window = int(model.args.sliding_window) if any(kinds) else None
         self.norm = norm_weights(inner.norm)
         head = head_module(model)
@@ -389,6 +394,8 @@ class CpuDecoder:
             np.take(self.embed, tokens, axis=0, out=x)
         if self.embed_scale is not None:
             x *= self.embed_scale
+        if self.q_temperature is not None:
+            b.q_scale[:rows, 0] = self._q_scales(positions, segments)
         failed = self.native.run(b.native, rows, offsets, head, kv, angles, decode_pass.lora_scales(scales))
         if failed:
             raise RuntimeError(f"layer {failed - 1}: positions from {min(positions)} do not fit the layer's KV cache")
@@ -400,6 +407,15 @@ class CpuDecoder:
         else:
             self.steps += rows
         return b.logits
+
+    def _q_scales(self, positions: list[int], segments: list[int] | None) -> np.ndarray:
+        """Each row's query factor (ministral3), by mlx-lm's expression in MLX's float32 arithmetic
+        (the same bits): a step's row at its position, a chunk's rows at consecutive ones."""
+        beta, original = self.q_temperature
+        at = (positions if segments is None
+              else [p + t for p, n in zip(positions, segments) for t in range(n)])
+        scale = 1 + beta * mx.log(1 + mx.floor(mx.array(at, mx.int32) / original))
+        return np.array(scale.astype(mx.float32))
 
     def _buffers_for(self, rows: int) -> PassBuffers:
         b = self._buffers.get(rows)
@@ -430,7 +446,7 @@ class CpuDecoder:
 
         return PassBuffers(x=buf(hidden), h=buf(hidden), branch=buf(hidden), q=buf(hq * d), k_new=buf(hk * d),
                         v_new=buf(hk * d), att=buf(hq * d), gate=buf(inter), up=buf(inter),
-                        logits=buf(self.head.weight.shape[0], logit_rows))
+                        logits=buf(self.head.weight.shape[0], logit_rows), q_scale=buf(1))
 
 
 

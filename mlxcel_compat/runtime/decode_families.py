@@ -48,7 +48,7 @@ from mlxcel_compat.runtime.decode_layers import attention_heads, gemma_mlp, gemm
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
                "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "granite", "seed_oss", "ernie4_5",
-               "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4")
+               "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe")
@@ -63,6 +63,8 @@ POST_NORM_TYPES = ("olmo2", "olmo3", "exaone4")
 # RoPE modules that rotate nothing (smollm3's NoPE layers; EXAONE 4's global layers have none at all):
 # their angles are 0, cos 1 and sin 0.
 NO_ROPE = ("NoPE",)
+# Families whose queries are scaled by position after RoPE (Llama 4's attention temperature: ministral3).
+Q_TEMPERATURE_TYPES = ("ministral3",)
 # Families with granite's multipliers (embedding, residual branches, logits).
 MULTIPLIER_TYPES = ("granitemoe", "granite")
 # mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
@@ -194,5 +196,5 @@ def sliding_layers(model: Any) -> list[bool]:
 
 
 __all__ = ["EXPERT_MODULES", "GEMMA_TYPES", "HYBRID_TYPES", "LAYER_TYPE_WINDOWS", "MLX_LAYERS", "MODEL_TYPES", "MOE_TYPES",
-           "MULTIPLIER_TYPES", "NO_ROPE", "POST_NORM_TYPES", "attention_shape", "head_module", "rotated_dims",
+           "MULTIPLIER_TYPES", "NO_ROPE", "POST_NORM_TYPES", "Q_TEMPERATURE_TYPES", "attention_shape", "head_module", "rotated_dims",
            "sliding_layers", "unsupported"]

@@ -114,6 +114,7 @@ class PassBuffers:
     gate: np.ndarray  # (rows, intermediate)
     up: np.ndarray
     logits: np.ndarray  # (rows, vocabulary)
+    q_scale: np.ndarray  # (rows, 1): ministral3's queries' factor by position
     native: decode_pass.NativeBuffers = field(init=False)
 
     def __post_init__(self) -> None:

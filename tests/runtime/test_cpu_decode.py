@@ -296,7 +296,7 @@ def _mlx_logits(model: nn.Module, token: int, cache: list[KVCache]) -> np.ndarra
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral", "gemma3_text", "granite", "seed_oss", "ernie4_5",
-                                    "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4"])
+                                    "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3"])
 def test_decoder_follows_mlx_step_for_step(family: str) -> None:
     """40 greedy steps from a 230-token prompt (the cache grows past 256 positions on the way;
     gemma3's sliding layers, a 64-position window, wrap): each step's logits within LOGITS_RTOL
@@ -422,7 +422,7 @@ def _follow_blocks(model: nn.Module, decoder: cpu_decode.CpuDecoder, prompts: li
     ("gemma3_text", "f16"), ("llama", "mxfp4"), ("qwen3", "iq4_nl"), ("granite", "q8_0"), ("seed_oss", "q4_0"),
     ("ernie4_5", "q8_0"), ("smollm3", "q4_k_m"),
     ("olmo2", "q8_0"), ("olmo3", "q4_0"), ("phi3", "q8_0"), ("glm4", "q4_k_m"),
-    ("exaone4", "q8_0"),
+    ("exaone4", "q8_0"), ("ministral3", "q4_0"),
 ])
 def test_block_models_follow_mlx_step_for_step(family: str, gguf_type: str) -> None:
     """Weights in ggml's blocks (tiny files: K-quant types fall back to Q5_0/Q8_0 mixes, as
@@ -450,7 +450,7 @@ def test_k_quant_gemma3_follows_mlx_step_for_step() -> None:
 @pytest.mark.parametrize("family,gguf_type", [("llama", None), ("qwen3", None), ("gemma3_text", None),
                                                ("qwen2", "q5_1"), ("gemma3_text", "q4_0"), ("mistral", "q8_0"),
                                                ("llama", "q4_1"), ("olmo3", None), ("smollm3", "q8_0"),
-                                               ("phi3", "q8_0"), ("glm4", None)])
+                                               ("phi3", "q8_0"), ("glm4", None), ("ministral3", "q8_0")])
 def test_rows_stepped_together_are_bit_identical_to_rows_alone(family: str, gguf_type: str | None) -> None:
     """Three sequences at different positions (one past a 256-position block of angles; gemma3's
     rings in different states), stepped together for 6 steps, give exactly the logits each gives
@@ -941,7 +941,8 @@ def test_steps_hold_the_gil_and_prompt_chunks_release_it() -> None:
 
 @pytest.mark.parametrize("family,gguf_type", [("llama", None), ("qwen3", None), ("llama", "q8_0"), ("llama", "q4_k_m"),
                                                ("granite", None), ("smollm3", None), ("olmo2", None),
-                                               ("ernie4_5", "q8_0"), ("phi3", None), ("glm4", "q8_0")])
+                                               ("ernie4_5", "q8_0"), ("phi3", None), ("glm4", "q8_0"),
+                                               ("ministral3", None)])
 def test_a_cold_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(family: str, gguf_type: str | None) -> None:
     """``prefill(..., logits=False)`` on an empty cache (``can_prefill``; gemma3's rings too):
     its own buffers, the keys and values MLX's chunk leaves to LOGITS_RTOL (the same

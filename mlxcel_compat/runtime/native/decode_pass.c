@@ -120,11 +120,13 @@ struct mlxcel_model {
     int rope_dims;     /* the rotated dimensions of a head (a partial RoPE: the hybrids'), 0: all of head_dim */
     int k_type, v_type; /* the KV cache's storage types (MLXCEL_KV_*: -ctk/-ctv) */
     float residual_scale; /* granitemoe's residual_multiplier: x += scale * branch; 0: x += branch */
+    int q_scaled;         /* ministral3: each row's queries times its q_scale after RoPE (Llama 4's temperature) */
 };
 
 /* A pass's activations, rows contiguous (row widths: hidden, heads * d, kv_heads * d, inter, vocab). */
 struct mlxcel_buffers {
     float *x, *h, *branch, *q, *k_new, *v_new, *att, *gate, *up, *logits;
+    float *q_scale; /* (rows): the queries' factor by position (q_scaled), filled by the caller each pass */
 };
 
 /* Where one row (a prompt chunk: the chunk) attends in one layer. A growing cache: write = the
@@ -144,6 +146,13 @@ static __thread struct mlxcel_scratch ring_scratch;
 static __thread struct mlxcel_scratch lora_scratch;
 
 enum { RowMajor = 101, NoTrans = 111, Trans = 112 };
+
+/* rows of n values, row t times factors[t] (ministral3's queries: Llama 4's attention temperature,
+ * applied after RoPE as mlx-lm applies it). */
+static void scale_rows(float *x, int rows, int n, const float *factors) {
+    for (int t = 0; t < rows; t++)
+        for (int j = 0; j < n; j++) x[(size_t)t * n + j] *= factors[t];
+}
 
 /* h = a branch's input: x normed by n, or x itself where the layer has no norm before the branch
  * (OLMo 2 norms each branch's output instead: attn_out, mlp_out). */
@@ -494,6 +503,7 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                     mlxcel_rope_rows(q, n, hq, d, cos, sin, trad);
                     mlxcel_rope_rows(kn, n, hk, d, cos, sin, trad);
                 }
+                if (m->q_scaled) scale_rows(q, n, hq * d, b->q_scale + r0);
                 int failed = L->sinks && !s->window
                     ? (s->k_out ? -1 /* a full layer with sinks: never borrowed (KvLayout.borrow: a model with rings) */
                                 : mlxcel_chunk_attention_window(q, kn, vn, s->keys, s->values, att, n, hk, group, d,
@@ -521,6 +531,7 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                     mlxcel_rope(q, hq, d, a[2 * L->rope], a[2 * L->rope + 1], trad);
                     mlxcel_rope(kn, hk, d, a[2 * L->rope], a[2 * L->rope + 1], trad);
                 }
+                if (m->q_scaled) scale_rows(q, 1, hq * d, b->q_scale + r);
                 int failed = L->sinks
                     ? mlxcel_decode_attention_sinks(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, hk, group, d,
                                                     (int)s->write, (int)s->n, s->capacity, m->scale, L->sinks,
