@@ -49,8 +49,8 @@ import numpy as np
 
 from mlxcel_compat.runtime import decode_delta, decode_moe, kv_precision, ring_chunks
 from mlxcel_compat.runtime.block_layers import BlockLinear, block_weight_of
-from mlxcel_compat.runtime.decode_families import (GEMMA_TYPES, MULTIPLIER_TYPES, Q_TEMPERATURE_TYPES, attention_shape,
-                                                   head_module,
+from mlxcel_compat.runtime.decode_families import (ACTIVATIONS, GEMMA_TYPES, MULTIPLIER_TYPES, PARALLEL_TYPES,
+                                                   Q_TEMPERATURE_TYPES, attention_shape, head_module, layer_rope,
                                                    rotated_dims, sliding_layers, unsupported)
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, ring_plan
@@ -108,18 +108,18 @@ class CpuDecoder:
         self.n_heads, self.n_kv_heads, self.head_dim = attention_shape(attn0)
         heads = attention_heads(attn0)  # gpt-oss's scale is its sm_scale
         self.scale = (heads[2] if heads is not None else float(attn0.scale)) * LOG2E
-        dims = rotated_dims(getattr(attn0, "rope", None), self.head_dim)
+        dims = rotated_dims(layer_rope(attn0), self.head_dim)
         self.rope_dims = dims if dims != self.head_dim else 0  # a partial RoPE (the hybrids', phi3's, glm4's)
         # RoPE modules by layer kind: mlx-lm builds every layer of a kind from the same arguments
         # (gemma3: sliding layers with rope_local_base_freq, the others with rope_theta and its
         # scaling; smollm3: every fourth layer's module is NoPE, the identity, whose angles are 0),
         # so one module per kind gives every layer's angles.
         kinds = sliding_layers(model)
-        rope_kinds = [(kinds[i], type(getattr(getattr(layer, "self_attn", None), "rope", None)).__name__)
+        rope_kinds = [(kinds[i], type(layer_rope(getattr(layer, "self_attn", None))).__name__)
                       for i, layer in enumerate(inner.layers)]
         firsts = {rope_kinds[i]: i for i in reversed(self.attn_layers)}
         order = sorted(firsts, key=firsts.get)
-        self.angles = RopeAngles([getattr(inner.layers[firsts[kind]].self_attn, "rope", None) for kind in order],
+        self.angles = RopeAngles([layer_rope(inner.layers[firsts[kind]].self_attn) for kind in order],
                                  self.rope_dims or self.head_dim)
         self.embed = block_weight_of(inner.embed_tokens) or float32_array(inner.embed_tokens.weight)
         # gemma3 scales the embedding by sqrt(hidden) rounded to bfloat16 (its own expression)
@@ -132,6 +132,10 @@ class CpuDecoder:
             self.embed_scale = np.float32(inner.embedding_multiplier)
         self.residual_scale = float(model.args.residual_multiplier) if granite else 0.0
         self.logits_scaling = np.float32(model.logits_scaling) if granite else None
+        # cohere2's logits times logit_scale; the MLP's activation; cohere2's parallel branches
+        self.logit_scale = np.float32(inner.args.logit_scale) if model.args.model_type in PARALLEL_TYPES else None
+        self.act = ACTIVATIONS.get(model.args.model_type, "swiglu")
+        self.parallel = model.args.model_type in PARALLEL_TYPES
         # ministral3: Llama 4's attention temperature, queries times 1 + beta log(1 + floor(pos / original))
         rope = getattr(model.args, "rope_parameters", None) or {}
         self.q_temperature = ((float(rope["llama_4_scaling_beta"]), int(rope["original_max_position_embeddings"]))
@@ -401,6 +405,8 @@ class CpuDecoder:
             raise RuntimeError(f"layer {failed - 1}: positions from {min(positions)} do not fit the layer's KV cache")
         if head and self.logits_scaling is not None:
             b.logits[:1 if segments is not None else rows] /= self.logits_scaling
+        if head and self.logit_scale is not None:
+            b.logits[:1 if segments is not None else rows] *= self.logit_scale
         self.seq.advance(caches, segments if segments is not None else [1] * rows, chunk=segments is not None)
         if segments is not None:
             self.prefilled += rows

@@ -30,7 +30,11 @@ embedding scaled by ``sqrt(hidden)`` (rounded through bfloat16, as mlx-lm does) 
 ``olmo3`` (each branch's output normed before its sum and no input norms; OLMo 3's sliding layers
 by ``layer_types``), ``exaone4`` (the same norms, per-head q/k norms, local layers on rings and
 global ones without RoPE), ``phi3`` (fused qkv and gate-up projections, LongRoPE over part of each
-head) and ``glm4`` (fused gate-up, four norms a layer, half of each head rotated, interleaved).
+head) and ``glm4`` (fused gate-up, four norms a layer, half of each head rotated, interleaved),
+``ministral3`` (Llama 4's attention temperature: the queries scaled by position), ``starcoder2``
+(LayerNorms with biases, biases everywhere, an MLP without a gate: exact GELU), ``cohere2``
+(attention and MLP in parallel from one LayerNorm, sliding layers with RoPE and global ones
+without, logits times ``logit_scale``) and ``apertus`` (an MLP without a gate: xIELU).
 Anything else (MLX-quantized weights, other families, a llama with sliding layers) keeps MLX's
 step; ``cpu_decode.build`` says why.
 """
@@ -48,7 +52,8 @@ from mlxcel_compat.runtime.decode_layers import attention_heads, gemma_mlp, gemm
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
                "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "granite", "seed_oss", "ernie4_5",
-               "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3")
+               "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3", "starcoder2",
+               "cohere2", "apertus")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe")
@@ -65,6 +70,14 @@ POST_NORM_TYPES = ("olmo2", "olmo3", "exaone4")
 NO_ROPE = ("NoPE",)
 # Families whose queries are scaled by position after RoPE (Llama 4's attention temperature: ministral3).
 Q_TEMPERATURE_TYPES = ("ministral3",)
+# Families whose norms are LayerNorms (mean and variance; starcoder2's with a bias).
+LAYER_NORM_TYPES = ("starcoder2", "cohere2")
+# The MLP's projections where they are not gate, up and down (or phi3's and glm4's gate_up, down).
+MLP_PROJECTIONS = {"starcoder2": ("c_fc", "c_proj"), "apertus": ("up_proj", "down_proj")}
+# Families whose attention and MLP both read the layer's one norm, their outputs summed (cohere2).
+PARALLEL_TYPES = ("cohere2",)
+# The MLP's activation by family (decode_pass.ACT_CODES); the others' is SwiGLU.
+ACTIVATIONS = {"gemma3_text": "gelu_tanh_gate", "starcoder2": "gelu_erf", "apertus": "xielu"}
 # Families with granite's multipliers (embedding, residual branches, logits).
 MULTIPLIER_TYPES = ("granitemoe", "granite")
 # mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
@@ -109,12 +122,16 @@ def unsupported(model: Any) -> str | None:
     if model_type not in LAYER_TYPE_WINDOWS and not gemma and getattr(model.args, "sliding_window", None) and any(
             t != "full_attention" for t in getattr(model.args, "layer_types", None) or ()):
         return "sliding-window layers"
-    norm_type = gemma_norm() if gemma else nn.RMSNorm
+    norm_type = gemma_norm() if gemma else nn.LayerNorm if model_type in LAYER_NORM_TYPES else nn.RMSNorm
     norm_names = ("input_layernorm", "post_attention_layernorm")
     if model_type in POST_NORM_TYPES:
         norm_names = ("post_attention_layernorm", "post_feedforward_layernorm")
     elif model_type == "glm4":
         norm_names += ("post_self_attn_layernorm", "post_mlp_layernorm")
+    elif model_type in PARALLEL_TYPES:
+        norm_names = ("input_layernorm",)
+    elif model_type == "apertus":
+        norm_names = ("attention_layernorm", "feedforward_layernorm")
     if gemma:
         norm_names += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
     head = head_module(model)
@@ -134,7 +151,7 @@ def unsupported(model: Any) -> str | None:
             moe_linears = decode_moe.shared_modules(mlp)  # router, shared expert: checked as the projections
             mlp = None  # the MLP's checks below do not apply
         elif (attn is None and not delta) or mlp is None or not any(
-                c.__name__ in ("MLP", "Qwen3NextMLP", "Olmo3MLP", "Glm4MLP") for c in type(mlp).__mro__):
+                c.__name__ in ("MLP", "Qwen3NextMLP", "Olmo3MLP", "Glm4MLP", "ApertusMLP") for c in type(mlp).__mro__):
             return "unexpected layer layout"
         if gemma and not isinstance(mlp, gemma_mlp()):
             return "unexpected layer layout"
@@ -145,8 +162,8 @@ def unsupported(model: Any) -> str | None:
         if mlp is None:
             projections += moe_linears
         else:
-            projections += [getattr(mlp, n, None) for n in (("gate_up_proj",) if hasattr(mlp, "gate_up_proj")
-                                                            else ("gate_proj", "up_proj")) + ("down_proj",)]
+            projections += [getattr(mlp, n, None) for n in MLP_PROJECTIONS.get(model_type, (("gate_up_proj", "down_proj")
+                            if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj", "down_proj")))]
         if not all(isinstance(m, (nn.Linear, BlockLinear)) for m in projections) or (
                 not delta and attention_shape(attn) is None):
             return "unexpected attention layout"
@@ -154,7 +171,7 @@ def unsupported(model: Any) -> str | None:
         norms += [getattr(attn, n, None) for n in ("q_norm", "k_norm") if not delta and (gemma or hasattr(attn, n))]
         if not all(isinstance(n, norm_type) for n in norms):
             return "norms other than Gemma's RMSNorm" if gemma else "norms other than RMSNorm"
-        dims = None if delta else rotated_dims(getattr(attn, "rope", None), attention_shape(attn)[2])
+        dims = None if delta else rotated_dims(layer_rope(attn), attention_shape(attn)[2])
         if not delta and dims != attention_shape(attn)[2] and not (
                 isinstance(dims, int) and 0 < dims < attention_shape(attn)[2] and dims % 2 == 0):
             return "partial or unknown rotary embedding"
@@ -191,10 +208,20 @@ def sliding_layers(model: Any) -> list[bool]:
     inner = model.model
     if model.args.model_type in LAYER_TYPE_WINDOWS:
         return [t == "sliding_attention" for t in inner.layer_types]
-    attns = [getattr(layer, "self_attn", None) for layer in inner.layers]  # EXAONE 4 says is_local
-    return [bool(getattr(a, "is_sliding", getattr(a, "is_local", False))) for a in attns]
+    attns = [getattr(layer, "self_attn", None) for layer in inner.layers]  # EXAONE 4 says is_local, cohere2
+    return [bool(getattr(a, "is_sliding", getattr(a, "is_local", getattr(a, "use_sliding_window", False))))
+            for a in attns]
+
+
+def layer_rope(attn: Any) -> Any:
+    """The RoPE module a layer applies, or None where it applies none: EXAONE 4's global layers
+    have no module, cohere2's have one they do not call (only its sliding layers rotate)."""
+    if attn is None or getattr(attn, "use_sliding_window", True) is False:
+        return None
+    return getattr(attn, "rope", None)
 
 
 __all__ = ["EXPERT_MODULES", "GEMMA_TYPES", "HYBRID_TYPES", "LAYER_TYPE_WINDOWS", "MLX_LAYERS", "MODEL_TYPES", "MOE_TYPES",
-           "MULTIPLIER_TYPES", "NO_ROPE", "POST_NORM_TYPES", "Q_TEMPERATURE_TYPES", "attention_shape", "head_module", "rotated_dims",
+           "MULTIPLIER_TYPES", "NO_ROPE", "PARALLEL_TYPES", "POST_NORM_TYPES", "Q_TEMPERATURE_TYPES",
+           "ACTIVATIONS", "LAYER_NORM_TYPES", "MLP_PROJECTIONS", "layer_rope", "attention_shape", "head_module", "rotated_dims",
            "sliding_layers", "unsupported"]

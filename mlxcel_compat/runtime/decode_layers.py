@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.nn as nn
 import numpy as np
 
 from mlxcel_compat.runtime.block_layers import block_weight_of
@@ -62,10 +63,13 @@ class LinearWeights:
 
 @dataclass
 class NormWeights:
-    """An RMS norm's gain as the model applies it, and its epsilon."""
+    """A norm's gain as the model applies it, and its epsilon: an RMS norm, or (``layer``) a
+    LayerNorm with its bias, if any (starcoder2's, cohere2's)."""
 
     weight: np.ndarray
     eps: float
+    bias: np.ndarray | None = None
+    layer: bool = False
     ptr: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +101,7 @@ class LayerWeights:
     sinks: np.ndarray | None = None  # gpt-oss: (heads) attention sink logits times log2 e, float32
     qkv: LinearWeights | None = None  # phi3: q, k and v in one projection (then q, k, v are None)
     gate_up: LinearWeights | None = None  # phi3, glm4: gate and up in one projection (then gate, up are None)
+    xielu: tuple[float, float, float, float] | None = None  # Apertus's activation: alpha_p, alpha_n, beta, eps
 
 
 @dataclass
@@ -175,8 +180,20 @@ def norm_weights(module: Any) -> NormWeights | None:
     in float32, as the module computes it on every call)."""
     if module is None:
         return None
+    if isinstance(module, nn.LayerNorm):
+        bias = getattr(module, "bias", None)
+        return NormWeights(float32_array(module.weight), float(module.eps),
+                           float32_array(bias) if bias is not None else None, layer=True)
     gain = 1.0 + module.weight if isinstance(module, gemma_norm()) else module.weight
     return NormWeights(float32_array(gain), float(module.eps))
+
+
+def xielu_parameters(act: Any) -> tuple[float, float, float, float]:
+    """Apertus's xIELU as mlx-lm's ``xielu`` applies it: alpha_p = softplus(alpha_p), alpha_n =
+    beta + softplus(alpha_n) (computed by MLX in float32), beta, eps."""
+    alpha_p = nn.softplus(act.alpha_p)
+    alpha_n = act.beta + nn.softplus(act.alpha_n)
+    return tuple(float(np.float32(np.array(v))) for v in (alpha_p, alpha_n, act.beta, act.eps))
 
 
 def layer_weights(layer: Any, rope: int, gemma: bool, moe: Any = None, sliding: bool = False) -> LayerWeights:
@@ -188,6 +205,10 @@ def layer_weights(layer: Any, rope: int, gemma: bool, moe: Any = None, sliding: 
         mlp = dict(gate=None, up=None, down=None, moe=moe)
     elif hasattr(m, "gate_up_proj"):  # phi3, glm4: fused, gate first (mlx-lm splits the output in halves)
         mlp = dict(gate=None, up=None, gate_up=lin(m.gate_up_proj), down=lin(m.down_proj))
+    elif hasattr(m, "c_fc"):  # starcoder2: no gate (up, GELU, down)
+        mlp = dict(gate=None, up=lin(m.c_fc), down=lin(m.c_proj))
+    elif not hasattr(m, "gate_proj"):  # Apertus: no gate (up, xIELU, down)
+        mlp = dict(gate=None, up=lin(m.up_proj), down=lin(m.down_proj), xielu=xielu_parameters(m.act_fn))
     else:
         mlp = dict(gate=lin(m.gate_proj), up=lin(m.up_proj), down=lin(m.down_proj))
     qkv = dict(q=None, k=None, v=None, qkv=lin(a.qkv_proj)) if hasattr(a, "qkv_proj") else dict(
@@ -199,6 +220,11 @@ def layer_weights(layer: Any, rope: int, gemma: bool, moe: Any = None, sliding: 
         return LayerWeights(n1=norm(layer.input_layernorm), n2=norm(layer.pre_feedforward_layernorm),
                             attn_out=norm(layer.post_attention_layernorm), mlp_out=norm(layer.post_feedforward_layernorm),
                             sliding=bool(a.is_sliding), **common)
+    if hasattr(layer, "attention_layernorm"):  # Apertus's names
+        return LayerWeights(n1=norm(layer.attention_layernorm), n2=norm(layer.feedforward_layernorm),
+                            sliding=sliding, **common)
+    if not hasattr(layer, "post_attention_layernorm") and hasattr(layer, "input_layernorm"):  # cohere2: one norm
+        return LayerWeights(n1=norm(layer.input_layernorm), n2=None, sliding=sliding, **common)
     if hasattr(layer, "post_self_attn_layernorm"):  # glm4: both branches' inputs and outputs normed
         return LayerWeights(n1=norm(layer.input_layernorm), n2=norm(layer.post_attention_layernorm),
                             attn_out=norm(layer.post_self_attn_layernorm), mlp_out=norm(layer.post_mlp_layernorm),

@@ -173,7 +173,7 @@ def shared_modules(mlp: Any) -> list[Any]:
 def ffn_width(layers: list[Any]) -> int:
     """The widest MLP a pass's ``gate`` and ``up`` buffers hold: the dense layers' and the
     shared experts' (``decode_layers.LayerWeights``)."""
-    widths = [layer.gate.weight.shape[0] for layer in layers if layer.gate is not None]
+    widths = [(layer.gate or layer.up).weight.shape[0] for layer in layers if (layer.gate or layer.up) is not None]
     widths += [layer.gate_up.weight.shape[0] // 2 for layer in layers if layer.gate_up is not None]
     widths += [layer.moe.shared_gate.weight.shape[0] for layer in layers
                if layer.moe is not None and layer.moe.shared_gate is not None]

@@ -296,7 +296,8 @@ def _mlx_logits(model: nn.Module, token: int, cache: list[KVCache]) -> np.ndarra
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral", "gemma3_text", "granite", "seed_oss", "ernie4_5",
-                                    "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3"])
+                                    "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3",
+                                    "starcoder2", "cohere2", "apertus"])
 def test_decoder_follows_mlx_step_for_step(family: str) -> None:
     """40 greedy steps from a 230-token prompt (the cache grows past 256 positions on the way;
     gemma3's sliding layers, a 64-position window, wrap): each step's logits within LOGITS_RTOL
@@ -422,7 +423,7 @@ def _follow_blocks(model: nn.Module, decoder: cpu_decode.CpuDecoder, prompts: li
     ("gemma3_text", "f16"), ("llama", "mxfp4"), ("qwen3", "iq4_nl"), ("granite", "q8_0"), ("seed_oss", "q4_0"),
     ("ernie4_5", "q8_0"), ("smollm3", "q4_k_m"),
     ("olmo2", "q8_0"), ("olmo3", "q4_0"), ("phi3", "q8_0"), ("glm4", "q4_k_m"),
-    ("exaone4", "q8_0"), ("ministral3", "q4_0"),
+    ("exaone4", "q8_0"), ("ministral3", "q4_0"), ("starcoder2", "q8_0"), ("cohere2", "q8_0"), ("apertus", "q8_0"),
 ])
 def test_block_models_follow_mlx_step_for_step(family: str, gguf_type: str) -> None:
     """Weights in ggml's blocks (tiny files: K-quant types fall back to Q5_0/Q8_0 mixes, as
@@ -1044,11 +1045,11 @@ def test_a_bounded_sequence_s_buffers_are_allocated_once_and_unbounded_ones_grow
     assert decode_kv.buffer_capacity(999, current=64) == 1072  # 1000 + 64 headroom, to 16s
 
 
-@pytest.mark.parametrize("family", ["granite", "phi3", "olmo2", "exaone4"])
+@pytest.mark.parametrize("family", ["granite", "phi3", "olmo2", "exaone4", "cohere2"])
 def test_a_rest_s_last_row_logits_are_the_model_s(family: str) -> None:
     """``forward.last_row_logits`` (a hit's rest that MLX prefills for a family the runtime takes)
     computes the head on the last row only: the model's own last row's logits, granite's
-    ``logits_scaling`` divisor included."""
+    ``logits_scaling`` divisor and cohere2's ``logit_scale`` included."""
     from mlxcel_compat.engine.forward import last_row_logits
 
     model = load_model(str(tiny_model(family)), []).model

@@ -68,6 +68,8 @@ struct mlxcel_linear {
 struct mlxcel_norm {
     const float *w;
     float eps;
+    const float *bias; /* a LayerNorm's bias, or NULL */
+    int layer;         /* a LayerNorm (starcoder2, cohere2), else an RMS norm */
 };
 
 /* A mixture-of-experts layer in place of the MLP (runtime/decode_moe.py): the router's logits,
@@ -104,11 +106,12 @@ struct mlxcel_layer {
     /* phi3's q, k and v in one projection, and phi3's and glm4's gate and up in one (n == 0: none;
      * then q, k, v or gate, up have n == 0) */
     struct mlxcel_linear qkv, gate_up;
+    float xielu[4]; /* Apertus's xIELU: alpha_p, alpha_n (softplus-ed as mlx-lm does), beta, eps */
 };
 
 struct mlxcel_model {
     int n_layers, hidden, heads, kv_heads, head_dim, inter;
-    int gelu;       /* Gemma's GELU-tanh gating, else SiLU */
+    int act;        /* the MLP's activation: MLXCEL_ACT_* */
     float scale;    /* the attention's softmax scale times log2 e */
     int angle_sets; /* RoPE angle sets (gemma3: 2, the sliding layers' own base) */
     int prompt_rows_min; /* the fewest rows a prompt chunk multiplies by the prompt products */
@@ -121,7 +124,13 @@ struct mlxcel_model {
     int k_type, v_type; /* the KV cache's storage types (MLXCEL_KV_*: -ctk/-ctv) */
     float residual_scale; /* granitemoe's residual_multiplier: x += scale * branch; 0: x += branch */
     int q_scaled;         /* ministral3: each row's queries times its q_scale after RoPE (Llama 4's temperature) */
+    int parallel;         /* cohere2: attention and MLP both read the layer's one norm, x += attn + mlp */
 };
+
+/* The MLP's activation (struct mlxcel_model's act): gated SiLU (SwiGLU), Gemma's gated GELU-tanh,
+ * and the ungated ones of an MLP without a gate (up, act, down): exact GELU (starcoder2), xIELU
+ * (Apertus). */
+enum { MLXCEL_ACT_SWIGLU = 0, MLXCEL_ACT_GELU_TANH_GATE = 1, MLXCEL_ACT_GELU_ERF = 2, MLXCEL_ACT_XIELU = 3 };
 
 /* A pass's activations, rows contiguous (row widths: hidden, heads * d, kv_heads * d, inter, vocab). */
 struct mlxcel_buffers {
@@ -157,7 +166,8 @@ static void scale_rows(float *x, int rows, int n, const float *factors) {
 /* h = a branch's input: x normed by n, or x itself where the layer has no norm before the branch
  * (OLMo 2 norms each branch's output instead: attn_out, mlp_out). */
 static void pre_norm(const struct mlxcel_norm *n, const float *x, float *h, int rows, int hidden) {
-    if (n->w) mlxcel_rms_norm(x, n->w, h, rows, hidden, n->eps);
+    if (n->w && n->layer) mlxcel_layer_norm(x, n->w, n->bias, h, rows, hidden, n->eps);
+    else if (n->w) mlxcel_rms_norm(x, n->w, h, rows, hidden, n->eps);
     else memcpy(h, x, sizeof(float) * (size_t)rows * hidden);
 }
 
@@ -551,11 +561,13 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         } else if (m->residual_scale != 0.0f) { /* granitemoe: the branch scaled before its sum */
             product(&L->o, rows, b->att, b->branch, 0.0f, tiles, scales, n_adapters);
             for (size_t j = 0; j < (size_t)rows * hidden; j++) b->x[j] += b->branch[j] * m->residual_scale;
+        } else if (m->parallel) { /* cohere2: held until the MLP's output joins it */
+            product(&L->o, rows, b->att, b->branch, 0.0f, tiles, scales, n_adapters);
         } else {
             product(&L->o, rows, b->att, b->x, 1.0f, tiles, scales, n_adapters);
         }
     mlp:
-        pre_norm(&L->n2, b->x, b->h, rows, hidden);
+        if (!m->parallel) pre_norm(&L->n2, b->x, b->h, rows, hidden); /* cohere2's MLP reads the same h */
         if (L->moe) {
             if (moe_layer(L->moe, rows, hidden, b->h, b->x, b->gate, b->up, b->branch, tiles, scales, n_adapters,
                           m->residual_scale))
@@ -564,14 +576,19 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         }
         const struct mlxcel_linear *gate_up[2] = {&L->gate, &L->up};
         float *gate_up_out[2] = {b->gate, b->up};
-        int ffn = L->gate_up.n ? L->gate_up.n / 2 : L->gate.n;
+        int ffn = L->gate_up.n ? L->gate_up.n / 2 : L->gate.n ? L->gate.n : L->up.n;
         if (L->gate_up.n) {
             const int widths[2] = {ffn, ffn};
             fused_product(&L->gate_up, rows, b->h, gate_up_out, widths, 2, tiles, scales, n_adapters);
-        } else {
+        } else if (L->gate.n) {
             products(2, gate_up, rows, b->h, gate_up_out, tiles, scales, n_adapters);
+        } else { /* no gate: up, the activation, down (from the gate buffer, as the gated forms leave it) */
+            product(&L->up, rows, b->h, b->gate, 0.0f, tiles, scales, n_adapters);
         }
-        if (m->gelu) mlxcel_gelu_tanh_gate(b->gate, b->up, rows * ffn);
+        if (m->act == MLXCEL_ACT_GELU_TANH_GATE) mlxcel_gelu_tanh_gate(b->gate, b->up, rows * ffn);
+        else if (m->act == MLXCEL_ACT_GELU_ERF) mlxcel_gelu_erf(b->gate, rows * ffn);
+        else if (m->act == MLXCEL_ACT_XIELU)
+            mlxcel_xielu(b->gate, rows * ffn, L->xielu[0], L->xielu[1], L->xielu[2], L->xielu[3]);
         else mlxcel_swiglu(b->gate, b->up, rows * ffn);
         if (L->mlp_out.w) {
             product(&L->down, rows, b->gate, b->branch, 0.0f, tiles, scales, n_adapters);
@@ -579,17 +596,20 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         } else if (m->residual_scale != 0.0f) {
             product(&L->down, rows, b->gate, b->branch, 0.0f, tiles, scales, n_adapters);
             for (size_t j = 0; j < (size_t)rows * hidden; j++) b->x[j] += b->branch[j] * m->residual_scale;
+        } else if (m->parallel) { /* x += attention + MLP, summed in mlx-lm's order */
+            product(&L->down, rows, b->gate, b->branch, 1.0f, tiles, scales, n_adapters);
+            for (size_t j = 0; j < (size_t)rows * hidden; j++) b->x[j] = b->branch[j] + b->x[j];
         } else {
             product(&L->down, rows, b->gate, b->x, 1.0f, tiles, scales, n_adapters);
         }
     }
     if (!head) return 0;
     if (chunk) { /* the last row only: its norm into the first row of h, the head on that row */
-        mlxcel_rms_norm(b->x + (size_t)(rows - 1) * hidden, m->norm.w, b->h, 1, hidden, m->norm.eps);
+        pre_norm(&m->norm, b->x + (size_t)(rows - 1) * hidden, b->h, 1, hidden);
         product(&m->head, 1, b->h, b->logits, 0.0f, 0, scales ? scales + (size_t)(rows - 1) * n_adapters : NULL,
                 n_adapters);
     } else {
-        mlxcel_rms_norm(b->x, m->norm.w, b->h, rows, hidden, m->norm.eps);
+        pre_norm(&m->norm, b->x, b->h, rows, hidden);
         product(&m->head, rows, b->h, b->logits, 0.0f, 0, scales, n_adapters);
     }
     return 0;

@@ -38,7 +38,7 @@ class LinearStruct(ctypes.Structure):
 
 
 class NormStruct(ctypes.Structure):
-    _fields_ = [("w", _P), ("eps", _F)]
+    _fields_ = [("w", _P), ("eps", _F), ("bias", _P), ("layer", _I)]
 
 
 class MoeStruct(ctypes.Structure):
@@ -62,16 +62,19 @@ class LayerStruct(ctypes.Structure):
     _fields_ = [*((name, LinearStruct) for name in ("q", "k", "v", "o", "gate", "up", "down")),
                 *((name, NormStruct) for name in ("n1", "n2", "q_norm", "k_norm", "attn_out", "mlp_out")),
                 ("rope", _I), ("moe", _P), ("delta", _P), ("gated_q", _I), ("sinks", _P),
-                ("qkv", LinearStruct), ("gate_up", LinearStruct)]
+                ("qkv", LinearStruct), ("gate_up", LinearStruct), ("xielu", _F * 4)]
 
 
 class ModelStruct(ctypes.Structure):
     _fields_ = [("n_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
-                ("gelu", _I), ("scale", _F), ("angle_sets", _I), ("prompt_rows_min", _I), ("traditional", _I * 2),
+                ("act", _I), ("scale", _F), ("angle_sets", _I), ("prompt_rows_min", _I), ("traditional", _I * 2),
                 ("layers", _P),
                 ("norm", NormStruct), ("head", LinearStruct), ("qk_norm_whole", _I), ("rope_dims", _I), ("k_type", _I),
-                ("v_type", _I), ("residual_scale", _F), ("q_scaled", _I)]
+                ("v_type", _I), ("residual_scale", _F), ("q_scaled", _I), ("parallel", _I)]
 
+
+# struct mlxcel_model's act (MLXCEL_ACT_*): the MLP's activation, by CpuDecoder.act.
+ACT_CODES = {"swiglu": 0, "gelu_tanh_gate": 1, "gelu_erf": 2, "xielu": 3}
 
 BUFFER_NAMES = ("x", "h", "branch", "q", "k_new", "v_new", "att", "gate", "up", "logits", "q_scale")
 
@@ -185,7 +188,9 @@ def _delta(delta: Any, keep: list[Any]) -> int:
 
 
 def _norm(norm: Any) -> NormStruct:
-    return NormStruct() if norm is None else NormStruct(norm.ptr, norm.eps)
+    if norm is None:
+        return NormStruct()
+    return NormStruct(norm.ptr, norm.eps, norm.bias.ctypes.data if norm.bias is not None else None, int(norm.layer))
 
 
 def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
@@ -202,18 +207,20 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
         s.delta, s.gated_q = _delta(layer.delta, keep), int(layer.gated_q)
         if layer.sinks is not None:
             s.sinks = layer.sinks.ctypes.data
+        if layer.xielu is not None:
+            s.xielu = (_F * 4)(*layer.xielu)
     keep.append(layers)
     rope_traditional = decoder.angles.traditional
     traditional = (_I * 2)(*[int(t) for t in rope_traditional] + [0] * (2 - len(rope_traditional)))
     struct = ModelStruct(
         n_layers=len(decoder.layers), hidden=decoder.embed.shape[1], heads=decoder.n_heads,
         kv_heads=decoder.n_kv_heads, head_dim=decoder.head_dim, inter=decoder.ffn_width,
-        gelu=int(decoder.gemma), scale=decoder.scale, angle_sets=len(decoder.angles.ropes),
+        act=ACT_CODES[decoder.act], scale=decoder.scale, angle_sets=len(decoder.angles.ropes),
         prompt_rows_min=decoder.prompt_rows_min, traditional=traditional,
         layers=ctypes.addressof(layers), norm=_norm(decoder.norm), head=_linear(decoder.head, keep),
         qk_norm_whole=int(decoder.qk_norm_whole), rope_dims=decoder.rope_dims, k_type=decoder.kv.codes[0],
         v_type=decoder.kv.codes[1], residual_scale=decoder.residual_scale,
-        q_scaled=int(decoder.q_temperature is not None))
+        q_scaled=int(decoder.q_temperature is not None), parallel=int(decoder.parallel))
     held_lib = blas_shim.holding_the_gil(lib)
     fns = [lib.mlxcel_decode_pass, held_lib.mlxcel_decode_pass]
     for fn in fns:
