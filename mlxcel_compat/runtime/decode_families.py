@@ -53,10 +53,10 @@ from mlxcel_compat.runtime.decode_layers import attention_heads, gemma_mlp, gemm
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
                "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "granite", "seed_oss", "ernie4_5",
                "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3", "starcoder2",
-               "cohere2", "apertus")
+               "cohere2", "apertus", "ernie4_5_moe")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe")
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "ernie4_5_moe")
 # Hybrids: gated delta-net layers (decode_delta.py) between attention layers with an output gate and a
 # partial RoPE.
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -151,7 +151,7 @@ def unsupported(model: Any) -> str | None:
             moe_linears = decode_moe.shared_modules(mlp)  # router, shared expert: checked as the projections
             mlp = None  # the MLP's checks below do not apply
         elif (attn is None and not delta) or mlp is None or not any(
-                c.__name__ in ("MLP", "Qwen3NextMLP", "Olmo3MLP", "Glm4MLP", "ApertusMLP") for c in type(mlp).__mro__):
+                c.__name__ in ("MLP", "Qwen3NextMLP", "Olmo3MLP", "Glm4MLP", "ApertusMLP", "Ernie4_5_MLP") for c in type(mlp).__mro__):
             return "unexpected layer layout"
         if gemma and not isinstance(mlp, gemma_mlp()):
             return "unexpected layer layout"

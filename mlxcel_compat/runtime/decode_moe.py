@@ -46,7 +46,11 @@ GATING = {
     "Qwen3NextSparseMoeBlock": "softmax",  # qwen3_5_moe: norm_topk_prob; a shared expert behind its sigmoid gate
     "gpt_oss.MLPBlock": "topk_softmax",  # gpt-oss: biases on the router and every expert, clamped SwiGLU
     "GraniteMoeMoE": "topk_softmax",  # granitemoe: its router's ``layer``, no biases
+    "Ernie4_5_MoeMLP": "softmax",  # ernie4_5_moe (its softmax gate only): renormalised; ungated shared experts
 }
+# Blocks that always renormalise the chosen k weights to sum 1 (ERNIE 4.5 divides by
+# max(sum, 1e-12): the sum of k softmax weights is never that small).
+RENORMALISED = ("Ernie4_5_MoeMLP",)
 ACTIVATIONS = ("SwiGLU", "SwigluOAI")  # mlx-lm's activations of a SwitchGLU the C loop computes
 
 
@@ -127,13 +131,23 @@ def unsupported(mlp: Any) -> str | None:
         return "expert stacks of unexpected shapes"
     if _top_k(mlp) > gate.n_expert:
         return "more experts chosen than there are"
+    if type(getattr(mlp, "gate_act", None)).__name__ == "Sigmoid":
+        return "a sigmoid router (ERNIE 4.5's moe_gate_act) is not one the runtime computes"
     return None
 
 
 def _top_k(mlp: Any) -> int:
     if hasattr(mlp, "top_k"):
         return int(mlp.top_k)
+    if hasattr(mlp, "k"):  # ernie4_5_moe
+        return int(mlp.k)
     return int(getattr(mlp, "num_experts_per_tok", None) or mlp.router.top_k)  # gpt-oss's, granitemoe's
+
+
+def shared_expert(mlp: Any) -> Any:
+    """The block's shared expert MLP (qwen2_moe's ``shared_expert``, ERNIE 4.5's ``shared_experts``,
+    one MLP as wide as all of them), or None."""
+    return getattr(mlp, "shared_expert", getattr(mlp, "shared_experts", None))
 
 
 def _bias(linear: Any) -> np.ndarray | None:
@@ -144,13 +158,14 @@ def moe_weights(mlp: Any) -> MoeWeights:
     """An MoE block :func:`unsupported` accepts, as the C loop reads it."""
     switch = _experts(mlp)
     gate, up, down = (getattr(switch, n).stack for n in ("gate_proj", "up_proj", "down_proj"))
-    shared = getattr(mlp, "shared_expert", None)
+    shared = shared_expert(mlp)
     scale = getattr(mlp, "shared_expert_gate", None)
     clamped = type(switch.activation).__name__ == "SwigluOAI"
     return MoeWeights(
         router=linear_weights(_router(mlp)), gate=gate.weight, up=up.weight, down=down.weight,
         n_expert=gate.n_expert, top_k=_top_k(mlp), rows=gate.rows,
-        norm_topk=bool(getattr(mlp, "norm_topk_prob", False)), gating=GATING[block_name(mlp)],
+        norm_topk=bool(getattr(mlp, "norm_topk_prob", False)) or block_name(mlp) in RENORMALISED,
+        gating=GATING[block_name(mlp)],
         gate_bias=_bias(switch.gate_proj), up_bias=_bias(switch.up_proj), down_bias=_bias(switch.down_proj),
         alpha=float(switch.activation._alpha) if clamped else None,
         limit=float(switch.activation._limit) if clamped else None,
@@ -163,7 +178,7 @@ def moe_weights(mlp: Any) -> MoeWeights:
 def shared_modules(mlp: Any) -> list[Any]:
     """The block's non-expert linear modules (router, shared expert and its gate): what the
     runtime's checks of weight types look at."""
-    shared = getattr(mlp, "shared_expert", None)
+    shared = shared_expert(mlp)
     modules = [_router(mlp), getattr(mlp, "shared_expert_gate", None)]
     if shared is not None:
         modules += [shared.gate_proj, shared.up_proj, shared.down_proj]
