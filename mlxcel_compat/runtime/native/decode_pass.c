@@ -91,6 +91,10 @@ struct mlxcel_moe {
     const float *gate_bias, *up_bias, *down_bias;
     int gating, clamped;
     float alpha, limit;
+    /* gating 2 (glm4_moe): the experts chosen by sigmoid(logit) + score_bias, weighted by the
+     * sigmoid alone (renormalised where norm_topk says so), then times routed_scale */
+    const float *score_bias;
+    float routed_scale;
 };
 
 struct mlxcel_layer {
@@ -310,6 +314,18 @@ static void moe_bias(float *out, const float *bias, int width, int groups, const
  * the k largest (ties: the lower expert first), renormalised to sum 1 where norm_topk says so. */
 static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, float *weight) {
     int n = e->n_expert, k = e->top_k;
+    if (e->gating == 2) { /* glm4_moe: sigmoid scores, chosen with their selection bias, weighted without */
+        float biased[n];
+        for (int i = 0; i < n; i++) {
+            l[i] = 1.0f / (1.0f + expf(-l[i]));
+            biased[i] = l[i] + e->score_bias[i];
+        }
+        moe_top_k(biased, n, k, chosen, weight);
+        float total = 0.0f;
+        for (int j = 0; j < k; j++) total += weight[j] = l[chosen[j]];
+        for (int j = 0; j < k; j++) weight[j] = (e->norm_topk && k > 1 ? weight[j] / total : weight[j]) * e->routed_scale;
+        return;
+    }
     if (e->gating == 1) { /* gpt-oss: the k largest logits, then a softmax over those k */
         moe_top_k(l, n, k, chosen, weight);
         float top = weight[0], sum = 0.0f; /* the largest comes first */

@@ -46,10 +46,10 @@ class MoeStruct(ctypes.Structure):
                 *((name, LinearStruct) for name in ("shared_gate", "shared_up", "shared_down", "shared_scale")),
                 ("n_expert", _I), ("top_k", _I), ("rows", _I), ("norm_topk", _I),
                 ("gate_bias", _P), ("up_bias", _P), ("down_bias", _P), ("gating", _I), ("clamped", _I),
-                ("alpha", _F), ("limit", _F)]
+                ("alpha", _F), ("limit", _F), ("score_bias", _P), ("routed_scale", _F)]
 
 # struct mlxcel_moe's gating: the routers' weights as the families compute them (decode_moe.GATING).
-GATING_CODES = {"softmax": 0, "topk_softmax": 1}
+GATING_CODES = {"softmax": 0, "topk_softmax": 1, "sigmoid_bias": 2}
 
 
 class DeltaStruct(ctypes.Structure):
@@ -157,8 +157,8 @@ def _moe(moe: Any, keep: list[Any]) -> int:
     s = MoeStruct(router=_linear(moe.router, keep), gate=moe.gate.address, up=moe.up.address, down=moe.down.address,
                   n_expert=moe.n_expert, top_k=moe.top_k, rows=moe.rows, norm_topk=int(moe.norm_topk),
                   gating=GATING_CODES[moe.gating], clamped=int(moe.limit is not None),
-                  alpha=moe.alpha or 0.0, limit=moe.limit or 0.0)
-    for name in ("gate_bias", "up_bias", "down_bias"):
+                  alpha=moe.alpha or 0.0, limit=moe.limit or 0.0, routed_scale=moe.routed_scale)
+    for name in ("gate_bias", "up_bias", "down_bias", "score_bias"):
         bias = getattr(moe, name)
         if bias is not None:
             setattr(s, name, bias.ctypes.data)
