@@ -29,26 +29,7 @@ GEMM, one chunk-attention call a layer (the adopted KV read in place, the rows' 
 the next step copies both once), the head on the last row only; MLX's pass over the same rest
 spent as long around its products as in them.
 
-Which models: mlx-lm's ``llama`` (and ``mistral``, which mlx-lm runs as llama), ``qwen2``,
-``qwen3`` and ``gemma3_text`` modules, with float32 weights or weights in ggml's blocks
-(``block_layers.py``), every layer the cache mlx-lm's ``make_cache`` gives it; and the
-mixture-of-experts ``qwen3_moe``, ``qwen2_moe`` and ``olmoe`` (attention as qwen3's and qwen2's;
-olmoe's q and k norms over the whole projection) where the
-GGUF loader keeps the expert stacks in the file's blocks: each MoE layer runs in the same C loop
-(router, softmax top-k, only the chosen experts' rows of the stacks grouped by expert, the
-weighted sum, qwen2_moe's gated shared expert; ``decode_moe.py``); and the hybrids ``qwen3_5``,
-``qwen3_5_moe`` and ``qwen3_next``: their gated delta-net layers in the same loop
-(``decode_delta.py``: the recurrent state stays in each layer's ``ArraysCache``, updated in place
-in arrays made for the sequence), their attention layers with a sigmoid output gate and a partial
-RoPE (no prompt-cache borrowing, no speculative drafts there: the state cannot be trimmed);
-``gpt_oss`` (top-k then softmax, biased experts, clamped SwiGLU, attention sinks, sliding-window
-rings named by ``layer_types`` beside full layers, its prompt chunks' rings as Gemma 3's:
-``ring_chunks.py``) and ``granitemoe`` (granite's multipliers). Gemma 3 brings
-the sliding-window layers (a ring of ``sliding_window`` positions, their own RoPE base), the
-GELU-gated MLP, four norms a layer plus per-head query and key norms (each ``1 + w``), the
-embedding scaled by ``sqrt(hidden)`` (rounded through bfloat16, as mlx-lm does) and
-``query_pre_attn_scalar``. Anything else (MLX-quantized weights, other families, a llama with
-sliding layers) keeps MLX's step; :func:`build` says why.
+Which models: ``decode_families.py`` (the families, and why another model keeps MLX's step).
 
 Exactness: the logits match MLX's to float32 rounding (a different summation order and a
 polynomial ``2 ** x`` within 1e-7), tested per family against the MLX step, greedy tokens
@@ -67,11 +48,14 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxcel_compat.runtime import decode_delta, decode_moe, kv_precision, ring_chunks
-from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
+from mlxcel_compat.runtime.block_layers import BlockLinear, block_weight_of
+from mlxcel_compat.runtime.decode_families import (ACTIVATIONS, GEMMA_TYPES, MULTIPLIER_TYPES, PARALLEL_TYPES,
+                                                   Q_TEMPERATURE_TYPES, attention_shape, head_module, layer_rope,
+                                                   rotated_dims, sliding_layers, unsupported)
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, paged, paged_fits, ring_plan
 from mlxcel_compat.runtime.decode_layers import (LinearWeights, LoraFactors, PassBuffers, attention_heads, float32_array,
-                                                 gemma_mlp, gemma_norm, head_dim, layer_mlp, layer_weights, norm_weights)
+                                                 layer_mlp, layer_weights, norm_weights)
 from mlxcel_compat.runtime.lora_rows import factors_of
 from mlxcel_compat.runtime.native import decode_pass
 from mlxcel_compat.runtime.native.blas_shim import SMALL_M_MAX
@@ -79,30 +63,6 @@ from mlxcel_compat.runtime.rope_angles import RopeAngles
 from mlxcel_compat.runtime.sequence_kv import SequenceKv
 
 LOG2E = 1.4426950408889634
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
-               "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe")
-# Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
-# (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe")
-# Hybrids: gated delta-net layers (decode_delta.py) between attention layers with an output gate and a
-# partial RoPE.
-HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-# Families other than Gemma 3 whose sliding-window layers (named by the model's ``layer_types``)
-# run on their RotatingKVCache rings here: gpt-oss's alternate with full ones.
-LAYER_TYPE_WINDOWS = ("gpt_oss",)
-# Families with granite's multipliers (embedding, residual branches, logits).
-MULTIPLIER_TYPES = ("granitemoe",)
-# mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
-EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU",  # BlockSwitchGLU: block_experts.py
-                  "FusedGateUpSwitchGLU")  # Gemma 4's fused gate-up experts (gguf/stored_parts.py)
-GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, sliding windows
-# Hybrid and recurrent families: the layers the runtime does not run yet, named in the start-up
-# log's reason (a later task moves recurrent state and experts onto the runtime).
-MLX_LAYERS = {
-    "granitemoehybrid": "Mamba-2 (recurrent) and mixture-of-experts layers",
-    "nemotron_h": "Mamba-2 (recurrent) layers",
-    "gemma4_text": "Gemma 4 layers (per-layer embeddings, shared KV, experts, proportional RoPE)",
-}
 # A prompt chunk this long or longer takes the prompt products (``mlxcel_decode_pass``: ggml's tiled
 # kernels); a shorter one the decode rows' kernels (a graph of ggml's for a handful of rows cost
 # ~0.2 ms a weight in set-up). Chunks of the two kinds never share a pass.
@@ -115,105 +75,6 @@ EXACT_ROWS = SMALL_M_MAX
 def enabled() -> bool:
     """``MLXCEL_CPU_DECODE=0`` keeps MLX's decode step (for comparison, or as a fallback)."""
     return os.environ.get("MLXCEL_CPU_DECODE", "1").strip().lower() not in ("0", "off", "false", "no")
-
-
-def head_module(model: Any) -> Any:
-    """The output projection's module: ``lm_head``, or the embedding when the head is tied
-    (mlx-lm drops ``lm_head`` then; gemma3 also says so by ``tie_word_embeddings``); qwen3_5's
-    is its ``language_model``'s."""
-    model = getattr(model, "language_model", model)
-    if getattr(model, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
-        return model.model.embed_tokens
-    return model.lm_head
-
-
-def unsupported(model: Any) -> str | None:
-    """Why this model's decode steps stay in MLX, or None if :class:`CpuDecoder` runs them."""
-    model_type = getattr(getattr(model, "args", None), "model_type", None)
-    if model_type in MLX_LAYERS:
-        return f"model type {model_type!r}: its {MLX_LAYERS[model_type]} run in MLX's step"
-    if model_type not in MOE_TYPES and any(type(m).__name__ in EXPERT_MODULES for _, m in model.named_modules()):
-        return (f"mixture-of-experts layers ({model_type}): their steps run in MLX, the experts' products on "
-                f"ggml's blocks where the file's are quantized")
-    if model_type not in MODEL_TYPES:
-        return f"model type {model_type!r} (supported: {', '.join(MODEL_TYPES)})"
-    if any(type(m).__name__.startswith("Quantized") for _, m in model.named_modules()):
-        return "quantized weights"
-    gemma = model_type in GEMMA_TYPES
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not layers or not isinstance(getattr(inner, "embed_tokens", None), (nn.Embedding, BlockEmbedding)):
-        return "unexpected module layout"
-    if model_type not in LAYER_TYPE_WINDOWS and not gemma and getattr(model.args, "sliding_window", None) and any(
-            t != "full_attention" for t in getattr(model.args, "layer_types", None) or ()):
-        return "sliding-window layers"
-    norm_type = gemma_norm() if gemma else nn.RMSNorm
-    norm_names = ("input_layernorm", "post_attention_layernorm")
-    if gemma:
-        norm_names += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-    head = head_module(model)
-    weights = [m.weight for m in (inner.embed_tokens, head) if block_weight_of(m) is None]
-    hybrid = model_type in HYBRID_TYPES
-    for layer in layers:
-        attn, mlp = getattr(layer, "self_attn", None), layer_mlp(layer)
-        delta = hybrid and decode_delta.is_delta(layer)
-        if delta:
-            reason = decode_delta.unsupported(layer.linear_attn)
-            if reason is not None:
-                return f"gated delta-net layers ({model_type}): {reason}"
-        if model_type in MOE_TYPES and decode_moe.is_moe(mlp):
-            reason = decode_moe.unsupported(mlp)
-            if reason is not None:
-                return f"mixture-of-experts layers ({model_type}): {reason}"
-            moe_linears = decode_moe.shared_modules(mlp)  # router, shared expert: checked as the projections
-            mlp = None  # the MLP's checks below do not apply
-        elif (attn is None and not delta) or mlp is None or not any(
-                c.__name__ in ("MLP", "Qwen3NextMLP") for c in type(mlp).__mro__):
-            return "unexpected layer layout"
-        if gemma and not isinstance(mlp, gemma_mlp()):
-            return "unexpected layer layout"
-        projections = (decode_delta.linear_modules(layer.linear_attn) if delta
-                       else [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")])
-        if mlp is None:
-            projections += moe_linears
-        else:
-            projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if not all(isinstance(m, (nn.Linear, BlockLinear)) for m in projections) or (
-                not delta and attention_shape(attn) is None):
-            return "unexpected attention layout"
-        norms = [getattr(layer, n, None) for n in norm_names]
-        norms += [getattr(attn, n, None) for n in ("q_norm", "k_norm") if not delta and (gemma or hasattr(attn, n))]
-        if not all(isinstance(n, norm_type) for n in norms):
-            return "norms other than Gemma's RMSNorm" if gemma else "norms other than RMSNorm"
-        dims = None if delta else getattr(getattr(attn, "rope", None), "dims", None)
-        if not delta and dims != attention_shape(attn)[2] and not (
-                hybrid and isinstance(dims, int) and 0 < dims < attention_shape(attn)[2] and dims % 2 == 0):
-            return "partial or unknown rotary embedding"
-        weights += [m.weight for m in projections if block_weight_of(m) is None]
-    if any(w.dtype != mx.float32 for w in weights):
-        return "weights are neither float32 nor in ggml's blocks"
-    return None
-
-
-def attention_shape(attn: Any) -> tuple[int, int, int] | None:
-    """(heads, KV heads, head size) of an attention module: mlx-lm's llama-style one (gpt-oss's
-    names too: ``decode_layers.attention_heads``), or the hybrids' (qwen3_next's attention: its q
-    projection twice as wide, queries and gates)."""
-    if type(attn).__name__ in decode_delta.GATED_ATTENTION:
-        return attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
-    heads = attention_heads(attn)
-    if heads is None:
-        return None
-    return heads[0], heads[1], head_dim(attn)
-
-
-def sliding_layers(model: Any) -> list[bool]:
-    """Which layers attend over a sliding window (a ``RotatingKVCache`` ring of ``sliding_window``
-    slots): Gemma 3's say so (``is_sliding``), gpt-oss's model names them in ``layer_types``."""
-    inner = model.model
-    if model.args.model_type in LAYER_TYPE_WINDOWS:
-        return [t == "sliding_attention" for t in inner.layer_types]
-    return [bool(getattr(getattr(layer, "self_attn", None), "is_sliding", False)) for layer in inner.layers]
 
 
 def build(model: Any, shim: Any) -> "CpuDecoder | str":
@@ -247,14 +108,18 @@ class CpuDecoder:
         self.n_heads, self.n_kv_heads, self.head_dim = attention_shape(attn0)
         heads = attention_heads(attn0)  # gpt-oss's scale is its sm_scale
         self.scale = (heads[2] if heads is not None else float(attn0.scale)) * LOG2E
-        self.rope_dims = attn0.rope.dims if attn0.rope.dims != self.head_dim else 0  # the hybrids' partial RoPE
+        dims = rotated_dims(layer_rope(attn0), self.head_dim)
+        self.rope_dims = dims if dims != self.head_dim else 0  # a partial RoPE (the hybrids', phi3's, glm4's)
         # RoPE modules by layer kind: mlx-lm builds every layer of a kind from the same arguments
         # (gemma3: sliding layers with rope_local_base_freq, the others with rope_theta and its
-        # scaling), so one module per kind gives every layer's angles.
+        # scaling; smollm3: every fourth layer's module is NoPE, the identity, whose angles are 0),
+        # so one module per kind gives every layer's angles.
         kinds = sliding_layers(model)
-        firsts = {kinds[i]: i for i in reversed(self.attn_layers)}
+        rope_kinds = [(kinds[i], type(layer_rope(getattr(layer, "self_attn", None))).__name__)
+                      for i, layer in enumerate(inner.layers)]
+        firsts = {rope_kinds[i]: i for i in reversed(self.attn_layers)}
         order = sorted(firsts, key=firsts.get)
-        self.angles = RopeAngles([inner.layers[firsts[kind]].self_attn.rope for kind in order],
+        self.angles = RopeAngles([layer_rope(inner.layers[firsts[kind]].self_attn) for kind in order],
                                  self.rope_dims or self.head_dim)
         self.embed = block_weight_of(inner.embed_tokens) or float32_array(inner.embed_tokens.weight)
         # gemma3 scales the embedding by sqrt(hidden) rounded to bfloat16 (its own expression)
@@ -267,14 +132,22 @@ class CpuDecoder:
             self.embed_scale = np.float32(inner.embedding_multiplier)
         self.residual_scale = float(model.args.residual_multiplier) if granite else 0.0
         self.logits_scaling = np.float32(model.logits_scaling) if granite else None
+        # cohere2's logits times logit_scale; the MLP's activation; cohere2's parallel branches
+        self.logit_scale = np.float32(inner.args.logit_scale) if model.args.model_type in PARALLEL_TYPES else None
+        self.act = ACTIVATIONS.get(model.args.model_type, "swiglu")
+        self.parallel = model.args.model_type in PARALLEL_TYPES
+        # ministral3: Llama 4's attention temperature, queries times 1 + beta log(1 + floor(pos / original))
+        rope = getattr(model.args, "rope_parameters", None) or {}
+        self.q_temperature = ((float(rope["llama_4_scaling_beta"]), int(rope["original_max_position_embeddings"]))
+                              if model.args.model_type in Q_TEMPERATURE_TYPES else None)
         self.window = int(model.args.sliding_window) if any(kinds) else None
         self.norm = norm_weights(inner.norm)
         head = head_module(model)
         self.head = LinearWeights(block_weight_of(head) or float32_array(head.weight), None,
                                   [LoraFactors(f) for f in factors_of(head)]
                                   if isinstance(head, (nn.Linear, BlockLinear)) else [])
-        self.layers = [decode_delta.delta_layer(layer, order.index(kind), self.gemma, moe) if i in self.delta_layers
-                       else layer_weights(layer, order.index(kind), self.gemma, moe, sliding=kind)
+        self.layers = [decode_delta.delta_layer(layer, 0, self.gemma, moe) if i in self.delta_layers
+                       else layer_weights(layer, order.index(rope_kinds[i]), self.gemma, moe, sliding=kind)
                        for i, (layer, kind) in enumerate(zip(inner.layers, kinds))
                        for moe in [decode_moe.moe_weights(layer_mlp(layer)) if decode_moe.is_moe(layer_mlp(layer)) else None]]
         for i in self.attn_layers:  # qwen3_next's attention: queries and gates from one projection
@@ -526,17 +399,30 @@ class CpuDecoder:
             np.take(self.embed, tokens, axis=0, out=x)
         if self.embed_scale is not None:
             x *= self.embed_scale
+        if self.q_temperature is not None:
+            b.q_scale[:rows, 0] = self._q_scales(positions, segments)
         failed = self.native.run(b.native, rows, offsets, head, kv, angles, decode_pass.lora_scales(scales))
         if failed:
             raise RuntimeError(f"layer {failed - 1}: positions from {min(positions)} do not fit the layer's KV cache")
         if head and self.logits_scaling is not None:
             b.logits[:1 if segments is not None else rows] /= self.logits_scaling
+        if head and self.logit_scale is not None:
+            b.logits[:1 if segments is not None else rows] *= self.logit_scale
         self.seq.advance(caches, segments if segments is not None else [1] * rows, chunk=segments is not None)
         if segments is not None:
             self.prefilled += rows
         else:
             self.steps += rows
         return b.logits
+
+    def _q_scales(self, positions: list[int], segments: list[int] | None) -> np.ndarray:
+        """Each row's query factor (ministral3), by mlx-lm's expression in MLX's float32 arithmetic
+        (the same bits): a step's row at its position, a chunk's rows at consecutive ones."""
+        beta, original = self.q_temperature
+        at = (positions if segments is None
+              else [p + t for p, n in zip(positions, segments) for t in range(n)])
+        scale = 1 + beta * mx.log(1 + mx.floor(mx.array(at, mx.int32) / original))
+        return np.array(scale.astype(mx.float32))
 
     def _buffers_for(self, rows: int) -> PassBuffers:
         b = self._buffers.get(rows)
@@ -567,7 +453,7 @@ class CpuDecoder:
 
         return PassBuffers(x=buf(hidden), h=buf(hidden), branch=buf(hidden), q=buf(hq * d), k_new=buf(hk * d),
                         v_new=buf(hk * d), att=buf(hq * d), gate=buf(inter), up=buf(inter),
-                        logits=buf(self.head.weight.shape[0], logit_rows))
+                        logits=buf(self.head.weight.shape[0], logit_rows), q_scale=buf(1))
 
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.nn as nn
 import numpy as np
 
 from mlxcel_compat.runtime.block_layers import block_weight_of
@@ -62,10 +63,13 @@ class LinearWeights:
 
 @dataclass
 class NormWeights:
-    """An RMS norm's gain as the model applies it, and its epsilon."""
+    """A norm's gain as the model applies it, and its epsilon: an RMS norm, or (``layer``) a
+    LayerNorm with its bias, if any (starcoder2's, cohere2's)."""
 
     weight: np.ndarray
     eps: float
+    bias: np.ndarray | None = None
+    layer: bool = False
     ptr: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -76,8 +80,8 @@ class NormWeights:
 class LayerWeights:
     """One decoder layer: its norms and projections, and which RoPE module and cache kind it takes."""
 
-    n1: NormWeights  # before attention
-    n2: NormWeights  # before the MLP
+    n1: NormWeights | None  # before attention (None: OLMo 2, whose branches are normed after)
+    n2: NormWeights | None  # before the MLP
     q: LinearWeights | None  # None in a delta-net layer (``delta``)
     k: LinearWeights | None
     v: LinearWeights | None
@@ -95,6 +99,9 @@ class LayerWeights:
     delta: Any = None  # a hybrid's gated delta-net in place of attention (decode_delta.DeltaWeights), or None
     gated_q: bool = False  # the hybrids' attention: q's projection holds per head d queries and d gates
     sinks: np.ndarray | None = None  # gpt-oss: (heads) attention sink logits times log2 e, float32
+    qkv: LinearWeights | None = None  # phi3: q, k and v in one projection (then q, k, v are None)
+    gate_up: LinearWeights | None = None  # phi3, glm4: gate and up in one projection (then gate, up are None)
+    xielu: tuple[float, float, float, float] | None = None  # Apertus's activation: alpha_p, alpha_n, beta, eps
 
 
 @dataclass
@@ -112,6 +119,7 @@ class PassBuffers:
     gate: np.ndarray  # (rows, intermediate)
     up: np.ndarray
     logits: np.ndarray  # (rows, vocabulary)
+    q_scale: np.ndarray  # (rows, 1): ministral3's queries' factor by position
     native: decode_pass.NativeBuffers = field(init=False)
 
     def __post_init__(self) -> None:
@@ -121,8 +129,9 @@ class PassBuffers:
 def attention_heads(attn: Any) -> tuple[int, int, float] | None:
     """An attention module's query heads, KV heads and softmax scale, under mlx-lm's names
     (``n_heads``, ``n_kv_heads``, ``scale``; gpt-oss's ``num_attention_heads``,
-    ``num_key_value_heads``, ``sm_scale``), or None where it has neither set."""
-    for names in (("n_heads", "n_kv_heads", "scale"), ("num_attention_heads", "num_key_value_heads", "sm_scale")):
+    ``num_key_value_heads``, ``sm_scale``; OLMo 3's with ``scale``), or None where it has none of them set."""
+    for names in (("n_heads", "n_kv_heads", "scale"), ("num_attention_heads", "num_key_value_heads", "sm_scale"),
+                  ("num_attention_heads", "num_key_value_heads", "scale")):
         if all(hasattr(attn, n) for n in names):
             heads, kv_heads, scale = (getattr(attn, n) for n in names)
             return int(heads), int(kv_heads), float(scale)
@@ -130,7 +139,10 @@ def attention_heads(attn: Any) -> tuple[int, int, float] | None:
 
 
 def head_dim(attn: Any) -> int:
-    """The head size of an attention module: its query projection's rows over its heads."""
+    """The head size of an attention module: its query projection's rows over its heads (phi3's
+    fused projection: its ``head_dim``)."""
+    if not hasattr(attn, "q_proj"):
+        return int(attn.head_dim)
     block = block_weight_of(attn.q_proj)
     rows = block.n if block is not None else attn.q_proj.weight.shape[0]
     return rows // attention_heads(attn)[0]
@@ -168,8 +180,20 @@ def norm_weights(module: Any) -> NormWeights | None:
     in float32, as the module computes it on every call)."""
     if module is None:
         return None
+    if isinstance(module, nn.LayerNorm):
+        bias = getattr(module, "bias", None)
+        return NormWeights(float32_array(module.weight), float(module.eps),
+                           float32_array(bias) if bias is not None else None, layer=True)
     gain = 1.0 + module.weight if isinstance(module, gemma_norm()) else module.weight
     return NormWeights(float32_array(gain), float(module.eps))
+
+
+def xielu_parameters(act: Any) -> tuple[float, float, float, float]:
+    """Apertus's xIELU as mlx-lm's ``xielu`` applies it: alpha_p = softplus(alpha_p), alpha_n =
+    beta + softplus(alpha_n) (computed by MLX in float32), beta, eps."""
+    alpha_p = nn.softplus(act.alpha_p)
+    alpha_n = act.beta + nn.softplus(act.alpha_n)
+    return tuple(float(np.float32(np.array(v))) for v in (alpha_p, alpha_n, act.beta, act.eps))
 
 
 def layer_weights(layer: Any, rope: int, gemma: bool, moe: Any = None, sliding: bool = False) -> LayerWeights:
@@ -177,15 +201,37 @@ def layer_weights(layer: Any, rope: int, gemma: bool, moe: Any = None, sliding: 
     layer, ``moe`` its mixture-of-experts block's weights (``decode_moe.moe_weights``) in place of an MLP,
     ``sliding`` for a sliding-window layer of another family (gpt-oss; Gemma 3's says so itself)."""
     a, m, lin, norm = layer.self_attn, layer_mlp(layer), linear_weights, norm_weights
-    mlp = dict(gate=None, up=None, down=None, moe=moe) if moe is not None else dict(
-        gate=lin(m.gate_proj), up=lin(m.up_proj), down=lin(m.down_proj))
-    common = dict(q=lin(a.q_proj), k=lin(a.k_proj), v=lin(a.v_proj), o=lin(a.o_proj), **mlp,
+    if moe is not None:
+        mlp = dict(gate=None, up=None, down=None, moe=moe)
+    elif hasattr(m, "gate_up_proj"):  # phi3, glm4: fused, gate first (mlx-lm splits the output in halves)
+        mlp = dict(gate=None, up=None, gate_up=lin(m.gate_up_proj), down=lin(m.down_proj))
+    elif hasattr(m, "c_fc"):  # starcoder2: no gate (up, GELU, down)
+        mlp = dict(gate=None, up=lin(m.c_fc), down=lin(m.c_proj))
+    elif not hasattr(m, "gate_proj"):  # Apertus: no gate (up, xIELU, down)
+        mlp = dict(gate=None, up=lin(m.up_proj), down=lin(m.down_proj), xielu=xielu_parameters(m.act_fn))
+    else:
+        mlp = dict(gate=lin(m.gate_proj), up=lin(m.up_proj), down=lin(m.down_proj))
+    qkv = dict(q=None, k=None, v=None, qkv=lin(a.qkv_proj)) if hasattr(a, "qkv_proj") else dict(
+        q=lin(a.q_proj), k=lin(a.k_proj), v=lin(a.v_proj))
+    common = dict(**qkv, o=lin(a.o_proj), **mlp,
                   q_norm=norm(getattr(a, "q_norm", None)), k_norm=norm(getattr(a, "k_norm", None)), rope=rope,
                   sinks=sink_logits(a))
     if gemma:  # post_attention_layernorm norms the attention's output; pre_feedforward the MLP's input
         return LayerWeights(n1=norm(layer.input_layernorm), n2=norm(layer.pre_feedforward_layernorm),
                             attn_out=norm(layer.post_attention_layernorm), mlp_out=norm(layer.post_feedforward_layernorm),
                             sliding=bool(a.is_sliding), **common)
+    if hasattr(layer, "attention_layernorm"):  # Apertus's names
+        return LayerWeights(n1=norm(layer.attention_layernorm), n2=norm(layer.feedforward_layernorm),
+                            sliding=sliding, **common)
+    if not hasattr(layer, "post_attention_layernorm") and hasattr(layer, "input_layernorm"):  # cohere2: one norm
+        return LayerWeights(n1=norm(layer.input_layernorm), n2=None, sliding=sliding, **common)
+    if hasattr(layer, "post_self_attn_layernorm"):  # glm4: both branches' inputs and outputs normed
+        return LayerWeights(n1=norm(layer.input_layernorm), n2=norm(layer.post_attention_layernorm),
+                            attn_out=norm(layer.post_self_attn_layernorm), mlp_out=norm(layer.post_mlp_layernorm),
+                            sliding=sliding, **common)
+    if not hasattr(layer, "input_layernorm"):  # OLMo 2: each branch's output normed before its sum, no input norms
+        return LayerWeights(n1=None, n2=None, attn_out=norm(layer.post_attention_layernorm),
+                            mlp_out=norm(layer.post_feedforward_layernorm), sliding=sliding, **common)
     return LayerWeights(n1=norm(layer.input_layernorm), n2=norm(layer.post_attention_layernorm), sliding=sliding,
                         **common)
 

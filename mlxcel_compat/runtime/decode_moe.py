@@ -46,7 +46,14 @@ GATING = {
     "Qwen3NextSparseMoeBlock": "softmax",  # qwen3_5_moe: norm_topk_prob; a shared expert behind its sigmoid gate
     "gpt_oss.MLPBlock": "topk_softmax",  # gpt-oss: biases on the router and every expert, clamped SwiGLU
     "GraniteMoeMoE": "topk_softmax",  # granitemoe: its router's ``layer``, no biases
+    "Ernie4_5_MoeMLP": "softmax",  # ernie4_5_moe (its softmax gate only): renormalised; ungated shared experts
+    # glm4_moe: sigmoid scores, the k largest of scores + e_score_correction_bias chosen, weighted by
+    # the scores alone (renormalised by norm_topk_prob), times routed_scaling_factor; one expert group
+    "glm4_moe.MoE": "sigmoid_bias",
 }
+# Blocks that always renormalise the chosen k weights to sum 1 (ERNIE 4.5 divides by
+# max(sum, 1e-12): the sum of k softmax weights is never that small).
+RENORMALISED = ("Ernie4_5_MoeMLP",)
 ACTIVATIONS = ("SwiGLU", "SwigluOAI")  # mlx-lm's activations of a SwitchGLU the C loop computes
 
 
@@ -72,6 +79,8 @@ class MoeWeights:
     shared_up: LinearWeights | None = None
     shared_down: LinearWeights | None = None
     shared_scale: LinearWeights | None = None  # its gate (hidden -> 1), through a sigmoid
+    score_bias: np.ndarray | None = None  # glm4_moe: (n_expert) the selection bias, float32
+    routed_scale: float = 1.0  # glm4_moe: routed_scaling_factor
 
     @property
     def linears(self) -> list[LinearWeights]:
@@ -127,13 +136,26 @@ def unsupported(mlp: Any) -> str | None:
         return "expert stacks of unexpected shapes"
     if _top_k(mlp) > gate.n_expert:
         return "more experts chosen than there are"
+    router = _router(mlp)
+    if GATING[kind] == "sigmoid_bias" and int(router.n_group) != 1:
+        return "grouped expert selection (n_group > 1) is not one the runtime computes"
+    if type(getattr(mlp, "gate_act", None)).__name__ == "Sigmoid":
+        return "a sigmoid router (ERNIE 4.5's moe_gate_act) is not one the runtime computes"
     return None
 
 
 def _top_k(mlp: Any) -> int:
     if hasattr(mlp, "top_k"):
         return int(mlp.top_k)
+    if hasattr(mlp, "k"):  # ernie4_5_moe
+        return int(mlp.k)
     return int(getattr(mlp, "num_experts_per_tok", None) or mlp.router.top_k)  # gpt-oss's, granitemoe's
+
+
+def shared_expert(mlp: Any) -> Any:
+    """The block's shared expert MLP (qwen2_moe's ``shared_expert``, ERNIE 4.5's ``shared_experts``,
+    one MLP as wide as all of them), or None."""
+    return getattr(mlp, "shared_expert", getattr(mlp, "shared_experts", None))
 
 
 def _bias(linear: Any) -> np.ndarray | None:
@@ -144,27 +166,33 @@ def moe_weights(mlp: Any) -> MoeWeights:
     """An MoE block :func:`unsupported` accepts, as the C loop reads it."""
     switch = _experts(mlp)
     gate, up, down = (getattr(switch, n).stack for n in ("gate_proj", "up_proj", "down_proj"))
-    shared = getattr(mlp, "shared_expert", None)
+    shared = shared_expert(mlp)
     scale = getattr(mlp, "shared_expert_gate", None)
     clamped = type(switch.activation).__name__ == "SwigluOAI"
     return MoeWeights(
         router=linear_weights(_router(mlp)), gate=gate.weight, up=up.weight, down=down.weight,
         n_expert=gate.n_expert, top_k=_top_k(mlp), rows=gate.rows,
-        norm_topk=bool(getattr(mlp, "norm_topk_prob", False)), gating=GATING[block_name(mlp)],
+        norm_topk=bool(getattr(mlp, "norm_topk_prob", getattr(_router(mlp), "norm_topk_prob", False)))
+        or block_name(mlp) in RENORMALISED,
+        gating=GATING[block_name(mlp)],
         gate_bias=_bias(switch.gate_proj), up_bias=_bias(switch.up_proj), down_bias=_bias(switch.down_proj),
         alpha=float(switch.activation._alpha) if clamped else None,
         limit=float(switch.activation._limit) if clamped else None,
         shared_gate=linear_weights(shared.gate_proj) if shared is not None else None,
         shared_up=linear_weights(shared.up_proj) if shared is not None else None,
         shared_down=linear_weights(shared.down_proj) if shared is not None else None,
-        shared_scale=linear_weights(scale) if scale is not None else None)
+        shared_scale=linear_weights(scale) if scale is not None else None,
+        score_bias=(float32_array(_router(mlp).e_score_correction_bias)
+                    if GATING[block_name(mlp)] == "sigmoid_bias" else None),
+        routed_scale=float(getattr(_router(mlp), "routed_scaling_factor", 1.0)))
 
 
 def shared_modules(mlp: Any) -> list[Any]:
     """The block's non-expert linear modules (router, shared expert and its gate): what the
     runtime's checks of weight types look at."""
-    shared = getattr(mlp, "shared_expert", None)
-    modules = [_router(mlp), getattr(mlp, "shared_expert_gate", None)]
+    shared = shared_expert(mlp)
+    router = _router(mlp)  # glm4_moe's MoEGate holds a float32 weight, no linear module: linear_weights reads it
+    modules = [None if type(router).__name__ == "MoEGate" else router, getattr(mlp, "shared_expert_gate", None)]
     if shared is not None:
         modules += [shared.gate_proj, shared.up_proj, shared.down_proj]
     return [m for m in modules if m is not None]
@@ -173,7 +201,8 @@ def shared_modules(mlp: Any) -> list[Any]:
 def ffn_width(layers: list[Any]) -> int:
     """The widest MLP a pass's ``gate`` and ``up`` buffers hold: the dense layers' and the
     shared experts' (``decode_layers.LayerWeights``)."""
-    widths = [layer.gate.weight.shape[0] for layer in layers if layer.gate is not None]
+    widths = [(layer.gate or layer.up).weight.shape[0] for layer in layers if (layer.gate or layer.up) is not None]
+    widths += [layer.gate_up.weight.shape[0] // 2 for layer in layers if layer.gate_up is not None]
     widths += [layer.moe.shared_gate.weight.shape[0] for layer in layers
                if layer.moe is not None and layer.moe.shared_gate is not None]
     return max(widths, default=1)

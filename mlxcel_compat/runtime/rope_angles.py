@@ -25,7 +25,7 @@ class RopeAngles:
 
     def __init__(self, ropes: list[Any], head_dim: int) -> None:
         self.ropes = ropes
-        self.traditional = [bool(getattr(rope, "traditional", False)) for rope in ropes]
+        self.traditional = [bool(getattr(rope, "traditional", False)) for rope in ropes]  # None: no rotation
         self.head_dim = head_dim
         self.blocks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (kind, first position) -> (cos, sin)
 
@@ -61,7 +61,8 @@ class RopeAngles:
                 unit[..., 0::2] = 1.0
             else:
                 unit[..., :half] = 1.0
-            probe = np.array(self.ropes[kind](mx.array(unit), offset=first))[0, 0]
+            rope = self.ropes[kind]  # None: a layer without RoPE (angles 0)
+            probe = unit[0, 0] if rope is None else np.array(rope(mx.array(unit), offset=first))[0, 0]
             if traditional:
                 cos, sin = probe[:, 0::2], probe[:, 1::2]
             else:

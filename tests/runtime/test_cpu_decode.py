@@ -295,7 +295,9 @@ def _mlx_logits(model: nn.Module, token: int, cache: list[KVCache]) -> np.ndarra
     return np.array(out)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral", "gemma3_text", "granite", "seed_oss", "ernie4_5",
+                                    "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3",
+                                    "starcoder2", "cohere2", "apertus"])
 def test_decoder_follows_mlx_step_for_step(family: str) -> None:
     """40 greedy steps from a 230-token prompt (the cache grows past 256 positions on the way;
     gemma3's sliding layers, a 64-position window, wrap): each step's logits within LOGITS_RTOL
@@ -382,8 +384,9 @@ def _block_model(family: str, gguf_type: str, size: str = "tiny") -> tuple[nn.Mo
     loaded = load_model(str(ensure_gguf(family, size, gguf_type, cache_dir=MODEL_CACHE)), [])
     decoder = loaded.decoder
     assert isinstance(decoder, cpu_decode.CpuDecoder), cpu_decode.unsupported(loaded.model)
-    projections = [getattr(layer, n) for layer in decoder.layers for n in ("q", "k", "v", "o", "gate", "up", "down")]
-    assert all(lin.block is not None for lin in projections) and isinstance(decoder.embed, cpu_decode.BlockWeight)
+    projections = [getattr(layer, n) for layer in decoder.layers
+                   for n in ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")]
+    assert all(lin.block is not None for lin in projections if lin is not None) and isinstance(decoder.embed, cpu_decode.BlockWeight)
     return loaded.model, decoder
 
 
@@ -417,7 +420,10 @@ def _follow_blocks(model: nn.Module, decoder: cpu_decode.CpuDecoder, prompts: li
 @pytest.mark.parametrize("family,gguf_type", [
     ("llama", "q4_0"), ("mistral", "q4_1"), ("qwen2", "q5_1"), ("qwen2", "q8_0"), ("qwen3", "q8_0"),
     ("qwen3", "q4_k_m"), ("gemma3_text", "q8_0"), ("gemma3_text", "q4_0"), ("gemma3_text", "q4_k_m"),
-    ("gemma3_text", "f16"), ("llama", "mxfp4"), ("qwen3", "iq4_nl"),
+    ("gemma3_text", "f16"), ("llama", "mxfp4"), ("qwen3", "iq4_nl"), ("granite", "q8_0"), ("seed_oss", "q4_0"),
+    ("ernie4_5", "q8_0"), ("smollm3", "q4_k_m"),
+    ("olmo2", "q8_0"), ("olmo3", "q4_0"), ("phi3", "q8_0"), ("glm4", "q4_k_m"),
+    ("exaone4", "q8_0"), ("ministral3", "q4_0"), ("starcoder2", "q8_0"), ("cohere2", "q8_0"), ("apertus", "q8_0"),
 ])
 def test_block_models_follow_mlx_step_for_step(family: str, gguf_type: str) -> None:
     """Weights in ggml's blocks (tiny files: K-quant types fall back to Q5_0/Q8_0 mixes, as
@@ -444,7 +450,8 @@ def test_k_quant_gemma3_follows_mlx_step_for_step() -> None:
 
 @pytest.mark.parametrize("family,gguf_type", [("llama", None), ("qwen3", None), ("gemma3_text", None),
                                                ("qwen2", "q5_1"), ("gemma3_text", "q4_0"), ("mistral", "q8_0"),
-                                               ("llama", "q4_1")])
+                                               ("llama", "q4_1"), ("olmo3", None), ("smollm3", "q8_0"),
+                                               ("phi3", "q8_0"), ("glm4", None), ("ministral3", "q8_0")])
 def test_rows_stepped_together_are_bit_identical_to_rows_alone(family: str, gguf_type: str | None) -> None:
     """Three sequences at different positions (one past a 256-position block of angles; gemma3's
     rings in different states), stepped together for 6 steps, give exactly the logits each gives
@@ -933,7 +940,10 @@ def test_steps_hold_the_gil_and_prompt_chunks_release_it() -> None:
     assert calls[-1] == "released"
 
 
-@pytest.mark.parametrize("family,gguf_type", [("llama", None), ("qwen3", None), ("llama", "q8_0"), ("llama", "q4_k_m")])
+@pytest.mark.parametrize("family,gguf_type", [("llama", None), ("qwen3", None), ("llama", "q8_0"), ("llama", "q4_k_m"),
+                                               ("granite", None), ("smollm3", None), ("olmo2", None),
+                                               ("ernie4_5", "q8_0"), ("phi3", None), ("glm4", "q8_0"),
+                                               ("ministral3", None)])
 def test_a_cold_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(family: str, gguf_type: str | None) -> None:
     """``prefill(..., logits=False)`` on an empty cache (``can_prefill``; gemma3's rings too):
     its own buffers, the keys and values MLX's chunk leaves to LOGITS_RTOL (the same
@@ -959,7 +969,7 @@ def test_a_cold_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(family: str, gguf_ty
         _assert_same_cache(ours, theirs, LOGITS_RTOL)
         got, want = decoder.step(5, ours, owned).copy(), _mlx_logits(model, 5, copy.deepcopy(theirs))
         assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
-    gemma = load_model(str(tiny_model("gemma3_text")), [])  # sliding-window rings: tests/runtime/test_ring_chunks.py
+    gemma = load_model(str(tiny_model("gemma3_text")), [])  # sliding-window rings (and OLMo 3's): tests/runtime/test_ring_chunks.py
     assert gemma.decoder.can_prefill(make_prompt_cache(gemma.model), decode_kv.OwnedCache())
 
 
@@ -1033,3 +1043,17 @@ def test_a_bounded_sequence_s_buffers_are_allocated_once_and_unbounded_ones_grow
     assert decode_kv.buffer_capacity(19) == 96  # 20 + 64 headroom, to 16s
     assert decode_kv.buffer_capacity(999, current=960) == 1088  # 960 + 960 / 8 = 1080, to 16s
     assert decode_kv.buffer_capacity(999, current=64) == 1072  # 1000 + 64 headroom, to 16s
+
+
+@pytest.mark.parametrize("family", ["granite", "phi3", "olmo2", "exaone4", "cohere2"])
+def test_a_rest_s_last_row_logits_are_the_model_s(family: str) -> None:
+    """``forward.last_row_logits`` (a hit's rest that MLX prefills for a family the runtime takes)
+    computes the head on the last row only: the model's own last row's logits, granite's
+    ``logits_scaling`` divisor and cohere2's ``logit_scale`` included."""
+    from mlxcel_compat.engine.forward import last_row_logits
+
+    model = load_model(str(tiny_model(family)), []).model
+    ids = mx.array([_ids(20, seed=3)])
+    ours = last_row_logits(model, ids, make_prompt_cache(model))
+    want = model(ids, cache=make_prompt_cache(model))[0, -1]
+    assert np.abs(np.array(ours) - np.array(want)).max() <= LOGITS_RTOL * np.abs(np.array(want)).max()

@@ -46,7 +46,7 @@ def close(got: np.ndarray, want: np.ndarray, rtol: float = BLOCK_RTOL) -> bool:
 
 @pytest.fixture(scope="module")
 def moe_decoder() -> Callable[[str], tuple[nn.Module, cpu_decode.CpuDecoder]]:
-    """The tiny GGUF's model of a spec and its decoder, every layer an MoE layer on the runtime,
+    """The tiny GGUF's model of a spec and its decoder, every layer (but ERNIE's and GLM's first) an MoE layer on the runtime,
     each loaded once for the module (every test makes its own caches)."""
     loaded: dict[str, tuple[nn.Module, cpu_decode.CpuDecoder]] = {}
 
@@ -55,14 +55,17 @@ def moe_decoder() -> Callable[[str], tuple[nn.Module, cpu_decode.CpuDecoder]]:
             model = load_model(str(tiny_model(spec)), [])
             decoder = model.decoder
             assert isinstance(decoder, cpu_decode.CpuDecoder), cpu_decode.unsupported(model.model)
-            assert all(layer.moe is not None and layer.gate is None for layer in decoder.layers)
+            moe = [layer.moe is not None for layer in decoder.layers]  # ERNIE 4.5's first layer is dense
+            assert all(moe[spec.startswith(("ernie4_5_moe", "glm4_moe")):]) and all(
+                layer.gate is None for layer in decoder.layers if layer.moe is not None)
             loaded[spec] = model.model, decoder
         return loaded[spec]
 
     return get
 
 
-@pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "qwen2_moe:q8_0", "olmoe:q8_0", "gpt_oss:mxfp4", "granitemoe:q8_0"])
+@pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "qwen2_moe:q8_0", "olmoe:q8_0", "gpt_oss:mxfp4", "granitemoe:q8_0",
+                                  "ernie4_5_moe:q8_0", "glm4_moe:q8_0"])
 def test_moe_models_follow_mlx_step_for_step(moe_decoder: Callable, spec: str) -> None:
     """12 teacher-forced steps from each of two prompts: within BLOCK_RTOL of MLX's step, the
     same token where MLX's top two are further apart than either side may move, the KV cache
@@ -70,15 +73,18 @@ def test_moe_models_follow_mlx_step_for_step(moe_decoder: Callable, spec: str) -
     model, decoder = moe_decoder(spec)
     family = spec.split(":")[0]
     shared, renormalised = {"qwen3_moe": (False, True), "qwen2_moe": (True, False), "olmoe": (False, False),
-                            "gpt_oss": (False, False), "granitemoe": (False, False)}[family]
+                            "gpt_oss": (False, False), "granitemoe": (False, False), "ernie4_5_moe": (True, True),
+                            "glm4_moe": (True, True)}[family]
+    moe_layers = [layer for layer in decoder.layers if layer.moe is not None]  # ERNIE's and GLM's first layers are dense
     assert all((layer.moe.shared_gate is not None) == shared and layer.moe.norm_topk == renormalised
-               for layer in decoder.layers)
+               and (layer.moe.shared_scale is not None) == (family == "qwen2_moe")  # ERNIE's shared experts: ungated
+               for layer in moe_layers)
     gpt_oss = family == "gpt_oss"  # its gating, biased experts, clamped SwiGLU, sinks and windows are taken
     topk_first = family in ("gpt_oss", "granitemoe")  # top-k of the logits, then a softmax over those
     assert decoder.residual_scale == pytest.approx(0.22 if family == "granitemoe" else 0.0)  # granite's multipliers
     assert all((layer.moe.gating == "topk_softmax") == topk_first and (layer.moe.down_bias is not None) == gpt_oss
                and (layer.moe.limit == 7.0 if gpt_oss else layer.moe.limit is None)
-               and (layer.sinks is not None) == gpt_oss for layer in decoder.layers)
+               and (layer.sinks is not None) == gpt_oss for layer in moe_layers)
     assert [layer.sliding for layer in decoder.layers] == ([True, False] * 2 if gpt_oss else [False] * len(decoder.layers))
     assert decoder.qk_norm_whole == spec.startswith("olmoe")  # olmoe's q/k norms span the projection
     exact = total = 0
@@ -109,7 +115,8 @@ def test_moe_models_follow_mlx_step_for_step(moe_decoder: Callable, spec: str) -
     assert exact >= 3
 
 
-@pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "qwen2_moe:q8_0", "gpt_oss:mxfp4", "granitemoe:q8_0"])
+@pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "qwen2_moe:q8_0", "gpt_oss:mxfp4", "granitemoe:q8_0",
+                                  "ernie4_5_moe:q8_0", "glm4_moe:q8_0"])
 def test_moe_rows_stepped_together_are_bit_identical_to_rows_alone(moe_decoder: Callable, spec: str) -> None:
     """Three sequences stepped together (their (row, expert) pairs grouped by expert in one
     product) give exactly the logits each gives alone, step after step."""
@@ -119,7 +126,7 @@ def test_moe_rows_stepped_together_are_bit_identical_to_rows_alone(moe_decoder: 
     assert [c[0].offset for c in together] == [25, 75, 135]
 
 
-@pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "granitemoe:q8_0"])
+@pytest.mark.parametrize("spec", ["qwen3_moe:q8_0", "granitemoe:q8_0", "ernie4_5_moe:q8_0", "glm4_moe:q8_0"])
 def test_a_moe_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(moe_decoder: Callable, spec: str) -> None:
     """A cold 70-token prompt fed by ``prefill`` (every row's experts grouped, as MLX's
     ``BlockSwitchGLU`` groups them; granitemoe's multipliers) leaves the keys and values MLX's
@@ -195,7 +202,7 @@ def mlx_logits_of(model: nn.Module, tokens: list[int], cache: list) -> np.ndarra
 
 @pytest.mark.parametrize("spec,reason", [
     ("qwen3_moe", "mixture-of-experts layers (qwen3_moe): experts not in ggml's blocks"),
-    ("glm4_moe:q8_0", "mixture-of-experts layers (glm4_moe): their steps run in MLX"),
+    ("deepseek_v3:q8_0", "mixture-of-experts layers (deepseek_v3): their steps run in MLX"),
 ])
 def test_moe_layers_it_does_not_take_keep_mlx_and_say_why(spec: str, reason: str) -> None:
     """Float32 experts (a directory: mlx-lm's ``SwitchGLU``, no blocks to group) and a family

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -36,6 +37,32 @@ def _ids(n: int, seed: int = 0) -> list[int]:
 def gemma() -> tuple:
     loaded = load_model(str(tiny_model("gemma3_text")), [])
     assert loaded.decoder is not None and loaded.decoder.kv.rings and loaded.decoder.window == 64
+    return loaded.model, loaded.decoder
+
+
+def exaone4_with_windows(directory: Path) -> Path:
+    """The tiny EXAONE 4 with the 32B's layout (three local layers with RoPE, then one global
+    without any, ``sliding_window_pattern`` "LLLG"), a window of 8."""
+    from mlxcel_compat.testing.families import model_config
+    from mlxcel_compat.testing.model_directory import write_model_directory
+    from mlxcel_compat.testing.weights import seeded_weights
+
+    config = model_config("exaone4", "tiny")
+    config.update(num_hidden_layers=4, sliding_window=8, sliding_window_pattern="LLLG")
+    directory.mkdir(parents=True, exist_ok=True)
+    write_model_directory(directory, "exaone4", "tiny", seeded_weights("exaone4", "tiny", config), config)
+    return directory
+
+
+@pytest.fixture(scope="module", params=["gemma3_text", "olmo3", "exaone4"])
+def windowed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """A model with sliding-window layers on the runtime: Gemma 3's (``is_sliding``, a window of 64),
+    OLMo 3's (named by ``layer_types``, three sliding layers to one global, a window of 16) and
+    EXAONE 4's (``is_local``; its global layers without RoPE, a window of 8)."""
+    path = (exaone4_with_windows(tmp_path_factory.mktemp("exaone4")) if request.param == "exaone4"
+            else tiny_model(request.param))
+    loaded = load_model(str(path), [])
+    assert loaded.decoder is not None and loaded.decoder.kv.rings
     return loaded.model, loaded.decoder
 
 
@@ -118,13 +145,13 @@ def test_windowed_chunk_attention_matches_a_reference(pos: int, rows: int, windo
 
 
 @pytest.mark.parametrize("splits", [[70], [40, 30], [64, 64, 10], [200], [30, 100, 7, 90]])
-def test_cold_chunks_leave_mlx_s_cache_and_steps_follow(gemma: tuple, splits: list[int]) -> None:
-    """A cold prompt fed by ``prefill(..., logits=False)`` in chunks (the tiny model's window is
-    64: chunks inside it, across it and longer than it) leaves each layer as MLX's chunks do,
+def test_cold_chunks_leave_mlx_s_cache_and_steps_follow(windowed: tuple, splits: list[int]) -> None:
+    """A cold prompt fed by ``prefill(..., logits=False)`` in chunks (the tiny Gemma's window is
+    64, OLMo 3's 16, EXAONE 4's 8: chunks inside it, across it and longer than it) leaves each layer as MLX's chunks do,
     then 20 steps (the rings wrap) each within LOGITS_RTOL of MLX's, then one more chunk on the
     decoder's own wrapped rings (the next turn of a conversation) gives MLX's logits and cache, and
     leaves the rings it held before (a snapshot may hold them) unwritten."""
-    model, decoder = gemma
+    model, decoder = windowed
     ids = _ids(sum(splits), seed=len(splits))
     theirs = _mlx_chunks(model, ids, splits)
     ours, owned = make_prompt_cache(model), decode_kv.OwnedCache()

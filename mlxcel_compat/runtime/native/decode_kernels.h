@@ -12,6 +12,9 @@ void mlxcel_rope(float *x, int heads, int d, const float *cos, const float *sin,
 void mlxcel_rope_rows(float *x, int rows, int heads, int d, const float *cos, const float *sin, int traditional);
 void mlxcel_swiglu(float *gate, const float *up, int n);
 void mlxcel_gelu_tanh_gate(float *gate, const float *up, int n);
+void mlxcel_layer_norm(const float *x, const float *w, const float *bias, float *out, int rows, int n, float eps);
+void mlxcel_gelu_erf(float *x, int n);
+void mlxcel_xielu(float *x, int n, float alpha_p, float alpha_n, float beta, float eps);
 void mlxcel_swiglu_oai(float *gate, const float *up, int n, float alpha, float limit);
 int mlxcel_decode_attention_at(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
                                float *out, int kv_heads, int group, int d, int write, int n, long capacity,

@@ -68,6 +68,8 @@ struct mlxcel_linear {
 struct mlxcel_norm {
     const float *w;
     float eps;
+    const float *bias; /* a LayerNorm's bias, or NULL */
+    int layer;         /* a LayerNorm (starcoder2, cohere2), else an RMS norm */
 };
 
 /* A mixture-of-experts layer in place of the MLP (runtime/decode_moe.py): the router's logits,
@@ -89,6 +91,10 @@ struct mlxcel_moe {
     const float *gate_bias, *up_bias, *down_bias;
     int gating, clamped;
     float alpha, limit;
+    /* gating 2 (glm4_moe): the experts chosen by sigmoid(logit) + score_bias, weighted by the
+     * sigmoid alone (renormalised where norm_topk says so), then times routed_scale */
+    const float *score_bias;
+    float routed_scale;
 };
 
 struct mlxcel_layer {
@@ -101,11 +107,15 @@ struct mlxcel_layer {
     const struct mlxcel_delta *delta;         /* a hybrid's gated delta-net in place of attention (delta_net.c), or NULL */
     int gated_q;                              /* qwen3_next's attention: q's projection holds per head d queries, d gates */
     const float *sinks;                       /* gpt-oss: (heads) sink logits times log2 e, or NULL */
+    /* phi3's q, k and v in one projection, and phi3's and glm4's gate and up in one (n == 0: none;
+     * then q, k, v or gate, up have n == 0) */
+    struct mlxcel_linear qkv, gate_up;
+    float xielu[4]; /* Apertus's xIELU: alpha_p, alpha_n (softplus-ed as mlx-lm does), beta, eps */
 };
 
 struct mlxcel_model {
     int n_layers, hidden, heads, kv_heads, head_dim, inter;
-    int gelu;       /* Gemma's GELU-tanh gating, else SiLU */
+    int act;        /* the MLP's activation: MLXCEL_ACT_* */
     float scale;    /* the attention's softmax scale times log2 e */
     int angle_sets; /* RoPE angle sets (gemma3: 2, the sliding layers' own base) */
     int prompt_rows_min; /* the fewest rows a prompt chunk multiplies by the prompt products */
@@ -117,11 +127,19 @@ struct mlxcel_model {
     int rope_dims;     /* the rotated dimensions of a head (a partial RoPE: the hybrids'), 0: all of head_dim */
     int k_type, v_type; /* the KV cache's storage types (MLXCEL_KV_*: -ctk/-ctv) */
     float residual_scale; /* granitemoe's residual_multiplier: x += scale * branch; 0: x += branch */
+    int q_scaled;         /* ministral3: each row's queries times its q_scale after RoPE (Llama 4's temperature) */
+    int parallel;         /* cohere2: attention and MLP both read the layer's one norm, x += attn + mlp */
 };
+
+/* The MLP's activation (struct mlxcel_model's act): gated SiLU (SwiGLU), Gemma's gated GELU-tanh,
+ * and the ungated ones of an MLP without a gate (up, act, down): exact GELU (starcoder2), xIELU
+ * (Apertus). */
+enum { MLXCEL_ACT_SWIGLU = 0, MLXCEL_ACT_GELU_TANH_GATE = 1, MLXCEL_ACT_GELU_ERF = 2, MLXCEL_ACT_XIELU = 3 };
 
 /* A pass's activations, rows contiguous (row widths: hidden, heads * d, kv_heads * d, inter, vocab). */
 struct mlxcel_buffers {
     float *x, *h, *branch, *q, *k_new, *v_new, *att, *gate, *up, *logits;
+    float *q_scale; /* (rows): the queries' factor by position (q_scaled), filled by the caller each pass */
 };
 
 /* Where one row (a prompt chunk: the chunk) attends in one layer. A growing cache: write = the
@@ -146,6 +164,21 @@ static __thread struct mlxcel_scratch ring_scratch;
 static __thread struct mlxcel_scratch lora_scratch;
 
 enum { RowMajor = 101, NoTrans = 111, Trans = 112 };
+
+/* rows of n values, row t times factors[t] (ministral3's queries: Llama 4's attention temperature,
+ * applied after RoPE as mlx-lm applies it). */
+static void scale_rows(float *x, int rows, int n, const float *factors) {
+    for (int t = 0; t < rows; t++)
+        for (int j = 0; j < n; j++) x[(size_t)t * n + j] *= factors[t];
+}
+
+/* h = a branch's input: x normed by n, or x itself where the layer has no norm before the branch
+ * (OLMo 2 norms each branch's output instead: attn_out, mlp_out). */
+static void pre_norm(const struct mlxcel_norm *n, const float *x, float *h, int rows, int hidden) {
+    if (n->w && n->layer) mlxcel_layer_norm(x, n->w, n->bias, h, rows, hidden, n->eps);
+    else if (n->w) mlxcel_rms_norm(x, n->w, h, rows, hidden, n->eps);
+    else memcpy(h, x, sizeof(float) * (size_t)rows * hidden);
+}
 
 /* out += bias, and the adapters' scale * multiplier * B (A x): what follows a layer's product. */
 static void extras(const struct mlxcel_linear *l, int m, const float *x, float *out, const double *scales,
@@ -199,6 +232,25 @@ static void products(int count, const struct mlxcel_linear *const *ls, int m, co
     for (int t = 0; t < count; t++) ws[t] = ls[t]->blocks, ldcs[t] = ls[t]->n;
     mlxcel_block_matmul_shared(count, ws, m, x, ls[0]->k, outs, ldcs, 0.0f);
     for (int t = 0; t < count; t++) extras(ls[t], m, x, outs[t], scales, n_adapters);
+}
+
+/* Per-thread scratch of a fused projection's output. */
+static __thread struct mlxcel_scratch fused_scratch;
+
+/* A fused projection (phi3's qkv_proj, gate_up_proj): its product into scratch, then each row's
+ * `parts` consecutive column ranges of `widths` copied into outs (the layouts separate
+ * projections leave), as mlx-lm splits the fused output. */
+static void fused_product(const struct mlxcel_linear *l, int m, const float *x, float *const *outs, const int *widths,
+                          int parts, int tiles, const double *scales, int n_adapters) {
+    float *all = mlxcel_scratch(&fused_scratch, sizeof(float) * (size_t)m * (size_t)l->n);
+    product(l, m, x, all, 0.0f, tiles, scales, n_adapters);
+    for (int r = 0; r < m; r++) {
+        const float *src = all + (size_t)r * l->n;
+        for (int p = 0; p < parts; p++) {
+            memcpy(outs[p] + (size_t)r * widths[p], src, sizeof(float) * (size_t)widths[p]);
+            src += widths[p];
+        }
+    }
 }
 
 /* The products for delta_net.c's mixer. */
@@ -267,6 +319,18 @@ static void moe_bias(float *out, const float *bias, int width, int groups, const
  * the k largest (ties: the lower expert first), renormalised to sum 1 where norm_topk says so. */
 static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, float *weight) {
     int n = e->n_expert, k = e->top_k;
+    if (e->gating == 2) { /* glm4_moe: sigmoid scores, chosen with their selection bias, weighted without */
+        float biased[n];
+        for (int i = 0; i < n; i++) {
+            l[i] = 1.0f / (1.0f + expf(-l[i]));
+            biased[i] = l[i] + e->score_bias[i];
+        }
+        moe_top_k(biased, n, k, chosen, weight);
+        float total = 0.0f;
+        for (int j = 0; j < k; j++) total += weight[j] = l[chosen[j]];
+        for (int j = 0; j < k; j++) weight[j] = (e->norm_topk && k > 1 ? weight[j] / total : weight[j]) * e->routed_scale;
+        return;
+    }
     if (e->gating == 1) { /* gpt-oss: the k largest logits, then a softmax over those k */
         moe_top_k(l, n, k, chosen, weight);
         float top = weight[0], sum = 0.0f; /* the largest comes first */
@@ -428,7 +492,7 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
     for (int j = 0; chunk && j < n_segments; j++) tiles &= segments[j + 1] - segments[j] >= m->prompt_rows_min;
     for (int i = 0; i < m->n_layers; i++) {
         const struct mlxcel_layer *L = &m->layers[i];
-        mlxcel_rms_norm(b->x, L->n1.w, b->h, rows, hidden, L->n1.eps);
+        pre_norm(&L->n1, b->x, b->h, rows, hidden);
         if (L->delta) {
             delta_mixer(m, i, b, rows, segments, n_segments, kv, tiles, scales, n_adapters);
             goto mlp;
@@ -436,7 +500,12 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         const struct mlxcel_linear *qkv[3] = {&L->q, &L->k, &L->v};
         float *q_gated = L->gated_q ? mlxcel_scratch(&hybrid_scratch[0], sizeof(float) * (size_t)rows * 2 * hq * d) : NULL;
         float *qkv_out[3] = {q_gated ? q_gated : b->q, b->k_new, b->v_new};
-        products(3, qkv, rows, b->h, qkv_out, tiles, scales, n_adapters);
+        if (L->qkv.n) {
+            const int widths[3] = {hq * d, hk * d, hk * d};
+            fused_product(&L->qkv, rows, b->h, qkv_out, widths, 3, tiles, scales, n_adapters);
+        } else {
+            products(3, qkv, rows, b->h, qkv_out, tiles, scales, n_adapters);
+        }
         float *q_gate = q_gated ? mlxcel_scratch(&hybrid_scratch[1], sizeof(float) * (size_t)rows * hq * d) : NULL;
         if (q_gated) mlxcel_split_gated_q(q_gated, b->q, q_gate, rows, hq, d);
         if (L->q_norm.w && m->qk_norm_whole) {
@@ -465,6 +534,7 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                     mlxcel_rope_rows(q, n, hq, d, cos, sin, trad);
                     mlxcel_rope_rows(kn, n, hk, d, cos, sin, trad);
                 }
+                if (m->q_scaled) scale_rows(q, n, hq * d, b->q_scale + r0);
                 int failed = s->n_blocked
                     ? mlxcel_chunk_attention_paged(q, kn, vn, s->keys, s->values, att, n, hk, group, d, (int)s->write,
                                                    s->capacity, m->scale, m->k_type, m->v_type, 0, L->sinks,
@@ -496,6 +566,7 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                     mlxcel_rope(q, hq, d, a[2 * L->rope], a[2 * L->rope + 1], trad);
                     mlxcel_rope(kn, hk, d, a[2 * L->rope], a[2 * L->rope + 1], trad);
                 }
+                if (m->q_scaled) scale_rows(q, 1, hq * d, b->q_scale + r);
                 int failed = s->n_blocked
                     ? mlxcel_decode_attention_paged(q, kn, vn, s->keys, s->values, att, hk, group, d, (int)s->write,
                                                     s->capacity, m->scale, m->k_type, m->v_type, L->sinks, s->blocks,
@@ -519,11 +590,13 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         } else if (m->residual_scale != 0.0f) { /* granitemoe: the branch scaled before its sum */
             product(&L->o, rows, b->att, b->branch, 0.0f, tiles, scales, n_adapters);
             for (size_t j = 0; j < (size_t)rows * hidden; j++) b->x[j] += b->branch[j] * m->residual_scale;
+        } else if (m->parallel) { /* cohere2: held until the MLP's output joins it */
+            product(&L->o, rows, b->att, b->branch, 0.0f, tiles, scales, n_adapters);
         } else {
             product(&L->o, rows, b->att, b->x, 1.0f, tiles, scales, n_adapters);
         }
     mlp:
-        mlxcel_rms_norm(b->x, L->n2.w, b->h, rows, hidden, L->n2.eps);
+        if (!m->parallel) pre_norm(&L->n2, b->x, b->h, rows, hidden); /* cohere2's MLP reads the same h */
         if (L->moe) {
             if (moe_layer(L->moe, rows, hidden, b->h, b->x, b->gate, b->up, b->branch, tiles, scales, n_adapters,
                           m->residual_scale))
@@ -532,26 +605,40 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         }
         const struct mlxcel_linear *gate_up[2] = {&L->gate, &L->up};
         float *gate_up_out[2] = {b->gate, b->up};
-        products(2, gate_up, rows, b->h, gate_up_out, tiles, scales, n_adapters);
-        if (m->gelu) mlxcel_gelu_tanh_gate(b->gate, b->up, rows * L->gate.n);
-        else mlxcel_swiglu(b->gate, b->up, rows * L->gate.n);
+        int ffn = L->gate_up.n ? L->gate_up.n / 2 : L->gate.n ? L->gate.n : L->up.n;
+        if (L->gate_up.n) {
+            const int widths[2] = {ffn, ffn};
+            fused_product(&L->gate_up, rows, b->h, gate_up_out, widths, 2, tiles, scales, n_adapters);
+        } else if (L->gate.n) {
+            products(2, gate_up, rows, b->h, gate_up_out, tiles, scales, n_adapters);
+        } else { /* no gate: up, the activation, down (from the gate buffer, as the gated forms leave it) */
+            product(&L->up, rows, b->h, b->gate, 0.0f, tiles, scales, n_adapters);
+        }
+        if (m->act == MLXCEL_ACT_GELU_TANH_GATE) mlxcel_gelu_tanh_gate(b->gate, b->up, rows * ffn);
+        else if (m->act == MLXCEL_ACT_GELU_ERF) mlxcel_gelu_erf(b->gate, rows * ffn);
+        else if (m->act == MLXCEL_ACT_XIELU)
+            mlxcel_xielu(b->gate, rows * ffn, L->xielu[0], L->xielu[1], L->xielu[2], L->xielu[3]);
+        else mlxcel_swiglu(b->gate, b->up, rows * ffn);
         if (L->mlp_out.w) {
             product(&L->down, rows, b->gate, b->branch, 0.0f, tiles, scales, n_adapters);
             mlxcel_rms_norm_add(b->branch, L->mlp_out.w, b->x, rows, hidden, L->mlp_out.eps);
         } else if (m->residual_scale != 0.0f) {
             product(&L->down, rows, b->gate, b->branch, 0.0f, tiles, scales, n_adapters);
             for (size_t j = 0; j < (size_t)rows * hidden; j++) b->x[j] += b->branch[j] * m->residual_scale;
+        } else if (m->parallel) { /* x += attention + MLP, summed in mlx-lm's order */
+            product(&L->down, rows, b->gate, b->branch, 1.0f, tiles, scales, n_adapters);
+            for (size_t j = 0; j < (size_t)rows * hidden; j++) b->x[j] = b->branch[j] + b->x[j];
         } else {
             product(&L->down, rows, b->gate, b->x, 1.0f, tiles, scales, n_adapters);
         }
     }
     if (!head) return 0;
     if (chunk) { /* the last row only: its norm into the first row of h, the head on that row */
-        mlxcel_rms_norm(b->x + (size_t)(rows - 1) * hidden, m->norm.w, b->h, 1, hidden, m->norm.eps);
+        pre_norm(&m->norm, b->x + (size_t)(rows - 1) * hidden, b->h, 1, hidden);
         product(&m->head, 1, b->h, b->logits, 0.0f, 0, scales ? scales + (size_t)(rows - 1) * n_adapters : NULL,
                 n_adapters);
     } else {
-        mlxcel_rms_norm(b->x, m->norm.w, b->h, rows, hidden, m->norm.eps);
+        pre_norm(&m->norm, b->x, b->h, rows, hidden);
         product(&m->head, rows, b->h, b->logits, 0.0f, 0, scales, n_adapters);
     }
     return 0;

@@ -40,7 +40,7 @@ class LinearStruct(ctypes.Structure):
 
 
 class NormStruct(ctypes.Structure):
-    _fields_ = [("w", _P), ("eps", _F)]
+    _fields_ = [("w", _P), ("eps", _F), ("bias", _P), ("layer", _I)]
 
 
 class MoeStruct(ctypes.Structure):
@@ -48,10 +48,10 @@ class MoeStruct(ctypes.Structure):
                 *((name, LinearStruct) for name in ("shared_gate", "shared_up", "shared_down", "shared_scale")),
                 ("n_expert", _I), ("top_k", _I), ("rows", _I), ("norm_topk", _I),
                 ("gate_bias", _P), ("up_bias", _P), ("down_bias", _P), ("gating", _I), ("clamped", _I),
-                ("alpha", _F), ("limit", _F)]
+                ("alpha", _F), ("limit", _F), ("score_bias", _P), ("routed_scale", _F)]
 
 # struct mlxcel_moe's gating: the routers' weights as the families compute them (decode_moe.GATING).
-GATING_CODES = {"softmax": 0, "topk_softmax": 1}
+GATING_CODES = {"softmax": 0, "topk_softmax": 1, "sigmoid_bias": 2}
 
 
 class DeltaStruct(ctypes.Structure):
@@ -63,18 +63,22 @@ class DeltaStruct(ctypes.Structure):
 class LayerStruct(ctypes.Structure):
     _fields_ = [*((name, LinearStruct) for name in ("q", "k", "v", "o", "gate", "up", "down")),
                 *((name, NormStruct) for name in ("n1", "n2", "q_norm", "k_norm", "attn_out", "mlp_out")),
-                ("rope", _I), ("moe", _P), ("delta", _P), ("gated_q", _I), ("sinks", _P)]
+                ("rope", _I), ("moe", _P), ("delta", _P), ("gated_q", _I), ("sinks", _P),
+                ("qkv", LinearStruct), ("gate_up", LinearStruct), ("xielu", _F * 4)]
 
 
 class ModelStruct(ctypes.Structure):
     _fields_ = [("n_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
-                ("gelu", _I), ("scale", _F), ("angle_sets", _I), ("prompt_rows_min", _I), ("traditional", _I * 2),
+                ("act", _I), ("scale", _F), ("angle_sets", _I), ("prompt_rows_min", _I), ("traditional", _I * 2),
                 ("layers", _P),
                 ("norm", NormStruct), ("head", LinearStruct), ("qk_norm_whole", _I), ("rope_dims", _I), ("k_type", _I),
-                ("v_type", _I), ("residual_scale", _F)]
+                ("v_type", _I), ("residual_scale", _F), ("q_scaled", _I), ("parallel", _I)]
 
 
-BUFFER_NAMES = ("x", "h", "branch", "q", "k_new", "v_new", "att", "gate", "up", "logits")
+# struct mlxcel_model's act (MLXCEL_ACT_*): the MLP's activation, by CpuDecoder.act.
+ACT_CODES = {"swiglu": 0, "gelu_tanh_gate": 1, "gelu_erf": 2, "xielu": 3}
+
+BUFFER_NAMES = ("x", "h", "branch", "q", "k_new", "v_new", "att", "gate", "up", "logits", "q_scale")
 
 
 def _address(fn: Any) -> int:
@@ -155,8 +159,8 @@ def _moe(moe: Any, keep: list[Any]) -> int:
     s = MoeStruct(router=_linear(moe.router, keep), gate=moe.gate.address, up=moe.up.address, down=moe.down.address,
                   n_expert=moe.n_expert, top_k=moe.top_k, rows=moe.rows, norm_topk=int(moe.norm_topk),
                   gating=GATING_CODES[moe.gating], clamped=int(moe.limit is not None),
-                  alpha=moe.alpha or 0.0, limit=moe.limit or 0.0)
-    for name in ("gate_bias", "up_bias", "down_bias"):
+                  alpha=moe.alpha or 0.0, limit=moe.limit or 0.0, routed_scale=moe.routed_scale)
+    for name in ("gate_bias", "up_bias", "down_bias", "score_bias"):
         bias = getattr(moe, name)
         if bias is not None:
             setattr(s, name, bias.ctypes.data)
@@ -186,7 +190,9 @@ def _delta(delta: Any, keep: list[Any]) -> int:
 
 
 def _norm(norm: Any) -> NormStruct:
-    return NormStruct() if norm is None else NormStruct(norm.ptr, norm.eps)
+    if norm is None:
+        return NormStruct()
+    return NormStruct(norm.ptr, norm.eps, norm.bias.ctypes.data if norm.bias is not None else None, int(norm.layer))
 
 
 def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
@@ -194,7 +200,7 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
     keep: list[Any] = []
     layers = (LayerStruct * len(decoder.layers))()
     for s, layer in zip(layers, decoder.layers):
-        for name in ("q", "k", "v", "o", "gate", "up", "down"):
+        for name in ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up"):
             setattr(s, name, _linear(getattr(layer, name), keep))
         for name in ("n1", "n2", "q_norm", "k_norm", "attn_out", "mlp_out"):
             setattr(s, name, _norm(getattr(layer, name)))
@@ -203,24 +209,28 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
         s.delta, s.gated_q = _delta(layer.delta, keep), int(layer.gated_q)
         if layer.sinks is not None:
             s.sinks = layer.sinks.ctypes.data
+        if layer.xielu is not None:
+            s.xielu = (_F * 4)(*layer.xielu)
     keep.append(layers)
     rope_traditional = decoder.angles.traditional
     traditional = (_I * 2)(*[int(t) for t in rope_traditional] + [0] * (2 - len(rope_traditional)))
     struct = ModelStruct(
         n_layers=len(decoder.layers), hidden=decoder.embed.shape[1], heads=decoder.n_heads,
         kv_heads=decoder.n_kv_heads, head_dim=decoder.head_dim, inter=decoder.ffn_width,
-        gelu=int(decoder.gemma), scale=decoder.scale, angle_sets=len(decoder.angles.ropes),
+        act=ACT_CODES[decoder.act], scale=decoder.scale, angle_sets=len(decoder.angles.ropes),
         prompt_rows_min=decoder.prompt_rows_min, traditional=traditional,
         layers=ctypes.addressof(layers), norm=_norm(decoder.norm), head=_linear(decoder.head, keep),
         qk_norm_whole=int(decoder.qk_norm_whole), rope_dims=decoder.rope_dims, k_type=decoder.kv.codes[0],
-        v_type=decoder.kv.codes[1], residual_scale=decoder.residual_scale)
+        v_type=decoder.kv.codes[1], residual_scale=decoder.residual_scale,
+        q_scaled=int(decoder.q_temperature is not None), parallel=int(decoder.parallel))
     held_lib = blas_shim.holding_the_gil(lib)
     fns = [lib.mlxcel_decode_pass, held_lib.mlxcel_decode_pass]
     for fn in fns:
         fn.restype = _I
         fn.argtypes = [_P, _P, _I, _P, _I, _I, _P, _P, _P, _I]
     weight_bytes = sum(_weight_bytes(lin) for layer in decoder.layers
-                       for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)
+                       for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down, layer.qkv,
+                                   layer.gate_up)
                        if lin is not None)
     weight_bytes += sum(layer.moe.nbytes + sum(_weight_bytes(lin) for lin in layer.moe.linears)
                         for layer in decoder.layers if layer.moe is not None)

@@ -46,6 +46,34 @@ void mlxcel_rms_norm(const float *x, const float *w, float *out, int rows, int n
     }
 }
 
+/* out[r, :] = (x[r, :] - mean) / sqrt(var + eps) * w (+ bias) for `rows` rows of n: LayerNorm
+ * (starcoder2's, with a bias; cohere2's without). Within float32 rounding of mx.fast.layer_norm:
+ * the mean and the variance (of x - mean) summed in double. out may be x. */
+void mlxcel_layer_norm(const float *x, const float *w, const float *bias, float *out, int rows, int n, float eps) {
+    for (int r = 0; r < rows; r++, x += n, out += n) {
+        double sum = 0.0, sq = 0.0;
+        for (int i = 0; i < n; i++) sum += x[i];
+        float mean = (float)(sum / n);
+        for (int i = 0; i < n; i++) sq += (double)(x[i] - mean) * (x[i] - mean);
+        float scale = 1.0f / sqrtf((float)(sq / n) + eps);
+        for (int i = 0; i < n; i++) out[i] = (x[i] - mean) * scale * w[i] + (bias ? bias[i] : 0.0f);
+    }
+}
+
+/* x = gelu(x) in place, the exact form x (1 + erf(x / sqrt 2)) / 2 (mlx's nn.gelu: starcoder2's MLP). */
+void mlxcel_gelu_erf(float *x, int n) {
+    for (int i = 0; i < n; i++) x[i] = x[i] * (1.0f + erff(x[i] * 0.70710678118654752f)) / 2.0f;
+}
+
+/* x = xIELU(x) in place (Apertus's MLP; mlx-lm's xielu with its softplus-ed parameters given):
+ * x > 0: alpha_p x^2 + beta x, else (expm1(min(x, eps)) - x) alpha_n + beta x. */
+void mlxcel_xielu(float *x, int n, float alpha_p, float alpha_n, float beta, float eps) {
+    for (int i = 0; i < n; i++) {
+        float v = x[i];
+        x[i] = v > 0.0f ? alpha_p * (v * v) + beta * v : (expm1f(v < eps ? v : eps) - v) * alpha_n + beta * v;
+    }
+}
+
 /* x[r, :] += RMSNorm(b[r, :]) * w for `rows` rows of n: Gemma's norm of a branch's output (the
  * attention's, the MLP's) before it joins the residual stream, in one pass instead of a norm into
  * a buffer and a sum. */
