@@ -24,45 +24,10 @@
 
 #include "blas_shim.h"
 #include "decode_kernels.h"
+#include "decode_pass.h"
 #include "delta_net.h"
 #include "kv_rows.h"
 #include "thread_pool.h"
-
-typedef void (*repacked_fn)(const void *handle, int m, const float *x, long ldx, float *c, long ldc, float beta,
-                            int per_row);
-typedef void (*prompt_fn)(const void *handle, int m, const float *x, long ldx, float *c, long ldc, float beta);
-
-struct mlxcel_block_weight; /* block_matmul.c */
-void mlxcel_block_matmul(const struct mlxcel_block_weight *w, int m, const float *x, long ldx, float *c, long ldc,
-                         float beta, int tiles);
-void mlxcel_block_matmul_shared(int count, const struct mlxcel_block_weight *const *ws, int m, const float *x,
-                                long ldx, float *const *cs, const long *ldcs, float beta);
-int mlxcel_expert_matmul_shared(int count, const struct mlxcel_block_weight *const *ws, int rows, int groups,
-                                const int32_t *expert, const int32_t *start, const int32_t *source, int n_x,
-                                const float *x, long ldx, float *const *cs, long ldc);
-
-/* One adapter on one projection: out += scale * multiplier * B (A x), scale per row and adapter. */
-struct mlxcel_lora {
-    const float *a; /* (rank, k) */
-    const float *b; /* (n, rank) */
-    double multiplier;
-    int rank;
-    int adapter; /* column of the pass's scales */
-};
-
-/* A linear layer, out = x W^T (+ bias): exactly one of w and blocks is set. */
-struct mlxcel_linear {
-    const float *w;                           /* float32 (n, k) */
-    const struct mlxcel_block_weight *blocks; /* ggml's blocks */
-    const void *repacked;                     /* ggml's repacked copy (every product goes there), or NULL */
-    repacked_fn repacked_matmul;
-    const void *prompt; /* ggml's own mul_mat over the blocks (prompt chunks), or NULL */
-    prompt_fn prompt_matmul;
-    const float *bias; /* (n) or NULL */
-    const struct mlxcel_lora *lora;
-    int n_lora;
-    int n, k;
-};
 
 /* A norm's gain as the model applies it (Gemma's 1 + w already added), or w NULL where absent. */
 struct mlxcel_norm {
@@ -70,31 +35,6 @@ struct mlxcel_norm {
     float eps;
     const float *bias; /* a LayerNorm's bias, or NULL */
     int layer;         /* a LayerNorm (starcoder2, cohere2), else an RMS norm */
-};
-
-/* A mixture-of-experts layer in place of the MLP (runtime/decode_moe.py): the router's logits,
- * the family's gating, then only the chosen experts' rows of the stacked block tensors
- * (ffn_{gate,up,down}_exps, expert e being rows e * rows .. (e + 1) * rows - 1), SwiGLU between,
- * the outputs summed by the gates' weights; a shared expert (qwen2_moe) behind its sigmoid gate.
- * The gating is the softmax-then-top-k of mlx-lm's qwen3_moe, qwen2_moe and olmoe blocks, or
- * gpt-oss's top-k-then-softmax over the chosen, with its experts' biases and clamped SwiGLU. */
-struct mlxcel_moe {
-    struct mlxcel_linear router;                        /* hidden -> n_expert logits */
-    const struct mlxcel_block_weight *gate, *up, *down; /* the stacks */
-    struct mlxcel_linear shared_gate, shared_up, shared_down; /* n == 0: no shared expert */
-    struct mlxcel_linear shared_scale;                  /* hidden -> 1, its sigmoid scales the shared expert; n == 0: none */
-    int n_expert, top_k, rows;                          /* rows: an expert's intermediate width */
-    int norm_topk; /* the chosen k weights divided by their sum (norm_topk_prob) */
-    /* gpt-oss: each expert's biases ((n_expert, rows), (n_expert, rows), (n_expert, hidden)) or
-     * NULL; gating 1: the top k of the router's logits, then a softmax over them (else 0);
-     * clamped 1: the clamped SwiGLU (mlxcel_swiglu_oai) with its alpha and limit */
-    const float *gate_bias, *up_bias, *down_bias;
-    int gating, clamped;
-    float alpha, limit;
-    /* gating 2 (glm4_moe): the experts chosen by sigmoid(logit) + score_bias, weighted by the
-     * sigmoid alone (renormalised where norm_topk says so), then times routed_scale */
-    const float *score_bias;
-    float routed_scale;
 };
 
 struct mlxcel_layer {
@@ -282,160 +222,6 @@ static void delta_mixer(const struct mlxcel_model *m, int i, const struct mlxcel
                        tiles, scales, n_adapters);
 }
 
-/* ------------------------------------------------------------------------- MoE layers */
-
-/* Per-thread scratch of the MoE layer (the engine thread runs the passes). */
-static __thread struct mlxcel_scratch moe_scratch[10];
-
-static void *moe_buffer(int i, size_t bytes) { return mlxcel_scratch(&moe_scratch[i], bytes ? bytes : 1); }
-
-/* The k largest of l[0 .. n), largest first (ties: the lower index first): their indices and values. */
-static void moe_top_k(const float *l, int n, int k, int32_t *chosen, float *value) {
-    for (int j = 0; j < k; j++) { /* k passes of an arg-max over the experts not chosen yet (k is a few) */
-        int best = -1;
-        for (int i = 0; i < n; i++) {
-            int taken = 0;
-            for (int t = 0; t < j && !taken; t++) taken = chosen[t] == i;
-            if (!taken && (best < 0 || l[i] > l[best])) best = i;
-        }
-        chosen[j] = best;
-        value[j] = l[best];
-    }
-}
-
-/* out[s] += bias[expert of s] for the sorted pairs s of each group (an expert's bias on its rows). */
-static void moe_bias(float *out, const float *bias, int width, int groups, const int32_t *experts,
-                     const int32_t *start) {
-    if (!bias) return;
-    for (int gi = 0; gi < groups; gi++) {
-        const float *b = bias + (size_t)experts[gi] * width;
-        for (int s = start[gi]; s < start[gi + 1]; s++)
-            for (int c = 0; c < width; c++) out[(size_t)s * width + c] += b[c];
-    }
-}
-
-/* Row r's chosen experts and their weights from its router logits `l` (n_expert of them), as
- * mlx-lm's qwen3_moe, qwen2_moe and olmoe blocks compute them: a softmax over every expert in float32,
- * the k largest (ties: the lower expert first), renormalised to sum 1 where norm_topk says so. */
-static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, float *weight) {
-    int n = e->n_expert, k = e->top_k;
-    if (e->gating == 2) { /* glm4_moe: sigmoid scores, chosen with their selection bias, weighted without */
-        float biased[n];
-        for (int i = 0; i < n; i++) {
-            l[i] = 1.0f / (1.0f + expf(-l[i]));
-            biased[i] = l[i] + e->score_bias[i];
-        }
-        moe_top_k(biased, n, k, chosen, weight);
-        float total = 0.0f;
-        for (int j = 0; j < k; j++) total += weight[j] = l[chosen[j]];
-        for (int j = 0; j < k; j++) weight[j] = (e->norm_topk && k > 1 ? weight[j] / total : weight[j]) * e->routed_scale;
-        return;
-    }
-    if (e->gating == 1) { /* gpt-oss: the k largest logits, then a softmax over those k */
-        moe_top_k(l, n, k, chosen, weight);
-        float top = weight[0], sum = 0.0f; /* the largest comes first */
-        for (int j = 0; j < k; j++) sum += weight[j] = expf(weight[j] - top);
-        for (int j = 0; j < k; j++) weight[j] /= sum;
-        return;
-    }
-    float top = l[0], sum = 0.0f;
-    for (int i = 1; i < n; i++) top = l[i] > top ? l[i] : top;
-    for (int i = 0; i < n; i++) sum += l[i] = expf(l[i] - top);
-    for (int i = 0; i < n; i++) l[i] /= sum;
-    moe_top_k(l, n, k, chosen, weight);
-    if (e->norm_topk) {
-        float total = 0.0f;
-        for (int j = 0; j < k; j++) total += weight[j];
-        for (int j = 0; j < k; j++) weight[j] /= total;
-    }
-}
-
-/* x += the MoE layer of h (rows x hidden): route every row, sort the (row, expert) pairs by
- * expert (a counting sort: ggml's mul_mat_id's grouping), gate and up of every pair in one
- * grouped call (each row quantized once), SwiGLU, down, then each row's weighted sum of its
- * experts' outputs, plus the shared expert. Every product of a pair takes the decode path of the
- * block kernels, whose result for a row does not depend on the other rows: a row's output is
- * the same alone, batched or in a prompt chunk. `gate`, `up` and `branch` are the pass's
- * buffers (the shared expert's). Returns 0, or -1 where the grouped product refused the stacks. */
-static int moe_layer(const struct mlxcel_moe *e, int rows, int hidden, const float *h, float *x, float *gate,
-                     float *up, float *branch, int tiles, const double *scales, int n_adapters, float residual_scale) {
-    int n = e->n_expert, k = e->top_k, inter = e->rows, pairs = rows * k;
-    float *logits = moe_buffer(0, sizeof(float) * (size_t)rows * n);
-    int32_t *chosen = moe_buffer(1, sizeof(int32_t) * (size_t)pairs);
-    float *weight = moe_buffer(2, sizeof(float) * (size_t)pairs);
-    int32_t *count = moe_buffer(3, sizeof(int32_t) * (size_t)(2 * n + 1));
-    int32_t *experts = moe_buffer(4, sizeof(int32_t) * (size_t)n);
-    int32_t *source = moe_buffer(5, sizeof(int32_t) * (size_t)pairs);
-    int32_t *slot = moe_buffer(6, sizeof(int32_t) * (size_t)pairs);
-    float *g = moe_buffer(7, sizeof(float) * (size_t)pairs * inter);
-    float *u = moe_buffer(8, sizeof(float) * (size_t)pairs * inter);
-    float *down = moe_buffer(9, sizeof(float) * (size_t)pairs * hidden);
-    int32_t *start = count + n; /* n + 1 group starts */
-    product(&e->router, rows, h, logits, 0.0f, tiles, scales, n_adapters);
-    for (int r = 0; r < rows; r++) moe_route(e, logits + (size_t)r * n, chosen + (size_t)r * k, weight + (size_t)r * k);
-    memset(count, 0, sizeof(int32_t) * (size_t)n);
-    for (int p = 0; p < pairs; p++) count[chosen[p]]++;
-    int groups = 0;
-    start[0] = 0;
-    for (int i = 0; i < n; i++) {
-        if (!count[i]) continue;
-        experts[groups] = i;
-        start[groups + 1] = start[groups] + count[i];
-        count[i] = start[groups]; /* from here: the expert's next free sorted slot */
-        groups++;
-    }
-    for (int p = 0; p < pairs; p++) { /* rows in order within each expert's group */
-        int s = count[chosen[p]]++;
-        slot[p] = s;
-        source[s] = p / k;
-    }
-    const struct mlxcel_block_weight *gate_up[2] = {e->gate, e->up};
-    float *gate_up_out[2] = {g, u};
-    if (mlxcel_expert_matmul_shared(2, gate_up, inter, groups, experts, start, source, rows, h, hidden, gate_up_out,
-                                    inter))
-        return -1;
-    moe_bias(g, e->gate_bias, inter, groups, experts, start);
-    moe_bias(u, e->up_bias, inter, groups, experts, start);
-    if (e->clamped) mlxcel_swiglu_oai(g, u, pairs * inter, e->alpha, e->limit);
-    else mlxcel_swiglu(g, u, pairs * inter);
-    float *down_out[1] = {down};
-    if (mlxcel_expert_matmul_shared(1, &e->down, hidden, groups, experts, start, NULL, pairs, g, inter, down_out,
-                                    hidden))
-        return -1;
-    moe_bias(down, e->down_bias, hidden, groups, experts, start);
-    float *out = moe_buffer(0, sizeof(float) * (size_t)rows * (hidden > n ? hidden : n)); /* the logits are spent */
-    for (int r = 0; r < rows; r++) {
-        float *o = out + (size_t)r * hidden;
-        const float *d0 = down + (size_t)slot[(size_t)r * k] * hidden;
-        float w0 = weight[(size_t)r * k];
-        for (int c = 0; c < hidden; c++) o[c] = w0 * d0[c];
-        for (int j = 1; j < k; j++) {
-            const float *d = down + (size_t)slot[(size_t)r * k + j] * hidden;
-            float w = weight[(size_t)r * k + j];
-            for (int c = 0; c < hidden; c++) o[c] += w * d[c];
-        }
-    }
-    if (e->shared_gate.n) {
-        const struct mlxcel_linear *shared[2] = {&e->shared_gate, &e->shared_up};
-        float *shared_out[2] = {gate, up};
-        products(2, shared, rows, h, shared_out, tiles, scales, n_adapters);
-        mlxcel_swiglu(gate, up, rows * e->shared_gate.n);
-        product(&e->shared_down, rows, gate, branch, 0.0f, tiles, scales, n_adapters);
-        float *s = up; /* the shared expert's gate logit, one per row */
-        if (e->shared_scale.n) product(&e->shared_scale, rows, h, s, 0.0f, tiles, scales, n_adapters);
-        for (int r = 0; r < rows; r++) {
-            float scale = e->shared_scale.n ? 1.0f / (1.0f + expf(-s[r])) : 1.0f;
-            float *o = out + (size_t)r * hidden;
-            const float *b = branch + (size_t)r * hidden;
-            for (int c = 0; c < hidden; c++) o[c] += scale * b[c];
-        }
-    }
-    if (residual_scale != 0.0f)
-        for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += out[i] * residual_scale;
-    else
-        for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += out[i];
-    return 0;
-}
 
 /* A prompt chunk's attention on a sliding layer's ring (s->capacity slots, at most the window: a
  * ring shorter than the window holds every position so far; s->n of them valid, the oldest at
@@ -598,7 +384,7 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
     mlp:
         if (!m->parallel) pre_norm(&L->n2, b->x, b->h, rows, hidden); /* cohere2's MLP reads the same h */
         if (L->moe) {
-            if (moe_layer(L->moe, rows, hidden, b->h, b->x, b->gate, b->up, b->branch, tiles, scales, n_adapters,
+            if (mlxcel_moe_layer(L->moe, rows, hidden, b->h, b->x, b->gate, b->up, b->branch, tiles, scales, n_adapters,
                           m->residual_scale))
                 return -(i + 1);
             continue;

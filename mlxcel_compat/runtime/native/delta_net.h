@@ -5,7 +5,7 @@
 
 #include <stdint.h>
 
-struct mlxcel_linear; /* decode_pass.c */
+#include "decode_pass.h" /* struct mlxcel_linear, the products */
 
 /* A gated delta-net mixer (runtime/decode_delta.py describes it), as mlx-lm's qwen3_5 and
  * qwen3_next GatedDeltaNets compute it. Its state per sequence is where the row's struct
@@ -45,11 +45,5 @@ void mlxcel_split_gated_q(const float *qg, float *q, float *gate, int rows, int 
 
 /* att *= sigmoid(gate), n values. */
 void mlxcel_sigmoid_gate(float *att, const float *gate, int n);
-
-/* decode_pass.c's products, for the mixer's projections. */
-void mlxcel_pass_product(const struct mlxcel_linear *l, int m, const float *x, float *out, float beta, int tiles,
-                         const double *scales, int n_adapters);
-void mlxcel_pass_products(int count, const struct mlxcel_linear *const *ls, int m, const float *x,
-                          float *const *outs, int tiles, const double *scales, int n_adapters);
 
 #endif
