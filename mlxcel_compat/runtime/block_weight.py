@@ -38,6 +38,7 @@ SPLIT_FIELDS = {
     3: ((0, 2), (2, 4), (4, 20)),  # GGML_TYPE_Q4_1: d, m, qs[16]
     6: ((0, 2), (2, 6), (6, 22)),  # GGML_TYPE_Q5_0: d, qh[4], qs[16]
     7: ((0, 2), (2, 4), (4, 8), (8, 24)),  # GGML_TYPE_Q5_1: d, m, qh[4], qs[16]
+    39: ((0, 1), (1, 17)),  # GGML_TYPE_MXFP4: e (E8M0), qs[16]
 }
 SPLIT_GROUP = 16  # blocks a group of a split row
 SPLIT_TYPES = tuple(SPLIT_FIELDS)
