@@ -44,9 +44,24 @@
 #define MXFP4_BLOCK 17    /* bytes a block: e, then 16 bytes of codes */
 #define MXFP4_OFFSET 12   /* added to every looked-up value: the table's bytes are unsigned */
 
-/* ggml's kvalues_mxfp4 plus MXFP4_OFFSET, once per 128-bit lane (vpshufb looks up within lanes). */
+/* ggml's kvalues_mxfp4 plus MXFP4_OFFSET, once per 16 bytes: vpshufb looks up within 128-bit
+ * lanes by an index's low 4 bits, vpermb (AVX-512 VBMI) by its low 6 across the vector, so a byte
+ * whose bits 4-5 are another code's (a low nibble as stored, a high one shifted down) needs no mask. */
 static inline __m512i mxfp4_table(void) {
     return _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+}
+
+/* The 4-bit codes of v's bytes' low (high) nibbles looked up: each byte kvalue + 12. */
+static inline __m512i mxfp4_low(__m512i table, __m512i v) {
+#if defined(__AVX512VBMI__)
+    return _mm512_permutexvar_epi8(v, table);
+#else
+    return _mm512_shuffle_epi8(table, _mm512_and_si512(v, _mm512_set1_epi8(0x0f)));
+#endif
+}
+
+static inline __m512i mxfp4_high(__m512i table, __m512i v) {
+    return mxfp4_low(table, _mm512_srli_epi16(v, 4));
 }
 
 /* 2 ** (e - 128) for each 32-bit lane's exponent e (0-255): ggml's GGML_E8M0_TO_FP32_HALF's bits,
@@ -70,7 +85,7 @@ struct mxfp4_act {
 static inline __attribute__((always_inline)) void mxfp4_lanes(int nb, const uint8_t *w, size_t row_bytes, int nrows,
                                                                const struct mxfp4_act *act, int m, float *out,
                                                                size_t ldo) {
-    const __m512i low = _mm512_set1_epi8(0x0f), table = mxfp4_table(), byte = _mm512_set1_epi32(0xff);
+    const __m512i table = mxfp4_table(), byte = _mm512_set1_epi32(0xff);
     const uint8_t *rowp[MXFP4_LANES], *next = w + 2 * MXFP4_LANES * row_bytes;
     for (int r = 0; r < MXFP4_LANES; r++) rowp[r] = w + (size_t)(r < nrows ? r : nrows - 1) * row_bytes;
     __m512 acc[MXFP4_MAX_ROWS];
@@ -92,19 +107,17 @@ static inline __attribute__((always_inline)) void mxfp4_lanes(int nb, const uint
              * values 16 + 4t .. 19 + 4t, as kvalue + 12 */
             __m512i u[4], v[8];
             rows16_dwords(rowp, at_codes + (size_t)p * 16, u);
-            for (int t = 0; t < 4; t++) {
-                v[t] = _mm512_shuffle_epi8(table, _mm512_and_si512(u[t], low));
-                v[t + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(u[t], 4), low));
-            }
+            for (int t = 0; t < 4; t++) v[t] = mxfp4_low(table, u[t]), v[t + 4] = mxfp4_high(table, u[t]);
             for (int i = 0; i < m; i++) {
+                /* the integer sum starts at -12 x the block's sum; two chains of 4 (their latency) */
                 const int32_t *q = (const int32_t *)(act[i].q + (size_t)b * 32);
-                __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(q[0]));
+                __m512i s0 = _mm512_dpbusd_epi32(_mm512_set1_epi32(-act[i].offset[b]), v[0], _mm512_set1_epi32(q[0]));
                 __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4], _mm512_set1_epi32(q[4]));
                 for (int t = 1; t < 4; t++) {
                     s0 = _mm512_dpbusd_epi32(s0, v[t], _mm512_set1_epi32(q[t]));
                     s1 = _mm512_dpbusd_epi32(s1, v[t + 4], _mm512_set1_epi32(q[t + 4]));
                 }
-                const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(act[i].offset[b]));
+                const __m512i sum = _mm512_add_epi32(s0, s1);
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(act[i].d[b])), acc[i]);
             }
         }
