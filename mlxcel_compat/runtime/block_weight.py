@@ -73,6 +73,7 @@ class BlockLibrary:
     gemm_kernels: frozenset[int]  # types whose prompt chunks the shim's own GEMM multiplies (mlxcel_gemm_kernel)
     # split types whose prompt chunks take 8-bit activations (the native mlxcel_split_gemm_kernel)
     split_gemm_kernels: frozenset[int] = frozenset()
+    split_layout: Any = None  # mlxcel_split_layout: split_rows's rearrangement, in C
 
     def serves(self, ggml_type: int) -> bool:
         """Whether weights of this type are served from their blocks: a block type whose kernels
@@ -127,6 +128,7 @@ def library() -> BlockLibrary | str:
         matmul_held = blas_shim.holding_the_gil(shim.lib).mlxcel_block_matmul
         own, quantizer, dequantizer = shim.lib.mlxcel_rows_kernel, shim.lib.mlxcel_quantizer, shim.lib.mlxcel_dequantizer
         gemm, split_gemm = shim.lib.mlxcel_gemm_kernel, shim.lib.mlxcel_split_gemm_kernel
+        split_layout = shim.lib.mlxcel_split_layout
     except AttributeError:
         return "the loaded BLAS shim has no block products (built from an older source)"
     matmul.restype = rows.restype = matmul_held.restype = None
@@ -134,6 +136,7 @@ def library() -> BlockLibrary | str:
     rows.argtypes = [_P, _P, _I, _P]
     own.restype = quantizer.restype = dequantizer.restype = gemm.restype = split_gemm.restype = _P
     own.argtypes = quantizer.argtypes = dequantizer.argtypes = gemm.argtypes = split_gemm.argtypes = [_I]
+    split_layout.restype, split_layout.argtypes = None, [_P, _P, _L, _I, _I, _I, _P, _P]
     own_kernels: frozenset[int] = frozenset()
     quantizers: dict[int, int] = {}
     dequantizers: dict[int, int] = {}
@@ -153,7 +156,7 @@ def library() -> BlockLibrary | str:
     gemm_kernels = frozenset(t for t in own_kernels if gemm(t))  # the C side picks it by the type's own_kernel
     split_gemm_kernels = frozenset(t for t in split_kinds if split_gemm(SPLIT_TYPE_BASE + t))
     return BlockLibrary(matmul, rows, ggml, matmul_held, own_kernels, quantizers, dequantizers, split_kinds, gemm_kernels,
-                        split_gemm_kernels)
+                        split_gemm_kernels, split_layout)
 
 
 def row_bytes(ggml_type: int, k: int) -> int:
@@ -319,18 +322,12 @@ def split_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: in
     if (int(weight.ggml_type) not in weight.lib.split_kinds or weight.split or weight.group_bias is not None
             or weight.repacked is not None or weight.prompt is not None):
         return False
-    # Each block a record of its fields as opaque bytes, so that a group's field is one strided
-    # copy of whole fields (a byte-wise copy of every field was ~6x slower: seconds a stack of
-    # gpt-oss's experts at load).
-    fields = SPLIT_FIELDS[int(weight.ggml_type)]
-    record = np.dtype({"names": [f"f{i}" for i in range(len(fields))], "formats": [f"V{b - a}" for a, b in fields],
-                       "offsets": [a for a, _ in fields], "itemsize": row_bytes(weight.ggml_type, 32)})
-    blocks, split, at = weight.data.view(record), np.empty_like(weight.data), 0
-    for start in range(0, blocks.shape[1], SPLIT_GROUP):  # each group: every block's d, then m, qh, nibbles
-        count = min(SPLIT_GROUP, blocks.shape[1] - start)
-        for i, (a, b) in enumerate(fields):
-            np.copyto(split[:, at:at + count * (b - a)].view(f"V{b - a}"), blocks[f"f{i}"][:, start:start + count])
-            at += count * (b - a)
+    fields = SPLIT_FIELDS[int(weight.ggml_type)]  # in C: NumPy's strided copies of short fields took seconds a stack
+    starts = np.array([a for a, _ in fields], dtype=np.int32)
+    widths = np.array([b - a for a, b in fields], dtype=np.int32)
+    split = np.empty_like(weight.data)
+    weight.lib.split_layout(weight.data.ctypes.data, split.ctypes.data, weight.n, weight.k // 32,
+                            row_bytes(weight.ggml_type, 32), len(fields), starts.ctypes.data, widths.ctypes.data)
     weight.data = split
     weight.split = True
     weight._describe()
