@@ -59,7 +59,7 @@ from gguf import GGMLQuantizationType  # noqa: E402
 
 from mlxcel_compat.runtime import block_experts  # noqa: E402
 from mlxcel_compat.runtime.block_experts import ExpertStack, grouped_matmuls  # noqa: E402
-from mlxcel_compat.runtime.block_weight import BlockWeight, library  # noqa: E402
+from mlxcel_compat.runtime.block_weight import BlockWeight, library, split_rows  # noqa: E402
 from mlxcel_compat.testing.gguf_random import random_blocks  # noqa: E402
 
 
@@ -117,6 +117,13 @@ def decode_steps(path: str, steps: int) -> None:
         print("  no CPU decode runtime for this model")
 
 
+def served(weight: BlockWeight) -> BlockWeight:
+    """The weight as the loader keeps an expert stack: rows split where the shim's own kernel
+    reads them so (``block_weight.split_rows``: MXFP4)."""
+    split_rows(weight)
+    return weight
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--type", default="q4_k", help="block type (gguf_random's names: q4_k, q8_0, mxfp4, ...)")
@@ -140,11 +147,11 @@ def main() -> int:
     qtype = GGMLQuantizationType[args.type.upper()]
     rng = np.random.default_rng(0)
     raw = random_blocks(rng, args.type, args.experts * args.rows, args.k)
-    stack = ExpertStack(BlockWeight(raw, qtype, args.experts * args.rows, args.k, lib), args.experts)
+    stack = ExpertStack(served(BlockWeight(raw, qtype, args.experts * args.rows, args.k, lib)), args.experts)
     up_raw = random_blocks(rng, args.type, args.experts * args.rows, args.k)
-    up = ExpertStack(BlockWeight(up_raw, qtype, args.experts * args.rows, args.k, lib), args.experts)
+    up = ExpertStack(served(BlockWeight(up_raw, qtype, args.experts * args.rows, args.k, lib)), args.experts)
     down_raw = random_blocks(rng, args.type, args.experts * args.k, args.rows)
-    down = ExpertStack(BlockWeight(down_raw, qtype, args.experts * args.k, args.rows, lib), args.experts)
+    down = ExpertStack(served(BlockWeight(down_raw, qtype, args.experts * args.k, args.rows, lib)), args.experts)
     glu = SwitchGLU(args.k, args.rows, args.experts)
     for name, layer_stack in (("gate_proj", stack), ("up_proj", up), ("down_proj", down)):
         block_experts.install(glu, name, layer_stack)
@@ -160,7 +167,8 @@ def main() -> int:
         np.cumsum(counts, out=starts[1:])
         source = (order // args.top_k).astype(np.int32)
         rows = np.ascontiguousarray(x[source])
-        alone = [BlockWeight(raw[e * args.rows:(e + 1) * args.rows], qtype, args.rows, args.k, lib) for e in experts]
+        alone = [served(BlockWeight(raw[e * args.rows:(e + 1) * args.rows], qtype, args.rows, args.k, lib))
+                 for e in experts]
 
         def per_expert(tiles: bool) -> None:
             for i, weight in enumerate(alone):

@@ -11,8 +11,8 @@ kernel is faster). Where ggml has a repacked layout for the type (Q4_K: llama-se
 path, its 8-row GEMV), that runs too, one product per activation row as the runtime would call
 it, and its ratio to the own kernel is printed. Q4_1, Q5_0 and Q5_1 have own kernels over rows
 the loader rearranges (``block_weight.split_rows``): those run over a split copy, against ggml's
-vec_dot over the blocks as stored. MXFP4 has an own kernel and ggml repacks it (llama-server's
-decode path): both run; IQ4_NL has no own kernel: its repacked GEMV runs against vec_dot. Every shape runs
+vec_dot over the blocks as stored. So does MXFP4 (gpt-oss's experts), which ggml also repacks
+(llama-server's decode path): its repacked GEMV runs too; IQ4_NL has no own kernel: its repacked GEMV runs against vec_dot. Every shape runs
 on all of the shim's threads, as in a server (``--threads`` sets their count).
 
 The last column, ``own/1``, is the own kernel's time at this row count over its time for one
@@ -162,7 +162,8 @@ def repacked_against_ggml(lib, kernels, name: str, ggml_type: int, args: argpars
 def split_rows_against_ggml(lib, kernels, name: str, ggml_type: int, args: argparse.Namespace,
                             rng: np.random.Generator) -> None:
     """A type whose rows the loader splits (``block_weight.split_rows``): the own kernel over the
-    split copy against ggml's vec_dot over the same blocks as stored, rounds alternating."""
+    split copy against ggml's vec_dot over the same blocks as stored, rounds alternating, and
+    against ggml's repacked GEMV where ggml repacks the type (MXFP4: llama-server's decode path)."""
     for shape in args.shapes.split(","):
         k, n = (int(v) for v in shape.split("x"))
         values = rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)
@@ -170,21 +171,27 @@ def split_rows_against_ggml(lib, kernels, name: str, ggml_type: int, args: argpa
         plain = block_weight.BlockWeight(blocks, ggml_type, n, k, lib)
         split = block_weight.BlockWeight(blocks.copy(), ggml_type, n, k, lib)
         block_weight.split_rows(split)
+        packed = ggml_repack.repack(blocks, ggml_type, n, k) if ggml_type in ggml_repack.REPACKED_TYPES else None
+        ways = [("ggml", plain), ("own", split)]
+        if packed:
+            ways.append(("repacked", block_weight.BlockWeight(blocks, ggml_type, n, k, lib, repacked=packed)))
         one_row = None
         for rows in (int(r) for r in args.rows.split(",")):
             x = rng.standard_normal((rows, k), dtype=np.float32)
             out = np.empty((rows, n), np.float32)
-            times: dict[str, list[float]] = {"ggml": [], "own": []}
-            for rep in range(args.reps + 1):
-                for key, weight in ((("ggml", plain), ("own", split)) if rep % 2 else (("own", split), ("ggml", plain))):
+            times: dict[str, list[float]] = {key: [] for key, _ in ways}
+            for rep in range(args.reps + 1):  # the first round warms up, unrecorded
+                for key, weight in ways[rep % len(ways):] + ways[:rep % len(ways)]:
                     start = clock()
                     weight.matmul(x, out=out, tiles=False)
                     if rep:
                         times[key].append(clock() - start)
             us = {key: summary(t) * 1e6 for key, t in times.items()}
             one_row = us["own"] if rows == 1 else one_row
+            rep_text = (f"{us['repacked']:9.1f} {us['repacked'] / us['own']:7.2f}x" if "repacked" in us
+                        else f"{'(split rows)':>18s}")
             print(f"{name:6s} {shape:>12s} {rows:4d} {us['ggml']:9.1f} {us['own']:9.1f} {us['ggml'] / us['own']:8.2f}x "
-                  f"{'(split rows)':>18s} {per_row(us['own'], one_row)}")
+                  f"{rep_text} {per_row(us['own'], one_row)}")
 
 
 if __name__ == "__main__":

@@ -211,14 +211,17 @@ def _expert_blocks(model: Any, gguf_name: str, mlx_name: str, info: TensorInfo, 
 def _expert_stack(info: TensorInfo, mapped: np.ndarray, mlx_name: str, target_shape: tuple[int, ...],
                   lib: block_weight.BlockLibrary) -> Any:
     """A stack of experts served from its blocks in the mapped file (``block_experts.ExpertStack``):
-    nothing is read or copied."""
+    nothing is read or copied, except for a type whose rows the shim's own kernels read split
+    (``block_weight.split_rows``: MXFP4), which is rearranged into a copy that replaces the file's pages."""
     from mlxcel_compat.runtime import block_experts
 
     if tuple(info.shape) != tuple(target_shape):
         raise ValueError(f"tensor '{info.name}' has shape {info.shape}; the model expects {target_shape} for {mlx_name}")
     n_expert, rows, k = info.shape
     data = tensor_view(info, mapped).reshape(n_expert * rows, -1)
-    return block_experts.ExpertStack(block_weight.BlockWeight(data, info.ggml_type, n_expert * rows, k, lib), n_expert)
+    weight = block_weight.BlockWeight(data, info.ggml_type, n_expert * rows, k, lib)
+    block_weight.split_rows(weight, mapped, info.offset)
+    return block_experts.ExpertStack(weight, n_expert)
 
 
 def _joined(file: GGUFModelFile, joins: dict[str, tuple[Any, tuple[str, ...]]], spec: gguf_arch.ArchSpec,

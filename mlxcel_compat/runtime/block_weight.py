@@ -38,6 +38,7 @@ SPLIT_FIELDS = {
     3: ((0, 2), (2, 4), (4, 20)),  # GGML_TYPE_Q4_1: d, m, qs[16]
     6: ((0, 2), (2, 6), (6, 22)),  # GGML_TYPE_Q5_0: d, qh[4], qs[16]
     7: ((0, 2), (2, 4), (4, 8), (8, 24)),  # GGML_TYPE_Q5_1: d, m, qh[4], qs[16]
+    39: ((0, 1), (1, 17)),  # GGML_TYPE_MXFP4: e (E8M0), qs[16]
 }
 SPLIT_GROUP = 16  # blocks a group of a split row
 SPLIT_TYPES = tuple(SPLIT_FIELDS)
@@ -72,6 +73,7 @@ class BlockLibrary:
     gemm_kernels: frozenset[int]  # types whose prompt chunks the shim's own GEMM multiplies (mlxcel_gemm_kernel)
     # split types whose prompt chunks take 8-bit activations (the native mlxcel_split_gemm_kernel)
     split_gemm_kernels: frozenset[int] = frozenset()
+    split_layout: Any = None  # mlxcel_split_layout: split_rows's rearrangement, in C
 
     def serves(self, ggml_type: int) -> bool:
         """Whether weights of this type are served from their blocks: a block type whose kernels
@@ -126,6 +128,7 @@ def library() -> BlockLibrary | str:
         matmul_held = blas_shim.holding_the_gil(shim.lib).mlxcel_block_matmul
         own, quantizer, dequantizer = shim.lib.mlxcel_rows_kernel, shim.lib.mlxcel_quantizer, shim.lib.mlxcel_dequantizer
         gemm, split_gemm = shim.lib.mlxcel_gemm_kernel, shim.lib.mlxcel_split_gemm_kernel
+        split_layout = shim.lib.mlxcel_split_layout
     except AttributeError:
         return "the loaded BLAS shim has no block products (built from an older source)"
     matmul.restype = rows.restype = matmul_held.restype = None
@@ -133,6 +136,7 @@ def library() -> BlockLibrary | str:
     rows.argtypes = [_P, _P, _I, _P]
     own.restype = quantizer.restype = dequantizer.restype = gemm.restype = split_gemm.restype = _P
     own.argtypes = quantizer.argtypes = dequantizer.argtypes = gemm.argtypes = split_gemm.argtypes = [_I]
+    split_layout.restype, split_layout.argtypes = None, [_P, _P, _L, _I, _I, _I, _P, _P]
     own_kernels: frozenset[int] = frozenset()
     quantizers: dict[int, int] = {}
     dequantizers: dict[int, int] = {}
@@ -152,7 +156,7 @@ def library() -> BlockLibrary | str:
     gemm_kernels = frozenset(t for t in own_kernels if gemm(t))  # the C side picks it by the type's own_kernel
     split_gemm_kernels = frozenset(t for t in split_kinds if split_gemm(SPLIT_TYPE_BASE + t))
     return BlockLibrary(matmul, rows, ggml, matmul_held, own_kernels, quantizers, dequantizers, split_kinds, gemm_kernels,
-                        split_gemm_kernels)
+                        split_gemm_kernels, split_layout)
 
 
 def row_bytes(ggml_type: int, k: int) -> int:
@@ -318,12 +322,13 @@ def split_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: in
     if (int(weight.ggml_type) not in weight.lib.split_kinds or weight.split or weight.group_bias is not None
             or weight.repacked is not None or weight.prompt is not None):
         return False
-    blocks = weight.data.reshape(weight.n, weight.k // 32, row_bytes(weight.ggml_type, 32))
-    groups = []
-    for start in range(0, blocks.shape[1], SPLIT_GROUP):  # each group: every block's d, then m, qh, nibbles
-        group = blocks[:, start:start + SPLIT_GROUP]
-        groups += [group[:, :, a:b].reshape(weight.n, -1) for a, b in SPLIT_FIELDS[int(weight.ggml_type)]]
-    weight.data = np.ascontiguousarray(np.concatenate(groups, axis=1))
+    fields = SPLIT_FIELDS[int(weight.ggml_type)]  # in C: NumPy's strided copies of short fields took seconds a stack
+    starts = np.array([a for a, _ in fields], dtype=np.int32)
+    widths = np.array([b - a for a, b in fields], dtype=np.int32)
+    split = np.empty_like(weight.data)
+    weight.lib.split_layout(weight.data.ctypes.data, split.ctypes.data, weight.n, weight.k // 32,
+                            row_bytes(weight.ggml_type, 32), len(fields), starts.ctypes.data, widths.ctypes.data)
+    weight.data = split
     weight.split = True
     weight._describe()
     if mapped is not None:

@@ -22,7 +22,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from mlxcel_compat.runtime import block_experts
 from mlxcel_compat.runtime.block_experts import BlockSwitchLinear, ExpertStack, gather_product
-from mlxcel_compat.runtime.block_weight import BlockWeight, library
+from mlxcel_compat.runtime.block_weight import BlockWeight, library, split_rows
 from tests.runtime.test_block_weight import TYPES, activation_error, raw_weight, reference
 
 LIB = library()
@@ -67,6 +67,30 @@ def test_values_within_the_activation_bound_of_float32_math(qtype: T) -> None:
     want = np.einsum("tk,tjrk->tjr", x, weights[chosen])
     bound = np.einsum("tk,tjrk->tjr", activation_error(qtype, x), np.abs(weights[chosen]))
     assert np.all(np.abs(got - want) <= bound * 1.01 + 1e-3)
+
+
+@pytest.mark.skipif(isinstance(LIB, str) or int(T.MXFP4) not in LIB.split_kinds, reason="no split MXFP4 kernel here")
+def test_split_mxfp4_stack_is_each_experts_split_product() -> None:
+    """gpt-oss's MXFP4 stacks as the loader keeps them (rows split: exponents ahead of codes, the
+    lane kernel of mxfp4_rows.c): the grouped product equals each expert's matrix split alone
+    and multiplied by the decode path, bit for bit, each token alone too; the split stack
+    expands to the file's values."""
+    raw = raw_weight(T.MXFP4, N_EXPERT * ROWS, K, seed=12)
+    weight = BlockWeight(raw.copy(), T.MXFP4, N_EXPERT * ROWS, K, LIB)
+    assert split_rows(weight)
+    stack = ExpertStack(weight, N_EXPERT)
+    np.testing.assert_array_equal(stack.dequantize(), reference(T.MXFP4, raw).reshape(N_EXPERT, ROWS, K))
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((7, K)).astype(np.float32)
+    chosen = rng.integers(0, N_EXPERT, (7, 4))
+    got = gather_product(stack, x[:, None, None, :], chosen)
+    for e in range(N_EXPERT):
+        alone = BlockWeight(np.ascontiguousarray(raw[e * ROWS:(e + 1) * ROWS]), T.MXFP4, ROWS, K, LIB)
+        assert split_rows(alone)
+        for t, j in zip(*np.nonzero(chosen == e)):
+            np.testing.assert_array_equal(got[t, j, 0], alone.matmul(x[t:t + 1], tiles=False)[0])
+    for t in range(7):
+        np.testing.assert_array_equal(gather_product(stack, x[t:t + 1, None, None, :], chosen[t:t + 1])[0], got[t])
 
 
 def test_the_layer_takes_switch_glus_calls_with_biases() -> None:

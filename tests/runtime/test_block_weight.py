@@ -323,11 +323,12 @@ def test_own_dequantizers_write_ggml_s_floats(qtype: T) -> None:
 
 
 @pytest.mark.skipif(isinstance(LIB, str) or not LIB.split_kinds, reason="the shim has no split-row kernels on this CPU")
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_0, T.Q5_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4], ids=lambda t: t.name)
 @pytest.mark.parametrize("n,k", [(300, 512), (7, 96), (64, 4096), (33, 896)])
 def test_split_rows_give_ggml_s_products(qtype: T, n: int, k: int) -> None:
-    """A Q4_1/Q5_0/Q5_1 weight whose rows split_rows rearranged (in groups of 16 blocks, factors,
-    minimums and fifth bits ahead of the nibbles: the same bytes) expands to exactly the values of its blocks (gguf-py's), and its
+    """A Q4_1/Q5_0/Q5_1/MXFP4 weight whose rows split_rows rearranged (in groups of 16 blocks, factors,
+    minimums and fifth bits ahead of the nibbles, MXFP4's exponents ahead of its codes: the same
+    bytes) expands to exactly the values of its blocks (gguf-py's), and its
     decode rows agree with ggml's vec_dot over the original blocks to float32 rounding (the same
     integer sums, the block terms added in another order), each row whatever rows share its
     call; its prompt chunks (tiles=True) are bit for bit the original's float32 tiles, or, where
@@ -336,6 +337,8 @@ def test_split_rows_give_ggml_s_products(qtype: T, n: int, k: int) -> None:
     remainder."""
     from mlxcel_compat.runtime.block_weight import split_rows
 
+    if int(qtype) not in LIB.split_kinds:
+        pytest.skip(f"no split {qtype.name} kernel on this CPU")
     raw = raw_weight(qtype, n, k, seed=21)
     plain = BlockWeight(raw, qtype, n, k, LIB)
     split = BlockWeight(raw.copy(), qtype, n, k, LIB)

@@ -1,4 +1,4 @@
-"""The shim's own multi-row decode kernels (quant_rows.c, split_rows.c) at every row count 1-16.
+"""The shim's own multi-row decode kernels (quant_rows.c, split_rows.c, mxfp4_rows.c) at every row count 1-16.
 
 Batched decode, speculative verification and MoE experts multiply a weight by 2-16 activation
 rows in one call; the kernels unpack each weight block once for up to 8 of them a pass. A row's
@@ -53,3 +53,30 @@ def test_every_row_count_gives_each_row_what_it_gets_alone(qtype: T, k: int) -> 
     scale = np.abs(x).astype(np.float64) @ np.abs(reference(qtype, raw)).T.astype(np.float64)
     assert np.all(np.abs(alone - by_ggml) <= 1e-6 * scale)
     assert not np.array_equal(alone, by_ggml)  # really another kernel
+
+
+@pytest.mark.skipif(int(T.MXFP4) not in OWN, reason="no own MXFP4 kernel on this CPU")
+def test_mxfp4_rows_against_float64() -> None:
+    """The split MXFP4 rows (mxfp4_rows.c: a lane per weight row) against the exact product of
+    the same values in float64: the weight's blocks as gguf-py expands them times the
+    activations as ggml quantizes them (Q8_0), on gpt-oss's row length (2880: five groups of 16
+    blocks and a group of 10), 37 weight rows (a partial band of 16), exponents around the
+    model's plus the subnormal factors (E8M0 0 and 1), 1 to 16 activation rows: within float32
+    rounding of each block's term and of their sum (1e-6 of the sum of |w a|)."""
+    from gguf.quants import dequantize
+
+    n, k = 37, 2880
+    raw = raw_weight(T.MXFP4, n, k, seed=31)
+    rng = np.random.default_rng(32)
+    exponents = raw.reshape(n, k // 32, 17)[:, :, 0]
+    exponents[:] = rng.integers(118, 128, size=exponents.shape)
+    exponents[0, :4] = (0, 1, 0, 1)
+    weight = BlockWeight(raw.copy(), T.MXFP4, n, k, LIB)
+    assert split_rows(weight)
+    w64 = reference(T.MXFP4, raw).astype(np.float64)
+    for m in (1, 2, 7, 16):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        a64 = dequantize(LIB.ggml.quantize(T.Q8_0, x).reshape(-1), T.Q8_0).reshape(m, k).astype(np.float64)
+        exact, scale = a64 @ w64.T, np.abs(a64) @ np.abs(w64).T
+        got = weight.matmul(x, tiles=False)
+        assert np.all(np.abs(got - exact) <= 1e-6 * scale), f"{m} rows"

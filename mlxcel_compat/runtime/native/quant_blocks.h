@@ -96,6 +96,11 @@ void dequantize_q4_0(const void *x, float *y, int64_t k);
 void dequantize_q4_1(const void *x, float *y, int64_t k);
 void dequantize_q5_0(const void *x, float *y, int64_t k);
 void dequantize_q5_1(const void *x, float *y, int64_t k);
+#if defined(__AVX512VNNI__)
+void rows_mxfp4_split(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
+                      float *out, size_t ldo); /* mxfp4_rows.c */
+void dequantize_mxfp4_split(const void *x, float *y, int64_t k);
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 void gemm_q8_0(int k, const unsigned char *data, size_t row_bytes, const int32_t *rows, int r0, int r1,
                const void *act, size_t act_bytes, int m, float *c, size_t ldc, float beta);

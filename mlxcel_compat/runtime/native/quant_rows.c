@@ -24,14 +24,12 @@
  * products are one vpdpbusd per 64 values (AVX-512 VNNI) where ggml's AVX2 code takes four
  * instructions per 32 (scripts/bench_quant_rows.py, docs/benchmarks/quantized.md). Q4_1 over
  * ggml's own layout measured 0.75-1.07x (one row): its kernel reads rows rearranged at load
- * (factors ahead of nibbles: split_rows.c), 1.5-2.5x; Q5_0 and Q5_1 likewise. MXFP4 (gpt-oss's
- * experts): 1.05x ggml's vec_dot at one row, 1.7-2.1x at 4-8 (a prompt's rows of an expert; a
- * 1K prompt of the gpt-oss-20b-shaped file 1.42x llama-server's CPU per token), but 0.81x ggml's
- * repacked GEMV at one row (docs/benchmarks/moe.md). ggml's vec_dot serves the other
+ * (factors ahead of nibbles: split_rows.c), 1.5-2.5x; Q5_0 and Q5_1 likewise; MXFP4 (gpt-oss's
+ * experts) likewise (exponents ahead of codes: mxfp4_rows.c). ggml's vec_dot serves the other
  * types, and every type on a CPU without AVX-512 BW (mlxcel_rows_kernel returns NULL). The library
  * also expands Q4_0-Q5_1 blocks to float32 (mlxcel_dequantizer: dequantize.c, split_rows.c),
  * ggml's being scalar code, and multiplies Q8_0 prompt chunks by its own int8 GEMM
- * (mlxcel_gemm_kernel: q8_0_gemm.c). This file holds the K-quant, Q8_0 and MXFP4 decode kernels, the Q8_K
+ * (mlxcel_gemm_kernel: q8_0_gemm.c). This file holds the K-quant and Q8_0 decode kernels, the Q8_K
  * quantizer of their activations, and the look-ups that hand out every kernel of these files.
  */
 #include <stddef.h>
@@ -425,93 +423,6 @@ static void rows_q8_0(int k, const void *w, size_t row_bytes, int n, const void 
         }
     }
 }
-
-/* MXFP4 (gpt-oss's experts): 32 4-bit codes a block (low nibbles values 0-15, high ones 16-31)
- * through the FP4 table (ggml's kvalues_mxfp4, twice E2M1's values) and an E8M0 exponent, whose
- * half is the factor; activations in Q8_0, as ggml's vec_dot_mxfp4_q8_0. Two blocks a vector:
- * the codes looked up by one byte shuffle, then signed-magnitude dot products (the weights'
- * magnitudes times the activations with the weights' signs). */
-struct mxfp4_block {
-    uint8_t e;
-    uint8_t qs[16];
-};
-
-static inline float e8m0_half(uint8_t x) { /* 2 ** (x - 128), ggml's GGML_E8M0_TO_FP32_HALF */
-    uint32_t bits = x < 2 ? 0x00200000u << x : (uint32_t)(x - 1) << 23;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline __m256i mxfp4_codes(const struct mxfp4_block *x) {
-    __m128i q = _mm_loadu_si128((const __m128i *)x->qs);
-    __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0f)), hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0f));
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-}
-
-static inline __attribute__((always_inline)) void mxfp4_tile(int k, const void *w, size_t w_bytes, int nw, const void *act,
-                                                               size_t act_bytes, int m, float *out) {
-    const int nb = k / 32;
-    const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
-    __m512 acc[2 * MAX_ROWS];
-    for (int t = 0; t < nw * m; t++) acc[t] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b += 2) {
-        int pair = b + 1 < nb;
-        __m512i mag[2];
-        __mmask64 negative[2];
-        __m512 dw[2];
-        for (int j = 0; j < nw; j++) {
-            const struct mxfp4_block *x = (const struct mxfp4_block *)((const char *)w + j * w_bytes) + b;
-            __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(mxfp4_codes(x)),
-                                               pair ? mxfp4_codes(x + 1) : _mm256_set1_epi8(0), 1);
-            __m512i q = _mm512_shuffle_epi8(table, codes);
-            mag[j] = _mm512_abs_epi8(q);
-            negative[j] = _mm512_movepi8_mask(q);
-            dw[j] = two_factors(e8m0_half(x[0].e), pair ? e8m0_half(x[1].e) : 0.0f);
-        }
-        for (int i = 0; i < m; i++) {
-            const int8_t *y = (const int8_t *)act + (size_t)i * act_bytes + (size_t)b * 32;
-            const float *e = (const float *)((const int8_t *)act + (size_t)i * act_bytes + (size_t)nb * 32) + b;
-            __m512i a = pair ? _mm512_loadu_si512(y) : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)y));
-            double two;
-            memcpy(&two, e, sizeof two);
-            __m512 da = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_castpd_ps(_mm_set_sd(two))));
-            for (int j = 0; j < nw; j++) {
-                __m512i signed_a = _mm512_mask_sub_epi8(a, negative[j], _mm512_setzero_si512(), a);
-                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), mag[j], signed_a);
-                acc[i * nw + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw[j], da), acc[i * nw + j]);
-            }
-        }
-    }
-    for (int t = 0; t < nw * m; t++) out[t] = hsum512(acc[t]);
-}
-
-static __thread struct mlxcel_scratch mxfp4_scratch;
-
-/* The activation rows (ggml's Q8_0 blocks: a float16 factor, 32 values) as mxfp4_tile reads them,
- * into a buffer of this thread: a row's nb x 32 signed values, then its blocks' factors as floats
- * and one 0 after them (a pair of blocks is one load of values and one of factors); *act_bytes
- * becomes a row's bytes there. */
-static const void *mxfp4_prepare(int k, const void *act, size_t *act_bytes, int m) {
-    const int nb = k / 32;
-    const size_t row = (size_t)nb * 32 + ((size_t)nb + 1) * sizeof(float);
-    int8_t *copy = mlxcel_scratch(&mxfp4_scratch, row * (size_t)m);
-    for (int i = 0; i < m; i++) {
-        const struct q8_0_block *y = (const struct q8_0_block *)((const char *)act + (size_t)i * *act_bytes);
-        int8_t *q = copy + (size_t)i * row;
-        float *d = (float *)(q + (size_t)nb * 32);
-        for (int b = 0; b < nb; b++) {
-            memcpy(q + (size_t)b * 32, y[b].qs, 32);
-            d[b] = half_to_float(y[b].d);
-        }
-        d[nb] = 0.0f;
-    }
-    *act_bytes = row;
-    return copy;
-}
-
-ROWS_DRIVER(mxfp4)
 #endif /* AVX512VNNI */
 
 /* This library's quantizer of activations into a vec_dot_type, or NULL (ggml's then). */
@@ -524,6 +435,9 @@ mlxcel_dequantize_fn mlxcel_dequantizer(int ggml_type) {
     case TYPE_Q4_1: return dequantize_q4_1;
     case TYPE_Q5_0: return dequantize_q5_0;
     case TYPE_Q5_1: return dequantize_q5_1;
+#if defined(__AVX512VNNI__)
+    case SPLIT_TYPE(TYPE_MXFP4): return dequantize_mxfp4_split;
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     case SPLIT_TYPE(TYPE_Q4_1): return dequantize_q4_1_split;
     case SPLIT_TYPE(TYPE_Q5_0): return dequantize_q5_0_split;
@@ -549,7 +463,7 @@ mlxcel_rows_fn mlxcel_rows_kernel(int ggml_type) {
     case TYPE_Q6_K: return rows_q6_K;
 #if defined(__AVX512VNNI__)
     case TYPE_Q8_0: return rows_q8_0;
-    case TYPE_MXFP4: return rows_mxfp4;
+    case SPLIT_TYPE(TYPE_MXFP4): return rows_mxfp4_split;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     case SPLIT_TYPE(TYPE_Q4_1): return rows_q4_1_split;
