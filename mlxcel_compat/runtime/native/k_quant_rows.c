@@ -268,6 +268,126 @@ static inline __attribute__((always_inline)) void q6_K_lanes(int nb, const uint8
     for (int i = 0; i < m; i++) _mm512_mask_storeu_ps(out + (size_t)i * ldo, stored, acc[i]);
 }
 
+/* ------------------------------------------------------------------- one activation row
+ * A lone activation row (single-stream decode) shares no unpacking, and the lanes' transposes
+ * cost more than its weights take to read: it takes two weight rows at a time instead (rows r
+ * and r + n/2, so that each stream of blocks stays sequential for the prefetchers), each row's
+ * super-block read with whole loads, its values in vector lanes (ggml's layout), the sums
+ * reduced to the same exact integers as the lanes' per super-block, and then the lanes' float
+ * operations in the same order (a product, then a fused multiply-add per term): the same bits
+ * as the row in any pass of the lanes. */
+
+/* The lanes of four vectors summed each: [sum a, sum b, sum c, sum d] (c and d: 256-bit sums). */
+static inline __m128i four_sums(__m512i a, __m512i b, __m256i c, __m256i d) {
+    const __m512i cz = _mm512_zextsi256_si512(c), dz = _mm512_zextsi256_si512(d);
+    const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(cz, dz), _mm512_unpackhi_epi32(cz, dz));
+    const __m512i all = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+    const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(all), _mm512_extracti64x4_epi64(all, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+/* One Q4_K super-block against one Q8_K block: the lanes of *p sum to sum_j sc_j dot_j, those of
+ * *mins to sum_j m_j (the sub-block's two 16-value sums). Vector v: bytes 32v .. 32v + 31 broadcast, low nibbles (sub-block
+ * 2v) in the lower half and high ones (2v + 1) in the upper: values 64v .. 64v + 63 as stored in
+ * the activations; u8 x s8 pairs to int16 (at most 2 x 15 x 127), times the scales to int32. */
+static inline __attribute__((always_inline)) void q4_K_row_ints(const uint8_t *x, const struct q8_K_block *y,
+                                                                 __m512i *sums, __m256i *min_sums) {
+    const __m512i low = _mm512_set1_epi8(0x0f), high_half = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+    const __m512i pick = _mm512_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                          0, 0, 0, 0, 0, 0);
+    const __m128i pair = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    uint32_t u0, u1, u2;
+    memcpy(&u0, x + 4, 4);
+    memcpy(&u1, x + 8, 4);
+    memcpy(&u2, x + 12, 4);
+    const uint64_t sc = (uint64_t)(u0 & 0x3f3f3f3fu) |
+                        (uint64_t)((u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4)) << 32;
+    const uint64_t mn = (uint64_t)(u1 & 0x3f3f3f3fu) |
+                        (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4)) << 32;
+    const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+    __m512i p = _mm512_setzero_si512();
+    for (int v = 0; v < 4; v++) {
+        __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x + 16 + 32 * v)));
+        __m512i q = _mm512_and_si512(_mm512_srlv_epi64(bytes, high_half), low);
+        __m512i s = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, _mm512_set1_epi16((short)(2 * v))), sc16);
+        p = _mm512_dpwssd_epi32(p, _mm512_maddubs_epi16(q, _mm512_loadu_si512(y->qs + 64 * v)), s);
+    }
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)mn), pair));
+    *sums = p;
+    *min_sums = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y->bsums), mins);
+}
+
+/* One Q6_K super-block against one Q8_K block: the lanes of *sums add up to sum_j sc_j dot_j(q + 32, a),
+ * those of *offsets to sum_j sc_j bsum_j. */
+static inline __attribute__((always_inline)) void q6_K_row_ints(const uint8_t *x, const struct q8_K_block *y,
+                                                                 __m512i *sums, __m256i *offsets) {
+    const __m512i low = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+    /* qh's bit pairs 0-1 and 2-3 moved to bits 4-5 (left by 4 and 2), pairs 4-5 and 6-7 (right
+     * by 0 and 2), for the two 256-bit halves; what crosses into a neighbouring byte is masked */
+    const __m512i left = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), right = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+    /* in each 128-bit lane L, 16-bit scale L (or 4 + L) of a broadcast group of eight */
+    const __m512i pick_l = _mm512_set_epi8(7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
+    const __m512i pick_h = _mm512_add_epi8(pick_l, _mm512_set1_epi8(8));
+    const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + 192)));
+    __m512i p = _mm512_setzero_si512();
+    for (int half = 0; half < 2; half++) {
+        __m512i ql = _mm512_loadu_si512(x + 64 * half);
+        __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x + 128 + 32 * half)));
+        __m512i q0 = _mm512_or_si512(_mm512_and_si512(ql, low), _mm512_and_si512(_mm512_sllv_epi64(qh, left), top));
+        __m512i q1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low),
+                                     _mm512_and_si512(_mm512_srlv_epi64(qh, right), top));
+        __m512i group = _mm512_broadcast_i32x4(half ? _mm256_extracti128_si256(scales, 1) : _mm256_castsi256_si128(scales));
+        p = _mm512_dpwssd_epi32(p, _mm512_maddubs_epi16(q0, _mm512_loadu_si512(y->qs + 128 * half)),
+                                _mm512_shuffle_epi8(group, pick_l));
+        p = _mm512_dpwssd_epi32(p, _mm512_maddubs_epi16(q1, _mm512_loadu_si512(y->qs + 128 * half + 64)),
+                                _mm512_shuffle_epi8(group, pick_h));
+    }
+    *sums = p;
+    *offsets = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y->bsums), scales);
+}
+
+/* Weight rows w0 and w1 of nb super-blocks times one activation row: out0, out1 (w1 may be w0).
+ * Lane 0 of the float vectors is row w0's, lane 1 row w1's. */
+static inline __attribute__((always_inline)) void q4_K_one_row(int nb, const uint8_t *w0, const uint8_t *w1,
+                                                                const struct q8_K_block *y, float *out0, float *out1) {
+    __m128 acc = _mm_setzero_ps();
+    for (int b = 0; b < nb; b++, w0 += Q4_K_BYTES, w1 += Q4_K_BYTES) {
+        __m512i p0, p1;
+        __m256i m0, m1;
+        q4_K_row_ints(w0, y + b, &p0, &m0);
+        q4_K_row_ints(w1, y + b, &p1, &m1);
+        const __m128 sums = _mm_cvtepi32_ps(four_sums(p0, p1, m0, m1)); /* isum 0, 1, msum 0, 1 */
+        uint32_t h0, h1;
+        memcpy(&h0, w0, 4), memcpy(&h1, w1, 4);
+        const __m128 dd = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)((uint64_t)h1 << 32 | h0))); /* d0 dmin0 d1 dmin1 */
+        const __m128 f = _mm_mul_ps(_mm_shuffle_ps(dd, dd, _MM_SHUFFLE(3, 1, 2, 0)), _mm_set1_ps(y[b].d));
+        acc = _mm_fmadd_ps(sums, f, acc);
+        acc = _mm_fnmadd_ps(_mm_movehl_ps(sums, sums), _mm_movehl_ps(f, f), acc);
+    }
+    *out0 = _mm_cvtss_f32(acc);
+    *out1 = _mm_cvtss_f32(_mm_movehdup_ps(acc));
+}
+
+static inline __attribute__((always_inline)) void q6_K_one_row(int nb, const uint8_t *w0, const uint8_t *w1,
+                                                                const struct q8_K_block *y, float *out0, float *out1) {
+    __m128 acc = _mm_setzero_ps();
+    for (int b = 0; b < nb; b++, w0 += Q6_K_BYTES, w1 += Q6_K_BYTES) {
+        __m512i p0, p1;
+        __m256i o0, o1;
+        q6_K_row_ints(w0, y + b, &p0, &o0);
+        q6_K_row_ints(w1, y + b, &p1, &o1);
+        const __m128i four = four_sums(p0, p1, o0, o1); /* products 0, 1, offsets 0, 1 */
+        const __m128i sums = _mm_sub_epi32(four, _mm_slli_epi32(_mm_unpackhi_epi64(four, four), 5));
+        uint16_t h0, h1;
+        memcpy(&h0, w0 + 208, 2), memcpy(&h1, w1 + 208, 2);
+        const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)h1 << 16 | h0)));
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(d, _mm_set1_ps(y[b].d)), acc);
+    }
+    *out0 = _mm_cvtss_f32(acc);
+    *out1 = _mm_cvtss_f32(_mm_movehdup_ps(acc));
+}
+
 /* rows_fn: weight rows [0, n) times m activation rows (ggml's Q8_K blocks as they are), 16
  * weight rows a pass against K_MAX_ROWS activation rows (each count a constant, so loops unroll). */
 #define K_CASE(NAME, M)                                                                                            \
@@ -278,6 +398,18 @@ static inline __attribute__((always_inline)) void q6_K_lanes(int nb, const uint8
                      float *out, size_t ldo) {                                                                    \
         const int nb = k / QK_K;                                                                                  \
         const uint8_t *wr = w, *ar = act;                                                                         \
+        if (m == 1) {                                                                                             \
+            const int half = n / 2;                                                                               \
+            for (int r = 0; r < half; r++)                                                                        \
+                NAME##_one_row(nb, wr + (size_t)r * row_bytes, wr + (size_t)(r + half) * row_bytes, act, out + r,  \
+                               out + r + half);                                                                   \
+            if (n % 2) {                                                                                          \
+                float unused;                                                                                     \
+                const uint8_t *last = wr + (size_t)(n - 1) * row_bytes;                                           \
+                NAME##_one_row(nb, last, last, act, out + n - 1, &unused);                                        \
+            }                                                                                                     \
+            return;                                                                                               \
+        }                                                                                                         \
         for (int r = 0; r < n; r += K_LANES) {                                                                    \
             const int nrows = n - r < K_LANES ? n - r : K_LANES;                                                  \
             for (int i = 0; i < m; i += K_MAX_ROWS) {                                                             \
