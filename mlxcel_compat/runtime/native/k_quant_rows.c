@@ -214,6 +214,12 @@ static inline __attribute__((always_inline)) void q6_K_lanes(int nb, const uint8
     for (int b = 0; b < nb; b++) {
         prefetch_next(next, b, Q6_K_BYTES);
         const size_t at = (size_t)b * Q6_K_BYTES;
+        /* and each row's next block into L1: a pass's 13 scattered loads a row and block left
+         * the rows waiting on memory (2 activation rows 3x one on 4096x11008; with this, 8 rows
+         * 20-25 % faster; Q4_K's contiguous 9 loads a row lost with it) */
+        for (int r = 0; r < K_LANES; r++)
+            for (int l = 0; l < Q6_K_BYTES + 63; l += 64)
+                _mm_prefetch((const char *)rowp[r] + at + Q6_K_BYTES + (l < Q6_K_BYTES ? l : Q6_K_BYTES - 1), _MM_HINT_T0);
         /* d: the high half of the dword of bytes 206-209 (the block's last four) */
         const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
             _mm512_srli_epi32(_mm512_i32gather_epi32(row_at, (const void *)(w + at + 206), 1), 16)));
