@@ -82,6 +82,9 @@ void mlxcel_quantize_q8_K(const float *x, void *out, int64_t k) {
 #define K_MAX_ROWS 16 /* activation rows a pass (as Q8_0's and Q4_1's lane kernels) */
 #define Q4_K_BYTES 144 /* block_q4_K: d, dmin, 12 bytes of scales and mins, 128 of nibbles */
 #define Q6_K_BYTES 210 /* block_q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 scales, d */
+#define SMALL_M_MAX 2   /* activation rows the two-row path below takes at most */
+#define q4_K_FEW_ROWS 1 /* up to this many activation rows, the two-row path; more, the lanes */
+#define q6_K_FEW_ROWS 2
 
 /* vpshufb within each dword lane: pattern's bytes (the same for every lane) are byte indices 0-3
  * into the lane's own dword, 0x80 for a zero. vpshufb indexes the 128-bit lane: dword p of it
@@ -274,9 +277,10 @@ static inline __attribute__((always_inline)) void q6_K_lanes(int nb, const uint8
     for (int i = 0; i < m; i++) _mm512_mask_storeu_ps(out + (size_t)i * ldo, stored, acc[i]);
 }
 
-/* ------------------------------------------------------------------- one activation row
+/* ------------------------------------------------------------------------ few activation rows
  * A lone activation row (single-stream decode) shares no unpacking, and the lanes' transposes
- * cost more than its weights take to read: it takes two weight rows at a time instead (rows r
+ * cost more than its weights take to read (Q6_K's up to 2 rows: q6_K_FEW_ROWS): it takes two
+ * weight rows at a time instead (rows r
  * and r + n/2, so that each stream of blocks stays sequential for the prefetchers), each row's
  * super-block read with whole loads, its values in vector lanes (ggml's layout), the sums
  * reduced to the same exact integers as the lanes' per super-block, and then the lanes' float
@@ -353,45 +357,62 @@ static inline __attribute__((always_inline)) void q6_K_row_ints(const uint8_t *x
     *offsets = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y->bsums), scales);
 }
 
-/* Weight rows w0 and w1 of nb super-blocks times one activation row: out0, out1 (w1 may be w0).
- * Lane 0 of the float vectors is row w0's, lane 1 row w1's. */
-static inline __attribute__((always_inline)) void q4_K_one_row(int nb, const uint8_t *w0, const uint8_t *w1,
-                                                                const struct q8_K_block *y, float *out0, float *out1) {
-    __m128 acc = _mm_setzero_ps();
+/* Weight rows w0 and w1 of nb super-blocks (w1 may be w0) times m activation rows (y, act_bytes
+ * apart): out0[i * ldo] and out1[i * ldo]. Lane 0 of a row's float vector is w0's, lane 1 w1's.
+ * Each weight block is unpacked once for the m rows (the same loads and operations: the compiler
+ * keeps one copy). */
+static inline __attribute__((always_inline)) void q4_K_few_rows(int nb, const uint8_t *w0, const uint8_t *w1,
+                                                                 const uint8_t *y, size_t act_bytes, int m,
+                                                                 float *out0, float *out1, size_t ldo) {
+    __m128 acc[SMALL_M_MAX] = {_mm_setzero_ps()};
+    for (int i = 0; i < m; i++) acc[i] = _mm_setzero_ps();
     for (int b = 0; b < nb; b++, w0 += Q4_K_BYTES, w1 += Q4_K_BYTES) {
-        __m512i p0, p1;
-        __m256i m0, m1;
-        q4_K_row_ints(w0, y + b, &p0, &m0);
-        q4_K_row_ints(w1, y + b, &p1, &m1);
-        const __m128 sums = _mm_cvtepi32_ps(four_sums(p0, p1, m0, m1)); /* isum 0, 1, msum 0, 1 */
         uint32_t h0, h1;
         memcpy(&h0, w0, 4), memcpy(&h1, w1, 4);
         const __m128 dd = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)((uint64_t)h1 << 32 | h0))); /* d0 dmin0 d1 dmin1 */
-        const __m128 f = _mm_mul_ps(_mm_shuffle_ps(dd, dd, _MM_SHUFFLE(3, 1, 2, 0)), _mm_set1_ps(y[b].d));
-        acc = _mm_fmadd_ps(sums, f, acc);
-        acc = _mm_fnmadd_ps(_mm_movehl_ps(sums, sums), _mm_movehl_ps(f, f), acc);
+        const __m128 d4 = _mm_shuffle_ps(dd, dd, _MM_SHUFFLE(3, 1, 2, 0));
+        for (int i = 0; i < m; i++) {
+            const struct q8_K_block *a = (const struct q8_K_block *)(y + (size_t)i * act_bytes) + b;
+            __m512i p0, p1;
+            __m256i m0, m1;
+            q4_K_row_ints(w0, a, &p0, &m0);
+            q4_K_row_ints(w1, a, &p1, &m1);
+            const __m128 sums = _mm_cvtepi32_ps(four_sums(p0, p1, m0, m1)); /* isum 0, 1, msum 0, 1 */
+            const __m128 f = _mm_mul_ps(d4, _mm_set1_ps(a->d));
+            acc[i] = _mm_fmadd_ps(sums, f, acc[i]);
+            acc[i] = _mm_fnmadd_ps(_mm_movehl_ps(sums, sums), _mm_movehl_ps(f, f), acc[i]);
+        }
     }
-    *out0 = _mm_cvtss_f32(acc);
-    *out1 = _mm_cvtss_f32(_mm_movehdup_ps(acc));
+    for (int i = 0; i < m; i++) {
+        out0[i * ldo] = _mm_cvtss_f32(acc[i]);
+        out1[i * ldo] = _mm_cvtss_f32(_mm_movehdup_ps(acc[i]));
+    }
 }
 
-static inline __attribute__((always_inline)) void q6_K_one_row(int nb, const uint8_t *w0, const uint8_t *w1,
-                                                                const struct q8_K_block *y, float *out0, float *out1) {
-    __m128 acc = _mm_setzero_ps();
+static inline __attribute__((always_inline)) void q6_K_few_rows(int nb, const uint8_t *w0, const uint8_t *w1,
+                                                                 const uint8_t *y, size_t act_bytes, int m,
+                                                                 float *out0, float *out1, size_t ldo) {
+    __m128 acc[SMALL_M_MAX] = {_mm_setzero_ps()};
+    for (int i = 0; i < m; i++) acc[i] = _mm_setzero_ps();
     for (int b = 0; b < nb; b++, w0 += Q6_K_BYTES, w1 += Q6_K_BYTES) {
-        __m512i p0, p1;
-        __m256i o0, o1;
-        q6_K_row_ints(w0, y + b, &p0, &o0);
-        q6_K_row_ints(w1, y + b, &p1, &o1);
-        const __m128i four = four_sums(p0, p1, o0, o1); /* products 0, 1, offsets 0, 1 */
-        const __m128i sums = _mm_sub_epi32(four, _mm_slli_epi32(_mm_unpackhi_epi64(four, four), 5));
         uint16_t h0, h1;
         memcpy(&h0, w0 + 208, 2), memcpy(&h1, w1 + 208, 2);
         const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)h1 << 16 | h0)));
-        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(d, _mm_set1_ps(y[b].d)), acc);
+        for (int i = 0; i < m; i++) {
+            const struct q8_K_block *a = (const struct q8_K_block *)(y + (size_t)i * act_bytes) + b;
+            __m512i p0, p1;
+            __m256i o0, o1;
+            q6_K_row_ints(w0, a, &p0, &o0);
+            q6_K_row_ints(w1, a, &p1, &o1);
+            const __m128i four = four_sums(p0, p1, o0, o1); /* products 0, 1, offsets 0, 1 */
+            const __m128i sums = _mm_sub_epi32(four, _mm_slli_epi32(_mm_unpackhi_epi64(four, four), 5));
+            acc[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(d, _mm_set1_ps(a->d)), acc[i]);
+        }
     }
-    *out0 = _mm_cvtss_f32(acc);
-    *out1 = _mm_cvtss_f32(_mm_movehdup_ps(acc));
+    for (int i = 0; i < m; i++) {
+        out0[i * ldo] = _mm_cvtss_f32(acc[i]);
+        out1[i * ldo] = _mm_cvtss_f32(_mm_movehdup_ps(acc[i]));
+    }
 }
 
 /* rows_fn: weight rows [0, n) times m activation rows (ggml's Q8_K blocks as they are), 16
@@ -404,15 +425,14 @@ static inline __attribute__((always_inline)) void q6_K_one_row(int nb, const uin
                      float *out, size_t ldo) {                                                                    \
         const int nb = k / QK_K;                                                                                  \
         const uint8_t *wr = w, *ar = act;                                                                         \
-        if (m == 1) {                                                                                             \
+        if (m <= NAME##_FEW_ROWS) {                                                                               \
             const int half = n / 2;                                                                               \
             for (int r = 0; r < half; r++)                                                                        \
-                NAME##_one_row(nb, wr + (size_t)r * row_bytes, wr + (size_t)(r + half) * row_bytes, act, out + r,  \
-                               out + r + half);                                                                   \
+                NAME##_few_rows(nb, wr + (size_t)r * row_bytes, wr + (size_t)(r + half) * row_bytes, ar,          \
+                                act_bytes, m, out + r, out + r + half, ldo);                                      \
             if (n % 2) {                                                                                          \
-                float unused;                                                                                     \
                 const uint8_t *last = wr + (size_t)(n - 1) * row_bytes;                                           \
-                NAME##_one_row(nb, last, last, act, out + n - 1, &unused);                                        \
+                NAME##_few_rows(nb, last, last, ar, act_bytes, m, out + n - 1, out + n - 1, ldo); /* lanes alike */\
             }                                                                                                     \
             return;                                                                                               \
         }                                                                                                         \
