@@ -235,8 +235,8 @@ OWN = sorted(LIB.own_kernels) if not isinstance(LIB, str) else []
 @pytest.mark.skipif(not OWN, reason="the shim has no own rows kernels on this CPU (AVX-512 BW)")
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
 def test_own_rows_kernels_agree_with_ggml_s_vec_dot(qtype: T) -> None:
-    """quant_rows.c serves decode rows of Q4_K and Q6_K where the CPU has AVX-512 BW, and of
-    Q8_0 where it has VNNI too: the same
+    """k_quant_rows.c serves decode rows of Q4_K and Q6_K, quant_rows.c of Q8_0, where the CPU
+    has AVX-512 BW and VNNI: the same
     integer products as ggml's vec_dot, summed in another order, so the two agree to float32
     rounding of the sum (1e-6 of the sum of |x w|); every row count, odd weight-row counts (the
     paired rows' remainder) and permuted rows give each row bit for bit what it gets alone."""

@@ -1,8 +1,12 @@
 """The shim's own multi-row decode kernels (quant_rows.c, split_rows.c, mxfp4_rows.c) at every row count 1-16.
 
+
+"""The shim's own multi-row decode kernels (quant_rows.c, k_quant_rows.c, split_rows.c) at every
+row count 1-16.
+
 Batched decode, speculative verification and MoE experts multiply a weight by 2-16 activation
-rows in one call; the kernels unpack each weight block once for up to 8 of them a pass. A row's
-result must not depend on the rows beside it (greedy output and cache-hit-equals-cold rest on
+rows in one call; the kernels unpack each weight block once for up to 8 of them a pass (16 for
+the lane kernels: Q8_0, Q4_1, Q4_K, Q6_K). A row's result must not depend on the rows beside it (greedy output and cache-hit-equals-cold rest on
 it), so each row of every call here is compared bit for bit with the same row computed alone,
 at every row count from 1 to 16 and in every position of a pass, and the whole product with
 ggml's vec_dot over the same blocks (the same integer sums added in another order: float32
@@ -21,10 +25,10 @@ from tests.runtime.test_block_weight import raw_weight, reference
 LIB = library()
 OWN = set() if isinstance(LIB, str) else set(LIB.own_kernels) | set(LIB.split_kinds)
 ROWS = 16
-# (type, k): K-quants and Q8_0 over three 256-value super-blocks; the split types over 24 blocks
+# (type, k): K-quants over one and three 256-value super-blocks, Q8_0 over 768 values; the split types over 24 blocks
 # (a group of 16 and a shorter one) and over 3 (a lone last block); MXFP4 over 5 and 3 blocks (over more,
 # random E8M0 exponents let one block decide each sum, and ggml's order gives the same float).
-CASES = [(T.Q4_K, 768), (T.Q6_K, 768), (T.Q8_0, 768), (T.Q8_0, 96), (T.Q4_1, 768), (T.Q4_1, 96),
+CASES = [(T.Q4_K, 768), (T.Q6_K, 768), (T.Q4_K, 256), (T.Q6_K, 256), (T.Q8_0, 768), (T.Q8_0, 96), (T.Q4_1, 768), (T.Q4_1, 96),
          (T.Q5_0, 768), (T.Q5_0, 96), (T.Q5_1, 768), (T.Q5_1, 96), (T.MXFP4, 160), (T.MXFP4, 96)]
 
 
@@ -55,6 +59,7 @@ def test_every_row_count_gives_each_row_what_it_gets_alone(qtype: T, k: int) -> 
     assert not np.array_equal(alone, by_ggml)  # really another kernel
 
 
+<<<<<<< HEAD
 @pytest.mark.skipif(int(T.MXFP4) not in OWN, reason="no own MXFP4 kernel on this CPU")
 def test_mxfp4_rows_against_float64() -> None:
     """The split MXFP4 rows (mxfp4_rows.c: a lane per weight row) against the exact product of
@@ -80,3 +85,43 @@ def test_mxfp4_rows_against_float64() -> None:
         exact, scale = a64 @ w64.T, np.abs(a64) @ np.abs(w64).T
         got = weight.matmul(x, tiles=False)
         assert np.all(np.abs(got - exact) <= 1e-6 * scale), f"{m} rows"
+=======
+Q8_K = np.dtype([("d", "<f4"), ("qs", "i1", 256), ("bsums", "<i2", 16)])  # ggml's block_q8_K
+
+
+def q8_k_rows(x: np.ndarray) -> np.ndarray:
+    """x's rows as the decode products see them: quantized to Q8_K by the shim's quantizer (ggml's
+    bytes, ``test_own_q8_k_quantizer_writes_ggml_s_bytes``) and expanded back, in float64."""
+    import ctypes
+
+    quantize = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(LIB.quantizers[int(T.Q8_K)])
+    m, k = x.shape
+    blocks = np.zeros((m, k // 256), Q8_K)
+    for i in range(m):
+        row = np.ascontiguousarray(x[i])
+        quantize(row.ctypes.data, blocks[i].ctypes.data, k)
+    return (blocks["d"].astype(np.float64)[..., None] * blocks["qs"].astype(np.float64)).reshape(m, k)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", [(5, 256), (37, 512), (53, 4096)])
+def test_k_quant_lanes_give_the_float64_sums_of_their_blocks(qtype: T, n: int, k: int) -> None:
+    """Q4_K's and Q6_K's lane kernels (k_quant_rows.c: 16 weight rows a pass, up to 16 activation
+    rows against each unpacked super-block) compute exactly the integer sums of the blocks, so
+    they agree with the float64 product of the dequantized weight (gguf-py's values) and the
+    dequantized Q8_K activations to float32 rounding of the sum (1e-6 of the sum of |x w|). Weight
+    rows short of a pass (5) or ending mid-pass (37, 53), one super-block to sixteen, and 19
+    activation rows (a pass of 16 and one of 3), each bit for bit the row alone."""
+    if int(qtype) not in OWN or int(T.Q8_K) not in LIB.quantizers:
+        pytest.skip(f"no own {qtype.name} kernel on this CPU")
+    raw = raw_weight(qtype, n, k, seed=n + k)
+    weight = BlockWeight(raw, qtype, n, k, LIB)
+    x = np.random.default_rng(n * k).standard_normal((19, k)).astype(np.float32)
+    own = weight.matmul(x, tiles=False)
+    w64 = reference(qtype, raw).astype(np.float64)
+    a64 = q8_k_rows(x)
+    exact = a64 @ w64.T
+    assert np.all(np.abs(own - exact) <= 1e-6 * (np.abs(a64) @ np.abs(w64).T))
+    for i in range(19):
+        np.testing.assert_array_equal(weight.matmul(x[i:i + 1], tiles=False)[0], own[i], err_msg=f"row {i}")
+>>>>>>> w7-klanes

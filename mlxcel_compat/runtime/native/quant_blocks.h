@@ -92,6 +92,13 @@ static inline __m512 two_factors(float a, float b) {
 
 /* The kernels quant_rows.c's look-ups hand out from the other files (not exported). */
 #pragma GCC visibility push(hidden)
+void mlxcel_quantize_q8_K(const float *x, void *out, int64_t k); /* k_quant_rows.c */
+#if defined(__AVX512VNNI__)
+void rows_q4_K(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m, float *out,
+               size_t ldo); /* k_quant_rows.c */
+void rows_q6_K(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m, float *out,
+               size_t ldo);
+#endif
 void dequantize_q4_0(const void *x, float *y, int64_t k);
 void dequantize_q4_1(const void *x, float *y, int64_t k);
 void dequantize_q5_0(const void *x, float *y, int64_t k);
