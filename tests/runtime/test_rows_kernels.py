@@ -59,7 +59,6 @@ def test_every_row_count_gives_each_row_what_it_gets_alone(qtype: T, k: int) -> 
     assert not np.array_equal(alone, by_ggml)  # really another kernel
 
 
-<<<<<<< HEAD
 @pytest.mark.skipif(int(T.MXFP4) not in OWN, reason="no own MXFP4 kernel on this CPU")
 def test_mxfp4_rows_against_float64() -> None:
     """The split MXFP4 rows (mxfp4_rows.c: a lane per weight row) against the exact product of
@@ -85,7 +84,8 @@ def test_mxfp4_rows_against_float64() -> None:
         exact, scale = a64 @ w64.T, np.abs(a64) @ np.abs(w64).T
         got = weight.matmul(x, tiles=False)
         assert np.all(np.abs(got - exact) <= 1e-6 * scale), f"{m} rows"
-=======
+
+
 Q8_K = np.dtype([("d", "<f4"), ("qs", "i1", 256), ("bsums", "<i2", 16)])  # ggml's block_q8_K
 
 
@@ -124,4 +124,48 @@ def test_k_quant_lanes_give_the_float64_sums_of_their_blocks(qtype: T, n: int, k
     assert np.all(np.abs(own - exact) <= 1e-6 * (np.abs(a64) @ np.abs(w64).T))
     for i in range(19):
         np.testing.assert_array_equal(weight.matmul(x[i:i + 1], tiles=False)[0], own[i], err_msg=f"row {i}")
->>>>>>> w7-klanes
+
+
+# Split rows of odd shapes: one block (k 32), a group of 16 and a lone block (k 544), 3 blocks;
+# 53, 19 and 37 weight rows: passes of 16 with 5, 3 and 5 rows over.
+SPLIT_SHAPES = [(53, 32), (19, 544), (37, 96)]
+FIFTH_BITS_AT = {T.Q5_0: 2, T.Q5_1: 4}  # where a block's qh starts
+
+
+def exact_activations(rng: np.random.Generator, m: int, k: int) -> np.ndarray:
+    """Activations that ggml's Q8_0 and Q8_1 blocks hold exactly: per block of 32, integers in
+    [-60, 60] and one of ±127, times a power of two (so d is that power, each value its integer,
+    and Q8_1's s = d x the sum, at most 1987 in size, a float16 without rounding)."""
+    q = rng.integers(-60, 61, size=(m, k // 32, 32)).astype(np.float32)
+    q[:, :, 0] = rng.choice([-127.0, 127.0], size=(m, k // 32))
+    q = rng.permuted(q, axis=2)
+    return (q * 2.0 ** rng.integers(-8, 1, size=(m, k // 32, 1))).reshape(m, k).astype(np.float32)
+
+
+@pytest.mark.parametrize("n,k", SPLIT_SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_0, T.Q5_1], ids=lambda t: t.name)
+def test_split_rows_give_the_float64_product_of_their_blocks(qtype: T, n: int, k: int) -> None:
+    """The split rows' lane kernel (split_rows.c: split_lanes, one kernel for Q4_1, Q5_0 and
+    Q5_1) against the float64 product of the dequantized blocks (gguf-py's values) with
+    activations that 8-bit blocks hold exactly, so that only the kernel's float32 sums differ:
+    within 1e-6 of |x| @ |W|, as against ggml's vec_dot above. Some blocks have every fifth bit
+    set, some none, the rest random ones. Each row of 1 to 16 is bit for bit the row alone."""
+    if int(qtype) not in OWN:
+        pytest.skip(f"no split {qtype.name} kernel on this CPU")
+    raw = raw_weight(qtype, n, k, seed=n + k)
+    if qtype in FIFTH_BITS_AT:
+        blocks = raw.reshape(n, k // 32, -1)
+        at = FIFTH_BITS_AT[qtype]
+        blocks[::3, 0, at:at + 4] = 0xFF  # every value's fifth bit set (rows 0, 3, ...: random fifth bits in 2, 5, ...)
+        blocks[1::3, -1, at:at + 4] = 0
+    weight = BlockWeight(raw.copy(), qtype, n, k, LIB)
+    assert split_rows(weight)
+    x = exact_activations(np.random.default_rng(k), ROWS, k)
+    w64 = reference(qtype, raw).astype(np.float64)
+    want = x.astype(np.float64) @ w64.T
+    got = weight.matmul(x, tiles=False)
+    scale = np.abs(x).astype(np.float64) @ np.abs(w64).T
+    assert np.all(np.abs(got - want) <= 1e-6 * scale)
+    for m in range(1, ROWS + 1):
+        rows = (np.arange(m) * 5 + m) % ROWS
+        np.testing.assert_array_equal(weight.matmul(x[rows], tiles=False), got[rows], err_msg=f"{m} rows")

@@ -6,20 +6,19 @@
  * a row's blocks in groups of 16 (the last one shorter), each group as its blocks' factors d
  * (half floats), then their minimums m (Q4_1, Q5_1), then their fifth bits (4 bytes a block,
  * the Q5 types), then their nibbles (16 bytes a block): the same bytes as ggml's row in another
- * order, read front to back, so that 16 blocks' factors are one load, two blocks' nibbles
- * another and their fifth bits a mask. ggml's vec_dot for these
- * types on x86 (AVX2) converts each block's factors one at a time and takes 32 values an
- * instruction; this takes 64 (vpdpbusd: the values as u8 times the activations' s8).
- *
- * Q4_1 takes q4_1_lanes below (a vector lane per weight row, 16 rows a pass); Q5_0 and Q5_1 take
- * split_tile (a vector of one row's values), whose per-pair factors and horizontal sums cost
- * each activation row several times its products.
+ * order, read front to back, so that 16 blocks' factors (minimums, fifth bits) are one load a
+ * row. ggml's vec_dot for these types on x86 (AVX2) converts each block's factors one at a time
+ * and takes 32 values an instruction; this takes 16 weight rows' 4 values each an instruction
+ * (vpdpbusd: the values as u8 times the activations' s8), one kernel for the three forms
+ * (split_lanes below, the form a compile-time constant): a vector lane per weight row, 16 weight
+ * rows a pass, each block unpacked once for up to 16 activation rows.
  *
  * The activations are ggml's own blocks, Q8_1 (d and s = d x the sum of the values) for the
  * types with a minimum, Q8_0 (d) for Q5_0, copied per row into arrays of values, d and s (for
- * Q8_0: d x the sum, computed here). A block's term is d_w d_a x sum(q a) plus m_w s_a, or for
- * Q5_0 (values q - 16) minus 16 d_w s_a: ggml's integer sums, added in another order (float32
- * rounding).
+ * Q8_0: where a block's integer sum starts, -16 x the sum of the values). A block's term is
+ * d_w d_a x sum(q a) plus m_w s_a, or for Q5_0 (values q - 16) d_w d_a x sum((q - 16) a), the
+ * integer sum started at -16 sum(a): ggml's integer sums, its terms added in another order
+ * (float32 rounding).
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -43,101 +42,29 @@ struct q8_1_block {
     int8_t qs[32];
 };
 
-#define SPLIT_MAX_ROWS 8 /* activation rows per pass over a weight row */
-
-/* One activation row as the split kernels read it: its values, and per block d and s. */
+/* One activation row as the split kernels read it: its values, and per block d and either s (the
+ * forms with a minimum) or where the integer sums start (Q5_0). */
 struct split_act {
     const int8_t *q;
     const float *d, *s;
+    const int32_t *start; /* -16 x the sum of the block's values: the integer sums are then ggml's, of q - 16 */
 };
-
-/* nw split rows (w, w + w_bytes: nw is 1 or 2) of nb blocks times m activation rows (m is 1 with
- * nw 2, else at most SPLIT_MAX_ROWS): out[i * nw + j]. Each block's nibbles are unpacked once for
- * all m rows; each (weight row, activation row) pair takes the same operations in the same order
- * whatever nw and m are, so a row of a batch is bit for bit the row alone. */
-static inline __attribute__((always_inline)) void split_tile(int nb, const uint8_t *w, size_t w_bytes, int nw,
-                                                              const struct split_act *act, int m, float *out,
-                                                              struct split_form form) {
-    const __m512i shift = _mm512_set_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0, 0, 0x0004000400040004LL,
-                                           0x0004000400040004LL, 0, 0); /* high nibbles in 128-bit lanes 1 and 3 */
-    const __m512i low = _mm512_set1_epi8(0x0f), twice = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);
-    const __m512i fifth = _mm512_set1_epi8(0x10);
-    const int block_bytes = 18 + 2 * form.minimum + 4 * form.five_bits;
-    __m512 acc[2 * SPLIT_MAX_ROWS], mins[2 * SPLIT_MAX_ROWS];
-    for (int t = 0; t < nw * m; t++) acc[t] = mins[t] = _mm512_setzero_ps();
-    for (int b0 = 0; b0 < nb; b0 += 16) {
-        const int count = nb - b0 < 16 ? nb - b0 : 16;
-        const __mmask16 in = (__mmask16)((1u << count) - 1);
-        /* the group's parts: d, m, qh, nibbles (block_weight.SPLIT_FIELDS) */
-        const size_t group = (size_t)b0 * block_bytes, at_qh = (size_t)count * (2 + 2 * form.minimum),
-                     at_nibbles = at_qh + (size_t)count * 4 * form.five_bits;
-        __m512 f[2 * SPLIT_MAX_ROWS];
-        for (int j = 0; j < nw; j++) {
-            const uint16_t *factors = (const uint16_t *)(w + j * w_bytes + group);
-            __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, factors));
-            __m512 mw = form.minimum ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, factors + count))
-                                     : _mm512_mul_ps(dw, _mm512_set1_ps(-16.0f));
-            for (int i = 0; i < m; i++) {
-                f[i * nw + j] = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(in, act[i].d + b0));
-                mins[i * nw + j] = _mm512_fmadd_ps(mw, _mm512_maskz_loadu_ps(in, act[i].s + b0), mins[i * nw + j]);
-            }
-        }
-        for (int p = 0; p < count; p += 2) {
-            const int b = b0 + p, pair = p + 1 < count;
-            /* blocks b and b + 1: activations in the halves, factors in lanes 0-7 and 8-15 */
-            __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(p), _mm256_set1_epi32(p + pair), 1);
-            __m512i v[2];
-            for (int j = 0; j < nw; j++) {
-                const uint8_t *part = w + j * w_bytes + group, *nibbles = part + at_nibbles + (size_t)p * 16;
-                __m512i raw = pair ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)nibbles))
-                                   : _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)nibbles));
-                v[j] = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi64(twice, raw), shift), low);
-                if (form.five_bits) { /* bit i of the two blocks' qh is value i's fifth bit: byte i of v */
-                    const uint8_t *qh = part + at_qh + (size_t)p * 4;
-                    uint64_t word;
-                    uint32_t one;
-                    if (pair) memcpy(&word, qh, 8);
-                    else memcpy(&one, qh, 4), word = one;
-                    __mmask64 bits = _cvtu64_mask64(word);
-                    v[j] = _mm512_mask_add_epi8(v[j], bits, v[j], fifth);
-                }
-                if (!pair) v[j] = _mm512_maskz_mov_epi32(0x00ff, v[j]);
-            }
-            for (int i = 0; i < m; i++) {
-                const int8_t *q = act[i].q + (size_t)b * 32;
-                __m512i a = pair ? _mm512_loadu_si512(q) : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)q));
-                for (int j = 0; j < nw; j++) {
-                    __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[j], a);
-                    acc[i * nw + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_permutexvar_ps(pick, f[i * nw + j]),
-                                                      acc[i * nw + j]);
-                }
-            }
-        }
-    }
-    for (int t = 0; t < nw * m; t++) out[t] = _mm512_reduce_add_ps(acc[t]) + _mm512_reduce_add_ps(mins[t]);
-}
 
 static __thread struct mlxcel_scratch split_scratch;
 
-#define SPLIT_CASE(M)                                                                                              \
-    case M: split_tile(nb, row, row_bytes, 1, rows + i, M, t, form); break;
-
-/* rows_fn over split rows: every activation row's values, d and s copied out first; then a lone
- * activation row takes weight rows r and r + n/2 together (as ROWS_DRIVER's single row), several
- * take one weight row at a time, SPLIT_MAX_ROWS of them a pass (each block unpacked once for
- * all of them, the weight row read once). */
-static inline __attribute__((always_inline)) void split_rows_driver(int k, const void *w, size_t row_bytes, int n,
-                                                                     const void *act, size_t act_bytes, int m,
-                                                                     float *out, size_t ldo, struct split_form form) {
-    const int nb = k / 32;
+/* The m activation rows (ggml's Q8_1 blocks for the forms with a minimum, else Q8_0) copied into
+ * the thread's scratch as arrays of values, d and s (Q8_1) or start (Q8_0: -16 x the sum of the
+ * values): the kernels then take a block's 32 values as 8 broadcast dwords and its d, s or start
+ * as one number each. */
+static struct split_act *split_activations(int nb, const void *act, size_t act_bytes, int m, struct split_form form) {
     const size_t per_row = (size_t)nb * (32 + 2 * sizeof(float));
     char *space = mlxcel_scratch(&split_scratch, per_row * (size_t)m + sizeof(struct split_act) * (size_t)m);
     struct split_act *rows = (struct split_act *)(space + per_row * (size_t)m);
-    const uint8_t *wr = w;
     for (int i = 0; i < m; i++) {
-        float *d = (float *)(space + per_row * (size_t)i), *s = d + nb;
+        float *d = (float *)(space + per_row * (size_t)i), *s = d + nb; /* s or start */
+        int32_t *start = (int32_t *)s;
         int8_t *q = (int8_t *)(s + nb);
-        rows[i] = (struct split_act){q, d, s};
+        rows[i] = (struct split_act){q, d, form.minimum ? s : NULL, form.minimum ? NULL : start};
         const char *y = (const char *)act + (size_t)i * act_bytes;
         for (int b = 0; b < nb; b++) {
             if (form.minimum) { /* Q8_1 */
@@ -156,31 +83,11 @@ static inline __attribute__((always_inline)) void split_rows_driver(int k, const
                 t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
                 t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
                 d[b] = half_to_float(h);
-                s[b] = d[b] * (float)_mm_cvtsi128_si32(t);
+                start[b] = -16 * _mm_cvtsi128_si32(t);
             }
         }
     }
-    float t[2 * SPLIT_MAX_ROWS];
-    if (m == 1) {
-        const int half = n / 2;
-        for (int r = 0; r < half; r++) {
-            split_tile(nb, wr + (size_t)r * row_bytes, (size_t)half * row_bytes, 2, rows, 1, t, form);
-            out[r] = t[0], out[r + half] = t[1];
-        }
-        if (n % 2) split_tile(nb, wr + (size_t)(n - 1) * row_bytes, row_bytes, 1, rows, 1, out + n - 1, form);
-        return;
-    }
-    for (int r = 0; r < n; r++) {
-        const uint8_t *row = wr + (size_t)r * row_bytes;
-        for (int i = 0; i < m; i += SPLIT_MAX_ROWS) {
-            const int count = m - i < SPLIT_MAX_ROWS ? m - i : SPLIT_MAX_ROWS;
-            switch (count) {
-                SPLIT_CASE(1) SPLIT_CASE(2) SPLIT_CASE(3) SPLIT_CASE(4)
-                SPLIT_CASE(5) SPLIT_CASE(6) SPLIT_CASE(7) SPLIT_CASE(8)
-            }
-            for (int x = 0; x < count; x++) out[(size_t)(i + x) * ldo + r] = t[x];
-        }
-    }
+    return rows;
 }
 
 /* A split row expanded to float32: the same values as ggml's to_float of the original row. */
@@ -204,22 +111,27 @@ static inline __attribute__((always_inline)) void split_dequantize(const void *v
     }
 }
 
-/* ------------------------------------------------------------ Q4_1: a vector lane per weight row
- * Why: split_tile keeps a (weight row, activation row) pair's partial sums in one vector whose lanes
- * are values of the row, so every pair pays for its blocks' factors (a conversion, a permutation
- * and a multiply-add per two blocks) and for two horizontal sums at the end: per activation row
- * that is several times the integer products themselves, and 8 activation rows cost 4-5x one
+/* ------------------------------------------------------------ the decode rows: a vector lane per weight row
+ * Why: a vector of one row's values (this file's first kernel, split_tile, until 2026-12-07) keeps
+ * a (weight row, activation row) pair's partial sums in one vector whose lanes are values of the
+ * row, so every pair pays for its blocks' factors (a conversion, a permutation and a multiply-add
+ * per two blocks) and for two horizontal sums at the end: per activation row that is several times
+ * the integer products themselves, and 8 activation rows cost 2.7-4.9x one
  * (docs/benchmarks/quantized.md). Here a vector's 16 lanes are 16 weight rows: a block of 32
  * values is 8 vpdpbusd, each taking 4 values of every row against the same 4 activation values
  * (one broadcast dword), and its factors are one multiply-add a block for all 16 rows, with no
  * horizontal sum at all. The rows' nibbles are brought into that order once per block (a 4 x 4
- * transpose of dwords within 128-bit lanes) and a group's factors once per 16 blocks (a 16 x 16
- * transpose), for all activation rows of the pass.
+ * transpose of dwords within 128-bit lanes) and a group's factors, minimums and fifth bits once
+ * per 16 blocks (16 x 16 transposes), for all activation rows of the pass. A Q5 block's fifth bits
+ * (one dword a row after the transpose, bit i for value i) become a byte mask per 4 values: the
+ * dword's byte holding them copied to the 4 bytes (vpshufb), each byte tested for its own bit.
  *
  * Arithmetic: each (weight row, activation row) pair is its lane of the same operations in the
  * same order whatever the other rows and lanes are (rows past the end of the band compute on a
  * copy of its last row and are not stored): bit for bit the row alone. Per block, the integer sum
- * of the 32 products (exact: ggml's) times d_w d_a, plus m_w s_a, added block after block. */
+ * of the 32 products (exact: ggml's; Q5_0's started at -16 x the activations' sum, so that it is
+ * the sum over q - 16) times d_w d_a, plus m_w s_a (the forms with a minimum, summed apart and
+ * added at the end), added block after block. */
 #define LANE_ROWS 16
 #define LANE_MAX_ROWS 16 /* activation rows a pass: a verify of 15 draft tokens, or 16 streams, reads the weights once */
 
@@ -240,12 +152,20 @@ static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
     }
 }
 
-/* Weight rows [0, nrows) (nrows <= 16, row_bytes apart, split Q4_1 rows of nb blocks) times m
- * activation rows (m <= LANE_MAX_ROWS): out[i * ldo + r]. */
-static inline __attribute__((always_inline)) void q4_1_lanes(int nb, const uint8_t *w, size_t row_bytes, int nrows,
-                                                              const struct split_act *act, int m, float *out,
-                                                              size_t ldo) {
-    const __m512i low = _mm512_set1_epi8(0x0f);
+/* Weight rows [0, nrows) (nrows <= 16, row_bytes apart, split rows of nb blocks in the given form)
+ * times m activation rows (m <= LANE_MAX_ROWS): out[i * ldo + r]. */
+static inline __attribute__((always_inline)) void split_lanes(int nb, const uint8_t *w, size_t row_bytes, int nrows,
+                                                               const struct split_act *act, int m, float *out,
+                                                               size_t ldo, struct split_form form) {
+    const __m512i low = _mm512_set1_epi8(0x0f), fifth = _mm512_set1_epi8(0x10);
+    /* pick[c]: byte c of each dword copied to its 4 bytes (vpshufb indices, per 128-bit lane) */
+    const __m512i dwords = _mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0);
+    const __m512i pick[4] = {dwords, _mm512_add_epi8(dwords, _mm512_set1_epi8(1)),
+                             _mm512_add_epi8(dwords, _mm512_set1_epi8(2)), _mm512_add_epi8(dwords, _mm512_set1_epi8(3))};
+    /* byte j: bit j of the low or the high half of a byte of fifth bits */
+    const __m512i bit_of[2] = {_mm512_set1_epi32(0x08040201), _mm512_set1_epi32((int)0x80402010u)};
+    const int block_bytes = 18 + 2 * form.minimum + 4 * form.five_bits;
+    const size_t pass_block = (size_t)LANE_ROWS * block_bytes; /* a block's bytes in 16 rows */
     const uint8_t *rowp[LANE_ROWS], *next = w + 2 * LANE_ROWS * row_bytes;
     for (int r = 0; r < LANE_ROWS; r++) rowp[r] = w + (size_t)(r < nrows ? r : nrows - 1) * row_bytes;
     __m512 acc[LANE_MAX_ROWS], mins[LANE_MAX_ROWS];
@@ -253,24 +173,30 @@ static inline __attribute__((always_inline)) void q4_1_lanes(int nb, const uint8
     for (int b0 = 0; b0 < nb; b0 += 16) {
         const int count = nb - b0 < 16 ? nb - b0 : 16;
         const __mmask16 in = (__mmask16)((1u << count) - 1);
-        const size_t group = (size_t)b0 * 20, at_mins = group + (size_t)count * 2, at_nibbles = group + (size_t)count * 4;
+        /* the group's parts: d, m, qh, nibbles (block_weight.SPLIT_FIELDS) */
+        const size_t group = (size_t)b0 * block_bytes, at_mins = group + (size_t)count * 2,
+                     at_qh = at_mins + (size_t)count * 2 * form.minimum,
+                     at_nibbles = at_qh + (size_t)count * 4 * form.five_bits;
         /* the group's factors, a row a vector (lanes: blocks), transposed: dt[p]'s lanes are the
-         * rows' d of block b0 + p, mt[p]'s their m */
-        __m512 dt[16], mt[16];
+         * rows' d of block b0 + p, mt[p]'s their m, ht[p]'s their fifth bits */
+        __m512 dt[16], mt[16], ht[16];
         for (int r = 0; r < LANE_ROWS; r++) {
             dt[r] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, rowp[r] + group));
-            mt[r] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, rowp[r] + at_mins));
+            if (form.minimum) mt[r] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, rowp[r] + at_mins));
+            if (form.five_bits) ht[r] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(in, rowp[r] + at_qh));
         }
         transpose16(dt);
-        transpose16(mt);
+        if (form.minimum) transpose16(mt);
+        if (form.five_bits) transpose16(ht);
         for (int p = 0; p < count; p++) {
             const int b = b0 + p;
-            const __m512 dw = dt[p], mw = mt[p];
-            /* the pass after next, into L2: 16 rows (contiguous, 20 bytes a block and row: 5 lines
-             * a block of the 16). A pass reads its rows side by side, each too short a stream for
-             * the prefetchers to follow: without this, one activation row ran 2-3x slower than the
-             * two-row kernel on weights out of the caches; one pass ahead or into L1, 1.1-1.5x. */
-            for (int l = 0; l < 5; l++) _mm_prefetch((const char *)next + ((size_t)b * 5 + l) * 64, _MM_HINT_T1);
+            const __m512 dw = dt[p];
+            /* the pass after next, into L2: 16 rows (contiguous, block_bytes a block and row). A
+             * pass reads its rows side by side, each too short a stream for the prefetchers to
+             * follow: without this, one activation row of Q4_1 ran 2-3x slower than a two-row
+             * kernel on weights out of the caches; one pass ahead or into L1, 1.1-1.5x. */
+            for (size_t l = (size_t)b * pass_block / 64; l <= ((size_t)b * pass_block + pass_block - 1) / 64; l++)
+                _mm_prefetch((const char *)next + l * 64, _MM_HINT_T1);
             /* u[t]'s dword r: row r's nibble bytes 4t .. 4t + 3 */
             __m512i u[4], v[8];
             rows16_dwords(rowp, at_nibbles + (size_t)p * 16, u);
@@ -278,46 +204,49 @@ static inline __attribute__((always_inline)) void q4_1_lanes(int nb, const uint8
                 v[t] = _mm512_and_si512(u[t], low);
                 v[t + 4] = _mm512_and_si512(_mm512_srli_epi32(u[t], 4), low);
             }
+            if (form.five_bits) { /* value 4t + j's fifth bit: bit 4(t & 1) + j of qh's byte t >> 1 */
+                const __m512i h = _mm512_castps_si512(ht[p]);
+                for (int c = 0; c < 4; c++) { /* qh's byte c: values 8c .. 8c + 7, in v[2c] and v[2c + 1] */
+                    const __m512i bits = _mm512_shuffle_epi8(h, pick[c]);
+                    for (int half = 0; half < 2; half++) {
+                        const int t = 2 * c + half;
+                        v[t] = _mm512_mask_add_epi8(v[t], _mm512_test_epi8_mask(bits, bit_of[half]), v[t], fifth);
+                    }
+                }
+            }
             for (int i = 0; i < m; i++) {
                 const int32_t *q = (const int32_t *)(act[i].q + (size_t)b * 32);
-                __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(q[0]));
-                __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4], _mm512_set1_epi32(q[4]));
-                for (int t = 1; t < 4; t++) {
+                /* two chains of 4 (the low and the high nibbles' values) */
+                __m512i s0 = form.minimum ? _mm512_setzero_si512() : _mm512_set1_epi32(act[i].start[b]);
+                __m512i s1 = _mm512_setzero_si512();
+                for (int t = 0; t < 4; t++) {
                     s0 = _mm512_dpbusd_epi32(s0, v[t], _mm512_set1_epi32(q[t]));
                     s1 = _mm512_dpbusd_epi32(s1, v[t + 4], _mm512_set1_epi32(q[t + 4]));
                 }
+                const __m512i sum = _mm512_add_epi32(s0, s1);
                 __m512 f = _mm512_mul_ps(dw, _mm512_set1_ps(act[i].d[b]));
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), f, acc[i]);
-                mins[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(act[i].s[b]), mins[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), f, acc[i]);
+                if (form.minimum) mins[i] = _mm512_fmadd_ps(mt[p], _mm512_set1_ps(act[i].s[b]), mins[i]);
             }
         }
     }
     const __mmask16 stored = (__mmask16)((1u << nrows) - 1);
-    for (int i = 0; i < m; i++) _mm512_mask_storeu_ps(out + (size_t)i * ldo, stored, _mm512_add_ps(acc[i], mins[i]));
+    for (int i = 0; i < m; i++)
+        _mm512_mask_storeu_ps(out + (size_t)i * ldo, stored, form.minimum ? _mm512_add_ps(acc[i], mins[i]) : acc[i]);
 }
 
 #define LANES_CASE(M)                                                                                              \
-    case M: q4_1_lanes(nb, wr + (size_t)r * row_bytes, row_bytes, nrows, rows + i, M, out + (size_t)i * ldo + r, ldo); break;
+    case M: split_lanes(nb, wr + (size_t)r * row_bytes, row_bytes, nrows, rows + i, M, out + (size_t)i * ldo + r,  \
+                        ldo, form);                                                                                \
+        break;
 
-/* rows_fn over split Q4_1 rows: the activation rows copied out as split_rows_driver does, then
- * 16 weight rows a pass against LANE_MAX_ROWS activation rows (each constant, so loops unroll). */
-void rows_q4_1_split(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
-                     float *out, size_t ldo) {
+/* rows_fn over split rows: the activation rows copied out, then 16 weight rows a pass against
+ * LANE_MAX_ROWS activation rows (each count a constant, so the kernel's loops unroll). */
+static inline __attribute__((always_inline)) void split_rows_driver(int k, const void *w, size_t row_bytes, int n,
+                                                                     const void *act, size_t act_bytes, int m,
+                                                                     float *out, size_t ldo, struct split_form form) {
     const int nb = k / 32;
-    const size_t per_row = (size_t)nb * (32 + 2 * sizeof(float));
-    char *space = mlxcel_scratch(&split_scratch, per_row * (size_t)m + sizeof(struct split_act) * (size_t)m);
-    struct split_act *rows = (struct split_act *)(space + per_row * (size_t)m);
-    for (int i = 0; i < m; i++) {
-        float *d = (float *)(space + per_row * (size_t)i), *s = d + nb;
-        int8_t *q = (int8_t *)(s + nb);
-        rows[i] = (struct split_act){q, d, s};
-        const struct q8_1_block *y = (const struct q8_1_block *)((const char *)act + (size_t)i * act_bytes);
-        for (int b = 0; b < nb; b++) {
-            memcpy(q + (size_t)b * 32, y[b].qs, 32);
-            d[b] = half_to_float(y[b].d);
-            s[b] = half_to_float(y[b].s);
-        }
-    }
+    const struct split_act *rows = split_activations(nb, act, act_bytes, m, form);
     const uint8_t *wr = w;
     for (int r = 0; r < n; r += LANE_ROWS) {
         const int nrows = n - r < LANE_ROWS ? n - r : LANE_ROWS;
@@ -332,13 +261,13 @@ void rows_q4_1_split(int k, const void *w, size_t row_bytes, int n, const void *
 }
 
 #define SPLIT_KERNELS(NAME, FORM)                                                                                  \
-    void rows_##NAME##_split(int k, const void *w, size_t row_bytes, int n, const void *act,               \
-                                    size_t act_bytes, int m, float *out, size_t ldo) {                            \
+    void rows_##NAME##_split(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes,    \
+                             int m, float *out, size_t ldo) {                                                     \
         split_rows_driver(k, w, row_bytes, n, act, act_bytes, m, out, ldo, FORM);                                 \
     }                                                                                                             \
     void dequantize_##NAME##_split(const void *x, float *y, int64_t k) { split_dequantize(x, y, k, FORM); }
 
-void dequantize_q4_1_split(const void *x, float *y, int64_t k) { split_dequantize(x, y, k, Q4_1_SPLIT); }
+SPLIT_KERNELS(q4_1, Q4_1_SPLIT)
 SPLIT_KERNELS(q5_0, Q5_0_SPLIT)
 SPLIT_KERNELS(q5_1, Q5_1_SPLIT)
 #endif
