@@ -1,12 +1,9 @@
-"""The shim's own multi-row decode kernels (quant_rows.c, split_rows.c, mxfp4_rows.c) at every row count 1-16.
-
-
-"""The shim's own multi-row decode kernels (quant_rows.c, k_quant_rows.c, split_rows.c) at every
-row count 1-16.
+"""The shim's own multi-row decode kernels (quant_rows.c, k_quant_rows.c, split_rows.c, mxfp4_rows.c)
+at every row count 1-16.
 
 Batched decode, speculative verification and MoE experts multiply a weight by 2-16 activation
 rows in one call; the kernels unpack each weight block once for up to 8 of them a pass (16 for
-the lane kernels: Q8_0, Q4_1, Q4_K, Q6_K). A row's result must not depend on the rows beside it (greedy output and cache-hit-equals-cold rest on
+the lane kernels: Q8_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K, MXFP4). A row's result must not depend on the rows beside it (greedy output and cache-hit-equals-cold rest on
 it), so each row of every call here is compared bit for bit with the same row computed alone,
 at every row count from 1 to 16 and in every position of a pass, and the whole product with
 ggml's vec_dot over the same blocks (the same integer sums added in another order: float32
