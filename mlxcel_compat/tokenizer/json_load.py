@@ -22,6 +22,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import json
+
 import orjson
 from tokenizers import Tokenizer, models
 
@@ -33,7 +35,7 @@ BPE_OPTIONS = ("dropout", "unk_token", "continuing_subword_prefix", "end_of_word
 def read_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer ``path`` (a ``tokenizer.json``) describes, as ``Tokenizer.from_file`` reads it."""
     with open(path, "rb") as f:
-        data = orjson.loads(f.read())
+        data = json.loads(f.read())
     parts = bpe_parts(data)
     if parts is None:
         del data
