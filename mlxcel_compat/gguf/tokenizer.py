@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlxcel_compat.tokenizer.fim import find_fim_tokens, stated_ids
-from mlxcel_compat.gguf.reader import GGUFModelFile
+from mlxcel_compat.tokenizer.fim import FIM_TEXTS, find_fim_tokens, stated_ids
+from mlxcel_compat.gguf.reader import GGUFModelFile, unpacked
 from mlxcel_compat.runtime.backend import release_free_memory
 from mlxcel_compat.tokenizer import cache as tokenizer_cache
 from mlxcel_compat.tokenizer.served import ServedTokenizer
@@ -91,9 +91,16 @@ def special_tokens(file: GGUFModelFile) -> SpecialTokens:
         add_eos=bool(md.get("tokenizer.ggml.add_eos_token", False)),
     )
     eog = {i for i in (specials.eos, specials.eot, specials.eom) if i is not None}
-    eog.update(i for i, (text, kind) in enumerate(zip(tokens, types))
-               if text in EOG_TEXTS and kind in (CONTROL, USER_DEFINED))
-    fim = find_fim_tokens({text: i for i, text in reversed(list(enumerate(tokens)))}, len(tokens), stated_ids(md))
+    # One pass over the vocabulary, keeping only the texts looked for: no table of every token's
+    # text (262K strings on Gemma 3) is built, even for a moment.
+    fim_texts = {text for texts in FIM_TEXTS.values() for text in texts}
+    first_ids: dict[str, int] = {}
+    for i, (text, kind) in enumerate(zip(tokens, types)):
+        if text in EOG_TEXTS and kind in (CONTROL, USER_DEFINED):
+            eog.add(i)
+        if text in fim_texts:
+            first_ids.setdefault(text, i)
+    fim = find_fim_tokens(first_ids, len(tokens), stated_ids(md))
     eog.update(fim.end_of_generation())
     specials.eog = sorted(eog)
     specials.fim = fim.as_dict()
@@ -124,7 +131,7 @@ def _tokenizer_dict(file: GGUFModelFile) -> dict[str, Any]:
         "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "unknown_token_id": "unk_token_id",
         "padding_token_id": "pad_token_id", "add_space_prefix": "add_prefix_space",
     }
-    return {name: md[f"tokenizer.ggml.{key}"] for key, name in renames.items() if f"tokenizer.ggml.{key}" in md}
+    return {name: unpacked(md[f"tokenizer.ggml.{key}"]) for key, name in renames.items() if f"tokenizer.ggml.{key}" in md}
 
 
 def _convert(architecture: str, tokenizer_dict: dict[str, Any]) -> Any:
@@ -225,7 +232,8 @@ def cache_key(file: GGUFModelFile) -> str:
     digest.update(Path(encoder_vocab.__file__).read_bytes())
     digest.update(tokenizer_cache.library_versions().encode())
     read = {key: value for key, value in file.metadata.items() if key.startswith("tokenizer.")}
-    digest.update(orjson.dumps([file.architecture, read], option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY))
+    digest.update(orjson.dumps([file.architecture, read], default=unpacked,  # the same text as lists give
+                               option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY))
     return digest.hexdigest()[:32]
 
 

@@ -36,6 +36,8 @@ from typing import Any, Iterable, Mapping
 
 from tokenizers import AddedToken, Tokenizer, processors
 
+from mlxcel_compat.tokenizer.json_load import read_tokenizer
+
 log = logging.getLogger(__name__)
 
 # transformers' named special tokens (``SPECIAL_TOKENS_ATTRIBUTES``), in its order.
@@ -276,7 +278,7 @@ def _set_post_processor(backend: Tokenizer, config: dict[str, Any], named: dict[
 def from_files(directory: str | Path, eos_token_ids: Iterable[int] = ()) -> ServedTokenizer:
     """The tokenizer of a directory holding ``tokenizer.json`` (and its config files)."""
     directory = Path(directory)
-    backend = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    backend = read_tokenizer(directory / "tokenizer.json")
     config = _read_json(directory / "tokenizer_config.json")
     named, extra = _specials(config, _read_json(directory / "special_tokens_map.json"))
     _add_missing_specials(backend, config, named, extra)

@@ -111,10 +111,13 @@ def test_sentencepiece_without_space_prefix(spm: tuple[Path, Path], tmp_path: Pa
 # ------------------------------------------------------------------------------ the conversion cache
 
 
-def test_converted_tokenizer_is_cached_and_reused_without_converting(tmp_path: Path, monkeypatch) -> None:
+def test_converted_tokenizer_is_cached_and_reused_without_converting(tmp_path: Path, monkeypatch, caplog) -> None:
     path = ensure_gguf("qwen3", "tiny", "q8_0", cache_dir=MODEL_CACHE)
     file = open_gguf(path)
-    first, _ = load_tokenizer(file, cache_dir=tmp_path)
+    with caplog.at_level("INFO", logger="mlxcel_compat.gguf.tokenizer"):
+        first, _ = load_tokenizer(file, cache_dir=tmp_path)
+    # The first start says what it is doing while it converts (seconds on a large vocabulary).
+    assert any("converting the GGUF's tokenizer" in r.getMessage() for r in caplog.records)
     entry = tmp_path / cache_key(file)
     assert (entry / "tokenizer.json").is_file() and [p.name for p in tmp_path.iterdir()] == [entry.name]
 
