@@ -59,10 +59,8 @@ def write_pixtral_mmproj(directory: Path, weights: dict[str, Any], out: Path, mm
     """The tower and projector of the factory's ``mistral3`` directory as llama.cpp's clip GGUF."""
     import gguf
 
-    from .vision_gguf import MMPROJ_TYPES, _stored_type, _write
-
-    if mmproj_type not in MMPROJ_TYPES:
-        raise ValueError(f"projector type {mmproj_type!r}: one of {', '.join(MMPROJ_TYPES)}")
+    if mmproj_type not in ("f32", "f16", "q8_0"):
+        raise ValueError(f"projector type {mmproj_type!r}: one of f32, f16, q8_0")
     config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     processor = json.loads((directory / "preprocessor_config.json").read_text(encoding="utf-8"))
     vocab = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
@@ -90,11 +88,25 @@ def write_pixtral_mmproj(directory: Path, weights: dict[str, Any], out: Path, mm
     arrays = {name: np.array(value, dtype=np.float32) for name, value in weights.items()}
     row = arrays["language_model.model.embed_tokens.weight"][img_break]
     for name, data in pixtral_projector_tensors(arrays, int(vision["num_attention_heads"]), n_blocks, row).items():
-        kind = _stored_type("mistral3", name, data, mmproj_type)
+        kind = stored_type(name, data, mmproj_type)
         if kind == "q8_0":
             writer.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
                               raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             writer.add_tensor(name, data.astype(np.float16) if kind == "f16" else data)
-    _write(writer, out)
+    writer.write_header_to_file(out)
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     return out
+
+
+def stored_type(name: str, data: np.ndarray, mmproj_type: str) -> str:
+    """The converter's storage of a projector tensor in an ``--outtype`` file: vectors (and any tensor of
+    an F32 file) F32, the patch convolution F16 only in an F16 file, other matrices Q8_0 where their rows
+    are whole 32-value blocks, else F16."""
+    if data.ndim < 2 or mmproj_type == "f32":
+        return "f32"
+    if "patch_embd" in name:
+        return "f16" if mmproj_type == "f16" else "f32"
+    return "q8_0" if mmproj_type == "q8_0" and data.shape[-1] % 32 == 0 else "f16"
