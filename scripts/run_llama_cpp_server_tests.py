@@ -145,6 +145,18 @@ import utils  # noqa: E402  (the suite's own module, from the tests directory)
 
 utils.ServerPreset.load_all = staticmethod(lambda: None)
 
+# --start-timeout: a longer wait for /health than the suite's 60 s, for both servers alike (a busy machine)
+_start = utils.ServerProcess.start
+
+
+def _start_patiently(self, timeout_seconds=utils.DEFAULT_HTTP_TIMEOUT):
+    import os
+
+    return _start(self, timeout_seconds=max(timeout_seconds, int(os.environ.get("LCPP_START_TIMEOUT") or 0)))
+
+
+utils.ServerProcess.start = _start_patiently
+
 # requests.get of the vision tests' images: the local stand-ins (other URLs go out as before, and fail
 # without network); the suite's own requests to the servers are untouched.
 import os  # noqa: E402
@@ -258,7 +270,7 @@ def free_port_block(size: int = 10) -> int:
 
 
 def run_suite(name: str, binary: Path, tests: Path, work: Path, llama_cache: Path,
-              files: list[str]) -> dict[str, str]:
+              files: list[str], start_timeout: int = 0) -> dict[str, str]:
     """pytest over ``files`` (all ``unit/`` when empty) against ``binary``: test id -> outcome."""
     plugin_dir = work / "plugin"
     plugin_dir.mkdir(exist_ok=True)
@@ -274,6 +286,7 @@ def run_suite(name: str, binary: Path, tests: Path, work: Path, llama_cache: Pat
         "PORT": os.environ.get("PORT") or str(free_port_block()),
         "LCPP_IMAGE_URL": IMAGE_URL,
         "LCPP_IMAGE_DIR": str(write_images(work / "images")),
+        "LCPP_START_TIMEOUT": str(start_timeout),
     }
     targets = [f"unit/{f}" for f in files] or ["unit"]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "lcpp_runner_plugin",
@@ -352,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, help="working directory (default: a temporary one)")
     parser.add_argument("--model-cache", type=Path, help="factory model cache (default: the factory's)")
     parser.add_argument("--json", type=Path, help="save every test's outcome per server here")
+    parser.add_argument("--start-timeout", type=int, default=0, help="seconds each server may take to answer "
+                        "/health (both servers alike; default: the suite's 60)")
     parser.add_argument("--reuse", type=Path, help="a previous --json file: its outcomes stand for the files "
                         "not run now (a rerun of a few files then prints the whole table)")
     args = parser.parse_args(argv)
@@ -367,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     tests = tests_tree(args.llama_cpp, work)
     servers = {"llama-server": args.llama_server.resolve(), "mlxcel": write_wrapper(work)}
     chosen = list(servers) if args.server == "both" else [args.server]
-    results = {name: run_suite(name, servers[name], tests, work, llama_cache, args.files) for name in chosen}
+    results = {name: run_suite(name, servers[name], tests, work, llama_cache, args.files, args.start_timeout)
+               for name in chosen}
     if args.reuse:
         results = merged(json.loads(args.reuse.read_text()), results, args.files)
     if args.json:

@@ -14,7 +14,10 @@ import pytest
 from mlxcel_compat.testing import vision, vision_configs
 
 
-@pytest.fixture(scope="module", params=vision.FAMILIES)
+# Mistral 3's row runs with --slow (the suite's budget): tests/vision/test_pixtral.py loads it through mlx-vlm
+# and checks its processor's sizes by default.
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=[pytest.mark.slow] if f == "mistral3" else [])
+                                        for f in vision.FAMILIES])
 def vlm_dir(request: pytest.FixtureRequest) -> Path:
     from tests.conftest import MODEL_CACHE
 
