@@ -32,6 +32,9 @@ from mlxcel_compat.vision.gguf_projector import Processor, ProjectorFile, Projec
 
 PIXTRAL_PROCESSOR = "transformers.models.pixtral.image_processing_pil_pixtral:PixtralImageProcessorPil"
 IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+# A pair's images: PixtralImageProcessor sized as mtmd sizes them (vision/pixtral_mtmd.py, which imports transformers)
+MTMD_PIXTRAL_PROCESSOR = "mlxcel_compat.vision.pixtral_mtmd:MtmdPixtralImageProcessor"
+MTMD_LIMITS = (8, 1024)  # clip.cpp's merged patches an image for pixtral (set_limit_image_tokens)
 
 
 class Mistral3(VisionFamily):
@@ -101,10 +104,10 @@ class PixtralProjector(ProjectorKind):
     Hugging Face's layout) is refused. The text GGUF (``mistral3``: mlx-lm's ``ministral3``) is the
     language model whole.
 
-    Images are prepared by PixtralImageProcessor with its longest edge at ``clip.vision.image_size``,
-    as a directory's are; llama.cpp's mtmd resizes them otherwise (rounded to whole merged patches,
-    then bounded to 8..1024 tokens), so the two agree on images already of whole merged patches
-    within both bounds, and differ on others (docs/vision.md)."""
+    Images are sized as llama.cpp's mtmd sizes them for this type (``vision/pixtral_mtmd.py``: each
+    side rounded to whole merged patches, then bounded to 8..1024 merged patches, which
+    ``--image-min-tokens`` / ``--image-max-tokens`` replace), then rescaled and normalized by
+    PixtralImageProcessor, where a directory's take the processor's own longest edge (docs/vision.md)."""
 
     types = ("pixtral",)
     model_type = "mistral3"
@@ -134,8 +137,10 @@ class PixtralProjector(ProjectorKind):
                       resample=3, size={"longest_edge": int(projector.vision("image_size"))},
                       patch_size=int(projector.vision("patch_size")),
                       image_mean=[float(x) for x in projector.vision("image_mean")],
-                      image_std=[float(x) for x in projector.vision("image_std")])
-        return Processor(PIXTRAL_PROCESSOR, config)
+                      image_std=[float(x) for x in projector.vision("image_std")],
+                      min_tokens=min_tokens if min_tokens > 0 else MTMD_LIMITS[0],
+                      max_tokens=max_tokens if max_tokens > 0 else MTMD_LIMITS[1])
+        return Processor(MTMD_PIXTRAL_PROCESSOR, config)
 
     def checkpoint_name(self, mlx_name: str) -> str:
         return mlx_name.replace("vision_tower.vision_model.", "vision_tower.")

@@ -134,7 +134,7 @@ def test_the_pairs_tower_is_the_directorys_weights(directory: Path, pair: tuple[
     stored = read_projector(mmproj).read("v.blk.0.attn_q.weight")
     assert not np.array_equal(stored, np.asarray(theirs["vision_tower.vision_model.transformer.layers.0.attention.q_proj.weight"]))
     assert type(loaded.model.vlm.language_model).__module__ == "mlx_lm.models.ministral3"
-    assert loaded.vision.model_type == "mistral3" and loaded.vision.processor_config["size"] == {"longest_edge": 112}
+    assert loaded.vision.model_type == "mistral3" and loaded.vision.processor_config["max_tokens"] == 1024
 
 
 def test_a_prompt_with_images_gives_the_directorys_logits(loaded: Any, pair: tuple[Path, Path, Any]) -> None:
@@ -167,3 +167,26 @@ def test_a_pixtral_projector_without_a_patch_merger_is_refused(pair: tuple[Path,
                                   projector.names, projector.read)
     with pytest.raises(ValueError, match="without a patch merger"):
         kind.vlm_config(pixtral_12b, {"vocab_size": 8}, {"[IMG]": 1})
+
+
+@pytest.mark.parametrize("size, limits, grid", [
+    ((100, 70), (8, 1024), (3, 4)),     # sides rounded to the nearest merged patch (2.5 -> 3: C's round)
+    ((2000, 1000), (8, 1024), (22, 45)),  # over 1024: scaled by sqrt(area / max), sides rounded down
+    ((20, 20), (8, 1024), (3, 3)),       # under 8: scaled up, sides rounded up
+    ((320, 240), (8, 16), (3, 4)),       # --image-max-tokens 16
+])
+def test_a_pairs_images_are_sized_as_mtmd_sizes_them(pair: tuple[Path, Path, Any], size: tuple[int, int],
+                                                     limits: tuple[int, int], grid: tuple[int, int]) -> None:
+    """The pair's processor (``vision/pixtral_mtmd.py``): llama.cpp's ``calc_size_preserved_ratio``
+    for pixtral (clip.cpp's 8..1024 merged patches, or the flags'), not the directory's longest edge."""
+    from mlxcel_compat.server.media import ImageInput, MediaLimits
+    from mlxcel_compat.vision.served import projector_kind
+    from mlxcel_compat.model.mmproj import read_projector
+
+    facts = pair[2].vision
+    projector = read_projector(pair[1])
+    processor = projector_kind(projector).processor(projector, *(0 if x in (8, 1024) else x for x in limits))
+    assert (processor.config["min_tokens"], processor.config["max_tokens"]) == limits
+    images = ImageInput(type(facts)(**{**facts.__dict__, "processor_config": processor.config}), MediaLimits())
+    _, media, _ = images.prepare([base64.b64encode(_png(4, size)).decode()], list(facts.marker))
+    assert media.images[0].grid_thw == (1, 2 * grid[0], 2 * grid[1])
