@@ -38,11 +38,14 @@ one's vision tower and image prefill cost (``scripts/bench_vision_ttft.py``), no
   3-layer Qwen3 text model with interleaved M-RoPE (``testing/vision_configs.py``); at most 16 tokens an image.
 - InternVL (``--family internvl_chat``): InternVL's own layout (``llm_config``), a 4-block InternViT over
   56-pixel tiles (1 to 4 and a thumbnail, as GotOcr2ImageProcessor cuts them), 4 tokens a tile, Qwen2 text.
+- Mistral 3 (``--family mistral3``): Mistral Small 3.1's layout, a 2-block Pixtral tower (2-D RoPE) over
+  14-pixel patches, the 2x2 patch merger, a Mistral text model; PixtralImageProcessor to whole 28-pixel
+  merged patches within a 112-pixel longest edge (at most 16 ``[IMG]`` tokens, a ``[IMG_BREAK]`` a row).
 
-Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|qwen3_vl|internvl_chat|gemma3|llava|smolvlm|gemma3n] [--size small]``;
-with ``--format gguf`` (Gemma 3, Qwen2.5-VL, Qwen2-VL, SmolVLM, Qwen3-VL, InternVL, LLaVA) the directory's GGUF pair instead, the text
+Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|qwen3_vl|internvl_chat|gemma3|llava|smolvlm|mistral3|gemma3n] [--size small]``;
+with ``--format gguf`` (Gemma 3, Qwen2.5-VL, Qwen2-VL, SmolVLM, Qwen3-VL, InternVL, LLaVA, Mistral 3) the directory's GGUF pair instead, the text
 model and its ``mmproj-*.gguf`` projector as llama.cpp's converter writes them (``testing/vision_gguf.py``; LLaVA's projector as
-its legacy tools write it, ``testing/vision_gguf_llava.py``).
+its legacy tools write it, ``testing/vision_gguf_llava.py``; Mistral 3's ``pixtral`` projector ``testing/vision_gguf_pixtral.py``).
 """
 
 from __future__ import annotations
