@@ -38,7 +38,7 @@ server the converter's file itself.
 
 Prints one Markdown row per family (docs/vision.md's table); exits non-zero if any fails.
 
-    .venv/bin/python scripts/check_mmproj.py [--families gemma3,qwen2_5_vl,qwen2_vl,smolvlm,qwen3_vl,internvl_chat,llava]
+    .venv/bin/python scripts/check_mmproj.py [--families gemma3,qwen2_5_vl,qwen2_vl,smolvlm,qwen3_vl,internvl_chat,llava,mistral3]
 """
 
 from __future__ import annotations
@@ -80,10 +80,10 @@ sys.argv = ["convert_hf_to_gguf.py", *sys.argv[3:]]
 convert_hf_to_gguf.main()
 """
 PRE = {"gemma3": "gpt-2", "qwen2_5_vl": "qwen2", "qwen2_vl": "qwen2", "smolvlm": "gpt-2", "qwen3_vl": "qwen2",
-       "internvl_chat": "qwen2", "llava": "gpt-2"}
+       "internvl_chat": "qwen2", "llava": "gpt-2", "mistral3": "gpt-2"}
 # What each side's prompt holds around the media marker (see the module docstring).
 WRAP = {"gemma3": ("\n\n", "\n\n"), "qwen2_5_vl": ("", ""), "qwen2_vl": ("", ""), "smolvlm": ("", ""),
-        "qwen3_vl": ("", ""), "internvl_chat": ("", ""), "llava": ("", "")}
+        "qwen3_vl": ("", ""), "internvl_chat": ("", ""), "llava": ("", ""), "mistral3": ("", "")}
 # SmolVLM's checkpoint names, which the converter reads (mlx-vlm's sanitize strips them).
 SMOLVLM_NAMES = (("language_model.lm_head.", "lm_head."), ("language_model.", "model.text_model."),
                  ("vision_model.", "model.vision_model."), ("connector.", "model.connector."))
@@ -102,8 +102,14 @@ def checkpoint_copy(family: str, directory: Path, work: Path) -> Path:
     out = {}
     for name, value in mx.load(str(directory / "model.safetensors")).items():
         array = np.array(value)
-        if name.endswith(("patch_embedding.weight", "patch_embed.proj.weight")):
+        if name.endswith(("patch_embedding.weight", "patch_embed.proj.weight", "patch_conv.weight")):
             array = np.moveaxis(array, -1, 1)  # MLX channels-last -> PyTorch (out, in, ...)
+        if family == "mistral3":  # Mistral Small 3.1's checkpoint: vision_tower.transformer.*, mlx-vlm's vision_model inserted
+            name = name.replace("vision_tower.vision_model.", "vision_tower.")
+            # b11312's MmprojModel drops every "language_model." tensor before LlavaVisionModel could copy
+            # the [IMG_BREAK] row out of the embeddings: the text named as a plain Mistral's, which the
+            # converter's text path reads the same (it strips "language_model." itself)
+            name = name.replace("language_model.model.", "model.").replace("language_model.lm_head.", "lm_head.")
         if family in ("qwen2_5_vl", "qwen2_vl") and name.startswith("vision_tower."):
             name = "visual." + name.removeprefix("vision_tower.")
         if family in ("smolvlm", "qwen3_vl"):
@@ -356,7 +362,7 @@ def image_for(family: str) -> bytes:
     # SmolVLM: the processor's longest edge, so neither side resizes it before cutting its 2x2 tiles (the
     # whole image, shrunk to one tile, is each side's own Lanczos).
     size = {"gemma3": (56, 56), "qwen2_5_vl": (112, 112), "qwen2_vl": (112, 112), "smolvlm": (112, 112),
-            "qwen3_vl": (128, 128), "internvl_chat": (112, 56), "llava": (56, 56)}[family]
+            "qwen3_vl": (128, 128), "internvl_chat": (112, 56), "llava": (56, 56), "mistral3": (112, 84)}[family]
     pixels = np.random.default_rng(7).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format="PNG")

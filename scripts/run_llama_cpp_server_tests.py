@@ -21,11 +21,17 @@ that matters is the per-file comparison. ``STAND_INS`` lists them:
   plain decoder, which both servers rerank with (llama-server pools ``rank`` on any model; the
   factory's cross-encoders hold 64 positions, fewer than the tests' documents);
 - ``ggml-org/stories15M_MOE``: the factory's tiny Qwen3-MoE;
-- ``ggml-org/tinygemma3-GGUF``: the factory's tiny Gemma 3 text model, without a projector (the
-  vision tests fail on both servers).
+- ``ggml-org/tinygemma3-GGUF``: the factory's tiny Gemma 3 GGUF pair, ``tinygemma3-Q8_0.gguf`` and
+  ``mmproj-tinygemma3.gguf`` beside it as the repository lays them out, so ``-hf`` picks the
+  projector on both servers (random weights: the answers naming CIFAR-10 classes fail on both).
 
-Files the tests fetch by URL (LoRA adapters, draft models, images) go through the ``wget`` module,
-which this script stands in for with one that fails as a download without network does.
+Files the tests fetch by URL (LoRA adapters, draft models) go through the ``wget`` module, which
+this script stands in for with one that fails as a download without network does. The vision
+tests' two images (``IMAGES``), which ``unit/test_vision_api.py`` fetches from huggingface.co with
+``requests.get``, are local PNGs of the same names written by this script (32x32 seeded pixels);
+``requests.get`` of those URLs returns them, every other request is untouched. The image *URLs*
+the tests pass to the servers are passed as they are: without network both servers refuse them
+(llama-server cannot download them, this server does not fetch media without ``--media-fetch``).
 ``ServerPreset.load_all`` (the suite's session fixture that downloads every preset once) is
 skipped: the files are already in the cache.
 
@@ -88,6 +94,15 @@ def _gguf(family: str, gguf_type: str = "f32") -> Callable[[Path], Path]:
     return build
 
 
+def _vision_pair(part: int) -> Callable[[Path], Path]:
+    """The factory's tiny Gemma 3 GGUF pair (Q8_0 text, F32 projector): part 0 the text, 1 the projector."""
+    def build(cache: Path) -> Path:
+        from mlxcel_compat.testing.vision import ensure_vision_gguf
+
+        return ensure_vision_gguf(cache, "gemma3", gguf_type="q8_0")[part]
+    return build
+
+
 def _encoder(kind: str) -> Callable[[Path], Path]:
     def build(cache: Path) -> Path:
         from mlxcel_compat.testing.encoders import ensure_encoder_gguf
@@ -102,8 +117,13 @@ STAND_INS = (
     StandIn("ggml-org/models", "bert-bge-small/ggml-model-f16.gguf", _encoder("bert-small")),
     StandIn("ggml-org/models", "jina-reranker-v1-tiny-en/ggml-model-f16.gguf", _gguf("llama")),
     StandIn("ggml-org/stories15M_MOE", "stories15M_MOE-F16.gguf", _gguf("qwen3_moe")),
-    StandIn("ggml-org/tinygemma3-GGUF", "tinygemma3-Q8_0.gguf", _gguf("gemma3_text", "q8_0")),
+    StandIn("ggml-org/tinygemma3-GGUF", "tinygemma3-Q8_0.gguf", _vision_pair(0)),
+    StandIn("ggml-org/tinygemma3-GGUF", "mmproj-tinygemma3.gguf", _vision_pair(1)),
 )
+# The images unit/test_vision_api.py fetches with requests.get (the repository's test/ folder): local
+# stand-ins of the same names, 32x32 like the CIFAR-10 pictures the trained tinygemma3 names.
+IMAGE_URL = "https://huggingface.co/ggml-org/tinygemma3-GGUF/resolve/main/test/"
+IMAGES = ("11_truck.png", "91_cat.png")
 
 # Loaded into pytest with -p: skips the presets' download pass and stands in for ``wget``.
 PLUGIN = '''\
@@ -124,7 +144,58 @@ sys.modules.setdefault("wget", wget)
 import utils  # noqa: E402  (the suite's own module, from the tests directory)
 
 utils.ServerPreset.load_all = staticmethod(lambda: None)
+
+# --start-timeout: a longer wait for /health than the suite's 60 s, for both servers alike (a busy machine)
+_start = utils.ServerProcess.start
+
+
+def _start_patiently(self, timeout_seconds=utils.DEFAULT_HTTP_TIMEOUT):
+    import os
+
+    return _start(self, timeout_seconds=max(timeout_seconds, int(os.environ.get("LCPP_START_TIMEOUT") or 0)))
+
+
+utils.ServerProcess.start = _start_patiently
+
+# requests.get of the vision tests' images: the local stand-ins (other URLs go out as before, and fail
+# without network); the suite's own requests to the servers are untouched.
+import os  # noqa: E402
+
+import requests  # noqa: E402
+
+_get = requests.get
+
+
+def _local_get(url, *args, **kwargs):
+    name = str(url).removeprefix(os.environ.get("LCPP_IMAGE_URL") or "no-such-prefix:")
+    folder = os.environ.get("LCPP_IMAGE_DIR", "")
+    if name != str(url) and folder and os.path.isfile(os.path.join(folder, name)):
+        response = requests.Response()
+        response.status_code, response.url = 200, url
+        with open(os.path.join(folder, name), "rb") as f:
+            response._content = f.read()
+        response.headers["Content-Type"] = "image/png"
+        return response
+    return _get(url, *args, **kwargs)
+
+
+requests.get = _local_get
 '''
+
+
+def write_images(folder: Path) -> Path:
+    """The vision tests' images (``IMAGES``): 32x32 PNGs of seeded random pixels."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for seed, name in enumerate(IMAGES):
+        out = io.BytesIO()
+        Image.fromarray(np.random.default_rng(seed).integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(out, "PNG")
+        (folder / name).write_bytes(out.getvalue())
+    return folder
 
 
 def commit_of(repo: str) -> str:
@@ -199,7 +270,7 @@ def free_port_block(size: int = 10) -> int:
 
 
 def run_suite(name: str, binary: Path, tests: Path, work: Path, llama_cache: Path,
-              files: list[str]) -> dict[str, str]:
+              files: list[str], start_timeout: int = 0) -> dict[str, str]:
     """pytest over ``files`` (all ``unit/`` when empty) against ``binary``: test id -> outcome."""
     plugin_dir = work / "plugin"
     plugin_dir.mkdir(exist_ok=True)
@@ -213,6 +284,9 @@ def run_suite(name: str, binary: Path, tests: Path, work: Path, llama_cache: Pat
         "HF_HUB_OFFLINE": "1",
         "PYTHONPATH": os.pathsep.join([str(plugin_dir), str(tests), str(ROOT), os.environ.get("PYTHONPATH", "")]),
         "PORT": os.environ.get("PORT") or str(free_port_block()),
+        "LCPP_IMAGE_URL": IMAGE_URL,
+        "LCPP_IMAGE_DIR": str(write_images(work / "images")),
+        "LCPP_START_TIMEOUT": str(start_timeout),
     }
     targets = [f"unit/{f}" for f in files] or ["unit"]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "lcpp_runner_plugin",
@@ -291,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, help="working directory (default: a temporary one)")
     parser.add_argument("--model-cache", type=Path, help="factory model cache (default: the factory's)")
     parser.add_argument("--json", type=Path, help="save every test's outcome per server here")
+    parser.add_argument("--start-timeout", type=int, default=0, help="seconds each server may take to answer "
+                        "/health (both servers alike; default: the suite's 60)")
     parser.add_argument("--reuse", type=Path, help="a previous --json file: its outcomes stand for the files "
                         "not run now (a rerun of a few files then prints the whole table)")
     args = parser.parse_args(argv)
@@ -306,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     tests = tests_tree(args.llama_cpp, work)
     servers = {"llama-server": args.llama_server.resolve(), "mlxcel": write_wrapper(work)}
     chosen = list(servers) if args.server == "both" else [args.server]
-    results = {name: run_suite(name, servers[name], tests, work, llama_cache, args.files) for name in chosen}
+    results = {name: run_suite(name, servers[name], tests, work, llama_cache, args.files, args.start_timeout)
+               for name in chosen}
     if args.reuse:
         results = merged(json.loads(args.reuse.read_text()), results, args.files)
     if args.json:

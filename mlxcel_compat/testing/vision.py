@@ -38,11 +38,14 @@ one's vision tower and image prefill cost (``scripts/bench_vision_ttft.py``), no
   3-layer Qwen3 text model with interleaved M-RoPE (``testing/vision_configs.py``); at most 16 tokens an image.
 - InternVL (``--family internvl_chat``): InternVL's own layout (``llm_config``), a 4-block InternViT over
   56-pixel tiles (1 to 4 and a thumbnail, as GotOcr2ImageProcessor cuts them), 4 tokens a tile, Qwen2 text.
+- Mistral 3 (``--family mistral3``): Mistral Small 3.1's layout, a 2-block Pixtral tower (2-D RoPE) over
+  14-pixel patches, the 2x2 patch merger, a Mistral text model; PixtralImageProcessor to whole 28-pixel
+  merged patches within a 112-pixel longest edge (at most 16 ``[IMG]`` tokens, a ``[IMG_BREAK]`` a row).
 
-Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|qwen3_vl|internvl_chat|gemma3|llava|smolvlm|gemma3n] [--size small]``;
-with ``--format gguf`` (Gemma 3, Qwen2.5-VL, Qwen2-VL, SmolVLM, Qwen3-VL, InternVL, LLaVA) the directory's GGUF pair instead, the text
+Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|qwen3_vl|internvl_chat|gemma3|llava|smolvlm|mistral3|gemma3n] [--size small]``;
+with ``--format gguf`` (Gemma 3, Qwen2.5-VL, Qwen2-VL, SmolVLM, Qwen3-VL, InternVL, LLaVA, Mistral 3) the directory's GGUF pair instead, the text
 model and its ``mmproj-*.gguf`` projector as llama.cpp's converter writes them (``testing/vision_gguf.py``; LLaVA's projector as
-its legacy tools write it, ``testing/vision_gguf_llava.py``).
+its legacy tools write it, ``testing/vision_gguf_llava.py``; Mistral 3's ``pixtral`` projector ``testing/vision_gguf_pixtral.py``).
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ import numpy as np
 from . import chatml
 from . import tokenizer as tok
 from .families import EOS_IDS
-from .vision_configs import internvl_config, internvl_preprocessor, qwen3_vl_config, qwen3_vl_preprocessor
+from .vision_configs import (internvl_config, internvl_preprocessor, mistral3_config, mistral3_preprocessor, qwen3_vl_config,
+                             qwen3_vl_preprocessor)
 
 FORMAT_VERSION = 1
 WEIGHT_SEED = 20261202
@@ -70,6 +74,7 @@ FAMILY_TOKENS: dict[str, tuple[str, ...]] = {
     "internvl_chat": ("<img>", "</img>", "<IMG_CONTEXT>"),
     "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
     "llava": ("<image>",),
+    "mistral3": ("[IMG]", "[IMG_BREAK]", "[IMG_END]"),
     # SmolVLM (Idefics3's layout): "\n\n" is one token in SmolLM2's vocabulary (llama.cpp's mtmd looks it up
     # as one), the row/column tokens of a 2x2 grid, the most the tiny processor cuts an image into.
     "smolvlm": ("<fake_token_around_image>", "<image>", "<global-img>", "\n\n", "<row_1_col_1>", "<row_1_col_2>",
@@ -88,7 +93,7 @@ TEMPLATE_IMAGE = {"qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                   "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                   "internvl_chat": "<img><IMG_CONTEXT></img>",
                   "gemma3": "<start_of_image>", "llava": "<image>", "gemma3n": "<image_soft_token>",
-                  "smolvlm": "<image>"}
+                  "smolvlm": "<image>", "mistral3": "[IMG]"}
 # What the template writes for one audio part (families with an audio tower): Gemma 3n's soft token.
 TEMPLATE_AUDIO = {"gemma3n": "<audio_soft_token>"}
 PATCH_SIZE = 14
@@ -258,12 +263,14 @@ def model_config(family: str = "qwen2_5_vl", size: str = "tiny") -> dict[str, An
         return _llava_config()
     if family == "smolvlm":
         return _smolvlm_config()
-    if family in ("qwen3_vl", "internvl_chat"):  # testing/vision_configs.py
+    if family in ("qwen3_vl", "internvl_chat", "mistral3"):  # testing/vision_configs.py
         common = dict(bos_token_id=None, eos_token_id=EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT),
                       torch_dtype="float32")
         vocab, token = vocab_size(family), lambda content: vision_token_id(content, family)
         if family == "qwen3_vl":
             return qwen3_vl_config(vocab, token, common)
+        if family == "mistral3":
+            return mistral3_config(vocab, token, common, PATCH_SIZE)
         return internvl_config(vocab, token, common, IMAGE_SIZE, PATCH_SIZE)
     vision = _vision_config(family)
     return dict(
@@ -319,6 +326,8 @@ def preprocessor_config(family: str = "qwen2_5_vl", size: str = "tiny") -> dict[
         return qwen3_vl_preprocessor()
     if family == "internvl_chat":
         return internvl_preprocessor(IMAGE_SIZE)
+    if family == "mistral3":
+        return mistral3_preprocessor(PATCH_SIZE, IMAGE_MEAN, IMAGE_STD)
     if family == "llava":  # llava-hf's checkpoints name CLIP's processor
         return {
             "image_processor_type": "CLIPImageProcessor", "processor_class": "LlavaProcessor",

@@ -83,3 +83,34 @@ def internvl_preprocessor(image_size: int) -> dict[str, Any]:
         "rescale_factor": 1 / 255, "image_mean": IMAGENET_MEAN, "image_std": IMAGENET_STD,
         "size": {"height": image_size, "width": image_size},
     }
+
+
+MISTRAL3_LONGEST_EDGE = 112  # PixtralImageProcessor's size: at most 4x4 merged patches (16 tokens and 4 breaks)
+
+
+def mistral3_config(vocab: int, token_id: Callable[[str], int], common: dict[str, Any], patch_size: int) -> dict[str, Any]:
+    """Mistral Small 3.1's layout at tiny size: a Mistral ``text_config`` (plain RoPE, no biases,
+    untied head), a Pixtral ``vision_config`` (2-D RoPE over ``image_size / patch_size`` patches a
+    side, RMS norms, SwiGLU), the 2x2 patch merger and a GELU projector without biases."""
+    text = dict(model_type="mistral", hidden_size=64, num_hidden_layers=2, intermediate_size=192,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1000000000.0,
+                max_position_embeddings=32768, vocab_size=vocab, tie_word_embeddings=False, sliding_window=None,
+                hidden_act="silu")
+    vision = dict(model_type="pixtral", hidden_size=32, head_dim=16, num_attention_heads=2, intermediate_size=64,
+                  num_hidden_layers=2, image_size=MISTRAL3_LONGEST_EDGE, patch_size=patch_size, num_channels=3,
+                  rope_theta=10000.0, hidden_act="silu")
+    return dict(model_type="mistral3", architectures=["Mistral3ForConditionalGeneration"], text_config=text,
+                vision_config=vision, image_token_index=token_id("[IMG]"), spatial_merge_size=2,
+                vision_feature_layer=-1, multimodal_projector_bias=False, projector_hidden_act="gelu",
+                vocab_size=vocab, **common)
+
+
+def mistral3_preprocessor(patch_size: int, mean: list[float], std: list[float]) -> dict[str, Any]:
+    """PixtralImageProcessor as Mistral Small 3.1 ships it (its ``patch_size`` the tower's; the
+    processor resizes to whole merged patches), the longest edge at the tiny tower's size."""
+    return {
+        "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
+        "do_convert_rgb": True, "do_resize": True, "do_rescale": True, "do_normalize": True, "resample": 3,
+        "rescale_factor": 1 / 255, "image_mean": mean, "image_std": std, "patch_size": patch_size,
+        "size": {"longest_edge": MISTRAL3_LONGEST_EDGE},
+    }

@@ -65,6 +65,7 @@ GGUF_VISION: dict[str, tuple[str, str, str, str]] = {
     "qwen3_vl": ("qwen3", "qwen3vl", "qwen2", "qwen3vl_merger"),
     "internvl_chat": ("qwen2", "qwen2", "qwen2", "internvl"),
     "llava": ("llama", "llama", "gpt-2", "mlp"),  # LLaVA 1.5: the legacy tools' projector (vision_gguf_llava.py)
+    "mistral3": ("mistral", "mistral3", "gpt-2", "pixtral"),  # Mistral Small 3.1: vision_gguf_pixtral.py
 }
 GGUF_VISION_FAMILIES: tuple[str, ...] = tuple(GGUF_VISION)
 MMPROJ_TYPES = ("f32", "f16", "q8_0")
@@ -101,7 +102,7 @@ def _text_config(family: str, config: dict[str, Any]) -> dict[str, Any]:
         n, period = text["num_hidden_layers"], text["sliding_window_pattern"]
         return dict(text, rope_theta=text["rope_global_base_freq"],
                     layer_types=["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)])
-    if family == "llava":
+    if family in ("llava", "mistral3"):
         return dict(config["text_config"])
     if family in ("smolvlm", "qwen3_vl"):  # Qwen3-VL's M-RoPE: its sections, written apart
         return {k: v for k, v in config["text_config"].items() if k != "rope_scaling"}
@@ -350,6 +351,10 @@ def write_vision_gguf_pair(family: str, directory: Path, out_dir: Path, size: st
         from .vision_gguf_llava import write_llava_mmproj
 
         mmproj = write_llava_mmproj(directory, weights, out_dir / mmproj_name, mmproj_type)
+    elif family == "mistral3":
+        from .vision_gguf_pixtral import write_pixtral_mmproj
+
+        mmproj = write_pixtral_mmproj(directory, weights, out_dir / mmproj_name, mmproj_type)
     else:
         mmproj = write_mmproj_gguf(family, directory, weights, out_dir / mmproj_name, mmproj_type)
     return text, mmproj

@@ -83,6 +83,10 @@ class VisionFacts:
     tiles: TileLayout | None = None  # an image cut into tiles (Idefics3): its tokens interleave text
     tokens_per_tile: int = 0  # InternVL: an image's tiles (pixel_values' first axis) take this many tokens each
     images: bool = True  # the family's images are served (Gemma 3n: not yet, its audio is)
+    # Pixtral / Mistral 3: a row of merged patches ends with this token (the last row with ``image_end``);
+    # the patch grid comes from the processor's ``image_sizes`` (``patch_size`` pixels, ``merge_size`` per side)
+    row_break: int = -1
+    image_end: int = -1
     audio: AudioFacts | None = None  # the family's audio input, when it has an audio tower
 
     def image_token_count(self, processed: Any) -> tuple[int, tuple[int, int, int]]:
@@ -92,6 +96,12 @@ class VisionFacts:
             tiles = int(np.asarray(processed["pixel_values"]).shape[1])
             rows, cols = (int(np.asarray(processed[k]).reshape(-1)[0]) if k in processed else 0 for k in ("rows", "cols"))
             return tiles * self.tiles.tokens_per_tile, (1, rows, cols)
+        if self.row_break >= 0:  # (1, 3, H, W) of whole merged patches: grid_thw is the patch grid
+            sizes = processed.get("image_sizes")
+            height, width = (np.asarray(sizes).reshape(-1)[:2] if sizes is not None
+                             else np.asarray(processed["pixel_values"]).shape[-2:])
+            grid = (1, int(height) // self.patch_size, int(width) // self.patch_size)
+            return (grid[1] // self.merge_size) * (grid[2] // self.merge_size), grid
         if self.tokens_per_tile:  # (tiles, 3, H, W): the tiles' tokens one after another
             return int(np.asarray(processed["pixel_values"]).shape[0]) * self.tokens_per_tile, (1, 1, 1)
         if "image_grid_thw" in processed:
@@ -106,6 +116,11 @@ class VisionFacts:
         """The tokens one image of ``count`` image tokens becomes (between ``before`` and ``after``)."""
         if self.tiles is not None:
             return self.tiles.tokens(self.image_token_id, grid[1], grid[2])
+        if self.row_break >= 0:  # each row of merged patches, then [IMG_BREAK]; the last one's [IMG_END]
+            rows, cols = grid[1] // self.merge_size, grid[2] // self.merge_size
+            tokens = ([self.image_token_id] * cols + [self.row_break]) * rows
+            tokens[-1] = self.image_end
+            return tokens
         return [self.image_token_id] * count
 
 

@@ -1,5 +1,5 @@
 """End to end: a GGUF pair (``-m text.gguf --mmproj mmproj-*.gguf``, as llama-server serves images)
-through the openai SDK, on the factory's tiny Qwen2.5-VL (by default), Gemma 3, SmolVLM, Qwen3-VL and InternVL (``slow``),
+through the openai SDK, on the factory's tiny Qwen2.5-VL (by default), Gemma 3, SmolVLM, Qwen3-VL, InternVL, LLaVA and Mistral 3 (``slow``),
 written as llama.cpp's converter writes them (``python -m mlxcel_compat.testing.vision --format gguf``).
 
 - ``/props`` says vision; a chat with an image part is answered, the image taking its tokens.
@@ -26,7 +26,8 @@ pytestmark = pytest.mark.e2e
 
 FAMILIES = [pytest.param("qwen2_5_vl"), pytest.param("gemma3", marks=pytest.mark.slow),
             pytest.param("smolvlm", marks=pytest.mark.slow), pytest.param("qwen3_vl", marks=pytest.mark.slow),
-            pytest.param("internvl_chat", marks=pytest.mark.slow), pytest.param("llava", marks=pytest.mark.slow)]
+            pytest.param("internvl_chat", marks=pytest.mark.slow), pytest.param("llava", marks=pytest.mark.slow),
+            pytest.param("mistral3", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -65,7 +66,7 @@ def first_image_token(served, pair, messages: list[dict[str, Any]]) -> int:
     head = prompt[: prompt.index(vision.TEMPLATE_IMAGE[family])]
     tokens = httpx.post(served.base_url + "/tokenize", json={"content": head}).json()["tokens"]
     return len(tokens) + {"qwen2_5_vl": 1, "qwen3_vl": 1, "internvl_chat": 1, "gemma3": 3, "smolvlm": 0,
-                          "llava": 0}[family]  # SmolVLM: <image> is expanded whole
+                          "llava": 0, "mistral3": 0}[family]  # SmolVLM: <image> is expanded whole; Mistral 3: [IMG]
 
 
 def test_props_say_vision_and_an_image_is_answered(served, oai: openai.OpenAI) -> None:

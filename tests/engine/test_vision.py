@@ -27,10 +27,10 @@ from mlxcel_compat.testing import vision
 from tests.engine.harness import EngineHarness, Run, collect, disk_tier_harness
 
 
-# SmolVLM's, Qwen3-VL's and InternVL's engine rows run with --slow (the suite's budget);
+# SmolVLM's, Qwen3-VL's, InternVL's and Mistral 3's engine rows run with --slow (the suite's budget);
 # tests/testing/test_vision_factory.py checks SmolVLM's logits against mlx-vlm's by default,
-# tests/vision/test_qwen3vl.py and test_internvl.py the others', and their GGUF pairs.
-SLOW_ENGINE_ROWS = ("smolvlm", "qwen3_vl", "internvl_chat")
+# tests/vision/test_qwen3vl.py, test_internvl.py and test_pixtral.py the others', and their GGUF pairs.
+SLOW_ENGINE_ROWS = ("smolvlm", "qwen3_vl", "internvl_chat", "mistral3")
 
 
 @pytest.fixture(scope="module", params=[pytest.param(f, marks=[pytest.mark.slow] if f in SLOW_ENGINE_ROWS else [])
@@ -131,6 +131,9 @@ def test_chunked_prefill_with_images_gives_mlx_vlms_own_logits(vlm_dir: Path, im
     extra: dict[str, Any] = {}
     if model.family.mrope:
         extra["image_grid_thw"] = mx.array([list(img.grid_thw) for img in request.media.images])
+    if model.facts.row_break >= 0:  # Mistral 3: each image's size in pixels beside them
+        patch = model.facts.patch_size
+        extra["image_sizes"] = [(img.grid_thw[1] * patch, img.grid_thw[2] * patch) for img in request.media.images]
     features = vlm.get_input_embeddings(ids, pixels, mask=mx.ones(ids.shape), **extra)
     # Qwen3-VL's deepstack rows, added to the image tokens' hidden states after the first layers
     deepstack = {k: getattr(features, k) for k in ("visual_pos_masks", "deepstack_visual_embeds")

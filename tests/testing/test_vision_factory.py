@@ -1,5 +1,5 @@
 """The tiny vision-language factory directories (``testing/vision.py``: Qwen2.5-VL, Qwen2-VL, Qwen3-VL,
-Gemma 3, LLaVA, SmolVLM, InternVL): deterministic bytes, loadable by mlx-vlm, their vision tokens single ids, their templates
+Gemma 3, LLaVA, SmolVLM, InternVL, Mistral 3): deterministic bytes, loadable by mlx-vlm, their vision tokens single ids, their templates
 rendering image parts, their real image processors bounded by the configured size."""
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ import pytest
 from mlxcel_compat.testing import vision, vision_configs
 
 
-@pytest.fixture(scope="module", params=vision.FAMILIES)
+# Mistral 3's row runs with --slow (the suite's budget): tests/vision/test_pixtral.py loads it through mlx-vlm
+# and checks its processor's sizes by default.
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=[pytest.mark.slow] if f == "mistral3" else [])
+                                        for f in vision.FAMILIES])
 def vlm_dir(request: pytest.FixtureRequest) -> Path:
     from tests.conftest import MODEL_CACHE
 
@@ -83,6 +86,9 @@ def test_the_image_processor_keeps_images_within_the_configured_size(vlm_dir: Pa
     elif family(vlm_dir) == "internvl_chat":  # 1200x900: a 2x2 grid of 56-pixel tiles (at most 4), and a thumbnail
         assert out["pixel_values"].shape == (5, 3, vision.IMAGE_SIZE, vision.IMAGE_SIZE) and count == 5 * 4
         assert facts.image_tokens(count, (t, h, w)) == [facts.image_token_id] * count
+    elif family(vlm_dir) == "mistral3":  # 1200x900 -> 112x84 (whole 28-pixel merged patches): 4x3 merged, 8x6 patches
+        assert out["pixel_values"].shape == (1, 3, 84, 112) and (t, h, w) == (1, 6, 8) and count == 12
+        assert len(facts.image_tokens(count, (t, h, w))) == count + 3  # [IMG_BREAK] twice, [IMG_END]
     else:  # a fixed-size image: 4x4 patches of 14 pixels
         assert out["pixel_values"].shape == (1, 3, vision.IMAGE_SIZE, vision.IMAGE_SIZE)
         assert count == (vision.GEMMA_TOKENS_PER_IMAGE if family(vlm_dir) == "gemma3" else 16)
