@@ -1,6 +1,6 @@
 """Every served vision family and GGUF projector type: the tables of ``vision/families.py`` and
 ``vision/gguf_projector.py`` joined with the families big enough for a module of their own
-(Qwen3-VL: ``vision/qwen3vl.py``; InternVL: ``vision/internvl.py``). Those modules build on the two base modules, so the joined
+(Qwen3-VL: ``vision/qwen3vl.py``; InternVL: ``vision/internvl.py``; LFM2-VL: ``vision/lfm2vl.py``). Those modules build on the two base modules, so the joined
 tables live here, above them all; loading (``vision/model.py``, ``vision/gguf_model.py``,
 ``model/mmproj.py``) looks families and projector types up here."""
 
@@ -12,10 +12,11 @@ from mlxcel_compat.vision import families, gguf_projector
 from mlxcel_compat.vision.families import VisionFamily
 from mlxcel_compat.vision.gguf_projector import ProjectorFile, ProjectorKind
 from mlxcel_compat.vision.internvl import InternVL, InternVLProjector
+from mlxcel_compat.vision.lfm2vl import Lfm2Vl
 from mlxcel_compat.vision.qwen3vl import Qwen3VL, Qwen3VLProjector
 
 FAMILIES: dict[str, VisionFamily] = {**families.FAMILIES,
-                                     **{t: f for f in (Qwen3VL(), InternVL()) for t in f.model_types}}
+                                     **{t: f for f in (Qwen3VL(), InternVL(), Lfm2Vl()) for t in f.model_types}}
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 KINDS: dict[str, ProjectorKind] = {**gguf_projector.KINDS,
                                    **{t: k for k in (Qwen3VLProjector(), InternVLProjector()) for t in k.types}}
