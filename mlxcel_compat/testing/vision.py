@@ -38,8 +38,8 @@ one's vision tower and image prefill cost (``scripts/bench_vision_ttft.py``), no
   3-layer Qwen3 text model with interleaved M-RoPE (``testing/vision_configs.py``); at most 16 tokens an image.
 - InternVL (``--family internvl_chat``): InternVL's own layout (``llm_config``), a 4-block InternViT over
   56-pixel tiles (1 to 4 and a thumbnail, as GotOcr2ImageProcessor cuts them), 4 tokens a tile, Qwen2 text.
-- LFM2-VL (``--family lfm2_vl``): LFM2-VL-450M's layout, a 2-block SigLIP2 NaFlex tower over 8-pixel patches
-  (2 to 8 tokens a view; 32-pixel tiles, 2 to 4 of them and a thumbnail, for images over 64x64), a 4-layer
+- LFM2-VL (``--family lfm2_vl``): LFM2-VL-450M's layout, a 2-block SigLIP2 NaFlex tower over 16-pixel patches
+  (2 to 8 tokens a view; 64-pixel tiles, 2 to 4 of them and a thumbnail, for images over 128x128), a 4-layer
   LFM2 text model (convolution and attention layers alternating).
 
 Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|qwen3_vl|internvl_chat|gemma3|llava|smolvlm|gemma3n|lfm2_vl] [--size small]``;

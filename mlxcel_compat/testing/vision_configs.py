@@ -85,10 +85,11 @@ def internvl_preprocessor(image_size: int) -> dict[str, Any]:
     }
 
 
-# LFM2-VL: 8-pixel patches unshuffled 2x2 (a token per 16x16 pixels), 32-pixel tiles (4 tokens each);
-# a single view holds 2 to 8 tokens, an image over twice that (64x64 pixels) is cut into 2 to 4 tiles and a thumbnail.
-LFM2VL_PATCH_SIZE = 8
-LFM2VL_TILE_SIZE = 32
+# LFM2-VL: 16-pixel patches (the only size llama.cpp's converter takes) unshuffled 2x2 (a token per 32x32
+# pixels), 64-pixel tiles (4 tokens each); a single view holds 2 to 8 tokens, an image over twice that
+# (16384 pixels, 128x128) is cut into 2 to 4 tiles and a thumbnail.
+LFM2VL_PATCH_SIZE = 16
+LFM2VL_TILE_SIZE = 64
 LFM2VL_MAX_TILES = 4
 LFM2VL_MAX_IMAGE_TOKENS = 8
 # The tokens LFM2-VL's processor writes around an image's: start, end, thumbnail, then each tile's row/column marker.
@@ -103,8 +104,8 @@ def lfm2_vl_config(vocab: int, token_id: Callable[[str], int], common: dict[str,
     table of learned positions resized to each view), the projector's settings at the top."""
     text = dict(model_type="lfm2", architectures=["Lfm2ForCausalLM"], vocab_size=vocab, hidden_size=64,
                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128000,
-                norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=64, block_ff_dim=192, intermediate_size=192,
-                block_multiple_of=32, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True, rope_theta=1000000.0,
+                norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=64, block_ff_dim=128, intermediate_size=128,
+                block_multiple_of=32, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False, rope_theta=1000000.0,
                 layer_types=["conv", "full_attention", "conv", "full_attention"], tie_word_embeddings=True,
                 eos_token_id=common["eos_token_id"])
     vision = dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,

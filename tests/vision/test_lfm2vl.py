@@ -62,8 +62,8 @@ def _prepare(model: Any, tokenizer: Any, images: list[str], texts: tuple[str, ..
     return ImageInput(model.facts, MediaLimits()).prepare(images, tokens)
 
 
-# 40x30: one 32x32 view (4 tokens); 120x60: over 64x64 pixels, so 1x2 tiles of 32 and a 32x64 thumbnail (8 tokens)
-SIZES = [(40, 30), (120, 60)]
+# 80x60: one 64x64 view (4 tokens); 240x120: over 128x128 pixels, so 1x2 tiles of 64 and a 64x128 thumbnail (8 tokens)
+SIZES = [(80, 60), (240, 120)]
 
 
 def test_images_are_written_as_lfm2vlprocessor_writes_them(loaded: Any) -> None:
@@ -89,13 +89,13 @@ def test_the_processor_cuts_tiles_as_the_configuration_says() -> None:
     from mlxcel_compat.vision.lfm2vl_images import Lfm2VlImageProcessorPil
 
     processor = Lfm2VlImageProcessorPil(**vision.preprocessor_config("lfm2_vl"))
-    out = processor(images=[_image(3, (300, 90))])  # wide: 3x1 tiles of 32 (the grid nearest 10:3) and a thumbnail
+    out = processor(images=[_image(3, (600, 180))])  # wide: 3x1 tiles of 64 (the grid nearest 10:3) and a thumbnail
     assert out["image_rows"].tolist() == [1] and out["image_cols"].tolist() == [3]
     assert out["spatial_shapes"].tolist()[:3] == [[4, 4]] * 3
     thumb_h, thumb_w = out["image_sizes"][0]
-    assert thumb_h * thumb_w <= vision_configs.LFM2VL_MAX_IMAGE_TOKENS * 16 * 16 and out["spatial_shapes"][3].tolist() == [thumb_h // 8, thumb_w // 8]
-    assert out["pixel_values"].shape == (4, vision_configs.LFM2VL_MAX_IMAGE_TOKENS * 4, 8 * 8 * 3)
-    assert out["pixel_attention_mask"].sum(axis=1).tolist() == [16, 16, 16, (thumb_h // 8) * (thumb_w // 8)]
+    assert thumb_h * thumb_w <= vision_configs.LFM2VL_MAX_IMAGE_TOKENS * 32 * 32 and out["spatial_shapes"][3].tolist() == [thumb_h // 16, thumb_w // 16]
+    assert out["pixel_values"].shape == (4, vision_configs.LFM2VL_MAX_IMAGE_TOKENS * 4, 16 * 16 * 3)
+    assert out["pixel_attention_mask"].sum(axis=1).tolist() == [16, 16, 16, (thumb_h // 16) * (thumb_w // 16)]
     small = processor(images=[_image(4, (9, 7))])  # raised to the minimum of 2 tokens, one view
     assert small["image_rows"].tolist() == [1] and int(small["pixel_attention_mask"].sum()) >= 2 * 4
 
@@ -109,7 +109,7 @@ def test_the_processor_gives_hugging_faces_patches() -> None:
 
     config = {k: v for k, v in vision.preprocessor_config("lfm2_vl").items() if not k.endswith(("_type", "_class"))}
     theirs, ours = Lfm2VlImageProcessor(**config), Lfm2VlImageProcessorPil(**config)
-    for size in [(40, 30), (120, 60), (60, 120), (300, 90), (9, 7), (64, 64), (200, 200)]:
+    for size in [(80, 60), (240, 120), (120, 240), (600, 180), (9, 7), (128, 128), (400, 400)]:
         image = _image(sum(size), size)
         hf, own = theirs(images=[image], return_tensors="np", return_row_col_info=True), ours(images=[image])
         for key in ("pixel_attention_mask", "spatial_shapes", "image_rows", "image_cols", "image_sizes"):
@@ -176,17 +176,17 @@ def test_a_second_turn_about_the_same_image_restores_the_first(harness: Any, loa
     harness.reset()
     model, tokenizer = loaded.model, loaded.tokenizer
     assert harness.stats()["snapshot_family"]  # the hybrid's state is kept whole, never cut
-    tokens, media, digest = _prepare(model, tokenizer, [_encoded(5, (120, 60))], ("Look:", " what is it?"))
+    tokens, media, digest = _prepare(model, tokenizer, [_encoded(5, (240, 120))], ("Look:", " what is it?"))
     first = _run(harness, _request(loaded, tokens, media, digest))
     more = tokens + first.tokens + list(tokenizer.encode(" And its colour?", add_special_tokens=False))
-    _, media_again, digest_again = _prepare(model, tokenizer, [_encoded(5, (120, 60))], ("Look:", " what is it?"))
+    _, media_again, digest_again = _prepare(model, tokenizer, [_encoded(5, (240, 120))], ("Look:", " what is it?"))
     assert digest_again == digest
     warm = _run(harness, _request(loaded, more, media_again, digest))
     assert warm.finish is not None and warm.finish.n_cached >= len(tokens) > media.spans[-1][1]
     cold = _run(harness, _request(loaded, more, media_again, digest, cache=False))
     assert cold.finish.n_cached == 0 and warm.tokens == cold.tokens
     # another image with the same words: the state holds the other image, so nothing is restored
-    _, other, other_digest = _prepare(model, tokenizer, [_encoded(6, (120, 60))], ("Look:", " what is it?"))
+    _, other, other_digest = _prepare(model, tokenizer, [_encoded(6, (240, 120))], ("Look:", " what is it?"))
     assert other_digest != digest
     miss = _run(harness, _request(loaded, more, other, other_digest))
     assert miss.finish is not None and miss.finish.n_cached == 0
