@@ -65,6 +65,7 @@ GGUF_VISION: dict[str, tuple[str, str, str, str]] = {
     "qwen3_vl": ("qwen3", "qwen3vl", "qwen2", "qwen3vl_merger"),
     "internvl_chat": ("qwen2", "qwen2", "qwen2", "internvl"),
     "llava": ("llama", "llama", "gpt-2", "mlp"),  # LLaVA 1.5: the legacy tools' projector (vision_gguf_llava.py)
+    "lfm2_vl": ("lfm2", "lfm2", "qwen2", "lfm2"),  # LFM2VLModel's projector (vision_gguf_lfm2.py)
 }
 GGUF_VISION_FAMILIES: tuple[str, ...] = tuple(GGUF_VISION)
 MMPROJ_TYPES = ("f32", "f16", "q8_0")
@@ -103,7 +104,7 @@ def _text_config(family: str, config: dict[str, Any]) -> dict[str, Any]:
                     layer_types=["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)])
     if family == "llava":
         return dict(config["text_config"])
-    if family in ("smolvlm", "qwen3_vl"):  # Qwen3-VL's M-RoPE: its sections, written apart
+    if family in ("smolvlm", "qwen3_vl", "lfm2_vl"):  # Qwen3-VL's M-RoPE: its sections, written apart
         return {k: v for k, v in config["text_config"].items() if k != "rope_scaling"}
     if family == "internvl_chat":  # InternVL's own name for its text config
         return dict(config["llm_config"])
@@ -350,6 +351,10 @@ def write_vision_gguf_pair(family: str, directory: Path, out_dir: Path, size: st
         from .vision_gguf_llava import write_llava_mmproj
 
         mmproj = write_llava_mmproj(directory, weights, out_dir / mmproj_name, mmproj_type)
+    elif family == "lfm2_vl":
+        from .vision_gguf_lfm2 import write_lfm2vl_mmproj
+
+        mmproj = write_lfm2vl_mmproj(directory, weights, out_dir / mmproj_name, mmproj_type)
     else:
         mmproj = write_mmproj_gguf(family, directory, weights, out_dir / mmproj_name, mmproj_type)
     return text, mmproj

@@ -42,6 +42,7 @@ MARKER_TOKENS: dict[str, tuple[str, ...]] = {
     "idefics3": ("<fake_token_around_image>", "<image>", "<global-img>"),
     "internvl_chat": ("<img>", "</img>", "<IMG_CONTEXT>"),
     "llava": ("<image>",),
+    "lfm2_vl": ("<image>",),
 }
 OPTIONAL_TOKENS = ("<|video_pad|>",)
 

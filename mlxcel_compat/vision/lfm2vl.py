@@ -1,4 +1,5 @@
-"""LFM2-VL: its family rules (a directory through mlx-vlm's ``lfm2_vl``).
+"""LFM2-VL: its family rules (a directory through mlx-vlm's ``lfm2_vl``) and its GGUF projector
+(``clip.projector_type`` ``lfm2``).
 
 - **images** (``vision/lfm2vl_images.py``, the HTTP side): one view at the image's own aspect
   ratio, or ``tile_size`` tiles and a thumbnail, each view packed into patches for the SigLIP2
@@ -31,6 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcel_compat.vision.families import VisionFacts, VisionFamily
+from mlxcel_compat.vision.gguf_projector import Processor, ProjectorFile, ProjectorKind
 from mlxcel_compat.vision.lfm2vl_images import DEFAULTS, Lfm2VlLayout
 
 LFM2VL_PROCESSOR = "mlxcel_compat.vision.lfm2vl_images:Lfm2VlImageProcessorPil"
@@ -71,14 +73,15 @@ class Lfm2Vl(VisionFamily):
         special = bool(config.get("use_image_special_tokens", True))
 
         def one(text: str) -> tuple[int, ...]:
+            # one vocabulary entry, as LFM2-VL's tokenizer has them; else the text's tokens, as
+            # Lfm2VlProcessor's string and llama.cpp's mtmd would tokenize it
             if not special:
                 return ()
-            if text not in vocab:
-                raise ValueError(f"the LFM2-VL tokenizer lacks {text}")
-            return (int(vocab[text]),)
+            return (int(vocab[text]),) if text in vocab else tuple(int(t) for t in tokenizer.encode(text, add_special_tokens=False))
 
         grid = int(settings["max_tiles"])  # a grid has at most max_tiles rows or columns
-        markers = tuple(tuple(one(f"<|img_row_{r}_col_{c}|>") for c in range(1, grid + 1)) for r in range(1, grid + 1))
+        markers = tuple(tuple(one(f"<|img_row_{r}_col_{c}|>") if r * c <= grid else () for c in range(1, grid + 1))
+                        for r in range(1, grid + 1))
         factor = int(settings["downsample_factor"])
         side = -(-(int(settings["tile_size"]) // int(settings["encoder_patch_size"])) // factor)
         layout = Lfm2VlLayout(downsample_factor=factor, tokens_per_tile=side * side, image_start=one("<|image_start|>"),
@@ -116,3 +119,60 @@ class Lfm2Vl(VisionFamily):
     def hidden(self, language: Any, inputs: mx.array, cache: Any, embeds: mx.array | None,
                positions: mx.array | None) -> mx.array:
         return language.model(inputs, cache=cache, input_embeddings=embeds)
+
+
+class Lfm2VlProjector(ProjectorKind):
+    """``lfm2``, as the converter's ``LFM2VLModel`` writes it: the SigLIP2 tower under gguf-py's
+    names (its linear patch embedding as a ``(width, 3, patch, patch)`` convolution, the position
+    table as ``v.position_embd``, blocks past ``vision_feature_layer`` dropped from
+    ``block_count``), the projector's LayerNorm as ``mm.input_norm`` and its layers as ``mm.1`` and
+    ``mm.2``, the pixel unshuffle's factor as ``projector.scale_factor``. The text GGUF is ``lfm2``,
+    whole: mlx-lm's LFM2 on the block kernels, as the family runs a directory's.
+
+    Images are prepared as llama.cpp's mtmd prepares them (its settings are fixed, not in the
+    file): 64 to 256 tokens a view (``--image-min-tokens`` / ``--image-max-tokens``), 512-pixel
+    tiles, 2 to 10 of them and a thumbnail past twice the most, bilinear resampling."""
+
+    types = ("lfm2",)
+    model_type = "lfm2_vl"
+    whole_text_model = True
+    TILE_SIZE, MIN_TILES, MAX_TILES, MIN_TOKENS, MAX_TOKENS = 512, 2, 10, 64, 256  # clip.cpp / mtmd-image.h
+
+    def vlm_config(self, projector: ProjectorFile, text: dict[str, Any], token_ids: dict[str, int]) -> dict[str, Any]:
+        for needed in ("v.position_embd.weight", "mm.1.weight"):
+            if needed not in projector.names:
+                raise ValueError(f"projector {projector.path} lacks tensor {needed}")
+        patch = int(projector.vision("patch_size"))
+        vision = dict(model_type="siglip2_vision_model", num_hidden_layers=int(projector.vision("block_count")),
+                      hidden_size=int(projector.vision("embedding_length")),
+                      intermediate_size=int(projector.vision("feed_forward_length")),
+                      num_attention_heads=int(projector.vision("attention.head_count")), num_channels=3,
+                      patch_size=patch, image_size=int(projector.vision("image_size")),
+                      num_patches=int(projector.read("v.position_embd.weight").shape[0]),
+                      layer_norm_eps=float(projector.vision("attention.layer_norm_epsilon", 1e-6)), vision_use_head=False)
+        return dict(model_type="lfm2_vl", text_config=dict(text, model_type="lfm2"), vision_config=vision,
+                    vocab_size=int(text["vocab_size"]), image_token_id=token_ids["<image>"],
+                    downsample_factor=int(projector.metadata.get("clip.vision.projector.scale_factor") or 2),
+                    encoder_patch_size=patch, projector_hidden_size=int(projector.read("mm.1.weight").shape[0]),
+                    projector_bias=True, projector_use_layernorm="mm.input_norm.weight" in projector.names,
+                    vision_feature_layer=-1, max_tiles=self.MAX_TILES, eos_token_id=text.get("eos_token_id"))
+
+    def processor(self, projector: ProjectorFile, min_tokens: int, max_tokens: int) -> Processor:
+        config = dict(DEFAULTS, encoder_patch_size=int(projector.vision("patch_size")),
+                      downsample_factor=int(projector.metadata.get("clip.vision.projector.scale_factor") or 2),
+                      min_image_tokens=min_tokens or self.MIN_TOKENS, max_image_tokens=max_tokens or self.MAX_TOKENS,
+                      tile_size=self.TILE_SIZE, min_tiles=self.MIN_TILES, max_tiles=self.MAX_TILES, resample=2,
+                      image_mean=[float(x) for x in projector.vision("image_mean")],
+                      image_std=[float(x) for x in projector.vision("image_std")])
+        return Processor(LFM2VL_PROCESSOR, config)
+
+    def checkpoint_name(self, mlx_name: str) -> str:
+        if mlx_name.startswith("vision_tower."):  # mlx-vlm drops the checkpoint's "vision_model."
+            return "vision_tower.vision_model." + mlx_name.removeprefix("vision_tower.")
+        return mlx_name
+
+    def read(self, projector: ProjectorFile, mlx_name: str, gguf_name: str) -> np.ndarray:
+        value = projector.read(gguf_name)
+        if mlx_name.endswith("patch_embedding.weight"):  # (width, 3, p, p) back to the linear's (width, p * p * 3)
+            return np.ascontiguousarray(value.transpose(0, 2, 3, 1).reshape(value.shape[0], -1))
+        return value

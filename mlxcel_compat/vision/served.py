@@ -12,14 +12,14 @@ from mlxcel_compat.vision import families, gguf_projector
 from mlxcel_compat.vision.families import VisionFamily
 from mlxcel_compat.vision.gguf_projector import ProjectorFile, ProjectorKind
 from mlxcel_compat.vision.internvl import InternVL, InternVLProjector
-from mlxcel_compat.vision.lfm2vl import Lfm2Vl
+from mlxcel_compat.vision.lfm2vl import Lfm2Vl, Lfm2VlProjector
 from mlxcel_compat.vision.qwen3vl import Qwen3VL, Qwen3VLProjector
 
 FAMILIES: dict[str, VisionFamily] = {**families.FAMILIES,
                                      **{t: f for f in (Qwen3VL(), InternVL(), Lfm2Vl()) for t in f.model_types}}
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 KINDS: dict[str, ProjectorKind] = {**gguf_projector.KINDS,
-                                   **{t: k for k in (Qwen3VLProjector(), InternVLProjector()) for t in k.types}}
+                                   **{t: k for k in (Qwen3VLProjector(), InternVLProjector(), Lfm2VlProjector()) for t in k.types}}
 SERVED_PROJECTOR_TYPES: tuple[str, ...] = tuple(KINDS)
 
 
