@@ -92,10 +92,11 @@ LFM2VL_PATCH_SIZE = 16
 LFM2VL_TILE_SIZE = 64
 LFM2VL_MAX_TILES = 4
 LFM2VL_MAX_IMAGE_TOKENS = 8
+LFM2VL_MARKER_GRID = 10  # LFM2-VL's vocabulary holds a marker for every row and column up to 10 (mtmd's most tiles)
 # The tokens LFM2-VL's processor writes around an image's: start, end, thumbnail, then each tile's row/column marker.
 LFM2VL_TOKENS: tuple[str, ...] = ("<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>",
-                                  *(f"<|img_row_{r}_col_{c}|>" for r in range(1, LFM2VL_MAX_TILES + 1)
-                                    for c in range(1, LFM2VL_MAX_TILES + 1)))
+                                  *(f"<|img_row_{r}_col_{c}|>" for r in range(1, LFM2VL_MARKER_GRID + 1)
+                                    for c in range(1, LFM2VL_MARKER_GRID + 1)))
 
 
 def lfm2_vl_config(vocab: int, token_id: Callable[[str], int], common: dict[str, Any]) -> dict[str, Any]:
