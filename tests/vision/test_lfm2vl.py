@@ -191,3 +191,59 @@ def test_a_second_turn_about_the_same_image_restores_the_first(harness: Any, loa
     miss = _run(harness, _request(loaded, more, other, other_digest))
     assert miss.finish is not None and miss.finish.n_cached == 0
     assert miss.tokens == _run(harness, _request(loaded, more, other, other_digest, cache=False)).tokens
+
+
+@pytest.fixture(scope="module")
+def pair(directory: Path) -> Any:
+    """The factory's GGUF pair (``lfm2`` text, ``lfm2`` projector), loaded as the server loads it."""
+    from mlxcel_compat.model.loader import load_model
+    from tests.conftest import MODEL_CACHE
+
+    text, mmproj = vision.ensure_vision_gguf(MODEL_CACHE, "lfm2_vl")
+    return SimpleNamespace(text=text, mmproj=mmproj, loaded=load_model(str(text), [], mmproj=str(mmproj)))
+
+
+def test_the_pairs_tower_is_the_directorys_and_gives_its_logits(pair: Any, loaded: Any, directory: Path) -> None:
+    from mlx.utils import tree_flatten
+
+    gguf = pair.loaded.model
+    ours = {k: v for k, v in tree_flatten(gguf.vlm.parameters()) if not k.startswith("language_model.")}
+    theirs = {k: v for k, v in mx.load(str(directory / "model.safetensors")).items() if not k.startswith("language_model.")}
+    assert ours.keys() == theirs.keys() and "vision_tower.embeddings.position_embedding.weight" in ours
+    for name, value in theirs.items():
+        assert bool(mx.array_equal(ours[name], value)), name
+    tokens, media, _ = _prepare(loaded.model, loaded.tokenizer, [_encoded(1, s) for s in SIZES], ("Two:", " and", " ok?"))
+    assert float(mx.abs(_chunked(gguf, media, tokens, step=7) - _chunked(loaded.model, media, tokens)).max()) < 1e-4
+
+
+def test_the_pair_prepares_images_as_llama_cpps_mtmd(pair: Any) -> None:
+    """mtmd's fixed LFM2 settings, not the directory's: 64 to 256 tokens a view, 512-pixel tiles."""
+    model, tokenizer = pair.loaded.model, pair.loaded.tokenizer
+    tokens, media, _ = _prepare(model, tokenizer, [_encoded(7, (80, 60)), _encoded(8, (1100, 500))], ("A:", " B:", ""))
+    small, tiled = media.images
+    assert small.spatial_shapes == ((14, 20),)  # raised to 64 tokens: 224x320 pixels, 7x10 tokens
+    assert tiled.spatial_shapes == ((32, 32),) * 2 + ((20, 46),)  # 2x1 tiles of 512 and a 320x736 thumbnail
+    assert tokens.count(model.facts.image_token_id) == 70 + 2 * 256 + 230
+    assert "<|img_row_1_col_2|><image>" in tokenizer.decode(tokens[tiled.span[0]:tiled.span[1]])
+
+
+def test_the_text_gguf_alone_serves_text_as_the_pair_does(pair: Any) -> None:
+    from mlxcel_compat.gguf.load import load_gguf
+
+    model, _, config, summary = load_gguf(str(pair.text))
+    assert summary.architecture == "lfm2"
+    prompt = mx.array([[5, 6, 7, 8, 9, 10, 11] * 3])
+    paired = pair.loaded.model(prompt, cache=pair.loaded.model.make_cache())
+    assert float(mx.abs(model(prompt) - paired).max()) < 1e-4
+
+
+def test_an_unknown_projector_types_refusal_names_lfm2(pair: Any) -> None:
+    from mlxcel_compat.model.mmproj import read_projector
+    from mlxcel_compat.vision.served import projector_kind
+
+    projector = read_projector(pair.mmproj)
+    assert type(projector_kind(projector)).__name__ == "Lfm2VlProjector"
+    other = type(projector)(projector.path, {**projector.metadata, "clip.projector_type": "lfm2a"},
+                            projector.names, projector.read)
+    with pytest.raises(ValueError, match="projector type 'lfm2a' .* is not served; served: .*lfm2"):
+        projector_kind(other)
