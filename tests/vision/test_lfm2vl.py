@@ -8,8 +8,8 @@ of convolution and attention layers).
 - the directory served (5-token chunks, a one-view image and a tiled one) gives mlx-vlm's own
   logits on the same pixels, and text alone gives LFM2's;
 - the prompt cache keeps the hybrid's whole state (session snapshots): a second turn about the same
-  image restores the first turn's state, images included, and answers as a cold run; another image
-  restores nothing of it."""
+  image restores the first turn's state (or its prompt's, when the reply is rendered as other
+  tokens), images included, and answers as a cold run; another image restores nothing of it."""
 
 from __future__ import annotations
 
@@ -185,6 +185,14 @@ def test_a_second_turn_about_the_same_image_restores_the_first(harness: Any, loa
     assert warm.finish is not None and warm.finish.n_cached >= len(tokens) > media.spans[-1][1]
     cold = _run(harness, _request(loaded, more, media_again, digest, cache=False))
     assert cold.finish.n_cached == 0 and warm.tokens == cold.tokens
+    # a chat's next turn renders the reply as text, whose tokens need not be the generated ones: the
+    # prompt's own snapshot (all but its last token) is restored then, the image with it
+    harness.reset()
+    _run(harness, _request(loaded, tokens, media, digest))
+    rendered = tokens + list(tokenizer.encode(" a reply, rendered. And its colour?", add_special_tokens=False))
+    again = _run(harness, _request(loaded, rendered, media_again, digest))
+    assert again.finish is not None and again.finish.n_cached == len(tokens) - 1
+    assert again.tokens == _run(harness, _request(loaded, rendered, media_again, digest, cache=False)).tokens
     # another image with the same words: the state holds the other image, so nothing is restored
     _, other, other_digest = _prepare(model, tokenizer, [_encoded(6, (240, 120))], ("Look:", " what is it?"))
     assert other_digest != digest
