@@ -29,7 +29,8 @@ converter's conventions are applied here, independently of the loader that undoe
   ``qkv`` split into ``self_attn.{q,k,v}_proj``, ``.weight`` added to the layer scales and the position
   table (not to the class embedding: ``v.class_embd``), the pixel shuffle's factor and the tiles'
   bounds as keys; its text is ``qwen2`` (``llm_config``); LLaVA 1.5 (type ``mlp``) as llama.cpp's legacy
-  tools write it (``testing/vision_gguf_llava.py``), its text ``llama``.
+  tools write it (``testing/vision_gguf_llava.py``), its text ``llama``; LFM2-VL (``LFM2VLModel``, type
+  ``lfm2``: ``testing/vision_gguf_lfm2.py``), its text ``lfm2``.
 - One key the converter does not write: ``clip.vision.window_size`` for a Qwen2.5-VL whose
   window is not llama.cpp's fixed 112 pixels (the tiny model's is 56), so that this file computes
   what the directory computes (llama.cpp reads the key for other projectors; for Qwen2.5-VL it
