@@ -38,7 +38,7 @@ server the converter's file itself.
 
 Prints one Markdown row per family (docs/vision.md's table); exits non-zero if any fails.
 
-    .venv/bin/python scripts/check_mmproj.py [--families gemma3,qwen2_5_vl,qwen2_vl,smolvlm,qwen3_vl,internvl_chat,llava,mistral3]
+    .venv/bin/python scripts/check_mmproj.py [--families gemma3,qwen2_5_vl,qwen2_vl,smolvlm,qwen3_vl,internvl_chat,llava,mistral3,lfm2_vl]
 """
 
 from __future__ import annotations
@@ -80,16 +80,19 @@ sys.argv = ["convert_hf_to_gguf.py", *sys.argv[3:]]
 convert_hf_to_gguf.main()
 """
 PRE = {"gemma3": "gpt-2", "qwen2_5_vl": "qwen2", "qwen2_vl": "qwen2", "smolvlm": "gpt-2", "qwen3_vl": "qwen2",
-       "internvl_chat": "qwen2", "llava": "gpt-2", "mistral3": "gpt-2"}
+       "internvl_chat": "qwen2", "llava": "gpt-2", "mistral3": "gpt-2", "lfm2_vl": "qwen2"}
 # What each side's prompt holds around the media marker (see the module docstring).
 WRAP = {"gemma3": ("\n\n", "\n\n"), "qwen2_5_vl": ("", ""), "qwen2_vl": ("", ""), "smolvlm": ("", ""),
-        "qwen3_vl": ("", ""), "internvl_chat": ("", ""), "llava": ("", ""), "mistral3": ("", "")}
+        "qwen3_vl": ("", ""), "internvl_chat": ("", ""), "llava": ("", ""), "mistral3": ("", ""), "lfm2_vl": ("", "")}
 # SmolVLM's checkpoint names, which the converter reads (mlx-vlm's sanitize strips them).
 SMOLVLM_NAMES = (("language_model.lm_head.", "lm_head."), ("language_model.", "model.text_model."),
                  ("vision_model.", "model.vision_model."), ("connector.", "model.connector."))
 # Qwen3-VL's checkpoint names (mlx-vlm's sanitize maps them to its own).
 QWEN3VL_NAMES = (("language_model.lm_head.", "lm_head."), ("language_model.model.", "model.language_model."),
                  ("vision_tower.", "model.visual."))
+# LFM2-VL's checkpoint names (Lfm2VlForConditionalGeneration; mlx-vlm's sanitize maps them to its own).
+LFM2VL_NAMES = (("language_model.model.", "model.language_model."), ("vision_tower.", "model.vision_tower.vision_model."),
+                ("multi_modal_projector.", "model.multi_modal_projector."))
 
 
 def checkpoint_copy(family: str, directory: Path, work: Path) -> Path:
@@ -102,18 +105,20 @@ def checkpoint_copy(family: str, directory: Path, work: Path) -> Path:
     out = {}
     for name, value in mx.load(str(directory / "model.safetensors")).items():
         array = np.array(value)
-        if name.endswith(("patch_embedding.weight", "patch_embed.proj.weight", "patch_conv.weight")):
-            array = np.moveaxis(array, -1, 1)  # MLX channels-last -> PyTorch (out, in, ...)
+        if name.endswith(("patch_embedding.weight", "patch_embed.proj.weight", "patch_conv.weight")) and array.ndim > 2:
+            array = np.moveaxis(array, -1, 1)  # MLX channels-last -> PyTorch (out, in, ...) (SigLIP2's is a linear layer)
         if family == "mistral3":  # Mistral Small 3.1's checkpoint: vision_tower.transformer.*, mlx-vlm's vision_model inserted
             name = name.replace("vision_tower.vision_model.", "vision_tower.")
             # b11312's MmprojModel drops every "language_model." tensor before LlavaVisionModel could copy
             # the [IMG_BREAK] row out of the embeddings: the text named as a plain Mistral's, which the
             # converter's text path reads the same (it strips "language_model." itself)
             name = name.replace("language_model.model.", "model.").replace("language_model.lm_head.", "lm_head.")
+        if family == "lfm2_vl" and name.endswith("conv.conv.weight"):
+            array = array.transpose(0, 2, 1)  # LFM2's depthwise convolution: MLX (C, K, 1) -> PyTorch (C, 1, K)
         if family in ("qwen2_5_vl", "qwen2_vl") and name.startswith("vision_tower."):
             name = "visual." + name.removeprefix("vision_tower.")
-        if family in ("smolvlm", "qwen3_vl"):
-            prefixes = SMOLVLM_NAMES if family == "smolvlm" else QWEN3VL_NAMES
+        if family in ("smolvlm", "qwen3_vl", "lfm2_vl"):
+            prefixes = {"smolvlm": SMOLVLM_NAMES, "qwen3_vl": QWEN3VL_NAMES, "lfm2_vl": LFM2VL_NAMES}[family]
             mlx_prefix, checkpoint_prefix = next(p for p in prefixes if name.startswith(p[0]))
             name = checkpoint_prefix + name.removeprefix(mlx_prefix)
         out[name] = mx.array(np.ascontiguousarray(array))
@@ -362,7 +367,8 @@ def image_for(family: str) -> bytes:
     # SmolVLM: the processor's longest edge, so neither side resizes it before cutting its 2x2 tiles (the
     # whole image, shrunk to one tile, is each side's own Lanczos).
     size = {"gemma3": (56, 56), "qwen2_5_vl": (112, 112), "qwen2_vl": (112, 112), "smolvlm": (112, 112),
-            "qwen3_vl": (128, 128), "internvl_chat": (112, 56), "llava": (56, 56), "mistral3": (112, 84)}[family]
+            "qwen3_vl": (128, 128), "internvl_chat": (112, 56), "llava": (56, 56), "mistral3": (112, 84),
+            "lfm2_vl": (256, 256)}[family]  # LFM2-VL: mtmd's 64-token minimum at 32 pixels a token, one view
     pixels = np.random.default_rng(7).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format="PNG")

@@ -97,6 +97,11 @@ def make_sequence(engine: SequenceHost, request: GenerationRequest, sink: Sink, 
             if request.cache.explain:
                 seq.stats.cache_explain = cache.explain(seq)
             boundary = request.cache.history_boundary
+            if boundary is None and cache.snapshots is not None and request.media is not None and request.media.spans:
+                # Images on a snapshot family (LFM2-VL): the history boundary is not known (the image
+                # tokens moved the rendered text's offsets), so the prompt's own end, less its last
+                # token, is snapshotted: the next turn about the same images starts with this prompt.
+                boundary = seq.n_prompt - 1
             if cache.boundary_snapshots and boundary is not None and len(seq.cache_tokens) < boundary <= seq.n_prompt - 1:
                 seq.boundary = boundary
                 seq.on_boundary = cache.on_boundary

@@ -115,6 +115,7 @@ class PreparedImage:
     pixel_values: np.ndarray  # read-only: shared by every request that sends the same bytes
     count: int
     grid: tuple[int, int, int]
+    spatial_shapes: tuple[tuple[int, int], ...] = ()  # NaFlex towers (LFM2-VL): each view's patch grid
 
 
 class PreparedMemo:
@@ -399,7 +400,7 @@ class ImageInput:
                 expanded.extend(facts.before)
                 start = len(expanded)
                 expanded.extend(facts.image_tokens(image.count, image.grid))  # Idefics3: text between its tiles
-                media.images.append(MediaImage(image.pixel_values, image.grid, (start, len(expanded))))
+                media.images.append(MediaImage(image.pixel_values, image.grid, (start, len(expanded)), image.spatial_shapes))
                 expanded.extend(facts.after)
             last = at + 1
         expanded.extend(tokens[last:])
@@ -426,7 +427,8 @@ class ImageInput:
         count, grid = self.facts.image_token_count(out)
         pixels = np.asarray(out["pixel_values"], dtype=np.float32)
         pixels.flags.writeable = False
-        image = PreparedImage(decoded.digest_item(), pixels, count, grid)
+        shapes = tuple((int(h), int(w)) for h, w in np.asarray(out["spatial_shapes"]).reshape(-1, 2)) if "spatial_shapes" in out else ()
+        image = PreparedImage(decoded.digest_item(), pixels, count, grid, shapes)
         self.memo.put(key, image)
         return image
 

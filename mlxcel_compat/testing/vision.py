@@ -41,9 +41,12 @@ one's vision tower and image prefill cost (``scripts/bench_vision_ttft.py``), no
 - Mistral 3 (``--family mistral3``): Mistral Small 3.1's layout, a 2-block Pixtral tower (2-D RoPE) over
   14-pixel patches, the 2x2 patch merger, a Mistral text model; PixtralImageProcessor to whole 28-pixel
   merged patches within a 112-pixel longest edge (at most 16 ``[IMG]`` tokens, a ``[IMG_BREAK]`` a row).
+- LFM2-VL (``--family lfm2_vl``): LFM2-VL-450M's layout, a 2-block SigLIP2 NaFlex tower over 16-pixel patches
+  (2 to 8 tokens a view; 64-pixel tiles, 2 to 4 of them and a thumbnail, for images over 128x128), a 4-layer
+  LFM2 text model (convolution and attention layers alternating).
 
-Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|qwen3_vl|internvl_chat|gemma3|llava|smolvlm|mistral3|gemma3n] [--size small]``;
-with ``--format gguf`` (Gemma 3, Qwen2.5-VL, Qwen2-VL, SmolVLM, Qwen3-VL, InternVL, LLaVA, Mistral 3) the directory's GGUF pair instead, the text
+Command line: ``python -m mlxcel_compat.testing.vision --out DIR [--family qwen2_vl|qwen3_vl|internvl_chat|gemma3|llava|smolvlm|mistral3|gemma3n|lfm2_vl] [--size small]``;
+with ``--format gguf`` (Gemma 3, Qwen2.5-VL, Qwen2-VL, SmolVLM, Qwen3-VL, InternVL, LLaVA, Mistral 3, LFM2-VL) the directory's GGUF pair instead, the text
 model and its ``mmproj-*.gguf`` projector as llama.cpp's converter writes them (``testing/vision_gguf.py``; LLaVA's projector as
 its legacy tools write it, ``testing/vision_gguf_llava.py``; Mistral 3's ``pixtral`` projector ``testing/vision_gguf_pixtral.py``).
 """
@@ -60,8 +63,8 @@ import numpy as np
 from . import chatml
 from . import tokenizer as tok
 from .families import EOS_IDS
-from .vision_configs import (internvl_config, internvl_preprocessor, mistral3_config, mistral3_preprocessor, qwen3_vl_config,
-                             qwen3_vl_preprocessor)
+from .vision_configs import (LFM2VL_TOKENS, internvl_config, internvl_preprocessor, lfm2_vl_config, lfm2_vl_preprocessor,
+                             mistral3_config, mistral3_preprocessor, qwen3_vl_config, qwen3_vl_preprocessor)
 
 FORMAT_VERSION = 1
 WEIGHT_SEED = 20261202
@@ -83,17 +86,21 @@ FAMILY_TOKENS: dict[str, tuple[str, ...]] = {
     # the vision offset, <end_of_image> at it), then the audio vocabulary (<end_of_audio> at its offset).
     "gemma3n": ("<start_of_image>", "<start_of_audio>", "<end_of_image>", "<image_soft_token>", "<vision_2>",
                 "<vision_3>", "<end_of_audio>", "<audio_soft_token>", "<audio_2>", "<audio_3>"),
+    "lfm2_vl": LFM2VL_TOKENS,
 }
 ALL_FAMILIES: tuple[str, ...] = tuple(FAMILY_TOKENS)
 AUDIO_FAMILIES: tuple[str, ...] = ("gemma3n",)  # served for audio (Gemma 3n's images are not)
-FAMILIES: tuple[str, ...] = tuple(f for f in ALL_FAMILIES if f not in AUDIO_FAMILIES)  # served for images
+# Served for images with a hybrid text model whose prompt cache keeps whole states (session snapshots): the
+# dense-KV rules tests/engine/test_vision.py checks for FAMILIES do not apply; tests/vision/test_lfm2vl.py checks theirs.
+SNAPSHOT_FAMILIES: tuple[str, ...] = ("lfm2_vl",)
+FAMILIES: tuple[str, ...] = tuple(f for f in ALL_FAMILIES if f not in AUDIO_FAMILIES + SNAPSHOT_FAMILIES)  # served for images
 # What each family's chat template writes for one image part (the server expands it).
 TEMPLATE_IMAGE = {"qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                   "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                   "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                   "internvl_chat": "<img><IMG_CONTEXT></img>",
                   "gemma3": "<start_of_image>", "llava": "<image>", "gemma3n": "<image_soft_token>",
-                  "smolvlm": "<image>", "mistral3": "[IMG]"}
+                  "smolvlm": "<image>", "mistral3": "[IMG]", "lfm2_vl": "<image>"}
 # What the template writes for one audio part (families with an audio tower): Gemma 3n's soft token.
 TEMPLATE_AUDIO = {"gemma3n": "<audio_soft_token>"}
 PATCH_SIZE = 14
@@ -263,7 +270,7 @@ def model_config(family: str = "qwen2_5_vl", size: str = "tiny") -> dict[str, An
         return _llava_config()
     if family == "smolvlm":
         return _smolvlm_config()
-    if family in ("qwen3_vl", "internvl_chat", "mistral3"):  # testing/vision_configs.py
+    if family in ("qwen3_vl", "internvl_chat", "mistral3", "lfm2_vl"):  # testing/vision_configs.py
         common = dict(bos_token_id=None, eos_token_id=EOS_IDS, pad_token_id=tok.token_id(tok.ENDOFTEXT),
                       torch_dtype="float32")
         vocab, token = vocab_size(family), lambda content: vision_token_id(content, family)
@@ -271,6 +278,8 @@ def model_config(family: str = "qwen2_5_vl", size: str = "tiny") -> dict[str, An
             return qwen3_vl_config(vocab, token, common)
         if family == "mistral3":
             return mistral3_config(vocab, token, common, PATCH_SIZE)
+        if family == "lfm2_vl":
+            return lfm2_vl_config(vocab, token, common)
         return internvl_config(vocab, token, common, IMAGE_SIZE, PATCH_SIZE)
     vision = _vision_config(family)
     return dict(
@@ -328,6 +337,8 @@ def preprocessor_config(family: str = "qwen2_5_vl", size: str = "tiny") -> dict[
         return internvl_preprocessor(IMAGE_SIZE)
     if family == "mistral3":
         return mistral3_preprocessor(PATCH_SIZE, IMAGE_MEAN, IMAGE_STD)
+    if family == "lfm2_vl":
+        return lfm2_vl_preprocessor()
     if family == "llava":  # llava-hf's checkpoints name CLIP's processor
         return {
             "image_processor_type": "CLIPImageProcessor", "processor_class": "LlavaProcessor",

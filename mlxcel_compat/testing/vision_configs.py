@@ -114,3 +114,52 @@ def mistral3_preprocessor(patch_size: int, mean: list[float], std: list[float]) 
         "rescale_factor": 1 / 255, "image_mean": mean, "image_std": std, "patch_size": patch_size,
         "size": {"longest_edge": MISTRAL3_LONGEST_EDGE},
     }
+
+
+# LFM2-VL: 16-pixel patches (the only size llama.cpp's converter takes) unshuffled 2x2 (a token per 32x32
+# pixels), 64-pixel tiles (4 tokens each); a single view holds 2 to 8 tokens, an image over twice that
+# (16384 pixels, 128x128) is cut into 2 to 4 tiles and a thumbnail.
+LFM2VL_PATCH_SIZE = 16
+LFM2VL_TILE_SIZE = 64
+LFM2VL_MAX_TILES = 4
+LFM2VL_MAX_IMAGE_TOKENS = 8
+LFM2VL_MARKER_GRID = 10  # LFM2-VL's vocabulary holds a marker for every row and column up to 10 (mtmd's most tiles)
+# The tokens LFM2-VL's processor writes around an image's: start, end, thumbnail, then each tile's row/column marker.
+LFM2VL_TOKENS: tuple[str, ...] = ("<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>",
+                                  *(f"<|img_row_{r}_col_{c}|>" for r in range(1, LFM2VL_MARKER_GRID + 1)
+                                    for c in range(1, LFM2VL_MARKER_GRID + 1)))
+
+
+def lfm2_vl_config(vocab: int, token_id: Callable[[str], int], common: dict[str, Any]) -> dict[str, Any]:
+    """LFM2-VL-450M's layout at tiny sizes: an LFM2 ``text_config`` (convolution and attention
+    layers alternating, as LFM2 starts with convolutions), a SigLIP2 NaFlex ``vision_config`` (a 4x4
+    table of learned positions resized to each view), the projector's settings at the top."""
+    text = dict(model_type="lfm2", architectures=["Lfm2ForCausalLM"], vocab_size=vocab, hidden_size=64,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128000,
+                norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=64, block_ff_dim=128, intermediate_size=128,
+                block_multiple_of=32, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False, rope_theta=1000000.0,
+                layer_types=["conv", "full_attention", "conv", "full_attention"], tie_word_embeddings=True,
+                eos_token_id=common["eos_token_id"])
+    vision = dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_channels=3, patch_size=LFM2VL_PATCH_SIZE, num_patches=16,
+                  layer_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh", vision_use_head=False)
+    return dict(model_type="lfm2_vl", architectures=["Lfm2VlForConditionalGeneration"], text_config=text,
+                vision_config=vision, vocab_size=vocab, image_token_id=token_id("<image>"), downsample_factor=2,
+                encoder_patch_size=LFM2VL_PATCH_SIZE, projector_hidden_size=64, projector_hidden_act="gelu",
+                projector_bias=True, projector_use_layernorm=True, vision_feature_layer=-1,
+                use_image_special_tokens=True, use_thumbnail=True, do_image_splitting=True,
+                min_tiles=2, max_tiles=LFM2VL_MAX_TILES, tile_size=LFM2VL_TILE_SIZE, min_image_tokens=2,
+                max_image_tokens=LFM2VL_MAX_IMAGE_TOKENS, max_num_patches=LFM2VL_MAX_IMAGE_TOKENS * 4,
+                max_pixels_tolerance=2.0, tie_word_embeddings=True, **common)
+
+
+def lfm2_vl_preprocessor() -> dict[str, Any]:
+    """Lfm2VlImageProcessor's settings at the tiny sizes (bicubic, as LFM2-VL-450M's)."""
+    return {
+        "image_processor_type": "Lfm2VlImageProcessorFast", "processor_class": "Lfm2VlProcessor",
+        "do_resize": True, "do_rescale": True, "do_normalize": True, "do_pad": True, "do_image_splitting": True,
+        "downsample_factor": 2, "encoder_patch_size": LFM2VL_PATCH_SIZE, "tile_size": LFM2VL_TILE_SIZE,
+        "min_tiles": 2, "max_tiles": LFM2VL_MAX_TILES, "use_thumbnail": True, "min_image_tokens": 2,
+        "max_image_tokens": LFM2VL_MAX_IMAGE_TOKENS, "max_pixels_tolerance": 2.0, "resample": 3,
+        "rescale_factor": 1 / 255, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    }

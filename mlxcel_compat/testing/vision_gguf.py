@@ -29,7 +29,8 @@ converter's conventions are applied here, independently of the loader that undoe
   ``qkv`` split into ``self_attn.{q,k,v}_proj``, ``.weight`` added to the layer scales and the position
   table (not to the class embedding: ``v.class_embd``), the pixel shuffle's factor and the tiles'
   bounds as keys; its text is ``qwen2`` (``llm_config``); LLaVA 1.5 (type ``mlp``) as llama.cpp's legacy
-  tools write it (``testing/vision_gguf_llava.py``), its text ``llama``.
+  tools write it (``testing/vision_gguf_llava.py``), its text ``llama``; LFM2-VL (``LFM2VLModel``, type
+  ``lfm2``: ``testing/vision_gguf_lfm2.py``), its text ``lfm2``.
 - One key the converter does not write: ``clip.vision.window_size`` for a Qwen2.5-VL whose
   window is not llama.cpp's fixed 112 pixels (the tiny model's is 56), so that this file computes
   what the directory computes (llama.cpp reads the key for other projectors; for Qwen2.5-VL it
@@ -66,6 +67,7 @@ GGUF_VISION: dict[str, tuple[str, str, str, str]] = {
     "internvl_chat": ("qwen2", "qwen2", "qwen2", "internvl"),
     "llava": ("llama", "llama", "gpt-2", "mlp"),  # LLaVA 1.5: the legacy tools' projector (vision_gguf_llava.py)
     "mistral3": ("mistral", "mistral3", "gpt-2", "pixtral"),  # Mistral Small 3.1: vision_gguf_pixtral.py
+    "lfm2_vl": ("lfm2", "lfm2", "qwen2", "lfm2"),  # LFM2VLModel's projector (vision_gguf_lfm2.py)
 }
 GGUF_VISION_FAMILIES: tuple[str, ...] = tuple(GGUF_VISION)
 MMPROJ_TYPES = ("f32", "f16", "q8_0")
@@ -104,7 +106,7 @@ def _text_config(family: str, config: dict[str, Any]) -> dict[str, Any]:
                     layer_types=["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)])
     if family in ("llava", "mistral3"):
         return dict(config["text_config"])
-    if family in ("smolvlm", "qwen3_vl"):  # Qwen3-VL's M-RoPE: its sections, written apart
+    if family in ("smolvlm", "qwen3_vl", "lfm2_vl"):  # Qwen3-VL's M-RoPE: its sections, written apart
         return {k: v for k, v in config["text_config"].items() if k != "rope_scaling"}
     if family == "internvl_chat":  # InternVL's own name for its text config
         return dict(config["llm_config"])
@@ -355,6 +357,10 @@ def write_vision_gguf_pair(family: str, directory: Path, out_dir: Path, size: st
         from .vision_gguf_pixtral import write_pixtral_mmproj
 
         mmproj = write_pixtral_mmproj(directory, weights, out_dir / mmproj_name, mmproj_type)
+    elif family == "lfm2_vl":
+        from .vision_gguf_lfm2 import write_lfm2vl_mmproj
+
+        mmproj = write_lfm2vl_mmproj(directory, weights, out_dir / mmproj_name, mmproj_type)
     else:
         mmproj = write_mmproj_gguf(family, directory, weights, out_dir / mmproj_name, mmproj_type)
     return text, mmproj

@@ -88,10 +88,15 @@ class VisionFacts:
     row_break: int = -1
     image_end: int = -1
     audio: AudioFacts | None = None  # the family's audio input, when it has an audio tower
+    # A family's own image layout (LFM2-VL: vision/lfm2vl_images.py): ``count(processed) -> (tokens,
+    # grid)`` and ``tokens(image_token_id, count, grid) -> list[int]``, the whole expansion.
+    layout: Any = None
 
     def image_token_count(self, processed: Any) -> tuple[int, tuple[int, int, int]]:
         """``(tokens, grid_thw)`` of one image from its processor output; ``grid_thw`` is
         Qwen's patch grid, ``(1, 1, 1)`` for a family whose images have a fixed size."""
+        if self.layout is not None:
+            return self.layout.count(processed)
         if self.tiles is not None:  # (1, tiles, 3, H, W); the grid from return_row_col_info (absent: one tile)
             tiles = int(np.asarray(processed["pixel_values"]).shape[1])
             rows, cols = (int(np.asarray(processed[k]).reshape(-1)[0]) if k in processed else 0 for k in ("rows", "cols"))
@@ -114,6 +119,8 @@ class VisionFacts:
 
     def image_tokens(self, count: int, grid: tuple[int, int, int]) -> list[int]:
         """The tokens one image of ``count`` image tokens becomes (between ``before`` and ``after``)."""
+        if self.layout is not None:
+            return self.layout.tokens(self.image_token_id, count, grid)
         if self.tiles is not None:
             return self.tiles.tokens(self.image_token_id, grid[1], grid[2])
         if self.row_break >= 0:  # each row of merged patches, then [IMG_BREAK]; the last one's [IMG_END]

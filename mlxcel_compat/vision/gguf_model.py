@@ -43,6 +43,7 @@ MARKER_TOKENS: dict[str, tuple[str, ...]] = {
     "internvl_chat": ("<img>", "</img>", "<IMG_CONTEXT>"),
     "llava": ("<image>",),
     "mistral3": ("[IMG]", "[IMG_BREAK]", "[IMG_END]"),
+    "lfm2_vl": ("<image>",),
 }
 OPTIONAL_TOKENS = ("<|video_pad|>",)
 

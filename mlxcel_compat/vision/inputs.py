@@ -19,6 +19,9 @@ class MediaImage:
     pixel_values: Any  # numpy float32, the image processor's output (Qwen: patches x features; else 1, 3, H, W)
     grid_thw: tuple[int, int, int]  # Qwen's patch grid (time, rows, columns) before the merge; else (1, 1, 1)
     span: tuple[int, int]  # [start, end) of its image tokens in the prompt
+    # NaFlex towers (LFM2-VL): each view's patch grid (rows, columns); pixel_values' rows past a
+    # view's rows * columns are padding. Empty for the other families.
+    spatial_shapes: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass

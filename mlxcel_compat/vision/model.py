@@ -78,9 +78,11 @@ def load_vision_directory(path: Path) -> tuple["VisionLM", Any, dict[str, Any], 
 
 
 def _offset(cache: Any) -> int:
-    if not cache:
+    # The first layer that counts tokens: a hybrid's convolution layers (LFM2's ArraysCache) do not.
+    counted = [layer for layer in cache or () if hasattr(layer, "offset")]
+    if not counted:
         return 0
-    offset = cache[0].offset
+    offset = counted[0].offset
     if not isinstance(offset, int):
         # A batch cache (per-row offsets): the engine never batches these models.
         raise TypeError("vision-language models decode one sequence per forward pass")
@@ -129,6 +131,8 @@ class VisionLM(nn.Module):
         processed = {"pixel_values": blank.pixel_values}
         if self.family.mrope:
             processed["image_grid_thw"] = np.asarray([blank.grid_thw])
+        if blank.spatial_shapes:
+            processed["spatial_shapes"] = np.asarray(blank.spatial_shapes)
         tokens, _ = self.facts.image_token_count(processed)
         if rows.shape[0] != tokens:
             raise ValueError(f"the vision tower gives {rows.shape[0]} feature rows for an image of {tokens} image tokens")
