@@ -206,3 +206,103 @@ def test_a_prompt_chunk_over_blocks(kind: str) -> None:
     ref = np.einsum("rhgt,htd->rhgd", w / w.sum(axis=-1, keepdims=True), v64).reshape(rows, -1)
     assert np.abs(out - ref).max() <= KERNEL_RTOL * np.abs(ref).max()
     assert np.array_equal(apart, out)
+
+
+# ---------------------------------------------------------------------------------- the decoder
+
+STEP_RTOL = 3e-2  # the step's query is quantized to q8_0 (as ggml's); MLX's attends with float queries
+
+
+def _loaded(kind: str) -> tuple[Any, cpu_decode.CpuDecoder]:
+    """The tiny mistral (llama's shape with a head size of 32: one block a row) with ``kind`` KV."""
+    from mlxcel_compat.model.load_options import LoadOptions
+    from mlxcel_compat.model.loader import load_model
+    from mlxcel_compat.runtime.kv_precision import KvTypes
+    from tests.conftest import tiny_model
+
+    loaded = load_model(str(tiny_model("mistral")), [], options=LoadOptions(kv_types=KvTypes(kind, kind)))
+    assert isinstance(loaded.decoder, cpu_decode.CpuDecoder)
+    assert loaded.decoder.kv.codes == (CODES[kind],) * 2 and loaded.decoder.kv.width == BLOCK_BYTES[kind]
+    return loaded.model, loaded.decoder
+
+
+def _ids(n: int) -> list[int]:
+    return [(7 * i + 3) % 500 + 10 for i in range(n)]
+
+
+def _mlx_logits(model: Any, tokens: list[int], cache: list[Any]) -> np.ndarray:
+    import mlx.core as mx
+
+    out = model(mx.array([tokens]), cache=cache)[0, -1]
+    mx.eval(out)
+    return np.array(out)
+
+
+def _prefill(model: Any, n: int) -> list[Any]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)  # stamped: the wrapper quantizes what MLX's prefill writes
+    model(mx.array([_ids(n)]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def _blocks(c: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.array(c.keys[..., :n, :]), np.array(c.values[..., :n, :])
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_the_decoder_over_blocks_follows_mlx_s_steps_and_prefill(kind: str) -> None:
+    """A cold prompt fed to the runtime as one chunk stores the very blocks MLX's prefill stores
+    (both quantize as ggml's reference) with the last row's logits at float32 rounding; then six
+    steps, each within the q8_0 query's error of MLX's step over its own copy of the blocks."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlxcel_compat.runtime import decode_kv
+
+    model, decoder = _loaded(kind)
+    tokens = _ids(90)
+    ours, theirs = make_prompt_cache(model), make_prompt_cache(model)
+    owned = decode_kv.OwnedCache()
+    assert decoder.can_prefill(ours, owned)
+    got, want = decoder.prefill(tokens, ours, owned).copy(), _mlx_logits(model, tokens, theirs)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    for a, b in zip(ours, theirs):
+        assert a.keys.dtype == b.keys.dtype and str(a.keys.dtype) == "mlx.core.uint8"
+        assert all(np.array_equal(x, y) for x, y in zip(_blocks(a, 90), _blocks(b, 90)))
+    token = 11
+    for step in range(6):
+        assert decoder.can_run(ours, owned)
+        got, want = decoder.step(token, ours, owned).copy(), _mlx_logits(model, [token], theirs)
+        assert np.abs(got - want).max() <= STEP_RTOL * np.abs(want).max(), step
+        token = int(want.argmax())
+    assert ours[0].offset == 96 and all(np.array_equal(x, y) for x, y in zip(_blocks(ours[0], 96), _blocks(theirs[0], 96)))
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_a_step_on_a_hit_s_blocks_equals_a_step_on_its_own_copy(kind: str) -> None:
+    """A hit's first step reads the shared blocks in place and keeps its rows apart: its logits
+    and the next steps equal the decoder's on its own copy bit for bit; the shared arrays are
+    unchanged."""
+    import copy
+
+    from mlxcel_compat.runtime import decode_kv
+
+    model, decoder = _loaded(kind)
+    shared = _prefill(model, 65)
+    before = [_blocks(c, c.keys.shape[2]) for c in shared]
+    hit, own = [copy.copy(c) for c in shared], _prefill(model, 65)
+    owned_hit, owned_own = decode_kv.OwnedCache(), decode_kv.OwnedCache()
+    decoder.kv.own(own, owned_own, 65)
+    got, want = decoder.step(11, hit, owned_hit).copy(), decoder.step(11, own, owned_own).copy()
+    assert np.array_equal(got, want) and owned_hit.apart is not None
+    for a, b in zip(hit, own):
+        assert all(np.array_equal(x, y) for x, y in zip(_blocks(a, 66), _blocks(b, 66)))
+    token = int(want.argmax())
+    for _ in range(3):
+        got, want = decoder.step(token, hit, owned_hit).copy(), decoder.step(token, own, owned_own).copy()
+        assert np.array_equal(got, want)
+        token = int(want.argmax())
+    assert owned_hit.holds(hit)
+    for c, (keys, values) in zip(shared, before):
+        assert np.array_equal(np.array(c.keys), keys) and np.array_equal(np.array(c.values), values)
