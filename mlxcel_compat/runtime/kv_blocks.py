@@ -7,7 +7,7 @@ value j + 16 in the high one (q4_0, 18 bytes). A cache layer holds its rows as `
 of shape ``(B, heads, positions, head_dim / 32 * bytes)``, so mlx-lm's caches, their batch forms,
 the prompt cache and the disk format slice, merge and save them as they do any KV array.
 
-Why the same blocks as the CPU decode runtime (``native/kv_rows.h``), not mlx-lm's
+Why the same blocks as the CPU decode runtime's, not mlx-lm's
 ``QuantizedKVCache``: MLX's prefill and the runtime's steps share one cache (a prompt written by
 MLX is decoded by the runtime, a hit's entry is read by both), so both must store and read the
 same bytes; mlx-lm's affine groups (a scale *and* a bias per group, other rounding) are not
@@ -18,7 +18,7 @@ Quantization rounds as ggml's reference quantizers (``quantize_row_q8_0_ref``,
 ``quantize_row_q4_0_ref``): q8_0's scale is the block's largest magnitude over 127 and each value
 ``x * (1 / scale)`` rounded half away from zero; q4_0's scale is the value of largest magnitude
 (the first such) over -8 and each value ``x * (1 / scale) + 8.5`` truncated, at most 15. On the
-CPU the kernels in ``kv_rows.h`` give the same bytes (tests/runtime/test_kv_blocks.py).
+CPU the decode runtime's native kernels give the same bytes (tests/runtime/test_cpu_decode_kvq.py).
 """
 
 from __future__ import annotations

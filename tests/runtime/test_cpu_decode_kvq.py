@@ -306,3 +306,28 @@ def test_a_step_on_a_hit_s_blocks_equals_a_step_on_its_own_copy(kind: str) -> No
     assert owned_hit.holds(hit)
     for c, (keys, values) in zip(shared, before):
         assert np.array_equal(np.array(c.keys), keys) and np.array_equal(np.array(c.values), values)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_mlx_s_blocks_are_ggml_s_reference_blocks(kind: str) -> None:
+    """``kv_blocks.quantize`` (MLX's path, any device) gives the reference's bytes, ties included,
+    and ``dequantize`` their values."""
+    import mlx.core as mx
+
+    from mlxcel_compat.runtime import kv_blocks
+
+    x = _awkward((3, 5, 64), np.random.default_rng(5)) * 3
+    blocks = np.array(kv_blocks.quantize(mx.array(x), kind))
+    assert np.array_equal(blocks, quantize(x, kind))
+    assert np.array_equal(np.array(kv_blocks.dequantize(mx.array(blocks), kind)), dequantize(blocks, kind))
+
+
+def test_a_head_size_blocks_cannot_hold_is_refused_at_load() -> None:
+    """The tiny llama's head size is 16: q8_0 KV is refused when the model loads, saying why."""
+    from mlxcel_compat.model.load_options import LoadOptions
+    from mlxcel_compat.model.loader import load_model
+    from mlxcel_compat.runtime.kv_precision import KvTypes
+    from tests.conftest import tiny_model
+
+    with pytest.raises(ValueError, match="q8_0 KV needs a head size that is a multiple of 32"):
+        load_model(str(tiny_model("llama")), [], options=LoadOptions(kv_types=KvTypes("q8_0", "q8_0")))
