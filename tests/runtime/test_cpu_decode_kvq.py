@@ -331,3 +331,15 @@ def test_a_head_size_blocks_cannot_hold_is_refused_at_load() -> None:
 
     with pytest.raises(ValueError, match="q8_0 KV needs a head size that is a multiple of 32"):
         load_model(str(tiny_model("llama")), [], options=LoadOptions(kv_types=KvTypes("q8_0", "q8_0")))
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_rows_stepped_together_over_blocks_equal_rows_alone(kind: str) -> None:
+    """Three sequences at different positions stepped together over block KV give exactly the
+    logits each gives stepped alone from a copy."""
+    from tests.runtime.step_checks import assert_rows_together_equal_rows_alone
+
+    model, decoder = _loaded(kind)
+    together = [_prefill(model, n) for n in (20, 70, 130)]
+    assert_rows_together_equal_rows_alone(decoder, together, 4)
+    assert [c[0].offset for c in together] == [24, 74, 134]
