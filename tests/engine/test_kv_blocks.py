@@ -1,5 +1,6 @@
 """KV stored as ggml's q8_0 and q4_0 blocks (-ctk/-ctv q8_0, q4_0: runtime/kv_blocks.py) on a real
-engine and the tiny mistral (llama's shape with a head size of 32: one block a row).
+engine: the tiny mistral (llama's shape with a head size of 32: one block a row) on the CPU decode
+runtime, and the tiny gemma2 (sliding layers, soft caps) on MLX's path alone.
 
 MLX's prefill and the CPU decode runtime's chunks and steps quantize alike and read the stored
 blocks, so an aligned hit equals the cold run bit for bit; entries hold the blocks' bytes.
@@ -19,12 +20,13 @@ from tests.engine.test_prefix_cache import CHUNK, N_PROBS, random_tokens
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # a block's bytes for 32 values
 
 
-@pytest.fixture(scope="module", params=["q8_0", "q4_0"])
+@pytest.fixture(scope="module", params=["mistral:q8_0", "mistral:q4_0", "gemma2:q8_0"])
 def block_harness(request: pytest.FixtureRequest):
-    """The tiny mistral (head size 32: one block a row) storing its KV as ggml's blocks."""
-    h = EngineHarness(tiny_model("mistral"), batch_size=CHUNK,
-                      load_options=LoadOptions(kv_types=KvTypes(request.param, request.param)))
-    h.precision = request.param
+    """A tiny model with a head size of 32 (one block a row) storing its KV as ggml's blocks: the
+    mistral on the CPU decode runtime, gemma2 (soft caps, sliding layers) on MLX's path alone."""
+    family, kind = request.param.split(":")
+    h = EngineHarness(tiny_model(family), batch_size=CHUNK, load_options=LoadOptions(kv_types=KvTypes(kind, kind)))
+    h.precision, h.runtime = kind, family == "mistral"
     yield h
     h.close()
 
@@ -35,7 +37,8 @@ def test_aligned_hit_equals_the_cold_run_exactly_over_blocks(block_harness: Engi
     runtime ran the prompt's rest and the steps."""
     block_harness.reset()
     decoder = block_harness.engine.loaded.decoder
-    steps = decoder.steps
+    assert (decoder is not None) == block_harness.runtime
+    steps = decoder.steps if decoder else 0
     shared = random_tokens(2 * CHUNK, seed=21)
     block_harness.run(shared + random_tokens(9, seed=22), n_predict=4)
     second = shared + random_tokens(27, seed=23)
@@ -44,7 +47,8 @@ def test_aligned_hit_equals_the_cold_run_exactly_over_blocks(block_harness: Engi
     cold = block_harness.run(second, n_predict=12, n_probs=N_PROBS, cache=False)
     assert warm.tokens == cold.tokens
     assert warm.logprobs == cold.logprobs  # bit-identical
-    assert decoder.steps > steps and decoder.kv.codes == ({"q8_0": 3, "q4_0": 4}[block_harness.precision],) * 2
+    if decoder:
+        assert decoder.steps > steps and decoder.kv.codes == ({"q8_0": 3, "q4_0": 4}[block_harness.precision],) * 2
 
 
 def test_entries_hold_blocks(block_harness: EngineHarness) -> None:
