@@ -150,40 +150,57 @@ static void kv_dequantize(int type, const uint8_t *src, float *dst, int n) {
     }
 }
 
-/* dot(x, y) over d values: x q8_0 or q4_0 blocks, y q8_0 blocks (the query, as ggml's flash
- * attention converts it to K's vec_dot type): each block's integer sum times the two scales,
- * summed over the blocks in order (ggml's vec_dot_q8_0_q8_0 and vec_dot_q4_0_q8_0). */
-static inline float kv_block_dot(int type, const uint8_t *x, const uint8_t *y, int d) {
-    float sum = 0.0f;
-    for (int b = 0; b < d / KV_QK; b++, y += KV_Q8_0_BYTES) {
-        const int8_t *yq = (const int8_t *)(y + 2);
-        int isum = 0;
+/* A block row unpacked for its dots: int8 values (q4_0's nibbles less 8) and float scales. */
+static inline void kv_unpack_row(int type, const uint8_t *src, int8_t *q, float *scale, int d) {
+    for (int b = 0; b < d / KV_QK; b++, q += KV_QK) {
+        scale[b] = kv_block_scale(src);
         if (type == MLXCEL_KV_Q8_0) {
-            const int8_t *xq = (const int8_t *)(x + 2);
-            for (int j = 0; j < KV_QK; j++) isum += xq[j] * yq[j];
-            sum += (float)isum * (kv_block_scale(x) * kv_block_scale(y));
-            x += KV_Q8_0_BYTES;
+            memcpy(q, src + 2, KV_QK);
+            src += KV_Q8_0_BYTES;
         } else {
-            for (int j = 0; j < KV_QK / 2; j++)
-                isum += ((x[2 + j] & 0x0f) - 8) * yq[j] + ((x[2 + j] >> 4) - 8) * yq[j + KV_QK / 2];
-            sum += (float)isum * (kv_block_scale(x) * kv_block_scale(y));
-            x += KV_Q4_0_BYTES;
+            for (int j = 0; j < KV_QK / 2; j++) {
+                q[j] = (int8_t)((src[2 + j] & 0x0f) - 8);
+                q[j + KV_QK / 2] = (int8_t)((src[2 + j] >> 4) - 8);
+            }
+            src += KV_Q4_0_BYTES;
         }
+    }
+}
+
+/* dot(x, y) over d unpacked values: each block's integer sum times the two scales, summed over
+ * the blocks in order (ggml's vec_dot_q8_0_q8_0 and vec_dot_q4_0_q8_0: sumi * (dx * dy)). */
+static inline float kv_block_dot(const int8_t *xq, const float *xs, const int8_t *yq, const float *ys, int d) {
+    float sum = 0.0f;
+    for (int b = 0; b < d / KV_QK; b++) {
+        int isum = 0;
+        for (int j = 0; j < KV_QK; j++) isum += xq[b * KV_QK + j] * yq[b * KV_QK + j];
+        sum += (float)isum * (xs[b] * ys[b]);
     }
     return sum;
 }
 
 /* scores (M, ldc) columns [0, n1) = scale * x (M, d) . block key rows [0, n1): each query row
- * quantized to q8_0 first (unscaled, as ggml quantizes Q before scaling the product). */
+ * quantized to q8_0 first (unscaled, as ggml quantizes Q before scaling the product); each key
+ * row unpacked once for the M queries. */
 static void kv_block_scores(int T, int M, int n1, int d, const float *x, float scale, const uint8_t *keys, float *c,
                             size_t ldc) {
     size_t row = kv_row_bytes(T, d), qrow = kv_row_bytes(MLXCEL_KV_Q8_0, d);
-    uint8_t *xq = malloc((size_t)M * qrow);
-    if (!xq) abort();
-    for (int i = 0; i < M; i++) kv_quantize_q8_0(xq + (size_t)i * qrow, x + (size_t)i * d, d);
-    for (int t = 0; t < n1; t++)
-        for (int i = 0; i < M; i++) c[(size_t)i * ldc + t] = kv_block_dot(T, keys + (size_t)t * row, xq + (size_t)i * qrow, d) * scale;
-    free(xq);
+    int nb = d / KV_QK;
+    float *ys = malloc((size_t)(M + 1) * nb * sizeof(float) + (size_t)(M + 1) * d + qrow); /* scales first: aligned */
+    if (!ys) abort();
+    float *xs = ys + (size_t)M * nb;
+    int8_t *yq = (int8_t *)(xs + nb), *xq = yq + (size_t)M * d;
+    uint8_t *packed = (uint8_t *)(xq + d);
+    for (int i = 0; i < M; i++) {
+        kv_quantize_q8_0(packed, x + (size_t)i * d, d);
+        kv_unpack_row(MLXCEL_KV_Q8_0, packed, yq + (size_t)i * d, ys + (size_t)i * nb, d);
+    }
+    for (int t = 0; t < n1; t++) {
+        kv_unpack_row(T, keys + (size_t)t * row, xq, xs, d);
+        for (int i = 0; i < M; i++)
+            c[(size_t)i * ldc + t] = kv_block_dot(xq, xs, yq + (size_t)i * d, ys + (size_t)i * nb, d) * scale;
+    }
+    free(ys);
 }
 
 /* out (M, d) = p (M, ldp) columns [0, n) times block value rows [0, n) (rows from K1 on: from
