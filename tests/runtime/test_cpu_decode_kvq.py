@@ -252,7 +252,7 @@ def _blocks(c: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.array(c.keys[..., :n, :]), np.array(c.values[..., :n, :])
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", ["q8_0", pytest.param("q4_0", marks=pytest.mark.slow)])
 def test_the_decoder_over_blocks_follows_mlx_s_steps_and_prefill(kind: str) -> None:
     """A cold prompt fed to the runtime as one chunk stores the very blocks MLX's prefill stores
     (both quantize as ggml's reference) with the last row's logits at float32 rounding; then six
@@ -333,7 +333,7 @@ def test_a_head_size_blocks_cannot_hold_is_refused_at_load() -> None:
         load_model(str(tiny_model("llama")), [], options=LoadOptions(kv_types=KvTypes("q8_0", "q8_0")))
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", ["q8_0", pytest.param("q4_0", marks=pytest.mark.slow)])
 def test_rows_stepped_together_over_blocks_equal_rows_alone(kind: str) -> None:
     """Three sequences at different positions stepped together over block KV give exactly the
     logits each gives stepped alone from a copy."""
