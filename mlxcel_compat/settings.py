@@ -328,8 +328,9 @@ R_LOADING = ("a GGUF's quantized weights are served from the file's blocks on th
              "arrays; llama.cpp's buffer, device and placement options have nothing to place")
 R_FIT = "no automatic memory fitting; set --ctx-size and the --prompt-cache-* budgets instead"
 # -ctk/-ctv: llama-server's names this server stores KV in (runtime/kv_precision.py: DTYPES).
-KV_CACHE_TYPES = ("f32", "f16", "bf16")
-KV_CACHE_TYPES_ACCEPT = "one of f32, f16, bf16 (llama-server's q8_0, q4_0, q4_1, iq4_nl, q5_0 and q5_1 are not implemented)"
+KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+KV_CACHE_TYPES_ACCEPT = ("one of f32, f16, bf16, q8_0, q4_0 (llama-server's q4_1, iq4_nl, q5_0 and q5_1 are not "
+                         "implemented)")
 R_ROPE = ("mlx-lm's YaRN RoPE has no such parameter (it mixes extrapolation fully and takes its attention "
           "factor from the model's mscale); --rope-scaling, --rope-scale, --rope-freq-* and --yarn-orig-ctx/beta-* apply")
 R_SPEC = "the draft model runs on the engine thread beside the model, with its settings"
@@ -887,7 +888,8 @@ _CACHE: tuple[Setting, ...] = (
             choices=KV_CACHE_TYPES, default="f16", group="cache", metavar="TYPE", accepts=KV_CACHE_TYPES_ACCEPT,
             help="KV cache type for K: the keys are stored in this type, and attention reads them as stored "
                  "(docs/prompt-cache.md, KV precision). f16 as llama-server; f32 keeps the float32 values the "
-                 "model computes (the exactness mode: -ctk f32 -ctv f32). Must equal -ctv."),
+                 "model computes (the exactness mode: -ctk f32 -ctv f32); q8_0 and q4_0 store ggml's 32-value "
+                 "blocks (the head size a multiple of 32). Must equal -ctv."),
     Setting("cache_type_v", ("-ctv", "--cache-type-v"), ("LLAMA_ARG_CACHE_TYPE_V",), type="choice",
             choices=KV_CACHE_TYPES, default="f16", group="cache", metavar="TYPE", accepts=KV_CACHE_TYPES_ACCEPT,
             help="KV cache type for V (as -ctk for the values)."),

@@ -7,10 +7,11 @@ or ``smollm2``: SmolLM2-135M-Instruct Q4_1 from the package registry (trained we
 continuations are not dominated by the near-ties of random weights;
 ``mlxcel_compat/testing/real_model.py``). Every
 server is started from it with ``-np 1 -c CTX`` (``--ctx``, default 32768) and its own
-``-ctk T -ctv T``; by default llama-server at ``f16`` and ``q8_0`` and this server at ``f16`` and
-``f32`` (``--configs``; this server does not build ``q8_0`` yet: docs/prompt-cache.md, KV
-precision). All of them are up for the whole run, and each measurement runs on every server
-before the next starts (the order rotates), so a busy machine's drift falls on all alike.
+``-ctk T -ctv T`` (llama-server also ``-fa on``: its quantized V cache needs flash attention); by
+default llama-server and this server each at ``f16`` and ``q8_0`` (``--configs``; ggml's blocks
+here: docs/prompt-cache.md, KV precision). All of them are up for the whole run, and each
+measurement runs on every server before the next starts (the order rotates), so a busy
+machine's drift falls on all alike.
 
 What it measures, per server:
 
@@ -24,12 +25,17 @@ What it measures, per server:
 - **agreement**: greedy ``--accuracy-tokens``-token continuations of ``--accuracy-prompts`` short
   prompts (``cache_prompt`` off); reported per server pair of the same program: how many
   continuations are identical and the mean index of the first differing token (llama-server
-  q8_0 against llama-server f16; ours f16 against ours f32).
+  q8_0 against llama-server f16; ours q8_0 against ours f16; ours f16 against ours f32). The
+  issue's accuracy goal: ours q8_0 agrees with ours f16 at least as often as llama-server's q8_0
+  with its f16 (the verdict line).
+- **ratios**: ours over llama-server's at the same type (RSS at depth: lower is better; prefill
+  and decode: higher is better), printed last.
 
-Example (the figures in docs/benchmarks.md)::
+Example (the figures in docs/benchmarks/kv-precision.md)::
 
-    python scripts/bench_kv_precision.py --depth 16384 --json /tmp/kvprec.json
-    python scripts/bench_kv_precision.py --depth 4096 --ctx 8192 --n-predict 16     # quicker
+    python scripts/bench_kv_precision.py --model smollm2 --depth 0 --accuracy-prompts 12   # accuracy
+    python scripts/bench_kv_precision.py --depth 16384 --json /tmp/kvprec.json             # long context
+    python scripts/bench_kv_precision.py --depth 4096 --ctx 8192 --n-predict 16            # quicker
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ def start(args: argparse.Namespace, program: str, kv_type: str, path: Path) -> b
               "-t", str(args.threads), "-tb", str(args.threads), "-ctk", kv_type, "-ctv", kv_type]
     env = {"OPENBLAS_NUM_THREADS": str(args.threads)}
     if program == "llama":
-        cmd = [args.llama_server, *common]
+        cmd = [args.llama_server, *common, "-fa", "on"]
     else:
         cmd = [args.python, "-m", "mlxcel_compat", *common]
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -113,12 +119,33 @@ def report_agreement(results: dict[str, dict[str, Any]], n_prompts: int, n_token
             same, first = agreement(results[a]["continuations"], results[b]["continuations"], n_tokens)
             out[f"{a} vs {b}"] = {"identical": same, "mean_first_difference": first}
             print(f"agreement {a} vs {b}: {same}/{n_prompts} identical, mean first difference at {first:.1f}", flush=True)
+    ours, theirs = out.get("mlxcel:q8_0 vs mlxcel:f16"), out.get("llama:q8_0 vs llama:f16")
+    if ours and theirs:
+        met = (ours["identical"], ours["mean_first_difference"]) >= (theirs["identical"], theirs["mean_first_difference"])
+        print(f"verdict: q8_0 agreement with f16, ours {ours['identical']}/{n_prompts} against llama-server's "
+              f"{theirs['identical']}/{n_prompts}: {'met' if met else 'missed'}", flush=True)
+    return out
+
+
+def report_ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Ours over llama-server's, per KV type both ran: RSS at depth, prefill and decode."""
+    out: dict[str, dict[str, float]] = {}
+    for label in results:
+        program, kv_type = label.split(":", 1)
+        theirs = results.get(f"llama:{kv_type}")
+        if program != "mlxcel" or theirs is None:
+            continue
+        ours = results[label]
+        ratios = {key: ours[key] / theirs[key] for key in ("rss_depth_mib", "prefill_tps", "decode_tps")
+                  if ours.get(key) and theirs.get(key)}
+        out[kv_type] = ratios
+        print(f"ours / llama-server at {kv_type}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()), flush=True)
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="llama:f16,llama:q8_0,mlxcel:f16,mlxcel:f32",
+    parser.add_argument("--configs", default="llama:f16,llama:q8_0,mlxcel:f16,mlxcel:q8_0",
                         help="comma list of PROGRAM:TYPE (PROGRAM: llama or mlxcel)")
     parser.add_argument("--model", choices=("small-q4_k_m", "smollm2"), default="small-q4_k_m")
     parser.add_argument("--depth", type=int, default=16384, help="tokens in the slot (0: agreement and RSS at /health only)")
@@ -189,9 +216,10 @@ def main() -> int:
     for label, r in results.items():
         print(f"{label:14s} {r['rss_health_mib']:10.0f} M {r.get('rss_depth_mib', 0):11.0f} M {r['peak_rss_mib']:6.0f} M "
               f"{r.get('prefill_tps', 0):12.1f} {r.get('decode_tps', 0):11.2f}")
+    ratios = report_ratios(results)
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "agreement": agreements, "depth": len(long_prompt),
-                                               "ctx": args.ctx}, indent=1))
+        Path(args.json).write_text(json.dumps({"results": results, "agreement": agreements, "ratios": ratios,
+                                               "depth": len(long_prompt), "ctx": args.ctx}, indent=1))
     return 0
 
 

@@ -234,6 +234,10 @@ def test_kv_cache_types_from_flags_and_llama_variables() -> None:
     assert (resolve_settings([], {}).cache_type_k, resolve_settings([], {}).cache_type_v) == ("f16", "f16")  # llama-server's
     with pytest.raises(SettingsError, match="-ctk f16 and LLAMA_ARG_CACHE_TYPE_V bf16 differ"):
         resolve_settings(["-ctk", "f16"], {"LLAMA_ARG_CACHE_TYPE_V": "bf16"})
+    settings = resolve_settings(["-ctk", "q8_0", "-ctv", "q8_0"], {})  # ggml's blocks (kv_blocks.py)
+    assert (settings.cache_type_k, settings.cache_type_v) == ("q8_0", "q8_0")
+    with pytest.raises(SettingsError, match="-ctk q8_0 and -ctv f16 differ"):
+        resolve_settings(["-ctk", "q8_0", "-ctv", "f16"], {})
 
 
 # --------------------------------------------------------------------------- JSON, lists, escapes

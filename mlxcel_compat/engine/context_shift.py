@@ -30,6 +30,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxcel_compat.cache import kv
+from mlxcel_compat.runtime import kv_blocks, kv_precision
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +78,16 @@ class KeyRotation:
     are laid out one position a row (every key then turns by the same amount) and turned backward
     through the sign flip of :func:`_sign_flip`."""
 
-    def __init__(self, ropes: list[Any], add_bos: bool = False) -> None:
+    def __init__(self, ropes: list[Any], add_bos: bool = False, blocks: str | None = None) -> None:
         self.ropes = ropes
         self.add_bos = add_bos  # the tokenizer adds a BOS token: a shift keeps it on top of n_keep
+        self.blocks = blocks  # -ctk q8_0/q4_0: keys stored as ggml's blocks (runtime/kv_blocks.py)
 
     def __call__(self, layer: int, keys: Any, delta: int) -> Any:
         if keys.shape[2] == 0 or delta == 0:
             return keys
+        if self.blocks and keys.dtype == mx.uint8:  # as llama.cpp's K shift: dequantize, rotate, quantize
+            return kv_blocks.quantize(self(layer, kv_blocks.dequantize(keys, self.blocks), delta), self.blocks)
         rope = self.ropes[layer]
         b, h, n, d = keys.shape
         rows = keys.reshape(b, h * n, 1, d)
@@ -122,7 +126,7 @@ def key_rotation(model: Any, cache: list[Any], add_bos: bool) -> tuple[KeyRotati
     ropes = [_rope_of(layer) for layer in layers]
     if any(r is None or not hasattr(r, "dims") or not hasattr(r, "traditional") for r in ropes):
         return None, "a layer has no rotary embedding this server can re-apply"
-    rotation = KeyRotation(ropes, add_bos)
+    rotation = KeyRotation(ropes, add_bos, kv_precision.of_model(model).blocks)
     head_dim = _head_dim(model, layers[0])
     checked: dict[int, bool] = {}
     for i, rope in enumerate(ropes):

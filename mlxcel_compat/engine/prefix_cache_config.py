@@ -118,4 +118,4 @@ def kv_accounting(loaded: Any) -> dict[str, Any]:
     types = of_model(loaded.model)
     k_bytes, v_bytes = types.bytes_per_value()
     return {"kv_cache_type_k": types.k, "kv_cache_type_v": types.v,
-            "kv_bytes_per_token": kv_bytes_per_token(loaded.config, 1) * (k_bytes + v_bytes) // 2}
+            "kv_bytes_per_token": int(kv_bytes_per_token(loaded.config, 1) * (k_bytes + v_bytes) / 2)}

@@ -161,7 +161,8 @@ class CpuDecoder:
         self.kv = KvLayout(self.n_kv_heads, self.head_dim, self.window,
                            rings=[i for i, layer in enumerate(attn) if layer.sliding],  # RotatingKVCache layers
                            plain=[i for i, layer in enumerate(attn) if not layer.sliding],  # KVCache layers
-                           dtypes=kv_precision.of_model(model).dtypes())  # -ctk/-ctv
+                           dtypes=kv_precision.of_model(model).dtypes(),  # -ctk/-ctv
+                           blocks=kv_precision.of_model(model).blocks)
         # a sequence's KV as the pass reads it (sequence_kv.py): views, the struct mlxcel_kv table
         self.seq = SequenceKv(self.kv, len(self.layers), self.attn_layers, self.delta_layers,
                               [self.layers[i].delta for i in self.delta_layers])
@@ -269,7 +270,7 @@ class CpuDecoder:
         if len(cache) != len(self.layers):
             return False
         if self.kv.rings:
-            d, hk = self.head_dim, self.n_kv_heads
+            d, hk = self.kv.width, self.n_kv_heads  # a stored row's last dimension
             return (len({c.offset for c in cache}) == 1
                     and all(ring_chunks.ring_takes_chunk(cache[i], self.window, hk, d, self.kv.dtypes) for i in self.kv.rings)
                     and all(ring_chunks.plain_takes_chunk(cache[i], hk, d, self.kv.dtypes) for i in self.kv.plain))

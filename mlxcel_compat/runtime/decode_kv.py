@@ -21,6 +21,8 @@ The buffers hold the layer's storage type (``-ctk``/``-ctv``: ``runtime/kv_preci
 float32, float16 or bfloat16, the type the cache's arrays already have, or the model's stamp for
 an empty cache (:attr:`KvLayout.dtypes`). NumPy has no bfloat16: such a buffer is seen through
 a uint16 view of the same memory (:func:`host_view`), and the C kernels round and widen it.
+At q8_0 and q4_0 a row is ggml's blocks in uint8 (:attr:`KvLayout.width` bytes: ``kv_blocks.py``),
+which the C kernels quantize and read.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlxcel_compat.runtime import kv_blocks
+
 # Positions the decoder's own KV buffers are allocated in (:func:`buffer_capacity`): mlx-lm's caches
 # grow by 256, which left a short sequence's buffers up to 255 positions too long (24 KiB a position on
 # the small llama: four streams of ~160 tokens held 24 MiB where 16 are used).
@@ -38,6 +42,7 @@ KV_STEP = 16
 KV_HEADROOM = 64  # positions allocated beyond the one needed where the request sets no bound
 # The storage types the runtime's attention reads, by the code the native decode pass takes (MLXCEL_KV_*).
 KV_CODES = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
+BLOCK_CODES = {"q8_0": 3, "q4_0": 4}  # ggml's blocks, stored as uint8 rows (kv_blocks.py)
 
 
 def paged(c: Any) -> bool:
@@ -191,11 +196,19 @@ class KvLayout:
     rings: list[int]  # RotatingKVCache layers
     plain: list[int]  # KVCache layers
     dtypes: tuple[Any, Any] = (mx.float32, mx.float32)  # the keys' and values' storage types
+    blocks: str | None = None  # q8_0 or q4_0: both stored as ggml's blocks, rows of uint8 (dtypes)
 
     @property
     def codes(self) -> tuple[int, int]:
-        """The storage types as the native decode pass takes them (``KV_CODES``)."""
+        """The storage types as the native decode pass takes them (``KV_CODES``, ``BLOCK_CODES``)."""
+        if self.blocks:
+            return BLOCK_CODES[self.blocks], BLOCK_CODES[self.blocks]
         return KV_CODES[self.dtypes[0]], KV_CODES[self.dtypes[1]]
+
+    @property
+    def width(self) -> int:
+        """A stored row's last dimension: ``head_dim`` values, or a block type's bytes for them."""
+        return kv_blocks.row_width(self.blocks, self.head_dim) if self.blocks else self.head_dim
 
     def own(self, cache: list[Any], owned: OwnedCache, pos: int, last: int | None = None) -> list[tuple[int, int, int]]:
         """Addresses of every layer's keys and values, and their capacity, with room for
@@ -229,7 +242,7 @@ class KvLayout:
                 capacity, start, c._idx = ring_plans[i]
                 keys, values = (_fresh_ring(a, start, capacity) for a in (c.keys, c.values))
             elif c.keys is None:  # an empty cache (can_prefill): buffers for positions 0 .. last
-                shape = (1, self.n_kv_heads, buffer_capacity(last, reserve=owned.reserve), self.head_dim)
+                shape = (1, self.n_kv_heads, buffer_capacity(last, reserve=owned.reserve), self.width)
                 keys, values = (_writable(shape, dtype)[0] for dtype in self.dtypes)
             else:
                 keys, values = (_fresh(a, pos, last, owned.reserve) for a in (c.keys, c.values))
@@ -288,7 +301,7 @@ class KvLayout:
         if not all(type(c) is KVCache and c.keys is not None and c.offset == pos for c in cache):
             return None
         mx.eval([(c.keys, c.values) for c in cache])
-        d = self.head_dim
+        d = self.width  # a stored row's elements (values, or a block type's bytes)
         shared, views, rows = [], [], []
         for c in cache:
             pair = []
@@ -347,5 +360,5 @@ def _fresh_ring(a: Any, start: int, capacity: int) -> Any:
     return fresh
 
 
-__all__ = ["KV_CODES", "KV_HEADROOM", "KV_STEP", "Borrowed", "KeptApart", "KvLayout", "OwnedCache", "block_table",
-           "buffer_capacity", "host_view", "mlx_rows", "paged", "paged_fits", "ring_plan", "written"]
+__all__ = ["BLOCK_CODES", "KV_CODES", "KV_HEADROOM", "KV_STEP", "Borrowed", "KeptApart", "KvLayout", "OwnedCache",
+           "block_table", "buffer_capacity", "host_view", "mlx_rows", "paged", "paged_fits", "ring_plan", "written"]

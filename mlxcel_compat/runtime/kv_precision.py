@@ -14,9 +14,11 @@ has one (so a copy, a merged batch or a cache read back from disk keeps its type
 the model's ``make_cache`` stamped on the new layer (:func:`install`). Attention then takes
 float32 queries against half-precision keys and values; MLX promotes the products to float32.
 
-``f32``, ``f16`` and ``bf16`` are built. llama-server also accepts ``q8_0`` and ``q4_0`` (ggml's
-32-value blocks with an f16 scale) and ``q4_1``, ``iq4_nl``, ``q5_0``, ``q5_1``: start-up refuses
-them with a message that says so (settings.py).
+``f32``, ``f16``, ``bf16``, ``q8_0`` and ``q4_0`` are built. The two block types store ggml's
+32-value blocks with an f16 scale (``kv_blocks.py``): the wrapper quantizes the new keys and
+values into the layer's uint8 rows and hands attention the stored rows dequantized to the
+computed dtype. llama-server also accepts ``q4_1``, ``iq4_nl``, ``q5_0`` and ``q5_1``: start-up
+refuses them with a message that says so (settings.py).
 
 Why not a subclass of ``KVCache``: the prompt cache, the CPU decode runtime, batching and the
 disk format recognise mlx-lm's own classes by name; a subclass would be a new kind to each.
@@ -34,10 +36,16 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-# llama-server's names (common/arg.cpp: kv_cache_types) and what this server stores each as.
-DTYPES: dict[str, Any] = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
+from mlxcel_compat.runtime import kv_blocks
 
-STAMP = "kv_storage"  # a new cache layer's (keys dtype, values dtype), set by the model's make_cache
+# llama-server's names (common/arg.cpp: kv_cache_types) and what this server stores each as:
+# float types as themselves, ggml's block types as rows of uint8 (kv_blocks.py).
+DTYPES: dict[str, Any] = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
+BLOCK_TYPES = tuple(kv_blocks.BLOCK_BYTES)  # q8_0, q4_0
+
+# a new cache layer's (keys storage, values storage), set by the model's make_cache: a float dtype,
+# or a block type's name (q8_0, q4_0)
+STAMP = "kv_storage"
 
 
 @dataclass(frozen=True)
@@ -57,34 +65,63 @@ class KvTypes:
         """float32 both: the KV the model computes, unrounded (the mode the CPU runtime reads)."""
         return self.k == self.v == "f32"
 
+    @property
+    def blocks(self) -> str | None:
+        """The block type (q8_0, q4_0) both are stored in, else None (a float type; -ctk and -ctv
+        are equal: settings.py)."""
+        return self.k if self.k in BLOCK_TYPES else None
+
     def dtypes(self) -> tuple[Any, Any]:
-        return DTYPES[self.k], DTYPES[self.v]
+        """The cache arrays' dtypes: uint8 rows for the block types."""
+        return tuple(mx.uint8 if t in BLOCK_TYPES else DTYPES[t] for t in (self.k, self.v))  # type: ignore[return-value]
 
-    def bytes_per_value(self) -> tuple[int, int]:
-        """Bytes one stored key element and one value element take."""
-        k, v = self.dtypes()
-        return k.size, v.size
+    def storage(self) -> tuple[Any, Any]:
+        """What a layer's stamp holds: each side's float dtype or block type name."""
+        return tuple(t if t in BLOCK_TYPES else DTYPES[t] for t in (self.k, self.v))  # type: ignore[return-value]
+
+    def bytes_per_value(self) -> tuple[float, float]:
+        """Bytes one stored key element and one value element take (a block's bytes over its 32
+        values for q8_0 and q4_0: 34/32 and 18/32)."""
+        return tuple(kv_blocks.BLOCK_BYTES[t] / kv_blocks.QK if t in BLOCK_TYPES else DTYPES[t].size
+                     for t in (self.k, self.v))  # type: ignore[return-value]
 
 
-def _storage(layer: Any) -> tuple[Any, Any] | None:
-    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-    if isinstance(keys, mx.array) and isinstance(values, mx.array):
-        return keys.dtype, values.dtype
+def _stored(buffer: Any, head_dim: int) -> Any:
+    """A buffer's storage: its dtype, or for uint8 rows the block type their width says."""
+    if buffer.dtype == mx.uint8:
+        return kv_blocks.kind_of(buffer.shape[-1], head_dim)
+    return buffer.dtype
+
+
+def _storage(layer: Any, keys: Any, values: Any) -> tuple[Any, Any] | None:
+    buffers = getattr(layer, "keys", None), getattr(layer, "values", None)
+    if all(isinstance(b, mx.array) for b in buffers):
+        return _stored(buffers[0], keys.shape[-1]), _stored(buffers[1], values.shape[-1])
     return layer.__dict__.get(STAMP)
 
 
+def _to_storage(x: Any, storage: Any) -> Any:
+    if isinstance(storage, str):
+        return kv_blocks.quantize(x, storage)
+    return x if storage is None or x.dtype == storage else x.astype(storage)
+
+
+def _from_storage(stored: Any, storage: Any, dtype: Any) -> Any:
+    return kv_blocks.dequantize(stored, storage, dtype) if isinstance(storage, str) else stored
+
+
 def _storing(update: Callable[..., Any]) -> Callable[..., Any]:
-    """``update_and_fetch`` with the new keys and values cast to the layer's storage types first."""
+    """``update_and_fetch`` with the new keys and values cast (or quantized) to the layer's
+    storage types first, and block rows handed back dequantized to the computed dtype."""
 
     def update_and_fetch(self: Any, keys: Any, values: Any) -> Any:
-        storage = _storage(self)
-        if storage is not None:
-            k_dtype, v_dtype = storage
-            if keys.dtype != k_dtype:
-                keys = keys.astype(k_dtype)
-            if values.dtype != v_dtype:
-                values = values.astype(v_dtype)
-        return update(self, keys, values)
+        storage = _storage(self, keys, values)
+        if storage is None:
+            return update(self, keys, values)
+        k_store, v_store = storage
+        dtype = keys.dtype
+        k, v = update(self, _to_storage(keys, k_store), _to_storage(values, v_store))
+        return _from_storage(k, k_store, dtype), _from_storage(v, v_store, dtype)
 
     update_and_fetch.unwrapped = update  # type: ignore[attr-defined]
     return update_and_fetch
@@ -103,7 +140,7 @@ def patch_caches() -> None:
 
 def stamp(cache: list[Any], types: KvTypes) -> list[Any]:
     """Mark every empty KV layer of a new cache (in ``CacheList``s too) with the storage types."""
-    dtypes = types.dtypes()
+    dtypes = types.storage()
 
     def mark(layer: Any) -> None:
         inner = getattr(layer, "caches", None)
@@ -118,6 +155,21 @@ def stamp(cache: list[Any], types: KvTypes) -> list[Any]:
     return cache
 
 
+def _head_dim(model: Any) -> int | None:
+    """The model's attention head size from its mlx-lm arguments, where they say it."""
+    args = getattr(model, "args", None)
+    args = getattr(args, "text_config", None) or args
+    if isinstance(args, dict):
+        get = args.get
+    else:
+        def get(name: str) -> Any:
+            return getattr(args, name, None)
+    head_dim = get("head_dim")
+    if head_dim is None and get("hidden_size") and get("num_attention_heads"):
+        head_dim = get("hidden_size") // get("num_attention_heads")
+    return int(head_dim) if isinstance(head_dim, int) else None
+
+
 def install(model: Any, types: KvTypes) -> None:
     """Make every cache ``make_prompt_cache(model)`` builds store KV as ``types`` say: the
     model's ``make_cache`` (mlx-lm's default list of ``KVCache`` where it has none) is wrapped to
@@ -125,6 +177,9 @@ def install(model: Any, types: KvTypes) -> None:
     model.kv_types = types
     if types.exact:
         return
+    head_dim = _head_dim(model)
+    if types.blocks and head_dim is not None:
+        kv_blocks.row_width(types.blocks, head_dim)  # raises for a head size blocks cannot hold
     from mlx_lm.models.cache import KVCache
 
     patch_caches()
@@ -140,4 +195,4 @@ def of_model(model: Any) -> KvTypes:
     return getattr(model, "kv_types", None) or KvTypes()
 
 
-__all__ = ["DTYPES", "KvTypes", "STAMP", "install", "of_model", "patch_caches", "stamp"]
+__all__ = ["BLOCK_TYPES", "DTYPES", "KvTypes", "STAMP", "install", "of_model", "patch_caches", "stamp"]

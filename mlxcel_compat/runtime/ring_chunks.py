@@ -128,7 +128,7 @@ def chunk_views(layout: KvLayout, cache: list[Any], owned: OwnedCache, pos: int,
     mx.eval([(c.keys, c.values) for c in cache if c.keys is not None])
     mine = len(owned.arrays) == len(cache)
     plain_layout = KvLayout(layout.n_kv_heads, layout.head_dim, None, rings=[], plain=list(range(len(layout.plain))),
-                            dtypes=layout.dtypes)
+                            dtypes=layout.dtypes, blocks=layout.blocks)
     plain_owned = OwnedCache(arrays=[owned.arrays[i] for i in layout.plain] if mine else [],
                              views=[owned.views[i] for i in layout.plain] if mine else [], reserve=owned.reserve)
     plain_views = plain_layout.own([cache[i] for i in layout.plain], plain_owned, pos, last=pos + rows - 1)
@@ -137,7 +137,7 @@ def chunk_views(layout: KvLayout, cache: list[Any], owned: OwnedCache, pos: int,
     for j, i in enumerate(layout.plain):
         arrays[i], views[i] = plain_owned.arrays[j], plain_views[j]
     for i in layout.rings:  # a new ring every chunk: a snapshot taken between chunks may hold the last one
-        keys, values, capacity = _own_ring(cache[i], layout.window, rows, layout.n_kv_heads, layout.head_dim,
+        keys, values, capacity = _own_ring(cache[i], layout.window, rows, layout.n_kv_heads, layout.width,
                                            layout.dtypes)
         arrays[i] = (keys, values)
         views[i] = (host_view(keys).ctypes.data, host_view(values).ctypes.data, capacity)

@@ -104,6 +104,30 @@ def test_a_cache_stored_at_a_precision_comes_back_bit_identical_in_half_the_byte
         assert "-ctk/-ctv" in str(info.value) and f"{name}/{name}" in str(info.value)
 
 
+
+@pytest.mark.parametrize("name", ["q8_0", pytest.param("q4_0", marks=pytest.mark.slow)])
+def test_a_cache_of_blocks_comes_back_bit_identical(tmp_path, name) -> None:
+    """-ctk/-ctv q8_0 or q4_0: a disk entry holds ggml's blocks (uint8 rows, 34 or 18 bytes per
+    32 values) and comes back as it was; the f16 server refuses it, saying why."""
+    model, _ = load(str(tiny_model("mistral")))  # head size 32: one block a row
+    (tmp_path / "f16").mkdir()
+    kv_precision.install(model, KvTypes("f16", "f16"))
+    f16_path, f16_payload, f16_compat = write_cache(tmp_path / "f16", model, 64)
+    kv_precision.install(model, KvTypes(name, name))
+    path, payload, compat = write_cache(tmp_path, model, 64)
+    header, _ = read_header(path, compat)
+    restored = kv_io.decode(header.layout, kv_io.load_arrays(path, header))
+    assert {c.keys.dtype for c in restored} == {c.values.dtype for c in restored} == {mx.uint8}
+    assert all(mx.array_equal(a.keys, b.keys).item() and mx.array_equal(a.values, b.values).item()
+               for a, b in zip(restored, payload))
+    assert kv.nbytes(restored) * 64 == kv.nbytes(f16_payload) * {"q8_0": 34, "q4_0": 18}[name]
+    step = mx.array([[11, 12]])
+    assert mx.array_equal(model(step, cache=kv.copy_cache(payload)), model(step, cache=restored)).item()
+    for theirs, ours in ((path, f16_compat), (f16_path, compat)):
+        with pytest.raises(DiskReject) as info:
+            read_header(theirs, ours)
+        assert info.value.reason == "kv_precision" and f"{name}/{name}" in str(info.value)
+
 def test_a_layout_naming_anything_but_an_mlx_lm_cache_class_is_refused() -> None:
     with pytest.raises(DiskReject) as info:
         kv_io.decode({"version": 1, "layers": [{"class": "Path", "state": {"v": None}}]}, {})

@@ -60,6 +60,30 @@ def test_shifted_keys_are_the_keys_at_their_new_positions(llama):
         assert mx.array_equal(c.keys[..., :8, :], k).item() and mx.array_equal(c.values[..., :8, :], v).item()
 
 
+
+def test_shifted_block_keys_are_the_keys_at_their_new_positions():
+    """-ctk q8_0: the stored keys are ggml's blocks; a shift dequantizes, rotates and quantizes them
+    again (llama.cpp's K shift does the same), so layer 0's moved keys are a cold prefill's at
+    their new positions to the blocks' rounding, and the values move as they are."""
+    from mlxcel_compat.runtime import kv_blocks, kv_precision
+    from mlxcel_compat.runtime.kv_precision import KvTypes
+
+    model, _ = load_model(tiny_model("mistral"))  # head size 32: one block a row
+    kv_precision.install(model, KvTypes("q8_0", "q8_0"))
+    tokens = [(7 * i + 3) % 500 + 10 for i in range(40)]
+    rotation, reason = key_rotation(model, make_prompt_cache(model), add_bos=False)
+    assert rotation is not None and rotation.blocks == "q8_0", reason
+    cache = _prefill(model, tokens)
+    assert cache[0].keys.dtype == mx.uint8
+    shift_cache(cache, rotation, ShiftPlan(8, 12))
+    cold = _prefill(model, tokens[:8] + tokens[20:])
+    keys, reference = (kv_blocks.dequantize(c[0].keys[..., :28, :], "q8_0") for c in (cache, cold))
+    top = mx.abs(reference).max().item()
+    assert mx.abs(keys - reference).max().item() <= 0.02 * top
+    moved = kv_blocks.dequantize(_prefill(model, tokens)[0].keys[..., 20:40, :], "q8_0")
+    assert mx.abs(moved - reference[..., 8:28, :]).max().item() > 0.1 * top  # unrotated: far off
+    assert mx.array_equal(cache[0].values[..., 8:28, :], _prefill(model, tokens)[0].values[..., 20:40, :]).item()
+
 def test_recurrent_models_cannot_shift():
     model, _ = load_model(tiny_model("lfm2"))
     rotation, reason = key_rotation(model, make_prompt_cache(model), add_bos=False)

@@ -4,9 +4,12 @@
  * apart) and a prompt chunk's causal attention, the KV heads spread over the shim's thread pool.
  * The scores and the products by the values are the small-M kernel's (small_m_kernel.h); the
  * softmax is a vectorized power of 2 (vector_math.h), where MLX's CPU exponential is scalar.
- * The cache's keys and values are float32, f16 or bf16 rows (-ctk/-ctv: kv_rows.h): new rows are
- * rounded to the type when written; a step's products widen 16-bit rows in registers as they read
- * them, a prompt chunk widens each head's rows once into its float32 scratch.
+ * The cache's keys and values are float32, f16 or bf16 rows, or ggml's q8_0 or q4_0 blocks
+ * (-ctk/-ctv: kv_rows.h): new rows are rounded (quantized) to the type when written; a step's
+ * products widen 16-bit rows in registers as they read them, and over blocks take the dot of each
+ * key row with the query quantized to q8_0 and add each dequantized value row (as ggml's CPU flash
+ * attention does); a prompt chunk widens (dequantizes) each head's rows once into its float32
+ * scratch.
  */
 #include <stddef.h>
 #include <stdlib.h>
@@ -118,7 +121,7 @@ static void attend_head_kv(const void *ctx, int h) {
     static __thread struct mlxcel_scratch scratch;
     const struct attention_job *a = ctx;
     int g = a->group, d = a->d, n = a->n, apart = a->k_out != NULL;
-    size_t k_row = kv_value_bytes(a->k_type) * d, v_row = kv_value_bytes(a->v_type) * d;
+    size_t k_row = kv_row_bytes(a->k_type, d), v_row = kv_row_bytes(a->v_type, d);
     char *keys = (char *)a->keys + h * a->head_stride / d * k_row;
     char *values = (char *)a->values + h * a->head_stride / d * v_row;
     char *k_dst = apart ? (char *)a->k_out + h * k_row : keys + (size_t)a->write * k_row;
@@ -129,11 +132,16 @@ static void attend_head_kv(const void *ctx, int h) {
     float *scores = q + (size_t)g * d;
     for (int i = 0; i < g * d; i++) q[i] = a->q[(size_t)h * g * d + i] * a->scale;
     int shared = apart ? n - 1 : n; /* slots read from the cache; the last one apart after them */
-    if (a->k_type == MLXCEL_KV_F32) rows_nt(g, 0, shared, d, q, d, (const float *)keys, d, scores, n, 1.0f, 0.0f);
-    else kv_scores(a->k_type, g, shared, d, q, (const uint16_t *)keys, scores, n);
-    if (apart) {
-        if (a->k_type == MLXCEL_KV_F32) rows_nt(g, 0, 1, d, q, d, (const float *)k_dst, d, scores + n - 1, n, 1.0f, 0.0f);
-        else kv_scores(a->k_type, g, 1, d, q, (const uint16_t *)k_dst, scores + n - 1, n);
+    if (kv_blocks(a->k_type)) { /* block keys: the unscaled queries to q8_0, the scale after the dot */
+        const float *qh = a->q + (size_t)h * g * d;
+        kv_block_scores(a->k_type, g, shared, d, qh, a->scale, (const uint8_t *)keys, scores, n);
+        if (apart) kv_block_scores(a->k_type, g, 1, d, qh, a->scale, (const uint8_t *)k_dst, scores + n - 1, n);
+    } else if (a->k_type == MLXCEL_KV_F32) {
+        rows_nt(g, 0, shared, d, q, d, (const float *)keys, d, scores, n, 1.0f, 0.0f);
+        if (apart) rows_nt(g, 0, 1, d, q, d, (const float *)k_dst, d, scores + n - 1, n, 1.0f, 0.0f);
+    } else {
+        kv_scores(a->k_type, g, shared, d, q, (const uint16_t *)keys, scores, n);
+        if (apart) kv_scores(a->k_type, g, 1, d, q, (const uint16_t *)k_dst, scores + n - 1, n);
     }
     for (int i = 0; i < g; i++) {
         float *s = scores + (size_t)i * n;
@@ -141,7 +149,9 @@ static void attend_head_kv(const void *ctx, int h) {
         for (int t = 0; t < n; t++) s[t] *= inv;
     }
     float *out = a->out + (size_t)h * g * d;
-    if (a->v_type == MLXCEL_KV_F32)
+    if (kv_blocks(a->v_type))
+        kv_block_weighted(a->v_type, g, d, n, scores, n, (const uint8_t *)values, (const uint8_t *)v_dst, shared, out);
+    else if (a->v_type == MLXCEL_KV_F32)
         rows_nn_split(g, 0, d, n, scores, n, (const float *)values, d, out, d, 1.0f, 0.0f, (const float *)v_dst, shared);
     else
         kv_weighted(a->v_type, g, d, n, scores, n, (const uint16_t *)values, (const uint16_t *)v_dst, shared, out);
@@ -292,7 +302,7 @@ static void chunk_write_head(const void *ctx, int h) {
     static __thread struct mlxcel_scratch widened, run_scratch;
     const struct chunk_attention_job *a = ctx;
     int d = a->d, hk = a->kv_heads, n = a->pos + a->rows, nb = a->paged ? a->paged->n_blocked : 0;
-    size_t k_row = kv_value_bytes(a->k_type) * d, v_row = kv_value_bytes(a->v_type) * d;
+    size_t k_row = kv_row_bytes(a->k_type, d), v_row = kv_row_bytes(a->v_type, d);
     char *keys = (char *)a->keys + h * a->head_stride / d * k_row;
     char *values = (char *)a->values + h * a->head_stride / d * v_row;
     char *k_rows = a->k_out ? (char *)a->k_out + (size_t)h * a->rows * k_row : keys + (size_t)(a->pos - nb) * k_row;

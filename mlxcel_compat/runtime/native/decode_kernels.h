@@ -3,8 +3,9 @@
 #define MLXCEL_DECODE_KERNELS_H
 
 /* The KV cache's storage types (runtime/kv_precision.py, -ctk/-ctv), as cpu_decode.py codes them:
- * the attention kernels' k_type and v_type. Keys and values are passed as the cache's raw rows. */
-enum { MLXCEL_KV_F32 = 0, MLXCEL_KV_F16 = 1, MLXCEL_KV_BF16 = 2 };
+ * the attention kernels' k_type and v_type. Keys and values are passed as the cache's raw rows
+ * (q8_0 and q4_0: a row of d values is d / 32 of ggml's blocks, kv_rows.h). */
+enum { MLXCEL_KV_F32 = 0, MLXCEL_KV_F16 = 1, MLXCEL_KV_BF16 = 2, MLXCEL_KV_Q8_0 = 3, MLXCEL_KV_Q4_0 = 4 };
 
 void mlxcel_rms_norm(const float *x, const float *w, float *out, int rows, int n, float eps);
 void mlxcel_rms_norm_add(const float *b, const float *w, float *x, int rows, int n, float eps);

@@ -234,7 +234,7 @@ static int ring_chunk(const struct mlxcel_kv *s, const float *q, const float *kn
     int w = (int)s->window, cap = (int)s->capacity, n = (int)s->n, kept = n < w - 1 ? n : w - 1, total = kept + rows;
     int back = total < w ? total : w;
     if (cap > w || back > cap || n > cap || s->write < 0 || s->write >= cap) return -1;
-    size_t kb = kv_value_bytes(k_type) * d, vb = kv_value_bytes(v_type) * d; /* a row's bytes */
+    size_t kb = kv_row_bytes(k_type, d), vb = kv_row_bytes(v_type, d); /* a row's bytes */
     char *k = mlxcel_scratch(&ring_scratch, (kb + vb) * hk * total), *v = k + kb * hk * total;
     const char *keys = s->keys, *values = s->values;
     for (int h = 0; h < hk; h++)

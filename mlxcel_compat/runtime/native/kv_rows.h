@@ -9,8 +9,10 @@
 #ifndef MLXCEL_KV_ROWS_H
 #define MLXCEL_KV_ROWS_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "decode_kernels.h"
@@ -21,7 +23,21 @@
 #include <immintrin.h>
 #endif
 
-static inline size_t kv_value_bytes(int type) { return type == MLXCEL_KV_F32 ? 4 : 2; }
+/* ggml's 32-value blocks (-ctk/-ctv q8_0, q4_0): an f16 scale, then 32 int8 values (q8_0) or 32
+ * 4-bit values offset by 8, value j in the low nibble of byte j and value j + 16 in its high one
+ * (q4_0). */
+#define KV_QK 32
+#define KV_Q8_0_BYTES 34
+#define KV_Q4_0_BYTES 18
+
+static inline int kv_blocks(int type) { return type == MLXCEL_KV_Q8_0 || type == MLXCEL_KV_Q4_0; }
+
+/* The bytes one stored row of d values takes (d a multiple of 32 for the block types). */
+static inline size_t kv_row_bytes(int type, int d) {
+    if (type == MLXCEL_KV_Q8_0) return (size_t)d / KV_QK * KV_Q8_0_BYTES;
+    if (type == MLXCEL_KV_Q4_0) return (size_t)d / KV_QK * KV_Q4_0_BYTES;
+    return (size_t)d * (type == MLXCEL_KV_F32 ? 4 : 2);
+}
 
 static inline float kv_f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
@@ -72,8 +88,152 @@ static inline uint16_t kv_f32_to_bf16(float f) {
     return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
-/* dst (n values of `type`) = src rounded to the type. */
+/* ------------------------------------------------------------------ ggml's q8_0 and q4_0 blocks
+ * Rounded as ggml's reference quantizers round (quantize_row_q8_0_ref, quantize_row_q4_0_ref):
+ * q8_0's scale is the block's largest magnitude over 127 and each value x / scale rounded half
+ * away from zero; q4_0's scale is the value of largest magnitude over -8 and each value
+ * x / scale + 8.5 truncated, at most 15. Contraction into fused multiply-adds is off here: the
+ * MLX side (kv_precision.py) rounds x * (1 / scale) + 8.5 in two steps, and the two must give
+ * the same blocks. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+static void kv_quantize_q8_0(uint8_t *dst, const float *x, int n) {
+    for (int b = 0; b < n / KV_QK; b++, x += KV_QK, dst += KV_Q8_0_BYTES) {
+        float amax = 0.0f;
+        for (int j = 0; j < KV_QK; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+        float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint16_t h = kv_f32_to_f16(d);
+        memcpy(dst, &h, 2);
+        for (int j = 0; j < KV_QK; j++) dst[2 + j] = (uint8_t)(int8_t)roundf(x[j] * id);
+    }
+}
+
+static void kv_quantize_q4_0(uint8_t *dst, const float *x, int n) {
+    for (int b = 0; b < n / KV_QK; b++, x += KV_QK, dst += KV_Q4_0_BYTES) {
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < KV_QK; j++)
+            if (amax < fabsf(x[j])) amax = fabsf(x[j]), max = x[j];
+        float d = max / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint16_t h = kv_f32_to_f16(d);
+        memcpy(dst, &h, 2);
+        for (int j = 0; j < KV_QK / 2; j++) {
+            float x0 = x[j] * id, x1 = x[j + KV_QK / 2] * id;
+            int q0 = (int)(x0 + 8.5f), q1 = (int)(x1 + 8.5f);
+            q0 = q0 < 15 ? q0 : 15, q1 = q1 < 15 ? q1 : 15;
+            dst[2 + j] = (uint8_t)(q0 | (q1 << 4));
+        }
+    }
+}
+#pragma GCC pop_options
+
+static inline float kv_block_scale(const uint8_t *block) {
+    uint16_t h;
+    memcpy(&h, block, 2);
+    return kv_f16_to_f32(h);
+}
+
+/* dst (n floats) = n values of q8_0 or q4_0 blocks (whole rows) times their scales. */
+static void kv_dequantize(int type, const uint8_t *src, float *dst, int n) {
+    for (int b = 0; b < n / KV_QK; b++, dst += KV_QK) {
+        float d = kv_block_scale(src);
+        if (type == MLXCEL_KV_Q8_0) {
+            const int8_t *qs = (const int8_t *)(src + 2);
+            for (int j = 0; j < KV_QK; j++) dst[j] = qs[j] * d;
+            src += KV_Q8_0_BYTES;
+        } else {
+            for (int j = 0; j < KV_QK / 2; j++) {
+                dst[j] = ((src[2 + j] & 0x0f) - 8) * d;
+                dst[j + KV_QK / 2] = ((src[2 + j] >> 4) - 8) * d;
+            }
+            src += KV_Q4_0_BYTES;
+        }
+    }
+}
+
+/* A block row unpacked for its dots: int8 values (q4_0's nibbles less 8) and float scales. */
+static inline void kv_unpack_row(int type, const uint8_t *src, int8_t *q, float *scale, int d) {
+    for (int b = 0; b < d / KV_QK; b++, q += KV_QK) {
+        scale[b] = kv_block_scale(src);
+        if (type == MLXCEL_KV_Q8_0) {
+            memcpy(q, src + 2, KV_QK);
+            src += KV_Q8_0_BYTES;
+        } else {
+            for (int j = 0; j < KV_QK / 2; j++) {
+                q[j] = (int8_t)((src[2 + j] & 0x0f) - 8);
+                q[j + KV_QK / 2] = (int8_t)((src[2 + j] >> 4) - 8);
+            }
+            src += KV_Q4_0_BYTES;
+        }
+    }
+}
+
+/* dot(x, y) over d unpacked values: each block's integer sum times the two scales, summed over
+ * the blocks in order (ggml's vec_dot_q8_0_q8_0 and vec_dot_q4_0_q8_0: sumi * (dx * dy)). */
+static inline float kv_block_dot(const int8_t *xq, const float *xs, const int8_t *yq, const float *ys, int d) {
+    float sum = 0.0f;
+    for (int b = 0; b < d / KV_QK; b++) {
+        int isum = 0;
+        for (int j = 0; j < KV_QK; j++) isum += xq[b * KV_QK + j] * yq[b * KV_QK + j];
+        sum += (float)isum * (xs[b] * ys[b]);
+    }
+    return sum;
+}
+
+/* scores (M, ldc) columns [0, n1) = scale * x (M, d) . block key rows [0, n1): each query row
+ * quantized to q8_0 first (unscaled, as ggml quantizes Q before scaling the product); each key
+ * row unpacked once for the M queries. */
+static void kv_block_scores(int T, int M, int n1, int d, const float *x, float scale, const uint8_t *keys, float *c,
+                            size_t ldc) {
+    size_t row = kv_row_bytes(T, d), qrow = kv_row_bytes(MLXCEL_KV_Q8_0, d);
+    int nb = d / KV_QK;
+    float *ys = malloc((size_t)(M + 1) * nb * sizeof(float) + (size_t)(M + 1) * d + qrow); /* scales first: aligned */
+    if (!ys) abort();
+    float *xs = ys + (size_t)M * nb;
+    int8_t *yq = (int8_t *)(xs + nb), *xq = yq + (size_t)M * d;
+    uint8_t *packed = (uint8_t *)(xq + d);
+    for (int i = 0; i < M; i++) {
+        kv_quantize_q8_0(packed, x + (size_t)i * d, d);
+        kv_unpack_row(MLXCEL_KV_Q8_0, packed, yq + (size_t)i * d, ys + (size_t)i * nb, d);
+    }
+    for (int t = 0; t < n1; t++) {
+        kv_unpack_row(T, keys + (size_t)t * row, xq, xs, d);
+        for (int i = 0; i < M; i++)
+            c[(size_t)i * ldc + t] = kv_block_dot(xq, xs, yq + (size_t)i * d, ys + (size_t)i * nb, d) * scale;
+    }
+    free(ys);
+}
+
+/* out (M, d) = p (M, ldp) columns [0, n) times block value rows [0, n) (rows from K1 on: from
+ * v2), each row dequantized once and accumulated in order of the rows (ggml's flash attention
+ * dequantizes each V row to float32 and adds it, weighted, to the sum). */
+static void kv_block_weighted(int T, int M, int d, int n, const float *p, size_t ldp, const uint8_t *values,
+                              const uint8_t *v2, int K1, float *out) {
+    size_t row = kv_row_bytes(T, d);
+    float *v = malloc((size_t)d * sizeof(float));
+    if (!v) abort();
+    memset(out, 0, (size_t)M * d * sizeof(float));
+    for (int t = 0; t < n; t++) {
+        kv_dequantize(T, t < K1 ? values + (size_t)t * row : v2 + (size_t)(t - K1) * row, v, d);
+        for (int i = 0; i < M; i++) {
+            float w = p[(size_t)i * ldp + t];
+            float *o = out + (size_t)i * d;
+            if (w != 0.0f)
+                for (int k = 0; k < d; k++) o[k] += w * v[k];
+        }
+    }
+    free(v);
+}
+
+/* dst (n values of `type`) = src rounded to the type (whole rows of blocks for q8_0 and q4_0). */
 static inline void kv_narrow(int type, void *dst, const float *src, int n) {
+    if (type == MLXCEL_KV_Q8_0) {
+        kv_quantize_q8_0(dst, src, n);
+        return;
+    }
+    if (type == MLXCEL_KV_Q4_0) {
+        kv_quantize_q4_0(dst, src, n);
+        return;
+    }
     if (type == MLXCEL_KV_F32) {
         memcpy(dst, src, (size_t)n * sizeof(float));
         return;
@@ -92,8 +252,12 @@ static inline void kv_narrow(int type, void *dst, const float *src, int n) {
     for (; i < n; i++) d[i] = kv_f32_to_f16(src[i]);
 }
 
-/* dst (n floats) = src (n values of `type`) widened, exactly. */
+/* dst (n floats) = src (n values of `type`) widened, exactly (blocks: dequantized). */
 static inline void kv_widen(int type, const void *src, float *dst, int n) {
+    if (kv_blocks(type)) {
+        kv_dequantize(type, src, dst, n);
+        return;
+    }
     if (type == MLXCEL_KV_F32) {
         memcpy(dst, src, (size_t)n * sizeof(float));
         return;
