@@ -280,6 +280,18 @@ def test_without_a_compiler_the_blas_is_called_directly(tmp_path: Path) -> None:
     assert result["child_status"] == 0
 
 
+def test_with_a_compiler_the_library_builds_and_loads() -> None:
+    """Where a C compiler exists the shim must build and load: every runtime test skips without it,
+    so a source that compiles to a library that does not load (an undefined symbol left by a merge)
+    must fail here rather than turn those tests into skips."""
+    if blas_shim.find_compiler() is None:
+        pytest.skip("no C compiler on this machine (the runtime's tests skip with it)")
+    built = blas_shim.build()
+    assert built.path is not None, built.reason
+    loaded = blas_shim.load(built)
+    assert not isinstance(loaded, str), loaded
+
+
 @pytest.mark.slow  # compiles the library twice (8-23 s); every start exercises the cached path
 def test_the_library_is_rebuilt_for_another_source_or_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cc = blas_shim.find_compiler()

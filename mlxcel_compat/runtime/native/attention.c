@@ -165,7 +165,7 @@ static void attend_head_span(const void *ctx, int h) {
     const struct attention_job *a = ctx;
     const struct kv_blocks *b = a->paged;
     int g = a->group, d = a->d, n = a->n, nb = b->n_blocked, apart = a->k_out != NULL;
-    size_t k_row = kv_value_bytes(a->k_type) * d, v_row = kv_value_bytes(a->v_type) * d;
+    size_t k_row = kv_row_bytes(a->k_type, d), v_row = kv_row_bytes(a->v_type, d);
     char *keys = (char *)a->keys + h * a->head_stride / d * k_row;
     char *values = (char *)a->values + h * a->head_stride / d * v_row;
     char *k_dst = apart ? (char *)a->k_out + h * k_row : keys + (size_t)(a->write - nb) * k_row;

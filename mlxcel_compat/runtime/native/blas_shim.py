@@ -46,7 +46,12 @@ SOURCES = tuple(SOURCE.with_name(name) for name in (
 HEADERS = tuple(SOURCE.with_name(name) for name in (
     "blas_shim.h", "thread_pool.h", "vector_math.h", "small_m_kernel.h", "decode_kernels.h", "quant_blocks.h",
     "delta_net.h", "kv_rows.h", "decode_pass.h"))
-CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
+# Compiling every source takes ~20 s on an idle core; on a loaded machine (tests starting servers
+# with fresh caches beside each other) it took over the two minutes once allowed, and a build
+# that times out leaves the runtime off.
+BUILD_TIMEOUT_S = 600
+# Undefined references fail the link (a library that does not load would turn the runtime off).
+CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-Werror=implicit-function-declaration")
 LIBS = ("-ldl",)
 
 # Routes, as mlxcel_shim_configure takes them.
@@ -223,7 +228,7 @@ def build(directory: Path | None = None, recipe: Recipe = SHIM) -> ShimBuild:
             continue
         try:
             cmd = [cc, *recipe.flags, "-o", tmp, *(str(path) for path in recipe.sources), *recipe.libs]
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             what = recipe.sources[0].name
             if out.returncode != 0:
                 last = (out.stderr.strip().splitlines() or ["?"])[-1]

@@ -7,6 +7,7 @@
  * where MLX runs a chain of small operations, and each uses vectors where MLX's CPU loops are
  * scalar (its exponential).
  */
+#include <math.h>
 #include <stddef.h>
 #include <string.h>
 

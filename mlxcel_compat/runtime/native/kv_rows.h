@@ -39,6 +39,10 @@ static inline size_t kv_row_bytes(int type, int d) {
     return (size_t)d * (type == MLXCEL_KV_F32 ? 4 : 2);
 }
 
+/* The bytes of one value of the element types (f32, f16, bf16): what the span readers below take
+ * (a paged layer of block types never reaches them: decode_kv.paged_fits refuses it). */
+static inline size_t kv_value_bytes(int type) { return type == MLXCEL_KV_F32 ? 4 : 2; }
+
 static inline float kv_f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
     if (exp == 0x1fu) {
@@ -495,7 +499,7 @@ static inline __attribute__((always_inline)) void kv_span_nn_block(const int T, 
 static inline __attribute__((always_inline)) void kv_span_nn(const int T, int M, int d, const struct kv_run *runs,
                                                              int n_runs, const float *x, size_t ldx, float *c,
                                                              size_t ldc) {
-    size_t row_bytes = kv_value_bytes(T) * d;
+    size_t row_bytes = kv_row_bytes(T, d);
     int n = 0;
     for (; n + NB_MAX * VL <= d; n += NB_MAX * VL) {
         int m = 0;
