@@ -55,6 +55,7 @@ import numpy as np
 
 from .gguf_metadata import add_hparams, add_tokenizer
 from .gguf_tensors import converted_tensors, encode_tensor, file_type
+from .mmproj_writer import clip_writer, tower_keys, write_tensors
 
 # family -> (the text factory family whose conventions the text model takes, GGUF architecture,
 # pre-tokenizer name, llama.cpp's projector type)
@@ -83,18 +84,6 @@ def gguf_names(family: str, size: str, gguf_type: str, mmproj_type: str = "f32")
     projector = gguf.naming_convention(f"mlxcel-{family.replace('_', '-')}-{size}", None, None, None, None,
                                        mmproj_type.upper())
     return f"{name}.gguf", f"mmproj-{projector}.gguf"
-
-
-def write_siglip_tower(writer: Any, vision: dict[str, Any]) -> int:
-    """A SigLIP-shaped tower's ``clip.vision.*`` keys (Gemma 3's, SmolVLM's), as the converter
-    writes them; returns its block count."""
-    n_blocks = int(vision["num_hidden_layers"])
-    writer.add_vision_image_size(int(vision["image_size"]))
-    writer.add_vision_embedding_length(int(vision["hidden_size"]))
-    writer.add_vision_feed_forward_length(int(vision["intermediate_size"]))
-    writer.add_vision_block_count(n_blocks)
-    writer.add_vision_head_count(int(vision["num_attention_heads"]))
-    return n_blocks
 
 
 def _text_config(family: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -232,17 +221,9 @@ def write_mmproj_gguf(family: str, directory: Path, weights: dict[str, Any], out
     processor = json.loads((directory / "preprocessor_config.json").read_text(encoding="utf-8"))
     vision = config["vision_config"]
     text = config.get("text_config") or config.get("llm_config") or config
-    writer = gguf.GGUFWriter(None, "clip")
-    writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_name(out.stem)
-    writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if mmproj_type == "f16" else gguf.LlamaFileType.ALL_F32))
-    writer.add_clip_has_vision_encoder(True)
-    writer.add_vision_projection_dim(int(text["hidden_size"]))
-    writer.add_vision_patch_size(int(vision["patch_size"]))
-    writer.add_vision_image_mean([float(x) for x in processor["image_mean"]])
-    writer.add_vision_image_std([float(x) for x in processor["image_std"]])
+    writer = clip_writer(out, mmproj_type, int(text["hidden_size"]), int(vision["patch_size"]), processor)
     if family == "gemma3":
-        n_blocks = write_siglip_tower(writer, vision)
+        n_blocks = tower_keys(writer, vision)
         writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
         writer.add_vision_attention_layernorm_eps(float(vision.get("layer_norm_eps", 1e-6)))
         writer.add_vision_use_gelu(True)
@@ -251,7 +232,7 @@ def write_mmproj_gguf(family: str, directory: Path, weights: dict[str, Any], out
         if scale > 0 and scale != 4:
             writer.add_vision_projector_scale_factor(scale)
     elif family == "smolvlm":  # the converter's SmolVLMModel
-        n_blocks = write_siglip_tower(writer, vision)
+        n_blocks = tower_keys(writer, vision)
         writer.add_clip_projector_type(gguf.VisionProjectorType.IDEFICS3)
         writer.add_vision_attention_layernorm_eps(float(vision.get("layer_norm_eps", 1e-5)))
         writer.add_vision_projector_scale_factor(int(config.get("scale_factor", 2)))
@@ -271,7 +252,7 @@ def write_mmproj_gguf(family: str, directory: Path, weights: dict[str, Any], out
         deepstack = list(vision.get("deepstack_visual_indexes", []))
         writer.add_vision_is_deepstack_layers([i in deepstack for i in range(n_blocks)])
     elif family == "internvl_chat":  # the converter's InternVisionModel
-        n_blocks = write_siglip_tower(writer, vision)
+        n_blocks = tower_keys(writer, vision)
         writer.add_clip_projector_type(gguf.VisionProjectorType.INTERNVL)
         writer.add_vision_attention_layernorm_eps(float(vision["layer_norm_eps"]))
         writer.add_vision_use_gelu(True)
@@ -302,15 +283,8 @@ def write_mmproj_gguf(family: str, directory: Path, weights: dict[str, Any], out
         if int(vision.get("window_size", LLAMA_CPP_QWEN_WINDOW)) != LLAMA_CPP_QWEN_WINDOW:
             writer.add_uint32("clip.vision.window_size", int(vision["window_size"]))
     arrays = {name: np.array(value, dtype=np.float32) for name, value in weights.items()}
-    for name, data in _converted_projector(family, arrays, n_blocks, vision.get("deepstack_visual_indexes")).items():
-        kind = _stored_type(family, name, data, mmproj_type)
-        if kind == "q8_0":
-            writer.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, data.astype(np.float16) if kind == "f16" else data)
-    _write(writer, out)
-    return out
+    tensors = _converted_projector(family, arrays, n_blocks, vision.get("deepstack_visual_indexes"))
+    return write_tensors(writer, out, tensors, lambda name, data: _stored_type(family, name, data, mmproj_type))
 
 
 def _stored_type(family: str, name: str, data: np.ndarray, mmproj_type: str) -> str:

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from .mmproj_writer import clip_writer, tower_keys, write_tensors
+
 CONVERTER_IMAGE_SIZE = 256  # LFM2VLModel writes this for every checkpoint
 
 
@@ -67,34 +69,12 @@ def write_lfm2vl_mmproj(directory: Path, weights: dict[str, Any], out: Path, mmp
     feature_layer = int(config.get("vision_feature_layer", -1))
     n_blocks = int(vision["num_hidden_layers"]) + feature_layer + 1  # -1: every block
     patch = int(vision["patch_size"])
-    writer = gguf.GGUFWriter(None, "clip")
-    writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_name(out.stem)
-    writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if mmproj_type == "f16" else gguf.LlamaFileType.ALL_F32))
-    writer.add_clip_has_vision_encoder(True)
-    writer.add_vision_projection_dim(int(text["hidden_size"]))
-    writer.add_vision_patch_size(patch)
-    writer.add_vision_image_size(CONVERTER_IMAGE_SIZE)
-    writer.add_vision_embedding_length(int(vision["hidden_size"]))
-    writer.add_vision_feed_forward_length(int(vision["intermediate_size"]))
-    writer.add_vision_block_count(n_blocks)
-    writer.add_vision_head_count(int(vision["num_attention_heads"]))
-    writer.add_vision_image_mean([float(x) for x in processor["image_mean"]])
-    writer.add_vision_image_std([float(x) for x in processor["image_std"]])
+    writer = clip_writer(out, mmproj_type, int(text["hidden_size"]), patch, processor)
+    tower_keys(writer, vision, image_size=CONVERTER_IMAGE_SIZE, n_blocks=n_blocks)
     writer.add_clip_projector_type(gguf.VisionProjectorType.LFM2)
     writer.add_vision_attention_layernorm_eps(float(vision.get("layer_norm_eps", 1e-6)))
     writer.add_vision_projector_scale_factor(int(config.get("downsample_factor", 2)))
     writer.add_vision_use_gelu(True)
     arrays = {name: np.array(value, dtype=np.float32) for name, value in weights.items()}
-    for name, data in converted_lfm2vl_projector(arrays, n_blocks, patch).items():
-        kind = _stored(name, data, mmproj_type)
-        if kind == "q8_0":
-            writer.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, data.astype(np.float16) if kind == "f16" else data)
-    writer.write_header_to_file(out)
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
+    tensors = converted_lfm2vl_projector(arrays, n_blocks, patch)
+    return write_tensors(writer, out, tensors, lambda name, data: _stored(name, data, mmproj_type))

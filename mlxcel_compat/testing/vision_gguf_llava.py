@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from .mmproj_writer import write_tensors
+
 TOWER = "vision_tower.vision_model."
 
 
@@ -112,15 +114,4 @@ def write_llava_mmproj(directory: Path, weights: dict[str, Any], out: Path, mmpr
     writer.add_array("clip.vision.image_std", [float(x) for x in processor["image_std"]])
     writer.add_bool("clip.use_gelu", False)
     arrays = {name: np.array(value, dtype=np.float32) for name, value in weights.items()}
-    for name, data in llava_tensors(config, arrays).items():
-        kind = stored_type(name, data, mmproj_type)
-        if kind == "q8_0":
-            writer.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, data.astype(np.float16) if kind == "f16" else data)
-    writer.write_header_to_file(out)
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
+    return write_tensors(writer, out, llava_tensors(config, arrays), lambda name, data: stored_type(name, data, mmproj_type))

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from .mmproj_writer import clip_writer, tower_keys, write_tensors
+
 PIXTRAL_LAYER_NORM_EPS = 1e-5  # not in Pixtral's config.json: the converter hard-codes it, as modeling_pixtral does
 
 
@@ -65,21 +67,8 @@ def write_pixtral_mmproj(directory: Path, weights: dict[str, Any], out: Path, mm
     processor = json.loads((directory / "preprocessor_config.json").read_text(encoding="utf-8"))
     vocab = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
     vision, text = config["vision_config"], config["text_config"]
-    writer = gguf.GGUFWriter(None, "clip")
-    writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_name(out.stem)
-    writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16 if mmproj_type == "f16" else gguf.LlamaFileType.ALL_F32))
-    writer.add_clip_has_vision_encoder(True)
-    writer.add_vision_projection_dim(int(text["hidden_size"]))
-    writer.add_vision_patch_size(int(vision["patch_size"]))
-    writer.add_vision_image_mean([float(x) for x in processor["image_mean"]])
-    writer.add_vision_image_std([float(x) for x in processor["image_std"]])
-    n_blocks = int(vision["num_hidden_layers"])
-    writer.add_vision_image_size(int(vision["image_size"]))
-    writer.add_vision_embedding_length(int(vision["hidden_size"]))
-    writer.add_vision_feed_forward_length(int(vision["intermediate_size"]))
-    writer.add_vision_block_count(n_blocks)
-    writer.add_vision_head_count(int(vision["num_attention_heads"]))
+    writer = clip_writer(out, mmproj_type, int(text["hidden_size"]), int(vision["patch_size"]), processor)
+    n_blocks = tower_keys(writer, vision)
     writer.add_clip_projector_type(gguf.VisionProjectorType.PIXTRAL)
     writer.add_vision_attention_layernorm_eps(PIXTRAL_LAYER_NORM_EPS)
     writer.add_vision_use_silu(True)
@@ -87,18 +76,8 @@ def write_pixtral_mmproj(directory: Path, weights: dict[str, Any], out: Path, mm
     img_break = next(int(t["id"]) for t in vocab["added_tokens"] if t["content"] == "[IMG_BREAK]")
     arrays = {name: np.array(value, dtype=np.float32) for name, value in weights.items()}
     row = arrays["language_model.model.embed_tokens.weight"][img_break]
-    for name, data in pixtral_projector_tensors(arrays, int(vision["num_attention_heads"]), n_blocks, row).items():
-        kind = stored_type(name, data, mmproj_type)
-        if kind == "q8_0":
-            writer.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, data.astype(np.float16) if kind == "f16" else data)
-    writer.write_header_to_file(out)
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
+    tensors = pixtral_projector_tensors(arrays, int(vision["num_attention_heads"]), n_blocks, row)
+    return write_tensors(writer, out, tensors, lambda name, data: stored_type(name, data, mmproj_type))
 
 
 def stored_type(name: str, data: np.ndarray, mmproj_type: str) -> str:

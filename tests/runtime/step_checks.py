@@ -44,3 +44,27 @@ def mlx_logits(model: nn.Module, token: int, cache: list) -> np.ndarray:
     out = model(mx.array([[token]]), cache=cache)[0, -1]
     mx.eval(out)
     return np.array(out)
+
+
+def attention_lib() -> Any:
+    """The shim's library with the attention kernels' argument types set (the kernels' tests call
+    them directly: test_cpu_decode_kv16.py, test_cpu_decode_kvq.py)."""
+    import ctypes
+
+    from mlxcel_compat.runtime import backend
+
+    lib = backend.matmul_shim().lib
+    p, i, f, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+    lib.mlxcel_decode_attention_at.argtypes = [p, p, p, p, p, p, i, i, i, i, i, L, f, i, i]
+    lib.mlxcel_decode_attention_apart.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, L, f, i, i]
+    lib.mlxcel_chunk_attention.argtypes = [p, p, p, p, p, p, i, i, i, i, i, L, f, i, i]
+    lib.mlxcel_chunk_attention_apart.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, L, f, i, i]
+    for fn in (lib.mlxcel_decode_attention_at, lib.mlxcel_decode_attention_apart, lib.mlxcel_chunk_attention,
+               lib.mlxcel_chunk_attention_apart):
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def address(a: np.ndarray) -> int:
+    """An array's data address, as the kernels take it."""
+    return a.ctypes.data

@@ -30,6 +30,7 @@ from mlxcel_compat.model.loader import load_model
 from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
 from mlxcel_compat.runtime.kv_precision import DTYPES, KvTypes
 from tests.conftest import tiny_model
+from tests.runtime.step_checks import address, attention_lib
 
 LOGITS_RTOL = 1e-4  # as tests/runtime/test_cpu_decode.py: summation order and the polynomial 2 ** x
 KERNEL_RTOL = 1e-5
@@ -38,21 +39,6 @@ CODES = {"f16": 1, "bf16": 2}
 pytestmark = pytest.mark.skipif(backend.matmul_shim() is None, reason="the BLAS shim is not built on this machine")
 
 
-def _lib() -> Any:
-    lib = backend.matmul_shim().lib
-    p, i, f, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
-    lib.mlxcel_decode_attention_at.argtypes = [p, p, p, p, p, p, i, i, i, i, i, L, f, i, i]
-    lib.mlxcel_decode_attention_apart.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, L, f, i, i]
-    lib.mlxcel_chunk_attention.argtypes = [p, p, p, p, p, p, i, i, i, i, i, L, f, i, i]
-    lib.mlxcel_chunk_attention_apart.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, L, f, i, i]
-    for fn in (lib.mlxcel_decode_attention_at, lib.mlxcel_decode_attention_apart, lib.mlxcel_chunk_attention,
-               lib.mlxcel_chunk_attention_apart):
-        fn.restype = ctypes.c_int
-    return lib
-
-
-def _p(a: np.ndarray) -> int:
-    return a.ctypes.data
 
 
 def stored(x: np.ndarray, kind: str) -> np.ndarray:
@@ -107,15 +93,15 @@ def test_a_decode_step_over_16_bit_kv(kind: str, d: int, n: int) -> None:
     k_new, v_new = _awkward(kv_heads * d, rng), rng.standard_normal(kv_heads * d).astype(np.float32)
     k_new[-1] = 1 + 2.0**-11  # a tie past the last whole vector of 8 (the scalar conversion's)
     out = np.empty(kv_heads * group * d, np.float32)
-    scale, code, lib = d ** -0.5, CODES[kind], _lib()
+    scale, code, lib = d ** -0.5, CODES[kind], attention_lib()
     if n > 1:  # the shared cache's step first: the prompt's slots are all it may read
         k_out, v_out = np.empty((kv_heads, d), np.uint16), np.empty((kv_heads, d), np.uint16)
         apart = np.empty_like(out)
-        assert lib.mlxcel_decode_attention_apart(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(apart),
-                                                 _p(k_out), _p(v_out), kv_heads, group, d, pos, capacity,
+        assert lib.mlxcel_decode_attention_apart(address(q), address(k_new), address(v_new), address(keys), address(values), address(apart),
+                                                 address(k_out), address(v_out), kv_heads, group, d, pos, capacity,
                                                  scale * cpu_decode.LOG2E, code, code) == 0
         assert np.array_equal(keys, before_k) and np.array_equal(values, before_v)
-    assert lib.mlxcel_decode_attention_at(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(out), kv_heads,
+    assert lib.mlxcel_decode_attention_at(address(q), address(k_new), address(v_new), address(keys), address(values), address(out), kv_heads,
                                           group, d, pos, n, capacity, scale * cpu_decode.LOG2E, code, code) == 0
     want_k, want_v = stored(k_new, kind).reshape(kv_heads, d), stored(v_new, kind).reshape(kv_heads, d)
     assert np.array_equal(keys[:, pos], want_k) and np.array_equal(values[:, pos], want_v)
@@ -130,7 +116,7 @@ def test_a_decode_step_over_16_bit_kv(kind: str, d: int, n: int) -> None:
         assert np.array_equal(apart, out)
         assert np.array_equal(k_out, want_k) and np.array_equal(v_out, want_v)
     k_new[: len(OVERFLOW)] = OVERFLOW  # written as the casts write them (the output is no longer finite)
-    lib.mlxcel_decode_attention_at(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(out), kv_heads, group, d,
+    lib.mlxcel_decode_attention_at(address(q), address(k_new), address(v_new), address(keys), address(values), address(out), kv_heads, group, d,
                                    pos, n, capacity, scale * cpu_decode.LOG2E, code, code)
     with np.errstate(over="ignore"):
         assert np.array_equal(keys[:, pos], stored(k_new, kind).reshape(kv_heads, d))
@@ -151,12 +137,12 @@ def test_a_prompt_chunk_over_16_bit_kv(kind: str) -> None:
     v_new = rng.standard_normal((rows, kv_heads * d)).astype(np.float32)
     out, apart = (np.empty((rows, kv_heads * group * d), np.float32) for _ in range(2))
     k_out, v_out = (np.empty((kv_heads, rows, d), np.uint16) for _ in range(2))
-    scale, code, lib = d ** -0.5, CODES[kind], _lib()
-    assert lib.mlxcel_chunk_attention_apart(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(apart), _p(k_out),
-                                            _p(v_out), rows, kv_heads, group, d, pos, capacity,
+    scale, code, lib = d ** -0.5, CODES[kind], attention_lib()
+    assert lib.mlxcel_chunk_attention_apart(address(q), address(k_new), address(v_new), address(keys), address(values), address(apart), address(k_out),
+                                            address(v_out), rows, kv_heads, group, d, pos, capacity,
                                             scale * cpu_decode.LOG2E, code, code) == 0
     assert np.array_equal(keys, before_k) and np.array_equal(values, before_v)
-    assert lib.mlxcel_chunk_attention(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(out), rows, kv_heads,
+    assert lib.mlxcel_chunk_attention(address(q), address(k_new), address(v_new), address(keys), address(values), address(out), rows, kv_heads,
                                       group, d, pos, capacity, scale * cpu_decode.LOG2E, code, code) == 0
     span = slice(pos, pos + rows)
     want_k = stored(k_new, kind).reshape(rows, kv_heads, d).transpose(1, 0, 2)
@@ -315,9 +301,9 @@ def test_attention_sinks_over_16_bit_kv(kind: str) -> None:
         k_new, v_new = (rng.standard_normal(hk * d).astype(np.float32) for _ in range(2))
         k_out, v_out = np.empty((hk, d), np.uint16), np.empty((hk, d), np.uint16)
         out = np.empty(hk * group * d, np.float32)
-        assert step(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(out), _p(k_out) if apart else None,
-                    _p(v_out) if apart else None, hk, group, d, n - 1, n, cap, scale * cpu_decode.LOG2E,
-                    _p(sinks2), code, code) == 0
+        assert step(address(q), address(k_new), address(v_new), address(keys), address(values), address(out), address(k_out) if apart else None,
+                    address(v_out) if apart else None, hk, group, d, n - 1, n, cap, scale * cpu_decode.LOG2E,
+                    address(sinks2), code, code) == 0
         if apart:
             keys[:, n - 1], values[:, n - 1] = k_out, v_out
         assert np.array_equal(keys[:, n - 1], stored(k_new, kind).reshape(hk, d))
@@ -330,8 +316,8 @@ def test_attention_sinks_over_16_bit_kv(kind: str) -> None:
     q = rng.standard_normal((rows, hk * group * d)).astype(np.float32)
     k_new, v_new = (rng.standard_normal((rows, hk * d)).astype(np.float32) for _ in range(2))
     out = np.empty((rows, hk * group * d), np.float32)
-    assert chunk(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(out), rows, hk, group, d, pos, pos + rows,
-                 scale * cpu_decode.LOG2E, code, code, window, _p(sinks2)) == 0
+    assert chunk(address(q), address(k_new), address(v_new), address(keys), address(values), address(out), rows, hk, group, d, pos, pos + rows,
+                 scale * cpu_decode.LOG2E, code, code, window, address(sinks2)) == 0
     kw, vw = widened(keys, kind), widened(values, kind)
     for r in range(rows):
         at = np.arange(pos + rows)

@@ -12,13 +12,13 @@
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import numpy as np
 import pytest
 
 from mlxcel_compat.runtime import backend, cpu_decode
+from tests.runtime.step_checks import address, attention_lib
 
 KERNEL_RTOL = 1e-5
 CODES = {"q8_0": 3, "q4_0": 4}
@@ -27,21 +27,6 @@ BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
 pytestmark = pytest.mark.skipif(backend.matmul_shim() is None, reason="the BLAS shim is not built on this machine")
 
 
-def _lib() -> Any:
-    lib = backend.matmul_shim().lib
-    p, i, f, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
-    lib.mlxcel_decode_attention_at.argtypes = [p, p, p, p, p, p, i, i, i, i, i, L, f, i, i]
-    lib.mlxcel_decode_attention_apart.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, L, f, i, i]
-    lib.mlxcel_chunk_attention.argtypes = [p, p, p, p, p, p, i, i, i, i, i, L, f, i, i]
-    lib.mlxcel_chunk_attention_apart.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, L, f, i, i]
-    for fn in (lib.mlxcel_decode_attention_at, lib.mlxcel_decode_attention_apart, lib.mlxcel_chunk_attention,
-               lib.mlxcel_chunk_attention_apart):
-        fn.restype = ctypes.c_int
-    return lib
-
-
-def _p(a: np.ndarray) -> int:
-    return a.ctypes.data
 
 
 # ------------------------------------------------------------------ ggml's reference, in NumPy
@@ -100,14 +85,14 @@ def test_rows_are_quantized_as_ggml_s_reference(kind: str) -> None:
     quantizers gives them, bit for bit, and touches no other slot."""
     rng = np.random.default_rng(3)
     kv_heads, group, d, rows = 2, 1, 64, 40
-    width, lib = d // 32 * BLOCK_BYTES[kind], _lib()
+    width, lib = d // 32 * BLOCK_BYTES[kind], attention_lib()
     keys = np.zeros((kv_heads, rows + 4, width), np.uint8)
     values = np.zeros_like(keys)
     k_new = _awkward((rows, kv_heads * d), rng)
     v_new = (rng.standard_normal((rows, kv_heads * d)) * 40).astype(np.float32)
     q = rng.standard_normal((rows, kv_heads * group * d)).astype(np.float32)
     out = np.empty_like(q)
-    assert lib.mlxcel_chunk_attention(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(out), rows, kv_heads,
+    assert lib.mlxcel_chunk_attention(address(q), address(k_new), address(v_new), address(keys), address(values), address(out), rows, kv_heads,
                                       group, d, 0, rows + 4, 0.125, CODES[kind], CODES[kind]) == 0
     want_k = quantize(k_new.reshape(rows, kv_heads, d).transpose(1, 0, 2), kind)
     want_v = quantize(v_new.reshape(rows, kv_heads, d).transpose(1, 0, 2), kind)
@@ -130,7 +115,7 @@ def test_a_decode_step_over_blocks(kind: str, d: int, n: int) -> None:
     with the new rows apart; a group's query heads alone give the bits they give together."""
     rng = np.random.default_rng(11)
     kv_heads, group, capacity, pos = 2, 3, n + 20, n - 1
-    width, code, lib = d // 32 * BLOCK_BYTES[kind], CODES[kind], _lib()
+    width, code, lib = d // 32 * BLOCK_BYTES[kind], CODES[kind], attention_lib()
     keys = quantize(rng.standard_normal((kv_heads, capacity, d)).astype(np.float32), kind)
     values = quantize(rng.standard_normal((kv_heads, capacity, d)).astype(np.float32), kind)
     before_k, before_v = keys.copy(), values.copy()
@@ -141,11 +126,11 @@ def test_a_decode_step_over_blocks(kind: str, d: int, n: int) -> None:
     if n > 1:
         k_out, v_out = (np.empty((kv_heads, width), np.uint8) for _ in range(2))
         apart = np.empty_like(out)
-        assert lib.mlxcel_decode_attention_apart(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(apart),
-                                                 _p(k_out), _p(v_out), kv_heads, group, d, pos, capacity,
+        assert lib.mlxcel_decode_attention_apart(address(q), address(k_new), address(v_new), address(keys), address(values), address(apart),
+                                                 address(k_out), address(v_out), kv_heads, group, d, pos, capacity,
                                                  scale * cpu_decode.LOG2E, code, code) == 0
         assert np.array_equal(keys, before_k) and np.array_equal(values, before_v)
-    assert lib.mlxcel_decode_attention_at(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(out), kv_heads,
+    assert lib.mlxcel_decode_attention_at(address(q), address(k_new), address(v_new), address(keys), address(values), address(out), kv_heads,
                                           group, d, pos, n, capacity, scale * cpu_decode.LOG2E, code, code) == 0
     want_k, want_v = quantize(k_new.reshape(kv_heads, d), kind), quantize(v_new.reshape(kv_heads, d), kind)
     assert np.array_equal(keys[:, pos], want_k) and np.array_equal(values[:, pos], want_v)
@@ -165,7 +150,7 @@ def test_a_decode_step_over_blocks(kind: str, d: int, n: int) -> None:
             head_k, head_v = np.ascontiguousarray(keys[h:h + 1]), np.ascontiguousarray(values[h:h + 1])
             qi = np.ascontiguousarray(q.reshape(kv_heads, group, d)[h, g])
             ki, vi = k_new[h * d:(h + 1) * d].copy(), v_new[h * d:(h + 1) * d].copy()
-            lib.mlxcel_decode_attention_at(_p(qi), _p(ki), _p(vi), _p(head_k), _p(head_v), _p(one), 1, 1, d, pos, n, capacity,
+            lib.mlxcel_decode_attention_at(address(qi), address(ki), address(vi), address(head_k), address(head_v), address(one), 1, 1, d, pos, n, capacity,
                                            scale * cpu_decode.LOG2E, code, code)
             assert np.array_equal(one, out.reshape(kv_heads, group, d)[h, g])
 
@@ -177,7 +162,7 @@ def test_a_prompt_chunk_over_blocks(kind: str) -> None:
     rng = np.random.default_rng(12)
     kv_heads, group, d, pos, rows = 2, 2, 64, 150, 37
     capacity = pos + rows + 11
-    width, code, lib = d // 32 * BLOCK_BYTES[kind], CODES[kind], _lib()
+    width, code, lib = d // 32 * BLOCK_BYTES[kind], CODES[kind], attention_lib()
     keys = quantize(rng.standard_normal((kv_heads, capacity, d)).astype(np.float32), kind)
     values = quantize(rng.standard_normal((kv_heads, capacity, d)).astype(np.float32), kind)
     before_k, before_v = keys.copy(), values.copy()
@@ -187,11 +172,11 @@ def test_a_prompt_chunk_over_blocks(kind: str) -> None:
     out, apart = (np.empty((rows, kv_heads * group * d), np.float32) for _ in range(2))
     k_out, v_out = (np.empty((kv_heads, rows, width), np.uint8) for _ in range(2))
     scale = d ** -0.5
-    assert lib.mlxcel_chunk_attention_apart(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(apart), _p(k_out),
-                                            _p(v_out), rows, kv_heads, group, d, pos, capacity,
+    assert lib.mlxcel_chunk_attention_apart(address(q), address(k_new), address(v_new), address(keys), address(values), address(apart), address(k_out),
+                                            address(v_out), rows, kv_heads, group, d, pos, capacity,
                                             scale * cpu_decode.LOG2E, code, code) == 0
     assert np.array_equal(keys, before_k) and np.array_equal(values, before_v)
-    assert lib.mlxcel_chunk_attention(_p(q), _p(k_new), _p(v_new), _p(keys), _p(values), _p(out), rows, kv_heads,
+    assert lib.mlxcel_chunk_attention(address(q), address(k_new), address(v_new), address(keys), address(values), address(out), rows, kv_heads,
                                       group, d, pos, capacity, scale * cpu_decode.LOG2E, code, code) == 0
     span = slice(pos, pos + rows)
     want_k = quantize(k_new.reshape(rows, kv_heads, d).transpose(1, 0, 2), kind)

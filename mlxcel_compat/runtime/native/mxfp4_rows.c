@@ -205,22 +205,40 @@ void dequantize_mxfp4_split(const void *x, float *y, int64_t k) {
  * byte loop: NumPy's strided copies of such short fields ran at 1/25 of memcpy's pace, 1.9 s a
  * stack of gpt-oss's experts (141 MB) and most of the model's load. Not tied to AVX-512: always
  * built, and exported (block_weight.library binds it). */
-void mlxcel_split_layout(const uint8_t *src, uint8_t *dst, long n, int nb, int block_bytes, int fields,
-                         const int32_t *starts, const int32_t *widths) {
-    const size_t row = (size_t)nb * (size_t)block_bytes;
-    for (long r = 0; r < n; r++) {
-        const uint8_t *in = src + (size_t)r * row;
-        uint8_t *out = dst + (size_t)r * row;
-        for (int b0 = 0; b0 < nb; b0 += 16) {
-            const int count = nb - b0 < 16 ? nb - b0 : 16;
-            for (int f = 0; f < fields; f++) {
-                const int width = widths[f];
+struct split_job {
+    const uint8_t *src;
+    uint8_t *dst;
+    long n, per; /* rows, and rows a part */
+    int nb, block_bytes, fields;
+    const int32_t *starts, *widths;
+};
+
+static void split_part(const void *ctx, int part) {
+    const struct split_job *j = ctx;
+    const size_t row = (size_t)j->nb * (size_t)j->block_bytes;
+    long end = (part + 1) * j->per < j->n ? (part + 1) * j->per : j->n;
+    for (long r = part * j->per; r < end; r++) {
+        const uint8_t *in = j->src + (size_t)r * row;
+        uint8_t *out = j->dst + (size_t)r * row;
+        for (int b0 = 0; b0 < j->nb; b0 += 16) {
+            const int count = j->nb - b0 < 16 ? j->nb - b0 : 16;
+            for (int f = 0; f < j->fields; f++) {
+                const int width = j->widths[f];
                 for (int p = 0; p < count; p++, out += width) {
-                    const uint8_t *from = in + (size_t)(b0 + p) * (size_t)block_bytes + (size_t)starts[f];
+                    const uint8_t *from = in + (size_t)(b0 + p) * (size_t)j->block_bytes + (size_t)j->starts[f];
                     if (width == 16) memcpy(out, from, 16); /* nibbles and codes: one 16-byte move */
                     else for (int i = 0; i < width; i++) out[i] = from[i];
                 }
             }
         }
     }
+}
+
+/* The rows in parts over the shim's threads: a stack of gpt-oss's experts is 2.5 GB split at load,
+ * where each part's first touch of its output pages and its reads of the file's run side by side. */
+void mlxcel_split_layout(const uint8_t *src, uint8_t *dst, long n, int nb, int block_bytes, int fields,
+                         const int32_t *starts, const int32_t *widths) {
+    const int parts = n < 256 ? 1 : 64;
+    struct split_job j = {src, dst, n, (n + parts - 1) / parts, nb, block_bytes, fields, starts, widths};
+    mlxcel_parallel(parts, split_part, &j);
 }
