@@ -422,6 +422,8 @@ class CpuDecoder:
         beta, original = self.q_temperature
         at = (positions if segments is None
               else [p + t for p, n in zip(positions, segments) for t in range(n)])
+        if max(at) < original:  # floor(pos / original) = 0: log 1 = 0, every factor exactly 1 (no MLX call a step)
+            return np.ones(len(at), np.float32)
         scale = 1 + beta * mx.log(1 + mx.floor(mx.array(at, mx.int32) / original))
         return np.array(scale.astype(mx.float32))
 

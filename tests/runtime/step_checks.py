@@ -68,3 +68,10 @@ def attention_lib() -> Any:
 def address(a: np.ndarray) -> int:
     """An array's data address, as the kernels take it."""
     return a.ctypes.data
+
+
+def attention_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float) -> np.ndarray:
+    """softmax(scale q K^T) V per KV head group, float64: q (Hk, g, d), keys/values (Hk, n, d)."""
+    s = np.einsum("hgd,htd->hgt", q, keys) * scale
+    w = np.exp(s - s.max(axis=-1, keepdims=True))
+    return np.einsum("hgt,htd->hgd", w / w.sum(axis=-1, keepdims=True), values)

@@ -1057,3 +1057,21 @@ def test_a_rest_s_last_row_logits_are_the_model_s(family: str) -> None:
     ours = last_row_logits(model, ids, make_prompt_cache(model))
     want = model(ids, cache=make_prompt_cache(model))[0, -1]
     assert np.abs(np.array(ours) - np.array(want)).max() <= LOGITS_RTOL * np.abs(np.array(want)).max()
+
+
+def test_ministral3_below_its_original_context_follows_mlx() -> None:
+    """Below Llama 4's original context (the tiny model's: 16 positions) every query factor is 1
+    (the runtime skips computing them); a 5-token prompt's steps up to position 15 and then past it
+    follow MLX's step, where the factors start to differ from 1."""
+    loaded = load_model(str(tiny_model("ministral3")), [])
+    model, decoder = loaded.model, loaded.decoder
+    assert isinstance(decoder, cpu_decode.CpuDecoder)
+    ours = _prefill(model, 5)
+    theirs = copy.deepcopy(ours)
+    owned = decode_kv.OwnedCache()
+    token = 11
+    for step in range(16):  # positions 5 .. 20
+        got = decoder.step(token, ours, owned).copy()
+        want = _mlx_logits(model, token, theirs)
+        assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max(), step
+        token = int(want.argmax())

@@ -30,7 +30,7 @@ from mlxcel_compat.model.loader import load_model
 from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
 from mlxcel_compat.runtime.kv_precision import DTYPES, KvTypes
 from tests.conftest import tiny_model
-from tests.runtime.step_checks import address, attention_lib
+from tests.runtime.step_checks import address, attention_lib, attention_reference
 
 LOGITS_RTOL = 1e-4  # as tests/runtime/test_cpu_decode.py: summation order and the polynomial 2 ** x
 KERNEL_RTOL = 1e-5
@@ -70,13 +70,6 @@ def _awkward(n: int, rng: np.random.Generator) -> np.ndarray:
     return x
 
 
-def _reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float) -> np.ndarray:
-    """softmax(scale q K^T) V per KV head group, float64: q (Hk, g, d), keys/values (Hk, n, d)."""
-    s = np.einsum("hgd,htd->hgt", q, keys) * scale
-    w = np.exp(s - s.max(axis=-1, keepdims=True))
-    return np.einsum("hgt,htd->hgd", w / w.sum(axis=-1, keepdims=True), values)
-
-
 @pytest.mark.parametrize("kind", ["f16", "bf16"])
 @pytest.mark.parametrize("d,n", [(64, 1), (64, 300), (20, 129)])
 def test_a_decode_step_over_16_bit_kv(kind: str, d: int, n: int) -> None:
@@ -109,7 +102,7 @@ def test_a_decode_step_over_16_bit_kv(kind: str, d: int, n: int) -> None:
     untouched[pos] = False
     assert np.array_equal(keys[:, untouched], before_k[:, untouched])
     assert np.array_equal(values[:, untouched], before_v[:, untouched])
-    ref = _reference(q.reshape(kv_heads, group, d).astype(np.float64), widened(keys[:, :n], kind),
+    ref = attention_reference(q.reshape(kv_heads, group, d).astype(np.float64), widened(keys[:, :n], kind),
                      widened(values[:, :n], kind), scale).reshape(-1)
     assert np.abs(out - ref).max() <= KERNEL_RTOL * np.abs(ref).max()
     if n > 1:
@@ -266,7 +259,7 @@ def test_a_step_on_a_hit_s_16_bit_arrays_equals_a_step_on_its_own_copy(kind: str
         assert np.array_equal(np.array(c.values.astype(mx.float32)), values)
 
 
-def _sink_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, sinks: np.ndarray,
+def _sinkattention_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, sinks: np.ndarray,
                     visible: np.ndarray) -> np.ndarray:
     """softmax over the visible keys and a sink logit per query head (one more term of the
     denominator, no value), float64: q (Hk, g, d) per row, ``visible`` (n,) the mask."""
@@ -307,7 +300,7 @@ def test_attention_sinks_over_16_bit_kv(kind: str) -> None:
         if apart:
             keys[:, n - 1], values[:, n - 1] = k_out, v_out
         assert np.array_equal(keys[:, n - 1], stored(k_new, kind).reshape(hk, d))
-        ref = _sink_reference(q.reshape(hk, group, d).astype(np.float64), widened(keys[:, :n], kind),
+        ref = _sinkattention_reference(q.reshape(hk, group, d).astype(np.float64), widened(keys[:, :n], kind),
                               widened(values[:, :n], kind), scale, sinks, np.ones(n, bool)).reshape(-1)
         assert np.abs(out - ref).max() <= KERNEL_RTOL * np.abs(ref).max(), apart
     pos, rows, window = 10, 30, 16
@@ -322,7 +315,7 @@ def test_attention_sinks_over_16_bit_kv(kind: str) -> None:
     for r in range(rows):
         at = np.arange(pos + rows)
         visible = (at <= pos + r) & (at > pos + r - window)
-        ref = _sink_reference(q[r].reshape(hk, group, d).astype(np.float64), kw, vw, scale, sinks, visible).reshape(-1)
+        ref = _sinkattention_reference(q[r].reshape(hk, group, d).astype(np.float64), kw, vw, scale, sinks, visible).reshape(-1)
         assert np.abs(out[r] - ref).max() <= KERNEL_RTOL * np.abs(ref).max(), r
 
 

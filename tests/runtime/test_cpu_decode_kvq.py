@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from mlxcel_compat.runtime import backend, cpu_decode
-from tests.runtime.step_checks import address, attention_lib
+from tests.runtime.step_checks import address, attention_lib, attention_reference
 
 KERNEL_RTOL = 1e-5
 CODES = {"q8_0": 3, "q4_0": 4}
@@ -100,13 +100,6 @@ def test_rows_are_quantized_as_ggml_s_reference(kind: str) -> None:
     assert not keys[:, rows:].any() and not values[:, rows:].any()
 
 
-def _reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float) -> np.ndarray:
-    """softmax(scale q K^T) V per KV head group, float64: q (Hk, g, d), keys/values (Hk, n, d)."""
-    s = np.einsum("hgd,htd->hgt", q, keys) * scale
-    w = np.exp(s - s.max(axis=-1, keepdims=True))
-    return np.einsum("hgt,htd->hgd", w / w.sum(axis=-1, keepdims=True), values)
-
-
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("d,n", [(64, 1), (64, 300), (128, 37)])
 def test_a_decode_step_over_blocks(kind: str, d: int, n: int) -> None:
@@ -138,7 +131,7 @@ def test_a_decode_step_over_blocks(kind: str, d: int, n: int) -> None:
     untouched[pos] = False
     assert np.array_equal(keys[:, untouched], before_k[:, untouched])
     q8 = dequantize(quantize(q.reshape(kv_heads, group, d), "q8_0"), "q8_0")
-    ref = _reference(q8, dequantize(keys[:, :n], kind), dequantize(values[:, :n], kind), scale).reshape(-1)
+    ref = attention_reference(q8, dequantize(keys[:, :n], kind), dequantize(values[:, :n], kind), scale).reshape(-1)
     assert np.abs(out - ref).max() <= KERNEL_RTOL * np.abs(ref).max()
     if n > 1:
         assert np.array_equal(apart, out)

@@ -15,6 +15,7 @@ void mlxcel_swiglu(float *gate, const float *up, int n);
 void mlxcel_gelu_tanh_gate(float *gate, const float *up, int n);
 void mlxcel_layer_norm(const float *x, const float *w, const float *bias, float *out, int rows, int n, float eps);
 void mlxcel_gelu_erf(float *x, int n);
+void mlxcel_rope_part(float *x, int heads, int d, int dims, const float *cos, const float *sin, int traditional);
 void mlxcel_xielu(float *x, int n, float alpha_p, float alpha_n, float beta, float eps);
 void mlxcel_swiglu_oai(float *gate, const float *up, int n, float alpha, float limit);
 int mlxcel_decode_attention_at(const float *q, const float *k_new, const float *v_new, void *keys, void *values,

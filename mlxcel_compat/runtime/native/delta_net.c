@@ -213,16 +213,6 @@ void mlxcel_delta_layer(const struct mlxcel_delta *D, int hidden, int rows, cons
     mlxcel_pass_product(D->out, rows, y, x, 1.0f, tiles, scales, n_adapters);
 }
 
-void mlxcel_rope_part(float *x, int heads, int d, int dims, const float *cos, const float *sin, int traditional) {
-    int half = dims / 2;
-    for (int h = 0; h < heads; h++, x += d)
-        for (int i = 0; i < half; i++) {
-            int p = traditional ? 2 * i : i, q = traditional ? 2 * i + 1 : i + half;
-            float x1 = x[p], x2 = x[q];
-            x[p] = x1 * cos[i] - x2 * sin[i];
-            x[q] = x1 * sin[i] + x2 * cos[i];
-        }
-}
 
 void mlxcel_split_gated_q(const float *qg, float *q, float *gate, int rows, int heads, int d) {
     for (int r = 0; r < rows * heads; r++) {

@@ -36,10 +36,6 @@ void mlxcel_delta_layer(const struct mlxcel_delta *D, int hidden, int rows, cons
                         const float *h, float *x, float *const *conv_states, float *const *states, int tiles,
                         const double *scales, int n_adapters);
 
-/* RoPE of the first `dims` of each of `heads` heads of d (a partial rotary embedding: the rest
- * pass unchanged), angles dims / 2 each, as mx.fast.rope with dims < d. */
-void mlxcel_rope_part(float *x, int heads, int d, int dims, const float *cos, const float *sin, int traditional);
-
 /* qwen3_next's query projection: per head d queries then d gates; q and gate get them apart. */
 void mlxcel_split_gated_q(const float *qg, float *q, float *gate, int rows, int heads, int d);
 

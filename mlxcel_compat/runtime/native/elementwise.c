@@ -89,7 +89,13 @@ void mlxcel_rms_norm_add(const float *b, const float *w, float *x, int rows, int
  * position: rotating halves (x[i], x[i + d/2]), or neighbours (x[2i], x[2i + 1]) if
  * `traditional`, as mx.fast.rope computes them. */
 void mlxcel_rope(float *x, int heads, int d, const float *cos, const float *sin, int traditional) {
-    int half = d / 2;
+    mlxcel_rope_part(x, heads, d, d, cos, sin, traditional);
+}
+
+/* RoPE of the first `dims` of each of `heads` heads of d (a partial rotary embedding, the hybrids',
+ * phi3's, glm4's: the rest pass unchanged), angles dims / 2 each, as mx.fast.rope with dims <= d. */
+void mlxcel_rope_part(float *x, int heads, int d, int dims, const float *cos, const float *sin, int traditional) {
+    int half = dims / 2;
     for (int h = 0; h < heads; h++, x += d)
         for (int i = 0; i < half; i++) {
             int a = traditional ? 2 * i : i, b = traditional ? 2 * i + 1 : i + half;
