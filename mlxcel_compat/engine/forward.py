@@ -15,7 +15,7 @@ import numpy as np
 
 from mlxcel_compat.runtime.block_layers import logits_unused
 from mlxcel_compat.runtime.cpu_decode import EXACT_ROWS
-from mlxcel_compat.runtime.decode_families import PARALLEL_TYPES, head_module
+from mlxcel_compat.runtime.decode_families import head_module, logit_transform
 from mlxcel_compat.runtime.decode_kv import OwnedCache
 from mlxcel_compat.runtime.lora_rows import applied
 
@@ -92,15 +92,9 @@ def last_row_logits(model: Any, inputs: Any, cache: Any) -> Any:
     models compute the head on every position (a prompt chunk's 70 rows of a 49K-token vocabulary
     cost a fifth of a small model's pass), and slicing the logits afterwards does not spare it.
     For the CPU decode runtime's families (``decode_families.MODEL_TYPES``), whose ``__call__`` is the
-    head over ``model.model``'s normed hidden states, and nothing after it but granite's divisor
-    and cohere2's factor."""
+    head over ``model.model``'s normed hidden states, and nothing after it but the family's
+    ``decode_families.logit_transform`` (granite's divisor, cohere2's factor, soft-capping)."""
     hidden = model.model(inputs, cache)[:, -1:, :]
     head = head_module(model)
     logits = head.as_linear(hidden) if head is model.model.embed_tokens else head(hidden)
-    logits = logits[0, -1, :]
-    scaling = getattr(model, "logits_scaling", None)  # granite's and granitemoe's: out / logits_scaling
-    if scaling is not None:
-        logits = logits / scaling
-    if model.args.model_type in PARALLEL_TYPES:  # cohere2's: out * logit_scale
-        logits = logits * model.model.args.logit_scale
-    return logits
+    return logit_transform(model).apply(logits[0, -1, :], mx.tanh)

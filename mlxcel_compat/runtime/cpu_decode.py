@@ -51,7 +51,7 @@ from mlxcel_compat.runtime import decode_delta, decode_moe, kv_precision, ring_c
 from mlxcel_compat.runtime.block_layers import BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_families import (ACTIVATIONS, GEMMA_TYPES, MULTIPLIER_TYPES, PARALLEL_TYPES,
                                                    Q_TEMPERATURE_TYPES, attention_shape, head_module, layer_rope,
-                                                   rotated_dims, sliding_layers, unsupported)
+                                                   logit_transform, rotated_dims, sliding_layers, unsupported)
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, paged, paged_fits, ring_plan
 from mlxcel_compat.runtime.decode_layers import (LinearWeights, LoraFactors, PassBuffers, attention_heads, float32_array,
@@ -131,9 +131,9 @@ class CpuDecoder:
         if granite:
             self.embed_scale = np.float32(inner.embedding_multiplier)
         self.residual_scale = float(model.args.residual_multiplier) if granite else 0.0
-        self.logits_scaling = np.float32(model.logits_scaling) if granite else None
-        # cohere2's logits times logit_scale; the MLP's activation; cohere2's parallel branches
-        self.logit_scale = np.float32(inner.args.logit_scale) if model.args.model_type in PARALLEL_TYPES else None
+        # what the family does to the head's logits (granite's divisor, cohere2's factor, soft-capping)
+        self.logit_transform = logit_transform(model)
+        # the MLP's activation; cohere2's parallel branches
         self.act = ACTIVATIONS.get(model.args.model_type, "swiglu")
         self.parallel = model.args.model_type in PARALLEL_TYPES
         # ministral3: Llama 4's attention temperature, queries times 1 + beta log(1 + floor(pos / original))
@@ -405,10 +405,9 @@ class CpuDecoder:
         failed = self.native.run(b.native, rows, offsets, head, kv, angles, decode_pass.lora_scales(scales))
         if failed:
             raise RuntimeError(f"layer {failed - 1}: positions from {min(positions)} do not fit the layer's KV cache")
-        if head and self.logits_scaling is not None:
-            b.logits[:1 if segments is not None else rows] /= self.logits_scaling
-        if head and self.logit_scale is not None:
-            b.logits[:1 if segments is not None else rows] *= self.logit_scale
+        if head and not self.logit_transform.identity:
+            n = 1 if segments is not None else rows
+            b.logits[:n] = self.logit_transform.apply(b.logits[:n], np.tanh)
         self.seq.advance(caches, segments if segments is not None else [1] * rows, chunk=segments is not None)
         if segments is not None:
             self.prefilled += rows

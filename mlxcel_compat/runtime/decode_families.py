@@ -41,7 +41,8 @@ step; ``cpu_decode.build`` says why.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -92,6 +93,46 @@ MLX_LAYERS = {
     "nemotron_h": "Mamba-2 (recurrent) layers",
     "gemma4_text": "Gemma 4 layers (per-layer embeddings, shared KV, experts, proportional RoPE)",
 }
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a family does to the output head's logits after the product, in mlx-lm's order:
+    granite's division by ``logits_scaling``, cohere2's ``logit_scale`` factor, Gemma 2's and
+    Gemma 4's final soft-capping (``tanh(x / cap) * cap``).
+
+    Why one place: the CPU decode runtime applies it to the rows its pass returns (NumPy) and
+    ``engine/forward.last_row_logits`` to the last row MLX computes for a prompt-cache hit's rest; the
+    two must be the same expression, or a hit would differ from a cold run."""
+
+    divisor: float | None = None
+    factor: float | None = None
+    softcap: float | None = None
+
+    def apply(self, logits: Any, tanh: Callable[[Any], Any]) -> Any:
+        """``logits`` transformed (a new array), with ``tanh`` the array library's (``np.tanh``,
+        ``mx.tanh``)."""
+        if self.divisor is not None:
+            logits = logits / self.divisor
+        if self.factor is not None:
+            logits = logits * self.factor
+        if self.softcap is not None:
+            logits = tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @property
+    def identity(self) -> bool:
+        return self.divisor is None and self.factor is None and self.softcap is None
+
+
+def logit_transform(model: Any) -> LogitTransform:
+    """The family's :class:`LogitTransform` (all None: the head's product as it is)."""
+    model_type = getattr(getattr(model, "args", None), "model_type", None)
+    inner = getattr(model, "model", None)
+    return LogitTransform(
+        divisor=float(model.logits_scaling) if model_type in MULTIPLIER_TYPES else None,
+        factor=float(inner.args.logit_scale) if model_type in PARALLEL_TYPES else None,
+        softcap=getattr(model, "final_logit_softcapping", None) or None)
+
 
 def head_module(model: Any) -> Any:
     """The output projection's module: ``lm_head``, or the embedding when the head is tied
