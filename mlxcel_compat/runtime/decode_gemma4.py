@@ -1,0 +1,305 @@
+"""Gemma 4's decode steps on the CPU decode runtime (mlx-lm's ``gemma4_text``; GGUF ``gemma4``): one
+sequence or a batch of rows, each on its own cache, through ``native/gemma4_pass.c``.
+
+Why its own decoder beside ``cpu_decode.CpuDecoder``: a Gemma 4 model is not the uniform stack the
+other families' pass and KV layout assume. Its sliding layers have one head size (and KV head
+count) and its full layers another, with a *proportional* RoPE (a rotated share of each head,
+the frequencies over the whole head: the angle tables below are made by the layers' own RoPE
+modules, so the unrotated pairs get cos 1 and sin 0); the last ``num_kv_shared_layers`` layers
+have no cache of their own (mlx-lm's ``make_cache`` gives one per earlier layer) and attend over
+the last earlier layer of their kind; the per-layer embeddings (PLE) add, after each layer's MLP,
+a gated branch whose inputs are a second embedding and a projection of the first; values are
+normed without a gain, every layer ends scaled by its ``layer_scalar``, and the logits are
+soft-capped (``decode_families.LogitTransform``, applied as for the other families).
+
+What it shares with the other families: the KV bookkeeping (``decode_kv.KvLayout`` and
+``sequence_kv.SequenceKv`` over the layers with a cache: the step writes into buffers it made for
+the sequence and leaves each ``KVCache`` and ``RotatingKVCache`` as mlx-lm's update would), the
+weights as they are held (``decode_layers``: float32 buffers or ggml's blocks), the kernels.
+
+What it does not take yet (MLX's step or prefill does, and the caller asks first: ``can_run``,
+``can_prefill``, ``can_step_tokens``): prompt chunks (MLX prefills the prompt; the steps after
+it run here), several tokens of one sequence in one pass (speculative drafts), prompt-cache hits
+on shared KV blocks (``PagedKVCache`` layers: their own buffers would need the layers' two
+shapes), and the mixture-of-experts variant (``decode_families.unsupported`` says so).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlxcel_compat.runtime import kv_blocks, kv_precision
+from mlxcel_compat.runtime.block_layers import BlockLinear, block_weight_of
+from mlxcel_compat.runtime.block_weight import BlockWeight
+from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, paged, ring_plan
+from mlxcel_compat.runtime.decode_layers import LinearWeights, float32_array, linear_weights
+from mlxcel_compat.runtime.native import decode_pass, gemma4_pass
+from mlxcel_compat.runtime.rope_angles import RopeAngles
+from mlxcel_compat.runtime.sequence_kv import SequenceKv
+
+MODEL_TYPE = "gemma4_text"
+LOG2E = 1.4426950408889634
+
+
+def takes(model: Any) -> bool:
+    """Whether ``model`` is a Gemma 4 text model (this decoder's, if :func:`unsupported` agrees)."""
+    return getattr(getattr(model, "args", None), "model_type", None) == MODEL_TYPE
+
+
+def unsupported(model: Any) -> str | None:
+    """Why this Gemma 4 model's steps stay in MLX, or None if :class:`Gemma4Decoder` runs them."""
+    args = model.args
+    if args.enable_moe_block:
+        return ("model type 'gemma4_text' with experts (the 26B-A4B layout): its router and experts run in MLX's "
+                "step, the experts' products on ggml's blocks where the file's are quantized")
+    if any(type(m).__name__.startswith("Quantized") for _, m in model.named_modules()):
+        return "quantized weights"
+    inner = model.model
+    weights = [inner.embed_tokens.weight] if block_weight_of(inner.embed_tokens) is None else []
+    for layer in inner.layers:
+        attn = layer.self_attn
+        modules = [attn.q_proj, attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
+        modules += [attn.k_proj] + ([] if attn.use_k_eq_v else [attn.v_proj]) if attn.has_kv else []
+        if layer.per_layer_input_gate is not None:
+            modules += [layer.per_layer_input_gate, layer.per_layer_projection]
+        if not all(isinstance(m, (nn.Linear, BlockLinear)) for m in modules):
+            return "unexpected layer layout"
+        if getattr(attn.rope, "traditional", False):
+            return "traditional (interleaved) RoPE"
+        weights += [m.weight for m in modules if block_weight_of(m) is None]
+    if inner.hidden_size_per_layer_input and block_weight_of(inner.per_layer_model_projection) is None:
+        weights.append(inner.per_layer_model_projection.weight)
+    if any(w.dtype != mx.float32 for w in weights):
+        return "weights are neither float32 nor in ggml's blocks"
+    return None
+
+
+@dataclass
+class Gemma4Layer:
+    """One layer as the C pass reads it (``struct mlxcel_gemma4_layer``)."""
+
+    q: LinearWeights
+    k: LinearWeights | None  # None: a KV-sharing layer
+    v: LinearWeights | None  # None: values are the keys' projection (attention_k_eq_v), or KV-sharing
+    o: LinearWeights
+    gate: LinearWeights
+    up: LinearWeights
+    down: LinearWeights
+    ple_gate: LinearWeights | None
+    ple_proj: LinearWeights | None
+    n_in: np.ndarray
+    attn_out: np.ndarray
+    mlp_in: np.ndarray
+    mlp_out: np.ndarray
+    q_norm: np.ndarray
+    k_norm: np.ndarray | None
+    v_norm: np.ndarray  # ones: mlx-lm's RMSNormNoScale
+    ple_norm: np.ndarray | None
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope: int  # 0: the sliding layers' angles, 1: the full layers'
+    source: int  # the layer whose KV it attends over (itself, or an earlier one for a KV-sharing layer)
+    layer_scalar: float
+
+
+@dataclass
+class PerLayerEmbeddings:
+    """PLE: the second embedding (``embed_tokens_per_layer``, rows of ``n_layers * dim``), the
+    projection of the scaled main embedding to the same width and its norm, and mlx-lm's scales."""
+
+    embed: np.ndarray | BlockWeight
+    embed_scale: np.float32
+    model_proj: LinearWeights
+    proj_norm: np.ndarray
+    proj_scale: float
+    input_scale: float
+    dim: int
+
+
+def _norm(module: Any) -> np.ndarray:
+    return float32_array(module.weight)
+
+
+def _embedding(module: Any) -> np.ndarray | BlockWeight:
+    return block_weight_of(module) or float32_array(module.weight)
+
+
+def _rows(embed: np.ndarray | BlockWeight, tokens: list[int], out: np.ndarray) -> None:
+    """``out[r]`` = the embedding's row of ``tokens[r]`` (ids already checked)."""
+    if isinstance(embed, BlockWeight):
+        ids = np.array(tokens, np.int32)
+        embed.lib.rows(embed.address, ids.ctypes.data, len(tokens), out.ctypes.data)
+    else:
+        np.take(embed, tokens, axis=0, out=out)
+
+
+class Gemma4Decoder:
+    """Decode steps of Gemma 4 models :func:`unsupported` accepts: one sequence or several rows.
+
+    Not thread-safe: the engine thread owns it, as it owns the model."""
+
+    def __init__(self, model: Any, lib: ctypes.CDLL, logit_transform: Any) -> None:
+        """``logit_transform``: the family's ``decode_families.LogitTransform`` (the final
+        soft-capping), applied to the logits the pass returns."""
+        inner, args = model.model, model.args
+        mx.eval(model.parameters())
+
+        n = len(inner.layers)
+        self.n_cached = n - args.num_kv_shared_layers if 0 < args.num_kv_shared_layers < n else n
+        sliding = [t == "sliding_attention" for t in args.layer_types[:n]]
+        firsts = [sliding.index(kind) if kind in sliding else 0 for kind in (True, False)]
+        attns = [inner.layers[i].self_attn for i in firsts]
+        self.angles = [RopeAngles([a.rope], a.head_dim) for a in attns]
+        self.traditional = [0, 0]
+        self.hidden = args.hidden_size
+        self.eps = float(args.rms_norm_eps)
+        self.scale = float(attns[0].scale) * LOG2E
+        self.embed = _embedding(inner.embed_tokens)
+        self.embed_scale = np.float32(inner.embed_scale)
+        self.ple = None
+        if inner.hidden_size_per_layer_input:
+            self.ple = PerLayerEmbeddings(
+                _embedding(inner.embed_tokens_per_layer), np.float32(inner.embed_tokens_per_layer_scale),
+                linear_weights(inner.per_layer_model_projection), _norm(inner.per_layer_projection_norm),
+                float(inner.per_layer_projection_scale), float(inner.per_layer_input_scale),
+                int(inner.hidden_size_per_layer_input))
+        self.layers = [self._layer(layer, i, sliding[i], inner.previous_kvs[i]) for i, layer in enumerate(inner.layers)]
+        self.kv_width = max(layer.kv_heads * layer.head_dim for layer in self.layers)
+        self.norm = _norm(inner.norm)
+        head = inner.embed_tokens if args.tie_word_embeddings else model.lm_head
+        self.head = LinearWeights(_embedding(head), None)
+        self.logit_transform = logit_transform
+        self.window = int(args.sliding_window)
+        self.sliding = sliding[:self.n_cached]
+        kv_types = kv_precision.of_model(model)
+        shapes = [(self.layers[i].kv_heads, self.layers[i].head_dim) for i in range(self.n_cached)]
+        self.shapes = shapes
+        self.kv = KvLayout(*shapes[0], self.window,
+                           rings=[i for i, s in enumerate(self.sliding) if s],
+                           plain=[i for i, s in enumerate(self.sliding) if not s],
+                           dtypes=kv_types.dtypes(), blocks=kv_types.blocks)
+        self.seq = SequenceKv(self.kv, self.n_cached, list(range(self.n_cached)), [], [])
+        self.sources = np.array([layer.source for layer in self.layers], np.int64)
+        self._buffers: dict[int, tuple[dict[str, np.ndarray], Any]] = {}
+        self.steps = 0
+        self.prefilled = 0
+        self.native = gemma4_pass.describe(self, lib)
+
+    def _layer(self, layer: Any, i: int, sliding: bool, source: int) -> Gemma4Layer:
+        a, m, lin = layer.self_attn, layer.mlp, linear_weights
+        shared = not a.has_kv
+        ple = layer.per_layer_input_gate is not None and self.ple is not None
+        return Gemma4Layer(
+            q=lin(a.q_proj), k=None if shared else lin(a.k_proj),
+            v=None if shared or a.use_k_eq_v else lin(a.v_proj), o=lin(a.o_proj),
+            gate=lin(m.gate_proj), up=lin(m.up_proj), down=lin(m.down_proj),
+            ple_gate=lin(layer.per_layer_input_gate) if ple else None,
+            ple_proj=lin(layer.per_layer_projection) if ple else None,
+            n_in=_norm(layer.input_layernorm), attn_out=_norm(layer.post_attention_layernorm),
+            mlp_in=_norm(layer.pre_feedforward_layernorm), mlp_out=_norm(layer.post_feedforward_layernorm),
+            q_norm=_norm(a.q_norm), k_norm=None if shared else _norm(a.k_norm),
+            v_norm=np.ones(a.head_dim, np.float32),
+            ple_norm=_norm(layer.post_per_layer_input_norm) if ple else None,
+            heads=a.n_heads, kv_heads=a.n_kv_heads, head_dim=a.head_dim, rope=0 if sliding else 1,
+            source=i if not shared else source, layer_scalar=float(np.float32(np.array(layer.layer_scalar)[0])))
+
+    # ------------------------------------------------------------------ eligibility
+
+    def can_run(self, cache: list[Any], owned: OwnedCache) -> bool:
+        """Whether ``cache`` is one sequence's cache as mlx-lm's ``make_cache`` makes it (one layer
+        per layer with KV: ``RotatingKVCache`` rings of the window for sliding ones, ``KVCache``
+        for full ones), each holding one row of the layer's shape and the storage types: the
+        buffers this decoder made for it, or MLX's. Not shared prompt-cache blocks (``paged``)."""
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+        if len(cache) != self.n_cached or any(paged(c) for c in cache):
+            return False
+        if not owned.holds(cache):
+            for c, sliding, (hk, d) in zip(cache, self.sliding, self.shapes):
+                width = kv_blocks.row_width(self.kv.blocks, d) if self.kv.blocks else d
+                if (type(c) is not (RotatingKVCache if sliding else KVCache) or c.keys is None
+                        or c.keys.ndim != 4 or c.keys.shape[0] != 1 or c.keys.shape[1] != hk or c.keys.shape[3] != width
+                        or (c.keys.dtype, c.values.dtype) != tuple(self.kv.dtypes)):
+                    return False
+        return all(cache[i].max_size == self.window and ring_plan(cache[i]) is not None for i in self.kv.rings)
+
+    def can_step_tokens(self, cache: list[Any], owned: OwnedCache) -> bool:
+        """Several tokens of one sequence in a pass: not here (sliding-window rings take one token a step)."""
+        return False
+
+    def can_prefill(self, cache: list[Any], owned: OwnedCache) -> bool:
+        """Prompt chunks: not here yet (MLX prefills; the steps after it run here)."""
+        return False
+
+    def offset(self, cache: list[Any]) -> int:
+        return self.seq.offset(cache)
+
+    def forget_chunk_buffers(self) -> None:
+        """No prompt chunks' buffers to drop (:meth:`can_prefill`)."""
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, token: int, cache: list[Any], owned: OwnedCache, scales: Any = None) -> np.ndarray:
+        """Feed ``token`` at the cache's offset; the logits (a buffer reused by the next step)."""
+        return self.step_rows([token], [cache], [owned], None if scales is None else [scales])[0]
+
+    def step_rows(self, tokens: list[int], caches: list[list[Any]], owned: list[OwnedCache],
+                  scales: Any = None) -> np.ndarray:
+        """One step of several sequences, each on its own cache at its own position: the
+        projections take every row in one pass over each weight (each row computed exactly as
+        alone), attention row by row. Returns (rows, vocabulary) logits, a reused buffer."""
+        vocab = self.embed.shape[0]
+        for token in tokens:
+            if not 0 <= token < vocab:
+                raise ValueError(f"token id {token} is outside the vocabulary (0..{vocab - 1})")
+        positions = [self.offset(cache) for cache in caches]
+        views = [self.seq.own(cache, o, pos) for cache, o, pos in zip(caches, owned, positions)]
+        rows = len(tokens)
+        arrays, native_buffers = self._buffers_for(rows)
+        for angles in self.angles:
+            angles.forget_if_many()
+        angle_rows = np.array([[a for angles in self.angles for a in angles.row(pos)] for pos in positions], np.int64)
+        table = self.seq.table(views, positions, caches)
+        kv = np.ascontiguousarray(table[:, self.sources])  # a KV-sharing layer reads its source's entry
+        x = arrays["x"][:rows]
+        _rows(self.embed, tokens, x)
+        x *= self.embed_scale
+        if self.ple is not None:
+            ple = arrays["ple"][:rows]
+            _rows(self.ple.embed, tokens, ple)
+            ple *= self.ple.embed_scale
+        failed = self.native.run(native_buffers, rows, True, kv, angle_rows, decode_pass.lora_scales(scales))
+        if failed:
+            raise RuntimeError(f"layer {failed - 1}: positions from {min(positions)} do not fit the layer's KV cache")
+        logits = arrays["logits"]
+        if not self.logit_transform.identity:
+            logits[:rows] = self.logit_transform.apply(logits[:rows], np.tanh)
+        self.seq.advance(caches, [1] * rows, chunk=False)
+        self.steps += rows
+        return logits
+
+    def _buffers_for(self, rows: int) -> tuple[dict[str, np.ndarray], Any]:
+        held = self._buffers.get(rows)
+        if held is None:
+            layers = self.layers
+            n_ple = len(layers) * self.ple.dim if self.ple else 1
+            widths = dict(x=self.hidden, h=self.hidden, branch=self.hidden,
+                          q=max(layer.heads * layer.head_dim for layer in layers),
+                          kv_rows=len(layers) * 2 * self.kv_width,
+                          gate=max(layer.gate.weight.shape[0] for layer in layers),
+                          logits=self.head.weight.shape[0], ple=n_ple, ple_proj=n_ple,
+                          ple_gate=self.ple.dim if self.ple else 1, ple_in=self.ple.dim if self.ple else 1)
+            widths["att"], widths["up"] = widths["q"], widths["gate"]
+            arrays = {name: np.zeros((rows, widths[name]), np.float32) for name in gemma4_pass.BUFFER_NAMES}
+            held = self._buffers[rows] = (arrays, gemma4_pass.buffers(arrays))
+        return held
+
+
+__all__ = ["Gemma4Decoder", "Gemma4Layer", "MODEL_TYPE", "PerLayerEmbeddings", "takes", "unsupported"]
