@@ -35,6 +35,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxcel_compat.runtime import kv_blocks, kv_precision
+from mlxcel_compat.runtime.block_experts import BlockSwitchLinear
 from mlxcel_compat.runtime.block_layers import BlockLinear, block_weight_of
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, paged, ring_plan
@@ -54,10 +55,6 @@ def takes(model: Any) -> bool:
 
 def unsupported(model: Any) -> str | None:
     """Why this Gemma 4 model's steps stay in MLX, or None if :class:`Gemma4Decoder` runs them."""
-    args = model.args
-    if args.enable_moe_block:
-        return ("model type 'gemma4_text' with experts (the 26B-A4B layout): its router and experts run in MLX's "
-                "step, the experts' products on ggml's blocks where the file's are quantized")
     if any(type(m).__name__.startswith("Quantized") for _, m in model.named_modules()):
         return "quantized weights"
     inner = model.model
@@ -72,12 +69,59 @@ def unsupported(model: Any) -> str | None:
             return "unexpected layer layout"
         if getattr(attn.rope, "traditional", False):
             return "traditional (interleaved) RoPE"
+        if layer.enable_moe:
+            reason = _experts_unsupported(layer)
+            if reason is not None:
+                return reason
+            modules.append(layer.router.proj)
         weights += [m.weight for m in modules if block_weight_of(m) is None]
     if inner.hidden_size_per_layer_input and block_weight_of(inner.per_layer_model_projection) is None:
         weights.append(inner.per_layer_model_projection.weight)
     if any(w.dtype != mx.float32 for w in weights):
         return "weights are neither float32 nor in ggml's blocks"
     return None
+
+
+def _experts_unsupported(layer: Any) -> str | None:
+    """Why a layer's experts (the 26B-A4B layout) stay in MLX's step, or None: the C pass takes the
+    GGUF loader's stacks in ggml's blocks (a fused gate-up stack and a down stack)."""
+    switch = layer.experts.switch_glu
+    stacks = [getattr(switch, n, None) for n in ("gate_up_proj", "down_proj")]
+    if type(switch).__name__ != "FusedGateUpSwitchGLU" or not all(isinstance(s, BlockSwitchLinear) for s in stacks):
+        return ("model type 'gemma4_text' with experts not in ggml's blocks (a GGUF's stacks): its steps run in "
+                "MLX's step")
+    gate_up, down = (s.stack for s in stacks)
+    if gate_up.n_expert != down.n_expert or gate_up.rows != 2 * down.weight.k or "bias" in stacks[0] or "bias" in stacks[1]:
+        return "gemma4_text expert stacks of unexpected shapes"
+    return None
+
+
+@dataclass
+class Gemma4Experts:
+    """A layer's experts beside its MLP (the 26B-A4B layout), as ``struct mlxcel_gemma4_layer`` reads them."""
+
+    router: LinearWeights  # hidden -> n_expert
+    router_norm: np.ndarray  # the router input's gain: scale * hidden^-0.5 (computed by MLX, as the module does)
+    expert_scale: np.ndarray  # per_expert_scale (n_expert)
+    gate_up: BlockWeight  # (n_expert * 2 * rows, hidden): each expert's gate rows, then its up rows
+    down: BlockWeight  # (n_expert * hidden, rows)
+    mlp_out_1: np.ndarray  # post_feedforward_layernorm_1: the MLP's output
+    moe_in: np.ndarray  # pre_feedforward_layernorm_2: the experts' input
+    moe_out: np.ndarray  # post_feedforward_layernorm_2: their output
+    n_expert: int
+    top_k: int
+    rows: int  # an expert's intermediate width
+
+
+def _experts(layer: Any, hidden: int) -> Gemma4Experts | None:
+    if not layer.enable_moe:
+        return None
+    router, switch = layer.router, layer.experts.switch_glu
+    gate_up, down = switch.gate_up_proj.stack, switch.down_proj.stack
+    return Gemma4Experts(
+        linear_weights(router.proj), float32_array(router.scale * (hidden ** -0.5)), float32_array(router.per_expert_scale),
+        gate_up.weight, down.weight, _norm(layer.post_feedforward_layernorm_1), _norm(layer.pre_feedforward_layernorm_2),
+        _norm(layer.post_feedforward_layernorm_2), gate_up.n_expert, int(router.config.top_k_experts), gate_up.rows // 2)
 
 
 @dataclass
@@ -107,6 +151,7 @@ class Gemma4Layer:
     rope: int  # 0: the sliding layers' angles, 1: the full layers'
     source: int  # the layer whose KV it attends over (itself, or an earlier one for a KV-sharing layer)
     layer_scalar: float
+    experts: Gemma4Experts | None = None  # the 26B-A4B layout's, beside the MLP
 
 
 @dataclass
@@ -208,7 +253,8 @@ class Gemma4Decoder:
             v_norm=np.ones(a.head_dim, np.float32),
             ple_norm=_norm(layer.post_per_layer_input_norm) if ple else None,
             heads=a.n_heads, kv_heads=a.n_kv_heads, head_dim=a.head_dim, rope=0 if sliding else 1,
-            source=i if not shared else source, layer_scalar=float(np.float32(np.array(layer.layer_scalar)[0])))
+            source=i if not shared else source, layer_scalar=float(np.float32(np.array(layer.layer_scalar)[0])),
+            experts=_experts(layer, self.hidden))
 
     # ------------------------------------------------------------------ eligibility
 
@@ -276,6 +322,8 @@ class Gemma4Decoder:
             _rows(self.ple.embed, tokens, ple)
             ple *= self.ple.embed_scale
         failed = self.native.run(native_buffers, rows, True, kv, angle_rows, decode_pass.lora_scales(scales))
+        if failed < 0:
+            raise RuntimeError(f"layer {-failed - 1}: the grouped expert product refused its stacks")
         if failed:
             raise RuntimeError(f"layer {failed - 1}: positions from {min(positions)} do not fit the layer's KV cache")
         logits = arrays["logits"]

@@ -23,6 +23,7 @@
 
 #include "decode_kernels.h"
 #include "decode_pass.h"
+#include "thread_pool.h"
 
 /* decode_pass.c's struct mlxcel_kv, as Python's table lays it out (decode_pass.KV_FIELDS, sequence_kv.py):
  * the fields this pass reads are the first seven. */
@@ -44,6 +45,15 @@ struct mlxcel_gemma4_layer {
     int rope;   /* which angle set: 0 the sliding layers', 1 the full layers' (proportional RoPE) */
     int source; /* the layer whose new key and value rows this one attends with (itself unless KV-sharing) */
     float layer_scalar;
+    /* The 26B-A4B layout's experts beside the MLP (n_expert 0: none): the router (its input normed
+     * by scale * hidden^-0.5), the k largest logits' softmax times each chosen expert's scale, the
+     * fused gate-up stack (an expert's gate rows, then its up rows) and the down stack in ggml's
+     * blocks, and the three norms around the two branches. */
+    struct mlxcel_linear router;
+    const float *router_norm, *expert_scale;
+    const struct mlxcel_block_weight *gate_up_exps, *down_exps;
+    const float *mlp_out_1, *moe_in, *moe_out;
+    int n_expert, top_k, expert_rows;
 };
 
 struct mlxcel_gemma4 {
@@ -78,9 +88,98 @@ static void per_layer_inputs(const struct mlxcel_gemma4 *m, const struct mlxcel_
     for (size_t j = 0; j < n; j++) b->ple[j] = (b->ple_proj[j] + b->ple[j]) * m->ple_input_scale;
 }
 
+/* Per-thread scratch of the experts' branch (the engine thread runs the passes). */
+static __thread struct mlxcel_scratch gemma4_scratch[9];
+
+static void *gemma4_buffer(int i, size_t bytes) { return mlxcel_scratch(&gemma4_scratch[i], bytes ? bytes : 1); }
+
+/* The k largest of l[0 .. n), largest first (ties: the lower index first). */
+static void top_k(const float *l, int n, int k, int32_t *chosen) {
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int i = 0; i < n; i++) {
+            int taken = 0;
+            for (int t = 0; t < j && !taken; t++) taken = chosen[t] == i;
+            if (!taken && (best < 0 || l[i] > l[best])) best = i;
+        }
+        chosen[j] = best;
+    }
+}
+
+/* out (rows x hidden) = the experts' branch of x (the residual after attention), before its
+ * post-norm, as mlx-lm's Router and Experts compute it: route on rms_norm(x, router_norm), each
+ * chosen (row, expert) pair sorted by expert (ggml's mul_mat_id grouping), gate and up of every pair
+ * in one grouped product from rms_norm(x, moe_in), gelu_tanh(gate) * up, down, the weighted sum.
+ * Returns 0, or -1 where the grouped product refused the stacks. */
+static int experts(const struct mlxcel_gemma4 *m, const struct mlxcel_gemma4_layer *L, const float *x, float *out,
+                   int rows, const double *scales, int n_adapters) {
+    int hidden = m->hidden, n = L->n_expert, k = L->top_k, inter = L->expert_rows, pairs = rows * k;
+    float *normed = gemma4_buffer(0, sizeof(float) * (size_t)rows * hidden);
+    float *logits = gemma4_buffer(1, sizeof(float) * (size_t)rows * n);
+    int32_t *chosen = gemma4_buffer(2, sizeof(int32_t) * (size_t)pairs);
+    float *weight = gemma4_buffer(3, sizeof(float) * (size_t)pairs);
+    int32_t *count = gemma4_buffer(4, sizeof(int32_t) * (size_t)(3 * n + 1)), *start = count + n, *groups_of = start + n + 1;
+    int32_t *source = gemma4_buffer(5, sizeof(int32_t) * (size_t)pairs), *slot = gemma4_buffer(6, sizeof(int32_t) * (size_t)pairs);
+    float *gu = gemma4_buffer(7, sizeof(float) * (size_t)pairs * 2 * inter);
+    float *down = gemma4_buffer(8, sizeof(float) * (size_t)pairs * (hidden > 2 * inter ? hidden : 2 * inter));
+    mlxcel_rms_norm(x, L->router_norm, normed, rows, hidden, m->eps);
+    mlxcel_pass_product(&L->router, rows, normed, logits, 0.0f, 0, scales, n_adapters);
+    for (int r = 0; r < rows; r++) { /* softmax over the chosen k, times each one's scale */
+        int32_t *c = chosen + (size_t)r * k;
+        float *w = weight + (size_t)r * k, *l = logits + (size_t)r * n;
+        top_k(l, n, k, c);
+        float top = l[c[0]], sum = 0.0f;
+        for (int j = 0; j < k; j++) sum += w[j] = expf(l[c[j]] - top);
+        for (int j = 0; j < k; j++) w[j] = w[j] / sum * L->expert_scale[c[j]];
+    }
+    memset(count, 0, sizeof(int32_t) * (size_t)n);
+    for (int p = 0; p < pairs; p++) count[chosen[p]]++;
+    int groups = 0;
+    start[0] = 0;
+    for (int i = 0; i < n; i++) {
+        if (!count[i]) continue;
+        groups_of[groups] = i;
+        start[groups + 1] = start[groups] + count[i];
+        count[i] = start[groups];
+        groups++;
+    }
+    for (int p = 0; p < pairs; p++) {
+        int s = count[chosen[p]]++;
+        slot[p] = s;
+        source[s] = p / k;
+    }
+    mlxcel_rms_norm(x, L->moe_in, normed, rows, hidden, m->eps);
+    float *gu_out[1] = {gu};
+    if (mlxcel_expert_matmul_shared(1, &L->gate_up_exps, 2 * inter, groups, groups_of, start, source, rows, normed,
+                                    hidden, gu_out, 2 * inter))
+        return -1;
+    for (int p = 0; p < pairs; p++) { /* gate half, up half of each pair's row: gelu(gate) * up, packed */
+        memcpy(down + (size_t)p * inter, gu + (size_t)p * 2 * inter + inter, sizeof(float) * inter);
+        memmove(gu + (size_t)p * inter, gu + (size_t)p * 2 * inter, sizeof(float) * inter);
+    }
+    mlxcel_gelu_tanh_gate(gu, down, pairs * inter);
+    float *down_out[1] = {down};
+    if (mlxcel_expert_matmul_shared(1, &L->down_exps, hidden, groups, groups_of, start, NULL, pairs, gu, inter,
+                                    down_out, hidden))
+        return -1;
+    for (int r = 0; r < rows; r++) {
+        float *o = out + (size_t)r * hidden;
+        const float *d0 = down + (size_t)slot[(size_t)r * k] * hidden;
+        float w0 = weight[(size_t)r * k];
+        for (int c = 0; c < hidden; c++) o[c] = w0 * d0[c];
+        for (int j = 1; j < k; j++) {
+            const float *d = down + (size_t)slot[(size_t)r * k + j] * hidden;
+            float w = weight[(size_t)r * k + j];
+            for (int c = 0; c < hidden; c++) o[c] += w * d[c];
+        }
+    }
+    return 0;
+}
+
 /* One decode pass of `rows` rows, each its own position and cache (kv: rows x layers, a KV-sharing
  * layer's entry its source's; angles: rows x 2 angle sets x (cos, sin)). b->x holds the rows'
- * embeddings times sqrt(hidden). Returns 0, or 1 + the layer whose attention did not fit. */
+ * embeddings times sqrt(hidden). Returns 0, or 1 + the layer whose attention did not fit, or -(1 + the
+ * layer) whose expert stacks the grouped product refused. */
 int mlxcel_gemma4_pass(const struct mlxcel_gemma4 *m, const struct mlxcel_gemma4_buffers *b, int rows, int head,
                        const struct gemma4_kv *kv, const float *const *angles, const double *scales,
                        int n_adapters) {
@@ -130,6 +229,13 @@ int mlxcel_gemma4_pass(const struct mlxcel_gemma4 *m, const struct mlxcel_gemma4
         mlxcel_pass_products(2, gate_up, rows, b->h, gate_up_out, 0, scales, n_adapters);
         mlxcel_gelu_tanh_gate(b->gate, b->up, rows * ffn);
         mlxcel_pass_product(&L->down, rows, b->gate, b->branch, 0.0f, 0, scales, n_adapters);
+        if (L->n_expert) { /* branch = norm_1(MLP) + norm_2(experts), both from the same residual */
+            float *e = b->h; /* the MLP's input is spent */
+            if (experts(m, L, b->x, e, rows, scales, n_adapters)) return -(i + 1);
+            mlxcel_rms_norm(b->branch, L->mlp_out_1, b->branch, rows, hidden, m->eps);
+            mlxcel_rms_norm(e, L->moe_out, e, rows, hidden, m->eps);
+            for (size_t j = 0; j < (size_t)rows * hidden; j++) b->branch[j] = b->branch[j] + e[j];
+        }
         mlxcel_rms_norm_add(b->branch, L->mlp_out, b->x, rows, hidden, m->eps);
         if (P && L->ple_gate.n) {
             mlxcel_pass_product(&L->ple_gate, rows, b->x, b->ple_gate, 0.0f, 0, scales, n_adapters);

@@ -20,13 +20,16 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down", "ple_gate", "ple_proj")
 NORMS = ("n_in", "attn_out", "mlp_in", "mlp_out", "q_norm", "k_norm", "v_norm", "ple_norm")
+EXPERT_POINTERS = ("router_norm", "expert_scale", "gate_up_exps", "down_exps", "mlp_out_1", "moe_in", "moe_out")
 BUFFER_NAMES = ("x", "h", "branch", "q", "kv_rows", "att", "gate", "up", "logits", "ple", "ple_proj", "ple_gate",
                 "ple_in")
 
 
 class Gemma4LayerStruct(ctypes.Structure):
     _fields_ = [*((name, LinearStruct) for name in LINEARS), *((name, _P) for name in NORMS),
-                *((name, _I) for name in ("heads", "kv_heads", "head_dim", "rope", "source")), ("layer_scalar", _F)]
+                *((name, _I) for name in ("heads", "kv_heads", "head_dim", "rope", "source")), ("layer_scalar", _F),
+                ("router", LinearStruct), *((name, _P) for name in EXPERT_POINTERS),
+                *((name, _I) for name in ("n_expert", "top_k", "expert_rows"))]
 
 
 class Gemma4Struct(ctypes.Structure):
@@ -72,6 +75,13 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> Gemma4Native:
             setattr(s, name, _ptr(getattr(layer, name)))
         s.heads, s.kv_heads, s.head_dim = layer.heads, layer.kv_heads, layer.head_dim
         s.rope, s.source, s.layer_scalar = layer.rope, layer.source, layer.layer_scalar
+        experts = layer.experts
+        if experts is not None:
+            s.router = describe_linear(experts.router, keep)
+            for name in ("router_norm", "expert_scale", "mlp_out_1", "moe_in", "moe_out"):
+                setattr(s, name, _ptr(getattr(experts, name)))
+            s.gate_up_exps, s.down_exps = experts.gate_up.address, experts.down.address
+            s.n_expert, s.top_k, s.expert_rows = experts.n_expert, experts.top_k, experts.rows
     keep.append(layers)
     ple = decoder.ple
     struct = Gemma4Struct(
