@@ -1,5 +1,6 @@
 """Gemma 4's decode steps on the CPU decode runtime (mlx-lm's ``gemma4_text``; GGUF ``gemma4``): one
-sequence or a batch of rows, each on its own cache, through ``native/gemma4_pass.c``.
+sequence or a batch of rows, each on its own cache, through the shim's ``mlxcel_gemma4_pass``
+(``native/gemma4_pass.py`` describes the model to it).
 
 Why its own decoder beside ``cpu_decode.CpuDecoder``: a Gemma 4 model is not the uniform stack the
 other families' pass and KV layout assume. Its sliding layers have one head size (and KV head
@@ -9,8 +10,10 @@ modules, so the unrotated pairs get cos 1 and sin 0); the last ``num_kv_shared_l
 have no cache of their own (mlx-lm's ``make_cache`` gives one per earlier layer) and attend over
 the last earlier layer of their kind; the per-layer embeddings (PLE) add, after each layer's MLP,
 a gated branch whose inputs are a second embedding and a projection of the first; values are
-normed without a gain, every layer ends scaled by its ``layer_scalar``, and the logits are
-soft-capped (``decode_families.LogitTransform``, applied as for the other families).
+normed without a gain (and under ``attention_k_eq_v`` are the keys' projection), every layer ends
+scaled by its ``layer_scalar``, the 26B-A4B layout has experts beside each dense MLP (their own
+router, gating and norms: :class:`Gemma4Experts`), and the logits are soft-capped
+(``decode_families.LogitTransform``, by MLX's tanh).
 
 What it shares with the other families: the KV bookkeeping (``decode_kv.KvLayout`` and
 ``sequence_kv.SequenceKv`` over the layers with a cache: the step writes into buffers it made for
@@ -21,7 +24,7 @@ What it does not take yet (MLX's step or prefill does, and the caller asks first
 ``can_prefill``, ``can_step_tokens``): prompt chunks (MLX prefills the prompt; the steps after
 it run here), several tokens of one sequence in one pass (speculative drafts), prompt-cache hits
 on shared KV blocks (``PagedKVCache`` layers: their own buffers would need the layers' two
-shapes), and the mixture-of-experts variant (``decode_families.unsupported`` says so).
+shapes), and experts that are not the GGUF loader's block stacks (:func:`unsupported` says so).
 """
 
 from __future__ import annotations
