@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxcel_compat.runtime import kv_blocks, kv_precision
+from mlxcel_compat.runtime import kv_blocks, kv_precision, ring_chunks
 from mlxcel_compat.runtime.block_experts import BlockSwitchLinear
 from mlxcel_compat.runtime.block_layers import BlockLinear, block_weight_of
 from mlxcel_compat.runtime.block_weight import BlockWeight
@@ -48,6 +48,9 @@ from mlxcel_compat.runtime.rope_angles import RopeAngles
 from mlxcel_compat.runtime.sequence_kv import SequenceKv
 
 MODEL_TYPE = "gemma4_text"
+# A prompt chunk this long or longer takes the prompt products (cpu_decode.PROMPT_ROWS_MIN's rule,
+# whose module this one does not import: cpu_decode builds this decoder).
+PROMPT_ROWS_MIN = 17
 LOG2E = 1.4426950408889634
 
 
@@ -155,6 +158,7 @@ class Gemma4Layer:
     source: int  # the layer whose KV it attends over (itself, or an earlier one for a KV-sharing layer)
     layer_scalar: float
     experts: Gemma4Experts | None = None  # the 26B-A4B layout's, beside the MLP
+    ring_slot: int = 0  # a sliding source of KV-sharing layers: 1 + which kept chunk layout (theirs too); else 0
 
 
 @dataclass
@@ -219,7 +223,13 @@ class Gemma4Decoder:
                 float(inner.per_layer_projection_scale), float(inner.per_layer_input_scale),
                 int(inner.hidden_size_per_layer_input))
         self.layers = [self._layer(layer, i, sliding[i], inner.previous_kvs[i]) for i, layer in enumerate(inner.layers)]
+        # the sliding layers whose prompt-chunk layout KV-sharing layers read again (gemma4_pass's ring_slot)
+        kept = sorted({layer.source for layer in self.layers if layer.k is None and layer.rope == 0})
+        for layer in self.layers:
+            layer.ring_slot = kept.index(layer.source) + 1 if layer.source in kept else 0
+        self.segments_max = max(1, gemma4_pass.KEPT_MAX // max(1, len(kept)))  # prompt chunks in one pass
         self.kv_width = max(layer.kv_heads * layer.head_dim for layer in self.layers)
+        self.prompt_rows_min = PROMPT_ROWS_MIN
         self.norm = _norm(inner.norm)
         head = inner.embed_tokens if args.tie_word_embeddings else model.lm_head
         self.head = LinearWeights(_embedding(head), None)
@@ -236,6 +246,7 @@ class Gemma4Decoder:
         self.seq = SequenceKv(self.kv, self.n_cached, list(range(self.n_cached)), [], [])
         self.sources = np.array([layer.source for layer in self.layers], np.int64)
         self._buffers: dict[int, tuple[dict[str, np.ndarray], Any]] = {}
+        self._chunk_buffers: tuple[dict[str, np.ndarray], Any] | None = None  # a prompt chunk's: the largest so far
         self.steps = 0
         self.prefilled = 0
         self.native = gemma4_pass.describe(self, lib)
@@ -284,14 +295,25 @@ class Gemma4Decoder:
         return False
 
     def can_prefill(self, cache: list[Any], owned: OwnedCache) -> bool:
-        """Prompt chunks: not here yet (MLX prefills; the steps after it run here)."""
-        return False
+        """Whether :meth:`prefill` takes this cache: each layer an empty mlx-lm cache (a cold
+        prompt), or one a chunk can start from (``ring_chunks``: rings of the window holding the
+        slots the chunk sees, plain layers of the layer's shape), all at one offset."""
+        if len(cache) != self.n_cached or any(paged(c) for c in cache) or len({c.offset for c in cache}) != 1:
+            return False
+        for c, sliding, (hk, d) in zip(cache, self.sliding, self.shapes):
+            width = kv_blocks.row_width(self.kv.blocks, d) if self.kv.blocks else d
+            if not (ring_chunks.ring_takes_chunk(c, self.window, hk, width, self.kv.dtypes) if sliding
+                    else ring_chunks.plain_takes_chunk(c, hk, width, self.kv.dtypes)):
+                return False
+        return True
 
     def offset(self, cache: list[Any]) -> int:
         return self.seq.offset(cache)
 
     def forget_chunk_buffers(self) -> None:
-        """No prompt chunks' buffers to drop (:meth:`can_prefill`)."""
+        """Drop a prompt chunk's buffers (made again by the next chunk): the engine calls this when
+        it goes idle."""
+        self._chunk_buffers = None
 
     # ------------------------------------------------------------------ the step
 
@@ -304,18 +326,106 @@ class Gemma4Decoder:
         """One step of several sequences, each on its own cache at its own position: the
         projections take every row in one pass over each weight (each row computed exactly as
         alone), attention row by row. Returns (rows, vocabulary) logits, a reused buffer."""
-        vocab = self.embed.shape[0]
-        for token in tokens:
-            if not 0 <= token < vocab:
-                raise ValueError(f"token id {token} is outside the vocabulary (0..{vocab - 1})")
+        self._check_tokens(tokens)
         positions = [self.offset(cache) for cache in caches]
         views = [self.seq.own(cache, o, pos) for cache, o, pos in zip(caches, owned, positions)]
+        return self._run(tokens, caches, positions, views, scales)
+
+    def prefill(self, tokens: list[int], cache: list[Any], owned: OwnedCache, scales: Any = None,
+                logits: bool = True) -> np.ndarray | None:
+        """Feed the rest of a prompt as one chunk (:meth:`can_prefill`); the last token's logits
+        (a reused buffer), or None without ``logits``. The cache advances by ``len(tokens)``."""
+        out = self.prefill_rows([tokens], [cache], [owned], [scales], logits=logits)
+        return out[0] if logits else None
+
+    def prefill_rows(self, chunks: list[list[int]], caches: list[list[Any]], owned: list[OwnedCache],
+                     scales: list[Any] | None = None, logits: bool = False) -> np.ndarray | None:
+        """Several sequences' prompt chunks in one pass (``CpuDecoder.prefill_rows``'s contract): every
+        row through each weight together, each sequence's attention over its own cache (a sliding
+        layer's ring laid out as mlx-lm's chunk lays it out: ``ring_chunks``). With ``logits``, one
+        chunk only: its last row's logits."""
+        if logits and len(chunks) != 1:
+            raise ValueError("logits are for a single sequence's chunk")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("each chunk needs its own sequence's cache")
+        def pick(idx: list[int]) -> tuple[list, list, list, list | None]:
+            return ([chunks[i] for i in idx], [caches[i] for i in idx], [owned[i] for i in idx],
+                    None if scales is None else [scales[i] for i in idx])
+
+        ones = [i for i, c in enumerate(chunks) if len(c) == 1]
+        if ones:  # mlx-lm writes one token into a ring in place: a step
+            rest = [i for i in range(len(chunks)) if i not in ones]
+            if rest:
+                self.prefill_rows(*pick(rest))
+            tokens, step_caches, step_owned, step_scales = pick(ones)
+            out = self.step_rows([t[0] for t in tokens], step_caches, step_owned, step_scales)
+            return out if logits else None
+        short = [len(c) < PROMPT_ROWS_MIN for c in chunks]
+        if len(set(short)) > 1:  # one pass for each kind of product
+            for kind in (True, False):
+                self.prefill_rows(*pick([i for i, s in enumerate(short) if s == kind]))
+            return None
+        if len(chunks) > self.segments_max:  # the kept ring layouts a pass has room for
+            for first in range(0, len(chunks), self.segments_max):
+                self.prefill_rows(*pick(list(range(first, min(first + self.segments_max, len(chunks))))))
+            return None
+        for tokens in chunks:
+            self._check_tokens(tokens)
+        starts = [self.offset(cache) for cache in caches]
+        views = [self._chunk_views(cache, o, start, len(tokens))
+                 for cache, o, start, tokens in zip(caches, owned, starts, chunks)]
+        rows = [len(tokens) for tokens in chunks]
+        row_scales = None if scales is None or all(s is None for s in scales) else [
+            s if s is not None else () for s, n in zip(scales, rows) for _ in range(n)]
+        out = self._run([t for tokens in chunks for t in tokens], caches, starts, views, row_scales,
+                        segments=rows, head=logits)
+        return out if logits else None
+
+    def _chunk_views(self, cache: list[Any], owned: OwnedCache, start: int, rows: int) -> list[tuple[int, ...]]:
+        """A prompt chunk's KV views (``ring_chunks.chunk_views``), one layout a kind of layer (the
+        sliding and the full layers' shapes differ); ``owned`` then holds every layer's arrays."""
+        n, mine = len(cache), len(owned.arrays) == len(cache)
+        arrays: list[Any] = [None] * n
+        views: list[Any] = [None] * n
+        for sliding in (True, False):
+            idx = [i for i in range(n) if self.sliding[i] == sliding]
+            if not idx:
+                continue
+            hk, d = self.shapes[idx[0]]
+            layout = KvLayout(hk, d, self.window if sliding else None, rings=list(range(len(idx))) if sliding else [],
+                              plain=[] if sliding else list(range(len(idx))), dtypes=self.kv.dtypes, blocks=self.kv.blocks)
+            part = OwnedCache(arrays=[owned.arrays[i] for i in idx] if mine else [],
+                              views=[owned.views[i] for i in idx] if mine else [], reserve=owned.reserve)
+            got = ring_chunks.chunk_views(layout, [cache[i] for i in idx], part, start, rows)
+            for j, i in enumerate(idx):
+                arrays[i], views[i] = part.arrays[j], got[j]
+        owned.arrays, owned.views, owned.apart = arrays, views, None
+        return views
+
+    def _check_tokens(self, tokens: list[int]) -> None:
+        vocab = self.embed.shape[0]
+        for token in tokens:
+            if not 0 <= token < vocab:  # NumPy would wrap a negative index silently
+                raise ValueError(f"token id {token} is outside the vocabulary (0..{vocab - 1})")
+
+    def _run(self, tokens: list[int], caches: list[list[Any]], positions: list[int],
+             views: list[list[tuple[int, ...]]], scales: Any, segments: list[int] | None = None,
+             head: bool = True) -> np.ndarray:
+        """The pass itself (``mlxcel_gemma4_pass``): decode rows, row r ``tokens[r]`` at
+        ``positions[r]`` on ``caches[r]``; or ``segments``: prompt chunks, ``segments[j]`` rows of
+        sequence j from ``positions[j]`` (then only the last row's logits, one chunk)."""
         rows = len(tokens)
-        arrays, native_buffers = self._buffers_for(rows)
+        arrays, native_buffers = self._chunk_buffers_for(rows) if segments is not None else self._buffers_for(rows)
         for angles in self.angles:
             angles.forget_if_many()
-        angle_rows = np.array([[a for angles in self.angles for a in angles.row(pos)] for pos in positions], np.int64)
-        table = self.seq.table(views, positions, caches)
+        if segments is not None:
+            spans = [[a for angles in self.angles for a in angles.span(pos, n, 0)] for pos, n in zip(positions, segments)]
+            angle_rows = np.array([[a.ctypes.data for a in span] for span in spans], np.int64)  # spans kept alive
+            offsets = np.cumsum([0, *segments], dtype=np.int32)
+        else:
+            angle_rows = np.array([[a for angles in self.angles for a in angles.row(pos)] for pos in positions], np.int64)
+            offsets = None
+        table = self.seq.table(views, positions, caches, segments)
         kv = np.ascontiguousarray(table[:, self.sources])  # a KV-sharing layer reads its source's entry
         x = arrays["x"][:rows]
         _rows(self.embed, tokens, x)
@@ -324,34 +434,49 @@ class Gemma4Decoder:
             ple = arrays["ple"][:rows]
             _rows(self.ple.embed, tokens, ple)
             ple *= self.ple.embed_scale
-        failed = self.native.run(native_buffers, rows, True, kv, angle_rows, decode_pass.lora_scales(scales))
+        failed = self.native.run(native_buffers, rows, offsets, head, kv, angle_rows, decode_pass.lora_scales(scales))
         if failed < 0:
             raise RuntimeError(f"layer {-failed - 1}: the grouped expert product refused its stacks")
         if failed:
             raise RuntimeError(f"layer {failed - 1}: positions from {min(positions)} do not fit the layer's KV cache")
         logits = arrays["logits"]
-        if not self.logit_transform.identity:  # the soft-capping, by MLX's tanh: NumPy's differs from it in
-            # the last bit for about a third of the values, which left no step bit-identical to MLX's
-            logits[:rows] = np.array(self.logit_transform.apply(mx.array(logits[:rows]), mx.tanh))
-        self.seq.advance(caches, [1] * rows, chunk=False)
-        self.steps += rows
+        n = 1 if segments is not None else rows
+        if head and not self.logit_transform.identity:  # the soft-capping, by MLX's tanh: NumPy's differs from
+            # it in the last bit for about a third of the values, which left no step bit-identical to MLX's
+            logits[:n] = np.array(self.logit_transform.apply(mx.array(logits[:n]), mx.tanh))
+        self.seq.advance(caches, segments if segments is not None else [1] * rows, chunk=segments is not None)
+        if segments is not None:
+            self.prefilled += rows
+        else:
+            self.steps += rows
         return logits
+
+    def _chunk_buffers_for(self, rows: int) -> tuple[dict[str, np.ndarray], Any]:
+        """A prompt chunk's buffers: one set, grown in steps of 64 rows, logits for one row."""
+        held = self._chunk_buffers
+        if held is None or held[0]["x"].shape[0] < rows:
+            held = self._chunk_buffers = self._new_buffers(-(-rows // 64) * 64, 1)
+        return held
 
     def _buffers_for(self, rows: int) -> tuple[dict[str, np.ndarray], Any]:
         held = self._buffers.get(rows)
         if held is None:
-            layers = self.layers
-            n_ple = len(layers) * self.ple.dim if self.ple else 1
-            widths = dict(x=self.hidden, h=self.hidden, branch=self.hidden,
-                          q=max(layer.heads * layer.head_dim for layer in layers),
-                          kv_rows=len(layers) * 2 * self.kv_width,
-                          gate=max(layer.gate.weight.shape[0] for layer in layers),
-                          logits=self.head.weight.shape[0], ple=n_ple, ple_proj=n_ple,
-                          ple_gate=self.ple.dim if self.ple else 1, ple_in=self.ple.dim if self.ple else 1)
-            widths["att"], widths["up"] = widths["q"], widths["gate"]
-            arrays = {name: np.zeros((rows, widths[name]), np.float32) for name in gemma4_pass.BUFFER_NAMES}
-            held = self._buffers[rows] = (arrays, gemma4_pass.buffers(arrays))
+            held = self._buffers[rows] = self._new_buffers(rows, rows)
         return held
+
+    def _new_buffers(self, rows: int, logit_rows: int) -> tuple[dict[str, np.ndarray], Any]:
+        layers = self.layers
+        n_ple = len(layers) * self.ple.dim if self.ple else 1
+        widths = dict(x=self.hidden, h=self.hidden, branch=self.hidden,
+                      q=max(layer.heads * layer.head_dim for layer in layers),
+                      kv_rows=len(layers) * 2 * self.kv_width,
+                      gate=max(layer.gate.weight.shape[0] for layer in layers),
+                      ple=n_ple, ple_proj=n_ple, ple_gate=self.ple.dim if self.ple else 1,
+                      ple_in=self.ple.dim if self.ple else 1)
+        widths["att"], widths["up"] = widths["q"], widths["gate"]
+        arrays = {name: np.zeros((rows, widths[name]), np.float32) for name in gemma4_pass.BUFFER_NAMES if name != "logits"}
+        arrays["logits"] = np.zeros((logit_rows, self.head.weight.shape[0]), np.float32)
+        return arrays, gemma4_pass.buffers(arrays)
 
 
 __all__ = ["Gemma4Decoder", "Gemma4Layer", "MODEL_TYPE", "PerLayerEmbeddings", "takes", "unsupported"]

@@ -23,6 +23,7 @@
 
 #include "decode_kernels.h"
 #include "decode_pass.h"
+#include "kv_rows.h"
 #include "thread_pool.h"
 
 /* decode_pass.c's struct mlxcel_kv, as Python's table lays it out (decode_pass.KV_FIELDS, sequence_kv.py):
@@ -54,7 +55,13 @@ struct mlxcel_gemma4_layer {
     const struct mlxcel_block_weight *gate_up_exps, *down_exps;
     const float *mlp_out_1, *moe_in, *moe_out;
     int n_expert, top_k, expert_rows;
+    int ring_slot; /* a sliding layer's prompt-chunk layout kept for the KV-sharing layers that read it (1 + its
+                    * index), or 0; a sharing layer names its source's */
 };
+
+/* Sliding layers whose prompt-chunk layout a KV-sharing layer reads (one a kind in mlx-lm's
+ * wiring), times the segments of a pass. */
+#define MLXCEL_GEMMA4_KEPT_MAX 64
 
 struct mlxcel_gemma4 {
     int n_layers, hidden, ple_dim; /* ple_dim 0: no per-layer embeddings */
@@ -68,6 +75,7 @@ struct mlxcel_gemma4 {
     float ple_proj_scale, ple_input_scale;
     const float *norm;
     struct mlxcel_linear head;
+    int prompt_rows_min; /* the fewest rows of a prompt chunk the prompt products take (cpu_decode.PROMPT_ROWS_MIN) */
 };
 
 /* A pass's activations, rows contiguous. ple holds on entry each row's per-layer embedding rows
@@ -80,9 +88,9 @@ struct mlxcel_gemma4_buffers {
 /* The per-layer inputs, in mlx-lm's order: (norm(P(x) * proj_scale) + ple) * input_scale, the norm
  * over each layer's slice; x is the scaled embedding. */
 static void per_layer_inputs(const struct mlxcel_gemma4 *m, const struct mlxcel_gemma4_buffers *b, int rows,
-                             const double *scales, int n_adapters) {
+                             int tiles, const double *scales, int n_adapters) {
     size_t n = (size_t)rows * m->n_layers * m->ple_dim;
-    mlxcel_pass_product(&m->ple_model_proj, rows, b->x, b->ple_proj, 0.0f, 0, scales, n_adapters);
+    mlxcel_pass_product(&m->ple_model_proj, rows, b->x, b->ple_proj, 0.0f, tiles, scales, n_adapters);
     for (size_t j = 0; j < n; j++) b->ple_proj[j] *= m->ple_proj_scale;
     mlxcel_rms_norm(b->ple_proj, m->ple_proj_norm, b->ple_proj, rows * m->n_layers, m->ple_dim, m->eps);
     for (size_t j = 0; j < n; j++) b->ple[j] = (b->ple_proj[j] + b->ple[j]) * m->ple_input_scale;
@@ -112,7 +120,7 @@ static void top_k(const float *l, int n, int k, int32_t *chosen) {
  * in one grouped product from rms_norm(x, moe_in), gelu_tanh(gate) * up, down, the weighted sum.
  * Returns 0, or -1 where the grouped product refused the stacks. */
 static int experts(const struct mlxcel_gemma4 *m, const struct mlxcel_gemma4_layer *L, const float *x, float *out,
-                   int rows, const double *scales, int n_adapters) {
+                   int rows, int tiles, const double *scales, int n_adapters) {
     int hidden = m->hidden, n = L->n_expert, k = L->top_k, inter = L->expert_rows, pairs = rows * k;
     float *normed = gemma4_buffer(0, sizeof(float) * (size_t)rows * hidden);
     float *logits = gemma4_buffer(1, sizeof(float) * (size_t)rows * n);
@@ -123,7 +131,7 @@ static int experts(const struct mlxcel_gemma4 *m, const struct mlxcel_gemma4_lay
     float *gu = gemma4_buffer(7, sizeof(float) * (size_t)pairs * 2 * inter);
     float *down = gemma4_buffer(8, sizeof(float) * (size_t)pairs * (hidden > 2 * inter ? hidden : 2 * inter));
     mlxcel_rms_norm(x, L->router_norm, normed, rows, hidden, m->eps);
-    mlxcel_pass_product(&L->router, rows, normed, logits, 0.0f, 0, scales, n_adapters);
+    mlxcel_pass_product(&L->router, rows, normed, logits, 0.0f, tiles, scales, n_adapters);
     for (int r = 0; r < rows; r++) { /* softmax over the chosen k, times each one's scale */
         int32_t *c = chosen + (size_t)r * k;
         float *w = weight + (size_t)r * k, *l = logits + (size_t)r * n;
@@ -176,79 +184,134 @@ static int experts(const struct mlxcel_gemma4 *m, const struct mlxcel_gemma4_lay
     return 0;
 }
 
-/* One decode pass of `rows` rows, each its own position and cache (kv: rows x layers, a KV-sharing
- * layer's entry its source's; angles: rows x 2 angle sets x (cos, sin)). b->x holds the rows'
- * embeddings times sqrt(hidden). Returns 0, or 1 + the layer whose attention did not fit, or -(1 + the
- * layer) whose expert stacks the grouped product refused. */
-int mlxcel_gemma4_pass(const struct mlxcel_gemma4 *m, const struct mlxcel_gemma4_buffers *b, int rows, int head,
-                       const struct gemma4_kv *kv, const float *const *angles, const double *scales,
-                       int n_adapters) {
-    int hidden = m->hidden, W = m->kv_width, P = m->ple_dim, nl = m->n_layers;
-    if (P) per_layer_inputs(m, b, rows, scales, n_adapters);
+/* Per-thread scratch of the sliding layers' prompt chunks: [0] a layer's, used at once; then one per
+ * (kept layer, segment) whose layout a KV-sharing layer reads again later in the pass. */
+static __thread struct mlxcel_scratch ring_scratch[1 + MLXCEL_GEMMA4_KEPT_MAX];
+
+/* A prompt chunk's attention on a sliding layer's ring, as decode_pass.c's ring_chunk lays it out:
+ * the ring's newest min(window - 1, n) slots in order, then the chunk's rows, in the scratch `k`
+ * (mlx-lm's _update_concat); the windowed chunk attention over it; then (unless `shared`: the
+ * source layer did it, and the ring holds its result) the newest min(window, kept + rows) slots
+ * back into the ring in order from slot 0. A KV-sharing layer passes its source's scratch, so it
+ * attends over exactly what the source attended over. Returns 0, or -1. */
+static int ring_chunk(const struct gemma4_kv *s, const float *q, const float *kn, const float *vn, float *att,
+                      int rows, int hk, int group, int d, float scale, int k_type, int v_type,
+                      struct mlxcel_scratch *scratch, int shared) {
+    int w = (int)s->window, cap = (int)s->capacity, n = (int)s->n, kept = n < w - 1 ? n : w - 1, total = kept + rows;
+    int back = total < w ? total : w;
+    if (cap > w || back > cap || n > cap || s->write < 0 || s->write >= cap) return -1;
+    size_t kb = kv_row_bytes(k_type, d), vb = kv_row_bytes(v_type, d);
+    char *k = mlxcel_scratch(scratch, (kb + vb) * hk * total), *v = k + kb * hk * total;
+    const char *keys = s->keys, *values = s->values;
+    if (!shared)
+        for (int h = 0; h < hk; h++)
+            for (int t = 0; t < kept; t++) {
+                size_t slot = (size_t)((s->write - kept + t + cap) % cap);
+                memcpy(k + ((size_t)h * total + t) * kb, keys + ((size_t)h * cap + slot) * kb, kb);
+                memcpy(v + ((size_t)h * total + t) * vb, values + ((size_t)h * cap + slot) * vb, vb);
+            }
+    if (mlxcel_chunk_attention_window(q, kn, vn, k, v, att, rows, hk, group, d, kept, total, scale, k_type, v_type, w,
+                                      NULL))
+        return -1;
+    if (!shared)
+        for (int h = 0; h < hk; h++) {
+            memcpy((char *)s->keys + (size_t)h * cap * kb, k + ((size_t)h * total + total - back) * kb, kb * back);
+            memcpy((char *)s->values + (size_t)h * cap * vb, v + ((size_t)h * total + total - back) * vb, vb * back);
+        }
+    return 0;
+}
+
+/* One forward pass of `rows` rows: each its own position and cache (kv: rows x layers, a
+ * KV-sharing layer's entry its source's; angles: rows x 2 angle sets x (cos, sin)), or, given
+ * `segments`, prompt chunks: segment j is rows segments[j] .. segments[j + 1] - 1, consecutive
+ * positions of one sequence (kv and angles per segment, the angles every row's), attended in one
+ * call a layer and segment; the logits are then the last row's only (one segment). b->x holds the
+ * rows' embeddings times sqrt(hidden). Returns 0, or 1 + the layer whose attention did not fit, or
+ * -(1 + the layer) whose expert stacks the grouped product refused. */
+int mlxcel_gemma4_pass(const struct mlxcel_gemma4 *m, const struct mlxcel_gemma4_buffers *b, int rows,
+                       const int *segments, int n_segments, int head, const struct gemma4_kv *kv,
+                       const float *const *angles, const double *scales, int n_adapters) {
+    int hidden = m->hidden, W = m->kv_width, P = m->ple_dim, nl = m->n_layers, chunk = segments != NULL;
+    /* prompt products for chunks of prompt_rows_min rows or more (decode_pass.c's rule: a chunk's
+     * KV is the same alone or batched) */
+    int tiles = chunk && rows > 1;
+    for (int j = 0; chunk && j < n_segments; j++) tiles &= segments[j + 1] - segments[j] >= m->prompt_rows_min;
+    int kept = 0; /* the kept ring layouts a segment needs (gemma4_pass.KEPT_MAX: Python passes few enough segments) */
+    for (int i = 0; i < nl; i++) kept = m->layers[i].ring_slot > kept ? m->layers[i].ring_slot : kept;
+    if (chunk && kept * n_segments > MLXCEL_GEMMA4_KEPT_MAX) return nl + 1;
+    if (P) per_layer_inputs(m, b, rows, tiles, scales, n_adapters);
     for (int i = 0; i < nl; i++) {
         const struct mlxcel_gemma4_layer *L = &m->layers[i];
         int hq = L->heads, hk = L->kv_heads, d = L->head_dim, group = hq / hk;
         mlxcel_rms_norm(b->x, L->n_in, b->h, rows, hidden, m->eps);
+        /* the new keys and values, rows of kv_heads * d, in the region of the layer that made them */
         float *kn = b->kv_rows + (size_t)L->source * rows * 2 * W, *vn = kn + (size_t)rows * W;
         if (L->k.n) {
             const struct mlxcel_linear *qkv[3] = {&L->q, &L->k, &L->v};
             float *outs[3] = {b->q, kn, vn};
-            mlxcel_pass_products(L->v.n ? 3 : 2, qkv, rows, b->h, outs, 0, scales, n_adapters);
-            /* rows of kv_heads * d, laid out at kv_width apart */
-            if (W != hk * d)
-                for (int r = rows - 1; r > 0; r--) memmove(kn + (size_t)r * W, kn + (size_t)r * hk * d, sizeof(float) * hk * d);
-            if (L->v.n && W != hk * d)
-                for (int r = rows - 1; r > 0; r--) memmove(vn + (size_t)r * W, vn + (size_t)r * hk * d, sizeof(float) * hk * d);
-            if (!L->v.n) memcpy(vn, kn, sizeof(float) * (size_t)rows * W); /* attention_k_eq_v: before k_norm */
-            for (int r = 0; r < rows; r++) {
-                mlxcel_rms_norm(kn + (size_t)r * W, L->k_norm, kn + (size_t)r * W, hk, d, m->eps);
-                mlxcel_rms_norm(vn + (size_t)r * W, L->v_norm, vn + (size_t)r * W, hk, d, m->eps);
-            }
+            mlxcel_pass_products(L->v.n ? 3 : 2, qkv, rows, b->h, outs, tiles, scales, n_adapters);
+            if (!L->v.n) memcpy(vn, kn, sizeof(float) * (size_t)rows * hk * d); /* attention_k_eq_v: before k_norm */
+            mlxcel_rms_norm(kn, L->k_norm, kn, rows * hk, d, m->eps);
+            mlxcel_rms_norm(vn, L->v_norm, vn, rows * hk, d, m->eps);
         } else {
-            mlxcel_pass_product(&L->q, rows, b->h, b->q, 0.0f, 0, scales, n_adapters);
+            mlxcel_pass_product(&L->q, rows, b->h, b->q, 0.0f, tiles, scales, n_adapters);
         }
         mlxcel_rms_norm(b->q, L->q_norm, b->q, rows * hq, d, m->eps);
         int trad = m->traditional[L->rope];
-        for (int r = 0; r < rows; r++) {
-            const float *const *a = angles + (size_t)r * 4;
+        for (int j = 0; j < (chunk ? n_segments : rows); j++) {
+            int r0 = chunk ? segments[j] : j, n = chunk ? segments[j + 1] - r0 : 1;
+            const float *const *a = angles + (size_t)j * 4;
             const float *cos = a[2 * L->rope], *sin = a[2 * L->rope + 1];
-            float *q = b->q + (size_t)r * hq * d, *kr = kn + (size_t)r * W, *vr = vn + (size_t)r * W;
-            mlxcel_rope(q, hq, d, cos, sin, trad);
-            if (L->k.n) mlxcel_rope(kr, hk, d, cos, sin, trad);
-            const struct gemma4_kv *s = &kv[(size_t)r * nl + i];
-            if (mlxcel_decode_attention_at(q, kr, vr, s->keys, s->values, b->att + (size_t)r * hq * d, hk, group, d,
-                                           (int)s->write, (int)s->n, s->capacity, m->scale, m->k_type, m->v_type))
-                return i + 1;
+            float *q = b->q + (size_t)r0 * hq * d, *kr = kn + (size_t)r0 * hk * d, *vr = vn + (size_t)r0 * hk * d;
+            float *att = b->att + (size_t)r0 * hq * d;
+            mlxcel_rope_rows(q, n, hq, d, cos, sin, trad);
+            if (L->k.n) mlxcel_rope_rows(kr, n, hk, d, cos, sin, trad);
+            const struct gemma4_kv *s = &kv[(size_t)j * nl + i];
+            int failed;
+            if (!chunk)
+                failed = mlxcel_decode_attention_at(q, kr, vr, s->keys, s->values, att, hk, group, d, (int)s->write,
+                                                    (int)s->n, s->capacity, m->scale, m->k_type, m->v_type);
+            else if (s->window)
+                failed = ring_chunk(s, q, kr, vr, att, n, hk, group, d, m->scale, m->k_type, m->v_type,
+                                    &ring_scratch[L->ring_slot ? 1 + (L->ring_slot - 1) * n_segments + j : 0],
+                                    !L->k.n);
+            else
+                failed = mlxcel_chunk_attention(q, kr, vr, s->keys, s->values, att, n, hk, group, d, (int)s->write,
+                                                s->capacity, m->scale, m->k_type, m->v_type);
+            if (failed) return i + 1;
         }
-        mlxcel_pass_product(&L->o, rows, b->att, b->branch, 0.0f, 0, scales, n_adapters);
+        mlxcel_pass_product(&L->o, rows, b->att, b->branch, 0.0f, tiles, scales, n_adapters);
         mlxcel_rms_norm_add(b->branch, L->attn_out, b->x, rows, hidden, m->eps);
         mlxcel_rms_norm(b->x, L->mlp_in, b->h, rows, hidden, m->eps);
         int ffn = L->gate.n;
         const struct mlxcel_linear *gate_up[2] = {&L->gate, &L->up};
         float *gate_up_out[2] = {b->gate, b->up};
-        mlxcel_pass_products(2, gate_up, rows, b->h, gate_up_out, 0, scales, n_adapters);
+        mlxcel_pass_products(2, gate_up, rows, b->h, gate_up_out, tiles, scales, n_adapters);
         mlxcel_gelu_tanh_gate(b->gate, b->up, rows * ffn);
-        mlxcel_pass_product(&L->down, rows, b->gate, b->branch, 0.0f, 0, scales, n_adapters);
+        mlxcel_pass_product(&L->down, rows, b->gate, b->branch, 0.0f, tiles, scales, n_adapters);
         if (L->n_expert) { /* branch = norm_1(MLP) + norm_2(experts), both from the same residual */
             float *e = b->h; /* the MLP's input is spent */
-            if (experts(m, L, b->x, e, rows, scales, n_adapters)) return -(i + 1);
+            if (experts(m, L, b->x, e, rows, tiles, scales, n_adapters)) return -(i + 1);
             mlxcel_rms_norm(b->branch, L->mlp_out_1, b->branch, rows, hidden, m->eps);
             mlxcel_rms_norm(e, L->moe_out, e, rows, hidden, m->eps);
-            for (size_t j = 0; j < (size_t)rows * hidden; j++) b->branch[j] = b->branch[j] + e[j];
+            for (size_t t = 0; t < (size_t)rows * hidden; t++) b->branch[t] = b->branch[t] + e[t];
         }
         mlxcel_rms_norm_add(b->branch, L->mlp_out, b->x, rows, hidden, m->eps);
         if (P && L->ple_gate.n) {
-            mlxcel_pass_product(&L->ple_gate, rows, b->x, b->ple_gate, 0.0f, 0, scales, n_adapters);
+            mlxcel_pass_product(&L->ple_gate, rows, b->x, b->ple_gate, 0.0f, tiles, scales, n_adapters);
             for (int r = 0; r < rows; r++)
                 memcpy(b->ple_in + (size_t)r * P, b->ple + ((size_t)r * nl + i) * P, sizeof(float) * P);
             mlxcel_gelu_tanh_gate(b->ple_gate, b->ple_in, rows * P);
-            mlxcel_pass_product(&L->ple_proj, rows, b->ple_gate, b->branch, 0.0f, 0, scales, n_adapters);
+            mlxcel_pass_product(&L->ple_proj, rows, b->ple_gate, b->branch, 0.0f, tiles, scales, n_adapters);
             mlxcel_rms_norm_add(b->branch, L->ple_norm, b->x, rows, hidden, m->eps);
         }
-        for (size_t j = 0; j < (size_t)rows * hidden; j++) b->x[j] *= L->layer_scalar;
+        for (size_t t = 0; t < (size_t)rows * hidden; t++) b->x[t] *= L->layer_scalar;
     }
     if (!head) return 0;
-    mlxcel_rms_norm(b->x, m->norm, b->h, rows, hidden, m->eps);
-    mlxcel_pass_product(&m->head, rows, b->h, b->logits, 0.0f, 0, scales, n_adapters);
+    const float *last = chunk ? b->x + (size_t)(rows - 1) * hidden : b->x; /* a chunk: its last row's logits */
+    int out_rows = chunk ? 1 : rows;
+    mlxcel_rms_norm(last, m->norm, b->h, out_rows, hidden, m->eps);
+    mlxcel_pass_product(&m->head, out_rows, b->h, b->logits, 0.0f, 0,
+                        scales && chunk ? scales + (size_t)(rows - 1) * n_adapters : scales, n_adapters);
     return 0;
 }

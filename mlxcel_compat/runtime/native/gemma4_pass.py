@@ -20,6 +20,9 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down", "ple_gate", "ple_proj")
 NORMS = ("n_in", "attn_out", "mlp_in", "mlp_out", "q_norm", "k_norm", "v_norm", "ple_norm")
+# Sliding layers' prompt-chunk layouts a pass keeps for the KV-sharing layers, times its segments
+# (MLXCEL_GEMMA4_KEPT_MAX): the decoder passes no more segments than that allows.
+KEPT_MAX = 64
 EXPERT_POINTERS = ("router_norm", "expert_scale", "gate_up_exps", "down_exps", "mlp_out_1", "moe_in", "moe_out")
 BUFFER_NAMES = ("x", "h", "branch", "q", "kv_rows", "att", "gate", "up", "logits", "ple", "ple_proj", "ple_gate",
                 "ple_in")
@@ -29,14 +32,14 @@ class Gemma4LayerStruct(ctypes.Structure):
     _fields_ = [*((name, LinearStruct) for name in LINEARS), *((name, _P) for name in NORMS),
                 *((name, _I) for name in ("heads", "kv_heads", "head_dim", "rope", "source")), ("layer_scalar", _F),
                 ("router", LinearStruct), *((name, _P) for name in EXPERT_POINTERS),
-                *((name, _I) for name in ("n_expert", "top_k", "expert_rows"))]
+                *((name, _I) for name in ("n_expert", "top_k", "expert_rows", "ring_slot"))]
 
 
 class Gemma4Struct(ctypes.Structure):
     _fields_ = [("n_layers", _I), ("hidden", _I), ("ple_dim", _I), ("eps", _F), ("scale", _F), ("k_type", _I),
                 ("v_type", _I), ("traditional", _I * 2), ("kv_width", _I), ("layers", _P),
                 ("ple_model_proj", LinearStruct), ("ple_proj_norm", _P), ("ple_proj_scale", _F),
-                ("ple_input_scale", _F), ("norm", _P), ("head", LinearStruct)]
+                ("ple_input_scale", _F), ("norm", _P), ("head", LinearStruct), ("prompt_rows_min", _I)]
 
 
 @dataclass(eq=False)
@@ -47,10 +50,14 @@ class Gemma4Native:
     keep: list[Any]  # the ctypes arrays the structure points into
     fn: Any  # mlxcel_gemma4_pass
 
-    def run(self, buffers: Any, rows: int, head: bool, kv: np.ndarray, angles: np.ndarray,
-            scales: np.ndarray | None) -> int:
-        """One pass; 0, or 1 + the layer whose attention did not fit its cache."""
-        return self.fn(ctypes.addressof(self.struct), ctypes.addressof(buffers), rows, int(head), kv.ctypes.data,
+    def run(self, buffers: Any, rows: int, segments: np.ndarray | None, head: bool, kv: np.ndarray,
+            angles: np.ndarray, scales: np.ndarray | None) -> int:
+        """One pass; 0, or 1 + the layer whose attention did not fit its cache, or -(1 + the layer)
+        whose expert stacks the grouped product refused. ``segments``: int32 row offsets of prompt
+        chunks (one more than there are chunks), or None for decode rows."""
+        return self.fn(ctypes.addressof(self.struct), ctypes.addressof(buffers), rows,
+                       segments.ctypes.data if segments is not None else None,
+                       len(segments) - 1 if segments is not None else 0, int(head), kv.ctypes.data,
                        angles.ctypes.data, scales.ctypes.data if scales is not None else None,
                        scales.shape[1] if scales is not None else 0)
 
@@ -74,7 +81,7 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> Gemma4Native:
         for name in NORMS:
             setattr(s, name, _ptr(getattr(layer, name)))
         s.heads, s.kv_heads, s.head_dim = layer.heads, layer.kv_heads, layer.head_dim
-        s.rope, s.source, s.layer_scalar = layer.rope, layer.source, layer.layer_scalar
+        s.rope, s.source, s.layer_scalar, s.ring_slot = layer.rope, layer.source, layer.layer_scalar, layer.ring_slot
         experts = layer.experts
         if experts is not None:
             s.router = describe_linear(experts.router, keep)
@@ -91,11 +98,11 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> Gemma4Native:
         ple_model_proj=describe_linear(ple.model_proj if ple else None, keep),
         ple_proj_norm=_ptr(ple.proj_norm) if ple else None, ple_proj_scale=ple.proj_scale if ple else 0.0,
         ple_input_scale=ple.input_scale if ple else 0.0, norm=_ptr(decoder.norm),
-        head=describe_linear(decoder.head, keep))
+        head=describe_linear(decoder.head, keep), prompt_rows_min=decoder.prompt_rows_min)
     fn = lib.mlxcel_gemma4_pass  # the GIL released during the call (ctypes.CDLL's functions)
     fn.restype = _I
-    fn.argtypes = [_P, _P, _I, _I, _P, _P, _P, _I]
+    fn.argtypes = [_P, _P, _I, _P, _I, _I, _P, _P, _P, _I]
     return Gemma4Native(struct, keep, fn)
 
 
-__all__ = ["BUFFER_NAMES", "Gemma4Native", "Gemma4LayerStruct", "Gemma4Struct", "buffers", "describe"]
+__all__ = ["BUFFER_NAMES", "KEPT_MAX", "Gemma4Native", "Gemma4LayerStruct", "Gemma4Struct", "buffers", "describe"]
