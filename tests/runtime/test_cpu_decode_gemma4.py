@@ -13,6 +13,10 @@
   attention, the experts' weighted sum: ~1e-7) moves an activation across a rounding boundary of
   that quantization: then up to BLOCK_RTOL, as for every block family (test_cpu_decode.py).
 - Rows stepped together are bit-identical to each row stepped alone (both layouts).
+- Cold prompt chunks (split inside the window, across it, into short and long chunks) leave the
+  KV MLX's prefill of the same chunks leaves (the sharing layers attend over their source's ring
+  layout), the last row's logits MLX's, and steps follow from there; several sequences' chunks in
+  one pass leave what each leaves alone (to float32 rounding: the GEMM's blocking follows the rows).
 - Through the engine on each GGUF: the runtime steps, and a prompt-cache (session snapshot) hit
   gives the tokens and log-probabilities of a cold run.
 - What it does not take says why: the MoE directory's float32 experts, paged and odd caches.
@@ -25,6 +29,7 @@ import random
 
 import numpy as np
 import pytest
+import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from mlxcel_compat.model.loader import load_model
@@ -33,7 +38,7 @@ from mlxcel_compat.runtime.decode_gemma4 import Gemma4Decoder
 from mlxcel_compat.testing.gguf_writer import ensure_gguf
 from tests.conftest import MODEL_CACHE, tiny_model
 from tests.engine.harness import EngineHarness
-from tests.runtime.step_checks import assert_rows_together_equal_rows_alone, mlx_logits, prefilled
+from tests.runtime.step_checks import assert_rows_together_equal_rows_alone, ids, mlx_logits, prefilled
 
 LOGITS_RTOL = 1e-4  # float32 weights: measured 6e-6 (summation order, the polynomial 2 ** x)
 BLOCK_RTOL = 0.06  # blocks, a step where one activation rounds to the next 8-bit step (test_cpu_decode.py)
@@ -148,7 +153,8 @@ def test_what_it_does_not_take_says_why(dense: tuple) -> None:
     assert decoder.can_run(cache, owned)
     assert not decoder.can_run(cache[:2], owned)  # not the model's cache
     assert not decoder.can_run([KVCache() for _ in cache], owned)  # empty: MLX prefills
-    assert not decoder.can_prefill(make_prompt_cache(model), owned) and not decoder.can_step_tokens(cache, owned)
+    assert not decoder.can_step_tokens(cache, owned)  # rings take one token a step
+    assert not decoder.can_prefill(cache[:2], owned)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         decoder.step(10 ** 7, cache, owned)
     assert cache[0].offset == 10
@@ -157,7 +163,8 @@ def test_what_it_does_not_take_says_why(dense: tuple) -> None:
 @pytest.mark.parametrize("family", ["gemma4_text", pytest.param("gemma4_text_moe", marks=pytest.mark.slow)])
 def test_engine_steps_on_the_runtime_and_a_cache_hit_equals_a_cold_run(family: str) -> None:
     """The q8_0 file through the engine: a session snapshot's hit (the prompt's first 100 tokens)
-    and a cold run give the same greedy tokens and top log-probabilities, both stepped here."""
+    and a cold run give the same greedy tokens and top log-probabilities, both prefilled and
+    stepped here."""
     rng = random.Random(7)
     history = [rng.randrange(8000) for _ in range(100)]
     first, second = history + [rng.randrange(8000) for _ in range(12)], history + [rng.randrange(8000) for _ in range(15)]
@@ -171,8 +178,63 @@ def test_engine_steps_on_the_runtime_and_a_cache_hit_equals_a_cold_run(family: s
         before = decoder.steps
         cold = h.run(second, n_predict=24, n_probs=2, ignore_eos=True, cache=False)
         assert decoder.steps - before == 24  # the prompt's last token (its tail), then every token but the last
+        assert decoder.prefilled >= len(second)  # the prompts' chunks went through the runtime too
     finally:
         h.close()
     assert len(warm.tokens) == 24 and warm.tokens == cold.tokens
     for a, b in zip(warm.logprobs, cold.logprobs):
         assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+
+def _newest(c: object) -> tuple[np.ndarray, np.ndarray]:
+    """A layer's keys and values in position order: a ring's newest (as many as both rings hold)."""
+    if isinstance(c, RotatingKVCache):
+        return np.array(c._temporal_order(c.keys)), np.array(c._temporal_order(c.values))
+    return np.array(c.keys[..., :c.offset, :]), np.array(c.values[..., :c.offset, :])
+
+
+def _assert_same_kv(ours: list, theirs: list, rtol: float) -> None:
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert type(a) is type(b) and a.offset == b.offset, i
+        for x, y in zip(_newest(a), _newest(b)):
+            n = min(x.shape[2], y.shape[2], a.offset)  # MLX's chunk leaves a ring window - 1 + rows long
+            assert n == min(a.offset, a.max_size if isinstance(a, RotatingKVCache) else a.offset)
+            assert _close(x[:, :, x.shape[2] - n:], y[:, :, y.shape[2] - n:], rtol), i
+
+
+@pytest.mark.parametrize("splits", [[70], [40, 30], [64, 64, 10], [20, 100, 7, 90]])
+@pytest.mark.parametrize("family", [None, "gemma4_text_moe"])
+def test_cold_prompt_chunks_leave_mlx_s_kv_and_steps_follow(splits: list[int], family: str | None, dense: tuple) -> None:
+    model, decoder = dense if family is None else _gguf(family)
+    rtol = LOGITS_RTOL if family is None else BLOCK_RTOL
+    tokens = ids(sum(splits))
+    ours, theirs = make_prompt_cache(model), make_prompt_cache(model)
+    owned = decode_kv.OwnedCache()
+    first = 0
+    before = decoder.prefilled
+    for n in splits:
+        assert decoder.can_prefill(ours, owned)
+        got = decoder.prefill(tokens[first:first + n], ours, owned).copy()
+        want = np.array(model(mx.array([tokens[first:first + n]]), cache=theirs)[0, -1])
+        assert _close(got, want, rtol), n
+        first += n
+    assert decoder.prefilled - before == sum(n for n in splits if n > 1)
+    _assert_same_kv(ours, theirs, rtol)
+    token = 11
+    for step in range(5):
+        got, want = decoder.step(token, ours, owned).copy(), mlx_logits(model, token, theirs)
+        assert _close(got, want, rtol), step
+        token = int(want.argmax())
+
+
+def test_chunks_of_several_sequences_in_one_pass_equal_each_alone(dense: tuple) -> None:
+    model, decoder = dense
+    chunks = [ids(30, seed) for seed in range(3)]
+    together = [make_prompt_cache(model)] + [prefilled(model, n) for n in (20, 90)]  # cold, inside the window, past it
+    alone = copy.deepcopy(together)
+    decoder.prefill_rows(chunks, together, [decode_kv.OwnedCache() for _ in together])
+    for chunk, cache in zip(chunks, alone):
+        decoder.prefill(chunk, cache, decode_kv.OwnedCache(), logits=False)
+    assert [c[0].offset for c in together] == [30, 50, 120]
+    for a, b in zip(together, alone):  # float32 GEMMs block by the row count: to float32 rounding
+        _assert_same_kv(a, b, LOGITS_RTOL)
