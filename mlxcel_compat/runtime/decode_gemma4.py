@@ -20,11 +20,16 @@ What it shares with the other families: the KV bookkeeping (``decode_kv.KvLayout
 the sequence and leaves each ``KVCache`` and ``RotatingKVCache`` as mlx-lm's update would), the
 weights as they are held (``decode_layers``: float32 buffers or ggml's blocks), the kernels.
 
-What it does not take yet (MLX's step or prefill does, and the caller asks first: ``can_run``,
-``can_prefill``, ``can_step_tokens``): prompt chunks (MLX prefills the prompt; the steps after
-it run here), several tokens of one sequence in one pass (speculative drafts), prompt-cache hits
-on shared KV blocks (``PagedKVCache`` layers: their own buffers would need the layers' two
-shapes), and experts that are not the GGUF loader's block stacks (:func:`unsupported` says so).
+Prompt chunks: every row of a chunk (or of several sequences' chunks) through each weight at once,
+the full layers' causal chunk attention, the sliding layers' rings laid out as mlx-lm's chunk lays
+them out (``ring_chunks``, one KV layout a kind of layer), the KV-sharing layers over their sliding
+source's kept layout (``ring_slot``).
+
+What it does not take (MLX does, and the caller asks first: ``can_run``, ``can_prefill``,
+``can_step_tokens``): several tokens of one sequence in one pass (speculative drafts: rings take
+one token a step), prompt-cache hits on shared KV blocks (``PagedKVCache`` layers: their own
+buffers would need the layers' two shapes), and experts that are not the GGUF loader's block
+stacks (:func:`unsupported` says so).
 """
 
 from __future__ import annotations
