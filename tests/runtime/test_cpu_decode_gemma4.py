@@ -19,7 +19,7 @@
   one pass leave what each leaves alone (to float32 rounding: the GEMM's blocking follows the rows).
 - Through the engine on each GGUF: the runtime steps, and a prompt-cache (session snapshot) hit
   gives the tokens and log-probabilities of a cold run.
-- What it does not take says why: the MoE directory's float32 experts, paged and odd caches.
+- What it does not take says why: the MoE directory's float32 experts, odd caches.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def test_block_files_follow_mlx_teacher_forced(family: str, gguf_type: str) -> N
         theirs = copy.deepcopy(ours)
         owned = decode_kv.OwnedCache()
         token = 11
-        for step in range(30):
+        for step in range(20):
             assert decoder.can_run(ours, owned)
             got = decoder.step(token, ours, owned).copy()
             want = mlx_logits(model, token, theirs)
@@ -130,7 +130,7 @@ def test_block_files_follow_mlx_teacher_forced(family: str, gguf_type: str) -> N
             total += 1
             token = int(want.argmax())
     print(f"{family} {gguf_type}: {exact} of {total} steps bit-identical to MLX's")
-    assert exact >= total - 3  # measured 59-60 of 60; a runtime that multiplied differently would have none
+    assert exact >= total - 2  # measured 59-60 of 60 over 30 steps; a runtime that multiplied differently has none
 
 
 @pytest.mark.parametrize("family", [None, "gemma4_text_moe"])
@@ -143,10 +143,15 @@ def test_rows_stepped_together_are_bit_identical_to_rows_alone(family: str | Non
     assert [c[0].offset for c in together] == [26, 76, 106]
 
 
-def test_what_it_does_not_take_says_why(dense: tuple) -> None:
+@pytest.mark.slow
+def test_the_moe_directory_keeps_mlx_and_says_why() -> None:
+    """Its experts are float32 (mlx-lm's SwitchGLU), not the GGUF loader's block stacks."""
     moe_dir = load_model(str(tiny_model("gemma4_text_moe")), [])
     assert moe_dir.decoder is None
     assert "experts not in ggml's blocks" in cpu_decode.unsupported(moe_dir.model)
+
+
+def test_caches_it_does_not_take(dense: tuple) -> None:
     model, decoder = dense
     owned = decode_kv.OwnedCache()
     cache = prefilled(model, 10)
@@ -202,9 +207,12 @@ def _assert_same_kv(ours: list, theirs: list, rtol: float) -> None:
             assert _close(x[:, :, x.shape[2] - n:], y[:, :, y.shape[2] - n:], rtol), i
 
 
-@pytest.mark.parametrize("splits", [[70], [40, 30], [64, 64, 10], [20, 100, 7, 90]])
-@pytest.mark.parametrize("family", [None, "gemma4_text_moe"])
-def test_cold_prompt_chunks_leave_mlx_s_kv_and_steps_follow(splits: list[int], family: str | None, dense: tuple) -> None:
+@pytest.mark.parametrize("family,splits", [
+    (None, [40, 30]), (None, [20, 100, 7, 90]), ("gemma4_text_moe", [64, 64, 10]),
+    *(pytest.param(family, splits, marks=pytest.mark.slow) for family, splits in (
+        (None, [70]), (None, [64, 64, 10]), ("gemma4_text_moe", [70]), ("gemma4_text_moe", [40, 30]),
+        ("gemma4_text_moe", [20, 100, 7, 90])))])
+def test_cold_prompt_chunks_leave_mlx_s_kv_and_steps_follow(family: str | None, splits: list[int], dense: tuple) -> None:
     model, decoder = dense if family is None else _gguf(family)
     rtol = LOGITS_RTOL if family is None else BLOCK_RTOL
     tokens = ids(sum(splits))
