@@ -19,6 +19,7 @@
   one pass leave what each leaves alone (to float32 rounding: the GEMM's blocking follows the rows).
 - Through the engine on each GGUF: the runtime steps, and a prompt-cache (session snapshot) hit
   gives the tokens and log-probabilities of a cold run.
+- f16 KV (slow): a cold chunk and steps over f16 caches follow MLX.
 - What it does not take says why: the MoE directory's float32 experts, odd caches.
 """
 
@@ -246,3 +247,29 @@ def test_chunks_of_several_sequences_in_one_pass_equal_each_alone(dense: tuple) 
     assert [c[0].offset for c in together] == [30, 50, 120]
     for a, b in zip(together, alone):  # float32 GEMMs block by the row count: to float32 rounding
         _assert_same_kv(a, b, LOGITS_RTOL)
+
+
+@pytest.mark.slow
+def test_f16_kv_chunks_and_steps_follow_mlx() -> None:
+    """-ctk/-ctv f16: the caches hold f16 rows (a KV-sharing layer's rewrite of its source's rows
+    rounds them the same), a cold chunk and 20 steps within F16_RTOL of MLX's over the same f16
+    caches (measured 5e-4: each side rounds its own float32 rows to f16)."""
+    from mlxcel_compat.model.load_options import LoadOptions
+    from mlxcel_compat.runtime.kv_precision import KvTypes
+
+    f16_rtol = 5e-3
+    loaded = load_model(str(tiny_model("gemma4_text")), [], options=LoadOptions(kv_types=KvTypes("f16", "f16")))
+    model, decoder = loaded.model, loaded.decoder
+    assert isinstance(decoder, Gemma4Decoder) and decoder.kv.codes == (1, 1)
+    ours, theirs = make_prompt_cache(model), make_prompt_cache(model)
+    owned = decode_kv.OwnedCache()
+    tokens = ids(70)
+    got = decoder.prefill(tokens, ours, owned).copy()
+    assert _close(got, np.array(model(mx.array([tokens]), cache=theirs)[0, -1]), f16_rtol)
+    assert all(c.keys.dtype == mx.float16 for c in ours)
+    token = 11
+    for step in range(20):
+        assert decoder.can_run(ours, owned)
+        got, want = decoder.step(token, ours, owned).copy(), mlx_logits(model, token, theirs)
+        assert _close(got, want, f16_rtol), step
+        token = int(want.argmax())
