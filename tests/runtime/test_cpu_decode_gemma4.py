@@ -20,6 +20,7 @@
 - Through the engine on each GGUF: the runtime steps, and a prompt-cache (session snapshot) hit
   gives the tokens and log-probabilities of a cold run.
 - f16 KV (slow): a cold chunk and steps over f16 caches follow MLX.
+- f16 KV (slow row): a cold chunk and steps over f16 caches follow MLX's.
 - What it does not take says why: the MoE directory's float32 experts, odd caches.
 """
 
