@@ -35,6 +35,8 @@ head) and ``glm4`` (fused gate-up, four norms a layer, half of each head rotated
 (LayerNorms with biases, biases everywhere, an MLP without a gate: exact GELU), ``cohere2``
 (attention and MLP in parallel from one LayerNorm, sliding layers with RoPE and global ones
 without, logits times ``logit_scale``) and ``apertus`` (an MLP without a gate: xIELU).
+``gemma4_text`` (dense and with experts) has its own decoder and pass (``decode_gemma4.py``: per-layer
+head sizes, KV sharing, per-layer embeddings), which :func:`unsupported` asks.
 Anything else (MLX-quantized weights, other families, a llama with sliding layers) keeps MLX's
 step; ``cpu_decode.build`` says why.
 """
