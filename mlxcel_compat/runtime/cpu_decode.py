@@ -47,7 +47,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxcel_compat.runtime import decode_delta, decode_moe, kv_precision, ring_chunks
+from mlxcel_compat.runtime import decode_delta, decode_gemma4, decode_moe, kv_precision, ring_chunks
 from mlxcel_compat.runtime.block_layers import BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_families import (ACTIVATIONS, GEMMA_TYPES, MULTIPLIER_TYPES, PARALLEL_TYPES,
                                                    Q_TEMPERATURE_TYPES, attention_shape, head_module, layer_rope,
@@ -88,6 +88,8 @@ def build(model: Any, shim: Any) -> "CpuDecoder | str":
     reason = unsupported(model)
     if reason is not None:
         return reason
+    if decode_gemma4.takes(model):  # Gemma 4's own pass (per-layer head sizes, shared KV, PLE)
+        return decode_gemma4.Gemma4Decoder(model, shim.lib, logit_transform(model))
     return CpuDecoder(model, shim.lib)
 
 

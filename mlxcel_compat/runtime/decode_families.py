@@ -35,6 +35,8 @@ head) and ``glm4`` (fused gate-up, four norms a layer, half of each head rotated
 (LayerNorms with biases, biases everywhere, an MLP without a gate: exact GELU), ``cohere2``
 (attention and MLP in parallel from one LayerNorm, sliding layers with RoPE and global ones
 without, logits times ``logit_scale``) and ``apertus`` (an MLP without a gate: xIELU).
+``gemma4_text`` (dense and with experts) has its own decoder and pass (``decode_gemma4.py``: per-layer
+head sizes, KV sharing, per-layer embeddings), which :func:`unsupported` asks.
 Anything else (MLX-quantized weights, other families, a llama with sliding layers) keeps MLX's
 step; ``cpu_decode.build`` says why.
 """
@@ -47,14 +49,14 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel_compat.runtime import decode_delta, decode_moe
+from mlxcel_compat.runtime import decode_delta, decode_gemma4, decode_moe
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_layers import attention_heads, gemma_mlp, gemma_norm, head_dim, layer_mlp
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
                "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "granite", "seed_oss", "ernie4_5",
                "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3", "starcoder2",
-               "cohere2", "apertus", "ernie4_5_moe", "glm4_moe")
+               "cohere2", "apertus", "ernie4_5_moe", "glm4_moe", "gemma4_text")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "ernie4_5_moe",
@@ -91,7 +93,6 @@ GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, s
 MLX_LAYERS = {
     "granitemoehybrid": "Mamba-2 (recurrent) and mixture-of-experts layers",
     "nemotron_h": "Mamba-2 (recurrent) layers",
-    "gemma4_text": "Gemma 4 layers (per-layer embeddings, shared KV, experts, proportional RoPE)",
 }
 
 @dataclass(frozen=True)
@@ -149,6 +150,8 @@ def unsupported(model: Any) -> str | None:
     model_type = getattr(getattr(model, "args", None), "model_type", None)
     if model_type in MLX_LAYERS:
         return f"model type {model_type!r}: its {MLX_LAYERS[model_type]} run in MLX's step"
+    if model_type == decode_gemma4.MODEL_TYPE:  # its own decoder and pass (decode_gemma4.py)
+        return decode_gemma4.unsupported(model)
     if model_type not in MOE_TYPES and any(type(m).__name__ in EXPERT_MODULES for _, m in model.named_modules()):
         return (f"mixture-of-experts layers ({model_type}): their steps run in MLX, the experts' products on "
                 f"ggml's blocks where the file's are quantized")

@@ -151,6 +151,12 @@ def _linear(lin: Any, keep: list[Any]) -> LinearStruct:
     return s
 
 
+def describe_linear(lin: Any, keep: list[Any]) -> LinearStruct:
+    """``struct mlxcel_linear`` of a ``decode_layers.LinearWeights`` (or None: n = 0), for the
+    passes of other files (Gemma 4's: gemma4_pass.py); its adapters kept alive in ``keep``."""
+    return _linear(lin, keep)
+
+
 def _moe(moe: Any, keep: list[Any]) -> int:
     """``struct mlxcel_moe`` of a ``decode_moe.MoeWeights`` (kept alive in ``keep``), its address;
     0 for None."""
