@@ -46,18 +46,18 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel_compat.runtime import decode_delta, decode_moe
+from mlxcel_compat.runtime import decode_delta, decode_mamba, decode_moe
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_layers import attention_heads, gemma_mlp, gemma_norm, head_dim, layer_mlp
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
                "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "granite", "seed_oss", "ernie4_5",
                "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3", "starcoder2",
-               "cohere2", "apertus", "ernie4_5_moe", "glm4_moe")
+               "cohere2", "apertus", "ernie4_5_moe", "glm4_moe", "granitemoehybrid")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "ernie4_5_moe",
-             "glm4_moe")
+             "glm4_moe", "granitemoehybrid")
 # Hybrids: gated delta-net layers (decode_delta.py) between attention layers with an output gate and a
 # partial RoPE.
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -80,7 +80,7 @@ PARALLEL_TYPES = ("cohere2",)
 # The MLP's activation by family (decode_pass.ACT_CODES); the others' is SwiGLU.
 ACTIVATIONS = {"gemma3_text": "gelu_tanh_gate", "starcoder2": "gelu_erf", "apertus": "xielu"}
 # Families with granite's multipliers (embedding, residual branches, logits).
-MULTIPLIER_TYPES = ("granitemoe", "granite")
+MULTIPLIER_TYPES = ("granitemoe", "granite", "granitemoehybrid")
 # mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
 EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU",  # BlockSwitchGLU: block_experts.py
                   "FusedGateUpSwitchGLU")  # Gemma 4's fused gate-up experts (gguf/stored_parts.py)
@@ -88,8 +88,8 @@ GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, s
 # Hybrid and recurrent families: the layers the runtime does not run yet, named in the start-up
 # log's reason (a later task moves recurrent state and experts onto the runtime).
 MLX_LAYERS = {
-    "granitemoehybrid": "Mamba-2 (recurrent) and mixture-of-experts layers",
-    "nemotron_h": "Mamba-2 (recurrent) layers",
+    "nemotron_h": "Mamba-2 (recurrent) layers (the runtime takes Granite 4.0-H's; Nemotron-H's layout, a cache "
+                  "only for its Mamba-2 and attention layers and MLP-only layers with squared ReLU, is not described yet)",
     "gemma4_text": "Gemma 4 layers (per-layer embeddings, shared KV, experts, proportional RoPE)",
 }
 
@@ -138,10 +138,17 @@ def unsupported(model: Any) -> str | None:
     head = head_module(model)
     weights = [m.weight for m in (inner.embed_tokens, head) if block_weight_of(m) is None]
     hybrid = model_type in HYBRID_TYPES
+    if all(decode_delta.is_delta(layer) or decode_mamba.is_mamba(layer) for layer in layers):
+        return "no attention layer (a recurrent model's position is its attention layers')"
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), layer_mlp(layer)
-        delta = hybrid and decode_delta.is_delta(layer)
-        if delta:
+        mamba = decode_mamba.is_mamba(layer)  # Granite 4.0-H's Mamba-2 layers, in place of attention
+        if mamba:
+            reason = decode_mamba.unsupported(decode_mamba.mixer_of(layer)) or decode_mamba.shared_mlp_unsupported(layer)
+            if reason is not None:
+                return f"Mamba-2 layers ({model_type}): {reason}"
+        delta = hybrid and decode_delta.is_delta(layer) or mamba
+        if delta and not mamba:
             reason = decode_delta.unsupported(layer.linear_attn)
             if reason is not None:
                 return f"gated delta-net layers ({model_type}): {reason}"
@@ -150,14 +157,20 @@ def unsupported(model: Any) -> str | None:
             if reason is not None:
                 return f"mixture-of-experts layers ({model_type}): {reason}"
             moe_linears = decode_moe.shared_modules(mlp)  # router, shared expert: checked as the projections
+            reason = decode_mamba.shared_mlp_unsupported(layer)  # Granite 4.0-H's shared MLP beside the experts
+            if reason is not None:
+                return f"mixture-of-experts layers ({model_type}): {reason}"
+            moe_linears += decode_mamba.shared_mlp_modules(layer)
             mlp = None  # the MLP's checks below do not apply
         elif (attn is None and not delta) or mlp is None or not any(
-                c.__name__ in ("MLP", "Qwen3NextMLP", "Olmo3MLP", "Glm4MLP", "ApertusMLP", "Ernie4_5_MLP") for c in type(mlp).__mro__):
+                c.__name__ in ("MLP", "Qwen3NextMLP", "Olmo3MLP", "Glm4MLP", "ApertusMLP", "Ernie4_5_MLP",
+                                    "GraniteMoeHybridMLP") for c in type(mlp).__mro__):
             return "unexpected layer layout"
         if gemma and not isinstance(mlp, gemma_mlp()):
             return "unexpected layer layout"
         fused_qkv = not delta and hasattr(attn, "qkv_proj")  # phi3
-        projections = (decode_delta.linear_modules(layer.linear_attn) if delta
+        projections = (decode_mamba.linear_modules(decode_mamba.mixer_of(layer)) if mamba
+                       else decode_delta.linear_modules(layer.linear_attn) if delta
                        else [getattr(attn, n, None) for n in (("qkv_proj",) if fused_qkv else ("q_proj", "k_proj", "v_proj"))
                              + ("o_proj",)])
         if mlp is None:

@@ -27,6 +27,7 @@
 #include "decode_pass.h"
 #include "delta_net.h"
 #include "kv_rows.h"
+#include "mamba2.h"
 #include "thread_pool.h"
 
 /* A norm's gain as the model applies it (Gemma's 1 + w already added), or w NULL where absent. */
@@ -51,6 +52,7 @@ struct mlxcel_layer {
      * then q, k, v or gate, up have n == 0) */
     struct mlxcel_linear qkv, gate_up;
     float xielu[4]; /* Apertus's xIELU: alpha_p, alpha_n (softplus-ed as mlx-lm does), beta, eps */
+    const struct mlxcel_mamba *mamba; /* a Mamba-2 mixer in place of attention (mamba2.c), or NULL */
 };
 
 struct mlxcel_model {
@@ -223,6 +225,22 @@ static void delta_mixer(const struct mlxcel_model *m, int i, const struct mlxcel
 }
 
 
+/* A Mamba-2 layer's mixer (mamba2.c) on each row's (or chunk's) conv and SSM state, where its
+ * struct mlxcel_kv's keys and values point. */
+static void mamba_mixer(const struct mlxcel_model *m, int i, const struct mlxcel_buffers *b, int rows,
+                        const int *segments, int n_segments, const struct mlxcel_kv *kv, int tiles,
+                        const double *scales, int n_adapters) {
+    static __thread struct mlxcel_scratch state_scratch;
+    int units = segments ? n_segments : rows;
+    float **states = mlxcel_scratch(&state_scratch, sizeof(float *) * 2 * (size_t)units);
+    for (int u = 0; u < units; u++) {
+        states[u] = kv[(size_t)u * m->n_layers + i].keys;
+        states[units + u] = kv[(size_t)u * m->n_layers + i].values;
+    }
+    mlxcel_mamba_layer(m->layers[i].mamba, rows, segments, n_segments, b->h, b->x, states, states + units, tiles,
+                       scales, n_adapters, m->residual_scale);
+}
+
 /* A prompt chunk's attention on a sliding layer's ring (s->capacity slots, at most the window: a
  * ring shorter than the window holds every position so far; s->n of them valid, the oldest at
  * s->write once full): the ring's newest min(window - 1, n) slots in order, then the chunk's rows,
@@ -281,6 +299,10 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         pre_norm(&L->n1, b->x, b->h, rows, hidden);
         if (L->delta) {
             delta_mixer(m, i, b, rows, segments, n_segments, kv, tiles, scales, n_adapters);
+            goto mlp;
+        }
+        if (L->mamba) {
+            mamba_mixer(m, i, b, rows, segments, n_segments, kv, tiles, scales, n_adapters);
             goto mlp;
         }
         const struct mlxcel_linear *qkv[3] = {&L->q, &L->k, &L->v};
