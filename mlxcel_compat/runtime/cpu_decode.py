@@ -47,7 +47,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxcel_compat.runtime import decode_delta, decode_mamba, decode_moe, kv_precision, ring_chunks
+from mlxcel_compat.runtime import decode_delta, decode_mamba, decode_moe, decode_nemotron, kv_precision, ring_chunks
 from mlxcel_compat.runtime.block_layers import BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_families import (ACTIVATIONS, GEMMA_TYPES, MULTIPLIER_TYPES, PARALLEL_TYPES,
                                                    Q_TEMPERATURE_TYPES, attention_shape, head_module, layer_rope,
@@ -98,6 +98,7 @@ class CpuDecoder:
     """
 
     def __init__(self, model: Any, lib: ctypes.CDLL) -> None:
+        model = decode_nemotron.decoder_view(model)  # Nemotron-H: its blocks paired into layers
         inner = model.model
         mx.eval(model.parameters())
         # a hybrid's delta-net layers (decode_delta.py) and its attention layers, which hold the KV cache
@@ -148,7 +149,8 @@ class CpuDecoder:
         self.head = LinearWeights(block_weight_of(head) or float32_array(head.weight), None,
                                   [LoraFactors(f) for f in factors_of(head)]
                                   if isinstance(head, (nn.Linear, BlockLinear)) else [])
-        self.layers = [decode_mamba.mamba_layer(layer, moe) if decode_mamba.is_mamba(layer)
+        self.layers = [decode_nemotron.paired_layer(layer) if decode_nemotron.is_paired(layer)
+                       else decode_mamba.mamba_layer(layer, moe) if decode_mamba.is_mamba(layer)
                        else decode_delta.delta_layer(layer, 0, self.gemma, moe) if i in self.delta_layers
                        else layer_weights(layer, order.index(rope_kinds[i]), self.gemma, moe, sliding=kind)
                        for i, (layer, kind) in enumerate(zip(inner.layers, kinds))

@@ -46,14 +46,15 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel_compat.runtime import decode_delta, decode_mamba, decode_moe
+from mlxcel_compat.runtime import decode_delta, decode_mamba, decode_moe, decode_nemotron
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_layers import attention_heads, gemma_mlp, gemma_norm, head_dim, layer_mlp
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
                "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "granite", "seed_oss", "ernie4_5",
                "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3", "starcoder2",
-               "cohere2", "apertus", "ernie4_5_moe", "glm4_moe", "granitemoehybrid")
+               "cohere2", "apertus", "ernie4_5_moe", "glm4_moe", "granitemoehybrid",
+               "nemotron_h")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "ernie4_5_moe",
@@ -78,7 +79,7 @@ MLP_PROJECTIONS = {"starcoder2": ("c_fc", "c_proj"), "apertus": ("up_proj", "dow
 # Families whose attention and MLP both read the layer's one norm, their outputs summed (cohere2).
 PARALLEL_TYPES = ("cohere2",)
 # The MLP's activation by family (decode_pass.ACT_CODES); the others' is SwiGLU.
-ACTIVATIONS = {"gemma3_text": "gelu_tanh_gate", "starcoder2": "gelu_erf", "apertus": "xielu"}
+ACTIVATIONS = {"gemma3_text": "gelu_tanh_gate", "starcoder2": "gelu_erf", "apertus": "xielu", "nemotron_h": "relu2"}
 # Families with granite's multipliers (embedding, residual branches, logits).
 MULTIPLIER_TYPES = ("granitemoe", "granite", "granitemoehybrid")
 # mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
@@ -88,8 +89,6 @@ GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, s
 # Hybrid and recurrent families: the layers the runtime does not run yet, named in the start-up
 # log's reason (a later task moves recurrent state and experts onto the runtime).
 MLX_LAYERS = {
-    "nemotron_h": "Mamba-2 (recurrent) layers (the runtime takes Granite 4.0-H's; Nemotron-H's layout, a cache "
-                  "only for its Mamba-2 and attention layers and MLP-only layers with squared ReLU, is not described yet)",
     "gemma4_text": "Gemma 4 layers (per-layer embeddings, shared KV, experts, proportional RoPE)",
 }
 
@@ -105,6 +104,7 @@ def head_module(model: Any) -> Any:
 
 def unsupported(model: Any) -> str | None:
     """Why this model's decode steps stay in MLX, or None if :class:`CpuDecoder` runs them."""
+    model = decode_nemotron.decoder_view(model)  # Nemotron-H's blocks paired into the decoder's layers
     model_type = getattr(getattr(model, "args", None), "model_type", None)
     if model_type in MLX_LAYERS:
         return f"model type {model_type!r}: its {MLX_LAYERS[model_type]} run in MLX's step"
@@ -115,6 +115,8 @@ def unsupported(model: Any) -> str | None:
         return f"model type {model_type!r} (supported: {', '.join(MODEL_TYPES)})"
     if any(type(m).__name__.startswith("Quantized") for _, m in model.named_modules()):
         return "quantized weights"
+    if model_type in decode_nemotron.PAIRED_TYPES:  # its own layout (decode_nemotron.py)
+        return decode_nemotron.unsupported(model)
     gemma = model_type in GEMMA_TYPES
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)

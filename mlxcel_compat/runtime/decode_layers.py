@@ -132,7 +132,8 @@ def attention_heads(attn: Any) -> tuple[int, int, float] | None:
     (``n_heads``, ``n_kv_heads``, ``scale``; gpt-oss's ``num_attention_heads``,
     ``num_key_value_heads``, ``sm_scale``; OLMo 3's with ``scale``), or None where it has none of them set."""
     for names in (("n_heads", "n_kv_heads", "scale"), ("num_attention_heads", "num_key_value_heads", "sm_scale"),
-                  ("num_attention_heads", "num_key_value_heads", "scale")):
+                  ("num_attention_heads", "num_key_value_heads", "scale"),
+                  ("num_heads", "num_key_value_heads", "scale")):  # Nemotron-H's
         if all(hasattr(attn, n) for n in names):
             heads, kv_heads, scale = (getattr(attn, n) for n in names)
             return int(heads), int(kv_heads), float(scale)

@@ -1,8 +1,11 @@
-"""The CPU decode runtime on Granite 4.0-H (``granitemoehybrid``: runtime/decode_mamba.py,
-runtime/native/mamba2.c): Mamba-2 layers between attention layers without RoPE, granite's
-multipliers, experts beside a shared MLP.
+"""The CPU decode runtime on the Mamba-2 hybrids (runtime/decode_mamba.py, runtime/native/mamba2.c):
+Granite 4.0-H (``granitemoehybrid``: Mamba-2 layers between attention layers without RoPE,
+granite's multipliers, experts beside a shared MLP) and Nemotron-H (``nemotron_h``: Mamba-2,
+attention and squared-ReLU MLP blocks, paired into layers by runtime/decode_nemotron.py).
 
-- The factory's Q8_0 file: 40 teacher-forced steps agree with MLX's step on the same model
+- Nemotron-H's float32 directory: 40 teacher-forced steps within 1e-4 of the largest logit of
+  MLX's step (measured 1.2e-6), the same greedy token at every decided step, the states as MLX's.
+- The factories' Q8_0 files: 40 teacher-forced steps agree with MLX's step on the same model
   within ``Q8_RTOL`` of the largest logit, the same greedy token wherever MLX's choice is decided,
   and the Mamba-2 states (conv state, SSM state) and the KV cache as MLX's step leaves them.
 - Rows stepped together are bit-identical to each row alone (each row its own state).
@@ -12,18 +15,20 @@ multipliers, experts beside a shared MLP.
 - The engine on the file uses the runtime, and a second turn restored from the first's session
   snapshot gives the tokens and log-probabilities of a cold run.
 
-Why Q8_0 and not float32: the factory's float32 Granite 4.0-H has float32 experts, which keep MLX's
-step (``test_families_it_does_not_take_say_why``); Q8_0's blocks are the ones the runtime takes.
-Its products run through the same ggml kernels as MLX's step, but their activations are quantized
-to 8 bits, so the mixer's float32 rounding differences (another summation order over d_state; the
-token-by-token recurrence where MLX's prompt uses the chunked SSD form) can move a block's
-rounding: measured 1.4e-3 of the largest logit over 40 steps, the states within 1e-6.
+Why Granite 4.0-H only as Q8_0: the factory's float32 Granite 4.0-H has float32 experts, which
+keep MLX's step (``test_families_it_does_not_take_say_why``); Q8_0's blocks are the ones the
+runtime takes. Its products run through the same ggml kernels as MLX's step, but their activations
+are quantized to 8 bits, so the mixer's float32 rounding differences (another summation order over
+d_state; the token-by-token recurrence where MLX's prompt uses the chunked SSD form) can move a
+block's rounding: measured 1.4e-3 of the largest logit over 40 steps (Nemotron-H's Q8_0: 0, every
+step bit-identical), the states within 1e-6.
 """
 
 from __future__ import annotations
 
 import copy
 import random
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -40,6 +45,7 @@ from tests.runtime.step_checks import assert_rows_together_equal_rows_alone, ids
 
 MODEL = "granitemoehybrid:q8_0"
 Q8_RTOL = 5e-3  # of the largest logit; measured 1.4e-3 (the module's docstring says why not float32's)
+FLOAT_RTOL = 1e-4  # float32 weights: another summation order only (measured 1.2e-6)
 STATE_RTOL = 1e-5  # the Mamba-2 states and the KV: float32 rounding only
 
 pytestmark = pytest.mark.skipif(backend.matmul_shim() is None, reason="the BLAS shim is not built on this machine")
@@ -63,10 +69,57 @@ def assert_caches_close(decoder: cpu_decode.CpuDecoder, ours: list, theirs: list
 
 
 @pytest.fixture(scope="module")
-def granite() -> tuple:
-    loaded = load_model(str(tiny_model(MODEL)), [])
-    assert isinstance(loaded.decoder, cpu_decode.CpuDecoder), cpu_decode.unsupported(loaded.model)
-    return loaded.model, loaded.decoder
+def loaded() -> Callable[[str], tuple]:
+    """The tiny model of a spec and its decoder, loaded once for the module: a GGUF by the
+    server's loader, a float32 directory as mlx-lm loads it (the model alone) with its decoder built."""
+    models: dict[str, tuple] = {}
+
+    def get(spec: str) -> tuple:
+        if spec not in models:
+            if ":" in spec:
+                served = load_model(str(tiny_model(spec)), [])
+                model, decoder = served.model, served.decoder
+            else:
+                model, _ = mlx_lm_load_model(tiny_model(spec))
+                decoder = cpu_decode.build(model, backend.matmul_shim())
+            assert isinstance(decoder, cpu_decode.CpuDecoder), cpu_decode.unsupported(model)
+            models[spec] = model, decoder
+        return models[spec]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def granite(loaded: Callable) -> tuple:
+    return loaded(MODEL)
+
+
+@pytest.mark.parametrize("spec,rtol", [("nemotron_h", FLOAT_RTOL), ("nemotron_h:q8_0", Q8_RTOL)])
+def test_nemotron_h_follows_mlx_step_for_step(loaded: Callable, spec: str, rtol: float) -> None:
+    """40 teacher-forced steps after an MLX prefill: logits within ``rtol`` of MLX's step, the same
+    greedy token wherever MLX's top two are further apart than either side may move, the states and
+    KV as MLX's. The blocks M - M * - M - pair into four layers, the second without an MLP."""
+    model, decoder = loaded(spec)
+    assert decoder.delta_layers == [0, 1, 3] and decoder.attn_layers == [2] and decoder.act == "relu2"
+    assert [layer.up is not None for layer in decoder.layers] == [True, False, True, True]
+    assert [layer.mamba is not None for layer in decoder.layers] == [True, True, False, True]
+    ours = prefilled(model, 30)
+    theirs = copy.deepcopy(ours)
+    owned = decode_kv.OwnedCache()
+    token, decided = 11, 0
+    for step in range(40):
+        assert decoder.can_run(ours, owned)
+        got = decoder.step(token, ours, owned).copy()
+        want = mlx_logits(model, token, theirs)
+        top = np.abs(want).max()
+        assert close(got, want, rtol), (step, np.abs(got - want).max() / top)
+        first, second = np.sort(want)[-2:][::-1]
+        if first - second > 2 * rtol * top:
+            decided += 1
+            assert int(got.argmax()) == int(want.argmax()), step
+        token = int(want.argmax())
+    assert decided >= 30
+    assert_caches_close(decoder, ours, theirs, STATE_RTOL)
 
 
 def test_granite_hybrid_follows_mlx_step_for_step(granite: tuple) -> None:
@@ -99,17 +152,19 @@ def test_granite_hybrid_follows_mlx_step_for_step(granite: tuple) -> None:
     assert_caches_close(decoder, ours, theirs, STATE_RTOL)
 
 
-def test_granite_rows_stepped_together_are_bit_identical_to_rows_alone(granite: tuple) -> None:
-    model, decoder = granite
+@pytest.mark.parametrize("spec", [MODEL, "nemotron_h:q8_0"])
+def test_rows_stepped_together_are_bit_identical_to_rows_alone(loaded: Callable, spec: str) -> None:
+    model, decoder = loaded(spec)
     together = [prefilled(model, n, seed) for n, seed in ((12, 0), (30, 1), (45, 2))]
     assert_rows_together_equal_rows_alone(decoder, together, 4)
     assert [decoder.offset(c) for c in together] == [16, 34, 49]
 
 
-def test_a_granite_prompt_chunk_on_the_runtime_leaves_mlx_s_state(granite: tuple) -> None:
+@pytest.mark.parametrize("spec,rtol", [(MODEL, Q8_RTOL), ("nemotron_h", FLOAT_RTOL)])
+def test_a_prompt_chunk_on_the_runtime_leaves_mlx_s_state(loaded: Callable, spec: str, rtol: float) -> None:
     """A cold 40-token prompt fed by ``prefill`` (the conv and the SSM recurrence token by token in
     C) leaves the states and KV MLX's chunked SSD leaves, and the next step agrees with MLX's."""
-    model, decoder = granite
+    model, decoder = loaded(spec)
     prompt = ids(40, seed=31)
     theirs = make_prompt_cache(model)
     model(mx.array([prompt]), cache=theirs)
@@ -121,7 +176,7 @@ def test_a_granite_prompt_chunk_on_the_runtime_leaves_mlx_s_state(granite: tuple
     assert decoder.prefilled == prefilled_before + 40
     assert_caches_close(decoder, ours, theirs, STATE_RTOL)
     got, want = decoder.step(5, ours, owned).copy(), mlx_logits(model, 5, theirs)
-    assert close(got, want, Q8_RTOL)
+    assert close(got, want, rtol)
 
 
 def test_granite_prompt_chunks_prefilled_together_equal_chunks_alone(granite: tuple) -> None:
@@ -154,15 +209,21 @@ def test_a_copy_of_the_granite_cache_keeps_the_state_it_was_taken_with(granite: 
     assert np.array_equal(again, after)
 
 
-@pytest.mark.parametrize("family,reason", [
-    ("granitemoehybrid", "mixture-of-experts layers (granitemoehybrid): experts not in ggml's blocks"),
-    ("nemotron_h", "model type 'nemotron_h': its Mamba-2 (recurrent) layers"),
-])
-def test_families_it_does_not_take_say_why(family: str, reason: str) -> None:
-    """The float32 Granite 4.0-H (float32 experts) and Nemotron-H keep MLX's step, and say why
-    (the model alone, as mlx-lm loads it: the tokenizer's conversion is not what this checks)."""
-    model, _ = mlx_lm_load_model(tiny_model(family))
-    assert (cpu_decode.unsupported(model) or "").startswith(reason)
+def test_layouts_it_does_not_take_say_why() -> None:
+    """The float32 Granite 4.0-H (float32 experts) keeps MLX's step, and so does a Nemotron-H whose
+    blocks do not pair (an MLP block after another) or that has experts; each says why (the model
+    alone, as mlx-lm loads it: the tokenizer's conversion is not what this checks)."""
+    granite, _ = mlx_lm_load_model(tiny_model("granitemoehybrid"))
+    assert (cpu_decode.unsupported(granite) or "").startswith(
+        "mixture-of-experts layers (granitemoehybrid): experts not in ggml's blocks")
+    nemotron, _ = mlx_lm_load_model(tiny_model("nemotron_h"))
+    assert cpu_decode.unsupported(nemotron) is None
+    blocks = nemotron.backbone.layers
+    blocks[0].block_type, blocks[1].block_type = "-", "M"  # an MLP block first: nothing to pair it with
+    blocks[0].mixer, blocks[1].mixer = blocks[1].mixer, blocks[0].mixer
+    assert cpu_decode.unsupported(nemotron) == "Nemotron-H: an MLP block after no Mamba-2 or attention block"
+    blocks[0].block_type = "E"
+    assert cpu_decode.unsupported(nemotron) == "Nemotron-H: blocks of kind 'E' (experts) run in MLX's step"
 
 
 def random_tokens(n: int, seed: int) -> list[int]:
@@ -170,11 +231,12 @@ def random_tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(8000) for _ in range(n)]
 
 
-def test_the_engine_on_the_granite_gguf_uses_the_runtime_and_a_restored_snapshot_equals_a_cold_run() -> None:
+@pytest.mark.parametrize("spec", [MODEL, "nemotron_h:q8_0"])
+def test_the_engine_on_the_gguf_uses_the_runtime_and_a_restored_snapshot_equals_a_cold_run(spec: str) -> None:
     """The engine serves the Q8_0 file's steps on the runtime; a second turn restored from the
     session snapshot (the Mamba-2 state and the KV as the first turn left them) gives exactly the
     tokens and log-probabilities of a cold run split at the same boundary."""
-    harness = EngineHarness(tiny_model(MODEL), batch_size=32, n_parallel=2, min_prefix=8)
+    harness = EngineHarness(tiny_model(spec), batch_size=32, n_parallel=2, min_prefix=8)
     try:
         decoder = harness.engine.loaded.decoder
         assert isinstance(decoder, cpu_decode.CpuDecoder)

@@ -77,6 +77,8 @@ struct mlxcel_model {
  * and the ungated ones of an MLP without a gate (up, act, down): exact GELU (starcoder2), xIELU
  * (Apertus). */
 enum { MLXCEL_ACT_SWIGLU = 0, MLXCEL_ACT_GELU_TANH_GATE = 1, MLXCEL_ACT_GELU_ERF = 2, MLXCEL_ACT_XIELU = 3 };
+/* Nemotron-H's MLP without a gate: relu(x)^2 (mamba2.c's mlxcel_relu2). */
+enum { MLXCEL_ACT_RELU2 = 4 };
 
 /* A pass's activations, rows contiguous (row widths: hidden, heads * d, kv_heads * d, inter, vocab). */
 struct mlxcel_buffers {
@@ -404,6 +406,7 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
             product(&L->o, rows, b->att, b->x, 1.0f, tiles, scales, n_adapters);
         }
     mlp:
+        if (!L->moe && !L->gate.n && !L->up.n && !L->gate_up.n) continue; /* a layer without an MLP (Nemotron-H's) */
         if (!m->parallel) pre_norm(&L->n2, b->x, b->h, rows, hidden); /* cohere2's MLP reads the same h */
         if (L->moe) {
             if (mlxcel_moe_layer(L->moe, rows, hidden, b->h, b->x, b->gate, b->up, b->branch, tiles, scales, n_adapters,
@@ -424,6 +427,7 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         }
         if (m->act == MLXCEL_ACT_GELU_TANH_GATE) mlxcel_gelu_tanh_gate(b->gate, b->up, rows * ffn);
         else if (m->act == MLXCEL_ACT_GELU_ERF) mlxcel_gelu_erf(b->gate, rows * ffn);
+        else if (m->act == MLXCEL_ACT_RELU2) mlxcel_relu2(b->gate, rows * ffn);
         else if (m->act == MLXCEL_ACT_XIELU)
             mlxcel_xielu(b->gate, rows * ffn, L->xielu[0], L->xielu[1], L->xielu[2], L->xielu[3]);
         else mlxcel_swiglu(b->gate, b->up, rows * ffn);

@@ -85,7 +85,7 @@ class ModelStruct(ctypes.Structure):
 
 
 # struct mlxcel_model's act (MLXCEL_ACT_*): the MLP's activation, by CpuDecoder.act.
-ACT_CODES = {"swiglu": 0, "gelu_tanh_gate": 1, "gelu_erf": 2, "xielu": 3}
+ACT_CODES = {"swiglu": 0, "gelu_tanh_gate": 1, "gelu_erf": 2, "xielu": 3, "relu2": 4}
 
 BUFFER_NAMES = ("x", "h", "branch", "q", "k_new", "v_new", "att", "gate", "up", "logits", "q_scale")
 

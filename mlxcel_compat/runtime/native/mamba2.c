@@ -158,3 +158,10 @@ void mlxcel_mamba_layer(const struct mlxcel_mamba *M, int rows, const int *segme
     mlxcel_pass_product(&M->out, rows, y, branch, 0.0f, tiles, scales, n_adapters);
     for (size_t j = 0; j < (size_t)rows * hidden; j++) x[j] += branch[j] * residual_scale;
 }
+
+void mlxcel_relu2(float *x, int n) {
+    for (int i = 0; i < n; i++) {
+        float r = x[i] > 0.0f ? x[i] : 0.0f;
+        x[i] = r * r;
+    }
+}

@@ -32,4 +32,7 @@ void mlxcel_mamba_layer(const struct mlxcel_mamba *M, int rows, const int *segme
                         float *x, float *const *conv_states, float *const *states, int tiles, const double *scales,
                         int n_adapters, float residual_scale);
 
+/* x = max(x, 0)^2, n values (Nemotron-H's MLP: mlx-lm's nn.relu2). */
+void mlxcel_relu2(float *x, int n);
+
 #endif
