@@ -3,7 +3,7 @@ ones it takes, and Granite 4.0-H's shared MLP beside its experts.
 
 Why: in MLX's step a Mamba-2 mixer is some twenty small operations a token (mlx-lm's ``ssm_attn``
 on the CPU for one token: the SSD form's products, a segment sum, exponentials), each scheduled and
-evaluated on its own. The decode pass's C loop runs the mixer instead (``native/mamba2.c``: the
+evaluated on its own. The decode pass's C loop runs the mixer instead (the native layer's Mamba-2 mixer: the
 in-projection on the file's blocks, the causal conv over its rolling state, softplus and the
 clip of dt, the SSM update and readout, the D skip, the gated RMS norm, the out-projection). This
 module says which mixers it can describe that way and takes their weights from the modules as
