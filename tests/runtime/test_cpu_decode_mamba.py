@@ -3,8 +3,10 @@ Granite 4.0-H (``granitemoehybrid``: Mamba-2 layers between attention layers wit
 granite's multipliers, experts beside a shared MLP) and Nemotron-H (``nemotron_h``: Mamba-2,
 attention and squared-ReLU MLP blocks, paired into layers by runtime/decode_nemotron.py).
 
-- Nemotron-H's float32 directory: 40 teacher-forced steps within 1e-4 of the largest logit of
-  MLX's step (measured 1.2e-6), the same greedy token at every decided step, the states as MLX's.
+- Float32 weights: Nemotron-H's directory, and Granite 4.0-H in its dense mode (mlx-lm's
+  ``use_moe`` off: the factory's tiny config without experts, its seeded weights): 40
+  teacher-forced steps within 1e-4 of the largest logit of MLX's step (measured 1.2e-6 and
+  5e-7), the same greedy token at every decided step, the states as MLX's.
 - The factories' Q8_0 files: 40 teacher-forced steps agree with MLX's step on the same model
   within ``Q8_RTOL`` of the largest logit, the same greedy token wherever MLX's choice is decided,
   and the Mamba-2 states (conv state, SSM state) and the KV cache as MLX's step leaves them.
@@ -39,12 +41,15 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlxcel_compat.cache import kv
 from mlxcel_compat.model.loader import load_model
 from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
+from mlxcel_compat.testing.families import model_config
+from mlxcel_compat.testing.weights import instantiate, seeded_weights
 from tests.conftest import tiny_model
 from tests.engine.harness import EngineHarness
 from tests.runtime.step_checks import assert_rows_together_equal_rows_alone, ids, mlx_logits, prefilled
 
 MODEL = "granitemoehybrid:q8_0"
 Q8_RTOL = 5e-3  # of the largest logit; measured 1.4e-3 (the module's docstring says why not float32's)
+GRANITE_DENSE = "granitemoehybrid-dense"
 FLOAT_RTOL = 1e-4  # float32 weights: another summation order only (measured 1.2e-6)
 STATE_RTOL = 1e-5  # the Mamba-2 states and the KV: float32 rounding only
 
@@ -76,7 +81,13 @@ def loaded() -> Callable[[str], tuple]:
 
     def get(spec: str) -> tuple:
         if spec not in models:
-            if ":" in spec:
+            if spec == GRANITE_DENSE:  # mlx-lm's dense Granite 4.0-H: the tiny config without experts
+                config = dict(model_config("granitemoehybrid", "tiny"), num_local_experts=None, num_experts_per_tok=None)
+                model = instantiate(config)
+                model.load_weights(list(seeded_weights("granitemoehybrid", "tiny", config).items()))
+                mx.eval(model.parameters())
+                decoder = cpu_decode.build(model, backend.matmul_shim())
+            elif ":" in spec:
                 served = load_model(str(tiny_model(spec)), [])
                 model, decoder = served.model, served.decoder
             else:
@@ -94,14 +105,19 @@ def granite(loaded: Callable) -> tuple:
     return loaded(MODEL)
 
 
-@pytest.mark.parametrize("spec,rtol", [("nemotron_h", FLOAT_RTOL), ("nemotron_h:q8_0", Q8_RTOL)])
-def test_nemotron_h_follows_mlx_step_for_step(loaded: Callable, spec: str, rtol: float) -> None:
+@pytest.mark.parametrize("spec,rtol", [("nemotron_h", FLOAT_RTOL), ("nemotron_h:q8_0", Q8_RTOL),
+                                       (GRANITE_DENSE, FLOAT_RTOL)])
+def test_float32_and_nemotron_h_follow_mlx_step_for_step(loaded: Callable, spec: str, rtol: float) -> None:
     """40 teacher-forced steps after an MLX prefill: logits within ``rtol`` of MLX's step, the same
     greedy token wherever MLX's top two are further apart than either side may move, the states and
-    KV as MLX's. The blocks M - M * - M - pair into four layers, the second without an MLP."""
+    KV as MLX's. Nemotron-H's blocks M - M * - M - pair into four layers, the second without an
+    MLP; the dense Granite's layers are Mamba-2, Mamba-2, attention, Mamba-2 with SwiGLU MLPs."""
     model, decoder = loaded(spec)
-    assert decoder.delta_layers == [0, 1, 3] and decoder.attn_layers == [2] and decoder.act == "relu2"
-    assert [layer.up is not None for layer in decoder.layers] == [True, False, True, True]
+    assert decoder.delta_layers == [0, 1, 3] and decoder.attn_layers == [2]
+    if spec == GRANITE_DENSE:
+        assert decoder.act == "swiglu" and all(layer.moe is None and layer.gate is not None for layer in decoder.layers)
+    else:
+        assert decoder.act == "relu2" and [layer.up is not None for layer in decoder.layers] == [True, False, True, True]
     assert [layer.mamba is not None for layer in decoder.layers] == [True, True, False, True]
     ours = prefilled(model, 30)
     theirs = copy.deepcopy(ours)
