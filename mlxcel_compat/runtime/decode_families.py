@@ -35,6 +35,11 @@ head) and ``glm4`` (fused gate-up, four norms a layer, half of each head rotated
 (LayerNorms with biases, biases everywhere, an MLP without a gate: exact GELU), ``cohere2``
 (attention and MLP in parallel from one LayerNorm, sliding layers with RoPE and global ones
 without, logits times ``logit_scale``) and ``apertus`` (an MLP without a gate: xIELU).
+The Mamba-2 hybrids: ``granitemoehybrid`` (Granite 4.0-H: Mamba-2 layers, ``decode_mamba.py``,
+between attention layers without RoPE; granite's multipliers; granitemoe's experts beside a
+shared MLP, or dense) and ``nemotron_h`` (Nemotron-H: its one-branch blocks paired into layers by
+``decode_nemotron.py``, the MLP squared ReLU without a gate, a layer without an MLP where two
+mixers follow each other).
 Anything else (MLX-quantized weights, other families, a llama with sliding layers) keeps MLX's
 step; ``cpu_decode.build`` says why.
 """
