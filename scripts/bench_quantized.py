@@ -66,6 +66,9 @@ The files (``--files``; made on first use under ``--cache-dir``):
   24 layers, 3 gated delta-net : 1 gated attention): the factory's ``qwen3_5`` weights at those
   widths, written as F32 by the factory's converter in a child process, then ``llama-quantize``
   Q4_K_M (issue 56's hybrid goals; docs/benchmarks/quantized.md).
+- ``granite4h-small-q8_0``, ``nemotron-h-small-q8_0``: the factory's small Granite 4.0-H and
+  Nemotron-H (Mamba-2 hybrids) as the factory's GGUF writer writes them at Q8_0 (``ensure_gguf``,
+  in a child process).
 
 Servers are stopped on every exit (errors and Ctrl-C included). Logs: ``<cache-dir>/logs``.
 
