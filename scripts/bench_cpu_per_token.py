@@ -16,6 +16,9 @@ from ``/proc/PID/stat``, HTTP and every thread included). Then this server again
 ``MLXCEL_CPU_DECODE=0`` (MLX's step), for the CPU decode runtime's share.
 
     python scripts/bench_cpu_per_token.py FILE.gguf [N=64] [ROUNDS=1]
+
+The servers listen on ``BENCH_PORT`` and the two ports after it (default 18771), so runs beside
+each other on one machine can keep apart.
 """
 
 from __future__ import annotations
@@ -88,11 +91,12 @@ def main() -> int:
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 64
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     common = ["-m", path, "-np", "1", "-c", "4096", "-t", "1", "-tb", "1", "--port"]
+    port = int(os.environ.get("BENCH_PORT", "18771"))
     ours = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=ROOT)
     for _ in range(rounds):
-        theirs = measure("llama-server", [LLAMA_SERVER, *common, "18771"], 18771, n)
-        mine = measure("mlxcel", [sys.executable, "-m", "mlxcel_compat", *common, "18772"], 18772, n, ours)
-        measure("mlxcel, MLX's step", [sys.executable, "-m", "mlxcel_compat", *common, "18773"], 18773, n,
+        theirs = measure("llama-server", [LLAMA_SERVER, *common, str(port)], port, n)
+        mine = measure("mlxcel", [sys.executable, "-m", "mlxcel_compat", *common, str(port + 1)], port + 1, n, ours)
+        measure("mlxcel, MLX's step", [sys.executable, "-m", "mlxcel_compat", *common, str(port + 2)], port + 2, n,
                 dict(ours, MLXCEL_CPU_DECODE="0"))
         print(f"llama-server / mlxcel CPU per token: decode {theirs[0] / mine[0]:.2f}x, "
               f"prefill {theirs[1] / mine[1]:.2f}x", flush=True)

@@ -66,6 +66,9 @@ The files (``--files``; made on first use under ``--cache-dir``):
   24 layers, 3 gated delta-net : 1 gated attention): the factory's ``qwen3_5`` weights at those
   widths, written as F32 by the factory's converter in a child process, then ``llama-quantize``
   Q4_K_M (issue 56's hybrid goals; docs/benchmarks/quantized.md).
+- ``granite4h-small-q8_0``, ``nemotron-h-small-q8_0``: the factory's small Granite 4.0-H and
+  Nemotron-H (Mamba-2 hybrids) as the factory's GGUF writer writes them at Q8_0 (``ensure_gguf``,
+  in a child process).
 
 Servers are stopped on every exit (errors and Ctrl-C included). Logs: ``<cache-dir>/logs``.
 
@@ -350,6 +353,20 @@ def qwen35_q4_k_m(args: argparse.Namespace) -> Path:
     return _make_atomically(target, build)
 
 
+def factory_gguf(family: str, gguf_type: str) -> Callable[[argparse.Namespace], Path]:
+    """The factory's small model of ``family`` as its GGUF writer writes it (``ensure_gguf``: the
+    converter's layout, the file's own quantization), made in a child process."""
+
+    def make(args: argparse.Namespace) -> Path:
+        code = ("import sys; from mlxcel_compat.testing.gguf_writer import ensure_gguf; "
+                f"print(ensure_gguf({family!r}, 'small', {gguf_type!r}, cache_dir=sys.argv[1]))")
+        out = subprocess.run([args.python, "-c", code, str(args.cache_dir)], check=True, env=_child_env(), cwd=ROOT,
+                             capture_output=True, text=True)
+        return Path(out.stdout.strip().splitlines()[-1])
+
+    return make
+
+
 FILES: dict[str, FileSpec] = {f.key: f for f in (
     FileSpec("smollm2-q4_1", "SmolLM2-135M-Instruct Q4_1 (real trained model)", smollm2),
     FileSpec("small-q4_k_m", "factory small llama, llama-quantize Q4_K_M", small_quantized("Q4_K_M")),
@@ -364,6 +381,10 @@ FILES: dict[str, FileSpec] = {f.key: f for f in (
              "of 24 layers), random blocks", random_moe("gpt_oss", "q8_0", "mxfp4")),
     FileSpec("qwen35-0.8b-q4_k_m", f"Qwen3.5-0.8B-shaped hybrid ({QWEN35_LAYERS} of 24 layers, 3 gated delta-net : "
              "1 attention), factory weights, llama-quantize Q4_K_M", qwen35_q4_k_m),
+    FileSpec("granite4h-small-q8_0", "factory small Granite 4.0-H (granitemoehybrid: 10 Mamba-2 : 2 attention "
+             "layers, 8 experts + shared MLP), the factory's Q8_0", factory_gguf("granitemoehybrid", "q8_0")),
+    FileSpec("nemotron-h-small-q8_0", "factory small Nemotron-H (M-M-M*-M-M-M*-: 8 Mamba-2, 2 attention, 7 "
+             "squared-ReLU MLP blocks), the factory's Q8_0", factory_gguf("nemotron_h", "q8_0")),
 )}
 
 

@@ -47,7 +47,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxcel_compat.runtime import decode_delta, decode_gemma4, decode_moe, kv_precision, ring_chunks
+from mlxcel_compat.runtime import (decode_delta, decode_gemma4, decode_mamba, decode_moe, decode_nemotron, kv_precision,
+                                  ring_chunks)
 from mlxcel_compat.runtime.block_layers import BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_families import (ACTIVATIONS, GEMMA_TYPES, MULTIPLIER_TYPES, PARALLEL_TYPES,
                                                    Q_TEMPERATURE_TYPES, attention_shape, head_module, layer_rope,
@@ -100,10 +101,13 @@ class CpuDecoder:
     """
 
     def __init__(self, model: Any, lib: ctypes.CDLL) -> None:
+        model = decode_nemotron.decoder_view(model)  # Nemotron-H: its blocks paired into layers
         inner = model.model
         mx.eval(model.parameters())
         # a hybrid's delta-net layers (decode_delta.py) and its attention layers, which hold the KV cache
-        self.delta_layers = [i for i, layer in enumerate(inner.layers) if decode_delta.is_delta(layer)]
+        # (and Granite 4.0-H's Mamba-2 layers, decode_mamba.py: recurrent state kept the same way)
+        self.delta_layers = [i for i, layer in enumerate(inner.layers)
+                             if decode_delta.is_delta(layer) or decode_mamba.is_mamba(layer)]
         self.attn_layers = [i for i in range(len(inner.layers)) if i not in self.delta_layers]
         attn0 = inner.layers[self.attn_layers[0]].self_attn
         self.gemma = model.args.model_type in GEMMA_TYPES
@@ -148,10 +152,15 @@ class CpuDecoder:
         self.head = LinearWeights(block_weight_of(head) or float32_array(head.weight), None,
                                   [LoraFactors(f) for f in factors_of(head)]
                                   if isinstance(head, (nn.Linear, BlockLinear)) else [])
-        self.layers = [decode_delta.delta_layer(layer, 0, self.gemma, moe) if i in self.delta_layers
+        self.layers = [decode_nemotron.paired_layer(layer) if decode_nemotron.is_paired(layer)
+                       else decode_mamba.mamba_layer(layer, moe) if decode_mamba.is_mamba(layer)
+                       else decode_delta.delta_layer(layer, 0, self.gemma, moe) if i in self.delta_layers
                        else layer_weights(layer, order.index(rope_kinds[i]), self.gemma, moe, sliding=kind)
                        for i, (layer, kind) in enumerate(zip(inner.layers, kinds))
-                       for moe in [decode_moe.moe_weights(layer_mlp(layer)) if decode_moe.is_moe(layer_mlp(layer)) else None]]
+                       for moe in [decode_mamba.with_shared_mlp(layer, decode_moe.moe_weights(layer_mlp(layer)))
+                                   if decode_moe.is_moe(layer_mlp(layer)) else None]]
+        # each recurrent layer's weights (a delta-net's or a Mamba-2 mixer's: the state's shapes)
+        self.recurrent = [self.layers[i].delta or self.layers[i].mamba for i in self.delta_layers]
         for i in self.attn_layers:  # qwen3_next's attention: queries and gates from one projection
             self.layers[i].gated_q = type(inner.layers[i].self_attn).__name__ in decode_delta.GATED_ATTENTION
         self.ffn_width = decode_moe.ffn_width(self.layers)  # the pass's gate and up buffers' width
@@ -166,8 +175,7 @@ class CpuDecoder:
                            dtypes=kv_precision.of_model(model).dtypes(),  # -ctk/-ctv
                            blocks=kv_precision.of_model(model).blocks)
         # a sequence's KV as the pass reads it (sequence_kv.py): views, the struct mlxcel_kv table
-        self.seq = SequenceKv(self.kv, len(self.layers), self.attn_layers, self.delta_layers,
-                              [self.layers[i].delta for i in self.delta_layers])
+        self.seq = SequenceKv(self.kv, len(self.layers), self.attn_layers, self.delta_layers, self.recurrent)
         self._buffers: dict[int, PassBuffers] = {}  # by row count
         self._chunk_buffers: PassBuffers | None = None  # a prompt chunk's (prefill): the largest so far
         self.steps = 0  # steps run so far (tests and benchmarks check that it ran)
@@ -187,8 +195,8 @@ class CpuDecoder:
 
         if len(cache) != len(self.layers):
             return False
-        if not all(decode_delta.can_take(cache[i], layer.delta) and not decode_delta.is_fresh(cache[i])
-                   for i, layer in zip(self.delta_layers, (self.layers[i] for i in self.delta_layers))):
+        if not all(decode_delta.can_take(cache[i], weights) and not decode_delta.is_fresh(cache[i])
+                   for i, weights in zip(self.delta_layers, self.recurrent)):
             return False
         cache = self.seq.attention(cache)
         k_dtype, v_dtype = self.kv.dtypes
@@ -277,8 +285,8 @@ class CpuDecoder:
                     and all(ring_chunks.ring_takes_chunk(cache[i], self.window, hk, d, self.kv.dtypes) for i in self.kv.rings)
                     and all(ring_chunks.plain_takes_chunk(cache[i], hk, d, self.kv.dtypes) for i in self.kv.plain))
         if all(type(c) is KVCache and c.keys is None and c.offset == 0 for c in self.seq.attention(cache)) and all(
-                decode_delta.can_take(cache[i], self.layers[i].delta) and decode_delta.is_fresh(cache[i])
-                for i in self.delta_layers):
+                decode_delta.can_take(cache[i], weights) and decode_delta.is_fresh(cache[i])
+                for i, weights in zip(self.delta_layers, self.recurrent)):
             return True
         return self.can_run(cache, owned)
 

@@ -37,6 +37,11 @@ head) and ``glm4`` (fused gate-up, four norms a layer, half of each head rotated
 without, logits times ``logit_scale``) and ``apertus`` (an MLP without a gate: xIELU).
 ``gemma4_text`` (dense and with experts) has its own decoder and pass (``decode_gemma4.py``: per-layer
 head sizes, KV sharing, per-layer embeddings), which :func:`unsupported` asks.
+The Mamba-2 hybrids: ``granitemoehybrid`` (Granite 4.0-H: Mamba-2 layers, ``decode_mamba.py``,
+between attention layers without RoPE; granite's multipliers; granitemoe's experts beside a
+shared MLP, or dense) and ``nemotron_h`` (Nemotron-H: its one-branch blocks paired into layers by
+``decode_nemotron.py``, the MLP squared ReLU without a gate, a layer without an MLP where two
+mixers follow each other).
 Anything else (MLX-quantized weights, other families, a llama with sliding layers) keeps MLX's
 step; ``cpu_decode.build`` says why.
 """
@@ -49,18 +54,19 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel_compat.runtime import decode_delta, decode_gemma4, decode_moe
+from mlxcel_compat.runtime import decode_delta, decode_gemma4, decode_mamba, decode_moe, decode_nemotron
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_layers import attention_heads, gemma_mlp, gemma_norm, head_dim, layer_mlp
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
                "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "granite", "seed_oss", "ernie4_5",
                "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3", "starcoder2",
-               "cohere2", "apertus", "ernie4_5_moe", "glm4_moe", "gemma4_text")
+               "cohere2", "apertus", "ernie4_5_moe", "glm4_moe", "gemma4_text", "granitemoehybrid",
+               "nemotron_h")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "ernie4_5_moe",
-             "glm4_moe")
+             "glm4_moe", "granitemoehybrid")
 # Hybrids: gated delta-net layers (decode_delta.py) between attention layers with an output gate and a
 # partial RoPE.
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -81,19 +87,13 @@ MLP_PROJECTIONS = {"starcoder2": ("c_fc", "c_proj"), "apertus": ("up_proj", "dow
 # Families whose attention and MLP both read the layer's one norm, their outputs summed (cohere2).
 PARALLEL_TYPES = ("cohere2",)
 # The MLP's activation by family (decode_pass.ACT_CODES); the others' is SwiGLU.
-ACTIVATIONS = {"gemma3_text": "gelu_tanh_gate", "starcoder2": "gelu_erf", "apertus": "xielu"}
+ACTIVATIONS = {"gemma3_text": "gelu_tanh_gate", "starcoder2": "gelu_erf", "apertus": "xielu", "nemotron_h": "relu2"}
 # Families with granite's multipliers (embedding, residual branches, logits).
-MULTIPLIER_TYPES = ("granitemoe", "granite")
+MULTIPLIER_TYPES = ("granitemoe", "granite", "granitemoehybrid")
 # mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
 EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU",  # BlockSwitchGLU: block_experts.py
                   "FusedGateUpSwitchGLU")  # Gemma 4's fused gate-up experts (gguf/stored_parts.py)
 GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, sliding windows
-# Hybrid and recurrent families: the layers the runtime does not run yet, named in the start-up
-# log's reason (a later task moves recurrent state and experts onto the runtime).
-MLX_LAYERS = {
-    "granitemoehybrid": "Mamba-2 (recurrent) and mixture-of-experts layers",
-    "nemotron_h": "Mamba-2 (recurrent) layers",
-}
 
 @dataclass(frozen=True)
 class LogitTransform:
@@ -147,9 +147,8 @@ def head_module(model: Any) -> Any:
 
 def unsupported(model: Any) -> str | None:
     """Why this model's decode steps stay in MLX, or None if :class:`CpuDecoder` runs them."""
+    model = decode_nemotron.decoder_view(model)  # Nemotron-H's blocks paired into the decoder's layers
     model_type = getattr(getattr(model, "args", None), "model_type", None)
-    if model_type in MLX_LAYERS:
-        return f"model type {model_type!r}: its {MLX_LAYERS[model_type]} run in MLX's step"
     if model_type == decode_gemma4.MODEL_TYPE:  # its own decoder and pass (decode_gemma4.py)
         return decode_gemma4.unsupported(model)
     if model_type not in MOE_TYPES and any(type(m).__name__ in EXPERT_MODULES for _, m in model.named_modules()):
@@ -159,6 +158,8 @@ def unsupported(model: Any) -> str | None:
         return f"model type {model_type!r} (supported: {', '.join(MODEL_TYPES)})"
     if any(type(m).__name__.startswith("Quantized") for _, m in model.named_modules()):
         return "quantized weights"
+    if model_type in decode_nemotron.PAIRED_TYPES:  # its own layout (decode_nemotron.py)
+        return decode_nemotron.unsupported(model)
     gemma = model_type in GEMMA_TYPES
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
@@ -182,10 +183,17 @@ def unsupported(model: Any) -> str | None:
     head = head_module(model)
     weights = [m.weight for m in (inner.embed_tokens, head) if block_weight_of(m) is None]
     hybrid = model_type in HYBRID_TYPES
+    if all(decode_delta.is_delta(layer) or decode_mamba.is_mamba(layer) for layer in layers):
+        return "no attention layer (a recurrent model's position is its attention layers')"
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), layer_mlp(layer)
-        delta = hybrid and decode_delta.is_delta(layer)
-        if delta:
+        mamba = decode_mamba.is_mamba(layer)  # Granite 4.0-H's Mamba-2 layers, in place of attention
+        if mamba:
+            reason = decode_mamba.unsupported(decode_mamba.mixer_of(layer)) or decode_mamba.shared_mlp_unsupported(layer)
+            if reason is not None:
+                return f"Mamba-2 layers ({model_type}): {reason}"
+        delta = hybrid and decode_delta.is_delta(layer) or mamba
+        if delta and not mamba:
             reason = decode_delta.unsupported(layer.linear_attn)
             if reason is not None:
                 return f"gated delta-net layers ({model_type}): {reason}"
@@ -194,14 +202,20 @@ def unsupported(model: Any) -> str | None:
             if reason is not None:
                 return f"mixture-of-experts layers ({model_type}): {reason}"
             moe_linears = decode_moe.shared_modules(mlp)  # router, shared expert: checked as the projections
+            reason = decode_mamba.shared_mlp_unsupported(layer)  # Granite 4.0-H's shared MLP beside the experts
+            if reason is not None:
+                return f"mixture-of-experts layers ({model_type}): {reason}"
+            moe_linears += decode_mamba.shared_mlp_modules(layer)
             mlp = None  # the MLP's checks below do not apply
         elif (attn is None and not delta) or mlp is None or not any(
-                c.__name__ in ("MLP", "Qwen3NextMLP", "Olmo3MLP", "Glm4MLP", "ApertusMLP", "Ernie4_5_MLP") for c in type(mlp).__mro__):
+                c.__name__ in ("MLP", "Qwen3NextMLP", "Olmo3MLP", "Glm4MLP", "ApertusMLP", "Ernie4_5_MLP",
+                                    "GraniteMoeHybridMLP") for c in type(mlp).__mro__):
             return "unexpected layer layout"
         if gemma and not isinstance(mlp, gemma_mlp()):
             return "unexpected layer layout"
         fused_qkv = not delta and hasattr(attn, "qkv_proj")  # phi3
-        projections = (decode_delta.linear_modules(layer.linear_attn) if delta
+        projections = (decode_mamba.linear_modules(decode_mamba.mixer_of(layer)) if mamba
+                       else decode_delta.linear_modules(layer.linear_attn) if delta
                        else [getattr(attn, n, None) for n in (("qkv_proj",) if fused_qkv else ("q_proj", "k_proj", "v_proj"))
                              + ("o_proj",)])
         if mlp is None:
@@ -266,7 +280,7 @@ def layer_rope(attn: Any) -> Any:
     return getattr(attn, "rope", None)
 
 
-__all__ = ["EXPERT_MODULES", "GEMMA_TYPES", "HYBRID_TYPES", "LAYER_TYPE_WINDOWS", "MLX_LAYERS", "MODEL_TYPES", "MOE_TYPES",
+__all__ = ["EXPERT_MODULES", "GEMMA_TYPES", "HYBRID_TYPES", "LAYER_TYPE_WINDOWS", "MODEL_TYPES", "MOE_TYPES",
            "MULTIPLIER_TYPES", "NO_ROPE", "PARALLEL_TYPES", "POST_NORM_TYPES", "Q_TEMPERATURE_TYPES",
            "ACTIVATIONS", "LAYER_NORM_TYPES", "MLP_PROJECTIONS", "layer_rope", "attention_shape", "head_module", "rotated_dims",
            "sliding_layers", "unsupported"]

@@ -102,6 +102,7 @@ class LayerWeights:
     qkv: LinearWeights | None = None  # phi3: q, k and v in one projection (then q, k, v are None)
     gate_up: LinearWeights | None = None  # phi3, glm4: gate and up in one projection (then gate, up are None)
     xielu: tuple[float, float, float, float] | None = None  # Apertus's activation: alpha_p, alpha_n, beta, eps
+    mamba: Any = None  # a Mamba-2 mixer in place of attention (decode_mamba.MambaWeights), or None
 
 
 @dataclass
@@ -131,7 +132,8 @@ def attention_heads(attn: Any) -> tuple[int, int, float] | None:
     (``n_heads``, ``n_kv_heads``, ``scale``; gpt-oss's ``num_attention_heads``,
     ``num_key_value_heads``, ``sm_scale``; OLMo 3's with ``scale``), or None where it has none of them set."""
     for names in (("n_heads", "n_kv_heads", "scale"), ("num_attention_heads", "num_key_value_heads", "sm_scale"),
-                  ("num_attention_heads", "num_key_value_heads", "scale")):
+                  ("num_attention_heads", "num_key_value_heads", "scale"),
+                  ("num_heads", "num_key_value_heads", "scale")):  # Nemotron-H's
         if all(hasattr(attn, n) for n in names):
             heads, kv_heads, scale = (getattr(attn, n) for n in names)
             return int(heads), int(kv_heads), float(scale)

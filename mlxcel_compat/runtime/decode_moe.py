@@ -46,6 +46,7 @@ GATING = {
     "Qwen3NextSparseMoeBlock": "softmax",  # qwen3_5_moe: norm_topk_prob; a shared expert behind its sigmoid gate
     "gpt_oss.MLPBlock": "topk_softmax",  # gpt-oss: biases on the router and every expert, clamped SwiGLU
     "GraniteMoeMoE": "topk_softmax",  # granitemoe: its router's ``layer``, no biases
+    "GraniteMoeHybridMoE": "topk_softmax",  # granitemoehybrid: granitemoe's (its shared MLP: decode_mamba.py)
     "Ernie4_5_MoeMLP": "softmax",  # ernie4_5_moe (its softmax gate only): renormalised; ungated shared experts
     # glm4_moe: sigmoid scores, the k largest of scores + e_score_correction_bias chosen, weighted by
     # the scores alone (renormalised by norm_topk_prob), times routed_scaling_factor; one expert group

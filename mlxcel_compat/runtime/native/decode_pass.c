@@ -27,6 +27,7 @@
 #include "decode_pass.h"
 #include "delta_net.h"
 #include "kv_rows.h"
+#include "mamba2.h"
 #include "thread_pool.h"
 
 /* A norm's gain as the model applies it (Gemma's 1 + w already added), or w NULL where absent. */
@@ -51,6 +52,7 @@ struct mlxcel_layer {
      * then q, k, v or gate, up have n == 0) */
     struct mlxcel_linear qkv, gate_up;
     float xielu[4]; /* Apertus's xIELU: alpha_p, alpha_n (softplus-ed as mlx-lm does), beta, eps */
+    const struct mlxcel_mamba *mamba; /* a Mamba-2 mixer in place of attention (mamba2.c), or NULL */
 };
 
 struct mlxcel_model {
@@ -75,6 +77,8 @@ struct mlxcel_model {
  * and the ungated ones of an MLP without a gate (up, act, down): exact GELU (starcoder2), xIELU
  * (Apertus). */
 enum { MLXCEL_ACT_SWIGLU = 0, MLXCEL_ACT_GELU_TANH_GATE = 1, MLXCEL_ACT_GELU_ERF = 2, MLXCEL_ACT_XIELU = 3 };
+/* Nemotron-H's MLP without a gate: relu(x)^2 (mamba2.c's mlxcel_relu2). */
+enum { MLXCEL_ACT_RELU2 = 4 };
 
 /* A pass's activations, rows contiguous (row widths: hidden, heads * d, kv_heads * d, inter, vocab). */
 struct mlxcel_buffers {
@@ -223,6 +227,22 @@ static void delta_mixer(const struct mlxcel_model *m, int i, const struct mlxcel
 }
 
 
+/* A Mamba-2 layer's mixer (mamba2.c) on each row's (or chunk's) conv and SSM state, where its
+ * struct mlxcel_kv's keys and values point. */
+static void mamba_mixer(const struct mlxcel_model *m, int i, const struct mlxcel_buffers *b, int rows,
+                        const int *segments, int n_segments, const struct mlxcel_kv *kv, int tiles,
+                        const double *scales, int n_adapters) {
+    static __thread struct mlxcel_scratch state_scratch;
+    int units = segments ? n_segments : rows;
+    float **states = mlxcel_scratch(&state_scratch, sizeof(float *) * 2 * (size_t)units);
+    for (int u = 0; u < units; u++) {
+        states[u] = kv[(size_t)u * m->n_layers + i].keys;
+        states[units + u] = kv[(size_t)u * m->n_layers + i].values;
+    }
+    mlxcel_mamba_layer(m->layers[i].mamba, rows, segments, n_segments, b->h, b->x, states, states + units, tiles,
+                       scales, n_adapters, m->residual_scale);
+}
+
 /* A prompt chunk's attention on a sliding layer's ring (s->capacity slots, at most the window: a
  * ring shorter than the window holds every position so far; s->n of them valid, the oldest at
  * s->write once full): the ring's newest min(window - 1, n) slots in order, then the chunk's rows,
@@ -281,6 +301,10 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         pre_norm(&L->n1, b->x, b->h, rows, hidden);
         if (L->delta) {
             delta_mixer(m, i, b, rows, segments, n_segments, kv, tiles, scales, n_adapters);
+            goto mlp;
+        }
+        if (L->mamba) {
+            mamba_mixer(m, i, b, rows, segments, n_segments, kv, tiles, scales, n_adapters);
             goto mlp;
         }
         const struct mlxcel_linear *qkv[3] = {&L->q, &L->k, &L->v};
@@ -382,6 +406,7 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
             product(&L->o, rows, b->att, b->x, 1.0f, tiles, scales, n_adapters);
         }
     mlp:
+        if (!L->moe && !L->gate.n && !L->up.n && !L->gate_up.n) continue; /* a layer without an MLP (Nemotron-H's) */
         if (!m->parallel) pre_norm(&L->n2, b->x, b->h, rows, hidden); /* cohere2's MLP reads the same h */
         if (L->moe) {
             if (mlxcel_moe_layer(L->moe, rows, hidden, b->h, b->x, b->gate, b->up, b->branch, tiles, scales, n_adapters,
@@ -402,6 +427,7 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         }
         if (m->act == MLXCEL_ACT_GELU_TANH_GATE) mlxcel_gelu_tanh_gate(b->gate, b->up, rows * ffn);
         else if (m->act == MLXCEL_ACT_GELU_ERF) mlxcel_gelu_erf(b->gate, rows * ffn);
+        else if (m->act == MLXCEL_ACT_RELU2) mlxcel_relu2(b->gate, rows * ffn);
         else if (m->act == MLXCEL_ACT_XIELU)
             mlxcel_xielu(b->gate, rows * ffn, L->xielu[0], L->xielu[1], L->xielu[2], L->xielu[3]);
         else mlxcel_swiglu(b->gate, b->up, rows * ffn);

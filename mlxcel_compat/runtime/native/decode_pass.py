@@ -60,11 +60,20 @@ class DeltaStruct(ctypes.Structure):
                 ("eps", _F), *((name, _I) for name in ("k_heads", "v_heads", "k_dim", "v_dim", "kernel"))]
 
 
+class MambaStruct(ctypes.Structure):
+    """``struct mlxcel_mamba`` (mamba2.h)."""
+
+    _fields_ = [("in_", LinearStruct), ("out", LinearStruct),
+                *((name, _P) for name in ("conv", "conv_bias", "decay", "dt_bias", "skip", "norm")),
+                *((name, _F) for name in ("eps", "dt_min", "dt_max")),
+                *((name, _I) for name in ("heads", "head_dim", "d_state", "groups", "kernel", "norm_group"))]
+
+
 class LayerStruct(ctypes.Structure):
     _fields_ = [*((name, LinearStruct) for name in ("q", "k", "v", "o", "gate", "up", "down")),
                 *((name, NormStruct) for name in ("n1", "n2", "q_norm", "k_norm", "attn_out", "mlp_out")),
                 ("rope", _I), ("moe", _P), ("delta", _P), ("gated_q", _I), ("sinks", _P),
-                ("qkv", LinearStruct), ("gate_up", LinearStruct), ("xielu", _F * 4)]
+                ("qkv", LinearStruct), ("gate_up", LinearStruct), ("xielu", _F * 4), ("mamba", _P)]
 
 
 class ModelStruct(ctypes.Structure):
@@ -76,7 +85,7 @@ class ModelStruct(ctypes.Structure):
 
 
 # struct mlxcel_model's act (MLXCEL_ACT_*): the MLP's activation, by CpuDecoder.act.
-ACT_CODES = {"swiglu": 0, "gelu_tanh_gate": 1, "gelu_erf": 2, "xielu": 3}
+ACT_CODES = {"swiglu": 0, "gelu_tanh_gate": 1, "gelu_erf": 2, "xielu": 3, "relu2": 4}
 
 BUFFER_NAMES = ("x", "h", "branch", "q", "k_new", "v_new", "att", "gate", "up", "logits", "q_scale")
 
@@ -195,6 +204,22 @@ def _delta(delta: Any, keep: list[Any]) -> int:
     return ctypes.addressof(s)
 
 
+def _mamba(mamba: Any, keep: list[Any]) -> int:
+    """``struct mlxcel_mamba`` of a ``decode_mamba.MambaWeights`` (kept alive in ``keep``), its
+    address; 0 for None."""
+    if mamba is None:
+        return 0
+    s = MambaStruct(in_=_linear(mamba.in_proj, keep), out=_linear(mamba.out, keep),
+                    conv=mamba.conv.ctypes.data,
+                    conv_bias=mamba.conv_bias.ctypes.data if mamba.conv_bias is not None else None,
+                    decay=mamba.decay.ctypes.data, dt_bias=mamba.dt_bias.ctypes.data, skip=mamba.skip.ctypes.data,
+                    norm=mamba.norm.ctypes.data, eps=mamba.eps, dt_min=mamba.dt_min, dt_max=mamba.dt_max,
+                    heads=mamba.heads, head_dim=mamba.head_dim, d_state=mamba.d_state, groups=mamba.groups,
+                    kernel=mamba.kernel, norm_group=mamba.norm_group)
+    keep.append(s)
+    return ctypes.addressof(s)
+
+
 def _norm(norm: Any) -> NormStruct:
     if norm is None:
         return NormStruct()
@@ -217,6 +242,7 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
             s.sinks = layer.sinks.ctypes.data
         if layer.xielu is not None:
             s.xielu = (_F * 4)(*layer.xielu)
+        s.mamba = _mamba(layer.mamba, keep)
     keep.append(layers)
     rope_traditional = decoder.angles.traditional
     traditional = (_I * 2)(*[int(t) for t in rope_traditional] + [0] * (2 - len(rope_traditional)))
@@ -242,6 +268,8 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
                         for layer in decoder.layers if layer.moe is not None)
     weight_bytes += sum(_weight_bytes(lin) for layer in decoder.layers if layer.delta is not None
                         for lin in layer.delta.linears)
+    weight_bytes += sum(_weight_bytes(lin) for layer in decoder.layers if layer.mamba is not None
+                        for lin in layer.mamba.linears)
     weight_bytes += _weight_bytes(decoder.head)
     return NativeModel(struct, keep, fns[0], fns[1], weight_bytes <= GIL_HELD_WEIGHT_BYTES_MAX)
 
