@@ -146,7 +146,7 @@ def test_granite_hybrid_follows_mlx_step_for_step(granite: tuple) -> None:
     assert all(layer.mamba is not None for layer in (decoder.layers[i] for i in decoder.delta_layers))
     assert decoder.layers[2].mamba is None and decoder.layers[2].q is not None
     assert all(layer.moe is not None and layer.moe.shared_gate is not None for layer in decoder.layers)
-    assert decoder.residual_scale == pytest.approx(0.22) and decoder.logits_scaling == np.float32(6.0)
+    assert decoder.residual_scale == pytest.approx(0.22) and decoder.logit_transform.divisor == 6.0
     ours = prefilled(model, 30)
     theirs = copy.deepcopy(ours)
     owned = decode_kv.OwnedCache()
