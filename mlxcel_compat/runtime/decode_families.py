@@ -34,7 +34,9 @@ head) and ``glm4`` (fused gate-up, four norms a layer, half of each head rotated
 ``ministral3`` (Llama 4's attention temperature: the queries scaled by position), ``starcoder2``
 (LayerNorms with biases, biases everywhere, an MLP without a gate: exact GELU), ``cohere2``
 (attention and MLP in parallel from one LayerNorm, sliding layers with RoPE and global ones
-without, logits times ``logit_scale``) and ``apertus`` (an MLP without a gate: xIELU).
+without, logits times ``logit_scale``), ``apertus`` (an MLP without a gate: xIELU) and ``gemma2``
+(Gemma 3's layer without q/k norms, attention logit soft-capping in the attention kernels:
+``decode_gemma2.py``).
 Anything else (MLX-quantized weights, other families, a llama with sliding layers) keeps MLX's
 step; ``cpu_decode.build`` says why.
 """
@@ -54,7 +56,7 @@ from mlxcel_compat.runtime.decode_layers import attention_heads, gemma_mlp, gemm
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
                "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "granite", "seed_oss", "ernie4_5",
                "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3", "starcoder2",
-               "cohere2", "apertus", "ernie4_5_moe", "glm4_moe")
+               "cohere2", "apertus", "ernie4_5_moe", "glm4_moe", "gemma2")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "ernie4_5_moe",
@@ -79,13 +81,15 @@ MLP_PROJECTIONS = {"starcoder2": ("c_fc", "c_proj"), "apertus": ("up_proj", "dow
 # Families whose attention and MLP both read the layer's one norm, their outputs summed (cohere2).
 PARALLEL_TYPES = ("cohere2",)
 # The MLP's activation by family (decode_pass.ACT_CODES); the others' is SwiGLU.
-ACTIVATIONS = {"gemma3_text": "gelu_tanh_gate", "starcoder2": "gelu_erf", "apertus": "xielu"}
+ACTIVATIONS = {"gemma3_text": "gelu_tanh_gate", "gemma2": "gelu_tanh_gate", "starcoder2": "gelu_erf", "apertus": "xielu"}
 # Families with granite's multipliers (embedding, residual branches, logits).
 MULTIPLIER_TYPES = ("granitemoe", "granite")
 # mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
 EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU",  # BlockSwitchGLU: block_experts.py
                   "FusedGateUpSwitchGLU")  # Gemma 4's fused gate-up experts (gguf/stored_parts.py)
-GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, sliding windows
+# the Gemma layer: GELU gating, 1 + w norms (Gemma 3's sliding windows and per-head q/k norms;
+# Gemma 2's attention soft-capping: decode_gemma2.py)
+GEMMA_TYPES = ("gemma3_text", "gemma2")
 # Hybrid and recurrent families: the layers the runtime does not run yet, named in the start-up
 # log's reason (a later task moves recurrent state and experts onto the runtime).
 MLX_LAYERS = {
@@ -210,7 +214,7 @@ def unsupported(model: Any) -> str | None:
                 not delta and attention_shape(attn) is None):
             return "unexpected attention layout"
         norms = [getattr(layer, n, None) for n in norm_names]
-        norms += [getattr(attn, n, None) for n in ("q_norm", "k_norm") if not delta and (gemma or hasattr(attn, n))]
+        norms += [getattr(attn, n, None) for n in ("q_norm", "k_norm") if not delta and hasattr(attn, n)]
         if not all(isinstance(n, norm_type) for n in norms):
             return "norms other than Gemma's RMSNorm" if gemma else "norms other than RMSNorm"
         dims = None if delta else rotated_dims(layer_rope(attn), attention_shape(attn)[2])
