@@ -9,7 +9,7 @@ sliding window is not mlx-lm's, ``gguf/arch_dense.py`` logs it). What differs is
 - the attention's scores are soft-capped, ``tanh(s / cap) * cap`` with ``s`` the product of the
   queries already times ``1 / sqrt(query_pre_attn_scalar)`` and the keys, before the mask and
   the softmax. The C pass then takes the plain softmax scale (not times log2 e, as every other
-  family's) and its ``_capped`` attention kernels (``native/attention.c``) apply the cap and log2 e
+  family's) and its ``_capped`` attention kernels (the native layer's) apply the cap and log2 e
   to each score;
 - the embedding is scaled by ``hidden ** 0.5`` as a Python float (MLX rounds it to float32),
   where Gemma 3 rounds the factor through bfloat16 first;
