@@ -47,7 +47,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxcel_compat.runtime import decode_delta, decode_gemma2, decode_moe, kv_precision, ring_chunks
+from mlxcel_compat.runtime import decode_delta, decode_exaone, decode_gemma2, decode_moe, kv_precision, ring_chunks
 from mlxcel_compat.runtime.block_layers import BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_families import (ACTIVATIONS, GEMMA_TYPES, MULTIPLIER_TYPES, PARALLEL_TYPES,
                                                    Q_TEMPERATURE_TYPES, attention_shape, head_module, layer_rope,
@@ -85,6 +85,7 @@ def build(model: Any, shim: Any) -> "CpuDecoder | str":
         return "the BLAS shim's kernels are not loaded"
     if not hasattr(shim.lib, "mlxcel_decode_pass"):  # a library built from an older source
         return "the loaded shim has no decode-step kernels"
+    model = decode_exaone.runtime_view(model)  # EXAONE 3.5: its modules under llama's names
     reason = unsupported(model)
     if reason is not None:
         return reason

@@ -34,9 +34,10 @@ head) and ``glm4`` (fused gate-up, four norms a layer, half of each head rotated
 ``ministral3`` (Llama 4's attention temperature: the queries scaled by position), ``starcoder2``
 (LayerNorms with biases, biases everywhere, an MLP without a gate: exact GELU), ``cohere2``
 (attention and MLP in parallel from one LayerNorm, sliding layers with RoPE and global ones
-without, logits times ``logit_scale``), ``apertus`` (an MLP without a gate: xIELU) and ``gemma2``
+without, logits times ``logit_scale``), ``apertus`` (an MLP without a gate: xIELU), ``gemma2``
 (Gemma 3's layer without q/k norms, attention logit soft-capping in the attention kernels:
-``decode_gemma2.py``).
+``decode_gemma2.py``) and ``exaone`` (EXAONE 3.5: llama's layer under its own module names,
+seen through ``decode_exaone.runtime_view``).
 Anything else (MLX-quantized weights, other families, a llama with sliding layers) keeps MLX's
 step; ``cpu_decode.build`` says why.
 """
@@ -49,14 +50,14 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel_compat.runtime import decode_delta, decode_moe
+from mlxcel_compat.runtime import decode_delta, decode_exaone, decode_moe
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_layers import attention_heads, gemma_mlp, gemma_norm, head_dim, layer_mlp
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
                "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "granite", "seed_oss", "ernie4_5",
                "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3", "starcoder2",
-               "cohere2", "apertus", "ernie4_5_moe", "glm4_moe", "gemma2")
+               "cohere2", "apertus", "ernie4_5_moe", "glm4_moe", "gemma2", "exaone")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "ernie4_5_moe",
@@ -150,6 +151,7 @@ def head_module(model: Any) -> Any:
 
 def unsupported(model: Any) -> str | None:
     """Why this model's decode steps stay in MLX, or None if :class:`CpuDecoder` runs them."""
+    model = decode_exaone.runtime_view(model)  # EXAONE 3.5: its modules under llama's names
     model_type = getattr(getattr(model, "args", None), "model_type", None)
     if model_type in MLX_LAYERS:
         return f"model type {model_type!r}: its {MLX_LAYERS[model_type]} run in MLX's step"
@@ -197,7 +199,7 @@ def unsupported(model: Any) -> str | None:
             moe_linears = decode_moe.shared_modules(mlp)  # router, shared expert: checked as the projections
             mlp = None  # the MLP's checks below do not apply
         elif (attn is None and not delta) or mlp is None or not any(
-                c.__name__ in ("MLP", "Qwen3NextMLP", "Olmo3MLP", "Glm4MLP", "ApertusMLP", "Ernie4_5_MLP") for c in type(mlp).__mro__):
+                c.__name__ in ("MLP", "Qwen3NextMLP", "Olmo3MLP", "Glm4MLP", "ApertusMLP", "Ernie4_5_MLP", "ExaoneMLP") for c in type(mlp).__mro__):
             return "unexpected layer layout"
         if gemma and not isinstance(mlp, gemma_mlp()):
             return "unexpected layer layout"
