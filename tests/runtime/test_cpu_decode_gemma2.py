@@ -200,7 +200,7 @@ def test_the_capped_kernels_refuse_what_does_not_fit() -> None:
 
 @pytest.fixture(scope="module")
 def gemma2() -> Any:
-    loaded = load_model(str(tiny_model("gemma2")), [])
+    loaded = load_model(str(tiny_model("gemma2:f32")), [])
     assert isinstance(loaded.decoder, cpu_decode.CpuDecoder), cpu_decode.unsupported(loaded.model)
     return loaded
 
@@ -289,7 +289,7 @@ def test_16_bit_and_q8_0_kv(kind: str, rtol: float) -> None:
     """With -ctk/-ctv f16 and q8_0: a cold 90-token prompt as one chunk stores MLX's KV (q8_0: the
     very blocks) with the last row's logits to float32 rounding; then 8 steps within ``rtol`` of
     MLX's over its own copy (q8_0: the query quantized as ggml's), the same token where decided."""
-    loaded = load_model(str(tiny_model("gemma2")), [], options=LoadOptions(kv_types=KvTypes(kind, kind)))
+    loaded = load_model(str(tiny_model("gemma2:f32")), [], options=LoadOptions(kv_types=KvTypes(kind, kind)))
     model, decoder = loaded.model, loaded.decoder
     assert isinstance(decoder, cpu_decode.CpuDecoder) and decoder.kv.codes == (CODES[kind],) * 2
     prompt = ids(90)
@@ -312,7 +312,7 @@ def test_16_bit_and_q8_0_kv(kind: str, rtol: float) -> None:
 
 @pytest.mark.parametrize("gguf_type", ["q8_0", pytest.param("q4_0", marks=pytest.mark.slow)])
 def test_the_quantized_gguf_follows_mlx_step_for_step(gguf_type: str) -> None:
-    """The tiny gemma2's GGUF (every projection and the tied embedding in blocks): 20 teacher-forced
+    """The tiny gemma2's GGUF (every projection and the tied embedding in blocks): 12 teacher-forced
     steps from each of two prompts within BLOCK_RTOL of MLX's step on the same block model, the
     same token where decided. Most steps are bit-identical but for the final cap's tanh: the same
     ggml products on the same activations (the attention's cap is libm's tanhf, which gives MLX's
@@ -328,7 +328,7 @@ def test_the_quantized_gguf_follows_mlx_step_for_step(gguf_type: str) -> None:
     for n, seed in ((40, 0), (150, 1)):
         ours = prefilled(model, n, seed)
         theirs, owned, token = copy.deepcopy(ours), decode_kv.OwnedCache(), 11
-        for step in range(20):
+        for step in range(12):
             got, want = decoder.step(token, ours, owned).copy(), mlx_logits(model, token, theirs)
             assert _close(got, want, BLOCK_RTOL), (n, step)
             first, second = np.sort(want)[-2:][::-1]
@@ -338,7 +338,7 @@ def test_the_quantized_gguf_follows_mlx_step_for_step(gguf_type: str) -> None:
             total += 1
             token = int(want.argmax())
     print(f"gemma2 {gguf_type}: {exact} of {total} steps bit-identical to MLX's but for the final tanh")
-    assert exact >= total // 2  # measured: 40 of 40 (q8_0 and q4_0)
+    assert exact >= total // 2  # measured: 24 of 24 (q8_0 and q4_0; and 40 of 40 over 20 steps a prompt)
 
 
 def test_the_engine_runs_the_gguf_on_the_runtime_and_a_hit_equals_the_cold_run() -> None:
