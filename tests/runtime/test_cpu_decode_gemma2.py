@@ -342,8 +342,9 @@ def test_the_quantized_gguf_follows_mlx_step_for_step(gguf_type: str) -> None:
 
 
 def test_the_engine_runs_the_gguf_on_the_runtime_and_a_hit_equals_the_cold_run() -> None:
-    """Through the engine on the Q8_0 GGUF: the runtime takes the steps and the hit's rest, and
-    a prompt-cache hit gives the cold run's tokens and log-probabilities."""
+    """Through the engine on the Q8_0 GGUF: the runtime takes the steps and a hit's longer rest, and
+    a prompt-cache hit gives the cold run's tokens and log-probabilities; a short rest MLX prefills
+    too (the final cap applied by ``forward.last_row_logits``)."""
     from tests.engine.harness import EngineHarness
 
     h = EngineHarness(ensure_gguf("gemma2", "tiny", "q8_0", cache_dir=MODEL_CACHE), batch_size=32)
@@ -359,5 +360,12 @@ def test_the_engine_runs_the_gguf_on_the_runtime_and_a_hit_equals_the_cold_run()
         cold = h.run(second, n_predict=10, n_probs=3, cache=False)
         assert warm.tokens == cold.tokens
         assert warm.logprobs == cold.logprobs  # bit-identical: the hit's rest and the steps on the runtime
+        # A short rest (5 tokens) MLX prefills: its last row's logits through forward.last_row_logits,
+        # the final cap included (MLX's tanh there, NumPy's in the cold run: the last bits only).
+        short = shared + ids(5, seed=24)
+        warm, cold = h.run(short, n_predict=6, n_probs=3), h.run(short, n_predict=6, n_probs=3, cache=False)
+        assert warm.finish.n_cached >= 32 and warm.tokens == cold.tokens
+        assert all(w.keys() == c.keys() and all(abs(w[t] - c[t]) <= 1e-5 for t in w)
+                   for w, c in zip(warm.logprobs, cold.logprobs))
     finally:
         h.close()
