@@ -47,8 +47,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxcel_compat.runtime import (decode_delta, decode_gemma4, decode_mamba, decode_moe, decode_nemotron, kv_precision,
-                                  ring_chunks)
+from mlxcel_compat.runtime import (decode_delta, decode_exaone, decode_gemma2, decode_gemma4, decode_mamba, decode_moe,
+                                  decode_nemotron, kv_precision, ring_chunks)
 from mlxcel_compat.runtime.block_layers import BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_families import (ACTIVATIONS, GEMMA_TYPES, MULTIPLIER_TYPES, PARALLEL_TYPES,
                                                    Q_TEMPERATURE_TYPES, attention_shape, head_module, layer_rope,
@@ -86,6 +86,7 @@ def build(model: Any, shim: Any) -> "CpuDecoder | str":
         return "the BLAS shim's kernels are not loaded"
     if not hasattr(shim.lib, "mlxcel_decode_pass"):  # a library built from an older source
         return "the loaded shim has no decode-step kernels"
+    model = decode_exaone.runtime_view(model)  # EXAONE 3.5: its modules under llama's names
     reason = unsupported(model)
     if reason is not None:
         return reason
@@ -114,6 +115,10 @@ class CpuDecoder:
         self.n_heads, self.n_kv_heads, self.head_dim = attention_shape(attn0)
         heads = attention_heads(attn0)  # gpt-oss's scale is its sm_scale
         self.scale = (heads[2] if heads is not None else float(attn0.scale)) * LOG2E
+        # Gemma 2's attention soft-cap (0: none): its kernels take the plain scale, log2 e after the cap
+        self.attn_softcap = decode_gemma2.attention_softcap(model)
+        if self.attn_softcap:
+            self.scale = float(attn0.scale)
         dims = rotated_dims(layer_rope(attn0), self.head_dim)
         self.rope_dims = dims if dims != self.head_dim else 0  # a partial RoPE (the hybrids', phi3's, glm4's)
         # RoPE modules by layer kind: mlx-lm builds every layer of a kind from the same arguments
@@ -128,9 +133,9 @@ class CpuDecoder:
         self.angles = RopeAngles([layer_rope(inner.layers[firsts[kind]].self_attn) for kind in order],
                                  self.rope_dims or self.head_dim)
         self.embed = block_weight_of(inner.embed_tokens) or float32_array(inner.embed_tokens.weight)
-        # gemma3 scales the embedding by sqrt(hidden) rounded to bfloat16 (its own expression)
+        # Gemma scales the embedding by sqrt(hidden) (gemma3: rounded to bfloat16; its own expression)
         hidden = self.embed.shape[1]
-        self.embed_scale = np.float32(mx.array(hidden ** 0.5, mx.bfloat16).astype(mx.float32).item()) if self.gemma else None
+        self.embed_scale = decode_gemma2.embedding_scale(model, hidden) if self.gemma else None
         # granitemoe's multipliers: the embedding's, each branch's before its residual sum (the C
         # loop's residual_scale; 0: none), and the logits divided by logits_scaling
         granite = model.args.model_type in MULTIPLIER_TYPES

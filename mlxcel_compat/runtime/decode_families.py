@@ -34,7 +34,10 @@ head) and ``glm4`` (fused gate-up, four norms a layer, half of each head rotated
 ``ministral3`` (Llama 4's attention temperature: the queries scaled by position), ``starcoder2``
 (LayerNorms with biases, biases everywhere, an MLP without a gate: exact GELU), ``cohere2``
 (attention and MLP in parallel from one LayerNorm, sliding layers with RoPE and global ones
-without, logits times ``logit_scale``) and ``apertus`` (an MLP without a gate: xIELU).
+without, logits times ``logit_scale``), ``apertus`` (an MLP without a gate: xIELU), ``gemma2``
+(Gemma 3's layer without q/k norms, attention logit soft-capping in the attention kernels:
+``decode_gemma2.py``) and ``exaone`` (EXAONE 3.5: llama's layer under its own module names,
+seen through ``decode_exaone.runtime_view``).
 ``gemma4_text`` (dense and with experts) has its own decoder and pass (``decode_gemma4.py``: per-layer
 head sizes, KV sharing, per-layer embeddings), which :func:`unsupported` asks.
 The Mamba-2 hybrids: ``granitemoehybrid`` (Granite 4.0-H: Mamba-2 layers, ``decode_mamba.py``,
@@ -54,7 +57,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel_compat.runtime import decode_delta, decode_gemma4, decode_mamba, decode_moe, decode_nemotron
+from mlxcel_compat.runtime import decode_delta, decode_exaone, decode_gemma4, decode_mamba, decode_moe, decode_nemotron
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_layers import attention_heads, gemma_mlp, gemma_norm, head_dim, layer_mlp
 
@@ -62,7 +65,7 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe",
                "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "granite", "seed_oss", "ernie4_5",
                "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3", "starcoder2",
                "cohere2", "apertus", "ernie4_5_moe", "glm4_moe", "gemma4_text", "granitemoehybrid",
-               "nemotron_h")
+               "nemotron_h", "gemma2", "exaone")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "ernie4_5_moe",
@@ -87,13 +90,16 @@ MLP_PROJECTIONS = {"starcoder2": ("c_fc", "c_proj"), "apertus": ("up_proj", "dow
 # Families whose attention and MLP both read the layer's one norm, their outputs summed (cohere2).
 PARALLEL_TYPES = ("cohere2",)
 # The MLP's activation by family (decode_pass.ACT_CODES); the others' is SwiGLU.
-ACTIVATIONS = {"gemma3_text": "gelu_tanh_gate", "starcoder2": "gelu_erf", "apertus": "xielu", "nemotron_h": "relu2"}
+ACTIVATIONS = {"gemma3_text": "gelu_tanh_gate", "gemma2": "gelu_tanh_gate", "starcoder2": "gelu_erf", "apertus": "xielu",
+               "nemotron_h": "relu2"}
 # Families with granite's multipliers (embedding, residual branches, logits).
 MULTIPLIER_TYPES = ("granitemoe", "granite", "granitemoehybrid")
 # mlx-lm's stacked-expert modules (switch_layers.py): in another family, an MoE layer the decode pass has no kernel for.
 EXPERT_MODULES = ("SwitchGLU", "SwitchMLP", "BlockSwitchGLU",  # BlockSwitchGLU: block_experts.py
                   "FusedGateUpSwitchGLU")  # Gemma 4's fused gate-up experts (gguf/stored_parts.py)
-GEMMA_TYPES = ("gemma3_text",)  # the Gemma 3 layer: GELU gating, 1 + w norms, sliding windows
+# the Gemma layer: GELU gating, 1 + w norms (Gemma 3's sliding windows and per-head q/k norms;
+# Gemma 2's attention soft-capping: decode_gemma2.py)
+GEMMA_TYPES = ("gemma3_text", "gemma2")
 
 @dataclass(frozen=True)
 class LogitTransform:
@@ -147,7 +153,8 @@ def head_module(model: Any) -> Any:
 
 def unsupported(model: Any) -> str | None:
     """Why this model's decode steps stay in MLX, or None if :class:`CpuDecoder` runs them."""
-    model = decode_nemotron.decoder_view(model)  # Nemotron-H's blocks paired into the decoder's layers
+    # Nemotron-H's blocks paired into the decoder's layers; EXAONE 3.5's modules under llama's names
+    model = decode_exaone.runtime_view(decode_nemotron.decoder_view(model))
     model_type = getattr(getattr(model, "args", None), "model_type", None)
     if model_type == decode_gemma4.MODEL_TYPE:  # its own decoder and pass (decode_gemma4.py)
         return decode_gemma4.unsupported(model)
@@ -209,7 +216,7 @@ def unsupported(model: Any) -> str | None:
             mlp = None  # the MLP's checks below do not apply
         elif (attn is None and not delta) or mlp is None or not any(
                 c.__name__ in ("MLP", "Qwen3NextMLP", "Olmo3MLP", "Glm4MLP", "ApertusMLP", "Ernie4_5_MLP",
-                                    "GraniteMoeHybridMLP") for c in type(mlp).__mro__):
+                               "GraniteMoeHybridMLP", "ExaoneMLP") for c in type(mlp).__mro__):
             return "unexpected layer layout"
         if gemma and not isinstance(mlp, gemma_mlp()):
             return "unexpected layer layout"
@@ -227,7 +234,7 @@ def unsupported(model: Any) -> str | None:
                 not delta and attention_shape(attn) is None):
             return "unexpected attention layout"
         norms = [getattr(layer, n, None) for n in norm_names]
-        norms += [getattr(attn, n, None) for n in ("q_norm", "k_norm") if not delta and (gemma or hasattr(attn, n))]
+        norms += [getattr(attn, n, None) for n in ("q_norm", "k_norm") if not delta and hasattr(attn, n)]
         if not all(isinstance(n, norm_type) for n in norms):
             return "norms other than Gemma's RMSNorm" if gemma else "norms other than RMSNorm"
         dims = None if delta else rotated_dims(layer_rope(attn), attention_shape(attn)[2])

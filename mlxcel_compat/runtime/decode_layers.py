@@ -150,18 +150,22 @@ def head_dim(attn: Any) -> int:
     return rows // attention_heads(attn)[0]
 
 
-def gemma_norm() -> type:
-    """mlx-lm's Gemma RMS norm (it scales by ``1 + w``; nn.RMSNorm by ``w``)."""
+def gemma_norm() -> tuple[type, ...]:
+    """mlx-lm's Gemma RMS norms, Gemma 3's and Gemma 2's (they scale by ``1 + w``; nn.RMSNorm by ``w``)."""
     from mlx_lm.models.gemma3_text import RMSNorm
 
-    return RMSNorm
+    from mlxcel_compat.runtime.decode_gemma2 import gemma2_classes
+
+    return RMSNorm, gemma2_classes()[0]
 
 
-def gemma_mlp() -> type:
-    """mlx-lm's Gemma 3 MLP: ``down(gelu_approx(gate(x)) * up(x))``."""
+def gemma_mlp() -> tuple[type, ...]:
+    """mlx-lm's Gemma 3 and Gemma 2 MLPs: ``down(gelu_approx(gate(x)) * up(x))``."""
     from mlx_lm.models.gemma3_text import MLP
 
-    return MLP
+    from mlxcel_compat.runtime.decode_gemma2 import gemma2_classes
+
+    return MLP, gemma2_classes()[1]
 
 
 def layer_mlp(layer: Any) -> Any:
@@ -221,7 +225,7 @@ def layer_weights(layer: Any, rope: int, gemma: bool, moe: Any = None, sliding: 
     if gemma:  # post_attention_layernorm norms the attention's output; pre_feedforward the MLP's input
         return LayerWeights(n1=norm(layer.input_layernorm), n2=norm(layer.pre_feedforward_layernorm),
                             attn_out=norm(layer.post_attention_layernorm), mlp_out=norm(layer.post_feedforward_layernorm),
-                            sliding=bool(a.is_sliding), **common)
+                            sliding=bool(getattr(a, "is_sliding", False)), **common)  # Gemma 2: none
     if hasattr(layer, "attention_layernorm"):  # Apertus's names
         return LayerWeights(n1=norm(layer.attention_layernorm), n2=norm(layer.feedforward_layernorm),
                             sliding=sliding, **common)

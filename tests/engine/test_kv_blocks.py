@@ -1,6 +1,6 @@
 """KV stored as ggml's q8_0 and q4_0 blocks (-ctk/-ctv q8_0, q4_0: runtime/kv_blocks.py) on a real
-engine: the tiny mistral (llama's shape with a head size of 32: one block a row) on the CPU decode
-runtime, and the tiny gemma2 (sliding layers, soft caps) on MLX's path alone.
+engine: the tiny mistral (llama's shape with a head size of 32: one block a row) and the tiny
+gemma2 (soft caps) on the CPU decode runtime.
 
 MLX's prefill and the CPU decode runtime's chunks and steps quantize alike and read the stored
 blocks, so an aligned hit equals the cold run bit for bit; entries hold the blocks' bytes.
@@ -23,10 +23,10 @@ BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # a block's bytes for 32 values
 @pytest.fixture(scope="module", params=["mistral:q8_0", "mistral:q4_0", "gemma2:q8_0"])
 def block_harness(request: pytest.FixtureRequest):
     """A tiny model with a head size of 32 (one block a row) storing its KV as ggml's blocks: the
-    mistral on the CPU decode runtime, gemma2 (soft caps, sliding layers) on MLX's path alone."""
+    mistral and gemma2 (soft caps) on the CPU decode runtime."""
     family, kind = request.param.split(":")
     h = EngineHarness(tiny_model(family), batch_size=CHUNK, load_options=LoadOptions(kv_types=KvTypes(kind, kind)))
-    h.precision, h.runtime = kind, family == "mistral"
+    h.precision, h.runtime = kind, family in ("mistral", "gemma2")
     yield h
     h.close()
 

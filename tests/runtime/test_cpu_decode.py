@@ -297,7 +297,8 @@ def _mlx_logits(model: nn.Module, token: int, cache: list[KVCache]) -> np.ndarra
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral", "gemma3_text", "granite", "seed_oss", "ernie4_5",
                                     "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3",
-                                    "starcoder2", "cohere2", "apertus"])
+                                    "starcoder2", "cohere2", "apertus",
+                                    pytest.param("exaone", marks=pytest.mark.slow)])  # by default: its Q8_0 row below
 def test_decoder_follows_mlx_step_for_step(family: str) -> None:
     """40 greedy steps from a 230-token prompt (the cache grows past 256 positions on the way;
     gemma3's sliding layers, a 64-position window, wrap): each step's logits within LOGITS_RTOL
@@ -424,6 +425,7 @@ def _follow_blocks(model: nn.Module, decoder: cpu_decode.CpuDecoder, prompts: li
     ("ernie4_5", "q8_0"), ("smollm3", "q4_k_m"),
     ("olmo2", "q8_0"), ("olmo3", "q4_0"), ("phi3", "q8_0"), ("glm4", "q4_k_m"),
     ("exaone4", "q8_0"), ("ministral3", "q4_0"), ("starcoder2", "q8_0"), ("cohere2", "q8_0"), ("apertus", "q8_0"),
+    ("exaone", "q8_0"),
 ])
 def test_block_models_follow_mlx_step_for_step(family: str, gguf_type: str) -> None:
     """Weights in ggml's blocks (tiny files: K-quant types fall back to Q5_0/Q8_0 mixes, as

@@ -11,6 +11,7 @@
  * attention does); a prompt chunk widens (dequantizes) each head's rows once into its float32
  * scratch.
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,6 +60,15 @@ static float exp2_shifted_row_sink(float *s, int n, const float *sink) {
     return sum;
 }
 
+/* Gemma 2's attention logit soft-capping, as mlx-lm's gemma2.py computes it: s[t] = tanh(s[t] / cap)
+ * * cap for t < n, then times log2 e for the powers of 2 (the kernels given a cap form the scores
+ * with the plain softmax scale, so the cap sees the score mlx-lm's does). cap 0: nothing (every
+ * other family: the scale already holds log2 e). */
+static void soft_cap_row(float *s, int n, float cap) {
+    if (cap == 0.0f) return;
+    for (int t = 0; t < n; t++) s[t] = tanhf(s[t] / cap) * cap * 1.4426950408889634f;
+}
+
 struct attention_job {
     const float *q;  /* (Hq, d) queries of one position */
     const float *k_new, *v_new; /* (Hk, d) its key and value, written at slot `write` first */
@@ -74,6 +84,7 @@ struct attention_job {
     const float *sinks;   /* NULL, or (Hq): each query head's sink logit times log2 e (gpt-oss) */
     const struct kv_blocks *paged; /* NULL, or the shared blocks before the cache: then the cache
                                     * holds positions from paged->n_blocked on (kv_rows.h) */
+    float softcap;        /* Gemma 2's attention soft-cap (soft_cap_row; then `scale` is the plain scale), 0: none */
 };
 
 /* KV head h of a decode step: write the new key and value, then for its `group` query heads
@@ -105,6 +116,7 @@ static void attend_head(const void *ctx, int h) {
     float *out = a->out + (size_t)h * g * d;
     for (int i = 0; i < g; i++) {
         float *s = scores + (size_t)i * n;
+        soft_cap_row(s, n, a->softcap);
         float inv = 1.0f / exp2_shifted_row_sink(s, n, a->sinks ? a->sinks + (size_t)h * g + i : NULL);
         for (int t = 0; t < n; t++) s[t] *= inv;
     }
@@ -145,6 +157,7 @@ static void attend_head_kv(const void *ctx, int h) {
     }
     for (int i = 0; i < g; i++) {
         float *s = scores + (size_t)i * n;
+        soft_cap_row(s, n, a->softcap);
         float inv = 1.0f / exp2_shifted_row_sink(s, n, a->sinks ? a->sinks + (size_t)h * g + i : NULL);
         for (int t = 0; t < n; t++) s[t] *= inv;
     }
@@ -182,6 +195,7 @@ static void attend_head_span(const void *ctx, int h) {
     kv_span_scores(a->k_type, g, d, runs, n_runs, q, scores, n);
     for (int i = 0; i < g; i++) {
         float *s = scores + (size_t)i * n;
+        soft_cap_row(s, n, a->softcap);
         float inv = 1.0f / exp2_shifted_row_sink(s, n, a->sinks ? a->sinks + (size_t)h * g + i : NULL);
         for (int t = 0; t < n; t++) s[t] *= inv;
     }
@@ -294,6 +308,7 @@ struct chunk_attention_job {
     float *values_f;       /* 16-bit values: scratch (Hk, pos + rows, d), each head's widened; else NULL */
     const float *sinks;    /* NULL, or (Hq) sink logits times log2 e (gpt-oss) */
     const struct kv_blocks *paged; /* NULL, or the shared blocks before the cache (then values_f is set) */
+    float softcap;         /* as struct attention_job's, 0: none */
 };
 
 /* KV head h: write the chunk's keys and values into the cache (or apart), then transpose the
@@ -361,6 +376,7 @@ static void chunk_attend_part(const void *ctx, int p) {
         int visible = a->pos + j0 + r % nb + 1; /* keys [lo, visible): causal, within the window */
         int lo = a->window && visible > a->window ? visible - a->window : 0;
         const float *sink = a->sinks ? a->sinks + (size_t)h * g + r / nb : NULL; /* row r: query head r / nb */
+        soft_cap_row(row + lo, visible - lo, a->softcap);
         inv[r] = 1.0f / exp2_shifted_row_sink(row + lo, visible - lo, sink);
         memset(row + first, 0, (size_t)(lo - first) * sizeof(float));
         memset(row + visible, 0, (size_t)(seen - visible) * sizeof(float));
@@ -389,7 +405,7 @@ static void chunk_attend_part(const void *ctx, int p) {
 static void chunk_attention(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
                             float *out, void *k_out, void *v_out, int rows, int kv_heads, int group, int d,
                             int pos, long capacity, float scale, int k_type, int v_type, int window,
-                            const float *sinks, const struct kv_blocks *paged) {
+                            const float *sinks, const struct kv_blocks *paged, float softcap) {
     static __thread struct mlxcel_scratch keys_t, values_f;
     int blocks = (rows + CHUNK_QUERY_BLOCK - 1) / CHUNK_QUERY_BLOCK;
     int ldk = (pos + rows + VL - 1) / VL * VL;
@@ -399,7 +415,7 @@ static void chunk_attention(const float *q, const float *k_new, const float *v_n
         : mlxcel_scratch(&values_f, (size_t)kv_heads * (pos + rows) * d * sizeof(float));
     struct chunk_attention_job a = {q, k_new, v_new, keys, values, kt, ldk, out, k_out, v_out, rows, kv_heads,
                                     group, d, pos, blocks, window, (size_t)capacity * d, scale, k_type, v_type, vf, sinks,
-                                    paged};
+                                    paged, softcap};
     mlxcel_parallel(kv_heads, chunk_write_head, &a);
     mlxcel_parallel(kv_heads * blocks, chunk_attend_part, &a);
 }
@@ -412,7 +428,7 @@ int mlxcel_chunk_attention(const float *q, const float *k_new, const float *v_ne
                            float scale, int k_type, int v_type) {
     if (rows < 1 || pos < 0 || pos + rows > capacity) return -1;
     chunk_attention(q, k_new, v_new, keys, values, out, NULL, NULL, rows, kv_heads, group, d, pos, capacity, scale,
-                    k_type, v_type, 0, NULL, NULL);
+                    k_type, v_type, 0, NULL, NULL, 0.0f);
     return 0;
 }
 
@@ -427,7 +443,7 @@ int mlxcel_chunk_attention_window(const float *q, const float *k_new, const floa
                                   float scale, int k_type, int v_type, int window, const float *sinks) {
     if (rows < 1 || pos < 0 || pos + rows > capacity || window < 0) return -1;
     chunk_attention(q, k_new, v_new, keys, values, out, NULL, NULL, rows, kv_heads, group, d, pos, capacity, scale,
-                    k_type, v_type, window, sinks, NULL);
+                    k_type, v_type, window, sinks, NULL, 0.0f);
     return 0;
 }
 
@@ -441,7 +457,7 @@ int mlxcel_chunk_attention_apart(const float *q, const float *k_new, const float
                                  int v_type) {
     if (rows < 1 || pos < 1 || pos > capacity) return -1;
     chunk_attention(q, k_new, v_new, (void *)keys, (void *)values, out, k_out, v_out, rows, kv_heads, group, d,
-                    pos, capacity, scale, k_type, v_type, 0, NULL, NULL);
+                    pos, capacity, scale, k_type, v_type, 0, NULL, NULL, 0.0f);
     return 0;
 }
 
@@ -458,6 +474,58 @@ int mlxcel_chunk_attention_paged(const float *q, const float *k_new, const float
         return -1;
     struct kv_blocks b = {blocks, n_blocked, block_tokens};
     chunk_attention(q, k_new, v_new, keys, values, out, NULL, NULL, rows, kv_heads, group, d, pos, capacity, scale,
-                    k_type, v_type, window, sinks, &b);
+                    k_type, v_type, window, sinks, &b, 0.0f);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ attention logit soft-capping
+ * Gemma 2's attention (mlx-lm's gemma2.py): the queries times the plain softmax `scale`, each
+ * score q.k then tanh(score / softcap) * softcap before the mask and the softmax. One entry for a
+ * decode step and one for a prompt chunk, each taking every form the others take (a cache it may
+ * not write: k_out set; shared blocks: n_blocked > 0; a sliding window; sinks), so the decode pass
+ * has one call for a capped model whatever its cache. softcap 0 gives the others' numbers only
+ * with `scale` times log2 e, as theirs. */
+
+/* A decode step: as mlxcel_decode_attention_paged (n_blocked > 0), else _apart at n_base = write
+ * (k_out set), else _at; `sinks` NULL or as _sinks's. Returns 0, or -1 (touching nothing). */
+int mlxcel_decode_attention_capped(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
+                                   float *out, void *k_out, void *v_out, int kv_heads, int group, int d, int write,
+                                   int n, long capacity, float scale, int k_type, int v_type, const float *sinks,
+                                   const void *const *blocks, int n_blocked, int block_tokens, float softcap) {
+    struct kv_blocks b = {blocks, n_blocked, block_tokens};
+    if (n_blocked > 0) {
+        if (block_tokens < 1 || n_blocked % block_tokens || !blocks || k_out || write < n_blocked ||
+            write - n_blocked >= capacity)
+            return -1;
+        n = write + 1;
+    } else if (k_out ? write < 1 || write > capacity : write < 0 || write >= capacity || n < 1 || n > capacity) {
+        return -1;
+    }
+    struct attention_job a = {q, k_new, v_new, keys, values, k_out, v_out, out, group, d, write,
+                              k_out ? write + 1 : n, (size_t)capacity * d, scale, k_type, v_type, sinks,
+                              n_blocked > 0 ? &b : NULL, softcap};
+    attend_heads(&a, kv_heads);
+    return 0;
+}
+
+/* A prompt chunk: as mlxcel_chunk_attention_paged (n_blocked > 0), else _apart (k_out set), else
+ * _window (window 0: causal over everything); `sinks` NULL or as _window's. Returns 0, or -1
+ * (touching nothing). */
+int mlxcel_chunk_attention_capped(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
+                                  float *out, void *k_out, void *v_out, int rows, int kv_heads, int group, int d,
+                                  int pos, long capacity, float scale, int k_type, int v_type, int window,
+                                  const float *sinks, const void *const *blocks, int n_blocked, int block_tokens,
+                                  float softcap) {
+    struct kv_blocks b = {blocks, n_blocked, block_tokens};
+    if (rows < 1 || window < 0) return -1;
+    if (n_blocked > 0) {
+        if (block_tokens < 1 || n_blocked % block_tokens || !blocks || k_out || pos < n_blocked ||
+            pos - n_blocked + rows > capacity)
+            return -1;
+    } else if (k_out ? pos < 1 || pos > capacity : pos < 0 || pos + rows > capacity) {
+        return -1;
+    }
+    chunk_attention(q, k_new, v_new, keys, values, out, k_out, v_out, rows, kv_heads, group, d, pos, capacity, scale,
+                    k_type, v_type, window, sinks, n_blocked > 0 ? &b : NULL, softcap);
     return 0;
 }

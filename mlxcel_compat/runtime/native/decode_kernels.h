@@ -45,5 +45,14 @@ int mlxcel_chunk_attention_paged(const float *q, const float *k_new, const float
                                  float *out, int rows, int kv_heads, int group, int d, int pos, long capacity,
                                  float scale, int k_type, int v_type, int window, const float *sinks,
                                  const void *const *blocks, int n_blocked, int block_tokens);
+int mlxcel_decode_attention_capped(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
+                                   float *out, void *k_out, void *v_out, int kv_heads, int group, int d, int write,
+                                   int n, long capacity, float scale, int k_type, int v_type, const float *sinks,
+                                   const void *const *blocks, int n_blocked, int block_tokens, float softcap);
+int mlxcel_chunk_attention_capped(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
+                                  float *out, void *k_out, void *v_out, int rows, int kv_heads, int group, int d,
+                                  int pos, long capacity, float scale, int k_type, int v_type, int window,
+                                  const float *sinks, const void *const *blocks, int n_blocked, int block_tokens,
+                                  float softcap);
 
 #endif

@@ -71,6 +71,8 @@ struct mlxcel_model {
     float residual_scale; /* granitemoe's residual_multiplier: x += scale * branch; 0: x += branch */
     int q_scaled;         /* ministral3: each row's queries times its q_scale after RoPE (Llama 4's temperature) */
     int parallel;         /* cohere2: attention and MLP both read the layer's one norm, x += attn + mlp */
+    float softcap;        /* Gemma 2's attention logit soft-cap (then `scale` is the plain scale: attention.c's
+                           * _capped kernels multiply by log2 e after the cap), 0: none */
 };
 
 /* The MLP's activation (struct mlxcel_model's act): gated SiLU (SwiGLU), Gemma's gated GELU-tanh,
@@ -250,7 +252,8 @@ static void mamba_mixer(const struct mlxcel_model *m, int i, const struct mlxcel
  * attention over it; then the newest min(window, kept + rows) slots back into the ring in order
  * from slot 0 (the caller sets _idx there, and made the ring that long). Returns 0, or -1. */
 static int ring_chunk(const struct mlxcel_kv *s, const float *q, const float *kn, const float *vn, float *att, int rows,
-                      int hk, int group, int d, float scale, int k_type, int v_type, const float *sinks) {
+                      int hk, int group, int d, float scale, int k_type, int v_type, const float *sinks,
+                      float softcap) {
     int w = (int)s->window, cap = (int)s->capacity, n = (int)s->n, kept = n < w - 1 ? n : w - 1, total = kept + rows;
     int back = total < w ? total : w;
     if (cap > w || back > cap || n > cap || s->write < 0 || s->write >= cap) return -1;
@@ -263,8 +266,10 @@ static int ring_chunk(const struct mlxcel_kv *s, const float *q, const float *kn
             memcpy(k + ((size_t)h * total + t) * kb, keys + ((size_t)h * cap + slot) * kb, kb);
             memcpy(v + ((size_t)h * total + t) * vb, values + ((size_t)h * cap + slot) * vb, vb);
         }
-    if (mlxcel_chunk_attention_window(q, kn, vn, k, v, att, rows, hk, group, d, kept, total, scale, k_type, v_type, w,
-                                      sinks))
+    if (softcap ? mlxcel_chunk_attention_capped(q, kn, vn, k, v, att, NULL, NULL, rows, hk, group, d, kept, total, scale,
+                                                k_type, v_type, w, sinks, NULL, 0, 1, softcap)
+                : mlxcel_chunk_attention_window(q, kn, vn, k, v, att, rows, hk, group, d, kept, total, scale, k_type,
+                                                v_type, w, sinks))
         return -1;
     for (int h = 0; h < hk; h++) {
         memcpy((char *)s->keys + (size_t)h * cap * kb, k + ((size_t)h * total + total - back) * kb, kb * back);
@@ -345,7 +350,12 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                     mlxcel_rope_rows(kn, n, hk, d, cos, sin, trad);
                 }
                 if (m->q_scaled) scale_rows(q, n, hq * d, b->q_scale + r0);
-                int failed = s->n_blocked
+                int failed = m->softcap && !s->window /* Gemma 2's capped attention: one call for any cache */
+                    ? mlxcel_chunk_attention_capped(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, n, hk, group,
+                                                    d, (int)s->write, s->capacity, m->scale, m->k_type, m->v_type, 0,
+                                                    L->sinks, s->blocks, (int)s->n_blocked, (int)s->block_tokens,
+                                                    m->softcap)
+                    : s->n_blocked
                     ? mlxcel_chunk_attention_paged(q, kn, vn, s->keys, s->values, att, n, hk, group, d, (int)s->write,
                                                    s->capacity, m->scale, m->k_type, m->v_type, 0, L->sinks,
                                                    s->blocks, (int)s->n_blocked, (int)s->block_tokens)
@@ -358,7 +368,8 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                     ? mlxcel_chunk_attention_apart(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, n, hk, group,
                                                    d, (int)s->write, s->capacity, m->scale, m->k_type, m->v_type)
                     : s->window
-                    ? ring_chunk(s, q, kn, vn, att, n, hk, group, d, m->scale, m->k_type, m->v_type, L->sinks)
+                    ? ring_chunk(s, q, kn, vn, att, n, hk, group, d, m->scale, m->k_type, m->v_type, L->sinks,
+                                 m->softcap)
                     : mlxcel_chunk_attention(q, kn, vn, s->keys, s->values, att, n, hk, group, d, (int)s->write,
                                              s->capacity, m->scale, m->k_type, m->v_type);
                 if (failed) return i + 1;
@@ -377,7 +388,12 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                     mlxcel_rope(kn, hk, d, a[2 * L->rope], a[2 * L->rope + 1], trad);
                 }
                 if (m->q_scaled) scale_rows(q, 1, hq * d, b->q_scale + r);
-                int failed = s->n_blocked
+                int failed = m->softcap /* Gemma 2's capped attention: one call for any cache */
+                    ? mlxcel_decode_attention_capped(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, hk, group, d,
+                                                     (int)s->write, (int)s->n, s->capacity, m->scale, m->k_type,
+                                                     m->v_type, L->sinks, s->blocks, (int)s->n_blocked,
+                                                     (int)s->block_tokens, m->softcap)
+                    : s->n_blocked
                     ? mlxcel_decode_attention_paged(q, kn, vn, s->keys, s->values, att, hk, group, d, (int)s->write,
                                                     s->capacity, m->scale, m->k_type, m->v_type, L->sinks, s->blocks,
                                                     (int)s->n_blocked, (int)s->block_tokens)

@@ -81,7 +81,8 @@ class ModelStruct(ctypes.Structure):
                 ("act", _I), ("scale", _F), ("angle_sets", _I), ("prompt_rows_min", _I), ("traditional", _I * 2),
                 ("layers", _P),
                 ("norm", NormStruct), ("head", LinearStruct), ("qk_norm_whole", _I), ("rope_dims", _I), ("k_type", _I),
-                ("v_type", _I), ("residual_scale", _F), ("q_scaled", _I), ("parallel", _I)]
+                ("v_type", _I), ("residual_scale", _F), ("q_scaled", _I), ("parallel", _I),
+                ("softcap", _F)]
 
 
 # struct mlxcel_model's act (MLXCEL_ACT_*): the MLP's activation, by CpuDecoder.act.
@@ -254,7 +255,8 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
         layers=ctypes.addressof(layers), norm=_norm(decoder.norm), head=_linear(decoder.head, keep),
         qk_norm_whole=int(decoder.qk_norm_whole), rope_dims=decoder.rope_dims, k_type=decoder.kv.codes[0],
         v_type=decoder.kv.codes[1], residual_scale=decoder.residual_scale,
-        q_scaled=int(decoder.q_temperature is not None), parallel=int(decoder.parallel))
+        q_scaled=int(decoder.q_temperature is not None), parallel=int(decoder.parallel),
+        softcap=decoder.attn_softcap)
     held_lib = blas_shim.holding_the_gil(lib)
     fns = [lib.mlxcel_decode_pass, held_lib.mlxcel_decode_pass]
     for fn in fns:
