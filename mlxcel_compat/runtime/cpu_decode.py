@@ -47,7 +47,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxcel_compat.runtime import decode_delta, decode_moe, kv_precision, ring_chunks
+from mlxcel_compat.runtime import decode_conv, decode_delta, decode_moe, kv_precision, ring_chunks
 from mlxcel_compat.runtime.block_layers import BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_families import (ACTIVATIONS, GEMMA_TYPES, MULTIPLIER_TYPES, PARALLEL_TYPES,
                                                    Q_TEMPERATURE_TYPES, attention_shape, head_module, layer_rope,
@@ -100,8 +100,10 @@ class CpuDecoder:
     def __init__(self, model: Any, lib: ctypes.CDLL) -> None:
         inner = model.model
         mx.eval(model.parameters())
-        # a hybrid's delta-net layers (decode_delta.py) and its attention layers, which hold the KV cache
-        self.delta_layers = [i for i, layer in enumerate(inner.layers) if decode_delta.is_delta(layer)]
+        # a hybrid's layers with recurrent state (delta-net: decode_delta.py; LFM2's short convolutions:
+        # decode_conv.py) and its attention layers, which hold the KV cache
+        self.delta_layers = [i for i, layer in enumerate(inner.layers)
+                             if decode_delta.is_delta(layer) or decode_conv.is_conv(layer)]
         self.attn_layers = [i for i in range(len(inner.layers)) if i not in self.delta_layers]
         attn0 = inner.layers[self.attn_layers[0]].self_attn
         self.gemma = model.args.model_type in GEMMA_TYPES
@@ -141,12 +143,14 @@ class CpuDecoder:
         self.q_temperature = ((float(rope["llama_4_scaling_beta"]), int(rope["original_max_position_embeddings"]))
                               if model.args.model_type in Q_TEMPERATURE_TYPES else None)
         self.window = int(model.args.sliding_window) if any(kinds) else None
-        self.norm = norm_weights(inner.norm)
+        self.norm = norm_weights(inner.embedding_norm if hasattr(inner, "embedding_norm") else inner.norm)  # LFM2's name
         head = head_module(model)
         self.head = LinearWeights(block_weight_of(head) or float32_array(head.weight), None,
                                   [LoraFactors(f) for f in factors_of(head)]
                                   if isinstance(head, (nn.Linear, BlockLinear)) else [])
-        self.layers = [decode_delta.delta_layer(layer, 0, self.gemma, moe) if i in self.delta_layers
+        lfm2 = model.args.model_type in decode_conv.CONV_TYPES
+        self.layers = [decode_conv.layer_weights(layer, order.index(rope_kinds[i]) if i in self.attn_layers else 0, moe)
+                       if lfm2 else decode_delta.delta_layer(layer, 0, self.gemma, moe) if i in self.delta_layers
                        else layer_weights(layer, order.index(rope_kinds[i]), self.gemma, moe, sliding=kind)
                        for i, (layer, kind) in enumerate(zip(inner.layers, kinds))
                        for moe in [decode_moe.moe_weights(layer_mlp(layer)) if decode_moe.is_moe(layer_mlp(layer)) else None]]
@@ -165,7 +169,7 @@ class CpuDecoder:
                            blocks=kv_precision.of_model(model).blocks)
         # a sequence's KV as the pass reads it (sequence_kv.py): views, the struct mlxcel_kv table
         self.seq = SequenceKv(self.kv, len(self.layers), self.attn_layers, self.delta_layers,
-                              [self.layers[i].delta for i in self.delta_layers])
+                              [self.layers[i].recurrent for i in self.delta_layers])
         self._buffers: dict[int, PassBuffers] = {}  # by row count
         self._chunk_buffers: PassBuffers | None = None  # a prompt chunk's (prefill): the largest so far
         self.steps = 0  # steps run so far (tests and benchmarks check that it ran)
@@ -185,7 +189,7 @@ class CpuDecoder:
 
         if len(cache) != len(self.layers):
             return False
-        if not all(decode_delta.can_take(cache[i], layer.delta) and not decode_delta.is_fresh(cache[i])
+        if not all(decode_delta.can_take(cache[i], layer.recurrent) and not decode_delta.is_fresh(cache[i])
                    for i, layer in zip(self.delta_layers, (self.layers[i] for i in self.delta_layers))):
             return False
         cache = self.seq.attention(cache)
@@ -275,7 +279,7 @@ class CpuDecoder:
                     and all(ring_chunks.ring_takes_chunk(cache[i], self.window, hk, d, self.kv.dtypes) for i in self.kv.rings)
                     and all(ring_chunks.plain_takes_chunk(cache[i], hk, d, self.kv.dtypes) for i in self.kv.plain))
         if all(type(c) is KVCache and c.keys is None and c.offset == 0 for c in self.seq.attention(cache)) and all(
-                decode_delta.can_take(cache[i], self.layers[i].delta) and decode_delta.is_fresh(cache[i])
+                decode_delta.can_take(cache[i], self.layers[i].recurrent) and decode_delta.is_fresh(cache[i])
                 for i in self.delta_layers):
             return True
         return self.can_run(cache, owned)

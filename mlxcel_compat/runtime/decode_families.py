@@ -46,21 +46,23 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel_compat.runtime import decode_delta, decode_moe
+from mlxcel_compat.runtime import decode_conv, decode_delta, decode_moe
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_layers import attention_heads, gemma_mlp, gemma_norm, head_dim, layer_mlp
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
                "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "granite", "seed_oss", "ernie4_5",
                "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3", "starcoder2",
-               "cohere2", "apertus", "ernie4_5_moe", "glm4_moe")
+               "cohere2", "apertus", "ernie4_5_moe", "glm4_moe", "lfm2", "lfm2_moe")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "ernie4_5_moe",
-             "glm4_moe")
+             "glm4_moe", "lfm2_moe")
 # Hybrids: gated delta-net layers (decode_delta.py) between attention layers with an output gate and a
 # partial RoPE.
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+# LFM2's hybrids (short convolutions between attention layers, their own names): decode_conv.CONV_TYPES,
+# checked by decode_conv.unsupported; the same restrictions as these (the state cannot be trimmed).
 # Families other than Gemma 3 whose sliding-window layers (named by the model's ``layer_types``)
 # run on their RotatingKVCache rings here: gpt-oss's alternate with full ones.
 LAYER_TYPE_WINDOWS = ("gpt_oss", "olmo3")
@@ -115,6 +117,8 @@ def unsupported(model: Any) -> str | None:
         return f"model type {model_type!r} (supported: {', '.join(MODEL_TYPES)})"
     if any(type(m).__name__.startswith("Quantized") for _, m in model.named_modules()):
         return "quantized weights"
+    if model_type in decode_conv.CONV_TYPES:  # LFM2's layout: its short convolutions, its names (decode_conv.py)
+        return decode_conv.unsupported(model)
     gemma = model_type in GEMMA_TYPES
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)

@@ -37,15 +37,15 @@ SOURCE = Path(__file__).with_name("blas_shim.c")
 # K-quants' decode rows and their Q8_K activations, ``split_rows.c`` for the split
 # Q4_1/Q5_x rows, ``mxfp4_rows.c`` for the split MXFP4 rows, ``q8_0_gemm.c`` for Q8_0 prompt chunks, ``split_gemm.c`` for the split rows' prompt
 # chunks, ``dequantize.c``), the decode runtime's
-# layer loop (``decode_pass.c``), its mixture-of-experts layers (``moe_layer.c``) and the hybrids'
-# delta-net layers (``delta_net.c``), and the headers they share.
+# layer loop (``decode_pass.c``), its mixture-of-experts layers (``moe_layer.c``), the hybrids'
+# delta-net layers (``delta_net.c``) and LFM2's short convolutions (``short_conv.c``), and the headers they share.
 SOURCES = tuple(SOURCE.with_name(name) for name in (
     "blas_shim.c", "thread_pool.c", "elementwise.c", "attention.c", "block_matmul.c", "quant_rows.c", "k_quant_rows.c",
     "split_rows.c", "mxfp4_rows.c", "q8_0_gemm.c", "split_gemm.c", "dequantize.c", "decode_pass.c", "moe_layer.c",
-    "delta_net.c"))
+    "delta_net.c", "short_conv.c"))
 HEADERS = tuple(SOURCE.with_name(name) for name in (
     "blas_shim.h", "thread_pool.h", "vector_math.h", "small_m_kernel.h", "decode_kernels.h", "quant_blocks.h",
-    "delta_net.h", "kv_rows.h", "decode_pass.h"))
+    "delta_net.h", "kv_rows.h", "decode_pass.h", "short_conv.h"))
 # Compiling every source takes ~20 s on an idle core; on a loaded machine (tests starting servers
 # with fresh caches beside each other) it took over the two minutes once allowed, and a build
 # that times out leaves the runtime off.

@@ -27,6 +27,7 @@
 #include "decode_pass.h"
 #include "delta_net.h"
 #include "kv_rows.h"
+#include "short_conv.h"
 #include "thread_pool.h"
 
 /* A norm's gain as the model applies it (Gemma's 1 + w already added), or w NULL where absent. */
@@ -51,6 +52,7 @@ struct mlxcel_layer {
      * then q, k, v or gate, up have n == 0) */
     struct mlxcel_linear qkv, gate_up;
     float xielu[4]; /* Apertus's xIELU: alpha_p, alpha_n (softplus-ed as mlx-lm does), beta, eps */
+    const struct mlxcel_short_conv *conv; /* LFM2's short convolution in place of attention (short_conv.c), or NULL */
 };
 
 struct mlxcel_model {
@@ -222,6 +224,16 @@ static void delta_mixer(const struct mlxcel_model *m, int i, const struct mlxcel
                        tiles, scales, n_adapters);
 }
 
+/* x += LFM2's short convolution of layer i (each unit's state where its kv entry's keys point). */
+static void conv_mixer(const struct mlxcel_model *m, int i, const struct mlxcel_buffers *b, int rows,
+                       const int *segments, int n_segments, const struct mlxcel_kv *kv, int tiles,
+                       const double *scales, int n_adapters) {
+    int units = segments ? n_segments : rows;
+    float **states = mlxcel_scratch(&hybrid_scratch[2], sizeof(float *) * (size_t)units);
+    for (int u = 0; u < units; u++) states[u] = kv[(size_t)u * m->n_layers + i].keys;
+    mlxcel_short_conv_layer(m->layers[i].conv, rows, segments, n_segments, b->h, b->x, states, tiles, scales,
+                            n_adapters);
+}
 
 /* A prompt chunk's attention on a sliding layer's ring (s->capacity slots, at most the window: a
  * ring shorter than the window holds every position so far; s->n of them valid, the oldest at
@@ -281,6 +293,10 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         pre_norm(&L->n1, b->x, b->h, rows, hidden);
         if (L->delta) {
             delta_mixer(m, i, b, rows, segments, n_segments, kv, tiles, scales, n_adapters);
+            goto mlp;
+        }
+        if (L->conv) {
+            conv_mixer(m, i, b, rows, segments, n_segments, kv, tiles, scales, n_adapters);
             goto mlp;
         }
         const struct mlxcel_linear *qkv[3] = {&L->q, &L->k, &L->v};
