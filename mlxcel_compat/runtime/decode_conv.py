@@ -4,7 +4,7 @@ text model), which models it takes, and the short-convolution state it updates.
 Why: LFM2 is a hybrid people run on CPUs: most of its layers are short convolutions, a few are
 attention. In MLX's step a convolution layer is a handful of small operations (the split, B * x,
 a concatenation with the state, a depthwise convolution, C * the result), each evaluated between
-the products; the decode pass's C loop (``native/short_conv.c``) runs the layer in one call
+the products; the decode pass's C loop (the native layer's short convolution) runs the layer in one call
 instead: the in-projection on the file's blocks, B * x, the causal depthwise convolution over the
 rolling state of the last ``L_cache - 1`` inputs, C * its output, the out-projection added to the
 residual stream. Its attention layers are the loop's own (per-head q and k RMS norms, RoPE over
