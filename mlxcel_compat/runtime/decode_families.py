@@ -17,7 +17,10 @@ weighted sum, qwen2_moe's gated shared expert; ``decode_moe.py``); and the hybri
 ``qwen3_5_moe`` and ``qwen3_next``: their gated delta-net layers in the same loop
 (``decode_delta.py``: the recurrent state stays in each layer's ``ArraysCache``, updated in place
 in arrays made for the sequence), their attention layers with a sigmoid output gate and a partial
-RoPE (no prompt-cache borrowing, no speculative drafts there: the state cannot be trimmed);
+RoPE (no prompt-cache borrowing, no speculative drafts there: the state cannot be trimmed); the
+LFM2 hybrids ``lfm2`` and ``lfm2_moe`` (``decode_conv.py`` checks their layout: short convolutions
+whose state stays in each layer's ``ArraysCache`` under the same rule, attention with per-head q/k
+norms, SwiGLU or lfm2_moe's sigmoid-gated experts; the same restrictions);
 ``gpt_oss`` (top-k then softmax, biased experts, clamped SwiGLU, attention sinks, sliding-window
 rings named by ``layer_types`` beside full layers, its prompt chunks' rings as Gemma 3's:
 ``ring_chunks.py``) and ``granitemoe`` (granite's multipliers). Gemma 3 brings

@@ -613,6 +613,8 @@ def test_gemma3_caches_it_does_not_take() -> None:
 @pytest.mark.parametrize("family,reason", [
     # qwen3_next's directory: its float32 experts (its delta-net layers the runtime takes: test_cpu_decode_hybrid.py)
     ("qwen3_next", "mixture-of-experts layers (qwen3_next): experts not in ggml's blocks"), ("exaone", "model type 'exaone'"),
+    # lfm2_moe's directory: its float32 experts (its GGUF's blocks the runtime takes: test_cpu_decode_lfm2.py)
+    ("lfm2_moe", "mixture-of-experts layers (lfm2_moe): experts not in ggml's blocks"),
 ])
 def test_other_families_keep_mlx_and_say_why(family: str, reason: str) -> None:
     loaded = load_model(str(tiny_model(family)), [])

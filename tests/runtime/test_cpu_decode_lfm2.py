@@ -7,7 +7,8 @@ scores chosen with the expert bias, renormalised by their sum + 1e-6) after its 
   logit, the same tokens, the conv states and KV as MLX's; the Q8_0 files (lfm2, lfm2_moe) follow
   it bit for bit: logits, conv states and values (the same ggml products on the same activations,
   and the layer's float32 arithmetic rounding as MLX's on these files); keys within one ulp (RoPE).
-- The lfm2_moe directory (float32 experts) keeps MLX's step and says why.
+- The lfm2_moe directory (float32 experts) keeps MLX's step and says why (a row of
+  test_cpu_decode.py's ``test_other_families_keep_mlx_and_say_why``); so does a convolution with biases.
 - Rows stepped together are bit-identical to each row alone (each row its own conv states).
 - A cold prompt fed as one chunk on the runtime leaves MLX's conv states and KV, and chunks of two
   sequences prefilled together leave exactly what each leaves alone.
@@ -20,6 +21,7 @@ scores chosen with the expert bias, renormalised by their sum + 1e-6) after its 
 from __future__ import annotations
 
 import copy
+import logging
 import random
 from typing import Callable
 
@@ -126,21 +128,17 @@ def test_lfm2_follows_mlx_step_for_step(lfm2_decoder: Callable, spec: str) -> No
         token = int(want.argmax())
 
 
-def test_the_lfm2_moe_directory_keeps_mlx_and_says_why() -> None:
-    """Its experts are float32 (no block stacks for the MoE layer's grouped product): MLX's step."""
-    loaded = load_model(str(tiny_model("lfm2_moe")), [])
-    assert loaded.decoder is None
-    assert cpu_decode.unsupported(loaded.model) == (
-        "mixture-of-experts layers (lfm2_moe): experts not in ggml's blocks (the GGUF loader's stacks) or not SwiGLU")
-
-
 def test_a_convolution_the_runtime_does_not_compute_keeps_mlx(lfm2_decoder: Callable) -> None:
     """A short convolution with biases (LFM2's checkpoints have none) is named in the reason."""
-    model = load_model(str(tiny_model("lfm2")), []).model
+    model, _ = lfm2_decoder("lfm2")
     assert cpu_decode.unsupported(model) is None
-    model.model.layers[0].conv.bias = True
-    assert cpu_decode.unsupported(model) == (
-        "short-convolution layers (lfm2): a short convolution with biases (LFM2's checkpoints have none)")
+    conv = model.model.layers[0].conv
+    conv.bias = True
+    try:
+        assert cpu_decode.unsupported(model) == (
+            "short-convolution layers (lfm2): a short convolution with biases (LFM2's checkpoints have none)")
+    finally:
+        conv.bias = False
 
 
 @pytest.mark.parametrize("spec", ["lfm2:q8_0", "lfm2_moe:q8_0"])
@@ -210,12 +208,15 @@ def random_tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(8000) for _ in range(n)]
 
 
-def test_the_engine_runs_lfm2_on_the_runtime_and_a_restored_snapshot_continues_like_a_cold_run() -> None:
-    """The Q8_0 file through the engine: the decoder runs the steps and the prompt chunks; a second
-    turn restored from the first's session snapshot gives the tokens and log-probabilities of a
-    cold run split at the same boundary."""
-    harness = EngineHarness(tiny_model("lfm2:q8_0"), batch_size=32, n_parallel=2, min_prefix=8)
+def test_the_engine_runs_lfm2_on_the_runtime_and_a_restored_snapshot_continues_like_a_cold_run(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The Q8_0 file through the engine: the start-up log names the runtime, the decoder runs the
+    steps and the prompt chunks; a second turn restored from the first's session snapshot gives the
+    tokens and log-probabilities of a cold run split at the same boundary."""
+    with caplog.at_level(logging.INFO, logger="mlxcel_compat"):
+        harness = EngineHarness(tiny_model("lfm2:q8_0"), batch_size=32, n_parallel=2, min_prefix=8)
     try:
+        assert "decode step: CPU decode runtime" in caplog.text
         decoder = harness.engine.loaded.decoder
         assert isinstance(decoder, cpu_decode.CpuDecoder)
         assert harness.stats()["snapshot_family"] is True
