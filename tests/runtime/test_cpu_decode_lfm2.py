@@ -90,11 +90,14 @@ def lfm2_decoder() -> Callable[[str], tuple[nn.Module, cpu_decode.CpuDecoder]]:
     return get
 
 
-@pytest.mark.parametrize("spec", ["lfm2", "lfm2:q8_0", "lfm2_moe:q8_0"])
+@pytest.mark.parametrize("spec", ["lfm2", "lfm2:q8_0", "lfm2_moe:q8_0",
+                                  *(pytest.param(s, marks=pytest.mark.slow)
+                                    for s in ("lfm2:q4_0", "lfm2:q4_k_m", "lfm2_moe:q4_k_m"))])
 def test_lfm2_follows_mlx_step_for_step(lfm2_decoder: Callable, spec: str) -> None:
     """40 greedy steps after MLX's prefill of a 230-token prompt (the attention cache grows past
     256 positions): the float32 directory within LOGITS_RTOL of MLX's step with its tokens, the
-    Q8_0 files bit-identical (logits, conv states, KV); then MLX continues the decoder's cache."""
+    quantized files (Q8_0; with --slow Q4_0 and Q4_K_M too) bit-identical (logits, conv states,
+    values; keys within KEY_RTOL); then MLX continues the decoder's cache."""
     model, decoder = lfm2_decoder(spec)
     assert decoder.delta_layers == [0, 1, 3] and decoder.attn_layers == [2]  # the factory's conv, conv, attention, conv
     assert all(decoder.layers[i].conv is not None and decoder.layers[i].conv.kernel == 3 for i in decoder.delta_layers)
