@@ -93,8 +93,9 @@ def unsupported(model: Any) -> str | None:
     model_type = model.args.model_type
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
-    if not layers or not isinstance(getattr(inner, "embed_tokens", None), (nn.Embedding, BlockEmbedding)) or not isinstance(
-            getattr(inner, "embedding_norm", None), nn.RMSNorm) or hasattr(model, "lm_head"):
+    embedding_ok = isinstance(getattr(inner, "embed_tokens", None), (nn.Embedding, BlockEmbedding))
+    if not layers or not embedding_ok or not isinstance(getattr(inner, "embedding_norm", None), nn.RMSNorm) or hasattr(
+            model, "lm_head"):  # LFM2's head is its embedding (tied)
         return "unexpected module layout"
     weights = [] if block_weight_of(inner.embed_tokens) is not None else [inner.embed_tokens.weight]
     for layer in layers:
@@ -109,7 +110,8 @@ def unsupported(model: Any) -> str | None:
             attn = getattr(layer, "self_attn", None)
             if type(attn).__name__ != "Attention" or not hasattr(attn, "out_proj"):
                 return "unexpected layer layout"
-            if getattr(attn.rope, "dims", None) != attn.head_dim or type(attn.rope).__name__ not in ("RoPE", "FusedRoPE"):
+            rope = attn.rope
+            if getattr(rope, "dims", None) != attn.head_dim or not isinstance(rope, nn.RoPE):
                 return "partial or unknown rotary embedding"
             projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj]
             norms += [attn.q_layernorm, attn.k_layernorm]
