@@ -71,11 +71,6 @@ class DeltaWeights:
     def conv_dim(self) -> int:
         return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
 
-    @property
-    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
-        """The ``ArraysCache`` arrays of one sequence: the conv state, the delta rule's."""
-        return (1, self.kernel - 1, self.conv_dim), (1, self.v_heads, self.v_dim, self.k_dim)
-
 
 def is_delta(layer: Any) -> bool:
     """Whether a decoder layer's mixer is a recurrent one (a ``linear_attn``) instead of attention."""
@@ -208,10 +203,20 @@ def is_fresh(layer: Any) -> bool:
     return all(a is None for a in layer.cache)
 
 
+def state_shapes(weights: Any) -> tuple[tuple[int, ...], ...]:
+    """The ``ArraysCache`` arrays of one sequence of a recurrent layer: its weights' own
+    ``state_shapes`` where they say (an LFM2 short convolution's one array), else a delta-net's
+    conv state and delta rule's state under ``DeltaWeights``' names."""
+    shapes = getattr(weights, "state_shapes", None)
+    if shapes is not None:
+        return shapes
+    return (1, weights.kernel - 1, weights.conv_dim), (1, weights.v_heads, weights.v_dim, weights.k_dim)
+
+
 def can_take(layer: Any, weights: Any) -> bool:
     """Whether an ``ArraysCache`` holds one sequence's float32 state of this mixer's shapes
-    (``weights.state_shapes``: a delta-net's, an LFM2 short convolution's), or none yet."""
-    shapes = weights.state_shapes
+    (:func:`state_shapes`: a delta-net's, an LFM2 short convolution's), or none yet."""
+    shapes = state_shapes(weights)
     if type(layer).__name__ != "ArraysCache" or len(layer.cache) != len(shapes) or layer.lengths is not None:
         return False
     if getattr(layer, "left_padding", None) is not None:
@@ -232,7 +237,7 @@ def own_states(layers: list[Any], weights: list[Any], owned: OwnedStates) -> lis
     owned.arrays, owned.addresses = [], []
     for c, w in zip(layers, weights):
         made = []
-        for i, shape in enumerate(w.state_shapes):
+        for i, shape in enumerate(state_shapes(w)):
             fresh = mx.zeros(shape, dtype=mx.float32)
             mx.eval(fresh)
             view = np.asarray(fresh)
@@ -250,4 +255,4 @@ def own_states(layers: list[Any], weights: list[Any], owned: OwnedStates) -> lis
 
 __all__ = ["DELTA_MIXERS", "GATED_ATTENTION", "DeltaWeights", "OwnedStates", "can_take", "delta_layer", "delta_weights",
            "is_delta",
-           "is_fresh", "linear_modules", "own_states", "unsupported"]
+           "is_fresh", "linear_modules", "own_states", "state_shapes", "unsupported"]

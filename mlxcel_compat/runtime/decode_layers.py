@@ -107,7 +107,7 @@ class LayerWeights:
     @property
     def recurrent(self) -> Any:
         """The weights of a layer that holds recurrent state instead of KV (``delta`` or ``conv``:
-        their ``state_shapes``), or None."""
+        ``decode_delta.state_shapes`` reads their state's shapes), or None."""
         return self.delta if self.delta is not None else self.conv
 
 
