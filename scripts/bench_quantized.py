@@ -69,6 +69,9 @@ The files (``--files``; made on first use under ``--cache-dir``):
 - ``granite4h-small-q8_0``, ``nemotron-h-small-q8_0``: the factory's small Granite 4.0-H and
   Nemotron-H (Mamba-2 hybrids) as the factory's GGUF writer writes them at Q8_0 (``ensure_gguf``,
   in a child process).
+- ``lfm2-350m-q4_k_m``: an LFM2-350M-shaped hybrid (``LFM2_350M_DIMS``: its 16 layers, 10 short
+  convolutions : 6 attention): the factory's ``lfm2`` weights at those widths, written as F32 by
+  the factory's converter in a child process, then ``llama-quantize`` Q4_K_M.
 
 Servers are stopped on every exit (errors and Ctrl-C included). Logs: ``<cache-dir>/logs``.
 
@@ -367,6 +370,48 @@ def factory_gguf(family: str, gguf_type: str) -> Callable[[argparse.Namespace], 
     return make
 
 
+# LFM2-350M (16 layers: short convolutions with attention at 2, 5, 8, 10, 12 and 14): the widths of its
+# config.json, its feed-forward at the width block_auto_adjust_ff_dim gives (6656 -> 4608). The
+# vocabulary stays the factory's (8192 rows, tied), as for the other shaped files.
+LFM2_350M_DIMS: dict[str, Any] = dict(
+    hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8, block_dim=1024,
+    block_ff_dim=4608, intermediate_size=4608, conv_L_cache=3,
+    layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)])
+
+
+def write_lfm2_f32(out: str) -> None:
+    """Write the LFM2-350M-shaped model (factory seeded weights) as an F32 GGUF at ``out``: the
+    factory's own converter, the tokenizer of its tiny ``lfm2`` pair."""
+    from mlxcel_compat.testing.families import model_config
+    from mlxcel_compat.testing.gguf_writer import write_gguf
+    from mlxcel_compat.testing.model_directory import ensure_model
+    from mlxcel_compat.testing.weights import seeded_weights
+
+    config = model_config("lfm2", "small") | LFM2_350M_DIMS
+    weights = seeded_weights("lfm2", "small", config)
+    write_gguf("lfm2", "small", out, "f32", model_dir=ensure_model("lfm2", "tiny"), weights=weights, config=config)
+
+
+def lfm2_q4_k_m(args: argparse.Namespace) -> Path:
+    """The LFM2-350M-shaped model quantized to Q4_K_M by llama-quantize (from an F32 GGUF made in a
+    child process, deleted after)."""
+    stem = f"lfm2-350m-shaped-v{_factory_version()}"
+    target = Path(args.cache_dir) / f"{stem}-q4_k_m.gguf"
+
+    def build(tmp: Path) -> None:
+        source = Path(args.cache_dir) / f"{stem}-f32.gguf"
+        try:
+            subprocess.run([args.python, __file__, "--write-lfm2-f32", str(source)], check=True,
+                           env=_child_env(), cwd=ROOT, stdout=subprocess.DEVNULL)
+            out = subprocess.run([args.llama_quantize, str(source), str(tmp), "Q4_K_M"], capture_output=True, text=True)
+            if out.returncode:
+                raise RuntimeError(f"llama-quantize failed ({out.returncode}):\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+        finally:
+            source.unlink(missing_ok=True)
+
+    return _make_atomically(target, build)
+
+
 FILES: dict[str, FileSpec] = {f.key: f for f in (
     FileSpec("smollm2-q4_1", "SmolLM2-135M-Instruct Q4_1 (real trained model)", smollm2),
     FileSpec("small-q4_k_m", "factory small llama, llama-quantize Q4_K_M", small_quantized("Q4_K_M")),
@@ -385,6 +430,8 @@ FILES: dict[str, FileSpec] = {f.key: f for f in (
              "layers, 8 experts + shared MLP), the factory's Q8_0", factory_gguf("granitemoehybrid", "q8_0")),
     FileSpec("nemotron-h-small-q8_0", "factory small Nemotron-H (M-M-M*-M-M-M*-: 8 Mamba-2, 2 attention, 7 "
              "squared-ReLU MLP blocks), the factory's Q8_0", factory_gguf("nemotron_h", "q8_0")),
+    FileSpec("lfm2-350m-q4_k_m", "LFM2-350M-shaped hybrid (16 layers, 10 short convolutions : 6 attention), "
+             "factory weights, llama-quantize Q4_K_M", lfm2_q4_k_m),
 )}
 
 
@@ -931,12 +978,16 @@ def main() -> int:
     parser.add_argument("--request-timeout", type=float, default=3600.0)
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument("--write-qwen35-f32", help=argparse.SUPPRESS)
+    parser.add_argument("--write-lfm2-f32", help=argparse.SUPPRESS)
     parser.add_argument("--prepare", help=argparse.SUPPRESS)
     parser.add_argument("--prepare-out", help=argparse.SUPPRESS)
     parser.add_argument("--prepare-reference", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.write_qwen35_f32:
         write_qwen35_f32(args.write_qwen35_f32)
+        return 0
+    if args.write_lfm2_f32:
+        write_lfm2_f32(args.write_lfm2_f32)
         return 0
     if args.prepare:
         data = prepare(args.prepare, args.prefill_tokens, max(1, args.reps), args.accuracy_prompts, 32,

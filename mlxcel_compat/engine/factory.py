@@ -75,7 +75,9 @@ def make_sequence(engine: SequenceHost, request: GenerationRequest, sink: Sink, 
         emit=sink,
         slot_id=slot_id,
         grammar=grammar,
-        decoder=loaded.decoder,
+        # A request with images runs in MLX's pass (the CPU decode runtime takes token ids, not the
+        # images' features: a vision model's runtime serves its requests without images).
+        decoder=loaded.decoder if request.media is None or not request.media.spans else None,
     )
     seq.tail_rows = rows_match_chunks(loaded)
     if engine.speculative is not None:

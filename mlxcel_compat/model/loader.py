@@ -398,7 +398,8 @@ def _plain_loaded(path: Path, model_arg: str, aliases: list[str], name: str | No
 
 def _load_vision(path: Path, model_arg: str, aliases: list[str], name: str | None) -> LoadedModel:
     """A vision-language directory through mlx-vlm (``vision/model.py``): float32 weights, MLX's
-    own steps (no CPU decode runtime, fusion or attention levers: they patch mlx-lm's modules)."""
+    own steps (no fusion or attention levers: they patch mlx-lm's modules), the CPU decode runtime
+    for requests without images where the family's text model is mlx-lm's (``_vision_decoder``)."""
     import mlx.core as mx
 
     from mlxcel_compat.vision import model as vision
@@ -416,13 +417,14 @@ def _load_vision(path: Path, model_arg: str, aliases: list[str], name: str | Non
         log.info("%s (mlx-vlm): audio token %d, %d tokens a clip (at most %.2f s); audio through the audio tower",
                  facts.model_type, facts.audio.audio_token_id, facts.audio.tokens_per_clip,
                  facts.audio.max_samples / facts.audio.sampling_rate)
-    return _plain_loaded(path, model_arg, aliases, name, model, tokenizer, config, vision=facts)
+    return _plain_loaded(path, model_arg, aliases, name, model, tokenizer, config, vision=facts,
+                         decoder=_vision_decoder(model))
 
 
 def _load_gguf_vision(path: Path, model_arg: str, aliases: list[str], name: str | None, mmproj: str, repack: bool,
                       image_min_tokens: int, image_max_tokens: int, options: LoadOptions) -> LoadedModel:
     """A text GGUF with its projector GGUF (``model/mmproj.py``): the text model's weights in the
-    file's blocks as alone (the loading flags too), the tower's in float32; MLX's own steps (as ``_load_vision``)."""
+    file's blocks as alone (the loading flags too), the tower's in float32; steps as ``_load_vision``'s."""
     from mlxcel_compat.model import mmproj as projector
 
     if options.kv_overrides:
@@ -435,7 +437,8 @@ def _load_gguf_vision(path: Path, model_arg: str, aliases: list[str], name: str 
     log.info("vision-language model %s (GGUF + projector %s): image token %d, %s", facts.model_type, mmproj,
              facts.image_token_id,
              f"{facts.tokens_per_image} tokens an image" if facts.tokens_per_image else "tokens from each image's size")
-    loaded = _plain_loaded(path, model_arg, aliases, name, model, tokenizer, config, summary, vision=facts)
+    loaded = _plain_loaded(path, model_arg, aliases, name, model, tokenizer, config, summary, vision=facts,
+                           decoder=_vision_decoder(model))
     from blake3 import blake3
 
     both = f"{model_fingerprint(path, summary)}+mmproj:{model_fingerprint(Path(mmproj))}"
@@ -469,6 +472,17 @@ def _serve_affine(model: Any) -> Any:
     log.info("MLX quantized weights on the CPU: %d tensors repacked into ggml blocks, %d expanded to float32",
              sum(n for label, n in affine.precision.items() if label != "float32"), affine.precision.get("float32", 0))
     return affine
+
+
+def _vision_decoder(model: Any) -> Any:
+    """The CPU decode runtime for a vision-language model's steps on tokens without media, where
+    its family's text model is mlx-lm's own (LFM2-VL: ``VisionFamily.text_model``), or None: the
+    engine hands it the requests without images (``engine/factory.py``); a request with images
+    stays in MLX's pass, which merges their features."""
+    import mlx.core as mx
+
+    text = model.family.text_model(model.vlm)
+    return _cpu_decoder(text) if text is not None and mx.default_device() == mx.cpu else None
 
 
 def _cpu_decoder(model: Any) -> Any:

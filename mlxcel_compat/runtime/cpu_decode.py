@@ -47,8 +47,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxcel_compat.runtime import (decode_delta, decode_exaone, decode_gemma2, decode_gemma4, decode_mamba, decode_moe,
-                                  decode_nemotron, kv_precision, ring_chunks)
+from mlxcel_compat.runtime import (decode_conv, decode_delta, decode_exaone, decode_gemma2, decode_gemma4, decode_mamba,
+                                  decode_moe, decode_nemotron, kv_precision, ring_chunks)
 from mlxcel_compat.runtime.block_layers import BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_families import (ACTIVATIONS, GEMMA_TYPES, MULTIPLIER_TYPES, PARALLEL_TYPES,
                                                    Q_TEMPERATURE_TYPES, attention_shape, head_module, layer_rope,
@@ -105,10 +105,11 @@ class CpuDecoder:
         model = decode_nemotron.decoder_view(model)  # Nemotron-H: its blocks paired into layers
         inner = model.model
         mx.eval(model.parameters())
-        # a hybrid's delta-net layers (decode_delta.py) and its attention layers, which hold the KV cache
-        # (and Granite 4.0-H's Mamba-2 layers, decode_mamba.py: recurrent state kept the same way)
+        # a hybrid's layers with recurrent state (delta-net: decode_delta.py; Granite 4.0-H's and
+        # Nemotron-H's Mamba-2: decode_mamba.py; LFM2's short convolutions: decode_conv.py) and its
+        # attention layers, which hold the KV cache
         self.delta_layers = [i for i, layer in enumerate(inner.layers)
-                             if decode_delta.is_delta(layer) or decode_mamba.is_mamba(layer)]
+                             if decode_delta.is_delta(layer) or decode_mamba.is_mamba(layer) or decode_conv.is_conv(layer)]
         self.attn_layers = [i for i in range(len(inner.layers)) if i not in self.delta_layers]
         attn0 = inner.layers[self.attn_layers[0]].self_attn
         self.gemma = model.args.model_type in GEMMA_TYPES
@@ -152,20 +153,22 @@ class CpuDecoder:
         self.q_temperature = ((float(rope["llama_4_scaling_beta"]), int(rope["original_max_position_embeddings"]))
                               if model.args.model_type in Q_TEMPERATURE_TYPES else None)
         self.window = int(model.args.sliding_window) if any(kinds) else None
-        self.norm = norm_weights(inner.norm)
+        self.norm = norm_weights(inner.embedding_norm if hasattr(inner, "embedding_norm") else inner.norm)  # LFM2's name
         head = head_module(model)
         self.head = LinearWeights(block_weight_of(head) or float32_array(head.weight), None,
                                   [LoraFactors(f) for f in factors_of(head)]
                                   if isinstance(head, (nn.Linear, BlockLinear)) else [])
+        lfm2 = model.args.model_type in decode_conv.CONV_TYPES
         self.layers = [decode_nemotron.paired_layer(layer) if decode_nemotron.is_paired(layer)
                        else decode_mamba.mamba_layer(layer, moe) if decode_mamba.is_mamba(layer)
-                       else decode_delta.delta_layer(layer, 0, self.gemma, moe) if i in self.delta_layers
+                       else decode_conv.layer_weights(layer, order.index(rope_kinds[i]) if i in self.attn_layers else 0, moe)
+                       if lfm2 else decode_delta.delta_layer(layer, 0, self.gemma, moe) if i in self.delta_layers
                        else layer_weights(layer, order.index(rope_kinds[i]), self.gemma, moe, sliding=kind)
                        for i, (layer, kind) in enumerate(zip(inner.layers, kinds))
                        for moe in [decode_mamba.with_shared_mlp(layer, decode_moe.moe_weights(layer_mlp(layer)))
                                    if decode_moe.is_moe(layer_mlp(layer)) else None]]
-        # each recurrent layer's weights (a delta-net's or a Mamba-2 mixer's: the state's shapes)
-        self.recurrent = [self.layers[i].delta or self.layers[i].mamba for i in self.delta_layers]
+        # each recurrent layer's weights (a delta-net's, a Mamba-2 mixer's, a short convolution's: the state's shapes)
+        self.recurrent = [self.layers[i].recurrent for i in self.delta_layers]
         for i in self.attn_layers:  # qwen3_next's attention: queries and gates from one projection
             self.layers[i].gated_q = type(inner.layers[i].self_attn).__name__ in decode_delta.GATED_ATTENTION
         self.ffn_width = decode_moe.ffn_width(self.layers)  # the pass's gate and up buffers' width

@@ -160,16 +160,18 @@ def delta_weights(mixer: Any) -> DeltaWeights:
 
 @dataclass
 class OwnedStates:
-    """The recurrent arrays the decoder made for one sequence (conv, state per delta layer), the
-    only ones it writes, and their addresses."""
+    """The recurrent arrays the decoder made for one sequence (conv, state per delta layer; the
+    state of an LFM2 short convolution, ``decode_conv.py``), the only ones it writes, and their
+    addresses (the second 0 for a layer of one array)."""
 
-    arrays: list[tuple[Any, Any]] = field(default_factory=list)
+    arrays: list[tuple[Any, ...]] = field(default_factory=list)
     addresses: list[tuple[int, int]] = field(default_factory=list)
     last: tuple[Any, Any, list[tuple[int, ...]]] | None = None  # the last merged views, by their parts
 
     def holds(self, layers: list[Any]) -> bool:
         return len(self.arrays) == len(layers) and all(
-            c.cache[0] is conv and c.cache[1] is state for c, (conv, state) in zip(layers, self.arrays))
+            len(c.cache) == len(arrays) and all(a is b for a, b in zip(c.cache, arrays))
+            for c, arrays in zip(layers, self.arrays))
 
     def merged(self, views: list[tuple[int, ...]], states: list[tuple[int, int]],
                delta_layers: list[int]) -> list[tuple[int, ...]]:
@@ -201,31 +203,41 @@ def is_fresh(layer: Any) -> bool:
     return all(a is None for a in layer.cache)
 
 
-def can_take(layer: Any, weights: DeltaWeights) -> bool:
-    """Whether an ``ArraysCache`` holds one sequence's float32 state of this mixer's shapes (or none yet)."""
-    if type(layer).__name__ != "ArraysCache" or len(layer.cache) != 2 or layer.lengths is not None:
+def state_shapes(weights: Any) -> tuple[tuple[int, ...], ...]:
+    """The ``ArraysCache`` arrays of one sequence of a recurrent layer: its weights' own
+    ``state_shapes`` where they say (an LFM2 short convolution's one array), else a delta-net's
+    conv state and delta rule's state under ``DeltaWeights``' names."""
+    shapes = getattr(weights, "state_shapes", None)
+    if shapes is not None:
+        return shapes
+    return (1, weights.kernel - 1, weights.conv_dim), (1, weights.v_heads, weights.v_dim, weights.k_dim)
+
+
+def can_take(layer: Any, weights: Any) -> bool:
+    """Whether an ``ArraysCache`` holds one sequence's float32 state of this mixer's shapes
+    (:func:`state_shapes`: a delta-net's, an LFM2 short convolution's), or none yet."""
+    shapes = state_shapes(weights)
+    if type(layer).__name__ != "ArraysCache" or len(layer.cache) != len(shapes) or layer.lengths is not None:
         return False
     if getattr(layer, "left_padding", None) is not None:
         return False
     if is_fresh(layer):
         return True
-    conv, state = layer.cache
-    return (conv is not None and state is not None and conv.dtype == mx.float32 and state.dtype == mx.float32
-            and conv.shape == (1, weights.kernel - 1, weights.conv_dim)
-            and state.shape == (1, weights.v_heads, weights.v_dim, weights.k_dim))
+    return all(a is not None and a.dtype == mx.float32 and a.shape == shape for a, shape in zip(layer.cache, shapes))
 
 
-def own_states(layers: list[Any], weights: list[DeltaWeights], owned: OwnedStates) -> list[tuple[int, int]]:
-    """Addresses of every delta layer's conv state and delta state that the pass may update in
-    place: the arrays made for this sequence, or new ones (the cache's values copied in, zeros
-    for a fresh cache) put into the cache first."""
+def own_states(layers: list[Any], weights: list[Any], owned: OwnedStates) -> list[tuple[int, int]]:
+    """Addresses of every recurrent layer's state arrays (a delta layer's conv state and delta
+    state; an LFM2 short convolution's one, then 0) that the pass may update in place: the arrays
+    made for this sequence, or new ones (the cache's values copied in, zeros for a fresh cache)
+    put into the cache first."""
     if owned.holds(layers):
         return owned.addresses
     mx.eval([c.cache for c in layers if not is_fresh(c)])
     owned.arrays, owned.addresses = [], []
     for c, w in zip(layers, weights):
         made = []
-        for i, shape in enumerate(((1, w.kernel - 1, w.conv_dim), (1, w.v_heads, w.v_dim, w.k_dim))):
+        for i, shape in enumerate(state_shapes(w)):
             fresh = mx.zeros(shape, dtype=mx.float32)
             mx.eval(fresh)
             view = np.asarray(fresh)
@@ -234,12 +246,13 @@ def own_states(layers: list[Any], weights: list[DeltaWeights], owned: OwnedState
             if c.cache[i] is not None:
                 view[...] = np.asarray(c.cache[i])
             made.append((fresh, view.ctypes.data))
-        c.cache[0], c.cache[1] = made[0][0], made[1][0]
-        owned.arrays.append((made[0][0], made[1][0]))
-        owned.addresses.append((made[0][1], made[1][1]))
+        for i, (array, _) in enumerate(made):
+            c.cache[i] = array
+        owned.arrays.append(tuple(array for array, _ in made))
+        owned.addresses.append((made[0][1], made[1][1] if len(made) > 1 else 0))
     return owned.addresses
 
 
 __all__ = ["DELTA_MIXERS", "GATED_ATTENTION", "DeltaWeights", "OwnedStates", "can_take", "delta_layer", "delta_weights",
            "is_delta",
-           "is_fresh", "linear_modules", "own_states", "unsupported"]
+           "is_fresh", "linear_modules", "own_states", "state_shapes", "unsupported"]

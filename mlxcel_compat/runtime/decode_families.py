@@ -17,7 +17,10 @@ weighted sum, qwen2_moe's gated shared expert; ``decode_moe.py``); and the hybri
 ``qwen3_5_moe`` and ``qwen3_next``: their gated delta-net layers in the same loop
 (``decode_delta.py``: the recurrent state stays in each layer's ``ArraysCache``, updated in place
 in arrays made for the sequence), their attention layers with a sigmoid output gate and a partial
-RoPE (no prompt-cache borrowing, no speculative drafts there: the state cannot be trimmed);
+RoPE (no prompt-cache borrowing, no speculative drafts there: the state cannot be trimmed); the
+LFM2 hybrids ``lfm2`` and ``lfm2_moe`` (``decode_conv.py`` checks their layout: short convolutions
+whose state stays in each layer's ``ArraysCache`` under the same rule, attention with per-head q/k
+norms, SwiGLU or lfm2_moe's sigmoid-gated experts; the same restrictions);
 ``gpt_oss`` (top-k then softmax, biased experts, clamped SwiGLU, attention sinks, sliding-window
 rings named by ``layer_types`` beside full layers, its prompt chunks' rings as Gemma 3's:
 ``ring_chunks.py``) and ``granitemoe`` (granite's multipliers). Gemma 3 brings
@@ -57,7 +60,8 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel_compat.runtime import decode_delta, decode_exaone, decode_gemma4, decode_mamba, decode_moe, decode_nemotron
+from mlxcel_compat.runtime import (decode_conv, decode_delta, decode_exaone, decode_gemma4, decode_mamba, decode_moe,
+                                  decode_nemotron)
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_layers import attention_heads, gemma_mlp, gemma_norm, head_dim, layer_mlp
 
@@ -65,14 +69,16 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe",
                "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "granite", "seed_oss", "ernie4_5",
                "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3", "starcoder2",
                "cohere2", "apertus", "ernie4_5_moe", "glm4_moe", "gemma4_text", "granitemoehybrid",
-               "nemotron_h", "gemma2", "exaone")
+               "nemotron_h", "gemma2", "exaone", "lfm2", "lfm2_moe")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "ernie4_5_moe",
-             "glm4_moe", "granitemoehybrid")
+             "glm4_moe", "granitemoehybrid", "lfm2_moe")
 # Hybrids: gated delta-net layers (decode_delta.py) between attention layers with an output gate and a
 # partial RoPE.
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+# LFM2's hybrids (short convolutions between attention layers, their own names): decode_conv.CONV_TYPES,
+# checked by decode_conv.unsupported; the same restrictions as these (the state cannot be trimmed).
 # Families other than Gemma 3 whose sliding-window layers (named by the model's ``layer_types``)
 # run on their RotatingKVCache rings here: gpt-oss's alternate with full ones.
 LAYER_TYPE_WINDOWS = ("gpt_oss", "olmo3")
@@ -167,6 +173,8 @@ def unsupported(model: Any) -> str | None:
         return "quantized weights"
     if model_type in decode_nemotron.PAIRED_TYPES:  # its own layout (decode_nemotron.py)
         return decode_nemotron.unsupported(model)
+    if model_type in decode_conv.CONV_TYPES:  # LFM2's layout: its short convolutions, its names (decode_conv.py)
+        return decode_conv.unsupported(model)
     gemma = model_type in GEMMA_TYPES
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)

@@ -103,6 +103,13 @@ class LayerWeights:
     gate_up: LinearWeights | None = None  # phi3, glm4: gate and up in one projection (then gate, up are None)
     xielu: tuple[float, float, float, float] | None = None  # Apertus's activation: alpha_p, alpha_n, beta, eps
     mamba: Any = None  # a Mamba-2 mixer in place of attention (decode_mamba.MambaWeights), or None
+    conv: Any = None  # LFM2's short convolution in place of attention (decode_conv.ConvWeights), or None
+
+    @property
+    def recurrent(self) -> Any:
+        """The weights of a layer that holds recurrent state instead of KV (``delta``, ``mamba`` or
+        ``conv``: ``decode_delta.state_shapes`` reads their state's shapes), or None."""
+        return next((w for w in (self.delta, self.mamba, self.conv) if w is not None), None)
 
 
 @dataclass
@@ -169,8 +176,11 @@ def gemma_mlp() -> tuple[type, ...]:
 
 
 def layer_mlp(layer: Any) -> Any:
-    """A decoder layer's MLP or MoE block: ``mlp``, granitemoe's ``block_sparse_moe``; None if neither."""
-    return layer.mlp if hasattr(layer, "mlp") else getattr(layer, "block_sparse_moe", None)
+    """A decoder layer's MLP or MoE block: ``mlp``, granitemoe's ``block_sparse_moe``, LFM2's
+    ``feed_forward``; None if none."""
+    if hasattr(layer, "mlp"):
+        return layer.mlp
+    return getattr(layer, "block_sparse_moe", getattr(layer, "feed_forward", None))
 
 
 def linear_weights(module: Any) -> LinearWeights:

@@ -51,6 +51,9 @@ GATING = {
     # glm4_moe: sigmoid scores, the k largest of scores + e_score_correction_bias chosen, weighted by
     # the scores alone (renormalised by norm_topk_prob), times routed_scaling_factor; one expert group
     "glm4_moe.MoE": "sigmoid_bias",
+    # lfm2_moe: as glm4_moe's, the selection bias its ``expert_bias`` (none: use_expert_bias off), the
+    # chosen k renormalised by their sum + 1e-6 (k = 1 too), times routed_scaling_factor (the block's)
+    "Lfm2MoeSparseMoeBlock": "sigmoid_bias_eps",
 }
 # Blocks that always renormalise the chosen k weights to sum 1 (ERNIE 4.5 divides by
 # max(sum, 1e-12): the sum of k softmax weights is never that small).
@@ -80,8 +83,8 @@ class MoeWeights:
     shared_up: LinearWeights | None = None
     shared_down: LinearWeights | None = None
     shared_scale: LinearWeights | None = None  # its gate (hidden -> 1), through a sigmoid
-    score_bias: np.ndarray | None = None  # glm4_moe: (n_expert) the selection bias, float32
-    routed_scale: float = 1.0  # glm4_moe: routed_scaling_factor
+    score_bias: np.ndarray | None = None  # glm4_moe, lfm2_moe: (n_expert) the selection bias, float32
+    routed_scale: float = 1.0  # glm4_moe, lfm2_moe: routed_scaling_factor
 
     @property
     def linears(self) -> list[LinearWeights]:
@@ -183,9 +186,20 @@ def moe_weights(mlp: Any) -> MoeWeights:
         shared_up=linear_weights(shared.up_proj) if shared is not None else None,
         shared_down=linear_weights(shared.down_proj) if shared is not None else None,
         shared_scale=linear_weights(scale) if scale is not None else None,
-        score_bias=(float32_array(_router(mlp).e_score_correction_bias)
-                    if GATING[block_name(mlp)] == "sigmoid_bias" else None),
-        routed_scale=float(getattr(_router(mlp), "routed_scaling_factor", 1.0)))
+        score_bias=_score_bias(mlp),
+        routed_scale=float(getattr(_router(mlp), "routed_scaling_factor", getattr(mlp, "routed_scaling_factor", 1.0))))
+
+
+def _score_bias(mlp: Any) -> np.ndarray | None:
+    """The selection bias of a sigmoid router: glm4_moe's ``e_score_correction_bias``, lfm2_moe's
+    ``expert_bias`` (zeros where the block has none: adding 0 chooses as MLX's unbiased top k)."""
+    gating = GATING[block_name(mlp)]
+    if gating == "sigmoid_bias":
+        return float32_array(_router(mlp).e_score_correction_bias)
+    if gating == "sigmoid_bias_eps":
+        bias = getattr(mlp, "expert_bias", None)
+        return float32_array(bias) if bias is not None else np.zeros(int(mlp.num_experts), np.float32)
+    return None
 
 
 def shared_modules(mlp: Any) -> list[Any]:

@@ -181,6 +181,13 @@ class VisionFamily:
 
         return [KVCache() for _ in vlm.language_model.model.layers]
 
+    def text_model(self, vlm: Any) -> Any:
+        """The mlx-lm language model whose steps are this family's steps on tokens without media
+        (the same cache, plain positions: ``vlm.language_model`` called as mlx-lm calls it), which
+        the CPU decode runtime may then run; None where they differ (M-RoPE, mlx-vlm's own text
+        modules)."""
+        return None
+
     def text_positions(self, start: int, length: int, batch: int = 1) -> mx.array | None:
         """Positions of tokens without images (``None``: the model's own ``offset + index``)."""
         return None

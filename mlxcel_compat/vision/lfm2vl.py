@@ -116,6 +116,9 @@ class Lfm2Vl(VisionFamily):
     def make_cache(self, vlm: Any) -> list[Any]:
         return vlm.language_model.make_cache()
 
+    def text_model(self, vlm: Any) -> Any:
+        return vlm.language_model  # mlx-lm's LFM2 (lfm2_language_model), plain positions
+
     def hidden(self, language: Any, inputs: mx.array, cache: Any, embeds: mx.array | None,
                positions: mx.array | None) -> mx.array:
         return language.model(inputs, cache=cache, input_embeddings=embeds)

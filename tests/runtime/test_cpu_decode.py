@@ -614,7 +614,9 @@ def test_gemma3_caches_it_does_not_take() -> None:
 
 @pytest.mark.parametrize("family,reason", [
     # qwen3_next's directory: its float32 experts (its delta-net layers the runtime takes: test_cpu_decode_hybrid.py)
-    ("qwen3_next", "mixture-of-experts layers (qwen3_next): experts not in ggml's blocks"), ("lfm2", "model type 'lfm2'"),
+    ("qwen3_next", "mixture-of-experts layers (qwen3_next): experts not in ggml's blocks"), ("exaone", "model type 'exaone'"),
+    # lfm2_moe's directory: its float32 experts (its GGUF's blocks the runtime takes: test_cpu_decode_lfm2.py)
+    ("lfm2_moe", "mixture-of-experts layers (lfm2_moe): experts not in ggml's blocks"),
 ])
 def test_other_families_keep_mlx_and_say_why(family: str, reason: str) -> None:
     loaded = load_model(str(tiny_model(family)), [])
@@ -628,10 +630,10 @@ def test_a_gguf_family_it_does_not_take_keeps_mlx_and_the_log_says_why(caplog: p
     import logging
 
     with caplog.at_level(logging.INFO, logger="mlxcel_compat"):
-        loaded = load_model(str(ensure_gguf("lfm2", "tiny", "q8_0", cache_dir=MODEL_CACHE)), [])
+        loaded = load_model(str(ensure_gguf("exaone", "tiny", "q8_0", cache_dir=MODEL_CACHE)), [])
     assert loaded.decoder is None
     assert any(type(m).__name__ == "BlockLinear" for _, m in loaded.model.named_modules())
-    assert "decode step: MLX (CPU decode runtime not used: model type 'lfm2'" in caplog.text
+    assert "decode step: MLX (CPU decode runtime not used: model type 'exaone'" in caplog.text
 
 
 def test_layouts_it_does_not_take_say_why() -> None:

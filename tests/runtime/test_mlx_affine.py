@@ -252,9 +252,9 @@ def test_served_model_matches_mlx_quantized_model(family: str, quantization: Qua
 @pytest.mark.parametrize("family,quantization", [("qwen2", Q4), ("gemma3_text", Q4), ("lfm2", Q8)],
                          ids=["qwen2-q4", "gemma3-q4", "lfm2-q8"])
 def test_other_families_serve_blocks(family: str, quantization: Quantization) -> None:
-    """qwen2 (biases on q/k/v, kept next to the blocks) through the decode runtime; gemma3 (a
-    scaled, tied embedding; sliding windows) and lfm2 (convolution layers, not quantized) through
-    MLX's step, whose block layers take ggml's vec_dot for decode-sized inputs."""
+    """qwen2 (biases on q/k/v, kept next to the blocks) and lfm2 (convolution layers, not quantized:
+    runtime/decode_conv.py) through the decode runtime; gemma3 (a scaled, tied embedding; sliding
+    windows) through MLX's step, whose block layers take ggml's vec_dot for decode-sized inputs."""
     directory = quantized_dir(family, quantization)
     loaded = load_model(str(directory), [])
     modules = [m for _, m in loaded.model.named_modules()]
@@ -262,6 +262,8 @@ def test_other_families_serve_blocks(family: str, quantization: Quantization) ->
     assert sum(isinstance(m, (BlockLinear, BlockEmbedding)) for m in modules) >= 8
     if family == "qwen2":
         assert "bias" in loaded.model.model.layers[0].self_attn.q_proj and loaded.decoder is not None
+    if family == "lfm2":
+        assert loaded.decoder is not None
     reference = _reference(directory)
     prompt = _prompt()
     ours_cache, ref_cache = make_prompt_cache(loaded.model), make_prompt_cache(reference)

@@ -9,7 +9,9 @@ of convolution and attention layers).
   logits on the same pixels, and text alone gives LFM2's;
 - the prompt cache keeps the hybrid's whole state (session snapshots): a second turn about the same
   image restores the first turn's state (or its prompt's, when the reply is rendered as other
-  tokens), images included, and answers as a cold run; another image restores nothing of it."""
+  tokens), images included, and answers as a cold run; another image restores nothing of it;
+- requests without images run on the CPU decode runtime (its text model is mlx-lm's LFM2), with
+  images in MLX's pass."""
 
 from __future__ import annotations
 
@@ -199,6 +201,30 @@ def test_a_second_turn_about_the_same_image_restores_the_first(harness: Any, loa
     miss = _run(harness, _request(loaded, more, other, other_digest))
     assert miss.finish is not None and miss.finish.n_cached == 0
     assert miss.tokens == _run(harness, _request(loaded, more, other, other_digest, cache=False)).tokens
+
+
+def test_requests_without_images_run_on_the_cpu_decode_runtime(harness: Any, loaded: Any) -> None:
+    """The text model is mlx-lm's LFM2 (``VisionFamily.text_model``): a request without images runs
+    on the CPU decode runtime (runtime/decode_conv.py), its greedy tokens those of MLX's own text
+    model; a request with images stays in MLX's pass (the runtime takes token ids, not features)."""
+    harness.reset()
+    decoder = harness.engine.loaded.decoder
+    assert decoder is not None
+    language, tokenizer = harness.engine.loaded.model.vlm.language_model, loaded.tokenizer
+    text = list(tokenizer.encode("Only words, no picture.", add_special_tokens=False))
+    steps, chunks = decoder.steps, decoder.prefilled
+    run = _run(harness, _request(loaded, text, None, b"", cache=False))
+    assert decoder.steps > steps and decoder.prefilled > chunks
+    cache, expected = language.make_cache(), []
+    logits = language(mx.array(text)[None], cache=cache)[0, -1]
+    for _ in range(len(run.tokens)):
+        expected.append(int(logits.argmax()))
+        logits = language(mx.array([[expected[-1]]]), cache=cache)[0, -1]
+    assert run.tokens == expected
+    tokens, media, digest = _prepare(loaded.model, tokenizer, [_encoded(5, (240, 120))], ("Look:", " what is it?"))
+    steps, chunks = decoder.steps, decoder.prefilled
+    assert _run(harness, _request(loaded, tokens, media, digest, cache=False)).finish is not None
+    assert (decoder.steps, decoder.prefilled) == (steps, chunks)
 
 
 @pytest.fixture(scope="module")

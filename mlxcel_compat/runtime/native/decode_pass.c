@@ -28,6 +28,7 @@
 #include "delta_net.h"
 #include "kv_rows.h"
 #include "mamba2.h"
+#include "short_conv.h"
 #include "thread_pool.h"
 
 /* A norm's gain as the model applies it (Gemma's 1 + w already added), or w NULL where absent. */
@@ -53,6 +54,7 @@ struct mlxcel_layer {
     struct mlxcel_linear qkv, gate_up;
     float xielu[4]; /* Apertus's xIELU: alpha_p, alpha_n (softplus-ed as mlx-lm does), beta, eps */
     const struct mlxcel_mamba *mamba; /* a Mamba-2 mixer in place of attention (mamba2.c), or NULL */
+    const struct mlxcel_short_conv *conv; /* LFM2's short convolution in place of attention (short_conv.c), or NULL */
 };
 
 struct mlxcel_model {
@@ -228,6 +230,16 @@ static void delta_mixer(const struct mlxcel_model *m, int i, const struct mlxcel
                        tiles, scales, n_adapters);
 }
 
+/* x += LFM2's short convolution of layer i (each unit's state where its kv entry's keys point). */
+static void conv_mixer(const struct mlxcel_model *m, int i, const struct mlxcel_buffers *b, int rows,
+                       const int *segments, int n_segments, const struct mlxcel_kv *kv, int tiles,
+                       const double *scales, int n_adapters) {
+    int units = segments ? n_segments : rows;
+    float **states = mlxcel_scratch(&hybrid_scratch[2], sizeof(float *) * (size_t)units);
+    for (int u = 0; u < units; u++) states[u] = kv[(size_t)u * m->n_layers + i].keys;
+    mlxcel_short_conv_layer(m->layers[i].conv, rows, segments, n_segments, b->h, b->x, states, tiles, scales,
+                            n_adapters);
+}
 
 /* A Mamba-2 layer's mixer (mamba2.c) on each row's (or chunk's) conv and SSM state, where its
  * struct mlxcel_kv's keys and values point. */
@@ -310,6 +322,10 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         }
         if (L->mamba) {
             mamba_mixer(m, i, b, rows, segments, n_segments, kv, tiles, scales, n_adapters);
+            goto mlp;
+        }
+        if (L->conv) {
+            conv_mixer(m, i, b, rows, segments, n_segments, kv, tiles, scales, n_adapters);
             goto mlp;
         }
         const struct mlxcel_linear *qkv[3] = {&L->q, &L->k, &L->v};

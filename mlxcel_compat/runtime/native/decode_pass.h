@@ -61,7 +61,8 @@ struct mlxcel_moe {
     int gating, clamped;
     float alpha, limit;
     /* gating 2 (glm4_moe): the experts chosen by sigmoid(logit) + score_bias, weighted by the
-     * sigmoid alone (renormalised where norm_topk says so), then times routed_scale */
+     * sigmoid alone (renormalised where norm_topk says so), then times routed_scale; gating 3
+     * (lfm2_moe): the same, renormalised by the sum + 1e-6 */
     const float *score_bias;
     float routed_scale;
 };

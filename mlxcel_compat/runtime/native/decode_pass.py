@@ -51,7 +51,7 @@ class MoeStruct(ctypes.Structure):
                 ("alpha", _F), ("limit", _F), ("score_bias", _P), ("routed_scale", _F)]
 
 # struct mlxcel_moe's gating: the routers' weights as the families compute them (decode_moe.GATING).
-GATING_CODES = {"softmax": 0, "topk_softmax": 1, "sigmoid_bias": 2}
+GATING_CODES = {"softmax": 0, "topk_softmax": 1, "sigmoid_bias": 2, "sigmoid_bias_eps": 3}
 
 
 class DeltaStruct(ctypes.Structure):
@@ -69,11 +69,16 @@ class MambaStruct(ctypes.Structure):
                 *((name, _I) for name in ("heads", "head_dim", "d_state", "groups", "kernel", "norm_group"))]
 
 
+class ShortConvStruct(ctypes.Structure):
+    _fields_ = [("inp", _P), ("out", _P), ("conv", _P), ("hidden", _I), ("kernel", _I)]
+
+
 class LayerStruct(ctypes.Structure):
     _fields_ = [*((name, LinearStruct) for name in ("q", "k", "v", "o", "gate", "up", "down")),
                 *((name, NormStruct) for name in ("n1", "n2", "q_norm", "k_norm", "attn_out", "mlp_out")),
                 ("rope", _I), ("moe", _P), ("delta", _P), ("gated_q", _I), ("sinks", _P),
-                ("qkv", LinearStruct), ("gate_up", LinearStruct), ("xielu", _F * 4), ("mamba", _P)]
+                ("qkv", LinearStruct), ("gate_up", LinearStruct), ("xielu", _F * 4), ("mamba", _P),
+                ("conv", _P)]
 
 
 class ModelStruct(ctypes.Structure):
@@ -221,6 +226,17 @@ def _mamba(mamba: Any, keep: list[Any]) -> int:
     return ctypes.addressof(s)
 
 
+def _conv(conv: Any, keep: list[Any]) -> int:
+    """``struct mlxcel_short_conv`` of a ``decode_conv.ConvWeights`` (kept alive in ``keep``), its
+    address; 0 for None."""
+    if conv is None:
+        return 0
+    inp, out = _linear(conv.inp, keep), _linear(conv.out, keep)
+    s = ShortConvStruct(ctypes.addressof(inp), ctypes.addressof(out), conv.conv.ctypes.data, conv.hidden, conv.kernel)
+    keep.extend([inp, out, s])
+    return ctypes.addressof(s)
+
+
 def _norm(norm: Any) -> NormStruct:
     if norm is None:
         return NormStruct()
@@ -244,6 +260,7 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
         if layer.xielu is not None:
             s.xielu = (_F * 4)(*layer.xielu)
         s.mamba = _mamba(layer.mamba, keep)
+        s.conv = _conv(layer.conv, keep)
     keep.append(layers)
     rope_traditional = decoder.angles.traditional
     traditional = (_I * 2)(*[int(t) for t in rope_traditional] + [0] * (2 - len(rope_traditional)))
@@ -272,6 +289,8 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
                         for lin in layer.delta.linears)
     weight_bytes += sum(_weight_bytes(lin) for layer in decoder.layers if layer.mamba is not None
                         for lin in layer.mamba.linears)
+    weight_bytes += sum(_weight_bytes(lin) for layer in decoder.layers if layer.conv is not None
+                        for lin in layer.conv.linears)
     weight_bytes += _weight_bytes(decoder.head)
     return NativeModel(struct, keep, fns[0], fns[1], weight_bytes <= GIL_HELD_WEIGHT_BYTES_MAX)
 

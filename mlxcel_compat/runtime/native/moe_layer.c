@@ -53,6 +53,18 @@ static void moe_bias(float *out, const float *bias, int width, int groups, const
  * the k largest (ties: the lower expert first), renormalised to sum 1 where norm_topk says so. */
 static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, float *weight) {
     int n = e->n_expert, k = e->top_k;
+    if (e->gating == 3) { /* lfm2_moe: as glm4_moe's, renormalised by the sum + 1e-6 whatever k is */
+        float biased[n];
+        for (int i = 0; i < n; i++) {
+            l[i] = 1.0f / (1.0f + expf(-l[i]));
+            biased[i] = l[i] + e->score_bias[i];
+        }
+        moe_top_k(biased, n, k, chosen, weight);
+        float total = 0.0f;
+        for (int j = 0; j < k; j++) total += weight[j] = l[chosen[j]];
+        for (int j = 0; j < k; j++) weight[j] = (e->norm_topk ? weight[j] / (total + 1e-6f) : weight[j]) * e->routed_scale;
+        return;
+    }
     if (e->gating == 2) { /* glm4_moe: sigmoid scores, chosen with their selection bias, weighted without */
         float biased[n];
         for (int i = 0; i < n; i++) {
