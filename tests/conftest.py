@@ -228,7 +228,11 @@ class ServerProcess:
             env=env,
         )
         if wait:
-            self.wait_healthy()
+            try:
+                self.wait_healthy()
+            except BaseException:
+                self.stop()  # never listed for teardown: a server that did not come up would outlive the run
+                raise
         return self
 
     def wait_healthy(self, timeout: float = 120.0) -> None:

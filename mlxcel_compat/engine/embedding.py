@@ -12,6 +12,13 @@ An encoder (``encoders/bert.py``) attends both ways, so its padding is masked in
 is never split (the HTTP side refuses one longer than a pass, as llama-server does). Its pooling
 ``rank`` is its classification head on the first token.
 
+A vision-language model embeds one prompt a pass, bound to its images (``vision/model.py``: the
+features replace the image tokens' embeddings, as in a completion's prefill). What is pooled is
+what llama-server pools: its server decodes each image in a batch of its own whose positions
+are not outputs, and pools (or, with pooling ``none``, returns) the outputs of the prompt's last
+batch only: the tokens after the last image. So an image's positions reach the embedding only
+through attention; a prompt without images pools all its tokens.
+
 Results leave the engine thread as NumPy float32 arrays, never as ``mx.array``s.
 """
 
@@ -34,6 +41,14 @@ class EmbeddingJob:
     max_batch_tokens: int  # padded tokens per forward pass (--ubatch-size)
     rank: Any = None  # model.rerank.RankHead for pooling rank: the last token's scores
     token_types: list[list[int]] | None = None  # an encoder's segment ids per prompt (a rerank pair); None: all 0
+    media: list[Any] | None = None  # a vision model's MediaInput (or None) per prompt; None: no images at all
+
+
+def pooled_from(media: Any) -> int:
+    """The first token an embedding pools: the one after the prompt's last image or audio clip
+    (llama-server pools its last batch, which follows the media), 0 without media."""
+    spans = media.spans if media is not None else []
+    return max(end for _, end in spans) if spans else 0
 
 
 def hidden_module(model: Any) -> Any:
@@ -49,6 +64,18 @@ def embed(model: Any, job: EmbeddingJob) -> list[np.ndarray]:
     else (1, n_embd), unnormalised (the caller normalises pooled vectors)."""
     if getattr(model, "is_encoder", False):
         return _embed_encoder(model, job)
+    if callable(getattr(model, "bind", None)):  # a vision-language model (vision/model.py: VisionLM)
+        vectors = _embed_vision(model, job)
+    else:
+        vectors = _embed_decoder(model, job)
+    if job.pooling == "rank":
+        scores = rank_scores(model, np.concatenate(vectors, axis=0), job.rank)
+        vectors = [scores[i : i + 1] for i in range(len(vectors))]
+    return vectors
+
+
+def _embed_decoder(model: Any, job: EmbeddingJob) -> list[np.ndarray]:
+    """Padded batches of similar lengths; a prompt longer than a pass in chunks through a KV cache."""
     inner = hidden_module(model)
     out: list[np.ndarray | None] = [None] * len(job.prompts)
     for group in length_groups([len(p) for p in job.prompts], job.max_batch_tokens):
@@ -59,11 +86,21 @@ def embed(model: Any, job: EmbeddingJob) -> list[np.ndarray]:
         hidden = _hidden_batch(inner, [job.prompts[i] for i in group])
         for row, i in enumerate(group):
             out[i] = _pool(hidden[row, : len(job.prompts[i])], job.pooling)
-    vectors = [v for v in out if v is not None]
-    if job.pooling == "rank":
-        scores = rank_scores(model, np.concatenate(vectors, axis=0), job.rank)
-        vectors = [scores[i : i + 1] for i in range(len(vectors))]
-    return vectors
+    return [v for v in out if v is not None]
+
+
+def _embed_vision(model: Any, job: EmbeddingJob) -> list[np.ndarray]:
+    """One prompt a pass, bound to its media (vision models run one sequence a pass), through a
+    KV cache in chunks of ``max_batch_tokens``; pooled from the token after its last medium."""
+    out = []
+    for i, prompt in enumerate(job.prompts):
+        media = job.media[i] if job.media is not None else None
+        start = pooled_from(media)
+        if start >= len(prompt):
+            raise ValueError("nothing to embed after the prompt's last image")
+        sequence = model.bind(media, prompt)
+        out.append(_pool(_hidden_chunked(model, sequence.hidden, prompt, job.max_batch_tokens)[start:], job.pooling))
+    return out
 
 
 def rank_scores(model: Any, last_hidden: np.ndarray, head: Any) -> np.ndarray:

@@ -2,7 +2,8 @@
 ``POST /flush_cache``, which vllm-router and sglang-router send to every worker on their own
 ``/flush_cache``).
 
-Stats show the RAM and disk tiers separately (``tiers``); reset takes the tier to clear. Both run
+Stats show the RAM and disk tiers separately (``tiers``) and, on a vision model, the
+prepared-image memo's counters (``prepared_images``); reset takes the tier to clear. Both run
 on the engine thread (the single owner of the stores) through an engine call. They need the API
 key when one is configured (they are not public paths).
 """
@@ -28,12 +29,14 @@ from mlxcel_compat.server.pipeline import ctx_of, read_json
 async def cache_stats(request: Request) -> Response:
     ctx = ctx_of(request)
     cache = ctx.engine.prefix_cache
-    isolation = {"isolation": ctx.cache_isolation}  # --prompt-cache-isolation as resolved
+    extra = {"isolation": ctx.cache_isolation}  # --prompt-cache-isolation as resolved
+    if ctx.media is not None:  # a vision model: the prepared-image memo (server/media.py) beside the prompt cache
+        extra["prepared_images"] = ctx.media.memo.stats()
     if cache is None:
         out = {**PromptCacheStore.disabled_stats(), **SnapshotStore.disabled_stats(), **SharedBlocks.empty_stats()}
         out["tiers"] = tiers_stats(out, DiskTier.disabled_stats())
-        return json_response({**out, **isolation})
-    return json_response({**await ctx.client.call(cache.stats), **isolation})
+        return json_response({**out, **extra})
+    return json_response({**await ctx.client.call(cache.stats), **extra})
 
 
 async def cache_reset(request: Request) -> Response:

@@ -7,6 +7,13 @@ prompts is embedded in one request, in as few forward passes as the lengths allo
 ``embedding`` is 2-D: one pooled vector, or one vector per token with pooling ``none``
 (unnormalised). The OpenAI answer carries one vector per input (``encoding_format: base64``:
 little-endian float32 bytes) and ``usage.prompt_tokens``, the tokens actually embedded.
+
+On a vision model an input may hold images (and audio, where the model has an audio tower): a
+``{"prompt_string", "multimodal_data"}`` prompt, or an OpenAI content array with ``image_url``
+parts. They go the way a completion's do (``pipeline.media_prompt``: the media markers, the
+prepared-image memo, the image's tokens), and the engine pools what llama-server pools: the
+tokens after the prompt's last image (``engine/embedding.py``). Bad media are 400s with the
+completion path's messages (llama-server answers some of them with a 500).
 """
 
 from __future__ import annotations
@@ -20,13 +27,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mlxcel_compat.engine.embedding import EmbeddingJob
+from mlxcel_compat.chat.request import AudioSource
+from mlxcel_compat.engine.embedding import EmbeddingJob, pooled_from
 from mlxcel_compat.server.context import ServerContext
 from mlxcel_compat.server.embedding_requests import NO_HEAD, UNSPLIT_POOLINGS, check_length, embeddings_enabled
 from mlxcel_compat.server.errors import InvalidRequest, NotSupported
 from mlxcel_compat.server.openapi import Operation
-from mlxcel_compat.server.pipeline import ctx_of, read_json, respond
+from mlxcel_compat.server.media import MEDIA_MARKER, marked_prompt_tokens
+from mlxcel_compat.server.pipeline import ctx_of, media_prompt, read_json, respond
 from mlxcel_compat.server.prompts import tokenize_one
+from mlxcel_compat.vision.inputs import MediaInput
 
 NOT_ENABLED = "This server does not support embeddings. Start it with `--embeddings`"
 NOT_OAI = "Pooling type 'none' is not OAI compatible. Please use a different pooling type"
@@ -73,7 +83,7 @@ def parse_request(ctx: ServerContext, data: dict[str, Any], oai: bool) -> Embedd
     encoding = data.get("encoding_format")
     if encoding is not None and encoding not in ("float", "base64"):
         raise InvalidRequest("The format to return the embeddings in. Can be either float or base64")
-    prompts = _tokenize(ctx, prompt)
+    prompts, media = _tokenize(ctx, prompt)
     mode = data.get("embd_normalize")
     if mode is None:
         mode = ctx.settings.embd_normalize
@@ -84,7 +94,7 @@ def parse_request(ctx: ServerContext, data: dict[str, Any], oai: bool) -> Embedd
         check_length(ctx, tokens, m.pooling in UNSPLIT_POOLINGS)
     model = data.get("model")
     return EmbeddingRequest(
-        job=EmbeddingJob(prompts=prompts, pooling=m.pooling, max_batch_tokens=ubatch, rank=m.rank_head),
+        job=EmbeddingJob(prompts=prompts, pooling=m.pooling, max_batch_tokens=ubatch, rank=m.rank_head, media=media),
         oai=oai,
         base64=encoding == "base64",
         normalize=mode,
@@ -92,57 +102,93 @@ def parse_request(ctx: ServerContext, data: dict[str, Any], oai: bool) -> Embedd
     )
 
 
-def _tokenize(ctx: ServerContext, prompt: Any) -> list[list[int]]:
-    """``/completion``'s prompt shapes; an array without token ids holds one prompt per item."""
-    m = ctx.model
-    assert m is not None
+def _tokenize(ctx: ServerContext, prompt: Any) -> tuple[list[list[int]], list[MediaInput | None] | None]:
+    """``/completion``'s prompt shapes; an array without token ids holds one prompt per item.
+    Returns the prompts' tokens and, when any holds media, each prompt's media (None where none)."""
     if isinstance(prompt, list) and not any(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         limit = ctx.settings.max_prompts
         if len(prompt) > limit:
             raise InvalidRequest(f"Field 'input': at most {limit} inputs are allowed in one request (--max-prompts), but got {len(prompt)}")
-        prompts = [_tokenize_entry(ctx, p) for p in prompt]
+        entries = [_tokenize_entry(ctx, p) for p in prompt]
     else:
-        prompts = [_tokenize_entry(ctx, prompt)]
-    if not prompts:
+        entries = [_tokenize_entry(ctx, prompt)]
+    if not entries:
         raise InvalidRequest('"input" must not be empty')
-    if any(not tokens for tokens in prompts):
+    if any(not tokens for tokens, _ in entries):
         raise InvalidRequest("Input content cannot be empty")
-    return prompts
+    media = [m for _, m in entries]
+    return [tokens for tokens, _ in entries], (media if any(m is not None for m in media) else None)
 
 
 # llama-server's words for a media part on a model without a projector (oaicompat_content_load_media).
 MEDIA_PARTS = {"image_url": "image", "input_audio": "audio", "input_video": "video", "video_url": "video"}
 
 
-def _tokenize_entry(ctx: ServerContext, entry: Any) -> list[int]:
-    """One input: ``/completion``'s prompt shapes, or an OpenAI content array
-    ``{"content": [{"type": "text", "text": ...}, ...]}`` whose text parts are joined into one
-    string, as llama-server's ``tokenize_oai_content_array`` joins them."""
+def _tokenize_entry(ctx: ServerContext, entry: Any) -> tuple[list[int], MediaInput | None]:
+    """One input: ``/completion``'s prompt shapes (with ``multimodal_data`` on a vision model),
+    or an OpenAI content array ``{"content": [{"type": "text", "text": ...}, {"type":
+    "image_url", ...}, ...]}`` whose parts are joined into one string, each media part as the
+    media marker, as llama-server's ``tokenize_oai_content_array`` joins them."""
     m = ctx.model
     assert m is not None
     if isinstance(entry, dict) and "content" in entry:
-        entry = content_parts_text(entry["content"])
-    return tokenize_one(m.tokenizer, entry, m.vocab_size, ctx.prompt_bound)
+        text, sources = content_parts(entry["content"], ctx.media.facts if ctx.media is not None else None)
+        if not sources:
+            return tokenize_one(m.tokenizer, text, m.vocab_size, ctx.prompt_bound), None
+        ctx.prompt_bound.check(len(text))
+        kinds = [isinstance(source, AudioSource) for source in sources]
+        marked = marked_prompt_tokens(m.tokenizer, ctx.media.facts, text, len(sources), kinds)
+        tokens, media, _ = ctx.media.prepare(sources, marked)
+    elif ctx.media is not None and isinstance(entry, dict) and "multimodal_data" in entry:
+        tokens, media, _ = media_prompt(ctx, entry)
+    else:
+        return tokenize_one(m.tokenizer, entry, m.vocab_size, ctx.prompt_bound), None
+    if pooled_from(media) >= len(tokens):
+        raise InvalidRequest("nothing to embed after the last image: llama-server embeds the tokens that follow "
+                             "a prompt's last image, so the prompt must end with text")
+    return tokens, media
 
 
-def content_parts_text(parts: Any) -> str:
-    """The text of an OpenAI content array; a media part is refused (no model here embeds one),
-    as is any other part type."""
+def content_parts(parts: Any, facts: Any) -> tuple[str, list[Any]]:
+    """The text of an OpenAI content array, a media marker where each media part was, and the
+    media parts' sources (base64 or data URIs; ``AudioSource``s) in order. ``facts`` is a
+    vision model's ``VisionFacts`` (None on a text model, which refuses every media part with
+    llama-server's hint), which says whether it takes images and audio."""
     if not isinstance(parts, list):
         raise InvalidRequest('"content" must be an array')
-    text = []
+    text: list[str] = []
+    sources: list[Any] = []
     for part in parts:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in MEDIA_PARTS:
-            raise InvalidRequest(f"{MEDIA_PARTS[kind]} input is not supported - hint: if this is unexpected, "
-                                 "you may need to provide the mmproj")
+            source = _media_source(part, kind, facts)
+            if source is None:
+                raise InvalidRequest(f"{MEDIA_PARTS[kind]} input is not supported - hint: if this is unexpected, "
+                                     "you may need to provide the mmproj")
+            sources.append(source)
+            text.append(MEDIA_MARKER)
+            continue
         if kind != "text":
             raise InvalidRequest("unsupported content[].type")
         value = part.get("text", "")
         if not isinstance(value, str):
             raise InvalidRequest("content[].text must be a string")
         text.append(value)
-    return "".join(text)
+    return "".join(text), sources
+
+
+def _media_source(part: dict[str, Any], kind: str, facts: Any) -> Any:
+    """A media part's source as ``media_prompt`` takes it, or None where the model takes no such media."""
+    if facts is None:
+        return None
+    if kind == "image_url" and facts.images:
+        value = part.get("image_url")
+        return value.get("url") if isinstance(value, dict) else value  # a bare string, as some clients send
+    if kind == "input_audio" and facts.audio is not None:
+        value = part.get("input_audio")
+        value = value if isinstance(value, dict) else {}
+        return AudioSource(value.get("data", value.get("url")), value.get("format"))
+    return None
 
 
 def format_response(ctx: ServerContext, req: EmbeddingRequest, vectors: list[np.ndarray]) -> Any:

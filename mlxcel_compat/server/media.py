@@ -140,6 +140,11 @@ class PreparedMemo:
             self.hits += 1
             return item
 
+    def stats(self) -> dict[str, int]:
+        """Counters for ``/v1/cache/stats``' ``prepared_images``: how often the same bytes came back."""
+        with self._lock:
+            return {"hits": self.hits, "misses": self.misses, "entries": len(self._items), "bytes": self._bytes}
+
     def put(self, key: bytes, item: PreparedImage) -> None:
         size = item.pixel_values.nbytes
         if size > self.max_bytes:

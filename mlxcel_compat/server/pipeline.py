@@ -229,6 +229,13 @@ def _raw_media(ctx: ServerContext, prompt: Any) -> tuple[list[int], MediaInput, 
         raise InvalidRequest("multimodal_data is served for a single prompt per request")
     if not isinstance(prompt, Mapping) or "multimodal_data" not in prompt:
         return None
+    return media_prompt(ctx, prompt)
+
+
+def media_prompt(ctx: ServerContext, prompt: Mapping[str, Any]) -> tuple[list[int], MediaInput, bytes]:
+    """``(tokens, media, mm_digest)`` of one raw prompt ``{"prompt_string", "multimodal_data"}``
+    on a vision model: each media marker becomes its item's tokens (the prepared-image memo
+    spares the same bytes a second decode). ``/completion`` and ``/embeddings`` share it."""
     from mlxcel_compat.server.media import marked_prompt_tokens, raw_media_sources
 
     text, items = prompt.get("prompt_string"), prompt.get("multimodal_data")

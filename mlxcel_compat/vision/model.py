@@ -148,17 +148,21 @@ class VisionLM(nn.Module):
         clip = MediaAudio(out["input_features"], out["input_features_mask"], (0, audio.tokens_per_clip))
         mx.eval(self.family.audio_features(self.vlm, [clip]))
 
-    def forward(self, inputs: mx.array, cache: Any, embeds: mx.array | None, positions: mx.array | None) -> mx.array:
-        """Logits of ``inputs`` (1, L) at ``positions`` (mrope: (3, 1, L); else ``None``, the
-        cache's offset + index), with ``embeds`` replacing the token embeddings where given."""
-        language = self.vlm.language_model
-        hidden = self.family.hidden(language, inputs, cache, embeds, positions)
-        return self.family.logits(language, hidden)
+    def forward_hidden(self, inputs: mx.array, cache: Any, embeds: mx.array | None, positions: mx.array | None) -> mx.array:
+        """The text model's final (normed) hidden states of ``inputs`` (1, L) at ``positions``
+        (mrope: (3, 1, L); else ``None``, the cache's offset + index), with ``embeds`` replacing
+        the token embeddings where given: what the head turns into logits, and what an embedding
+        pools (llama.cpp's ``t_embd``)."""
+        return self.family.hidden(self.vlm.language_model, inputs, cache, embeds, positions)
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        return self.family.logits(self.vlm.language_model, self.hidden(inputs, cache))
+
+    def hidden(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        """Hidden states of a text-only chunk (the embeddings' path; ``__call__`` adds the head)."""
         batch, length = inputs.shape
         embeds = self.family.text_embeddings(self.vlm, inputs)
-        return self.forward(inputs, cache, embeds, self.family.text_positions(_offset(cache), length, batch))
+        return self.forward_hidden(inputs, cache, embeds, self.family.text_positions(_offset(cache), length, batch))
 
 
 class BoundVisionLM:
@@ -229,6 +233,10 @@ class BoundVisionLM:
         return embeds if embeds is not None else self.base.family.text_embeddings(self.base.vlm, inputs)
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        return self.base.family.logits(self.base.vlm.language_model, self.hidden(inputs, cache))
+
+    def hidden(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        """Hidden states of one chunk of this sequence, its media rows in place (the embeddings' path)."""
         length = inputs.shape[1]
         start = _offset(cache)
-        return self.base.forward(inputs, cache, self._embeds(inputs, start, length), self._positions(start, length))
+        return self.base.forward_hidden(inputs, cache, self._embeds(inputs, start, length), self._positions(start, length))

@@ -168,6 +168,8 @@ def test_native_shapes_and_content_forcing_them(last_server) -> None:
     ({"input": {"content": [{"type": "unknown"}]}}, "unsupported content[].type"),
     ({"input": {"content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}},
      "image input is not supported - hint: if this is unexpected, you may need to provide the mmproj"),
+    ({"input": [{"prompt_string": "a <__media__>", "multimodal_data": ["AAAA"]}]},
+     "Multimodal data provided, but model does not support multimodal requests."),
 ])
 def test_bad_input_is_a_400(last_server, body, message) -> None:
     with client_for(last_server) as c:

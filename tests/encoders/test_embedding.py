@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlxcel_compat.engine.embedding import EmbeddingJob, embed, length_groups
+from mlxcel_compat.engine.embedding import EmbeddingJob, embed, length_groups, pooled_from
 from mlxcel_compat.encoders.pooling import model_pooling
 from mlxcel_compat.server.api_embeddings import normalize
+from mlxcel_compat.vision.inputs import MediaAudio, MediaImage, MediaInput
 from tests.conftest import tiny_model
 
 TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog near the river bank.", "a",
@@ -80,6 +81,15 @@ def test_chunked_long_input_equals_one_pass(loaded) -> None:
     chunked = embed(loaded.model, EmbeddingJob([tokens], "none", 7))[0]
     assert len(tokens) > 7 and one.shape == chunked.shape
     np.testing.assert_allclose(chunked, one, atol=1e-4)
+
+
+def test_a_prompt_with_media_pools_from_after_its_last_medium() -> None:
+    """llama-server pools its last batch, which starts after the prompt's last image or clip."""
+    image = MediaImage(np.zeros((1, 3, 4, 4), np.float32), (1, 1, 1), (3, 7))
+    clip = MediaAudio(np.zeros((1, 2, 2), np.float32), np.ones((1, 2), bool), (9, 12))
+    assert pooled_from(None) == 0 and pooled_from(MediaInput()) == 0
+    assert pooled_from(MediaInput(images=[image])) == 7
+    assert pooled_from(MediaInput(images=[image], audio=[clip])) == 12
 
 
 def test_groups_bound_the_padded_tokens_of_a_pass() -> None:
