@@ -270,7 +270,7 @@ class CpuDecoder:
         if len(cache) != len(self.layers):
             return False
         if self.kv.rings:
-            d, hk = self.kv.width, self.n_kv_heads  # a stored row's last dimension
+            d, hk = self.kv.widths, self.n_kv_heads  # a stored key's and value's last dimension
             return (len({c.offset for c in cache}) == 1
                     and all(ring_chunks.ring_takes_chunk(cache[i], self.window, hk, d, self.kv.dtypes) for i in self.kv.rings)
                     and all(ring_chunks.plain_takes_chunk(cache[i], hk, d, self.kv.dtypes) for i in self.kv.plain))
