@@ -963,7 +963,8 @@ _COMPAT: tuple[Setting, ...] = (
     _noop("poll_batch", ("--poll-batch",), "Polling (batch).", R_THREADS, metavar="<0|1>"),
     _noop("numa", ("--numa",), "NUMA strategy.", R_THREADS, metavar="TYPE", env=("LLAMA_ARG_NUMA",)),
     _noop("flash_attn", ("-fa", "--flash-attn"), "Flash attention (on/off/auto).",
-          "MLX picks its attention kernel itself", metavar="[on|off|auto]", arity="optional",
+          "MLX picks its attention kernel itself; -fa off with a quantized V cache (-ctv q8_0/q4_0) is refused, "
+          "as llama-server refuses it", metavar="[on|off|auto]", arity="optional",
           env=("LLAMA_ARG_FLASH_ATTN",)),
     _noop("n_gpu_layers", ("-ngl", "--gpu-layers", "--n-gpu-layers"), "Layers to offload to the GPU.", R_DEVICE,
           metavar="N", env=("LLAMA_ARG_N_GPU_LAYERS",)),

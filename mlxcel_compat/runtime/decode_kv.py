@@ -59,16 +59,16 @@ def written(c: Any) -> tuple[Any, Any]:
     return (c.own_keys, c.own_values) if paged(c) else (c.keys, c.values)
 
 
-def paged_fits(c: Any, n_kv_heads: int, head_dim: int, dtypes: tuple[Any, Any]) -> bool:
-    """Whether the kernels can read a paged layer as it is: every block ``(1, kv_heads,
-    block_tokens, head_dim)`` of the storage types (contiguous: the pool's blocks are), the own
-    buffer (if any) one row of those types."""
-    shape = (1, n_kv_heads, c.block_tokens, head_dim)
-    blocks_fit = all(a.shape == shape and a.dtype == t for pair in c.blocks for a, t in zip(pair, dtypes))
+def paged_fits(c: Any, n_kv_heads: int, widths: tuple[int, int], dtypes: tuple[Any, Any]) -> bool:
+    """Whether the kernels can read a paged layer as it is: every block's keys and values
+    ``(1, kv_heads, block_tokens, width)`` of the storage types and row widths (contiguous: the
+    pool's blocks are), the own buffer (if any) rows of those types."""
+    blocks_fit = all(a.shape == (1, n_kv_heads, c.block_tokens, w) and a.dtype == t
+                     for pair in c.blocks for a, t, w in zip(pair, dtypes, widths))
     own = (c.own_keys, c.own_values)
     return blocks_fit and c.offset >= c.n_blocked and (own[0] is None or all(
-        a.ndim == 4 and a.shape[:2] == (1, n_kv_heads) and a.shape[3] == head_dim and a.dtype == t
-        for a, t in zip(own, dtypes)))
+        a.ndim == 4 and a.shape[:2] == (1, n_kv_heads) and a.shape[3] == w and a.dtype == t
+        for a, t, w in zip(own, dtypes, widths)))
 
 
 def block_table(c: Any) -> np.ndarray:
@@ -259,8 +259,9 @@ class KvLayout:
         nb = c.n_blocked
         reserve = max(owned.reserve - nb, 0)
         if c.own_keys is None:
-            shape = (1, self.n_kv_heads, buffer_capacity(last - nb, reserve=reserve), self.head_dim)
-            keys, values = (_writable(shape, dtype)[0] for dtype in self.dtypes)
+            capacity = buffer_capacity(last - nb, reserve=reserve)
+            keys, values = (_writable((1, self.n_kv_heads, capacity, width), dtype)[0]
+                            for dtype, width in zip(self.dtypes, self.widths))
         else:
             keys, values = (_fresh(a, pos - nb, last - nb, reserve) for a in (c.own_keys, c.own_values))
         c.own_keys, c.own_values = keys, values

@@ -136,7 +136,7 @@ def test_the_decoder_stores_mlx_s_bytes_and_follows_its_steps(k: str, v: str) ->
     """A cold prompt as one runtime chunk stores, side by side, what MLX's prefill stores
     (each side in its own type and row width: blocks byte for byte, float rows to a rounding step), the last row's logits at float32 rounding; then
     steps within the q8_0 query's error of MLX's; then a hit's step on the shared arrays (rows kept
-    apart) equals the step on its own copy bit for bit."""
+    apart), and on shared prompt-cache blocks read in place, equals the step on a copy bit for bit."""
     from mlx_lm.models.cache import make_prompt_cache
     from mlxcel_compat.runtime import decode_kv
 
@@ -172,3 +172,18 @@ def test_the_decoder_stores_mlx_s_bytes_and_follows_its_steps(k: str, v: str) ->
     got, want = decoder.step(token, hit, owned_hit).copy(), decoder.step(token, own, owned_own).copy()
     assert np.array_equal(got, want) and owned_hit.holds(hit)
     assert all(np.array_equal(x, y) for c, rows_ in zip(shared, before) for x, y in zip(_rows(c, 74), rows_))
+
+    # a hit on shared prompt-cache blocks (cache/kv.py's PagedKVCache) is read in place at these
+    # types too (each side's row width), and its step equals the step on a copy of the same rows
+    from mlxcel_compat.cache.kv import PagedKVCache
+
+    bt = 16
+    paged = [PagedKVCache(tuple((mx.contiguous(c.keys[..., i:i + bt, :]), mx.contiguous(c.values[..., i:i + bt, :]))
+                                for i in range(0, 64, bt)), bt, None, None, 64) for c in shared]
+    copied = [copy.copy(c) for c in shared]
+    for c in copied:
+        c.offset = 64
+    owned_paged, owned_copied = decode_kv.OwnedCache(), decode_kv.OwnedCache()
+    assert decoder.can_run(paged, owned_paged)
+    got, want = decoder.step(token, paged, owned_paged).copy(), decoder.step(token, copied, owned_copied).copy()
+    assert np.array_equal(got, want) and all(type(c) is PagedKVCache for c in paged)
