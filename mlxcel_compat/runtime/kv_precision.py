@@ -20,6 +20,11 @@ values into the layer's uint8 rows and hands attention the stored rows dequantiz
 computed dtype. llama-server also accepts ``q4_1``, ``iq4_nl``, ``q5_0`` and ``q5_1``: start-up
 refuses them with a message that says so (settings.py).
 
+Keys and values may be of different types (``-ctk q8_0 -ctv f16``: every pair, as llama-server
+on the CPU): a stamp is a (keys, values) pair, and mlx-lm's batch caches, which allocate a merged
+batch's values in the keys' dtype, get ``merge`` and ``extend`` wrappers that keep the values' own
+type (:func:`patch_caches`).
+
 Why not a subclass of ``KVCache``: the prompt cache, the CPU decode runtime, batching and the
 disk format recognise mlx-lm's own classes by name; a subclass would be a new kind to each.
 
