@@ -187,3 +187,25 @@ def test_the_decoder_stores_mlx_s_bytes_and_follows_its_steps(k: str, v: str) ->
     assert decoder.can_run(paged, owned_paged)
     got, want = decoder.step(token, paged, owned_paged).copy(), decoder.step(token, copied, owned_copied).copy()
     assert np.array_equal(got, want) and all(type(c) is PagedKVCache for c in paged)
+
+
+@pytest.mark.parametrize("k,v", [PAIRS[0], pytest.param(*PAIRS[1], marks=pytest.mark.slow)])
+def test_a_batched_step_on_mlx_s_merged_caches_is_each_row_s_own(k: str, v: str) -> None:
+    """Two prompts of different lengths prefilled on MLX's path, their caches merged as the engine's
+    batch merges them (``KVCache.merge``: left-padded ``BatchKVCache``s) and stepped together: each
+    row's logits are its lone step's to float32 rounding, and the merged values kept their type
+    (without the merge wrapper the f16 values would sit in the keys' uint8, or the blocks in f16)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = _loaded(k, v)
+    caches = [make_prompt_cache(model) for _ in range(2)]
+    for cache, n in zip(caches, (40, 23)):
+        _mlx_logits(model, _ids(n), cache)
+    merged = [type(layers[0]).merge(list(layers)) for layers in zip(*caches)]
+    assert all((m.keys.dtype, m.values.dtype) == (stored(k), stored(v)) for m in merged)
+    together = model(mx.array([[11], [12]]), cache=merged)[:, -1]
+    mx.eval(together)
+    for row, (cache, token) in enumerate(zip(caches, (11, 12))):
+        alone = _mlx_logits(model, [token], cache)
+        got = np.array(together[row])
+        assert np.abs(got - alone).max() <= 1e-4 * np.abs(alone).max(), row
