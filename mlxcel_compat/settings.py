@@ -889,7 +889,7 @@ _CACHE: tuple[Setting, ...] = (
             help="KV cache type for K: the keys are stored in this type, and attention reads them as stored "
                  "(docs/prompt-cache.md, KV precision). f16 as llama-server; f32 keeps the float32 values the "
                  "model computes (the exactness mode: -ctk f32 -ctv f32); q8_0 and q4_0 store ggml's 32-value "
-                 "blocks (the head size a multiple of 32). Must equal -ctv."),
+                 "blocks (the head size a multiple of 32). May differ from -ctv."),
     Setting("cache_type_v", ("-ctv", "--cache-type-v"), ("LLAMA_ARG_CACHE_TYPE_V",), type="choice",
             choices=KV_CACHE_TYPES, default="f16", group="cache", metavar="TYPE", accepts=KV_CACHE_TYPES_ACCEPT,
             help="KV cache type for V (as -ctk for the values)."),
@@ -963,7 +963,8 @@ _COMPAT: tuple[Setting, ...] = (
     _noop("poll_batch", ("--poll-batch",), "Polling (batch).", R_THREADS, metavar="<0|1>"),
     _noop("numa", ("--numa",), "NUMA strategy.", R_THREADS, metavar="TYPE", env=("LLAMA_ARG_NUMA",)),
     _noop("flash_attn", ("-fa", "--flash-attn"), "Flash attention (on/off/auto).",
-          "MLX picks its attention kernel itself", metavar="[on|off|auto]", arity="optional",
+          "MLX picks its attention kernel itself; -fa off with a quantized V cache (-ctv q8_0/q4_0) is refused, "
+          "as llama-server refuses it", metavar="[on|off|auto]", arity="optional",
           env=("LLAMA_ARG_FLASH_ATTN",)),
     _noop("n_gpu_layers", ("-ngl", "--gpu-layers", "--n-gpu-layers"), "Layers to offload to the GPU.", R_DEVICE,
           metavar="N", env=("LLAMA_ARG_N_GPU_LAYERS",)),
@@ -1446,12 +1447,13 @@ def _check_tls(resolved: Mapping[str, _Resolved]) -> None:
 
 
 def _check_kv_types(resolved: Mapping[str, _Resolved]) -> None:
-    """-ctk and -ctv must agree here: a batch of sequences merges its caches into mlx-lm's batch
-    cache, which holds values in the keys' type, so a value type of its own would not hold."""
-    k, v = resolved["cache_type_k"], resolved["cache_type_v"]
-    if k.value != v.value:
-        raise SettingsError(f"{k.spelling or '-ctk'} {k.value} and {v.spelling or '-ctv'} {v.value} differ: this server "
-                            "stores keys and values in one type (give both the same)")
+    """-ctk and -ctv may differ, as in llama-server; a quantized V cache needs flash attention
+    there (llama-context.cpp refuses it with ``-fa off``), so ``-fa off`` with ``-ctv q8_0`` or
+    ``q4_0`` is refused here too rather than served in a configuration llama-server rejects."""
+    v, fa = resolved["cache_type_v"], resolved["flash_attn"]
+    if v.value in ("q8_0", "q4_0") and str(fa.value).lower() in ("off", "0", "false", "disabled"):
+        raise SettingsError(f"{v.spelling or '-ctv'} {v.value}: quantized V cache requires flash_attn to be enabled "
+                            f"(remove {fa.spelling or '-fa'} off, or store V as f16)")
 
 
 def _apply_escapes(resolved: dict[str, _Resolved]) -> None:

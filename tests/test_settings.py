@@ -232,12 +232,16 @@ def test_kv_cache_types_from_flags_and_llama_variables() -> None:
     settings = resolve_settings(["-ctk", "bf16"], {"LLAMA_ARG_CACHE_TYPE_V": "bf16"})
     assert (settings.cache_type_k, settings.cache_type_v) == ("bf16", "bf16")
     assert (resolve_settings([], {}).cache_type_k, resolve_settings([], {}).cache_type_v) == ("f16", "f16")  # llama-server's
-    with pytest.raises(SettingsError, match="-ctk f16 and LLAMA_ARG_CACHE_TYPE_V bf16 differ"):
-        resolve_settings(["-ctk", "f16"], {"LLAMA_ARG_CACHE_TYPE_V": "bf16"})
+    settings = resolve_settings(["-ctk", "f16"], {"LLAMA_ARG_CACHE_TYPE_V": "bf16"})  # K and V may differ
+    assert (settings.cache_type_k, settings.cache_type_v) == ("f16", "bf16")
     settings = resolve_settings(["-ctk", "q8_0", "-ctv", "q8_0"], {})  # ggml's blocks (kv_blocks.py)
     assert (settings.cache_type_k, settings.cache_type_v) == ("q8_0", "q8_0")
-    with pytest.raises(SettingsError, match="-ctk q8_0 and -ctv f16 differ"):
-        resolve_settings(["-ctk", "q8_0", "-ctv", "f16"], {})
+    settings = resolve_settings(["-ctk", "q8_0", "-ctv", "f16", "-fa", "off"], {})  # quantized K only: no FA needed
+    assert (settings.cache_type_k, settings.cache_type_v) == ("q8_0", "f16")
+    # as llama-server: a quantized V cache requires flash attention (llama-context.cpp)
+    with pytest.raises(SettingsError, match="-ctv q4_0: quantized V cache requires flash_attn to be enabled"):
+        resolve_settings(["-ctk", "f16", "-ctv", "q4_0", "-fa", "off"], {})
+    assert resolve_settings(["-ctv", "q4_0", "-fa", "auto"], {}).cache_type_v == "q4_0"
 
 
 # --------------------------------------------------------------------------- JSON, lists, escapes

@@ -126,7 +126,7 @@ def key_rotation(model: Any, cache: list[Any], add_bos: bool) -> tuple[KeyRotati
     ropes = [_rope_of(layer) for layer in layers]
     if any(r is None or not hasattr(r, "dims") or not hasattr(r, "traditional") for r in ropes):
         return None, "a layer has no rotary embedding this server can re-apply"
-    rotation = KeyRotation(ropes, add_bos, kv_precision.of_model(model).blocks)
+    rotation = KeyRotation(ropes, add_bos, kv_precision.of_model(model).blocks[0])  # the keys' block type
     head_dim = _head_dim(model, layers[0])
     checked: dict[int, bool] = {}
     for i, rope in enumerate(ropes):

@@ -209,7 +209,7 @@ class CpuDecoder:
         cache = self.seq.attention(cache)
         k_dtype, v_dtype = self.kv.dtypes
         if not owned.holds(cache) and not all(
-            paged_fits(c, self.n_kv_heads, self.head_dim, self.kv.dtypes) if paged(c) else
+            paged_fits(c, self.n_kv_heads, self.kv.widths, self.kv.dtypes) if paged(c) else
             type(c) is (RotatingKVCache if self.layers[i].sliding else KVCache)
             and c.keys is not None and c.keys.ndim == 4 and c.keys.shape[0] == 1
             and c.keys.dtype == k_dtype and c.values.dtype == v_dtype
@@ -288,7 +288,7 @@ class CpuDecoder:
         if len(cache) != len(self.layers):
             return False
         if self.kv.rings:
-            d, hk = self.kv.width, self.n_kv_heads  # a stored row's last dimension
+            d, hk = self.kv.widths, self.n_kv_heads  # a stored key's and value's last dimension
             return (len({c.offset for c in cache}) == 1
                     and all(ring_chunks.ring_takes_chunk(cache[i], self.window, hk, d, self.kv.dtypes) for i in self.kv.rings)
                     and all(ring_chunks.plain_takes_chunk(cache[i], hk, d, self.kv.dtypes) for i in self.kv.plain))

@@ -21,8 +21,9 @@ The buffers hold the layer's storage type (``-ctk``/``-ctv``: ``runtime/kv_preci
 float32, float16 or bfloat16, the type the cache's arrays already have, or the model's stamp for
 an empty cache (:attr:`KvLayout.dtypes`). NumPy has no bfloat16: such a buffer is seen through
 a uint16 view of the same memory (:func:`host_view`), and the C kernels round and widen it.
-At q8_0 and q4_0 a row is ggml's blocks in uint8 (:attr:`KvLayout.width` bytes: ``kv_blocks.py``),
-which the C kernels quantize and read.
+At q8_0 and q4_0 a row is ggml's blocks in uint8 (:attr:`KvLayout.widths` bytes: ``kv_blocks.py``),
+which the C kernels quantize and read. Keys and values may be of different types (``-ctk q8_0
+-ctv f16``): each side has its own dtype and row width.
 """
 
 from __future__ import annotations
@@ -58,16 +59,16 @@ def written(c: Any) -> tuple[Any, Any]:
     return (c.own_keys, c.own_values) if paged(c) else (c.keys, c.values)
 
 
-def paged_fits(c: Any, n_kv_heads: int, head_dim: int, dtypes: tuple[Any, Any]) -> bool:
-    """Whether the kernels can read a paged layer as it is: every block ``(1, kv_heads,
-    block_tokens, head_dim)`` of the storage types (contiguous: the pool's blocks are), the own
-    buffer (if any) one row of those types."""
-    shape = (1, n_kv_heads, c.block_tokens, head_dim)
-    blocks_fit = all(a.shape == shape and a.dtype == t for pair in c.blocks for a, t in zip(pair, dtypes))
+def paged_fits(c: Any, n_kv_heads: int, widths: tuple[int, int], dtypes: tuple[Any, Any]) -> bool:
+    """Whether the kernels can read a paged layer as it is: every block's keys and values
+    ``(1, kv_heads, block_tokens, width)`` of the storage types and row widths (contiguous: the
+    pool's blocks are), the own buffer (if any) rows of those types."""
+    blocks_fit = all(a.shape == (1, n_kv_heads, c.block_tokens, w) and a.dtype == t
+                     for pair in c.blocks for a, t, w in zip(pair, dtypes, widths))
     own = (c.own_keys, c.own_values)
     return blocks_fit and c.offset >= c.n_blocked and (own[0] is None or all(
-        a.ndim == 4 and a.shape[:2] == (1, n_kv_heads) and a.shape[3] == head_dim and a.dtype == t
-        for a, t in zip(own, dtypes)))
+        a.ndim == 4 and a.shape[:2] == (1, n_kv_heads) and a.shape[3] == w and a.dtype == t
+        for a, t, w in zip(own, dtypes, widths)))
 
 
 def block_table(c: Any) -> np.ndarray:
@@ -196,19 +197,18 @@ class KvLayout:
     rings: list[int]  # RotatingKVCache layers
     plain: list[int]  # KVCache layers
     dtypes: tuple[Any, Any] = (mx.float32, mx.float32)  # the keys' and values' storage types
-    blocks: str | None = None  # q8_0 or q4_0: both stored as ggml's blocks, rows of uint8 (dtypes)
+    # each side's block type (q8_0 or q4_0: stored as ggml's blocks, rows of uint8 in dtypes), or None
+    blocks: tuple[str | None, str | None] = (None, None)
 
     @property
     def codes(self) -> tuple[int, int]:
         """The storage types as the native decode pass takes them (``KV_CODES``, ``BLOCK_CODES``)."""
-        if self.blocks:
-            return BLOCK_CODES[self.blocks], BLOCK_CODES[self.blocks]
-        return KV_CODES[self.dtypes[0]], KV_CODES[self.dtypes[1]]
+        return tuple(BLOCK_CODES[b] if b else KV_CODES[t] for b, t in zip(self.blocks, self.dtypes))  # type: ignore[return-value]
 
     @property
-    def width(self) -> int:
-        """A stored row's last dimension: ``head_dim`` values, or a block type's bytes for them."""
-        return kv_blocks.row_width(self.blocks, self.head_dim) if self.blocks else self.head_dim
+    def widths(self) -> tuple[int, int]:
+        """A stored key's and value's last dimension: ``head_dim`` values, or a block type's bytes for them."""
+        return tuple(kv_blocks.row_width(b, self.head_dim) if b else self.head_dim for b in self.blocks)  # type: ignore[return-value]
 
     def own(self, cache: list[Any], owned: OwnedCache, pos: int, last: int | None = None) -> list[tuple[int, int, int]]:
         """Addresses of every layer's keys and values, and their capacity, with room for
@@ -242,8 +242,9 @@ class KvLayout:
                 capacity, start, c._idx = ring_plans[i]
                 keys, values = (_fresh_ring(a, start, capacity) for a in (c.keys, c.values))
             elif c.keys is None:  # an empty cache (can_prefill): buffers for positions 0 .. last
-                shape = (1, self.n_kv_heads, buffer_capacity(last, reserve=owned.reserve), self.width)
-                keys, values = (_writable(shape, dtype)[0] for dtype in self.dtypes)
+                capacity = buffer_capacity(last, reserve=owned.reserve)
+                keys, values = (_writable((1, self.n_kv_heads, capacity, width), dtype)[0]
+                                for dtype, width in zip(self.dtypes, self.widths))
             else:
                 keys, values = (_fresh(a, pos, last, owned.reserve) for a in (c.keys, c.values))
             c.keys, c.values = keys, values
@@ -258,8 +259,9 @@ class KvLayout:
         nb = c.n_blocked
         reserve = max(owned.reserve - nb, 0)
         if c.own_keys is None:
-            shape = (1, self.n_kv_heads, buffer_capacity(last - nb, reserve=reserve), self.head_dim)
-            keys, values = (_writable(shape, dtype)[0] for dtype in self.dtypes)
+            capacity = buffer_capacity(last - nb, reserve=reserve)
+            keys, values = (_writable((1, self.n_kv_heads, capacity, width), dtype)[0]
+                            for dtype, width in zip(self.dtypes, self.widths))
         else:
             keys, values = (_fresh(a, pos - nb, last - nb, reserve) for a in (c.own_keys, c.own_values))
         c.own_keys, c.own_values = keys, values
@@ -301,11 +303,10 @@ class KvLayout:
         if not all(type(c) is KVCache and c.keys is not None and c.offset == pos for c in cache):
             return None
         mx.eval([(c.keys, c.values) for c in cache])
-        d = self.width  # a stored row's elements (values, or a block type's bytes)
         shared, views, rows = [], [], []
         for c in cache:
             pair = []
-            for a, dtype in zip((c.keys, c.values), self.dtypes):
+            for a, dtype, d in zip((c.keys, c.values), self.dtypes, self.widths):  # d: a stored row's elements
                 if a.dtype != dtype or a.ndim != 4 or a.shape[0] != 1 or a.shape[3] != d or a.shape[2] < pos:
                     return None
                 view = host_view(a)
@@ -313,12 +314,12 @@ class KvLayout:
                 if strides[3] != item or strides[2] != d * item or strides[1] % (d * item) or strides[1] < a.shape[2] * d * item:
                     return None
                 pair.append(view)
-            capacities = [view.strides[1] // (d * view.itemsize) for view in pair]
+            capacities = [view.strides[1] // (d * view.itemsize) for view, d in zip(pair, self.widths)]
             if capacities[0] != capacities[1]:  # the kernels take one capacity for both
                 return None
             shared.append((pair[0], pair[1]))
-            k_row = np.empty((self.n_kv_heads, n, d), pair[0].dtype)
-            v_row = np.empty((self.n_kv_heads, n, d), pair[1].dtype)
+            k_row = np.empty((self.n_kv_heads, n, self.widths[0]), pair[0].dtype)
+            v_row = np.empty((self.n_kv_heads, n, self.widths[1]), pair[1].dtype)
             rows.append((k_row, v_row))
             views.append((pair[0].ctypes.data, pair[1].ctypes.data, capacities[0], k_row.ctypes.data, v_row.ctypes.data))
         return Borrowed(pos, shared, rows, views)

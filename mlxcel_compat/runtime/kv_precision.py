@@ -20,6 +20,11 @@ values into the layer's uint8 rows and hands attention the stored rows dequantiz
 computed dtype. llama-server also accepts ``q4_1``, ``iq4_nl``, ``q5_0`` and ``q5_1``: start-up
 refuses them with a message that says so (settings.py).
 
+Keys and values may be of different types (``-ctk q8_0 -ctv f16``: every pair, as llama-server
+on the CPU): a stamp is a (keys, values) pair, and mlx-lm's batch caches, which allocate a merged
+batch's values in the keys' dtype, get ``merge`` and ``extend`` wrappers that keep the values' own
+type (:func:`patch_caches`).
+
 Why not a subclass of ``KVCache``: the prompt cache, the CPU decode runtime, batching and the
 disk format recognise mlx-lm's own classes by name; a subclass would be a new kind to each.
 
@@ -31,6 +36,7 @@ to float32 rounding, and a hit read in place gives the bits of the cold run.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -66,10 +72,10 @@ class KvTypes:
         return self.k == self.v == "f32"
 
     @property
-    def blocks(self) -> str | None:
-        """The block type (q8_0, q4_0) both are stored in, else None (a float type; -ctk and -ctv
-        are equal: settings.py)."""
-        return self.k if self.k in BLOCK_TYPES else None
+    def blocks(self) -> tuple[str | None, str | None]:
+        """Each side's block type (q8_0, q4_0), or None where it is a float type: -ctk and -ctv
+        may differ (``-ctk q8_0 -ctv f16``), as in llama-server."""
+        return tuple(t if t in BLOCK_TYPES else None for t in (self.k, self.v))  # type: ignore[return-value]
 
     def dtypes(self) -> tuple[Any, Any]:
         """The cache arrays' dtypes: uint8 rows for the block types."""
@@ -127,15 +133,67 @@ def _storing(update: Callable[..., Any]) -> Callable[..., Any]:
     return update_and_fetch
 
 
+def _values_as_keys(layer: Any) -> Any:
+    """A shallow twin of ``layer`` with its keys and values swapped (a paged layer gathered first)."""
+    keys, values = layer.keys, layer.values
+    twin = copy.copy(layer)
+    twin.keys, twin.values = values, keys
+    return twin
+
+
+def _merging(merge: Callable[..., Any]) -> Callable[..., Any]:
+    """A batch cache's ``merge`` that keeps the values' own type: mlx-lm's allocates the merged
+    values in the keys' dtype, which casts them where -ctk and -ctv differ (uint8 rows of q8_0
+    blocks cast to f16 numbers, or back). The values are then merged again as if they were keys
+    (the same padding and order), and that result's keys are the merged values."""
+
+    def merged(cls: Any, caches: list[Any]) -> Any:
+        out = merge(cls, caches)
+        full = [c for c in caches if c.keys is not None]
+        if out.values is None or all(c.keys.dtype == c.values.dtype for c in full):
+            return out
+        out.values = merge(cls, [_values_as_keys(c) if c.keys is not None else c for c in caches]).keys
+        return out
+
+    merged.unwrapped = merge  # type: ignore[attr-defined]
+    return classmethod(merged)  # type: ignore[return-value]
+
+
+def _extending(extend: Callable[..., Any]) -> Callable[..., Any]:
+    """A batch cache's ``extend`` that keeps the values' own type: mlx-lm's pads an empty side's
+    values in the keys' dtype, and the concatenation then promotes the values (q8_0 rows' bytes
+    to f16, f16 with bf16 to float32). Every such promotion is exact, so casting back restores
+    the stored bits."""
+
+    def extended(self: Any, other: Any) -> None:
+        dtype = next((c.values.dtype for c in (self, other) if c.values is not None), None)
+        extend(self, other)
+        if dtype is not None and self.values is not None and self.values.dtype != dtype:
+            self.values = self.values.astype(dtype)
+
+    extended.unwrapped = extend  # type: ignore[attr-defined]
+    return extended
+
+
 def patch_caches() -> None:
-    """Wrap the ``update_and_fetch`` of mlx-lm's token-indexed KV caches (idempotent). With no
-    stamp and float buffers of the model's own dtype, the wrapper casts nothing."""
+    """Wrap the ``update_and_fetch`` of mlx-lm's token-indexed KV caches, and their batch forms'
+    ``merge`` and ``extend`` (idempotent). With no stamp and float buffers of the model's own
+    dtype, the wrapper casts nothing; with keys and values of one type the batch wrappers change
+    nothing."""
     from mlx_lm.models import cache
 
     for name in ("KVCache", "RotatingKVCache", "ChunkedKVCache", "BatchKVCache", "BatchRotatingKVCache"):
         cls = getattr(cache, name, None)
         if cls is not None and "update_and_fetch" in vars(cls) and not hasattr(cls.update_and_fetch, "unwrapped"):
             cls.update_and_fetch = _storing(cls.update_and_fetch)
+    for name in ("BatchKVCache", "BatchRotatingKVCache"):
+        cls = getattr(cache, name, None)
+        if cls is None:
+            continue
+        if "merge" in vars(cls) and not hasattr(vars(cls)["merge"].__func__, "unwrapped"):
+            cls.merge = _merging(vars(cls)["merge"].__func__)
+        if "extend" in vars(cls) and not hasattr(cls.extend, "unwrapped"):
+            cls.extend = _extending(cls.extend)
 
 
 def stamp(cache: list[Any], types: KvTypes) -> list[Any]:
@@ -153,6 +211,15 @@ def stamp(cache: list[Any], types: KvTypes) -> list[Any]:
     for layer in cache:
         mark(layer)
     return cache
+
+
+# models whose attention llama.cpp computes on one latent cache (MLA): it refuses -ctk != -ctv there
+MLA_MODELS = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_linear"})
+
+
+def _model_type(model: Any) -> str | None:
+    args = getattr(model, "args", None)
+    return args.get("model_type") if isinstance(args, dict) else getattr(args, "model_type", None)
 
 
 def _head_dim(model: Any) -> int | None:
@@ -178,8 +245,12 @@ def install(model: Any, types: KvTypes) -> None:
     if types.exact:
         return
     head_dim = _head_dim(model)
-    if types.blocks and head_dim is not None:
-        kv_blocks.row_width(types.blocks, head_dim)  # raises for a head size blocks cannot hold
+    for kind in types.blocks:
+        if kind and head_dim is not None:
+            kv_blocks.row_width(kind, head_dim)  # raises for a head size blocks cannot hold
+    if types.k != types.v and _model_type(model) in MLA_MODELS:
+        raise ValueError(f"this model ({_model_type(model)}) does not support different K ({types.k}) and V "
+                         f"({types.v}) cache types")  # as llama.cpp (llama-context.cpp)
     from mlx_lm.models.cache import KVCache
 
     patch_caches()

@@ -47,28 +47,29 @@ def _ordered_spans(ring: Any) -> list[tuple[int, int]]:
     return [(0, idx)]
 
 
-def ring_takes_chunk(ring: Any, window: int, n_kv_heads: int, head_dim: int,
+def ring_takes_chunk(ring: Any, window: int, n_kv_heads: int, widths: tuple[int, int],
                      dtypes: tuple[Any, Any] = (mx.float32, mx.float32)) -> bool:
     """Whether a chunk can start on ``ring`` here: mlx-lm's ``RotatingKVCache`` of the model's
-    window (no kept prefix), empty, or keys and values of ``dtypes`` (the storage types) of one
-    sequence holding at least the slots the chunk's rows see."""
+    window (no kept prefix), empty, or keys and values of ``dtypes`` (the storage types) and row
+    ``widths`` of one sequence holding at least the slots the chunk's rows see."""
     from mlx_lm.models.cache import RotatingKVCache
 
     if type(ring) is not RotatingKVCache or ring.max_size != window or ring.keep != 0:
         return False
     if ring.keys is None:
         return ring.offset == 0
-    shape = (1, n_kv_heads, ring.keys.shape[2], head_dim)
-    if any(a.dtype != t or a.shape != shape for a, t in zip((ring.keys, ring.values), dtypes)):
+    if any(a.dtype != t or a.shape != (1, n_kv_heads, ring.keys.shape[2], w)
+           for a, t, w in zip((ring.keys, ring.values), dtypes, widths)):
         return False
     held = sum(b - a for a, b in _ordered_spans(ring))
     return 0 <= ring._idx <= ring.keys.shape[2] and held >= min(window, ring.offset)
 
 
-def plain_takes_chunk(c: Any, n_kv_heads: int, head_dim: int,
+def plain_takes_chunk(c: Any, n_kv_heads: int, widths: tuple[int, int],
                       dtypes: tuple[Any, Any] = (mx.float32, mx.float32)) -> bool:
     """Whether a chunk can start on a plain layer's ``c``: an empty mlx-lm ``KVCache`` or one of
-    one sequence's keys and values of ``dtypes`` (the runtime copies it into its own buffers if needed)."""
+    one sequence's keys and values of ``dtypes`` and row ``widths`` (the runtime copies it into
+    its own buffers if needed)."""
     from mlx_lm.models.cache import KVCache
 
     if type(c) is not KVCache:
@@ -76,7 +77,7 @@ def plain_takes_chunk(c: Any, n_kv_heads: int, head_dim: int,
     if c.keys is None:
         return c.offset == 0
     return all(a.dtype == t and a.ndim == 4 and a.shape[0] == 1 and a.shape[1] == n_kv_heads
-               and a.shape[3] == head_dim and a.shape[2] >= c.offset for a, t in zip((c.keys, c.values), dtypes))
+               and a.shape[3] == w and a.shape[2] >= c.offset for a, t, w in zip((c.keys, c.values), dtypes, widths))
 
 
 def _new_buffer(shape: tuple[int, ...], dtype: Any) -> tuple[Any, np.ndarray]:
@@ -90,7 +91,7 @@ def _new_buffer(shape: tuple[int, ...], dtype: Any) -> tuple[Any, np.ndarray]:
     return fresh, view
 
 
-def _own_ring(ring: Any, window: int, rows: int, n_kv_heads: int, head_dim: int,
+def _own_ring(ring: Any, window: int, rows: int, n_kv_heads: int, widths: tuple[int, int],
               dtypes: tuple[Any, Any]) -> tuple[Any, Any, int]:
     """A new ring for a chunk of ``rows`` rows: ``min(window, offset + rows)`` slots (a short
     prompt's ring holds its positions only, as MLX's does), ``ring``'s newest ones (at most its
@@ -101,8 +102,8 @@ def _own_ring(ring: Any, window: int, rows: int, n_kv_heads: int, head_dim: int,
     kept = min(held, ring.offset, window)
     capacity = min(window, ring.offset + rows)
     made = []
-    for source, dtype in zip((ring.keys, ring.values), dtypes):
-        fresh, view = _new_buffer((1, n_kv_heads, capacity, head_dim), dtype)
+    for source, dtype, width in zip((ring.keys, ring.values), dtypes, widths):
+        fresh, view = _new_buffer((1, n_kv_heads, capacity, width), dtype)
         skip, j = held - kept, 0  # the oldest slots fall out of the window
         for a, b in spans:
             drop = min(skip, b - a)
@@ -137,7 +138,7 @@ def chunk_views(layout: KvLayout, cache: list[Any], owned: OwnedCache, pos: int,
     for j, i in enumerate(layout.plain):
         arrays[i], views[i] = plain_owned.arrays[j], plain_views[j]
     for i in layout.rings:  # a new ring every chunk: a snapshot taken between chunks may hold the last one
-        keys, values, capacity = _own_ring(cache[i], layout.window, rows, layout.n_kv_heads, layout.width,
+        keys, values, capacity = _own_ring(cache[i], layout.window, rows, layout.n_kv_heads, layout.widths,
                                            layout.dtypes)
         arrays[i] = (keys, values)
         views[i] = (host_view(keys).ctypes.data, host_view(values).ctypes.data, capacity)

@@ -128,6 +128,28 @@ def test_a_cache_of_blocks_comes_back_bit_identical(tmp_path, name) -> None:
             read_header(theirs, ours)
         assert info.value.reason == "kv_precision" and f"{name}/{name}" in str(info.value)
 
+def test_a_cache_of_mixed_types_comes_back_bit_identical(tmp_path) -> None:
+    """-ctk q8_0 -ctv f16: keys as blocks, values as f16, each side back in its type and bits; a
+    file of the same blocks both ways (q8_0/q8_0) and this one refuse each other, naming the pairs."""
+    model, _ = load(str(tiny_model("mistral")))
+    (tmp_path / "q8").mkdir()
+    kv_precision.install(model, KvTypes("q8_0", "q8_0"))
+    q8_path, _, q8_compat = write_cache(tmp_path / "q8", model, 64)
+    kv_precision.install(model, KvTypes("q8_0", "f16"))
+    path, payload, compat = write_cache(tmp_path, model, 64)
+    header, _ = read_header(path, compat)
+    restored = kv_io.decode(header.layout, kv_io.load_arrays(path, header))
+    assert {c.keys.dtype for c in restored} == {mx.uint8} and {c.values.dtype for c in restored} == {mx.float16}
+    assert all(mx.array_equal(a.keys, b.keys).item() and mx.array_equal(a.values, b.values).item()
+               for a, b in zip(restored, payload))
+    step = mx.array([[11, 12]])
+    assert mx.array_equal(model(step, cache=kv.copy_cache(payload)), model(step, cache=restored)).item()
+    for theirs, ours, named in ((path, q8_compat, "q8_0/f16"), (q8_path, compat, "q8_0/q8_0")):
+        with pytest.raises(DiskReject) as info:
+            read_header(theirs, ours)
+        assert info.value.reason == "kv_precision" and named in str(info.value)
+
+
 def test_a_layout_naming_anything_but_an_mlx_lm_cache_class_is_refused() -> None:
     with pytest.raises(DiskReject) as info:
         kv_io.decode({"version": 1, "layers": [{"class": "Path", "state": {"v": None}}]}, {})

@@ -200,7 +200,7 @@ def _loaded(kind: str) -> tuple[Any, cpu_decode.CpuDecoder]:
 
     loaded = load_model(str(tiny_model("mistral")), [], options=LoadOptions(kv_types=KvTypes(kind, kind)))
     assert isinstance(loaded.decoder, cpu_decode.CpuDecoder)
-    assert loaded.decoder.kv.codes == (CODES[kind],) * 2 and loaded.decoder.kv.width == BLOCK_BYTES[kind]
+    assert loaded.decoder.kv.codes == (CODES[kind],) * 2 and loaded.decoder.kv.widths == (BLOCK_BYTES[kind],) * 2
     return loaded.model, loaded.decoder
 
 

@@ -171,7 +171,8 @@ static void attend_head_kv(const void *ctx, int h) {
 }
 
 /* attend_head over a span (kv_rows.h): the shared blocks read in place, then the cache's own rows
- * (position t at row t - n_blocked), then the row kept apart; any storage type. The same scores,
+ * (position t at row t - n_blocked), then the row kept apart; any storage type (block keys and
+ * values as attend_head_kv reads them: the q8_0 query's dots, the rows dequantized in order). The same scores,
  * softmax and products, so the same numbers as over one buffer holding the same rows. */
 static void attend_head_span(const void *ctx, int h) {
     static __thread struct mlxcel_scratch scratch;
@@ -192,7 +193,10 @@ static void attend_head_span(const void *ctx, int h) {
     for (int i = 0; i < g * d; i++) q[i] = a->q[(size_t)h * g * d + i] * a->scale;
     int own_n = (apart ? n - 1 : n) - nb;
     int n_runs = kv_head_runs(runs, b, 0, k_row, h, keys, own_n, k_dst, apart);
-    kv_span_scores(a->k_type, g, d, runs, n_runs, q, scores, n);
+    if (kv_blocks(a->k_type)) /* block keys: the unscaled queries to q8_0, the scale after the dot */
+        kv_span_block_scores(a->k_type, g, d, runs, n_runs, a->q + (size_t)h * g * d, a->scale, scores, n);
+    else
+        kv_span_scores(a->k_type, g, d, runs, n_runs, q, scores, n);
     for (int i = 0; i < g; i++) {
         float *s = scores + (size_t)i * n;
         soft_cap_row(s, n, a->softcap);
@@ -200,7 +204,10 @@ static void attend_head_span(const void *ctx, int h) {
         for (int t = 0; t < n; t++) s[t] *= inv;
     }
     n_runs = kv_head_runs(runs, b, 1, v_row, h, values, own_n, v_dst, apart);
-    kv_span_weighted(a->v_type, g, d, runs, n_runs, scores, n, a->out + (size_t)h * g * d);
+    if (kv_blocks(a->v_type))
+        kv_span_block_weighted(a->v_type, g, d, runs, n_runs, scores, n, a->out + (size_t)h * g * d);
+    else
+        kv_span_weighted(a->v_type, g, d, runs, n_runs, scores, n, a->out + (size_t)h * g * d);
 }
 
 static void attend_heads(struct attention_job *a, int kv_heads) {

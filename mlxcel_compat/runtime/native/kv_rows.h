@@ -541,6 +541,38 @@ static void kv_span_scores(int T, int M, int K, const struct kv_run *runs, int n
     }
 }
 
+/* kv_block_scores over a span's block key rows (q8_0, q4_0), run by run: x the unscaled queries,
+ * quantized to q8_0 for each run (the same bytes every time), each score its own dot product
+ * times `scale`: the same numbers as over one buffer holding the rows. */
+static void kv_span_block_scores(int T, int M, int d, const struct kv_run *runs, int n_runs, const float *x,
+                                 float scale, float *c, size_t ldc) {
+    int k0 = 0;
+    for (int r = 0; r < n_runs; k0 += runs[r++].n)
+        kv_block_scores(T, M, runs[r].n, d, x, scale, (const uint8_t *)runs[r].rows, c + k0, ldc);
+}
+
+/* kv_block_weighted over a span's block value rows: out (M, d) = p (M, ldp) columns [0, the span's
+ * rows) times the rows, each dequantized once and added in order of the rows (run by run): the
+ * same numbers as over one buffer holding them. */
+static void kv_span_block_weighted(int T, int M, int d, const struct kv_run *runs, int n_runs, const float *p,
+                                   size_t ldp, float *out) {
+    size_t row = kv_row_bytes(T, d);
+    float *v = malloc((size_t)d * sizeof(float));
+    if (!v) abort();
+    memset(out, 0, (size_t)M * d * sizeof(float));
+    for (int r = 0, t = 0; r < n_runs; r++)
+        for (int j = 0; j < runs[r].n; j++, t++) {
+            kv_dequantize(T, (const uint8_t *)runs[r].rows + (size_t)j * row, v, d);
+            for (int i = 0; i < M; i++) {
+                float w = p[(size_t)i * ldp + t];
+                float *o = out + (size_t)i * d;
+                if (w != 0.0f)
+                    for (int k = 0; k < d; k++) o[k] += w * v[k];
+            }
+        }
+    free(v);
+}
+
 /* dst (the span's rows x d floats, in order) = the span's rows widened (float32: copied). */
 static inline void kv_span_widen(int T, const struct kv_run *runs, int n_runs, int d, float *dst) {
     for (int r = 0; r < n_runs; dst += (size_t)runs[r++].n * d) kv_widen(T, runs[r].rows, dst, runs[r].n * d);
