@@ -288,9 +288,10 @@ class Gemma4Decoder:
             return False
         if not owned.holds(cache):
             for c, sliding, (hk, d) in zip(cache, self.sliding, self.shapes):
-                width = kv_blocks.row_width(self.kv.blocks, d) if self.kv.blocks else d
+                widths = self._widths(d)
                 if (type(c) is not (RotatingKVCache if sliding else KVCache) or c.keys is None
-                        or c.keys.ndim != 4 or c.keys.shape[0] != 1 or c.keys.shape[1] != hk or c.keys.shape[3] != width
+                        or c.keys.ndim != 4 or c.keys.shape[0] != 1 or c.keys.shape[1] != hk
+                        or (c.keys.shape[3], c.values.shape[3]) != widths
                         or (c.keys.dtype, c.values.dtype) != tuple(self.kv.dtypes)):
                     return False
         return all(cache[i].max_size == self.window and ring_plan(cache[i]) is not None for i in self.kv.rings)
@@ -306,11 +307,16 @@ class Gemma4Decoder:
         if len(cache) != self.n_cached or any(paged(c) for c in cache) or len({c.offset for c in cache}) != 1:
             return False
         for c, sliding, (hk, d) in zip(cache, self.sliding, self.shapes):
-            width = kv_blocks.row_width(self.kv.blocks, d) if self.kv.blocks else d
-            if not (ring_chunks.ring_takes_chunk(c, self.window, hk, width, self.kv.dtypes) if sliding
-                    else ring_chunks.plain_takes_chunk(c, hk, width, self.kv.dtypes)):
+            widths = self._widths(d)
+            if not (ring_chunks.ring_takes_chunk(c, self.window, hk, widths, self.kv.dtypes) if sliding
+                    else ring_chunks.plain_takes_chunk(c, hk, widths, self.kv.dtypes)):
                 return False
         return True
+
+    def _widths(self, head_dim: int) -> tuple[int, int]:
+        """A stored key's and value's last dimension for a layer of ``head_dim`` (each side's block
+        type's bytes for them, or ``head_dim`` values)."""
+        return tuple(kv_blocks.row_width(b, head_dim) if b else head_dim for b in self.kv.blocks)  # type: ignore[return-value]
 
     def offset(self, cache: list[Any]) -> int:
         return self.seq.offset(cache)
