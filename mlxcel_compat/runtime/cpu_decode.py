@@ -47,7 +47,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxcel_compat.runtime import decode_delta, decode_moe, kv_precision, ring_chunks
+from mlxcel_compat.runtime import decode_delta, decode_mla, decode_moe, kv_precision, ring_chunks
 from mlxcel_compat.runtime.block_layers import BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_families import (ACTIVATIONS, GEMMA_TYPES, MULTIPLIER_TYPES, PARALLEL_TYPES,
                                                    Q_TEMPERATURE_TYPES, attention_shape, head_module, layer_rope,
@@ -105,7 +105,8 @@ class CpuDecoder:
         self.attn_layers = [i for i in range(len(inner.layers)) if i not in self.delta_layers]
         attn0 = inner.layers[self.attn_layers[0]].self_attn
         self.gemma = model.args.model_type in GEMMA_TYPES
-        self.n_heads, self.n_kv_heads, self.head_dim = attention_shape(attn0)
+        mla = decode_mla.is_mla(attn0)  # DeepSeek's latent attention: the shapes its cache holds (decode_mla.py)
+        self.n_heads, self.n_kv_heads, self.head_dim = decode_mla.cache_shape(attn0)[:3] if mla else attention_shape(attn0)
         heads = attention_heads(attn0)  # gpt-oss's scale is its sm_scale
         self.scale = (heads[2] if heads is not None else float(attn0.scale)) * LOG2E
         dims = rotated_dims(layer_rope(attn0), self.head_dim)
@@ -147,6 +148,7 @@ class CpuDecoder:
                                   [LoraFactors(f) for f in factors_of(head)]
                                   if isinstance(head, (nn.Linear, BlockLinear)) else [])
         self.layers = [decode_delta.delta_layer(layer, 0, self.gemma, moe) if i in self.delta_layers
+                       else decode_mla.mla_layer(layer, order.index(rope_kinds[i]), moe) if mla
                        else layer_weights(layer, order.index(rope_kinds[i]), self.gemma, moe, sliding=kind)
                        for i, (layer, kind) in enumerate(zip(inner.layers, kinds))
                        for moe in [decode_moe.moe_weights(layer_mlp(layer)) if decode_moe.is_moe(layer_mlp(layer)) else None]]
@@ -162,7 +164,8 @@ class CpuDecoder:
                            rings=[i for i, layer in enumerate(attn) if layer.sliding],  # RotatingKVCache layers
                            plain=[i for i, layer in enumerate(attn) if not layer.sliding],  # KVCache layers
                            dtypes=kv_precision.of_model(model).dtypes(),  # -ctk/-ctv
-                           blocks=kv_precision.of_model(model).blocks)
+                           blocks=kv_precision.of_model(model).blocks,
+                           value_dim=decode_mla.cache_shape(attn0)[3] if mla else None)
         # a sequence's KV as the pass reads it (sequence_kv.py): views, the struct mlxcel_kv table
         self.seq = SequenceKv(self.kv, len(self.layers), self.attn_layers, self.delta_layers,
                               [self.layers[i].delta for i in self.delta_layers])

@@ -46,18 +46,22 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel_compat.runtime import decode_delta, decode_moe
+from mlxcel_compat.runtime import decode_delta, decode_mla, decode_moe, kv_precision
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_layers import attention_heads, gemma_mlp, gemma_norm, head_dim, layer_mlp
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5",
                "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "granite", "seed_oss", "ernie4_5",
                "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3", "starcoder2",
-               "cohere2", "apertus", "ernie4_5_moe", "glm4_moe")
+               "cohere2", "apertus", "ernie4_5_moe", "glm4_moe",
+               "deepseek_v3", "deepseek_v2")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "ernie4_5_moe",
-             "glm4_moe")
+             "glm4_moe", "deepseek_v3", "deepseek_v2")
+# Families whose attention is DeepSeek's multi-head latent attention (decode_mla.py), their layers
+# checked and held there (MLP or MoE block included).
+MLA_TYPES = ("deepseek_v3", "deepseek_v2")
 # Hybrids: gated delta-net layers (decode_delta.py) between attention layers with an output gate and a
 # partial RoPE.
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -138,8 +142,15 @@ def unsupported(model: Any) -> str | None:
     head = head_module(model)
     weights = [m.weight for m in (inner.embed_tokens, head) if block_weight_of(m) is None]
     hybrid = model_type in HYBRID_TYPES
+    if model_type in MLA_TYPES and kv_precision.of_model(model).blocks:
+        return f"latent attention layers ({model_type}) with a KV cache in ggml's blocks (-ctk/-ctv q8_0, q4_0)"
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), layer_mlp(layer)
+        if model_type in MLA_TYPES and decode_mla.is_mla(attn):  # the whole layer checked there
+            reason = decode_mla.layer_unsupported(layer)
+            if reason is not None:
+                return f"latent attention layers ({model_type}): {reason}"
+            continue
         delta = hybrid and decode_delta.is_delta(layer)
         if delta:
             reason = decode_delta.unsupported(layer.linear_attn)
@@ -219,10 +230,12 @@ def layer_rope(attn: Any) -> Any:
     have no module, cohere2's have one they do not call (only its sliding layers rotate)."""
     if attn is None or getattr(attn, "use_sliding_window", True) is False:
         return None
+    if decode_mla.is_mla(attn):  # its rotary part's module (deepseek_v2's says neither its width nor its layout)
+        return decode_mla.rope_of(attn)
     return getattr(attn, "rope", None)
 
 
-__all__ = ["EXPERT_MODULES", "GEMMA_TYPES", "HYBRID_TYPES", "LAYER_TYPE_WINDOWS", "MLX_LAYERS", "MODEL_TYPES", "MOE_TYPES",
+__all__ = ["EXPERT_MODULES", "GEMMA_TYPES", "MLA_TYPES", "HYBRID_TYPES", "LAYER_TYPE_WINDOWS", "MLX_LAYERS", "MODEL_TYPES", "MOE_TYPES",
            "MULTIPLIER_TYPES", "NO_ROPE", "PARALLEL_TYPES", "POST_NORM_TYPES", "Q_TEMPERATURE_TYPES",
            "ACTIVATIONS", "LAYER_NORM_TYPES", "MLP_PROJECTIONS", "layer_rope", "attention_shape", "head_module", "rotated_dims",
            "sliding_layers", "unsupported"]

@@ -197,6 +197,12 @@ class KvLayout:
     plain: list[int]  # KVCache layers
     dtypes: tuple[Any, Any] = (mx.float32, mx.float32)  # the keys' and values' storage types
     blocks: str | None = None  # q8_0 or q4_0: both stored as ggml's blocks, rows of uint8 (dtypes)
+    value_dim: int | None = None  # a value row's width where it is not a key's (DeepSeek's MLA caches: decode_mla.py)
+
+    @property
+    def widths(self) -> tuple[int, int]:
+        """A stored key row's and value row's last dimension (:attr:`width`; MLA's values their own)."""
+        return self.width, self.width if self.value_dim is None else self.value_dim
 
     @property
     def codes(self) -> tuple[int, int]:
@@ -242,8 +248,8 @@ class KvLayout:
                 capacity, start, c._idx = ring_plans[i]
                 keys, values = (_fresh_ring(a, start, capacity) for a in (c.keys, c.values))
             elif c.keys is None:  # an empty cache (can_prefill): buffers for positions 0 .. last
-                shape = (1, self.n_kv_heads, buffer_capacity(last, reserve=owned.reserve), self.width)
-                keys, values = (_writable(shape, dtype)[0] for dtype in self.dtypes)
+                shape = (1, self.n_kv_heads, buffer_capacity(last, reserve=owned.reserve))
+                keys, values = (_writable((*shape, d), dtype)[0] for dtype, d in zip(self.dtypes, self.widths))
             else:
                 keys, values = (_fresh(a, pos, last, owned.reserve) for a in (c.keys, c.values))
             c.keys, c.values = keys, values
@@ -301,11 +307,10 @@ class KvLayout:
         if not all(type(c) is KVCache and c.keys is not None and c.offset == pos for c in cache):
             return None
         mx.eval([(c.keys, c.values) for c in cache])
-        d = self.width  # a stored row's elements (values, or a block type's bytes)
         shared, views, rows = [], [], []
         for c in cache:
             pair = []
-            for a, dtype in zip((c.keys, c.values), self.dtypes):
+            for a, dtype, d in zip((c.keys, c.values), self.dtypes, self.widths):  # a row's values, or a block type's bytes
                 if a.dtype != dtype or a.ndim != 4 or a.shape[0] != 1 or a.shape[3] != d or a.shape[2] < pos:
                     return None
                 view = host_view(a)
@@ -313,12 +318,12 @@ class KvLayout:
                 if strides[3] != item or strides[2] != d * item or strides[1] % (d * item) or strides[1] < a.shape[2] * d * item:
                     return None
                 pair.append(view)
-            capacities = [view.strides[1] // (d * view.itemsize) for view in pair]
+            capacities = [view.strides[1] // (d * view.itemsize) for view, d in zip(pair, self.widths)]
             if capacities[0] != capacities[1]:  # the kernels take one capacity for both
                 return None
             shared.append((pair[0], pair[1]))
-            k_row = np.empty((self.n_kv_heads, n, d), pair[0].dtype)
-            v_row = np.empty((self.n_kv_heads, n, d), pair[1].dtype)
+            k_row = np.empty((self.n_kv_heads, n, self.widths[0]), pair[0].dtype)
+            v_row = np.empty((self.n_kv_heads, n, self.widths[1]), pair[1].dtype)
             rows.append((k_row, v_row))
             views.append((pair[0].ctypes.data, pair[1].ctypes.data, capacities[0], k_row.ctypes.data, v_row.ctypes.data))
         return Borrowed(pos, shared, rows, views)

@@ -102,6 +102,7 @@ class LayerWeights:
     qkv: LinearWeights | None = None  # phi3: q, k and v in one projection (then q, k, v are None)
     gate_up: LinearWeights | None = None  # phi3, glm4: gate and up in one projection (then gate, up are None)
     xielu: tuple[float, float, float, float] | None = None  # Apertus's activation: alpha_p, alpha_n, beta, eps
+    mla: Any = None  # DeepSeek's latent attention in place of q, k, v, o (decode_mla.MlaWeights), or None
 
 
 @dataclass
