@@ -147,9 +147,9 @@ def unsupported(model: Any) -> str | None:
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), layer_mlp(layer)
         if model_type in MLA_TYPES and decode_mla.is_mla(attn):  # the whole layer checked there
-            reason = decode_mla.layer_unsupported(layer)
+            reason = decode_mla.layer_unsupported(layer, model_type)
             if reason is not None:
-                return f"latent attention layers ({model_type}): {reason}"
+                return reason
             continue
         delta = hybrid and decode_delta.is_delta(layer)
         if delta:

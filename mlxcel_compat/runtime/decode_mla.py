@@ -120,26 +120,26 @@ def unsupported(attn: Any) -> str | None:
     return None
 
 
-def layer_unsupported(layer: Any) -> str | None:
+def layer_unsupported(layer: Any, model_type: str) -> str | None:
     """Why a DeepSeek decoder layer (MLA attention, then an MLP or an MoE block) stays in MLX's
-    step, or None."""
+    step (the start-up log's reason, named as the other families' are), or None."""
     from mlxcel_compat.runtime import decode_moe
 
     reason = unsupported(layer.self_attn)
     if reason is not None:
-        return reason
+        return f"latent attention layers ({model_type}): {reason}"
     mlp = layer_mlp(layer)
     if decode_moe.is_moe(mlp):
         reason = decode_moe.unsupported(mlp)
         if reason is not None:
-            return f"mixture-of-experts layers: {reason}"
+            return f"mixture-of-experts layers ({model_type}): {reason}"
         linears = decode_moe.shared_modules(mlp)
     else:
         linears = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if not all(isinstance(m, (nn.Linear, BlockLinear)) for m in linears):
-        return "an MLP other than gate, up and down linear layers"
+        return f"latent attention layers ({model_type}): an MLP other than gate, up and down linear layers"
     if not all(isinstance(getattr(layer, n, None), nn.RMSNorm) for n in ("input_layernorm", "post_attention_layernorm")):
-        return "norms other than RMSNorm"
+        return f"latent attention layers ({model_type}): norms other than RMSNorm"
     if any(m.weight.dtype != mx.float32 for m in linears if block_weight_of(m) is None):
         return "weights are neither float32 nor in ggml's blocks"
     return None
