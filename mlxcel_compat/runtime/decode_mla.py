@@ -9,7 +9,7 @@ its own form: ``deepseek_v3`` the latent and the rotated key themselves (a ``KVC
 "head" whose keys are the latent rows and whose values are the rotary keys), attending in the
 latent space through the absorbed ``embed_q`` / ``unembed_out`` multi-linears; ``deepseek_v2`` the
 per-head keys (nope part from ``kv_b_proj``, then the rotary key) and values expanded. The C
-layer (``native/mla_attention.c``) writes and reads exactly those rows, so MLX's prefill, the
+layer (the native layer's MLA attention) writes and reads exactly those rows, so MLX's prefill, the
 prompt cache and slot files see the cache either side wrote.
 
 Softmax scale: the module's own (``q_head_dim ** -0.5`` times YaRN's ``mscale ** 2`` where its
