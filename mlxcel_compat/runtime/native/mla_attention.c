@@ -24,6 +24,13 @@ static __thread struct mlxcel_scratch mla_scratch[9];
 /* A unit's stored rows widened to float32 (keys, values) and its softmax row. */
 static __thread struct mlxcel_scratch widened[3];
 
+/* A unit's queries, scaled, their rotary parts rotated: (n, heads, qd). */
+static __thread struct mlxcel_scratch query_scratch;
+
+static float *mlx_q(int n, int heads, int qd) {
+    return mlxcel_scratch(&query_scratch, sizeof(float) * (size_t)n * heads * qd);
+}
+
 static float *mla_buffer(int i, size_t floats) { return mlxcel_scratch(&mla_scratch[i], sizeof(float) * (floats ? floats : 1)); }
 
 /* A stored row: position s of head h, from the shared cache below `base`, else from the unit's own
@@ -41,11 +48,17 @@ static void mla_softmax(float *p, int n) {
     for (int s = 0; s < n; s++) p[s] /= sum;
 }
 
-static float mla_dot(const float *a, const float *b, int n) {
-    float acc = 0.0f;
-    for (int i = 0; i < n; i++) acc += a[i] * b[i];
-    return acc;
+/* p (n rows of span scores): row t sees positions 0 .. base + t (causal), softmax over those, 0 beyond. */
+static void mla_causal_softmax(float *p, int n, int span, int64_t base) {
+    for (int t = 0; t < n; t++) {
+        int seen = (int)(base + t) + 1;
+        float *row = p + (size_t)t * span;
+        mla_softmax(row, seen);
+        for (int j = seen; j < span; j++) row[j] = 0.0f;
+    }
 }
+
+enum { RowMajor = 101, NoTrans = 111, Trans = 112 };
 
 int mlxcel_mla_layer(const struct mlxcel_mla *a, int hidden, int rows, const int *segments, int n_segments,
                      const struct mlxcel_mla_kv *kv, int k_type, int v_type, int traditional, int tiles,
@@ -78,13 +91,14 @@ int mlxcel_mla_layer(const struct mlxcel_mla *a, int hidden, int rows, const int
         kvb = mla_buffer(5, (size_t)rows * H * (nope + vd));
         mlxcel_pass_product(&a->kv_b, rows, lat, kvb, 0.0f, tiles, scales, n_adapters);
     }
-    float *qpe = mla_buffer(6, (size_t)H * rope), *qlat = mla_buffer(7, (size_t)H * (expanded ? qd : lora));
+    float *qpe = mla_buffer(6, (size_t)H * rope);
     float *row = mla_buffer(8, (size_t)(kw > vw ? kw : vw));
     int units = segments ? n_segments : rows;
     for (int u = 0; u < units; u++) {
         const struct mlxcel_mla_kv *s = &kv[u];
         int r0 = segments ? segments[u] : u, n = segments ? segments[u + 1] - r0 : 1;
         int64_t base = s->write, last = base + n - 1;
+        float *qlat = mla_buffer(7, (size_t)n * lora); /* a head's latent queries, then its weighted latents */
         if (base < 0 || (!s->k_out && last >= s->capacity)) return -1;
         /* the unit's rows into the cache (or its own rows beside a shared one) */
         for (int t = 0; t < n; t++) {
@@ -105,56 +119,58 @@ int mlxcel_mla_layer(const struct mlxcel_mla *a, int hidden, int rows, const int
                 kv_narrow(v_type, mla_row(s->values, s->v_out, s->capacity, base, n, hh, base + t, vb), kv_h + nope, vd);
             }
         }
-        /* the stored rows widened once for the unit: keys (hk, last + 1, kw), values (hk, last + 1, vw) */
-        size_t span = (size_t)last + 1;
-        float *kf = mlxcel_scratch(&widened[0], sizeof(float) * (size_t)hk * span * kw);
-        float *vf_ = mlxcel_scratch(&widened[1], sizeof(float) * (size_t)hk * span * vw);
-        float *p = mlxcel_scratch(&widened[2], sizeof(float) * span);
-        for (int hh = 0; hh < hk; hh++)
-            for (size_t t = 0; t < span; t++) {
-                kv_widen(k_type, mla_row(s->keys, s->k_out, s->capacity, base, n, hh, (int64_t)t, kb),
-                         kf + ((size_t)hh * span + t) * kw, kw);
-                kv_widen(v_type, mla_row(s->values, s->v_out, s->capacity, base, n, hh, (int64_t)t, vb),
-                         vf_ + ((size_t)hh * span + t) * vw, vw);
-            }
-        for (int t = 0; t < n; t++) {
-            int r = r0 + t, seen = (int)(base + t) + 1;
-            const float *qr = q + (size_t)r * H * qd;
-            float *out = att + (size_t)r * H * vd;
-            for (int hh = 0; hh < H; hh++) { /* the rope part of each head, rotated, times the scale */
-                memcpy(qpe + (size_t)hh * rope, qr + (size_t)hh * qd + nope, sizeof(float) * rope);
-            }
-            mlxcel_rope(qpe, H, rope, s->cos + (size_t)t * half, s->sin + (size_t)t * half, traditional);
-            for (int i = 0; i < H * rope; i++) qpe[i] *= a->scale;
-            for (int hh = 0; hh < H; hh++) {
-                const float *qn = qr + (size_t)hh * qd, *qp = qpe + (size_t)hh * rope;
-                float *o = out + (size_t)hh * vd;
-                if (expanded) { /* deepseek_v2: [q_nope | q_pe] against the head's stored keys */
-                    float *qh = qlat;
-                    for (int i = 0; i < nope; i++) qh[i] = qn[i] * a->scale;
-                    memcpy(qh + nope, qp, sizeof(float) * rope);
-                    const float *kh = kf + (size_t)hh * span * kw, *vh = vf_ + (size_t)hh * span * vw;
-                    for (int j = 0; j < seen; j++) p[j] = mla_dot(qh, kh + (size_t)j * kw, qd);
-                    mla_softmax(p, seen);
-                    for (int c = 0; c < vd; c++) o[c] = 0.0f;
-                    for (int j = 0; j < seen; j++)
-                        for (int c = 0; c < vd; c++) o[c] += p[j] * vh[(size_t)j * vw + c];
-                    continue;
+        /* the stored rows as float32 (hk heads of span rows, kw and vw wide, a head every ks and vs
+         * floats): a float32 cache the unit wrote into read in place, any other widened once */
+        size_t span = (size_t)last + 1, ks = span * kw, vs = span * vw;
+        float *p = mlxcel_scratch(&widened[2], sizeof(float) * span * (size_t)n);
+        float *kf, *vf_;
+        if (!s->k_out && k_type == MLXCEL_KV_F32 && v_type == MLXCEL_KV_F32) {
+            kf = s->keys, vf_ = s->values, ks = (size_t)s->capacity * kw, vs = (size_t)s->capacity * vw;
+        } else {
+            kf = mlxcel_scratch(&widened[0], sizeof(float) * (size_t)hk * ks);
+            vf_ = mlxcel_scratch(&widened[1], sizeof(float) * (size_t)hk * vs);
+            for (int hh = 0; hh < hk; hh++)
+                for (size_t t = 0; t < span; t++) {
+                    kv_widen(k_type, mla_row(s->keys, s->k_out, s->capacity, base, n, hh, (int64_t)t, kb),
+                             kf + hh * ks + t * kw, kw);
+                    kv_widen(v_type, mla_row(s->values, s->v_out, s->capacity, base, n, hh, (int64_t)t, vb),
+                             vf_ + hh * vs + t * vw, vw);
                 }
-                /* deepseek_v3: the query's nope part into the latent space (embed_q), scaled */
-                const float *wq = a->embed_q + (size_t)hh * lora * nope;
-                float *ql = qlat;
-                for (int c = 0; c < lora; c++) ql[c] = mla_dot(qn, wq + (size_t)c * nope, nope) * a->scale;
-                for (int j = 0; j < seen; j++)
-                    p[j] = mla_dot(ql, kf + (size_t)j * kw, lora) + mla_dot(qp, vf_ + (size_t)j * vw, rope);
-                mla_softmax(p, seen);
-                float *ol = row; /* the output in the latent space, then out of it (unembed_out) */
-                for (int c = 0; c < lora; c++) ol[c] = 0.0f;
-                for (int j = 0; j < seen; j++)
-                    for (int c = 0; c < lora; c++) ol[c] += p[j] * kf[(size_t)j * kw + c];
-                const float *wo = a->unembed_out + (size_t)hh * vd * lora;
-                for (int c = 0; c < vd; c++) o[c] = mla_dot(ol, wo + (size_t)c * lora, lora);
+        }
+        /* the queries' rotary parts, rotated at each row's position, and every query part times the scale */
+        float *qs = mlx_q(n, H, qd);
+        for (int t = 0; t < n; t++) {
+            const float *qr = q + (size_t)(r0 + t) * H * qd;
+            float *qt = qs + (size_t)t * H * qd;
+            for (int hh = 0; hh < H; hh++) memcpy(qpe + (size_t)hh * rope, qr + (size_t)hh * qd + nope, sizeof(float) * rope);
+            mlxcel_rope(qpe, H, rope, s->cos + (size_t)t * half, s->sin + (size_t)t * half, traditional);
+            for (int hh = 0; hh < H; hh++)
+                for (int c = 0; c < qd; c++)
+                    qt[(size_t)hh * qd + c] = (c < nope ? qr[(size_t)hh * qd + c] : qpe[(size_t)hh * rope + c - nope]) * a->scale;
+        }
+        int ldq = H * qd, ldo = H * vd;
+        float *out = att + (size_t)r0 * ldo;
+        for (int hh = 0; hh < H; hh++) {
+            const float *qn = qs + (size_t)hh * qd, *qp = qn + nope;
+            if (expanded) { /* deepseek_v2: [q_nope | q_pe] against the head's stored keys, its values */
+                const float *kh = kf + hh * ks, *vh = vf_ + hh * vs;
+                mlxcel_sgemm(RowMajor, NoTrans, Trans, n, (int)span, qd, 1.0f, qn, ldq, kh, kw, 0.0f, p, (int)span);
+                mla_causal_softmax(p, n, (int)span, base);
+                mlxcel_sgemm(RowMajor, NoTrans, NoTrans, n, vd, (int)span, 1.0f, p, (int)span, vh, vw, 0.0f,
+                             out + (size_t)hh * vd, ldo);
+                continue;
             }
+            /* deepseek_v3: the nope queries into the latent space (embed_q), scores against the latents
+             * plus the rotary parts' against the rotary keys, the weighted latents out of it (unembed_out) */
+            float *ql = qlat;
+            mlxcel_sgemm(RowMajor, NoTrans, Trans, n, lora, nope, 1.0f, qn, ldq, a->embed_q + (size_t)hh * lora * nope,
+                         nope, 0.0f, ql, lora);
+            mlxcel_sgemm(RowMajor, NoTrans, Trans, n, (int)span, lora, 1.0f, ql, lora, kf, kw, 0.0f, p, (int)span);
+            mlxcel_sgemm(RowMajor, NoTrans, Trans, n, (int)span, rope, 1.0f, qp, ldq, vf_, vw, 1.0f, p, (int)span);
+            mla_causal_softmax(p, n, (int)span, base);
+            mlxcel_sgemm(RowMajor, NoTrans, NoTrans, n, lora, (int)span, 1.0f, p, (int)span, kf, kw, 0.0f, ql, lora);
+            mlxcel_sgemm(RowMajor, NoTrans, Trans, n, vd, lora, 1.0f, ql, lora, a->unembed_out + (size_t)hh * vd * lora,
+                         lora, 0.0f, out + (size_t)hh * vd, ldo);
         }
     }
     mlxcel_pass_product(&a->o, rows, att, x, 1.0f, tiles, scales, n_adapters);
