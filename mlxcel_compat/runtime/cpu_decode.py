@@ -194,7 +194,7 @@ class CpuDecoder:
         cache = self.seq.attention(cache)
         k_dtype, v_dtype = self.kv.dtypes
         if not owned.holds(cache) and not all(
-            paged_fits(c, self.n_kv_heads, self.head_dim, self.kv.dtypes) if paged(c) else
+            paged_fits(c, self.n_kv_heads, self.head_dim, self.kv.dtypes, self.kv.value_dim) if paged(c) else
             type(c) is (RotatingKVCache if self.layers[i].sliding else KVCache)
             and c.keys is not None and c.keys.ndim == 4 and c.keys.shape[0] == 1
             and c.keys.dtype == k_dtype and c.values.dtype == v_dtype

@@ -58,16 +58,18 @@ def written(c: Any) -> tuple[Any, Any]:
     return (c.own_keys, c.own_values) if paged(c) else (c.keys, c.values)
 
 
-def paged_fits(c: Any, n_kv_heads: int, head_dim: int, dtypes: tuple[Any, Any]) -> bool:
+def paged_fits(c: Any, n_kv_heads: int, head_dim: int, dtypes: tuple[Any, Any], value_dim: int | None = None) -> bool:
     """Whether the kernels can read a paged layer as it is: every block ``(1, kv_heads,
-    block_tokens, head_dim)`` of the storage types (contiguous: the pool's blocks are), the own
-    buffer (if any) one row of those types."""
-    shape = (1, n_kv_heads, c.block_tokens, head_dim)
-    blocks_fit = all(a.shape == shape and a.dtype == t for pair in c.blocks for a, t in zip(pair, dtypes))
+    block_tokens, head_dim)`` of the storage types (contiguous: the pool's blocks are; values
+    ``value_dim`` wide where they are not ``head_dim``: DeepSeek's MLA), the own buffer (if any)
+    one row of those types."""
+    dims = (head_dim, head_dim if value_dim is None else value_dim)
+    blocks_fit = all(a.shape == (1, n_kv_heads, c.block_tokens, d) and a.dtype == t
+                     for pair in c.blocks for a, t, d in zip(pair, dtypes, dims))
     own = (c.own_keys, c.own_values)
     return blocks_fit and c.offset >= c.n_blocked and (own[0] is None or all(
-        a.ndim == 4 and a.shape[:2] == (1, n_kv_heads) and a.shape[3] == head_dim and a.dtype == t
-        for a, t in zip(own, dtypes)))
+        a.ndim == 4 and a.shape[:2] == (1, n_kv_heads) and a.shape[3] == d and a.dtype == t
+        for a, t, d in zip(own, dtypes, dims)))
 
 
 def block_table(c: Any) -> np.ndarray:
@@ -264,8 +266,9 @@ class KvLayout:
         nb = c.n_blocked
         reserve = max(owned.reserve - nb, 0)
         if c.own_keys is None:
-            shape = (1, self.n_kv_heads, buffer_capacity(last - nb, reserve=reserve), self.head_dim)
-            keys, values = (_writable(shape, dtype)[0] for dtype in self.dtypes)
+            shape = (1, self.n_kv_heads, buffer_capacity(last - nb, reserve=reserve))
+            dims = (self.head_dim, self.head_dim if self.value_dim is None else self.value_dim)
+            keys, values = (_writable((*shape, d), dtype)[0] for dtype, d in zip(self.dtypes, dims))
         else:
             keys, values = (_fresh(a, pos - nb, last - nb, reserve) for a in (c.own_keys, c.own_values))
         c.own_keys, c.own_values = keys, values

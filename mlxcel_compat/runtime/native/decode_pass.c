@@ -228,8 +228,8 @@ static void delta_mixer(const struct mlxcel_model *m, int i, const struct mlxcel
 /* Per-thread scratch of an MLA layer's units. */
 static __thread struct mlxcel_scratch mla_units;
 
-/* Layer i's MLA attention (mla_attention.c): each row's (or chunk's) KV slots and RoPE angles as
- * struct mlxcel_mla_kv. Returns 0, or -1 for a cache it cannot take (shared blocks, a ring). */
+/* Layer i's MLA attention (mla_attention.c): each row's (or chunk's) KV slots, shared blocks and
+ * RoPE angles as struct mlxcel_mla_kv. Returns 0, or -1 for a cache it cannot take (a ring). */
 static int mla_mixer(const struct mlxcel_model *m, int i, const struct mlxcel_buffers *b, int rows, const int *segments,
                      int n_segments, const struct mlxcel_kv *kv, const float *const *angles, int tiles,
                      const double *scales, int n_adapters) {
@@ -239,9 +239,9 @@ static int mla_mixer(const struct mlxcel_model *m, int i, const struct mlxcel_bu
     for (int j = 0; j < units; j++) {
         const struct mlxcel_kv *s = &kv[(size_t)j * m->n_layers + i];
         const float *const *a = angles + (size_t)j * kinds * 2;
-        if (s->n_blocked || s->window) return -1;
+        if (s->window || (s->n_blocked && (!s->blocks || s->block_tokens <= 0))) return -1;
         u[j] = (struct mlxcel_mla_kv){s->keys, s->values, s->k_out, s->v_out, s->capacity, s->write,
-                                      a[2 * L->rope], a[2 * L->rope + 1]};
+                                      a[2 * L->rope], a[2 * L->rope + 1], s->blocks, s->n_blocked, s->block_tokens};
     }
     return mlxcel_mla_layer(L->mla, m->hidden, rows, segments, n_segments, u, m->k_type, m->v_type,
                             m->traditional[L->rope], tiles, b->h, b->x, scales, n_adapters);

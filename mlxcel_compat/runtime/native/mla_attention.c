@@ -33,11 +33,18 @@ static float *mlx_q(int n, int heads, int qd) {
 
 static float *mla_buffer(int i, size_t floats) { return mlxcel_scratch(&mla_scratch[i], sizeof(float) * (floats ? floats : 1)); }
 
-/* A stored row: position s of head h, from the shared cache below `base`, else from the unit's own
- * rows (k_out / v_out: heads x n rows) or the cache itself (out NULL). */
-static char *mla_row(void *cache, void *out, int64_t capacity, int64_t base, int n, int h, int64_t s, size_t bytes) {
-    if (out && s >= base) return (char *)out + ((size_t)h * n + (size_t)(s - base)) * bytes;
-    return (char *)cache + ((size_t)h * capacity + (size_t)s) * bytes;
+/* Where position t of head h is stored for unit s (which: 0 keys, 1 values; rows of `bytes`):
+ * a shared block below n_blocked, a row kept apart from a shared cache (k_out, v_out: heads x n
+ * rows from `write` on), or the cache's own buffer (positions from n_blocked on). */
+static char *mla_row(const struct mlxcel_mla_kv *s, int which, int n, int h, int64_t t, size_t bytes) {
+    if (t < s->n_blocked) {
+        int64_t b = t / s->block_tokens, n_blocks = s->n_blocked / s->block_tokens;
+        const char *block = s->blocks[(size_t)which * n_blocks + b];
+        return (char *)block + ((size_t)h * s->block_tokens + (size_t)(t % s->block_tokens)) * bytes;
+    }
+    void *out = which ? s->v_out : s->k_out;
+    if (out && t >= s->write) return (char *)out + ((size_t)h * n + (size_t)(t - s->write)) * bytes;
+    return (char *)(which ? s->values : s->keys) + ((size_t)h * s->capacity + (size_t)(t - s->n_blocked)) * bytes;
 }
 
 /* p (n values) = softmax(p) in place, max-subtracted, float32. */
@@ -99,24 +106,24 @@ int mlxcel_mla_layer(const struct mlxcel_mla *a, int hidden, int rows, const int
         int r0 = segments ? segments[u] : u, n = segments ? segments[u + 1] - r0 : 1;
         int64_t base = s->write, last = base + n - 1;
         float *qlat = mla_buffer(7, (size_t)n * lora); /* a head's latent queries, then its weighted latents */
-        if (base < 0 || (!s->k_out && last >= s->capacity)) return -1;
+        if (base < s->n_blocked || (!s->k_out && last - s->n_blocked >= s->capacity)) return -1;
         /* the unit's rows into the cache (or its own rows beside a shared one) */
         for (int t = 0; t < n; t++) {
             int r = r0 + t;
             float *kp = kpe + (size_t)r * rope;
             mlxcel_rope(kp, 1, rope, s->cos + (size_t)t * half, s->sin + (size_t)t * half, traditional);
             if (!expanded) {
-                kv_narrow(k_type, mla_row(s->keys, s->k_out, s->capacity, base, n, 0, base + t, kb), lat + (size_t)r * lora,
+                kv_narrow(k_type, mla_row(s, 0, n, 0, base + t, kb), lat + (size_t)r * lora,
                           lora);
-                kv_narrow(v_type, mla_row(s->values, s->v_out, s->capacity, base, n, 0, base + t, vb), kp, rope);
+                kv_narrow(v_type, mla_row(s, 1, n, 0, base + t, vb), kp, rope);
                 continue;
             }
             for (int hh = 0; hh < H; hh++) {
                 const float *kv_h = kvb + ((size_t)r * H + hh) * (nope + vd);
                 memcpy(row, kv_h, sizeof(float) * nope);
                 memcpy(row + nope, kp, sizeof(float) * rope);
-                kv_narrow(k_type, mla_row(s->keys, s->k_out, s->capacity, base, n, hh, base + t, kb), row, qd);
-                kv_narrow(v_type, mla_row(s->values, s->v_out, s->capacity, base, n, hh, base + t, vb), kv_h + nope, vd);
+                kv_narrow(k_type, mla_row(s, 0, n, hh, base + t, kb), row, qd);
+                kv_narrow(v_type, mla_row(s, 1, n, hh, base + t, vb), kv_h + nope, vd);
             }
         }
         /* the stored rows as float32 (hk heads of span rows, kw and vw wide, a head every ks and vs
@@ -124,16 +131,16 @@ int mlxcel_mla_layer(const struct mlxcel_mla *a, int hidden, int rows, const int
         size_t span = (size_t)last + 1, ks = span * kw, vs = span * vw;
         float *p = mlxcel_scratch(&widened[2], sizeof(float) * span * (size_t)n);
         float *kf, *vf_;
-        if (!s->k_out && k_type == MLXCEL_KV_F32 && v_type == MLXCEL_KV_F32) {
+        if (!s->k_out && !s->n_blocked && k_type == MLXCEL_KV_F32 && v_type == MLXCEL_KV_F32) {
             kf = s->keys, vf_ = s->values, ks = (size_t)s->capacity * kw, vs = (size_t)s->capacity * vw;
         } else {
             kf = mlxcel_scratch(&widened[0], sizeof(float) * (size_t)hk * ks);
             vf_ = mlxcel_scratch(&widened[1], sizeof(float) * (size_t)hk * vs);
             for (int hh = 0; hh < hk; hh++)
                 for (size_t t = 0; t < span; t++) {
-                    kv_widen(k_type, mla_row(s->keys, s->k_out, s->capacity, base, n, hh, (int64_t)t, kb),
+                    kv_widen(k_type, mla_row(s, 0, n, hh, (int64_t)t, kb),
                              kf + hh * ks + t * kw, kw);
-                    kv_widen(v_type, mla_row(s->values, s->v_out, s->capacity, base, n, hh, (int64_t)t, vb),
+                    kv_widen(v_type, mla_row(s, 1, n, hh, (int64_t)t, vb),
                              vf_ + hh * vs + t * vw, vw);
                 }
         }

@@ -35,6 +35,11 @@ struct mlxcel_mla_kv {
     void *keys, *values, *k_out, *v_out;
     int64_t capacity, write;
     const float *cos, *sin;
+    /* shared prompt-cache blocks the cache starts with (n_blocked > 0): positions below n_blocked
+     * in blocks[b] (keys) and blocks[n_blocked / block_tokens + b] (values), (heads, block_tokens,
+     * width) each; the cache's own buffers then hold the positions from n_blocked on */
+    const void *const *blocks;
+    int64_t n_blocked, block_tokens;
 };
 
 /* x += the MLA layer of h (rows x hidden): unit u is row u (segments NULL) or rows
