@@ -27,8 +27,10 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxcel_compat.model.load_options import LoadOptions
 from mlxcel_compat.model.loader import load_model
 from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
+from mlxcel_compat.runtime.kv_precision import KvTypes
 from tests.conftest import slow_but, tiny_model
 from tests.engine.harness import EngineHarness
 from tests.runtime.step_checks import assert_rows_together_equal_rows_alone, ids, mlx_logits, prefilled
@@ -80,7 +82,8 @@ def assert_cache_equal(ours: list[Any], theirs: list[Any], n: int, rtol: float) 
         assert a.offset == b.offset == n
         for x, y in ((a.keys, b.keys), (a.values, b.values)):
             assert x.shape[:2] == y.shape[:2] and x.shape[3] == y.shape[3]
-            err = np.abs(np.array(x[..., :n, :]) - np.array(y[..., :n, :])).max() / np.abs(np.array(y[..., :n, :])).max()
+            x, y = (np.array(z[..., :n, :].astype(mx.float32)) for z in (x, y))  # bfloat16: NumPy has none
+            err = np.abs(x - y).max() / np.abs(y).max()
             assert err <= rtol, err
 
 
@@ -188,6 +191,30 @@ def test_an_mla_prompt_chunk_leaves_mlx_s_cache(gguf_decoder: Callable, spec: st
     want = np.array(model(mx.array([rest]), cache=hit_theirs)[0, -1])
     assert close(got, want)
     assert_cache_equal(hit, hit_theirs, rows + 12, BLOCK_RTOL)
+
+
+@pytest.mark.parametrize("kind", ["f16", pytest.param("bf16", marks=pytest.mark.slow)])
+def test_mla_over_16_bit_kv_follows_mlx(kind: str) -> None:
+    """-ctk/-ctv f16 and bf16: the latent and rotary rows stored in the type (rounded as MLX
+    rounds them), widened for the attention; teacher-forced steps within BLOCK_RTOL of MLX's over
+    its own 16-bit cache, then a prompt chunk on a 16-bit cache."""
+    loaded = load_model(str(tiny_model("deepseek_v3:q8_0")), [], options=LoadOptions(kv_types=KvTypes(kind, kind)))
+    model, decoder = loaded.model, loaded.decoder
+    assert isinstance(decoder, cpu_decode.CpuDecoder), cpu_decode.unsupported(model)
+    dtype = {"f16": mx.float16, "bf16": mx.bfloat16}[kind]
+    ours, theirs = prefilled(model, 50), prefilled(model, 50)  # a 16-bit cache's copy: its own prefill
+    owned, token = decode_kv.OwnedCache(), 11
+    for step in range(8):
+        got = decoder.step(token, ours, owned).copy()
+        want = mlx_logits(model, token, theirs)
+        assert close(got, want), step
+        token = int(want.argmax())
+    assert all(c.keys.dtype == c.values.dtype == dtype for c in ours)
+    assert_cache_equal(ours, theirs, 58, BLOCK_RTOL)
+    rest = ids(20, seed=9)
+    got = decoder.prefill(rest, ours, owned).copy()
+    assert close(got, np.array(model(mx.array([rest]), cache=theirs)[0, -1]))
+    assert_cache_equal(ours, theirs, 78, BLOCK_RTOL)
 
 
 def set_groups(model: nn.Module, n_group: int, method: str) -> None:

@@ -27,7 +27,7 @@ static __thread struct mlxcel_scratch widened[3];
 /* A unit's queries, scaled, their rotary parts rotated: (n, heads, qd). */
 static __thread struct mlxcel_scratch query_scratch;
 
-static float *mlx_q(int n, int heads, int qd) {
+static float *mla_queries(int n, int heads, int qd) {
     return mlxcel_scratch(&query_scratch, sizeof(float) * (size_t)n * heads * qd);
 }
 
@@ -145,7 +145,7 @@ int mlxcel_mla_layer(const struct mlxcel_mla *a, int hidden, int rows, const int
                 }
         }
         /* the queries' rotary parts, rotated at each row's position, and every query part times the scale */
-        float *qs = mlx_q(n, H, qd);
+        float *qs = mla_queries(n, H, qd);
         for (int t = 0; t < n; t++) {
             const float *qr = q + (size_t)(r0 + t) * H * qd;
             float *qt = qs + (size_t)t * H * qd;
