@@ -35,6 +35,9 @@ head) and ``glm4`` (fused gate-up, four norms a layer, half of each head rotated
 (LayerNorms with biases, biases everywhere, an MLP without a gate: exact GELU), ``cohere2``
 (attention and MLP in parallel from one LayerNorm, sliding layers with RoPE and global ones
 without, logits times ``logit_scale``) and ``apertus`` (an MLP without a gate: xIELU).
+DeepSeek's ``deepseek_v3`` and ``deepseek_v2`` bring multi-head latent attention (``decode_mla.py``:
+each layer checked and held there, its cache in mlx-lm's own form) beside their MoE layers, whose
+routers may rank expert groups first (``decode_moe.expert_groups``, glm4_moe's too).
 Anything else (MLX-quantized weights, other families, a llama with sliding layers) keeps MLX's
 step; ``cpu_decode.build`` says why.
 """

@@ -51,7 +51,7 @@ GATING = {
     # the scores alone (renormalised by norm_topk_prob), times routed_scaling_factor; one expert group
     "glm4_moe.MoE": "sigmoid_bias",
     # deepseek_v3: glm4_moe's gating (noaux_tc); deepseek_v2: the softmax over every expert, never
-    # renormalised, times routed_scaling_factor. Both may rank expert groups first (GROUPED).
+    # renormalised, times routed_scaling_factor. Both may rank expert groups first (expert_groups).
     "DeepseekV3MoE": "sigmoid_bias",
     "DeepseekV2MoE": "softmax",
 }
@@ -198,6 +198,7 @@ def moe_weights(mlp: Any) -> MoeWeights:
     shared = shared_expert(mlp)
     scale = getattr(mlp, "shared_expert_gate", None)
     clamped = type(switch.activation).__name__ == "SwigluOAI"
+    n_group, topk_group, group_by_max = expert_groups(mlp)
     return MoeWeights(
         router=linear_weights(_router(mlp)), gate=gate.weight, up=up.weight, down=down.weight,
         n_expert=gate.n_expert, top_k=_top_k(mlp), rows=gate.rows,
@@ -214,7 +215,7 @@ def moe_weights(mlp: Any) -> MoeWeights:
         score_bias=(float32_array(_router(mlp).e_score_correction_bias)
                     if GATING[block_name(mlp)] == "sigmoid_bias" else None),
         routed_scale=float(getattr(_router(mlp), "routed_scaling_factor", 1.0)),
-        **dict(zip(("n_group", "topk_group", "group_by_max"), expert_groups(mlp))))
+        n_group=n_group, topk_group=topk_group, group_by_max=group_by_max)
 
 
 def shared_modules(mlp: Any) -> list[Any]:
