@@ -116,7 +116,7 @@ def test_float32_mla_follows_mlx_step_for_40_steps(family: str) -> None:
 
 @pytest.mark.parametrize("spec", slow_but(SPECS, SPECS[:1]))
 def test_quantized_mla_follows_mlx_teacher_forced(gguf_decoder: Callable, spec: str) -> None:
-    """12 teacher-forced steps from each of two prompts (the first step on MLX's prefilled arrays
+    """8 teacher-forced steps from each of two prompts (the first step on MLX's prefilled arrays
     read in place, its rows kept apart; the next ones on the sequence's own copy): within
     BLOCK_RTOL of MLX's, the same greedy token where decided, the cache as MLX's; most steps
     bit-identical (the same ggml products on activations that agree to float32 rounding)."""
@@ -138,7 +138,7 @@ def test_quantized_mla_follows_mlx_teacher_forced(gguf_decoder: Callable, spec: 
         theirs = copy.deepcopy(ours)
         owned = decode_kv.OwnedCache()
         token = 11
-        for step in range(12):
+        for step in range(8):
             assert decoder.can_run(ours, owned)
             got = decoder.step(token, ours, owned).copy()
             want = mlx_logits(model, token, theirs)
@@ -150,7 +150,7 @@ def test_quantized_mla_follows_mlx_teacher_forced(gguf_decoder: Callable, spec: 
             exact += bool(np.array_equal(got, want))
             total += 1
             token = int(want.argmax())
-        assert_cache_equal(ours, theirs, n + 12, BLOCK_RTOL)
+        assert_cache_equal(ours, theirs, n + 8, BLOCK_RTOL)
     print(f"{spec}: {exact} of {total} steps bit-identical to MLX's")
     assert exact >= total // 2
 
@@ -246,7 +246,7 @@ def test_grouped_expert_selection_on_the_runtime_equals_mlx(spec: str, method: s
     theirs, owned = copy.deepcopy(ours), decode_kv.OwnedCache()
     plain_cache = copy.deepcopy(theirs)
     tokens, wants, exact = [11], [], 0
-    for step in range(8):
+    for step in range(6):
         got = decoder.step(tokens[-1], ours, owned).copy()
         wants.append(mlx_logits(model, tokens[-1], theirs))
         assert close(got, wants[-1]), (step, np.abs(got - wants[-1]).max() / np.abs(wants[-1]).max())
@@ -255,7 +255,7 @@ def test_grouped_expert_selection_on_the_runtime_equals_mlx(spec: str, method: s
     set_groups(model, 1, method)  # MLX's steps on the same tokens without groups
     moved = sum(not np.allclose(mlx_logits(model, token, plain_cache), want, rtol=0, atol=1e-3 * np.abs(want).max())
                 for token, want in zip(tokens, wants))
-    assert exact >= 4 and moved >= 2, (exact, moved)
+    assert exact >= 3 and moved >= 2, (exact, moved)
 
 
 def test_engine_on_a_deepseek2_gguf_uses_the_runtime_and_a_hit_equals_the_cold_run(
