@@ -193,6 +193,28 @@ def test_an_mla_prompt_chunk_leaves_mlx_s_cache(gguf_decoder: Callable, spec: st
     assert_cache_equal(hit, hit_theirs, rows + 12, BLOCK_RTOL)
 
 
+def test_mla_draft_rows_and_chunks_together_equal_them_one_by_one(gguf_decoder: Callable) -> None:
+    """A speculative draft's rows on one cache (``step_tokens``: each row writes its latent before
+    the next attends) are bit-identical to single steps; two sequences' prompt chunks in one
+    ``prefill_rows`` pass leave the caches each leaves alone."""
+    model, decoder = gguf_decoder("deepseek_v3:q8_0")
+    drafted, stepped = prefilled(model, 30), prefilled(model, 30)
+    o_drafted, o_stepped = decode_kv.OwnedCache(), decode_kv.OwnedCache()
+    decoder.step(9, drafted, o_drafted), decoder.step(9, stepped, o_stepped)  # both on their own copies
+    assert decoder.can_step_tokens(drafted, o_drafted)
+    rows = decoder.step_tokens([11, 12, 13, 14], drafted, o_drafted)
+    for token, row in zip([11, 12, 13, 14], rows):
+        assert np.array_equal(row, decoder.step(token, stepped, o_stepped))
+    chunks = [ids(40, seed=2), ids(25, seed=3)]
+    together = [make_prompt_cache(model) for _ in chunks]
+    alone = [make_prompt_cache(model) for _ in chunks]
+    decoder.prefill_rows(chunks, together, [decode_kv.OwnedCache() for _ in chunks])
+    for chunk, cache in zip(chunks, alone):
+        decoder.prefill(chunk, cache, decode_kv.OwnedCache(), logits=False)
+    for a, b, chunk in zip(together, alone, chunks):
+        assert_cache_equal(a, b, len(chunk), 0.0)
+
+
 @pytest.mark.parametrize("kind", ["f16", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_mla_over_16_bit_kv_follows_mlx(kind: str) -> None:
     """-ctk/-ctv f16 and bf16: the latent and rotary rows stored in the type (rounded as MLX
