@@ -5,9 +5,12 @@
  * deepseek_v3's holds per position one latent row and one rotary key, which every head reads;
  * deepseek_v2's holds per-head keys and values of different widths. The attention here reads each
  * in the form mlx-lm's own step leaves it, so MLX's prefill, the prompt cache and slot files see
- * the same cache whichever of the two wrote it. The products go through decode_pass.c's (ggml's
- * blocks, the shim's kernels); the attention itself is a plain loop over the stored rows (widened
- * to float32 a unit at a time), exact in its sums' order for a row whatever the other rows. */
+ * the same cache whichever of the two wrote it. The projections go through decode_pass.c's
+ * products (ggml's blocks, the shim's kernels); the attention is a few products a head through the
+ * shim's sgemm over the stored rows (a float32 cache read in place, any other widened to float32
+ * once a unit), a unit being a decode row or a prompt chunk's rows together with a causal softmax
+ * between. A decode row is always a unit of its own, so its result does not depend on the rows
+ * that share its pass (rows together equal rows alone, bit for bit). */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -21,7 +24,7 @@
 
 /* Per-thread scratch (the engine thread runs the passes). */
 static __thread struct mlxcel_scratch mla_scratch[9];
-/* A unit's stored rows widened to float32 (keys, values) and its softmax row. */
+/* A unit's stored rows widened to float32 (keys, values) and its scores (rows x positions). */
 static __thread struct mlxcel_scratch widened[3];
 
 /* A unit's queries, scaled, their rotary parts rotated: (n, heads, qd). */
@@ -31,7 +34,9 @@ static float *mla_queries(int n, int heads, int qd) {
     return mlxcel_scratch(&query_scratch, sizeof(float) * (size_t)n * heads * qd);
 }
 
-static float *mla_buffer(int i, size_t floats) { return mlxcel_scratch(&mla_scratch[i], sizeof(float) * (floats ? floats : 1)); }
+static float *mla_buffer(int i, size_t floats) {
+    return mlxcel_scratch(&mla_scratch[i], sizeof(float) * (floats ? floats : 1));
+}
 
 /* Where position t of head h is stored for unit s (which: 0 keys, 1 values; rows of `bytes`):
  * a shared block below n_blocked, a row kept apart from a shared cache (k_out, v_out: heads x n
