@@ -60,13 +60,16 @@ static void mla_softmax(float *p, int n) {
     for (int s = 0; s < n; s++) p[s] /= sum;
 }
 
-/* p (n rows of span scores): row t sees positions 0 .. base + t (causal), softmax over those, 0 beyond. */
-static void mla_causal_softmax(float *p, int n, int span, int64_t base) {
+/* p (n x per rows of span scores, row t * per + h: the unit's row t, head h): row t sees positions
+ * 0 .. base + t (causal), softmax over those, 0 beyond. */
+static void mla_causal_softmax(float *p, int n, int per, int span, int64_t base) {
     for (int t = 0; t < n; t++) {
         int seen = (int)(base + t) + 1;
-        float *row = p + (size_t)t * span;
-        mla_softmax(row, seen);
-        for (int j = seen; j < span; j++) row[j] = 0.0f;
+        for (int h = 0; h < per; h++) {
+            float *row = p + ((size_t)t * per + h) * span;
+            mla_softmax(row, seen);
+            for (int j = seen; j < span; j++) row[j] = 0.0f;
+        }
     }
 }
 
@@ -110,7 +113,7 @@ int mlxcel_mla_layer(const struct mlxcel_mla *a, int hidden, int rows, const int
         const struct mlxcel_mla_kv *s = &kv[u];
         int r0 = segments ? segments[u] : u, n = segments ? segments[u + 1] - r0 : 1;
         int64_t base = s->write, last = base + n - 1;
-        float *qlat = mla_buffer(7, (size_t)n * lora); /* a head's latent queries, then its weighted latents */
+        float *qlat = mla_buffer(7, (size_t)n * H * lora); /* the latent queries (rows t, h), then the weighted latents */
         if (base < s->n_blocked || (!s->k_out && last - s->n_blocked >= s->capacity)) return -1;
         /* the unit's rows into the cache (or its own rows beside a shared one) */
         for (int t = 0; t < n; t++) {
@@ -134,7 +137,7 @@ int mlxcel_mla_layer(const struct mlxcel_mla *a, int hidden, int rows, const int
         /* the stored rows as float32 (hk heads of span rows, kw and vw wide, a head every ks and vs
          * floats): a float32 cache the unit wrote into read in place, any other widened once */
         size_t span = (size_t)last + 1, ks = span * kw, vs = span * vw;
-        float *p = mlxcel_scratch(&widened[2], sizeof(float) * span * (size_t)n);
+        float *p = mlxcel_scratch(&widened[2], sizeof(float) * span * (size_t)n * (expanded ? 1 : H));
         float *kf, *vf_;
         if (!s->k_out && !s->n_blocked && k_type == MLXCEL_KV_F32 && v_type == MLXCEL_KV_F32) {
             kf = s->keys, vf_ = s->values, ks = (size_t)s->capacity * kw, vs = (size_t)s->capacity * vw;
@@ -162,28 +165,33 @@ int mlxcel_mla_layer(const struct mlxcel_mla *a, int hidden, int rows, const int
         }
         int ldq = H * qd, ldo = H * vd;
         float *out = att + (size_t)r0 * ldo;
-        for (int hh = 0; hh < H; hh++) {
-            const float *qn = qs + (size_t)hh * qd, *qp = qn + nope;
-            if (expanded) { /* deepseek_v2: [q_nope | q_pe] against the head's stored keys, its values */
+        if (expanded) {
+            for (int hh = 0; hh < H; hh++) { /* deepseek_v2: [q_nope | q_pe] against the head's stored keys, its values */
                 const float *kh = kf + hh * ks, *vh = vf_ + hh * vs;
-                mlxcel_sgemm(RowMajor, NoTrans, Trans, n, (int)span, qd, 1.0f, qn, ldq, kh, kw, 0.0f, p, (int)span);
-                mla_causal_softmax(p, n, (int)span, base);
+                mlxcel_sgemm(RowMajor, NoTrans, Trans, n, (int)span, qd, 1.0f, qs + (size_t)hh * qd, ldq, kh, kw, 0.0f, p,
+                             (int)span);
+                mla_causal_softmax(p, n, 1, (int)span, base);
                 mlxcel_sgemm(RowMajor, NoTrans, NoTrans, n, vd, (int)span, 1.0f, p, (int)span, vh, vw, 0.0f,
                              out + (size_t)hh * vd, ldo);
-                continue;
             }
-            /* deepseek_v3: the nope queries into the latent space (embed_q), scores against the latents
-             * plus the rotary parts' against the rotary keys, the weighted latents out of it (unembed_out) */
-            float *ql = qlat;
-            mlxcel_sgemm(RowMajor, NoTrans, Trans, n, lora, nope, 1.0f, qn, ldq, a->embed_q + (size_t)hh * lora * nope,
-                         nope, 0.0f, ql, lora);
-            mlxcel_sgemm(RowMajor, NoTrans, Trans, n, (int)span, lora, 1.0f, ql, lora, kf, kw, 0.0f, p, (int)span);
-            mlxcel_sgemm(RowMajor, NoTrans, Trans, n, (int)span, rope, 1.0f, qp, ldq, vf_, vw, 1.0f, p, (int)span);
-            mla_causal_softmax(p, n, (int)span, base);
-            mlxcel_sgemm(RowMajor, NoTrans, NoTrans, n, lora, (int)span, 1.0f, p, (int)span, kf, kw, 0.0f, ql, lora);
-            mlxcel_sgemm(RowMajor, NoTrans, Trans, n, vd, lora, 1.0f, ql, lora, a->unembed_out + (size_t)hh * vd * lora,
-                         lora, 0.0f, out + (size_t)hh * vd, ldo);
+            continue;
         }
+        /* deepseek_v3: every row's and head's nope query into the latent space (embed_q, a head's
+         * weights at a time; rows (t, h)), then for all of them at once, as every head reads the same
+         * latents and rotary keys: the scores against the latents plus the rotary parts' against the
+         * rotary keys, the causal softmax, the weighted latents; out of the latent space (unembed_out)
+         * a head at a time */
+        for (int hh = 0; hh < H; hh++)
+            mlxcel_sgemm(RowMajor, NoTrans, Trans, n, lora, nope, 1.0f, qs + (size_t)hh * qd, ldq,
+                         a->embed_q + (size_t)hh * lora * nope, nope, 0.0f, qlat + (size_t)hh * lora, H * lora);
+        int m = n * H;
+        mlxcel_sgemm(RowMajor, NoTrans, Trans, m, (int)span, lora, 1.0f, qlat, lora, kf, kw, 0.0f, p, (int)span);
+        mlxcel_sgemm(RowMajor, NoTrans, Trans, m, (int)span, rope, 1.0f, qs + nope, qd, vf_, vw, 1.0f, p, (int)span);
+        mla_causal_softmax(p, n, H, (int)span, base);
+        mlxcel_sgemm(RowMajor, NoTrans, NoTrans, m, lora, (int)span, 1.0f, p, (int)span, kf, kw, 0.0f, qlat, lora);
+        for (int hh = 0; hh < H; hh++)
+            mlxcel_sgemm(RowMajor, NoTrans, Trans, n, vd, lora, 1.0f, qlat + (size_t)hh * lora, H * lora,
+                         a->unembed_out + (size_t)hh * vd * lora, lora, 0.0f, out + (size_t)hh * vd, ldo);
     }
     mlxcel_pass_product(&a->o, rows, att, x, 1.0f, tiles, scales, n_adapters);
     return 0;
