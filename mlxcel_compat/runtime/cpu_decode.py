@@ -48,7 +48,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxcel_compat.runtime import (decode_conv, decode_delta, decode_exaone, decode_gemma2, decode_gemma4, decode_mamba,
-                                  decode_moe, decode_nemotron, kv_precision, ring_chunks)
+                                  decode_mla, decode_moe, decode_nemotron, kv_precision, ring_chunks)
 from mlxcel_compat.runtime.block_layers import BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_families import (ACTIVATIONS, GEMMA_TYPES, MULTIPLIER_TYPES, PARALLEL_TYPES,
                                                    Q_TEMPERATURE_TYPES, attention_shape, head_module, layer_rope,
@@ -113,7 +113,8 @@ class CpuDecoder:
         self.attn_layers = [i for i in range(len(inner.layers)) if i not in self.delta_layers]
         attn0 = inner.layers[self.attn_layers[0]].self_attn
         self.gemma = model.args.model_type in GEMMA_TYPES
-        self.n_heads, self.n_kv_heads, self.head_dim = attention_shape(attn0)
+        mla = decode_mla.is_mla(attn0)  # DeepSeek's latent attention: the shapes its cache holds (decode_mla.py)
+        self.n_heads, self.n_kv_heads, self.head_dim = decode_mla.cache_shape(attn0)[:3] if mla else attention_shape(attn0)
         heads = attention_heads(attn0)  # gpt-oss's scale is its sm_scale
         self.scale = (heads[2] if heads is not None else float(attn0.scale)) * LOG2E
         # Gemma 2's attention soft-cap (0: none): its kernels take the plain scale, log2 e after the cap
@@ -163,6 +164,7 @@ class CpuDecoder:
                        else decode_mamba.mamba_layer(layer, moe) if decode_mamba.is_mamba(layer)
                        else decode_conv.layer_weights(layer, order.index(rope_kinds[i]) if i in self.attn_layers else 0, moe)
                        if lfm2 else decode_delta.delta_layer(layer, 0, self.gemma, moe) if i in self.delta_layers
+                       else decode_mla.mla_layer(layer, order.index(rope_kinds[i]), moe) if mla
                        else layer_weights(layer, order.index(rope_kinds[i]), self.gemma, moe, sliding=kind)
                        for i, (layer, kind) in enumerate(zip(inner.layers, kinds))
                        for moe in [decode_mamba.with_shared_mlp(layer, decode_moe.moe_weights(layer_mlp(layer)))
@@ -181,7 +183,8 @@ class CpuDecoder:
                            rings=[i for i, layer in enumerate(attn) if layer.sliding],  # RotatingKVCache layers
                            plain=[i for i, layer in enumerate(attn) if not layer.sliding],  # KVCache layers
                            dtypes=kv_precision.of_model(model).dtypes(),  # -ctk/-ctv
-                           blocks=kv_precision.of_model(model).blocks)
+                           blocks=kv_precision.of_model(model).blocks,
+                           value_dim=decode_mla.cache_shape(attn0)[3] if mla else None)
         # a sequence's KV as the pass reads it (sequence_kv.py): views, the struct mlxcel_kv table
         self.seq = SequenceKv(self.kv, len(self.layers), self.attn_layers, self.delta_layers, self.recurrent)
         self._buffers: dict[int, PassBuffers] = {}  # by row count

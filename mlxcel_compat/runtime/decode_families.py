@@ -48,6 +48,9 @@ between attention layers without RoPE; granite's multipliers; granitemoe's exper
 shared MLP, or dense) and ``nemotron_h`` (Nemotron-H: its one-branch blocks paired into layers by
 ``decode_nemotron.py``, the MLP squared ReLU without a gate, a layer without an MLP where two
 mixers follow each other).
+DeepSeek's ``deepseek_v3`` and ``deepseek_v2`` bring multi-head latent attention (``decode_mla.py``:
+each layer checked and held there, its cache in mlx-lm's own form) beside their MoE layers, whose
+routers may rank expert groups first (``decode_moe.expert_groups``, glm4_moe's too).
 Anything else (MLX-quantized weights, other families, a llama with sliding layers) keeps MLX's
 step; ``cpu_decode.build`` says why.
 """
@@ -60,8 +63,8 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel_compat.runtime import (decode_conv, decode_delta, decode_exaone, decode_gemma4, decode_mamba, decode_moe,
-                                  decode_nemotron)
+from mlxcel_compat.runtime import (decode_conv, decode_delta, decode_exaone, decode_gemma4, decode_mamba, decode_mla,
+                                  decode_moe, decode_nemotron, kv_precision)
 from mlxcel_compat.runtime.block_layers import BlockEmbedding, BlockLinear, block_weight_of
 from mlxcel_compat.runtime.decode_layers import attention_heads, gemma_mlp, gemma_norm, head_dim, layer_mlp
 
@@ -69,11 +72,15 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe",
                "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "granite", "seed_oss", "ernie4_5",
                "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3", "starcoder2",
                "cohere2", "apertus", "ernie4_5_moe", "glm4_moe", "gemma4_text", "granitemoehybrid",
-               "nemotron_h", "gemma2", "exaone", "lfm2", "lfm2_moe")
+               "nemotron_h", "gemma2", "exaone", "lfm2", "lfm2_moe", "deepseek_v3",
+               "deepseek_v2")
 # Families whose MoE layers the decode pass runs (decode_moe.py), attention as qwen3's and qwen2's
 # (olmoe's q/k norms over the whole projection; gpt-oss's sinks and sliding layers).
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "granitemoe", "ernie4_5_moe",
-             "glm4_moe", "granitemoehybrid", "lfm2_moe")
+             "glm4_moe", "granitemoehybrid", "lfm2_moe", "deepseek_v3", "deepseek_v2")
+# Families whose attention is DeepSeek's multi-head latent attention (decode_mla.py), their layers
+# checked and held there (MLP or MoE block included).
+MLA_TYPES = ("deepseek_v3", "deepseek_v2")
 # Hybrids: gated delta-net layers (decode_delta.py) between attention layers with an output gate and a
 # partial RoPE.
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -198,10 +205,17 @@ def unsupported(model: Any) -> str | None:
     head = head_module(model)
     weights = [m.weight for m in (inner.embed_tokens, head) if block_weight_of(m) is None]
     hybrid = model_type in HYBRID_TYPES
+    if model_type in MLA_TYPES and any(kv_precision.of_model(model).blocks):
+        return f"latent attention layers ({model_type}) with a KV cache in ggml's blocks (-ctk/-ctv q8_0, q4_0)"
     if all(decode_delta.is_delta(layer) or decode_mamba.is_mamba(layer) for layer in layers):
         return "no attention layer (a recurrent model's position is its attention layers')"
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), layer_mlp(layer)
+        if model_type in MLA_TYPES and decode_mla.is_mla(attn):  # the whole layer checked there
+            reason = decode_mla.layer_unsupported(layer, model_type)
+            if reason is not None:
+                return reason
+            continue
         mamba = decode_mamba.is_mamba(layer)  # Granite 4.0-H's Mamba-2 layers, in place of attention
         if mamba:
             reason = decode_mamba.unsupported(decode_mamba.mixer_of(layer)) or decode_mamba.shared_mlp_unsupported(layer)
@@ -292,10 +306,12 @@ def layer_rope(attn: Any) -> Any:
     have no module, cohere2's have one they do not call (only its sliding layers rotate)."""
     if attn is None or getattr(attn, "use_sliding_window", True) is False:
         return None
+    if decode_mla.is_mla(attn):  # its rotary part's module (deepseek_v2's says neither its width nor its layout)
+        return decode_mla.rope_of(attn)
     return getattr(attn, "rope", None)
 
 
-__all__ = ["EXPERT_MODULES", "GEMMA_TYPES", "HYBRID_TYPES", "LAYER_TYPE_WINDOWS", "MODEL_TYPES", "MOE_TYPES",
+__all__ = ["EXPERT_MODULES", "GEMMA_TYPES", "MLA_TYPES", "HYBRID_TYPES", "LAYER_TYPE_WINDOWS", "MODEL_TYPES", "MOE_TYPES",
            "MULTIPLIER_TYPES", "NO_ROPE", "PARALLEL_TYPES", "POST_NORM_TYPES", "Q_TEMPERATURE_TYPES",
            "ACTIVATIONS", "LAYER_NORM_TYPES", "MLP_PROJECTIONS", "layer_rope", "attention_shape", "head_module", "rotated_dims",
            "sliding_layers", "unsupported"]

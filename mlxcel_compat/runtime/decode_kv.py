@@ -199,6 +199,7 @@ class KvLayout:
     dtypes: tuple[Any, Any] = (mx.float32, mx.float32)  # the keys' and values' storage types
     # each side's block type (q8_0 or q4_0: stored as ggml's blocks, rows of uint8 in dtypes), or None
     blocks: tuple[str | None, str | None] = (None, None)
+    value_dim: int | None = None  # a value row's width where it is not a key's (DeepSeek's MLA caches: decode_mla.py)
 
     @property
     def codes(self) -> tuple[int, int]:
@@ -207,8 +208,10 @@ class KvLayout:
 
     @property
     def widths(self) -> tuple[int, int]:
-        """A stored key's and value's last dimension: ``head_dim`` values, or a block type's bytes for them."""
-        return tuple(kv_blocks.row_width(b, self.head_dim) if b else self.head_dim for b in self.blocks)  # type: ignore[return-value]
+        """A stored key's and value's last dimension: ``head_dim`` values (a value's ``value_dim``
+        where it has one: MLA's), or a block type's bytes for them."""
+        dims = (self.head_dim, self.head_dim if self.value_dim is None else self.value_dim)
+        return tuple(kv_blocks.row_width(b, d) if b else d for b, d in zip(self.blocks, dims))  # type: ignore[return-value]
 
     def own(self, cache: list[Any], owned: OwnedCache, pos: int, last: int | None = None) -> list[tuple[int, int, int]]:
         """Addresses of every layer's keys and values, and their capacity, with room for

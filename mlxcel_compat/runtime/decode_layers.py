@@ -104,6 +104,7 @@ class LayerWeights:
     xielu: tuple[float, float, float, float] | None = None  # Apertus's activation: alpha_p, alpha_n, beta, eps
     mamba: Any = None  # a Mamba-2 mixer in place of attention (decode_mamba.MambaWeights), or None
     conv: Any = None  # LFM2's short convolution in place of attention (decode_conv.ConvWeights), or None
+    mla: Any = None  # DeepSeek's latent attention in place of q, k, v, o (decode_mla.MlaWeights), or None
 
     @property
     def recurrent(self) -> Any:

@@ -54,10 +54,17 @@ GATING = {
     # lfm2_moe: as glm4_moe's, the selection bias its ``expert_bias`` (none: use_expert_bias off), the
     # chosen k renormalised by their sum + 1e-6 (k = 1 too), times routed_scaling_factor (the block's)
     "Lfm2MoeSparseMoeBlock": "sigmoid_bias_eps",
+    # deepseek_v3: glm4_moe's gating (noaux_tc); deepseek_v2: the softmax over every expert, never
+    # renormalised, times routed_scaling_factor. Both may rank expert groups first (expert_groups).
+    "DeepseekV3MoE": "sigmoid_bias",
+    "DeepseekV2MoE": "softmax",
 }
 # Blocks that always renormalise the chosen k weights to sum 1 (ERNIE 4.5 divides by
 # max(sum, 1e-12): the sum of k softmax weights is never that small).
 RENORMALISED = ("Ernie4_5_MoeMLP",)
+# Routers' selection methods (mlx-lm's ``topk_method``) the C loop computes: deepseek_v3's and glm4_moe's
+# noaux_tc, deepseek_v2's greedy (its misspelt default "gready" too) and group_limited_greedy.
+TOPK_METHODS = ("noaux_tc", "greedy", "gready", "group_limited_greedy")
 ACTIVATIONS = ("SwiGLU", "SwigluOAI")  # mlx-lm's activations of a SwitchGLU the C loop computes
 
 
@@ -85,6 +92,9 @@ class MoeWeights:
     shared_scale: LinearWeights | None = None  # its gate (hidden -> 1), through a sigmoid
     score_bias: np.ndarray | None = None  # glm4_moe, lfm2_moe: (n_expert) the selection bias, float32
     routed_scale: float = 1.0  # glm4_moe, lfm2_moe: routed_scaling_factor
+    n_group: int = 1  # grouped selection (:func:`expert_groups`): the groups, the best ones kept
+    topk_group: int = 1
+    group_by_max: bool = False  # deepseek_v2's group_limited_greedy: a group's best score ranks it (else its best two)
 
     @property
     def linears(self) -> list[LinearWeights]:
@@ -141,11 +151,30 @@ def unsupported(mlp: Any) -> str | None:
     if _top_k(mlp) > gate.n_expert:
         return "more experts chosen than there are"
     router = _router(mlp)
-    if GATING[kind] == "sigmoid_bias" and int(router.n_group) != 1:
-        return "grouped expert selection (n_group > 1) is not one the runtime computes"
+    if getattr(router, "topk_method", "noaux_tc") not in TOPK_METHODS:
+        return f"expert selection {router.topk_method!r} is not one the runtime computes"
+    n_group, topk_group, _ = expert_groups(mlp)
+    if n_group > 1 and (gate.n_expert % n_group or not 0 < topk_group <= n_group
+                        or gate.n_expert // n_group < 2 and GATING[kind] == "sigmoid_bias"):
+        return f"{n_group} expert groups of {gate.n_expert} experts (top {topk_group} groups)"
     if type(getattr(mlp, "gate_act", None)).__name__ == "Sigmoid":
         return "a sigmoid router (ERNIE 4.5's moe_gate_act) is not one the runtime computes"
     return None
+
+
+def expert_groups(mlp: Any) -> tuple[int, int, bool]:
+    """(n_group, topk_group, ranked by the group's best score) of the block's router: mlx-lm's
+    deepseek_v3 and glm4_moe rank every group by the sum of its two best biased scores when
+    ``n_group > 1``; deepseek_v2 ranks by the best softmax score, and only for
+    ``topk_method == "group_limited_greedy"`` (its "greedy" takes no groups). (1, 1, False): none."""
+    router = _router(mlp)
+    method = getattr(router, "topk_method", None)
+    if method in ("greedy", "gready"):
+        return 1, 1, False
+    n_group, topk_group = getattr(router, "n_group", None), getattr(router, "topk_group", None)
+    if not n_group or int(n_group) <= 1:
+        return 1, 1, False
+    return int(n_group), int(topk_group), method == "group_limited_greedy"
 
 
 def _top_k(mlp: Any) -> int:
@@ -173,6 +202,7 @@ def moe_weights(mlp: Any) -> MoeWeights:
     shared = shared_expert(mlp)
     scale = getattr(mlp, "shared_expert_gate", None)
     clamped = type(switch.activation).__name__ == "SwigluOAI"
+    n_group, topk_group, group_by_max = expert_groups(mlp)
     return MoeWeights(
         router=linear_weights(_router(mlp)), gate=gate.weight, up=up.weight, down=down.weight,
         n_expert=gate.n_expert, top_k=_top_k(mlp), rows=gate.rows,
@@ -187,7 +217,8 @@ def moe_weights(mlp: Any) -> MoeWeights:
         shared_down=linear_weights(shared.down_proj) if shared is not None else None,
         shared_scale=linear_weights(scale) if scale is not None else None,
         score_bias=_score_bias(mlp),
-        routed_scale=float(getattr(_router(mlp), "routed_scaling_factor", getattr(mlp, "routed_scaling_factor", 1.0))))
+        routed_scale=float(getattr(_router(mlp), "routed_scaling_factor", getattr(mlp, "routed_scaling_factor", 1.0))),
+        n_group=n_group, topk_group=topk_group, group_by_max=group_by_max)
 
 
 def _score_bias(mlp: Any) -> np.ndarray | None:
@@ -223,4 +254,4 @@ def ffn_width(layers: list[Any]) -> int:
     return max(widths, default=1)
 
 
-__all__ = ["ACTIVATIONS", "GATING", "block_name", "MoeWeights", "ffn_width", "is_moe", "moe_weights", "shared_modules", "unsupported"]
+__all__ = ["ACTIVATIONS", "GATING", "TOPK_METHODS", "block_name", "expert_groups", "MoeWeights", "ffn_width", "is_moe", "moe_weights", "shared_modules", "unsupported"]

@@ -42,10 +42,10 @@ SOURCE = Path(__file__).with_name("blas_shim.c")
 SOURCES = tuple(SOURCE.with_name(name) for name in (
     "blas_shim.c", "thread_pool.c", "elementwise.c", "attention.c", "block_matmul.c", "quant_rows.c", "k_quant_rows.c",
     "split_rows.c", "mxfp4_rows.c", "q8_0_gemm.c", "split_gemm.c", "dequantize.c", "decode_pass.c", "moe_layer.c",
-    "delta_net.c", "mamba2.c", "short_conv.c", "gemma4_pass.c"))
+    "delta_net.c", "mamba2.c", "short_conv.c", "gemma4_pass.c", "mla_attention.c"))
 HEADERS = tuple(SOURCE.with_name(name) for name in (
     "blas_shim.h", "thread_pool.h", "vector_math.h", "small_m_kernel.h", "decode_kernels.h", "quant_blocks.h",
-    "delta_net.h", "kv_rows.h", "decode_pass.h", "mamba2.h", "short_conv.h"))
+    "delta_net.h", "kv_rows.h", "decode_pass.h", "mamba2.h", "short_conv.h", "mla_attention.h"))
 # Compiling every source takes ~20 s on an idle core; on a loaded machine (tests starting servers
 # with fresh caches beside each other) it took over the two minutes once allowed, and a build
 # that times out leaves the runtime off.

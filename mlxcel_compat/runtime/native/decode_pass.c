@@ -29,6 +29,7 @@
 #include "kv_rows.h"
 #include "mamba2.h"
 #include "short_conv.h"
+#include "mla_attention.h"
 #include "thread_pool.h"
 
 /* A norm's gain as the model applies it (Gemma's 1 + w already added), or w NULL where absent. */
@@ -55,6 +56,7 @@ struct mlxcel_layer {
     float xielu[4]; /* Apertus's xIELU: alpha_p, alpha_n (softplus-ed as mlx-lm does), beta, eps */
     const struct mlxcel_mamba *mamba; /* a Mamba-2 mixer in place of attention (mamba2.c), or NULL */
     const struct mlxcel_short_conv *conv; /* LFM2's short convolution in place of attention (short_conv.c), or NULL */
+    const struct mlxcel_mla *mla; /* DeepSeek's latent attention in place of attention (mla_attention.c), or NULL */
 };
 
 struct mlxcel_model {
@@ -257,6 +259,28 @@ static void mamba_mixer(const struct mlxcel_model *m, int i, const struct mlxcel
                        scales, n_adapters, m->residual_scale);
 }
 
+/* Per-thread scratch of an MLA layer's units. */
+static __thread struct mlxcel_scratch mla_units;
+
+/* Layer i's MLA attention (mla_attention.c): each row's (or chunk's) KV slots, shared blocks and
+ * RoPE angles as struct mlxcel_mla_kv. Returns 0, or -1 for a cache it cannot take (a ring). */
+static int mla_mixer(const struct mlxcel_model *m, int i, const struct mlxcel_buffers *b, int rows, const int *segments,
+                     int n_segments, const struct mlxcel_kv *kv, const float *const *angles, int tiles,
+                     const double *scales, int n_adapters) {
+    const struct mlxcel_layer *L = &m->layers[i];
+    int units = segments ? n_segments : rows, kinds = m->angle_sets;
+    struct mlxcel_mla_kv *u = mlxcel_scratch(&mla_units, sizeof *u * (size_t)units);
+    for (int j = 0; j < units; j++) {
+        const struct mlxcel_kv *s = &kv[(size_t)j * m->n_layers + i];
+        const float *const *a = angles + (size_t)j * kinds * 2;
+        if (s->window || (s->n_blocked && (!s->blocks || s->block_tokens <= 0))) return -1;
+        u[j] = (struct mlxcel_mla_kv){s->keys, s->values, s->k_out, s->v_out, s->capacity, s->write,
+                                      a[2 * L->rope], a[2 * L->rope + 1], s->blocks, s->n_blocked, s->block_tokens};
+    }
+    return mlxcel_mla_layer(L->mla, m->hidden, rows, segments, n_segments, u, m->k_type, m->v_type,
+                            m->traditional[L->rope], tiles, b->h, b->x, scales, n_adapters);
+}
+
 /* A prompt chunk's attention on a sliding layer's ring (s->capacity slots, at most the window: a
  * ring shorter than the window holds every position so far; s->n of them valid, the oldest at
  * s->write once full): the ring's newest min(window - 1, n) slots in order, then the chunk's rows,
@@ -326,6 +350,10 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         }
         if (L->conv) {
             conv_mixer(m, i, b, rows, segments, n_segments, kv, tiles, scales, n_adapters);
+            goto mlp;
+        }
+        if (L->mla) {
+            if (mla_mixer(m, i, b, rows, segments, n_segments, kv, angles, tiles, scales, n_adapters)) return i + 1;
             goto mlp;
         }
         const struct mlxcel_linear *qkv[3] = {&L->q, &L->k, &L->v};

@@ -65,6 +65,11 @@ struct mlxcel_moe {
      * (lfm2_moe): the same, renormalised by the sum + 1e-6 */
     const float *score_bias;
     float routed_scale;
+    /* grouped expert selection (n_group > 1: DeepSeek V3's and glm4_moe's, DeepSeek V2's
+     * group_limited_greedy): the experts in n_group equal groups, each group ranked by the sum of
+     * its two best selection scores (group_by_max: by its best one), the scores of all but the
+     * topk_group best groups set to 0 before the top k are chosen, as mlx-lm does */
+    int n_group, topk_group, group_by_max;
 };
 
 /* decode_pass.c's products (a linear layer's, and several of the same input at once). */

@@ -48,7 +48,8 @@ class MoeStruct(ctypes.Structure):
                 *((name, LinearStruct) for name in ("shared_gate", "shared_up", "shared_down", "shared_scale")),
                 ("n_expert", _I), ("top_k", _I), ("rows", _I), ("norm_topk", _I),
                 ("gate_bias", _P), ("up_bias", _P), ("down_bias", _P), ("gating", _I), ("clamped", _I),
-                ("alpha", _F), ("limit", _F), ("score_bias", _P), ("routed_scale", _F)]
+                ("alpha", _F), ("limit", _F), ("score_bias", _P), ("routed_scale", _F),
+                ("n_group", _I), ("topk_group", _I), ("group_by_max", _I)]
 
 # struct mlxcel_moe's gating: the routers' weights as the families compute them (decode_moe.GATING).
 GATING_CODES = {"softmax": 0, "topk_softmax": 1, "sigmoid_bias": 2, "sigmoid_bias_eps": 3}
@@ -78,7 +79,16 @@ class LayerStruct(ctypes.Structure):
                 *((name, NormStruct) for name in ("n1", "n2", "q_norm", "k_norm", "attn_out", "mlp_out")),
                 ("rope", _I), ("moe", _P), ("delta", _P), ("gated_q", _I), ("sinks", _P),
                 ("qkv", LinearStruct), ("gate_up", LinearStruct), ("xielu", _F * 4), ("mamba", _P),
-                ("conv", _P)]
+                ("conv", _P), ("mla", _P)]
+
+
+class MlaStruct(ctypes.Structure):
+    """``struct mlxcel_mla`` (mla_attention.h): DeepSeek's latent attention."""
+
+    _fields_ = [*((name, LinearStruct) for name in ("q", "q_a", "q_b", "kv_a", "kv_b", "o")),
+                ("q_a_norm", _P), ("kv_norm", _P), ("q_a_eps", _F), ("kv_eps", _F), ("embed_q", _P),
+                ("unembed_out", _P), *((name, _I) for name in ("heads", "nope", "rope", "kv_lora", "v_dim")),
+                ("scale", _F)]
 
 
 class ModelStruct(ctypes.Structure):
@@ -180,7 +190,8 @@ def _moe(moe: Any, keep: list[Any]) -> int:
     s = MoeStruct(router=_linear(moe.router, keep), gate=moe.gate.address, up=moe.up.address, down=moe.down.address,
                   n_expert=moe.n_expert, top_k=moe.top_k, rows=moe.rows, norm_topk=int(moe.norm_topk),
                   gating=GATING_CODES[moe.gating], clamped=int(moe.limit is not None),
-                  alpha=moe.alpha or 0.0, limit=moe.limit or 0.0, routed_scale=moe.routed_scale)
+                  alpha=moe.alpha or 0.0, limit=moe.limit or 0.0, routed_scale=moe.routed_scale,
+                  n_group=moe.n_group, topk_group=moe.topk_group, group_by_max=int(moe.group_by_max))
     for name in ("gate_bias", "up_bias", "down_bias", "score_bias"):
         bias = getattr(moe, name)
         if bias is not None:
@@ -226,6 +237,21 @@ def _mamba(mamba: Any, keep: list[Any]) -> int:
     return ctypes.addressof(s)
 
 
+def _mla(mla: Any, keep: list[Any]) -> int:
+    """``struct mlxcel_mla`` of a ``decode_mla.MlaWeights`` (kept alive in ``keep``), its address;
+    0 for None."""
+    if mla is None:
+        return 0
+    s = MlaStruct(**{name: _linear(getattr(mla, name), keep) for name in ("q", "q_a", "q_b", "kv_a", "kv_b", "o")},
+                  q_a_norm=mla.q_a_norm.ptr if mla.q_a_norm is not None else None, kv_norm=mla.kv_norm.ptr,
+                  q_a_eps=mla.q_a_norm.eps if mla.q_a_norm is not None else 0.0, kv_eps=mla.kv_norm.eps,
+                  embed_q=mla.embed_q.ctypes.data if mla.embed_q is not None else None,
+                  unembed_out=mla.unembed_out.ctypes.data if mla.unembed_out is not None else None,
+                  heads=mla.heads, nope=mla.nope, rope=mla.rope, kv_lora=mla.kv_lora, v_dim=mla.v_dim, scale=mla.scale)
+    keep.append(s)
+    return ctypes.addressof(s)
+
+
 def _conv(conv: Any, keep: list[Any]) -> int:
     """``struct mlxcel_short_conv`` of a ``decode_conv.ConvWeights`` (kept alive in ``keep``), its
     address; 0 for None."""
@@ -261,6 +287,7 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
             s.xielu = (_F * 4)(*layer.xielu)
         s.mamba = _mamba(layer.mamba, keep)
         s.conv = _conv(layer.conv, keep)
+        s.mla = _mla(layer.mla, keep)
     keep.append(layers)
     rope_traditional = decoder.angles.traditional
     traditional = (_I * 2)(*[int(t) for t in rope_traditional] + [0] * (2 - len(rope_traditional)))
@@ -291,6 +318,8 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:
                         for lin in layer.mamba.linears)
     weight_bytes += sum(_weight_bytes(lin) for layer in decoder.layers if layer.conv is not None
                         for lin in layer.conv.linears)
+    weight_bytes += sum(_weight_bytes(lin) for layer in decoder.layers if layer.mla is not None
+                        for lin in layer.mla.linears)
     weight_bytes += _weight_bytes(decoder.head)
     return NativeModel(struct, keep, fns[0], fns[1], weight_bytes <= GIL_HELD_WEIGHT_BYTES_MAX)
 

@@ -48,6 +48,35 @@ static void moe_bias(float *out, const float *bias, int width, int groups, const
     }
 }
 
+/* Grouped expert selection (struct mlxcel_moe's n_group): s (n scores) in n_group groups, each
+ * ranked by the sum of its two largest scores (by_max: its largest), every score outside the
+ * topk_group best groups set to 0, as mlx-lm's deepseek_v3 / glm4_moe group_expert_select and
+ * deepseek_v2's group_limited_greedy do (ties between groups: the lower group kept). */
+static void moe_drop_groups(float *s, int n, int n_group, int topk_group, int by_max) {
+    int per = n / n_group;
+    float rank[n_group];
+    int kept[n_group];
+    for (int g = 0; g < n_group; g++) {
+        const float *x = s + (size_t)g * per;
+        float first = x[0], second = -INFINITY;
+        for (int i = 1; i < per; i++) {
+            if (x[i] > first) second = first, first = x[i];
+            else if (x[i] > second) second = x[i];
+        }
+        rank[g] = by_max || per < 2 ? first : first + second;
+        kept[g] = 0;
+    }
+    for (int j = 0; j < topk_group; j++) {
+        int best = -1;
+        for (int g = 0; g < n_group; g++)
+            if (!kept[g] && (best < 0 || rank[g] > rank[best])) best = g;
+        kept[best] = 1;
+    }
+    for (int g = 0; g < n_group; g++)
+        if (!kept[g])
+            for (int i = 0; i < per; i++) s[(size_t)g * per + i] = 0.0f;
+}
+
 /* Row r's chosen experts and their weights from its router logits `l` (n_expert of them), as
  * mlx-lm's qwen3_moe, qwen2_moe and olmoe blocks compute them: a softmax over every expert in float32,
  * the k largest (ties: the lower expert first), renormalised to sum 1 where norm_topk says so. */
@@ -71,6 +100,7 @@ static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, flo
             l[i] = 1.0f / (1.0f + expf(-l[i]));
             biased[i] = l[i] + e->score_bias[i];
         }
+        if (e->n_group > 1) moe_drop_groups(biased, n, e->n_group, e->topk_group, e->group_by_max);
         moe_top_k(biased, n, k, chosen, weight);
         float total = 0.0f;
         for (int j = 0; j < k; j++) total += weight[j] = l[chosen[j]];
@@ -88,12 +118,15 @@ static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, flo
     for (int i = 1; i < n; i++) top = l[i] > top ? l[i] : top;
     for (int i = 0; i < n; i++) sum += l[i] = expf(l[i] - top);
     for (int i = 0; i < n; i++) l[i] /= sum;
+    if (e->n_group > 1) moe_drop_groups(l, n, e->n_group, e->topk_group, e->group_by_max); /* deepseek_v2 */
     moe_top_k(l, n, k, chosen, weight);
     if (e->norm_topk) {
         float total = 0.0f;
         for (int j = 0; j < k; j++) total += weight[j];
         for (int j = 0; j < k; j++) weight[j] /= total;
     }
+    if (e->routed_scale != 1.0f) /* deepseek_v2's routed_scaling_factor */
+        for (int j = 0; j < k; j++) weight[j] *= e->routed_scale;
 }
 
 /* x += the MoE layer of h (rows x hidden): route every row, sort the (row, expert) pairs by
