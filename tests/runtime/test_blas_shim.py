@@ -292,6 +292,23 @@ def test_with_a_compiler_the_library_builds_and_loads() -> None:
     assert not isinstance(loaded, str), loaded
 
 
+def test_a_source_that_does_not_compile_is_named_and_nothing_is_installed(tmp_path: Path) -> None:
+    """The build compiles each source apart (in parallel) and links them: a failing one is named in
+    the reason, no library is installed, and the same directory then builds a good recipe."""
+    if blas_shim.find_compiler() is None:
+        pytest.skip("no C compiler")
+    good, bad = tmp_path / "good.c", tmp_path / "bad.c"
+    good.write_text("int probe_good(void) { return 7; }\n")
+    bad.write_text("int probe_bad(void) { return undeclared_function(); }\n")
+    out = tmp_path / "out"
+    failed = blas_shim.build(out, blas_shim.Recipe("probe", (good, bad)))
+    assert failed.path is None and "compiling bad.c" in failed.reason, failed.reason
+    assert not list(out.iterdir())  # neither a library nor the objects' directory left behind
+    built = blas_shim.build(out, blas_shim.Recipe("probe", (good,)))
+    assert built.path is not None and built.built_now, built.reason
+    assert ctypes.CDLL(str(built.path)).probe_good() == 7
+
+
 @pytest.mark.slow  # compiles the library twice (8-23 s); every start exercises the cached path
 def test_the_library_is_rebuilt_for_another_source_or_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cc = blas_shim.find_compiler()

@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,15 +39,19 @@ SOURCE = Path(__file__).with_name("blas_shim.c")
 # Q4_1/Q5_x rows, ``mxfp4_rows.c`` for the split MXFP4 rows, ``q8_0_gemm.c`` for Q8_0 prompt chunks, ``split_gemm.c`` for the split rows' prompt
 # chunks, ``dequantize.c``), the decode runtime's
 # layer loop (``decode_pass.c``), its mixture-of-experts layers (``moe_layer.c``) and the hybrids'
-# delta-net layers (``delta_net.c``), the Mamba-2 layers (``mamba2.c``), LFM2's short convolutions (``short_conv.c``), Gemma 4's pass (``gemma4_pass.c``), and the headers they share.
+# delta-net layers (``delta_net.c``), the Mamba-2 layers (``mamba2.c``), LFM2's short convolutions
+# (``short_conv.c``), Gemma 4's pass (``gemma4_pass.c``), DeepSeek's latent attention
+# (``mla_attention.c``), and the headers they share. The slowest to compile come first: the build
+# starts them first (``split_rows.c`` ~16 s, ``k_quant_rows.c`` ~10 s, ``attention.c`` ~7 s; the rest
+# ~1 s each).
 SOURCES = tuple(SOURCE.with_name(name) for name in (
-    "blas_shim.c", "thread_pool.c", "elementwise.c", "attention.c", "block_matmul.c", "quant_rows.c", "k_quant_rows.c",
-    "split_rows.c", "mxfp4_rows.c", "q8_0_gemm.c", "split_gemm.c", "dequantize.c", "decode_pass.c", "moe_layer.c",
+    "split_rows.c", "k_quant_rows.c", "attention.c", "blas_shim.c", "thread_pool.c", "elementwise.c", "block_matmul.c",
+    "quant_rows.c", "mxfp4_rows.c", "q8_0_gemm.c", "split_gemm.c", "dequantize.c", "decode_pass.c", "moe_layer.c",
     "delta_net.c", "mamba2.c", "short_conv.c", "gemma4_pass.c", "mla_attention.c"))
 HEADERS = tuple(SOURCE.with_name(name) for name in (
     "blas_shim.h", "thread_pool.h", "vector_math.h", "small_m_kernel.h", "decode_kernels.h", "quant_blocks.h",
     "delta_net.h", "kv_rows.h", "decode_pass.h", "mamba2.h", "short_conv.h", "mla_attention.h"))
-# Compiling every source takes ~20 s on an idle core; on a loaded machine (tests starting servers
+# Compiling every source takes ~40 s on an idle core (~20 s on two, in parallel); on a loaded machine (tests starting servers
 # with fresh caches beside each other) it took over the two minutes once allowed, and a build
 # that times out leaves the runtime off.
 BUILD_TIMEOUT_S = 600
@@ -227,12 +232,9 @@ def build(directory: Path | None = None, recipe: Recipe = SHIM) -> ShimBuild:
             errors.append(f"{where}: {exc.strerror or exc}")
             continue
         try:
-            cmd = [cc, *recipe.flags, "-o", tmp, *(str(path) for path in recipe.sources), *recipe.libs]
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-            what = recipe.sources[0].name
-            if out.returncode != 0:
-                last = (out.stderr.strip().splitlines() or ["?"])[-1]
-                return ShimBuild(None, f"compiling {what} with {cc} failed: {last}")
+            failed = _compile_and_link(cc, recipe, tmp)
+            if failed is not None:
+                return ShimBuild(None, failed)
             os.replace(tmp, target)  # atomic: concurrent builders each install a complete file
             return ShimBuild(target, built_now=True)
         except (OSError, subprocess.SubprocessError) as exc:
@@ -241,6 +243,41 @@ def build(directory: Path | None = None, recipe: Recipe = SHIM) -> ShimBuild:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return ShimBuild(None, "no writable directory for the compiled library: " + "; ".join(errors))
+
+
+def _compile_and_link(cc: str, recipe: Recipe, output: str) -> str | None:
+    """Compile ``recipe``'s sources into the library ``output``; None, or why it failed.
+
+    Why one compiler process a source, as many at once as the machine has cores: the shim has
+    about twenty sources, and one ``cc`` over all of them used one core for ~40 s at a first start
+    (every server of a test run, and every user's first start, waits for it)."""
+    compile_flags = tuple(f for f in recipe.flags if f != "-shared")
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    with tempfile.TemporaryDirectory(prefix=".objects-", dir=os.path.dirname(output)) as objects:
+        jobs: list[tuple[Path, str, subprocess.Popen]] = []
+        pending = list(recipe.sources)
+        failure = None
+        while (pending or jobs) and failure is None:
+            while pending and len(jobs) < (os.cpu_count() or 1):
+                source = pending.pop(0)
+                obj = os.path.join(objects, source.stem + ".o")
+                jobs.append((source, obj, subprocess.Popen([cc, *compile_flags, "-c", "-o", obj, str(source)],
+                                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
+            source, obj, proc = jobs.pop(0)
+            _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if proc.returncode != 0:
+                failure = f"compiling {source.name} with {cc} failed: {(err.strip().splitlines() or ['?'])[-1]}"
+        for _, _, proc in jobs:  # after a failure: the others are not waited for
+            proc.kill()
+            proc.wait()
+        if failure is not None:
+            return failure
+        objs = [os.path.join(objects, source.stem + ".o") for source in recipe.sources]
+        out = subprocess.run([cc, *recipe.flags, "-o", output, *objs, *recipe.libs], capture_output=True, text=True,
+                             timeout=max(1.0, deadline - time.monotonic()))
+        if out.returncode != 0:
+            return f"linking {recipe.stem} with {cc} failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}"
+    return None
 
 
 def holding_the_gil(lib: ctypes.CDLL) -> ctypes.PyDLL:
