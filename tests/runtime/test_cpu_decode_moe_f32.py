@@ -9,6 +9,7 @@ weights: ``decode_moe.stack_kind`` "float", ``native/expert_f32.c``'s grouped pr
   stepped alone.
 - A cold prompt chunk on the runtime leaves the KV and state MLX's prefill leaves.
 - The grouped product alone is NumPy's per-expert product, and refuses an expert id outside the stack.
+- Stacks in bfloat16 or float16 are widened to float32 once at load and follow MLX's step.
 - What is still refused says why: a directory cast to bfloat16 (its other weights are not
   float32), experts MLX quantized (``QuantizedSwitchLinear``).
 """
@@ -27,7 +28,7 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from mlxcel_compat.model.loader import load_model
 from mlxcel_compat.runtime import backend, cpu_decode, decode_kv, decode_moe
-from tests.conftest import slow_but, tiny_model
+from tests.conftest import SLOW, slow_but, tiny_model
 from tests.runtime.step_checks import assert_rows_together_equal_rows_alone, ids, mlx_logits, prefilled
 
 LOGITS_RTOL = 1e-4  # of the largest logit, as test_cpu_decode.py: measured 4e-7 to 7e-6 (summation order)
@@ -178,3 +179,26 @@ def test_what_is_still_refused_keeps_mlx_and_says_why() -> None:
     assert decode_moe.stack_kind(switch) is None
     assert decode_moe.unsupported(mlp).startswith(
         "experts neither in ggml's blocks (the GGUF loader's stacks) nor float")
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, pytest.param(mx.float16, marks=SLOW)])
+def test_16_bit_expert_stacks_are_widened_once_and_follow_mlx(dtype: mx.Dtype) -> None:
+    """Experts held in bfloat16 or float16 (the rest float32): the runtime widens each stack to a
+    float32 array of its own at load, as MLX's ``gather_mm`` promotes them on every call, and
+    follows MLX's step for 10 greedy steps within LOGITS_RTOL."""
+    model = load_model(str(tiny_model("qwen2_moe")), []).model
+    for layer in model.model.layers:
+        layer.mlp.switch_mlp.set_dtype(dtype)
+    decoder = cpu_decode.build(model, backend.matmul_shim())
+    assert isinstance(decoder, cpu_decode.CpuDecoder), decoder
+    moe, switch = decoder.layers[0].moe, model.model.layers[0].mlp.switch_mlp
+    assert moe.float_gate.dtype == np.float32 and moe.float_gate.shape == switch.gate_proj.weight.shape
+    assert np.array_equal(moe.float_down, np.array(switch.down_proj.weight.astype(mx.float32)))
+    ours = prefilled(model, 30)
+    theirs, owned, token = copy.deepcopy(ours), decode_kv.OwnedCache(), 11
+    for step in range(10):
+        got = decoder.step(token, ours, owned).copy()
+        want = mlx_logits(model, token, theirs)
+        assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max(), step
+        assert int(got.argmax()) == int(want.argmax()), step
+        token = int(want.argmax())
