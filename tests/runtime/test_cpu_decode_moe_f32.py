@@ -1,7 +1,7 @@
 """The CPU decode runtime on float expert stacks (a model directory's mlx-lm ``SwitchLinear``
 weights: ``decode_moe.stack_kind`` "float", ``native/expert_f32.c``'s grouped product).
 
-- Every MoE family's factory directory runs on the runtime (its routing, gating, shared experts,
+- Every MoE family's factory directory runs on the runtime (Gemma 4's MoE in its own pass; the routing, gating, shared experts,
   biases and clamped SwiGLU the block stacks' own code) and follows MLX's step for 40 greedy
   steps: each step's logits within LOGITS_RTOL of the largest, the same token, the cache (KV and
   recurrent state) as MLX's step leaves it.
@@ -27,7 +27,7 @@ import pytest
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from mlxcel_compat.model.loader import load_model
-from mlxcel_compat.runtime import backend, cpu_decode, decode_kv, decode_moe
+from mlxcel_compat.runtime import backend, cpu_decode, decode_gemma4, decode_kv, decode_moe
 from tests.conftest import SLOW, slow_but, tiny_model
 from tests.runtime.step_checks import assert_rows_together_equal_rows_alone, ids, mlx_logits, prefilled
 
@@ -39,7 +39,8 @@ pytestmark = pytest.mark.skipif(backend.matmul_shim() is None, reason="the BLAS 
 # with a gated shared expert; gpt-oss's top k then softmax with expert biases, clamped SwiGLU and
 # sliding rings), the rest --slow (scripts/test.sh --slow): ~4 s each on a busy 2-core machine.
 FAMILIES = slow_but(["qwen2_moe", "gpt_oss", "glm4_moe", "qwen3_next", "qwen3_moe", "olmoe", "granitemoe",
-                     "ernie4_5_moe", "lfm2_moe", "deepseek_v2", "deepseek_v3", "qwen3_5_moe", "granitemoehybrid"],
+                     "ernie4_5_moe", "lfm2_moe", "deepseek_v2", "deepseek_v3", "qwen3_5_moe", "granitemoehybrid",
+                     "gemma4_text_moe"],
                     ["qwen2_moe", "gpt_oss"])
 
 
@@ -51,10 +52,14 @@ def directory() -> Callable[[str], tuple[nn.Module, cpu_decode.CpuDecoder]]:
     def get(family: str) -> tuple[nn.Module, cpu_decode.CpuDecoder]:
         if family not in loaded:
             model = load_model(str(tiny_model(family)), [])
-            assert isinstance(model.decoder, cpu_decode.CpuDecoder), cpu_decode.unsupported(model.model)
-            moe = [layer.moe for layer in model.decoder.layers if layer.moe is not None]
-            assert moe and all(m.gate is None and m.float_gate is not None and m.float_gate.dtype == np.float32
-                               for m in moe)
+            assert model.decoder is not None, cpu_decode.unsupported(model.model)
+            if isinstance(model.decoder, decode_gemma4.Gemma4Decoder):  # its own pass: gate and up fused
+                experts = [layer.experts for layer in model.decoder.layers if layer.experts is not None]
+                assert experts and all(e.gate_up is None and e.float_gate_up.dtype == np.float32 for e in experts)
+            else:
+                moe = [layer.moe for layer in model.decoder.layers if layer.moe is not None]
+                assert moe and all(m.gate is None and m.float_gate is not None and m.float_gate.dtype == np.float32
+                                   for m in moe)
             loaded[family] = model.model, model.decoder
         return loaded[family]
 
