@@ -28,8 +28,8 @@ source's kept layout (``ring_slot``).
 What it does not take (MLX does, and the caller asks first: ``can_run``, ``can_prefill``,
 ``can_step_tokens``): several tokens of one sequence in one pass (speculative drafts: rings take
 one token a step), prompt-cache hits on shared KV blocks (``PagedKVCache`` layers: their own
-buffers would need the layers' two shapes), and experts that are not the GGUF loader's block
-stacks (:func:`unsupported` says so).
+buffers would need the layers' two shapes), and experts that are neither the GGUF loader's block
+stacks nor a directory's float stacks (:func:`unsupported` says so).
 """
 
 from __future__ import annotations
