@@ -97,7 +97,8 @@ def main() -> int:
     port = int(os.environ.get("BENCH_PORT", "18771"))
     ours = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=ROOT)
     for _ in range(rounds):
-        theirs = None if os.path.isdir(path) else measure("llama-server", [LLAMA_SERVER, *common, str(port)], port, n)
+        llama = [LLAMA_SERVER, *common, str(port)]
+        theirs = None if os.path.isdir(path) else measure("llama-server", llama, port, n)
         mine = measure("mlxcel", [sys.executable, "-m", "mlxcel_compat", *common, str(port + 1)], port + 1, n, ours)
         mlx = measure("mlxcel, MLX's step", [sys.executable, "-m", "mlxcel_compat", *common, str(port + 2)], port + 2, n,
                       dict(ours, MLXCEL_CPU_DECODE="0"))

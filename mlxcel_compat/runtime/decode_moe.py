@@ -15,8 +15,9 @@ a ``SwitchGLU`` (SwiGLU activation, or gpt-oss's clamped one) whose three projec
 expert stacks in ggml's blocks (the GGUF loader's ``BlockSwitchLinear``) or all three mlx-lm's
 float ``SwitchLinear`` (a model directory's or a float GGUF's experts: float32 read in place,
 bfloat16/float16 widened to float32 once here, and multiplied by ``mlxcel_expert_matmul_f32``'s
-grouped product over the shim's float32 kernels; biases only in gpt-oss's), the router a float32 or block linear layer and, for qwen2_moe, the shared expert a
-float32 or block MLP behind its one-output gate.
+grouped product over the shim's float32 kernels; biases only in gpt-oss's), the router a
+float32 or block linear layer and, for qwen2_moe, the shared expert a float32 or block MLP
+behind its one-output gate.
 
 granitemoe's block routes as gpt-oss's (its router's ``layer`` has no bias, its experts none).
 gpt-oss's block (``gpt_oss.MLPBlock``: ``router`` and ``experts`` where the others have ``gate``

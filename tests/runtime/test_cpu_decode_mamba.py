@@ -18,7 +18,8 @@ attention and squared-ReLU MLP blocks, paired into layers by runtime/decode_nemo
   snapshot gives the tokens and log-probabilities of a cold run.
 
 Why Granite 4.0-H only as Q8_0 here: the factory's float32 Granite 4.0-H (float32 experts) is
-test_cpu_decode_moe_f32.py's; Q8_0's blocks are what this file checks. Its products run through the same ggml kernels as MLX's step, but their activations
+test_cpu_decode_moe_f32.py's; Q8_0's blocks are what this file checks. Its products run through
+the same ggml kernels as MLX's step, but their activations
 are quantized to 8 bits, so the mixer's float32 rounding differences (another summation order over
 d_state; the token-by-token recurrence where MLX's prompt uses the chunked SSD form) can move a
 block's rounding: measured 1.4e-3 of the largest logit over 40 steps (Nemotron-H's Q8_0: 0, every
