@@ -3,9 +3,8 @@ weights: ``decode_moe.stack_kind`` "float", ``native/expert_f32.c``'s grouped pr
 
 - Every MoE family's factory directory runs on the runtime (Gemma 4's MoE in its own pass; the
   routing, gating, shared experts, biases and clamped SwiGLU the block stacks' own code) and
-  follows MLX's step for 40 greedy
-  steps: each step's logits within LOGITS_RTOL of the largest, the same token, the cache (KV and
-  recurrent state) as MLX's step leaves it.
+  follows MLX's step for 40 greedy steps: each step's logits within LOGITS_RTOL of the largest,
+  the same token, the cache (KV and recurrent state) as MLX's step leaves it.
 - Rows stepped together (pairs grouped by expert across the rows) are bit-identical to each row
   stepped alone.
 - A cold prompt chunk on the runtime leaves the KV and state MLX's prefill leaves.
