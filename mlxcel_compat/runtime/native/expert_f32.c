@@ -28,7 +28,9 @@ int mlxcel_expert_matmul_f32(int count, const float *const *ws, int n_expert, in
         if (m <= 0) continue;
         const float *a = x + (size_t)start[g] * ldx;
         long lda = ldx;
-        if (source) { /* the group's rows of x, in its pairs' order */
+        if (source && m == 1) { /* one pair (a decode step's usual group): its row of x in place */
+            a = x + (size_t)source[start[g]] * ldx;
+        } else if (source) { /* the group's rows of x, in its pairs' order */
             float *buf = mlxcel_scratch(&gathered, sizeof(float) * (size_t)m * (size_t)k);
             for (int i = 0; i < m; i++)
                 memcpy(buf + (size_t)i * k, x + (size_t)source[start[g] + i] * ldx, sizeof(float) * (size_t)k);
