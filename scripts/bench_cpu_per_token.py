@@ -17,6 +17,9 @@ from ``/proc/PID/stat``, HTTP and every thread included). Then this server again
 
     python scripts/bench_cpu_per_token.py FILE.gguf [N=64] [ROUNDS=1]
 
+A model directory in place of FILE.gguf (mlx-lm's safetensors, which llama-server does not read)
+measures this server with and without the CPU decode runtime only.
+
 The servers listen on ``BENCH_PORT`` and the two ports after it (default 18771), so runs beside
 each other on one machine can keep apart.
 """
@@ -94,10 +97,14 @@ def main() -> int:
     port = int(os.environ.get("BENCH_PORT", "18771"))
     ours = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=ROOT)
     for _ in range(rounds):
-        theirs = measure("llama-server", [LLAMA_SERVER, *common, str(port)], port, n)
+        llama = [LLAMA_SERVER, *common, str(port)]
+        theirs = None if os.path.isdir(path) else measure("llama-server", llama, port, n)
         mine = measure("mlxcel", [sys.executable, "-m", "mlxcel_compat", *common, str(port + 1)], port + 1, n, ours)
-        measure("mlxcel, MLX's step", [sys.executable, "-m", "mlxcel_compat", *common, str(port + 2)], port + 2, n,
-                dict(ours, MLXCEL_CPU_DECODE="0"))
+        mlx = measure("mlxcel, MLX's step", [sys.executable, "-m", "mlxcel_compat", *common, str(port + 2)], port + 2, n,
+                      dict(ours, MLXCEL_CPU_DECODE="0"))
+        print(f"MLX's step / CPU decode runtime CPU per token: decode {mlx[0] / mine[0]:.2f}x", flush=True)
+        if theirs is None:
+            continue
         print(f"llama-server / mlxcel CPU per token: decode {theirs[0] / mine[0]:.2f}x, "
               f"prefill {theirs[1] / mine[1]:.2f}x", flush=True)
     return 0

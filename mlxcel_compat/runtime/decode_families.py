@@ -11,7 +11,8 @@ Which models: mlx-lm's ``llama`` (and ``mistral``, which mlx-lm runs as llama), 
 (``block_layers.py``), every layer the cache mlx-lm's ``make_cache`` gives it; and the
 mixture-of-experts ``qwen3_moe``, ``qwen2_moe`` and ``olmoe`` (attention as qwen3's and qwen2's;
 olmoe's q and k norms over the whole projection) where the
-GGUF loader keeps the expert stacks in the file's blocks: each MoE layer runs in the same C loop
+GGUF loader keeps the expert stacks in the file's blocks, or where they are mlx-lm's float
+``SwitchLinear`` stacks (a directory, an F32 file: ``mlxcel_expert_matmul_f32``): each MoE layer runs in the same C loop
 (router, softmax top-k, only the chosen experts' rows of the stacks grouped by expert, the
 weighted sum, qwen2_moe's gated shared expert; ``decode_moe.py``); and the hybrids ``qwen3_5``,
 ``qwen3_5_moe`` and ``qwen3_next``: their gated delta-net layers in the same loop

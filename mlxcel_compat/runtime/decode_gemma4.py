@@ -28,8 +28,8 @@ source's kept layout (``ring_slot``).
 What it does not take (MLX does, and the caller asks first: ``can_run``, ``can_prefill``,
 ``can_step_tokens``): several tokens of one sequence in one pass (speculative drafts: rings take
 one token a step), prompt-cache hits on shared KV blocks (``PagedKVCache`` layers: their own
-buffers would need the layers' two shapes), and experts that are not the GGUF loader's block
-stacks (:func:`unsupported` says so).
+buffers would need the layers' two shapes), and experts that are neither the GGUF loader's block
+stacks nor a directory's float stacks (:func:`unsupported` says so).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from mlxcel_compat.runtime.block_layers import BlockLinear, block_weight_of
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, paged, ring_plan
 from mlxcel_compat.runtime.decode_layers import LinearWeights, float32_array, linear_weights
+from mlxcel_compat.runtime.decode_moe import stack_kind
 from mlxcel_compat.runtime.native import decode_pass, gemma4_pass
 from mlxcel_compat.runtime.rope_angles import RopeAngles
 from mlxcel_compat.runtime.sequence_kv import SequenceKv
@@ -95,8 +96,16 @@ def unsupported(model: Any) -> str | None:
 
 def _experts_unsupported(layer: Any) -> str | None:
     """Why a layer's experts (the 26B-A4B layout) stay in MLX's step, or None: the C pass takes the
-    GGUF loader's stacks in ggml's blocks (a fused gate-up stack and a down stack)."""
+    GGUF loader's stacks in ggml's blocks (a fused gate-up stack and a down stack), or a
+    directory's ``SwitchGLU`` of float stacks (``decode_moe.stack_kind``: gate and up fused into one
+    float32 array at load)."""
     switch = layer.experts.switch_glu
+    if type(switch).__name__ == "SwitchGLU" and stack_kind(switch) == "float":
+        gate, up, down = (tuple(getattr(switch, n).weight.shape) for n in ("gate_proj", "up_proj", "down_proj"))
+        if gate != up or down != (gate[0], gate[2], gate[1]) or any("bias" in getattr(switch, n)
+                                                                     for n in ("gate_proj", "up_proj", "down_proj")):
+            return "gemma4_text expert stacks of unexpected shapes"
+        return None
     stacks = [getattr(switch, n, None) for n in ("gate_up_proj", "down_proj")]
     if type(switch).__name__ != "FusedGateUpSwitchGLU" or not all(isinstance(s, BlockSwitchLinear) for s in stacks):
         return ("model type 'gemma4_text' with experts not in ggml's blocks (a GGUF's stacks): its steps run in "
@@ -114,20 +123,31 @@ class Gemma4Experts:
     router: LinearWeights  # hidden -> n_expert
     router_norm: np.ndarray  # the router input's gain: scale * hidden^-0.5 (computed by MLX, as the module does)
     expert_scale: np.ndarray  # per_expert_scale (n_expert)
-    gate_up: BlockWeight  # (n_expert * 2 * rows, hidden): each expert's gate rows, then its up rows
-    down: BlockWeight  # (n_expert * hidden, rows)
+    gate_up: BlockWeight | None  # (n_expert * 2 * rows, hidden): each expert's gate rows, then its up rows
+    down: BlockWeight | None  # (n_expert * hidden, rows); None: the float32 stacks below
     mlp_out_1: np.ndarray  # post_feedforward_layernorm_1: the MLP's output
     moe_in: np.ndarray  # pre_feedforward_layernorm_2: the experts' input
     moe_out: np.ndarray  # post_feedforward_layernorm_2: their output
     n_expert: int
     top_k: int
     rows: int  # an expert's intermediate width
+    float_gate_up: np.ndarray | None = None  # a directory's: (n_expert, 2 * rows, hidden) float32, gate rows then up
+    float_down: np.ndarray | None = None  # (n_expert, hidden, rows) float32
 
 
 def _experts(layer: Any, hidden: int) -> Gemma4Experts | None:
     if not layer.enable_moe:
         return None
     router, switch = layer.router, layer.experts.switch_glu
+    if type(switch).__name__ == "SwitchGLU":  # a directory's float stacks: gate and up fused, all float32
+        gate, up, down = (getattr(switch, n).weight.astype(mx.float32) for n in ("gate_proj", "up_proj", "down_proj"))
+        n_expert, rows = gate.shape[0], gate.shape[1]
+        return Gemma4Experts(
+            linear_weights(router.proj), float32_array(router.scale * (hidden ** -0.5)),
+            float32_array(router.per_expert_scale), None, None, _norm(layer.post_feedforward_layernorm_1),
+            _norm(layer.pre_feedforward_layernorm_2), _norm(layer.post_feedforward_layernorm_2), n_expert,
+            int(router.config.top_k_experts), rows, float_gate_up=float32_array(mx.concatenate([gate, up], axis=1)),
+            float_down=float32_array(down))
     gate_up, down = switch.gate_up_proj.stack, switch.down_proj.stack
     return Gemma4Experts(
         linear_weights(router.proj), float32_array(router.scale * (hidden ** -0.5)), float32_array(router.per_expert_scale),

@@ -12,9 +12,12 @@ and takes their weights from the modules as they are.
 
 Which layers: mlx-lm's sparse MoE blocks whose gating is known here (:data:`GATING`), with
 a ``SwitchGLU`` (SwiGLU activation, or gpt-oss's clamped one) whose three projections are
-expert stacks in ggml's blocks (the GGUF loader's ``BlockSwitchLinear``; biases only in
-gpt-oss's), the router a float32 or block linear layer and, for qwen2_moe, the shared expert a
-float32 or block MLP behind its one-output gate.
+expert stacks in ggml's blocks (the GGUF loader's ``BlockSwitchLinear``) or all three mlx-lm's
+float ``SwitchLinear`` (a model directory's or a float GGUF's experts: float32 read in place,
+bfloat16/float16 widened to float32 once here, and multiplied by ``mlxcel_expert_matmul_f32``'s
+grouped product over the shim's float32 kernels; biases only in gpt-oss's), the router a
+float32 or block linear layer and, for qwen2_moe, the shared expert a float32 or block MLP
+behind its one-output gate.
 
 granitemoe's block routes as gpt-oss's (its router's ``layer`` has no bias, its experts none).
 gpt-oss's block (``gpt_oss.MLPBlock``: ``router`` and ``experts`` where the others have ``gate``
@@ -29,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from mlxcel_compat.runtime.block_experts import BlockSwitchLinear
@@ -73,9 +77,9 @@ class MoeWeights:
     """One MoE layer as ``struct mlxcel_moe`` reads it."""
 
     router: LinearWeights  # hidden -> n_expert logits
-    gate: BlockWeight  # the stacks: (n_expert * rows, hidden), (n_expert * rows, hidden),
-    up: BlockWeight
-    down: BlockWeight  # (n_expert * hidden, rows)
+    gate: BlockWeight | None  # the stacks in ggml's blocks: (n_expert * rows, hidden), (n_expert * rows, hidden),
+    up: BlockWeight | None
+    down: BlockWeight | None  # (n_expert * hidden, rows); None: the float32 stacks below
     n_expert: int
     top_k: int
     rows: int  # an expert's intermediate width
@@ -95,6 +99,11 @@ class MoeWeights:
     n_group: int = 1  # grouped selection (:func:`expert_groups`): the groups, the best ones kept
     topk_group: int = 1
     group_by_max: bool = False  # deepseek_v2's group_limited_greedy: a group's best score ranks it (else its best two)
+    # float32 stacks in place of gate, up and down (mlx-lm's SwitchLinear weights, contiguous):
+    # (n_expert, rows, hidden), (n_expert, rows, hidden), (n_expert, hidden, rows)
+    float_gate: np.ndarray | None = None
+    float_up: np.ndarray | None = None
+    float_down: np.ndarray | None = None
 
     @property
     def linears(self) -> list[LinearWeights]:
@@ -104,7 +113,8 @@ class MoeWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(w.nbytes for w in (self.gate, self.up, self.down))
+        return sum(w.nbytes for w in (self.gate, self.up, self.down, self.float_gate, self.float_up, self.float_down)
+                   if w is not None)
 
 
 def is_moe(mlp: Any) -> bool:
@@ -133,30 +143,55 @@ def _router(mlp: Any) -> Any:
     return getattr(mlp.router, "layer", mlp.router)
 
 
+# mlx-lm's stacked-expert projections the runtime reads as float32 (16-bit ones widened at load).
+FLOAT_STACK_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def stack_kind(switch: Any) -> str | None:
+    """How a ``SwitchGLU``'s three projections hold their experts: "blocks" (all three the GGUF
+    loader's ``BlockSwitchLinear``), "float" (all three mlx-lm's ``SwitchLinear`` of a float dtype),
+    or None (anything else: MLX's quantized ``QuantizedSwitchLinear``, a mix)."""
+    stacks = [switch.gate_proj, switch.up_proj, switch.down_proj]
+    if all(isinstance(s, BlockSwitchLinear) for s in stacks):
+        return "blocks"
+    if all(type(s).__name__ == "SwitchLinear" and str(s.weight.dtype).rsplit(".", 1)[-1] in FLOAT_STACK_DTYPES
+           for s in stacks):
+        return "float"
+    return None
+
+
+def _stack_shape(linear: Any) -> tuple[int, int, int]:
+    """(n_expert, rows, k) of a stacked projection, either kind."""
+    return linear.stack.shape if isinstance(linear, BlockSwitchLinear) else tuple(linear.weight.shape)
+
+
 def unsupported(mlp: Any) -> str | None:
     """Why this MoE block stays in MLX's step, or None if the C loop runs it."""
     kind = block_name(mlp)
     if kind not in GATING:
         return f"{kind}'s gating is not one the runtime computes"
     switch = _experts(mlp)
-    if type(switch).__name__ != "BlockSwitchGLU" or type(switch.activation).__name__ not in ACTIVATIONS:
-        return "experts not in ggml's blocks (the GGUF loader's stacks) or not SwiGLU"
+    if type(switch).__name__ not in ("BlockSwitchGLU", "SwitchGLU") or type(switch.activation).__name__ not in ACTIVATIONS:
+        return "experts not in a SwitchGLU or not SwiGLU"
     stacks = [switch.gate_proj, switch.up_proj, switch.down_proj]
+    if stack_kind(switch) is None:
+        return ("experts neither in ggml's blocks (the GGUF loader's stacks) nor float "
+                f"(mlx-lm's SwitchLinear of {'/'.join(FLOAT_STACK_DTYPES)}): {type(stacks[0]).__name__}")
     biased = GATING[kind] == "topk_softmax"  # only gpt-oss's experts have biases (granitemoe's have none)
-    if not all(isinstance(s, BlockSwitchLinear) and ("bias" in s) <= biased for s in stacks):
-        return "experts not in ggml's blocks (the GGUF loader's stacks) or with biases"
-    gate, up, down = (s.stack for s in stacks)
-    if gate.shape != up.shape or down.shape != (gate.n_expert, gate.weight.k, gate.rows):
+    if not all(("bias" in s) <= biased for s in stacks):
+        return "experts with biases outside gpt-oss's block"
+    gate, up, down = (_stack_shape(s) for s in stacks)
+    if gate != up or down != (gate[0], gate[2], gate[1]):
         return "expert stacks of unexpected shapes"
-    if _top_k(mlp) > gate.n_expert:
+    if _top_k(mlp) > gate[0]:
         return "more experts chosen than there are"
     router = _router(mlp)
     if getattr(router, "topk_method", "noaux_tc") not in TOPK_METHODS:
         return f"expert selection {router.topk_method!r} is not one the runtime computes"
     n_group, topk_group, _ = expert_groups(mlp)
-    if n_group > 1 and (gate.n_expert % n_group or not 0 < topk_group <= n_group
-                        or gate.n_expert // n_group < 2 and GATING[kind] == "sigmoid_bias"):
-        return f"{n_group} expert groups of {gate.n_expert} experts (top {topk_group} groups)"
+    if n_group > 1 and (gate[0] % n_group or not 0 < topk_group <= n_group
+                        or gate[0] // n_group < 2 and GATING[kind] == "sigmoid_bias"):
+        return f"{n_group} expert groups of {gate[0]} experts (top {topk_group} groups)"
     if type(getattr(mlp, "gate_act", None)).__name__ == "Sigmoid":
         return "a sigmoid router (ERNIE 4.5's moe_gate_act) is not one the runtime computes"
     return None
@@ -198,14 +233,22 @@ def _bias(linear: Any) -> np.ndarray | None:
 def moe_weights(mlp: Any) -> MoeWeights:
     """An MoE block :func:`unsupported` accepts, as the C loop reads it."""
     switch = _experts(mlp)
-    gate, up, down = (getattr(switch, n).stack for n in ("gate_proj", "up_proj", "down_proj"))
+    projections = [switch.gate_proj, switch.up_proj, switch.down_proj]
+    n_expert, rows, _ = _stack_shape(switch.gate_proj)
+    if stack_kind(switch) == "blocks":
+        gate, up, down = (p.stack.weight for p in projections)
+        floats = [None, None, None]
+    else:  # float32 read in place (a contiguous copy where it is not), 16-bit widened once
+        gate = up = down = None
+        floats = [float32_array(p.weight if p.weight.dtype == mx.float32 else p.weight.astype(mx.float32))
+                  for p in projections]
     shared = shared_expert(mlp)
     scale = getattr(mlp, "shared_expert_gate", None)
     clamped = type(switch.activation).__name__ == "SwigluOAI"
     n_group, topk_group, group_by_max = expert_groups(mlp)
     return MoeWeights(
-        router=linear_weights(_router(mlp)), gate=gate.weight, up=up.weight, down=down.weight,
-        n_expert=gate.n_expert, top_k=_top_k(mlp), rows=gate.rows,
+        router=linear_weights(_router(mlp)), gate=gate, up=up, down=down,
+        n_expert=n_expert, top_k=_top_k(mlp), rows=rows,
         norm_topk=bool(getattr(mlp, "norm_topk_prob", getattr(_router(mlp), "norm_topk_prob", False)))
         or block_name(mlp) in RENORMALISED,
         gating=GATING[block_name(mlp)],
@@ -218,7 +261,8 @@ def moe_weights(mlp: Any) -> MoeWeights:
         shared_scale=linear_weights(scale) if scale is not None else None,
         score_bias=_score_bias(mlp),
         routed_scale=float(getattr(_router(mlp), "routed_scaling_factor", getattr(mlp, "routed_scaling_factor", 1.0))),
-        n_group=n_group, topk_group=topk_group, group_by_max=group_by_max)
+        n_group=n_group, topk_group=topk_group, group_by_max=group_by_max,
+        float_gate=floats[0], float_up=floats[1], float_down=floats[2])
 
 
 def _score_bias(mlp: Any) -> np.ndarray | None:
@@ -254,4 +298,4 @@ def ffn_width(layers: list[Any]) -> int:
     return max(widths, default=1)
 
 
-__all__ = ["ACTIVATIONS", "GATING", "TOPK_METHODS", "block_name", "expert_groups", "MoeWeights", "ffn_width", "is_moe", "moe_weights", "shared_modules", "unsupported"]
+__all__ = ["ACTIVATIONS", "FLOAT_STACK_DTYPES", "GATING", "stack_kind", "TOPK_METHODS", "block_name", "expert_groups", "MoeWeights", "ffn_width", "is_moe", "moe_weights", "shared_modules", "unsupported"]

@@ -12,8 +12,8 @@ gated delta-net layers between attention layers with an output gate and a partia
   chunks of two sequences prefilled together leave what each leaves alone.
 - The state is updated in place only in the sequence's own arrays: a copy of the cache (what
   snapshots and prompt-cache entries take) keeps the state it was taken with.
-(A hybrid whose experts are float32 keeps MLX's step and says why: test_cpu_decode.py's
-``test_other_families_keep_mlx_and_say_why``.)
+(A hybrid's float32 directory, its experts float32: test_cpu_decode_moe_f32.py; cast to bfloat16
+it keeps MLX's step and says why: test_cpu_decode.py's ``test_other_families_keep_mlx_and_say_why``.)
 """
 
 from __future__ import annotations

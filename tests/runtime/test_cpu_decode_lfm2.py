@@ -7,8 +7,9 @@ scores chosen with the expert bias, renormalised by their sum + 1e-6) after its 
   logit, the same tokens, the conv states and KV as MLX's; the Q8_0 files (lfm2, lfm2_moe) follow
   it bit for bit: logits, conv states and values (the same ggml products on the same activations,
   and the layer's float32 arithmetic rounding as MLX's on these files); keys within one ulp (RoPE).
-- The lfm2_moe directory (float32 experts) keeps MLX's step and says why (a row of
-  test_cpu_decode.py's ``test_other_families_keep_mlx_and_say_why``); so does a convolution with biases.
+- The lfm2_moe directory (float32 experts) runs on the runtime (test_cpu_decode_moe_f32.py); cast
+  to bfloat16 it keeps MLX's step and says why (a row of test_cpu_decode.py's
+  ``test_other_families_keep_mlx_and_say_why``); so does a convolution with biases.
 - Rows stepped together are bit-identical to each row alone (each row its own conv states).
 - A cold prompt fed as one chunk on the runtime leaves MLX's conv states and KV, and chunks of two
   sequences prefilled together leave exactly what each leaves alone.

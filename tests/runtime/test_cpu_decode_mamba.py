@@ -17,9 +17,9 @@ attention and squared-ReLU MLP blocks, paired into layers by runtime/decode_nemo
 - The engine on the file uses the runtime, and a second turn restored from the first's session
   snapshot gives the tokens and log-probabilities of a cold run.
 
-Why Granite 4.0-H only as Q8_0: the factory's float32 Granite 4.0-H has float32 experts, which
-keep MLX's step (``test_families_it_does_not_take_say_why``); Q8_0's blocks are the ones the
-runtime takes. Its products run through the same ggml kernels as MLX's step, but their activations
+Why Granite 4.0-H only as Q8_0 here: the factory's float32 Granite 4.0-H (float32 experts) is
+test_cpu_decode_moe_f32.py's; Q8_0's blocks are what this file checks. Its products run through
+the same ggml kernels as MLX's step, but their activations
 are quantized to 8 bits, so the mixer's float32 rounding differences (another summation order over
 d_state; the token-by-token recurrence where MLX's prompt uses the chunked SSD form) can move a
 block's rounding: measured 1.4e-3 of the largest logit over 40 steps (Nemotron-H's Q8_0: 0, every
@@ -226,12 +226,14 @@ def test_a_copy_of_the_granite_cache_keeps_the_state_it_was_taken_with(granite: 
 
 
 def test_layouts_it_does_not_take_say_why() -> None:
-    """The float32 Granite 4.0-H (float32 experts) keeps MLX's step, and so does a Nemotron-H whose
-    blocks do not pair (an MLP block after another) or that has experts; each says why (the model
-    alone, as mlx-lm loads it: the tokenizer's conversion is not what this checks)."""
+    """The float32 Granite 4.0-H runs (its float32 experts: test_cpu_decode_moe_f32.py) but not cast
+    to bfloat16; a Nemotron-H whose blocks do not pair (an MLP block after another) or that has
+    experts keeps MLX's step; each says why (the model alone, as mlx-lm loads it: the tokenizer's
+    conversion is not what this checks)."""
     granite, _ = mlx_lm_load_model(tiny_model("granitemoehybrid"))
-    assert (cpu_decode.unsupported(granite) or "").startswith(
-        "mixture-of-experts layers (granitemoehybrid): experts not in ggml's blocks")
+    assert cpu_decode.unsupported(granite) is None
+    granite.set_dtype(mx.bfloat16)
+    assert cpu_decode.unsupported(granite) == "Mamba-2 layers (granitemoehybrid): Mamba-2 parameters other than float32"
     nemotron, _ = mlx_lm_load_model(tiny_model("nemotron_h"))
     assert cpu_decode.unsupported(nemotron) is None
     blocks = nemotron.backbone.layers

@@ -18,6 +18,10 @@ int mlxcel_expert_matmul_shared(int count, const struct mlxcel_block_weight *con
                                 const int32_t *expert, const int32_t *start, const int32_t *source, int n_x,
                                 const float *x, long ldx, float *const *cs, long ldc);
 
+int mlxcel_expert_matmul_f32(int count, const float *const *ws, int n_expert, int rows, int k, int groups,
+                             const int32_t *expert, const int32_t *start, const int32_t *source, const float *x,
+                             long ldx, float *const *cs, long ldc);
+
 /* One adapter on one projection: out += scale * multiplier * B (A x), scale per row and adapter. */
 struct mlxcel_lora {
     const float *a; /* (rank, k) */
@@ -70,6 +74,9 @@ struct mlxcel_moe {
      * its two best selection scores (group_by_max: by its best one), the scores of all but the
      * topk_group best groups set to 0 before the top k are chosen, as mlx-lm does */
     int n_group, topk_group, group_by_max;
+    /* float32 stacks (mlx-lm's SwitchLinear weights, (n_expert, rows, hidden) and (n_expert, hidden,
+     * rows)) in place of gate, up and down (then NULL): expert_f32.c's grouped product */
+    const float *gate_f32, *up_f32, *down_f32;
 };
 
 /* decode_pass.c's products (a linear layer's, and several of the same input at once). */

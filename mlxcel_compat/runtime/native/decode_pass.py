@@ -49,7 +49,8 @@ class MoeStruct(ctypes.Structure):
                 ("n_expert", _I), ("top_k", _I), ("rows", _I), ("norm_topk", _I),
                 ("gate_bias", _P), ("up_bias", _P), ("down_bias", _P), ("gating", _I), ("clamped", _I),
                 ("alpha", _F), ("limit", _F), ("score_bias", _P), ("routed_scale", _F),
-                ("n_group", _I), ("topk_group", _I), ("group_by_max", _I)]
+                ("n_group", _I), ("topk_group", _I), ("group_by_max", _I),
+                ("gate_f32", _P), ("up_f32", _P), ("down_f32", _P)]
 
 # struct mlxcel_moe's gating: the routers' weights as the families compute them (decode_moe.GATING).
 GATING_CODES = {"softmax": 0, "topk_softmax": 1, "sigmoid_bias": 2, "sigmoid_bias_eps": 3}
@@ -187,7 +188,10 @@ def _moe(moe: Any, keep: list[Any]) -> int:
     0 for None."""
     if moe is None:
         return 0
-    s = MoeStruct(router=_linear(moe.router, keep), gate=moe.gate.address, up=moe.up.address, down=moe.down.address,
+    stacks = {name: getattr(moe, name).address for name in ("gate", "up", "down") if getattr(moe, name) is not None}
+    stacks.update({f"{name}_f32": stack.ctypes.data for name in ("gate", "up", "down")  # float32 stacks (expert_f32.c)
+                   if (stack := getattr(moe, f"float_{name}")) is not None})
+    s = MoeStruct(router=_linear(moe.router, keep), **stacks,
                   n_expert=moe.n_expert, top_k=moe.top_k, rows=moe.rows, norm_topk=int(moe.norm_topk),
                   gating=GATING_CODES[moe.gating], clamped=int(moe.limit is not None),
                   alpha=moe.alpha or 0.0, limit=moe.limit or 0.0, routed_scale=moe.routed_scale,

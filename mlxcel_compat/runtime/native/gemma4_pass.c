@@ -57,6 +57,10 @@ struct mlxcel_gemma4_layer {
     int n_expert, top_k, expert_rows;
     int ring_slot; /* a sliding layer's prompt-chunk layout kept for the KV-sharing layers that read it (1 + its
                     * index), or 0; a sharing layer names its source's */
+    /* a directory's experts as float32 stacks in place of gate_up_exps and down_exps (then NULL):
+     * (n_expert, 2 * expert_rows, hidden), each expert's gate rows then its up rows, and
+     * (n_expert, hidden, expert_rows); expert_f32.c's grouped product */
+    const float *gate_up_f32, *down_f32;
 };
 
 /* Sliding layers whose prompt-chunk layout a KV-sharing layer reads (one a kind in mlx-lm's
@@ -158,8 +162,12 @@ static int experts(const struct mlxcel_gemma4 *m, const struct mlxcel_gemma4_lay
     }
     mlxcel_rms_norm(x, L->moe_in, normed, rows, hidden, m->eps);
     float *gu_out[1] = {gu};
-    if (mlxcel_expert_matmul_shared(1, &L->gate_up_exps, 2 * inter, groups, groups_of, start, source, rows, normed,
-                                    hidden, gu_out, 2 * inter))
+    if (L->gate_up_f32) {
+        if (mlxcel_expert_matmul_f32(1, &L->gate_up_f32, n, 2 * inter, hidden, groups, groups_of, start, source, normed,
+                                     hidden, gu_out, 2 * inter))
+            return -1;
+    } else if (mlxcel_expert_matmul_shared(1, &L->gate_up_exps, 2 * inter, groups, groups_of, start, source, rows,
+                                           normed, hidden, gu_out, 2 * inter))
         return -1;
     for (int p = 0; p < pairs; p++) { /* gate half, up half of each pair's row: gelu(gate) * up, packed */
         memcpy(down + (size_t)p * inter, gu + (size_t)p * 2 * inter + inter, sizeof(float) * inter);
@@ -167,8 +175,12 @@ static int experts(const struct mlxcel_gemma4 *m, const struct mlxcel_gemma4_lay
     }
     mlxcel_gelu_tanh_gate(gu, down, pairs * inter);
     float *down_out[1] = {down};
-    if (mlxcel_expert_matmul_shared(1, &L->down_exps, hidden, groups, groups_of, start, NULL, pairs, gu, inter,
-                                    down_out, hidden))
+    if (L->down_f32) {
+        if (mlxcel_expert_matmul_f32(1, &L->down_f32, n, hidden, inter, groups, groups_of, start, NULL, gu, inter,
+                                     down_out, hidden))
+            return -1;
+    } else if (mlxcel_expert_matmul_shared(1, &L->down_exps, hidden, groups, groups_of, start, NULL, pairs, gu, inter,
+                                           down_out, hidden))
         return -1;
     for (int r = 0; r < rows; r++) {
         float *o = out + (size_t)r * hidden;

@@ -32,7 +32,8 @@ class Gemma4LayerStruct(ctypes.Structure):
     _fields_ = [*((name, LinearStruct) for name in LINEARS), *((name, _P) for name in NORMS),
                 *((name, _I) for name in ("heads", "kv_heads", "head_dim", "rope", "source")), ("layer_scalar", _F),
                 ("router", LinearStruct), *((name, _P) for name in EXPERT_POINTERS),
-                *((name, _I) for name in ("n_expert", "top_k", "expert_rows", "ring_slot"))]
+                *((name, _I) for name in ("n_expert", "top_k", "expert_rows", "ring_slot")),
+                ("gate_up_f32", _P), ("down_f32", _P)]
 
 
 class Gemma4Struct(ctypes.Structure):
@@ -87,7 +88,10 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> Gemma4Native:
             s.router = describe_linear(experts.router, keep)
             for name in ("router_norm", "expert_scale", "mlp_out_1", "moe_in", "moe_out"):
                 setattr(s, name, _ptr(getattr(experts, name)))
-            s.gate_up_exps, s.down_exps = experts.gate_up.address, experts.down.address
+            if experts.gate_up is not None:  # ggml's blocks, else float32 stacks (expert_f32.c)
+                s.gate_up_exps, s.down_exps = experts.gate_up.address, experts.down.address
+            else:
+                s.gate_up_f32, s.down_f32 = _ptr(experts.float_gate_up), _ptr(experts.float_down)
             s.n_expert, s.top_k, s.expert_rows = experts.n_expert, experts.top_k, experts.rows
     keep.append(layers)
     ple = decoder.ple

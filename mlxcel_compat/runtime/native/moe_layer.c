@@ -170,16 +170,25 @@ int mlxcel_moe_layer(const struct mlxcel_moe *e, int rows, int hidden, const flo
     }
     const struct mlxcel_block_weight *gate_up[2] = {e->gate, e->up};
     float *gate_up_out[2] = {g, u};
-    if (mlxcel_expert_matmul_shared(2, gate_up, inter, groups, experts, start, source, rows, h, hidden, gate_up_out,
-                                    inter))
+    if (e->gate_f32) { /* float32 stacks (expert_f32.c) */
+        const float *gate_up_f32[2] = {e->gate_f32, e->up_f32};
+        if (mlxcel_expert_matmul_f32(2, gate_up_f32, n, inter, hidden, groups, experts, start, source, h, hidden,
+                                     gate_up_out, inter))
+            return -1;
+    } else if (mlxcel_expert_matmul_shared(2, gate_up, inter, groups, experts, start, source, rows, h, hidden,
+                                           gate_up_out, inter))
         return -1;
     moe_bias(g, e->gate_bias, inter, groups, experts, start);
     moe_bias(u, e->up_bias, inter, groups, experts, start);
     if (e->clamped) mlxcel_swiglu_oai(g, u, pairs * inter, e->alpha, e->limit);
     else mlxcel_swiglu(g, u, pairs * inter);
     float *down_out[1] = {down};
-    if (mlxcel_expert_matmul_shared(1, &e->down, hidden, groups, experts, start, NULL, pairs, g, inter, down_out,
-                                    hidden))
+    if (e->down_f32) {
+        if (mlxcel_expert_matmul_f32(1, &e->down_f32, n, hidden, inter, groups, experts, start, NULL, g, inter,
+                                     down_out, hidden))
+            return -1;
+    } else if (mlxcel_expert_matmul_shared(1, &e->down, hidden, groups, experts, start, NULL, pairs, g, inter,
+                                           down_out, hidden))
         return -1;
     moe_bias(down, e->down_bias, hidden, groups, experts, start);
     float *out = moe_buffer(0, sizeof(float) * (size_t)rows * (hidden > n ? hidden : n)); /* the logits are spent */
