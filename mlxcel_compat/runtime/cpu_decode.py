@@ -55,8 +55,8 @@ from mlxcel_compat.runtime.decode_families import (ACTIVATIONS, GEMMA_TYPES, MUL
                                                    logit_transform, rotated_dims, sliding_layers, unsupported)
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, paged, paged_fits, ring_plan
-from mlxcel_compat.runtime.decode_layers import (LinearWeights, LoraFactors, PassBuffers, attention_heads, float32_array,
-                                                 layer_mlp, layer_weights, norm_weights)
+from mlxcel_compat.runtime.decode_layers import (LinearWeights, LoraFactors, PassBuffers, attention_heads, check_token_ids,
+                                                 float32_array, layer_mlp, layer_weights, norm_weights)
 from mlxcel_compat.runtime.lora_rows import factors_of
 from mlxcel_compat.runtime.native import decode_pass
 from mlxcel_compat.runtime.native.blas_shim import SMALL_M_MAX
@@ -239,7 +239,7 @@ class CpuDecoder:
         row of zeros adds exactly nothing to its projections).
         Returns (rows, vocabulary) logits, a buffer reused by the next step. If anything raises,
         no cache has advanced (a position written past ``offset`` is unused)."""
-        self._check_tokens(tokens)
+        check_token_ids(tokens, self.embed.shape[0])
         positions = [self.offset(cache) for cache in caches]
         borrowed = [self.seq.borrow(cache, o, pos) for cache, o, pos in zip(caches, owned, positions)]
         views = [b.views if b is not None else self.seq.own(cache, o, pos)
@@ -265,7 +265,7 @@ class CpuDecoder:
         Returns a new array (not a reused buffer)."""
         if self.kv.rings:
             raise RuntimeError("a model with sliding-window layers feeds one token per step here")
-        self._check_tokens(tokens)
+        check_token_ids(tokens, self.embed.shape[0])
         start = self.offset(cache)
         views = self.seq.own(cache, owned, start, last=start + len(tokens) - 1)
         out = np.empty((len(tokens), self.head.weight.shape[0]), np.float32)
@@ -358,7 +358,7 @@ class CpuDecoder:
                                   None if scales is None else [scales[i] for i in picked])
             return None
         for tokens in chunks:
-            self._check_tokens(tokens)
+            check_token_ids(tokens, self.embed.shape[0])
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("each chunk needs its own sequence's cache")
         starts = [self.offset(cache) for cache in caches]
@@ -379,12 +379,6 @@ class CpuDecoder:
     def offset(self, cache: list[Any]) -> int:
         """The sequence's position: its first attention layer's (a delta-net layer keeps none)."""
         return self.seq.offset(cache)
-
-    def _check_tokens(self, tokens: list[int]) -> None:
-        vocab = self.embed.shape[0]
-        for token in tokens:
-            if not 0 <= token < vocab:  # NumPy would wrap a negative index silently
-                raise ValueError(f"token id {token} is outside the vocabulary (0..{vocab - 1})")
 
     def _run(self, tokens: list[int], caches: list[list[Any]], positions: list[int],
              views: list[list[tuple[int, ...]]], scales: Any, segments: list[int] | None = None,
@@ -414,7 +408,7 @@ class CpuDecoder:
             if (ends > kv[:, self.attn_layers, 4]).any():
                 raise RuntimeError(f"positions from {min(positions)} do not fit the attention layers' KV cache")
         x = b.x[:rows]
-        if isinstance(self.embed, BlockWeight):  # the ids were checked (_check_tokens)
+        if isinstance(self.embed, BlockWeight):  # the ids were checked (check_token_ids)
             ids = np.array(tokens, np.int32)
             self.embed.lib.rows(self.embed.address, ids.ctypes.data, rows, b.native.pointers[0])
         else:

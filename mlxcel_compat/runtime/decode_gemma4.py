@@ -47,7 +47,7 @@ from mlxcel_compat.runtime.block_experts import BlockSwitchLinear
 from mlxcel_compat.runtime.block_layers import BlockLinear, block_weight_of
 from mlxcel_compat.runtime.block_weight import BlockWeight
 from mlxcel_compat.runtime.decode_kv import KvLayout, OwnedCache, paged, ring_plan
-from mlxcel_compat.runtime.decode_layers import LinearWeights, float32_array, linear_weights
+from mlxcel_compat.runtime.decode_layers import LinearWeights, check_token_ids, float32_array, linear_weights
 from mlxcel_compat.runtime.decode_moe import stack_kind
 from mlxcel_compat.runtime.native import decode_pass, gemma4_pass
 from mlxcel_compat.runtime.rope_angles import RopeAngles
@@ -357,7 +357,7 @@ class Gemma4Decoder:
         """One step of several sequences, each on its own cache at its own position: the
         projections take every row in one pass over each weight (each row computed exactly as
         alone), attention row by row. Returns (rows, vocabulary) logits, a reused buffer."""
-        self._check_tokens(tokens)
+        check_token_ids(tokens, self.embed.shape[0])
         positions = [self.offset(cache) for cache in caches]
         views = [self.seq.own(cache, o, pos) for cache, o, pos in zip(caches, owned, positions)]
         return self._run(tokens, caches, positions, views, scales)
@@ -401,7 +401,7 @@ class Gemma4Decoder:
                 self.prefill_rows(*pick(list(range(first, min(first + self.segments_max, len(chunks))))))
             return None
         for tokens in chunks:
-            self._check_tokens(tokens)
+            check_token_ids(tokens, self.embed.shape[0])
         starts = [self.offset(cache) for cache in caches]
         views = [self._chunk_views(cache, o, start, len(tokens))
                  for cache, o, start, tokens in zip(caches, owned, starts, chunks)]
@@ -432,12 +432,6 @@ class Gemma4Decoder:
                 arrays[i], views[i] = part.arrays[j], got[j]
         owned.arrays, owned.views, owned.apart = arrays, views, None
         return views
-
-    def _check_tokens(self, tokens: list[int]) -> None:
-        vocab = self.embed.shape[0]
-        for token in tokens:
-            if not 0 <= token < vocab:  # NumPy would wrap a negative index silently
-                raise ValueError(f"token id {token} is outside the vocabulary (0..{vocab - 1})")
 
     def _run(self, tokens: list[int], caches: list[list[Any]], positions: list[int],
              views: list[list[tuple[int, ...]]], scales: Any, segments: list[int] | None = None,

@@ -25,6 +25,14 @@ from mlxcel_compat.runtime.lora_rows import Factor, factors_of
 from mlxcel_compat.runtime.native import decode_pass
 
 
+def check_token_ids(tokens: list[int], vocab: int) -> None:
+    """Refuse a token id outside the vocabulary before a pass reads its embedding row: NumPy would
+    wrap a negative index silently, and the block embedding's C reader would read out of bounds."""
+    for token in tokens:
+        if not 0 <= token < vocab:
+            raise ValueError(f"token id {token} is outside the vocabulary (0..{vocab - 1})")
+
+
 def float32_array(a: Any) -> np.ndarray:
     """A float32 NumPy view of an evaluated MLX array (its buffer), or a contiguous copy."""
     return np.ascontiguousarray(np.asarray(a), dtype=np.float32)

@@ -1,17 +1,18 @@
 """Checks and helpers shared by the CPU decode runtime's tests (dense, MoE, hybrid): a prompt of
-ids, a cache prefilled by MLX, MLX's logits for one step."""
+ids, a cache prefilled by MLX, MLX's logits for one step, a recurrent model's caches against
+MLX's, tiny models and their decoders loaded once a module."""
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxcel_compat.runtime import decode_kv
+from mlxcel_compat.runtime import cpu_decode, decode_kv
 
 
 def assert_rows_together_equal_rows_alone(decoder: Any, together: list[Any], steps: int) -> None:
@@ -75,3 +76,41 @@ def attention_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, sca
     s = np.einsum("hgd,htd->hgt", q, keys) * scale
     w = np.exp(s - s.max(axis=-1, keepdims=True))
     return np.einsum("hgt,htd->hgd", w / w.sum(axis=-1, keepdims=True), values)
+
+
+def close(got: np.ndarray, want: np.ndarray, rtol: float) -> bool:
+    """``got`` within ``rtol`` of ``want``'s largest magnitude."""
+    return bool(np.abs(got - want).max() <= rtol * np.abs(want).max())
+
+
+def assert_recurrent_caches_close(decoder: Any, ours: list, theirs: list, rtol: float) -> None:
+    """Every recurrent layer's state arrays (``decoder.delta_layers``: a delta-net's conv and delta
+    states, a Mamba-2 mixer's conv and SSM states) and every attention layer's keys and values,
+    within ``rtol`` of the largest value."""
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if i in decoder.delta_layers:
+            for got, want in zip(a.cache, b.cache):
+                assert got.shape == want.shape and close(np.array(got), np.array(want), rtol), i
+        else:
+            assert a.offset == b.offset
+            n = a.offset
+            assert close(np.array(a.keys[..., :n, :]), np.array(b.keys[..., :n, :]), rtol), i
+            assert close(np.array(a.values[..., :n, :]), np.array(b.values[..., :n, :]), rtol), i
+
+
+def served_decoders(load: Callable[[str], Any]) -> Callable[[str], tuple[nn.Module, Any]]:
+    """A getter of the served model of a spec (``load``: the tests' ``tiny_model``, a path) and its
+    CPU decoder, every layer on the runtime, each loaded once (for a module-scoped fixture)."""
+    from mlxcel_compat.model.loader import load_model
+
+    loaded: dict[str, tuple[nn.Module, Any]] = {}
+
+    def get(spec: str) -> tuple[nn.Module, Any]:
+        if spec not in loaded:
+            model = load_model(str(load(spec)), [])
+            decoder = model.decoder
+            assert isinstance(decoder, cpu_decode.CpuDecoder), cpu_decode.unsupported(model.model)
+            loaded[spec] = model.model, decoder
+        return loaded[spec]
+
+    return get

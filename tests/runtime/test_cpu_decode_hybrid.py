@@ -28,10 +28,10 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel_compat.cache import kv
-from mlxcel_compat.model.loader import load_model
 from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
 from tests.conftest import tiny_model
-from tests.runtime.step_checks import assert_rows_together_equal_rows_alone, ids, mlx_logits, prefilled
+from tests.runtime.step_checks import (assert_recurrent_caches_close, assert_rows_together_equal_rows_alone, close, ids,
+                                       mlx_logits, prefilled, served_decoders)
 
 BLOCK_RTOL = 0.06  # as test_cpu_decode_moe.py: activations quantized to the blocks' vec_dot_type
 FLOAT_RTOL = 1e-5  # float32 weights: another summation order only
@@ -39,37 +39,10 @@ FLOAT_RTOL = 1e-5  # float32 weights: another summation order only
 pytestmark = pytest.mark.skipif(backend.matmul_shim() is None, reason="the BLAS shim is not built on this machine")
 
 
-def close(got: np.ndarray, want: np.ndarray, rtol: float) -> bool:
-    return bool(np.abs(got - want).max() <= rtol * np.abs(want).max())
-
-
-def assert_caches_close(decoder: cpu_decode.CpuDecoder, ours: list, theirs: list, rtol: float) -> None:
-    """Every delta-net layer's conv and delta state, and every attention layer's keys and values."""
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        if i in decoder.delta_layers:
-            for got, want in zip(a.cache, b.cache):
-                assert got.shape == want.shape and close(np.array(got), np.array(want), rtol), i
-        else:
-            assert a.offset == b.offset
-            n = a.offset
-            assert close(np.array(a.keys[..., :n, :]), np.array(b.keys[..., :n, :]), rtol), i
-            assert close(np.array(a.values[..., :n, :]), np.array(b.values[..., :n, :]), rtol), i
-
-
 @pytest.fixture(scope="module")
 def hybrid_decoder() -> Callable[[str], tuple[nn.Module, cpu_decode.CpuDecoder]]:
     """The tiny model of a spec and its decoder (every layer on the runtime), loaded once for the module."""
-    loaded: dict[str, tuple[nn.Module, cpu_decode.CpuDecoder]] = {}
-
-    def get(spec: str) -> tuple[nn.Module, cpu_decode.CpuDecoder]:
-        if spec not in loaded:
-            model = load_model(str(tiny_model(spec)), [])
-            decoder = model.decoder
-            assert isinstance(decoder, cpu_decode.CpuDecoder), cpu_decode.unsupported(model.model)
-            loaded[spec] = model.model, decoder
-        return loaded[spec]
-
-    return get
+    return served_decoders(tiny_model)
 
 
 @pytest.mark.parametrize("spec", ["qwen3_5:q8_0", pytest.param("qwen3_5", marks=pytest.mark.slow),
@@ -102,7 +75,7 @@ def test_hybrid_models_follow_mlx_step_for_step(hybrid_decoder: Callable, spec: 
         first, second = np.sort(want)[-2:][::-1]
         if first - second > 2 * rtol * top:
             assert int(got.argmax()) == int(want.argmax()), step
-        assert_caches_close(decoder, ours, theirs, rtol)
+        assert_recurrent_caches_close(decoder, ours, theirs, rtol)
         token = int(want.argmax())
 
 
@@ -129,7 +102,7 @@ def test_a_hybrid_prompt_chunk_on_the_runtime_leaves_mlx_s_state(hybrid_decoder:
     prefilled_before = decoder.prefilled
     assert decoder.prefill(prompt, ours, owned, logits=False) is None
     assert decoder.prefilled == prefilled_before + 40
-    assert_caches_close(decoder, ours, theirs, BLOCK_RTOL)
+    assert_recurrent_caches_close(decoder, ours, theirs, BLOCK_RTOL)
     got, want = decoder.step(5, ours, owned).copy(), mlx_logits(model, 5, theirs)
     assert close(got, want, BLOCK_RTOL)
 

@@ -33,11 +33,11 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel_compat.cache import kv
-from mlxcel_compat.model.loader import load_model
 from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
 from tests.conftest import tiny_model
 from tests.engine.harness import EngineHarness
-from tests.runtime.step_checks import assert_rows_together_equal_rows_alone, ids, mlx_logits, prefilled
+from tests.runtime.step_checks import (assert_rows_together_equal_rows_alone, close, ids, mlx_logits, prefilled,
+                                       served_decoders)
 
 LOGITS_RTOL = 1e-4  # float32 weights: of the largest logit (another summation order only; measured ~1e-6)
 # A prompt chunk's products go through ggml's tiled kernels (the blocks) or the BLAS's GEMM (float32),
@@ -50,10 +50,6 @@ CHUNK_RTOL = {None: 1e-5, "q8_0": 0.06}
 KEY_RTOL = 1e-6
 
 pytestmark = pytest.mark.skipif(backend.matmul_shim() is None, reason="the BLAS shim is not built on this machine")
-
-
-def close(got: np.ndarray, want: np.ndarray, rtol: float) -> bool:
-    return bool(np.abs(got - want).max() <= rtol * np.abs(want).max())
 
 
 def assert_caches_match(decoder: cpu_decode.CpuDecoder, ours: list, theirs: list, rtol: float | None) -> None:
@@ -78,17 +74,7 @@ def assert_caches_match(decoder: cpu_decode.CpuDecoder, ours: list, theirs: list
 @pytest.fixture(scope="module")
 def lfm2_decoder() -> Callable[[str], tuple[nn.Module, cpu_decode.CpuDecoder]]:
     """The tiny model of a spec and its decoder (every layer on the runtime), loaded once for the module."""
-    loaded: dict[str, tuple[nn.Module, cpu_decode.CpuDecoder]] = {}
-
-    def get(spec: str) -> tuple[nn.Module, cpu_decode.CpuDecoder]:
-        if spec not in loaded:
-            model = load_model(str(tiny_model(spec)), [])
-            decoder = model.decoder
-            assert isinstance(decoder, cpu_decode.CpuDecoder), cpu_decode.unsupported(model.model)
-            loaded[spec] = model.model, decoder
-        return loaded[spec]
-
-    return get
+    return served_decoders(tiny_model)
 
 
 @pytest.mark.parametrize("spec", ["lfm2", "lfm2:q8_0", "lfm2_moe:q8_0",

@@ -45,7 +45,8 @@ from mlxcel_compat.testing.families import model_config
 from mlxcel_compat.testing.weights import instantiate, seeded_weights
 from tests.conftest import tiny_model
 from tests.engine.harness import EngineHarness
-from tests.runtime.step_checks import assert_rows_together_equal_rows_alone, ids, mlx_logits, prefilled
+from tests.runtime.step_checks import (assert_recurrent_caches_close, assert_rows_together_equal_rows_alone, close, ids,
+                                       mlx_logits, prefilled)
 
 MODEL = "granitemoehybrid:q8_0"
 Q8_RTOL = 5e-3  # of the largest logit; measured 1.4e-3 (the module's docstring says why not float32's)
@@ -54,23 +55,6 @@ FLOAT_RTOL = 1e-4  # float32 weights: another summation order only (measured 1.2
 STATE_RTOL = 1e-5  # the Mamba-2 states and the KV: float32 rounding only
 
 pytestmark = pytest.mark.skipif(backend.matmul_shim() is None, reason="the BLAS shim is not built on this machine")
-
-
-def close(got: np.ndarray, want: np.ndarray, rtol: float) -> bool:
-    return bool(np.abs(got - want).max() <= rtol * np.abs(want).max())
-
-
-def assert_caches_close(decoder: cpu_decode.CpuDecoder, ours: list, theirs: list, rtol: float) -> None:
-    """Every Mamba-2 layer's conv and SSM state, and every attention layer's keys and values."""
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        if i in decoder.delta_layers:
-            for got, want in zip(a.cache, b.cache):
-                assert got.shape == want.shape and close(np.array(got), np.array(want), rtol), i
-        else:
-            assert a.offset == b.offset
-            n = a.offset
-            assert close(np.array(a.keys[..., :n, :]), np.array(b.keys[..., :n, :]), rtol), i
-            assert close(np.array(a.values[..., :n, :]), np.array(b.values[..., :n, :]), rtol), i
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +119,7 @@ def test_float32_and_nemotron_h_follow_mlx_step_for_step(loaded: Callable, spec:
             assert int(got.argmax()) == int(want.argmax()), step
         token = int(want.argmax())
     assert decided >= 30
-    assert_caches_close(decoder, ours, theirs, STATE_RTOL)
+    assert_recurrent_caches_close(decoder, ours, theirs, STATE_RTOL)
 
 
 def test_granite_hybrid_follows_mlx_step_for_step(granite: tuple) -> None:
@@ -165,7 +149,7 @@ def test_granite_hybrid_follows_mlx_step_for_step(granite: tuple) -> None:
             assert int(got.argmax()) == int(want.argmax()), step
         token = int(want.argmax())
     assert decided >= 30  # the greedy check ran on most steps
-    assert_caches_close(decoder, ours, theirs, STATE_RTOL)
+    assert_recurrent_caches_close(decoder, ours, theirs, STATE_RTOL)
 
 
 @pytest.mark.parametrize("spec", [MODEL, "nemotron_h:q8_0"])
@@ -190,7 +174,7 @@ def test_a_prompt_chunk_on_the_runtime_leaves_mlx_s_state(loaded: Callable, spec
     prefilled_before = decoder.prefilled
     assert decoder.prefill(prompt, ours, owned, logits=False) is None
     assert decoder.prefilled == prefilled_before + 40
-    assert_caches_close(decoder, ours, theirs, STATE_RTOL)
+    assert_recurrent_caches_close(decoder, ours, theirs, STATE_RTOL)
     got, want = decoder.step(5, ours, owned).copy(), mlx_logits(model, 5, theirs)
     assert close(got, want, rtol)
 
