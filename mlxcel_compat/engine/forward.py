@@ -37,6 +37,7 @@ def prefill_chunk(model: Any, decoder: Any, cache: list[Any], owned: OwnedCache,
         with logits_unused(), applied(lora_rows(lora)):  # only the cache is wanted
             model(mx.array(chunk)[None], cache=cache)
         mx.eval([c.state for c in cache])
+        owned.forget()  # MLX wrote the cache: the runtime's next pass copies it (OwnedCache.forget)
 
 
 def forward_logits(model: Any, decoder: Any, cache: list[Any], owned: OwnedCache, lora: tuple[float, ...],
@@ -64,6 +65,7 @@ def forward_logits(model: Any, decoder: Any, cache: list[Any], owned: OwnedCache
         logits = decoder.prefill(tokens, cache, owned, lora or None)
         return mx.array(logits), tokens
     inputs = tokens.reshape(1, 1) if isinstance(tokens, mx.array) else mx.array(tokens)[None]
+    owned.forget()  # MLX writes the cache: the runtime's next pass copies it (OwnedCache.forget)
     with applied(lora_rows(lora)):
         if decoder is not None and inputs.shape[1] > 1:  # a hit's rest in one chunk (prompt_tail)
             logits = last_row_logits(model, inputs, cache)
@@ -81,6 +83,7 @@ def verify_logits(model: Any, decoder: Any, cache: list[Any], owned: OwnedCache,
     if decoder is not None and decoder.can_step_tokens(cache, owned):
         rows = decoder.step_tokens(fed, cache, owned, lora or None)
     else:
+        owned.forget()  # MLX writes the cache: the runtime's next pass copies it (OwnedCache.forget)
         with applied(lora_rows(lora)):
             logits = model(mx.array(fed)[None], cache=cache)[0]
         rows = np.array(logits.astype(mx.float32))

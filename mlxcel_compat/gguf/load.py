@@ -208,6 +208,21 @@ def _expert_blocks(model: Any, gguf_name: str, mlx_name: str, info: TensorInfo, 
     return type(module).__name__ == "SwitchLinear"
 
 
+def release_headers(file: GGUFModelFile, maps: dict[Any, np.ndarray]) -> None:
+    """Drop each mapped part's header (metadata and tensor table: the bytes before its first
+    tensor) from the process once the weights are in place.
+
+    ``map_file`` populates the whole map up front, so the header's pages count in RSS for as long
+    as the server runs, though it was parsed before through a map of its own and is never read
+    again: on a 262K-token vocabulary (Gemma 3) the token strings, scores and types take 6.2 MiB.
+    The pages stay in the page cache (``ggml_repack.release_pages``); only whole pages before
+    the first tensor go, so no tensor's bytes are touched."""
+    for part, mapped in maps.items():
+        starts = [info.offset for info in file.tensors.values() if info.path == part]
+        if starts:
+            ggml_repack.release_pages(mapped, 0, min(starts))
+
+
 def _expert_stack(info: TensorInfo, mapped: np.ndarray, mlx_name: str, target_shape: tuple[int, ...],
                   lib: block_weight.BlockLibrary) -> Any:
     """A stack of experts served from its blocks in the mapped file (``block_experts.ExpertStack``):
@@ -491,6 +506,7 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
         done += info.n_bytes
         if progress is not None:
             progress(done, total)
+    release_headers(file, maps)
     for mlx_name, array in _joined(file, joins, spec, config, dtype, shapes):
         loaded.append((mlx_name, array))
         label = f"{dtype} (joined from {len(joins[mlx_name][1])} tensors)"

@@ -267,12 +267,13 @@ def load_model(model_arg: str, aliases: list[str], offline: bool = False, name: 
         if adapters:
             raise ValueError("LoRA adapters apply to decoder models; this is a BERT-family encoder")
         return _load_encoder(path, model_arg, aliases, name)
-    from mlxcel_compat.vision import model as vision
+    if path.is_dir():  # the vision room (and Pillow) only where a directory may need it: ~5 MiB of a text GGUF's RSS
+        from mlxcel_compat.vision import model as vision
 
-    if path.is_dir() and vision.is_vision_directory(path):
-        if adapters:
-            raise ValueError("LoRA adapters are not served on vision-language models yet")
-        return _load_vision(path, model_arg, aliases, name)
+        if vision.is_vision_directory(path):
+            if adapters:
+                raise ValueError("LoRA adapters are not served on vision-language models yet")
+            return _load_vision(path, model_arg, aliases, name)
     options = options if options is not None else LoadOptions()
     if options.rope:
         log.info("RoPE overrides: %s", options.rope.describe())

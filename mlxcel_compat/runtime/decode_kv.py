@@ -143,6 +143,14 @@ class OwnedCache:
     recurrent: Any = None  # a hybrid's delta-net states made for the sequence (decode_delta.OwnedStates)
     block_tables: list[np.ndarray] = field(default_factory=list)  # paged layers' block addresses, kept alive
 
+    def forget(self) -> None:
+        """Give up the buffers made for the sequence: MLX wrote into its cache. MLX's slice update
+        (mlx-lm's ``keys[..., prev:offset, :] = ...``) keeps the array object, so :meth:`holds`
+        would still say yes, but it writes into the buffer in place only where nothing else
+        shares it: with a snapshot's view of it, it writes a copy, and a step reading the buffer
+        it made would miss MLX's rows. The next pass copies the cache into buffers of its own."""
+        self.arrays, self.views, self.apart, self.recurrent = [], [], None, None
+
     def holds(self, cache: list[Any]) -> bool:
         """Whether every layer of ``cache`` still holds the arrays made for it."""
         return len(self.arrays) == len(cache) and all(

@@ -13,22 +13,29 @@ cache's) register through :meth:`Metrics.add_collector` and are rendered by the 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterable
-
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from mlxcel_compat.engine.core import Engine
 from mlxcel_compat.engine.metrics import Bucket
 
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
+
+# The Prometheus client is imported by the first scrape, not at start-up: a server that is never
+# scraped (most) does not hold its ~90 modules (a few MiB of RSS; issue 51's Gemma 3 budget).
+
 
 def _counter(name: str, doc: str, value: float) -> Metric:
+    from prometheus_client.core import CounterMetricFamily
+
     family = CounterMetricFamily(name, doc)
     family.add_metric([], value)
     return family
 
 
 def _gauge(name: str, doc: str, value: float) -> Metric:
+    from prometheus_client.core import GaugeMetricFamily
+
     family = GaugeMetricFamily(name, doc)
     family.add_metric([], value)
     return family
@@ -101,19 +108,26 @@ class _FunctionCollector:
 class Metrics:
     def __init__(self, engine: Engine) -> None:
         self.llamacpp = LlamaCppFamilies(engine)
-        self.registry = CollectorRegistry(auto_describe=False)
+        self.collectors: list[Callable[[], Iterable[Metric]]] = []  # rendered in this order
 
     def add_collector(self, fn: Callable[[], Iterable[Metric]]) -> None:
-        self.registry.register(_FunctionCollector(fn))  # type: ignore[arg-type]
+        self.collectors.append(fn)
 
     def render(self) -> bytes:
-        return self.llamacpp.render().encode() + generate_latest(self.registry)
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        registry = CollectorRegistry(auto_describe=False)
+        for fn in self.collectors:
+            registry.register(_FunctionCollector(fn))  # type: ignore[arg-type]
+        return self.llamacpp.render().encode() + generate_latest(registry)
 
 
 __all__ = ["Metrics"]
 
 
 def _labelled(name: str, doc: str, label: str, values: dict[str, float], kind: str = "counter") -> Metric:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
     family = CounterMetricFamily(name, doc, labels=[label]) if kind == "counter" else GaugeMetricFamily(name, doc, labels=[label])
     for key, value in sorted(values.items()):
         family.add_metric([key], value)

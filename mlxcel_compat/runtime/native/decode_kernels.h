@@ -7,6 +7,8 @@
  * (q8_0 and q4_0: a row of d values is d / 32 of ggml's blocks, kv_rows.h). */
 enum { MLXCEL_KV_F32 = 0, MLXCEL_KV_F16 = 1, MLXCEL_KV_BF16 = 2, MLXCEL_KV_Q8_0 = 3, MLXCEL_KV_Q4_0 = 4 };
 
+/* 1 / sqrt(mean(x^2) + eps) over n values, MLX's rounding bit for bit (elementwise.c). */
+float mlxcel_rms_scale(const float *x, int n, float eps);
 void mlxcel_rms_norm(const float *x, const float *w, float *out, int rows, int n, float eps);
 void mlxcel_rms_norm_add(const float *b, const float *w, float *x, int rows, int n, float eps);
 void mlxcel_rope(float *x, int heads, int d, const float *cos, const float *sin, int traditional);

@@ -86,6 +86,8 @@ void mlxcel_pass_products(int count, const struct mlxcel_linear *const *ls, int 
                           float *const *outs, int tiles, const double *scales, int n_adapters);
 
 /* x += the MoE layer of h (moe_layer.c). Returns 0, or -1 where the grouped product refused the stacks. */
+void mlxcel_moe_weighted_sum(float *out, const float *down, const int32_t *slot, const float *weight, int rows, int k,
+                             int hidden);
 int mlxcel_moe_layer(const struct mlxcel_moe *e, int rows, int hidden, const float *h, float *x, float *gate,
                      float *up, float *branch, int tiles, const double *scales, int n_adapters, float residual_scale);
 

@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "delta_net.h"
+#include "decode_kernels.h"
 #include "thread_pool.h"
 #include "vector_math.h"
 
@@ -31,21 +32,6 @@
 static __thread struct mlxcel_scratch delta_scratch[10];
 
 static void *buffer(int i, size_t bytes) { return mlxcel_scratch(&delta_scratch[i], bytes ? bytes : 1); }
-
-static float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-/* log(1 + e^x) as mx.logaddexp(x, 0) computes it: max(x, 0) + log1p(e^-|x|). */
-static float softplus(float x) { return (x > 0.0f ? x : 0.0f) + log1pf(expf(-fabsf(x))); }
-
-/* 1 / sqrt(mean(x^2) + eps): the squares added one after another, as mx.fast.rms_norm does. */
-static float rms_scale(const float *x, int n, float eps) {
-    float ss = 0.0f;
-    for (int i = 0; i < n; i++) {
-        float square = x[i] * x[i];
-        ss += square;
-    }
-    return 1.0f / sqrtf(ss * (1.0f / (float)n) + eps);
-}
 
 /* The conv of one token, channel by channel: out = silu(sum_j conv[c, j] in_j[c]) with in_0 ..
  * in_{kernel - 2} the state's rows (oldest first) and in_{kernel - 1} the token's projection `in`;
@@ -177,7 +163,7 @@ void mlxcel_delta_layer(const struct mlxcel_delta *D, int hidden, int rows, cons
             conv_token(D, conv_dim, conv_states[u], row, conv_out);
             for (int j = 0; j < hk; j++) {
                 float *q = row + (size_t)j * dk, *k = row + key_dim + (size_t)j * dk;
-                float sq = rms_scale(q, dk, l2_eps), sk = rms_scale(k, dk, l2_eps);
+                float sq = mlxcel_rms_scale(q, dk, l2_eps), sk = mlxcel_rms_scale(k, dk, l2_eps);
                 for (int c = 0; c < dk; c++) {
                     q[c] = inv_scale * inv_scale * (q[c] * sq);
                     k[c] = inv_scale * (k[c] * sk);
@@ -198,7 +184,7 @@ void mlxcel_delta_layer(const struct mlxcel_delta *D, int hidden, int rows, cons
         for (int j = 0; j < hv; j++) {
             float *yh = y + ((size_t)r * hv + j) * dv;
             const float *zh = z + ((size_t)r * hv + j) * dv;
-            float s = rms_scale(yh, dv, D->eps);
+            float s = mlxcel_rms_scale(yh, dv, D->eps);
             for (int c = 0; c < dv; c++) {
                 float normed = yh[c] * s * D->norm[c];
                 yh[c] = zh[c] * sigmoid(zh[c]) * normed;

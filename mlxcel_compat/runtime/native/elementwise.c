@@ -16,7 +16,7 @@
 
 /* out[r, :] = x[r, :] / sqrt(mean(x[r, :] ** 2) + eps) * w for `rows` rows of n (RMSNorm; per head
  * for a model's query and key norms). out may be x. */
-static inline float rms_scale(const float *x, int n, float eps) {
+float mlxcel_rms_scale(const float *x, int n, float eps) {
     /* MLX's own rounding, bit for bit (mx.fast.rms_norm on the CPU: mean(square(x)), then 1 /
      * sqrt): each square rounded to float32, the squares added one after another from 0, the
      * sum times 1 / n. The next products quantize these rows to 8 bits (ggml's Q8_0 for the
@@ -42,7 +42,7 @@ static inline float rms_scale(const float *x, int n, float eps) {
 
 void mlxcel_rms_norm(const float *x, const float *w, float *out, int rows, int n, float eps) {
     for (int r = 0; r < rows; r++, x += n, out += n) {
-        float scale = rms_scale(x, n, eps);
+        float scale = mlxcel_rms_scale(x, n, eps);
         for (int i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
     }
 }
@@ -80,7 +80,7 @@ void mlxcel_xielu(float *x, int n, float alpha_p, float alpha_n, float beta, flo
  * a buffer and a sum. */
 void mlxcel_rms_norm_add(const float *b, const float *w, float *x, int rows, int n, float eps) {
     for (int r = 0; r < rows; r++, b += n, x += n) {
-        float scale = rms_scale(b, n, eps);
+        float scale = mlxcel_rms_scale(b, n, eps);
         for (int i = 0; i < n; i++) x[i] += b[i] * scale * w[i];
     }
 }

@@ -182,17 +182,7 @@ static int experts(const struct mlxcel_gemma4 *m, const struct mlxcel_gemma4_lay
     } else if (mlxcel_expert_matmul_shared(1, &L->down_exps, hidden, groups, groups_of, start, NULL, pairs, gu, inter,
                                            down_out, hidden))
         return -1;
-    for (int r = 0; r < rows; r++) {
-        float *o = out + (size_t)r * hidden;
-        const float *d0 = down + (size_t)slot[(size_t)r * k] * hidden;
-        float w0 = weight[(size_t)r * k];
-        for (int c = 0; c < hidden; c++) o[c] = w0 * d0[c];
-        for (int j = 1; j < k; j++) {
-            const float *d = down + (size_t)slot[(size_t)r * k + j] * hidden;
-            float w = weight[(size_t)r * k + j];
-            for (int c = 0; c < hidden; c++) o[c] += w * d[c];
-        }
-    }
+    mlxcel_moe_weighted_sum(out, down, slot, weight, rows, k, hidden);
     return 0;
 }
 

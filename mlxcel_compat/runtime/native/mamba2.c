@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "mamba2.h"
+#include "decode_kernels.h"
 #include "thread_pool.h"
 #include "vector_math.h"
 
@@ -34,21 +35,6 @@
 static __thread struct mlxcel_scratch mamba_scratch[6];
 
 static void *buffer(int i, size_t bytes) { return mlxcel_scratch(&mamba_scratch[i], bytes ? bytes : 1); }
-
-static float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-/* log(1 + e^x) as mx.logaddexp(x, 0) computes it: max(x, 0) + log1p(e^-|x|). */
-static float softplus(float x) { return (x > 0.0f ? x : 0.0f) + log1pf(expf(-fabsf(x))); }
-
-/* 1 / sqrt(mean(x^2) + eps): the squares added one after another, as mx.fast.rms_norm does. */
-static float rms_scale(const float *x, int n, float eps) {
-    float ss = 0.0f;
-    for (int i = 0; i < n; i++) {
-        float square = x[i] * x[i];
-        ss += square;
-    }
-    return 1.0f / sqrtf(ss * (1.0f / (float)n) + eps);
-}
 
 static float dot(const float *a, const float *b, int n) {
     int vec = n - n % VL;
@@ -145,7 +131,7 @@ void mlxcel_mamba_layer(const struct mlxcel_mamba *M, int rows, const int *segme
         const float *z = proj + (size_t)r * width;
         for (int c = 0; c < inner; c++) yr[c] = z[c] * sigmoid(z[c]) * yr[c];
         for (int g0 = 0; g0 < inner; g0 += group) {
-            float s = rms_scale(yr + g0, group, M->eps);
+            float s = mlxcel_rms_scale(yr + g0, group, M->eps);
             for (int c = g0; c < g0 + group; c++) yr[c] = M->norm[c] * (yr[c] * s);
         }
     }

@@ -129,6 +129,23 @@ static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, flo
         for (int j = 0; j < k; j++) weight[j] *= e->routed_scale;
 }
 
+/* out[r] = sum over the k chosen experts j of weight[r, j] * down[slot[r, j]]: each row's experts'
+ * outputs weighted and added in the order the router chose them (mlx-lm's sum over k). */
+void mlxcel_moe_weighted_sum(float *out, const float *down, const int32_t *slot, const float *weight, int rows, int k,
+                             int hidden) {
+    for (int r = 0; r < rows; r++) {
+        float *o = out + (size_t)r * hidden;
+        const float *d0 = down + (size_t)slot[(size_t)r * k] * hidden;
+        float w0 = weight[(size_t)r * k];
+        for (int c = 0; c < hidden; c++) o[c] = w0 * d0[c];
+        for (int j = 1; j < k; j++) {
+            const float *d = down + (size_t)slot[(size_t)r * k + j] * hidden;
+            float w = weight[(size_t)r * k + j];
+            for (int c = 0; c < hidden; c++) o[c] += w * d[c];
+        }
+    }
+}
+
 /* x += the MoE layer of h (rows x hidden): route every row, sort the (row, expert) pairs by
  * expert (a counting sort: ggml's mul_mat_id's grouping), gate and up of every pair in one
  * grouped call (each row quantized once), SwiGLU, down, then each row's weighted sum of its
@@ -192,17 +209,7 @@ int mlxcel_moe_layer(const struct mlxcel_moe *e, int rows, int hidden, const flo
         return -1;
     moe_bias(down, e->down_bias, hidden, groups, experts, start);
     float *out = moe_buffer(0, sizeof(float) * (size_t)rows * (hidden > n ? hidden : n)); /* the logits are spent */
-    for (int r = 0; r < rows; r++) {
-        float *o = out + (size_t)r * hidden;
-        const float *d0 = down + (size_t)slot[(size_t)r * k] * hidden;
-        float w0 = weight[(size_t)r * k];
-        for (int c = 0; c < hidden; c++) o[c] = w0 * d0[c];
-        for (int j = 1; j < k; j++) {
-            const float *d = down + (size_t)slot[(size_t)r * k + j] * hidden;
-            float w = weight[(size_t)r * k + j];
-            for (int c = 0; c < hidden; c++) o[c] += w * d[c];
-        }
-    }
+    mlxcel_moe_weighted_sum(out, down, slot, weight, rows, k, hidden);
     if (e->shared_gate.n) {
         const struct mlxcel_linear *shared[2] = {&e->shared_gate, &e->shared_up};
         float *shared_out[2] = {gate, up};

@@ -6,6 +6,7 @@
 #ifndef MLXCEL_VECTOR_MATH_H
 #define MLXCEL_VECTOR_MATH_H
 
+#include <math.h>
 #include <string.h>
 
 /* Vector width and block shape per instruction set: the block's accumulators, weight rows and one
@@ -101,5 +102,11 @@ static inline float exp2s(float x) {
     vf v = splat(x);
     return exp2v(v)[0];
 }
+
+/* The scalar functions the recurrent layers share (delta_net.c, mamba2.c). */
+static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* log(1 + e^x) as mx.logaddexp(x, 0) computes it: max(x, 0) + log1p(e^-|x|). */
+static inline float softplus(float x) { return (x > 0.0f ? x : 0.0f) + log1pf(expf(-fabsf(x))); }
 
 #endif
