@@ -206,6 +206,60 @@ async def drain_body(receive: Receive, received: int, bound: int, seconds: float
             return True
 
 
+# An answer that goes out before its request's body has all arrived (an early refusal: a 403 on
+# the Origin, a 401, a 501 without a flag) first reads and drops the rest of a body up to this
+# size, so the connection can serve the client's next request; a longer body gets
+# ``Connection: close``.
+EARLY_DRAIN_BYTES = 1 << 20
+
+
+class EarlyAnswerMiddleware:
+    """Keep a connection usable after an answer sent before the request's body was read.
+
+    Why: hypercorn closes a connection whose request body was not all received when the answer
+    ended, without saying so in the answer. A client that reuses its connections (httpx, the
+    openai SDK, requests) then sends its next request into a closed socket and reports "server
+    disconnected without sending a response", depending on whether the body's bytes had arrived
+    in time. So, before the answer starts: a small declared body is read and dropped first (at
+    most ``EARLY_DRAIN_BYTES``, ``DRAIN_SECONDS``); any other unread body gets ``Connection: close``.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"").strip()
+        chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+        body_done = not chunked and declared in (b"", b"0")
+        received = 0
+
+        async def tracked_receive() -> Any:
+            nonlocal body_done, received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                body_done = body_done or not message.get("more_body", False)
+            elif message["type"] == "http.disconnect":
+                body_done = True  # nothing more will come, nor will the connection be reused
+            return message
+
+        async def answer(message: Any) -> None:
+            nonlocal body_done
+            closing = any(k.lower() == b"connection" and v.lower() == b"close" for k, v in message.get("headers", ()))
+            if message["type"] == "http.response.start" and not body_done and not closing:  # (a 413 closes itself)
+                if not chunked and declared.isdigit() and int(declared) <= EARLY_DRAIN_BYTES:
+                    body_done = await drain_body(tracked_receive, received, EARLY_DRAIN_BYTES)
+                if not body_done:
+                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, tracked_receive, answer)
+
+
 class LimitsMiddleware:
     """``--max-body-bytes`` while the body streams in, and ``--timeout`` for each write.
 
@@ -441,6 +495,7 @@ def build_app(ctx: ServerContext, edge: bool = True) -> Starlette:
     app = Starlette(
         routes=route_list,
         middleware=[
+            Middleware(EarlyAnswerMiddleware),
             *outer,
             Middleware(GateMiddleware, ctx=ctx, prefix=prefix),
             Middleware(ErrorMiddleware, prefix=prefix),

@@ -439,3 +439,29 @@ def test_sse_ping_while_waiting_for_a_slot(roomy_http):
                 assert time.monotonic() < deadline, "the closed stream's request is still deferred"
                 time.sleep(0.05)
     wait_idle(http)
+
+
+def test_an_early_answer_keeps_the_connection_for_the_next_request(small_server):
+    """POST /props without --props is refused (501) without its body being needed; the body here
+    arrives after the headers, as a client's second write. The answer must still come, and the
+    same connection must then serve the next request (server/app.py: EarlyAnswerMiddleware):
+    without the middleware the server could close it unannounced, and a pooled client's next
+    request failed with "server disconnected without sending a response"."""
+    import re
+    import socket
+    import time
+
+    host, port = small_server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(b"POST /props HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n")
+        time.sleep(0.3)
+        conn.sendall(b"{}")
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        seen = b""
+        deadline = time.monotonic() + 30
+        while seen.count(b"HTTP/1.1 ") < 2 and time.monotonic() < deadline:
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            seen += chunk
+    assert re.findall(rb"HTTP/1\.1 (\d{3})", seen) == [b"501", b"200"], seen[:400]
