@@ -114,3 +114,18 @@ def served_decoders(load: Callable[[str], Any]) -> Callable[[str], tuple[nn.Modu
         return loaded[spec]
 
     return get
+
+
+def cold_chunk_beside_mlx(model: nn.Module, decoder: Any, prompt: list[int]) -> tuple[list, list, Any]:
+    """``prompt`` fed cold as one prompt chunk by the runtime (``prefill``, no head) and by MLX:
+    (the runtime's cache, MLX's cache, the runtime's OwnedCache). Asserts the runtime takes the
+    chunk (and not as step rows) and counts its rows; the caller compares the caches."""
+    theirs = make_prompt_cache(model)
+    model(mx.array([prompt]), cache=theirs)
+    mx.eval([c.state for c in theirs])
+    ours, owned = make_prompt_cache(model), decode_kv.OwnedCache()
+    assert decoder.can_prefill(ours, owned) and not decoder.can_step_tokens(ours, owned)
+    prefilled_before = decoder.prefilled
+    assert decoder.prefill(prompt, ours, owned, logits=False) is None
+    assert decoder.prefilled == prefilled_before + len(prompt)
+    return ours, theirs, owned

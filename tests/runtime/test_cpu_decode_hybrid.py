@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 from typing import Callable
 
-import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
@@ -30,8 +29,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxcel_compat.cache import kv
 from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
 from tests.conftest import tiny_model
-from tests.runtime.step_checks import (assert_recurrent_caches_close, assert_rows_together_equal_rows_alone, close, ids,
-                                       mlx_logits, prefilled, served_decoders)
+from tests.runtime.step_checks import (assert_recurrent_caches_close, assert_rows_together_equal_rows_alone, close,
+                                       cold_chunk_beside_mlx, ids, mlx_logits, prefilled, served_decoders)
 
 BLOCK_RTOL = 0.06  # as test_cpu_decode_moe.py: activations quantized to the blocks' vec_dot_type
 FLOAT_RTOL = 1e-5  # float32 weights: another summation order only
@@ -93,15 +92,7 @@ def test_a_hybrid_prompt_chunk_on_the_runtime_leaves_mlx_s_state(hybrid_decoder:
     the products as prompt tiles) leaves the states and KV MLX's chunk leaves, and the next step
     agrees with MLX's."""
     model, decoder = hybrid_decoder("qwen3_5:q8_0")
-    prompt = ids(40, seed=31)
-    theirs = make_prompt_cache(model)
-    model(mx.array([prompt]), cache=theirs)
-    mx.eval([c.state for c in theirs])
-    ours, owned = make_prompt_cache(model), decode_kv.OwnedCache()
-    assert decoder.can_prefill(ours, owned) and not decoder.can_step_tokens(ours, owned)
-    prefilled_before = decoder.prefilled
-    assert decoder.prefill(prompt, ours, owned, logits=False) is None
-    assert decoder.prefilled == prefilled_before + 40
+    ours, theirs, owned = cold_chunk_beside_mlx(model, decoder, ids(40, seed=31))
     assert_recurrent_caches_close(decoder, ours, theirs, BLOCK_RTOL)
     got, want = decoder.step(5, ours, owned).copy(), mlx_logits(model, 5, theirs)
     assert close(got, want, BLOCK_RTOL)

@@ -36,8 +36,8 @@ from mlxcel_compat.cache import kv
 from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
 from tests.conftest import tiny_model
 from tests.engine.harness import EngineHarness
-from tests.runtime.step_checks import (assert_rows_together_equal_rows_alone, close, ids, mlx_logits, prefilled,
-                                       served_decoders)
+from tests.runtime.step_checks import (assert_rows_together_equal_rows_alone, close, cold_chunk_beside_mlx, ids,
+                                       mlx_logits, prefilled, served_decoders)
 
 LOGITS_RTOL = 1e-4  # float32 weights: of the largest logit (another summation order only; measured ~1e-6)
 # A prompt chunk's products go through ggml's tiled kernels (the blocks) or the BLAS's GEMM (float32),
@@ -148,15 +148,7 @@ def test_an_lfm2_prompt_chunk_on_the_runtime_leaves_mlx_s_state(lfm2_decoder: Ca
     leaves, and the next step agrees with MLX's."""
     model, decoder = lfm2_decoder(spec)
     rtol = CHUNK_RTOL[spec.split(":")[1] if ":" in spec else None]
-    prompt = ids(rows, seed=31)
-    theirs = make_prompt_cache(model)
-    model(mx.array([prompt]), cache=theirs)
-    mx.eval([c.state for c in theirs])
-    ours, owned = make_prompt_cache(model), decode_kv.OwnedCache()
-    assert decoder.can_prefill(ours, owned) and not decoder.can_step_tokens(ours, owned)
-    prefilled_before = decoder.prefilled
-    assert decoder.prefill(prompt, ours, owned, logits=False) is None
-    assert decoder.prefilled == prefilled_before + rows
+    ours, theirs, owned = cold_chunk_beside_mlx(model, decoder, ids(rows, seed=31))
     assert_caches_match(decoder, ours, theirs, rtol)
     got, want = decoder.step(5, ours, owned).copy(), mlx_logits(model, 5, theirs)
     assert close(got, want, rtol)

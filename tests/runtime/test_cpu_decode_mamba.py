@@ -45,8 +45,8 @@ from mlxcel_compat.testing.families import model_config
 from mlxcel_compat.testing.weights import instantiate, seeded_weights
 from tests.conftest import tiny_model
 from tests.engine.harness import EngineHarness
-from tests.runtime.step_checks import (assert_recurrent_caches_close, assert_rows_together_equal_rows_alone, close, ids,
-                                       mlx_logits, prefilled)
+from tests.runtime.step_checks import (assert_recurrent_caches_close, assert_rows_together_equal_rows_alone, close,
+                                       cold_chunk_beside_mlx, ids, mlx_logits, prefilled)
 
 MODEL = "granitemoehybrid:q8_0"
 Q8_RTOL = 5e-3  # of the largest logit; measured 1.4e-3 (the module's docstring says why not float32's)
@@ -165,15 +165,7 @@ def test_a_prompt_chunk_on_the_runtime_leaves_mlx_s_state(loaded: Callable, spec
     """A cold 40-token prompt fed by ``prefill`` (the conv and the SSM recurrence token by token in
     C) leaves the states and KV MLX's chunked SSD leaves, and the next step agrees with MLX's."""
     model, decoder = loaded(spec)
-    prompt = ids(40, seed=31)
-    theirs = make_prompt_cache(model)
-    model(mx.array([prompt]), cache=theirs)
-    mx.eval([c.state for c in theirs])
-    ours, owned = make_prompt_cache(model), decode_kv.OwnedCache()
-    assert decoder.can_prefill(ours, owned) and not decoder.can_step_tokens(ours, owned)
-    prefilled_before = decoder.prefilled
-    assert decoder.prefill(prompt, ours, owned, logits=False) is None
-    assert decoder.prefilled == prefilled_before + 40
+    ours, theirs, owned = cold_chunk_beside_mlx(model, decoder, ids(40, seed=31))
     assert_recurrent_caches_close(decoder, ours, theirs, STATE_RTOL)
     got, want = decoder.step(5, ours, owned).copy(), mlx_logits(model, 5, theirs)
     assert close(got, want, rtol)
