@@ -336,16 +336,15 @@ def write_qwen35_f32(out: str) -> None:
                config=config)
 
 
-def qwen35_q4_k_m(args: argparse.Namespace) -> Path:
-    """The Qwen3.5-0.8B-shaped model quantized to Q4_K_M by llama-quantize (from an F32 GGUF made in
-    a child process, deleted after)."""
-    stem = f"qwen35-0.8b-{QWEN35_LAYERS}l-shaped-v{_factory_version()}"
+def _quantized_in_a_child(args: argparse.Namespace, stem: str, write_flag: str) -> Path:
+    """``{stem}-q4_k_m.gguf`` in the cache: this script run with ``write_flag`` writes the F32 GGUF
+    in a child process, llama-quantize makes the Q4_K_M of it, and the F32 file is deleted."""
     target = Path(args.cache_dir) / f"{stem}-q4_k_m.gguf"
 
     def build(tmp: Path) -> None:
         source = Path(args.cache_dir) / f"{stem}-f32.gguf"
         try:
-            subprocess.run([args.python, __file__, "--write-qwen35-f32", str(source)], check=True,
+            subprocess.run([args.python, __file__, write_flag, str(source)], check=True,
                            env=_child_env(), cwd=ROOT, stdout=subprocess.DEVNULL)
             out = subprocess.run([args.llama_quantize, str(source), str(tmp), "Q4_K_M"], capture_output=True, text=True)
             if out.returncode:
@@ -354,6 +353,13 @@ def qwen35_q4_k_m(args: argparse.Namespace) -> Path:
             source.unlink(missing_ok=True)
 
     return _make_atomically(target, build)
+
+
+def qwen35_q4_k_m(args: argparse.Namespace) -> Path:
+    """The Qwen3.5-0.8B-shaped model quantized to Q4_K_M by llama-quantize (from an F32 GGUF made in
+    a child process, deleted after)."""
+    stem = f"qwen35-0.8b-{QWEN35_LAYERS}l-shaped-v{_factory_version()}"
+    return _quantized_in_a_child(args, stem, "--write-qwen35-f32")
 
 
 def factory_gguf(family: str, gguf_type: str) -> Callable[[argparse.Namespace], Path]:
@@ -396,20 +402,7 @@ def lfm2_q4_k_m(args: argparse.Namespace) -> Path:
     """The LFM2-350M-shaped model quantized to Q4_K_M by llama-quantize (from an F32 GGUF made in a
     child process, deleted after)."""
     stem = f"lfm2-350m-shaped-v{_factory_version()}"
-    target = Path(args.cache_dir) / f"{stem}-q4_k_m.gguf"
-
-    def build(tmp: Path) -> None:
-        source = Path(args.cache_dir) / f"{stem}-f32.gguf"
-        try:
-            subprocess.run([args.python, __file__, "--write-lfm2-f32", str(source)], check=True,
-                           env=_child_env(), cwd=ROOT, stdout=subprocess.DEVNULL)
-            out = subprocess.run([args.llama_quantize, str(source), str(tmp), "Q4_K_M"], capture_output=True, text=True)
-            if out.returncode:
-                raise RuntimeError(f"llama-quantize failed ({out.returncode}):\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
-        finally:
-            source.unlink(missing_ok=True)
-
-    return _make_atomically(target, build)
+    return _quantized_in_a_child(args, stem, "--write-lfm2-f32")
 
 
 FILES: dict[str, FileSpec] = {f.key: f for f in (
