@@ -86,6 +86,9 @@ void mlxcel_pass_products(int count, const struct mlxcel_linear *const *ls, int 
                           float *const *outs, int tiles, const double *scales, int n_adapters);
 
 /* x += the MoE layer of h (moe_layer.c). Returns 0, or -1 where the grouped product refused the stacks. */
+void mlxcel_moe_top_k(const float *l, int n, int k, int32_t *chosen, float *value);
+int mlxcel_moe_group(const int32_t *chosen, int pairs, int k, int n, int32_t *count, int32_t *start, int32_t *experts,
+                     int32_t *slot, int32_t *source);
 void mlxcel_moe_weighted_sum(float *out, const float *down, const int32_t *slot, const float *weight, int rows, int k,
                              int hidden);
 int mlxcel_moe_layer(const struct mlxcel_moe *e, int rows, int hidden, const float *h, float *x, float *gate,

@@ -105,19 +105,6 @@ static __thread struct mlxcel_scratch gemma4_scratch[9];
 
 static void *gemma4_buffer(int i, size_t bytes) { return mlxcel_scratch(&gemma4_scratch[i], bytes ? bytes : 1); }
 
-/* The k largest of l[0 .. n), largest first (ties: the lower index first). */
-static void top_k(const float *l, int n, int k, int32_t *chosen) {
-    for (int j = 0; j < k; j++) {
-        int best = -1;
-        for (int i = 0; i < n; i++) {
-            int taken = 0;
-            for (int t = 0; t < j && !taken; t++) taken = chosen[t] == i;
-            if (!taken && (best < 0 || l[i] > l[best])) best = i;
-        }
-        chosen[j] = best;
-    }
-}
-
 /* out (rows x hidden) = the experts' branch of x (the residual after attention), before its
  * post-norm, as mlx-lm's Router and Experts compute it: route on rms_norm(x, router_norm), each
  * chosen (row, expert) pair sorted by expert (ggml's mul_mat_id grouping), gate and up of every pair
@@ -139,27 +126,12 @@ static int experts(const struct mlxcel_gemma4 *m, const struct mlxcel_gemma4_lay
     for (int r = 0; r < rows; r++) { /* softmax over the chosen k, times each one's scale */
         int32_t *c = chosen + (size_t)r * k;
         float *w = weight + (size_t)r * k, *l = logits + (size_t)r * n;
-        top_k(l, n, k, c);
+        mlxcel_moe_top_k(l, n, k, c, NULL);
         float top = l[c[0]], sum = 0.0f;
         for (int j = 0; j < k; j++) sum += w[j] = expf(l[c[j]] - top);
         for (int j = 0; j < k; j++) w[j] = w[j] / sum * L->expert_scale[c[j]];
     }
-    memset(count, 0, sizeof(int32_t) * (size_t)n);
-    for (int p = 0; p < pairs; p++) count[chosen[p]]++;
-    int groups = 0;
-    start[0] = 0;
-    for (int i = 0; i < n; i++) {
-        if (!count[i]) continue;
-        groups_of[groups] = i;
-        start[groups + 1] = start[groups] + count[i];
-        count[i] = start[groups];
-        groups++;
-    }
-    for (int p = 0; p < pairs; p++) {
-        int s = count[chosen[p]]++;
-        slot[p] = s;
-        source[s] = p / k;
-    }
+    int groups = mlxcel_moe_group(chosen, pairs, k, n, count, start, groups_of, slot, source);
     mlxcel_rms_norm(x, L->moe_in, normed, rows, hidden, m->eps);
     float *gu_out[1] = {gu};
     if (L->gate_up_f32) {

@@ -23,8 +23,9 @@ static __thread struct mlxcel_scratch moe_scratch[10];
 
 static void *moe_buffer(int i, size_t bytes) { return mlxcel_scratch(&moe_scratch[i], bytes ? bytes : 1); }
 
-/* The k largest of l[0 .. n), largest first (ties: the lower index first): their indices and values. */
-static void moe_top_k(const float *l, int n, int k, int32_t *chosen, float *value) {
+/* The k largest of l[0 .. n), largest first (ties: the lower index first): their indices and (unless
+ * value is NULL) values. */
+void mlxcel_moe_top_k(const float *l, int n, int k, int32_t *chosen, float *value) {
     for (int j = 0; j < k; j++) { /* k passes of an arg-max over the experts not chosen yet (k is a few) */
         int best = -1;
         for (int i = 0; i < n; i++) {
@@ -33,7 +34,7 @@ static void moe_top_k(const float *l, int n, int k, int32_t *chosen, float *valu
             if (!taken && (best < 0 || l[i] > l[best])) best = i;
         }
         chosen[j] = best;
-        value[j] = l[best];
+        if (value) value[j] = l[best];
     }
 }
 
@@ -88,7 +89,7 @@ static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, flo
             l[i] = 1.0f / (1.0f + expf(-l[i]));
             biased[i] = l[i] + e->score_bias[i];
         }
-        moe_top_k(biased, n, k, chosen, weight);
+        mlxcel_moe_top_k(biased, n, k, chosen, weight);
         float total = 0.0f;
         for (int j = 0; j < k; j++) total += weight[j] = l[chosen[j]];
         for (int j = 0; j < k; j++) weight[j] = (e->norm_topk ? weight[j] / (total + 1e-6f) : weight[j]) * e->routed_scale;
@@ -101,14 +102,14 @@ static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, flo
             biased[i] = l[i] + e->score_bias[i];
         }
         if (e->n_group > 1) moe_drop_groups(biased, n, e->n_group, e->topk_group, e->group_by_max);
-        moe_top_k(biased, n, k, chosen, weight);
+        mlxcel_moe_top_k(biased, n, k, chosen, weight);
         float total = 0.0f;
         for (int j = 0; j < k; j++) total += weight[j] = l[chosen[j]];
         for (int j = 0; j < k; j++) weight[j] = (e->norm_topk && k > 1 ? weight[j] / total : weight[j]) * e->routed_scale;
         return;
     }
     if (e->gating == 1) { /* gpt-oss: the k largest logits, then a softmax over those k */
-        moe_top_k(l, n, k, chosen, weight);
+        mlxcel_moe_top_k(l, n, k, chosen, weight);
         float top = weight[0], sum = 0.0f; /* the largest comes first */
         for (int j = 0; j < k; j++) sum += weight[j] = expf(weight[j] - top);
         for (int j = 0; j < k; j++) weight[j] /= sum;
@@ -119,7 +120,7 @@ static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, flo
     for (int i = 0; i < n; i++) sum += l[i] = expf(l[i] - top);
     for (int i = 0; i < n; i++) l[i] /= sum;
     if (e->n_group > 1) moe_drop_groups(l, n, e->n_group, e->topk_group, e->group_by_max); /* deepseek_v2 */
-    moe_top_k(l, n, k, chosen, weight);
+    mlxcel_moe_top_k(l, n, k, chosen, weight);
     if (e->norm_topk) {
         float total = 0.0f;
         for (int j = 0; j < k; j++) total += weight[j];
@@ -127,6 +128,31 @@ static void moe_route(const struct mlxcel_moe *e, float *l, int32_t *chosen, flo
     }
     if (e->routed_scale != 1.0f) /* deepseek_v2's routed_scaling_factor */
         for (int j = 0; j < k; j++) weight[j] *= e->routed_scale;
+}
+
+/* The (row, expert) pairs grouped by expert, as ggml's mul_mat_id groups them: ``experts[g]`` the
+ * g-th expert chosen by any row (ascending), its pairs sorted slots start[g] .. start[g + 1] (rows in
+ * order within a group), ``slot[p]`` pair p's sorted slot, ``source[s]`` the row of slot s. ``count``:
+ * n scratch integers. Returns the number of groups. */
+int mlxcel_moe_group(const int32_t *chosen, int pairs, int k, int n, int32_t *count, int32_t *start, int32_t *experts,
+                     int32_t *slot, int32_t *source) {
+    memset(count, 0, sizeof(int32_t) * (size_t)n);
+    for (int p = 0; p < pairs; p++) count[chosen[p]]++;
+    int groups = 0;
+    start[0] = 0;
+    for (int i = 0; i < n; i++) {
+        if (!count[i]) continue;
+        experts[groups] = i;
+        start[groups + 1] = start[groups] + count[i];
+        count[i] = start[groups]; /* from here: the expert's next free sorted slot */
+        groups++;
+    }
+    for (int p = 0; p < pairs; p++) { /* rows in order within each expert's group */
+        int s = count[chosen[p]]++;
+        slot[p] = s;
+        source[s] = p / k;
+    }
+    return groups;
 }
 
 /* out[r] = sum over the k chosen experts j of weight[r, j] * down[slot[r, j]]: each row's experts'
@@ -169,22 +195,7 @@ int mlxcel_moe_layer(const struct mlxcel_moe *e, int rows, int hidden, const flo
     int32_t *start = count + n; /* n + 1 group starts */
     mlxcel_pass_product(&e->router, rows, h, logits, 0.0f, tiles, scales, n_adapters);
     for (int r = 0; r < rows; r++) moe_route(e, logits + (size_t)r * n, chosen + (size_t)r * k, weight + (size_t)r * k);
-    memset(count, 0, sizeof(int32_t) * (size_t)n);
-    for (int p = 0; p < pairs; p++) count[chosen[p]]++;
-    int groups = 0;
-    start[0] = 0;
-    for (int i = 0; i < n; i++) {
-        if (!count[i]) continue;
-        experts[groups] = i;
-        start[groups + 1] = start[groups] + count[i];
-        count[i] = start[groups]; /* from here: the expert's next free sorted slot */
-        groups++;
-    }
-    for (int p = 0; p < pairs; p++) { /* rows in order within each expert's group */
-        int s = count[chosen[p]]++;
-        slot[p] = s;
-        source[s] = p / k;
-    }
+    int groups = mlxcel_moe_group(chosen, pairs, k, n, count, start, experts, slot, source);
     const struct mlxcel_block_weight *gate_up[2] = {e->gate, e->up};
     float *gate_up_out[2] = {g, u};
     if (e->gate_f32) { /* float32 stacks (expert_f32.c) */
