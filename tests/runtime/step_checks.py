@@ -129,3 +129,18 @@ def cold_chunk_beside_mlx(model: nn.Module, decoder: Any, prompt: list[int]) -> 
     assert decoder.prefill(prompt, ours, owned, logits=False) is None
     assert decoder.prefilled == prefilled_before + len(prompt)
     return ours, theirs, owned
+
+
+def chunks_together_and_alone(model: nn.Module, decoder: Any, prompts: list[list[int]]) -> list[tuple[list, list]]:
+    """Each prompt's cache after its chunk prefilled beside the others in one pass
+    (``prefill_rows``) and after it prefilled alone (``prefill``), as pairs; asserts each
+    together-cache's offset. The caller compares the pairs (they should be equal)."""
+    together = [make_prompt_cache(model) for _ in prompts]
+    decoder.prefill_rows(prompts, together, [decode_kv.OwnedCache() for _ in prompts])
+    pairs = []
+    for prompt, ours in zip(prompts, together):
+        alone = make_prompt_cache(model)
+        decoder.prefill(prompt, alone, decode_kv.OwnedCache(), logits=False)
+        assert decoder.offset(ours) == len(prompt)
+        pairs.append((ours, alone))
+    return pairs

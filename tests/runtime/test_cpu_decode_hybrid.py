@@ -24,13 +24,13 @@ from typing import Callable
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel_compat.cache import kv
 from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
 from tests.conftest import tiny_model
-from tests.runtime.step_checks import (assert_recurrent_caches_close, assert_rows_together_equal_rows_alone, close,
-                                       cold_chunk_beside_mlx, ids, mlx_logits, prefilled, served_decoders)
+from tests.runtime.step_checks import (assert_recurrent_caches_close, assert_rows_together_equal_rows_alone,
+                                       chunks_together_and_alone, close, cold_chunk_beside_mlx, ids, mlx_logits,
+                                       prefilled, served_decoders)
 
 BLOCK_RTOL = 0.06  # as test_cpu_decode_moe.py: activations quantized to the blocks' vec_dot_type
 FLOAT_RTOL = 1e-5  # float32 weights: another summation order only
@@ -102,15 +102,9 @@ def test_hybrid_prompt_chunks_prefilled_together_equal_chunks_alone(hybrid_decod
     """Two sequences' prompt chunks in one pass (``prefill_rows``: one product a weight for both,
     each chunk's tokens through its own states) leave exactly the states each leaves alone."""
     model, decoder = hybrid_decoder("qwen3_5:q8_0")
-    prompts = [ids(24, seed=5), ids(33, seed=6)]
-    together = [make_prompt_cache(model) for _ in prompts]
-    decoder.prefill_rows(prompts, together, [decode_kv.OwnedCache() for _ in prompts])
-    for prompt, ours in zip(prompts, together):
-        alone = make_prompt_cache(model)
-        decoder.prefill(prompt, alone, decode_kv.OwnedCache(), logits=False)
+    for ours, alone in chunks_together_and_alone(model, decoder, [ids(24, seed=5), ids(33, seed=6)]):
         for i in decoder.delta_layers:
             assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(ours[i].cache, alone[i].cache))
-        assert decoder.offset(ours) == len(prompt)
 
 
 def test_a_copy_of_the_cache_keeps_the_state_it_was_taken_with(hybrid_decoder: Callable) -> None:

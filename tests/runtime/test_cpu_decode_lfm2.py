@@ -30,14 +30,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel_compat.cache import kv
 from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
 from tests.conftest import tiny_model
 from tests.engine.harness import EngineHarness
-from tests.runtime.step_checks import (assert_rows_together_equal_rows_alone, close, cold_chunk_beside_mlx, ids,
-                                       mlx_logits, prefilled, served_decoders)
+from tests.runtime.step_checks import (assert_rows_together_equal_rows_alone, chunks_together_and_alone, close,
+                                       cold_chunk_beside_mlx, ids, mlx_logits, prefilled, served_decoders)
 
 LOGITS_RTOL = 1e-4  # float32 weights: of the largest logit (another summation order only; measured ~1e-6)
 # A prompt chunk's products go through ggml's tiled kernels (the blocks) or the BLAS's GEMM (float32),
@@ -158,14 +157,8 @@ def test_lfm2_prompt_chunks_prefilled_together_equal_chunks_alone(lfm2_decoder: 
     """Two sequences' prompt chunks in one pass (one product a weight for both, each chunk's tokens
     through its own conv states) leave exactly the states and KV each leaves alone."""
     model, decoder = lfm2_decoder("lfm2:q8_0")
-    prompts = [ids(24, seed=5), ids(33, seed=6)]
-    together = [make_prompt_cache(model) for _ in prompts]
-    decoder.prefill_rows(prompts, together, [decode_kv.OwnedCache() for _ in prompts])
-    for prompt, ours in zip(prompts, together):
-        alone = make_prompt_cache(model)
-        decoder.prefill(prompt, alone, decode_kv.OwnedCache(), logits=False)
+    for ours, alone in chunks_together_and_alone(model, decoder, [ids(24, seed=5), ids(33, seed=6)]):
         assert_caches_match(decoder, ours, alone, None)
-        assert decoder.offset(ours) == len(prompt)
 
 
 def test_a_copy_of_the_lfm2_cache_keeps_the_state_it_was_taken_with(lfm2_decoder: Callable) -> None:

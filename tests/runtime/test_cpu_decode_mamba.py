@@ -35,7 +35,6 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from mlxcel_compat.cache import kv
@@ -45,8 +44,8 @@ from mlxcel_compat.testing.families import model_config
 from mlxcel_compat.testing.weights import instantiate, seeded_weights
 from tests.conftest import tiny_model
 from tests.engine.harness import EngineHarness
-from tests.runtime.step_checks import (assert_recurrent_caches_close, assert_rows_together_equal_rows_alone, close,
-                                       cold_chunk_beside_mlx, ids, mlx_logits, prefilled)
+from tests.runtime.step_checks import (assert_recurrent_caches_close, assert_rows_together_equal_rows_alone,
+                                       chunks_together_and_alone, close, cold_chunk_beside_mlx, ids, mlx_logits, prefilled)
 
 MODEL = "granitemoehybrid:q8_0"
 Q8_RTOL = 5e-3  # of the largest logit; measured 1.4e-3 (the module's docstring says why not float32's)
@@ -173,15 +172,9 @@ def test_a_prompt_chunk_on_the_runtime_leaves_mlx_s_state(loaded: Callable, spec
 
 def test_granite_prompt_chunks_prefilled_together_equal_chunks_alone(granite: tuple) -> None:
     model, decoder = granite
-    prompts = [ids(24, seed=5), ids(33, seed=6)]
-    together = [make_prompt_cache(model) for _ in prompts]
-    decoder.prefill_rows(prompts, together, [decode_kv.OwnedCache() for _ in prompts])
-    for prompt, ours in zip(prompts, together):
-        alone = make_prompt_cache(model)
-        decoder.prefill(prompt, alone, decode_kv.OwnedCache(), logits=False)
+    for ours, alone in chunks_together_and_alone(model, decoder, [ids(24, seed=5), ids(33, seed=6)]):
         for i in decoder.delta_layers:
             assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(ours[i].cache, alone[i].cache))
-        assert decoder.offset(ours) == len(prompt)
 
 
 def test_a_copy_of_the_granite_cache_keeps_the_state_it_was_taken_with(granite: tuple) -> None:
