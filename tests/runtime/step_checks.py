@@ -10,7 +10,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from mlxcel_compat.runtime import cpu_decode, decode_kv
 
@@ -81,6 +81,53 @@ def attention_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, sca
 def close(got: np.ndarray, want: np.ndarray, rtol: float) -> bool:
     """``got`` within ``rtol`` of ``want``'s largest magnitude."""
     return bool(np.abs(got - want).max() <= rtol * np.abs(want).max())
+
+
+def assert_same_cache(ours: list, theirs: list, rtol: float) -> None:
+    """The decoder's cache as MLX's update leaves it: the same layers (a KV-sharing layer has
+    none), each at the same offset; a ring the same buffer shape, ``_idx`` and ``max_size`` and
+    each slot holding the same key and value (within ``rtol`` of the largest: they come from
+    slightly different activations); a growing cache the same first ``offset`` positions."""
+    assert len(ours) == len(theirs)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert type(a) is type(b) and a.offset == b.offset, i
+        if isinstance(b, RotatingKVCache):
+            assert a.keys.shape == b.keys.shape and a._idx == b._idx and a.max_size == b.max_size, (i, a._idx, b._idx)
+            pairs = [(a.keys, b.keys), (a.values, b.values)]
+        else:
+            n = b.offset
+            pairs = [(a.keys[..., :n, :], b.keys[..., :n, :]), (a.values[..., :n, :], b.values[..., :n, :])]
+        for x, y in pairs:
+            assert close(np.array(x), np.array(y), rtol), i
+
+
+def follow_mlx(model: nn.Module, decoder: Any, ours: list, steps: int, rtol: float,
+               after_step: Callable[[list, list], None] | None = None) -> tuple[list, int]:
+    """``steps`` greedy steps of ``decoder`` on ``ours`` beside MLX's step on a copy of it: each
+    step's logits within ``rtol`` of MLX's largest and the same token; ``after_step(ours, theirs)``
+    checks the caches after each step. Returns MLX's cache and the next token."""
+    theirs = copy.deepcopy(ours)
+    owned = decode_kv.OwnedCache()
+    token = 11
+    for step in range(steps):
+        assert decoder.can_run(ours, owned)
+        got = decoder.step(token, ours, owned).copy()
+        want = mlx_logits(model, token, theirs)
+        assert close(got, want, rtol), step
+        assert int(got.argmax()) == int(want.argmax()), step
+        if after_step is not None:
+            after_step(ours, theirs)
+        token = int(want.argmax())
+    return theirs, token
+
+
+def assert_mlx_continues(model: nn.Module, ours: list, theirs: list, token: int, rtol: float, steps: int = 3) -> None:
+    """MLX reads and extends the cache the decoder wrote (``ours``) to the logits it computes on
+    its own (``theirs``)."""
+    for _ in range(steps):
+        got, want = mlx_logits(model, token, ours), mlx_logits(model, token, theirs)
+        assert close(got, want, rtol)
+        token = int(want.argmax())
 
 
 def assert_recurrent_caches_close(decoder: Any, ours: list, theirs: list, rtol: float) -> None:

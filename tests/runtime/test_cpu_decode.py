@@ -36,7 +36,8 @@ from mlxcel_compat.runtime.rope_angles import RopeAngles
 from mlxcel_compat.testing.gguf_writer import ensure_gguf
 from tests.conftest import MODEL_CACHE, tiny_model
 from tests.engine.harness import EngineHarness
-from tests.runtime.step_checks import assert_rows_together_equal_rows_alone
+from tests.runtime.step_checks import (assert_mlx_continues, assert_rows_together_equal_rows_alone, assert_same_cache,
+                                       follow_mlx, mlx_logits)
 
 LOGITS_RTOL = 1e-4  # of the largest logit: measured 1e-6 to 4e-6 (summation order, 2 ** x)
 KERNEL_RTOL = 2e-6
@@ -272,29 +273,6 @@ def _prefill(model: nn.Module, n: int, chunk: int | None = None, seed: int = 0) 
     return cache
 
 
-def _assert_same_cache(ours: list, theirs: list, rtol: float) -> None:
-    """The decoder's cache as MLX's update leaves it: every layer at the same offset; a ring the
-    same buffer shape, the same ``_idx`` and each slot holding the same key and value (within
-    ``rtol`` of the largest: they come from slightly different activations); a growing cache the
-    same first ``offset`` positions."""
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        assert type(a) is type(b) and a.offset == b.offset, i
-        if isinstance(b, RotatingKVCache):
-            assert a.keys.shape == b.keys.shape and a._idx == b._idx and a.max_size == b.max_size, (i, a._idx, b._idx)
-            pairs = [(a.keys, b.keys), (a.values, b.values)]
-        else:
-            pairs = [(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :]), (a.values[..., :a.offset, :], b.values[..., :b.offset, :])]
-        for x, y in pairs:
-            x, y = np.array(x), np.array(y)
-            assert np.abs(x - y).max() <= rtol * np.abs(y).max(), i
-
-
-def _mlx_logits(model: nn.Module, token: int, cache: list[KVCache]) -> np.ndarray:
-    out = model(mx.array([[token]]), cache=cache)[0, -1]
-    mx.eval(out)
-    return np.array(out)
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral", "gemma3_text", "granite", "seed_oss", "ernie4_5",
                                     "smollm3", "olmo2", "olmo3", "phi3", "glm4", "exaone4", "ministral3",
                                     "starcoder2", "cohere2", "apertus",
@@ -308,23 +286,11 @@ def test_decoder_follows_mlx_step_for_step(family: str) -> None:
     model, decoder = loaded.model, loaded.decoder
     assert isinstance(decoder, cpu_decode.CpuDecoder)
     ours = _prefill(model, 230)
-    theirs = copy.deepcopy(ours)
-    owned = decode_kv.OwnedCache()
-    token = 11
-    for step in range(40):
-        assert decoder.can_run(ours, owned)
-        got = decoder.step(token, ours, owned).copy()
-        want = _mlx_logits(model, token, theirs)
-        assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max(), step
-        assert int(got.argmax()) == int(want.argmax()), step
-        _assert_same_cache(ours, theirs, LOGITS_RTOL)
-        token = int(want.argmax())
+    theirs, token = follow_mlx(model, decoder, ours, 40, LOGITS_RTOL,
+                               after_step=lambda ours, theirs: assert_same_cache(ours, theirs, LOGITS_RTOL))
     assert ours[0].offset == theirs[0].offset == 270
     assert all(c.keys.shape[2] >= 271 for c in ours if type(c) is KVCache)
-    for _ in range(3):  # MLX reads and extends the cache the decoder wrote
-        got, want = _mlx_logits(model, token, ours), _mlx_logits(model, token, theirs)
-        assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
-        token = int(want.argmax())
+    assert_mlx_continues(model, ours, theirs, token, LOGITS_RTOL)
 
 
 def _chunk_logits(model: nn.Module, tokens: list[int], cache: list) -> np.ndarray:
@@ -358,14 +324,14 @@ def test_gemma3_rings_are_left_as_mlx_leaves_them(prompt: int, chunk: int | None
                 c.trim(3)
             token = 17
         got = decoder.step(token, ours, owned).copy()
-        want = _mlx_logits(model, token, theirs)
+        want = mlx_logits(model, token, theirs)
         assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max(), step
-        _assert_same_cache(ours, theirs, LOGITS_RTOL)
+        assert_same_cache(ours, theirs, LOGITS_RTOL)
         token = int(want.argmax())
     assert any(c._idx < c.offset for c in ours if type(c) is RotatingKVCache)  # wrapped
     merged = [(BatchRotatingKVCache if type(c) is RotatingKVCache else BatchKVCache).merge([c]) for c in copy.deepcopy(ours)]
     batch_theirs = [(BatchRotatingKVCache if type(c) is RotatingKVCache else BatchKVCache).merge([c]) for c in copy.deepcopy(theirs)]
-    got, want = _mlx_logits(model, token, merged), _mlx_logits(model, token, batch_theirs)
+    got, want = mlx_logits(model, token, merged), mlx_logits(model, token, batch_theirs)
     assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
     chunk_tokens = [token, 40, 41, 42, 43, 44]
     got, want = _chunk_logits(model, chunk_tokens, ours), _chunk_logits(model, chunk_tokens, theirs)
@@ -373,9 +339,9 @@ def test_gemma3_rings_are_left_as_mlx_leaves_them(prompt: int, chunk: int | None
     token = int(want.argmax())
     for _ in range(3):  # and the decoder takes the cache MLX's chunk left (copied once: MLX replaced it)
         got = decoder.step(token, ours, owned).copy()
-        want = _mlx_logits(model, token, theirs)
+        want = mlx_logits(model, token, theirs)
         assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
-        _assert_same_cache(ours, theirs, LOGITS_RTOL)
+        assert_same_cache(ours, theirs, LOGITS_RTOL)
         token = int(want.argmax())
 
 
@@ -405,13 +371,13 @@ def _follow_blocks(model: nn.Module, decoder: cpu_decode.CpuDecoder, prompts: li
         for step in range(steps):
             assert decoder.can_run(ours, owned)
             got = decoder.step(token, ours, owned).copy()
-            want = _mlx_logits(model, token, theirs)
+            want = mlx_logits(model, token, theirs)
             top = np.abs(want).max()
             assert np.abs(got - want).max() <= BLOCK_RTOL * top, (n, step, np.abs(got - want).max() / top)
             first, second = np.sort(want)[-2:][::-1]
             if first - second > 2 * BLOCK_RTOL * top:
                 assert int(got.argmax()) == int(want.argmax()), (n, step)
-            _assert_same_cache(ours, theirs, BLOCK_RTOL)
+            assert_same_cache(ours, theirs, BLOCK_RTOL)
             exact += bool(np.array_equal(got, want))
             total += 1
             token = int(want.argmax())
@@ -509,10 +475,10 @@ def test_a_step_on_shared_arrays_then_someone_elses_step_stays_right() -> None:
     hit, theirs = [copy.copy(c) for c in shared], copy.deepcopy(shared)
     owned = decode_kv.OwnedCache()
     decoder.step(11, hit, owned)
-    _mlx_logits(model, 11, theirs)
-    got, want = _mlx_logits(model, 12, hit), _mlx_logits(model, 12, theirs)
+    mlx_logits(model, 11, theirs)
+    got, want = mlx_logits(model, 12, hit), mlx_logits(model, 12, theirs)
     assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
-    got, want = decoder.step(13, hit, owned).copy(), _mlx_logits(model, 13, theirs)
+    got, want = decoder.step(13, hit, owned).copy(), mlx_logits(model, 13, theirs)
     assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max() and hit[0].offset == 43
 
 
@@ -578,7 +544,7 @@ def test_gemma3_caches_it_does_not_take() -> None:
     model, decoder = loaded.model, loaded.decoder
     owned = decode_kv.OwnedCache()
     good = _prefill(model, 30)
-    _mlx_logits(model, 5, good)  # a step: the rings grow to the window (64 slots, 31 used, _idx 31)
+    mlx_logits(model, 5, good)  # a step: the rings grow to the window (64 slots, 31 used, _idx 31)
     assert decoder.can_run(good, owned)
     sliding = [i for i, c in enumerate(good) if type(c) is RotatingKVCache]
     assert sliding == [i for i, layer in enumerate(model.layers) if layer.self_attn.is_sliding] and sliding
@@ -889,11 +855,11 @@ def test_prefill_of_a_hits_rest_matches_mlx_and_writes_nothing_shared(family: st
     assert decoder.steps == steps and decoder.prefilled == fed + rest
     want = np.array(model(mx.array([ids]), cache=theirs)[0, -1])
     assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
-    _assert_same_cache(hit, theirs, LOGITS_RTOL)
+    assert_same_cache(hit, theirs, LOGITS_RTOL)
     assert owned.apart is not None and owned.arrays == []  # read in place: nothing copied yet
     token = int(want.argmax())
     for step in range(3):  # the first step makes the decoder's own buffers, the next ones keep them
-        got, want = decoder.step(token, hit, owned).copy(), _mlx_logits(model, token, theirs)
+        got, want = decoder.step(token, hit, owned).copy(), mlx_logits(model, token, theirs)
         assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
         token = int(want.argmax())
         if step == 0:
@@ -975,8 +941,8 @@ def test_a_cold_prompt_chunk_on_the_runtime_leaves_mlx_s_kv(family: str, gguf_ty
         if split < 70:
             decoder.prefill(ids[split:], ours, owned, logits=False)
         assert decoder.prefilled == fed + 70 and owned.holds(ours) and all(c.offset == 70 for c in ours)
-        _assert_same_cache(ours, theirs, LOGITS_RTOL)
-        got, want = decoder.step(5, ours, owned).copy(), _mlx_logits(model, 5, copy.deepcopy(theirs))
+        assert_same_cache(ours, theirs, LOGITS_RTOL)
+        got, want = decoder.step(5, ours, owned).copy(), mlx_logits(model, 5, copy.deepcopy(theirs))
         assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
     gemma = load_model(str(tiny_model("gemma3_text")), [])  # sliding-window rings (and OLMo 3's): tests/runtime/test_ring_chunks.py
     assert gemma.decoder.can_prefill(make_prompt_cache(gemma.model), decode_kv.OwnedCache())
@@ -1081,6 +1047,6 @@ def test_ministral3_below_its_original_context_follows_mlx() -> None:
     token = 11
     for step in range(16):  # positions 5 .. 20
         got = decoder.step(token, ours, owned).copy()
-        want = _mlx_logits(model, token, theirs)
+        want = mlx_logits(model, token, theirs)
         assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max(), step
         token = int(want.argmax())

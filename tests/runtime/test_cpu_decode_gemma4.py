@@ -40,31 +40,13 @@ from mlxcel_compat.runtime.decode_gemma4 import Gemma4Decoder
 from mlxcel_compat.testing.gguf_writer import ensure_gguf
 from tests.conftest import MODEL_CACHE, tiny_model
 from tests.engine.harness import EngineHarness
-from tests.runtime.step_checks import assert_rows_together_equal_rows_alone, ids, mlx_logits, prefilled
+from tests.runtime.step_checks import (assert_mlx_continues, assert_rows_together_equal_rows_alone, assert_same_cache, close,
+                                       follow_mlx, ids, mlx_logits, prefilled)
 
 LOGITS_RTOL = 1e-4  # float32 weights: measured 6e-6 (summation order, the polynomial 2 ** x)
 BLOCK_RTOL = 0.06  # blocks, a step where one activation rounds to the next 8-bit step (test_cpu_decode.py)
 
 pytestmark = pytest.mark.skipif(backend.matmul_shim() is None, reason="the BLAS shim is not built on this machine")
-
-
-def _close(got: np.ndarray, want: np.ndarray, rtol: float) -> bool:
-    return bool(np.abs(got - want).max() <= rtol * np.abs(want).max())
-
-
-def _assert_same_cache(ours: list, theirs: list, rtol: float) -> None:
-    """Every layer with a cache (the KV-sharing ones have none) as MLX's update leaves it."""
-    assert len(ours) == len(theirs)
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        assert type(a) is type(b) and a.offset == b.offset, i
-        if isinstance(b, RotatingKVCache):
-            assert a.keys.shape == b.keys.shape and a._idx == b._idx, i
-            pairs = [(a.keys, b.keys), (a.values, b.values)]
-        else:
-            n = b.offset
-            pairs = [(a.keys[..., :n, :], b.keys[..., :n, :]), (a.values[..., :n, :], b.values[..., :n, :])]
-        for x, y in pairs:
-            assert _close(np.array(x), np.array(y), rtol), i
 
 
 def _gguf(family: str, gguf_type: str = "q8_0") -> tuple:
@@ -85,22 +67,10 @@ def test_the_directory_follows_mlx_step_for_step_past_the_window(dense: tuple) -
     assert decoder.n_cached == 3 and [layer.source for layer in decoder.layers] == [0, 1, 2, 1, 1, 2]
     assert {layer.head_dim for layer in decoder.layers} == {16, 32} and decoder.ple is not None
     ours = prefilled(model, 40)
-    theirs = copy.deepcopy(ours)
-    owned = decode_kv.OwnedCache()
-    token = 11
-    for step in range(40):
-        assert decoder.can_run(ours, owned)
-        got = decoder.step(token, ours, owned).copy()
-        want = mlx_logits(model, token, theirs)
-        assert _close(got, want, LOGITS_RTOL), step
-        assert int(got.argmax()) == int(want.argmax()), step
-        _assert_same_cache(ours, theirs, LOGITS_RTOL)
-        token = int(want.argmax())
+    theirs, token = follow_mlx(model, decoder, ours, 40, LOGITS_RTOL,
+                               after_step=lambda ours, theirs: assert_same_cache(ours, theirs, LOGITS_RTOL))
     assert ours[0].offset == 80 > decoder.window and decoder.steps >= 40
-    for _ in range(3):  # MLX reads and extends the cache the decoder wrote
-        got, want = mlx_logits(model, token, ours), mlx_logits(model, token, theirs)
-        assert _close(got, want, LOGITS_RTOL)
-        token = int(want.argmax())
+    assert_mlx_continues(model, ours, theirs, token, LOGITS_RTOL)
 
 
 @pytest.mark.parametrize("family,gguf_type", [("gemma4_text", "q8_0"), ("gemma4_text_moe", "q8_0"),
@@ -123,11 +93,11 @@ def test_block_files_follow_mlx_teacher_forced(family: str, gguf_type: str) -> N
             got = decoder.step(token, ours, owned).copy()
             want = mlx_logits(model, token, theirs)
             top = np.abs(want).max()
-            assert _close(got, want, BLOCK_RTOL), (n, step)
+            assert close(got, want, BLOCK_RTOL), (n, step)
             first, second = np.sort(want)[-2:][::-1]
             if first - second > 2 * BLOCK_RTOL * top:
                 assert int(got.argmax()) == int(want.argmax()), (n, step)
-            _assert_same_cache(ours, theirs, BLOCK_RTOL)
+            assert_same_cache(ours, theirs, BLOCK_RTOL)
             exact += bool(np.array_equal(got, want))
             total += 1
             token = int(want.argmax())
@@ -208,7 +178,7 @@ def _assert_same_kv(ours: list, theirs: list, rtol: float) -> None:
         for x, y in zip(_newest(a), _newest(b)):
             n = min(x.shape[2], y.shape[2], a.offset)  # MLX's chunk leaves a ring window - 1 + rows long
             assert n == min(a.offset, a.max_size if isinstance(a, RotatingKVCache) else a.offset)
-            assert _close(x[:, :, x.shape[2] - n:], y[:, :, y.shape[2] - n:], rtol), i
+            assert close(x[:, :, x.shape[2] - n:], y[:, :, y.shape[2] - n:], rtol), i
 
 
 @pytest.mark.parametrize("family,splits", [
@@ -228,14 +198,14 @@ def test_cold_prompt_chunks_leave_mlx_s_kv_and_steps_follow(family: str | None, 
         assert decoder.can_prefill(ours, owned)
         got = decoder.prefill(tokens[first:first + n], ours, owned).copy()
         want = np.array(model(mx.array([tokens[first:first + n]]), cache=theirs)[0, -1])
-        assert _close(got, want, rtol), n
+        assert close(got, want, rtol), n
         first += n
     assert decoder.prefilled - before == sum(n for n in splits if n > 1)
     _assert_same_kv(ours, theirs, rtol)
     token = 11
     for step in range(5):
         got, want = decoder.step(token, ours, owned).copy(), mlx_logits(model, token, theirs)
-        assert _close(got, want, rtol), step
+        assert close(got, want, rtol), step
         token = int(want.argmax())
 
 
@@ -268,11 +238,11 @@ def test_f16_kv_chunks_and_steps_follow_mlx() -> None:
     owned = decode_kv.OwnedCache()
     tokens = ids(70)
     got = decoder.prefill(tokens, ours, owned).copy()
-    assert _close(got, np.array(model(mx.array([tokens]), cache=theirs)[0, -1]), f16_rtol)
+    assert close(got, np.array(model(mx.array([tokens]), cache=theirs)[0, -1]), f16_rtol)
     assert all(c.keys.dtype == mx.float16 for c in ours)
     token = 11
     for step in range(20):
         assert decoder.can_run(ours, owned)
         got, want = decoder.step(token, ours, owned).copy(), mlx_logits(model, token, theirs)
-        assert _close(got, want, f16_rtol), step
+        assert close(got, want, f16_rtol), step
         token = int(want.argmax())

@@ -29,7 +29,7 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlxcel_compat.model.loader import load_model
 from mlxcel_compat.runtime import backend, cpu_decode, decode_gemma4, decode_kv, decode_moe
 from tests.conftest import SLOW, slow_but, tiny_model
-from tests.runtime.step_checks import assert_rows_together_equal_rows_alone, ids, mlx_logits, prefilled
+from tests.runtime.step_checks import assert_rows_together_equal_rows_alone, follow_mlx, ids, mlx_logits, prefilled
 
 LOGITS_RTOL = 1e-4  # of the largest logit, as test_cpu_decode.py: measured 4e-7 to 7e-6 (summation order)
 
@@ -95,16 +95,7 @@ def test_directory_follows_mlx_step_for_step(directory: Callable, family: str) -
     copy of the cache, the same token, the cache as MLX's step leaves it."""
     model, decoder = directory(family)
     ours = prefilled(model, 30)
-    theirs = copy.deepcopy(ours)
-    owned = decode_kv.OwnedCache()
-    token = 11
-    for step in range(40):
-        assert decoder.can_run(ours, owned)
-        got = decoder.step(token, ours, owned).copy()
-        want = mlx_logits(model, token, theirs)
-        assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max(), step
-        assert int(got.argmax()) == int(want.argmax()), step
-        token = int(want.argmax())
+    theirs, _ = follow_mlx(model, decoder, ours, 40, LOGITS_RTOL)
     assert_same_state(ours, theirs, LOGITS_RTOL)
 
 
