@@ -201,8 +201,7 @@ class PrefixCache:
 
     def run_warmup(self, job: WarmupJob, engine: "Engine", should_stop: Any) -> bool:
         assert self.snapshots is not None
-        model = engine.loaded.model
-        done = self.snapshots.run_warmup(job, model, lambda: make_prompt_cache(model), engine.config.batch_size, should_stop)
+        done = self.snapshots.run_warmup(job, engine.loaded.model, engine.loaded.decoder, engine.config.batch_size, should_stop)
         self._refresh()
         return done
 

@@ -18,14 +18,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-import mlx.core as mx
-
 from mlxcel_compat.cache import kv
 from mlxcel_compat.cache.key import TEXT_ONLY_MM_DIGEST, Bucket
 from mlxcel_compat.cache.snapshot import ORIGIN_BOUNDARY, ORIGIN_COMPLETION, SnapshotLookup, SnapshotStore
+from mlxcel_compat.engine.forward import prefill_chunk
 from mlxcel_compat.engine.request import WarmupJob
-from mlxcel_compat.runtime.block_layers import logits_unused
-from mlxcel_compat.runtime.lora_rows import applied
+from mlxcel_compat.runtime.decode_kv import OwnedCache
 
 if TYPE_CHECKING:
     from mlxcel_compat.engine.sequence import Sequence
@@ -33,21 +31,28 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def prefill_tokens(model: Any, cache: list[Any], tokens: list[int], start: int, chunk_size: int, should_stop: Callable[[], bool],
-                   lora: tuple[float, ...] = ()) -> int:
+def prefill_tokens(model: Any, decoder: Any, cache: list[Any], tokens: list[int], start: int, chunk_size: int,
+                   should_stop: Callable[[], bool], lora: tuple[float, ...] = ()) -> int:
     """Prefill ``tokens[start:]`` in chunks aligned on absolute multiples of ``chunk_size``,
-    under the LoRA scales ``lora`` (those of the request the state belongs to).
+    under the LoRA scales ``lora`` (those of the request the state belongs to), each chunk as a
+    sequence's prefill feeds it (``forward.prefill_chunk``: the CPU decode runtime where it takes
+    the cache, else MLX's forward).
+
+    Why the runtime: MLX's prompt path for a hybrid's delta-net layers loops over the tokens in
+    Python; a warm-up chunk of a turn's reply took about a second on a Qwen3.5-shaped file, and a
+    request arriving meanwhile waited for it (warm-ups stop between chunks only). Through the
+    runtime it is one pass, and the state it leaves is the arithmetic a cold prefill of the same
+    chunk does.
 
     Returns how far it got (``len(tokens)`` unless ``should_stop`` interrupted it).
     """
+    owned = OwnedCache()
     pos = start
     while pos < len(tokens):
         if should_stop():
             return pos
         end = min(len(tokens), (pos // chunk_size + 1) * chunk_size)
-        with logits_unused(), applied([lora] if any(lora) else None):  # only the cache is wanted
-            model(mx.array(tokens[pos:end])[None], cache=cache)
-        mx.eval([layer.state for layer in cache])
+        prefill_chunk(model, decoder, cache, owned, lora, tokens[pos:end])
         pos = end
     return pos
 
@@ -106,7 +111,7 @@ class SessionSnapshots:
 
     # ------------------------------------------------------------------ warm-up
 
-    def run_warmup(self, job: WarmupJob, model: Any, make_cache: Callable[[], list[Any]], chunk_size: int, should_stop: Callable[[], bool]) -> bool:
+    def run_warmup(self, job: WarmupJob, model: Any, decoder: Any, chunk_size: int, should_stop: Callable[[], bool]) -> bool:
         """Extend the session's best snapshot through ``job.tokens``; False when skipped."""
         bucket = self.bucket(job.template_sig, job.mm_digest, job.namespace, job.lora_id)
         # The job has no token left to "generate": look up as if one more token followed.
@@ -119,7 +124,7 @@ class SessionSnapshots:
         cache = kv.copy_cache(hit.entry.payload)
         if hit.needs_trim:
             kv.truncate(cache, hit.matched_len)
-        reached = prefill_tokens(model, cache, job.tokens, hit.matched_len, chunk_size, should_stop, job.lora)
+        reached = prefill_tokens(model, decoder, cache, job.tokens, hit.matched_len, chunk_size, should_stop, job.lora)
         if reached < len(job.tokens):
             self.store.record_warmup(False)  # a request arrived: it goes first
             return False

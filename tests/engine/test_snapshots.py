@@ -8,9 +8,12 @@ run without that split, first-token log-probabilities agree within LOGPROB_TOL.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
+from mlxcel_compat.cache.key import RAW_PROMPT_TEMPLATE_SIG
+from mlxcel_compat.engine.request import WarmupJob
 from tests.conftest import tiny_model
 from tests.engine.harness import EngineHarness
 
@@ -60,6 +63,29 @@ def test_restored_boundary_snapshot_is_exact(harness: EngineHarness) -> None:
     assert len(common) >= 7
     for token in common:
         assert abs(warm.logprobs[0][token] - unsplit.logprobs[0][token]) < LOGPROB_TOL
+
+
+def test_a_warm_up_computes_what_a_cold_prefill_computes(harness: EngineHarness) -> None:
+    """The idle warm-up extends the boundary snapshot through the reply the way a prefill does
+    (through the CPU decode runtime where it takes the cache, not MLX's forward): on the chunk
+    grid, the next turn restored from it is bit-identical to a cold run of the same prompt."""
+    history, reply, new = random_tokens(3 * CHUNK, seed=5), random_tokens(CHUNK, seed=6), random_tokens(15, seed=7)
+    harness.run(history + random_tokens(12, seed=8), n_predict=2, boundary=len(history), session="x")
+    decoder = harness.engine.loaded.decoder
+    prefilled = decoder.prefilled if decoder is not None else 0
+    harness.engine.warmup(WarmupJob(session_key="x", template_sig=RAW_PROMPT_TEMPLATE_SIG, tokens=history + reply))
+    deadline = time.monotonic() + 60
+    while harness.stats()["snapshot_warmups_run"] < 1:
+        assert time.monotonic() < deadline, "the warm-up never ran"
+        time.sleep(0.05)
+    if decoder is not None:
+        assert decoder.prefilled == prefilled + len(reply)  # the runtime fed the reply
+    prompt = history + reply + new
+    warm = harness.run(prompt, n_predict=8, n_probs=8, boundary=len(prompt) - 1, session="x")
+    assert warm.finish.n_cached == len(history + reply)
+    cold = harness.run(prompt, n_predict=8, n_probs=8, cache=False)
+    assert warm.tokens == cold.tokens
+    assert warm.logprobs == cold.logprobs
 
 
 def test_rewritten_history_is_rejected_with_its_geometry(harness: EngineHarness) -> None:
