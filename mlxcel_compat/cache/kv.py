@@ -129,11 +129,11 @@ class PagedKVCache(KVCache):
         return n
 
 
-def _copy_layer(layer: Any, exact: bool) -> Any:
+def _copy_layer(layer: Any, exact: bool, share_state: bool = False) -> Any:
     if type(layer) is PagedKVCache:
         return layer.copy()
     if isinstance(layer, CacheList):
-        return CacheList(*(_copy_layer(c, exact) for c in layer.caches))
+        return CacheList(*(_copy_layer(c, exact, share_state) for c in layer.caches))
     if type(layer) is KVCache:
         new = KVCache()
         new.__dict__.update((k, v) for k, v in vars(layer).items() if k not in vars(new))  # a storage-type stamp
@@ -149,7 +149,7 @@ def _copy_layer(layer: Any, exact: bool) -> Any:
         # state arrays in place (runtime/decode_delta.py), and a copy (a snapshot, an entry)
         # must keep the state it was taken with.
         new = copy.copy(layer)
-        new.cache = [mx.array(a) if isinstance(a, mx.array) else a for a in layer.cache]
+        new.cache = list(layer.cache) if share_state else [mx.array(a) if isinstance(a, mx.array) else a for a in layer.cache]
         return new
     new = copy.copy(layer)
     new.__dict__.update({k: _fresh(v) for k, v in layer.__dict__.items()})
@@ -159,6 +159,16 @@ def _copy_layer(layer: Any, exact: bool) -> Any:
 def copy_cache(cache: Sequence[Any], exact: bool = False) -> Payload:
     """A copy-on-write copy of a whole model cache; ``exact`` trims KV buffers to their content."""
     return [_copy_layer(layer, exact) for layer in cache]
+
+
+def restore(payload: Sequence[Any]) -> Payload:
+    """A sequence's cache to start from a stored entry (a session snapshot): copy-on-write like
+    :func:`copy_cache`, and the recurrent state arrays shared with the entry too instead of
+    copied. Nothing writes a stored array in place: MLX's passes make new arrays, and the CPU
+    decode runtime writes only arrays it made for its sequence, copying any other first
+    (``runtime/decode_delta.own_states``). Sharing them saves the hit a copy of its state (a
+    Qwen3.5-0.8B-shaped hybrid: 6 MiB, then copied again into the runtime's own buffers)."""
+    return [_copy_layer(layer, False, share_state=True) for layer in payload]
 
 
 def snapshot(cache: Sequence[Any]) -> Payload:

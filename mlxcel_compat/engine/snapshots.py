@@ -84,7 +84,7 @@ class SessionSnapshots:
         hit = result.hit
         if hit is None:
             return 0
-        cache = kv.copy_cache(hit.entry.payload)
+        cache = kv.restore(hit.entry.payload)
         if hit.needs_trim:
             kv.truncate(cache, hit.matched_len)
         seq.cache = cache
@@ -121,7 +121,7 @@ class SessionSnapshots:
             self.store.record_warmup(False)
             self._trace("warmup-skip", -1, probe)
             return False
-        cache = kv.copy_cache(hit.entry.payload)
+        cache = kv.restore(hit.entry.payload)
         if hit.needs_trim:
             kv.truncate(cache, hit.matched_len)
         reached = prefill_tokens(model, decoder, cache, job.tokens, hit.matched_len, chunk_size, should_stop, job.lora)

@@ -123,3 +123,24 @@ def test_a_copy_of_the_cache_keeps_the_state_it_was_taken_with(hybrid_decoder: C
     assert not np.array_equal(np.array(cache[0].cache[1]), kept[1])  # the live state did move on
     again = decoder.step(12, taken, decode_kv.OwnedCache())
     assert np.array_equal(again, after)
+
+
+def test_a_restored_cache_shares_the_entrys_state_and_never_writes_it(hybrid_decoder: Callable) -> None:
+    """``kv.restore`` (a session-snapshot hit) shares the stored entry's recurrent arrays instead
+    of copying them; the runtime's steps on the restored cache copy them into buffers of their
+    own first, and MLX's pass makes new arrays, so the entry keeps the state it was taken with
+    and a second restore continues exactly as the first."""
+    model, decoder = hybrid_decoder("qwen3_5:q8_0")
+    cache, owned = prefilled(model, 20), decode_kv.OwnedCache()
+    decoder.step(11, cache, owned)
+    taken = kv.snapshot(cache)
+    state = [a for i in decoder.delta_layers for a in taken[i].cache]
+    kept = [np.array(a) for a in state]
+    first = kv.restore(taken)
+    assert all(a is b for a, b in zip((a for i in decoder.delta_layers for a in first[i].cache), state))
+    mlx_logits(model, 12, kv.restore(taken))
+    owned_first = decode_kv.OwnedCache()
+    got = [decoder.step(t, first, owned_first).copy() for t in (12, 13, 14)]
+    assert all(np.array_equal(np.array(a), b) for a, b in zip(state, kept))
+    second, owned_second = kv.restore(taken), decode_kv.OwnedCache()
+    assert all(np.array_equal(decoder.step(t, second, owned_second), g) for t, g in zip((12, 13, 14), got))
