@@ -85,6 +85,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -439,13 +440,23 @@ def _prefill_text(index: int, n_sentences: int) -> str:
     return f"Part {index + 1}. " + " ".join(rng.choice(SENTENCES) for _ in range(n_sentences))
 
 
-def _accuracy_text(index: int) -> str:
-    """An accuracy prompt beyond the fixed ones (``--accuracy-prompts``): a deterministic opening
-    of two sentences, different for every ``index``."""
+@functools.lru_cache(maxsize=1)
+def _openings() -> list[tuple[int, int, int]]:
+    """Every ordered triple of three different ``SENTENCES``, in a fixed shuffled order."""
+    import itertools
     import random
 
-    rng = random.Random(5000 + index)
-    return " ".join(rng.choice(SENTENCES) for _ in range(2))
+    triples = list(itertools.permutations(range(len(SENTENCES)), 3))
+    random.Random(5000).shuffle(triples)
+    return triples
+
+
+def _accuracy_text(index: int) -> str:
+    """An accuracy prompt beyond the fixed ones (``--accuracy-prompts``): a deterministic opening
+    of three sentences, a different one for every ``index`` below 3360 (two sentences drawn with
+    replacement, as before 2026-12-07, repeated prompts: 600 drew 243 different ones, so counts
+    weighed some prompts twice or more)."""
+    return " ".join(SENTENCES[i] for i in _openings()[index])
 
 
 def prepare(path: str, n_prefill: int, n_prefill_prompts: int, n_accuracy: int, accuracy_tokens: int,

@@ -3,8 +3,8 @@
 - A written row is quantized as ggml's reference quantizers do, bit for bit against a NumPy
   transcription of ``quantize_row_q8_0_ref`` / ``quantize_row_q4_0_ref`` (ties of x / scale at
   .5 included: q8_0 rounds them away from zero, q4_0 truncates x / scale + 8.5).
-- A decode step: the query quantized to q8_0, Q.K by the blocks, V rows dequantized and summed:
-  against float64 over the dequantized rows (and the dequantized query); the same step over a
+- A decode step: float32 queries against each dequantized key row, V rows dequantized and summed:
+  against float64 over the dequantized rows; the same step over a
   cache it may not write gives the same bits; rows together (several query heads of a group, an
   apart row) as rows alone.
 - A prompt chunk over the dequantized rows, against float64; apart and in place, the same bits.
@@ -103,7 +103,7 @@ def test_rows_are_quantized_as_ggml_s_reference(kind: str) -> None:
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("d,n", [(64, 1), (64, 300), (128, 37)])
 def test_a_decode_step_over_blocks(kind: str, d: int, n: int) -> None:
-    """The new key and value quantized at slot n - 1; the output is attention of the q8_0 query
+    """The new key and value quantized at slot n - 1; the output is attention of the float32 query
     over the dequantized rows (float64 reference); over a cache it may not write, the same bits
     with the new rows apart; a group's query heads alone give the bits they give together."""
     rng = np.random.default_rng(11)
@@ -130,8 +130,8 @@ def test_a_decode_step_over_blocks(kind: str, d: int, n: int) -> None:
     untouched = np.ones(capacity, bool)
     untouched[pos] = False
     assert np.array_equal(keys[:, untouched], before_k[:, untouched])
-    q8 = dequantize(quantize(q.reshape(kv_heads, group, d), "q8_0"), "q8_0")
-    ref = attention_reference(q8, dequantize(keys[:, :n], kind), dequantize(values[:, :n], kind), scale).reshape(-1)
+    ref = attention_reference(q.reshape(kv_heads, group, d).astype(np.float64), dequantize(keys[:, :n], kind),
+                              dequantize(values[:, :n], kind), scale).reshape(-1)
     assert np.abs(out - ref).max() <= KERNEL_RTOL * np.abs(ref).max()
     if n > 1:
         assert np.array_equal(apart, out)

@@ -6,10 +6,10 @@
  * softmax is a vectorized power of 2 (vector_math.h), where MLX's CPU exponential is scalar.
  * The cache's keys and values are float32, f16 or bf16 rows, or ggml's q8_0 or q4_0 blocks
  * (-ctk/-ctv: kv_rows.h): new rows are rounded (quantized) to the type when written; a step's
- * products widen 16-bit rows in registers as they read them, and over blocks take the dot of each
- * key row with the query quantized to q8_0 and add each dequantized value row (as ggml's CPU flash
- * attention does); a prompt chunk widens (dequantizes) each head's rows once into its float32
- * scratch.
+ * products widen 16-bit rows in registers as they read them, and over blocks dequantize each key
+ * row for its dots with the float32 queries (kv_rows.h: kv_block_scores says why not ggml's q8_0
+ * query) and add each dequantized value row (as ggml's CPU flash attention does); a prompt chunk
+ * widens (dequantizes) each head's rows once into its float32 scratch.
  */
 #include <math.h>
 #include <stddef.h>
@@ -144,10 +144,9 @@ static void attend_head_kv(const void *ctx, int h) {
     float *scores = q + (size_t)g * d;
     for (int i = 0; i < g * d; i++) q[i] = a->q[(size_t)h * g * d + i] * a->scale;
     int shared = apart ? n - 1 : n; /* slots read from the cache; the last one apart after them */
-    if (kv_blocks(a->k_type)) { /* block keys: the unscaled queries to q8_0, the scale after the dot */
-        const float *qh = a->q + (size_t)h * g * d;
-        kv_block_scores(a->k_type, g, shared, d, qh, a->scale, (const uint8_t *)keys, scores, n);
-        if (apart) kv_block_scores(a->k_type, g, 1, d, qh, a->scale, (const uint8_t *)k_dst, scores + n - 1, n);
+    if (kv_blocks(a->k_type)) { /* block keys: each row dequantized, the scaled float32 queries */
+        kv_block_scores(a->k_type, g, shared, d, q, (const uint8_t *)keys, scores, n);
+        if (apart) kv_block_scores(a->k_type, g, 1, d, q, (const uint8_t *)k_dst, scores + n - 1, n);
     } else if (a->k_type == MLXCEL_KV_F32) {
         rows_nt(g, 0, shared, d, q, d, (const float *)keys, d, scores, n, 1.0f, 0.0f);
         if (apart) rows_nt(g, 0, 1, d, q, d, (const float *)k_dst, d, scores + n - 1, n, 1.0f, 0.0f);
@@ -172,8 +171,9 @@ static void attend_head_kv(const void *ctx, int h) {
 
 /* attend_head over a span (kv_rows.h): the shared blocks read in place, then the cache's own rows
  * (position t at row t - n_blocked), then the row kept apart; any storage type (block keys and
- * values as attend_head_kv reads them: the q8_0 query's dots, the rows dequantized in order). The same scores,
- * softmax and products, so the same numbers as over one buffer holding the same rows. */
+ * values as attend_head_kv reads them: each key row dequantized for the float32 queries, the
+ * value rows dequantized in order). The same scores, softmax and products, so the same numbers as
+ * over one buffer holding the same rows. */
 static void attend_head_span(const void *ctx, int h) {
     static __thread struct mlxcel_scratch scratch;
     const struct attention_job *a = ctx;
@@ -193,8 +193,8 @@ static void attend_head_span(const void *ctx, int h) {
     for (int i = 0; i < g * d; i++) q[i] = a->q[(size_t)h * g * d + i] * a->scale;
     int own_n = (apart ? n - 1 : n) - nb;
     int n_runs = kv_head_runs(runs, b, 0, k_row, h, keys, own_n, k_dst, apart);
-    if (kv_blocks(a->k_type)) /* block keys: the unscaled queries to q8_0, the scale after the dot */
-        kv_span_block_scores(a->k_type, g, d, runs, n_runs, a->q + (size_t)h * g * d, a->scale, scores, n);
+    if (kv_blocks(a->k_type)) /* block keys: each row dequantized, the scaled float32 queries */
+        kv_span_block_scores(a->k_type, g, d, runs, n_runs, q, scores, n);
     else
         kv_span_scores(a->k_type, g, d, runs, n_runs, q, scores, n);
     for (int i = 0; i < g; i++) {

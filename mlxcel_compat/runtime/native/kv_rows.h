@@ -154,57 +154,30 @@ static void kv_dequantize(int type, const uint8_t *src, float *dst, int n) {
     }
 }
 
-/* A block row unpacked for its dots: int8 values (q4_0's nibbles less 8) and float scales. */
-static inline void kv_unpack_row(int type, const uint8_t *src, int8_t *q, float *scale, int d) {
-    for (int b = 0; b < d / KV_QK; b++, q += KV_QK) {
-        scale[b] = kv_block_scale(src);
-        if (type == MLXCEL_KV_Q8_0) {
-            memcpy(q, src + 2, KV_QK);
-            src += KV_Q8_0_BYTES;
-        } else {
-            for (int j = 0; j < KV_QK / 2; j++) {
-                q[j] = (int8_t)((src[2 + j] & 0x0f) - 8);
-                q[j + KV_QK / 2] = (int8_t)((src[2 + j] >> 4) - 8);
-            }
-            src += KV_Q4_0_BYTES;
+/* scores (M, ldc) columns [0, n1) = x (M, d) . block key rows [0, n1): x the float32 queries,
+ * already scaled (as the 16-bit rows' kv_scores takes them), each key row dequantized once (its
+ * blocks' values times their scales, kv_dequantize) and dotted with each query in float32.
+ *
+ * Why float32 queries, where ggml's CPU flash attention rounds the query to q8_0 for an integer
+ * dot: the keys' own rounding is the precision the -ctk flag asks for; rounding the query too
+ * added an error of the same size on top (with q8_0 KV, greedy continuations agreed with this
+ * server's f16 run on 226 of 600 prompts against llama-server's 233 of 600 with its own f16 run;
+ * docs/benchmarks/kv-precision.md). A prompt chunk already read the dequantized rows with float32
+ * queries: a step and a chunk now do the same arithmetic, as with f16 keys. */
+static void kv_block_scores(int T, int M, int n1, int d, const float *x, const uint8_t *keys, float *c, size_t ldc) {
+    size_t row = kv_row_bytes(T, d);
+    float *k = malloc((size_t)d * sizeof(float));
+    if (!k) abort();
+    for (int t = 0; t < n1; t++) {
+        kv_dequantize(T, keys + (size_t)t * row, k, d);
+        for (int i = 0; i < M; i++) {
+            const float *q = x + (size_t)i * d;
+            float sum = 0.0f;
+            for (int j = 0; j < d; j++) sum += q[j] * k[j];
+            c[(size_t)i * ldc + t] = sum;
         }
     }
-}
-
-/* dot(x, y) over d unpacked values: each block's integer sum times the two scales, summed over
- * the blocks in order (ggml's vec_dot_q8_0_q8_0 and vec_dot_q4_0_q8_0: sumi * (dx * dy)). */
-static inline float kv_block_dot(const int8_t *xq, const float *xs, const int8_t *yq, const float *ys, int d) {
-    float sum = 0.0f;
-    for (int b = 0; b < d / KV_QK; b++) {
-        int isum = 0;
-        for (int j = 0; j < KV_QK; j++) isum += xq[b * KV_QK + j] * yq[b * KV_QK + j];
-        sum += (float)isum * (xs[b] * ys[b]);
-    }
-    return sum;
-}
-
-/* scores (M, ldc) columns [0, n1) = scale * x (M, d) . block key rows [0, n1): each query row
- * quantized to q8_0 first (unscaled, as ggml quantizes Q before scaling the product); each key
- * row unpacked once for the M queries. */
-static void kv_block_scores(int T, int M, int n1, int d, const float *x, float scale, const uint8_t *keys, float *c,
-                            size_t ldc) {
-    size_t row = kv_row_bytes(T, d), qrow = kv_row_bytes(MLXCEL_KV_Q8_0, d);
-    int nb = d / KV_QK;
-    float *ys = malloc((size_t)(M + 1) * nb * sizeof(float) + (size_t)(M + 1) * d + qrow); /* scales first: aligned */
-    if (!ys) abort();
-    float *xs = ys + (size_t)M * nb;
-    int8_t *yq = (int8_t *)(xs + nb), *xq = yq + (size_t)M * d;
-    uint8_t *packed = (uint8_t *)(xq + d);
-    for (int i = 0; i < M; i++) {
-        kv_quantize_q8_0(packed, x + (size_t)i * d, d);
-        kv_unpack_row(MLXCEL_KV_Q8_0, packed, yq + (size_t)i * d, ys + (size_t)i * nb, d);
-    }
-    for (int t = 0; t < n1; t++) {
-        kv_unpack_row(T, keys + (size_t)t * row, xq, xs, d);
-        for (int i = 0; i < M; i++)
-            c[(size_t)i * ldc + t] = kv_block_dot(xq, xs, yq + (size_t)i * d, ys + (size_t)i * nb, d) * scale;
-    }
-    free(ys);
+    free(k);
 }
 
 /* out (M, d) = p (M, ldp) columns [0, n) times block value rows [0, n) (rows from K1 on: from
@@ -541,14 +514,13 @@ static void kv_span_scores(int T, int M, int K, const struct kv_run *runs, int n
     }
 }
 
-/* kv_block_scores over a span's block key rows (q8_0, q4_0), run by run: x the unscaled queries,
- * quantized to q8_0 for each run (the same bytes every time), each score its own dot product
- * times `scale`: the same numbers as over one buffer holding the rows. */
-static void kv_span_block_scores(int T, int M, int d, const struct kv_run *runs, int n_runs, const float *x,
-                                 float scale, float *c, size_t ldc) {
+/* kv_block_scores over a span's block key rows (q8_0, q4_0), run by run, x the scaled float32
+ * queries: the same numbers as over one buffer holding the rows. */
+static void kv_span_block_scores(int T, int M, int d, const struct kv_run *runs, int n_runs, const float *x, float *c,
+                                 size_t ldc) {
     int k0 = 0;
     for (int r = 0; r < n_runs; k0 += runs[r++].n)
-        kv_block_scores(T, M, runs[r].n, d, x, scale, (const uint8_t *)runs[r].rows, c + k0, ldc);
+        kv_block_scores(T, M, runs[r].n, d, x, (const uint8_t *)runs[r].rows, c + k0, ldc);
 }
 
 /* kv_block_weighted over a span's block value rows: out (M, d) = p (M, ldp) columns [0, the span's
