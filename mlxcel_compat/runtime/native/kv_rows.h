@@ -160,10 +160,10 @@ static void kv_dequantize(int type, const uint8_t *src, float *dst, int n) {
  *
  * Why float32 queries, where ggml's CPU flash attention rounds the query to q8_0 for an integer
  * dot: the keys' own rounding is the precision the -ctk flag asks for; rounding the query too
- * added an error of the same size on top (with q8_0 KV, greedy continuations agreed with this
- * server's f16 run on 226 of 600 prompts against llama-server's 233 of 600 with its own f16 run;
- * docs/benchmarks/kv-precision.md). A prompt chunk already read the dequantized rows with float32
- * queries: a step and a chunk now do the same arithmetic, as with f16 keys. */
+ * added an error of about the same size on top, and q8_0 runs then agreed with this server's f16
+ * run less often than llama-server's q8_0 with its f16 (docs/benchmarks/kv-precision.md). A
+ * prompt chunk already read the dequantized rows with float32 queries: a step and a chunk now do
+ * the same arithmetic, as with f16 keys, and MLX's path (which dequantizes the rows) too. */
 static void kv_block_scores(int T, int M, int n1, int d, const float *x, const uint8_t *keys, float *c, size_t ldc) {
     size_t row = kv_row_bytes(T, d);
     float *k = malloc((size_t)d * sizeof(float));
