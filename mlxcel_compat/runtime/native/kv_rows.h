@@ -164,18 +164,15 @@ static void kv_dequantize(int type, const uint8_t *src, float *dst, int n) {
  * run less often than llama-server's q8_0 with its f16 (docs/benchmarks/kv-precision.md). A
  * prompt chunk already read the dequantized rows with float32 queries: a step and a chunk now do
  * the same arithmetic, as with f16 keys, and MLX's path (which dequantizes the rows) too. */
+#define KV_BLOCK_ROWS 64 /* key rows dequantized at a time: 16 KiB of float32 at d = 64 */
 static void kv_block_scores(int T, int M, int n1, int d, const float *x, const uint8_t *keys, float *c, size_t ldc) {
     size_t row = kv_row_bytes(T, d);
-    float *k = malloc((size_t)d * sizeof(float));
+    float *k = malloc((size_t)KV_BLOCK_ROWS * d * sizeof(float));
     if (!k) abort();
-    for (int t = 0; t < n1; t++) {
-        kv_dequantize(T, keys + (size_t)t * row, k, d);
-        for (int i = 0; i < M; i++) {
-            const float *q = x + (size_t)i * d;
-            float sum = 0.0f;
-            for (int j = 0; j < d; j++) sum += q[j] * k[j];
-            c[(size_t)i * ldc + t] = sum;
-        }
+    for (int t0 = 0; t0 < n1; t0 += KV_BLOCK_ROWS) {
+        int rows = n1 - t0 < KV_BLOCK_ROWS ? n1 - t0 : KV_BLOCK_ROWS;
+        for (int t = 0; t < rows; t++) kv_dequantize(T, keys + (size_t)(t0 + t) * row, k + (size_t)t * d, d);
+        rows_nt(M, 0, rows, d, x, (size_t)d, k, (size_t)d, c + t0, ldc, 1.0f, 0.0f); /* float32 rows' kernel */
     }
     free(k);
 }
