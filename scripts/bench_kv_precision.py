@@ -113,7 +113,9 @@ def report_agreement(results: dict[str, dict[str, Any]], n_prompts: int, n_token
     same program, our f16 against our f32 and against llama-server's f16)."""
     pairs = [("llama:q8_0", "llama:f16"), ("mlxcel:q8_0", "mlxcel:f16"), ("mlxcel:f16", "mlxcel:f32"),
              ("mlxcel:f16", "llama:f16")]
-    out = {}
+    out: dict[str, Any] = {}
+    if n_prompts == 0:  # --accuracy-prompts 0: speed and memory only
+        return out
     for a, b in pairs:
         if a in results and b in results:
             same, first = agreement(results[a]["continuations"], results[b]["continuations"], n_tokens)
