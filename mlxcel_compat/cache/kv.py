@@ -147,7 +147,8 @@ def _copy_layer(layer: Any, exact: bool, share_state: bool = False) -> Any:
     if isinstance(layer, ArraysCache):
         # Recurrent state is copied for real: the CPU decode runtime updates a sequence's own
         # state arrays in place (runtime/decode_delta.py), and a copy (a snapshot, an entry)
-        # must keep the state it was taken with.
+        # must keep the state it was taken with. A restore (share_state: a stored entry's arrays,
+        # which nothing writes in place) shares them.
         new = copy.copy(layer)
         new.cache = list(layer.cache) if share_state else [mx.array(a) if isinstance(a, mx.array) else a for a in layer.cache]
         return new
