@@ -27,7 +27,7 @@ def next_chunk(prompt: list[int], start: int, chunk_size: int, boundary: int | N
 
 
 def prompt_tail(prompt: list[int], start: int, chunk_size: int, boundary: int | None, pins: list[tuple[int, float]],
-                rows_fit: Callable[[], bool]) -> list[int] | None:
+                rows_fit: Callable[[], bool], rest_chunk: bool) -> list[int] | None:
     """The rest of the prompt (from ``start``), its last token included, when one pass feeds it
     and its last row samples the first token, instead of a prefill chunk and then a step of its
     own (two reads of every weight where one does); None otherwise. Two kinds:
@@ -48,10 +48,13 @@ def prompt_tail(prompt: list[int], start: int, chunk_size: int, boundary: int | 
       off the grid is not bit-exact with the cold run whatever the split.) On the families
       the CPU decode runtime takes, whose output head is known.
 
-    Both kinds with float32 weights only (``factory.rows_match_chunks``): with weights in
-    ggml's blocks a decode step quantizes its activations (as llama.cpp's decode does) and a
-    chunk does not, so the first token's log-probabilities would move by ~1e-2 against a cold
-    run's, and a tail fed as rows would leave KV that a cold prefill does not reproduce.
+    Decode rows whatever the weights: a rest that short (at most ``EXACT_ROWS``, fewer than the
+    runtime's ``PROMPT_ROWS_MIN``) would otherwise be a prefill chunk whose products take the
+    same decode rows' kernels, then a step of its own; the cold run takes the same path from the
+    same boundary. A hit's rest in one chunk with float32 weights only (``rest_chunk``,
+    ``factory.rows_match_chunks``): with weights in ggml's blocks a step and a chunk's last row
+    can round an activation to different 8-bit steps, so the first token's log-probabilities
+    could move by ~1e-2 against the cold run's step.
 
     Not when the tail would pass a snapshot boundary or a cache breakpoint (``pins``: those are
     taken between prefill chunks).
@@ -65,6 +68,6 @@ def prompt_tail(prompt: list[int], start: int, chunk_size: int, boundary: int | 
         return None
     if n - start <= EXACT_ROWS and rows_fit():
         return prompt[start:]
-    if start % chunk_size and n - start <= chunk_size:
+    if rest_chunk and start % chunk_size and n - start <= chunk_size:
         return prompt[start:]
     return None

@@ -82,8 +82,8 @@ class Sequence:
         # An unbounded one (n_predict -1) grows them as it goes.
         bound = len(request.prompt_tokens) + max(request.n_predict, 1) if request.n_predict >= 0 else 0
         self.owned = OwnedCache(reserve=min(bound, n_ctx))
-        # A short prompt tail may be fed as the rows of one decode step (prompt_tail); set
-        # by the factory where those rows match a prefill chunk (factory.rows_match_chunks).
+        # A hit's rest may be fed with its last token in one prefill chunk (prompt_tail); set by
+        # the factory where the runtime's rows match a prefill chunk (factory.rows_match_chunks).
         self.tail_rows = False
         self.prompt = request.prompt_tokens
         # Tokens whose KV/state the cache holds, in order (prompt first, then fed-back samples).
@@ -307,17 +307,17 @@ class Sequence:
     def prompt_tail(self) -> list[int] | None:
         """The rest of the prompt, its last token included, when one pass feeds it and its last
         row samples the first token (``prompt_chunks.prompt_tail``: decode rows, or a hit's rest
-        in one chunk); None otherwise. Only where this sequence's decode rows compute as a prefill
-        chunk would (``tail_rows``, set by the factory), before its first token.
+        in one chunk, that one where the factory found rows compute as a chunk would:
+        ``tail_rows``); None otherwise. Only on the CPU decode runtime, before the first token.
 
         The engine takes it only for a sequence that prefills alone: with others, the tail's
         chunk shares one batched pass with theirs. Not for a completion whose siblings copy its
         prompt's KV (``n_cmpl``: they take it one token short).
         """
-        if not self.tail_rows or self.decoder is None or self._pending is not None or self.request.share_group >= 0:
+        if self.decoder is None or self._pending is not None or self.request.share_group >= 0:
             return None
         return prompt_tail(self.prompt, len(self.cache_tokens), self.chunk_size, self.boundary, self.pins,
-                           lambda: self.decoder.can_step_tokens(self.cache, self.owned))
+                           lambda: self.decoder.can_step_tokens(self.cache, self.owned), self.tail_rows)
 
     def next_chunk(self) -> list[int]:
         """The prompt tokens of the next prefill chunk (``prompt_chunks.next_chunk``): up to the

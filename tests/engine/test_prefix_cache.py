@@ -201,11 +201,12 @@ def test_unaligned_rest_goes_in_one_pass_when_it_fits(harness: EngineHarness) ->
 
 def test_a_hit_with_a_short_tail_feeds_it_as_decode_rows(harness: EngineHarness) -> None:
     """A hit that leaves 2-16 prompt tokens feeds them as the rows of one decode step of the CPU
-    runtime (float32 weights). The cold run feeds its own tail past the last chunk the same way,
-    so the hit is bit-exact even where the adopted prefix is off the chunk grid (every row is
-    computed as a single step at its position), and the stored entry is never written."""
+    runtime (float32 weights or blocks: such a rest would take the decode rows' kernels as a
+    chunk too). The cold run feeds its own tail past the last chunk the same way, so the hit is
+    bit-exact even where the adopted prefix is off the chunk grid (every row is computed as a
+    single step at its position), and the stored entry is never written."""
     decoder = harness.engine.loaded.decoder
-    rows = decoder is not None and harness.on_engine(lambda: _rows_match_chunks(harness))
+    rows = decoder is not None
     shared = random_tokens(2 * CHUNK + 5, seed=14)  # 37: off the grid
     harness.run(shared + random_tokens(6, seed=15), n_predict=2)
     (entry_id,) = harness.on_engine(lambda: [e.id for e in harness.engine.prefix_cache.store.entries()])
@@ -220,17 +221,11 @@ def test_a_hit_with_a_short_tail_feeds_it_as_decode_rows(harness: EngineHarness)
     if rows:
         assert warm.tokens == cold.tokens
         assert warm.logprobs == cold.logprobs  # bit-identical, off the grid too
-    else:  # weights in ggml's blocks: the tail is a prefill chunk, within tolerance
+    else:  # MLX's pass: the tail is a prefill chunk, within tolerance
         for token in set(warm.logprobs[0]) & set(cold.logprobs[0]):
             assert abs(warm.logprobs[0][token] - cold.logprobs[0][token]) < LOGPROB_TOL
     for x, y in zip(before, _entry_arrays(harness, entry_id)):
         np.testing.assert_array_equal(x, y)
-
-
-def _rows_match_chunks(harness: EngineHarness) -> bool:
-    from mlxcel_compat.engine.factory import rows_match_chunks
-
-    return rows_match_chunks(harness.engine.loaded)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "llama:q4_0"])
