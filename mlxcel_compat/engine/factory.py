@@ -35,11 +35,14 @@ class SequenceHost(Protocol):
 
 
 def rows_match_chunks(loaded: Any) -> bool:
-    """Whether the CPU decode runtime's rows compute a prompt tail as a prefill chunk would, to
-    float32 rounding: the runtime runs and every weight is float32. Weights kept in ggml's blocks
-    multiply a decode row's activations quantized to the type's ``vec_dot_type`` (as llama.cpp's
-    decode does) but a chunk's in float32; their log-probabilities differ by ~1e-2, so a prompt
-    tail fed as rows there would leave KV that a later cold prefill does not reproduce."""
+    """Whether the CPU decode runtime's decode rows compute as a prefill chunk's rows would, to
+    float32 rounding: the runtime runs and every weight is float32. It decides whether a hit's
+    rest off the grid may take its last token into its one chunk (``prompt_chunks.prompt_tail``):
+    weights kept in ggml's blocks multiply a decode row's activations quantized to the type's
+    ``vec_dot_type`` (as llama.cpp's decode does) and a chunk's by another rule or in float32, so
+    the first token's log-probabilities could move by ~1e-2 against the cold run's step (a
+    llama Q4_K_M: up to 1.6e-2 of the largest logit, where an activation rounds to another
+    8-bit step)."""
     if loaded.decoder is None:
         return False
     known = getattr(loaded, "_rows_match_chunks", None)  # judged once per loaded model
