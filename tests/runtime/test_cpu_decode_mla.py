@@ -297,9 +297,10 @@ def test_engine_on_a_deepseek2_gguf_uses_the_runtime_and_a_hit_equals_the_cold_r
             hit = h.run(prompt, n_predict=24, ignore_eos=True)
             assert hit.finish.n_cached == len(prompt) - 1
             assert hit.tokens == cold.tokens
-            if on:  # the cold run: 149 prompt rows in chunks, the last as a step; the hit (its latent
-                # rows in shared prompt-cache blocks, read in place) one step; then 23 fed back each
-                assert (decoder.prefilled, decoder.steps) == (149, (1 + 23) + (1 + 23))
+            if on:  # the cold run: 144 prompt rows in chunks, the last 6 as the rows of one step; the
+                # hit (its latent rows in shared prompt-cache blocks, read in place) one step; then 23
+                # fed back each
+                assert (decoder.prefilled, decoder.steps) == (144, (6 + 23) + (1 + 23))
             runs[on] = cold.tokens
         finally:
             h.close()
