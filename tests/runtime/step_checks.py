@@ -121,6 +121,32 @@ def follow_mlx(model: nn.Module, decoder: Any, ours: list, steps: int, rtol: flo
     return theirs, token
 
 
+def follow_mlx_teacher_forced(model: nn.Module, decoder: Any, ours: list, steps: int, rtol: float,
+                              after_step: Callable[[list, list], None] | None = None) -> tuple[list, int]:
+    """``steps`` teacher-forced steps of ``decoder`` on ``ours`` beside MLX's step on a copy of it
+    (both fed MLX's greedy token), for weights in ggml's blocks: each step's logits within
+    ``rtol`` of MLX's largest, the same token wherever MLX's top two are further apart than the
+    tolerance lets either side move; ``after_step(ours, theirs)`` checks the caches after each
+    step. Returns MLX's cache and how many steps were bit-identical to MLX's."""
+    theirs = copy.deepcopy(ours)
+    owned = decode_kv.OwnedCache()
+    token, exact = 11, 0
+    for step in range(steps):
+        assert decoder.can_run(ours, owned)
+        got = decoder.step(token, ours, owned).copy()
+        want = mlx_logits(model, token, theirs)
+        top = np.abs(want).max()
+        assert close(got, want, rtol), (step, np.abs(got - want).max() / top)
+        first, second = np.sort(want)[-2:][::-1]
+        if first - second > 2 * rtol * top:
+            assert int(got.argmax()) == int(want.argmax()), step
+        if after_step is not None:
+            after_step(ours, theirs)
+        exact += bool(np.array_equal(got, want))
+        token = int(want.argmax())
+    return theirs, exact
+
+
 def assert_mlx_continues(model: nn.Module, ours: list, theirs: list, token: int, rtol: float, steps: int = 3) -> None:
     """MLX reads and extends the cache the decoder wrote (``ours``) to the logits it computes on
     its own (``theirs``)."""

@@ -37,7 +37,7 @@ from mlxcel_compat.testing.gguf_writer import ensure_gguf
 from tests.conftest import MODEL_CACHE, tiny_model
 from tests.engine.harness import EngineHarness
 from tests.runtime.step_checks import (assert_mlx_continues, assert_rows_together_equal_rows_alone, assert_same_cache,
-                                       follow_mlx, mlx_logits)
+                                       follow_mlx, follow_mlx_teacher_forced, mlx_logits)
 
 LOGITS_RTOL = 1e-4  # of the largest logit: measured 1e-6 to 4e-6 (summation order, 2 ** x)
 KERNEL_RTOL = 2e-6
@@ -364,23 +364,9 @@ def _follow_blocks(model: nn.Module, decoder: cpu_decode.CpuDecoder, prompts: li
     (bit-identical steps, steps)."""
     exact = total = 0
     for n, seed in prompts:
-        ours = _prefill(model, n, seed=seed)
-        theirs = copy.deepcopy(ours)
-        owned = decode_kv.OwnedCache()
-        token = 11
-        for step in range(steps):
-            assert decoder.can_run(ours, owned)
-            got = decoder.step(token, ours, owned).copy()
-            want = mlx_logits(model, token, theirs)
-            top = np.abs(want).max()
-            assert np.abs(got - want).max() <= BLOCK_RTOL * top, (n, step, np.abs(got - want).max() / top)
-            first, second = np.sort(want)[-2:][::-1]
-            if first - second > 2 * BLOCK_RTOL * top:
-                assert int(got.argmax()) == int(want.argmax()), (n, step)
-            assert_same_cache(ours, theirs, BLOCK_RTOL)
-            exact += bool(np.array_equal(got, want))
-            total += 1
-            token = int(want.argmax())
+        _, same = follow_mlx_teacher_forced(model, decoder, _prefill(model, n, seed=seed), steps, BLOCK_RTOL,
+                                            after_step=lambda ours, theirs: assert_same_cache(ours, theirs, BLOCK_RTOL))
+        exact, total = exact + same, total + steps
     return exact, total
 
 

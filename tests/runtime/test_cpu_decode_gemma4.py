@@ -41,7 +41,7 @@ from mlxcel_compat.testing.gguf_writer import ensure_gguf
 from tests.conftest import MODEL_CACHE, tiny_model
 from tests.engine.harness import EngineHarness
 from tests.runtime.step_checks import (assert_mlx_continues, assert_rows_together_equal_rows_alone, assert_same_cache, close,
-                                       follow_mlx, ids, mlx_logits, prefilled)
+                                       follow_mlx, follow_mlx_teacher_forced, ids, mlx_logits, prefilled)
 
 LOGITS_RTOL = 1e-4  # float32 weights: measured 6e-6 (summation order, the polynomial 2 ** x)
 BLOCK_RTOL = 0.06  # blocks, a step where one activation rounds to the next 8-bit step (test_cpu_decode.py)
@@ -84,23 +84,9 @@ def test_block_files_follow_mlx_teacher_forced(family: str, gguf_type: str) -> N
         assert len({layer.kv_heads for layer in decoder.layers}) == 2
     exact = total = 0
     for n, seed in ((40, 0), (90, 1)):
-        ours = prefilled(model, n, seed)
-        theirs = copy.deepcopy(ours)
-        owned = decode_kv.OwnedCache()
-        token = 11
-        for step in range(20):
-            assert decoder.can_run(ours, owned)
-            got = decoder.step(token, ours, owned).copy()
-            want = mlx_logits(model, token, theirs)
-            top = np.abs(want).max()
-            assert close(got, want, BLOCK_RTOL), (n, step)
-            first, second = np.sort(want)[-2:][::-1]
-            if first - second > 2 * BLOCK_RTOL * top:
-                assert int(got.argmax()) == int(want.argmax()), (n, step)
-            assert_same_cache(ours, theirs, BLOCK_RTOL)
-            exact += bool(np.array_equal(got, want))
-            total += 1
-            token = int(want.argmax())
+        _, same = follow_mlx_teacher_forced(model, decoder, prefilled(model, n, seed), 20, BLOCK_RTOL,
+                                            after_step=lambda ours, theirs: assert_same_cache(ours, theirs, BLOCK_RTOL))
+        exact, total = exact + same, total + 20
     print(f"{family} {gguf_type}: {exact} of {total} steps bit-identical to MLX's")
     assert exact >= total - 2  # measured 59-60 of 60 over 30 steps; a runtime that multiplied differently has none
 

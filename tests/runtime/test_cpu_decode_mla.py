@@ -33,7 +33,8 @@ from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
 from mlxcel_compat.runtime.kv_precision import KvTypes
 from tests.conftest import slow_but, tiny_model
 from tests.engine.harness import EngineHarness
-from tests.runtime.step_checks import assert_rows_together_equal_rows_alone, ids, mlx_logits, prefilled
+from tests.runtime.step_checks import (assert_rows_together_equal_rows_alone, follow_mlx_teacher_forced, ids, mlx_logits,
+                                       prefilled)
 
 # As the MoE tests': both steps quantize activations to the blocks' vec_dot_type, so a ~1e-7
 # difference elsewhere (here: the attention's sums, absorbed against MLX's) can move one
@@ -135,21 +136,8 @@ def test_quantized_mla_follows_mlx_teacher_forced(gguf_decoder: Callable, spec: 
     exact = total = 0
     for n, seed in [(40, 0), (150, 1)]:
         ours = prefilled(model, n, seed)
-        theirs = copy.deepcopy(ours)
-        owned = decode_kv.OwnedCache()
-        token = 11
-        for step in range(8):
-            assert decoder.can_run(ours, owned)
-            got = decoder.step(token, ours, owned).copy()
-            want = mlx_logits(model, token, theirs)
-            top = np.abs(want).max()
-            assert close(got, want), (n, step, np.abs(got - want).max() / top)
-            first, second = np.sort(want)[-2:][::-1]
-            if first - second > 2 * BLOCK_RTOL * top:
-                assert int(got.argmax()) == int(want.argmax()), (n, step)
-            exact += bool(np.array_equal(got, want))
-            total += 1
-            token = int(want.argmax())
+        theirs, same = follow_mlx_teacher_forced(model, decoder, ours, 8, BLOCK_RTOL)
+        exact, total = exact + same, total + 8
         assert_cache_equal(ours, theirs, n + 8, BLOCK_RTOL)
     print(f"{spec}: {exact} of {total} steps bit-identical to MLX's")
     assert exact >= total // 2

@@ -18,7 +18,6 @@ runtime/native/decode_pass.c).
 
 from __future__ import annotations
 
-import copy
 import ctypes
 from typing import Any, Callable
 
@@ -31,7 +30,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxcel_compat.model.loader import load_model
 from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
 from tests.conftest import tiny_model
-from tests.runtime.step_checks import assert_rows_together_equal_rows_alone, ids, mlx_logits, prefilled
+from tests.runtime.step_checks import (assert_rows_together_equal_rows_alone, follow_mlx_teacher_forced, ids, mlx_logits,
+                                       prefilled)
 
 # As tests/runtime/test_cpu_decode.py's BLOCK_RTOL: both steps quantize activations to the
 # blocks' vec_dot_type, so a ~1e-7 difference elsewhere can move one activation by a quantum.
@@ -88,29 +88,19 @@ def test_moe_models_follow_mlx_step_for_step(moe_decoder: Callable, spec: str) -
     assert [layer.sliding for layer in decoder.layers] == ([True, False] * 2 if gpt_oss else [False] * len(decoder.layers))
     assert decoder.qk_norm_whole == spec.startswith("olmoe")  # olmoe's q/k norms span the projection
     exact = total = 0
+
+    def after_step(ours: list, theirs: list) -> None:
+        nonlocal steps
+        assert decoder.steps == steps + 1
+        steps = decoder.steps
+        for a, b in zip(ours, theirs):
+            assert a.offset == b.offset
+            assert close(np.array(a.keys[..., :a.offset, :]), np.array(b.keys[..., :b.offset, :]))
+
     for n, seed in [(40, 0), (150, 1)]:
-        ours = prefilled(model, n, seed)
-        theirs = copy.deepcopy(ours)
-        owned = decode_kv.OwnedCache()
-        token = 11
-        for step in range(12):
-            assert decoder.can_run(ours, owned)
-            steps = decoder.steps
-            got = decoder.step(token, ours, owned).copy()
-            assert decoder.steps == steps + 1
-            want = mlx_logits(model, token, theirs)
-            top = np.abs(want).max()
-            assert close(got, want), (n, step, np.abs(got - want).max() / top)
-            first, second = np.sort(want)[-2:][::-1]
-            if first - second > 2 * BLOCK_RTOL * top:
-                assert int(got.argmax()) == int(want.argmax()), (n, step)
-            for a, b in zip(ours, theirs):
-                assert a.offset == b.offset
-                ka, kb = np.array(a.keys[..., :a.offset, :]), np.array(b.keys[..., :b.offset, :])
-                assert close(ka, kb)
-            exact += bool(np.array_equal(got, want))
-            total += 1
-            token = int(want.argmax())
+        steps = decoder.steps
+        _, same = follow_mlx_teacher_forced(model, decoder, prefilled(model, n, seed), 12, BLOCK_RTOL, after_step)
+        exact, total = exact + same, total + 12
     print(f"{spec}: {exact} of {total} steps bit-identical to MLX's")
     assert exact >= 3
 
