@@ -177,6 +177,17 @@ static void kv_block_scores(int T, int M, int n1, int d, const float *x, const u
     free(k);
 }
 
+/* out[i] += p[i, t] * v for each of the M rows (a zero weight adds nothing): one value row, dequantized
+ * to v, into every query's sum (kv_block_weighted, kv_span_block_weighted). */
+static inline void kv_add_weighted_row(int M, int d, const float *p, size_t ldp, int t, const float *v, float *out) {
+    for (int i = 0; i < M; i++) {
+        float w = p[(size_t)i * ldp + t];
+        float *o = out + (size_t)i * d;
+        if (w != 0.0f)
+            for (int k = 0; k < d; k++) o[k] += w * v[k];
+    }
+}
+
 /* out (M, d) = p (M, ldp) columns [0, n) times block value rows [0, n) (rows from K1 on: from
  * v2), each row dequantized once and accumulated in order of the rows (ggml's flash attention
  * dequantizes each V row to float32 and adds it, weighted, to the sum). */
@@ -188,12 +199,7 @@ static void kv_block_weighted(int T, int M, int d, int n, const float *p, size_t
     memset(out, 0, (size_t)M * d * sizeof(float));
     for (int t = 0; t < n; t++) {
         kv_dequantize(T, t < K1 ? values + (size_t)t * row : v2 + (size_t)(t - K1) * row, v, d);
-        for (int i = 0; i < M; i++) {
-            float w = p[(size_t)i * ldp + t];
-            float *o = out + (size_t)i * d;
-            if (w != 0.0f)
-                for (int k = 0; k < d; k++) o[k] += w * v[k];
-        }
+        kv_add_weighted_row(M, d, p, ldp, t, v, out);
     }
     free(v);
 }
@@ -532,12 +538,7 @@ static void kv_span_block_weighted(int T, int M, int d, const struct kv_run *run
     for (int r = 0, t = 0; r < n_runs; r++)
         for (int j = 0; j < runs[r].n; j++, t++) {
             kv_dequantize(T, (const uint8_t *)runs[r].rows + (size_t)j * row, v, d);
-            for (int i = 0; i < M; i++) {
-                float w = p[(size_t)i * ldp + t];
-                float *o = out + (size_t)i * d;
-                if (w != 0.0f)
-                    for (int k = 0; k < d; k++) o[k] += w * v[k];
-            }
+            kv_add_weighted_row(M, d, p, ldp, t, v, out);
         }
     free(v);
 }
