@@ -107,6 +107,11 @@ ACT_CODES = {"swiglu": 0, "gelu_tanh_gate": 1, "gelu_erf": 2, "xielu": 3, "relu2
 BUFFER_NAMES = ("x", "h", "branch", "q", "k_new", "v_new", "att", "gate", "up", "logits", "q_scale")
 
 
+def array_address(array: np.ndarray | None) -> int | None:
+    """An optional array's data address (None for none: a NULL pointer to the C side)."""
+    return array.ctypes.data if array is not None else None
+
+
 def _address(fn: Any) -> int:
     return ctypes.cast(fn, _P).value or 0
 
@@ -134,9 +139,9 @@ class NativeModel:
                 and not blas_shim.StreamedConsumers.count)
         fn = self.run_held if held else self.run_released
         return fn(self.address, buffers.address, rows,
-                  segments.ctypes.data if segments is not None else None, len(segments) - 1 if segments is not None else 0,
+                  array_address(segments), len(segments) - 1 if segments is not None else 0,
                   int(head), kv.ctypes.data, angles.ctypes.data,
-                  scales.ctypes.data if scales is not None else None, scales.shape[1] if scales is not None else 0)
+                  array_address(scales), scales.shape[1] if scales is not None else 0)
 
 
 @dataclass(eq=False)
@@ -216,10 +221,10 @@ def _delta(delta: Any, keep: list[Any]) -> int:
     keep.extend([*inputs, out])
     n = len(inputs)
     s = DeltaStruct((_P * 4)(*(ctypes.addressof(lin) for lin in inputs)), ctypes.addressof(out),
-                    delta.in_order.ctypes.data if delta.in_order is not None else None, n,
+                    array_address(delta.in_order), n,
                     (_I * 4)(*(lin.n for lin in inputs)),
                     *(a.ctypes.data for a in (delta.conv, delta.decay, delta.dt_bias, delta.norm)),
-                    delta.out_order.ctypes.data if delta.out_order is not None else None,
+                    array_address(delta.out_order),
                     delta.eps, delta.k_heads, delta.v_heads, delta.k_dim, delta.v_dim, delta.kernel)
     keep.append(s)
     return ctypes.addressof(s)
@@ -232,7 +237,7 @@ def _mamba(mamba: Any, keep: list[Any]) -> int:
         return 0
     s = MambaStruct(in_=_linear(mamba.in_proj, keep), out=_linear(mamba.out, keep),
                     conv=mamba.conv.ctypes.data,
-                    conv_bias=mamba.conv_bias.ctypes.data if mamba.conv_bias is not None else None,
+                    conv_bias=array_address(mamba.conv_bias),
                     decay=mamba.decay.ctypes.data, dt_bias=mamba.dt_bias.ctypes.data, skip=mamba.skip.ctypes.data,
                     norm=mamba.norm.ctypes.data, eps=mamba.eps, dt_min=mamba.dt_min, dt_max=mamba.dt_max,
                     heads=mamba.heads, head_dim=mamba.head_dim, d_state=mamba.d_state, groups=mamba.groups,
@@ -249,8 +254,8 @@ def _mla(mla: Any, keep: list[Any]) -> int:
     s = MlaStruct(**{name: _linear(getattr(mla, name), keep) for name in ("q", "q_a", "q_b", "kv_a", "kv_b", "o")},
                   q_a_norm=mla.q_a_norm.ptr if mla.q_a_norm is not None else None, kv_norm=mla.kv_norm.ptr,
                   q_a_eps=mla.q_a_norm.eps if mla.q_a_norm is not None else 0.0, kv_eps=mla.kv_norm.eps,
-                  embed_q=mla.embed_q.ctypes.data if mla.embed_q is not None else None,
-                  unembed_out=mla.unembed_out.ctypes.data if mla.unembed_out is not None else None,
+                  embed_q=array_address(mla.embed_q),
+                  unembed_out=array_address(mla.unembed_out),
                   heads=mla.heads, nope=mla.nope, rope=mla.rope, kv_lora=mla.kv_lora, v_dim=mla.v_dim, scale=mla.scale)
     keep.append(s)
     return ctypes.addressof(s)
@@ -270,7 +275,7 @@ def _conv(conv: Any, keep: list[Any]) -> int:
 def _norm(norm: Any) -> NormStruct:
     if norm is None:
         return NormStruct()
-    return NormStruct(norm.ptr, norm.eps, norm.bias.ctypes.data if norm.bias is not None else None, int(norm.layer))
+    return NormStruct(norm.ptr, norm.eps, array_address(norm.bias), int(norm.layer))
 
 
 def describe(decoder: Any, lib: ctypes.CDLL) -> NativeModel:

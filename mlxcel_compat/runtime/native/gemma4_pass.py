@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from mlxcel_compat.runtime.native.decode_pass import LinearStruct, describe_linear
+from mlxcel_compat.runtime.native.decode_pass import LinearStruct, array_address, describe_linear
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -57,19 +57,15 @@ class Gemma4Native:
         whose expert stacks the grouped product refused. ``segments``: int32 row offsets of prompt
         chunks (one more than there are chunks), or None for decode rows."""
         return self.fn(ctypes.addressof(self.struct), ctypes.addressof(buffers), rows,
-                       segments.ctypes.data if segments is not None else None,
+                       array_address(segments),
                        len(segments) - 1 if segments is not None else 0, int(head), kv.ctypes.data,
-                       angles.ctypes.data, scales.ctypes.data if scales is not None else None,
+                       angles.ctypes.data, array_address(scales),
                        scales.shape[1] if scales is not None else 0)
 
 
 def buffers(arrays: dict[str, np.ndarray]) -> Any:
     """``struct mlxcel_gemma4_buffers`` over one set of activation buffers (kept alive by the caller)."""
     return (_P * len(BUFFER_NAMES))(*(arrays[name].ctypes.data for name in BUFFER_NAMES))
-
-
-def _ptr(a: np.ndarray | None) -> int | None:
-    return a.ctypes.data if a is not None else None
 
 
 def describe(decoder: Any, lib: ctypes.CDLL) -> Gemma4Native:
@@ -80,18 +76,18 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> Gemma4Native:
         for name in LINEARS:
             setattr(s, name, describe_linear(getattr(layer, name), keep))
         for name in NORMS:
-            setattr(s, name, _ptr(getattr(layer, name)))
+            setattr(s, name, array_address(getattr(layer, name)))
         s.heads, s.kv_heads, s.head_dim = layer.heads, layer.kv_heads, layer.head_dim
         s.rope, s.source, s.layer_scalar, s.ring_slot = layer.rope, layer.source, layer.layer_scalar, layer.ring_slot
         experts = layer.experts
         if experts is not None:
             s.router = describe_linear(experts.router, keep)
             for name in ("router_norm", "expert_scale", "mlp_out_1", "moe_in", "moe_out"):
-                setattr(s, name, _ptr(getattr(experts, name)))
+                setattr(s, name, array_address(getattr(experts, name)))
             if experts.gate_up is not None:  # ggml's blocks, else float32 stacks (expert_f32.c)
                 s.gate_up_exps, s.down_exps = experts.gate_up.address, experts.down.address
             else:
-                s.gate_up_f32, s.down_f32 = _ptr(experts.float_gate_up), _ptr(experts.float_down)
+                s.gate_up_f32, s.down_f32 = array_address(experts.float_gate_up), array_address(experts.float_down)
             s.n_expert, s.top_k, s.expert_rows = experts.n_expert, experts.top_k, experts.rows
     keep.append(layers)
     ple = decoder.ple
@@ -100,8 +96,8 @@ def describe(decoder: Any, lib: ctypes.CDLL) -> Gemma4Native:
         scale=decoder.scale, k_type=decoder.kv.codes[0], v_type=decoder.kv.codes[1],
         traditional=(_I * 2)(*decoder.traditional), kv_width=decoder.kv_width, layers=ctypes.addressof(layers),
         ple_model_proj=describe_linear(ple.model_proj if ple else None, keep),
-        ple_proj_norm=_ptr(ple.proj_norm) if ple else None, ple_proj_scale=ple.proj_scale if ple else 0.0,
-        ple_input_scale=ple.input_scale if ple else 0.0, norm=_ptr(decoder.norm),
+        ple_proj_norm=array_address(ple.proj_norm) if ple else None, ple_proj_scale=ple.proj_scale if ple else 0.0,
+        ple_input_scale=ple.input_scale if ple else 0.0, norm=array_address(decoder.norm),
         head=describe_linear(decoder.head, keep), prompt_rows_min=decoder.prompt_rows_min)
     fn = lib.mlxcel_gemma4_pass  # the GIL released during the call (ctypes.CDLL's functions)
     fn.restype = _I
