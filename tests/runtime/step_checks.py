@@ -41,8 +41,9 @@ def prefilled(model: nn.Module, n: int, seed: int = 0) -> list:
     return cache
 
 
-def mlx_logits(model: nn.Module, token: int, cache: list) -> np.ndarray:
-    out = model(mx.array([[token]]), cache=cache)[0, -1]
+def mlx_logits(model: nn.Module, token: int | list[int], cache: list) -> np.ndarray:
+    """MLX's last-row logits after feeding ``token`` (one, or a chunk of them) into ``cache``."""
+    out = model(mx.array([[token] if isinstance(token, int) else list(token)]), cache=cache)[0, -1]
     mx.eval(out)
     return np.array(out)
 

@@ -30,15 +30,13 @@ from mlxcel_compat.model.loader import load_model
 from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
 from mlxcel_compat.runtime.kv_precision import DTYPES, KvTypes
 from tests.conftest import tiny_model
-from tests.runtime.step_checks import address, attention_lib, attention_reference
+from tests.runtime.step_checks import address, attention_lib, attention_reference, ids, mlx_logits
 
 LOGITS_RTOL = 1e-4  # as tests/runtime/test_cpu_decode.py: summation order and the polynomial 2 ** x
 KERNEL_RTOL = 1e-5
 CODES = {"f16": 1, "bf16": 2}
 
 pytestmark = pytest.mark.skipif(backend.matmul_shim() is None, reason="the BLAS shim is not built on this machine")
-
-
 
 
 def stored(x: np.ndarray, kind: str) -> np.ndarray:
@@ -164,21 +162,11 @@ def _loaded(family: str, kind: str) -> tuple[nn.Module, cpu_decode.CpuDecoder]:
     return loaded.model, loaded.decoder
 
 
-def _ids(n: int, seed: int = 0) -> list[int]:
-    return [(7 * i + 3 + 13 * seed) % 500 + 10 for i in range(n)]
-
-
 def _prefill(model: nn.Module, n: int) -> list[Any]:
     cache = make_prompt_cache(model)  # the model's make_cache stamps the storage type
-    model(mx.array([_ids(n)]), cache=cache)
+    model(mx.array([ids(n)]), cache=cache)
     mx.eval([c.state for c in cache])
     return cache
-
-
-def _mlx_logits(model: nn.Module, tokens: list[int], cache: list[Any]) -> np.ndarray:
-    out = model(mx.array([tokens]), cache=cache)[0, -1]
-    mx.eval(out)
-    return np.array(out)
 
 
 def _assert_close_caches(ours: list[Any], theirs: list[Any], dtype: Any) -> None:
@@ -208,12 +196,12 @@ def test_the_decoder_follows_mlx_s_16_bit_steps(family: str, kind: str) -> None:
     for step in range(12):
         assert decoder.can_run(ours, owned)
         got = decoder.step(token, ours, owned).copy()
-        want = _mlx_logits(model, [token], theirs)
+        want = mlx_logits(model, [token], theirs)
         assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max(), step
         assert int(got.argmax()) == int(want.argmax()), step
         token = int(want.argmax())
     _assert_close_caches(ours, theirs, DTYPES[kind])
-    got, want = _mlx_logits(model, [token], ours), _mlx_logits(model, [token], theirs)
+    got, want = mlx_logits(model, [token], ours), mlx_logits(model, [token], theirs)
     assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
 
 
@@ -221,12 +209,12 @@ def test_a_cold_prompt_chunk_at_f16_leaves_mlx_s_kv() -> None:
     """A cold prompt fed to the runtime as one chunk (the engine's path at f16) stores f16 KV
     within a rounding step of MLX's prefill, and the last row's logits agree to float32 rounding."""
     model, decoder = _loaded("llama", "f16")
-    tokens = _ids(90)
+    tokens = ids(90)
     ours, theirs = make_prompt_cache(model), make_prompt_cache(model)
     owned = decode_kv.OwnedCache()
     assert decoder.can_prefill(ours, owned)
     got = decoder.prefill(tokens, ours, owned).copy()
-    want = _mlx_logits(model, tokens, theirs)
+    want = mlx_logits(model, tokens, theirs)
     assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max()
     _assert_close_caches(ours, theirs, mx.float16)
 
@@ -327,12 +315,12 @@ def test_gpt_oss_prompt_chunks_and_steps_at_f16() -> None:
     model, decoder = _loaded("gpt_oss:mxfp4", "f16")
     assert decoder.kv.rings
     ours, theirs, owned = make_prompt_cache(model), make_prompt_cache(model), decode_kv.OwnedCache()
-    prompt, at, fed = _ids(70), 0, decoder.prefilled
+    prompt, at, fed = ids(70), 0, decoder.prefilled
     for n in (40, 30):
         part, at = prompt[at:at + n], at + n
         assert decoder.can_prefill(ours, owned)
         got = decoder.prefill(part, ours, owned).copy()
-        want = _mlx_logits(model, part, theirs)
+        want = mlx_logits(model, part, theirs)
         assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max(), n
         for i, (a, b) in enumerate(zip(ours, theirs)):
             assert a.keys.dtype == a.values.dtype == b.keys.dtype == mx.float16 and a.offset == b.offset == at
@@ -344,7 +332,7 @@ def test_gpt_oss_prompt_chunks_and_steps_at_f16() -> None:
     for step in range(8):
         assert decoder.can_run(ours, owned)
         got = decoder.step(token, ours, owned).copy()
-        want = _mlx_logits(model, [token], theirs)
+        want = mlx_logits(model, [token], theirs)
         assert np.abs(got - want).max() <= LOGITS_RTOL * np.abs(want).max(), step
         token = int(want.argmax())
 

@@ -18,15 +18,13 @@ import numpy as np
 import pytest
 
 from mlxcel_compat.runtime import backend, cpu_decode
-from tests.runtime.step_checks import address, attention_lib, attention_reference
+from tests.runtime.step_checks import address, attention_lib, attention_reference, ids, mlx_logits
 
 KERNEL_RTOL = 1e-5
 CODES = {"q8_0": 3, "q4_0": 4}
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
 
 pytestmark = pytest.mark.skipif(backend.matmul_shim() is None, reason="the BLAS shim is not built on this machine")
-
-
 
 
 # ------------------------------------------------------------------ ggml's reference, in NumPy
@@ -204,24 +202,12 @@ def _loaded(kind: str) -> tuple[Any, cpu_decode.CpuDecoder]:
     return loaded.model, loaded.decoder
 
 
-def _ids(n: int) -> list[int]:
-    return [(7 * i + 3) % 500 + 10 for i in range(n)]
-
-
-def _mlx_logits(model: Any, tokens: list[int], cache: list[Any]) -> np.ndarray:
-    import mlx.core as mx
-
-    out = model(mx.array([tokens]), cache=cache)[0, -1]
-    mx.eval(out)
-    return np.array(out)
-
-
 def _prefill(model: Any, n: int) -> list[Any]:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)  # stamped: the wrapper quantizes what MLX's prefill writes
-    model(mx.array([_ids(n)]), cache=cache)
+    model(mx.array([ids(n)]), cache=cache)
     mx.eval([c.state for c in cache])
     return cache
 
@@ -239,11 +225,11 @@ def test_the_decoder_over_blocks_follows_mlx_s_steps_and_prefill(kind: str) -> N
     from mlxcel_compat.runtime import decode_kv
 
     model, decoder = _loaded(kind)
-    tokens = _ids(90)
+    tokens = ids(90)
     ours, theirs = make_prompt_cache(model), make_prompt_cache(model)
     owned = decode_kv.OwnedCache()
     assert decoder.can_prefill(ours, owned)
-    got, want = decoder.prefill(tokens, ours, owned).copy(), _mlx_logits(model, tokens, theirs)
+    got, want = decoder.prefill(tokens, ours, owned).copy(), mlx_logits(model, tokens, theirs)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
     for a, b in zip(ours, theirs):
         assert a.keys.dtype == b.keys.dtype and str(a.keys.dtype) == "mlx.core.uint8"
@@ -251,7 +237,7 @@ def test_the_decoder_over_blocks_follows_mlx_s_steps_and_prefill(kind: str) -> N
     token = 11
     for step in range(6):
         assert decoder.can_run(ours, owned)
-        got, want = decoder.step(token, ours, owned).copy(), _mlx_logits(model, [token], theirs)
+        got, want = decoder.step(token, ours, owned).copy(), mlx_logits(model, [token], theirs)
         assert np.abs(got - want).max() <= STEP_RTOL * np.abs(want).max(), step
         token = int(want.argmax())
     assert ours[0].offset == 96 and all(np.array_equal(x, y) for x, y in zip(_blocks(ours[0], 96), _blocks(theirs[0], 96)))

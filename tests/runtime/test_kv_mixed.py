@@ -15,6 +15,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxcel_compat.runtime import backend, cpu_decode, kv_blocks, kv_precision
 from mlxcel_compat.runtime.kv_precision import KvTypes
+from tests.runtime.step_checks import ids, mlx_logits
 
 H, D = 2, 32  # one block a row
 PAIRS = [("q8_0", "f16"), ("f16", "q4_0"), ("bf16", "q8_0"), ("f32", "bf16")]
@@ -98,16 +99,6 @@ def _loaded(k: str, v: str) -> tuple[Any, cpu_decode.CpuDecoder]:
     return loaded.model, loaded.decoder
 
 
-def _ids(n: int) -> list[int]:
-    return [(7 * i + 3) % 500 + 10 for i in range(n)]
-
-
-def _mlx_logits(model: Any, tokens: list[int], cache: list[Any]) -> np.ndarray:
-    out = model(mx.array([tokens]), cache=cache)[0, -1]
-    mx.eval(out)
-    return np.array(out)
-
-
 def _rows(c: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
     return bits(c.keys[..., :n, :]), bits(c.values[..., :n, :])
 
@@ -143,11 +134,11 @@ def test_the_decoder_stores_mlx_s_bytes_and_follows_its_steps(k: str, v: str) ->
     model, decoder = _loaded(k, v)
     widths = tuple(kv_blocks.row_width(t, 32) if t in kv_blocks.BLOCK_BYTES else 32 for t in (k, v))
     assert decoder.kv.widths == widths and decoder.kv.codes[0] != decoder.kv.codes[1]
-    tokens = _ids(70)
+    tokens = ids(70)
     ours, theirs = make_prompt_cache(model), make_prompt_cache(model)
     owned = decode_kv.OwnedCache()
     assert decoder.can_prefill(ours, owned)
-    got, want = decoder.prefill(tokens, ours, owned).copy(), _mlx_logits(model, tokens, theirs)
+    got, want = decoder.prefill(tokens, ours, owned).copy(), mlx_logits(model, tokens, theirs)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
     for a, b in zip(ours, theirs):
         assert (a.keys.dtype, a.values.dtype) == (stored(k), stored(v)) == (b.keys.dtype, b.values.dtype)
@@ -156,7 +147,7 @@ def test_the_decoder_stores_mlx_s_bytes_and_follows_its_steps(k: str, v: str) ->
     token = 11
     for step in range(4):
         assert decoder.can_run(ours, owned)
-        got, want = decoder.step(token, ours, owned).copy(), _mlx_logits(model, [token], theirs)
+        got, want = decoder.step(token, ours, owned).copy(), mlx_logits(model, [token], theirs)
         assert np.abs(got - want).max() <= STEP_RTOL * np.abs(want).max(), step
         token = int(want.argmax())
     assert [c.offset for c in ours] == [74] * len(ours)
@@ -200,12 +191,12 @@ def test_a_batched_step_on_mlx_s_merged_caches_is_each_row_s_own(k: str, v: str)
     model, _ = _loaded(k, v)
     caches = [make_prompt_cache(model) for _ in range(2)]
     for cache, n in zip(caches, (40, 23)):
-        _mlx_logits(model, _ids(n), cache)
+        mlx_logits(model, ids(n), cache)
     merged = [type(layers[0]).merge(list(layers)) for layers in zip(*caches)]
     assert all((m.keys.dtype, m.values.dtype) == (stored(k), stored(v)) for m in merged)
     together = model(mx.array([[11], [12]]), cache=merged)[:, -1]
     mx.eval(together)
     for row, (cache, token) in enumerate(zip(caches, (11, 12))):
-        alone = _mlx_logits(model, [token], cache)
+        alone = mlx_logits(model, [token], cache)
         got = np.array(together[row])
         assert np.abs(got - alone).max() <= 1e-4 * np.abs(alone).max(), row
