@@ -51,11 +51,11 @@ def forward_logits(model: Any, decoder: Any, cache: list[Any], owned: OwnedCache
         logits = mx.array(decoder.step(token, cache, owned, lora or None))
         return logits, [token]
     if (decoder is not None and isinstance(tokens, list) and 1 < len(tokens) <= EXACT_ROWS
-            and decoder.can_step_tokens(cache, owned)):
+            and decoder.can_feed_tail(cache, owned)):
         # A short prompt tail (prompt_tail): one step whose rows are its tokens; the last
-        # row's logits sample the first token.
-        rows = decoder.step_tokens(tokens, cache, owned, lora or None)
-        return mx.array(rows[-1]), tokens
+        # row's logits (the only ones computed) sample the first token.
+        rows = decoder.step_tokens(tokens, cache, owned, lora or None, last_only=True)
+        return mx.array(rows[0]), tokens
     if (decoder is not None and isinstance(tokens, list) and len(tokens) > EXACT_ROWS
             and decoder.can_prefill(cache, owned)):
         # A hit's longer rest off the chunk grid (prompt_tail): one prompt chunk through the

@@ -33,11 +33,12 @@ def prompt_tail(prompt: list[int], start: int, chunk_size: int, boundary: int | 
     own (two reads of every weight where one does); None otherwise. Two kinds:
 
     - **Decode rows**: a rest of 2 to ``EXACT_ROWS`` tokens as the rows of one decode step
-      (``CpuDecoder.step_tokens``). The rule depends only on how many prompt tokens are
-      left, so a cold run takes the same path from the same chunk boundary and an aligned
-      hit stays bit-exact (each row is computed exactly as a single step at its position).
-      Only on caches the runtime steps (``rows_fit``: an empty one, a ring or MLX's batch cache
-      keep the chunks).
+      (``CpuDecoder.step_tokens``, the head on the last row only). The rule depends only on how
+      many prompt tokens are left, so a cold run takes the same path from the same chunk boundary
+      and an aligned hit stays bit-exact (each row is computed exactly as a single step at its
+      position; a hybrid's recurrent layers take the rows in order on the sequence's state).
+      Only on caches the runtime steps (``rows_fit``: ``CpuDecoder.can_feed_tail``; an empty
+      one, a ring or MLX's batch cache keep the chunks).
     - **A hit's rest in one chunk**: after a hit off the chunk grid, the rest goes in one pass
       when it fits in a chunk (:func:`next_chunk`), and that pass takes the last token along,
       its logits from the last row only: ``CpuDecoder.prefill`` where the runtime takes the

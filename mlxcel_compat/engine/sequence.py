@@ -317,7 +317,7 @@ class Sequence:
         if self.decoder is None or self._pending is not None or self.request.share_group >= 0:
             return None
         return prompt_tail(self.prompt, len(self.cache_tokens), self.chunk_size, self.boundary, self.pins,
-                           lambda: self.decoder.can_step_tokens(self.cache, self.owned), self.tail_rows)
+                           lambda: self.decoder.can_feed_tail(self.cache, self.owned), self.tail_rows)
 
     def next_chunk(self) -> list[int]:
         """The prompt tokens of the next prefill chunk (``prompt_chunks.next_chunk``): up to the

@@ -333,7 +333,7 @@ class DraftModel:
             rest = rest[len(chunk):]
             if not rest:
                 return logits
-        logits = dec.step_tokens(rest, state.cache, state.owned)[-1].copy()
+        logits = dec.step_tokens(rest, state.cache, state.owned, last_only=True)[0]
         state.tokens += rest
         self.n_fed += len(rest)
         return logits

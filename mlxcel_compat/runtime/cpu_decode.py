@@ -71,6 +71,9 @@ PROMPT_ROWS_MIN = 17
 # Rows the shim's matrix kernel computes each exactly as alone (its ``small_m_max``); more rows
 # go to the BLAS's GEMM, whose sums round differently.
 EXACT_ROWS = SMALL_M_MAX
+# What a pass computes of the output head (``mlxcel_decode_pass``'s ``head``): nothing, every
+# row's logits (a prompt chunk's: its last row's), or a row pass's last row's only.
+HEAD_NONE, HEAD_ALL, HEAD_LAST = 0, 1, 2
 
 
 def enabled() -> bool:
@@ -250,9 +253,13 @@ class CpuDecoder:
                 o.apart = b.keep_apart(cache)
         return logits
 
-    def step_tokens(self, tokens: list[int], cache: list[Any], owned: OwnedCache, scales: Any = None) -> np.ndarray:
+    def step_tokens(self, tokens: list[int], cache: list[Any], owned: OwnedCache, scales: Any = None,
+                    last_only: bool = False) -> np.ndarray:
         """Feed several consecutive tokens of one sequence (a speculative draft to verify):
-        ``tokens[j]`` at position ``offset + j``. Returns (len(tokens), vocabulary) logits.
+        ``tokens[j]`` at position ``offset + j``. Returns (len(tokens), vocabulary) logits, or
+        with ``last_only`` (1, vocabulary): the last row's only, the head on that row alone (a
+        prompt's short rest, :meth:`can_feed_tail`: the rows before the last one sample nothing,
+        and a 150K-token vocabulary's head would cost each of them about a step's weights).
 
         Why it exists: verifying a draft of n tokens must cost about one step, not n. The
         tokens go through the projections as the rows of one batch (one pass over each weight),
@@ -268,18 +275,31 @@ class CpuDecoder:
         check_token_ids(tokens, self.embed.shape[0])
         start = self.offset(cache)
         views = self.seq.own(cache, owned, start, last=start + len(tokens) - 1)
-        out = np.empty((len(tokens), self.head.weight.shape[0]), np.float32)
+        out = np.empty((1 if last_only else len(tokens), self.head.weight.shape[0]), np.float32)
         for first in range(0, len(tokens), EXACT_ROWS):
             part = tokens[first:first + EXACT_ROWS]
-            rows = len(part)
-            out[first:first + rows] = self._run(part, [cache] * rows, [start + first + j for j in range(rows)],
-                                                [views] * rows, None if scales is None else [scales] * rows)
+            rows, final = len(part), first + EXACT_ROWS >= len(tokens)
+            head = (HEAD_LAST if final else HEAD_NONE) if last_only else HEAD_ALL
+            logits = self._run(part, [cache] * rows, [start + first + j for j in range(rows)],
+                               [views] * rows, None if scales is None else [scales] * rows, head=head)
+            if not last_only:
+                out[first:first + rows] = logits[:rows]
+            elif final:
+                out[0] = logits[0]
         return out
 
     def can_step_tokens(self, cache: list[Any], owned: OwnedCache) -> bool:
         """Whether :meth:`step_tokens` and :meth:`prefill` take this cache (a plain-attention
-        model's, see can_run)."""
+        model's, see can_run), rows that may be trimmed again (a speculative draft's)."""
         return not self.kv.rings and not self.delta_layers and self.can_run(cache, owned)
+
+    def can_feed_tail(self, cache: list[Any], owned: OwnedCache) -> bool:
+        """Whether a prompt's short rest may go as the rows of one :meth:`step_tokens`: as
+        :meth:`can_step_tokens`, and a hybrid's too. Its recurrent layers take the rows one
+        after another, each from the state the row before left, so every row is computed as its
+        single step would be; the rows are never trimmed again (a speculative draft's are, and a
+        recurrent state cannot drop a token: no drafts on hybrids)."""
+        return not self.kv.rings and self.can_run(cache, owned)
 
     def can_prefill(self, cache: list[Any], owned: OwnedCache) -> bool:
         """Whether :meth:`prefill` takes this cache: as :meth:`can_step_tokens`, or an empty
@@ -382,13 +402,15 @@ class CpuDecoder:
 
     def _run(self, tokens: list[int], caches: list[list[Any]], positions: list[int],
              views: list[list[tuple[int, ...]]], scales: Any, segments: list[int] | None = None,
-             head: bool = True) -> np.ndarray:
+             head: int = 1) -> np.ndarray:
         """The pass itself (``mlxcel_decode_pass``): row r is ``tokens[r]`` at ``positions[r]`` on
         ``caches[r]`` (the same cache on several rows for consecutive positions of one sequence,
         a speculative draft's). ``segments``: prompt chunks instead, ``segments[j]`` rows of
         sequence j from ``positions[j]`` on ``caches[j]`` (``views[j]``), attended in one call a
         layer and sequence; only the last row's logits are computed (one chunk; :meth:`prefill`),
-        and the result then has one row. ``scales``: per row."""
+        and the result then has one row. ``head``: ``HEAD_NONE``, ``HEAD_ALL`` (every row's logits,
+        or a chunk's last row's), ``HEAD_LAST`` (decode rows: the last row's only, in the result's
+        first row). ``scales``: per row."""
         rows = len(tokens)
         self.angles.forget_if_many()  # between passes: no address handed out below is freed
         if segments is not None:
@@ -421,7 +443,7 @@ class CpuDecoder:
         if failed:
             raise RuntimeError(f"layer {failed - 1}: positions from {min(positions)} do not fit the layer's KV cache")
         if head and not self.logit_transform.identity:
-            n = 1 if segments is not None else rows
+            n = 1 if segments is not None or head == HEAD_LAST else rows
             b.logits[:n] = self.logit_transform.apply(b.logits[:n], np.tanh)
         self.seq.advance(caches, segments if segments is not None else [1] * rows, chunk=segments is not None)
         if segments is not None:

@@ -320,6 +320,10 @@ class Gemma4Decoder:
         """Several tokens of one sequence in a pass: not here (sliding-window rings take one token a step)."""
         return False
 
+    def can_feed_tail(self, cache: list[Any], owned: OwnedCache) -> bool:
+        """A prompt's short rest as one pass's rows: not here either (:meth:`can_step_tokens`)."""
+        return False
+
     def can_prefill(self, cache: list[Any], owned: OwnedCache) -> bool:
         """Whether :meth:`prefill` takes this cache: each layer an empty mlx-lm cache (a cold
         prompt), or one a chunk can start from (``ring_chunks``: rings of the window holding the

@@ -52,8 +52,13 @@ def test_restored_boundary_snapshot_is_exact(harness: EngineHarness) -> None:
     first = history + random_tokens(12, seed=3)
     second = history + random_tokens(15, seed=4)
     harness.run(first, n_predict=4, boundary=len(history), session="x")
+    decoder = harness.engine.loaded.decoder
+    prefilled, steps = (decoder.prefilled, decoder.steps) if decoder is not None else (0, 0)
     warm = harness.run(second, n_predict=10, n_probs=8, boundary=len(history), session="x")
     assert warm.finish.n_cached == len(history)
+    if harness.engine.loaded.model.model_type == "qwen3_next":
+        # the hybrid's 15-token rest went as the 15 rows of one decode pass (then 9 steps), no prompt chunk
+        assert decoder is not None and (decoder.prefilled, decoder.steps) == (prefilled, steps + 15 + 9)
     split_cold = harness.run(second, n_predict=10, n_probs=8, boundary=len(history), session="fresh")
     assert split_cold.finish.n_cached == 0
     assert warm.tokens == split_cold.tokens

@@ -30,6 +30,27 @@ def assert_rows_together_equal_rows_alone(decoder: Any, together: list[Any], ste
         tokens = [int(t) for t in rows.argmax(axis=1)]
 
 
+def assert_tail_rows_equal_single_steps(model: nn.Module, decoder: Any, reps: int = 6) -> None:
+    """A prompt's short rest fed as the rows of one pass on a recurrent hybrid (``step_tokens``,
+    ``can_feed_tail``) equals single steps bit for bit: every row's logits, the recurrent states
+    and the KV; ``last_only`` computes the last row's logits alone, the same bits. The rows share
+    one state, which the recurrence must take in order: ``reps`` runs, since a race between them
+    shows only sometimes. Speculative drafts stay off hybrids (``can_step_tokens``): rejected rows
+    cannot leave a recurrent state again."""
+    tokens = ids(16, seed=41)  # EXACT_ROWS: one pass
+    stepped, owned = prefilled(model, 30), decode_kv.OwnedCache()
+    assert decoder.can_feed_tail(stepped, owned) and not decoder.can_step_tokens(stepped, owned)
+    want = np.stack([decoder.step(t, stepped, owned).copy() for t in tokens])
+    for rep in range(reps):
+        last_only = rep % 2 == 1
+        cache = prefilled(model, 30)
+        got = decoder.step_tokens(tokens, cache, decode_kv.OwnedCache(), last_only=last_only)
+        assert np.array_equal(got, want[-1:] if last_only else want), rep
+        assert decoder.offset(cache) == decoder.offset(stepped) == 46
+        for i in decoder.delta_layers:
+            assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(cache[i].cache, stepped[i].cache)), rep
+
+
 def ids(n: int, seed: int = 0) -> list[int]:
     return [(7 * i + 3 + 13 * seed) % 500 + 10 for i in range(n)]
 

@@ -29,8 +29,8 @@ from mlxcel_compat.cache import kv
 from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
 from tests.conftest import tiny_model
 from tests.runtime.step_checks import (assert_recurrent_caches_close, assert_rows_together_equal_rows_alone,
-                                       chunks_together_and_alone, close, cold_chunk_beside_mlx, ids, mlx_logits,
-                                       prefilled, served_decoders)
+                                       assert_tail_rows_equal_single_steps, chunks_together_and_alone, close,
+                                       cold_chunk_beside_mlx, ids, mlx_logits, prefilled, served_decoders)
 
 BLOCK_RTOL = 0.06  # as test_cpu_decode_moe.py: activations quantized to the blocks' vec_dot_type
 FLOAT_RTOL = 1e-5  # float32 weights: another summation order only
@@ -85,6 +85,12 @@ def test_hybrid_rows_stepped_together_are_bit_identical_to_rows_alone(hybrid_dec
     together = [prefilled(model, n, seed) for n, seed in ((12, 0), (30, 1), (45, 2))]
     assert_rows_together_equal_rows_alone(decoder, together, 4)
     assert [decoder.offset(c) for c in together] == [16, 34, 49]
+
+
+def test_a_hybrid_prompt_tail_as_rows_equals_its_single_steps(hybrid_decoder: Callable) -> None:
+    """A prompt's short rest as one pass's rows: the delta-net layers take them one after another
+    on the sequence's own state, exactly as single steps (``assert_tail_rows_equal_single_steps``)."""
+    assert_tail_rows_equal_single_steps(*hybrid_decoder("qwen3_5:q8_0"))
 
 
 def test_a_hybrid_prompt_chunk_on_the_runtime_leaves_mlx_s_state(hybrid_decoder: Callable) -> None:

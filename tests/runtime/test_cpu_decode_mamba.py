@@ -45,7 +45,8 @@ from mlxcel_compat.testing.weights import instantiate, seeded_weights
 from tests.conftest import tiny_model
 from tests.engine.harness import EngineHarness
 from tests.runtime.step_checks import (assert_recurrent_caches_close, assert_rows_together_equal_rows_alone,
-                                       chunks_together_and_alone, close, cold_chunk_beside_mlx, ids, mlx_logits, prefilled)
+                                       assert_tail_rows_equal_single_steps, chunks_together_and_alone, close,
+                                       cold_chunk_beside_mlx, ids, mlx_logits, prefilled)
 
 MODEL = "granitemoehybrid:q8_0"
 Q8_RTOL = 5e-3  # of the largest logit; measured 1.4e-3 (the module's docstring says why not float32's)
@@ -157,6 +158,13 @@ def test_rows_stepped_together_are_bit_identical_to_rows_alone(loaded: Callable,
     together = [prefilled(model, n, seed) for n, seed in ((12, 0), (30, 1), (45, 2))]
     assert_rows_together_equal_rows_alone(decoder, together, 4)
     assert [decoder.offset(c) for c in together] == [16, 34, 49]
+
+
+@pytest.mark.parametrize("spec", [MODEL, "nemotron_h:q8_0"])
+def test_a_prompt_tail_as_rows_equals_its_single_steps(loaded: Callable, spec: str) -> None:
+    """A prompt's short rest as one pass's rows: the Mamba-2 mixers take them one after another
+    on the sequence's own state, exactly as single steps (``assert_tail_rows_equal_single_steps``)."""
+    assert_tail_rows_equal_single_steps(*loaded(spec))
 
 
 @pytest.mark.parametrize("spec,rtol", [(MODEL, Q8_RTOL), ("nemotron_h", FLOAT_RTOL)])

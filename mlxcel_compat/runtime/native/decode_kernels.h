@@ -7,6 +7,22 @@
  * (q8_0 and q4_0: a row of d values is d / 32 of ggml's blocks, kv_rows.h). */
 enum { MLXCEL_KV_F32 = 0, MLXCEL_KV_F16 = 1, MLXCEL_KV_BF16 = 2, MLXCEL_KV_Q8_0 = 3, MLXCEL_KV_Q4_0 = 4 };
 
+/* A recurrent mixer's units for its recurrence (delta_net.c, mamba2.c): consecutive units on the
+ * same state, decode rows of one sequence (a prompt's rest fed as rows: CpuDecoder.step_tokens),
+ * become one unit whose rows go in order, as a prompt chunk's do: in units of their own the
+ * recurrence's parallel parts would race on that state. `first` (units + 1 row offsets) is
+ * compacted in place, `merged` (units entries) gets each unit's state; returns the unit count. */
+static inline int mlxcel_state_units(int units, int *first, float *const *states, float **merged) {
+    int n = 0;
+    for (int u = 0; u < units; u++) {
+        if (n && states[u] == merged[n - 1]) continue;
+        merged[n] = states[u];
+        first[n++] = first[u];
+    }
+    first[n] = first[units];
+    return n;
+}
+
 /* 1 / sqrt(mean(x^2) + eps) over n values, MLX's rounding bit for bit (elementwise.c). */
 float mlxcel_rms_scale(const float *x, int n, float eps);
 void mlxcel_rms_norm(const float *x, const float *w, float *out, int rows, int n, float eps);

@@ -319,7 +319,10 @@ static int ring_chunk(const struct mlxcel_kv *s, const float *q, const float *kn
  * segments[j] .. segments[j + 1] - 1, consecutive positions of one sequence (kv is
  * n_segments x layers, angles n_segments x angle sets x (cos, sin) of every row's position), its
  * attention one call a layer, and the logits are the last row's only (one segment). The residual
- * stream b->x holds the rows' embeddings on entry. `head`: compute the logits. `scales`:
+ * stream b->x holds the rows' embeddings on entry. `head`: compute the logits (0: none; 1: of
+ * every row, or of a chunk's last row; 2: of the last row only, a prompt's short rest fed as decode
+ * rows, whose earlier rows' logits nobody reads: a 150K-token vocabulary's head is the largest
+ * weight of a small model). `scales`:
  * rows x n_adapters LoRA scales, or NULL. Returns 0, or 1 + the layer whose attention did not fit
  * its cache (nothing of that layer's KV written, for that row or segment and the ones after), or
  * -(1 + the layer) whose expert stacks the grouped product refused. */
@@ -505,7 +508,7 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
         }
     }
     if (!head) return 0;
-    if (chunk) { /* the last row only: its norm into the first row of h, the head on that row */
+    if (chunk || head == 2) { /* the last row only: its norm into the first row of h, the head on that row */
         pre_norm(&m->norm, b->x + (size_t)(rows - 1) * hidden, b->h, 1, hidden);
         product(&m->head, 1, b->h, b->logits, 0.0f, 0, scales ? scales + (size_t)(rows - 1) * n_adapters : NULL,
                 n_adapters);

@@ -130,11 +130,11 @@ class NativeModel:
     def __post_init__(self) -> None:
         self.address = ctypes.addressof(self.struct)
 
-    def run(self, buffers: "NativeBuffers", rows: int, segments: np.ndarray | None, head: bool, kv: np.ndarray,
+    def run(self, buffers: "NativeBuffers", rows: int, segments: np.ndarray | None, head: int, kv: np.ndarray,
             angles: np.ndarray, scales: np.ndarray | None) -> int:
         """One pass (``mlxcel_decode_pass``); 0, or 1 + the layer whose attention did not fit.
         ``segments``: int32 row offsets of prompt chunks (one more than there are chunks), or
-        None for decode rows."""
+        None for decode rows. ``head``: ``cpu_decode.HEAD_NONE``, ``HEAD_ALL`` or ``HEAD_LAST``."""
         held = (self.hold_gil and segments is None and rows <= blas_shim.GIL_HELD_ROWS_MAX
                 and not blas_shim.StreamedConsumers.count)
         fn = self.run_held if held else self.run_released

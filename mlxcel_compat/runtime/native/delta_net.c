@@ -29,7 +29,7 @@
 #include "vector_math.h"
 
 /* Per-thread scratch (the engine thread runs the passes). */
-static __thread struct mlxcel_scratch delta_scratch[10];
+static __thread struct mlxcel_scratch delta_scratch[11]; /* 6 .. 9: in_projections' parts; 10: the units' states */
 
 static void *buffer(int i, size_t bytes) { return mlxcel_scratch(&delta_scratch[i], bytes ? bytes : 1); }
 
@@ -177,7 +177,9 @@ void mlxcel_delta_layer(const struct mlxcel_delta *D, int hidden, int rows, cons
             b[i] = sigmoid(b[i]);
             a[i] = g;
         }
-    struct recurrence R = {D, first, states, mixed, a, b, y, conv_dim, key_dim};
+    float **unit_states = buffer(10, sizeof(float *) * (size_t)units);
+    units = mlxcel_state_units(units, first, states, unit_states);
+    struct recurrence R = {D, first, unit_states, mixed, a, b, y, conv_dim, key_dim};
     mlxcel_parallel(units * hv, recurrence_part, &R);
     /* the gated norm: out = silu(z) * RMSNorm(y) per value head, into y */
     for (int r = 0; r < rows; r++)

@@ -122,7 +122,9 @@ void mlxcel_mamba_layer(const struct mlxcel_mamba *M, int rows, const int *segme
                 dt[j] = d < M->dt_min ? M->dt_min : d > M->dt_max ? M->dt_max : d;
             }
         }
-    struct recurrence R = {M, first, states, proj, y, width, inner};
+    float **unit_states = buffer(5, sizeof(float *) * (size_t)units);
+    units = mlxcel_state_units(units, first, states, unit_states);
+    struct recurrence R = {M, first, unit_states, proj, y, width, inner};
     mlxcel_parallel(units * heads, recurrence_part, &R);
     /* the gated norm: RMSNorm(silu(z) * y) over each group of norm_group channels, times the gain */
     int group = M->norm_group;
