@@ -22,10 +22,11 @@ from tests.runtime.test_block_weight import raw_weight, reference
 LIB = library()
 OWN = set() if isinstance(LIB, str) else set(LIB.own_kernels) | set(LIB.split_kinds)
 ROWS = 16
-# (type, k): K-quants over one and three 256-value super-blocks, Q8_0 over 768 values; the split types over 24 blocks
+# (type, k): K-quants over one, three and ten 256-value super-blocks (up to 8, 1-4 activation rows take the
+# two-row path, else 1-2 do: k_quant_rows.c's FEW_ROWS_BLOCKS), Q8_0 over 768 values; the split types over 24 blocks
 # (a group of 16 and a shorter one) and over 3 (a lone last block); MXFP4 over 5 and 3 blocks (over more,
 # random E8M0 exponents let one block decide each sum, and ggml's order gives the same float).
-CASES = [(T.Q4_K, 768), (T.Q6_K, 768), (T.Q4_K, 256), (T.Q6_K, 256), (T.Q8_0, 768), (T.Q8_0, 96), (T.Q4_1, 768), (T.Q4_1, 96),
+CASES = [(T.Q4_K, 768), (T.Q6_K, 768), (T.Q4_K, 256), (T.Q6_K, 256), (T.Q4_K, 2560), (T.Q6_K, 2560), (T.Q8_0, 768), (T.Q8_0, 96), (T.Q4_1, 768), (T.Q4_1, 96),
          (T.Q5_0, 768), (T.Q5_0, 96), (T.Q5_1, 768), (T.Q5_1, 96), (T.MXFP4, 160), (T.MXFP4, 96)]
 
 

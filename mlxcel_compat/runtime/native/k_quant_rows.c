@@ -82,9 +82,18 @@ void mlxcel_quantize_q8_K(const float *x, void *out, int64_t k) {
 #define K_MAX_ROWS 16 /* activation rows a pass (as Q8_0's and Q4_1's lane kernels) */
 #define Q4_K_BYTES 144 /* block_q4_K: d, dmin, 12 bytes of scales and mins, 128 of nibbles */
 #define Q6_K_BYTES 210 /* block_q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 scales, d */
-#define SMALL_M_MAX 2   /* activation rows the two-row path below takes at most */
-#define q4_K_FEW_ROWS 1 /* up to this many activation rows, the two-row path; more, the lanes */
-#define q6_K_FEW_ROWS 2
+/* Which path takes m activation rows: up to 2 rows always the two-row path below; 3-4 rows too
+ * when a weight row is at most FEW_ROWS_BLOCKS super-blocks long (k <= 2048); else the lanes. In
+ * a decode pass streaming a model's weights, 2-4 rows of the lanes over short weight rows cost
+ * 2-3x one row (a Qwen3.5-0.8B-shaped Q4_K_M: 4 rows 16.8 ms against 4.9 for one; with the
+ * two-row path 9.9 ms; the small llama 7.6 -> 3.9 ms), while with 4096- and 11008-value rows (a
+ * 7B) the lanes stay ahead from 3 rows (4 rows 227-244 against 276 ms). scripts/bench_quant_rows.py,
+ * its weight read again and again from the caches, favours the lanes at every shape: the choice
+ * follows the passes (docs/benchmarks/quantized.md). */
+#define SMALL_M_MAX 4 /* activation rows the two-row path takes at most */
+#define q4_K_FEW_ROWS 4
+#define q6_K_FEW_ROWS 4
+#define FEW_ROWS_BLOCKS 8
 
 /* vpshufb within each dword lane: pattern's bytes (the same for every lane) are byte indices 0-3
  * into the lane's own dword, 0x80 for a zero. vpshufb indexes the 128-bit lane: dword p of it
@@ -425,7 +434,7 @@ static inline __attribute__((always_inline)) void q6_K_few_rows(int nb, const ui
                      float *out, size_t ldo) {                                                                    \
         const int nb = k / QK_K;                                                                                  \
         const uint8_t *wr = w, *ar = act;                                                                         \
-        if (m <= NAME##_FEW_ROWS) {                                                                               \
+        if (m <= 2 || (m <= NAME##_FEW_ROWS && nb <= FEW_ROWS_BLOCKS)) {                                          \
             const int half = n / 2;                                                                               \
             for (int r = 0; r < half; r++)                                                                        \
                 NAME##_few_rows(nb, wr + (size_t)r * row_bytes, wr + (size_t)(r + half) * row_bytes, ar,          \
