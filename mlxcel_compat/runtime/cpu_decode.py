@@ -469,6 +469,11 @@ class CpuDecoder:
             b = self._buffers[rows] = self._new_buffers(rows, rows)
         return b
 
+    @property
+    def recurrent_state_shapes(self) -> list[tuple[int, ...]]:
+        """The shapes of one sequence's recurrent state arrays (float32), every recurrent layer's."""
+        return [shape for weights in self.recurrent for shape in decode_delta.state_shapes(weights)]
+
     def forget_chunk_buffers(self) -> None:
         """Drop a prompt chunk's buffers (made again by the next chunk): the engine calls this when
         it goes idle, so a server waiting for requests does not hold a 512-row chunk's activations
