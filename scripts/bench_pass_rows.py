@@ -12,7 +12,9 @@ Two kinds of rows (``--mode``):
   (``step_tokens(..., last_only=True)``: a prompt's short rest; on a hybrid its recurrent layers
   take the rows in order).
 
-Each sequence first gets a ``--context``-token prompt chunk. Rounds alternate the row counts
+Each sequence first gets a ``--context``-token prompt chunk, made afresh every round (a tail
+pass advances its sequence by its row count: the depth stays within context + passes x rows).
+Rounds alternate the row counts
 (the shared machine's load falls on all of them alike); the figure is the median over rounds of
 each round's mean pass time, in milliseconds, and its ratio to one row's.
 
@@ -48,7 +50,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,3,4,8")
     parser.add_argument("--passes", type=int, default=20, help="passes a round, each row count")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--context", type=int, default=64, help="prompt tokens each sequence holds first")
+    parser.add_argument("--context", type=int, default=256, help="prompt tokens each sequence holds first")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
 
@@ -57,17 +59,21 @@ def main() -> None:
     if decoder is None:
         sys.exit(f"{args.model}: the CPU decode runtime does not take this model")
     counts = [int(n) for n in args.rows.split(",")]
-    tokens = [(37 * i + 11) % 4000 + 100 for i in range(args.context + (args.passes * args.rounds + 1) * max(counts))]
+    tokens = [(37 * i + 11) % 4000 + 100 for i in range(args.context + (args.passes + 1) * max(counts))]
 
     def sequence() -> tuple[list, OwnedCache]:
         cache, owned = make_prompt_cache(model), OwnedCache()
         decoder.prefill(tokens[:args.context], cache, owned, logits=False)
         return cache, owned
 
-    # The sequences of each row count, made once; every pass advances them (the KV grows by
-    # passes x rounds positions, the same for every count).
-    batch = {n: [sequence() for _ in range(n if args.mode == "batch" else 1)] for n in counts}
-    position = {n: args.context for n in counts}
+    # Each round makes each row count's sequences afresh, so every pass sees about the same depth
+    # (a tail pass of n rows advances its sequence by n positions, a batch pass by one).
+    batch: dict[int, list] = {}
+    position: dict[int, int] = {}
+
+    def fresh(n: int) -> None:
+        batch[n] = [sequence() for _ in range(n if args.mode == "batch" else 1)]
+        position[n] = args.context
 
     def one_pass(n: int) -> None:
         at = position[n]
@@ -81,10 +87,12 @@ def main() -> None:
             position[n] = at + n
 
     for n in counts:  # the first pass of each count makes its buffers
+        fresh(n)
         one_pass(n)
     times: dict[int, list[float]] = {n: [] for n in counts}
     for r in range(args.rounds):
         for n in (counts if r % 2 == 0 else counts[::-1]):
+            fresh(n)
             start = time.perf_counter()
             for _ in range(args.passes):
                 one_pass(n)
