@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -66,6 +67,10 @@ def load_speculation(spec: Any, loaded: Any, offline: bool, repack: bool) -> Spe
     return Speculation(spec, draft, ngram_table)
 
 
+# The most of MLX's cache an idle hybrid keeps primed for its next snapshot hit (release_idle_memory).
+IDLE_PRIMED_MAX = 24 << 20
+
+
 def release_idle_memory(decoder: Any) -> None:
     """When the engine's last running sequence is done, hand back what its passes freed: the prompt
     chunks' buffers (``CpuDecoder.forget_chunk_buffers``), MLX's buffer cache and the C heap's free
@@ -77,17 +82,21 @@ def release_idle_memory(decoder: Any) -> None:
     arrays, written once (``CpuDecoder.recurrent_state_shapes``): a session-snapshot hit makes
     the sequence's own state arrays first and then the boundary snapshot, both of those shapes,
     and fresh pages for them cost ~9 ms of page faults on a Qwen3.5-0.8B-shaped hybrid's 150 ms
-    second turn. Those two sets are what an idle hybrid holds beyond its model (12.8 MiB there)."""
+    second turn. Those sets are what an idle hybrid holds beyond its model (12.8 MiB there); as
+    many as fit in ``IDLE_PRIMED_MAX`` (a large hybrid's state is tens of MiB a sequence, and its
+    turns take seconds: none)."""
     import mlx.core as mx
 
     if decoder is not None:
         decoder.forget_chunk_buffers()
     mx.clear_cache()
     shapes = getattr(decoder, "recurrent_state_shapes", [])
-    if shapes:
-        primed = [mx.zeros(shape, dtype=mx.float32) for _ in range(2) for shape in shapes]
+    state = sum(4 * math.prod(shape) for shape in shapes)
+    sets = min(2, IDLE_PRIMED_MAX // state) if state else 0
+    if sets:
+        primed = [mx.zeros(shape, dtype=mx.float32) for _ in range(sets) for shape in shapes]
         mx.eval(primed)
-        del primed  # back into MLX's cache, its pages already in memory
+        del primed  # back into MLX's cache (its limit, 32 MiB by default, is above the bound), pages in memory
     backend.release_free_memory()
 
 
