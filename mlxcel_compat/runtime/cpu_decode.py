@@ -390,7 +390,7 @@ class CpuDecoder:
         row_scales = None if scales is None or all(s is None for s in scales) else [
             s if s is not None else () for s, n in zip(scales, rows) for _ in range(n)]
         out = self._run([t for tokens in chunks for t in tokens], caches, starts, views, row_scales,
-                        segments=rows, head=logits)
+                        segments=rows, head=HEAD_ALL if logits else HEAD_NONE)
         for b, cache, o in zip(borrowed, caches, owned):
             if b is not None:
                 o.apart = b.keep_apart(cache)
@@ -402,7 +402,7 @@ class CpuDecoder:
 
     def _run(self, tokens: list[int], caches: list[list[Any]], positions: list[int],
              views: list[list[tuple[int, ...]]], scales: Any, segments: list[int] | None = None,
-             head: int = 1) -> np.ndarray:
+             head: int = HEAD_ALL) -> np.ndarray:
         """The pass itself (``mlxcel_decode_pass``): row r is ``tokens[r]`` at ``positions[r]`` on
         ``caches[r]`` (the same cache on several rows for consecutive positions of one sequence,
         a speculative draft's). ``segments``: prompt chunks instead, ``segments[j]`` rows of
