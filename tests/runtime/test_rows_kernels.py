@@ -22,7 +22,7 @@ from tests.runtime.test_block_weight import raw_weight, reference
 LIB = library()
 OWN = set() if isinstance(LIB, str) else set(LIB.own_kernels) | set(LIB.split_kinds)
 ROWS = 16
-# (type, k): K-quants over one, three and ten 256-value super-blocks (up to 8, 1-4 activation rows take the
+# (type, k): K-quants over one, three and ten 256-value super-blocks (up to 8, 1-8 activation rows take the
 # two-row path, else 1-2 do: k_quant_rows.c's FEW_ROWS_BLOCKS), Q8_0 over 768 values; the split types over 24 blocks
 # (a group of 16 and a shorter one) and over 3 (a lone last block); MXFP4 over 5 and 3 blocks (over more,
 # random E8M0 exponents let one block decide each sum, and ggml's order gives the same float).

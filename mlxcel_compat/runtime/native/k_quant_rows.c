@@ -82,17 +82,18 @@ void mlxcel_quantize_q8_K(const float *x, void *out, int64_t k) {
 #define K_MAX_ROWS 16 /* activation rows a pass (as Q8_0's and Q4_1's lane kernels) */
 #define Q4_K_BYTES 144 /* block_q4_K: d, dmin, 12 bytes of scales and mins, 128 of nibbles */
 #define Q6_K_BYTES 210 /* block_q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 scales, d */
-/* Which path takes m activation rows: up to 2 rows always the two-row path below; 3-4 rows too
+/* Which path takes m activation rows: up to 2 rows always the two-row path below; 3-8 rows too
  * when a weight row is at most FEW_ROWS_BLOCKS super-blocks long (k <= 2048); else the lanes. In
- * a decode pass streaming a model's weights, 2-4 rows of the lanes over short weight rows cost
- * 2-3x one row (a Qwen3.5-0.8B-shaped Q4_K_M: 4 rows 16.8 ms against 4.9 for one; with the
- * two-row path 9.9 ms; the small llama 7.6 -> 3.9 ms), while with 4096- and 11008-value rows (a
- * 7B) the lanes stay ahead from 3 rows (4 rows 227-244 against 276 ms). scripts/bench_quant_rows.py,
- * its weight read again and again from the caches, favours the lanes at every shape: the choice
- * follows the passes (docs/benchmarks/quantized.md). */
-#define SMALL_M_MAX 4 /* activation rows the two-row path takes at most */
-#define q4_K_FEW_ROWS 4
-#define q6_K_FEW_ROWS 4
+ * a decode pass streaming a model's weights, 2-8 rows of the lanes over short weight rows cost
+ * far more than their arithmetic (a Qwen3.5-0.8B-shaped Q4_K_M: 4 rows 16.8 ms against 4.9 for
+ * one, 9.9 with the two-row path; 6 rows 18.2 -> 15.3, 8 rows 22.5 -> 19.9; the small llama's 4
+ * rows 7.6 -> 3.9), while with 4096- and 11008-value rows (a 7B) the lanes stay ahead from 3 rows
+ * (4 rows 227-244 against 276 ms). scripts/bench_quant_rows.py, its weight read from the caches
+ * again and again, favours the lanes at every shape; over a weight larger than the caches it
+ * agrees with the passes (docs/benchmarks/quantized.md, "Decode rows in a pass"). */
+#define SMALL_M_MAX 8 /* activation rows the two-row path takes at most */
+#define q4_K_FEW_ROWS 8
+#define q6_K_FEW_ROWS 8
 #define FEW_ROWS_BLOCKS 8
 
 /* vpshufb within each dword lane: pattern's bytes (the same for every lane) are byte indices 0-3
