@@ -35,8 +35,9 @@ from mlxcel_compat.cache import kv
 from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
 from tests.conftest import tiny_model
 from tests.engine.harness import EngineHarness
-from tests.runtime.step_checks import (assert_rows_together_equal_rows_alone, chunks_together_and_alone, close,
-                                       cold_chunk_beside_mlx, ids, mlx_logits, prefilled, served_decoders)
+from tests.runtime.step_checks import (assert_rows_together_equal_rows_alone, assert_tail_rows_equal_single_steps,
+                                       chunks_together_and_alone, close, cold_chunk_beside_mlx, ids, mlx_logits,
+                                       prefilled, served_decoders)
 
 LOGITS_RTOL = 1e-4  # float32 weights: of the largest logit (another summation order only; measured ~1e-6)
 # A prompt chunk's products go through ggml's tiled kernels (the blocks) or the BLAS's GEMM (float32),
@@ -138,6 +139,13 @@ def test_lfm2_rows_stepped_together_are_bit_identical_to_rows_alone(lfm2_decoder
     together = [prefilled(model, n, seed) for n, seed in ((12, 0), (30, 1), (45, 2))]
     assert_rows_together_equal_rows_alone(decoder, together, 4)
     assert [decoder.offset(c) for c in together] == [16, 34, 49]
+
+
+@pytest.mark.parametrize("spec", ["lfm2:q8_0", "lfm2_moe:q8_0"])
+def test_an_lfm2_prompt_tail_as_rows_equals_its_single_steps(lfm2_decoder: Callable, spec: str) -> None:
+    """A prompt's short rest as one pass's rows: the short convolutions roll their state row
+    after row, exactly as single steps (``assert_tail_rows_equal_single_steps``)."""
+    assert_tail_rows_equal_single_steps(*lfm2_decoder(spec))
 
 
 @pytest.mark.parametrize("spec,rows", [("lfm2", 40), ("lfm2:q8_0", 40), ("lfm2:q8_0", 9), ("lfm2_moe:q8_0", 40)])
