@@ -430,19 +430,30 @@ static inline __attribute__((always_inline)) void q6_K_few_rows(int nb, const ui
 #define K_CASE(NAME, M)                                                                                            \
     case M: NAME##_lanes(nb, wr + (size_t)r * row_bytes, row_bytes, nrows, ar + (size_t)i * act_bytes, act_bytes, \
                          M, out + (size_t)i * ldo + r, ldo); break;
+/* The two-row path over all n weight rows (rows r and r + n/2 together; an odd last row with
+ * itself) for M activation rows, a constant: each count its own unrolled copy (a runtime count
+ * left a lone row's accumulators in memory, 3-4 % slower). */
+#define FEW_CASE(NAME, M)                                                                                          \
+    case M: {                                                                                                      \
+        const int half = n / 2;                                                                                    \
+        for (int r = 0; r < half; r++)                                                                             \
+            NAME##_few_rows(nb, wr + (size_t)r * row_bytes, wr + (size_t)(r + half) * row_bytes, ar, act_bytes, M, \
+                            out + r, out + r + half, ldo);                                                         \
+        if (n % 2) {                                                                                               \
+            const uint8_t *last = wr + (size_t)(n - 1) * row_bytes;                                                \
+            NAME##_few_rows(nb, last, last, ar, act_bytes, M, out + n - 1, out + n - 1, ldo); /* lanes alike */    \
+        }                                                                                                          \
+        break;                                                                                                     \
+    }
 #define K_ROWS(NAME)                                                                                               \
     void rows_##NAME(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,     \
                      float *out, size_t ldo) {                                                                    \
         const int nb = k / QK_K;                                                                                  \
         const uint8_t *wr = w, *ar = act;                                                                         \
         if (m <= 2 || (m <= NAME##_FEW_ROWS && nb <= FEW_ROWS_BLOCKS)) {                                          \
-            const int half = n / 2;                                                                               \
-            for (int r = 0; r < half; r++)                                                                        \
-                NAME##_few_rows(nb, wr + (size_t)r * row_bytes, wr + (size_t)(r + half) * row_bytes, ar,          \
-                                act_bytes, m, out + r, out + r + half, ldo);                                      \
-            if (n % 2) {                                                                                          \
-                const uint8_t *last = wr + (size_t)(n - 1) * row_bytes;                                           \
-                NAME##_few_rows(nb, last, last, ar, act_bytes, m, out + n - 1, out + n - 1, ldo); /* lanes alike */\
+            switch (m) {                                                                                          \
+                FEW_CASE(NAME, 1) FEW_CASE(NAME, 2) FEW_CASE(NAME, 3) FEW_CASE(NAME, 4) FEW_CASE(NAME, 5)         \
+                FEW_CASE(NAME, 6) FEW_CASE(NAME, 7) FEW_CASE(NAME, 8)                                             \
             }                                                                                                     \
             return;                                                                                               \
         }                                                                                                         \
