@@ -347,3 +347,27 @@ def _newest(c: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
         order = (list(range(cap)) if idx == cap else list(range(idx, cap)) + list(range(idx))
                  if idx < c.offset else list(range(idx)))
     return keys[:, :, order[-n:]], values[:, :, order[-n:]]
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0", "q4_0"])
+def test_a_sequence_s_rows_in_one_pass_equal_its_single_steps(kind: str) -> None:
+    """A speculative draft's or a prompt tail's rows (``step_tokens``: one sequence, consecutive
+    positions) share one attention call a layer, each KV head's keys read once for all of them
+    (``mlxcel_decode_attention_rows``): every row's logits and the KV they leave are its single
+    step's, bit for bit, at every storage type (grouped queries: the tiny mistral's heads share KV
+    heads, 32 values each: one q8_0/q4_0 block a row)."""
+    loaded = load_model(str(tiny_model("mistral")), [], options=LoadOptions(kv_types=KvTypes(kind, kind)))
+    model, decoder = loaded.model, loaded.decoder
+    assert decoder.n_heads > decoder.n_kv_heads
+    tokens = ids(16, seed=3)
+    stepped, rows = _prefill(model, 70), _prefill(model, 70)
+    owned_s, owned_r = decode_kv.OwnedCache(), decode_kv.OwnedCache()
+    want = np.stack([decoder.step(t, stepped, owned_s).copy() for t in tokens])
+    got = decoder.step_tokens(tokens, rows, owned_r)
+    assert np.array_equal(got, want)
+    for a, b in zip(rows, stepped):
+        n = a.offset
+        assert n == b.offset == 86
+        bits = mx.uint16 if a.keys.dtype == mx.bfloat16 else a.keys.dtype  # NumPy has no bfloat16
+        assert all(np.array_equal(np.array(x[..., :n, :].view(bits)), np.array(y[..., :n, :].view(bits)))
+                   for x, y in zip((a.keys, a.values), (b.keys, b.values)))

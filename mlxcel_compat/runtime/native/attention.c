@@ -231,6 +231,69 @@ int mlxcel_decode_attention_at(const float *q, const float *k_new, const float *
     return 0;
 }
 
+/* Consecutive decode rows of one sequence on one layer (a speculative draft's, a prompt's short
+ * rest: CpuDecoder.step_tokens): row j writes its key and value at slot write + j and attends
+ * slots [0, n + j). Each KV head's keys are read once for all the rows' queries (a row alone read
+ * them all again), and every row gets its single step's numbers: each score is its own dot
+ * product whatever the rows beside it, and each row's softmax and value sum take its own slots
+ * in their order (the values are read row by row). The cache's own buffer, no sinks or soft-cap. */
+struct rows_job {
+    struct attention_job a; /* a.q, a.k_new, a.v_new, a.out: row 0's; a.write, a.n: row 0's */
+    int rows, hq;           /* rows; query heads (a row's stride in q and out: hq * d; in k_new: hq / group * d) */
+};
+
+static void attend_head_rows(const void *ctx, int h) {
+    static __thread struct mlxcel_scratch scratch;
+    const struct rows_job *job = ctx;
+    const struct attention_job *a = &job->a;
+    int g = a->group, d = a->d, R = job->rows, hq = job->hq, hk = hq / g, span = a->n + R - 1;
+    size_t k_row = kv_row_bytes(a->k_type, d), v_row = kv_row_bytes(a->v_type, d);
+    char *keys = (char *)a->keys + h * a->head_stride / d * k_row;
+    char *values = (char *)a->values + h * a->head_stride / d * v_row;
+    for (int j = 0; j < R; j++) {
+        kv_narrow(a->k_type, keys + (size_t)(a->write + j) * k_row, a->k_new + ((size_t)j * hk + h) * d, d);
+        kv_narrow(a->v_type, values + (size_t)(a->write + j) * v_row, a->v_new + ((size_t)j * hk + h) * d, d);
+    }
+    float *q = mlxcel_scratch(&scratch, ((size_t)g * R * d + (size_t)g * R * span) * sizeof(float));
+    float *scores = q + (size_t)g * R * d;
+    for (int j = 0; j < R; j++)
+        for (int i = 0; i < g * d; i++) q[(size_t)j * g * d + i] = a->q[(size_t)j * hq * d + (size_t)h * g * d + i] * a->scale;
+    if (kv_blocks(a->k_type))
+        kv_block_scores(a->k_type, g * R, span, d, q, (const uint8_t *)keys, scores, span);
+    else if (a->k_type == MLXCEL_KV_F32)
+        rows_nt(g * R, 0, span, d, q, d, (const float *)keys, d, scores, span, 1.0f, 0.0f);
+    else
+        kv_scores(a->k_type, g * R, span, d, q, (const uint16_t *)keys, scores, span);
+    for (int j = 0; j < R; j++) {
+        int n = a->n + j;
+        float *p = scores + (size_t)j * g * span, *out = a->out + (size_t)j * hq * d + (size_t)h * g * d;
+        for (int i = 0; i < g; i++) {
+            float *s = p + (size_t)i * span;
+            float inv = 1.0f / exp2_shifted_row_sink(s, n, NULL);
+            for (int t = 0; t < n; t++) s[t] *= inv;
+        }
+        if (kv_blocks(a->v_type))
+            kv_block_weighted(a->v_type, g, d, n, p, span, (const uint8_t *)values, (const uint8_t *)values, n, out);
+        else if (a->v_type == MLXCEL_KV_F32)
+            rows_nn_split(g, 0, d, n, p, span, (const float *)values, d, out, d, 1.0f, 0.0f, (const float *)values, n);
+        else
+            kv_weighted(a->v_type, g, d, n, p, span, (const uint16_t *)values, (const uint16_t *)values, n, out);
+    }
+}
+
+/* The attention of `rows` consecutive decode rows of one sequence (attend_head_rows): q and out
+ * (rows, Hq * d), k_new and v_new (rows, Hk * d), row j writing slot write + j and attending
+ * slots [0, n + j). Returns 0, or -1 (touching nothing) if the last row does not fit. */
+int mlxcel_decode_attention_rows(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
+                                 float *out, int rows, int kv_heads, int group, int d, int write, int n, long capacity,
+                                 float scale, int k_type, int v_type) {
+    if (rows < 1 || write < 0 || write + rows > capacity || n < 1 || n + rows - 1 > capacity) return -1;
+    struct rows_job job = {{q, k_new, v_new, keys, values, NULL, NULL, out, group, d, write, n, (size_t)capacity * d,
+                            scale, k_type, v_type}, rows, kv_heads * group};
+    mlxcel_parallel(kv_heads, attend_head_rows, &job);
+    return 0;
+}
+
 /* A decode step's attention over a cache it may not write (a prompt-cache entry another sequence
  * shares): slots [0, n_base) of the cache, then the new key and value, which go to k_out and
  * v_out ((Hk, d) each) instead. The same numbers as mlxcel_decode_attention at pos = n_base on a

@@ -36,6 +36,9 @@ void mlxcel_gelu_erf(float *x, int n);
 void mlxcel_rope_part(float *x, int heads, int d, int dims, const float *cos, const float *sin, int traditional);
 void mlxcel_xielu(float *x, int n, float alpha_p, float alpha_n, float beta, float eps);
 void mlxcel_swiglu_oai(float *gate, const float *up, int n, float alpha, float limit);
+int mlxcel_decode_attention_rows(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
+                                 float *out, int rows, int kv_heads, int group, int d, int write, int n, long capacity,
+                                 float scale, int k_type, int v_type);
 int mlxcel_decode_attention_at(const float *q, const float *k_new, const float *v_new, void *keys, void *values,
                                float *out, int kv_heads, int group, int d, int write, int n, long capacity,
                                float scale, int k_type, int v_type);

@@ -115,6 +115,25 @@ static __thread struct mlxcel_scratch lora_scratch;
 
 enum { RowMajor = 101, NoTrans = 111, Trans = 112 };
 
+/* How many decode rows from row r on are consecutive positions of one sequence on layer i's own
+ * buffer (a speculative draft's, a prompt's short rest: the same cache, each row one slot after
+ * the one before), for mlxcel_decode_attention_rows; 1 where a row needs the single-row kernels
+ * (a ring's slot, shared blocks, rows kept apart, sinks, a soft-cap). */
+static int same_sequence_rows(const struct mlxcel_model *m, const struct mlxcel_layer *L, const struct mlxcel_kv *kv,
+                              int i, int r, int rows) {
+    const struct mlxcel_kv *s = &kv[(size_t)r * m->n_layers + i];
+    if (m->softcap || L->sinks || s->k_out || s->n_blocked || s->window || s->n != s->write + 1) return 1;
+    int run = 1;
+    while (r + run < rows) {
+        const struct mlxcel_kv *t = &kv[(size_t)(r + run) * m->n_layers + i];
+        if (t->keys != s->keys || t->k_out || t->n_blocked || t->window || t->write != s->write + run ||
+            t->n != s->n + run)
+            break;
+        run++;
+    }
+    return run;
+}
+
 /* rows of n values, row t times factors[t] (ministral3's queries: Llama 4's attention temperature,
  * applied after RoPE as mlx-lm applies it). */
 static void scale_rows(float *x, int rows, int n, const float *factors) {
@@ -426,7 +445,6 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                 const struct mlxcel_kv *s = &kv[(size_t)r * m->n_layers + i];
                 const float *const *a = angles + (size_t)r * kinds * 2;
                 float *q = b->q + (size_t)r * hq * d, *kn = b->k_new + (size_t)r * hk * d;
-                float *vn = b->v_new + (size_t)r * hk * d, *att = b->att + (size_t)r * hq * d;
                 if (m->rope_dims) {
                     mlxcel_rope_part(q, hq, d, m->rope_dims, a[2 * L->rope], a[2 * L->rope + 1], trad);
                     mlxcel_rope_part(kn, hk, d, m->rope_dims, a[2 * L->rope], a[2 * L->rope + 1], trad);
@@ -435,6 +453,19 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                     mlxcel_rope(kn, hk, d, a[2 * L->rope], a[2 * L->rope + 1], trad);
                 }
                 if (m->q_scaled) scale_rows(q, 1, hq * d, b->q_scale + r);
+            }
+            for (int r = 0; r < rows;) {
+                const struct mlxcel_kv *s = &kv[(size_t)r * m->n_layers + i];
+                float *q = b->q + (size_t)r * hq * d, *kn = b->k_new + (size_t)r * hk * d;
+                float *vn = b->v_new + (size_t)r * hk * d, *att = b->att + (size_t)r * hq * d;
+                int run = same_sequence_rows(m, L, kv, i, r, rows);
+                if (run > 1) { /* consecutive rows of one sequence: each key read once for all */
+                    if (mlxcel_decode_attention_rows(q, kn, vn, s->keys, s->values, att, run, hk, group, d, (int)s->write,
+                                                     (int)s->n, s->capacity, m->scale, m->k_type, m->v_type))
+                        return i + 1;
+                    r += run;
+                    continue;
+                }
                 int failed = m->softcap /* Gemma 2's capped attention: one call for any cache */
                     ? mlxcel_decode_attention_capped(q, kn, vn, s->keys, s->values, att, s->k_out, s->v_out, hk, group, d,
                                                      (int)s->write, (int)s->n, s->capacity, m->scale, m->k_type,
@@ -454,6 +485,7 @@ int mlxcel_decode_pass(const struct mlxcel_model *m, const struct mlxcel_buffers
                     : mlxcel_decode_attention_at(q, kn, vn, s->keys, s->values, att, hk, group, d, (int)s->write,
                                                  (int)s->n, s->capacity, m->scale, m->k_type, m->v_type);
                 if (failed) return i + 1;
+                r++;
             }
         }
         if (q_gate) mlxcel_sigmoid_gate(b->att, q_gate, rows * hq * d);
