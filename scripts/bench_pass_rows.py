@@ -10,7 +10,8 @@ Two kinds of rows (``--mode``):
 - ``batch``: N sequences stepped together (``CpuDecoder.step_rows``: batched decode, N streams);
 - ``tail``: N consecutive tokens of one sequence with the head on the last row only
   (``step_tokens(..., last_only=True)``: a prompt's short rest; on a hybrid its recurrent layers
-  take the rows in order).
+  take the rows in order); with ``--all-logits`` every row's logits (a speculative draft's
+  verification).
 
 Each sequence first gets a ``--context``-token prompt chunk, made afresh every round (a tail
 pass advances its sequence by its row count: the depth stays within context + passes x rows).
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=20, help="passes a round, each row count")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--context", type=int, default=256, help="prompt tokens each sequence holds first")
+    parser.add_argument("--all-logits", action="store_true", help="tail mode: every row's logits (a draft's verification)")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
 
@@ -83,7 +85,7 @@ def main() -> None:
             position[n] = at + 1
         else:
             cache, owned = batch[n][0]
-            decoder.step_tokens(tokens[at:at + n], cache, owned, last_only=True)
+            decoder.step_tokens(tokens[at:at + n], cache, owned, last_only=not args.all_logits)
             position[n] = at + n
 
     for n in counts:  # the first pass of each count makes its buffers
@@ -98,7 +100,8 @@ def main() -> None:
                 one_pass(n)
             times[n].append((time.perf_counter() - start) * 1000 / args.passes)
     one = statistics.median(times[counts[0]])
-    print(f"{Path(args.model).name}, mode {args.mode}: median over {args.rounds} rounds of {args.passes} passes")
+    what = f"mode {args.mode}" + (", every row's logits" if args.all_logits else "")
+    print(f"{Path(args.model).name}, {what}, {args.context} positions first: median over {args.rounds} rounds of {args.passes} passes")
     print("| rows | ms a pass | vs first |")
     print("|---:|---:|---:|")
     result = {}
