@@ -238,7 +238,7 @@ int mlxcel_decode_attention_at(const float *q, const float *k_new, const float *
  * product whatever the rows beside it, and each row's softmax and value sum take its own slots
  * in their order (the values are read row by row). The cache's own buffer, no sinks or soft-cap. */
 struct rows_job {
-    struct attention_job a; /* a.q, a.k_new, a.v_new, a.out: row 0's; a.write, a.n: row 0's */
+    struct attention_job a; /* row 0's q, k_new, v_new, out, write and n */
     int rows, hq;           /* rows; query heads (a row's stride in q and out: hq * d; in k_new: hq / group * d) */
 };
 
@@ -258,12 +258,9 @@ static void attend_head_rows(const void *ctx, int h) {
     float *scores = q + (size_t)g * R * d;
     for (int j = 0; j < R; j++)
         for (int i = 0; i < g * d; i++) q[(size_t)j * g * d + i] = a->q[(size_t)j * hq * d + (size_t)h * g * d + i] * a->scale;
-    if (kv_blocks(a->k_type))
-        kv_block_scores(a->k_type, g * R, span, d, q, (const uint8_t *)keys, scores, span);
-    else if (a->k_type == MLXCEL_KV_F32)
-        rows_nt(g * R, 0, span, d, q, d, (const float *)keys, d, scores, span, 1.0f, 0.0f);
-    else
-        kv_scores(a->k_type, g * R, span, d, q, (const uint16_t *)keys, scores, span);
+    if (kv_blocks(a->k_type)) kv_block_scores(a->k_type, g * R, span, d, q, (const uint8_t *)keys, scores, span);
+    else if (a->k_type == MLXCEL_KV_F32) rows_nt(g * R, 0, span, d, q, d, (const float *)keys, d, scores, span, 1.0f, 0.0f);
+    else kv_scores(a->k_type, g * R, span, d, q, (const uint16_t *)keys, scores, span);
     for (int j = 0; j < R; j++) {
         int n = a->n + j;
         float *p = scores + (size_t)j * g * span, *out = a->out + (size_t)j * hq * d + (size_t)h * g * d;
