@@ -124,6 +124,26 @@ static void attend_head(const void *ctx, int h) {
     free(q);
 }
 
+/* A KV head's scores, M scaled float32 queries against key rows [0, n) of any storage type
+ * (ldc apart), and its value sum: M rows of weights (ldp apart) over value rows [0, n), those
+ * from K1 on read from v2. Each score is its own dot product, and each output sums its rows in
+ * order, whatever M: the row kernels' contract (small_m_kernel.h, kv_rows.h). */
+static void head_scores(int k_type, int M, int n, int d, const float *q, const void *keys, float *scores, size_t ldc) {
+    if (kv_blocks(k_type)) kv_block_scores(k_type, M, n, d, q, (const uint8_t *)keys, scores, ldc);
+    else if (k_type == MLXCEL_KV_F32) rows_nt(M, 0, n, d, q, d, (const float *)keys, d, scores, ldc, 1.0f, 0.0f);
+    else kv_scores(k_type, M, n, d, q, (const uint16_t *)keys, scores, ldc);
+}
+
+static void head_weighted(int v_type, int M, int d, int n, const float *p, size_t ldp, const void *values,
+                          const void *v2, int K1, float *out) {
+    if (kv_blocks(v_type))
+        kv_block_weighted(v_type, M, d, n, p, ldp, (const uint8_t *)values, (const uint8_t *)v2, K1, out);
+    else if (v_type == MLXCEL_KV_F32)
+        rows_nn_split(M, 0, d, n, p, ldp, (const float *)values, d, out, d, 1.0f, 0.0f, (const float *)v2, K1);
+    else
+        kv_weighted(v_type, M, d, n, p, ldp, (const uint16_t *)values, (const uint16_t *)v2, K1, out);
+}
+
 /* attend_head over 16-bit keys or values: the new key and value rounded to their types and written
  * (into the cache, or apart), then the same scores, softmax and products, the 16-bit rows widened
  * in registers as the products read them (kv_rows.h). A step on a cache it may not write reads its
@@ -144,29 +164,15 @@ static void attend_head_kv(const void *ctx, int h) {
     float *scores = q + (size_t)g * d;
     for (int i = 0; i < g * d; i++) q[i] = a->q[(size_t)h * g * d + i] * a->scale;
     int shared = apart ? n - 1 : n; /* slots read from the cache; the last one apart after them */
-    if (kv_blocks(a->k_type)) { /* block keys: each row dequantized, the scaled float32 queries */
-        kv_block_scores(a->k_type, g, shared, d, q, (const uint8_t *)keys, scores, n);
-        if (apart) kv_block_scores(a->k_type, g, 1, d, q, (const uint8_t *)k_dst, scores + n - 1, n);
-    } else if (a->k_type == MLXCEL_KV_F32) {
-        rows_nt(g, 0, shared, d, q, d, (const float *)keys, d, scores, n, 1.0f, 0.0f);
-        if (apart) rows_nt(g, 0, 1, d, q, d, (const float *)k_dst, d, scores + n - 1, n, 1.0f, 0.0f);
-    } else {
-        kv_scores(a->k_type, g, shared, d, q, (const uint16_t *)keys, scores, n);
-        if (apart) kv_scores(a->k_type, g, 1, d, q, (const uint16_t *)k_dst, scores + n - 1, n);
-    }
+    head_scores(a->k_type, g, shared, d, q, keys, scores, n); /* block keys: each row dequantized */
+    if (apart) head_scores(a->k_type, g, 1, d, q, k_dst, scores + n - 1, n);
     for (int i = 0; i < g; i++) {
         float *s = scores + (size_t)i * n;
         soft_cap_row(s, n, a->softcap);
         float inv = 1.0f / exp2_shifted_row_sink(s, n, a->sinks ? a->sinks + (size_t)h * g + i : NULL);
         for (int t = 0; t < n; t++) s[t] *= inv;
     }
-    float *out = a->out + (size_t)h * g * d;
-    if (kv_blocks(a->v_type))
-        kv_block_weighted(a->v_type, g, d, n, scores, n, (const uint8_t *)values, (const uint8_t *)v_dst, shared, out);
-    else if (a->v_type == MLXCEL_KV_F32)
-        rows_nn_split(g, 0, d, n, scores, n, (const float *)values, d, out, d, 1.0f, 0.0f, (const float *)v_dst, shared);
-    else
-        kv_weighted(a->v_type, g, d, n, scores, n, (const uint16_t *)values, (const uint16_t *)v_dst, shared, out);
+    head_weighted(a->v_type, g, d, n, scores, n, values, v_dst, shared, a->out + (size_t)h * g * d);
 }
 
 /* attend_head over a span (kv_rows.h): the shared blocks read in place, then the cache's own rows
@@ -258,9 +264,7 @@ static void attend_head_rows(const void *ctx, int h) {
     float *scores = q + (size_t)g * R * d;
     for (int j = 0; j < R; j++)
         for (int i = 0; i < g * d; i++) q[(size_t)j * g * d + i] = a->q[(size_t)j * hq * d + (size_t)h * g * d + i] * a->scale;
-    if (kv_blocks(a->k_type)) kv_block_scores(a->k_type, g * R, span, d, q, (const uint8_t *)keys, scores, span);
-    else if (a->k_type == MLXCEL_KV_F32) rows_nt(g * R, 0, span, d, q, d, (const float *)keys, d, scores, span, 1.0f, 0.0f);
-    else kv_scores(a->k_type, g * R, span, d, q, (const uint16_t *)keys, scores, span);
+    head_scores(a->k_type, g * R, span, d, q, keys, scores, span);
     for (int j = 0; j < R; j++) {
         int n = a->n + j;
         float *p = scores + (size_t)j * g * span, *out = a->out + (size_t)j * hq * d + (size_t)h * g * d;
@@ -269,12 +273,7 @@ static void attend_head_rows(const void *ctx, int h) {
             float inv = 1.0f / exp2_shifted_row_sink(s, n, NULL);
             for (int t = 0; t < n; t++) s[t] *= inv;
         }
-        if (kv_blocks(a->v_type))
-            kv_block_weighted(a->v_type, g, d, n, p, span, (const uint8_t *)values, (const uint8_t *)values, n, out);
-        else if (a->v_type == MLXCEL_KV_F32)
-            rows_nn_split(g, 0, d, n, p, span, (const float *)values, d, out, d, 1.0f, 0.0f, (const float *)values, n);
-        else
-            kv_weighted(a->v_type, g, d, n, p, span, (const uint16_t *)values, (const uint16_t *)values, n, out);
+        head_weighted(a->v_type, g, d, n, p, span, values, values, n, out);
     }
 }
 
