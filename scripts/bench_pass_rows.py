@@ -70,21 +70,21 @@ def main() -> None:
 
     # Each round makes each row count's sequences afresh, so every pass sees about the same depth
     # (a tail pass of n rows advances its sequence by n positions, a batch pass by one).
-    batch: dict[int, list] = {}
+    sequences: dict[int, list] = {}
     position: dict[int, int] = {}
 
     def fresh(n: int) -> None:
-        batch[n] = [sequence() for _ in range(n if args.mode == "batch" else 1)]
+        sequences[n] = [sequence() for _ in range(n if args.mode == "batch" else 1)]
         position[n] = args.context
 
     def one_pass(n: int) -> None:
         at = position[n]
         if args.mode == "batch":
-            caches = [c for c, _ in batch[n]]
-            decoder.step_rows(tokens[at:at + n], caches, [o for _, o in batch[n]])
+            caches = [c for c, _ in sequences[n]]
+            decoder.step_rows(tokens[at:at + n], caches, [o for _, o in sequences[n]])
             position[n] = at + 1
         else:
-            cache, owned = batch[n][0]
+            cache, owned = sequences[n][0]
             decoder.step_tokens(tokens[at:at + n], cache, owned, last_only=not args.all_logits)
             position[n] = at + n
 

@@ -291,7 +291,7 @@ class CpuDecoder:
     def can_step_tokens(self, cache: list[Any], owned: OwnedCache) -> bool:
         """Whether :meth:`step_tokens` and :meth:`prefill` take this cache (a plain-attention
         model's, see can_run), rows that may be trimmed again (a speculative draft's)."""
-        return not self.kv.rings and not self.delta_layers and self.can_run(cache, owned)
+        return not self.delta_layers and self.can_feed_tail(cache, owned)
 
     def can_feed_tail(self, cache: list[Any], owned: OwnedCache) -> bool:
         """Whether a prompt's short rest may go as the rows of one :meth:`step_tokens`: as

@@ -35,33 +35,42 @@ def test_gemma3_prompts_prefill_on_the_runtime_and_an_idle_engine_holds_no_freed
         h.close()
 
 
-def test_an_idle_hybrid_keeps_two_recurrent_states_of_primed_buffers() -> None:
+def test_an_idle_hybrid_keeps_two_recurrent_states_of_primed_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     """A recurrent hybrid's idle engine keeps exactly two sets of one sequence's recurrent state
     arrays in MLX's cache, already written (``release_idle_memory``): the next session-snapshot
     hit makes its own state and the boundary snapshot from them, not from fresh pages. Its
     snapshot hit then equals the split cold run (test_snapshots.py's exactness, here with the
-    primed buffers in use)."""
+    primed buffers in use). Under a bound (``IDLE_PRIMED_MAX``) below two sets it keeps one, below
+    one none."""
+    import math
     import random
+
+    from mlxcel_compat.engine import loading
 
     h = EngineHarness(tiny_model("qwen3_next"), batch_size=16, min_prefix=8)
     try:
         decoder = h.engine.loaded.decoder
         assert decoder is not None and decoder.delta_layers
         shapes = decoder.recurrent_state_shapes
-        state = sum(4 * int(mx.zeros(shape).size) for shape in shapes)
+        state = sum(4 * math.prod(shape) for shape in shapes)
 
-        def primed() -> bool:  # MLX rounds each buffer up a little
+        def primed(sets: int) -> bool:  # MLX rounds each buffer up a little
             held = h.on_engine(mx.get_cache_memory)
-            return 2 * state <= held <= 2 * state + 64 * 2 * len(shapes)
+            return sets * state <= held <= sets * (state + 64 * len(shapes))
+
         rng = random.Random(3)
         history = [rng.randrange(8000) for _ in range(40)]
         second = history + [rng.randrange(8000) for _ in range(12)]
         h.run(history + [5, 6], n_predict=3, boundary=len(history), session="x")
-        assert primed()
+        assert primed(2)
         warm = h.run(second, n_predict=6, n_probs=4, boundary=len(history), session="x")
         assert warm.finish.n_cached == len(history)
-        assert primed()
+        assert primed(2)
         cold = h.run(second, n_predict=6, n_probs=4, boundary=len(history), session="fresh")
         assert cold.finish.n_cached == 0 and (warm.tokens, warm.logprobs) == (cold.tokens, cold.logprobs)
+        for bound, sets in ((state * 3 // 2, 1), (state // 2, 0)):
+            monkeypatch.setattr(loading, "IDLE_PRIMED_MAX", bound)
+            h.run(second, n_predict=2, cache=False)
+            assert primed(sets), sets
     finally:
         h.close()

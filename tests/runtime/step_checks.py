@@ -5,7 +5,7 @@ MLX's, tiny models and their decoders loaded once a module."""
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -143,16 +143,37 @@ def follow_mlx(model: nn.Module, decoder: Any, ours: list, steps: int, rtol: flo
     return theirs, token
 
 
+class Followed(NamedTuple):
+    theirs: list  # MLX's cache after the steps
+    exact: int  # steps bit-identical to MLX's
+    decided: int  # steps whose greedy token was checked (MLX's top two far enough apart)
+
+
+def each_step_on_the_runtime(decoder: Any, then: Callable[[list, list], None] | None = None
+                              ) -> Callable[[list, list], None]:
+    """An ``after_step`` for :func:`follow_mlx_teacher_forced`: each step went through the runtime
+    (``decoder.steps`` one more than after the step before), then ``then(ours, theirs)``."""
+    seen = [decoder.steps]
+
+    def after_step(ours: list, theirs: list) -> None:
+        assert decoder.steps == seen[0] + 1
+        seen[0] = decoder.steps
+        if then is not None:
+            then(ours, theirs)
+
+    return after_step
+
+
 def follow_mlx_teacher_forced(model: nn.Module, decoder: Any, ours: list, steps: int, rtol: float,
-                              after_step: Callable[[list, list], None] | None = None) -> tuple[list, int]:
+                              after_step: Callable[[list, list], None] | None = None) -> Followed:
     """``steps`` teacher-forced steps of ``decoder`` on ``ours`` beside MLX's step on a copy of it
-    (both fed MLX's greedy token), for weights in ggml's blocks: each step's logits within
+    (both fed MLX's greedy token), float32 weights or ggml's blocks: each step's logits within
     ``rtol`` of MLX's largest, the same token wherever MLX's top two are further apart than the
     tolerance lets either side move; ``after_step(ours, theirs)`` checks the caches after each
-    step. Returns MLX's cache and how many steps were bit-identical to MLX's."""
+    step."""
     theirs = copy.deepcopy(ours)
     owned = decode_kv.OwnedCache()
-    token, exact = 11, 0
+    token, exact, decided = 11, 0, 0
     for step in range(steps):
         assert decoder.can_run(ours, owned)
         got = decoder.step(token, ours, owned).copy()
@@ -161,12 +182,13 @@ def follow_mlx_teacher_forced(model: nn.Module, decoder: Any, ours: list, steps:
         assert close(got, want, rtol), (step, np.abs(got - want).max() / top)
         first, second = np.sort(want)[-2:][::-1]
         if first - second > 2 * rtol * top:
+            decided += 1
             assert int(got.argmax()) == int(want.argmax()), step
         if after_step is not None:
             after_step(ours, theirs)
         exact += bool(np.array_equal(got, want))
         token = int(want.argmax())
-    return theirs, exact
+    return Followed(theirs, exact, decided)
 
 
 def assert_mlx_continues(model: nn.Module, ours: list, theirs: list, token: int, rtol: float, steps: int = 3) -> None:

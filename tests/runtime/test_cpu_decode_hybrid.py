@@ -18,7 +18,6 @@ it keeps MLX's step and says why: test_cpu_decode.py's ``test_other_families_kee
 
 from __future__ import annotations
 
-import copy
 from typing import Callable
 
 import mlx.nn as nn
@@ -30,7 +29,8 @@ from mlxcel_compat.runtime import backend, cpu_decode, decode_kv
 from tests.conftest import tiny_model
 from tests.runtime.step_checks import (assert_recurrent_caches_close, assert_rows_together_equal_rows_alone,
                                        assert_tail_rows_equal_single_steps, chunks_together_and_alone, close,
-                                       cold_chunk_beside_mlx, ids, mlx_logits, prefilled, served_decoders)
+                                       cold_chunk_beside_mlx, each_step_on_the_runtime, follow_mlx_teacher_forced,
+                                       ids, mlx_logits, prefilled, served_decoders)
 
 BLOCK_RTOL = 0.06  # as test_cpu_decode_moe.py: activations quantized to the blocks' vec_dot_type
 FLOAT_RTOL = 1e-5  # float32 weights: another summation order only
@@ -59,23 +59,10 @@ def test_hybrid_models_follow_mlx_step_for_step(hybrid_decoder: Callable, spec: 
     # qwen3_next's fused in-projections, their columns gathered into the mixer's layout
     assert all((layer.delta.in_order is not None) == spec.startswith("qwen3_next") for layer in decoder.layers[:3])
     rtol = FLOAT_RTOL if ":" not in spec else BLOCK_RTOL
-    ours = prefilled(model, 30)
-    theirs = copy.deepcopy(ours)
-    owned = decode_kv.OwnedCache()
-    token = 11
-    for step in range(8):
-        assert decoder.can_run(ours, owned)
-        steps = decoder.steps
-        got = decoder.step(token, ours, owned).copy()
-        assert decoder.steps == steps + 1
-        want = mlx_logits(model, token, theirs)
-        top = np.abs(want).max()
-        assert close(got, want, rtol), (step, np.abs(got - want).max() / top)
-        first, second = np.sort(want)[-2:][::-1]
-        if first - second > 2 * rtol * top:
-            assert int(got.argmax()) == int(want.argmax()), step
-        assert_recurrent_caches_close(decoder, ours, theirs, rtol)
-        token = int(want.argmax())
+    steps = decoder.steps
+    follow_mlx_teacher_forced(model, decoder, prefilled(model, 30), 8, rtol, each_step_on_the_runtime(
+        decoder, lambda ours, theirs: assert_recurrent_caches_close(decoder, ours, theirs, rtol)))
+    assert decoder.steps == steps + 8
 
 
 def test_hybrid_rows_stepped_together_are_bit_identical_to_rows_alone(hybrid_decoder: Callable) -> None:

@@ -28,7 +28,6 @@ step bit-identical), the states within 1e-6.
 
 from __future__ import annotations
 
-import copy
 import random
 from typing import Callable
 
@@ -46,7 +45,8 @@ from tests.conftest import tiny_model
 from tests.engine.harness import EngineHarness
 from tests.runtime.step_checks import (assert_recurrent_caches_close, assert_rows_together_equal_rows_alone,
                                        assert_tail_rows_equal_single_steps, chunks_together_and_alone, close,
-                                       cold_chunk_beside_mlx, ids, mlx_logits, prefilled)
+                                       cold_chunk_beside_mlx, each_step_on_the_runtime, follow_mlx_teacher_forced,
+                                       ids, mlx_logits, prefilled)
 
 MODEL = "granitemoehybrid:q8_0"
 Q8_RTOL = 5e-3  # of the largest logit; measured 1.4e-3 (the module's docstring says why not float32's)
@@ -104,20 +104,7 @@ def test_float32_and_nemotron_h_follow_mlx_step_for_step(loaded: Callable, spec:
         assert decoder.act == "relu2" and [layer.up is not None for layer in decoder.layers] == [True, False, True, True]
     assert [layer.mamba is not None for layer in decoder.layers] == [True, True, False, True]
     ours = prefilled(model, 30)
-    theirs = copy.deepcopy(ours)
-    owned = decode_kv.OwnedCache()
-    token, decided = 11, 0
-    for step in range(40):
-        assert decoder.can_run(ours, owned)
-        got = decoder.step(token, ours, owned).copy()
-        want = mlx_logits(model, token, theirs)
-        top = np.abs(want).max()
-        assert close(got, want, rtol), (step, np.abs(got - want).max() / top)
-        first, second = np.sort(want)[-2:][::-1]
-        if first - second > 2 * rtol * top:
-            decided += 1
-            assert int(got.argmax()) == int(want.argmax()), step
-        token = int(want.argmax())
+    theirs, _, decided = follow_mlx_teacher_forced(model, decoder, ours, 40, rtol)
     assert decided >= 30
     assert_recurrent_caches_close(decoder, ours, theirs, STATE_RTOL)
 
@@ -132,22 +119,7 @@ def test_granite_hybrid_follows_mlx_step_for_step(granite: tuple) -> None:
     assert all(layer.moe is not None and layer.moe.shared_gate is not None for layer in decoder.layers)
     assert decoder.residual_scale == pytest.approx(0.22) and decoder.logit_transform.divisor == 6.0
     ours = prefilled(model, 30)
-    theirs = copy.deepcopy(ours)
-    owned = decode_kv.OwnedCache()
-    token, decided = 11, 0
-    for step in range(40):
-        assert decoder.can_run(ours, owned)
-        steps = decoder.steps
-        got = decoder.step(token, ours, owned).copy()
-        assert decoder.steps == steps + 1
-        want = mlx_logits(model, token, theirs)
-        top = np.abs(want).max()
-        assert close(got, want, Q8_RTOL), (step, np.abs(got - want).max() / top)
-        first, second = np.sort(want)[-2:][::-1]
-        if first - second > 2 * Q8_RTOL * top:
-            decided += 1
-            assert int(got.argmax()) == int(want.argmax()), step
-        token = int(want.argmax())
+    theirs, _, decided = follow_mlx_teacher_forced(model, decoder, ours, 40, Q8_RTOL, each_step_on_the_runtime(decoder))
     assert decided >= 30  # the greedy check ran on most steps
     assert_recurrent_caches_close(decoder, ours, theirs, STATE_RTOL)
 
