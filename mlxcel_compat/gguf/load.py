@@ -69,6 +69,7 @@ class GGUFSummary:
     kernels: dict[str, str] = field(default_factory=dict)  # "blocks q4_K" -> what computes with them
     repacked: dict[str, int] = field(default_factory=dict)  # the same labels -> how many ggml repacked
     prompt_products: dict[str, int] = field(default_factory=dict)  # -> how many take ggml's mul_mat for prompts
+    grouped: dict[str, int] = field(default_factory=dict)  # -> how many block_weight.group_rows grouped
     blocks_unavailable: str = ""  # on the CPU: why quantized weights were expanded to float32
     affine_fallbacks: list[str] = field(default_factory=list)  # tensors whose affine scales overflow the dtype
     # Quantized expert stacks (gguf_arch.is_expert_stack) expanded to float for MLX's gather
@@ -456,10 +457,12 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
             weight = _blocks(info, maps[info.path], mlx_name, spec, config, shapes[mlx_name], lib)
             module = block_layers.install(model, mlx_name[: -len(".weight")], weight)
             label = f"blocks {gguf_quants.type_name(info.ggml_type).lower()}"
-            if repack and isinstance(module, block_layers.BlockLinear) and ggml_repack.attach(
-                    weight, maps[info.path], info.offset):
+            linear = isinstance(module, block_layers.BlockLinear)
+            if repack and linear and ggml_repack.attach(weight, maps[info.path], info.offset):
                 summary.repacked[label] = summary.repacked.get(label, 0) + 1
-            elif isinstance(module, block_layers.BlockLinear) and ggml_repack.prompt_product(
+            elif linear and block_weight.group_rows(weight, maps[info.path], info.offset):
+                summary.grouped[label] = summary.grouped.get(label, 0) + 1  # every product by the shim's lanes
+            elif linear and ggml_repack.prompt_product(
                     weight, maps[info.path], info.offset):
                 summary.prompt_products[label] = summary.prompt_products.get(label, 0) + 1
             else:

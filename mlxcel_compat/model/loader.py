@@ -129,9 +129,12 @@ def _log_gguf(summary: Any) -> None:
     for label, size in sorted(summary.weight_bytes.items()):
         kernel = summary.kernels.get(label, "MLX")
         repacked, prompts = summary.repacked.get(label), summary.prompt_products.get(label)
-        log.info("- %s: %d tensors, %.1f MiB, computed by %s%s%s", label, summary.precision.get(label, 0), size / 2**20,
+        grouped = summary.grouped.get(label)
+        log.info("- %s: %d tensors, %.1f MiB, computed by %s%s%s%s", label, summary.precision.get(label, 0), size / 2**20,
                  kernel, f"; {repacked} repacked by ggml (its GEMV/GEMM)" if repacked else "",
-                 f"; prompts of {prompts} by ggml's mul_mat" if prompts else "")
+                 f"; prompts of {prompts} by ggml's mul_mat" if prompts else "",
+                 f"; {grouped} grouped at load (16 rows' super-blocks side by side: decode rows and prompt chunks "
+                 "by mlxcel's AVX-512 VNNI lanes)" if grouped else "")
     log.info("weights take %.1f MiB (the file's tensors: %.1f MiB)", sum(summary.weight_bytes.values()) / 2**20,
              summary.file_bytes / 2**20)
     if summary.blocks_unavailable:

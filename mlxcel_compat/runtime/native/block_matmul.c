@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "blas_shim.h"
+#include "quant_blocks.h"
 #include "thread_pool.h"
 
 enum { RowMajor = 101, NoTrans = 111, Trans = 112 };
@@ -323,7 +324,8 @@ void mlxcel_block_matmul(const struct mlxcel_block_weight *w, int m, const float
     if (tiles && !gemm && w->type->own_kernel >= 0 && !w->group_bias && !w->float_prompts)
         gemm = mlxcel_split_gemm_kernel(w->type->own_kernel);
     if (gemm) by_gemm(w, gemm, m, x, ldx, c, ldc, beta);
-    else if (tiles) by_tiles(w, m, x, ldx, c, ldc, beta);
+    else if (tiles && !IS_GROUPED_TYPE(w->type->own_kernel)) by_tiles(w, m, x, ldx, c, ldc, beta); /* grouped rows: no
+        row of their own to expand; the lanes take any count of rows */
     else by_vec_dot(1, &w, m, x, ldx, &c, &ldc, beta);
 }
 

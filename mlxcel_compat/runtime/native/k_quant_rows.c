@@ -12,6 +12,14 @@
  * the nibbles or 6-bit values split out, the 6- or 8-bit sub-block scales and the factors) and
  * takes it against up to 16 activation rows.
  *
+ * Grouped rows (rows_q4_K_grouped: a GGUF's Q4_K linear weights, block_weight.group_rows): 16
+ * rows' super-blocks stored side by side, dword t of row r at 64 t + 4 r, so the lanes' reads are
+ * four vector loads instead of rows16_dwords' 16 loads and transposes. Those transposes had cost
+ * more than the arithmetic; grouped, the lanes beat the two-row path at one row (2048 x 768: 0.53x
+ * its time) and ggml's mul_mat at prompt chunks of 16-256 rows (1.2-1.9x), so they take every
+ * product of such a weight. Q6_K is not grouped: its 210-byte blocks would leave every other
+ * group's vectors across two cache lines (its lanes then ran 4x slower from memory).
+ *
  * Arithmetic: per super-block, ggml's integer sum exactly (the sub-blocks' products times their
  * scales, less the mins times the activations' 16-value sums for Q4_K, less 32 times the scales
  * times those sums for Q6_K: ggml's offset), then into the row's float sum as ggml does
@@ -133,6 +141,21 @@ static inline void lane_rows(const uint8_t *w, size_t row_bytes, int nrows, cons
     }
 }
 
+/* Grouped rows (GROUPED_TYPE): dwords t0 .. t0 + 3 of the 16 rows' super-block at `block`, a
+ * vector each (dword t of row r at block + 64 t + 4 r): what rows16_dwords gathers and transposes
+ * from rows stored apart, here four loads. */
+static inline __attribute__((always_inline)) void group_dwords(const uint8_t *block, int t0, __m512i v[4]) {
+    for (int j = 0; j < 4; j++) v[j] = _mm512_loadu_si512(block + 64 * (size_t)(t0 + j));
+}
+
+/* A lane kernel's read of 16 bytes at `off` in each of its rows' current super-block: from grouped
+ * rows (`grouped`, a constant: `gb` their super-block) or from rows stored apart (`rowp`, `at`). */
+#define LANE_DWORDS(off, v)                                        \
+    do {                                                           \
+        if (grouped) group_dwords(gb, (int)((off) / 4), v);        \
+        else rows16_dwords(rowp, at + (off), v);                   \
+    } while (0)
+
 /* --------------------------------------------------------------------------------------- Q4_K
  * 256 values: 8 sub-blocks of 32 with a 6-bit scale and min each (12 bytes, ggml's
  * get_scale_min_k4), d and dmin; value = d sc q - dmin m, q a nibble. Byte l of 32-byte group g
@@ -140,10 +163,11 @@ static inline void lane_rows(const uint8_t *w, size_t row_bytes, int nrows, cons
  * Per super-block and pair: sum_j sc_j dot_j(q, a), and sum_j m_j (the sub-block's two 16-value
  * sums of a), each exact in int32; then d_w d_a and dmin_w d_a. */
 
-/* Weight rows [0, nrows) (nrows <= 16) times m activation rows (m <= K_MAX_ROWS): out[i * ldo + r]. */
-static inline __attribute__((always_inline)) void q4_K_lanes(int nb, const uint8_t *w, size_t row_bytes, int nrows,
+/* Weight rows [0, nrows) (nrows <= 16) times m activation rows (m <= K_MAX_ROWS): out[i * ldo + r].
+ * `grouped` (a constant): w is a group of 16 grouped rows (GROUPED_TYPE), nrows 16. */
+static inline __attribute__((always_inline)) void q4_K_lanes_of(int nb, const uint8_t *w, size_t row_bytes, int nrows,
                                                               const uint8_t *act, size_t act_bytes, int m, float *out,
-                                                              size_t ldo) {
+                                                              size_t ldo, const int grouped) {
     const __m512i low = _mm512_set1_epi8(0x0f), six = _mm512_set1_epi8(0x3f), two = _mm512_set1_epi8(0x03);
     const uint8_t *rowp[K_LANES], *next = w + 2 * K_LANES * row_bytes;
     int32_t offsets[K_LANES];
@@ -154,9 +178,11 @@ static inline __attribute__((always_inline)) void q4_K_lanes(int nb, const uint8
     for (int b = 0; b < nb; b++) {
         prefetch_next(next, b, Q4_K_BYTES);
         const size_t at = (size_t)b * Q4_K_BYTES;
+        const uint8_t *gb = w + (size_t)b * K_LANES * Q4_K_BYTES;
+        (void)gb;
         /* h[0]: d and dmin; h[1..3]: the 12 bytes of scales and mins */
         __m512i h[4];
-        rows16_dwords(rowp, at, h);
+        LANE_DWORDS(0, h);
         const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h[0]));
         const __m512 dminw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h[0], 16)));
         /* bytes: scales 0-3, mins 0-3, scales 4-7, mins 4-7 (get_scale_min_k4) */
@@ -178,8 +204,8 @@ static inline __attribute__((always_inline)) void q4_K_lanes(int nb, const uint8
             const __m512i sc0 = lane_byte(g < 2 ? sc_lo : sc_hi, (2 * g) & 3);
             const __m512i sc1 = lane_byte(g < 2 ? sc_lo : sc_hi, (2 * g + 1) & 3);
             __m512i u[8], lo[8], hi[8];
-            rows16_dwords(rowp, at + 16 + 32 * (size_t)g, u);
-            rows16_dwords(rowp, at + 32 + 32 * (size_t)g, u + 4);
+            LANE_DWORDS(16 + 32 * (size_t)g, u);
+            LANE_DWORDS(32 + 32 * (size_t)g, u + 4);
             for (int t = 0; t < 8; t++) {
                 lo[t] = _mm512_and_si512(u[t], low);
                 hi[t] = _mm512_and_si512(_mm512_srli_epi32(u[t], 4), low);
@@ -204,6 +230,13 @@ static inline __attribute__((always_inline)) void q4_K_lanes(int nb, const uint8
     }
     const __mmask16 stored = (__mmask16)((1u << nrows) - 1);
     for (int i = 0; i < m; i++) _mm512_mask_storeu_ps(out + (size_t)i * ldo, stored, acc[i]);
+}
+
+/* Rows stored apart (ggml's layout). */
+static inline __attribute__((always_inline)) void q4_K_lanes(int nb, const uint8_t *w, size_t row_bytes, int nrows,
+                                                              const uint8_t *act, size_t act_bytes, int m, float *out,
+                                                              size_t ldo) {
+    q4_K_lanes_of(nb, w, row_bytes, nrows, act, act_bytes, m, out, ldo, 0);
 }
 
 /* --------------------------------------------------------------------------------------- Q6_K
@@ -472,5 +505,34 @@ static inline __attribute__((always_inline)) void q6_K_few_rows(int nb, const ui
 
 K_ROWS(q4_K)
 K_ROWS(q6_K)
+
+/* rows_fn over grouped rows (GROUPED_TYPE): w is the first of n rows and starts a group (a band
+ * of the weight's rows starts at a multiple of 16: block_matmul.c's PART_ROWS). Every whole group
+ * takes the lanes, for every count of activation rows: no transposes, and its bytes are read
+ * front to back. The weight's last rows, past its last whole group, are stored as they were and
+ * take rows_NAME. Each pair is the lanes' arithmetic, so the same bits as the rows stored apart. */
+#define G_CASE(NAME, M)                                                                                            \
+    case M: NAME##_lanes_of(nb, wr + (size_t)r * row_bytes, row_bytes, K_LANES, ar + (size_t)i * act_bytes,       \
+                            act_bytes, M, out + (size_t)i * ldo + r, ldo, 1); break;
+#define K_GROUPED(NAME)                                                                                            \
+    void rows_##NAME##_grouped(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes,  \
+                               int m, float *out, size_t ldo) {                                                    \
+        const int nb = k / QK_K;                                                                                  \
+        const uint8_t *wr = w, *ar = act;                                                                         \
+        int r = 0;                                                                                                \
+        for (; r + K_LANES <= n; r += K_LANES) {                                                                  \
+            for (int i = 0; i < m; i += K_MAX_ROWS) {                                                             \
+                switch (m - i < K_MAX_ROWS ? m - i : K_MAX_ROWS) {                                                \
+                    G_CASE(NAME, 1) G_CASE(NAME, 2) G_CASE(NAME, 3) G_CASE(NAME, 4) G_CASE(NAME, 5)               \
+                    G_CASE(NAME, 6) G_CASE(NAME, 7) G_CASE(NAME, 8) G_CASE(NAME, 9) G_CASE(NAME, 10)              \
+                    G_CASE(NAME, 11) G_CASE(NAME, 12) G_CASE(NAME, 13) G_CASE(NAME, 14) G_CASE(NAME, 15)          \
+                    G_CASE(NAME, 16)                                                                              \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+        if (r < n) rows_##NAME(k, wr + (size_t)r * row_bytes, row_bytes, n - r, act, act_bytes, m, out + r, ldo); \
+    }
+
+K_GROUPED(q4_K)
 #endif /* AVX512VNNI */
 #endif /* AVX512F, AVX512BW, F16C */

@@ -1,0 +1,94 @@
+"""Q4_K weights whose rows ``group_rows`` grouped at load (16 rows' super-blocks side by side, a
+vector lane a row: ``rows_q4_K_grouped`` in k_quant_rows.c).
+
+A grouped weight takes the lanes for every product, decode rows and prompt chunks alike, so what
+must hold is: each activation row gets the very bits it gets from the same weight stored apart
+(the lanes' and the two-row path's arithmetic: greedy output and cache-hit-equals-cold do not
+move), alone or beside any other rows, in whole groups and in the rows after the last whole group;
+the bytes come back unchanged (``ungrouped_rows``, ``take``); and the loader groups a GGUF's Q4_K
+linear weights, which then serve the same tokens as before.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from mlxcel_compat.runtime.block_weight import BlockWeight, group_rows, grouped_copy, library, ungrouped_rows
+from tests.runtime.test_block_weight import raw_weight, reference
+
+LIB = library()
+GROUPED = set() if isinstance(LIB, str) else set(LIB.grouped_kinds)
+pytestmark = pytest.mark.skipif(int(T.Q4_K) not in GROUPED, reason="no grouped Q4_K kernel on this CPU (AVX-512 VNNI)")
+
+
+@pytest.mark.parametrize("n,k", [(64, 256), (53, 768), (40, 2560)], ids=lambda v: str(v))
+def test_grouped_rows_give_each_row_the_bits_of_the_rows_stored_apart(n: int, k: int) -> None:
+    raw = raw_weight(T.Q4_K, n, k, seed=n + k)
+    apart = BlockWeight(raw.copy(), T.Q4_K, n, k, LIB)
+    grouped = BlockWeight(raw.copy(), T.Q4_K, n, k, LIB)
+    assert group_rows(grouped) and grouped.grouped
+    assert not np.array_equal(grouped.data, raw)  # really rearranged (53: the last 5 rows stay as stored)
+    assert grouped.data.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(ungrouped_rows(grouped.data, T.Q4_K, np.arange(n)), raw)
+    np.testing.assert_array_equal(grouped.take([n - 1, 0, 17]), reference(T.Q4_K, raw)[[n - 1, 0, 17]])
+    x = np.random.default_rng(k).standard_normal((40, k)).astype(np.float32)
+    alone = np.stack([apart.matmul(x[i:i + 1], tiles=False)[0] for i in range(40)])
+    for m in (1, 2, 3, 5, 8, 9, 16, 17, 40):
+        rows = (np.arange(m) + 3 * m) % 40
+        np.testing.assert_array_equal(grouped.matmul(x[rows], tiles=False), alone[rows], err_msg=f"{m} rows")
+        np.testing.assert_array_equal(apart.matmul(x[rows], tiles=False), alone[rows], err_msg=f"{m} rows apart")
+    # a prompt chunk's path (tiles) takes the lanes too: grouped rows have no row of their own to expand
+    np.testing.assert_array_equal(grouped.matmul(x, tiles=True), alone)
+
+
+def test_grouped_copy_puts_dword_t_of_row_r_at_64t_plus_4r() -> None:
+    n, k = 32, 512
+    raw = raw_weight(T.Q4_K, n, k, seed=3)
+    out = grouped_copy(raw, T.Q4_K)
+    group, block, t, r = 1, 1, 7, 5  # the second group's second super-block
+    at = group * 16 * raw.shape[1] + block * 16 * 144 + 64 * t + 4 * r
+    np.testing.assert_array_equal(out.reshape(-1)[at:at + 4], raw[16 * group + r, 144 * block + 4 * t:144 * block + 4 * t + 4])
+
+
+def _greedy(served, prompt: list[int], n: int) -> list[int]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxcel_compat.runtime.decode_kv import OwnedCache
+
+    cache, owned = make_prompt_cache(served.model), OwnedCache()
+    logits = np.array(served.decoder.prefill(prompt, cache, owned, logits=True)).reshape(-1)
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = np.array(served.decoder.step_tokens([out[-1]], cache, owned)).reshape(-1)
+    return out
+
+
+def _projections(served) -> list[BlockWeight]:
+    names = ("q", "k", "v", "o", "gate", "up", "down")
+    return [getattr(layer, n).block for layer in served.decoder.layers for n in names if getattr(layer, n, None) is not None]
+
+
+def test_a_gguf_serves_its_q4_k_projections_grouped_and_the_same_tokens(monkeypatch) -> None:
+    """The factory's small llama as Q4_K_M: the loader groups its Q4_K projections (the embedding
+    stays as stored), and greedy decoding from a 40-token prompt chunk gives the tokens the
+    projections stored apart give (prompt chunks took ggml's mul_mat then: another sum order)."""
+    from mlxcel_compat.gguf import load as gguf_load
+    from mlxcel_compat.model.loader import load_model
+    from mlxcel_compat.testing.gguf_writer import ensure_gguf
+    from tests.conftest import MODEL_CACHE
+
+    path = str(ensure_gguf("llama", "small", "q4_k_m", cache_dir=MODEL_CACHE))
+    served = load_model(path, [])
+    q4k = [w for w in _projections(served) if int(w.ggml_type) == int(T.Q4_K)]
+    assert q4k and all(w.grouped and w.prompt is None for w in q4k)
+    assert not served.decoder.embed.grouped
+    prompt = [(37 * i + 11) % 200 + 20 for i in range(40)]
+    tokens = _greedy(served, prompt, 12)
+
+    monkeypatch.setattr(gguf_load.block_weight, "group_rows", lambda *a, **kw: False)  # the loader as before
+    apart = load_model(path, [])
+    assert not any(w.grouped for w in _projections(apart))
+    assert _greedy(apart, prompt, 12) == tokens
