@@ -228,7 +228,9 @@ def _expert_stack(info: TensorInfo, mapped: np.ndarray, mlx_name: str, target_sh
                   lib: block_weight.BlockLibrary) -> Any:
     """A stack of experts served from its blocks in the mapped file (``block_experts.ExpertStack``):
     nothing is read or copied, except for a type whose rows the shim's own kernels read split
-    (``block_weight.split_rows``: MXFP4), which is rearranged into a copy that replaces the file's pages."""
+    (``block_weight.split_rows``: MXFP4) or grouped (``block_weight.group_rows``: Q4_K, where each
+    expert's rows are whole groups of 16), which is rearranged into a copy that replaces the
+    file's pages."""
     from mlxcel_compat.runtime import block_experts
 
     if tuple(info.shape) != tuple(target_shape):
@@ -236,6 +238,8 @@ def _expert_stack(info: TensorInfo, mapped: np.ndarray, mlx_name: str, target_sh
     n_expert, rows, k = info.shape
     data = tensor_view(info, mapped).reshape(n_expert * rows, -1)
     weight = block_weight.BlockWeight(data, info.ggml_type, n_expert * rows, k, lib)
+    if rows % block_weight.GROUP_ROWS == 0:  # each expert whole groups: its bands start at one
+        block_weight.group_rows(weight, mapped, info.offset)
     block_weight.split_rows(weight, mapped, info.offset)
     return block_experts.ExpertStack(weight, n_expert)
 

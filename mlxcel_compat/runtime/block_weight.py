@@ -6,8 +6,8 @@ and a restart finds them there. Products go through the native layer's block pro
 (``mlxcel_block_matmul``) in the BLAS shim's library, with ggml's per-type kernels
 (``ggml_cpu.py``): few activation rows by ``vec_dot``, many rows (``tiles``: a prompt chunk's
 path) by tiles expanded to float32 for the BLAS's sgemm, or by the shim's own GEMM where it has
-one for the type (Q8_0). Q4_K weights of linear layers are grouped at load (``group_rows``: 16
-rows' super-blocks side by side), and the shim's lanes take all their products. Nothing here imports MLX; the MLX
+one for the type (Q8_0). Q4_K weights of linear layers and expert stacks are grouped at load
+(``group_rows``: 16 rows' super-blocks side by side), and the shim's lanes take all their products. Nothing here imports MLX; the MLX
 modules that hold these weights are in ``block_layers.py``, and the CPU decode runtime calls them
 directly (``cpu_decode.py``).
 """
@@ -408,11 +408,11 @@ def ungrouped_rows(data: np.ndarray, ggml_type: int, ids: np.ndarray) -> np.ndar
 
 
 def group_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: int = 0) -> bool:
-    """Group the rows of ``weight`` (a linear layer's blocks of a type in ``GROUPED_BLOCKS`` whose
-    grouped kernel the library has) into a copy (``grouped_copy``; rows read permuted are put in
-    output order first). Every product of it then takes the lanes (``rows_q4_K_grouped``): decode
-    rows at every row count, and prompt chunks 16 rows at a time, instead of ggml's mul_mat,
-    which reads ggml's layout. Why: stored apart, the lanes spent more on gathering 16 rows'
+    """Group the rows of ``weight`` (a linear layer's blocks, or an expert stack's whose experts
+    are whole groups of 16 rows, of a type in ``GROUPED_BLOCKS`` whose grouped kernel the library
+    has) into a copy (``grouped_copy``; rows read permuted are put in output order first). Every
+    product of it then takes the lanes (``rows_q4_K_grouped``): decode rows at every row count,
+    and prompt chunks 16 rows at a time, instead of ggml's mul_mat, which reads ggml's layout. Why: stored apart, the lanes spent more on gathering 16 rows'
     bytes into lane order than on their arithmetic; grouped, a group is read front to back with
     no transposes. On this project's AVX-512 machine (docs/benchmarks/quantized.md, "Grouped
     rows"), a 2048 x 768 Q4_K weight: one row 0.53x the time of the two-row path over rows stored

@@ -6,7 +6,7 @@ must hold is: each activation row gets the very bits it gets from the same weigh
 (the lanes' and the two-row path's arithmetic: greedy output and cache-hit-equals-cold do not
 move), alone or beside any other rows, in whole groups and in the rows after the last whole group;
 the bytes come back unchanged (``ungrouped_rows``, ``take``); and the loader groups a GGUF's Q4_K
-linear weights, which then serve the same tokens as before.
+linear weights and expert stacks, which then serve the same tokens as before.
 """
 
 from __future__ import annotations
@@ -71,24 +71,33 @@ def _projections(served) -> list[BlockWeight]:
     return [getattr(layer, n).block for layer in served.decoder.layers for n in names if getattr(layer, n, None) is not None]
 
 
-def test_a_gguf_serves_its_q4_k_projections_grouped_and_the_same_tokens(monkeypatch) -> None:
-    """The factory's small llama as Q4_K_M: the loader groups its Q4_K projections (the embedding
-    stays as stored), and greedy decoding from a 40-token prompt chunk gives the tokens the
-    projections stored apart give (prompt chunks took ggml's mul_mat then: another sum order)."""
+def _experts(served) -> list[BlockWeight]:
+    from mlxcel_compat.runtime.block_experts import ExpertStack
+
+    return [m.stack.weight for _, m in served.model.named_modules() if isinstance(getattr(m, "stack", None), ExpertStack)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_a_gguf_serves_its_q4_k_weights_grouped_and_the_same_tokens(family: str, monkeypatch) -> None:
+    """The factory's small llama and Qwen3-MoE as Q4_K_M: the loader groups their Q4_K projections
+    and expert stacks (the embedding stays as stored), and greedy decoding from a 40-token prompt
+    chunk gives the tokens the weights stored apart give (prompt chunks took ggml's mul_mat then:
+    another sum order)."""
     from mlxcel_compat.gguf import load as gguf_load
     from mlxcel_compat.model.loader import load_model
     from mlxcel_compat.testing.gguf_writer import ensure_gguf
     from tests.conftest import MODEL_CACHE
 
-    path = str(ensure_gguf("llama", "small", "q4_k_m", cache_dir=MODEL_CACHE))
+    path = str(ensure_gguf(family, "small", "q4_k_m", cache_dir=MODEL_CACHE))  # rows of 768: whole K-quant blocks
     served = load_model(path, [])
-    q4k = [w for w in _projections(served) if int(w.ggml_type) == int(T.Q4_K)]
+    q4k = [w for w in _projections(served) + _experts(served) if int(w.ggml_type) == int(T.Q4_K)]
     assert q4k and all(w.grouped and w.prompt is None for w in q4k)
+    assert (family == "qwen3_moe") == any(w.grouped for w in _experts(served))
     assert not served.decoder.embed.grouped
     prompt = [(37 * i + 11) % 200 + 20 for i in range(40)]
     tokens = _greedy(served, prompt, 12)
 
     monkeypatch.setattr(gguf_load.block_weight, "group_rows", lambda *a, **kw: False)  # the loader as before
     apart = load_model(path, [])
-    assert not any(w.grouped for w in _projections(apart))
+    assert not any(w.grouped for w in _projections(apart) + _experts(apart))
     assert _greedy(apart, prompt, 12) == tokens
