@@ -88,6 +88,7 @@ class BlockLibrary:
     split_layout: Any = None  # mlxcel_split_layout: split_rows's rearrangement, in C
     # types whose rows group_rows groups, to their kernels (GROUPED_TYPE_BASE + the type)
     grouped_kinds: dict[int, ggml_cpu.BlockType] = field(default_factory=dict)
+    group_layout: Any = None  # mlxcel_group_layout: grouped_copy's rearrangement, in C
 
     def serves(self, ggml_type: int) -> bool:
         """Whether weights of this type are served from their blocks: a block type whose kernels
@@ -142,7 +143,7 @@ def library() -> BlockLibrary | str:
         matmul_held = blas_shim.holding_the_gil(shim.lib).mlxcel_block_matmul
         own, quantizer, dequantizer = shim.lib.mlxcel_rows_kernel, shim.lib.mlxcel_quantizer, shim.lib.mlxcel_dequantizer
         gemm, split_gemm = shim.lib.mlxcel_gemm_kernel, shim.lib.mlxcel_split_gemm_kernel
-        split_layout = shim.lib.mlxcel_split_layout
+        split_layout, group_layout = shim.lib.mlxcel_split_layout, shim.lib.mlxcel_group_layout
     except AttributeError:
         return "the loaded BLAS shim has no block products (built from an older source)"
     matmul.restype = rows.restype = matmul_held.restype = None
@@ -151,6 +152,7 @@ def library() -> BlockLibrary | str:
     own.restype = quantizer.restype = dequantizer.restype = gemm.restype = split_gemm.restype = _P
     own.argtypes = quantizer.argtypes = dequantizer.argtypes = gemm.argtypes = split_gemm.argtypes = [_I]
     split_layout.restype, split_layout.argtypes = None, [_P, _P, _L, _I, _I, _I, _P, _P]
+    group_layout.restype, group_layout.argtypes = None, [_P, _P, _L, _I, _I, _I]
     own_kernels: frozenset[int] = frozenset()
     quantizers: dict[int, int] = {}
     dequantizers: dict[int, int] = {}
@@ -178,7 +180,7 @@ def library() -> BlockLibrary | str:
     gemm_kernels = frozenset(t for t in own_kernels if gemm(t))  # the C side picks it by the type's own_kernel
     split_gemm_kernels = frozenset(t for t in split_kinds if split_gemm(SPLIT_TYPE_BASE + t))
     return BlockLibrary(matmul, rows, ggml, matmul_held, own_kernels, quantizers, dequantizers, split_kinds, gemm_kernels,
-                        split_gemm_kernels, split_layout, grouped_kinds)
+                        split_gemm_kernels, split_layout, grouped_kinds, group_layout)
 
 
 def row_bytes(ggml_type: int, k: int) -> int:
@@ -368,16 +370,21 @@ def split_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: in
     return True
 
 
-def grouped_copy(data: np.ndarray, ggml_type: int) -> np.ndarray:
-    """``data`` (n rows of a type in ``GROUPED_BLOCKS``) with its whole groups of 16 rows grouped:
-    per group and super-block, dword t of row r at 64 t + 4 r, then the rows' last bytes in turn
-    (Q6_K's d); the rows after the last whole group as they are."""
+def grouped_copy(data: np.ndarray, ggml_type: int, lib: BlockLibrary | None = None) -> np.ndarray:
+    """``data`` (n rows of a type in ``GROUPED_BLOCKS``) with its whole groups of 16 rows grouped,
+    in a 64-byte-aligned copy (the vectors' loads must not cross cache lines): per group and
+    super-block, dword t of row r at 64 t + 4 r, then the rows' bytes past their whole dwords in
+    turn; the rows after the last whole group as they are. By the library's C loop (``lib``), else
+    by NumPy (a reference for tests)."""
     block, dwords = GROUPED_BLOCKS[int(ggml_type)]
     n, row = data.shape
     nb, whole = row // block, n // GROUP_ROWS * GROUP_ROWS
-    raw = np.empty(data.nbytes + 64, dtype=np.uint8)  # the vectors' loads must not cross cache lines
+    raw = np.empty(data.nbytes + 64, dtype=np.uint8)
     start = -raw.ctypes.data % 64
     out = raw[start:start + data.nbytes].reshape(data.shape)
+    if lib is not None:
+        lib.group_layout(np.ascontiguousarray(data).ctypes.data, out.ctypes.data, n, nb, block, dwords)
+        return out
     src = data[:whole].reshape(whole // GROUP_ROWS, GROUP_ROWS, nb, block)
     dst = out[:whole].reshape(whole // GROUP_ROWS, nb, GROUP_ROWS * block)
     head = np.ascontiguousarray(src[..., :4 * dwords]).view(np.uint32)  # (groups, 16, nb, dwords)
@@ -425,7 +432,7 @@ def group_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: in
             or weight.n < GROUP_ROWS):
         return False
     weight.reorder()  # rows read permuted (llama's q and k) into output order first
-    weight.data = grouped_copy(weight.data, weight.ggml_type)
+    weight.data = grouped_copy(weight.data, weight.ggml_type, weight.lib)
     weight.grouped = True
     weight._describe()
     if mapped is not None:

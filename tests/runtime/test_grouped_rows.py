@@ -47,6 +47,7 @@ def test_grouped_copy_puts_dword_t_of_row_r_at_64t_plus_4r() -> None:
     n, k = 32, 512
     raw = raw_weight(T.Q4_K, n, k, seed=3)
     out = grouped_copy(raw, T.Q4_K)
+    np.testing.assert_array_equal(grouped_copy(raw, T.Q4_K, LIB), out)  # the loader's C loop and NumPy agree
     group, block, t, r = 1, 1, 7, 5  # the second group's second super-block
     at = group * 16 * raw.shape[1] + block * 16 * 144 + 64 * t + 4 * r
     np.testing.assert_array_equal(out.reshape(-1)[at:at + 4], raw[16 * group + r, 144 * block + 4 * t:144 * block + 4 * t + 4])
