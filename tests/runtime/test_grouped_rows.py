@@ -102,3 +102,31 @@ def test_a_gguf_serves_its_q4_k_weights_grouped_and_the_same_tokens(family: str,
     apart = load_model(path, [])
     assert not any(w.grouped for w in _projections(apart) + _experts(apart))
     assert _greedy(apart, prompt, 12) == tokens
+
+
+def test_grouped_rows_after_a_weight_of_rows_not_whole_groups_in_one_shared_job() -> None:
+    """q, k and v (or gate and up) go through one job (``mlxcel_block_matmul_shared``), their rows
+    in one run split into parts of 16: a grouped weight after one of 40 rows must still be read
+    from its groups' first rows."""
+    import ctypes
+
+    from mlxcel_compat.runtime import backend
+
+    shared = backend.matmul_shim().lib.mlxcel_block_matmul_shared
+    shared.restype = None
+    shared.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_float]
+    k = 512
+    first = BlockWeight(raw_weight(T.Q4_K, 40, k, seed=5), T.Q4_K, 40, k, LIB)  # stored apart
+    raw = raw_weight(T.Q4_K, 1024, k, seed=6)  # enough rows for several parts
+    grouped = BlockWeight(raw.copy(), T.Q4_K, 1024, k, LIB)
+    assert group_rows(grouped)
+    apart = BlockWeight(raw, T.Q4_K, 1024, k, LIB)
+    x = np.random.default_rng(7).standard_normal((3, k)).astype(np.float32)
+    outs = [np.empty((3, 40), np.float32), np.empty((3, 1024), np.float32)]
+    weights = (ctypes.c_void_p * 2)(first.address, grouped.address)
+    targets = (ctypes.c_void_p * 2)(*(o.ctypes.data for o in outs))
+    ldcs = (ctypes.c_long * 2)(40, 1024)
+    shared(2, weights, 3, x.ctypes.data, k, targets, ldcs, 0.0)
+    np.testing.assert_array_equal(outs[0], first.matmul(x, tiles=False))
+    np.testing.assert_array_equal(outs[1], apart.matmul(x, tiles=False))

@@ -181,7 +181,8 @@ static void vec_dot_part(const void *ctx, int p) {
     int per = ((total + j->parts - 1) / j->parts + PART_ROWS - 1) / PART_ROWS * PART_ROWS;
     int r0 = p * per, r1 = r0 + per < total ? r0 + per : total;
     for (int i = 0; i < SHARED_MAX && r0 < r1; i++) {
-        int a = r0 > j->first[i] ? r0 : j->first[i], b = r1 < j->first[i + 1] ? r1 : j->first[i + 1];
+        const int end = j->t[i].w ? j->first[i] + j->t[i].w->n : j->first[i]; /* first[i + 1] less the padding */
+        int a = r0 > j->first[i] ? r0 : j->first[i], b = r1 < end ? r1 : end;
         if (a < b) vec_dot_rows(j, &j->t[i], a - j->first[i], b - j->first[i]);
     }
 }
@@ -220,7 +221,9 @@ static void by_vec_dot(int count, const struct mlxcel_block_weight *const *ws, i
                 }
             target->sums = sums;
         }
-        j.first[t + 1] = j.first[t] + w->n;
+        /* each weight's rows start a part's run of PART_ROWS: grouped rows (GROUPED_TYPE) are read
+         * a whole group of 16 at a time, from a group's first row */
+        j.first[t + 1] = (j.first[t] + w->n + PART_ROWS - 1) / PART_ROWS * PART_ROWS;
         macs += (long)w->n * w->k * m;
     }
     for (int t = count; t < SHARED_MAX; t++) j.first[t + 1] = j.first[t];
