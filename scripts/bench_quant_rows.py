@@ -11,7 +11,8 @@ kernel is faster). Where ggml has a repacked layout for the type (Q4_K: llama-se
 path, its 8-row GEMV), that runs too, one product per activation row as the runtime would call
 it, and its ratio to the own kernel is printed. Q4_1, Q5_0 and Q5_1 have own kernels over rows
 the loader rearranges (``block_weight.split_rows``): those run over a split copy, against ggml's
-vec_dot over the blocks as stored. So does MXFP4 (gpt-oss's experts), which ggml also repacks
+vec_dot over the blocks as stored; Q4_K's own kernel runs over rows grouped as the loader groups
+them (``block_weight.group_rows``; ``scripts/bench_grouped_rows.py`` compares the two). So does MXFP4 (gpt-oss's experts), which ggml also repacks
 (llama-server's decode path): its repacked GEMV runs too; IQ4_NL has no own kernel: its repacked GEMV runs against vec_dot. Every shape runs
 on all of the shim's threads, as in a server (``--threads`` sets their count).
 
@@ -95,7 +96,9 @@ def main() -> int:
             k, n = (int(v) for v in shape.split("x"))
             values = rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)
             blocks = kernels.quantize(ggml_type, values)
-            weight = block_weight.BlockWeight(blocks, ggml_type, n, k, lib)
+            plain = block_weight.BlockWeight(blocks, ggml_type, n, k, lib)  # ggml's vec_dot reads it
+            weight = block_weight.BlockWeight(blocks.copy(), ggml_type, n, k, lib)
+            block_weight.group_rows(weight)  # as the loader serves Q4_K (no-op for the other types)
             packed = ggml_repack.repack(blocks, ggml_type, n, k) if ggml_type in ggml_repack.REPACKED_TYPES else None
             repacked = block_weight.BlockWeight(blocks, ggml_type, n, k, lib, repacked=packed) if packed else None
             one_row = None
@@ -108,7 +111,7 @@ def main() -> int:
                     for way in ways[rep % len(ways):] + ways[:rep % len(ways)]:
                         kind.own_kernel = ggml_type if way == -2 else way
                         start = clock()
-                        (repacked if way == -2 else weight).matmul(x, out=out, tiles=False)
+                        (repacked if way == -2 else plain if way == -1 else weight).matmul(x, out=out, tiles=False)
                         if rep:
                             times[way].append(clock() - start)
                 kind.own_kernel = ggml_type
