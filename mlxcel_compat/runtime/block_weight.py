@@ -7,9 +7,9 @@ and a restart finds them there. Products go through the native layer's block pro
 (``ggml_cpu.py``): few activation rows by ``vec_dot``, many rows (``tiles``: a prompt chunk's
 path) by tiles expanded to float32 for the BLAS's sgemm, or by the shim's own GEMM where it has
 one for the type (Q8_0). Q4_K weights of linear layers and expert stacks are grouped at load
-(``group_rows``: 16 rows' super-blocks side by side), and the shim's lanes take all their products. Nothing here imports MLX; the MLX
-modules that hold these weights are in ``block_layers.py``, and the CPU decode runtime calls them
-directly (``cpu_decode.py``).
+(``group_rows``: 16 rows' super-blocks side by side), and the shim's lanes take all their
+products. Nothing here imports MLX; the MLX modules that hold these weights are in
+``block_layers.py``, and the CPU decode runtime calls them directly (``cpu_decode.py``).
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ SPLIT_TYPE_BASE = 1000
 # a row: the lane kernels then read each group front to back, with no transposes): each type's
 # block bytes and its whole dwords (bytes past them, where a block has any, follow the 16 rows'
 # dwords in turn), and the code (GROUPED_TYPE_BASE + the ggml type) that names the grouped form
-# there. Not Q6_K yet: its 210-byte blocks leave every other group's vectors across two cache
-# lines, and such loads from memory made its lanes 4x slower than the rows stored apart.
+# there. Not Q6_K: grouped (its d moved so that no vector straddles two cache lines, its dwords
+# in the lanes' reading order), one row from memory still took 1.5-1.7x the two-row path's time
+# over the rows stored apart (docs/benchmarks/quantized.md, "Grouped rows").
 GROUPED_BLOCKS = {
     12: (144, 36),  # GGML_TYPE_Q4_K: d, dmin, scales[12], qs[128]
 }

@@ -17,8 +17,9 @@
  * four vector loads instead of rows16_dwords' 16 loads and transposes. Those transposes had cost
  * more than the arithmetic; grouped, the lanes beat the two-row path at one row (2048 x 768: 0.53x
  * its time) and ggml's mul_mat at prompt chunks of 16-256 rows (1.2-1.9x), so they take every
- * product of such a weight. Q6_K is not grouped: its 210-byte blocks would leave every other
- * group's vectors across two cache lines (its lanes then ran 4x slower from memory).
+ * product of such a weight. Q6_K is not grouped: even with no vector across two cache lines and
+ * its dwords in reading order, one row of its lanes from memory took 1.5-1.7x the two-row path's
+ * time (docs/benchmarks/quantized.md, "Grouped rows").
  *
  * Arithmetic: per super-block, ggml's integer sum exactly (the sub-blocks' products times their
  * scales, less the mins times the activations' 16-value sums for Q4_K, less 32 times the scales
