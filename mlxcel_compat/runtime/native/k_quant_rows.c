@@ -480,6 +480,11 @@ static inline __attribute__((always_inline)) void q6_K_few_rows(int nb, const ui
         }                                                                                                          \
         break;                                                                                                     \
     }
+/* CASE(NAME, M) for each count of activation rows a pass of the lanes takes, 1 to K_MAX_ROWS. */
+#define EACH_COUNT(CASE, NAME)                                                                                     \
+    CASE(NAME, 1) CASE(NAME, 2) CASE(NAME, 3) CASE(NAME, 4) CASE(NAME, 5) CASE(NAME, 6) CASE(NAME, 7) CASE(NAME, 8) \
+    CASE(NAME, 9) CASE(NAME, 10) CASE(NAME, 11) CASE(NAME, 12) CASE(NAME, 13) CASE(NAME, 14) CASE(NAME, 15)      \
+    CASE(NAME, 16)
 #define K_ROWS(NAME)                                                                                               \
     void rows_##NAME(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,     \
                      float *out, size_t ldo) {                                                                    \
@@ -495,12 +500,7 @@ static inline __attribute__((always_inline)) void q6_K_few_rows(int nb, const ui
         for (int r = 0; r < n; r += K_LANES) {                                                                    \
             const int nrows = n - r < K_LANES ? n - r : K_LANES;                                                  \
             for (int i = 0; i < m; i += K_MAX_ROWS) {                                                             \
-                switch (m - i < K_MAX_ROWS ? m - i : K_MAX_ROWS) {                                                \
-                    K_CASE(NAME, 1) K_CASE(NAME, 2) K_CASE(NAME, 3) K_CASE(NAME, 4) K_CASE(NAME, 5)               \
-                    K_CASE(NAME, 6) K_CASE(NAME, 7) K_CASE(NAME, 8) K_CASE(NAME, 9) K_CASE(NAME, 10)              \
-                    K_CASE(NAME, 11) K_CASE(NAME, 12) K_CASE(NAME, 13) K_CASE(NAME, 14) K_CASE(NAME, 15)          \
-                    K_CASE(NAME, 16)                                                                              \
-                }                                                                                                 \
+                switch (m - i < K_MAX_ROWS ? m - i : K_MAX_ROWS) { EACH_COUNT(K_CASE, NAME) }                    \
             }                                                                                                     \
         }                                                                                                         \
     }
@@ -524,12 +524,7 @@ K_ROWS(q6_K)
         int r = 0;                                                                                                \
         for (; r + K_LANES <= n; r += K_LANES) {                                                                  \
             for (int i = 0; i < m; i += K_MAX_ROWS) {                                                             \
-                switch (m - i < K_MAX_ROWS ? m - i : K_MAX_ROWS) {                                                \
-                    G_CASE(NAME, 1) G_CASE(NAME, 2) G_CASE(NAME, 3) G_CASE(NAME, 4) G_CASE(NAME, 5)               \
-                    G_CASE(NAME, 6) G_CASE(NAME, 7) G_CASE(NAME, 8) G_CASE(NAME, 9) G_CASE(NAME, 10)              \
-                    G_CASE(NAME, 11) G_CASE(NAME, 12) G_CASE(NAME, 13) G_CASE(NAME, 14) G_CASE(NAME, 15)          \
-                    G_CASE(NAME, 16)                                                                              \
-                }                                                                                                 \
+                switch (m - i < K_MAX_ROWS ? m - i : K_MAX_ROWS) { EACH_COUNT(G_CASE, NAME) }                    \
             }                                                                                                     \
         }                                                                                                         \
         if (r < n) rows_##NAME(k, wr + (size_t)r * row_bytes, row_bytes, n - r, act, act_bytes, m, out + r, ldo); \
