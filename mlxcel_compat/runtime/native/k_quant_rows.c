@@ -143,6 +143,12 @@ static inline void lane_rows(const uint8_t *w, size_t row_bytes, int nrows, cons
     }
 }
 
+/* How far ahead grouped rows are prefetched into L2, in super-blocks of 16 rows (the next
+ * group's when a group ends first): the hardware's prefetch of one stream read this fast fell
+ * behind (a Q6_K trial: one row 0.57-0.77x the rows stored apart without it, 1.06-1.32x with it,
+ * 4 to 16 ahead alike). */
+#define GROUP_AHEAD 8
+
 /* Grouped rows (GROUPED_TYPE): dwords t0 .. t0 + 3 of the 16 rows' super-block at `block`, a
  * vector each (dword t of row r at block + 64 t + 4 r): what rows16_dwords gathers and transposes
  * from rows stored apart, here four loads. */
@@ -178,10 +184,13 @@ static inline __attribute__((always_inline)) void q4_K_lanes_of(int nb, const ui
     __m512 acc[K_MAX_ROWS];
     for (int i = 0; i < m; i++) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        prefetch_next(next, b, Q4_K_BYTES);
         const size_t at = (size_t)b * Q4_K_BYTES;
         const uint8_t *gb = w + (size_t)b * K_LANES * Q4_K_BYTES;
-        (void)gb;
+        if (grouped) /* one stream, read front to back: into L2 from GROUP_AHEAD super-blocks on */
+            for (int l = 0; l < K_LANES * Q4_K_BYTES; l += 64)
+                _mm_prefetch((const char *)gb + GROUP_AHEAD * K_LANES * Q4_K_BYTES + l, _MM_HINT_T1);
+        else
+            prefetch_next(next, b, Q4_K_BYTES);
         /* h[0]: d and dmin; h[1..3]: the 12 bytes of scales and mins */
         __m512i h[4];
         LANE_DWORDS(0, h);
