@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Q4_K weights with their rows grouped at load (``block_weight.group_rows``) against the same
-blocks stored apart: decode rows against the own kernel (the two-row path and the lanes over rows
+"""Q4_K and Q6_K weights with their rows grouped at load (``block_weight.group_rows``) against the
+same blocks stored apart: decode rows against the own kernel (the two-row path and the lanes over rows
 stored apart), and prompt chunks against ggml's ``mul_mat`` (what a weight stored apart takes).
 
 Why: grouped, the lanes read 16 rows' super-blocks front to back with no transposes, and take
@@ -8,7 +8,7 @@ every product of the weight; this measures what that gains, side by side, rounds
 on all of the shim's threads as in a server, minimums of wall-clock milliseconds a
 product. Every row of the grouped product is checked to be the same bits as stored apart.
 
-    .venv/bin/python scripts/bench_grouped_rows.py --shapes 768x2048,2048x768,4096x11008 \
+    .venv/bin/python scripts/bench_grouped_rows.py --types Q4_K,Q6_K --shapes 768x2048,2048x768,4096x11008 \
         --rows 1,2,4,8,16 --prompt-rows 16,64,256
 """
 
@@ -43,37 +43,39 @@ def best_ms(fn, reps: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", default="Q4_K,Q6_K")
     parser.add_argument("--shapes", default="768x2048,2048x768,4096x11008", help="comma list of KxN (inputs x outputs)")
     parser.add_argument("--rows", default="1,2,4,8,16", help="decode rows (activation rows of one call)")
     parser.add_argument("--prompt-rows", default="16,64,256", help="prompt chunk rows")
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args()
     lib, kernels = block_weight.library(), ggml_cpu.kernels()
-    if isinstance(lib, str) or isinstance(kernels, str) or int(T.Q4_K) not in lib.grouped_kinds:
-        print("error: no grouped Q4_K kernel here (needs AVX-512 VNNI and the shim)", file=sys.stderr)
+    types = [T[name] for name in args.types.split(",")]
+    if isinstance(lib, str) or isinstance(kernels, str) or any(int(t) not in lib.grouped_kinds for t in types):
+        print("error: no grouped kernel here for these types (needs AVX-512 VNNI and the shim)", file=sys.stderr)
         return 1
     rng = np.random.default_rng(0)
-    print("| shape | rows | kind | stored apart (ms) | grouped (ms) | apart / grouped |")
-    print("|---|---:|---|---:|---:|---:|")
-    for shape in args.shapes.split(","):
+    print("| type | shape | rows | kind | stored apart (ms) | grouped (ms) | apart / grouped |")
+    print("|---|---|---:|---|---:|---:|---:|")
+    for qtype, shape in ((t, shape) for t in types for shape in args.shapes.split(",")):
         k, n = (int(v) for v in shape.split("x"))
-        blocks = kernels.quantize(int(T.Q4_K), rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k))
-        apart = block_weight.BlockWeight(blocks.copy(), T.Q4_K, n, k, lib)
-        prompts = block_weight.BlockWeight(blocks.copy(), T.Q4_K, n, k, lib)
+        blocks = kernels.quantize(int(qtype), rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k))
+        apart = block_weight.BlockWeight(blocks.copy(), qtype, n, k, lib)
+        prompts = block_weight.BlockWeight(blocks.copy(), qtype, n, k, lib)
         has_prompt = ggml_repack.prompt_product(prompts)
-        grouped = block_weight.BlockWeight(blocks.copy(), T.Q4_K, n, k, lib)
+        grouped = block_weight.BlockWeight(blocks.copy(), qtype, n, k, lib)
         assert block_weight.group_rows(grouped)
         for rows in (int(r) for r in args.rows.split(",")):
             x = rng.standard_normal((rows, k), dtype=np.float32)
             assert np.array_equal(apart.matmul(x, tiles=False), grouped.matmul(x, tiles=False))
             a = best_ms(lambda: apart.matmul(x, tiles=False), args.reps)
             g = best_ms(lambda: grouped.matmul(x, tiles=False), args.reps)
-            print(f"| {shape} | {rows} | decode rows (own kernel) | {a:.3f} | {g:.3f} | {a / g:.2f}x |", flush=True)
+            print(f"| {qtype.name} | {shape} | {rows} | decode rows (own kernel) | {a:.3f} | {g:.3f} | {a / g:.2f}x |", flush=True)
         for rows in (int(r) for r in args.prompt_rows.split(",")) if has_prompt else ():
             x = rng.standard_normal((rows, k), dtype=np.float32)
             a = best_ms(lambda: prompts.matmul(x, tiles=True), args.reps)
             g = best_ms(lambda: grouped.matmul(x, tiles=True), args.reps)
-            print(f"| {shape} | {rows} | prompt chunk (ggml's mul_mat) | {a:.3f} | {g:.3f} | {a / g:.2f}x |", flush=True)
+            print(f"| {qtype.name} | {shape} | {rows} | prompt chunk (ggml's mul_mat) | {a:.3f} | {g:.3f} | {a / g:.2f}x |", flush=True)
     return 0
 
 

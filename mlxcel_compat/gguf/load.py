@@ -228,7 +228,7 @@ def _expert_stack(info: TensorInfo, mapped: np.ndarray, mlx_name: str, target_sh
                   lib: block_weight.BlockLibrary) -> Any:
     """A stack of experts served from its blocks in the mapped file (``block_experts.ExpertStack``):
     nothing is read or copied, except for a type whose rows the shim's own kernels read split
-    (``block_weight.split_rows``: MXFP4) or grouped (``block_weight.group_rows``: Q4_K, where each
+    (``block_weight.split_rows``: MXFP4) or grouped (``block_weight.group_rows``: Q4_K, Q6_K, where each
     expert's rows are whole groups of 16), which is rearranged into a copy that replaces the
     file's pages."""
     from mlxcel_compat.runtime import block_experts

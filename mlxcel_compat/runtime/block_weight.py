@@ -6,7 +6,7 @@ and a restart finds them there. Products go through the native layer's block pro
 (``mlxcel_block_matmul``) in the BLAS shim's library, with ggml's per-type kernels
 (``ggml_cpu.py``): few activation rows by ``vec_dot``, many rows (``tiles``: a prompt chunk's
 path) by tiles expanded to float32 for the BLAS's sgemm, or by the shim's own GEMM where it has
-one for the type (Q8_0). Q4_K weights of linear layers and expert stacks are grouped at load
+one for the type (Q8_0). Q4_K and Q6_K weights of linear layers and expert stacks are grouped at load
 (``group_rows``: 16 rows' super-blocks side by side), and the shim's lanes take all their
 products. Nothing here imports MLX; the MLX modules that hold these weights are in
 ``block_layers.py``, and the CPU decode runtime calls them directly (``cpu_decode.py``).
@@ -46,14 +46,18 @@ SPLIT_TYPES = tuple(SPLIT_FIELDS)
 SPLIT_TYPE_BASE = 1000
 # Types whose rows ``group_rows`` groups at load (16 rows' super-blocks side by side, a vector lane
 # a row: the lane kernels then read each group front to back, with no transposes): each type's
-# block bytes and its whole dwords (bytes past them, where a block has any, follow the 16 rows'
-# dwords in turn), and the code (GROUPED_TYPE_BASE + the ggml type) that names the grouped form
-# there. Not Q6_K: grouped (its d moved so that no vector straddles two cache lines, its dwords
-# in the lanes' reading order), one row from memory still took 1.5-1.7x the two-row path's time
-# over the rows stored apart (docs/benchmarks/quantized.md, "Grouped rows").
+# block bytes and its whole dwords (the bytes past them, Q6_K's d, go as the 16 rows' in turn:
+# after the dwords where the super-block starts a cache line, else ahead of them, so that no
+# vector straddles two lines), and the code (GROUPED_TYPE_BASE + the ggml type) that names the
+# grouped form there.
 GROUPED_BLOCKS = {
     12: (144, 36),  # GGML_TYPE_Q4_K: d, dmin, scales[12], qs[128]
+    14: (210, 52),  # GGML_TYPE_Q6_K: ql[128], qh[64], scales[16], then d
 }
+# Where the lanes read a grouped super-block's quads of dwords (4 q .. 4 q + 3, a vector load each)
+# out of order, the order they are stored in: slot s holds quad QUAD_ORDER[type][s], so that a
+# super-block is read front to back (k_quant_rows.c's q6_K_quad_slot, the other way round).
+QUAD_ORDER = {14: (12, 0, 2, 8, 1, 3, 9, 4, 6, 10, 5, 7, 11)}
 GROUP_ROWS = 16
 GROUPED_TYPE_BASE = 2000
 
@@ -153,7 +157,7 @@ def library() -> BlockLibrary | str:
     own.restype = quantizer.restype = dequantizer.restype = gemm.restype = split_gemm.restype = _P
     own.argtypes = quantizer.argtypes = dequantizer.argtypes = gemm.argtypes = split_gemm.argtypes = [_I]
     split_layout.restype, split_layout.argtypes = None, [_P, _P, _L, _I, _I, _I, _P, _P]
-    group_layout.restype, group_layout.argtypes = None, [_P, _P, _L, _I, _I, _I]
+    group_layout.restype, group_layout.argtypes = None, [_P, _P, _L, _I, _I, _I, _P]
     own_kernels: frozenset[int] = frozenset()
     quantizers: dict[int, int] = {}
     dequantizers: dict[int, int] = {}
@@ -371,26 +375,44 @@ def split_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: in
     return True
 
 
+def _tails_ahead(groups: int, nb: int, block: int) -> np.ndarray:
+    """Per whole group and super-block, (groups, nb): whether its rows' last bytes go ahead of
+    their dwords (it starts mid-line in a 64-byte-aligned weight: k_quant_rows.c's
+    GROUP_TAILS_AHEAD). Never for a block of whole dwords, whose groups start lines."""
+    starts = np.arange(groups * nb, dtype=np.int64).reshape(groups, nb) * (GROUP_ROWS * block)
+    return starts % 64 != 0
+
+
 def grouped_copy(data: np.ndarray, ggml_type: int, lib: BlockLibrary | None = None) -> np.ndarray:
     """``data`` (n rows of a type in ``GROUPED_BLOCKS``) with its whole groups of 16 rows grouped,
     in a 64-byte-aligned copy (the vectors' loads must not cross cache lines): per group and
-    super-block, dword t of row r at 64 t + 4 r, then the rows' bytes past their whole dwords in
-    turn; the rows after the last whole group as they are. By the library's C loop (``lib``), else
-    by NumPy (a reference for tests)."""
+    super-block, dword t of row r at 64 t + 4 r (its quads in ``QUAD_ORDER`` where the type has
+    one), and the rows' bytes past their whole dwords in turn, after the dwords or ahead of them
+    (``_tails_ahead``); the rows after the last whole group as they are. By the library's C loop
+    (``lib``), else by NumPy (a reference for tests)."""
     block, dwords = GROUPED_BLOCKS[int(ggml_type)]
     n, row = data.shape
     nb, whole = row // block, n // GROUP_ROWS * GROUP_ROWS
+    groups, lanes, tail = whole // GROUP_ROWS, 64 * dwords, GROUP_ROWS * (block - 4 * dwords)
     raw = np.empty(data.nbytes + 64, dtype=np.uint8)
     start = -raw.ctypes.data % 64
     out = raw[start:start + data.nbytes].reshape(data.shape)
+    order = QUAD_ORDER.get(int(ggml_type))
     if lib is not None:
-        lib.group_layout(np.ascontiguousarray(data).ctypes.data, out.ctypes.data, n, nb, block, dwords)
+        quads = np.array(order, dtype=np.int8) if order else None
+        lib.group_layout(np.ascontiguousarray(data).ctypes.data, out.ctypes.data, n, nb, block, dwords,
+                         None if quads is None else quads.ctypes.data)
         return out
-    src = data[:whole].reshape(whole // GROUP_ROWS, GROUP_ROWS, nb, block)
-    dst = out[:whole].reshape(whole // GROUP_ROWS, nb, GROUP_ROWS * block)
-    head = np.ascontiguousarray(src[..., :4 * dwords]).view(np.uint32)  # (groups, 16, nb, dwords)
-    dst[..., :64 * dwords] = head.transpose(0, 2, 3, 1).reshape(whole // GROUP_ROWS, nb, -1).view(np.uint8)
-    dst[..., 64 * dwords:] = src[..., 4 * dwords:].transpose(0, 2, 1, 3).reshape(whole // GROUP_ROWS, nb, -1)
+    src = data[:whole].reshape(groups, GROUP_ROWS, nb, block)
+    dst = out[:whole].reshape(groups, nb, GROUP_ROWS * block)
+    head = np.ascontiguousarray(src[..., :4 * dwords]).view(np.uint32).transpose(0, 2, 3, 1)  # (groups, nb, dwords, 16)
+    if order:
+        head = head.reshape(groups, nb, dwords // 4, 4, GROUP_ROWS)[:, :, list(order)]
+    head = np.ascontiguousarray(head).reshape(groups, nb, -1).view(np.uint8)
+    tails = src[..., 4 * dwords:].transpose(0, 2, 1, 3).reshape(groups, nb, -1)
+    ahead = _tails_ahead(groups, nb, block)
+    dst[~ahead, :lanes], dst[~ahead, lanes:] = head[~ahead], tails[~ahead]
+    dst[ahead, :tail], dst[ahead, tail:] = tails[ahead], head[ahead]
     out[whole:] = data[whole:]
     return out
 
@@ -400,15 +422,22 @@ def ungrouped_rows(data: np.ndarray, ggml_type: int, ids: np.ndarray) -> np.ndar
     block, dwords = GROUPED_BLOCKS[int(ggml_type)]
     n, row = data.shape
     nb, whole = row // block, n // GROUP_ROWS * GROUP_ROWS
+    lanes, tail = 64 * dwords, GROUP_ROWS * (block - 4 * dwords)
     out = np.empty((ids.size, row), dtype=np.uint8)
     grouped = data[:whole].reshape(whole // GROUP_ROWS, nb, GROUP_ROWS * block)
     inside = ids < whole
     g, r = ids[inside] // GROUP_ROWS, ids[inside] % GROUP_ROWS
     picked = grouped[g]  # (count, nb, 16 * block)
-    lanes = np.ascontiguousarray(picked[..., :64 * dwords]).view(np.uint32).reshape(g.size, nb, dwords, GROUP_ROWS)
-    tails = picked[..., 64 * dwords:].reshape(g.size, nb, GROUP_ROWS, block - 4 * dwords)
-    rows = out[inside].reshape(g.size, nb, block)
-    rows[..., :4 * dwords] = lanes[np.arange(g.size), :, :, r].view(np.uint8).reshape(g.size, nb, 4 * dwords)
+    ahead = _tails_ahead(whole // GROUP_ROWS, nb, block)[g][..., None]  # (count, nb, 1)
+    head = np.where(ahead, picked[..., tail:], picked[..., :lanes])
+    rest = np.where(ahead, picked[..., :tail], picked[..., lanes:])
+    lanes_of = np.ascontiguousarray(head).view(np.uint32).reshape(g.size, nb, dwords, GROUP_ROWS)
+    if int(ggml_type) in QUAD_ORDER:
+        back = list(np.argsort(QUAD_ORDER[int(ggml_type)]))
+        lanes_of = lanes_of.reshape(g.size, nb, dwords // 4, 4, GROUP_ROWS)[:, :, back].reshape(g.size, nb, dwords, GROUP_ROWS)
+    tails = rest.reshape(g.size, nb, GROUP_ROWS, block - 4 * dwords)
+    rows = np.empty((g.size, nb, block), dtype=np.uint8)
+    rows[..., :4 * dwords] = lanes_of[np.arange(g.size), :, :, r].view(np.uint8).reshape(g.size, nb, 4 * dwords)
     rows[..., 4 * dwords:] = tails[np.arange(g.size), :, r]
     out[inside] = rows.reshape(g.size, row)
     out[~inside] = data[ids[~inside]]
@@ -419,8 +448,9 @@ def group_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: in
     """Group the rows of ``weight`` (a linear layer's blocks, or an expert stack's whose experts
     are whole groups of 16 rows, of a type in ``GROUPED_BLOCKS`` whose grouped kernel the library
     has) into a copy (``grouped_copy``; rows read permuted are put in output order first). Every
-    product of it then takes the lanes (``rows_q4_K_grouped``): decode rows at every row count,
-    and prompt chunks 16 rows at a time, instead of ggml's mul_mat, which reads ggml's layout. Why: stored apart, the lanes spent more on gathering 16 rows'
+    product of it then takes the lanes (``rows_q4_K_grouped``, ``rows_q6_K_grouped``): decode rows
+    at every row count, and prompt chunks 16 rows at a time, instead of ggml's mul_mat, which
+    reads ggml's layout. Why: stored apart, the lanes spent more on gathering 16 rows'
     bytes into lane order than on their arithmetic; grouped, a group is read front to back with
     no transposes. On this project's AVX-512 machine (docs/benchmarks/quantized.md, "Grouped
     rows"), a 2048 x 768 Q4_K weight: one row 0.53x the time of the two-row path over rows stored
@@ -443,5 +473,5 @@ def group_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: in
     return True
 
 
-__all__ = ["GROUPED_BLOCKS", "SPLIT_FIELDS", "SPLIT_TYPES", "VEC_DOT_ROWS_MAX", "BlockLibrary", "BlockWeight", "group_rows",
+__all__ = ["GROUPED_BLOCKS", "QUAD_ORDER", "SPLIT_FIELDS", "SPLIT_TYPES", "VEC_DOT_ROWS_MAX", "BlockLibrary", "BlockWeight", "group_rows",
            "grouped_copy", "in_output_order", "library", "row_bytes", "split_rows", "ungrouped_rows"]

@@ -297,11 +297,10 @@ def test_permuted_rows_are_stored_in_order_for_prompt_products() -> None:
 
 @PROMPT
 def test_a_k_quant_model_takes_prompt_products_instead_of_repacking() -> None:
-    """A Q4_K_M file: its Q6_K linear layers take ggml's mul_mat for prompts and are not repacked
-    (the tiled kernels beat the repacked GEMM), with --no-repack too (llama.cpp runs the tiled
-    kernels either way); its Q4_K ones are grouped for the shim's lanes where it has them
-    (faster still: test_grouped_rows.py), else take ggml's mul_mat too; the embedding keeps its
-    blocks."""
+    """A Q4_K_M file: its Q4_K and Q6_K linear layers are not repacked, with --no-repack too: they
+    are grouped for the shim's lanes where it has them (test_grouped_rows.py), else take ggml's
+    mul_mat for prompts (its tiled kernels beat the repacked GEMM; llama.cpp runs them either
+    way); the embedding keeps its blocks."""
     from mlxcel_compat.runtime import block_layers
     from mlxcel_compat.gguf.load import load_gguf
     from mlxcel_compat.testing.gguf_writer import ensure_gguf
@@ -311,10 +310,11 @@ def test_a_k_quant_model_takes_prompt_products_instead_of_repacking() -> None:
     for repack in (True, False):
         model, _, _, summary = load_gguf(str(path), on_cpu=True, repack=repack)
         linears = [m.block for _, m in model.named_modules() if isinstance(m, block_layers.BlockLinear)]
-        k_quants = [b for b in linears if b.ggml_type in ggml_repack.PROMPT_TYPES and not b.grouped]
-        grouped = [b for b in linears if b.grouped]
-        assert k_quants and all(b.prompt is not None and b.repacked is None for b in k_quants)
-        assert sum(summary.prompt_products.values()) == len(k_quants) and summary.repacked == {}
-        assert all(b.ggml_type == T.Q4_K and b.prompt is None for b in grouped)
-        assert bool(grouped) == (int(T.Q4_K) in LIB.grouped_kinds) and sum(summary.grouped.values()) == len(grouped)
+        k_quants = [b for b in linears if b.ggml_type in ggml_repack.PROMPT_TYPES]
+        assert k_quants and summary.repacked == {} and all(b.repacked is None for b in k_quants)
+        grouped = [b for b in k_quants if b.grouped]
+        assert all(b.prompt is None for b in grouped) and all(b.prompt is not None for b in k_quants if not b.grouped)
+        assert {int(b.ggml_type) for b in grouped} == {int(b.ggml_type) for b in k_quants} & set(LIB.grouped_kinds)
+        assert sum(summary.grouped.values()) == len(grouped)
+        assert sum(summary.prompt_products.values()) == len(k_quants) - len(grouped)
         assert model.model.embed_tokens.block.prompt is None

@@ -1,12 +1,12 @@
-"""Q4_K weights whose rows ``group_rows`` grouped at load (16 rows' super-blocks side by side, a
-vector lane a row: ``rows_q4_K_grouped`` in k_quant_rows.c).
+"""Q4_K and Q6_K weights whose rows ``group_rows`` grouped at load (16 rows' super-blocks side by
+side, a vector lane a row: ``rows_q4_K_grouped``, ``rows_q6_K_grouped`` in k_quant_rows.c).
 
 A grouped weight takes the lanes for every product, decode rows and prompt chunks alike, so what
 must hold is: each activation row gets the very bits it gets from the same weight stored apart
 (the lanes' and the two-row path's arithmetic: greedy output and cache-hit-equals-cold do not
 move), alone or beside any other rows, in whole groups and in the rows after the last whole group;
 the bytes come back unchanged (``ungrouped_rows``, ``take``); and the loader groups a GGUF's Q4_K
-linear weights and expert stacks, which then serve the same tokens as before.
+and Q6_K linear weights and expert stacks, which then serve the same tokens as before.
 """
 
 from __future__ import annotations
@@ -20,19 +20,23 @@ from tests.runtime.test_block_weight import raw_weight, reference
 
 LIB = library()
 GROUPED = set() if isinstance(LIB, str) else set(LIB.grouped_kinds)
-pytestmark = pytest.mark.skipif(int(T.Q4_K) not in GROUPED, reason="no grouped Q4_K kernel on this CPU (AVX-512 VNNI)")
+pytestmark = pytest.mark.skipif(not GROUPED, reason="no grouped kernels on this CPU (AVX-512 VNNI)")
 
 
-@pytest.mark.parametrize("n,k", [(64, 256), (53, 768), (40, 2560)], ids=lambda v: str(v))
-def test_grouped_rows_give_each_row_the_bits_of_the_rows_stored_apart(n: int, k: int) -> None:
-    raw = raw_weight(T.Q4_K, n, k, seed=n + k)
-    apart = BlockWeight(raw.copy(), T.Q4_K, n, k, LIB)
-    grouped = BlockWeight(raw.copy(), T.Q4_K, n, k, LIB)
+# (type, n, k): whole groups only, a shorter last one (53: 5 rows stored as they were), super-blocks
+# of one, two and three (Q6_K's 16 x 210 bytes start mid-line every other one) and ten
+@pytest.mark.parametrize("qtype,n,k", [(T.Q4_K, 64, 256), (T.Q4_K, 53, 768), (T.Q4_K, 40, 2560), (T.Q6_K, 64, 256),
+                                       (T.Q6_K, 53, 512), (T.Q6_K, 48, 768), (T.Q6_K, 40, 2560)], ids=str)
+def test_grouped_rows_give_each_row_the_bits_of_the_rows_stored_apart(qtype: T, n: int, k: int) -> None:
+    raw = raw_weight(qtype, n, k, seed=n + k)
+    apart = BlockWeight(raw.copy(), qtype, n, k, LIB)
+    grouped = BlockWeight(raw.copy(), qtype, n, k, LIB)
     assert group_rows(grouped) and grouped.grouped
     assert not np.array_equal(grouped.data, raw)  # really rearranged (53: the last 5 rows stay as stored)
     assert grouped.data.ctypes.data % 64 == 0
-    np.testing.assert_array_equal(ungrouped_rows(grouped.data, T.Q4_K, np.arange(n)), raw)
-    np.testing.assert_array_equal(grouped.take([n - 1, 0, 17]), reference(T.Q4_K, raw)[[n - 1, 0, 17]])
+    np.testing.assert_array_equal(ungrouped_rows(grouped.data, qtype, np.arange(n)), raw)
+    np.testing.assert_array_equal(grouped_copy(raw, qtype), grouped.data)  # the loader's C loop and NumPy agree
+    np.testing.assert_array_equal(grouped.take([n - 1, 0, 17]), reference(qtype, raw)[[n - 1, 0, 17]])
     x = np.random.default_rng(k).standard_normal((40, k)).astype(np.float32)
     alone = np.stack([apart.matmul(x[i:i + 1], tiles=False)[0] for i in range(40)])
     for m in (1, 2, 3, 5, 8, 9, 16, 17, 40):
@@ -47,10 +51,23 @@ def test_grouped_copy_puts_dword_t_of_row_r_at_64t_plus_4r() -> None:
     n, k = 32, 512
     raw = raw_weight(T.Q4_K, n, k, seed=3)
     out = grouped_copy(raw, T.Q4_K)
-    np.testing.assert_array_equal(grouped_copy(raw, T.Q4_K, LIB), out)  # the loader's C loop and NumPy agree
     group, block, t, r = 1, 1, 7, 5  # the second group's second super-block
     at = group * 16 * raw.shape[1] + block * 16 * 144 + 64 * t + 4 * r
     np.testing.assert_array_equal(out.reshape(-1)[at:at + 4], raw[16 * group + r, 144 * block + 4 * t:144 * block + 4 * t + 4])
+
+
+def test_grouped_q6_k_puts_the_rows_d_ahead_where_a_super_block_starts_mid_line() -> None:
+    """16 x 210 bytes: the first super-block starts a cache line (its rows' d after the dwords),
+    the second 32 bytes into one (d ahead: its dwords then start the next line); the dwords' quads
+    in the lanes' reading order (the scales, dwords 48-51, first)."""
+    n, k = 16, 512
+    raw = raw_weight(T.Q6_K, n, k, seed=4)
+    out = grouped_copy(raw, T.Q6_K, LIB).reshape(-1)
+    assert out.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(out[3328:3360], raw[:, 208:210].reshape(-1))  # after the first's 52 dwords
+    np.testing.assert_array_equal(out[3360:3392], raw[:, 210 + 208:].reshape(-1))  # ahead of the second's
+    np.testing.assert_array_equal(out[3392 + 4:3392 + 8], raw[1, 210 + 192:210 + 196])  # its dword 48 of row 1, at a line
+    np.testing.assert_array_equal(out[256 + 64 + 4:256 + 64 + 8], raw[1, 4:8])  # the first's dword 1: slot 1, after 48-51
 
 
 def _greedy(served, prompt: list[int], n: int) -> list[int]:
@@ -79,11 +96,11 @@ def _experts(served) -> list[BlockWeight]:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_a_gguf_serves_its_q4_k_weights_grouped_and_the_same_tokens(family: str, monkeypatch) -> None:
-    """The factory's small llama and Qwen3-MoE as Q4_K_M: the loader groups their Q4_K projections
-    and expert stacks (the embedding stays as stored), and greedy decoding from a 40-token prompt
-    chunk gives the tokens the weights stored apart give (prompt chunks took ggml's mul_mat then:
-    another sum order)."""
+def test_a_gguf_serves_its_k_quant_weights_grouped_and_the_same_tokens(family: str, monkeypatch) -> None:
+    """The factory's small llama and Qwen3-MoE as Q4_K_M: the loader groups their Q4_K and Q6_K
+    projections and expert stacks (the embedding stays as stored), and greedy decoding from a
+    40-token prompt chunk gives the tokens the weights stored apart give (prompt chunks took ggml's
+    mul_mat then: another sum order)."""
     from mlxcel_compat.gguf import load as gguf_load
     from mlxcel_compat.model.loader import load_model
     from mlxcel_compat.testing.gguf_writer import ensure_gguf
@@ -91,8 +108,9 @@ def test_a_gguf_serves_its_q4_k_weights_grouped_and_the_same_tokens(family: str,
 
     path = str(ensure_gguf(family, "small", "q4_k_m", cache_dir=MODEL_CACHE))  # rows of 768: whole K-quant blocks
     served = load_model(path, [])
-    q4k = [w for w in _projections(served) + _experts(served) if int(w.ggml_type) == int(T.Q4_K)]
-    assert q4k and all(w.grouped and w.prompt is None for w in q4k)
+    k_quants = [w for w in _projections(served) + _experts(served) if int(w.ggml_type) in (int(T.Q4_K), int(T.Q6_K))]
+    assert {int(w.ggml_type) for w in k_quants} == {int(T.Q4_K), int(T.Q6_K)}
+    assert all(w.grouped and w.prompt is None for w in k_quants)
     assert (family == "qwen3_moe") == any(w.grouped for w in _experts(served))
     assert not served.decoder.embed.grouped
     prompt = [(37 * i + 11) % 200 + 20 for i in range(40)]

@@ -12,14 +12,17 @@
  * the nibbles or 6-bit values split out, the 6- or 8-bit sub-block scales and the factors) and
  * takes it against up to 16 activation rows.
  *
- * Grouped rows (rows_q4_K_grouped: a GGUF's Q4_K linear weights, block_weight.group_rows): 16
- * rows' super-blocks stored side by side, dword t of row r at 64 t + 4 r, so the lanes' reads are
- * four vector loads instead of rows16_dwords' 16 loads and transposes. Those transposes had cost
- * more than the arithmetic; grouped, the lanes beat the two-row path at one row (2048 x 768: 0.53x
- * its time) and ggml's mul_mat at prompt chunks of 16-256 rows (1.2-1.9x), so they take every
- * product of such a weight. Q6_K is not grouped: even with no vector across two cache lines and
- * its dwords in reading order, one row of its lanes from memory took 1.5-1.7x the two-row path's
- * time (docs/benchmarks/quantized.md, "Grouped rows").
+ * Grouped rows (rows_q4_K_grouped, rows_q6_K_grouped: a GGUF's Q4_K and Q6_K linear weights and
+ * expert stacks, block_weight.group_rows): 16 rows' super-blocks stored side by side, dword t of
+ * row r at 64 t + 4 r, so that the lanes' reads are four vector loads instead of rows16_dwords'
+ * 16 loads and transposes. Those transposes had cost more than the arithmetic; grouped, the lanes
+ * take every product of such a weight: one row 1.05-2x the two-row path's speed from memory (a
+ * 2048 x 768 Q6_K in the caches 0.94x), 4-8 rows 1.2-2.3x, prompt chunks of 16-256 rows 1.04-4x
+ * ggml's mul_mat (scripts/bench_grouped_rows.py). Q6_K's 16 x 210 bytes are half a cache line over
+ * whole ones: its rows' d go ahead of their dwords where a super-block starts mid-line, and its
+ * dwords in the order the lanes read them; one stream read this fast outruns the hardware's
+ * prefetch, so each pass prefetches into L2 GROUP_AHEAD super-blocks ahead (without either,
+ * Q6_K's one row ran at 0.26-0.77x).
  *
  * Arithmetic: per super-block, ggml's integer sum exactly (the sub-blocks' products times their
  * scales, less the mins times the activations' 16-value sums for Q4_K, less 32 times the scales
@@ -92,6 +95,12 @@ void mlxcel_quantize_q8_K(const float *x, void *out, int64_t k) {
 #define K_MAX_ROWS 16 /* activation rows a pass (as Q8_0's and Q4_1's lane kernels) */
 #define Q4_K_BYTES 144 /* block_q4_K: d, dmin, 12 bytes of scales and mins, 128 of nibbles */
 #define Q6_K_BYTES 210 /* block_q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 scales, d */
+#define Q6_K_DWORDS 52 /* its whole dwords: d (2 bytes) after them */
+/* Grouped Q6_K (16 x 210 bytes a super-block: half a cache line over whole ones): whether the 16
+ * rows' d come ahead of their dwords, for a super-block at `at` (in a 64-byte-aligned weight): where
+ * it starts mid-line, so that the dwords start a line and no vector straddles two
+ * (block_weight.grouped_copy; mlxcel_group_layout). */
+#define GROUP_TAILS_AHEAD(at) (((uintptr_t)(at) & 63) != 0)
 /* Which path takes m activation rows: up to 2 rows always the two-row path below; 3-8 rows too
  * when a weight row is at most FEW_ROWS_BLOCKS super-blocks long (k <= 2048); else the lanes. In
  * a decode pass streaming a model's weights, 2-8 rows of the lanes over short weight rows cost
@@ -148,6 +157,10 @@ static inline void lane_rows(const uint8_t *w, size_t row_bytes, int nrows, cons
  * behind (a Q6_K trial: one row 0.57-0.77x the rows stored apart without it, 1.06-1.32x with it,
  * 4 to 16 ahead alike). */
 #define GROUP_AHEAD 8
+/* Grouped Q6_K: where each quad of dwords (4 q .. 4 q + 3: one vector load each) is stored, so that
+ * the lanes read a super-block front to back (the scales, then each quarter's low, middle and
+ * high bits); block_weight.QUAD_ORDER holds the same order the other way round. */
+static const int8_t q6_K_quad_slot[13] = {1, 4, 2, 5, 7, 10, 8, 11, 3, 6, 9, 12, 0};
 
 /* Grouped rows (GROUPED_TYPE): dwords t0 .. t0 + 3 of the 16 rows' super-block at `block`, a
  * vector each (dword t of row r at block + 64 t + 4 r): what rows16_dwords gathers and transposes
@@ -162,6 +175,12 @@ static inline __attribute__((always_inline)) void group_dwords(const uint8_t *bl
     do {                                                           \
         if (grouped) group_dwords(gb, (int)((off) / 4), v);        \
         else rows16_dwords(rowp, at + (off), v);                   \
+    } while (0)
+/* The same for Q6_K, its grouped quads in reading order (q6_K_quad_slot). */
+#define Q6_DWORDS(off, v)                                                 \
+    do {                                                                  \
+        if (grouped) group_dwords(gb, 4 * q6_K_quad_slot[(off) / 16], v); \
+        else rows16_dwords(rowp, at + (off), v);                          \
     } while (0)
 
 /* --------------------------------------------------------------------------------------- Q4_K
@@ -258,9 +277,9 @@ static inline __attribute__((always_inline)) void q4_K_lanes(int nb, const uint8
  * and 32 times the scales times the activations' 16-value sums are taken off (ggml's way): per
  * super-block sum_j sc_j (dot_j(q + 32, a) - 32 bsum_j), exact in int32; then d_w d_a. */
 
-static inline __attribute__((always_inline)) void q6_K_lanes(int nb, const uint8_t *w, size_t row_bytes, int nrows,
-                                                              const uint8_t *act, size_t act_bytes, int m, float *out,
-                                                              size_t ldo) {
+static inline __attribute__((always_inline)) void q6_K_lanes_of(int nb, const uint8_t *w, size_t row_bytes, int nrows,
+                                                                 const uint8_t *act, size_t act_bytes, int m, float *out,
+                                                                 size_t ldo, const int grouped) {
     const __m512i low = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
     const uint8_t *rowp[K_LANES], *next = w + 2 * K_LANES * row_bytes;
     int32_t offsets[K_LANES];
@@ -269,19 +288,29 @@ static inline __attribute__((always_inline)) void q6_K_lanes(int nb, const uint8
     __m512 acc[K_MAX_ROWS];
     for (int i = 0; i < m; i++) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        prefetch_next(next, b, Q6_K_BYTES);
         const size_t at = (size_t)b * Q6_K_BYTES;
-        /* and each row's next block into L1: a pass's 13 scattered loads a row and block left
-         * the rows waiting on memory (2 activation rows 3x one on 4096x11008; with this, 8 rows
-         * 20-25 % faster; Q4_K's contiguous 9 loads a row lost with it) */
-        for (int r = 0; r < K_LANES; r++)
-            for (int l = 0; l < Q6_K_BYTES + 63; l += 64)
-                _mm_prefetch((const char *)rowp[r] + at + Q6_K_BYTES + (l < Q6_K_BYTES ? l : Q6_K_BYTES - 1), _MM_HINT_T0);
-        /* d: the high half of the dword of bytes 206-209 (the block's last four) */
-        const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
-            _mm512_srli_epi32(_mm512_i32gather_epi32(row_at, (const void *)(w + at + 206), 1), 16)));
+        const uint8_t *blk = w + (size_t)b * K_LANES * Q6_K_BYTES; /* grouped: the 16 rows' super-block */
+        const int ahead = grouped && GROUP_TAILS_AHEAD(blk);
+        const uint8_t *gb = blk + (ahead ? 2 * K_LANES : 0); /* its dwords */
+        __m512 dw;
+        if (grouped) { /* the 16 rows' d after their dwords or ahead of them */
+            for (int l = 0; l < K_LANES * Q6_K_BYTES; l += 64)
+                _mm_prefetch((const char *)blk + GROUP_AHEAD * K_LANES * Q6_K_BYTES + l, _MM_HINT_T1);
+            dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ahead ? blk : blk + 64 * Q6_K_DWORDS)));
+        } else {
+            prefetch_next(next, b, Q6_K_BYTES);
+            /* and each row's next block into L1: a pass's 13 scattered loads a row and block left
+             * the rows waiting on memory (2 activation rows 3x one on 4096x11008; with this, 8 rows
+             * 20-25 % faster; Q4_K's contiguous 9 loads a row lost with it) */
+            for (int r = 0; r < K_LANES; r++)
+                for (int l = 0; l < Q6_K_BYTES + 63; l += 64)
+                    _mm_prefetch((const char *)rowp[r] + at + Q6_K_BYTES + (l < Q6_K_BYTES ? l : Q6_K_BYTES - 1), _MM_HINT_T0);
+            /* d: the high half of the dword of bytes 206-209 (the block's last four) */
+            dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
+                _mm512_srli_epi32(_mm512_i32gather_epi32(row_at, (const void *)(w + at + 206), 1), 16)));
+        }
         __m512i sv[4];
-        rows16_dwords(rowp, at + 192, sv); /* sv[t]'s lane: scales 4t .. 4t + 3 */
+        Q6_DWORDS(192, sv); /* sv[t]'s lane: scales 4t .. 4t + 3 */
         /* pairs[t]: scales 2t and 2t + 1 as int16 halves, against the dword of 16-value sums 2t, 2t + 1 */
         __m512i pairs[8];
         for (int t = 0; t < 4; t++) {
@@ -294,9 +323,9 @@ static inline __attribute__((always_inline)) void q6_K_lanes(int nb, const uint8
         for (int c = 0; c < 4; c++) { /* half n = c / 2, bytes l0 .. l0 + 15 with l0 = 16 (c % 2) */
             const int n = c / 2, l0 = 16 * (c % 2);
             __m512i a[4], bq[4], h[4], v[16];
-            rows16_dwords(rowp, at + 64 * (size_t)n + (size_t)l0, a);
-            rows16_dwords(rowp, at + 64 * (size_t)n + 32 + (size_t)l0, bq);
-            rows16_dwords(rowp, at + 128 + 32 * (size_t)n + (size_t)l0, h);
+            Q6_DWORDS(64 * (size_t)n + (size_t)l0, a);
+            Q6_DWORDS(64 * (size_t)n + 32 + (size_t)l0, bq);
+            Q6_DWORDS(128 + 32 * (size_t)n + (size_t)l0, h);
             for (int t = 0; t < 4; t++) { /* v[4s + t]: sub-block 8n + 2s + c % 2, its dword t */
                 v[t] = _mm512_or_si512(_mm512_and_si512(a[t], low), _mm512_and_si512(_mm512_slli_epi32(h[t], 4), top));
                 v[4 + t] = _mm512_or_si512(_mm512_and_si512(bq[t], low), _mm512_and_si512(_mm512_slli_epi32(h[t], 2), top));
@@ -329,6 +358,13 @@ static inline __attribute__((always_inline)) void q6_K_lanes(int nb, const uint8
     }
     const __mmask16 stored = (__mmask16)((1u << nrows) - 1);
     for (int i = 0; i < m; i++) _mm512_mask_storeu_ps(out + (size_t)i * ldo, stored, acc[i]);
+}
+
+/* Rows stored apart (ggml's layout). */
+static inline __attribute__((always_inline)) void q6_K_lanes(int nb, const uint8_t *w, size_t row_bytes, int nrows,
+                                                              const uint8_t *act, size_t act_bytes, int m, float *out,
+                                                              size_t ldo) {
+    q6_K_lanes_of(nb, w, row_bytes, nrows, act, act_bytes, m, out, ldo, 0);
 }
 
 /* ------------------------------------------------------------------------ few activation rows
@@ -540,20 +576,24 @@ K_ROWS(q6_K)
     }
 
 K_GROUPED(q4_K)
+K_GROUPED(q6_K)
 #endif /* AVX512VNNI */
 #endif /* AVX512F, AVX512BW, F16C */
 
 /* The loader's grouping of a weight's rows (block_weight.group_rows): each whole group of 16 rows
- * of nb blocks of block_bytes becomes, block after block, the 16 rows' dword t side by side (dword
- * t of row r at 64 t + 4 r, for t < dwords), then the bytes past the whole dwords of each row in
- * turn; rows past the last whole group are copied as they are. A plain loop over the shim's
- * threads: NumPy's transposes of 4-byte fields took ~7 s for a Qwen3-30B-A3B-shaped file's 2.7 GB.
- * Not tied to AVX-512: always built, and exported (block_weight.library binds it). */
+ * of nb blocks of block_bytes becomes, block after block, the 16 rows' dwords side by side (dword
+ * 4 q + j of row r at 64 (4 slot + j) + 4 r, slot = q's place in `quad_order`, or q where it is
+ * NULL), and the bytes past the whole dwords of each row in turn: after the dwords, or ahead of
+ * them where the block starts mid-line (GROUP_TAILS_AHEAD: dst 64-byte aligned). Rows past the
+ * last whole group are copied as they are. A plain loop over the shim's threads: NumPy's
+ * transposes of 4-byte fields took ~7 s for a Qwen3-30B-A3B-shaped file's 2.7 GB. Not tied to
+ * AVX-512: always built, and exported (block_weight.library binds it). */
 struct group_job {
     const uint8_t *src;
     uint8_t *dst;
     long groups, per; /* whole groups, and groups a part */
     int nb, block_bytes, dwords;
+    int slot[64]; /* quad q's place */
 };
 
 static void group_part(const void *ctx, int part) {
@@ -564,19 +604,24 @@ static void group_part(const void *ctx, int part) {
         const uint8_t *in = j->src + (size_t)g * 16 * row;
         uint8_t *out = j->dst + (size_t)g * 16 * row;
         for (int b = 0; b < j->nb; b++, out += 16 * (size_t)j->block_bytes) {
+            const int ahead = tail && (((uintptr_t)out & 63) != 0);
+            uint8_t *lanes = out + (ahead ? 16 * tail : 0), *tails = ahead ? out : out + 64 * (size_t)j->dwords;
             for (int r = 0; r < 16; r++) {
                 const uint8_t *from = in + (size_t)r * row + (size_t)b * (size_t)j->block_bytes;
-                for (int t = 0; t < j->dwords; t++) memcpy(out + 64 * (size_t)t + 4 * (size_t)r, from + 4 * (size_t)t, 4);
-                if (tail) memcpy(out + 64 * (size_t)j->dwords + (size_t)r * tail, from + 4 * (size_t)j->dwords, tail);
+                for (int t = 0; t < j->dwords; t++)
+                    memcpy(lanes + 64 * (size_t)(4 * j->slot[t / 4] + t % 4) + 4 * (size_t)r, from + 4 * (size_t)t, 4);
+                if (tail) memcpy(tails + (size_t)r * tail, from + 4 * (size_t)j->dwords, tail);
             }
         }
     }
 }
 
-void mlxcel_group_layout(const uint8_t *src, uint8_t *dst, long n, int nb, int block_bytes, int dwords) {
+void mlxcel_group_layout(const uint8_t *src, uint8_t *dst, long n, int nb, int block_bytes, int dwords,
+                         const int8_t *quad_order) {
     const long groups = n / 16;
     const int parts = groups < 64 ? 1 : 64;
-    struct group_job j = {src, dst, groups, (groups + parts - 1) / parts, nb, block_bytes, dwords};
+    struct group_job j = {src, dst, groups, (groups + parts - 1) / parts, nb, block_bytes, dwords, {0}};
+    for (int q = 0; q < (dwords + 3) / 4 && q < 64; q++) j.slot[quad_order ? quad_order[q] : q] = q;
     mlxcel_parallel(parts, group_part, &j);
     const size_t row = (size_t)nb * (size_t)block_bytes;
     memcpy(dst + (size_t)groups * 16 * row, src + (size_t)groups * 16 * row, (size_t)(n - groups * 16) * row);

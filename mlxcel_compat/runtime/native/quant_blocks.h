@@ -24,10 +24,10 @@ enum { SPLIT_TYPE_BASE = 1000 }; /* + a ggml type: that type with its rows split
 enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q6_K = 14,
        TYPE_Q8_K = 15, TYPE_MXFP4 = 39 }; /* enum ggml_type */
 #define SPLIT_TYPE(type) (SPLIT_TYPE_BASE + (type))
-/* + a ggml type (Q4_K): that type with its rows grouped (rows_q4_K_grouped): whole groups of 16
- * rows stored super-block by super-block, each super-block's bytes as the 16 rows' dwords side by
- * side (a vector lane each); rows past the last whole group as stored. A group takes the bytes of
- * its 16 rows. */
+/* + a ggml type (Q4_K, Q6_K): that type with its rows grouped (rows_q4_K_grouped): whole groups of
+ * 16 rows stored super-block by super-block, each super-block's bytes as the 16 rows' dwords side
+ * by side (a vector lane each), the bytes past a block's whole dwords (Q6_K's d) as the 16 rows'
+ * in turn; rows past the last whole group as stored. A group takes the bytes of its 16 rows. */
 enum { GROUPED_TYPE_BASE = 2000 };
 #define GROUPED_TYPE(type) (GROUPED_TYPE_BASE + (type))
 #define IS_GROUPED_TYPE(code) ((code) >= GROUPED_TYPE_BASE)
@@ -104,6 +104,8 @@ void mlxcel_quantize_q8_K(const float *x, void *out, int64_t k); /* k_quant_rows
 void rows_q4_K(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m, float *out,
                size_t ldo); /* k_quant_rows.c */
 void rows_q4_K_grouped(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
+                       float *out, size_t ldo);
+void rows_q6_K_grouped(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
                        float *out, size_t ldo);
 void rows_q6_K(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m, float *out,
                size_t ldo);

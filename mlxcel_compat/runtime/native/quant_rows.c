@@ -223,6 +223,7 @@ mlxcel_rows_fn mlxcel_rows_kernel(int ggml_type) {
     case TYPE_Q4_K: return rows_q4_K;
     case TYPE_Q6_K: return rows_q6_K;
     case GROUPED_TYPE(TYPE_Q4_K): return rows_q4_K_grouped;
+    case GROUPED_TYPE(TYPE_Q6_K): return rows_q6_K_grouped;
     case TYPE_Q8_0: return rows_q8_0;
     case SPLIT_TYPE(TYPE_MXFP4): return rows_mxfp4_split;
 #endif
