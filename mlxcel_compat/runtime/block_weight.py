@@ -56,7 +56,7 @@ GROUPED_BLOCKS = {
 }
 # Where the lanes read a grouped super-block's quads of dwords (4 q .. 4 q + 3, a vector load each)
 # out of order, the order they are stored in: slot s holds quad QUAD_ORDER[type][s], so that a
-# super-block is read front to back (k_quant_rows.c's q6_K_quad_slot, the other way round).
+# super-block is read front to back (the native layer's q6_K_quad_slot, the other way round).
 QUAD_ORDER = {14: (12, 0, 2, 8, 1, 3, 9, 4, 6, 10, 5, 7, 11)}
 GROUP_ROWS = 16
 GROUPED_TYPE_BASE = 2000
@@ -377,7 +377,7 @@ def split_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: in
 
 def _tails_ahead(groups: int, nb: int, block: int) -> np.ndarray:
     """Per whole group and super-block, (groups, nb): whether its rows' last bytes go ahead of
-    their dwords (it starts mid-line in a 64-byte-aligned weight: k_quant_rows.c's
+    their dwords (it starts mid-line in a 64-byte-aligned weight: the native layer's
     GROUP_TAILS_AHEAD). Never for a block of whole dwords, whose groups start lines."""
     starts = np.arange(groups * nb, dtype=np.int64).reshape(groups, nb) * (GROUP_ROWS * block)
     return starts % 64 != 0

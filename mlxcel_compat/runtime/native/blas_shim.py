@@ -41,13 +41,14 @@ SOURCE = Path(__file__).with_name("blas_shim.c")
 # layer loop (``decode_pass.c``), its mixture-of-experts layers (``moe_layer.c``) and the hybrids'
 # delta-net layers (``delta_net.c``), the Mamba-2 layers (``mamba2.c``), LFM2's short convolutions
 # (``short_conv.c``), Gemma 4's pass (``gemma4_pass.c``), DeepSeek's latent attention
-# (``mla_attention.c``), float32 expert stacks' grouped product (``expert_f32.c``), and the headers they share. The slowest to compile come first: the build
+# (``mla_attention.c``), float32 expert stacks' grouped product (``expert_f32.c``), the loader's
+# split and grouped layouts of rows (``row_layouts.c``), and the headers they share. The slowest to compile come first: the build
 # starts them first (``split_rows.c`` ~16 s, ``k_quant_rows.c`` ~10 s, ``attention.c`` ~7 s; the rest
 # ~1 s each).
 SOURCES = tuple(SOURCE.with_name(name) for name in (
     "split_rows.c", "k_quant_rows.c", "attention.c", "blas_shim.c", "thread_pool.c", "elementwise.c", "block_matmul.c",
     "quant_rows.c", "mxfp4_rows.c", "q8_0_gemm.c", "split_gemm.c", "dequantize.c", "decode_pass.c", "moe_layer.c",
-    "delta_net.c", "mamba2.c", "short_conv.c", "gemma4_pass.c", "mla_attention.c", "expert_f32.c"))
+    "delta_net.c", "mamba2.c", "short_conv.c", "gemma4_pass.c", "mla_attention.c", "expert_f32.c", "row_layouts.c"))
 HEADERS = tuple(SOURCE.with_name(name) for name in (
     "blas_shim.h", "thread_pool.h", "vector_math.h", "small_m_kernel.h", "decode_kernels.h", "quant_blocks.h",
     "delta_net.h", "kv_rows.h", "decode_pass.h", "mamba2.h", "short_conv.h", "mla_attention.h"))

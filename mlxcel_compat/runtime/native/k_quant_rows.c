@@ -37,7 +37,6 @@
 #include <string.h>
 
 #include "quant_blocks.h"
-#include "thread_pool.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 
@@ -579,50 +578,3 @@ K_GROUPED(q4_K)
 K_GROUPED(q6_K)
 #endif /* AVX512VNNI */
 #endif /* AVX512F, AVX512BW, F16C */
-
-/* The loader's grouping of a weight's rows (block_weight.group_rows): each whole group of 16 rows
- * of nb blocks of block_bytes becomes, block after block, the 16 rows' dwords side by side (dword
- * 4 q + j of row r at 64 (4 slot + j) + 4 r, slot = q's place in `quad_order`, or q where it is
- * NULL), and the bytes past the whole dwords of each row in turn: after the dwords, or ahead of
- * them where the block starts mid-line (GROUP_TAILS_AHEAD: dst 64-byte aligned). Rows past the
- * last whole group are copied as they are. A plain loop over the shim's threads: NumPy's
- * transposes of 4-byte fields took ~7 s for a Qwen3-30B-A3B-shaped file's 2.7 GB. Not tied to
- * AVX-512: always built, and exported (block_weight.library binds it). */
-struct group_job {
-    const uint8_t *src;
-    uint8_t *dst;
-    long groups, per; /* whole groups, and groups a part */
-    int nb, block_bytes, dwords;
-    int slot[64]; /* quad q's place */
-};
-
-static void group_part(const void *ctx, int part) {
-    const struct group_job *j = ctx;
-    const size_t row = (size_t)j->nb * (size_t)j->block_bytes, tail = (size_t)j->block_bytes - 4 * (size_t)j->dwords;
-    const long end = (part + 1) * j->per < j->groups ? (part + 1) * j->per : j->groups;
-    for (long g = part * j->per; g < end; g++) {
-        const uint8_t *in = j->src + (size_t)g * 16 * row;
-        uint8_t *out = j->dst + (size_t)g * 16 * row;
-        for (int b = 0; b < j->nb; b++, out += 16 * (size_t)j->block_bytes) {
-            const int ahead = tail && (((uintptr_t)out & 63) != 0);
-            uint8_t *lanes = out + (ahead ? 16 * tail : 0), *tails = ahead ? out : out + 64 * (size_t)j->dwords;
-            for (int r = 0; r < 16; r++) {
-                const uint8_t *from = in + (size_t)r * row + (size_t)b * (size_t)j->block_bytes;
-                for (int t = 0; t < j->dwords; t++)
-                    memcpy(lanes + 64 * (size_t)(4 * j->slot[t / 4] + t % 4) + 4 * (size_t)r, from + 4 * (size_t)t, 4);
-                if (tail) memcpy(tails + (size_t)r * tail, from + 4 * (size_t)j->dwords, tail);
-            }
-        }
-    }
-}
-
-void mlxcel_group_layout(const uint8_t *src, uint8_t *dst, long n, int nb, int block_bytes, int dwords,
-                         const int8_t *quad_order) {
-    const long groups = n / 16;
-    const int parts = groups < 64 ? 1 : 64;
-    struct group_job j = {src, dst, groups, (groups + parts - 1) / parts, nb, block_bytes, dwords, {0}};
-    for (int q = 0; q < (dwords + 3) / 4 && q < 64; q++) j.slot[quad_order ? quad_order[q] : q] = q;
-    mlxcel_parallel(parts, group_part, &j);
-    const size_t row = (size_t)nb * (size_t)block_bytes;
-    memcpy(dst + (size_t)groups * 16 * row, src + (size_t)groups * 16 * row, (size_t)(n - groups * 16) * row);
-}

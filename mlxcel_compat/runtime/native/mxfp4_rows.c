@@ -1,8 +1,8 @@
 /* MXFP4 weights (gpt-oss's experts) whose rows were split at load: their decode rows (a lane per
  * weight row, 16 rows a pass, 1-16 activation rows against each unpacked block) and their
  * expansion to float32, which quant_rows.c's mlxcel_rows_kernel and mlxcel_dequantizer hand out
- * for SPLIT_TYPE(TYPE_MXFP4) on a CPU with AVX-512 BW and VNNI; and, at the end, the split itself
- * (mlxcel_split_layout: the loader's rearrangement of every split type's rows).
+ * for SPLIT_TYPE(TYPE_MXFP4) on a CPU with AVX-512 BW and VNNI (the split itself:
+ * row_layouts.c's mlxcel_split_layout).
  *
  * An MXFP4 block is 32 4-bit codes (low nibbles values 0-15, high ones 16-31) looked up in ggml's
  * kvalues_mxfp4 (twice E2M1's values: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives) and an E8M0
@@ -198,47 +198,3 @@ void dequantize_mxfp4_split(const void *x, float *y, int64_t k) {
     }
 }
 #endif
-
-/* The loader's split of a weight's rows (block_weight.split_rows), for every split type: each of
- * n rows of nb blocks of block_bytes, in groups of 16 blocks, becomes its group's field 0 of
- * every block, then field 1, ... (field f: widths[f] bytes at starts[f] of a block). A plain
- * byte loop: NumPy's strided copies of such short fields ran at 1/25 of memcpy's pace, 1.9 s a
- * stack of gpt-oss's experts (141 MB) and most of the model's load. Not tied to AVX-512: always
- * built, and exported (block_weight.library binds it). */
-struct split_job {
-    const uint8_t *src;
-    uint8_t *dst;
-    long n, per; /* rows, and rows a part */
-    int nb, block_bytes, fields;
-    const int32_t *starts, *widths;
-};
-
-static void split_part(const void *ctx, int part) {
-    const struct split_job *j = ctx;
-    const size_t row = (size_t)j->nb * (size_t)j->block_bytes;
-    long end = (part + 1) * j->per < j->n ? (part + 1) * j->per : j->n;
-    for (long r = part * j->per; r < end; r++) {
-        const uint8_t *in = j->src + (size_t)r * row;
-        uint8_t *out = j->dst + (size_t)r * row;
-        for (int b0 = 0; b0 < j->nb; b0 += 16) {
-            const int count = j->nb - b0 < 16 ? j->nb - b0 : 16;
-            for (int f = 0; f < j->fields; f++) {
-                const int width = j->widths[f];
-                for (int p = 0; p < count; p++, out += width) {
-                    const uint8_t *from = in + (size_t)(b0 + p) * (size_t)j->block_bytes + (size_t)j->starts[f];
-                    if (width == 16) memcpy(out, from, 16); /* nibbles and codes: one 16-byte move */
-                    else for (int i = 0; i < width; i++) out[i] = from[i];
-                }
-            }
-        }
-    }
-}
-
-/* The rows in parts over the shim's threads: a stack of gpt-oss's experts is 2.5 GB split at load,
- * where each part's first touch of its output pages and its reads of the file's run side by side. */
-void mlxcel_split_layout(const uint8_t *src, uint8_t *dst, long n, int nb, int block_bytes, int fields,
-                         const int32_t *starts, const int32_t *widths) {
-    const int parts = n < 256 ? 1 : 64;
-    struct split_job j = {src, dst, n, (n + parts - 1) / parts, nb, block_bytes, fields, starts, widths};
-    mlxcel_parallel(parts, split_part, &j);
-}
