@@ -61,16 +61,7 @@ from mlxcel_compat.runtime import block_experts  # noqa: E402
 from mlxcel_compat.runtime.block_experts import ExpertStack, grouped_matmuls  # noqa: E402
 from mlxcel_compat.runtime.block_weight import BlockWeight, library, split_rows  # noqa: E402
 from mlxcel_compat.testing.gguf_random import random_blocks  # noqa: E402
-
-
-def best_ms(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+from benchlib import best_ms  # noqa: E402
 
 
 def decode_steps(path: str, steps: int) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -29,16 +28,7 @@ import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from mlxcel_compat.runtime import block_weight, ggml_cpu, ggml_repack  # noqa: E402
-
-
-def best_ms(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+from benchlib import best_ms  # noqa: E402
 
 
 def main() -> int:

@@ -86,6 +86,17 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
+def best_ms(fn: Callable[[], object], reps: int) -> float:
+    """The best of ``reps`` calls of ``fn`` after one warm-up call, in wall-clock milliseconds."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
 def interleaved(fns: Mapping[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
     """Each measurement once per repetition, the order rotating so that a noisy machine hits them
     alike; one warm-up round is run first and discarded. Returns the values by name."""

@@ -453,8 +453,8 @@ def group_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: in
     reads ggml's layout. Why: stored apart, the lanes spent more on gathering 16 rows'
     bytes into lane order than on their arithmetic; grouped, a group is read front to back with
     no transposes. On this project's AVX-512 machine (docs/benchmarks/quantized.md, "Grouped
-    rows"), a 2048 x 768 Q4_K weight: one row 0.53x the time of the two-row path over rows stored
-    apart, 4 rows 0.51x; prompt chunks 1.2-1.9x ggml's mul_mat (16-256 rows). Each pair's result
+    rows"): Q4_K decode rows 1.3-2.2x the speed over rows stored apart, Q6_K's 2-8 rows 1.1-2.2x
+    (a lone Q6_K row 0.91-1.56x); prompt chunks 1.0-3.9x ggml's mul_mat (16-256 rows). Each pair's result
     is the same bits as over rows stored apart (the lanes' arithmetic). The file's pages of the
     weight (``mapped``, at ``offset``) are dropped, as a repacked weight's are. Whether it was
     grouped."""

@@ -191,7 +191,7 @@ static inline __attribute__((always_inline)) void group_dwords(const uint8_t *bl
 
 /* Weight rows [0, nrows) (nrows <= 16) times m activation rows (m <= K_MAX_ROWS): out[i * ldo + r].
  * `grouped` (a constant): w is a group of 16 grouped rows (GROUPED_TYPE), nrows 16. */
-static inline __attribute__((always_inline)) void q4_K_lanes_of(int nb, const uint8_t *w, size_t row_bytes, int nrows,
+static inline __attribute__((always_inline)) void q4_K_lanes(int nb, const uint8_t *w, size_t row_bytes, int nrows,
                                                               const uint8_t *act, size_t act_bytes, int m, float *out,
                                                               size_t ldo, const int grouped) {
     const __m512i low = _mm512_set1_epi8(0x0f), six = _mm512_set1_epi8(0x3f), two = _mm512_set1_epi8(0x03);
@@ -261,13 +261,6 @@ static inline __attribute__((always_inline)) void q4_K_lanes_of(int nb, const ui
     for (int i = 0; i < m; i++) _mm512_mask_storeu_ps(out + (size_t)i * ldo, stored, acc[i]);
 }
 
-/* Rows stored apart (ggml's layout). */
-static inline __attribute__((always_inline)) void q4_K_lanes(int nb, const uint8_t *w, size_t row_bytes, int nrows,
-                                                              const uint8_t *act, size_t act_bytes, int m, float *out,
-                                                              size_t ldo) {
-    q4_K_lanes_of(nb, w, row_bytes, nrows, act, act_bytes, m, out, ldo, 0);
-}
-
 /* --------------------------------------------------------------------------------------- Q6_K
  * 256 values: ql (low 4 bits), qh (high 2 bits), 16 int8 scales (one per 16 values), d. In half
  * n (values 128n ..), byte l < 32 of ql's 64 holds values 128n + l (low nibble) and + 64 (high),
@@ -276,7 +269,7 @@ static inline __attribute__((always_inline)) void q4_K_lanes(int nb, const uint8
  * and 32 times the scales times the activations' 16-value sums are taken off (ggml's way): per
  * super-block sum_j sc_j (dot_j(q + 32, a) - 32 bsum_j), exact in int32; then d_w d_a. */
 
-static inline __attribute__((always_inline)) void q6_K_lanes_of(int nb, const uint8_t *w, size_t row_bytes, int nrows,
+static inline __attribute__((always_inline)) void q6_K_lanes(int nb, const uint8_t *w, size_t row_bytes, int nrows,
                                                                  const uint8_t *act, size_t act_bytes, int m, float *out,
                                                                  size_t ldo, const int grouped) {
     const __m512i low = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
@@ -357,13 +350,6 @@ static inline __attribute__((always_inline)) void q6_K_lanes_of(int nb, const ui
     }
     const __mmask16 stored = (__mmask16)((1u << nrows) - 1);
     for (int i = 0; i < m; i++) _mm512_mask_storeu_ps(out + (size_t)i * ldo, stored, acc[i]);
-}
-
-/* Rows stored apart (ggml's layout). */
-static inline __attribute__((always_inline)) void q6_K_lanes(int nb, const uint8_t *w, size_t row_bytes, int nrows,
-                                                              const uint8_t *act, size_t act_bytes, int m, float *out,
-                                                              size_t ldo) {
-    q6_K_lanes_of(nb, w, row_bytes, nrows, act, act_bytes, m, out, ldo, 0);
 }
 
 /* ------------------------------------------------------------------------ few activation rows
@@ -508,7 +494,7 @@ static inline __attribute__((always_inline)) void q6_K_few_rows(int nb, const ui
  * weight rows a pass against K_MAX_ROWS activation rows (each count a constant, so loops unroll). */
 #define K_CASE(NAME, M)                                                                                            \
     case M: NAME##_lanes(nb, wr + (size_t)r * row_bytes, row_bytes, nrows, ar + (size_t)i * act_bytes, act_bytes, \
-                         M, out + (size_t)i * ldo + r, ldo); break;
+                         M, out + (size_t)i * ldo + r, ldo, 0); break;
 /* The two-row path over all n weight rows (rows r and r + n/2 together; an odd last row with
  * itself) for M activation rows, a constant: each count its own unrolled copy (a runtime count
  * left a lone row's accumulators in memory, 3-4 % slower). */
@@ -558,7 +544,7 @@ K_ROWS(q6_K)
  * front to back. The weight's last rows, past its last whole group, are stored as they were and
  * take rows_NAME. Each pair is the lanes' arithmetic, so the same bits as the rows stored apart. */
 #define G_CASE(NAME, M)                                                                                            \
-    case M: NAME##_lanes_of(nb, wr + (size_t)r * row_bytes, row_bytes, K_LANES, ar + (size_t)i * act_bytes,       \
+    case M: NAME##_lanes(nb, wr + (size_t)r * row_bytes, row_bytes, K_LANES, ar + (size_t)i * act_bytes,       \
                             act_bytes, M, out + (size_t)i * ldo + r, ldo, 1); break;
 #define K_GROUPED(NAME)                                                                                            \
     void rows_##NAME##_grouped(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes,  \
