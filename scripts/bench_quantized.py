@@ -35,7 +35,10 @@ What one server session measures (``-np 1``):
   the float32 reference of the same file: ``load_gguf(FILE, on_cpu=True, blocks=False)`` (every
   weight dequantized to float32, float32 math) and a greedy loop over an mlx-lm cache, run in
   a child process before the servers start. Reported: how many continuations equal the
-  reference's, and the mean index of the first differing token (32 when equal). A file whose
+  reference's, and the mean index of the first differing token (32 when equal); then, teacher
+  forced, how many of the prompts x 32 steps give the reference's token after the prompt and the
+  reference's tokens before it (one request a step, ``cache_prompt``), and where the two servers
+  differ, prompt by prompt and step by step, with a sign test's p-value. A file whose
   float32 reference does not fit in half the available memory (the 7B-shaped one) is skipped;
 - **peak RSS**: ``VmHWM`` at the end of the session.
 
@@ -87,6 +90,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import shutil
 import signal
@@ -634,6 +638,23 @@ def completion(client: httpx.Client, proc: benchlib.ServerProcess, prompt: list[
     return r.json(), wall
 
 
+def forced_agreement(client: httpx.Client, proc: benchlib.ServerProcess, prep: dict[str, Any]) -> list[list[bool]]:
+    """Teacher-forced greedy agreement: per accuracy prompt and step k, whether the server's
+    greedy token after the prompt and the reference's first k tokens is the reference's token k.
+    Every step counts once, whatever happened before it, so a near-tie early in a continuation
+    does not decide the 31 steps after it (the continuations' count is decided by one token).
+    ``cache_prompt`` lets each request reuse the previous one's KV (one new token per request)."""
+    out = []
+    for ids, ref in zip(prep["prompts"], prep["reference"]):
+        steps = []
+        for k, want in enumerate(ref["tokens"]):
+            answer, _ = completion(client, proc, ids + ref["tokens"][:k], 1, return_tokens=True, cache_prompt=True)
+            got = [int(t) for t in answer.get("tokens") or []]
+            steps.append(got[:1] == [want])
+        out.append(steps)
+    return out
+
+
 def _timing(answer: dict[str, Any], key: str) -> float:
     return float(answer["timings"][key])
 
@@ -710,6 +731,7 @@ def session_np1(args: argparse.Namespace, servers: list[str], path: Path, label:
                         first = next((i for i in range(n) if i >= len(got) or got[i] != ref["tokens"][i]), n)
                         firsts.append({"first": first, "of": n, "gap": ref["gaps"][first] if first < n else None})
                     res[server]["accuracy"] = firsts
+                    res[server]["forced"] = forced_agreement(clients[server], procs[server], prep)
         finally:
             for client in clients.values():
                 client.close()
@@ -913,11 +935,16 @@ def report(key: str, path: Path, results: dict[str, dict[str, Any]], args: argpa
             counts.add((len(acc), acc[0]["of"]))
             results[server]["acc_identical"] = float(sum(a["first"] == a["of"] for a in acc))
             results[server]["acc_first"] = statistics.mean(a["first"] for a in acc)
+            forced = results[server].get("forced") or []
+            results[server]["acc_forced"] = float(sum(map(sum, forced)))
     if counts:
         n_prompts, n_tokens = max(counts)
         row(f"accuracy: identical of {n_prompts} ({n_tokens} tokens)", "acc_identical", ".0f", ">= llama",
             lambda b, a: b >= a)
         row("accuracy: mean first divergence", "acc_first", ".1f", ">= llama", lambda b, a: b >= a)
+        row(f"accuracy: forced steps agreeing of {n_prompts * n_tokens}", "acc_forced", ".0f", ">= llama",
+            lambda b, a: b >= a)
+        _print_discordant(results)
         for server in SERVERS:
             acc = results.get(server, {}).get("accuracy")
             if acc:
@@ -941,6 +968,33 @@ def report(key: str, path: Path, results: dict[str, dict[str, Any]], args: argpa
 
 
 # --------------------------------------------------------------------------- main
+
+
+def _print_discordant(results: dict[str, dict[str, Any]]) -> None:
+    """Where the two servers differ, prompt by prompt and step by step: the counts the comparison
+    rests on (everything both got right or both got wrong cancels), with a two-sided sign test's
+    p-value, so that a difference of a few continuations is not read as a finding."""
+    if not all(results.get(server, {}).get("accuracy") for server in SERVERS):
+        return
+    a, b = (results[server] for server in SERVERS)
+    pairs = [("continuations identical", [x["first"] == x["of"] for x in a["accuracy"]],
+              [x["first"] == x["of"] for x in b["accuracy"]])]
+    if a.get("forced") and b.get("forced"):
+        pairs.append(("forced steps agreeing", [s for p in a["forced"] for s in p], [s for p in b["forced"] for s in p]))
+    for what, left, right in pairs:
+        only_a = sum(x and not y for x, y in zip(left, right))
+        only_b = sum(y and not x for x, y in zip(left, right))
+        print(f"  {what}: only {SERVERS[0]} {only_a}, only {SERVERS[1]} {only_b} "
+              f"(sign test p = {_sign_test(only_a, only_b):.2g})")
+
+
+def _sign_test(k: int, m: int) -> float:
+    """Two-sided exact sign test of ``k`` against ``m`` discordant pairs (p = 1 when equal)."""
+    n, low = k + m, min(k, m)
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(low + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
 
 
 def _parse_list(text: str, allowed: Sequence[str], what: str) -> list[str]:
