@@ -309,6 +309,36 @@ def test_a_source_that_does_not_compile_is_named_and_nothing_is_installed(tmp_pa
     assert ctypes.CDLL(str(built.path)).probe_good() == 7
 
 
+def test_a_second_builder_waits_for_the_first_and_takes_its_library(tmp_path: Path) -> None:
+    """While one process builds into a directory (its lock held), another's build of the same
+    library waits, then returns the first's library without compiling it again (two servers or
+    a test run's two workers starting at once: each compiled the whole shim, twice as slowly)."""
+    if blas_shim.find_compiler() is None:
+        pytest.skip("no C compiler")
+    import fcntl
+
+    source = tmp_path / "probe.c"
+    source.write_text("int probe(void) { return 3; }\n")
+    recipe = blas_shim.Recipe("probe", (source,))
+    out = tmp_path / "out"
+    out.mkdir()
+    results: list[blas_shim.ShimBuild] = []
+    held = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as the first builder holds it while it compiles
+        waiting = threading.Thread(target=lambda: results.append(blas_shim.build(out, recipe)))
+        waiting.start()
+        waiting.join(1.0)
+        assert waiting.is_alive() and not results, "the second build did not wait for the first"
+        first = out / blas_shim.library_name(recipe)
+        first.write_bytes(b"the first builder's library")
+    finally:
+        os.close(held)
+    waiting.join(30)
+    assert [(r.path, r.built_now) for r in results] == [(first, False)]
+    assert first.read_bytes() == b"the first builder's library"
+
+
 @pytest.mark.slow  # compiles the library twice (8-23 s); every start exercises the cached path
 def test_the_library_is_rebuilt_for_another_source_or_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cc = blas_shim.find_compiler()
