@@ -316,9 +316,9 @@ class ModelRegistry:
         app, model.app = model.app, None
         if app is None:
             return
-        await asyncio.to_thread(_stop, app.state.ctx)
-        del app  # the last reference: the model's objects are garbage from here on
-        await asyncio.to_thread(release_memory)
+        held = [app]
+        del app  # the list holds the last reference, and the worker thread takes it from there
+        await asyncio.to_thread(_stop_and_release, held)
 
     async def make_room(self, model: RouterModel) -> None:
         """Unload least recently used models until ``model`` fits ``--models-max`` and
@@ -378,6 +378,19 @@ def _stop(ctx: Any) -> None:
     ctx.engine.stop()
     ctx.workers.close()
     ctx.engine.loaded = None
+
+
+def _stop_and_release(held: list[Any]) -> None:
+    """Worker thread: stop the model in ``held`` (its only reference), drop it, and collect, in
+    one call. Stopping it in one executor call and collecting in a second let the collection miss
+    it: the first call's finished work item, still held by its thread for a moment, referenced the
+    model's context, so a collection on another executor thread then found it reachable; nothing
+    collected its reference cycles afterwards, and the GGUF stayed mapped after "unloaded"
+    (``tests/e2e/test_router.py::test_unload_gives_the_memory_back``, now and then under load)."""
+    app = held.pop()
+    _stop(app.state.ctx)
+    del app
+    release_memory()
 
 
 def release_memory() -> None:
