@@ -94,12 +94,7 @@ void mlxcel_quantize_q8_K(const float *x, void *out, int64_t k) {
 #define K_MAX_ROWS 16 /* activation rows a pass (as Q8_0's and Q4_1's lane kernels) */
 #define Q4_K_BYTES 144 /* block_q4_K: d, dmin, 12 bytes of scales and mins, 128 of nibbles */
 #define Q6_K_BYTES 210 /* block_q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 scales, d */
-#define Q6_K_DWORDS 52 /* its whole dwords: d (2 bytes) after them */
-/* Grouped Q6_K (16 x 210 bytes a super-block: half a cache line over whole ones): whether the 16
- * rows' d come ahead of their dwords, for a super-block at `at` (in a 64-byte-aligned weight): where
- * it starts mid-line, so that the dwords start a line and no vector straddles two
- * (block_weight.grouped_copy; mlxcel_group_layout). */
-#define GROUP_TAILS_AHEAD(at) (((uintptr_t)(at) & 63) != 0)
+#define Q6_K_DWORDS 52 /* its whole dwords: d (2 bytes) after them (grouped: GROUP_TAILS_AHEAD) */
 /* Which path takes m activation rows: up to 2 rows always the two-row path below; 3-8 rows too
  * when a weight row is at most FEW_ROWS_BLOCKS super-blocks long (k <= 2048); else the lanes. In
  * a decode pass streaming a model's weights, 2-8 rows of the lanes over short weight rows cost
@@ -192,8 +187,8 @@ static inline __attribute__((always_inline)) void group_dwords(const uint8_t *bl
 /* Weight rows [0, nrows) (nrows <= 16) times m activation rows (m <= K_MAX_ROWS): out[i * ldo + r].
  * `grouped` (a constant): w is a group of 16 grouped rows (GROUPED_TYPE), nrows 16. */
 static inline __attribute__((always_inline)) void q4_K_lanes(int nb, const uint8_t *w, size_t row_bytes, int nrows,
-                                                              const uint8_t *act, size_t act_bytes, int m, float *out,
-                                                              size_t ldo, const int grouped) {
+                                                           const uint8_t *act, size_t act_bytes, int m, float *out,
+                                                           size_t ldo, const int grouped) {
     const __m512i low = _mm512_set1_epi8(0x0f), six = _mm512_set1_epi8(0x3f), two = _mm512_set1_epi8(0x03);
     const uint8_t *rowp[K_LANES], *next = w + 2 * K_LANES * row_bytes;
     int32_t offsets[K_LANES];
@@ -270,8 +265,8 @@ static inline __attribute__((always_inline)) void q4_K_lanes(int nb, const uint8
  * super-block sum_j sc_j (dot_j(q + 32, a) - 32 bsum_j), exact in int32; then d_w d_a. */
 
 static inline __attribute__((always_inline)) void q6_K_lanes(int nb, const uint8_t *w, size_t row_bytes, int nrows,
-                                                                 const uint8_t *act, size_t act_bytes, int m, float *out,
-                                                                 size_t ldo, const int grouped) {
+                                                           const uint8_t *act, size_t act_bytes, int m, float *out,
+                                                           size_t ldo, const int grouped) {
     const __m512i low = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
     const uint8_t *rowp[K_LANES], *next = w + 2 * K_LANES * row_bytes;
     int32_t offsets[K_LANES];
@@ -544,8 +539,8 @@ K_ROWS(q6_K)
  * front to back. The weight's last rows, past its last whole group, are stored as they were and
  * take rows_NAME. Each pair is the lanes' arithmetic, so the same bits as the rows stored apart. */
 #define G_CASE(NAME, M)                                                                                            \
-    case M: NAME##_lanes(nb, wr + (size_t)r * row_bytes, row_bytes, K_LANES, ar + (size_t)i * act_bytes,       \
-                            act_bytes, M, out + (size_t)i * ldo + r, ldo, 1); break;
+    case M: NAME##_lanes(nb, wr + (size_t)r * row_bytes, row_bytes, K_LANES, ar + (size_t)i * act_bytes,          \
+                         act_bytes, M, out + (size_t)i * ldo + r, ldo, 1); break;
 #define K_GROUPED(NAME)                                                                                            \
     void rows_##NAME##_grouped(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes,  \
                                int m, float *out, size_t ldo) {                                                    \

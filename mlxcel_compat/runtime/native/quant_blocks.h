@@ -31,6 +31,11 @@ enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7, TYPE_Q8_0 = 8
 enum { GROUPED_TYPE_BASE = 2000 };
 #define GROUPED_TYPE(type) (GROUPED_TYPE_BASE + (type))
 #define IS_GROUPED_TYPE(code) ((code) >= GROUPED_TYPE_BASE)
+/* In a grouped weight (64-byte aligned), whether the 16 rows' bytes past their whole dwords go
+ * ahead of the dwords for a super-block at `at`: where it starts mid-line (Q6_K's 16 x 210 bytes,
+ * every other one), so that the dwords start a line and no vector straddles two. The layout
+ * (row_layouts.c) and the kernels (k_quant_rows.c) both follow it; block_weight._tails_ahead too. */
+#define GROUP_TAILS_AHEAD(at) (((uintptr_t)(at) & 63) != 0)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>

@@ -6,14 +6,14 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "quant_blocks.h"
 #include "thread_pool.h"
 
 /* The loader's split of a weight's rows (block_weight.split_rows), for every split type: each of
  * n rows of nb blocks of block_bytes, in groups of 16 blocks, becomes its group's field 0 of
  * every block, then field 1, ... (field f: widths[f] bytes at starts[f] of a block). A plain
  * byte loop: NumPy's strided copies of such short fields ran at 1/25 of memcpy's pace, 1.9 s a
- * stack of gpt-oss's experts (141 MB) and most of the model's load. Not tied to AVX-512: always
- * built, and exported (block_weight.library binds it). */
+ * stack of gpt-oss's experts (141 MB) and most of the model's load. */
 struct split_job {
     const uint8_t *src;
     uint8_t *dst;
@@ -57,9 +57,8 @@ void mlxcel_split_layout(const uint8_t *src, uint8_t *dst, long n, int nb, int b
  * 4 q + j of row r at 64 (4 slot + j) + 4 r, slot = q's place in `quad_order`, or q where it is
  * NULL), and the bytes past the whole dwords of each row in turn: after the dwords, or ahead of
  * them where the block starts mid-line (GROUP_TAILS_AHEAD: dst 64-byte aligned). Rows past the
- * last whole group are copied as they are. A plain loop over the shim's threads: NumPy's
- * transposes of 4-byte fields took ~7 s for a Qwen3-30B-A3B-shaped file's 2.7 GB. Not tied to
- * AVX-512: always built, and exported (block_weight.library binds it). */
+ * last whole group are copied as they are. NumPy's transposes of 4-byte fields took ~7 s for a
+ * Qwen3-30B-A3B-shaped file's 2.7 GB. */
 struct group_job {
     const uint8_t *src;
     uint8_t *dst;
@@ -76,7 +75,7 @@ static void group_part(const void *ctx, int part) {
         const uint8_t *in = j->src + (size_t)g * 16 * row;
         uint8_t *out = j->dst + (size_t)g * 16 * row;
         for (int b = 0; b < j->nb; b++, out += 16 * (size_t)j->block_bytes) {
-            const int ahead = tail && (((uintptr_t)out & 63) != 0);
+            const int ahead = tail && GROUP_TAILS_AHEAD(out);
             uint8_t *lanes = out + (ahead ? 16 * tail : 0), *tails = ahead ? out : out + 64 * (size_t)j->dwords;
             for (int r = 0; r < 16; r++) {
                 const uint8_t *from = in + (size_t)r * row + (size_t)b * (size_t)j->block_bytes;
