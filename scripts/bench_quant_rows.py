@@ -22,17 +22,32 @@ sharing one read and one unpacking of the weight. On a machine busy with other w
 medians swing with the neighbours; ``--clock cpu --threads 1`` times the CPU seconds of the
 process instead (minimum over the rounds), which the neighbours disturb far less.
 
+``--floor`` adds the column ``mul/1``: the time this core needs for the rows' integer multiplies
+alone (k x n x rows products, 64 a 512-bit ``vpdpbusd``, at the rate a loop of independent
+``vpdpbusd`` measures on this core first) over the own kernel's one-row time. That is a lower
+bound on ``own/1`` that no kernel on 8-bit products can pass: a 4-bit weight times an 8-bit
+activation is one lane of ``vpdpbusd``, the densest integer multiply of an AVX-512 VNNI core, and
+each activation row needs all of its products (each row's own scales and sums come on top). One
+row of a quantized weight streams from memory, so its time is the weight's bytes over the memory
+rate, while the multiplies grow with the rows: where ``mul/1`` at 8 rows is near 2.0, issue 51's
+"8 rows at most 2x one row" leaves nothing for unpacking, scales and sums.
+
     .venv/bin/python scripts/bench_quant_rows.py
     .venv/bin/python scripts/bench_quant_rows.py --shapes 4096x11008,11008x4096 --rows 1,4 --reps 20
     .venv/bin/python scripts/bench_quant_rows.py --types Q4_K,Q6_K,Q8_0,Q4_1,Q5_0,Q5_1 \
         --shapes 4096x11008,11008x4096 --rows 1,2,4,8,16 --reps 10 --clock cpu --threads 1
+    .venv/bin/python scripts/bench_quant_rows.py --types Q4_K,Q4_1 --shapes 4096x11008 --rows 1,4,8 \
+        --reps 10 --clock cpu --threads 1 --floor
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,6 +67,7 @@ import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from mlxcel_compat.runtime import block_weight, ggml_cpu, ggml_repack  # noqa: E402
+from mlxcel_compat.runtime.native import blas_shim  # noqa: E402
 
 # (inputs k, outputs n): the small llama's q/o and gate/up and down projections, Llama-2-7B's
 # q/o, gate/up and down.
@@ -67,9 +83,18 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=0, help="the shim's threads (default: as a server)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall: medians of wall-clock time; cpu: minimums of the process's CPU time")
+    parser.add_argument("--floor", action="store_true",
+                        help="add mul/1: the rows' 8-bit multiplies alone at this core's vpdpbusd rate, over one row")
     args = parser.parse_args()
-    global clock, summary
+    global clock, summary, multiplies_per_us
     clock, summary = (time.perf_counter, statistics.median) if args.clock == "wall" else (time.process_time, min)
+    if args.floor:
+        rate = vpdpbusd_rate()
+        if isinstance(rate, str):
+            print(f"error: --floor: {rate}", file=sys.stderr)
+            return 1
+        multiplies_per_us = rate * 64 / 1e6
+        print(f"this core: {rate / 1e9:.2f} G 512-bit vpdpbusd a second ({multiplies_per_us / 1e3:.0f} K 8-bit products a µs)")
     lib, kernels = block_weight.library(), ggml_cpu.kernels()
     for missing in (lib, kernels):
         if isinstance(missing, str):
@@ -79,7 +104,8 @@ def main() -> int:
     print(f"ggml {kernels.version}; own kernels for {', '.join(T(t).name for t in sorted(lib.own_kernels)) or 'none'}; "
           f"{args.reps} rounds, {'medians of wall' if args.clock == 'wall' else 'minimums of CPU'} "
           f"microseconds a product")
-    print(f"{'type':6s} {'k x n':>12s} {'rows':>4s} {'ggml':>9s} {'own':>9s} {'ggml/own':>9s} {'repacked':>9s} {'rep/own':>8s} {'own/1':>6s}")
+    print(f"{'type':6s} {'k x n':>12s} {'rows':>4s} {'ggml':>9s} {'own':>9s} {'ggml/own':>9s} {'repacked':>9s} {'rep/own':>8s} {'own/1':>6s}"
+          + (f" {'mul/1':>6s}" if args.floor else ""))
     for name in args.types.split(","):
         ggml_type = int(T[name])
         if ggml_type in lib.split_kinds:
@@ -119,16 +145,74 @@ def main() -> int:
                 rep_text = f"{us[-2]:9.1f} {us[-2] / us[ggml_type]:7.2f}x" if -2 in us else f"{'-':>9s} {'-':>8s}"
                 one_row = us[ggml_type] if rows == 1 else one_row
                 print(f"{name:6s} {shape:>12s} {rows:4d} {us[-1]:9.1f} {us[ggml_type]:9.1f} {us[-1] / us[ggml_type]:8.2f}x "
-                      f"{rep_text} {per_row(us[ggml_type], one_row)}")
+                      f"{rep_text} {per_row(us[ggml_type], one_row)}{floor(k * n * rows, one_row)}")
     return 0
 
 
 clock, summary = time.perf_counter, statistics.median  # --clock
+multiplies_per_us = 0.0  # --floor: this core's 8-bit products a microsecond, by vpdpbusd
 
 
 def per_row(us: float, one_row: float | None) -> str:
     """The own kernel's time over its one-row time (the own/1 column), where one row was timed."""
     return f"{us / one_row:5.2f}x" if one_row else f"{'-':>6s}"
+
+
+def floor(products: int, one_row: float | None) -> str:
+    """The mul/1 column (--floor): ``products`` 8-bit multiplies at this core's rate, over the
+    own kernel's one-row time."""
+    if not multiplies_per_us:
+        return ""
+    return f" {products / multiplies_per_us / one_row:5.2f}x" if one_row else f" {'-':>6s}"
+
+
+# Ten independent chains of vpdpbusd on registers (its latency is several cycles, one chain would
+# time that instead), timed in the thread's CPU time; the best of five runs.
+RATE_SOURCE = r"""
+#include <immintrin.h>
+#include <time.h>
+#define STEP(a) a = _mm512_dpbusd_epi32(a, x, y)
+volatile int kept; /* the chains' sum: the loop is not optimized away */
+double vpdpbusd_per_second(long n) {
+    __m512i x = _mm512_set1_epi32(0x01010101), y = _mm512_set1_epi32(0x02020202);
+    __m512i a0 = _mm512_set1_epi32(0), a1 = _mm512_set1_epi32(1), a2 = _mm512_set1_epi32(2), a3 = _mm512_set1_epi32(3),
+            a4 = _mm512_set1_epi32(4), a5 = _mm512_set1_epi32(5), a6 = _mm512_set1_epi32(6), a7 = _mm512_set1_epi32(7),
+            a8 = _mm512_set1_epi32(8), a9 = _mm512_set1_epi32(9);
+    double best = 0;
+    for (int run = 0; run < 5; run++) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);
+        for (long i = 0; i < n; i++) {
+            STEP(a0); STEP(a1); STEP(a2); STEP(a3); STEP(a4); STEP(a5); STEP(a6); STEP(a7); STEP(a8); STEP(a9);
+        }
+        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
+        double rate = 10.0 * n / ((t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec));
+        best = rate > best ? rate : best;
+    }
+    __m512i sum = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)),
+                                   _mm512_add_epi32(_mm512_add_epi32(a4, a5), _mm512_add_epi32(a6, a7)));
+    sum = _mm512_add_epi32(sum, _mm512_add_epi32(a8, a9));
+    kept = _mm512_reduce_add_epi32(sum);
+    return best;
+}
+"""
+
+
+def vpdpbusd_rate() -> float | str:
+    """This core's 512-bit vpdpbusd a second, or why it could not be measured."""
+    compiler = blas_shim.find_compiler()
+    if compiler is None:
+        return "no C compiler"
+    with tempfile.TemporaryDirectory() as tmp:
+        source, library = Path(tmp) / "rate.c", Path(tmp) / "rate.so"
+        source.write_text(RATE_SOURCE)
+        built = subprocess.run([compiler, "-O2", "-march=native", "-shared", "-fPIC", "-o", str(library), str(source)],
+                               capture_output=True, text=True)
+        if built.returncode:
+            return f"this CPU or compiler has no AVX-512 VNNI ({built.stderr.strip().splitlines()[-1:]})"
+        measure = ctypes.CDLL(str(library)).vpdpbusd_per_second
+        measure.restype, measure.argtypes = ctypes.c_double, [ctypes.c_long]
+        return measure(20_000_000)
 
 
 def repacked_against_ggml(lib, kernels, name: str, ggml_type: int, args: argparse.Namespace,
@@ -194,7 +278,7 @@ def split_rows_against_ggml(lib, kernels, name: str, ggml_type: int, args: argpa
             rep_text = (f"{us['repacked']:9.1f} {us['repacked'] / us['own']:7.2f}x" if "repacked" in us
                         else f"{'(split rows)':>18s}")
             print(f"{name:6s} {shape:>12s} {rows:4d} {us['ggml']:9.1f} {us['own']:9.1f} {us['ggml'] / us['own']:8.2f}x "
-                  f"{rep_text} {per_row(us['own'], one_row)}")
+                  f"{rep_text} {per_row(us['own'], one_row)}{floor(k * n * rows, one_row)}")
 
 
 if __name__ == "__main__":
