@@ -5,9 +5,9 @@ A prompt chunk of a weight in ggml's blocks can go three ways (``runtime/block_w
 float32 tiles expanded by ggml's ``to_float`` and multiplied by the BLAS's sgemm (``tiles``),
 ggml's own ``mul_mat`` on the stored blocks (``ggml``: ``ggml_repack.PromptProduct``, ggml 0.25's
 tiled int8 kernels for the K-quants), or ggml's repacked copy and its GEMM (``repacked``, where
-ggml has a layout for the type), and for Q8_0 on a CPU with AVX-512 VNNI the shim's own GEMM
-(``own``: ``mlxcel_gemm_kernel``'s, what the server runs there; for Q4_1, Q5_0 and Q5_1 the GEMM
-over the rows split at load, ``split_gemm.c``). This runs them on one weight per type,
+ggml has a layout for the type), and where the shim's lane kernels take the type's prompt chunks
+on a CPU with AVX-512 VNNI (``own``: ``BlockLibrary.lane_prompts``, what the server runs there:
+Q8_0's over its blocks, Q4_1, Q5_0, Q5_1 and MXFP4's over the rows split at load). This runs them on one weight per type,
 side by side, ``--reps`` rounds in rotating order, and prints medians, the ratio tiles / ggml
 (above 1: ggml's mul_mat is faster), which is how ``ggml_repack.PROMPT_TYPES`` was chosen, and
 ggml / own.
@@ -70,9 +70,9 @@ def main() -> int:
         repacked = ggml_repack.repack(blocks, ggml_type, args.n, args.k)
         if repacked is not None:
             weights["repacked"] = block_weight.BlockWeight(blocks, ggml_type, args.n, args.k, lib, repacked=repacked)
-        if ggml_type in lib.gemm_kernels:  # the plain weight's prompt path; "tiles" is forced below
+        if ggml_type in lib.lane_prompts:  # the plain weight's prompt path; "tiles" is forced below
             weights["own"] = block_weight.BlockWeight(blocks, ggml_type, args.n, args.k, lib)
-        elif ggml_type in lib.split_gemm_kernels:  # Q4_1/Q5_x: the rows split at load, their GEMM (split_gemm.c)
+        elif block_weight.SPLIT_TYPE_BASE + ggml_type in lib.lane_prompts:  # the rows split at load, their lanes
             weights["own"] = block_weight.BlockWeight(blocks.copy(), ggml_type, args.n, args.k, lib)
             block_weight.split_rows(weights["own"])
         kind = lib.block_type(ggml_type)

@@ -4,11 +4,12 @@ A GGUF tensor of a quantized type (or F16/BF16) is served as it is stored: ``dat
 of the memory-mapped file, so loading copies nothing, the pages are shared with the page cache
 and a restart finds them there. Products go through the native layer's block products
 (``mlxcel_block_matmul``) in the BLAS shim's library, with ggml's per-type kernels
-(``ggml_cpu.py``): few activation rows by ``vec_dot``, many rows (``tiles``: a prompt chunk's
-path) by tiles expanded to float32 for the BLAS's sgemm, or by the shim's own GEMM where it has
-one for the type (Q8_0). Q4_K and Q6_K weights of linear layers and expert stacks are grouped at load
-(``group_rows``: 16 rows' super-blocks side by side), and the shim's lanes take all their
-products. Nothing here imports MLX; the MLX modules that hold these weights are in
+(``ggml_cpu.py``): few activation rows by ``vec_dot`` or the shim's own kernels, many rows
+(``tiles``: a prompt chunk's path) by tiles expanded to float32 for the BLAS's sgemm, or by the
+shim's own lane kernels where they take prompt chunks too (``BlockLibrary.lane_prompts``: Q8_0,
+and the rows split or grouped at load). Q4_K and Q6_K weights of linear layers and expert stacks
+are grouped at load (``group_rows``: 16 rows' super-blocks side by side), Q4_1, Q5_0, Q5_1 and
+MXFP4 rows split (``split_rows``: factors ahead of nibbles). Nothing here imports MLX; the MLX modules that hold these weights are in
 ``block_layers.py``, and the CPU decode runtime calls them directly (``cpu_decode.py``).
 """
 
@@ -87,9 +88,9 @@ class BlockLibrary:
     quantizers: dict[int, int]  # activation types the shim quantizes itself (byte for byte ggml's), to the function
     dequantizers: dict[int, int]  # weight types the shim expands to float32 itself (ggml's is scalar), to the function
     split_kinds: dict[int, ggml_cpu.BlockType]  # types whose rows split_rows rearranges, to their kernels
-    gemm_kernels: frozenset[int]  # types whose prompt chunks the shim's own GEMM multiplies (mlxcel_gemm_kernel)
-    # split types whose prompt chunks take 8-bit activations (the native mlxcel_split_gemm_kernel)
-    split_gemm_kernels: frozenset[int] = frozenset()
+    # own-kernel codes (a ggml type; SPLIT_TYPE_BASE or GROUPED_TYPE_BASE + the type) whose lane
+    # kernel takes prompt chunks too, 8-bit activations as llama.cpp's (mlxcel_lanes_take_prompts)
+    lane_prompts: frozenset[int] = frozenset()
     split_layout: Any = None  # mlxcel_split_layout: split_rows's rearrangement, in C
     # types whose rows group_rows groups, to their kernels (GROUPED_TYPE_BASE + the type)
     grouped_kinds: dict[int, ggml_cpu.BlockType] = field(default_factory=dict)
@@ -119,11 +120,11 @@ class BlockLibrary:
         text = self.ggml.describe(ggml_type)
         if int(ggml_type) in self.own_kernels:
             text += "; decode rows by mlxcel's AVX-512 kernel"
-        if int(ggml_type) in self.gemm_kernels:
-            text += "; prompt chunks by mlxcel's AVX-512 VNNI GEMM"
-        if split and int(ggml_type) in self.split_gemm_kernels:
-            text += ("; rows split at load (factors ahead of nibbles): decode rows by mlxcel's AVX-512 VNNI kernel, "
-                     "prompt chunks by mlxcel's AVX-512 VNNI GEMM (8-bit activations, as llama.cpp's)")
+        if int(ggml_type) in self.lane_prompts:
+            text += ", prompt chunks too (8-bit activations, as llama.cpp's)"
+        if split and SPLIT_TYPE_BASE + int(ggml_type) in self.lane_prompts:
+            text += ("; rows split at load (factors ahead of nibbles): decode rows and prompt chunks by mlxcel's "
+                     "AVX-512 VNNI kernel (8-bit activations, as llama.cpp's)")
         elif split:
             text += ("; rows split at load (factors ahead of nibbles): decode rows by mlxcel's AVX-512 VNNI kernel, "
                      "float32 tiles expanded by mlxcel's AVX-512 code")
@@ -147,15 +148,16 @@ def library() -> BlockLibrary | str:
         matmul, rows = shim.lib.mlxcel_block_matmul, shim.lib.mlxcel_block_rows
         matmul_held = blas_shim.holding_the_gil(shim.lib).mlxcel_block_matmul
         own, quantizer, dequantizer = shim.lib.mlxcel_rows_kernel, shim.lib.mlxcel_quantizer, shim.lib.mlxcel_dequantizer
-        gemm, split_gemm = shim.lib.mlxcel_gemm_kernel, shim.lib.mlxcel_split_gemm_kernel
+        lanes_take_prompts = shim.lib.mlxcel_lanes_take_prompts
         split_layout, group_layout = shim.lib.mlxcel_split_layout, shim.lib.mlxcel_group_layout
     except AttributeError:
         return "the loaded BLAS shim has no block products (built from an older source)"
     matmul.restype = rows.restype = matmul_held.restype = None
     matmul.argtypes = matmul_held.argtypes = [_P, _I, _P, _L, _P, _L, _F, _I]
     rows.argtypes = [_P, _P, _I, _P]
-    own.restype = quantizer.restype = dequantizer.restype = gemm.restype = split_gemm.restype = _P
-    own.argtypes = quantizer.argtypes = dequantizer.argtypes = gemm.argtypes = split_gemm.argtypes = [_I]
+    own.restype = quantizer.restype = dequantizer.restype = _P
+    own.argtypes = quantizer.argtypes = dequantizer.argtypes = lanes_take_prompts.argtypes = [_I]
+    lanes_take_prompts.restype = _I
     split_layout.restype, split_layout.argtypes = None, [_P, _P, _L, _I, _I, _I, _P, _P]
     group_layout.restype, group_layout.argtypes = None, [_P, _P, _L, _I, _I, _I, _P]
     own_kernels: frozenset[int] = frozenset()
@@ -182,10 +184,11 @@ def library() -> BlockLibrary | str:
             quantize = quantizers.get(ggml.activation_type(ggml_type)) or plain.quantize
             grouped_kinds[ggml_type] = ggml_cpu.BlockType(plain.vec_dot, quantize, plain.to_float, plain.act_block,
                                                           plain.act_block_bytes, code)
-    gemm_kernels = frozenset(t for t in own_kernels if gemm(t))  # the C side picks it by the type's own_kernel
-    split_gemm_kernels = frozenset(t for t in split_kinds if split_gemm(SPLIT_TYPE_BASE + t))
-    return BlockLibrary(matmul, rows, ggml, matmul_held, own_kernels, quantizers, dequantizers, split_kinds, gemm_kernels,
-                        split_gemm_kernels, split_layout, grouped_kinds, group_layout)
+    codes = [*own_kernels, *(kind.own_kernel for kind in split_kinds.values()),
+             *(kind.own_kernel for kind in grouped_kinds.values())]
+    lane_prompts = frozenset(code for code in codes if lanes_take_prompts(code))
+    return BlockLibrary(matmul, rows, ggml, matmul_held, own_kernels, quantizers, dequantizers, split_kinds,
+                        lane_prompts, split_layout, grouped_kinds, group_layout)
 
 
 def row_bytes(ggml_type: int, k: int) -> int:
@@ -285,9 +288,9 @@ class BlockWeight:
 
     def matmul_into(self, m: int, x: int, ldx: int, out: int, ldo: int, beta: float = 0.0, tiles: bool = False) -> None:
         """out[i, :] = x[i, :] @ W^T (+ beta * out) for i < m, on raw float32 addresses (row
-        strides in elements), by ggml's vec_dot or (``tiles``) the prompt path: ggml's repacked
-        GEMM or mul_mat where the weight has one, the shim's own GEMM for its types
-        (``gemm_kernels``), else float32 tiles and the BLAS. What the CPU decode runtime calls,
+        strides in elements), by ggml's vec_dot or the shim's own kernel, or (``tiles``) the prompt
+        path: ggml's repacked GEMM or mul_mat where the weight has one, the shim's lane kernels
+        where they take prompts (``lane_prompts``), else float32 tiles and the BLAS. What the CPU decode runtime calls,
         ~7 times a layer."""
         if self.repacked is not None:
             self.repacked.matmul_into(m, x, ldx, out, ldo, beta, per_row=not tiles)

@@ -58,8 +58,8 @@ REPACKED_TYPES = frozenset({T.Q4_0, T.Q4_K, T.IQ4_NL, T.MXFP4})
 # multiplies them by their vec_dot over Q8_K rows, 1.8-2.7x the tiles (whose expansion is
 # ggml's scalar to_float). The rest keep the tiles and the BLAS: ggml's path (llamafile's GEMM
 # for Q5_0, vec_dot for Q4_1) measured 0.44-1.0x of them (scripts/bench_prompt_products.py,
-# docs/benchmarks/quantized.md). Q8_0 takes the shim's own GEMM instead where it has one
-# (``mlxcel_gemm_kernel``, AVX-512 VNNI; prompt_product).
+# docs/benchmarks/quantized.md). Q8_0 takes the shim's own lane kernel instead where it has one
+# (``BlockLibrary.lane_prompts``, AVX-512 VNNI; prompt_product).
 PROMPT_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0,
                           T.IQ4_XS, T.IQ3_S, T.IQ3_XXS, T.IQ2_S, T.IQ2_XS, T.IQ2_XXS, T.IQ1_M, T.IQ1_S})
 PROMPT_GGML_MIN = (0, 25)  # the first ggml with the tiled kernels
@@ -167,11 +167,12 @@ def prompt_product(weight: Any, mapped: np.ndarray | None = None, offset: int = 
     """Give ``weight`` (a linear layer's BlockWeight, not repacked) ggml's mul_mat for its prompt
     chunks where that is faster than float32 tiles (``PROMPT_TYPES``, with a ggml that has
     them: ``PROMPT_GGML_MIN``). A weight whose rows are read permuted is first copied into the
-    model's order (the file's pages of it dropped, as repacking does). Not where the shim has its
-    own GEMM for the type (``BlockLibrary.gemm_kernels``: Q8_0, faster than ggml's). Whether it was."""
+    model's order (the file's pages of it dropped, as repacking does). Not where the shim's own
+    lane kernel takes the type's prompt chunks (``BlockLibrary.lane_prompts``: Q8_0, 2x ggml's
+    mul_mat). Whether it was."""
     lib = library()
     if (isinstance(lib, str) or not takes_prompt_products(weight.ggml_type) or weight.group_bias is not None
-            or weight.repacked is not None or int(weight.ggml_type) in weight.lib.gemm_kernels):
+            or weight.repacked is not None or int(weight.ggml_type) in weight.lib.lane_prompts):
         return False
     weight.reorder(mapped, offset)
     handle = lib.plain_new(int(weight.ggml_type), weight.data.ctypes.data, weight.n, weight.k)

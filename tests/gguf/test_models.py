@@ -48,7 +48,7 @@ DIRECTORY_TYPES = tuple(TOLERANCE)
 # these types, F16 for F16): their logits differ from float32 math on the same weights by this
 # much at most on the tiny models, whose logits span about +-1.5 (measured: 0.11 and 0.004).
 DECODE_TOLERANCE = {"f32": 0.0, "f16": 0.01, "q8_0": 0.25, "q4_0": 0.25}
-# A whole prompt with 8-bit activations (Q8_0's prompt GEMM, Q4_0's repacked GEMM): the
+# A whole prompt with 8-bit activations (Q8_0's lanes, Q4_0's repacked GEMM): the
 # rounding of every position's activations compounds over the prompt's layers; measured on the
 # tiny models: q8_0 0.09-0.10 (lfm2 0.31), q4_0 0.10-0.15 (lfm2 0.24); float32 tiles 1e-4.
 PROMPT_8BIT_TOLERANCE = {"q8_0": 0.4, "q4_0": 0.4}
@@ -129,12 +129,12 @@ def test_gguf_equals_hf_directory(family: str, gguf_type: str, hf_models: dict[s
     got = model(mx.array([ids]))
     diff = mx.abs(got - expected).max().item()
     # A weight ggml repacks (Q4_0 here, ggml_repack.py) or multiplies by its own mul_mat (Q8_0
-    # here: ggml_repack.PROMPT_TYPES), or the shim's own GEMM (Q8_0 with AVX-512 VNNI), computes
-    # prompts with 8-bit activations, as decode steps do (llama.cpp's arithmetic); the others
-    # expand float32 tiles for prompts.
+    # here: ggml_repack.PROMPT_TYPES), or whose prompts the shim's lanes take (Q8_0 with AVX-512
+    # VNNI), computes prompts with 8-bit activations, as decode steps do (llama.cpp's arithmetic);
+    # the others expand float32 tiles for prompts.
     lib = library()
-    own_gemm = gguf_type in GGML and not isinstance(lib, str) and int(GGML[gguf_type]) in lib.gemm_kernels
-    eight_bit = summary.repacked or any(summary.prompt_products.values()) or own_gemm
+    lanes = gguf_type in GGML and not isinstance(lib, str) and int(GGML[gguf_type]) in lib.lane_prompts
+    eight_bit = summary.repacked or any(summary.prompt_products.values()) or lanes
     prompt_tolerance = PROMPT_8BIT_TOLERANCE[gguf_type] if eight_bit else TOLERANCE[gguf_type]
     print(f"{family} {gguf_type}: prompt logits within {diff:.3g} of float32 math")
     assert diff <= prompt_tolerance, (family, gguf_type, diff)

@@ -23,7 +23,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from mlxcel_compat.runtime import ggml_cpu
-from mlxcel_compat.runtime.block_weight import BlockWeight, library
+from mlxcel_compat.runtime.block_weight import SPLIT_TYPE_BASE, BlockWeight, library
 from tests.gguf.test_quants import I_QUANTS, QUANTIZED_TYPES, random_blocks
 
 LIB = library()
@@ -88,15 +88,13 @@ def test_products_by_tiles_and_by_vec_dot(qtype: T) -> None:
 
     bound = activation_error(qtype, x).astype(np.float64) @ np.abs(w).T.astype(np.float64)
     tiles = weight.matmul(x, tiles=True)
-    if qtype in LIB.gemm_kernels:  # the shim's own GEMM: activations quantized, as vec_dot's
-        assert np.all(np.abs(tiles - exact) <= 1.02 * bound + 1e-5 * scale + 1e-6)
-        assert np.abs(tiles - exact).max() > 1e-5 * scale.max()
-    else:
-        assert np.all(np.abs(tiles - exact) <= 1e-5 * scale + 1e-6)
-
     by_dot = weight.matmul(x, tiles=False)
     assert np.all(np.abs(by_dot - exact) <= 1.02 * bound + 1e-5 * scale + 1e-6)
     assert np.abs(by_dot - exact).max() > 1e-5 * scale.max()  # the activations really were quantized
+    if int(qtype) in LIB.lane_prompts:  # the shim's lanes take prompt chunks as decode rows
+        np.testing.assert_array_equal(tiles, by_dot)
+    else:
+        assert np.all(np.abs(tiles - exact) <= 1e-5 * scale + 1e-6)
 
 
 @pytest.mark.parametrize("tiles", [False, True], ids=["vec_dot", "tiles"])
@@ -351,77 +349,60 @@ def test_split_rows_give_ggml_s_products(qtype: T, n: int, k: int) -> None:
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     for i in (0, 5, 10):
         np.testing.assert_array_equal(split.matmul(x[i:i + 1], tiles=False)[0], got[i])
-    if qtype not in LIB.split_gemm_kernels:
+    if SPLIT_TYPE_BASE + int(qtype) not in LIB.lane_prompts:
         np.testing.assert_array_equal(split.matmul(x, tiles=True), plain.matmul(x, tiles=True))
 
 
-@pytest.mark.skipif(isinstance(LIB, str) or not LIB.split_gemm_kernels,
-                    reason="the shim has no split rows' GEMM on this CPU (AVX-512 VNNI)")
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_0, T.Q5_1], ids=lambda t: t.name)
+LANE_PROMPT_CASES = [(T.Q8_0, False), (T.Q4_1, True), (T.Q5_0, True), (T.Q5_1, True), (T.MXFP4, True)]
+
+
+@pytest.mark.parametrize("qtype,split", LANE_PROMPT_CASES, ids=lambda c: getattr(c, "name", "split" if c else "plain"))
 @pytest.mark.parametrize("n,k", [(301, 896), (7, 96), (64, 640)])
-def test_split_gemm_agrees_with_ggml_s_vec_dot(qtype: T, n: int, k: int) -> None:
-    """Prompt chunks of a split Q4_1/Q5_0/Q5_1 weight take the shim's 8-bit-activation GEMM
-    (split_gemm.c), as llama-server's prompts do: the activations quantized by ggml's from_float
-    (Q8_0 or Q8_1), the same integer sums as ggml's vec_dot over the original blocks, the block
-    terms added in another order (agreeing to float32 rounding of the sum), so it is checked
-    against ggml's vec_dot and not against float32 math (which differs by the activations'
-    rounding). Weight-row counts that leave a short last panel of 8, rows of 3 blocks (a lone last
-    block), 20 and 28 (a group's remainder), an odd number of activation rows and accumulation
-    (beta); each row's result is bit for bit the same whatever rows share the call."""
+def test_prompt_chunks_take_the_lanes(qtype: T, split: bool, n: int, k: int) -> None:
+    """Prompt chunks (tiles=True) of a Q8_0 weight and of split Q4_1/Q5_0/Q5_1/MXFP4 rows take the
+    shim's lane kernels, as decode rows do (block_matmul.c: mlxcel_lanes_take_prompts): bit for
+    bit the decode rows' results, so a prompt's rows and a step's agree exactly. Their activations
+    are quantized by ggml's from_float (Q8_0, Q8_1), as llama-server's prompts are: the same
+    integer sums as ggml's vec_dot over the original blocks, the block terms added in another
+    order (float32 rounding of the sum), and further from float32 math, by the activations'
+    rounding. 37 activation rows: three passes of 16, quantized over the pool (32 and more).
+    Weight-row counts that leave a short last band of 16, rows of 3 blocks, a permuted Q8_0
+    weight, accumulation (beta); each row's result is the same whatever rows share the call."""
     from mlxcel_compat.runtime.block_weight import split_rows
 
+    code = SPLIT_TYPE_BASE + int(qtype) if split else int(qtype)
+    if isinstance(LIB, str) or code not in LIB.lane_prompts:
+        pytest.skip(f"no {qtype.name} lane kernel on this CPU (AVX-512 VNNI)")
     raw = raw_weight(qtype, n, k, seed=31)
     plain = BlockWeight(raw, qtype, n, k, LIB)
-    split = BlockWeight(raw.copy(), qtype, n, k, LIB)
-    assert split_rows(split)
+    weight = BlockWeight(raw.copy(), qtype, n, k, LIB)
+    assert split_rows(weight) == split
     x = np.random.default_rng(32).standard_normal((37, k)).astype(np.float32)
-    gemm = split.matmul(x, tiles=True)
-    want = plain.matmul(x, tiles=False)  # ggml's vec_dot on the original blocks
-    scale = np.abs(x).astype(np.float64) @ np.abs(reference(qtype, raw)).T.astype(np.float64)
-    assert np.all(np.abs(gemm - want) <= 2e-6 * scale)
-    float32 = x @ reference(qtype, raw).T  # the float32 tiles' math: further off, by the activations' rounding
-    bound = np.abs(reference(qtype, raw)).astype(np.float64) @ activation_error(qtype, x).T.astype(np.float64)
-    assert np.all(np.abs(gemm - float32) <= bound.T + 1e-5 * scale)
-    assert np.abs(gemm - float32).max() > 10 * np.abs(gemm - want).max()  # really 8-bit activations
+    prompt = weight.matmul(x, tiles=True)
+    np.testing.assert_array_equal(prompt, weight.matmul(x, tiles=False))
+    kind = LIB.block_type(qtype)
+    kind.own_kernel = -1  # ggml's vec_dot on the original blocks, as MLXCEL_OWN_KERNELS=0 gives
+    try:
+        by_ggml = plain.matmul(x, tiles=False)
+    finally:
+        kind.own_kernel = int(qtype) if int(qtype) in LIB.own_kernels else -1
+    w = reference(qtype, raw)
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64)
+    assert np.all(np.abs(prompt - by_ggml) <= 2e-6 * scale)
+    float32 = x @ w.T
+    bound = np.abs(w).astype(np.float64) @ activation_error(qtype, x).T.astype(np.float64)
+    assert np.all(np.abs(prompt - float32) <= bound.T + 1e-5 * scale)
+    assert np.abs(prompt - float32).max() > 10 * np.abs(prompt - by_ggml).max()  # really 8-bit activations
     for rows in ([0], [1, 2], [36], [3, 4, 5], list(range(10, 37))):
-        np.testing.assert_array_equal(split.matmul(x[rows], tiles=True), gemm[rows])
+        np.testing.assert_array_equal(weight.matmul(x[rows], tiles=True), prompt[rows])
+    if not split:
+        order = np.random.default_rng(25).permutation(n).astype(np.int32)
+        permuted = BlockWeight(raw, qtype, n, k, LIB, rows=order)
+        np.testing.assert_array_equal(permuted.matmul(x, tiles=True), prompt[:, order])
     start = np.random.default_rng(33).standard_normal((37, n)).astype(np.float32)
     out = start.copy()
-    split.matmul(x, out=out, beta=1.0, tiles=True)
-    np.testing.assert_allclose(out, start + gemm, rtol=1e-6, atol=1e-5)
-
-
-@pytest.mark.skipif(isinstance(LIB, str) or T.Q8_0 not in LIB.gemm_kernels, reason="the shim has no own GEMM on this CPU (AVX-512 VNNI)")
-@pytest.mark.parametrize("n,k", [(301, 768), (8, 96), (1024, 2048)])
-def test_own_q8_0_gemm_agrees_with_ggml_s_vec_dot(n: int, k: int) -> None:
-    """Prompt chunks of a Q8_0 weight take the shim's own GEMM (mlxcel_gemm_kernel): the activations quantized by
-    ggml's from_float as vec_dot's are, the same integer products as ggml's vec_dot, added in
-    another order (agreeing to float32 rounding of the sum). Weight-row counts that leave a short
-    last panel of 8, a row of three blocks (a lone last block), an odd number of activation rows
-    (the last one alone), permuted rows and accumulation (beta); each row's result is bit for bit
-    the same whatever rows share the call."""
-    raw = raw_weight(T.Q8_0, n, k, seed=23)
-    weight = BlockWeight(raw, T.Q8_0, n, k, LIB)
-    x = np.random.default_rng(24).standard_normal((37, k)).astype(np.float32)
-    gemm = weight.matmul(x, tiles=True)
-    kind = LIB.block_type(T.Q8_0)
-    kind.own_kernel = -1  # ggml's vec_dot (and float32 tiles), as MLXCEL_OWN_KERNELS=0 gives
-    try:
-        by_ggml = weight.matmul(x, tiles=False)
-    finally:
-        kind.own_kernel = int(T.Q8_0)
-    scale = np.abs(x).astype(np.float64) @ np.abs(reference(T.Q8_0, raw)).T.astype(np.float64)
-    assert np.all(np.abs(gemm - by_ggml) <= 1e-6 * scale)
-    assert not np.array_equal(gemm, by_ggml)  # really another kernel
-    for rows in ([0], [1, 2], [36], [3, 4, 5], list(range(10, 37))):
-        np.testing.assert_array_equal(weight.matmul(x[rows], tiles=True), gemm[rows])
-    order = np.random.default_rng(25).permutation(n).astype(np.int32)
-    permuted = BlockWeight(raw, T.Q8_0, n, k, LIB, rows=order)
-    np.testing.assert_array_equal(permuted.matmul(x, tiles=True), gemm[:, order])
-    start = np.random.default_rng(26).standard_normal((37, n)).astype(np.float32)
-    out = start.copy()
     weight.matmul(x, out=out, beta=1.0, tiles=True)
-    np.testing.assert_allclose(out, start + gemm, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(out, start + prompt, rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.skipif(isinstance(LIB, str) or not (LIB.own_kernels or LIB.split_kinds), reason="no own kernels on this CPU")

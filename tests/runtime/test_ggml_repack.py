@@ -191,10 +191,11 @@ PROMPT = pytest.mark.skipif(not ggml_repack.takes_prompt_products(T.Q4_K),
 
 
 def _prompt(ggml_type: int, n: int, k: int, seed: int = 0, rows: np.ndarray | None = None):
-    """A weight whose prompt chunks take ggml's mul_mat, or for Q8_0 where the shim has its own
-    GEMM (mlxcel_gemm_kernel), that one: what a served model's prompts run, checked the same way."""
+    """A weight whose prompt chunks take ggml's mul_mat, or for Q8_0 where the shim's lanes take
+    its prompts (``BlockLibrary.lane_prompts``), those: what a served model's prompts run,
+    checked the same way."""
     blocks, weight = _weight(ggml_type, n, k, seed=seed, rows=rows)
-    assert ggml_repack.prompt_product(weight) != (ggml_type in LIB.gemm_kernels)
+    assert ggml_repack.prompt_product(weight) != (ggml_type in LIB.lane_prompts)
     return blocks, weight
 
 

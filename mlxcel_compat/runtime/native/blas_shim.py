@@ -37,8 +37,7 @@ SOURCE = Path(__file__).with_name("blas_shim.c")
 # block-format products (``block_matmul.c``, ggml's kernels called from the shim's threads, and this
 # project's own: ``quant_rows.c`` for Q8_0 decode rows and the look-ups, ``k_quant_rows.c`` for the
 # K-quants' decode rows and their Q8_K activations, ``split_rows.c`` for the split
-# Q4_1/Q5_x rows, ``mxfp4_rows.c`` for the split MXFP4 rows, ``q8_0_gemm.c`` for Q8_0 prompt chunks, ``split_gemm.c`` for the split rows' prompt
-# chunks, ``dequantize.c``), the decode runtime's
+# Q4_1/Q5_x rows, ``mxfp4_rows.c`` for the split MXFP4 rows, ``dequantize.c``), the decode runtime's
 # layer loop (``decode_pass.c``), its mixture-of-experts layers (``moe_layer.c``) and the hybrids'
 # delta-net layers (``delta_net.c``), the Mamba-2 layers (``mamba2.c``), LFM2's short convolutions
 # (``short_conv.c``), Gemma 4's pass (``gemma4_pass.c``), DeepSeek's latent attention
@@ -48,7 +47,7 @@ SOURCE = Path(__file__).with_name("blas_shim.c")
 # ~1 s each).
 SOURCES = tuple(SOURCE.with_name(name) for name in (
     "split_rows.c", "k_quant_rows.c", "attention.c", "blas_shim.c", "thread_pool.c", "elementwise.c", "block_matmul.c",
-    "quant_rows.c", "mxfp4_rows.c", "q8_0_gemm.c", "split_gemm.c", "dequantize.c", "decode_pass.c", "moe_layer.c",
+    "quant_rows.c", "mxfp4_rows.c", "dequantize.c", "decode_pass.c", "moe_layer.c",
     "delta_net.c", "mamba2.c", "short_conv.c", "gemma4_pass.c", "mla_attention.c", "expert_f32.c", "row_layouts.c"))
 HEADERS = tuple(SOURCE.with_name(name) for name in (
     "blas_shim.h", "thread_pool.h", "vector_math.h", "small_m_kernel.h", "decode_kernels.h", "quant_blocks.h",

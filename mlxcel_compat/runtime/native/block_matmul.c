@@ -10,13 +10,15 @@
  *     weight type's vec_dot_type (Q8_0, Q8_1, Q8_K, F16 or BF16, as llama.cpp does), then every
  *     output is one vec_dot of a weight row with it; a weight row is read once for all the rows
  *     (it stays in L1 meanwhile), and the weight rows are spread over the shim's thread pool;
- *   - many rows (prompt chunks): the weight is expanded TILE_VALUES values at a time into one
- *     reused float32 buffer (to_float, rows spread over the pool) and multiplied by the BLAS's
- *     own sgemm, so a prompt chunk runs at the BLAS's float32 speed with no float32 copy of the
- *     weight kept; where q8_0_gemm.c or split_gemm.c has a GEMM for the type (Q8_0, and Q4_1,
- *     Q5_0 and Q5_1 rows split at load, with AVX-512 VNNI), the
- *     chunk's rows are quantized to vec_dot_type instead (as llama.cpp's prompts are) and
- *     multiplied by it, no float32 tile at all.
+ *   - many rows (prompt chunks): where the type has a lane kernel of this library's (Q8_0; Q4_1,
+ *     Q5_0, Q5_1 and MXFP4 rows split at load; Q4_K and Q6_K rows grouped at load: see
+ *     mlxcel_lanes_take_prompts), the chunk's rows take it as a decode step's rows do, 16 at a
+ *     time against each band of 16 weight rows kept in L1: activations quantized to
+ *     vec_dot_type, as llama.cpp's prompts are, and every row's result the same bits as a
+ *     step's. Otherwise the weight is expanded TILE_VALUES values at a time into one reused
+ *     float32 buffer (to_float, rows spread over the pool) and multiplied by the BLAS's own
+ *     sgemm, so a prompt chunk runs at the BLAS's float32 speed with no float32 copy of the
+ *     weight kept.
  *
  * Row r of the product may be a permuted row of the stored weight (`rows`): llama.cpp stores the
  * query and key rows of llama models permuted for its RoPE, and the model wants them un-permuted;
@@ -47,14 +49,6 @@ typedef void (*rows_fn)(int k, const void *w, size_t row_bytes, int n, const voi
                         float *out, size_t ldo);
 rows_fn mlxcel_rows_kernel(int ggml_type);
 
-/* A prompt chunk times weight rows [r0, r1) by this library's own GEMM (q8_0_gemm.c, handed out by
- * quant_rows.c), the activations in the weight type's vec_dot_type. */
-typedef void (*gemm_fn)(int k, const unsigned char *data, size_t row_bytes, const int32_t *rows, int r0, int r1,
-                        const void *act, size_t act_bytes, int m, float *c, size_t ldc, float beta);
-gemm_fn mlxcel_gemm_kernel(int ggml_type);
-gemm_fn mlxcel_split_gemm_kernel(int split_type); /* split_gemm.c: Q4_1, Q5_0, Q5_1 rows split at load */
-#define GEMM_BAND 8 /* weight rows: a part's band is a multiple of the GEMM's panel (GEMM_ROWS) */
-
 /* One block type's kernels (filled by ggml_cpu.py from ggml's type traits). */
 struct mlxcel_block_type {
     vec_dot_fn vec_dot;     /* one weight row . one activation row in vec_dot_type */
@@ -74,7 +68,7 @@ struct mlxcel_block_weight {
     const float *group_bias;  /* NULL, or n x (k / bias_group) biases, one per group of inputs */
     int bias_group;
     int n, k;
-    int float_prompts; /* prompt chunks by float32 tiles even where an 8-bit-activation GEMM has the
+    int float_prompts; /* prompt chunks by float32 tiles even where the lanes take the
                           type: MLX affine weights held as blocks promise MLX's float32 result */
 };
 
@@ -189,6 +183,36 @@ static void vec_dot_part(const void *ctx, int p) {
 
 static __thread struct mlxcel_scratch shared_act_scratch[SHARED_MAX], shared_sums_scratch[SHARED_MAX];
 
+/* Activation rows quantized to a weight's vec_dot_type, rows spread over the pool: a prompt
+ * chunk's hundreds of rows (a decode step's few are quantized on the calling thread). */
+#define QUANTIZE_PARALLEL_ROWS 32
+
+struct quantize_job {
+    const struct mlxcel_block_weight *w;
+    const float *x;
+    long ldx;
+    unsigned char *act;
+    size_t act_bytes;
+    int m, parts;
+};
+
+static void quantize_part(const void *ctx, int p) {
+    const struct quantize_job *j = ctx;
+    int per = (j->m + j->parts - 1) / j->parts;
+    for (int i = p * per; i < j->m && i < (p + 1) * per; i++)
+        j->w->type->quantize(j->x + (size_t)i * j->ldx, j->act + (size_t)i * j->act_bytes, j->w->k);
+}
+
+static void quantize_rows(const struct mlxcel_block_weight *w, int m, const float *x, long ldx, unsigned char *act,
+                          size_t act_bytes) {
+    if (m < QUANTIZE_PARALLEL_ROWS) {
+        for (int i = 0; i < m; i++) w->type->quantize(x + (size_t)i * ldx, act + (size_t)i * act_bytes, w->k);
+        return;
+    }
+    struct quantize_job j = {w, x, ldx, act, act_bytes, m, parts_for(m)};
+    mlxcel_parallel(j.parts, quantize_part, &j);
+}
+
 /* c[i] = x W[i]^T (+ beta c[i]) for `count` weights of k inputs each. */
 static void by_vec_dot(int count, const struct mlxcel_block_weight *const *ws, int m, const float *x, long ldx,
                        float *const *cs, const long *ldcs, float beta) {
@@ -207,7 +231,7 @@ static void by_vec_dot(int count, const struct mlxcel_block_weight *const *ws, i
             if (ws[u]->type->quantize == w->type->quantize && ws[u]->k == w->k) target->act = j.t[u].act;
         if (!target->act) {
             unsigned char *act = mlxcel_scratch(&shared_act_scratch[t], target->act_bytes * (size_t)m);
-            for (int i = 0; i < m; i++) w->type->quantize(x + (size_t)i * ldx, act + (size_t)i * target->act_bytes, w->k);
+            quantize_rows(w, m, x, ldx, act, target->act_bytes);
             target->act = act;
         }
         if (w->group_bias) {
@@ -270,65 +294,37 @@ static void by_tiles(const struct mlxcel_block_weight *w, int m, const float *x,
     }
 }
 
-/* A prompt chunk by the type's own GEMM: the activation rows quantized as vec_dot's (rows spread
- * over the pool), then bands of weight rows spread over it, each band meeting every row. */
-struct gemm_job {
-    const struct mlxcel_block_weight *w;
-    gemm_fn gemm;
-    const float *x;
-    long ldx;
-    unsigned char *act;
-    size_t act_bytes;
-    int m, parts, bands;
-    float *c;
-    long ldc;
-    float beta;
-};
-
-static void quantize_part(const void *ctx, int p) {
-    const struct gemm_job *j = ctx;
-    int per = (j->m + j->parts - 1) / j->parts;
-    for (int i = p * per; i < j->m && i < (p + 1) * per; i++)
-        j->w->type->quantize(j->x + (size_t)i * j->ldx, j->act + (size_t)i * j->act_bytes, j->w->k);
-}
-
-static void gemm_part(const void *ctx, int p) {
-    const struct gemm_job *j = ctx;
-    const struct mlxcel_block_weight *w = j->w;
-    int per = (j->bands + j->parts - 1) / j->parts;
-    int r0 = p * per * GEMM_BAND, r1 = (p + 1) * per * GEMM_BAND;
-    if (r1 > w->n) r1 = w->n;
-    if (r0 < r1) j->gemm(w->k, w->data, (size_t)w->row_bytes, w->rows, r0, r1, j->act, j->act_bytes, j->m, j->c, (size_t)j->ldc, j->beta);
-}
-
-static __thread struct mlxcel_scratch gemm_act_scratch;
-
-static void by_gemm(const struct mlxcel_block_weight *w, gemm_fn gemm, int m, const float *x, long ldx, float *c,
-                    long ldc, float beta) {
-    struct gemm_job j = {w, gemm, x, ldx, NULL, 0, m, 1, (w->n + GEMM_BAND - 1) / GEMM_BAND, c, ldc, beta};
-    j.act_bytes = (size_t)(w->k / w->type->act_block) * (size_t)w->type->act_block_bytes;
-    j.act = mlxcel_scratch(&gemm_act_scratch, j.act_bytes * (size_t)m);
-    j.parts = parts_for(m);
-    mlxcel_parallel(j.parts, quantize_part, &j);
-    j.parts = parts_for(j.bands);
-    mlxcel_parallel(j.parts, gemm_part, &j);
-}
-
 /* ------------------------------------------------------------------------------ interface */
 
+/* Whether prompt chunks of a weight whose own rows kernel is `own_kernel` (a ggml type, or a split
+ * or grouped code) take that kernel, as decode rows do, instead of float32 tiles: the lane
+ * kernels, which take 16 activation rows a pass with each weight block unpacked once for all of
+ * them. Measured against the float32 tiles and the GEMMs they replaced (this library's own
+ * 8-bit-activation GEMMs for Q8_0 and the split types, until 2026-12-07): 1.8-2.2x faster on
+ * 512-row chunks of 2048 x 640 to 11008 x 4096 weights, MXFP4 3x the tiles
+ * (docs/benchmarks/quantized.md). The row-by-row kernels over rows stored apart (Q4_K and Q6_K
+ * not grouped) keep ggml's mul_mat or the tiles. */
+int mlxcel_lanes_take_prompts(int own_kernel) {
+    return own_kernel == TYPE_Q8_0 || IS_GROUPED_TYPE(own_kernel) ||
+           (own_kernel >= SPLIT_TYPE_BASE && own_kernel < GROUPED_TYPE_BASE);
+}
+
+/* Whether w's prompt chunks take its lane kernel: not MLX affine weights held as blocks, whose
+ * group biases and promise of MLX's float32 result keep the tiles. */
+int mlxcel_block_prompt_lanes(const struct mlxcel_block_weight *w) {
+    return w->type->own_kernel >= 0 && !w->group_bias && !w->float_prompts &&
+           mlxcel_lanes_take_prompts(w->type->own_kernel);
+}
+
 /* c[i, r] = x[i, :] . W[r, :] (+ beta * c[i, r]) for i < m, r < n: the (m, k) activations by the
- * weight's (n, k) rows, x and c row-major with leading dimensions ldx and ldc; by vec_dot, or by
- * float32 tiles and the BLAS if `tiles` (the caller decides: a row's result must not depend on
- * how many rows share the call, so a prompt chunk and a decode step each always take one path). */
+ * weight's (n, k) rows, x and c row-major with leading dimensions ldx and ldc; by vec_dot or the
+ * type's own kernel, or if `tiles` (a prompt chunk) by float32 tiles and the BLAS where the lanes
+ * do not take prompts. The caller decides: a row's result must not depend on how many rows share
+ * the call, so a prompt chunk and a decode step each always take one path. */
 void mlxcel_block_matmul(const struct mlxcel_block_weight *w, int m, const float *x, long ldx, float *c, long ldc,
                          float beta, int tiles) {
     if (m <= 0) return;
-    gemm_fn gemm = tiles && w->type->own_kernel >= 0 && !w->group_bias ? mlxcel_gemm_kernel(w->type->own_kernel) : NULL;
-    if (tiles && !gemm && w->type->own_kernel >= 0 && !w->group_bias && !w->float_prompts)
-        gemm = mlxcel_split_gemm_kernel(w->type->own_kernel);
-    if (gemm) by_gemm(w, gemm, m, x, ldx, c, ldc, beta);
-    else if (tiles && !IS_GROUPED_TYPE(w->type->own_kernel)) by_tiles(w, m, x, ldx, c, ldc, beta); /* grouped rows: no
-        row of their own to expand; the lanes take any count of rows */
+    if (tiles && !mlxcel_block_prompt_lanes(w)) by_tiles(w, m, x, ldx, c, ldc, beta);
     else by_vec_dot(1, &w, m, x, ldx, &c, &ldc, beta);
 }
 

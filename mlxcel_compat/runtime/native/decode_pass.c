@@ -187,11 +187,13 @@ static void product(const struct mlxcel_linear *l, int m, const float *x, float 
 }
 
 /* outs[t] = x W_t^T for `count` layers of the same input (q, k, v; gate, up): weights in ggml's
- * blocks on the decode path go through one shared job (the same numbers as one by one). */
+ * blocks on the decode path, or a prompt chunk's whose lanes take prompts, go through one shared
+ * job (the same numbers as one by one; the activations quantized once). */
 static void products(int count, const struct mlxcel_linear *const *ls, int m, const float *x, float *const *outs,
                      int tiles, const double *scales, int n_adapters) {
-    int shared = !tiles;
-    for (int t = 0; t < count; t++) shared &= ls[t]->blocks && !ls[t]->repacked;
+    int shared = 1;
+    for (int t = 0; t < count; t++)
+        shared &= ls[t]->blocks && !ls[t]->repacked && (!tiles || (!ls[t]->prompt && mlxcel_block_prompt_lanes(ls[t]->blocks)));
     if (!shared) {
         for (int t = 0; t < count; t++) product(ls[t], m, x, outs[t], 0.0f, tiles, scales, n_adapters);
         return;

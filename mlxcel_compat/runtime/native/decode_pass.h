@@ -14,6 +14,7 @@ void mlxcel_block_matmul(const struct mlxcel_block_weight *w, int m, const float
                          float beta, int tiles);
 void mlxcel_block_matmul_shared(int count, const struct mlxcel_block_weight *const *ws, int m, const float *x,
                                 long ldx, float *const *cs, const long *ldcs, float beta);
+int mlxcel_block_prompt_lanes(const struct mlxcel_block_weight *w);
 int mlxcel_expert_matmul_shared(int count, const struct mlxcel_block_weight *const *ws, int rows, int groups,
                                 const int32_t *expert, const int32_t *start, const int32_t *source, int n_x,
                                 const float *x, long ldx, float *const *cs, long ldc);

@@ -1,5 +1,5 @@
 /* What the kernels of weights in ggml's blocks share (quant_rows.c: the decode rows and which
- * kernel serves which type; split_rows.c; q8_0_gemm.c; dequantize.c): the signatures block_matmul.c
+ * kernel serves which type; split_rows.c; k_quant_rows.c; dequantize.c): the signatures block_matmul.c
  * calls them by, ggml's type numbers, the block layouts and the vector helpers more than one of
  * them uses (static inline: each source inlines them as the single file they came from did), and
  * the kernels that quant_rows.c's look-ups hand out from the other files. */
@@ -14,9 +14,6 @@ typedef void (*mlxcel_rows_fn)(int k, const void *w, size_t row_bytes, int n, co
                                float *out, size_t ldo);
 
 typedef void (*mlxcel_quantize_fn)(const float *x, void *y, int64_t k);
-
-typedef void (*mlxcel_gemm_fn)(int k, const unsigned char *data, size_t row_bytes, const int32_t *rows, int r0, int r1,
-                               const void *act, size_t act_bytes, int m, float *c, size_t ldc, float beta);
 
 typedef void (*mlxcel_dequantize_fn)(const void *x, float *y, int64_t k);
 
@@ -84,7 +81,7 @@ static inline __attribute__((always_inline)) void rows16_dwords(const uint8_t *c
 }
 
 #if defined(__AVX512VNNI__)
-/* A Q8_0 block: 32 int8 values and a float16 factor (quant_rows.c's decode rows, q8_0_gemm.c). */
+/* A Q8_0 block: 32 int8 values and a float16 factor (quant_rows.c's decode rows). */
 struct q8_0_block {
     uint16_t d;
     int8_t qs[32];
@@ -125,8 +122,6 @@ void rows_mxfp4_split(int k, const void *w, size_t row_bytes, int n, const void 
 void dequantize_mxfp4_split(const void *x, float *y, int64_t k);
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-void gemm_q8_0(int k, const unsigned char *data, size_t row_bytes, const int32_t *rows, int r0, int r1,
-               const void *act, size_t act_bytes, int m, float *c, size_t ldc, float beta);
 void rows_q4_1_split(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
                      float *out, size_t ldo);
 void rows_q5_0_split(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,

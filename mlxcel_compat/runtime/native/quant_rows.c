@@ -23,9 +23,9 @@
  * experts) likewise (exponents ahead of codes: mxfp4_rows.c). ggml's vec_dot serves the other
  * types, and every type on a CPU without AVX-512 VNNI (mlxcel_rows_kernel returns NULL). The library
  * also expands Q4_0-Q5_1 blocks to float32 (mlxcel_dequantizer: dequantize.c, split_rows.c),
- * ggml's being scalar code, and multiplies Q8_0 prompt chunks by its own int8 GEMM
- * (mlxcel_gemm_kernel: q8_0_gemm.c). This file holds the Q8_0 decode kernel and the look-ups that
- * hand out every kernel of these files.
+ * ggml's being scalar code. The lane kernels take prompt chunks too (block_matmul.c:
+ * mlxcel_lanes_take_prompts). This file holds the Q8_0 decode kernel and the look-ups that hand
+ * out every kernel of these files.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -207,16 +207,6 @@ mlxcel_dequantize_fn mlxcel_dequantizer(int ggml_type) {
     }
 }
 
-/* This library's product of a prompt chunk with weights of the type (activations in the type's
- * vec_dot_type), or NULL (float32 tiles and the BLAS, or ggml's mul_mat). */
-mlxcel_gemm_fn mlxcel_gemm_kernel(int ggml_type) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    if (ggml_type == TYPE_Q8_0) return gemm_q8_0;
-#endif
-    (void)ggml_type;
-    return NULL;
-}
-
 mlxcel_rows_fn mlxcel_rows_kernel(int ggml_type) {
     switch (ggml_type) {
 #if defined(__AVX512VNNI__)
@@ -247,11 +237,6 @@ mlxcel_dequantize_fn mlxcel_dequantizer(int ggml_type) {
 }
 
 mlxcel_rows_fn mlxcel_rows_kernel(int ggml_type) {
-    (void)ggml_type;
-    return NULL;
-}
-
-mlxcel_gemm_fn mlxcel_gemm_kernel(int ggml_type) {
     (void)ggml_type;
     return NULL;
 }
