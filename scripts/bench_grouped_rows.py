@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Q4_K and Q6_K weights with their rows grouped at load (``block_weight.group_rows``) against the
-same blocks stored apart: decode rows against the own kernel (the two-row path and the lanes over rows
-stored apart), and prompt chunks against ggml's ``mul_mat`` (what a weight stored apart takes).
+"""Weights with their rows grouped at load (``block_weight.group_rows``: Q4_K, Q6_K, Q8_0, Q4_1,
+Q5_0, Q5_1) against the same blocks stored apart (Q4_1, Q5_0 and Q5_1: split at load, as the
+loader served them before): decode rows against the own kernel (the two-row path and the lanes over
+rows stored apart), and prompt chunks against what a weight stored apart takes (ggml's ``mul_mat``
+for the K-quants, the lanes over rows stored apart or split for the others).
 
 Why: grouped, the lanes read 16 rows' super-blocks front to back with no transposes, and take
 every product of the weight; this measures what that gains, side by side, rounds alternating,
@@ -51,8 +53,11 @@ def main() -> int:
         k, n = (int(v) for v in shape.split("x"))
         blocks = kernels.quantize(int(qtype), rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k))
         apart = block_weight.BlockWeight(blocks.copy(), qtype, n, k, lib)
+        block_weight.split_rows(apart)  # the split types as served before grouping
         prompts = block_weight.BlockWeight(blocks.copy(), qtype, n, k, lib)
-        has_prompt = ggml_repack.prompt_product(prompts)
+        by_ggml = ggml_repack.prompt_product(prompts)
+        if not by_ggml:
+            prompts = apart
         grouped = block_weight.BlockWeight(blocks.copy(), qtype, n, k, lib)
         assert block_weight.group_rows(grouped)
         for rows in (int(r) for r in args.rows.split(",")):
@@ -61,11 +66,12 @@ def main() -> int:
             a = best_ms(lambda: apart.matmul(x, tiles=False), args.reps)
             g = best_ms(lambda: grouped.matmul(x, tiles=False), args.reps)
             print(f"| {qtype.name} | {shape} | {rows} | decode rows (own kernel) | {a:.3f} | {g:.3f} | {a / g:.2f}x |", flush=True)
-        for rows in (int(r) for r in args.prompt_rows.split(",")) if has_prompt else ():
+        for rows in (int(r) for r in args.prompt_rows.split(",")):
             x = rng.standard_normal((rows, k), dtype=np.float32)
             a = best_ms(lambda: prompts.matmul(x, tiles=True), args.reps)
             g = best_ms(lambda: grouped.matmul(x, tiles=True), args.reps)
-            print(f"| {qtype.name} | {shape} | {rows} | prompt chunk (ggml's mul_mat) | {a:.3f} | {g:.3f} | {a / g:.2f}x |", flush=True)
+            what = "ggml's mul_mat" if by_ggml else "the lanes over rows apart"
+            print(f"| {qtype.name} | {shape} | {rows} | prompt chunk ({what}) | {a:.3f} | {g:.3f} | {a / g:.2f}x |", flush=True)
     return 0
 
 

@@ -10,9 +10,11 @@ count, and prints medians (microseconds a product) and the ratio ggml / own (abo
 kernel is faster). Where ggml has a repacked layout for the type (Q4_K: llama-server's decode
 path, its 8-row GEMV), that runs too, one product per activation row as the runtime would call
 it, and its ratio to the own kernel is printed. Q4_1, Q5_0 and Q5_1 have own kernels over rows
-the loader rearranges (``block_weight.split_rows``): those run over a split copy, against ggml's
-vec_dot over the blocks as stored; Q4_K's own kernel runs over rows grouped as the loader groups
-them (``block_weight.group_rows``; ``scripts/bench_grouped_rows.py`` compares the two). So does MXFP4 (gpt-oss's experts), which ggml also repacks
+the loader rearranges: those run over the copy the loader serves a linear weight from (rows
+grouped, ``block_weight.group_rows``, where the weight is whole groups of 16 rows, else split,
+``block_weight.split_rows``), against ggml's vec_dot over the blocks as stored; Q4_K's, Q6_K's
+and Q8_0's own kernels run over rows grouped as the loader groups them
+(``scripts/bench_grouped_rows.py`` compares grouped rows with rows stored apart). So does MXFP4 (gpt-oss's experts), which ggml also repacks
 (llama-server's decode path): its repacked GEMV runs too; IQ4_NL has no own kernel: its repacked GEMV runs against vec_dot. Every shape runs
 on all of the shim's threads, as in a server (``--threads`` sets their count).
 
@@ -124,7 +126,7 @@ def main() -> int:
             blocks = kernels.quantize(ggml_type, values)
             plain = block_weight.BlockWeight(blocks, ggml_type, n, k, lib)  # ggml's vec_dot reads it
             weight = block_weight.BlockWeight(blocks.copy(), ggml_type, n, k, lib)
-            block_weight.group_rows(weight)  # as the loader serves Q4_K (no-op for the other types)
+            block_weight.group_rows(weight)  # as the loader serves a linear weight (Q4_K, Q6_K, Q8_0)
             packed = ggml_repack.repack(blocks, ggml_type, n, k) if ggml_type in ggml_repack.REPACKED_TYPES else None
             repacked = block_weight.BlockWeight(blocks, ggml_type, n, k, lib, repacked=packed) if packed else None
             one_row = None
@@ -257,7 +259,7 @@ def split_rows_against_ggml(lib, kernels, name: str, ggml_type: int, args: argpa
         blocks = kernels.quantize(ggml_type, values)
         plain = block_weight.BlockWeight(blocks, ggml_type, n, k, lib)
         split = block_weight.BlockWeight(blocks.copy(), ggml_type, n, k, lib)
-        block_weight.split_rows(split)
+        block_weight.group_rows(split) or block_weight.split_rows(split)  # as the loader serves a linear weight
         packed = ggml_repack.repack(blocks, ggml_type, n, k) if ggml_type in ggml_repack.REPACKED_TYPES else None
         ways = [("ggml", plain), ("own", split)]
         if packed:

@@ -476,7 +476,7 @@ def load_gguf(path: str, on_cpu: bool | None = None, progress: Progress | None =
                 input_order.order_inputs(model, mlx_name[: -len(".weight")], undo.columns)
             summary.precision[label] = summary.precision.get(label, 0) + 1
             summary.weight_bytes[label] = summary.weight_bytes.get(label, 0) + weight.nbytes
-            summary.kernels.setdefault(label, lib.describe(info.ggml_type, weight.split))
+            summary.kernels.setdefault(label, lib.describe(info.ggml_type, weight.split, weight.grouped))
             done += info.n_bytes
             if progress is not None:
                 progress(done, total)

@@ -45,16 +45,23 @@ SPLIT_FIELDS = {
 SPLIT_GROUP = 16  # blocks a group of a split row
 SPLIT_TYPES = tuple(SPLIT_FIELDS)
 SPLIT_TYPE_BASE = 1000
-# Types whose rows ``group_rows`` groups at load (16 rows' super-blocks side by side, a vector lane
-# a row: the lane kernels then read each group front to back, with no transposes): each type's
-# block bytes and its whole dwords (the bytes past them, Q6_K's d, go as the 16 rows' in turn:
-# after the dwords where the super-block starts a cache line, else ahead of them, so that no
-# vector straddles two lines), and the code (GROUPED_TYPE_BASE + the ggml type) that names the
-# grouped form there.
+# Types whose rows ``group_rows`` groups at load (16 rows' blocks side by side, a vector lane a
+# row: the lane kernels then read each group front to back, with no transposes): each type's
+# block bytes and its whole dwords (the other bytes, Q6_K's d after them, Q8_0's and Q5_0's d
+# ahead of them, go as the 16 rows' in turn: after the dwords where the block starts a cache line,
+# else ahead of them, so that no vector straddles two lines), and the code (GROUPED_TYPE_BASE +
+# the ggml type) that names the grouped form there. The 32-value types' grouped kernels take
+# whole groups only (``group_rows`` leaves a weight of other row counts as it was).
 GROUPED_BLOCKS = {
     12: (144, 36),  # GGML_TYPE_Q4_K: d, dmin, scales[12], qs[128]
     14: (210, 52),  # GGML_TYPE_Q6_K: ql[128], qh[64], scales[16], then d
+    8: (34, 8),  # GGML_TYPE_Q8_0: d (ahead: GROUPED_LEAD), qs[32]
+    3: (20, 5),  # GGML_TYPE_Q4_1: d and m (one dword), qs[16]
+    6: (22, 5),  # GGML_TYPE_Q5_0: d (ahead), qh[4], qs[16]
+    7: (24, 6),  # GGML_TYPE_Q5_1: d and m, qh[4], qs[16]
 }
+# The bytes of a block ahead of its whole dwords (a 2-byte d): they go with the bytes past them.
+GROUPED_LEAD = {8: 2, 6: 2}
 # Where the lanes read a grouped super-block's quads of dwords (4 q .. 4 q + 3, a vector load each)
 # out of order, the order they are stored in: slot s holds quad QUAD_ORDER[type][s], so that a
 # super-block is read front to back (the native layer's q6_K_quad_slot, the other way round).
@@ -114,10 +121,13 @@ class BlockLibrary:
             kind.to_float = own_dequantizer
         return kind
 
-    def describe(self, ggml_type: int, split: bool = False) -> str:
-        """What the start-up log says multiplies a type (its rows ``split`` or not): ggml's
-        kernels, and the shim's own for decode rows where it has one."""
+    def describe(self, ggml_type: int, split: bool = False, grouped: bool = False) -> str:
+        """What the start-up log says multiplies a type (its rows ``split`` or ``grouped`` at load
+        or not): ggml's kernels, and the shim's own for decode rows where it has one."""
         text = self.ggml.describe(ggml_type)
+        if grouped:
+            return text + ("; rows grouped at load (16 rows' blocks side by side): decode rows and prompt chunks by "
+                           "mlxcel's AVX-512 VNNI lanes (8-bit activations, as llama.cpp's)")
         if int(ggml_type) in self.own_kernels:
             text += "; decode rows by mlxcel's AVX-512 kernel"
         if int(ggml_type) in self.lane_prompts:
@@ -159,7 +169,7 @@ def library() -> BlockLibrary | str:
     own.argtypes = quantizer.argtypes = dequantizer.argtypes = lanes_take_prompts.argtypes = [_I]
     lanes_take_prompts.restype = _I
     split_layout.restype, split_layout.argtypes = None, [_P, _P, _L, _I, _I, _I, _P, _P]
-    group_layout.restype, group_layout.argtypes = None, [_P, _P, _L, _I, _I, _I, _P]
+    group_layout.restype, group_layout.argtypes = None, [_P, _P, _L, _I, _I, _I, _I, _P]
     own_kernels: frozenset[int] = frozenset()
     quantizers: dict[int, int] = {}
     dequantizers: dict[int, int] = {}
@@ -359,8 +369,8 @@ def split_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: in
     the same bytes (the split rows' kernels: 16 blocks' factors are then one load, and a row is read
     front to back). The file's pages of the weight (``mapped``, at ``offset``) are dropped, as a
     repacked weight's are: the weight still takes the file's size. Whether it was split."""
-    if (int(weight.ggml_type) not in weight.lib.split_kinds or weight.split or weight.group_bias is not None
-            or weight.repacked is not None or weight.prompt is not None):
+    if (int(weight.ggml_type) not in weight.lib.split_kinds or weight.split or weight.grouped
+            or weight.group_bias is not None or weight.repacked is not None or weight.prompt is not None):
         return False
     fields = SPLIT_FIELDS[int(weight.ggml_type)]  # in C: NumPy's strided copies of short fields took seconds a stack
     starts = np.array([a for a, _ in fields], dtype=np.int32)
@@ -394,6 +404,7 @@ def grouped_copy(data: np.ndarray, ggml_type: int, lib: BlockLibrary | None = No
     (``_tails_ahead``); the rows after the last whole group as they are. By the library's C loop
     (``lib``), else by NumPy (a reference for tests)."""
     block, dwords = GROUPED_BLOCKS[int(ggml_type)]
+    lead = GROUPED_LEAD.get(int(ggml_type), 0)
     n, row = data.shape
     nb, whole = row // block, n // GROUP_ROWS * GROUP_ROWS
     groups, lanes, tail = whole // GROUP_ROWS, 64 * dwords, GROUP_ROWS * (block - 4 * dwords)
@@ -403,16 +414,18 @@ def grouped_copy(data: np.ndarray, ggml_type: int, lib: BlockLibrary | None = No
     order = QUAD_ORDER.get(int(ggml_type))
     if lib is not None:
         quads = np.array(order, dtype=np.int8) if order else None
-        lib.group_layout(np.ascontiguousarray(data).ctypes.data, out.ctypes.data, n, nb, block, dwords,
+        lib.group_layout(np.ascontiguousarray(data).ctypes.data, out.ctypes.data, n, nb, block, lead, dwords,
                          None if quads is None else quads.ctypes.data)
         return out
     src = data[:whole].reshape(groups, GROUP_ROWS, nb, block)
     dst = out[:whole].reshape(groups, nb, GROUP_ROWS * block)
-    head = np.ascontiguousarray(src[..., :4 * dwords]).view(np.uint32).transpose(0, 2, 3, 1)  # (groups, nb, dwords, 16)
+    dword_bytes = src[..., lead:lead + 4 * dwords]
+    head = np.ascontiguousarray(dword_bytes).view(np.uint32).transpose(0, 2, 3, 1)  # (groups, nb, dwords, 16)
     if order:
         head = head.reshape(groups, nb, dwords // 4, 4, GROUP_ROWS)[:, :, list(order)]
     head = np.ascontiguousarray(head).reshape(groups, nb, -1).view(np.uint8)
-    tails = src[..., 4 * dwords:].transpose(0, 2, 1, 3).reshape(groups, nb, -1)
+    rest = np.concatenate([src[..., :lead], src[..., lead + 4 * dwords:]], axis=-1)
+    tails = rest.transpose(0, 2, 1, 3).reshape(groups, nb, -1)
     ahead = _tails_ahead(groups, nb, block)
     dst[~ahead, :lanes], dst[~ahead, lanes:] = head[~ahead], tails[~ahead]
     dst[ahead, :tail], dst[ahead, tail:] = tails[ahead], head[ahead]
@@ -423,6 +436,7 @@ def grouped_copy(data: np.ndarray, ggml_type: int, lib: BlockLibrary | None = No
 def ungrouped_rows(data: np.ndarray, ggml_type: int, ids: np.ndarray) -> np.ndarray:
     """Rows ``ids`` of grouped ``data`` (``grouped_copy``'s) as stored before: (len(ids), row bytes)."""
     block, dwords = GROUPED_BLOCKS[int(ggml_type)]
+    lead = GROUPED_LEAD.get(int(ggml_type), 0)
     n, row = data.shape
     nb, whole = row // block, n // GROUP_ROWS * GROUP_ROWS
     lanes, tail = 64 * dwords, GROUP_ROWS * (block - 4 * dwords)
@@ -440,8 +454,9 @@ def ungrouped_rows(data: np.ndarray, ggml_type: int, ids: np.ndarray) -> np.ndar
         lanes_of = lanes_of.reshape(g.size, nb, dwords // 4, 4, GROUP_ROWS)[:, :, back].reshape(g.size, nb, dwords, GROUP_ROWS)
     tails = rest.reshape(g.size, nb, GROUP_ROWS, block - 4 * dwords)
     rows = np.empty((g.size, nb, block), dtype=np.uint8)
-    rows[..., :4 * dwords] = lanes_of[np.arange(g.size), :, :, r].view(np.uint8).reshape(g.size, nb, 4 * dwords)
-    rows[..., 4 * dwords:] = tails[np.arange(g.size), :, r]
+    rows[..., lead:lead + 4 * dwords] = lanes_of[np.arange(g.size), :, :, r].view(np.uint8).reshape(g.size, nb, 4 * dwords)
+    own_tail = tails[np.arange(g.size), :, r]
+    rows[..., :lead], rows[..., lead + 4 * dwords:] = own_tail[..., :lead], own_tail[..., lead:]
     out[inside] = rows.reshape(g.size, row)
     out[~inside] = data[ids[~inside]]
     return out
@@ -450,20 +465,24 @@ def ungrouped_rows(data: np.ndarray, ggml_type: int, ids: np.ndarray) -> np.ndar
 def group_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: int = 0) -> bool:
     """Group the rows of ``weight`` (a linear layer's blocks, or an expert stack's whose experts
     are whole groups of 16 rows, of a type in ``GROUPED_BLOCKS`` whose grouped kernel the library
-    has) into a copy (``grouped_copy``; rows read permuted are put in output order first). Every
-    product of it then takes the lanes (``rows_q4_K_grouped``, ``rows_q6_K_grouped``): decode rows
-    at every row count, and prompt chunks 16 rows at a time, instead of ggml's mul_mat, which
-    reads ggml's layout. Why: stored apart, the lanes spent more on gathering 16 rows'
-    bytes into lane order than on their arithmetic; grouped, a group is read front to back with
-    no transposes. On this project's AVX-512 machine (docs/benchmarks/quantized.md, "Grouped
-    rows"): Q4_K decode rows 1.3-2.2x the speed over rows stored apart, Q6_K's 2-8 rows 1.1-2.2x
-    (a lone Q6_K row 0.91-1.56x); prompt chunks 1.0-3.9x ggml's mul_mat (16-256 rows). Each pair's result
-    is the same bits as over rows stored apart (the lanes' arithmetic). The file's pages of the
+    has; Q4_1, Q5_0 and Q5_1 in whole groups only) into a copy (``grouped_copy``; rows read
+    permuted are put in output order first). Every product of it then takes the lanes
+    (``rows_q4_K_grouped``, ``rows_q6_K_grouped``, ``rows_q8_0_grouped``, ``rows_q4_1_grouped``
+    ...): decode rows at every row count, and prompt chunks 16 rows at a time, instead of ggml's
+    mul_mat or the lanes over rows stored apart or split. Why: stored apart, the lanes spent more
+    on gathering 16 rows' bytes into lane order than on their arithmetic; grouped, a group is read
+    front to back with no transposes. On this project's AVX-512 machine
+    (docs/benchmarks/quantized.md, "Grouped rows"): Q4_K decode rows 1.3-2.2x the speed over rows
+    stored apart, Q6_K's 2-8 rows 1.1-2.2x (a lone Q6_K row 0.91-1.56x); prompt chunks 1.0-3.9x
+    ggml's mul_mat (16-256 rows); the 32-value types 1.5-2x at one to four rows of cached
+    weights, 1.1-1.5x at 8-16 rows and in prompt chunks, a lone memory-bound row 0.93-1.0x (Q8_0
+    0.94-0.97x). Each pair's result is the same bits as over rows stored apart or split (the
+    lanes' arithmetic). The file's pages of the
     weight (``mapped``, at ``offset``) are dropped, as a repacked weight's are. Whether it was
     grouped."""
     if (int(weight.ggml_type) not in weight.lib.grouped_kinds or weight.grouped or weight.split
             or weight.group_bias is not None or weight.repacked is not None or weight.prompt is not None
-            or weight.n < GROUP_ROWS):
+            or weight.n < GROUP_ROWS or (int(weight.ggml_type) in SPLIT_FIELDS and weight.n % GROUP_ROWS)):
         return False
     weight.reorder()  # rows read permuted (llama's q and k) into output order first
     weight.data = grouped_copy(weight.data, weight.ggml_type, weight.lib)

@@ -183,10 +183,14 @@ def test_q4_k_m_gguf_experts_in_blocks_agree_with_the_float32_expansion(family: 
     assert mx.abs(split - got).max().item() <= 1e-4
 
 
-def test_expert_stacks_are_views_of_the_mapped_file() -> None:
-    """No expert stack is copied: each layer's block weight is a view of the file's memory map,
-    its bytes the tensor's bytes in the file, and the model's MLX parameters hold no expert weight."""
+def test_expert_stacks_hold_the_file_s_bytes_once() -> None:
+    """No expert stack is held twice: each layer's block weight is a view of the file's memory map
+    (its bytes the tensor's bytes in the file), or, where the loader grouped its rows for the
+    shim's lanes (``block_weight.group_rows``: Q8_0 stacks whose experts are whole groups of 16
+    rows, as here), a copy whose rows are the tensor's rows, the file's pages of it dropped; the
+    model's MLX parameters hold no expert weight."""
     from mlxcel_compat.runtime.block_experts import BlockSwitchLinear
+    from mlxcel_compat.runtime.block_weight import ungrouped_rows
 
     path = tiny_model("qwen3_moe:q8_0")
     file = open_gguf(path)
@@ -194,14 +198,23 @@ def test_expert_stacks_are_views_of_the_mapped_file() -> None:
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, BlockSwitchLinear)]
     stacks = {n: file.tensors[n] for n in file.tensors if gguf_arch.is_expert_stack(n)}
     assert len(layers) == len(stacks) > 0
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    by_bytes = {raw[t.offset:t.offset + t.n_bytes].tobytes(): t.offset for t in stacks.values()}
     offsets = set()
     for _, layer in layers:
-        root = layer.block.data
+        weight = layer.block
+        if weight.grouped:
+            rows = ungrouped_rows(weight.data, weight.ggml_type, np.arange(weight.n)).tobytes()
+            assert rows in by_bytes  # the tensor's rows, rearranged only
+            offsets.add(by_bytes[rows])
+            continue
+        root = weight.data
         while isinstance(root.base, np.ndarray):
             root = root.base
         assert isinstance(root.base.obj, mmap.mmap) and root.size == path.stat().st_size  # the file's map
         assert not root.flags.writeable
-        offsets.add(layer.block.data.ctypes.data - root.ctypes.data)
+        offsets.add(weight.data.ctypes.data - root.ctypes.data)
+    assert any(layer.block.grouped for _, layer in layers)
     assert offsets == {t.offset for t in stacks.values()}
     assert sum(layer.block.nbytes for _, layer in layers) == sum(t.n_bytes for t in stacks.values())
     params = dict(tree_flatten(model.parameters()))

@@ -1,5 +1,7 @@
-"""Q4_K and Q6_K weights whose rows ``group_rows`` grouped at load (16 rows' super-blocks side by
-side, a vector lane a row: ``rows_q4_K_grouped``, ``rows_q6_K_grouped`` in k_quant_rows.c).
+"""Weights whose rows ``group_rows`` grouped at load (16 rows' blocks side by side, a vector lane a
+row): Q4_K and Q6_K (``rows_q4_K_grouped``, ``rows_q6_K_grouped`` in k_quant_rows.c), Q8_0
+(quant_rows.c) and Q4_1, Q5_0, Q5_1 (``rows_q4_1_grouped`` ... in split_rows.c, against their rows
+split at load).
 
 A grouped weight takes the lanes for every product, decode rows and prompt chunks alike, so what
 must hold is: each activation row gets the very bits it gets from the same weight stored apart
@@ -15,7 +17,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from mlxcel_compat.runtime.block_weight import BlockWeight, group_rows, grouped_copy, library, ungrouped_rows
+from mlxcel_compat.runtime.block_weight import (SPLIT_FIELDS, BlockWeight, group_rows, grouped_copy, library, split_rows,
+                                                ungrouped_rows)
 from tests.runtime.test_block_weight import raw_weight, reference
 
 LIB = library()
@@ -24,12 +27,22 @@ pytestmark = pytest.mark.skipif(not GROUPED, reason="no grouped kernels on this 
 
 
 # (type, n, k): whole groups only, a shorter last one (53: 5 rows stored as they were), super-blocks
-# of one, two and three (Q6_K's 16 x 210 bytes start mid-line every other one) and ten
+# of one, two and three (Q6_K's 16 x 210 bytes start mid-line every other one) and ten; the
+# 32-value types (Q8_0's 16 x 34 and Q5_0's 16 x 22 bytes start mid-line every other block; Q4_1,
+# Q5_0 and Q5_1 grouped in whole groups only, against their rows split at load) in blocks of
+# three, one group's 16 and more
 @pytest.mark.parametrize("qtype,n,k", [(T.Q4_K, 64, 256), (T.Q4_K, 53, 768), (T.Q4_K, 40, 2560), (T.Q6_K, 64, 256),
-                                       (T.Q6_K, 53, 512), (T.Q6_K, 48, 768), (T.Q6_K, 40, 2560)], ids=str)
+                                       (T.Q6_K, 53, 512), (T.Q6_K, 48, 768), (T.Q6_K, 40, 2560),
+                                       (T.Q8_0, 64, 96), (T.Q8_0, 53, 640), (T.Q8_0, 48, 2048), (T.Q4_1, 64, 96),
+                                       (T.Q4_1, 48, 640), (T.Q5_0, 32, 96), (T.Q5_0, 64, 640), (T.Q5_0, 48, 1024),
+                                       (T.Q5_1, 48, 512), (T.Q5_1, 32, 96)], ids=str)
 def test_grouped_rows_give_each_row_the_bits_of_the_rows_stored_apart(qtype: T, n: int, k: int) -> None:
+    if int(qtype) not in GROUPED:
+        pytest.skip(f"no grouped {qtype.name} kernel on this CPU")
     raw = raw_weight(qtype, n, k, seed=n + k)
     apart = BlockWeight(raw.copy(), qtype, n, k, LIB)
+    if int(qtype) in SPLIT_FIELDS:
+        assert split_rows(apart)  # the split rows' lanes: the same arithmetic
     grouped = BlockWeight(raw.copy(), qtype, n, k, LIB)
     assert group_rows(grouped) and grouped.grouped
     assert not np.array_equal(grouped.data, raw)  # really rearranged (53: the last 5 rows stay as stored)
@@ -111,6 +124,9 @@ def test_a_gguf_serves_its_k_quant_weights_grouped_and_the_same_tokens(family: s
     k_quants = [w for w in _projections(served) + _experts(served) if int(w.ggml_type) in (int(T.Q4_K), int(T.Q6_K))]
     assert {int(w.ggml_type) for w in k_quants} == {int(T.Q4_K), int(T.Q6_K)}
     assert all(w.grouped and w.prompt is None for w in k_quants)
+    # the file's Q5_0 fallbacks (rows of 128 values: not whole super-blocks) are grouped too
+    fallbacks = [w for w in _projections(served) + _experts(served) if int(w.ggml_type) == int(T.Q5_0)]
+    assert (family == "qwen3_moe") == bool(fallbacks) and all(w.grouped and not w.split for w in fallbacks)
     assert (family == "qwen3_moe") == any(w.grouped for w in _experts(served))
     assert not served.decoder.embed.grouped
     prompt = [(37 * i + 11) % 200 + 20 for i in range(40)]

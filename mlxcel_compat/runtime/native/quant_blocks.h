@@ -21,17 +21,19 @@ enum { SPLIT_TYPE_BASE = 1000 }; /* + a ggml type: that type with its rows split
 enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q6_K = 14,
        TYPE_Q8_K = 15, TYPE_MXFP4 = 39 }; /* enum ggml_type */
 #define SPLIT_TYPE(type) (SPLIT_TYPE_BASE + (type))
-/* + a ggml type (Q4_K, Q6_K): that type with its rows grouped (rows_q4_K_grouped): whole groups of
- * 16 rows stored super-block by super-block, each super-block's bytes as the 16 rows' dwords side
- * by side (a vector lane each), the bytes past a block's whole dwords (Q6_K's d) as the 16 rows'
- * in turn; rows past the last whole group as stored. A group takes the bytes of its 16 rows. */
+/* + a ggml type (Q4_K, Q6_K, Q8_0, Q4_1, Q5_0, Q5_1): that type with its rows grouped
+ * (rows_q4_K_grouped): whole groups of 16 rows stored block by block, each block's whole dwords as
+ * the 16 rows' side by side (a vector lane each), its other bytes (Q6_K's d after the dwords, Q8_0's
+ * and Q5_0's d ahead of them in the block) as the 16 rows' in turn; rows past the last whole group
+ * as stored. A group takes the bytes of its 16 rows. */
 enum { GROUPED_TYPE_BASE = 2000 };
 #define GROUPED_TYPE(type) (GROUPED_TYPE_BASE + (type))
 #define IS_GROUPED_TYPE(code) ((code) >= GROUPED_TYPE_BASE)
 /* In a grouped weight (64-byte aligned), whether the 16 rows' bytes past their whole dwords go
- * ahead of the dwords for a super-block at `at`: where it starts mid-line (Q6_K's 16 x 210 bytes,
- * every other one), so that the dwords start a line and no vector straddles two. The layout
- * (row_layouts.c) and the kernels (k_quant_rows.c) both follow it; block_weight._tails_ahead too. */
+ * ahead of the dwords for a block at `at`: where it starts mid-line (Q6_K's 16 x 210 bytes, Q8_0's
+ * 16 x 34, Q5_0's 16 x 22: every other one), so that the dwords start a line and no vector straddles two. The layout
+ * (row_layouts.c) and the kernels (k_quant_rows.c, quant_rows.c, split_rows.c) follow it;
+ * block_weight._tails_ahead too. */
 #define GROUP_TAILS_AHEAD(at) (((uintptr_t)(at) & 63) != 0)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
@@ -128,6 +130,12 @@ void rows_q5_0_split(int k, const void *w, size_t row_bytes, int n, const void *
                      float *out, size_t ldo);
 void rows_q5_1_split(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
                      float *out, size_t ldo);
+void rows_q4_1_grouped(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
+                       float *out, size_t ldo);
+void rows_q5_0_grouped(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
+                       float *out, size_t ldo);
+void rows_q5_1_grouped(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
+                       float *out, size_t ldo);
 void dequantize_q4_1_split(const void *x, float *y, int64_t k);
 void dequantize_q5_0_split(const void *x, float *y, int64_t k);
 void dequantize_q5_1_split(const void *x, float *y, int64_t k);

@@ -53,17 +53,18 @@ void mlxcel_split_layout(const uint8_t *src, uint8_t *dst, long n, int nb, int b
 }
 
 /* The loader's grouping of a weight's rows (block_weight.group_rows): each whole group of 16 rows
- * of nb blocks of block_bytes becomes, block after block, the 16 rows' dwords side by side (dword
- * 4 q + j of row r at 64 (4 slot + j) + 4 r, slot = q's place in `quad_order`, or q where it is
- * NULL), and the bytes past the whole dwords of each row in turn: after the dwords, or ahead of
- * them where the block starts mid-line (GROUP_TAILS_AHEAD: dst 64-byte aligned). Rows past the
- * last whole group are copied as they are. NumPy's transposes of 4-byte fields took ~7 s for a
- * Qwen3-30B-A3B-shaped file's 2.7 GB. */
+ * of nb blocks of block_bytes becomes, block after block, the 16 rows' dwords side by side (the
+ * block's `dwords` dwords from byte `lead`: dword 4 q + j of row r at 64 (4 slot + j) + 4 r, slot =
+ * q's place in `quad_order`, or q where it is NULL), and each row's other bytes (the `lead` bytes
+ * before its dwords, then those past them) in turn: after the dwords, or ahead of them where the
+ * block starts mid-line (GROUP_TAILS_AHEAD: dst 64-byte aligned). Rows past the last whole group
+ * are copied as they are. NumPy's transposes of 4-byte fields took ~7 s for a Qwen3-30B-A3B-shaped
+ * file's 2.7 GB. */
 struct group_job {
     const uint8_t *src;
     uint8_t *dst;
     long groups, per; /* whole groups, and groups a part */
-    int nb, block_bytes, dwords;
+    int nb, block_bytes, lead, dwords;
     int slot[64]; /* quad q's place */
 };
 
@@ -80,18 +81,21 @@ static void group_part(const void *ctx, int part) {
             for (int r = 0; r < 16; r++) {
                 const uint8_t *from = in + (size_t)r * row + (size_t)b * (size_t)j->block_bytes;
                 for (int t = 0; t < j->dwords; t++)
-                    memcpy(lanes + 64 * (size_t)(4 * j->slot[t / 4] + t % 4) + 4 * (size_t)r, from + 4 * (size_t)t, 4);
-                if (tail) memcpy(tails + (size_t)r * tail, from + 4 * (size_t)j->dwords, tail);
+                    memcpy(lanes + 64 * (size_t)(4 * j->slot[t / 4] + t % 4) + 4 * (size_t)r,
+                           from + j->lead + 4 * (size_t)t, 4);
+                if (j->lead) memcpy(tails + (size_t)r * tail, from, (size_t)j->lead);
+                if (tail > (size_t)j->lead)
+                    memcpy(tails + (size_t)r * tail + j->lead, from + j->lead + 4 * (size_t)j->dwords, tail - j->lead);
             }
         }
     }
 }
 
-void mlxcel_group_layout(const uint8_t *src, uint8_t *dst, long n, int nb, int block_bytes, int dwords,
+void mlxcel_group_layout(const uint8_t *src, uint8_t *dst, long n, int nb, int block_bytes, int lead, int dwords,
                          const int8_t *quad_order) {
     const long groups = n / 16;
     const int parts = groups < 64 ? 1 : 64;
-    struct group_job j = {src, dst, groups, (groups + parts - 1) / parts, nb, block_bytes, dwords, {0}};
+    struct group_job j = {src, dst, groups, (groups + parts - 1) / parts, nb, block_bytes, lead, dwords, {0}};
     for (int q = 0; q < (dwords + 3) / 4 && q < 64; q++) j.slot[quad_order ? quad_order[q] : q] = q;
     mlxcel_parallel(parts, group_part, &j);
     const size_t row = (size_t)nb * (size_t)block_bytes;

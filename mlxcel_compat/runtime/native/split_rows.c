@@ -152,18 +152,72 @@ static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
     }
 }
 
+/* The constants of a block's unpacking (split_lanes and group_lanes make them once a call). */
+struct lane_consts {
+    __m512i low, fifth, pick[4], bit_of[2];
+};
+
+static inline __attribute__((always_inline)) struct lane_consts lane_consts(void) {
+    struct lane_consts c;
+    c.low = _mm512_set1_epi8(0x0f), c.fifth = _mm512_set1_epi8(0x10);
+    /* pick[j]: byte j of each dword copied to its 4 bytes (vpshufb indices, per 128-bit lane) */
+    const __m512i dwords = _mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0);
+    for (int j = 0; j < 4; j++) c.pick[j] = _mm512_add_epi8(dwords, _mm512_set1_epi8((char)j));
+    /* byte j: bit j of the low or the high half of a byte of fifth bits */
+    c.bit_of[0] = _mm512_set1_epi32(0x08040201), c.bit_of[1] = _mm512_set1_epi32((int)0x80402010u);
+    return c;
+}
+
+/* Block b of 16 weight rows against m activation rows: u[t]'s dword r holds row r's nibble bytes
+ * 4t .. 4t + 3, h's dword r its fifth bits (bit i for value i; the Q5 forms), dw and mw its d and
+ * m (lanes: rows). The arithmetic every lane kernel of these forms shares. */
+static inline __attribute__((always_inline)) void lanes_block(const struct lane_consts *c, const __m512i u[4],
+                                                              __m512i h, __m512 dw, __m512 mw, int b,
+                                                              const struct split_act *act, int m, __m512 *acc,
+                                                              __m512 *mins, struct split_form form) {
+    __m512i v[8];
+    for (int t = 0; t < 4; t++) { /* values 4t .. 4t + 3 (low nibbles) and 16 + 4t .. (high) */
+        v[t] = _mm512_and_si512(u[t], c->low);
+        v[t + 4] = _mm512_and_si512(_mm512_srli_epi32(u[t], 4), c->low);
+    }
+    if (form.five_bits) { /* value 4t + j's fifth bit: bit 4(t & 1) + j of qh's byte t >> 1 */
+        for (int j = 0; j < 4; j++) { /* qh's byte j: values 8j .. 8j + 7, in v[2j] and v[2j + 1] */
+            const __m512i bits = _mm512_shuffle_epi8(h, c->pick[j]);
+            for (int half = 0; half < 2; half++) {
+                const int t = 2 * j + half;
+                v[t] = _mm512_mask_add_epi8(v[t], _mm512_test_epi8_mask(bits, c->bit_of[half]), v[t], c->fifth);
+            }
+        }
+    }
+    for (int i = 0; i < m; i++) {
+        const int32_t *q = (const int32_t *)(act[i].q + (size_t)b * 32);
+        /* two chains of 4 (the low and the high nibbles' values) */
+        __m512i s0 = form.minimum ? _mm512_setzero_si512() : _mm512_set1_epi32(act[i].start[b]);
+        __m512i s1 = _mm512_setzero_si512();
+        for (int t = 0; t < 4; t++) {
+            s0 = _mm512_dpbusd_epi32(s0, v[t], _mm512_set1_epi32(q[t]));
+            s1 = _mm512_dpbusd_epi32(s1, v[t + 4], _mm512_set1_epi32(q[t + 4]));
+        }
+        const __m512i sum = _mm512_add_epi32(s0, s1);
+        __m512 f = _mm512_mul_ps(dw, _mm512_set1_ps(act[i].d[b]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), f, acc[i]);
+        if (form.minimum) mins[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(act[i].s[b]), mins[i]);
+    }
+}
+
+static inline __attribute__((always_inline)) void lanes_store(const __m512 *acc, const __m512 *mins, int m, int nrows,
+                                                              float *out, size_t ldo, struct split_form form) {
+    const __mmask16 stored = (__mmask16)((1u << nrows) - 1);
+    for (int i = 0; i < m; i++)
+        _mm512_mask_storeu_ps(out + (size_t)i * ldo, stored, form.minimum ? _mm512_add_ps(acc[i], mins[i]) : acc[i]);
+}
+
 /* Weight rows [0, nrows) (nrows <= 16, row_bytes apart, split rows of nb blocks in the given form)
  * times m activation rows (m <= LANE_MAX_ROWS): out[i * ldo + r]. */
 static inline __attribute__((always_inline)) void split_lanes(int nb, const uint8_t *w, size_t row_bytes, int nrows,
                                                                const struct split_act *act, int m, float *out,
                                                                size_t ldo, struct split_form form) {
-    const __m512i low = _mm512_set1_epi8(0x0f), fifth = _mm512_set1_epi8(0x10);
-    /* pick[c]: byte c of each dword copied to its 4 bytes (vpshufb indices, per 128-bit lane) */
-    const __m512i dwords = _mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0);
-    const __m512i pick[4] = {dwords, _mm512_add_epi8(dwords, _mm512_set1_epi8(1)),
-                             _mm512_add_epi8(dwords, _mm512_set1_epi8(2)), _mm512_add_epi8(dwords, _mm512_set1_epi8(3))};
-    /* byte j: bit j of the low or the high half of a byte of fifth bits */
-    const __m512i bit_of[2] = {_mm512_set1_epi32(0x08040201), _mm512_set1_epi32((int)0x80402010u)};
+    const struct lane_consts c = lane_consts();
     const int block_bytes = 18 + 2 * form.minimum + 4 * form.five_bits;
     const size_t pass_block = (size_t)LANE_ROWS * block_bytes; /* a block's bytes in 16 rows */
     const uint8_t *rowp[LANE_ROWS], *next = w + 2 * LANE_ROWS * row_bytes;
@@ -190,7 +244,6 @@ static inline __attribute__((always_inline)) void split_lanes(int nb, const uint
         if (form.five_bits) transpose16(ht);
         for (int p = 0; p < count; p++) {
             const int b = b0 + p;
-            const __m512 dw = dt[p];
             /* the pass after next, into L2: 16 rows (contiguous, block_bytes a block and row). A
              * pass reads its rows side by side, each too short a stream for the prefetchers to
              * follow: without this, one activation row of Q4_1 ran 2-3x slower than a two-row
@@ -198,41 +251,57 @@ static inline __attribute__((always_inline)) void split_lanes(int nb, const uint
             for (size_t l = (size_t)b * pass_block / 64; l <= ((size_t)b * pass_block + pass_block - 1) / 64; l++)
                 _mm_prefetch((const char *)next + l * 64, _MM_HINT_T1);
             /* u[t]'s dword r: row r's nibble bytes 4t .. 4t + 3 */
-            __m512i u[4], v[8];
+            __m512i u[4];
             rows16_dwords(rowp, at_nibbles + (size_t)p * 16, u);
-            for (int t = 0; t < 4; t++) { /* values 4t .. 4t + 3 (low nibbles) and 16 + 4t .. (high) */
-                v[t] = _mm512_and_si512(u[t], low);
-                v[t + 4] = _mm512_and_si512(_mm512_srli_epi32(u[t], 4), low);
-            }
-            if (form.five_bits) { /* value 4t + j's fifth bit: bit 4(t & 1) + j of qh's byte t >> 1 */
-                const __m512i h = _mm512_castps_si512(ht[p]);
-                for (int c = 0; c < 4; c++) { /* qh's byte c: values 8c .. 8c + 7, in v[2c] and v[2c + 1] */
-                    const __m512i bits = _mm512_shuffle_epi8(h, pick[c]);
-                    for (int half = 0; half < 2; half++) {
-                        const int t = 2 * c + half;
-                        v[t] = _mm512_mask_add_epi8(v[t], _mm512_test_epi8_mask(bits, bit_of[half]), v[t], fifth);
-                    }
-                }
-            }
-            for (int i = 0; i < m; i++) {
-                const int32_t *q = (const int32_t *)(act[i].q + (size_t)b * 32);
-                /* two chains of 4 (the low and the high nibbles' values) */
-                __m512i s0 = form.minimum ? _mm512_setzero_si512() : _mm512_set1_epi32(act[i].start[b]);
-                __m512i s1 = _mm512_setzero_si512();
-                for (int t = 0; t < 4; t++) {
-                    s0 = _mm512_dpbusd_epi32(s0, v[t], _mm512_set1_epi32(q[t]));
-                    s1 = _mm512_dpbusd_epi32(s1, v[t + 4], _mm512_set1_epi32(q[t + 4]));
-                }
-                const __m512i sum = _mm512_add_epi32(s0, s1);
-                __m512 f = _mm512_mul_ps(dw, _mm512_set1_ps(act[i].d[b]));
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), f, acc[i]);
-                if (form.minimum) mins[i] = _mm512_fmadd_ps(mt[p], _mm512_set1_ps(act[i].s[b]), mins[i]);
-            }
+            lanes_block(&c, u, _mm512_castps_si512(ht[p]), dt[p], form.minimum ? mt[p] : dt[p], b, act, m, acc, mins,
+                        form);
         }
     }
-    const __mmask16 stored = (__mmask16)((1u << nrows) - 1);
-    for (int i = 0; i < m; i++)
-        _mm512_mask_storeu_ps(out + (size_t)i * ldo, stored, form.minimum ? _mm512_add_ps(acc[i], mins[i]) : acc[i]);
+    lanes_store(acc, mins, m, nrows, out, ldo, form);
+}
+
+/* ------------------------------------------------------------ grouped rows (block_weight.group_rows)
+ * Why: split_lanes spends more on bringing 16 rows' bytes into lane order (their nibbles, a 4 x 4
+ * transpose of dwords a block; their factors, 16 x 16 transposes a group of blocks) than on the
+ * arithmetic of one activation row. Grouped at load, the 16 rows of a group are stored block by
+ * block as their dwords side by side (ggml's block, dword t of row r at 64 t + 4 r:
+ * row_layouts.c), so a block's lanes are plain vector loads and the group is read front to back:
+ * Q4_1's d and m (its first dword) then its 4 dwords of nibbles (320 bytes, 5 lines); Q5_1's d
+ * and m, its fifth bits, its nibbles (384 bytes); Q5_0's fifth bits and nibbles, its rows' d (2
+ * bytes each) after them or, where the block starts mid-line (16 x 22 bytes: every other one),
+ * ahead of them (GROUP_TAILS_AHEAD). The same arithmetic as split_lanes (lanes_block), so each
+ * pair's result is the same bits as over the rows split. A weight is grouped only in whole groups
+ * (block_weight.group_rows), so every pass has 16 rows. */
+static inline __attribute__((always_inline)) void group_lanes(int nb, const uint8_t *w, const struct split_act *act,
+                                                               int m, float *out, size_t ldo, struct split_form form) {
+    const struct lane_consts c = lane_consts();
+    const int block_bytes = 18 + 2 * form.minimum + 4 * form.five_bits;
+    const size_t group_block = (size_t)LANE_ROWS * block_bytes, ahead = 2 * group_block * (size_t)nb;
+    __m512 acc[LANE_MAX_ROWS], mins[LANE_MAX_ROWS];
+    for (int i = 0; i < m; i++) acc[i] = mins[i] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *gb = w + (size_t)b * group_block;
+        for (size_t l = 0; l < group_block; l += 64) /* one stream, front to back: into L2, two groups on (as split_lanes) */
+            _mm_prefetch((const char *)gb + ahead + l, _MM_HINT_T1);
+        __m512 dw, mw = _mm512_setzero_ps();
+        __m512i h = _mm512_setzero_si512();
+        const uint8_t *lanes = gb;
+        if (form.minimum) { /* dword 0: d, then m */
+            const __m512i dm = _mm512_loadu_si512(gb);
+            dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+            mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+            lanes += 64;
+        } else { /* Q5_0: the rows' d (2 bytes each) after the dwords or ahead of them */
+            const int ahead = GROUP_TAILS_AHEAD(gb);
+            lanes += ahead ? 32 : 0;
+            dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ahead ? gb : gb + 64 * 5)));
+        }
+        if (form.five_bits) h = _mm512_loadu_si512(lanes), lanes += 64;
+        __m512i u[4];
+        for (int t = 0; t < 4; t++) u[t] = _mm512_loadu_si512(lanes + 64 * t);
+        lanes_block(&c, u, h, dw, mw, b, act, m, acc, mins, form);
+    }
+    lanes_store(acc, mins, m, LANE_ROWS, out, ldo, form);
 }
 
 #define LANES_CASE(M)                                                                                              \
@@ -260,10 +329,35 @@ static inline __attribute__((always_inline)) void split_rows_driver(int k, const
     }
 }
 
+#define GROUP_CASE(M)                                                                                              \
+    case M: group_lanes(nb, wr + (size_t)r * row_bytes, rows + i, M, out + (size_t)i * ldo + r, ldo, form); break;
+
+/* rows_fn over grouped rows: w is the first of n rows (n a multiple of 16) and starts a group. */
+static inline __attribute__((always_inline)) void group_rows_driver(int k, const void *w, size_t row_bytes, int n,
+                                                                     const void *act, size_t act_bytes, int m,
+                                                                     float *out, size_t ldo, struct split_form form) {
+    const int nb = k / 32;
+    const struct split_act *rows = split_activations(nb, act, act_bytes, m, form);
+    const uint8_t *wr = w;
+    for (int r = 0; r + LANE_ROWS <= n; r += LANE_ROWS) {
+        for (int i = 0; i < m; i += LANE_MAX_ROWS) {
+            switch (m - i < LANE_MAX_ROWS ? m - i : LANE_MAX_ROWS) {
+                GROUP_CASE(1) GROUP_CASE(2) GROUP_CASE(3) GROUP_CASE(4) GROUP_CASE(5) GROUP_CASE(6)
+                GROUP_CASE(7) GROUP_CASE(8) GROUP_CASE(9) GROUP_CASE(10) GROUP_CASE(11) GROUP_CASE(12)
+                GROUP_CASE(13) GROUP_CASE(14) GROUP_CASE(15) GROUP_CASE(16)
+            }
+        }
+    }
+}
+
 #define SPLIT_KERNELS(NAME, FORM)                                                                                  \
     void rows_##NAME##_split(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes,    \
                              int m, float *out, size_t ldo) {                                                     \
         split_rows_driver(k, w, row_bytes, n, act, act_bytes, m, out, ldo, FORM);                                 \
+    }                                                                                                             \
+    void rows_##NAME##_grouped(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes,  \
+                               int m, float *out, size_t ldo) {                                                   \
+        group_rows_driver(k, w, row_bytes, n, act, act_bytes, m, out, ldo, FORM);                                 \
     }                                                                                                             \
     void dequantize_##NAME##_split(const void *x, float *y, int64_t k) { split_dequantize(x, y, k, FORM); }
 
