@@ -250,9 +250,10 @@ def repacked_against_ggml(lib, kernels, name: str, ggml_type: int, args: argpars
 
 def split_rows_against_ggml(lib, kernels, name: str, ggml_type: int, args: argparse.Namespace,
                             rng: np.random.Generator) -> None:
-    """A type whose rows the loader splits (``block_weight.split_rows``): the own kernel over the
-    split copy against ggml's vec_dot over the same blocks as stored, rounds alternating, and
-    against ggml's repacked GEMV where ggml repacks the type (MXFP4: llama-server's decode path)."""
+    """A type whose rows the loader groups or splits (``block_weight.group_rows``, ``split_rows``):
+    the own kernel over the rearranged copy against ggml's vec_dot over the same blocks as stored,
+    rounds alternating, and against ggml's repacked GEMV where ggml repacks the type (MXFP4:
+    llama-server's decode path)."""
     for shape in args.shapes.split(","):
         k, n = (int(v) for v in shape.split("x"))
         values = rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)
@@ -278,7 +279,7 @@ def split_rows_against_ggml(lib, kernels, name: str, ggml_type: int, args: argpa
             us = {key: summary(t) * 1e6 for key, t in times.items()}
             one_row = us["own"] if rows == 1 else one_row
             rep_text = (f"{us['repacked']:9.1f} {us['repacked'] / us['own']:7.2f}x" if "repacked" in us
-                        else f"{'(split rows)':>18s}")
+                        else f"{'(grouped rows)' if split.grouped else '(split rows)':>18s}")
             print(f"{name:6s} {shape:>12s} {rows:4d} {us['ggml']:9.1f} {us['own']:9.1f} {us['ggml'] / us['own']:8.2f}x "
                   f"{rep_text} {per_row(us['own'], one_row)}{floor(k * n * rows, one_row)}")
 
