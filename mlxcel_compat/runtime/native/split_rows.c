@@ -1,6 +1,7 @@
-/* Q4_1, Q5_0 and Q5_1 weights whose rows were split at load: their decode rows and their expansion
- * to float32, which quant_rows.c's mlxcel_rows_kernel and mlxcel_dequantizer hand out for the
- * split types (SPLIT_TYPE) on a CPU with AVX-512 VNNI and VL.
+/* Q4_1, Q5_0 and Q5_1 weights whose rows were split or grouped at load: their rows' products
+ * (decode rows and prompt chunks) and the split rows' expansion to float32, which quant_rows.c's
+ * mlxcel_rows_kernel and mlxcel_dequantizer hand out for the split and grouped types (SPLIT_TYPE,
+ * GROUPED_TYPE) on a CPU with AVX-512 VNNI and VL.
  *
  * A weight of one of these types whose rows were rearranged at load (block_weight.split_rows):
  * a row's blocks in groups of 16 (the last one shorter), each group as its blocks' factors d
@@ -9,9 +10,10 @@
  * order, read front to back, so that 16 blocks' factors (minimums, fifth bits) are one load a
  * row. ggml's vec_dot for these types on x86 (AVX2) converts each block's factors one at a time
  * and takes 32 values an instruction; this takes 16 weight rows' 4 values each an instruction
- * (vpdpbusd: the values as u8 times the activations' s8), one kernel for the three forms
- * (split_lanes below, the form a compile-time constant): a vector lane per weight row, 16 weight
- * rows a pass, each block unpacked once for up to 16 activation rows.
+ * (vpdpbusd: the values as u8 times the activations' s8), one arithmetic for the three forms
+ * (lanes_block below, the form a compile-time constant), over split rows (split_lanes) or rows
+ * grouped at load (group_lanes): a vector lane per weight row, 16 weight rows a pass, each block
+ * unpacked once for up to 16 activation rows.
  *
  * The activations are ggml's own blocks, Q8_1 (d and s = d x the sum of the values) for the
  * types with a minimum, Q8_0 (d) for Q5_0, copied per row into arrays of values, d and s (for
@@ -253,8 +255,8 @@ static inline __attribute__((always_inline)) void split_lanes(int nb, const uint
             /* u[t]'s dword r: row r's nibble bytes 4t .. 4t + 3 */
             __m512i u[4];
             rows16_dwords(rowp, at_nibbles + (size_t)p * 16, u);
-            lanes_block(&c, u, _mm512_castps_si512(ht[p]), dt[p], form.minimum ? mt[p] : dt[p], b, act, m, acc, mins,
-                        form);
+            lanes_block(&c, u, form.five_bits ? _mm512_castps_si512(ht[p]) : _mm512_setzero_si512(), dt[p],
+                        form.minimum ? mt[p] : _mm512_setzero_ps(), b, act, m, acc, mins, form);
         }
     }
     lanes_store(acc, mins, m, nrows, out, ldo, form);
@@ -305,15 +307,18 @@ static inline __attribute__((always_inline)) void group_lanes(int nb, const uint
 }
 
 #define LANES_CASE(M)                                                                                              \
-    case M: split_lanes(nb, wr + (size_t)r * row_bytes, row_bytes, nrows, rows + i, M, out + (size_t)i * ldo + r,  \
-                        ldo, form);                                                                                \
+    case M:                                                                                                        \
+        if (grouped) group_lanes(nb, wr + (size_t)r * row_bytes, rows + i, M, out + (size_t)i * ldo + r, ldo, form); \
+        else split_lanes(nb, wr + (size_t)r * row_bytes, row_bytes, nrows, rows + i, M, out + (size_t)i * ldo + r,  \
+                         ldo, form);                                                                               \
         break;
 
-/* rows_fn over split rows: the activation rows copied out, then 16 weight rows a pass against
- * LANE_MAX_ROWS activation rows (each count a constant, so the kernel's loops unroll). */
-static inline __attribute__((always_inline)) void split_rows_driver(int k, const void *w, size_t row_bytes, int n,
-                                                                     const void *act, size_t act_bytes, int m,
-                                                                     float *out, size_t ldo, struct split_form form) {
+/* rows_fn over split rows, or (`grouped`, a constant) over grouped rows (w the first of n rows, n a
+ * multiple of 16, starting a group): the activation rows copied out, then 16 weight rows a pass
+ * against LANE_MAX_ROWS activation rows (each count a constant, so the kernel's loops unroll). */
+static inline __attribute__((always_inline)) void lanes_driver(int k, const void *w, size_t row_bytes, int n,
+                                                                const void *act, size_t act_bytes, int m, float *out,
+                                                                size_t ldo, struct split_form form, const int grouped) {
     const int nb = k / 32;
     const struct split_act *rows = split_activations(nb, act, act_bytes, m, form);
     const uint8_t *wr = w;
@@ -329,35 +334,14 @@ static inline __attribute__((always_inline)) void split_rows_driver(int k, const
     }
 }
 
-#define GROUP_CASE(M)                                                                                              \
-    case M: group_lanes(nb, wr + (size_t)r * row_bytes, rows + i, M, out + (size_t)i * ldo + r, ldo, form); break;
-
-/* rows_fn over grouped rows: w is the first of n rows (n a multiple of 16) and starts a group. */
-static inline __attribute__((always_inline)) void group_rows_driver(int k, const void *w, size_t row_bytes, int n,
-                                                                     const void *act, size_t act_bytes, int m,
-                                                                     float *out, size_t ldo, struct split_form form) {
-    const int nb = k / 32;
-    const struct split_act *rows = split_activations(nb, act, act_bytes, m, form);
-    const uint8_t *wr = w;
-    for (int r = 0; r + LANE_ROWS <= n; r += LANE_ROWS) {
-        for (int i = 0; i < m; i += LANE_MAX_ROWS) {
-            switch (m - i < LANE_MAX_ROWS ? m - i : LANE_MAX_ROWS) {
-                GROUP_CASE(1) GROUP_CASE(2) GROUP_CASE(3) GROUP_CASE(4) GROUP_CASE(5) GROUP_CASE(6)
-                GROUP_CASE(7) GROUP_CASE(8) GROUP_CASE(9) GROUP_CASE(10) GROUP_CASE(11) GROUP_CASE(12)
-                GROUP_CASE(13) GROUP_CASE(14) GROUP_CASE(15) GROUP_CASE(16)
-            }
-        }
-    }
-}
-
 #define SPLIT_KERNELS(NAME, FORM)                                                                                  \
     void rows_##NAME##_split(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes,    \
                              int m, float *out, size_t ldo) {                                                     \
-        split_rows_driver(k, w, row_bytes, n, act, act_bytes, m, out, ldo, FORM);                                 \
+        lanes_driver(k, w, row_bytes, n, act, act_bytes, m, out, ldo, FORM, 0);                                   \
     }                                                                                                             \
     void rows_##NAME##_grouped(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes,  \
                                int m, float *out, size_t ldo) {                                                   \
-        group_rows_driver(k, w, row_bytes, n, act, act_bytes, m, out, ldo, FORM);                                 \
+        lanes_driver(k, w, row_bytes, n, act, act_bytes, m, out, ldo, FORM, 1);                                   \
     }                                                                                                             \
     void dequantize_##NAME##_split(const void *x, float *y, int64_t k) { split_dequantize(x, y, k, FORM); }
 
