@@ -56,11 +56,14 @@ def _expert_matmul() -> Any:
 
 def describe(lib: BlockLibrary, ggml_type: int) -> str:
     """What the start-up log says computes a stack of experts of this type."""
-    own = ("mlxcel's AVX-512 lanes over rows grouped at load where each expert is whole groups of 16, else "
-           + ("over rows split at load" if int(ggml_type) in lib.split_kinds else "over its rows")
-           if int(ggml_type) in lib.grouped_kinds
-           else "mlxcel's AVX-512 kernel over rows split at load" if int(ggml_type) in lib.split_kinds
-           else "mlxcel's AVX-512 kernel" if int(ggml_type) in lib.own_kernels else "ggml's vec_dot")
+    kind = int(ggml_type)
+    apart = "over rows split at load" if kind in lib.split_kinds else "over its rows"
+    if kind in lib.grouped_kinds:
+        own = f"mlxcel's AVX-512 lanes over rows grouped at load where each expert is whole groups of 16, else {apart}"
+    elif kind in lib.split_kinds or kind in lib.own_kernels:
+        own = f"mlxcel's AVX-512 kernel {apart}"
+    else:
+        own = "ggml's vec_dot"
     return (f"{lib.ggml.describe(ggml_type)}; only the chosen experts' rows, grouped by expert as ggml's mul_mat_id "
             f"(mlxcel_expert_matmul_shared: each token's activations quantized once as for decode, gate and up in one pass, rows by {own}), prompts and decode alike")
 

@@ -7,10 +7,12 @@ and a restart finds them there. Products go through the native layer's block pro
 (``ggml_cpu.py``): few activation rows by ``vec_dot`` or the shim's own kernels, many rows
 (``tiles``: a prompt chunk's path) by tiles expanded to float32 for the BLAS's sgemm, or by the
 shim's own lane kernels where they take prompt chunks too (``BlockLibrary.lane_prompts``: Q8_0,
-and the rows split or grouped at load). Q4_K and Q6_K weights of linear layers and expert stacks
-are grouped at load (``group_rows``: 16 rows' super-blocks side by side), Q4_1, Q5_0, Q5_1 and
-MXFP4 rows split (``split_rows``: factors ahead of nibbles). Nothing here imports MLX; the MLX modules that hold these weights are in
-``block_layers.py``, and the CPU decode runtime calls them directly (``cpu_decode.py``).
+and the rows split or grouped at load). Q4_K, Q6_K, Q8_0, Q4_1, Q5_0 and Q5_1 weights of linear
+layers and expert stacks are grouped at load (``group_rows``: 16 rows' blocks side by side; the
+last three in whole groups only), the other Q4_1, Q5_0, Q5_1 and MXFP4 weights split
+(``split_rows``: factors ahead of nibbles). Nothing here imports MLX; the MLX modules that hold
+these weights are in ``block_layers.py``, and the CPU decode runtime calls them directly
+(``cpu_decode.py``).
 """
 
 from __future__ import annotations
@@ -132,12 +134,9 @@ class BlockLibrary:
             text += "; decode rows by mlxcel's AVX-512 kernel"
         if int(ggml_type) in self.lane_prompts:
             text += ", prompt chunks too (8-bit activations, as llama.cpp's)"
-        if split and SPLIT_TYPE_BASE + int(ggml_type) in self.lane_prompts:
+        if split:  # every split form's lanes take prompts (mlxcel_lanes_take_prompts)
             text += ("; rows split at load (factors ahead of nibbles): decode rows and prompt chunks by mlxcel's "
                      "AVX-512 VNNI kernel (8-bit activations, as llama.cpp's)")
-        elif split:
-            text += ("; rows split at load (factors ahead of nibbles): decode rows by mlxcel's AVX-512 VNNI kernel, "
-                     "float32 tiles expanded by mlxcel's AVX-512 code")
         elif int(ggml_type) in self.dequantizers:
             text += "; float32 tiles expanded by mlxcel's AVX-512 code"
         return text
@@ -300,8 +299,8 @@ class BlockWeight:
         """out[i, :] = x[i, :] @ W^T (+ beta * out) for i < m, on raw float32 addresses (row
         strides in elements), by ggml's vec_dot or the shim's own kernel, or (``tiles``) the prompt
         path: ggml's repacked GEMM or mul_mat where the weight has one, the shim's lane kernels
-        where they take prompts (``lane_prompts``), else float32 tiles and the BLAS. What the CPU decode runtime calls,
-        ~7 times a layer."""
+        where they take prompts (``lane_prompts``), else float32 tiles and the BLAS. What the CPU
+        decode runtime calls, ~7 times a layer."""
         if self.repacked is not None:
             self.repacked.matmul_into(m, x, ldx, out, ldo, beta, per_row=not tiles)
         elif tiles and self.prompt is not None:
@@ -477,9 +476,8 @@ def group_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: in
     ggml's mul_mat (16-256 rows); the 32-value types 1.5-2x at one to four rows of cached
     weights, 1.1-1.5x at 8-16 rows and in prompt chunks, a lone memory-bound row 0.93-1.0x (Q8_0
     0.94-0.97x). Each pair's result is the same bits as over rows stored apart or split (the
-    lanes' arithmetic). The file's pages of the
-    weight (``mapped``, at ``offset``) are dropped, as a repacked weight's are. Whether it was
-    grouped."""
+    lanes' arithmetic). The file's pages of the weight (``mapped``, at ``offset``) are dropped, as
+    a repacked weight's are. Whether it was grouped."""
     if (int(weight.ggml_type) not in weight.lib.grouped_kinds or weight.grouped or weight.split
             or weight.group_bias is not None or weight.repacked is not None or weight.prompt is not None
             or weight.n < GROUP_ROWS or (int(weight.ggml_type) in SPLIT_FIELDS and weight.n % GROUP_ROWS)):
