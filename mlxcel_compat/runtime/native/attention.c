@@ -85,43 +85,68 @@ struct attention_job {
     const struct kv_blocks *paged; /* NULL, or the shared blocks before the cache: then the cache
                                     * holds positions from paged->n_blocked on (kv_rows.h) */
     float softcap;        /* Gemma 2's attention soft-cap (soft_cap_row; then `scale` is the plain scale), 0: none */
+    int parts;            /* each KV head's query heads in this many parts (attend_heads sets it) */
 };
 
-/* KV head h of a decode step: write the new key and value, then for its `group` query heads
- * softmax(q K^T scale) V over slots [0, n). The scores go in one pass over the keys (all the
- * group's queries per key row), the products by the values in one pass over the values. */
-static void attend_head(const void *ctx, int h) {
+/* Where KV head h's new key (which 0) or value (1) goes: the cache's slot `write` (past the shared
+ * blocks' positions), or the row kept apart. */
+static char *new_row(const struct attention_job *a, int h, int which) {
+    int type = which ? a->v_type : a->k_type, nb = a->paged ? a->paged->n_blocked : 0;
+    size_t row = kv_row_bytes(type, a->d);
+    void *apart = which ? a->v_out : a->k_out;
+    if (apart) return (char *)apart + (size_t)h * row;
+    return (char *)(which ? a->values : a->keys) + h * a->head_stride / a->d * row + (size_t)(a->write - nb) * row;
+}
+
+/* Part p of a step's attention: KV head p / parts, its query heads [i0, i1) (the group split
+ * evenly over the parts). Each query's scores, softmax and value sum are its own, whatever the
+ * queries beside it (the row kernels' contract), so a part gives the numbers the whole head would. */
+struct head_part {
+    int h, i0, n_q;
+};
+
+static struct head_part head_part(const struct attention_job *a, int p) {
+    int parts = a->parts > 1 ? a->parts : 1, h = p / parts, s = p % parts;
+    int i0 = a->group * s / parts, i1 = a->group * (s + 1) / parts;
+    return (struct head_part){h, i0, i1 - i0};
+}
+
+/* A part's softmax over its queries' score rows (n slots, ldn apart), soft-capped first for
+ * Gemma 2, and normalised. */
+static void head_softmax(const struct attention_job *a, struct head_part hp, float *scores, int n, size_t ldn) {
+    for (int i = 0; i < hp.n_q; i++) {
+        float *s = scores + (size_t)i * ldn;
+        soft_cap_row(s, n, a->softcap);
+        float inv = 1.0f / exp2_shifted_row_sink(s, n, a->sinks ? a->sinks + (size_t)hp.h * a->group + hp.i0 + i : NULL);
+        for (int t = 0; t < n; t++) s[t] *= inv;
+    }
+}
+
+/* Part p of a decode step over float32 keys and values (the new rows already written: attend_heads):
+ * for its query heads softmax(q K^T scale) V over slots [0, n). The scores go in one pass over the
+ * keys (all the part's queries per key row), the products by the values in one pass over the values. */
+static void attend_head(const void *ctx, int p) {
+    static __thread struct mlxcel_scratch scratch;
     const struct attention_job *a = ctx;
-    int g = a->group, d = a->d, n = a->n;
+    struct head_part hp = head_part(a, p);
+    int g = hp.n_q, d = a->d, n = a->n, h = hp.h;
+    if (g == 0) return;
     float *keys = (float *)a->keys + h * a->head_stride, *values = (float *)a->values + h * a->head_stride;
     const float *k_new = a->k_new + (size_t)h * d, *v_new = a->v_new + (size_t)h * d;
     int apart = a->k_out != NULL;
-    if (apart) {
-        memcpy((float *)a->k_out + (size_t)h * d, k_new, d * sizeof(float));
-        memcpy((float *)a->v_out + (size_t)h * d, v_new, d * sizeof(float));
-    } else {
-        memcpy(keys + (size_t)a->write * d, k_new, d * sizeof(float));
-        memcpy(values + (size_t)a->write * d, v_new, d * sizeof(float));
-    }
-    float *q = malloc(((size_t)g * d + (size_t)g * n) * sizeof(float));
-    if (!q) abort();
+    float *q = mlxcel_scratch(&scratch, ((size_t)g * d + (size_t)g * n) * sizeof(float));
     float *scores = q + (size_t)g * d;
-    for (int i = 0; i < g * d; i++) q[i] = a->q[(size_t)h * g * d + i] * a->scale;
+    const float *q_in = a->q + ((size_t)h * a->group + hp.i0) * d;
+    for (int i = 0; i < g * d; i++) q[i] = q_in[i] * a->scale;
     if (apart) { /* each score is its own dot product (hsum4 adds as hsum): the same numbers */
         rows_nt(g, 0, n - 1, d, q, d, keys, d, scores, n, 1.0f, 0.0f);
         rows_nt(g, 0, 1, d, q, d, k_new, d, scores + (n - 1), n, 1.0f, 0.0f);
     } else {
         rows_nt(g, 0, n, d, q, d, keys, d, scores, n, 1.0f, 0.0f);
     }
-    float *out = a->out + (size_t)h * g * d;
-    for (int i = 0; i < g; i++) {
-        float *s = scores + (size_t)i * n;
-        soft_cap_row(s, n, a->softcap);
-        float inv = 1.0f / exp2_shifted_row_sink(s, n, a->sinks ? a->sinks + (size_t)h * g + i : NULL);
-        for (int t = 0; t < n; t++) s[t] *= inv;
-    }
+    head_softmax(a, hp, scores, n, n);
+    float *out = a->out + ((size_t)h * a->group + hp.i0) * d;
     rows_nn_split(g, 0, d, n, scores, n, values, d, out, d, 1.0f, 0.0f, apart ? v_new : values, apart ? n - 1 : n);
-    free(q);
 }
 
 /* A KV head's scores, M scaled float32 queries against key rows [0, n) of any storage type
@@ -144,35 +169,28 @@ static void head_weighted(int v_type, int M, int d, int n, const float *p, size_
         kv_weighted(v_type, M, d, n, p, ldp, (const uint16_t *)values, (const uint16_t *)v2, K1, out);
 }
 
-/* attend_head over 16-bit keys or values: the new key and value rounded to their types and written
- * (into the cache, or apart), then the same scores, softmax and products, the 16-bit rows widened
- * in registers as the products read them (kv_rows.h). A step on a cache it may not write reads its
- * new rows apart and gives the same numbers as on its own (each score its own dot product; the
- * values' rows summed in order, the last one from the row kept apart). */
-static void attend_head_kv(const void *ctx, int h) {
+/* attend_head over 16-bit keys or values (or blocks): the same scores, softmax and products, the
+ * 16-bit rows widened in registers as the products read them (kv_rows.h). A step on a cache it may
+ * not write reads its new rows apart and gives the same numbers as on its own (each score its own
+ * dot product; the values' rows summed in order, the last one from the row kept apart). */
+static void attend_head_kv(const void *ctx, int p) {
     static __thread struct mlxcel_scratch scratch;
     const struct attention_job *a = ctx;
-    int g = a->group, d = a->d, n = a->n, apart = a->k_out != NULL;
-    size_t k_row = kv_row_bytes(a->k_type, d), v_row = kv_row_bytes(a->v_type, d);
-    char *keys = (char *)a->keys + h * a->head_stride / d * k_row;
-    char *values = (char *)a->values + h * a->head_stride / d * v_row;
-    char *k_dst = apart ? (char *)a->k_out + h * k_row : keys + (size_t)a->write * k_row;
-    char *v_dst = apart ? (char *)a->v_out + h * v_row : values + (size_t)a->write * v_row;
-    kv_narrow(a->k_type, k_dst, a->k_new + (size_t)h * d, d);
-    kv_narrow(a->v_type, v_dst, a->v_new + (size_t)h * d, d);
+    struct head_part hp = head_part(a, p);
+    int g = hp.n_q, d = a->d, n = a->n, h = hp.h, apart = a->k_out != NULL;
+    if (g == 0) return;
+    char *keys = (char *)a->keys + h * a->head_stride / d * kv_row_bytes(a->k_type, d);
+    char *values = (char *)a->values + h * a->head_stride / d * kv_row_bytes(a->v_type, d);
+    char *k_dst = new_row(a, h, 0), *v_dst = new_row(a, h, 1);
     float *q = mlxcel_scratch(&scratch, ((size_t)g * d + (size_t)g * n) * sizeof(float));
     float *scores = q + (size_t)g * d;
-    for (int i = 0; i < g * d; i++) q[i] = a->q[(size_t)h * g * d + i] * a->scale;
+    const float *q_in = a->q + ((size_t)h * a->group + hp.i0) * d;
+    for (int i = 0; i < g * d; i++) q[i] = q_in[i] * a->scale;
     int shared = apart ? n - 1 : n; /* slots read from the cache; the last one apart after them */
     head_scores(a->k_type, g, shared, d, q, keys, scores, n); /* block keys: each row dequantized */
     if (apart) head_scores(a->k_type, g, 1, d, q, k_dst, scores + n - 1, n);
-    for (int i = 0; i < g; i++) {
-        float *s = scores + (size_t)i * n;
-        soft_cap_row(s, n, a->softcap);
-        float inv = 1.0f / exp2_shifted_row_sink(s, n, a->sinks ? a->sinks + (size_t)h * g + i : NULL);
-        for (int t = 0; t < n; t++) s[t] *= inv;
-    }
-    head_weighted(a->v_type, g, d, n, scores, n, values, v_dst, shared, a->out + (size_t)h * g * d);
+    head_softmax(a, hp, scores, n, n);
+    head_weighted(a->v_type, g, d, n, scores, n, values, v_dst, shared, a->out + ((size_t)h * a->group + hp.i0) * d);
 }
 
 /* attend_head over a span (kv_rows.h): the shared blocks read in place, then the cache's own rows
@@ -180,45 +198,53 @@ static void attend_head_kv(const void *ctx, int h) {
  * values as attend_head_kv reads them: each key row dequantized for the float32 queries, the
  * value rows dequantized in order). The same scores, softmax and products, so the same numbers as
  * over one buffer holding the same rows. */
-static void attend_head_span(const void *ctx, int h) {
+static void attend_head_span(const void *ctx, int p) {
     static __thread struct mlxcel_scratch scratch;
     const struct attention_job *a = ctx;
     const struct kv_blocks *b = a->paged;
-    int g = a->group, d = a->d, n = a->n, nb = b->n_blocked, apart = a->k_out != NULL;
+    struct head_part hp = head_part(a, p);
+    int g = hp.n_q, d = a->d, n = a->n, h = hp.h, nb = b->n_blocked, apart = a->k_out != NULL;
+    if (g == 0) return;
     size_t k_row = kv_row_bytes(a->k_type, d), v_row = kv_row_bytes(a->v_type, d);
     char *keys = (char *)a->keys + h * a->head_stride / d * k_row;
     char *values = (char *)a->values + h * a->head_stride / d * v_row;
-    char *k_dst = apart ? (char *)a->k_out + h * k_row : keys + (size_t)(a->write - nb) * k_row;
-    char *v_dst = apart ? (char *)a->v_out + h * v_row : values + (size_t)(a->write - nb) * v_row;
-    kv_narrow(a->k_type, k_dst, a->k_new + (size_t)h * d, d);
-    kv_narrow(a->v_type, v_dst, a->v_new + (size_t)h * d, d);
+    char *k_dst = new_row(a, h, 0), *v_dst = new_row(a, h, 1);
     size_t run_bytes = ((size_t)(nb / b->block_tokens + 2) * sizeof(struct kv_run) + 63) / 64 * 64;
     char *mem = mlxcel_scratch(&scratch, run_bytes + ((size_t)g * d + (size_t)g * n) * sizeof(float));
     struct kv_run *runs = (struct kv_run *)mem;
     float *q = (float *)(mem + run_bytes), *scores = q + (size_t)g * d;
-    for (int i = 0; i < g * d; i++) q[i] = a->q[(size_t)h * g * d + i] * a->scale;
+    const float *q_in = a->q + ((size_t)h * a->group + hp.i0) * d;
+    for (int i = 0; i < g * d; i++) q[i] = q_in[i] * a->scale;
     int own_n = (apart ? n - 1 : n) - nb;
     int n_runs = kv_head_runs(runs, b, 0, k_row, h, keys, own_n, k_dst, apart);
     if (kv_blocks(a->k_type)) /* block keys: each row dequantized, the scaled float32 queries */
         kv_span_block_scores(a->k_type, g, d, runs, n_runs, q, scores, n);
     else
         kv_span_scores(a->k_type, g, d, runs, n_runs, q, scores, n);
-    for (int i = 0; i < g; i++) {
-        float *s = scores + (size_t)i * n;
-        soft_cap_row(s, n, a->softcap);
-        float inv = 1.0f / exp2_shifted_row_sink(s, n, a->sinks ? a->sinks + (size_t)h * g + i : NULL);
-        for (int t = 0; t < n; t++) s[t] *= inv;
-    }
+    head_softmax(a, hp, scores, n, n);
+    float *out = a->out + ((size_t)h * a->group + hp.i0) * d;
     n_runs = kv_head_runs(runs, b, 1, v_row, h, values, own_n, v_dst, apart);
     if (kv_blocks(a->v_type))
-        kv_span_block_weighted(a->v_type, g, d, runs, n_runs, scores, n, a->out + (size_t)h * g * d);
+        kv_span_block_weighted(a->v_type, g, d, runs, n_runs, scores, n, out);
     else
-        kv_span_weighted(a->v_type, g, d, runs, n_runs, scores, n, a->out + (size_t)h * g * d);
+        kv_span_weighted(a->v_type, g, d, runs, n_runs, scores, n, out);
 }
 
+/* Every KV head's new key and value written (rounded to their types) on the calling thread, then
+ * the parts spread over the pool. Why the parts: with fewer KV heads than a whole number of
+ * threads' worth (SmolLM2's 3 on 2 threads, Gemma 3's 1) the heads alone left a thread idle for a
+ * third to half of every layer's attention; each head's queries are then split in two (or more),
+ * each part reading the head's keys and values for its own queries. */
 static void attend_heads(struct attention_job *a, int kv_heads) {
+    for (int h = 0; h < kv_heads; h++) {
+        kv_narrow(a->k_type, new_row(a, h, 0), a->k_new + (size_t)h * a->d, a->d);
+        kv_narrow(a->v_type, new_row(a, h, 1), a->v_new + (size_t)h * a->d, a->d);
+    }
+    int threads = mlxcel_threads();
+    a->parts = 1;
+    while ((kv_heads * a->parts) % threads && 2 * a->parts <= a->group) a->parts *= 2;
     int plain = a->k_type == MLXCEL_KV_F32 && a->v_type == MLXCEL_KV_F32;
-    mlxcel_parallel(kv_heads, a->paged ? attend_head_span : plain ? attend_head : attend_head_kv, a);
+    mlxcel_parallel(kv_heads * a->parts, a->paged ? attend_head_span : plain ? attend_head : attend_head_kv, a);
 }
 
 /* A decode step's attention for every KV head of one layer, the heads spread over the pool: the
@@ -246,28 +272,44 @@ int mlxcel_decode_attention_at(const float *q, const float *k_new, const float *
 struct rows_job {
     struct attention_job a; /* row 0's q, k_new, v_new, out, write and n */
     int rows, hq;           /* rows; query heads (a row's stride in q and out: hq * d; in k_new: hq / group * d) */
+    int blocks;             /* each head's rows in this many parts (part p: head p / blocks) */
 };
 
-static void attend_head_rows(const void *ctx, int h) {
-    static __thread struct mlxcel_scratch scratch;
+/* KV head h's new keys and values, rounded to their types, into the cache (before any part reads). */
+static void write_head_rows(const void *ctx, int h) {
     const struct rows_job *job = ctx;
     const struct attention_job *a = &job->a;
-    int g = a->group, d = a->d, R = job->rows, hq = job->hq, hk = hq / g, span = a->n + R - 1;
+    int d = a->d, hk = job->hq / a->group;
     size_t k_row = kv_row_bytes(a->k_type, d), v_row = kv_row_bytes(a->v_type, d);
     char *keys = (char *)a->keys + h * a->head_stride / d * k_row;
     char *values = (char *)a->values + h * a->head_stride / d * v_row;
-    for (int j = 0; j < R; j++) {
+    for (int j = 0; j < job->rows; j++) {
         kv_narrow(a->k_type, keys + (size_t)(a->write + j) * k_row, a->k_new + ((size_t)j * hk + h) * d, d);
         kv_narrow(a->v_type, values + (size_t)(a->write + j) * v_row, a->v_new + ((size_t)j * hk + h) * d, d);
     }
+}
+
+/* Part p: KV head p / blocks, its rows [r0, r1) (the rows split evenly over the blocks). */
+static void attend_head_rows(const void *ctx, int part) {
+    static __thread struct mlxcel_scratch scratch;
+    const struct rows_job *job = ctx;
+    const struct attention_job *a = &job->a;
+    int h = part / job->blocks, blk = part % job->blocks;
+    int r0 = job->rows * blk / job->blocks, r1 = job->rows * (blk + 1) / job->blocks;
+    int g = a->group, d = a->d, R = r1 - r0, hq = job->hq, span = a->n + r1 - 1;
+    size_t k_row = kv_row_bytes(a->k_type, d), v_row = kv_row_bytes(a->v_type, d);
+    char *keys = (char *)a->keys + h * a->head_stride / d * k_row;
+    char *values = (char *)a->values + h * a->head_stride / d * v_row;
+    if (R == 0) return;
     float *q = mlxcel_scratch(&scratch, ((size_t)g * R * d + (size_t)g * R * span) * sizeof(float));
     float *scores = q + (size_t)g * R * d;
     for (int j = 0; j < R; j++)
-        for (int i = 0; i < g * d; i++) q[(size_t)j * g * d + i] = a->q[(size_t)j * hq * d + (size_t)h * g * d + i] * a->scale;
+        for (int i = 0; i < g * d; i++)
+            q[(size_t)j * g * d + i] = a->q[(size_t)(r0 + j) * hq * d + (size_t)h * g * d + i] * a->scale;
     head_scores(a->k_type, g * R, span, d, q, keys, scores, span);
     for (int j = 0; j < R; j++) {
-        int n = a->n + j;
-        float *p = scores + (size_t)j * g * span, *out = a->out + (size_t)j * hq * d + (size_t)h * g * d;
+        int n = a->n + r0 + j;
+        float *p = scores + (size_t)j * g * span, *out = a->out + (size_t)(r0 + j) * hq * d + (size_t)h * g * d;
         for (int i = 0; i < g; i++) {
             float *s = p + (size_t)i * span;
             float inv = 1.0f / exp2_shifted_row_sink(s, n, NULL);
@@ -284,9 +326,15 @@ int mlxcel_decode_attention_rows(const float *q, const float *k_new, const float
                                  float *out, int rows, int kv_heads, int group, int d, int write, int n, long capacity,
                                  float scale, int k_type, int v_type) {
     if (rows < 1 || write < 0 || write + rows > capacity || n < 1 || n + rows - 1 > capacity) return -1;
+    /* Fewer KV heads than twice the threads (SmolLM2's 3 on 2 threads left one idle half the
+     * time): each head's rows in parts too, at least 2 rows a part. A part reads its head's keys
+     * for its own rows' slots only; a row's numbers do not depend on the parts. */
+    int threads = mlxcel_threads(), blocks = 1;
+    while (kv_heads * blocks < 2 * threads && rows / (2 * blocks) >= 2) blocks *= 2;
     struct rows_job job = {{q, k_new, v_new, keys, values, NULL, NULL, out, group, d, write, n, (size_t)capacity * d,
-                            scale, k_type, v_type}, rows, kv_heads * group};
-    mlxcel_parallel(kv_heads, attend_head_rows, &job);
+                            scale, k_type, v_type}, rows, kv_heads * group, blocks};
+    mlxcel_parallel(kv_heads, write_head_rows, &job);
+    mlxcel_parallel(kv_heads * blocks, attend_head_rows, &job);
     return 0;
 }
 

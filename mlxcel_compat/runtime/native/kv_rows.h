@@ -301,12 +301,23 @@ static inline __attribute__((always_inline)) void kv_dot_block(const int T, cons
             for (int j = 0; j < NB; j++) acc[i][j] += xv * wv[j];
         }
     }
-    for (int i = 0; i < MB; i++)
+    for (int i = 0; i < MB; i++) {
+        float sums[NB_MAX];
+#ifdef HAVE_HSUM4
+        if (NB == 4) hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums); /* hsum's bits, fewer shuffles */
+        else
+#endif
+            for (int j = 0; j < NB; j++) sums[j] = hsum(acc[i][j]);
+        if (k == K) { /* no scalar tail (every head size but odd ones): the block's scores in one store */
+            memcpy(c + i * ldc, sums, NB * sizeof(float));
+            continue;
+        }
         for (int j = 0; j < NB; j++) {
-            float s = hsum(acc[i][j]);
+            float s = sums[j];
             for (int kk = k; kk < K; kk++) s += x[i * ldx + kk] * kv_load16s(T, w[j * ldw + kk]);
             c[i * ldc + j] = s;
         }
+    }
 }
 
 #define KV_DOT(mb, nb) kv_dot_block(T, mb, nb, K, x + (size_t)m * ldx, ldx, w + (size_t)n * ldw, ldw, c + (size_t)m * ldc + n, ldc)

@@ -44,13 +44,36 @@ static inline vf loadv(const float *p) { return *(const vf *)p; }
  * broadcasts in its inner loop (rows_nn: probabilities @ values) ~3x slower. */
 static inline vf splat(float a) { return a - (vf){0}; }
 
-/* Sum of the lanes by halving: one fixed order. */
+/* Sum of the lanes by halving: one fixed order (lane i plus lane i + w, w = VL / 2, ..., 1).
+ * Where the compiler has vector shuffles it is written with them: the same additions in the same
+ * order, so the same bits. The loop over an array that it was alone (still the fallback) compiled
+ * (GCC 12, AVX-512) to scalar adds through the stack, each waiting on the store before it: 40 % of
+ * the decode attention's scores over 16-bit keys (kv_rows.h), 2026-12-07. */
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector) && (VL == 16 || VL == 8)
+#define HAVE_SHUFFLE_HSUM 1
+#endif
+#endif
 static inline float hsum(vf v) {
+#ifdef HAVE_SHUFFLE_HSUM
+    typedef float h8 __attribute__((vector_size(8 * sizeof(float))));
+    typedef float h4 __attribute__((vector_size(4 * sizeof(float))));
+    typedef float h2 __attribute__((vector_size(2 * sizeof(float))));
+#if VL == 16
+    h8 e = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    h8 e = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+#endif
+    h4 f = __builtin_shufflevector(e, e, 0, 1, 2, 3) + __builtin_shufflevector(e, e, 4, 5, 6, 7);
+    h2 g = __builtin_shufflevector(f, f, 0, 1) + __builtin_shufflevector(f, f, 2, 3);
+    return g[0] + g[1];
+#else
     float t[VL];
     memcpy(t, &v, sizeof t);
     for (int w = VL / 2; w > 0; w /= 2)
         for (int i = 0; i < w; i++) t[i] += t[i + w];
     return t[0];
+#endif
 }
 
 /* The sums of four vectors, each added in exactly hsum's order (so a block's results do not
