@@ -275,9 +275,9 @@ struct rows_job {
     int blocks;             /* each head's rows in this many parts (part p: head p / blocks) */
 };
 
-/* KV head h's new keys and values, rounded to their types, into the cache (before any part reads). */
-static void write_head_rows(const void *ctx, int h) {
-    const struct rows_job *job = ctx;
+/* KV head h's new keys and values, rounded to their types, into the cache (before any part reads:
+ * on the calling thread, a few thousand values, cheaper than waking the pool for them). */
+static void write_head_rows(const struct rows_job *job, int h) {
     const struct attention_job *a = &job->a;
     int d = a->d, hk = job->hq / a->group;
     size_t k_row = kv_row_bytes(a->k_type, d), v_row = kv_row_bytes(a->v_type, d);
@@ -333,7 +333,7 @@ int mlxcel_decode_attention_rows(const float *q, const float *k_new, const float
     while (kv_heads * blocks < 2 * threads && rows / (2 * blocks) >= 2) blocks *= 2;
     struct rows_job job = {{q, k_new, v_new, keys, values, NULL, NULL, out, group, d, write, n, (size_t)capacity * d,
                             scale, k_type, v_type}, rows, kv_heads * group, blocks};
-    mlxcel_parallel(kv_heads, write_head_rows, &job);
+    for (int h = 0; h < kv_heads; h++) write_head_rows(&job, h);
     mlxcel_parallel(kv_heads * blocks, attend_head_rows, &job);
     return 0;
 }
