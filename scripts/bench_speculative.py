@@ -8,7 +8,9 @@ ratio is speculating over plain of the same server, measured in alternation:
 
 - ``edit``: a real trained model (default: SmolLM2-135M-Instruct, fetched as the demo fetches it;
   ``--model`` another GGUF) asked to give back a file with a small fix: the answer repeats most of
-  its prompt, which n-gram drafting (``--spec-type ngram-simple``) turns into long drafts;
+  its prompt, which n-gram drafting (``--spec-type ngram-simple``) turns into long drafts; three
+  files (``EDITS``, a typo each), each reported, and all three together (their tokens over their
+  decoding time);
 - ``draft``: the factory's derived target/draft pair (``mlxcel_compat.testing.draft_pair``: the
   draft is the target's first layers, the target's deeper layers damped), written as GGUF so
   llama-server serves the same weights, speculating with ``-md``.
@@ -17,6 +19,7 @@ Both servers' greedy outputs with and without speculation are compared and repor
 
     scripts/bench_speculative.py [--workload edit|draft|both] [--peer-llama-server BIN] [--reps 3]
         [--baseline DIR]  (another checkout's package beside this one: e.g. main's, under the same load)
+        [--edits N]  (the edit workload's first N files)
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -58,7 +62,76 @@ def update_setting(path, key, value):
     save_settings(path, settings)
     return settings
 '''
-EDIT_ASK = "Fix the typo 'retrun' in this file and output the complete corrected file.\n\n```python\n"
+SCRIPT = """const fs = require("fs");
+const path = require("path");
+
+function readConfig(dir) {
+  const file = path.join(dir, "config.json");
+  if (!fs.existsSync(file)) {
+    return { port: 8080, host: "localhost", debug: false };
+  }
+  const text = fs.readFileSync(file, "utf8");
+  return JSON.prase(text);
+}
+
+function writeConfig(dir, config) {
+  const file = path.join(dir, "config.json");
+  fs.writeFileSync(file, JSON.stringify(config, null, 2));
+}
+
+function setOption(dir, key, value) {
+  const config = readConfig(dir);
+  config[key] = value;
+  writeConfig(dir, config);
+  return config;
+}
+
+module.exports = { readConfig, writeConfig, setOption };
+"""
+CLASS = '''class Inventory:
+    """Items and their counts."""
+
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name, count=1):
+        self.items[name] = self.items.get(name, 0) + count
+
+    def remove(self, name, count=1):
+        if name not in self.items:
+            raise KeyError(name)
+        self.items[name] -= count
+        if self.items[name] <= 0:
+            del self.itmes[name]
+
+    def total(self):
+        return sum(self.items.values())
+
+    def report(self):
+        lines = [f"{name}: {count}" for name, count in sorted(self.items.items())]
+        return "\\n".join(lines)
+'''
+
+
+@dataclass(frozen=True)
+class Edit:
+    """One "edit this file" request: a file with one typo, to be given back fixed."""
+
+    name: str
+    language: str  # the code fence's
+    text: str
+    typo: str
+
+    @property
+    def ask(self) -> str:
+        return f"Fix the typo '{self.typo}' in this file and output the complete corrected file.\n\n```{self.language}\n"
+
+
+# The workload's files: the first is the one every earlier figure used (`--edits 1`); the others
+# make the speed-up a property of the speculation rather than of one text (whether a 135M model's
+# greedy answer keeps to the file or strays from it moves with any change to rounding).
+EDITS = (Edit("settings.py", "python", FILE, "retrun"), Edit("config.js", "javascript", SCRIPT, "prase"),
+         Edit("inventory.py", "python", CLASS, "itmes"))
 
 
 def start(name: str, cmd: list[str], port: int, env: dict[str, str] | None = None) -> ServerProcess:
@@ -90,17 +163,14 @@ def completion(server: ServerProcess, body: dict[str, Any]) -> dict[str, Any]:
         return out.json()
 
 
-# The answer starts with the code fence: on the bare prompt the model's first token is a near-tie
+# The answer starts with the code fence (`edit_prompt`): on the bare prompt the model's first token is a near-tie
 # (float32 logits 33.77 for "```" against 33.52 for "To" on SmolLM2-135M-Instruct Q4_1), so
 # whether it gave back the file or talked about it hung on 8-bit activations' rounding (both
 # happened, 2026-12-07), and with it how much there was to draft. Begun, the answer is the file.
-EDIT_ANSWER_START = "```python\n"
-
-
-def edit_prompt(server: ServerProcess) -> str:
+def edit_prompt(server: ServerProcess, edit: Edit) -> str:
     with httpx.Client(base_url=server.base_url, timeout=60) as http:
-        messages = [{"role": "user", "content": EDIT_ASK + FILE + "```"}]
-        return http.post("/apply-template", json={"messages": messages}).json()["prompt"] + EDIT_ANSWER_START
+        messages = [{"role": "user", "content": edit.ask + edit.text + "```"}]
+        return http.post("/apply-template", json={"messages": messages}).json()["prompt"] + f"```{edit.language}\n"
 
 
 def cpu_seconds(server: ServerProcess) -> float:
@@ -174,17 +244,32 @@ def run_edit(args: argparse.Namespace) -> list[str]:
         cmds.update({"baseline:plain": ours(model, []), "baseline:ngram": ours(model, ngram)})
         envs = {name: {"PYTHONPATH": str(Path(args.baseline).resolve())} for name in ("baseline:plain", "baseline:ngram")}
     servers = {name: start(name, cmd, port, envs.get(name)) for name, (cmd, port) in cmds.items()}
+    pairs = [("mlxcel:plain", "mlxcel:ngram"), ("baseline:plain", "baseline:ngram"), ("llama-server:plain", "llama-server:ngram")]
+    clock = ", tok/s per CPU second of decoding (best of the reps)" if args.clock == "cpu" else ""
+    lines: list[str] = []
+    per_edit: list[dict[str, dict[str, Any]]] = []
     try:
-        prompt = edit_prompt(servers["mlxcel:plain"])
-        body = {"prompt": prompt, "n_predict": args.n_predict, "temperature": 0, "cache_prompt": False}
-        results = measure(servers, body, args.reps, args.clock)
+        for edit in EDITS[:args.edits]:
+            body = {"prompt": edit_prompt(servers["mlxcel:plain"], edit), "n_predict": args.n_predict,
+                    "temperature": 0, "cache_prompt": False}
+            per_edit.append(measure(servers, body, args.reps, args.clock))
+            lines += report(f"edit {edit.name}: {model.name}, ngram-simple n={args.ngram_n} m={args.ngram_m}, "
+                            f"{args.n_predict} tokens{clock}", per_edit[-1], pairs)
     finally:
         for server in servers.values():
             server.stop()
-    clock = ", tok/s per CPU second of decoding (best of the reps)" if args.clock == "cpu" else ""
-    return report(f"edit: {model.name}, ngram-simple n={args.ngram_n} m={args.ngram_m}, {args.n_predict} tokens{clock}",
-                  results, [("mlxcel:plain", "mlxcel:ngram"), ("baseline:plain", "baseline:ngram"),
-                            ("llama-server:plain", "llama-server:ngram")])
+    if len(per_edit) > 1:  # the files together: every file's tokens over every file's decoding time
+        lines += report(f"edit, the {len(per_edit)} files together (tokens over decoding time)",
+                        {name: together([r[name] for r in per_edit]) for name in per_edit[0]}, pairs)
+    return lines
+
+
+def together(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several files' results as one: tokens over decoding time, drafts summed, the texts joined."""
+    n = sum(r["n"] for r in results)
+    return {"tok_s": n / sum(r["n"] / r["tok_s"] for r in results), "n": n,
+            "draft_n": sum(r["draft_n"] for r in results), "accepted": sum(r["accepted"] for r in results),
+            "content": "\0".join(r["content"] for r in results)}
 
 
 def run_draft(args: argparse.Namespace) -> list[str]:
@@ -220,6 +305,8 @@ def main() -> int:
     parser.add_argument("--ngram-m", type=int, default=48)
     parser.add_argument("--baseline", metavar="DIR", help="edit workload: also serve the package of this checkout "
                         "(PYTHONPATH=DIR), plain and speculating, in the same alternation (rows 'baseline')")
+    parser.add_argument("--edits", type=int, default=len(EDITS), help=f"edit workload: how many of its {len(EDITS)} files "
+                        "(1: the first alone, as every figure before 2026-12-07 22:40)")
     parser.add_argument("--n-max", type=int, default=4)
     parser.add_argument("--draft-layers", type=int, default=2)
     parser.add_argument("--damping", type=float, default=0.02)
