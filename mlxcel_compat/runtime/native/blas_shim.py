@@ -33,7 +33,8 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("blas_shim.c")
 # Every file the library is built from: the shim (the interposed ``cblas_sgemm``, its thread pool in
-# ``thread_pool.c``), the decode runtime's kernels (``elementwise.c``, ``attention.c``), the
+# ``thread_pool.c``), the decode runtime's kernels (``elementwise.c``, ``attention.c`` for decode steps,
+# ``chunk_attention.c`` for prompt chunks), the
 # block-format products (``block_matmul.c``, ggml's kernels called from the shim's threads, and this
 # project's own: ``quant_rows.c`` for Q8_0 decode rows and the look-ups, ``k_quant_rows.c`` for the
 # K-quants' decode rows and their Q8_K activations, ``split_rows.c`` for the split
@@ -46,12 +47,12 @@ SOURCE = Path(__file__).with_name("blas_shim.c")
 # starts them first (``split_rows.c`` ~16 s, ``k_quant_rows.c`` ~10 s, ``attention.c`` ~7 s; the rest
 # ~1 s each).
 SOURCES = tuple(SOURCE.with_name(name) for name in (
-    "split_rows.c", "k_quant_rows.c", "attention.c", "blas_shim.c", "thread_pool.c", "elementwise.c", "block_matmul.c",
+    "split_rows.c", "k_quant_rows.c", "attention.c", "chunk_attention.c", "blas_shim.c", "thread_pool.c", "elementwise.c", "block_matmul.c",
     "quant_rows.c", "mxfp4_rows.c", "dequantize.c", "decode_pass.c", "moe_layer.c",
     "delta_net.c", "mamba2.c", "short_conv.c", "gemma4_pass.c", "mla_attention.c", "expert_f32.c", "row_layouts.c"))
 HEADERS = tuple(SOURCE.with_name(name) for name in (
     "blas_shim.h", "thread_pool.h", "vector_math.h", "small_m_kernel.h", "decode_kernels.h", "quant_blocks.h",
-    "delta_net.h", "kv_rows.h", "decode_pass.h", "mamba2.h", "short_conv.h", "mla_attention.h"))
+    "delta_net.h", "kv_rows.h", "softmax_rows.h", "decode_pass.h", "mamba2.h", "short_conv.h", "mla_attention.h"))
 # Compiling every source takes ~40 s on an idle core (~20 s on two, in parallel); on a loaded machine (tests starting servers
 # with fresh caches beside each other) it took over the two minutes once allowed, and a build
 # that times out leaves the runtime off.

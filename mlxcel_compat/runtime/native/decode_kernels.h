@@ -1,4 +1,4 @@
-/* The decode runtime's kernels (elementwise.c, attention.c), for decode_pass.c's layer loop. */
+/* The decode runtime's kernels (elementwise.c, attention.c, chunk_attention.c), for decode_pass.c's layer loop. */
 #ifndef MLXCEL_DECODE_KERNELS_H
 #define MLXCEL_DECODE_KERNELS_H
 

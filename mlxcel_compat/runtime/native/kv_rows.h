@@ -1,11 +1,11 @@
-/* The KV cache's storage types in the CPU decode runtime's attention (attention.c): rows of keys
+/* The KV cache's storage types in the CPU decode runtime's attention (attention.c, chunk_attention.c): rows of keys
  * and values stored as float32, IEEE half (f16) or bfloat16, as llama-server's -ctk/-ctv say
  * (runtime/kv_precision.py). New rows are rounded to the type when written (round to nearest,
  * ties to even: what MLX's astype and ggml's fp32-to-fp16 conversion do) and widened back to
  * float32 as attention reads them (ggml's CPU flash attention also converts its f16 rows to
  * float32 for its sums). F16C converts eight values an instruction where the CPU has it; the
  * scalar conversions below give the same bits (tests/runtime/test_cpu_decode_kv16.py).
- * Everything here is static: attention.c is the one includer. */
+ * Everything here is static: attention.c and chunk_attention.c each compile their own copy. */
 #ifndef MLXCEL_KV_ROWS_H
 #define MLXCEL_KV_ROWS_H
 

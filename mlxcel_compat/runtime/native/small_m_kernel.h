@@ -2,7 +2,7 @@
  * or alpha * A @ B (rows_nn: attention's probabilities @ values) for up to a few rows of A, every
  * row of B read once for all of them while it is in registers. The thread pool runs it in parts
  * for the interposed cblas_sgemm (thread_pool.c), the decode runtime's attention on its own
- * (attention.c). Defined here, static, so that each of the two sources compiles its own copy and
+ * (attention.c, chunk_attention.c). Defined here, static, so that each source compiles its own copy and
  * inlines (or specializes) it where the one file they came from did.
  *
  * The kernel computes each output element as the same sequence of operations whatever M is and
