@@ -227,10 +227,10 @@ def release_headers(file: GGUFModelFile, maps: dict[Any, np.ndarray]) -> None:
 def _expert_stack(info: TensorInfo, mapped: np.ndarray, mlx_name: str, target_shape: tuple[int, ...],
                   lib: block_weight.BlockLibrary) -> Any:
     """A stack of experts served from its blocks in the mapped file (``block_experts.ExpertStack``):
-    nothing is read or copied, except for a type whose rows the shim's own kernels read split
-    (``block_weight.split_rows``: MXFP4) or grouped (``block_weight.group_rows``: Q4_K, Q6_K, where each
-    expert's rows are whole groups of 16), which is rearranged into a copy that replaces the
-    file's pages."""
+    nothing is read or copied, except for a type whose rows the shim's own kernels read grouped
+    (``block_weight.group_rows``: Q4_K, Q6_K, Q8_0, the 32-value types and MXFP4, where each
+    expert's rows are whole groups of 16) or split (``block_weight.split_rows``: the 32-value
+    types and MXFP4 otherwise), which is rearranged into a copy that replaces the file's pages."""
     from mlxcel_compat.runtime import block_experts
 
     if tuple(info.shape) != tuple(target_shape):

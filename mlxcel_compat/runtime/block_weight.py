@@ -7,9 +7,9 @@ and a restart finds them there. Products go through the native layer's block pro
 (``ggml_cpu.py``): few activation rows by ``vec_dot`` or the shim's own kernels, many rows
 (``tiles``: a prompt chunk's path) by tiles expanded to float32 for the BLAS's sgemm, or by the
 shim's own lane kernels where they take prompt chunks too (``BlockLibrary.lane_prompts``: Q8_0,
-and the rows split or grouped at load). Q4_K, Q6_K, Q8_0, Q4_1, Q5_0 and Q5_1 weights of linear
-layers and expert stacks are grouped at load (``group_rows``: 16 rows' blocks side by side; the
-last three in whole groups only), the other Q4_1, Q5_0, Q5_1 and MXFP4 weights split
+and the rows split or grouped at load). Q4_K, Q6_K, Q8_0, Q4_1, Q5_0, Q5_1 and MXFP4 weights of
+linear layers and expert stacks are grouped at load (``group_rows``: 16 rows' blocks side by side;
+the last four in whole groups only), the other Q4_1, Q5_0, Q5_1 and MXFP4 weights split
 (``split_rows``: factors ahead of nibbles). Nothing here imports MLX; the MLX modules that hold
 these weights are in ``block_layers.py``, and the CPU decode runtime calls them directly
 (``cpu_decode.py``).
@@ -52,8 +52,8 @@ SPLIT_TYPE_BASE = 1000
 # block bytes and its whole dwords (the other bytes, Q6_K's d after them, Q8_0's and Q5_0's d
 # ahead of them, go as the 16 rows' in turn: after the dwords where the block starts a cache line,
 # else ahead of them, so that no vector straddles two lines), and the code (GROUPED_TYPE_BASE +
-# the ggml type) that names the grouped form there. The 32-value types' grouped kernels take
-# whole groups only (``group_rows`` leaves a weight of other row counts as it was).
+# the ggml type) that names the grouped form there. The 32-value types' grouped kernels, Q8_0's
+# aside, take whole groups only (``group_rows`` leaves a weight of other row counts as it was).
 GROUPED_BLOCKS = {
     12: (144, 36),  # GGML_TYPE_Q4_K: d, dmin, scales[12], qs[128]
     14: (210, 52),  # GGML_TYPE_Q6_K: ql[128], qh[64], scales[16], then d
@@ -61,9 +61,10 @@ GROUPED_BLOCKS = {
     3: (20, 5),  # GGML_TYPE_Q4_1: d and m (one dword), qs[16]
     6: (22, 5),  # GGML_TYPE_Q5_0: d (ahead), qh[4], qs[16]
     7: (24, 6),  # GGML_TYPE_Q5_1: d and m, qh[4], qs[16]
+    39: (17, 4),  # GGML_TYPE_MXFP4: e (ahead), qs[16]; 16 x 17 bytes: half the blocks' dwords straddle lines
 }
-# The bytes of a block ahead of its whole dwords (a 2-byte d): they go with the bytes past them.
-GROUPED_LEAD = {8: 2, 6: 2}
+# The bytes of a block ahead of its whole dwords (a 2-byte d, MXFP4's exponent): they go with the bytes past them.
+GROUPED_LEAD = {8: 2, 6: 2, 39: 1}
 # Where the lanes read a grouped super-block's quads of dwords (4 q .. 4 q + 3, a vector load each)
 # out of order, the order they are stored in: slot s holds quad QUAD_ORDER[type][s], so that a
 # super-block is read front to back (the native layer's q6_K_quad_slot, the other way round).
@@ -464,18 +465,19 @@ def ungrouped_rows(data: np.ndarray, ggml_type: int, ids: np.ndarray) -> np.ndar
 def group_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: int = 0) -> bool:
     """Group the rows of ``weight`` (a linear layer's blocks, or an expert stack's whose experts
     are whole groups of 16 rows, of a type in ``GROUPED_BLOCKS`` whose grouped kernel the library
-    has; Q4_1, Q5_0 and Q5_1 in whole groups only) into a copy (``grouped_copy``; rows read
+    has; Q4_1, Q5_0, Q5_1 and MXFP4 in whole groups only) into a copy (``grouped_copy``; rows read
     permuted are put in output order first). Every product of it then takes the lanes
     (``rows_q4_K_grouped``, ``rows_q6_K_grouped``, ``rows_q8_0_grouped``, ``rows_q4_1_grouped``
-    ...): decode rows at every row count, and prompt chunks 16 rows at a time, instead of ggml's
-    mul_mat or the lanes over rows stored apart or split. Why: stored apart, the lanes spent more
+    ..., ``rows_mxfp4_grouped``): decode rows at every row count, and prompt chunks 16 rows at a
+    time, instead of ggml's mul_mat or the lanes over rows stored apart or split. Why: stored apart, the lanes spent more
     on gathering 16 rows' bytes into lane order than on their arithmetic; grouped, a group is read
     front to back with no transposes. On this project's AVX-512 machine
     (docs/benchmarks/quantized.md, "Grouped rows"): Q4_K decode rows 1.3-2.2x the speed over rows
     stored apart, Q6_K's 2-8 rows 1.1-2.2x (a lone Q6_K row 0.91-1.56x); prompt chunks 1.0-3.9x
     ggml's mul_mat (16-256 rows); the 32-value types 1.5-2x at one to four rows of cached
     weights, 1.1-1.5x at 8-16 rows and in prompt chunks, a lone memory-bound row 0.93-1.0x (Q8_0
-    0.94-0.97x). Each pair's result is the same bits as over rows stored apart or split (the
+    0.94-0.97x); MXFP4 1.6x at one row, 1.4x at four, 1.1x at 8-16 and in prompt chunks (gpt-oss's
+    2880-wide experts and 4096 x 11008). Each pair's result is the same bits as over rows stored apart or split (the
     lanes' arithmetic). The file's pages of the weight (``mapped``, at ``offset``) are dropped, as
     a repacked weight's are. Whether it was grouped."""
     if (int(weight.ggml_type) not in weight.lib.grouped_kinds or weight.grouped or weight.split

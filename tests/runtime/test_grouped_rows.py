@@ -1,7 +1,7 @@
 """Weights whose rows ``group_rows`` grouped at load (16 rows' blocks side by side, a vector lane a
 row): Q4_K and Q6_K (``rows_q4_K_grouped``, ``rows_q6_K_grouped`` in k_quant_rows.c), Q8_0
-(quant_rows.c) and Q4_1, Q5_0, Q5_1 (``rows_q4_1_grouped`` ... in split_rows.c, against their rows
-split at load).
+(quant_rows.c), Q4_1, Q5_0, Q5_1 (``rows_q4_1_grouped`` ... in split_rows.c) and MXFP4
+(``rows_mxfp4_grouped`` in mxfp4_rows.c), the last four against their rows split at load.
 
 A grouped weight takes the lanes for every product, decode rows and prompt chunks alike, so what
 must hold is: each activation row gets the very bits it gets from the same weight stored apart
@@ -30,12 +30,14 @@ pytestmark = pytest.mark.skipif(not GROUPED, reason="no grouped kernels on this 
 # of one, two and three (Q6_K's 16 x 210 bytes start mid-line every other one) and ten; the
 # 32-value types (Q8_0's 16 x 34 and Q5_0's 16 x 22 bytes start mid-line every other block; Q4_1,
 # Q5_0 and Q5_1 grouped in whole groups only, against their rows split at load) in blocks of
-# three, one group's 16 and more
+# three, one group's 16 and more; MXFP4 likewise (16 x 17 bytes: its blocks start at every 16th
+# byte of a line), over gpt-oss's 90 blocks too
 @pytest.mark.parametrize("qtype,n,k", [(T.Q4_K, 64, 256), (T.Q4_K, 53, 768), (T.Q4_K, 40, 2560), (T.Q6_K, 64, 256),
                                        (T.Q6_K, 53, 512), (T.Q6_K, 48, 768), (T.Q6_K, 40, 2560),
                                        (T.Q8_0, 64, 96), (T.Q8_0, 53, 640), (T.Q8_0, 48, 2048), (T.Q4_1, 64, 96),
                                        (T.Q4_1, 48, 640), (T.Q5_0, 32, 96), (T.Q5_0, 64, 640), (T.Q5_0, 48, 1024),
-                                       (T.Q5_1, 48, 512), (T.Q5_1, 32, 96)], ids=str)
+                                       (T.Q5_1, 48, 512), (T.Q5_1, 32, 96), (T.MXFP4, 32, 96), (T.MXFP4, 48, 640),
+                                       (T.MXFP4, 32, 2880)], ids=str)
 def test_grouped_rows_give_each_row_the_bits_of_the_rows_stored_apart(qtype: T, n: int, k: int) -> None:
     if int(qtype) not in GROUPED:
         pytest.skip(f"no grouped {qtype.name} kernel on this CPU")

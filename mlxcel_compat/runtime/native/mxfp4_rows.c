@@ -1,8 +1,9 @@
-/* MXFP4 weights (gpt-oss's experts) whose rows were split at load: their decode rows (a lane per
- * weight row, 16 rows a pass, 1-16 activation rows against each unpacked block) and their
- * expansion to float32, which quant_rows.c's mlxcel_rows_kernel and mlxcel_dequantizer hand out
- * for SPLIT_TYPE(TYPE_MXFP4) on a CPU with AVX-512 BW and VNNI (the split itself:
- * row_layouts.c's mlxcel_split_layout).
+/* MXFP4 weights (gpt-oss's experts) whose rows were split or grouped at load: their rows'
+ * products (decode rows and prompt chunks: a lane per weight row, 16 rows a pass, 1-16 activation
+ * rows against each unpacked block) and the split rows' expansion to float32, which quant_rows.c's
+ * mlxcel_rows_kernel and mlxcel_dequantizer hand out for SPLIT_TYPE(TYPE_MXFP4) and
+ * GROUPED_TYPE(TYPE_MXFP4) on a CPU with AVX-512 BW and VNNI (the layouts: row_layouts.c's
+ * mlxcel_split_layout and mlxcel_group_layout; the grouped kernel's: mxfp4_group_lanes).
  *
  * An MXFP4 block is 32 4-bit codes (low nibbles values 0-15, high ones 16-31) looked up in ggml's
  * kvalues_mxfp4 (twice E2M1's values: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives) and an E8M0
@@ -81,6 +82,28 @@ struct mxfp4_act {
     const int32_t *offset;
 };
 
+/* Block b of 16 weight rows against m activation rows: u[t]'s dword r holds row r's code bytes
+ * 4t .. 4t + 3, dw the rows' factors 2 ** (e - 128) (lanes: rows). The arithmetic both lane
+ * kernels share (over split rows and over grouped ones), so that their results are the same bits. */
+static inline __attribute__((always_inline)) void mxfp4_block(__m512i table, const __m512i u[4], __m512 dw, int b,
+                                                              const struct mxfp4_act *act, int m, __m512 *acc) {
+    /* v[t] values 4t .. 4t + 3, v[t + 4] values 16 + 4t .. 19 + 4t, as kvalue + 12 */
+    __m512i v[8];
+    for (int t = 0; t < 4; t++) v[t] = mxfp4_low(table, u[t]), v[t + 4] = mxfp4_high(table, u[t]);
+    for (int i = 0; i < m; i++) {
+        /* the integer sum starts at -12 x the block's sum; two chains of 4 (their latency) */
+        const int32_t *q = (const int32_t *)(act[i].q + (size_t)b * 32);
+        __m512i s0 = _mm512_dpbusd_epi32(_mm512_set1_epi32(-act[i].offset[b]), v[0], _mm512_set1_epi32(q[0]));
+        __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4], _mm512_set1_epi32(q[4]));
+        for (int t = 1; t < 4; t++) {
+            s0 = _mm512_dpbusd_epi32(s0, v[t], _mm512_set1_epi32(q[t]));
+            s1 = _mm512_dpbusd_epi32(s1, v[t + 4], _mm512_set1_epi32(q[t + 4]));
+        }
+        const __m512i sum = _mm512_add_epi32(s0, s1);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(act[i].d[b])), acc[i]);
+    }
+}
+
 /* Split weight rows [0, nrows) (nrows <= 16, row_bytes apart, nb blocks) times m activation rows
  * (m <= MXFP4_MAX_ROWS): out[i * ldo + r]. */
 static inline __attribute__((always_inline)) void mxfp4_lanes(int nb, const uint8_t *w, size_t row_bytes, int nrows,
@@ -104,27 +127,43 @@ static inline __attribute__((always_inline)) void mxfp4_lanes(int nb, const uint
              * pass reads its 16 rows side by side, each too short a stream for the prefetchers */
             for (int l = 0; l < 5; l++) _mm_prefetch((const char *)next + (size_t)b * 272 + (size_t)l * 64, _MM_HINT_T1);
             const __m512 dw = e8m0_halves(_mm512_and_si512(_mm512_srli_epi32(e[p >> 2], 8 * (p & 3)), byte));
-            /* u[t]'s dword r: row r's code bytes 4t .. 4t + 3; v[t] values 4t .. 4t + 3, v[t + 4]
-             * values 16 + 4t .. 19 + 4t, as kvalue + 12 */
-            __m512i u[4], v[8];
+            /* u[t]'s dword r: row r's code bytes 4t .. 4t + 3 */
+            __m512i u[4];
             rows16_dwords(rowp, at_codes + (size_t)p * 16, u);
-            for (int t = 0; t < 4; t++) v[t] = mxfp4_low(table, u[t]), v[t + 4] = mxfp4_high(table, u[t]);
-            for (int i = 0; i < m; i++) {
-                /* the integer sum starts at -12 x the block's sum; two chains of 4 (their latency) */
-                const int32_t *q = (const int32_t *)(act[i].q + (size_t)b * 32);
-                __m512i s0 = _mm512_dpbusd_epi32(_mm512_set1_epi32(-act[i].offset[b]), v[0], _mm512_set1_epi32(q[0]));
-                __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4], _mm512_set1_epi32(q[4]));
-                for (int t = 1; t < 4; t++) {
-                    s0 = _mm512_dpbusd_epi32(s0, v[t], _mm512_set1_epi32(q[t]));
-                    s1 = _mm512_dpbusd_epi32(s1, v[t + 4], _mm512_set1_epi32(q[t + 4]));
-                }
-                const __m512i sum = _mm512_add_epi32(s0, s1);
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(act[i].d[b])), acc[i]);
-            }
+            mxfp4_block(table, u, dw, b, act, m, acc);
         }
     }
     const __mmask16 stored = (__mmask16)((1u << nrows) - 1);
     for (int i = 0; i < m; i++) _mm512_mask_storeu_ps(out + (size_t)i * ldo, stored, acc[i]);
+}
+
+/* 16 weight rows grouped at load (block_weight.group_rows: whole groups only) times m activation
+ * rows (m <= MXFP4_MAX_ROWS): out[i * ldo + r]. Why: mxfp4_lanes spends more on bringing 16 split
+ * rows' bytes into lane order (a 4 x 4 transpose of dwords a block, the exponents' once a group)
+ * than a lone activation row's arithmetic. Grouped, a block of the 16 rows is their codes as dwords
+ * side by side (dword t of row r at 64 t + 4 r: 256 bytes, four vector loads) and their exponents
+ * (a byte each) after them, or ahead of them where the block starts mid-line (GROUP_TAILS_AHEAD:
+ * 16 x 17 bytes start at every 16th byte of a line, so half the blocks' codes still straddle two
+ * lines); one stream read front to back. The same arithmetic (mxfp4_block): the split rows' bits. */
+static inline __attribute__((always_inline)) void mxfp4_group_lanes(int nb, const uint8_t *w,
+                                                                     const struct mxfp4_act *act, int m, float *out,
+                                                                     size_t ldo) {
+    const __m512i table = mxfp4_table();
+    const size_t group_block = (size_t)MXFP4_LANES * MXFP4_BLOCK, ahead = 2 * group_block * (size_t)nb;
+    __m512 acc[MXFP4_MAX_ROWS];
+    for (int i = 0; i < m; i++) acc[i] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *gb = w + (size_t)b * group_block;
+        for (size_t l = 0; l < group_block + 63; l += 64) /* into L2, two groups on (as split_rows.c's) */
+            _mm_prefetch((const char *)gb + ahead + l, _MM_HINT_T1);
+        const int first = GROUP_TAILS_AHEAD(gb); /* the exponents ahead of the codes */
+        const uint8_t *codes = gb + (first ? MXFP4_LANES : 0), *exps = first ? gb : gb + 4 * 64;
+        const __m512 dw = e8m0_halves(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)exps)));
+        __m512i u[4];
+        for (int t = 0; t < 4; t++) u[t] = _mm512_loadu_si512(codes + 64 * t);
+        mxfp4_block(table, u, dw, b, act, m, acc);
+    }
+    for (int i = 0; i < m; i++) _mm512_storeu_ps(out + (size_t)i * ldo, acc[i]);
 }
 
 static __thread struct mlxcel_scratch mxfp4_scratch;
@@ -158,12 +197,17 @@ static const struct mxfp4_act *mxfp4_prepare(int nb, const void *act, size_t act
 }
 
 #define MXFP4_CASE(M)                                                                                              \
-    case M: mxfp4_lanes(nb, wr + (size_t)r * row_bytes, row_bytes, nrows, rows + i, M, out + (size_t)i * ldo + r, ldo); break;
+    case M:                                                                                                        \
+        if (grouped) mxfp4_group_lanes(nb, wr + (size_t)r * row_bytes, rows + i, M, out + (size_t)i * ldo + r, ldo); \
+        else mxfp4_lanes(nb, wr + (size_t)r * row_bytes, row_bytes, nrows, rows + i, M, out + (size_t)i * ldo + r, ldo); \
+        break;
 
-/* rows_fn over split MXFP4 rows: the activation rows copied out (mxfp4_prepare), then 16 weight
- * rows a pass against MXFP4_MAX_ROWS activation rows (each count a constant, so loops unroll). */
-void rows_mxfp4_split(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
-                      float *out, size_t ldo) {
+/* rows_fn over split MXFP4 rows, or (`grouped`, a constant) over grouped rows (n a multiple of 16,
+ * w starting a group): the activation rows copied out (mxfp4_prepare), then 16 weight rows a pass
+ * against MXFP4_MAX_ROWS activation rows (each count a constant, so loops unroll). */
+static inline __attribute__((always_inline)) void mxfp4_driver(int k, const void *w, size_t row_bytes, int n,
+                                                                const void *act, size_t act_bytes, int m, float *out,
+                                                                size_t ldo, const int grouped) {
     const int nb = k / 32;
     const struct mxfp4_act *rows = mxfp4_prepare(nb, act, act_bytes, m);
     const uint8_t *wr = w;
@@ -177,6 +221,16 @@ void rows_mxfp4_split(int k, const void *w, size_t row_bytes, int n, const void 
             }
         }
     }
+}
+
+void rows_mxfp4_split(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
+                      float *out, size_t ldo) {
+    mxfp4_driver(k, w, row_bytes, n, act, act_bytes, m, out, ldo, 0);
+}
+
+void rows_mxfp4_grouped(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
+                        float *out, size_t ldo) {
+    mxfp4_driver(k, w, row_bytes, n, act, act_bytes, m, out, ldo, 1);
 }
 
 /* A split row expanded to float32: ggml's to_float of the original row (kvalue x 2 ** (e - 128),

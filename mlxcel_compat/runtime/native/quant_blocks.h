@@ -21,10 +21,10 @@ enum { SPLIT_TYPE_BASE = 1000 }; /* + a ggml type: that type with its rows split
 enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q6_K = 14,
        TYPE_Q8_K = 15, TYPE_MXFP4 = 39 }; /* enum ggml_type */
 #define SPLIT_TYPE(type) (SPLIT_TYPE_BASE + (type))
-/* + a ggml type (Q4_K, Q6_K, Q8_0, Q4_1, Q5_0, Q5_1): that type with its rows grouped
+/* + a ggml type (Q4_K, Q6_K, Q8_0, Q4_1, Q5_0, Q5_1, MXFP4): that type with its rows grouped
  * (rows_q4_K_grouped): whole groups of 16 rows stored block by block, each block's whole dwords as
  * the 16 rows' side by side (a vector lane each), its other bytes (Q6_K's d after the dwords, Q8_0's
- * and Q5_0's d ahead of them in the block) as the 16 rows' in turn; rows past the last whole group
+ * and Q5_0's d and MXFP4's exponent ahead of them in the block) as the 16 rows' in turn; rows past the last whole group
  * as stored. A group takes the bytes of its 16 rows. */
 enum { GROUPED_TYPE_BASE = 2000 };
 #define GROUPED_TYPE(type) (GROUPED_TYPE_BASE + (type))
@@ -121,6 +121,8 @@ void dequantize_q5_1(const void *x, float *y, int64_t k);
 #if defined(__AVX512VNNI__)
 void rows_mxfp4_split(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
                       float *out, size_t ldo); /* mxfp4_rows.c */
+void rows_mxfp4_grouped(int k, const void *w, size_t row_bytes, int n, const void *act, size_t act_bytes, int m,
+                        float *out, size_t ldo); /* mxfp4_rows.c */
 void dequantize_mxfp4_split(const void *x, float *y, int64_t k);
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)

@@ -248,6 +248,7 @@ mlxcel_rows_fn mlxcel_rows_kernel(int ggml_type) {
     case TYPE_Q8_0: return rows_q8_0;
     case GROUPED_TYPE(TYPE_Q8_0): return rows_q8_0_grouped;
     case SPLIT_TYPE(TYPE_MXFP4): return rows_mxfp4_split;
+    case GROUPED_TYPE(TYPE_MXFP4): return rows_mxfp4_grouped;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     case SPLIT_TYPE(TYPE_Q4_1): return rows_q4_1_split;
