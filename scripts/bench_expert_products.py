@@ -59,7 +59,7 @@ from gguf import GGMLQuantizationType  # noqa: E402
 
 from mlxcel_compat.runtime import block_experts  # noqa: E402
 from mlxcel_compat.runtime.block_experts import ExpertStack, grouped_matmuls  # noqa: E402
-from mlxcel_compat.runtime.block_weight import BlockWeight, library, split_rows  # noqa: E402
+from mlxcel_compat.runtime.block_weight import GROUP_ROWS, BlockWeight, group_rows, library, split_rows  # noqa: E402
 from mlxcel_compat.testing.gguf_random import random_blocks  # noqa: E402
 from benchlib import best_ms  # noqa: E402
 
@@ -108,9 +108,12 @@ def decode_steps(path: str, steps: int) -> None:
         print("  no CPU decode runtime for this model")
 
 
-def served(weight: BlockWeight) -> BlockWeight:
-    """The weight as the loader keeps an expert stack: rows split where the shim's own kernel
-    reads them so (``block_weight.split_rows``: MXFP4)."""
+def served(weight: BlockWeight, rows: int) -> BlockWeight:
+    """The weight as the loader keeps an expert stack of ``rows`` rows an expert
+    (``gguf/load.py: _expert_stack``): grouped where each expert is whole groups of 16 rows and
+    the shim has the type's grouped kernel, else split where its own kernel reads them so."""
+    if rows % GROUP_ROWS == 0:
+        group_rows(weight)
     split_rows(weight)
     return weight
 
@@ -138,11 +141,11 @@ def main() -> int:
     qtype = GGMLQuantizationType[args.type.upper()]
     rng = np.random.default_rng(0)
     raw = random_blocks(rng, args.type, args.experts * args.rows, args.k)
-    stack = ExpertStack(served(BlockWeight(raw, qtype, args.experts * args.rows, args.k, lib)), args.experts)
+    stack = ExpertStack(served(BlockWeight(raw, qtype, args.experts * args.rows, args.k, lib), args.rows), args.experts)
     up_raw = random_blocks(rng, args.type, args.experts * args.rows, args.k)
-    up = ExpertStack(served(BlockWeight(up_raw, qtype, args.experts * args.rows, args.k, lib)), args.experts)
+    up = ExpertStack(served(BlockWeight(up_raw, qtype, args.experts * args.rows, args.k, lib), args.rows), args.experts)
     down_raw = random_blocks(rng, args.type, args.experts * args.k, args.rows)
-    down = ExpertStack(served(BlockWeight(down_raw, qtype, args.experts * args.k, args.rows, lib)), args.experts)
+    down = ExpertStack(served(BlockWeight(down_raw, qtype, args.experts * args.k, args.rows, lib), args.k), args.experts)
     glu = SwitchGLU(args.k, args.rows, args.experts)
     for name, layer_stack in (("gate_proj", stack), ("up_proj", up), ("down_proj", down)):
         block_experts.install(glu, name, layer_stack)
@@ -158,7 +161,7 @@ def main() -> int:
         np.cumsum(counts, out=starts[1:])
         source = (order // args.top_k).astype(np.int32)
         rows = np.ascontiguousarray(x[source])
-        alone = [served(BlockWeight(raw[e * args.rows:(e + 1) * args.rows], qtype, args.rows, args.k, lib))
+        alone = [served(BlockWeight(raw[e * args.rows:(e + 1) * args.rows], qtype, args.rows, args.k, lib), args.rows)
                  for e in experts]
 
         def per_expert(tiles: bool) -> None:
