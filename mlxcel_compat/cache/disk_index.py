@@ -136,7 +136,11 @@ class DiskIndex:
             self.counters.removed_by_budget += len(removed)
         for _, path, size, header in sorted(good, key=lambda g: (g[0], g[1].name)):
             if path not in removed:
-                found["indexed"] += self.add(header, path, size)
+                self.add(header, path, size)
+        # What the index holds now: a file found beside one that supersedes it (the same session's
+        # prompt and a longer one: two writers, or one killed before it dropped the shorter) was
+        # indexed, then dropped and deleted by the longer one's add.
+        found["indexed"] = len(self._by_path)
         return found
 
     def refresh(self, skip: Collection[Path] = ()) -> bool:

@@ -231,6 +231,19 @@ def test_supersede_in_the_index_deletes_the_dominated_file_but_a_rewrite_keeps_i
     assert other_session.exists() and index.entries == 2
 
 
+def test_start_up_counts_what_the_index_keeps_when_a_found_file_supersedes_another(tmp_path) -> None:
+    """Two files of one session, one prompt a prefix of the other (a writer killed before it
+    dropped the shorter): start-up indexes both, the longer supersedes the shorter, whose file
+    goes; ``indexed`` is the one entry kept, the file on disk."""
+    d = make_index(tmp_path).directory
+    short, longer = write(d, tuple(range(40))), write(d, tuple(range(60)))
+    os.utime(short, (1000, 1000))  # the shorter is older: indexed first, superseded by the longer
+    again = DiskIndex(tmp_path, COMPAT, 1 << 30, min_prefix=4, apc=None)
+    found = again.open()
+    assert found == dict(files=2, indexed=1, rejected=0, stale_temp=0, removed_by_budget=0)
+    assert not short.exists() and longer.exists() and again.entries == 1
+
+
 def test_forget_drop_and_clear(tmp_path) -> None:
     index = make_index(tmp_path)
     a = index_write(index, tuple(range(40)))
