@@ -184,8 +184,24 @@ static void attend_head_span(const void *ctx, int p) {
         kv_span_weighted(a->v_type, g, d, runs, n_runs, scores, n, out);
 }
 
+/* How many parts to cut each of `heads` KV heads' work into (a power of two, at most `most`) on
+ * `threads` threads, the pool's threads claiming parts as they free up. Each doubling must cut the
+ * busiest thread's work, ceil(heads x parts / threads) / parts of a head, by a quarter or more,
+ * because each part reads its head's keys and values again: SmolLM2's 3 heads on 2 threads go in
+ * 6 parts (a thread's work 2 heads -> 1.5), Gemma 3's 1 in 2, 8 on 16 threads in 16, but 8 on 12
+ * threads stay 8 (16 parts leave a thread a whole head's work all the same). */
+static int thread_parts(int heads, int most, int threads) {
+    int parts = 1;
+    while (2 * parts <= most) {
+        long now = ((long)heads * parts + threads - 1) / threads, next = (2L * heads * parts + threads - 1) / threads;
+        if (2 * next > 3 * now) break; /* next / (2 parts) > 3/4 of now / parts */
+        parts *= 2;
+    }
+    return parts;
+}
+
 /* Every KV head's new key and value written (rounded to their types) on the calling thread, then
- * the parts spread over the pool. Why the parts: with fewer KV heads than a whole number of
+ * the parts spread over the pool (thread_parts). Why the parts: with fewer KV heads than a whole number of
  * threads' worth (SmolLM2's 3 on 2 threads, Gemma 3's 1) the heads alone left a thread idle for a
  * third to half of every layer's attention; each head's queries are then split in two (or more),
  * each part reading the head's keys and values for its own queries. */
@@ -194,9 +210,7 @@ static void attend_heads(struct attention_job *a, int kv_heads) {
         kv_narrow(a->k_type, new_row(a, h, 0), a->k_new + (size_t)h * a->d, a->d);
         kv_narrow(a->v_type, new_row(a, h, 1), a->v_new + (size_t)h * a->d, a->d);
     }
-    int threads = mlxcel_threads();
-    a->parts = 1;
-    while ((kv_heads * a->parts) % threads && 2 * a->parts <= a->group) a->parts *= 2;
+    a->parts = thread_parts(kv_heads, a->group, mlxcel_threads());
     int plain = a->k_type == MLXCEL_KV_F32 && a->v_type == MLXCEL_KV_F32;
     mlxcel_parallel(kv_heads * a->parts, a->paged ? attend_head_span : plain ? attend_head : attend_head_kv, a);
 }
@@ -280,11 +294,10 @@ int mlxcel_decode_attention_rows(const float *q, const float *k_new, const float
                                  float *out, int rows, int kv_heads, int group, int d, int write, int n, long capacity,
                                  float scale, int k_type, int v_type) {
     if (rows < 1 || write < 0 || write + rows > capacity || n < 1 || n + rows - 1 > capacity) return -1;
-    /* Fewer KV heads than twice the threads (SmolLM2's 3 on 2 threads left one idle half the
-     * time): each head's rows in parts too, at least 2 rows a part. A part reads its head's keys
-     * for its own rows' slots only; a row's numbers do not depend on the parts. */
-    int threads = mlxcel_threads(), blocks = 1;
-    while (kv_heads * blocks < 2 * threads && rows / (2 * blocks) >= 2) blocks *= 2;
+    /* Few KV heads for the threads (SmolLM2's 3 on 2 threads left one idle a third of the time):
+     * each head's rows in parts too (thread_parts), at least 2 rows a part. A part reads its
+     * head's keys for its own rows' slots only; a row's numbers do not depend on the parts. */
+    int blocks = thread_parts(kv_heads, rows / 2, mlxcel_threads());
     struct rows_job job = {{q, k_new, v_new, keys, values, NULL, NULL, out, group, d, write, n, (size_t)capacity * d,
                             scale, k_type, v_type}, rows, kv_heads * group, blocks};
     for (int h = 0; h < kv_heads; h++) write_head_rows(&job, h);
