@@ -163,10 +163,10 @@ def completion(server: ServerProcess, body: dict[str, Any]) -> dict[str, Any]:
         return out.json()
 
 
-# The answer starts with the code fence (`edit_prompt`): on the bare prompt the model's first token is a near-tie
-# (float32 logits 33.77 for "```" against 33.52 for "To" on SmolLM2-135M-Instruct Q4_1), so
-# whether it gave back the file or talked about it hung on 8-bit activations' rounding (both
-# happened, 2026-12-07), and with it how much there was to draft. Begun, the answer is the file.
+# The answer starts with the code fence: on the bare prompt the model's first token is a near-tie
+# (float32 logits 33.77 for "```" against 33.52 for "To" on SmolLM2-135M-Instruct Q4_1, the first
+# file), so whether it gave back the file or talked about it hung on 8-bit activations' rounding
+# (both happened, 2026-12-07), and with it how much there was to draft. Begun, the answer is the file.
 def edit_prompt(server: ServerProcess, edit: Edit) -> str:
     with httpx.Client(base_url=server.base_url, timeout=60) as http:
         messages = [{"role": "user", "content": edit.ask + edit.text + "```"}]
