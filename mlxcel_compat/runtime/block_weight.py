@@ -469,16 +469,16 @@ def group_rows(weight: BlockWeight, mapped: np.ndarray | None = None, offset: in
     permuted are put in output order first). Every product of it then takes the lanes
     (``rows_q4_K_grouped``, ``rows_q6_K_grouped``, ``rows_q8_0_grouped``, ``rows_q4_1_grouped``
     ..., ``rows_mxfp4_grouped``): decode rows at every row count, and prompt chunks 16 rows at a
-    time, instead of ggml's mul_mat or the lanes over rows stored apart or split. Why: stored apart, the lanes spent more
-    on gathering 16 rows' bytes into lane order than on their arithmetic; grouped, a group is read
-    front to back with no transposes. On this project's AVX-512 machine
-    (docs/benchmarks/quantized.md, "Grouped rows"): Q4_K decode rows 1.3-2.2x the speed over rows
-    stored apart, Q6_K's 2-8 rows 1.1-2.2x (a lone Q6_K row 0.91-1.56x); prompt chunks 1.0-3.9x
-    ggml's mul_mat (16-256 rows); the 32-value types 1.5-2x at one to four rows of cached
-    weights, 1.1-1.5x at 8-16 rows and in prompt chunks, a lone memory-bound row 0.93-1.0x (Q8_0
-    0.94-0.97x); MXFP4 1.6x at one row, 1.4x at four, 1.1x at 8-16 and in prompt chunks (gpt-oss's
-    2880-wide experts and 4096 x 11008). Each pair's result is the same bits as over rows stored apart or split (the
-    lanes' arithmetic). The file's pages of the weight (``mapped``, at ``offset``) are dropped, as
+    time, instead of ggml's mul_mat or the lanes over rows stored apart or split. Why: stored
+    apart, the lanes spent more on gathering 16 rows' bytes into lane order than on their
+    arithmetic; grouped, a group is read front to back with no transposes. On this project's
+    AVX-512 machine (docs/benchmarks/quantized.md, "Grouped rows"): Q4_K decode rows 1.3-2.2x the
+    speed over rows stored apart, Q6_K's 2-8 rows 1.1-2.2x (a lone Q6_K row 0.91-1.56x); prompt
+    chunks 1.0-3.9x ggml's mul_mat (16-256 rows); the 32-value types 1.5-2x at one to four rows
+    of cached weights, 1.1-1.5x at 8-16 rows and in prompt chunks, a lone memory-bound row
+    0.93-1.0x (Q8_0 0.94-0.97x); MXFP4 1.6x at one row, 1.4x at four, 1.1x at 8-16 and in prompt
+    chunks (gpt-oss's 2880-wide experts and 4096 x 11008). Each pair's result is the same bits as
+    over rows stored apart or split (the lanes' arithmetic). The file's pages of the weight (``mapped``, at ``offset``) are dropped, as
     a repacked weight's are. Whether it was grouped."""
     if (int(weight.ggml_type) not in weight.lib.grouped_kinds or weight.grouped or weight.split
             or weight.group_bias is not None or weight.repacked is not None or weight.prompt is not None

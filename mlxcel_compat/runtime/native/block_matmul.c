@@ -11,9 +11,9 @@
  *     output is one vec_dot of a weight row with it; a weight row is read once for all the rows
  *     (it stays in L1 meanwhile), and the weight rows are spread over the shim's thread pool;
  *   - many rows (prompt chunks): where the type has a lane kernel of this library's (Q8_0 rows
- *     stored apart; Q4_1, Q5_0, Q5_1 and MXFP4 rows split at load; Q4_K, Q6_K, Q8_0, Q4_1, Q5_0
- *     and Q5_1 rows grouped at load: see mlxcel_lanes_take_prompts), the chunk's rows take it as a decode step's rows do, 16 at a
- *     time against each band of 16 weight rows kept in L1: activations quantized to
+ *     stored apart; Q4_1, Q5_0, Q5_1 and MXFP4 rows split at load; Q4_K, Q6_K, Q8_0, Q4_1, Q5_0,
+ *     Q5_1 and MXFP4 rows grouped at load: see mlxcel_lanes_take_prompts), the chunk's rows take
+ *     it as a decode step's rows do, 16 at a time against each band of 16 weight rows kept in L1: activations quantized to
  *     vec_dot_type, as llama.cpp's prompts are, and every row's result the same bits as a
  *     step's. Otherwise the weight is expanded TILE_VALUES values at a time into one reused
  *     float32 buffer (to_float, rows spread over the pool) and multiplied by the BLAS's own
