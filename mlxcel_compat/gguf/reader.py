@@ -19,6 +19,8 @@ import mmap
 import os
 import re
 import struct
+import threading
+import weakref
 from array import array
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -31,6 +33,8 @@ import numpy as np
 from mlxcel_compat.gguf.quants import T, byte_size, type_name
 
 log = logging.getLogger(__name__)
+
+_RELEASE_WAIT_S = 10.0  # how long read_float_tensor waits for MLX to let go of its reader
 
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -495,7 +499,17 @@ def read_float_tensor(info: TensorInfo) -> Any:
     expected = {T.F32: mx.float32, T.F16: mx.float16, T.BF16: mx.bfloat16}[info.ggml_type]
     fd = os.open(info.path, os.O_RDONLY)
     try:
-        loaded = mx.load(_SafetensorsView(fd, info), format="safetensors")
+        view = _SafetensorsView(fd, info)
+        released = threading.Event()
+        weakref.finalize(view, released.set)
+        loaded = mx.load(view, format="safetensors")
+        del view
+        # MLX reads on its I/O pool, whose worker drops its reference to ``view`` only after the
+        # read has been handed back, taking the GIL to do it. Wait for that here (the wait lets
+        # the GIL go): left pending, it can land after the interpreter began to exit, where the
+        # worker's GIL request ends its thread inside a C++ destructor and the process aborts.
+        if not released.wait(_RELEASE_WAIT_S):
+            log.warning("MLX kept its reader of tensor '%s' past %.0f s", info.name, _RELEASE_WAIT_S)
     finally:
         os.close(fd)
     array = loaded.get(_SafetensorsView.KEY)

@@ -9,6 +9,7 @@ bit for bit.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import gguf
@@ -19,7 +20,7 @@ from gguf import GGMLQuantizationType as T
 
 from mlxcel_compat.gguf import architectures as gguf_arch
 from mlxcel_compat.gguf import precision
-from mlxcel_compat.gguf.reader import GGUFError, open_gguf, read_float_tensor, read_tensor
+from mlxcel_compat.gguf.reader import GGUFError, _SafetensorsView, open_gguf, read_float_tensor, read_tensor
 from mlxcel_compat.gguf.load import decode_tensor, load_float_tensor
 
 SHAPES = {"a": (7,), "b": (6, 64), "c": (2, 3, 32)}
@@ -98,3 +99,17 @@ def test_a_truncated_float_tensor_is_an_error(float_file: tuple[Path, dict[str, 
     cut.write_bytes(path.read_bytes()[:info.offset + info.n_bytes - 10])
     with pytest.raises(Exception, match="ends inside tensor 'BF16.c'"):
         read_float_tensor(open_gguf(cut).tensors["BF16.c"])
+
+
+def test_mlx_has_let_go_of_the_reader_when_a_read_returns(float_file: tuple[Path, dict[str, np.ndarray]]) -> None:
+    """MLX's I/O worker drops its reference to the file object after handing the read back, and
+    needs the GIL to do it. Left pending when the interpreter exits, that worker aborts the
+    process ("terminate called without an active exception"); so no reader may outlive a read."""
+    path, _ = float_file
+    file = open_gguf(path)
+    for _ in range(20):
+        for name, info in file.tensors.items():
+            if info.ggml_type != T.Q8_0:
+                read_float_tensor(info)
+                alive = [o for o in gc.get_objects() if isinstance(o, _SafetensorsView)]
+                assert alive == [], name
