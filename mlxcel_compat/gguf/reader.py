@@ -443,7 +443,7 @@ def tensor_view(info: TensorInfo, mapped: np.ndarray) -> np.ndarray:
     return mapped[info.offset:info.offset + info.n_bytes]
 
 
-class _SafetensorsView:
+class SafetensorsView:
     """One GGUF float tensor seen as a one-tensor safetensors file, for ``mx.load``.
 
     ``mx.load`` on a file object allocates each array and ``readinto``s its bytes straight into
@@ -499,7 +499,7 @@ def read_float_tensor(info: TensorInfo) -> Any:
     expected = {T.F32: mx.float32, T.F16: mx.float16, T.BF16: mx.bfloat16}[info.ggml_type]
     fd = os.open(info.path, os.O_RDONLY)
     try:
-        view = _SafetensorsView(fd, info)
+        view = SafetensorsView(fd, info)
         released = threading.Event()
         weakref.finalize(view, released.set)
         loaded = mx.load(view, format="safetensors")
@@ -512,7 +512,7 @@ def read_float_tensor(info: TensorInfo) -> Any:
             log.warning("MLX kept its reader of tensor '%s' past %.0f s", info.name, _RELEASE_WAIT_S)
     finally:
         os.close(fd)
-    array = loaded.get(_SafetensorsView.KEY)
+    array = loaded.get(SafetensorsView.KEY)
     if len(loaded) != 1 or array is None or tuple(array.shape) != info.shape or array.dtype != expected:
         got = {k: (tuple(v.shape), v.dtype) for k, v in loaded.items()}
         raise GGUFError(f"tensor '{info.name}': MLX read {got}, the GGUF header says {info.shape} {expected}")
