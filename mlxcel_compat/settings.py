@@ -334,7 +334,8 @@ KV_CACHE_TYPES_ACCEPT = ("one of f32, f16, bf16, q8_0, q4_0 (llama-server's q4_1
 R_ROPE = ("mlx-lm's YaRN RoPE has no such parameter (it mixes extrapolation fully and takes its attention "
           "factor from the model's mscale); --rope-scaling, --rope-scale, --rope-freq-* and --yarn-orig-ctx/beta-* apply")
 R_SPEC = "the draft model runs on the engine thread beside the model, with its settings"
-R_SPEC_NGRAM = "that n-gram drafting kind is not served here (--spec-type refuses it); ngram-simple and ngram-mod are"
+R_SPEC_NGRAM = ("that n-gram drafting kind is not served here (--spec-type refuses it); ngram-simple, ngram-mod "
+                "and ngram-cache are")
 R_SPEC_REMOVED = ("removed from llama-server (it refuses the option now); accepted and ignored for older "
                   "deployments: use --spec-draft-n-max, --spec-draft-n-min, --spec-ngram-simple-size-n/m")
 R_MMPROJ = ("the projector (--mmproj) runs with the model on MLX's default device, one request's images at a time; "
@@ -1035,10 +1036,14 @@ _COMPAT: tuple[Setting, ...] = (
             metavar="N", default_doc="the model's, else 1", help="YaRN: high correction dimension (alpha)."),
     Setting("yarn_beta_fast", ("--yarn-beta-fast",), ("LLAMA_ARG_YARN_BETA_FAST",), type="float", group="model",
             metavar="N", default_doc="the model's, else 32", help="YaRN: low correction dimension (beta)."),
-    _noop("lookup_cache_static", ("-lcs", "--lookup-cache-static"), "Static lookup-decoding cache.",
-          "lookup decoding is not implemented", metavar="FNAME"),
-    _noop("lookup_cache_dynamic", ("-lcd", "--lookup-cache-dynamic"), "Dynamic lookup-decoding cache.",
-          "lookup decoding is not implemented", metavar="FNAME"),
+    Setting("lookup_cache_static", ("-lcs", "--lookup-cache-static"), group="speculative", metavar="FNAME",
+            help="ngram-cache: a static lookup cache (llama.cpp's n-gram cache file, bigram counts over a corpus) "
+                 "that weighs the drafted tokens and drafts where the text's own counts do not; read at start-up, "
+                 "never written."),
+    Setting("lookup_cache_dynamic", ("-lcd", "--lookup-cache-dynamic"), group="speculative", metavar="FNAME",
+            help="ngram-cache: a dynamic lookup cache (llama.cpp's n-gram cache file, counts from earlier "
+                 "generations), consulted after the text's own counts with stricter thresholds; read at start-up, "
+                 "never written (as llama-server)."),
     Setting("pooling", ("--pooling",), ("LLAMA_ARG_POOLING",), type="choice",
             choices=("none", "mean", "cls", "last", "rank"), group="model", default_doc="from the model",
             help="Pooling of embeddings: none (one vector per token, native routes only), mean, cls (first "
@@ -1086,10 +1091,13 @@ _COMPAT: tuple[Setting, ...] = (
             help="Draft model for speculative decoding (a .gguf file or model directory with the model's "
                  "vocabulary). Without --spec-type it drafts as draft-simple."),
     Setting("spec_type", ("--spec-type",), ("LLAMA_ARG_SPEC_TYPE",), metavar="TYPES", group="speculative",
-            default="none", parse=_parse_spec_types, accepts="a comma-separated list of none, draft-simple, ngram-simple, ngram-mod",
+            default="none", parse=_parse_spec_types,
+            accepts="a comma-separated list of none, draft-simple, ngram-simple, ngram-mod, ngram-cache",
             help="Speculative decoding types: ngram-simple (drafts from the text so far; no model needed), "
-                 "ngram-mod (drafts from a table of every sequence's n-grams), draft-simple (drafts with -md); "
-                 "several may be given (n-grams are tried first)."),
+                 "ngram-mod (drafts from a table of every sequence's n-grams), ngram-cache (lookup decoding: "
+                 "drafts from counts of what followed the text's 1- to 4-grams, and of -lcs/-lcd files), "
+                 "draft-simple (drafts with -md); several may be given (n-grams are tried first, in this order: "
+                 "ngram-simple, ngram-mod, ngram-cache)."),
     _spec("spec_draft_threads", ("--spec-draft-threads", "-td", "--threads-draft"), "Draft threads."),
     _spec("spec_draft_threads_batch", ("--spec-draft-threads-batch", "-tbd", "--threads-batch-draft"),
           "Draft batch threads."),

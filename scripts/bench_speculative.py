@@ -8,9 +8,9 @@ ratio is speculating over plain of the same server, measured in alternation:
 
 - ``edit``: a real trained model (default: SmolLM2-135M-Instruct, fetched as the demo fetches it;
   ``--model`` another GGUF) asked to give back a file with a small fix: the answer repeats most of
-  its prompt, which n-gram drafting (``--spec-type ngram-simple``) turns into long drafts; three
-  files (``EDITS``, a typo each), each reported, and all three together (their tokens over their
-  decoding time);
+  its prompt, which n-gram drafting (``--spec-type ngram-simple``; ``--spec-types`` others, e.g.
+  ``ngram-simple,ngram-cache``) turns into long drafts; three files (``EDITS``, a typo each), each
+  reported, and all three together (their tokens over their decoding time);
 - ``draft``: the factory's derived target/draft pair (``mlxcel_compat.testing.draft_pair``: the
   draft is the target's first layers, the target's deeper layers damped), written as GGUF so
   llama-server serves the same weights, speculating with ``-md``.
@@ -233,7 +233,7 @@ def run_edit(args: argparse.Namespace) -> list[str]:
     from mlxcel_compat.testing.real_model import ensure_real_model
 
     model = Path(args.model) if args.model else ensure_real_model()
-    ngram = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(args.ngram_n),
+    ngram = ["--spec-type", args.spec_types, "--spec-ngram-simple-size-n", str(args.ngram_n),
              "--spec-ngram-simple-size-m", str(args.ngram_m)]
     cmds = {"mlxcel:plain": ours(model, []), "mlxcel:ngram": ours(model, ngram)}
     if args.peer_llama_server:
@@ -253,8 +253,8 @@ def run_edit(args: argparse.Namespace) -> list[str]:
             body = {"prompt": edit_prompt(servers["mlxcel:plain"], edit), "n_predict": args.n_predict,
                     "temperature": 0, "cache_prompt": False}
             per_edit.append(measure(servers, body, args.reps, args.clock))
-            lines += report(f"edit {edit.name}: {model.name}, ngram-simple n={args.ngram_n} m={args.ngram_m}, "
-                            f"{args.n_predict} tokens{clock}", per_edit[-1], pairs)
+            lines += report(f"edit {edit.name}: {model.name}, {args.spec_types} (ngram-simple n={args.ngram_n} "
+                            f"m={args.ngram_m}), {args.n_predict} tokens{clock}", per_edit[-1], pairs)
     finally:
         for server in servers.values():
             server.stop()
@@ -303,6 +303,8 @@ def main() -> int:
     parser.add_argument("--n-predict", type=int, default=256)
     parser.add_argument("--ngram-n", type=int, default=12, help="--spec-ngram-simple-size-n of both servers (default 12, llama-server's; 4 is fastest on the edit workload)")
     parser.add_argument("--ngram-m", type=int, default=48)
+    parser.add_argument("--spec-types", default="ngram-simple",
+                        help="edit workload: --spec-type of the speculating servers (e.g. ngram-simple,ngram-cache)")
     parser.add_argument("--baseline", metavar="DIR", help="edit workload: also serve the package of this checkout "
                         "(PYTHONPATH=DIR), plain and speculating, in the same alternation (rows 'baseline')")
     parser.add_argument("--edits", type=int, default=len(EDITS), help=f"edit workload: how many of its {len(EDITS)} files "

@@ -100,7 +100,7 @@ class Engine:
         self.slot_calls: list[SlotCall] = []  # slot actions waiting for their slot to be idle
         self.prefix_cache: Any = None
         self.draft: Any = None  # engine.speculative.DraftModel once loaded (-md)
-        self.ngram_table: Any = None  # engine.speculative.NgramModTable (ngram-mod: shared by all sequences)
+        self.ngram_table = self.lookup_files = None  # shared by all sequences: ngram-mod's table, ngram-cache's files
         self.speculative: Any = None  # engine.speculative.SpecConfig in force (None: off)
         self.grammars: Any = None  # engine.grammar.GrammarCompiler once the model is loaded
         self.key_rotation: Any = None  # engine.context_shift.KeyRotation when the context shifts
@@ -334,7 +334,8 @@ class Engine:
         speculation = load_speculation(self.config.speculative, self.loaded, self.config.offline, self.config.repack)
         if speculation is None:
             return
-        self.draft, self.ngram_table, self.speculative = speculation.draft, speculation.ngram_table, speculation.config
+        self.draft, self.ngram_table, self.lookup_files, self.speculative = (
+            speculation.draft, speculation.ngram_table, speculation.lookup_files, speculation.config)
         for slot in self.slots:
             slot.speculative = True
 

@@ -29,6 +29,7 @@ class SequenceHost(Protocol):
     speculative: Any  # engine.speculative.SpecConfig in force (None: off)
     draft: Any  # engine.speculative.DraftModel (-md) or None
     ngram_table: Any  # engine.speculative.NgramModTable or None
+    lookup_files: Any  # engine.ngram_cache.LookupFiles or None
     prefix_cache: Any  # engine.prefix_cache.PrefixCache or None
     key_rotation: Any  # engine.context_shift.KeyRotation where the context shifts, else None
     slots: list[Slot]
@@ -131,4 +132,4 @@ def speculator_for(engine: SequenceHost, seq: Sequence) -> Any:
     if reason is not None:
         log.info("task %d: speculative decoding off for this request: %s", seq.request.task_id, reason)
         return None
-    return Speculator(engine.speculative, engine.draft, engine.ngram_table)
+    return Speculator(engine.speculative, engine.draft, engine.ngram_table, engine.lookup_files)

@@ -34,6 +34,7 @@ class Speculation:
     config: Any  # engine.speculative.SpecConfig
     draft: Any  # engine.speculative.DraftModel (-md), or None
     ngram_table: Any  # engine.speculative.NgramModTable (ngram-mod: shared by all sequences), or None
+    lookup_files: Any = None  # engine.ngram_cache.LookupFiles (ngram-cache: -lcs/-lcd, read by all), or None
 
 
 def load_speculation(spec: Any, loaded: Any, offline: bool, repack: bool) -> Speculation | None:
@@ -42,7 +43,8 @@ def load_speculation(spec: Any, loaded: Any, offline: bool, repack: bool) -> Spe
     layers) decodes plainly, and the log says so. None: plain decoding."""
     from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
-    from mlxcel_compat.engine.speculative import DraftModel, NgramModTable, check_vocabularies
+    from mlxcel_compat.engine import ngram_cache
+    from mlxcel_compat.engine.speculative import DraftModel, NgramModTable, SpecError, check_vocabularies
 
     if spec is None or not spec.enabled:
         return None
@@ -61,10 +63,17 @@ def load_speculation(spec: Any, loaded: Any, offline: bool, repack: bool) -> Spe
                  draft_loaded.n_params, "CPU decode runtime" if draft_loaded.decoder is not None else "MLX steps")
     if "ngram-mod" in spec.active:
         ngram_table = NgramModTable(spec.mod_n_match)
+    lookup_files = None
+    if "ngram-cache" in spec.active:
+        try:
+            lookup_files = ngram_cache.LookupFiles.read(spec.lookup_cache_static, spec.lookup_cache_dynamic)
+        except (OSError, ngram_cache.LookupCacheError) as exc:
+            raise SpecError(f"cannot read the lookup cache (-lcs/-lcd): {exc}") from exc
+        log.info("ngram-cache: %d static and %d dynamic n-grams read", len(lookup_files.static), len(lookup_files.dynamic))
     log.info("speculative decoding: %s (draft n_max %d, n_min %d, p_min %.2f; ngram-simple n %d, m %d; "
              "ngram-mod n_match %d, n_min %d, n_max %d)", spec.type_names, spec.draft_n_max, spec.draft_n_min,
              spec.draft_p_min, spec.ngram_size_n, spec.ngram_size_m, spec.mod_n_match, spec.mod_n_min, spec.mod_n_max)
-    return Speculation(spec, draft, ngram_table)
+    return Speculation(spec, draft, ngram_table, lookup_files)
 
 
 # The most of MLX's cache an idle hybrid keeps primed for its next snapshot hit (release_idle_memory).

@@ -2,8 +2,9 @@
 
 Why: a decode step reads every weight to produce one token; feeding the model n guessed tokens
 costs about the same pass (``CpuDecoder.step_tokens`` takes them as the rows of one batch), and
-every guess the model agrees with is a token won. Two kinds of guess, as llama-server names them
-(``--spec-type``):
+every guess the model agrees with is a token won. The kinds of guess, as llama-server names them
+(``--spec-type``; several may be given, tried in llama-server's order: ngram-simple,
+ngram-mod, ngram-cache, then the draft model):
 
 - ``ngram-simple``: the last ``size_n`` tokens (the token about to be fed included) are looked
   up in the sequence so far; the ``size_m`` tokens that followed their latest earlier occurrence
@@ -13,6 +14,10 @@ every guess the model agrees with is a token won. Two kinds of guess, as llama-s
   ``--spec-default`` turns on): each ``n_match``-gram seen maps to the token that followed it, and
   a draft chains lookups from the last ``n_match`` tokens, at least ``n_min`` long, at most
   ``n_max``. It remembers what earlier requests generated too.
+- ``ngram-cache``: lookup decoding (engine/ngram_cache.py): counts of which tokens followed each
+  1- to 4-gram of the sequence (and of the ``-lcs``/``-lcd`` files), a draft of up to 8 tokens
+  each from the longest recent n-gram whose followers are clear. It drafts after a 2- or
+  3-token overlap with earlier text, where ``ngram-simple`` waits for ``size_n`` tokens.
 - ``draft-simple``: a small model with the same vocabulary (``-md``) proposes up to ``n_max``
   tokens greedily, stopping early when its top probability falls below ``p_min``.
 
@@ -20,7 +25,7 @@ Verification (``SpeculativeSequence.speculate_step``, engine/speculative_sequenc
 the target at every drafted position with the request's own sampler chain, in order, and keeps
 each draft token the sample equals; the first sample that differs is kept instead and ends the
 round. Drafts are deterministic (a draft model's
-top token, an n-gram's continuation), so this *is* the standard rejection rule for a one-point
+top token, an n-gram's continuation or most frequent follower), so this *is* the standard rejection rule for a one-point
 draft distribution: a draft token is accepted with the target's probability of it, and a
 rejection leaves the target's distribution without it. The output is distributed exactly as
 plain decoding's, one sample per emitted token (a seeded request draws the same random numbers),
@@ -39,12 +44,14 @@ from typing import Any, Callable
 
 import numpy as np
 
+from mlxcel_compat.engine import ngram_cache
+
 log = logging.getLogger(__name__)
 
 # llama-server b11312's --spec-type names (common/speculative.cpp), and the ones served here.
 LLAMA_SERVER_TYPES = ("none", "draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark",
                       "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
-SERVED_TYPES = ("none", "draft-simple", "ngram-simple", "ngram-mod")
+SERVED_TYPES = ("none", "draft-simple", "ngram-simple", "ngram-mod", "ngram-cache")
 DRAFT_CATCH_UP_CHUNK = 512  # tokens a draft model prefills per pass when it catches up
 # n-gram draft tokens verified per round, at most: with the pending token, one pass of the CPU
 # decode runtime (``EXACT_ROWS`` rows). A longer draft costs a second pass for its tail, which
@@ -71,6 +78,8 @@ class SpecConfig:
     mod_n_match: int = 24  # --spec-ngram-mod-n-match: the n-gram hashed into the table
     mod_n_min: int = 48  # --spec-ngram-mod-n-min: shorter chains are no draft
     mod_n_max: int = 64  # --spec-ngram-mod-n-max
+    lookup_cache_static: str | None = None  # -lcs FNAME (ngram-cache)
+    lookup_cache_dynamic: str | None = None  # -lcd FNAME (ngram-cache)
 
     @classmethod
     def from_settings(cls, s: Any) -> "SpecConfig":
@@ -85,7 +94,8 @@ class SpecConfig:
         return resolve(types, s.spec_draft_model, draft_n_max=int(s.spec_draft_n_max),
                        draft_n_min=int(s.spec_draft_n_min), draft_p_min=float(s.spec_draft_p_min),
                        ngram_size_n=int(s.spec_ngram_simple_size_n), ngram_size_m=int(s.spec_ngram_simple_size_m),
-                       **mod)
+                       lookup_cache_static=s.lookup_cache_static or None,
+                       lookup_cache_dynamic=s.lookup_cache_dynamic or None, **mod)
 
     @property
     def active(self) -> tuple[str, ...]:
@@ -382,12 +392,16 @@ class Speculator:
     whole. What is
     verified changes, never what is generated."""
 
-    def __init__(self, config: SpecConfig, draft: DraftModel | None, table: NgramModTable | None = None) -> None:
+    def __init__(self, config: SpecConfig, draft: DraftModel | None, table: NgramModTable | None = None,
+                 lookup_files: ngram_cache.LookupFiles | None = None) -> None:
         self.config = config
         self.draft = draft if config.uses_draft_model else None
         self.state: DraftState | None = None  # the draft model's, made on first use or adopted
         self.table = table if "ngram-mod" in config.active else None  # shared by the server's sequences
         self.mod_state = NgramModState()
+        # ngram-cache: this sequence's own counts, and the -lcs/-lcd caches every sequence reads
+        self.lookup = ngram_cache.LookupState() if "ngram-cache" in config.active else None
+        self.lookup_files = lookup_files
         self.ngram_cap = NGRAM_CAP_MAX
         self._last = ""  # which kind made the last draft
 
@@ -422,6 +436,12 @@ class Speculator:
             if found:
                 self._last = "ngram-mod"
                 return found[:min(n_max, self.ngram_cap)]
+        if self.lookup is not None:
+            found = ngram_cache.draft(self.lookup, self.lookup_files, tokens, sampled,
+                                      min(n_max, self.ngram_cap, ngram_cache.N_DRAFT))
+            if found:
+                self._last = "ngram-cache"
+                return found
         if self.draft is not None:
             if self.state is None:
                 self.state = self.draft.new_state()

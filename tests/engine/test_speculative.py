@@ -63,8 +63,9 @@ def test_types_parse_as_llama_server_names_them() -> None:
     assert parse_types("ngram-simple,draft-simple") == ("ngram-simple", "draft-simple")
     with pytest.raises(SpecError, match="unknown speculative decoding type 'ngram'"):
         parse_types("ngram")
-    with pytest.raises(SpecError, match="'ngram-cache' is not supported by this server"):
-        parse_types("ngram-cache")
+    assert parse_types("ngram-cache,ngram-simple") == ("ngram-cache", "ngram-simple")
+    with pytest.raises(SpecError, match="'ngram-map-k' is not supported by this server"):
+        parse_types("ngram-map-k")
     # a draft model alone drafts with it; draft-simple needs one
     assert resolve(("none",), "draft.gguf").types == ("draft-simple",)
     with pytest.raises(SpecError, match="needs a draft model"):
@@ -82,8 +83,11 @@ def test_settings_take_llama_server_flags_and_refuse_bad_types(monkeypatch: pyte
     config = SpecConfig.from_settings(s)
     assert (config.types, config.draft_model, config.draft_p_min) == (("draft-simple",), "/models/draft.gguf", 0.75)
     with pytest.raises(SettingsError, match="spec-type"):
-        resolve_settings(["--spec-type", "ngram-cache"])
+        resolve_settings(["--spec-type", "ngram-map-k4v"])
     monkeypatch.delenv("LLAMA_ARG_SPEC_DRAFT_MODEL")
+    lookup = SpecConfig.from_settings(resolve_settings(["--spec-type", "ngram-cache", "-lcs", "s.bin",
+                                                        "--lookup-cache-dynamic", "d.bin"]))
+    assert (lookup.types, lookup.lookup_cache_static, lookup.lookup_cache_dynamic) == (("ngram-cache",), "s.bin", "d.bin")
     spec_default = SpecConfig.from_settings(resolve_settings(["--spec-default"]))  # llama-server's default config
     assert (spec_default.types, spec_default.mod_n_match, spec_default.mod_n_min, spec_default.mod_n_max) == (
         ("ngram-mod",), 24, 48, 64)
@@ -177,6 +181,7 @@ def engines(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
                                speculative=resolve(("ngram-simple",), None, ngram_size_n=1, ngram_size_m=6)),
         "mod": EngineHarness(target, batch_size=32, n_parallel=3,
                              speculative=resolve(("ngram-mod",), None, mod_n_match=1, mod_n_min=1, mod_n_max=6)),
+        "cache": EngineHarness(target, batch_size=32, n_parallel=3, speculative=resolve(("ngram-cache",), None)),
     }
     yield made
     for harness in made.values():
@@ -205,7 +210,7 @@ def _sampled(harness: EngineHarness, prompt: list[int], seed: int, n_predict: in
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("kind", ["draft", "ngram", "mod"])
+@pytest.mark.parametrize("kind", ["draft", "ngram", "mod", "cache"])
 def test_greedy_output_equals_plain_decoding_token_for_token(engines, kind: str) -> None:
     drafted = accepted = 0
     for prompt in _prompts(6):
@@ -216,8 +221,8 @@ def test_greedy_output_equals_plain_decoding_token_for_token(engines, kind: str)
         drafted += spec.finish.n_draft
         accepted += spec.finish.n_draft_accepted
     assert drafted > 0 and 0 <= accepted <= drafted
-    if kind != "mod":  # the shared table's guesses are rarely right on random weights; the others' are
-        assert accepted > 0
+    if kind not in ("mod", "cache"):  # the shared table's and the n-gram counts' guesses are rarely right on
+        assert accepted > 0  # random weights, which never repeat their prompt (a real model's: test_ngram_cache.py)
     if kind == "draft":  # the derived pair agrees often: acceptance is measured, not assumed
         assert accepted / drafted > 0.5
 
@@ -375,6 +380,15 @@ def test_server_reports_speculation_like_llama_server(spec_server) -> None:
     assert chat.choices[0].message.content is not None and chat.usage.completion_tokens > 0
     with httpx.Client(base_url=base, timeout=60) as http:
         assert http.get("/health").json() == {"status": "ok"}
+
+
+@pytest.mark.e2e
+def test_an_unreadable_lookup_cache_stops_start_up(server_factory, pair: tuple[Path, Path], tmp_path: Path) -> None:
+    bad = tmp_path / "static.bin"
+    bad.write_bytes(b"\x01\x00\x00\x00" * 5)  # a key and a count of followers, then no followers
+    proc = server_factory(["-m", str(pair[0]), "--spec-type", "ngram-cache", "-lcs", str(bad)], wait=False)
+    assert proc.proc.wait(timeout=60) == 1
+    assert "cannot read the lookup cache" in proc.log() and "static.bin" in proc.log()
 
 
 @pytest.mark.e2e
