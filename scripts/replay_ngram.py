@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
-"""Replay n-gram drafting over one greedy answer: what each ``--spec-ngram-simple-size-n`` and
-draft cap would give, without timing noise (issue 33).
+"""Replay n-gram drafting over the edit workload's greedy answers: what each ``--spec-type``,
+``--spec-ngram-simple-size-n`` and draft cap would give, without timing noise (issues 33, 51).
 
-Greedy output does not depend on speculation, so one plain answer of the edit workload
-(``bench_speculative.py``) fixes every round: the rule (``speculative.ngram_simple_draft``, the
-cap of ``Speculator.verified``) is replayed over it, and a round that verifies ``r`` rows is costed
-``1 + per_row * (r - 1)`` steps (``--per-row``: measured 0.17-0.20 with float32 weights on these
-cores, about 0.5 with ggml blocks). The figure is tokens per step-equivalent, the modelled
-speed-up over plain decoding; a measured run (``bench_speculative.py``) stays the verdict.
+Greedy output does not depend on speculation, so the plain answers of the edit workload
+(``bench_speculative.py``: its ``EDITS``, ``--edits N`` the first N) fix every round: the served
+drafting (``Speculator.propose`` and ``verified``, with its cap) is replayed over them, and a round
+that verifies ``r`` rows is costed ``1 + per_row * (r - 1)`` steps (``--per-row``: 0.14-0.16 for
+SmolLM2 Q4_1's 8-16 rows by ``bench_draft_rows.py``, 0.17-0.20 with float32 weights). The figure
+is tokens per step-equivalent, the modelled speed-up over plain decoding, each file's and the
+files' together; a measured run (``bench_speculative.py``) stays the verdict.
 
-    scripts/replay_ngram.py [--model FILE.gguf] [--per-row 0.17,0.2] [--n 12,6,4,3] [--caps 7,15,31]
+    scripts/replay_ngram.py [--model FILE.gguf] [--per-row 0.15] [--n 12,4] [--caps 7,15,31]
+        [--spec-types ngram-simple --spec-types ngram-simple,ngram-cache]
     scripts/replay_ngram.py --measure --n 4 --caps 15   (the rounds run for real, CPU time, one thread)
 """
 
@@ -19,6 +21,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if "--measure" in sys.argv:  # one thread of the BLAS and the shim, loaded before NumPy and MLX
@@ -31,41 +34,57 @@ import httpx  # noqa: E402
 import bench_speculative as bench  # noqa: E402
 
 
-def plain_answer(model: Path, n_predict: int) -> tuple[list[int], list[int]]:
-    """(prompt tokens, greedy answer tokens) of the edit workload from our server, plain."""
+def plain_answers(model: Path, n_predict: int, edits: int) -> list[tuple[str, list[int], list[int]]]:
+    """(file, prompt tokens, greedy answer tokens) of the edit workload's first ``edits`` files,
+    from our server decoding plainly."""
     cmd, port = bench.ours(model, [])
     server = bench.start("plain", cmd, port)
     try:
-        prompt = bench.edit_prompt(server)
-        with httpx.Client(base_url=server.base_url, timeout=600) as http:
-            tokens = http.post("/tokenize", json={"content": prompt}).json()["tokens"]
-            out = http.post("/completion", json={"prompt": prompt, "n_predict": n_predict, "temperature": 0,
-                                                 "cache_prompt": False, "return_tokens": True}).json()
-        return tokens, out["tokens"]
+        out = []
+        for edit in bench.EDITS[:edits]:
+            prompt = bench.edit_prompt(server, edit)
+            with httpx.Client(base_url=server.base_url, timeout=600) as http:
+                tokens = http.post("/tokenize", json={"content": prompt}).json()["tokens"]
+                answer = http.post("/completion", json={"prompt": prompt, "n_predict": n_predict, "temperature": 0,
+                                                        "cache_prompt": False, "return_tokens": True}).json()
+            out.append((edit.name, tokens, answer["tokens"]))
+        return out
     finally:
         server.stop()
 
 
-def replay(prompt: list[int], answer: list[int], size_n: int, size_m: int, cap_max: int, per_row: float) -> dict[str, float]:
-    from mlxcel_compat.engine.speculative import NGRAM_CAP_MIN, ngram_simple_draft
+def speculator(types: str, size_n: int, size_m: int, cap_max: int) -> Any:
+    """The server's drafting for these settings, its cap at most ``cap_max`` (the served cap is
+    ``speculative.NGRAM_CAP_MAX``, which ``verified`` reads when it doubles the cap)."""
+    from mlxcel_compat.engine import speculative
 
-    context, i, steps, rounds, drafted, accepted, cap = list(prompt), 0, 0.0, 0, 0, 0, cap_max
+    config = speculative.resolve(speculative.parse_types(types), None, ngram_size_n=size_n, ngram_size_m=size_m)
+    speculative.NGRAM_CAP_MAX = cap_max
+    table = speculative.NgramModTable(config.mod_n_match) if "ngram-mod" in config.active else None
+    drafting = speculative.Speculator(config, None, table)
+    drafting.ngram_cap = cap_max
+    return drafting
+
+
+def replay(prompt: list[int], answer: list[int], drafting: Any, per_row: float) -> dict[str, float]:
+    context, i, steps, rounds, undrafted, drafted, accepted = list(prompt), 0, 0.0, 0, 0, 0, 0
     while i < len(answer):
-        draft = ngram_simple_draft(context, answer[i], size_n, size_m)[:cap][: len(answer) - i - 1]
+        draft = drafting.propose(context, answer[i], len(answer) - i - 1)
+        undrafted += not draft
         kept = 0
         while kept < len(draft) and draft[kept] == answer[i + 1 + kept]:
             kept += 1
         steps += 1 + per_row * len(draft)
         rounds, drafted, accepted = rounds + 1, drafted + len(draft), accepted + kept
-        if draft:  # Speculator.verified's cap
-            cap = min(2 * cap, cap_max) if kept == len(draft) else max(NGRAM_CAP_MIN, 2 * (kept + 1))
+        if draft:
+            drafting.verified(len(draft), kept)
         context += answer[i : i + 1 + kept]
         i += 1 + kept
-    return {"speedup": len(answer) / steps, "rounds": rounds, "drafted": drafted, "accepted": accepted}
+    return {"tokens": len(answer), "steps": steps, "rounds": rounds, "undrafted": undrafted, "drafted": drafted,
+            "accepted": accepted}
 
 
-def measure(model: Path, prompt: list[int], answer: list[int], size_n: int, size_m: int, cap_max: int,
-            reps: int) -> dict[str, float]:
+def measure(model: Path, prompt: list[int], answer: list[int], make_drafting: Any, reps: int) -> dict[str, float]:
     """The replay run for real: the CPU decode runtime in this process (one thread) decodes the
     answer plainly (a step a token) and as the served rounds verify it (the pending token and its
     draft in one ``step_tokens`` pass, rejected positions trimmed), each ``reps`` times; the
@@ -75,7 +94,6 @@ def measure(model: Path, prompt: list[int], answer: list[int], size_n: int, size
     import numpy as np
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-    from mlxcel_compat.engine.speculative import NGRAM_CAP_MIN, ngram_simple_draft
     from mlxcel_compat.model.loader import load_model
     from mlxcel_compat.runtime.decode_kv import OwnedCache
 
@@ -98,11 +116,12 @@ def measure(model: Path, prompt: list[int], answer: list[int], size_n: int, size
 
     def speculating() -> tuple[float, int]:
         cache, owned = fresh()
+        drafting = make_drafting()
         fed = [prompt[-1], *answer]  # fed[i] is fed to produce answer[i]
-        context, i, cap, rounds = list(prompt[:-1]), 0, cap_max, 0
+        context, i, rounds = list(prompt[:-1]), 0, 0
         t0 = time.process_time()
         while i < len(answer):
-            draft = ngram_simple_draft(context, fed[i], size_n, size_m)[:cap][: len(answer) - i - 1]
+            draft = drafting.propose(context, fed[i], len(answer) - i - 1)
             rows = dec.step_tokens([fed[i], *draft], cache, owned)
             picks = [int(np.argmax(row)) for row in rows]
             kept = 0
@@ -113,7 +132,7 @@ def measure(model: Path, prompt: list[int], answer: list[int], size_n: int, size
             if len(draft) > kept:
                 trim_prompt_cache(cache, len(draft) - kept)
             if draft:
-                cap = min(2 * cap, cap_max) if kept == len(draft) else max(NGRAM_CAP_MIN, 2 * (kept + 1))
+                drafting.verified(len(draft), kept)
             context += fed[i: i + kept + 1]
             i += kept + 1
             rounds += 1
@@ -132,30 +151,41 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="GGUF of the edit workload (default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--n-predict", type=int, default=256)
-    p.add_argument("--n", default="12,8,6,5,4,3", help="n-gram sizes to replay")
+    p.add_argument("--edits", type=int, default=len(bench.EDITS), help="the edit workload's first N files")
+    p.add_argument("--spec-types", action="append", help="a --spec-type to replay (repeatable; default ngram-simple)")
+    p.add_argument("--n", default="12,8,6,5,4,3", help="ngram-simple sizes to replay")
     p.add_argument("--m", type=int, default=48, help="--spec-ngram-simple-size-m")
     p.add_argument("--caps", default=str(NGRAM_CAP_MAX), help=f"draft caps to replay (served: {NGRAM_CAP_MAX})")
-    p.add_argument("--per-row", default="0.17,0.2", help="cost of a verified row, in steps")
-    p.add_argument("--measure", action="store_true", help="also run each n and cap for real in this process "
+    p.add_argument("--per-row", default="0.15", help="cost of a verified row, in steps")
+    p.add_argument("--measure", action="store_true", help="also run each setting for real in this process "
                    "(one thread) and give the CPU-time speed-up over plain decoding")
     p.add_argument("--reps", type=int, default=3, help="--measure: runs of each, best taken")
     args = p.parse_args()
     model = Path(args.model) if args.model else ensure_real_model()
-    prompt, answer = plain_answer(model, args.n_predict)
-    print(f"edit workload on {model.name}: {len(prompt)} prompt tokens, {len(answer)} answer tokens\n")
+    answers = plain_answers(model, args.n_predict, args.edits)
+    print(f"edit workload on {model.name}: " + ", ".join(f"{name} {len(prompt)} prompt and {len(answer)} answer tokens"
+                                                           for name, prompt, answer in answers) + "\n")
+    settings = [(types, n, cap) for types in (args.spec_types or ["ngram-simple"])
+                for n in (int(x) for x in args.n.split(",")) for cap in (int(x) for x in args.caps.split(","))]
     if args.measure:
-        print("| n | cap | measured speed-up (CPU time, 1 thread) | plain s | speculating s | rounds |\n|---|---|---|---|---|---|")
-        for n in (int(x) for x in args.n.split(",")):
-            for cap in (int(x) for x in args.caps.split(",")):
-                r = measure(model, prompt, answer, n, args.m, cap, args.reps)
-                print(f"| {n} | {cap} | {r['speedup']:.2f}x | {r['plain_s']:.3f} | {r['spec_s']:.3f} | {r['rounds']} |")
+        print("| --spec-type | n | cap | file | measured speed-up (CPU time, 1 thread) | plain s | speculating s | rounds |\n"
+              "|---|---|---|---|---|---|---|---|")
+        for types, n, cap in settings:
+            for name, prompt, answer in answers:
+                r = measure(model, prompt, answer, lambda: speculator(types, n, args.m, cap), args.reps)
+                print(f"| {types} | {n} | {cap} | {name} | {r['speedup']:.2f}x | {r['plain_s']:.3f} | {r['spec_s']:.3f} | "
+                      f"{r['rounds']} |")
         print()
-    print("| n | cap | per row | modelled speed-up | rounds | drafted | accepted |\n|---|---|---|---|---|---|---|")
-    for n in (int(x) for x in args.n.split(",")):
-        for cap in (int(x) for x in args.caps.split(",")):
-            for per in (float(x) for x in args.per_row.split(",")):
-                r = replay(prompt, answer, n, args.m, cap, per)
-                print(f"| {n} | {cap} | {per:.2f} | {r['speedup']:.2f}x | {r['rounds']} | {r['drafted']} | {r['accepted']} |")
+    names = [name for name, _, _ in answers]
+    print(f"| --spec-type | n | cap | per row | {' | '.join(names)} | together | rounds (no draft) | drafted | accepted |\n"
+          f"|---|---|---|---|{'---|' * len(names)}---|---|---|---|")
+    for types, n, cap in settings:
+        for per in (float(x) for x in args.per_row.split(",")):
+            runs = [replay(prompt, answer, speculator(types, n, args.m, cap), per) for _, prompt, answer in answers]
+            each = " | ".join(f"{r['tokens'] / r['steps']:.2f}x" for r in runs)
+            total = {k: sum(r[k] for r in runs) for k in runs[0]}
+            print(f"| {types} | {n} | {cap} | {per:.2f} | {each} | {total['tokens'] / total['steps']:.2f}x | "
+                  f"{total['rounds']} ({total['undrafted']}) | {total['drafted']} | {total['accepted']} |")
     return 0
 
 
