@@ -134,6 +134,7 @@ def test_the_speculator_tries_ngram_simple_first_and_caps_the_cache_drafts() -> 
 
 
 @pytest.mark.engine
+@pytest.mark.real_model
 def test_on_a_real_model_copying_a_file_drafts_are_accepted_and_the_text_is_plain_decodings(smollm2_gguf: Path) -> None:
     from tests.engine.harness import EngineHarness
 
