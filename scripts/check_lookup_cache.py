@@ -68,7 +68,8 @@ def main() -> int:
         with httpx.Client(base_url=server.base_url, timeout=120) as http:
             # -f drops one trailing newline from what it reads
             read = text[:-1] if text.endswith("\n") else text
-            tokens = http.post("/tokenize", json={"content": read, "add_special": True, "parse_special": True}).json()["tokens"]
+            body = {"content": read, "add_special": True, "parse_special": True}
+            tokens = http.post("/tokenize", json=body).json()["tokens"]
     finally:
         server.stop()
     expected: dict[tuple[int, ...], Counter] = {}

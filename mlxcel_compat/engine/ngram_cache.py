@@ -189,8 +189,8 @@ def draft(state: LookupState, files: LookupFiles | None, tokens: list[int], samp
         token = _choose(state.cache, keys, static_part, CONTEXT)
         if token == NULL and dynamic:
             token = _choose(dynamic, keys, static_part, DYNAMIC)
-        if token == NULL and static_part is not None and CONTEXT.clear(STATIC_N, static_part.total, static_part.top_count):
-            token = static_part.top
+        if token == NULL and static_part is not None:  # the corpus's bigram alone
+            token = static_part.top if CONTEXT.clear(STATIC_N, static_part.total, static_part.top_count) else NULL
         if token == NULL:
             break
         drafted.append(token)

@@ -24,13 +24,13 @@ ngram-mod, ngram-cache, then the draft model):
 Verification (``SpeculativeSequence.speculate_step``, engine/speculative_sequence.py) samples
 the target at every drafted position with the request's own sampler chain, in order, and keeps
 each draft token the sample equals; the first sample that differs is kept instead and ends the
-round. Drafts are deterministic (a draft model's
-top token, an n-gram's continuation or most frequent follower), so this *is* the standard rejection rule for a one-point
-draft distribution: a draft token is accepted with the target's probability of it, and a
-rejection leaves the target's distribution without it. The output is distributed exactly as
-plain decoding's, one sample per emitted token (a seeded request draws the same random numbers),
-and greedy output is plain decoding's token for token where the verify pass computes the same
-logits (the CPU decode runtime: bit-identical rows).
+round. Drafts are deterministic (a draft model's top token, an n-gram's continuation or most
+frequent follower), so this *is* the standard rejection rule for a one-point draft distribution:
+a draft token is accepted with the target's probability of it, and a rejection leaves the
+target's distribution without it. The output is distributed exactly as plain decoding's, one
+sample per emitted token (a seeded request draws the same random numbers), and greedy output is
+plain decoding's token for token where the verify pass computes the same logits (the CPU decode
+runtime: bit-identical rows).
 
 Everything here but :class:`DraftModel` is pure Python; the draft model's passes run on the
 engine thread like the target's.

@@ -138,7 +138,8 @@ def test_the_speculator_tries_ngram_simple_first_and_caps_the_cache_drafts() -> 
 def test_on_a_real_model_copying_a_file_drafts_are_accepted_and_the_text_is_plain_decodings(smollm2_gguf: Path) -> None:
     from tests.engine.harness import EngineHarness
 
-    text = "".join(f"def handler_{i}(event):\n    return dispatch(event, 'h{i}', retries={i % 3})\n\n" for i in range(6))
+    text = "".join(f"def handler_{i}(event):\n    return dispatch(event, 'h{i}', retries={i % 3})\n\n"
+                   for i in range(6))
     plain = EngineHarness(smollm2_gguf, batch_size=64, n_parallel=1)
     spec = EngineHarness(smollm2_gguf, batch_size=64, n_parallel=1, speculative=resolve(("ngram-cache",), None))
     try:
