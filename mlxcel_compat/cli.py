@@ -124,15 +124,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                        mmproj=prepared.mmproj)
     from mlxcel_compat.listen import ListenError
 
+    # From here the engine thread runs MLX: every way out is exit_now (its docstring says why).
     try:
         code = asyncio.run(serve(app, settings))
     except ListenError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        exit_now(1)
     engine = app.state.ctx.engine
     if engine.state == "failed":
         print(f"error: model failed to load: {engine.load_error}", file=sys.stderr)
-        return 1
+        exit_now(1)
     engine.stop()
     if engine.running:
         log.warning("the engine thread did not stop in time; exiting without cleanup")
